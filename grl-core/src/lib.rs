@@ -1,0 +1,1 @@
+//! GRL decision core.

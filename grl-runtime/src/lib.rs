@@ -1,0 +1,1 @@
+//! GRL runtime.

@@ -1,0 +1,703 @@
+//! The serde types of every user-facing file (DESIGN §3). Raw shapes only: cross-field and
+//! cross-file checks live in `validate`.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// Where a limit applies: one limit for the whole fleet, per region or per zone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Scope {
+    /// One limit for the whole fleet.
+    #[default]
+    Global,
+    /// The limit applies in each region.
+    Region,
+    /// The limit applies in each zone.
+    Zone,
+}
+
+impl Scope {
+    /// The lowercase name used in files and labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Scope::Global => "global",
+            Scope::Region => "region",
+            Scope::Zone => "zone",
+        }
+    }
+}
+
+/// Whether drops are real or only counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Deny the requests over the limit.
+    #[default]
+    Enforce,
+    /// Admit everything but count the drops that would have happened.
+    Shadow,
+}
+
+impl Mode {
+    /// The lowercase name used in files and labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Enforce => "enforce",
+            Mode::Shadow => "shadow",
+        }
+    }
+}
+
+/// A policy name: `peak | forecast | fixed | plugin:<name>`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum PolicyName {
+    /// Historical peak plus headroom.
+    Peak,
+    /// Seasonal forecast with trend, capped by planned capacity.
+    Forecast,
+    /// Fixed contractual quota.
+    Fixed,
+    /// A dynamically loaded plugin.
+    Plugin(String),
+    /// A limit set by hand or by an incident override (provenance only).
+    Manual,
+}
+
+impl fmt::Display for PolicyName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PolicyName::Peak => f.write_str("peak"),
+            PolicyName::Forecast => f.write_str("forecast"),
+            PolicyName::Fixed => f.write_str("fixed"),
+            PolicyName::Manual => f.write_str("manual"),
+            PolicyName::Plugin(n) => write!(f, "plugin:{n}"),
+        }
+    }
+}
+
+impl FromStr for PolicyName {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "peak" => Ok(PolicyName::Peak),
+            "forecast" => Ok(PolicyName::Forecast),
+            "fixed" => Ok(PolicyName::Fixed),
+            "manual" => Ok(PolicyName::Manual),
+            _ => match s.strip_prefix("plugin:") {
+                Some(n)
+                    if !n.is_empty()
+                        && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') =>
+                {
+                    Ok(PolicyName::Plugin(n.to_string()))
+                }
+                Some(_) => Err(format!(
+                    "invalid plugin name in `{s}`: expected plugin:<name> with letters, digits, - or _"
+                )),
+                None => Err(format!(
+                    "unknown policy `{s}`, expected one of peak, forecast, fixed, plugin:<name>"
+                )),
+            },
+        }
+    }
+}
+
+impl Serialize for PolicyName {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for PolicyName {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+impl JsonSchema for PolicyName {
+    fn schema_name() -> String {
+        "PolicyName".into()
+    }
+    fn json_schema(_: &mut schemars::gen::SchemaGenerator) -> schemars::schema::Schema {
+        let mut s = schemars::schema::SchemaObject {
+            instance_type: Some(schemars::schema::InstanceType::String.into()),
+            ..Default::default()
+        };
+        s.string().pattern = Some("^(peak|forecast|fixed|manual|plugin:[A-Za-z0-9_-]+)$".into());
+        s.into()
+    }
+}
+
+/// A duration written as a number and a unit: `30s`, `1m`, `1h`, `7d`, `2w`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct HumanDuration(pub Duration);
+
+impl HumanDuration {
+    /// The duration in seconds.
+    pub fn as_secs(self) -> u64 {
+        self.0.as_secs()
+    }
+}
+
+impl FromStr for HumanDuration {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+        let (num, unit) = s.split_at(split);
+        let n: u64 = num
+            .parse()
+            .map_err(|_| format!("invalid duration `{s}`: expected e.g. 30s, 1m, 1h, 7d, 2w"))?;
+        let mult = match unit {
+            "s" => 1,
+            "m" => 60,
+            "h" => 3600,
+            "d" => 86_400,
+            "w" => 7 * 86_400,
+            _ => return Err(format!("invalid duration unit in `{s}`: expected s, m, h, d or w")),
+        };
+        if n == 0 {
+            return Err(format!("duration `{s}` must be positive"));
+        }
+        Ok(HumanDuration(Duration::from_secs(n * mult)))
+    }
+}
+
+impl fmt::Display for HumanDuration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = self.0.as_secs();
+        for (unit, len) in [("d", 86_400), ("h", 3600), ("m", 60)] {
+            if s % len == 0 && s >= len {
+                return write!(f, "{}{unit}", s / len);
+            }
+        }
+        write!(f, "{s}s")
+    }
+}
+
+impl Serialize for HumanDuration {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for HumanDuration {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+impl JsonSchema for HumanDuration {
+    fn schema_name() -> String {
+        "HumanDuration".into()
+    }
+    fn json_schema(_: &mut schemars::gen::SchemaGenerator) -> schemars::schema::Schema {
+        let mut s = schemars::schema::SchemaObject {
+            instance_type: Some(schemars::schema::InstanceType::String.into()),
+            ..Default::default()
+        };
+        s.string().pattern = Some("^[0-9]+[smhdw]$".into());
+        s.into()
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// buckets/<service>.yaml
+
+/// `buckets/<service>.yaml`: generated by RLC, consumed by the GRL controller.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct BucketFile {
+    /// The callee service; must equal the file's name.
+    pub service: String,
+    /// The buckets of this service.
+    #[serde(default)]
+    pub buckets: Vec<Bucket>,
+}
+
+/// One quota within a callee service.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Bucket {
+    /// Unique within the service.
+    pub name: String,
+    /// Calling service; absent = any caller.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub caller: Option<String>,
+    /// Procedure of the callee; absent = any procedure.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub procedure: Option<String>,
+    /// Where the limit applies.
+    #[serde(default)]
+    pub scope: Scope,
+    /// Requests per second allowed.
+    pub limit_rps: f64,
+    /// Enforce or shadow.
+    #[serde(default)]
+    pub mode: Mode,
+    /// Provenance: which policy produced this limit.
+    #[serde(default = "default_policy")]
+    pub policy: PolicyName,
+}
+
+fn default_policy() -> PolicyName {
+    PolicyName::Manual
+}
+
+// ---------------------------------------------------------------------------------------------
+// rlc/policies.yaml
+
+/// `rlc/policies.yaml`: which policy each service uses.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PoliciesFile {
+    /// The policy of every service not listed under `services`.
+    pub default: PolicySpec,
+    /// Per-service overrides; unset keys inherit from `default`.
+    #[serde(default)]
+    pub services: BTreeMap<String, PolicySpec>,
+}
+
+/// A policy with its parameters. Every key is optional in a service entry.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PolicySpec {
+    /// `peak | forecast | fixed | plugin:<name>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy: Option<PolicyName>,
+    /// limit = peak × (1 + headroom).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub headroom: Option<f64>,
+    /// Forecast horizon (forecast policy).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub horizon: Option<HumanDuration>,
+    /// Use this percentile (0–100) of the per-minute rate instead of the max.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub percentile: Option<f64>,
+    /// Never propose less than this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub floor_rps: Option<f64>,
+    /// Never propose more than this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ceiling_rps: Option<f64>,
+    /// Scope of the generated buckets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scope: Option<Scope>,
+    /// Free-form parameters handed to a plugin as JSON.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub params: Option<serde_json::Value>,
+}
+
+impl PolicySpec {
+    /// `self` with unset keys taken from `base`.
+    pub fn merged_over(&self, base: &PolicySpec) -> PolicySpec {
+        PolicySpec {
+            policy: self.policy.clone().or_else(|| base.policy.clone()),
+            headroom: self.headroom.or(base.headroom),
+            horizon: self.horizon.or(base.horizon),
+            percentile: self.percentile.or(base.percentile),
+            floor_rps: self.floor_rps.or(base.floor_rps),
+            ceiling_rps: self.ceiling_rps.or(base.ceiling_rps),
+            scope: self.scope.or(base.scope),
+            params: self.params.clone().or_else(|| base.params.clone()),
+        }
+    }
+}
+
+impl PoliciesFile {
+    /// The effective policy of `service`.
+    pub fn for_service(&self, service: &str) -> PolicySpec {
+        match self.services.get(service) {
+            Some(s) => s.merged_over(&self.default),
+            None => self.default.clone(),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// rlc/contracts.yaml
+
+/// `rlc/contracts.yaml`: fixed contractual quotas.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ContractsFile {
+    /// The contracts.
+    #[serde(default)]
+    pub contracts: Vec<Contract>,
+}
+
+/// A contractual quota for a caller (and optionally one procedure) of a service.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Contract {
+    /// Callee service.
+    pub service: String,
+    /// Calling service.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub caller: Option<String>,
+    /// Procedure; whole service when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub procedure: Option<String>,
+    /// The contractual limit.
+    pub limit_rps: f64,
+    /// Last day the contract applies (inclusive).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires: Option<chrono::NaiveDate>,
+    /// Reference of the agreement (e.g. MSA-2291).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reference: Option<String>,
+}
+
+impl Contract {
+    /// Whether the contract still applies on `today`.
+    pub fn active_on(&self, today: chrono::NaiveDate) -> bool {
+        self.expires.is_none_or(|e| today <= e)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// rlc/capacity.yaml
+
+/// `rlc/capacity.yaml`: planned capacity per service or procedure.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CapacityFile {
+    /// The planned capacities.
+    #[serde(default)]
+    pub capacity: Vec<CapacityEntry>,
+}
+
+/// Planned capacity of a service, or of one of its procedures.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CapacityEntry {
+    /// Callee service.
+    pub service: String,
+    /// Procedure; whole service when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub procedure: Option<String>,
+    /// Requests per second the service (or procedure) is provisioned for.
+    pub rps: f64,
+}
+
+impl CapacityFile {
+    /// The capacity that bounds `procedure` of `service`: the procedure's own entry, else the
+    /// whole service's.
+    pub fn for_bucket(&self, service: &str, procedure: Option<&str>) -> Option<f64> {
+        let exact = procedure.and_then(|p| {
+            self.capacity
+                .iter()
+                .find(|c| c.service == service && c.procedure.as_deref() == Some(p))
+        });
+        exact
+            .or_else(|| {
+                self.capacity
+                    .iter()
+                    .find(|c| c.service == service && c.procedure.is_none())
+            })
+            .map(|c| c.rps)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// rlc.yaml (daemon config)
+
+/// `rlc.yaml`: the daemon's deployment-side configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DaemonConfig {
+    /// Where RPS history comes from.
+    pub history: HistoryConfig,
+    /// The git config repository.
+    pub config_repo: ConfigRepoConfig,
+    /// The GRL controller to push to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub controller: Option<ControllerConfig>,
+    /// `sqlite://rlc.db` or `postgres://…`.
+    #[serde(default = "default_database_url")]
+    pub database_url: String,
+    /// Cron expression (5 fields, UTC) for scheduled runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<String>,
+    /// Safety rails applied after every policy.
+    #[serde(default)]
+    pub rails: RailsConfig,
+    /// Plugin loading.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plugins: Option<PluginsConfig>,
+    /// The daemon's HTTP API (`rlc serve`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server: Option<ServerConfig>,
+}
+
+fn default_database_url() -> String {
+    "sqlite://rlc.db".into()
+}
+
+/// History source: a Prometheus-compatible API or a file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct HistoryConfig {
+    /// A Prometheus-compatible HTTP API.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prometheus: Option<PrometheusConfig>,
+    /// A saved `query_range` JSON response or a CSV file (`ts,service,caller,procedure,rps`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file: Option<String>,
+    /// How far back to look (28d default).
+    #[serde(default = "default_lookback")]
+    pub lookback: HumanDuration,
+    /// Resolution of the rate (1m default).
+    #[serde(default = "default_step")]
+    pub step: HumanDuration,
+    /// Below this fraction of expected samples a service keeps its current quotas.
+    #[serde(default = "default_min_coverage")]
+    pub min_coverage: f64,
+}
+
+fn default_lookback() -> HumanDuration {
+    HumanDuration(Duration::from_secs(28 * 86_400))
+}
+fn default_step() -> HumanDuration {
+    HumanDuration(Duration::from_secs(60))
+}
+fn default_min_coverage() -> f64 {
+    0.5
+}
+
+/// Prometheus query settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PrometheusConfig {
+    /// Base URL, e.g. `http://127.0.0.1:9090`.
+    pub url: String,
+    /// PromQL giving one RPS series per (service, caller, procedure).
+    pub query: String,
+    /// Label names in the result.
+    #[serde(default)]
+    pub labels: LabelNames,
+    /// Maximum points per series in one request (11,000 for Prometheus).
+    #[serde(default = "default_max_points")]
+    pub max_points: u32,
+    /// Concurrent requests at most.
+    #[serde(default = "default_concurrency")]
+    pub concurrency: u32,
+    /// Per-request timeout.
+    #[serde(default = "default_timeout")]
+    pub timeout: HumanDuration,
+    /// Attempts per request (with jittered backoff).
+    #[serde(default = "default_retries")]
+    pub retries: u32,
+}
+
+fn default_max_points() -> u32 {
+    11_000
+}
+fn default_concurrency() -> u32 {
+    4
+}
+fn default_timeout() -> HumanDuration {
+    HumanDuration(Duration::from_secs(60))
+}
+fn default_retries() -> u32 {
+    3
+}
+
+/// Names of the labels carrying service, caller and procedure.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct LabelNames {
+    /// Callee service label.
+    #[serde(default = "l_service")]
+    pub service: String,
+    /// Caller label.
+    #[serde(default = "l_caller")]
+    pub caller: String,
+    /// Procedure label.
+    #[serde(default = "l_procedure")]
+    pub procedure: String,
+}
+
+fn l_service() -> String {
+    "service".into()
+}
+fn l_caller() -> String {
+    "caller".into()
+}
+fn l_procedure() -> String {
+    "procedure".into()
+}
+
+impl Default for LabelNames {
+    fn default() -> Self {
+        Self {
+            service: l_service(),
+            caller: l_caller(),
+            procedure: l_procedure(),
+        }
+    }
+}
+
+/// Commit mode of the writer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum RepoMode {
+    /// Commit on the base branch and push.
+    #[default]
+    Direct,
+    /// Update a stable branch and open or update a pull request.
+    PullRequest,
+}
+
+/// The git config repository.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ConfigRepoConfig {
+    /// Local working copy.
+    pub path: String,
+    /// Remote to clone from and push to, when the working copy has none yet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    /// Base branch.
+    #[serde(default = "default_branch")]
+    pub branch: String,
+    /// direct | pull-request.
+    #[serde(default)]
+    pub mode: RepoMode,
+    /// Branch used in pull-request mode.
+    #[serde(default = "default_pr_branch")]
+    pub pr_branch: String,
+    /// Commit author name.
+    #[serde(default = "default_author_name")]
+    pub author_name: String,
+    /// Commit author e-mail.
+    #[serde(default = "default_author_email")]
+    pub author_email: String,
+    /// Environment variable holding an https token (never written to logs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_env: Option<String>,
+    /// The forge API for pull requests.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forge: Option<ForgeConfig>,
+}
+
+fn default_branch() -> String {
+    "main".into()
+}
+fn default_pr_branch() -> String {
+    "rlc/quotas".into()
+}
+fn default_author_name() -> String {
+    "rlc".into()
+}
+fn default_author_email() -> String {
+    "rlc@localhost".into()
+}
+
+/// A GitHub-compatible REST API, or none (branch only).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ForgeConfig {
+    /// `github` or `none`.
+    pub kind: String,
+    /// API base URL, e.g. `https://api.github.com`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_url: Option<String>,
+    /// `owner/name`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repo: Option<String>,
+    /// Environment variable holding the API token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_env: Option<String>,
+}
+
+/// The GRL controller.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ControllerConfig {
+    /// Base URL, e.g. `http://127.0.0.1:7070`.
+    pub url: String,
+    /// Environment variable holding the controller's token.
+    #[serde(default = "default_controller_token_env")]
+    pub token_env: String,
+}
+
+fn default_controller_token_env() -> String {
+    "GRL_TOKEN".into()
+}
+
+/// Safety rails applied after every policy.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RailsConfig {
+    /// Changes smaller than this fraction are skipped.
+    #[serde(default = "default_min_change")]
+    pub min_change: f64,
+    /// A decrease is capped at this fraction of the current limit per run.
+    #[serde(default = "default_max_decrease")]
+    pub max_decrease: f64,
+    /// No limit goes below this.
+    #[serde(default = "default_floor")]
+    pub floor_rps: f64,
+    /// New buckets start in shadow mode.
+    #[serde(default = "default_true")]
+    pub new_buckets_shadow: bool,
+}
+
+fn default_min_change() -> f64 {
+    0.10
+}
+fn default_max_decrease() -> f64 {
+    0.25
+}
+fn default_floor() -> f64 {
+    1.0
+}
+fn default_true() -> bool {
+    true
+}
+
+impl Default for RailsConfig {
+    fn default() -> Self {
+        Self {
+            min_change: default_min_change(),
+            max_decrease: default_max_decrease(),
+            floor_rps: default_floor(),
+            new_buckets_shadow: true,
+        }
+    }
+}
+
+/// Plugin loading.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PluginsConfig {
+    /// The only directory plugins are loaded from.
+    pub dir: String,
+}
+
+/// The daemon's HTTP API.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ServerConfig {
+    /// Listen address, e.g. `127.0.0.1:8080`.
+    #[serde(default = "default_listen")]
+    pub listen: String,
+    /// Environment variable holding the token for mutating endpoints.
+    #[serde(default = "default_server_token_env")]
+    pub token_env: String,
+}
+
+fn default_listen() -> String {
+    "127.0.0.1:8080".into()
+}
+fn default_server_token_env() -> String {
+    "RLC_TOKEN".into()
+}
