@@ -1,1 +1,10 @@
-//! Test support.
+//! Throwaway real services for tests: Postgres (`postgres`), Prometheus backfilled with weeks
+//! of generated history (`prometheus`), and git repositories with a bare remote (`git`).
+//!
+//! Tests read service URLs from the environment (set by `cargo xtask test`); when a URL is
+//! missing they start their own instance from the binaries on the machine, and fail with a
+//! message saying how to provide it when that is impossible. Nothing is silently skipped.
+
+pub mod git;
+pub mod postgres;
+pub mod prometheus;

@@ -1,0 +1,66 @@
+//! The result of one computation: proposed buckets with their evidence, and what was skipped.
+//! `rlc preview` prints it (DESIGN §3.3), `rlc run` renders it into `buckets/<service>.yaml`.
+
+use std::collections::BTreeMap;
+
+use schema::{Bucket, BucketFile};
+use serde::{Deserialize, Serialize};
+
+/// All proposed buckets and all skipped series/services of one computation.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct Plan {
+    /// Proposed buckets, sorted by service then name.
+    pub buckets: Vec<PlannedBucket>,
+    /// Series or services that keep their current quotas, with the reason.
+    pub skipped: Vec<Skipped>,
+}
+
+/// One proposed bucket (flattened into the JSON shape of DESIGN §3.3).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct PlannedBucket {
+    /// Callee service.
+    pub service: String,
+    /// The bucket as it will be written.
+    #[serde(flatten)]
+    pub bucket: Bucket,
+    /// The limit in the config repo now, if any.
+    pub current_limit_rps: Option<f64>,
+    /// Which numbers, window and confidence produced the limit.
+    pub evidence: serde_json::Value,
+}
+
+/// A series or a whole service left as it is, and why.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Skipped {
+    /// Callee service.
+    pub service: String,
+    /// Caller, when one series was skipped.
+    pub caller: Option<String>,
+    /// Procedure, when one series was skipped.
+    pub procedure: Option<String>,
+    /// Why, in words a service owner understands.
+    pub reason: String,
+}
+
+impl Plan {
+    /// The bucket files this plan renders to, one per service, sorted by service.
+    pub fn bucket_files(&self) -> Vec<BucketFile> {
+        let mut by_service: BTreeMap<&str, Vec<Bucket>> = BTreeMap::new();
+        for b in &self.buckets {
+            by_service
+                .entry(b.service.as_str())
+                .or_default()
+                .push(b.bucket.clone());
+        }
+        by_service
+            .into_iter()
+            .map(|(service, mut buckets)| {
+                buckets.sort_by(|a, b| a.name.cmp(&b.name));
+                BucketFile {
+                    service: service.to_string(),
+                    buckets,
+                }
+            })
+            .collect()
+    }
+}
