@@ -5,5 +5,6 @@
 //! - `plan`: the computed quota set (what `preview` prints and `run` commits).
 //! - `validate_cmd`: `rlc validate DIR`.
 
+pub mod demo;
 pub mod plan;
 pub mod validate_cmd;

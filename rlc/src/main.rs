@@ -1,1 +1,70 @@
-fn main() {}
+//! The `rlc` command line (DESIGN §3.3).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "rlc",
+    version,
+    about = "Rate Limit Configurator: keeps quotas right from traffic history"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Check a config repo: every file, every rule; all problems with file:line.
+    Validate {
+        /// The config repo's root directory.
+        dir: PathBuf,
+        /// Output format.
+        #[arg(long, default_value = "text", value_parser = ["text", "json"])]
+        format: String,
+    },
+    /// Print the JSON Schema of every file format (for editors).
+    Schema,
+    /// Run the whole loop on embedded defaults: bundled history, a local config repo made
+    /// from the template, an in-process GRL controller.
+    Demo(rlc::demo::DemoArgs),
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Validate { dir, format } => rlc::validate_cmd::run(&dir, &format),
+        Command::Schema => {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&schema::json_schema()).expect("schema serialises")
+            );
+            Ok(0)
+        }
+        Command::Demo(args) => runtime().block_on(rlc::demo::run(args)),
+    };
+    match result {
+        Ok(code) => ExitCode::from(code as u8),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime starts")
+}

@@ -127,8 +127,8 @@ fn yaml_error(file: &Path, locator: &Locator, e: &serde_yaml::Error) -> Diagnost
         Some((k, m)) if is_path(k) => (k.to_string(), m.to_string()),
         _ => (String::new(), msg.clone()),
     };
-    // An unknown field is best named by the field itself.
-    let key = match unknown_field(&message) {
+    // An unknown or missing field is best named by the field itself.
+    let key = match field_named(&message) {
         Some(f) if key.is_empty() => f.to_string(),
         Some(f) => format!("{key}.{f}"),
         None => key,
@@ -156,8 +156,10 @@ fn is_path(s: &str) -> bool {
             .all(|c| c.is_alphanumeric() || matches!(c, '_' | '-' | '.' | '[' | ']'))
 }
 
-fn unknown_field(message: &str) -> Option<&str> {
-    let rest = message.strip_prefix("unknown field `")?;
+fn field_named(message: &str) -> Option<&str> {
+    let rest = message
+        .strip_prefix("unknown field `")
+        .or_else(|| message.strip_prefix("missing field `"))?;
     rest.split('`').next()
 }
 

@@ -51,14 +51,8 @@ impl Locator {
 }
 
 enum Frame {
-    Map {
-        path: String,
-        key: Option<String>,
-    },
-    Seq {
-        path: String,
-        index: usize,
-    },
+    Map { path: String, key: Option<String> },
+    Seq { path: String, index: usize },
 }
 
 #[derive(Default)]
@@ -142,7 +136,8 @@ mod tests {
 
     #[test]
     fn finds_nested_keys_and_items() {
-        let text = "service: a\nbuckets:\n  - name: x\n    limit_rps: 5\n  - name: y\n    limit_rps: 6\n";
+        let text =
+            "service: a\nbuckets:\n  - name: x\n    limit_rps: 5\n  - name: y\n    limit_rps: 6\n";
         let l = Locator::new(text);
         assert_eq!(l.pos("service").line, 1);
         assert_eq!(l.pos("buckets").line, 2);

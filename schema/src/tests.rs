@@ -27,15 +27,31 @@ fn wrong_enum_names_key() {
 
 #[test]
 fn policy_names_parse() {
-    for (s, ok) in [("peak", true), ("forecast", true), ("fixed", true), ("plugin:my-p", true), ("plugin:", false), ("peek", false), ("plugin:a b", false)] {
+    for (s, ok) in [
+        ("peak", true),
+        ("forecast", true),
+        ("fixed", true),
+        ("plugin:my-p", true),
+        ("plugin:", false),
+        ("peek", false),
+        ("plugin:a b", false),
+    ] {
         assert_eq!(s.parse::<PolicyName>().is_ok(), ok, "{s}");
     }
-    assert_eq!("plugin:x".parse::<PolicyName>().unwrap().to_string(), "plugin:x");
+    assert_eq!(
+        "plugin:x".parse::<PolicyName>().unwrap().to_string(),
+        "plugin:x"
+    );
 }
 
 #[test]
 fn durations_parse_and_print() {
-    for (s, secs) in [("30s", 30), ("1m", 60), ("28d", 28 * 86400), ("14d", 14 * 86400)] {
+    for (s, secs) in [
+        ("30s", 30),
+        ("1m", 60),
+        ("28d", 28 * 86400),
+        ("14d", 14 * 86400),
+    ] {
         let d: HumanDuration = s.parse().unwrap();
         assert_eq!(d.as_secs(), secs);
         assert_eq!(d.to_string(), s);
@@ -51,8 +67,24 @@ fn render_is_deterministic_and_round_trips() {
     let f = BucketFile {
         service: "payments".into(),
         buckets: vec![
-            Bucket { name: "z.last".into(), caller: Some("z".into()), procedure: None, scope: Scope::Zone, limit_rps: 10.5, mode: Mode::Shadow, policy: PolicyName::Plugin("p".into()) },
-            Bucket { name: "api-gateway.charge".into(), caller: Some("api-gateway".into()), procedure: Some("charge".into()), scope: Scope::Global, limit_rps: 1250.0, mode: Mode::Enforce, policy: PolicyName::Peak },
+            Bucket {
+                name: "z.last".into(),
+                caller: Some("z".into()),
+                procedure: None,
+                scope: Scope::Zone,
+                limit_rps: 10.5,
+                mode: Mode::Shadow,
+                policy: PolicyName::Plugin("p".into()),
+            },
+            Bucket {
+                name: "api-gateway.charge".into(),
+                caller: Some("api-gateway".into()),
+                procedure: Some("charge".into()),
+                scope: Scope::Global,
+                limit_rps: 1250.0,
+                mode: Mode::Enforce,
+                policy: PolicyName::Peak,
+            },
         ],
     };
     let a = render_bucket_file(&f);
@@ -95,7 +127,13 @@ fn capacity_prefers_procedure_entry() {
 #[test]
 fn json_schema_covers_every_file() {
     let s = json_schema();
-    for k in ["buckets/<service>.yaml", "rlc/policies.yaml", "rlc/contracts.yaml", "rlc/capacity.yaml", "rlc.yaml"] {
+    for k in [
+        "buckets/<service>.yaml",
+        "rlc/policies.yaml",
+        "rlc/contracts.yaml",
+        "rlc/capacity.yaml",
+        "rlc.yaml",
+    ] {
         assert!(s.get(k).is_some(), "{k}");
     }
     assert!(s["rlc.yaml"]["properties"]["history"].is_object());

@@ -10,7 +10,20 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// Where a limit applies: one limit for the whole fleet, per region or per zone.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema, Default)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Serialize,
+    Deserialize,
+    JsonSchema,
+    Default,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Scope {
     /// One limit for the whole fleet.
@@ -34,7 +47,20 @@ impl Scope {
 }
 
 /// Whether drops are real or only counted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema, Default)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Serialize,
+    Deserialize,
+    JsonSchema,
+    Default,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
     /// Deny the requests over the limit.
@@ -115,8 +141,27 @@ impl Serialize for PolicyName {
 
 impl<'de> Deserialize<'de> for PolicyName {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        s.parse().map_err(serde::de::Error::custom)
+        d.deserialize_str(ParseVisitor::<PolicyName>::new("a policy name"))
+    }
+}
+
+/// Parses a string inside the deserialiser (not after it), so that serde_yaml attaches the
+/// scalar's own path and position to the error.
+struct ParseVisitor<T>(&'static str, std::marker::PhantomData<T>);
+
+impl<T> ParseVisitor<T> {
+    fn new(what: &'static str) -> Self {
+        Self(what, std::marker::PhantomData)
+    }
+}
+
+impl<T: FromStr<Err = String>> serde::de::Visitor<'_> for ParseVisitor<T> {
+    type Value = T;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.0)
+    }
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<T, E> {
+        v.parse().map_err(E::custom)
     }
 }
 
@@ -160,7 +205,11 @@ impl FromStr for HumanDuration {
             "h" => 3600,
             "d" => 86_400,
             "w" => 7 * 86_400,
-            _ => return Err(format!("invalid duration unit in `{s}`: expected s, m, h, d or w")),
+            _ => {
+                return Err(format!(
+                    "invalid duration unit in `{s}`: expected s, m, h, d or w"
+                ))
+            }
         };
         if n == 0 {
             return Err(format!("duration `{s}` must be positive"));
@@ -189,8 +238,9 @@ impl Serialize for HumanDuration {
 
 impl<'de> Deserialize<'de> for HumanDuration {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        s.parse().map_err(serde::de::Error::custom)
+        d.deserialize_str(ParseVisitor::<HumanDuration>::new(
+            "a duration such as 30s, 1m, 7d",
+        ))
     }
 }
 

@@ -39,7 +39,10 @@ impl ConfigRepo {
             let mut entries: Vec<PathBuf> = match std::fs::read_dir(&bucket_dir) {
                 Ok(rd) => rd.filter_map(|e| e.ok().map(|e| e.path())).collect(),
                 Err(e) => {
-                    diags.push(file_diag(&bucket_dir, format!("cannot read directory: {e}")));
+                    diags.push(file_diag(
+                        &bucket_dir,
+                        format!("cannot read directory: {e}"),
+                    ));
                     Vec::new()
                 }
             };
@@ -145,7 +148,11 @@ impl ConfigRepo {
                     ));
                 }
                 check_rate(c, &at("limit_rps"), k.limit_rps, diags);
-                let key = (k.service.as_str(), k.caller.as_deref(), k.procedure.as_deref());
+                let key = (
+                    k.service.as_str(),
+                    k.caller.as_deref(),
+                    k.procedure.as_deref(),
+                );
                 if let Some(&j) = seen.get(&key) {
                     diags.push(c.diag(
                         format!("contracts[{i}]"),
@@ -303,7 +310,10 @@ fn check_spec(f: &Located<PoliciesFile>, at: &str, s: &PolicySpec, diags: &mut V
     };
     if let Some(h) = s.headroom {
         if !h.is_finite() || h < 0.0 {
-            diags.push(f.diag(key("headroom"), format!("must be a finite number ≥ 0, got {h}")));
+            diags.push(f.diag(
+                key("headroom"),
+                format!("must be a finite number ≥ 0, got {h}"),
+            ));
         }
     }
     if let Some(p) = s.percentile {
@@ -313,7 +323,10 @@ fn check_spec(f: &Located<PoliciesFile>, at: &str, s: &PolicySpec, diags: &mut V
     }
     if let Some(v) = s.floor_rps {
         if !v.is_finite() || v < 0.0 {
-            diags.push(f.diag(key("floor_rps"), format!("must be a finite number ≥ 0, got {v}")));
+            diags.push(f.diag(
+                key("floor_rps"),
+                format!("must be a finite number ≥ 0, got {v}"),
+            ));
         }
     }
     if let Some(v) = s.ceiling_rps {
@@ -354,7 +367,9 @@ pub fn load_daemon_config(path: &Path) -> Result<DaemonConfig, Vec<Diagnostic>> 
     let h = &f.value.history;
     match (&h.prometheus, &h.file) {
         (None, None) => diags.push(f.diag("history", "needs `prometheus` or `file`")),
-        (Some(_), Some(_)) => diags.push(f.diag("history.file", "give `prometheus` or `file`, not both")),
+        (Some(_), Some(_)) => {
+            diags.push(f.diag("history.file", "give `prometheus` or `file`, not both"))
+        }
         _ => {}
     }
     if !(0.0..=1.0).contains(&h.min_coverage) {
@@ -365,7 +380,10 @@ pub fn load_daemon_config(path: &Path) -> Result<DaemonConfig, Vec<Diagnostic>> 
     }
     if let Some(p) = &h.prometheus {
         if !(p.url.starts_with("http://") || p.url.starts_with("https://")) {
-            diags.push(f.diag("history.prometheus.url", "must start with http:// or https://"));
+            diags.push(f.diag(
+                "history.prometheus.url",
+                "must start with http:// or https://",
+            ));
         }
         if p.max_points < 2 {
             diags.push(f.diag("history.prometheus.max_points", "must be at least 2"));
@@ -378,9 +396,15 @@ pub fn load_daemon_config(path: &Path) -> Result<DaemonConfig, Vec<Diagnostic>> 
         }
     }
     let r = &f.value.rails;
-    for (k, v) in [("min_change", r.min_change), ("max_decrease", r.max_decrease)] {
+    for (k, v) in [
+        ("min_change", r.min_change),
+        ("max_decrease", r.max_decrease),
+    ] {
         if !(0.0..=1.0).contains(&v) {
-            diags.push(f.diag(format!("rails.{k}"), format!("must be between 0 and 1, got {v}")));
+            diags.push(f.diag(
+                format!("rails.{k}"),
+                format!("must be between 0 and 1, got {v}"),
+            ));
         }
     }
     if !(r.floor_rps.is_finite() && r.floor_rps >= 0.0) {
@@ -392,7 +416,10 @@ pub fn load_daemon_config(path: &Path) -> Result<DaemonConfig, Vec<Diagnostic>> 
         }
     }
     let db = &f.value.database_url;
-    if !(db.starts_with("sqlite:") || db.starts_with("postgres://") || db.starts_with("postgresql://")) {
+    if !(db.starts_with("sqlite:")
+        || db.starts_with("postgres://")
+        || db.starts_with("postgresql://"))
+    {
         diags.push(f.diag("database_url", "must be sqlite://… or postgres://…"));
     }
     if let Some(forge) = &f.value.config_repo.forge {
@@ -400,7 +427,10 @@ pub fn load_daemon_config(path: &Path) -> Result<DaemonConfig, Vec<Diagnostic>> 
             "none" => {}
             "github" => {
                 if forge.repo.is_none() {
-                    diags.push(f.diag("config_repo.forge.repo", "github forge needs repo: owner/name"));
+                    diags.push(f.diag(
+                        "config_repo.forge.repo",
+                        "github forge needs repo: owner/name",
+                    ));
                 }
             }
             k => diags.push(f.diag(

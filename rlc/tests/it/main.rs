@@ -1,0 +1,3 @@
+//! Integration tests of the `rlc` binary (one test binary per crate).
+
+mod validate;
