@@ -1,1 +1,333 @@
-fn main() {}
+//! Project automation. `cargo xtask test` is the one test command (README, `.ci/run`):
+//!
+//! 1. installs the Debian packages the tests need when they are missing (as root; otherwise it
+//!    says which to install),
+//! 2. starts a throwaway Postgres cluster (temp dir, free port) unless `DATABASE_URL` is set,
+//! 3. builds the example policy plugin the plugin tests load,
+//! 4. runs every test of the workspace with `DATABASE_URL` pointing at that cluster,
+//! 5. stops the cluster and removes its directory, whatever the outcome.
+//!
+//! Tests that need Prometheus start their own throwaway instances from the installed binaries
+//! (each backfills its own history with promtool), so nothing else is shared between tests.
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
+
+use anyhow::{bail, Context, Result};
+
+/// Debian packages and a binary that tells whether each is installed.
+const PACKAGES: &[(&str, &str)] = &[
+    ("postgresql", "initdb"),
+    ("prometheus", "promtool"),
+    ("redis-server", "redis-server"),
+    ("git", "git"),
+];
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("test") => test(&args[1..]),
+        Some("deps") => ensure_packages().map(|_| 0),
+        _ => {
+            eprintln!(
+                "usage: cargo xtask test [-- CARGO TEST ARGS]   run every test with throwaway services\n       cargo xtask deps                        install missing Debian packages (as root)"
+            );
+            Ok(2)
+        }
+    };
+    match result {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("xtask: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+fn test(extra: &[String]) -> Result<u8> {
+    ensure_packages()?;
+    let pg_bin = postgres_bin_dir()?;
+    let path = format!(
+        "{}:{}",
+        pg_bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+
+    let _cluster;
+    let database_url = match std::env::var("DATABASE_URL") {
+        Ok(url) if !url.is_empty() => {
+            eprintln!("xtask: using DATABASE_URL from the environment");
+            url
+        }
+        _ => {
+            let c = PgCluster::start(&pg_bin)?;
+            let url = c.url();
+            eprintln!("xtask: throwaway Postgres at {url}");
+            _cluster = c;
+            url
+        }
+    };
+
+    let root = workspace_root();
+    let status = Command::new(cargo())
+        .current_dir(&root)
+        .args(["build", "-p", "example-plugin"])
+        .status()
+        .context("running cargo build")?;
+    if !status.success() {
+        bail!("building the example plugin failed");
+    }
+    let mut child = Command::new(cargo())
+        .current_dir(&root)
+        .env("DATABASE_URL", &database_url)
+        .env("PATH", &path)
+        .args(["test", "--workspace"])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("running cargo test")?;
+    // Pass the output through while adding up the per-binary results, so that the run ends
+    // on one line that counts every test of the workspace.
+    let mut totals = Totals::default();
+    let stdout = child.stdout.take().expect("piped");
+    for line in BufReader::new(stdout).lines() {
+        let line = line?;
+        println!("{line}");
+        totals.add(&line);
+    }
+    let status = child.wait()?;
+    println!(
+        "xtask: {} passed, {} failed, {} skipped",
+        totals.passed, totals.failed, totals.ignored
+    );
+    Ok(if status.success() && totals.passed > 0 { 0 } else { 1 })
+}
+
+/// Sums of libtest's `test result:` lines.
+#[derive(Default)]
+struct Totals {
+    passed: u64,
+    failed: u64,
+    ignored: u64,
+}
+
+impl Totals {
+    fn add(&mut self, line: &str) {
+        let Some(rest) = line.strip_prefix("test result: ") else {
+            return;
+        };
+        for part in rest.split(';') {
+            let mut words = part.split_whitespace().rev();
+            let (Some(what), Some(n)) = (words.next(), words.next()) else {
+                continue;
+            };
+            let Ok(n) = n.parse::<u64>() else { continue };
+            match what {
+                "passed" => self.passed += n,
+                "failed" => self.failed += n,
+                "ignored" => self.ignored += n,
+                _ => {}
+            }
+        }
+    }
+}
+
+fn cargo() -> String {
+    std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+fn have(bin: &str) -> bool {
+    if bin == "initdb" {
+        return postgres_bin_dir().is_ok();
+    }
+    Command::new("sh")
+        .args(["-c", &format!("command -v {bin}")])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false)
+}
+
+/// Installs the missing packages as root, or names them otherwise.
+fn ensure_packages() -> Result<()> {
+    let missing: Vec<&str> = PACKAGES
+        .iter()
+        .filter(|(_, bin)| !have(bin))
+        .map(|(pkg, _)| *pkg)
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    if !is_root() {
+        bail!(
+            "missing Debian packages: {}. Install them (sudo apt-get install {}) or run this command as root",
+            missing.join(", "),
+            missing.join(" ")
+        );
+    }
+    eprintln!("xtask: installing {}", missing.join(" "));
+    let ok = Command::new("apt-get")
+        .arg("update")
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if !ok {
+        bail!("apt-get update failed");
+    }
+    let ok = Command::new("apt-get")
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .args(["install", "-y", "--no-install-recommends"])
+        .args(&missing)
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if !ok {
+        bail!("apt-get install {} failed", missing.join(" "));
+    }
+    Ok(())
+}
+
+/// The directory holding `initdb` and `pg_ctl`: PATH first, then Debian's versioned dirs.
+fn postgres_bin_dir() -> Result<PathBuf> {
+    if let Ok(o) = Command::new("sh").args(["-c", "command -v initdb"]).output() {
+        if o.status.success() {
+            let p = PathBuf::from(String::from_utf8_lossy(&o.stdout).trim());
+            if let Some(dir) = p.parent() {
+                if dir.join("pg_ctl").exists() {
+                    return Ok(dir.to_path_buf());
+                }
+            }
+        }
+    }
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path().join("bin"))).collect())
+        .unwrap_or_default();
+    dirs.sort();
+    dirs.into_iter()
+        .rev()
+        .find(|d| d.join("initdb").exists() && d.join("pg_ctl").exists())
+        .context("initdb/pg_ctl not found (Debian package postgresql)")
+}
+
+/// A throwaway Postgres cluster, stopped and removed on drop.
+struct PgCluster {
+    bin: PathBuf,
+    dir: PathBuf,
+    port: u16,
+    as_postgres: bool,
+}
+
+impl PgCluster {
+    fn start(bin: &Path) -> Result<Self> {
+        let port = free_port()?;
+        let dir = std::env::temp_dir().join(format!("xtask-pg-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        // initdb and postgres refuse to run as root: run them as the postgres user.
+        let as_postgres = is_root();
+        if as_postgres {
+            let ok = Command::new("chown")
+                .args(["-R", "postgres:postgres"])
+                .arg(&dir)
+                .status()?
+                .success();
+            if !ok {
+                bail!("chown postgres {} failed", dir.display());
+            }
+        }
+        let c = PgCluster {
+            bin: bin.to_path_buf(),
+            dir,
+            port,
+            as_postgres,
+        };
+        let data = c.dir.join("data");
+        c.run(
+            "initdb",
+            &[
+                "-D",
+                data.to_str().unwrap(),
+                "-A",
+                "trust",
+                "-U",
+                "postgres",
+                "--no-sync",
+            ],
+        )?;
+        let opts = format!(
+            "-p {port} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200",
+            c.dir.display()
+        );
+        let log = c.dir.join("log");
+        c.run(
+            "pg_ctl",
+            &[
+                "-D",
+                data.to_str().unwrap(),
+                "-l",
+                log.to_str().unwrap(),
+                "-o",
+                &opts,
+                "-w",
+                "start",
+            ],
+        )?;
+        Ok(c)
+    }
+
+    fn run(&self, tool: &str, args: &[&str]) -> Result<()> {
+        let exe = self.bin.join(tool);
+        let out = if self.as_postgres {
+            Command::new("runuser")
+                .args(["-u", "postgres", "--"])
+                .arg(&exe)
+                .args(args)
+                .output()
+        } else {
+            Command::new(&exe).args(args).output()
+        }
+        .with_context(|| format!("running {}", exe.display()))?;
+        if !out.status.success() {
+            bail!(
+                "{tool} failed: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(())
+    }
+
+    fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+}
+
+impl Drop for PgCluster {
+    fn drop(&mut self) {
+        let data = self.dir.join("data");
+        let _ = self.run(
+            "pg_ctl",
+            &["-D", data.to_str().unwrap(), "-m", "immediate", "-w", "stop"],
+        );
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
