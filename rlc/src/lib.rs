@@ -5,5 +5,8 @@
 //! - `plan`: the computed quota set (what `preview` prints and `run` commits).
 //! - `validate_cmd`: `rlc validate DIR`.
 
+pub mod gitops;
 pub mod plan;
+pub mod push;
+pub mod store;
 pub mod validate_cmd;
