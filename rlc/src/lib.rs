@@ -5,6 +5,7 @@
 //! - `plan`: the computed quota set (what `preview` prints and `run` commits).
 //! - `validate_cmd`: `rlc validate DIR`.
 
+pub mod cycle;
 pub mod gitops;
 pub mod plan;
 pub mod push;

@@ -292,4 +292,4 @@ pub async fn reconcile(
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -274,8 +274,8 @@ fn pull_request_branch_is_stable_and_human_commits_are_left_alone() {
 #[derive(Clone, Default)]
 pub(crate) struct FakeForge {
     pub(crate) prs: Arc<Mutex<Vec<Value>>>,
-    problems: Arc<Mutex<Vec<String>>>,
-    calls: Arc<Mutex<Vec<String>>>,
+    pub(crate) problems: Arc<Mutex<Vec<String>>>,
+    pub(crate) calls: Arc<Mutex<Vec<String>>>,
 }
 
 impl FakeForge {

@@ -12,10 +12,10 @@ use super::*;
 
 /// A stand-in controller that checks the auth header and body shape of every request.
 #[derive(Clone, Default)]
-struct Fake {
-    version: Arc<Mutex<Option<String>>>,
-    puts: Arc<Mutex<Vec<Value>>>,
-    problems: Arc<Mutex<Vec<String>>>,
+pub(crate) struct Fake {
+    pub(crate) version: Arc<Mutex<Option<String>>>,
+    pub(crate) puts: Arc<Mutex<Vec<Value>>>,
+    pub(crate) problems: Arc<Mutex<Vec<String>>>,
 }
 
 fn authed(h: &HeaderMap) -> bool {
@@ -72,7 +72,7 @@ async fn status(State(f): State<Fake>, h: HeaderMap) -> (StatusCode, Json<Value>
     )
 }
 
-fn app(f: Fake) -> Router {
+pub(crate) fn app(f: Fake) -> Router {
     Router::new()
         .route("/v1/config", put(put_config))
         .route("/v1/status", get(status))
