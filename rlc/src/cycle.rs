@@ -670,4 +670,4 @@ pub async fn run(args: RunArgs, planner: Planner) -> anyhow::Result<i32> {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

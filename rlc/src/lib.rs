@@ -9,5 +9,6 @@ pub mod cycle;
 pub mod gitops;
 pub mod plan;
 pub mod push;
+pub mod serve;
 pub mod store;
 pub mod validate_cmd;
