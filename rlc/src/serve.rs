@@ -307,6 +307,8 @@ async fn stopped(mut shutdown: watch::Receiver<bool>) {
 
 /// Runs the daemon on `listener` until `shutdown` turns true; the current run finishes
 /// first. `state` must be made with the sender of `triggers`.
+// Each argument is a separate piece the caller wires (tests inject their own channels).
+#[allow(clippy::too_many_arguments)]
 pub async fn serve_on(
     listener: tokio::net::TcpListener,
     cfg: DaemonConfig,

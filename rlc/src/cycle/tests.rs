@@ -243,3 +243,40 @@ async fn postgres_store_records_runs_too() {
         1
     );
 }
+
+#[tokio::test]
+async fn run_once_reads_rlc_yaml_with_relative_paths() {
+    let remote = seeded_remote();
+    let (url, ctl) = spawn_controller().await;
+    std::env::set_var("RLC_TEST_GRL_TOKEN", "s3cret");
+    let dir = remote.scratch("deploy");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("rlc.yaml"),
+        format!(
+            "history:\n  file: history.csv\nconfig_repo:\n  path: ./config-repo\n  url: {}\ncontroller:\n  url: {url}\n  token_env: RLC_TEST_GRL_TOKEN\ndatabase_url: sqlite://rlc.db\n",
+            remote.url()
+        ),
+    )
+    .unwrap();
+    let planner: Planner = Arc::new(|input: PlanInput| {
+        Box::pin(async move {
+            assert!(input.repo_dir.ends_with("config-repo"));
+            Ok(plan(vec![planned("payments", "gw", 250.0)]))
+        })
+    });
+    let args = RunArgs {
+        config: dir.join("rlc.yaml"),
+        once: true,
+        json: false,
+    };
+    assert_eq!(run(args.clone(), planner.clone()).await.unwrap(), 0);
+    assert!(dir.join("config-repo/buckets/payments.yaml").exists());
+    assert!(dir.join("rlc.db").exists());
+    assert_eq!(ctl.version.lock().unwrap().clone(), remote.head("main"));
+    // A planner failure fails the run with exit status 1 and nothing written.
+    let failing: Planner =
+        Arc::new(|_| Box::pin(async { anyhow::bail!("prometheus unreachable") }));
+    assert_eq!(run(args, failing).await.unwrap(), 1);
+    assert_eq!(remote.commit_count("main").unwrap(), 2);
+}

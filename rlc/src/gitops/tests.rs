@@ -103,6 +103,44 @@ fn same_plan_twice_makes_exactly_one_commit() {
 }
 
 #[test]
+fn local_repo_without_remote_gets_commits_on_its_branch() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("repo");
+    test_support::git::git(dir.path(), &["init", "--quiet", "-b", "main", "repo"]).unwrap();
+    for (path, text) in minimal_repo_files(&[("payments", "gw", 100.0)]) {
+        std::fs::create_dir_all(repo.join(&path).parent().unwrap()).unwrap();
+        std::fs::write(repo.join(&path), text).unwrap();
+    }
+    test_support::git::git(&repo, &["add", "-A"]).unwrap();
+    test_support::git::git(&repo, &["commit", "--quiet", "-m", "seed"]).unwrap();
+    let cfg = WriterConfig {
+        path: repo.clone(),
+        url: None,
+        branch: "main".into(),
+        mode: RepoMode::Direct,
+        pr_branch: "rlc/quotas".into(),
+        author_name: "rlc-bot".into(),
+        author_email: "rlc@example.com".into(),
+        token: None,
+        max_attempts: 3,
+    };
+    let p = plan(vec![planned("payments", "gw", 250.0)]);
+    let mut w = Writer::open(cfg.clone()).unwrap();
+    assert!(matches!(
+        w.write(&p).unwrap().status,
+        WriteStatus::Committed { .. }
+    ));
+    assert_eq!(w.write(&p).unwrap().status, WriteStatus::Unchanged);
+    let count = test_support::git::git(&repo, &["rev-list", "--count", "HEAD"]).unwrap();
+    assert_eq!(count.trim(), "2");
+    // The working tree matches the commit (nothing left dirty).
+    assert_eq!(
+        test_support::git::git(&repo, &["status", "--porcelain"]).unwrap(),
+        ""
+    );
+}
+
+#[test]
 fn remote_moved_underneath_is_retried_on_top() {
     let remote = Arc::new(seeded_remote());
     let mut w = Writer::open(writer_cfg(&remote, "wc", RepoMode::Direct)).unwrap();
