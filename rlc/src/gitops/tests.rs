@@ -474,3 +474,52 @@ async fn forge_creates_then_updates_the_pull_request() {
         "{err}"
     );
 }
+
+#[tokio::test]
+async fn refused_credentials_are_bounded_not_retried_forever() {
+    // An https-like smart-HTTP remote that refuses every credential.
+    let hits = Arc::new(Mutex::new(Vec::<Option<String>>::new()));
+    let h = hits.clone();
+    let app = Router::new().fallback(move |headers: HeaderMap| {
+        let h = h.clone();
+        async move {
+            h.lock().unwrap().push(
+                headers
+                    .get("authorization")
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_string),
+            );
+            (
+                StatusCode::UNAUTHORIZED,
+                [("www-authenticate", "Basic realm=\"git\"")],
+                "no",
+            )
+        }
+    });
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(axum::serve(l, app).into_future());
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = WriterConfig {
+        path: dir.path().join("wc"),
+        url: Some(format!("http://{addr}/acme/config.git")),
+        branch: "main".into(),
+        mode: RepoMode::Direct,
+        pr_branch: "rlc/quotas".into(),
+        author_name: "rlc-bot".into(),
+        author_email: "rlc@example.com".into(),
+        token: Some("tok-123".into()),
+        max_attempts: 3,
+    };
+    let err = tokio::task::spawn_blocking(move || Writer::open(cfg).err().unwrap())
+        .await
+        .unwrap();
+    let msg = err.to_string();
+    assert!(msg.contains("failed after 3 attempts"), "{msg}");
+    assert!(!msg.contains("tok-123"), "the token never shows in errors");
+    let hits = hits.lock().unwrap();
+    assert!(hits.len() <= 4, "bounded: {} requests", hits.len());
+    assert!(hits
+        .iter()
+        .any(|a| a.as_deref().is_some_and(|a| a.starts_with("Basic "))));
+}
