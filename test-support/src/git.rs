@@ -1,1 +1,291 @@
-//! git helpers.
+//! Real git repositories for tests: a bare "remote", served over `git://` by a real
+//! `git daemon` (so server-side hooks such as `pre-receive` run, which libgit2's local
+//! transport would skip), seeded from given files, plus helpers to act as a human from a
+//! second clone with the `git` command line.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use anyhow::{bail, Context, Result};
+
+/// The name and e-mail the "human" helpers commit as.
+pub const HUMAN_NAME: &str = "Hannah Human";
+/// The e-mail the "human" helpers commit as.
+pub const HUMAN_EMAIL: &str = "hannah@example.com";
+
+/// A bare remote in a temp dir, served by `git daemon` on loopback, seeded with files.
+pub struct GitRemote {
+    dir: tempfile::TempDir,
+    daemon: Child,
+    port: u16,
+    /// The base branch the remote was seeded on.
+    pub branch: String,
+}
+
+/// Runs `git` in `dir` and returns stdout; fails with stderr on a non-zero exit.
+pub fn git(dir: &Path, args: &[&str]) -> Result<String> {
+    let out = Command::new("git")
+        .current_dir(dir)
+        .args(args)
+        // Tests must not depend on the machine's git identity or config.
+        .env("GIT_CONFIG_NOSYSTEM", "1")
+        .env("GIT_CONFIG_GLOBAL", "/dev/null")
+        .env("GIT_AUTHOR_NAME", HUMAN_NAME)
+        .env("GIT_AUTHOR_EMAIL", HUMAN_EMAIL)
+        .env("GIT_COMMITTER_NAME", HUMAN_NAME)
+        .env("GIT_COMMITTER_EMAIL", HUMAN_EMAIL)
+        .output()
+        .with_context(|| format!("running git {args:?} (is git installed?)"))?;
+    if !out.status.success() {
+        bail!(
+            "git {:?} in {} failed: {}",
+            args,
+            dir.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn write_files(root: &Path, files: &[(&str, &str)]) -> Result<()> {
+    for (rel, text) in files {
+        let p = root.join(rel);
+        if let Some(parent) = p.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        std::fs::write(&p, text).with_context(|| format!("writing {}", p.display()))?;
+    }
+    Ok(())
+}
+
+impl GitRemote {
+    /// Creates `remote.git` (bare), pushes one commit with `files` on `branch`, and serves
+    /// it with `git daemon --enable=receive-pack` on 127.0.0.1.
+    pub fn new(branch: &str, files: &[(&str, &str)]) -> Result<GitRemote> {
+        let dir = tempfile::tempdir()?;
+        let bare = dir.path().join("remote.git");
+        std::fs::create_dir_all(&bare)?;
+        git(&bare, &["init", "--bare", "--quiet", "-b", branch])?;
+        let seed = dir.path().join("seed");
+        git(dir.path(), &["init", "--quiet", "-b", branch, "seed"])?;
+        write_files(&seed, files)?;
+        git(&seed, &["add", "-A"])?;
+        git(&seed, &["commit", "--quiet", "-m", "seed"])?;
+        git(&seed, &["push", "--quiet", bare.to_str().unwrap(), branch])?;
+        std::fs::remove_dir_all(&seed)?;
+
+        // git daemon needs a fixed port: take a free one from the OS, then hand it over.
+        let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let mut daemon = Command::new("git")
+            .args([
+                "daemon",
+                "--reuseaddr",
+                "--export-all",
+                "--enable=receive-pack",
+                "--listen=127.0.0.1",
+                &format!("--port={port}"),
+                &format!("--base-path={}", dir.path().display()),
+                &dir.path().display().to_string(),
+            ])
+            .env("GIT_CONFIG_NOSYSTEM", "1")
+            .env("GIT_CONFIG_GLOBAL", "/dev/null")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting git daemon (Debian package git provides it)")?;
+        // Wait until it accepts connections (bounded: it starts in milliseconds).
+        let mut up = false;
+        for _ in 0..200 {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                up = true;
+                break;
+            }
+            if let Some(st) = daemon.try_wait()? {
+                bail!("git daemon exited early: {st}");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(25));
+        }
+        if !up {
+            let _ = daemon.kill();
+            bail!("git daemon did not listen on 127.0.0.1:{port}");
+        }
+        Ok(GitRemote {
+            dir,
+            daemon,
+            port,
+            branch: branch.to_string(),
+        })
+    }
+
+    /// `git://127.0.0.1:PORT/remote.git`: what the code under test clones and pushes to.
+    pub fn url(&self) -> String {
+        format!("git://127.0.0.1:{}/remote.git", self.port)
+    }
+
+    /// The bare repository's directory.
+    pub fn bare_path(&self) -> PathBuf {
+        self.dir.path().join("remote.git")
+    }
+
+    /// A fresh path inside the fixture's temp dir (not created), e.g. for RLC's working copy.
+    pub fn scratch(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// Installs a `pre-receive` hook that prints `message` and exits 1.
+    pub fn reject_pushes(&self, message: &str) -> Result<()> {
+        let hook = self.bare_path().join("hooks/pre-receive");
+        std::fs::create_dir_all(hook.parent().unwrap())?;
+        std::fs::write(&hook, format!("#!/bin/sh\necho '{message}' >&2\nexit 1\n"))?;
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&hook, std::fs::Permissions::from_mode(0o755))?;
+        Ok(())
+    }
+
+    /// The commit `branch` points at in the remote, if the branch exists.
+    pub fn head(&self, branch: &str) -> Option<String> {
+        git(
+            &self.bare_path(),
+            &[
+                "rev-parse",
+                "--verify",
+                "--quiet",
+                &format!("refs/heads/{branch}"),
+            ],
+        )
+        .ok()
+        .map(|s| s.trim().to_string())
+    }
+
+    /// Number of commits on `branch` in the remote.
+    pub fn commit_count(&self, branch: &str) -> Result<usize> {
+        let out = git(
+            &self.bare_path(),
+            &["rev-list", "--count", &format!("refs/heads/{branch}")],
+        )?;
+        Ok(out.trim().parse()?)
+    }
+
+    /// The content of `path` at the tip of `branch` in the remote.
+    pub fn read(&self, branch: &str, path: &str) -> Result<String> {
+        git(
+            &self.bare_path(),
+            &["show", &format!("refs/heads/{branch}:{path}")],
+        )
+    }
+
+    /// `git log --format=%an|%ae|%s` of `branch` in the remote, newest first.
+    pub fn log(&self, branch: &str) -> Result<Vec<String>> {
+        let out = git(
+            &self.bare_path(),
+            &[
+                "log",
+                "--format=%an|%ae|%s",
+                &format!("refs/heads/{branch}"),
+            ],
+        )?;
+        Ok(out.lines().map(str::to_string).collect())
+    }
+
+    /// Commits `files` as the human on `branch` from a fresh second clone and pushes them.
+    /// Creates the branch from the base branch when it does not exist yet. Returns the new
+    /// commit id.
+    pub fn human_commit(
+        &self,
+        branch: &str,
+        files: &[(&str, &str)],
+        message: &str,
+    ) -> Result<String> {
+        let clone = tempfile::tempdir()?;
+        let work = clone.path().join("human");
+        git(
+            clone.path(),
+            &[
+                "clone",
+                "--quiet",
+                self.bare_path().to_str().unwrap(),
+                "human",
+            ],
+        )?;
+        if self.head(branch).is_some() {
+            git(&work, &["checkout", "--quiet", branch])?;
+        } else {
+            git(&work, &["checkout", "--quiet", "-b", branch])?;
+        }
+        write_files(&work, files)?;
+        git(&work, &["add", "-A"])?;
+        git(&work, &["commit", "--quiet", "-m", message])?;
+        git(
+            &work,
+            &[
+                "push",
+                "--quiet",
+                "origin",
+                &format!("HEAD:refs/heads/{branch}"),
+            ],
+        )?;
+        Ok(git(&work, &["rev-parse", "HEAD"])?.trim().to_string())
+    }
+
+    /// Merges `branch` into the base branch as the human (a merge commit), as a person
+    /// merging a pull request would.
+    pub fn human_merge(&self, branch: &str) -> Result<String> {
+        let clone = tempfile::tempdir()?;
+        let work = clone.path().join("human");
+        git(
+            clone.path(),
+            &[
+                "clone",
+                "--quiet",
+                self.bare_path().to_str().unwrap(),
+                "human",
+            ],
+        )?;
+        git(&work, &["checkout", "--quiet", &self.branch])?;
+        git(
+            &work,
+            &[
+                "merge",
+                "--quiet",
+                "--no-ff",
+                "-m",
+                "merge",
+                &format!("origin/{branch}"),
+            ],
+        )?;
+        git(&work, &["push", "--quiet", "origin", &self.branch])?;
+        Ok(git(&work, &["rev-parse", "HEAD"])?.trim().to_string())
+    }
+}
+
+impl Drop for GitRemote {
+    fn drop(&mut self) {
+        let _ = self.daemon.kill();
+        let _ = self.daemon.wait();
+    }
+}
+
+/// A minimal valid config repo: a peak default policy and one bucket file per `(service,
+/// bucket, limit)`.
+pub fn minimal_repo_files(buckets: &[(&str, &str, f64)]) -> Vec<(String, String)> {
+    let mut files = vec![(
+        "rlc/policies.yaml".to_string(),
+        "default:\n  policy: peak\n  headroom: 0.25\n".to_string(),
+    )];
+    let mut by_service: std::collections::BTreeMap<&str, String> = Default::default();
+    for (svc, name, limit) in buckets {
+        let e = by_service.entry(svc).or_default();
+        e.push_str(&format!(
+            "  - name: {name}\n    caller: {name}\n    scope: global\n    limit_rps: {limit}\n    mode: enforce\n    policy: peak\n"
+        ));
+    }
+    for (svc, body) in by_service {
+        files.push((
+            format!("buckets/{svc}.yaml"),
+            format!("service: {svc}\nbuckets:\n{body}"),
+        ));
+    }
+    files
+}

@@ -1,0 +1,673 @@
+//! One RLC cycle around a computed [`Plan`]: render → validate → commit or PR → push to the
+//! controller → record in the store; plus `rlc run --once`.
+//!
+//! Failure policy (DESIGN "bad input/faults"):
+//! - git remote down or rejecting, or a render that fails validation: the run fails with the
+//!   reason and nothing is written (the writer only moves refs after the remote accepted).
+//! - controller down: the commit stands; the push is retried with bounded backoff, then left
+//!   pending (the daemon's reconcile loop, or the next run, delivers it).
+//! - store down: the git work and push complete; the run record waits in a bounded buffer
+//!   and is written when the store is back (in `--once`, the run says it was not recorded).
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+
+use chrono::{DateTime, Utc};
+use schema::{DaemonConfig, RepoMode};
+use serde::Serialize;
+use tokio::sync::Mutex;
+
+use crate::gitops::summary::{self, ChangeKind, ChangeSummary, FORGE_BODY_LIMIT};
+use crate::gitops::{Forge, PullRequest, WriteStatus, Writer, WriterConfig};
+use crate::plan::{Plan, Skipped};
+use crate::push::{self, Backoff, ControllerClient, Desired};
+use crate::store::{QuotaRecord, RunRecord, Store};
+
+/// Run records kept while the store is down; the oldest are dropped beyond this.
+pub const PENDING_RECORDS_MAX: usize = 100;
+
+/// What the plan-producing step gets: the config, and the config repo synced to the remote
+/// base tip.
+#[derive(Debug, Clone)]
+pub struct PlanInput {
+    /// The daemon config.
+    pub cfg: DaemonConfig,
+    /// Directory of rlc.yaml (relative paths start there).
+    pub base_dir: PathBuf,
+    /// The config repo working copy, at the base branch tip.
+    pub repo_dir: PathBuf,
+    /// Why this run happens.
+    pub trigger: String,
+}
+
+/// A boxed future, as returned by a [`Planner`].
+pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+/// The plan-producing step (`compute::compute_plan` over `history::load`), plugged in by
+/// `main.rs`.
+pub type Planner = Arc<dyn Fn(PlanInput) -> BoxFuture<anyhow::Result<Plan>> + Send + Sync>;
+
+/// Overall result of a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RunStatus {
+    /// Changes committed (or proposed) and the controller runs the base version.
+    Success,
+    /// Nothing to change; the controller runs the base version.
+    Unchanged,
+    /// Git work done, but the controller push (or the run record) is still pending.
+    Pending,
+    /// The PR branch has commits by people; left alone.
+    Held,
+    /// The run failed; nothing was written.
+    Failed,
+}
+
+impl RunStatus {
+    /// The word stored in `runs.status`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunStatus::Success => "success",
+            RunStatus::Unchanged => "unchanged",
+            RunStatus::Pending => "pending",
+            RunStatus::Held => "held",
+            RunStatus::Failed => "failed",
+        }
+    }
+}
+
+/// Everything a run did, for people (`Display`), the store and the exit status.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunOutcome {
+    /// Why it ran.
+    pub trigger: String,
+    /// Overall status.
+    pub status: RunStatus,
+    /// Start.
+    pub started_at: DateTime<Utc>,
+    /// End.
+    pub finished_at: DateTime<Utc>,
+    /// What the writer did, in words (`committed`, `unchanged`, `branch updated`, ...).
+    pub git: Option<String>,
+    /// The commit made (direct) or the PR branch tip (pull-request).
+    pub commit: Option<String>,
+    /// The base branch tip the controller should run.
+    pub base_commit: Option<String>,
+    /// Attempts the writer needed.
+    pub attempts: u32,
+    /// The pull request opened or updated.
+    pub pull_request: Option<(u64, Option<String>)>,
+    /// The version the controller confirmed.
+    pub version_pushed: Option<String>,
+    /// Why the controller push is pending.
+    pub push_error: Option<String>,
+    /// Why the run is not recorded (yet).
+    pub store_error: Option<String>,
+    /// Id of the stored run.
+    pub run_id: Option<i64>,
+    /// Why the run failed.
+    pub error: Option<String>,
+    /// What changed.
+    pub summary: ChangeSummary,
+    /// What the plan skipped.
+    pub skipped: Vec<Skipped>,
+}
+
+impl RunOutcome {
+    fn new(trigger: &str) -> RunOutcome {
+        let now = Utc::now();
+        RunOutcome {
+            trigger: trigger.into(),
+            status: RunStatus::Failed,
+            started_at: now,
+            finished_at: now,
+            git: None,
+            commit: None,
+            base_commit: None,
+            attempts: 0,
+            pull_request: None,
+            version_pushed: None,
+            push_error: None,
+            store_error: None,
+            run_id: None,
+            error: None,
+            summary: ChangeSummary::default(),
+            skipped: vec![],
+        }
+    }
+
+    /// Exit status of `rlc run --once`: 0 done (changed or not), 1 failed (nothing written),
+    /// 2 git work done but the controller push or the run record is pending, 3 the PR branch
+    /// is held by human commits.
+    pub fn exit_code(&self) -> i32 {
+        match self.status {
+            RunStatus::Success | RunStatus::Unchanged => 0,
+            RunStatus::Failed => 1,
+            RunStatus::Pending => 2,
+            RunStatus::Held => 3,
+        }
+    }
+
+    fn finish(&mut self) {
+        self.finished_at = Utc::now();
+        self.status = if self.error.is_some() {
+            RunStatus::Failed
+        } else if self.git.as_deref() == Some("held") {
+            RunStatus::Held
+        } else if self.push_error.is_some() || self.store_error.is_some() {
+            RunStatus::Pending
+        } else if self.summary.is_empty() {
+            RunStatus::Unchanged
+        } else {
+            RunStatus::Success
+        };
+    }
+
+    fn services_json(&self) -> String {
+        let mut v: Vec<serde_json::Value> = self
+            .summary
+            .services
+            .iter()
+            .map(|s| {
+                serde_json::json!({
+                    "service": s.service,
+                    "outcome": if self.error.is_some() { "failed" } else { self.git.as_deref().unwrap_or("") },
+                    "changes": s.changes.len(),
+                })
+            })
+            .collect();
+        for sk in &self.skipped {
+            v.push(serde_json::json!({
+                "service": sk.service, "caller": sk.caller, "procedure": sk.procedure,
+                "outcome": "skipped", "reason": sk.reason,
+            }));
+        }
+        serde_json::Value::Array(v).to_string()
+    }
+}
+
+fn short(sha: &str) -> &str {
+    &sha[..sha.len().min(10)]
+}
+
+impl std::fmt::Display for RunOutcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "rlc run ({}): {}", self.trigger, self.status.as_str())?;
+        if let Some(e) = &self.error {
+            writeln!(f, "  error: {e}")?;
+        }
+        if let Some(g) = &self.git {
+            write!(f, "  git: {g}")?;
+            if let Some(c) = &self.commit {
+                write!(f, " {}", short(c))?;
+            }
+            if self.attempts > 1 {
+                write!(f, " after {} attempts (the remote moved)", self.attempts)?;
+            }
+            writeln!(f, " — {}", self.summary.counts_line())?;
+        }
+        for s in &self.summary.services {
+            for c in &s.changes {
+                let fmt = |v: Option<f64>| v.map(schema::format_rps).unwrap_or_else(|| "-".into());
+                writeln!(
+                    f,
+                    "    {}/{}: {:?} {} -> {}",
+                    s.service,
+                    c.bucket,
+                    c.kind,
+                    fmt(c.old_limit_rps),
+                    fmt(c.new_limit_rps)
+                )?;
+            }
+        }
+        if let Some((n, url)) = &self.pull_request {
+            writeln!(f, "  pull request: #{n} {}", url.as_deref().unwrap_or(""))?;
+        }
+        match (&self.version_pushed, &self.push_error) {
+            (Some(v), _) => writeln!(f, "  controller: running {}", short(v))?,
+            (None, Some(e)) => writeln!(f, "  controller: push pending ({e}); the commit stands")?,
+            _ => {}
+        }
+        match (&self.run_id, &self.store_error) {
+            (Some(id), _) => writeln!(f, "  store: recorded as run {id}")?,
+            (None, Some(e)) => writeln!(f, "  store: not recorded yet ({e})")?,
+            _ => {}
+        }
+        for sk in &self.skipped {
+            let what = [
+                Some(sk.service.as_str()),
+                sk.caller.as_deref(),
+                sk.procedure.as_deref(),
+            ]
+            .into_iter()
+            .flatten()
+            .collect::<Vec<_>>()
+            .join("/");
+            writeln!(f, "  skipped {what}: {}", sk.reason)?;
+        }
+        Ok(())
+    }
+}
+
+/// A reusable cycle runner: keeps the store connection and the records waiting for it.
+pub struct Cycle {
+    cfg: DaemonConfig,
+    base_dir: PathBuf,
+    store: Mutex<Option<Store>>,
+    pending: Mutex<VecDeque<(RunRecord, Vec<QuotaRecord>)>>,
+    /// Backoff of the controller push inside a run.
+    pub push_backoff: Backoff,
+    /// Attempts when the remote base moves underneath.
+    pub git_attempts: u32,
+}
+
+impl Cycle {
+    /// A cycle for `cfg`; `base_dir` is the directory of rlc.yaml.
+    pub fn new(cfg: DaemonConfig, base_dir: &Path) -> Cycle {
+        Cycle {
+            cfg,
+            base_dir: base_dir.to_path_buf(),
+            store: Mutex::new(None),
+            pending: Mutex::new(VecDeque::new()),
+            push_backoff: Backoff::default(),
+            git_attempts: 3,
+        }
+    }
+
+    /// The daemon config.
+    pub fn config(&self) -> &DaemonConfig {
+        &self.cfg
+    }
+
+    /// Directory of rlc.yaml.
+    pub fn base_dir(&self) -> &Path {
+        &self.base_dir
+    }
+
+    fn writer_config(&self) -> WriterConfig {
+        let mut w = WriterConfig::from_config(&self.cfg.config_repo, &self.base_dir);
+        w.max_attempts = self.git_attempts;
+        w
+    }
+
+    /// The store, connecting (and migrating) on first use or after a failure.
+    pub async fn store(&self) -> Result<Store, crate::store::StoreError> {
+        let mut g = self.store.lock().await;
+        if let Some(s) = g.as_ref() {
+            return Ok(s.clone());
+        }
+        let s = Store::connect(&self.cfg.database_url, &self.base_dir).await?;
+        *g = Some(s.clone());
+        Ok(s)
+    }
+
+    /// Run records waiting for the store.
+    pub async fn pending_records(&self) -> usize {
+        self.pending.lock().await.len()
+    }
+
+    /// Writes buffered run records; returns how many were written.
+    pub async fn flush_pending(&self) -> usize {
+        let mut pending = self.pending.lock().await;
+        if pending.is_empty() {
+            return 0;
+        }
+        let Ok(store) = self.store().await else {
+            return 0;
+        };
+        let mut n = 0;
+        while let Some((run, quotas)) = pending.front() {
+            match store.record_run(run, quotas).await {
+                Ok(_) => {
+                    pending.pop_front();
+                    n += 1;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "store still unavailable");
+                    *self.store.lock().await = None;
+                    break;
+                }
+            }
+        }
+        n
+    }
+
+    /// Fetches the config repo and moves its working copy to the base tip; returns the repo
+    /// directory, the base commit and the hash of `rlc/*.yaml` there.
+    pub async fn sync(&self) -> anyhow::Result<(PathBuf, String, String)> {
+        let wcfg = self.writer_config();
+        let dir = wcfg.path.clone();
+        tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+            let w = Writer::open(wcfg)?;
+            let base = w.sync()?;
+            let hash = w.inputs_hash()?;
+            Ok((dir, base, hash))
+        })
+        .await?
+    }
+
+    /// The base tip's bucket files as the controller's desired config (fetching first).
+    pub async fn desired(&self) -> anyhow::Result<Desired> {
+        let wcfg = self.writer_config();
+        tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+            let w = Writer::open(wcfg)?;
+            w.fetch()?;
+            let (version, services) = w.base_buckets()?;
+            Ok(Desired { version, services })
+        })
+        .await?
+    }
+
+    /// Syncs the repo, asks `planner` for a plan, and applies it. Never returns an error: a
+    /// failure is a failed outcome (recorded like any run).
+    pub async fn run(&self, planner: &Planner, trigger: &str) -> RunOutcome {
+        let repo_dir = match self.sync().await {
+            Ok((dir, _, _)) => dir,
+            Err(e) => {
+                return self
+                    .failed(trigger, format!("syncing the config repo: {e:#}"))
+                    .await
+            }
+        };
+        let input = PlanInput {
+            cfg: self.cfg.clone(),
+            base_dir: self.base_dir.clone(),
+            repo_dir,
+            trigger: trigger.to_string(),
+        };
+        match planner(input).await {
+            Ok(plan) => self.apply(&plan, trigger).await,
+            Err(e) => {
+                self.failed(trigger, format!("computing the plan: {e:#}"))
+                    .await
+            }
+        }
+    }
+
+    async fn failed(&self, trigger: &str, error: String) -> RunOutcome {
+        let mut out = RunOutcome::new(trigger);
+        tracing::error!(trigger, error = %error, "run failed");
+        out.error = Some(error);
+        out.finish();
+        self.record(&mut out, &Plan::default()).await;
+        out
+    }
+
+    /// Applies `plan`: render → validate → commit/PR → push → record.
+    pub async fn apply(&self, plan: &Plan, trigger: &str) -> RunOutcome {
+        let mut out = RunOutcome::new(trigger);
+        out.skipped = plan.skipped.clone();
+        let wcfg = self.writer_config();
+        let p = plan.clone();
+        let written =
+            tokio::task::spawn_blocking(move || -> Result<_, crate::gitops::GitOpsError> {
+                let mut w = Writer::open(wcfg)?;
+                let res = w.write(&p)?;
+                let (version, services) = w.base_buckets()?;
+                Ok((res, Desired { version, services }))
+            })
+            .await;
+        let (write, desired) = match written {
+            Ok(Ok(x)) => x,
+            Ok(Err(e)) => {
+                out.error = Some(e.to_string());
+                out.finish();
+                tracing::error!(trigger, error = %e, "git write failed; nothing written");
+                self.record(&mut out, plan).await;
+                return out;
+            }
+            Err(e) => {
+                out.error = Some(format!("git task panicked: {e}"));
+                out.finish();
+                self.record(&mut out, plan).await;
+                return out;
+            }
+        };
+        out.attempts = write.attempts;
+        out.base_commit = Some(desired.version.clone());
+        out.summary = write.summary.clone();
+        let proposal = match &write.status {
+            WriteStatus::Unchanged => {
+                out.git = Some("unchanged".into());
+                false
+            }
+            WriteStatus::Committed { commit } => {
+                out.git = Some("committed".into());
+                out.commit = Some(commit.clone());
+                false
+            }
+            WriteStatus::BranchUpdated { commit } => {
+                out.git = Some(format!("pushed branch {}", self.cfg.config_repo.pr_branch));
+                out.commit = Some(commit.clone());
+                true
+            }
+            WriteStatus::BranchUpToDate { commit } => {
+                out.git = Some(format!(
+                    "branch {} already up to date",
+                    self.cfg.config_repo.pr_branch
+                ));
+                out.commit = Some(commit.clone());
+                true
+            }
+            WriteStatus::BranchHeldByHumans { authors } => {
+                out.git = Some("held".into());
+                out.push_error = None;
+                out.error = None;
+                tracing::warn!(authors = ?authors, "PR branch left alone: it has commits by people");
+                out.skipped.push(Skipped {
+                    service: "*".into(),
+                    caller: None,
+                    procedure: None,
+                    reason: format!(
+                        "branch {} has commits by {}; not overwritten (merge or delete it)",
+                        self.cfg.config_repo.pr_branch,
+                        authors.join(", ")
+                    ),
+                });
+                false
+            }
+        };
+        if proposal && self.cfg.config_repo.mode == RepoMode::PullRequest {
+            if let Err(e) = self
+                .open_pull_request(&write.summary, &write.report, &mut out)
+                .await
+            {
+                out.error = Some(format!(
+                    "branch {} pushed, but the pull request could not be opened or updated: {e}",
+                    self.cfg.config_repo.pr_branch
+                ));
+            }
+        }
+        // The controller runs what the base branch holds (in PR mode: once a person merged).
+        if out.error.is_none() {
+            if let Some(c) = &self.cfg.controller {
+                match ControllerClient::from_config(c) {
+                    Ok(client) => {
+                        match push::reconcile(&client, &desired, self.push_backoff, |_, _| {}).await
+                        {
+                            Ok(_) => out.version_pushed = Some(desired.version.clone()),
+                            Err(e) => out.push_error = Some(e.to_string()),
+                        }
+                    }
+                    Err(e) => out.push_error = Some(e.to_string()),
+                }
+            }
+        }
+        out.finish();
+        self.record(&mut out, plan).await;
+        tracing::info!(trigger, status = out.status.as_str(), commit = ?out.commit, version = ?out.version_pushed, "run finished");
+        out
+    }
+
+    async fn open_pull_request(
+        &self,
+        summary: &ChangeSummary,
+        report: &str,
+        out: &mut RunOutcome,
+    ) -> anyhow::Result<()> {
+        let Some(fc) = &self.cfg.config_repo.forge else {
+            return Ok(());
+        };
+        let Some(forge) = Forge::from_config(fc)? else {
+            return Ok(());
+        };
+        let body =
+            summary::truncate_body(report, FORGE_BODY_LIMIT, &self.cfg.config_repo.pr_branch);
+        let (PullRequest { number, html_url }, _) = forge
+            .upsert_pull_request(
+                &self.cfg.config_repo.pr_branch,
+                &self.cfg.config_repo.branch,
+                &summary.title(),
+                &body,
+            )
+            .await?;
+        out.pull_request = Some((number, html_url));
+        Ok(())
+    }
+
+    /// Records the run (after flushing older buffered records); buffers it when the store is
+    /// down.
+    async fn record(&self, out: &mut RunOutcome, plan: &Plan) {
+        let committed = matches!(out.git.as_deref(), Some(g) if g == "committed" || g.starts_with("pushed branch"));
+        let quotas: Vec<QuotaRecord> = if committed {
+            out.summary
+                .services
+                .iter()
+                .flat_map(|s| s.changes.iter().map(move |c| (s, c)))
+                .map(|(s, c)| {
+                    let pb = plan
+                        .buckets
+                        .iter()
+                        .find(|b| b.service == s.service && b.bucket.name == c.bucket);
+                    QuotaRecord {
+                        service: s.service.clone(),
+                        bucket: c.bucket.clone(),
+                        change: match c.kind {
+                            ChangeKind::Added => "added",
+                            ChangeKind::Removed => "removed",
+                            ChangeKind::Raised => "raised",
+                            ChangeKind::Lowered => "lowered",
+                            ChangeKind::Modified => "modified",
+                        }
+                        .into(),
+                        limit_rps: c.new_limit_rps,
+                        previous_limit_rps: c.old_limit_rps,
+                        mode: c.new_mode.map(|m| m.as_str().to_string()),
+                        policy: pb.map(|b| b.bucket.policy.to_string()),
+                        commit_sha: out.commit.clone(),
+                        evidence: pb
+                            .map(|b| b.evidence.to_string())
+                            .unwrap_or_else(|| "{}".into()),
+                        recorded_at: out.finished_at,
+                    }
+                })
+                .collect()
+        } else {
+            vec![]
+        };
+        let run = RunRecord {
+            id: 0,
+            trigger: out.trigger.clone(),
+            started_at: out.started_at,
+            finished_at: out.finished_at,
+            status: out.status.as_str().into(),
+            commit_sha: out.commit.clone(),
+            version_pushed: out.version_pushed.clone(),
+            services: out.services_json(),
+            summary: out.to_string(),
+            error: out.error.clone(),
+        };
+        self.flush_pending().await;
+        let res = match self.store().await {
+            Ok(s) => s.record_run(&run, &quotas).await,
+            Err(e) => Err(e),
+        };
+        match res {
+            Ok(id) => out.run_id = Some(id),
+            Err(e) => {
+                tracing::warn!(error = %e, "store unavailable; run kept in memory until it is back");
+                *self.store.lock().await = None;
+                let mut p = self.pending.lock().await;
+                if p.len() == PENDING_RECORDS_MAX {
+                    p.pop_front();
+                    tracing::warn!(
+                        max = PENDING_RECORDS_MAX,
+                        "pending run records full; dropped the oldest"
+                    );
+                }
+                p.push_back((run, quotas));
+                out.store_error = Some(e.to_string());
+                if out.status != RunStatus::Failed && out.status != RunStatus::Held {
+                    out.status = RunStatus::Pending;
+                }
+            }
+        }
+    }
+}
+
+/// Applies a computed plan once: render → validate → commit/PR → push → record.
+/// `base_dir` is the directory of rlc.yaml (relative paths in it start there).
+pub async fn apply_plan(
+    cfg: &DaemonConfig,
+    base_dir: &Path,
+    plan: &Plan,
+    trigger: &str,
+) -> anyhow::Result<RunOutcome> {
+    Ok(Cycle::new(cfg.clone(), base_dir).apply(plan, trigger).await)
+}
+
+/// Loads rlc.yaml; returns it with its directory (the base of relative paths).
+pub fn load_config(path: &Path) -> anyhow::Result<(DaemonConfig, PathBuf)> {
+    let cfg = schema::load_daemon_config(path)
+        .map_err(|d| anyhow::anyhow!("{}", schema::Diagnostics(d)))?;
+    let base = path
+        .parent()
+        .map(|p| {
+            if p.as_os_str().is_empty() {
+                Path::new(".")
+            } else {
+                p
+            }
+        })
+        .unwrap_or(Path::new("."))
+        .to_path_buf();
+    Ok((cfg, base))
+}
+
+/// `rlc run`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RunArgs {
+    /// The daemon config (rlc.yaml).
+    #[arg(long, default_value = "rlc.yaml")]
+    pub config: PathBuf,
+    /// Run one full cycle and exit (the only mode of `rlc run`; `rlc serve` is the daemon).
+    #[arg(long)]
+    pub once: bool,
+    /// Print the outcome as JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `rlc run --once`: one full cycle; prints a summary; returns the exit status
+/// ([`RunOutcome::exit_code`]).
+pub async fn run(args: RunArgs, planner: Planner) -> anyhow::Result<i32> {
+    if !args.once {
+        eprintln!("rlc run needs --once (one cycle); use `rlc serve` for the scheduled daemon");
+        return Ok(2);
+    }
+    let (cfg, base) = load_config(&args.config)?;
+    let cycle = Cycle::new(cfg, &base);
+    let out = cycle.run(&planner, "once").await;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        print!("{out}");
+    }
+    Ok(out.exit_code())
+}
+
+#[cfg(test)]
+pub(crate) mod tests;

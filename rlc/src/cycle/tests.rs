@@ -1,0 +1,282 @@
+//! Whole cycles: real git remote, stand-in controller and forge, SQLite or Postgres store.
+
+use std::future::IntoFuture;
+use std::time::Duration;
+
+use test_support::git::GitRemote;
+
+use super::*;
+use crate::gitops::tests::{plan, planned, seeded_remote, spawn_forge};
+use crate::push::tests::{app as controller_app, Fake};
+
+pub(crate) async fn spawn_controller() -> (String, Fake) {
+    let fake = Fake::default();
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(axum::serve(l, controller_app(fake.clone())).into_future());
+    (format!("http://{addr}"), fake)
+}
+
+/// rlc.yaml in `dir` (relative paths), with the controller token in an env var.
+pub(crate) fn config(remote: &GitRemote, controller: &str, extra: &str) -> DaemonConfig {
+    // All tests use the same value, so setting it concurrently is harmless.
+    std::env::set_var("RLC_TEST_GRL_TOKEN", "s3cret");
+    std::env::set_var("RLC_TEST_FORGE_TOKEN", "forge-token");
+    let text = format!(
+        "history:\n  file: history.csv\nconfig_repo:\n  path: wc\n  url: {}\n  author_name: rlc-bot\n  author_email: rlc@example.com\n{extra}controller:\n  url: {controller}\n  token_env: RLC_TEST_GRL_TOKEN\ndatabase_url: sqlite://rlc.db\n",
+        remote.url()
+    );
+    schema::parse_str::<DaemonConfig>(Path::new("rlc.yaml"), &text)
+        .unwrap()
+        .value
+}
+
+fn dead_url() -> String {
+    let a = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    format!("http://{a}")
+}
+
+#[tokio::test]
+async fn direct_mode_commits_pushes_and_records_once() {
+    let remote = seeded_remote();
+    let (url, ctl) = spawn_controller().await;
+    let cfg = config(&remote, &url, "");
+    let base = remote.scratch("");
+    let p = plan(vec![planned("payments", "gw", 250.0)]);
+
+    let out = apply_plan(&cfg, &base, &p, "once").await.unwrap();
+    assert_eq!(out.status, RunStatus::Success, "{out}");
+    assert_eq!(out.exit_code(), 0);
+    let head = remote.head("main").unwrap();
+    assert_eq!(out.commit.as_deref(), Some(head.as_str()));
+    assert_eq!(out.version_pushed.as_deref(), Some(head.as_str()));
+    assert_eq!(ctl.version.lock().unwrap().as_deref(), Some(head.as_str()));
+    let text = out.to_string();
+    assert!(text.contains("git: committed"), "{text}");
+    assert!(text.contains("payments/gw: Raised 100 -> 250"), "{text}");
+
+    let again = apply_plan(&cfg, &base, &p, "once").await.unwrap();
+    assert_eq!(again.status, RunStatus::Unchanged, "{again}");
+    assert_eq!(remote.commit_count("main").unwrap(), 2);
+    assert_eq!(
+        ctl.puts.lock().unwrap().len(),
+        1,
+        "same version twice changes nothing"
+    );
+
+    let store = Store::connect("sqlite://rlc.db", &base).await.unwrap();
+    let runs = store.recent_runs(10).await.unwrap();
+    assert_eq!(runs.len(), 2);
+    assert_eq!(runs[1].status, "success");
+    assert_eq!(runs[1].version_pushed.as_deref(), Some(head.as_str()));
+    assert_eq!(runs[0].status, "unchanged");
+    let hist = store.quota_history("payments", "gw").await.unwrap();
+    assert_eq!(hist.len(), 1);
+    assert_eq!(hist[0].limit_rps, Some(250.0));
+    assert_eq!(hist[0].previous_limit_rps, Some(100.0));
+    assert!(hist[0].evidence.contains("peak_rps"));
+}
+
+#[tokio::test]
+async fn controller_down_leaves_the_commit_and_push_pending() {
+    let remote = seeded_remote();
+    let cfg = config(&remote, &dead_url(), "");
+    let base = remote.scratch("");
+    let mut cycle = Cycle::new(cfg, &base);
+    cycle.push_backoff = Backoff {
+        min: Duration::from_millis(10),
+        max: Duration::from_millis(10),
+        attempts: Some(2),
+    };
+    let out = cycle
+        .apply(&plan(vec![planned("payments", "gw", 250.0)]), "once")
+        .await;
+    assert_eq!(out.status, RunStatus::Pending, "{out}");
+    assert_eq!(out.exit_code(), 2);
+    assert_eq!(out.commit, remote.head("main"), "the commit stands");
+    assert!(
+        out.push_error.as_deref().unwrap().contains("unreachable"),
+        "{out}"
+    );
+    assert!(out.to_string().contains("push pending"));
+}
+
+#[tokio::test]
+async fn rejected_push_fails_the_run_and_is_recorded() {
+    let remote = seeded_remote();
+    remote.reject_pushes("frozen").unwrap();
+    let (url, ctl) = spawn_controller().await;
+    let cfg = config(&remote, &url, "");
+    let base = remote.scratch("");
+    let out = apply_plan(
+        &cfg,
+        &base,
+        &plan(vec![planned("payments", "gw", 250.0)]),
+        "once",
+    )
+    .await
+    .unwrap();
+    assert_eq!(out.status, RunStatus::Failed);
+    assert_eq!(out.exit_code(), 1);
+    assert!(
+        out.error
+            .as_deref()
+            .unwrap()
+            .contains("pre-receive hook declined"),
+        "{out}"
+    );
+    assert!(
+        ctl.puts.lock().unwrap().is_empty(),
+        "nothing pushed after a failed write"
+    );
+    let store = Store::connect("sqlite://rlc.db", &base).await.unwrap();
+    let runs = store.recent_runs(1).await.unwrap();
+    assert_eq!(runs[0].status, "failed");
+    assert!(runs[0].error.as_deref().unwrap().contains("pre-receive"));
+}
+
+#[tokio::test]
+async fn store_down_completes_git_work_and_records_later() {
+    let remote = seeded_remote();
+    let (url, _ctl) = spawn_controller().await;
+    let mut cfg = config(&remote, &url, "");
+    // A directory that does not exist yet: SQLite cannot open the file.
+    cfg.database_url = "sqlite://later/rlc.db".into();
+    let base = remote.scratch("");
+    let cycle = Cycle::new(cfg, &base);
+    let out = cycle
+        .apply(&plan(vec![planned("payments", "gw", 250.0)]), "once")
+        .await;
+    assert_eq!(out.status, RunStatus::Pending, "{out}");
+    assert_eq!(out.commit, remote.head("main"));
+    assert!(out.store_error.is_some());
+    assert_eq!(cycle.pending_records().await, 1);
+    // The store comes back.
+    std::fs::create_dir_all(base.join("later")).unwrap();
+    assert_eq!(cycle.flush_pending().await, 1);
+    let runs = cycle.store().await.unwrap().recent_runs(5).await.unwrap();
+    assert_eq!(runs.len(), 1);
+    assert_eq!(runs[0].commit_sha, remote.head("main"));
+}
+
+#[tokio::test]
+async fn pull_request_mode_opens_a_pr_and_pushes_only_merged_config() {
+    let remote = seeded_remote();
+    let seed = remote.head("main").unwrap();
+    let (ctl_url, ctl) = spawn_controller().await;
+    let (forge_url, forge) = spawn_forge().await;
+    let extra = format!(
+        "  mode: pull-request\n  forge:\n    kind: github\n    api_url: {forge_url}\n    repo: acme/config\n    token_env: RLC_TEST_FORGE_TOKEN\n"
+    );
+    let cfg = config(&remote, &ctl_url, &extra);
+    let base = remote.scratch("");
+    let p = plan(vec![planned("payments", "gw", 250.0)]);
+
+    let out = apply_plan(&cfg, &base, &p, "schedule").await.unwrap();
+    assert_eq!(out.status, RunStatus::Success, "{out}");
+    assert_eq!(out.pull_request.as_ref().map(|p| p.0), Some(1));
+    assert_eq!(
+        remote.head("main").as_deref(),
+        Some(seed.as_str()),
+        "base untouched"
+    );
+    assert_eq!(out.commit, remote.head("rlc/quotas"));
+    // The controller keeps running the base branch until a person merges.
+    assert_eq!(ctl.version.lock().unwrap().as_deref(), Some(seed.as_str()));
+    {
+        let prs = forge.prs.lock().unwrap();
+        assert_eq!(prs.len(), 1);
+        assert_eq!(prs[0]["head"], "rlc/quotas");
+        assert_eq!(prs[0]["base"], "main");
+        let body = prs[0]["body"].as_str().unwrap();
+        assert!(
+            body.contains("| gw | 100 | 250 | +150.0% | 200 | peak | high |"),
+            "{body}"
+        );
+        assert!(
+            forge.problems.lock().unwrap().is_empty(),
+            "{:?}",
+            forge.problems.lock().unwrap()
+        );
+    }
+
+    // Same plan: branch up to date, the PR is updated in place, not duplicated.
+    let out = apply_plan(&cfg, &base, &p, "schedule").await.unwrap();
+    assert_eq!(out.pull_request.as_ref().map(|p| p.0), Some(1), "{out}");
+    assert_eq!(forge.prs.lock().unwrap().len(), 1);
+
+    // A person merges: the next run pushes the merged config to the controller.
+    let merged = remote.human_merge("rlc/quotas").unwrap();
+    let out = apply_plan(&cfg, &base, &p, "schedule").await.unwrap();
+    assert_eq!(out.status, RunStatus::Unchanged, "{out}");
+    assert_eq!(out.version_pushed.as_deref(), Some(merged.as_str()));
+    let puts = ctl.puts.lock().unwrap();
+    let last = puts.last().unwrap();
+    assert_eq!(last["version"], merged.as_str());
+    assert_eq!(last["services"][0]["buckets"][0]["limit_rps"], 250.0);
+}
+
+#[tokio::test]
+async fn postgres_store_records_runs_too() {
+    let db = test_support::postgres::fresh_database().await.unwrap();
+    let remote = seeded_remote();
+    let (url, _ctl) = spawn_controller().await;
+    let mut cfg = config(&remote, &url, "");
+    cfg.database_url = db.url.clone();
+    let base = remote.scratch("");
+    let out = apply_plan(
+        &cfg,
+        &base,
+        &plan(vec![planned("payments", "gw", 250.0)]),
+        "api",
+    )
+    .await
+    .unwrap();
+    assert_eq!(out.status, RunStatus::Success, "{out}");
+    assert!(out.run_id.is_some());
+    let store = Store::connect(&db.url, &base).await.unwrap();
+    assert_eq!(
+        store.quota_history("payments", "gw").await.unwrap().len(),
+        1
+    );
+}
+
+#[tokio::test]
+async fn run_once_reads_rlc_yaml_with_relative_paths() {
+    let remote = seeded_remote();
+    let (url, ctl) = spawn_controller().await;
+    std::env::set_var("RLC_TEST_GRL_TOKEN", "s3cret");
+    let dir = remote.scratch("deploy");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("rlc.yaml"),
+        format!(
+            "history:\n  file: history.csv\nconfig_repo:\n  path: ./config-repo\n  url: {}\ncontroller:\n  url: {url}\n  token_env: RLC_TEST_GRL_TOKEN\ndatabase_url: sqlite://rlc.db\n",
+            remote.url()
+        ),
+    )
+    .unwrap();
+    let planner: Planner = Arc::new(|input: PlanInput| {
+        Box::pin(async move {
+            assert!(input.repo_dir.ends_with("config-repo"));
+            Ok(plan(vec![planned("payments", "gw", 250.0)]))
+        })
+    });
+    let args = RunArgs {
+        config: dir.join("rlc.yaml"),
+        once: true,
+        json: false,
+    };
+    assert_eq!(run(args.clone(), planner.clone()).await.unwrap(), 0);
+    assert!(dir.join("config-repo/buckets/payments.yaml").exists());
+    assert!(dir.join("rlc.db").exists());
+    assert_eq!(ctl.version.lock().unwrap().clone(), remote.head("main"));
+    // A planner failure fails the run with exit status 1 and nothing written.
+    let failing: Planner =
+        Arc::new(|_| Box::pin(async { anyhow::bail!("prometheus unreachable") }));
+    assert_eq!(run(args, failing).await.unwrap(), 1);
+    assert_eq!(remote.commit_count("main").unwrap(), 2);
+}

@@ -1,0 +1,525 @@
+//! The writer against real repositories: a bare remote served by `git daemon`, a working
+//! clone made by the writer, and a "human" pushing from a second clone.
+
+use std::future::IntoFuture;
+use std::sync::{Arc, Mutex};
+
+use axum::extract::{Path as AxPath, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::{get, patch};
+use axum::{Json, Router};
+use schema::{Bucket, Mode, PolicyName, RepoMode, Scope};
+use serde_json::{json, Value};
+use test_support::git::{minimal_repo_files, GitRemote, HUMAN_EMAIL};
+
+use super::*;
+use crate::plan::{Plan, PlannedBucket};
+
+pub(crate) fn seeded_remote() -> GitRemote {
+    let files = minimal_repo_files(&[("payments", "gw", 100.0)]);
+    let refs: Vec<(&str, &str)> = files
+        .iter()
+        .map(|(a, b)| (a.as_str(), b.as_str()))
+        .collect();
+    GitRemote::new("main", &refs).unwrap()
+}
+
+pub(crate) fn planned(service: &str, name: &str, limit: f64) -> PlannedBucket {
+    PlannedBucket {
+        service: service.into(),
+        bucket: Bucket {
+            name: name.into(),
+            caller: Some(name.into()),
+            procedure: None,
+            scope: Scope::Global,
+            limit_rps: limit,
+            mode: Mode::Enforce,
+            policy: PolicyName::Peak,
+        },
+        current_limit_rps: None,
+        evidence: json!({"peak_rps": limit / 1.25, "confidence": "high"}),
+    }
+}
+
+pub(crate) fn plan(buckets: Vec<PlannedBucket>) -> Plan {
+    Plan {
+        buckets,
+        skipped: vec![],
+    }
+}
+
+fn writer_cfg(remote: &GitRemote, dir: &str, mode: RepoMode) -> WriterConfig {
+    WriterConfig {
+        path: remote.scratch(dir),
+        url: Some(remote.url()),
+        branch: "main".into(),
+        mode,
+        pr_branch: "rlc/quotas".into(),
+        author_name: "rlc-bot".into(),
+        author_email: "rlc@example.com".into(),
+        token: None,
+        max_attempts: 3,
+    }
+}
+
+#[test]
+fn same_plan_twice_makes_exactly_one_commit() {
+    let remote = seeded_remote();
+    let p = plan(vec![
+        planned("payments", "gw", 250.0),
+        planned("maps", "web", 40.0),
+    ]);
+    let mut w = Writer::open(writer_cfg(&remote, "wc", RepoMode::Direct)).unwrap();
+    let out = w.write(&p).unwrap();
+    let WriteStatus::Committed { commit } = &out.status else {
+        panic!("{:?}", out.status)
+    };
+    assert_eq!(remote.head("main").as_deref(), Some(commit.as_str()));
+    assert_eq!(remote.commit_count("main").unwrap(), 2);
+    let log = remote.log("main").unwrap();
+    assert!(
+        log[0].starts_with(
+            "rlc-bot|rlc@example.com|rlc: update quotas for maps, payments (raised 1, added 1)"
+        ),
+        "{log:?}"
+    );
+    let text = remote.read("main", "buckets/payments.yaml").unwrap();
+    assert!(text.contains("limit_rps: 250\n"), "{text}");
+    assert_eq!(text, schema::render_bucket_file(&p.bucket_files()[1]));
+    // The working copy follows the commit.
+    let wc = std::fs::read_to_string(remote.scratch("wc").join("buckets/maps.yaml")).unwrap();
+    assert!(wc.contains("limit_rps: 40"));
+
+    // Again, from a reopened working copy: byte-identical, no commit.
+    let mut w = Writer::open(writer_cfg(&remote, "wc", RepoMode::Direct)).unwrap();
+    let out = w.write(&p).unwrap();
+    assert_eq!(out.status, WriteStatus::Unchanged);
+    assert!(out.summary.is_empty());
+    assert_eq!(remote.commit_count("main").unwrap(), 2);
+    // And from a fresh clone elsewhere.
+    let mut w = Writer::open(writer_cfg(&remote, "wc2", RepoMode::Direct)).unwrap();
+    assert_eq!(w.write(&p).unwrap().status, WriteStatus::Unchanged);
+    assert_eq!(w.base_buckets().unwrap().0, remote.head("main").unwrap());
+}
+
+#[test]
+fn local_repo_without_remote_gets_commits_on_its_branch() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("repo");
+    test_support::git::git(dir.path(), &["init", "--quiet", "-b", "main", "repo"]).unwrap();
+    for (path, text) in minimal_repo_files(&[("payments", "gw", 100.0)]) {
+        std::fs::create_dir_all(repo.join(&path).parent().unwrap()).unwrap();
+        std::fs::write(repo.join(&path), text).unwrap();
+    }
+    test_support::git::git(&repo, &["add", "-A"]).unwrap();
+    test_support::git::git(&repo, &["commit", "--quiet", "-m", "seed"]).unwrap();
+    let cfg = WriterConfig {
+        path: repo.clone(),
+        url: None,
+        branch: "main".into(),
+        mode: RepoMode::Direct,
+        pr_branch: "rlc/quotas".into(),
+        author_name: "rlc-bot".into(),
+        author_email: "rlc@example.com".into(),
+        token: None,
+        max_attempts: 3,
+    };
+    let p = plan(vec![planned("payments", "gw", 250.0)]);
+    let mut w = Writer::open(cfg.clone()).unwrap();
+    assert!(matches!(
+        w.write(&p).unwrap().status,
+        WriteStatus::Committed { .. }
+    ));
+    assert_eq!(w.write(&p).unwrap().status, WriteStatus::Unchanged);
+    let count = test_support::git::git(&repo, &["rev-list", "--count", "HEAD"]).unwrap();
+    assert_eq!(count.trim(), "2");
+    // The working tree matches the commit (nothing left dirty).
+    assert_eq!(
+        test_support::git::git(&repo, &["status", "--porcelain"]).unwrap(),
+        ""
+    );
+}
+
+#[test]
+fn remote_moved_underneath_is_retried_on_top() {
+    let remote = Arc::new(seeded_remote());
+    let mut w = Writer::open(writer_cfg(&remote, "wc", RepoMode::Direct)).unwrap();
+    let r = remote.clone();
+    let human = Arc::new(Mutex::new(None));
+    let h = human.clone();
+    w.set_before_push(Box::new(move |attempt| {
+        if attempt == 1 {
+            let id = r
+                .human_commit(
+                    "main",
+                    &[("rlc/capacity.yaml", "capacity: []\n")],
+                    "add capacity",
+                )
+                .unwrap();
+            *h.lock().unwrap() = Some(id);
+        }
+    }));
+    let out = w
+        .write(&plan(vec![planned("payments", "gw", 300.0)]))
+        .unwrap();
+    assert_eq!(out.attempts, 2);
+    let WriteStatus::Committed { commit } = &out.status else {
+        panic!("{:?}", out.status)
+    };
+    assert_eq!(remote.head("main").as_deref(), Some(commit.as_str()));
+    let parent =
+        test_support::git::git(&remote.bare_path(), &["rev-parse", &format!("{commit}^")]).unwrap();
+    assert_eq!(Some(parent.trim().to_string()), *human.lock().unwrap());
+    assert_eq!(
+        remote.read("main", "rlc/capacity.yaml").unwrap(),
+        "capacity: []\n"
+    );
+    assert!(remote
+        .read("main", "buckets/payments.yaml")
+        .unwrap()
+        .contains("limit_rps: 300"));
+}
+
+#[test]
+fn push_rejected_by_the_remote_fails_with_the_reason() {
+    let remote = seeded_remote();
+    let before = remote.head("main");
+    remote.reject_pushes("quota changes need approval").unwrap();
+    let mut w = Writer::open(writer_cfg(&remote, "wc", RepoMode::Direct)).unwrap();
+    let err = w
+        .write(&plan(vec![planned("payments", "gw", 300.0)]))
+        .unwrap_err();
+    assert!(matches!(err, GitOpsError::Rejected { .. }), "{err}");
+    assert!(
+        err.to_string().contains("pre-receive hook declined"),
+        "{err}"
+    );
+    assert_eq!(remote.head("main"), before);
+    // Nothing half-written locally either: the working copy still has the old file.
+    let wc = std::fs::read_to_string(remote.scratch("wc").join("buckets/payments.yaml")).unwrap();
+    assert!(wc.contains("limit_rps: 100"), "{wc}");
+}
+
+#[test]
+fn unreachable_remote_fails_with_the_reason() {
+    let remote = seeded_remote();
+    let mut w = Writer::open(writer_cfg(&remote, "wc", RepoMode::Direct)).unwrap();
+    // Point origin at a port nobody listens on.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    git2::Repository::open(remote.scratch("wc"))
+        .unwrap()
+        .remote_set_url("origin", &format!("git://{dead}/remote.git"))
+        .unwrap();
+    let err = w
+        .write(&plan(vec![planned("payments", "gw", 300.0)]))
+        .unwrap_err();
+    assert!(
+        matches!(err, GitOpsError::Remote { op: "fetch", .. }),
+        "{err}"
+    );
+}
+
+#[test]
+fn invalid_render_is_never_committed() {
+    let remote = seeded_remote();
+    let before = remote.head("main");
+    let mut w = Writer::open(writer_cfg(&remote, "wc", RepoMode::Direct)).unwrap();
+    let err = w
+        .write(&plan(vec![planned("payments", "gw", -5.0)]))
+        .unwrap_err();
+    assert!(matches!(err, GitOpsError::Invalid(_)), "{err}");
+    assert!(err.to_string().contains("buckets/payments.yaml"), "{err}");
+    assert_eq!(remote.head("main"), before);
+}
+
+#[test]
+fn pull_request_branch_is_stable_and_human_commits_are_left_alone() {
+    let remote = seeded_remote();
+    let base = remote.head("main");
+    let mut w = Writer::open(writer_cfg(&remote, "wc", RepoMode::PullRequest)).unwrap();
+    let p1 = plan(vec![planned("payments", "gw", 250.0)]);
+    let out = w.write(&p1).unwrap();
+    let WriteStatus::BranchUpdated { commit } = &out.status else {
+        panic!("{:?}", out.status)
+    };
+    assert_eq!(remote.head("rlc/quotas").as_deref(), Some(commit.as_str()));
+    assert_eq!(
+        remote.head("main"),
+        base,
+        "base branch untouched in PR mode"
+    );
+    let report = remote.read("rlc/quotas", "rlc/last-run.md").unwrap();
+    assert!(
+        report.contains("| gw | 100 | 250 | +150.0% | 200 | peak | high |"),
+        "{report}"
+    );
+
+    // Same plan: the branch is up to date, nothing pushed.
+    let out = w.write(&p1).unwrap();
+    assert!(
+        matches!(out.status, WriteStatus::BranchUpToDate { .. }),
+        "{:?}",
+        out.status
+    );
+    assert_eq!(remote.commit_count("rlc/quotas").unwrap(), 2);
+
+    // Other plan: the branch is updated in place (still one commit on top of main).
+    let out = w
+        .write(&plan(vec![planned("payments", "gw", 400.0)]))
+        .unwrap();
+    assert!(
+        matches!(out.status, WriteStatus::BranchUpdated { .. }),
+        "{:?}",
+        out.status
+    );
+    assert_eq!(remote.commit_count("rlc/quotas").unwrap(), 2);
+
+    // A person adds a commit on the branch: rlc leaves it.
+    let human = remote
+        .human_commit(
+            "rlc/quotas",
+            &[(
+                "buckets/payments.yaml",
+                &remote
+                    .read("rlc/quotas", "buckets/payments.yaml")
+                    .unwrap()
+                    .replace("400", "450"),
+            )],
+            "bump by hand",
+        )
+        .unwrap();
+    let out = w
+        .write(&plan(vec![planned("payments", "gw", 500.0)]))
+        .unwrap();
+    let WriteStatus::BranchHeldByHumans { authors } = &out.status else {
+        panic!("{:?}", out.status)
+    };
+    assert!(authors[0].contains(HUMAN_EMAIL), "{authors:?}");
+    assert_eq!(remote.head("rlc/quotas").as_deref(), Some(human.as_str()));
+
+    // Once merged, the base carries the change and the next plan equal to it is a no-op.
+    remote.human_merge("rlc/quotas").unwrap();
+    w.fetch().unwrap();
+    let (version, files) = w.base_buckets().unwrap();
+    assert_eq!(Some(version), remote.head("main"));
+    assert_eq!(files[0].buckets[0].limit_rps, 450.0);
+}
+
+/// A stand-in GitHub API that checks every request and records what it got.
+#[derive(Clone, Default)]
+pub(crate) struct FakeForge {
+    pub(crate) prs: Arc<Mutex<Vec<Value>>>,
+    pub(crate) problems: Arc<Mutex<Vec<String>>>,
+    pub(crate) calls: Arc<Mutex<Vec<String>>>,
+}
+
+impl FakeForge {
+    fn check_auth(&self, h: &HeaderMap) -> bool {
+        let ok = h.get("authorization").and_then(|v| v.to_str().ok()) == Some("Bearer forge-token");
+        if !ok {
+            self.problems
+                .lock()
+                .unwrap()
+                .push("missing or wrong auth".into());
+        }
+        ok
+    }
+    fn check_body(&self, body: &Value) {
+        let b = body["body"].as_str().unwrap_or_default();
+        if b.chars().count() > summary::FORGE_BODY_LIMIT
+            || !b.contains(
+                "| bucket | current | proposed | change % | observed peak | policy | confidence |",
+            )
+        {
+            self.problems
+                .lock()
+                .unwrap()
+                .push(format!("bad body ({} chars)", b.len()));
+        }
+        if body["title"].as_str().unwrap_or_default().is_empty() {
+            self.problems.lock().unwrap().push("empty title".into());
+        }
+    }
+}
+
+async fn list(
+    State(f): State<FakeForge>,
+    h: HeaderMap,
+    AxPath((o, r)): AxPath<(String, String)>,
+    Query(q): Query<std::collections::HashMap<String, String>>,
+) -> (StatusCode, Json<Value>) {
+    f.calls.lock().unwrap().push(format!(
+        "GET {o}/{r} head={:?} state={:?}",
+        q.get("head"),
+        q.get("state")
+    ));
+    if !f.check_auth(&h) {
+        return (
+            StatusCode::UNAUTHORIZED,
+            Json(json!({"message": "Bad credentials"})),
+        );
+    }
+    let head = q.get("head").cloned().unwrap_or_default();
+    let open: Vec<Value> = f
+        .prs
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|p| format!("{o}:{}", p["head"].as_str().unwrap()) == head)
+        .cloned()
+        .collect();
+    (StatusCode::OK, Json(Value::Array(open)))
+}
+
+async fn create(
+    State(f): State<FakeForge>,
+    h: HeaderMap,
+    Json(body): Json<Value>,
+) -> (StatusCode, Json<Value>) {
+    f.calls
+        .lock()
+        .unwrap()
+        .push(format!("POST head={} base={}", body["head"], body["base"]));
+    if !f.check_auth(&h) {
+        return (
+            StatusCode::UNAUTHORIZED,
+            Json(json!({"message": "Bad credentials"})),
+        );
+    }
+    f.check_body(&body);
+    let mut prs = f.prs.lock().unwrap();
+    let n = prs.len() as u64 + 1;
+    let mut pr = body.clone();
+    pr["number"] = json!(n);
+    pr["html_url"] = json!(format!("http://forge/pr/{n}"));
+    prs.push(pr.clone());
+    (StatusCode::CREATED, Json(pr))
+}
+
+async fn update(
+    State(f): State<FakeForge>,
+    h: HeaderMap,
+    AxPath((_o, _r, n)): AxPath<(String, String, u64)>,
+    Json(body): Json<Value>,
+) -> (StatusCode, Json<Value>) {
+    f.calls.lock().unwrap().push(format!("PATCH {n}"));
+    if !f.check_auth(&h) {
+        return (
+            StatusCode::UNAUTHORIZED,
+            Json(json!({"message": "Bad credentials"})),
+        );
+    }
+    f.check_body(&body);
+    let mut prs = f.prs.lock().unwrap();
+    let pr = &mut prs[n as usize - 1];
+    pr["body"] = body["body"].clone();
+    pr["title"] = body["title"].clone();
+    (StatusCode::OK, Json(pr.clone()))
+}
+
+pub(crate) async fn spawn_forge() -> (String, FakeForge) {
+    let f = FakeForge::default();
+    let app = Router::new()
+        .route("/repos/{o}/{r}/pulls", get(list).post(create))
+        .route("/repos/{o}/{r}/pulls/{n}", patch(update))
+        .with_state(f.clone());
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(axum::serve(l, app).into_future());
+    (format!("http://{addr}"), f)
+}
+
+#[tokio::test]
+async fn forge_creates_then_updates_the_pull_request() {
+    let (url, fake) = spawn_forge().await;
+    let forge = Forge::new(&url, "acme/config", "forge-token".into()).unwrap();
+    let body = "| bucket | current | proposed | change % | observed peak | policy | confidence |\n";
+    let (pr, created) = forge
+        .upsert_pull_request("rlc/quotas", "main", "rlc: t", body)
+        .await
+        .unwrap();
+    assert!(created);
+    assert_eq!(pr.number, 1);
+    let (pr, created) = forge
+        .upsert_pull_request("rlc/quotas", "main", "rlc: t2", &format!("{body}x"))
+        .await
+        .unwrap();
+    assert!(!created);
+    assert_eq!(pr.number, 1);
+    assert_eq!(fake.prs.lock().unwrap().len(), 1);
+    assert_eq!(fake.prs.lock().unwrap()[0]["title"], json!("rlc: t2"));
+    assert!(
+        fake.problems.lock().unwrap().is_empty(),
+        "{:?}",
+        fake.problems.lock().unwrap()
+    );
+    let calls = fake.calls.lock().unwrap().clone();
+    assert_eq!(
+        calls[0],
+        "GET acme/config head=Some(\"acme:rlc/quotas\") state=Some(\"open\")"
+    );
+    assert_eq!(calls[1], "POST head=\"rlc/quotas\" base=\"main\"");
+    assert_eq!(calls[3], "PATCH 1");
+
+    let bad = Forge::new(&url, "acme/config", "nope".into()).unwrap();
+    let err = bad
+        .upsert_pull_request("rlc/quotas", "main", "t", body)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, ForgeError::Status { status: 401, .. }),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn refused_credentials_are_bounded_not_retried_forever() {
+    // An https-like smart-HTTP remote that refuses every credential.
+    let hits = Arc::new(Mutex::new(Vec::<Option<String>>::new()));
+    let h = hits.clone();
+    let app = Router::new().fallback(move |headers: HeaderMap| {
+        let h = h.clone();
+        async move {
+            h.lock().unwrap().push(
+                headers
+                    .get("authorization")
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_string),
+            );
+            (
+                StatusCode::UNAUTHORIZED,
+                [("www-authenticate", "Basic realm=\"git\"")],
+                "no",
+            )
+        }
+    });
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(axum::serve(l, app).into_future());
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = WriterConfig {
+        path: dir.path().join("wc"),
+        url: Some(format!("http://{addr}/acme/config.git")),
+        branch: "main".into(),
+        mode: RepoMode::Direct,
+        pr_branch: "rlc/quotas".into(),
+        author_name: "rlc-bot".into(),
+        author_email: "rlc@example.com".into(),
+        token: Some("tok-123".into()),
+        max_attempts: 3,
+    };
+    let err = tokio::task::spawn_blocking(move || Writer::open(cfg).err().unwrap())
+        .await
+        .unwrap();
+    let msg = err.to_string();
+    assert!(msg.contains("failed after 3 attempts"), "{msg}");
+    assert!(!msg.contains("tok-123"), "the token never shows in errors");
+    let hits = hits.lock().unwrap();
+    assert!(hits.len() <= 4, "bounded: {} requests", hits.len());
+    assert!(hits
+        .iter()
+        .any(|a| a.as_deref().is_some_and(|a| a.starts_with("Basic "))));
+}

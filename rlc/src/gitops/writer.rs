@@ -1,0 +1,660 @@
+//! Writes rendered bucket files into the config repo with libgit2: builds the new tree in
+//! memory on top of the remote base, validates it in a scratch directory, commits only when
+//! bytes change, and pushes (base branch in `direct` mode, a stable branch in `pull-request`
+//! mode). Nothing touches the working copy or the remote until the new tree is known valid,
+//! so a failed run leaves nothing half-written.
+//!
+//! libgit2 is blocking: call these from `tokio::task::spawn_blocking`.
+
+use std::cell::{Cell, RefCell};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use git2::{
+    BranchType, Cred, CredentialType, ErrorCode, FetchOptions, ObjectType, Oid, PushOptions,
+    RemoteCallbacks, Repository, Signature, Tree,
+};
+use schema::{BucketFile, ConfigRepoConfig, RepoMode};
+
+use super::summary::{self, ChangeSummary, REPORT_PATH};
+use super::GitOpsError;
+use crate::plan::Plan;
+
+/// libgit2 calls the credentials callback again after every refusal, forever; stop after this.
+const MAX_CREDENTIAL_ATTEMPTS: u32 = 3;
+
+/// Where and how to write, resolved from `rlc.yaml` (paths made absolute, token read).
+#[derive(Clone)]
+pub struct WriterConfig {
+    /// Local working copy.
+    pub path: PathBuf,
+    /// Remote URL (clone source and push target), if any.
+    pub url: Option<String>,
+    /// Base branch.
+    pub branch: String,
+    /// direct | pull-request.
+    pub mode: RepoMode,
+    /// Stable branch of pull-request mode.
+    pub pr_branch: String,
+    /// Commit author name.
+    pub author_name: String,
+    /// Commit author e-mail; commits by anyone else on the PR branch are left alone.
+    pub author_email: String,
+    /// HTTPS token (from the env var named by `token_env`). Never logged.
+    pub token: Option<String>,
+    /// Attempts when the remote base moves underneath (fetch, regenerate, push again).
+    pub max_attempts: u32,
+}
+
+impl std::fmt::Debug for WriterConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WriterConfig")
+            .field("path", &self.path)
+            .field("url", &self.url)
+            .field("branch", &self.branch)
+            .field("mode", &self.mode)
+            .field("pr_branch", &self.pr_branch)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
+}
+
+impl WriterConfig {
+    /// From the `config_repo` section; relative paths are relative to `base_dir` (the
+    /// directory of rlc.yaml).
+    pub fn from_config(c: &ConfigRepoConfig, base_dir: &Path) -> WriterConfig {
+        WriterConfig {
+            path: base_dir.join(&c.path),
+            url: c.url.clone(),
+            branch: c.branch.clone(),
+            mode: c.mode,
+            pr_branch: c.pr_branch.clone(),
+            author_name: c.author_name.clone(),
+            author_email: c.author_email.clone(),
+            token: c.token_env.as_ref().and_then(|v| std::env::var(v).ok()),
+            max_attempts: 3,
+        }
+    }
+}
+
+/// What a write did.
+#[derive(Debug, Clone, PartialEq)]
+pub enum WriteStatus {
+    /// Rendered files equal the ones in the repo (or the PR branch): no commit.
+    Unchanged,
+    /// Committed (and pushed when there is a remote) on the base branch.
+    Committed {
+        /// The new commit.
+        commit: String,
+    },
+    /// The pull-request branch now carries `commit`.
+    BranchUpdated {
+        /// The branch tip.
+        commit: String,
+    },
+    /// The PR branch already carries exactly these files.
+    BranchUpToDate {
+        /// The branch tip.
+        commit: String,
+    },
+    /// The PR branch has commits by people: left as it is.
+    BranchHeldByHumans {
+        /// `name <email>` of the other authors.
+        authors: Vec<String>,
+    },
+}
+
+/// The result of [`Writer::write`].
+#[derive(Debug, Clone)]
+pub struct WriteOutcome {
+    /// What happened.
+    pub status: WriteStatus,
+    /// Base branch tip after the write (includes the new commit in direct mode).
+    pub base_commit: String,
+    /// What changed compared with the base branch.
+    pub summary: ChangeSummary,
+    /// The full markdown report (pull-request mode).
+    pub report: String,
+    /// Attempts used (more than 1 when the remote moved underneath).
+    pub attempts: u32,
+}
+
+/// A fault-injection point called right before each push with the attempt number; tests use
+/// it to move the remote underneath a run.
+pub type BeforePush = Box<dyn FnMut(u32) + Send>;
+
+/// The config repo's working copy with its remote.
+pub struct Writer {
+    repo: Repository,
+    cfg: WriterConfig,
+    before_push: std::sync::Mutex<Option<BeforePush>>,
+}
+
+enum PushFailure {
+    /// The remote moved: fetch and retry.
+    Conflict(String),
+    /// Anything else: the run fails with this.
+    Fatal(GitOpsError),
+}
+
+fn callbacks<'a>(token: Option<&'a str>, attempts: &'a Cell<u32>) -> RemoteCallbacks<'a> {
+    let mut cb = RemoteCallbacks::new();
+    cb.credentials(move |url, username, allowed| {
+        let n = attempts.get() + 1;
+        attempts.set(n);
+        if n > MAX_CREDENTIAL_ATTEMPTS {
+            return Err(git2::Error::from_str(&format!(
+                "authentication to {url} failed after {MAX_CREDENTIAL_ATTEMPTS} attempts"
+            )));
+        }
+        if allowed.contains(CredentialType::SSH_KEY) {
+            let user = username.unwrap_or("git");
+            // First the agent, then the usual key files.
+            if n == 1 {
+                return Cred::ssh_key_from_agent(user);
+            }
+            let home = std::env::var("HOME").unwrap_or_default();
+            for key in ["id_ed25519", "id_rsa", "id_ecdsa"] {
+                let p = Path::new(&home).join(".ssh").join(key);
+                if p.exists() {
+                    return Cred::ssh_key(user, None, &p, None);
+                }
+            }
+            return Err(git2::Error::from_str(
+                "no ssh agent identity or key accepted",
+            ));
+        }
+        if allowed.contains(CredentialType::USER_PASS_PLAINTEXT) {
+            if let Some(t) = token {
+                return Cred::userpass_plaintext(username.unwrap_or("x-access-token"), t);
+            }
+            return Err(git2::Error::from_str(
+                "the remote asks for credentials and config_repo.token_env is not set",
+            ));
+        }
+        Cred::default()
+    });
+    cb
+}
+
+impl Writer {
+    /// Opens the working copy at `cfg.path`, cloning `cfg.url` into it when it does not exist.
+    pub fn open(cfg: WriterConfig) -> Result<Writer, GitOpsError> {
+        let repo = if cfg.path.join(".git").exists() || cfg.path.join("HEAD").exists() {
+            let repo = Repository::open(&cfg.path)?;
+            if let Some(url) = &cfg.url {
+                if repo.find_remote("origin").is_err() {
+                    repo.remote("origin", url)?;
+                }
+            }
+            repo
+        } else if let Some(url) = &cfg.url {
+            let attempts = Cell::new(0);
+            let mut fo = FetchOptions::new();
+            fo.remote_callbacks(callbacks(cfg.token.as_deref(), &attempts));
+            let mut b = git2::build::RepoBuilder::new();
+            b.fetch_options(fo).branch(&cfg.branch);
+            b.clone(url, &cfg.path).map_err(|e| GitOpsError::Remote {
+                op: "clone",
+                message: e.message().to_string(),
+            })?
+        } else {
+            return Err(GitOpsError::NoRepo(cfg.path.clone()));
+        };
+        Ok(Writer {
+            repo,
+            cfg,
+            before_push: std::sync::Mutex::new(None),
+        })
+    }
+
+    /// Sets a hook run right before each push (fault injection for tests).
+    pub fn set_before_push(&mut self, hook: BeforePush) {
+        *self.before_push.lock().unwrap() = Some(hook);
+    }
+
+    fn has_remote(&self) -> bool {
+        self.repo.find_remote("origin").is_ok()
+    }
+
+    /// Fetches the base and PR branches into `refs/remotes/origin/*`.
+    pub fn fetch(&self) -> Result<(), GitOpsError> {
+        if !self.has_remote() {
+            return Ok(());
+        }
+        let mut remote = self.repo.find_remote("origin")?;
+        let attempts = Cell::new(0);
+        let mut fo = FetchOptions::new();
+        fo.remote_callbacks(callbacks(self.cfg.token.as_deref(), &attempts));
+        fo.prune(git2::FetchPrune::On);
+        let specs = [
+            format!("+refs/heads/{0}:refs/remotes/origin/{0}", self.cfg.branch),
+            format!(
+                "+refs/heads/{0}:refs/remotes/origin/{0}",
+                self.cfg.pr_branch
+            ),
+        ];
+        // A missing PR branch is normal: fetch the base first, then the PR branch if present.
+        remote
+            .fetch(&[specs[0].as_str()], Some(&mut fo), None)
+            .map_err(|e| GitOpsError::Remote {
+                op: "fetch",
+                message: e.message().to_string(),
+            })?;
+        let has_pr = remote
+            .list()
+            .map(|heads| {
+                heads
+                    .iter()
+                    .any(|h| h.name() == format!("refs/heads/{}", self.cfg.pr_branch))
+            })
+            .unwrap_or(false);
+        if has_pr {
+            let attempts = Cell::new(0);
+            let mut fo = FetchOptions::new();
+            fo.remote_callbacks(callbacks(self.cfg.token.as_deref(), &attempts));
+            remote
+                .fetch(&[specs[1].as_str()], Some(&mut fo), None)
+                .map_err(|e| GitOpsError::Remote {
+                    op: "fetch",
+                    message: e.message().to_string(),
+                })?;
+        } else if let Ok(mut r) = self
+            .repo
+            .find_reference(&format!("refs/remotes/origin/{}", self.cfg.pr_branch))
+        {
+            r.delete()?;
+        }
+        Ok(())
+    }
+
+    fn base_ref(&self) -> String {
+        if self.has_remote() {
+            format!("refs/remotes/origin/{}", self.cfg.branch)
+        } else {
+            format!("refs/heads/{}", self.cfg.branch)
+        }
+    }
+
+    fn base_commit(&self) -> Result<git2::Commit<'_>, GitOpsError> {
+        let r = self
+            .repo
+            .find_reference(&self.base_ref())
+            .map_err(|_| GitOpsError::NoBranch(self.cfg.branch.clone()))?;
+        Ok(r.peel_to_commit()?)
+    }
+
+    /// Fetches and moves the working copy to the base branch tip, so that what the policy
+    /// computation reads is what the remote has. Local edits in the working copy are
+    /// discarded: it belongs to rlc. Returns the base commit.
+    pub fn sync(&self) -> Result<String, GitOpsError> {
+        self.fetch()?;
+        let base = self.base_commit()?;
+        let local = format!("refs/heads/{}", self.cfg.branch);
+        self.repo
+            .reference(&local, base.id(), true, "rlc: sync with remote")?;
+        self.checkout_branch()?;
+        Ok(base.id().to_string())
+    }
+
+    fn checkout_branch(&self) -> Result<(), GitOpsError> {
+        if self.repo.is_bare() {
+            return Ok(());
+        }
+        self.repo
+            .set_head(&format!("refs/heads/{}", self.cfg.branch))?;
+        let mut co = git2::build::CheckoutBuilder::new();
+        co.force();
+        self.repo.checkout_head(Some(&mut co))?;
+        Ok(())
+    }
+
+    /// The bucket files at the base branch tip (what the controller should run), with the
+    /// commit id. Call after [`Writer::fetch`] or [`Writer::write`].
+    pub fn base_buckets(&self) -> Result<(String, Vec<BucketFile>), GitOpsError> {
+        let base = self.base_commit()?;
+        let files = read_buckets(&self.repo, &base.tree()?)?;
+        Ok((base.id().to_string(), files.into_values().collect()))
+    }
+
+    /// A hash of the human-authored `rlc/*.yaml` at the base tip: a change triggers a run.
+    pub fn inputs_hash(&self) -> Result<String, GitOpsError> {
+        let base = self.base_commit()?;
+        let tree = base.tree()?;
+        let mut parts = String::new();
+        if let Ok(entry) = tree.get_path(Path::new("rlc")) {
+            let sub = self.repo.find_tree(entry.id())?;
+            for e in sub.iter() {
+                let name = e.name().unwrap_or_default();
+                if name.ends_with(".yaml") || name.ends_with(".yml") {
+                    parts.push_str(&format!("{name}:{}\n", e.id()));
+                }
+            }
+        }
+        Ok(Oid::hash_object(ObjectType::Blob, parts.as_bytes())?.to_string())
+    }
+
+    /// Renders `plan` on top of the base branch and commits/pushes it per the mode. Retries
+    /// (fetch, regenerate) when the remote base moves underneath, up to `max_attempts`.
+    pub fn write(&mut self, plan: &Plan) -> Result<WriteOutcome, GitOpsError> {
+        let max = self.cfg.max_attempts.max(1);
+        let mut last_conflict = String::new();
+        for attempt in 1..=max {
+            self.fetch()?;
+            match self.write_once(plan, attempt) {
+                Ok(out) => return Ok(out),
+                Err(PushFailure::Conflict(msg)) => {
+                    tracing::warn!(attempt, reason = %msg, "remote moved underneath; regenerating on top");
+                    last_conflict = msg;
+                }
+                Err(PushFailure::Fatal(e)) => return Err(e),
+            }
+        }
+        Err(GitOpsError::TooManyConflicts {
+            attempts: max,
+            message: last_conflict,
+        })
+    }
+
+    fn write_once(&self, plan: &Plan, attempt: u32) -> Result<WriteOutcome, PushFailure> {
+        let fatal = |e: GitOpsError| PushFailure::Fatal(e);
+        let base = self.base_commit().map_err(fatal)?;
+        let base_id = base.id();
+        let base_tree = base.tree().map_err(|e| fatal(e.into()))?;
+        let old = read_buckets(&self.repo, &base_tree).map_err(fatal)?;
+        let new_files = plan.bucket_files();
+        let summary = summary::diff(&old, &new_files);
+        let report = summary::report(plan, &summary);
+
+        let mut blobs: Vec<(String, Vec<u8>)> = new_files
+            .iter()
+            .map(|f| {
+                (
+                    format!("buckets/{}.yaml", f.service),
+                    schema::render_bucket_file(f).into_bytes(),
+                )
+            })
+            .collect();
+        let tree_id = build_tree(&self.repo, &base_tree, &blobs).map_err(fatal)?;
+        let base_s = base_id.to_string();
+        let done = |status, attempts| WriteOutcome {
+            status,
+            base_commit: base_s.clone(),
+            summary: summary.clone(),
+            report: report.clone(),
+            attempts,
+        };
+        if tree_id == base_tree.id() {
+            return Ok(done(WriteStatus::Unchanged, attempt));
+        }
+        if self.cfg.mode == RepoMode::PullRequest {
+            blobs.push((REPORT_PATH.to_string(), report.clone().into_bytes()));
+        }
+        let tree_id = build_tree(&self.repo, &base_tree, &blobs).map_err(fatal)?;
+        let tree = self.repo.find_tree(tree_id).map_err(|e| fatal(e.into()))?;
+        validate_tree(&self.repo, &tree).map_err(fatal)?;
+
+        let sig = Signature::now(&self.cfg.author_name, &self.cfg.author_email)
+            .map_err(|e| fatal(e.into()))?;
+        let message = summary.commit_message();
+        match self.cfg.mode {
+            RepoMode::Direct => {
+                let commit = self
+                    .repo
+                    .commit(None, &sig, &sig, &message, &tree, &[&base])
+                    .map_err(|e| fatal(e.into()))?;
+                if self.has_remote() {
+                    let outgoing = "refs/rlc/outgoing";
+                    self.repo
+                        .reference(outgoing, commit, true, "rlc: outgoing")
+                        .map_err(|e| fatal(e.into()))?;
+                    // Never forced: the base branch only moves forward.
+                    self.push(
+                        &format!("{outgoing}:refs/heads/{}", self.cfg.branch),
+                        attempt,
+                    )?;
+                    self.repo
+                        .reference(&self.base_ref(), commit, true, "rlc: pushed")
+                        .map_err(|e| fatal(e.into()))?;
+                }
+                self.repo
+                    .reference(
+                        &format!("refs/heads/{}", self.cfg.branch),
+                        commit,
+                        true,
+                        "rlc: commit",
+                    )
+                    .map_err(|e| fatal(e.into()))?;
+                self.checkout_branch().map_err(fatal)?;
+                Ok(WriteOutcome {
+                    base_commit: commit.to_string(),
+                    ..done(
+                        WriteStatus::Committed {
+                            commit: commit.to_string(),
+                        },
+                        attempt,
+                    )
+                })
+            }
+            RepoMode::PullRequest => {
+                let pr_ref = if self.has_remote() {
+                    format!("refs/remotes/origin/{}", self.cfg.pr_branch)
+                } else {
+                    format!("refs/heads/{}", self.cfg.pr_branch)
+                };
+                if let Ok(r) = self.repo.find_reference(&pr_ref) {
+                    let tip = r.peel_to_commit().map_err(|e| fatal(e.into()))?;
+                    let humans = self.foreign_authors(tip.id(), base_id).map_err(fatal)?;
+                    if !humans.is_empty() {
+                        tracing::warn!(branch = %self.cfg.pr_branch, authors = ?humans, "pull-request branch has commits by people; leaving it");
+                        return Ok(done(
+                            WriteStatus::BranchHeldByHumans { authors: humans },
+                            attempt,
+                        ));
+                    }
+                    if tip.tree_id() == tree_id {
+                        return Ok(done(
+                            WriteStatus::BranchUpToDate {
+                                commit: tip.id().to_string(),
+                            },
+                            attempt,
+                        ));
+                    }
+                }
+                // Regenerated on the base tip each time, so the branch never conflicts.
+                let commit = self
+                    .repo
+                    .commit(None, &sig, &sig, &message, &tree, &[&base])
+                    .map_err(|e| fatal(e.into()))?;
+                let local = format!("refs/heads/{}", self.cfg.pr_branch);
+                self.repo
+                    .reference(&local, commit, true, "rlc: proposal")
+                    .map_err(|e| fatal(e.into()))?;
+                if self.has_remote() {
+                    // Forcing is fine on rlc's own branch (checked above for human commits).
+                    self.push(&format!("+{local}:{local}"), attempt)?;
+                    self.repo
+                        .reference(&pr_ref, commit, true, "rlc: pushed")
+                        .map_err(|e| fatal(e.into()))?;
+                }
+                Ok(done(
+                    WriteStatus::BranchUpdated {
+                        commit: commit.to_string(),
+                    },
+                    attempt,
+                ))
+            }
+        }
+    }
+
+    /// Authors other than rlc of commits on `tip` not on `base`.
+    fn foreign_authors(&self, tip: Oid, base: Oid) -> Result<Vec<String>, GitOpsError> {
+        let mut walk = self.repo.revwalk()?;
+        walk.push(tip)?;
+        walk.hide(base)?;
+        let mut out = Vec::new();
+        for id in walk {
+            let c = self.repo.find_commit(id?)?;
+            let a = c.author();
+            if a.email() != Some(self.cfg.author_email.as_str()) {
+                let who = format!("{} <{}>", a.name().unwrap_or("?"), a.email().unwrap_or("?"));
+                if !out.contains(&who) {
+                    out.push(who);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn push(&self, refspec: &str, attempt: u32) -> Result<(), PushFailure> {
+        if let Some(hook) = self.before_push.lock().unwrap().as_mut() {
+            hook(attempt);
+        }
+        let mut remote = self
+            .repo
+            .find_remote("origin")
+            .map_err(|e| PushFailure::Fatal(e.into()))?;
+        let attempts = Cell::new(0);
+        let rejected: RefCell<Vec<(String, String)>> = RefCell::new(Vec::new());
+        let result = {
+            let mut cb = callbacks(self.cfg.token.as_deref(), &attempts);
+            // Server-side rejections (hooks, protected branches, stale refs) are reported
+            // only here; push() itself returns Ok for them.
+            cb.push_update_reference(|refname, status| {
+                if let Some(msg) = status {
+                    rejected
+                        .borrow_mut()
+                        .push((refname.to_string(), msg.to_string()));
+                }
+                Ok(())
+            });
+            let mut po = PushOptions::new();
+            po.remote_callbacks(cb);
+            remote.push(&[refspec], Some(&mut po))
+        };
+        match result {
+            Err(e) if e.code() == ErrorCode::NotFastForward => {
+                return Err(PushFailure::Conflict(e.message().to_string()))
+            }
+            Err(e) => {
+                return Err(PushFailure::Fatal(GitOpsError::Remote {
+                    op: "push",
+                    message: e.message().to_string(),
+                }))
+            }
+            Ok(()) => {}
+        }
+        let rejected = rejected.into_inner();
+        if let Some((refname, msg)) = rejected.into_iter().next() {
+            let lower = msg.to_ascii_lowercase();
+            if lower.contains("non-fast-forward")
+                || lower.contains("fetch first")
+                || lower.contains("stale")
+            {
+                return Err(PushFailure::Conflict(format!("{refname}: {msg}")));
+            }
+            return Err(PushFailure::Fatal(GitOpsError::Rejected {
+                refname,
+                message: msg,
+            }));
+        }
+        Ok(())
+    }
+}
+
+/// `buckets/*.yaml` of `tree`, parsed, by service. Files that do not parse are left out: the
+/// writer replaces them and validation reports the rest.
+fn read_buckets(
+    repo: &Repository,
+    tree: &Tree<'_>,
+) -> Result<BTreeMap<String, BucketFile>, GitOpsError> {
+    let mut out = BTreeMap::new();
+    let Ok(entry) = tree.get_path(Path::new("buckets")) else {
+        return Ok(out);
+    };
+    let sub = repo.find_tree(entry.id())?;
+    for e in sub.iter() {
+        let Some(name) = e.name() else { continue };
+        let Some(stem) = name.strip_suffix(".yaml") else {
+            continue;
+        };
+        let blob = repo.find_blob(e.id())?;
+        let text = String::from_utf8_lossy(blob.content());
+        if let Ok(f) = schema::parse_str::<BucketFile>(Path::new(name), &text) {
+            out.insert(stem.to_string(), f.value);
+        }
+    }
+    Ok(out)
+}
+
+/// `base` with `files` (paths one directory deep, e.g. `buckets/x.yaml`) written in.
+fn build_tree(
+    repo: &Repository,
+    base: &Tree<'_>,
+    files: &[(String, Vec<u8>)],
+) -> Result<Oid, GitOpsError> {
+    let mut by_dir: BTreeMap<&str, Vec<(&str, &[u8])>> = BTreeMap::new();
+    for (path, bytes) in files {
+        let (dir, name) = path.split_once('/').expect("generated paths are dir/file");
+        by_dir.entry(dir).or_default().push((name, bytes));
+    }
+    let mut root = repo.treebuilder(Some(base))?;
+    for (dir, entries) in by_dir {
+        let existing = match base.get_name(dir) {
+            Some(e) if e.kind() == Some(ObjectType::Tree) => Some(repo.find_tree(e.id())?),
+            _ => None,
+        };
+        let mut sub = repo.treebuilder(existing.as_ref())?;
+        for (name, bytes) in entries {
+            let blob = repo.blob(bytes)?;
+            sub.insert(name, blob, 0o100644)?;
+        }
+        root.insert(dir, sub.write()?, 0o040000)?;
+    }
+    Ok(root.write()?)
+}
+
+/// Writes `buckets/` and `rlc/` of `tree` to a scratch directory and runs the same validation
+/// as `rlc validate`.
+fn validate_tree(repo: &Repository, tree: &Tree<'_>) -> Result<(), GitOpsError> {
+    let tmp = tempfile::tempdir()?;
+    for dir in ["buckets", "rlc"] {
+        let Some(e) = tree.get_name(dir) else {
+            continue;
+        };
+        let Ok(sub) = repo.find_tree(e.id()) else {
+            continue;
+        };
+        std::fs::create_dir_all(tmp.path().join(dir))?;
+        for f in sub.iter() {
+            if f.kind() != Some(ObjectType::Blob) {
+                continue;
+            }
+            let blob = repo.find_blob(f.id())?;
+            std::fs::write(
+                tmp.path().join(dir).join(f.name().unwrap_or("_")),
+                blob.content(),
+            )?;
+        }
+    }
+    let diags = schema::validate_repo(tmp.path());
+    if diags.is_empty() {
+        return Ok(());
+    }
+    let lines: Vec<String> = diags
+        .iter()
+        .map(|d| {
+            let mut d = d.clone();
+            if let Ok(rel) = d.file.strip_prefix(tmp.path()) {
+                d.file = rel.to_path_buf();
+            }
+            d.to_string()
+        })
+        .collect();
+    Err(GitOpsError::Invalid(lines.join("\n")))
+}
+
+/// Whether `branch` exists locally (used by tests and the daemon's status).
+pub fn has_local_branch(repo: &Repository, branch: &str) -> bool {
+    repo.find_branch(branch, BranchType::Local).is_ok()
+}

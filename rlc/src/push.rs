@@ -1,0 +1,295 @@
+//! The GRL controller client (`PUT /v1/config`, `GET /v1/status`, `GET /v1/reports`) and the
+//! reconcile loop that brings the controller to the desired config version, retrying with
+//! bounded backoff while it is down.
+
+use std::time::Duration;
+
+use schema::BucketFile;
+use serde::{Deserialize, Serialize};
+
+/// Why a controller call failed. Never carries the token.
+#[derive(Debug, thiserror::Error)]
+pub enum PushError {
+    /// Could not reach the controller (down, refused, timed out): worth retrying.
+    #[error("controller unreachable: {0}")]
+    Unreachable(#[source] reqwest::Error),
+    /// 401: the token is wrong or missing.
+    #[error("controller refused the token (401); check the env var named by controller.token_env")]
+    Unauthorized,
+    /// 4xx: the controller refuses this config; retrying the same config will not help.
+    #[error("controller rejected the config ({status}): {message}")]
+    Rejected {
+        /// HTTP status.
+        status: u16,
+        /// The controller's `error` field.
+        message: String,
+    },
+    /// 5xx or an unreadable answer: worth retrying.
+    #[error("controller error ({status}): {message}")]
+    Server {
+        /// HTTP status.
+        status: u16,
+        /// Body, truncated.
+        message: String,
+    },
+    /// The controller token env var is not set.
+    #[error("environment variable {0} (controller.token_env) is not set")]
+    NoToken(String),
+}
+
+impl PushError {
+    /// Whether trying again later can succeed without a config change.
+    pub fn retryable(&self) -> bool {
+        matches!(self, PushError::Unreachable(_) | PushError::Server { .. })
+    }
+}
+
+/// `GET /v1/status`, the part rlc reads.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+pub struct ControllerStatus {
+    /// Active config version (a commit id), if any.
+    #[serde(default)]
+    pub version: Option<String>,
+}
+
+/// One report row of `GET /v1/reports`.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+pub struct Report {
+    /// Controller sequence number.
+    pub seq: i64,
+    /// Time of the tick (as the controller sends it: seconds or a timestamp).
+    pub t: serde_json::Value,
+    /// Callee service.
+    pub service: String,
+    /// Bucket name.
+    pub bucket: String,
+    /// Caller, if the bucket matches one.
+    #[serde(default)]
+    pub caller: Option<String>,
+    /// Procedure, if the bucket matches one.
+    #[serde(default)]
+    pub procedure: Option<String>,
+    /// enforce | shadow.
+    pub mode: String,
+    /// Scope key (global, a region or a zone).
+    #[serde(default)]
+    pub scope_key: Option<String>,
+    /// Offered rate.
+    pub offered: f64,
+    /// Admitted rate.
+    pub admitted: f64,
+    /// Dropped rate.
+    pub dropped: f64,
+    /// Virtually dropped rate (shadow).
+    pub shadow_dropped: f64,
+    /// The limit.
+    pub limit_rps: f64,
+    /// Drop ratio.
+    pub drop_ratio: f64,
+}
+
+/// `GET /v1/reports` answer.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+pub struct ReportPage {
+    /// Cursor for the next call.
+    pub next: serde_json::Value,
+    /// Reports after the given cursor.
+    pub reports: Vec<Report>,
+}
+
+/// A client for one controller.
+#[derive(Clone)]
+pub struct ControllerClient {
+    http: reqwest::Client,
+    url: String,
+    token: String,
+}
+
+impl std::fmt::Debug for ControllerClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControllerClient")
+            .field("url", &self.url)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The config the controller should run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Desired {
+    /// The commit id of the base branch the files come from.
+    pub version: String,
+    /// Every bucket file at that commit.
+    pub services: Vec<BucketFile>,
+}
+
+impl ControllerClient {
+    /// A client for `url` with `token`.
+    pub fn new(url: &str, token: String) -> ControllerClient {
+        ControllerClient {
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_secs(30))
+                .build()
+                .expect("a default reqwest client builds"),
+            url: url.trim_end_matches('/').to_string(),
+            token,
+        }
+    }
+
+    /// From `controller` in rlc.yaml, reading the token from its env var.
+    pub fn from_config(c: &schema::ControllerConfig) -> Result<ControllerClient, PushError> {
+        let token =
+            std::env::var(&c.token_env).map_err(|_| PushError::NoToken(c.token_env.clone()))?;
+        Ok(ControllerClient::new(&c.url, token))
+    }
+
+    async fn check(resp: reqwest::Response) -> Result<reqwest::Response, PushError> {
+        let status = resp.status();
+        if status.is_success() {
+            return Ok(resp);
+        }
+        if status.as_u16() == 401 {
+            return Err(PushError::Unauthorized);
+        }
+        let text = resp.text().await.unwrap_or_default();
+        let message = serde_json::from_str::<serde_json::Value>(&text)
+            .ok()
+            .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_string))
+            .unwrap_or_else(|| text.chars().take(500).collect());
+        if status.is_client_error() {
+            Err(PushError::Rejected {
+                status: status.as_u16(),
+                message,
+            })
+        } else {
+            Err(PushError::Server {
+                status: status.as_u16(),
+                message,
+            })
+        }
+    }
+
+    /// `PUT /v1/config`: the same version twice is a no-op on the controller.
+    pub async fn put_config(&self, desired: &Desired) -> Result<(), PushError> {
+        let body = serde_json::json!({"version": desired.version, "services": desired.services});
+        let resp = self
+            .http
+            .put(format!("{}/v1/config", self.url))
+            .bearer_auth(&self.token)
+            .json(&body)
+            .send()
+            .await
+            .map_err(PushError::Unreachable)?;
+        Self::check(resp).await?;
+        Ok(())
+    }
+
+    /// `GET /v1/status`.
+    pub async fn status(&self) -> Result<ControllerStatus, PushError> {
+        let resp = self
+            .http
+            .get(format!("{}/v1/status", self.url))
+            .bearer_auth(&self.token)
+            .send()
+            .await
+            .map_err(PushError::Unreachable)?;
+        Self::check(resp)
+            .await?
+            .json()
+            .await
+            .map_err(|e| PushError::Server {
+                status: 200,
+                message: format!("unreadable status: {e}"),
+            })
+    }
+
+    /// `GET /v1/reports?after=CURSOR&limit=N`.
+    pub async fn reports(&self, after: Option<&str>, limit: u32) -> Result<ReportPage, PushError> {
+        let mut q = vec![("limit", limit.to_string())];
+        if let Some(a) = after {
+            q.push(("after", a.to_string()));
+        }
+        let resp = self
+            .http
+            .get(format!("{}/v1/reports", self.url))
+            .bearer_auth(&self.token)
+            .query(&q)
+            .send()
+            .await
+            .map_err(PushError::Unreachable)?;
+        Self::check(resp)
+            .await?
+            .json()
+            .await
+            .map_err(|e| PushError::Server {
+                status: 200,
+                message: format!("unreadable reports: {e}"),
+            })
+    }
+
+    /// One reconcile step: reads the active version and pushes `desired` unless the
+    /// controller already runs it. Returns whether a PUT was sent.
+    pub async fn reconcile_once(&self, desired: &Desired) -> Result<bool, PushError> {
+        let st = self.status().await?;
+        if st.version.as_deref() == Some(desired.version.as_str()) {
+            return Ok(false);
+        }
+        self.put_config(desired).await?;
+        Ok(true)
+    }
+}
+
+/// Exponential backoff between `min` and `max`, at most `attempts` tries (`None` = until
+/// it succeeds or fails for good).
+#[derive(Debug, Clone, Copy)]
+pub struct Backoff {
+    /// First delay.
+    pub min: Duration,
+    /// Largest delay.
+    pub max: Duration,
+    /// Tries at most.
+    pub attempts: Option<u32>,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Backoff {
+            min: Duration::from_millis(200),
+            max: Duration::from_secs(30),
+            attempts: Some(5),
+        }
+    }
+}
+
+/// Brings the controller to `desired`, retrying retryable failures with `backoff`.
+/// `on_failure` sees every failed attempt (the daemon counts them in metrics; tests use it to
+/// know the controller was really down). Returns whether a PUT was sent.
+pub async fn reconcile(
+    client: &ControllerClient,
+    desired: &Desired,
+    backoff: Backoff,
+    mut on_failure: impl FnMut(u32, &PushError),
+) -> Result<bool, PushError> {
+    let mut delay = backoff.min;
+    let mut attempt = 0u32;
+    loop {
+        attempt += 1;
+        match client.reconcile_once(desired).await {
+            Ok(sent) => {
+                tracing::info!(version = %desired.version, sent, attempt, "controller reconciled");
+                return Ok(sent);
+            }
+            Err(e) => {
+                tracing::warn!(version = %desired.version, attempt, error = %e, "controller push failed");
+                on_failure(attempt, &e);
+                if !e.retryable() || backoff.attempts.is_some_and(|n| attempt >= n) {
+                    return Err(e);
+                }
+            }
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(backoff.max);
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests;

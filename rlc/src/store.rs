@@ -1,0 +1,389 @@
+//! The RLC store (sqlx): runs, quota history per bucket with its evidence, shadow reports
+//! from the controller, and cursors. Postgres in production, SQLite as the embedded default;
+//! both run the same queries (JSON kept as TEXT, `$n` placeholders) and pass the same tests.
+//!
+//! Several daemons on one Postgres elect the active scheduler with `pg_try_advisory_lock` on
+//! a dedicated connection ([`Store::try_lead`]); with SQLite there is one instance.
+
+use std::path::Path;
+use std::str::FromStr;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+use sqlx::{Connection, PgPool, SqlitePool};
+
+use crate::push::Report;
+
+/// Why a store call failed. Messages never include the database URL's password.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The database refused or is unreachable.
+    #[error("store: {0}")]
+    Db(#[from] sqlx::Error),
+    /// Migrations failed.
+    #[error("store migrations: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    /// The URL is neither sqlite: nor postgres:.
+    #[error("unsupported database_url scheme (expected sqlite:… or postgres://…)")]
+    Scheme,
+}
+
+/// Advisory-lock key of the active scheduler ("rlc-sched").
+const SCHEDULER_LOCK_KEY: i64 = 0x726c_632d_7363_6864;
+
+/// A connected, migrated store.
+#[derive(Clone, Debug)]
+pub enum Store {
+    /// Postgres.
+    Postgres(PgPool),
+    /// SQLite (a file next to rlc.yaml by default).
+    Sqlite(SqlitePool),
+}
+
+/// One run, as recorded.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow)]
+pub struct RunRecord {
+    /// Assigned by the store (0 before insertion).
+    pub id: i64,
+    /// schedule | inputs-changed | api | once.
+    pub trigger: String,
+    /// Start.
+    pub started_at: DateTime<Utc>,
+    /// End.
+    pub finished_at: DateTime<Utc>,
+    /// success | unchanged | push-pending | held | failed.
+    pub status: String,
+    /// The commit made (or the PR branch tip), if any.
+    pub commit_sha: Option<String>,
+    /// The version the controller confirmed, if any.
+    pub version_pushed: Option<String>,
+    /// Per-service outcome as JSON (`[{"service", "outcome", ...}]`).
+    pub services: String,
+    /// The human-readable summary.
+    pub summary: String,
+    /// Why it failed, if it did.
+    pub error: Option<String>,
+}
+
+/// One bucket change, with the evidence that produced it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow)]
+pub struct QuotaRecord {
+    /// Callee service.
+    pub service: String,
+    /// Bucket name.
+    pub bucket: String,
+    /// added | removed | raised | lowered | modified.
+    pub change: String,
+    /// New limit (none when removed).
+    pub limit_rps: Option<f64>,
+    /// Limit before.
+    pub previous_limit_rps: Option<f64>,
+    /// enforce | shadow.
+    pub mode: Option<String>,
+    /// Policy that produced it.
+    pub policy: Option<String>,
+    /// Commit that carries it.
+    pub commit_sha: Option<String>,
+    /// Evidence JSON.
+    pub evidence: String,
+    /// When it was recorded.
+    pub recorded_at: DateTime<Utc>,
+}
+
+/// A shadow report as stored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow)]
+pub struct StoredReport {
+    /// Controller sequence number.
+    pub seq: i64,
+    /// Tick time as the controller sent it (JSON text).
+    pub t: String,
+    /// Callee service.
+    pub service: String,
+    /// Bucket.
+    pub bucket: String,
+    /// Caller.
+    pub caller: Option<String>,
+    /// Procedure.
+    pub procedure: Option<String>,
+    /// Mode.
+    pub mode: String,
+    /// Scope key ('' for global).
+    pub scope_key: String,
+    /// Offered rate.
+    pub offered: f64,
+    /// Admitted rate.
+    pub admitted: f64,
+    /// Dropped rate.
+    pub dropped: f64,
+    /// Virtual drops.
+    pub shadow_dropped: f64,
+    /// Limit.
+    pub limit_rps: f64,
+    /// Drop ratio.
+    pub drop_ratio: f64,
+}
+
+/// Held while this process is the active scheduler; dropping it releases the lock.
+pub struct Lease {
+    conn: Option<sqlx::PgConnection>,
+}
+
+impl Lease {
+    /// Whether the lock is still held (its connection is alive). SQLite leases always are.
+    pub async fn alive(&mut self) -> bool {
+        match self.conn.as_mut() {
+            None => true,
+            Some(c) => c.ping().await.is_ok(),
+        }
+    }
+
+    /// Releases the lock now (on shutdown) instead of when the server notices the closed
+    /// connection.
+    pub async fn release(mut self) {
+        if let Some(mut c) = self.conn.take() {
+            let _ = sqlx::query("SELECT pg_advisory_unlock($1)")
+                .bind(SCHEDULER_LOCK_KEY)
+                .execute(&mut c)
+                .await;
+            let _ = c.close().await;
+        }
+    }
+}
+
+/// Runs the same statement on whichever backend: each arm type-checks on its own.
+macro_rules! on_pool {
+    ($self:expr, $p:ident => $body:expr) => {
+        match $self {
+            Store::Postgres($p) => $body,
+            Store::Sqlite($p) => $body,
+        }
+    };
+}
+
+impl Store {
+    /// Connects and migrates. A relative SQLite path is relative to `base_dir` (the directory
+    /// of rlc.yaml); the file is created when missing.
+    pub async fn connect(url: &str, base_dir: &Path) -> Result<Store, StoreError> {
+        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            let opts = PgConnectOptions::from_str(url)?;
+            let pool = PgPoolOptions::new()
+                .max_connections(5)
+                .acquire_timeout(Duration::from_secs(10))
+                .connect_with(opts)
+                .await?;
+            sqlx::migrate!("../migrations/postgres").run(&pool).await?;
+            Ok(Store::Postgres(pool))
+        } else if let Some(rest) = url.strip_prefix("sqlite:") {
+            let rest = rest.trim_start_matches("//");
+            let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
+            let opts = if path == ":memory:" || path.is_empty() {
+                SqliteConnectOptions::from_str("sqlite::memory:")?
+            } else {
+                let p = base_dir.join(path);
+                let mut o = SqliteConnectOptions::new()
+                    .filename(p)
+                    .create_if_missing(true);
+                if query.contains("mode=ro") {
+                    o = o.read_only(true);
+                }
+                o
+            };
+            // One writer at a time is what SQLite does anyway; a single connection also keeps
+            // an in-memory database alive across calls.
+            let pool = SqlitePoolOptions::new()
+                .max_connections(1)
+                .acquire_timeout(Duration::from_secs(10))
+                .connect_with(opts.busy_timeout(Duration::from_secs(5)))
+                .await?;
+            sqlx::migrate!("../migrations/sqlite").run(&pool).await?;
+            Ok(Store::Sqlite(pool))
+        } else {
+            Err(StoreError::Scheme)
+        }
+    }
+
+    /// Which backend: `postgres` or `sqlite`.
+    pub fn backend(&self) -> &'static str {
+        match self {
+            Store::Postgres(_) => "postgres",
+            Store::Sqlite(_) => "sqlite",
+        }
+    }
+
+    /// Records a finished run and its quota changes in one transaction; returns the run id.
+    pub async fn record_run(
+        &self,
+        run: &RunRecord,
+        quotas: &[QuotaRecord],
+    ) -> Result<i64, StoreError> {
+        on_pool!(self, pool => {
+            let mut tx = pool.begin().await?;
+            let (id,): (i64,) = sqlx::query_as(
+                "INSERT INTO runs (trigger, started_at, finished_at, status, commit_sha, version_pushed, services, summary, error) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) RETURNING id",
+            )
+            .bind(&run.trigger)
+            .bind(run.started_at)
+            .bind(run.finished_at)
+            .bind(&run.status)
+            .bind(&run.commit_sha)
+            .bind(&run.version_pushed)
+            .bind(&run.services)
+            .bind(&run.summary)
+            .bind(&run.error)
+            .fetch_one(&mut *tx)
+            .await?;
+            for q in quotas {
+                sqlx::query(
+                    "INSERT INTO quota_history (run_id, recorded_at, service, bucket, change, limit_rps, previous_limit_rps, mode, policy, commit_sha, evidence) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+                )
+                .bind(id)
+                .bind(q.recorded_at)
+                .bind(&q.service)
+                .bind(&q.bucket)
+                .bind(&q.change)
+                .bind(q.limit_rps)
+                .bind(q.previous_limit_rps)
+                .bind(&q.mode)
+                .bind(&q.policy)
+                .bind(&q.commit_sha)
+                .bind(&q.evidence)
+                .execute(&mut *tx)
+                .await?;
+            }
+            tx.commit().await?;
+            Ok(id)
+        })
+    }
+
+    /// The most recent runs, newest first.
+    pub async fn recent_runs(&self, limit: i64) -> Result<Vec<RunRecord>, StoreError> {
+        on_pool!(self, pool => Ok(sqlx::query_as::<_, RunRecord>(
+            "SELECT id, trigger, started_at, finished_at, status, commit_sha, version_pushed, services, summary, error \
+             FROM runs ORDER BY id DESC LIMIT $1",
+        )
+        .bind(limit)
+        .fetch_all(pool)
+        .await?))
+    }
+
+    /// The quota history of one bucket, oldest first.
+    pub async fn quota_history(
+        &self,
+        service: &str,
+        bucket: &str,
+    ) -> Result<Vec<QuotaRecord>, StoreError> {
+        on_pool!(self, pool => Ok(sqlx::query_as::<_, QuotaRecord>(
+            "SELECT service, bucket, change, limit_rps, previous_limit_rps, mode, policy, commit_sha, evidence, recorded_at \
+             FROM quota_history WHERE service = $1 AND bucket = $2 ORDER BY id",
+        )
+        .bind(service)
+        .bind(bucket)
+        .fetch_all(pool)
+        .await?))
+    }
+
+    /// Stores reports (duplicates by seq/service/bucket/scope key are ignored); returns how
+    /// many were new.
+    pub async fn insert_reports(
+        &self,
+        reports: &[Report],
+        received_at: DateTime<Utc>,
+    ) -> Result<u64, StoreError> {
+        on_pool!(self, pool => {
+            let mut tx = pool.begin().await?;
+            let mut n = 0;
+            for r in reports {
+                let t = match &r.t {
+                    serde_json::Value::String(s) => s.clone(),
+                    v => v.to_string(),
+                };
+                n += sqlx::query(
+                    "INSERT INTO shadow_reports (seq, t, service, bucket, caller, procedure, mode, scope_key, offered, admitted, dropped, shadow_dropped, limit_rps, drop_ratio, received_at) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15) \
+                     ON CONFLICT (seq, service, bucket, scope_key) DO NOTHING",
+                )
+                .bind(r.seq)
+                .bind(t)
+                .bind(&r.service)
+                .bind(&r.bucket)
+                .bind(&r.caller)
+                .bind(&r.procedure)
+                .bind(&r.mode)
+                .bind(r.scope_key.clone().unwrap_or_default())
+                .bind(r.offered)
+                .bind(r.admitted)
+                .bind(r.dropped)
+                .bind(r.shadow_dropped)
+                .bind(r.limit_rps)
+                .bind(r.drop_ratio)
+                .bind(received_at)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            }
+            tx.commit().await?;
+            Ok(n)
+        })
+    }
+
+    /// Stored reports, optionally of one service, by sequence number (at most `limit`).
+    pub async fn reports(
+        &self,
+        service: Option<&str>,
+        limit: i64,
+    ) -> Result<Vec<StoredReport>, StoreError> {
+        on_pool!(self, pool => Ok(sqlx::query_as::<_, StoredReport>(
+            "SELECT seq, t, service, bucket, caller, procedure, mode, scope_key, offered, admitted, dropped, shadow_dropped, limit_rps, drop_ratio \
+             FROM shadow_reports WHERE ($1 IS NULL OR service = $1) ORDER BY seq, service, bucket, scope_key LIMIT $2",
+        )
+        .bind(service)
+        .bind(limit)
+        .fetch_all(pool)
+        .await?))
+    }
+
+    /// A named cursor (e.g. the controller's report position).
+    pub async fn cursor(&self, name: &str) -> Result<Option<String>, StoreError> {
+        on_pool!(self, pool => Ok(sqlx::query_as::<_, (String,)>("SELECT value FROM cursors WHERE name = $1")
+            .bind(name)
+            .fetch_optional(pool)
+            .await?
+            .map(|r| r.0)))
+    }
+
+    /// Sets a named cursor.
+    pub async fn set_cursor(&self, name: &str, value: &str) -> Result<(), StoreError> {
+        on_pool!(self, pool => {
+            sqlx::query("INSERT INTO cursors (name, value) VALUES ($1, $2) ON CONFLICT (name) DO UPDATE SET value = excluded.value")
+                .bind(name)
+                .bind(value)
+                .execute(pool)
+                .await?;
+            Ok(())
+        })
+    }
+
+    /// Tries to become the active scheduler. `None`: another replica is. The lease holds a
+    /// dedicated connection; the lock goes with it (also when the process dies).
+    pub async fn try_lead(&self) -> Result<Option<Lease>, StoreError> {
+        match self {
+            Store::Sqlite(_) => Ok(Some(Lease { conn: None })),
+            Store::Postgres(pool) => {
+                let mut conn = pool.acquire().await?.detach();
+                let (got,): (bool,) = sqlx::query_as("SELECT pg_try_advisory_lock($1)")
+                    .bind(SCHEDULER_LOCK_KEY)
+                    .fetch_one(&mut conn)
+                    .await?;
+                Ok(got.then_some(Lease { conn: Some(conn) }))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
