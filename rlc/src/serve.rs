@@ -11,13 +11,13 @@ use std::future::IntoFuture;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::IntoResponse;
-use axum::routing::{get, post};
+use axum::routing::get;
 use axum::{Json, Router};
 use chrono::Utc;
 use schema::DaemonConfig;
@@ -26,7 +26,9 @@ use tokio::sync::{mpsc, watch};
 
 use crate::cycle::{load_config, Cycle, Planner, RunOutcome};
 use crate::push::{ControllerClient, Report};
-use crate::store::Lease;
+use crate::store::{Lease, Store};
+
+pub mod dashboard;
 
 /// Reports fetched per `GET /v1/reports` call.
 const REPORT_PAGE: u32 = 500;
@@ -106,6 +108,8 @@ struct Inner {
     metrics: Metrics,
     runs_done: watch::Sender<u64>,
     last: Mutex<Option<RunOutcome>>,
+    /// Set once the scheduler has connected; the read-only pages answer 503 until then.
+    store: RwLock<Option<Store>>,
 }
 
 /// Shared state of the HTTP API and the scheduler.
@@ -125,8 +129,27 @@ impl AppState {
                 metrics: Metrics::default(),
                 runs_done: watch::channel(0).0,
                 last: Mutex::new(None),
+                store: RwLock::new(None),
             }),
         }
+    }
+
+    /// Read-only state over `store` (dashboard and JSON pages; manual runs are refused): for
+    /// tests and for embedding the pages elsewhere.
+    pub fn with_store(store: Store) -> AppState {
+        let state = AppState::new(None, mpsc::channel(1).0);
+        state.set_store(store);
+        state
+    }
+
+    /// Gives the HTTP pages the store (a pool: cloning it is cheap).
+    pub fn set_store(&self, store: Store) {
+        *self.inner.store.write().unwrap() = Some(store);
+    }
+
+    /// The store, once connected.
+    pub fn store(&self) -> Option<Store> {
+        self.inner.store.read().unwrap().clone()
     }
 
     /// Marks this replica as the active scheduler or not.
@@ -283,12 +306,16 @@ async fn last_run(State(s): State<AppState>) -> (StatusCode, Json<serde_json::Va
     }
 }
 
-/// The HTTP API: `/healthz`, `/metrics`, `POST /v1/runs`, `GET /v1/runs/last`.
+/// The HTTP API: `/healthz`, `/metrics`, `POST /v1/runs` (token), `GET /v1/runs/last`, and
+/// the read-only shadow-mode dashboard: `GET /` (HTML), `GET /v1/shadow`, `GET /v1/runs`
+/// (see [`dashboard`]).
 pub fn app(state: AppState) -> Router {
     Router::new()
+        .route("/", get(dashboard::page))
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics))
-        .route("/v1/runs", post(trigger_run))
+        .route("/v1/shadow", get(dashboard::shadow_json))
+        .route("/v1/runs", get(dashboard::runs_json).post(trigger_run))
         .route("/v1/runs/last", get(last_run))
         .with_state(state)
 }
@@ -498,10 +525,16 @@ async fn scheduler(
         };
         if !alive {
             lease = match lp.cycle.store().await {
-                Ok(store) => store.try_lead().await.unwrap_or_else(|e| {
-                    tracing::warn!(error = %e, "leader election failed");
-                    None
-                }),
+                Ok(store) => {
+                    // Every replica serves the dashboard, leader or not.
+                    if lp.state.store().is_none() {
+                        lp.state.set_store(store.clone());
+                    }
+                    store.try_lead().await.unwrap_or_else(|e| {
+                        tracing::warn!(error = %e, "leader election failed");
+                        None
+                    })
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "store unavailable");
                     None

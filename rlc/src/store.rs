@@ -126,6 +126,42 @@ pub struct StoredReport {
     pub drop_ratio: f64,
 }
 
+/// What the shadow reports of one bucket add up to over a window: the evidence a service
+/// owner reads before a quota is enforced. Sums are sums of the per-report rates (one report
+/// per controller tick and scope key), so with 1 s ticks they count requests.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow)]
+pub struct BucketShadowSummary {
+    /// Callee service.
+    pub service: String,
+    /// Bucket.
+    pub bucket: String,
+    /// Reports in the window (ticks × scope keys).
+    pub reports: i64,
+    /// Sum of offered rates.
+    pub offered: f64,
+    /// Sum of admitted rates.
+    pub admitted: f64,
+    /// Sum of (enforced) dropped rates.
+    pub dropped: f64,
+    /// Sum of virtual drops.
+    pub shadow_dropped: f64,
+    /// `shadow_dropped / offered` (0 without traffic): the share of requests the quota would
+    /// have refused had it been enforced.
+    pub virtual_drop_share: f64,
+    /// Highest offered rate in one report.
+    pub peak_offered_rps: f64,
+    /// Highest drop ratio the controller computed.
+    pub max_drop_ratio: f64,
+    /// The limit in the bucket's latest report.
+    pub limit_rps: f64,
+    /// The mode in the bucket's latest report.
+    pub mode: String,
+    /// When the first report of the window was received.
+    pub first_seen: DateTime<Utc>,
+    /// When the latest report was received.
+    pub last_seen: DateTime<Utc>,
+}
+
 /// Held while this process is the active scheduler; dropping it releases the lock.
 pub struct Lease {
     conn: Option<sqlx::PgConnection>,
@@ -345,6 +381,61 @@ impl Store {
         .bind(limit)
         .fetch_all(pool)
         .await?))
+    }
+
+    /// Per-bucket summary of the reports received since `since`, optionally of one service:
+    /// the buckets with the largest share of virtual drops first, at most `limit` of them.
+    pub async fn shadow_summary(
+        &self,
+        service: Option<&str>,
+        since: DateTime<Utc>,
+        limit: i64,
+    ) -> Result<Vec<BucketShadowSummary>, StoreError> {
+        // The limit and mode are those of the latest report (by controller sequence), so a
+        // quota changed during the window shows its current value. The correlated lookups use
+        // the (service, bucket, seq) index and run once per returned bucket.
+        on_pool!(self, pool => Ok(sqlx::query_as::<_, BucketShadowSummary>(
+            "SELECT a.service, a.bucket, a.reports, a.offered, a.admitted, a.dropped, a.shadow_dropped, \
+                    a.virtual_drop_share, a.peak_offered_rps, a.max_drop_ratio, \
+                    (SELECT l.limit_rps FROM shadow_reports l WHERE l.service = a.service AND l.bucket = a.bucket \
+                     ORDER BY l.seq DESC, l.scope_key LIMIT 1) AS limit_rps, \
+                    (SELECT l.mode FROM shadow_reports l WHERE l.service = a.service AND l.bucket = a.bucket \
+                     ORDER BY l.seq DESC, l.scope_key LIMIT 1) AS mode, \
+                    a.first_seen, a.last_seen \
+             FROM (SELECT service, bucket, COUNT(*) AS reports, SUM(offered) AS offered, SUM(admitted) AS admitted, \
+                          SUM(dropped) AS dropped, SUM(shadow_dropped) AS shadow_dropped, \
+                          CASE WHEN SUM(offered) > 0 THEN SUM(shadow_dropped) / SUM(offered) ELSE 0.0 END AS virtual_drop_share, \
+                          MAX(offered) AS peak_offered_rps, MAX(drop_ratio) AS max_drop_ratio, \
+                          MIN(received_at) AS first_seen, MAX(received_at) AS last_seen \
+                   FROM shadow_reports \
+                   WHERE received_at >= $1 AND ($2 IS NULL OR service = $2) \
+                   GROUP BY service, bucket) a \
+             ORDER BY a.virtual_drop_share DESC, a.service, a.bucket LIMIT $3",
+        )
+        .bind(since)
+        .bind(service)
+        .bind(limit)
+        .fetch_all(pool)
+        .await?))
+    }
+
+    /// The services that sent reports since `since`, sorted (at most `limit`): the dashboard's
+    /// filter choices.
+    pub async fn shadow_services(
+        &self,
+        since: DateTime<Utc>,
+        limit: i64,
+    ) -> Result<Vec<String>, StoreError> {
+        on_pool!(self, pool => Ok(sqlx::query_as::<_, (String,)>(
+            "SELECT DISTINCT service FROM shadow_reports WHERE received_at >= $1 ORDER BY service LIMIT $2",
+        )
+        .bind(since)
+        .bind(limit)
+        .fetch_all(pool)
+        .await?
+        .into_iter()
+        .map(|r| r.0)
+        .collect()))
     }
 
     /// A named cursor (e.g. the controller's report position).

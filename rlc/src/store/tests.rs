@@ -110,6 +110,117 @@ async fn check_store(store: Store) {
     assert_eq!(store.cursor("reports").await.unwrap().as_deref(), Some("7"));
 }
 
+/// A shadow report of `service`/`bucket` with the given rates; drop ratio and virtual drops
+/// follow from the offered rate and the limit, as the controller computes them.
+fn rates(seq: i64, service: &str, bucket: &str, scope: &str, offered: f64, limit: f64) -> Report {
+    let ratio = if offered > limit {
+        (offered - limit) / offered
+    } else {
+        0.0
+    };
+    serde_json::from_value(serde_json::json!({
+        "seq": seq, "t": seq, "service": service, "bucket": bucket, "caller": null,
+        "procedure": "charge", "mode": "shadow", "scope_key": scope, "offered": offered,
+        "admitted": offered, "dropped": 0.0, "shadow_dropped": (offered - limit).max(0.0),
+        "limit_rps": limit, "drop_ratio": ratio
+    }))
+    .unwrap()
+}
+
+async fn check_shadow_summary(store: Store) {
+    let at = |h, m| Utc.with_ymd_and_hms(2026, 11, 30, h, m, 0).unwrap();
+    // Before the window: must not count.
+    store
+        .insert_reports(&[rates(1, "payments", "gw", "", 1000.0, 100.0)], at(1, 0))
+        .await
+        .unwrap();
+    store
+        .insert_reports(
+            &[
+                // gw: 150 offered against 100 in two regions, then the limit is raised to 200.
+                rates(2, "payments", "gw", "eu", 150.0, 100.0),
+                rates(2, "payments", "gw", "us", 150.0, 100.0),
+                rates(3, "payments", "gw", "eu", 100.0, 200.0),
+                rates(2, "payments", "quiet", "", 50.0, 100.0),
+                rates(2, "payments", "idle", "", 0.0, 100.0),
+                rates(2, "maps", "geo", "", 120.0, 100.0),
+            ],
+            at(2, 30),
+        )
+        .await
+        .unwrap();
+    store
+        .insert_reports(&[rates(4, "payments", "quiet", "", 70.0, 100.0)], at(2, 45))
+        .await
+        .unwrap();
+
+    let since = at(2, 0);
+    let all = store.shadow_summary(None, since, 10).await.unwrap();
+    let names: Vec<_> = all
+        .iter()
+        .map(|b| format!("{}/{}", b.service, b.bucket))
+        .collect();
+    // Largest virtual-drop share first; ties by name.
+    assert_eq!(
+        names,
+        ["payments/gw", "maps/geo", "payments/idle", "payments/quiet"]
+    );
+    let gw = &all[0];
+    assert_eq!(gw.reports, 3);
+    assert_eq!(gw.offered, 400.0);
+    assert_eq!(gw.admitted, 400.0);
+    assert_eq!(gw.dropped, 0.0);
+    assert_eq!(gw.shadow_dropped, 100.0);
+    assert_eq!(gw.virtual_drop_share, 0.25);
+    assert_eq!(gw.peak_offered_rps, 150.0);
+    assert!((gw.max_drop_ratio - 1.0 / 3.0).abs() < 1e-12);
+    assert_eq!(gw.limit_rps, 200.0, "the latest limit");
+    assert_eq!(gw.mode, "shadow");
+    assert_eq!((gw.first_seen, gw.last_seen), (at(2, 30), at(2, 30)));
+    let quiet = &all[3];
+    assert_eq!((quiet.reports, quiet.offered), (2, 120.0));
+    assert_eq!(quiet.virtual_drop_share, 0.0);
+    assert_eq!((quiet.first_seen, quiet.last_seen), (at(2, 30), at(2, 45)));
+    // No traffic: share 0, not a division by zero.
+    assert_eq!(all[2].virtual_drop_share, 0.0);
+
+    let maps = store.shadow_summary(Some("maps"), since, 10).await.unwrap();
+    assert_eq!(maps.len(), 1);
+    assert!((maps[0].virtual_drop_share - 20.0 / 120.0).abs() < 1e-12);
+    assert_eq!(store.shadow_summary(None, since, 2).await.unwrap().len(), 2);
+    assert!(store
+        .shadow_summary(None, at(3, 0), 10)
+        .await
+        .unwrap()
+        .is_empty());
+    // The old report counts when the window reaches back to it.
+    let wide = store
+        .shadow_summary(Some("payments"), at(0, 0), 10)
+        .await
+        .unwrap();
+    assert_eq!(wide[0].reports, 4);
+
+    assert_eq!(
+        store.shadow_services(since, 10).await.unwrap(),
+        ["maps", "payments"]
+    );
+    assert_eq!(store.shadow_services(since, 1).await.unwrap(), ["maps"]);
+}
+
+#[tokio::test]
+async fn sqlite_shadow_summary() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::connect("sqlite://rlc.db", dir.path()).await.unwrap();
+    check_shadow_summary(store).await;
+}
+
+#[tokio::test]
+async fn postgres_shadow_summary() {
+    let db = test_support::postgres::fresh_database().await.unwrap();
+    let store = Store::connect(&db.url, Path::new("/")).await.unwrap();
+    check_shadow_summary(store).await;
+}
+
 #[tokio::test]
 async fn sqlite_store() {
     let dir = tempfile::tempdir().unwrap();

@@ -1,0 +1,574 @@
+//! The shadow-mode dashboard of `rlc serve`: what new or risky quotas would do before they are
+//! enforced. Read-only, so no token: `GET /v1/shadow` and `GET /v1/runs` answer JSON, `GET /`
+//! renders the same data as one HTML page (no script, no external asset, every value escaped:
+//! service and bucket names come from config repos that many people edit).
+
+use std::fmt::Write;
+
+use axum::extract::{Query, State};
+use axum::http::StatusCode;
+use axum::response::{Html, IntoResponse, Response};
+use axum::Json;
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use super::AppState;
+use crate::store::{BucketShadowSummary, RunRecord, Store};
+
+/// Share of virtual drops (`shadow_dropped / offered`) above which a bucket is flagged
+/// "would throttle": enforcing it as configured would refuse more than 1% of its traffic.
+pub const WOULD_THROTTLE_SHARE: f64 = 0.01;
+/// Window when the query string names none.
+const DEFAULT_WINDOW: &str = "1h";
+/// Longest window: keeps the aggregate scan bounded.
+const MAX_WINDOW_SECS: i64 = 30 * 86_400;
+/// Most buckets in one answer (and default).
+const MAX_BUCKETS: i64 = 500;
+/// Runs listed by default, and at most.
+const DEFAULT_RUNS: i64 = 20;
+const MAX_RUNS: i64 = 200;
+/// Runs on the HTML page.
+const PAGE_RUNS: i64 = 10;
+/// Services offered by the HTML filter.
+const MAX_SERVICES: i64 = 200;
+/// Windows offered by the HTML filter.
+const WINDOWS: &[&str] = &["15m", "1h", "6h", "24h", "7d"];
+
+/// Parses a window such as `90s`, `15m`, `1h` or `7d` (1 s to 30 days).
+pub fn parse_window(s: &str) -> Result<chrono::Duration, String> {
+    let bad = || format!("window `{s}`: expected a number followed by s, m, h or d (e.g. 1h)");
+    let unit = s.chars().last().ok_or_else(bad)?;
+    let n: i64 = s[..s.len() - unit.len_utf8()].parse().map_err(|_| bad())?;
+    let secs = match unit {
+        's' => Some(n),
+        'm' => n.checked_mul(60),
+        'h' => n.checked_mul(3_600),
+        'd' => n.checked_mul(86_400),
+        _ => return Err(bad()),
+    }
+    .ok_or_else(bad)?;
+    if !(1..=MAX_WINDOW_SECS).contains(&secs) {
+        return Err(format!("window `{s}`: must be between 1s and 30d"));
+    }
+    Ok(chrono::Duration::seconds(secs))
+}
+
+/// Query string of `GET /v1/shadow` and `GET /`.
+#[derive(Debug, Default, Deserialize)]
+pub struct ShadowQuery {
+    /// Only this callee service (empty: all).
+    pub service: Option<String>,
+    /// How far back, e.g. `1h` (default) or `7d`.
+    pub window: Option<String>,
+    /// Most buckets returned (default and maximum 500).
+    pub limit: Option<i64>,
+}
+
+/// One bucket of `GET /v1/shadow`.
+#[derive(Debug, Clone, Serialize)]
+pub struct BucketView {
+    /// The stored aggregate.
+    #[serde(flatten)]
+    pub summary: BucketShadowSummary,
+    /// `virtual_drop_share > would_throttle_share`.
+    pub would_throttle: bool,
+}
+
+/// `GET /v1/shadow?service=S&window=1h&limit=N`:
+///
+/// ```json
+/// {
+///   "service": "payments",            // null: every service
+///   "window": "1h",
+///   "since": "2026-11-30T01:00:00Z",   // reports received since then
+///   "would_throttle_share": 0.01,
+///   "truncated": false,                // more buckets than `limit`
+///   "buckets": [{                      // largest virtual-drop share first
+///     "service": "payments", "bucket": "gw",
+///     "reports": 3,                    // ticks × scope keys
+///     "offered": 400.0, "admitted": 400.0, "dropped": 0.0, "shadow_dropped": 100.0,
+///     "virtual_drop_share": 0.25,      // shadow_dropped / offered
+///     "peak_offered_rps": 150.0, "max_drop_ratio": 0.333,
+///     "limit_rps": 200.0, "mode": "shadow",   // from the latest report
+///     "first_seen": "…", "last_seen": "…",
+///     "would_throttle": true
+///   }]
+/// }
+/// ```
+///
+/// `offered`, `admitted`, `dropped` and `shadow_dropped` are sums of per-report rates (requests
+/// when ticks are 1 s). Errors: 400 `{"error"}` for a bad window, 503 without a store, 500 when
+/// the store query fails (details only in the log).
+#[derive(Debug, Clone, Serialize)]
+pub struct ShadowSummary {
+    /// The service filter, if any.
+    pub service: Option<String>,
+    /// The window as asked.
+    pub window: String,
+    /// Start of the window.
+    pub since: DateTime<Utc>,
+    /// See [`WOULD_THROTTLE_SHARE`].
+    pub would_throttle_share: f64,
+    /// More buckets matched than were returned.
+    pub truncated: bool,
+    /// The buckets.
+    pub buckets: Vec<BucketView>,
+}
+
+/// Why a dashboard call failed; a closed map to status codes that hides database details.
+#[derive(Debug)]
+pub(super) enum DashError {
+    BadRequest(String),
+    NoStore,
+    Store,
+}
+
+impl DashError {
+    fn status(&self) -> StatusCode {
+        match self {
+            DashError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            DashError::NoStore => StatusCode::SERVICE_UNAVAILABLE,
+            DashError::Store => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    fn message(&self) -> String {
+        match self {
+            DashError::BadRequest(m) => m.clone(),
+            DashError::NoStore => {
+                "the store is not available yet (database unreachable or still connecting)".into()
+            }
+            DashError::Store => "the store query failed; see the daemon log".into(),
+        }
+    }
+}
+
+impl IntoResponse for DashError {
+    fn into_response(self) -> Response {
+        (self.status(), Json(json!({"error": self.message()}))).into_response()
+    }
+}
+
+fn store_failed(endpoint: &'static str, e: crate::store::StoreError) -> DashError {
+    tracing::warn!(endpoint, error = %e, "dashboard store query failed");
+    DashError::Store
+}
+
+/// A parsed [`ShadowQuery`].
+struct Filter {
+    service: Option<String>,
+    window: String,
+    since: DateTime<Utc>,
+    limit: i64,
+}
+
+impl Filter {
+    fn parse(q: ShadowQuery) -> Result<Filter, DashError> {
+        let window = q
+            .window
+            .filter(|w| !w.is_empty())
+            .unwrap_or_else(|| DEFAULT_WINDOW.into());
+        let span = parse_window(&window).map_err(DashError::BadRequest)?;
+        Ok(Filter {
+            service: q.service.filter(|s| !s.is_empty()),
+            window,
+            since: Utc::now() - span,
+            limit: q.limit.unwrap_or(MAX_BUCKETS).clamp(1, MAX_BUCKETS),
+        })
+    }
+}
+
+async fn summary(store: &Store, f: &Filter) -> Result<ShadowSummary, DashError> {
+    // One more than asked tells whether the answer is cut.
+    let mut rows = store
+        .shadow_summary(f.service.as_deref(), f.since, f.limit + 1)
+        .await
+        .map_err(|e| store_failed("/v1/shadow", e))?;
+    let truncated = rows.len() as i64 > f.limit;
+    rows.truncate(f.limit as usize);
+    Ok(ShadowSummary {
+        service: f.service.clone(),
+        window: f.window.clone(),
+        since: f.since,
+        would_throttle_share: WOULD_THROTTLE_SHARE,
+        truncated,
+        buckets: rows
+            .into_iter()
+            .map(|summary| BucketView {
+                would_throttle: summary.virtual_drop_share > WOULD_THROTTLE_SHARE,
+                summary,
+            })
+            .collect(),
+    })
+}
+
+/// `GET /v1/shadow`: see [`ShadowSummary`].
+pub(super) async fn shadow_json(
+    State(s): State<AppState>,
+    Query(q): Query<ShadowQuery>,
+) -> Result<Json<ShadowSummary>, DashError> {
+    let f = Filter::parse(q)?;
+    let store = s.store().ok_or(DashError::NoStore)?;
+    Ok(Json(summary(&store, &f).await?))
+}
+
+/// Query string of `GET /v1/runs`.
+#[derive(Debug, Default, Deserialize)]
+pub struct RunsQuery {
+    /// How many runs, newest first (default 20, at most 200).
+    pub limit: Option<i64>,
+}
+
+/// A run as `GET /v1/runs` shows it: the stored record with `services` as JSON instead of
+/// JSON text.
+fn run_json(r: &RunRecord) -> serde_json::Value {
+    let mut v = serde_json::to_value(r).unwrap_or_default();
+    if let Ok(services) = serde_json::from_str::<serde_json::Value>(&r.services) {
+        v["services"] = services;
+    }
+    v
+}
+
+/// `GET /v1/runs?limit=N`: `{"runs": [{"id", "trigger", "started_at", "finished_at",
+/// "status", "commit_sha", "version_pushed", "services": [...], "summary", "error"}]}`,
+/// newest first. 503 without a store.
+pub(super) async fn runs_json(
+    State(s): State<AppState>,
+    Query(q): Query<RunsQuery>,
+) -> Result<Json<serde_json::Value>, DashError> {
+    let store = s.store().ok_or(DashError::NoStore)?;
+    let limit = q.limit.unwrap_or(DEFAULT_RUNS).clamp(1, MAX_RUNS);
+    let runs = store
+        .recent_runs(limit)
+        .await
+        .map_err(|e| store_failed("/v1/runs", e))?;
+    Ok(Json(
+        json!({"runs": runs.iter().map(run_json).collect::<Vec<_>>()}),
+    ))
+}
+
+/// `GET /?service=S&window=1h`: the HTML dashboard.
+pub(super) async fn page(State(s): State<AppState>, Query(q): Query<ShadowQuery>) -> Response {
+    let (status, body) = match page_data(&s, q).await {
+        Ok(data) => (StatusCode::OK, render(&data, None)),
+        Err((e, data)) => (e.status(), render(&data, Some(&e.message()))),
+    };
+    (status, Html(body)).into_response()
+}
+
+/// What the page shows.
+#[derive(Default)]
+struct PageData {
+    service: Option<String>,
+    window: String,
+    services: Vec<String>,
+    summary: Option<ShadowSummary>,
+    runs: Vec<RunRecord>,
+}
+
+async fn page_data(s: &AppState, q: ShadowQuery) -> Result<PageData, (DashError, PageData)> {
+    let mut data = PageData {
+        service: q.service.clone().filter(|s| !s.is_empty()),
+        window: q.window.clone().unwrap_or_else(|| DEFAULT_WINDOW.into()),
+        ..PageData::default()
+    };
+    let f = match Filter::parse(q) {
+        Ok(f) => f,
+        Err(e) => return Err((e, data)),
+    };
+    let Some(store) = s.store() else {
+        return Err((DashError::NoStore, data));
+    };
+    let services = store.shadow_services(f.since, MAX_SERVICES).await;
+    let runs = store.recent_runs(PAGE_RUNS).await;
+    let summary = summary(&store, &f).await;
+    match (services, runs, summary) {
+        (Ok(services), Ok(runs), Ok(summary)) => {
+            data.services = services;
+            data.runs = runs;
+            data.summary = Some(summary);
+            Ok(data)
+        }
+        (Err(e), _, _) | (_, Err(e), _) => Err((store_failed("/", e), data)),
+        (_, _, Err(e)) => Err((e, data)),
+    }
+}
+
+/// Escapes text for HTML element content and quoted attribute values.
+pub fn escape_html(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// Percent-encodes a query-string value (everything but RFC 3986 unreserved characters).
+fn encode_query_value(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+            out.push(b as char);
+        } else {
+            let _ = write!(out, "%{b:02X}");
+        }
+    }
+    out
+}
+
+fn rate(v: f64) -> String {
+    if v.abs() >= 100.0 {
+        format!("{v:.0}")
+    } else {
+        format!("{v:.1}")
+    }
+}
+
+fn percent(v: f64) -> String {
+    format!("{:.2}%", v * 100.0)
+}
+
+fn when(t: DateTime<Utc>) -> String {
+    t.format("%Y-%m-%d %H:%M:%S").to_string()
+}
+
+const CSS: &str = "
+:root { color-scheme: light; }
+* { box-sizing: border-box; }
+body { margin: 0; font: 15px/1.45 system-ui, -apple-system, 'Segoe UI', Roboto, sans-serif;
+  color: #1d2433; background: #f4f6fa; }
+header { background: #1f3a5f; color: #fff; padding: 14px 28px; }
+header h1 { margin: 0; font-size: 20px; font-weight: 600; }
+header p { margin: 2px 0 0; color: #c9d6ea; font-size: 13px; }
+main { padding: 20px 28px 40px; max-width: 1400px; }
+section { background: #fff; border: 1px solid #dde3ec; border-radius: 8px; padding: 16px 20px;
+  margin-bottom: 18px; }
+h2 { font-size: 16px; margin: 0 0 10px; }
+.explain { color: #39445a; }
+.explain p { margin: 6px 0; }
+form { display: flex; gap: 14px; align-items: end; flex-wrap: wrap; }
+label { display: flex; flex-direction: column; font-size: 12px; color: #56627a; gap: 3px; }
+select, button { font: inherit; padding: 5px 8px; border: 1px solid #b9c3d3; border-radius: 5px;
+  background: #fff; }
+button { background: #1f3a5f; color: #fff; border-color: #1f3a5f; cursor: pointer; }
+.counts { margin-left: auto; color: #56627a; font-size: 13px; }
+table { border-collapse: collapse; width: 100%; font-size: 14px; }
+th { text-align: left; font-size: 12px; text-transform: uppercase; letter-spacing: .03em;
+  color: #56627a; border-bottom: 2px solid #dde3ec; padding: 6px 8px; white-space: nowrap; }
+td { border-bottom: 1px solid #edf0f5; padding: 6px 8px; vertical-align: top; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
+th.num { text-align: right; }
+tr.throttle td { background: #fdecec; }
+tr.throttle td.share { color: #a4161a; font-weight: 700; }
+.badge { display: inline-block; padding: 1px 8px; border-radius: 10px; font-size: 12px;
+  font-weight: 600; white-space: nowrap; }
+.badge.warn { background: #c1121f; color: #fff; }
+.badge.ok { background: #e3f4e8; color: #1b6b34; }
+.badge.mode { background: #eef1f6; color: #39445a; font-weight: 500; }
+.badge.failed, .badge.held { background: #fdecec; color: #a4161a; }
+.badge.success { background: #e3f4e8; color: #1b6b34; }
+.badge.unchanged, .badge.push-pending { background: #fff4db; color: #7a5300; }
+code { font: 13px ui-monospace, SFMono-Regular, Menlo, monospace; }
+.muted { color: #7a8499; }
+.notice { background: #fff4db; border-color: #f0d58c; color: #5c3f00; }
+.err { color: #a4161a; font-size: 13px; }
+";
+
+/// Renders the page; `problem` replaces the data with an explanation.
+fn render(d: &PageData, problem: Option<&str>) -> String {
+    let mut h = String::with_capacity(16 * 1024);
+    let scope = match &d.service {
+        Some(s) => format!("service {}", escape_html(s)),
+        None => "all services".into(),
+    };
+    let _ = write!(
+        h,
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\
+         <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\
+         <title>RLC shadow mode — {scope}</title><style>{CSS}</style></head><body>\
+         <header><h1>Rate Limit Configurator — shadow mode</h1>\
+         <p>What new or risky quotas would do if they were enforced · {scope} · last {window}</p></header><main>",
+        window = escape_html(&d.window),
+    );
+    h.push_str(
+        "<section class=\"explain\"><h2>What is shadow mode?</h2>\
+         <p>A quota in <b>shadow</b> mode is computed and distributed like any other, but it never \
+         refuses a request: every client counts the requests it <i>would</i> have dropped \
+         (<b>virtual drops</b>) and lets them through. The controller reports these counts and \
+         they are shown here.</p>\
+         <p><b>Virtual-drop share</b> = virtual drops ÷ offered requests over the window. A bucket \
+         above 1% is flagged <span class=\"badge warn\">would throttle</span>: switching it to \
+         <code>mode: enforce</code> as is would refuse that share of its callers' traffic. If that \
+         traffic is legitimate, raise the limit (or ask for a contract in \
+         <code>rlc/contracts.yaml</code>) before the quota is enforced; if it is not, enforcing \
+         is what protects your service.</p></section>",
+    );
+
+    // Filter: a plain GET form, so the page needs no script.
+    h.push_str(
+        "<section><form method=\"get\" action=\"/\"><label>Service<select name=\"service\">",
+    );
+    let _ = write!(
+        h,
+        "<option value=\"\"{}>all services</option>",
+        if d.service.is_none() { " selected" } else { "" }
+    );
+    let mut services = d.services.clone();
+    if let Some(s) = &d.service {
+        if !services.contains(s) {
+            services.push(s.clone());
+        }
+    }
+    for s in &services {
+        let sel = if d.service.as_ref() == Some(s) {
+            " selected"
+        } else {
+            ""
+        };
+        let e = escape_html(s);
+        let _ = write!(h, "<option value=\"{e}\"{sel}>{e}</option>");
+    }
+    h.push_str("</select></label><label>Window<select name=\"window\">");
+    let mut windows: Vec<&str> = WINDOWS.to_vec();
+    if !windows.contains(&d.window.as_str()) {
+        windows.push(&d.window);
+    }
+    for w in windows {
+        let sel = if w == d.window { " selected" } else { "" };
+        let e = escape_html(w);
+        let _ = write!(h, "<option value=\"{e}\"{sel}>{e}</option>");
+    }
+    h.push_str("</select></label><button type=\"submit\">Show</button>");
+    if let Some(sum) = &d.summary {
+        let flagged = sum.buckets.iter().filter(|b| b.would_throttle).count();
+        let _ = write!(
+            h,
+            "<span class=\"counts\">{} bucket{} · <b>{flagged}</b> would throttle{}</span>",
+            sum.buckets.len(),
+            if sum.buckets.len() == 1 { "" } else { "s" },
+            if sum.truncated {
+                " · list truncated"
+            } else {
+                ""
+            },
+        );
+    }
+    h.push_str("</form></section>");
+
+    if let Some(p) = problem {
+        let _ = write!(
+            h,
+            "<section class=\"notice\" id=\"problem\"><h2>No data</h2><p>{}</p></section>",
+            escape_html(p)
+        );
+    }
+
+    if let Some(sum) = &d.summary {
+        h.push_str("<section><h2>Buckets</h2>");
+        if sum.buckets.is_empty() {
+            let _ = write!(
+                h,
+                "<p class=\"muted\">No shadow reports received since {} UTC.</p>",
+                when(sum.since)
+            );
+        } else {
+            h.push_str(
+                "<table id=\"buckets\"><thead><tr><th>Service</th><th>Bucket</th><th>Mode</th>\
+                 <th class=\"num\">Limit rps</th><th class=\"num\">Peak offered rps</th>\
+                 <th class=\"num\">Offered</th><th class=\"num\">Virtual drops</th>\
+                 <th class=\"num\">Virtual-drop share</th><th class=\"num\">Max drop ratio</th>\
+                 <th class=\"num\">Reports</th><th>Last report (UTC)</th><th>Verdict</th>\
+                 </tr></thead><tbody>",
+            );
+            for b in &sum.buckets {
+                let s = &b.summary;
+                let svc = escape_html(&s.service);
+                let _ = write!(
+                    h,
+                    "<tr class=\"{cls}\" data-bucket=\"{bucket}\">\
+                     <td><a href=\"/?service={href}&amp;window={win}\">{svc}</a></td>\
+                     <td><code>{bucket}</code></td><td><span class=\"badge mode\">{mode}</span></td>\
+                     <td class=\"num\">{limit}</td><td class=\"num\">{peak}</td>\
+                     <td class=\"num\">{offered}</td><td class=\"num\">{vd}</td>\
+                     <td class=\"num share\">{share}</td><td class=\"num\">{ratio}</td>\
+                     <td class=\"num\">{reports}</td><td>{last}</td><td>{verdict}</td></tr>",
+                    cls = if b.would_throttle { "throttle" } else { "ok" },
+                    bucket = escape_html(&s.bucket),
+                    href = escape_html(&encode_query_value(&s.service)),
+                    win = escape_html(&encode_query_value(&d.window)),
+                    mode = escape_html(&s.mode),
+                    limit = rate(s.limit_rps),
+                    peak = rate(s.peak_offered_rps),
+                    offered = rate(s.offered),
+                    vd = rate(s.shadow_dropped),
+                    share = percent(s.virtual_drop_share),
+                    ratio = percent(s.max_drop_ratio),
+                    reports = s.reports,
+                    last = when(s.last_seen),
+                    verdict = if b.would_throttle {
+                        "<span class=\"badge warn\">would throttle</span>"
+                    } else {
+                        "<span class=\"badge ok\">ok</span>"
+                    },
+                );
+            }
+            h.push_str("</tbody></table>");
+            h.push_str(
+                "<p class=\"muted\">Offered and virtual drops are sums of per-tick rates \
+                 (requests, with 1-second ticks). Limit and mode are from the latest report.</p>",
+            );
+        }
+        h.push_str("</section>");
+    }
+
+    if d.summary.is_some() {
+        h.push_str("<section><h2>Last runs</h2>");
+        if d.runs.is_empty() {
+            h.push_str("<p class=\"muted\">No run recorded yet.</p>");
+        } else {
+            h.push_str(
+                "<table id=\"runs\"><thead><tr><th class=\"num\">#</th><th>Started (UTC)</th>\
+                 <th>Trigger</th><th>Status</th><th>Commit</th><th>Summary</th></tr></thead><tbody>",
+            );
+            for r in &d.runs {
+                let commit = match &r.commit_sha {
+                    Some(c) => format!(
+                        "<code title=\"{}\">{}</code>",
+                        escape_html(c),
+                        escape_html(&c.chars().take(12).collect::<String>())
+                    ),
+                    None => "<span class=\"muted\">—</span>".into(),
+                };
+                let mut summary = escape_html(r.summary.lines().next().unwrap_or(""));
+                if let Some(e) = &r.error {
+                    let _ = write!(summary, "<div class=\"err\">{}</div>", escape_html(e));
+                }
+                let _ = write!(
+                    h,
+                    "<tr><td class=\"num\">{id}</td><td>{started}</td><td>{trigger}</td>\
+                     <td><span class=\"badge {status}\">{status}</span></td><td>{commit}</td>\
+                     <td>{summary}</td></tr>",
+                    id = r.id,
+                    started = when(r.started_at),
+                    trigger = escape_html(&r.trigger),
+                    status = escape_html(&r.status),
+                );
+            }
+            h.push_str("</tbody></table>");
+        }
+        h.push_str("</section>");
+    }
+    h.push_str("</main></body></html>\n");
+    h
+}
+
+#[cfg(test)]
+mod tests;
