@@ -109,7 +109,11 @@ fn test(extra: &[String]) -> Result<u8> {
         "xtask: {} passed, {} failed, {} skipped",
         totals.passed, totals.failed, totals.ignored
     );
-    Ok(if status.success() && totals.passed > 0 { 0 } else { 1 })
+    Ok(if status.success() && totals.passed > 0 {
+        0
+    } else {
+        1
+    })
 }
 
 /// Sums of libtest's `test result:` lines.
@@ -205,7 +209,10 @@ fn ensure_packages() -> Result<()> {
 
 /// The directory holding `initdb` and `pg_ctl`: PATH first, then Debian's versioned dirs.
 fn postgres_bin_dir() -> Result<PathBuf> {
-    if let Ok(o) = Command::new("sh").args(["-c", "command -v initdb"]).output() {
+    if let Ok(o) = Command::new("sh")
+        .args(["-c", "command -v initdb"])
+        .output()
+    {
         if o.status.success() {
             let p = PathBuf::from(String::from_utf8_lossy(&o.stdout).trim());
             if let Some(dir) = p.parent() {
@@ -216,7 +223,10 @@ fn postgres_bin_dir() -> Result<PathBuf> {
         }
     }
     let mut dirs: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
-        .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path().join("bin"))).collect())
+        .map(|rd| {
+            rd.filter_map(|e| e.ok().map(|e| e.path().join("bin")))
+                .collect()
+        })
         .unwrap_or_default();
     dirs.sort();
     dirs.into_iter()
@@ -322,7 +332,14 @@ impl Drop for PgCluster {
         let data = self.dir.join("data");
         let _ = self.run(
             "pg_ctl",
-            &["-D", data.to_str().unwrap(), "-m", "immediate", "-w", "stop"],
+            &[
+                "-D",
+                data.to_str().unwrap(),
+                "-m",
+                "immediate",
+                "-w",
+                "stop",
+            ],
         );
         let _ = std::fs::remove_dir_all(&self.dir);
     }
