@@ -325,7 +325,8 @@ fn encode_query_value(s: &str) -> String {
 }
 
 fn rate(v: f64) -> String {
-    if v.abs() >= 100.0 {
+    // Whole numbers (most limits) without a useless ".0"; small rates keep one decimal.
+    if v.abs() >= 100.0 || v.fract() == 0.0 {
         format!("{v:.0}")
     } else {
         format!("{v:.1}")
@@ -356,14 +357,17 @@ h2 { font-size: 16px; margin: 0 0 10px; }
 .explain p { margin: 6px 0; }
 form { display: flex; gap: 14px; align-items: end; flex-wrap: wrap; }
 label { display: flex; flex-direction: column; font-size: 12px; color: #56627a; gap: 3px; }
-select, button { font: inherit; padding: 5px 8px; border: 1px solid #b9c3d3; border-radius: 5px;
+select, button { font: inherit; height: 32px; padding: 0 8px; border: 1px solid #b9c3d3; border-radius: 5px;
   background: #fff; }
 button { background: #1f3a5f; color: #fff; border-color: #1f3a5f; cursor: pointer; }
-.counts { margin-left: auto; color: #56627a; font-size: 13px; }
+.counts { margin-left: auto; align-self: center; color: #56627a; font-size: 14px; }
 table { border-collapse: collapse; width: 100%; font-size: 14px; }
-th { text-align: left; font-size: 12px; text-transform: uppercase; letter-spacing: .03em;
-  color: #56627a; border-bottom: 2px solid #dde3ec; padding: 6px 8px; white-space: nowrap; }
+.scroll { overflow-x: auto; }
+th { text-align: left; font-size: 11px; text-transform: uppercase; letter-spacing: .03em;
+  color: #56627a; border-bottom: 2px solid #dde3ec; padding: 6px 8px; vertical-align: bottom; }
 td { border-bottom: 1px solid #edf0f5; padding: 6px 8px; vertical-align: top; }
+td.name { max-width: 260px; overflow-wrap: anywhere; }
+.nowrap { white-space: nowrap; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 th.num { text-align: right; }
 tr.throttle td { background: #fdecec; }
@@ -481,12 +485,12 @@ fn render(d: &PageData, problem: Option<&str>) -> String {
             );
         } else {
             h.push_str(
-                "<table id=\"buckets\"><thead><tr><th>Service</th><th>Bucket</th><th>Mode</th>\
+                "<div class=\"scroll\"><table id=\"buckets\"><thead><tr><th>Service</th>\
+                 <th>Bucket</th><th>Verdict</th><th class=\"num\">Virtual-drop share</th>\
                  <th class=\"num\">Limit rps</th><th class=\"num\">Peak offered rps</th>\
                  <th class=\"num\">Offered</th><th class=\"num\">Virtual drops</th>\
-                 <th class=\"num\">Virtual-drop share</th><th class=\"num\">Max drop ratio</th>\
-                 <th class=\"num\">Reports</th><th>Last report (UTC)</th><th>Verdict</th>\
-                 </tr></thead><tbody>",
+                 <th class=\"num\">Max drop ratio</th><th>Mode</th><th class=\"num\">Reports</th>\
+                 <th>Last report (UTC)</th></tr></thead><tbody>",
             );
             for b in &sum.buckets {
                 let s = &b.summary;
@@ -495,11 +499,12 @@ fn render(d: &PageData, problem: Option<&str>) -> String {
                     h,
                     "<tr class=\"{cls}\" data-bucket=\"{bucket}\">\
                      <td><a href=\"/?service={href}&amp;window={win}\">{svc}</a></td>\
-                     <td><code>{bucket}</code></td><td><span class=\"badge mode\">{mode}</span></td>\
+                     <td class=\"name\"><code>{bucket}</code></td><td>{verdict}</td>\
+                     <td class=\"num share\">{share}</td>\
                      <td class=\"num\">{limit}</td><td class=\"num\">{peak}</td>\
                      <td class=\"num\">{offered}</td><td class=\"num\">{vd}</td>\
-                     <td class=\"num share\">{share}</td><td class=\"num\">{ratio}</td>\
-                     <td class=\"num\">{reports}</td><td>{last}</td><td>{verdict}</td></tr>",
+                     <td class=\"num\">{ratio}</td><td><span class=\"badge mode\">{mode}</span></td>\
+                     <td class=\"num\">{reports}</td><td class=\"nowrap\">{last}</td></tr>",
                     cls = if b.would_throttle { "throttle" } else { "ok" },
                     bucket = escape_html(&s.bucket),
                     href = escape_html(&encode_query_value(&s.service)),
@@ -520,7 +525,7 @@ fn render(d: &PageData, problem: Option<&str>) -> String {
                     },
                 );
             }
-            h.push_str("</tbody></table>");
+            h.push_str("</tbody></table></div>");
             h.push_str(
                 "<p class=\"muted\">Offered and virtual drops are sums of per-tick rates \
                  (requests, with 1-second ticks). Limit and mode are from the latest report.</p>",
