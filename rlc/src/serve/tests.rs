@@ -159,6 +159,20 @@ async fn daemon_runs_on_request_and_on_input_change_and_shuts_down() {
             .collect::<Vec<_>>(),
         vec![(1, "shadow")]
     );
+    // The daemon hands its store to the read-only dashboard.
+    let v: serde_json::Value = http
+        .get(format!("{url}/v1/shadow?window=1h"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["buckets"][0]["bucket"], "gw", "{v}");
+    assert_eq!(v["buckets"][0]["virtual_drop_share"], 50.0 / 150.0, "{v}");
+    let page = http.get(format!("{url}/")).send().await.unwrap();
+    assert_eq!(page.status(), 200);
+    assert!(page.text().await.unwrap().contains(r#"data-bucket="gw""#));
 
     let m = http
         .get(format!("{url}/metrics"))
