@@ -10,6 +10,7 @@
 //! - `store`: runs, quota history, shadow reports (sqlx; Postgres or SQLite).
 //! - `cycle`: apply a computed plan (render, validate, commit/PR, push, record); `rlc run --once`.
 //! - `serve`: the daemon (`rlc serve`): schedule, input-change and API triggers, leader election.
+//!   `serve::dashboard`: its read-only shadow-mode dashboard (`GET /`, `/v1/shadow`, `/v1/runs`).
 
 pub mod cycle;
 pub mod demo;
