@@ -23,6 +23,7 @@ const PACKAGES: &[(&str, &str)] = &[
     ("prometheus", "promtool"),
     ("redis-server", "redis-server"),
     ("git", "git"),
+    ("chromium", "chromium"),
 ];
 
 fn main() -> ExitCode {
