@@ -5,5 +5,9 @@
 //! - `plan`: the computed quota set (what `preview` prints and `run` commits).
 //! - `validate_cmd`: `rlc validate DIR`.
 
+pub mod backtest;
+pub mod compute;
+pub mod history;
 pub mod plan;
+pub mod preview;
 pub mod validate_cmd;
