@@ -1,0 +1,7 @@
+//! rlc integration tests: history from a real Prometheus, compute_plan end to end, backtests,
+//! plugins through compute_plan.
+
+mod backtest;
+mod compute;
+mod prometheus;
+mod support;
