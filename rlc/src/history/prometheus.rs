@@ -34,6 +34,9 @@ pub(crate) struct Response {
     pub error_type: Option<String>,
     #[serde(default)]
     pub error: Option<String>,
+    /// VictoriaMetrics: some storage nodes did not answer.
+    #[serde(default, rename = "isPartial")]
+    pub is_partial: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -177,6 +180,10 @@ async fn fetch(
         };
         let parsed: Result<Response, _> = serde_json::from_slice(&body);
         match parsed {
+            Ok(r) if status.is_success() && r.is_partial => {
+                // A partial answer could lower quotas: retry, then fail.
+                last = "partial response (isPartial: some storage nodes did not answer)".into();
+            }
             Ok(r) if status.is_success() && r.status == "success" => {
                 return r.data.ok_or_else(|| HistoryError::Parse {
                     what: format!("response of {}", p.url),

@@ -301,11 +301,7 @@ fn four_weeks_from_real_prometheus() {
             .1
     };
     let web = series("shop", "web");
-    assert!(
-        web.present() >= 40_300,
-        "steady series nearly complete: {}",
-        web.present()
-    );
+    assert_eq!(web.present(), 40_320, "no hole at the 56 chunk boundaries");
     // The scrape gap stays missing (24 h ≈ 1,440 points), never zero.
     let cart = series("maps", "app");
     let missing = 40_320 - cart.present();
