@@ -39,7 +39,7 @@ pub fn load(path: &Path, cfg: &HistoryConfig, end: DateTime<Utc>) -> Result<Hist
         }
         Ok(b.finish())
     } else {
-        let r: Response = serde_json::from_str(&text).map_err(|e| perr(e.to_string()))?;
+        let r: Response<'_> = serde_json::from_str(&text).map_err(|e| perr(e.to_string()))?;
         if r.status != "success" {
             return Err(perr(format!(
                 "status {}: {}",
@@ -62,7 +62,7 @@ pub fn load(path: &Path, cfg: &HistoryConfig, end: DateTime<Utc>) -> Result<Hist
             .map(|p| p.labels.clone())
             .unwrap_or_default();
         let mut b = Builder::new(start, step, len, labels);
-        feed(&mut b, data).map_err(perr)?;
+        feed(&mut b, &data).map_err(perr)?;
         Ok(b.finish())
     }
 }

@@ -263,27 +263,35 @@ impl Builder {
 
     /// Adds one sample; `NaN`/infinite values mark the whole series unusable.
     pub(crate) fn add(&mut self, key: &SeriesKey, ts: f64, value: f64) {
+        self.add_many(key, std::iter::once((ts, value)));
+    }
+
+    /// Adds samples of one series (one map lookup for all of them); a `NaN`, infinite or
+    /// negative value marks the whole series unusable.
+    pub(crate) fn add_many(&mut self, key: &SeriesKey, samples: impl Iterator<Item = (f64, f64)>) {
         if self.bad.contains_key(key) {
             return;
         }
-        if !value.is_finite() || value < 0.0 {
-            self.series.remove(key);
-            self.bad.insert(
-                key.clone(),
-                format!("non-finite or negative value {value} at {ts}"),
-            );
-            return;
-        }
-        let i = ((ts - self.start as f64) / self.step as f64).round();
-        if i < 0.0 || i >= self.len as f64 {
-            return;
-        }
         let (start, step, len) = (self.start, self.step, self.len);
-        let s = self
-            .series
-            .entry(key.clone())
-            .or_insert_with(|| RateSeries::empty(start, step, len));
-        s.values[i as usize] = value as f32;
+        if !self.series.contains_key(key) {
+            self.series
+                .insert(key.clone(), RateSeries::empty(start, step, len));
+        }
+        let s = self.series.get_mut(key).expect("inserted above");
+        for (ts, value) in samples {
+            if !value.is_finite() || value < 0.0 {
+                self.series.remove(key);
+                self.bad.insert(
+                    key.clone(),
+                    format!("non-finite or negative value {value} at {ts}"),
+                );
+                return;
+            }
+            let i = ((ts - start as f64) / step as f64).round();
+            if i >= 0.0 && i < len as f64 {
+                s.values[i as usize] = value as f32;
+            }
+        }
     }
 
     pub(crate) fn finish(mut self) -> History {

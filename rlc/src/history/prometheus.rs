@@ -8,7 +8,7 @@
 //! retried and is reported as [`HistoryError::Refused`].
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -26,50 +26,61 @@ const BACKOFF_MAX: Duration = Duration::from_secs(5);
 
 /// A `query_range` response (also the saved-file format).
 #[derive(Debug, Deserialize)]
-pub(crate) struct Response {
+pub(crate) struct Response<'a> {
     pub status: String,
-    #[serde(default)]
-    pub data: Option<Data>,
-    #[serde(default, rename = "errorType")]
-    pub error_type: Option<String>,
+    #[serde(default, borrow)]
+    pub data: Option<Data<'a>>,
     #[serde(default)]
     pub error: Option<String>,
-    /// VictoriaMetrics: some storage nodes did not answer.
-    #[serde(default, rename = "isPartial")]
-    pub is_partial: bool,
 }
 
 #[derive(Debug, Deserialize)]
-pub(crate) struct Data {
+pub(crate) struct Data<'a> {
     #[serde(rename = "resultType")]
     pub result_type: String,
-    pub result: Vec<Matrix>,
+    #[serde(borrow)]
+    pub result: Vec<Matrix<'a>>,
 }
 
 #[derive(Debug, Deserialize)]
-pub(crate) struct Matrix {
+pub(crate) struct Matrix<'a> {
     pub metric: BTreeMap<String, String>,
+    /// Values borrowed from the body: numbers never contain JSON escapes.
+    #[serde(default, borrow)]
+    pub values: Vec<(f64, &'a str)>,
+}
+
+/// The envelope of a response, without its data.
+#[derive(Debug, Deserialize)]
+struct Envelope {
+    status: String,
+    #[serde(default, rename = "errorType")]
+    error_type: Option<String>,
     #[serde(default)]
-    pub values: Vec<(f64, String)>,
+    error: Option<String>,
+    #[serde(default, rename = "isPartial")]
+    is_partial: bool,
 }
 
 /// Feeds a parsed response into the builder.
-pub(crate) fn feed(b: &mut Builder, data: Data) -> Result<(), String> {
+pub(crate) fn feed(b: &mut Builder, data: &Data<'_>) -> Result<(), String> {
     if data.result_type != "matrix" {
         return Err(format!(
             "expected a matrix result, got `{}`",
             data.result_type
         ));
     }
-    for m in data.result {
+    for m in &data.result {
         let Some(key) = b.key(&m.metric) else {
             continue;
         };
-        for (ts, v) in m.values {
-            // Prometheus writes NaN/+Inf as strings; they fail `parse` only if garbage.
-            let value = v.parse::<f64>().unwrap_or(f64::NAN);
-            b.add(&key, ts, value);
-        }
+        // Prometheus writes NaN/+Inf as strings; garbage parses as NaN and is rejected too.
+        b.add_many(
+            &key,
+            m.values
+                .iter()
+                .map(|(ts, v)| (*ts, v.parse::<f64>().unwrap_or(f64::NAN))),
+        );
     }
     Ok(())
 }
@@ -92,31 +103,44 @@ pub async fn load(
         })?;
     let url = format!("{}/api/v1/query_range", p.url.trim_end_matches('/'));
     let sem = Arc::new(Semaphore::new(p.concurrency.max(1) as usize));
+    let builder = Arc::new(Mutex::new(Builder::new(start, step, len, p.labels.clone())));
     let mut tasks = tokio::task::JoinSet::new();
     let mut i = 0;
     while i < len {
         let n = per_chunk.min(len - i);
         let (from, to) = (start + i as i64 * step, start + (i + n - 1) as i64 * step);
-        let (client, url, sem, p) = (client.clone(), url.clone(), sem.clone(), p.clone());
+        let (client, url, sem, p, b) = (
+            client.clone(),
+            url.clone(),
+            sem.clone(),
+            p.clone(),
+            builder.clone(),
+        );
         tasks.spawn(async move {
             let _permit = sem.acquire_owned().await.expect("semaphore never closed");
-            fetch(&client, &url, &p, from, to, step).await
+            let body = fetch(&client, &url, &p, from, to, step).await?;
+            // Parse and feed on a blocking thread; the body is dropped as soon as its samples
+            // are on the grid, so memory stays bounded by `concurrency` responses.
+            tokio::task::spawn_blocking(move || {
+                let r: Response<'_> = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
+                let data = r.data.ok_or_else(|| "success without data".to_string())?;
+                feed(&mut b.lock().unwrap_or_else(|e| e.into_inner()), &data)
+            })
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|r| r)
+            .map_err(|message| HistoryError::Parse {
+                what: format!("response of {}", p.url),
+                message,
+            })
         });
         i += n;
     }
     tracing::info!(url = %p.url, chunks = tasks.len(), series_points = len, step, "pulling history");
-    let mut b = Builder::new(start, step, len, p.labels.clone());
     let mut first_err = None;
     while let Some(r) = tasks.join_next().await {
         match r {
-            Ok(Ok(data)) => {
-                if let Err(message) = feed(&mut b, data) {
-                    first_err.get_or_insert(HistoryError::Parse {
-                        what: format!("response of {}", p.url),
-                        message,
-                    });
-                }
-            }
+            Ok(Ok(())) => {}
             Ok(Err(e)) => {
                 // One failed chunk fails the pull: a partial history could lower quotas.
                 tasks.abort_all();
@@ -132,10 +156,14 @@ pub async fn load(
             }
         }
     }
-    match first_err {
-        Some(e) => Err(e),
-        None => Ok(b.finish()),
+    if let Some(e) = first_err {
+        return Err(e);
     }
+    let b = Arc::try_unwrap(builder).map_err(|_| HistoryError::Parse {
+        what: "history".into(),
+        message: "a chunk task outlived the pull".into(),
+    })?;
+    Ok(b.into_inner().unwrap_or_else(|e| e.into_inner()).finish())
 }
 
 async fn fetch(
@@ -145,7 +173,7 @@ async fn fetch(
     from: i64,
     to: i64,
     step: i64,
-) -> Result<Data, HistoryError> {
+) -> Result<Vec<u8>, HistoryError> {
     let form = [
         ("query", p.query.clone()),
         ("start", from.to_string()),
@@ -178,17 +206,16 @@ async fn fetch(
                 continue;
             }
         };
-        let parsed: Result<Response, _> = serde_json::from_slice(&body);
+        // Only the envelope is looked at here; values are parsed once, when fed.
+        let parsed: Result<Envelope, _> = serde_json::from_slice(&body);
         match parsed {
             Ok(r) if status.is_success() && r.is_partial => {
                 // A partial answer could lower quotas: retry, then fail.
                 last = "partial response (isPartial: some storage nodes did not answer)".into();
             }
             Ok(r) if status.is_success() && r.status == "success" => {
-                return r.data.ok_or_else(|| HistoryError::Parse {
-                    what: format!("response of {}", p.url),
-                    message: "success without data".into(),
-                })
+                drop(r);
+                return Ok(body.into());
             }
             Ok(r) if status.as_u16() == 400 || status.as_u16() == 422 => {
                 return Err(HistoryError::Refused {
