@@ -91,7 +91,17 @@ pub async fn load(
     h: &HistoryConfig,
     end: DateTime<Utc>,
 ) -> Result<History, HistoryError> {
-    let (start, step, len) = grid(h, end.timestamp());
+    let (query, h) = match p.downsample {
+        Some(d) if d.as_secs() > h.step.as_secs() => {
+            let mut h = h.clone();
+            let q = format!("max_over_time(({})[{d}:{}])", p.query, h.step);
+            h.step = d;
+            (q, h)
+        }
+        _ => (p.query.clone(), h.clone()),
+    };
+    let p = &PrometheusConfig { query, ..p.clone() };
+    let (start, step, len) = grid(&h, end.timestamp());
     let per_chunk = p.max_points.clamp(2, CHUNK_STEPS) as usize;
     let client = reqwest::Client::builder()
         .timeout(p.timeout.0)

@@ -418,6 +418,31 @@ fn four_weeks_from_real_prometheus() {
         assert_eq!(g.evidence["policy"]["capped_by"], "planned capacity share");
     }
 
+    // Server-side reduction: 672 hourly points per series keep the per-minute peaks.
+    let mut coarse = cfg.clone();
+    coarse.history.prometheus.as_mut().unwrap().downsample = Some("1h".parse().unwrap());
+    let hc = rt
+        .block_on(history::load(&coarse.history, dir.path(), now_dt))
+        .expect("downsampled history");
+    assert_eq!((hc.len, hc.step), (672, 3600));
+    assert_eq!(hc.series.len(), h.series.len());
+    for (k, fine) in &h.series {
+        let (a, b) = (fine.max().unwrap(), hc.series[k].max().unwrap());
+        assert!(
+            (a - b).abs() <= a * 1e-3,
+            "{k:?}: per-minute max {a}, hourly max {b}"
+        );
+    }
+    let plan_c = compute_plan(&coarse, &repo, &hc, now_dt);
+    let (fine, coarse_web) = (
+        get(&plan, "shop", "web.browse"),
+        get(&plan_c, "shop", "web.browse"),
+    );
+    assert_eq!(
+        fine.bucket.limit_rps, coarse_web.bucket.limit_rps,
+        "same peak quota from 60× less data"
+    );
+
     // Prometheus refuses a bad query: a clear error, and compute keeps every quota.
     let bad = config(&prom.url, "sum(");
     let e = rt
