@@ -4,7 +4,8 @@
 //! `rpc_rps{service,caller,procedure}` × DAYS (28 default) at 1 m with promtool, starts a
 //! throwaway Prometheus, writes an rlc.yaml and config repo, then runs
 //! `/usr/bin/time -v <target>/release/rlc preview --format json` against it and prints the wall
-//! time, peak memory and the plan's size. Build the binary first: `cargo build --release -p rlc`.
+//! time, peak memory and the plan's size; with a third argument (e.g. `1h`) it runs again with
+//! `history.prometheus.downsample` set. Build the binary first: `cargo build --release -p rlc`.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -17,6 +18,8 @@ fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
     let n: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(100);
     let days: i64 = args.next().map(|a| a.parse()).transpose()?.unwrap_or(28);
+    // Optional: `downsample` value (e.g. 1h) for server-side reduction.
+    let downsample = args.next();
     let dir = tempfile::Builder::new().prefix("rlc-bench-").tempdir()?;
     let end = chrono::Utc::now().timestamp() / 60 * 60 - 60;
     let start = end - days * 86_400 - 600;
@@ -61,8 +64,9 @@ fn main() -> anyhow::Result<()> {
     std::fs::write(
         &cfg,
         format!(
-            "history:\n  prometheus:\n    url: {}\n    query: 'rpc_rps'\n  lookback: {days}d\n  step: 1m\nconfig_repo:\n  path: repo\n",
-            prom.url
+            "history:\n  prometheus:\n    url: {}\n    query: 'rpc_rps'\n{}  lookback: {days}d\n  step: 1m\nconfig_repo:\n  path: repo\n",
+            prom.url,
+            downsample.as_ref().map(|d| format!("    downsample: {d}\n")).unwrap_or_default()
         ),
     )?;
     let exe = std::env::current_exe()?;
@@ -72,11 +76,33 @@ fn main() -> anyhow::Result<()> {
         .map(|p| p.join("rlc"))
         .unwrap();
     eprintln!("{n} series × {days} d: generated in {generated:.1?}, backfilled + started in {backfilled:.1?}");
+    for (label, ds) in [("per-minute", None), ("downsample", downsample.as_deref())] {
+        if label == "downsample" && ds.is_none() {
+            break;
+        }
+        let text = std::fs::read_to_string(&cfg)?;
+        let text = match ds {
+            None => text
+                .lines()
+                .filter(|l| !l.contains("downsample"))
+                .collect::<Vec<_>>()
+                .join("\n"),
+            Some(_) => text,
+        };
+        let run_cfg = dir.path().join(format!("rlc-{label}.yaml"));
+        std::fs::write(&run_cfg, text)?;
+        println!("== {label}");
+        run(&rlc, &run_cfg)?;
+    }
+    Ok(())
+}
+
+fn run(rlc: &std::path::Path, cfg: &std::path::Path) -> anyhow::Result<()> {
     let out = Command::new("/usr/bin/time")
         .arg("-v")
-        .arg(&rlc)
+        .arg(rlc)
         .args(["preview", "--format", "json", "--config"])
-        .arg(&cfg)
+        .arg(cfg)
         .output()?;
     let stderr = String::from_utf8_lossy(&out.stderr);
     for line in stderr.lines() {
