@@ -115,6 +115,13 @@ fn run(rlc: &std::path::Path, cfg: &std::path::Path) -> anyhow::Result<()> {
             println!("{}", line.trim());
         }
     }
+    if !out.status.success() {
+        let tail: Vec<&str> = stderr.lines().rev().take(12).collect();
+        println!(
+            "rlc failed:\n{}",
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        );
+    }
     let plan: serde_json::Value = serde_json::from_slice(&out.stdout)?;
     println!(
         "plan: {} buckets, {} skipped",

@@ -91,6 +91,7 @@ pub async fn load(
     h: &HistoryConfig,
     end: DateTime<Utc>,
 ) -> Result<History, HistoryError> {
+    let raw_step = h.step.as_secs() as i64;
     let (query, h) = match p.downsample {
         Some(d) if d.as_secs() > h.step.as_secs() => {
             let mut h = h.clone();
@@ -102,7 +103,10 @@ pub async fn load(
     };
     let p = &PrometheusConfig { query, ..p.clone() };
     let (start, step, len) = grid(&h, end.timestamp());
-    let per_chunk = p.max_points.clamp(2, CHUNK_STEPS) as usize;
+    // Bound the samples Prometheus evaluates per request too (its `query.max-samples`): with
+    // server-side reduction, one output point costs `downsample ÷ step` inner steps.
+    let inner_per_point = (step / raw_step.max(1)).max(1) as usize;
+    let per_chunk = (p.max_points.clamp(2, CHUNK_STEPS) as usize / inner_per_point).max(1);
     let client = reqwest::Client::builder()
         .timeout(p.timeout.0)
         .build()
