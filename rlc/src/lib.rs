@@ -2,6 +2,9 @@
 //! config repo, pushes it to the GRL controller and stores runs and shadow reports.
 //!
 //! Module map (see ARCHITECTURE.md):
+//! - `history`: RPS history from Prometheus or a file; `history::synth` makes the quickstart's.
+//! - `compute`: policies and rails per bucket → a `Plan`; `preview` and `backtest` print it.
+//! - `pipeline`: the planner `run`/`serve`/`demo` use: history → compute → plan.
 //! - `plan`: the computed quota set (what `preview` prints and `run` commits).
 //! - `validate_cmd`: `rlc validate DIR`.
 //! - `demo`: `rlc demo`, the whole loop on embedded defaults.
@@ -12,10 +15,15 @@
 //! - `serve`: the daemon (`rlc serve`): schedule, input-change and API triggers, leader election.
 //!   `serve::dashboard`: its read-only shadow-mode dashboard (`GET /`, `/v1/shadow`, `/v1/runs`).
 
+pub mod backtest;
+pub mod compute;
 pub mod cycle;
 pub mod demo;
 pub mod gitops;
+pub mod history;
+pub mod pipeline;
 pub mod plan;
+pub mod preview;
 pub mod push;
 pub mod serve;
 pub mod store;

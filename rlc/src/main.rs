@@ -28,6 +28,14 @@ enum Command {
     },
     /// Print the JSON Schema of every file format (for editors).
     Schema,
+    /// Compute quotas and print them (table or JSON); writes nothing.
+    Preview(rlc::preview::PreviewArgs),
+    /// One full cycle: history → policies → git → controller → store.
+    Run(rlc::cycle::RunArgs),
+    /// The daemon: schedule, input-change and API triggers, dashboard.
+    Serve(rlc::serve::ServeArgs),
+    /// Score policies on history they did not see.
+    Backtest(rlc::backtest::BacktestArgs),
     /// Run the whole loop on embedded defaults: bundled history, a local config repo made
     /// from the template, an in-process GRL controller.
     Demo(rlc::demo::DemoArgs),
@@ -51,6 +59,10 @@ fn main() -> ExitCode {
             );
             Ok(0)
         }
+        Command::Preview(args) => runtime().block_on(rlc::preview::run(args)),
+        Command::Run(args) => runtime().block_on(rlc::cycle::run(args, rlc::pipeline::planner())),
+        Command::Serve(args) => runtime().block_on(rlc::serve::run(args, rlc::pipeline::planner())),
+        Command::Backtest(args) => runtime().block_on(rlc::backtest::run(args)),
         Command::Demo(args) => runtime().block_on(rlc::demo::run(args)),
     };
     match result {

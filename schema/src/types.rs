@@ -545,6 +545,12 @@ pub struct PrometheusConfig {
     /// Attempts per request (with jittered backoff).
     #[serde(default = "default_retries")]
     pub retries: u32,
+    /// Let Prometheus reduce the series server-side: `max_over_time((query)[D:step])` at step
+    /// `D` keeps the per-step peak in lookback ÷ D points (e.g. `1h`: 672 points for 28 days).
+    /// Much less data to move for large fleets; percentiles and backtests then work on these
+    /// per-D maxima.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub downsample: Option<HumanDuration>,
 }
 
 fn default_max_points() -> u32 {

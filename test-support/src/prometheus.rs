@@ -1,1 +1,164 @@
-//! prometheus helpers.
+//! A throwaway real Prometheus, backfilled with generated history by `promtool`.
+//!
+//! [`OpenMetricsWriter`] writes samples (one metric family at a time, samples of a series in
+//! time order, as promtool requires); [`Prometheus::start`] turns the file into TSDB blocks with
+//! `promtool tsdb create-blocks-from openmetrics --max-block-duration=720h`, starts
+//! `prometheus` on a free loopback port over them (no scrape targets, 10 y retention), waits for
+//! `/-/ready`, and kills it on drop. Missing binaries are an error that says how to get them.
+
+use std::fmt::Write as _;
+use std::fs::File;
+use std::io::{BufWriter, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+const HOW_TO_GET: &str = "install Debian package prometheus, or run `cargo xtask test`";
+
+/// Writes an OpenMetrics text file for promtool.
+pub struct OpenMetricsWriter {
+    out: BufWriter<File>,
+    path: PathBuf,
+    line: String,
+}
+
+impl OpenMetricsWriter {
+    /// Creates the file at `path`.
+    pub fn create(path: &Path) -> Result<Self> {
+        let f = File::create(path).with_context(|| format!("create {}", path.display()))?;
+        Ok(Self { out: BufWriter::with_capacity(1 << 20, f), path: path.to_path_buf(), line: String::new() })
+    }
+
+    /// Starts a metric family: `kind` is `gauge` or `counter` (counter samples are written as
+    /// `<name>_total`).
+    pub fn family(&mut self, name: &str, kind: &str) -> Result<()> {
+        writeln!(self.out, "# TYPE {name} {kind}")?;
+        Ok(())
+    }
+
+    /// One sample; `ts` in unix seconds. Write all samples of a series in time order.
+    pub fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: f64, ts: i64) -> Result<()> {
+        self.line.clear();
+        self.line.push_str(name);
+        self.line.push('{');
+        for (i, (k, v)) in labels.iter().enumerate() {
+            if i > 0 {
+                self.line.push(',');
+            }
+            let _ = write!(self.line, "{k}=\"{}\"", v.replace('\\', "\\\\").replace('"', "\\\""));
+        }
+        let _ = writeln!(self.line, "}} {value} {ts}");
+        self.out.write_all(self.line.as_bytes())?;
+        Ok(())
+    }
+
+    /// Writes `# EOF` and returns the file's path.
+    pub fn finish(mut self) -> Result<PathBuf> {
+        self.out.write_all(b"# EOF\n")?;
+        self.out.flush()?;
+        Ok(self.path)
+    }
+}
+
+/// A running Prometheus over backfilled blocks; killed on drop.
+pub struct Prometheus {
+    /// `http://127.0.0.1:PORT`.
+    pub url: String,
+    child: Child,
+    dir: tempfile::TempDir,
+}
+
+fn binary(name: &str) -> Result<PathBuf> {
+    for dir in ["/usr/bin", "/usr/local/bin", "/bin"] {
+        let p = Path::new(dir).join(name);
+        if p.exists() {
+            return Ok(p);
+        }
+    }
+    if let Some(path) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&path) {
+            let p = dir.join(name);
+            if p.exists() {
+                return Ok(p);
+            }
+        }
+    }
+    bail!("`{name}` not found: {HOW_TO_GET}")
+}
+
+fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+impl Prometheus {
+    /// Backfills `openmetrics` (a file from [`OpenMetricsWriter`]) and starts Prometheus on it.
+    pub fn start(openmetrics: &Path) -> Result<Self> {
+        let prometheus = binary("prometheus")?;
+        let promtool = binary("promtool")?;
+        let dir = tempfile::Builder::new().prefix("prometheus-").tempdir()?;
+        let data = dir.path().join("data");
+        std::fs::create_dir(&data)?;
+        let out = Command::new(&promtool)
+            .args(["tsdb", "create-blocks-from", "openmetrics", "--max-block-duration=720h", "--quiet"])
+            .arg(openmetrics)
+            .arg(&data)
+            .output()
+            .context("run promtool")?;
+        if !out.status.success() {
+            bail!("promtool failed: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        }
+        let config = dir.path().join("prometheus.yml");
+        std::fs::write(&config, "global:\n  scrape_interval: 1h\nscrape_configs: []\n")?;
+        let log = File::create(dir.path().join("prometheus.log"))?;
+        let port = free_port()?;
+        let child = Command::new(&prometheus)
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!("--storage.tsdb.path={}", data.display()))
+            .arg("--storage.tsdb.retention.time=10y")
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("start prometheus")?;
+        let mut p = Prometheus { url: format!("http://127.0.0.1:{port}"), child, dir };
+        p.wait_ready(port)?;
+        Ok(p)
+    }
+
+    fn wait_ready(&mut self, port: u16) -> Result<()> {
+        // A start-up bound, not a timing assertion: a healthy instance is ready in seconds.
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait()? {
+                bail!("prometheus exited with {status}: {}", self.log());
+            }
+            if let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) {
+                let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+                let _ = s.write_all(b"GET /-/ready HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
+                let mut buf = String::new();
+                let _ = s.read_to_string(&mut buf);
+                if buf.starts_with("HTTP/1.0 200") || buf.starts_with("HTTP/1.1 200") {
+                    return Ok(());
+                }
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        bail!("prometheus not ready after 120 s: {}", self.log())
+    }
+
+    /// The instance's log so far (for error messages).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("prometheus.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

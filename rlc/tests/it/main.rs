@@ -1,3 +1,8 @@
-//! Integration tests of the `rlc` binary (one test binary per crate).
+//! Integration tests of the `rlc` binary and library (one test binary per crate): validation,
+//! history from a real Prometheus, compute_plan end to end, backtests, plugins.
 
+mod backtest;
+mod compute;
+mod prometheus;
+mod support;
 mod validate;

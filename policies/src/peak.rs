@@ -1,0 +1,178 @@
+//! `peak`: the max (or a percentile) of the per-step rate over the lookback × (1 + headroom),
+//! with a floor and a ceiling from planned capacity. Short history widens the margin by the VPA's
+//! `1 + 1/confidence_days` and keeps the bucket in shadow.
+
+use schema::PolicyName;
+use serde_json::json;
+
+use crate::{headroom, Policy, PolicyError, PolicyInput, Proposal, CONFIDENT_DAYS};
+
+/// The built-in `peak` policy.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Peak;
+
+impl Policy for Peak {
+    fn name(&self) -> PolicyName {
+        PolicyName::Peak
+    }
+
+    fn compute(&self, input: &PolicyInput<'_>) -> Result<Proposal, PolicyError> {
+        let s = input.series;
+        let (stat, stat_name) = match input.spec.percentile {
+            Some(p) if !(0.0..=100.0).contains(&p) => {
+                return Err(PolicyError::Params(format!(
+                    "percentile {p} is not within 0–100"
+                )))
+            }
+            Some(p) => (s.percentile(p).ok_or(PolicyError::NoData)?, format!("p{p}")),
+            None => (s.max().ok_or(PolicyError::NoData)?, "max".to_string()),
+        };
+        let peak = s.max().unwrap_or(stat);
+        let peak_at = s.argmax().map(|i| s.datetime_of(i).to_rfc3339());
+        let days = s.confidence_days();
+        let young = days < CONFIDENT_DAYS;
+        // VPA recommender: bound × (1 + 1/confidence_days) while history is short.
+        let widen = if young {
+            1.0 + 1.0 / days.max(1.0 / 24.0)
+        } else {
+            1.0
+        };
+        let h = headroom(input.spec);
+        let mut limit = stat * (1.0 + h) * widen;
+        let mut capped_by = None;
+        if let Some(f) = input.spec.floor_rps {
+            if limit < f {
+                limit = f;
+                capped_by = Some("floor_rps");
+            }
+        }
+        for (cap, why) in [
+            (input.spec.ceiling_rps, "ceiling_rps"),
+            (input.capacity_share_rps, "planned capacity share"),
+        ] {
+            if let Some(c) = cap {
+                if limit > c {
+                    limit = c;
+                    capped_by = Some(why);
+                }
+            }
+        }
+        let confidence = (days / CONFIDENT_DAYS).min(1.0);
+        Ok(Proposal {
+            limit_rps: limit,
+            shadow: young,
+            policy: PolicyName::Peak,
+            peak_rps: peak,
+            confidence,
+            evidence: json!({
+                "statistic": stat_name,
+                "value_rps": round3(stat),
+                "peak_rps": round3(peak),
+                "peak_at": peak_at,
+                "window": {"from": s.datetime_of(0).to_rfc3339(), "to": s.datetime_of(s.values.len()).to_rfc3339()},
+                "headroom": h,
+                "history_days": round3(days),
+                "coverage": round3(s.coverage_since_first()),
+                "short_history_margin": young.then_some(round3(widen)),
+                "capped_by": capped_by,
+                "capacity_share_rps": input.capacity_share_rps.map(round3),
+            }),
+        })
+    }
+}
+
+/// Rounds to 3 decimals for readable evidence.
+pub(crate) fn round3(v: f64) -> f64 {
+    (v * 1000.0).round() / 1000.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::RateSeries;
+    use schema::PolicySpec;
+
+    fn series(days: usize, peak: f32) -> RateSeries {
+        let n = days * 1440;
+        let mut values = vec![10.0; n];
+        values[n / 2] = peak;
+        values[n / 3] = f32::NAN;
+        RateSeries {
+            start: 0,
+            step: 60,
+            values,
+        }
+    }
+
+    fn run(s: &RateSeries, spec: &PolicySpec, cap: Option<f64>) -> Proposal {
+        Peak.compute(&PolicyInput {
+            service: "s",
+            caller: Some("c"),
+            procedure: None,
+            series: s,
+            spec,
+            capacity_share_rps: cap,
+            now: chrono::Utc::now(),
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn max_times_headroom() {
+        let p = run(&series(28, 100.0), &PolicySpec::default(), None);
+        assert!((p.limit_rps - 125.0).abs() < 1e-6, "{p:?}");
+        assert!(!p.shadow);
+        assert_eq!(p.confidence, 1.0);
+    }
+
+    #[test]
+    fn percentile_option_ignores_rare_peak() {
+        let spec = PolicySpec {
+            percentile: Some(99.0),
+            headroom: Some(0.0),
+            ..Default::default()
+        };
+        let p = run(&series(28, 100.0), &spec, None);
+        assert_eq!(p.limit_rps, 10.0);
+        assert_eq!(p.peak_rps, 100.0);
+    }
+
+    #[test]
+    fn short_history_widens_and_shadows() {
+        let p = run(&series(3, 100.0), &PolicySpec::default(), None);
+        // 3 days minus one missing minute: margin ≈ 1 + 1/3.
+        assert!(
+            p.limit_rps > 125.0 * 1.33 && p.limit_rps < 125.0 * 1.34,
+            "{p:?}"
+        );
+        assert!(p.shadow);
+    }
+
+    #[test]
+    fn floor_and_capacity_cap() {
+        let spec = PolicySpec {
+            floor_rps: Some(500.0),
+            ..Default::default()
+        };
+        assert_eq!(run(&series(28, 100.0), &spec, None).limit_rps, 500.0);
+        assert_eq!(
+            run(&series(28, 100.0), &PolicySpec::default(), Some(80.0)).limit_rps,
+            80.0
+        );
+    }
+
+    #[test]
+    fn no_data_is_an_error() {
+        let s = RateSeries::empty(0, 60, 10);
+        let e = Peak.compute(&PolicyInput {
+            service: "s",
+            caller: None,
+            procedure: Some("p"),
+            series: &s,
+            spec: &PolicySpec::default(),
+            capacity_share_rps: None,
+            now: chrono::Utc::now(),
+        });
+        assert!(matches!(e, Err(PolicyError::NoData)));
+    }
+}

@@ -1,0 +1,409 @@
+//! One computation: history + config repo → [`Plan`]. Runs each bucket's policy (a contract
+//! first, then the service's policy), then the safety rails. Synchronous and pure apart from
+//! loading plugins; call it from async code with `spawn_blocking` for large fleets.
+//!
+//! Services keep their current quotas (and are listed in `skipped`) when the history source
+//! failed, when their coverage is below `history.min_coverage`, or when they have buckets but
+//! no history at all. A bucket whose policy fails keeps its current quota, and is listed too.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+use chrono::{DateTime, Utc};
+use policies::rails::{self, Current};
+use policies::{fixed, Policy, PolicyError, PolicyInput, Proposal};
+use schema::{Bucket, ConfigRepo, Contract, DaemonConfig, PolicyName, PolicySpec, Scope};
+use serde_json::json;
+
+use crate::history::{History, SeriesKey};
+use crate::plan::{Plan, PlannedBucket, Skipped};
+
+/// The effective policy spec of `service` (peak with default headroom when the repo has no
+/// `rlc/policies.yaml`).
+pub fn spec_for(repo: &ConfigRepo, service: &str) -> PolicySpec {
+    match &repo.policies {
+        Some(p) => p.value.for_service(service),
+        None => PolicySpec {
+            policy: Some(PolicyName::Peak),
+            ..Default::default()
+        },
+    }
+}
+
+/// Resolves the relative paths of `rlc.yaml` (`config_repo.path`, `history.file`,
+/// `plugins.dir`) against `base_dir`, the directory of the file.
+pub fn resolve_paths(cfg: &mut DaemonConfig, base_dir: &Path) {
+    let abs = |p: &str| -> String { base_dir.join(p).to_string_lossy().into_owned() };
+    cfg.config_repo.path = abs(&cfg.config_repo.path);
+    if let Some(f) = &cfg.history.file {
+        cfg.history.file = Some(abs(f));
+    }
+    if let Some(p) = &mut cfg.plugins {
+        p.dir = abs(&p.dir);
+    }
+}
+
+/// The policy object for a built-in or plugin name (`None` for `fixed`/`manual`).
+pub fn policy_for(
+    cfg: &DaemonConfig,
+    name: &PolicyName,
+) -> Result<Option<&'static dyn Policy>, PolicyError> {
+    static PEAK: policies::peak::Peak = policies::peak::Peak;
+    static FORECAST: policies::forecast::Forecast = policies::forecast::Forecast;
+    match name {
+        PolicyName::Peak => Ok(Some(&PEAK)),
+        PolicyName::Forecast => Ok(Some(&FORECAST)),
+        PolicyName::Fixed | PolicyName::Manual => Ok(None),
+        PolicyName::Plugin(n) => {
+            let dir = cfg
+                .plugins
+                .as_ref()
+                .map(|p| PathBuf::from(&p.dir))
+                .ok_or_else(|| PolicyError::Plugin {
+                    name: n.clone(),
+                    message: "no `plugins.dir` in rlc.yaml".into(),
+                })?;
+            Ok(Some(policies::loader::load(&dir, n)? as &dyn Policy))
+        }
+    }
+}
+
+/// Computes the quota plan. `now` decides which contracts are active. Relative `plugins.dir`
+/// is taken from the working directory: call [`resolve_paths`] first.
+pub fn compute_plan(
+    cfg: &DaemonConfig,
+    repo: &ConfigRepo,
+    history: &History,
+    now: DateTime<Utc>,
+) -> Plan {
+    let mut plan = Plan::default();
+    let today = now.date_naive();
+    let contracts: &[Contract] = repo.contracts.as_ref().map_or(&[], |c| &c.value.contracts);
+    let mut services: BTreeSet<String> = repo.known_services();
+    services.extend(history.services());
+    services.extend(contracts.iter().map(|c| c.service.clone()));
+
+    for r in &history.rejected {
+        plan.skipped.push(Skipped {
+            service: r.service.clone().unwrap_or_default(),
+            caller: r.caller.clone(),
+            procedure: r.procedure.clone(),
+            reason: format!("series skipped: {}", r.reason),
+        });
+    }
+
+    for service in &services {
+        if let Some(e) = &history.source_error {
+            keep_service(
+                &mut plan,
+                repo,
+                service,
+                &format!("history source failed: {e}; keeps current quotas"),
+            );
+            continue;
+        }
+        let has_series = history.service_series(service).next().is_some();
+        let has_contract = contracts.iter().any(|c| &c.service == service);
+        if has_series {
+            let cov = history.service_coverage(service);
+            if cov < cfg.history.min_coverage {
+                keep_service(
+                    &mut plan,
+                    repo,
+                    service,
+                    &format!(
+                        "history covers {:.1}% of the window, below min_coverage {:.0}%; keeps current quotas",
+                        cov * 100.0,
+                        cfg.history.min_coverage * 100.0
+                    ),
+                );
+                continue;
+            }
+        } else if !has_contract {
+            if repo.current(service).is_some() {
+                keep_service(
+                    &mut plan,
+                    repo,
+                    service,
+                    "no history for this service; keeps current quotas",
+                );
+            }
+            continue;
+        }
+        compute_service(
+            cfg, repo, history, service, contracts, today, now, &mut plan,
+        );
+    }
+    plan.buckets
+        .sort_by(|a, b| (&a.service, &a.bucket.name).cmp(&(&b.service, &b.bucket.name)));
+    plan.skipped.sort_by(|a, b| {
+        (&a.service, &a.caller, &a.procedure, &a.reason).cmp(&(
+            &b.service,
+            &b.caller,
+            &b.procedure,
+            &b.reason,
+        ))
+    });
+    plan
+}
+
+/// Lists `service` in skipped and carries its current buckets over unchanged.
+fn keep_service(plan: &mut Plan, repo: &ConfigRepo, service: &str, reason: &str) {
+    tracing::warn!(service, reason, "service keeps its current quotas");
+    plan.skipped.push(Skipped {
+        service: service.into(),
+        caller: None,
+        procedure: None,
+        reason: reason.into(),
+    });
+    if let Some(f) = repo.current(service) {
+        for b in &f.buckets {
+            plan.buckets.push(kept(service, b, reason));
+        }
+    }
+}
+
+fn kept(service: &str, b: &Bucket, reason: &str) -> PlannedBucket {
+    PlannedBucket {
+        service: service.into(),
+        bucket: b.clone(),
+        current_limit_rps: Some(b.limit_rps),
+        evidence: json!({"kept_current": reason}),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn compute_service(
+    cfg: &DaemonConfig,
+    repo: &ConfigRepo,
+    history: &History,
+    service: &str,
+    contracts: &[Contract],
+    today: chrono::NaiveDate,
+    now: DateTime<Utc>,
+    plan: &mut Plan,
+) {
+    let spec = spec_for(repo, service);
+    let scope = spec.scope.unwrap_or(Scope::Global);
+    let current: HashMap<&str, &Bucket> = repo
+        .current(service)
+        .map(|f| f.buckets.iter().map(|b| (b.name.as_str(), b)).collect())
+        .unwrap_or_default();
+    let series: Vec<(&SeriesKey, &policies::RateSeries)> =
+        history.service_series(service).collect();
+    let peaks: Vec<f64> = series.iter().map(|(_, s)| s.max().unwrap_or(0.0)).collect();
+    let capacity = repo.capacity.as_ref().map(|c| &c.value);
+    let mut done: BTreeSet<String> = BTreeSet::new();
+
+    // Active contracts make their own buckets; they win over the service's policy.
+    let caller_wide: BTreeSet<&str> = contracts
+        .iter()
+        .filter(|c| c.service == service && c.procedure.is_none() && c.active_on(today))
+        .filter_map(|c| c.caller.as_deref())
+        .collect();
+    for c in contracts
+        .iter()
+        .filter(|c| c.service == service && c.active_on(today))
+    {
+        let key = SeriesKey {
+            service: service.into(),
+            caller: c.caller.clone(),
+            procedure: c.procedure.clone(),
+        };
+        let name = key.bucket_name();
+        if !done.insert(name.clone()) {
+            continue; // a duplicate contract: the first listed wins (validate reports it)
+        }
+        let peak = series
+            .iter()
+            .zip(&peaks)
+            .filter(|((k, _), _)| {
+                k.caller == c.caller && (c.procedure.is_none() || k.procedure == c.procedure)
+            })
+            .map(|(_, p)| *p)
+            .fold(None, |m: Option<f64>, p| Some(m.map_or(p, |m| m + p)));
+        let proposal = fixed::proposal(c, peak);
+        push(
+            plan,
+            cfg,
+            &spec,
+            service,
+            &key,
+            scope,
+            current.get(name.as_str()).copied(),
+            proposal,
+            false,
+            Vec::new(),
+        );
+    }
+
+    for (i, (key, s)) in series.iter().enumerate() {
+        let name = key.bucket_name();
+        if done.contains(&name) {
+            continue;
+        }
+        if key
+            .caller
+            .as_deref()
+            .is_some_and(|c| caller_wide.contains(c))
+            && key.procedure.is_some()
+        {
+            continue; // covered by the caller's contract bucket
+        }
+        done.insert(name.clone());
+        let expired: Vec<String> = fixed::contract_for(
+            contracts,
+            service,
+            key.caller.as_deref(),
+            key.procedure.as_deref(),
+            today,
+        )
+        .expired
+        .into_iter()
+        .map(fixed::expired_note)
+        .collect();
+        let cur = current.get(name.as_str()).copied();
+        let policy_name = spec.policy.clone().unwrap_or(PolicyName::Peak);
+        let capacity_share = capacity.and_then(|cap| {
+            let total_cap = cap.for_bucket(service, key.procedure.as_deref())?;
+            let procedure_entry = key.procedure.as_deref().is_some_and(|p| {
+                cap.capacity
+                    .iter()
+                    .any(|e| e.service == service && e.procedure.as_deref() == Some(p))
+            });
+            let denom: f64 = series
+                .iter()
+                .zip(&peaks)
+                .filter(|((k, _), _)| !procedure_entry || k.procedure == key.procedure)
+                .map(|(_, p)| *p)
+                .sum();
+            Some(if denom > 0.0 {
+                total_cap * peaks[i] / denom
+            } else {
+                total_cap
+            })
+        });
+        let result = match policy_for(cfg, &policy_name) {
+            Ok(Some(p)) => p.compute(&PolicyInput {
+                service,
+                caller: key.caller.as_deref(),
+                procedure: key.procedure.as_deref(),
+                series: s,
+                spec: &spec,
+                capacity_share_rps: capacity_share,
+                now,
+            }),
+            Ok(None) => Err(PolicyError::Params(format!(
+                "policy `{policy_name}` has no rule for this bucket (no active contract)"
+            ))),
+            Err(e) => Err(e),
+        };
+        match result {
+            Ok(p) => push(plan, cfg, &spec, service, key, scope, cur, p, true, expired),
+            Err(e) => {
+                let reason = format!("policy {policy_name} failed: {e}; keeps current quota");
+                tracing::warn!(service, bucket = %name, error = %e, "policy failed");
+                plan.skipped.push(Skipped {
+                    service: service.into(),
+                    caller: key.caller.clone(),
+                    procedure: key.procedure.clone(),
+                    reason: reason.clone(),
+                });
+                if let Some(b) = cur {
+                    plan.buckets.push(kept(service, b, &reason));
+                }
+            }
+        }
+    }
+
+    // Expired contracts with no traffic of their own are reported here.
+    for c in contracts
+        .iter()
+        .filter(|c| c.service == service && !c.active_on(today))
+    {
+        let key = SeriesKey {
+            service: service.into(),
+            caller: c.caller.clone(),
+            procedure: c.procedure.clone(),
+        };
+        if !done.contains(&key.bucket_name()) {
+            plan.skipped.push(Skipped {
+                service: service.into(),
+                caller: c.caller.clone(),
+                procedure: c.procedure.clone(),
+                reason: fixed::expired_note(c),
+            });
+        }
+    }
+
+    // A caller that went quiet (no series in the window) keeps its current quota.
+    for (name, b) in &current {
+        if !done.contains(*name) {
+            plan.buckets.push(kept(
+                service,
+                b,
+                "no traffic in the lookback window; keeps its current quota",
+            ));
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn push(
+    plan: &mut Plan,
+    cfg: &DaemonConfig,
+    spec: &PolicySpec,
+    service: &str,
+    key: &SeriesKey,
+    scope: Scope,
+    cur: Option<&Bucket>,
+    p: Proposal,
+    damp: bool,
+    expired: Vec<String>,
+) {
+    let railed = rails::apply(
+        &cfg.rails,
+        spec,
+        cur.map(|b| Current {
+            limit_rps: b.limit_rps,
+            mode: b.mode,
+        }),
+        p.limit_rps,
+        p.shadow,
+        damp,
+    );
+    let mut evidence = BTreeMap::new();
+    evidence.insert("policy".to_string(), p.evidence);
+    evidence.insert(
+        "proposed_rps".into(),
+        json!(rails::round_limit(p.limit_rps)),
+    );
+    evidence.insert(
+        "peak_rps".into(),
+        json!((p.peak_rps * 1000.0).round() / 1000.0),
+    );
+    evidence.insert(
+        "confidence".into(),
+        json!((p.confidence * 100.0).round() / 100.0),
+    );
+    if !railed.notes.is_empty() {
+        evidence.insert("rails".into(), json!(railed.notes));
+    }
+    if !expired.is_empty() {
+        evidence.insert("expired_contracts".into(), json!(expired));
+    }
+    plan.buckets.push(PlannedBucket {
+        service: service.into(),
+        bucket: Bucket {
+            name: key.bucket_name(),
+            caller: key.caller.clone(),
+            procedure: key.procedure.clone(),
+            scope,
+            limit_rps: railed.limit_rps,
+            mode: railed.mode,
+            policy: p.policy,
+        },
+        current_limit_rps: cur.map(|b| b.limit_rps),
+        evidence: serde_json::to_value(evidence).unwrap_or_default(),
+    });
+}

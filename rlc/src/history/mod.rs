@@ -1,0 +1,323 @@
+//! RPS history: one regular series per (service, caller, procedure) over the lookback, from a
+//! Prometheus-compatible API ([`prometheus`]) or a file ([`file`]), plus a deterministic
+//! generator for the quickstart ([`synth`]).
+//!
+//! Missing samples stay missing (`NaN` in [`RateSeries`]), never zero. Series that cannot be
+//! used (missing labels, non-finite values) are listed in [`History::rejected`] with a reason.
+
+pub mod file;
+pub mod prometheus;
+pub mod synth;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use chrono::{DateTime, Utc};
+pub use policies::RateSeries;
+use schema::{HistoryConfig, LabelNames};
+
+/// Identifies one series: callee service, caller, procedure (at least one of the last two).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SeriesKey {
+    /// Callee service.
+    pub service: String,
+    /// Calling service.
+    pub caller: Option<String>,
+    /// Procedure of the callee.
+    pub procedure: Option<String>,
+}
+
+impl SeriesKey {
+    /// The bucket name: `<caller>.<procedure>`, or just the one present.
+    pub fn bucket_name(&self) -> String {
+        match (&self.caller, &self.procedure) {
+            (Some(c), Some(p)) => format!("{c}.{p}"),
+            (Some(c), None) => c.clone(),
+            (None, Some(p)) => p.clone(),
+            (None, None) => String::new(),
+        }
+    }
+}
+
+/// A series the source returned but that cannot be used, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejected {
+    /// The service, when the label was there.
+    pub service: Option<String>,
+    /// The caller label, if any.
+    pub caller: Option<String>,
+    /// The procedure label, if any.
+    pub procedure: Option<String>,
+    /// Why it was rejected.
+    pub reason: String,
+}
+
+/// The history of every series on one time grid.
+#[derive(Debug, Clone, Default)]
+pub struct History {
+    /// Unix time (s) of the first grid point.
+    pub start: i64,
+    /// Grid step, seconds.
+    pub step: i64,
+    /// Grid points.
+    pub len: usize,
+    /// One series per key, all on the grid.
+    pub series: BTreeMap<SeriesKey, RateSeries>,
+    /// Unusable series with the reason.
+    pub rejected: Vec<Rejected>,
+    /// Set when the whole source failed: every service keeps its current quotas.
+    pub source_error: Option<String>,
+}
+
+impl History {
+    /// A history whose source failed; [`crate::compute::compute_plan`] then keeps every
+    /// service's current quotas and lists them in `skipped` with `reason`.
+    pub fn unavailable(reason: impl Into<String>) -> Self {
+        Self {
+            source_error: Some(reason.into()),
+            ..Default::default()
+        }
+    }
+
+    /// Unix time just after the last grid point.
+    pub fn end(&self) -> i64 {
+        self.start + self.len as i64 * self.step
+    }
+
+    /// The series of one service.
+    pub fn service_series<'a>(
+        &'a self,
+        service: &'a str,
+    ) -> impl Iterator<Item = (&'a SeriesKey, &'a RateSeries)> + 'a {
+        self.series
+            .iter()
+            .filter(move |(k, _)| k.service == service)
+    }
+
+    /// Fraction of grid points since the service's first sample where at least one of its
+    /// series has a sample (0 when it has none).
+    pub fn service_coverage(&self, service: &str) -> f64 {
+        let mut any = vec![false; self.len];
+        for (_, s) in self.service_series(service) {
+            for (a, v) in any.iter_mut().zip(&s.values) {
+                *a |= !v.is_nan();
+            }
+        }
+        match any.iter().position(|&a| a) {
+            None => 0.0,
+            Some(first) => {
+                any[first..].iter().filter(|&&a| a).count() as f64 / (self.len - first) as f64
+            }
+        }
+    }
+
+    /// Every service with at least one series.
+    pub fn services(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.series.keys().map(|k| k.service.clone()).collect();
+        v.dedup();
+        v
+    }
+}
+
+/// Why history could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum HistoryError {
+    /// `history` names no source.
+    #[error("history: no source configured (need `prometheus` or `file`)")]
+    NoSource,
+    /// A file could not be read.
+    #[error("cannot read history file {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A file or response could not be parsed.
+    #[error("cannot parse {what}: {message}")]
+    Parse {
+        /// What was parsed.
+        what: String,
+        /// Why it failed.
+        message: String,
+    },
+    /// Prometheus answered with an error it will answer again (bad query, too many points…).
+    #[error("prometheus at {url} refused the query (HTTP {status}, {error_type}): {error}")]
+    Refused {
+        /// Base URL.
+        url: String,
+        /// HTTP status.
+        status: u16,
+        /// Prometheus `errorType`.
+        error_type: String,
+        /// Prometheus `error`.
+        error: String,
+    },
+    /// Prometheus could not be reached or kept failing after every retry.
+    #[error("prometheus at {url} failed after {attempts} attempts: {message}")]
+    Unavailable {
+        /// Base URL.
+        url: String,
+        /// Attempts made.
+        attempts: u32,
+        /// The last failure.
+        message: String,
+    },
+}
+
+/// Loads the configured history ending at `end` (rounded down to the step). Relative file
+/// paths are taken from `base_dir` (the directory of `rlc.yaml`).
+///
+/// A file source is anchored at its own last sample instead of `end` when that is earlier, so
+/// a saved history (quickstart, tests) keeps working later; the grid length is the lookback.
+pub async fn load(
+    cfg: &HistoryConfig,
+    base_dir: &Path,
+    end: DateTime<Utc>,
+) -> Result<History, HistoryError> {
+    if let Some(p) = &cfg.prometheus {
+        prometheus::load(p, cfg, end).await
+    } else if let Some(f) = &cfg.file {
+        let path = base_dir.join(f);
+        let cfg = cfg.clone();
+        tokio::task::spawn_blocking(move || file::load(&path, &cfg, end))
+            .await
+            .map_err(|e| HistoryError::Parse {
+                what: "history file".into(),
+                message: e.to_string(),
+            })?
+    } else {
+        Err(HistoryError::NoSource)
+    }
+}
+
+/// The grid `[start, end)` for a lookback ending at `end`.
+pub(crate) fn grid(cfg: &HistoryConfig, end: i64) -> (i64, i64, usize) {
+    let step = cfg.step.as_secs().max(1) as i64;
+    let end = end.div_euclid(step) * step;
+    let len = (cfg.lookback.as_secs() as i64 / step).max(1) as usize;
+    (end - len as i64 * step, step, len)
+}
+
+/// Accumulates samples from any source onto the grid.
+pub(crate) struct Builder {
+    start: i64,
+    step: i64,
+    len: usize,
+    labels: LabelNames,
+    series: HashMap<SeriesKey, RateSeries>,
+    bad: HashMap<SeriesKey, String>,
+    rejected: Vec<Rejected>,
+}
+
+impl Builder {
+    pub(crate) fn new(start: i64, step: i64, len: usize, labels: LabelNames) -> Self {
+        Self {
+            start,
+            step,
+            len,
+            labels,
+            series: HashMap::new(),
+            bad: HashMap::new(),
+            rejected: Vec::new(),
+        }
+    }
+
+    /// The key for a label set, or `None` (recorded as rejected) when labels are missing.
+    pub(crate) fn key(&mut self, metric: &BTreeMap<String, String>) -> Option<SeriesKey> {
+        let get = |n: &str| metric.get(n).filter(|v| !v.is_empty()).cloned();
+        let (service, caller, procedure) = (
+            get(&self.labels.service),
+            get(&self.labels.caller),
+            get(&self.labels.procedure),
+        );
+        let reason = match (&service, &caller, &procedure) {
+            (None, _, _) => Some(format!(
+                "series without a `{}` label: {metric:?}",
+                self.labels.service
+            )),
+            (Some(_), None, None) => Some(format!(
+                "series without a `{}` or `{}` label",
+                self.labels.caller, self.labels.procedure
+            )),
+            _ => None,
+        };
+        if let Some(reason) = reason {
+            let r = Rejected {
+                service,
+                caller,
+                procedure,
+                reason,
+            };
+            if !self.rejected.contains(&r) {
+                self.rejected.push(r);
+            }
+            return None;
+        }
+        Some(SeriesKey {
+            service: service.unwrap(),
+            caller,
+            procedure,
+        })
+    }
+
+    /// Adds one sample; `NaN`/infinite values mark the whole series unusable.
+    pub(crate) fn add(&mut self, key: &SeriesKey, ts: f64, value: f64) {
+        self.add_many(key, std::iter::once((ts, value)));
+    }
+
+    /// Adds samples of one series (one map lookup for all of them); a `NaN`, infinite or
+    /// negative value marks the whole series unusable.
+    pub(crate) fn add_many(&mut self, key: &SeriesKey, samples: impl Iterator<Item = (f64, f64)>) {
+        if self.bad.contains_key(key) {
+            return;
+        }
+        let (start, step, len) = (self.start, self.step, self.len);
+        if !self.series.contains_key(key) {
+            self.series
+                .insert(key.clone(), RateSeries::empty(start, step, len));
+        }
+        let s = self.series.get_mut(key).expect("inserted above");
+        for (ts, value) in samples {
+            if !value.is_finite() || value < 0.0 {
+                self.series.remove(key);
+                self.bad.insert(
+                    key.clone(),
+                    format!("non-finite or negative value {value} at {ts}"),
+                );
+                return;
+            }
+            let i = ((ts - start as f64) / step as f64).round();
+            if i >= 0.0 && i < len as f64 {
+                s.values[i as usize] = value as f32;
+            }
+        }
+    }
+
+    pub(crate) fn finish(mut self) -> History {
+        for (k, reason) in self.bad {
+            self.rejected.push(Rejected {
+                service: Some(k.service),
+                caller: k.caller,
+                procedure: k.procedure,
+                reason,
+            });
+        }
+        self.rejected.sort_by(|a, b| {
+            (&a.service, &a.caller, &a.procedure, &a.reason).cmp(&(
+                &b.service,
+                &b.caller,
+                &b.procedure,
+                &b.reason,
+            ))
+        });
+        History {
+            start: self.start,
+            step: self.step,
+            len: self.len,
+            series: self.series.into_iter().collect(),
+            rejected: self.rejected,
+            source_error: None,
+        }
+    }
+}

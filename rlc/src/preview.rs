@@ -1,0 +1,170 @@
+//! `rlc preview --config rlc.yaml [--service S] [--format table|json]`: compute, write nothing.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use schema::{ConfigRepo, DaemonConfig};
+
+use crate::compute::{compute_plan, resolve_paths};
+use crate::history::{self, History};
+use crate::plan::Plan;
+
+/// Output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Default)]
+pub enum Format {
+    /// A table for service owners.
+    #[default]
+    Table,
+    /// The JSON of DESIGN §3.3.
+    Json,
+}
+
+/// Arguments of `rlc preview`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PreviewArgs {
+    /// The daemon config.
+    #[arg(long, default_value = "rlc.yaml")]
+    pub config: PathBuf,
+    /// Only this service.
+    #[arg(long)]
+    pub service: Option<String>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+}
+
+/// Loads `rlc.yaml` with its relative paths resolved, and the config repo it names. A repo with
+/// problems is an error (listing every problem).
+pub fn load_inputs(config: &Path) -> anyhow::Result<(DaemonConfig, ConfigRepo, PathBuf)> {
+    let mut cfg =
+        schema::load_daemon_config(config).map_err(|d| anyhow::anyhow!(schema::Diagnostics(d)))?;
+    let base = config.parent().map(Path::to_path_buf).unwrap_or_default();
+    let base = if base.as_os_str().is_empty() {
+        PathBuf::from(".")
+    } else {
+        base
+    };
+    resolve_paths(&mut cfg, &base);
+    let (repo, diags) = ConfigRepo::load(Path::new(&cfg.config_repo.path));
+    if !diags.is_empty() {
+        bail!(
+            "the config repo has problems:\n{}",
+            schema::Diagnostics(diags)
+        );
+    }
+    Ok((cfg, repo, base))
+}
+
+/// Pulls history, turning a source failure into a history that keeps every quota.
+pub async fn load_history(cfg: &DaemonConfig, base: &Path) -> History {
+    let spinner = std::io::stderr().is_terminal();
+    if spinner {
+        eprint!("pulling history… ");
+    }
+    let h = match history::load(&cfg.history, base, chrono::Utc::now()).await {
+        Ok(h) => h,
+        Err(e) => {
+            tracing::error!(error = %e, "history source failed");
+            History::unavailable(e.to_string())
+        }
+    };
+    if spinner {
+        eprintln!("{} series", h.series.len());
+    }
+    h
+}
+
+/// Runs `rlc preview`; returns the exit code (0, or 1 when the history source failed).
+pub async fn run(args: PreviewArgs) -> anyhow::Result<i32> {
+    let (cfg, repo, base) =
+        load_inputs(&args.config).with_context(|| format!("loading {}", args.config.display()))?;
+    let history = load_history(&cfg, &base).await;
+    let failed = history.source_error.is_some();
+    let mut plan = tokio::task::spawn_blocking(move || {
+        compute_plan(&cfg, &repo, &history, chrono::Utc::now())
+    })
+    .await?;
+    if let Some(s) = &args.service {
+        plan.buckets.retain(|b| &b.service == s);
+        plan.skipped.retain(|b| &b.service == s);
+    }
+    match args.format {
+        Format::Json => println!("{}", serde_json::to_string_pretty(&plan)?),
+        Format::Table => print!("{}", table(&plan)),
+    }
+    Ok(if failed { 1 } else { 0 })
+}
+
+/// The plan as a table: service, bucket, current, proposed, change %, peak, policy, mode,
+/// confidence; then the skipped list.
+pub fn table(plan: &Plan) -> String {
+    let mut rows: Vec<[String; 9]> = vec![[
+        "SERVICE",
+        "BUCKET",
+        "CURRENT",
+        "PROPOSED",
+        "CHANGE",
+        "PEAK",
+        "POLICY",
+        "MODE",
+        "CONFIDENCE",
+    ]
+    .map(String::from)];
+    for b in &plan.buckets {
+        let cur = b.current_limit_rps;
+        let change = match cur {
+            Some(c) if c > 0.0 => format!("{:+.1}%", (b.bucket.limit_rps - c) / c * 100.0),
+            Some(_) => "-".into(),
+            None => "new".into(),
+        };
+        let num = |k: &str| b.evidence.get(k).and_then(|v| v.as_f64());
+        rows.push([
+            b.service.clone(),
+            b.bucket.name.clone(),
+            cur.map(schema::format_rps).unwrap_or_else(|| "-".into()),
+            schema::format_rps(b.bucket.limit_rps),
+            change,
+            num("peak_rps")
+                .map(schema::format_rps)
+                .unwrap_or_else(|| "-".into()),
+            b.bucket.policy.to_string(),
+            b.bucket.mode.as_str().into(),
+            num("confidence")
+                .map(|c| format!("{:.0}%", c * 100.0))
+                .unwrap_or_else(|| "kept".into()),
+        ]);
+    }
+    let mut width = [0usize; 9];
+    for r in &rows {
+        for (w, c) in width.iter_mut().zip(r) {
+            *w = (*w).max(c.chars().count());
+        }
+    }
+    let mut out = String::new();
+    for r in &rows {
+        let line: Vec<String> = r
+            .iter()
+            .zip(width)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect();
+        out.push_str(line.join("  ").trim_end());
+        out.push('\n');
+    }
+    if !plan.skipped.is_empty() {
+        out.push_str("\nskipped (current quotas kept):\n");
+        for s in &plan.skipped {
+            let what = [
+                Some(s.service.as_str()),
+                s.caller.as_deref(),
+                s.procedure.as_deref(),
+            ]
+            .into_iter()
+            .flatten()
+            .collect::<Vec<_>>()
+            .join(" / ");
+            out.push_str(&format!("  {what}: {}\n", s.reason));
+        }
+    }
+    out
+}

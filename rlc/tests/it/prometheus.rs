@@ -1,0 +1,495 @@
+//! History from a real Prometheus backfilled with four weeks of generated counters, through
+//! compute_plan: steady diurnal traffic, weekly seasonality, growth, a retry storm, a scrape gap,
+//! a counter reset, a new caller, callers that stopped; plus a refused query and a dead server.
+//!
+//! One test, one Prometheus: the instance is killed when the test ends (drop).
+
+use chrono::{TimeZone, Utc};
+use rlc::compute::compute_plan;
+use rlc::history::synth::Profile;
+use rlc::history::{self, HistoryError};
+use rlc::plan::PlannedBucket;
+use schema::Mode;
+use test_support::prometheus::{OpenMetricsWriter, Prometheus};
+
+use crate::support::{daemon, repo};
+
+const DAY: i64 = 86_400;
+const SCRAPE: i64 = 30;
+
+/// What happens to one series besides its profile.
+#[derive(Default, Clone)]
+struct Twist {
+    /// No samples before this offset from `end` (seconds, negative).
+    starts_at: Option<i64>,
+    /// No samples from this offset on.
+    stops_at: Option<i64>,
+    /// No samples within `[a, b)`.
+    gap: Option<(i64, i64)>,
+    /// Counter restarts from zero here.
+    reset_at: Option<i64>,
+    /// Rate × factor within `[a, b)`.
+    storm: Option<(i64, i64, f64)>,
+}
+
+struct Spec {
+    service: &'static str,
+    caller: &'static str,
+    procedure: &'static str,
+    profile: Profile,
+    twist: Twist,
+}
+
+fn specs() -> Vec<Spec> {
+    let p = |base: f64| Profile {
+        base_rps: base,
+        noise: 0.02,
+        ..Default::default()
+    };
+    let s = |service, caller, procedure, profile, twist| Spec {
+        service,
+        caller,
+        procedure,
+        profile,
+        twist,
+    };
+    vec![
+        s("shop", "web", "browse", p(100.0), Twist::default()),
+        s(
+            "shop",
+            "api",
+            "checkout",
+            p(100.0),
+            Twist {
+                reset_at: Some(-10 * DAY),
+                ..Default::default()
+            },
+        ),
+        s(
+            "shop",
+            "newbie",
+            "browse",
+            p(100.0),
+            Twist {
+                starts_at: Some(-3 * DAY),
+                ..Default::default()
+            },
+        ),
+        s(
+            "shop",
+            "legacy",
+            "browse",
+            p(100.0),
+            Twist {
+                stops_at: Some(-10 * DAY),
+                ..Default::default()
+            },
+        ),
+        s("shop", "partner", "browse", p(100.0), Twist::default()),
+        s(
+            "reports",
+            "batch",
+            "export",
+            p(50.0),
+            Twist {
+                storm: Some((-5 * DAY, -5 * DAY + 600, 8.0)),
+                ..Default::default()
+            },
+        ),
+        s(
+            "mail",
+            "cron",
+            "send",
+            Profile {
+                weekend: 0.3,
+                ..p(100.0)
+            },
+            Twist::default(),
+        ),
+        s(
+            "maps",
+            "mobile",
+            "route",
+            Profile {
+                growth_per_day: 0.03,
+                ..p(100.0)
+            },
+            Twist::default(),
+        ),
+        s(
+            "maps",
+            "app",
+            "cart",
+            p(100.0),
+            Twist {
+                gap: Some((-30 * 3600, -6 * 3600)),
+                ..Default::default()
+            },
+        ),
+        s("geo", "web", "lookup", p(100.0), Twist::default()),
+        s("geo", "app", "lookup", p(100.0), Twist::default()),
+    ]
+}
+
+/// Writes counters `rpc_requests_total` every 30 s for 28 days + 10 minutes up to `end`, plus
+/// one series without caller/procedure labels.
+fn backfill(path: &std::path::Path, end: i64) -> Prometheus {
+    let start = end - 28 * DAY - 600;
+    let mut w = OpenMetricsWriter::create(path).unwrap();
+    w.family("rpc_requests", "counter").unwrap();
+    for (id, s) in specs().iter().enumerate() {
+        let labels = [
+            ("service", s.service),
+            ("caller", s.caller),
+            ("procedure", s.procedure),
+        ];
+        let tw = &s.twist;
+        let mut counter = 1000.0;
+        let mut t = start;
+        while t <= end {
+            let off = t - end;
+            let mut rate = s.profile.sample(t, start, 7, id as u64);
+            if let Some((a, b, f)) = tw.storm {
+                if (a..b).contains(&off) {
+                    rate *= f;
+                }
+            }
+            counter += rate * SCRAPE as f64;
+            if tw.reset_at.is_some_and(|r| off >= r && off < r + SCRAPE) {
+                counter = rate * SCRAPE as f64; // restarted process, counter from ~zero
+            }
+            let present = tw.starts_at.is_none_or(|a| off >= a)
+                && tw.stops_at.is_none_or(|b| off < b)
+                && tw.gap.is_none_or(|(a, b)| !(a..b).contains(&off));
+            if present {
+                w.sample(
+                    "rpc_requests_total",
+                    &labels,
+                    (counter * 1000.0).round() / 1000.0,
+                    t,
+                )
+                .unwrap();
+            }
+            t += SCRAPE;
+        }
+    }
+    let mut t = start;
+    while t <= end {
+        w.sample(
+            "rpc_requests_total",
+            &[("service", "shop")],
+            ((t - start) * 5) as f64,
+            t,
+        )
+        .unwrap();
+        t += SCRAPE;
+    }
+    let file = w.finish().unwrap();
+    Prometheus::start(&file).expect("start Prometheus")
+}
+
+const POLICIES: &str = "default:\n  policy: peak\n  headroom: 0.25\nservices:\n  shop: {}\n  reports:\n    percentile: 99.9\n  mail:\n    policy: forecast\n  maps:\n    policy: forecast\n  geo: {}\n";
+const SHOP: &str = "service: shop
+buckets:
+  - name: web.browse
+    caller: web
+    procedure: browse
+    limit_rps: 100
+    policy: peak
+  - name: legacy.browse
+    caller: legacy
+    procedure: browse
+    limit_rps: 300
+    policy: peak
+  - name: ghost
+    caller: ghost
+    limit_rps: 80
+    policy: peak
+";
+const CONTRACTS: &str = "contracts:
+  - service: shop
+    caller: partner
+    procedure: browse
+    limit_rps: 42
+    reference: MSA-42
+  - service: shop
+    caller: api
+    procedure: checkout
+    limit_rps: 10
+    expires: 2020-01-01
+    reference: MSA-OLD
+";
+const CAPACITY: &str = "capacity:\n  - service: geo\n    procedure: lookup\n    rps: 200\n";
+
+fn config(url: &str, query: &str) -> schema::DaemonConfig {
+    daemon(&format!(
+        "history:\n  prometheus:\n    url: {url}\n    query: '{query}'\n    retries: 2\n    timeout: 30s\n  lookback: 28d\n  step: 1m"
+    ))
+}
+
+const QUERY: &str = "sum by (service, caller, procedure) (rate(rpc_requests_total[1m]))";
+
+fn get<'a>(plan: &'a rlc::plan::Plan, service: &str, name: &str) -> &'a PlannedBucket {
+    plan.buckets
+        .iter()
+        .find(|b| b.service == service && b.bucket.name == name)
+        .unwrap_or_else(|| {
+            panic!(
+                "no bucket {service}/{name} in {:#?}",
+                plan.buckets
+                    .iter()
+                    .map(|b| (&b.service, &b.bucket.name))
+                    .collect::<Vec<_>>()
+            )
+        })
+}
+
+fn within(b: &PlannedBucket, lo: f64, hi: f64) {
+    assert!(
+        (lo..=hi).contains(&b.bucket.limit_rps),
+        "{}/{}: limit {} not in [{lo}, {hi}]; evidence {}",
+        b.service,
+        b.bucket.name,
+        b.bucket.limit_rps,
+        b.evidence
+    );
+}
+
+#[test]
+fn four_weeks_from_real_prometheus() {
+    let now = Utc::now().timestamp();
+    let end = now / 60 * 60 - 60;
+    let dir = tempfile::tempdir().unwrap();
+    let prom = backfill(&dir.path().join("history.om"), end);
+    let repo = repo(
+        &dir.path().join("repo"),
+        &[
+            ("rlc/policies.yaml", POLICIES),
+            ("buckets/shop.yaml", SHOP),
+            ("rlc/contracts.yaml", CONTRACTS),
+            ("rlc/capacity.yaml", CAPACITY),
+        ],
+    );
+    let cfg = config(&prom.url, QUERY);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let now_dt = Utc.timestamp_opt(now, 0).unwrap();
+    let h = rt
+        .block_on(history::load(&cfg.history, dir.path(), now_dt))
+        .expect("history");
+
+    // 28 days at 1 m: 40,320 points per series, pulled in chunks under the 11,000 limit.
+    assert_eq!(h.len, 40_320);
+    assert_eq!(
+        h.series.len(),
+        specs().len(),
+        "{:?}",
+        h.series.keys().collect::<Vec<_>>()
+    );
+    assert_eq!(h.rejected.len(), 1, "{:?}", h.rejected);
+    assert!(h.rejected[0]
+        .reason
+        .contains("without a `caller` or `procedure` label"));
+    let series = |svc: &str, c: &str| {
+        h.series
+            .iter()
+            .find(|(k, _)| k.service == svc && k.caller.as_deref() == Some(c))
+            .unwrap()
+            .1
+    };
+    let web = series("shop", "web");
+    assert_eq!(web.present(), 40_320, "no hole at the 56 chunk boundaries");
+    // The scrape gap stays missing (24 h ≈ 1,440 points), never zero.
+    let cart = series("maps", "app");
+    let missing = 40_320 - cart.present();
+    assert!(
+        (1430..=1450).contains(&missing),
+        "gap points missing: {missing}"
+    );
+    assert!(
+        cart.values.iter().all(|v| v.is_nan() || *v > 10.0),
+        "no zero filled in"
+    );
+    // The new caller has three days.
+    assert!((3.0 - series("shop", "newbie").confidence_days()).abs() < 0.01);
+
+    let plan = compute_plan(&cfg, &repo, &h, now_dt);
+    let skipped = |c: Option<&str>| {
+        plan.skipped
+            .iter()
+            .filter(|s| s.caller.as_deref() == c)
+            .collect::<Vec<_>>()
+    };
+
+    // Steady diurnal traffic: daily peak 150 (±2% noise) × 1.25; an increase applies at once.
+    let web = get(&plan, "shop", "web.browse");
+    within(web, 185.0, 195.0);
+    assert_eq!(
+        web.bucket.mode,
+        Mode::Enforce,
+        "existing bucket keeps its mode"
+    );
+    assert_eq!(web.current_limit_rps, Some(100.0));
+    // Counter reset: rate() sees through it, the quota is the steady one; expired contract reported.
+    let api = get(&plan, "shop", "api.checkout");
+    within(api, 185.0, 195.0);
+    assert_eq!(api.bucket.policy.to_string(), "peak");
+    assert!(api.evidence["expired_contracts"][0]
+        .as_str()
+        .unwrap()
+        .contains("MSA-OLD"));
+    // New caller with three days: margin × (1 + 1/3), shadow.
+    let newbie = get(&plan, "shop", "newbie.browse");
+    within(newbie, 240.0, 262.0);
+    assert_eq!(newbie.bucket.mode, Mode::Shadow);
+    assert!(
+        newbie.evidence["policy"]["short_history_margin"]
+            .as_f64()
+            .unwrap()
+            > 1.3
+    );
+    // Caller that stopped 10 days ago: its older peak still counts (187.5), and the decrease
+    // from 300 is capped at 25% per run.
+    let legacy = get(&plan, "shop", "legacy.browse");
+    assert_eq!(legacy.bucket.limit_rps, 225.0, "{}", legacy.evidence);
+    // Caller with no traffic in the window at all keeps its quota.
+    let ghost = get(&plan, "shop", "ghost");
+    assert_eq!(ghost.bucket.limit_rps, 80.0);
+    assert!(ghost.evidence["kept_current"]
+        .as_str()
+        .unwrap()
+        .contains("no traffic"));
+    // Contract wins over the policy.
+    let partner = get(&plan, "shop", "partner.browse");
+    assert_eq!(
+        (
+            partner.bucket.limit_rps,
+            partner.bucket.policy.to_string().as_str()
+        ),
+        (42.0, "fixed")
+    );
+    // Series without caller/procedure labels: skipped with the reason.
+    assert!(
+        skipped(None)
+            .iter()
+            .any(|s| s.service == "shop" && s.reason.contains("label")),
+        "{:?}",
+        plan.skipped
+    );
+
+    // Retry storm of 10 minutes at 8×: the 99.9th percentile ignores it, the evidence still
+    // shows the peak and when it happened.
+    let storm = get(&plan, "reports", "batch.export");
+    within(storm, 85.0, 100.0);
+    let peak = storm.evidence["peak_rps"].as_f64().unwrap();
+    assert!(peak > 150.0, "storm peak {peak} (normal daily peak is 75)");
+    let peak_at =
+        chrono::DateTime::parse_from_rfc3339(storm.evidence["policy"]["peak_at"].as_str().unwrap())
+            .unwrap();
+    let off = peak_at.timestamp() - end;
+    assert!(
+        (-5 * DAY..-5 * DAY + 700).contains(&off),
+        "peak at {peak_at}"
+    );
+
+    // Weekly seasonality: the forecast covers weekday peaks, not weekend ones.
+    let mail = get(&plan, "mail", "cron.send");
+    assert_eq!(mail.bucket.policy.to_string(), "forecast");
+    within(mail, 175.0, 205.0);
+
+    // Growth of 3%/day: the forecast is ahead of the observed peak (≈ 150 × 1.84).
+    let mobile = get(&plan, "maps", "mobile.route");
+    assert_eq!(mobile.bucket.policy.to_string(), "forecast");
+    let observed = mobile.evidence["peak_rps"].as_f64().unwrap();
+    assert!((265.0..=290.0).contains(&observed), "observed {observed}");
+    within(mobile, observed * 1.25 * 1.05, observed * 1.25 * 1.35);
+    // Scrape gap on the last day: the forecast does not fall, missing is not zero.
+    let cart = get(&plan, "maps", "app.cart");
+    assert_eq!(cart.bucket.policy.to_string(), "forecast");
+    within(cart, 180.0, 200.0);
+
+    // Planned capacity 200 rps shared by two equal callers caps each near 100.
+    for c in ["web.lookup", "app.lookup"] {
+        let g = get(&plan, "geo", c);
+        within(g, 95.0, 105.0);
+        assert_eq!(g.evidence["policy"]["capped_by"], "planned capacity share");
+    }
+
+    // Server-side reduction: 672 hourly points per series keep the per-minute peaks.
+    let mut coarse = cfg.clone();
+    coarse.history.prometheus.as_mut().unwrap().downsample = Some("1h".parse().unwrap());
+    let hc = rt
+        .block_on(history::load(&coarse.history, dir.path(), now_dt))
+        .expect("downsampled history");
+    assert_eq!((hc.len, hc.step), (672, 3600));
+    assert_eq!(hc.series.len(), h.series.len());
+    for (k, fine) in &h.series {
+        let (a, b) = (fine.max().unwrap(), hc.series[k].max().unwrap());
+        assert!(
+            (a - b).abs() <= a * 1e-3,
+            "{k:?}: per-minute max {a}, hourly max {b}"
+        );
+    }
+    let plan_c = compute_plan(&coarse, &repo, &hc, now_dt);
+    let (fine, coarse_web) = (
+        get(&plan, "shop", "web.browse"),
+        get(&plan_c, "shop", "web.browse"),
+    );
+    assert_eq!(
+        fine.bucket.limit_rps, coarse_web.bucket.limit_rps,
+        "same peak quota from 60× less data"
+    );
+
+    // Prometheus refuses a bad query: a clear error, and compute keeps every quota.
+    let bad = config(&prom.url, "sum(");
+    let e = rt
+        .block_on(history::load(&bad.history, dir.path(), now_dt))
+        .unwrap_err();
+    assert!(
+        matches!(e, HistoryError::Refused { status: 400, .. }),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains("refused the query") && e.to_string().contains("bad_data"),
+        "{e}"
+    );
+    drop(prom);
+
+    // Prometheus down: retried, then a clear error; no quota lowered.
+    let e = rt
+        .block_on(history::load(&cfg.history, dir.path(), now_dt))
+        .unwrap_err();
+    assert!(
+        matches!(e, HistoryError::Unavailable { attempts: 2, .. }),
+        "{e}"
+    );
+    let plan = compute_plan(
+        &cfg,
+        &repo,
+        &rlc::history::History::unavailable(e.to_string()),
+        now_dt,
+    );
+    let mut current = repo.current("shop").unwrap().clone();
+    current.buckets.sort_by(|a, b| a.name.cmp(&b.name));
+    assert_eq!(
+        plan.bucket_files(),
+        vec![current],
+        "every quota kept as it is"
+    );
+    assert!(
+        plan.skipped
+            .iter()
+            .all(|s| s.reason.contains("history source failed")),
+        "{:?}",
+        plan.skipped
+    );
+    assert_eq!(
+        plan.skipped.len(),
+        5,
+        "every known service listed: {:?}",
+        plan.skipped
+    );
+}

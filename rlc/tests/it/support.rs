@@ -1,0 +1,95 @@
+//! Shared helpers: config repos on disk, daemon configs, the example plugin.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use rlc::history::{History, RateSeries, SeriesKey};
+use schema::{ConfigRepo, DaemonConfig};
+
+/// Writes a config repo from `(relative path, contents)` pairs and loads it; panics on any
+/// diagnostic so tests run on valid repos.
+pub fn repo(dir: &Path, files: &[(&str, &str)]) -> ConfigRepo {
+    for (p, text) in files {
+        let p = dir.join(p);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, text).unwrap();
+    }
+    let (repo, diags) = ConfigRepo::load(dir);
+    assert!(
+        diags.is_empty(),
+        "invalid test repo: {}",
+        schema::Diagnostics(diags)
+    );
+    repo
+}
+
+/// A daemon config from YAML (history, rails, plugins…); `config_repo` is filled in.
+pub fn daemon(yaml: &str) -> DaemonConfig {
+    serde_yaml::from_str(&format!("{yaml}\nconfig_repo:\n  path: repo\n")).unwrap()
+}
+
+/// A history holding the given series (all on the same grid as the first).
+pub fn history(series: Vec<(&str, &str, &str, RateSeries)>) -> History {
+    let (start, step, len) = (
+        series[0].3.start,
+        series[0].3.step,
+        series[0].3.values.len(),
+    );
+    History {
+        start,
+        step,
+        len,
+        series: series
+            .into_iter()
+            .map(|(s, c, p, r)| {
+                let opt = |v: &str| (!v.is_empty()).then(|| v.to_string());
+                (
+                    SeriesKey {
+                        service: s.into(),
+                        caller: opt(c),
+                        procedure: opt(p),
+                    },
+                    r,
+                )
+            })
+            .collect(),
+        rejected: vec![],
+        source_error: None,
+    }
+}
+
+/// Builds `example-plugin` with cargo and returns its cdylib.
+pub fn plugin_lib() -> &'static Path {
+    static P: OnceLock<PathBuf> = OnceLock::new();
+    P.get_or_init(|| {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| env!("CARGO").to_string());
+        let out = Command::new(cargo)
+            .args(["build", "-p", "example-plugin", "--message-format=json"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .expect("run cargo build -p example-plugin");
+        assert!(
+            out.status.success(),
+            "cargo build -p example-plugin failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for line in String::from_utf8(out.stdout).unwrap().lines() {
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+                continue;
+            };
+            let name = &v["target"]["name"];
+            if v["reason"] == "compiler-artifact"
+                && (name == "example_plugin" || name == "example-plugin")
+            {
+                for f in v["filenames"].as_array().into_iter().flatten() {
+                    let f = f.as_str().unwrap();
+                    if f.ends_with(std::env::consts::DLL_SUFFIX) {
+                        return PathBuf::from(f);
+                    }
+                }
+            }
+        }
+        panic!("cargo did not report the example-plugin cdylib");
+    })
+}
