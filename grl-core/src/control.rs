@@ -43,12 +43,16 @@ pub struct Directive {
 /// is a lower bound on the fleet's load: the adjustment can shorten the lag after a fleet-wide
 /// step but never drops a request the fleet-wide formula would not drop.
 pub fn adjusted_ratio(d: &Directive, local_now_rps: f64) -> f64 {
-    if d.fixed || d.limit_rps <= 0.0 || local_now_rps <= d.local_offered_rps {
+    // Only a clear jump counts: sub-tick rates are noisy and a false alarm drops real traffic.
+    if d.fixed || d.limit_rps <= 0.0 || local_now_rps <= d.local_offered_rps * JUMP {
         return d.ratio;
     }
     let fleet = d.fleet_offered_rps + (local_now_rps - d.local_offered_rps);
     d.ratio.max(drop_ratio(fleet, d.limit_rps))
 }
+
+/// How much a client's own rate must grow before it adjusts on its own.
+pub const JUMP: f64 = 1.5;
 
 /// Jain's fairness index of `xs`: 1 when all equal, 1/n when one takes everything.
 pub fn jain_index(xs: &[f64]) -> f64 {

@@ -1,1 +1,17 @@
-//! GRL runtime.
+//! GRL runtime: the control plane around the decision core. A client reporter per service
+//! instance, zone aggregators, a controller (config API, overrides, ratios, reports,
+//! metrics), a tower layer for axum services, and a simulator that runs the same code in
+//! virtual time.
+
+pub mod aggregator;
+pub mod client;
+pub mod config;
+pub mod controller;
+pub mod engine;
+mod http_util;
+pub mod overrides;
+pub mod proto;
+
+pub use http_util::ApiError;
+pub mod report;
+pub mod sim;

@@ -1,0 +1,354 @@
+//! The controller's state machine without I/O: zone reports in, drop ratios per bucket and
+//! scope key out. The HTTP controller and the simulator both drive this one type, so the
+//! simulator runs the production math.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+// Zones and their rates live in ordered maps: sums then run in one order, so the simulator's
+// ratios (and so its random draws) are reproducible bit for bit.
+
+use grl_core::control::{drop_ratio, scope_key};
+use schema::{Bucket, Scope};
+use serde::Serialize;
+
+use crate::overrides::{effect, Effect, Override};
+use crate::proto::{ConfigDoc, DirectiveMsg, ServiceDirectives, ZoneDirectives, ZoneReport};
+
+/// Rates of one scope key of a bucket, and its ratio.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct KeyState {
+    /// `global`, `region:<r>` or `zone:<z>`.
+    pub scope_key: String,
+    /// Offered requests/s under the key.
+    pub offered_rps: f64,
+    /// Admitted requests/s.
+    pub admitted_rps: f64,
+    /// Dropped requests/s.
+    pub dropped_rps: f64,
+    /// Shadow-dropped requests/s.
+    pub shadow_dropped_rps: f64,
+    /// The drop ratio for clients under the key.
+    pub ratio: f64,
+}
+
+/// One bucket with its effective limit and per-key state.
+#[derive(Debug, Clone)]
+pub struct BucketState {
+    /// Callee service.
+    pub service: String,
+    /// The configured bucket.
+    pub bucket: Bucket,
+    /// Limit after overrides.
+    pub limit_rps: f64,
+    /// A fixed ratio from an override.
+    pub fixed: Option<f64>,
+    /// State per scope key seen this round.
+    pub keys: Vec<KeyState>,
+}
+
+/// One row of `GET /v1/reports`.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ReportRow {
+    /// Monotonic sequence number (the cursor).
+    pub seq: u64,
+    /// Unix seconds.
+    pub t: u64,
+    /// Callee service.
+    pub service: String,
+    /// Bucket name.
+    pub bucket: String,
+    /// Caller matched by the bucket.
+    pub caller: Option<String>,
+    /// Procedure matched by the bucket.
+    pub procedure: Option<String>,
+    /// enforce | shadow.
+    pub mode: &'static str,
+    /// The scope key.
+    pub scope_key: String,
+    /// Offered requests/s.
+    pub offered: f64,
+    /// Admitted requests/s.
+    pub admitted: f64,
+    /// Dropped requests/s.
+    pub dropped: f64,
+    /// Shadow-dropped requests/s.
+    pub shadow_dropped: f64,
+    /// Effective limit.
+    pub limit_rps: f64,
+    /// Ratio in force.
+    pub drop_ratio: f64,
+}
+
+struct ZoneData {
+    region: String,
+    at_ms: u64,
+    /// (service, bucket) → [offered, admitted, dropped, shadow] rates.
+    rates: BTreeMap<(String, String), [f64; 4]>,
+}
+
+/// Cumulative counts per (service, bucket, zone), for `/metrics`.
+pub type Totals = BTreeMap<(String, String, String), [u64; 4]>;
+
+/// The controller's state.
+pub struct Engine {
+    config: ConfigDoc,
+    overrides: Vec<Override>,
+    buckets: Vec<BucketState>,
+    index: HashMap<(String, String), usize>,
+    zones: BTreeMap<String, ZoneData>,
+    /// A zone that has not reported for this long no longer counts.
+    zone_ttl_ms: u64,
+    reports: VecDeque<ReportRow>,
+    report_cap: usize,
+    seq: u64,
+    totals: Totals,
+}
+
+impl Engine {
+    /// An engine with `config`; zones silent for `zone_ttl_ms` are forgotten.
+    pub fn new(config: ConfigDoc, zone_ttl_ms: u64) -> Engine {
+        let mut e = Engine {
+            config: ConfigDoc::default(),
+            overrides: Vec::new(),
+            buckets: Vec::new(),
+            index: HashMap::new(),
+            zones: BTreeMap::new(),
+            zone_ttl_ms,
+            reports: VecDeque::new(),
+            report_cap: 20_000,
+            seq: 0,
+            totals: Totals::new(),
+        };
+        e.set_config(config);
+        e
+    }
+
+    /// The config in force.
+    pub fn config(&self) -> &ConfigDoc {
+        &self.config
+    }
+
+    /// Replaces the config (already validated).
+    pub fn set_config(&mut self, config: ConfigDoc) {
+        self.buckets.clear();
+        self.index.clear();
+        for f in &config.services {
+            for b in &f.buckets {
+                self.index
+                    .insert((f.service.clone(), b.name.clone()), self.buckets.len());
+                self.buckets.push(BucketState {
+                    service: f.service.clone(),
+                    bucket: b.clone(),
+                    limit_rps: b.limit_rps,
+                    fixed: None,
+                    keys: Vec::new(),
+                });
+            }
+        }
+        self.config = config;
+    }
+
+    /// The overrides (active or not yet purged).
+    pub fn overrides(&self) -> &[Override] {
+        &self.overrides
+    }
+
+    /// Replaces the override list.
+    pub fn set_overrides(&mut self, list: Vec<Override>) {
+        self.overrides = list;
+    }
+
+    /// Removes overrides expired at `unix_now` and returns them (for the audit log).
+    pub fn purge_expired(&mut self, unix_now: u64) -> Vec<Override> {
+        let (keep, gone) = std::mem::take(&mut self.overrides)
+            .into_iter()
+            .partition(|o| o.active(unix_now));
+        self.overrides = keep;
+        gone
+    }
+
+    /// Number of buckets.
+    pub fn bucket_count(&self) -> usize {
+        self.buckets.len()
+    }
+
+    /// Per-bucket state after the last `recompute`.
+    pub fn buckets(&self) -> &[BucketState] {
+        &self.buckets
+    }
+
+    /// Records a zone's report received at `now_ms`. Unknown buckets are ignored (a client on an
+    /// older config), counts go to the totals.
+    pub fn ingest(&mut self, r: &ZoneReport, now_ms: u64) {
+        let mut rates = BTreeMap::new();
+        for b in &r.buckets {
+            let key = (b.service.clone(), b.bucket.clone());
+            if !self.index.contains_key(&key) {
+                continue;
+            }
+            let t = self
+                .totals
+                .entry((b.service.clone(), b.bucket.clone(), r.zone.clone()))
+                .or_default();
+            t[0] += b.counts.offered;
+            t[1] += b.counts.admitted;
+            t[2] += b.counts.dropped;
+            t[3] += b.counts.shadow_dropped;
+            rates.insert(
+                key,
+                [
+                    b.offered_rps,
+                    b.admitted_rps,
+                    b.dropped_rps,
+                    b.shadow_dropped_rps,
+                ],
+            );
+        }
+        self.zones.insert(
+            r.zone.clone(),
+            ZoneData {
+                region: r.region.clone(),
+                at_ms: now_ms,
+                rates,
+            },
+        );
+    }
+
+    /// Cumulative counts for `/metrics`.
+    pub fn totals(&self) -> &Totals {
+        &self.totals
+    }
+
+    /// Recomputes every bucket's per-key rates and ratios from the zones heard from within the
+    /// zone TTL, with the overrides active at `unix_now`.
+    pub fn recompute(&mut self, now_ms: u64, unix_now: u64) {
+        let ttl = self.zone_ttl_ms;
+        self.zones
+            .retain(|_, z| now_ms.saturating_sub(z.at_ms) <= ttl);
+        for s in &mut self.buckets {
+            s.keys.clear();
+            match effect(&self.overrides, unix_now, &s.service, &s.bucket) {
+                Effect::None => {
+                    s.limit_rps = s.bucket.limit_rps;
+                    s.fixed = None;
+                }
+                Effect::Limit(l) => {
+                    s.limit_rps = l;
+                    s.fixed = None;
+                }
+                Effect::Ratio(r) => {
+                    s.limit_rps = s.bucket.limit_rps;
+                    s.fixed = Some(r);
+                }
+            }
+        }
+        for (zone, z) in &self.zones {
+            for ((svc, name), r) in &z.rates {
+                let Some(&i) = self.index.get(&(svc.clone(), name.clone())) else {
+                    continue;
+                };
+                let s = &mut self.buckets[i];
+                let key = scope_key(s.bucket.scope, &z.region, zone);
+                let k = match s.keys.iter_mut().position(|k| k.scope_key == key) {
+                    Some(p) => &mut s.keys[p],
+                    None => {
+                        s.keys.push(KeyState {
+                            scope_key: key,
+                            ..Default::default()
+                        });
+                        s.keys.last_mut().expect("just pushed")
+                    }
+                };
+                k.offered_rps += r[0];
+                k.admitted_rps += r[1];
+                k.dropped_rps += r[2];
+                k.shadow_dropped_rps += r[3];
+            }
+        }
+        for s in &mut self.buckets {
+            for k in &mut s.keys {
+                k.ratio = s
+                    .fixed
+                    .unwrap_or_else(|| drop_ratio(k.offered_rps, s.limit_rps));
+            }
+            s.keys.sort_by(|a, b| a.scope_key.cmp(&b.scope_key));
+        }
+    }
+
+    /// Directives for the clients of `zone` in `region`.
+    pub fn directives_for(&self, region: &str, zone: &str) -> ZoneDirectives {
+        let mut services: Vec<ServiceDirectives> = Vec::new();
+        for s in &self.buckets {
+            let key = scope_key(s.bucket.scope, region, zone);
+            let k = s.keys.iter().find(|k| k.scope_key == key);
+            let d = DirectiveMsg {
+                bucket: s.bucket.name.clone(),
+                ratio: s.fixed.unwrap_or(k.map_or(0.0, |k| k.ratio)),
+                fleet_offered_rps: k.map_or(0.0, |k| k.offered_rps),
+                limit_rps: s.limit_rps,
+                fixed: s.fixed.is_some(),
+            };
+            match services.last_mut() {
+                Some(sd) if sd.service == s.service => sd.directives.push(d),
+                _ => services.push(ServiceDirectives {
+                    service: s.service.clone(),
+                    directives: vec![d],
+                }),
+            }
+        }
+        ZoneDirectives {
+            version: self.config.version.clone(),
+            services,
+        }
+    }
+
+    /// Appends one report row per bucket and scope key with traffic (call once per tick).
+    pub fn record_reports(&mut self, unix_now: u64) {
+        for s in &self.buckets {
+            for k in &s.keys {
+                self.seq += 1;
+                self.reports.push_back(ReportRow {
+                    seq: self.seq,
+                    t: unix_now,
+                    service: s.service.clone(),
+                    bucket: s.bucket.name.clone(),
+                    caller: s.bucket.caller.clone(),
+                    procedure: s.bucket.procedure.clone(),
+                    mode: s.bucket.mode.as_str(),
+                    scope_key: k.scope_key.clone(),
+                    offered: k.offered_rps,
+                    admitted: k.admitted_rps,
+                    dropped: k.dropped_rps,
+                    shadow_dropped: k.shadow_dropped_rps,
+                    limit_rps: s.limit_rps,
+                    drop_ratio: k.ratio,
+                });
+            }
+        }
+        while self.reports.len() > self.report_cap {
+            self.reports.pop_front();
+        }
+    }
+
+    /// Up to `limit` report rows with `seq > after`, and the cursor to pass next.
+    pub fn reports_after(&self, after: u64, limit: usize) -> (u64, Vec<ReportRow>) {
+        let rows: Vec<ReportRow> = self
+            .reports
+            .iter()
+            .filter(|r| r.seq > after)
+            .take(limit)
+            .cloned()
+            .collect();
+        let next = rows
+            .last()
+            .map_or(after.max(self.seq.min(after)), |r| r.seq);
+        (next, rows)
+    }
+
+    /// The scope of a configured bucket.
+    pub fn scope_of(&self, service: &str, bucket: &str) -> Option<Scope> {
+        self.index
+            .get(&(service.to_string(), bucket.to_string()))
+            .map(|&i| self.buckets[i].bucket.scope)
+    }
+}
