@@ -81,6 +81,7 @@ pub struct ReportRow {
 
 struct ZoneData {
     region: String,
+    zone: String,
     at_ms: u64,
     /// (service, bucket) → [offered, admitted, dropped, shadow] rates.
     rates: BTreeMap<(String, String), [f64; 4]>,
@@ -204,10 +205,12 @@ impl Engine {
                 ],
             );
         }
+        // Keyed by aggregator: replicas serving one zone each carry part of its clients.
         self.zones.insert(
-            r.zone.clone(),
+            r.aggregator_id.clone(),
             ZoneData {
                 region: r.region.clone(),
+                zone: r.zone.clone(),
                 at_ms: now_ms,
                 rates,
             },
@@ -242,7 +245,8 @@ impl Engine {
                 }
             }
         }
-        for (zone, z) in &self.zones {
+        for z in self.zones.values() {
+            let zone = &z.zone;
             for ((svc, name), r) in &z.rates {
                 let Some(&i) = self.index.get(&(svc.clone(), name.clone())) else {
                     continue;

@@ -15,3 +15,5 @@ pub mod proto;
 pub use http_util::ApiError;
 pub mod report;
 pub mod sim;
+#[cfg(test)]
+mod tests;
