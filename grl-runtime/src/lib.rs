@@ -9,6 +9,7 @@ pub mod config;
 pub mod controller;
 pub mod engine;
 mod http_util;
+pub mod layer;
 pub mod overrides;
 pub mod proto;
 

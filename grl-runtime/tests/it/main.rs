@@ -549,3 +549,74 @@ async fn fleet_enforces_fails_over_fails_open_and_recovers() {
     assert_eq!(list["overrides"][0]["reason"], "INC-1");
     stop.store(true, Ordering::Relaxed);
 }
+
+mod layer {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use axum::body::Body;
+    use axum::routing::get;
+    use axum::Router;
+    use grl_core::{Limiter, Table};
+    use grl_runtime::layer::{GrlLayer, KeyFrom};
+    use http::Request;
+    use schema::{Bucket, Mode, PolicyName, Scope};
+    use tower::ServiceExt;
+
+    fn limiter(mode: Mode, ratio: f64) -> Arc<Limiter> {
+        let l = Arc::new(Limiter::new("payments", Duration::from_secs(60)));
+        let b = Bucket {
+            name: "gw.charge".into(),
+            caller: Some("gw".into()),
+            procedure: Some("charge".into()),
+            scope: Scope::Global,
+            limit_rps: 1.0,
+            mode,
+            policy: PolicyName::Manual,
+        };
+        l.install(Table::compile("payments", "v1", &[b]).unwrap());
+        l.table().set_ratio(0, ratio);
+        l.directives_received(grl_core::now_ms());
+        l
+    }
+
+    fn app(l: Arc<Limiter>) -> Router {
+        Router::new()
+            .route("/charge", get(|| async { "ok" }))
+            .layer(
+                GrlLayer::new(l)
+                    .procedure_from(KeyFrom::PathSegment(0))
+                    .retry_after_secs(2),
+            )
+    }
+
+    fn req(caller: &str) -> Request<Body> {
+        Request::get("/charge")
+            .header("x-caller", caller)
+            .body(Body::empty())
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn drop_answers_429_with_retry_after() {
+        let app = app(limiter(Mode::Enforce, 1.0));
+        let r = app.clone().oneshot(req("gw")).await.unwrap();
+        assert_eq!(r.status(), 429);
+        assert_eq!(r.headers()["retry-after"], "2");
+        // Another caller is not in the bucket: it passes.
+        let r = app.oneshot(req("other")).await.unwrap();
+        assert_eq!(r.status(), 200);
+    }
+
+    #[tokio::test]
+    async fn shadow_passes_through_and_counts() {
+        let l = limiter(Mode::Shadow, 1.0);
+        let app = app(l.clone());
+        for _ in 0..10 {
+            assert_eq!(app.clone().oneshot(req("gw")).await.unwrap().status(), 200);
+        }
+        let c = l.table().counts(0);
+        assert_eq!(c.offered, 10);
+        assert_eq!(c.shadow_dropped, 10);
+    }
+}
