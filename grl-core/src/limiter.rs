@@ -165,6 +165,7 @@ impl Table {
             }
             lookup.insert(b.caller.as_deref(), b.procedure.as_deref(), i as u32);
         }
+        lookup.seal();
         let slots = buckets
             .iter()
             .map(|b| Slot {
@@ -239,8 +240,10 @@ impl Table {
         self.counters.snapshot(idx)
     }
 
+    /// `now_ms` is only called when the bucket has a non-zero ratio: most requests on a
+    /// healthy fleet never read the clock.
     #[inline]
-    fn decide_at(&self, caller: &str, procedure: &str, now_ms: u64) -> Decision {
+    fn decide_with(&self, caller: &str, procedure: &str, now_ms: impl FnOnce() -> u64) -> Decision {
         let Some(i) = self.lookup.find(caller, procedure) else {
             return Decision::Admit;
         };
@@ -248,8 +251,9 @@ impl Table {
         let slot = &self.slots[i];
         let t = slot.threshold.load(Ordering::Relaxed);
         // Fail-open: a stale directive never drops, and costs no random draw.
-        let hit =
-            t != 0 && now_ms < self.valid_until_ms.load(Ordering::Relaxed) && thread_rng_u64() < t;
+        let hit = t != 0
+            && now_ms() < self.valid_until_ms.load(Ordering::Relaxed)
+            && thread_rng_u64() < t;
         if !hit {
             self.counters.bump(i, ADMIT);
             Decision::Admit
@@ -322,13 +326,15 @@ impl Limiter {
     /// Decides one request on the wall clock (the production path).
     #[inline]
     pub fn decide(&self, caller: &str, procedure: &str) -> Decision {
-        self.decide_at(caller, procedure, coarse_now_ms())
+        self.table
+            .load()
+            .decide_with(caller, procedure, coarse_now_ms)
     }
 
     /// Decides one request at `now_ms` on the decision clock (tests and the simulator's virtual
     /// time).
     #[inline]
     pub fn decide_at(&self, caller: &str, procedure: &str, now_ms: u64) -> Decision {
-        self.table.load().decide_at(caller, procedure, now_ms)
+        self.table.load().decide_with(caller, procedure, || now_ms)
     }
 }
