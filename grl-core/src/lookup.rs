@@ -165,10 +165,13 @@ fn pair(hc: u64, hp: u64) -> u64 {
     (hc.rotate_left(21) ^ hp).wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
 
+/// A bucket's matchers and index, before `seal` builds the maps.
+type Pending = (Option<Box<str>>, Option<Box<str>>, u32);
+
 /// Three maps, one per precedence level: caller+procedure, procedure only, caller only.
 #[derive(Default)]
 pub(crate) struct Lookup {
-    pending: Vec<(Option<Box<str>>, Option<Box<str>>, u32)>,
+    pending: Vec<Pending>,
     exact: Map,
     by_procedure: Map,
     by_caller: Map,

@@ -311,7 +311,7 @@ async fn run(opts: ClientOptions, limiter: Arc<Limiter>, stats: Arc<ClientStats>
         if n % SUBTICKS != 0 {
             // A jump of our own rate is reported at once (once per tick): the aggregator
             // forwards urgent reports immediately, so the fleet reacts within a sub-tick.
-            if !(rep.subtick(now) && !urgent_sent) {
+            if !rep.subtick(now) || urgent_sent {
                 continue;
             }
         }

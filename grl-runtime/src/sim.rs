@@ -262,8 +262,7 @@ fn splitmix(mut z: u64) -> u64 {
 fn rate_at(schedule: &[Segment], t: f64) -> f64 {
     schedule
         .iter()
-        .filter(|s| s.at_s <= t)
-        .last()
+        .rfind(|s| s.at_s <= t)
         .map_or(0.0, |s| s.rps)
 }
 
@@ -284,6 +283,8 @@ impl Scenario {
                 "step_ms must divide {WINDOW_MS}"
             )));
         }
+        // Written negated so that NaN is refused too.
+        #[allow(clippy::neg_cmp_op_on_partial_ord)]
         if !(self.duration_s > 0.0) {
             return Err(SimError::Invalid("duration_s must be positive".into()));
         }

@@ -620,3 +620,63 @@ mod layer {
         assert_eq!(c.shadow_dropped, 10);
     }
 }
+
+#[test]
+fn simulate_cli_prints_one_json_line_per_bucket_per_tick() {
+    let scenario = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scenarios/steady-1.5x.yaml");
+    let run = |algo: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_grl"))
+            .args(["simulate", "--seed", "5", "--algorithm", algo, "--scenario"])
+            .arg(&scenario)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let a = run("drop-by-ratio");
+    assert_eq!(a, run("drop-by-ratio"), "same seed, same output");
+    let lines: Vec<Value> = a
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 30, "30 ticks of one bucket");
+    for k in [
+        "t",
+        "bucket",
+        "offered_rps",
+        "admitted_rps",
+        "dropped_rps",
+        "shadow_dropped_rps",
+        "drop_ratio",
+    ] {
+        assert!(lines[0].get(k).is_some(), "missing {k}");
+    }
+    let last = &lines[29];
+    assert!((last["drop_ratio"].as_f64().unwrap() - 1.0 / 3.0).abs() < 0.01);
+    let tb: Vec<Value> = run("token-bucket")
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(tb.len(), 30);
+
+    // A scenario with an unknown key is refused with its file and line.
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(
+        &bad,
+        "service: s\nduration_s: 1\nbogus: 1\nbuckets: []\ncallers: []\n",
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_grl"))
+        .args(["simulate", "--scenario"])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("bad.yaml:3") && err.contains("bogus"), "{err}");
+}
