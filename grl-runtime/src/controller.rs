@@ -35,6 +35,11 @@ pub struct ControllerOptions {
     pub config_dir: Option<PathBuf>,
     /// Control-loop period.
     pub tick: Duration,
+    /// This controller's region (needed with `peers`).
+    pub region: Option<String>,
+    /// Controllers of other regions: each tick they get this region's sums of `global`
+    /// buckets, so every region computes global ratios over the whole fleet.
+    pub peers: Vec<String>,
 }
 
 impl Default for ControllerOptions {
@@ -45,6 +50,8 @@ impl Default for ControllerOptions {
             token: String::new(),
             config_dir: None,
             tick: Duration::from_secs(1),
+            region: None,
+            peers: Vec::new(),
         }
     }
 }
@@ -200,7 +207,12 @@ impl Controller {
                 tracing::error!(error = %e, "controller server failed");
             }
         });
-        let ticker = tokio::spawn(tick_loop(shared));
+        let peering = match (&opts.region, opts.peers.is_empty()) {
+            (_, true) => None,
+            (Some(r), false) => Some((r.clone(), opts.peers.clone())),
+            (None, false) => anyhow::bail!("peers need this controller's region"),
+        };
+        let ticker = tokio::spawn(tick_loop(shared, peering));
         tracing::info!(%addr, "controller listening");
         Ok(ControllerHandle {
             addr,
@@ -211,19 +223,44 @@ impl Controller {
     }
 }
 
-async fn tick_loop(shared: Arc<Shared>) {
+async fn tick_loop(shared: Arc<Shared>, peering: Option<(String, Vec<String>)>) {
+    let http = reqwest::Client::builder()
+        .timeout(shared.tick.max(Duration::from_millis(200)))
+        .build()
+        .unwrap_or_default();
     let mut iv = tokio::time::interval(shared.tick);
     iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         iv.tick().await;
         let now = unix_now();
-        let expired = {
+        let (expired, regional) = {
             let mut e = shared.engine.lock().expect("engine lock");
             let gone = e.purge_expired(now);
             e.recompute(shared.now_ms(), now);
             e.record_reports(now);
-            gone
+            let regional = peering
+                .as_ref()
+                .map(|(region, _)| e.regional_report(region));
+            (gone, regional)
         };
+        if let (Some(report), Some((_, peers))) = (regional, &peering) {
+            // Fire and forget: a slow or dead peer must not hold this region's tick.
+            for p in peers {
+                let (http, url, report) =
+                    (http.clone(), format!("{p}/v1/aggregate"), report.clone());
+                tokio::spawn(async move {
+                    if let Err(e) = http
+                        .post(&url)
+                        .json(&report)
+                        .send()
+                        .await
+                        .and_then(|r| r.error_for_status())
+                    {
+                        tracing::debug!(peer = %url, error = %e, "peer controller unreachable");
+                    }
+                });
+            }
+        }
         if !expired.is_empty() {
             let mut p = shared.persisted.lock().expect("persisted lock");
             p.overrides.retain(|o| o.active(now));

@@ -12,7 +12,9 @@ use schema::{Bucket, Scope};
 use serde::Serialize;
 
 use crate::overrides::{effect, Effect, Override};
-use crate::proto::{ConfigDoc, DirectiveMsg, ServiceDirectives, ZoneDirectives, ZoneReport};
+use crate::proto::{
+    ConfigDoc, DirectiveMsg, ServiceDirectives, ZoneBucketMsg, ZoneDirectives, ZoneReport,
+};
 
 /// Rates of one scope key of a bucket, and its ratio.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -85,7 +87,32 @@ struct ZoneData {
     at_ms: u64,
     /// (service, bucket) → [offered, admitted, dropped, shadow] rates.
     rates: BTreeMap<(String, String), [f64; 4]>,
+    /// The same rates by bucket index, resolved once per report (and per config change) so
+    /// that a recompute does no map lookups.
+    resolved: Vec<(usize, [f64; 4])>,
 }
+
+fn resolve(
+    index: &HashMap<(String, String), usize>,
+    rates: &BTreeMap<(String, String), [f64; 4]>,
+) -> Vec<(usize, [f64; 4])> {
+    rates
+        .iter()
+        .filter_map(|(k, r)| index.get(k).map(|&i| (i, *r)))
+        .collect()
+}
+
+/// Whether `key` is the scope key of `scope` in `region`/`zone` (without building it).
+fn key_is(key: &str, scope: Scope, region: &str, zone: &str) -> bool {
+    match scope {
+        Scope::Global => key == "global",
+        Scope::Region => key.strip_prefix("region:") == Some(region),
+        Scope::Zone => key.strip_prefix("zone:") == Some(zone),
+    }
+}
+
+/// Aggregator-id prefix of reports that come from a peer controller.
+pub const PEER_PREFIX: &str = "region:";
 
 /// Cumulative counts per (service, bucket, zone), for `/metrics`.
 pub type Totals = BTreeMap<(String, String, String), [u64; 4]>;
@@ -147,6 +174,10 @@ impl Engine {
             }
         }
         self.config = config;
+        // Reports already in keep counting under the new config (same names, new indexes).
+        for z in self.zones.values_mut() {
+            z.resolved = resolve(&self.index, &z.rates);
+        }
     }
 
     /// The overrides (active or not yet purged).
@@ -206,6 +237,7 @@ impl Engine {
             );
         }
         // Keyed by aggregator: replicas serving one zone each carry part of its clients.
+        let resolved = resolve(&self.index, &rates);
         self.zones.insert(
             r.aggregator_id.clone(),
             ZoneData {
@@ -213,8 +245,48 @@ impl Engine {
                 zone: r.zone.clone(),
                 at_ms: now_ms,
                 rates,
+                resolved,
             },
         );
+    }
+
+    /// This controller's own zones summed per `global` bucket, as a report for a peer
+    /// controller of another region (see docs/grl-architecture.md). Data received from peers
+    /// (aggregator ids starting with `region:`) is left out, so sums never echo back; counts
+    /// are left at zero so that peers' `/metrics` do not count the same requests twice.
+    pub fn regional_report(&self, region: &str) -> ZoneReport {
+        let mut sums: BTreeMap<usize, [f64; 4]> = BTreeMap::new();
+        for (id, z) in &self.zones {
+            if id.starts_with(PEER_PREFIX) {
+                continue;
+            }
+            for &(i, r) in &z.resolved {
+                if self.buckets[i].bucket.scope != Scope::Global {
+                    continue;
+                }
+                let e = sums.entry(i).or_default();
+                for j in 0..4 {
+                    e[j] += r[j];
+                }
+            }
+        }
+        ZoneReport {
+            aggregator_id: format!("{PEER_PREFIX}{region}"),
+            region: region.to_string(),
+            zone: format!("{region}/*"),
+            buckets: sums
+                .into_iter()
+                .map(|(i, r)| ZoneBucketMsg {
+                    service: self.buckets[i].service.clone(),
+                    bucket: self.buckets[i].bucket.name.clone(),
+                    offered_rps: r[0],
+                    admitted_rps: r[1],
+                    dropped_rps: r[2],
+                    shadow_dropped_rps: r[3],
+                    counts: Default::default(),
+                })
+                .collect(),
+        }
     }
 
     /// Cumulative counts for `/metrics`.
@@ -247,17 +319,18 @@ impl Engine {
         }
         for z in self.zones.values() {
             let zone = &z.zone;
-            for ((svc, name), r) in &z.rates {
-                let Some(&i) = self.index.get(&(svc.clone(), name.clone())) else {
-                    continue;
-                };
+            for &(i, ref r) in &z.resolved {
                 let s = &mut self.buckets[i];
-                let key = scope_key(s.bucket.scope, &z.region, zone);
-                let k = match s.keys.iter_mut().position(|k| k.scope_key == key) {
+                let scope = s.bucket.scope;
+                let k = match s
+                    .keys
+                    .iter()
+                    .position(|k| key_is(&k.scope_key, scope, &z.region, zone))
+                {
                     Some(p) => &mut s.keys[p],
                     None => {
                         s.keys.push(KeyState {
-                            scope_key: key,
+                            scope_key: scope_key(scope, &z.region, zone),
                             ..Default::default()
                         });
                         s.keys.last_mut().expect("just pushed")

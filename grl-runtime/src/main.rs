@@ -41,6 +41,12 @@ enum Cmd {
         /// Control-loop period in milliseconds.
         #[arg(long, default_value_t = 1000)]
         tick_ms: u64,
+        /// This controller's region (required with --peer).
+        #[arg(long)]
+        region: Option<String>,
+        /// Controller of another region to share global-bucket sums with; repeat.
+        #[arg(long = "peer")]
+        peers: Vec<String>,
     },
     /// Run a zone aggregator.
     Aggregator {
@@ -177,6 +183,8 @@ async fn main() -> anyhow::Result<()> {
             token,
             config_dir,
             tick_ms,
+            region,
+            peers,
         } => {
             if token.is_empty() {
                 bail!("--token (or GRL_TOKEN) must not be empty");
@@ -187,6 +195,8 @@ async fn main() -> anyhow::Result<()> {
                 token,
                 config_dir,
                 tick: Duration::from_millis(tick_ms.max(1)),
+                region,
+                peers,
             })
             .await?;
             println!("listening on {}", h.addr());

@@ -243,3 +243,43 @@ fn engine_applies_overrides_until_they_expire() {
     e.recompute(0, 1060);
     assert_eq!(ratio_of(&e, "r1", "z1", "g"), 0.0);
 }
+
+#[test]
+fn peered_regions_compute_one_global_ratio_without_echo() {
+    let cfg = ConfigDoc {
+        version: "v1".into(),
+        services: vec![BucketFile {
+            service: "svc".into(),
+            buckets: vec![
+                bucket("g", Scope::Global, 100.0),
+                bucket("r", Scope::Region, 100.0),
+            ],
+        }],
+    };
+    let mut east = Engine::new(cfg.clone(), 3000);
+    let mut west = Engine::new(cfg, 3000);
+    east.ingest(
+        &zone_report("a1", "east", "e1", &[("g", 100.0), ("r", 100.0)]),
+        0,
+    );
+    west.ingest(
+        &zone_report("a2", "west", "w1", &[("g", 100.0), ("r", 150.0)]),
+        0,
+    );
+    let (to_west, to_east) = (east.regional_report("east"), west.regional_report("west"));
+    // Only global buckets cross regions.
+    assert_eq!(to_west.buckets.len(), 1);
+    west.ingest(&to_west, 0);
+    east.ingest(&to_east, 0);
+    east.recompute(0, 0);
+    west.recompute(0, 0);
+    // 200 offered fleet-wide against 100: both regions drop half.
+    assert!((ratio_of(&east, "east", "e1", "g") - 0.5).abs() < 1e-9);
+    assert!((ratio_of(&west, "west", "w1", "g") - 0.5).abs() < 1e-9);
+    // Region buckets stay regional.
+    assert_eq!(ratio_of(&east, "east", "e1", "r"), 0.0);
+    assert!((ratio_of(&west, "west", "w1", "r") - 1.0 / 3.0).abs() < 1e-9);
+    // What a region forwards never includes what its peers sent it.
+    let again = east.regional_report("east");
+    assert_eq!(again.buckets[0].offered_rps, 100.0);
+}

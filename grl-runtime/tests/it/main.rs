@@ -680,3 +680,93 @@ fn simulate_cli_prints_one_json_line_per_bucket_per_tick() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("bad.yaml:3") && err.contains("bogus"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peered_region_controllers_share_global_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let (pe, pw) = (free_port(), free_port());
+    let (ue, uw) = (
+        format!("http://127.0.0.1:{pe}"),
+        format!("http://127.0.0.1:{pw}"),
+    );
+    let _east = spawn_controller(
+        pe,
+        &dir.path().join("east"),
+        dir.path(),
+        &["--region", "east", "--peer", &uw],
+    );
+    let _west = spawn_controller(
+        pw,
+        &dir.path().join("west"),
+        dir.path(),
+        &["--region", "west", "--peer", &ue],
+    );
+    let http = reqwest::Client::new();
+    for u in [&ue, &uw] {
+        wait_up(&format!("{u}/v1/status")).await;
+        let r = http
+            .put(format!("{u}/v1/config"))
+            .bearer_auth(TOKEN)
+            .json(&payments_config("v1", 200.0))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    // Each region's aggregator reports 300 rps: alone each is at 1.5x; together at 3x.
+    let report = |region: &str| {
+        json!({"aggregator_id": format!("agg-{region}"), "region": region, "zone": format!("{region}-1"),
+               "buckets": [{"service": "payments", "bucket": "gw.charge", "offered_rps": 300.0,
+                            "admitted_rps": 300.0, "dropped_rps": 0.0, "shadow_dropped_rps": 0.0,
+                            "counts": {"bucket": "gw.charge", "offered": 30, "admitted": 30,
+                                       "dropped": 0, "shadow_dropped": 0}}]})
+    };
+    let mut seen = None;
+    for _ in 0..200 {
+        let mut ratios = Vec::new();
+        for (u, region) in [(&ue, "east"), (&uw, "west")] {
+            let d: Value = http
+                .post(format!("{u}/v1/aggregate"))
+                .json(&report(region))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            ratios.push(d["services"][0]["directives"][0]["ratio"].as_f64().unwrap());
+        }
+        // 600 offered fleet-wide against 200 → 2/3 in both regions (1/3 if they did not peer).
+        if ratios.iter().all(|r| (r - 2.0 / 3.0).abs() < 1e-6) {
+            seen = Some(ratios);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        seen.is_some(),
+        "regions never converged on the global ratio"
+    );
+
+    // Malformed zone reports are refused with a reason and change nothing.
+    let r = http
+        .post(format!("{ue}/v1/aggregate"))
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let mut bad = report("east");
+    bad["buckets"][0]["offered_rps"] = json!(-5.0);
+    let r = http
+        .post(format!("{ue}/v1/aggregate"))
+        .json(&bad)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 422);
+    assert!(r.json::<Value>().await.unwrap()["error"]
+        .as_str()
+        .unwrap()
+        .contains("negative"));
+}
