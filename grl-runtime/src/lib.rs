@@ -14,6 +14,7 @@ pub mod overrides;
 pub mod proto;
 
 pub use http_util::ApiError;
+pub mod realtime;
 pub mod report;
 pub mod sim;
 #[cfg(test)]

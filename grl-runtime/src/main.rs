@@ -85,7 +85,8 @@ enum Cmd {
         /// Limiter run by the clients.
         #[arg(long, value_enum, default_value = "drop-by-ratio")]
         algorithm: Algorithm,
-        /// Over real HTTP in wall-clock time (not implemented yet).
+        /// Over real HTTP on loopback in wall-clock time (controller, aggregators and clients in
+        /// this process).
         #[arg(long)]
         realtime: bool,
     },
@@ -231,10 +232,18 @@ async fn main() -> anyhow::Result<()> {
             algorithm,
             realtime,
         } => {
-            if realtime {
-                bail!("--realtime is not implemented yet; run without it for virtual time");
-            }
             let sc = Scenario::load(&scenario)?;
+            if realtime {
+                if algorithm != Algorithm::DropByRatio {
+                    bail!("--realtime runs the real GRL stack: only --algorithm drop-by-ratio");
+                }
+                return grl_runtime::realtime::run_realtime(&sc, seed, |row| {
+                    if let Ok(line) = serde_json::to_string(row) {
+                        println!("{line}");
+                    }
+                })
+                .await;
+            }
             let mut out = std::io::BufWriter::new(std::io::stdout().lock());
             let mut err = None;
             sim::run(&sc, seed, algorithm, |row| {

@@ -770,3 +770,36 @@ async fn peered_region_controllers_share_global_load() {
         .unwrap()
         .contains("negative"));
 }
+
+#[test]
+fn simulate_realtime_runs_the_real_stack() {
+    let scenario = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scenarios/realtime-smoke.yaml");
+    let out = Command::new(env!("CARGO_BIN_EXE_grl"))
+        .args(["simulate", "--realtime", "--scenario"])
+        .arg(&scenario)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(rows.len() >= 10, "{} rows", rows.len());
+    // Second half: 1000 rps offered against 500 → about half admitted.
+    let tail = &rows[rows.len() / 2..];
+    let offered: f64 = tail
+        .iter()
+        .map(|r| r["offered_rps"].as_f64().unwrap())
+        .sum();
+    let admitted: f64 = tail
+        .iter()
+        .map(|r| r["admitted_rps"].as_f64().unwrap())
+        .sum();
+    let frac = admitted / offered;
+    assert!((frac - 0.5).abs() < 0.1, "admitted fraction {frac}");
+}
