@@ -5,6 +5,8 @@
 //! and allocates nothing on the decision path (`Limiter::decide*`). The control plane in
 //! `grl-runtime` and the simulator sit around it and call the same code.
 
+#![warn(missing_docs)]
+
 mod clock;
 pub mod control;
 mod counters;

@@ -152,9 +152,16 @@ pin_project_lite::pin_project! {
     #[project = GrlFutureProj]
     pub enum GrlFuture<F> {
         /// Passed to the inner service.
-        Inner { #[pin] fut: F },
+        Inner {
+            /// The inner service's future.
+            #[pin]
+            fut: F,
+        },
         /// Answered with 429.
-        Limited { resp: Option<Response<Body>> },
+        Limited {
+            /// The 429, taken when polled.
+            resp: Option<Response<Body>>,
+        },
     }
 }
 

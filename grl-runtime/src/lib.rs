@@ -3,6 +3,8 @@
 //! metrics), a tower layer for axum services, and a simulator that runs the same code in
 //! virtual time.
 
+#![warn(missing_docs)]
+
 pub mod aggregator;
 pub mod client;
 pub mod config;
