@@ -148,20 +148,15 @@ where
 }
 
 pin_project_lite::pin_project! {
-    /// The response future of `GrlService`.
+    /// The response future of `GrlService` (fields: the inner future, or the 429 to return;
+    /// the macro takes no doc comments on fields).
+    #[allow(missing_docs)]
     #[project = GrlFutureProj]
     pub enum GrlFuture<F> {
         /// Passed to the inner service.
-        Inner {
-            /// The inner service's future.
-            #[pin]
-            fut: F,
-        },
+        Inner { #[pin] fut: F },
         /// Answered with 429.
-        Limited {
-            /// The 429, taken when polled.
-            resp: Option<Response<Body>>,
-        },
+        Limited { resp: Option<Response<Body>> },
     }
 }
 
