@@ -467,41 +467,37 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
             "Requests that shadow mode would have dropped.",
         ),
     ];
-    let label = |svc: &str, bucket: &str, zone: &str| -> Option<String> {
-        let b = e
-            .buckets()
-            .iter()
-            .find(|b| b.service == svc && b.bucket.name == bucket)?;
-        Some(format!(
+    let label = |b: &crate::engine::BucketState, zone: &str| -> String {
+        format!(
             "service=\"{}\",bucket=\"{}\",caller=\"{}\",procedure=\"{}\",mode=\"{}\",zone=\"{}\"",
-            esc(svc),
-            esc(bucket),
+            esc(&b.service),
+            esc(&b.bucket.name),
             esc(b.bucket.caller.as_deref().unwrap_or("")),
             esc(b.bucket.procedure.as_deref().unwrap_or("")),
             b.bucket.mode.as_str(),
             esc(zone)
-        ))
+        )
     };
     for (i, (name, help)) in names.iter().enumerate() {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
-        for ((svc, bucket, zone), t) in e.totals() {
-            if let Some(l) = label(svc, bucket, zone) {
-                let _ = writeln!(out, "{name}{{{l}}} {}", t[i]);
-            }
+        for (b, zone, t) in e.totals() {
+            let _ = writeln!(out, "{name}{{{}}} {}", label(b, zone), t[i]);
         }
     }
-    let _ = writeln!(out, "# HELP grl_drop_ratio Drop ratio in force per bucket and scope key.\n# TYPE grl_drop_ratio gauge");
+    let _ = writeln!(
+        out,
+        "# HELP grl_drop_ratio Drop ratio in force per bucket and scope key.\n# TYPE grl_drop_ratio gauge"
+    );
     for b in e.buckets() {
         for k in &b.keys {
             let zone = k.scope_key.strip_prefix("zone:").unwrap_or("");
-            if let Some(l) = label(&b.service, &b.bucket.name, zone) {
-                let _ = writeln!(
-                    out,
-                    "grl_drop_ratio{{{l},scope_key=\"{}\"}} {}",
-                    esc(&k.scope_key),
-                    k.ratio
-                );
-            }
+            let _ = writeln!(
+                out,
+                "grl_drop_ratio{{{},scope_key=\"{}\"}} {}",
+                label(b, zone),
+                esc(&k.scope_key),
+                k.ratio
+            );
         }
     }
     (

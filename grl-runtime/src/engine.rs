@@ -31,6 +31,8 @@ pub struct KeyState {
     pub shadow_dropped_rps: f64,
     /// The drop ratio for clients under the key.
     pub ratio: f64,
+    /// Seen in the current round.
+    touched: bool,
 }
 
 /// One bucket with its effective limit and per-key state.
@@ -85,21 +87,15 @@ struct ZoneData {
     region: String,
     zone: String,
     at_ms: u64,
-    /// (service, bucket) → [offered, admitted, dropped, shadow] rates.
-    rates: BTreeMap<(String, String), [f64; 4]>,
-    /// The same rates by bucket index, resolved once per report (and per config change) so
-    /// that a recompute does no map lookups.
+    /// [offered, admitted, dropped, shadow] rates by bucket index, resolved once per report
+    /// (and remapped on a config change) so that a recompute does no lookups.
     resolved: Vec<(usize, [f64; 4])>,
 }
 
-fn resolve(
-    index: &HashMap<(String, String), usize>,
-    rates: &BTreeMap<(String, String), [f64; 4]>,
-) -> Vec<(usize, [f64; 4])> {
-    rates
-        .iter()
-        .filter_map(|(k, r)| index.get(k).map(|&i| (i, *r)))
-        .collect()
+type Index = HashMap<String, HashMap<String, usize>>;
+
+fn lookup(index: &Index, service: &str, bucket: &str) -> Option<usize> {
+    index.get(service)?.get(bucket).copied()
 }
 
 /// Whether `key` is the scope key of `scope` in `region`/`zone` (without building it).
@@ -114,22 +110,20 @@ fn key_is(key: &str, scope: Scope, region: &str, zone: &str) -> bool {
 /// Aggregator-id prefix of reports that come from a peer controller.
 pub const PEER_PREFIX: &str = "region:";
 
-/// Cumulative counts per (service, bucket, zone), for `/metrics`.
-pub type Totals = BTreeMap<(String, String, String), [u64; 4]>;
-
 /// The controller's state.
 pub struct Engine {
     config: ConfigDoc,
     overrides: Vec<Override>,
     buckets: Vec<BucketState>,
-    index: HashMap<(String, String), usize>,
+    index: Index,
     zones: BTreeMap<String, ZoneData>,
     /// A zone that has not reported for this long no longer counts.
     zone_ttl_ms: u64,
     reports: VecDeque<ReportRow>,
     report_cap: usize,
     seq: u64,
-    totals: Totals,
+    /// Cumulative counts per bucket index, per zone (for `/metrics`).
+    totals: Vec<BTreeMap<String, [u64; 4]>>,
 }
 
 impl Engine {
@@ -145,7 +139,7 @@ impl Engine {
             reports: VecDeque::new(),
             report_cap: 20_000,
             seq: 0,
-            totals: Totals::new(),
+            totals: Vec::new(),
         };
         e.set_config(config);
         e
@@ -158,12 +152,15 @@ impl Engine {
 
     /// Replaces the config (already validated).
     pub fn set_config(&mut self, config: ConfigDoc) {
-        self.buckets.clear();
+        let old = std::mem::take(&mut self.buckets);
+        let mut old_totals = std::mem::take(&mut self.totals);
         self.index.clear();
         for f in &config.services {
             for b in &f.buckets {
                 self.index
-                    .insert((f.service.clone(), b.name.clone()), self.buckets.len());
+                    .entry(f.service.clone())
+                    .or_default()
+                    .insert(b.name.clone(), self.buckets.len());
                 self.buckets.push(BucketState {
                     service: f.service.clone(),
                     bucket: b.clone(),
@@ -173,11 +170,25 @@ impl Engine {
                 });
             }
         }
-        self.config = config;
-        // Reports already in keep counting under the new config (same names, new indexes).
+        // Reports already in, and the counters, follow their bucket by name to its new index.
+        let remap: Vec<Option<usize>> = old
+            .iter()
+            .map(|b| lookup(&self.index, &b.service, &b.bucket.name))
+            .collect();
         for z in self.zones.values_mut() {
-            z.resolved = resolve(&self.index, &z.rates);
+            z.resolved = z
+                .resolved
+                .iter()
+                .filter_map(|&(i, r)| remap.get(i).copied().flatten().map(|j| (j, r)))
+                .collect();
         }
+        self.totals = vec![BTreeMap::new(); self.buckets.len()];
+        for (i, t) in old_totals.iter_mut().enumerate() {
+            if let Some(Some(j)) = remap.get(i) {
+                self.totals[*j] = std::mem::take(t);
+            }
+        }
+        self.config = config;
     }
 
     /// The overrides (active or not yet purged).
@@ -212,42 +223,54 @@ impl Engine {
     /// Records a zone's report received at `now_ms`. Unknown buckets are ignored (a client on an
     /// older config), counts go to the totals.
     pub fn ingest(&mut self, r: &ZoneReport, now_ms: u64) {
-        let mut rates = BTreeMap::new();
+        let mut resolved = Vec::with_capacity(r.buckets.len());
         for b in &r.buckets {
-            let key = (b.service.clone(), b.bucket.clone());
-            if !self.index.contains_key(&key) {
+            let Some(i) = lookup(&self.index, &b.service, &b.bucket) else {
                 continue;
+            };
+            let c = &b.counts;
+            if c.offered + c.admitted + c.dropped + c.shadow_dropped > 0 {
+                let t = match self.totals[i].get_mut(&r.zone) {
+                    Some(t) => t,
+                    None => self.totals[i].entry(r.zone.clone()).or_default(),
+                };
+                t[0] += c.offered;
+                t[1] += c.admitted;
+                t[2] += c.dropped;
+                t[3] += c.shadow_dropped;
             }
-            let t = self
-                .totals
-                .entry((b.service.clone(), b.bucket.clone(), r.zone.clone()))
-                .or_default();
-            t[0] += b.counts.offered;
-            t[1] += b.counts.admitted;
-            t[2] += b.counts.dropped;
-            t[3] += b.counts.shadow_dropped;
-            rates.insert(
-                key,
+            resolved.push((
+                i,
                 [
                     b.offered_rps,
                     b.admitted_rps,
                     b.dropped_rps,
                     b.shadow_dropped_rps,
                 ],
-            );
+            ));
         }
         // Keyed by aggregator: replicas serving one zone each carry part of its clients.
-        let resolved = resolve(&self.index, &rates);
-        self.zones.insert(
-            r.aggregator_id.clone(),
-            ZoneData {
-                region: r.region.clone(),
-                zone: r.zone.clone(),
-                at_ms: now_ms,
-                rates,
-                resolved,
-            },
-        );
+        match self.zones.get_mut(&r.aggregator_id) {
+            Some(z) => {
+                z.resolved = resolved;
+                z.at_ms = now_ms;
+                if z.zone != r.zone || z.region != r.region {
+                    z.zone = r.zone.clone();
+                    z.region = r.region.clone();
+                }
+            }
+            None => {
+                self.zones.insert(
+                    r.aggregator_id.clone(),
+                    ZoneData {
+                        region: r.region.clone(),
+                        zone: r.zone.clone(),
+                        at_ms: now_ms,
+                        resolved,
+                    },
+                );
+            }
+        }
     }
 
     /// This controller's own zones summed per `global` bucket, as a report for a peer
@@ -289,9 +312,13 @@ impl Engine {
         }
     }
 
-    /// Cumulative counts for `/metrics`.
-    pub fn totals(&self) -> &Totals {
-        &self.totals
+    /// Cumulative counts for `/metrics`: per bucket, per zone [offered, admitted, dropped,
+    /// shadow-dropped].
+    pub fn totals(&self) -> impl Iterator<Item = (&BucketState, &str, &[u64; 4])> {
+        self.buckets
+            .iter()
+            .zip(&self.totals)
+            .flat_map(|(b, t)| t.iter().map(move |(z, c)| (b, z.as_str(), c)))
     }
 
     /// Recomputes every bucket's per-key rates and ratios from the zones heard from within the
@@ -300,55 +327,66 @@ impl Engine {
         let ttl = self.zone_ttl_ms;
         self.zones
             .retain(|_, z| now_ms.saturating_sub(z.at_ms) <= ttl);
+        let no_overrides = self.overrides.is_empty();
         for s in &mut self.buckets {
-            s.keys.clear();
-            match effect(&self.overrides, unix_now, &s.service, &s.bucket) {
-                Effect::None => {
-                    s.limit_rps = s.bucket.limit_rps;
-                    s.fixed = None;
-                }
-                Effect::Limit(l) => {
-                    s.limit_rps = l;
-                    s.fixed = None;
-                }
-                Effect::Ratio(r) => {
-                    s.limit_rps = s.bucket.limit_rps;
-                    s.fixed = Some(r);
-                }
+            // Keys are reused from round to round (no allocation in steady state); a key no
+            // zone reports any more is dropped below.
+            for k in &mut s.keys {
+                k.offered_rps = 0.0;
+                k.admitted_rps = 0.0;
+                k.dropped_rps = 0.0;
+                k.shadow_dropped_rps = 0.0;
+                k.touched = false;
             }
+            let eff = if no_overrides {
+                Effect::None
+            } else {
+                effect(&self.overrides, unix_now, &s.service, &s.bucket)
+            };
+            (s.limit_rps, s.fixed) = match eff {
+                Effect::None => (s.bucket.limit_rps, None),
+                Effect::Limit(l) => (l, None),
+                Effect::Ratio(r) => (s.bucket.limit_rps, Some(r)),
+            };
         }
         for z in self.zones.values() {
-            let zone = &z.zone;
             for &(i, ref r) in &z.resolved {
                 let s = &mut self.buckets[i];
                 let scope = s.bucket.scope;
-                let k = match s
+                let p = match s
                     .keys
                     .iter()
-                    .position(|k| key_is(&k.scope_key, scope, &z.region, zone))
+                    .position(|k| key_is(&k.scope_key, scope, &z.region, &z.zone))
                 {
-                    Some(p) => &mut s.keys[p],
+                    Some(p) => p,
                     None => {
                         s.keys.push(KeyState {
-                            scope_key: scope_key(scope, &z.region, zone),
+                            scope_key: scope_key(scope, &z.region, &z.zone),
                             ..Default::default()
                         });
-                        s.keys.last_mut().expect("just pushed")
+                        s.keys.len() - 1
                     }
                 };
+                let k = &mut s.keys[p];
                 k.offered_rps += r[0];
                 k.admitted_rps += r[1];
                 k.dropped_rps += r[2];
                 k.shadow_dropped_rps += r[3];
+                k.touched = true;
             }
         }
         for s in &mut self.buckets {
+            if s.keys.iter().any(|k| !k.touched) {
+                s.keys.retain(|k| k.touched);
+            }
+            if s.keys.len() > 1 && !s.keys.windows(2).all(|w| w[0].scope_key <= w[1].scope_key) {
+                s.keys.sort_by(|a, b| a.scope_key.cmp(&b.scope_key));
+            }
             for k in &mut s.keys {
                 k.ratio = s
                     .fixed
                     .unwrap_or_else(|| drop_ratio(k.offered_rps, s.limit_rps));
             }
-            s.keys.sort_by(|a, b| a.scope_key.cmp(&b.scope_key));
         }
     }
 
@@ -356,8 +394,10 @@ impl Engine {
     pub fn directives_for(&self, region: &str, zone: &str) -> ZoneDirectives {
         let mut services: Vec<ServiceDirectives> = Vec::new();
         for s in &self.buckets {
-            let key = scope_key(s.bucket.scope, region, zone);
-            let k = s.keys.iter().find(|k| k.scope_key == key);
+            let k = s
+                .keys
+                .iter()
+                .find(|k| key_is(&k.scope_key, s.bucket.scope, region, zone));
             let d = DirectiveMsg {
                 bucket: s.bucket.name.clone(),
                 ratio: s.fixed.unwrap_or(k.map_or(0.0, |k| k.ratio)),
@@ -424,8 +464,6 @@ impl Engine {
 
     /// The scope of a configured bucket.
     pub fn scope_of(&self, service: &str, bucket: &str) -> Option<Scope> {
-        self.index
-            .get(&(service.to_string(), bucket.to_string()))
-            .map(|&i| self.buckets[i].bucket.scope)
+        lookup(&self.index, service, bucket).map(|i| self.buckets[i].bucket.scope)
     }
 }
