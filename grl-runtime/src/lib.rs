@@ -1,1 +1,23 @@
-//! GRL runtime.
+//! GRL runtime: the control plane around the decision core. A client reporter per service
+//! instance, zone aggregators, a controller (config API, overrides, ratios, reports,
+//! metrics), a tower layer for axum services, and a simulator that runs the same code in
+//! virtual time.
+
+#![warn(missing_docs)]
+
+pub mod aggregator;
+pub mod client;
+pub mod config;
+pub mod controller;
+pub mod engine;
+mod http_util;
+pub mod layer;
+pub mod overrides;
+pub mod proto;
+
+pub use http_util::ApiError;
+pub mod realtime;
+pub mod report;
+pub mod sim;
+#[cfg(test)]
+mod tests;

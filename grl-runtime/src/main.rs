@@ -1,1 +1,336 @@
-fn main() {}
+//! `grl`: the controller, the zone aggregator, incident overrides and the simulator.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::{Args, Parser, Subcommand};
+use grl_runtime::aggregator::{Aggregator, AggregatorOptions};
+use grl_runtime::controller::{Controller, ControllerOptions};
+use grl_runtime::overrides::OverrideRequest;
+use grl_runtime::sim::{self, Algorithm, Scenario};
+use schema::HumanDuration;
+
+#[derive(Parser)]
+#[command(
+    name = "grl",
+    about = "Global rate limiter: control plane and simulator"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the controller (config API, overrides, ratios, reports, metrics).
+    Controller {
+        /// Listen address.
+        #[arg(long, default_value = "127.0.0.1:7070")]
+        listen: SocketAddr,
+        /// Where the applied config and overrides are persisted.
+        #[arg(long, default_value = "grl-state")]
+        state_dir: PathBuf,
+        /// Bearer token for mutating endpoints.
+        #[arg(long, env = "GRL_TOKEN", hide_env_values = true)]
+        token: String,
+        /// Bucket YAML directory loaded when nothing was persisted yet.
+        #[arg(long)]
+        config_dir: Option<PathBuf>,
+        /// Control-loop period in milliseconds.
+        #[arg(long, default_value_t = 1000)]
+        tick_ms: u64,
+        /// This controller's region (required with --peer).
+        #[arg(long)]
+        region: Option<String>,
+        /// Controller of another region to share global-bucket sums with; repeat.
+        #[arg(long = "peer")]
+        peers: Vec<String>,
+    },
+    /// Run a zone aggregator.
+    Aggregator {
+        /// Listen address.
+        #[arg(long, default_value = "127.0.0.1:7071")]
+        listen: SocketAddr,
+        /// Controller URL; repeat for failover.
+        #[arg(long = "controller", required = true)]
+        controllers: Vec<String>,
+        /// Zone served.
+        #[arg(long)]
+        zone: String,
+        /// Region of the zone.
+        #[arg(long)]
+        region: String,
+        /// Forwarding period in milliseconds.
+        #[arg(long, default_value_t = 1000)]
+        tick_ms: u64,
+        /// Instance id.
+        #[arg(long)]
+        id: Option<String>,
+    },
+    /// Incident overrides on a controller.
+    Override {
+        #[command(subcommand)]
+        cmd: OverrideCmd,
+    },
+    /// Simulate a fleet over a scenario; one JSON line per bucket per tick.
+    Simulate {
+        /// Scenario YAML.
+        #[arg(long)]
+        scenario: PathBuf,
+        /// Random seed.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Limiter run by the clients.
+        #[arg(long, value_enum, default_value = "drop-by-ratio")]
+        algorithm: Algorithm,
+        /// Over real HTTP on loopback in wall-clock time (controller, aggregators and clients in
+        /// this process).
+        #[arg(long)]
+        realtime: bool,
+    },
+    /// Run the comparison scenarios and print the markdown report (docs/grl-control-loop.md).
+    SimReport {
+        /// Directory with the scenario files.
+        #[arg(long, default_value = "grl-runtime/scenarios")]
+        scenarios: PathBuf,
+        /// Random seed.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
+}
+
+#[derive(Args)]
+struct Remote {
+    /// Controller URL.
+    #[arg(long, env = "GRL_CONTROLLER", default_value = "http://127.0.0.1:7070")]
+    controller: String,
+    /// Bearer token.
+    #[arg(long, env = "GRL_TOKEN", hide_env_values = true, default_value = "")]
+    token: String,
+}
+
+#[derive(Subcommand)]
+enum OverrideCmd {
+    /// Apply an override.
+    Add {
+        #[command(flatten)]
+        remote: Remote,
+        /// Callee service (required with --bucket).
+        #[arg(long)]
+        service: Option<String>,
+        /// Bucket name.
+        #[arg(long)]
+        bucket: Option<String>,
+        /// Caller.
+        #[arg(long)]
+        caller: Option<String>,
+        /// Procedure.
+        #[arg(long)]
+        procedure: Option<String>,
+        /// Replacement limit.
+        #[arg(long)]
+        limit_rps: Option<f64>,
+        /// Fixed drop ratio.
+        #[arg(long)]
+        drop_ratio: Option<f64>,
+        /// Time to live, e.g. 30m.
+        #[arg(long)]
+        ttl: HumanDuration,
+        /// Why.
+        #[arg(long)]
+        reason: String,
+        /// Who (defaults to $USER).
+        #[arg(long, env = "USER")]
+        who: String,
+    },
+    /// List active overrides.
+    List {
+        #[command(flatten)]
+        remote: Remote,
+    },
+    /// Remove an override.
+    Rm {
+        #[command(flatten)]
+        remote: Remote,
+        /// Override id.
+        id: String,
+        /// Who removes it.
+        #[arg(long, env = "USER", default_value = "unknown")]
+        who: String,
+        /// Why.
+        #[arg(long, default_value = "")]
+        reason: String,
+    },
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    init_tracing();
+    match Cli::parse().cmd {
+        Cmd::Controller {
+            listen,
+            state_dir,
+            token,
+            config_dir,
+            tick_ms,
+            region,
+            peers,
+        } => {
+            if token.is_empty() {
+                bail!("--token (or GRL_TOKEN) must not be empty");
+            }
+            let h = Controller::start(ControllerOptions {
+                listen,
+                state_dir,
+                token,
+                config_dir,
+                tick: Duration::from_millis(tick_ms.max(1)),
+                region,
+                peers,
+            })
+            .await?;
+            println!("listening on {}", h.addr());
+            tokio::signal::ctrl_c().await.context("wait for ctrl-c")?;
+            h.shutdown().await;
+        }
+        Cmd::Aggregator {
+            listen,
+            controllers,
+            zone,
+            region,
+            tick_ms,
+            id,
+        } => {
+            let h = Aggregator::start(AggregatorOptions {
+                listen,
+                controllers,
+                zone,
+                region,
+                tick: Duration::from_millis(tick_ms.max(1)),
+                id,
+            })
+            .await?;
+            println!("listening on {}", h.addr());
+            tokio::signal::ctrl_c().await.context("wait for ctrl-c")?;
+            h.shutdown().await;
+        }
+        Cmd::Override { cmd } => override_cmd(cmd).await?,
+        Cmd::Simulate {
+            scenario,
+            seed,
+            algorithm,
+            realtime,
+        } => {
+            let sc = Scenario::load(&scenario)?;
+            if realtime {
+                if algorithm != Algorithm::DropByRatio {
+                    bail!("--realtime runs the real GRL stack: only --algorithm drop-by-ratio");
+                }
+                return grl_runtime::realtime::run_realtime(&sc, seed, |row| {
+                    if let Ok(line) = serde_json::to_string(row) {
+                        println!("{line}");
+                    }
+                })
+                .await;
+            }
+            let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+            let mut err = None;
+            sim::run(&sc, seed, algorithm, |row| {
+                use std::io::Write;
+                if let Err(e) = serde_json::to_writer(&mut out, row)
+                    .map_err(std::io::Error::from)
+                    .and_then(|_| writeln!(out))
+                {
+                    err.get_or_insert(e);
+                }
+            })?;
+            if let Some(e) = err {
+                return Err(e).context("write output");
+            }
+        }
+        Cmd::SimReport { scenarios, seed } => {
+            print!("{}", grl_runtime::report::markdown(&scenarios, seed)?);
+        }
+    }
+    Ok(())
+}
+
+async fn override_cmd(cmd: OverrideCmd) -> anyhow::Result<()> {
+    let http = reqwest::Client::new();
+    let (resp, what) = match cmd {
+        OverrideCmd::Add {
+            remote,
+            service,
+            bucket,
+            caller,
+            procedure,
+            limit_rps,
+            drop_ratio,
+            ttl,
+            reason,
+            who,
+        } => {
+            let req = OverrideRequest {
+                service,
+                bucket,
+                caller,
+                procedure,
+                limit_rps,
+                drop_ratio,
+                ttl_secs: ttl.as_secs(),
+                reason,
+                who,
+            };
+            req.validate()?;
+            let r = http
+                .post(format!("{}/v1/overrides", remote.controller))
+                .bearer_auth(&remote.token)
+                .json(&req)
+                .send()
+                .await
+                .context("reach controller")?;
+            (r, "add override")
+        }
+        OverrideCmd::List { remote } => {
+            let r = http
+                .get(format!("{}/v1/overrides", remote.controller))
+                .send()
+                .await
+                .context("reach controller")?;
+            (r, "list overrides")
+        }
+        OverrideCmd::Rm {
+            remote,
+            id,
+            who,
+            reason,
+        } => {
+            let r = http
+                .delete(format!("{}/v1/overrides/{id}", remote.controller))
+                .query(&[("who", who), ("reason", reason)])
+                .bearer_auth(&remote.token)
+                .send()
+                .await
+                .context("reach controller")?;
+            (r, "remove override")
+        }
+    };
+    let status = resp.status();
+    let body = resp.text().await.unwrap_or_default();
+    if !status.is_success() {
+        bail!("{what}: controller answered {status}: {body}");
+    }
+    println!("{body}");
+    Ok(())
+}

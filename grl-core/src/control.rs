@@ -1,0 +1,110 @@
+//! The controller's math, shared by the real controller and the simulator so that both run the
+//! same formula.
+
+use schema::Scope;
+
+/// Drop-by-ratio: `(offered − limit) / offered` when the offered rate exceeds the limit, else 0.
+pub fn drop_ratio(offered_rps: f64, limit_rps: f64) -> f64 {
+    if offered_rps.is_finite() && offered_rps > limit_rps && offered_rps > 0.0 {
+        ((offered_rps - limit_rps) / offered_rps).clamp(0.0, 1.0)
+    } else {
+        0.0
+    }
+}
+
+/// The key a bucket's limit is counted under for a client in `region`/`zone`:
+/// `global`, `region:<region>` or `zone:<zone>`.
+pub fn scope_key(scope: Scope, region: &str, zone: &str) -> String {
+    match scope {
+        Scope::Global => "global".to_string(),
+        Scope::Region => format!("region:{region}"),
+        Scope::Zone => format!("zone:{zone}"),
+    }
+}
+
+/// What a client knows about one bucket from its last directive.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Directive {
+    /// The ratio the controller computed.
+    pub ratio: f64,
+    /// The fleet's offered rate (for the bucket's scope key) the ratio was computed from.
+    pub fleet_offered_rps: f64,
+    /// The effective limit (after overrides).
+    pub limit_rps: f64,
+    /// This client's own offered rate in the interval the ratio was computed from.
+    pub local_offered_rps: f64,
+    /// A fixed ratio set by an override: never adjusted locally.
+    pub fixed: bool,
+}
+
+/// The ratio a client applies when its own offered rate has moved to `local_now_rps` since
+/// the directive was computed. The controller sees a jump one loop later; the client sees its
+/// own share at once. It assumes only its own load changed (the others' rate is unknown), which
+/// is a lower bound on the fleet's load: the adjustment can shorten the lag after a fleet-wide
+/// step but never drops a request the fleet-wide formula would not drop.
+pub fn adjusted_ratio(d: &Directive, local_now_rps: f64) -> f64 {
+    // Only a clear jump counts: sub-tick rates are noisy and a false alarm drops real traffic.
+    if d.fixed || d.limit_rps <= 0.0 || local_now_rps <= d.local_offered_rps * JUMP {
+        return d.ratio;
+    }
+    let fleet = d.fleet_offered_rps + (local_now_rps - d.local_offered_rps);
+    d.ratio.max(drop_ratio(fleet, d.limit_rps))
+}
+
+/// How much a client's own rate must grow before it adjusts on its own.
+pub const JUMP: f64 = 1.5;
+
+/// Jain's fairness index of `xs`: 1 when all equal, 1/n when one takes everything.
+pub fn jain_index(xs: &[f64]) -> f64 {
+    let n = xs.len() as f64;
+    let s: f64 = xs.iter().sum();
+    let s2: f64 = xs.iter().map(|x| x * x).sum();
+    if n == 0.0 || s2 == 0.0 {
+        1.0
+    } else {
+        s * s / (n * s2)
+    }
+}
+
+/// One zone's offered rate for a bucket.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ZoneRate<'a> {
+    /// The zone's region.
+    pub region: &'a str,
+    /// The zone.
+    pub zone: &'a str,
+    /// Offered requests per second in the zone.
+    pub offered_rps: f64,
+}
+
+/// The offered rate and drop ratio of one scope key of a bucket.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScopedRatio {
+    /// `global`, `region:<r>` or `zone:<z>`.
+    pub scope_key: String,
+    /// Offered rate summed over the zones under the key.
+    pub offered_rps: f64,
+    /// Drop ratio for every client under the key.
+    pub ratio: f64,
+}
+
+/// Sums the zones' offered rates of one bucket per scope key and computes each key's ratio
+/// against `limit_rps` (the limit applies per key: once globally, in each region, in each zone).
+pub fn scoped_ratios(scope: Scope, limit_rps: f64, zones: &[ZoneRate<'_>]) -> Vec<ScopedRatio> {
+    let mut out: Vec<ScopedRatio> = Vec::new();
+    for z in zones {
+        let key = scope_key(scope, z.region, z.zone);
+        match out.iter_mut().find(|s| s.scope_key == key) {
+            Some(s) => s.offered_rps += z.offered_rps,
+            None => out.push(ScopedRatio {
+                scope_key: key,
+                offered_rps: z.offered_rps,
+                ratio: 0.0,
+            }),
+        }
+    }
+    for s in &mut out {
+        s.ratio = drop_ratio(s.offered_rps, limit_rps);
+    }
+    out
+}

@@ -1,0 +1,340 @@
+//! The limiter: a compiled bucket table swapped in atomically, and the per-request decision.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use schema::{Bucket, Mode};
+
+use crate::clock::coarse_now_ms;
+use crate::counters::{BucketCounts, Counters, ADMIT, DROP, SHADOW};
+use crate::lookup::Lookup;
+use crate::rng::thread_rng_u64;
+
+/// The bucket type the limiter compiles (the one in bucket YAML files).
+pub type BucketSpec = Bucket;
+
+/// The outcome of one decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    /// Let the request through (also for requests no bucket matches).
+    Admit,
+    /// Deny the request (enforce mode).
+    Drop,
+    /// Let the request through but count it as a virtual drop (shadow mode).
+    ShadowDrop,
+}
+
+impl Decision {
+    /// Whether the request goes through.
+    pub fn admitted(self) -> bool {
+        !matches!(self, Decision::Drop)
+    }
+}
+
+/// Why a bucket set cannot be compiled.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CompileError {
+    /// A limit that is zero, negative, NaN or infinite.
+    #[error("service `{service}` bucket `{bucket}`: limit_rps must be a positive finite number, got {value}")]
+    BadLimit {
+        /// The callee service.
+        service: String,
+        /// The bucket.
+        bucket: String,
+        /// The offending value.
+        value: f64,
+    },
+    /// Neither caller nor procedure set.
+    #[error("service `{service}` bucket `{bucket}`: needs a caller, a procedure or both")]
+    NoMatcher {
+        /// The callee service.
+        service: String,
+        /// The bucket.
+        bucket: String,
+    },
+    /// Two buckets with one name.
+    #[error("service `{service}`: duplicate bucket name `{bucket}`")]
+    DuplicateName {
+        /// The callee service.
+        service: String,
+        /// The bucket.
+        bucket: String,
+    },
+    /// Two buckets matching the same (caller, procedure).
+    #[error(
+        "service `{service}` bucket `{bucket}`: same caller and procedure as bucket `{other}`"
+    )]
+    DuplicateMatch {
+        /// The callee service.
+        service: String,
+        /// The bucket.
+        bucket: String,
+        /// The bucket it collides with.
+        other: String,
+    },
+    /// An empty name.
+    #[error("service `{service}`: a bucket or service name is empty")]
+    EmptyName {
+        /// The callee service.
+        service: String,
+    },
+}
+
+/// Per-bucket hot state: read on every decision, written once per directive.
+struct Slot {
+    /// P(drop) = threshold / 2^64.
+    threshold: AtomicU64,
+    shadow: bool,
+}
+
+/// One service's bucket set compiled for lookup, with its directives and counters.
+pub struct Table {
+    service: String,
+    version: String,
+    buckets: Box<[Bucket]>,
+    by_name: HashMap<String, usize>,
+    slots: Box<[Slot]>,
+    lookup: Lookup,
+    /// Directives are honoured until this instant (ms on the decision clock); after it the
+    /// table fails open.
+    valid_until_ms: AtomicU64,
+    counters: Counters,
+}
+
+/// Maps a ratio in [0, 1] to a threshold on a uniform u64.
+fn threshold(ratio: f64) -> u64 {
+    if ratio.is_nan() || ratio <= 0.0 {
+        0
+    } else if ratio >= 1.0 {
+        u64::MAX
+    } else {
+        (ratio * 18_446_744_073_709_551_616.0) as u64
+    }
+}
+
+impl Table {
+    /// Compiles `buckets` of `service`, validating limits, names and matchers.
+    pub fn compile(
+        service: &str,
+        version: &str,
+        buckets: &[Bucket],
+    ) -> Result<Table, CompileError> {
+        if service.is_empty() {
+            return Err(CompileError::EmptyName {
+                service: service.into(),
+            });
+        }
+        let mut lookup = Lookup::default();
+        let mut by_name = HashMap::new();
+        let mut by_match: HashMap<(Option<&str>, Option<&str>), &str> = HashMap::new();
+        for (i, b) in buckets.iter().enumerate() {
+            if b.name.is_empty() {
+                return Err(CompileError::EmptyName {
+                    service: service.into(),
+                });
+            }
+            if !(b.limit_rps.is_finite() && b.limit_rps > 0.0) {
+                return Err(CompileError::BadLimit {
+                    service: service.into(),
+                    bucket: b.name.clone(),
+                    value: b.limit_rps,
+                });
+            }
+            if b.caller.is_none() && b.procedure.is_none() {
+                return Err(CompileError::NoMatcher {
+                    service: service.into(),
+                    bucket: b.name.clone(),
+                });
+            }
+            if by_name.insert(b.name.clone(), i).is_some() {
+                return Err(CompileError::DuplicateName {
+                    service: service.into(),
+                    bucket: b.name.clone(),
+                });
+            }
+            let key = (b.caller.as_deref(), b.procedure.as_deref());
+            if let Some(other) = by_match.insert(key, &b.name) {
+                return Err(CompileError::DuplicateMatch {
+                    service: service.into(),
+                    bucket: b.name.clone(),
+                    other: other.into(),
+                });
+            }
+            lookup.insert(b.caller.as_deref(), b.procedure.as_deref(), i as u32);
+        }
+        lookup.seal();
+        let slots = buckets
+            .iter()
+            .map(|b| Slot {
+                threshold: AtomicU64::new(0),
+                shadow: b.mode == Mode::Shadow,
+            })
+            .collect();
+        Ok(Table {
+            service: service.into(),
+            version: version.into(),
+            buckets: buckets.into(),
+            by_name,
+            slots,
+            lookup,
+            valid_until_ms: AtomicU64::new(0),
+            counters: Counters::new(buckets.len()),
+        })
+    }
+
+    /// The callee service.
+    pub fn service(&self) -> &str {
+        &self.service
+    }
+
+    /// The config version the table was compiled from.
+    pub fn version(&self) -> &str {
+        &self.version
+    }
+
+    /// The buckets, in index order.
+    pub fn buckets(&self) -> &[Bucket] {
+        &self.buckets
+    }
+
+    /// The index of the bucket named `name`.
+    pub fn index_of(&self, name: &str) -> Option<usize> {
+        self.by_name.get(name).copied()
+    }
+
+    /// The bucket a request falls into (most specific wins), if any.
+    #[inline]
+    pub fn find(&self, caller: &str, procedure: &str) -> Option<usize> {
+        self.lookup.find(caller, procedure).map(|i| i as usize)
+    }
+
+    /// Sets the drop ratio of bucket `idx` (clamped to [0, 1]).
+    pub fn set_ratio(&self, idx: usize, ratio: f64) {
+        if let Some(s) = self.slots.get(idx) {
+            s.threshold.store(threshold(ratio), Ordering::Relaxed);
+        }
+    }
+
+    /// The drop ratio currently set on bucket `idx`.
+    pub fn ratio(&self, idx: usize) -> f64 {
+        self.slots.get(idx).map_or(0.0, |s| {
+            s.threshold.load(Ordering::Relaxed) as f64 / 18_446_744_073_709_551_616.0
+        })
+    }
+
+    /// Directives stay in force until `until_ms` on the decision clock.
+    pub fn set_valid_until(&self, until_ms: u64) {
+        self.valid_until_ms.store(until_ms, Ordering::Release);
+    }
+
+    /// Whether the table fails open at `now_ms` (no fresh directive).
+    pub fn is_stale(&self, now_ms: u64) -> bool {
+        now_ms >= self.valid_until_ms.load(Ordering::Acquire)
+    }
+
+    /// Cumulative counts of bucket `idx` since the table was compiled.
+    pub fn counts(&self, idx: usize) -> BucketCounts {
+        self.counters.snapshot(idx)
+    }
+
+    /// `now_ms` is only called when the bucket has a non-zero ratio: most requests on a
+    /// healthy fleet never read the clock.
+    #[inline]
+    fn decide_with(&self, caller: &str, procedure: &str, now_ms: impl FnOnce() -> u64) -> Decision {
+        let Some(i) = self.lookup.find(caller, procedure) else {
+            return Decision::Admit;
+        };
+        let i = i as usize;
+        let slot = &self.slots[i];
+        let t = slot.threshold.load(Ordering::Relaxed);
+        // Fail-open: a stale directive never drops, and costs no random draw.
+        let hit = t != 0
+            && now_ms() < self.valid_until_ms.load(Ordering::Relaxed)
+            && thread_rng_u64() < t;
+        if !hit {
+            self.counters.bump(i, ADMIT);
+            Decision::Admit
+        } else if slot.shadow {
+            self.counters.bump(i, SHADOW);
+            Decision::ShadowDrop
+        } else {
+            self.counters.bump(i, DROP);
+            Decision::Drop
+        }
+    }
+}
+
+/// A service's limiter: the current table behind an atomic pointer swap. Deciding never waits
+/// for a config change or a directive; it loads whichever table is current.
+pub struct Limiter {
+    table: ArcSwap<Table>,
+    stale_after_ms: u64,
+}
+
+impl Limiter {
+    /// A limiter for `service` with no buckets yet (everything passes). Directives older than
+    /// `stale_after` stop dropping.
+    pub fn new(service: &str, stale_after: Duration) -> Limiter {
+        let empty = Table::compile(service, "", &[]).unwrap_or_else(|_| {
+            // An empty service name cannot compile; keep a table that matches nothing anyway.
+            Table::compile("-", "", &[]).expect("empty table compiles")
+        });
+        Limiter {
+            table: ArcSwap::from_pointee(empty),
+            stale_after_ms: stale_after.as_millis() as u64,
+        }
+    }
+
+    /// The staleness bound in milliseconds.
+    pub fn stale_after_ms(&self) -> u64 {
+        self.stale_after_ms
+    }
+
+    /// The current table.
+    pub fn table(&self) -> Arc<Table> {
+        self.table.load_full()
+    }
+
+    /// Swaps in `table`, carrying over the ratios of buckets that keep their name and the
+    /// directive deadline, so that a config change does not open the gates for a tick.
+    /// Returns the previous table so the caller can collect its last counts.
+    pub fn install(&self, table: Table) -> Arc<Table> {
+        let old = self.table.load_full();
+        for (i, b) in table.buckets.iter().enumerate() {
+            if let Some(j) = old.index_of(&b.name) {
+                table.slots[i].threshold.store(
+                    old.slots[j].threshold.load(Ordering::Relaxed),
+                    Ordering::Relaxed,
+                );
+            }
+        }
+        table.set_valid_until(old.valid_until_ms.load(Ordering::Acquire));
+        self.table.swap(Arc::new(table))
+    }
+
+    /// Records that fresh directives arrived at `now_ms`: they stay in force for the staleness
+    /// bound.
+    pub fn directives_received(&self, now_ms: u64) {
+        self.table
+            .load()
+            .set_valid_until(now_ms + self.stale_after_ms);
+    }
+
+    /// Decides one request on the wall clock (the production path).
+    #[inline]
+    pub fn decide(&self, caller: &str, procedure: &str) -> Decision {
+        self.table
+            .load()
+            .decide_with(caller, procedure, coarse_now_ms)
+    }
+
+    /// Decides one request at `now_ms` on the decision clock (tests and the simulator's virtual
+    /// time).
+    #[inline]
+    pub fn decide_at(&self, caller: &str, procedure: &str, now_ms: u64) -> Decision {
+        self.table.load().decide_with(caller, procedure, || now_ms)
+    }
+}

@@ -1,0 +1,37 @@
+//! An axum service embedding the GRL client through `GrlLayer`.
+//!
+//! Run a controller and an aggregator, push a config with a bucket for service `payments`,
+//! then: `cargo run -p grl-runtime --example axum_service -- http://127.0.0.1:7071` and call
+//! `curl -H 'x-caller: gw' http://127.0.0.1:3000/charge`. Callers over their quota get 429
+//! with `Retry-After`.
+
+use std::time::Duration;
+
+use axum::routing::get;
+use axum::Router;
+use grl_runtime::client::{ClientOptions, GrlClient};
+use grl_runtime::layer::{GrlLayer, KeyFrom};
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .init();
+    let aggregators: Vec<String> = std::env::args().skip(1).collect();
+    let mut opts = ClientOptions::new("payments", aggregators);
+    opts.tick = Duration::from_secs(1);
+    let client = GrlClient::start(opts);
+    let app = Router::new()
+        .route("/charge", get(|| async { "charged\n" }))
+        .route("/refund", get(|| async { "refunded\n" }))
+        .layer(
+            GrlLayer::new(client.limiter().clone())
+                .caller_from(KeyFrom::Header(http::HeaderName::from_static("x-caller")))
+                .procedure_from(KeyFrom::PathSegment(0))
+                .retry_after_secs(1),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
+    tracing::info!(addr = %listener.local_addr()?, "serving");
+    axum::serve(listener, app).await?;
+    Ok(())
+}

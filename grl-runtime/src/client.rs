@@ -1,0 +1,398 @@
+//! The client side: a `Reporter` state machine (no I/O, shared with the simulator) and
+//! `GrlClient`, which runs it against zone aggregators over HTTP.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use grl_core::control::{adjusted_ratio, Directive, JUMP};
+use grl_core::{now_ms, BucketCounts, CompileError, Limiter, Table};
+use schema::BucketFile;
+use tokio::task::JoinHandle;
+
+use crate::proto::{BucketCountsMsg, ClientDirectives, ClientReport, ConfigDoc};
+
+/// Sub-tick windows with fewer requests than this are too noisy to act on.
+const MIN_SUBTICK_REQUESTS: u64 = 20;
+
+/// What a client does each tick, without the transport: turn counters into a report, apply
+/// the directives that come back, install new configs, and between reports raise a bucket's
+/// ratio when the client's own offered rate jumps (the controller sees that a loop later).
+pub struct Reporter {
+    limiter: Arc<Limiter>,
+    client_id: String,
+    table: Arc<Table>,
+    prev: Vec<BucketCounts>,
+    /// Counts of replaced tables not reported yet, by bucket name.
+    carry: HashMap<String, BucketCounts>,
+    last_report_ms: u64,
+    /// Own offered rate per bucket over the last reported interval.
+    local_rps: Vec<f64>,
+    directives: Vec<Option<Directive>>,
+    sub_prev: Vec<u64>,
+    sub_prev_ms: u64,
+}
+
+impl Reporter {
+    /// A reporter for `limiter`, starting its first interval at `now_ms`.
+    pub fn new(limiter: Arc<Limiter>, client_id: &str, now_ms: u64) -> Reporter {
+        let table = limiter.table();
+        let n = table.buckets().len();
+        Reporter {
+            limiter,
+            client_id: client_id.into(),
+            prev: (0..n).map(|i| table.counts(i)).collect(),
+            table,
+            carry: HashMap::new(),
+            last_report_ms: now_ms,
+            local_rps: vec![0.0; n],
+            directives: vec![None; n],
+            sub_prev: vec![0; n],
+            sub_prev_ms: now_ms,
+        }
+    }
+
+    /// The limiter driven.
+    pub fn limiter(&self) -> &Arc<Limiter> {
+        &self.limiter
+    }
+
+    /// The config version running.
+    pub fn version(&self) -> &str {
+        self.table.version()
+    }
+
+    /// Counts since the previous report, as a report.
+    pub fn build_report(&mut self, now_ms: u64) -> ClientReport {
+        let interval_ms = now_ms.saturating_sub(self.last_report_ms).max(1);
+        let mut buckets = Vec::with_capacity(self.prev.len() + self.carry.len());
+        for (i, b) in self.table.buckets().iter().enumerate() {
+            let now = self.table.counts(i);
+            let mut d = now.since(&self.prev[i]);
+            self.prev[i] = now;
+            if let Some(c) = self.carry.remove(&b.name) {
+                d.add(&c);
+            }
+            self.local_rps[i] = d.offered as f64 * 1000.0 / interval_ms as f64;
+            if d.offered > 0 {
+                buckets.push(msg(&b.name, &d));
+            }
+        }
+        // Buckets that disappeared with a config change still report their last counts.
+        for (name, d) in self.carry.drain() {
+            if d.offered > 0 {
+                buckets.push(msg(&name, &d));
+            }
+        }
+        self.last_report_ms = now_ms;
+        ClientReport {
+            client_id: self.client_id.clone(),
+            service: self.table.service().to_string(),
+            version: self.table.version().to_string(),
+            interval_ms,
+            buckets,
+            urgent: false,
+        }
+    }
+
+    /// Applies the directives of a reply received at `now_ms`. Returns whether they were fresh
+    /// (the aggregator heard from the controller within the staleness bound).
+    pub fn apply(&mut self, d: &ClientDirectives, now_ms: u64) -> bool {
+        let mut seen = vec![false; self.directives.len()];
+        for m in &d.directives {
+            let Some(i) = self.table.index_of(&m.bucket) else {
+                continue;
+            };
+            let dir = Directive {
+                ratio: m.ratio,
+                fleet_offered_rps: m.fleet_offered_rps,
+                limit_rps: m.limit_rps,
+                local_offered_rps: self.local_rps[i],
+                fixed: m.fixed,
+            };
+            self.table.set_ratio(i, dir.ratio);
+            self.directives[i] = Some(dir);
+            seen[i] = true;
+        }
+        for (i, s) in seen.iter().enumerate() {
+            if !s {
+                self.table.set_ratio(i, 0.0);
+                self.directives[i] = None;
+            }
+        }
+        match d.age_ms {
+            Some(age) if age < self.limiter.stale_after_ms() => {
+                self.limiter.directives_received(now_ms.saturating_sub(age));
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Installs `file` (or an empty bucket set when the service has none) at `version`.
+    pub fn install(
+        &mut self,
+        service: &str,
+        file: Option<&BucketFile>,
+        version: &str,
+    ) -> Result<(), CompileError> {
+        let buckets = file.map(|f| f.buckets.as_slice()).unwrap_or(&[]);
+        let t = Table::compile(service, version, buckets)?;
+        let old = self.limiter.install(t);
+        for (i, b) in old.buckets().iter().enumerate() {
+            let d = old.counts(i).since(&self.prev[i]);
+            self.carry.entry(b.name.clone()).or_default().add(&d);
+        }
+        self.table = self.limiter.table();
+        let n = self.table.buckets().len();
+        self.prev = vec![BucketCounts::default(); n];
+        self.local_rps = vec![0.0; n];
+        self.directives = vec![None; n];
+        self.sub_prev = vec![0; n];
+        Ok(())
+    }
+
+    /// Between reports: raises a bucket's ratio when this client's own offered rate has jumped
+    /// since the directive (see `grl_core::control::adjusted_ratio`). Returns whether some
+    /// bucket jumped, in which case the caller should report at once instead of at the tick.
+    pub fn subtick(&mut self, now_ms: u64) -> bool {
+        let dt = now_ms.saturating_sub(self.sub_prev_ms);
+        if dt == 0 {
+            return false;
+        }
+        let mut jumped = false;
+        for i in 0..self.sub_prev.len() {
+            let offered = self.table.counts(i).offered;
+            let n = offered.saturating_sub(self.sub_prev[i]);
+            self.sub_prev[i] = offered;
+            let Some(d) = &self.directives[i] else {
+                continue;
+            };
+            if n < MIN_SUBTICK_REQUESTS {
+                continue;
+            }
+            let rate = n as f64 * 1000.0 / dt as f64;
+            jumped |= !d.fixed && rate > d.local_offered_rps * JUMP;
+            let r = adjusted_ratio(d, rate);
+            if r > self.table.ratio(i) {
+                self.table.set_ratio(i, r);
+            }
+        }
+        self.sub_prev_ms = now_ms;
+        jumped
+    }
+}
+
+fn msg(name: &str, d: &BucketCounts) -> BucketCountsMsg {
+    BucketCountsMsg {
+        bucket: name.to_string(),
+        offered: d.offered,
+        admitted: d.admitted,
+        dropped: d.dropped,
+        shadow_dropped: d.shadow_dropped,
+    }
+}
+
+/// How to start a client.
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    /// The callee service this client enforces for.
+    pub service: String,
+    /// Zone aggregator URLs, in order of preference; the client fails over between them.
+    pub aggregators: Vec<String>,
+    /// Reporting period.
+    pub tick: Duration,
+    /// Directives older than this stop dropping.
+    pub stale_after: Duration,
+    /// Instance id (random when absent).
+    pub client_id: Option<String>,
+}
+
+impl ClientOptions {
+    /// Options with a 1 s tick and a 3 s staleness bound.
+    pub fn new(service: &str, aggregators: Vec<String>) -> ClientOptions {
+        ClientOptions {
+            service: service.into(),
+            aggregators,
+            tick: Duration::from_secs(1),
+            stale_after: Duration::from_secs(3),
+            client_id: None,
+        }
+    }
+}
+
+/// Client health, for metrics and tests.
+#[derive(Debug, Default)]
+pub struct ClientStats {
+    /// Reports answered.
+    pub reports_ok: AtomicU64,
+    /// Report attempts that failed (each endpoint tried counts).
+    pub report_errors: AtomicU64,
+    /// Times the client moved to another aggregator.
+    pub failovers: AtomicU64,
+    /// Times the client went from fresh to stale directives (failing open).
+    pub fail_open_total: AtomicU64,
+    /// Whether directives are stale now.
+    pub stale: AtomicBool,
+    /// Index of the aggregator in use.
+    pub aggregator: AtomicUsize,
+}
+
+/// A running client: the limiter to call per request, and its reporter task.
+pub struct GrlClient {
+    limiter: Arc<Limiter>,
+    stats: Arc<ClientStats>,
+    task: JoinHandle<()>,
+}
+
+impl GrlClient {
+    /// Starts the reporter on the current tokio runtime.
+    pub fn start(opts: ClientOptions) -> GrlClient {
+        let limiter = Arc::new(Limiter::new(&opts.service, opts.stale_after));
+        let stats = Arc::new(ClientStats::default());
+        let task = tokio::spawn(run(opts, limiter.clone(), stats.clone()));
+        GrlClient {
+            limiter,
+            stats,
+            task,
+        }
+    }
+
+    /// The limiter (call `decide` on it per request).
+    pub fn limiter(&self) -> &Arc<Limiter> {
+        &self.limiter
+    }
+
+    /// Health counters.
+    pub fn stats(&self) -> &Arc<ClientStats> {
+        &self.stats
+    }
+
+    /// Stops reporting (the limiter fails open once directives go stale).
+    pub fn shutdown(self) {
+        self.task.abort();
+    }
+}
+
+impl Drop for GrlClient {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+const SUBTICKS: u32 = 4;
+
+async fn run(opts: ClientOptions, limiter: Arc<Limiter>, stats: Arc<ClientStats>) {
+    let client_id = opts
+        .client_id
+        .clone()
+        .unwrap_or_else(|| format!("{}-{:016x}", opts.service, grl_core::thread_rng_u64()));
+    let http = match reqwest::Client::builder()
+        .timeout(opts.tick.max(Duration::from_millis(200)))
+        .build()
+    {
+        Ok(h) => h,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot build http client; limiter stays open");
+            return;
+        }
+    };
+    let mut rep = Reporter::new(limiter.clone(), &client_id, now_ms());
+    let mut iv = tokio::time::interval(opts.tick / SUBTICKS);
+    iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut n: u32 = 0;
+    let mut current = 0usize;
+    let mut urgent_sent = false;
+    loop {
+        iv.tick().await;
+        n = n.wrapping_add(1);
+        let now = now_ms();
+        if n % SUBTICKS != 0 {
+            // A jump of our own rate is reported at once (once per tick): the aggregator
+            // forwards urgent reports immediately, so the fleet reacts within a sub-tick.
+            if !rep.subtick(now) || urgent_sent {
+                continue;
+            }
+        }
+        let urgent = n % SUBTICKS != 0;
+        urgent_sent = urgent;
+        let mut report = rep.build_report(now);
+        report.urgent = urgent;
+        let k = opts.aggregators.len();
+        for attempt in 0..k {
+            let idx = (current + attempt) % k;
+            let base = &opts.aggregators[idx];
+            match exchange(&http, base, &report).await {
+                Ok(reply) => {
+                    if idx != current {
+                        stats.failovers.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(from = %opts.aggregators[current], to = %base, "client failed over to another aggregator");
+                        current = idx;
+                        stats.aggregator.store(idx, Ordering::Relaxed);
+                    }
+                    stats.reports_ok.fetch_add(1, Ordering::Relaxed);
+                    if !reply.version.is_empty() && reply.version != rep.version() {
+                        match fetch_config(&http, base, &opts.service).await {
+                            Ok(doc) if doc.version == reply.version => {
+                                let file = doc.services.iter().find(|f| f.service == opts.service);
+                                match rep.install(&opts.service, file, &doc.version) {
+                                    Ok(()) => {
+                                        tracing::info!(version = %doc.version, "client installed config")
+                                    }
+                                    Err(e) => tracing::error!(error = %e, "client refused config"),
+                                }
+                            }
+                            Ok(_) => {} // the aggregator has not caught up yet; retry next tick
+                            Err(e) => {
+                                tracing::warn!(aggregator = %base, error = %e, "config fetch failed")
+                            }
+                        }
+                    }
+                    rep.apply(&reply, now_ms());
+                    break;
+                }
+                Err(e) => {
+                    stats.report_errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(aggregator = %base, error = %e, "report failed");
+                }
+            }
+        }
+        let stale = limiter.table().is_stale(now_ms());
+        let was = stats.stale.swap(stale, Ordering::Relaxed);
+        if stale && !was {
+            stats.fail_open_total.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(service = %opts.service, stale_after_ms = limiter.stale_after_ms(), "directives stale: failing open");
+        } else if !stale && was {
+            tracing::info!(service = %opts.service, "directives fresh again: enforcing");
+        }
+    }
+}
+
+async fn exchange(
+    http: &reqwest::Client,
+    base: &str,
+    r: &ClientReport,
+) -> anyhow::Result<ClientDirectives> {
+    let resp = http
+        .post(format!("{base}/v1/report"))
+        .json(r)
+        .send()
+        .await?
+        .error_for_status()?;
+    Ok(resp.json().await?)
+}
+
+async fn fetch_config(
+    http: &reqwest::Client,
+    base: &str,
+    service: &str,
+) -> anyhow::Result<ConfigDoc> {
+    let resp = http
+        .get(format!("{base}/v1/config"))
+        .query(&[("service", service)])
+        .send()
+        .await?
+        .error_for_status()?;
+    Ok(resp.json().await?)
+}

@@ -1,0 +1,469 @@
+//! The controller's state machine without I/O: zone reports in, drop ratios per bucket and
+//! scope key out. The HTTP controller and the simulator both drive this one type, so the
+//! simulator runs the production math.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+// Zones and their rates live in ordered maps: sums then run in one order, so the simulator's
+// ratios (and so its random draws) are reproducible bit for bit.
+
+use grl_core::control::{drop_ratio, scope_key};
+use schema::{Bucket, Scope};
+use serde::Serialize;
+
+use crate::overrides::{effect, Effect, Override};
+use crate::proto::{
+    ConfigDoc, DirectiveMsg, ServiceDirectives, ZoneBucketMsg, ZoneDirectives, ZoneReport,
+};
+
+/// Rates of one scope key of a bucket, and its ratio.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct KeyState {
+    /// `global`, `region:<r>` or `zone:<z>`.
+    pub scope_key: String,
+    /// Offered requests/s under the key.
+    pub offered_rps: f64,
+    /// Admitted requests/s.
+    pub admitted_rps: f64,
+    /// Dropped requests/s.
+    pub dropped_rps: f64,
+    /// Shadow-dropped requests/s.
+    pub shadow_dropped_rps: f64,
+    /// The drop ratio for clients under the key.
+    pub ratio: f64,
+    /// Seen in the current round.
+    touched: bool,
+}
+
+/// One bucket with its effective limit and per-key state.
+#[derive(Debug, Clone)]
+pub struct BucketState {
+    /// Callee service.
+    pub service: String,
+    /// The configured bucket.
+    pub bucket: Bucket,
+    /// Limit after overrides.
+    pub limit_rps: f64,
+    /// A fixed ratio from an override.
+    pub fixed: Option<f64>,
+    /// State per scope key seen this round.
+    pub keys: Vec<KeyState>,
+}
+
+/// One row of `GET /v1/reports`.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ReportRow {
+    /// Monotonic sequence number (the cursor).
+    pub seq: u64,
+    /// Unix seconds.
+    pub t: u64,
+    /// Callee service.
+    pub service: String,
+    /// Bucket name.
+    pub bucket: String,
+    /// Caller matched by the bucket.
+    pub caller: Option<String>,
+    /// Procedure matched by the bucket.
+    pub procedure: Option<String>,
+    /// enforce | shadow.
+    pub mode: &'static str,
+    /// The scope key.
+    pub scope_key: String,
+    /// Offered requests/s.
+    pub offered: f64,
+    /// Admitted requests/s.
+    pub admitted: f64,
+    /// Dropped requests/s.
+    pub dropped: f64,
+    /// Shadow-dropped requests/s.
+    pub shadow_dropped: f64,
+    /// Effective limit.
+    pub limit_rps: f64,
+    /// Ratio in force.
+    pub drop_ratio: f64,
+}
+
+struct ZoneData {
+    region: String,
+    zone: String,
+    at_ms: u64,
+    /// [offered, admitted, dropped, shadow] rates by bucket index, resolved once per report
+    /// (and remapped on a config change) so that a recompute does no lookups.
+    resolved: Vec<(usize, [f64; 4])>,
+}
+
+type Index = HashMap<String, HashMap<String, usize>>;
+
+fn lookup(index: &Index, service: &str, bucket: &str) -> Option<usize> {
+    index.get(service)?.get(bucket).copied()
+}
+
+/// Whether `key` is the scope key of `scope` in `region`/`zone` (without building it).
+fn key_is(key: &str, scope: Scope, region: &str, zone: &str) -> bool {
+    match scope {
+        Scope::Global => key == "global",
+        Scope::Region => key.strip_prefix("region:") == Some(region),
+        Scope::Zone => key.strip_prefix("zone:") == Some(zone),
+    }
+}
+
+/// Aggregator-id prefix of reports that come from a peer controller.
+pub const PEER_PREFIX: &str = "region:";
+
+/// The controller's state.
+pub struct Engine {
+    config: ConfigDoc,
+    overrides: Vec<Override>,
+    buckets: Vec<BucketState>,
+    index: Index,
+    zones: BTreeMap<String, ZoneData>,
+    /// A zone that has not reported for this long no longer counts.
+    zone_ttl_ms: u64,
+    reports: VecDeque<ReportRow>,
+    report_cap: usize,
+    seq: u64,
+    /// Cumulative counts per bucket index, per zone (for `/metrics`).
+    totals: Vec<BTreeMap<String, [u64; 4]>>,
+}
+
+impl Engine {
+    /// An engine with `config`; zones silent for `zone_ttl_ms` are forgotten.
+    pub fn new(config: ConfigDoc, zone_ttl_ms: u64) -> Engine {
+        let mut e = Engine {
+            config: ConfigDoc::default(),
+            overrides: Vec::new(),
+            buckets: Vec::new(),
+            index: HashMap::new(),
+            zones: BTreeMap::new(),
+            zone_ttl_ms,
+            reports: VecDeque::new(),
+            report_cap: 20_000,
+            seq: 0,
+            totals: Vec::new(),
+        };
+        e.set_config(config);
+        e
+    }
+
+    /// The config in force.
+    pub fn config(&self) -> &ConfigDoc {
+        &self.config
+    }
+
+    /// Replaces the config (already validated).
+    pub fn set_config(&mut self, config: ConfigDoc) {
+        let old = std::mem::take(&mut self.buckets);
+        let mut old_totals = std::mem::take(&mut self.totals);
+        self.index.clear();
+        for f in &config.services {
+            for b in &f.buckets {
+                self.index
+                    .entry(f.service.clone())
+                    .or_default()
+                    .insert(b.name.clone(), self.buckets.len());
+                self.buckets.push(BucketState {
+                    service: f.service.clone(),
+                    bucket: b.clone(),
+                    limit_rps: b.limit_rps,
+                    fixed: None,
+                    keys: Vec::new(),
+                });
+            }
+        }
+        // Reports already in, and the counters, follow their bucket by name to its new index.
+        let remap: Vec<Option<usize>> = old
+            .iter()
+            .map(|b| lookup(&self.index, &b.service, &b.bucket.name))
+            .collect();
+        for z in self.zones.values_mut() {
+            z.resolved = z
+                .resolved
+                .iter()
+                .filter_map(|&(i, r)| remap.get(i).copied().flatten().map(|j| (j, r)))
+                .collect();
+        }
+        self.totals = vec![BTreeMap::new(); self.buckets.len()];
+        for (i, t) in old_totals.iter_mut().enumerate() {
+            if let Some(Some(j)) = remap.get(i) {
+                self.totals[*j] = std::mem::take(t);
+            }
+        }
+        self.config = config;
+    }
+
+    /// The overrides (active or not yet purged).
+    pub fn overrides(&self) -> &[Override] {
+        &self.overrides
+    }
+
+    /// Replaces the override list.
+    pub fn set_overrides(&mut self, list: Vec<Override>) {
+        self.overrides = list;
+    }
+
+    /// Removes overrides expired at `unix_now` and returns them (for the audit log).
+    pub fn purge_expired(&mut self, unix_now: u64) -> Vec<Override> {
+        let (keep, gone) = std::mem::take(&mut self.overrides)
+            .into_iter()
+            .partition(|o| o.active(unix_now));
+        self.overrides = keep;
+        gone
+    }
+
+    /// Number of buckets.
+    pub fn bucket_count(&self) -> usize {
+        self.buckets.len()
+    }
+
+    /// Per-bucket state after the last `recompute`.
+    pub fn buckets(&self) -> &[BucketState] {
+        &self.buckets
+    }
+
+    /// Records a zone's report received at `now_ms`. Unknown buckets are ignored (a client on an
+    /// older config), counts go to the totals.
+    pub fn ingest(&mut self, r: &ZoneReport, now_ms: u64) {
+        let mut resolved = Vec::with_capacity(r.buckets.len());
+        for b in &r.buckets {
+            let Some(i) = lookup(&self.index, &b.service, &b.bucket) else {
+                continue;
+            };
+            let c = &b.counts;
+            if c.offered + c.admitted + c.dropped + c.shadow_dropped > 0 {
+                let t = match self.totals[i].get_mut(&r.zone) {
+                    Some(t) => t,
+                    None => self.totals[i].entry(r.zone.clone()).or_default(),
+                };
+                t[0] += c.offered;
+                t[1] += c.admitted;
+                t[2] += c.dropped;
+                t[3] += c.shadow_dropped;
+            }
+            resolved.push((
+                i,
+                [
+                    b.offered_rps,
+                    b.admitted_rps,
+                    b.dropped_rps,
+                    b.shadow_dropped_rps,
+                ],
+            ));
+        }
+        // Keyed by aggregator: replicas serving one zone each carry part of its clients.
+        match self.zones.get_mut(&r.aggregator_id) {
+            Some(z) => {
+                z.resolved = resolved;
+                z.at_ms = now_ms;
+                if z.zone != r.zone || z.region != r.region {
+                    z.zone = r.zone.clone();
+                    z.region = r.region.clone();
+                }
+            }
+            None => {
+                self.zones.insert(
+                    r.aggregator_id.clone(),
+                    ZoneData {
+                        region: r.region.clone(),
+                        zone: r.zone.clone(),
+                        at_ms: now_ms,
+                        resolved,
+                    },
+                );
+            }
+        }
+    }
+
+    /// This controller's own zones summed per `global` bucket, as a report for a peer
+    /// controller of another region (see docs/grl-architecture.md). Data received from peers
+    /// (aggregator ids starting with `region:`) is left out, so sums never echo back; counts
+    /// are left at zero so that peers' `/metrics` do not count the same requests twice.
+    pub fn regional_report(&self, region: &str) -> ZoneReport {
+        let mut sums: BTreeMap<usize, [f64; 4]> = BTreeMap::new();
+        for (id, z) in &self.zones {
+            if id.starts_with(PEER_PREFIX) {
+                continue;
+            }
+            for &(i, r) in &z.resolved {
+                if self.buckets[i].bucket.scope != Scope::Global {
+                    continue;
+                }
+                let e = sums.entry(i).or_default();
+                for j in 0..4 {
+                    e[j] += r[j];
+                }
+            }
+        }
+        ZoneReport {
+            aggregator_id: format!("{PEER_PREFIX}{region}"),
+            region: region.to_string(),
+            zone: format!("{region}/*"),
+            buckets: sums
+                .into_iter()
+                .map(|(i, r)| ZoneBucketMsg {
+                    service: self.buckets[i].service.clone(),
+                    bucket: self.buckets[i].bucket.name.clone(),
+                    offered_rps: r[0],
+                    admitted_rps: r[1],
+                    dropped_rps: r[2],
+                    shadow_dropped_rps: r[3],
+                    counts: Default::default(),
+                })
+                .collect(),
+        }
+    }
+
+    /// Cumulative counts for `/metrics`: per bucket, per zone [offered, admitted, dropped,
+    /// shadow-dropped].
+    pub fn totals(&self) -> impl Iterator<Item = (&BucketState, &str, &[u64; 4])> {
+        self.buckets
+            .iter()
+            .zip(&self.totals)
+            .flat_map(|(b, t)| t.iter().map(move |(z, c)| (b, z.as_str(), c)))
+    }
+
+    /// Recomputes every bucket's per-key rates and ratios from the zones heard from within the
+    /// zone TTL, with the overrides active at `unix_now`.
+    pub fn recompute(&mut self, now_ms: u64, unix_now: u64) {
+        let ttl = self.zone_ttl_ms;
+        self.zones
+            .retain(|_, z| now_ms.saturating_sub(z.at_ms) <= ttl);
+        let no_overrides = self.overrides.is_empty();
+        for s in &mut self.buckets {
+            // Keys are reused from round to round (no allocation in steady state); a key no
+            // zone reports any more is dropped below.
+            for k in &mut s.keys {
+                k.offered_rps = 0.0;
+                k.admitted_rps = 0.0;
+                k.dropped_rps = 0.0;
+                k.shadow_dropped_rps = 0.0;
+                k.touched = false;
+            }
+            let eff = if no_overrides {
+                Effect::None
+            } else {
+                effect(&self.overrides, unix_now, &s.service, &s.bucket)
+            };
+            (s.limit_rps, s.fixed) = match eff {
+                Effect::None => (s.bucket.limit_rps, None),
+                Effect::Limit(l) => (l, None),
+                Effect::Ratio(r) => (s.bucket.limit_rps, Some(r)),
+            };
+        }
+        for z in self.zones.values() {
+            for &(i, ref r) in &z.resolved {
+                let s = &mut self.buckets[i];
+                let scope = s.bucket.scope;
+                let p = match s
+                    .keys
+                    .iter()
+                    .position(|k| key_is(&k.scope_key, scope, &z.region, &z.zone))
+                {
+                    Some(p) => p,
+                    None => {
+                        s.keys.push(KeyState {
+                            scope_key: scope_key(scope, &z.region, &z.zone),
+                            ..Default::default()
+                        });
+                        s.keys.len() - 1
+                    }
+                };
+                let k = &mut s.keys[p];
+                k.offered_rps += r[0];
+                k.admitted_rps += r[1];
+                k.dropped_rps += r[2];
+                k.shadow_dropped_rps += r[3];
+                k.touched = true;
+            }
+        }
+        for s in &mut self.buckets {
+            if s.keys.iter().any(|k| !k.touched) {
+                s.keys.retain(|k| k.touched);
+            }
+            if s.keys.len() > 1 && !s.keys.windows(2).all(|w| w[0].scope_key <= w[1].scope_key) {
+                s.keys.sort_by(|a, b| a.scope_key.cmp(&b.scope_key));
+            }
+            for k in &mut s.keys {
+                k.ratio = s
+                    .fixed
+                    .unwrap_or_else(|| drop_ratio(k.offered_rps, s.limit_rps));
+            }
+        }
+    }
+
+    /// Directives for the clients of `zone` in `region`.
+    pub fn directives_for(&self, region: &str, zone: &str) -> ZoneDirectives {
+        let mut services: Vec<ServiceDirectives> = Vec::new();
+        for s in &self.buckets {
+            let k = s
+                .keys
+                .iter()
+                .find(|k| key_is(&k.scope_key, s.bucket.scope, region, zone));
+            let d = DirectiveMsg {
+                bucket: s.bucket.name.clone(),
+                ratio: s.fixed.unwrap_or(k.map_or(0.0, |k| k.ratio)),
+                fleet_offered_rps: k.map_or(0.0, |k| k.offered_rps),
+                limit_rps: s.limit_rps,
+                fixed: s.fixed.is_some(),
+            };
+            match services.last_mut() {
+                Some(sd) if sd.service == s.service => sd.directives.push(d),
+                _ => services.push(ServiceDirectives {
+                    service: s.service.clone(),
+                    directives: vec![d],
+                }),
+            }
+        }
+        ZoneDirectives {
+            version: self.config.version.clone(),
+            services,
+        }
+    }
+
+    /// Appends one report row per bucket and scope key with traffic (call once per tick).
+    pub fn record_reports(&mut self, unix_now: u64) {
+        for s in &self.buckets {
+            for k in &s.keys {
+                self.seq += 1;
+                self.reports.push_back(ReportRow {
+                    seq: self.seq,
+                    t: unix_now,
+                    service: s.service.clone(),
+                    bucket: s.bucket.name.clone(),
+                    caller: s.bucket.caller.clone(),
+                    procedure: s.bucket.procedure.clone(),
+                    mode: s.bucket.mode.as_str(),
+                    scope_key: k.scope_key.clone(),
+                    offered: k.offered_rps,
+                    admitted: k.admitted_rps,
+                    dropped: k.dropped_rps,
+                    shadow_dropped: k.shadow_dropped_rps,
+                    limit_rps: s.limit_rps,
+                    drop_ratio: k.ratio,
+                });
+            }
+        }
+        while self.reports.len() > self.report_cap {
+            self.reports.pop_front();
+        }
+    }
+
+    /// Up to `limit` report rows with `seq > after`, and the cursor to pass next.
+    pub fn reports_after(&self, after: u64, limit: usize) -> (u64, Vec<ReportRow>) {
+        let rows: Vec<ReportRow> = self
+            .reports
+            .iter()
+            .filter(|r| r.seq > after)
+            .take(limit)
+            .cloned()
+            .collect();
+        let next = rows
+            .last()
+            .map_or(after.max(self.seq.min(after)), |r| r.seq);
+        (next, rows)
+    }
+
+    /// The scope of a configured bucket.
+    pub fn scope_of(&self, service: &str, bucket: &str) -> Option<Scope> {
+        lookup(&self.index, service, bucket).map(|i| self.buckets[i].bucket.scope)
+    }
+}

@@ -1,0 +1,177 @@
+//! `GrlLayer`: the GRL client as a tower layer for axum services. State lives behind an `Arc`,
+//! so every clone of the service (axum clones per request) shares one limiter; a dropped
+//! request is answered from `call` with 429 and `Retry-After`, a shadow drop passes through.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use axum::body::Body;
+use grl_core::{Decision, Limiter};
+use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
+use tower::{Layer, Service};
+
+/// Where a request's caller or procedure comes from.
+#[derive(Debug, Clone)]
+pub enum KeyFrom {
+    /// A header's value (empty when absent).
+    Header(HeaderName),
+    /// The URI path.
+    Path,
+    /// The path's `n`-th segment (0-based, empty when absent).
+    PathSegment(usize),
+    /// A constant.
+    Fixed(String),
+}
+
+impl KeyFrom {
+    fn extract<'a, B>(&'a self, req: &'a Request<B>) -> &'a str {
+        match self {
+            KeyFrom::Header(h) => req
+                .headers()
+                .get(h)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or(""),
+            KeyFrom::Path => req.uri().path(),
+            KeyFrom::PathSegment(n) => req
+                .uri()
+                .path()
+                .split('/')
+                .filter(|s| !s.is_empty())
+                .nth(*n)
+                .unwrap_or(""),
+            KeyFrom::Fixed(s) => s,
+        }
+    }
+}
+
+struct Config {
+    limiter: Arc<Limiter>,
+    caller: KeyFrom,
+    procedure: KeyFrom,
+    retry_after: HeaderValue,
+}
+
+/// A tower layer that decides every request with a GRL limiter.
+#[derive(Clone)]
+pub struct GrlLayer {
+    cfg: Arc<Config>,
+}
+
+impl GrlLayer {
+    /// Caller from the `x-caller` header, procedure from the path, `Retry-After: 1`.
+    pub fn new(limiter: Arc<Limiter>) -> GrlLayer {
+        GrlLayer {
+            cfg: Arc::new(Config {
+                limiter,
+                caller: KeyFrom::Header(HeaderName::from_static("x-caller")),
+                procedure: KeyFrom::Path,
+                retry_after: HeaderValue::from_static("1"),
+            }),
+        }
+    }
+
+    fn with(self, f: impl FnOnce(&mut Config)) -> GrlLayer {
+        let mut c = Config {
+            limiter: self.cfg.limiter.clone(),
+            caller: self.cfg.caller.clone(),
+            procedure: self.cfg.procedure.clone(),
+            retry_after: self.cfg.retry_after.clone(),
+        };
+        f(&mut c);
+        GrlLayer { cfg: Arc::new(c) }
+    }
+
+    /// Where the caller comes from.
+    pub fn caller_from(self, k: KeyFrom) -> GrlLayer {
+        self.with(|c| c.caller = k)
+    }
+
+    /// Where the procedure comes from.
+    pub fn procedure_from(self, k: KeyFrom) -> GrlLayer {
+        self.with(|c| c.procedure = k)
+    }
+
+    /// The `Retry-After` seconds on a 429 (the control loop's tick is a good value).
+    pub fn retry_after_secs(self, secs: u64) -> GrlLayer {
+        self.with(|c| c.retry_after = HeaderValue::from(secs))
+    }
+}
+
+impl<S> Layer<S> for GrlLayer {
+    type Service = GrlService<S>;
+
+    fn layer(&self, inner: S) -> GrlService<S> {
+        GrlService {
+            inner,
+            cfg: self.cfg.clone(),
+        }
+    }
+}
+
+/// The service `GrlLayer` wraps around another.
+#[derive(Clone)]
+pub struct GrlService<S> {
+    inner: S,
+    cfg: Arc<Config>,
+}
+
+impl<S, B> Service<Request<B>> for GrlService<S>
+where
+    S: Service<Request<B>, Response = Response<Body>>,
+{
+    type Response = Response<Body>;
+    type Error = S::Error;
+    type Future = GrlFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        let d = self.cfg.limiter.decide(
+            self.cfg.caller.extract(&req),
+            self.cfg.procedure.extract(&req),
+        );
+        if d == Decision::Drop {
+            let mut resp = Response::new(Body::from("rate limited\n"));
+            *resp.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+            resp.headers_mut()
+                .insert(http::header::RETRY_AFTER, self.cfg.retry_after.clone());
+            return GrlFuture::Limited { resp: Some(resp) };
+        }
+        GrlFuture::Inner {
+            fut: self.inner.call(req),
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The response future of `GrlService` (fields: the inner future, or the 429 to return;
+    /// the macro takes no doc comments on fields).
+    #[allow(missing_docs)]
+    #[project = GrlFutureProj]
+    pub enum GrlFuture<F> {
+        /// Passed to the inner service.
+        Inner { #[pin] fut: F },
+        /// Answered with 429.
+        Limited { resp: Option<Response<Body>> },
+    }
+}
+
+impl<F, E> Future for GrlFuture<F>
+where
+    F: Future<Output = Result<Response<Body>, E>>,
+{
+    type Output = Result<Response<Body>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project() {
+            GrlFutureProj::Inner { fut } => fut.poll(cx),
+            GrlFutureProj::Limited { resp } => {
+                Poll::Ready(Ok(resp.take().expect("polled after completion")))
+            }
+        }
+    }
+}

@@ -1,0 +1,134 @@
+//! Wire types between the tiers (JSON over HTTP).
+
+use serde::{Deserialize, Serialize};
+
+use schema::BucketFile;
+
+/// The whole bucket config the controller serves: `PUT/GET /v1/config`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct ConfigDoc {
+    /// Opaque version, e.g. a git sha.
+    pub version: String,
+    /// One bucket file per callee service.
+    pub services: Vec<BucketFile>,
+}
+
+/// A client's counts of one bucket over one interval.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct BucketCountsMsg {
+    /// Bucket name.
+    pub bucket: String,
+    /// Requests offered.
+    pub offered: u64,
+    /// Requests admitted (shadow drops included).
+    pub admitted: u64,
+    /// Requests dropped.
+    pub dropped: u64,
+    /// Requests that would have been dropped (shadow).
+    pub shadow_dropped: u64,
+}
+
+/// Client → aggregator, every tick: `POST /v1/report`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClientReport {
+    /// Unique per client instance.
+    pub client_id: String,
+    /// The callee service the client enforces for.
+    pub service: String,
+    /// The config version the client runs.
+    pub version: String,
+    /// Length of the counted interval.
+    pub interval_ms: u64,
+    /// Counts per bucket.
+    pub buckets: Vec<BucketCountsMsg>,
+    /// Sent between ticks because the client's own rate jumped: forward at once.
+    #[serde(default)]
+    pub urgent: bool,
+}
+
+/// One bucket's directive for one scope key.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DirectiveMsg {
+    /// Bucket name.
+    pub bucket: String,
+    /// Drop ratio to apply.
+    pub ratio: f64,
+    /// The offered rate the ratio was computed from.
+    pub fleet_offered_rps: f64,
+    /// The effective limit (after overrides).
+    pub limit_rps: f64,
+    /// Set by an override: apply as-is.
+    #[serde(default)]
+    pub fixed: bool,
+}
+
+/// Aggregator → client: the reply to a report.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct ClientDirectives {
+    /// Current config version at the controller.
+    pub version: String,
+    /// How old the directives are (since the aggregator last heard from the controller);
+    /// `None` when it never has.
+    pub age_ms: Option<u64>,
+    /// Directives for the client's service and zone.
+    pub directives: Vec<DirectiveMsg>,
+}
+
+/// One bucket's sums over a zone's clients.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct ZoneBucketMsg {
+    /// Callee service.
+    pub service: String,
+    /// Bucket name.
+    pub bucket: String,
+    /// Offered rate (sum of the clients' latest rates).
+    pub offered_rps: f64,
+    /// Admitted rate.
+    pub admitted_rps: f64,
+    /// Dropped rate.
+    pub dropped_rps: f64,
+    /// Shadow-dropped rate.
+    pub shadow_dropped_rps: f64,
+    /// Counts since the previous forward (for the Prometheus counters).
+    pub counts: BucketCountsMsg,
+}
+
+/// Aggregator → controller: `POST /v1/aggregate`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ZoneReport {
+    /// Aggregator instance id.
+    pub aggregator_id: String,
+    /// Region of the zone.
+    pub region: String,
+    /// The zone.
+    pub zone: String,
+    /// Sums per bucket.
+    pub buckets: Vec<ZoneBucketMsg>,
+}
+
+/// One service's directives in a zone.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct ServiceDirectives {
+    /// Callee service.
+    pub service: String,
+    /// Its buckets' directives.
+    pub directives: Vec<DirectiveMsg>,
+}
+
+/// Controller → aggregator: the reply to a zone report.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct ZoneDirectives {
+    /// Current config version.
+    pub version: String,
+    /// Directives for every service, for the zone's scope keys.
+    pub services: Vec<ServiceDirectives>,
+}

@@ -1,0 +1,222 @@
+//! `grl simulate --realtime`: the scenario over real HTTP in wall-clock time. A controller and
+//! one aggregator per zone run in this process on loopback; every instance is a real
+//! `GrlClient`; one thread offers the load. Not deterministic (real time, real sockets): use
+//! it to see the whole stack move, and the virtual-time simulator for measurements.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use grl_core::Decision;
+use schema::{BucketFile, Mode};
+
+use crate::aggregator::{Aggregator, AggregatorOptions};
+use crate::client::{ClientOptions, GrlClient};
+use crate::controller::{Controller, ControllerOptions};
+use crate::proto::ConfigDoc;
+use crate::sim::{Algorithm, Scenario, TickRow};
+
+struct Inst {
+    client: GrlClient,
+    caller: String,
+    procedure: String,
+    rate_share: f64,
+    spec: usize,
+    index_in_caller: usize,
+    done: f64,
+}
+
+/// Runs `sc` in real time over loopback HTTP, calling `emit` per bucket per tick.
+pub async fn run_realtime(
+    sc: &Scenario,
+    seed: u64,
+    mut emit: impl FnMut(&TickRow),
+) -> anyhow::Result<()> {
+    grl_core::seed_thread_rng(seed);
+    let state = std::env::temp_dir().join(format!("grl-realtime-{}-{seed}", std::process::id()));
+    std::fs::create_dir_all(&state).with_context(|| format!("create {}", state.display()))?;
+    let doc = ConfigDoc {
+        version: "realtime".into(),
+        services: vec![BucketFile {
+            service: sc.service.clone(),
+            buckets: sc.buckets.clone(),
+        }],
+    };
+    crate::config::validate(&doc)?;
+    std::fs::write(state.join("config.json"), serde_json::to_vec(&doc)?)?;
+    let tick = Duration::from_millis(sc.tick_ms);
+    let loopback: SocketAddr = ([127, 0, 0, 1], 0).into();
+    let ctl = Controller::start(ControllerOptions {
+        listen: loopback,
+        state_dir: state.clone(),
+        token: format!("realtime-{seed}"),
+        config_dir: None,
+        tick,
+        region: None,
+        peers: Vec::new(),
+    })
+    .await?;
+    let zones = if sc.zones.is_empty() {
+        vec![("z1".to_string(), "r1".to_string())]
+    } else {
+        sc.zones
+            .iter()
+            .map(|z| (z.name.clone(), z.region.clone()))
+            .collect()
+    };
+    let mut aggs = BTreeMap::new();
+    for (zone, region) in &zones {
+        let a = Aggregator::start(AggregatorOptions {
+            listen: loopback,
+            controllers: vec![ctl.url()],
+            zone: zone.clone(),
+            region: region.clone(),
+            tick,
+            id: Some(format!("agg-{zone}")),
+        })
+        .await?;
+        aggs.insert(zone.clone(), a);
+    }
+    let mut insts = Vec::new();
+    for (si, c) in sc.callers.iter().enumerate() {
+        let wsum: f64 = (0..c.instances)
+            .map(|i| {
+                if c.weights.is_empty() {
+                    1.0
+                } else {
+                    c.weights[i % c.weights.len()]
+                }
+            })
+            .sum();
+        let zone_names: Vec<String> = if c.zones.is_empty() {
+            zones.iter().map(|z| z.0.clone()).collect()
+        } else {
+            c.zones.clone()
+        };
+        for i in 0..c.instances {
+            let zone = &zone_names[i % zone_names.len()];
+            let agg = aggs
+                .get(zone)
+                .with_context(|| format!("unknown zone `{zone}`"))?;
+            let mut o = ClientOptions::new(&sc.service, vec![agg.url()]);
+            o.tick = tick;
+            o.stale_after = Duration::from_millis(sc.stale_after_ms);
+            o.client_id = Some(format!("{}#{i}", c.name));
+            let w = if c.weights.is_empty() {
+                1.0
+            } else {
+                c.weights[i % c.weights.len()]
+            };
+            insts.push(Inst {
+                client: GrlClient::start(o),
+                caller: c.name.clone(),
+                procedure: c.procedure.clone(),
+                rate_share: w / wsum,
+                spec: si,
+                index_in_caller: i,
+                done: 0.0,
+            });
+        }
+    }
+    let sc2 = sc.clone();
+    let (tx, rx) = std::sync::mpsc::channel::<TickRow>();
+    // The load runs on its own thread: deciding is synchronous and must not stall the
+    // runtime that carries the control plane.
+    let load = tokio::task::spawn_blocking(move || offer_load(&sc2, &mut insts, tx));
+    let rows = tokio::task::spawn_blocking(move || rx.into_iter().collect::<Vec<_>>());
+    load.await??;
+    for r in rows.await? {
+        emit(&r);
+    }
+    for (_, a) in aggs {
+        a.shutdown().await;
+    }
+    ctl.shutdown().await;
+    let _ = std::fs::remove_dir_all(&state);
+    Ok(())
+}
+
+fn offer_load(
+    sc: &Scenario,
+    insts: &mut [Inst],
+    tx: std::sync::mpsc::Sender<TickRow>,
+) -> anyhow::Result<()> {
+    let start = Instant::now();
+    let end = Duration::from_secs_f64(sc.duration_s);
+    let nb = sc.buckets.len();
+    let mut counts = vec![[0u64; 4]; nb];
+    let mut next_tick = Duration::from_millis(sc.tick_ms);
+    let mut last = Duration::ZERO;
+    while last < end {
+        std::thread::sleep(Duration::from_millis(sc.step_ms));
+        let now = start.elapsed().min(end);
+        let dt = (now - last).as_secs_f64();
+        let t = now.as_secs_f64();
+        for inst in insts.iter_mut() {
+            let spec = &sc.callers[inst.spec];
+            let mut rate = spec
+                .schedule
+                .iter()
+                .rfind(|s| s.at_s <= t)
+                .map_or(0.0, |s| s.rps)
+                * inst.rate_share;
+            for b in &spec.bursts {
+                if b.instance == inst.index_in_caller && t >= b.from_s && t < b.to_s {
+                    rate *= b.factor;
+                }
+            }
+            inst.done += rate * dt;
+            let n = inst.done.floor() as u64;
+            inst.done -= n as f64;
+            let limiter = inst.client.limiter();
+            let table = limiter.table();
+            let Some(b) = table.find(&inst.caller, &inst.procedure) else {
+                continue;
+            };
+            for _ in 0..n {
+                let c = &mut counts[b];
+                c[0] += 1;
+                match limiter.decide(&inst.caller, &inst.procedure) {
+                    Decision::Admit => c[1] += 1,
+                    Decision::Drop => c[2] += 1,
+                    Decision::ShadowDrop => {
+                        c[1] += 1;
+                        c[3] += 1
+                    }
+                }
+            }
+        }
+        last = now;
+        if now >= next_tick || now >= end {
+            let secs = sc.tick_ms as f64 / 1000.0;
+            for (b, c) in counts.iter_mut().enumerate() {
+                let ratio = insts
+                    .iter()
+                    .map(|i| i.client.limiter().table().ratio(b))
+                    .fold(0.0, f64::max);
+                let row = TickRow {
+                    t: (now.as_secs_f64() * 1000.0).round() / 1000.0,
+                    bucket: sc.buckets[b].name.clone(),
+                    offered_rps: c[0] as f64 / secs,
+                    admitted_rps: c[1] as f64 / secs,
+                    dropped_rps: c[2] as f64 / secs,
+                    shadow_dropped_rps: c[3] as f64 / secs,
+                    drop_ratio: if sc.buckets[b].mode == Mode::Shadow || c[0] > 0 {
+                        ratio
+                    } else {
+                        0.0
+                    },
+                    limit_rps: sc.buckets[b].limit_rps,
+                    algorithm: Algorithm::DropByRatio,
+                };
+                if tx.send(row).is_err() {
+                    return Ok(());
+                }
+                *c = [0; 4];
+            }
+            next_tick += Duration::from_millis(sc.tick_ms);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,747 @@
+//! The simulator: a fleet of client instances, zone sums and the controller engine in virtual
+//! time. Clients are the real `Limiter` + `Reporter`; the controller is the real `Engine`; only
+//! the transport is replaced by a fixed loop latency. Deterministic for a seed: one thread,
+//! a seeded generator, ordered maps.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use grl_core::control::scope_key;
+use grl_core::{seed_thread_rng, Decision, Limiter};
+use schema::{Bucket, BucketFile, Mode};
+use serde::{Deserialize, Serialize};
+
+use crate::client::Reporter;
+use crate::engine::Engine;
+use crate::proto::{ClientDirectives, ConfigDoc, ZoneBucketMsg, ZoneReport};
+
+/// A scenario file.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    /// Free-form title.
+    #[serde(default)]
+    pub name: String,
+    /// The callee service.
+    pub service: String,
+    /// Virtual seconds to run.
+    pub duration_s: f64,
+    /// Control-loop period.
+    #[serde(default = "d_tick")]
+    pub tick_ms: u64,
+    /// Simulation step.
+    #[serde(default = "d_step")]
+    pub step_ms: u64,
+    /// Client staleness bound.
+    #[serde(default = "d_stale")]
+    pub stale_after_ms: u64,
+    /// Time from a tick's reports to the directives being in force at the clients.
+    #[serde(default = "d_latency")]
+    pub loop_latency_ms: u64,
+    /// Clients raise their ratio between reports when their own rate jumps.
+    #[serde(default = "d_true")]
+    pub local_adjust: bool,
+    /// Zones (default: one zone `z1` in region `r1`).
+    #[serde(default)]
+    pub zones: Vec<ZoneSpec>,
+    /// The service's buckets.
+    pub buckets: Vec<Bucket>,
+    /// The calling fleets.
+    pub callers: Vec<CallerSpec>,
+    /// Token-bucket baseline parameters.
+    #[serde(default)]
+    pub token_bucket: TokenBucketSpec,
+}
+
+fn d_tick() -> u64 {
+    1000
+}
+fn d_step() -> u64 {
+    10
+}
+fn d_stale() -> u64 {
+    3000
+}
+fn d_latency() -> u64 {
+    50
+}
+fn d_true() -> bool {
+    true
+}
+
+/// A zone and its region.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ZoneSpec {
+    /// Zone name.
+    pub name: String,
+    /// Region name.
+    pub region: String,
+}
+
+/// One offered-rate segment: from `at_s` on, the caller offers `rps` in total.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Segment {
+    /// Start of the segment (virtual seconds).
+    pub at_s: f64,
+    /// Offered requests per second over all instances.
+    pub rps: f64,
+}
+
+/// A temporary burst of one instance.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Burst {
+    /// Instance index.
+    pub instance: usize,
+    /// Start.
+    pub from_s: f64,
+    /// End.
+    pub to_s: f64,
+    /// Multiplier of the instance's rate.
+    pub factor: f64,
+}
+
+/// A calling service with its instances and load.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct CallerSpec {
+    /// Caller name.
+    pub name: String,
+    /// The procedure it calls.
+    pub procedure: String,
+    /// Instances (each one a GRL client).
+    pub instances: usize,
+    /// Zones the instances are spread over, round robin (default: all).
+    #[serde(default)]
+    pub zones: Vec<String>,
+    /// Piecewise-constant offered load.
+    pub schedule: Vec<Segment>,
+    /// Relative load per instance, cycled (default: equal).
+    #[serde(default)]
+    pub weights: Vec<f64>,
+    /// Temporary per-instance bursts.
+    #[serde(default)]
+    pub bursts: Vec<Burst>,
+    /// Copies of this caller (named `<name>-<i>`), each with its rate scaled by
+    /// `1 + jitter × u`, u uniform in [-1, 1] from the seed.
+    #[serde(default = "d_one")]
+    pub replicas: usize,
+    /// See `replicas`.
+    #[serde(default)]
+    pub jitter: f64,
+}
+
+fn d_one() -> usize {
+    1
+}
+
+/// The seeds' first design, kept as a baseline.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenBucketSpec {
+    /// Unused tokens are kept this long (the seeds' ring buffer: 10 s).
+    pub burst_secs: f64,
+    /// Refill in whole tokens per tick (per-second slots of the ring buffer); a host whose
+    /// share of the limit is under one token per tick gets nothing.
+    pub whole_tokens: bool,
+}
+
+impl Default for TokenBucketSpec {
+    fn default() -> Self {
+        TokenBucketSpec {
+            burst_secs: 10.0,
+            whole_tokens: true,
+        }
+    }
+}
+
+/// Which limiter the clients run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+pub enum Algorithm {
+    /// Drop-by-ratio (the GRL).
+    DropByRatio,
+    /// Per-host token bucket refilled at share × limit (baseline).
+    TokenBucket,
+}
+
+/// Why a scenario cannot run.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    /// Invalid bucket set.
+    #[error(transparent)]
+    Buckets(#[from] crate::config::ConfigError),
+    /// Invalid scenario value.
+    #[error("scenario: {0}")]
+    Invalid(String),
+}
+
+/// One output line: a bucket over one tick.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct TickRow {
+    /// Virtual seconds at the end of the tick.
+    pub t: f64,
+    /// Bucket name.
+    pub bucket: String,
+    /// Offered requests/s.
+    pub offered_rps: f64,
+    /// Admitted requests/s (shadow drops included).
+    pub admitted_rps: f64,
+    /// Dropped requests/s.
+    pub dropped_rps: f64,
+    /// Shadow-dropped requests/s.
+    pub shadow_dropped_rps: f64,
+    /// Ratio in force at the end of the tick (for the token bucket: the dropped fraction).
+    pub drop_ratio: f64,
+    /// The bucket's limit.
+    pub limit_rps: f64,
+    /// The algorithm.
+    pub algorithm: Algorithm,
+}
+
+/// Fine-grained counts of one bucket over one window.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Window {
+    /// Window end (virtual ms).
+    pub end_ms: u64,
+    /// Offered in the window.
+    pub offered: u64,
+    /// Admitted in the window.
+    pub admitted: u64,
+    /// Dropped in the window.
+    pub dropped: u64,
+    /// Shadow-dropped in the window.
+    pub shadow_dropped: u64,
+}
+
+/// The whole run.
+#[derive(Debug, Clone, Default)]
+pub struct SimResult {
+    /// Per tick per bucket.
+    pub rows: Vec<TickRow>,
+    /// Per bucket name: windows of `WINDOW_MS`.
+    pub windows: BTreeMap<String, Vec<Window>>,
+    /// Per caller name: (offered, admitted) of matched requests in the second half of the run.
+    pub per_caller: BTreeMap<String, (u64, u64)>,
+}
+
+/// Width of the fine-grained windows.
+pub const WINDOW_MS: u64 = 100;
+
+struct TokenBucket {
+    rate: f64,
+    tokens: f64,
+}
+
+struct Instance {
+    caller: usize,
+    caller_name: String,
+    procedure: String,
+    zone: usize,
+    /// Share of the caller's load.
+    share: f64,
+    index_in_caller: usize,
+    scale: f64,
+    limiter: Arc<Limiter>,
+    reporter: Reporter,
+    tb: Vec<TokenBucket>,
+    carry: f64,
+    tick_offered: Vec<u64>,
+    urgent_sent: bool,
+}
+
+fn splitmix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn rate_at(schedule: &[Segment], t: f64) -> f64 {
+    schedule
+        .iter()
+        .rfind(|s| s.at_s <= t)
+        .map_or(0.0, |s| s.rps)
+}
+
+impl Scenario {
+    /// Parses a scenario file (errors name the file and line).
+    pub fn load(path: &std::path::Path) -> Result<Scenario, schema::Diagnostic> {
+        schema::parse_file::<Scenario>(path).map(|l| l.value)
+    }
+
+    fn check(&self) -> Result<(), SimError> {
+        if self.step_ms == 0 || self.tick_ms == 0 || self.tick_ms % self.step_ms != 0 {
+            return Err(SimError::Invalid(
+                "tick_ms must be a positive multiple of step_ms".into(),
+            ));
+        }
+        if WINDOW_MS % self.step_ms != 0 {
+            return Err(SimError::Invalid(format!(
+                "step_ms must divide {WINDOW_MS}"
+            )));
+        }
+        // Written negated so that NaN is refused too.
+        #[allow(clippy::neg_cmp_op_on_partial_ord)]
+        if !(self.duration_s > 0.0) {
+            return Err(SimError::Invalid("duration_s must be positive".into()));
+        }
+        for c in &self.callers {
+            if c.instances == 0 || c.schedule.is_empty() {
+                return Err(SimError::Invalid(format!(
+                    "caller `{}` needs instances and a schedule",
+                    c.name
+                )));
+            }
+            for z in &c.zones {
+                if !self.zone_list().iter().any(|s| &s.name == z) {
+                    return Err(SimError::Invalid(format!(
+                        "caller `{}`: unknown zone `{z}`",
+                        c.name
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn zone_list(&self) -> Vec<ZoneSpec> {
+        if self.zones.is_empty() {
+            vec![ZoneSpec {
+                name: "z1".into(),
+                region: "r1".into(),
+            }]
+        } else {
+            self.zones.clone()
+        }
+    }
+}
+
+/// Runs `sc` with `algo`, calling `emit` for every tick row as it is produced.
+pub fn run(
+    sc: &Scenario,
+    seed: u64,
+    algo: Algorithm,
+    mut emit: impl FnMut(&TickRow),
+) -> Result<SimResult, SimError> {
+    sc.check()?;
+    seed_thread_rng(seed);
+    let zones = sc.zone_list();
+    let file = BucketFile {
+        service: sc.service.clone(),
+        buckets: sc.buckets.clone(),
+    };
+    let doc = ConfigDoc {
+        version: "sim".into(),
+        services: vec![file.clone()],
+    };
+    crate::config::validate(&doc)?;
+    let mut engine = Engine::new(doc, sc.tick_ms * 3);
+    let nb = sc.buckets.len();
+
+    // Instances of every caller replica.
+    let mut instances: Vec<Instance> = Vec::new();
+    let mut caller_specs: Vec<(String, &CallerSpec, f64)> = Vec::new();
+    for c in &sc.callers {
+        for r in 0..c.replicas {
+            let name = if c.replicas == 1 {
+                c.name.clone()
+            } else {
+                format!("{}-{r}", c.name)
+            };
+            let u = (splitmix(seed ^ splitmix(caller_specs.len() as u64 + 1)) >> 11) as f64
+                / (1u64 << 53) as f64;
+            let scale = (1.0 + c.jitter * (2.0 * u - 1.0)).max(0.0);
+            caller_specs.push((name, c, scale));
+        }
+    }
+    for (ci, (name, c, scale)) in caller_specs.iter().enumerate() {
+        let wsum: f64 = (0..c.instances)
+            .map(|i| {
+                if c.weights.is_empty() {
+                    1.0
+                } else {
+                    c.weights[i % c.weights.len()]
+                }
+            })
+            .sum();
+        let zone_names: Vec<String> = if c.zones.is_empty() {
+            zones.iter().map(|z| z.name.clone()).collect()
+        } else {
+            c.zones.clone()
+        };
+        for i in 0..c.instances {
+            let w = if c.weights.is_empty() {
+                1.0
+            } else {
+                c.weights[i % c.weights.len()]
+            };
+            let zone = zones
+                .iter()
+                .position(|z| z.name == zone_names[i % zone_names.len()])
+                .expect("zones checked");
+            let limiter = Arc::new(Limiter::new(
+                &sc.service,
+                Duration::from_millis(sc.stale_after_ms),
+            ));
+            let mut reporter = Reporter::new(limiter.clone(), &format!("{name}#{i}"), 0);
+            reporter
+                .install(&sc.service, Some(&file), "sim")
+                .map_err(|e| SimError::Invalid(e.to_string()))?;
+            instances.push(Instance {
+                caller: ci,
+                caller_name: name.clone(),
+                procedure: c.procedure.clone(),
+                zone,
+                share: w / wsum,
+                index_in_caller: i,
+                scale: *scale,
+                limiter,
+                reporter,
+                tb: Vec::new(),
+                carry: 0.0,
+                tick_offered: vec![0; nb],
+                urgent_sent: false,
+            });
+        }
+    }
+    // Token buckets start with an equal share of each limit among the instances that hit it.
+    for b in 0..nb {
+        let hitting: Vec<usize> = (0..instances.len())
+            .filter(|&i| {
+                let t = instances[i].limiter.table();
+                t.find(&instances[i].caller_name, &instances[i].procedure) == Some(b)
+            })
+            .collect();
+        let n = hitting.len().max(1) as f64;
+        for inst in instances.iter_mut() {
+            let rate = sc.buckets[b].limit_rps / n;
+            inst.tb.push(TokenBucket { rate, tokens: rate });
+        }
+    }
+    let bucket_of: Vec<Option<usize>> = instances
+        .iter()
+        .map(|i| i.limiter.table().find(&i.caller_name, &i.procedure))
+        .collect();
+
+    let end_ms = (sc.duration_s * 1000.0).round() as u64;
+    let half_ms = end_ms / 2;
+    let mut result = SimResult::default();
+    let mut tick_counts = vec![Window::default(); nb];
+    let mut win_counts = vec![Window::default(); nb];
+    // (apply_at_ms, zone index or usize::MAX for token-bucket rates, directives)
+    let mut pending: Vec<(u64, usize, ClientDirectives)> = Vec::new();
+    let mut pending_tb: Vec<(u64, Vec<Vec<f64>>)> = Vec::new();
+    let subtick_ms = (sc.tick_ms / 4).max(sc.step_ms);
+    // Each instance's latest reported rates, as an aggregator keeps them.
+    let mut latest: Vec<BTreeMap<String, [f64; 4]>> = vec![BTreeMap::new(); instances.len()];
+    let dt = sc.step_ms as f64 / 1000.0;
+    let mut now: u64 = 0;
+    while now < end_ms {
+        let t_s = now as f64 / 1000.0;
+        // Directives whose latency has elapsed take effect.
+        pending.retain(|(at, zone, d)| {
+            if *at <= now {
+                for inst in instances.iter_mut().filter(|i| i.zone == *zone) {
+                    inst.reporter.apply(d, now);
+                }
+                false
+            } else {
+                true
+            }
+        });
+        pending_tb.retain(|(at, rates)| {
+            if *at <= now {
+                for (i, inst) in instances.iter_mut().enumerate() {
+                    for (b, tb) in inst.tb.iter_mut().enumerate() {
+                        tb.rate = rates[i][b];
+                    }
+                }
+                false
+            } else {
+                true
+            }
+        });
+        // Offer this step's requests.
+        for (ii, inst) in instances.iter_mut().enumerate() {
+            let (_, spec, _) = caller_specs[inst.caller];
+            let mut rate = rate_at(&spec.schedule, t_s) * inst.share * inst.scale;
+            for b in &spec.bursts {
+                if b.instance == inst.index_in_caller && t_s >= b.from_s && t_s < b.to_s {
+                    rate *= b.factor;
+                }
+            }
+            let want = rate * dt + inst.carry;
+            let n = want.floor() as u64;
+            inst.carry = want - n as f64;
+            let Some(b) = bucket_of[ii] else {
+                continue;
+            };
+            let shadow = sc.buckets[b].mode == Mode::Shadow;
+            let mut c = Window::default();
+            for _ in 0..n {
+                let d = match algo {
+                    Algorithm::DropByRatio => {
+                        inst.limiter
+                            .decide_at(&inst.caller_name, &inst.procedure, now)
+                    }
+                    Algorithm::TokenBucket => {
+                        // Keep the reporter's counters meaningful for the token bucket too:
+                        // the share it refills from is this host's offered count.
+                        let tb = &mut inst.tb[b];
+                        if tb.tokens >= 1.0 {
+                            tb.tokens -= 1.0;
+                            Decision::Admit
+                        } else if shadow {
+                            Decision::ShadowDrop
+                        } else {
+                            Decision::Drop
+                        }
+                    }
+                };
+                c.offered += 1;
+                match d {
+                    Decision::Admit => c.admitted += 1,
+                    Decision::ShadowDrop => {
+                        c.admitted += 1;
+                        c.shadow_dropped += 1
+                    }
+                    Decision::Drop => c.dropped += 1,
+                }
+            }
+            inst.tick_offered[b] += c.offered;
+            for w in [&mut tick_counts[b], &mut win_counts[b]] {
+                w.offered += c.offered;
+                w.admitted += c.admitted;
+                w.dropped += c.dropped;
+                w.shadow_dropped += c.shadow_dropped;
+            }
+            if now >= half_ms {
+                let e = result
+                    .per_caller
+                    .entry(inst.caller_name.clone())
+                    .or_default();
+                e.0 += c.offered;
+                e.1 += c.admitted;
+            }
+            if algo == Algorithm::TokenBucket && !sc.token_bucket.whole_tokens {
+                let tb = &mut inst.tb[b];
+                tb.tokens =
+                    (tb.tokens + tb.rate * dt).min((tb.rate * sc.token_bucket.burst_secs).max(1.0));
+            }
+        }
+        now += sc.step_ms;
+
+        if now % WINDOW_MS == 0 {
+            for (b, w) in win_counts.iter_mut().enumerate() {
+                w.end_ms = now;
+                result
+                    .windows
+                    .entry(sc.buckets[b].name.clone())
+                    .or_default()
+                    .push(*w);
+                *w = Window::default();
+            }
+        }
+        if algo == Algorithm::DropByRatio
+            && sc.local_adjust
+            && now % subtick_ms == 0
+            && now % sc.tick_ms != 0
+        {
+            let mut urgent = Vec::new();
+            for (i, inst) in instances.iter_mut().enumerate() {
+                if inst.reporter.subtick(now) && !inst.urgent_sent {
+                    inst.urgent_sent = true;
+                    urgent.push(i);
+                }
+            }
+            if !urgent.is_empty() {
+                control_round(
+                    sc,
+                    &zones,
+                    &mut engine,
+                    &mut instances,
+                    &mut latest,
+                    &urgent,
+                    now,
+                    &mut pending,
+                );
+            }
+        }
+        if now % sc.tick_ms != 0 {
+            continue;
+        }
+
+        // A tick: clients report, zones sum, the controller computes, directives go back.
+        match algo {
+            Algorithm::DropByRatio => {
+                let all: Vec<usize> = (0..instances.len()).collect();
+                control_round(
+                    sc,
+                    &zones,
+                    &mut engine,
+                    &mut instances,
+                    &mut latest,
+                    &all,
+                    now,
+                    &mut pending,
+                );
+                instances.iter_mut().for_each(|i| i.urgent_sent = false);
+            }
+            Algorithm::TokenBucket => {
+                // Each host refills at (its share of the scope's offered load) × limit.
+                let mut fleet: BTreeMap<(usize, String), u64> = BTreeMap::new();
+                for inst in &instances {
+                    let z = &zones[inst.zone];
+                    for (b, &n) in inst.tick_offered.iter().enumerate() {
+                        *fleet
+                            .entry((b, scope_key(sc.buckets[b].scope, &z.region, &z.name)))
+                            .or_default() += n;
+                    }
+                }
+                let mut rates = Vec::with_capacity(instances.len());
+                for inst in &instances {
+                    let z = &zones[inst.zone];
+                    let row: Vec<f64> = (0..nb)
+                        .map(|b| {
+                            let total =
+                                fleet[&(b, scope_key(sc.buckets[b].scope, &z.region, &z.name))];
+                            if total == 0 {
+                                inst.tb[b].rate
+                            } else {
+                                inst.tick_offered[b] as f64 / total as f64 * sc.buckets[b].limit_rps
+                            }
+                        })
+                        .collect();
+                    rates.push(row);
+                }
+                pending_tb.push((now + sc.loop_latency_ms, rates));
+                if sc.token_bucket.whole_tokens {
+                    let tick_s = sc.tick_ms as f64 / 1000.0;
+                    for inst in instances.iter_mut() {
+                        for tb in inst.tb.iter_mut() {
+                            let cap = (tb.rate * sc.token_bucket.burst_secs).floor();
+                            tb.tokens = (tb.tokens + (tb.rate * tick_s).floor()).min(cap);
+                        }
+                    }
+                }
+            }
+        }
+        for inst in instances.iter_mut() {
+            inst.tick_offered.iter_mut().for_each(|x| *x = 0);
+        }
+        let secs = sc.tick_ms as f64 / 1000.0;
+        for (b, c) in tick_counts.iter_mut().enumerate() {
+            let ratio = match algo {
+                Algorithm::DropByRatio => engine.buckets()[b]
+                    .keys
+                    .iter()
+                    .map(|k| k.ratio)
+                    .fold(0.0, f64::max),
+                Algorithm::TokenBucket => {
+                    if c.offered == 0 {
+                        0.0
+                    } else {
+                        (c.dropped + c.shadow_dropped) as f64 / c.offered as f64
+                    }
+                }
+            };
+            let row = TickRow {
+                t: now as f64 / 1000.0,
+                bucket: sc.buckets[b].name.clone(),
+                offered_rps: c.offered as f64 / secs,
+                admitted_rps: c.admitted as f64 / secs,
+                dropped_rps: c.dropped as f64 / secs,
+                shadow_dropped_rps: c.shadow_dropped as f64 / secs,
+                drop_ratio: ratio,
+                limit_rps: sc.buckets[b].limit_rps,
+                algorithm: algo,
+            };
+            emit(&row);
+            result.rows.push(row);
+            *c = Window::default();
+        }
+    }
+    Ok(result)
+}
+
+/// One control round: the instances in `ids` report (the others keep their latest rates, as
+/// an aggregator does), every zone forwards its sums, the engine recomputes, and each zone's
+/// directives are queued to reach its clients after the loop latency.
+#[allow(clippy::too_many_arguments)]
+fn control_round(
+    sc: &Scenario,
+    zones: &[ZoneSpec],
+    engine: &mut Engine,
+    instances: &mut [Instance],
+    latest: &mut [BTreeMap<String, [f64; 4]>],
+    ids: &[usize],
+    now: u64,
+    pending: &mut Vec<(u64, usize, ClientDirectives)>,
+) {
+    for &i in ids {
+        let r = instances[i].reporter.build_report(now);
+        let secs = r.interval_ms as f64 / 1000.0;
+        latest[i] = r
+            .buckets
+            .iter()
+            .map(|b| {
+                (
+                    b.bucket.clone(),
+                    [
+                        b.offered as f64 / secs,
+                        b.admitted as f64 / secs,
+                        b.dropped as f64 / secs,
+                        b.shadow_dropped as f64 / secs,
+                    ],
+                )
+            })
+            .collect();
+    }
+    let mut per_zone: Vec<BTreeMap<String, ZoneBucketMsg>> = vec![BTreeMap::new(); zones.len()];
+    for (i, inst) in instances.iter().enumerate() {
+        for (b, r) in &latest[i] {
+            let e = per_zone[inst.zone]
+                .entry(b.clone())
+                .or_insert_with(|| ZoneBucketMsg {
+                    service: sc.service.clone(),
+                    bucket: b.clone(),
+                    ..Default::default()
+                });
+            e.offered_rps += r[0];
+            e.admitted_rps += r[1];
+            e.dropped_rps += r[2];
+            e.shadow_dropped_rps += r[3];
+        }
+    }
+    for (zi, z) in zones.iter().enumerate() {
+        let report = ZoneReport {
+            aggregator_id: format!("sim-{}", z.name),
+            region: z.region.clone(),
+            zone: z.name.clone(),
+            buckets: std::mem::take(&mut per_zone[zi]).into_values().collect(),
+        };
+        engine.ingest(&report, now);
+    }
+    engine.recompute(now, now / 1000);
+    for (zi, z) in zones.iter().enumerate() {
+        let zd = engine.directives_for(&z.region, &z.name);
+        let directives = zd
+            .services
+            .into_iter()
+            .find(|s| s.service == sc.service)
+            .map(|s| s.directives)
+            .unwrap_or_default();
+        pending.push((
+            now + sc.loop_latency_ms,
+            zi,
+            ClientDirectives {
+                version: zd.version,
+                age_ms: Some(0),
+                directives,
+            },
+        ));
+    }
+}

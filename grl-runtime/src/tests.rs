@@ -1,0 +1,286 @@
+//! Unit tests of the engine (controller math) and the simulator (fixed seeds).
+
+use std::path::PathBuf;
+
+use schema::{Bucket, BucketFile, Mode, PolicyName, Scope};
+
+use crate::engine::Engine;
+use crate::overrides::{Override, OverrideRequest};
+use crate::proto::{BucketCountsMsg, ConfigDoc, ZoneBucketMsg, ZoneReport};
+use crate::report::{fairness, premature, seeds_loop, steady, step};
+use crate::sim::{run, Algorithm, Scenario};
+
+fn scenario(name: &str) -> Scenario {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("scenarios")
+        .join(name);
+    Scenario::load(&p).unwrap()
+}
+
+#[test]
+fn sim_steady_overload_admits_the_limit() {
+    let sc = scenario("steady-1.5x.yaml");
+    let limit = sc.buckets[0].limit_rps;
+    for seed in [1, 7] {
+        let r = run(&sc, seed, Algorithm::DropByRatio, |_| {}).unwrap();
+        let s = steady(&r, &sc.buckets[0].name, limit, 5.0);
+        assert!(
+            s.error.abs() <= 0.03,
+            "seed {seed}: admitted {} vs limit {limit}",
+            s.admitted_rps
+        );
+        // The first directive lands after the first tick: from t = 2 s on, the whole tick runs
+        // at the right ratio (per-tick admitted counts are binomial noise around the limit).
+        let at2 = r.rows.iter().find(|row| row.t == 2.0).unwrap();
+        assert!(
+            (at2.drop_ratio - 1.0 / 3.0).abs() < 0.01,
+            "{}",
+            at2.drop_ratio
+        );
+        assert!(
+            ((at2.admitted_rps - limit) / limit).abs() < 0.08,
+            "{}",
+            at2.admitted_rps
+        );
+    }
+}
+
+#[test]
+fn sim_shadow_admits_everything_and_counts_a_third() {
+    let sc = scenario("shadow-1.5x.yaml");
+    let r = run(&sc, 3, Algorithm::DropByRatio, |_| {}).unwrap();
+    for row in &r.rows {
+        assert_eq!(row.dropped_rps, 0.0);
+        assert_eq!(row.admitted_rps, row.offered_rps);
+    }
+    let s = steady(&r, &sc.buckets[0].name, sc.buckets[0].limit_rps, 3.0);
+    assert!(
+        (s.shadow_fraction - 1.0 / 3.0).abs() < 0.03,
+        "{}",
+        s.shadow_fraction
+    );
+}
+
+#[test]
+fn sim_is_deterministic_for_a_seed() {
+    let sc = scenario("step-15x.yaml");
+    let a = run(&sc, 42, Algorithm::DropByRatio, |_| {}).unwrap();
+    let b = run(&sc, 42, Algorithm::DropByRatio, |_| {}).unwrap();
+    let c = run(&sc, 43, Algorithm::DropByRatio, |_| {}).unwrap();
+    assert_eq!(a.rows, b.rows);
+    assert_ne!(a.rows, c.rows);
+}
+
+#[test]
+fn sim_fast_loop_beats_the_seeds_lag_on_a_step() {
+    let sc = scenario("step-15x.yaml");
+    let b = &sc.buckets[0];
+    let fast = step(
+        &run(&sc, 1, Algorithm::DropByRatio, |_| {}).unwrap(),
+        &b.name,
+        b.limit_rps,
+        10.0,
+    );
+    let slow = step(
+        &run(&seeds_loop(&sc), 1, Algorithm::DropByRatio, |_| {}).unwrap(),
+        &b.name,
+        b.limit_rps,
+        10.0,
+    );
+    let (f, s) = (fast.catch_up_s.unwrap(), slow.catch_up_s.unwrap());
+    assert!(f < s, "fast {f} slow {s}");
+    assert!(fast.mean_overshoot < slow.mean_overshoot);
+}
+
+#[test]
+fn sim_drop_by_ratio_is_fairer_than_token_bucket() {
+    let sc = scenario("fairness.yaml");
+    let limit = sc.buckets[0].limit_rps;
+    let grl = fairness(
+        &run(&sc, 1, Algorithm::DropByRatio, |_| {}).unwrap(),
+        limit,
+        sc.duration_s,
+    );
+    let tb = fairness(
+        &run(&sc, 1, Algorithm::TokenBucket, |_| {}).unwrap(),
+        limit,
+        sc.duration_s,
+    );
+    assert!(grl.jain > tb.jain, "grl {} tb {}", grl.jain, tb.jain);
+    assert_eq!(grl.starved, 0);
+    assert!(
+        (grl.capacity_used - 1.0).abs() < 0.05,
+        "{}",
+        grl.capacity_used
+    );
+
+    let sc = scenario("uneven.yaml");
+    let b = &sc.buckets[0];
+    let p = premature(
+        &run(&sc, 1, Algorithm::DropByRatio, |_| {}).unwrap(),
+        &b.name,
+        b.limit_rps,
+    );
+    assert_eq!(p.dropped, 0);
+}
+
+fn bucket(name: &str, scope: Scope, limit: f64) -> Bucket {
+    Bucket {
+        name: name.into(),
+        caller: Some(name.into()),
+        procedure: None,
+        scope,
+        limit_rps: limit,
+        mode: Mode::Enforce,
+        policy: PolicyName::Manual,
+    }
+}
+
+fn zone_report(agg: &str, region: &str, zone: &str, rates: &[(&str, f64)]) -> ZoneReport {
+    ZoneReport {
+        aggregator_id: agg.into(),
+        region: region.into(),
+        zone: zone.into(),
+        buckets: rates
+            .iter()
+            .map(|(b, r)| ZoneBucketMsg {
+                service: "svc".into(),
+                bucket: (*b).into(),
+                offered_rps: *r,
+                admitted_rps: *r,
+                counts: BucketCountsMsg {
+                    bucket: (*b).into(),
+                    offered: *r as u64,
+                    admitted: *r as u64,
+                    ..Default::default()
+                },
+                ..Default::default()
+            })
+            .collect(),
+    }
+}
+
+fn ratio_of(e: &Engine, region: &str, zone: &str, bucket: &str) -> f64 {
+    e.directives_for(region, zone).services[0]
+        .directives
+        .iter()
+        .find(|d| d.bucket == bucket)
+        .unwrap()
+        .ratio
+}
+
+#[test]
+fn engine_computes_each_scope_from_its_zones() {
+    let cfg = ConfigDoc {
+        version: "v1".into(),
+        services: vec![BucketFile {
+            service: "svc".into(),
+            buckets: vec![
+                bucket("g", Scope::Global, 150.0),
+                bucket("r", Scope::Region, 100.0),
+                bucket("z", Scope::Zone, 50.0),
+            ],
+        }],
+    };
+    let mut e = Engine::new(cfg, 3000);
+    let all = [("g", 100.0), ("r", 100.0), ("z", 100.0)];
+    e.ingest(&zone_report("a1", "r1", "z1", &all), 0);
+    e.ingest(&zone_report("a2", "r1", "z2", &all), 0);
+    e.ingest(
+        &zone_report("a3", "r2", "z3", &[("g", 100.0), ("r", 50.0), ("z", 40.0)]),
+        0,
+    );
+    e.recompute(0, 0);
+    // global: 300 offered vs 150 → 0.5 everywhere.
+    assert!((ratio_of(&e, "r1", "z1", "g") - 0.5).abs() < 1e-9);
+    assert!((ratio_of(&e, "r2", "z3", "g") - 0.5).abs() < 1e-9);
+    // region: r1 has 200 vs 100 → 0.5; r2 has 50 → 0.
+    assert!((ratio_of(&e, "r1", "z2", "r") - 0.5).abs() < 1e-9);
+    assert_eq!(ratio_of(&e, "r2", "z3", "r"), 0.0);
+    // zone: 100 vs 50 → 0.5 in z1 and z2; 40 in z3 → 0.
+    assert!((ratio_of(&e, "r1", "z1", "z") - 0.5).abs() < 1e-9);
+    assert_eq!(ratio_of(&e, "r2", "z3", "z"), 0.0);
+    // A zone silent beyond the TTL stops counting.
+    e.ingest(&zone_report("a1", "r1", "z1", &all), 5000);
+    e.recompute(5000, 0);
+    assert_eq!(ratio_of(&e, "r1", "z1", "g"), 0.0);
+    assert!(e.totals().count() >= 9);
+    assert!(e.totals().all(|(_, _, t)| t[0] >= 40));
+}
+
+#[test]
+fn engine_applies_overrides_until_they_expire() {
+    let cfg = ConfigDoc {
+        version: "v1".into(),
+        services: vec![BucketFile {
+            service: "svc".into(),
+            buckets: vec![bucket("g", Scope::Global, 1000.0)],
+        }],
+    };
+    let mut e = Engine::new(cfg, 3000);
+    e.ingest(&zone_report("a1", "r1", "z1", &[("g", 200.0)]), 0);
+    let req = OverrideRequest {
+        service: Some("svc".into()),
+        bucket: Some("g".into()),
+        caller: None,
+        procedure: None,
+        limit_rps: Some(100.0),
+        drop_ratio: None,
+        ttl_secs: 60,
+        reason: "INC-7".into(),
+        who: "sre".into(),
+    };
+    e.set_overrides(vec![Override {
+        id: "ovr-1".into(),
+        req,
+        created_at: 1000,
+        expires_at: 1060,
+    }]);
+    e.recompute(0, 1000);
+    assert!((ratio_of(&e, "r1", "z1", "g") - 0.5).abs() < 1e-9);
+    assert_eq!(e.purge_expired(1059).len(), 0);
+    let gone = e.purge_expired(1060);
+    assert_eq!(gone.len(), 1);
+    e.recompute(0, 1060);
+    assert_eq!(ratio_of(&e, "r1", "z1", "g"), 0.0);
+}
+
+#[test]
+fn peered_regions_compute_one_global_ratio_without_echo() {
+    let cfg = ConfigDoc {
+        version: "v1".into(),
+        services: vec![BucketFile {
+            service: "svc".into(),
+            buckets: vec![
+                bucket("g", Scope::Global, 100.0),
+                bucket("r", Scope::Region, 100.0),
+            ],
+        }],
+    };
+    let mut east = Engine::new(cfg.clone(), 3000);
+    let mut west = Engine::new(cfg, 3000);
+    east.ingest(
+        &zone_report("a1", "east", "e1", &[("g", 100.0), ("r", 100.0)]),
+        0,
+    );
+    west.ingest(
+        &zone_report("a2", "west", "w1", &[("g", 100.0), ("r", 150.0)]),
+        0,
+    );
+    let (to_west, to_east) = (east.regional_report("east"), west.regional_report("west"));
+    // Only global buckets cross regions.
+    assert_eq!(to_west.buckets.len(), 1);
+    west.ingest(&to_west, 0);
+    east.ingest(&to_east, 0);
+    east.recompute(0, 0);
+    west.recompute(0, 0);
+    // 200 offered fleet-wide against 100: both regions drop half.
+    assert!((ratio_of(&east, "east", "e1", "g") - 0.5).abs() < 1e-9);
+    assert!((ratio_of(&west, "west", "w1", "g") - 0.5).abs() < 1e-9);
+    // Region buckets stay regional.
+    assert_eq!(ratio_of(&east, "east", "e1", "r"), 0.0);
+    assert!((ratio_of(&west, "west", "w1", "r") - 1.0 / 3.0).abs() < 1e-9);
+    // What a region forwards never includes what its peers sent it.
+    let again = east.regional_report("east");
+    assert_eq!(again.buckets[0].offered_rps, 100.0);
+}

@@ -1,0 +1,805 @@
+//! Integration tests: the built `grl` binary as real controller and aggregator processes on
+//! loopback, with in-process clients (the library a service embeds).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use grl_core::Decision;
+use grl_runtime::client::{ClientOptions, GrlClient};
+use serde_json::{json, Value};
+
+const TOKEN: &str = "s3cret";
+
+/// A child process killed (SIGKILL) when dropped.
+struct Proc(Child);
+
+impl Proc {
+    fn kill(mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn log_file(dir: &Path, name: &str) -> Stdio {
+    Stdio::from(std::fs::File::create(dir.join(format!("{name}.log"))).unwrap())
+}
+
+fn spawn_controller(port: u16, state: &Path, logs: &Path, extra: &[&str]) -> Proc {
+    let child = Command::new(env!("CARGO_BIN_EXE_grl"))
+        .args([
+            "controller",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--tick-ms",
+            "100",
+            "--state-dir",
+        ])
+        .arg(state)
+        .args(extra)
+        .env("GRL_TOKEN", TOKEN)
+        .stdout(Stdio::null())
+        .stderr(log_file(logs, &format!("controller-{port}")))
+        .spawn()
+        .unwrap();
+    Proc(child)
+}
+
+fn spawn_aggregator(port: u16, controller: &str, id: &str, logs: &Path) -> Proc {
+    let child = Command::new(env!("CARGO_BIN_EXE_grl"))
+        .args([
+            "aggregator",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--controller",
+            controller,
+        ])
+        .args([
+            "--zone",
+            "z1",
+            "--region",
+            "r1",
+            "--tick-ms",
+            "100",
+            "--id",
+            id,
+        ])
+        .stdout(Stdio::null())
+        .stderr(log_file(logs, id))
+        .spawn()
+        .unwrap();
+    Proc(child)
+}
+
+/// Polls `f` until it holds; fails with `what` after a generous bound (a hang guard, not a
+/// speed assertion).
+async fn eventually<F, Fut>(what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    for _ in 0..300 {
+        if f().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("timed out waiting for: {what}");
+}
+
+async fn wait_up(url: &str) {
+    let http = reqwest::Client::new();
+    let u = url.to_string();
+    eventually(&format!("{u} up"), || {
+        let http = http.clone();
+        let u = u.clone();
+        async move { http.get(&u).send().await.is_ok() }
+    })
+    .await;
+}
+
+fn payments_config(version: &str, limit: f64) -> Value {
+    json!({
+        "version": version,
+        "services": [{
+            "service": "payments",
+            "buckets": [
+                {"name": "gw.charge", "caller": "gw", "procedure": "charge", "scope": "global",
+                 "limit_rps": limit, "mode": "enforce", "policy": "peak"}
+            ]
+        }]
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn controller_api_validates_persists_and_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let ctl = spawn_controller(port, &state, dir.path(), &[]);
+    wait_up(&format!("{base}/v1/status")).await;
+    let http = reqwest::Client::new();
+    let put = |body: String, token: Option<&str>| {
+        let mut r = http
+            .put(format!("{base}/v1/config"))
+            .header("content-type", "application/json")
+            .body(body);
+        if let Some(t) = token {
+            r = r.bearer_auth(t);
+        }
+        r.send()
+    };
+    let good = payments_config("v1", 200.0).to_string();
+
+    assert_eq!(put(good.clone(), None).await.unwrap().status(), 401);
+    assert_eq!(
+        put(good.clone(), Some("wrong")).await.unwrap().status(),
+        401
+    );
+
+    let r = put("{not json".into(), Some(TOKEN)).await.unwrap();
+    assert_eq!(r.status(), 400);
+    assert!(r.json::<Value>().await.unwrap()["error"]
+        .as_str()
+        .unwrap()
+        .contains("malformed"));
+
+    let r = put(payments_config("v0", -1.0).to_string(), Some(TOKEN))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 422);
+    assert!(r.json::<Value>().await.unwrap()["error"]
+        .as_str()
+        .unwrap()
+        .contains("limit_rps"));
+
+    let mut dup = payments_config("v0", 10.0);
+    let svc = dup["services"][0].clone();
+    dup["services"].as_array_mut().unwrap().push(svc);
+    let r = put(dup.to_string(), Some(TOKEN)).await.unwrap();
+    assert_eq!(r.status(), 422);
+    assert!(r.json::<Value>().await.unwrap()["error"]
+        .as_str()
+        .unwrap()
+        .contains("twice"));
+
+    let mut no_match = payments_config("v0", 10.0);
+    no_match["services"][0]["buckets"][0]
+        .as_object_mut()
+        .unwrap()
+        .retain(|k, _| k != "caller" && k != "procedure");
+    assert_eq!(
+        put(no_match.to_string(), Some(TOKEN))
+            .await
+            .unwrap()
+            .status(),
+        422
+    );
+
+    // Nothing changed by the refused pushes.
+    let cfg: Value = http
+        .get(format!("{base}/v1/config"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(cfg["version"], "");
+
+    let r = put(good.clone(), Some(TOKEN)).await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.json::<Value>().await.unwrap()["changed"], true);
+    let r = put(good.clone(), Some(TOKEN)).await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.json::<Value>().await.unwrap()["changed"], false);
+
+    let status: Value = http
+        .get(format!("{base}/v1/status"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(status["version"], "v1");
+    assert_eq!(status["buckets"], 1);
+
+    // Overrides: token required, validated, listed.
+    let ovr = json!({"service": "payments", "bucket": "gw.charge", "limit_rps": 50.0, "ttl_secs": 3600,
+                     "reason": "INC-42", "who": "alice"});
+    let r = http
+        .post(format!("{base}/v1/overrides"))
+        .json(&ovr)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    let r = http
+        .post(format!("{base}/v1/overrides"))
+        .bearer_auth(TOKEN)
+        .json(&json!({"caller": "gw", "ttl_secs": 60, "reason": "x", "who": "y"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 422);
+    let r = http
+        .post(format!("{base}/v1/overrides"))
+        .bearer_auth(TOKEN)
+        .json(&ovr)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let id = r.json::<Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+
+    let metrics = http
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(metrics.contains("# TYPE grl_requests_offered_total counter"));
+    assert!(metrics.contains("# TYPE grl_drop_ratio gauge"));
+
+    // Restart: config and override come back from the state dir.
+    ctl.kill();
+    let ctl = spawn_controller(port, &state, dir.path(), &[]);
+    wait_up(&format!("{base}/v1/status")).await;
+    let cfg: Value = http
+        .get(format!("{base}/v1/config"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(cfg, payments_config("v1", 200.0));
+    let list: Value = http
+        .get(format!("{base}/v1/overrides"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(list["overrides"][0]["id"], id.as_str());
+    assert_eq!(list["overrides"][0]["who"], "alice");
+
+    // Removal needs the token, then the override is gone.
+    let r = http
+        .delete(format!("{base}/v1/overrides/{id}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    let r = http
+        .delete(format!("{base}/v1/overrides/{id}"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let list: Value = http
+        .get(format!("{base}/v1/overrides"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(list["overrides"].as_array().unwrap().len(), 0);
+    drop(ctl);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn controller_loads_config_dir_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("buckets");
+    std::fs::create_dir_all(&cfg).unwrap();
+    std::fs::write(
+        cfg.join("maps.yaml"),
+        "service: maps\nbuckets:\n  - name: a\n    caller: a\n    limit_rps: 5\n  - name: b\n    procedure: route\n    limit_rps: 7\n    mode: shadow\n",
+    )
+    .unwrap();
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let _ctl = spawn_controller(
+        port,
+        &dir.path().join("state"),
+        dir.path(),
+        &["--config-dir", cfg.to_str().unwrap()],
+    );
+    wait_up(&format!("{base}/v1/status")).await;
+    let status: Value = reqwest::get(format!("{base}/v1/status"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(status["buckets"], 2);
+    assert!(status["version"].as_str().unwrap().starts_with("dir:"));
+}
+
+/// Offers `rps` requests per second of caller `gw` to `client`'s limiter until `stop`.
+fn load(client: Arc<GrlClient>, rps: f64, stop: Arc<AtomicBool>, dropped: Arc<AtomicU64>) {
+    std::thread::spawn(move || {
+        let start = std::time::Instant::now();
+        let mut done = 0u64;
+        while !stop.load(Ordering::Relaxed) {
+            let due = (start.elapsed().as_secs_f64() * rps) as u64;
+            while done < due {
+                if client.limiter().decide("gw", "charge") == Decision::Drop {
+                    dropped.fetch_add(1, Ordering::Relaxed);
+                }
+                done += 1;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    });
+}
+
+async fn reports_after(http: &reqwest::Client, base: &str, after: u64) -> (u64, Vec<Value>) {
+    let v: Value = match http
+        .get(format!("{base}/v1/reports?after={after}&limit=1000"))
+        .send()
+        .await
+    {
+        Ok(r) => r.json().await.unwrap_or(Value::Null),
+        Err(_) => Value::Null,
+    };
+    let next = v["next"].as_u64().unwrap_or(after);
+    let rows = v["reports"].as_array().cloned().unwrap_or_default();
+    (next, rows)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fleet_enforces_fails_over_fails_open_and_recovers() {
+    let dir = tempfile::tempdir().unwrap();
+    let state: PathBuf = dir.path().join("state");
+    let cport = free_port();
+    let base = format!("http://127.0.0.1:{cport}");
+    let ctl = spawn_controller(cport, &state, dir.path(), &[]);
+    wait_up(&format!("{base}/v1/status")).await;
+    let http = reqwest::Client::new();
+    let r = http
+        .put(format!("{base}/v1/config"))
+        .bearer_auth(TOKEN)
+        .json(&payments_config("v1", 200.0))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+
+    let (pa, pb) = (free_port(), free_port());
+    let (ua, ub) = (
+        format!("http://127.0.0.1:{pa}"),
+        format!("http://127.0.0.1:{pb}"),
+    );
+    let agg_a = spawn_aggregator(pa, &base, "agg-a", dir.path());
+    let _agg_b = spawn_aggregator(pb, &base, "agg-b", dir.path());
+    wait_up(&format!("{ua}/v1/config")).await;
+    wait_up(&format!("{ub}/v1/config")).await;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut clients = Vec::new();
+    for i in 0..4 {
+        let aggs = if i % 2 == 0 {
+            vec![ua.clone(), ub.clone()]
+        } else {
+            vec![ub.clone(), ua.clone()]
+        };
+        let mut o = ClientOptions::new("payments", aggs);
+        o.tick = Duration::from_millis(100);
+        o.stale_after = Duration::from_millis(600);
+        o.client_id = Some(format!("c{i}"));
+        let c = Arc::new(GrlClient::start(o));
+        load(c.clone(), 100.0, stop.clone(), Arc::new(AtomicU64::new(0)));
+        clients.push(c);
+    }
+
+    // 1. Enforcement: 400 rps offered against 200 → the controller's reports settle at the
+    //    limit (mean of the recent rows, which are noisy at 100 ms).
+    let mut cursor = 0;
+    let mut recent: Vec<Value> = Vec::new();
+    let mut settled = false;
+    for _ in 0..300 {
+        let (next, rows) = reports_after(&http, &base, cursor).await;
+        cursor = next;
+        recent.extend(rows.into_iter().filter(|r| r["bucket"] == "gw.charge"));
+        let n = recent.len();
+        if n >= 20 {
+            let tail = &recent[n - 20..];
+            let mean = |k: &str| tail.iter().map(|r| r[k].as_f64().unwrap()).sum::<f64>() / 20.0;
+            let (offered, admitted) = (mean("offered"), mean("admitted"));
+            if offered > 300.0 && ((admitted - 200.0) / 200.0).abs() < 0.2 {
+                settled = true;
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        settled,
+        "admitted never settled at the limit: {:?}",
+        recent.iter().rev().take(5).collect::<Vec<_>>()
+    );
+    assert!(clients
+        .iter()
+        .all(|c| c.limiter().table().version() == "v1"));
+
+    // 2. Kill one aggregator: its clients fail over and keep enforcing.
+    agg_a.kill();
+    eventually("clients fail over", || {
+        let ok = clients[0].stats().failovers.load(Ordering::Relaxed) >= 1
+            && clients[2].stats().failovers.load(Ordering::Relaxed) >= 1;
+        async move { ok }
+    })
+    .await;
+    let now = grl_core::now_ms();
+    for c in &clients {
+        let t = c.limiter().table();
+        assert!(!t.is_stale(now), "a client went stale after failover");
+        assert!(t.ratio(0) > 0.2, "ratio {}", t.ratio(0));
+    }
+
+    // 3. Kill the controller: every client fails open within the staleness bound.
+    ctl.kill();
+    eventually("clients fail open", || {
+        let now = grl_core::now_ms();
+        let ok = clients.iter().all(|c| {
+            c.limiter().table().is_stale(now)
+                && c.stats().fail_open_total.load(Ordering::Relaxed) >= 1
+        });
+        async move { ok }
+    })
+    .await;
+    for c in &clients {
+        for _ in 0..1000 {
+            assert_ne!(c.limiter().decide("gw", "charge"), Decision::Drop);
+        }
+    }
+
+    // 4. Restart the controller: it serves the persisted config and enforcement resumes.
+    let _ctl = spawn_controller(cport, &state, dir.path(), &[]);
+    wait_up(&format!("{base}/v1/status")).await;
+    eventually("clients enforce again", || {
+        let now = grl_core::now_ms();
+        let ok = clients.iter().all(|c| {
+            let t = c.limiter().table();
+            !t.is_stale(now) && t.ratio(0) > 0.2
+        });
+        async move { ok }
+    })
+    .await;
+    let cfg: Value = http
+        .get(format!("{base}/v1/config"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(cfg["version"], "v1");
+
+    // 5. An incident override (here through the CLI) reaches the clients within a few ticks.
+    let out = Command::new(env!("CARGO_BIN_EXE_grl"))
+        .args([
+            "override",
+            "add",
+            "--controller",
+            &base,
+            "--token",
+            TOKEN,
+            "--caller",
+            "gw",
+        ])
+        .args([
+            "--drop-ratio",
+            "0.9",
+            "--ttl",
+            "10m",
+            "--reason",
+            "INC-1",
+            "--who",
+            "bob",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eventually("override in force at the clients", || {
+        let ok = clients
+            .iter()
+            .all(|c| (c.limiter().table().ratio(0) - 0.9).abs() < 1e-6);
+        async move { ok }
+    })
+    .await;
+    let out = Command::new(env!("CARGO_BIN_EXE_grl"))
+        .args(["override", "list", "--controller", &base])
+        .output()
+        .unwrap();
+    let list: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(list["overrides"][0]["reason"], "INC-1");
+    stop.store(true, Ordering::Relaxed);
+}
+
+mod layer {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use axum::body::Body;
+    use axum::routing::get;
+    use axum::Router;
+    use grl_core::{Limiter, Table};
+    use grl_runtime::layer::{GrlLayer, KeyFrom};
+    use http::Request;
+    use schema::{Bucket, Mode, PolicyName, Scope};
+    use tower::ServiceExt;
+
+    fn limiter(mode: Mode, ratio: f64) -> Arc<Limiter> {
+        let l = Arc::new(Limiter::new("payments", Duration::from_secs(60)));
+        let b = Bucket {
+            name: "gw.charge".into(),
+            caller: Some("gw".into()),
+            procedure: Some("charge".into()),
+            scope: Scope::Global,
+            limit_rps: 1.0,
+            mode,
+            policy: PolicyName::Manual,
+        };
+        l.install(Table::compile("payments", "v1", &[b]).unwrap());
+        l.table().set_ratio(0, ratio);
+        l.directives_received(grl_core::now_ms());
+        l
+    }
+
+    fn app(l: Arc<Limiter>) -> Router {
+        Router::new()
+            .route("/charge", get(|| async { "ok" }))
+            .layer(
+                GrlLayer::new(l)
+                    .procedure_from(KeyFrom::PathSegment(0))
+                    .retry_after_secs(2),
+            )
+    }
+
+    fn req(caller: &str) -> Request<Body> {
+        Request::get("/charge")
+            .header("x-caller", caller)
+            .body(Body::empty())
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn drop_answers_429_with_retry_after() {
+        let app = app(limiter(Mode::Enforce, 1.0));
+        let r = app.clone().oneshot(req("gw")).await.unwrap();
+        assert_eq!(r.status(), 429);
+        assert_eq!(r.headers()["retry-after"], "2");
+        // Another caller is not in the bucket: it passes.
+        let r = app.oneshot(req("other")).await.unwrap();
+        assert_eq!(r.status(), 200);
+    }
+
+    #[tokio::test]
+    async fn shadow_passes_through_and_counts() {
+        let l = limiter(Mode::Shadow, 1.0);
+        let app = app(l.clone());
+        for _ in 0..10 {
+            assert_eq!(app.clone().oneshot(req("gw")).await.unwrap().status(), 200);
+        }
+        let c = l.table().counts(0);
+        assert_eq!(c.offered, 10);
+        assert_eq!(c.shadow_dropped, 10);
+    }
+}
+
+#[test]
+fn simulate_cli_prints_one_json_line_per_bucket_per_tick() {
+    let scenario = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scenarios/steady-1.5x.yaml");
+    let run = |algo: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_grl"))
+            .args(["simulate", "--seed", "5", "--algorithm", algo, "--scenario"])
+            .arg(&scenario)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let a = run("drop-by-ratio");
+    assert_eq!(a, run("drop-by-ratio"), "same seed, same output");
+    let lines: Vec<Value> = a
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 30, "30 ticks of one bucket");
+    for k in [
+        "t",
+        "bucket",
+        "offered_rps",
+        "admitted_rps",
+        "dropped_rps",
+        "shadow_dropped_rps",
+        "drop_ratio",
+    ] {
+        assert!(lines[0].get(k).is_some(), "missing {k}");
+    }
+    let last = &lines[29];
+    assert!((last["drop_ratio"].as_f64().unwrap() - 1.0 / 3.0).abs() < 0.01);
+    let tb: Vec<Value> = run("token-bucket")
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(tb.len(), 30);
+
+    // A scenario with an unknown key is refused with its file and line.
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(
+        &bad,
+        "service: s\nduration_s: 1\nbogus: 1\nbuckets: []\ncallers: []\n",
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_grl"))
+        .args(["simulate", "--scenario"])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("bad.yaml:3") && err.contains("bogus"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peered_region_controllers_share_global_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let (pe, pw) = (free_port(), free_port());
+    let (ue, uw) = (
+        format!("http://127.0.0.1:{pe}"),
+        format!("http://127.0.0.1:{pw}"),
+    );
+    let _east = spawn_controller(
+        pe,
+        &dir.path().join("east"),
+        dir.path(),
+        &["--region", "east", "--peer", &uw],
+    );
+    let _west = spawn_controller(
+        pw,
+        &dir.path().join("west"),
+        dir.path(),
+        &["--region", "west", "--peer", &ue],
+    );
+    let http = reqwest::Client::new();
+    for u in [&ue, &uw] {
+        wait_up(&format!("{u}/v1/status")).await;
+        let r = http
+            .put(format!("{u}/v1/config"))
+            .bearer_auth(TOKEN)
+            .json(&payments_config("v1", 200.0))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    // Each region's aggregator reports 300 rps: alone each is at 1.5x; together at 3x.
+    let report = |region: &str| {
+        json!({"aggregator_id": format!("agg-{region}"), "region": region, "zone": format!("{region}-1"),
+               "buckets": [{"service": "payments", "bucket": "gw.charge", "offered_rps": 300.0,
+                            "admitted_rps": 300.0, "dropped_rps": 0.0, "shadow_dropped_rps": 0.0,
+                            "counts": {"bucket": "gw.charge", "offered": 30, "admitted": 30,
+                                       "dropped": 0, "shadow_dropped": 0}}]})
+    };
+    let mut seen = None;
+    for _ in 0..200 {
+        let mut ratios = Vec::new();
+        for (u, region) in [(&ue, "east"), (&uw, "west")] {
+            let d: Value = http
+                .post(format!("{u}/v1/aggregate"))
+                .json(&report(region))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            ratios.push(d["services"][0]["directives"][0]["ratio"].as_f64().unwrap());
+        }
+        // 600 offered fleet-wide against 200 → 2/3 in both regions (1/3 if they did not peer).
+        if ratios.iter().all(|r| (r - 2.0 / 3.0).abs() < 1e-6) {
+            seen = Some(ratios);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        seen.is_some(),
+        "regions never converged on the global ratio"
+    );
+
+    // Malformed zone reports are refused with a reason and change nothing.
+    let r = http
+        .post(format!("{ue}/v1/aggregate"))
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let mut bad = report("east");
+    bad["buckets"][0]["offered_rps"] = json!(-5.0);
+    let r = http
+        .post(format!("{ue}/v1/aggregate"))
+        .json(&bad)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 422);
+    assert!(r.json::<Value>().await.unwrap()["error"]
+        .as_str()
+        .unwrap()
+        .contains("negative"));
+}
+
+#[test]
+fn simulate_realtime_runs_the_real_stack() {
+    let scenario = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scenarios/realtime-smoke.yaml");
+    let out = Command::new(env!("CARGO_BIN_EXE_grl"))
+        .args(["simulate", "--realtime", "--scenario"])
+        .arg(&scenario)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(rows.len() >= 10, "{} rows", rows.len());
+    // Second half: 1000 rps offered against 500 → about half admitted.
+    let tail = &rows[rows.len() / 2..];
+    let offered: f64 = tail
+        .iter()
+        .map(|r| r["offered_rps"].as_f64().unwrap())
+        .sum();
+    let admitted: f64 = tail
+        .iter()
+        .map(|r| r["admitted_rps"].as_f64().unwrap())
+        .sum();
+    let frac = admitted / offered;
+    assert!((frac - 0.5).abs() < 0.1, "admitted fraction {frac}");
+}
