@@ -1,0 +1,296 @@
+//! End-to-end: `rlc run --once` and `rlc serve` against a real `grl controller` process and a
+//! git remote served by `git daemon`.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use test_support::git::GitRemote;
+
+const TOKEN: &str = "e2e-token-0123456789";
+
+/// Path of a workspace binary, built once per test run so that it is never stale.
+fn bin(name: &str) -> PathBuf {
+    static BUILT: OnceLock<()> = OnceLock::new();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    BUILT.get_or_init(|| {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let ok = Command::new(cargo)
+            .current_dir(&root)
+            .args(["build", "-q", "-p", "rlc", "-p", "grl-runtime", "--bins"])
+            .status()
+            .expect("cargo runs")
+            .success();
+        assert!(ok, "building the rlc and grl binaries failed");
+    });
+    let target = std::env::var("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| root.join("target"));
+    let p = target.join("debug").join(name);
+    assert!(p.exists(), "{} missing after the build", p.display());
+    p
+}
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn start_controller(port: u16, state: &Path) -> Proc {
+    let child = Command::new(bin("grl"))
+        .args([
+            "controller",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--tick-ms",
+            "200",
+            "--state-dir",
+        ])
+        .arg(state)
+        .env("GRL_TOKEN", TOKEN)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("grl starts");
+    let p = Proc(child);
+    wait_until(Duration::from_secs(20), || {
+        get(port, "/v1/status").is_some()
+    });
+    p
+}
+
+/// GET on loopback; the JSON body on 200, None otherwise (connection refused included).
+fn get(port: u16, path: &str) -> Option<serde_json::Value> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).ok()?;
+    let (head, body) = buf.split_once("\r\n\r\n")?;
+    if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
+        return None;
+    }
+    serde_json::from_str(body).ok()
+}
+
+/// Polls `cond` until it holds; panics after `limit` (a bound on waiting, not a speed claim).
+fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(
+            start.elapsed() < limit,
+            "condition not met within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn template_files() -> Vec<(String, String)> {
+    fn walk(dir: &Path, rel: &str, out: &mut Vec<(String, String)>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let e = e.unwrap();
+            let name = e.file_name().to_string_lossy().into_owned();
+            let r = if rel.is_empty() {
+                name.clone()
+            } else {
+                format!("{rel}/{name}")
+            };
+            if e.file_type().unwrap().is_dir() {
+                walk(&e.path(), &r, out);
+            } else {
+                out.push((r, std::fs::read_to_string(e.path()).unwrap()));
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("../config-repo-template"),
+        "",
+        &mut out,
+    );
+    out
+}
+
+/// A deployment: a git remote made from the template, a history file and an rlc.yaml.
+struct Deployment {
+    dir: tempfile::TempDir,
+    remote: GitRemote,
+    controller_port: u16,
+}
+
+impl Deployment {
+    fn new() -> Deployment {
+        let files = template_files();
+        let refs: Vec<(&str, &str)> = files
+            .iter()
+            .map(|(a, b)| (a.as_str(), b.as_str()))
+            .collect();
+        let remote = GitRemote::new("main", &refs).expect("git remote");
+        let dir = tempfile::tempdir().unwrap();
+        rlc::history::synth::generate(
+            &dir.path().join("history.csv"),
+            7,
+            chrono::Utc::now(),
+            28,
+            60,
+        )
+        .unwrap();
+        let controller_port = free_port();
+        std::fs::write(
+            dir.path().join("rlc.yaml"),
+            format!(
+                "history:\n  file: history.csv\nconfig_repo:\n  path: work\n  url: {}\n  branch: main\n  mode: direct\ncontroller:\n  url: http://127.0.0.1:{controller_port}\n  token_env: GRL_TOKEN\ndatabase_url: sqlite://rlc.db\nserver:\n  listen: 127.0.0.1:0\n  token_env: RLC_TOKEN\n",
+                remote.url()
+            ),
+        )
+        .unwrap();
+        Deployment {
+            dir,
+            remote,
+            controller_port,
+        }
+    }
+
+    fn rlc(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(bin("rlc"));
+        c.args(args)
+            .arg("--config")
+            .arg(self.dir.path().join("rlc.yaml"))
+            .env("GRL_TOKEN", TOKEN)
+            .env("RLC_TOKEN", "rlc-e2e-token");
+        c
+    }
+}
+
+#[test]
+fn run_once_puts_the_new_commit_on_a_real_controller() {
+    let d = Deployment::new();
+    let before = d.remote.head("main").unwrap();
+    let _controller = start_controller(d.controller_port, &d.dir.path().join("grl-state"));
+
+    let out = d.rlc(&["run", "--once"]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let head = d.remote.head("main").unwrap();
+    assert_ne!(
+        head, before,
+        "the run must commit the computed quotas: {stdout}"
+    );
+    let status = get(d.controller_port, "/v1/status").unwrap();
+    assert_eq!(status["version"], head, "controller runs the new commit");
+    // The controller serves exactly the committed buckets.
+    let committed = limits(&d.remote.read("main", "buckets/payments.yaml").unwrap());
+    let config = get(d.controller_port, "/v1/config").unwrap();
+    let served = config["services"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["service"] == "payments")
+        .expect("payments served");
+    let mut served_limits: Vec<(String, f64)> = served["buckets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| {
+            (
+                b["name"].as_str().unwrap().to_string(),
+                b["limit_rps"].as_f64().unwrap(),
+            )
+        })
+        .collect();
+    served_limits.sort_by(|a, b| a.0.cmp(&b.0));
+    assert!(!committed.is_empty());
+    assert_eq!(served_limits, committed);
+
+    // Same history again: only decreases the rails held back move on (each capped per run),
+    // until a run has nothing to change and makes no commit.
+    let mut last = head;
+    let mut converged = false;
+    for _ in 0..8 {
+        let out = d.rlc(&["run", "--once"]).output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert_eq!(out.status.code(), Some(0), "{stdout}");
+        let now = d.remote.head("main").unwrap();
+        if now == last {
+            assert!(stdout.contains("unchanged"), "{stdout}");
+            converged = true;
+            break;
+        }
+        assert!(
+            !stdout.contains("Raised") && !stdout.contains("Added"),
+            "only capped decreases continue: {stdout}"
+        );
+        last = now;
+    }
+    assert!(
+        converged,
+        "a run on unchanged history must eventually make no commit"
+    );
+    assert_eq!(
+        get(d.controller_port, "/v1/status").unwrap()["version"],
+        last.as_str()
+    );
+}
+
+#[test]
+fn serve_delivers_the_version_once_the_controller_is_back() {
+    let d = Deployment::new();
+    // Controller down: the commit stands, the push is pending (exit 2).
+    let out = d.rlc(&["run", "--once"]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(out.status.code(), Some(2), "{stdout}");
+    assert!(stdout.contains("push pending"), "{stdout}");
+    let head = d.remote.head("main").unwrap();
+
+    let serve = Proc(
+        d.rlc(&["serve", "--poll-secs", "1"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    // The daemon cannot reach the controller yet; then it comes up.
+    std::thread::sleep(Duration::from_millis(1500));
+    let _controller = start_controller(d.controller_port, &d.dir.path().join("grl-state"));
+    wait_until(Duration::from_secs(60), || {
+        get(d.controller_port, "/v1/status").is_some_and(|s| s["version"] == head.as_str())
+    });
+    drop(serve);
+}
+
+/// (bucket name, limit) pairs of a bucket file, sorted by name, read with the schema crate.
+fn limits(yaml: &str) -> Vec<(String, f64)> {
+    let f = schema::parse_str::<schema::BucketFile>(Path::new("payments.yaml"), yaml).unwrap();
+    let mut v: Vec<_> = f
+        .value
+        .buckets
+        .iter()
+        .map(|b| (b.name.clone(), b.limit_rps))
+        .collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
