@@ -2,6 +2,7 @@
 //! plugins through compute_plan.
 
 mod backtest;
+mod cli;
 mod compute;
 mod prometheus;
 mod support;
