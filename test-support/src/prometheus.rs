@@ -29,7 +29,11 @@ impl OpenMetricsWriter {
     /// Creates the file at `path`.
     pub fn create(path: &Path) -> Result<Self> {
         let f = File::create(path).with_context(|| format!("create {}", path.display()))?;
-        Ok(Self { out: BufWriter::with_capacity(1 << 20, f), path: path.to_path_buf(), line: String::new() })
+        Ok(Self {
+            out: BufWriter::with_capacity(1 << 20, f),
+            path: path.to_path_buf(),
+            line: String::new(),
+        })
     }
 
     /// Starts a metric family: `kind` is `gauge` or `counter` (counter samples are written as
@@ -40,7 +44,13 @@ impl OpenMetricsWriter {
     }
 
     /// One sample; `ts` in unix seconds. Write all samples of a series in time order.
-    pub fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: f64, ts: i64) -> Result<()> {
+    pub fn sample(
+        &mut self,
+        name: &str,
+        labels: &[(&str, &str)],
+        value: f64,
+        ts: i64,
+    ) -> Result<()> {
         self.line.clear();
         self.line.push_str(name);
         self.line.push('{');
@@ -48,7 +58,11 @@ impl OpenMetricsWriter {
             if i > 0 {
                 self.line.push(',');
             }
-            let _ = write!(self.line, "{k}=\"{}\"", v.replace('\\', "\\\\").replace('"', "\\\""));
+            let _ = write!(
+                self.line,
+                "{k}=\"{}\"",
+                v.replace('\\', "\\\\").replace('"', "\\\"")
+            );
         }
         let _ = writeln!(self.line, "}} {value} {ts}");
         self.out.write_all(self.line.as_bytes())?;
@@ -102,16 +116,29 @@ impl Prometheus {
         let data = dir.path().join("data");
         std::fs::create_dir(&data)?;
         let out = Command::new(&promtool)
-            .args(["tsdb", "create-blocks-from", "openmetrics", "--max-block-duration=720h", "--quiet"])
+            .args([
+                "tsdb",
+                "create-blocks-from",
+                "openmetrics",
+                "--max-block-duration=720h",
+                "--quiet",
+            ])
             .arg(openmetrics)
             .arg(&data)
             .output()
             .context("run promtool")?;
         if !out.status.success() {
-            bail!("promtool failed: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            bail!(
+                "promtool failed: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
         let config = dir.path().join("prometheus.yml");
-        std::fs::write(&config, "global:\n  scrape_interval: 1h\nscrape_configs: []\n")?;
+        std::fs::write(
+            &config,
+            "global:\n  scrape_interval: 1h\nscrape_configs: []\n",
+        )?;
         let log = File::create(dir.path().join("prometheus.log"))?;
         let port = free_port()?;
         let child = Command::new(&prometheus)
@@ -124,7 +151,11 @@ impl Prometheus {
             .stderr(log)
             .spawn()
             .context("start prometheus")?;
-        let mut p = Prometheus { url: format!("http://127.0.0.1:{port}"), child, dir };
+        let mut p = Prometheus {
+            url: format!("http://127.0.0.1:{port}"),
+            child,
+            dir,
+        };
         p.wait_ready(port)?;
         Ok(p)
     }
