@@ -46,6 +46,7 @@ pub struct Fit {
 impl Fit {
     /// Fits the model on the hourly maxima of `s`; `None` when there is too little data or the
     /// numbers are not finite.
+    #[allow(clippy::self_named_constructors)]
     pub fn fit(s: &crate::RateSeries) -> Option<Fit> {
         let per_hour = (3600 / s.step.max(1)).max(1) as usize;
         let start_hour = s.start.div_euclid(3600) * 3600;

@@ -72,7 +72,7 @@ pub fn resolve(dir: &Path, name: &str) -> Result<PathBuf, PolicyError> {
         .canonicalize()
         .map_err(|e| err(name, format!("plugin directory {}: {e}", dir.display())))?;
     let candidates = [
-        libloading::library_filename(format!("{}", name.replace('-', "_"))),
+        libloading::library_filename(name.replace('-', "_")),
         libloading::library_filename(name),
         format!("{name}{}", std::env::consts::DLL_SUFFIX).into(),
     ];

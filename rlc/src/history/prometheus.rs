@@ -208,7 +208,11 @@ async fn fetch(
         let resp = match client.post(url).form(&form).send().await {
             Ok(r) => r,
             Err(e) => {
-                last = format!("request failed: {e}");
+                last = if e.is_timeout() {
+                    format!("request failed: timed out after {}", p.timeout)
+                } else {
+                    format!("request failed: {}", chain(&e))
+                };
                 continue;
             }
         };
@@ -216,7 +220,11 @@ async fn fetch(
         let body = match resp.bytes().await {
             Ok(b) => b,
             Err(e) => {
-                last = format!("reading the response failed: {e}");
+                last = if e.is_timeout() {
+                    format!("reading the response failed: timed out after {}", p.timeout)
+                } else {
+                    format!("reading the response failed: {}", chain(&e))
+                };
                 continue;
             }
         };
@@ -270,4 +278,16 @@ async fn fetch(
         attempts,
         message: last,
     })
+}
+
+/// An error with its causes (reqwest hides "connection refused" in the source chain).
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
 }

@@ -2,6 +2,7 @@
 //! history from a real Prometheus, compute_plan end to end, backtests, plugins.
 
 mod backtest;
+mod cli;
 mod compute;
 mod prometheus;
 mod support;

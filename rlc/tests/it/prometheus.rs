@@ -493,3 +493,41 @@ fn four_weeks_from_real_prometheus() {
         plan.skipped
     );
 }
+
+/// A server that accepts connections and never answers (a hung Prometheus): every attempt
+/// times out, the error says so, and nothing waits forever.
+#[test]
+fn hung_prometheus_times_out_with_a_clear_error() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for s in listener.incoming().take(16) {
+            held.push(s); // keep the socket open, say nothing
+        }
+    });
+    let mut cfg = config(&url, QUERY);
+    let p = cfg.history.prometheus.as_mut().unwrap();
+    p.timeout = "1s".parse().unwrap();
+    p.concurrency = 1;
+    cfg.history.lookback = "1h".parse().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let e = rt
+        .block_on(history::load(
+            &cfg.history,
+            std::path::Path::new("."),
+            Utc::now(),
+        ))
+        .unwrap_err();
+    assert!(
+        matches!(e, HistoryError::Unavailable { attempts: 2, .. }),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains(&url) && e.to_string().contains("request failed"),
+        "{e}"
+    );
+}

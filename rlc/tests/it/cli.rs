@@ -1,0 +1,132 @@
+//! `rlc preview` and `rlc backtest` as a user runs them: paths relative to rlc.yaml.
+
+use std::process::Command;
+
+use chrono::Utc;
+
+fn setup(history: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::create_dir_all(d.join("repo/rlc")).unwrap();
+    std::fs::create_dir_all(d.join("repo/buckets")).unwrap();
+    std::fs::write(
+        d.join("repo/rlc/policies.yaml"),
+        "default:\n  policy: peak\nservices:\n  search:\n    policy: forecast\n",
+    )
+    .unwrap();
+    std::fs::write(
+        d.join("repo/buckets/maps.yaml"),
+        "service: maps\nbuckets:\n  - name: web.route\n    caller: web\n    procedure: route\n    limit_rps: 5000\n    policy: peak\n",
+    )
+    .unwrap();
+    std::fs::write(
+        d.join("rlc.yaml"),
+        format!("history:\n{history}\nconfig_repo:\n  path: repo\n"),
+    )
+    .unwrap();
+    rlc::history::synth::generate(&d.join("h.csv"), 1, Utc::now(), 28, 60).unwrap();
+    dir
+}
+
+fn rlc(dir: &std::path::Path, args: &[&str]) -> (i32, String, String) {
+    // Run from elsewhere: paths must resolve against rlc.yaml's directory.
+    let out = Command::new(env!("CARGO_BIN_EXE_rlc"))
+        .args(args)
+        .arg("--config")
+        .arg(dir.join("rlc.yaml"))
+        .current_dir(std::env::temp_dir())
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8(out.stderr).unwrap(),
+    )
+}
+
+#[test]
+fn preview_json_and_table() {
+    let dir = setup("  file: h.csv");
+    let (code, out, err) = rlc(dir.path(), &["preview", "--format", "json"]);
+    assert_eq!(code, 0, "{err}");
+    let plan: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let buckets = plan["buckets"].as_array().unwrap();
+    assert_eq!(buckets.len(), 8);
+    let web = buckets
+        .iter()
+        .find(|b| b["service"] == "maps" && b["name"] == "web.route")
+        .unwrap();
+    for k in [
+        "service",
+        "name",
+        "caller",
+        "procedure",
+        "scope",
+        "limit_rps",
+        "mode",
+        "policy",
+        "current_limit_rps",
+        "evidence",
+    ] {
+        assert!(web.get(k).is_some(), "missing {k} in {web}");
+    }
+    // 5000 → ≈ 1500: the decrease is capped at 25% per run.
+    assert_eq!(web["limit_rps"], 3750.0);
+    assert_eq!(web["current_limit_rps"], 5000.0);
+    assert_eq!(web["mode"], "enforce");
+
+    let (code, out, _) = rlc(dir.path(), &["preview", "--service", "maps"]);
+    assert_eq!(code, 0);
+    assert!(out.starts_with("SERVICE"), "{out}");
+    assert!(
+        out.contains("web.route") && out.contains("-25.0%") && !out.contains("search"),
+        "{out}"
+    );
+}
+
+#[test]
+fn preview_with_prometheus_down_keeps_quotas_and_fails() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let dir = setup(&format!(
+        "  prometheus:\n    url: http://127.0.0.1:{port}\n    query: up\n    retries: 2"
+    ));
+    let (code, out, err) = rlc(dir.path(), &["preview", "--format", "json"]);
+    assert_eq!(code, 1, "{err}");
+    let plan: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(plan["buckets"][0]["limit_rps"], 5000.0);
+    let reason = plan["skipped"][0]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("history source failed") && reason.contains(&port.to_string()),
+        "{reason}"
+    );
+}
+
+#[test]
+fn backtest_side_by_side() {
+    let dir = setup("  file: h.csv");
+    let (code, out, err) = rlc(
+        dir.path(),
+        &["backtest", "--holdout", "7d", "--format", "json"],
+    );
+    assert_eq!(code, 0, "{err}");
+    let r: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let totals = r["totals"].as_array().unwrap();
+    assert_eq!(totals.len(), 2);
+    assert_eq!(
+        (totals[0]["policy"].as_str(), totals[1]["policy"].as_str()),
+        (Some("peak"), Some("forecast"))
+    );
+    assert_eq!(totals[0]["buckets"], 8);
+    // Quickstart traffic grows ≤ 2%/day: both stay within 1.5× the real peak, forecast throttles no more.
+    for t in totals {
+        assert!(t["mean_slack"].as_f64().unwrap() < 1.5, "{t}");
+    }
+    assert!(
+        totals[1]["throttled_fraction"].as_f64() <= totals[0]["throttled_fraction"].as_f64(),
+        "{totals:?}"
+    );
+}
