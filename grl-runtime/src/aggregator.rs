@@ -119,6 +119,8 @@ impl Aggregator {
         let router = Router::new()
             .route("/v1/report", post(report))
             .route("/v1/config", get(config))
+            // Configs and zone reports for tens of thousands of buckets exceed axum's 2 MiB default.
+            .layer(axum::extract::DefaultBodyLimit::max(64 << 20))
             .with_state(shared.clone());
         let (stop, stopped) = oneshot::channel::<()>();
         let server = tokio::spawn(async move {

@@ -152,6 +152,8 @@ fn app(shared: Arc<Shared>) -> Router {
         .route("/v1/overrides", get(list_overrides).post(add_override))
         .route("/v1/overrides/{id}", delete(remove_override))
         .route("/metrics", get(metrics))
+        // Configs and zone reports for tens of thousands of buckets exceed axum's 2 MiB default.
+        .layer(axum::extract::DefaultBodyLimit::max(64 << 20))
         .with_state(shared)
 }
 

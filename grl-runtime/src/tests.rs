@@ -284,3 +284,69 @@ fn peered_regions_compute_one_global_ratio_without_echo() {
     let again = east.regional_report("east");
     assert_eq!(again.buckets[0].offered_rps, 100.0);
 }
+
+#[test]
+fn reporter_carries_counts_across_a_config_change() {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use grl_core::Limiter;
+
+    use crate::client::Reporter;
+    use crate::proto::{ClientDirectives, DirectiveMsg};
+
+    let limiter = Arc::new(Limiter::new("svc", Duration::from_secs(3)));
+    let mut rep = Reporter::new(limiter.clone(), "c1", 0);
+    let v1 = BucketFile {
+        service: "svc".into(),
+        buckets: vec![
+            bucket("a", Scope::Global, 10.0),
+            bucket("b", Scope::Global, 10.0),
+        ],
+    };
+    rep.install("svc", Some(&v1), "v1").unwrap();
+    for _ in 0..5 {
+        limiter.decide_at("a", "x", 0);
+        limiter.decide_at("b", "x", 0);
+    }
+    // v2 drops bucket b and keeps a: the 5 + 5 counted under v1 are still reported.
+    let v2 = BucketFile {
+        service: "svc".into(),
+        buckets: vec![bucket("a", Scope::Global, 10.0)],
+    };
+    rep.install("svc", Some(&v2), "v2").unwrap();
+    limiter.decide_at("a", "x", 0);
+    let r = rep.build_report(1000);
+    assert_eq!(r.version, "v2");
+    let get = |n: &str| r.buckets.iter().find(|b| b.bucket == n).unwrap().offered;
+    assert_eq!(get("a"), 6);
+    assert_eq!(get("b"), 5);
+    // The next report starts from zero.
+    assert!(rep.build_report(2000).buckets.is_empty());
+
+    // Fresh directives set the ratio and the deadline; stale ones (age over the bound) do not
+    // extend it.
+    let d = ClientDirectives {
+        version: "v2".into(),
+        age_ms: Some(100),
+        directives: vec![DirectiveMsg {
+            bucket: "a".into(),
+            ratio: 1.0,
+            fleet_offered_rps: 20.0,
+            limit_rps: 10.0,
+            fixed: false,
+        }],
+    };
+    assert!(rep.apply(&d, 5000));
+    assert_eq!(limiter.decide_at("a", "x", 5000), grl_core::Decision::Drop);
+    assert_eq!(
+        limiter.decide_at("a", "x", 7_900),
+        grl_core::Decision::Admit
+    );
+    let stale = ClientDirectives {
+        age_ms: Some(10_000),
+        ..d
+    };
+    assert!(!rep.apply(&stale, 8000));
+    assert_eq!(limiter.decide_at("a", "x", 8000), grl_core::Decision::Admit);
+}

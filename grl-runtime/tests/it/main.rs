@@ -803,3 +803,40 @@ fn simulate_realtime_runs_the_real_stack() {
     let frac = admitted / offered;
     assert!((frac - 0.5).abs() < 0.1, "admitted fraction {frac}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aggregator_refuses_malformed_reports() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let url = format!("http://127.0.0.1:{port}");
+    // No controller behind it: it must still answer clients (with no fresh directives).
+    let _agg = spawn_aggregator(
+        port,
+        &format!("http://127.0.0.1:{}", free_port()),
+        "agg-x",
+        dir.path(),
+    );
+    wait_up(&format!("{url}/v1/config")).await;
+    let http = reqwest::Client::new();
+    let post = |body: Value| http.post(format!("{url}/v1/report")).json(&body).send();
+    let r = http
+        .post(format!("{url}/v1/report"))
+        .body("nope")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    assert!(r.json::<Value>().await.unwrap()["error"].is_string());
+    let report = |offered: u64, admitted: u64, interval: u64| {
+        json!({"client_id": "c1", "service": "payments", "version": "", "interval_ms": interval,
+               "buckets": [{"bucket": "gw.charge", "offered": offered, "admitted": admitted,
+                            "dropped": 0, "shadow_dropped": 0}]})
+    };
+    assert_eq!(post(report(10, 7, 100)).await.unwrap().status(), 422);
+    assert_eq!(post(report(10, 10, 0)).await.unwrap().status(), 422);
+    let r = post(report(10, 10, 100)).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let d: Value = r.json().await.unwrap();
+    assert!(d["age_ms"].is_null(), "never heard from a controller: {d}");
+    assert_eq!(d["directives"].as_array().unwrap().len(), 0);
+}
