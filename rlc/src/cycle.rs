@@ -214,10 +214,10 @@ impl std::fmt::Display for RunOutcome {
                 let fmt = |v: Option<f64>| v.map(schema::format_rps).unwrap_or_else(|| "-".into());
                 writeln!(
                     f,
-                    "    {}/{}: {:?} {} -> {}",
+                    "    {}/{}: {} {} -> {}",
                     s.service,
                     c.bucket,
-                    c.kind,
+                    c.kind.as_str(),
                     fmt(c.old_limit_rps),
                     fmt(c.new_limit_rps)
                 )?;
@@ -619,21 +619,17 @@ pub async fn apply_plan(
     Ok(Cycle::new(cfg.clone(), base_dir).apply(plan, trigger).await)
 }
 
-/// Loads rlc.yaml; returns it with its directory (the base of relative paths).
+/// Loads rlc.yaml; returns it with its directory as an absolute path (the base of relative
+/// paths in it), so that paths resolve the same wherever the command runs from.
 pub fn load_config(path: &Path) -> anyhow::Result<(DaemonConfig, PathBuf)> {
     let cfg = schema::load_daemon_config(path)
         .map_err(|d| anyhow::anyhow!("{}", schema::Diagnostics(d)))?;
-    let base = path
-        .parent()
-        .map(|p| {
-            if p.as_os_str().is_empty() {
-                Path::new(".")
-            } else {
-                p
-            }
-        })
-        .unwrap_or(Path::new("."))
-        .to_path_buf();
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let base = std::path::absolute(dir)
+        .map_err(|e| anyhow::anyhow!("{}: cannot resolve its directory: {e}", path.display()))?;
     Ok((cfg, base))
 }
 

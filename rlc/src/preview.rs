@@ -37,14 +37,7 @@ pub struct PreviewArgs {
 /// Loads `rlc.yaml` with its relative paths resolved, and the config repo it names. A repo with
 /// problems is an error (listing every problem).
 pub fn load_inputs(config: &Path) -> anyhow::Result<(DaemonConfig, ConfigRepo, PathBuf)> {
-    let mut cfg =
-        schema::load_daemon_config(config).map_err(|d| anyhow::anyhow!(schema::Diagnostics(d)))?;
-    let base = config.parent().map(Path::to_path_buf).unwrap_or_default();
-    let base = if base.as_os_str().is_empty() {
-        PathBuf::from(".")
-    } else {
-        base
-    };
+    let (mut cfg, base) = crate::cycle::load_config(config)?;
     resolve_paths(&mut cfg, &base);
     let (repo, diags) = ConfigRepo::load(Path::new(&cfg.config_repo.path));
     if !diags.is_empty() {

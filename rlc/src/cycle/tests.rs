@@ -56,7 +56,7 @@ async fn direct_mode_commits_pushes_and_records_once() {
     assert_eq!(ctl.version.lock().unwrap().as_deref(), Some(head.as_str()));
     let text = out.to_string();
     assert!(text.contains("git: committed"), "{text}");
-    assert!(text.contains("payments/gw: Raised 100 -> 250"), "{text}");
+    assert!(text.contains("payments/gw: raised 100 -> 250"), "{text}");
 
     let again = apply_plan(&cfg, &base, &p, "once").await.unwrap();
     assert_eq!(again.status, RunStatus::Unchanged, "{again}");

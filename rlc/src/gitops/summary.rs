@@ -31,6 +31,19 @@ pub enum ChangeKind {
     Modified,
 }
 
+impl ChangeKind {
+    /// The lowercase word used in summaries and the store.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ChangeKind::Added => "added",
+            ChangeKind::Removed => "removed",
+            ChangeKind::Raised => "raised",
+            ChangeKind::Lowered => "lowered",
+            ChangeKind::Modified => "modified",
+        }
+    }
+}
+
 /// One changed bucket.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct BucketChange {

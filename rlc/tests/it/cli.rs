@@ -130,3 +130,33 @@ fn backtest_side_by_side() {
         "{totals:?}"
     );
 }
+
+#[test]
+fn preview_with_a_relative_config_path() {
+    // `rlc preview --config deploy/rlc.yaml` from deploy's parent: relative paths in rlc.yaml
+    // must resolve once, against deploy/, not twice.
+    let dir = setup("  file: h.csv");
+    let parent = dir.path().parent().unwrap();
+    let name = dir.path().file_name().unwrap().to_str().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_rlc"))
+        .args([
+            "preview",
+            "--format",
+            "json",
+            "--config",
+            &format!("{name}/rlc.yaml"),
+        ])
+        .current_dir(parent)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let plan: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(plan["skipped"].as_array().unwrap().len(), 0, "{stdout}");
+    assert_eq!(plan["buckets"].as_array().unwrap().len(), 8);
+}

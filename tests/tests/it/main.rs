@@ -241,7 +241,7 @@ fn run_once_puts_the_new_commit_on_a_real_controller() {
             break;
         }
         assert!(
-            !stdout.contains("Raised") && !stdout.contains("Added"),
+            !stdout.contains(": raised ") && !stdout.contains(": added "),
             "only capped decreases continue: {stdout}"
         );
         last = now;
