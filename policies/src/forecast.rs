@@ -14,7 +14,7 @@ use schema::PolicyName;
 use serde_json::json;
 
 use crate::peak::{round3, Peak};
-use crate::{headroom, Policy, PolicyError, PolicyInput, Proposal};
+use crate::{bound, headroom, Policy, PolicyError, PolicyInput, Proposal};
 
 /// Days of history the forecast needs; below that it falls back to `peak`.
 pub const MIN_DAYS: f64 = 14.0;
@@ -178,25 +178,8 @@ impl Policy for Forecast {
         }
         let peak = s.max().ok_or(PolicyError::NoData)?;
         let h = headroom(input.spec);
-        let mut limit = upper * (1.0 + h);
-        let mut capped_by = None;
-        if let Some(f) = input.spec.floor_rps {
-            if limit < f {
-                limit = f;
-                capped_by = Some("floor_rps");
-            }
-        }
-        for (cap, why) in [
-            (input.spec.ceiling_rps, "ceiling_rps"),
-            (input.capacity_share_rps, "planned capacity share"),
-        ] {
-            if let Some(c) = cap {
-                if limit > c {
-                    limit = c;
-                    capped_by = Some(why);
-                }
-            }
-        }
+        let limit = upper * (1.0 + h);
+        let (limit, capped_by) = bound(limit, input);
         Ok(Proposal {
             limit_rps: limit,
             shadow: false,

@@ -89,6 +89,31 @@ pub trait Policy: Send + Sync {
     fn compute(&self, input: &PolicyInput<'_>) -> Result<Proposal, PolicyError>;
 }
 
+/// Bounds a computed limit by the spec's floor and ceiling and the caller's share of planned
+/// capacity; returns the bounded limit and which bound applied (for the evidence).
+pub fn bound(limit: f64, input: &PolicyInput<'_>) -> (f64, Option<&'static str>) {
+    let mut limit = limit;
+    let mut capped_by = None;
+    if let Some(f) = input.spec.floor_rps {
+        if limit < f {
+            limit = f;
+            capped_by = Some("floor_rps");
+        }
+    }
+    for (cap, why) in [
+        (input.spec.ceiling_rps, "ceiling_rps"),
+        (input.capacity_share_rps, "planned capacity share"),
+    ] {
+        if let Some(c) = cap {
+            if limit > c {
+                limit = c;
+                capped_by = Some(why);
+            }
+        }
+    }
+    (limit, capped_by)
+}
+
 /// The headroom of a spec, defaulting to [`DEFAULT_HEADROOM`].
 pub fn headroom(spec: &PolicySpec) -> f64 {
     spec.headroom.unwrap_or(DEFAULT_HEADROOM).max(0.0)

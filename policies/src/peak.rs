@@ -5,7 +5,7 @@
 use schema::PolicyName;
 use serde_json::json;
 
-use crate::{headroom, Policy, PolicyError, PolicyInput, Proposal, CONFIDENT_DAYS};
+use crate::{bound, headroom, Policy, PolicyError, PolicyInput, Proposal, CONFIDENT_DAYS};
 
 /// The built-in `peak` policy.
 #[derive(Debug, Default, Clone, Copy)]
@@ -38,25 +38,8 @@ impl Policy for Peak {
             1.0
         };
         let h = headroom(input.spec);
-        let mut limit = stat * (1.0 + h) * widen;
-        let mut capped_by = None;
-        if let Some(f) = input.spec.floor_rps {
-            if limit < f {
-                limit = f;
-                capped_by = Some("floor_rps");
-            }
-        }
-        for (cap, why) in [
-            (input.spec.ceiling_rps, "ceiling_rps"),
-            (input.capacity_share_rps, "planned capacity share"),
-        ] {
-            if let Some(c) = cap {
-                if limit > c {
-                    limit = c;
-                    capped_by = Some(why);
-                }
-            }
-        }
+        let limit = stat * (1.0 + h) * widen;
+        let (limit, capped_by) = bound(limit, input);
         let confidence = (days / CONFIDENT_DAYS).min(1.0);
         Ok(Proposal {
             limit_rps: limit,

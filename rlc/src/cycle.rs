@@ -237,15 +237,7 @@ impl std::fmt::Display for RunOutcome {
             _ => {}
         }
         for sk in &self.skipped {
-            let what = [
-                Some(sk.service.as_str()),
-                sk.caller.as_deref(),
-                sk.procedure.as_deref(),
-            ]
-            .into_iter()
-            .flatten()
-            .collect::<Vec<_>>()
-            .join("/");
+            let what = sk.target();
             writeln!(f, "  skipped {what}: {}", sk.reason)?;
         }
         Ok(())

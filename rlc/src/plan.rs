@@ -42,6 +42,21 @@ pub struct Skipped {
     pub reason: String,
 }
 
+impl Skipped {
+    /// `service/caller/procedure`, leaving out what is absent.
+    pub fn target(&self) -> String {
+        [
+            Some(self.service.as_str()),
+            self.caller.as_deref(),
+            self.procedure.as_deref(),
+        ]
+        .into_iter()
+        .flatten()
+        .collect::<Vec<_>>()
+        .join("/")
+    }
+}
+
 impl Plan {
     /// The bucket files this plan renders to, one per service, sorted by service.
     pub fn bucket_files(&self) -> Vec<BucketFile> {

@@ -147,15 +147,7 @@ pub fn table(plan: &Plan) -> String {
     if !plan.skipped.is_empty() {
         out.push_str("\nskipped (current quotas kept):\n");
         for s in &plan.skipped {
-            let what = [
-                Some(s.service.as_str()),
-                s.caller.as_deref(),
-                s.procedure.as_deref(),
-            ]
-            .into_iter()
-            .flatten()
-            .collect::<Vec<_>>()
-            .join(" / ");
+            let what = s.target();
             out.push_str(&format!("  {what}: {}\n", s.reason));
         }
     }

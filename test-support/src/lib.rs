@@ -6,5 +6,6 @@
 //! message saying how to provide it when that is impossible. Nothing is silently skipped.
 
 pub mod git;
+pub mod plugin;
 pub mod postgres;
 pub mod prometheus;

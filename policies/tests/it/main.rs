@@ -1,47 +1,12 @@
 //! Plugin loader tests against the real `example-plugin` cdylib, built here with cargo.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::sync::OnceLock;
+use std::path::Path;
 
 use policies::{loader, Policy, PolicyError, PolicyInput, RateSeries};
 use schema::{PolicyName, PolicySpec};
 
-/// Builds `example-plugin` and returns the path of its cdylib (from cargo's JSON messages, so
-/// it works whatever the target directory).
 fn plugin_lib() -> &'static Path {
-    static P: OnceLock<PathBuf> = OnceLock::new();
-    P.get_or_init(|| {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| env!("CARGO").to_string());
-        let out = Command::new(cargo)
-            .args(["build", "-p", "example-plugin", "--message-format=json"])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .output()
-            .expect("run cargo build -p example-plugin");
-        assert!(
-            out.status.success(),
-            "cargo build -p example-plugin failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let text = String::from_utf8(out.stdout).unwrap();
-        for line in text.lines() {
-            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
-                continue;
-            };
-            let name = &v["target"]["name"];
-            if v["reason"] == "compiler-artifact"
-                && (name == "example_plugin" || name == "example-plugin")
-            {
-                for f in v["filenames"].as_array().into_iter().flatten() {
-                    let f = f.as_str().unwrap();
-                    if f.ends_with(std::env::consts::DLL_SUFFIX) {
-                        return PathBuf::from(f);
-                    }
-                }
-            }
-        }
-        panic!("cargo did not report the example-plugin cdylib:\n{text}");
-    })
+    test_support::plugin::example_plugin_lib()
 }
 
 /// A fresh plugin directory holding a copy of the plugin under `file_name`.

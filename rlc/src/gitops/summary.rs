@@ -294,15 +294,7 @@ pub fn report(plan: &Plan, summary: &ChangeSummary) -> String {
     if !plan.skipped.is_empty() {
         out.push_str("### Skipped (current quotas kept)\n\n");
         for sk in &plan.skipped {
-            let what = [
-                Some(sk.service.as_str()),
-                sk.caller.as_deref(),
-                sk.procedure.as_deref(),
-            ]
-            .into_iter()
-            .flatten()
-            .collect::<Vec<_>>()
-            .join("/");
+            let what = sk.target();
             let _ = writeln!(out, "- {what}: {}", sk.reason);
         }
         out.push('\n');

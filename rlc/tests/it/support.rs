@@ -1,8 +1,6 @@
 //! Shared helpers: config repos on disk, daemon configs, the example plugin.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::sync::OnceLock;
+use std::path::Path;
 
 use rlc::history::{History, RateSeries, SeriesKey};
 use schema::{ConfigRepo, DaemonConfig};
@@ -59,37 +57,7 @@ pub fn history(series: Vec<(&str, &str, &str, RateSeries)>) -> History {
     }
 }
 
-/// Builds `example-plugin` with cargo and returns its cdylib.
+/// The example plugin's cdylib (built on demand).
 pub fn plugin_lib() -> &'static Path {
-    static P: OnceLock<PathBuf> = OnceLock::new();
-    P.get_or_init(|| {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| env!("CARGO").to_string());
-        let out = Command::new(cargo)
-            .args(["build", "-p", "example-plugin", "--message-format=json"])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .output()
-            .expect("run cargo build -p example-plugin");
-        assert!(
-            out.status.success(),
-            "cargo build -p example-plugin failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        for line in String::from_utf8(out.stdout).unwrap().lines() {
-            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
-                continue;
-            };
-            let name = &v["target"]["name"];
-            if v["reason"] == "compiler-artifact"
-                && (name == "example_plugin" || name == "example-plugin")
-            {
-                for f in v["filenames"].as_array().into_iter().flatten() {
-                    let f = f.as_str().unwrap();
-                    if f.ends_with(std::env::consts::DLL_SUFFIX) {
-                        return PathBuf::from(f);
-                    }
-                }
-            }
-        }
-        panic!("cargo did not report the example-plugin cdylib");
-    })
+    test_support::plugin::example_plugin_lib()
 }
