@@ -48,17 +48,25 @@ pub fn apply(
             limit = c;
         }
     }
-    let mode = match current {
-        Some(cur) => cur.mode,
-        None if rails.new_buckets_shadow => {
+    let mode = match (spec.mode, current) {
+        // The service owner's choice in rlc/policies.yaml wins: this is how shadow buckets are
+        // promoted to enforce once their virtual drops look right.
+        (Some(m), cur) => {
+            if cur.map(|c| c.mode) != Some(m) {
+                notes.push(format!("mode {} set in rlc/policies.yaml", m.as_str()));
+            }
+            m
+        }
+        (None, Some(cur)) => cur.mode,
+        (None, None) if rails.new_buckets_shadow => {
             notes.push("new bucket: starts in shadow".into());
             Mode::Shadow
         }
-        None if shadow_requested => {
+        (None, None) if shadow_requested => {
             notes.push("short history: starts in shadow".into());
             Mode::Shadow
         }
-        None => Mode::Enforce,
+        (None, None) => Mode::Enforce,
     };
     if let (Some(cur), true) = (current, damp) {
         if cur.limit_rps > 0.0 {

@@ -184,7 +184,6 @@ fn compute_service(
     plan: &mut Plan,
 ) {
     let spec = spec_for(repo, service);
-    let scope = spec.scope.unwrap_or(Scope::Global);
     let current: HashMap<&str, &Bucket> = repo
         .current(service)
         .map(|f| f.buckets.iter().map(|b| (b.name.as_str(), b)).collect())
@@ -229,7 +228,6 @@ fn compute_service(
             &spec,
             service,
             &key,
-            scope,
             current.get(name.as_str()).copied(),
             proposal,
             false,
@@ -299,7 +297,32 @@ fn compute_service(
             Err(e) => Err(e),
         };
         match result {
-            Ok(p) => push(plan, cfg, &spec, service, key, scope, cur, p, true, expired),
+            Ok(p) => {
+                // A gap in this series (not the service) must not lower its quota.
+                let cov = s.coverage_since_first();
+                let railed_down = cur.is_some_and(|c| {
+                    let r = rails_for(cfg, &spec, Some(c), &p, true);
+                    r.limit_rps < c.limit_rps
+                });
+                match cur {
+                    Some(c) if railed_down && cov < cfg.history.min_coverage => {
+                        let reason = format!(
+                            "series covers {:.1}% of its window, below min_coverage {:.0}%: a decrease to {} rps is not applied; keeps its current quota",
+                            cov * 100.0,
+                            cfg.history.min_coverage * 100.0,
+                            schema::format_rps(rails::round_limit(p.limit_rps))
+                        );
+                        plan.skipped.push(Skipped {
+                            service: service.into(),
+                            caller: key.caller.clone(),
+                            procedure: key.procedure.clone(),
+                            reason: reason.clone(),
+                        });
+                        plan.buckets.push(kept(service, c, &reason));
+                    }
+                    _ => push(plan, cfg, &spec, service, key, cur, p, true, expired),
+                }
+            }
             Err(e) => {
                 let reason = format!("policy {policy_name} failed: {e}; keeps current quota");
                 tracing::warn!(service, bucket = %name, error = %e, "policy failed");
@@ -336,32 +359,55 @@ fn compute_service(
         }
     }
 
-    // A caller that went quiet (no series in the window) keeps its current quota.
-    for (name, b) in &current {
-        if !done.contains(*name) {
-            plan.buckets.push(kept(
+    // A caller that went quiet (no series in the window) keeps its current quota, except
+    // buckets a contract made or superseded: those follow the contracts.
+    let mut rest: Vec<(&&str, &&Bucket)> = current.iter().collect();
+    rest.sort_by_key(|(n, _)| **n);
+    for (name, b) in rest {
+        if done.contains(*name) {
+            continue;
+        }
+        let superseded =
+            b.procedure.is_some() && b.caller.as_deref().is_some_and(|c| caller_wide.contains(c));
+        let ended = b.policy == PolicyName::Fixed
+            && !contracts.iter().any(|c| {
+                c.service == service
+                    && c.active_on(today)
+                    && c.caller == b.caller
+                    && c.procedure == b.procedure
+            });
+        let reason = if superseded {
+            Some("superseded by the caller-wide contract for this caller; bucket removed")
+        } else if ended {
+            Some("its contract expired or was removed and the caller sent no traffic; bucket removed")
+        } else {
+            None
+        };
+        match reason {
+            Some(r) => plan.skipped.push(Skipped {
+                service: service.into(),
+                caller: b.caller.clone(),
+                procedure: b.procedure.clone(),
+                reason: r.into(),
+            }),
+            None => plan.buckets.push(kept(
                 service,
                 b,
                 "no traffic in the lookback window; keeps its current quota",
-            ));
+            )),
         }
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn push(
-    plan: &mut Plan,
+/// The rails applied to a proposal for a bucket whose current quota is `cur`.
+fn rails_for(
     cfg: &DaemonConfig,
     spec: &PolicySpec,
-    service: &str,
-    key: &SeriesKey,
-    scope: Scope,
     cur: Option<&Bucket>,
-    p: Proposal,
+    p: &Proposal,
     damp: bool,
-    expired: Vec<String>,
-) {
-    let railed = rails::apply(
+) -> rails::Railed {
+    rails::apply(
         &cfg.rails,
         spec,
         cur.map(|b| Current {
@@ -371,7 +417,25 @@ fn push(
         p.limit_rps,
         p.shadow,
         damp,
-    );
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn push(
+    plan: &mut Plan,
+    cfg: &DaemonConfig,
+    spec: &PolicySpec,
+    service: &str,
+    key: &SeriesKey,
+    cur: Option<&Bucket>,
+    p: Proposal,
+    damp: bool,
+    expired: Vec<String>,
+) {
+    let railed = rails_for(cfg, spec, cur, &p, damp);
+    // The owner's scope wins; otherwise a bucket keeps its scope (a region limit must not
+    // silently become one fleet-wide limit); new buckets are global.
+    let scope = spec.scope.or(cur.map(|b| b.scope)).unwrap_or(Scope::Global);
     let mut evidence = BTreeMap::new();
     evidence.insert("policy".to_string(), p.evidence);
     evidence.insert(

@@ -7,6 +7,7 @@
 
 mod locate;
 mod render;
+mod schedule;
 mod types;
 mod validate;
 
@@ -17,6 +18,7 @@ use serde::de::DeserializeOwned;
 
 pub use locate::{Locator, Pos};
 pub use render::{format_rps, render_bucket_file};
+pub use schedule::parse_schedule;
 pub use types::*;
 pub use validate::{load_daemon_config, validate_repo, ConfigRepo};
 

@@ -138,3 +138,28 @@ fn json_schema_covers_every_file() {
     }
     assert!(s["rlc.yaml"]["properties"]["history"].is_object());
 }
+
+#[test]
+fn daemon_config_checks_the_schedule_with_its_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("rlc.yaml");
+    std::fs::write(
+        &p,
+        "history:\n  file: h.csv\nconfig_repo:\n  path: repo\nschedule: \"0 3 * *\"\n",
+    )
+    .unwrap();
+    let errs = load_daemon_config(&p).unwrap_err();
+    assert_eq!(errs.len(), 1, "{errs:?}");
+    assert_eq!(
+        (errs[0].line, errs[0].key.as_str()),
+        (5, "schedule"),
+        "{}",
+        errs[0]
+    );
+    std::fs::write(
+        &p,
+        "history:\n  file: h.csv\nconfig_repo:\n  path: repo\nschedule: \"0 3 * * 1-5\"\n",
+    )
+    .unwrap();
+    assert!(load_daemon_config(&p).is_ok());
+}

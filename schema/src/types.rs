@@ -279,10 +279,10 @@ pub struct Bucket {
     /// Unique within the service.
     pub name: String,
     /// Calling service; absent = any caller.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub caller: Option<String>,
     /// Procedure of the callee; absent = any procedure.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub procedure: Option<String>,
     /// Where the limit applies.
     #[serde(default)]
@@ -337,9 +337,15 @@ pub struct PolicySpec {
     /// Never propose more than this.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ceiling_rps: Option<f64>,
-    /// Scope of the generated buckets.
+    /// Scope of the generated buckets (default: a bucket keeps its current scope; new ones
+    /// are global).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scope: Option<Scope>,
+    /// Mode of the service's buckets: `enforce` promotes shadow buckets (new buckets start in
+    /// shadow), `shadow` demotes them all. Absent: new buckets start in shadow, existing ones
+    /// keep their mode.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<Mode>,
     /// Free-form parameters handed to a plugin as JSON.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub params: Option<serde_json::Value>,
@@ -356,6 +362,7 @@ impl PolicySpec {
             floor_rps: self.floor_rps.or(base.floor_rps),
             ceiling_rps: self.ceiling_rps.or(base.ceiling_rps),
             scope: self.scope.or(base.scope),
+            mode: self.mode.or(base.mode),
             params: self.params.clone().or_else(|| base.params.clone()),
         }
     }

@@ -415,6 +415,11 @@ pub fn load_daemon_config(path: &Path) -> Result<DaemonConfig, Vec<Diagnostic>> 
             diags.push(f.diag("controller.url", "must start with http:// or https://"));
         }
     }
+    if let Some(expr) = &f.value.schedule {
+        if let Err(e) = crate::parse_schedule(expr) {
+            diags.push(f.diag("schedule", e));
+        }
+    }
     let db = &f.value.database_url;
     if !(db.starts_with("sqlite:")
         || db.starts_with("postgres://")

@@ -176,4 +176,25 @@ mod tests {
         assert_eq!(s.present(), 60);
         assert_eq!(s.max(), Some(59.0));
     }
+
+    #[test]
+    fn csv_finer_than_the_step_keeps_the_peak_of_each_step() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("h.csv");
+        let t0 = 1_700_000_000 / 60 * 60;
+        let mut s = String::from("ts,service,caller,procedure,rps\n");
+        for i in 0..60 {
+            // Four 15 s samples per minute; the second is the minute's peak.
+            for (k, v) in [(0, 10.0), (15, 40.0), (30, 20.0), (45, 5.0)] {
+                let ts = t0 + i * 60 + k;
+                if k < 30 {
+                    s += &format!("{ts},maps,web,route,{v}\n");
+                }
+            }
+        }
+        std::fs::write(&p, s).unwrap();
+        let h = load(&p, &cfg(), Utc::now()).unwrap();
+        let web = h.series.values().next().unwrap();
+        assert_eq!(web.max(), Some(40.0), "{:?}", &web.values[..4]);
+    }
 }

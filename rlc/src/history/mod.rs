@@ -240,7 +240,19 @@ impl Builder {
                 "series without a `{}` or `{}` label",
                 self.labels.caller, self.labels.procedure
             )),
-            _ => None,
+            _ => [
+                (&self.labels.service, &service),
+                (&self.labels.caller, &caller),
+                (&self.labels.procedure, &procedure),
+            ]
+            .into_iter()
+            .find_map(|(label, v)| {
+                v.as_deref().filter(|v| !valid_name(v)).map(|v| {
+                    format!(
+                        "label `{label}` value `{v}` is not a valid name (letters, digits, `.`, `_`, `-`, `:`; at most 128)"
+                    )
+                })
+            }),
         };
         if let Some(reason) = reason {
             let r = Rejected {
@@ -289,7 +301,11 @@ impl Builder {
             }
             let i = ((ts - start as f64) / step as f64).round();
             if i >= 0.0 && i < len as f64 {
-                s.values[i as usize] = value as f32;
+                // Several samples in one step (a file finer than the step): keep the peak.
+                let v = &mut s.values[i as usize];
+                if v.is_nan() || *v < value as f32 {
+                    *v = value as f32;
+                }
             }
         }
     }
@@ -320,4 +336,14 @@ impl Builder {
             source_error: None,
         }
     }
+}
+
+/// Whether a label value can name a service, caller or procedure: it becomes a file name
+/// (`buckets/<service>.yaml`) and part of a bucket name, so no path separators or spaces.
+pub fn valid_name(v: &str) -> bool {
+    !v.is_empty()
+        && v.len() <= 128
+        && !v.starts_with('.')
+        && v.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | ':'))
 }

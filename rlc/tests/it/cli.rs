@@ -160,3 +160,39 @@ fn preview_with_a_relative_config_path() {
     assert_eq!(plan["skipped"].as_array().unwrap().len(), 0, "{stdout}");
     assert_eq!(plan["buckets"].as_array().unwrap().len(), 8);
 }
+
+#[test]
+fn preview_json_has_null_caller_and_procedure_and_skips_bad_labels() {
+    let dir = setup("  file: h.csv");
+    // A procedure-only series, and one whose service cannot name a file.
+    let mut csv = std::fs::read_to_string(dir.path().join("h.csv")).unwrap();
+    let last_ts = csv
+        .lines()
+        .last()
+        .unwrap()
+        .split(',')
+        .next()
+        .unwrap()
+        .to_string();
+    csv.push_str(&format!(
+        "{last_ts},maps,,tiles,5\n{last_ts},team/svc,web,x,5\n"
+    ));
+    std::fs::write(dir.path().join("h.csv"), csv).unwrap();
+    let (code, out, err) = rlc(dir.path(), &["preview", "--format", "json"]);
+    assert_eq!(code, 0, "{err}");
+    let plan: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let tiles = plan["buckets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["name"] == "tiles")
+        .expect("procedure-only bucket");
+    assert!(tiles.get("caller").is_some_and(|c| c.is_null()), "{tiles}");
+    assert_eq!(tiles["procedure"], "tiles");
+    let skipped = plan["skipped"].as_array().unwrap();
+    assert!(
+        skipped.iter().any(|s| s["service"] == "team/svc"
+            && s["reason"].as_str().unwrap().contains("not a valid name")),
+        "{skipped:?}"
+    );
+}

@@ -260,3 +260,186 @@ fn quickstart_file_previews() {
     assert_eq!(q.bucket.policy.to_string(), "forecast");
     assert!(rlc::preview::table(&plan).contains("web.route"));
 }
+
+/// The bucket `name` of `service` in a plan.
+fn bucket<'a>(
+    plan: &'a rlc::plan::Plan,
+    service: &str,
+    name: &str,
+) -> Option<&'a rlc::plan::PlannedBucket> {
+    plan.buckets
+        .iter()
+        .find(|b| b.service == service && b.bucket.name == name)
+}
+
+#[test]
+fn a_bucket_keeps_its_scope_unless_the_owner_sets_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let bucket_file = "service: maps\nbuckets:\n  - name: web.route\n    caller: web\n    procedure: route\n    scope: region\n    limit_rps: 100\n    policy: peak\n";
+    let repo1 = repo(
+        dir.path(),
+        &[
+            ("rlc/policies.yaml", "default:\n  policy: peak\n"),
+            ("buckets/maps.yaml", bucket_file),
+        ],
+    );
+    let h = history(vec![
+        ("maps", "web", "route", flat(28, 200.0)),
+        ("maps", "mobile", "route", flat(28, 50.0)),
+    ]);
+    let plan = compute_plan(&daemon(CFG), &repo1, &h, Utc::now());
+    assert_eq!(
+        bucket(&plan, "maps", "web.route").unwrap().bucket.scope,
+        schema::Scope::Region
+    );
+    assert_eq!(
+        bucket(&plan, "maps", "mobile.route").unwrap().bucket.scope,
+        schema::Scope::Global,
+        "new buckets are global"
+    );
+
+    let dir2 = tempfile::tempdir().unwrap();
+    let repo2 = repo(
+        dir2.path(),
+        &[
+            (
+                "rlc/policies.yaml",
+                "default:\n  policy: peak\n  scope: zone\n",
+            ),
+            ("buckets/maps.yaml", bucket_file),
+        ],
+    );
+    let plan = compute_plan(&daemon(CFG), &repo2, &h, Utc::now());
+    assert_eq!(
+        bucket(&plan, "maps", "web.route").unwrap().bucket.scope,
+        schema::Scope::Zone
+    );
+}
+
+#[test]
+fn policies_yaml_mode_promotes_shadow_buckets() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = |mode: &'static str| {
+        vec![
+            ("rlc/policies.yaml", mode),
+            ("buckets/maps.yaml", "service: maps\nbuckets:\n  - name: web.route\n    caller: web\n    procedure: route\n    limit_rps: 250\n    mode: shadow\n    policy: peak\n"),
+        ]
+    };
+    let h = history(vec![
+        ("maps", "web", "route", flat(28, 200.0)),
+        ("maps", "new", "route", flat(28, 20.0)),
+    ]);
+    let r = repo(dir.path(), &files("default:\n  policy: peak\n"));
+    let plan = compute_plan(&daemon(CFG), &r, &h, Utc::now());
+    assert_eq!(
+        bucket(&plan, "maps", "web.route").unwrap().bucket.mode,
+        Mode::Shadow,
+        "existing keeps its mode"
+    );
+    assert_eq!(
+        bucket(&plan, "maps", "new.route").unwrap().bucket.mode,
+        Mode::Shadow,
+        "new starts in shadow"
+    );
+
+    let dir2 = tempfile::tempdir().unwrap();
+    let r = repo(
+        dir2.path(),
+        &files("default:\n  policy: peak\nservices:\n  maps:\n    mode: enforce\n"),
+    );
+    let plan = compute_plan(&daemon(CFG), &r, &h, Utc::now());
+    assert_eq!(
+        bucket(&plan, "maps", "web.route").unwrap().bucket.mode,
+        Mode::Enforce
+    );
+    assert_eq!(
+        bucket(&plan, "maps", "new.route").unwrap().bucket.mode,
+        Mode::Enforce
+    );
+}
+
+#[test]
+fn a_gap_in_one_series_does_not_lower_its_quota() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = repo(
+        dir.path(),
+        &[
+            ("rlc/policies.yaml", "default:\n  policy: peak\n"),
+            ("buckets/pay.yaml", "service: pay\nbuckets:\n  - name: gw.charge\n    caller: gw\n    procedure: charge\n    limit_rps: 1250\n    policy: peak\n  - name: co.refund\n    caller: co\n    procedure: refund\n    limit_rps: 80\n    policy: peak\n"),
+        ],
+    );
+    // gw.charge: 20 of 28 days missing (a broken scrape), what remains is low.
+    let mut holey = flat(28, 300.0);
+    for v in holey.values.iter_mut().skip(1440).take(20 * 1440) {
+        *v = f32::NAN;
+    }
+    let h = history(vec![
+        ("pay", "gw", "charge", holey),
+        ("pay", "co", "refund", flat(28, 100.0)),
+    ]);
+    let plan = compute_plan(&daemon(CFG), &r, &h, Utc::now());
+    assert_eq!(
+        bucket(&plan, "pay", "gw.charge").unwrap().bucket.limit_rps,
+        1250.0
+    );
+    assert!(
+        plan.skipped
+            .iter()
+            .any(|s| s.caller.as_deref() == Some("gw") && s.reason.contains("min_coverage")),
+        "{:?}",
+        plan.skipped
+    );
+    // A complete series in the same service still moves.
+    assert_ne!(
+        bucket(&plan, "pay", "co.refund").unwrap().bucket.limit_rps,
+        80.0
+    );
+}
+
+#[test]
+fn caller_wide_contract_supersedes_the_callers_procedure_buckets_and_ends_with_its_contract() {
+    let dir = tempfile::tempdir().unwrap();
+    let bucket_file = "service: pay\nbuckets:\n  - name: gw.charge\n    caller: gw\n    procedure: charge\n    limit_rps: 1250\n    policy: peak\n  - name: co.refund\n    caller: co\n    procedure: refund\n    limit_rps: 80\n    policy: peak\n";
+    let r = repo(
+        dir.path(),
+        &[
+            ("rlc/policies.yaml", "default:\n  policy: peak\n"),
+            (
+                "rlc/contracts.yaml",
+                "contracts:\n  - service: pay\n    caller: gw\n    limit_rps: 3000\n",
+            ),
+            ("buckets/pay.yaml", bucket_file),
+        ],
+    );
+    let h = history(vec![
+        ("pay", "gw", "charge", flat(28, 900.0)),
+        ("pay", "co", "refund", flat(28, 70.0)),
+    ]);
+    let plan = compute_plan(&daemon(CFG), &r, &h, Utc::now());
+    assert_eq!(bucket(&plan, "pay", "gw").unwrap().bucket.limit_rps, 3000.0);
+    assert!(
+        bucket(&plan, "pay", "gw.charge").is_none(),
+        "the procedure bucket would win by specificity: {:?}",
+        plan.buckets
+    );
+    assert!(
+        plan.skipped.iter().any(|s| s.reason.contains("superseded")),
+        "{:?}",
+        plan.skipped
+    );
+
+    // The contract ended and the caller is quiet: its fixed bucket goes.
+    let dir2 = tempfile::tempdir().unwrap();
+    let r = repo(
+        dir2.path(),
+        &[
+            ("rlc/policies.yaml", "default:\n  policy: peak\n"),
+            ("rlc/contracts.yaml", "contracts:\n  - service: pay\n    caller: gw\n    limit_rps: 3000\n    expires: 2020-01-01\n"),
+            ("buckets/pay.yaml", "service: pay\nbuckets:\n  - name: gw\n    caller: gw\n    limit_rps: 3000\n    policy: fixed\n  - name: co.refund\n    caller: co\n    procedure: refund\n    limit_rps: 80\n    policy: peak\n"),
+        ],
+    );
+    let h = history(vec![("pay", "co", "refund", flat(28, 70.0))]);
+    let plan = compute_plan(&daemon(CFG), &r, &h, Utc::now());
+    assert!(bucket(&plan, "pay", "gw").is_none(), "{:?}", plan.buckets);
+    assert!(bucket(&plan, "pay", "co.refund").is_some());
+}
