@@ -51,10 +51,7 @@ pub fn load_inputs(config: &Path) -> anyhow::Result<(DaemonConfig, ConfigRepo, P
 
 /// Pulls history, turning a source failure into a history that keeps every quota.
 pub async fn load_history(cfg: &DaemonConfig, base: &Path) -> History {
-    let spinner = std::io::stderr().is_terminal();
-    if spinner {
-        eprint!("pulling history… ");
-    }
+    let terminal = std::io::stderr().is_terminal();
     let h = match history::load(&cfg.history, base, chrono::Utc::now()).await {
         Ok(h) => h,
         Err(e) => {
@@ -62,8 +59,8 @@ pub async fn load_history(cfg: &DaemonConfig, base: &Path) -> History {
             History::unavailable(e.to_string())
         }
     };
-    if spinner {
-        eprintln!("{} series", h.series.len());
+    if terminal {
+        eprintln!("history: {} series", h.series.len());
     }
     h
 }

@@ -151,8 +151,10 @@ pub async fn load(
         i += n;
     }
     tracing::info!(url = %p.url, chunks = tasks.len(), series_points = len, step, "pulling history");
+    let progress = progress_bar(tasks.len() as u64);
     let mut first_err = None;
     while let Some(r) = tasks.join_next().await {
+        progress.inc(1);
         match r {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
@@ -170,6 +172,7 @@ pub async fn load(
             }
         }
     }
+    progress.finish_and_clear();
     if let Some(e) = first_err {
         return Err(e);
     }
@@ -178,6 +181,23 @@ pub async fn load(
         message: "a chunk task outlived the pull".into(),
     })?;
     Ok(b.into_inner().unwrap_or_else(|e| e.into_inner()).finish())
+}
+
+/// A progress bar over the pull's chunks on a terminal (stderr); hidden otherwise, so that
+/// logs and pipes stay clean.
+fn progress_bar(chunks: u64) -> indicatif::ProgressBar {
+    use std::io::IsTerminal;
+    if !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let pb = indicatif::ProgressBar::new(chunks);
+    pb.set_style(
+        indicatif::ProgressStyle::with_template(
+            "pulling history {bar:30} {pos}/{len} chunks, {elapsed} (eta {eta})",
+        )
+        .expect("static template"),
+    );
+    pb
 }
 
 async fn fetch(
