@@ -182,6 +182,11 @@ impl Controller {
         let zone_ttl = (opts.tick * 3).as_millis() as u64;
         let mut engine = Engine::new(cfg, zone_ttl);
         engine.set_overrides(ov.overrides.clone());
+        // Report cursors stay monotonic across restarts (see Engine::set_report_seq_base).
+        let start_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        engine.set_report_seq_base(start_ms << 10);
         let shared = Arc::new(Shared {
             engine: Mutex::new(engine),
             persisted: Mutex::new(Persisted {
@@ -337,8 +342,7 @@ async fn reports(
     Query(q): Query<ReportsQuery>,
 ) -> Json<serde_json::Value> {
     let e = s.engine.lock().expect("engine lock");
-    let (next, rows) = e.reports_after(q.after, q.limit.min(10_000));
-    Json(serde_json::json!({ "next": next, "reports": rows }))
+    Json(serde_json::to_value(e.reports_after(q.after, q.limit.min(10_000))).unwrap_or_default())
 }
 
 async fn aggregate(

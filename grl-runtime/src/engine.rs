@@ -83,6 +83,19 @@ pub struct ReportRow {
     pub drop_ratio: f64,
 }
 
+/// One page of `GET /v1/reports`.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ReportPage {
+    /// The cursor to pass as `after` next time.
+    pub next: u64,
+    /// Rows with `seq > after`, oldest first.
+    pub reports: Vec<ReportRow>,
+    /// The cursor was beyond the newest row: this page starts at the oldest row kept.
+    pub reset: bool,
+    /// Rows between the cursor and the oldest row kept were lost (evicted or a restart).
+    pub gap: bool,
+}
+
 struct ZoneData {
     region: String,
     zone: String,
@@ -419,10 +432,26 @@ impl Engine {
         }
     }
 
-    /// Appends one report row per bucket and scope key with traffic (call once per tick).
+    /// Starts this run's report sequence after `base`. The controller passes its start time as
+    /// `unix_ms << 10`, so cursors keep increasing across restarts without persisting anything
+    /// (room for 1024 rows per millisecond of uptime; stays below 2^53 for JSON readers).
+    pub fn set_report_seq_base(&mut self, base: u64) {
+        self.seq = self.seq.max(base);
+    }
+
+    /// Appends one report row per bucket and scope key with traffic in the interval (call once
+    /// per tick); keys whose zones reported nothing but zeros are skipped so that the bounded
+    /// ring holds useful rows.
     pub fn record_reports(&mut self, unix_now: u64) {
         for s in &self.buckets {
             for k in &s.keys {
+                if k.offered_rps == 0.0
+                    && k.admitted_rps == 0.0
+                    && k.dropped_rps == 0.0
+                    && k.shadow_dropped_rps == 0.0
+                {
+                    continue;
+                }
                 self.seq += 1;
                 self.reports.push_back(ReportRow {
                     seq: self.seq,
@@ -448,18 +477,28 @@ impl Engine {
     }
 
     /// Up to `limit` report rows with `seq > after`, and the cursor to pass next.
-    pub fn reports_after(&self, after: u64, limit: usize) -> (u64, Vec<ReportRow>) {
-        let rows: Vec<ReportRow> = self
-            .reports
-            .iter()
-            .filter(|r| r.seq > after)
-            .take(limit)
-            .cloned()
-            .collect();
+    ///
+    /// A cursor beyond the newest row (from a controller whose clock went back, or a cursor
+    /// from another controller) cannot be answered as asked: the page then starts at the
+    /// oldest row kept and says `reset`. A cursor older than the oldest row kept (rows evicted
+    /// from the ring, or a restart in between) says `gap`: rows were lost.
+    pub fn reports_after(&self, after: u64, limit: usize) -> ReportPage {
+        let oldest = self.reports.front().map(|r| r.seq);
+        let reset = after > self.seq;
+        let from = if reset { 0 } else { after };
+        let gap = !reset && after > 0 && oldest.is_some_and(|o| o > after + 1);
+        // Rows are in seq order: skip to the first one after the cursor without a scan.
+        let start = self.reports.partition_point(|r| r.seq <= from);
+        let rows: Vec<ReportRow> = self.reports.range(start..).take(limit).cloned().collect();
         let next = rows
             .last()
-            .map_or(after.max(self.seq.min(after)), |r| r.seq);
-        (next, rows)
+            .map_or(if reset { self.seq } else { after }, |r| r.seq);
+        ReportPage {
+            next,
+            reports: rows,
+            reset,
+            gap,
+        }
     }
 
     /// The scope of a configured bucket.
