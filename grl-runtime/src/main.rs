@@ -32,7 +32,8 @@ enum Cmd {
         /// Where the applied config and overrides are persisted.
         #[arg(long, default_value = "grl-state")]
         state_dir: PathBuf,
-        /// Bearer token for mutating endpoints.
+        /// Bearer token for mutating endpoints. Give it through the GRL_TOKEN environment
+        /// variable: the --token flag (discouraged) shows the secret in `ps` to every user.
         #[arg(long, env = "GRL_TOKEN", hide_env_values = true)]
         token: String,
         /// Bucket YAML directory loaded when nothing was persisted yet.
