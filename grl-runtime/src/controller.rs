@@ -167,11 +167,17 @@ impl Controller {
         std::fs::create_dir_all(&opts.state_dir)
             .with_context(|| format!("create state dir {}", opts.state_dir.display()))?;
         let (persisted_cfg, ov) = load_state(&opts.state_dir)?;
-        let cfg = match (persisted_cfg, &opts.config_dir) {
+        // A config dir given is checked even when persisted state wins: a controller never
+        // starts on what `rlc validate` rejects.
+        let from_dir = match &opts.config_dir {
+            Some(dir) => Some(config::load_dir(dir).with_context(|| {
+                format!("refusing to start: bucket files in {}", dir.display())
+            })?),
+            None => None,
+        };
+        let cfg = match (persisted_cfg, from_dir) {
             (Some(c), _) => c,
-            (None, Some(dir)) => {
-                let doc =
-                    config::load_dir(dir).with_context(|| format!("load {}", dir.display()))?;
+            (None, Some(doc)) => {
                 let bytes = serde_json::to_vec_pretty(&doc)?;
                 write_atomic(&opts.state_dir.join("config.json"), &bytes)?;
                 doc

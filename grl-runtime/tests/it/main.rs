@@ -344,6 +344,40 @@ async fn controller_loads_config_dir_at_start() {
     assert!(status["version"].as_str().unwrap().starts_with("dir:"));
 }
 
+#[test]
+fn controller_refuses_a_config_dir_that_rlc_validate_rejects() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("buckets");
+    std::fs::create_dir_all(&cfg).unwrap();
+    let file = |name: &str, text: &str| std::fs::write(cfg.join(name), text).unwrap();
+    file(
+        "x.yaml",
+        "service: y\nbuckets:\n  - name: a\n    caller: a\n    limit_rps: 5\n",
+    );
+    file(
+        "typo.yaml",
+        "service: typo\nbuckets:\n  - name: a\n    caller: a\n    limit_rps: 5\n    colour: red\n",
+    );
+    file("old.yml", "service: old\nbuckets: []\n");
+    let out = Command::new(env!("CARGO_BIN_EXE_grl"))
+        .args(["controller", "--listen", "127.0.0.1:0", "--state-dir"])
+        .arg(dir.path().join("state"))
+        .arg("--config-dir")
+        .arg(&cfg)
+        .env("GRL_TOKEN", TOKEN)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    // Every problem, each once, with file:line.
+    assert!(err.contains("x.yaml:1:"), "{err}");
+    assert!(err.contains("typo.yaml:6:"), "{err}");
+    assert!(err.contains("old.yml:1:"), "{err}");
+    assert_eq!(err.matches("unknown field").count(), 1, "{err}");
+    // Nothing was persisted from the refused dir.
+    assert!(!dir.path().join("state/config.json").exists());
+}
+
 /// Offers `rps` requests per second of caller `gw` to `client`'s limiter until `stop`.
 fn load(client: Arc<GrlClient>, rps: f64, stop: Arc<AtomicBool>, dropped: Arc<AtomicU64>) {
     std::thread::spawn(move || {
