@@ -11,7 +11,7 @@ use grl_core::control::{drop_ratio, scope_key};
 use schema::{Bucket, Scope};
 use serde::Serialize;
 
-use crate::overrides::{effect, Effect, Override};
+use crate::overrides::{effect, materialize, Affected, Effect, Group, Override};
 use crate::proto::{
     ConfigDoc, DirectiveMsg, ServiceDirectives, ZoneBucketMsg, ZoneDirectives, ZoneReport,
 };
@@ -125,8 +125,13 @@ pub const PEER_PREFIX: &str = "region:";
 
 /// The controller's state.
 pub struct Engine {
+    /// The config as pushed (persisted, compared against pushes).
+    base: ConfigDoc,
+    /// The config served to clients: `base` plus what traffic overrides need.
     config: ConfigDoc,
     overrides: Vec<Override>,
+    /// Traffic-override groups over the served buckets, with their member indices.
+    groups: Vec<(Group, Vec<usize>)>,
     buckets: Vec<BucketState>,
     index: Index,
     zones: BTreeMap<String, ZoneData>,
@@ -143,8 +148,10 @@ impl Engine {
     /// An engine with `config`; zones silent for `zone_ttl_ms` are forgotten.
     pub fn new(config: ConfigDoc, zone_ttl_ms: u64) -> Engine {
         let mut e = Engine {
+            base: ConfigDoc::default(),
             config: ConfigDoc::default(),
             overrides: Vec::new(),
+            groups: Vec::new(),
             buckets: Vec::new(),
             index: HashMap::new(),
             zones: BTreeMap::new(),
@@ -158,13 +165,66 @@ impl Engine {
         e
     }
 
-    /// The config in force.
+    /// The config served to clients (the pushed one plus traffic-override buckets).
     pub fn config(&self) -> &ConfigDoc {
         &self.config
     }
 
+    /// The config as pushed.
+    pub fn base_config(&self) -> &ConfigDoc {
+        &self.base
+    }
+
     /// Replaces the config (already validated).
     pub fn set_config(&mut self, config: ConfigDoc) {
+        self.base = config;
+        self.rebuild();
+    }
+
+    /// The served buckets an override acts on (empty for an unknown id).
+    pub fn affected(&self, id: &str) -> Vec<Affected> {
+        if let Some(o) = self
+            .overrides
+            .iter()
+            .find(|o| o.id == id && !o.is_traffic())
+        {
+            return self
+                .buckets
+                .iter()
+                .filter(|b| o.matches(&b.service, &b.bucket))
+                .map(|b| Affected {
+                    service: b.service.clone(),
+                    bucket: b.bucket.name.clone(),
+                    caller: b.bucket.caller.clone(),
+                    procedure: b.bucket.procedure.clone(),
+                    created: false,
+                })
+                .collect();
+        }
+        self.groups
+            .iter()
+            .find(|(g, _)| g.id == id)
+            .map(|(g, _)| g.members.clone())
+            .unwrap_or_default()
+    }
+
+    fn rebuild(&mut self) {
+        let (served, groups) = materialize(&self.base, &self.overrides);
+        self.install(served);
+        self.groups = groups
+            .into_iter()
+            .map(|g| {
+                let idx = g
+                    .members
+                    .iter()
+                    .filter_map(|m| lookup(&self.index, &m.service, &m.bucket))
+                    .collect();
+                (g, idx)
+            })
+            .collect();
+    }
+
+    fn install(&mut self, config: ConfigDoc) {
         let old = std::mem::take(&mut self.buckets);
         let mut old_totals = std::mem::take(&mut self.totals);
         self.index.clear();
@@ -212,6 +272,7 @@ impl Engine {
     /// Replaces the override list.
     pub fn set_overrides(&mut self, list: Vec<Override>) {
         self.overrides = list;
+        self.rebuild();
     }
 
     /// Removes overrides expired at `unix_now` and returns them (for the audit log).
@@ -220,6 +281,9 @@ impl Engine {
             .into_iter()
             .partition(|o| o.active(unix_now));
         self.overrides = keep;
+        if gone.iter().any(|o: &Override| o.is_traffic()) {
+            self.rebuild();
+        }
         gone
     }
 
@@ -399,6 +463,39 @@ impl Engine {
                 k.ratio = s
                     .fixed
                     .unwrap_or_else(|| drop_ratio(k.offered_rps, s.limit_rps));
+            }
+        }
+        // Traffic overrides: each group's offered rate as a whole against its limit; the ratio
+        // is fixed for every member in every zone (the strictest group wins). The override's
+        // limit replaces a member's own one.
+        let mut limited = vec![
+            false;
+            if self.groups.is_empty() {
+                0
+            } else {
+                self.buckets.len()
+            }
+        ];
+        for (g, idx) in &self.groups {
+            let offered: f64 = idx
+                .iter()
+                .flat_map(|&i| self.buckets[i].keys.iter())
+                .map(|k| k.offered_rps)
+                .sum();
+            let ratio = g
+                .drop_ratio
+                .unwrap_or_else(|| drop_ratio(offered, g.limit_rps.unwrap_or(f64::INFINITY)));
+            for &i in idx {
+                let s = &mut self.buckets[i];
+                let r = s.fixed.map_or(ratio, |f| f.max(ratio));
+                s.fixed = Some(r);
+                if let Some(l) = g.limit_rps {
+                    s.limit_rps = if limited[i] { s.limit_rps.min(l) } else { l };
+                    limited[i] = true;
+                }
+                for k in &mut s.keys {
+                    k.ratio = r;
+                }
             }
         }
     }

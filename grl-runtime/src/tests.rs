@@ -246,6 +246,60 @@ fn engine_applies_overrides_until_they_expire() {
 }
 
 #[test]
+fn engine_limits_a_caller_override_as_a_whole() {
+    let mut ab = bucket("a.x", Scope::Zone, 1000.0);
+    ab.caller = Some("a".into());
+    ab.procedure = Some("x".into());
+    let cfg = ConfigDoc {
+        version: "v1".into(),
+        services: vec![BucketFile {
+            service: "svc".into(),
+            buckets: vec![ab],
+        }],
+    };
+    let mut e = Engine::new(cfg, 3000);
+    let req = OverrideRequest {
+        service: Some("svc".into()),
+        bucket: None,
+        caller: Some("a".into()),
+        procedure: None,
+        limit_rps: Some(100.0),
+        drop_ratio: None,
+        ttl_secs: 60,
+        reason: "INC-8".into(),
+        who: "sre".into(),
+    };
+    e.set_overrides(vec![Override {
+        id: "ovr-1".into(),
+        req,
+        created_at: 1000,
+        expires_at: 1060,
+    }]);
+    // The served config has the ad-hoc bucket under a new version.
+    assert!(e.config().version.starts_with("v1+ovr."));
+    assert_eq!(e.base_config().version, "v1");
+    let affected = e.affected("ovr-1");
+    assert_eq!(affected.len(), 2);
+    // 150 on the caller's own procedure bucket in z1, 50 on the ad-hoc one in z2: 200 as a
+    // whole against 100 → 0.5 on both, in every zone.
+    e.ingest(&zone_report("a1", "r1", "z1", &[("a.x", 150.0)]), 0);
+    e.ingest(
+        &zone_report("a2", "r1", "z2", &[("override:ovr-1", 50.0)]),
+        0,
+    );
+    e.recompute(0, 1000);
+    for (z, b) in [("z1", "a.x"), ("z2", "override:ovr-1"), ("z3", "a.x")] {
+        assert!((ratio_of(&e, "r1", z, b) - 0.5).abs() < 1e-9, "{z} {b}");
+    }
+    // Expired: the ad-hoc bucket is gone and the version is the pushed one again.
+    assert_eq!(e.purge_expired(1060).len(), 1);
+    e.recompute(0, 1060);
+    assert_eq!(e.config().version, "v1");
+    assert_eq!(e.bucket_count(), 1);
+    assert_eq!(ratio_of(&e, "r1", "z1", "a.x"), 0.0);
+}
+
+#[test]
 fn report_cursors_survive_restarts_resets_and_gaps() {
     let cfg = ConfigDoc {
         version: "v1".into(),
