@@ -34,8 +34,13 @@ enum Cmd {
         state_dir: PathBuf,
         /// Bearer token for mutating endpoints. Give it through the GRL_TOKEN environment
         /// variable: the --token flag (discouraged) shows the secret in `ps` to every user.
-        #[arg(long, env = "GRL_TOKEN", hide_env_values = true)]
-        token: String,
+        #[arg(
+            long,
+            env = "GRL_TOKEN",
+            hide_env_values = true,
+            value_name = "DISCOURAGED"
+        )]
+        token: Option<String>,
         /// Bucket YAML directory loaded when nothing was persisted yet.
         #[arg(long)]
         config_dir: Option<PathBuf>,
@@ -189,9 +194,9 @@ async fn main() -> anyhow::Result<()> {
             region,
             peers,
         } => {
-            if token.is_empty() {
-                bail!("--token (or GRL_TOKEN) must not be empty");
-            }
+            let Some(token) = token.filter(|t| !t.is_empty()) else {
+                bail!("set the bearer token in the GRL_TOKEN environment variable (must not be empty)");
+            };
             let h = Controller::start(ControllerOptions {
                 listen,
                 state_dir,

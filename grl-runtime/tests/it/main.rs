@@ -939,6 +939,8 @@ fn simulate_cli_prints_one_json_line_per_bucket_per_tick() {
     }
     let last = &lines[29];
     assert!((last["drop_ratio"].as_f64().unwrap() - 1.0 / 3.0).abs() < 0.01);
+    // The algorithm as spelled on the command line.
+    assert_eq!(last["algorithm"], "drop-by-ratio");
     let tb: Vec<Value> = run("token-bucket")
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
