@@ -34,12 +34,7 @@ enum Cmd {
         state_dir: PathBuf,
         /// Bearer token for mutating endpoints. Give it through the GRL_TOKEN environment
         /// variable: the --token flag (discouraged) shows the secret in `ps` to every user.
-        #[arg(
-            long,
-            env = "GRL_TOKEN",
-            hide_env_values = true,
-            value_name = "DISCOURAGED"
-        )]
+        #[arg(long, env = "GRL_TOKEN", hide_env_values = true)]
         token: Option<String>,
         /// Bucket YAML directory loaded when nothing was persisted yet.
         #[arg(long)]
