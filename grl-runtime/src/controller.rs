@@ -323,8 +323,10 @@ async fn put_config(
 async fn status(State(s): State<Arc<Shared>>) -> Json<serde_json::Value> {
     let e = s.engine.lock().expect("engine lock");
     Json(serde_json::json!({
-        "version": e.config().version,
-        "base_version": e.base_config().version,
+        // The pushed version (what rlc reconciles against); clients run `served_version`,
+        // which differs while traffic overrides add buckets.
+        "version": e.base_config().version,
+        "served_version": e.config().version,
         "buckets": e.bucket_count(),
         "services": e.config().services.len(),
         "overrides": e.overrides().len(),

@@ -704,6 +704,20 @@ async fn override_on_a_caller_without_bucket_throttles_it_until_removed_or_expir
                 "created": true}])
     );
 
+    // Status keeps the pushed version (rlc reconciles against it) and shows the served one.
+    let status: Value = http
+        .get(format!("{base}/v1/status"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(status["version"], "v1");
+    assert!(status["served_version"]
+        .as_str()
+        .unwrap()
+        .starts_with("v1+ovr."));
     // Within a few ticks the clients run the served config and drop ~75% of ghost's 200 rps.
     eventually("ghost throttled at the clients", || {
         let ok = versions(&clients).iter().all(|v| v.starts_with("v1+ovr."));
