@@ -172,6 +172,10 @@ pub struct Group {
 /// otherwise the version is `<base>+ovr.<hash>` so that clients fetch it, and changes again
 /// when an override is added, removed or expires.
 pub fn materialize(base: &ConfigDoc, overrides: &[Override]) -> (ConfigDoc, Vec<Group>) {
+    if !overrides.iter().any(Override::is_traffic) {
+        // The common case: no copy compared bucket by bucket.
+        return (base.clone(), Vec::new());
+    }
     let mut doc = base.clone();
     let mut groups = Vec::new();
     for o in overrides.iter().filter(|o| o.is_traffic()) {
