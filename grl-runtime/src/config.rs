@@ -20,17 +20,10 @@ pub enum ConfigError {
     /// An empty version string.
     #[error("version must not be empty")]
     EmptyVersion,
-    /// A bucket file that does not parse.
+    /// Problems in the bucket files, each with file, line and key (one per line). Not a
+    /// `source`: the diagnostics are the message, so chains print them once.
     #[error("{0}")]
-    File(#[from] schema::Diagnostic),
-    /// The config directory cannot be read.
-    #[error("cannot read config dir {path}: {source}")]
-    Dir {
-        /// The directory.
-        path: String,
-        /// The cause.
-        source: std::io::Error,
-    },
+    Files(schema::Diagnostics),
 }
 
 /// Checks everything the controller requires before applying `doc`: a version, unique
@@ -50,24 +43,16 @@ pub fn validate(doc: &ConfigDoc) -> Result<(), ConfigError> {
     Ok(())
 }
 
-/// Loads every `*.yaml`/`*.yml` in `dir` as a bucket file (sorted by name, errors name the file
-/// and line); the version is `dir:<hash of the contents>` so that an unchanged dir is the same
-/// version.
+/// Loads the bucket files of `dir` exactly as `rlc validate` does ([`schema::load_bucket_dir`]:
+/// `*.yaml` only, unknown keys refused, `service` equal to the file name, …) and refuses on
+/// any problem, reporting all of them with file and line. The version is
+/// `dir:<hash of the contents>` so that an unchanged dir is the same version.
 pub fn load_dir(dir: &Path) -> Result<ConfigDoc, ConfigError> {
-    let rd = std::fs::read_dir(dir).map_err(|e| ConfigError::Dir {
-        path: dir.display().to_string(),
-        source: e,
-    })?;
-    let mut paths: Vec<_> = rd
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| matches!(p.extension().and_then(|x| x.to_str()), Some("yaml" | "yml")))
-        .collect();
-    paths.sort();
-    let mut services = Vec::new();
-    for p in &paths {
-        let f = schema::parse_file::<BucketFile>(p)?;
-        services.push(f.value);
+    let (files, diags) = schema::load_bucket_dir(dir);
+    if !diags.is_empty() {
+        return Err(ConfigError::Files(schema::Diagnostics(diags)));
     }
+    let services: Vec<BucketFile> = files.into_iter().map(|f| f.value).collect();
     let text = serde_json::to_string(&services).unwrap_or_default();
     let doc = ConfigDoc {
         version: format!("dir:{:016x}", fnv(text.as_bytes())),

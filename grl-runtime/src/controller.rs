@@ -167,11 +167,17 @@ impl Controller {
         std::fs::create_dir_all(&opts.state_dir)
             .with_context(|| format!("create state dir {}", opts.state_dir.display()))?;
         let (persisted_cfg, ov) = load_state(&opts.state_dir)?;
-        let cfg = match (persisted_cfg, &opts.config_dir) {
+        // A config dir given is checked even when persisted state wins: a controller never
+        // starts on what `rlc validate` rejects.
+        let from_dir = match &opts.config_dir {
+            Some(dir) => Some(config::load_dir(dir).with_context(|| {
+                format!("refusing to start: bucket files in {}", dir.display())
+            })?),
+            None => None,
+        };
+        let cfg = match (persisted_cfg, from_dir) {
             (Some(c), _) => c,
-            (None, Some(dir)) => {
-                let doc =
-                    config::load_dir(dir).with_context(|| format!("load {}", dir.display()))?;
+            (None, Some(doc)) => {
                 let bytes = serde_json::to_vec_pretty(&doc)?;
                 write_atomic(&opts.state_dir.join("config.json"), &bytes)?;
                 doc
@@ -182,6 +188,11 @@ impl Controller {
         let zone_ttl = (opts.tick * 3).as_millis() as u64;
         let mut engine = Engine::new(cfg, zone_ttl);
         engine.set_overrides(ov.overrides.clone());
+        // Report cursors stay monotonic across restarts (see Engine::set_report_seq_base).
+        let start_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        engine.set_report_seq_base(start_ms << 10);
         let shared = Arc::new(Shared {
             engine: Mutex::new(engine),
             persisted: Mutex::new(Persisted {
@@ -291,7 +302,7 @@ async fn put_config(
     // Hold the engine lock across the write so that two pushes cannot interleave their
     // persist and apply.
     let mut e = s.engine.lock().expect("engine lock");
-    if e.config().version == doc.version {
+    if e.base_config().version == doc.version {
         return Ok(Json(
             serde_json::json!({"version": doc.version, "changed": false}),
         ));
@@ -300,7 +311,7 @@ async fn put_config(
     write_atomic(&s.state_dir.join("config.json"), &bytes)
         .map_err(|e| ApiError::Internal(format!("persist config: {e}")))?;
     let buckets: usize = doc.services.iter().map(|f| f.buckets.len()).sum();
-    tracing::info!(from = %e.config().version, to = %doc.version, buckets, "config applied");
+    tracing::info!(from = %e.base_config().version, to = %doc.version, buckets, "config applied");
     let version = doc.version.clone();
     e.set_config(doc);
     e.recompute(s.now_ms(), unix_now());
@@ -312,7 +323,10 @@ async fn put_config(
 async fn status(State(s): State<Arc<Shared>>) -> Json<serde_json::Value> {
     let e = s.engine.lock().expect("engine lock");
     Json(serde_json::json!({
-        "version": e.config().version,
+        // The pushed version (what rlc reconciles against); clients run `served_version`,
+        // which differs while traffic overrides add buckets.
+        "version": e.base_config().version,
+        "served_version": e.config().version,
         "buckets": e.bucket_count(),
         "services": e.config().services.len(),
         "overrides": e.overrides().len(),
@@ -337,8 +351,7 @@ async fn reports(
     Query(q): Query<ReportsQuery>,
 ) -> Json<serde_json::Value> {
     let e = s.engine.lock().expect("engine lock");
-    let (next, rows) = e.reports_after(q.after, q.limit.min(10_000));
-    Json(serde_json::json!({ "next": next, "reports": rows }))
+    Json(serde_json::to_value(e.reports_after(q.after, q.limit.min(10_000))).unwrap_or_default())
 }
 
 async fn aggregate(
@@ -373,10 +386,23 @@ async fn aggregate(
     Ok(Json(e.directives_for(&r.region, &r.zone)))
 }
 
+/// An override with the served buckets it acts on (`affects`, empty for a bucket override).
+fn with_affects(o: &Override, e: &Engine) -> serde_json::Value {
+    let mut v = serde_json::to_value(o).unwrap_or_default();
+    v["affects"] = serde_json::to_value(e.affected(&o.id)).unwrap_or_default();
+    v
+}
+
 async fn list_overrides(State(s): State<Arc<Shared>>) -> Json<serde_json::Value> {
     let p = s.persisted.lock().expect("persisted lock");
+    let e = s.engine.lock().expect("engine lock");
     let now = unix_now();
-    let list: Vec<&Override> = p.overrides.iter().filter(|o| o.active(now)).collect();
+    let list: Vec<serde_json::Value> = p
+        .overrides
+        .iter()
+        .filter(|o| o.active(now))
+        .map(|o| with_affects(o, &e))
+        .collect();
     Json(serde_json::json!({ "overrides": list }))
 }
 
@@ -389,6 +415,19 @@ async fn add_override(
     let req: OverrideRequest = parse_json(&body)?;
     req.validate()
         .map_err(|e| ApiError::Invalid(e.to_string()))?;
+    if let (Some(svc), Some(b)) = (&req.service, &req.bucket) {
+        // A bucket override on a name that does not exist would silently do nothing.
+        if s.engine
+            .lock()
+            .expect("engine lock")
+            .scope_of(svc, b)
+            .is_none()
+        {
+            return Err(ApiError::Invalid(format!(
+                "service `{svc}` has no bucket `{b}` (to limit traffic without a bucket, target --caller/--procedure)"
+            )));
+        }
+    }
     let now = unix_now();
     let mut p = s.persisted.lock().expect("persisted lock");
     p.next_id += 1;
@@ -399,6 +438,15 @@ async fn add_override(
         req,
     };
     p.overrides.push(o.clone());
+    // The config it makes clients run must compile, or the override would do nothing.
+    let base = s.engine.lock().expect("engine lock").base_config().clone();
+    if let Err(e) = config::validate(&crate::overrides::materialize(&base, &p.overrides).0) {
+        p.overrides.pop();
+        p.next_id -= 1;
+        return Err(ApiError::Invalid(format!(
+            "the override cannot be served: {e}"
+        )));
+    }
     if let Err(e) = s.save_overrides(&p) {
         p.overrides.pop();
         return Err(e);
@@ -409,7 +457,11 @@ async fn add_override(
     let mut e = s.engine.lock().expect("engine lock");
     e.set_overrides(p.overrides.clone());
     e.recompute(s.now_ms(), now);
-    Ok((axum::http::StatusCode::CREATED, Json(o)))
+    let affects = e.affected(&o.id);
+    if o.is_traffic() {
+        tracing::info!(id = %o.id, buckets = affects.len(), version = %e.config().version, "override materialised");
+    }
+    Ok((axum::http::StatusCode::CREATED, Json(with_affects(&o, &e))))
 }
 
 #[derive(Deserialize)]

@@ -11,7 +11,7 @@ use grl_core::control::{drop_ratio, scope_key};
 use schema::{Bucket, Scope};
 use serde::Serialize;
 
-use crate::overrides::{effect, Effect, Override};
+use crate::overrides::{effect, materialize, Affected, Effect, Group, Override};
 use crate::proto::{
     ConfigDoc, DirectiveMsg, ServiceDirectives, ZoneBucketMsg, ZoneDirectives, ZoneReport,
 };
@@ -83,6 +83,19 @@ pub struct ReportRow {
     pub drop_ratio: f64,
 }
 
+/// One page of `GET /v1/reports`.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ReportPage {
+    /// The cursor to pass as `after` next time.
+    pub next: u64,
+    /// Rows with `seq > after`, oldest first.
+    pub reports: Vec<ReportRow>,
+    /// The cursor was beyond the newest row: this page starts at the oldest row kept.
+    pub reset: bool,
+    /// Rows between the cursor and the oldest row kept were lost (evicted or a restart).
+    pub gap: bool,
+}
+
 struct ZoneData {
     region: String,
     zone: String,
@@ -112,8 +125,13 @@ pub const PEER_PREFIX: &str = "region:";
 
 /// The controller's state.
 pub struct Engine {
+    /// The config as pushed (persisted, compared against pushes).
+    base: ConfigDoc,
+    /// The config served to clients: `base` plus what traffic overrides need.
     config: ConfigDoc,
     overrides: Vec<Override>,
+    /// Traffic-override groups over the served buckets, with their member indices.
+    groups: Vec<(Group, Vec<usize>)>,
     buckets: Vec<BucketState>,
     index: Index,
     zones: BTreeMap<String, ZoneData>,
@@ -130,8 +148,10 @@ impl Engine {
     /// An engine with `config`; zones silent for `zone_ttl_ms` are forgotten.
     pub fn new(config: ConfigDoc, zone_ttl_ms: u64) -> Engine {
         let mut e = Engine {
+            base: ConfigDoc::default(),
             config: ConfigDoc::default(),
             overrides: Vec::new(),
+            groups: Vec::new(),
             buckets: Vec::new(),
             index: HashMap::new(),
             zones: BTreeMap::new(),
@@ -145,13 +165,66 @@ impl Engine {
         e
     }
 
-    /// The config in force.
+    /// The config served to clients (the pushed one plus traffic-override buckets).
     pub fn config(&self) -> &ConfigDoc {
         &self.config
     }
 
+    /// The config as pushed.
+    pub fn base_config(&self) -> &ConfigDoc {
+        &self.base
+    }
+
     /// Replaces the config (already validated).
     pub fn set_config(&mut self, config: ConfigDoc) {
+        self.base = config;
+        self.rebuild();
+    }
+
+    /// The served buckets an override acts on (empty for an unknown id).
+    pub fn affected(&self, id: &str) -> Vec<Affected> {
+        if let Some(o) = self
+            .overrides
+            .iter()
+            .find(|o| o.id == id && !o.is_traffic())
+        {
+            return self
+                .buckets
+                .iter()
+                .filter(|b| o.matches(&b.service, &b.bucket))
+                .map(|b| Affected {
+                    service: b.service.clone(),
+                    bucket: b.bucket.name.clone(),
+                    caller: b.bucket.caller.clone(),
+                    procedure: b.bucket.procedure.clone(),
+                    created: false,
+                })
+                .collect();
+        }
+        self.groups
+            .iter()
+            .find(|(g, _)| g.id == id)
+            .map(|(g, _)| g.members.clone())
+            .unwrap_or_default()
+    }
+
+    fn rebuild(&mut self) {
+        let (served, groups) = materialize(&self.base, &self.overrides);
+        self.install(served);
+        self.groups = groups
+            .into_iter()
+            .map(|g| {
+                let idx = g
+                    .members
+                    .iter()
+                    .filter_map(|m| lookup(&self.index, &m.service, &m.bucket))
+                    .collect();
+                (g, idx)
+            })
+            .collect();
+    }
+
+    fn install(&mut self, config: ConfigDoc) {
         let old = std::mem::take(&mut self.buckets);
         let mut old_totals = std::mem::take(&mut self.totals);
         self.index.clear();
@@ -199,6 +272,7 @@ impl Engine {
     /// Replaces the override list.
     pub fn set_overrides(&mut self, list: Vec<Override>) {
         self.overrides = list;
+        self.rebuild();
     }
 
     /// Removes overrides expired at `unix_now` and returns them (for the audit log).
@@ -207,6 +281,9 @@ impl Engine {
             .into_iter()
             .partition(|o| o.active(unix_now));
         self.overrides = keep;
+        if gone.iter().any(|o: &Override| o.is_traffic()) {
+            self.rebuild();
+        }
         gone
     }
 
@@ -388,6 +465,39 @@ impl Engine {
                     .unwrap_or_else(|| drop_ratio(k.offered_rps, s.limit_rps));
             }
         }
+        // Traffic overrides: each group's offered rate as a whole against its limit; the ratio
+        // is fixed for every member in every zone (the strictest group wins). The override's
+        // limit replaces a member's own one.
+        let mut limited = vec![
+            false;
+            if self.groups.is_empty() {
+                0
+            } else {
+                self.buckets.len()
+            }
+        ];
+        for (g, idx) in &self.groups {
+            let offered: f64 = idx
+                .iter()
+                .flat_map(|&i| self.buckets[i].keys.iter())
+                .map(|k| k.offered_rps)
+                .sum();
+            let ratio = g
+                .drop_ratio
+                .unwrap_or_else(|| drop_ratio(offered, g.limit_rps.unwrap_or(f64::INFINITY)));
+            for &i in idx {
+                let s = &mut self.buckets[i];
+                let r = s.fixed.map_or(ratio, |f| f.max(ratio));
+                s.fixed = Some(r);
+                if let Some(l) = g.limit_rps {
+                    s.limit_rps = if limited[i] { s.limit_rps.min(l) } else { l };
+                    limited[i] = true;
+                }
+                for k in &mut s.keys {
+                    k.ratio = r;
+                }
+            }
+        }
     }
 
     /// Directives for the clients of `zone` in `region`.
@@ -419,10 +529,26 @@ impl Engine {
         }
     }
 
-    /// Appends one report row per bucket and scope key with traffic (call once per tick).
+    /// Starts this run's report sequence after `base`. The controller passes its start time as
+    /// `unix_ms << 10`, so cursors keep increasing across restarts without persisting anything
+    /// (room for 1024 rows per millisecond of uptime; stays below 2^53 for JSON readers).
+    pub fn set_report_seq_base(&mut self, base: u64) {
+        self.seq = self.seq.max(base);
+    }
+
+    /// Appends one report row per bucket and scope key with traffic in the interval (call once
+    /// per tick); keys whose zones reported nothing but zeros are skipped so that the bounded
+    /// ring holds useful rows.
     pub fn record_reports(&mut self, unix_now: u64) {
         for s in &self.buckets {
             for k in &s.keys {
+                if k.offered_rps == 0.0
+                    && k.admitted_rps == 0.0
+                    && k.dropped_rps == 0.0
+                    && k.shadow_dropped_rps == 0.0
+                {
+                    continue;
+                }
                 self.seq += 1;
                 self.reports.push_back(ReportRow {
                     seq: self.seq,
@@ -448,18 +574,28 @@ impl Engine {
     }
 
     /// Up to `limit` report rows with `seq > after`, and the cursor to pass next.
-    pub fn reports_after(&self, after: u64, limit: usize) -> (u64, Vec<ReportRow>) {
-        let rows: Vec<ReportRow> = self
-            .reports
-            .iter()
-            .filter(|r| r.seq > after)
-            .take(limit)
-            .cloned()
-            .collect();
+    ///
+    /// A cursor beyond the newest row (from a controller whose clock went back, or a cursor
+    /// from another controller) cannot be answered as asked: the page then starts at the
+    /// oldest row kept and says `reset`. A cursor older than the oldest row kept (rows evicted
+    /// from the ring, or a restart in between) says `gap`: rows were lost.
+    pub fn reports_after(&self, after: u64, limit: usize) -> ReportPage {
+        let oldest = self.reports.front().map(|r| r.seq);
+        let reset = after > self.seq;
+        let from = if reset { 0 } else { after };
+        let gap = !reset && after > 0 && oldest.is_some_and(|o| o > after + 1);
+        // Rows are in seq order: skip to the first one after the cursor without a scan.
+        let start = self.reports.partition_point(|r| r.seq <= from);
+        let rows: Vec<ReportRow> = self.reports.range(start..).take(limit).cloned().collect();
         let next = rows
             .last()
-            .map_or(after.max(self.seq.min(after)), |r| r.seq);
-        (next, rows)
+            .map_or(if reset { self.seq } else { after }, |r| r.seq);
+        ReportPage {
+            next,
+            reports: rows,
+            reset,
+            gap,
+        }
     }
 
     /// The scope of a configured bucket.

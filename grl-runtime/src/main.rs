@@ -32,9 +32,10 @@ enum Cmd {
         /// Where the applied config and overrides are persisted.
         #[arg(long, default_value = "grl-state")]
         state_dir: PathBuf,
-        /// Bearer token for mutating endpoints.
+        /// Bearer token for mutating endpoints. Give it through the GRL_TOKEN environment
+        /// variable: the --token flag (discouraged) shows the secret in `ps` to every user.
         #[arg(long, env = "GRL_TOKEN", hide_env_values = true)]
-        token: String,
+        token: Option<String>,
         /// Bucket YAML directory loaded when nothing was persisted yet.
         #[arg(long)]
         config_dir: Option<PathBuf>,
@@ -141,9 +142,10 @@ enum OverrideCmd {
         /// Why.
         #[arg(long)]
         reason: String,
-        /// Who (defaults to $USER).
-        #[arg(long, env = "USER")]
-        who: String,
+        /// Who applies it, for the audit log (defaults to $USER; "unknown", with a warning,
+        /// when that is unset).
+        #[arg(long)]
+        who: Option<String>,
     },
     /// List active overrides.
     List {
@@ -187,9 +189,9 @@ async fn main() -> anyhow::Result<()> {
             region,
             peers,
         } => {
-            if token.is_empty() {
-                bail!("--token (or GRL_TOKEN) must not be empty");
-            }
+            let Some(token) = token.filter(|t| !t.is_empty()) else {
+                bail!("set the bearer token in the GRL_TOKEN environment variable (must not be empty)");
+            };
             let h = Controller::start(ControllerOptions {
                 listen,
                 state_dir,
@@ -266,6 +268,19 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--who`, else $USER, else "unknown" with a warning (cron jobs and containers often run
+/// without $USER; the override must still go through in an incident).
+fn who_or_user(who: Option<String>) -> String {
+    who.filter(|w| !w.trim().is_empty())
+        .or_else(|| std::env::var("USER").ok().filter(|u| !u.trim().is_empty()))
+        .unwrap_or_else(|| {
+            eprintln!(
+                "warning: --who not given and $USER unset: recording the author as \"unknown\""
+            );
+            "unknown".to_string()
+        })
+}
+
 async fn override_cmd(cmd: OverrideCmd) -> anyhow::Result<()> {
     let http = reqwest::Client::new();
     let (resp, what) = match cmd {
@@ -290,7 +305,7 @@ async fn override_cmd(cmd: OverrideCmd) -> anyhow::Result<()> {
                 drop_ratio,
                 ttl_secs: ttl.as_secs(),
                 reason,
-                who,
+                who: who_or_user(who),
             };
             req.validate()?;
             let r = http

@@ -1,7 +1,21 @@
 //! Incident overrides: a targeted limit or fixed drop ratio with a TTL, a reason and an author.
+//!
+//! Two kinds:
+//! - a **bucket** override (`service` + `bucket`) replaces that bucket's limit (or ratio), per
+//!   scope key as the bucket's own limit would apply;
+//! - a **traffic** override (`caller` and/or `procedure`, optionally one `service`) limits all
+//!   that traffic *as a whole*, fleet-wide, whether or not a bucket matched it before. The
+//!   controller materialises it in the config it serves (see [`materialize`]): clients look up
+//!   the most specific bucket (caller+procedure, then procedure, then caller), so every bucket
+//!   key that the targeted traffic can land on becomes a member of the override's group, and the
+//!   keys it needs but that no bucket has are added as `override:<id>` buckets. The group's
+//!   ratio comes from the sum of its members' offered rates against the override's limit and
+//!   replaces the members' own ratios (the strictest group wins when several overlap).
 
-use schema::Bucket;
+use schema::{Bucket, BucketFile, Mode, PolicyName, Scope};
 use serde::{Deserialize, Serialize};
+
+use crate::proto::ConfigDoc;
 
 /// What an operator asks for (`POST /v1/overrides`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -51,6 +65,9 @@ pub enum OverrideError {
     /// Missing audit fields.
     #[error("reason and who must not be empty")]
     Audit,
+    /// A bucket target mixed with a traffic target.
+    #[error("a bucket override takes no caller or procedure (target one or the other)")]
+    BucketAndTraffic,
 }
 
 impl OverrideRequest {
@@ -61,6 +78,9 @@ impl OverrideRequest {
         }
         if self.bucket.is_some() && self.service.is_none() {
             return Err(OverrideError::BucketWithoutService);
+        }
+        if self.bucket.is_some() && (self.caller.is_some() || self.procedure.is_some()) {
+            return Err(OverrideError::BucketAndTraffic);
         }
         match (self.limit_rps, self.drop_ratio) {
             (Some(l), None) if !(l.is_finite() && l >= 0.0) => {
@@ -104,23 +124,163 @@ impl Override {
         now < self.expires_at
     }
 
-    /// Whether it targets `bucket` of `service`.
+    /// Whether it is a bucket override targeting `bucket` of `service` (traffic overrides
+    /// act through [`materialize`]'s groups instead).
     pub fn matches(&self, service: &str, bucket: &Bucket) -> bool {
         let r = &self.req;
-        if r.service.as_deref().is_some_and(|s| s != service) {
-            return false;
-        }
-        if r.bucket.as_deref().is_some_and(|b| b != bucket.name) {
-            return false;
-        }
-        if r.caller.is_some() && r.caller != bucket.caller {
-            return false;
-        }
-        if r.procedure.is_some() && r.procedure != bucket.procedure {
-            return false;
-        }
-        true
+        r.service.as_deref() == Some(service) && r.bucket.as_deref() == Some(bucket.name.as_str())
     }
+
+    /// Whether it targets traffic (caller and/or procedure) rather than one bucket.
+    pub fn is_traffic(&self) -> bool {
+        self.req.bucket.is_none()
+    }
+}
+
+/// One served bucket that a traffic override acts on.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Affected {
+    /// Callee service.
+    pub service: String,
+    /// Bucket name.
+    pub bucket: String,
+    /// Its caller.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub caller: Option<String>,
+    /// Its procedure.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub procedure: Option<String>,
+    /// Added for the override (`override:<id>…`) rather than an existing bucket.
+    pub created: bool,
+}
+
+/// The buckets a traffic override limits as a whole.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Group {
+    /// The override's id.
+    pub id: String,
+    /// Its limit for the whole group.
+    pub limit_rps: Option<f64>,
+    /// Or its fixed ratio.
+    pub drop_ratio: Option<f64>,
+    /// Member buckets.
+    pub members: Vec<Affected>,
+}
+
+/// The config served to clients: `base` plus the buckets traffic overrides need, and the
+/// groups they form. Without traffic overrides it is `base` unchanged (same version);
+/// otherwise the version is `<base>+ovr.<hash>` so that clients fetch it, and changes again
+/// when an override is added, removed or expires.
+pub fn materialize(base: &ConfigDoc, overrides: &[Override]) -> (ConfigDoc, Vec<Group>) {
+    if !overrides.iter().any(Override::is_traffic) {
+        // The common case: no copy compared bucket by bucket.
+        return (base.clone(), Vec::new());
+    }
+    let mut doc = base.clone();
+    let mut groups = Vec::new();
+    for o in overrides.iter().filter(|o| o.is_traffic()) {
+        let r = &o.req;
+        let mut members = Vec::new();
+        if let Some(svc) = &r.service {
+            if !doc.services.iter().any(|f| &f.service == svc) {
+                doc.services.push(BucketFile {
+                    service: svc.clone(),
+                    buckets: Vec::new(),
+                });
+            }
+        }
+        for f in doc
+            .services
+            .iter_mut()
+            .filter(|f| r.service.as_ref().is_none_or(|s| s == &f.service))
+        {
+            // The keys the targeted traffic can be looked up under, with the name of the
+            // bucket to add when none has that key.
+            let mut keys: Vec<(Option<String>, Option<String>, String)> = Vec::new();
+            let own = format!("override:{}", o.id);
+            match (&r.caller, &r.procedure) {
+                (Some(c), Some(p)) => keys.push((Some(c.clone()), Some(p.clone()), own)),
+                (None, Some(p)) => {
+                    keys.push((None, Some(p.clone()), own));
+                    for b in f.buckets.iter().filter(|b| b.procedure.as_ref() == Some(p)) {
+                        if b.caller.is_some() {
+                            keys.push((b.caller.clone(), Some(p.clone()), String::new()));
+                        }
+                    }
+                }
+                (Some(c), None) => {
+                    keys.push((Some(c.clone()), None, own.clone()));
+                    for b in &f.buckets {
+                        match (&b.caller, &b.procedure) {
+                            // The caller's own caller+procedure buckets win over a caller key.
+                            (Some(bc), Some(_)) if bc == c => {
+                                keys.push((Some(c.clone()), b.procedure.clone(), String::new()))
+                            }
+                            // A procedure bucket wins over a caller key: split the caller's
+                            // share of that procedure off into its own key.
+                            (None, Some(p)) => {
+                                keys.push((Some(c.clone()), Some(p.clone()), format!("{own}:{p}")))
+                            }
+                            _ => {}
+                        }
+                    }
+                }
+                (None, None) => {}
+            }
+            for (caller, procedure, new_name) in keys {
+                let pos = f
+                    .buckets
+                    .iter()
+                    .position(|b| b.caller == caller && b.procedure == procedure);
+                let created = pos.is_none();
+                let b = match pos {
+                    Some(i) => &mut f.buckets[i],
+                    None => {
+                        f.buckets.push(Bucket {
+                            name: new_name,
+                            caller: caller.clone(),
+                            procedure: procedure.clone(),
+                            scope: Scope::Global,
+                            // Informational for clients (the group ratio decides); compile
+                            // wants a positive limit even for a block-all override.
+                            limit_rps: r.limit_rps.unwrap_or(1.0).max(0.001),
+                            mode: Mode::Enforce,
+                            policy: PolicyName::Manual,
+                        });
+                        f.buckets.last_mut().expect("just pushed")
+                    }
+                };
+                // An incident override enforces, even on a bucket still in shadow mode.
+                b.mode = Mode::Enforce;
+                if !members
+                    .iter()
+                    .any(|m: &Affected| m.bucket == b.name && m.service == f.service)
+                {
+                    members.push(Affected {
+                        service: f.service.clone(),
+                        bucket: b.name.clone(),
+                        caller,
+                        procedure,
+                        created,
+                    });
+                }
+            }
+        }
+        groups.push(Group {
+            id: o.id.clone(),
+            limit_rps: r.limit_rps,
+            drop_ratio: r.drop_ratio,
+            members,
+        });
+    }
+    if doc != *base {
+        let text = serde_json::to_string(&doc.services).unwrap_or_default();
+        let h = text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, x| {
+            (h ^ x as u64).wrapping_mul(0x100_0000_01b3)
+        });
+        doc.version = format!("{}+ovr.{h:016x}", base.version);
+    }
+    (doc, groups)
 }
 
 /// The effect of the active overrides on one bucket.
@@ -193,11 +353,19 @@ mod tests {
         }
     }
 
+    fn on_bucket(r: OverrideRequest, name: &str) -> OverrideRequest {
+        OverrideRequest {
+            bucket: Some(name.into()),
+            caller: None,
+            ..r
+        }
+    }
+
     #[test]
     fn expiry_and_precedence() {
         let list = vec![
-            ovr("1", req(Some(50.0), None), 100),
-            ovr("2", req(Some(20.0), None), 50),
+            ovr("1", on_bucket(req(Some(50.0), None), "a.x"), 100),
+            ovr("2", on_bucket(req(Some(20.0), None), "a.x"), 50),
         ];
         let b = bucket("a");
         assert_eq!(effect(&list, 10, "svc", &b), Effect::Limit(20.0));
@@ -205,17 +373,101 @@ mod tests {
         assert_eq!(effect(&list, 50, "svc", &b), Effect::Limit(50.0));
         // Both expired: nothing applies.
         assert_eq!(effect(&list, 100, "svc", &b), Effect::None);
-        // Other caller and other service are not targeted.
+        // Other bucket and other service are not targeted.
         assert_eq!(effect(&list, 10, "svc", &bucket("b")), Effect::None);
         assert_eq!(effect(&list, 10, "other", &b), Effect::None);
         let mut with_ratio = list.clone();
-        with_ratio.push(ovr("3", req(None, Some(0.5)), 100));
+        with_ratio.push(ovr("3", on_bucket(req(None, Some(0.5)), "a.x"), 100));
         assert_eq!(effect(&with_ratio, 10, "svc", &b), Effect::Ratio(0.5));
+        // A traffic override does not act through `effect`.
+        assert_eq!(
+            effect(&[ovr("4", req(Some(1.0), None), 100)], 10, "svc", &b),
+            Effect::None
+        );
+    }
+
+    fn b(name: &str, caller: Option<&str>, procedure: Option<&str>, mode: Mode) -> Bucket {
+        Bucket {
+            name: name.into(),
+            caller: caller.map(Into::into),
+            procedure: procedure.map(Into::into),
+            scope: Scope::Zone,
+            limit_rps: 100.0,
+            mode,
+            policy: PolicyName::Peak,
+        }
+    }
+
+    fn names(g: &Group) -> Vec<(&str, bool)> {
+        g.members
+            .iter()
+            .map(|m| (m.bucket.as_str(), m.created))
+            .collect()
+    }
+
+    #[test]
+    fn materialize_covers_every_key_the_traffic_can_land_on() {
+        let base = ConfigDoc {
+            version: "v1".into(),
+            services: vec![BucketFile {
+                service: "svc".into(),
+                buckets: vec![
+                    b("a.x", Some("a"), Some("x"), Mode::Shadow),
+                    b("y", None, Some("y"), Mode::Enforce),
+                    b("c", Some("c"), None, Mode::Enforce),
+                    b("c.y", Some("c"), Some("y"), Mode::Enforce),
+                ],
+            }],
+        };
+        // Nothing targeted: the base config, same version.
+        assert_eq!(materialize(&base, &[]).0, base);
+        // A caller with a caller+procedure bucket, under a procedure bucket, and no caller bucket.
+        let (doc, groups) = materialize(&base, &[ovr("ovr-1", req(Some(10.0), None), 100)]);
+        assert!(doc.version.starts_with("v1+ovr."));
+        assert_eq!(
+            names(&groups[0]),
+            [
+                ("override:ovr-1", true),
+                ("a.x", false),
+                ("override:ovr-1:y", true)
+            ]
+        );
+        let served = &doc.services[0].buckets;
+        // The shadow bucket enforces while the override lasts.
+        assert_eq!(served[0].mode, Mode::Enforce);
+        assert_eq!(served.len(), 6);
+        // Every (caller, procedure) pair of `a` resolves to a member: the table compiles.
+        grl_core::Table::compile("svc", &doc.version, served).expect("served config compiles");
+        // A caller that has a caller bucket: it becomes the member.
+        let mut r = req(Some(10.0), None);
+        r.caller = Some("c".into());
+        let (_, groups) = materialize(&base, &[ovr("ovr-2", r, 100)]);
+        assert_eq!(names(&groups[0]), [("c", false), ("c.y", false)]);
+        // A procedure: its bucket and the caller+procedure buckets under it.
+        let mut r = req(None, Some(0.5));
+        r.caller = None;
+        r.procedure = Some("y".into());
+        let (_, groups) = materialize(&base, &[ovr("ovr-3", r, 100)]);
+        assert_eq!(names(&groups[0]), [("y", false), ("c.y", false)]);
+        // A service without any bucket file gets one.
+        let mut r = req(Some(10.0), None);
+        r.service = Some("new".into());
+        let (doc, groups) = materialize(&base, &[ovr("ovr-4", r, 100)]);
+        assert_eq!(doc.services[1].service, "new");
+        assert_eq!(names(&groups[0]), [("override:ovr-4", true)]);
     }
 
     #[test]
     fn validation() {
         assert!(req(Some(1.0), None).validate().is_ok());
+        assert_eq!(
+            OverrideRequest {
+                bucket: Some("b".into()),
+                ..req(Some(1.0), None)
+            }
+            .validate(),
+            Err(OverrideError::BucketAndTraffic)
+        );
         assert_eq!(req(None, None).validate(), Err(OverrideError::Action));
         assert_eq!(
             req(Some(1.0), Some(0.1)).validate(),

@@ -160,6 +160,7 @@ impl Default for TokenBucketSpec {
 
 /// Which limiter the clients run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")] // printed as spelled on the command line
 pub enum Algorithm {
     /// Drop-by-ratio (the GRL).
     DropByRatio,

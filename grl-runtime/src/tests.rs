@@ -246,6 +246,115 @@ fn engine_applies_overrides_until_they_expire() {
 }
 
 #[test]
+fn engine_limits_a_caller_override_as_a_whole() {
+    let mut ab = bucket("a.x", Scope::Zone, 1000.0);
+    ab.caller = Some("a".into());
+    ab.procedure = Some("x".into());
+    let cfg = ConfigDoc {
+        version: "v1".into(),
+        services: vec![BucketFile {
+            service: "svc".into(),
+            buckets: vec![ab],
+        }],
+    };
+    let mut e = Engine::new(cfg, 3000);
+    let req = OverrideRequest {
+        service: Some("svc".into()),
+        bucket: None,
+        caller: Some("a".into()),
+        procedure: None,
+        limit_rps: Some(100.0),
+        drop_ratio: None,
+        ttl_secs: 60,
+        reason: "INC-8".into(),
+        who: "sre".into(),
+    };
+    e.set_overrides(vec![Override {
+        id: "ovr-1".into(),
+        req,
+        created_at: 1000,
+        expires_at: 1060,
+    }]);
+    // The served config has the ad-hoc bucket under a new version.
+    assert!(e.config().version.starts_with("v1+ovr."));
+    assert_eq!(e.base_config().version, "v1");
+    let affected = e.affected("ovr-1");
+    assert_eq!(affected.len(), 2);
+    // 150 on the caller's own procedure bucket in z1, 50 on the ad-hoc one in z2: 200 as a
+    // whole against 100 → 0.5 on both, in every zone.
+    e.ingest(&zone_report("a1", "r1", "z1", &[("a.x", 150.0)]), 0);
+    e.ingest(
+        &zone_report("a2", "r1", "z2", &[("override:ovr-1", 50.0)]),
+        0,
+    );
+    e.recompute(0, 1000);
+    for (z, b) in [("z1", "a.x"), ("z2", "override:ovr-1"), ("z3", "a.x")] {
+        assert!((ratio_of(&e, "r1", z, b) - 0.5).abs() < 1e-9, "{z} {b}");
+    }
+    // Expired: the ad-hoc bucket is gone and the version is the pushed one again.
+    assert_eq!(e.purge_expired(1060).len(), 1);
+    e.recompute(0, 1060);
+    assert_eq!(e.config().version, "v1");
+    assert_eq!(e.bucket_count(), 1);
+    assert_eq!(ratio_of(&e, "r1", "z1", "a.x"), 0.0);
+}
+
+#[test]
+fn report_cursors_survive_restarts_resets_and_gaps() {
+    let cfg = ConfigDoc {
+        version: "v1".into(),
+        services: vec![BucketFile {
+            service: "svc".into(),
+            buckets: vec![
+                bucket("busy", Scope::Global, 100.0),
+                bucket("idle", Scope::Global, 100.0),
+            ],
+        }],
+    };
+    let run = |base: u64| {
+        let mut e = Engine::new(cfg.clone(), 3000);
+        e.set_report_seq_base(base);
+        e.ingest(
+            &zone_report("a1", "r1", "z1", &[("busy", 50.0), ("idle", 0.0)]),
+            0,
+        );
+        e.recompute(0, 0);
+        e
+    };
+    let mut first = run(1000 << 10);
+    first.record_reports(1);
+    first.record_reports(2);
+    let page = first.reports_after(0, 100);
+    // Only the bucket with traffic has rows.
+    assert_eq!(page.reports.len(), 2);
+    assert!(page.reports.iter().all(|r| r.bucket == "busy"));
+    assert!(!page.reset && !page.gap);
+    let cursor = page.next;
+    // A restart later: the new run's rows come after the old cursor; the rows the old run
+    // had not served are lost, which the page says.
+    let mut second = run(2000 << 10);
+    second.record_reports(3);
+    let page = second.reports_after(cursor - 1, 100);
+    assert_eq!(page.reports.len(), 1);
+    assert!(page.reports[0].seq > cursor);
+    assert!(page.gap && !page.reset);
+    // Caught up: nothing, the cursor stays, no flags.
+    let again = second.reports_after(page.next, 100);
+    assert!(again.reports.is_empty() && again.next == page.next && !again.gap && !again.reset);
+    // A cursor beyond the newest row: answered from the oldest row kept, flagged.
+    let ahead = second.reports_after(u64::MAX / 2, 100);
+    assert!(ahead.reset && !ahead.gap);
+    assert_eq!(ahead.reports.len(), 1);
+    assert_eq!(ahead.next, ahead.reports[0].seq);
+    // Pages follow the cursor.
+    first.record_reports(4);
+    let p1 = first.reports_after(0, 2);
+    let p2 = first.reports_after(p1.next, 2);
+    assert_eq!(p2.reports.len(), 1);
+    assert_eq!(p2.reports[0].t, 4);
+}
+
+#[test]
 fn peered_regions_compute_one_global_ratio_without_echo() {
     let cfg = ConfigDoc {
         version: "v1".into(),

@@ -20,7 +20,7 @@ pub use locate::{Locator, Pos};
 pub use render::{format_rps, render_bucket_file};
 pub use schedule::parse_schedule;
 pub use types::*;
-pub use validate::{load_daemon_config, validate_repo, ConfigRepo};
+pub use validate::{load_bucket_dir, load_daemon_config, validate_repo, ConfigRepo};
 
 /// One problem in one file, at one line, about one key.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]

@@ -163,3 +163,40 @@ fn daemon_config_checks_the_schedule_with_its_line() {
     .unwrap();
     assert!(load_daemon_config(&p).is_ok());
 }
+
+#[test]
+fn bucket_dir_reports_every_problem_with_file_and_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(
+        d.join("ok.yaml"),
+        "service: ok\nbuckets:\n  - name: a\n    caller: a\n    limit_rps: 5\n",
+    )
+    .unwrap();
+    std::fs::write(
+        d.join("x.yaml"),
+        "service: y\nbuckets:\n  - name: a\n    caller: a\n    limit_rps: 5\n",
+    )
+    .unwrap();
+    std::fs::write(
+        d.join("typo.yaml"),
+        "service: typo\nbuckets:\n  - name: a\n    caller: a\n    limit_rps: 5\n    colour: red\n",
+    )
+    .unwrap();
+    std::fs::write(d.join("old.yml"), "service: old\nbuckets: []\n").unwrap();
+    std::fs::write(d.join("notes.txt"), "not a bucket file").unwrap();
+    let (files, diags) = load_bucket_dir(d);
+    let shown: Vec<String> = diags.iter().map(|x| x.to_string()).collect();
+    assert_eq!(diags.len(), 3, "{shown:#?}");
+    // Sorted by file: old.yml (ignored), typo.yaml (unknown key, line 6), x.yaml (service).
+    assert!(diags[0].file.ends_with("old.yml") && diags[0].message.contains("ignored"));
+    assert!(diags[1].file.ends_with("typo.yaml") && diags[1].line == 6);
+    assert!(diags[2].file.ends_with("x.yaml") && diags[2].key == "service");
+    assert_eq!(diags[2].line, 1);
+    // What parsed comes back (x.yaml too: callers refuse on any diagnostic).
+    let services: Vec<&str> = files.iter().map(|f| f.value.service.as_str()).collect();
+    assert_eq!(services, ["ok", "y"]);
+    // A missing directory is one diagnostic, not a panic.
+    let (files, diags) = load_bucket_dir(&d.join("missing"));
+    assert!(files.is_empty() && diags.len() == 1);
+}

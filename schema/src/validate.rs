@@ -36,42 +36,16 @@ impl ConfigRepo {
 
         let bucket_dir = root.join("buckets");
         if bucket_dir.is_dir() {
-            let mut entries: Vec<PathBuf> = match std::fs::read_dir(&bucket_dir) {
-                Ok(rd) => rd.filter_map(|e| e.ok().map(|e| e.path())).collect(),
-                Err(e) => {
-                    diags.push(file_diag(
-                        &bucket_dir,
-                        format!("cannot read directory: {e}"),
-                    ));
-                    Vec::new()
-                }
-            };
-            entries.sort();
-            for path in entries {
-                let ext = path.extension().and_then(|e| e.to_str());
-                match ext {
-                    Some("yaml") => {}
-                    Some("yml") => {
-                        diags.push(file_diag(
-                            &path,
-                            "bucket files end in .yaml; this file is ignored by rlc and grl".into(),
-                        ));
-                        continue;
-                    }
-                    _ => continue,
-                }
-                let stem = path
+            let (files, d) = load_bucket_dir(&bucket_dir);
+            diags.extend(d);
+            for f in files {
+                // Keyed by file name, as `service` may differ (already reported).
+                let stem = f
+                    .file
                     .file_stem()
                     .and_then(|s| s.to_str())
-                    .unwrap_or_default()
-                    .to_string();
-                match parse_file::<BucketFile>(&path) {
-                    Ok(f) => {
-                        check_bucket_file(&stem, &f, &mut diags);
-                        repo.buckets.insert(stem, f);
-                    }
-                    Err(d) => diags.push(d),
-                }
+                    .unwrap_or_default();
+                repo.buckets.insert(stem.to_string(), f);
             }
         }
 
@@ -222,6 +196,54 @@ impl ConfigRepo {
             }
         }
     }
+}
+
+/// Loads the bucket files of `dir` (a config repo's `buckets/`) the one way `rlc validate`,
+/// `rlc` and `grl controller --config-dir` all use: `*.yaml` only (a `.yml` file is reported as
+/// ignored), each parsed with unknown keys refused and checked (the `service` key equals the
+/// file name, unique bucket names and matchers, positive finite limits). Returns the files
+/// that passed, sorted by path, and every problem with file, line and key (sorted, no
+/// duplicates). Files that parsed are returned even when a check failed (callers that apply
+/// the config must refuse on any diagnostic).
+pub fn load_bucket_dir(dir: &Path) -> (Vec<Located<BucketFile>>, Vec<Diagnostic>) {
+    let mut diags = Vec::new();
+    let mut files = Vec::new();
+    let mut entries: Vec<PathBuf> = match std::fs::read_dir(dir) {
+        Ok(rd) => rd.filter_map(|e| e.ok().map(|e| e.path())).collect(),
+        Err(e) => {
+            diags.push(file_diag(dir, format!("cannot read directory: {e}")));
+            Vec::new()
+        }
+    };
+    entries.sort();
+    for path in entries {
+        match path.extension().and_then(|e| e.to_str()) {
+            Some("yaml") => {}
+            Some("yml") => {
+                diags.push(file_diag(
+                    &path,
+                    "bucket files end in .yaml; this file is ignored by rlc and grl".into(),
+                ));
+                continue;
+            }
+            _ => continue,
+        }
+        let stem = path
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .unwrap_or_default()
+            .to_string();
+        match parse_file::<BucketFile>(&path) {
+            Ok(f) => {
+                check_bucket_file(&stem, &f, &mut diags);
+                files.push(f);
+            }
+            Err(d) => diags.push(d),
+        }
+    }
+    diags.sort();
+    diags.dedup();
+    (files, diags)
 }
 
 /// Validates the config repo at `root`: all problems, sorted by file and line.

@@ -344,6 +344,40 @@ async fn controller_loads_config_dir_at_start() {
     assert!(status["version"].as_str().unwrap().starts_with("dir:"));
 }
 
+#[test]
+fn controller_refuses_a_config_dir_that_rlc_validate_rejects() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("buckets");
+    std::fs::create_dir_all(&cfg).unwrap();
+    let file = |name: &str, text: &str| std::fs::write(cfg.join(name), text).unwrap();
+    file(
+        "x.yaml",
+        "service: y\nbuckets:\n  - name: a\n    caller: a\n    limit_rps: 5\n",
+    );
+    file(
+        "typo.yaml",
+        "service: typo\nbuckets:\n  - name: a\n    caller: a\n    limit_rps: 5\n    colour: red\n",
+    );
+    file("old.yml", "service: old\nbuckets: []\n");
+    let out = Command::new(env!("CARGO_BIN_EXE_grl"))
+        .args(["controller", "--listen", "127.0.0.1:0", "--state-dir"])
+        .arg(dir.path().join("state"))
+        .arg("--config-dir")
+        .arg(&cfg)
+        .env("GRL_TOKEN", TOKEN)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    // Every problem, each once, with file:line.
+    assert!(err.contains("x.yaml:1:"), "{err}");
+    assert!(err.contains("typo.yaml:6:"), "{err}");
+    assert!(err.contains("old.yml:1:"), "{err}");
+    assert_eq!(err.matches("unknown field").count(), 1, "{err}");
+    // Nothing was persisted from the refused dir.
+    assert!(!dir.path().join("state/config.json").exists());
+}
+
 /// Offers `rps` requests per second of caller `gw` to `client`'s limiter until `stop`.
 fn load(client: Arc<GrlClient>, rps: f64, stop: Arc<AtomicBool>, dropped: Arc<AtomicU64>) {
     std::thread::spawn(move || {
@@ -550,6 +584,268 @@ async fn fleet_enforces_fails_over_fails_open_and_recovers() {
     stop.store(true, Ordering::Relaxed);
 }
 
+/// Offers `rps` requests per second of `caller`/`procedure` to `client`'s limiter until
+/// `stop`, counting what it offered and what was dropped.
+fn load_as(
+    client: Arc<GrlClient>,
+    key: (&'static str, &'static str),
+    rps: f64,
+    stop: Arc<AtomicBool>,
+    counts: Arc<[AtomicU64; 2]>,
+) {
+    std::thread::spawn(move || {
+        let start = std::time::Instant::now();
+        let mut done = 0u64;
+        while !stop.load(Ordering::Relaxed) {
+            let due = (start.elapsed().as_secs_f64() * rps) as u64;
+            while done < due {
+                counts[0].fetch_add(1, Ordering::Relaxed);
+                if client.limiter().decide(key.0, key.1) == Decision::Drop {
+                    counts[1].fetch_add(1, Ordering::Relaxed);
+                }
+                done += 1;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    });
+}
+
+/// The fraction of requests dropped over the next `ms` milliseconds.
+async fn drop_fraction(counts: &[AtomicU64; 2], ms: u64) -> f64 {
+    let before = [0, 1].map(|i| counts[i].load(Ordering::Relaxed));
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+    let after = [0, 1].map(|i| counts[i].load(Ordering::Relaxed));
+    let offered = (after[0] - before[0]).max(1) as f64;
+    (after[1] - before[1]) as f64 / offered
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn override_on_a_caller_without_bucket_throttles_it_until_removed_or_expired() {
+    let dir = tempfile::tempdir().unwrap();
+    let state: PathBuf = dir.path().join("state");
+    let cport = free_port();
+    let base = format!("http://127.0.0.1:{cport}");
+    let ctl = spawn_controller(cport, &state, dir.path(), &[]);
+    wait_up(&format!("{base}/v1/status")).await;
+    let http = reqwest::Client::new();
+    let r = http
+        .put(format!("{base}/v1/config"))
+        .bearer_auth(TOKEN)
+        .json(&payments_config("v1", 200.0))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let pa = free_port();
+    let ua = format!("http://127.0.0.1:{pa}");
+    let _agg = spawn_aggregator(pa, &base, "agg-o", dir.path());
+    wait_up(&format!("{ua}/v1/config")).await;
+
+    // Two instances of payments; `ghost` (no bucket) floods them at 2 × 100 rps, `gw` stays
+    // under its bucket's limit.
+    let stop = Arc::new(AtomicBool::new(false));
+    let ghost: Arc<[AtomicU64; 2]> = Arc::new(Default::default());
+    let gw: Arc<[AtomicU64; 2]> = Arc::new(Default::default());
+    let mut clients = Vec::new();
+    for i in 0..2 {
+        let mut o = ClientOptions::new("payments", vec![ua.clone()]);
+        o.tick = Duration::from_millis(100);
+        o.client_id = Some(format!("o{i}"));
+        let c = Arc::new(GrlClient::start(o));
+        load_as(
+            c.clone(),
+            ("ghost", "refund"),
+            100.0,
+            stop.clone(),
+            ghost.clone(),
+        );
+        load_as(c.clone(), ("gw", "charge"), 50.0, stop.clone(), gw.clone());
+        clients.push(c);
+    }
+    let versions = |clients: &[Arc<GrlClient>]| -> Vec<String> {
+        clients
+            .iter()
+            .map(|c| c.limiter().table().version().to_string())
+            .collect()
+    };
+    eventually("clients on v1", || {
+        let ok = versions(&clients).iter().all(|v| v == "v1");
+        async move { ok }
+    })
+    .await;
+    assert_eq!(drop_fraction(&ghost, 500).await, 0.0);
+
+    // The README's command, through the CLI, without $USER: author "unknown", with a warning.
+    let out = Command::new(env!("CARGO_BIN_EXE_grl"))
+        .args(["override", "add", "--controller", &base])
+        .args([
+            "--service",
+            "payments",
+            "--caller",
+            "ghost",
+            "--limit-rps",
+            "50",
+        ])
+        .args(["--ttl", "30m", "--reason", "INC-123"])
+        .env_remove("USER")
+        .env("GRL_TOKEN", TOKEN)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("unknown"), "{stderr}");
+    let added: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(added["who"], "unknown");
+    let id = added["id"].as_str().unwrap().to_string();
+    // The answer says what it acts on: a new bucket for the caller as a whole.
+    assert_eq!(
+        added["affects"],
+        json!([{"service": "payments", "bucket": format!("override:{id}"), "caller": "ghost",
+                "created": true}])
+    );
+
+    // Status keeps the pushed version (rlc reconciles against it) and shows the served one.
+    let status: Value = http
+        .get(format!("{base}/v1/status"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(status["version"], "v1");
+    assert!(status["served_version"]
+        .as_str()
+        .unwrap()
+        .starts_with("v1+ovr."));
+    // Within a few ticks the clients run the served config and drop ~75% of ghost's 200 rps.
+    eventually("ghost throttled at the clients", || {
+        let ok = versions(&clients).iter().all(|v| v.starts_with("v1+ovr."));
+        let ghost = ghost.clone();
+        async move { ok && (drop_fraction(&ghost, 500).await - 0.75).abs() < 0.12 }
+    })
+    .await;
+    // Other callers are not touched.
+    assert_eq!(drop_fraction(&gw, 300).await, 0.0);
+
+    // A restart keeps the override and its bucket.
+    let served: Value = http
+        .get(format!("{base}/v1/config"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let mut cursor = reports_after(&http, &base, 0).await.0;
+    assert!(cursor > 0);
+    ctl.kill();
+    let ctl = spawn_controller(cport, &state, dir.path(), &[]);
+    wait_up(&format!("{base}/v1/status")).await;
+    let again: Value = http
+        .get(format!("{base}/v1/config"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(again, served);
+    // Report cursors survive the restart: rows after the old cursor keep coming.
+    eventually("reports after a restart", || {
+        let (http, base) = (http.clone(), base.clone());
+        async move {
+            let v: Value = http
+                .get(format!("{base}/v1/reports?after={cursor}"))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            v["reports"].as_array().is_some_and(|r| !r.is_empty()) && v["reset"] == false
+        }
+    })
+    .await;
+    cursor = reports_after(&http, &base, cursor).await.0;
+    let v: Value = http
+        .get(format!(
+            "{base}/v1/reports?after={}",
+            cursor + 1_000_000_000
+        ))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["reset"], true);
+    assert!((drop_fraction(&ghost, 500).await - 0.75).abs() < 0.15);
+
+    // Removal: the ad-hoc bucket goes, the clients return to v1 and stop dropping.
+    let r = http
+        .delete(format!("{base}/v1/overrides/{id}"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    eventually("override removed at the clients", || {
+        let ok = versions(&clients).iter().all(|v| v == "v1");
+        async move { ok }
+    })
+    .await;
+    assert_eq!(drop_fraction(&ghost, 500).await, 0.0);
+
+    // Expiry: a short override throttles, then lapses by itself.
+    let r = http
+        .post(format!("{base}/v1/overrides"))
+        .bearer_auth(TOKEN)
+        .json(
+            &json!({"service": "payments", "caller": "ghost", "drop_ratio": 0.5,
+                      "ttl_secs": 3, "reason": "INC-124", "who": "carol"}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    eventually("short override in force", || {
+        let ghost = ghost.clone();
+        async move { (drop_fraction(&ghost, 300).await - 0.5).abs() < 0.15 }
+    })
+    .await;
+    eventually("short override expired at the clients", || {
+        let ok = versions(&clients).iter().all(|v| v == "v1");
+        async move { ok }
+    })
+    .await;
+    assert_eq!(drop_fraction(&ghost, 500).await, 0.0);
+    let list: Value = http
+        .get(format!("{base}/v1/overrides"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(list["overrides"], json!([]));
+
+    // A bucket override on a bucket that does not exist is refused rather than doing nothing.
+    let r = http
+        .post(format!("{base}/v1/overrides"))
+        .bearer_auth(TOKEN)
+        .json(
+            &json!({"service": "payments", "bucket": "nope", "limit_rps": 1.0,
+                      "ttl_secs": 60, "reason": "x", "who": "y"}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 422);
+    stop.store(true, Ordering::Relaxed);
+    drop(ctl);
+}
+
 mod layer {
     use std::sync::Arc;
     use std::time::Duration;
@@ -657,6 +953,8 @@ fn simulate_cli_prints_one_json_line_per_bucket_per_tick() {
     }
     let last = &lines[29];
     assert!((last["drop_ratio"].as_f64().unwrap() - 1.0 / 3.0).abs() < 0.01);
+    // The algorithm as spelled on the command line.
+    assert_eq!(last["algorithm"], "drop-by-ratio");
     let tb: Vec<Value> = run("token-bucket")
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
