@@ -95,6 +95,14 @@ pub struct ReportPage {
     pub next: serde_json::Value,
     /// Reports after the given cursor.
     pub reports: Vec<Report>,
+    /// The cursor was beyond the controller's newest report (its clock went back): the page
+    /// starts again from the oldest report kept.
+    #[serde(default)]
+    pub reset: bool,
+    /// Reports between the cursor and the oldest one kept were lost (evicted, or before a
+    /// controller restart).
+    #[serde(default)]
+    pub gap: bool,
 }
 
 /// A client for one controller.

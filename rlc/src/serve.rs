@@ -58,6 +58,7 @@ struct Metrics {
     in_sync: AtomicBool,
     push_failures: AtomicU64,
     reports_stored: AtomicU64,
+    report_gaps: AtomicU64,
     pending_records: AtomicU64,
 }
 
@@ -214,6 +215,11 @@ async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
             "rlc_shadow_reports_stored_total",
             "Shadow reports stored.",
             m.reports_stored.load(Ordering::Relaxed),
+        ),
+        (
+            "rlc_shadow_report_gaps_total",
+            "Polls that found shadow reports lost at the controller.",
+            m.report_gaps.load(Ordering::Relaxed),
         ),
     ];
     for (name, help, v) in counters {
@@ -410,6 +416,15 @@ impl Loop {
         // Bounded: a large backlog is drained over several ticks.
         for _ in 0..20 {
             let page = client.reports(cursor.as_deref(), REPORT_PAGE).await?;
+            if page.gap || page.reset {
+                // Visible to operators: the dashboard misses some intervals.
+                tracing::warn!(gap = page.gap, reset = page.reset, cursor = ?cursor, "shadow reports were lost between polls");
+                self.state
+                    .inner
+                    .metrics
+                    .report_gaps
+                    .fetch_add(1, Ordering::Relaxed);
+            }
             let got = page.reports.len();
             let shadow: Vec<Report> = page
                 .reports
