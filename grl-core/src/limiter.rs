@@ -1,8 +1,9 @@
 //! The limiter: a compiled bucket table swapped in atomically, and the per-request decision.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -102,6 +103,9 @@ pub struct Table {
     /// table fails open.
     valid_until_ms: AtomicU64,
     counters: Counters,
+    /// Unique in the process, set when the table is installed (0 before): the key of the
+    /// per-thread table cache.
+    generation: u64,
 }
 
 /// Maps a ratio in [0, 1] to a threshold on a uniform u64.
@@ -182,6 +186,7 @@ impl Table {
             lookup,
             valid_until_ms: AtomicU64::new(0),
             counters: Counters::new(buckets.len()),
+            generation: 0,
         })
     }
 
@@ -267,10 +272,36 @@ impl Table {
     }
 }
 
+/// Table generations, unique in the process (0 = never installed).
+static NEXT_GENERATION: AtomicU64 = AtomicU64::new(1);
+/// Limiter ids, which pick a limiter's entry in the per-thread cache.
+static NEXT_LIMITER: AtomicUsize = AtomicUsize::new(0);
+
+/// Entries in each thread's table cache: limiters with ids equal modulo this share an entry.
+const CACHE_ENTRIES: usize = 64;
+
+thread_local! {
+    /// Each thread's last-seen table per limiter (by id modulo `CACHE_ENTRIES`). A hit costs
+    /// one load of the limiter's generation and a compare, where `ArcSwap::load` costs a
+    /// debt-slot write and a fence; a miss (first decision after a swap) reloads it.
+    static TABLES: RefCell<[Option<Arc<Table>>; CACHE_ENTRIES]> =
+        const { RefCell::new([const { None }; CACHE_ENTRIES]) };
+}
+
 /// A service's limiter: the current table behind an atomic pointer swap. Deciding never waits
-/// for a config change or a directive; it loads whichever table is current.
+/// for a config change or a directive; it uses whichever table is current.
+///
+/// Each thread caches the current table per limiter and checks it against the limiter's
+/// generation (one atomic load) on every decision, so a swapped table is picked up on the
+/// thread's next decision. A thread's cache keeps an old table alive until the thread decides
+/// again on that limiter (or on another limiter sharing the cache entry) or exits.
 pub struct Limiter {
     table: ArcSwap<Table>,
+    /// The generation of the table in `table`, stored after the swap.
+    generation: AtomicU64,
+    /// Serializes `install` so that `generation` always ends on the current table's.
+    installing: Mutex<()>,
+    cache_entry: usize,
     stale_after_ms: u64,
 }
 
@@ -282,8 +313,13 @@ impl Limiter {
             // An empty service name cannot compile; keep a table that matches nothing anyway.
             Table::compile("-", "", &[]).expect("empty table compiles")
         });
+        let mut empty = empty;
+        empty.generation = NEXT_GENERATION.fetch_add(1, Ordering::Relaxed);
         Limiter {
+            generation: AtomicU64::new(empty.generation),
             table: ArcSwap::from_pointee(empty),
+            installing: Mutex::new(()),
+            cache_entry: NEXT_LIMITER.fetch_add(1, Ordering::Relaxed) % CACHE_ENTRIES,
             stale_after_ms: stale_after.as_millis() as u64,
         }
     }
@@ -302,6 +338,9 @@ impl Limiter {
     /// directive deadline, so that a config change does not open the gates for a tick.
     /// Returns the previous table so the caller can collect its last counts.
     pub fn install(&self, table: Table) -> Arc<Table> {
+        let mut table = table;
+        // Only installers take this lock; deciding never does.
+        let _installing = self.installing.lock().unwrap_or_else(|e| e.into_inner());
         let old = self.table.load_full();
         for (i, b) in table.buckets.iter().enumerate() {
             if let Some(j) = old.index_of(&b.name) {
@@ -312,7 +351,36 @@ impl Limiter {
             }
         }
         table.set_valid_until(old.valid_until_ms.load(Ordering::Acquire));
-        self.table.swap(Arc::new(table))
+        table.generation = NEXT_GENERATION.fetch_add(1, Ordering::Relaxed);
+        let generation = table.generation;
+        let previous = self.table.swap(Arc::new(table));
+        // After the swap: a thread that sees the new generation loads the new table.
+        self.generation.store(generation, Ordering::Release);
+        previous
+    }
+
+    /// Runs `f` on the current table through this thread's cache.
+    #[inline]
+    fn with_table<R>(&self, f: impl FnOnce(&Table) -> R) -> R {
+        let generation = self.generation.load(Ordering::Acquire);
+        let mut f = Some(f);
+        let r = TABLES.try_with(|cache| {
+            let mut cache = cache.borrow_mut();
+            let entry = &mut cache[self.cache_entry];
+            match entry {
+                Some(t) if t.generation == generation => (f.take().expect("once"))(t),
+                _ => {
+                    let t = entry.insert(self.table.load_full());
+                    (f.take().expect("once"))(t)
+                }
+            }
+        });
+        match r {
+            Ok(r) => r,
+            // The thread's cache is already destroyed (a decision from another thread-local's
+            // destructor): go through the swap directly.
+            Err(_) => (f.take().expect("once"))(&self.table.load()),
+        }
     }
 
     /// Records that fresh directives arrived at `now_ms`: they stay in force for the staleness
@@ -326,15 +394,13 @@ impl Limiter {
     /// Decides one request on the wall clock (the production path).
     #[inline]
     pub fn decide(&self, caller: &str, procedure: &str) -> Decision {
-        self.table
-            .load()
-            .decide_with(caller, procedure, coarse_now_ms)
+        self.with_table(|t| t.decide_with(caller, procedure, coarse_now_ms))
     }
 
     /// Decides one request at `now_ms` on the decision clock (tests and the simulator's virtual
     /// time).
     #[inline]
     pub fn decide_at(&self, caller: &str, procedure: &str, now_ms: u64) -> Decision {
-        self.table.load().decide_with(caller, procedure, || now_ms)
+        self.with_table(|t| t.decide_with(caller, procedure, || now_ms))
     }
 }
