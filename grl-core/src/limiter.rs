@@ -10,7 +10,7 @@ use arc_swap::ArcSwap;
 use schema::{Bucket, Mode};
 
 use crate::clock::coarse_now_ms;
-use crate::counters::{BucketCounts, Counters, ADMIT, DROP, SHADOW};
+use crate::counters::{BucketCounts, Counters};
 use crate::lookup::Lookup;
 use crate::rng::thread_rng_u64;
 
@@ -255,20 +255,14 @@ impl Table {
         let i = i as usize;
         let slot = &self.slots[i];
         let t = slot.threshold.load(Ordering::Relaxed);
-        // Fail-open: a stale directive never drops, and costs no random draw.
+        // Fail-open: a stale directive never drops. No clock read or draw at ratio 0.
         let hit = t != 0
-            && now_ms() < self.valid_until_ms.load(Ordering::Relaxed)
-            && thread_rng_u64() < t;
-        if !hit {
-            self.counters.bump(i, ADMIT);
-            Decision::Admit
-        } else if slot.shadow {
-            self.counters.bump(i, SHADOW);
-            Decision::ShadowDrop
-        } else {
-            self.counters.bump(i, DROP);
-            Decision::Drop
-        }
+            && (now_ms() < self.valid_until_ms.load(Ordering::Relaxed)) & (thread_rng_u64() < t);
+        // Without branches on the draw: 0 = admit, 1 = drop, 2 = shadow drop.
+        let which = hit as usize * (1 + slot.shadow as usize);
+        self.counters.bump(i, which);
+        const OUTCOME: [Decision; 3] = [Decision::Admit, Decision::Drop, Decision::ShadowDrop];
+        OUTCOME[which]
     }
 }
 

@@ -149,7 +149,7 @@ impl Map {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     fn get(&self, hash: u64, caller: &str, procedure: &str) -> Option<u32> {
         if self.entries.is_empty() {
             return None;
@@ -231,7 +231,7 @@ impl Lookup {
         self.by_caller = Map::build(by_c);
     }
 
-    #[inline]
+    #[inline(always)]
     pub(crate) fn find(&self, caller: &str, procedure: &str) -> Option<u32> {
         let hc = hash_str(caller);
         let hp = hash_str(procedure);
