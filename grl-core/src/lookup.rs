@@ -30,7 +30,7 @@ fn r32(b: &[u8], i: usize) -> u64 {
 /// reads and one folded multiply, 17–32 bytes two multiplies. Keys are service and procedure
 /// names chosen by our own config, and strings are compared on a hash match, so a
 /// DoS-resistant hasher buys nothing and costs most of the budget.
-#[inline]
+#[inline(always)]
 pub(crate) fn hash_str(s: &str) -> u64 {
     let b = s.as_bytes();
     let len = b.len();
@@ -49,6 +49,9 @@ pub(crate) fn hash_str(s: &str) -> u64 {
             (0, 0)
         };
         fold(lo ^ K1, hi ^ seed)
+    } else if len <= 32 {
+        let h = fold(r64(b, 0) ^ K1, r64(b, 8) ^ seed);
+        fold(r64(b, len - 16) ^ K2, r64(b, len - 8) ^ h)
     } else {
         let mut h = seed;
         let mut i = 0;
@@ -67,15 +70,23 @@ fn pair(hc: u64, hp: u64) -> u64 {
 }
 
 /// Byte equality without a call into libc's `memcmp` (names are short and the call costs more
-/// than the comparison): whole words, the last one overlapping.
-#[inline]
+/// than the comparison): whole words, overlapping at the end, up to 32 bytes without a branch.
+#[inline(always)]
 fn eq_str(a: &str, b: &str) -> bool {
     let (a, b) = (a.as_bytes(), b.as_bytes());
     let n = a.len();
     if n != b.len() {
         return false;
     }
-    if n >= 8 {
+    if (16..=32).contains(&n) {
+        let d = (r64(a, 0) ^ r64(b, 0))
+            | (r64(a, 8) ^ r64(b, 8))
+            | (r64(a, n - 16) ^ r64(b, n - 16))
+            | (r64(a, n - 8) ^ r64(b, n - 8));
+        d == 0
+    } else if (8..16).contains(&n) {
+        (r64(a, 0) ^ r64(b, 0)) | (r64(a, n - 8) ^ r64(b, n - 8)) == 0
+    } else if n >= 8 {
         let mut i = 0;
         while i + 8 < n {
             if r64(a, i) != r64(b, i) {
@@ -122,7 +133,9 @@ impl Map {
         if entries.is_empty() {
             return Map::default();
         }
-        let cap = (entries.len() * 2).next_power_of_two();
+        // At most a quarter full: a miss (most probes of the caller+procedure map) usually stops
+        // at the first slot.
+        let cap = (entries.len() * 4).next_power_of_two();
         let mut slots = vec![
             Slot {
                 hash: 0,
@@ -235,9 +248,12 @@ impl Lookup {
     pub(crate) fn find(&self, caller: &str, procedure: &str) -> Option<u32> {
         let hc = hash_str(caller);
         let hp = hash_str(procedure);
-        self.exact
-            .get(pair(hc, hp), caller, procedure)
-            .or_else(|| self.by_procedure.get(hp, "", procedure))
-            .or_else(|| self.by_caller.get(hc, caller, ""))
+        if let Some(i) = self.exact.get(pair(hc, hp), caller, procedure) {
+            return Some(i);
+        }
+        if let Some(i) = self.by_procedure.get(hp, "", procedure) {
+            return Some(i);
+        }
+        self.by_caller.get(hc, caller, "")
     }
 }
