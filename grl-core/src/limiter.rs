@@ -247,7 +247,7 @@ impl Table {
 
     /// `now_ms` is only called when the bucket has a non-zero ratio: most requests on a
     /// healthy fleet never read the clock.
-    #[inline]
+    #[inline(always)]
     fn decide_with(&self, caller: &str, procedure: &str, now_ms: impl FnOnce() -> u64) -> Decision {
         let Some(i) = self.lookup.find(caller, procedure) else {
             return Decision::Admit;
@@ -353,28 +353,38 @@ impl Limiter {
         previous
     }
 
-    /// Runs `f` on the current table through this thread's cache.
-    #[inline]
-    fn with_table<R>(&self, f: impl FnOnce(&Table) -> R) -> R {
+    /// Decides on the current table through this thread's cache (the table is reloaded only
+    /// after a swap).
+    #[inline(always)]
+    fn decide_cached(
+        &self,
+        caller: &str,
+        procedure: &str,
+        now_ms: impl FnOnce() -> u64 + Copy,
+    ) -> Decision {
         let generation = self.generation.load(Ordering::Acquire);
-        let mut f = Some(f);
-        let r = TABLES.try_with(|cache| {
-            let mut cache = cache.borrow_mut();
-            let entry = &mut cache[self.cache_entry];
-            match entry {
-                Some(t) if t.generation == generation => (f.take().expect("once"))(t),
-                _ => {
-                    let t = entry.insert(self.table.load_full());
-                    (f.take().expect("once"))(t)
+        TABLES
+            .try_with(|cache| {
+                let mut cache = cache.borrow_mut();
+                let entry = &mut cache[self.cache_entry];
+                match entry {
+                    Some(t) if t.generation == generation => {
+                        t.decide_with(caller, procedure, now_ms)
+                    }
+                    _ => self.refresh(entry).decide_with(caller, procedure, now_ms),
                 }
-            }
-        });
-        match r {
-            Ok(r) => r,
+            })
             // The thread's cache is already destroyed (a decision from another thread-local's
             // destructor): go through the swap directly.
-            Err(_) => (f.take().expect("once"))(&self.table.load()),
-        }
+            .unwrap_or_else(|_| self.table.load().decide_with(caller, procedure, now_ms))
+    }
+
+    /// Replaces this thread's cached table with the current one (after a swap, or when
+    /// another limiter used the entry).
+    #[cold]
+    #[inline(never)]
+    fn refresh<'a>(&self, entry: &'a mut Option<Arc<Table>>) -> &'a Table {
+        entry.insert(self.table.load_full())
     }
 
     /// Records that fresh directives arrived at `now_ms`: they stay in force for the staleness
@@ -388,13 +398,13 @@ impl Limiter {
     /// Decides one request on the wall clock (the production path).
     #[inline]
     pub fn decide(&self, caller: &str, procedure: &str) -> Decision {
-        self.with_table(|t| t.decide_with(caller, procedure, coarse_now_ms))
+        self.decide_cached(caller, procedure, coarse_now_ms)
     }
 
     /// Decides one request at `now_ms` on the decision clock (tests and the simulator's virtual
     /// time).
     #[inline]
     pub fn decide_at(&self, caller: &str, procedure: &str, now_ms: u64) -> Decision {
-        self.with_table(|t| t.decide_with(caller, procedure, || now_ms))
+        self.decide_cached(caller, procedure, || now_ms)
     }
 }
