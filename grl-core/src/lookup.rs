@@ -72,8 +72,7 @@ fn pair(hc: u64, hp: u64) -> u64 {
 /// Byte equality without a call into libc's `memcmp` (names are short and the call costs more
 /// than the comparison): whole words, overlapping at the end, up to 32 bytes without a branch.
 #[inline(always)]
-fn eq_str(a: &str, b: &str) -> bool {
-    let (a, b) = (a.as_bytes(), b.as_bytes());
+fn eq_bytes(a: &[u8], b: &[u8]) -> bool {
     let n = a.len();
     if n != b.len() {
         return false;
@@ -111,12 +110,17 @@ struct Entry {
 
 const EMPTY: u32 = u32::MAX;
 
-/// A table slot: the entry's full hash next to its index, so that a probe that misses reads
-/// only the slot array.
+/// A table slot: the full hash, the bucket index and where the key's bytes are, so that a
+/// probe reads the slot and, on a hash match, the key bytes, and nothing else.
 #[derive(Clone, Copy)]
 struct Slot {
     hash: u64,
-    entry: u32,
+    /// The bucket index, `EMPTY` for a free slot.
+    idx: u32,
+    /// Caller bytes then procedure bytes at `keys[off..]`.
+    off: u32,
+    caller_len: u32,
+    procedure_len: u32,
 }
 
 /// Open addressing with linear probing over full 64-bit hashes: a miss or a wrong slot is
@@ -125,7 +129,8 @@ struct Slot {
 struct Map {
     slots: Box<[Slot]>,
     mask: usize,
-    entries: Vec<Entry>,
+    /// Every entry's caller and procedure bytes, back to back.
+    keys: Box<[u8]>,
 }
 
 impl Map {
@@ -133,50 +138,66 @@ impl Map {
         if entries.is_empty() {
             return Map::default();
         }
-        // At most a quarter full: a miss (most probes of the caller+procedure map) usually stops
-        // at the first slot.
+        // At most a quarter full: a miss (most probes of the caller+procedure map) usually
+        // stops at the first slot.
         let cap = (entries.len() * 4).next_power_of_two();
         let mut slots = vec![
             Slot {
                 hash: 0,
-                entry: EMPTY
+                idx: EMPTY,
+                off: 0,
+                caller_len: 0,
+                procedure_len: 0,
             };
             cap
         ]
         .into_boxed_slice();
         let mask = cap - 1;
-        for (n, e) in entries.iter().enumerate() {
+        let mut keys = Vec::new();
+        let len32 = |n: usize| u32::try_from(n).expect("bucket names fit in 4 GiB");
+        for e in &entries {
             let mut i = e.hash as usize & mask;
-            while slots[i].entry != EMPTY {
+            while slots[i].idx != EMPTY {
                 i = (i + 1) & mask;
             }
             slots[i] = Slot {
                 hash: e.hash,
-                entry: n as u32,
+                idx: e.idx,
+                off: len32(keys.len()),
+                caller_len: len32(e.caller.len()),
+                procedure_len: len32(e.procedure.len()),
             };
+            keys.extend_from_slice(e.caller.as_bytes());
+            keys.extend_from_slice(e.procedure.as_bytes());
         }
         Map {
             slots,
             mask,
-            entries,
+            keys: keys.into_boxed_slice(),
         }
     }
 
     #[inline(always)]
     fn get(&self, hash: u64, caller: &str, procedure: &str) -> Option<u32> {
-        if self.entries.is_empty() {
+        if self.slots.is_empty() {
             return None;
         }
+        let (caller, procedure) = (caller.as_bytes(), procedure.as_bytes());
         let mut i = hash as usize & self.mask;
         loop {
             let s = self.slots[i];
-            if s.entry == EMPTY {
+            if s.idx == EMPTY {
                 return None;
             }
-            if s.hash == hash {
-                let e = &self.entries[s.entry as usize];
-                if eq_str(&e.procedure, procedure) && eq_str(&e.caller, caller) {
-                    return Some(e.idx);
+            if s.hash == hash
+                && s.caller_len as usize == caller.len()
+                && s.procedure_len as usize == procedure.len()
+            {
+                let off = s.off as usize;
+                let key = &self.keys[off..off + caller.len() + procedure.len()];
+                let (c, p) = key.split_at(caller.len());
+                if eq_bytes(p, procedure) && eq_bytes(c, caller) {
+                    return Some(s.idx);
                 }
             }
             i = (i + 1) & self.mask;
