@@ -1,9 +1,12 @@
 //! Per-bucket counters sharded by thread so that threads deciding in parallel do not bounce
 //! one cache line. Each decision bumps exactly one counter: offered is derived as
 //! admitted + dropped + shadow-dropped.
+//!
+//! A thread owns a shard while it lives when one is free (it then counts without a locked
+//! instruction); threads beyond the shard count share shard 0 with atomic adds.
 
-use std::cell::Cell;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
 
 use crossbeam_utils::CachePadded;
 
@@ -48,35 +51,79 @@ pub(crate) const SHADOW: usize = 2;
 /// and last buckets do not share a line with a neighbouring shard.
 type Shard = CachePadded<Box<[[AtomicU64; 3]]>>;
 
-static NEXT_SHARD: AtomicUsize = AtomicUsize::new(0);
-
-thread_local! {
-    static SHARD_ID: Cell<usize> = const { Cell::new(usize::MAX) };
+/// Shards per table, the same for every table in the process: 2 × CPUs rounded up to a
+/// power of two, between 4 and 64 (one bit each in `OWNED`).
+fn shard_count() -> usize {
+    static N: OnceLock<usize> = OnceLock::new();
+    *N.get_or_init(|| {
+        let cpus = std::thread::available_parallelism().map_or(4, |n| n.get());
+        (cpus * 2).next_power_of_two().clamp(4, 64)
+    })
 }
 
-#[inline]
-fn shard_id() -> usize {
-    SHARD_ID.with(|c| {
-        let v = c.get();
-        if v != usize::MAX {
-            return v;
+/// Shards 1.. are each owned by at most one live thread (bit set = owned); shard 0 is shared
+/// by the threads that found none free.
+static OWNED: AtomicU64 = AtomicU64::new(0);
+
+/// A thread's shard; an owned one goes back to the pool when the thread exits.
+struct ShardClaim {
+    index: usize,
+    owned: bool,
+}
+
+impl ShardClaim {
+    fn claim() -> ShardClaim {
+        let n = shard_count();
+        let mut cur = OWNED.load(Ordering::Relaxed);
+        loop {
+            // Lowest free bit among shards 1..n.
+            let free = !cur & !1 & (u64::MAX >> (64 - n));
+            if free == 0 {
+                return ShardClaim {
+                    index: 0,
+                    owned: false,
+                };
+            }
+            let bit = free.trailing_zeros() as usize;
+            // Acquire: see every count the previous owner wrote.
+            match OWNED.compare_exchange_weak(
+                cur,
+                cur | 1 << bit,
+                Ordering::Acquire,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => {
+                    return ShardClaim {
+                        index: bit,
+                        owned: true,
+                    }
+                }
+                Err(now) => cur = now,
+            }
         }
-        let v = NEXT_SHARD.fetch_add(1, Ordering::Relaxed);
-        c.set(v);
-        v
-    })
+    }
+}
+
+impl Drop for ShardClaim {
+    fn drop(&mut self) {
+        if self.owned {
+            // Release: the next owner continues from this thread's last counts.
+            OWNED.fetch_and(!(1 << self.index), Ordering::Release);
+        }
+    }
+}
+
+thread_local! {
+    static SHARD: ShardClaim = ShardClaim::claim();
 }
 
 pub(crate) struct Counters {
     shards: Box<[Shard]>,
-    mask: usize,
 }
 
 impl Counters {
     pub(crate) fn new(buckets: usize) -> Self {
-        let cpus = std::thread::available_parallelism().map_or(4, |n| n.get());
-        let n = (cpus * 2).next_power_of_two().clamp(2, 64);
-        let shards = (0..n)
+        let shards = (0..shard_count())
             .map(|_| {
                 // Two padding entries on each side keep neighbours' hot lines apart.
                 let v: Box<[[AtomicU64; 3]]> =
@@ -84,16 +131,21 @@ impl Counters {
                 CachePadded::new(v)
             })
             .collect();
-        Counters {
-            shards,
-            mask: n - 1,
-        }
+        Counters { shards }
     }
 
+    /// Adds one to counter `which` of `bucket` in this thread's shard. An owned shard has a
+    /// single writer, so a plain load and store replace the locked read-modify-write (which
+    /// costs as much as the rest of the counting); readers still see whole values.
     #[inline]
     pub(crate) fn bump(&self, bucket: usize, which: usize) {
-        let shard = &self.shards[shard_id() & self.mask];
-        shard[bucket + 2][which].fetch_add(1, Ordering::Relaxed);
+        let (index, owned) = SHARD.try_with(|s| (s.index, s.owned)).unwrap_or((0, false));
+        let c = &self.shards[index][bucket + 2][which];
+        if owned {
+            c.store(c.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+        } else {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     pub(crate) fn snapshot(&self, bucket: usize) -> BucketCounts {

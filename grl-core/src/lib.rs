@@ -1,8 +1,9 @@
 //! GRL decision core: the bucket set compiled into a lookup, drop-by-ratio decisions, sharded
 //! counters, fail-open on stale directives, and the controller's ratio math.
 //!
-//! Invariants (stated as absences): this crate does no I/O, spawns no threads, takes no locks
-//! and allocates nothing on the decision path (`Limiter::decide*`). The control plane in
+//! Invariants (stated as absences): this crate does no I/O, spawns no threads, and takes no
+//! lock and allocates nothing on the decision path (`Limiter::decide*`; only `install`
+//! serializes installers on a mutex). The control plane in
 //! `grl-runtime` and the simulator sit around it and call the same code.
 
 #![warn(missing_docs)]

@@ -1,15 +1,16 @@
 //! The limiter: a compiled bucket table swapped in atomically, and the per-request decision.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use schema::{Bucket, Mode};
 
 use crate::clock::coarse_now_ms;
-use crate::counters::{BucketCounts, Counters, ADMIT, DROP, SHADOW};
+use crate::counters::{BucketCounts, Counters};
 use crate::lookup::Lookup;
 use crate::rng::thread_rng_u64;
 
@@ -102,6 +103,9 @@ pub struct Table {
     /// table fails open.
     valid_until_ms: AtomicU64,
     counters: Counters,
+    /// Unique in the process, set when the table is installed (0 before): the key of the
+    /// per-thread table cache.
+    generation: u64,
 }
 
 /// Maps a ratio in [0, 1] to a threshold on a uniform u64.
@@ -182,6 +186,7 @@ impl Table {
             lookup,
             valid_until_ms: AtomicU64::new(0),
             counters: Counters::new(buckets.len()),
+            generation: 0,
         })
     }
 
@@ -242,7 +247,7 @@ impl Table {
 
     /// `now_ms` is only called when the bucket has a non-zero ratio: most requests on a
     /// healthy fleet never read the clock.
-    #[inline]
+    #[inline(always)]
     fn decide_with(&self, caller: &str, procedure: &str, now_ms: impl FnOnce() -> u64) -> Decision {
         let Some(i) = self.lookup.find(caller, procedure) else {
             return Decision::Admit;
@@ -250,27 +255,47 @@ impl Table {
         let i = i as usize;
         let slot = &self.slots[i];
         let t = slot.threshold.load(Ordering::Relaxed);
-        // Fail-open: a stale directive never drops, and costs no random draw.
+        // Fail-open: a stale directive never drops. No clock read or draw at ratio 0.
         let hit = t != 0
-            && now_ms() < self.valid_until_ms.load(Ordering::Relaxed)
-            && thread_rng_u64() < t;
-        if !hit {
-            self.counters.bump(i, ADMIT);
-            Decision::Admit
-        } else if slot.shadow {
-            self.counters.bump(i, SHADOW);
-            Decision::ShadowDrop
-        } else {
-            self.counters.bump(i, DROP);
-            Decision::Drop
-        }
+            && (now_ms() < self.valid_until_ms.load(Ordering::Relaxed)) & (thread_rng_u64() < t);
+        // Without branches on the draw: 0 = admit, 1 = drop, 2 = shadow drop.
+        let which = hit as usize * (1 + slot.shadow as usize);
+        self.counters.bump(i, which);
+        const OUTCOME: [Decision; 3] = [Decision::Admit, Decision::Drop, Decision::ShadowDrop];
+        OUTCOME[which]
     }
 }
 
+/// Table generations, unique in the process (0 = never installed).
+static NEXT_GENERATION: AtomicU64 = AtomicU64::new(1);
+/// Limiter ids, which pick a limiter's entry in the per-thread cache.
+static NEXT_LIMITER: AtomicUsize = AtomicUsize::new(0);
+
+/// Entries in each thread's table cache: limiters with ids equal modulo this share an entry.
+const CACHE_ENTRIES: usize = 64;
+
+thread_local! {
+    /// Each thread's last-seen table per limiter (by id modulo `CACHE_ENTRIES`). A hit costs
+    /// one load of the limiter's generation and a compare, where `ArcSwap::load` costs a
+    /// debt-slot write and a fence; a miss (first decision after a swap) reloads it.
+    static TABLES: RefCell<[Option<Arc<Table>>; CACHE_ENTRIES]> =
+        const { RefCell::new([const { None }; CACHE_ENTRIES]) };
+}
+
 /// A service's limiter: the current table behind an atomic pointer swap. Deciding never waits
-/// for a config change or a directive; it loads whichever table is current.
+/// for a config change or a directive; it uses whichever table is current.
+///
+/// Each thread caches the current table per limiter and checks it against the limiter's
+/// generation (one atomic load) on every decision, so a swapped table is picked up on the
+/// thread's next decision. A thread's cache keeps an old table alive until the thread decides
+/// again on that limiter (or on another limiter sharing the cache entry) or exits.
 pub struct Limiter {
     table: ArcSwap<Table>,
+    /// The generation of the table in `table`, stored after the swap.
+    generation: AtomicU64,
+    /// Serializes `install` so that `generation` always ends on the current table's.
+    installing: Mutex<()>,
+    cache_entry: usize,
     stale_after_ms: u64,
 }
 
@@ -282,8 +307,13 @@ impl Limiter {
             // An empty service name cannot compile; keep a table that matches nothing anyway.
             Table::compile("-", "", &[]).expect("empty table compiles")
         });
+        let mut empty = empty;
+        empty.generation = NEXT_GENERATION.fetch_add(1, Ordering::Relaxed);
         Limiter {
+            generation: AtomicU64::new(empty.generation),
             table: ArcSwap::from_pointee(empty),
+            installing: Mutex::new(()),
+            cache_entry: NEXT_LIMITER.fetch_add(1, Ordering::Relaxed) % CACHE_ENTRIES,
             stale_after_ms: stale_after.as_millis() as u64,
         }
     }
@@ -302,6 +332,9 @@ impl Limiter {
     /// directive deadline, so that a config change does not open the gates for a tick.
     /// Returns the previous table so the caller can collect its last counts.
     pub fn install(&self, table: Table) -> Arc<Table> {
+        let mut table = table;
+        // Only installers take this lock; deciding never does.
+        let _installing = self.installing.lock().unwrap_or_else(|e| e.into_inner());
         let old = self.table.load_full();
         for (i, b) in table.buckets.iter().enumerate() {
             if let Some(j) = old.index_of(&b.name) {
@@ -312,7 +345,46 @@ impl Limiter {
             }
         }
         table.set_valid_until(old.valid_until_ms.load(Ordering::Acquire));
-        self.table.swap(Arc::new(table))
+        table.generation = NEXT_GENERATION.fetch_add(1, Ordering::Relaxed);
+        let generation = table.generation;
+        let previous = self.table.swap(Arc::new(table));
+        // After the swap: a thread that sees the new generation loads the new table.
+        self.generation.store(generation, Ordering::Release);
+        previous
+    }
+
+    /// Decides on the current table through this thread's cache (the table is reloaded only
+    /// after a swap).
+    #[inline(always)]
+    fn decide_cached(
+        &self,
+        caller: &str,
+        procedure: &str,
+        now_ms: impl FnOnce() -> u64 + Copy,
+    ) -> Decision {
+        let generation = self.generation.load(Ordering::Acquire);
+        TABLES
+            .try_with(|cache| {
+                let mut cache = cache.borrow_mut();
+                let entry = &mut cache[self.cache_entry];
+                match entry {
+                    Some(t) if t.generation == generation => {
+                        t.decide_with(caller, procedure, now_ms)
+                    }
+                    _ => self.refresh(entry).decide_with(caller, procedure, now_ms),
+                }
+            })
+            // The thread's cache is already destroyed (a decision from another thread-local's
+            // destructor): go through the swap directly.
+            .unwrap_or_else(|_| self.table.load().decide_with(caller, procedure, now_ms))
+    }
+
+    /// Replaces this thread's cached table with the current one (after a swap, or when
+    /// another limiter used the entry).
+    #[cold]
+    #[inline(never)]
+    fn refresh<'a>(&self, entry: &'a mut Option<Arc<Table>>) -> &'a Table {
+        entry.insert(self.table.load_full())
     }
 
     /// Records that fresh directives arrived at `now_ms`: they stay in force for the staleness
@@ -326,15 +398,13 @@ impl Limiter {
     /// Decides one request on the wall clock (the production path).
     #[inline]
     pub fn decide(&self, caller: &str, procedure: &str) -> Decision {
-        self.table
-            .load()
-            .decide_with(caller, procedure, coarse_now_ms)
+        self.decide_cached(caller, procedure, coarse_now_ms)
     }
 
     /// Decides one request at `now_ms` on the decision clock (tests and the simulator's virtual
     /// time).
     #[inline]
     pub fn decide_at(&self, caller: &str, procedure: &str, now_ms: u64) -> Decision {
-        self.table.load().decide_with(caller, procedure, || now_ms)
+        self.decide_cached(caller, procedure, || now_ms)
     }
 }

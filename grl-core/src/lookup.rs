@@ -1,103 +1,104 @@
 //! The bucket set of one service compiled into hash maps keyed by borrowed `&str`, so that a
 //! lookup allocates nothing. Precedence: caller+procedure, then procedure, then caller.
+//!
+//! Each request string is hashed once; the caller+procedure key is a combination of the two
+//! string hashes, so the three maps cost two string hashes and at most three probes.
 
-use std::hash::Hasher;
-
-/// FxHash (rustc's hasher): keys are short service and procedure names chosen by our own
-/// config, so a DoS-resistant hasher buys nothing and costs most of the budget.
-#[derive(Default, Clone, Copy)]
-pub(crate) struct FxHasher(u64);
-
-const K: u64 = 0x51_7c_c1_b7_27_22_0a_95;
-
-impl FxHasher {
-    #[inline]
-    fn word(&mut self, w: u64) {
-        self.0 = (self.0.rotate_left(5) ^ w).wrapping_mul(K);
-    }
+/// Folded multiply: the xor of the two halves of the 128-bit product. One `mul` whose output
+/// bits each depend on every input bit (foldhash and wyhash build on it).
+#[inline(always)]
+fn fold(a: u64, b: u64) -> u64 {
+    let p = (a as u128).wrapping_mul(b as u128);
+    (p as u64) ^ ((p >> 64) as u64)
 }
 
-impl Hasher for FxHasher {
-    #[inline]
-    fn write(&mut self, bytes: &[u8]) {
-        let mut h = self.0;
-        let mut b = bytes;
-        while b.len() >= 8 {
-            let w = u64::from_le_bytes(b[..8].try_into().unwrap());
-            h = (h.rotate_left(5) ^ w).wrapping_mul(K);
-            b = &b[8..];
-        }
-        if b.len() >= 4 {
-            let w = u32::from_le_bytes(b[..4].try_into().unwrap()) as u64;
-            h = (h.rotate_left(5) ^ w).wrapping_mul(K);
-            b = &b[4..];
-        }
-        for &x in b {
-            h = (h.rotate_left(5) ^ x as u64).wrapping_mul(K);
-        }
-        self.0 = h;
-    }
-    #[inline]
-    fn write_u8(&mut self, i: u8) {
-        self.0 = (self.0.rotate_left(5) ^ i as u64).wrapping_mul(K);
-    }
-    #[inline]
-    fn finish(&self) -> u64 {
-        // Fx's last step is a multiply, whose low bits depend only on the input's low bits;
-        // hashbrown picks buckets from the low bits, so names that differ in their last
-        // characters would pile up. A final xor-shift-multiply spreads the high bits down.
-        let h = self.0;
-        let h = (h ^ (h >> 32)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        h ^ (h >> 29)
-    }
+const K1: u64 = 0x243F_6A88_85A3_08D3;
+const K2: u64 = 0x1319_8A2E_0370_7344;
+const K3: u64 = 0xA409_3822_299F_31D0;
+
+#[inline(always)]
+fn r64(b: &[u8], i: usize) -> u64 {
+    u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"))
 }
 
-/// FxHash over 8-byte words, the tail as one zero-padded word, seeded with the length (so
-/// that "a" and "a\0" differ): three multiply rounds for a typical 17-byte name.
-#[inline]
-fn hash_str(s: &str) -> u64 {
+#[inline(always)]
+fn r32(b: &[u8], i: usize) -> u64 {
+    u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes")) as u64
+}
+
+/// A non-keyed hash in the style of foldhash: strings of 8–16 bytes are two overlapping word
+/// reads and one folded multiply, 17–32 bytes two multiplies. Keys are service and procedure
+/// names chosen by our own config, and strings are compared on a hash match, so a
+/// DoS-resistant hasher buys nothing and costs most of the budget.
+#[inline(always)]
+pub(crate) fn hash_str(s: &str) -> u64 {
     let b = s.as_bytes();
-    let mut h = FxHasher(b.len() as u64);
-    let mut chunks = b.chunks_exact(8);
-    for c in &mut chunks {
-        h.word(u64::from_le_bytes(c.try_into().expect("8 bytes")));
-    }
-    let rest = chunks.remainder();
-    if !rest.is_empty() {
-        // Shifted in byte by byte: a variable-length copy would call libc's memcpy.
-        let mut w = 0u64;
-        for (j, &x) in rest.iter().enumerate() {
-            w |= (x as u64) << (8 * j);
+    let len = b.len();
+    let seed = K3 ^ (len as u64).wrapping_mul(K1);
+    if len <= 16 {
+        let (lo, hi) = if len >= 8 {
+            (r64(b, 0), r64(b, len - 8))
+        } else if len >= 4 {
+            (r32(b, 0), r32(b, len - 4))
+        } else if len > 0 {
+            (
+                b[0] as u64 | (b[len / 2] as u64) << 8 | (b[len - 1] as u64) << 16,
+                0,
+            )
+        } else {
+            (0, 0)
+        };
+        fold(lo ^ K1, hi ^ seed)
+    } else if len <= 32 {
+        let h = fold(r64(b, 0) ^ K1, r64(b, 8) ^ seed);
+        fold(r64(b, len - 16) ^ K2, r64(b, len - 8) ^ h)
+    } else {
+        let mut h = seed;
+        let mut i = 0;
+        while i + 16 < len {
+            h = fold(r64(b, i) ^ K1, r64(b, i + 8) ^ h);
+            i += 16;
         }
-        h.word(w);
+        fold(r64(b, len - 16) ^ K2, r64(b, len - 8) ^ h)
     }
-    h.finish()
 }
 
-/// Byte equality without a call into libc's `memcmp`: names are short, and the call costs
-/// more than the comparison.
-#[inline]
-fn eq_str(a: &str, b: &str) -> bool {
-    let (a, b) = (a.as_bytes(), b.as_bytes());
-    if a.len() != b.len() {
+/// The caller+procedure key from the two string hashes.
+#[inline(always)]
+fn pair(hc: u64, hp: u64) -> u64 {
+    fold(hc ^ K2, hp ^ K3)
+}
+
+/// Byte equality without a call into libc's `memcmp` (names are short and the call costs more
+/// than the comparison): whole words, overlapping at the end, up to 32 bytes without a branch.
+#[inline(always)]
+fn eq_bytes(a: &[u8], b: &[u8]) -> bool {
+    let n = a.len();
+    if n != b.len() {
         return false;
     }
-    let mut i = 0;
-    while i + 8 <= a.len() {
-        let x = u64::from_le_bytes(a[i..i + 8].try_into().expect("8 bytes"));
-        let y = u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
-        if x != y {
-            return false;
+    if (16..=32).contains(&n) {
+        let d = (r64(a, 0) ^ r64(b, 0))
+            | (r64(a, 8) ^ r64(b, 8))
+            | (r64(a, n - 16) ^ r64(b, n - 16))
+            | (r64(a, n - 8) ^ r64(b, n - 8));
+        d == 0
+    } else if (8..16).contains(&n) {
+        (r64(a, 0) ^ r64(b, 0)) | (r64(a, n - 8) ^ r64(b, n - 8)) == 0
+    } else if n >= 8 {
+        let mut i = 0;
+        while i + 8 < n {
+            if r64(a, i) != r64(b, i) {
+                return false;
+            }
+            i += 8;
         }
-        i += 8;
+        r64(a, n - 8) == r64(b, n - 8)
+    } else if n >= 4 {
+        r32(a, 0) == r32(b, 0) && r32(a, n - 4) == r32(b, n - 4)
+    } else {
+        (0..n).all(|i| a[i] == b[i])
     }
-    while i < a.len() {
-        if a[i] != b[i] {
-            return false;
-        }
-        i += 1;
-    }
-    true
 }
 
 struct Entry {
@@ -109,13 +110,27 @@ struct Entry {
 
 const EMPTY: u32 = u32::MAX;
 
+/// A table slot: the full hash, the bucket index and where the key's bytes are, so that a
+/// probe reads the slot and, on a hash match, the key bytes, and nothing else.
+#[derive(Clone, Copy)]
+struct Slot {
+    hash: u64,
+    /// The bucket index, `EMPTY` for a free slot.
+    idx: u32,
+    /// Caller bytes then procedure bytes at `keys[off..]`.
+    off: u32,
+    caller_len: u32,
+    procedure_len: u32,
+}
+
 /// Open addressing with linear probing over full 64-bit hashes: a miss or a wrong slot is
 /// rejected on the hash, strings are compared only on a hash match.
 #[derive(Default)]
 struct Map {
-    slots: Box<[u32]>,
+    slots: Box<[Slot]>,
     mask: usize,
-    entries: Vec<Entry>,
+    /// Every entry's caller and procedure bytes, back to back.
+    keys: Box<[u8]>,
 }
 
 impl Map {
@@ -123,46 +138,71 @@ impl Map {
         if entries.is_empty() {
             return Map::default();
         }
-        let cap = (entries.len() * 2).next_power_of_two();
-        let mut slots = vec![EMPTY; cap].into_boxed_slice();
+        // At most a quarter full: a miss (most probes of the caller+procedure map) usually
+        // stops at the first slot.
+        let cap = (entries.len() * 4).next_power_of_two();
+        let mut slots = vec![
+            Slot {
+                hash: 0,
+                idx: EMPTY,
+                off: 0,
+                caller_len: 0,
+                procedure_len: 0,
+            };
+            cap
+        ]
+        .into_boxed_slice();
         let mask = cap - 1;
-        for (n, e) in entries.iter().enumerate() {
+        let mut keys = Vec::new();
+        let len32 = |n: usize| u32::try_from(n).expect("bucket names fit in 4 GiB");
+        for e in &entries {
             let mut i = e.hash as usize & mask;
-            while slots[i] != EMPTY {
+            while slots[i].idx != EMPTY {
                 i = (i + 1) & mask;
             }
-            slots[i] = n as u32;
+            slots[i] = Slot {
+                hash: e.hash,
+                idx: e.idx,
+                off: len32(keys.len()),
+                caller_len: len32(e.caller.len()),
+                procedure_len: len32(e.procedure.len()),
+            };
+            keys.extend_from_slice(e.caller.as_bytes());
+            keys.extend_from_slice(e.procedure.as_bytes());
         }
         Map {
             slots,
             mask,
-            entries,
+            keys: keys.into_boxed_slice(),
         }
     }
 
-    #[inline]
+    #[inline(always)]
     fn get(&self, hash: u64, caller: &str, procedure: &str) -> Option<u32> {
-        if self.entries.is_empty() {
+        if self.slots.is_empty() {
             return None;
         }
+        let (caller, procedure) = (caller.as_bytes(), procedure.as_bytes());
         let mut i = hash as usize & self.mask;
         loop {
             let s = self.slots[i];
-            if s == EMPTY {
+            if s.idx == EMPTY {
                 return None;
             }
-            let e = &self.entries[s as usize];
-            if e.hash == hash && eq_str(&e.procedure, procedure) && eq_str(&e.caller, caller) {
-                return Some(e.idx);
+            if s.hash == hash
+                && s.caller_len as usize == caller.len()
+                && s.procedure_len as usize == procedure.len()
+            {
+                let off = s.off as usize;
+                let key = &self.keys[off..off + caller.len() + procedure.len()];
+                let (c, p) = key.split_at(caller.len());
+                if eq_bytes(p, procedure) && eq_bytes(c, caller) {
+                    return Some(s.idx);
+                }
             }
             i = (i + 1) & self.mask;
         }
     }
-}
-
-#[inline]
-fn pair(hc: u64, hp: u64) -> u64 {
-    (hc.rotate_left(21) ^ hp).wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
 
 /// A bucket's matchers and index, before `seal` builds the maps.
@@ -225,13 +265,16 @@ impl Lookup {
         self.by_caller = Map::build(by_c);
     }
 
-    #[inline]
+    #[inline(always)]
     pub(crate) fn find(&self, caller: &str, procedure: &str) -> Option<u32> {
         let hc = hash_str(caller);
         let hp = hash_str(procedure);
-        self.exact
-            .get(pair(hc, hp), caller, procedure)
-            .or_else(|| self.by_procedure.get(hp, "", procedure))
-            .or_else(|| self.by_caller.get(hc, caller, ""))
+        if let Some(i) = self.exact.get(pair(hc, hp), caller, procedure) {
+            return Some(i);
+        }
+        if let Some(i) = self.by_procedure.get(hp, "", procedure) {
+            return Some(i);
+        }
+        self.by_caller.get(hc, caller, "")
     }
 }

@@ -321,3 +321,105 @@ fn config_swap_under_concurrent_decisions() {
         }
     }
 }
+
+/// The per-thread table cache: a thread that already decided on a table picks up a swapped one
+/// on its next decision, and limiters sharing a cache entry (ids equal modulo its size) never
+/// see each other's tables.
+#[test]
+fn cached_table_follows_swaps_and_limiters_do_not_mix() {
+    let l = limiter_with(&[bucket("e", Some("a"), None, 10.0, Mode::Enforce)]);
+    l.table().set_ratio(0, 1.0);
+    l.directives_received(0);
+    assert_eq!(l.decide_at("a", "p", 1), Decision::Drop);
+    l.install(
+        Table::compile(
+            "svc",
+            "v2",
+            &[bucket("f", Some("b"), None, 10.0, Mode::Enforce)],
+        )
+        .unwrap(),
+    );
+    assert_eq!(l.decide_at("a", "p", 1), Decision::Admit);
+    assert_eq!(l.table().counts(0).offered, 0);
+    assert_eq!(l.decide_at("b", "p", 1), Decision::Admit);
+    assert_eq!(l.table().counts(0).offered, 1);
+    // Another thread sees the swap too.
+    let t = std::thread::scope(|s| s.spawn(|| l.decide_at("a", "p", 1)).join().unwrap());
+    assert_eq!(t, Decision::Admit);
+    // More limiters than cache entries, used in turns on one thread: each decides on its own.
+    let many: Vec<Limiter> = (0..150)
+        .map(|i| {
+            let l = limiter_with(&[bucket("e", Some("a"), None, 10.0, Mode::Enforce)]);
+            l.table().set_ratio(0, (i % 2) as f64);
+            l.directives_received(0);
+            l
+        })
+        .collect();
+    for _ in 0..3 {
+        for (i, l) in many.iter().enumerate() {
+            let expect = if i % 2 == 1 {
+                Decision::Drop
+            } else {
+                Decision::Admit
+            };
+            assert_eq!(l.decide_at("a", "p", 1), expect, "limiter {i}");
+        }
+    }
+    for l in &many {
+        assert_eq!(l.table().counts(0).offered, 3);
+    }
+}
+
+/// Names of every length the hash and the comparison treat differently (0–3, 4–7, 8–16,
+/// 17–32, longer): each finds its own bucket, and a name differing in one byte finds nothing.
+#[test]
+fn lookup_by_every_name_length() {
+    let name = |n: usize, last: u8| -> String {
+        let mut s: Vec<u8> = (0..n).map(|i| b'a' + (i % 26) as u8).collect();
+        if let Some(x) = s.last_mut() {
+            *x = last;
+        }
+        String::from_utf8(s).unwrap()
+    };
+    let buckets: Vec<Bucket> = (1..70)
+        .flat_map(|n| {
+            [
+                bucket(
+                    &format!("c{n}"),
+                    Some(&name(n, b'X')),
+                    None,
+                    1.0,
+                    Mode::Enforce,
+                ),
+                bucket(
+                    &format!("p{n}"),
+                    None,
+                    Some(&name(n, b'Y')),
+                    1.0,
+                    Mode::Enforce,
+                ),
+                bucket(
+                    &format!("cp{n}"),
+                    Some(&name(n, b'X')),
+                    Some(&name(n, b'Y')),
+                    1.0,
+                    Mode::Enforce,
+                ),
+            ]
+        })
+        .collect();
+    let t = Table::compile("svc", "v", &buckets).unwrap();
+    let got = |c: &str, p: &str| t.find(c, p).map(|i| t.buckets()[i].name.clone());
+    for n in 1..70 {
+        let (c, p) = (name(n, b'X'), name(n, b'Y'));
+        assert_eq!(got(&c, &p).as_deref(), Some(format!("cp{n}").as_str()));
+        assert_eq!(got(&c, "").as_deref(), Some(format!("c{n}").as_str()));
+        assert_eq!(got("", &p).as_deref(), Some(format!("p{n}").as_str()));
+        assert_eq!(got(&name(n, b'Z'), &name(n, b'Z')), None, "length {n}");
+        assert_eq!(
+            got(&format!("{c}X"), &format!("{p}Y")),
+            None,
+            "length {n}+1"
+        );
+    }
+}

@@ -37,6 +37,23 @@ pub struct AggregatorOptions {
     pub tick: Duration,
     /// Instance id (defaults to the listen address).
     pub id: Option<String>,
+    /// Sent as `Authorization: Bearer <report_token>` with every zone report to the
+    /// controllers (the controllers' `report_token`).
+    pub report_token: Option<String>,
+}
+
+impl Default for AggregatorOptions {
+    fn default() -> Self {
+        AggregatorOptions {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            controllers: Vec::new(),
+            zone: String::new(),
+            region: String::new(),
+            tick: Duration::from_secs(1),
+            id: None,
+            report_token: None,
+        }
+    }
 }
 
 /// A running aggregator.
@@ -322,13 +339,11 @@ async fn forward_loop(s: Arc<Shared>) {
 }
 
 async fn post_report(s: &Shared, base: &str, r: &ZoneReport) -> anyhow::Result<ZoneDirectives> {
-    let resp = s
-        .http
-        .post(format!("{base}/v1/aggregate"))
-        .json(r)
-        .send()
-        .await?
-        .error_for_status()?;
+    let mut req = s.http.post(format!("{base}/v1/aggregate")).json(r);
+    if let Some(t) = s.opts.report_token.as_deref().filter(|t| !t.is_empty()) {
+        req = req.bearer_auth(t);
+    }
+    let resp = req.send().await?.error_for_status()?;
     Ok(resp.json().await?)
 }
 

@@ -40,6 +40,10 @@ pub struct ControllerOptions {
     /// Controllers of other regions: each tick they get this region's sums of `global`
     /// buckets, so every region computes global ratios over the whole fleet.
     pub peers: Vec<String>,
+    /// Shared secret of the zone reports: when set, `POST /v1/aggregate` needs
+    /// `Authorization: Bearer <report_token>` (401 otherwise), and this controller sends it to
+    /// its peers. Aggregators and peer controllers are configured with the same value.
+    pub report_token: Option<String>,
 }
 
 impl Default for ControllerOptions {
@@ -52,6 +56,7 @@ impl Default for ControllerOptions {
             tick: Duration::from_secs(1),
             region: None,
             peers: Vec::new(),
+            report_token: None,
         }
     }
 }
@@ -98,6 +103,7 @@ struct Shared {
     engine: Mutex<Engine>,
     persisted: Mutex<Persisted>,
     token: String,
+    report_token: Option<String>,
     state_dir: PathBuf,
     started: std::time::Instant,
     tick: Duration,
@@ -200,6 +206,7 @@ impl Controller {
                 overrides: ov.overrides,
             }),
             token: opts.token.clone(),
+            report_token: opts.report_token.clone().filter(|t| !t.is_empty()),
             state_dir: opts.state_dir.clone(),
             started: std::time::Instant::now(),
             tick: opts.tick,
@@ -261,14 +268,13 @@ async fn tick_loop(shared: Arc<Shared>, peering: Option<(String, Vec<String>)>) 
             for p in peers {
                 let (http, url, report) =
                     (http.clone(), format!("{p}/v1/aggregate"), report.clone());
+                let token = shared.report_token.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = http
-                        .post(&url)
-                        .json(&report)
-                        .send()
-                        .await
-                        .and_then(|r| r.error_for_status())
-                    {
+                    let mut req = http.post(&url).json(&report);
+                    if let Some(t) = &token {
+                        req = req.bearer_auth(t);
+                    }
+                    if let Err(e) = req.send().await.and_then(|r| r.error_for_status()) {
                         tracing::debug!(peer = %url, error = %e, "peer controller unreachable");
                     }
                 });
@@ -356,8 +362,13 @@ async fn reports(
 
 async fn aggregate(
     State(s): State<Arc<Shared>>,
+    headers: HeaderMap,
     body: Bytes,
 ) -> Result<impl IntoResponse, ApiError> {
+    // Checked before parsing: an unauthenticated report changes nothing.
+    if let Some(t) = &s.report_token {
+        check_token(&headers, t)?;
+    }
     let r: ZoneReport = parse_json(&body)?;
     if r.zone.is_empty() || r.region.is_empty() {
         return Err(ApiError::Invalid(

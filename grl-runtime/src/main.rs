@@ -48,6 +48,11 @@ enum Cmd {
         /// Controller of another region to share global-bucket sums with; repeat.
         #[arg(long = "peer")]
         peers: Vec<String>,
+        /// Shared secret of zone reports: `POST /v1/aggregate` then needs it as a bearer
+        /// token (aggregators and peer controllers send it). Unset = reports are not
+        /// authenticated (a warning is logged).
+        #[arg(long, env = "GRL_REPORT_TOKEN", hide_env_values = true)]
+        report_token: Option<String>,
     },
     /// Run a zone aggregator.
     Aggregator {
@@ -69,6 +74,9 @@ enum Cmd {
         /// Instance id.
         #[arg(long)]
         id: Option<String>,
+        /// The controllers' report token, sent with every zone report.
+        #[arg(long, env = "GRL_REPORT_TOKEN", hide_env_values = true)]
+        report_token: Option<String>,
     },
     /// Incident overrides on a controller.
     Override {
@@ -188,10 +196,15 @@ async fn main() -> anyhow::Result<()> {
             tick_ms,
             region,
             peers,
+            report_token,
         } => {
             let Some(token) = token.filter(|t| !t.is_empty()) else {
                 bail!("set the bearer token in the GRL_TOKEN environment variable (must not be empty)");
             };
+            let report_token = report_token.filter(|t| !t.is_empty());
+            if report_token.is_none() {
+                tracing::warn!("no --report-token (GRL_REPORT_TOKEN): anyone who reaches /v1/aggregate can report counts");
+            }
             let h = Controller::start(ControllerOptions {
                 listen,
                 state_dir,
@@ -200,6 +213,7 @@ async fn main() -> anyhow::Result<()> {
                 tick: Duration::from_millis(tick_ms.max(1)),
                 region,
                 peers,
+                report_token,
             })
             .await?;
             println!("listening on {}", h.addr());
@@ -213,6 +227,7 @@ async fn main() -> anyhow::Result<()> {
             region,
             tick_ms,
             id,
+            report_token,
         } => {
             let h = Aggregator::start(AggregatorOptions {
                 listen,
@@ -221,6 +236,7 @@ async fn main() -> anyhow::Result<()> {
                 region,
                 tick: Duration::from_millis(tick_ms.max(1)),
                 id,
+                report_token: report_token.filter(|t| !t.is_empty()),
             })
             .await?;
             println!("listening on {}", h.addr());

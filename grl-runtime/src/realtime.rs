@@ -55,6 +55,7 @@ pub async fn run_realtime(
         tick,
         region: None,
         peers: Vec::new(),
+        report_token: Some(format!("realtime-report-{seed}")),
     })
     .await?;
     let zones = if sc.zones.is_empty() {
@@ -74,6 +75,7 @@ pub async fn run_realtime(
             region: region.clone(),
             tick,
             id: Some(format!("agg-{zone}")),
+            report_token: Some(format!("realtime-report-{seed}")),
         })
         .await?;
         aggs.insert(zone.clone(), a);

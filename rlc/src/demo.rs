@@ -172,7 +172,7 @@ async fn traffic(
         zone: "demo-zone-a".into(),
         region: "demo".into(),
         tick: Duration::from_millis(250),
-        id: None,
+        ..Default::default()
     })
     .await?;
     let mut opts = ClientOptions::new(service, vec![agg.url()]);

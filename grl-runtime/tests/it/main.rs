@@ -12,6 +12,8 @@ use grl_runtime::client::{ClientOptions, GrlClient};
 use serde_json::{json, Value};
 
 const TOKEN: &str = "s3cret";
+/// The zone-report secret every controller and aggregator of the tests shares.
+const REPORT_TOKEN: &str = "r3port";
 
 /// A child process killed (SIGKILL) when dropped.
 struct Proc(Child);
@@ -55,6 +57,7 @@ fn spawn_controller(port: u16, state: &Path, logs: &Path, extra: &[&str]) -> Pro
         .arg(state)
         .args(extra)
         .env("GRL_TOKEN", TOKEN)
+        .env("GRL_REPORT_TOKEN", REPORT_TOKEN)
         .stdout(Stdio::null())
         .stderr(log_file(logs, &format!("controller-{port}")))
         .spawn()
@@ -81,6 +84,7 @@ fn spawn_aggregator(port: u16, controller: &str, id: &str, logs: &Path) -> Proc 
             "--id",
             id,
         ])
+        .env("GRL_REPORT_TOKEN", REPORT_TOKEN)
         .stdout(Stdio::null())
         .stderr(log_file(logs, id))
         .spawn()
@@ -1025,6 +1029,7 @@ async fn peered_region_controllers_share_global_load() {
         for (u, region) in [(&ue, "east"), (&uw, "west")] {
             let d: Value = http
                 .post(format!("{u}/v1/aggregate"))
+                .bearer_auth(REPORT_TOKEN)
                 .json(&report(region))
                 .send()
                 .await
@@ -1046,9 +1051,40 @@ async fn peered_region_controllers_share_global_load() {
         "regions never converged on the global ratio"
     );
 
+    // Unauthenticated zone reports are refused before anything is read and change nothing:
+    // 30,000 rps injected in east would push the global ratio to ~0.99.
+    let mut flood = report("east");
+    flood["aggregator_id"] = json!("intruder");
+    flood["buckets"][0]["offered_rps"] = json!(30_000.0);
+    for token in [None, Some("wrong"), Some("")] {
+        let mut req = http.post(format!("{ue}/v1/aggregate")).json(&flood);
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        let r = req.send().await.unwrap();
+        assert_eq!(r.status(), 401, "token {token:?}");
+    }
+    // At once: zone data is forgotten after 3 ticks of silence.
+    let d: Value = http
+        .post(format!("{ue}/v1/aggregate"))
+        .bearer_auth(REPORT_TOKEN)
+        .json(&report("east"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let ratio = d["services"][0]["directives"][0]["ratio"].as_f64().unwrap();
+    assert!(
+        (ratio - 2.0 / 3.0).abs() < 1e-6,
+        "an unauthenticated report changed the ratio: {ratio}"
+    );
+
     // Malformed zone reports are refused with a reason and change nothing.
     let r = http
         .post(format!("{ue}/v1/aggregate"))
+        .bearer_auth(REPORT_TOKEN)
         .body("{}")
         .send()
         .await
@@ -1058,6 +1094,7 @@ async fn peered_region_controllers_share_global_load() {
     bad["buckets"][0]["offered_rps"] = json!(-5.0);
     let r = http
         .post(format!("{ue}/v1/aggregate"))
+        .bearer_auth(REPORT_TOKEN)
         .json(&bad)
         .send()
         .await
