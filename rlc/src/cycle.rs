@@ -216,7 +216,7 @@ impl std::fmt::Display for RunOutcome {
         for s in &self.summary.services {
             for c in &s.changes {
                 let fmt = |v: Option<f64>| v.map(schema::format_rps).unwrap_or_else(|| "-".into());
-                writeln!(
+                write!(
                     f,
                     "    {}/{}: {} {} -> {}",
                     s.service,
@@ -225,6 +225,13 @@ impl std::fmt::Display for RunOutcome {
                     fmt(c.old_limit_rps),
                     fmt(c.new_limit_rps)
                 )?;
+                // Mode and scope changes named, not hidden behind "modified".
+                let details = c.details();
+                if details.is_empty() {
+                    writeln!(f)?;
+                } else {
+                    writeln!(f, " ({})", details.join(", "))?;
+                }
             }
         }
         if let Some((n, url)) = &self.pull_request {

@@ -390,3 +390,36 @@ async fn run_once_reads_rlc_yaml_with_relative_paths() {
     assert_eq!(run(args, failing).await.unwrap(), 1);
     assert_eq!(remote.commit_count("main").unwrap(), 2);
 }
+
+#[test]
+fn run_summary_names_mode_and_scope_changes() {
+    let mut old = planned("pay", "gw", 10.0).bucket;
+    old.mode = schema::Mode::Shadow;
+    old.scope = schema::Scope::Region;
+    let before: std::collections::BTreeMap<String, schema::BucketFile> = [(
+        "pay".to_string(),
+        schema::BucketFile {
+            service: "pay".into(),
+            buckets: vec![old],
+        },
+    )]
+    .into();
+    let mut out = RunOutcome::new("once");
+    out.git = Some("committed".into());
+    out.summary = summary::diff(
+        &before,
+        &[schema::BucketFile {
+            service: "pay".into(),
+            buckets: vec![planned("pay", "gw", 10.0).bucket],
+        }],
+    );
+    let text = out.to_string();
+    assert!(
+        text.contains("pay/gw: modified 10 -> 10 (mode shadow -> enforce, scope region -> global)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("modified 1; mode changed 1, scope changed 1"),
+        "{text}"
+    );
+}
