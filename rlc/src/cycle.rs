@@ -21,7 +21,7 @@ use serde::Serialize;
 use tokio::sync::Mutex;
 
 use crate::gitops::summary::{self, ChangeKind, ChangeSummary, FORGE_BODY_LIMIT};
-use crate::gitops::{Forge, PullRequest, WriteStatus, Writer, WriterConfig};
+use crate::gitops::{Forge, PullRequest, WriteOutcome, WriteStatus, Writer, WriterConfig};
 use crate::plan::{Plan, Skipped};
 use crate::push::{self, Backoff, ControllerClient, Desired};
 use crate::store::{QuotaRecord, RunRecord, Store};
@@ -100,6 +100,9 @@ pub struct RunOutcome {
     pub attempts: u32,
     /// The pull request opened or updated.
     pub pull_request: Option<(u64, Option<String>)>,
+    /// Pull requests closed because their proposal became outdated (the plan equals the
+    /// base branch again).
+    pub closed_pull_requests: Vec<(u64, Option<String>)>,
     /// The version the controller confirmed.
     pub version_pushed: Option<String>,
     /// Why the controller push is pending.
@@ -129,6 +132,7 @@ impl RunOutcome {
             base_commit: None,
             attempts: 0,
             pull_request: None,
+            closed_pull_requests: vec![],
             version_pushed: None,
             push_error: None,
             store_error: None,
@@ -212,7 +216,7 @@ impl std::fmt::Display for RunOutcome {
         for s in &self.summary.services {
             for c in &s.changes {
                 let fmt = |v: Option<f64>| v.map(schema::format_rps).unwrap_or_else(|| "-".into());
-                writeln!(
+                write!(
                     f,
                     "    {}/{}: {} {} -> {}",
                     s.service,
@@ -221,10 +225,24 @@ impl std::fmt::Display for RunOutcome {
                     fmt(c.old_limit_rps),
                     fmt(c.new_limit_rps)
                 )?;
+                // Mode and scope changes named, not hidden behind "modified".
+                let details = c.details();
+                if details.is_empty() {
+                    writeln!(f)?;
+                } else {
+                    writeln!(f, " ({})", details.join(", "))?;
+                }
             }
         }
         if let Some((n, url)) = &self.pull_request {
             writeln!(f, "  pull request: #{n} {}", url.as_deref().unwrap_or(""))?;
+        }
+        for (n, url) in &self.closed_pull_requests {
+            writeln!(
+                f,
+                "  pull request: #{n} closed, its proposal is outdated {}",
+                url.as_deref().unwrap_or("")
+            )?;
         }
         match (&self.version_pushed, &self.push_error) {
             (Some(v), _) => writeln!(f, "  controller: running {}", short(v))?,
@@ -392,28 +410,35 @@ impl Cycle {
     pub async fn apply(&self, plan: &Plan, trigger: &str) -> RunOutcome {
         let mut out = RunOutcome::new(trigger);
         out.skipped = plan.skipped.clone();
-        let wcfg = self.writer_config();
-        let p = plan.clone();
-        let written =
-            tokio::task::spawn_blocking(move || -> Result<_, crate::gitops::GitOpsError> {
-                let mut w = Writer::open(wcfg)?;
-                let res = w.write(&p)?;
-                let (version, services) = w.base_buckets()?;
-                Ok((res, Desired { version, services }))
-            })
-            .await;
-        let (write, desired) = match written {
-            Ok(Ok(x)) => x,
-            Ok(Err(e)) => {
-                out.error = Some(e.to_string());
-                out.finish();
-                tracing::error!(trigger, error = %e, "git write failed; nothing written");
-                self.record(&mut out, plan).await;
-                return out;
+        // In pull-request mode with a forge, an outdated proposal's PR is closed (with a
+        // comment) before its branch is deleted: GitHub marks a PR whose head becomes part of
+        // the base as merged, and closes one whose head is deleted without saying why.
+        let forge_cfg = self
+            .cfg
+            .config_repo
+            .forge
+            .as_ref()
+            .filter(|f| f.kind != "none" && self.cfg.config_repo.mode == RepoMode::PullRequest);
+        let mut written = self.write(plan, forge_cfg.is_none()).await;
+        if let (Ok((w, _)), Some(fc)) = (&written, forge_cfg) {
+            if let WriteStatus::BranchOutdated { .. } = w.status {
+                if let Err(e) = self.close_outdated(fc, &mut out).await {
+                    // Withdraw the branch anyway: an outdated proposal must not stay
+                    // mergeable (deleting the head closes the PR on the forge).
+                    out.error = Some(format!(
+                        "the pull request of outdated branch {} could not be closed: {e:#}",
+                        self.cfg.config_repo.pr_branch
+                    ));
+                }
+                written = self.write(plan, true).await;
             }
+        }
+        let (write, desired) = match written {
+            Ok(x) => x,
             Err(e) => {
-                out.error = Some(format!("git task panicked: {e}"));
+                out.error = Some(e);
                 out.finish();
+                tracing::error!(trigger, error = ?out.error, "git write failed; nothing written");
                 self.record(&mut out, plan).await;
                 return out;
             }
@@ -443,6 +468,23 @@ impl Cycle {
                 ));
                 out.commit = Some(commit.clone());
                 true
+            }
+            WriteStatus::BranchOutdated { commit } => {
+                // Only when the PR could not be closed and the branch moved meanwhile.
+                out.git = Some(format!(
+                    "branch {} is outdated, left",
+                    self.cfg.config_repo.pr_branch
+                ));
+                out.commit = Some(commit.clone());
+                false
+            }
+            WriteStatus::BranchWithdrawn { commit } => {
+                out.git = Some(format!(
+                    "deleted outdated branch {} (was {})",
+                    self.cfg.config_repo.pr_branch,
+                    short(commit)
+                ));
+                false
             }
             WriteStatus::BranchHeldByHumans { authors } => {
                 out.git = Some("held".into());
@@ -492,6 +534,52 @@ impl Cycle {
         self.record(&mut out, plan).await;
         tracing::info!(trigger, status = out.status.as_str(), commit = ?out.commit, version = ?out.version_pushed, "run finished");
         out
+    }
+
+    /// Renders and writes `plan` (withdrawing an outdated PR branch when `withdraw`), and
+    /// reads the base tip's bucket files.
+    async fn write(&self, plan: &Plan, withdraw: bool) -> Result<(WriteOutcome, Desired), String> {
+        let wcfg = self.writer_config();
+        let p = plan.clone();
+        let written =
+            tokio::task::spawn_blocking(move || -> Result<_, crate::gitops::GitOpsError> {
+                let mut w = Writer::open(wcfg)?;
+                let res = if withdraw {
+                    w.write_withdrawing(&p)?
+                } else {
+                    w.write(&p)?
+                };
+                let (version, services) = w.base_buckets()?;
+                Ok((res, Desired { version, services }))
+            })
+            .await;
+        match written {
+            Ok(Ok(x)) => Ok(x),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(e) => Err(format!("git task panicked: {e}")),
+        }
+    }
+
+    /// Closes the open PR of the stable branch, saying why: the plan equals the base branch.
+    async fn close_outdated(
+        &self,
+        fc: &schema::ForgeConfig,
+        out: &mut RunOutcome,
+    ) -> anyhow::Result<()> {
+        let Some(forge) = Forge::from_config(fc)? else {
+            return Ok(());
+        };
+        let repo = &self.cfg.config_repo;
+        let comment = format!(
+            "Closed by rlc: this proposal is outdated. The latest run computed quotas equal to \
+             the ones on `{}` (for example, traffic came back), so merging this pull request \
+             would apply changes that are no longer wanted. Branch `{}` is deleted; rlc opens a \
+             new pull request when a change is needed again.",
+            repo.branch, repo.pr_branch
+        );
+        let closed = forge.close_pull_requests(&repo.pr_branch, &comment).await?;
+        out.closed_pull_requests = closed.into_iter().map(|p| (p.number, p.html_url)).collect();
+        Ok(())
     }
 
     async fn open_pull_request(

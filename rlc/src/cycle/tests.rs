@@ -220,6 +220,116 @@ async fn pull_request_mode_opens_a_pr_and_pushes_only_merged_config() {
 }
 
 #[tokio::test]
+async fn outdated_proposal_is_closed_with_a_comment_and_its_branch_deleted() {
+    let remote = seeded_remote();
+    let (ctl_url, ctl) = spawn_controller().await;
+    let (forge_url, forge) = spawn_forge().await;
+    let base = remote.scratch("");
+    let back = plan(vec![planned("payments", "gw", 100.0)]);
+    let cut = plan(vec![planned("payments", "gw", 75.0)]);
+    // The base carries rlc's own rendering of the current quota (same working copy).
+    let direct = config(&remote, &ctl_url, "");
+    let out = apply_plan(&direct, &base, &back, "schedule").await.unwrap();
+    assert_eq!(out.git.as_deref(), Some("committed"), "{out}");
+    let main = remote.head("main").unwrap();
+    let extra = format!(
+        "  mode: pull-request\n  forge:\n    kind: github\n    api_url: {forge_url}\n    repo: acme/config\n    token_env: RLC_TEST_FORGE_TOKEN\n"
+    );
+    let cfg = config(&remote, &ctl_url, &extra);
+
+    // A 25% cut is proposed.
+    let out = apply_plan(&cfg, &base, &cut, "schedule").await.unwrap();
+    assert_eq!(out.pull_request.as_ref().map(|p| p.0), Some(1), "{out}");
+    assert!(remote.head("rlc/quotas").is_some());
+
+    // Traffic came back: the plan equals the base. The PR is closed, saying why, and the
+    // branch is gone, so the cut can no longer be merged.
+    let out = apply_plan(&cfg, &base, &back, "schedule").await.unwrap();
+    assert_eq!(out.status, RunStatus::Unchanged, "{out}");
+    assert_eq!(out.exit_code(), 0);
+    assert_eq!(
+        out.closed_pull_requests,
+        vec![(1, Some("http://forge/pr/1".to_string()))]
+    );
+    let text = out.to_string();
+    assert!(
+        text.contains("deleted outdated branch rlc/quotas"),
+        "{text}"
+    );
+    assert!(
+        text.contains("#1 closed, its proposal is outdated"),
+        "{text}"
+    );
+    assert_eq!(remote.head("rlc/quotas"), None);
+    assert_eq!(remote.head("main").as_deref(), Some(main.as_str()));
+    assert_eq!(ctl.version.lock().unwrap().as_deref(), Some(main.as_str()));
+    {
+        let prs = forge.prs.lock().unwrap();
+        assert_eq!(prs[0]["state"], "closed");
+        let comments = prs[0]["comments"].as_array().unwrap();
+        assert_eq!(comments.len(), 1);
+        let c = comments[0].as_str().unwrap();
+        assert!(c.contains("outdated") && c.contains("`main`"), "{c}");
+        let calls = forge.calls.lock().unwrap();
+        let n = calls.len();
+        assert_eq!(
+            calls[n - 3..],
+            [
+                "GET acme/config head=Some(\"acme:rlc/quotas\") state=Some(\"open\")".to_string(),
+                "COMMENT 1".to_string(),
+                "PATCH 1 state=closed".to_string()
+            ]
+        );
+        assert!(
+            forge.problems.lock().unwrap().is_empty(),
+            "{:?}",
+            forge.problems.lock().unwrap()
+        );
+    }
+
+    // Nothing left to withdraw: no more forge calls.
+    let calls = forge.calls.lock().unwrap().len();
+    let out = apply_plan(&cfg, &base, &back, "schedule").await.unwrap();
+    assert_eq!(out.git.as_deref(), Some("unchanged"), "{out}");
+    assert!(out.closed_pull_requests.is_empty());
+    assert_eq!(forge.calls.lock().unwrap().len(), calls);
+
+    // A new cut opens a new PR on a fresh branch.
+    let out = apply_plan(&cfg, &base, &cut, "schedule").await.unwrap();
+    assert_eq!(out.pull_request.as_ref().map(|p| p.0), Some(2), "{out}");
+    assert_eq!(forge.prs.lock().unwrap()[1]["state"], "open");
+}
+
+#[tokio::test]
+async fn outdated_branch_without_a_forge_is_just_deleted() {
+    let remote = seeded_remote();
+    let (ctl_url, _ctl) = spawn_controller().await;
+    let base = remote.scratch("");
+    let back = plan(vec![planned("payments", "gw", 100.0)]);
+    let direct = config(&remote, &ctl_url, "");
+    apply_plan(&direct, &base, &back, "schedule").await.unwrap();
+    let cfg = config(
+        &remote,
+        &ctl_url,
+        "  mode: pull-request\n  forge:\n    kind: none\n",
+    );
+    let out = apply_plan(
+        &cfg,
+        &base,
+        &plan(vec![planned("payments", "gw", 75.0)]),
+        "schedule",
+    )
+    .await
+    .unwrap();
+    assert_eq!(out.status, RunStatus::Success, "{out}");
+    assert!(remote.head("rlc/quotas").is_some());
+    let out = apply_plan(&cfg, &base, &back, "schedule").await.unwrap();
+    assert_eq!(out.status, RunStatus::Unchanged, "{out}");
+    assert!(out.to_string().contains("deleted outdated branch"), "{out}");
+    assert_eq!(remote.head("rlc/quotas"), None);
+}
+
+#[tokio::test]
 async fn postgres_store_records_runs_too() {
     let db = test_support::postgres::fresh_database().await.unwrap();
     let remote = seeded_remote();
@@ -279,4 +389,37 @@ async fn run_once_reads_rlc_yaml_with_relative_paths() {
         Arc::new(|_| Box::pin(async { anyhow::bail!("prometheus unreachable") }));
     assert_eq!(run(args, failing).await.unwrap(), 1);
     assert_eq!(remote.commit_count("main").unwrap(), 2);
+}
+
+#[test]
+fn run_summary_names_mode_and_scope_changes() {
+    let mut old = planned("pay", "gw", 10.0).bucket;
+    old.mode = schema::Mode::Shadow;
+    old.scope = schema::Scope::Region;
+    let before: std::collections::BTreeMap<String, schema::BucketFile> = [(
+        "pay".to_string(),
+        schema::BucketFile {
+            service: "pay".into(),
+            buckets: vec![old],
+        },
+    )]
+    .into();
+    let mut out = RunOutcome::new("once");
+    out.git = Some("committed".into());
+    out.summary = summary::diff(
+        &before,
+        &[schema::BucketFile {
+            service: "pay".into(),
+            buckets: vec![planned("pay", "gw", 10.0).bucket],
+        }],
+    );
+    let text = out.to_string();
+    assert!(
+        text.contains("pay/gw: modified 10 -> 10 (mode shadow -> enforce, scope region -> global)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("modified 1; mode changed 1, scope changed 1"),
+        "{text}"
+    );
 }

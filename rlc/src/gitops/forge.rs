@@ -147,4 +147,47 @@ impl Forge {
         tracing::info!(number = pr.number, "opened pull request");
         Ok((pr, true))
     }
+
+    /// Closes the open pull request(s) of `head`, each with `comment` saying why (an issue
+    /// comment, then `state: closed`). Returns the closed ones (none when nothing is open).
+    pub async fn close_pull_requests(
+        &self,
+        head: &str,
+        comment: &str,
+    ) -> Result<Vec<PullRequest>, ForgeError> {
+        let list = format!("/repos/{}/{}/pulls", self.owner, self.repo);
+        let resp = self
+            .req(reqwest::Method::GET, &list)
+            .query(&[
+                ("head", format!("{}:{head}", self.owner)),
+                ("state", "open".to_string()),
+            ])
+            .send()
+            .await?;
+        let open: Vec<PullRequest> = Self::check(resp, "list pulls").await?.json().await?;
+        let mut closed = Vec::new();
+        for pr in open {
+            let resp = self
+                .req(
+                    reqwest::Method::POST,
+                    &format!(
+                        "/repos/{}/{}/issues/{}/comments",
+                        self.owner, self.repo, pr.number
+                    ),
+                )
+                .json(&json!({ "body": comment }))
+                .send()
+                .await?;
+            Self::check(resp, "comment on pull").await?;
+            let resp = self
+                .req(reqwest::Method::PATCH, &format!("{list}/{}", pr.number))
+                .json(&json!({"state": "closed"}))
+                .send()
+                .await?;
+            let pr: PullRequest = Self::check(resp, "close pull").await?.json().await?;
+            tracing::info!(number = pr.number, "closed outdated pull request");
+            closed.push(pr);
+        }
+        Ok(closed)
+    }
 }

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
-use schema::{format_rps, BucketFile, Mode};
+use schema::{format_rps, BucketFile, Mode, Scope};
 use serde::Serialize;
 
 use crate::plan::Plan;
@@ -27,7 +27,8 @@ pub enum ChangeKind {
     Raised,
     /// Lower limit.
     Lowered,
-    /// Same limit, other fields (mode, scope, policy, match) changed.
+    /// Same limit, other fields (mode, scope, policy, match) changed; which ones is in
+    /// [`BucketChange::details`].
     Modified,
 }
 
@@ -59,6 +60,52 @@ pub struct BucketChange {
     pub old_mode: Option<Mode>,
     /// Mode now.
     pub new_mode: Option<Mode>,
+    /// Scope before.
+    pub old_scope: Option<Scope>,
+    /// Scope now.
+    pub new_scope: Option<Scope>,
+    /// Policy (provenance) before.
+    pub old_policy: Option<String>,
+    /// Policy now.
+    pub new_policy: Option<String>,
+    /// The caller or procedure the bucket matches changed.
+    pub match_changed: bool,
+}
+
+impl BucketChange {
+    /// Whether the mode changed (`shadow -> enforce`): a bucket that starts or stops
+    /// dropping traffic, whatever its limit did.
+    pub fn mode_changed(&self) -> bool {
+        self.old_mode.is_some() && self.new_mode.is_some() && self.old_mode != self.new_mode
+    }
+
+    /// Whether the scope changed (`region -> global`): the same limit then counts other
+    /// traffic.
+    pub fn scope_changed(&self) -> bool {
+        self.old_scope.is_some() && self.new_scope.is_some() && self.old_scope != self.new_scope
+    }
+
+    /// What changed besides the limit, in words: `mode shadow -> enforce`, `scope region ->
+    /// global`, `policy peak -> forecast`, `match changed`. Empty for added and removed
+    /// buckets.
+    pub fn details(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if let (true, Some(o), Some(n)) = (self.mode_changed(), self.old_mode, self.new_mode) {
+            out.push(format!("mode {} -> {}", o.as_str(), n.as_str()));
+        }
+        if let (true, Some(o), Some(n)) = (self.scope_changed(), self.old_scope, self.new_scope) {
+            out.push(format!("scope {} -> {}", o.as_str(), n.as_str()));
+        }
+        if let (Some(o), Some(n)) = (&self.old_policy, &self.new_policy) {
+            if o != n {
+                out.push(format!("policy {o} -> {n}"));
+            }
+        }
+        if self.match_changed {
+            out.push("caller/procedure match changed".into());
+        }
+        out
+    }
 }
 
 /// The changed buckets of one service.
@@ -106,6 +153,12 @@ pub fn diff(old: &BTreeMap<String, BucketFile>, new: &[BucketFile]) -> ChangeSum
                     new_limit_rps: Some(nb.limit_rps),
                     old_mode: ob.map(|b| b.mode),
                     new_mode: Some(nb.mode),
+                    old_scope: ob.map(|b| b.scope),
+                    new_scope: Some(nb.scope),
+                    old_policy: ob.map(|b| b.policy.to_string()),
+                    new_policy: Some(nb.policy.to_string()),
+                    match_changed: ob
+                        .is_some_and(|b| b.caller != nb.caller || b.procedure != nb.procedure),
                 });
             }
         }
@@ -118,6 +171,11 @@ pub fn diff(old: &BTreeMap<String, BucketFile>, new: &[BucketFile]) -> ChangeSum
                     new_limit_rps: None,
                     old_mode: Some(ob.mode),
                     new_mode: None,
+                    old_scope: Some(ob.scope),
+                    new_scope: None,
+                    old_policy: Some(ob.policy.to_string()),
+                    new_policy: None,
+                    match_changed: false,
                 });
             }
         }
@@ -148,8 +206,27 @@ impl ChangeSummary {
             .count()
     }
 
-    /// `raised 2, lowered 1, added 3` (only non-zero counts).
+    /// `raised 2, lowered 1, added 3` (only non-zero counts), then how many buckets changed
+    /// mode or scope (whatever their limit did): `modified 1; mode changed 1`.
     pub fn counts_line(&self) -> String {
+        let all = || self.services.iter().flat_map(|s| &s.changes);
+        let extra: Vec<String> = [
+            ("mode changed", all().filter(|c| c.mode_changed()).count()),
+            ("scope changed", all().filter(|c| c.scope_changed()).count()),
+        ]
+        .iter()
+        .filter(|(_, n)| *n > 0)
+        .map(|(w, n)| format!("{w} {n}"))
+        .collect();
+        let kinds = self.kind_counts();
+        if extra.is_empty() {
+            kinds
+        } else {
+            format!("{kinds}; {}", extra.join(", "))
+        }
+    }
+
+    fn kind_counts(&self) -> String {
         let parts: Vec<String> = [
             ("raised", ChangeKind::Raised),
             ("lowered", ChangeKind::Lowered),
@@ -204,7 +281,33 @@ impl ChangeSummary {
     }
 }
 
-fn describe(c: &BucketChange) -> String {
+/// One changed bucket in words: `raised 10 -> 20 rps`, `modified at 10 rps: mode shadow ->
+/// enforce, scope region -> global`, `lowered 10 -> 5 rps; mode enforce -> shadow`.
+pub fn describe(c: &BucketChange) -> String {
+    let f = |v: Option<f64>| v.map(format_rps).unwrap_or_else(|| "-".into());
+    let details = c.details();
+    let base = match c.kind {
+        ChangeKind::Modified => {
+            return format!(
+                "modified at {} rps: {}",
+                f(c.new_limit_rps),
+                if details.is_empty() {
+                    "other fields".to_string()
+                } else {
+                    details.join(", ")
+                }
+            )
+        }
+        _ => describe_kind(c),
+    };
+    if details.is_empty() {
+        base
+    } else {
+        format!("{base}; {}", details.join(", "))
+    }
+}
+
+fn describe_kind(c: &BucketChange) -> String {
     let f = |v: Option<f64>| v.map(format_rps).unwrap_or_else(|| "-".into());
     match c.kind {
         ChangeKind::Added => format!(
@@ -223,12 +326,7 @@ fn describe(c: &BucketChange) -> String {
             f(c.old_limit_rps),
             f(c.new_limit_rps)
         ),
-        ChangeKind::Modified => format!(
-            "modified at {} rps (mode {} -> {})",
-            f(c.new_limit_rps),
-            c.old_mode.map(|m| m.as_str()).unwrap_or("-"),
-            c.new_mode.map(|m| m.as_str()).unwrap_or("-")
-        ),
+        ChangeKind::Modified => format!("modified at {} rps", f(c.new_limit_rps)),
     }
 }
 
@@ -266,11 +364,18 @@ pub fn report(plan: &Plan, summary: &ChangeSummary) -> String {
                 Some(v) => format_rps(v),
                 None => "removed".into(),
             };
-            let pct = match (c.old_limit_rps, c.new_limit_rps) {
+            let mut pct = match (c.old_limit_rps, c.new_limit_rps) {
                 (Some(o), Some(n)) if o > 0.0 => format!("{:+.1}%", (n - o) / o * 100.0),
                 (None, Some(_)) => "new".into(),
                 _ => "—".into(),
             };
+            // Mode, scope, policy or match changes, named (a limit change alone says little
+            // when the bucket starts enforcing or counts the whole fleet).
+            let details = c.details();
+            if !details.is_empty() {
+                let d = details.join("; ").replace('|', "\\|");
+                pct = format!("{pct}; {d}");
+            }
             let (peak, policy, conf) = match pb {
                 Some(pb) => (
                     evidence_str(&pb.evidence, "peak_rps"),
@@ -360,6 +465,99 @@ mod tests {
         let msg = s.commit_message();
         assert!(msg.contains("pay/a: raised 10 -> 20 rps"), "{msg}");
         assert!(msg.contains("pay/c: removed (was 10 rps)"), "{msg}");
+    }
+
+    #[test]
+    fn mode_and_scope_changes_are_named_not_just_modified() {
+        let mut shadow_region = bucket("a", 10.0);
+        shadow_region.mode = Mode::Shadow;
+        shadow_region.scope = Scope::Region;
+        let mut shadow = bucket("b", 10.0);
+        shadow.mode = Mode::Shadow;
+        let mut forecast = bucket("c", 10.0);
+        forecast.policy = PolicyName::Forecast;
+        let old: BTreeMap<String, BucketFile> = [(
+            "pay".to_string(),
+            BucketFile {
+                service: "pay".into(),
+                buckets: vec![shadow_region, shadow, bucket("c", 10.0), bucket("d", 10.0)],
+            },
+        )]
+        .into();
+        let mut d_region = bucket("d", 10.0);
+        d_region.scope = Scope::Region;
+        let new = vec![BucketFile {
+            service: "pay".into(),
+            // a: shadow/region -> enforce/global, same limit; b: raised and now enforced;
+            // c: policy only; d: global -> region.
+            buckets: vec![bucket("a", 10.0), bucket("b", 20.0), forecast, d_region],
+        }];
+        let s = diff(&old, &new);
+        assert_eq!(
+            s.counts_line(),
+            "raised 1, modified 3; mode changed 2, scope changed 2"
+        );
+        let msg = s.commit_message();
+        assert!(
+            msg.contains(
+                "pay/a: modified at 10 rps: mode shadow -> enforce, scope region -> global"
+            ),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("pay/b: raised 10 -> 20 rps; mode shadow -> enforce"),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("pay/c: modified at 10 rps: policy peak -> forecast"),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("pay/d: modified at 10 rps: scope global -> region"),
+            "{msg}"
+        );
+        assert!(
+            msg.lines().next().unwrap().contains("mode changed 2"),
+            "{msg}"
+        );
+
+        let mut plan = Plan::default();
+        for b in &new[0].buckets {
+            plan.buckets.push(PlannedBucket {
+                service: "pay".into(),
+                bucket: b.clone(),
+                current_limit_rps: Some(10.0),
+                evidence: serde_json::json!({"peak_rps": 8.0, "confidence": "high"}),
+            });
+        }
+        let body = report(&plan, &s);
+        assert!(
+            body.contains(
+                "| a | 10 | 10 | +0.0%; mode shadow -> enforce; scope region -> global | 8 | peak | high |"
+            ),
+            "{body}"
+        );
+        assert!(
+            body.contains("| b | 10 | 20 | +100.0%; mode shadow -> enforce | 8 | peak | high |"),
+            "{body}"
+        );
+        assert!(
+            body.contains("| d | 10 | 10 | +0.0%; scope global -> region | 8 | peak | high |"),
+            "{body}"
+        );
+        // Plain limit changes read as before.
+        let plain = diff(
+            &old,
+            &[BucketFile {
+                service: "pay".into(),
+                buckets: vec![bucket("c", 20.0), bucket("d", 10.0)],
+            }],
+        );
+        assert!(
+            !plain.commit_message().contains("mode"),
+            "{}",
+            plain.commit_message()
+        );
     }
 
     #[test]

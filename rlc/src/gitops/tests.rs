@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use axum::extract::{Path as AxPath, Query, State};
 use axum::http::{HeaderMap, StatusCode};
-use axum::routing::{get, patch};
+use axum::routing::{get, patch, post};
 use axum::{Json, Router};
 use schema::{Bucket, Mode, PolicyName, RepoMode, Scope};
 use serde_json::{json, Value};
@@ -363,12 +363,14 @@ async fn list(
         );
     }
     let head = q.get("head").cloned().unwrap_or_default();
+    let state = q.get("state").cloned().unwrap_or_else(|| "open".into());
     let open: Vec<Value> = f
         .prs
         .lock()
         .unwrap()
         .iter()
         .filter(|p| format!("{o}:{}", p["head"].as_str().unwrap()) == head)
+        .filter(|p| state == "all" || p["state"] == state.as_str())
         .cloned()
         .collect();
     (StatusCode::OK, Json(Value::Array(open)))
@@ -394,6 +396,8 @@ async fn create(
     let n = prs.len() as u64 + 1;
     let mut pr = body.clone();
     pr["number"] = json!(n);
+    pr["state"] = json!("open");
+    pr["comments"] = json!([]);
     pr["html_url"] = json!(format!("http://forge/pr/{n}"));
     prs.push(pr.clone());
     (StatusCode::CREATED, Json(pr))
@@ -405,19 +409,82 @@ async fn update(
     AxPath((_o, _r, n)): AxPath<(String, String, u64)>,
     Json(body): Json<Value>,
 ) -> (StatusCode, Json<Value>) {
-    f.calls.lock().unwrap().push(format!("PATCH {n}"));
+    match body["state"].as_str() {
+        Some(state) => f
+            .calls
+            .lock()
+            .unwrap()
+            .push(format!("PATCH {n} state={state}")),
+        None => f.calls.lock().unwrap().push(format!("PATCH {n}")),
+    }
     if !f.check_auth(&h) {
         return (
             StatusCode::UNAUTHORIZED,
             Json(json!({"message": "Bad credentials"})),
         );
     }
-    f.check_body(&body);
     let mut prs = f.prs.lock().unwrap();
-    let pr = &mut prs[n as usize - 1];
+    let Some(pr) = prs.get_mut(n as usize - 1) else {
+        return (StatusCode::NOT_FOUND, Json(json!({"message": "Not Found"})));
+    };
+    if let Some(state) = body["state"].as_str() {
+        // Closing: `{"state": "closed"}` alone, on an open PR.
+        if state != "closed" || body.as_object().is_some_and(|o| o.len() != 1) {
+            f.problems
+                .lock()
+                .unwrap()
+                .push(format!("unexpected state update {body}"));
+        }
+        if pr["state"] != "open" {
+            f.problems
+                .lock()
+                .unwrap()
+                .push(format!("closing PR {n}, which is {}", pr["state"]));
+        }
+        if pr["comments"].as_array().is_none_or(|c| c.is_empty()) {
+            f.problems
+                .lock()
+                .unwrap()
+                .push(format!("PR {n} closed without a comment saying why"));
+        }
+        pr["state"] = json!(state);
+        return (StatusCode::OK, Json(pr.clone()));
+    }
+    f.check_body(&body);
     pr["body"] = body["body"].clone();
     pr["title"] = body["title"].clone();
     (StatusCode::OK, Json(pr.clone()))
+}
+
+async fn comment(
+    State(f): State<FakeForge>,
+    h: HeaderMap,
+    AxPath((_o, _r, n)): AxPath<(String, String, u64)>,
+    Json(body): Json<Value>,
+) -> (StatusCode, Json<Value>) {
+    f.calls.lock().unwrap().push(format!("COMMENT {n}"));
+    if !f.check_auth(&h) {
+        return (
+            StatusCode::UNAUTHORIZED,
+            Json(json!({"message": "Bad credentials"})),
+        );
+    }
+    let text = body["body"].as_str().unwrap_or_default().to_string();
+    if text.is_empty() || text.chars().count() > summary::FORGE_BODY_LIMIT {
+        f.problems
+            .lock()
+            .unwrap()
+            .push(format!("bad comment ({} chars)", text.len()));
+    }
+    let mut prs = f.prs.lock().unwrap();
+    let Some(pr) = prs.get_mut(n as usize - 1) else {
+        return (StatusCode::NOT_FOUND, Json(json!({"message": "Not Found"})));
+    };
+    pr["comments"].as_array_mut().unwrap().push(json!(text));
+    (
+        StatusCode::CREATED,
+        Json(json!({"id": n * 100, "body": text})),
+    )
 }
 
 pub(crate) async fn spawn_forge() -> (String, FakeForge) {
@@ -425,6 +492,7 @@ pub(crate) async fn spawn_forge() -> (String, FakeForge) {
     let app = Router::new()
         .route("/repos/{o}/{r}/pulls", get(list).post(create))
         .route("/repos/{o}/{r}/pulls/{n}", patch(update))
+        .route("/repos/{o}/{r}/issues/{n}/comments", post(comment))
         .with_state(f.clone());
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
@@ -522,4 +590,234 @@ async fn refused_credentials_are_bounded_not_retried_forever() {
     assert!(hits
         .iter()
         .any(|a| a.as_deref().is_some_and(|a| a.starts_with("Basic "))));
+}
+
+/// A PR-mode writer over a base whose `payments` file is rlc's own rendering of `gw` at
+/// `limit` (committed in direct mode first, so that a plan at `limit` equals the base).
+fn pr_writer_over_rendered_base(remote: &GitRemote, limit: f64) -> Writer {
+    let mut direct = Writer::open(writer_cfg(remote, "wc-direct", RepoMode::Direct)).unwrap();
+    direct
+        .write(&plan(vec![planned("payments", "gw", limit)]))
+        .unwrap();
+    Writer::open(writer_cfg(remote, "wc", RepoMode::PullRequest)).unwrap()
+}
+
+#[test]
+fn outdated_pull_request_branch_is_withdrawn_unless_people_committed_on_it() {
+    let remote = seeded_remote();
+    let mut w = pr_writer_over_rendered_base(&remote, 100.0);
+    let base = remote.head("main");
+    let back = plan(vec![planned("payments", "gw", 100.0)]);
+    let cut = plan(vec![planned("payments", "gw", 75.0)]);
+
+    // No proposal yet and nothing to propose: unchanged.
+    assert_eq!(
+        w.write_withdrawing(&back).unwrap().status,
+        WriteStatus::Unchanged
+    );
+
+    // A 25% cut is proposed...
+    let WriteStatus::BranchUpdated { commit } = w.write(&cut).unwrap().status else {
+        panic!()
+    };
+    // ...then traffic comes back: the plan equals the base, the proposal is outdated.
+    let out = w.write(&back).unwrap();
+    assert_eq!(
+        out.status,
+        WriteStatus::BranchOutdated {
+            commit: commit.clone()
+        }
+    );
+    assert!(out.summary.is_empty());
+    assert_eq!(
+        remote.head("rlc/quotas").as_deref(),
+        Some(commit.as_str()),
+        "write() only reports it"
+    );
+    let out = w.write_withdrawing(&back).unwrap();
+    assert_eq!(
+        out.status,
+        WriteStatus::BranchWithdrawn {
+            commit: commit.clone()
+        }
+    );
+    assert_eq!(
+        remote.head("rlc/quotas"),
+        None,
+        "branch deleted on the remote"
+    );
+    assert_eq!(remote.head("main"), base, "base untouched");
+    // Gone: the next run has nothing to do, and a new cut makes a fresh branch.
+    assert_eq!(
+        w.write_withdrawing(&back).unwrap().status,
+        WriteStatus::Unchanged
+    );
+    assert!(matches!(
+        w.write(&cut).unwrap().status,
+        WriteStatus::BranchUpdated { .. }
+    ));
+    assert_eq!(
+        remote.commit_count("rlc/quotas").unwrap(),
+        base_count(&remote) + 1
+    );
+
+    // A person committed on the proposal: it is theirs, left alone even when outdated.
+    let human = remote
+        .human_commit("rlc/quotas", &[("NOTES.md", "keep the cut\n")], "note")
+        .unwrap();
+    let out = w.write_withdrawing(&back).unwrap();
+    let WriteStatus::BranchHeldByHumans { authors } = &out.status else {
+        panic!("{:?}", out.status)
+    };
+    assert!(authors[0].contains(HUMAN_EMAIL), "{authors:?}");
+    assert_eq!(remote.head("rlc/quotas").as_deref(), Some(human.as_str()));
+
+    // Merged proposals are not outdated ones: nothing beyond the base, nothing to withdraw.
+    remote.human_merge("rlc/quotas").unwrap();
+    let merged_tip = remote.head("rlc/quotas");
+    let mut w = Writer::open(writer_cfg(&remote, "wc", RepoMode::PullRequest)).unwrap();
+    w.fetch().unwrap();
+    let (_, files) = w.base_buckets().unwrap();
+    let same = plan(vec![planned(
+        "payments",
+        "gw",
+        files[0].buckets[0].limit_rps,
+    )]);
+    assert_eq!(
+        w.write_withdrawing(&same).unwrap().status,
+        WriteStatus::Unchanged
+    );
+    assert_eq!(remote.head("rlc/quotas"), merged_tip);
+}
+
+fn base_count(remote: &GitRemote) -> usize {
+    remote.commit_count("main").unwrap()
+}
+
+#[test]
+fn a_commit_pushed_between_the_check_and_the_push_is_never_overwritten() {
+    let remote = Arc::new(seeded_remote());
+    let mut w = Writer::open(writer_cfg(&remote, "wc", RepoMode::PullRequest)).unwrap();
+    assert!(matches!(
+        w.write(&plan(vec![planned("payments", "gw", 250.0)]))
+            .unwrap()
+            .status,
+        WriteStatus::BranchUpdated { .. }
+    ));
+    // The person pushes after rlc fetched and checked the branch, right before its push.
+    let r = remote.clone();
+    let human = Arc::new(Mutex::new(None));
+    let h = human.clone();
+    w.set_before_push(Box::new(move |attempt| {
+        if attempt == 1 {
+            let text = r
+                .read("rlc/quotas", "buckets/payments.yaml")
+                .unwrap()
+                .replace("250", "260");
+            let id = r
+                .human_commit("rlc/quotas", &[("buckets/payments.yaml", &text)], "by hand")
+                .unwrap();
+            *h.lock().unwrap() = Some(id);
+        }
+    }));
+    let out = w
+        .write(&plan(vec![planned("payments", "gw", 400.0)]))
+        .unwrap();
+    assert_eq!(out.attempts, 2, "the lost lease makes it decide again");
+    assert!(
+        matches!(out.status, WriteStatus::BranchHeldByHumans { .. }),
+        "{:?}",
+        out.status
+    );
+    assert_eq!(remote.head("rlc/quotas"), *human.lock().unwrap());
+    assert!(remote
+        .read("rlc/quotas", "buckets/payments.yaml")
+        .unwrap()
+        .contains("limit_rps: 260"));
+}
+
+#[test]
+fn a_branch_created_by_a_person_before_the_push_is_never_overwritten() {
+    let remote = Arc::new(seeded_remote());
+    let mut w = Writer::open(writer_cfg(&remote, "wc", RepoMode::PullRequest)).unwrap();
+    let r = remote.clone();
+    w.set_before_push(Box::new(move |attempt| {
+        if attempt == 1 {
+            r.human_commit("rlc/quotas", &[("NOTES.md", "mine\n")], "start")
+                .unwrap();
+        }
+    }));
+    let out = w
+        .write(&plan(vec![planned("payments", "gw", 400.0)]))
+        .unwrap();
+    assert_eq!(out.attempts, 2);
+    assert!(
+        matches!(out.status, WriteStatus::BranchHeldByHumans { .. }),
+        "{:?}",
+        out.status
+    );
+    assert_eq!(remote.read("rlc/quotas", "NOTES.md").unwrap(), "mine\n");
+}
+
+#[test]
+fn withdrawing_loses_the_lease_to_a_person_and_leaves_their_branch() {
+    let remote = Arc::new(seeded_remote());
+    let mut w = pr_writer_over_rendered_base(&remote, 100.0);
+    let back = plan(vec![planned("payments", "gw", 100.0)]);
+    assert!(matches!(
+        w.write(&plan(vec![planned("payments", "gw", 75.0)]))
+            .unwrap()
+            .status,
+        WriteStatus::BranchUpdated { .. }
+    ));
+    let r = remote.clone();
+    let human = Arc::new(Mutex::new(None));
+    let h = human.clone();
+    w.set_before_push(Box::new(move |attempt| {
+        if attempt == 1 {
+            let id = r
+                .human_commit("rlc/quotas", &[("NOTES.md", "keep\n")], "keep it")
+                .unwrap();
+            *h.lock().unwrap() = Some(id);
+        }
+    }));
+    let out = w.write_withdrawing(&back).unwrap();
+    assert_eq!(out.attempts, 2);
+    assert!(
+        matches!(out.status, WriteStatus::BranchHeldByHumans { .. }),
+        "{:?}",
+        out.status
+    );
+    assert_eq!(remote.head("rlc/quotas"), *human.lock().unwrap());
+}
+
+#[test]
+fn a_branch_moved_by_another_rlc_run_is_decided_again_and_updated() {
+    let remote = Arc::new(seeded_remote());
+    let mut w = Writer::open(writer_cfg(&remote, "wc", RepoMode::PullRequest)).unwrap();
+    w.write(&plan(vec![planned("payments", "gw", 250.0)]))
+        .unwrap();
+    // Another rlc (same author) pushes its own proposal in between.
+    let r = remote.clone();
+    w.set_before_push(Box::new(move |attempt| {
+        if attempt == 1 {
+            let mut other =
+                Writer::open(writer_cfg(&r, "wc-other", RepoMode::PullRequest)).unwrap();
+            other
+                .write(&plan(vec![planned("payments", "gw", 300.0)]))
+                .unwrap();
+        }
+    }));
+    let out = w
+        .write(&plan(vec![planned("payments", "gw", 400.0)]))
+        .unwrap();
+    assert_eq!(out.attempts, 2);
+    let WriteStatus::BranchUpdated { commit } = &out.status else {
+        panic!("{:?}", out.status)
+    };
+    assert_eq!(remote.head("rlc/quotas").as_deref(), Some(commit.as_str()));
+    assert!(remote
+        .read("rlc/quotas", "buckets/payments.yaml")
+        .unwrap()
+        .contains("limit_rps: 400"));
 }

@@ -97,6 +97,18 @@ pub enum WriteStatus {
         /// The branch tip.
         commit: String,
     },
+    /// Pull-request mode: the plan equals the base branch, but the PR branch (only rlc's
+    /// commits) still proposes a change; it is outdated and its pull request should be
+    /// closed. Nothing was pushed: close the PR, then call [`Writer::write_withdrawing`].
+    BranchOutdated {
+        /// The branch tip.
+        commit: String,
+    },
+    /// Pull-request mode: the outdated PR branch was deleted on the remote.
+    BranchWithdrawn {
+        /// The tip it had.
+        commit: String,
+    },
     /// The PR branch has commits by people: left as it is.
     BranchHeldByHumans {
         /// `name <email>` of the other authors.
@@ -335,13 +347,28 @@ impl Writer {
     }
 
     /// Renders `plan` on top of the base branch and commits/pushes it per the mode. Retries
-    /// (fetch, regenerate) when the remote base moves underneath, up to `max_attempts`.
+    /// (fetch, regenerate) when the remote base or the PR branch moves underneath, up to
+    /// `max_attempts`. An outdated PR branch is reported ([`WriteStatus::BranchOutdated`]),
+    /// not touched.
     pub fn write(&mut self, plan: &Plan) -> Result<WriteOutcome, GitOpsError> {
+        self.write_with(plan, false)
+    }
+
+    /// Like [`Writer::write`], but an outdated PR branch (the plan equals the base, the
+    /// branch has only rlc's commits) is deleted on the remote
+    /// ([`WriteStatus::BranchWithdrawn`]). With a forge, close its pull request first:
+    /// GitHub marks a PR whose head becomes part of the base as merged, and one whose head
+    /// is deleted as closed without a word.
+    pub fn write_withdrawing(&mut self, plan: &Plan) -> Result<WriteOutcome, GitOpsError> {
+        self.write_with(plan, true)
+    }
+
+    fn write_with(&mut self, plan: &Plan, withdraw: bool) -> Result<WriteOutcome, GitOpsError> {
         let max = self.cfg.max_attempts.max(1);
         let mut last_conflict = String::new();
         for attempt in 1..=max {
             self.fetch()?;
-            match self.write_once(plan, attempt) {
+            match self.write_once(plan, attempt, withdraw) {
                 Ok(out) => return Ok(out),
                 Err(PushFailure::Conflict(msg)) => {
                     tracing::warn!(attempt, reason = %msg, "remote moved underneath; regenerating on top");
@@ -356,7 +383,12 @@ impl Writer {
         })
     }
 
-    fn write_once(&self, plan: &Plan, attempt: u32) -> Result<WriteOutcome, PushFailure> {
+    fn write_once(
+        &self,
+        plan: &Plan,
+        attempt: u32,
+        withdraw: bool,
+    ) -> Result<WriteOutcome, PushFailure> {
         let fatal = |e: GitOpsError| PushFailure::Fatal(e);
         let base = self.base_commit().map_err(fatal)?;
         let base_id = base.id();
@@ -384,7 +416,27 @@ impl Writer {
             report: report.clone(),
             attempts,
         };
+        // The PR branch as fetched: every decision below (and the lease of the push that
+        // follows it) is about this tip.
+        let pr_ref = if self.has_remote() {
+            format!("refs/remotes/origin/{}", self.cfg.pr_branch)
+        } else {
+            format!("refs/heads/{}", self.cfg.pr_branch)
+        };
+        let pr_tip = match self.repo.find_reference(&pr_ref) {
+            Ok(r) => Some(r.peel_to_commit().map_err(|e| fatal(e.into()))?),
+            Err(_) => None,
+        };
         if tree_id == base_tree.id() {
+            if self.cfg.mode == RepoMode::PullRequest {
+                if let Some(tip) = &pr_tip {
+                    if let Some(status) =
+                        self.outdated_branch(tip.id(), base_id, withdraw, attempt)?
+                    {
+                        return Ok(done(status, attempt));
+                    }
+                }
+            }
             return Ok(done(WriteStatus::Unchanged, attempt));
         }
         if self.cfg.mode == RepoMode::PullRequest {
@@ -412,6 +464,7 @@ impl Writer {
                     self.push(
                         &format!("{outgoing}:refs/heads/{}", self.cfg.branch),
                         attempt,
+                        None,
                     )?;
                     self.repo
                         .reference(&self.base_ref(), commit, true, "rlc: pushed")
@@ -437,13 +490,7 @@ impl Writer {
                 })
             }
             RepoMode::PullRequest => {
-                let pr_ref = if self.has_remote() {
-                    format!("refs/remotes/origin/{}", self.cfg.pr_branch)
-                } else {
-                    format!("refs/heads/{}", self.cfg.pr_branch)
-                };
-                if let Ok(r) = self.repo.find_reference(&pr_ref) {
-                    let tip = r.peel_to_commit().map_err(|e| fatal(e.into()))?;
+                if let Some(tip) = &pr_tip {
                     let humans = self.foreign_authors(tip.id(), base_id).map_err(fatal)?;
                     if !humans.is_empty() {
                         tracing::warn!(branch = %self.cfg.pr_branch, authors = ?humans, "pull-request branch has commits by people; leaving it");
@@ -471,8 +518,11 @@ impl Writer {
                     .reference(&local, commit, true, "rlc: proposal")
                     .map_err(|e| fatal(e.into()))?;
                 if self.has_remote() {
-                    // Forcing is fine on rlc's own branch (checked above for human commits).
-                    self.push(&format!("+{local}:{local}"), attempt)?;
+                    // Forcing is fine on rlc's own branch (checked above for human commits),
+                    // but only over the tip that was checked: a lease, so that a commit
+                    // pushed since the fetch is never overwritten.
+                    let lease = pr_tip.as_ref().map(|t| t.id());
+                    self.push(&format!("+{local}:{local}"), attempt, Some(lease))?;
                     self.repo
                         .reference(&pr_ref, commit, true, "rlc: pushed")
                         .map_err(|e| fatal(e.into()))?;
@@ -485,6 +535,50 @@ impl Writer {
                 ))
             }
         }
+    }
+
+    /// In pull-request mode with a plan equal to the base: what to do with the PR branch at
+    /// `tip`. `None` when it proposes nothing (absent, or merged: no commit beyond the base);
+    /// held when people committed on it; otherwise it is outdated, and deleted on the
+    /// remote (leased on `tip`) when `withdraw`.
+    fn outdated_branch(
+        &self,
+        tip: Oid,
+        base: Oid,
+        withdraw: bool,
+        attempt: u32,
+    ) -> Result<Option<WriteStatus>, PushFailure> {
+        let fatal = |e: GitOpsError| PushFailure::Fatal(e);
+        let mut walk = self.repo.revwalk().map_err(|e| fatal(e.into()))?;
+        walk.push(tip).map_err(|e| fatal(e.into()))?;
+        walk.hide(base).map_err(|e| fatal(e.into()))?;
+        if walk.next().is_none() {
+            return Ok(None);
+        }
+        let humans = self.foreign_authors(tip, base).map_err(fatal)?;
+        if !humans.is_empty() {
+            tracing::warn!(branch = %self.cfg.pr_branch, authors = ?humans, "outdated pull-request branch has commits by people; leaving it");
+            return Ok(Some(WriteStatus::BranchHeldByHumans { authors: humans }));
+        }
+        let commit = tip.to_string();
+        if !withdraw {
+            return Ok(Some(WriteStatus::BranchOutdated { commit }));
+        }
+        let local = format!("refs/heads/{}", self.cfg.pr_branch);
+        if self.has_remote() {
+            self.push(&format!(":{local}"), attempt, Some(Some(tip)))?;
+            if let Ok(mut r) = self
+                .repo
+                .find_reference(&format!("refs/remotes/origin/{}", self.cfg.pr_branch))
+            {
+                r.delete().map_err(|e| fatal(e.into()))?;
+            }
+        }
+        if let Ok(mut r) = self.repo.find_reference(&local) {
+            r.delete().map_err(|e| fatal(e.into()))?;
+        }
+        tracing::info!(branch = %self.cfg.pr_branch, tip = %commit, "withdrew the outdated pull-request branch");
+        Ok(Some(WriteStatus::BranchWithdrawn { commit }))
     }
 
     /// Authors other than rlc of commits on `tip` not on `base`.
@@ -506,10 +600,22 @@ impl Writer {
         Ok(out)
     }
 
-    fn push(&self, refspec: &str, attempt: u32) -> Result<(), PushFailure> {
+    /// Pushes `refspec`. With `lease: Some(expected)`, the push is a compare-and-swap on the
+    /// destination ref (libgit2 has no `--force-with-lease`): the push-negotiation callback
+    /// sees the remote's current value of the ref as advertised on the push connection
+    /// itself, and the push is abandoned (a conflict: fetch and decide again) unless it is
+    /// `expected` (`None`: the ref must not exist). The server then applies the update only
+    /// if the ref still has that advertised value.
+    fn push(
+        &self,
+        refspec: &str,
+        attempt: u32,
+        lease: Option<Option<Oid>>,
+    ) -> Result<(), PushFailure> {
         if let Some(hook) = self.before_push.lock().unwrap().as_mut() {
             hook(attempt);
         }
+        let moved: RefCell<Option<String>> = RefCell::new(None);
         let mut remote = self
             .repo
             .find_remote("origin")
@@ -528,10 +634,34 @@ impl Writer {
                 }
                 Ok(())
             });
+            if let Some(expected) = lease {
+                let expected = expected.unwrap_or_else(Oid::zero);
+                let moved = &moved;
+                cb.push_negotiation(move |updates| {
+                    for u in updates {
+                        if u.src() != expected {
+                            let name = u.dst_refname().unwrap_or("?");
+                            let found = if u.src().is_zero() {
+                                "no branch".to_string()
+                            } else {
+                                u.src().to_string()
+                            };
+                            *moved.borrow_mut() = Some(format!(
+                                "{name} moved on the remote since it was checked (expected {expected}, found {found})"
+                            ));
+                            return Err(git2::Error::from_str("lease lost"));
+                        }
+                    }
+                    Ok(())
+                });
+            }
             let mut po = PushOptions::new();
             po.remote_callbacks(cb);
             remote.push(&[refspec], Some(&mut po))
         };
+        if let Some(msg) = moved.into_inner() {
+            return Err(PushFailure::Conflict(msg));
+        }
         match result {
             Err(e) if e.code() == ErrorCode::NotFastForward => {
                 return Err(PushFailure::Conflict(e.message().to_string()))
