@@ -238,6 +238,24 @@ fn compute_service(
     for (i, (key, s)) in series.iter().enumerate() {
         let name = key.bucket_name();
         if done.contains(&name) {
+            // Either the contract bucket for this very key, or a different match whose name
+            // comes out the same (`a.b`+`c` vs `a`+`b.c`, caller `x` vs procedure `x`).
+            let same_key = plan.buckets.iter().any(|b| {
+                b.service == service
+                    && b.bucket.name == name
+                    && b.bucket.caller == key.caller
+                    && b.bucket.procedure == key.procedure
+            });
+            if !same_key {
+                plan.skipped.push(Skipped {
+                    service: service.into(),
+                    caller: key.caller.clone(),
+                    procedure: key.procedure.clone(),
+                    reason: format!(
+                        "its bucket name `{name}` is already taken by another match in this service; rename a caller or procedure"
+                    ),
+                });
+            }
             continue;
         }
         if key

@@ -443,3 +443,29 @@ fn caller_wide_contract_supersedes_the_callers_procedure_buckets_and_ends_with_i
     assert!(bucket(&plan, "pay", "gw").is_none(), "{:?}", plan.buckets);
     assert!(bucket(&plan, "pay", "co.refund").is_some());
 }
+
+#[test]
+fn colliding_bucket_names_are_reported_not_dropped_silently() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = repo(
+        dir.path(),
+        &[("rlc/policies.yaml", "default:\n  policy: peak\n")],
+    );
+    // caller-only `x` and procedure-only `x` would both be named `x`.
+    let h = history(vec![
+        ("svc", "x", "", flat(28, 10.0)),
+        ("svc", "", "x", flat(28, 20.0)),
+    ]);
+    let plan = compute_plan(&daemon(CFG), &r, &h, Utc::now());
+    assert_eq!(
+        plan.buckets.iter().filter(|b| b.bucket.name == "x").count(),
+        1
+    );
+    assert!(
+        plan.skipped
+            .iter()
+            .any(|s| s.reason.contains("already taken")),
+        "{:?}",
+        plan.skipped
+    );
+}
