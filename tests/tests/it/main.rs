@@ -79,6 +79,11 @@ fn start_controller(port: u16, state: &Path) -> Proc {
 
 /// GET on loopback; the JSON body on 200, None otherwise (connection refused included).
 fn get(port: u16, path: &str) -> Option<serde_json::Value> {
+    serde_json::from_str(&get_text(port, path)?).ok()
+}
+
+/// GET on loopback; the body on 200, None otherwise.
+fn get_text(port: u16, path: &str) -> Option<String> {
     let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
     write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
@@ -88,7 +93,7 @@ fn get(port: u16, path: &str) -> Option<serde_json::Value> {
     if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
         return None;
     }
-    serde_json::from_str(body).ok()
+    Some(body.to_string())
 }
 
 /// Polls `cond` until it holds; panics after `limit` (a bound on waiting, not a speed claim).
@@ -138,6 +143,10 @@ struct Deployment {
 
 impl Deployment {
     fn new() -> Deployment {
+        Deployment::with_database("sqlite://rlc.db")
+    }
+
+    fn with_database(database_url: &str) -> Deployment {
         let files = template_files();
         let refs: Vec<(&str, &str)> = files
             .iter()
@@ -157,7 +166,7 @@ impl Deployment {
         std::fs::write(
             dir.path().join("rlc.yaml"),
             format!(
-                "history:\n  file: history.csv\nconfig_repo:\n  path: work\n  url: {}\n  branch: main\n  mode: direct\ncontroller:\n  url: http://127.0.0.1:{controller_port}\n  token_env: GRL_TOKEN\ndatabase_url: sqlite://rlc.db\nserver:\n  listen: 127.0.0.1:0\n  token_env: RLC_TOKEN\n",
+                "history:\n  file: history.csv\nconfig_repo:\n  path: work\n  url: {}\n  branch: main\n  mode: direct\ncontroller:\n  url: http://127.0.0.1:{controller_port}\n  token_env: GRL_TOKEN\ndatabase_url: {database_url}\nserver:\n  listen: 127.0.0.1:0\n  token_env: RLC_TOKEN\n",
                 remote.url()
             ),
         )
@@ -293,4 +302,55 @@ fn limits(yaml: &str) -> Vec<(String, f64)> {
         .collect();
     v.sort_by(|a, b| a.0.cmp(&b.0));
     v
+}
+
+/// `rlc_leader` of the daemon on `port` (None while it is not answering).
+fn leader(port: u16) -> Option<u8> {
+    get_text(port, "/metrics")?
+        .lines()
+        .find_map(|l| l.strip_prefix("rlc_leader "))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+#[test]
+fn replicas_on_one_postgres_elect_one_scheduler_and_fail_over() {
+    let db = tokio::runtime::Runtime::new()
+        .unwrap()
+        .block_on(test_support::postgres::fresh_database())
+        .expect("a throwaway Postgres (cargo xtask test provides DATABASE_URL)");
+    let d = Deployment::with_database(&db.url);
+    let ports = [free_port(), free_port()];
+    let mut replicas: Vec<Option<Proc>> = ports
+        .iter()
+        .map(|p| {
+            Some(Proc(
+                d.rlc(&[
+                    "serve",
+                    "--poll-secs",
+                    "1",
+                    "--listen",
+                    &format!("127.0.0.1:{p}"),
+                ])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap(),
+            ))
+        })
+        .collect();
+    let both = || (leader(ports[0]), leader(ports[1]));
+    wait_until(
+        Duration::from_secs(60),
+        || matches!(both(), (Some(a), Some(b)) if a + b == 1),
+    );
+    // It stays one across several polls.
+    for _ in 0..5 {
+        std::thread::sleep(Duration::from_millis(400));
+        let (a, b) = both();
+        assert_eq!(a.unwrap() + b.unwrap(), 1, "exactly one active scheduler");
+    }
+    let active = if both().0 == Some(1) { 0 } else { 1 };
+    replicas[active] = None; // killed: its session ends and the lock with it
+    let other = ports[1 - active];
+    wait_until(Duration::from_secs(60), || leader(other) == Some(1));
 }
