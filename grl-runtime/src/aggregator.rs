@@ -168,7 +168,6 @@ async fn report(State(s): State<Arc<Shared>>, body: Bytes) -> Result<impl IntoRe
             "interval_ms must be positive; client_id and service must not be empty".into(),
         ));
     }
-    let secs = r.interval_ms as f64 / 1000.0;
     let mut st = s.state.lock().expect("aggregator lock");
     for b in &r.buckets {
         if b.admitted + b.dropped != b.offered || b.shadow_dropped > b.admitted {
@@ -191,21 +190,7 @@ async fn report(State(s): State<Arc<Shared>>, body: Bytes) -> Result<impl IntoRe
         p.dropped += b.dropped;
         p.shadow_dropped += b.shadow_dropped;
     }
-    let rates = r
-        .buckets
-        .iter()
-        .map(|b| {
-            (
-                b.bucket.clone(),
-                [
-                    b.offered as f64 / secs,
-                    b.admitted as f64 / secs,
-                    b.dropped as f64 / secs,
-                    b.shadow_dropped as f64 / secs,
-                ],
-            )
-        })
-        .collect();
+    let rates = r.rates();
     st.clients.insert(
         r.client_id.clone(),
         ClientEntry {

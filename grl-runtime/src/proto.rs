@@ -49,6 +49,28 @@ pub struct ClientReport {
     pub urgent: bool,
 }
 
+impl ClientReport {
+    /// Per-bucket rates over the report's interval: `[offered, admitted, dropped, shadow]`
+    /// requests per second, as an aggregator keeps them.
+    pub fn rates(&self) -> Vec<(String, [f64; 4])> {
+        let secs = self.interval_ms as f64 / 1000.0;
+        self.buckets
+            .iter()
+            .map(|b| {
+                (
+                    b.bucket.clone(),
+                    [
+                        b.offered as f64 / secs,
+                        b.admitted as f64 / secs,
+                        b.dropped as f64 / secs,
+                        b.shadow_dropped as f64 / secs,
+                    ],
+                )
+            })
+            .collect()
+    }
+}
+
 /// One bucket's directive for one scope key.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -684,22 +684,7 @@ fn control_round(
 ) {
     for &i in ids {
         let r = instances[i].reporter.build_report(now);
-        let secs = r.interval_ms as f64 / 1000.0;
-        latest[i] = r
-            .buckets
-            .iter()
-            .map(|b| {
-                (
-                    b.bucket.clone(),
-                    [
-                        b.offered as f64 / secs,
-                        b.admitted as f64 / secs,
-                        b.dropped as f64 / secs,
-                        b.shadow_dropped as f64 / secs,
-                    ],
-                )
-            })
-            .collect();
+        latest[i] = r.rates().into_iter().collect();
     }
     let mut per_zone: Vec<BTreeMap<String, ZoneBucketMsg>> = vec![BTreeMap::new(); zones.len()];
     for (i, inst) in instances.iter().enumerate() {
