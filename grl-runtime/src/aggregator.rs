@@ -14,7 +14,6 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 use tokio::sync::{oneshot, Notify};
-use tokio::task::JoinHandle;
 
 use crate::http_util::{parse_json, ApiError};
 use crate::proto::{
@@ -57,31 +56,7 @@ impl Default for AggregatorOptions {
 }
 
 /// A running aggregator.
-pub struct AggregatorHandle {
-    addr: SocketAddr,
-    stop: oneshot::Sender<()>,
-    server: JoinHandle<()>,
-    forwarder: JoinHandle<()>,
-}
-
-impl AggregatorHandle {
-    /// Base URL.
-    pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
-    }
-
-    /// The bound address.
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-
-    /// Stops serving and forwarding.
-    pub async fn shutdown(self) {
-        let _ = self.stop.send(());
-        self.forwarder.abort();
-        let _ = self.server.await;
-    }
-}
+pub type AggregatorHandle = crate::http_util::ServerHandle;
 
 struct ClientEntry {
     service: String,
@@ -156,7 +131,7 @@ impl Aggregator {
             addr,
             stop,
             server,
-            forwarder,
+            background: forwarder,
         })
     }
 }

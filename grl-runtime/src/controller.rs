@@ -14,7 +14,6 @@ use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
 
 use crate::config::{self, write_atomic};
 use crate::engine::Engine;
@@ -62,31 +61,7 @@ impl Default for ControllerOptions {
 }
 
 /// A running controller.
-pub struct ControllerHandle {
-    addr: SocketAddr,
-    stop: oneshot::Sender<()>,
-    server: JoinHandle<()>,
-    ticker: JoinHandle<()>,
-}
-
-impl ControllerHandle {
-    /// Base URL, e.g. `http://127.0.0.1:7070`.
-    pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
-    }
-
-    /// The bound address.
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-
-    /// Stops serving and ticking.
-    pub async fn shutdown(self) {
-        let _ = self.stop.send(());
-        self.ticker.abort();
-        let _ = self.server.await;
-    }
-}
+pub type ControllerHandle = crate::http_util::ServerHandle;
 
 struct Persisted {
     next_id: u64,
@@ -238,7 +213,7 @@ impl Controller {
             addr,
             stop,
             server,
-            ticker,
+            background: ticker,
         })
     }
 }

@@ -73,3 +73,31 @@ pub fn unix_now() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
 }
+
+/// A running HTTP server with one background loop (the controller's ticker, an aggregator's
+/// forwarder): its address, and a way to stop both.
+pub struct ServerHandle {
+    pub(crate) addr: std::net::SocketAddr,
+    pub(crate) stop: tokio::sync::oneshot::Sender<()>,
+    pub(crate) server: tokio::task::JoinHandle<()>,
+    pub(crate) background: tokio::task::JoinHandle<()>,
+}
+
+impl ServerHandle {
+    /// Base URL, e.g. `http://127.0.0.1:7070`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// The bound address.
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.addr
+    }
+
+    /// Stops the background loop and the server (in-flight requests finish).
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(());
+        self.background.abort();
+        let _ = self.server.await;
+    }
+}
