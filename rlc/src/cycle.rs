@@ -314,6 +314,57 @@ impl Cycle {
         Ok(s)
     }
 
+    /// The plan with every decrease of a bucket already lowered within
+    /// `rails.decrease_interval` held back (listed in `skipped`): the per-run cap must not
+    /// compound over frequent runs. When the store cannot say, decreases are held too — a
+    /// failed dependency never lowers a quota.
+    async fn hold_repeated_decreases(&self, plan: &Plan) -> Plan {
+        let interval = self.cfg.rails.decrease_interval.0;
+        if interval.as_secs() <= 1 {
+            return plan.clone();
+        }
+        let since =
+            Utc::now() - chrono::Duration::from_std(interval).unwrap_or(chrono::Duration::days(1));
+        let mut out = plan.clone();
+        let store = self.store().await;
+        for b in &mut out.buckets {
+            let Some(cur) = b.current_limit_rps else {
+                continue;
+            };
+            if b.bucket.limit_rps >= cur {
+                continue;
+            }
+            let why = match &store {
+                Ok(s) => match s.quota_history(&b.service, &b.bucket.name).await {
+                    Ok(h) => h
+                        .iter()
+                        .rev()
+                        .find(|r| r.change == "lowered" && r.recorded_at > since)
+                        .map(|r| {
+                            format!(
+                                "already lowered at {} (one decrease per {}): the decrease to {} rps waits",
+                                r.recorded_at.format("%Y-%m-%d %H:%M UTC"),
+                                self.cfg.rails.decrease_interval,
+                                schema::format_rps(b.bucket.limit_rps)
+                            )
+                        }),
+                    Err(e) => Some(format!("quota history unavailable ({e}): decrease held")),
+                },
+                Err(e) => Some(format!("store unavailable ({e}): decrease held")),
+            };
+            if let Some(reason) = why {
+                out.skipped.push(Skipped {
+                    service: b.service.clone(),
+                    caller: b.bucket.caller.clone(),
+                    procedure: b.bucket.procedure.clone(),
+                    reason,
+                });
+                b.bucket.limit_rps = cur;
+            }
+        }
+        out
+    }
+
     /// Run records waiting for the store.
     pub async fn pending_records(&self) -> usize {
         self.pending.lock().await.len()
@@ -409,6 +460,8 @@ impl Cycle {
     /// Applies `plan`: render → validate → commit/PR → push → record.
     pub async fn apply(&self, plan: &Plan, trigger: &str) -> RunOutcome {
         let mut out = RunOutcome::new(trigger);
+        let held = self.hold_repeated_decreases(plan).await;
+        let plan = &held;
         out.skipped = plan.skipped.clone();
         // In pull-request mode with a forge, an outdated proposal's PR is closed (with a
         // comment) before its branch is deleted: GitHub marks a PR whose head becomes part of

@@ -7,7 +7,8 @@
 //!    the controller → recorded in SQLite;
 //! 5. live traffic at 1.5× one bucket's new limit through a real GRL client and zone aggregator,
 //!    showing the admitted rate settle at the limit;
-//! 6. a second cycle on the same history, which changes nothing and makes no commit.
+//! 6. a second cycle on the same history: nothing to change, capped decreases wait a day, no
+//!    commit.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -128,21 +129,27 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
         traffic(&controller.url(), &service, &bucket, args.traffic_secs).await?;
     }
 
-    // 6. Same history again: only what the rails held back moves on (a decrease is capped per
-    // run); a run with nothing to change makes no commit.
+    // 6. Same history again: nothing new to change. Decreases the rails capped wait for the
+    // next interval (one decrease per bucket per day), so no commit.
     let again = cycle.run(&planner, "demo").await;
     let head2 = git_head(&repo_dir)?;
+    let waiting = again
+        .skipped
+        .iter()
+        .filter(|s| s.reason.contains("already lowered"))
+        .count();
     println!(
-        "6. rlc run again on the same history: {} — {}",
+        "6. rlc run again on the same history: {} — {}{}",
         again.status.as_str(),
         if head2 == head {
-            "no new commit: the rendered files are byte-identical".to_string()
+            "no new commit"
         } else {
-            format!(
-                "committed {} ({}): decreases are capped per run, so they continue step by step",
-                short(&head2),
-                again.summary.counts_line()
-            )
+            "a new commit"
+        },
+        if waiting > 0 {
+            format!(" ({waiting} capped decrease(s) wait a day: one decrease per bucket per day)")
+        } else {
+            String::new()
         }
     );
     controller.shutdown().await;

@@ -712,6 +712,14 @@ pub struct RailsConfig {
     /// New buckets start in shadow mode.
     #[serde(default = "default_true")]
     pub new_buckets_shadow: bool,
+    /// At most one decrease per bucket within this interval (runs can be frequent: every
+    /// change of `rlc/*.yaml` triggers one). `1s` turns the guard off.
+    #[serde(default = "default_decrease_interval")]
+    pub decrease_interval: HumanDuration,
+}
+
+fn default_decrease_interval() -> HumanDuration {
+    HumanDuration(Duration::from_secs(86_400))
 }
 
 fn default_min_change() -> f64 {
@@ -734,6 +742,7 @@ impl Default for RailsConfig {
             max_decrease: default_max_decrease(),
             floor_rps: default_floor(),
             new_buckets_shadow: true,
+            decrease_interval: default_decrease_interval(),
         }
     }
 }

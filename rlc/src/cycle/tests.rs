@@ -423,3 +423,82 @@ fn run_summary_names_mode_and_scope_changes() {
         "{text}"
     );
 }
+
+/// A plan lowering `payments/gw` from `current` to `to`.
+fn lowering(current: f64, to: f64) -> Plan {
+    let mut b = planned("payments", "gw", to);
+    b.current_limit_rps = Some(current);
+    plan(vec![b])
+}
+
+#[tokio::test]
+async fn one_decrease_per_bucket_per_interval() {
+    let remote = seeded_remote();
+    let (url, _ctl) = spawn_controller().await;
+    let cfg = config(&remote, &url, "");
+    let base = remote.scratch("");
+    let cycle = Cycle::new(cfg.clone(), &base);
+
+    let first = cycle.apply(&lowering(100.0, 80.0), "once").await;
+    assert_eq!(first.status, RunStatus::Success, "{first}");
+    assert!(remote
+        .read("main", "buckets/payments.yaml")
+        .unwrap()
+        .contains("limit_rps: 80\n"));
+
+    // A second run the same day may not compound the cut.
+    let second = cycle.apply(&lowering(80.0, 60.0), "inputs-changed").await;
+    assert_eq!(second.status, RunStatus::Unchanged, "{second}");
+    assert!(remote
+        .read("main", "buckets/payments.yaml")
+        .unwrap()
+        .contains("limit_rps: 80\n"));
+    assert!(
+        second
+            .skipped
+            .iter()
+            .any(|s| s.reason.contains("already lowered")),
+        "{:?}",
+        second.skipped
+    );
+    // Increases are never held.
+    let up = cycle.apply(&lowering(80.0, 120.0), "once").await;
+    assert_eq!(up.status, RunStatus::Success, "{up}");
+
+    // With the guard off, the next decrease goes through.
+    let mut off = cfg;
+    off.rails.decrease_interval = "1s".parse().unwrap();
+    let cycle = Cycle::new(off, &base);
+    let down = cycle.apply(&lowering(120.0, 90.0), "once").await;
+    assert_eq!(down.status, RunStatus::Success, "{down}");
+    assert!(remote
+        .read("main", "buckets/payments.yaml")
+        .unwrap()
+        .contains("limit_rps: 90\n"));
+}
+
+#[tokio::test]
+async fn a_decrease_is_held_when_the_store_cannot_say() {
+    let remote = seeded_remote();
+    let (url, _ctl) = spawn_controller().await;
+    let mut cfg = config(&remote, &url, "");
+    cfg.database_url = "sqlite://missing-dir/rlc.db".into();
+    let base = remote.scratch("");
+    let out = Cycle::new(cfg, &base)
+        .apply(&lowering(100.0, 80.0), "once")
+        .await;
+    assert!(
+        !remote
+            .read("main", "buckets/payments.yaml")
+            .unwrap()
+            .contains("limit_rps: 80\n"),
+        "{out}"
+    );
+    assert!(
+        out.skipped
+            .iter()
+            .any(|s| s.reason.contains("store unavailable")),
+        "{:?}",
+        out.skipped
+    );
+}
