@@ -86,10 +86,10 @@ pub async fn run(args: PreviewArgs) -> anyhow::Result<i32> {
     Ok(if failed { 1 } else { 0 })
 }
 
-/// The plan as a table: service, bucket, current, proposed, change %, peak, policy, mode,
-/// confidence; then the skipped list.
+/// The plan as a table: service, bucket, current, proposed, change %, peak, policy, scope,
+/// mode, confidence; then the skipped list.
 pub fn table(plan: &Plan) -> String {
-    let mut rows: Vec<[String; 9]> = vec![[
+    let mut rows: Vec<[String; 10]> = vec![[
         "SERVICE",
         "BUCKET",
         "CURRENT",
@@ -97,6 +97,7 @@ pub fn table(plan: &Plan) -> String {
         "CHANGE",
         "PEAK",
         "POLICY",
+        "SCOPE",
         "MODE",
         "CONFIDENCE",
     ]
@@ -119,13 +120,14 @@ pub fn table(plan: &Plan) -> String {
                 .map(schema::format_rps)
                 .unwrap_or_else(|| "-".into()),
             b.bucket.policy.to_string(),
+            b.bucket.scope.as_str().into(),
             b.bucket.mode.as_str().into(),
             num("confidence")
                 .map(|c| format!("{:.0}%", c * 100.0))
                 .unwrap_or_else(|| "kept".into()),
         ]);
     }
-    let mut width = [0usize; 9];
+    let mut width = [0usize; 10];
     for r in &rows {
         for (w, c) in width.iter_mut().zip(r) {
             *w = (*w).max(c.chars().count());
