@@ -335,19 +335,15 @@ impl Cycle {
                 continue;
             }
             let why = match &store {
-                Ok(s) => match s.quota_history(&b.service, &b.bucket.name).await {
-                    Ok(h) => h
-                        .iter()
-                        .rev()
-                        .find(|r| r.change == "lowered" && r.recorded_at > since)
-                        .map(|r| {
-                            format!(
-                                "already lowered at {} (one decrease per {}): the decrease to {} rps waits",
-                                r.recorded_at.format("%Y-%m-%d %H:%M UTC"),
-                                self.cfg.rails.decrease_interval,
-                                schema::format_rps(b.bucket.limit_rps)
-                            )
-                        }),
+                Ok(s) => match s.lowered_since(&b.service, &b.bucket.name, since).await {
+                    Ok(last) => last.map(|at| {
+                        format!(
+                            "already lowered at {} (one decrease per {}): the decrease to {} rps waits",
+                            at.format("%Y-%m-%d %H:%M UTC"),
+                            self.cfg.rails.decrease_interval,
+                            schema::format_rps(b.bucket.limit_rps)
+                        )
+                    }),
                     Err(e) => Some(format!("quota history unavailable ({e}): decrease held")),
                 },
                 Err(e) => Some(format!("store unavailable ({e}): decrease held")),

@@ -191,12 +191,18 @@ impl ControllerClient {
         Ok(())
     }
 
-    /// `GET /v1/status`.
-    pub async fn status(&self) -> Result<ControllerStatus, PushError> {
+    /// `GET {path}` with `query`, decoded as JSON; `what` names the answer in errors.
+    async fn get_json<T: serde::de::DeserializeOwned>(
+        &self,
+        path: &str,
+        query: &[(&str, String)],
+        what: &str,
+    ) -> Result<T, PushError> {
         let resp = self
             .http
-            .get(format!("{}/v1/status", self.url))
+            .get(format!("{}{path}", self.url))
             .bearer_auth(&self.token)
+            .query(query)
             .send()
             .await
             .map_err(PushError::Unreachable)?;
@@ -206,8 +212,13 @@ impl ControllerClient {
             .await
             .map_err(|e| PushError::Server {
                 status: 200,
-                message: format!("unreadable status: {e}"),
+                message: format!("unreadable {what}: {e}"),
             })
+    }
+
+    /// `GET /v1/status`.
+    pub async fn status(&self) -> Result<ControllerStatus, PushError> {
+        self.get_json("/v1/status", &[], "status").await
     }
 
     /// `GET /v1/reports?after=CURSOR&limit=N`.
@@ -216,22 +227,7 @@ impl ControllerClient {
         if let Some(a) = after {
             q.push(("after", a.to_string()));
         }
-        let resp = self
-            .http
-            .get(format!("{}/v1/reports", self.url))
-            .bearer_auth(&self.token)
-            .query(&q)
-            .send()
-            .await
-            .map_err(PushError::Unreachable)?;
-        Self::check(resp)
-            .await?
-            .json()
-            .await
-            .map_err(|e| PushError::Server {
-                status: 200,
-                message: format!("unreadable reports: {e}"),
-            })
+        self.get_json("/v1/reports", &q, "reports").await
     }
 
     /// One reconcile step: reads the active version and pushes `desired` unless the

@@ -323,6 +323,26 @@ impl Store {
         .await?))
     }
 
+    /// When `bucket` of `service` was last lowered at or after `since`, if it was.
+    pub async fn lowered_since(
+        &self,
+        service: &str,
+        bucket: &str,
+        since: DateTime<Utc>,
+    ) -> Result<Option<DateTime<Utc>>, StoreError> {
+        on_pool!(self, pool => Ok(sqlx::query_as::<_, (DateTime<Utc>,)>(
+            "SELECT recorded_at FROM quota_history \
+             WHERE service = $1 AND bucket = $2 AND change = 'lowered' AND recorded_at >= $3 \
+             ORDER BY id DESC LIMIT 1",
+        )
+        .bind(service)
+        .bind(bucket)
+        .bind(since)
+        .fetch_optional(pool)
+        .await?
+        .map(|(t,)| t)))
+    }
+
     /// Stores reports (duplicates by seq/service/bucket/scope key are ignored); returns how
     /// many were new.
     pub async fn insert_reports(

@@ -207,6 +207,50 @@ async fn check_shadow_summary(store: Store) {
     assert_eq!(store.shadow_services(since, 1).await.unwrap(), ["maps"]);
 }
 
+/// The decrease guard's query: only `lowered` records at or after `since` count.
+async fn check_lowered_since(store: Store) {
+    store
+        .record_run(&run("once", "success", 0), &[quota(150.0, None)])
+        .await
+        .unwrap();
+    let mut cut = quota(120.0, Some(150.0));
+    cut.change = "lowered".into();
+    cut.recorded_at = Utc.with_ymd_and_hms(2026, 11, 30, 4, 0, 0).unwrap();
+    store
+        .record_run(&run("api", "success", 20), &[cut.clone()])
+        .await
+        .unwrap();
+    let before = Utc.with_ymd_and_hms(2026, 11, 30, 3, 30, 0).unwrap();
+    let after = Utc.with_ymd_and_hms(2026, 11, 30, 4, 30, 0).unwrap();
+    assert_eq!(
+        store.lowered_since("payments", "gw", before).await.unwrap(),
+        Some(cut.recorded_at)
+    );
+    assert_eq!(
+        store.lowered_since("payments", "gw", after).await.unwrap(),
+        None
+    );
+    assert_eq!(
+        store
+            .lowered_since("payments", "other", before)
+            .await
+            .unwrap(),
+        None
+    );
+}
+
+#[tokio::test]
+async fn sqlite_lowered_since() {
+    let dir = tempfile::tempdir().unwrap();
+    check_lowered_since(Store::connect("sqlite://rlc.db", dir.path()).await.unwrap()).await;
+}
+
+#[tokio::test]
+async fn postgres_lowered_since() {
+    let db = test_support::postgres::fresh_database().await.unwrap();
+    check_lowered_since(Store::connect(&db.url, Path::new("/")).await.unwrap()).await;
+}
+
 #[tokio::test]
 async fn sqlite_shadow_summary() {
     let dir = tempfile::tempdir().unwrap();
