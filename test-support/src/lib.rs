@@ -8,4 +8,5 @@
 pub mod git;
 pub mod plugin;
 pub mod postgres;
+pub mod process;
 pub mod prometheus;

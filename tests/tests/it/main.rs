@@ -2,13 +2,14 @@
 //! git remote served by `git daemon`.
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use test_support::git::GitRemote;
+use test_support::process::{free_port, Proc};
 
 const TOKEN: &str = "e2e-token-0123456789";
 
@@ -35,23 +36,6 @@ fn bin(name: &str) -> PathBuf {
     let p = target.join("debug").join(name);
     assert!(p.exists(), "{} missing after the build", p.display());
     p
-}
-
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 fn start_controller(port: u16, state: &Path) -> Proc {
