@@ -17,7 +17,7 @@ mod rng;
 
 pub use clock::now_ms;
 pub use counters::BucketCounts;
-pub use limiter::{BucketSpec, CompileError, Decision, Limiter, Table};
+pub use limiter::{CompileError, Decision, Limiter, Table};
 pub use rng::{seed_thread_rng, thread_rng_u64};
 
 #[cfg(test)]

@@ -15,7 +15,6 @@ use crate::lookup::Lookup;
 use crate::rng::thread_rng_u64;
 
 /// The bucket type the limiter compiles (the one in bucket YAML files).
-pub type BucketSpec = Bucket;
 
 /// The outcome of one decision.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -120,12 +119,17 @@ fn threshold(ratio: f64) -> u64 {
 }
 
 impl Table {
-    /// Compiles `buckets` of `service`, validating limits, names and matchers.
-    pub fn compile(
+    /// Checks `buckets` of `service` as [`Table::compile`] would (limits, names, matchers),
+    /// without building the lookup or allocating counters: for validating a config push.
+    pub fn check(service: &str, buckets: &[Bucket]) -> Result<(), CompileError> {
+        Self::checked(service, buckets).map(|_| ())
+    }
+
+    /// The checks of `compile`; returns the lookup and the name index they build along the way.
+    fn checked(
         service: &str,
-        version: &str,
         buckets: &[Bucket],
-    ) -> Result<Table, CompileError> {
+    ) -> Result<(Lookup, HashMap<String, usize>), CompileError> {
         if service.is_empty() {
             return Err(CompileError::EmptyName {
                 service: service.into(),
@@ -169,6 +173,16 @@ impl Table {
             }
             lookup.insert(b.caller.as_deref(), b.procedure.as_deref(), i as u32);
         }
+        Ok((lookup, by_name))
+    }
+
+    /// Compiles `buckets` of `service`, validating limits, names and matchers.
+    pub fn compile(
+        service: &str,
+        version: &str,
+        buckets: &[Bucket],
+    ) -> Result<Table, CompileError> {
+        let (mut lookup, by_name) = Self::checked(service, buckets)?;
         lookup.seal();
         let slots = buckets
             .iter()

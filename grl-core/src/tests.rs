@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use schema::{Bucket, Mode, PolicyName, Scope};
 
-use crate::control::{adjusted_ratio, drop_ratio, jain_index, scoped_ratios, Directive, ZoneRate};
+use crate::control::{adjusted_ratio, drop_ratio, jain_index, Directive};
 use crate::{Decision, Limiter, Table};
 
 fn bucket(
@@ -102,45 +102,6 @@ fn ratio_formula() {
     check(0.0, 100.0, 0.0);
     check(1000.0, 100.0, 0.9);
     check(f64::NAN, 100.0, 0.0);
-}
-
-#[test]
-fn each_scope_sums_its_own_zones() {
-    let zones = [
-        ZoneRate {
-            region: "r1",
-            zone: "z1",
-            offered_rps: 100.0,
-        },
-        ZoneRate {
-            region: "r1",
-            zone: "z2",
-            offered_rps: 50.0,
-        },
-        ZoneRate {
-            region: "r2",
-            zone: "z3",
-            offered_rps: 60.0,
-        },
-    ];
-    let global = scoped_ratios(Scope::Global, 105.0, &zones);
-    assert_eq!(global.len(), 1);
-    assert_eq!(global[0].scope_key, "global");
-    assert!((global[0].offered_rps - 210.0).abs() < 1e-9);
-    assert!((global[0].ratio - 0.5).abs() < 1e-9);
-
-    let region = scoped_ratios(Scope::Region, 100.0, &zones);
-    let get = |v: &[crate::control::ScopedRatio], k: &str| {
-        v.iter().find(|s| s.scope_key == k).unwrap().clone()
-    };
-    assert!((get(&region, "region:r1").ratio - 1.0 / 3.0).abs() < 1e-9);
-    assert_eq!(get(&region, "region:r2").ratio, 0.0);
-
-    let zone = scoped_ratios(Scope::Zone, 55.0, &zones);
-    assert_eq!(zone.len(), 3);
-    assert!((get(&zone, "zone:z1").ratio - 0.45).abs() < 1e-9);
-    assert_eq!(get(&zone, "zone:z2").ratio, 0.0);
-    assert!((get(&zone, "zone:z3").ratio - 5.0 / 60.0).abs() < 1e-9);
 }
 
 fn limiter_with(buckets: &[Bucket]) -> Limiter {

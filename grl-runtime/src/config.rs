@@ -38,7 +38,7 @@ pub fn validate(doc: &ConfigDoc) -> Result<(), ConfigError> {
         if !seen.insert(f.service.as_str()) {
             return Err(ConfigError::DuplicateService(f.service.clone()));
         }
-        Table::compile(&f.service, &doc.version, &f.buckets)?;
+        Table::check(&f.service, &f.buckets)?;
     }
     Ok(())
 }
