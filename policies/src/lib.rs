@@ -62,7 +62,7 @@ pub struct Proposal {
 }
 
 /// Why a policy could not propose a limit for a bucket.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum PolicyError {
     /// The series has no sample at all.
     #[error("no samples in the history window")]

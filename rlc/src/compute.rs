@@ -222,19 +222,24 @@ fn compute_service(
             .map(|(_, p)| *p)
             .fold(None, |m: Option<f64>, p| Some(m.map_or(p, |m| m + p)));
         let proposal = fixed::proposal(c, peak);
+        let cur = current.get(name.as_str()).copied();
+        // Contractual limits skip the damping rails.
+        let railed = rails_for(cfg, &spec, cur, &proposal, false);
         push(
             plan,
-            cfg,
             &spec,
             service,
             &key,
-            current.get(name.as_str()).copied(),
+            cur,
             proposal,
-            false,
+            railed,
             Vec::new(),
         );
     }
 
+    // One policy for the whole service, resolved once (a plugin load is a filesystem lookup).
+    let policy_name = spec.policy.clone().unwrap_or(PolicyName::Peak);
+    let policy = policy_for(cfg, &policy_name);
     for (i, (key, s)) in series.iter().enumerate() {
         let name = key.bucket_name();
         if done.contains(&name) {
@@ -279,7 +284,6 @@ fn compute_service(
         .map(fixed::expired_note)
         .collect();
         let cur = current.get(name.as_str()).copied();
-        let policy_name = spec.policy.clone().unwrap_or(PolicyName::Peak);
         let capacity_share = capacity.and_then(|cap| {
             let total_cap = cap.for_bucket(service, key.procedure.as_deref())?;
             let procedure_entry = key.procedure.as_deref().is_some_and(|p| {
@@ -299,7 +303,7 @@ fn compute_service(
                 total_cap
             })
         });
-        let result = match policy_for(cfg, &policy_name) {
+        let result = match &policy {
             Ok(Some(p)) => p.compute(&PolicyInput {
                 service,
                 caller: key.caller.as_deref(),
@@ -312,18 +316,15 @@ fn compute_service(
             Ok(None) => Err(PolicyError::Params(format!(
                 "policy `{policy_name}` has no rule for this bucket (no active contract)"
             ))),
-            Err(e) => Err(e),
+            Err(e) => Err(e.clone()),
         };
         match result {
             Ok(p) => {
                 // A gap in this series (not the service) must not lower its quota.
                 let cov = s.coverage_since_first();
-                let railed_down = cur.is_some_and(|c| {
-                    let r = rails_for(cfg, &spec, Some(c), &p, true);
-                    r.limit_rps < c.limit_rps
-                });
+                let railed = rails_for(cfg, &spec, cur, &p, true);
                 match cur {
-                    Some(c) if railed_down && cov < cfg.history.min_coverage => {
+                    Some(c) if railed.limit_rps < c.limit_rps && cov < cfg.history.min_coverage => {
                         let reason = format!(
                             "series covers {:.1}% of its window, below min_coverage {:.0}%: a decrease to {} rps is not applied; keeps its current quota",
                             cov * 100.0,
@@ -338,7 +339,7 @@ fn compute_service(
                         });
                         plan.buckets.push(kept(service, c, &reason));
                     }
-                    _ => push(plan, cfg, &spec, service, key, cur, p, true, expired),
+                    _ => push(plan, &spec, service, key, cur, p, railed, expired),
                 }
             }
             Err(e) => {
@@ -441,16 +442,14 @@ fn rails_for(
 #[allow(clippy::too_many_arguments)]
 fn push(
     plan: &mut Plan,
-    cfg: &DaemonConfig,
     spec: &PolicySpec,
     service: &str,
     key: &SeriesKey,
     cur: Option<&Bucket>,
     p: Proposal,
-    damp: bool,
+    railed: rails::Railed,
     expired: Vec<String>,
 ) {
-    let railed = rails_for(cfg, spec, cur, &p, damp);
     // The owner's scope wins; otherwise a bucket keeps its scope (a region limit must not
     // silently become one fleet-wide limit); new buckets are global.
     let scope = spec.scope.or(cur.map(|b| b.scope)).unwrap_or(Scope::Global);

@@ -45,7 +45,12 @@ fn decide_allocates_nothing() {
             "payments",
             "v1",
             &[
-                bucket("gw.charge", Some("api-gateway"), Some("charge"), Mode::Enforce),
+                bucket(
+                    "gw.charge",
+                    Some("api-gateway"),
+                    Some("charge"),
+                    Mode::Enforce,
+                ),
                 bucket("refund", None, Some("refund"), Mode::Shadow),
                 bucket("batch", Some("batch"), None, Mode::Enforce),
             ],
