@@ -62,7 +62,8 @@ pub fn load_dir(dir: &Path) -> Result<ConfigDoc, ConfigError> {
     Ok(doc)
 }
 
-fn fnv(b: &[u8]) -> u64 {
+/// FNV-1a of `b`: a stable content hash for config versions.
+pub(crate) fn fnv(b: &[u8]) -> u64 {
     b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
         (h ^ x as u64).wrapping_mul(0x100_0000_01b3)
     })

@@ -10,7 +10,7 @@ pub mod client;
 pub mod config;
 pub mod controller;
 pub mod engine;
-mod http_util;
+pub mod http_util;
 pub mod layer;
 pub mod overrides;
 pub mod proto;

@@ -275,9 +275,7 @@ pub fn materialize(base: &ConfigDoc, overrides: &[Override]) -> (ConfigDoc, Vec<
     }
     if doc != *base {
         let text = serde_json::to_string(&doc.services).unwrap_or_default();
-        let h = text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, x| {
-            (h ^ x as u64).wrapping_mul(0x100_0000_01b3)
-        });
+        let h = crate::config::fnv(text.as_bytes());
         doc.version = format!("{}+ovr.{h:016x}", base.version);
     }
     (doc, groups)

@@ -20,7 +20,7 @@ use schema::{DaemonConfig, RepoMode};
 use serde::Serialize;
 use tokio::sync::Mutex;
 
-use crate::gitops::summary::{self, ChangeKind, ChangeSummary, FORGE_BODY_LIMIT};
+use crate::gitops::summary::{self, ChangeSummary, FORGE_BODY_LIMIT};
 use crate::gitops::{Forge, PullRequest, WriteOutcome, WriteStatus, Writer, WriterConfig};
 use crate::plan::{Plan, Skipped};
 use crate::push::{self, Backoff, ControllerClient, Desired};
@@ -193,7 +193,7 @@ impl RunOutcome {
     }
 }
 
-fn short(sha: &str) -> &str {
+pub(crate) fn short(sha: &str) -> &str {
     &sha[..sha.len().min(10)]
 }
 
@@ -537,7 +537,6 @@ impl Cycle {
             }
             WriteStatus::BranchHeldByHumans { authors } => {
                 out.git = Some("held".into());
-                out.push_error = None;
                 out.error = None;
                 tracing::warn!(authors = ?authors, "PR branch left alone: it has commits by people");
                 out.skipped.push(Skipped {
@@ -674,14 +673,7 @@ impl Cycle {
                     QuotaRecord {
                         service: s.service.clone(),
                         bucket: c.bucket.clone(),
-                        change: match c.kind {
-                            ChangeKind::Added => "added",
-                            ChangeKind::Removed => "removed",
-                            ChangeKind::Raised => "raised",
-                            ChangeKind::Lowered => "lowered",
-                            ChangeKind::Modified => "modified",
-                        }
-                        .into(),
+                        change: c.kind.as_str().into(),
                         limit_rps: c.new_limit_rps,
                         previous_limit_rps: c.old_limit_rps,
                         mode: c.new_mode.map(|m| m.as_str().to_string()),

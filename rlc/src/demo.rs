@@ -19,7 +19,7 @@ use grl_runtime::client::{ClientOptions, GrlClient};
 use grl_runtime::controller::{Controller, ControllerOptions};
 use schema::{format_rps, Mode};
 
-use crate::cycle::{Cycle, RunStatus};
+use crate::cycle::{short, Cycle, RunStatus};
 
 /// Arguments of `rlc demo`.
 #[derive(Debug, clap::Args)]
@@ -249,10 +249,6 @@ fn git_head(repo: &Path) -> anyhow::Result<String> {
     let r = git2::Repository::open(repo)?;
     let id = r.head()?.peel_to_commit()?.id().to_string();
     Ok(id)
-}
-
-fn short(sha: &str) -> &str {
-    &sha[..sha.len().min(10)]
 }
 
 /// Copies the template into a new git repository at `dest` with one initial commit; leaves an

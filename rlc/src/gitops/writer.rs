@@ -11,8 +11,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use git2::{
-    BranchType, Cred, CredentialType, ErrorCode, FetchOptions, ObjectType, Oid, PushOptions,
-    RemoteCallbacks, Repository, Signature, Tree,
+    Cred, CredentialType, ErrorCode, FetchOptions, ObjectType, Oid, PushOptions, RemoteCallbacks,
+    Repository, Signature, Tree,
 };
 use schema::{BucketFile, ConfigRepoConfig, RepoMode};
 
@@ -782,9 +782,4 @@ fn validate_tree(repo: &Repository, tree: &Tree<'_>) -> Result<(), GitOpsError> 
         })
         .collect();
     Err(GitOpsError::Invalid(lines.join("\n")))
-}
-
-/// Whether `branch` exists locally (used by tests and the daemon's status).
-pub fn has_local_branch(repo: &Repository, branch: &str) -> bool {
-    repo.find_branch(branch, BranchType::Local).is_ok()
 }
