@@ -2,16 +2,14 @@
 //!
 //! 1. installs the Debian packages the tests need when they are missing (as root; otherwise it
 //!    says which to install),
-//! 2. starts a throwaway Postgres cluster (temp dir, free port) unless `DATABASE_URL` is set,
-//! 3. builds the example policy plugin the plugin tests load,
-//! 4. runs every test of the workspace with `DATABASE_URL` pointing at that cluster,
-//! 5. stops the cluster and removes its directory, whatever the outcome.
+//! 2. builds the example policy plugin the plugin tests load,
+//! 3. runs every test of the workspace and ends with one line counting them all.
 //!
-//! Tests that need Prometheus start their own throwaway instances from the installed binaries
-//! (each backfills its own history with promtool), so nothing else is shared between tests.
+//! Throwaway services are started by the tests themselves, through `test-support`: a Postgres
+//! cluster per test binary that needs one (temp dir, free port, stopped when the binary exits)
+//! unless `DATABASE_URL` names a server, and Prometheus instances backfilled with promtool.
 
 use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 
@@ -56,27 +54,13 @@ fn workspace_root() -> PathBuf {
 
 fn test(extra: &[String]) -> Result<u8> {
     ensure_packages()?;
-    let pg_bin = postgres_bin_dir()?;
-    let path = format!(
-        "{}:{}",
-        pg_bin.display(),
-        std::env::var("PATH").unwrap_or_default()
-    );
-
-    let _cluster;
-    let database_url = match std::env::var("DATABASE_URL") {
+    match std::env::var("DATABASE_URL") {
         Ok(url) if !url.is_empty() => {
-            eprintln!("xtask: using DATABASE_URL from the environment");
-            url
+            eprintln!("xtask: tests use DATABASE_URL from the environment")
         }
-        _ => {
-            let c = PgCluster::start(&pg_bin)?;
-            let url = c.url();
-            eprintln!("xtask: throwaway Postgres at {url}");
-            _cluster = c;
-            url
-        }
-    };
+        // test_support::postgres starts one throwaway cluster per test binary that needs it.
+        _ => eprintln!("xtask: tests start throwaway Postgres clusters (temp dir, free port)"),
+    }
 
     let root = workspace_root();
     let status = Command::new(cargo())
@@ -89,8 +73,6 @@ fn test(extra: &[String]) -> Result<u8> {
     }
     let mut child = Command::new(cargo())
         .current_dir(&root)
-        .env("DATABASE_URL", &database_url)
-        .env("PATH", &path)
         .args(["test", "--workspace"])
         .args(extra)
         .stdout(Stdio::piped())
@@ -234,118 +216,4 @@ fn postgres_bin_dir() -> Result<PathBuf> {
         .rev()
         .find(|d| d.join("initdb").exists() && d.join("pg_ctl").exists())
         .context("initdb/pg_ctl not found (Debian package postgresql)")
-}
-
-/// A throwaway Postgres cluster, stopped and removed on drop.
-struct PgCluster {
-    bin: PathBuf,
-    dir: PathBuf,
-    port: u16,
-    as_postgres: bool,
-}
-
-impl PgCluster {
-    fn start(bin: &Path) -> Result<Self> {
-        let port = free_port()?;
-        let dir = std::env::temp_dir().join(format!("xtask-pg-{}-{port}", std::process::id()));
-        std::fs::create_dir_all(&dir)?;
-        // initdb and postgres refuse to run as root: run them as the postgres user.
-        let as_postgres = is_root();
-        if as_postgres {
-            let ok = Command::new("chown")
-                .args(["-R", "postgres:postgres"])
-                .arg(&dir)
-                .status()?
-                .success();
-            if !ok {
-                bail!("chown postgres {} failed", dir.display());
-            }
-        }
-        let c = PgCluster {
-            bin: bin.to_path_buf(),
-            dir,
-            port,
-            as_postgres,
-        };
-        let data = c.dir.join("data");
-        c.run(
-            "initdb",
-            &[
-                "-D",
-                data.to_str().unwrap(),
-                "-A",
-                "trust",
-                "-U",
-                "postgres",
-                "--no-sync",
-            ],
-        )?;
-        let opts = format!(
-            "-p {port} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200",
-            c.dir.display()
-        );
-        let log = c.dir.join("log");
-        c.run(
-            "pg_ctl",
-            &[
-                "-D",
-                data.to_str().unwrap(),
-                "-l",
-                log.to_str().unwrap(),
-                "-o",
-                &opts,
-                "-w",
-                "start",
-            ],
-        )?;
-        Ok(c)
-    }
-
-    fn run(&self, tool: &str, args: &[&str]) -> Result<()> {
-        let exe = self.bin.join(tool);
-        let out = if self.as_postgres {
-            Command::new("runuser")
-                .args(["-u", "postgres", "--"])
-                .arg(&exe)
-                .args(args)
-                .output()
-        } else {
-            Command::new(&exe).args(args).output()
-        }
-        .with_context(|| format!("running {}", exe.display()))?;
-        if !out.status.success() {
-            bail!(
-                "{tool} failed: {}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        Ok(())
-    }
-
-    fn url(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
-    }
-}
-
-impl Drop for PgCluster {
-    fn drop(&mut self) {
-        let data = self.dir.join("data");
-        let _ = self.run(
-            "pg_ctl",
-            &[
-                "-D",
-                data.to_str().unwrap(),
-                "-m",
-                "immediate",
-                "-w",
-                "stop",
-            ],
-        );
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
