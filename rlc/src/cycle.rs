@@ -406,6 +406,20 @@ impl Cycle {
         .await?
     }
 
+    /// One fetch for the daemon's poll: syncs the working copy to the base tip and returns the
+    /// hash of `rlc/*.yaml` there with the base's bucket files as the desired config.
+    pub async fn poll(&self) -> anyhow::Result<(String, Desired)> {
+        let wcfg = self.writer_config();
+        tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+            let w = Writer::open(wcfg)?;
+            w.sync()?;
+            let hash = w.inputs_hash()?;
+            let (version, services) = w.base_buckets()?;
+            Ok((hash, Desired { version, services }))
+        })
+        .await?
+    }
+
     /// The base tip's bucket files as the controller's desired config (fetching first).
     pub async fn desired(&self) -> anyhow::Result<Desired> {
         let wcfg = self.writer_config();

@@ -347,18 +347,25 @@ impl Loop {
     /// version, shadow reports.
     async fn tick(&mut self) {
         self.cycle.flush_pending().await;
-        match self.cycle.sync().await {
-            Ok((_, _, hash)) => {
+        // One fetch per poll; a second only when a run has just moved the base.
+        let desired = match self.cycle.poll().await {
+            Ok((hash, desired)) => {
                 let changed = self.last_inputs.as_ref().is_some_and(|h| *h != hash);
                 self.last_inputs = Some(hash);
                 if changed {
                     self.run("inputs-changed").await;
+                    self.cycle.desired().await
+                } else {
+                    Ok(desired)
                 }
             }
-            Err(e) => tracing::warn!(error = %e, "cannot sync the config repo"),
-        }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot sync the config repo");
+                Err(e)
+            }
+        };
         if let Some(client) = self.controller.clone() {
-            match self.cycle.desired().await {
+            match desired {
                 Ok(desired) if self.last_pushed.as_deref() != Some(desired.version.as_str()) => {
                     match client.reconcile_once(&desired).await {
                         Ok(_) => {
@@ -385,7 +392,7 @@ impl Loop {
                     }
                 }
                 Ok(_) => {}
-                Err(e) => tracing::warn!(error = %e, "cannot read the base branch"),
+                Err(e) => tracing::warn!(error = %e, "no desired config to reconcile"),
             }
             if let Err(e) = self.poll_reports(&client).await {
                 tracing::warn!(error = %e, "cannot poll controller reports");
