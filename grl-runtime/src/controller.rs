@@ -63,9 +63,9 @@ impl Default for ControllerOptions {
 /// A running controller.
 pub type ControllerHandle = crate::http_util::ServerHandle;
 
+/// The override id counter; the overrides themselves live in the engine.
 struct Persisted {
     next_id: u64,
-    overrides: Vec<Override>,
 }
 
 #[derive(Serialize, Deserialize, Default)]
@@ -89,10 +89,10 @@ impl Shared {
         self.started.elapsed().as_millis() as u64
     }
 
-    fn save_overrides(&self, p: &Persisted) -> Result<(), ApiError> {
+    fn save_overrides(&self, next_id: u64, overrides: &[Override]) -> Result<(), ApiError> {
         let f = OverridesFile {
-            next_id: p.next_id,
-            overrides: p.overrides.clone(),
+            next_id,
+            overrides: overrides.to_vec(),
         };
         let bytes = serde_json::to_vec_pretty(&f).map_err(|e| ApiError::Internal(e.to_string()))?;
         write_atomic(&self.state_dir.join("overrides.json"), &bytes)
@@ -168,7 +168,7 @@ impl Controller {
         tracing::info!(version = %cfg.version, services = cfg.services.len(), overrides = ov.overrides.len(), "controller state loaded");
         let zone_ttl = (opts.tick * 3).as_millis() as u64;
         let mut engine = Engine::new(cfg, zone_ttl);
-        engine.set_overrides(ov.overrides.clone());
+        engine.set_overrides(ov.overrides);
         // Report cursors stay monotonic across restarts (see Engine::set_report_seq_base).
         let start_ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -178,7 +178,6 @@ impl Controller {
             engine: Mutex::new(engine),
             persisted: Mutex::new(Persisted {
                 next_id: ov.next_id,
-                overrides: ov.overrides,
             }),
             token: opts.token.clone(),
             report_token: opts.report_token.clone().filter(|t| !t.is_empty()),
@@ -228,15 +227,16 @@ async fn tick_loop(shared: Arc<Shared>, peering: Option<(String, Vec<String>)>) 
     loop {
         iv.tick().await;
         let now = unix_now();
-        let (expired, regional) = {
+        let (expired, remaining, regional) = {
             let mut e = shared.engine.lock().expect("engine lock");
             let gone = e.purge_expired(now);
+            let remaining = (!gone.is_empty()).then(|| e.overrides().to_vec());
             e.recompute(shared.now_ms(), now);
             e.record_reports(now);
             let regional = peering
                 .as_ref()
                 .map(|(region, _)| e.regional_report(region));
-            (gone, regional)
+            (gone, remaining, regional)
         };
         if let (Some(report), Some((_, peers))) = (regional, &peering) {
             // Fire and forget: a slow or dead peer must not hold this region's tick.
@@ -255,13 +255,12 @@ async fn tick_loop(shared: Arc<Shared>, peering: Option<(String, Vec<String>)>) 
                 });
             }
         }
-        if !expired.is_empty() {
-            let mut p = shared.persisted.lock().expect("persisted lock");
-            p.overrides.retain(|o| o.active(now));
+        if let Some(remaining) = remaining {
+            let p = shared.persisted.lock().expect("persisted lock");
             for o in &expired {
                 tracing::info!(id = %o.id, who = %o.req.who, reason = %o.req.reason, "override expired");
             }
-            if let Err(e) = shared.save_overrides(&p) {
+            if let Err(e) = shared.save_overrides(p.next_id, &remaining) {
                 tracing::error!(error = %e, "cannot persist overrides after expiry");
             }
         }
@@ -380,11 +379,10 @@ fn with_affects(o: &Override, e: &Engine) -> serde_json::Value {
 }
 
 async fn list_overrides(State(s): State<Arc<Shared>>) -> Json<serde_json::Value> {
-    let p = s.persisted.lock().expect("persisted lock");
     let e = s.engine.lock().expect("engine lock");
     let now = unix_now();
-    let list: Vec<serde_json::Value> = p
-        .overrides
+    let list: Vec<serde_json::Value> = e
+        .overrides()
         .iter()
         .filter(|o| o.active(now))
         .map(|o| with_affects(o, &e))
@@ -416,32 +414,22 @@ async fn add_override(
     }
     let now = unix_now();
     let mut p = s.persisted.lock().expect("persisted lock");
-    p.next_id += 1;
+    let mut e = s.engine.lock().expect("engine lock");
+    let next_id = p.next_id + 1;
     let o = Override {
-        id: format!("ovr-{}", p.next_id),
+        id: format!("ovr-{next_id}"),
         created_at: now,
         expires_at: now + req.ttl_secs,
         req,
     };
-    p.overrides.push(o.clone());
-    // The config it makes clients run must compile, or the override would do nothing.
-    let base = s.engine.lock().expect("engine lock").base_config().clone();
-    if let Err(e) = config::validate(&crate::overrides::materialize(&base, &p.overrides).0) {
-        p.overrides.pop();
-        p.next_id -= 1;
-        return Err(ApiError::Invalid(format!(
-            "the override cannot be served: {e}"
-        )));
-    }
-    if let Err(e) = s.save_overrides(&p) {
-        p.overrides.pop();
-        return Err(e);
-    }
+    let mut list = e.overrides().to_vec();
+    list.push(o.clone());
+    e.try_set_overrides(list, |l| s.save_overrides(next_id, l))
+        .map_err(|err| ApiError::Invalid(format!("the override cannot be served: {err}")))??;
+    p.next_id = next_id;
     tracing::info!(id = %o.id, who = %o.req.who, reason = %o.req.reason, service = ?o.req.service,
         bucket = ?o.req.bucket, caller = ?o.req.caller, procedure = ?o.req.procedure,
         limit_rps = ?o.req.limit_rps, drop_ratio = ?o.req.drop_ratio, ttl_secs = o.req.ttl_secs, "override added");
-    let mut e = s.engine.lock().expect("engine lock");
-    e.set_overrides(p.overrides.clone());
     e.recompute(s.now_ms(), now);
     let affects = e.affected(&o.id);
     if o.is_traffic() {
@@ -463,19 +451,17 @@ async fn remove_override(
     Query(q): Query<WhoQuery>,
 ) -> Result<impl IntoResponse, ApiError> {
     check_token(&headers, &s.token)?;
-    let mut p = s.persisted.lock().expect("persisted lock");
-    let Some(pos) = p.overrides.iter().position(|o| o.id == id) else {
+    let p = s.persisted.lock().expect("persisted lock");
+    let mut e = s.engine.lock().expect("engine lock");
+    let mut list = e.overrides().to_vec();
+    let Some(pos) = list.iter().position(|o| o.id == id) else {
         return Err(ApiError::NotFound(format!("no override `{id}`")));
     };
-    let o = p.overrides.remove(pos);
-    if let Err(e) = s.save_overrides(&p) {
-        p.overrides.insert(pos, o);
-        return Err(e);
-    }
+    let o = list.remove(pos);
+    s.save_overrides(p.next_id, &list)?;
     tracing::info!(id = %o.id, removed_by = q.who.as_deref().unwrap_or("unknown"), why = q.reason.as_deref().unwrap_or(""),
         added_by = %o.req.who, "override removed");
-    let mut e = s.engine.lock().expect("engine lock");
-    e.set_overrides(p.overrides.clone());
+    e.set_overrides(list);
     e.recompute(s.now_ms(), unix_now());
     Ok(Json(o))
 }

@@ -209,7 +209,11 @@ impl Engine {
     }
 
     fn rebuild(&mut self) {
-        let (served, groups) = materialize(&self.base, &self.overrides);
+        let m = materialize(&self.base, &self.overrides);
+        self.install_materialized(m);
+    }
+
+    fn install_materialized(&mut self, (served, groups): (ConfigDoc, Vec<Group>)) {
         self.install(served);
         self.groups = groups
             .into_iter()
@@ -273,6 +277,25 @@ impl Engine {
     pub fn set_overrides(&mut self, list: Vec<Override>) {
         self.overrides = list;
         self.rebuild();
+    }
+
+    /// Replaces the override list if the config it makes clients run is valid (an override
+    /// whose buckets would not compile would do nothing); `persist` runs on the checked list
+    /// before anything changes, and its error leaves the engine as it was. The overrides are
+    /// expanded once.
+    pub fn try_set_overrides<E>(
+        &mut self,
+        list: Vec<Override>,
+        persist: impl FnOnce(&[Override]) -> Result<(), E>,
+    ) -> Result<Result<(), E>, crate::config::ConfigError> {
+        let m = materialize(&self.base, &list);
+        crate::config::validate(&m.0)?;
+        if let Err(e) = persist(&list) {
+            return Ok(Err(e));
+        }
+        self.overrides = list;
+        self.install_materialized(m);
+        Ok(Ok(()))
     }
 
     /// Removes overrides expired at `unix_now` and returns them (for the audit log).
