@@ -43,12 +43,18 @@ pub struct Directive {
 /// is a lower bound on the fleet's load: the adjustment can shorten the lag after a fleet-wide
 /// step but never drops a request the fleet-wide formula would not drop.
 pub fn adjusted_ratio(d: &Directive, local_now_rps: f64) -> f64 {
-    // Only a clear jump counts: sub-tick rates are noisy and a false alarm drops real traffic.
-    if d.fixed || d.limit_rps <= 0.0 || local_now_rps <= d.local_offered_rps * JUMP {
+    if !jumped(d, local_now_rps) || d.limit_rps <= 0.0 {
         return d.ratio;
     }
     let fleet = d.fleet_offered_rps + (local_now_rps - d.local_offered_rps);
     d.ratio.max(drop_ratio(fleet, d.limit_rps))
+}
+
+/// Whether a client's own rate `local_now_rps` is a clear jump over what the directive was
+/// computed from. Only a clear jump counts: sub-tick rates are noisy and a false alarm drops
+/// real traffic; a fixed (override) ratio never moves.
+pub fn jumped(d: &Directive, local_now_rps: f64) -> bool {
+    !d.fixed && local_now_rps > d.local_offered_rps * JUMP
 }
 
 /// How much a client's own rate must grow before it adjusts on its own.

@@ -107,6 +107,9 @@ pub struct Table {
     generation: u64,
 }
 
+/// 2⁶⁴: ratios are thresholds on a uniform u64 draw.
+const TWO_POW_64: f64 = 18_446_744_073_709_551_616.0;
+
 /// Maps a ratio in [0, 1] to a threshold on a uniform u64.
 fn threshold(ratio: f64) -> u64 {
     if ratio.is_nan() || ratio <= 0.0 {
@@ -114,7 +117,7 @@ fn threshold(ratio: f64) -> u64 {
     } else if ratio >= 1.0 {
         u64::MAX
     } else {
-        (ratio * 18_446_744_073_709_551_616.0) as u64
+        (ratio * TWO_POW_64) as u64
     }
 }
 
@@ -240,7 +243,7 @@ impl Table {
     /// The drop ratio currently set on bucket `idx`.
     pub fn ratio(&self, idx: usize) -> f64 {
         self.slots.get(idx).map_or(0.0, |s| {
-            s.threshold.load(Ordering::Relaxed) as f64 / 18_446_744_073_709_551_616.0
+            s.threshold.load(Ordering::Relaxed) as f64 / TWO_POW_64
         })
     }
 

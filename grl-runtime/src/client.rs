@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use grl_core::control::{adjusted_ratio, Directive, JUMP};
+use grl_core::control::{adjusted_ratio, Directive};
 use grl_core::{now_ms, BucketCounts, CompileError, Limiter, Table};
 use schema::BucketFile;
 use tokio::task::JoinHandle;
@@ -173,7 +173,7 @@ impl Reporter {
                 continue;
             }
             let rate = n as f64 * 1000.0 / dt as f64;
-            jumped |= !d.fixed && rate > d.local_offered_rps * JUMP;
+            jumped |= grl_core::control::jumped(d, rate);
             let r = adjusted_ratio(d, rate);
             if r > self.table.ratio(i) {
                 self.table.set_ratio(i, r);
