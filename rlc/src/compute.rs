@@ -191,6 +191,11 @@ fn compute_service(
     let series: Vec<(&SeriesKey, &policies::RateSeries)> =
         history.service_series(service).collect();
     let peaks: Vec<f64> = series.iter().map(|(_, s)| s.max().unwrap_or(0.0)).collect();
+    let peak_total: f64 = peaks.iter().sum();
+    let mut peak_by_procedure: HashMap<Option<String>, f64> = HashMap::new();
+    for ((k, _), p) in series.iter().zip(&peaks) {
+        *peak_by_procedure.entry(k.procedure.clone()).or_default() += p;
+    }
     let capacity = repo.capacity.as_ref().map(|c| &c.value);
     let mut done: BTreeSet<String> = BTreeSet::new();
 
@@ -291,12 +296,16 @@ fn compute_service(
                     .iter()
                     .any(|e| e.service == service && e.procedure.as_deref() == Some(p))
             });
-            let denom: f64 = series
-                .iter()
-                .zip(&peaks)
-                .filter(|((k, _), _)| !procedure_entry || k.procedure == key.procedure)
-                .map(|(_, p)| *p)
-                .sum();
+            // The caller's share of the capacity that bounds it: of its procedure's, or of
+            // the whole service's.
+            let denom = if procedure_entry {
+                peak_by_procedure
+                    .get(&key.procedure)
+                    .copied()
+                    .unwrap_or(0.0)
+            } else {
+                peak_total
+            };
             Some(if denom > 0.0 {
                 total_cap * peaks[i] / denom
             } else {
