@@ -439,10 +439,13 @@ impl Writer {
             }
             return Ok(done(WriteStatus::Unchanged, attempt));
         }
-        if self.cfg.mode == RepoMode::PullRequest {
+        // Pull-request mode also commits the full report; direct mode commits the tree as is.
+        let tree_id = if self.cfg.mode == RepoMode::PullRequest {
             blobs.push((REPORT_PATH.to_string(), report.clone().into_bytes()));
-        }
-        let tree_id = build_tree(&self.repo, &base_tree, &blobs).map_err(fatal)?;
+            build_tree(&self.repo, &base_tree, &blobs).map_err(fatal)?
+        } else {
+            tree_id
+        };
         let tree = self.repo.find_tree(tree_id).map_err(|e| fatal(e.into()))?;
         validate_tree(&self.repo, &tree).map_err(fatal)?;
 
