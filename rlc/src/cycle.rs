@@ -498,7 +498,8 @@ impl Cycle {
         }
         let (write, desired) = match written {
             Ok(x) => x,
-            Err(e) => {
+            Err((e, attempts)) => {
+                out.attempts = attempts;
                 out.error = Some(e);
                 out.finish();
                 tracing::error!(trigger, error = ?out.error, "git write failed; nothing written");
@@ -599,26 +600,35 @@ impl Cycle {
     }
 
     /// Renders and writes `plan` (withdrawing an outdated PR branch when `withdraw`), and
-    /// reads the base tip's bucket files.
-    async fn write(&self, plan: &Plan, withdraw: bool) -> Result<(WriteOutcome, Desired), String> {
+    /// reads the base tip's bucket files. A failure carries the attempts the writer made.
+    async fn write(
+        &self,
+        plan: &Plan,
+        withdraw: bool,
+    ) -> Result<(WriteOutcome, Desired), (String, u32)> {
         let wcfg = self.writer_config();
         let p = plan.clone();
-        let written =
-            tokio::task::spawn_blocking(move || -> Result<_, crate::gitops::GitOpsError> {
-                let mut w = Writer::open(wcfg)?;
-                let res = if withdraw {
-                    w.write_withdrawing(&p)?
-                } else {
-                    w.write(&p)?
-                };
+        let written = tokio::task::spawn_blocking(move || {
+            let mut w = match Writer::open(wcfg) {
+                Ok(w) => w,
+                Err(e) => return (Err(e), 0),
+            };
+            let res = if withdraw {
+                w.write_withdrawing(&p)
+            } else {
+                w.write(&p)
+            };
+            let res = res.and_then(|res| {
                 let (version, services) = w.base_buckets()?;
                 Ok((res, Desired { version, services }))
-            })
-            .await;
+            });
+            (res, w.attempts())
+        })
+        .await;
         match written {
-            Ok(Ok(x)) => Ok(x),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(e) => Err(format!("git task panicked: {e}")),
+            Ok((Ok(x), _)) => Ok(x),
+            Ok((Err(e), attempts)) => Err((e.to_string(), attempts)),
+            Err(e) => Err((format!("git task panicked: {e}"), 0)),
         }
     }
 

@@ -502,3 +502,31 @@ async fn a_decrease_is_held_when_the_store_cannot_say() {
         out.skipped
     );
 }
+
+#[tokio::test]
+async fn a_push_race_that_never_ends_fails_the_run_and_reports_every_attempt() {
+    let remote = seeded_remote();
+    remote.race_pushes(10).unwrap();
+    let (url, ctl) = spawn_controller().await;
+    let cfg = config(&remote, &url, "");
+    let base = remote.scratch("");
+    let out = Cycle::new(cfg, &base)
+        .apply(&plan(vec![planned("payments", "gw", 250.0)]), "once")
+        .await;
+    assert_eq!(out.status, RunStatus::Failed, "{out}");
+    assert_eq!(out.exit_code(), 1);
+    let json = serde_json::to_value(&out).unwrap();
+    assert_eq!(json["attempts"], 3, "{json}");
+    assert!(
+        json["error"]
+            .as_str()
+            .unwrap()
+            .contains("gave up after 3 attempts"),
+        "{json}"
+    );
+    assert!(ctl.puts.lock().unwrap().is_empty());
+    assert!(!remote
+        .read("main", "buckets/payments.yaml")
+        .unwrap()
+        .contains("limit_rps: 250"));
+}

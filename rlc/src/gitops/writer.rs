@@ -140,6 +140,8 @@ pub struct Writer {
     repo: Repository,
     cfg: WriterConfig,
     before_push: std::sync::Mutex<Option<BeforePush>>,
+    /// Attempts the last write started (also when it failed).
+    attempts: u32,
 }
 
 enum PushFailure {
@@ -217,12 +219,19 @@ impl Writer {
             repo,
             cfg,
             before_push: std::sync::Mutex::new(None),
+            attempts: 0,
         })
     }
 
     /// Sets a hook run right before each push (fault injection for tests).
     pub fn set_before_push(&mut self, hook: BeforePush) {
         *self.before_push.lock().unwrap() = Some(hook);
+    }
+
+    /// Attempts the last [`Writer::write`] started, also when it failed (a push the remote
+    /// kept racing counts every try).
+    pub fn attempts(&self) -> u32 {
+        self.attempts
     }
 
     fn has_remote(&self) -> bool {
@@ -366,7 +375,9 @@ impl Writer {
     fn write_with(&mut self, plan: &Plan, withdraw: bool) -> Result<WriteOutcome, GitOpsError> {
         let max = self.cfg.max_attempts.max(1);
         let mut last_conflict = String::new();
+        self.attempts = 0;
         for attempt in 1..=max {
+            self.attempts = attempt;
             self.fetch()?;
             match self.write_once(plan, attempt, withdraw) {
                 Ok(out) => return Ok(out),
@@ -680,9 +691,16 @@ impl Writer {
         let rejected = rejected.into_inner();
         if let Some((refname, msg)) = rejected.into_iter().next() {
             let lower = msg.to_ascii_lowercase();
+            // "failed to update ref" / "failed to lock": the ref moved (or was locked by a
+            // concurrent update) between the server's advertisement and its update, e.g. a
+            // hook or another pusher got there first. That is a conflict like any other:
+            // fetch, rebuild on top, push again (bounded by `max_attempts`).
             if lower.contains("non-fast-forward")
                 || lower.contains("fetch first")
                 || lower.contains("stale")
+                || lower.contains("failed to update ref")
+                || lower.contains("failed to lock")
+                || lower.contains("cannot lock ref")
             {
                 return Err(PushFailure::Conflict(format!("{refname}: {msg}")));
             }
