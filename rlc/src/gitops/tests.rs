@@ -44,7 +44,7 @@ pub(crate) fn planned(service: &str, name: &str, limit: f64) -> PlannedBucket {
 pub(crate) fn plan(buckets: Vec<PlannedBucket>) -> Plan {
     Plan {
         buckets,
-        skipped: vec![],
+        ..Plan::default()
     }
 }
 

@@ -23,6 +23,11 @@ use crate::plan::Plan;
 /// libgit2 calls the credentials callback again after every refusal, forever; stop after this.
 const MAX_CREDENTIAL_ATTEMPTS: u32 = 3;
 
+/// At most this many commits of the base branch are read to find a bucket's last decrease
+/// within `rails.decrease_interval`; with more commits in the interval the history cannot
+/// prove that a decrease is allowed, and every decrease is held.
+pub const DECREASE_HISTORY_MAX_COMMITS: usize = 2000;
+
 /// Where and how to write, resolved from `rlc.yaml` (paths made absolute, token read).
 #[derive(Clone)]
 pub struct WriterConfig {
@@ -336,6 +341,75 @@ impl Writer {
         let base = self.base_commit()?;
         let files = read_buckets(&self.repo, &base.tree()?)?;
         Ok((base.id().to_string(), files.into_values().collect()))
+    }
+
+    /// When each bucket of `services` was last lowered on the base branch at or after `since`
+    /// (unix seconds, commit time), by `(service, bucket)`: the config repo's own record of
+    /// every change, which survives the loss of rlc's store. Walks the first-parent history
+    /// from the base tip (a merged pull request counts when it was merged) until a commit
+    /// older than `since` or the root, reading at most `max_commits` commits; a lowered
+    /// `limit_rps` of a bucket of the same name in `buckets/<service>.yaml` between a commit
+    /// and its first parent is a decrease, whoever made it. An error when the history cannot
+    /// answer (more commits in the window than `max_commits`, a missing parent in a shallow
+    /// clone): the caller must then hold decreases. Call after [`Writer::fetch`].
+    pub fn decreases_since(
+        &self,
+        services: &[String],
+        since: i64,
+        max_commits: usize,
+    ) -> Result<BTreeMap<(String, String), i64>, GitOpsError> {
+        let mut out: BTreeMap<(String, String), i64> = BTreeMap::new();
+        let mut commit = self.base_commit()?;
+        let mut read = 0usize;
+        loop {
+            let t = commit.time().seconds();
+            if t < since || commit.parent_count() == 0 {
+                return Ok(out);
+            }
+            read += 1;
+            if read > max_commits {
+                return Err(GitOpsError::History(format!(
+                    "more than {max_commits} commits on `{}` within the decrease interval; cannot tell when a bucket was last lowered",
+                    self.cfg.branch
+                )));
+            }
+            let parent = commit.parent(0).map_err(|e| {
+                GitOpsError::History(format!(
+                    "parent of commit {} is missing (shallow clone?): {}",
+                    commit.id(),
+                    e.message()
+                ))
+            })?;
+            let (tree, ptree) = (commit.tree()?, parent.tree()?);
+            for service in services {
+                let path = format!("buckets/{service}.yaml");
+                let entry = |t: &Tree<'_>| t.get_path(Path::new(&path)).ok().map(|e| e.id());
+                let (Some(new), Some(old)) = (entry(&tree), entry(&ptree)) else {
+                    continue;
+                };
+                if new == old {
+                    continue;
+                }
+                let (Some(new), Some(old)) = (
+                    parse_bucket_blob(&self.repo, new, &path),
+                    parse_bucket_blob(&self.repo, old, &path),
+                ) else {
+                    continue;
+                };
+                for b in &new.buckets {
+                    let lowered = old
+                        .buckets
+                        .iter()
+                        .any(|o| o.name == b.name && b.limit_rps < o.limit_rps);
+                    if lowered {
+                        out.entry((service.clone(), b.name.clone()))
+                            .and_modify(|at| *at = (*at).max(t))
+                            .or_insert(t);
+                    }
+                }
+            }
+            commit = parent;
+        }
     }
 
     /// A hash of the human-authored `rlc/*.yaml` at the base tip: a change triggers a run.
@@ -736,6 +810,15 @@ fn read_buckets(
         }
     }
     Ok(out)
+}
+
+/// A bucket file blob, parsed; `None` when it does not parse (it tells nothing then).
+fn parse_bucket_blob(repo: &Repository, id: Oid, path: &str) -> Option<BucketFile> {
+    let blob = repo.find_blob(id).ok()?;
+    let text = String::from_utf8_lossy(blob.content());
+    schema::parse_str::<BucketFile>(Path::new(path), &text)
+        .ok()
+        .map(|f| f.value)
 }
 
 /// `base` with `files` (paths one directory deep, e.g. `buckets/x.yaml`) written in.
