@@ -8,6 +8,11 @@
 //!   pending (the daemon's reconcile loop, or the next run, delivers it).
 //! - store down: the git work and push complete; the run record waits in a bounded buffer
 //!   and is written when the store is back (in `--once`, the run says it was not recorded).
+//!   A SQLite store deleted or replaced during the run is down too (never recreated).
+//! - history failed for every service: the run fails and writes nothing (exit 1); for some
+//!   services: those keep their quotas and the run exits 4.
+//! - the remote's ref moved during the push ("failed to update ref"): fetch, rebuild on top,
+//!   push again, at most `git_attempts` times.
 
 use std::collections::VecDeque;
 use std::future::Future;

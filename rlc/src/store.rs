@@ -6,8 +6,8 @@
 //! a dedicated connection ([`Store::try_lead`]); with SQLite there is one instance.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};

@@ -555,10 +555,11 @@ async fn a_decrease_is_held_after_the_store_is_lost_between_runs() {
         .unwrap()
         .contains("limit_rps: 80\n"));
     assert!(
-        second.skipped.iter().any(|s| s
-            .reason
-            .contains("already lowered")
-            && s.reason.contains("config repo history")),
+        second
+            .skipped
+            .iter()
+            .any(|s| s.reason.contains("already lowered")
+                && s.reason.contains("config repo history")),
         "{:?}",
         second.skipped
     );

@@ -63,7 +63,13 @@ fn run_once(dir: &Path) -> (i32, Value, String) {
 
 fn preview(dir: &Path) -> (i32, Value, String) {
     let cfg = dir.join("rlc.yaml");
-    let (code, out, err) = rlc(&["preview", "--format", "json", "--config", cfg.to_str().unwrap()]);
+    let (code, out, err) = rlc(&[
+        "preview",
+        "--format",
+        "json",
+        "--config",
+        cfg.to_str().unwrap(),
+    ]);
     let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}\n{err}"));
     (code, v, err)
 }
@@ -96,7 +102,10 @@ fn usage_and_config_errors_have_their_own_exit_codes() {
     }
     let (code, out, _) = rlc(&["run", "--help"]);
     assert_eq!(code, 0);
-    assert!(out.contains("push or the run record is pending") && out.contains("78"), "{out}");
+    assert!(
+        out.contains("push or the run record is pending") && out.contains("78"),
+        "{out}"
+    );
     let (code, out, _) = rlc(&["preview", "--help"]);
     assert_eq!(code, 0);
     assert!(out.contains("Exit codes") && out.contains("  4 "), "{out}");
@@ -114,7 +123,11 @@ fn usage_and_config_errors_have_their_own_exit_codes() {
         assert!(err.contains("nope.yaml"), "{err}");
     }
     let bad = dir.path().join("rlc.yaml");
-    std::fs::write(&bad, "histroy:\n  file: h.csv\nconfig_repo:\n  path: repo\n").unwrap();
+    std::fs::write(
+        &bad,
+        "histroy:\n  file: h.csv\nconfig_repo:\n  path: repo\n",
+    )
+    .unwrap();
     let (code, _, err) = rlc(&["run", "--once", "--config", bad.to_str().unwrap()]);
     assert_eq!(code, 78, "{err}");
     assert!(err.contains("rlc.yaml") && err.contains("histroy"), "{err}");
@@ -168,12 +181,9 @@ fn history_failed_for_some_services_exits_4_and_they_keep_their_quotas() {
     assert_eq!(code, 4, "{out}\n{err}");
     assert_eq!(out["status"], "success", "{out}");
     assert_eq!(out["history_failed"], serde_json::json!(["search"]));
-    assert!(out["skipped"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .any(|s| s["service"] == "search"
-            && s["reason"].as_str().unwrap().contains("min_coverage")));
+    assert!(out["skipped"].as_array().unwrap().iter().any(
+        |s| s["service"] == "search" && s["reason"].as_str().unwrap().contains("min_coverage")
+    ));
     // The others were computed and committed; search got no file.
     assert!(remote
         .read("main", "buckets/maps.yaml")
@@ -252,9 +262,13 @@ fn a_locked_store_holds_decreases_and_leaves_the_run_record_pending() {
         .unwrap()
         .contains("limit_rps: 5000\n"));
     assert!(
-        out["skipped"].as_array().unwrap().iter().any(|s| s["service"] == "maps"
-            && s["reason"].as_str().unwrap().contains("locked")
-            && s["reason"].as_str().unwrap().contains("decrease held")),
+        out["skipped"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s["service"] == "maps"
+                && s["reason"].as_str().unwrap().contains("locked")
+                && s["reason"].as_str().unwrap().contains("decrease held")),
         "{out}"
     );
     assert!(remote.read("main", "buckets/payments.yaml").is_ok());
