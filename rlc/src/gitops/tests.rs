@@ -872,3 +872,45 @@ fn a_ref_that_keeps_moving_gives_up_after_max_attempts_and_counts_them() {
     assert!(log.iter().all(|l| !l.starts_with("rlc-bot|")), "{log:?}");
     assert_eq!(log.len(), 4, "{log:?}");
 }
+
+#[test]
+fn decreases_are_read_from_the_base_history_within_a_bound() {
+    let remote = seeded_remote();
+    let file = |limit: u32| {
+        format!("service: payments\nbuckets:\n  - name: gw\n    caller: gw\n    scope: global\n    limit_rps: {limit}\n    mode: enforce\n    policy: peak\n")
+    };
+    let lowered = remote
+        .human_commit("main", &[("buckets/payments.yaml", &file(90))], "lower")
+        .unwrap();
+    remote
+        .human_commit("main", &[("buckets/payments.yaml", &file(95))], "raise")
+        .unwrap();
+    remote
+        .human_commit("main", &[("rlc/capacity.yaml", "capacity: []\n")], "other")
+        .unwrap();
+    let w = Writer::open(writer_cfg(&remote, "wc", RepoMode::Direct)).unwrap();
+    w.fetch().unwrap();
+    let when: i64 = test_support::git::git(
+        &remote.bare_path(),
+        &["show", "-s", "--format=%ct", &lowered],
+    )
+    .unwrap()
+    .trim()
+    .parse()
+    .unwrap();
+    let services = vec!["payments".to_string(), "maps".to_string()];
+    let found = w.decreases_since(&services, 0, 100).unwrap();
+    assert_eq!(
+        found.into_iter().collect::<Vec<_>>(),
+        vec![(("payments".to_string(), "gw".to_string()), when)]
+    );
+    // Nothing inside a window that starts after the decrease.
+    assert!(w
+        .decreases_since(&services, when + 3600, 100)
+        .unwrap()
+        .is_empty());
+    // More commits in the window than the bound: no answer (the caller holds decreases).
+    let err = w.decreases_since(&services, 0, 2).unwrap_err();
+    assert!(matches!(err, GitOpsError::History(_)), "{err}");
+    assert!(err.to_string().contains("more than 2 commits"), "{err}");
+}
