@@ -92,8 +92,10 @@ pub fn compute_plan(
         });
     }
 
+    plan.history_error = history.source_error.clone();
     for service in &services {
         if let Some(e) = &history.source_error {
+            plan.history_failed.push(service.clone());
             keep_service(
                 &mut plan,
                 repo,
@@ -107,6 +109,7 @@ pub fn compute_plan(
         if has_series {
             let cov = history.service_coverage(service);
             if cov < cfg.history.min_coverage {
+                plan.history_failed.push(service.clone());
                 keep_service(
                     &mut plan,
                     repo,

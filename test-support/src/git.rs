@@ -144,6 +144,50 @@ impl GitRemote {
         Ok(())
     }
 
+    /// Installs a `pre-receive` hook that, for the next `times` pushes, first pushes another
+    /// commit to the base branch itself (from a clone, as a concurrent pusher would), so that
+    /// the server then answers the original push with "failed to update ref". The racing
+    /// commits write `race/<n>.txt`; the hook does nothing for its own nested push.
+    pub fn race_pushes(&self, times: u32) -> Result<()> {
+        let bare = self.bare_path();
+        std::fs::write(bare.join("races-left"), format!("{times}\n"))?;
+        let hook = bare.join("hooks/pre-receive");
+        std::fs::create_dir_all(hook.parent().unwrap())?;
+        let script = format!(
+            r#"#!/bin/sh
+cat >/dev/null
+repo="$PWD"
+[ -e "$repo/racing" ] && exit 0
+left=$(cat "$repo/races-left")
+[ "$left" -gt 0 ] || exit 0
+echo $((left - 1)) > "$repo/races-left"
+touch "$repo/racing"
+(
+  unset GIT_QUARANTINE_PATH GIT_OBJECT_DIRECTORY GIT_ALTERNATE_OBJECT_DIRECTORIES GIT_DIR
+  export GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null
+  export GIT_AUTHOR_NAME='{HUMAN_NAME}' GIT_AUTHOR_EMAIL='{HUMAN_EMAIL}'
+  export GIT_COMMITTER_NAME='{HUMAN_NAME}' GIT_COMMITTER_EMAIL='{HUMAN_EMAIL}'
+  tmp=$(mktemp -d)
+  git clone -q --branch '{branch}' "$repo" "$tmp/c" &&
+    cd "$tmp/c" && mkdir -p race && echo "$left" > "race/$left.txt" &&
+    git add -A && git commit -q -m "racer $left" &&
+    git push -q origin 'HEAD:refs/heads/{branch}'
+  rc=$?
+  rm -rf "$tmp"
+  exit $rc
+) >&2
+rc=$?
+rm -f "$repo/racing"
+exit $rc
+"#,
+            branch = self.branch
+        );
+        std::fs::write(&hook, script)?;
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&hook, std::fs::Permissions::from_mode(0o755))?;
+        Ok(())
+    }
+
     /// The commit `branch` points at in the remote, if the branch exists.
     pub fn head(&self, branch: &str) -> Option<String> {
         git(
