@@ -528,7 +528,7 @@ mod tests {
     #[test]
     fn file_errors_name_the_line_and_never_the_secret() {
         let p = Path::new("creds");
-        let text = "# comment\n\na * 0123456789abcdef\nb payments short\nc x,y\na q 0123456789abcdeX\nd * 0123456789abcdef\ne bogus 0123456789abcdeZ\n";
+        let text = "# comment\n\na * 0123456789abcdef\nb x short\nc x,y\na q 0123456789abcdeX\nd * 0123456789abcdef\ne bogus 0123456789abcdeZ\n";
         let e = parse_credentials(p, text, Some(&["x", "q", "y"])).unwrap_err();
         assert!(e.contains("creds:4:") && e.contains("shorter"), "{e}");
         assert!(e.contains("creds:5:") && e.contains("3 fields"), "{e}");
