@@ -634,6 +634,7 @@ async fn unauthenticated_large_body_is_refused_before_it_is_read() {
         .collect();
     let sent: Vec<usize> = uploads.into_iter().map(|u| u.join().unwrap()).collect();
     let after = rss_kb(pid);
+    eprintln!("controller RSS {before} kB before, {after} kB after 12 unauthenticated 60 MB uploads (bytes the clients got to send: {sent:?})");
     assert!(
         after < before + 20_000,
         "controller RSS {before} kB → {after} kB after 12 unauthenticated uploads (sent {sent:?})"
