@@ -213,10 +213,13 @@ fn read_small(path: &Path) -> Result<String, String> {
     Ok(text)
 }
 
+/// How a watched file's text becomes its value.
+type Parser<T> = Box<dyn Fn(&str) -> Result<T, String> + Send + Sync>;
+
 /// A file's parsed content, re-read when the file changes.
 struct Watched<T> {
     path: PathBuf,
-    parse: Box<dyn Fn(&str) -> Result<T, String> + Send + Sync>,
+    parse: Parser<T>,
     state: Mutex<WatchedState<T>>,
 }
 
