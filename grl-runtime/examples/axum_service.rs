@@ -3,7 +3,8 @@
 //! Run a controller and an aggregator, push a config with a bucket for service `payments`,
 //! then: `cargo run -p grl-runtime --example axum_service -- http://127.0.0.1:7071` and call
 //! `curl -H 'x-caller: gw' http://127.0.0.1:3000/charge`. Callers over their quota get 429
-//! with `Retry-After`.
+//! with `Retry-After`. The report credential (a secret the aggregator's client credentials
+//! file grants for `payments`) comes from `GRL_CLIENT_TOKEN` or `GRL_CLIENT_TOKEN_FILE`.
 
 use std::time::Duration;
 
@@ -18,7 +19,14 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let aggregators: Vec<String> = std::env::args().skip(1).collect();
-    let mut opts = ClientOptions::new("payments", aggregators);
+    let mut opts = ClientOptions::new("payments", aggregators)
+        .with_report_token_from_env()
+        .map_err(anyhow::Error::msg)?;
+    if opts.report_token.is_none() {
+        tracing::warn!(
+            "no GRL_CLIENT_TOKEN: aggregators will refuse the reports and the limiter stays open"
+        );
+    }
     opts.tick = Duration::from_secs(1);
     let client = GrlClient::start(opts);
     let app = Router::new()

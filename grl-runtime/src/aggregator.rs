@@ -1,21 +1,29 @@
 //! The zone aggregator: sums its clients' reports per bucket, forwards them to the controller
 //! (as soon as every known client has reported, or at the tick), and serves the cached
 //! directives and config back.
+//!
+//! Client reports need a client credential (see [`crate::auth`]) whose scope covers the
+//! report's service: 401 without a known credential, 403 for another service's report, both
+//! decided from the headers and the service before anything is recorded. A refused report is
+//! never summed nor forwarded.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use axum::body::Bytes;
+use axum::body::Body;
 use axum::extract::{Query, State};
+use axum::http::HeaderMap;
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 use tokio::sync::{oneshot, Notify};
 
-use crate::http_util::{parse_json, ApiError};
+use crate::auth::{CredentialSet, LogGate, RefusalCounts, TokenSource};
+use crate::http_util::{parse_json, read_body, ApiError};
 use crate::proto::{
     BucketCountsMsg, ClientDirectives, ClientReport, ConfigDoc, ZoneBucketMsg, ZoneDirectives,
     ZoneReport,
@@ -37,9 +45,19 @@ pub struct AggregatorOptions {
     /// Instance id (defaults to the listen address).
     pub id: Option<String>,
     /// Sent as `Authorization: Bearer <report_token>` with every zone report to the
-    /// controllers (the controllers' `report_token`).
-    pub report_token: Option<String>,
+    /// controllers (a credential with their `zone-report` role).
+    pub report_token: Option<TokenSource>,
+    /// The client credentials accepted on `POST /v1/report`: a credentials file whose scopes
+    /// are service names (`*` = every service), re-read when it changes.
+    pub client_credentials: Option<PathBuf>,
+    /// Development only: accept client reports that carry no credential (a warning is logged
+    /// at start and every minute). Without it and without `client_credentials` the aggregator
+    /// refuses to start.
+    pub allow_anonymous_reports: bool,
 }
+
+/// Largest client report (one service's buckets).
+const MAX_REPORT_BODY: usize = 4 << 20;
 
 impl Default for AggregatorOptions {
     fn default() -> Self {
@@ -51,6 +69,8 @@ impl Default for AggregatorOptions {
             tick: Duration::from_secs(1),
             id: None,
             report_token: None,
+            client_credentials: None,
+            allow_anonymous_reports: false,
         }
     }
 }
@@ -68,7 +88,9 @@ struct ClientEntry {
 
 #[derive(Default)]
 struct AggState {
-    clients: HashMap<String, ClientEntry>,
+    /// Keyed by (service, client id): a client of one service cannot replace another
+    /// service's client by reusing its id.
+    clients: HashMap<(String, String), ClientEntry>,
     pending: HashMap<(String, String), BucketCountsMsg>,
     directives: ZoneDirectives,
     directives_at: Option<Instant>,
@@ -81,6 +103,22 @@ struct Shared {
     state: Mutex<AggState>,
     all_in: Notify,
     http: reqwest::Client,
+    creds: CredentialSet,
+    refused: RefusalCounts,
+    refused_log: LogGate,
+    accepted: std::sync::atomic::AtomicU64,
+}
+
+impl Shared {
+    /// A client report refused: counted by reason and logged (at most every 10 s) without
+    /// the credential.
+    fn refuse(&self, reason: &'static str, detail: &str, err: ApiError) -> ApiError {
+        self.refused.add(reason);
+        if self.refused_log.open() {
+            tracing::warn!(reason, detail, error = %err, "client report refused (logged at most every 10 s; see grl_reports_refused_total)");
+        }
+        err
+    }
 }
 
 /// The aggregator.
@@ -94,6 +132,23 @@ impl Aggregator {
             !opts.controllers.is_empty(),
             "an aggregator needs at least one controller URL"
         );
+        let mut creds = CredentialSet::default();
+        if let Some(path) = &opts.client_credentials {
+            creds
+                .add_file(path, None)
+                .map_err(|e| anyhow::anyhow!("client credentials: {e}"))?;
+        }
+        if opts.allow_anonymous_reports {
+            tracing::warn!("INSECURE: --insecure-allow-anonymous-reports: client reports without a credential are accepted; anyone who reaches this port can make the fleet drop traffic (development only)");
+        } else {
+            anyhow::ensure!(
+                !creds.is_empty(),
+                "refusing to start: no client credentials (set --client-credentials FILE or GRL_CLIENT_CREDENTIALS_FILE); --insecure-allow-anonymous-reports accepts anonymous reports for development"
+            );
+        }
+        if opts.report_token.is_none() {
+            tracing::warn!("no report token (GRL_REPORT_TOKEN): controllers will refuse this aggregator's zone reports");
+        }
         let listener = tokio::net::TcpListener::bind(opts.listen)
             .await
             .with_context(|| format!("bind {}", opts.listen))?;
@@ -107,10 +162,15 @@ impl Aggregator {
                 .timeout(Duration::from_secs(2))
                 .build()
                 .context("http client")?,
+            creds,
+            refused: RefusalCounts::default(),
+            refused_log: LogGate::new(Duration::from_secs(10)),
+            accepted: Default::default(),
         });
         let router = Router::new()
             .route("/v1/report", post(report))
             .route("/v1/config", get(config))
+            .route("/metrics", get(metrics))
             // Configs and zone reports for tens of thousands of buckets exceed axum's 2 MiB default.
             .layer(axum::extract::DefaultBodyLimit::max(64 << 20))
             .with_state(shared.clone());
@@ -136,22 +196,66 @@ impl Aggregator {
     }
 }
 
-async fn report(State(s): State<Arc<Shared>>, body: Bytes) -> Result<impl IntoResponse, ApiError> {
-    let r: ClientReport = parse_json(&body)?;
-    if r.interval_ms == 0 || r.client_id.is_empty() || r.service.is_empty() {
-        return Err(ApiError::Invalid(
-            "interval_ms must be positive; client_id and service must not be empty".into(),
-        ));
-    }
-    let mut st = s.state.lock().expect("aggregator lock");
-    for b in &r.buckets {
-        if b.admitted + b.dropped != b.offered || b.shadow_dropped > b.admitted {
-            return Err(ApiError::Invalid(format!(
-                "bucket `{}`: admitted + dropped must equal offered and shadow_dropped ≤ admitted",
-                b.bucket
-            )));
+/// `POST /v1/report`: a client credential covering the report's service.
+async fn report(
+    State(s): State<Arc<Shared>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<impl IntoResponse, ApiError> {
+    // The credential is checked from the headers before the body is read.
+    let anonymous =
+        s.opts.allow_anonymous_reports && headers.get(axum::http::header::AUTHORIZATION).is_none();
+    let cred = if anonymous {
+        None
+    } else {
+        match s.creds.authenticate(&headers) {
+            Ok(c) => Some(c),
+            Err(r) => return Err(s.refuse(r.reason(), "", ApiError::Unauthorized)),
+        }
+    };
+    let body = match read_body(body, MAX_REPORT_BODY).await {
+        Ok(b) => b,
+        Err(e @ ApiError::TooLarge(_)) => return Err(s.refuse("too_large", "", e)),
+        Err(e) => return Err(s.refuse("malformed", "", e)),
+    };
+    let r: ClientReport = parse_json(&body).map_err(|e| s.refuse("malformed", "", e))?;
+    if let Some(c) = &cred {
+        if !c.covers(&r.service) {
+            let detail = format!(
+                "credential `{}` reported for service `{}`",
+                c.name, r.service
+            );
+            let e = ApiError::Forbidden(format!(
+                "credential `{}` does not cover service `{}`",
+                c.name, r.service
+            ));
+            return Err(s.refuse("forbidden", &detail, e));
         }
     }
+    if r.interval_ms == 0 || r.client_id.is_empty() || r.service.is_empty() {
+        return Err(s.refuse(
+            "invalid",
+            "",
+            ApiError::Invalid(
+                "interval_ms must be positive; client_id and service must not be empty".into(),
+            ),
+        ));
+    }
+    for b in &r.buckets {
+        if b.admitted.checked_add(b.dropped) != Some(b.offered) || b.shadow_dropped > b.admitted {
+            return Err(s.refuse(
+                "invalid",
+                "",
+                ApiError::Invalid(format!(
+                "bucket `{}`: admitted + dropped must equal offered and shadow_dropped ≤ admitted",
+                b.bucket
+            )),
+            ));
+        }
+    }
+    s.accepted
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut st = s.state.lock().expect("aggregator lock");
     for b in &r.buckets {
         let p = st
             .pending
@@ -167,7 +271,7 @@ async fn report(State(s): State<Arc<Shared>>, body: Bytes) -> Result<impl IntoRe
     }
     let rates = r.rates();
     st.clients.insert(
-        r.client_id.clone(),
+        (r.service.clone(), r.client_id.clone()),
         ClientEntry {
             service: r.service.clone(),
             at: Instant::now(),
@@ -197,6 +301,24 @@ async fn report(State(s): State<Arc<Shared>>, body: Bytes) -> Result<impl IntoRe
         age_ms: st.directives_at.map(|t| t.elapsed().as_millis() as u64),
         directives,
     }))
+}
+
+async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "# HELP grl_reports_accepted_total Client reports accepted.\n# TYPE grl_reports_accepted_total counter\ngrl_reports_accepted_total {}",
+        s.accepted.load(std::sync::atomic::Ordering::Relaxed)
+    );
+    crate::controller::write_refused(&mut out, &s.refused);
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4",
+        )],
+        out,
+    )
 }
 
 #[derive(Deserialize)]
@@ -255,10 +377,14 @@ async fn forward_loop(s: Arc<Shared>) {
     let mut iv = tokio::time::interval(s.opts.tick);
     iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut current = 0usize;
+    let insecure_reminder = LogGate::new(Duration::from_secs(60));
     loop {
         tokio::select! {
             _ = iv.tick() => {}
             _ = s.all_in.notified() => { iv.reset(); }
+        }
+        if s.opts.allow_anonymous_reports && insecure_reminder.open() {
+            tracing::warn!("INSECURE: anonymous client reports are accepted (--insecure-allow-anonymous-reports)");
         }
         let report = build_report(&s);
         let n = s.opts.controllers.len();
@@ -300,7 +426,13 @@ async fn forward_loop(s: Arc<Shared>) {
 
 async fn post_report(s: &Shared, base: &str, r: &ZoneReport) -> anyhow::Result<ZoneDirectives> {
     let mut req = s.http.post(format!("{base}/v1/aggregate")).json(r);
-    if let Some(t) = s.opts.report_token.as_deref().filter(|t| !t.is_empty()) {
+    if let Some(t) = s
+        .opts
+        .report_token
+        .as_ref()
+        .map(|t| t.current())
+        .filter(|t| !t.is_empty())
+    {
         req = req.bearer_auth(t);
     }
     let resp = req.send().await?.error_for_status()?;

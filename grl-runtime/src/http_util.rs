@@ -12,6 +12,12 @@ pub enum ApiError {
     /// Missing or wrong bearer token.
     #[error("missing or invalid bearer token")]
     Unauthorized,
+    /// A valid credential that does not cover this request.
+    #[error("{0}")]
+    Forbidden(String),
+    /// The body exceeds the endpoint's limit.
+    #[error("request body larger than {0} bytes")]
+    TooLarge(usize),
     /// The body is not the expected JSON.
     #[error("malformed request: {0}")]
     BadRequest(String),
@@ -30,6 +36,8 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = match &self {
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ApiError::Invalid(_) => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
@@ -49,6 +57,28 @@ impl IntoResponse for ApiError {
 /// Parses a JSON body, turning serde's message into a 400 with the reason.
 pub fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| ApiError::BadRequest(e.to_string()))
+}
+
+/// Reads a request body of at most `limit` bytes (413 beyond). Call it only once the
+/// request is authenticated: until then nothing of the body is read.
+pub async fn read_body(
+    body: axum::body::Body,
+    limit: usize,
+) -> Result<axum::body::Bytes, ApiError> {
+    axum::body::to_bytes(body, limit).await.map_err(|e| {
+        // axum wraps http-body-util's `LengthLimitError` ("length limit exceeded").
+        let mut too_large = false;
+        let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+        while let Some(err) = cur {
+            too_large |= err.to_string().contains("length limit exceeded");
+            cur = err.source();
+        }
+        if too_large {
+            ApiError::TooLarge(limit)
+        } else {
+            ApiError::BadRequest(format!("reading the body: {e}"))
+        }
+    })
 }
 
 /// Checks `Authorization: Bearer <token>` in constant time over the token's length.

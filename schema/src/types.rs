@@ -687,9 +687,14 @@ pub struct ForgeConfig {
 pub struct ControllerConfig {
     /// Base URL, e.g. `http://127.0.0.1:7070`.
     pub url: String,
-    /// Environment variable holding the controller's token.
+    /// Environment variable holding the credential with the controller's `config` role
+    /// (`PUT /v1/config`); `<VAR>_FILE`, when `<VAR>` is unset, names a file holding it.
     #[serde(default = "default_controller_token_env")]
     pub token_env: String,
+    /// Environment variable holding the credential with the `reports` role
+    /// (`GET /v1/reports`); default: the `token_env` credential.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reports_token_env: Option<String>,
 }
 
 fn default_controller_token_env() -> String {

@@ -12,9 +12,13 @@ use grl_runtime::client::{ClientOptions, GrlClient};
 use serde_json::{json, Value};
 use test_support::process::{free_port, Proc};
 
+mod trust;
+
 const TOKEN: &str = "s3cret";
 /// The zone-report secret every controller and aggregator of the tests shares.
 const REPORT_TOKEN: &str = "r3port";
+/// The client report credential for service `payments` that `spawn_aggregator` accepts.
+const CLIENT_TOKEN: &str = "payments-client-0123456789";
 
 fn log_file(dir: &Path, name: &str) -> Stdio {
     Stdio::from(std::fs::File::create(dir.join(format!("{name}.log"))).unwrap())
@@ -41,7 +45,28 @@ fn spawn_controller(port: u16, state: &Path, logs: &Path, extra: &[&str]) -> Pro
     Proc(child)
 }
 
+/// An aggregator accepting `CLIENT_TOKEN` for `payments` (from a credentials file in `logs`).
 fn spawn_aggregator(port: u16, controller: &str, id: &str, logs: &Path) -> Proc {
+    let creds = logs.join("client-credentials");
+    std::fs::write(&creds, format!("payments payments {CLIENT_TOKEN}\n")).unwrap();
+    spawn_aggregator_with(
+        port,
+        controller,
+        id,
+        logs,
+        &["--client-credentials", creds.to_str().unwrap()],
+        &[("GRL_REPORT_TOKEN", REPORT_TOKEN)],
+    )
+}
+
+fn spawn_aggregator_with(
+    port: u16,
+    controller: &str,
+    id: &str,
+    logs: &Path,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Proc {
     let child = Command::new(env!("CARGO_BIN_EXE_grl"))
         .args([
             "aggregator",
@@ -60,7 +85,8 @@ fn spawn_aggregator(port: u16, controller: &str, id: &str, logs: &Path) -> Proc 
             "--id",
             id,
         ])
-        .env("GRL_REPORT_TOKEN", REPORT_TOKEN)
+        .args(extra)
+        .envs(env.iter().copied())
         .stdout(Stdio::null())
         .stderr(log_file(logs, id))
         .spawn()
@@ -345,6 +371,7 @@ fn controller_refuses_a_config_dir_that_rlc_validate_rejects() {
         .arg("--config-dir")
         .arg(&cfg)
         .env("GRL_TOKEN", TOKEN)
+        .env("GRL_REPORT_TOKEN", REPORT_TOKEN)
         .output()
         .unwrap();
     assert!(!out.status.success());
@@ -379,6 +406,7 @@ fn load(client: Arc<GrlClient>, rps: f64, stop: Arc<AtomicBool>, dropped: Arc<At
 async fn reports_after(http: &reqwest::Client, base: &str, after: u64) -> (u64, Vec<Value>) {
     let v: Value = match http
         .get(format!("{base}/v1/reports?after={after}&limit=1000"))
+        .bearer_auth(TOKEN)
         .send()
         .await
     {
@@ -430,6 +458,7 @@ async fn fleet_enforces_fails_over_fails_open_and_recovers() {
         o.tick = Duration::from_millis(100);
         o.stale_after = Duration::from_millis(600);
         o.client_id = Some(format!("c{i}"));
+        o.report_token = Some(CLIENT_TOKEN.into());
         let c = Arc::new(GrlClient::start(o));
         load(c.clone(), 100.0, stop.clone(), Arc::new(AtomicU64::new(0)));
         clients.push(c);
@@ -521,16 +550,7 @@ async fn fleet_enforces_fails_over_fails_open_and_recovers() {
 
     // 5. An incident override (here through the CLI) reaches the clients within a few ticks.
     let out = Command::new(env!("CARGO_BIN_EXE_grl"))
-        .args([
-            "override",
-            "add",
-            "--controller",
-            &base,
-            "--token",
-            TOKEN,
-            "--caller",
-            "gw",
-        ])
+        .args(["override", "add", "--controller", &base, "--caller", "gw"])
         .args([
             "--drop-ratio",
             "0.9",
@@ -541,6 +561,7 @@ async fn fleet_enforces_fails_over_fails_open_and_recovers() {
             "--who",
             "bob",
         ])
+        .env("GRL_TOKEN", TOKEN)
         .output()
         .unwrap();
     assert!(
@@ -631,6 +652,7 @@ async fn override_on_a_caller_without_bucket_throttles_it_until_removed_or_expir
         let mut o = ClientOptions::new("payments", vec![ua.clone()]);
         o.tick = Duration::from_millis(100);
         o.client_id = Some(format!("o{i}"));
+        o.report_token = Some(CLIENT_TOKEN.into());
         let c = Arc::new(GrlClient::start(o));
         load_as(
             c.clone(),
@@ -737,6 +759,7 @@ async fn override_on_a_caller_without_bucket_throttles_it_until_removed_or_expir
         async move {
             let v: Value = http
                 .get(format!("{base}/v1/reports?after={cursor}"))
+                .bearer_auth(TOKEN)
                 .send()
                 .await
                 .unwrap()
@@ -753,6 +776,7 @@ async fn override_on_a_caller_without_bucket_throttles_it_until_removed_or_expir
             "{base}/v1/reports?after={}",
             cursor + 1_000_000_000
         ))
+        .bearer_auth(TOKEN)
         .send()
         .await
         .unwrap()
@@ -1129,9 +1153,15 @@ async fn aggregator_refuses_malformed_reports() {
     );
     wait_up(&format!("{url}/v1/config")).await;
     let http = reqwest::Client::new();
-    let post = |body: Value| http.post(format!("{url}/v1/report")).json(&body).send();
+    let post = |body: Value| {
+        http.post(format!("{url}/v1/report"))
+            .bearer_auth(CLIENT_TOKEN)
+            .json(&body)
+            .send()
+    };
     let r = http
         .post(format!("{url}/v1/report"))
+        .bearer_auth(CLIENT_TOKEN)
         .body("nope")
         .send()
         .await

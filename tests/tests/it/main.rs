@@ -50,6 +50,8 @@ fn start_controller(port: u16, state: &Path) -> Proc {
         ])
         .arg(state)
         .env("GRL_TOKEN", TOKEN)
+        // A controller refuses to start without a zone-report credential.
+        .env("GRL_REPORT_TOKEN", "e2e-zone-report-token")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
