@@ -452,7 +452,10 @@ fn run_once_with_a_segfaulting_plugin_fails_only_its_buckets() {
     );
     // payments got its quotas from the well-behaved plugin, search from peak.
     let payments = d.remote.read("main", "buckets/payments.yaml").unwrap();
-    assert!(payments.contains("policy: plugin:steady"), "{payments}");
+    assert!(
+        payments.contains("policy: \"plugin:steady\""),
+        "{payments}"
+    );
     assert_ne!(limits(&payments), payments_before);
     assert!(d.remote.read("main", "buckets/search.yaml").is_ok());
     // And the controller runs it.
