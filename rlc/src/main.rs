@@ -54,6 +54,13 @@ Exit codes:
   78  config error (rlc.yaml missing or invalid, config repo with problems)";
 
 fn main() -> ExitCode {
+    // `rlc __plugin-host …`: this process is the host of one policy plugin (hidden; started by
+    // rlc itself, see docs/rlc-policies.md). Decided before anything else runs.
+    let mut args = std::env::args_os().skip(1).peekable();
+    if args.peek().is_some_and(|a| a == policies::host::HOST_ARG) {
+        std::process::exit(policies::host::main(args));
+    }
+    policies::isolated::host_is_current_exe();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

@@ -758,6 +758,31 @@ impl Default for RailsConfig {
 pub struct PluginsConfig {
     /// The only directory plugins are loaded from.
     pub dir: String,
+    /// How long one call of a plugin (and its start) may take before its host process is
+    /// killed and the bucket skipped.
+    #[serde(default = "default_plugin_timeout")]
+    pub timeout: HumanDuration,
+    /// Address-space limit (`RLIMIT_AS`) of a plugin's host process, in MiB.
+    #[serde(default = "default_plugin_memory_limit_mb")]
+    pub memory_limit_mb: u64,
+    /// How many times a plugin's host process is restarted after it died or was killed,
+    /// within 10 minutes; beyond that the plugin's buckets fail at once until the window frees.
+    #[serde(default = "default_plugin_max_restarts")]
+    pub max_restarts: u32,
+    /// The host program that loads plugins (the `rlc` binary or `rlc-plugin-host`); relative
+    /// to rlc.yaml's directory. Default: `RLC_PLUGIN_HOST`, else the running `rlc` binary.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+}
+
+fn default_plugin_timeout() -> HumanDuration {
+    HumanDuration(Duration::from_secs(10))
+}
+fn default_plugin_memory_limit_mb() -> u64 {
+    1024
+}
+fn default_plugin_max_restarts() -> u32 {
+    3
 }
 
 /// The daemon's HTTP API.
