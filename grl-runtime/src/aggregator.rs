@@ -125,12 +125,14 @@ impl Aggregator {
                 tracing::error!(error = %e, "aggregator server failed");
             }
         });
-        let forwarder = tokio::spawn(forward_loop(shared.clone()));
+        let (finish, finished) = oneshot::channel::<()>();
+        let forwarder = tokio::spawn(forward_loop(shared.clone(), finished));
         tracing::info!(%addr, zone = %shared.opts.zone, region = %shared.opts.region, "aggregator listening");
         Ok(AggregatorHandle {
             addr,
             stop,
             server,
+            finish,
             background: forwarder,
         })
     }
@@ -145,7 +147,8 @@ async fn report(State(s): State<Arc<Shared>>, body: Bytes) -> Result<impl IntoRe
     }
     let mut st = s.state.lock().expect("aggregator lock");
     for b in &r.buckets {
-        if b.admitted + b.dropped != b.offered || b.shadow_dropped > b.admitted {
+        // Checked: a sum past u64::MAX is as wrong as any other mismatch.
+        if b.admitted.checked_add(b.dropped) != Some(b.offered) || b.shadow_dropped > b.admitted {
             return Err(ApiError::Invalid(format!(
                 "bucket `{}`: admitted + dropped must equal offered and shadow_dropped ≤ admitted",
                 b.bucket
@@ -160,10 +163,10 @@ async fn report(State(s): State<Arc<Shared>>, body: Bytes) -> Result<impl IntoRe
                 bucket: b.bucket.clone(),
                 ..Default::default()
             });
-        p.offered += b.offered;
-        p.admitted += b.admitted;
-        p.dropped += b.dropped;
-        p.shadow_dropped += b.shadow_dropped;
+        p.offered = p.offered.saturating_add(b.offered);
+        p.admitted = p.admitted.saturating_add(b.admitted);
+        p.dropped = p.dropped.saturating_add(b.dropped);
+        p.shadow_dropped = p.shadow_dropped.saturating_add(b.shadow_dropped);
     }
     let rates = r.rates();
     st.clients.insert(
@@ -251,16 +254,30 @@ fn build_report(s: &Shared) -> ZoneReport {
     }
 }
 
-async fn forward_loop(s: Arc<Shared>) {
+/// Forwards at every tick or as soon as every client reported, until `finish` fires (or its
+/// sender is dropped); then forwards once more what the clients reported since the last
+/// forward, so that a graceful stop loses no counts.
+async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
     let mut iv = tokio::time::interval(s.opts.tick);
     iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut current = 0usize;
-    loop {
+    let mut last = false;
+    while !last {
         tokio::select! {
             _ = iv.tick() => {}
             _ = s.all_in.notified() => { iv.reset(); }
+            _ = &mut finish => { last = true; }
         }
         let report = build_report(&s);
+        if last {
+            let counted: u64 = report.buckets.iter().map(|b| b.counts.offered).sum();
+            if report.buckets.is_empty() {
+                tracing::info!(zone = %s.opts.zone, "aggregator stopped; nothing left to forward");
+                return;
+            }
+            tracing::info!(zone = %s.opts.zone, buckets = report.buckets.len(), offered = counted,
+                "aggregator stopping: forwarding the last counts");
+        }
         let n = s.opts.controllers.len();
         let mut done = false;
         for attempt in 0..n {
@@ -292,7 +309,13 @@ async fn forward_loop(s: Arc<Shared>) {
                 }
             }
         }
-        if !done {
+        if last {
+            if done {
+                tracing::info!(zone = %s.opts.zone, "aggregator stopped; last counts forwarded");
+            } else {
+                tracing::warn!(zone = %s.opts.zone, "aggregator stopped; no controller reachable for the last counts");
+            }
+        } else if !done {
             tracing::warn!(zone = %s.opts.zone, "no controller reachable; serving cached directives until they go stale");
         }
     }

@@ -53,6 +53,9 @@ enum Cmd {
         /// authenticated (a warning is logged).
         #[arg(long, env = "GRL_REPORT_TOKEN", hide_env_values = true)]
         report_token: Option<String>,
+        /// On SIGTERM or SIGINT: how long in-flight requests may take to finish.
+        #[arg(long, default_value_t = 10_000)]
+        shutdown_grace_ms: u64,
     },
     /// Run a zone aggregator.
     Aggregator {
@@ -77,6 +80,10 @@ enum Cmd {
         /// The controllers' report token, sent with every zone report.
         #[arg(long, env = "GRL_REPORT_TOKEN", hide_env_values = true)]
         report_token: Option<String>,
+        /// On SIGTERM or SIGINT: how long in-flight requests, then the last forward of the
+        /// counts held, may take.
+        #[arg(long, default_value_t = 10_000)]
+        shutdown_grace_ms: u64,
     },
     /// Incident overrides on a controller.
     Override {
@@ -197,6 +204,7 @@ async fn main() -> anyhow::Result<()> {
             region,
             peers,
             report_token,
+            shutdown_grace_ms,
         } => {
             let Some(token) = token.filter(|t| !t.is_empty()) else {
                 bail!("set the bearer token in the GRL_TOKEN environment variable (must not be empty)");
@@ -217,8 +225,7 @@ async fn main() -> anyhow::Result<()> {
             })
             .await?;
             println!("listening on {}", h.addr());
-            tokio::signal::ctrl_c().await.context("wait for ctrl-c")?;
-            h.shutdown().await;
+            stop_gracefully("controller", h, shutdown_grace_ms).await;
         }
         Cmd::Aggregator {
             listen,
@@ -228,6 +235,7 @@ async fn main() -> anyhow::Result<()> {
             tick_ms,
             id,
             report_token,
+            shutdown_grace_ms,
         } => {
             let h = Aggregator::start(AggregatorOptions {
                 listen,
@@ -240,8 +248,7 @@ async fn main() -> anyhow::Result<()> {
             })
             .await?;
             println!("listening on {}", h.addr());
-            tokio::signal::ctrl_c().await.context("wait for ctrl-c")?;
-            h.shutdown().await;
+            stop_gracefully("aggregator", h, shutdown_grace_ms).await;
         }
         Cmd::Override { cmd } => override_cmd(cmd).await?,
         Cmd::Simulate {
@@ -282,6 +289,21 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Serves until SIGTERM or SIGINT, then stops `h` gracefully (in-flight requests finish within
+/// `grace_ms`, then the last flush) and logs it. Exits 0 either way: the stop was asked for.
+async fn stop_gracefully(what: &str, h: grl_runtime::http_util::ServerHandle, grace_ms: u64) {
+    let signal = grl_runtime::http_util::shutdown_signal().await;
+    tracing::info!(
+        signal,
+        grace_ms,
+        "{what} shutting down: no new connections, in-flight requests finish"
+    );
+    let clean = h
+        .shutdown_within(Duration::from_millis(grace_ms.max(1)))
+        .await;
+    tracing::info!(clean, "{what} shut down");
 }
 
 /// `--who`, else $USER, else "unknown" with a warning (cron jobs and containers often run
