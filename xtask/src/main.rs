@@ -93,12 +93,39 @@ fn test(extra: &[String]) -> Result<u8> {
     // on one line that counts every test of the workspace.
     let mut totals = Totals::default();
     let stdout = child.stdout.take().expect("piped");
-    for line in BufReader::new(stdout).lines() {
-        let line = line?;
-        println!("{line}");
-        totals.add(&line);
-    }
-    let status = child.wait()?;
+    // Read in a thread: a process left running by a test may hold the pipe open forever, so
+    // the run ends when cargo exits (plus a bounded drain), not at end of file.
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let status = loop {
+        use std::sync::mpsc::RecvTimeoutError;
+        match rx.recv_timeout(std::time::Duration::from_millis(200)) {
+            Ok(line) => {
+                println!("{line}");
+                totals.add(&line);
+                continue;
+            }
+            Err(RecvTimeoutError::Disconnected) => break child.wait()?,
+            Err(RecvTimeoutError::Timeout) => {}
+        }
+        if let Some(st) = child.try_wait()? {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+            while let Ok(line) =
+                rx.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now()))
+            {
+                println!("{line}");
+                totals.add(&line);
+            }
+            break st;
+        }
+    };
     // Throwaway Postgres clusters are stopped by a watchdog once their test binary is gone:
     // give such orderly stops a bounded moment before calling anything a leak.
     let left = leftovers(&run_id, LEAK_GRACE);
@@ -107,7 +134,9 @@ fn test(extra: &[String]) -> Result<u8> {
             "xtask: left running by the tests: pid {} ({}): {}",
             p.pid, p.comm, p.cmdline
         );
-        let _ = Command::new("kill").args(["-9", &p.pid.to_string()]).status();
+        let _ = Command::new("kill")
+            .args(["-9", &p.pid.to_string()])
+            .status();
     }
     if !left.is_empty() {
         eprintln!(
@@ -115,15 +144,20 @@ fn test(extra: &[String]) -> Result<u8> {
             left.len()
         );
     }
+    // The leak check counts as one more test.
     println!(
         "xtask: {} passed, {} failed, {} skipped",
-        totals.passed, totals.failed, totals.ignored
+        totals.passed,
+        totals.failed + u64::from(!left.is_empty()),
+        totals.ignored
     );
-    Ok(if status.success() && totals.passed > 0 && left.is_empty() {
-        0
-    } else {
-        1
-    })
+    Ok(
+        if status.success() && totals.passed > 0 && left.is_empty() {
+            0
+        } else {
+            1
+        },
+    )
 }
 
 /// The environment variable that marks every process of one `cargo xtask test` run.
