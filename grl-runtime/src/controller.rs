@@ -141,7 +141,11 @@ fn load_state(dir: &Path) -> anyhow::Result<(Option<ConfigDoc>, OverridesFile)> 
                 if !ids.insert(o.id.as_str()) {
                     return Err(bad("id appears twice".into()));
                 }
-                match o.id.strip_prefix("ovr-").and_then(|n| n.parse::<u64>().ok()) {
+                match o
+                    .id
+                    .strip_prefix("ovr-")
+                    .and_then(|n| n.parse::<u64>().ok())
+                {
                     Some(n) if n <= ov.next_id => {}
                     _ => {
                         return Err(bad(format!(

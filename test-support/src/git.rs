@@ -79,22 +79,25 @@ impl GitRemote {
         let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         // Its own process group: `git daemon` forks a `git-daemon` child per listen address,
         // and stopping the group stops them all.
-        let mut daemon = crate::process::spawn_in_group(Command::new("git").args([
-                "daemon",
-                "--reuseaddr",
-                "--export-all",
-                "--enable=receive-pack",
-                "--listen=127.0.0.1",
-                &format!("--port={port}"),
-                &format!("--base-path={}", dir.path().display()),
-                &dir.path().display().to_string(),
-            ])
-            .env("GIT_CONFIG_NOSYSTEM", "1")
-            .env("GIT_CONFIG_GLOBAL", "/dev/null")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null()))
-            .context("starting git daemon (Debian package git provides it)")?;
+        let mut daemon = crate::process::spawn_in_group(
+            Command::new("git")
+                .args([
+                    "daemon",
+                    "--reuseaddr",
+                    "--export-all",
+                    "--enable=receive-pack",
+                    "--listen=127.0.0.1",
+                    &format!("--port={port}"),
+                    &format!("--base-path={}", dir.path().display()),
+                    &dir.path().display().to_string(),
+                ])
+                .env("GIT_CONFIG_NOSYSTEM", "1")
+                .env("GIT_CONFIG_GLOBAL", "/dev/null")
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null()),
+        )
+        .context("starting git daemon (Debian package git provides it)")?;
         // Wait until it accepts connections (bounded: it starts in milliseconds).
         let mut up = false;
         for _ in 0..200 {
@@ -340,7 +343,10 @@ mod tests {
         );
         drop(remote);
         let left: Vec<u32> = kids.into_iter().filter(|k| running(*k)).collect();
-        assert!(left.is_empty(), "git daemon children still running: {left:?}");
+        assert!(
+            left.is_empty(),
+            "git daemon children still running: {left:?}"
+        );
         assert!(
             group_members(leader).is_empty(),
             "process group {leader} still has members: {:?}",

@@ -143,13 +143,13 @@ impl Prometheus {
         let port = free_port()?;
         let child = crate::process::spawn_in_group(
             Command::new(&prometheus)
-            .arg(format!("--config.file={}", config.display()))
-            .arg(format!("--storage.tsdb.path={}", data.display()))
-            .arg("--storage.tsdb.retention.time=10y")
-            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log),
+                .arg(format!("--config.file={}", config.display()))
+                .arg(format!("--storage.tsdb.path={}", data.display()))
+                .arg("--storage.tsdb.retention.time=10y")
+                .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+                .stdin(Stdio::null())
+                .stdout(log.try_clone()?)
+                .stderr(log),
         )
         .context("start prometheus")?;
         let mut p = Prometheus {

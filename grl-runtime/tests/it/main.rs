@@ -23,51 +23,61 @@ fn log_file(dir: &Path, name: &str) -> Stdio {
 }
 
 fn spawn_controller(port: u16, state: &Path, logs: &Path, extra: &[&str]) -> Proc {
-    Proc::spawn(Command::new(env!("CARGO_BIN_EXE_grl"))
-        .args([
-            "controller",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--tick-ms",
-            "100",
-            "--state-dir",
-        ])
-        .arg(state)
-        .args(extra)
-        .env("GRL_TOKEN", TOKEN)
-        .env("GRL_REPORT_TOKEN", REPORT_TOKEN)
-        .stdout(Stdio::null())
-        .stderr(log_file(logs, &format!("controller-{port}"))))
-        .unwrap()
+    Proc::spawn(
+        Command::new(env!("CARGO_BIN_EXE_grl"))
+            .args([
+                "controller",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--tick-ms",
+                "100",
+                "--state-dir",
+            ])
+            .arg(state)
+            .args(extra)
+            .env("GRL_TOKEN", TOKEN)
+            .env("GRL_REPORT_TOKEN", REPORT_TOKEN)
+            .stdout(Stdio::null())
+            .stderr(log_file(logs, &format!("controller-{port}"))),
+    )
+    .unwrap()
 }
 
 fn spawn_aggregator(port: u16, controller: &str, id: &str, logs: &Path) -> Proc {
     spawn_aggregator_ticking(port, controller, id, logs, 100)
 }
 
-fn spawn_aggregator_ticking(port: u16, controller: &str, id: &str, logs: &Path, tick_ms: u64) -> Proc {
-    Proc::spawn(Command::new(env!("CARGO_BIN_EXE_grl"))
-        .args([
-            "aggregator",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--controller",
-            controller,
-        ])
-        .args([
-            "--zone",
-            "z1",
-            "--region",
-            "r1",
-            "--tick-ms",
-            &tick_ms.to_string(),
-            "--id",
-            id,
-        ])
-        .env("GRL_REPORT_TOKEN", REPORT_TOKEN)
-        .stdout(Stdio::null())
-        .stderr(log_file(logs, id)))
-        .unwrap()
+fn spawn_aggregator_ticking(
+    port: u16,
+    controller: &str,
+    id: &str,
+    logs: &Path,
+    tick_ms: u64,
+) -> Proc {
+    Proc::spawn(
+        Command::new(env!("CARGO_BIN_EXE_grl"))
+            .args([
+                "aggregator",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--controller",
+                controller,
+            ])
+            .args([
+                "--zone",
+                "z1",
+                "--region",
+                "r1",
+                "--tick-ms",
+                &tick_ms.to_string(),
+                "--id",
+                id,
+            ])
+            .env("GRL_REPORT_TOKEN", REPORT_TOKEN)
+            .stdout(Stdio::null())
+            .stderr(log_file(logs, id)),
+    )
+    .unwrap()
 }
 
 /// Polls `f` until it holds; fails with `what` after a generous bound (a hang guard, not a
@@ -488,8 +498,10 @@ async fn fleet_enforces_fails_over_fails_open_and_recovers() {
     let r = http
         .post(format!("{base}/v1/overrides"))
         .bearer_auth(TOKEN)
-        .json(&json!({"service": "payments", "bucket": "gw.charge", "limit_rps": 200.0,
-                      "ttl_secs": 3600, "reason": "INC-0", "who": "carol"}))
+        .json(
+            &json!({"service": "payments", "bucket": "gw.charge", "limit_rps": 200.0,
+                      "ttl_secs": 3600, "reason": "INC-0", "who": "carol"}),
+        )
         .send()
         .await
         .unwrap();
@@ -544,7 +556,10 @@ async fn fleet_enforces_fails_over_fails_open_and_recovers() {
     assert_eq!(list["overrides"][0]["id"], before_crash["id"]);
     assert_eq!(list["overrides"][0]["reason"], "INC-0");
     let r = http
-        .delete(format!("{base}/v1/overrides/{}", before_crash["id"].as_str().unwrap()))
+        .delete(format!(
+            "{base}/v1/overrides/{}",
+            before_crash["id"].as_str().unwrap()
+        ))
         .bearer_auth(TOKEN)
         .send()
         .await
@@ -1228,25 +1243,31 @@ fn controller_refuses_to_start_on_invalid_persisted_state() {
         (
             "override with a drop ratio above 1",
             valid.clone(),
-            Some(json!({"next_id": 1, "overrides": [{"id": "ovr-1", "caller": "gw",
+            Some(
+                json!({"next_id": 1, "overrides": [{"id": "ovr-1", "caller": "gw",
                 "drop_ratio": 2.0, "ttl_secs": 60, "reason": "x", "who": "y",
-                "created_at": 1, "expires_at": 61}]})),
+                "created_at": 1, "expires_at": 61}]}),
+            ),
             &["overrides.json", "ovr-1", "drop_ratio"],
         ),
         (
             "override without an author",
             valid.clone(),
-            Some(json!({"next_id": 1, "overrides": [{"id": "ovr-1", "caller": "gw",
+            Some(
+                json!({"next_id": 1, "overrides": [{"id": "ovr-1", "caller": "gw",
                 "drop_ratio": 0.5, "ttl_secs": 60, "reason": "x", "who": " ",
-                "created_at": 1, "expires_at": 61}]})),
+                "created_at": 1, "expires_at": 61}]}),
+            ),
             &["overrides.json", "who"],
         ),
         (
             "override id the counter would hand out again",
             valid.clone(),
-            Some(json!({"next_id": 0, "overrides": [{"id": "ovr-1", "caller": "gw",
+            Some(
+                json!({"next_id": 0, "overrides": [{"id": "ovr-1", "caller": "gw",
                 "drop_ratio": 0.5, "ttl_secs": 60, "reason": "x", "who": "y",
-                "created_at": 1, "expires_at": 61}]})),
+                "created_at": 1, "expires_at": 61}]}),
+            ),
             &["overrides.json", "next_id"],
         ),
     ];
@@ -1271,19 +1292,32 @@ fn controller_refuses_to_start_on_invalid_persisted_state() {
     let st = Command::new("mkfifo").arg(&fifo).status().unwrap();
     assert!(st.success());
     let log = refused_start(&fifo_state, logs, "fifo");
-    assert!(log.contains("config.json") && log.contains("not a regular file"), "{log}");
+    assert!(
+        log.contains("config.json") && log.contains("not a regular file"),
+        "{log}"
+    );
 
     let zero_state = dir.path().join("zero");
     std::fs::create_dir_all(&zero_state).unwrap();
     std::os::unix::fs::symlink("/dev/zero", zero_state.join("overrides.json")).unwrap();
     let log = refused_start(&zero_state, logs, "symlink to /dev/zero");
-    assert!(log.contains("overrides.json") && log.contains("not a regular file"), "{log}");
+    assert!(
+        log.contains("overrides.json") && log.contains("not a regular file"),
+        "{log}"
+    );
 }
 
 /// Raw HTTP/1.1 on loopback: lets a test hold a request half-sent.
-async fn raw_request_head(port: u16, method: &str, path: &str, body_len: usize) -> tokio::net::TcpStream {
+async fn raw_request_head(
+    port: u16,
+    method: &str,
+    path: &str,
+    body_len: usize,
+) -> tokio::net::TcpStream {
     use tokio::io::AsyncWriteExt;
-    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
     let head = format!(
         "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\nContent-Type: application/json\r\nContent-Length: {body_len}\r\nConnection: close\r\n\r\n"
     );
@@ -1333,7 +1367,9 @@ async fn controller_sigterm_finishes_the_push_in_flight_persists_and_exits_0() {
     );
     // It no longer accepts new connections.
     assert!(
-        tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err(),
+        tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_err(),
         "a new connection was accepted after SIGTERM"
     );
     s.write_all(rest).await.unwrap();
@@ -1345,10 +1381,15 @@ async fn controller_sigterm_finishes_the_push_in_flight_persists_and_exits_0() {
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     assert!(answer.contains("\"changed\":true"), "{answer}");
 
-    let st = ctl.wait_exit(Duration::from_secs(20)).expect("exit after SIGTERM");
+    let st = ctl
+        .wait_exit(Duration::from_secs(20))
+        .expect("exit after SIGTERM");
     let log = std::fs::read_to_string(dir.path().join(format!("controller-{port}.log"))).unwrap();
     assert_eq!(st.code(), Some(0), "exit {st}; log:\n{log}");
-    assert!(log.contains("SIGTERM") && log.contains("controller shut down"), "{log}");
+    assert!(
+        log.contains("SIGTERM") && log.contains("controller shut down"),
+        "{log}"
+    );
 
     // The pushed config and the override are on disk and come back.
     let _ctl = spawn_controller(port, &state, dir.path(), &[]);
@@ -1356,9 +1397,23 @@ async fn controller_sigterm_finishes_the_push_in_flight_persists_and_exits_0() {
     let on_disk: Value =
         serde_json::from_slice(&std::fs::read(state.join("config.json")).unwrap()).unwrap();
     assert_eq!(on_disk, payments_config("v2", 300.0));
-    let status: Value = http.get(format!("{base}/v1/status")).send().await.unwrap().json().await.unwrap();
+    let status: Value = http
+        .get(format!("{base}/v1/status"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(status["version"], "v2", "{status}");
-    let list: Value = http.get(format!("{base}/v1/overrides")).send().await.unwrap().json().await.unwrap();
+    let list: Value = http
+        .get(format!("{base}/v1/overrides"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(list["overrides"][0]["reason"], "INC-9", "{list}");
 }
 
@@ -1374,10 +1429,16 @@ async fn controller_sigterm_cuts_a_stalled_request_after_the_grace_and_exits_0()
     tokio::time::sleep(Duration::from_millis(300)).await;
     let t = std::time::Instant::now();
     ctl.signal(libc::SIGTERM);
-    let st = ctl.wait_exit(Duration::from_secs(20)).expect("exit after SIGTERM");
+    let st = ctl
+        .wait_exit(Duration::from_secs(20))
+        .expect("exit after SIGTERM");
     assert_eq!(st.code(), Some(0), "exit {st}");
     // The grace bounds the stop (a hang guard, generous for a loaded machine).
-    assert!(t.elapsed() < Duration::from_secs(10), "took {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        t.elapsed()
+    );
     let log = std::fs::read_to_string(dir.path().join(format!("controller-{port}.log"))).unwrap();
     assert!(log.contains("connections cut"), "{log}");
 }
@@ -1386,7 +1447,9 @@ fn offered_total(metrics: &str, bucket: &str, zone: &str) -> Option<u64> {
     metrics
         .lines()
         .filter(|l| l.starts_with("grl_requests_offered_total{"))
-        .filter(|l| l.contains(&format!("bucket=\"{bucket}\"")) && l.contains(&format!("zone=\"{zone}\"")))
+        .filter(|l| {
+            l.contains(&format!("bucket=\"{bucket}\"")) && l.contains(&format!("zone=\"{zone}\""))
+        })
         .find_map(|l| l.rsplit(' ').next()?.parse().ok())
 }
 
@@ -1418,23 +1481,52 @@ async fn aggregator_sigterm_forwards_the_counts_it_holds_and_exits_0() {
                             "dropped": 0, "shadow_dropped": 0}]})
     };
     let metrics = || async {
-        let m = http.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+        let m = http
+            .get(format!("{base}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
         offered_total(&m, "gw.charge", "z1")
     };
     // The only client reported: forwarded at once.
-    let r = http.post(format!("{aurl}/v1/report")).json(&report("a", 5)).send().await.unwrap();
+    let r = http
+        .post(format!("{aurl}/v1/report"))
+        .json(&report("a", 5))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
-    eventually("first counts at the controller", || async { metrics().await == Some(5) }).await;
+    eventually("first counts at the controller", || async {
+        metrics().await == Some(5)
+    })
+    .await;
     // A second client's counts wait for the tick (client a has not reported again)...
-    let r = http.post(format!("{aurl}/v1/report")).json(&report("b", 7)).send().await.unwrap();
+    let r = http
+        .post(format!("{aurl}/v1/report"))
+        .json(&report("b", 7))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(metrics().await, Some(5), "the second report was forwarded before the stop");
+    assert_eq!(
+        metrics().await,
+        Some(5),
+        "the second report was forwarded before the stop"
+    );
     // ...and SIGTERM must not lose them.
     agg.signal(libc::SIGTERM);
-    let st = agg.wait_exit(Duration::from_secs(20)).expect("exit after SIGTERM");
+    let st = agg
+        .wait_exit(Duration::from_secs(20))
+        .expect("exit after SIGTERM");
     let log = std::fs::read_to_string(dir.path().join("agg-t.log")).unwrap();
     assert_eq!(st.code(), Some(0), "exit {st}; log:\n{log}");
     assert_eq!(metrics().await, Some(12), "log:\n{log}");
-    assert!(log.contains("SIGTERM") && log.contains("last counts forwarded"), "{log}");
+    assert!(
+        log.contains("SIGTERM") && log.contains("last counts forwarded"),
+        "{log}"
+    );
 }

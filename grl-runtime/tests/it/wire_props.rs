@@ -36,8 +36,16 @@ fn decode_all(bytes: &[u8]) {
 
 fn name() -> impl Strategy<Value = String> {
     prop_oneof![
-        prop::sample::select(vec!["payments", "gw.charge", "gw", "charge", "", " ", "a\"b\\c\n"])
-            .prop_map(String::from),
+        prop::sample::select(vec![
+            "payments",
+            "gw.charge",
+            "gw",
+            "charge",
+            "",
+            " ",
+            "a\"b\\c\n"
+        ])
+        .prop_map(String::from),
         "[a-z.:_-]{0,10}",
         any::<String>(),
     ]
@@ -46,7 +54,16 @@ fn name() -> impl Strategy<Value = String> {
 /// Finite floats (JSON has no NaN or infinity) with the edges that break arithmetic.
 fn float() -> impl Strategy<Value = f64> {
     prop_oneof![
-        prop::sample::select(vec![0.0, -0.0, 1.0, -1.0, 1e308, -1e308, f64::MIN_POSITIVE, 5e-324]),
+        prop::sample::select(vec![
+            0.0,
+            -0.0,
+            1.0,
+            -1.0,
+            1e308,
+            -1e308,
+            f64::MIN_POSITIVE,
+            5e-324
+        ]),
         (-1_000_000i64..1_000_000).prop_map(|x| x as f64 / 8.0),
         any::<f64>().prop_filter("finite", |f| f.is_finite()),
     ]
@@ -79,14 +96,16 @@ fn client_report() -> impl Strategy<Value = ClientReport> {
         prop::collection::vec(counts(), 0..5),
         any::<bool>(),
     )
-        .prop_map(|(client_id, service, version, interval_ms, buckets, urgent)| ClientReport {
-            client_id,
-            service,
-            version,
-            interval_ms,
-            buckets,
-            urgent,
-        })
+        .prop_map(
+            |(client_id, service, version, interval_ms, buckets, urgent)| ClientReport {
+                client_id,
+                service,
+                version,
+                interval_ms,
+                buckets,
+                urgent,
+            },
+        )
 }
 
 fn zone_report() -> impl Strategy<Value = ZoneReport> {
@@ -127,15 +146,17 @@ fn bucket() -> impl Strategy<Value = Bucket> {
             PolicyName::Plugin("x".into()),
         ]),
     )
-        .prop_map(|(name, caller, procedure, scope, limit_rps, mode, policy)| Bucket {
-            name,
-            caller,
-            procedure,
-            scope,
-            limit_rps,
-            mode,
-            policy,
-        })
+        .prop_map(
+            |(name, caller, procedure, scope, limit_rps, mode, policy)| Bucket {
+                name,
+                caller,
+                procedure,
+                scope,
+                limit_rps,
+                mode,
+                policy,
+            },
+        )
 }
 
 fn config_doc() -> impl Strategy<Value = ConfigDoc> {
@@ -160,7 +181,14 @@ fn override_request(ttl: BoxedStrategy<u64>) -> impl Strategy<Value = OverrideRe
         name(),
     )
         .prop_map(
-            |((service, bucket, caller, procedure), limit_rps, drop_ratio, ttl_secs, reason, who)| {
+            |(
+                (service, bucket, caller, procedure),
+                limit_rps,
+                drop_ratio,
+                ttl_secs,
+                reason,
+                who,
+            )| {
                 OverrideRequest {
                     service,
                     bucket,
@@ -202,10 +230,12 @@ fn client_directives() -> impl Strategy<Value = ClientDirectives> {
 }
 
 fn zone_directives() -> impl Strategy<Value = ZoneDirectives> {
-    let svc = (name(), prop::collection::vec(directive(), 0..3))
-        .prop_map(|(service, directives)| ServiceDirectives {
-            service,
-            directives,
+    let svc =
+        (name(), prop::collection::vec(directive(), 0..3)).prop_map(|(service, directives)| {
+            ServiceDirectives {
+                service,
+                directives,
+            }
         });
     (name(), prop::collection::vec(svc, 0..3))
         .prop_map(|(version, services)| ZoneDirectives { version, services })
@@ -233,7 +263,10 @@ fn round_trip<T: Serialize + DeserializeOwned + std::fmt::Debug>(v: &T) {
     let bytes = serde_json::to_vec(v).unwrap();
     let back: T = serde_json::from_slice(&bytes)
         .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&bytes)));
-    let (a, b) = (serde_json::to_value(v).unwrap(), serde_json::to_value(&back).unwrap());
+    let (a, b) = (
+        serde_json::to_value(v).unwrap(),
+        serde_json::to_value(&back).unwrap(),
+    );
     assert!(same(&a, &b), "{v:?} came back as {back:?}");
 }
 
@@ -366,10 +399,7 @@ fn send(method: reqwest::Method, url: String, body: Vec<u8>) {
             .map(|r| r.status())
     });
     let status = status.unwrap_or_else(|e| panic!("{url}: no answer ({e}): the handler died"));
-    assert!(
-        !status.is_server_error(),
-        "{url}: answered {status}"
-    );
+    assert!(!status.is_server_error(), "{url}: answered {status}");
 }
 
 fn still_serving() {
@@ -379,10 +409,9 @@ fn still_serving() {
         format!("{}/metrics", s.controller),
         format!("{}/v1/config", s.aggregator),
     ] {
-        let st = s
-            .rt
-            .block_on(async { s.http.get(&url).send().await.map(|r| r.status()) })
-            .unwrap_or_else(|e| panic!("{url}: {e}"));
+        let st =
+            s.rt.block_on(async { s.http.get(&url).send().await.map(|r| r.status()) })
+                .unwrap_or_else(|e| panic!("{url}: {e}"));
         assert_eq!(st, 200, "{url}");
     }
 }
