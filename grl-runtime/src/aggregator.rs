@@ -185,12 +185,14 @@ impl Aggregator {
                 tracing::error!(error = %e, "aggregator server failed");
             }
         });
-        let forwarder = tokio::spawn(forward_loop(shared.clone()));
+        let (finish, finished) = oneshot::channel::<()>();
+        let forwarder = tokio::spawn(forward_loop(shared.clone(), finished));
         tracing::info!(%addr, zone = %shared.opts.zone, region = %shared.opts.region, "aggregator listening");
         Ok(AggregatorHandle {
             addr,
             stop,
             server,
+            finish,
             background: forwarder,
         })
     }
@@ -264,10 +266,10 @@ async fn report(
                 bucket: b.bucket.clone(),
                 ..Default::default()
             });
-        p.offered += b.offered;
-        p.admitted += b.admitted;
-        p.dropped += b.dropped;
-        p.shadow_dropped += b.shadow_dropped;
+        p.offered = p.offered.saturating_add(b.offered);
+        p.admitted = p.admitted.saturating_add(b.admitted);
+        p.dropped = p.dropped.saturating_add(b.dropped);
+        p.shadow_dropped = p.shadow_dropped.saturating_add(b.shadow_dropped);
     }
     let rates = r.rates();
     st.clients.insert(
@@ -373,20 +375,34 @@ fn build_report(s: &Shared) -> ZoneReport {
     }
 }
 
-async fn forward_loop(s: Arc<Shared>) {
+/// Forwards at every tick or as soon as every client reported, until `finish` fires (or its
+/// sender is dropped); then forwards once more what the clients reported since the last
+/// forward, so that a graceful stop loses no counts.
+async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
     let mut iv = tokio::time::interval(s.opts.tick);
     iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut current = 0usize;
     let insecure_reminder = LogGate::new(Duration::from_secs(60));
-    loop {
+    let mut last = false;
+    while !last {
         tokio::select! {
             _ = iv.tick() => {}
             _ = s.all_in.notified() => { iv.reset(); }
+            _ = &mut finish => { last = true; }
         }
         if s.opts.allow_anonymous_reports && insecure_reminder.open() {
             tracing::warn!("INSECURE: anonymous client reports are accepted (--insecure-allow-anonymous-reports)");
         }
         let report = build_report(&s);
+        if last {
+            let counted: u64 = report.buckets.iter().map(|b| b.counts.offered).sum();
+            if report.buckets.is_empty() {
+                tracing::info!(zone = %s.opts.zone, "aggregator stopped; nothing left to forward");
+                return;
+            }
+            tracing::info!(zone = %s.opts.zone, buckets = report.buckets.len(), offered = counted,
+                "aggregator stopping: forwarding the last counts");
+        }
         let n = s.opts.controllers.len();
         let mut done = false;
         for attempt in 0..n {
@@ -418,7 +434,13 @@ async fn forward_loop(s: Arc<Shared>) {
                 }
             }
         }
-        if !done {
+        if last {
+            if done {
+                tracing::info!(zone = %s.opts.zone, "aggregator stopped; last counts forwarded");
+            } else {
+                tracing::warn!(zone = %s.opts.zone, "aggregator stopped; no controller reachable for the last counts");
+            }
+        } else if !done {
             tracing::warn!(zone = %s.opts.zone, "no controller reachable; serving cached directives until they go stale");
         }
     }

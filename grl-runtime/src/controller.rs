@@ -163,25 +163,67 @@ impl Shared {
     }
 }
 
+/// Reads and checks the persisted state of `dir`. The config must pass exactly the checks of
+/// `PUT /v1/config` and every override those of `POST /v1/overrides` (its request, a unique id
+/// below the id counter, an expiry after its creation); a state that does not is refused with
+/// the file and the problem, never served: a controller that silently enforced nothing would
+/// be worse than one that does not start. (A bucket override whose bucket a later config
+/// removed is kept, as it is while running: it acts on nothing.) Only regular files of at most
+/// [`config::MAX_STATE_FILE`] bytes are read.
 fn load_state(dir: &Path) -> anyhow::Result<(Option<ConfigDoc>, OverridesFile)> {
-    use anyhow::Context;
-    let cfg_path = dir.join("config.json");
-    let cfg = if cfg_path.exists() {
-        let bytes =
-            std::fs::read(&cfg_path).with_context(|| format!("read {}", cfg_path.display()))?;
-        let doc: ConfigDoc = serde_json::from_slice(&bytes)
-            .with_context(|| format!("parse {}", cfg_path.display()))?;
-        Some(doc)
-    } else {
-        None
+    let read = |name: &str| -> anyhow::Result<Option<(PathBuf, Vec<u8>)>> {
+        let path = dir.join(name);
+        match config::read_state_file(&path, config::MAX_STATE_FILE) {
+            Ok(b) => Ok(b.map(|b| (path, b))),
+            Err(e) => anyhow::bail!("refusing to start: state file {e}"),
+        }
     };
-    let ov_path = dir.join("overrides.json");
-    let ov = if ov_path.exists() {
-        let bytes =
-            std::fs::read(&ov_path).with_context(|| format!("read {}", ov_path.display()))?;
-        serde_json::from_slice(&bytes).with_context(|| format!("parse {}", ov_path.display()))?
-    } else {
-        OverridesFile::default()
+    let refuse = |path: &Path, problem: String| {
+        anyhow::anyhow!(
+            "refusing to start: state file {}: {problem} (fix or remove the file; the controller does not serve a state it would refuse over its API)",
+            path.display()
+        )
+    };
+    let cfg = match read("config.json")? {
+        Some((path, bytes)) => {
+            let doc: ConfigDoc =
+                serde_json::from_slice(&bytes).map_err(|e| refuse(&path, e.to_string()))?;
+            config::validate(&doc).map_err(|e| refuse(&path, e.to_string()))?;
+            Some(doc)
+        }
+        None => None,
+    };
+    let ov = match read("overrides.json")? {
+        Some((path, bytes)) => {
+            let ov: OverridesFile =
+                serde_json::from_slice(&bytes).map_err(|e| refuse(&path, e.to_string()))?;
+            let mut ids = std::collections::BTreeSet::new();
+            for o in &ov.overrides {
+                let bad = |p: String| refuse(&path, format!("override `{}`: {p}", o.id));
+                o.req.validate().map_err(|e| bad(e.to_string()))?;
+                if !ids.insert(o.id.as_str()) {
+                    return Err(bad("id appears twice".into()));
+                }
+                match o
+                    .id
+                    .strip_prefix("ovr-")
+                    .and_then(|n| n.parse::<u64>().ok())
+                {
+                    Some(n) if n <= ov.next_id => {}
+                    _ => {
+                        return Err(bad(format!(
+                            "id must be `ovr-N` with N at most next_id ({})",
+                            ov.next_id
+                        )))
+                    }
+                }
+                if o.expires_at <= o.created_at {
+                    return Err(bad("expires_at must be after created_at".into()));
+                }
+            }
+            ov
+        }
+        None => OverridesFile::default(),
     };
     Ok((cfg, ov))
 }
@@ -258,7 +300,16 @@ impl Controller {
         tracing::info!(version = %cfg.version, services = cfg.services.len(), overrides = ov.overrides.len(), "controller state loaded");
         let zone_ttl = (opts.tick * 3).as_millis() as u64;
         let mut engine = Engine::new(cfg, zone_ttl);
-        engine.set_overrides(ov.overrides);
+        // The same check as a new override gets: the config the overrides make clients run
+        // must compile.
+        if ov.overrides.is_empty() {
+            // Nothing to check (a fresh controller has no config version yet).
+        } else if let Err(e) = engine.try_set_overrides(ov.overrides, |_| Ok::<(), ()>(())) {
+            anyhow::bail!(
+                "refusing to start: state file {}: the overrides cannot be served: {e}",
+                opts.state_dir.join("overrides.json").display()
+            );
+        }
         // Report cursors stay monotonic across restarts (see Engine::set_report_seq_base).
         let start_ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -299,18 +350,26 @@ impl Controller {
             (Some(r), false) => Some((r.clone(), opts.peers.clone())),
             (None, false) => anyhow::bail!("peers need this controller's region"),
         };
-        let ticker = tokio::spawn(tick_loop(shared, peering));
+        let (finish, finished) = oneshot::channel::<()>();
+        let ticker = tokio::spawn(tick_loop(shared, peering, finished));
         tracing::info!(%addr, "controller listening");
         Ok(ControllerHandle {
             addr,
             stop,
             server,
+            finish,
             background: ticker,
         })
     }
 }
 
-async fn tick_loop(shared: Arc<Shared>, peering: Option<(String, Vec<String>)>) {
+/// Ticks until `finish` fires (or its sender is dropped), then logs the state it leaves on
+/// disk: every change was persisted before it was acknowledged, so there is nothing to flush.
+async fn tick_loop(
+    shared: Arc<Shared>,
+    peering: Option<(String, Vec<String>)>,
+    mut finish: oneshot::Receiver<()>,
+) {
     let http = reqwest::Client::builder()
         .timeout(shared.tick.max(Duration::from_millis(200)))
         .build()
@@ -319,7 +378,15 @@ async fn tick_loop(shared: Arc<Shared>, peering: Option<(String, Vec<String>)>) 
     iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let insecure_reminder = LogGate::new(Duration::from_secs(60));
     loop {
-        iv.tick().await;
+        tokio::select! {
+            _ = iv.tick() => {}
+            _ = &mut finish => {
+                let e = shared.engine.lock().expect("engine lock");
+                tracing::info!(state_dir = %shared.state_dir.display(), version = %e.base_config().version,
+                    overrides = e.overrides().len(), "controller stopped; config and overrides are persisted");
+                return;
+            }
+        }
         if shared.allow_anonymous_reports && insecure_reminder.open() {
             tracing::warn!("INSECURE: anonymous zone reports are accepted (--insecure-allow-anonymous-reports)");
         }

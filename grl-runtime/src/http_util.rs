@@ -104,12 +104,45 @@ pub fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
+/// How long a shutdown waits for in-flight requests, and then for the background loop's last
+/// work, unless told otherwise ([`ServerHandle::shutdown_within`]).
+pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Waits for SIGTERM or SIGINT (Ctrl-C) and returns which one came. A process that cannot
+/// install the SIGTERM handler still stops on SIGINT.
+pub async fn shutdown_signal() -> &'static str {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot handle SIGTERM; only SIGINT stops this process gracefully");
+                std::future::pending::<()>().await
+            }
+        }
+    };
+    tokio::select! {
+        _ = term => "SIGTERM",
+        r = tokio::signal::ctrl_c() => {
+            if let Err(e) = r {
+                tracing::warn!(error = %e, "cannot handle SIGINT");
+                std::future::pending::<()>().await;
+            }
+            "SIGINT"
+        }
+    }
+}
+
 /// A running HTTP server with one background loop (the controller's ticker, an aggregator's
 /// forwarder): its address, and a way to stop both.
 pub struct ServerHandle {
     pub(crate) addr: std::net::SocketAddr,
+    /// Stops accepting; in-flight requests finish.
     pub(crate) stop: tokio::sync::oneshot::Sender<()>,
     pub(crate) server: tokio::task::JoinHandle<()>,
+    /// Tells the background loop to do its last work (flush) and return.
+    pub(crate) finish: tokio::sync::oneshot::Sender<()>,
     pub(crate) background: tokio::task::JoinHandle<()>,
 }
 
@@ -124,10 +157,37 @@ impl ServerHandle {
         self.addr
     }
 
-    /// Stops the background loop and the server (in-flight requests finish).
-    pub async fn shutdown(self) {
+    /// [`Self::shutdown_within`] with [`SHUTDOWN_GRACE`].
+    pub async fn shutdown(self) -> bool {
+        self.shutdown_within(SHUTDOWN_GRACE).await
+    }
+
+    /// Stops gracefully: stops accepting connections, lets in-flight requests finish for up to
+    /// `grace` (then cuts the connections left), then lets the background loop do its last
+    /// work (an aggregator forwards the counts it still holds) for up to `grace` again.
+    /// Returns whether everything finished within the bounds.
+    pub async fn shutdown_within(self, grace: std::time::Duration) -> bool {
         let _ = self.stop.send(());
-        self.background.abort();
-        let _ = self.server.await;
+        let mut clean = true;
+        let mut server = self.server;
+        if tokio::time::timeout(grace, &mut server).await.is_err() {
+            tracing::warn!(
+                grace_ms = grace.as_millis() as u64,
+                "in-flight requests still running after the shutdown grace: connections cut"
+            );
+            server.abort();
+            clean = false;
+        }
+        let _ = self.finish.send(());
+        let mut background = self.background;
+        if tokio::time::timeout(grace, &mut background).await.is_err() {
+            tracing::warn!(
+                grace_ms = grace.as_millis() as u64,
+                "background loop did not finish within the shutdown grace: stopped"
+            );
+            background.abort();
+            clean = false;
+        }
+        clean
     }
 }

@@ -61,6 +61,9 @@ enum Cmd {
         /// reaches the port can then make the fleet drop traffic.
         #[arg(long)]
         insecure_allow_anonymous_reports: bool,
+        /// On SIGTERM or SIGINT: how long in-flight requests may take to finish.
+        #[arg(long, default_value_t = 10_000)]
+        shutdown_grace_ms: u64,
     },
     /// Run a zone aggregator.
     ///
@@ -94,6 +97,10 @@ enum Cmd {
         /// reaches the port can then make the fleet drop traffic.
         #[arg(long)]
         insecure_allow_anonymous_reports: bool,
+        /// On SIGTERM or SIGINT: how long in-flight requests, then the last forward of the
+        /// counts held, may take.
+        #[arg(long, default_value_t = 10_000)]
+        shutdown_grace_ms: u64,
     },
     /// Print a new credential line (`NAME SCOPE SECRET`, 256 random bits) for a credentials
     /// file.
@@ -231,6 +238,7 @@ async fn main() -> anyhow::Result<()> {
             region,
             peers,
             insecure_allow_anonymous_reports,
+            shutdown_grace_ms,
         } => {
             let mut creds = CredentialSet::default();
             for (var, roles) in [
@@ -270,8 +278,7 @@ async fn main() -> anyhow::Result<()> {
             })
             .await?;
             println!("listening on {}", h.addr());
-            tokio::signal::ctrl_c().await.context("wait for ctrl-c")?;
-            h.shutdown().await;
+            stop_gracefully("controller", h, shutdown_grace_ms).await;
         }
         Cmd::Aggregator {
             listen,
@@ -282,6 +289,7 @@ async fn main() -> anyhow::Result<()> {
             id,
             client_credentials,
             insecure_allow_anonymous_reports,
+            shutdown_grace_ms,
         } => {
             let h = Aggregator::start(AggregatorOptions {
                 listen,
@@ -297,8 +305,7 @@ async fn main() -> anyhow::Result<()> {
             })
             .await?;
             println!("listening on {}", h.addr());
-            tokio::signal::ctrl_c().await.context("wait for ctrl-c")?;
-            h.shutdown().await;
+            stop_gracefully("aggregator", h, shutdown_grace_ms).await;
         }
         Cmd::Override { cmd } => override_cmd(cmd).await?,
         Cmd::GenCredential { name, scope } => {
@@ -354,6 +361,21 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Serves until SIGTERM or SIGINT, then stops `h` gracefully (in-flight requests finish within
+/// `grace_ms`, then the last flush) and logs it. Exits 0 either way: the stop was asked for.
+async fn stop_gracefully(what: &str, h: grl_runtime::http_util::ServerHandle, grace_ms: u64) {
+    let signal = grl_runtime::http_util::shutdown_signal().await;
+    tracing::info!(
+        signal,
+        grace_ms,
+        "{what} shutting down: no new connections, in-flight requests finish"
+    );
+    let clean = h
+        .shutdown_within(Duration::from_millis(grace_ms.max(1)))
+        .await;
+    tracing::info!(clean, "{what} shut down");
 }
 
 /// `--who`, else $USER, else "unknown" with a warning (cron jobs and containers often run

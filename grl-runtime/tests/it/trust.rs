@@ -82,6 +82,7 @@ async fn forged_client_reports_change_no_drop_ratio() {
         &base,
         "agg-f",
         dir.path(),
+        100,
         &["--client-credentials", creds.to_str().unwrap()],
         &[("GRL_REPORT_TOKEN", REPORT_TOKEN)],
     );
@@ -301,6 +302,7 @@ async fn rotation_with_two_credentials_loses_no_report() {
         &base,
         "agg-r",
         d,
+        100,
         &["--client-credentials", agg_creds.to_str().unwrap()],
         &[("GRL_REPORT_TOKEN_FILE", zone_token.to_str().unwrap())],
     );
