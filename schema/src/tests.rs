@@ -193,9 +193,10 @@ fn bucket_dir_reports_every_problem_with_file_and_line() {
     assert!(diags[1].file.ends_with("typo.yaml") && diags[1].line == 6);
     assert!(diags[2].file.ends_with("x.yaml") && diags[2].key == "service");
     assert_eq!(diags[2].line, 1);
-    // What parsed comes back (x.yaml too: callers refuse on any diagnostic).
+    // What parsed comes back (x.yaml and typo.yaml without its unknown key too: callers
+    // refuse on any diagnostic).
     let services: Vec<&str> = files.iter().map(|f| f.value.service.as_str()).collect();
-    assert_eq!(services, ["ok", "y"]);
+    assert_eq!(services, ["ok", "typo", "y"]);
     // A missing directory is one diagnostic, not a panic.
     let (files, diags) = load_bucket_dir(&d.join("missing"));
     assert!(files.is_empty() && diags.len() == 1);
