@@ -12,6 +12,8 @@ use grl_runtime::client::{ClientOptions, GrlClient};
 use serde_json::{json, Value};
 use test_support::process::{free_port, Proc};
 
+mod config_dir_faults;
+
 const TOKEN: &str = "s3cret";
 /// The zone-report secret every controller and aggregator of the tests shares.
 const REPORT_TOKEN: &str = "r3port";
