@@ -456,7 +456,10 @@ struct Map<'a> {
 
 impl<'de> MapAccess<'de> for Map<'_> {
     type Error = Error;
-    fn next_key_seed<K: DeserializeSeed<'de>>(&mut self, seed: K) -> Result<Option<K::Value>, Error> {
+    fn next_key_seed<K: DeserializeSeed<'de>>(
+        &mut self,
+        seed: K,
+    ) -> Result<Option<K::Value>, Error> {
         let Some((k, _)) = self.entries.get(self.i) else {
             return Ok(None);
         };
@@ -494,10 +497,11 @@ pub(crate) fn collect<T: DeserializeOwned>(value: &Value) -> (Vec<Problem>, Opti
                 }
                 let mut s = st.borrow_mut();
                 // Is the error a consequence of a problem already recorded at or above it?
-                let consequence = s
-                    .faulty
-                    .iter()
-                    .any(|f| path == *f || path.starts_with(&format!("{f}.")) || path.starts_with(&format!("{f}[")));
+                let consequence = s.faulty.iter().any(|f| {
+                    path == *f
+                        || path.starts_with(&format!("{f}."))
+                        || path.starts_with(&format!("{f}["))
+                });
                 match e.missing {
                     Some(field) => {
                         if !consequence {

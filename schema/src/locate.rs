@@ -245,12 +245,7 @@ pub(crate) fn scan(text: &str, limits: ScanLimits) -> Result<Locator, (ScanError
                     Frame::Seq { hash, index: 0 }
                 });
                 if stack.len() > limits.max_depth {
-                    return fail(
-                        pos,
-                        deeper(limits.max_depth),
-                        true,
-                        positions,
-                    );
+                    return fail(pos, deeper(limits.max_depth), true, positions);
                 }
             }
             Event::MappingEnd | Event::SequenceEnd => {
@@ -310,13 +305,19 @@ mod tests {
         ] {
             let t = std::time::Instant::now();
             let (e, _) = scan(&text, limits).expect_err("refused");
-            assert!(e.limit && e.message.contains("nesting deeper than 64"), "{e:?}");
+            assert!(
+                e.limit && e.message.contains("nesting deeper than 64"),
+                "{e:?}"
+            );
             assert!(t.elapsed() < std::time::Duration::from_secs(2));
         }
         let mut bomb = String::from("a0: &a0 [x,x,x,x,x,x,x,x,x,x]\n");
         for i in 1..9 {
             let p = i - 1;
-            bomb.push_str(&format!("a{i}: &a{i} [{}]\n", vec![format!("*a{p}"); 10].join(",")));
+            bomb.push_str(&format!(
+                "a{i}: &a{i} [{}]\n",
+                vec![format!("*a{p}"); 10].join(",")
+            ));
         }
         let (e, _) = scan(&bomb, limits).expect_err("refused");
         assert!(e.message.contains("more than 100000 YAML nodes"), "{e:?}");

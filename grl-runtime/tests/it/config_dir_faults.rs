@@ -35,7 +35,10 @@ fn start_on(dir: &Path, cfg: &Path) -> (i32, String, Duration) {
         if start.elapsed() > Duration::from_secs(60) {
             let _ = child.kill();
             let _ = child.wait();
-            panic!("grl controller still running after 60 s on {}", cfg.display());
+            panic!(
+                "grl controller still running after 60 s on {}",
+                cfg.display()
+            );
         }
         std::thread::sleep(Duration::from_millis(20));
     };
@@ -69,9 +72,13 @@ fn refused(bad: &str, reason: &str, make: impl FnOnce(&Path)) -> String {
 
 #[test]
 fn fault_controller_refuses_a_fifo_without_blocking() {
-    refused("queue.yaml", "a FIFO (named pipe), not a regular file", |p| {
-        assert!(Command::new("mkfifo").arg(p).status().unwrap().success());
-    });
+    refused(
+        "queue.yaml",
+        "a FIFO (named pipe), not a regular file",
+        |p| {
+            assert!(Command::new("mkfifo").arg(p).status().unwrap().success());
+        },
+    );
 }
 
 #[test]
@@ -83,15 +90,23 @@ fn fault_controller_refuses_a_symlink_to_etc_passwd_without_printing_it() {
         "symbolic link to /etc/passwd outside the repo",
         |p| std::os::unix::fs::symlink("/etc/passwd", p).unwrap(),
     );
-    assert!(!err.contains(&first), "content of /etc/passwd printed: {err}");
-    assert!(!err.contains("/bin/"), "content of /etc/passwd printed: {err}");
+    assert!(
+        !err.contains(&first),
+        "content of /etc/passwd printed: {err}"
+    );
+    assert!(
+        !err.contains("/bin/"),
+        "content of /etc/passwd printed: {err}"
+    );
 }
 
 #[test]
 fn fault_controller_refuses_a_symlink_to_dev_zero() {
-    refused("zero.yaml", "symbolic link to /dev/zero outside the repo", |p| {
-        std::os::unix::fs::symlink("/dev/zero", p).unwrap()
-    });
+    refused(
+        "zero.yaml",
+        "symbolic link to /dev/zero outside the repo",
+        |p| std::os::unix::fs::symlink("/dev/zero", p).unwrap(),
+    );
 }
 
 #[test]
@@ -113,7 +128,11 @@ fn fault_controller_refuses_deep_nesting_quickly() {
         let n = 200_000;
         std::fs::write(
             p,
-            format!("service: deep\nbuckets: {}{}\n", "[".repeat(n), "]".repeat(n)),
+            format!(
+                "service: deep\nbuckets: {}{}\n",
+                "[".repeat(n),
+                "]".repeat(n)
+            ),
         )
         .unwrap();
     });

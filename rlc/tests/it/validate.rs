@@ -336,7 +336,11 @@ fn assert_refused(repo: &Path, o: &Outcome, file: &str, reason: &str) {
         "no `{reason}` for {file} in {}",
         o.stdout
     );
-    assert!(o.took < std::time::Duration::from_secs(20), "took {:?}", o.took);
+    assert!(
+        o.took < std::time::Duration::from_secs(20),
+        "took {:?}",
+        o.took
+    );
 }
 
 fn mkfifo(path: &Path) {
@@ -351,7 +355,12 @@ fn fault_symlink_to_dev_zero_is_refused_not_read() {
     std::fs::remove_file(&f).unwrap();
     std::os::unix::fs::symlink("/dev/zero", &f).unwrap();
     let o = validate_bounded(repo.path());
-    assert_refused(repo.path(), &o, "buckets/maps.yaml", "symbolic link to /dev/zero outside the repo");
+    assert_refused(
+        repo.path(),
+        &o,
+        "buckets/maps.yaml",
+        "symbolic link to /dev/zero outside the repo",
+    );
 }
 
 #[test]
@@ -366,11 +375,22 @@ fn fault_symlink_to_etc_passwd_is_refused_and_never_printed() {
     }
     let o = validate_bounded(repo.path());
     for f in ["buckets/maps.yaml", "rlc/contracts.yaml"] {
-        assert_refused(repo.path(), &o, f, "symbolic link to /etc/passwd outside the repo");
+        assert_refused(
+            repo.path(),
+            &o,
+            f,
+            "symbolic link to /etc/passwd outside the repo",
+        );
     }
     for out in [&o.stdout, &o.stderr] {
-        assert!(!out.contains(&first), "content of /etc/passwd printed: {out}");
-        assert!(!out.contains("/bin/"), "content of /etc/passwd printed: {out}");
+        assert!(
+            !out.contains(&first),
+            "content of /etc/passwd printed: {out}"
+        );
+        assert!(
+            !out.contains("/bin/"),
+            "content of /etc/passwd printed: {out}"
+        );
     }
     // maps has a file (refused, but there): rlc/capacity.yaml's `maps` is no unknown service.
     assert!(!o.stdout.contains("unknown service"), "{}", o.stdout);
@@ -398,8 +418,18 @@ fn fault_fifo_is_refused_without_blocking() {
     )
     .unwrap();
     let o = validate_bounded(repo.path());
-    assert_refused(repo.path(), &o, "buckets/queue.yaml", "a FIFO (named pipe), not a regular file");
-    assert_refused(repo.path(), &o, "rlc/capacity.yaml", "a FIFO (named pipe), not a regular file");
+    assert_refused(
+        repo.path(),
+        &o,
+        "buckets/queue.yaml",
+        "a FIFO (named pipe), not a regular file",
+    );
+    assert_refused(
+        repo.path(),
+        &o,
+        "rlc/capacity.yaml",
+        "a FIFO (named pipe), not a regular file",
+    );
 }
 
 #[test]
@@ -409,7 +439,11 @@ fn fault_deep_flow_nesting_is_refused_in_bounded_time() {
     let n = 200_000;
     std::fs::write(
         repo.path().join("buckets/maps.yaml"),
-        format!("service: maps\nbuckets: {}{}\n", "[".repeat(n), "]".repeat(n)),
+        format!(
+            "service: maps\nbuckets: {}{}\n",
+            "[".repeat(n),
+            "]".repeat(n)
+        ),
     )
     .unwrap();
     // Block nesting (`- - - …`) overflowed the stack of both parsers before the limit.
@@ -430,7 +464,11 @@ fn fault_deep_flow_nesting_is_refused_in_bounded_time() {
             o.stdout
         );
     }
-    assert!(o.took < std::time::Duration::from_secs(20), "took {:?}", o.took);
+    assert!(
+        o.took < std::time::Duration::from_secs(20),
+        "took {:?}",
+        o.took
+    );
 }
 
 #[test]
@@ -444,7 +482,12 @@ fn fault_oversize_file_is_refused_before_reading() {
     }
     std::fs::write(repo.path().join("buckets/maps.yaml"), text).unwrap();
     let o = validate_bounded(repo.path());
-    assert_refused(repo.path(), &o, "buckets/maps.yaml", "refused: larger than 4 MiB");
+    assert_refused(
+        repo.path(),
+        &o,
+        "buckets/maps.yaml",
+        "refused: larger than 4 MiB",
+    );
     assert!(!o.stdout.contains("unknown service"), "{}", o.stdout);
 }
 
@@ -479,7 +522,11 @@ buckets:
         (5, "buckets[0].limit_rps", "must be positive"),
         (6, "buckets[0].scope", "unknown variant `planet`"),
         (7, "buckets[1].name", "duplicate bucket name"),
-        (9, "buckets[1].limit_rps", "invalid type: string \"fast\", expected f64"),
+        (
+            9,
+            "buckets[1].limit_rps",
+            "invalid type: string \"fast\", expected f64",
+        ),
         (10, "buckets[1].mode", "unknown variant `maybe`"),
         (11, "buckets[1].colour", "unknown field `colour`"),
         (12, "buckets[2].limit_rps", "missing field `limit_rps`"),
@@ -487,9 +534,9 @@ buckets:
     ] {
         let prefix = format!("{}:{line}:", f.display());
         assert!(
-            o.stdout
-                .lines()
-                .any(|l| l.starts_with(&prefix) && l.contains(&format!("{key}: ")) && l.contains(what)),
+            o.stdout.lines().any(|l| l.starts_with(&prefix)
+                && l.contains(&format!("{key}: "))
+                && l.contains(what)),
             "no `{key}: …{what}` at line {line} in\n{}",
             o.stdout
         );
