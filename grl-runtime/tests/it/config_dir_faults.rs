@@ -137,3 +137,28 @@ fn fault_controller_refuses_deep_nesting_quickly() {
         .unwrap();
     });
 }
+
+#[test]
+fn fault_controller_refuses_more_buckets_than_the_limit() {
+    // 105,000 buckets in three files of 1.7 MB (each within the size limit); the controller
+    // accepted 1.1 M buckets before the limit.
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("buckets");
+    std::fs::create_dir_all(&cfg).unwrap();
+    for s in ["s0", "s1", "s2"] {
+        let mut text = format!("service: {s}\nbuckets:\n");
+        for i in 0..35_000 {
+            text.push_str(&format!("  - {{name: b{i}, caller: c{i}, limit_rps: 5}}\n"));
+        }
+        std::fs::write(cfg.join(format!("{s}.yaml")), text).unwrap();
+    }
+    let (code, err, _) = start_on(dir.path(), &cfg);
+    assert_eq!(code, 1, "{err}");
+    let line = format!("{}:1:1: ", cfg.join("s2.yaml").display());
+    assert!(
+        err.lines()
+            .any(|l| l.contains(&line) && l.contains("to 105000, more than the limit of 100000")),
+        "{err}"
+    );
+    assert!(!dir.path().join("state/config.json").exists());
+}
