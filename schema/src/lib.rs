@@ -133,22 +133,43 @@ impl<T> Parsed<T> {
 /// text that fails them), then serde_yaml decides; when it refuses, the file is walked again
 /// leniently to find every other problem too.
 pub fn parse_all<T: DeserializeOwned>(file: &Path, text: &str, limits: &Limits) -> Parsed<T> {
+    parse_within(file, text, limits, u64::MAX).0
+}
+
+/// [`parse_all`] when the repo may have only `repo_left` more nodes; also returns the nodes
+/// the file has (0 when refused).
+pub(crate) fn parse_within<T: DeserializeOwned>(
+    file: &Path,
+    text: &str,
+    limits: &Limits,
+    repo_left: u64,
+) -> (Parsed<T>, u64) {
     let scan_limits = locate::ScanLimits {
         max_depth: limits.max_depth,
         max_nodes: limits.max_nodes,
+        repo_left,
+        repo_max: limits.max_repo_nodes,
     };
     let locator = match locate::scan(text, scan_limits) {
         Ok(l) => l,
         Err((e, _)) => {
-            return Parsed::refused(Diagnostic {
-                file: file.to_path_buf(),
-                line: e.pos.line,
-                column: e.pos.column,
-                key: String::new(),
-                message: e.message,
-            });
+            return (
+                Parsed::refused(Diagnostic {
+                    file: file.to_path_buf(),
+                    line: e.pos.line,
+                    column: e.pos.column,
+                    key: String::new(),
+                    message: e.message,
+                }),
+                0,
+            );
         }
     };
+    let nodes = locator.nodes;
+    (parse_located(file, text, locator), nodes)
+}
+
+fn parse_located<T: DeserializeOwned>(file: &Path, text: &str, locator: Locator) -> Parsed<T> {
     let first = match serde_yaml::from_str::<T>(text) {
         Ok(value) => {
             return Parsed {

@@ -24,7 +24,9 @@ pub struct Pos {
 /// Path → position of every key and sequence item of one YAML document.
 #[derive(Debug, Default, Clone)]
 pub struct Locator {
-    positions: HashMap<u64, (u32, u32)>,
+    positions: Positions,
+    /// Nodes counted by the scan (an alias counting the nodes it repeats).
+    pub(crate) nodes: u64,
 }
 
 /// Why a text was refused before deserialisation.
@@ -41,6 +43,9 @@ pub(crate) struct ScanError {
 pub(crate) struct ScanLimits {
     pub max_depth: usize,
     pub max_nodes: u64,
+    /// Nodes the repo may still have, and its limit (for the message).
+    pub repo_left: u64,
+    pub repo_max: u64,
 }
 
 const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
@@ -67,12 +72,43 @@ pub(crate) fn key_hash(parent: u64, parent_is_root: bool, key: &str) -> u64 {
     fnv(h, key.as_bytes())
 }
 
-/// The hash of `parent[index]` from the parent's hash.
+/// The hash of `parent[index]` from the parent's hash (no allocation: one per item adds up).
 pub(crate) fn index_hash(parent: u64, index: usize) -> u64 {
+    let mut digits = [0u8; 20];
+    let mut i = digits.len();
+    let mut n = index;
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
     let h = fnv(parent, b"[");
-    let h = fnv(h, index.to_string().as_bytes());
+    let h = fnv(h, &digits[i..]);
     fnv(h, b"]")
 }
+
+/// The keys are hashes already: used as they are.
+#[derive(Default, Clone, Copy, Debug)]
+pub(crate) struct Identity(u64);
+
+impl std::hash::Hasher for Identity {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8) | b as u64;
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+type Positions = HashMap<u64, (u32, u32), std::hash::BuildHasherDefault<Identity>>;
 
 impl Locator {
     /// Builds the map; a document that does not parse gives the positions seen before the
@@ -83,6 +119,8 @@ impl Locator {
             ScanLimits {
                 max_depth: 1024,
                 max_nodes: u64::MAX,
+                repo_left: u64::MAX,
+                repo_max: u64::MAX,
             },
         ) {
             Ok(l) => l,
@@ -138,7 +176,7 @@ fn deeper(max: usize) -> String {
 /// when the event is a mapping key.
 fn value_hash(
     stack: &mut [Frame],
-    positions: &mut HashMap<u64, (u32, u32)>,
+    positions: &mut Positions,
     pos: Pos,
 ) -> Option<(u64, bool)> {
     match stack.last_mut() {
@@ -160,21 +198,24 @@ fn value_hash(
 /// deeper than `max_depth` and more than `max_nodes` nodes (an alias counts the nodes it
 /// repeats). On an error the positions gathered so far come back with it.
 pub(crate) fn scan(text: &str, limits: ScanLimits) -> Result<Locator, (ScanError, Locator)> {
-    let mut positions: HashMap<u64, (u32, u32)> = HashMap::new();
+    let mut positions: Positions = Positions::default();
     let mut stack: Vec<Frame> = Vec::new();
     // (anchor id, node count when the anchored collection started)
     let mut anchors: Vec<(usize, u64)> = Vec::new();
     let mut sizes: HashMap<usize, u64> = HashMap::new();
     let mut nodes: u64 = 0;
     let mut parser = Parser::new_from_str(text);
-    let fail = |pos: Pos, message: String, limit: bool, positions: HashMap<u64, (u32, u32)>| {
+    let fail = |pos: Pos, message: String, limit: bool, positions: Positions| {
         Err((
             ScanError {
                 pos,
                 message,
                 limit,
             },
-            Locator { positions },
+            Locator {
+                positions,
+                nodes: 0,
+            },
         ))
     };
     loop {
@@ -269,8 +310,19 @@ pub(crate) fn scan(text: &str, limits: ScanLimits) -> Result<Locator, (ScanError
                 positions,
             );
         }
+        if nodes > limits.repo_left {
+            return fail(
+                pos,
+                format!(
+                    "the files read before it and this one have more than {} YAML nodes together (the limit per repo); refused before parsing",
+                    limits.repo_max
+                ),
+                true,
+                positions,
+            );
+        }
     }
-    Ok(Locator { positions })
+    Ok(Locator { positions, nodes })
 }
 
 #[cfg(test)]
@@ -297,6 +349,8 @@ mod tests {
         let limits = ScanLimits {
             max_depth: 64,
             max_nodes: 100_000,
+            repo_left: u64::MAX,
+            repo_max: u64::MAX,
         };
         for text in [
             format!("a: {}{}\n", "[".repeat(200_000), "]".repeat(200_000)),

@@ -35,6 +35,8 @@ pub struct Limits {
     pub max_depth: usize,
     /// YAML nodes per file, an alias counting the nodes it repeats (default 1,000,000).
     pub max_nodes: u64,
+    /// YAML nodes of all the files of one repo together (default 4,000,000).
+    pub max_repo_nodes: u64,
     /// Buckets in all the files of `buckets/` together (default 100,000).
     pub max_buckets: usize,
     /// Entries of the `buckets/` directory (default 20,000).
@@ -50,6 +52,7 @@ impl Limits {
         max_repo_bytes: 64 << 20,
         max_depth: 64,
         max_nodes: 1_000_000,
+        max_repo_nodes: 4_000_000,
         max_buckets: 100_000,
         max_dir_entries: 20_000,
         max_problems_per_file: 1_000,
@@ -69,6 +72,8 @@ pub(crate) struct Reader {
     root: Option<PathBuf>,
     pub limits: Limits,
     used: u64,
+    /// YAML nodes of the files parsed so far.
+    pub nodes: u64,
 }
 
 pub(crate) fn file_diag(file: &Path, message: String) -> Diagnostic {
@@ -120,6 +125,7 @@ impl Reader {
             root: Some(root),
             limits,
             used: 0,
+            nodes: 0,
         })
     }
 
@@ -130,6 +136,7 @@ impl Reader {
             root: None,
             limits,
             used: 0,
+            nodes: 0,
         }
     }
 

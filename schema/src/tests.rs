@@ -245,6 +245,30 @@ fn the_repo_budget_refuses_the_file_that_crosses_it() {
 }
 
 #[test]
+fn the_repo_node_budget_refuses_the_file_that_crosses_it() {
+    let dir = tempfile::tempdir().unwrap();
+    // 2 + 2 + 7 × 4 = 32 nodes per file: the second file crosses 50.
+    for s in ["a", "b"] {
+        std::fs::write(dir.path().join(format!("{s}.yaml")), bucket_file(s, 4)).unwrap();
+    }
+    let limits = Limits {
+        max_repo_nodes: 50,
+        ..Limits::DEFAULT
+    };
+    let (files, diags) = load_bucket_dir_with(dir.path(), &limits);
+    assert_eq!(files.len(), 1, "{diags:?}");
+    assert_eq!(diags.len(), 1, "{diags:?}");
+    assert!(diags[0].file.ends_with("b.yaml"), "{}", diags[0]);
+    assert!(
+        diags[0]
+            .message
+            .contains("more than 50 YAML nodes together"),
+        "{}",
+        diags[0]
+    );
+}
+
+#[test]
 fn the_file_limit_refuses_without_reading() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("a.yaml"), bucket_file("a", 40)).unwrap();

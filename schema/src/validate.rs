@@ -8,7 +8,7 @@ use serde::de::DeserializeOwned;
 
 use crate::read::{file_diag, Reader};
 use crate::types::*;
-use crate::{parse_all, Diagnostic, Limits, Located, Parsed};
+use crate::{parse_within, Diagnostic, Limits, Located, Locator, Parsed};
 
 /// A config repo as loaded from disk (DESIGN §3.1). Files that failed to parse are absent (or
 /// present with their faulty parts replaced) and their problems are in the diagnostics
@@ -40,7 +40,9 @@ fn load_file<T: DeserializeOwned>(
 ) -> Option<Parsed<T>> {
     match reader.read(path) {
         Ok(text) => {
-            let p = parse_all::<T>(path, &text, &reader.limits);
+            let left = reader.limits.max_repo_nodes.saturating_sub(reader.nodes);
+            let (p, nodes) = parse_within::<T>(path, &text, &reader.limits, left);
+            reader.nodes += nodes;
             diags.extend(p.problems.iter().cloned());
             Some(p)
         }
@@ -268,7 +270,8 @@ impl ConfigRepo {
 /// `service` key equals the file name, unique bucket names and matchers, positive finite
 /// limits). Returns the files that parsed, sorted by path, and every problem with file, line
 /// and key (sorted, no duplicates). Files that parsed are returned even when a check failed
-/// (callers that apply the config must refuse on any diagnostic).
+/// (callers that apply the config must refuse on any diagnostic), without key positions (their
+/// `locator` is empty: every check that needs one is done).
 pub fn load_bucket_dir(dir: &Path) -> (Vec<Located<BucketFile>>, Vec<Diagnostic>) {
     load_bucket_dir_with(dir, &Limits::DEFAULT)
 }
@@ -380,7 +383,9 @@ fn bucket_dir_with(reader: &mut Reader, dir: &Path) -> BucketDir {
             out.unparsed.insert(stem);
             continue;
         }
-        if let Some(l) = p.located {
+        if let Some(mut l) = p.located {
+            // Checked: the positions are not needed any more (a file's can take tens of MB).
+            l.locator = Locator::default();
             out.files.push(l);
         }
     }
