@@ -174,11 +174,7 @@ fn deeper(max: usize) -> String {
 
 /// The path hash of the node an event starts, recording a sequence item's position; None
 /// when the event is a mapping key.
-fn value_hash(
-    stack: &mut [Frame],
-    positions: &mut Positions,
-    pos: Pos,
-) -> Option<(u64, bool)> {
+fn value_hash(stack: &mut [Frame], positions: &mut Positions, pos: Pos) -> Option<(u64, bool)> {
     match stack.last_mut() {
         None => Some((FNV_OFFSET, true)),
         Some(Frame::Map { key: None, .. }) => None,
