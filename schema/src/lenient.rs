@@ -469,7 +469,9 @@ impl<'de> MapAccess<'de> for Map<'_> {
             .map_err(at(&child_key(self.path, k)))
     }
     fn next_value_seed<V: DeserializeSeed<'de>>(&mut self, seed: V) -> Result<V::Value, Error> {
-        let (k, v) = &self.entries[self.i];
+        let Some((k, v)) = self.entries.get(self.i) else {
+            return Err(de::Error::custom("a value without a key"));
+        };
         self.i += 1;
         let mut de = De::new(v, child_key(self.path, k), self.st);
         de.hole = self.injected.contains(k);
