@@ -13,7 +13,7 @@ use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
-use tokio::sync::{oneshot, Notify};
+use tokio::sync::Notify;
 
 use crate::http_util::{parse_json, ApiError};
 use crate::proto::{
@@ -39,6 +39,10 @@ pub struct AggregatorOptions {
     /// Sent as `Authorization: Bearer <report_token>` with every zone report to the
     /// controllers (the controllers' `report_token`).
     pub report_token: Option<String>,
+    /// Serve HTTPS with these files (reloaded when they change); None = plain HTTP.
+    pub tls: Option<crate::tls::ServerTls>,
+    /// How this aggregator verifies (and identifies itself to) the controllers.
+    pub client_tls: crate::tls::ClientTls,
 }
 
 impl Default for AggregatorOptions {
@@ -51,6 +55,8 @@ impl Default for AggregatorOptions {
             tick: Duration::from_secs(1),
             id: None,
             report_token: None,
+            tls: None,
+            client_tls: crate::tls::ClientTls::default(),
         }
     }
 }
@@ -94,6 +100,20 @@ impl Aggregator {
             !opts.controllers.is_empty(),
             "an aggregator needs at least one controller URL"
         );
+        let tls = opts
+            .tls
+            .as_ref()
+            .map(crate::tls::ReloadingServerConfig::load)
+            .transpose()?;
+        let http = opts
+            .client_tls
+            .http_client(Duration::from_secs(2))
+            .context("controller client")?;
+        crate::tls::warn_plain_http(
+            "controller URL",
+            opts.controllers.iter().map(String::as_str),
+        );
+        let scheme = if tls.is_some() { "https" } else { "http" };
         let listener = tokio::net::TcpListener::bind(opts.listen)
             .await
             .with_context(|| format!("bind {}", opts.listen))?;
@@ -103,10 +123,7 @@ impl Aggregator {
             opts,
             state: Mutex::new(AggState::default()),
             all_in: Notify::new(),
-            http: reqwest::Client::builder()
-                .timeout(Duration::from_secs(2))
-                .build()
-                .context("http client")?,
+            http,
         });
         let router = Router::new()
             .route("/v1/report", post(report))
@@ -114,21 +131,12 @@ impl Aggregator {
             // Configs and zone reports for tens of thousands of buckets exceed axum's 2 MiB default.
             .layer(axum::extract::DefaultBodyLimit::max(64 << 20))
             .with_state(shared.clone());
-        let (stop, stopped) = oneshot::channel::<()>();
-        let server = tokio::spawn(async move {
-            let r = axum::serve(listener, router)
-                .with_graceful_shutdown(async {
-                    let _ = stopped.await;
-                })
-                .await;
-            if let Err(e) = r {
-                tracing::error!(error = %e, "aggregator server failed");
-            }
-        });
+        let (stop, server) = crate::http_util::spawn_server(listener, router, tls, "aggregator");
         let forwarder = tokio::spawn(forward_loop(shared.clone()));
-        tracing::info!(%addr, zone = %shared.opts.zone, region = %shared.opts.region, "aggregator listening");
+        tracing::info!(%addr, scheme, zone = %shared.opts.zone, region = %shared.opts.region, "aggregator listening");
         Ok(AggregatorHandle {
             addr,
+            scheme,
             stop,
             server,
             background: forwarder,

@@ -13,7 +13,6 @@ use axum::response::IntoResponse;
 use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
-use tokio::sync::oneshot;
 
 use crate::config::{self, write_atomic};
 use crate::engine::Engine;
@@ -43,6 +42,10 @@ pub struct ControllerOptions {
     /// `Authorization: Bearer <report_token>` (401 otherwise), and this controller sends it to
     /// its peers. Aggregators and peer controllers are configured with the same value.
     pub report_token: Option<String>,
+    /// Serve HTTPS with these files (reloaded when they change); None = plain HTTP.
+    pub tls: Option<crate::tls::ServerTls>,
+    /// How this controller verifies (and identifies itself to) its peers.
+    pub client_tls: crate::tls::ClientTls,
 }
 
 impl Default for ControllerOptions {
@@ -56,6 +59,8 @@ impl Default for ControllerOptions {
             region: None,
             peers: Vec::new(),
             report_token: None,
+            tls: None,
+            client_tls: crate::tls::ClientTls::default(),
         }
     }
 }
@@ -185,31 +190,35 @@ impl Controller {
             started: std::time::Instant::now(),
             tick: opts.tick,
         });
+        // TLS files and the peer client are checked before binding: a controller does not
+        // start on files that do not load.
+        let tls = opts
+            .tls
+            .as_ref()
+            .map(crate::tls::ReloadingServerConfig::load)
+            .transpose()?;
+        let http = opts
+            .client_tls
+            .http_client(opts.tick.max(Duration::from_millis(200)))
+            .context("peer controller client")?;
+        crate::tls::warn_plain_http("peer controller URL", opts.peers.iter().map(String::as_str));
+        let scheme = if tls.is_some() { "https" } else { "http" };
         let listener = tokio::net::TcpListener::bind(opts.listen)
             .await
             .with_context(|| format!("bind {}", opts.listen))?;
         let addr = listener.local_addr()?;
-        let (stop, stopped) = oneshot::channel::<()>();
-        let router = app(shared.clone());
-        let server = tokio::spawn(async move {
-            let r = axum::serve(listener, router)
-                .with_graceful_shutdown(async {
-                    let _ = stopped.await;
-                })
-                .await;
-            if let Err(e) = r {
-                tracing::error!(error = %e, "controller server failed");
-            }
-        });
+        let (stop, server) =
+            crate::http_util::spawn_server(listener, app(shared.clone()), tls, "controller");
         let peering = match (&opts.region, opts.peers.is_empty()) {
             (_, true) => None,
             (Some(r), false) => Some((r.clone(), opts.peers.clone())),
             (None, false) => anyhow::bail!("peers need this controller's region"),
         };
-        let ticker = tokio::spawn(tick_loop(shared, peering));
-        tracing::info!(%addr, "controller listening");
+        let ticker = tokio::spawn(tick_loop(shared, peering, http));
+        tracing::info!(%addr, scheme, "controller listening");
         Ok(ControllerHandle {
             addr,
+            scheme,
             stop,
             server,
             background: ticker,
@@ -217,11 +226,11 @@ impl Controller {
     }
 }
 
-async fn tick_loop(shared: Arc<Shared>, peering: Option<(String, Vec<String>)>) {
-    let http = reqwest::Client::builder()
-        .timeout(shared.tick.max(Duration::from_millis(200)))
-        .build()
-        .unwrap_or_default();
+async fn tick_loop(
+    shared: Arc<Shared>,
+    peering: Option<(String, Vec<String>)>,
+    http: reqwest::Client,
+) {
     let mut iv = tokio::time::interval(shared.tick);
     iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {

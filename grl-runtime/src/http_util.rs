@@ -78,15 +78,17 @@ pub fn unix_now() -> u64 {
 /// forwarder): its address, and a way to stop both.
 pub struct ServerHandle {
     pub(crate) addr: std::net::SocketAddr,
+    /// `https` when serving TLS, else `http`.
+    pub(crate) scheme: &'static str,
     pub(crate) stop: tokio::sync::oneshot::Sender<()>,
     pub(crate) server: tokio::task::JoinHandle<()>,
     pub(crate) background: tokio::task::JoinHandle<()>,
 }
 
 impl ServerHandle {
-    /// Base URL, e.g. `http://127.0.0.1:7070`.
+    /// Base URL, e.g. `http://127.0.0.1:7070` (`https://` when serving TLS).
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        format!("{}://{}", self.scheme, self.addr)
     }
 
     /// The bound address.
@@ -100,4 +102,28 @@ impl ServerHandle {
         self.background.abort();
         let _ = self.server.await;
     }
+}
+
+/// Serves `router` on `listener` (over TLS when `tls` is given) in a task until the returned
+/// sender fires or drops; `what` names the server in logs.
+pub(crate) fn spawn_server(
+    listener: tokio::net::TcpListener,
+    router: axum::Router,
+    tls: Option<std::sync::Arc<crate::tls::ReloadingServerConfig>>,
+    what: &'static str,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+) {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        let r = crate::tls::serve(listener, router, tls, async {
+            let _ = stopped.await;
+        })
+        .await;
+        if let Err(e) = r {
+            tracing::error!(error = %e, "{what} server failed");
+        }
+    });
+    (stop, server)
 }

@@ -53,6 +53,11 @@ enum Cmd {
         /// authenticated (a warning is logged).
         #[arg(long, env = "GRL_REPORT_TOKEN", hide_env_values = true)]
         report_token: Option<String>,
+        #[command(flatten)]
+        tls: ServeTlsArgs,
+        /// How peer controllers (--peer https://…) are verified.
+        #[command(flatten)]
+        client_tls: ClientTlsArgs,
     },
     /// Run a zone aggregator.
     Aggregator {
@@ -77,6 +82,11 @@ enum Cmd {
         /// The controllers' report token, sent with every zone report.
         #[arg(long, env = "GRL_REPORT_TOKEN", hide_env_values = true)]
         report_token: Option<String>,
+        #[command(flatten)]
+        tls: ServeTlsArgs,
+        /// How the controllers (--controller https://…) are verified.
+        #[command(flatten)]
+        client_tls: ClientTlsArgs,
     },
     /// Incident overrides on a controller.
     Override {
@@ -118,6 +128,65 @@ struct Remote {
     /// Bearer token.
     #[arg(long, env = "GRL_TOKEN", hide_env_values = true, default_value = "")]
     token: String,
+    #[command(flatten)]
+    tls: ClientTlsArgs,
+}
+
+/// A server's TLS (controller, aggregator). No certificate = plain HTTP (loopback, tests).
+#[derive(Args)]
+struct ServeTlsArgs {
+    /// Serve HTTPS with this certificate chain (PEM, leaf first). Re-read when it changes:
+    /// new connections get the new certificate, no restart.
+    #[arg(long, env = "GRL_TLS_CERT")]
+    tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, env = "GRL_TLS_KEY")]
+    tls_key: Option<PathBuf>,
+    /// Mutual TLS: refuse clients without a certificate signed by this CA (PEM).
+    #[arg(long, env = "GRL_TLS_CLIENT_CA")]
+    tls_client_ca: Option<PathBuf>,
+    /// Seconds between checks of the TLS files for changes.
+    #[arg(long, default_value_t = 5)]
+    tls_reload_secs: u64,
+}
+
+impl ServeTlsArgs {
+    fn options(self) -> anyhow::Result<Option<grl_runtime::tls::ServerTls>> {
+        let reload = Duration::from_secs(self.tls_reload_secs.max(1));
+        Ok(grl_runtime::tls::ServerTls::from_flags(
+            self.tls_cert,
+            self.tls_key,
+            self.tls_client_ca,
+        )?
+        .map(|t| grl_runtime::tls::ServerTls {
+            reload_every: reload,
+            ..t
+        }))
+    }
+}
+
+/// How this process verifies the servers it calls, and its client certificate.
+#[derive(Args)]
+struct ClientTlsArgs {
+    /// Verify https servers against this CA (PEM) only, instead of the public roots.
+    #[arg(long, env = "GRL_TLS_CA")]
+    tls_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for servers that require mutual TLS.
+    #[arg(long, env = "GRL_TLS_CLIENT_CERT")]
+    tls_client_cert: Option<PathBuf>,
+    /// The private key of --tls-client-cert (PEM).
+    #[arg(long, env = "GRL_TLS_CLIENT_KEY")]
+    tls_client_key: Option<PathBuf>,
+}
+
+impl ClientTlsArgs {
+    fn options(self) -> anyhow::Result<grl_runtime::tls::ClientTls> {
+        grl_runtime::tls::ClientTls::from_flags(
+            self.tls_ca,
+            self.tls_client_cert,
+            self.tls_client_key,
+        )
+    }
 }
 
 #[derive(Subcommand)]
@@ -197,6 +266,8 @@ async fn main() -> anyhow::Result<()> {
             region,
             peers,
             report_token,
+            tls,
+            client_tls,
         } => {
             let Some(token) = token.filter(|t| !t.is_empty()) else {
                 bail!("set the bearer token in the GRL_TOKEN environment variable (must not be empty)");
@@ -214,6 +285,8 @@ async fn main() -> anyhow::Result<()> {
                 region,
                 peers,
                 report_token,
+                tls: tls.options()?,
+                client_tls: client_tls.options()?,
             })
             .await?;
             println!("listening on {}", h.addr());
@@ -228,6 +301,8 @@ async fn main() -> anyhow::Result<()> {
             tick_ms,
             id,
             report_token,
+            tls,
+            client_tls,
         } => {
             let h = Aggregator::start(AggregatorOptions {
                 listen,
@@ -237,6 +312,8 @@ async fn main() -> anyhow::Result<()> {
                 tick: Duration::from_millis(tick_ms.max(1)),
                 id,
                 report_token: report_token.filter(|t| !t.is_empty()),
+                tls: tls.options()?,
+                client_tls: client_tls.options()?,
             })
             .await?;
             println!("listening on {}", h.addr());
@@ -297,8 +374,20 @@ fn who_or_user(who: Option<String>) -> String {
         })
 }
 
-async fn override_cmd(cmd: OverrideCmd) -> anyhow::Result<()> {
-    let http = reqwest::Client::new();
+async fn override_cmd(mut cmd: OverrideCmd) -> anyhow::Result<()> {
+    let tls = match &mut cmd {
+        OverrideCmd::Add { remote, .. }
+        | OverrideCmd::List { remote }
+        | OverrideCmd::Rm { remote, .. } => std::mem::replace(
+            &mut remote.tls,
+            ClientTlsArgs {
+                tls_ca: None,
+                tls_client_cert: None,
+                tls_client_key: None,
+            },
+        ),
+    };
+    let http = tls.options()?.http_client(Duration::from_secs(30))?;
     let (resp, what) = match cmd {
         OverrideCmd::Add {
             remote,

@@ -56,6 +56,7 @@ pub async fn run_realtime(
         region: None,
         peers: Vec::new(),
         report_token: Some(format!("realtime-report-{seed}")),
+        ..Default::default()
     })
     .await?;
     let zones = if sc.zones.is_empty() {
@@ -76,6 +77,7 @@ pub async fn run_realtime(
             tick,
             id: Some(format!("agg-{zone}")),
             report_token: Some(format!("realtime-report-{seed}")),
+            ..Default::default()
         })
         .await?;
         aggs.insert(zone.clone(), a);
