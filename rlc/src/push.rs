@@ -2,8 +2,10 @@
 //! reconcile loop that brings the controller to the desired config version, retrying with
 //! bounded backoff while it is down.
 
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use grl_runtime::tls::ClientTls;
 use schema::BucketFile;
 use serde::{Deserialize, Serialize};
 
@@ -35,6 +37,9 @@ pub enum PushError {
     /// The controller token env var is not set.
     #[error("environment variable {0} (controller.token_env) is not set")]
     NoToken(String),
+    /// controller.tls names files that do not load.
+    #[error("controller.tls: {0}")]
+    Tls(String),
 }
 
 impl PushError {
@@ -143,11 +148,45 @@ impl ControllerClient {
         }
     }
 
-    /// From `controller` in rlc.yaml, reading the token from its env var.
-    pub fn from_config(c: &schema::ControllerConfig) -> Result<ControllerClient, PushError> {
+    /// A client for `url` with `token` that verifies the controller (and presents a client
+    /// certificate) as `tls` says.
+    pub fn with_tls(
+        url: &str,
+        token: String,
+        tls: &ClientTls,
+    ) -> Result<ControllerClient, PushError> {
+        let http = tls
+            .http_client(Duration::from_secs(30))
+            .map_err(|e| PushError::Tls(format!("{e:#}")))?;
+        grl_runtime::tls::warn_plain_http("controller.url", [url]);
+        Ok(ControllerClient {
+            http,
+            url: url.trim_end_matches('/').to_string(),
+            token,
+        })
+    }
+
+    /// From `controller` in rlc.yaml (TLS paths relative to `base_dir`, the directory of
+    /// rlc.yaml), reading the token from its env var.
+    pub fn from_config(
+        c: &schema::ControllerConfig,
+        base_dir: &Path,
+    ) -> Result<ControllerClient, PushError> {
         let token =
             std::env::var(&c.token_env).map_err(|_| PushError::NoToken(c.token_env.clone()))?;
-        Ok(ControllerClient::new(&c.url, token))
+        let tls = c
+            .tls
+            .as_ref()
+            .map(|t| {
+                ClientTls {
+                    ca: t.ca.as_ref().map(PathBuf::from),
+                    cert: t.client_cert.as_ref().map(PathBuf::from),
+                    key: t.client_key.as_ref().map(PathBuf::from),
+                }
+                .relative_to(base_dir)
+            })
+            .unwrap_or_default();
+        ControllerClient::with_tls(&c.url, token, &tls)
     }
 
     async fn check(resp: reqwest::Response) -> Result<reqwest::Response, PushError> {
