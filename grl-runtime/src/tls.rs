@@ -566,3 +566,93 @@ pub async fn serve(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::extract::ConnectInfo;
+    use test_support::tls::Ca;
+
+    #[test]
+    fn flags_go_in_pairs() {
+        let p = |s: &str| Some(PathBuf::from(s));
+        assert!(ServerTls::from_flags(None, None, None).unwrap().is_none());
+        let e = ServerTls::from_flags(p("c"), None, None).unwrap_err();
+        assert!(e.to_string().contains("--tls-key"), "{e}");
+        let e = ServerTls::from_flags(None, None, p("ca")).unwrap_err();
+        assert!(e.to_string().contains("--tls-client-ca needs"), "{e}");
+        let t = ServerTls::from_flags(p("c"), p("k"), p("ca"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(t.client_ca, p("ca"));
+        let e = ClientTls::from_flags(None, p("c"), None).unwrap_err();
+        assert!(e.to_string().contains("--tls-client-key"), "{e}");
+        let rel = ClientTls::from_flags(p("ca.pem"), None, None)
+            .unwrap()
+            .relative_to(Path::new("/etc/rlc"));
+        assert_eq!(rel.ca, p("/etc/rlc/ca.pem"));
+    }
+
+    /// Under mutual TLS a handler sees the names of the client's certificate; a client
+    /// without one never reaches it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn handlers_see_the_client_certificate_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let ca = Ca::new("unit CA");
+        let ca_file = ca.write(&d.join("ca.crt"));
+        let (crt, key) = ca.server().write(d, "server");
+        let (ccrt, ckey) = ca.client("aggregator.z1").write(d, "client");
+        let tls = ReloadingServerConfig::load(&ServerTls {
+            client_ca: Some(ca_file.clone()),
+            ..ServerTls::new(&crt, &key)
+        })
+        .unwrap();
+        let router = Router::new().route(
+            "/whoami",
+            axum::routing::get(|ConnectInfo(p): ConnectInfo<Peer>| async move {
+                p.cert_names.join(",")
+            }),
+        );
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(serve(listener, router, Some(tls.clone()), async {
+            let _ = stopped.await;
+        }));
+        let url = format!("https://127.0.0.1:{}/whoami", addr.port());
+        let with_cert = ClientTls {
+            ca: Some(ca_file.clone()),
+            cert: Some(ccrt),
+            key: Some(ckey),
+        }
+        .http_client(Duration::from_secs(5))
+        .unwrap();
+        let body = with_cert
+            .get(&url)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert_eq!(body, "aggregator.z1");
+        let without = ClientTls {
+            ca: Some(ca_file),
+            ..Default::default()
+        }
+        .http_client(Duration::from_secs(5))
+        .unwrap();
+        assert!(without.get(&url).send().await.is_err());
+        // The refusal is counted (the server side of the handshake may finish a moment later).
+        for _ in 0..50 {
+            if tls.handshake_failures() >= 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(tls.handshake_failures() >= 1);
+        let _ = stop.send(());
+        server.await.unwrap().unwrap();
+    }
+}
