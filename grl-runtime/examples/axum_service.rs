@@ -3,7 +3,9 @@
 //! Run a controller and an aggregator, push a config with a bucket for service `payments`,
 //! then: `cargo run -p grl-runtime --example axum_service -- http://127.0.0.1:7071` and call
 //! `curl -H 'x-caller: gw' http://127.0.0.1:3000/charge`. Callers over their quota get 429
-//! with `Retry-After`.
+//! with `Retry-After`. Aggregators over HTTPS (`https://…`): `GRL_TLS_CA` names the CA to
+//! verify them against, `GRL_TLS_CLIENT_CERT` / `GRL_TLS_CLIENT_KEY` the client certificate
+//! when they require one (see docs/security.md).
 
 use std::time::Duration;
 
@@ -20,6 +22,12 @@ async fn main() -> anyhow::Result<()> {
     let aggregators: Vec<String> = std::env::args().skip(1).collect();
     let mut opts = ClientOptions::new("payments", aggregators);
     opts.tick = Duration::from_secs(1);
+    let path = |var: &str| std::env::var_os(var).map(std::path::PathBuf::from);
+    opts.tls = grl_runtime::tls::ClientTls::from_flags(
+        path("GRL_TLS_CA"),
+        path("GRL_TLS_CLIENT_CERT"),
+        path("GRL_TLS_CLIENT_KEY"),
+    )?;
     let client = GrlClient::start(opts);
     let app = Router::new()
         .route("/charge", get(|| async { "charged\n" }))
