@@ -263,7 +263,8 @@ pub fn server_config(t: &ServerTls) -> anyhow::Result<ServerConfig> {
             t.key.display()
         )
     })?;
-    cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    // HTTP/1.1 only: the servers are built without HTTP/2.
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(cfg)
 }
 
