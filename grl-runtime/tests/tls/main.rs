@@ -503,3 +503,115 @@ fn controller_refuses_to_start_on_bad_tls_files() {
         assert!(err.contains(want), "{extra:?}: {err}");
     }
 }
+
+/// Region controllers share global sums over mutual TLS: west presents a client certificate
+/// to east and is heard; east presents none to west and is refused, so only east sees the
+/// whole fleet (2/3 dropped of 600 offered against 200) while west sees its own half (1/3).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_controllers_over_mutual_tls_hear_only_certified_peers() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ca = Ca::new("grl test CA");
+    let ca_file = ca.write(&d.join("ca.crt"));
+    let (srv_crt, srv_key) = ca.server().write(d, "server");
+    let (peer_crt, peer_key) = ca.client("controller.west").write(d, "peer");
+    let (op_crt, op_key) = ca.client("operator").write(d, "operator");
+    let operator = ClientTls {
+        ca: Some(ca_file.clone()),
+        cert: Some(op_crt),
+        key: Some(op_key),
+    };
+    let (pe, pw) = (free_port(), free_port());
+    let (ue, uw) = (
+        format!("https://127.0.0.1:{pe}"),
+        format!("https://127.0.0.1:{pw}"),
+    );
+    let (le, lw) = (format!("127.0.0.1:{pe}"), format!("127.0.0.1:{pw}"));
+    let (se, sw) = (d.join("east"), d.join("west"));
+    let server_args = [
+        "--tls-cert",
+        s(&srv_crt),
+        "--tls-key",
+        s(&srv_key),
+        "--tls-client-ca",
+        s(&ca_file),
+        "--tls-ca",
+        s(&ca_file),
+    ];
+    let mut east: Vec<&str> = vec!["controller", "--listen", &le, "--tick-ms", "100"];
+    east.extend(["--state-dir", s(&se), "--region", "east", "--peer", &uw]);
+    east.extend(server_args);
+    let mut west: Vec<&str> = vec!["controller", "--listen", &lw, "--tick-ms", "100"];
+    west.extend(["--state-dir", s(&sw), "--region", "west", "--peer", &ue]);
+    west.extend(server_args);
+    west.extend([
+        "--tls-client-cert",
+        s(&peer_crt),
+        "--tls-client-key",
+        s(&peer_key),
+    ]);
+    let _east = spawn(&east, d, "east");
+    let _west = spawn(&west, d, "west");
+    let h = http(&operator);
+    for u in [&ue, &uw] {
+        wait_up(&operator, &format!("{u}/v1/status")).await;
+        let r = h
+            .put(format!("{u}/v1/config"))
+            .bearer_auth(TOKEN)
+            .json(&json!({
+                "version": "v1",
+                "services": [{"service": "payments", "buckets": [
+                    {"name": "gw.charge", "caller": "gw", "procedure": "charge", "scope": "global",
+                     "limit_rps": 200.0, "mode": "enforce", "policy": "peak"}]}]
+            }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    let report = |region: &str| {
+        json!({"aggregator_id": format!("agg-{region}"), "region": region, "zone": format!("{region}-1"),
+               "buckets": [{"service": "payments", "bucket": "gw.charge", "offered_rps": 300.0,
+                            "admitted_rps": 300.0, "dropped_rps": 0.0, "shadow_dropped_rps": 0.0,
+                            "counts": {"bucket": "gw.charge", "offered": 30, "admitted": 30,
+                                       "dropped": 0, "shadow_dropped": 0}}]})
+    };
+    let ratios = || async {
+        let mut v = Vec::new();
+        for (u, region) in [(&ue, "east"), (&uw, "west")] {
+            let d: Value = h
+                .post(format!("{u}/v1/aggregate"))
+                .bearer_auth(REPORT_TOKEN)
+                .json(&report(region))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            v.push(d["services"][0]["directives"][0]["ratio"].as_f64().unwrap());
+        }
+        v
+    };
+    let mut last = Vec::new();
+    let mut heard = false;
+    for _ in 0..200 {
+        last = ratios().await;
+        if (last[0] - 2.0 / 3.0).abs() < 1e-6 {
+            heard = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(heard, "east never heard west over TLS: {last:?}");
+    // Long enough for many of east's peer reports (tick 100 ms) to have been refused.
+    for _ in 0..20 {
+        let r = ratios().await;
+        assert!(
+            (r[1] - 1.0 / 3.0).abs() < 1e-6,
+            "west counted east's sums without a client certificate: {r:?}"
+        );
+        assert!((r[0] - 2.0 / 3.0).abs() < 1e-6, "{r:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
