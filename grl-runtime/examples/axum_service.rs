@@ -3,9 +3,11 @@
 //! Run a controller and an aggregator, push a config with a bucket for service `payments`,
 //! then: `cargo run -p grl-runtime --example axum_service -- http://127.0.0.1:7071` and call
 //! `curl -H 'x-caller: gw' http://127.0.0.1:3000/charge`. Callers over their quota get 429
-//! with `Retry-After`. Aggregators over HTTPS (`https://…`): `GRL_TLS_CA` names the CA to
-//! verify them against, `GRL_TLS_CLIENT_CERT` / `GRL_TLS_CLIENT_KEY` the client certificate
-//! when they require one (see docs/security.md).
+//! with `Retry-After`. The report credential (a secret the aggregator's client credentials
+//! file grants for `payments`) comes from `GRL_CLIENT_TOKEN` or `GRL_CLIENT_TOKEN_FILE`.
+//! Aggregators over HTTPS (`https://…`): `GRL_TLS_CA` names the CA to verify them against,
+//! `GRL_TLS_CLIENT_CERT` / `GRL_TLS_CLIENT_KEY` the client certificate when they require one
+//! (see docs/security.md).
 
 use std::time::Duration;
 
@@ -20,7 +22,14 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let aggregators: Vec<String> = std::env::args().skip(1).collect();
-    let mut opts = ClientOptions::new("payments", aggregators);
+    let mut opts = ClientOptions::new("payments", aggregators)
+        .with_report_token_from_env()
+        .map_err(anyhow::Error::msg)?;
+    if opts.report_token.is_none() {
+        tracing::warn!(
+            "no GRL_CLIENT_TOKEN: aggregators will refuse the reports and the limiter stays open"
+        );
+    }
     opts.tick = Duration::from_secs(1);
     let path = |var: &str| std::env::var_os(var).map(std::path::PathBuf::from);
     opts.tls = grl_runtime::tls::ClientTls::from_flags(

@@ -1,21 +1,29 @@
 //! The zone aggregator: sums its clients' reports per bucket, forwards them to the controller
 //! (as soon as every known client has reported, or at the tick), and serves the cached
 //! directives and config back.
+//!
+//! Client reports need a client credential (see [`crate::auth`]) whose scope covers the
+//! report's service: 401 without a known credential, 403 for another service's report, both
+//! decided from the headers and the service before anything is recorded. A refused report is
+//! never summed nor forwarded.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use axum::body::Bytes;
+use axum::body::Body;
 use axum::extract::{Query, State};
+use axum::http::HeaderMap;
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
-use tokio::sync::Notify;
+use tokio::sync::{oneshot, Notify};
 
-use crate::http_util::{parse_json, ApiError};
+use crate::auth::{CredentialSet, LogGate, RefusalCounts, TokenSource};
+use crate::http_util::{parse_json, read_body, ApiError};
 use crate::proto::{
     BucketCountsMsg, ClientDirectives, ClientReport, ConfigDoc, ZoneBucketMsg, ZoneDirectives,
     ZoneReport,
@@ -37,13 +45,23 @@ pub struct AggregatorOptions {
     /// Instance id (defaults to the listen address).
     pub id: Option<String>,
     /// Sent as `Authorization: Bearer <report_token>` with every zone report to the
-    /// controllers (the controllers' `report_token`).
-    pub report_token: Option<String>,
+    /// controllers (a credential with their `zone-report` role).
+    pub report_token: Option<TokenSource>,
+    /// The client credentials accepted on `POST /v1/report`: a credentials file whose scopes
+    /// are service names (`*` = every service), re-read when it changes.
+    pub client_credentials: Option<PathBuf>,
+    /// Development only: accept client reports that carry no credential (a warning is logged
+    /// at start and every minute). Without it and without `client_credentials` the aggregator
+    /// refuses to start.
+    pub allow_anonymous_reports: bool,
     /// Serve HTTPS with these files (reloaded when they change); None = plain HTTP.
     pub tls: Option<crate::tls::ServerTls>,
     /// How this aggregator verifies (and identifies itself to) the controllers.
     pub client_tls: crate::tls::ClientTls,
 }
+
+/// Largest client report (one service's buckets).
+const MAX_REPORT_BODY: usize = 4 << 20;
 
 impl Default for AggregatorOptions {
     fn default() -> Self {
@@ -55,6 +73,8 @@ impl Default for AggregatorOptions {
             tick: Duration::from_secs(1),
             id: None,
             report_token: None,
+            client_credentials: None,
+            allow_anonymous_reports: false,
             tls: None,
             client_tls: crate::tls::ClientTls::default(),
         }
@@ -74,7 +94,9 @@ struct ClientEntry {
 
 #[derive(Default)]
 struct AggState {
-    clients: HashMap<String, ClientEntry>,
+    /// Keyed by (service, client id): a client of one service cannot replace another
+    /// service's client by reusing its id.
+    clients: HashMap<(String, String), ClientEntry>,
     pending: HashMap<(String, String), BucketCountsMsg>,
     directives: ZoneDirectives,
     directives_at: Option<Instant>,
@@ -87,6 +109,22 @@ struct Shared {
     state: Mutex<AggState>,
     all_in: Notify,
     http: reqwest::Client,
+    creds: CredentialSet,
+    refused: RefusalCounts,
+    refused_log: LogGate,
+    accepted: std::sync::atomic::AtomicU64,
+}
+
+impl Shared {
+    /// A client report refused: counted by reason and logged (at most every 10 s) without
+    /// the credential.
+    fn refuse(&self, reason: &'static str, detail: &str, err: ApiError) -> ApiError {
+        self.refused.add(reason);
+        if self.refused_log.open() {
+            tracing::warn!(reason, detail, error = %err, "client report refused (logged at most every 10 s; see grl_reports_refused_total)");
+        }
+        err
+    }
 }
 
 /// The aggregator.
@@ -100,6 +138,23 @@ impl Aggregator {
             !opts.controllers.is_empty(),
             "an aggregator needs at least one controller URL"
         );
+        let mut creds = CredentialSet::default();
+        if let Some(path) = &opts.client_credentials {
+            creds
+                .add_file(path, None)
+                .map_err(|e| anyhow::anyhow!("client credentials: {e}"))?;
+        }
+        if opts.allow_anonymous_reports {
+            tracing::warn!("INSECURE: --insecure-allow-anonymous-reports: client reports without a credential are accepted; anyone who reaches this port can make the fleet drop traffic (development only)");
+        } else {
+            anyhow::ensure!(
+                !creds.is_empty(),
+                "refusing to start: no client credentials (set --client-credentials FILE or GRL_CLIENT_CREDENTIALS_FILE); --insecure-allow-anonymous-reports accepts anonymous reports for development"
+            );
+        }
+        if opts.report_token.is_none() {
+            tracing::warn!("no report token (GRL_REPORT_TOKEN): controllers will refuse this aggregator's zone reports");
+        }
         let tls = opts
             .tls
             .as_ref()
@@ -124,42 +179,93 @@ impl Aggregator {
             state: Mutex::new(AggState::default()),
             all_in: Notify::new(),
             http,
+            creds,
+            refused: RefusalCounts::default(),
+            refused_log: LogGate::new(Duration::from_secs(10)),
+            accepted: Default::default(),
         });
         let router = Router::new()
             .route("/v1/report", post(report))
             .route("/v1/config", get(config))
+            .route("/metrics", get(metrics))
             // Configs and zone reports for tens of thousands of buckets exceed axum's 2 MiB default.
             .layer(axum::extract::DefaultBodyLimit::max(64 << 20))
             .with_state(shared.clone());
         let (stop, server) = crate::http_util::spawn_server(listener, router, tls, "aggregator");
-        let forwarder = tokio::spawn(forward_loop(shared.clone()));
+        let (finish, finished) = oneshot::channel::<()>();
+        let forwarder = tokio::spawn(forward_loop(shared.clone(), finished));
         tracing::info!(%addr, scheme, zone = %shared.opts.zone, region = %shared.opts.region, "aggregator listening");
         Ok(AggregatorHandle {
             addr,
             scheme,
             stop,
             server,
+            finish,
             background: forwarder,
         })
     }
 }
 
-async fn report(State(s): State<Arc<Shared>>, body: Bytes) -> Result<impl IntoResponse, ApiError> {
-    let r: ClientReport = parse_json(&body)?;
-    if r.interval_ms == 0 || r.client_id.is_empty() || r.service.is_empty() {
-        return Err(ApiError::Invalid(
-            "interval_ms must be positive; client_id and service must not be empty".into(),
-        ));
-    }
-    let mut st = s.state.lock().expect("aggregator lock");
-    for b in &r.buckets {
-        if b.admitted + b.dropped != b.offered || b.shadow_dropped > b.admitted {
-            return Err(ApiError::Invalid(format!(
-                "bucket `{}`: admitted + dropped must equal offered and shadow_dropped ≤ admitted",
-                b.bucket
-            )));
+/// `POST /v1/report`: a client credential covering the report's service.
+async fn report(
+    State(s): State<Arc<Shared>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<impl IntoResponse, ApiError> {
+    // The credential is checked from the headers before the body is read.
+    let anonymous =
+        s.opts.allow_anonymous_reports && headers.get(axum::http::header::AUTHORIZATION).is_none();
+    let cred = if anonymous {
+        None
+    } else {
+        match s.creds.authenticate(&headers) {
+            Ok(c) => Some(c),
+            Err(r) => return Err(s.refuse(r.reason(), "", ApiError::Unauthorized)),
+        }
+    };
+    let body = match read_body(body, MAX_REPORT_BODY).await {
+        Ok(b) => b,
+        Err(e @ ApiError::TooLarge(_)) => return Err(s.refuse("too_large", "", e)),
+        Err(e) => return Err(s.refuse("malformed", "", e)),
+    };
+    let r: ClientReport = parse_json(&body).map_err(|e| s.refuse("malformed", "", e))?;
+    if let Some(c) = &cred {
+        if !c.covers(&r.service) {
+            let detail = format!(
+                "credential `{}` reported for service `{}`",
+                c.name, r.service
+            );
+            let e = ApiError::Forbidden(format!(
+                "credential `{}` does not cover service `{}`",
+                c.name, r.service
+            ));
+            return Err(s.refuse("forbidden", &detail, e));
         }
     }
+    if r.interval_ms == 0 || r.client_id.is_empty() || r.service.is_empty() {
+        return Err(s.refuse(
+            "invalid",
+            "",
+            ApiError::Invalid(
+                "interval_ms must be positive; client_id and service must not be empty".into(),
+            ),
+        ));
+    }
+    for b in &r.buckets {
+        if b.admitted.checked_add(b.dropped) != Some(b.offered) || b.shadow_dropped > b.admitted {
+            return Err(s.refuse(
+                "invalid",
+                "",
+                ApiError::Invalid(format!(
+                "bucket `{}`: admitted + dropped must equal offered and shadow_dropped ≤ admitted",
+                b.bucket
+            )),
+            ));
+        }
+    }
+    s.accepted
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut st = s.state.lock().expect("aggregator lock");
     for b in &r.buckets {
         let p = st
             .pending
@@ -168,14 +274,14 @@ async fn report(State(s): State<Arc<Shared>>, body: Bytes) -> Result<impl IntoRe
                 bucket: b.bucket.clone(),
                 ..Default::default()
             });
-        p.offered += b.offered;
-        p.admitted += b.admitted;
-        p.dropped += b.dropped;
-        p.shadow_dropped += b.shadow_dropped;
+        p.offered = p.offered.saturating_add(b.offered);
+        p.admitted = p.admitted.saturating_add(b.admitted);
+        p.dropped = p.dropped.saturating_add(b.dropped);
+        p.shadow_dropped = p.shadow_dropped.saturating_add(b.shadow_dropped);
     }
     let rates = r.rates();
     st.clients.insert(
-        r.client_id.clone(),
+        (r.service.clone(), r.client_id.clone()),
         ClientEntry {
             service: r.service.clone(),
             at: Instant::now(),
@@ -205,6 +311,24 @@ async fn report(State(s): State<Arc<Shared>>, body: Bytes) -> Result<impl IntoRe
         age_ms: st.directives_at.map(|t| t.elapsed().as_millis() as u64),
         directives,
     }))
+}
+
+async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "# HELP grl_reports_accepted_total Client reports accepted.\n# TYPE grl_reports_accepted_total counter\ngrl_reports_accepted_total {}",
+        s.accepted.load(std::sync::atomic::Ordering::Relaxed)
+    );
+    crate::controller::write_refused(&mut out, &s.refused);
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4",
+        )],
+        out,
+    )
 }
 
 #[derive(Deserialize)]
@@ -259,16 +383,34 @@ fn build_report(s: &Shared) -> ZoneReport {
     }
 }
 
-async fn forward_loop(s: Arc<Shared>) {
+/// Forwards at every tick or as soon as every client reported, until `finish` fires (or its
+/// sender is dropped); then forwards once more what the clients reported since the last
+/// forward, so that a graceful stop loses no counts.
+async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
     let mut iv = tokio::time::interval(s.opts.tick);
     iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut current = 0usize;
-    loop {
+    let insecure_reminder = LogGate::new(Duration::from_secs(60));
+    let mut last = false;
+    while !last {
         tokio::select! {
             _ = iv.tick() => {}
             _ = s.all_in.notified() => { iv.reset(); }
+            _ = &mut finish => { last = true; }
+        }
+        if s.opts.allow_anonymous_reports && insecure_reminder.open() {
+            tracing::warn!("INSECURE: anonymous client reports are accepted (--insecure-allow-anonymous-reports)");
         }
         let report = build_report(&s);
+        if last {
+            let counted: u64 = report.buckets.iter().map(|b| b.counts.offered).sum();
+            if report.buckets.is_empty() {
+                tracing::info!(zone = %s.opts.zone, "aggregator stopped; nothing left to forward");
+                return;
+            }
+            tracing::info!(zone = %s.opts.zone, buckets = report.buckets.len(), offered = counted,
+                "aggregator stopping: forwarding the last counts");
+        }
         let n = s.opts.controllers.len();
         let mut done = false;
         for attempt in 0..n {
@@ -300,7 +442,13 @@ async fn forward_loop(s: Arc<Shared>) {
                 }
             }
         }
-        if !done {
+        if last {
+            if done {
+                tracing::info!(zone = %s.opts.zone, "aggregator stopped; last counts forwarded");
+            } else {
+                tracing::warn!(zone = %s.opts.zone, "aggregator stopped; no controller reachable for the last counts");
+            }
+        } else if !done {
             tracing::warn!(zone = %s.opts.zone, "no controller reachable; serving cached directives until they go stale");
         }
     }
@@ -308,7 +456,13 @@ async fn forward_loop(s: Arc<Shared>) {
 
 async fn post_report(s: &Shared, base: &str, r: &ZoneReport) -> anyhow::Result<ZoneDirectives> {
     let mut req = s.http.post(format!("{base}/v1/aggregate")).json(r);
-    if let Some(t) = s.opts.report_token.as_deref().filter(|t| !t.is_empty()) {
+    if let Some(t) = s
+        .opts
+        .report_token
+        .as_ref()
+        .map(|t| t.current())
+        .filter(|t| !t.is_empty())
+    {
         req = req.bearer_auth(t);
     }
     let resp = req.send().await?.error_for_status()?;

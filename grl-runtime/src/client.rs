@@ -11,6 +11,7 @@ use grl_core::{now_ms, BucketCounts, CompileError, Limiter, Table};
 use schema::BucketFile;
 use tokio::task::JoinHandle;
 
+use crate::auth::TokenSource;
 use crate::proto::{BucketCountsMsg, ClientDirectives, ClientReport, ConfigDoc};
 
 /// Sub-tick windows with fewer requests than this are too noisy to act on.
@@ -210,6 +211,10 @@ pub struct ClientOptions {
     /// How the aggregators are verified (CA) and how this client identifies itself (client
     /// certificate) over https. A file that does not load leaves the limiter open (logged).
     pub tls: crate::tls::ClientTls,
+    /// The report credential sent to the aggregators (a secret covering `service`). Without
+    /// one, aggregators refuse the reports (unless started for development with
+    /// `--insecure-allow-anonymous-reports`) and the limiter stays open.
+    pub report_token: Option<TokenSource>,
 }
 
 impl ClientOptions {
@@ -222,7 +227,16 @@ impl ClientOptions {
             stale_after: Duration::from_secs(3),
             client_id: None,
             tls: crate::tls::ClientTls::default(),
+            report_token: None,
         }
+    }
+
+    /// Sets `report_token` from the environment: `GRL_CLIENT_TOKEN` (the secret) or
+    /// `GRL_CLIENT_TOKEN_FILE` (a file holding it, re-read when it changes, so that a rotation
+    /// needs no restart). Errors name the variable, never the secret.
+    pub fn with_report_token_from_env(mut self) -> Result<ClientOptions, String> {
+        self.report_token = TokenSource::from_env("GRL_CLIENT_TOKEN")?;
+        Ok(self)
     }
 }
 
@@ -233,6 +247,8 @@ pub struct ClientStats {
     pub reports_ok: AtomicU64,
     /// Report attempts that failed (each endpoint tried counts).
     pub report_errors: AtomicU64,
+    /// Of those, refused for the credential (401 or 403).
+    pub reports_refused: AtomicU64,
     /// Times the client moved to another aggregator.
     pub failovers: AtomicU64,
     /// Times the client went from fresh to stale directives (failing open).
@@ -335,7 +351,8 @@ async fn run(opts: ClientOptions, limiter: Arc<Limiter>, stats: Arc<ClientStats>
         for attempt in 0..k {
             let idx = (current + attempt) % k;
             let base = &opts.aggregators[idx];
-            match exchange(&http, base, &report).await {
+            let token = opts.report_token.as_ref().map(|t| t.current());
+            match exchange(&http, base, &report, token.as_deref().map(String::as_str)).await {
                 Ok(reply) => {
                     if idx != current {
                         stats.failovers.fetch_add(1, Ordering::Relaxed);
@@ -345,7 +362,14 @@ async fn run(opts: ClientOptions, limiter: Arc<Limiter>, stats: Arc<ClientStats>
                     }
                     stats.reports_ok.fetch_add(1, Ordering::Relaxed);
                     if !reply.version.is_empty() && reply.version != rep.version() {
-                        match fetch_config(&http, base, &opts.service).await {
+                        match fetch_config(
+                            &http,
+                            base,
+                            &opts.service,
+                            token.as_deref().map(String::as_str),
+                        )
+                        .await
+                        {
                             Ok(doc) if doc.version == reply.version => {
                                 let file = doc.services.iter().find(|f| f.service == opts.service);
                                 match rep.install(&opts.service, file, &doc.version) {
@@ -366,7 +390,16 @@ async fn run(opts: ClientOptions, limiter: Arc<Limiter>, stats: Arc<ClientStats>
                 }
                 Err(e) => {
                     stats.report_errors.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(aggregator = %base, error = %e, "report failed");
+                    let refused = e
+                        .downcast_ref::<reqwest::Error>()
+                        .and_then(|e| e.status())
+                        .is_some_and(|s| s == 401 || s == 403);
+                    if refused {
+                        stats.reports_refused.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(aggregator = %base, error = %e, "report refused: check the report credential (GRL_CLIENT_TOKEN)");
+                    } else {
+                        tracing::debug!(aggregator = %base, error = %e, "report failed");
+                    }
                 }
             }
         }
@@ -385,13 +418,13 @@ async fn exchange(
     http: &reqwest::Client,
     base: &str,
     r: &ClientReport,
+    token: Option<&str>,
 ) -> anyhow::Result<ClientDirectives> {
-    let resp = http
-        .post(format!("{base}/v1/report"))
-        .json(r)
-        .send()
-        .await?
-        .error_for_status()?;
+    let mut req = http.post(format!("{base}/v1/report")).json(r);
+    if let Some(t) = token.filter(|t| !t.is_empty()) {
+        req = req.bearer_auth(t);
+    }
+    let resp = req.send().await?.error_for_status()?;
     Ok(resp.json().await?)
 }
 
@@ -399,12 +432,14 @@ async fn fetch_config(
     http: &reqwest::Client,
     base: &str,
     service: &str,
+    token: Option<&str>,
 ) -> anyhow::Result<ConfigDoc> {
-    let resp = http
+    let mut req = http
         .get(format!("{base}/v1/config"))
-        .query(&[("service", service)])
-        .send()
-        .await?
-        .error_for_status()?;
+        .query(&[("service", service)]);
+    if let Some(t) = token.filter(|t| !t.is_empty()) {
+        req = req.bearer_auth(t);
+    }
+    let resp = req.send().await?.error_for_status()?;
     Ok(resp.json().await?)
 }

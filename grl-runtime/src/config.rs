@@ -69,10 +69,81 @@ pub(crate) fn fnv(b: &[u8]) -> u64 {
     })
 }
 
-/// Writes `bytes` to `path` atomically (temp file + rename), so a crash never leaves half a
-/// state file behind.
+/// Writes `bytes` to `path` atomically and durably: a temp file beside it is written and
+/// fsynced, renamed over `path`, and the directory is fsynced, so that once this returns the
+/// new content survives a crash or power loss, and a crash at any point leaves either the old
+/// or the new file, never half of one.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
     let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, bytes)?;
-    std::fs::rename(&tmp, path)
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    drop(f);
+    std::fs::rename(&tmp, path)?;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// The largest state file the controller reads back (`config.json`, `overrides.json`): four
+/// times the largest config body `PUT /v1/config` accepts, for the pretty-printed form.
+pub const MAX_STATE_FILE: u64 = 256 << 20;
+
+/// Reads a state file: `None` when it does not exist; an error naming the file when it is not
+/// a regular file (a symlink, a FIFO, a device) or is larger than `max` bytes. Nothing is
+/// opened before the checks, so a FIFO never blocks and `/dev/zero` is never read.
+pub fn read_state_file(path: &Path, max: u64) -> Result<Option<Vec<u8>>, String> {
+    use std::io::Read;
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("{}: {e}", path.display())),
+    };
+    if !meta.file_type().is_file() {
+        return Err(format!(
+            "{}: not a regular file (a {}); state files must be plain files",
+            path.display(),
+            kind_of(&meta.file_type())
+        ));
+    }
+    if meta.len() > max {
+        return Err(format!(
+            "{}: {} bytes, more than the {max} bytes a state file may have",
+            path.display(),
+            meta.len()
+        ));
+    }
+    let f = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    // Bounded even if the file grows between the check and the read.
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    f.take(max + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    if bytes.len() as u64 > max {
+        return Err(format!(
+            "{}: grew past the {max} bytes a state file may have",
+            path.display()
+        ));
+    }
+    Ok(Some(bytes))
+}
+
+fn kind_of(t: &std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if t.is_symlink() {
+        "symlink"
+    } else if t.is_dir() {
+        "directory"
+    } else if t.is_fifo() {
+        "FIFO"
+    } else if t.is_char_device() || t.is_block_device() {
+        "device"
+    } else if t.is_socket() {
+        "socket"
+    } else {
+        "special file"
+    }
 }

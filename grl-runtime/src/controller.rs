@@ -6,17 +6,19 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::body::Bytes;
+use axum::body::Body;
 use axum::extract::{Path as UrlPath, Query, State};
 use axum::http::HeaderMap;
 use axum::response::IntoResponse;
 use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
+use tokio::sync::oneshot;
 
+use crate::auth::{Credential, CredentialSet, LogGate, RefusalCounts, TokenSource};
 use crate::config::{self, write_atomic};
 use crate::engine::Engine;
-use crate::http_util::{check_token, parse_json, unix_now, ApiError};
+use crate::http_util::{parse_json, read_body, unix_now, ApiError};
 use crate::overrides::{Override, OverrideRequest};
 use crate::proto::{ConfigDoc, ZoneReport};
 
@@ -27,8 +29,12 @@ pub struct ControllerOptions {
     pub listen: SocketAddr,
     /// Where the last applied config and the overrides are persisted.
     pub state_dir: PathBuf,
-    /// Bearer token for mutating endpoints.
+    /// Legacy all-purpose API token (`GRL_TOKEN`): roles `config`, `overrides` and `reports`,
+    /// recorded under the name `GRL_TOKEN`. Empty = none. Prefer `credentials`, one per role.
     pub token: String,
+    /// Accepted credentials and their roles ([`ROLES`]), from environment variables and/or a
+    /// credentials file re-read when it changes (see [`crate::auth`]).
+    pub credentials: CredentialSet,
     /// Bucket YAML loaded at start when no config has been persisted yet.
     pub config_dir: Option<PathBuf>,
     /// Control-loop period.
@@ -38,15 +44,29 @@ pub struct ControllerOptions {
     /// Controllers of other regions: each tick they get this region's sums of `global`
     /// buckets, so every region computes global ratios over the whole fleet.
     pub peers: Vec<String>,
-    /// Shared secret of the zone reports: when set, `POST /v1/aggregate` needs
-    /// `Authorization: Bearer <report_token>` (401 otherwise), and this controller sends it to
-    /// its peers. Aggregators and peer controllers are configured with the same value.
-    pub report_token: Option<String>,
+    /// Zone-report secret (`GRL_REPORT_TOKEN`): accepted on `POST /v1/aggregate` (role
+    /// `zone-report`, name `GRL_REPORT_TOKEN`) and sent to the peers. More zone-report
+    /// credentials (a rotation's next one) can be in `credentials`.
+    pub report_token: Option<TokenSource>,
+    /// Development only: accept zone reports that carry no credential (a warning is logged at
+    /// start and every minute). Without it and without any `zone-report` credential the
+    /// controller refuses to start.
+    pub allow_anonymous_reports: bool,
     /// Serve HTTPS with these files (reloaded when they change); None = plain HTTP.
     pub tls: Option<crate::tls::ServerTls>,
     /// How this controller verifies (and identifies itself to) its peers.
     pub client_tls: crate::tls::ClientTls,
 }
+
+/// The controller's roles: `config` (`PUT /v1/config`, held by rlc), `overrides`
+/// (`POST`/`DELETE /v1/overrides`, held by on-call people), `reports` (`GET /v1/reports`, read
+/// by rlc) and `zone-report` (`POST /v1/aggregate`, held by aggregators and peer controllers).
+pub const ROLES: &[&str] = &["config", "overrides", "reports", "zone-report"];
+
+/// Largest `POST /v1/overrides` body.
+const MAX_OVERRIDE_BODY: usize = 64 << 10;
+/// Largest config or zone report (tens of thousands of buckets).
+const MAX_BODY: usize = 64 << 20;
 
 impl Default for ControllerOptions {
     fn default() -> Self {
@@ -54,11 +74,13 @@ impl Default for ControllerOptions {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             state_dir: PathBuf::from("grl-state"),
             token: String::new(),
+            credentials: CredentialSet::default(),
             config_dir: None,
             tick: Duration::from_secs(1),
             region: None,
             peers: Vec::new(),
             report_token: None,
+            allow_anonymous_reports: false,
             tls: None,
             client_tls: crate::tls::ClientTls::default(),
         }
@@ -82,8 +104,11 @@ struct OverridesFile {
 struct Shared {
     engine: Mutex<Engine>,
     persisted: Mutex<Persisted>,
-    token: String,
-    report_token: Option<String>,
+    creds: CredentialSet,
+    report_token: Option<TokenSource>,
+    allow_anonymous_reports: bool,
+    refused: RefusalCounts,
+    refused_log: LogGate,
     state_dir: PathBuf,
     started: std::time::Instant,
     tick: Duration,
@@ -92,6 +117,45 @@ struct Shared {
 impl Shared {
     fn now_ms(&self) -> u64 {
         self.started.elapsed().as_millis() as u64
+    }
+
+    /// The request's credential when it holds `role`; 401 without a known credential, 403
+    /// with one that lacks the role. Reads the headers only: call it before the body.
+    fn authorize(
+        &self,
+        headers: &HeaderMap,
+        role: &str,
+        endpoint: &str,
+    ) -> Result<Credential, ApiError> {
+        match self.creds.authenticate(headers) {
+            Ok(c) if c.covers(role) => Ok(c),
+            Ok(c) => {
+                tracing::warn!(credential = %c.name, endpoint, role, "credential lacks the role: refused (403)");
+                Err(ApiError::Forbidden(format!(
+                    "credential `{}` does not hold the `{role}` role needed by {endpoint}",
+                    c.name
+                )))
+            }
+            Err(r) => {
+                if self.refused_log.open() {
+                    tracing::warn!(
+                        endpoint,
+                        reason = r.reason(),
+                        "unauthenticated request refused (401; logged at most every 10 s)"
+                    );
+                }
+                Err(ApiError::Unauthorized)
+            }
+        }
+    }
+
+    /// A zone report refused: counted by reason (and logged, at most every 10 s).
+    fn refuse_report(&self, reason: &'static str, err: ApiError) -> ApiError {
+        self.refused.add(reason);
+        if self.refused_log.open() {
+            tracing::warn!(reason, error = %err, "zone report refused (logged at most every 10 s; see grl_reports_refused_total)");
+        }
+        err
     }
 
     fn save_overrides(&self, next_id: u64, overrides: &[Override]) -> Result<(), ApiError> {
@@ -105,25 +169,67 @@ impl Shared {
     }
 }
 
+/// Reads and checks the persisted state of `dir`. The config must pass exactly the checks of
+/// `PUT /v1/config` and every override those of `POST /v1/overrides` (its request, a unique id
+/// below the id counter, an expiry after its creation); a state that does not is refused with
+/// the file and the problem, never served: a controller that silently enforced nothing would
+/// be worse than one that does not start. (A bucket override whose bucket a later config
+/// removed is kept, as it is while running: it acts on nothing.) Only regular files of at most
+/// [`config::MAX_STATE_FILE`] bytes are read.
 fn load_state(dir: &Path) -> anyhow::Result<(Option<ConfigDoc>, OverridesFile)> {
-    use anyhow::Context;
-    let cfg_path = dir.join("config.json");
-    let cfg = if cfg_path.exists() {
-        let bytes =
-            std::fs::read(&cfg_path).with_context(|| format!("read {}", cfg_path.display()))?;
-        let doc: ConfigDoc = serde_json::from_slice(&bytes)
-            .with_context(|| format!("parse {}", cfg_path.display()))?;
-        Some(doc)
-    } else {
-        None
+    let read = |name: &str| -> anyhow::Result<Option<(PathBuf, Vec<u8>)>> {
+        let path = dir.join(name);
+        match config::read_state_file(&path, config::MAX_STATE_FILE) {
+            Ok(b) => Ok(b.map(|b| (path, b))),
+            Err(e) => anyhow::bail!("refusing to start: state file {e}"),
+        }
     };
-    let ov_path = dir.join("overrides.json");
-    let ov = if ov_path.exists() {
-        let bytes =
-            std::fs::read(&ov_path).with_context(|| format!("read {}", ov_path.display()))?;
-        serde_json::from_slice(&bytes).with_context(|| format!("parse {}", ov_path.display()))?
-    } else {
-        OverridesFile::default()
+    let refuse = |path: &Path, problem: String| {
+        anyhow::anyhow!(
+            "refusing to start: state file {}: {problem} (fix or remove the file; the controller does not serve a state it would refuse over its API)",
+            path.display()
+        )
+    };
+    let cfg = match read("config.json")? {
+        Some((path, bytes)) => {
+            let doc: ConfigDoc =
+                serde_json::from_slice(&bytes).map_err(|e| refuse(&path, e.to_string()))?;
+            config::validate(&doc).map_err(|e| refuse(&path, e.to_string()))?;
+            Some(doc)
+        }
+        None => None,
+    };
+    let ov = match read("overrides.json")? {
+        Some((path, bytes)) => {
+            let ov: OverridesFile =
+                serde_json::from_slice(&bytes).map_err(|e| refuse(&path, e.to_string()))?;
+            let mut ids = std::collections::BTreeSet::new();
+            for o in &ov.overrides {
+                let bad = |p: String| refuse(&path, format!("override `{}`: {p}", o.id));
+                o.req.validate().map_err(|e| bad(e.to_string()))?;
+                if !ids.insert(o.id.as_str()) {
+                    return Err(bad("id appears twice".into()));
+                }
+                match o
+                    .id
+                    .strip_prefix("ovr-")
+                    .and_then(|n| n.parse::<u64>().ok())
+                {
+                    Some(n) if n <= ov.next_id => {}
+                    _ => {
+                        return Err(bad(format!(
+                            "id must be `ovr-N` with N at most next_id ({})",
+                            ov.next_id
+                        )))
+                    }
+                }
+                if o.expires_at <= o.created_at {
+                    return Err(bad("expires_at must be after created_at".into()));
+                }
+            }
+            ov
+        }
+        None => OverridesFile::default(),
     };
     Ok((cfg, ov))
 }
@@ -152,6 +258,33 @@ impl Controller {
         use anyhow::Context;
         std::fs::create_dir_all(&opts.state_dir)
             .with_context(|| format!("create state dir {}", opts.state_dir.display()))?;
+        let mut creds = opts.credentials.clone();
+        if !opts.token.is_empty() {
+            creds.add(
+                "GRL_TOKEN",
+                &["config", "overrides", "reports"],
+                TokenSource::fixed(&opts.token),
+            );
+        }
+        if let Some(t) = &opts.report_token {
+            creds.add("GRL_REPORT_TOKEN", &["zone-report"], t.clone());
+        }
+        if opts.allow_anonymous_reports {
+            tracing::warn!("INSECURE: --insecure-allow-anonymous-reports: zone reports without a credential are accepted; anyone who reaches this port can make the fleet drop traffic (development only)");
+        } else {
+            anyhow::ensure!(
+                creds.any_covers("zone-report"),
+                "refusing to start: no zone-report credential (set GRL_REPORT_TOKEN or GRL_REPORT_TOKEN_FILE, or a `zone-report` line in the credentials file); --insecure-allow-anonymous-reports accepts anonymous reports for development"
+            );
+        }
+        for role in ["config", "overrides", "reports"] {
+            if !creds.any_covers(role) {
+                tracing::warn!(
+                    role,
+                    "no credential holds this role: its endpoints answer 401"
+                );
+            }
+        }
         let (persisted_cfg, ov) = load_state(&opts.state_dir)?;
         // A config dir given is checked even when persisted state wins: a controller never
         // starts on what `rlc validate` rejects.
@@ -173,7 +306,16 @@ impl Controller {
         tracing::info!(version = %cfg.version, services = cfg.services.len(), overrides = ov.overrides.len(), "controller state loaded");
         let zone_ttl = (opts.tick * 3).as_millis() as u64;
         let mut engine = Engine::new(cfg, zone_ttl);
-        engine.set_overrides(ov.overrides);
+        // The same check as a new override gets: the config the overrides make clients run
+        // must compile.
+        if ov.overrides.is_empty() {
+            // Nothing to check (a fresh controller has no config version yet).
+        } else if let Err(e) = engine.try_set_overrides(ov.overrides, |_| Ok::<(), ()>(())) {
+            anyhow::bail!(
+                "refusing to start: state file {}: the overrides cannot be served: {e}",
+                opts.state_dir.join("overrides.json").display()
+            );
+        }
         // Report cursors stay monotonic across restarts (see Engine::set_report_seq_base).
         let start_ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -184,8 +326,11 @@ impl Controller {
             persisted: Mutex::new(Persisted {
                 next_id: ov.next_id,
             }),
-            token: opts.token.clone(),
-            report_token: opts.report_token.clone().filter(|t| !t.is_empty()),
+            creds,
+            report_token: opts.report_token.clone(),
+            allow_anonymous_reports: opts.allow_anonymous_reports,
+            refused: RefusalCounts::default(),
+            refused_log: LogGate::new(Duration::from_secs(10)),
             state_dir: opts.state_dir.clone(),
             started: std::time::Instant::now(),
             tick: opts.tick,
@@ -214,27 +359,44 @@ impl Controller {
             (Some(r), false) => Some((r.clone(), opts.peers.clone())),
             (None, false) => anyhow::bail!("peers need this controller's region"),
         };
-        let ticker = tokio::spawn(tick_loop(shared, peering, http));
+        let (finish, finished) = oneshot::channel::<()>();
+        let ticker = tokio::spawn(tick_loop(shared, peering, http, finished));
         tracing::info!(%addr, scheme, "controller listening");
         Ok(ControllerHandle {
             addr,
             scheme,
             stop,
             server,
+            finish,
             background: ticker,
         })
     }
 }
 
+/// Ticks until `finish` fires (or its sender is dropped), then logs the state it leaves on
+/// disk: every change was persisted before it was acknowledged, so there is nothing to flush.
 async fn tick_loop(
     shared: Arc<Shared>,
     peering: Option<(String, Vec<String>)>,
     http: reqwest::Client,
+    mut finish: oneshot::Receiver<()>,
 ) {
     let mut iv = tokio::time::interval(shared.tick);
     iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let insecure_reminder = LogGate::new(Duration::from_secs(60));
     loop {
-        iv.tick().await;
+        tokio::select! {
+            _ = iv.tick() => {}
+            _ = &mut finish => {
+                let e = shared.engine.lock().expect("engine lock");
+                tracing::info!(state_dir = %shared.state_dir.display(), version = %e.base_config().version,
+                    overrides = e.overrides().len(), "controller stopped; config and overrides are persisted");
+                return;
+            }
+        }
+        if shared.allow_anonymous_reports && insecure_reminder.open() {
+            tracing::warn!("INSECURE: anonymous zone reports are accepted (--insecure-allow-anonymous-reports)");
+        }
         let now = unix_now();
         let (expired, remaining, regional) = {
             let mut e = shared.engine.lock().expect("engine lock");
@@ -252,10 +414,10 @@ async fn tick_loop(
             for p in peers {
                 let (http, url, report) =
                     (http.clone(), format!("{p}/v1/aggregate"), report.clone());
-                let token = shared.report_token.clone();
+                let token = shared.report_token.as_ref().map(|t| t.current());
                 tokio::spawn(async move {
                     let mut req = http.post(&url).json(&report);
-                    if let Some(t) = &token {
+                    if let Some(t) = token.filter(|t| !t.is_empty()) {
                         req = req.bearer_auth(t);
                     }
                     if let Err(e) = req.send().await.and_then(|r| r.error_for_status()) {
@@ -280,12 +442,14 @@ async fn get_config(State(s): State<Arc<Shared>>) -> Json<ConfigDoc> {
     Json(s.engine.lock().expect("engine lock").config().clone())
 }
 
+/// `PUT /v1/config`: role `config` (rlc's credential).
 async fn put_config(
     State(s): State<Arc<Shared>>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Body,
 ) -> Result<impl IntoResponse, ApiError> {
-    check_token(&headers, &s.token)?;
+    let cred = s.authorize(&headers, "config", "PUT /v1/config")?;
+    let body = read_body(body, MAX_BODY).await?;
     let doc: ConfigDoc = parse_json(&body)?;
     config::validate(&doc).map_err(|e| ApiError::Invalid(e.to_string()))?;
     // Hold the engine lock across the write so that two pushes cannot interleave their
@@ -300,7 +464,7 @@ async fn put_config(
     write_atomic(&s.state_dir.join("config.json"), &bytes)
         .map_err(|e| ApiError::Internal(format!("persist config: {e}")))?;
     let buckets: usize = doc.services.iter().map(|f| f.buckets.len()).sum();
-    tracing::info!(from = %e.base_config().version, to = %doc.version, buckets, "config applied");
+    tracing::info!(from = %e.base_config().version, to = %doc.version, buckets, credential = %cred.name, "config applied");
     let version = doc.version.clone();
     e.set_config(doc);
     e.recompute(s.now_ms(), unix_now());
@@ -335,27 +499,52 @@ fn default_limit() -> usize {
     1000
 }
 
+/// `GET /v1/reports`: role `reports` (rlc's credential, or a read-only one).
 async fn reports(
     State(s): State<Arc<Shared>>,
+    headers: HeaderMap,
     Query(q): Query<ReportsQuery>,
-) -> Json<serde_json::Value> {
+) -> Result<Json<serde_json::Value>, ApiError> {
+    s.authorize(&headers, "reports", "GET /v1/reports")?;
     let e = s.engine.lock().expect("engine lock");
-    Json(serde_json::to_value(e.reports_after(q.after, q.limit.min(10_000))).unwrap_or_default())
+    Ok(Json(
+        serde_json::to_value(e.reports_after(q.after, q.limit.min(10_000))).unwrap_or_default(),
+    ))
 }
 
+/// `POST /v1/aggregate`: role `zone-report` (aggregators, peer controllers).
 async fn aggregate(
     State(s): State<Arc<Shared>>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Body,
 ) -> Result<impl IntoResponse, ApiError> {
-    // Checked before parsing: an unauthenticated report changes nothing.
-    if let Some(t) = &s.report_token {
-        check_token(&headers, t)?;
+    // Checked from the headers before the body is read: an unauthenticated report changes
+    // nothing and costs no memory.
+    let anonymous =
+        s.allow_anonymous_reports && headers.get(axum::http::header::AUTHORIZATION).is_none();
+    if !anonymous {
+        match s.creds.authenticate(&headers) {
+            Ok(c) if c.covers("zone-report") => {}
+            Ok(c) => {
+                let e = ApiError::Forbidden(format!(
+                    "credential `{}` does not hold the `zone-report` role",
+                    c.name
+                ));
+                return Err(s.refuse_report("forbidden", e));
+            }
+            Err(r) => return Err(s.refuse_report(r.reason(), ApiError::Unauthorized)),
+        }
     }
-    let r: ZoneReport = parse_json(&body)?;
+    let body = match read_body(body, MAX_BODY).await {
+        Ok(b) => b,
+        Err(e @ ApiError::TooLarge(_)) => return Err(s.refuse_report("too_large", e)),
+        Err(e) => return Err(s.refuse_report("malformed", e)),
+    };
+    let r: ZoneReport = parse_json(&body).map_err(|e| s.refuse_report("malformed", e))?;
     if r.zone.is_empty() || r.region.is_empty() {
-        return Err(ApiError::Invalid(
-            "zone and region must not be empty".into(),
+        return Err(s.refuse_report(
+            "invalid",
+            ApiError::Invalid("zone and region must not be empty".into()),
         ));
     }
     for b in &r.buckets {
@@ -366,10 +555,13 @@ async fn aggregate(
             b.shadow_dropped_rps,
         ];
         if rates.iter().any(|x| !x.is_finite() || *x < 0.0) {
-            return Err(ApiError::Invalid(format!(
-                "bucket `{}`: rates must be finite and not negative",
-                b.bucket
-            )));
+            return Err(s.refuse_report(
+                "invalid",
+                ApiError::Invalid(format!(
+                    "bucket `{}`: rates must be finite and not negative",
+                    b.bucket
+                )),
+            ));
         }
     }
     let mut e = s.engine.lock().expect("engine lock");
@@ -399,12 +591,14 @@ async fn list_overrides(State(s): State<Arc<Shared>>) -> Json<serde_json::Value>
     Json(serde_json::json!({ "overrides": list }))
 }
 
+/// `POST /v1/overrides`: role `overrides` (on-call people); the credential's name is recorded.
 async fn add_override(
     State(s): State<Arc<Shared>>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Body,
 ) -> Result<impl IntoResponse, ApiError> {
-    check_token(&headers, &s.token)?;
+    let cred = s.authorize(&headers, "overrides", "POST /v1/overrides")?;
+    let body = read_body(body, MAX_OVERRIDE_BODY).await?;
     let req: OverrideRequest = parse_json(&body)?;
     req.validate()
         .map_err(|e| ApiError::Invalid(e.to_string()))?;
@@ -428,7 +622,9 @@ async fn add_override(
     let o = Override {
         id: format!("ovr-{next_id}"),
         created_at: now,
-        expires_at: now + req.ttl_secs,
+        // Validated above (at most MAX_TTL_SECS); saturating all the same.
+        expires_at: now.saturating_add(req.ttl_secs),
+        credential: Some(cred.name.clone()),
         req,
     };
     let mut list = e.overrides().to_vec();
@@ -436,7 +632,7 @@ async fn add_override(
     e.try_set_overrides(list, |l| s.save_overrides(next_id, l))
         .map_err(|err| ApiError::Invalid(format!("the override cannot be served: {err}")))??;
     p.next_id = next_id;
-    tracing::info!(id = %o.id, who = %o.req.who, reason = %o.req.reason, service = ?o.req.service,
+    tracing::info!(id = %o.id, who = %o.req.who, credential = %cred.name, reason = %o.req.reason, service = ?o.req.service,
         bucket = ?o.req.bucket, caller = ?o.req.caller, procedure = ?o.req.procedure,
         limit_rps = ?o.req.limit_rps, drop_ratio = ?o.req.drop_ratio, ttl_secs = o.req.ttl_secs, "override added");
     e.recompute(s.now_ms(), now);
@@ -459,7 +655,7 @@ async fn remove_override(
     UrlPath(id): UrlPath<String>,
     Query(q): Query<WhoQuery>,
 ) -> Result<impl IntoResponse, ApiError> {
-    check_token(&headers, &s.token)?;
+    let cred = s.authorize(&headers, "overrides", "DELETE /v1/overrides/{id}")?;
     let p = s.persisted.lock().expect("persisted lock");
     let mut e = s.engine.lock().expect("engine lock");
     let mut list = e.overrides().to_vec();
@@ -468,7 +664,7 @@ async fn remove_override(
     };
     let o = list.remove(pos);
     s.save_overrides(p.next_id, &list)?;
-    tracing::info!(id = %o.id, removed_by = q.who.as_deref().unwrap_or("unknown"), why = q.reason.as_deref().unwrap_or(""),
+    tracing::info!(id = %o.id, removed_by = q.who.as_deref().unwrap_or("unknown"), credential = %cred.name, why = q.reason.as_deref().unwrap_or(""),
         added_by = %o.req.who, "override removed");
     e.set_overrides(list);
     e.recompute(s.now_ms(), unix_now());
@@ -535,6 +731,8 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
             );
         }
     }
+    drop(e);
+    write_refused(&mut out, &s.refused);
     (
         [(
             axum::http::header::CONTENT_TYPE,
@@ -542,4 +740,15 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
         )],
         out,
     )
+}
+
+/// `grl_reports_refused_total{reason}` (shared by the controller and the aggregators).
+pub(crate) fn write_refused(out: &mut String, refused: &RefusalCounts) {
+    let _ = writeln!(
+        out,
+        "# HELP grl_reports_refused_total Reports refused, by reason (missing_credential, unknown_credential, forbidden, malformed, invalid, too_large).\n# TYPE grl_reports_refused_total counter"
+    );
+    for (reason, n) in refused.snapshot() {
+        let _ = writeln!(out, "grl_reports_refused_total{{reason=\"{reason}\"}} {n}");
+    }
 }

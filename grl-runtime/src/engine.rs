@@ -329,15 +329,17 @@ impl Engine {
                 continue;
             };
             let c = &b.counts;
-            if c.offered + c.admitted + c.dropped + c.shadow_dropped > 0 {
+            if (c.offered | c.admitted | c.dropped | c.shadow_dropped) > 0 {
                 let t = match self.totals[i].get_mut(&r.zone) {
                     Some(t) => t,
                     None => self.totals[i].entry(r.zone.clone()).or_default(),
                 };
-                t[0] += c.offered;
-                t[1] += c.admitted;
-                t[2] += c.dropped;
-                t[3] += c.shadow_dropped;
+                // Saturating: a report with absurd counts must not wrap the totals (or, in a
+                // debug build, panic with the engine lock held).
+                t[0] = t[0].saturating_add(c.offered);
+                t[1] = t[1].saturating_add(c.admitted);
+                t[2] = t[2].saturating_add(c.dropped);
+                t[3] = t[3].saturating_add(c.shadow_dropped);
             }
             resolved.push((
                 i,

@@ -12,6 +12,12 @@ pub enum ApiError {
     /// Missing or wrong bearer token.
     #[error("missing or invalid bearer token")]
     Unauthorized,
+    /// A valid credential that does not cover this request.
+    #[error("{0}")]
+    Forbidden(String),
+    /// The body exceeds the endpoint's limit.
+    #[error("request body larger than {0} bytes")]
+    TooLarge(usize),
     /// The body is not the expected JSON.
     #[error("malformed request: {0}")]
     BadRequest(String),
@@ -30,6 +36,8 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = match &self {
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ApiError::Invalid(_) => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
@@ -49,6 +57,28 @@ impl IntoResponse for ApiError {
 /// Parses a JSON body, turning serde's message into a 400 with the reason.
 pub fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| ApiError::BadRequest(e.to_string()))
+}
+
+/// Reads a request body of at most `limit` bytes (413 beyond). Call it only once the
+/// request is authenticated: until then nothing of the body is read.
+pub async fn read_body(
+    body: axum::body::Body,
+    limit: usize,
+) -> Result<axum::body::Bytes, ApiError> {
+    axum::body::to_bytes(body, limit).await.map_err(|e| {
+        // axum wraps http-body-util's `LengthLimitError` ("length limit exceeded").
+        let mut too_large = false;
+        let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+        while let Some(err) = cur {
+            too_large |= err.to_string().contains("length limit exceeded");
+            cur = err.source();
+        }
+        if too_large {
+            ApiError::TooLarge(limit)
+        } else {
+            ApiError::BadRequest(format!("reading the body: {e}"))
+        }
+    })
 }
 
 /// Checks `Authorization: Bearer <token>` in constant time over the token's length.
@@ -74,14 +104,47 @@ pub fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
+/// How long a shutdown waits for in-flight requests, and then for the background loop's last
+/// work, unless told otherwise ([`ServerHandle::shutdown_within`]).
+pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Waits for SIGTERM or SIGINT (Ctrl-C) and returns which one came. A process that cannot
+/// install the SIGTERM handler still stops on SIGINT.
+pub async fn shutdown_signal() -> &'static str {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot handle SIGTERM; only SIGINT stops this process gracefully");
+                std::future::pending::<()>().await
+            }
+        }
+    };
+    tokio::select! {
+        _ = term => "SIGTERM",
+        r = tokio::signal::ctrl_c() => {
+            if let Err(e) = r {
+                tracing::warn!(error = %e, "cannot handle SIGINT");
+                std::future::pending::<()>().await;
+            }
+            "SIGINT"
+        }
+    }
+}
+
 /// A running HTTP server with one background loop (the controller's ticker, an aggregator's
 /// forwarder): its address, and a way to stop both.
 pub struct ServerHandle {
     pub(crate) addr: std::net::SocketAddr,
     /// `https` when serving TLS, else `http`.
     pub(crate) scheme: &'static str,
+    /// Stops accepting; in-flight requests finish.
     pub(crate) stop: tokio::sync::oneshot::Sender<()>,
     pub(crate) server: tokio::task::JoinHandle<()>,
+    /// Tells the background loop to do its last work (flush) and return.
+    pub(crate) finish: tokio::sync::oneshot::Sender<()>,
     pub(crate) background: tokio::task::JoinHandle<()>,
 }
 
@@ -96,11 +159,38 @@ impl ServerHandle {
         self.addr
     }
 
-    /// Stops the background loop and the server (in-flight requests finish).
-    pub async fn shutdown(self) {
+    /// [`Self::shutdown_within`] with [`SHUTDOWN_GRACE`].
+    pub async fn shutdown(self) -> bool {
+        self.shutdown_within(SHUTDOWN_GRACE).await
+    }
+
+    /// Stops gracefully: stops accepting connections, lets in-flight requests finish for up to
+    /// `grace` (then cuts the connections left), then lets the background loop do its last
+    /// work (an aggregator forwards the counts it still holds) for up to `grace` again.
+    /// Returns whether everything finished within the bounds.
+    pub async fn shutdown_within(self, grace: std::time::Duration) -> bool {
         let _ = self.stop.send(());
-        self.background.abort();
-        let _ = self.server.await;
+        let mut clean = true;
+        let mut server = self.server;
+        if tokio::time::timeout(grace, &mut server).await.is_err() {
+            tracing::warn!(
+                grace_ms = grace.as_millis() as u64,
+                "in-flight requests still running after the shutdown grace: connections cut"
+            );
+            server.abort();
+            clean = false;
+        }
+        let _ = self.finish.send(());
+        let mut background = self.background;
+        if tokio::time::timeout(grace, &mut background).await.is_err() {
+            tracing::warn!(
+                grace_ms = grace.as_millis() as u64,
+                "background loop did not finish within the shutdown grace: stopped"
+            );
+            background.abort();
+            clean = false;
+        }
+        clean
     }
 }
 

@@ -6,6 +6,7 @@
 #![warn(missing_docs)]
 
 pub mod aggregator;
+pub mod auth;
 pub mod client;
 pub mod config;
 pub mod controller;

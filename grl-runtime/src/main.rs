@@ -7,6 +7,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand};
 use grl_runtime::aggregator::{Aggregator, AggregatorOptions};
+use grl_runtime::auth::{CredentialSet, TokenSource};
 use grl_runtime::controller::{Controller, ControllerOptions};
 use grl_runtime::overrides::OverrideRequest;
 use grl_runtime::sim::{self, Algorithm, Scenario};
@@ -25,6 +26,14 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Run the controller (config API, overrides, ratios, reports, metrics).
+    ///
+    /// Credentials come from the environment or files, never from flags (`ps` shows flags to
+    /// every user): GRL_CONFIG_TOKEN (role `config`: PUT /v1/config, what rlc holds),
+    /// GRL_OVERRIDE_TOKEN (`overrides`: POST/DELETE /v1/overrides, what on-call people hold),
+    /// GRL_READ_TOKEN (`reports`: GET /v1/reports), GRL_REPORT_TOKEN (`zone-report`:
+    /// POST /v1/aggregate, also sent to --peer controllers); each also as <VAR>_FILE, a file
+    /// holding the secret, re-read when it changes. GRL_TOKEN (legacy) holds config,
+    /// overrides and reports at once. More credentials, and rotations, go in --credentials.
     Controller {
         /// Listen address.
         #[arg(long, default_value = "127.0.0.1:7070")]
@@ -32,10 +41,10 @@ enum Cmd {
         /// Where the applied config and overrides are persisted.
         #[arg(long, default_value = "grl-state")]
         state_dir: PathBuf,
-        /// Bearer token for mutating endpoints. Give it through the GRL_TOKEN environment
-        /// variable: the --token flag (discouraged) shows the secret in `ps` to every user.
-        #[arg(long, env = "GRL_TOKEN", hide_env_values = true)]
-        token: Option<String>,
+        /// Credentials file: one `NAME ROLES SECRET` per line, roles among config,
+        /// overrides, reports, zone-report (comma-separated, or *); re-read when it changes.
+        #[arg(long, env = "GRL_CREDENTIALS_FILE")]
+        credentials: Option<PathBuf>,
         /// Bucket YAML directory loaded when nothing was persisted yet.
         #[arg(long)]
         config_dir: Option<PathBuf>,
@@ -48,18 +57,24 @@ enum Cmd {
         /// Controller of another region to share global-bucket sums with; repeat.
         #[arg(long = "peer")]
         peers: Vec<String>,
-        /// Shared secret of zone reports: `POST /v1/aggregate` then needs it as a bearer
-        /// token (aggregators and peer controllers send it). Unset = reports are not
-        /// authenticated (a warning is logged).
-        #[arg(long, env = "GRL_REPORT_TOKEN", hide_env_values = true)]
-        report_token: Option<String>,
         #[command(flatten)]
         tls: ServeTlsArgs,
         /// How peer controllers (--peer https://…) are verified.
         #[command(flatten)]
         client_tls: ClientTlsArgs,
+        /// DEVELOPMENT ONLY: accept zone reports that carry no credential. Anyone who
+        /// reaches the port can then make the fleet drop traffic.
+        #[arg(long)]
+        insecure_allow_anonymous_reports: bool,
+        /// On SIGTERM or SIGINT: how long in-flight requests may take to finish.
+        #[arg(long, default_value_t = 10_000)]
+        shutdown_grace_ms: u64,
     },
     /// Run a zone aggregator.
+    ///
+    /// Client reports need a credential from --client-credentials; zone reports to the
+    /// controllers carry GRL_REPORT_TOKEN (or the content of GRL_REPORT_TOKEN_FILE, re-read
+    /// when it changes).
     Aggregator {
         /// Listen address.
         #[arg(long, default_value = "127.0.0.1:7071")]
@@ -79,14 +94,33 @@ enum Cmd {
         /// Instance id.
         #[arg(long)]
         id: Option<String>,
-        /// The controllers' report token, sent with every zone report.
-        #[arg(long, env = "GRL_REPORT_TOKEN", hide_env_values = true)]
-        report_token: Option<String>,
         #[command(flatten)]
         tls: ServeTlsArgs,
         /// How the controllers (--controller https://…) are verified.
         #[command(flatten)]
         client_tls: ClientTlsArgs,
+        /// Client credentials file: one `NAME SERVICES SECRET` per line (services
+        /// comma-separated, or * for every service); re-read when it changes.
+        #[arg(long, env = "GRL_CLIENT_CREDENTIALS_FILE")]
+        client_credentials: Option<PathBuf>,
+        /// DEVELOPMENT ONLY: accept client reports that carry no credential. Anyone who
+        /// reaches the port can then make the fleet drop traffic.
+        #[arg(long)]
+        insecure_allow_anonymous_reports: bool,
+        /// On SIGTERM or SIGINT: how long in-flight requests, then the last forward of the
+        /// counts held, may take.
+        #[arg(long, default_value_t = 10_000)]
+        shutdown_grace_ms: u64,
+    },
+    /// Print a new credential line (`NAME SCOPE SECRET`, 256 random bits) for a credentials
+    /// file.
+    GenCredential {
+        /// Its name (recorded in logs and overrides; not secret).
+        #[arg(long)]
+        name: String,
+        /// Services (aggregator file) or roles (controller file), comma-separated, or *.
+        #[arg(long)]
+        scope: String,
     },
     /// Incident overrides on a controller.
     Override {
@@ -125,9 +159,6 @@ struct Remote {
     /// Controller URL.
     #[arg(long, env = "GRL_CONTROLLER", default_value = "http://127.0.0.1:7070")]
     controller: String,
-    /// Bearer token.
-    #[arg(long, env = "GRL_TOKEN", hide_env_values = true, default_value = "")]
-    token: String,
     #[command(flatten)]
     tls: ClientTlsArgs,
 }
@@ -187,6 +218,16 @@ impl ClientTlsArgs {
             self.tls_client_key,
         )
     }
+}
+
+/// The override credential: GRL_OVERRIDE_TOKEN[_FILE], else the legacy GRL_TOKEN[_FILE].
+fn override_token() -> anyhow::Result<String> {
+    for var in ["GRL_OVERRIDE_TOKEN", "GRL_TOKEN"] {
+        if let Some(t) = TokenSource::from_env(var).map_err(anyhow::Error::msg)? {
+            return Ok(t.current().to_string());
+        }
+    }
+    bail!("set the override credential in GRL_OVERRIDE_TOKEN or GRL_OVERRIDE_TOKEN_FILE (or the legacy GRL_TOKEN)")
 }
 
 #[derive(Subcommand)]
@@ -260,26 +301,45 @@ async fn main() -> anyhow::Result<()> {
         Cmd::Controller {
             listen,
             state_dir,
-            token,
+            credentials,
             config_dir,
             tick_ms,
             region,
             peers,
-            report_token,
             tls,
             client_tls,
+            insecure_allow_anonymous_reports,
+            shutdown_grace_ms,
         } => {
-            let Some(token) = token.filter(|t| !t.is_empty()) else {
-                bail!("set the bearer token in the GRL_TOKEN environment variable (must not be empty)");
-            };
-            let report_token = report_token.filter(|t| !t.is_empty());
-            if report_token.is_none() {
-                tracing::warn!("no --report-token (GRL_REPORT_TOKEN): anyone who reaches /v1/aggregate can report counts");
+            let mut creds = CredentialSet::default();
+            for (var, roles) in [
+                ("GRL_CONFIG_TOKEN", &["config"][..]),
+                ("GRL_OVERRIDE_TOKEN", &["overrides"][..]),
+                ("GRL_READ_TOKEN", &["reports"][..]),
+                ("GRL_TOKEN", &["config", "overrides", "reports"][..]),
+            ] {
+                if let Some(t) = TokenSource::from_env(var).map_err(anyhow::Error::msg)? {
+                    if var == "GRL_TOKEN" {
+                        tracing::warn!("GRL_TOKEN holds the config, overrides and reports roles at once; prefer GRL_CONFIG_TOKEN, GRL_OVERRIDE_TOKEN and GRL_READ_TOKEN");
+                    }
+                    creds.add(var, roles, t);
+                }
             }
+            if let Some(path) = &credentials {
+                creds
+                    .add_file(path, Some(grl_runtime::controller::ROLES))
+                    .map_err(|e| anyhow::anyhow!("credentials: {e}"))?;
+            }
+            if !creds.any_covers("config") {
+                bail!("no credential for PUT /v1/config: set GRL_CONFIG_TOKEN (or the legacy GRL_TOKEN), or a `config` line in --credentials FILE");
+            }
+            let report_token =
+                TokenSource::from_env("GRL_REPORT_TOKEN").map_err(anyhow::Error::msg)?;
             let h = Controller::start(ControllerOptions {
                 listen,
                 state_dir,
-                token,
+                token: String::new(),
+                credentials: creds,
                 config_dir,
                 tick: Duration::from_millis(tick_ms.max(1)),
                 region,
@@ -287,11 +347,11 @@ async fn main() -> anyhow::Result<()> {
                 report_token,
                 tls: tls.options()?,
                 client_tls: client_tls.options()?,
+                allow_anonymous_reports: insecure_allow_anonymous_reports,
             })
             .await?;
             println!("listening on {}", h.addr());
-            tokio::signal::ctrl_c().await.context("wait for ctrl-c")?;
-            h.shutdown().await;
+            stop_gracefully("controller", h, shutdown_grace_ms).await;
         }
         Cmd::Aggregator {
             listen,
@@ -300,9 +360,11 @@ async fn main() -> anyhow::Result<()> {
             region,
             tick_ms,
             id,
-            report_token,
             tls,
             client_tls,
+            client_credentials,
+            insecure_allow_anonymous_reports,
+            shutdown_grace_ms,
         } => {
             let h = Aggregator::start(AggregatorOptions {
                 listen,
@@ -311,16 +373,33 @@ async fn main() -> anyhow::Result<()> {
                 region,
                 tick: Duration::from_millis(tick_ms.max(1)),
                 id,
-                report_token: report_token.filter(|t| !t.is_empty()),
                 tls: tls.options()?,
                 client_tls: client_tls.options()?,
+                report_token: TokenSource::from_env("GRL_REPORT_TOKEN")
+                    .map_err(anyhow::Error::msg)?,
+                client_credentials,
+                allow_anonymous_reports: insecure_allow_anonymous_reports,
             })
             .await?;
             println!("listening on {}", h.addr());
-            tokio::signal::ctrl_c().await.context("wait for ctrl-c")?;
-            h.shutdown().await;
+            stop_gracefully("aggregator", h, shutdown_grace_ms).await;
         }
         Cmd::Override { cmd } => override_cmd(cmd).await?,
+        Cmd::GenCredential { name, scope } => {
+            anyhow::ensure!(
+                !name.is_empty() && !name.contains(char::is_whitespace),
+                "--name must be one word"
+            );
+            anyhow::ensure!(
+                !scope.is_empty() && !scope.contains(char::is_whitespace),
+                "--scope must be one word (comma-separated items, or *)"
+            );
+            let secret: String = rand::random::<[u8; 32]>()
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect();
+            println!("{name} {scope} {secret}");
+        }
         Cmd::Simulate {
             scenario,
             seed,
@@ -359,6 +438,21 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Serves until SIGTERM or SIGINT, then stops `h` gracefully (in-flight requests finish within
+/// `grace_ms`, then the last flush) and logs it. Exits 0 either way: the stop was asked for.
+async fn stop_gracefully(what: &str, h: grl_runtime::http_util::ServerHandle, grace_ms: u64) {
+    let signal = grl_runtime::http_util::shutdown_signal().await;
+    tracing::info!(
+        signal,
+        grace_ms,
+        "{what} shutting down: no new connections, in-flight requests finish"
+    );
+    let clean = h
+        .shutdown_within(Duration::from_millis(grace_ms.max(1)))
+        .await;
+    tracing::info!(clean, "{what} shut down");
 }
 
 /// `--who`, else $USER, else "unknown" with a warning (cron jobs and containers often run
@@ -415,7 +509,7 @@ async fn override_cmd(mut cmd: OverrideCmd) -> anyhow::Result<()> {
             req.validate()?;
             let r = http
                 .post(format!("{}/v1/overrides", remote.controller))
-                .bearer_auth(&remote.token)
+                .bearer_auth(override_token()?)
                 .json(&req)
                 .send()
                 .await
@@ -439,7 +533,7 @@ async fn override_cmd(mut cmd: OverrideCmd) -> anyhow::Result<()> {
             let r = http
                 .delete(format!("{}/v1/overrides/{id}", remote.controller))
                 .query(&[("who", who), ("reason", reason)])
-                .bearer_auth(&remote.token)
+                .bearer_auth(override_token()?)
                 .send()
                 .await
                 .context("reach controller")?;

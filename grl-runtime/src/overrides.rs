@@ -39,13 +39,17 @@ pub struct OverrideRequest {
     /// Drop this fixed fraction instead of computing it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub drop_ratio: Option<f64>,
-    /// Seconds until it expires.
+    /// Seconds until it expires (1 to [`MAX_TTL_SECS`]).
     pub ttl_secs: u64,
     /// Why (incident link, ticket).
     pub reason: String,
     /// Who applied it.
     pub who: String,
 }
+
+/// The longest an override may last: 7 days. An incident measure that should outlive a week
+/// belongs in the bucket files (reviewed, versioned); a longer TTL is refused with 422.
+pub const MAX_TTL_SECS: u64 = 7 * 24 * 3600;
 
 /// Why an override request is refused.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -97,6 +101,11 @@ impl OverrideRequest {
         if self.ttl_secs == 0 {
             return Err(OverrideError::Range("ttl_secs must be positive"));
         }
+        if self.ttl_secs > MAX_TTL_SECS {
+            return Err(OverrideError::Range(
+                "ttl_secs must be at most 604800 (7 days); put a lasting change in the bucket files",
+            ));
+        }
         if self.reason.trim().is_empty() || self.who.trim().is_empty() {
             return Err(OverrideError::Audit);
         }
@@ -116,6 +125,10 @@ pub struct Override {
     pub created_at: u64,
     /// Unix seconds it stops applying.
     pub expires_at: u64,
+    /// The name of the credential that added it (never the secret); absent for overrides
+    /// added before credentials were named.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credential: Option<String>,
 }
 
 impl Override {
@@ -348,6 +361,7 @@ mod tests {
             req: r,
             created_at: 0,
             expires_at,
+            credential: None,
         }
     }
 
@@ -482,5 +496,12 @@ mod tests {
         let mut r = req(Some(1.0), None);
         r.who = " ".into();
         assert_eq!(r.validate(), Err(OverrideError::Audit));
+        let mut r = req(Some(1.0), None);
+        r.ttl_secs = MAX_TTL_SECS;
+        assert!(r.validate().is_ok());
+        for ttl in [MAX_TTL_SECS + 1, u64::MAX] {
+            r.ttl_secs = ttl;
+            assert!(matches!(r.validate(), Err(OverrideError::Range(m)) if m.contains("7 days")));
+        }
     }
 }

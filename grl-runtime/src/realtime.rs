@@ -45,17 +45,27 @@ pub async fn run_realtime(
     };
     crate::config::validate(&doc)?;
     std::fs::write(state.join("config.json"), serde_json::to_vec(&doc)?)?;
+    // Clients authenticate to the aggregators as in production: one credential for the
+    // scenario's service, in a credentials file only this user can read.
+    let client_token = format!("{:032x}", rand::random::<u128>());
+    let client_creds = state.join("client-credentials");
+    crate::auth::write_secret_file(
+        &client_creds,
+        &format!("realtime {} {client_token}\n", sc.service),
+    )?;
     let tick = Duration::from_millis(sc.tick_ms);
     let loopback: SocketAddr = ([127, 0, 0, 1], 0).into();
     let ctl = Controller::start(ControllerOptions {
         listen: loopback,
         state_dir: state.clone(),
         token: format!("realtime-{seed}"),
+        credentials: Default::default(),
         config_dir: None,
         tick,
         region: None,
         peers: Vec::new(),
-        report_token: Some(format!("realtime-report-{seed}")),
+        report_token: Some(format!("realtime-report-{seed}").into()),
+        allow_anonymous_reports: false,
         ..Default::default()
     })
     .await?;
@@ -76,7 +86,9 @@ pub async fn run_realtime(
             region: region.clone(),
             tick,
             id: Some(format!("agg-{zone}")),
-            report_token: Some(format!("realtime-report-{seed}")),
+            report_token: Some(format!("realtime-report-{seed}").into()),
+            client_credentials: Some(client_creds.clone()),
+            allow_anonymous_reports: false,
             ..Default::default()
         })
         .await?;
@@ -107,6 +119,7 @@ pub async fn run_realtime(
             o.tick = tick;
             o.stale_after = Duration::from_millis(sc.stale_after_ms);
             o.client_id = Some(format!("{}#{i}", c.name));
+            o.report_token = Some(client_token.as_str().into());
             let w = if c.weights.is_empty() {
                 1.0
             } else {

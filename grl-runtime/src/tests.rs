@@ -235,6 +235,7 @@ fn engine_applies_overrides_until_they_expire() {
         req,
         created_at: 1000,
         expires_at: 1060,
+        credential: None,
     }]);
     e.recompute(0, 1000);
     assert!((ratio_of(&e, "r1", "z1", "g") - 0.5).abs() < 1e-9);
@@ -274,6 +275,7 @@ fn engine_limits_a_caller_override_as_a_whole() {
         req,
         created_at: 1000,
         expires_at: 1060,
+        credential: None,
     }]);
     // The served config has the ad-hoc bucket under a new version.
     assert!(e.config().version.starts_with("v1+ovr."));

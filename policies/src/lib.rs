@@ -1,12 +1,15 @@
 //! Quota policies: the [`Policy`] trait that built-ins and plugins implement, the built-in
 //! `peak`, `forecast` and `fixed` policies, the safety [`rails`] applied after every policy, and
-//! the plugin [`loader`].
+//! plugins: [`isolated`] runs each in a host process of its own ([`host`]), which loads it with
+//! the [`loader`].
 //!
-//! This crate does no network or file I/O besides loading plugins, and never depends on `rlc`:
+//! This crate does no network or file I/O besides running plugins, and never depends on `rlc`:
 //! it takes a bucket's history as a [`RateSeries`] and returns a [`Proposal`].
 
 pub mod fixed;
 pub mod forecast;
+pub mod host;
+pub mod isolated;
 pub mod loader;
 pub mod peak;
 pub mod rails;

@@ -1,5 +1,6 @@
-//! Loads policy plugins (cdylibs speaking [`policy_abi`]) from one configured directory. All
-//! `unsafe` of this crate lives here.
+//! Loads policy plugins (cdylibs speaking [`policy_abi`]) from one configured directory, in the
+//! calling process. Only the plugin host process ([`crate::host`]) uses it: `rlc` itself runs
+//! plugins out of process through [`crate::isolated`]. All `unsafe` of plugin loading lives here.
 //!
 //! Rules: the name must be a plain file stem (`plugin:../x` is rejected) and the resolved file
 //! must lie inside the directory (symlinks included); the ABI version is checked before any
@@ -11,10 +12,9 @@ use std::ffi::{c_char, CStr, CString};
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 
-use policy_abi::{Description, PluginInput, PluginResult, ABI_VERSION};
-use schema::PolicyName;
+use policy_abi::{Description, ABI_VERSION};
 
-use crate::{headroom, Policy, PolicyError, PolicyInput, Proposal};
+use crate::PolicyError;
 
 type VersionFn = unsafe extern "C" fn() -> u32;
 type DescribeFn = unsafe extern "C" fn() -> *mut c_char;
@@ -41,7 +41,7 @@ impl std::fmt::Debug for PluginPolicy {
     }
 }
 
-type Registry = Mutex<HashMap<PathBuf, Result<&'static PluginPolicy, String>>>;
+type Registry = Mutex<HashMap<PathBuf, Result<&'static PluginPolicy, PolicyError>>>;
 
 fn registry() -> &'static Registry {
     static R: OnceLock<Registry> = OnceLock::new();
@@ -98,8 +98,8 @@ pub fn load(dir: &Path, name: &str) -> Result<&'static PluginPolicy, PolicyError
     let mut reg = registry().lock().unwrap_or_else(|p| p.into_inner());
     let entry = reg
         .entry(path.clone())
-        .or_insert_with(|| load_uncached(&path, name).map_err(|e| e.to_string()));
-    entry.clone().map_err(|m| err(name, m))
+        .or_insert_with(|| load_uncached(&path, name));
+    entry.clone()
 }
 
 fn load_uncached(path: &Path, name: &str) -> Result<&'static PluginPolicy, PolicyError> {
@@ -172,53 +172,14 @@ impl PluginPolicy {
     }
 }
 
-impl Policy for PluginPolicy {
-    fn name(&self) -> PolicyName {
-        PolicyName::Plugin(self.name.clone())
-    }
-
-    fn compute(&self, input: &PolicyInput<'_>) -> Result<Proposal, PolicyError> {
-        let s = input.series;
-        let pin = PluginInput {
-            service: input.service.to_string(),
-            caller: input.caller.map(str::to_string),
-            procedure: input.procedure.map(str::to_string),
-            start: s.start,
-            step: s.step,
-            values: s
-                .values
-                .iter()
-                .map(|v| (!v.is_nan()).then_some(*v))
-                .collect(),
-            headroom: Some(headroom(input.spec)),
-            capacity_share_rps: input.capacity_share_rps,
-            params: input.spec.params.clone().unwrap_or(serde_json::Value::Null),
-        };
-        let json = serde_json::to_string(&pin).map_err(|e| err(&self.name, e.to_string()))?;
-        let c = CString::new(json).map_err(|e| err(&self.name, e.to_string()))?;
+impl PluginPolicy {
+    /// Calls the plugin's `compute` with a JSON [`policy_abi::PluginInput`] and returns its
+    /// answer as it came (JSON text, not yet checked). Only the plugin host process calls this:
+    /// a plugin that segfaults, aborts or hangs takes the calling process with it.
+    pub fn call(&self, input_json: &str) -> Result<String, PolicyError> {
+        let c = CString::new(input_json).map_err(|e| err(&self.name, e.to_string()))?;
         // SAFETY: the ABI contract; the plugin catches its own panics (policy_abi helpers).
-        let out = unsafe { take_string((self.compute)(c.as_ptr()), self.free) }
-            .ok_or_else(|| err(&self.name, "compute returned null"))?;
-        let result: PluginResult = serde_json::from_str(&out).map_err(|e| {
-            let head: String = out.chars().take(80).collect();
-            err(
-                &self.name,
-                format!("compute returned invalid JSON ({e}): {head:?}"),
-            )
-        })?;
-        match result {
-            PluginResult::Error(m) => Err(err(&self.name, m)),
-            PluginResult::Ok(o) if !o.limit_rps.is_finite() || o.limit_rps < 0.0 => {
-                Err(err(&self.name, format!("invalid limit {}", o.limit_rps)))
-            }
-            PluginResult::Ok(o) => Ok(Proposal {
-                limit_rps: o.limit_rps,
-                shadow: o.shadow,
-                policy: self.name(),
-                peak_rps: s.max().unwrap_or(0.0),
-                confidence: o.confidence.unwrap_or(0.0).clamp(0.0, 1.0),
-                evidence: serde_json::json!({"plugin": self.name, "path": self.path, "output": o.evidence}),
-            }),
-        }
+        unsafe { take_string((self.compute)(c.as_ptr()), self.free) }
+            .ok_or_else(|| err(&self.name, "compute returned null"))
     }
 }

@@ -99,6 +99,68 @@ pub fn apply(
     }
 }
 
+/// A proposal above this multiple of max(observed peak, planned capacity share, floor) is
+/// refused (see [`check_proposal`]). The built-in `peak` policy reaches at most
+/// 25 × (1 + headroom) of the peak, for a series one hour old.
+pub const SANITY_FACTOR: f64 = 100.0;
+
+/// The sanity bound every policy's proposal passes before the rails: a limit that is not a
+/// finite number, is negative, is 0 for a bucket that saw traffic, or (when `relative`, i.e.
+/// for every policy but contracts) exceeds [`SANITY_FACTOR`] × max(`peak_rps`,
+/// `capacity_share_rps`, `floor_rps`) is refused with the reason. A refused bucket keeps its
+/// current limit.
+pub fn check_proposal(
+    proposed: f64,
+    peak_rps: f64,
+    capacity_share_rps: Option<f64>,
+    floor_rps: f64,
+    relative: bool,
+) -> Result<(), String> {
+    if !proposed.is_finite() {
+        return Err(format!("proposed {proposed} rps, not a finite number"));
+    }
+    if proposed < 0.0 {
+        return Err(format!("proposed a negative limit ({proposed} rps)"));
+    }
+    if proposed == 0.0 && peak_rps > 0.0 {
+        return Err(format!(
+            "proposed 0 rps for a bucket whose peak is {} rps",
+            schema::format_rps(peak_rps)
+        ));
+    }
+    if relative {
+        let peak = if peak_rps.is_finite() {
+            peak_rps.max(0.0)
+        } else {
+            0.0
+        };
+        let cap = capacity_share_rps.filter(|c| c.is_finite()).unwrap_or(0.0);
+        let basis = peak.max(cap).max(floor_rps);
+        let bound = SANITY_FACTOR * basis;
+        if proposed > bound {
+            let cap_text = capacity_share_rps
+                .map(|c| format!("{} rps", show(c)))
+                .unwrap_or_else(|| "none".into());
+            return Err(format!(
+                "proposed {} rps, above the sanity bound of {SANITY_FACTOR} × max(peak {} rps, capacity share {cap_text}, floor {} rps) = {} rps",
+                show(proposed),
+                show(peak),
+                show(floor_rps),
+                show(bound)
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn show(v: f64) -> String {
+    if v.abs() >= 1e15 {
+        format!("{v:e}")
+    } else {
+        schema::format_rps(v)
+    }
+}
+
 /// Limits are written with at most 3 significant decimals so files stay stable.
 pub fn round_limit(v: f64) -> f64 {
     if v >= 100.0 {
@@ -143,6 +205,41 @@ mod tests {
         check(None, 0.0, 1.0, Mode::Shadow); // never zero; new = shadow
         check(None, 123.456, 123.0, Mode::Shadow);
         check(None, f64::NAN, 1.0, Mode::Shadow);
+    }
+
+    #[test]
+    fn sanity_bound() {
+        let ok = |p: f64, peak: f64, cap: Option<f64>| check_proposal(p, peak, cap, 1.0, true);
+        assert_eq!(ok(1250.0, 1000.0, None), Ok(()));
+        assert_eq!(ok(100_000.0, 1000.0, None), Ok(()), "exactly 100 × peak");
+        let e = ok(100_001.0, 1000.0, None).unwrap_err();
+        assert!(
+            e.contains("sanity bound") && e.contains("100000 rps"),
+            "{e}"
+        );
+        assert_eq!(
+            ok(400_000.0, 1000.0, Some(5000.0)),
+            Ok(()),
+            "capacity widens it"
+        );
+        assert!(ok(1e308, 10.0, None).unwrap_err().contains("1e308"));
+        assert!(ok(f64::INFINITY, 10.0, None)
+            .unwrap_err()
+            .contains("not a finite"));
+        assert!(ok(f64::NAN, 10.0, None)
+            .unwrap_err()
+            .contains("not a finite"));
+        assert!(ok(-5.0, 10.0, None).unwrap_err().contains("negative"));
+        assert!(ok(0.0, 10.0, None).unwrap_err().contains("peak is 10"));
+        assert_eq!(
+            ok(0.0, 0.0, None),
+            Ok(()),
+            "an idle bucket may go to the floor"
+        );
+        assert_eq!(ok(50.0, 0.0, None), Ok(()), "100 × the floor");
+        // Contracts are not bounded by traffic, only by sense.
+        assert_eq!(check_proposal(1e6, 1.0, None, 1.0, false), Ok(()));
+        assert!(check_proposal(f64::NAN, 1.0, None, 1.0, false).is_err());
     }
 
     #[test]

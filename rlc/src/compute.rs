@@ -40,10 +40,15 @@ pub fn resolve_paths(cfg: &mut DaemonConfig, base_dir: &Path) {
     }
     if let Some(p) = &mut cfg.plugins {
         p.dir = abs(&p.dir);
+        if let Some(h) = &p.host {
+            p.host = Some(abs(h));
+        }
     }
 }
 
-/// The policy object for a built-in or plugin name (`None` for `fixed`/`manual`).
+/// The policy object for a built-in or plugin name (`None` for `fixed`/`manual`). A plugin runs
+/// in a host process of its own (`policies::isolated`), bounded by `plugins.timeout`,
+/// `plugins.memory_limit_mb` and `plugins.max_restarts`.
 pub fn policy_for(
     cfg: &DaemonConfig,
     name: &PolicyName,
@@ -55,15 +60,27 @@ pub fn policy_for(
         PolicyName::Forecast => Ok(Some(&FORECAST)),
         PolicyName::Fixed | PolicyName::Manual => Ok(None),
         PolicyName::Plugin(n) => {
-            let dir = cfg
+            let plugin_err = |message: String| PolicyError::Plugin {
+                name: n.clone(),
+                message,
+            };
+            let p = cfg
                 .plugins
                 .as_ref()
-                .map(|p| PathBuf::from(&p.dir))
-                .ok_or_else(|| PolicyError::Plugin {
-                    name: n.clone(),
-                    message: "no `plugins.dir` in rlc.yaml".into(),
-                })?;
-            Ok(Some(policies::loader::load(&dir, n)? as &dyn Policy))
+                .ok_or_else(|| plugin_err("no `plugins.dir` in rlc.yaml".into()))?;
+            let host = match &p.host {
+                Some(h) => PathBuf::from(h),
+                None => policies::isolated::default_host().map_err(plugin_err)?,
+            };
+            let settings = policies::isolated::Settings {
+                host,
+                timeout: p.timeout.0,
+                memory_limit_bytes: p.memory_limit_mb.saturating_mul(1 << 20),
+                max_restarts: p.max_restarts,
+            };
+            Ok(Some(
+                policies::isolated::load(Path::new(&p.dir), n, &settings)? as &dyn Policy,
+            ))
         }
     }
 }
@@ -92,8 +109,10 @@ pub fn compute_plan(
         });
     }
 
+    plan.history_error = history.source_error.clone();
     for service in &services {
         if let Some(e) = &history.source_error {
+            plan.history_failed.push(service.clone());
             keep_service(
                 &mut plan,
                 repo,
@@ -107,6 +126,7 @@ pub fn compute_plan(
         if has_series {
             let cov = history.service_coverage(service);
             if cov < cfg.history.min_coverage {
+                plan.history_failed.push(service.clone());
                 keep_service(
                     &mut plan,
                     repo,
@@ -197,6 +217,7 @@ fn compute_service(
         *peak_by_procedure.entry(k.procedure.clone()).or_default() += p;
     }
     let capacity = repo.capacity.as_ref().map(|c| &c.value);
+    let floor = cfg.rails.floor_rps.max(spec.floor_rps.unwrap_or(0.0));
     let mut done: BTreeSet<String> = BTreeSet::new();
 
     // Active contracts make their own buckets; they win over the service's policy.
@@ -228,6 +249,12 @@ fn compute_service(
             .fold(None, |m: Option<f64>, p| Some(m.map_or(p, |m| m + p)));
         let proposal = fixed::proposal(c, peak);
         let cur = current.get(name.as_str()).copied();
+        if let Err(why) =
+            rails::check_proposal(proposal.limit_rps, peak.unwrap_or(0.0), None, floor, false)
+        {
+            refuse(plan, service, &key, cur, &proposal.policy, &why);
+            continue;
+        }
         // Contractual limits skip the damping rails.
         let railed = rails_for(cfg, &spec, cur, &proposal, false);
         push(
@@ -329,6 +356,13 @@ fn compute_service(
         };
         match result {
             Ok(p) => {
+                // No policy's output reaches the rails unchecked.
+                if let Err(why) =
+                    rails::check_proposal(p.limit_rps, peaks[i], capacity_share, floor, true)
+                {
+                    refuse(plan, service, key, cur, &p.policy, &why);
+                    continue;
+                }
                 // A gap in this series (not the service) must not lower its quota.
                 let cov = s.coverage_since_first();
                 let railed = rails_for(cfg, &spec, cur, &p, true);
@@ -424,6 +458,29 @@ fn compute_service(
                 "no traffic in the lookback window; keeps its current quota",
             )),
         }
+    }
+}
+
+/// A proposal refused by the sanity bound: the bucket keeps its current quota and is listed in
+/// `skipped` with the reason.
+fn refuse(
+    plan: &mut Plan,
+    service: &str,
+    key: &SeriesKey,
+    cur: Option<&Bucket>,
+    policy: &PolicyName,
+    why: &str,
+) {
+    let reason = format!("policy {policy} {why}: refused; keeps current quota");
+    tracing::warn!(service, bucket = %key.bucket_name(), %reason, "proposal refused");
+    plan.skipped.push(Skipped {
+        service: service.into(),
+        caller: key.caller.clone(),
+        procedure: key.procedure.clone(),
+        reason: reason.clone(),
+    });
+    if let Some(b) = cur {
+        plan.buckets.push(kept(service, b, &reason));
     }
 }
 

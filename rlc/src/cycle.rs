@@ -8,6 +8,11 @@
 //!   pending (the daemon's reconcile loop, or the next run, delivers it).
 //! - store down: the git work and push complete; the run record waits in a bounded buffer
 //!   and is written when the store is back (in `--once`, the run says it was not recorded).
+//!   A SQLite store deleted or replaced during the run is down too (never recreated).
+//! - history failed for every service: the run fails and writes nothing (exit 1); for some
+//!   services: those keep their quotas and the run exits 4.
+//! - the remote's ref moved during the push ("failed to update ref"): fetch, rebuild on top,
+//!   push again, at most `git_attempts` times.
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -21,6 +26,7 @@ use serde::Serialize;
 use tokio::sync::Mutex;
 
 use crate::gitops::summary::{self, ChangeSummary, FORGE_BODY_LIMIT};
+use crate::gitops::writer::DECREASE_HISTORY_MAX_COMMITS;
 use crate::gitops::{Forge, PullRequest, WriteOutcome, WriteStatus, Writer, WriterConfig};
 use crate::plan::{Plan, Skipped};
 use crate::push::{self, Backoff, ControllerClient, Desired};
@@ -117,6 +123,9 @@ pub struct RunOutcome {
     pub summary: ChangeSummary,
     /// What the plan skipped.
     pub skipped: Vec<Skipped>,
+    /// Services whose history failed or was incomplete; they kept their current quotas
+    /// (exit 4, or 1 when that is every service).
+    pub history_failed: Vec<String>,
 }
 
 impl RunOutcome {
@@ -140,18 +149,25 @@ impl RunOutcome {
             error: None,
             summary: ChangeSummary::default(),
             skipped: vec![],
+            history_failed: vec![],
         }
     }
 
-    /// Exit status of `rlc run --once`: 0 done (changed or not), 1 failed (nothing written),
-    /// 2 git work done but the controller push or the run record is pending, 3 the PR branch
-    /// is held by human commits.
+    /// Exit status of `rlc run --once` ([`crate::exit`]): 0 done (changed or not), 1 failed
+    /// (nothing written; also when the history failed for every service), 2 git work done
+    /// but the controller push or the run record is pending, 3 the PR branch is held by
+    /// human commits, 4 done but some services kept their quotas because their history
+    /// failed. When several apply, the first of 1, 3, 2, 4 wins.
     pub fn exit_code(&self) -> i32 {
+        use crate::exit;
         match self.status {
-            RunStatus::Success | RunStatus::Unchanged => 0,
-            RunStatus::Failed => 1,
-            RunStatus::Pending => 2,
-            RunStatus::Held => 3,
+            RunStatus::Failed => exit::FAILED,
+            RunStatus::Held => exit::HELD,
+            RunStatus::Pending => exit::PENDING,
+            RunStatus::Success | RunStatus::Unchanged if !self.history_failed.is_empty() => {
+                exit::PARTIAL
+            }
+            RunStatus::Success | RunStatus::Unchanged => exit::OK,
         }
     }
 
@@ -258,6 +274,13 @@ impl std::fmt::Display for RunOutcome {
             let what = sk.target();
             writeln!(f, "  skipped {what}: {}", sk.reason)?;
         }
+        if !self.history_failed.is_empty() && self.error.is_none() {
+            writeln!(
+                f,
+                "  history failed for {}: kept their current quotas",
+                self.history_failed.join(", ")
+            )?;
+        }
         Ok(())
     }
 }
@@ -267,6 +290,8 @@ pub struct Cycle {
     cfg: DaemonConfig,
     base_dir: PathBuf,
     store: Mutex<Option<Store>>,
+    /// The SQLite file of the first connection (a reconnection must find the same file).
+    opened: Mutex<Option<crate::store::SqliteFile>>,
     pending: Mutex<VecDeque<(RunRecord, Vec<QuotaRecord>)>>,
     /// Backoff of the controller push inside a run.
     pub push_backoff: Backoff,
@@ -281,6 +306,7 @@ impl Cycle {
             cfg,
             base_dir: base_dir.to_path_buf(),
             store: Mutex::new(None),
+            opened: Mutex::new(None),
             pending: Mutex::new(VecDeque::new()),
             push_backoff: Backoff::default(),
             git_attempts: 3,
@@ -304,27 +330,76 @@ impl Cycle {
     }
 
     /// The store, connecting (and migrating) on first use or after a failure.
+    ///
+    /// A SQLite store is created only by the first connection of this process; afterwards it
+    /// must stay the same file: deleted or replaced underneath, it is an error
+    /// ([`crate::store::StoreError::Vanished`]), never a silently created new database.
     pub async fn store(&self) -> Result<Store, crate::store::StoreError> {
         let mut g = self.store.lock().await;
         if let Some(s) = g.as_ref() {
             return Ok(s.clone());
         }
-        let s = Store::connect(&self.cfg.database_url, &self.base_dir).await?;
+        let mut opened = self.opened.lock().await;
+        let s = match opened.as_ref() {
+            None => Store::connect(&self.cfg.database_url, &self.base_dir).await?,
+            Some(f) => Store::reconnect(&self.cfg.database_url, &self.base_dir, Some(f)).await?,
+        };
+        if opened.is_none() {
+            *opened = s.sqlite_file().cloned();
+        }
         *g = Some(s.clone());
         Ok(s)
     }
 
     /// The plan with every decrease of a bucket already lowered within
     /// `rails.decrease_interval` held back (listed in `skipped`): the per-run cap must not
-    /// compound over frequent runs. When the store cannot say, decreases are held too — a
-    /// failed dependency never lowers a quota.
+    /// compound over frequent runs.
+    ///
+    /// Two witnesses are asked, and either one holds a decrease:
+    /// - the config repo's history (the base branch's first-parent history of
+    ///   `buckets/<service>.yaml`, at most [`DECREASE_HISTORY_MAX_COMMITS`] commits back). It
+    ///   records every change, whoever made it, and cannot be lost with rlc's store: with the
+    ///   SQLite file deleted between runs, the guard still holds. This is why the guard does
+    ///   not merely hold decreases while the store is younger than the interval: a young
+    ///   store cannot tell a first run from a lost history, the repo can.
+    /// - the store's quota history (which also knows decreases of runs whose commit was
+    ///   later reverted).
+    ///
+    /// When a witness cannot say (store down, deleted or replaced mid-run; history too long
+    /// or unreadable), decreases are held too: a failed dependency never lowers a quota.
     async fn hold_repeated_decreases(&self, plan: &Plan) -> Plan {
         let interval = self.cfg.rails.decrease_interval.0;
         if interval.as_secs() <= 1 {
             return plan.clone();
         }
+        let lowering = |b: &crate::plan::PlannedBucket| {
+            b.current_limit_rps
+                .is_some_and(|cur| b.bucket.limit_rps < cur)
+        };
+        let mut services: Vec<String> = plan
+            .buckets
+            .iter()
+            .filter(|b| lowering(b))
+            .map(|b| b.service.clone())
+            .collect();
+        if services.is_empty() {
+            return plan.clone();
+        }
+        services.sort();
+        services.dedup();
         let since =
             Utc::now() - chrono::Duration::from_std(interval).unwrap_or(chrono::Duration::days(1));
+        let wcfg = self.writer_config();
+        let since_s = since.timestamp();
+        let from_git = tokio::task::spawn_blocking(move || {
+            let w = Writer::open(wcfg)?;
+            w.fetch()?;
+            w.decreases_since(&services, since_s, DECREASE_HISTORY_MAX_COMMITS)
+        })
+        .await
+        .map_err(|e| crate::gitops::GitOpsError::History(format!("task panicked: {e}")))
+        .and_then(|r| r);
+        let at = |t: DateTime<Utc>| t.format("%Y-%m-%d %H:%M UTC").to_string();
         let mut out = plan.clone();
         let store = self.store().await;
         for b in &mut out.buckets {
@@ -334,19 +409,29 @@ impl Cycle {
             if b.bucket.limit_rps >= cur {
                 continue;
             }
-            let why = match &store {
-                Ok(s) => match s.lowered_since(&b.service, &b.bucket.name, since).await {
-                    Ok(last) => last.map(|at| {
-                        format!(
-                            "already lowered at {} (one decrease per {}): the decrease to {} rps waits",
-                            at.format("%Y-%m-%d %H:%M UTC"),
-                            self.cfg.rails.decrease_interval,
-                            schema::format_rps(b.bucket.limit_rps)
-                        )
-                    }),
-                    Err(e) => Some(format!("quota history unavailable ({e}): decrease held")),
+            let waits = |when: String, source: &str| {
+                format!(
+                    "already lowered at {when} per {source} (one decrease per {}): the decrease to {} rps waits",
+                    self.cfg.rails.decrease_interval,
+                    schema::format_rps(b.bucket.limit_rps)
+                )
+            };
+            let by_git = match &from_git {
+                Ok(found) => found
+                    .get(&(b.service.clone(), b.bucket.name.clone()))
+                    .and_then(|t| DateTime::<Utc>::from_timestamp(*t, 0))
+                    .map(|t| waits(at(t), "the config repo history")),
+                Err(e) => Some(format!("{e}: decrease held")),
+            };
+            let why = match by_git {
+                Some(r) => Some(r),
+                None => match &store {
+                    Ok(s) => match s.lowered_since(&b.service, &b.bucket.name, since).await {
+                        Ok(last) => last.map(|t| waits(at(t), "the store")),
+                        Err(e) => Some(format!("quota history unavailable ({e}): decrease held")),
+                    },
+                    Err(e) => Some(format!("store unavailable ({e}): decrease held")),
                 },
-                Err(e) => Some(format!("store unavailable ({e}): decrease held")),
             };
             if let Some(reason) = why {
                 out.skipped.push(Skipped {
@@ -435,6 +520,12 @@ impl Cycle {
     /// Syncs the repo, asks `planner` for a plan, and applies it. Never returns an error: a
     /// failure is a failed outcome (recorded like any run).
     pub async fn run(&self, planner: &Planner, trigger: &str) -> RunOutcome {
+        // Open the store first, so that one deleted or replaced during the run is noticed
+        // (an error) instead of being created anew at the end. A store that is down now is
+        // retried when it is needed.
+        if let Err(e) = self.store().await {
+            tracing::warn!(error = %e, "store unavailable at the start of the run");
+        }
         let repo_dir = match self.sync().await {
             Ok((dir, _, _)) => dir,
             Err(e) => {
@@ -473,6 +564,24 @@ impl Cycle {
         let held = self.hold_repeated_decreases(plan).await;
         let plan = &held;
         out.skipped = plan.skipped.clone();
+        out.history_failed = plan.history_failed.clone();
+        // Nothing was computed: write nothing (an open proposal must not look outdated
+        // because Prometheus is down) and fail the run.
+        if plan.history_failed_everywhere() {
+            out.error = Some(match &plan.history_error {
+                Some(e) => format!(
+                    "history source failed: {e}; nothing computed, every service keeps its current quotas"
+                ),
+                None => format!(
+                    "history failed for every service ({}); nothing computed, every service keeps its current quotas",
+                    plan.history_failed.join(", ")
+                ),
+            });
+            out.finish();
+            tracing::error!(trigger, error = ?out.error, "history failed for every service; nothing written");
+            self.record(&mut out, plan).await;
+            return out;
+        }
         // In pull-request mode with a forge, an outdated proposal's PR is closed (with a
         // comment) before its branch is deleted: GitHub marks a PR whose head becomes part of
         // the base as merged, and closes one whose head is deleted without saying why.
@@ -498,7 +607,8 @@ impl Cycle {
         }
         let (write, desired) = match written {
             Ok(x) => x,
-            Err(e) => {
+            Err((e, attempts)) => {
+                out.attempts = attempts;
                 out.error = Some(e);
                 out.finish();
                 tracing::error!(trigger, error = ?out.error, "git write failed; nothing written");
@@ -599,26 +709,35 @@ impl Cycle {
     }
 
     /// Renders and writes `plan` (withdrawing an outdated PR branch when `withdraw`), and
-    /// reads the base tip's bucket files.
-    async fn write(&self, plan: &Plan, withdraw: bool) -> Result<(WriteOutcome, Desired), String> {
+    /// reads the base tip's bucket files. A failure carries the attempts the writer made.
+    async fn write(
+        &self,
+        plan: &Plan,
+        withdraw: bool,
+    ) -> Result<(WriteOutcome, Desired), (String, u32)> {
         let wcfg = self.writer_config();
         let p = plan.clone();
-        let written =
-            tokio::task::spawn_blocking(move || -> Result<_, crate::gitops::GitOpsError> {
-                let mut w = Writer::open(wcfg)?;
-                let res = if withdraw {
-                    w.write_withdrawing(&p)?
-                } else {
-                    w.write(&p)?
-                };
+        let written = tokio::task::spawn_blocking(move || {
+            let mut w = match Writer::open(wcfg) {
+                Ok(w) => w,
+                Err(e) => return (Err(e), 0),
+            };
+            let res = if withdraw {
+                w.write_withdrawing(&p)
+            } else {
+                w.write(&p)
+            };
+            let res = res.and_then(|res| {
                 let (version, services) = w.base_buckets()?;
                 Ok((res, Desired { version, services }))
-            })
-            .await;
+            });
+            (res, w.attempts())
+        })
+        .await;
         match written {
-            Ok(Ok(x)) => Ok(x),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(e) => Err(format!("git task panicked: {e}")),
+            Ok((Ok(x), _)) => Ok(x),
+            Ok((Err(e), attempts)) => Err((e.to_string(), attempts)),
+            Err(e) => Err((format!("git task panicked: {e}"), 0)),
         }
     }
 
@@ -758,13 +877,17 @@ pub async fn apply_plan(
 /// paths in it), so that paths resolve the same wherever the command runs from.
 pub fn load_config(path: &Path) -> anyhow::Result<(DaemonConfig, PathBuf)> {
     let cfg = schema::load_daemon_config(path)
-        .map_err(|d| anyhow::anyhow!("{}", schema::Diagnostics(d)))?;
+        .map_err(|d| crate::exit::ConfigError(schema::Diagnostics(d).to_string()))?;
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
     };
-    let base = std::path::absolute(dir)
-        .map_err(|e| anyhow::anyhow!("{}: cannot resolve its directory: {e}", path.display()))?;
+    let base = std::path::absolute(dir).map_err(|e| {
+        crate::exit::ConfigError(format!(
+            "{}: cannot resolve its directory: {e}",
+            path.display()
+        ))
+    })?;
     Ok((cfg, base))
 }
 
@@ -787,7 +910,7 @@ pub struct RunArgs {
 pub async fn run(args: RunArgs, planner: Planner) -> anyhow::Result<i32> {
     if !args.once {
         eprintln!("rlc run needs --once (one cycle); use `rlc serve` for the scheduled daemon");
-        return Ok(2);
+        return Ok(crate::exit::USAGE);
     }
     let (cfg, base) = load_config(&args.config)?;
     let cycle = Cycle::new(cfg, &base);

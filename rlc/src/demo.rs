@@ -2,7 +2,8 @@
 //!
 //! 1. a config repo made from the template (a real git repository) in `--dir`;
 //! 2. four weeks of generated per-minute history (the bundled quickstart set, as CSV);
-//! 3. an in-process GRL controller on loopback;
+//! 3. an in-process GRL controller on loopback, with generated credentials (one per role, in
+//!    a mode-600 credentials file, as in production);
 //! 4. one `rlc run` cycle: history → policies → rails → `buckets/*.yaml` committed → pushed to
 //!    the controller → recorded in SQLite;
 //! 5. live traffic at 1.5× one bucket's new limit through a real GRL client and zone aggregator,
@@ -15,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use grl_runtime::aggregator::{Aggregator, AggregatorOptions};
+use grl_runtime::auth::{write_secret_file, CredentialSet};
 use grl_runtime::client::{ClientOptions, GrlClient};
 use grl_runtime::controller::{Controller, ControllerOptions};
 use schema::{format_rps, Mode};
@@ -36,6 +38,15 @@ pub struct DemoArgs {
 }
 
 const TOKEN_ENV: &str = "RLC_DEMO_GRL_TOKEN";
+
+/// 256 random bits, hex.
+fn secret() -> String {
+    format!(
+        "{:032x}{:032x}",
+        rand::random::<u128>(),
+        rand::random::<u128>()
+    )
+}
 
 /// Runs the demo; returns the exit code.
 pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
@@ -69,20 +80,40 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
         println!("2. history      {} (reused)", history.display());
     }
 
-    // 3. The in-process controller, serving the repo's current buckets.
-    let token = format!("{:032x}", rand::random::<u128>());
+    // 3. The in-process controller, serving the repo's current buckets, with one generated
+    // credential per role: rlc pushes configs and reads reports, on-call people add
+    // overrides, aggregators send zone reports. No anonymous report is accepted.
+    let token = secret();
+    let zone_token = secret();
+    let creds_path = dir.join("grl-credentials");
+    write_secret_file(
+        &creds_path,
+        &format!(
+            "# Written by `rlc demo`: NAME ROLES SECRET (see docs/security.md).\nrlc config,reports {token}\noncall overrides {}\nzone-report zone-report {zone_token}\n",
+            secret()
+        ),
+    )
+    .with_context(|| format!("writing {}", creds_path.display()))?;
+    let mut credentials = CredentialSet::default();
+    credentials
+        .add_file(&creds_path, Some(grl_runtime::controller::ROLES))
+        .map_err(anyhow::Error::msg)?;
     let controller = Controller::start(ControllerOptions {
         state_dir: dir.join("grl-state"),
-        token: token.clone(),
+        credentials,
         config_dir: Some(repo_dir.join("buckets")),
         tick: Duration::from_millis(250),
         ..Default::default()
     })
     .await
     .context("starting the GRL controller")?;
-    // The push client reads the token from the environment, as in production.
+    // The push client reads its credential from the environment, as in production.
     std::env::set_var(TOKEN_ENV, &token);
     println!("3. controller   {} (in-process)", controller.url());
+    println!(
+        "   credentials  {} (generated, mode 600: rlc = config,reports; oncall = overrides; zone-report)",
+        creds_path.display()
+    );
 
     let cfg_path = dir.join("rlc.yaml");
     std::fs::write(&cfg_path, rlc_yaml(&controller.url()))?;
@@ -126,7 +157,15 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
         })
         .find(|(_, b)| b.mode == Mode::Enforce && b.caller.is_some() && b.procedure.is_some());
     if let Some((service, bucket)) = enforced {
-        traffic(&controller.url(), &service, &bucket, args.traffic_secs).await?;
+        traffic(
+            &controller.url(),
+            &dir,
+            &zone_token,
+            &service,
+            &bucket,
+            args.traffic_secs,
+        )
+        .await?;
     }
 
     // 6. Same history again: nothing new to change. Decreases the rails capped wait for the
@@ -169,21 +208,34 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
 /// aggregator, and prints the admitted rate each second.
 async fn traffic(
     controller: &str,
+    dir: &Path,
+    zone_token: &str,
     service: &str,
     bucket: &schema::Bucket,
     secs: u64,
 ) -> anyhow::Result<()> {
+    // The aggregator accepts client reports only with a credential for their service.
+    let client_token = secret();
+    let client_creds = dir.join("grl-client-credentials");
+    write_secret_file(
+        &client_creds,
+        &format!("# Written by `rlc demo`: NAME SERVICES SECRET (see docs/security.md).\n{service} {service} {client_token}\n"),
+    )
+    .with_context(|| format!("writing {}", client_creds.display()))?;
     let agg = Aggregator::start(AggregatorOptions {
         listen: ([127, 0, 0, 1], 0).into(),
         controllers: vec![controller.to_string()],
         zone: "demo-zone-a".into(),
         region: "demo".into(),
         tick: Duration::from_millis(250),
+        report_token: Some(zone_token.into()),
+        client_credentials: Some(client_creds.clone()),
         ..Default::default()
     })
     .await?;
     let mut opts = ClientOptions::new(service, vec![agg.url()]);
     opts.tick = Duration::from_millis(250);
+    opts.report_token = Some(client_token.as_str().into());
     let client = GrlClient::start(opts);
     let caller = bucket.caller.clone().unwrap_or_default();
     let procedure = bucket.procedure.clone().unwrap_or_default();
@@ -193,6 +245,10 @@ async fn traffic(
         bucket.name,
         format_rps(bucket.limit_rps),
         format_rps(offered.round())
+    );
+    println!(
+        "   client credential for {service} in {} (generated); anonymous reports are refused",
+        client_creds.display()
     );
     let slice = Duration::from_millis(20);
     let start = Instant::now();

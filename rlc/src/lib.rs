@@ -7,6 +7,7 @@
 //! - `pipeline`: the planner `run`/`serve`/`demo` use: history → compute → plan.
 //! - `plan`: the computed quota set (what `preview` prints and `run` commits).
 //! - `validate_cmd`: `rlc validate DIR`.
+//! - `exit`: the exit codes of every command.
 //! - `demo`: `rlc demo`, the whole loop on embedded defaults.
 //! - `gitops`: git write-back (libgit2 writer, forge client for PRs, commit message/PR body).
 //! - `push`: GRL controller client and the reconcile loop.
@@ -19,6 +20,7 @@ pub mod backtest;
 pub mod compute;
 pub mod cycle;
 pub mod demo;
+pub mod exit;
 pub mod gitops;
 pub mod history;
 pub mod pipeline;

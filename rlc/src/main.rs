@@ -9,7 +9,8 @@ use clap::{Parser, Subcommand};
 #[command(
     name = "rlc",
     version,
-    about = "Rate Limit Configurator: keeps quotas right from traffic history"
+    about = "Rate Limit Configurator: keeps quotas right from traffic history",
+    after_help = rlc::exit::HELP
 )]
 struct Cli {
     #[command(subcommand)]
@@ -29,8 +30,10 @@ enum Command {
     /// Print the JSON Schema of every file format (for editors).
     Schema,
     /// Compute quotas and print them (table or JSON); writes nothing.
+    #[command(after_help = PREVIEW_EXIT)]
     Preview(rlc::preview::PreviewArgs),
     /// One full cycle: history → policies → git → controller → store.
+    #[command(after_help = rlc::exit::HELP)]
     Run(rlc::cycle::RunArgs),
     /// The daemon: schedule, input-change and API triggers, dashboard.
     Serve(rlc::serve::ServeArgs),
@@ -41,7 +44,23 @@ enum Command {
     Demo(rlc::demo::DemoArgs),
 }
 
+/// Exit codes of `rlc preview` (a subset of [`rlc::exit::HELP`]).
+const PREVIEW_EXIT: &str = "\
+Exit codes:
+  0   done
+  1   the history failed for every service (current quotas shown)
+  4   the history failed for some services (they show their current quotas)
+  64  usage error
+  78  config error (rlc.yaml missing or invalid, config repo with problems)";
+
 fn main() -> ExitCode {
+    // `rlc __plugin-host …`: this process is the host of one policy plugin (hidden; started by
+    // rlc itself, see docs/rlc-policies.md). Decided before anything else runs.
+    let mut args = std::env::args_os().skip(1).peekable();
+    if args.peek().is_some_and(|a| a == policies::host::HOST_ARG) {
+        std::process::exit(policies::host::main(args));
+    }
+    policies::isolated::host_is_current_exe();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -49,7 +68,19 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            // --help and --version print to stdout and succeed; every other parse error is a
+            // usage error (EX_USAGE, not clap's 2, which means "push pending" here).
+            let _ = e.print();
+            return ExitCode::from(if e.use_stderr() {
+                rlc::exit::USAGE as u8
+            } else {
+                rlc::exit::OK as u8
+            });
+        }
+    };
     let result = match cli.command {
         Command::Validate { dir, format } => rlc::validate_cmd::run(&dir, &format),
         Command::Schema => {
@@ -69,7 +100,7 @@ fn main() -> ExitCode {
         Ok(code) => ExitCode::from(code as u8),
         Err(e) => {
             eprintln!("error: {e:#}");
-            ExitCode::from(2)
+            ExitCode::from(rlc::exit::code_of(&e) as u8)
         }
     }
 }

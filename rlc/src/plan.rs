@@ -13,6 +13,14 @@ pub struct Plan {
     pub buckets: Vec<PlannedBucket>,
     /// Series or services that keep their current quotas, with the reason.
     pub skipped: Vec<Skipped>,
+    /// Services that keep their current quotas because their history failed or was
+    /// incomplete (also listed in `skipped`): `rlc run`/`rlc preview` exit 4 when there are
+    /// any, 1 when every service is.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub history_failed: Vec<String>,
+    /// Why the whole history source failed, when it did (every service keeps its quotas).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub history_error: Option<String>,
 }
 
 /// One proposed bucket (flattened into the JSON shape of DESIGN §3.3).
@@ -58,6 +66,23 @@ impl Skipped {
 }
 
 impl Plan {
+    /// Whether no service could be computed because of its history: the source failed, or
+    /// every service in the plan is in `history_failed`.
+    pub fn history_failed_everywhere(&self) -> bool {
+        if self.history_error.is_some() {
+            return true;
+        }
+        if self.history_failed.is_empty() {
+            return false;
+        }
+        self.buckets
+            .iter()
+            .map(|b| b.service.as_str())
+            .chain(self.skipped.iter().map(|s| s.service.as_str()))
+            .filter(|s| !s.is_empty() && *s != "*")
+            .all(|s| self.history_failed.iter().any(|f| f == s))
+    }
+
     /// The bucket files this plan renders to, one per service, sorted by service.
     pub fn bucket_files(&self) -> Vec<BucketFile> {
         let mut by_service: BTreeMap<&str, Vec<Bucket>> = BTreeMap::new();

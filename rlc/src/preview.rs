@@ -3,7 +3,7 @@
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use schema::{ConfigRepo, DaemonConfig};
 
 use crate::compute::{compute_plan, resolve_paths};
@@ -41,10 +41,11 @@ pub fn load_inputs(config: &Path) -> anyhow::Result<(DaemonConfig, ConfigRepo, P
     resolve_paths(&mut cfg, &base);
     let (repo, diags) = ConfigRepo::load(Path::new(&cfg.config_repo.path));
     if !diags.is_empty() {
-        bail!(
+        return Err(crate::exit::ConfigError(format!(
             "the config repo has problems:\n{}",
             schema::Diagnostics(diags)
-        );
+        ))
+        .into());
     }
     Ok((cfg, repo, base))
 }
@@ -65,12 +66,12 @@ pub async fn load_history(cfg: &DaemonConfig, base: &Path) -> History {
     h
 }
 
-/// Runs `rlc preview`; returns the exit code (0, or 1 when the history source failed).
+/// Runs `rlc preview`; returns the exit code ([`crate::exit`]): 0, 1 when the history failed
+/// for every service (shown), 4 when it failed for some of them.
 pub async fn run(args: PreviewArgs) -> anyhow::Result<i32> {
     let (cfg, repo, base) =
         load_inputs(&args.config).with_context(|| format!("loading {}", args.config.display()))?;
     let history = load_history(&cfg, &base).await;
-    let failed = history.source_error.is_some();
     let mut plan = tokio::task::spawn_blocking(move || {
         compute_plan(&cfg, &repo, &history, chrono::Utc::now())
     })
@@ -78,12 +79,25 @@ pub async fn run(args: PreviewArgs) -> anyhow::Result<i32> {
     if let Some(s) = &args.service {
         plan.buckets.retain(|b| &b.service == s);
         plan.skipped.retain(|b| &b.service == s);
+        plan.history_failed.retain(|f| f == s);
     }
     match args.format {
         Format::Json => println!("{}", serde_json::to_string_pretty(&plan)?),
         Format::Table => print!("{}", table(&plan)),
     }
-    Ok(if failed { 1 } else { 0 })
+    Ok(history_exit_code(&plan))
+}
+
+/// [`crate::exit::FAILED`] when the history failed for every service of `plan`,
+/// [`crate::exit::PARTIAL`] when for some, [`crate::exit::OK`] otherwise.
+pub fn history_exit_code(plan: &Plan) -> i32 {
+    if plan.history_failed_everywhere() {
+        crate::exit::FAILED
+    } else if !plan.history_failed.is_empty() {
+        crate::exit::PARTIAL
+    } else {
+        crate::exit::OK
+    }
 }
 
 /// The plan as a table: service, bucket, current, proposed, change %, peak, policy, scope,

@@ -1,6 +1,12 @@
 //! The GRL controller client (`PUT /v1/config`, `GET /v1/status`, `GET /v1/reports`) and the
 //! reconcile loop that brings the controller to the desired config version, retrying with
 //! bounded backoff while it is down.
+//!
+//! Credentials (never logged): `controller.token_env` names the variable holding the
+//! credential with the controller's `config` role (`PUT /v1/config`), or `<VAR>_FILE` a file
+//! holding it, re-read on every call so that a rotation needs no restart;
+//! `controller.reports_token_env` (default: the same credential) the one with the `reports`
+//! role (`GET /v1/reports`).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -18,6 +24,9 @@ pub enum PushError {
     /// 401: the token is wrong or missing.
     #[error("controller refused the token (401); check the env var named by controller.token_env")]
     Unauthorized,
+    /// 403: the credential is known but lacks the endpoint's role.
+    #[error("controller refused the credential for this endpoint (403): {0}; rlc needs the `config` role (controller.token_env) and the `reports` role (controller.reports_token_env, default the same credential)")]
+    Forbidden(String),
     /// 4xx: the controller refuses this config; retrying the same config will not help.
     #[error("controller rejected the config ({status}): {message}")]
     Rejected {
@@ -35,11 +44,14 @@ pub enum PushError {
         message: String,
     },
     /// The controller token env var is not set.
-    #[error("environment variable {0} (controller.token_env) is not set")]
+    #[error("neither environment variable {0} nor {0}_FILE is set (controller.token_env / controller.reports_token_env)")]
     NoToken(String),
     /// controller.tls names files that do not load.
     #[error("controller.tls: {0}")]
     Tls(String),
+    /// The token file named by `<VAR>_FILE` cannot be read or is empty.
+    #[error("controller token file: {0}")]
+    TokenFile(String),
 }
 
 impl PushError {
@@ -110,12 +122,53 @@ pub struct ReportPage {
     pub gap: bool,
 }
 
+/// A credential: a value, or a file read at each use.
+#[derive(Clone)]
+enum Secret {
+    Value(String),
+    File(PathBuf),
+}
+
+impl Secret {
+    /// `var`, else the file named by `<var>_FILE`.
+    fn from_env(var: &str) -> Result<Secret, PushError> {
+        if let Some(v) = std::env::var(var).ok().filter(|v| !v.trim().is_empty()) {
+            return Ok(Secret::Value(v.trim().to_string()));
+        }
+        match std::env::var_os(format!("{var}_FILE")).filter(|v| !v.is_empty()) {
+            Some(p) => {
+                let s = Secret::File(PathBuf::from(p));
+                s.get()?;
+                Ok(s)
+            }
+            None => Err(PushError::NoToken(var.to_string())),
+        }
+    }
+
+    fn get(&self) -> Result<String, PushError> {
+        match self {
+            Secret::Value(v) => Ok(v.clone()),
+            Secret::File(p) => {
+                // Never the content in errors: only the file and what is wrong.
+                let text = std::fs::read_to_string(p)
+                    .map_err(|e| PushError::TokenFile(format!("{}: {e}", p.display())))?;
+                let t = text.lines().next().unwrap_or("").trim().to_string();
+                if t.is_empty() {
+                    return Err(PushError::TokenFile(format!("{}: empty", p.display())));
+                }
+                Ok(t)
+            }
+        }
+    }
+}
+
 /// A client for one controller.
 #[derive(Clone)]
 pub struct ControllerClient {
     http: reqwest::Client,
     url: String,
-    token: String,
+    token: Secret,
+    reports_token: Option<Secret>,
 }
 
 impl std::fmt::Debug for ControllerClient {
@@ -144,7 +197,8 @@ impl ControllerClient {
                 .build()
                 .expect("a default reqwest client builds"),
             url: url.trim_end_matches('/').to_string(),
-            token,
+            token: Secret::Value(token),
+            reports_token: None,
         }
     }
 
@@ -162,18 +216,23 @@ impl ControllerClient {
         Ok(ControllerClient {
             http,
             url: url.trim_end_matches('/').to_string(),
-            token,
+            token: Secret::Value(token),
+            reports_token: None,
         })
     }
 
     /// From `controller` in rlc.yaml (TLS paths relative to `base_dir`, the directory of
-    /// rlc.yaml), reading the token from its env var.
+    /// rlc.yaml), reading the credentials from their env vars (or the files their `_FILE`
+    /// variables name).
     pub fn from_config(
         c: &schema::ControllerConfig,
         base_dir: &Path,
     ) -> Result<ControllerClient, PushError> {
-        let token =
-            std::env::var(&c.token_env).map_err(|_| PushError::NoToken(c.token_env.clone()))?;
+        let token = Secret::from_env(&c.token_env)?;
+        let reports_token = match &c.reports_token_env {
+            Some(var) => Some(Secret::from_env(var)?),
+            None => None,
+        };
         let tls = c
             .tls
             .as_ref()
@@ -186,7 +245,10 @@ impl ControllerClient {
                 .relative_to(base_dir)
             })
             .unwrap_or_default();
-        ControllerClient::with_tls(&c.url, token, &tls)
+        let mut client = ControllerClient::with_tls(&c.url, String::new(), &tls)?;
+        client.token = token;
+        client.reports_token = reports_token;
+        Ok(client)
     }
 
     async fn check(resp: reqwest::Response) -> Result<reqwest::Response, PushError> {
@@ -202,6 +264,9 @@ impl ControllerClient {
             .ok()
             .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_string))
             .unwrap_or_else(|| text.chars().take(500).collect());
+        if status.as_u16() == 403 {
+            return Err(PushError::Forbidden(message));
+        }
         if status.is_client_error() {
             Err(PushError::Rejected {
                 status: status.as_u16(),
@@ -221,7 +286,7 @@ impl ControllerClient {
         let resp = self
             .http
             .put(format!("{}/v1/config", self.url))
-            .bearer_auth(&self.token)
+            .bearer_auth(self.token.get()?)
             .json(&body)
             .send()
             .await
@@ -236,11 +301,12 @@ impl ControllerClient {
         path: &str,
         query: &[(&str, String)],
         what: &str,
+        token: &Secret,
     ) -> Result<T, PushError> {
         let resp = self
             .http
             .get(format!("{}{path}", self.url))
-            .bearer_auth(&self.token)
+            .bearer_auth(token.get()?)
             .query(query)
             .send()
             .await
@@ -257,7 +323,8 @@ impl ControllerClient {
 
     /// `GET /v1/status`.
     pub async fn status(&self) -> Result<ControllerStatus, PushError> {
-        self.get_json("/v1/status", &[], "status").await
+        self.get_json("/v1/status", &[], "status", &self.token)
+            .await
     }
 
     /// `GET /v1/reports?after=CURSOR&limit=N`.
@@ -266,7 +333,8 @@ impl ControllerClient {
         if let Some(a) = after {
             q.push(("after", a.to_string()));
         }
-        self.get_json("/v1/reports", &q, "reports").await
+        let token = self.reports_token.as_ref().unwrap_or(&self.token);
+        self.get_json("/v1/reports", &q, "reports", token).await
     }
 
     /// One reconcile step: reads the active version and pushes `desired` unless the

@@ -5,8 +5,9 @@
 //! Several daemons on one Postgres elect the active scheduler with `pg_try_advisory_lock` on
 //! a dedicated connection ([`Store::try_lead`]); with SQLite there is one instance.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -29,6 +30,50 @@ pub enum StoreError {
     /// The URL is neither sqlite: nor postgres:.
     #[error("unsupported database_url scheme (expected sqlite:… or postgres://…)")]
     Scheme,
+    /// The SQLite file was deleted or replaced while rlc was using it. rlc neither keeps
+    /// writing into the unlinked file nor silently starts a new database (which would forget
+    /// the quota history): the store is unavailable until rlc is restarted.
+    #[error("store {path}: the SQLite file was {what} while rlc was running; not using it and not creating a new one (restart rlc to accept a new store)")]
+    Vanished {
+        /// The database file.
+        path: PathBuf,
+        /// deleted | replaced by another file.
+        what: &'static str,
+    },
+}
+
+/// The SQLite file a store was opened on (device and inode), to notice it being deleted or
+/// replaced underneath a running process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SqliteFile {
+    path: PathBuf,
+    dev: u64,
+    ino: u64,
+}
+
+impl SqliteFile {
+    fn of(path: &Path) -> std::io::Result<SqliteFile> {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(path)?;
+        Ok(SqliteFile {
+            path: path.to_path_buf(),
+            dev: m.dev(),
+            ino: m.ino(),
+        })
+    }
+
+    /// Ok while `path` is still the file the store was opened on.
+    fn check(&self) -> Result<(), StoreError> {
+        let what = match SqliteFile::of(&self.path) {
+            Ok(now) if now == *self => return Ok(()),
+            Ok(_) => "replaced by another file",
+            Err(_) => "deleted",
+        };
+        Err(StoreError::Vanished {
+            path: self.path.clone(),
+            what,
+        })
+    }
 }
 
 /// Advisory-lock key of the active scheduler ("rlc-sched").
@@ -39,8 +84,9 @@ const SCHEDULER_LOCK_KEY: i64 = 0x726c_632d_7363_6864;
 pub enum Store {
     /// Postgres.
     Postgres(PgPool),
-    /// SQLite (a file next to rlc.yaml by default).
-    Sqlite(SqlitePool),
+    /// SQLite (a file next to rlc.yaml by default), with the file it was opened on (none
+    /// for `:memory:`).
+    Sqlite(SqlitePool, Option<Arc<SqliteFile>>),
 }
 
 /// One run, as recorded.
@@ -194,7 +240,12 @@ macro_rules! on_pool {
     ($self:expr, $p:ident => $body:expr) => {
         match $self {
             Store::Postgres($p) => $body,
-            Store::Sqlite($p) => $body,
+            Store::Sqlite($p, file) => {
+                if let Some(f) = file {
+                    f.check()?;
+                }
+                $body
+            }
         }
     };
 }
@@ -203,6 +254,32 @@ impl Store {
     /// Connects and migrates. A relative SQLite path is relative to `base_dir` (the directory
     /// of rlc.yaml); the file is created when missing.
     pub async fn connect(url: &str, base_dir: &Path) -> Result<Store, StoreError> {
+        Store::connect_to(url, base_dir, None).await
+    }
+
+    /// Connects again after a failure. A SQLite store must still be `previous`'s file: a
+    /// file deleted or replaced meanwhile is [`StoreError::Vanished`], never a new database.
+    pub async fn reconnect(
+        url: &str,
+        base_dir: &Path,
+        previous: Option<&SqliteFile>,
+    ) -> Result<Store, StoreError> {
+        Store::connect_to(url, base_dir, previous).await
+    }
+
+    /// The SQLite file this store was opened on.
+    pub fn sqlite_file(&self) -> Option<&SqliteFile> {
+        match self {
+            Store::Sqlite(_, Some(f)) => Some(f),
+            _ => None,
+        }
+    }
+
+    async fn connect_to(
+        url: &str,
+        base_dir: &Path,
+        previous: Option<&SqliteFile>,
+    ) -> Result<Store, StoreError> {
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
             let opts = PgConnectOptions::from_str(url)?;
             let pool = PgPoolOptions::new()
@@ -215,17 +292,25 @@ impl Store {
         } else if let Some(rest) = url.strip_prefix("sqlite:") {
             let rest = rest.trim_start_matches("//");
             let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
-            let opts = if path == ":memory:" || path.is_empty() {
-                SqliteConnectOptions::from_str("sqlite::memory:")?
-            } else {
-                let p = base_dir.join(path);
+            let file = (path != ":memory:" && !path.is_empty()).then(|| base_dir.join(path));
+            if let (Some(prev), Some(p)) = (previous, &file) {
+                if *p == prev.path {
+                    prev.check()?;
+                }
+            }
+            let opts = if let Some(p) = &file {
+                if previous.is_none() && !p.exists() {
+                    tracing::warn!(path = %p.display(), "no store file: creating a new SQLite store (decreases are still checked against the config repo's history)");
+                }
                 let mut o = SqliteConnectOptions::new()
                     .filename(p)
-                    .create_if_missing(true);
+                    .create_if_missing(previous.is_none());
                 if query.contains("mode=ro") {
                     o = o.read_only(true);
                 }
                 o
+            } else {
+                SqliteConnectOptions::from_str("sqlite::memory:")?
             };
             // One writer at a time is what SQLite does anyway; a single connection also keeps
             // an in-memory database alive across calls.
@@ -234,8 +319,23 @@ impl Store {
                 .acquire_timeout(Duration::from_secs(10))
                 .connect_with(opts.busy_timeout(Duration::from_secs(5)))
                 .await?;
+            // The file now exists: remember which one it is.
+            let identity = match &file {
+                Some(p) => Some(Arc::new(SqliteFile::of(p).map_err(|_| {
+                    StoreError::Vanished {
+                        path: p.clone(),
+                        what: "deleted",
+                    }
+                })?)),
+                None => None,
+            };
+            if let (Some(prev), Some(now)) = (previous, &identity) {
+                if prev.path == now.path {
+                    prev.check()?;
+                }
+            }
             sqlx::migrate!("../migrations/sqlite").run(&pool).await?;
-            Ok(Store::Sqlite(pool))
+            Ok(Store::Sqlite(pool, identity))
         } else {
             Err(StoreError::Scheme)
         }
@@ -245,7 +345,7 @@ impl Store {
     pub fn backend(&self) -> &'static str {
         match self {
             Store::Postgres(_) => "postgres",
-            Store::Sqlite(_) => "sqlite",
+            Store::Sqlite(..) => "sqlite",
         }
     }
 
@@ -483,7 +583,7 @@ impl Store {
     /// dedicated connection; the lock goes with it (also when the process dies).
     pub async fn try_lead(&self) -> Result<Option<Lease>, StoreError> {
         match self {
-            Store::Sqlite(_) => Ok(Some(Lease { conn: None })),
+            Store::Sqlite(..) => Ok(Some(Lease { conn: None })),
             Store::Postgres(pool) => {
                 let mut conn = pool.acquire().await?.detach();
                 let (got,): (bool,) = sqlx::query_as("SELECT pg_try_advisory_lock($1)")

@@ -5,7 +5,9 @@
 //! Used by `rlc`, by the GRL controller and by `rlc validate` alike, so that what one accepts
 //! the others accept too.
 
+mod lenient;
 mod locate;
+mod read;
 mod render;
 mod schedule;
 mod types;
@@ -17,10 +19,13 @@ use std::path::{Path, PathBuf};
 use serde::de::DeserializeOwned;
 
 pub use locate::{Locator, Pos};
+pub use read::Limits;
 pub use render::{format_rps, render_bucket_file};
 pub use schedule::parse_schedule;
 pub use types::*;
-pub use validate::{load_bucket_dir, load_daemon_config, validate_repo, ConfigRepo};
+pub use validate::{
+    load_bucket_dir, load_bucket_dir_with, load_daemon_config, validate_repo, ConfigRepo,
+};
 
 /// One problem in one file, at one line, about one key.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -93,28 +98,137 @@ impl<T> Located<T> {
     }
 }
 
-/// Parses YAML text read from `file` into `T`, rejecting unknown keys.
-pub fn parse_str<T: DeserializeOwned>(file: &Path, text: &str) -> Result<Located<T>, Diagnostic> {
-    let locator = Locator::new(text);
-    match serde_yaml::from_str::<T>(text) {
-        Ok(value) => Ok(Located {
+/// One file parsed: the value if one could be built (with the parts that had problems
+/// replaced, when `problems` is not empty) and every problem found while parsing.
+#[derive(Debug, Clone)]
+pub struct Parsed<T> {
+    /// The value and the key positions; None when the file could not be read or is not YAML.
+    pub located: Option<Located<T>>,
+    /// Every problem, sorted; empty when the file parsed cleanly.
+    pub problems: Vec<Diagnostic>,
+}
+
+impl<T> Parsed<T> {
+    /// Whether a later check's diagnostic about `key` is a consequence of a parse problem of
+    /// that key or of one of its ancestors (a replaced value, not the user's).
+    pub fn explains(&self, key: &str) -> bool {
+        self.problems.iter().any(|p| {
+            !p.key.is_empty()
+                && (key == p.key
+                    || key.starts_with(&format!("{}.", p.key))
+                    || key.starts_with(&format!("{}[", p.key)))
+        })
+    }
+
+    fn refused(d: Diagnostic) -> Self {
+        Parsed {
+            located: None,
+            problems: vec![d],
+        }
+    }
+}
+
+/// Parses YAML text read from `file` into `T` within `limits`, reporting every problem: the
+/// nesting depth and node count are checked first in one linear pass (nothing else sees a
+/// text that fails them), then serde_yaml decides; when it refuses, the file is walked again
+/// leniently to find every other problem too.
+pub fn parse_all<T: DeserializeOwned>(file: &Path, text: &str, limits: &Limits) -> Parsed<T> {
+    parse_within(file, text, limits, u64::MAX).0
+}
+
+/// [`parse_all`] when the repo may have only `repo_left` more nodes; also returns the nodes
+/// the file has (0 when refused).
+pub(crate) fn parse_within<T: DeserializeOwned>(
+    file: &Path,
+    text: &str,
+    limits: &Limits,
+    repo_left: u64,
+) -> (Parsed<T>, u64) {
+    let scan_limits = locate::ScanLimits {
+        max_depth: limits.max_depth,
+        max_nodes: limits.max_nodes,
+        repo_left,
+        repo_max: limits.max_repo_nodes,
+    };
+    let locator = match locate::scan(text, scan_limits) {
+        Ok(l) => l,
+        Err((e, _)) => {
+            return (
+                Parsed::refused(Diagnostic {
+                    file: file.to_path_buf(),
+                    line: e.pos.line,
+                    column: e.pos.column,
+                    key: String::new(),
+                    message: e.message,
+                }),
+                0,
+            );
+        }
+    };
+    let nodes = locator.nodes;
+    (parse_located(file, text, locator), nodes)
+}
+
+fn parse_located<T: DeserializeOwned>(file: &Path, text: &str, locator: Locator) -> Parsed<T> {
+    let first = match serde_yaml::from_str::<T>(text) {
+        Ok(value) => {
+            return Parsed {
+                located: Some(Located {
+                    file: file.to_path_buf(),
+                    value,
+                    locator,
+                }),
+                problems: Vec::new(),
+            }
+        }
+        Err(e) => yaml_error(file, &locator, &e),
+    };
+    let Ok(tree) = serde_yaml::from_str::<serde_yaml::Value>(text) else {
+        return Parsed::refused(first);
+    };
+    let (found, value) = lenient::collect::<T>(&tree);
+    let mut problems: Vec<Diagnostic> = found
+        .into_iter()
+        .map(|p| {
+            let pos = locator.pos(&p.path);
+            Diagnostic {
+                file: file.to_path_buf(),
+                line: pos.line,
+                column: pos.column,
+                key: p.path,
+                message: p.message,
+            }
+        })
+        .collect();
+    if !problems.iter().any(|p| p.key == first.key) {
+        problems.push(first);
+    }
+    problems.sort();
+    Parsed {
+        located: value.map(|value| Located {
             file: file.to_path_buf(),
             value,
             locator,
         }),
-        Err(e) => Err(yaml_error(file, &locator, &e)),
+        problems,
     }
 }
 
-/// Reads and parses `file`.
+/// Parses YAML text read from `file` into `T`, rejecting unknown keys; the first problem
+/// when there is any (see [`parse_all`] for all of them).
+pub fn parse_str<T: DeserializeOwned>(file: &Path, text: &str) -> Result<Located<T>, Diagnostic> {
+    let p = parse_all::<T>(file, text, &Limits::DEFAULT);
+    match (p.problems.into_iter().next(), p.located) {
+        (None, Some(l)) => Ok(l),
+        (Some(d), _) => Err(d),
+        (None, None) => unreachable!("a file without problems has a value"),
+    }
+}
+
+/// Reads and parses `file` (a regular file of at most [`Limits::max_file_bytes`]; symbolic
+/// links are followed).
 pub fn parse_file<T: DeserializeOwned>(file: &Path) -> Result<Located<T>, Diagnostic> {
-    let text = std::fs::read_to_string(file).map_err(|e| Diagnostic {
-        file: file.to_path_buf(),
-        line: 1,
-        column: 1,
-        key: String::new(),
-        message: format!("cannot read file: {e}"),
-    })?;
+    let text = read::Reader::anywhere(Limits::DEFAULT).read(file)?;
     parse_str(file, &text)
 }
 

@@ -193,10 +193,421 @@ fn bucket_dir_reports_every_problem_with_file_and_line() {
     assert!(diags[1].file.ends_with("typo.yaml") && diags[1].line == 6);
     assert!(diags[2].file.ends_with("x.yaml") && diags[2].key == "service");
     assert_eq!(diags[2].line, 1);
-    // What parsed comes back (x.yaml too: callers refuse on any diagnostic).
+    // What parsed comes back (x.yaml and typo.yaml without its unknown key too: callers
+    // refuse on any diagnostic).
     let services: Vec<&str> = files.iter().map(|f| f.value.service.as_str()).collect();
-    assert_eq!(services, ["ok", "y"]);
+    assert_eq!(services, ["ok", "typo", "y"]);
     // A missing directory is one diagnostic, not a panic.
     let (files, diags) = load_bucket_dir(&d.join("missing"));
     assert!(files.is_empty() && diags.len() == 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reading within limits
+
+fn small_limits() -> Limits {
+    Limits {
+        max_file_bytes: 1024,
+        max_repo_bytes: 2048,
+        max_buckets: 5,
+        max_dir_entries: 8,
+        max_problems_per_file: 3,
+        ..Limits::DEFAULT
+    }
+}
+
+fn bucket_file(service: &str, n: usize) -> String {
+    let mut s = format!("service: {service}\nbuckets:\n");
+    for i in 0..n {
+        s.push_str(&format!("  - {{name: b{i}, caller: c{i}, limit_rps: 5}}\n"));
+    }
+    s
+}
+
+#[test]
+fn the_repo_budget_refuses_the_file_that_crosses_it() {
+    let dir = tempfile::tempdir().unwrap();
+    // Three files of ~900 bytes: the third crosses 2048 bytes.
+    for s in ["a", "b", "c"] {
+        let mut text = bucket_file(s, 1);
+        text.push_str(&format!("# {}\n", "x".repeat(900 - text.len())));
+        std::fs::write(dir.path().join(format!("{s}.yaml")), text).unwrap();
+    }
+    let (files, diags) = load_bucket_dir_with(dir.path(), &small_limits());
+    assert_eq!(files.len(), 2, "{diags:?}");
+    assert_eq!(diags.len(), 1, "{diags:?}");
+    assert!(diags[0].file.ends_with("c.yaml"), "{}", diags[0]);
+    assert!(
+        diags[0].message.contains("exceed 2 KiB together"),
+        "{}",
+        diags[0]
+    );
+}
+
+#[test]
+fn the_repo_node_budget_refuses_the_file_that_crosses_it() {
+    let dir = tempfile::tempdir().unwrap();
+    // 2 + 2 + 7 × 4 = 32 nodes per file: the second file crosses 50.
+    for s in ["a", "b"] {
+        std::fs::write(dir.path().join(format!("{s}.yaml")), bucket_file(s, 4)).unwrap();
+    }
+    let limits = Limits {
+        max_repo_nodes: 50,
+        ..Limits::DEFAULT
+    };
+    let (files, diags) = load_bucket_dir_with(dir.path(), &limits);
+    assert_eq!(files.len(), 1, "{diags:?}");
+    assert_eq!(diags.len(), 1, "{diags:?}");
+    assert!(diags[0].file.ends_with("b.yaml"), "{}", diags[0]);
+    assert!(
+        diags[0]
+            .message
+            .contains("more than 50 YAML nodes together"),
+        "{}",
+        diags[0]
+    );
+}
+
+#[test]
+fn the_file_limit_refuses_without_reading() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("a.yaml"), bucket_file("a", 40)).unwrap();
+    let (files, diags) = load_bucket_dir_with(dir.path(), &small_limits());
+    assert!(files.is_empty());
+    assert!(
+        diags[0].message.contains("larger than 1 KiB"),
+        "{}",
+        diags[0]
+    );
+}
+
+#[test]
+fn the_bucket_limit_refuses_the_file_that_crosses_it_and_reads_no_more() {
+    let dir = tempfile::tempdir().unwrap();
+    for (s, n) in [("a", 3), ("b", 3), ("c", 1), ("d", 1)] {
+        std::fs::write(dir.path().join(format!("{s}.yaml")), bucket_file(s, n)).unwrap();
+    }
+    let (files, diags) = load_bucket_dir_with(dir.path(), &small_limits());
+    let shown: Vec<String> = diags.iter().map(|d| d.to_string()).collect();
+    assert_eq!(files.len(), 1, "{shown:#?}");
+    assert_eq!(diags.len(), 2, "{shown:#?}");
+    assert!(
+        shown[0].contains("2 more bucket file(s) not read: the limit of 5 buckets"),
+        "{shown:#?}"
+    );
+    assert!(diags[1].file.ends_with("b.yaml"), "{shown:#?}");
+    assert!(
+        shown[1].contains("to 6, more than the limit of 5"),
+        "{shown:#?}"
+    );
+}
+
+#[test]
+fn too_many_directory_entries_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    for i in 0..9 {
+        std::fs::write(
+            dir.path().join(format!("s{i}.yaml")),
+            bucket_file(&format!("s{i}"), 0),
+        )
+        .unwrap();
+    }
+    let (files, diags) = load_bucket_dir_with(dir.path(), &small_limits());
+    assert!(files.is_empty());
+    assert_eq!(diags.len(), 1);
+    assert!(
+        diags[0].message.contains("more than 8 entries"),
+        "{}",
+        diags[0]
+    );
+}
+
+#[test]
+fn problems_per_file_are_capped_with_a_count_of_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut text = String::from("service: a\nbuckets:\n");
+    for i in 0..10 {
+        text.push_str(&format!("  - {{name: b{i}, caller: c{i}, limit_rps: 0}}\n"));
+    }
+    std::fs::write(dir.path().join("a.yaml"), text).unwrap();
+    let limits = Limits {
+        max_problems_per_file: 3,
+        ..Limits::DEFAULT
+    };
+    let (_, diags) = load_bucket_dir_with(dir.path(), &limits);
+    let all = load_bucket_dir(dir.path()).1;
+    assert_eq!(all.len(), 10, "{all:#?}");
+    assert_eq!(diags.len(), 4, "{diags:?}");
+    assert!(
+        diags[3]
+            .message
+            .contains("7 more problem(s) in this file not listed"),
+        "{}",
+        diags[3]
+    );
+}
+
+#[test]
+fn unreadable_entries_are_refused_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(d.join("bin.yaml"), b"service: \xff\xfe\n").unwrap();
+    std::os::unix::fs::symlink(d.join("nowhere"), d.join("dangling.yaml")).unwrap();
+    std::fs::create_dir(d.join("dir.yaml")).unwrap();
+    std::fs::create_dir(d.join("sub")).unwrap();
+    std::fs::write(d.join("sub/inner.yaml"), bucket_file("inner", 1)).unwrap();
+    std::os::unix::fs::symlink("sub/inner.yaml", d.join("inner.yaml")).unwrap();
+    let (files, diags) = load_bucket_dir(d);
+    let shown: Vec<String> = diags.iter().map(|d| d.to_string()).collect();
+    assert_eq!(diags.len(), 3, "{shown:#?}");
+    assert!(
+        shown[0].contains("bin.yaml:1:1: not UTF-8 text (invalid byte at offset 9)"),
+        "{shown:#?}"
+    );
+    assert!(
+        shown[1].contains("dangling.yaml:1:1: refused: a symbolic link that resolves to nothing"),
+        "{shown:#?}"
+    );
+    assert!(
+        shown[2].contains("dir.yaml:1:1: refused: a directory, not a regular file"),
+        "{shown:#?}"
+    );
+    // A link inside the directory is followed.
+    assert_eq!(files.len(), 1);
+    assert_eq!(files[0].value.service, "inner");
+}
+
+#[test]
+fn a_config_dir_that_is_a_link_out_of_the_repo_is_refused() {
+    let outside = tempfile::tempdir().unwrap();
+    std::fs::write(outside.path().join("x.yaml"), bucket_file("x", 1)).unwrap();
+    let repo = tempfile::tempdir().unwrap();
+    std::fs::create_dir(repo.path().join("rlc")).unwrap();
+    std::fs::write(
+        repo.path().join("rlc/policies.yaml"),
+        "default:\n  policy: peak\n",
+    )
+    .unwrap();
+    std::os::unix::fs::symlink(outside.path(), repo.path().join("buckets")).unwrap();
+    let (repo_value, diags) = ConfigRepo::load(repo.path());
+    assert!(repo_value.buckets.is_empty());
+    assert_eq!(diags.len(), 1, "{diags:?}");
+    assert!(
+        diags[0].message.contains("outside the repo"),
+        "{}",
+        diags[0]
+    );
+}
+
+#[test]
+fn daemon_config_follows_links_but_refuses_a_fifo() {
+    let dir = tempfile::tempdir().unwrap();
+    let real = dir.path().join("real.yaml");
+    std::fs::write(
+        &real,
+        "history:\n  file: h.csv\nconfig_repo:\n  path: repo\n",
+    )
+    .unwrap();
+    let link = dir.path().join("rlc.yaml");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    assert!(load_daemon_config(&link).is_ok());
+    let fifo = dir.path().join("fifo.yaml");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let errs = load_daemon_config(&fifo).unwrap_err();
+    assert!(errs[0].message.contains("a FIFO"), "{}", errs[0]);
+}
+
+#[test]
+fn daemon_config_reports_every_problem() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("rlc.yaml");
+    std::fs::write(
+        &p,
+        "history:\n  file: h.csv\n  step: 5y\nconfig_repo:\n  path: repo\n  mode: sideways\nrails:\n  min_change: lots\n",
+    )
+    .unwrap();
+    let errs = load_daemon_config(&p).unwrap_err();
+    let keys: Vec<&str> = errs.iter().map(|d| d.key.as_str()).collect();
+    assert_eq!(
+        keys,
+        ["history.step", "config_repo.mode", "rails.min_change"],
+        "{errs:?}"
+    );
+    assert_eq!(errs.iter().map(|d| d.line).collect::<Vec<_>>(), [3, 6, 8]);
+}
+
+#[test]
+fn an_alias_bomb_is_refused_before_expansion() {
+    let mut bomb = String::from("a0: &a0 [x,x,x,x,x,x,x,x,x,x]\n");
+    for i in 1..8 {
+        bomb.push_str(&format!(
+            "a{i}: &a{i} [{}]\n",
+            vec![format!("*a{}", i - 1); 10].join(",")
+        ));
+    }
+    bomb.push_str("service: s\nbuckets: *a7\n");
+    let t = std::time::Instant::now();
+    let p = parse_all::<BucketFile>(Path::new("b.yaml"), &bomb, &Limits::DEFAULT);
+    assert!(p.located.is_none());
+    assert!(
+        p.problems[0]
+            .message
+            .contains("more than 1000000 YAML nodes"),
+        "{:?}",
+        p.problems
+    );
+    assert!(t.elapsed() < std::time::Duration::from_secs(5));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Property tests: whatever the input, the loader returns (no panic, no hang) within a bound.
+
+mod props {
+    use super::*;
+    use proptest::prelude::*;
+    use std::time::{Duration, Instant};
+
+    /// Parses `text` as every file type; returns the longest time one took.
+    fn parse_every_kind(text: &str) -> Duration {
+        let f = Path::new("f.yaml");
+        let l = Limits::DEFAULT;
+        let mut worst = Duration::ZERO;
+        let mut time = |run: &dyn Fn()| {
+            let t = Instant::now();
+            run();
+            worst = worst.max(t.elapsed());
+        };
+        time(&|| {
+            let p = parse_all::<BucketFile>(f, text, &l);
+            // A value without problems, or problems: never neither.
+            assert!(p.located.is_some() || !p.problems.is_empty());
+        });
+        time(&|| drop(parse_all::<PoliciesFile>(f, text, &l)));
+        time(&|| drop(parse_all::<ContractsFile>(f, text, &l)));
+        time(&|| drop(parse_all::<CapacityFile>(f, text, &l)));
+        time(&|| drop(parse_all::<DaemonConfig>(f, text, &l)));
+        worst
+    }
+
+    fn yamlish() -> impl Strategy<Value = String> {
+        const TOKENS: &[&str] = &[
+            "[",
+            "]",
+            "{",
+            "}",
+            ", ",
+            ": ",
+            ":",
+            "- ",
+            "? ",
+            "\n",
+            "  ",
+            "\t",
+            "&a ",
+            "*a",
+            "&b ",
+            "*b",
+            "!!str ",
+            "!t ",
+            "~",
+            "'",
+            "\"",
+            "# c",
+            "|\n",
+            ">-\n",
+            "---\n",
+            "...\n",
+            "%YAML 1.2\n",
+            "service",
+            "buckets",
+            "name",
+            "caller",
+            "procedure",
+            "limit_rps",
+            "scope",
+            "zone",
+            "mode",
+            "shadow",
+            "policy",
+            "plugin:x",
+            "default",
+            "services",
+            "contracts",
+            "capacity",
+            "rps",
+            "history",
+            "5",
+            "-1",
+            ".inf",
+            ".nan",
+            "1e308",
+            "0x1F",
+            "true",
+            "null",
+            "é",
+            "\u{feff}",
+            "\\",
+            "<<",
+        ];
+        let token = prop::sample::select(TOKENS);
+        prop::collection::vec(token, 0..200).prop_map(|t| t.concat())
+    }
+
+    /// Few tokens repeated many times: the shapes that used to hang or overflow the stack.
+    fn repeated() -> impl Strategy<Value = String> {
+        const UNITS: &[&str] = &[
+            "[", "{a: ", "- ", "? ", "a:\n ", "*a,", "&a [x] ", "\"", "[a,", "{",
+        ];
+        let unit = prop::sample::select(UNITS);
+        (prop::collection::vec(unit, 1..4), 1usize..60_000, yamlish()).prop_map(|(u, n, tail)| {
+            let mut s = String::from("a: ");
+            s.push_str(&u.concat().repeat(n));
+            s.push_str(&tail);
+            s
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..2048)) {
+            let text = String::from_utf8_lossy(&bytes);
+            prop_assert!(parse_every_kind(&text) < Duration::from_secs(2));
+        }
+
+        #[test]
+        fn yamlish_text_never_panics(text in yamlish()) {
+            prop_assert!(parse_every_kind(&text) < Duration::from_secs(2));
+        }
+
+        #[test]
+        fn repeated_structures_stay_within_bounds(text in repeated()) {
+            prop_assert!(parse_every_kind(&text) < Duration::from_secs(5));
+        }
+
+        #[test]
+        fn a_repo_of_arbitrary_files_loads_without_panic(
+            bucket in yamlish(),
+            policies in yamlish(),
+            bytes in prop::collection::vec(any::<u8>(), 0..512),
+        ) {
+            let dir = tempfile::tempdir().unwrap();
+            std::fs::create_dir_all(dir.path().join("buckets")).unwrap();
+            std::fs::create_dir_all(dir.path().join("rlc")).unwrap();
+            std::fs::write(dir.path().join("buckets/a.yaml"), &bucket).unwrap();
+            std::fs::write(dir.path().join("buckets/b.yaml"), &bytes).unwrap();
+            std::fs::write(dir.path().join("rlc/policies.yaml"), &policies).unwrap();
+            std::fs::write(dir.path().join("rlc/contracts.yaml"), &bucket).unwrap();
+            let t = Instant::now();
+            let (_, diags) = ConfigRepo::load(dir.path());
+            prop_assert!(t.elapsed() < Duration::from_secs(5));
+            // Every problem names a file of the repo.
+            for d in &diags {
+                prop_assert!(d.file.starts_with(dir.path()), "{}", d);
+                prop_assert!(d.line >= 1 && d.column >= 1, "{}", d);
+            }
+        }
+    }
 }

@@ -687,9 +687,14 @@ pub struct ForgeConfig {
 pub struct ControllerConfig {
     /// Base URL, e.g. `http://127.0.0.1:7070`.
     pub url: String,
-    /// Environment variable holding the controller's token.
+    /// Environment variable holding the credential with the controller's `config` role
+    /// (`PUT /v1/config`); `<VAR>_FILE`, when `<VAR>` is unset, names a file holding it.
     #[serde(default = "default_controller_token_env")]
     pub token_env: String,
+    /// Environment variable holding the credential with the `reports` role
+    /// (`GET /v1/reports`); default: the `token_env` credential.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reports_token_env: Option<String>,
     /// How rlc verifies the controller (an `https://` url) and identifies itself to it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls: Option<ClientTlsConfig>,
@@ -786,6 +791,31 @@ impl Default for RailsConfig {
 pub struct PluginsConfig {
     /// The only directory plugins are loaded from.
     pub dir: String,
+    /// How long one call of a plugin (and its start) may take before its host process is
+    /// killed and the bucket skipped.
+    #[serde(default = "default_plugin_timeout")]
+    pub timeout: HumanDuration,
+    /// Address-space limit (`RLIMIT_AS`) of a plugin's host process, in MiB.
+    #[serde(default = "default_plugin_memory_limit_mb")]
+    pub memory_limit_mb: u64,
+    /// How many times a plugin's host process is restarted after it died or was killed,
+    /// within 10 minutes; beyond that the plugin's buckets fail at once until the window frees.
+    #[serde(default = "default_plugin_max_restarts")]
+    pub max_restarts: u32,
+    /// The host program that loads plugins (the `rlc` binary or `rlc-plugin-host`); relative
+    /// to rlc.yaml's directory. Default: `RLC_PLUGIN_HOST`, else the running `rlc` binary.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+}
+
+fn default_plugin_timeout() -> HumanDuration {
+    HumanDuration(Duration::from_secs(10))
+}
+fn default_plugin_memory_limit_mb() -> u64 {
+    1024
+}
+fn default_plugin_max_restarts() -> u32 {
+    3
 }
 
 /// The daemon's HTTP API.

@@ -4,11 +4,15 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
-use crate::types::*;
-use crate::{parse_file, parse_str, Diagnostic, Located};
+use serde::de::DeserializeOwned;
 
-/// A config repo as loaded from disk (DESIGN §3.1). Files that failed to parse are absent and
-/// their problems are in the diagnostics returned next to it.
+use crate::read::{file_diag, Reader};
+use crate::types::*;
+use crate::{parse_within, Diagnostic, Limits, Located, Locator, Parsed};
+
+/// A config repo as loaded from disk (DESIGN §3.1). Files that failed to parse are absent (or
+/// present with their faulty parts replaced) and their problems are in the diagnostics
+/// returned next to it.
 #[derive(Debug, Default, Clone)]
 pub struct ConfigRepo {
     /// The repo's root directory.
@@ -21,24 +25,72 @@ pub struct ConfigRepo {
     pub contracts: Option<Located<ContractsFile>>,
     /// `rlc/capacity.yaml`.
     pub capacity: Option<Located<CapacityFile>>,
+    /// Services whose bucket file exists but could not be read or parsed: still known.
+    pub unparsed_services: BTreeSet<String>,
+    /// Whether the set of known services is complete (false when `rlc/policies.yaml` had a
+    /// problem: a reference is then never called unknown).
+    pub services_complete: bool,
+}
+
+/// Reads and parses one file of the repo, with every problem (parse problems first).
+fn load_file<T: DeserializeOwned>(
+    reader: &mut Reader,
+    path: &Path,
+    diags: &mut Vec<Diagnostic>,
+) -> Option<Parsed<T>> {
+    match reader.read(path) {
+        Ok(text) => {
+            let left = reader.limits.max_repo_nodes.saturating_sub(reader.nodes);
+            let (p, nodes) = parse_within::<T>(path, &text, &reader.limits, left);
+            reader.nodes += nodes;
+            diags.extend(p.problems.iter().cloned());
+            Some(p)
+        }
+        Err(d) => {
+            diags.push(d);
+            None
+        }
+    }
+}
+
+/// Adds the diagnostics of later checks that are not consequences of a parse problem.
+fn push_checked<T>(p: &Parsed<T>, found: Vec<Diagnostic>, diags: &mut Vec<Diagnostic>) {
+    diags.extend(found.into_iter().filter(|d| !p.explains(&d.key)));
+}
+
+/// Whether `path` names an entry that exists (a dangling symbolic link exists too: reading
+/// it reports why it cannot be read).
+fn present(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok()
 }
 
 impl ConfigRepo {
-    /// Loads and checks the repo at `root`. Returns the repo with everything that parsed, and
-    /// every problem found (sorted by file and line).
+    /// Loads and checks the repo at `root` within the default [`Limits`]. Returns the repo with
+    /// everything that parsed, and every problem found (sorted by file and line).
     pub fn load(root: &Path) -> (ConfigRepo, Vec<Diagnostic>) {
+        Self::load_with(root, &Limits::DEFAULT)
+    }
+
+    /// [`ConfigRepo::load`] within `limits`.
+    pub fn load_with(root: &Path, limits: &Limits) -> (ConfigRepo, Vec<Diagnostic>) {
         let mut diags = Vec::new();
         let mut repo = ConfigRepo {
             root: root.to_path_buf(),
+            services_complete: true,
             ..Default::default()
+        };
+        let mut reader = match Reader::confined(root, *limits) {
+            Ok(r) => r,
+            Err(d) => return (repo, vec![d]),
         };
         let rel = |p: &str| root.join(p);
 
         let bucket_dir = root.join("buckets");
-        if bucket_dir.is_dir() {
-            let (files, d) = load_bucket_dir(&bucket_dir);
-            diags.extend(d);
-            for f in files {
+        if present(&bucket_dir) {
+            let b = bucket_dir_with(&mut reader, &bucket_dir);
+            diags.extend(b.diags);
+            repo.unparsed_services = b.unparsed;
+            for f in b.files {
                 // Keyed by file name, as `service` may differ (already reported).
                 let stem = f
                     .file
@@ -50,13 +102,16 @@ impl ConfigRepo {
         }
 
         let policies = rel("rlc/policies.yaml");
-        if policies.exists() {
-            match parse_file::<PoliciesFile>(&policies) {
-                Ok(f) => {
-                    check_policies(&f, &mut diags);
-                    repo.policies = Some(f);
+        if present(&policies) {
+            let p = load_file::<PoliciesFile>(&mut reader, &policies, &mut diags);
+            repo.services_complete = p.as_ref().is_some_and(|p| p.problems.is_empty());
+            if let Some(p) = p {
+                if let Some(f) = &p.located {
+                    let mut found = Vec::new();
+                    check_policies(f, &mut found);
+                    push_checked(&p, found, &mut diags);
                 }
-                Err(d) => diags.push(d),
+                repo.policies = p.located;
             }
         } else {
             diags.push(file_diag(
@@ -65,29 +120,39 @@ impl ConfigRepo {
                     .into(),
             ));
         }
+        let mut parsed_contracts = None;
         let contracts = rel("rlc/contracts.yaml");
-        if contracts.exists() {
-            match parse_file::<ContractsFile>(&contracts) {
-                Ok(f) => repo.contracts = Some(f),
-                Err(d) => diags.push(d),
-            }
+        if present(&contracts) {
+            parsed_contracts = load_file::<ContractsFile>(&mut reader, &contracts, &mut diags);
+            repo.contracts = parsed_contracts.as_ref().and_then(|p| p.located.clone());
         }
+        let mut parsed_capacity = None;
         let capacity = rel("rlc/capacity.yaml");
-        if capacity.exists() {
-            match parse_file::<CapacityFile>(&capacity) {
-                Ok(f) => repo.capacity = Some(f),
-                Err(d) => diags.push(d),
-            }
+        if present(&capacity) {
+            parsed_capacity = load_file::<CapacityFile>(&mut reader, &capacity, &mut diags);
+            repo.capacity = parsed_capacity.as_ref().and_then(|p| p.located.clone());
         }
-        repo.check_references(&mut diags);
-        diags.sort();
-        diags.dedup();
-        (repo, diags)
+        let mut found = Vec::new();
+        repo.check_references(&mut found);
+        // A replaced (faulty) value in contracts or capacity explains what is said about it.
+        found.retain(|d| {
+            let c = parsed_contracts
+                .as_ref()
+                .is_some_and(|p| d.file == contracts && p.explains(&d.key));
+            let k = parsed_capacity
+                .as_ref()
+                .is_some_and(|p| d.file == capacity && p.explains(&d.key));
+            !(c || k)
+        });
+        diags.extend(found);
+        (repo, bound(diags, limits))
     }
 
     /// Every service the repo knows: bucket files and services named in policies.yaml.
+    /// A bucket file that exists but failed to parse still makes its service known.
     pub fn known_services(&self) -> BTreeSet<String> {
         let mut s: BTreeSet<String> = self.buckets.keys().cloned().collect();
+        s.extend(self.unparsed_services.iter().cloned());
         if let Some(p) = &self.policies {
             s.extend(p.value.services.keys().cloned());
         }
@@ -106,7 +171,7 @@ impl ConfigRepo {
             let mut seen: HashMap<(&str, Option<&str>, Option<&str>), usize> = HashMap::new();
             for (i, k) in c.value.contracts.iter().enumerate() {
                 let at = |key: &str| format!("contracts[{i}].{key}");
-                if !known.contains(&k.service) {
+                if self.services_complete && !known.contains(&k.service) {
                     diags.push(c.diag(
                         at("service"),
                         format!(
@@ -154,7 +219,7 @@ impl ConfigRepo {
         if let Some(c) = capacity {
             let mut seen: HashMap<(&str, Option<&str>), usize> = HashMap::new();
             for (i, e) in c.value.capacity.iter().enumerate() {
-                if !known.contains(&e.service) {
+                if self.services_complete && !known.contains(&e.service) {
                     diags.push(c.diag(
                         format!("capacity[{i}].service"),
                         format!("references unknown service `{}`", e.service),
@@ -200,27 +265,83 @@ impl ConfigRepo {
 
 /// Loads the bucket files of `dir` (a config repo's `buckets/`) the one way `rlc validate`,
 /// `rlc` and `grl controller --config-dir` all use: `*.yaml` only (a `.yml` file is reported as
-/// ignored), each parsed with unknown keys refused and checked (the `service` key equals the
-/// file name, unique bucket names and matchers, positive finite limits). Returns the files
-/// that passed, sorted by path, and every problem with file, line and key (sorted, no
-/// duplicates). Files that parsed are returned even when a check failed (callers that apply
-/// the config must refuse on any diagnostic).
+/// ignored), each read within the default [`Limits`] (regular files inside `dir` only, size,
+/// nesting, node and bucket limits), parsed with unknown keys refused and checked (the
+/// `service` key equals the file name, unique bucket names and matchers, positive finite
+/// limits). Returns the files that parsed, sorted by path, and every problem with file, line
+/// and key (sorted, no duplicates). Files that parsed are returned even when a check failed
+/// (callers that apply the config must refuse on any diagnostic), without key positions (their
+/// `locator` is empty: every check that needs one is done).
 pub fn load_bucket_dir(dir: &Path) -> (Vec<Located<BucketFile>>, Vec<Diagnostic>) {
-    let mut diags = Vec::new();
-    let mut files = Vec::new();
-    let mut entries: Vec<PathBuf> = match std::fs::read_dir(dir) {
-        Ok(rd) => rd.filter_map(|e| e.ok().map(|e| e.path())).collect(),
-        Err(e) => {
-            diags.push(file_diag(dir, format!("cannot read directory: {e}")));
-            Vec::new()
+    load_bucket_dir_with(dir, &Limits::DEFAULT)
+}
+
+/// [`load_bucket_dir`] within `limits`, `dir` being the boundary files must resolve into.
+pub fn load_bucket_dir_with(
+    dir: &Path,
+    limits: &Limits,
+) -> (Vec<Located<BucketFile>>, Vec<Diagnostic>) {
+    let mut reader = match Reader::confined(dir, *limits) {
+        Ok(r) => r,
+        Err(d) => return (Vec::new(), vec![d]),
+    };
+    let b = bucket_dir_with(&mut reader, dir);
+    (b.files, bound(b.diags, limits))
+}
+
+struct BucketDir {
+    files: Vec<Located<BucketFile>>,
+    diags: Vec<Diagnostic>,
+    /// Stems of `.yaml` files that could not be read or parsed.
+    unparsed: BTreeSet<String>,
+}
+
+fn bucket_dir_with(reader: &mut Reader, dir: &Path) -> BucketDir {
+    let limits = reader.limits;
+    let mut out = BucketDir {
+        files: Vec::new(),
+        diags: Vec::new(),
+        unparsed: BTreeSet::new(),
+    };
+    let dir_problem = |m: String| vec![file_diag(dir, m)];
+    let real = match reader.resolve(dir) {
+        Ok(r) => r,
+        Err(d) => {
+            out.diags.push(d);
+            return out;
         }
     };
+    if !real.is_dir() {
+        out.diags = dir_problem("refused: not a directory".into());
+        return out;
+    }
+    let mut entries: Vec<PathBuf> = Vec::new();
+    match std::fs::read_dir(dir) {
+        Ok(rd) => {
+            for e in rd.filter_map(|e| e.ok()) {
+                if entries.len() == limits.max_dir_entries {
+                    out.diags = dir_problem(format!(
+                        "refused: more than {} entries (the limit per directory); nothing in it was read",
+                        limits.max_dir_entries
+                    ));
+                    return out;
+                }
+                entries.push(e.path());
+            }
+        }
+        Err(e) => {
+            out.diags = dir_problem(format!("cannot read directory: {e}"));
+            return out;
+        }
+    }
     entries.sort();
+    let mut buckets = 0usize;
+    let mut not_read = 0usize;
     for path in entries {
         match path.extension().and_then(|e| e.to_str()) {
             Some("yaml") => {}
             Some("yml") => {
-                diags.push(file_diag(
+                out.diags.push(file_diag(
                     &path,
                     "bucket files end in .yaml; this file is ignored by rlc and grl".into(),
                 ));
@@ -233,17 +354,53 @@ pub fn load_bucket_dir(dir: &Path) -> (Vec<Located<BucketFile>>, Vec<Diagnostic>
             .and_then(|s| s.to_str())
             .unwrap_or_default()
             .to_string();
-        match parse_file::<BucketFile>(&path) {
-            Ok(f) => {
-                check_bucket_file(&stem, &f, &mut diags);
-                files.push(f);
-            }
-            Err(d) => diags.push(d),
+        if buckets > limits.max_buckets {
+            not_read += 1;
+            out.unparsed.insert(stem);
+            continue;
+        }
+        let Some(p) = load_file::<BucketFile>(reader, &path, &mut out.diags) else {
+            out.unparsed.insert(stem);
+            continue;
+        };
+        let Some(f) = &p.located else {
+            out.unparsed.insert(stem);
+            continue;
+        };
+        let mut found = Vec::new();
+        check_bucket_file(&stem, f, &mut found);
+        push_checked(&p, found, &mut out.diags);
+        buckets += f.value.buckets.len();
+        if buckets > limits.max_buckets {
+            out.diags.push(file_diag(
+                &path,
+                format!(
+                    "refused: brings the buckets of {} to {buckets}, more than the limit of {}",
+                    dir.display(),
+                    limits.max_buckets
+                ),
+            ));
+            out.unparsed.insert(stem);
+            continue;
+        }
+        if let Some(mut l) = p.located {
+            // Checked: the positions are not needed any more (a file's can take tens of MB).
+            l.locator = Locator::default();
+            out.files.push(l);
         }
     }
-    diags.sort();
-    diags.dedup();
-    (files, diags)
+    if not_read > 0 {
+        out.diags.push(file_diag(
+            dir,
+            format!(
+                "{not_read} more bucket file(s) not read: the limit of {} buckets was reached",
+                limits.max_buckets
+            ),
+        ));
+    }
+    out.diags.sort();
+    out.diags.dedup();
+    out
 }
 
 /// Validates the config repo at `root`: all problems, sorted by file and line.
@@ -251,14 +408,48 @@ pub fn validate_repo(root: &Path) -> Vec<Diagnostic> {
     ConfigRepo::load(root).1
 }
 
-fn file_diag(file: &Path, message: String) -> Diagnostic {
-    Diagnostic {
-        file: file.to_path_buf(),
-        line: 1,
-        column: 1,
-        key: String::new(),
-        message,
+/// Sorted, without duplicates, at most `max_problems_per_file` per file (the rest counted in
+/// one last line), keys and messages cut to a readable length.
+fn bound(mut diags: Vec<Diagnostic>, limits: &Limits) -> Vec<Diagnostic> {
+    fn cut(s: &mut String, max: usize) {
+        if s.len() > max {
+            let mut i = max;
+            while !s.is_char_boundary(i) {
+                i -= 1;
+            }
+            s.truncate(i);
+            s.push('…');
+        }
     }
+    diags.sort();
+    diags.dedup();
+    let mut out: Vec<Diagnostic> = Vec::with_capacity(diags.len());
+    let mut i = 0;
+    while i < diags.len() {
+        let file = diags[i].file.clone();
+        let n = diags[i..].iter().take_while(|d| d.file == file).count();
+        for d in &diags[i..i + n.min(limits.max_problems_per_file)] {
+            let mut d = d.clone();
+            cut(&mut d.key, 200);
+            cut(&mut d.message, 400);
+            out.push(d);
+        }
+        if n > limits.max_problems_per_file {
+            out.push(Diagnostic {
+                file: file.clone(),
+                line: diags[i + limits.max_problems_per_file - 1].line,
+                column: 1,
+                key: String::new(),
+                message: format!(
+                    "{} more problem(s) in this file not listed (at most {} per file)",
+                    n - limits.max_problems_per_file,
+                    limits.max_problems_per_file
+                ),
+            });
+        }
+        i += n;
+    }
+    out
 }
 
 fn check_rate<T>(f: &Located<T>, key: &str, v: f64, diags: &mut Vec<Diagnostic>) {
@@ -380,11 +571,19 @@ fn check_policies(f: &Located<PoliciesFile>, diags: &mut Vec<Diagnostic>) {
     }
 }
 
-/// Loads `rlc.yaml`, checking what serde cannot.
+/// Loads `rlc.yaml`, checking what serde cannot. Read like a repo file (a regular file within
+/// the size, nesting and node limits) but from anywhere: symbolic links are followed, as
+/// deployment tools mount configuration through them.
 pub fn load_daemon_config(path: &Path) -> Result<DaemonConfig, Vec<Diagnostic>> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| vec![file_diag(path, format!("cannot read file: {e}"))])?;
-    let f: Located<DaemonConfig> = parse_str(path, &text).map_err(|d| vec![d])?;
+    let mut reader = Reader::anywhere(Limits::DEFAULT);
+    let mut problems = Vec::new();
+    let parsed = load_file::<DaemonConfig>(&mut reader, path, &mut problems);
+    if !problems.is_empty() {
+        return Err(bound(problems, &Limits::DEFAULT));
+    }
+    let Some(f) = parsed.and_then(|p| p.located) else {
+        return Err(vec![file_diag(path, "cannot read file".into())]);
+    };
     let mut diags = Vec::new();
     let h = &f.value.history;
     match (&h.prometheus, &h.file) {

@@ -77,24 +77,27 @@ impl GitRemote {
 
         // git daemon needs a fixed port: take a free one from the OS, then hand it over.
         let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-        let mut daemon = Command::new("git")
-            .args([
-                "daemon",
-                "--reuseaddr",
-                "--export-all",
-                "--enable=receive-pack",
-                "--listen=127.0.0.1",
-                &format!("--port={port}"),
-                &format!("--base-path={}", dir.path().display()),
-                &dir.path().display().to_string(),
-            ])
-            .env("GIT_CONFIG_NOSYSTEM", "1")
-            .env("GIT_CONFIG_GLOBAL", "/dev/null")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("starting git daemon (Debian package git provides it)")?;
+        // Its own process group: `git daemon` forks a `git-daemon` child per listen address,
+        // and stopping the group stops them all.
+        let mut daemon = crate::process::spawn_in_group(
+            Command::new("git")
+                .args([
+                    "daemon",
+                    "--reuseaddr",
+                    "--export-all",
+                    "--enable=receive-pack",
+                    "--listen=127.0.0.1",
+                    &format!("--port={port}"),
+                    &format!("--base-path={}", dir.path().display()),
+                    &dir.path().display().to_string(),
+                ])
+                .env("GIT_CONFIG_NOSYSTEM", "1")
+                .env("GIT_CONFIG_GLOBAL", "/dev/null")
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null()),
+        )
+        .context("starting git daemon (Debian package git provides it)")?;
         // Wait until it accepts connections (bounded: it starts in milliseconds).
         let mut up = false;
         for _ in 0..200 {
@@ -108,7 +111,7 @@ impl GitRemote {
             std::thread::sleep(std::time::Duration::from_millis(25));
         }
         if !up {
-            let _ = daemon.kill();
+            crate::process::stop_group(&mut daemon, crate::process::STOP_GRACE);
             bail!("git daemon did not listen on 127.0.0.1:{port}");
         }
         Ok(GitRemote {
@@ -122,6 +125,11 @@ impl GitRemote {
     /// `git://127.0.0.1:PORT/remote.git`: what the code under test clones and pushes to.
     pub fn url(&self) -> String {
         format!("git://127.0.0.1:{}/remote.git", self.port)
+    }
+
+    /// The pid of the `git daemon` process, which leads the daemon's process group.
+    pub fn daemon_pid(&self) -> u32 {
+        self.daemon.id()
     }
 
     /// The bare repository's directory.
@@ -139,6 +147,50 @@ impl GitRemote {
         let hook = self.bare_path().join("hooks/pre-receive");
         std::fs::create_dir_all(hook.parent().unwrap())?;
         std::fs::write(&hook, format!("#!/bin/sh\necho '{message}' >&2\nexit 1\n"))?;
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&hook, std::fs::Permissions::from_mode(0o755))?;
+        Ok(())
+    }
+
+    /// Installs a `pre-receive` hook that, for the next `times` pushes, first pushes another
+    /// commit to the base branch itself (from a clone, as a concurrent pusher would), so that
+    /// the server then answers the original push with "failed to update ref". The racing
+    /// commits write `race/<n>.txt`; the hook does nothing for its own nested push.
+    pub fn race_pushes(&self, times: u32) -> Result<()> {
+        let bare = self.bare_path();
+        std::fs::write(bare.join("races-left"), format!("{times}\n"))?;
+        let hook = bare.join("hooks/pre-receive");
+        std::fs::create_dir_all(hook.parent().unwrap())?;
+        let script = format!(
+            r#"#!/bin/sh
+cat >/dev/null
+repo="$PWD"
+[ -e "$repo/racing" ] && exit 0
+left=$(cat "$repo/races-left")
+[ "$left" -gt 0 ] || exit 0
+echo $((left - 1)) > "$repo/races-left"
+touch "$repo/racing"
+(
+  unset GIT_QUARANTINE_PATH GIT_OBJECT_DIRECTORY GIT_ALTERNATE_OBJECT_DIRECTORIES GIT_DIR
+  export GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null
+  export GIT_AUTHOR_NAME='{HUMAN_NAME}' GIT_AUTHOR_EMAIL='{HUMAN_EMAIL}'
+  export GIT_COMMITTER_NAME='{HUMAN_NAME}' GIT_COMMITTER_EMAIL='{HUMAN_EMAIL}'
+  tmp=$(mktemp -d)
+  git clone -q --branch '{branch}' "$repo" "$tmp/c" &&
+    cd "$tmp/c" && mkdir -p race && echo "$left" > "race/$left.txt" &&
+    git add -A && git commit -q -m "racer $left" &&
+    git push -q origin 'HEAD:refs/heads/{branch}'
+  rc=$?
+  rm -rf "$tmp"
+  exit $rc
+) >&2
+rc=$?
+rm -f "$repo/racing"
+exit $rc
+"#,
+            branch = self.branch
+        );
+        std::fs::write(&hook, script)?;
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&hook, std::fs::Permissions::from_mode(0o755))?;
         Ok(())
@@ -262,8 +314,7 @@ impl GitRemote {
 
 impl Drop for GitRemote {
     fn drop(&mut self) {
-        let _ = self.daemon.kill();
-        let _ = self.daemon.wait();
+        crate::process::stop_group(&mut self.daemon, crate::process::STOP_GRACE);
     }
 }
 
@@ -288,4 +339,62 @@ pub fn minimal_repo_files(buckets: &[(&str, &str, f64)]) -> Vec<(String, String)
         ));
     }
     files
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::process::group_members;
+    use std::time::{Duration, Instant};
+
+    /// `(ppid, state)` of `pid` from `/proc/PID/stat`.
+    fn ppid_state(pid: u32) -> Option<(u32, String)> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let (_, rest) = stat.rsplit_once(')')?;
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        Some((f.get(1)?.parse().ok()?, f.first()?.to_string()))
+    }
+
+    /// Running processes whose parent is `pid`.
+    fn children(pid: u32) -> Vec<u32> {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|c| matches!(ppid_state(*c), Some((p, st)) if p == pid && st != "Z"))
+            .collect()
+    }
+
+    fn running(pid: u32) -> bool {
+        matches!(ppid_state(pid), Some((_, st)) if st != "Z" && st != "X")
+    }
+
+    #[test]
+    fn dropping_a_git_remote_stops_the_daemon_and_its_children() {
+        let remote = GitRemote::new("main", &[("README", "hi\n")]).unwrap();
+        let leader = remote.daemon_pid();
+        // `git daemon` execs or forks `git-daemon`; wait until that child exists.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut kids = children(leader);
+        while kids.is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+            kids = children(leader);
+        }
+        assert!(!kids.is_empty(), "git daemon {leader} has no child process");
+        let group = group_members(leader);
+        assert!(
+            group.contains(&leader) && kids.iter().all(|k| group.contains(k)),
+            "the daemon and its children share one process group led by {leader}: group {group:?}, children {kids:?}"
+        );
+        drop(remote);
+        let left: Vec<u32> = kids.into_iter().filter(|k| running(*k)).collect();
+        assert!(
+            left.is_empty(),
+            "git daemon children still running: {left:?}"
+        );
+        assert!(
+            group_members(leader).is_empty(),
+            "process group {leader} still has members: {:?}",
+            group_members(leader)
+        );
+    }
 }

@@ -12,7 +12,13 @@ pub fn example_plugin_lib() -> &'static Path {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| env!("CARGO").to_string());
         let out = Command::new(cargo)
             .args(["build", "-p", "example-plugin", "--message-format=json"])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            // The workspace of the package under test (cargo sets the variable when it runs
+            // a test), else this crate's own.
+            .current_dir(
+                std::env::var_os("CARGO_MANIFEST_DIR")
+                    .map(PathBuf::from)
+                    .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR"))),
+            )
             .output()
             .expect("run cargo build -p example-plugin");
         assert!(

@@ -122,13 +122,16 @@ fn start_cluster() -> Result<Cluster> {
         data.display(),
         dir.display()
     );
-    Command::new("sh")
-        .args(["-c", &stop])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .context("starting the cluster watchdog")?;
+    // Its own process group: a Ctrl-C meant for the test binary does not kill the watchdog
+    // before it has stopped the cluster.
+    crate::process::spawn_in_group(
+        Command::new("sh")
+            .args(["-c", &stop])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    )
+    .context("starting the cluster watchdog")?;
     Ok(Cluster {
         admin_url: format!("postgres://postgres@127.0.0.1:{port}/postgres"),
     })

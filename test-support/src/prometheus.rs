@@ -4,7 +4,7 @@
 //! time order, as promtool requires); [`Prometheus::start`] turns the file into TSDB blocks with
 //! `promtool tsdb create-blocks-from openmetrics --max-block-duration=720h`, starts
 //! `prometheus` on a free loopback port over them (no scrape targets, 10 y retention), waits for
-//! `/-/ready`, and kills it on drop. Missing binaries are an error that says how to get them.
+//! `/-/ready`, and stops its process group on drop. Missing binaries are an error that says how to get them.
 
 use std::fmt::Write as _;
 use std::fs::File;
@@ -77,7 +77,7 @@ impl OpenMetricsWriter {
     }
 }
 
-/// A running Prometheus over backfilled blocks; killed on drop.
+/// A running Prometheus over backfilled blocks; its process group is stopped on drop.
 pub struct Prometheus {
     /// `http://127.0.0.1:PORT`.
     pub url: String,
@@ -141,16 +141,17 @@ impl Prometheus {
         )?;
         let log = File::create(dir.path().join("prometheus.log"))?;
         let port = free_port()?;
-        let child = Command::new(&prometheus)
-            .arg(format!("--config.file={}", config.display()))
-            .arg(format!("--storage.tsdb.path={}", data.display()))
-            .arg("--storage.tsdb.retention.time=10y")
-            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
-            .context("start prometheus")?;
+        let child = crate::process::spawn_in_group(
+            Command::new(&prometheus)
+                .arg(format!("--config.file={}", config.display()))
+                .arg(format!("--storage.tsdb.path={}", data.display()))
+                .arg("--storage.tsdb.retention.time=10y")
+                .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+                .stdin(Stdio::null())
+                .stdout(log.try_clone()?)
+                .stderr(log),
+        )
+        .context("start prometheus")?;
         let mut p = Prometheus {
             url: format!("http://127.0.0.1:{port}"),
             child,
@@ -189,7 +190,6 @@ impl Prometheus {
 
 impl Drop for Prometheus {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        crate::process::stop_group(&mut self.child, crate::process::STOP_GRACE);
     }
 }

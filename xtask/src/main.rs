@@ -3,7 +3,10 @@
 //! 1. installs the Debian packages the tests need when they are missing (as root; otherwise it
 //!    says which to install),
 //! 2. builds the example policy plugin the plugin tests load,
-//! 3. runs every test of the workspace and ends with one line counting them all.
+//! 3. runs every test of the workspace and ends with one line counting them all,
+//! 4. checks that no process started by the tests is left running: every process of the run
+//!    carries `GRL_TEST_RUN=<run id>` in its environment (inherited from `cargo test`), and any
+//!    still alive shortly after the tests end is named, killed, and fails the run.
 //!
 //! Throwaway services are started by the tests themselves, through `test-support`: a Postgres
 //! cluster per test binary that needs one (temp dir, free port, stopped when the binary exits)
@@ -71,8 +74,16 @@ fn test(extra: &[String]) -> Result<u8> {
     if !status.success() {
         bail!("building the example plugin failed");
     }
+    let run_id = format!(
+        "{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    );
     let mut child = Command::new(cargo())
         .current_dir(&root)
+        .env(RUN_ENV, &run_id)
         .args(["test", "--workspace"])
         .args(extra)
         .stdout(Stdio::piped())
@@ -82,21 +93,146 @@ fn test(extra: &[String]) -> Result<u8> {
     // on one line that counts every test of the workspace.
     let mut totals = Totals::default();
     let stdout = child.stdout.take().expect("piped");
-    for line in BufReader::new(stdout).lines() {
-        let line = line?;
-        println!("{line}");
-        totals.add(&line);
+    // Read in a thread: a process left running by a test may hold the pipe open forever, so
+    // the run ends when cargo exits (plus a bounded drain), not at end of file.
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let status = loop {
+        use std::sync::mpsc::RecvTimeoutError;
+        match rx.recv_timeout(std::time::Duration::from_millis(200)) {
+            Ok(line) => {
+                println!("{line}");
+                totals.add(&line);
+                continue;
+            }
+            Err(RecvTimeoutError::Disconnected) => break child.wait()?,
+            Err(RecvTimeoutError::Timeout) => {}
+        }
+        if let Some(st) = child.try_wait()? {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+            while let Ok(line) =
+                rx.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now()))
+            {
+                println!("{line}");
+                totals.add(&line);
+            }
+            break st;
+        }
+    };
+    // Throwaway Postgres clusters are stopped by a watchdog once their test binary is gone:
+    // give such orderly stops a bounded moment before calling anything a leak.
+    let left = leftovers(&run_id, LEAK_GRACE);
+    for p in &left {
+        eprintln!(
+            "xtask: left running by the tests: pid {} ({}): {}",
+            p.pid, p.comm, p.cmdline
+        );
+        let _ = Command::new("kill")
+            .args(["-9", &p.pid.to_string()])
+            .status();
     }
-    let status = child.wait()?;
+    if !left.is_empty() {
+        eprintln!(
+            "xtask: FAILED: {} process(es) started by the tests were still running after the tests ended (killed now); every test must stop what it starts",
+            left.len()
+        );
+    }
+    // The leak check counts as one more test.
     println!(
         "xtask: {} passed, {} failed, {} skipped",
-        totals.passed, totals.failed, totals.ignored
+        totals.passed,
+        totals.failed + u64::from(!left.is_empty()),
+        totals.ignored
     );
-    Ok(if status.success() && totals.passed > 0 {
-        0
-    } else {
-        1
-    })
+    Ok(
+        if status.success() && totals.passed > 0 && left.is_empty() {
+            0
+        } else {
+            1
+        },
+    )
+}
+
+/// The environment variable that marks every process of one `cargo xtask test` run.
+const RUN_ENV: &str = "GRL_TEST_RUN";
+
+/// How long processes of the run may take to exit after the tests ended.
+const LEAK_GRACE: std::time::Duration = std::time::Duration::from_secs(20);
+
+/// A process of the test run that is still alive.
+#[derive(Debug)]
+struct Leftover {
+    pid: u32,
+    comm: String,
+    cmdline: String,
+}
+
+/// Live processes (zombies excluded) whose environment has `GRL_TEST_RUN=<run_id>`, other than
+/// this one.
+fn marked_processes(run_id: &str) -> Vec<Leftover> {
+    let needle = format!("{RUN_ENV}={run_id}");
+    let me = std::process::id();
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for e in rd.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        let Ok(env) = std::fs::read(format!("/proc/{pid}/environ")) else {
+            continue;
+        };
+        if !env.split(|b| *b == 0).any(|v| v == needle.as_bytes()) {
+            continue;
+        }
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let state = stat
+            .rsplit_once(')')
+            .and_then(|(_, r)| r.split_whitespace().next())
+            .unwrap_or("");
+        if state == "Z" || state == "X" {
+            continue;
+        }
+        let read = |f: &str| {
+            std::fs::read(format!("/proc/{pid}/{f}"))
+                .map(|b| {
+                    String::from_utf8_lossy(&b)
+                        .replace('\0', " ")
+                        .trim()
+                        .to_string()
+                })
+                .unwrap_or_default()
+        };
+        out.push(Leftover {
+            pid,
+            comm: read("comm"),
+            cmdline: read("cmdline"),
+        });
+    }
+    out
+}
+
+/// Processes of the run still alive after up to `grace` (polled), or none.
+fn leftovers(run_id: &str, grace: std::time::Duration) -> Vec<Leftover> {
+    let deadline = std::time::Instant::now() + grace;
+    loop {
+        let left = marked_processes(run_id);
+        if left.is_empty() || std::time::Instant::now() >= deadline {
+            return left;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
 }
 
 /// Sums of libtest's `test result:` lines.
@@ -216,4 +352,30 @@ fn postgres_bin_dir() -> Result<PathBuf> {
         .rev()
         .find(|d| d.join("initdb").exists() && d.join("pg_ctl").exists())
         .context("initdb/pg_ctl not found (Debian package postgresql)")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_process_of_the_run_left_running_is_found_and_named() {
+        let run_id = format!("selftest-{}", std::process::id());
+        let mut child = Command::new("sleep")
+            .arg("300")
+            .env(RUN_ENV, &run_id)
+            .spawn()
+            .unwrap();
+        let found = leftovers(&run_id, std::time::Duration::from_millis(300));
+        let _ = child.kill();
+        let _ = child.wait();
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].pid, child.id());
+        assert_eq!(found[0].comm, "sleep");
+        assert_eq!(found[0].cmdline, "sleep 300");
+        // Reaped: nothing of the run is left.
+        assert!(leftovers(&run_id, std::time::Duration::from_secs(2)).is_empty());
+        // Another run's marker does not match.
+        assert!(marked_processes(&format!("{run_id}-other")).is_empty());
+    }
 }

@@ -12,60 +12,101 @@ use grl_runtime::client::{ClientOptions, GrlClient};
 use serde_json::{json, Value};
 use test_support::process::{free_port, Proc};
 
+mod config_dir_faults;
+mod trust;
+mod wire_props;
+
 const TOKEN: &str = "s3cret";
 /// The zone-report secret every controller and aggregator of the tests shares.
 const REPORT_TOKEN: &str = "r3port";
+/// The client report credential for service `payments` that `spawn_aggregator` accepts.
+const CLIENT_TOKEN: &str = "payments-client-0123456789";
 
 fn log_file(dir: &Path, name: &str) -> Stdio {
     Stdio::from(std::fs::File::create(dir.join(format!("{name}.log"))).unwrap())
 }
 
 fn spawn_controller(port: u16, state: &Path, logs: &Path, extra: &[&str]) -> Proc {
-    let child = Command::new(env!("CARGO_BIN_EXE_grl"))
-        .args([
-            "controller",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--tick-ms",
-            "100",
-            "--state-dir",
-        ])
-        .arg(state)
-        .args(extra)
-        .env("GRL_TOKEN", TOKEN)
-        .env("GRL_REPORT_TOKEN", REPORT_TOKEN)
-        .stdout(Stdio::null())
-        .stderr(log_file(logs, &format!("controller-{port}")))
-        .spawn()
-        .unwrap();
-    Proc(child)
+    Proc::spawn(
+        Command::new(env!("CARGO_BIN_EXE_grl"))
+            .args([
+                "controller",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--tick-ms",
+                "100",
+                "--state-dir",
+            ])
+            .arg(state)
+            .args(extra)
+            .env("GRL_TOKEN", TOKEN)
+            .env("GRL_REPORT_TOKEN", REPORT_TOKEN)
+            .stdout(Stdio::null())
+            .stderr(log_file(logs, &format!("controller-{port}"))),
+    )
+    .unwrap()
 }
 
+/// An aggregator accepting `CLIENT_TOKEN` for `payments` (from a credentials file in `logs`).
 fn spawn_aggregator(port: u16, controller: &str, id: &str, logs: &Path) -> Proc {
-    let child = Command::new(env!("CARGO_BIN_EXE_grl"))
-        .args([
-            "aggregator",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--controller",
-            controller,
-        ])
-        .args([
-            "--zone",
-            "z1",
-            "--region",
-            "r1",
-            "--tick-ms",
-            "100",
-            "--id",
-            id,
-        ])
-        .env("GRL_REPORT_TOKEN", REPORT_TOKEN)
-        .stdout(Stdio::null())
-        .stderr(log_file(logs, id))
-        .spawn()
-        .unwrap();
-    Proc(child)
+    spawn_aggregator_ticking(port, controller, id, logs, 100)
+}
+
+/// [`spawn_aggregator`] forwarding every `tick_ms`.
+fn spawn_aggregator_ticking(
+    port: u16,
+    controller: &str,
+    id: &str,
+    logs: &Path,
+    tick_ms: u64,
+) -> Proc {
+    let creds = logs.join("client-credentials");
+    std::fs::write(&creds, format!("payments payments {CLIENT_TOKEN}\n")).unwrap();
+    spawn_aggregator_with(
+        port,
+        controller,
+        id,
+        logs,
+        tick_ms,
+        &["--client-credentials", creds.to_str().unwrap()],
+        &[("GRL_REPORT_TOKEN", REPORT_TOKEN)],
+    )
+}
+
+fn spawn_aggregator_with(
+    port: u16,
+    controller: &str,
+    id: &str,
+    logs: &Path,
+    tick_ms: u64,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Proc {
+    Proc::spawn(
+        Command::new(env!("CARGO_BIN_EXE_grl"))
+            .args([
+                "aggregator",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--controller",
+                controller,
+            ])
+            .args([
+                "--zone",
+                "z1",
+                "--region",
+                "r1",
+                "--tick-ms",
+                &tick_ms.to_string(),
+                "--id",
+                id,
+            ])
+            .args(extra)
+            .envs(env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(log_file(logs, id)),
+    )
+    .unwrap()
 }
 
 /// Polls `f` until it holds; fails with `what` after a generous bound (a hang guard, not a
@@ -345,6 +386,7 @@ fn controller_refuses_a_config_dir_that_rlc_validate_rejects() {
         .arg("--config-dir")
         .arg(&cfg)
         .env("GRL_TOKEN", TOKEN)
+        .env("GRL_REPORT_TOKEN", REPORT_TOKEN)
         .output()
         .unwrap();
     assert!(!out.status.success());
@@ -379,6 +421,7 @@ fn load(client: Arc<GrlClient>, rps: f64, stop: Arc<AtomicBool>, dropped: Arc<At
 async fn reports_after(http: &reqwest::Client, base: &str, after: u64) -> (u64, Vec<Value>) {
     let v: Value = match http
         .get(format!("{base}/v1/reports?after={after}&limit=1000"))
+        .bearer_auth(TOKEN)
         .send()
         .await
     {
@@ -430,6 +473,7 @@ async fn fleet_enforces_fails_over_fails_open_and_recovers() {
         o.tick = Duration::from_millis(100);
         o.stale_after = Duration::from_millis(600);
         o.client_id = Some(format!("c{i}"));
+        o.report_token = Some(CLIENT_TOKEN.into());
         let c = Arc::new(GrlClient::start(o));
         load(c.clone(), 100.0, stop.clone(), Arc::new(AtomicU64::new(0)));
         clients.push(c);
@@ -480,7 +524,21 @@ async fn fleet_enforces_fails_over_fails_open_and_recovers() {
         assert!(t.ratio(0) > 0.2, "ratio {}", t.ratio(0));
     }
 
-    // 3. Kill the controller: every client fails open within the staleness bound.
+    // 3. Kill the controller (SIGKILL, under traffic): every client fails open within the
+    //    staleness bound. An override in force before the crash (the configured limit, so the
+    //    ratios stay as they are) must come back with the controller.
+    let r = http
+        .post(format!("{base}/v1/overrides"))
+        .bearer_auth(TOKEN)
+        .json(
+            &json!({"service": "payments", "bucket": "gw.charge", "limit_rps": 200.0,
+                      "ttl_secs": 3600, "reason": "INC-0", "who": "carol"}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let before_crash: Value = r.json().await.unwrap();
     ctl.kill();
     eventually("clients fail open", || {
         let now = grl_core::now_ms();
@@ -518,19 +576,31 @@ async fn fleet_enforces_fails_over_fails_open_and_recovers() {
         .await
         .unwrap();
     assert_eq!(cfg["version"], "v1");
+    let list: Value = http
+        .get(format!("{base}/v1/overrides"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(list["overrides"].as_array().unwrap().len(), 1, "{list}");
+    assert_eq!(list["overrides"][0]["id"], before_crash["id"]);
+    assert_eq!(list["overrides"][0]["reason"], "INC-0");
+    let r = http
+        .delete(format!(
+            "{base}/v1/overrides/{}",
+            before_crash["id"].as_str().unwrap()
+        ))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
 
     // 5. An incident override (here through the CLI) reaches the clients within a few ticks.
     let out = Command::new(env!("CARGO_BIN_EXE_grl"))
-        .args([
-            "override",
-            "add",
-            "--controller",
-            &base,
-            "--token",
-            TOKEN,
-            "--caller",
-            "gw",
-        ])
+        .args(["override", "add", "--controller", &base, "--caller", "gw"])
         .args([
             "--drop-ratio",
             "0.9",
@@ -541,6 +611,7 @@ async fn fleet_enforces_fails_over_fails_open_and_recovers() {
             "--who",
             "bob",
         ])
+        .env("GRL_TOKEN", TOKEN)
         .output()
         .unwrap();
     assert!(
@@ -631,6 +702,7 @@ async fn override_on_a_caller_without_bucket_throttles_it_until_removed_or_expir
         let mut o = ClientOptions::new("payments", vec![ua.clone()]);
         o.tick = Duration::from_millis(100);
         o.client_id = Some(format!("o{i}"));
+        o.report_token = Some(CLIENT_TOKEN.into());
         let c = Arc::new(GrlClient::start(o));
         load_as(
             c.clone(),
@@ -737,6 +809,7 @@ async fn override_on_a_caller_without_bucket_throttles_it_until_removed_or_expir
         async move {
             let v: Value = http
                 .get(format!("{base}/v1/reports?after={cursor}"))
+                .bearer_auth(TOKEN)
                 .send()
                 .await
                 .unwrap()
@@ -753,6 +826,7 @@ async fn override_on_a_caller_without_bucket_throttles_it_until_removed_or_expir
             "{base}/v1/reports?after={}",
             cursor + 1_000_000_000
         ))
+        .bearer_auth(TOKEN)
         .send()
         .await
         .unwrap()
@@ -1129,9 +1203,15 @@ async fn aggregator_refuses_malformed_reports() {
     );
     wait_up(&format!("{url}/v1/config")).await;
     let http = reqwest::Client::new();
-    let post = |body: Value| http.post(format!("{url}/v1/report")).json(&body).send();
+    let post = |body: Value| {
+        http.post(format!("{url}/v1/report"))
+            .bearer_auth(CLIENT_TOKEN)
+            .json(&body)
+            .send()
+    };
     let r = http
         .post(format!("{url}/v1/report"))
+        .bearer_auth(CLIENT_TOKEN)
         .body("nope")
         .send()
         .await
@@ -1150,4 +1230,336 @@ async fn aggregator_refuses_malformed_reports() {
     let d: Value = r.json().await.unwrap();
     assert!(d["age_ms"].is_null(), "never heard from a controller: {d}");
     assert_eq!(d["directives"].as_array().unwrap().len(), 0);
+}
+
+/// Starts a controller on `state` that is expected to refuse to start; returns its log.
+fn refused_start(state: &Path, logs: &Path, name: &str) -> String {
+    let port = free_port();
+    let mut p = spawn_controller(port, state, logs, &[]);
+    let st = p
+        .wait_exit(Duration::from_secs(30))
+        .unwrap_or_else(|| panic!("{name}: the controller started on an invalid state"));
+    let log = std::fs::read_to_string(logs.join(format!("controller-{port}.log"))).unwrap();
+    assert!(!st.success(), "{name}: exit {st}, log:\n{log}");
+    log
+}
+
+#[test]
+fn controller_refuses_to_start_on_invalid_persisted_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let logs = dir.path();
+    let valid = payments_config("v1", 200.0);
+    let cases: Vec<(&str, Value, Option<Value>, &[&str])> = vec![
+        (
+            "negative limit",
+            payments_config("v1", -1.0),
+            None,
+            &["config.json", "limit_rps"],
+        ),
+        (
+            "empty version",
+            payments_config("", 200.0),
+            None,
+            &["config.json", "version must not be empty"],
+        ),
+        (
+            "duplicate service",
+            {
+                let mut d = valid.clone();
+                let svc = d["services"][0].clone();
+                d["services"].as_array_mut().unwrap().push(svc);
+                d
+            },
+            None,
+            &["config.json", "twice"],
+        ),
+        (
+            "override with a drop ratio above 1",
+            valid.clone(),
+            Some(
+                json!({"next_id": 1, "overrides": [{"id": "ovr-1", "caller": "gw",
+                "drop_ratio": 2.0, "ttl_secs": 60, "reason": "x", "who": "y",
+                "created_at": 1, "expires_at": 61}]}),
+            ),
+            &["overrides.json", "ovr-1", "drop_ratio"],
+        ),
+        (
+            "override without an author",
+            valid.clone(),
+            Some(
+                json!({"next_id": 1, "overrides": [{"id": "ovr-1", "caller": "gw",
+                "drop_ratio": 0.5, "ttl_secs": 60, "reason": "x", "who": " ",
+                "created_at": 1, "expires_at": 61}]}),
+            ),
+            &["overrides.json", "who"],
+        ),
+        (
+            "override id the counter would hand out again",
+            valid.clone(),
+            Some(
+                json!({"next_id": 0, "overrides": [{"id": "ovr-1", "caller": "gw",
+                "drop_ratio": 0.5, "ttl_secs": 60, "reason": "x", "who": "y",
+                "created_at": 1, "expires_at": 61}]}),
+            ),
+            &["overrides.json", "next_id"],
+        ),
+    ];
+    for (name, cfg, ov, expect) in cases {
+        let state = dir.path().join(name.replace(' ', "-"));
+        std::fs::create_dir_all(&state).unwrap();
+        std::fs::write(state.join("config.json"), cfg.to_string()).unwrap();
+        if let Some(ov) = ov {
+            std::fs::write(state.join("overrides.json"), ov.to_string()).unwrap();
+        }
+        let log = refused_start(&state, logs, name);
+        for e in expect {
+            assert!(log.contains(e), "{name}: no `{e}` in the error:\n{log}");
+        }
+        assert!(log.contains("refusing to start"), "{name}:\n{log}");
+    }
+
+    // Not regular files: a FIFO would block the read forever, /dev/zero would fill memory.
+    let fifo_state = dir.path().join("fifo");
+    std::fs::create_dir_all(&fifo_state).unwrap();
+    let fifo = fifo_state.join("config.json");
+    let st = Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(st.success());
+    let log = refused_start(&fifo_state, logs, "fifo");
+    assert!(
+        log.contains("config.json") && log.contains("not a regular file"),
+        "{log}"
+    );
+
+    let zero_state = dir.path().join("zero");
+    std::fs::create_dir_all(&zero_state).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", zero_state.join("overrides.json")).unwrap();
+    let log = refused_start(&zero_state, logs, "symlink to /dev/zero");
+    assert!(
+        log.contains("overrides.json") && log.contains("not a regular file"),
+        "{log}"
+    );
+}
+
+/// Raw HTTP/1.1 on loopback: lets a test hold a request half-sent.
+async fn raw_request_head(
+    port: u16,
+    method: &str,
+    path: &str,
+    body_len: usize,
+) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\nContent-Type: application/json\r\nContent-Length: {body_len}\r\nConnection: close\r\n\r\n"
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn controller_sigterm_finishes_the_push_in_flight_persists_and_exits_0() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let mut ctl = spawn_controller(port, &state, dir.path(), &[]);
+    wait_up(&format!("{base}/v1/status")).await;
+    let http = reqwest::Client::new();
+    let r = http
+        .put(format!("{base}/v1/config"))
+        .bearer_auth(TOKEN)
+        .json(&payments_config("v1", 200.0))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let r = http
+        .post(format!("{base}/v1/overrides"))
+        .bearer_auth(TOKEN)
+        .json(&json!({"caller": "gw", "drop_ratio": 0.5, "ttl_secs": 3600, "reason": "INC-9", "who": "dana"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+
+    // A push of v2 is in flight (half its body sent) when SIGTERM arrives.
+    let body = payments_config("v2", 300.0).to_string();
+    let (first, rest) = body.as_bytes().split_at(body.len() / 2);
+    let mut s = raw_request_head(port, "PUT", "/v1/config", body.len()).await;
+    s.write_all(first).await.unwrap();
+    s.flush().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    ctl.signal(libc::SIGTERM);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        ctl.0.try_wait().unwrap().is_none(),
+        "the controller exited with a request in flight"
+    );
+    // It no longer accepts new connections.
+    assert!(
+        tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_err(),
+        "a new connection was accepted after SIGTERM"
+    );
+    s.write_all(rest).await.unwrap();
+    let mut answer = String::new();
+    tokio::time::timeout(Duration::from_secs(20), s.read_to_string(&mut answer))
+        .await
+        .expect("answer to the request in flight")
+        .unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.contains("\"changed\":true"), "{answer}");
+
+    let st = ctl
+        .wait_exit(Duration::from_secs(20))
+        .expect("exit after SIGTERM");
+    let log = std::fs::read_to_string(dir.path().join(format!("controller-{port}.log"))).unwrap();
+    assert_eq!(st.code(), Some(0), "exit {st}; log:\n{log}");
+    assert!(
+        log.contains("SIGTERM") && log.contains("controller shut down"),
+        "{log}"
+    );
+
+    // The pushed config and the override are on disk and come back.
+    let _ctl = spawn_controller(port, &state, dir.path(), &[]);
+    wait_up(&format!("{base}/v1/status")).await;
+    let on_disk: Value =
+        serde_json::from_slice(&std::fs::read(state.join("config.json")).unwrap()).unwrap();
+    assert_eq!(on_disk, payments_config("v2", 300.0));
+    let status: Value = http
+        .get(format!("{base}/v1/status"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(status["version"], "v2", "{status}");
+    let list: Value = http
+        .get(format!("{base}/v1/overrides"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(list["overrides"][0]["reason"], "INC-9", "{list}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn controller_sigterm_cuts_a_stalled_request_after_the_grace_and_exits_0() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let port = free_port();
+    let mut ctl = spawn_controller(port, &state, dir.path(), &["--shutdown-grace-ms", "1000"]);
+    wait_up(&format!("http://127.0.0.1:{port}/v1/status")).await;
+    // Headers announce a body that never comes.
+    let _s = raw_request_head(port, "PUT", "/v1/config", 1000).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t = std::time::Instant::now();
+    ctl.signal(libc::SIGTERM);
+    let st = ctl
+        .wait_exit(Duration::from_secs(20))
+        .expect("exit after SIGTERM");
+    assert_eq!(st.code(), Some(0), "exit {st}");
+    // The grace bounds the stop (a hang guard, generous for a loaded machine).
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        t.elapsed()
+    );
+    let log = std::fs::read_to_string(dir.path().join(format!("controller-{port}.log"))).unwrap();
+    assert!(log.contains("connections cut"), "{log}");
+}
+
+fn offered_total(metrics: &str, bucket: &str, zone: &str) -> Option<u64> {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("grl_requests_offered_total{"))
+        .filter(|l| {
+            l.contains(&format!("bucket=\"{bucket}\"")) && l.contains(&format!("zone=\"{zone}\""))
+        })
+        .find_map(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aggregator_sigterm_forwards_the_counts_it_holds_and_exits_0() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let cport = free_port();
+    let base = format!("http://127.0.0.1:{cport}");
+    let _ctl = spawn_controller(cport, &state, dir.path(), &[]);
+    wait_up(&format!("{base}/v1/status")).await;
+    let http = reqwest::Client::new();
+    let r = http
+        .put(format!("{base}/v1/config"))
+        .bearer_auth(TOKEN)
+        .json(&payments_config("v1", 200.0))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    // A long tick: nothing is forwarded on the timer during the test.
+    let aport = free_port();
+    let aurl = format!("http://127.0.0.1:{aport}");
+    let mut agg = spawn_aggregator_ticking(aport, &base, "agg-t", dir.path(), 600_000);
+    wait_up(&format!("{aurl}/v1/config")).await;
+    let report = |client: &str, offered: u64| {
+        json!({"client_id": client, "service": "payments", "version": "v1", "interval_ms": 1000,
+               "buckets": [{"bucket": "gw.charge", "offered": offered, "admitted": offered,
+                            "dropped": 0, "shadow_dropped": 0}]})
+    };
+    let metrics = || async {
+        let m = http
+            .get(format!("{base}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        offered_total(&m, "gw.charge", "z1")
+    };
+    // The only client reported: forwarded at once.
+    let r = http
+        .post(format!("{aurl}/v1/report"))
+        .json(&report("a", 5))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    eventually("first counts at the controller", || async {
+        metrics().await == Some(5)
+    })
+    .await;
+    // A second client's counts wait for the tick (client a has not reported again)...
+    let r = http
+        .post(format!("{aurl}/v1/report"))
+        .json(&report("b", 7))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        metrics().await,
+        Some(5),
+        "the second report was forwarded before the stop"
+    );
+    // ...and SIGTERM must not lose them.
+    agg.signal(libc::SIGTERM);
+    let st = agg
+        .wait_exit(Duration::from_secs(20))
+        .expect("exit after SIGTERM");
+    let log = std::fs::read_to_string(dir.path().join("agg-t.log")).unwrap();
+    assert_eq!(st.code(), Some(0), "exit {st}; log:\n{log}");
+    assert_eq!(metrics().await, Some(12), "log:\n{log}");
+    assert!(
+        log.contains("SIGTERM") && log.contains("last counts forwarded"),
+        "{log}"
+    );
 }

@@ -502,3 +502,182 @@ async fn a_decrease_is_held_when_the_store_cannot_say() {
         out.skipped
     );
 }
+
+#[tokio::test]
+async fn a_push_race_that_never_ends_fails_the_run_and_reports_every_attempt() {
+    let remote = seeded_remote();
+    remote.race_pushes(10).unwrap();
+    let (url, ctl) = spawn_controller().await;
+    let cfg = config(&remote, &url, "");
+    let base = remote.scratch("");
+    let out = Cycle::new(cfg, &base)
+        .apply(&plan(vec![planned("payments", "gw", 250.0)]), "once")
+        .await;
+    assert_eq!(out.status, RunStatus::Failed, "{out}");
+    assert_eq!(out.exit_code(), 1);
+    let json = serde_json::to_value(&out).unwrap();
+    assert_eq!(json["attempts"], 3, "{json}");
+    assert!(
+        json["error"]
+            .as_str()
+            .unwrap()
+            .contains("gave up after 3 attempts"),
+        "{json}"
+    );
+    assert!(ctl.puts.lock().unwrap().is_empty());
+    assert!(!remote
+        .read("main", "buckets/payments.yaml")
+        .unwrap()
+        .contains("limit_rps: 250"));
+}
+
+#[tokio::test]
+async fn a_decrease_is_held_after_the_store_is_lost_between_runs() {
+    let remote = seeded_remote();
+    let (url, _ctl) = spawn_controller().await;
+    let cfg = config(&remote, &url, "");
+    let base = remote.scratch("");
+
+    let first = Cycle::new(cfg.clone(), &base)
+        .apply(&lowering(100.0, 80.0), "once")
+        .await;
+    assert_eq!(first.status, RunStatus::Success, "{first}");
+    // The store is lost (deleted, as by a careless clean-up or a fresh volume).
+    std::fs::remove_file(base.join("rlc.db")).unwrap();
+
+    // A new process with an empty store: the config repo's history still says "lowered".
+    let second = Cycle::new(cfg.clone(), &base)
+        .apply(&lowering(80.0, 60.0), "once")
+        .await;
+    assert_eq!(second.status, RunStatus::Unchanged, "{second}");
+    assert!(remote
+        .read("main", "buckets/payments.yaml")
+        .unwrap()
+        .contains("limit_rps: 80\n"));
+    assert!(
+        second
+            .skipped
+            .iter()
+            .any(|s| s.reason.contains("already lowered")
+                && s.reason.contains("config repo history")),
+        "{:?}",
+        second.skipped
+    );
+
+    // A person's decrease counts as well.
+    remote
+        .human_commit(
+            "main",
+            &[(
+                "buckets/payments.yaml",
+                "service: payments\nbuckets:\n  - name: gw\n    caller: gw\n    scope: global\n    limit_rps: 70\n    mode: enforce\n    policy: peak\n",
+            )],
+            "lower gw by hand",
+        )
+        .unwrap();
+    std::fs::remove_file(base.join("rlc.db")).unwrap();
+    let third = Cycle::new(cfg, &base)
+        .apply(&lowering(70.0, 55.0), "once")
+        .await;
+    assert!(
+        remote
+            .read("main", "buckets/payments.yaml")
+            .unwrap()
+            .contains("limit_rps: 70\n"),
+        "{third}"
+    );
+}
+
+#[tokio::test]
+async fn an_old_decrease_in_the_repo_history_does_not_hold_a_new_one() {
+    let remote = seeded_remote();
+    let (url, _ctl) = spawn_controller().await;
+    let mut cfg = config(&remote, &url, "");
+    let base = remote.scratch("");
+    let first = Cycle::new(cfg.clone(), &base)
+        .apply(&lowering(100.0, 80.0), "once")
+        .await;
+    assert_eq!(first.status, RunStatus::Success, "{first}");
+    std::fs::remove_file(base.join("rlc.db")).unwrap();
+    // With a 2 s interval the first decrease is outside it after 3 s.
+    cfg.rails.decrease_interval = "2s".parse().unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let second = Cycle::new(cfg, &base)
+        .apply(&lowering(80.0, 60.0), "once")
+        .await;
+    assert_eq!(second.status, RunStatus::Success, "{second}");
+    assert!(remote
+        .read("main", "buckets/payments.yaml")
+        .unwrap()
+        .contains("limit_rps: 60\n"));
+}
+
+/// A run whose planner makes `vanish` happen to the SQLite file of an open store.
+async fn store_vanishes_mid_run(vanish: impl Fn(&Path) + Send + Sync + 'static, what: &str) {
+    let remote = seeded_remote();
+    let (url, _ctl) = spawn_controller().await;
+    let cfg = config(&remote, &url, "");
+    let base = remote.scratch("");
+    let db = base.join("rlc.db");
+    let cycle = Cycle::new(cfg.clone(), &base);
+    cycle.store().await.unwrap();
+    assert!(db.exists());
+    let vanish = Arc::new(vanish);
+    let d = db.clone();
+    let planner: Planner = Arc::new(move |_input: PlanInput| {
+        let (vanish, d) = (vanish.clone(), d.clone());
+        Box::pin(async move {
+            vanish(&d);
+            Ok(lowering(100.0, 80.0))
+        })
+    });
+    let out = cycle.run(&planner, "once").await;
+    // Nothing lowered: the guard could not ask the store.
+    assert!(
+        remote
+            .read("main", "buckets/payments.yaml")
+            .unwrap()
+            .contains("limit_rps: 100\n"),
+        "{out}"
+    );
+    assert!(
+        out.skipped
+            .iter()
+            .any(|s| s.reason.contains(what) && s.reason.contains("decrease held")),
+        "{:?}",
+        out.skipped
+    );
+    // The run is not recorded into a new or substituted database, and says so.
+    assert_eq!(out.status, RunStatus::Pending, "{out}");
+    assert_eq!(out.exit_code(), 2);
+    let e = out.store_error.as_deref().unwrap_or_default();
+    assert!(e.contains(what) && e.contains("rlc.db"), "{e}");
+    let again = cycle.store().await.unwrap_err().to_string();
+    assert!(again.contains(what), "{again}");
+    match what {
+        "deleted" => assert!(!db.exists(), "a new database was created"),
+        _ => {
+            let other = Store::connect("sqlite://rlc.db", &base).await.unwrap();
+            assert!(other.recent_runs(5).await.unwrap().is_empty());
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_store_deleted_during_a_run_is_an_error_not_a_new_database() {
+    store_vanishes_mid_run(|db| std::fs::remove_file(db).unwrap(), "deleted").await;
+}
+
+#[tokio::test]
+async fn a_store_replaced_during_a_run_is_an_error() {
+    store_vanishes_mid_run(
+        |db| {
+            // Another (empty) SQLite database moved over the file, as a restore would.
+            let other = db.with_file_name("other.db");
+            std::fs::copy(db, &other).unwrap();
+            std::fs::rename(&other, db).unwrap();
+        },
+        "replaced",
+    )
+    .await;
+}

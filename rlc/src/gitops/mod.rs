@@ -50,6 +50,10 @@ pub enum GitOpsError {
         /// The last conflict.
         message: String,
     },
+    /// The base branch's history cannot answer (too many commits in the window, a shallow
+    /// clone's missing parent).
+    #[error("config repo history: {0}")]
+    History(String),
     /// The rendered repo fails `rlc validate`; nothing was committed.
     #[error("the rendered config repo fails validation, nothing committed:\n{0}")]
     Invalid(String),

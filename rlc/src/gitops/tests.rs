@@ -44,7 +44,7 @@ pub(crate) fn planned(service: &str, name: &str, limit: f64) -> PlannedBucket {
 pub(crate) fn plan(buckets: Vec<PlannedBucket>) -> Plan {
     Plan {
         buckets,
-        skipped: vec![],
+        ..Plan::default()
     }
 }
 
@@ -820,4 +820,97 @@ fn a_branch_moved_by_another_rlc_run_is_decided_again_and_updated() {
         .read("rlc/quotas", "buckets/payments.yaml")
         .unwrap()
         .contains("limit_rps: 400"));
+}
+
+#[test]
+fn a_ref_moved_by_a_server_hook_during_the_push_is_retried_on_top() {
+    // A real `git daemon` whose pre-receive hook pushes another commit to main first: the
+    // server then refuses rlc's push with "failed to update ref".
+    let remote = seeded_remote();
+    remote.race_pushes(1).unwrap();
+    let mut w = Writer::open(writer_cfg(&remote, "wc", RepoMode::Direct)).unwrap();
+    let out = w
+        .write(&plan(vec![planned("payments", "gw", 300.0)]))
+        .unwrap();
+    assert_eq!(out.attempts, 2, "{:?}", out.status);
+    assert_eq!(w.attempts(), 2);
+    let WriteStatus::Committed { commit } = &out.status else {
+        panic!("{:?}", out.status)
+    };
+    assert_eq!(remote.head("main").as_deref(), Some(commit.as_str()));
+    // Rebuilt on top of the racing commit, which is kept.
+    let log = remote.log("main").unwrap();
+    assert!(log[0].starts_with("rlc-bot|"), "{log:?}");
+    assert!(log[1].ends_with("|racer 1"), "{log:?}");
+    assert_eq!(remote.read("main", "race/1.txt").unwrap(), "1\n");
+    assert!(remote
+        .read("main", "buckets/payments.yaml")
+        .unwrap()
+        .contains("limit_rps: 300"));
+}
+
+#[test]
+fn a_ref_that_keeps_moving_gives_up_after_max_attempts_and_counts_them() {
+    let remote = seeded_remote();
+    remote.race_pushes(10).unwrap();
+    let mut w = Writer::open(writer_cfg(&remote, "wc", RepoMode::Direct)).unwrap();
+    let err = w
+        .write(&plan(vec![planned("payments", "gw", 300.0)]))
+        .unwrap_err();
+    assert!(
+        matches!(err, GitOpsError::TooManyConflicts { attempts: 3, .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("failed to update ref"), "{err}");
+    assert_eq!(w.attempts(), 3);
+    // Three races happened (one per attempt), and no rlc commit landed.
+    assert_eq!(
+        std::fs::read_to_string(remote.bare_path().join("races-left")).unwrap(),
+        "7\n"
+    );
+    let log = remote.log("main").unwrap();
+    assert!(log.iter().all(|l| !l.starts_with("rlc-bot|")), "{log:?}");
+    assert_eq!(log.len(), 4, "{log:?}");
+}
+
+#[test]
+fn decreases_are_read_from_the_base_history_within_a_bound() {
+    let remote = seeded_remote();
+    let file = |limit: u32| {
+        format!("service: payments\nbuckets:\n  - name: gw\n    caller: gw\n    scope: global\n    limit_rps: {limit}\n    mode: enforce\n    policy: peak\n")
+    };
+    let lowered = remote
+        .human_commit("main", &[("buckets/payments.yaml", &file(90))], "lower")
+        .unwrap();
+    remote
+        .human_commit("main", &[("buckets/payments.yaml", &file(95))], "raise")
+        .unwrap();
+    remote
+        .human_commit("main", &[("rlc/capacity.yaml", "capacity: []\n")], "other")
+        .unwrap();
+    let w = Writer::open(writer_cfg(&remote, "wc", RepoMode::Direct)).unwrap();
+    w.fetch().unwrap();
+    let when: i64 = test_support::git::git(
+        &remote.bare_path(),
+        &["show", "-s", "--format=%ct", &lowered],
+    )
+    .unwrap()
+    .trim()
+    .parse()
+    .unwrap();
+    let services = vec!["payments".to_string(), "maps".to_string()];
+    let found = w.decreases_since(&services, 0, 100).unwrap();
+    assert_eq!(
+        found.into_iter().collect::<Vec<_>>(),
+        vec![(("payments".to_string(), "gw".to_string()), when)]
+    );
+    // Nothing inside a window that starts after the decrease.
+    assert!(w
+        .decreases_since(&services, when + 3600, 100)
+        .unwrap()
+        .is_empty());
+    // More commits in the window than the bound: no answer (the caller holds decreases).
+    let err = w.decreases_since(&services, 0, 2).unwrap_err();
+    assert!(matches!(err, GitOpsError::History(_)), "{err}");
+    assert!(err.to_string().contains("more than 2 commits"), "{err}");
 }

@@ -23,6 +23,11 @@ use crate::plan::Plan;
 /// libgit2 calls the credentials callback again after every refusal, forever; stop after this.
 const MAX_CREDENTIAL_ATTEMPTS: u32 = 3;
 
+/// At most this many commits of the base branch are read to find a bucket's last decrease
+/// within `rails.decrease_interval`; with more commits in the interval the history cannot
+/// prove that a decrease is allowed, and every decrease is held.
+pub const DECREASE_HISTORY_MAX_COMMITS: usize = 2000;
+
 /// Where and how to write, resolved from `rlc.yaml` (paths made absolute, token read).
 #[derive(Clone)]
 pub struct WriterConfig {
@@ -140,6 +145,8 @@ pub struct Writer {
     repo: Repository,
     cfg: WriterConfig,
     before_push: std::sync::Mutex<Option<BeforePush>>,
+    /// Attempts the last write started (also when it failed).
+    attempts: u32,
 }
 
 enum PushFailure {
@@ -217,12 +224,19 @@ impl Writer {
             repo,
             cfg,
             before_push: std::sync::Mutex::new(None),
+            attempts: 0,
         })
     }
 
     /// Sets a hook run right before each push (fault injection for tests).
     pub fn set_before_push(&mut self, hook: BeforePush) {
         *self.before_push.lock().unwrap() = Some(hook);
+    }
+
+    /// Attempts the last [`Writer::write`] started, also when it failed (a push the remote
+    /// kept racing counts every try).
+    pub fn attempts(&self) -> u32 {
+        self.attempts
     }
 
     fn has_remote(&self) -> bool {
@@ -329,6 +343,75 @@ impl Writer {
         Ok((base.id().to_string(), files.into_values().collect()))
     }
 
+    /// When each bucket of `services` was last lowered on the base branch at or after `since`
+    /// (unix seconds, commit time), by `(service, bucket)`: the config repo's own record of
+    /// every change, which survives the loss of rlc's store. Walks the first-parent history
+    /// from the base tip (a merged pull request counts when it was merged) until a commit
+    /// older than `since` or the root, reading at most `max_commits` commits; a lowered
+    /// `limit_rps` of a bucket of the same name in `buckets/<service>.yaml` between a commit
+    /// and its first parent is a decrease, whoever made it. An error when the history cannot
+    /// answer (more commits in the window than `max_commits`, a missing parent in a shallow
+    /// clone): the caller must then hold decreases. Call after [`Writer::fetch`].
+    pub fn decreases_since(
+        &self,
+        services: &[String],
+        since: i64,
+        max_commits: usize,
+    ) -> Result<BTreeMap<(String, String), i64>, GitOpsError> {
+        let mut out: BTreeMap<(String, String), i64> = BTreeMap::new();
+        let mut commit = self.base_commit()?;
+        let mut read = 0usize;
+        loop {
+            let t = commit.time().seconds();
+            if t < since || commit.parent_count() == 0 {
+                return Ok(out);
+            }
+            read += 1;
+            if read > max_commits {
+                return Err(GitOpsError::History(format!(
+                    "more than {max_commits} commits on `{}` within the decrease interval; cannot tell when a bucket was last lowered",
+                    self.cfg.branch
+                )));
+            }
+            let parent = commit.parent(0).map_err(|e| {
+                GitOpsError::History(format!(
+                    "parent of commit {} is missing (shallow clone?): {}",
+                    commit.id(),
+                    e.message()
+                ))
+            })?;
+            let (tree, ptree) = (commit.tree()?, parent.tree()?);
+            for service in services {
+                let path = format!("buckets/{service}.yaml");
+                let entry = |t: &Tree<'_>| t.get_path(Path::new(&path)).ok().map(|e| e.id());
+                let (Some(new), Some(old)) = (entry(&tree), entry(&ptree)) else {
+                    continue;
+                };
+                if new == old {
+                    continue;
+                }
+                let (Some(new), Some(old)) = (
+                    parse_bucket_blob(&self.repo, new, &path),
+                    parse_bucket_blob(&self.repo, old, &path),
+                ) else {
+                    continue;
+                };
+                for b in &new.buckets {
+                    let lowered = old
+                        .buckets
+                        .iter()
+                        .any(|o| o.name == b.name && b.limit_rps < o.limit_rps);
+                    if lowered {
+                        out.entry((service.clone(), b.name.clone()))
+                            .and_modify(|at| *at = (*at).max(t))
+                            .or_insert(t);
+                    }
+                }
+            }
+            commit = parent;
+        }
+    }
+
     /// A hash of the human-authored `rlc/*.yaml` at the base tip: a change triggers a run.
     pub fn inputs_hash(&self) -> Result<String, GitOpsError> {
         let base = self.base_commit()?;
@@ -366,7 +449,9 @@ impl Writer {
     fn write_with(&mut self, plan: &Plan, withdraw: bool) -> Result<WriteOutcome, GitOpsError> {
         let max = self.cfg.max_attempts.max(1);
         let mut last_conflict = String::new();
+        self.attempts = 0;
         for attempt in 1..=max {
+            self.attempts = attempt;
             self.fetch()?;
             match self.write_once(plan, attempt, withdraw) {
                 Ok(out) => return Ok(out),
@@ -680,9 +765,16 @@ impl Writer {
         let rejected = rejected.into_inner();
         if let Some((refname, msg)) = rejected.into_iter().next() {
             let lower = msg.to_ascii_lowercase();
+            // "failed to update ref" / "failed to lock": the ref moved (or was locked by a
+            // concurrent update) between the server's advertisement and its update, e.g. a
+            // hook or another pusher got there first. That is a conflict like any other:
+            // fetch, rebuild on top, push again (bounded by `max_attempts`).
             if lower.contains("non-fast-forward")
                 || lower.contains("fetch first")
                 || lower.contains("stale")
+                || lower.contains("failed to update ref")
+                || lower.contains("failed to lock")
+                || lower.contains("cannot lock ref")
             {
                 return Err(PushFailure::Conflict(format!("{refname}: {msg}")));
             }
@@ -718,6 +810,15 @@ fn read_buckets(
         }
     }
     Ok(out)
+}
+
+/// A bucket file blob, parsed; `None` when it does not parse (it tells nothing then).
+fn parse_bucket_blob(repo: &Repository, id: Oid, path: &str) -> Option<BucketFile> {
+    let blob = repo.find_blob(id).ok()?;
+    let text = String::from_utf8_lossy(blob.content());
+    schema::parse_str::<BucketFile>(Path::new(path), &text)
+        .ok()
+        .map(|f| f.value)
 }
 
 /// `base` with `files` (paths one directory deep, e.g. `buckets/x.yaml`) written in.

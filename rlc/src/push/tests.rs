@@ -162,3 +162,71 @@ async fn bad_token_is_not_retried() {
     assert_eq!(failures, 1);
     assert!(!err.to_string().contains("wrong"));
 }
+
+/// Against the real controller with one credential per role: rlc pushes with its `config`
+/// credential read from `<token_env>_FILE` (re-read at every call, so a rotation needs no
+/// restart) and reads reports with `reports_token_env`; a credential without the `reports`
+/// role gets 403, named as such.
+#[tokio::test]
+async fn credentials_from_files_and_roles_against_the_real_controller() {
+    use grl_runtime::auth::{write_secret_file, CredentialSet};
+    use grl_runtime::controller::{Controller, ControllerOptions, ROLES};
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, read) = ("rlc-config-0123456789abcdef", "rlc-read-0123456789abcdefgh");
+    let creds = dir.path().join("credentials");
+    write_secret_file(
+        &creds,
+        &format!(
+            "rlc config {cfg}\nreader reports {read}\nzone zone-report zone-0123456789abcdefgh\n"
+        ),
+    )
+    .unwrap();
+    let mut credentials = CredentialSet::default();
+    credentials.add_file(&creds, Some(ROLES)).unwrap();
+    let ctl = Controller::start(ControllerOptions {
+        state_dir: dir.path().join("state"),
+        credentials,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let token_file = dir.path().join("rlc-token");
+    write_secret_file(&token_file, &format!("{cfg}\n")).unwrap();
+    std::env::remove_var("RLC_PUSH_TEST_CFG");
+    std::env::set_var("RLC_PUSH_TEST_CFG_FILE", &token_file);
+    std::env::set_var("RLC_PUSH_TEST_READ", read);
+    let mut conf = schema::ControllerConfig {
+        url: ctl.url(),
+        token_env: "RLC_PUSH_TEST_CFG".into(),
+        reports_token_env: Some("RLC_PUSH_TEST_READ".into()),
+        tls: None,
+    };
+    let client = ControllerClient::from_config(&conf, dir.path()).unwrap();
+    assert!(client.reconcile_once(&desired("v1")).await.unwrap());
+    assert_eq!(
+        client.status().await.unwrap().version.as_deref(),
+        Some("v1")
+    );
+    client.reports(None, 10).await.unwrap();
+    // The file is read at each call: a wrong secret there is refused at once, and the right
+    // one works again without a new client.
+    write_secret_file(&token_file, "not-the-secret-0123456789\n").unwrap();
+    let err = client.put_config(&desired("v2")).await.unwrap_err();
+    assert!(matches!(err, PushError::Unauthorized), "{err}");
+    write_secret_file(&token_file, cfg).unwrap();
+    client.put_config(&desired("v2")).await.unwrap();
+    // Without reports_token_env the config credential is used for reports: 403, no role.
+    conf.reports_token_env = None;
+    let client = ControllerClient::from_config(&conf, dir.path()).unwrap();
+    let err = client.reports(None, 10).await.unwrap_err();
+    assert!(matches!(err, PushError::Forbidden(_)), "{err}");
+    assert!(
+        err.to_string().contains("reports") && !err.to_string().contains(cfg),
+        "{err}"
+    );
+    // Neither variable set: the error names both.
+    std::env::remove_var("RLC_PUSH_TEST_CFG_FILE");
+    let err = ControllerClient::from_config(&conf, dir.path()).unwrap_err();
+    assert!(err.to_string().contains("RLC_PUSH_TEST_CFG_FILE"), "{err}");
+    ctl.shutdown().await;
+}

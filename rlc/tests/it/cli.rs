@@ -196,3 +196,78 @@ fn preview_json_has_null_caller_and_procedure_and_skips_bad_labels() {
         "{skipped:?}"
     );
 }
+
+/// `rlc preview` with plugins run by the `rlc` binary itself (no `plugins.host`: the default
+/// host is the running binary): a segfaulting plugin and one answering 1e308 fail only their
+/// buckets, which keep their current limit; the command succeeds and the rest is computed.
+#[test]
+fn preview_survives_a_segfaulting_plugin_and_refuses_1e308() {
+    let dir = setup("  file: h.csv");
+    let d = dir.path();
+    let plugins = d.join("plugins");
+    std::fs::create_dir(&plugins).unwrap();
+    for name in ["crashy", "absurd"] {
+        std::fs::copy(
+            test_support::plugin::example_plugin_lib(),
+            plugins.join(format!(
+                "{}{name}{}",
+                std::env::consts::DLL_PREFIX,
+                std::env::consts::DLL_SUFFIX
+            )),
+        )
+        .unwrap();
+    }
+    std::fs::write(
+        d.join("repo/rlc/policies.yaml"),
+        "default:\n  policy: peak\nservices:\n  maps:\n    policy: plugin:crashy\n    params: {mode: segfault}\n  payments:\n    policy: plugin:absurd\n    params: {mode: huge}\n",
+    )
+    .unwrap();
+    std::fs::write(
+        d.join("repo/buckets/payments.yaml"),
+        "service: payments\nbuckets:\n  - name: billing.charge\n    caller: billing\n    procedure: charge\n    limit_rps: 321\n    policy: peak\n",
+    )
+    .unwrap();
+    let yaml = std::fs::read_to_string(d.join("rlc.yaml")).unwrap();
+    std::fs::write(
+        d.join("rlc.yaml"),
+        format!("{yaml}plugins:\n  dir: plugins\n"),
+    )
+    .unwrap();
+
+    let (code, out, err) = rlc(d, &["preview", "--format", "json"]);
+    assert_eq!(code, 0, "{err}");
+    let plan: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let buckets = plan["buckets"].as_array().unwrap();
+    let find = |s: &str, n: &str| {
+        buckets
+            .iter()
+            .find(|b| b["service"] == s && b["name"] == n)
+            .unwrap_or_else(|| panic!("{s}/{n} missing: {out}"))
+    };
+    assert_eq!(find("maps", "web.route")["limit_rps"], 5000.0, "kept");
+    assert_eq!(
+        find("payments", "billing.charge")["limit_rps"],
+        321.0,
+        "kept"
+    );
+    assert_eq!(find("search", "web.query")["policy"], "peak", "computed");
+    let skipped = plan["skipped"].as_array().unwrap();
+    let reason = |s: &str, c: &str| {
+        skipped
+            .iter()
+            .find(|k| k["service"] == s && k["caller"] == c)
+            .and_then(|k| k["reason"].as_str())
+            .unwrap_or_else(|| panic!("{s}/{c} not skipped: {skipped:?}"))
+            .to_string()
+    };
+    let r = reason("maps", "web");
+    assert!(
+        r.contains("plugin:crashy") && r.contains("died with signal 11 (SIGSEGV)"),
+        "{r}"
+    );
+    let r = reason("payments", "billing");
+    assert!(
+        r.contains("plugin:absurd") && r.contains("1e308") && r.contains("sanity bound"),
+        "{r}"
+    );
+}

@@ -174,7 +174,11 @@ fn plugin_failure_fails_only_its_buckets() {
             ("buckets/bad.yaml", "service: bad\nbuckets:\n  - name: web\n    caller: web\n    limit_rps: 77\n    policy: peak\n"),
         ],
     );
-    let cfg = daemon(&format!("{CFG}\nplugins:\n  dir: {}", plugins.display()));
+    let cfg = daemon(&format!(
+        "{CFG}\nplugins:\n  dir: {}\n  host: {}",
+        plugins.display(),
+        env!("CARGO_BIN_EXE_rlc")
+    ));
     let h = history(vec![
         ("good", "web", "", flat(28, 10.0)),
         ("bad", "web", "", flat(28, 10.0)),
@@ -215,6 +219,139 @@ fn plugin_failure_fails_only_its_buckets() {
         "{}",
         reason("escape")
     );
+}
+
+/// A plugin directory holding the example plugin under each of `names`.
+fn plugin_dir(root: &std::path::Path, names: &[&str]) -> std::path::PathBuf {
+    let plugins = root.join("plugins");
+    std::fs::create_dir_all(&plugins).unwrap();
+    for n in names {
+        let file = format!(
+            "{}{n}{}",
+            std::env::consts::DLL_PREFIX,
+            std::env::consts::DLL_SUFFIX
+        );
+        std::fs::copy(plugin_lib(), plugins.join(file)).unwrap();
+    }
+    plugins
+}
+
+/// Plugins that crash, abort, hang, exhaust memory or answer 1e308 fail only their own
+/// buckets: those keep their current limit and are listed in `skipped` with the cause; every
+/// other bucket (the same plugin's included) gets its quota. The hosts run in the `rlc` binary.
+#[test]
+fn misbehaving_plugins_fail_only_their_buckets() {
+    let dir = tempfile::tempdir().unwrap();
+    let plugins = plugin_dir(
+        dir.path(),
+        &["crashy", "aborty", "sleepy", "hungry", "absurd"],
+    );
+    let bucket = |service: &str, caller: &str, limit: u32| {
+        (
+            format!("buckets/{service}.yaml"),
+            format!("service: {service}\nbuckets:\n  - name: {caller}\n    caller: {caller}\n    limit_rps: {limit}\n    policy: peak\n"),
+        )
+    };
+    let files = [
+        (
+            "rlc/policies.yaml".to_string(),
+            "default:\n  policy: peak\nservices:\n  maps:\n    policy: plugin:crashy\n    params: {mode: segfault, only_caller: bad, factor: 1.0}\n  abort:\n    policy: plugin:aborty\n    params: {mode: abort_panic}\n  slow:\n    policy: plugin:sleepy\n    params: {mode: hang}\n  hungry:\n    policy: plugin:hungry\n    params: {mode: hog}\n  absurd:\n    policy: plugin:absurd\n    params: {mode: huge}\n".to_string(),
+        ),
+        bucket("maps", "bad", 77),
+        bucket("abort", "web", 50),
+        bucket("slow", "web", 40),
+        bucket("hungry", "web", 30),
+        bucket("absurd", "web", 20),
+    ];
+    let refs: Vec<(&str, &str)> = files
+        .iter()
+        .map(|(a, b)| (a.as_str(), b.as_str()))
+        .collect();
+    let repo = repo(&dir.path().join("repo"), &refs);
+    let cfg = daemon(&format!(
+        "{CFG}\nplugins:\n  dir: {}\n  host: {}\n  timeout: 1s\n  memory_limit_mb: 256",
+        plugins.display(),
+        env!("CARGO_BIN_EXE_rlc")
+    ));
+    let h = history(vec![
+        ("maps", "bad", "", flat(28, 10.0)),
+        ("maps", "web", "", flat(28, 10.0)),
+        ("abort", "web", "", flat(28, 10.0)),
+        ("slow", "web", "", flat(28, 10.0)),
+        ("hungry", "web", "", flat(28, 10.0)),
+        ("absurd", "web", "", flat(28, 10.0)),
+        ("plain", "web", "", flat(28, 10.0)),
+    ]);
+    let t = std::time::Instant::now();
+    let plan = compute_plan(&cfg, &repo, &h, Utc::now());
+    let took = t.elapsed();
+    let limit = |s: &str, c: &str| {
+        plan.buckets
+            .iter()
+            .find(|b| b.service == s && b.bucket.caller.as_deref() == Some(c))
+            .map(|b| (b.bucket.limit_rps, b.bucket.policy.to_string()))
+    };
+    // Every other bucket gets its quota, the crashing plugin's good bucket included.
+    assert_eq!(limit("maps", "web"), Some((20.0, "plugin:crashy".into())));
+    assert_eq!(limit("plain", "web"), Some((12.5, "peak".into())));
+    // The bad buckets keep their current limit...
+    assert_eq!(limit("maps", "bad"), Some((77.0, "peak".into())));
+    assert_eq!(limit("abort", "web"), Some((50.0, "peak".into())));
+    assert_eq!(limit("slow", "web"), Some((40.0, "peak".into())));
+    assert_eq!(limit("hungry", "web"), Some((30.0, "peak".into())));
+    assert_eq!(limit("absurd", "web"), Some((20.0, "peak".into())));
+    // ...and are listed in skipped, naming the plugin and what happened.
+    let reason = |s: &str, c: &str| {
+        plan.skipped
+            .iter()
+            .find(|k| k.service == s && k.caller.as_deref() == Some(c))
+            .map(|k| k.reason.clone())
+            .unwrap_or_else(|| panic!("{s}/{c} not in skipped: {:?}", plan.skipped))
+    };
+    let expect: [(&str, &str, &[&str]); 5] = [
+        (
+            "maps",
+            "bad",
+            &["plugin:crashy", "died with signal 11 (SIGSEGV)"],
+        ),
+        (
+            "abort",
+            "web",
+            &[
+                "plugin:aborty",
+                "died with signal 6 (SIGABRT)",
+                "panics across the C boundary",
+            ],
+        ),
+        ("slow", "web", &["plugin:sleepy", "timed out after 1s"]),
+        (
+            "hungry",
+            "web",
+            &[
+                "plugin:hungry",
+                "memory allocation",
+                "(memory limit 256 MiB)",
+            ],
+        ),
+        (
+            "absurd",
+            "web",
+            &[
+                "plugin:absurd",
+                "1e308",
+                "sanity bound",
+                "keeps current quota",
+            ],
+        ),
+    ];
+    for (s, c, words) in expect {
+        let r = reason(s, c);
+        for w in words {
+            assert!(r.contains(w), "{s}/{c}: `{w}` missing in {r}");
+        }
+    }
+    assert_eq!(plan.skipped.len(), 5, "{:?}", plan.skipped);
+    assert!(took < std::time::Duration::from_secs(30), "took {took:?}");
 }
 
 #[test]

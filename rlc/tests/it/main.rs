@@ -4,6 +4,7 @@
 mod backtest;
 mod cli;
 mod compute;
+mod faults;
 mod prometheus;
 mod support;
 mod validate;

@@ -270,3 +270,306 @@ fn json_output_lists_problems() {
         .unwrap()
         .ends_with("buckets/payments.yaml"));
 }
+
+// ---------------------------------------------------------------------------------------------
+// A hostile or unlucky repo: every refusal names the file and the reason, in bounded time and
+// memory, without printing anything from outside the repo.
+
+/// What `rlc validate` did on a repo: exit code, stdout, stderr, wall time.
+struct Outcome {
+    code: i32,
+    stdout: String,
+    stderr: String,
+    took: std::time::Duration,
+}
+
+/// Runs `rlc validate dir` with its address space capped at 2 GiB (a run that tries to read
+/// `/dev/zero` dies instead of taking the machine) and a 60 s guard (a hang fails the test
+/// instead of blocking it); output goes to files so that a full pipe cannot block the child.
+fn validate_bounded(dir: &Path) -> Outcome {
+    let out = tempfile::tempdir().unwrap();
+    let (o, e) = (out.path().join("out"), out.path().join("err"));
+    let start = std::time::Instant::now();
+    let mut child = Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -v 2097152 && exec \"$0\" validate \"$1\"")
+        .arg(env!("CARGO_BIN_EXE_rlc"))
+        .arg(dir)
+        .stdout(std::fs::File::create(&o).unwrap())
+        .stderr(std::fs::File::create(&e).unwrap())
+        .spawn()
+        .unwrap();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > std::time::Duration::from_secs(60) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("rlc validate {} still running after 60 s", dir.display());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    Outcome {
+        code: status.code().unwrap_or(-1),
+        stdout: std::fs::read_to_string(&o).unwrap(),
+        stderr: std::fs::read_to_string(&e).unwrap(),
+        took: start.elapsed(),
+    }
+}
+
+fn template_copy() -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().unwrap();
+    copy_dir(&template(), tmp.path());
+    tmp
+}
+
+/// Asserts one problem line for `file` (relative to the repo) containing `reason`, exit 1,
+/// within 20 s.
+fn assert_refused(repo: &Path, o: &Outcome, file: &str, reason: &str) {
+    assert_eq!(o.code, 1, "stdout {} stderr {}", o.stdout, o.stderr);
+    let prefix = format!("{}:1:1: ", repo.join(file).display());
+    assert!(
+        o.stdout
+            .lines()
+            .any(|l| l.starts_with(&prefix) && l.contains(reason)),
+        "no `{reason}` for {file} in {}",
+        o.stdout
+    );
+    assert!(
+        o.took < std::time::Duration::from_secs(20),
+        "took {:?}",
+        o.took
+    );
+}
+
+fn mkfifo(path: &Path) {
+    let ok = Command::new("mkfifo").arg(path).status().unwrap().success();
+    assert!(ok, "mkfifo {}", path.display());
+}
+
+#[test]
+fn fault_symlink_to_dev_zero_is_refused_not_read() {
+    let repo = template_copy();
+    let f = repo.path().join("buckets/maps.yaml");
+    std::fs::remove_file(&f).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", &f).unwrap();
+    let o = validate_bounded(repo.path());
+    assert_refused(
+        repo.path(),
+        &o,
+        "buckets/maps.yaml",
+        "symbolic link to /dev/zero outside the repo",
+    );
+}
+
+#[test]
+fn fault_symlink_to_etc_passwd_is_refused_and_never_printed() {
+    let passwd = std::fs::read_to_string("/etc/passwd").unwrap();
+    let first = passwd.lines().next().unwrap().to_string();
+    let repo = template_copy();
+    for f in ["buckets/maps.yaml", "rlc/contracts.yaml"] {
+        let p = repo.path().join(f);
+        std::fs::remove_file(&p).unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", &p).unwrap();
+    }
+    let o = validate_bounded(repo.path());
+    for f in ["buckets/maps.yaml", "rlc/contracts.yaml"] {
+        assert_refused(
+            repo.path(),
+            &o,
+            f,
+            "symbolic link to /etc/passwd outside the repo",
+        );
+    }
+    for out in [&o.stdout, &o.stderr] {
+        assert!(
+            !out.contains(&first),
+            "content of /etc/passwd printed: {out}"
+        );
+        assert!(
+            !out.contains("/bin/"),
+            "content of /etc/passwd printed: {out}"
+        );
+    }
+    // maps has a file (refused, but there): rlc/capacity.yaml's `maps` is no unknown service.
+    assert!(!o.stdout.contains("unknown service"), "{}", o.stdout);
+}
+
+#[test]
+fn fault_symlink_inside_the_repo_is_followed() {
+    let repo = template_copy();
+    let p = repo.path().join("buckets/payments.yaml");
+    std::fs::rename(&p, repo.path().join("payments.source")).unwrap();
+    std::os::unix::fs::symlink("../payments.source", &p).unwrap();
+    let o = validate_bounded(repo.path());
+    assert_eq!(o.code, 0, "{} {}", o.stdout, o.stderr);
+}
+
+#[test]
+fn fault_fifo_is_refused_without_blocking() {
+    let repo = template_copy();
+    mkfifo(&repo.path().join("buckets/queue.yaml"));
+    mkfifo(&repo.path().join("rlc/capacity.yaml.fifo"));
+    std::fs::remove_file(repo.path().join("rlc/capacity.yaml")).unwrap();
+    std::fs::rename(
+        repo.path().join("rlc/capacity.yaml.fifo"),
+        repo.path().join("rlc/capacity.yaml"),
+    )
+    .unwrap();
+    let o = validate_bounded(repo.path());
+    assert_refused(
+        repo.path(),
+        &o,
+        "buckets/queue.yaml",
+        "a FIFO (named pipe), not a regular file",
+    );
+    assert_refused(
+        repo.path(),
+        &o,
+        "rlc/capacity.yaml",
+        "a FIFO (named pipe), not a regular file",
+    );
+}
+
+#[test]
+fn fault_deep_flow_nesting_is_refused_in_bounded_time() {
+    let repo = template_copy();
+    // 400 KB of `[[[[…]]]]`: over a minute before the limit.
+    let n = 200_000;
+    std::fs::write(
+        repo.path().join("buckets/maps.yaml"),
+        format!(
+            "service: maps\nbuckets: {}{}\n",
+            "[".repeat(n),
+            "]".repeat(n)
+        ),
+    )
+    .unwrap();
+    // Block nesting (`- - - …`) overflowed the stack of both parsers before the limit.
+    std::fs::write(
+        repo.path().join("buckets/payments.yaml"),
+        format!("service: payments\nbuckets:\n{}x\n", "- ".repeat(n)),
+    )
+    .unwrap();
+    let o = validate_bounded(repo.path());
+    assert_eq!(o.code, 1, "{} {}", o.stdout, o.stderr);
+    for f in ["buckets/maps.yaml:2:", "buckets/payments.yaml:3:"] {
+        let prefix = format!("{}", repo.path().join(f).display());
+        assert!(
+            o.stdout
+                .lines()
+                .any(|l| l.starts_with(&prefix) && l.contains("nesting deeper than 64 levels")),
+            "{f} in {}",
+            o.stdout
+        );
+    }
+    assert!(
+        o.took < std::time::Duration::from_secs(20),
+        "took {:?}",
+        o.took
+    );
+}
+
+#[test]
+fn fault_oversize_file_is_refused_before_reading() {
+    let repo = template_copy();
+    let mut text = String::from("service: maps\nbuckets:\n");
+    let mut i = 0;
+    while text.len() <= 5 << 20 {
+        text.push_str(&format!("  - {{name: b{i}, caller: c{i}, limit_rps: 5}}\n"));
+        i += 1;
+    }
+    std::fs::write(repo.path().join("buckets/maps.yaml"), text).unwrap();
+    let o = validate_bounded(repo.path());
+    assert_refused(
+        repo.path(),
+        &o,
+        "buckets/maps.yaml",
+        "refused: larger than 4 MiB",
+    );
+    assert!(!o.stdout.contains("unknown service"), "{}", o.stdout);
+}
+
+#[test]
+fn every_problem_of_a_file_is_reported_even_after_a_type_error() {
+    let repo = template_copy();
+    // One bad scope used to hide everything else in the file and to make `maps` an unknown
+    // service for rlc/capacity.yaml.
+    std::fs::write(
+        repo.path().join("buckets/maps.yaml"),
+        "service: maps
+buckets:
+  - name: a
+    caller: web
+    limit_rps: 0
+    scope: planet
+  - name: a
+    caller: api
+    limit_rps: fast
+    mode: maybe
+    colour: red
+  - name: c
+    caller: x
+    policy: peek
+",
+    )
+    .unwrap();
+    let o = validate_bounded(repo.path());
+    assert_eq!(o.code, 1, "{} {}", o.stdout, o.stderr);
+    let f = repo.path().join("buckets/maps.yaml");
+    for (line, key, what) in [
+        (5, "buckets[0].limit_rps", "must be positive"),
+        (6, "buckets[0].scope", "unknown variant `planet`"),
+        (7, "buckets[1].name", "duplicate bucket name"),
+        (
+            9,
+            "buckets[1].limit_rps",
+            "invalid type: string \"fast\", expected f64",
+        ),
+        (10, "buckets[1].mode", "unknown variant `maybe`"),
+        (11, "buckets[1].colour", "unknown field `colour`"),
+        (12, "buckets[2].limit_rps", "missing field `limit_rps`"),
+        (14, "buckets[2].policy", "unknown policy `peek`"),
+    ] {
+        let prefix = format!("{}:{line}:", f.display());
+        assert!(
+            o.stdout.lines().any(|l| l.starts_with(&prefix)
+                && l.contains(&format!("{key}: "))
+                && l.contains(what)),
+            "no `{key}: …{what}` at line {line} in\n{}",
+            o.stdout
+        );
+    }
+    // Nothing invented: no consequence of a replaced value, no unknown service.
+    assert_eq!(o.stdout.lines().count(), 8, "{}", o.stdout);
+    assert!(!o.stdout.contains("unknown service"), "{}", o.stdout);
+}
+
+#[test]
+fn a_reference_is_never_unknown_because_its_file_failed_to_parse() {
+    let repo = template_copy();
+    // A syntax error: no value at all, but the service has a bucket file.
+    std::fs::write(
+        repo.path().join("buckets/maps.yaml"),
+        "service: maps\nbuckets:\n  - name: a\n    caller: b: c\n",
+    )
+    .unwrap();
+    // policies.yaml broken: the services it names cannot be known, so none is called unknown.
+    std::fs::write(
+        repo.path().join("rlc/policies.yaml"),
+        "default:\n  policy: peak\nservices:\n  billing: [\n",
+    )
+    .unwrap();
+    std::fs::write(
+        repo.path().join("rlc/contracts.yaml"),
+        "contracts:\n  - service: billing\n    caller: partner\n    limit_rps: 10\n",
+    )
+    .unwrap();
+    let o = validate_bounded(repo.path());
+    assert_eq!(o.code, 1, "{} {}", o.stdout, o.stderr);
+    assert!(o.stdout.contains("buckets/maps.yaml:4:"), "{}", o.stdout);
+    assert!(o.stdout.contains("rlc/policies.yaml:"), "{}", o.stdout);
+    assert!(!o.stdout.contains("unknown service"), "{}", o.stdout);
+    assert_eq!(o.stdout.lines().count(), 2, "{}", o.stdout);
+}

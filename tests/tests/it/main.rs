@@ -50,6 +50,8 @@ fn start_controller(port: u16, state: &Path) -> Proc {
         ])
         .arg(state)
         .env("GRL_TOKEN", TOKEN)
+        // A controller refuses to start without a zone-report credential.
+        .env("GRL_REPORT_TOKEN", "e2e-zone-report-token")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -131,7 +133,17 @@ impl Deployment {
     }
 
     fn with_database(database_url: &str) -> Deployment {
-        let files = template_files();
+        Deployment::build(database_url, &[], "")
+    }
+
+    /// A deployment whose config repo has `overrides` (path, contents) on top of the template
+    /// and whose rlc.yaml ends with `extra`.
+    fn build(database_url: &str, overrides: &[(&str, &str)], extra: &str) -> Deployment {
+        let mut files = template_files();
+        for (path, text) in overrides {
+            files.retain(|(p, _)| p != path);
+            files.push((path.to_string(), text.to_string()));
+        }
         let refs: Vec<(&str, &str)> = files
             .iter()
             .map(|(a, b)| (a.as_str(), b.as_str()))
@@ -150,7 +162,7 @@ impl Deployment {
         std::fs::write(
             dir.path().join("rlc.yaml"),
             format!(
-                "history:\n  file: history.csv\nconfig_repo:\n  path: work\n  url: {}\n  branch: main\n  mode: direct\ncontroller:\n  url: http://127.0.0.1:{controller_port}\n  token_env: GRL_TOKEN\ndatabase_url: {database_url}\nserver:\n  listen: 127.0.0.1:0\n  token_env: RLC_TOKEN\n",
+                "history:\n  file: history.csv\nconfig_repo:\n  path: work\n  url: {}\n  branch: main\n  mode: direct\ncontroller:\n  url: http://127.0.0.1:{controller_port}\n  token_env: GRL_TOKEN\ndatabase_url: {database_url}\nserver:\n  listen: 127.0.0.1:0\n  token_env: RLC_TOKEN\n{extra}",
                 remote.url()
             ),
         )
@@ -337,4 +349,198 @@ fn replicas_on_one_postgres_elect_one_scheduler_and_fail_over() {
     replicas[active] = None; // killed: its session ends and the lock with it
     let other = ports[1 - active];
     wait_until(Duration::from_secs(60), || leader(other) == Some(1));
+}
+
+/// A deployment whose `maps` service uses a plugin that segfaults on every bucket and whose
+/// `payments` service uses a well-behaved plugin, both run by the real `rlc` binary as host.
+fn deployment_with_plugins() -> Deployment {
+    let policies = "default:\n  policy: peak\n  headroom: 0.25\nservices:\n  maps:\n    policy: plugin:crashy\n    params: {mode: segfault}\n    mode: enforce\n  payments:\n    policy: plugin:steady\n    params: {factor: 0.5}\n  search:\n    policy: peak\n    headroom: 0.5\n    floor_rps: 10\n";
+    let d = Deployment::build(
+        "sqlite://rlc.db",
+        &[("rlc/policies.yaml", policies)],
+        "plugins:\n  dir: plugins\n  timeout: 5s\n  memory_limit_mb: 512\n",
+    );
+    let plugins = d.dir.path().join("plugins");
+    std::fs::create_dir(&plugins).unwrap();
+    for name in ["crashy", "steady"] {
+        std::fs::copy(
+            test_support::plugin::example_plugin_lib(),
+            plugins.join(format!(
+                "{}{name}{}",
+                std::env::consts::DLL_PREFIX,
+                std::env::consts::DLL_SUFFIX
+            )),
+        )
+        .unwrap();
+    }
+    d
+}
+
+/// Pids of the plugin host processes serving plugins from `dir`.
+fn plugin_hosts(dir: &Path) -> Vec<u32> {
+    let needle = dir.to_string_lossy().into_owned();
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(cmd) = std::fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
+        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+        if cmd.contains("__plugin-host") && cmd.contains(&needle) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// `maps` keeps its current quotas with the crash as the reason; the other services get
+/// theirs (one of them from a plugin), the commit is made and pushed, the run is recorded.
+#[test]
+fn run_once_with_a_segfaulting_plugin_fails_only_its_buckets() {
+    let d = deployment_with_plugins();
+    let before = d.remote.head("main").unwrap();
+    let maps_before = d.remote.read("main", "buckets/maps.yaml").unwrap();
+    let payments_before = limits(&d.remote.read("main", "buckets/payments.yaml").unwrap());
+    let _controller = start_controller(d.controller_port, &d.dir.path().join("grl-state"));
+
+    let out = d.rlc(&["run", "--once", "--json"]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "rc {:?} (a plugin crash must not take rlc down)\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let outcome: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(outcome["status"], "success", "{outcome}");
+    // The run record is written.
+    let run_id = outcome["run_id"].as_i64().expect("run recorded");
+    let store = tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let s = rlc::store::Store::connect("sqlite://rlc.db", d.dir.path())
+            .await
+            .unwrap();
+        s.recent_runs(5).await.unwrap()
+    });
+    let rec = store.iter().find(|r| r.id == run_id).expect("stored run");
+    assert!(
+        rec.services.contains("plugin:crashy") && rec.services.contains("SIGSEGV"),
+        "{}",
+        rec.services
+    );
+    // maps' buckets are skipped with the cause, and its file is untouched.
+    let skipped = outcome["skipped"].as_array().unwrap();
+    let maps: Vec<&str> = skipped
+        .iter()
+        .filter(|s| s["service"] == "maps")
+        .map(|s| s["reason"].as_str().unwrap())
+        .collect();
+    assert!(!maps.is_empty(), "{outcome}");
+    for r in &maps {
+        assert!(
+            r.contains("plugin:crashy") && r.contains("died with signal 11 (SIGSEGV)")
+                || r.contains("disabled"),
+            "{r}"
+        );
+    }
+    let head = d.remote.head("main").unwrap();
+    assert_ne!(head, before, "the other services' quotas are committed");
+    assert_eq!(
+        d.remote.read("main", "buckets/maps.yaml").unwrap(),
+        maps_before,
+        "maps keeps its current quotas"
+    );
+    // payments got its quotas from the well-behaved plugin, search from peak.
+    let payments = d.remote.read("main", "buckets/payments.yaml").unwrap();
+    assert!(
+        payments.contains("policy: \"plugin:steady\""),
+        "{payments}"
+    );
+    assert_ne!(limits(&payments), payments_before);
+    assert!(d.remote.read("main", "buckets/search.yaml").is_ok());
+    // And the controller runs it.
+    assert_eq!(
+        get(d.controller_port, "/v1/status").unwrap()["version"],
+        head.as_str()
+    );
+}
+
+/// `rlc serve` runs a cycle with a segfaulting plugin and keeps answering; when the daemon
+/// is killed, its plugin hosts go with it.
+#[test]
+fn serve_survives_a_segfaulting_plugin() {
+    let d = deployment_with_plugins();
+    let _controller = start_controller(d.controller_port, &d.dir.path().join("grl-state"));
+    let port = free_port();
+    let serve = Proc(
+        d.rlc(&[
+            "serve",
+            "--poll-secs",
+            "1",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap(),
+    );
+    wait_until(Duration::from_secs(60), || {
+        get_text(port, "/healthz").is_some()
+    });
+    wait_until(Duration::from_secs(60), || leader(port) == Some(1));
+    let status = post(port, "/v1/runs", "rlc-e2e-token");
+    assert_eq!(status, Some(202));
+    // A run finishes and is recorded, with maps skipped because of the crash.
+    let mut run = serde_json::Value::Null;
+    wait_until(Duration::from_secs(120), || {
+        let Some(runs) = get(port, "/v1/runs") else {
+            return false;
+        };
+        // The API run, or one the daemon started by itself before it (a trigger queued
+        // behind another is coalesced).
+        match runs["runs"].as_array().and_then(|r| {
+            r.iter()
+                .find(|r| r["services"].to_string().contains("plugin:crashy"))
+        }) {
+            Some(r) => {
+                run = r.clone();
+                true
+            }
+            None => false,
+        }
+    });
+    assert_eq!(run["status"], "success", "{run}");
+    let text = run["services"].to_string();
+    assert!(
+        text.contains("plugin:crashy") && text.contains("SIGSEGV"),
+        "{run}"
+    );
+    // The daemon is still there.
+    assert_eq!(get_text(port, "/healthz").as_deref(), Some("ok\n"));
+    // The well-behaved plugin's host stays up between runs; killing the daemon (SIGKILL, no
+    // clean-up) takes it down too.
+    let plugins = d.dir.path().join("plugins");
+    let hosts = plugin_hosts(&plugins);
+    assert!(!hosts.is_empty(), "the steady plugin's host runs");
+    drop(serve);
+    wait_until(Duration::from_secs(10), || {
+        plugin_hosts(&plugins).is_empty()
+    });
+}
+
+/// POST with a bearer token on loopback; the status code.
+fn post(port: u16, path: &str, token: &str) -> Option<u16> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        s,
+        "POST {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\nContent-Length: 0\r\n\r\n"
+    )
+    .ok()?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).ok()?;
+    buf.split_whitespace().nth(1)?.parse().ok()
 }
