@@ -12,7 +12,11 @@ use test_support::git::GitRemote;
 use test_support::process::{free_port, Proc};
 use test_support::tls::Ca;
 
-const TOKEN: &str = "e2e-token-0123456789";
+/// The controller's `config` role (rlc's pushes), its `reports` role (rlc serve's dashboard
+/// reads `GET /v1/reports`) and its zone-report credential, one secret each.
+const CONFIG_TOKEN: &str = "e2e-config-token-0123456789";
+const READ_TOKEN: &str = "e2e-read-token-0123456789";
+const REPORT_TOKEN: &str = "e2e-zone-report-token";
 
 /// Path of a workspace binary, built once per test run. `RLC_BIN` / `GRL_BIN` override it (a
 /// copy taken right after the build, when several checkouts share one target directory).
@@ -116,7 +120,7 @@ async fn rlc_pushes_to_a_mutual_tls_controller_and_serves_https() {
     };
 
     let cport = free_port();
-    let _controller = Proc(
+    let _controller = Proc::spawn(
         Command::new(bin("grl"))
             .args(["controller", "--listen", &format!("127.0.0.1:{cport}")])
             .args(["--tick-ms", "200", "--state-dir"])
@@ -127,12 +131,17 @@ async fn rlc_pushes_to_a_mutual_tls_controller_and_serves_https() {
             .arg(d.join("server.key"))
             .arg("--tls-client-ca")
             .arg(d.join("ca.crt"))
-            .env("GRL_TOKEN", TOKEN)
+            .env("GRL_CONFIG_TOKEN", CONFIG_TOKEN)
+            .env("GRL_READ_TOKEN", READ_TOKEN)
+            .env("GRL_REPORT_TOKEN", REPORT_TOKEN)
+            .env_remove("GRL_TOKEN")
+            .env_remove("GRL_CREDENTIALS_FILE")
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("grl starts"),
-    );
+            .stderr(Stdio::from(
+                std::fs::File::create(d.join("controller.log")).unwrap(),
+            )),
+    )
+    .expect("grl starts");
     let status_url = format!("https://127.0.0.1:{cport}/v1/status");
     wait_for("controller up over https", || async {
         get_json(&operator, &status_url).await.is_some()
@@ -146,7 +155,7 @@ async fn rlc_pushes_to_a_mutual_tls_controller_and_serves_https() {
             d.join("rlc.yaml"),
             format!(
                 "history:\n  file: history.csv\nconfig_repo:\n  path: work\n  url: {url}\n  branch: main\n  mode: direct\n\
-                 controller:\n  url: https://127.0.0.1:{cport}\n  token_env: GRL_TOKEN\n  tls:\n    ca: {ca_file}\n    client_cert: rlc-client.crt\n    client_key: rlc-client.key\n\
+                 controller:\n  url: https://127.0.0.1:{cport}\n  token_env: GRL_CONFIG_TOKEN\n  reports_token_env: GRL_READ_TOKEN\n  tls:\n    ca: {ca_file}\n    client_cert: rlc-client.crt\n    client_key: rlc-client.key\n\
                  database_url: sqlite://rlc.db\n\
                  server:\n  listen: 127.0.0.1:{sport}\n  token_env: RLC_TOKEN\n  tls:\n    cert: server.crt\n    key: server.key\n",
                 url = remote.url()
@@ -159,7 +168,9 @@ async fn rlc_pushes_to_a_mutual_tls_controller_and_serves_https() {
         c.args(args)
             .arg("--config")
             .arg(d.join("rlc.yaml"))
-            .env("GRL_TOKEN", TOKEN)
+            .env("GRL_CONFIG_TOKEN", CONFIG_TOKEN)
+            .env("GRL_READ_TOKEN", READ_TOKEN)
+            .env_remove("GRL_TOKEN")
             .env("RLC_TOKEN", "rlc-e2e-token");
         c
     };
@@ -178,15 +189,14 @@ async fn rlc_pushes_to_a_mutual_tls_controller_and_serves_https() {
 
     // Trusting the right CA, with its client certificate: the controller gets the commit.
     write_cfg("ca.crt");
-    let serve = Proc(
+    let serve = Proc::spawn(
         rlc(&["serve", "--poll-secs", "1"])
             .stdout(Stdio::null())
             .stderr(Stdio::from(
                 std::fs::File::create(d.join("serve.log")).unwrap(),
-            ))
-            .spawn()
-            .unwrap(),
-    );
+            )),
+    )
+    .unwrap();
     wait_for("the controller runs the base branch's commit", || async {
         get_json(&operator, &status_url)
             .await

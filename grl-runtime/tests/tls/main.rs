@@ -14,8 +14,14 @@ use serde_json::{json, Value};
 use test_support::process::{free_port, Proc};
 use test_support::tls::Ca;
 
-const TOKEN: &str = "s3cret";
-const REPORT_TOKEN: &str = "r3port";
+/// The controller's roles, one credential each (`PUT /v1/config`, overrides, `GET
+/// /v1/reports`, zone reports from aggregators and peer controllers).
+const CONFIG_TOKEN: &str = "config-token-0123456789";
+const OVERRIDE_TOKEN: &str = "override-token-0123456789";
+const READ_TOKEN: &str = "read-token-0123456789";
+const REPORT_TOKEN: &str = "zone-report-token-0123456789";
+/// The client report credential for service `payments` (the aggregator's credentials file).
+const PAYMENTS_SECRET: &str = "payments-client-0123456789";
 
 fn log_file(dir: &Path, name: &str) -> Stdio {
     Stdio::from(std::fs::File::create(dir.join(format!("{name}.log"))).unwrap())
@@ -29,9 +35,19 @@ fn grl(args: &[&str]) -> Command {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_grl")));
     let mut c = Command::new(bin);
     c.args(args)
-        .env("GRL_TOKEN", TOKEN)
+        .env("GRL_CONFIG_TOKEN", CONFIG_TOKEN)
+        .env("GRL_OVERRIDE_TOKEN", OVERRIDE_TOKEN)
+        .env("GRL_READ_TOKEN", READ_TOKEN)
         .env("GRL_REPORT_TOKEN", REPORT_TOKEN);
     for v in [
+        "GRL_TOKEN",
+        "GRL_TOKEN_FILE",
+        "GRL_CONFIG_TOKEN_FILE",
+        "GRL_OVERRIDE_TOKEN_FILE",
+        "GRL_READ_TOKEN_FILE",
+        "GRL_REPORT_TOKEN_FILE",
+        "GRL_CREDENTIALS_FILE",
+        "GRL_CLIENT_CREDENTIALS_FILE",
         "GRL_TLS_CERT",
         "GRL_TLS_KEY",
         "GRL_TLS_CLIENT_CA",
@@ -44,14 +60,16 @@ fn grl(args: &[&str]) -> Command {
     c
 }
 
+/// A `grl` process in its own process group, stopped with it when dropped.
 fn spawn(args: &[&str], logs: &Path, name: &str) -> Proc {
-    Proc(
-        grl(args)
-            .stdout(Stdio::null())
-            .stderr(log_file(logs, name))
-            .spawn()
-            .unwrap(),
-    )
+    Proc::spawn(grl(args).stdout(Stdio::null()).stderr(log_file(logs, name))).unwrap()
+}
+
+/// An aggregator credentials file granting `PAYMENTS_SECRET` for service `payments`.
+fn client_credentials(dir: &Path) -> PathBuf {
+    let path = dir.join("client-credentials");
+    std::fs::write(&path, format!("payments payments {PAYMENTS_SECRET}\n")).unwrap();
+    path
 }
 
 fn s(p: &Path) -> &str {
@@ -123,6 +141,7 @@ fn client(url: &str, id: &str, tls: ClientTls) -> Arc<GrlClient> {
     o.tick = Duration::from_millis(100);
     o.stale_after = Duration::from_millis(600);
     o.client_id = Some(id.into());
+    o.report_token = Some(PAYMENTS_SECRET.into());
     o.tls = tls;
     Arc::new(GrlClient::start(o))
 }
@@ -177,7 +196,7 @@ async fn tier_over_mutual_tls_enforces_and_refuses_untrusted_peers() {
     wait_up(&operator, &format!("{base}/v1/status")).await;
     let r = http(&operator)
         .put(format!("{base}/v1/config"))
-        .bearer_auth(TOKEN)
+        .bearer_auth(CONFIG_TOKEN)
         .json(&json!({
             "version": "v1",
             "services": [{"service": "payments", "buckets": [
@@ -192,6 +211,7 @@ async fn tier_over_mutual_tls_enforces_and_refuses_untrusted_peers() {
     let aport = free_port();
     let agg_url = format!("https://127.0.0.1:{aport}");
     let alisten = format!("127.0.0.1:{aport}");
+    let creds = client_credentials(d);
     let _agg = spawn(
         &[
             "aggregator",
@@ -207,6 +227,8 @@ async fn tier_over_mutual_tls_enforces_and_refuses_untrusted_peers() {
             "100",
             "--id",
             "agg-tls",
+            "--client-credentials",
+            s(&creds),
             "--tls-cert",
             s(&srv_crt),
             "--tls-key",
@@ -328,8 +350,10 @@ async fn tier_over_mutual_tls_enforces_and_refuses_untrusted_peers() {
         ),
     ] {
         for url in [&agg_url, &base] {
+            // With the right credential: only TLS stands in the way.
             let r = http(&tls)
                 .post(format!("{url}/v1/report"))
+                .bearer_auth(PAYMENTS_SECRET)
                 .json(&report)
                 .send()
                 .await;
@@ -557,7 +581,7 @@ async fn peer_controllers_over_mutual_tls_hear_only_certified_peers() {
         wait_up(&operator, &format!("{u}/v1/status")).await;
         let r = h
             .put(format!("{u}/v1/config"))
-            .bearer_auth(TOKEN)
+            .bearer_auth(CONFIG_TOKEN)
             .json(&json!({
                 "version": "v1",
                 "services": [{"service": "payments", "buckets": [
