@@ -13,6 +13,11 @@ use grl_runtime::proto::{BucketCountsMsg, ClientReport};
 use grl_runtime::tls::{ClientTls, ServerTls};
 use test_support::tls::Ca;
 
+/// The client report credential for `payments` (the aggregator's credentials file).
+const CLIENT_SECRET: &str = "bench-client-secret-0123456789";
+/// The zone-report credential the aggregator forwards with.
+const ZONE_SECRET: &str = "bench-zone-report-0123456789";
+
 async fn run(
     what: &str,
     http: &reqwest::Client,
@@ -22,13 +27,23 @@ async fn run(
 ) -> anyhow::Result<()> {
     // Warm-up (and the first handshake of a kept-alive connection).
     for _ in 0..20 {
-        http.post(url).json(report).send().await?.error_for_status()?;
+        http.post(url)
+            .bearer_auth(CLIENT_SECRET)
+            .json(report)
+            .send()
+            .await?
+            .error_for_status()?;
     }
     let mut lat = Vec::with_capacity(n);
     let t0 = Instant::now();
     for _ in 0..n {
         let t = Instant::now();
-        http.post(url).json(report).send().await?.error_for_status()?;
+        http.post(url)
+            .bearer_auth(CLIENT_SECRET)
+            .json(report)
+            .send()
+            .await?
+            .error_for_status()?;
         lat.push(t.elapsed());
     }
     let total = t0.elapsed();
@@ -56,9 +71,12 @@ async fn main() -> anyhow::Result<()> {
     let ca_file = ca.write(&d.join("ca.crt"));
     let (crt, key) = ca.server().write(d, "server");
     let (ccrt, ckey) = ca.client("bench-client").write(d, "client");
+    let creds = d.join("client-credentials");
+    std::fs::write(&creds, format!("bench payments {CLIENT_SECRET}\n"))?;
     let ctl = Controller::start(ControllerOptions {
         state_dir: d.join("state"),
         token: "t".into(),
+        report_token: Some(ZONE_SECRET.into()),
         ..Default::default()
     })
     .await?;
@@ -109,6 +127,8 @@ async fn main() -> anyhow::Result<()> {
             zone: "z".into(),
             region: "r".into(),
             tls,
+            report_token: Some(ZONE_SECRET.into()),
+            client_credentials: Some(creds.clone()),
             ..Default::default()
         })
         .await?;
