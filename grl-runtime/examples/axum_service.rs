@@ -5,6 +5,9 @@
 //! `curl -H 'x-caller: gw' http://127.0.0.1:3000/charge`. Callers over their quota get 429
 //! with `Retry-After`. The report credential (a secret the aggregator's client credentials
 //! file grants for `payments`) comes from `GRL_CLIENT_TOKEN` or `GRL_CLIENT_TOKEN_FILE`.
+//! Aggregators over HTTPS (`https://…`): `GRL_TLS_CA` names the CA to verify them against,
+//! `GRL_TLS_CLIENT_CERT` / `GRL_TLS_CLIENT_KEY` the client certificate when they require one
+//! (see docs/security.md).
 
 use std::time::Duration;
 
@@ -28,6 +31,12 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     opts.tick = Duration::from_secs(1);
+    let path = |var: &str| std::env::var_os(var).map(std::path::PathBuf::from);
+    opts.tls = grl_runtime::tls::ClientTls::from_flags(
+        path("GRL_TLS_CA"),
+        path("GRL_TLS_CLIENT_CERT"),
+        path("GRL_TLS_CLIENT_KEY"),
+    )?;
     let client = GrlClient::start(opts);
     let app = Router::new()
         .route("/charge", get(|| async { "charged\n" }))

@@ -54,6 +54,10 @@ pub struct AggregatorOptions {
     /// at start and every minute). Without it and without `client_credentials` the aggregator
     /// refuses to start.
     pub allow_anonymous_reports: bool,
+    /// Serve HTTPS with these files (reloaded when they change); None = plain HTTP.
+    pub tls: Option<crate::tls::ServerTls>,
+    /// How this aggregator verifies (and identifies itself to) the controllers.
+    pub client_tls: crate::tls::ClientTls,
 }
 
 /// Largest client report (one service's buckets).
@@ -71,6 +75,8 @@ impl Default for AggregatorOptions {
             report_token: None,
             client_credentials: None,
             allow_anonymous_reports: false,
+            tls: None,
+            client_tls: crate::tls::ClientTls::default(),
         }
     }
 }
@@ -149,6 +155,20 @@ impl Aggregator {
         if opts.report_token.is_none() {
             tracing::warn!("no report token (GRL_REPORT_TOKEN): controllers will refuse this aggregator's zone reports");
         }
+        let tls = opts
+            .tls
+            .as_ref()
+            .map(crate::tls::ReloadingServerConfig::load)
+            .transpose()?;
+        let http = opts
+            .client_tls
+            .http_client(Duration::from_secs(2))
+            .context("controller client")?;
+        crate::tls::warn_plain_http(
+            "controller URL",
+            opts.controllers.iter().map(String::as_str),
+        );
+        let scheme = if tls.is_some() { "https" } else { "http" };
         let listener = tokio::net::TcpListener::bind(opts.listen)
             .await
             .with_context(|| format!("bind {}", opts.listen))?;
@@ -158,10 +178,7 @@ impl Aggregator {
             opts,
             state: Mutex::new(AggState::default()),
             all_in: Notify::new(),
-            http: reqwest::Client::builder()
-                .timeout(Duration::from_secs(2))
-                .build()
-                .context("http client")?,
+            http,
             creds,
             refused: RefusalCounts::default(),
             refused_log: LogGate::new(Duration::from_secs(10)),
@@ -174,22 +191,13 @@ impl Aggregator {
             // Configs and zone reports for tens of thousands of buckets exceed axum's 2 MiB default.
             .layer(axum::extract::DefaultBodyLimit::max(64 << 20))
             .with_state(shared.clone());
-        let (stop, stopped) = oneshot::channel::<()>();
-        let server = tokio::spawn(async move {
-            let r = axum::serve(listener, router)
-                .with_graceful_shutdown(async {
-                    let _ = stopped.await;
-                })
-                .await;
-            if let Err(e) = r {
-                tracing::error!(error = %e, "aggregator server failed");
-            }
-        });
+        let (stop, server) = crate::http_util::spawn_server(listener, router, tls, "aggregator");
         let (finish, finished) = oneshot::channel::<()>();
         let forwarder = tokio::spawn(forward_loop(shared.clone(), finished));
-        tracing::info!(%addr, zone = %shared.opts.zone, region = %shared.opts.region, "aggregator listening");
+        tracing::info!(%addr, scheme, zone = %shared.opts.zone, region = %shared.opts.region, "aggregator listening");
         Ok(AggregatorHandle {
             addr,
+            scheme,
             stop,
             server,
             finish,

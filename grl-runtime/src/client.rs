@@ -208,6 +208,9 @@ pub struct ClientOptions {
     pub stale_after: Duration,
     /// Instance id (random when absent).
     pub client_id: Option<String>,
+    /// How the aggregators are verified (CA) and how this client identifies itself (client
+    /// certificate) over https. A file that does not load leaves the limiter open (logged).
+    pub tls: crate::tls::ClientTls,
     /// The report credential sent to the aggregators (a secret covering `service`). Without
     /// one, aggregators refuse the reports (unless started for development with
     /// `--insecure-allow-anonymous-reports`) and the limiter stays open.
@@ -223,6 +226,7 @@ impl ClientOptions {
             tick: Duration::from_secs(1),
             stale_after: Duration::from_secs(3),
             client_id: None,
+            tls: crate::tls::ClientTls::default(),
             report_token: None,
         }
     }
@@ -304,16 +308,24 @@ async fn run(opts: ClientOptions, limiter: Arc<Limiter>, stats: Arc<ClientStats>
         .client_id
         .clone()
         .unwrap_or_else(|| format!("{}-{:016x}", opts.service, grl_core::thread_rng_u64()));
-    let http = match reqwest::Client::builder()
-        .timeout(opts.tick.max(Duration::from_millis(200)))
-        .build()
+    let http = match opts
+        .tls
+        .http_client(opts.tick.max(Duration::from_millis(200)))
     {
         Ok(h) => h,
         Err(e) => {
-            tracing::error!(error = %e, "cannot build http client; limiter stays open");
+            // Fail-open: a client that cannot reach its aggregators never drops.
+            tracing::error!(
+                error = format!("{e:#}"),
+                "cannot build the http client; limiter stays open"
+            );
             return;
         }
     };
+    crate::tls::warn_plain_http(
+        "aggregator URL",
+        opts.aggregators.iter().map(String::as_str),
+    );
     let mut rep = Reporter::new(limiter.clone(), &client_id, now_ms());
     let mut iv = tokio::time::interval(opts.tick / SUBTICKS);
     iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

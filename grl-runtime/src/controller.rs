@@ -52,6 +52,10 @@ pub struct ControllerOptions {
     /// start and every minute). Without it and without any `zone-report` credential the
     /// controller refuses to start.
     pub allow_anonymous_reports: bool,
+    /// Serve HTTPS with these files (reloaded when they change); None = plain HTTP.
+    pub tls: Option<crate::tls::ServerTls>,
+    /// How this controller verifies (and identifies itself to) its peers.
+    pub client_tls: crate::tls::ClientTls,
 }
 
 /// The controller's roles: `config` (`PUT /v1/config`, held by rlc), `overrides`
@@ -77,6 +81,8 @@ impl Default for ControllerOptions {
             peers: Vec::new(),
             report_token: None,
             allow_anonymous_reports: false,
+            tls: None,
+            client_tls: crate::tls::ClientTls::default(),
         }
     }
 }
@@ -329,32 +335,36 @@ impl Controller {
             started: std::time::Instant::now(),
             tick: opts.tick,
         });
+        // TLS files and the peer client are checked before binding: a controller does not
+        // start on files that do not load.
+        let tls = opts
+            .tls
+            .as_ref()
+            .map(crate::tls::ReloadingServerConfig::load)
+            .transpose()?;
+        let http = opts
+            .client_tls
+            .http_client(opts.tick.max(Duration::from_millis(200)))
+            .context("peer controller client")?;
+        crate::tls::warn_plain_http("peer controller URL", opts.peers.iter().map(String::as_str));
+        let scheme = if tls.is_some() { "https" } else { "http" };
         let listener = tokio::net::TcpListener::bind(opts.listen)
             .await
             .with_context(|| format!("bind {}", opts.listen))?;
         let addr = listener.local_addr()?;
-        let (stop, stopped) = oneshot::channel::<()>();
-        let router = app(shared.clone());
-        let server = tokio::spawn(async move {
-            let r = axum::serve(listener, router)
-                .with_graceful_shutdown(async {
-                    let _ = stopped.await;
-                })
-                .await;
-            if let Err(e) = r {
-                tracing::error!(error = %e, "controller server failed");
-            }
-        });
+        let (stop, server) =
+            crate::http_util::spawn_server(listener, app(shared.clone()), tls, "controller");
         let peering = match (&opts.region, opts.peers.is_empty()) {
             (_, true) => None,
             (Some(r), false) => Some((r.clone(), opts.peers.clone())),
             (None, false) => anyhow::bail!("peers need this controller's region"),
         };
         let (finish, finished) = oneshot::channel::<()>();
-        let ticker = tokio::spawn(tick_loop(shared, peering, finished));
-        tracing::info!(%addr, "controller listening");
+        let ticker = tokio::spawn(tick_loop(shared, peering, http, finished));
+        tracing::info!(%addr, scheme, "controller listening");
         Ok(ControllerHandle {
             addr,
+            scheme,
             stop,
             server,
             finish,
@@ -368,12 +378,9 @@ impl Controller {
 async fn tick_loop(
     shared: Arc<Shared>,
     peering: Option<(String, Vec<String>)>,
+    http: reqwest::Client,
     mut finish: oneshot::Receiver<()>,
 ) {
-    let http = reqwest::Client::builder()
-        .timeout(shared.tick.max(Duration::from_millis(200)))
-        .build()
-        .unwrap_or_default();
     let mut iv = tokio::time::interval(shared.tick);
     iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let insecure_reminder = LogGate::new(Duration::from_secs(60));

@@ -138,6 +138,8 @@ pub async fn shutdown_signal() -> &'static str {
 /// forwarder): its address, and a way to stop both.
 pub struct ServerHandle {
     pub(crate) addr: std::net::SocketAddr,
+    /// `https` when serving TLS, else `http`.
+    pub(crate) scheme: &'static str,
     /// Stops accepting; in-flight requests finish.
     pub(crate) stop: tokio::sync::oneshot::Sender<()>,
     pub(crate) server: tokio::task::JoinHandle<()>,
@@ -147,9 +149,9 @@ pub struct ServerHandle {
 }
 
 impl ServerHandle {
-    /// Base URL, e.g. `http://127.0.0.1:7070`.
+    /// Base URL, e.g. `http://127.0.0.1:7070` (`https://` when serving TLS).
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        format!("{}://{}", self.scheme, self.addr)
     }
 
     /// The bound address.
@@ -190,4 +192,28 @@ impl ServerHandle {
         }
         clean
     }
+}
+
+/// Serves `router` on `listener` (over TLS when `tls` is given) in a task until the returned
+/// sender fires or drops; `what` names the server in logs.
+pub(crate) fn spawn_server(
+    listener: tokio::net::TcpListener,
+    router: axum::Router,
+    tls: Option<std::sync::Arc<crate::tls::ReloadingServerConfig>>,
+    what: &'static str,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+) {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        let r = crate::tls::serve(listener, router, tls, async {
+            let _ = stopped.await;
+        })
+        .await;
+        if let Err(e) = r {
+            tracing::error!(error = %e, "{what} server failed");
+        }
+    });
+    (stop, server)
 }

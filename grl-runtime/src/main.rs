@@ -57,6 +57,11 @@ enum Cmd {
         /// Controller of another region to share global-bucket sums with; repeat.
         #[arg(long = "peer")]
         peers: Vec<String>,
+        #[command(flatten)]
+        tls: ServeTlsArgs,
+        /// How peer controllers (--peer https://…) are verified.
+        #[command(flatten)]
+        client_tls: ClientTlsArgs,
         /// DEVELOPMENT ONLY: accept zone reports that carry no credential. Anyone who
         /// reaches the port can then make the fleet drop traffic.
         #[arg(long)]
@@ -89,6 +94,11 @@ enum Cmd {
         /// Instance id.
         #[arg(long)]
         id: Option<String>,
+        #[command(flatten)]
+        tls: ServeTlsArgs,
+        /// How the controllers (--controller https://…) are verified.
+        #[command(flatten)]
+        client_tls: ClientTlsArgs,
         /// Client credentials file: one `NAME SERVICES SECRET` per line (services
         /// comma-separated, or * for every service); re-read when it changes.
         #[arg(long, env = "GRL_CLIENT_CREDENTIALS_FILE")]
@@ -149,6 +159,65 @@ struct Remote {
     /// Controller URL.
     #[arg(long, env = "GRL_CONTROLLER", default_value = "http://127.0.0.1:7070")]
     controller: String,
+    #[command(flatten)]
+    tls: ClientTlsArgs,
+}
+
+/// A server's TLS (controller, aggregator). No certificate = plain HTTP (loopback, tests).
+#[derive(Args)]
+struct ServeTlsArgs {
+    /// Serve HTTPS with this certificate chain (PEM, leaf first). Re-read when it changes:
+    /// new connections get the new certificate, no restart.
+    #[arg(long, env = "GRL_TLS_CERT")]
+    tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, env = "GRL_TLS_KEY")]
+    tls_key: Option<PathBuf>,
+    /// Mutual TLS: refuse clients without a certificate signed by this CA (PEM).
+    #[arg(long, env = "GRL_TLS_CLIENT_CA")]
+    tls_client_ca: Option<PathBuf>,
+    /// Seconds between checks of the TLS files for changes.
+    #[arg(long, default_value_t = 5)]
+    tls_reload_secs: u64,
+}
+
+impl ServeTlsArgs {
+    fn options(self) -> anyhow::Result<Option<grl_runtime::tls::ServerTls>> {
+        let reload = Duration::from_secs(self.tls_reload_secs.max(1));
+        Ok(grl_runtime::tls::ServerTls::from_flags(
+            self.tls_cert,
+            self.tls_key,
+            self.tls_client_ca,
+        )?
+        .map(|t| grl_runtime::tls::ServerTls {
+            reload_every: reload,
+            ..t
+        }))
+    }
+}
+
+/// How this process verifies the servers it calls, and its client certificate.
+#[derive(Args)]
+struct ClientTlsArgs {
+    /// Verify https servers against this CA (PEM) only, instead of the public roots.
+    #[arg(long, env = "GRL_TLS_CA")]
+    tls_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for servers that require mutual TLS.
+    #[arg(long, env = "GRL_TLS_CLIENT_CERT")]
+    tls_client_cert: Option<PathBuf>,
+    /// The private key of --tls-client-cert (PEM).
+    #[arg(long, env = "GRL_TLS_CLIENT_KEY")]
+    tls_client_key: Option<PathBuf>,
+}
+
+impl ClientTlsArgs {
+    fn options(self) -> anyhow::Result<grl_runtime::tls::ClientTls> {
+        grl_runtime::tls::ClientTls::from_flags(
+            self.tls_ca,
+            self.tls_client_cert,
+            self.tls_client_key,
+        )
+    }
 }
 
 /// The override credential: GRL_OVERRIDE_TOKEN[_FILE], else the legacy GRL_TOKEN[_FILE].
@@ -237,6 +306,8 @@ async fn main() -> anyhow::Result<()> {
             tick_ms,
             region,
             peers,
+            tls,
+            client_tls,
             insecure_allow_anonymous_reports,
             shutdown_grace_ms,
         } => {
@@ -274,6 +345,8 @@ async fn main() -> anyhow::Result<()> {
                 region,
                 peers,
                 report_token,
+                tls: tls.options()?,
+                client_tls: client_tls.options()?,
                 allow_anonymous_reports: insecure_allow_anonymous_reports,
             })
             .await?;
@@ -287,6 +360,8 @@ async fn main() -> anyhow::Result<()> {
             region,
             tick_ms,
             id,
+            tls,
+            client_tls,
             client_credentials,
             insecure_allow_anonymous_reports,
             shutdown_grace_ms,
@@ -298,6 +373,8 @@ async fn main() -> anyhow::Result<()> {
                 region,
                 tick: Duration::from_millis(tick_ms.max(1)),
                 id,
+                tls: tls.options()?,
+                client_tls: client_tls.options()?,
                 report_token: TokenSource::from_env("GRL_REPORT_TOKEN")
                     .map_err(anyhow::Error::msg)?,
                 client_credentials,
@@ -391,8 +468,20 @@ fn who_or_user(who: Option<String>) -> String {
         })
 }
 
-async fn override_cmd(cmd: OverrideCmd) -> anyhow::Result<()> {
-    let http = reqwest::Client::new();
+async fn override_cmd(mut cmd: OverrideCmd) -> anyhow::Result<()> {
+    let tls = match &mut cmd {
+        OverrideCmd::Add { remote, .. }
+        | OverrideCmd::List { remote }
+        | OverrideCmd::Rm { remote, .. } => std::mem::replace(
+            &mut remote.tls,
+            ClientTlsArgs {
+                tls_ca: None,
+                tls_client_cert: None,
+                tls_client_key: None,
+            },
+        ),
+    };
+    let http = tls.options()?.http_client(Duration::from_secs(30))?;
     let (resp, what) = match cmd {
         OverrideCmd::Add {
             remote,

@@ -66,6 +66,7 @@ pub async fn run_realtime(
         peers: Vec::new(),
         report_token: Some(format!("realtime-report-{seed}").into()),
         allow_anonymous_reports: false,
+        ..Default::default()
     })
     .await?;
     let zones = if sc.zones.is_empty() {
@@ -88,6 +89,7 @@ pub async fn run_realtime(
             report_token: Some(format!("realtime-report-{seed}").into()),
             client_credentials: Some(client_creds.clone()),
             allow_anonymous_reports: false,
+            ..Default::default()
         })
         .await?;
         aggs.insert(zone.clone(), a);

@@ -690,7 +690,7 @@ impl Cycle {
         // The controller runs what the base branch holds (in PR mode: once a person merged).
         if out.error.is_none() {
             if let Some(c) = &self.cfg.controller {
-                match ControllerClient::from_config(c) {
+                match ControllerClient::from_config(c, &self.base_dir) {
                     Ok(client) => {
                         match push::reconcile(&client, &desired, self.push_backoff, |_, _| {}).await
                         {

@@ -8,9 +8,10 @@
 //! `controller.reports_token_env` (default: the same credential) the one with the `reports`
 //! role (`GET /v1/reports`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use grl_runtime::tls::ClientTls;
 use schema::BucketFile;
 use serde::{Deserialize, Serialize};
 
@@ -45,6 +46,9 @@ pub enum PushError {
     /// The controller token env var is not set.
     #[error("neither environment variable {0} nor {0}_FILE is set (controller.token_env / controller.reports_token_env)")]
     NoToken(String),
+    /// controller.tls names files that do not load.
+    #[error("controller.tls: {0}")]
+    Tls(String),
     /// The token file named by `<VAR>_FILE` cannot be read or is empty.
     #[error("controller token file: {0}")]
     TokenFile(String),
@@ -198,14 +202,52 @@ impl ControllerClient {
         }
     }
 
-    /// From `controller` in rlc.yaml, reading the credentials from their env vars (or the
-    /// files their `_FILE` variables name).
-    pub fn from_config(c: &schema::ControllerConfig) -> Result<ControllerClient, PushError> {
-        let mut client = ControllerClient::new(&c.url, String::new());
-        client.token = Secret::from_env(&c.token_env)?;
-        if let Some(var) = &c.reports_token_env {
-            client.reports_token = Some(Secret::from_env(var)?);
-        }
+    /// A client for `url` with `token` that verifies the controller (and presents a client
+    /// certificate) as `tls` says.
+    pub fn with_tls(
+        url: &str,
+        token: String,
+        tls: &ClientTls,
+    ) -> Result<ControllerClient, PushError> {
+        let http = tls
+            .http_client(Duration::from_secs(30))
+            .map_err(|e| PushError::Tls(format!("{e:#}")))?;
+        grl_runtime::tls::warn_plain_http("controller.url", [url]);
+        Ok(ControllerClient {
+            http,
+            url: url.trim_end_matches('/').to_string(),
+            token: Secret::Value(token),
+            reports_token: None,
+        })
+    }
+
+    /// From `controller` in rlc.yaml (TLS paths relative to `base_dir`, the directory of
+    /// rlc.yaml), reading the credentials from their env vars (or the files their `_FILE`
+    /// variables name).
+    pub fn from_config(
+        c: &schema::ControllerConfig,
+        base_dir: &Path,
+    ) -> Result<ControllerClient, PushError> {
+        let token = Secret::from_env(&c.token_env)?;
+        let reports_token = match &c.reports_token_env {
+            Some(var) => Some(Secret::from_env(var)?),
+            None => None,
+        };
+        let tls = c
+            .tls
+            .as_ref()
+            .map(|t| {
+                ClientTls {
+                    ca: t.ca.as_ref().map(PathBuf::from),
+                    cert: t.client_cert.as_ref().map(PathBuf::from),
+                    key: t.client_key.as_ref().map(PathBuf::from),
+                }
+                .relative_to(base_dir)
+            })
+            .unwrap_or_default();
+        let mut client = ControllerClient::with_tls(&c.url, String::new(), &tls)?;
+        client.token = token;
+        client.reports_token = reports_token;
         Ok(client)
     }
 

@@ -7,7 +7,6 @@
 //! the others serve HTTP and refuse manual runs with 409. With SQLite there is one instance.
 
 use std::collections::BTreeMap;
-use std::future::IntoFuture;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -46,6 +45,16 @@ pub struct ServeArgs {
     /// Listen address (default: server.listen in rlc.yaml, else 127.0.0.1:8080).
     #[arg(long)]
     pub listen: Option<String>,
+    /// Serve HTTPS with this certificate chain (PEM), re-read when it changes (default:
+    /// server.tls.cert in rlc.yaml; neither = plain HTTP).
+    #[arg(long)]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long)]
+    pub tls_key: Option<PathBuf>,
+    /// Mutual TLS: require client certificates signed by this CA (PEM).
+    #[arg(long)]
+    pub tls_client_ca: Option<PathBuf>,
 }
 
 pub use schema::parse_schedule;
@@ -278,6 +287,8 @@ pub fn app(state: AppState) -> Router {
 pub struct ServeOptions {
     /// Between polls of the repo, the controller and leadership.
     pub poll: Duration,
+    /// Serve HTTPS with these files (reloaded when they change); None = plain HTTP.
+    pub tls: Option<grl_runtime::tls::ServerTls>,
 }
 
 /// Resolves when `shutdown` turns true (or its sender is gone).
@@ -305,11 +316,16 @@ pub async fn serve_on(
         .map(parse_schedule)
         .transpose()
         .map_err(anyhow::Error::msg)?;
+    let tls = opts
+        .tls
+        .as_ref()
+        .map(grl_runtime::tls::ReloadingServerConfig::load)
+        .transpose()?;
     let cycle = Arc::new(Cycle::new(cfg, base_dir));
     let http =
-        axum::serve(listener, app(state.clone())).with_graceful_shutdown(stopped(shutdown.clone()));
+        grl_runtime::tls::serve(listener, app(state.clone()), tls, stopped(shutdown.clone()));
     let sched = scheduler(cycle, planner, schedule, opts, state, triggers, shutdown);
-    let (h, ()) = tokio::join!(http.into_future(), sched);
+    let (h, ()) = tokio::join!(http, sched);
     h?;
     Ok(())
 }
@@ -462,7 +478,7 @@ async fn scheduler(
         .config()
         .controller
         .as_ref()
-        .map(ControllerClient::from_config)
+        .map(|c| ControllerClient::from_config(c, cycle.base_dir()))
     {
         Some(Ok(c)) => Some(c),
         Some(Err(e)) => {
@@ -592,7 +608,23 @@ pub async fn run(args: ServeArgs, planner: Planner) -> anyhow::Result<i32> {
     let server = cfg.server.clone().unwrap_or(schema::ServerConfig {
         listen: "127.0.0.1:8080".into(),
         token_env: "RLC_TOKEN".into(),
+        tls: None,
     });
+    // Flags (relative to the working directory) win over rlc.yaml (relative to the file).
+    let tls = match grl_runtime::tls::ServerTls::from_flags(
+        args.tls_cert.clone(),
+        args.tls_key.clone(),
+        args.tls_client_ca.clone(),
+    )? {
+        Some(t) => Some(t),
+        None => server.tls.as_ref().map(|t| {
+            grl_runtime::tls::ServerTls {
+                client_ca: t.client_ca.as_ref().map(PathBuf::from),
+                ..grl_runtime::tls::ServerTls::new(&t.cert, &t.key)
+            }
+            .relative_to(&base)
+        }),
+    };
     let listen = args.listen.clone().unwrap_or(server.listen.clone());
     let token = std::env::var(&server.token_env)
         .ok()
@@ -603,11 +635,12 @@ pub async fn run(args: ServeArgs, planner: Planner) -> anyhow::Result<i32> {
     let listener = tokio::net::TcpListener::bind(&listen)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {listen}: {e}"))?;
-    tracing::info!(listen = %listen, "rlc serve listening");
+    tracing::info!(listen = %listen, tls = tls.is_some(), "rlc serve listening");
     let (tx, rx) = mpsc::channel(1);
     let state = AppState::new(token, tx);
     let opts = ServeOptions {
         poll: Duration::from_secs(args.poll_secs.max(1)),
+        tls,
     };
     serve_on(
         listener,

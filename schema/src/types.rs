@@ -695,6 +695,39 @@ pub struct ControllerConfig {
     /// (`GET /v1/reports`); default: the `token_env` credential.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reports_token_env: Option<String>,
+    /// How rlc verifies the controller (an `https://` url) and identifies itself to it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<ClientTlsConfig>,
+}
+
+/// TLS of a client: the CA that server certificates must chain to, and an optional client
+/// certificate for servers that require mutual TLS. Paths are relative to rlc.yaml.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ClientTlsConfig {
+    /// CA certificates (PEM). When set, only they are trusted (not the public roots).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca: Option<String>,
+    /// Client certificate chain (PEM), for mutual TLS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_cert: Option<String>,
+    /// The client certificate's private key (PEM).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_key: Option<String>,
+}
+
+/// TLS of a server: certificate and key (re-read when the files change), and optionally the
+/// CA whose client certificates are required (mutual TLS). Paths are relative to rlc.yaml.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ServerTlsConfig {
+    /// Certificate chain (PEM, leaf first).
+    pub cert: String,
+    /// Private key (PEM).
+    pub key: String,
+    /// Require client certificates signed by this CA (PEM).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_ca: Option<String>,
 }
 
 fn default_controller_token_env() -> String {
@@ -795,6 +828,9 @@ pub struct ServerConfig {
     /// Environment variable holding the token for mutating endpoints.
     #[serde(default = "default_server_token_env")]
     pub token_env: String,
+    /// Serve HTTPS (plain HTTP when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<ServerTlsConfig>,
 }
 
 fn default_listen() -> String {

@@ -635,6 +635,17 @@ pub fn load_daemon_config(path: &Path) -> Result<DaemonConfig, Vec<Diagnostic>> 
         if !(c.url.starts_with("http://") || c.url.starts_with("https://")) {
             diags.push(f.diag("controller.url", "must start with http:// or https://"));
         }
+        if let Some(t) = &c.tls {
+            if c.url.starts_with("http://") {
+                diags.push(f.diag(
+                    "controller.tls",
+                    "is set but controller.url is http://; use https://",
+                ));
+            }
+            if t.client_cert.is_some() != t.client_key.is_some() {
+                diags.push(f.diag("controller.tls", "client_cert and client_key go together"));
+            }
+        }
     }
     if let Some(expr) = &f.value.schedule {
         if let Err(e) = crate::parse_schedule(expr) {

@@ -1,5 +1,6 @@
 //! Throwaway real services for tests: Postgres (`postgres`), Prometheus backfilled with weeks
-//! of generated history (`prometheus`), and git repositories with a bare remote (`git`).
+//! of generated history (`prometheus`), git repositories with a bare remote (`git`), and
+//! throwaway certificate authorities (`tls`).
 //!
 //! Tests read service URLs from the environment (set by `cargo xtask test`); when a URL is
 //! missing they start their own instance from the binaries on the machine, and fail with a
@@ -10,3 +11,4 @@ pub mod plugin;
 pub mod postgres;
 pub mod process;
 pub mod prometheus;
+pub mod tls;

@@ -1527,6 +1527,7 @@ async fn aggregator_sigterm_forwards_the_counts_it_holds_and_exits_0() {
     // The only client reported: forwarded at once.
     let r = http
         .post(format!("{aurl}/v1/report"))
+        .bearer_auth(CLIENT_TOKEN)
         .json(&report("a", 5))
         .send()
         .await
@@ -1539,6 +1540,7 @@ async fn aggregator_sigterm_forwards_the_counts_it_holds_and_exits_0() {
     // A second client's counts wait for the tick (client a has not reported again)...
     let r = http
         .post(format!("{aurl}/v1/report"))
+        .bearer_auth(CLIENT_TOKEN)
         .json(&report("b", 7))
         .send()
         .await

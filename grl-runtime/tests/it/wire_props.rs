@@ -336,7 +336,12 @@ struct Servers {
     _dir: tempfile::TempDir,
 }
 
+/// The controller's config and overrides credential.
 const TOKEN: &str = "prop-token";
+/// The zone-report credential (controller) that the aggregator forwards with.
+const ZONE_TOKEN: &str = "prop-zone-report-token";
+/// The client report credential the aggregator's credentials file grants for every service.
+const CLIENT_TOKEN: &str = "prop-client-token-0123456789";
 
 fn servers() -> &'static Servers {
     static S: std::sync::OnceLock<Servers> = std::sync::OnceLock::new();
@@ -351,17 +356,22 @@ fn servers() -> &'static Servers {
             let c = Controller::start(ControllerOptions {
                 state_dir: dir.path().join("state"),
                 token: TOKEN.into(),
+                report_token: Some(ZONE_TOKEN.into()),
                 tick: Duration::from_millis(50),
                 ..Default::default()
             })
             .await
             .unwrap();
             let curl = c.url();
+            let creds = dir.path().join("client-credentials");
+            std::fs::write(&creds, format!("props * {CLIENT_TOKEN}\n")).unwrap();
             let a = Aggregator::start(AggregatorOptions {
                 controllers: vec![curl.clone()],
                 zone: "z1".into(),
                 region: "r1".into(),
                 tick: Duration::from_millis(50),
+                report_token: Some(ZONE_TOKEN.into()),
+                client_credentials: Some(creds),
                 ..Default::default()
             })
             .await
@@ -385,13 +395,21 @@ fn servers() -> &'static Servers {
     })
 }
 
-/// Sends `body`; the answer must come, and must not be a 5xx.
+/// Sends `body` with the credential its endpoint takes (so that the body is read, not refused
+/// from the headers); the answer must come, and must not be a 5xx.
 fn send(method: reqwest::Method, url: String, body: Vec<u8>) {
     let s = servers();
+    let token = if url.ends_with("/v1/report") {
+        CLIENT_TOKEN
+    } else if url.ends_with("/v1/aggregate") {
+        ZONE_TOKEN
+    } else {
+        TOKEN
+    };
     let status = s.rt.block_on(async {
         s.http
             .request(method, &url)
-            .bearer_auth(TOKEN)
+            .bearer_auth(token)
             .header("content-type", "application/json")
             .body(body)
             .send()

@@ -199,8 +199,9 @@ async fn credentials_from_files_and_roles_against_the_real_controller() {
         url: ctl.url(),
         token_env: "RLC_PUSH_TEST_CFG".into(),
         reports_token_env: Some("RLC_PUSH_TEST_READ".into()),
+        tls: None,
     };
-    let client = ControllerClient::from_config(&conf).unwrap();
+    let client = ControllerClient::from_config(&conf, dir.path()).unwrap();
     assert!(client.reconcile_once(&desired("v1")).await.unwrap());
     assert_eq!(
         client.status().await.unwrap().version.as_deref(),
@@ -216,7 +217,7 @@ async fn credentials_from_files_and_roles_against_the_real_controller() {
     client.put_config(&desired("v2")).await.unwrap();
     // Without reports_token_env the config credential is used for reports: 403, no role.
     conf.reports_token_env = None;
-    let client = ControllerClient::from_config(&conf).unwrap();
+    let client = ControllerClient::from_config(&conf, dir.path()).unwrap();
     let err = client.reports(None, 10).await.unwrap_err();
     assert!(matches!(err, PushError::Forbidden(_)), "{err}");
     assert!(
@@ -225,7 +226,7 @@ async fn credentials_from_files_and_roles_against_the_real_controller() {
     );
     // Neither variable set: the error names both.
     std::env::remove_var("RLC_PUSH_TEST_CFG_FILE");
-    let err = ControllerClient::from_config(&conf).unwrap_err();
+    let err = ControllerClient::from_config(&conf, dir.path()).unwrap_err();
     assert!(err.to_string().contains("RLC_PUSH_TEST_CFG_FILE"), "{err}");
     ctl.shutdown().await;
 }

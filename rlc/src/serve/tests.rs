@@ -76,6 +76,7 @@ async fn daemon_runs_on_request_and_on_input_change_and_shuts_down() {
     let url = format!("http://{}", listener.local_addr().unwrap());
     let opts = ServeOptions {
         poll: Duration::from_millis(100),
+        tls: None,
     };
     let daemon = {
         let state = state.clone();

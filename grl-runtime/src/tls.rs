@@ -1,0 +1,659 @@
+//! TLS on every hop of the control plane, with rustls (ring provider; no OpenSSL).
+//!
+//! Servers (controller, aggregator, `rlc serve`) are given a certificate chain and a key in PEM
+//! files ([`ServerTls`]); the files are polled every few seconds and a changed pair is loaded
+//! for new connections without a restart ([`ReloadingServerConfig`]). A server given a client
+//! CA requires client certificates signed by it (mutual TLS); the names of a verified client
+//! certificate reach the handlers as [`Peer::cert_names`].
+//!
+//! Clients ([`ClientTls`]) verify servers against a configured CA file (and then only against
+//! it, not the built-in public roots) and may present a client certificate.
+//!
+//! No certificate given = plain HTTP, for loopback and tests.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use arc_swap::ArcSwap;
+use axum::extract::connect_info::Connected;
+use axum::serve::IncomingStream;
+use axum::Router;
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::WebPkiClientVerifier;
+use rustls::{RootCertStore, ServerConfig};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, Semaphore};
+use tokio::task::JoinHandle;
+use tokio_rustls::server::TlsStream;
+use tokio_rustls::TlsAcceptor;
+
+/// Default period of the certificate file poll.
+pub const DEFAULT_RELOAD_EVERY: Duration = Duration::from_secs(5);
+/// A TLS handshake not finished within this is dropped.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Handshakes in progress at most; further connections wait in the kernel's backlog.
+const MAX_HANDSHAKES: usize = 512;
+
+fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// A server's certificate chain, key and optional client CA, as PEM files.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServerTls {
+    /// Certificate chain (leaf first), PEM.
+    pub cert: PathBuf,
+    /// Private key (PKCS#8, PKCS#1 or SEC1), PEM.
+    pub key: PathBuf,
+    /// When set, clients must present a certificate signed by one of these CAs (mutual TLS).
+    pub client_ca: Option<PathBuf>,
+    /// How often the files are checked for changes.
+    pub reload_every: Duration,
+}
+
+impl ServerTls {
+    /// TLS with `cert` and `key`, no client certificates, the default reload period.
+    pub fn new(cert: impl Into<PathBuf>, key: impl Into<PathBuf>) -> ServerTls {
+        ServerTls {
+            cert: cert.into(),
+            key: key.into(),
+            client_ca: None,
+            reload_every: DEFAULT_RELOAD_EVERY,
+        }
+    }
+
+    /// From command-line flags: nothing given = plain HTTP; a certificate needs its key and a
+    /// client CA needs a certificate.
+    pub fn from_flags(
+        cert: Option<PathBuf>,
+        key: Option<PathBuf>,
+        client_ca: Option<PathBuf>,
+    ) -> anyhow::Result<Option<ServerTls>> {
+        match (cert, key) {
+            (None, None) => {
+                if client_ca.is_some() {
+                    bail!("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS)");
+                }
+                Ok(None)
+            }
+            (Some(_), None) => bail!("--tls-cert needs --tls-key"),
+            (None, Some(_)) => bail!("--tls-key needs --tls-cert"),
+            (Some(cert), Some(key)) => Ok(Some(ServerTls {
+                client_ca,
+                ..ServerTls::new(cert, key)
+            })),
+        }
+    }
+
+    /// Makes relative paths relative to `base` (the directory of the file that named them).
+    pub fn relative_to(mut self, base: &Path) -> ServerTls {
+        self.cert = base.join(&self.cert);
+        self.key = base.join(&self.key);
+        self.client_ca = self.client_ca.map(|p| base.join(p));
+        self
+    }
+
+    fn files(&self) -> Vec<&Path> {
+        let mut v = vec![self.cert.as_path(), self.key.as_path()];
+        v.extend(self.client_ca.as_deref());
+        v
+    }
+}
+
+/// What a client trusts and presents.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ClientTls {
+    /// CA certificates (PEM, one or more) that server certificates must chain to. When set,
+    /// the built-in public roots are not trusted. Unset: the public roots (for https URLs).
+    pub ca: Option<PathBuf>,
+    /// Client certificate chain (PEM) for servers that require mutual TLS.
+    pub cert: Option<PathBuf>,
+    /// The client certificate's key (PEM).
+    pub key: Option<PathBuf>,
+}
+
+impl ClientTls {
+    /// From command-line flags; a client certificate needs its key.
+    pub fn from_flags(
+        ca: Option<PathBuf>,
+        cert: Option<PathBuf>,
+        key: Option<PathBuf>,
+    ) -> anyhow::Result<ClientTls> {
+        match (&cert, &key) {
+            (Some(_), None) => bail!("--tls-client-cert needs --tls-client-key"),
+            (None, Some(_)) => bail!("--tls-client-key needs --tls-client-cert"),
+            _ => Ok(ClientTls { ca, cert, key }),
+        }
+    }
+
+    /// Whether nothing is configured.
+    pub fn is_empty(&self) -> bool {
+        self.ca.is_none() && self.cert.is_none() && self.key.is_none()
+    }
+
+    /// Makes relative paths relative to `base`.
+    pub fn relative_to(self, base: &Path) -> ClientTls {
+        ClientTls {
+            ca: self.ca.map(|p| base.join(p)),
+            cert: self.cert.map(|p| base.join(p)),
+            key: self.key.map(|p| base.join(p)),
+        }
+    }
+
+    /// Sets up `b` (rustls) with the CA and the client identity; errors name the file.
+    pub fn configure(&self, b: reqwest::ClientBuilder) -> anyhow::Result<reqwest::ClientBuilder> {
+        let mut b = b.use_rustls_tls();
+        if let Some(ca) = &self.ca {
+            for der in read_certs(ca)? {
+                let c = reqwest::Certificate::from_der(&der)
+                    .with_context(|| format!("{}: unusable CA certificate", ca.display()))?;
+                b = b.add_root_certificate(c);
+            }
+            b = b.tls_built_in_root_certs(false);
+        }
+        match (&self.cert, &self.key) {
+            (Some(cert), Some(key)) => {
+                // Parsed first so that a bad file is named; reqwest wants both in one PEM buffer.
+                read_certs(cert)?;
+                read_key(key)?;
+                let mut pem = std::fs::read(cert)
+                    .with_context(|| format!("{}: cannot read", cert.display()))?;
+                pem.push(b'\n');
+                pem.extend(
+                    std::fs::read(key)
+                        .with_context(|| format!("{}: cannot read", key.display()))?,
+                );
+                let id = reqwest::Identity::from_pem(&pem).with_context(|| {
+                    format!(
+                        "{} and {}: unusable client certificate",
+                        cert.display(),
+                        key.display()
+                    )
+                })?;
+                b = b.identity(id);
+            }
+            (None, None) => {}
+            _ => bail!("a client certificate needs both the certificate and the key file"),
+        }
+        Ok(b)
+    }
+
+    /// A reqwest client with `timeout` and this TLS setup.
+    pub fn http_client(&self, timeout: Duration) -> anyhow::Result<reqwest::Client> {
+        self.configure(reqwest::Client::builder().timeout(timeout))?
+            .build()
+            .context("build the HTTP client")
+    }
+}
+
+/// Logs a warning for each `http://` URL that is not on loopback: such a hop is neither
+/// encrypted nor authenticated.
+pub fn warn_plain_http<'a>(what: &str, urls: impl IntoIterator<Item = &'a str>) {
+    for u in urls {
+        if let Some(rest) = u.strip_prefix("http://") {
+            let host = rest.split(['/', '?']).next().unwrap_or("");
+            let host = host.rsplit_once(':').map_or(host, |(h, _)| h);
+            let loopback = host == "localhost"
+                || host == "[::1]"
+                || host
+                    .parse::<std::net::Ipv4Addr>()
+                    .is_ok_and(|a| a.is_loopback());
+            if !loopback {
+                tracing::warn!(url = %u, "{what} is plain HTTP to a host that is not loopback: use https:// with a CA (see docs/security.md)");
+            }
+        }
+    }
+}
+
+/// Every certificate in a PEM file; at least one.
+pub fn read_certs(path: &Path) -> anyhow::Result<Vec<CertificateDer<'static>>> {
+    let bytes = std::fs::read(path).with_context(|| format!("{}: cannot read", path.display()))?;
+    let certs = CertificateDer::pem_slice_iter(&bytes)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| anyhow::anyhow!("{}: not PEM certificates: {e}", path.display()))?;
+    if certs.is_empty() {
+        bail!(
+            "{}: no certificate (expected -----BEGIN CERTIFICATE-----)",
+            path.display()
+        );
+    }
+    Ok(certs)
+}
+
+/// The first private key in a PEM file.
+pub fn read_key(path: &Path) -> anyhow::Result<PrivateKeyDer<'static>> {
+    let bytes = std::fs::read(path).with_context(|| format!("{}: cannot read", path.display()))?;
+    PrivateKeyDer::from_pem_slice(&bytes)
+        .map_err(|e| anyhow::anyhow!("{}: no usable private key: {e}", path.display()))
+}
+
+/// Builds the rustls server config from the files (checking that the key matches the
+/// certificate).
+pub fn server_config(t: &ServerTls) -> anyhow::Result<ServerConfig> {
+    let certs = read_certs(&t.cert)?;
+    let key = read_key(&t.key)?;
+    let builder = ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .context("TLS protocol versions")?;
+    let builder = match &t.client_ca {
+        Some(ca) => {
+            let mut roots = RootCertStore::empty();
+            for c in read_certs(ca)? {
+                roots
+                    .add(c)
+                    .with_context(|| format!("{}: unusable CA certificate", ca.display()))?;
+            }
+            let v = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+                .build()
+                .with_context(|| format!("{}: client CA", ca.display()))?;
+            builder.with_client_cert_verifier(v)
+        }
+        None => builder.with_no_client_auth(),
+    };
+    let mut cfg = builder.with_single_cert(certs, key).with_context(|| {
+        format!(
+            "{} and {}: certificate and key do not go together",
+            t.cert.display(),
+            t.key.display()
+        )
+    })?;
+    // HTTP/1.1 only: the servers are built without HTTP/2.
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(cfg)
+}
+
+/// What identifies a version of a file on disk (a replaced or rewritten file changes it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Stamp(Option<(std::time::SystemTime, u64, u64, i64)>);
+
+fn stamp(p: &Path) -> Stamp {
+    // metadata() follows symlinks: a Kubernetes secret volume swaps a symlinked directory.
+    Stamp(std::fs::metadata(p).ok().map(|m| {
+        #[cfg(unix)]
+        let (ino, ctime) = {
+            use std::os::unix::fs::MetadataExt;
+            (m.ino(), m.ctime_nsec() + m.ctime() * 1_000_000_000)
+        };
+        #[cfg(not(unix))]
+        let (ino, ctime) = (0, 0);
+        (
+            m.modified().unwrap_or(std::time::UNIX_EPOCH),
+            m.len(),
+            ino,
+            ctime,
+        )
+    }))
+}
+
+/// A server config that follows its files: [`ReloadingServerConfig::check`] reloads them when
+/// they changed; new connections get the new certificate, open ones keep theirs.
+pub struct ReloadingServerConfig {
+    files: ServerTls,
+    current: ArcSwap<ServerConfig>,
+    seen: Mutex<Vec<Stamp>>,
+    reloads: AtomicU64,
+    handshake_failures: AtomicU64,
+}
+
+impl std::fmt::Debug for ReloadingServerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReloadingServerConfig")
+            .field("files", &self.files)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ReloadingServerConfig {
+    /// Loads the files now (an error names the file: a server does not start on bad ones).
+    pub fn load(files: &ServerTls) -> anyhow::Result<Arc<ReloadingServerConfig>> {
+        let seen = files.files().iter().map(|p| stamp(p)).collect();
+        let cfg = server_config(files)?;
+        Ok(Arc::new(ReloadingServerConfig {
+            files: files.clone(),
+            current: ArcSwap::from_pointee(cfg),
+            seen: Mutex::new(seen),
+            reloads: AtomicU64::new(0),
+            handshake_failures: AtomicU64::new(0),
+        }))
+    }
+
+    /// The config new connections get.
+    pub fn current(&self) -> Arc<ServerConfig> {
+        self.current.load_full()
+    }
+
+    /// The files.
+    pub fn files(&self) -> &ServerTls {
+        &self.files
+    }
+
+    /// Successful reloads since start.
+    pub fn reloads(&self) -> u64 {
+        self.reloads.load(Ordering::Relaxed)
+    }
+
+    /// Failed TLS handshakes since start (untrusted or missing client certificates, plain
+    /// HTTP on the TLS port, timeouts).
+    pub fn handshake_failures(&self) -> u64 {
+        self.handshake_failures.load(Ordering::Relaxed)
+    }
+
+    /// Reloads when a file changed since the last look. A pair that does not load (a key
+    /// written after its certificate, a truncated file) keeps the old config, with a warning,
+    /// and is tried again when a file changes again. Returns whether the config was replaced.
+    pub fn check(&self) -> bool {
+        let now: Vec<Stamp> = self.files.files().iter().map(|p| stamp(p)).collect();
+        {
+            let mut seen = self.seen.lock().expect("tls stamps");
+            if *seen == now {
+                return false;
+            }
+            // Recorded before reading: a change during the read is seen next time.
+            *seen = now;
+        }
+        match server_config(&self.files) {
+            Ok(cfg) => {
+                self.current.store(Arc::new(cfg));
+                self.reloads.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(cert = %self.files.cert.display(), "TLS certificate reloaded; new connections use it");
+                true
+            }
+            Err(e) => {
+                tracing::warn!(
+                    error = format!("{e:#}"),
+                    "TLS files changed but do not load; still serving the previous certificate"
+                );
+                false
+            }
+        }
+    }
+}
+
+/// Who is on the other end of a connection: its address and, under mutual TLS, the names
+/// (DNS and URI subject alternative names) of its verified client certificate. Handlers get it
+/// with `axum::extract::ConnectInfo<Peer>`.
+#[derive(Debug, Clone)]
+pub struct Peer {
+    /// Remote address.
+    pub addr: SocketAddr,
+    /// Names of the verified client certificate; empty without one.
+    pub cert_names: Arc<[String]>,
+}
+
+impl Connected<IncomingStream<'_, TcpListener>> for Peer {
+    fn connect_info(stream: IncomingStream<'_, TcpListener>) -> Peer {
+        Peer {
+            addr: *stream.remote_addr(),
+            cert_names: Arc::from(Vec::new()),
+        }
+    }
+}
+
+impl Connected<IncomingStream<'_, TlsListener>> for Peer {
+    fn connect_info(stream: IncomingStream<'_, TlsListener>) -> Peer {
+        let (_, conn) = stream.io().get_ref();
+        Peer {
+            addr: *stream.remote_addr(),
+            cert_names: Arc::from(
+                conn.peer_certificates()
+                    .and_then(|c| c.first())
+                    .map(cert_names)
+                    .unwrap_or_default(),
+            ),
+        }
+    }
+}
+
+/// DNS and URI subject alternative names of a certificate.
+pub fn cert_names(der: &CertificateDer<'_>) -> Vec<String> {
+    match webpki::EndEntityCert::try_from(der) {
+        Ok(c) => c
+            .valid_dns_names()
+            .chain(c.valid_uri_names())
+            .map(str::to_string)
+            .collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
+/// A TCP listener that hands out connections after their TLS handshake (done concurrently,
+/// with a timeout, so that a slow or silent client holds up no one), with the config of the
+/// moment, and re-reads the certificate files in the background.
+pub struct TlsListener {
+    rx: mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
+    local: SocketAddr,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl TlsListener {
+    /// Starts accepting on `tcp` with `tls` (the reload loop runs until the listener drops).
+    pub fn new(tcp: TcpListener, tls: Arc<ReloadingServerConfig>) -> std::io::Result<TlsListener> {
+        let local = tcp.local_addr()?;
+        let (tx, rx) = mpsc::channel(64);
+        let reload = {
+            let tls = tls.clone();
+            tokio::spawn(async move {
+                let mut iv =
+                    tokio::time::interval(tls.files.reload_every.max(Duration::from_millis(50)));
+                iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    iv.tick().await;
+                    let t = tls.clone();
+                    // File reads off the async threads.
+                    let _ = tokio::task::spawn_blocking(move || t.check()).await;
+                }
+            })
+        };
+        let accept = tokio::spawn(accept_loop(tcp, tls, tx));
+        Ok(TlsListener {
+            rx,
+            local,
+            tasks: vec![reload, accept],
+        })
+    }
+}
+
+impl Drop for TlsListener {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+async fn accept_loop(
+    tcp: TcpListener,
+    tls: Arc<ReloadingServerConfig>,
+    tx: mpsc::Sender<(TlsStream<TcpStream>, SocketAddr)>,
+) {
+    let permits = Arc::new(Semaphore::new(MAX_HANDSHAKES));
+    let mut last_warn: Option<std::time::Instant> = None;
+    let mut warned_failures = 0u64;
+    loop {
+        let Ok(permit) = permits.clone().acquire_owned().await else {
+            return;
+        };
+        let (sock, peer) = match tcp.accept().await {
+            Ok(x) => x,
+            Err(e) => {
+                // Out of file descriptors and the like: wait instead of spinning.
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        if tx.is_closed() {
+            return;
+        }
+        let _ = sock.set_nodelay(true);
+        let acceptor = TlsAcceptor::from(tls.current());
+        let (tx, tls2) = (tx.clone(), tls.clone());
+        tokio::spawn(async move {
+            let _permit = permit;
+            match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(sock)).await {
+                Ok(Ok(stream)) => {
+                    let _ = tx.send((stream, peer)).await;
+                }
+                Ok(Err(e)) => {
+                    tls2.handshake_failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                }
+                Err(_) => {
+                    tls2.handshake_failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(%peer, "TLS handshake timed out");
+                }
+            }
+        });
+        // A summary at most every 10 s: refused clients are visible without a log flood.
+        let failures = tls.handshake_failures();
+        if failures > warned_failures
+            && !matches!(last_warn, Some(t) if t.elapsed() < Duration::from_secs(10))
+        {
+            tracing::warn!(
+                failed = failures - warned_failures,
+                "TLS handshakes failed (untrusted or missing client certificate, plain HTTP, timeout); RUST_LOG=grl_runtime::tls=debug names the peers"
+            );
+            warned_failures = failures;
+            last_warn = Some(std::time::Instant::now());
+        }
+    }
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = TlsStream<TcpStream>;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        match self.rx.recv().await {
+            Some(c) => c,
+            // The accept task ended (it only does when aborted): nothing more comes.
+            None => std::future::pending().await,
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        Ok(self.local)
+    }
+}
+
+/// Serves `router` on `listener` until `shutdown` resolves: over TLS when `tls` is given,
+/// plain HTTP otherwise. Handlers can extract `ConnectInfo<Peer>` either way.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    tls: Option<Arc<ReloadingServerConfig>>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    match tls {
+        None => {
+            axum::serve(
+                listener,
+                router.into_make_service_with_connect_info::<Peer>(),
+            )
+            .with_graceful_shutdown(shutdown)
+            .await
+        }
+        Some(tls) => {
+            let l = TlsListener::new(listener, tls)?;
+            axum::serve(l, router.into_make_service_with_connect_info::<Peer>())
+                .with_graceful_shutdown(shutdown)
+                .await
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::extract::ConnectInfo;
+    use test_support::tls::Ca;
+
+    #[test]
+    fn flags_go_in_pairs() {
+        let p = |s: &str| Some(PathBuf::from(s));
+        assert!(ServerTls::from_flags(None, None, None).unwrap().is_none());
+        let e = ServerTls::from_flags(p("c"), None, None).unwrap_err();
+        assert!(e.to_string().contains("--tls-key"), "{e}");
+        let e = ServerTls::from_flags(None, None, p("ca")).unwrap_err();
+        assert!(e.to_string().contains("--tls-client-ca needs"), "{e}");
+        let t = ServerTls::from_flags(p("c"), p("k"), p("ca"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(t.client_ca, p("ca"));
+        let e = ClientTls::from_flags(None, p("c"), None).unwrap_err();
+        assert!(e.to_string().contains("--tls-client-key"), "{e}");
+        let rel = ClientTls::from_flags(p("ca.pem"), None, None)
+            .unwrap()
+            .relative_to(Path::new("/etc/rlc"));
+        assert_eq!(rel.ca, p("/etc/rlc/ca.pem"));
+    }
+
+    /// Under mutual TLS a handler sees the names of the client's certificate; a client
+    /// without one never reaches it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn handlers_see_the_client_certificate_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let ca = Ca::new("unit CA");
+        let ca_file = ca.write(&d.join("ca.crt"));
+        let (crt, key) = ca.server().write(d, "server");
+        let (ccrt, ckey) = ca.client("aggregator.z1").write(d, "client");
+        let tls = ReloadingServerConfig::load(&ServerTls {
+            client_ca: Some(ca_file.clone()),
+            ..ServerTls::new(&crt, &key)
+        })
+        .unwrap();
+        let router = Router::new().route(
+            "/whoami",
+            axum::routing::get(|ConnectInfo(p): ConnectInfo<Peer>| async move {
+                p.cert_names.join(",")
+            }),
+        );
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(serve(listener, router, Some(tls.clone()), async {
+            let _ = stopped.await;
+        }));
+        let url = format!("https://127.0.0.1:{}/whoami", addr.port());
+        let with_cert = ClientTls {
+            ca: Some(ca_file.clone()),
+            cert: Some(ccrt),
+            key: Some(ckey),
+        }
+        .http_client(Duration::from_secs(5))
+        .unwrap();
+        let body = with_cert
+            .get(&url)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert_eq!(body, "aggregator.z1");
+        let without = ClientTls {
+            ca: Some(ca_file),
+            ..Default::default()
+        }
+        .http_client(Duration::from_secs(5))
+        .unwrap();
+        assert!(without.get(&url).send().await.is_err());
+        // The refusal is counted (the server side of the handshake may finish a moment later).
+        for _ in 0..50 {
+            if tls.handshake_failures() >= 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(tls.handshake_failures() >= 1);
+        let _ = stop.send(());
+        server.await.unwrap().unwrap();
+    }
+}
