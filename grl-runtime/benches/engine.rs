@@ -1,4 +1,4 @@
-//! The controller's tick over many buckets (DESIGN §5: 100,000 buckets in milliseconds).
+//! The controller's tick over many buckets (target: 100,000 buckets in milliseconds).
 //!
 //! `cargo bench -p grl-runtime --bench engine -- --warm-up-time 1 --measurement-time 2`
 

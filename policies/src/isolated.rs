@@ -28,6 +28,7 @@ use policy_abi::{Description, PluginInput, PluginResult};
 use schema::PolicyName;
 
 use crate::host::{Answer, Handshake, HOST_ARG, PROTOCOL};
+use crate::loader::err;
 use crate::{headroom, Policy, PolicyError, PolicyInput, Proposal};
 
 /// Restarts are counted over this window.
@@ -111,12 +112,6 @@ fn registry() -> &'static Registry {
     R.get_or_init(Default::default)
 }
 
-fn err(name: &str, message: impl Into<String>) -> PolicyError {
-    PolicyError::Plugin {
-        name: name.to_string(),
-        message: message.into(),
-    }
-}
 
 /// The plugin `name` from `dir`, run in its own host process, started now if it is not running
 /// (so that a plugin that cannot be loaded fails here, with the host's reason). One instance per

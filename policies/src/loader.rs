@@ -48,7 +48,8 @@ fn registry() -> &'static Registry {
     R.get_or_init(Default::default)
 }
 
-fn err(name: &str, message: impl Into<String>) -> PolicyError {
+/// A plugin error naming the plugin.
+pub(crate) fn err(name: &str, message: impl Into<String>) -> PolicyError {
     PolicyError::Plugin {
         name: name.to_string(),
         message: message.into(),

@@ -1,7 +1,7 @@
 //! One RLC cycle around a computed [`Plan`]: render → validate → commit or PR → push to the
 //! controller → record in the store; plus `rlc run --once`.
 //!
-//! Failure policy (DESIGN "bad input/faults"):
+//! Failure policy:
 //! - git remote down or rejecting, or a render that fails validation: the run fails with the
 //!   reason and nothing is written (the writer only moves refs after the remote accepted).
 //! - controller down: the commit stands; the push is retried with bounded backoff, then left

@@ -1,4 +1,4 @@
-//! The `rlc` command line (DESIGN §3.3).
+//! The `rlc` command line.
 
 use std::path::PathBuf;
 use std::process::ExitCode;

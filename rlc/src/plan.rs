@@ -1,5 +1,5 @@
 //! The result of one computation: proposed buckets with their evidence, and what was skipped.
-//! `rlc preview` prints it (DESIGN §3.3), `rlc run` renders it into `buckets/<service>.yaml`.
+//! `rlc preview` prints it, `rlc run` renders it into `buckets/<service>.yaml`.
 
 use std::collections::BTreeMap;
 
@@ -23,7 +23,7 @@ pub struct Plan {
     pub history_error: Option<String>,
 }
 
-/// One proposed bucket (flattened into the JSON shape of DESIGN §3.3).
+/// One proposed bucket (flattened into the preview JSON shape).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct PlannedBucket {
     /// Callee service.

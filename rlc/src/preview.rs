@@ -16,7 +16,7 @@ pub enum Format {
     /// A table for service owners.
     #[default]
     Table,
-    /// The JSON of DESIGN §3.3.
+    /// The preview JSON (`rlc preview --format json`).
     Json,
 }
 

@@ -580,23 +580,8 @@ async fn scheduler(
 pub fn shutdown_signal() -> watch::Receiver<bool> {
     let (tx, rx) = watch::channel(false);
     tokio::spawn(async move {
-        let ctrl_c = tokio::signal::ctrl_c();
-        #[cfg(unix)]
-        let term = async {
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(mut s) => {
-                    s.recv().await;
-                }
-                Err(_) => std::future::pending::<()>().await,
-            }
-        };
-        #[cfg(not(unix))]
-        let term = std::future::pending::<()>();
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term => {}
-        }
-        tracing::info!("shutting down after the current run");
+        let signal = grl_runtime::http_util::shutdown_signal().await;
+        tracing::info!(signal, "shutting down after the current run");
         let _ = tx.send(true);
     });
     rx

@@ -1,4 +1,4 @@
-//! The user-facing file formats of the project (DESIGN §3): serde types, loading with errors
+//! The user-facing file formats of the project: serde types, loading with errors
 //! that name the file, line and key, whole-repo validation, deterministic rendering of bucket
 //! files, and a JSON Schema for editors.
 //!

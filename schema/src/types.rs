@@ -1,4 +1,4 @@
-//! The serde types of every user-facing file (DESIGN §3). Raw shapes only: cross-field and
+//! The serde types of every user-facing file. Raw shapes only: cross-field and
 //! cross-file checks live in `validate`.
 
 use std::collections::BTreeMap;

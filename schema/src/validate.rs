@@ -10,7 +10,7 @@ use crate::read::{file_diag, Reader};
 use crate::types::*;
 use crate::{parse_within, Diagnostic, Limits, Located, Locator, Parsed};
 
-/// A config repo as loaded from disk (DESIGN §3.1). Files that failed to parse are absent (or
+/// A config repo as loaded from disk. Files that failed to parse are absent (or
 /// present with their faulty parts replaced) and their problems are in the diagnostics
 /// returned next to it.
 #[derive(Debug, Default, Clone)]

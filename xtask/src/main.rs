@@ -84,7 +84,7 @@ fn test(extra: &[String]) -> Result<u8> {
     let mut child = Command::new(cargo())
         .current_dir(&root)
         .env(RUN_ENV, &run_id)
-        .args(["test", "--workspace"])
+        .args(["test", "--workspace", "--no-fail-fast"])
         .args(extra)
         .stdout(Stdio::piped())
         .spawn()
