@@ -267,19 +267,19 @@ async fn rotation_with_two_credentials_loses_no_report() {
     );
     let cport = free_port();
     let base = format!("http://127.0.0.1:{cport}");
-    let _ctl = Command::new(env!("CARGO_BIN_EXE_grl"))
-        .args(["controller", "--listen", &format!("127.0.0.1:{cport}")])
-        .args(["--tick-ms", "100", "--state-dir"])
-        .arg(d.join("state"))
-        .arg("--credentials")
-        .arg(&ctl_creds)
-        .env_remove("GRL_TOKEN")
-        .env_remove("GRL_REPORT_TOKEN")
-        .stdout(std::process::Stdio::null())
-        .stderr(super::log_file(d, "controller"))
-        .spawn()
-        .map(test_support::process::Proc)
-        .unwrap();
+    let _ctl = test_support::process::Proc::spawn(
+        Command::new(env!("CARGO_BIN_EXE_grl"))
+            .args(["controller", "--listen", &format!("127.0.0.1:{cport}")])
+            .args(["--tick-ms", "100", "--state-dir"])
+            .arg(d.join("state"))
+            .arg("--credentials")
+            .arg(&ctl_creds)
+            .env_remove("GRL_TOKEN")
+            .env_remove("GRL_REPORT_TOKEN")
+            .stdout(std::process::Stdio::null())
+            .stderr(super::log_file(d, "controller")),
+    )
+    .unwrap();
     wait_up(&format!("{base}/v1/status")).await;
     let http = reqwest::Client::new();
     let r = http
@@ -435,21 +435,21 @@ async fn controller_roles_are_least_privilege() {
     write(&creds, &format!("alice overrides {alice}\n"));
     let port = free_port();
     let base = format!("http://127.0.0.1:{port}");
-    let _ctl = Command::new(env!("CARGO_BIN_EXE_grl"))
-        .args(["controller", "--listen", &format!("127.0.0.1:{port}")])
-        .args(["--tick-ms", "100", "--state-dir"])
-        .arg(d.join("state"))
-        .env("GRL_CREDENTIALS_FILE", &creds)
-        .env("GRL_CONFIG_TOKEN", config)
-        .env("GRL_OVERRIDE_TOKEN", ovr)
-        .env("GRL_READ_TOKEN", read)
-        .env("GRL_REPORT_TOKEN", REPORT_TOKEN)
-        .env_remove("GRL_TOKEN")
-        .stdout(std::process::Stdio::null())
-        .stderr(super::log_file(d, "controller"))
-        .spawn()
-        .map(test_support::process::Proc)
-        .unwrap();
+    let _ctl = test_support::process::Proc::spawn(
+        Command::new(env!("CARGO_BIN_EXE_grl"))
+            .args(["controller", "--listen", &format!("127.0.0.1:{port}")])
+            .args(["--tick-ms", "100", "--state-dir"])
+            .arg(d.join("state"))
+            .env("GRL_CREDENTIALS_FILE", &creds)
+            .env("GRL_CONFIG_TOKEN", config)
+            .env("GRL_OVERRIDE_TOKEN", ovr)
+            .env("GRL_READ_TOKEN", read)
+            .env("GRL_REPORT_TOKEN", REPORT_TOKEN)
+            .env_remove("GRL_TOKEN")
+            .stdout(std::process::Stdio::null())
+            .stderr(super::log_file(d, "controller")),
+    )
+    .unwrap();
     wait_up(&format!("{base}/v1/status")).await;
     let http = reqwest::Client::new();
     let put = |token: &str| {
@@ -769,7 +769,7 @@ fn servers_refuse_to_start_without_report_credentials() {
 
     // The opt-out: up, and loud about it.
     let port = free_port();
-    let mut p = test_support::process::Proc(
+    let mut p = test_support::process::Proc::spawn(
         Command::new(env!("CARGO_BIN_EXE_grl"))
             .args([
                 "controller",
@@ -782,10 +782,9 @@ fn servers_refuse_to_start_without_report_credentials() {
             .env("GRL_TOKEN", TOKEN)
             .env_remove("GRL_REPORT_TOKEN")
             .stdout(std::process::Stdio::piped())
-            .stderr(super::log_file(dir.path(), "insecure"))
-            .spawn()
-            .unwrap(),
-    );
+            .stderr(super::log_file(dir.path(), "insecure")),
+    )
+    .unwrap();
     let mut line = String::new();
     std::io::BufRead::read_line(
         &mut std::io::BufReader::new(p.0.stdout.as_mut().unwrap()),

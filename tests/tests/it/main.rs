@@ -39,8 +39,8 @@ fn bin(name: &str) -> PathBuf {
 }
 
 fn start_controller(port: u16, state: &Path) -> Proc {
-    let child = Command::new(bin("grl"))
-        .args([
+    let mut cmd = Command::new(bin("grl"));
+    cmd.args([
             "controller",
             "--listen",
             &format!("127.0.0.1:{port}"),
@@ -53,10 +53,8 @@ fn start_controller(port: u16, state: &Path) -> Proc {
         // A controller refuses to start without a zone-report credential.
         .env("GRL_REPORT_TOKEN", "e2e-zone-report-token")
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("grl starts");
-    let p = Proc(child);
+        .stderr(Stdio::null());
+    let p = Proc::spawn(&mut cmd).expect("grl starts");
     wait_until(Duration::from_secs(20), || {
         get(port, "/v1/status").is_some()
     });
@@ -271,13 +269,12 @@ fn serve_delivers_the_version_once_the_controller_is_back() {
     assert!(stdout.contains("push pending"), "{stdout}");
     let head = d.remote.head("main").unwrap();
 
-    let serve = Proc(
+    let serve = Proc::spawn(
         d.rlc(&["serve", "--poll-secs", "1"])
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+            .stderr(Stdio::null()),
+    )
+    .unwrap();
     // The daemon cannot reach the controller yet; then it comes up.
     std::thread::sleep(Duration::from_millis(1500));
     let _controller = start_controller(d.controller_port, &d.dir.path().join("grl-state"));
@@ -319,7 +316,7 @@ fn replicas_on_one_postgres_elect_one_scheduler_and_fail_over() {
     let mut replicas: Vec<Option<Proc>> = ports
         .iter()
         .map(|p| {
-            Some(Proc(
+            Some(Proc::spawn(
                 d.rlc(&[
                     "serve",
                     "--poll-secs",
@@ -328,10 +325,9 @@ fn replicas_on_one_postgres_elect_one_scheduler_and_fail_over() {
                     &format!("127.0.0.1:{p}"),
                 ])
                 .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap(),
-            ))
+                .stderr(Stdio::null()),
+            )
+            .unwrap())
         })
         .collect();
     let both = || (leader(ports[0]), leader(ports[1]));
@@ -474,7 +470,7 @@ fn serve_survives_a_segfaulting_plugin() {
     let d = deployment_with_plugins();
     let _controller = start_controller(d.controller_port, &d.dir.path().join("grl-state"));
     let port = free_port();
-    let serve = Proc(
+    let serve = Proc::spawn(
         d.rlc(&[
             "serve",
             "--poll-secs",
@@ -483,10 +479,9 @@ fn serve_survives_a_segfaulting_plugin() {
             &format!("127.0.0.1:{port}"),
         ])
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap(),
-    );
+        .stderr(Stdio::null()),
+    )
+    .unwrap();
     wait_until(Duration::from_secs(60), || {
         get_text(port, "/healthz").is_some()
     });
