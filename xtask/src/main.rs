@@ -366,7 +366,16 @@ mod tests {
             .env(RUN_ENV, &run_id)
             .spawn()
             .unwrap();
-        let found = leftovers(&run_id, std::time::Duration::from_millis(300));
+        // spawn() can return while execve is still installing the new image, when
+        // /proc/PID/environ reads empty: wait (bounded) until the marker is visible.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        let found = loop {
+            let found = marked_processes(&run_id);
+            if !found.is_empty() || std::time::Instant::now() >= deadline {
+                break found;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
         let _ = child.kill();
         let _ = child.wait();
         assert_eq!(found.len(), 1, "{found:?}");
