@@ -20,6 +20,6 @@ pub use http_util::ApiError;
 pub mod realtime;
 pub mod report;
 pub mod sim;
-pub mod tls;
 #[cfg(test)]
 mod tests;
+pub mod tls;

@@ -112,7 +112,6 @@ fn registry() -> &'static Registry {
     R.get_or_init(Default::default)
 }
 
-
 /// The plugin `name` from `dir`, run in its own host process, started now if it is not running
 /// (so that a plugin that cannot be loaded fails here, with the host's reason). One instance per
 /// plugin file; new settings for the same file stop the old host.

@@ -41,19 +41,19 @@ fn bin(name: &str) -> PathBuf {
 fn start_controller(port: u16, state: &Path) -> Proc {
     let mut cmd = Command::new(bin("grl"));
     cmd.args([
-            "controller",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--tick-ms",
-            "200",
-            "--state-dir",
-        ])
-        .arg(state)
-        .env("GRL_TOKEN", TOKEN)
-        // A controller refuses to start without a zone-report credential.
-        .env("GRL_REPORT_TOKEN", "e2e-zone-report-token")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
+        "controller",
+        "--listen",
+        &format!("127.0.0.1:{port}"),
+        "--tick-ms",
+        "200",
+        "--state-dir",
+    ])
+    .arg(state)
+    .env("GRL_TOKEN", TOKEN)
+    // A controller refuses to start without a zone-report credential.
+    .env("GRL_REPORT_TOKEN", "e2e-zone-report-token")
+    .stdout(Stdio::null())
+    .stderr(Stdio::null());
     let p = Proc::spawn(&mut cmd).expect("grl starts");
     wait_until(Duration::from_secs(20), || {
         get(port, "/v1/status").is_some()
@@ -316,18 +316,20 @@ fn replicas_on_one_postgres_elect_one_scheduler_and_fail_over() {
     let mut replicas: Vec<Option<Proc>> = ports
         .iter()
         .map(|p| {
-            Some(Proc::spawn(
-                d.rlc(&[
-                    "serve",
-                    "--poll-secs",
-                    "1",
-                    "--listen",
-                    &format!("127.0.0.1:{p}"),
-                ])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null()),
+            Some(
+                Proc::spawn(
+                    d.rlc(&[
+                        "serve",
+                        "--poll-secs",
+                        "1",
+                        "--listen",
+                        &format!("127.0.0.1:{p}"),
+                    ])
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null()),
+                )
+                .unwrap(),
             )
-            .unwrap())
         })
         .collect();
     let both = || (leader(ports[0]), leader(ports[1]));
@@ -450,10 +452,7 @@ fn run_once_with_a_segfaulting_plugin_fails_only_its_buckets() {
     );
     // payments got its quotas from the well-behaved plugin, search from peak.
     let payments = d.remote.read("main", "buckets/payments.yaml").unwrap();
-    assert!(
-        payments.contains("policy: \"plugin:steady\""),
-        "{payments}"
-    );
+    assert!(payments.contains("policy: \"plugin:steady\""), "{payments}");
     assert_ne!(limits(&payments), payments_before);
     assert!(d.remote.read("main", "buckets/search.yaml").is_ok());
     // And the controller runs it.
