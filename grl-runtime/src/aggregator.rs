@@ -84,8 +84,8 @@ impl Default for AggregatorOptions {
 /// A running aggregator.
 pub type AggregatorHandle = crate::http_util::ServerHandle;
 
+/// One client's last report; keyed by (service, client id).
 struct ClientEntry {
-    service: String,
     at: Instant,
     /// bucket → [offered, admitted, dropped, shadow] per second over the client's last interval.
     rates: Vec<(String, [f64; 4])>,
@@ -188,8 +188,6 @@ impl Aggregator {
             .route("/v1/report", post(report))
             .route("/v1/config", get(config))
             .route("/metrics", get(metrics))
-            // Configs and zone reports for tens of thousands of buckets exceed axum's 2 MiB default.
-            .layer(axum::extract::DefaultBodyLimit::max(64 << 20))
             .with_state(shared.clone());
         let (stop, server) = crate::http_util::spawn_server(listener, router, tls, "aggregator");
         let (finish, finished) = oneshot::channel::<()>();
@@ -283,7 +281,6 @@ async fn report(
     st.clients.insert(
         (r.service.clone(), r.client_id.clone()),
         ClientEntry {
-            service: r.service.clone(),
             at: Instant::now(),
             rates,
             fresh: true,
@@ -321,7 +318,7 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
         "# HELP grl_reports_accepted_total Client reports accepted.\n# TYPE grl_reports_accepted_total counter\ngrl_reports_accepted_total {}",
         s.accepted.load(std::sync::atomic::Ordering::Relaxed)
     );
-    crate::controller::write_refused(&mut out, &s.refused);
+    s.refused.write_prometheus(&mut out);
     (
         [(
             axum::http::header::CONTENT_TYPE,
@@ -350,10 +347,10 @@ fn build_report(s: &Shared) -> ZoneReport {
     let horizon = s.opts.tick * 3;
     st.clients.retain(|_, c| c.at.elapsed() <= horizon);
     let mut sums: HashMap<(String, String), [f64; 4]> = HashMap::new();
-    for c in st.clients.values_mut() {
+    for ((service, _), c) in st.clients.iter_mut() {
         c.fresh = false;
         for (b, r) in &c.rates {
-            let e = sums.entry((c.service.clone(), b.clone())).or_default();
+            let e = sums.entry((service.clone(), b.clone())).or_default();
             for i in 0..4 {
                 e[i] += r[i];
             }

@@ -68,8 +68,16 @@ impl Credential {
     }
 }
 
+/// The secret of an `Authorization: Bearer <secret>` header, as sent.
+pub(crate) fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+}
+
 /// Compares in time that depends on the lengths only.
-fn ct_eq(a: &[u8], b: &[u8]) -> bool {
+pub(crate) fn ct_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
@@ -275,7 +283,7 @@ impl<T> Watched<T> {
 pub struct TokenSource(Arc<TokenInner>);
 
 enum TokenInner {
-    Fixed(String),
+    Fixed(Arc<String>),
     File(Watched<String>),
 }
 
@@ -303,7 +311,9 @@ impl From<&str> for TokenSource {
 impl TokenSource {
     /// A fixed secret.
     pub fn fixed(secret: &str) -> TokenSource {
-        TokenSource(Arc::new(TokenInner::Fixed(secret.trim().to_string())))
+        TokenSource(Arc::new(TokenInner::Fixed(Arc::new(
+            secret.trim().to_string(),
+        ))))
     }
 
     /// The first line of `path` (surrounding blanks removed), re-read when the file changes.
@@ -340,7 +350,7 @@ impl TokenSource {
     /// The secret now.
     pub fn current(&self) -> Arc<String> {
         match &*self.0 {
-            TokenInner::Fixed(s) => Arc::new(s.clone()),
+            TokenInner::Fixed(s) => s.clone(),
             TokenInner::File(w) => w.current(),
         }
     }
@@ -433,10 +443,7 @@ impl CredentialSet {
 
     /// The credential whose secret is the request's bearer token (read from the headers only).
     pub fn authenticate(&self, headers: &HeaderMap) -> Result<Credential, Refusal> {
-        let got = headers
-            .get(axum::http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
+        let got = bearer(headers)
             .map(str::trim)
             .filter(|v| !v.is_empty())
             .ok_or(Refusal::Missing)?;
@@ -456,8 +463,9 @@ impl CredentialSet {
             for c in w.current().iter() {
                 if ct_eq(c.secret.as_bytes(), got.as_bytes()) {
                     found = Some(Credential {
+                        name: c.name.clone(),
+                        scope: c.scope.clone(),
                         secret: String::new(),
-                        ..c.clone()
                     });
                 }
             }
@@ -491,6 +499,18 @@ impl RefusalCounts {
             .iter()
             .map(|(k, v)| (*k, *v))
             .collect()
+    }
+
+    /// `grl_reports_refused_total{reason}` in the Prometheus text format.
+    pub fn write_prometheus(&self, out: &mut String) {
+        use std::fmt::Write;
+        let _ = writeln!(
+            out,
+            "# HELP grl_reports_refused_total Reports refused, by reason (missing_credential, unknown_credential, forbidden, malformed, invalid, too_large).\n# TYPE grl_reports_refused_total counter"
+        );
+        for (reason, n) in self.snapshot() {
+            let _ = writeln!(out, "grl_reports_refused_total{{reason=\"{reason}\"}} {n}");
+        }
     }
 }
 

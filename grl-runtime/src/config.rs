@@ -104,9 +104,9 @@ pub fn read_state_file(path: &Path, max: u64) -> Result<Option<Vec<u8>>, String>
     };
     if !meta.file_type().is_file() {
         return Err(format!(
-            "{}: not a regular file (a {}); state files must be plain files",
+            "{}: not a regular file ({}); state files must be plain files",
             path.display(),
-            kind_of(&meta.file_type())
+            schema::kind_of(&meta.file_type())
         ));
     }
     if meta.len() > max {
@@ -129,21 +129,4 @@ pub fn read_state_file(path: &Path, max: u64) -> Result<Option<Vec<u8>>, String>
         ));
     }
     Ok(Some(bytes))
-}
-
-fn kind_of(t: &std::fs::FileType) -> &'static str {
-    use std::os::unix::fs::FileTypeExt;
-    if t.is_symlink() {
-        "symlink"
-    } else if t.is_dir() {
-        "directory"
-    } else if t.is_fifo() {
-        "FIFO"
-    } else if t.is_char_device() || t.is_block_device() {
-        "device"
-    } else if t.is_socket() {
-        "socket"
-    } else {
-        "special file"
-    }
 }

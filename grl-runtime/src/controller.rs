@@ -63,6 +63,10 @@ pub struct ControllerOptions {
 /// by rlc) and `zone-report` (`POST /v1/aggregate`, held by aggregators and peer controllers).
 pub const ROLES: &[&str] = &["config", "overrides", "reports", "zone-report"];
 
+/// The roles of the legacy all-purpose token (`GRL_TOKEN`): every role a person or rlc holds,
+/// not `zone-report`.
+pub const LEGACY_TOKEN_ROLES: &[&str] = &["config", "overrides", "reports"];
+
 /// Largest `POST /v1/overrides` body.
 const MAX_OVERRIDE_BODY: usize = 64 << 10;
 /// Largest config or zone report (tens of thousands of buckets).
@@ -244,8 +248,6 @@ fn app(shared: Arc<Shared>) -> Router {
         .route("/v1/overrides", get(list_overrides).post(add_override))
         .route("/v1/overrides/{id}", delete(remove_override))
         .route("/metrics", get(metrics))
-        // Configs and zone reports for tens of thousands of buckets exceed axum's 2 MiB default.
-        .layer(axum::extract::DefaultBodyLimit::max(64 << 20))
         .with_state(shared)
 }
 
@@ -262,7 +264,7 @@ impl Controller {
         if !opts.token.is_empty() {
             creds.add(
                 "GRL_TOKEN",
-                &["config", "overrides", "reports"],
+                LEGACY_TOKEN_ROLES,
                 TokenSource::fixed(&opts.token),
             );
         }
@@ -277,7 +279,7 @@ impl Controller {
                 "refusing to start: no zone-report credential (set GRL_REPORT_TOKEN or GRL_REPORT_TOKEN_FILE, or a `zone-report` line in the credentials file); --insecure-allow-anonymous-reports accepts anonymous reports for development"
             );
         }
-        for role in ["config", "overrides", "reports"] {
+        for role in LEGACY_TOKEN_ROLES {
             if !creds.any_covers(role) {
                 tracing::warn!(
                     role,
@@ -732,7 +734,7 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
         }
     }
     drop(e);
-    write_refused(&mut out, &s.refused);
+    s.refused.write_prometheus(&mut out);
     (
         [(
             axum::http::header::CONTENT_TYPE,
@@ -740,15 +742,4 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
         )],
         out,
     )
-}
-
-/// `grl_reports_refused_total{reason}` (shared by the controller and the aggregators).
-pub(crate) fn write_refused(out: &mut String, refused: &RefusalCounts) {
-    let _ = writeln!(
-        out,
-        "# HELP grl_reports_refused_total Reports refused, by reason (missing_credential, unknown_credential, forbidden, malformed, invalid, too_large).\n# TYPE grl_reports_refused_total counter"
-    );
-    for (reason, n) in refused.snapshot() {
-        let _ = writeln!(out, "grl_reports_refused_total{{reason=\"{reason}\"}} {n}");
-    }
 }

@@ -83,14 +83,8 @@ pub async fn read_body(
 
 /// Checks `Authorization: Bearer <token>` in constant time over the token's length.
 pub fn check_token(headers: &HeaderMap, token: &str) -> Result<(), ApiError> {
-    let got = headers
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .ok_or(ApiError::Unauthorized)?;
-    let (a, b) = (got.as_bytes(), token.as_bytes());
-    let same = a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0;
-    if same && !token.is_empty() {
+    let got = crate::auth::bearer(headers).ok_or(ApiError::Unauthorized)?;
+    if crate::auth::ct_eq(got.as_bytes(), token.as_bytes()) && !token.is_empty() {
         Ok(())
     } else {
         Err(ApiError::Unauthorized)

@@ -316,7 +316,7 @@ async fn main() -> anyhow::Result<()> {
                 ("GRL_CONFIG_TOKEN", &["config"][..]),
                 ("GRL_OVERRIDE_TOKEN", &["overrides"][..]),
                 ("GRL_READ_TOKEN", &["reports"][..]),
-                ("GRL_TOKEN", &["config", "overrides", "reports"][..]),
+                ("GRL_TOKEN", grl_runtime::controller::LEGACY_TOKEN_ROLES),
             ] {
                 if let Some(t) = TokenSource::from_env(var).map_err(anyhow::Error::msg)? {
                     if var == "GRL_TOKEN" {

@@ -473,7 +473,7 @@ async fn accept_loop(
     tx: mpsc::Sender<(TlsStream<TcpStream>, SocketAddr)>,
 ) {
     let permits = Arc::new(Semaphore::new(MAX_HANDSHAKES));
-    let mut last_warn: Option<std::time::Instant> = None;
+    let warn_gate = crate::auth::LogGate::new(Duration::from_secs(10));
     let mut warned_failures = 0u64;
     loop {
         let Ok(permit) = permits.clone().acquire_owned().await else {
@@ -512,15 +512,12 @@ async fn accept_loop(
         });
         // A summary at most every 10 s: refused clients are visible without a log flood.
         let failures = tls.handshake_failures();
-        if failures > warned_failures
-            && !matches!(last_warn, Some(t) if t.elapsed() < Duration::from_secs(10))
-        {
+        if failures > warned_failures && warn_gate.open() {
             tracing::warn!(
                 failed = failures - warned_failures,
                 "TLS handshakes failed (untrusted or missing client certificate, plain HTTP, timeout); RUST_LOG=grl_runtime::tls=debug names the peers"
             );
             warned_failures = failures;
-            last_warn = Some(std::time::Instant::now());
         }
     }
 }

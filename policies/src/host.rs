@@ -10,7 +10,7 @@
 //!    the protocol;
 //! 3. starts a watchdog thread that kills the host's process group when the parent is gone;
 //! 4. loads the plugin with [`crate::loader::load`] (the configured directory only, ABI version
-//!    first) and writes one handshake line: `{"ready":{"protocol":1,"description":{…},"path":…}}`
+//!    first) and writes one handshake line: `{"ready":{"protocol":1,"description":{…}}}`
 //!    or `{"error":"…"}` (then exits with code 3);
 //! 5. reads one JSON [`policy_abi::PluginInput`] per line and answers each with one line,
 //!    `{"output":"<the plugin's answer, as text>"}` or `{"error":"…"}`, until stdin closes.
@@ -42,8 +42,6 @@ pub enum Handshake {
         protocol: u32,
         /// What the plugin says about itself.
         description: policy_abi::Description,
-        /// The file it was loaded from.
-        path: PathBuf,
     },
     /// It could not be loaded.
     Error(String),
@@ -130,7 +128,6 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> i32 {
     let hello = Handshake::Ready {
         protocol: PROTOCOL,
         description: plugin.description().clone(),
-        path: plugin.path().to_path_buf(),
     };
     if send(&mut output, &hello).is_err() {
         return 0;

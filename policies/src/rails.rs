@@ -25,6 +25,12 @@ pub struct Railed {
     pub notes: Vec<String>,
 }
 
+/// The lowest limit a bucket of this policy may get: the larger of the global and the
+/// service's floor.
+pub fn floor(rails: &RailsConfig, spec: &PolicySpec) -> f64 {
+    rails.floor_rps.max(spec.floor_rps.unwrap_or(0.0))
+}
+
 /// Applies the rails to a proposed limit. `shadow_requested` comes from the policy (e.g. short
 /// history). Fixed (contractual) limits skip the damping rails: pass `damp = false`.
 pub fn apply(
@@ -37,7 +43,7 @@ pub fn apply(
 ) -> Railed {
     let mut notes = Vec::new();
     let mut limit = if proposed.is_finite() { proposed } else { 0.0 };
-    let floor = rails.floor_rps.max(spec.floor_rps.unwrap_or(0.0));
+    let floor = floor(rails, spec);
     if limit < floor {
         notes.push(format!("raised to the floor of {floor} rps"));
         limit = floor;

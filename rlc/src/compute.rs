@@ -217,7 +217,7 @@ fn compute_service(
         *peak_by_procedure.entry(k.procedure.clone()).or_default() += p;
     }
     let capacity = repo.capacity.as_ref().map(|c| &c.value);
-    let floor = cfg.rails.floor_rps.max(spec.floor_rps.unwrap_or(0.0));
+    let floor = rails::floor(&cfg.rails, &spec);
     let mut done: BTreeSet<String> = BTreeSet::new();
 
     // Active contracts make their own buckets; they win over the service's policy.

@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use serde::de::DeserializeOwned;
 
 pub use locate::{Locator, Pos};
-pub use read::Limits;
+pub use read::{kind_of, Limits};
 pub use render::{format_rps, render_bucket_file};
 pub use schedule::parse_schedule;
 pub use types::*;

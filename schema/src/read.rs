@@ -86,7 +86,8 @@ pub(crate) fn file_diag(file: &Path, message: String) -> Diagnostic {
     }
 }
 
-fn kind_of(ft: &std::fs::FileType) -> &'static str {
+/// What a file that is not a regular one is, for error messages ("a FIFO (named pipe)", …).
+pub fn kind_of(ft: &std::fs::FileType) -> &'static str {
     use std::os::unix::fs::FileTypeExt;
     if ft.is_dir() {
         "a directory"

@@ -398,8 +398,7 @@ fn bucket_dir_with(reader: &mut Reader, dir: &Path) -> BucketDir {
             ),
         ));
     }
-    out.diags.sort();
-    out.diags.dedup();
+    // Both callers sort and dedup through `bound`.
     out
 }
 

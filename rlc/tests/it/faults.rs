@@ -74,14 +74,6 @@ fn preview(dir: &Path) -> (i32, Value, String) {
     (code, v, err)
 }
 
-fn dead_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 #[test]
 fn usage_and_config_errors_have_their_own_exit_codes() {
     // Usage errors: 64, whether clap or rlc finds them.
@@ -135,7 +127,7 @@ fn usage_and_config_errors_have_their_own_exit_codes() {
 
 #[test]
 fn prometheus_down_fails_the_run_and_lowers_and_commits_nothing() {
-    let port = dead_port();
+    let port = test_support::process::free_port();
     let (remote, dir) = setup(&format!(
         "  prometheus:\n    url: http://127.0.0.1:{port}\n    query: up\n    retries: 1"
     ));

@@ -519,7 +519,7 @@ fn serve_survives_a_segfaulting_plugin() {
     let plugins = d.dir.path().join("plugins");
     let hosts = plugin_hosts(&plugins);
     assert!(!hosts.is_empty(), "the steady plugin's host runs");
-    drop(serve);
+    serve.kill();
     wait_until(Duration::from_secs(10), || {
         plugin_hosts(&plugins).is_empty()
     });
