@@ -11,6 +11,7 @@
 //! - `demo`: `rlc demo`, the whole loop on embedded defaults.
 //! - `gitops`: git write-back (libgit2 writer, forge client for PRs, commit message/PR body).
 //! - `push`: GRL controller client and the reconcile loop.
+//! - `readiness`: whether a shadow bucket is ready to enforce (dashboard verdict, promotion).
 //! - `store`: runs, quota history, shadow reports (sqlx; Postgres or SQLite).
 //! - `cycle`: apply a computed plan (render, validate, commit/PR, push, record); `rlc run --once`.
 //! - `serve`: the daemon (`rlc serve`): schedule, input-change and API triggers, leader election.
@@ -27,6 +28,7 @@ pub mod pipeline;
 pub mod plan;
 pub mod preview;
 pub mod push;
+pub mod readiness;
 pub mod serve;
 pub mod store;
 pub mod validate_cmd;

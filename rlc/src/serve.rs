@@ -27,6 +27,7 @@ use crate::push::{ControllerClient, Report};
 use crate::store::{Lease, Store};
 
 pub mod dashboard;
+pub mod problem;
 
 /// Reports fetched per `GET /v1/reports` call.
 const REPORT_PAGE: u32 = 500;
