@@ -90,6 +90,19 @@ impl Default for Rule {
     }
 }
 
+impl From<&schema::PromotionRule> for Rule {
+    /// The rule of a service's `promotion:` settings in `rlc/policies.yaml`.
+    fn from(p: &schema::PromotionRule) -> Rule {
+        Rule {
+            min_days_in_shadow: p.min_days_in_shadow,
+            max_virtual_drop_share: p.max_virtual_drop_share,
+            min_coverage: p.min_coverage,
+            max_report_age: Duration::from_std(p.max_report_age)
+                .unwrap_or_else(|_| Rule::default().max_report_age),
+        }
+    }
+}
+
 /// The readiness of one bucket.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "verdict", rename_all = "snake_case")]
@@ -255,6 +268,20 @@ mod tests {
         let mut s = stats(now);
         s.mode = "enforce".into();
         assert_eq!(verdict(&s, &rule, now), Verdict::Enforced);
+    }
+
+    #[test]
+    fn the_defaults_of_the_promotion_section_are_the_default_rule() {
+        let resolved = schema::PromotionSpec::default().resolved();
+        assert_eq!(Rule::from(&resolved), Rule::default());
+        let spec = schema::PromotionSpec {
+            min_days_in_shadow: Some(3.0),
+            max_report_age: Some("1h".parse().unwrap()),
+            ..Default::default()
+        };
+        let r = Rule::from(&spec.resolved());
+        assert_eq!(r.min_days_in_shadow, 3.0);
+        assert_eq!(r.max_report_age, Duration::hours(1));
     }
 
     #[test]

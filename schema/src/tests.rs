@@ -611,3 +611,108 @@ mod props {
         }
     }
 }
+
+#[test]
+fn promotion_section_merges_defaults_and_reports_every_problem_with_its_line() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("rlc")).unwrap();
+    let p = dir.path().join("rlc/policies.yaml");
+    std::fs::write(
+        &p,
+        "default:\n  policy: peak\npromotion:\n  default:\n    min_days_in_shadow: 3\n    auto_merge: [raise, decrease]\n  services:\n    pay:\n      min_coverage: 0.5\n      auto_merge: [raise]\n",
+    )
+    .unwrap();
+    let (repo, diags) = ConfigRepo::load(dir.path());
+    assert!(diags.is_empty(), "{diags:?}");
+    let f = &repo.policies.unwrap().value;
+    let pay = f.promotion_for("pay").unwrap();
+    assert_eq!(pay.min_days_in_shadow, 3.0);
+    assert_eq!(pay.min_coverage, 0.5);
+    assert_eq!(pay.auto_merge, [ChangeClass::Raise]);
+    let other = f.promotion_for("maps").unwrap();
+    assert_eq!(other.min_coverage, 0.9);
+    assert_eq!(other.max_virtual_drop_share, 1e-4);
+    assert_eq!(
+        other.auto_merge,
+        [ChangeClass::Raise, ChangeClass::Decrease]
+    );
+    // Without the section: no rule at all.
+    let plain: PoliciesFile = parse_str(Path::new("p.yaml"), "default:\n  policy: peak\n")
+        .unwrap()
+        .value;
+    assert!(plain.promotion_for("pay").is_none());
+
+    // Every problem, with its line and key.
+    std::fs::write(
+        &p,
+        "default:\n  policy: peak\npromotion:\n  default:\n    min_days_in_shadow: -1\n    max_virtual_drop_share: 2\n  services:\n    pay:\n      auto_merge: [raise, raise]\n",
+    )
+    .unwrap();
+    let (_, diags) = ConfigRepo::load(dir.path());
+    let got: Vec<(usize, &str)> = diags.iter().map(|d| (d.line, d.key.as_str())).collect();
+    assert_eq!(
+        got,
+        [
+            (5, "promotion.default.min_days_in_shadow"),
+            (6, "promotion.default.max_virtual_drop_share"),
+            (9, "promotion.services.pay.auto_merge[1]"),
+        ],
+        "{diags:?}"
+    );
+    assert!(
+        diags[0].to_string().contains("rlc/policies.yaml:5:"),
+        "{}",
+        diags[0]
+    );
+    // An unknown kind names the key and line.
+    std::fs::write(
+        &p,
+        "default:\n  policy: peak\npromotion:\n  default:\n    auto_merge: [raise, yolo]\n",
+    )
+    .unwrap();
+    let (_, diags) = ConfigRepo::load(dir.path());
+    assert_eq!(diags.len(), 1, "{diags:?}");
+    assert_eq!(diags[0].line, 5, "{}", diags[0]);
+    assert!(
+        diags[0].key.starts_with("promotion.default.auto_merge"),
+        "{}",
+        diags[0]
+    );
+    assert!(diags[0].message.contains("yolo"), "{}", diags[0]);
+}
+
+#[test]
+fn forge_kind_defaults_to_github_and_gitlab_is_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("rlc.yaml");
+    let cfg = |forge: &str| {
+        format!("history:\n  file: h.csv\nconfig_repo:\n  path: repo\n  mode: pull-request\n  forge:\n{forge}")
+    };
+    std::fs::write(
+        &p,
+        cfg("    repo: acme/config\n    labels: [quotas]\n    reviewers: [alice]\n"),
+    )
+    .unwrap();
+    let c = load_daemon_config(&p).unwrap();
+    let f = c.config_repo.forge.unwrap();
+    assert_eq!(f.kind, "github");
+    assert_eq!(f.labels, ["quotas"]);
+    std::fs::write(&p, cfg("    kind: gitlab\n    repo: group/sub/config\n")).unwrap();
+    assert!(load_daemon_config(&p).is_ok());
+    std::fs::write(
+        &p,
+        cfg("    kind: gitlab\n    repo: config\n    labels: [\"a,b\"]\n    dashboard_url: rlc.example\n"),
+    )
+    .unwrap();
+    let errs = load_daemon_config(&p).unwrap_err();
+    let keys: Vec<(usize, &str)> = errs.iter().map(|d| (d.line, d.key.as_str())).collect();
+    assert_eq!(
+        keys,
+        [
+            (8, "config_repo.forge.repo"),
+            (9, "config_repo.forge.labels[0]"),
+            (10, "config_repo.forge.dashboard_url"),
+        ],
+        "{errs:?}"
+    );
+}

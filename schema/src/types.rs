@@ -313,6 +313,176 @@ pub struct PoliciesFile {
     /// Per-service overrides; unset keys inherit from `default`.
     #[serde(default)]
     pub services: BTreeMap<String, PolicySpec>,
+    /// When shadow buckets are promoted to `mode: enforce` on their own, and which kinds of
+    /// change may be committed without review. Absent: no automatic promotion, and direct
+    /// mode commits every change (as before this section existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub promotion: Option<PromotionSection>,
+}
+
+/// The `promotion:` section of `rlc/policies.yaml`: a default and per-service overrides.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PromotionSection {
+    /// The rule of every service not listed under `services`.
+    #[serde(default)]
+    pub default: PromotionSpec,
+    /// Per-service overrides; unset keys inherit from `default`.
+    #[serde(default)]
+    pub services: BTreeMap<String, PromotionSpec>,
+}
+
+/// The promotion rule of a service. Every key is optional; unset keys take the defaults
+/// documented on [`PromotionSpec::resolved`].
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PromotionSpec {
+    /// Propose `mode: enforce` for shadow buckets that meet the rule (default true).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enabled: Option<bool>,
+    /// Minimum days a bucket has been in shadow without interruption (default 7).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_days_in_shadow: Option<f64>,
+    /// Maximum share (0..=1) of the offered requests the bucket would have dropped over the
+    /// window (default 0.0001, i.e. 0.01 %).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_virtual_drop_share: Option<f64>,
+    /// Minimum share (0..=1) of the window's minutes with a shadow report (default 0.9).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_coverage: Option<f64>,
+    /// Reports older than this make the data stale: never promoted (default 15m).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_report_age: Option<HumanDuration>,
+    /// Kinds of change direct mode commits on the base branch; every other kind goes to the
+    /// pull-request branch for review (default `[raise, new_shadow, other]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auto_merge: Option<Vec<ChangeClass>>,
+}
+
+/// A kind of bucket change, by risk, for `promotion.auto_merge`.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum ChangeClass {
+    /// A new bucket that enforces at once.
+    NewEnforcing,
+    /// A shadow bucket switched to `mode: enforce`.
+    Promotion,
+    /// A lower limit.
+    Decrease,
+    /// Mode (other than a promotion), scope or caller/procedure match changed.
+    ModeOrScopeChange,
+    /// A bucket removed.
+    Removal,
+    /// A higher limit.
+    Raise,
+    /// A new bucket in shadow mode (drops nothing).
+    NewShadow,
+    /// Only the provenance (`policy`) changed.
+    Other,
+}
+
+impl ChangeClass {
+    /// Every class, riskiest first (the order of a pull request's body).
+    pub const ALL: [ChangeClass; 8] = [
+        ChangeClass::NewEnforcing,
+        ChangeClass::Promotion,
+        ChangeClass::Decrease,
+        ChangeClass::ModeOrScopeChange,
+        ChangeClass::Removal,
+        ChangeClass::Raise,
+        ChangeClass::NewShadow,
+        ChangeClass::Other,
+    ];
+
+    /// The word used in `auto_merge`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ChangeClass::NewEnforcing => "new_enforcing",
+            ChangeClass::Promotion => "promotion",
+            ChangeClass::Decrease => "decrease",
+            ChangeClass::ModeOrScopeChange => "mode_or_scope_change",
+            ChangeClass::Removal => "removal",
+            ChangeClass::Raise => "raise",
+            ChangeClass::NewShadow => "new_shadow",
+            ChangeClass::Other => "other",
+        }
+    }
+
+    /// Whether a reviewer should look at it first: it can start dropping traffic or change
+    /// what a limit counts.
+    pub fn is_risky(self) -> bool {
+        !matches!(
+            self,
+            ChangeClass::Raise | ChangeClass::NewShadow | ChangeClass::Other
+        )
+    }
+}
+
+/// A [`PromotionSpec`] with every default filled in.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromotionRule {
+    /// See [`PromotionSpec::enabled`].
+    pub enabled: bool,
+    /// See [`PromotionSpec::min_days_in_shadow`].
+    pub min_days_in_shadow: f64,
+    /// See [`PromotionSpec::max_virtual_drop_share`].
+    pub max_virtual_drop_share: f64,
+    /// See [`PromotionSpec::min_coverage`].
+    pub min_coverage: f64,
+    /// See [`PromotionSpec::max_report_age`].
+    pub max_report_age: Duration,
+    /// See [`PromotionSpec::auto_merge`].
+    pub auto_merge: Vec<ChangeClass>,
+}
+
+impl PromotionSpec {
+    /// `self` with unset keys taken from `base`.
+    pub fn merged_over(&self, base: &PromotionSpec) -> PromotionSpec {
+        PromotionSpec {
+            enabled: self.enabled.or(base.enabled),
+            min_days_in_shadow: self.min_days_in_shadow.or(base.min_days_in_shadow),
+            max_virtual_drop_share: self.max_virtual_drop_share.or(base.max_virtual_drop_share),
+            min_coverage: self.min_coverage.or(base.min_coverage),
+            max_report_age: self.max_report_age.or(base.max_report_age),
+            auto_merge: self.auto_merge.clone().or_else(|| base.auto_merge.clone()),
+        }
+    }
+
+    /// Every key with its default: enabled, 7 days, 0.0001, 0.9, 15m,
+    /// `[raise, new_shadow, other]`.
+    pub fn resolved(&self) -> PromotionRule {
+        PromotionRule {
+            enabled: self.enabled.unwrap_or(true),
+            min_days_in_shadow: self.min_days_in_shadow.unwrap_or(7.0),
+            max_virtual_drop_share: self.max_virtual_drop_share.unwrap_or(1e-4),
+            min_coverage: self.min_coverage.unwrap_or(0.9),
+            max_report_age: self
+                .max_report_age
+                .map(|d| d.0)
+                .unwrap_or(Duration::from_secs(15 * 60)),
+            auto_merge: self.auto_merge.clone().unwrap_or_else(|| {
+                vec![
+                    ChangeClass::Raise,
+                    ChangeClass::NewShadow,
+                    ChangeClass::Other,
+                ]
+            }),
+        }
+    }
+}
+
+impl PoliciesFile {
+    /// The promotion rule of `service`; `None` without a `promotion:` section (no automatic
+    /// promotion, every change may be committed directly).
+    pub fn promotion_for(&self, service: &str) -> Option<PromotionRule> {
+        let p = self.promotion.as_ref()?;
+        Some(match p.services.get(service) {
+            Some(s) => s.merged_over(&p.default).resolved(),
+            None => p.default.resolved(),
+        })
+    }
 }
 
 /// A policy with its parameters. Every key is optional in a service entry.
@@ -664,21 +834,37 @@ fn default_author_email() -> String {
     "rlc@localhost".into()
 }
 
-/// A GitHub-compatible REST API, or none (branch only).
+/// The forge that hosts pull (merge) requests: GitHub, GitLab, or none (branch only).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ForgeConfig {
-    /// `github` or `none`.
+    /// `github` (default), `gitlab` or `none`.
+    #[serde(default = "default_forge_kind")]
     pub kind: String,
-    /// API base URL, e.g. `https://api.github.com`.
+    /// API base URL: `https://api.github.com` (default for github),
+    /// `https://gitlab.com/api/v4` (default for gitlab).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api_url: Option<String>,
-    /// `owner/name`.
+    /// `owner/name` (github) or the project's full path `group/subgroup/name` (gitlab).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub repo: Option<String>,
-    /// Environment variable holding the API token.
+    /// Environment variable holding the API token (default `GITHUB_TOKEN` or `GITLAB_TOKEN`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_env: Option<String>,
+    /// Labels put on the pull request.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub labels: Vec<String>,
+    /// Reviewers asked on the pull request: user names (GitLab also takes numeric user ids).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reviewers: Vec<String>,
+    /// Base URL of the rlc dashboard (`rlc serve`), e.g. `https://rlc.example.com`: pull
+    /// requests link each bucket to `<dashboard_url>/buckets/<service>/<bucket>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dashboard_url: Option<String>,
+}
+
+fn default_forge_kind() -> String {
+    "github".into()
 }
 
 /// The GRL controller.

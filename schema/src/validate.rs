@@ -568,6 +568,55 @@ fn check_policies(f: &Located<PoliciesFile>, diags: &mut Vec<Diagnostic>) {
     for (name, spec) in &f.value.services {
         check_spec(f, &format!("services.{name}"), spec, diags);
     }
+    if let Some(p) = &f.value.promotion {
+        check_promotion(f, "promotion.default", &p.default, diags);
+        for (name, spec) in &p.services {
+            check_promotion(f, &format!("promotion.services.{name}"), spec, diags);
+        }
+    }
+}
+
+fn check_promotion(
+    f: &Located<PoliciesFile>,
+    at: &str,
+    s: &PromotionSpec,
+    diags: &mut Vec<Diagnostic>,
+) {
+    let key = |k: &str| format!("{at}.{k}");
+    if let Some(d) = s.min_days_in_shadow {
+        if !d.is_finite() || d < 0.0 {
+            diags.push(f.diag(
+                key("min_days_in_shadow"),
+                format!("must be a finite number of days ≥ 0, got {d}"),
+            ));
+        }
+    }
+    for (k, v) in [
+        ("max_virtual_drop_share", s.max_virtual_drop_share),
+        ("min_coverage", s.min_coverage),
+    ] {
+        if let Some(v) = v {
+            if !(0.0..=1.0).contains(&v) {
+                diags.push(f.diag(key(k), format!("must be between 0 and 1, got {v}")));
+            }
+        }
+    }
+    if let Some(d) = s.max_report_age {
+        if d.as_secs() == 0 {
+            diags.push(f.diag(key("max_report_age"), "must be longer than 0s"));
+        }
+    }
+    if let Some(kinds) = &s.auto_merge {
+        let mut seen = BTreeSet::new();
+        for (i, k) in kinds.iter().enumerate() {
+            if !seen.insert(*k) {
+                diags.push(f.diag(
+                    format!("{at}.auto_merge[{i}]"),
+                    format!("`{}` is listed twice", k.as_str()),
+                ));
+            }
+        }
+    }
 }
 
 /// Loads `rlc.yaml`, checking what serde cannot. Read like a repo file (a regular file within
@@ -661,18 +710,65 @@ pub fn load_daemon_config(path: &Path) -> Result<DaemonConfig, Vec<Diagnostic>> 
     if let Some(forge) = &f.value.config_repo.forge {
         match forge.kind.as_str() {
             "none" => {}
-            "github" => {
-                if forge.repo.is_none() {
+            "github" => match forge.repo.as_deref() {
+                None => diags.push(f.diag(
+                    "config_repo.forge.repo",
+                    "github forge needs repo: owner/name",
+                )),
+                Some(r) if r.split('/').filter(|p| !p.is_empty()).count() != 2 => {
+                    diags.push(f.diag("config_repo.forge.repo", format!("`{r}` is not owner/name")))
+                }
+                Some(_) => {}
+            },
+            "gitlab" => match forge.repo.as_deref() {
+                None => diags.push(f.diag(
+                    "config_repo.forge.repo",
+                    "gitlab forge needs repo: the project path (group/name)",
+                )),
+                Some(r) if !r.contains('/') || r.split('/').any(|p| p.is_empty()) => {
                     diags.push(f.diag(
                         "config_repo.forge.repo",
-                        "github forge needs repo: owner/name",
-                    ));
+                        format!("`{r}` is not a project path group/name"),
+                    ))
                 }
-            }
+                Some(_) => {}
+            },
             k => diags.push(f.diag(
                 "config_repo.forge.kind",
-                format!("unknown forge `{k}`, expected github or none"),
+                format!("unknown forge `{k}`, expected github, gitlab or none"),
             )),
+        }
+        if let Some(u) = &forge.api_url {
+            if !(u.starts_with("http://") || u.starts_with("https://")) {
+                diags.push(f.diag(
+                    "config_repo.forge.api_url",
+                    "must start with http:// or https://",
+                ));
+            }
+        }
+        if let Some(u) = &forge.dashboard_url {
+            if !(u.starts_with("http://") || u.starts_with("https://")) {
+                diags.push(f.diag(
+                    "config_repo.forge.dashboard_url",
+                    "must start with http:// or https://",
+                ));
+            }
+        }
+        for (i, l) in forge.labels.iter().enumerate() {
+            if l.trim().is_empty() || l.contains(',') {
+                diags.push(f.diag(
+                    format!("config_repo.forge.labels[{i}]"),
+                    "must be a non-empty label without commas",
+                ));
+            }
+        }
+        for (i, r) in forge.reviewers.iter().enumerate() {
+            if r.trim().is_empty() || r.contains(char::is_whitespace) {
+                diags.push(f.diag(
+                    format!("config_repo.forge.reviewers[{i}]"),
+                    "must be a user name (or a GitLab user id) without spaces",
+                ));
+            }
         }
     }
     if diags.is_empty() {
