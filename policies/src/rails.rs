@@ -23,6 +23,9 @@ pub struct Railed {
     pub mode: Mode,
     /// One line per rail that changed something.
     pub notes: Vec<String>,
+    /// The limit the policy proposed when a rail held it lower (the ceiling, or the cap on
+    /// decreases per run), so a reviewer sees what it was capped from.
+    pub capped_from: Option<f64>,
 }
 
 /// The lowest limit a bucket of this policy may get: the larger of the global and the
@@ -42,6 +45,7 @@ pub fn apply(
     damp: bool,
 ) -> Railed {
     let mut notes = Vec::new();
+    let mut capped_from = None;
     let mut limit = if proposed.is_finite() { proposed } else { 0.0 };
     let floor = floor(rails, spec);
     if limit < floor {
@@ -51,6 +55,7 @@ pub fn apply(
     if let Some(c) = spec.ceiling_rps {
         if limit > c {
             notes.push(format!("lowered to the ceiling of {c} rps"));
+            capped_from = Some(round_limit(limit));
             limit = c;
         }
     }
@@ -94,6 +99,7 @@ pub fn apply(
                     schema::format_rps(capped),
                     limit
                 ));
+                capped_from = Some(round_limit(limit));
                 limit = capped;
             }
         }
@@ -102,6 +108,7 @@ pub fn apply(
         limit_rps: round_limit(limit),
         mode,
         notes,
+        capped_from,
     }
 }
 

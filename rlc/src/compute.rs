@@ -266,6 +266,7 @@ fn compute_service(
             proposal,
             railed,
             Vec::new(),
+            None,
         );
     }
 
@@ -382,7 +383,10 @@ fn compute_service(
                         });
                         plan.buckets.push(kept(service, c, &reason));
                     }
-                    _ => push(plan, &spec, service, key, cur, p, railed, expired),
+                    _ => {
+                        let peak_at = s.argmax().map(|i| s.datetime_of(i));
+                        push(plan, &spec, service, key, cur, p, railed, expired, peak_at)
+                    }
                 }
             }
             Err(e) => {
@@ -515,6 +519,7 @@ fn push(
     p: Proposal,
     railed: rails::Railed,
     expired: Vec<String>,
+    peak_at: Option<DateTime<Utc>>,
 ) {
     // The owner's scope wins; otherwise a bucket keeps its scope (a region limit must not
     // silently become one fleet-wide limit); new buckets are global.
@@ -535,6 +540,12 @@ fn push(
     );
     if !railed.notes.is_empty() {
         evidence.insert("rails".into(), json!(railed.notes));
+    }
+    if let Some(from) = railed.capped_from {
+        evidence.insert("capped_from".into(), json!(from));
+    }
+    if let Some(at) = peak_at {
+        evidence.insert("peak_at".into(), json!(at.to_rfc3339()));
     }
     if !expired.is_empty() {
         evidence.insert("expired_contracts".into(), json!(expired));

@@ -29,6 +29,7 @@ use crate::gitops::summary::{self, ChangeSummary, FORGE_BODY_LIMIT};
 use crate::gitops::writer::DECREASE_HISTORY_MAX_COMMITS;
 use crate::gitops::{Forge, PullRequest, WriteOutcome, WriteStatus, Writer, WriterConfig};
 use crate::plan::{Plan, Skipped};
+use crate::promotion::{self, NeedsReview, PromotionNote, ShadowSource};
 use crate::push::{self, Backoff, ControllerClient, Desired};
 use crate::store::{QuotaRecord, RunRecord, Store};
 
@@ -126,6 +127,24 @@ pub struct RunOutcome {
     /// Services whose history failed or was incomplete; they kept their current quotas
     /// (exit 4, or 1 when that is every service).
     pub history_failed: Vec<String>,
+    /// The verdict on every shadow bucket that could be promoted (`promotion:` in
+    /// `rlc/policies.yaml`): proposed for `mode: enforce`, or why it stays in shadow.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub promotions: Vec<PromotionNote>,
+    /// Direct mode: changes that `promotion.auto_merge` does not let rlc commit on the base
+    /// branch (proposed on the pull-request branch when a forge is configured, else held).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub needs_review: Vec<NeedsReview>,
+    /// Direct mode: what happened to the changes that need review, in words.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub review: Option<String>,
+    /// Why the shadow figures could not be read (nothing was promoted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shadow_error: Option<String>,
+    /// The full markdown report of the proposal (the pull request's body before truncation);
+    /// stored with the run, never committed.
+    #[serde(skip)]
+    pub report: Option<String>,
 }
 
 impl RunOutcome {
@@ -150,6 +169,11 @@ impl RunOutcome {
             summary: ChangeSummary::default(),
             skipped: vec![],
             history_failed: vec![],
+            promotions: vec![],
+            needs_review: vec![],
+            review: None,
+            shadow_error: None,
+            report: None,
         }
     }
 
@@ -274,6 +298,37 @@ impl std::fmt::Display for RunOutcome {
             let what = sk.target();
             writeln!(f, "  skipped {what}: {}", sk.reason)?;
         }
+        for p in &self.promotions {
+            if p.promoted {
+                writeln!(
+                    f,
+                    "  promotion {}/{}: proposed for mode enforce",
+                    p.service, p.bucket
+                )?;
+            } else {
+                writeln!(
+                    f,
+                    "  promotion {}/{}: stays in shadow ({})",
+                    p.service, p.bucket, p.reason
+                )?;
+            }
+        }
+        if let Some(e) = &self.shadow_error {
+            writeln!(f, "  shadow figures unavailable ({e}): nothing promoted")?;
+        }
+        for r in &self.needs_review {
+            writeln!(
+                f,
+                "  needs review {}/{} ({}): {}",
+                r.service,
+                r.bucket,
+                r.class.as_str(),
+                r.change
+            )?;
+        }
+        if let Some(r) = &self.review {
+            writeln!(f, "  review: {r}")?;
+        }
         if !self.history_failed.is_empty() && self.error.is_none() {
             writeln!(
                 f,
@@ -297,6 +352,8 @@ pub struct Cycle {
     pub push_backoff: Backoff,
     /// Attempts when the remote base moves underneath.
     pub git_attempts: u32,
+    /// Where the shadow figures of promotion candidates come from.
+    shadow: ShadowSource,
 }
 
 impl Cycle {
@@ -310,7 +367,14 @@ impl Cycle {
             pending: Mutex::new(VecDeque::new()),
             push_backoff: Backoff::default(),
             git_attempts: 3,
+            shadow: promotion::no_shadow_data(),
         }
+    }
+
+    /// Plugs in the source of shadow figures (the shadow-report store); without one nothing is
+    /// promoted.
+    pub fn set_shadow_source(&mut self, source: ShadowSource) {
+        self.shadow = source;
     }
 
     /// The daemon config.
@@ -327,6 +391,27 @@ impl Cycle {
         let mut w = WriterConfig::from_config(&self.cfg.config_repo, &self.base_dir);
         w.max_attempts = self.git_attempts;
         w
+    }
+
+    /// The base branch tip's bucket files (by service) and `rlc/policies.yaml`, fetching first.
+    async fn base_snapshot(
+        &self,
+    ) -> anyhow::Result<(
+        std::collections::BTreeMap<String, schema::BucketFile>,
+        Option<schema::PoliciesFile>,
+    )> {
+        let wcfg = self.writer_config();
+        tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+            let w = Writer::open(wcfg)?;
+            w.fetch()?;
+            let (_, files) = w.base_buckets()?;
+            let policies = w.base_policies()?;
+            Ok((
+                files.into_iter().map(|f| (f.service.clone(), f)).collect(),
+                policies,
+            ))
+        })
+        .await?
     }
 
     /// The store, connecting (and migrating) on first use or after a failure.
@@ -561,8 +646,36 @@ impl Cycle {
     /// Applies `plan`: render → validate → commit/PR → push → record.
     pub async fn apply(&self, plan: &Plan, trigger: &str) -> RunOutcome {
         let mut out = RunOutcome::new(trigger);
-        let held = self.hold_repeated_decreases(plan).await;
+        let mut held = self.hold_repeated_decreases(plan).await;
+        // The base's bucket files and promotion rule: shadow buckets that meet the rule are
+        // proposed for `mode: enforce`; in direct mode, what `auto_merge` does not allow waits
+        // for review.
+        let (base_files, policies) = match self.base_snapshot().await {
+            Ok(x) => x,
+            Err(e) => {
+                out.skipped = held.skipped.clone();
+                out.error = Some(format!("{e:#}"));
+                out.finish();
+                tracing::error!(trigger, error = ?out.error, "git read failed; nothing written");
+                self.record(&mut out, &held).await;
+                return out;
+            }
+        };
+        let services = held.buckets.iter().map(|b| b.service.clone()).collect();
+        let rules = promotion::rules(policies.as_ref(), &services);
+        if !held.history_failed_everywhere() {
+            let candidates = promotion::candidates(&held, &base_files, policies.as_ref(), &rules);
+            if !candidates.is_empty() {
+                let now = Utc::now();
+                let (stats, err) =
+                    promotion::fetch_stats(&self.shadow, &candidates, &rules, now).await;
+                out.shadow_error = err;
+                out.promotions = promotion::apply(&mut held, &candidates, &rules, &stats, now);
+            }
+        }
         let plan = &held;
+        let split = (self.cfg.config_repo.mode == RepoMode::Direct && !rules.is_empty())
+            .then(|| promotion::split_for_review(plan, &base_files, &rules));
         out.skipped = plan.skipped.clone();
         out.history_failed = plan.history_failed.clone();
         // Nothing was computed: write nothing (an open proposal must not look outdated
@@ -591,7 +704,15 @@ impl Cycle {
             .forge
             .as_ref()
             .filter(|f| f.kind != "none" && self.cfg.config_repo.mode == RepoMode::PullRequest);
-        let mut written = self.write(plan, forge_cfg.is_none()).await;
+        // Direct mode commits what auto_merge allows; the rest is proposed after.
+        let write_plan = match &split {
+            Some((direct, review)) => {
+                out.needs_review = review.clone();
+                direct
+            }
+            None => plan,
+        };
+        let mut written = self.write(write_plan, forge_cfg.is_none()).await;
         if let (Ok((w, _)), Some(fc)) = (&written, forge_cfg) {
             if let WriteStatus::BranchOutdated { .. } = w.status {
                 if let Err(e) = self.close_outdated(fc, &mut out).await {
@@ -602,7 +723,7 @@ impl Cycle {
                         self.cfg.config_repo.pr_branch
                     ));
                 }
-                written = self.write(plan, true).await;
+                written = self.write(write_plan, true).await;
             }
         }
         let (write, desired) = match written {
@@ -676,11 +797,11 @@ impl Cycle {
                 false
             }
         };
+        if split.is_some() && out.error.is_none() {
+            self.propose_for_review(plan, &mut out).await;
+        }
         if proposal && self.cfg.config_repo.mode == RepoMode::PullRequest {
-            if let Err(e) = self
-                .open_pull_request(&write.summary, &write.report, &mut out)
-                .await
-            {
+            if let Err(e) = self.open_pull_request(plan, &write.summary, &mut out).await {
                 out.error = Some(format!(
                     "branch {} pushed, but the pull request could not be opened or updated: {e}",
                     self.cfg.config_repo.pr_branch
@@ -715,7 +836,20 @@ impl Cycle {
         plan: &Plan,
         withdraw: bool,
     ) -> Result<(WriteOutcome, Desired), (String, u32)> {
-        let wcfg = self.writer_config();
+        self.write_as(plan, withdraw, self.cfg.config_repo.mode)
+            .await
+    }
+
+    /// [`Cycle::write`] in `mode` (direct mode proposes the changes that need review on the
+    /// pull-request branch).
+    async fn write_as(
+        &self,
+        plan: &Plan,
+        withdraw: bool,
+        mode: RepoMode,
+    ) -> Result<(WriteOutcome, Desired), (String, u32)> {
+        let mut wcfg = self.writer_config();
+        wcfg.mode = mode;
         let p = plan.clone();
         let written = tokio::task::spawn_blocking(move || {
             let mut w = match Writer::open(wcfg) {
@@ -765,18 +899,26 @@ impl Cycle {
 
     async fn open_pull_request(
         &self,
+        plan: &Plan,
         summary: &ChangeSummary,
-        report: &str,
         out: &mut RunOutcome,
     ) -> anyhow::Result<()> {
         let Some(fc) = &self.cfg.config_repo.forge else {
             return Ok(());
         };
+        let report = summary::report_with(
+            plan,
+            summary,
+            &summary::ReportContext {
+                promotions: &out.promotions,
+                dashboard_url: fc.dashboard_url.as_deref(),
+            },
+        );
+        let body = summary::truncate_body(&report, FORGE_BODY_LIMIT);
+        out.report = Some(report);
         let Some(forge) = Forge::from_config(fc)? else {
             return Ok(());
         };
-        let body =
-            summary::truncate_body(report, FORGE_BODY_LIMIT, &self.cfg.config_repo.pr_branch);
         let (PullRequest { number, html_url }, _) = forge
             .upsert_pull_request(
                 &self.cfg.config_repo.pr_branch,
@@ -787,6 +929,83 @@ impl Cycle {
             .await?;
         out.pull_request = Some((number, html_url));
         Ok(())
+    }
+
+    /// Direct mode: proposes the whole plan (the changes `auto_merge` kept off the base branch)
+    /// on the pull-request branch, on top of what was just committed, and opens or updates its
+    /// pull request; an outdated proposal is closed and its branch deleted. Without
+    /// `config_repo.forge` the changes are held and listed. A failure here leaves the commit
+    /// standing and is listed in `skipped` and `review`.
+    async fn propose_for_review(&self, plan: &Plan, out: &mut RunOutcome) {
+        let branch = self.cfg.config_repo.pr_branch.clone();
+        let Some(fc) = self.cfg.config_repo.forge.clone() else {
+            if !out.needs_review.is_empty() {
+                out.review = Some(format!(
+                    "{} change(s) held: promotion.auto_merge does not allow them and config_repo.forge is not set",
+                    out.needs_review.len()
+                ));
+                for r in &out.needs_review {
+                    out.skipped.push(Skipped {
+                        service: r.service.clone(),
+                        caller: None,
+                        procedure: None,
+                        reason: format!(
+                            "{}: {} needs review ({} is not in promotion.auto_merge); held",
+                            r.bucket,
+                            r.change,
+                            r.class.as_str()
+                        ),
+                    });
+                }
+            }
+            return;
+        };
+        let mut written = self
+            .write_as(plan, fc.kind == "none", RepoMode::PullRequest)
+            .await;
+        if let Ok((w, _)) = &written {
+            if let WriteStatus::BranchOutdated { .. } = w.status {
+                if let Err(e) = self.close_outdated(&fc, out).await {
+                    tracing::warn!(error = %format!("{e:#}"), "closing the outdated review proposal failed");
+                }
+                written = self.write_as(plan, true, RepoMode::PullRequest).await;
+            }
+        }
+        let failed = |out: &mut RunOutcome, e: String| {
+            tracing::warn!(error = %e, "review proposal failed; the direct commit stands");
+            out.review = Some(format!("failed: {e}"));
+            out.skipped.push(Skipped {
+                service: "*".into(),
+                caller: None,
+                procedure: None,
+                reason: format!("the changes that need review were not proposed: {e}"),
+            });
+        };
+        let w = match written {
+            Ok((w, _)) => w,
+            Err((e, _)) => return failed(out, e),
+        };
+        match &w.status {
+            WriteStatus::BranchUpdated { .. } | WriteStatus::BranchUpToDate { .. } => {
+                out.review = Some(format!("proposed on branch {branch}"));
+                if let Err(e) = self.open_pull_request(plan, &w.summary, out).await {
+                    failed(out, format!("branch {branch} pushed, but the pull request could not be opened or updated: {e:#}"));
+                }
+            }
+            WriteStatus::BranchWithdrawn { commit } => {
+                out.review = Some(format!(
+                    "deleted outdated branch {branch} (was {})",
+                    short(commit)
+                ));
+            }
+            WriteStatus::BranchHeldByHumans { authors } => {
+                out.review = Some(format!(
+                    "branch {branch} has commits by {}; left alone",
+                    authors.join(", ")
+                ));
+            }
+            _ => {}
+        }
     }
 
     /// Records the run (after flushing older buffered records); buffers it when the store is
@@ -831,7 +1050,10 @@ impl Cycle {
             commit_sha: out.commit.clone(),
             version_pushed: out.version_pushed.clone(),
             services: out.services_json(),
-            summary: out.to_string(),
+            summary: match &out.report {
+                Some(r) => format!("{out}\n{r}"),
+                None => out.to_string(),
+            },
             error: out.error.clone(),
         };
         self.flush_pending().await;

@@ -27,6 +27,7 @@ pub mod history;
 pub mod pipeline;
 pub mod plan;
 pub mod preview;
+pub mod promotion;
 pub mod push;
 pub mod readiness;
 pub mod serve;

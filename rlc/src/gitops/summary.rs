@@ -8,12 +8,10 @@ use schema::{format_rps, BucketFile, Mode, Scope};
 use serde::Serialize;
 
 use crate::plan::Plan;
+use crate::promotion::PromotionNote;
 
 /// GitHub refuses PR bodies and comments above 65,535 characters.
 pub const FORGE_BODY_LIMIT: usize = 65_535;
-
-/// Where the full report is committed in pull-request mode.
-pub const REPORT_PATH: &str = "rlc/last-run.md";
 
 /// How one bucket changed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -333,29 +331,205 @@ fn describe_kind(c: &BucketChange) -> String {
 fn evidence_str(ev: &serde_json::Value, key: &str) -> String {
     match ev.get(key) {
         Some(serde_json::Value::Number(n)) => n.as_f64().map(format_rps).unwrap_or_default(),
-        Some(serde_json::Value::String(s)) => s.replace('|', "\\|"),
+        Some(serde_json::Value::String(s)) => md_title(s),
         Some(serde_json::Value::Null) | None => "-".into(),
-        Some(v) => v.to_string().replace('|', "\\|"),
+        Some(v) => md_title(&v.to_string()),
     }
 }
 
-/// The full markdown report of a run: a table per changed service (bucket, current, proposed,
-/// change %, observed peak, policy, confidence), removed buckets, and what was skipped.
-pub fn report(plan: &Plan, summary: &ChangeSummary) -> String {
+/// What a pull request's body shows besides the plan and its changes.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ReportContext<'a> {
+    /// The verdicts on shadow buckets: promoted ones carry their shadow figures, the others are
+    /// listed with the reason they stay in shadow.
+    pub promotions: &'a [PromotionNote],
+    /// Base URL of the rlc dashboard: each bucket links to `<url>/buckets/<service>/<bucket>`.
+    pub dashboard_url: Option<&'a str>,
+}
+
+/// `s` safe to place in markdown text or a table cell: letters, digits, `-` and `.` stay (a
+/// `.` after `www` does not, so no autolink), everything else becomes an HTML character
+/// reference, so a hostile name cannot open a link, an image, HTML, a mention (`@`), a
+/// reference (`#`), emphasis or a new table cell, nor break the line.
+pub fn md(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut prev: Vec<char> = Vec::new();
+    for ch in s.chars() {
+        let www = prev.len() >= 3
+            && prev[prev.len() - 3..]
+                .iter()
+                .all(|c| c.eq_ignore_ascii_case(&'w'));
+        if ch.is_ascii_alphanumeric() || ch == '-' || (ch == '.' && !www) {
+            out.push(ch);
+        } else {
+            let _ = write!(out, "&#{};", ch as u32);
+        }
+        prev.push(ch);
+    }
+    out
+}
+
+/// `s` as one URL path segment (RFC 3986 unreserved characters kept, the rest
+/// percent-encoded).
+pub fn url_segment(s: &str) -> String {
     let mut out = String::new();
-    let _ = writeln!(out, "## {}\n", summary.title());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            out.push(b as char);
+        } else {
+            let _ = write!(out, "%{b:02X}");
+        }
+    }
+    out
+}
+
+/// The dashboard page of a bucket: `<base>/buckets/<service>/<bucket>`.
+pub fn bucket_url(base: &str, service: &str, bucket: &str) -> String {
+    format!(
+        "{}/buckets/{}/{}",
+        base.trim_end_matches('/'),
+        url_segment(service),
+        url_segment(bucket)
+    )
+}
+
+fn num(ev: &serde_json::Value, key: &str) -> Option<f64> {
+    ev.get(key).and_then(|v| v.as_f64())
+}
+
+fn when(ev: &serde_json::Value, key: &str) -> Option<String> {
+    let t = ev.get(key)?.as_str()?;
+    let t = chrono::DateTime::parse_from_rfc3339(t).ok()?;
+    Some(
+        t.with_timezone(&chrono::Utc)
+            .format("%Y-%m-%d %H:%M UTC")
+            .to_string(),
+    )
+}
+
+fn pct(v: f64) -> String {
+    if v != 0.0 && v.abs() < 0.001 {
+        format!("{:.5}%", v * 100.0)
+    } else {
+        format!("{:.3}%", v * 100.0)
+    }
+}
+
+/// The evidence line of one risky change: limit ÷ peak with the peak's minute, what a rail
+/// capped the limit from, and for a promotion its shadow figures.
+fn risky_line(pb: Option<&crate::plan::PlannedBucket>, c: &BucketChange) -> Vec<String> {
+    let mut parts = Vec::new();
+    let Some(pb) = pb else {
+        return parts;
+    };
+    let ev = &pb.evidence;
+    if let (Some(limit), Some(peak)) = (c.new_limit_rps, num(ev, "peak_rps")) {
+        if peak > 0.0 {
+            let mut p = format!(
+                "limit ÷ peak {:.2} (peak {} rps",
+                limit / peak,
+                format_rps(peak)
+            );
+            if let Some(at) = when(ev, "peak_at") {
+                let _ = write!(p, " at {at}");
+            }
+            p.push(')');
+            parts.push(p);
+        }
+    }
+    if let Some(from) = num(ev, "capped_from") {
+        parts.push(format!("capped from {} rps by the rails", format_rps(from)));
+    }
+    if let Some(p) = ev.get("promotion").filter(|p| p["promoted"] == true) {
+        let mut s = String::from("shadow:");
+        if let Some(d) = num(p, "days_in_shadow") {
+            let _ = write!(s, " {d:.1} days in shadow,");
+        }
+        if let Some(cov) = num(p, "coverage") {
+            let _ = write!(s, " coverage {:.1}%,", cov * 100.0);
+        }
+        if let Some(v) = num(p, "virtual_drop_share") {
+            let _ = write!(s, " virtual drops {}", pct(v));
+        }
+        if let Some(v) = num(p, "peak_drop_share").filter(|v| *v > 0.0) {
+            let _ = write!(s, " (worst minute {}", pct(v));
+            if let Some(at) = when(p, "peak_drop_at") {
+                let _ = write!(s, " at {at}");
+            }
+            s.push(')');
+        }
+        if let Some(v) = num(p, "suggested_limit_rps") {
+            let _ = write!(s, ", suggested limit {} rps", format_rps(v));
+        }
+        parts.push(s);
+    }
+    parts
+}
+
+/// The full markdown report of a run (the pull request's body), for a reviewer who has a
+/// minute: the risky changes first (new buckets that enforce at once, promotions out of shadow,
+/// decreases, mode, scope and match changes, removals), each with limit ÷ peak, the peak's
+/// minute, the value a rail capped it from, a promotion's shadow figures and a link to the
+/// bucket's dashboard page; then a table per changed service (bucket, current, proposed,
+/// change %, observed peak, policy, confidence); then the shadow buckets that stay in shadow and
+/// why, and what was skipped. Every name is escaped ([`md`]).
+pub fn report_with(plan: &Plan, summary: &ChangeSummary, ctx: &ReportContext<'_>) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "## {}\n", md_title(&summary.title()));
     out.push_str("Generated by rlc from `rlc/*.yaml` and observed traffic. Review the proposed limits; merging applies them to the GRL controller.\n\n");
+    let find = |service: &str, bucket: &str| {
+        plan.buckets
+            .iter()
+            .find(|b| b.service == service && b.bucket.name == bucket)
+    };
+    let mut risky: Vec<(schema::ChangeClass, &str, &BucketChange)> = summary
+        .services
+        .iter()
+        .flat_map(|s| s.changes.iter().map(move |c| (s.service.as_str(), c)))
+        .map(|(s, c)| (crate::promotion::classify(c), s, c))
+        .filter(|(k, _, _)| k.is_risky())
+        .collect();
+    risky.sort_by(|a, b| (a.0, a.1, &a.2.bucket).cmp(&(b.0, b.1, &b.2.bucket)));
+    if !risky.is_empty() {
+        let _ = writeln!(out, "### Review first: {} risky change(s)\n", risky.len());
+        for (class, service, c) in &risky {
+            let name = format!("{}/{}", md(service), md(&c.bucket));
+            let name = match ctx.dashboard_url {
+                Some(base) => format!("[{name}]({})", bucket_url(base, service, &c.bucket)),
+                None => name,
+            };
+            let what = match class {
+                schema::ChangeClass::NewEnforcing => format!(
+                    "new bucket enforcing at once at {} rps",
+                    c.new_limit_rps.map(format_rps).unwrap_or_default()
+                ),
+                schema::ChangeClass::Promotion => format!(
+                    "promotion shadow → enforce at {} rps{}",
+                    c.new_limit_rps.map(format_rps).unwrap_or_default(),
+                    match (c.old_limit_rps, c.new_limit_rps) {
+                        (Some(o), Some(n)) if o != n => format!(" (was {} rps)", format_rps(o)),
+                        _ => String::new(),
+                    }
+                ),
+                _ => md_title(&describe(c)),
+            };
+            let _ = write!(out, "- **{}** {name}: {what}", class.as_str());
+            let parts = risky_line(find(service, &c.bucket), c);
+            if !parts.is_empty() {
+                let _ = write!(out, " · {}", parts.join(" · "));
+            }
+            out.push('\n');
+        }
+        out.push('\n');
+    }
     for s in &summary.services {
-        let _ = writeln!(out, "### {}\n", s.service);
+        let _ = writeln!(out, "### {}\n", md(&s.service));
         out.push_str(
             "| bucket | current | proposed | change % | observed peak | policy | confidence |\n",
         );
         out.push_str("|---|---:|---:|---:|---:|---|---|\n");
         for c in &s.changes {
-            let pb = plan
-                .buckets
-                .iter()
-                .find(|b| b.service == s.service && b.bucket.name == c.bucket);
+            let pb = find(&s.service, &c.bucket);
             let current = c
                 .old_limit_rps
                 .map(format_rps)
@@ -379,7 +553,7 @@ pub fn report(plan: &Plan, summary: &ChangeSummary) -> String {
             let (peak, policy, conf) = match pb {
                 Some(pb) => (
                     evidence_str(&pb.evidence, "peak_rps"),
-                    pb.bucket.policy.to_string(),
+                    md(&pb.bucket.policy.to_string()),
                     evidence_str(&pb.evidence, "confidence"),
                 ),
                 None => ("-".into(), "-".into(), "-".into()),
@@ -391,7 +565,21 @@ pub fn report(plan: &Plan, summary: &ChangeSummary) -> String {
             let _ = writeln!(
                 out,
                 "| {}{mode} | {current} | {proposed} | {pct} | {peak} | {policy} | {conf} |",
-                c.bucket
+                md(&c.bucket)
+            );
+        }
+        out.push('\n');
+    }
+    let staying: Vec<&PromotionNote> = ctx.promotions.iter().filter(|p| !p.promoted).collect();
+    if !staying.is_empty() {
+        out.push_str("### Staying in shadow\n\n");
+        for p in staying {
+            let _ = writeln!(
+                out,
+                "- {}/{}: {}",
+                md(&p.service),
+                md(&p.bucket),
+                md_title(&p.reason)
             );
         }
         out.push('\n');
@@ -400,22 +588,43 @@ pub fn report(plan: &Plan, summary: &ChangeSummary) -> String {
         out.push_str("### Skipped (current quotas kept)\n\n");
         for sk in &plan.skipped {
             let what = sk.target();
-            let _ = writeln!(out, "- {what}: {}", sk.reason);
+            let _ = writeln!(out, "- {}: {}", md(&what), md_title(&sk.reason));
         }
         out.push('\n');
     }
     out
 }
 
+/// Free text built by rlc around names (titles, reasons): the characters that would make
+/// markdown, HTML, links or mentions are escaped; spaces and punctuation rlc itself writes
+/// (`,;:%()>`) stay readable.
+fn md_title(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for ch in s.chars() {
+        match ch {
+            '\n' | '\r' => out.push(' '),
+            '<' | '>' | '[' | ']' | '(' | ')' | '!' | '@' | '#' | '|' | '*' | '_' | '`' | '~'
+            | '\\' | '&' | '"' | '\'' => {
+                let _ = write!(out, "&#{};", ch as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// [`report_with`] without promotions nor dashboard links.
+pub fn report(plan: &Plan, summary: &ChangeSummary) -> String {
+    report_with(plan, summary, &ReportContext::default())
+}
+
 /// `full` cut at a line boundary to at most `limit` bytes (hence characters), with a note
-/// pointing to the full report on `branch`.
-pub fn truncate_body(full: &str, limit: usize, branch: &str) -> String {
+/// saying where the full report is: stored with the run (never committed).
+pub fn truncate_body(full: &str, limit: usize) -> String {
     if full.len() <= limit {
         return full.to_string();
     }
-    let note = format!(
-        "\n\n---\n**Truncated**: this report is longer than the forge allows. The full report is committed on branch `{branch}` in `{REPORT_PATH}`.\n"
-    );
+    let note = "\n\n---\n**Truncated**: this report is longer than the forge allows. The full report is stored with the run in rlc (`rlc serve`: `GET /v1/runs`, or the dashboard).\n";
     let budget = limit.saturating_sub(note.len());
     let mut out = String::new();
     for line in full.split_inclusive('\n') {
@@ -424,7 +633,7 @@ pub fn truncate_body(full: &str, limit: usize, branch: &str) -> String {
         }
         out.push_str(line);
     }
-    out.push_str(&note);
+    out.push_str(note);
     out
 }
 
@@ -585,8 +794,8 @@ mod tests {
             "{}",
             &full[..600]
         );
-        let body = truncate_body(&full, FORGE_BODY_LIMIT, "rlc/quotas");
+        let body = truncate_body(&full, FORGE_BODY_LIMIT);
         assert!(body.chars().count() <= FORGE_BODY_LIMIT);
-        assert!(body.contains("rlc/last-run.md"));
+        assert!(body.contains("stored with the run"));
     }
 }

@@ -16,7 +16,7 @@ use git2::{
 };
 use schema::{BucketFile, ConfigRepoConfig, RepoMode};
 
-use super::summary::{self, ChangeSummary, REPORT_PATH};
+use super::summary::{self, ChangeSummary};
 use super::GitOpsError;
 use crate::plan::Plan;
 
@@ -335,6 +335,25 @@ impl Writer {
         Ok(())
     }
 
+    /// `rlc/policies.yaml` at the base branch tip, parsed; `None` when it is absent or does not
+    /// parse (validation reports it; nothing is promoted then). Call after [`Writer::fetch`].
+    pub fn base_policies(&self) -> Result<Option<schema::PoliciesFile>, GitOpsError> {
+        let base = self.base_commit()?;
+        let tree = base.tree()?;
+        let Ok(entry) = tree.get_path(Path::new("rlc/policies.yaml")) else {
+            return Ok(None);
+        };
+        let Ok(blob) = self.repo.find_blob(entry.id()) else {
+            return Ok(None);
+        };
+        let text = String::from_utf8_lossy(blob.content());
+        Ok(
+            schema::parse_str::<schema::PoliciesFile>(Path::new("rlc/policies.yaml"), &text)
+                .ok()
+                .map(|f| f.value),
+        )
+    }
+
     /// The bucket files at the base branch tip (what the controller should run), with the
     /// commit id. Call after [`Writer::fetch`] or [`Writer::write`].
     pub fn base_buckets(&self) -> Result<(String, Vec<BucketFile>), GitOpsError> {
@@ -483,7 +502,7 @@ impl Writer {
         let summary = summary::diff(&old, &new_files);
         let report = summary::report(plan, &summary);
 
-        let mut blobs: Vec<(String, Vec<u8>)> = new_files
+        let blobs: Vec<(String, Vec<u8>)> = new_files
             .iter()
             .map(|f| {
                 (
@@ -524,13 +543,8 @@ impl Writer {
             }
             return Ok(done(WriteStatus::Unchanged, attempt));
         }
-        // Pull-request mode also commits the full report; direct mode commits the tree as is.
-        let tree_id = if self.cfg.mode == RepoMode::PullRequest {
-            blobs.push((REPORT_PATH.to_string(), report.clone().into_bytes()));
-            build_tree(&self.repo, &base_tree, &blobs).map_err(fatal)?
-        } else {
-            tree_id
-        };
+        // Only the bucket files: the run's report goes to the pull request's body and the
+        // store, never into the tree (it would land on the base branch with the merge).
         let tree = self.repo.find_tree(tree_id).map_err(|e| fatal(e.into()))?;
         validate_tree(&self.repo, &tree).map_err(fatal)?;
 
