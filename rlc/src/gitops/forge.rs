@@ -1,5 +1,7 @@
-//! A GitHub-compatible REST client for the one thing rlc needs: open or update the pull
-//! request of its stable branch.
+//! Forge clients for the one thing rlc needs: open or update the pull (merge) request of its
+//! stable branch, with labels and reviewers, and close an outdated one with a comment saying
+//! why. [`Forge`] is the one interface; [`GitHub`] (REST, `Authorization: Bearer`) and
+//! [`GitLab`] (REST API v4, `PRIVATE-TOKEN`) implement it.
 
 use serde::Deserialize;
 use serde_json::json;
@@ -35,56 +37,162 @@ pub struct PullRequest {
     pub html_url: Option<String>,
 }
 
+/// Labels and reviewers put on a pull request when it is opened or updated.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Decoration {
+    /// Label names.
+    pub labels: Vec<String>,
+    /// Reviewers: user names (GitLab also takes numeric user ids).
+    pub reviewers: Vec<String>,
+}
+
+/// The forge hosting the config repo's pull requests.
+#[derive(Debug, Clone)]
+pub enum Forge {
+    /// GitHub or a GitHub-compatible API (Gitea, Forgejo).
+    GitHub(GitHub),
+    /// GitLab (merge requests, REST API v4).
+    GitLab(GitLab),
+}
+
+impl Forge {
+    /// A GitHub client: `api_url` like `https://api.github.com`, `repo` as `owner/name`.
+    pub fn new(api_url: &str, repo: &str, token: String) -> Result<Forge, ForgeError> {
+        GitHub::new(api_url, repo, token).map(Forge::GitHub)
+    }
+
+    /// From `config_repo.forge`; `Ok(None)` for kind `none` (branch only).
+    pub fn from_config(f: &schema::ForgeConfig) -> Result<Option<Forge>, ForgeError> {
+        let token = |default_env: &str| {
+            let env = f.token_env.as_deref().unwrap_or(default_env);
+            std::env::var(env)
+                .map_err(|_| ForgeError::Config(format!("environment variable {env} is not set")))
+        };
+        let repo = || {
+            f.repo
+                .as_deref()
+                .ok_or_else(|| ForgeError::Config("forge.repo is required".into()))
+        };
+        let deco = Decoration {
+            labels: f.labels.clone(),
+            reviewers: f.reviewers.clone(),
+        };
+        let forge = match f.kind.as_str() {
+            "none" => return Ok(None),
+            "github" => {
+                let api = f.api_url.as_deref().unwrap_or("https://api.github.com");
+                Forge::GitHub(GitHub::new(api, repo()?, token("GITHUB_TOKEN")?)?)
+            }
+            "gitlab" => {
+                let api = f.api_url.as_deref().unwrap_or("https://gitlab.com/api/v4");
+                Forge::GitLab(GitLab::new(api, repo()?, token("GITLAB_TOKEN")?)?)
+            }
+            k => return Err(ForgeError::Config(format!("unknown forge kind `{k}`"))),
+        };
+        Ok(Some(forge.decorated(deco)))
+    }
+
+    /// The same forge, putting `deco`'s labels and reviewers on the pull requests it opens or
+    /// updates.
+    pub fn decorated(self, deco: Decoration) -> Forge {
+        match self {
+            Forge::GitHub(mut g) => {
+                g.deco = deco;
+                Forge::GitHub(g)
+            }
+            Forge::GitLab(mut g) => {
+                g.deco = deco;
+                Forge::GitLab(g)
+            }
+        }
+    }
+
+    /// Opens the pull request from `head` into `base`, or updates the title, body, labels and
+    /// reviewers of the open one. Returns it and whether it was created.
+    pub async fn upsert_pull_request(
+        &self,
+        head: &str,
+        base: &str,
+        title: &str,
+        body: &str,
+    ) -> Result<(PullRequest, bool), ForgeError> {
+        match self {
+            Forge::GitHub(g) => g.upsert_pull_request(head, base, title, body).await,
+            Forge::GitLab(g) => g.upsert_merge_request(head, base, title, body).await,
+        }
+    }
+
+    /// Closes the open pull request(s) of `head`, each with `comment` saying why. Returns the
+    /// closed ones (none when nothing is open).
+    pub async fn close_pull_requests(
+        &self,
+        head: &str,
+        comment: &str,
+    ) -> Result<Vec<PullRequest>, ForgeError> {
+        match self {
+            Forge::GitHub(g) => g.close_pull_requests(head, comment).await,
+            Forge::GitLab(g) => g.close_merge_requests(head, comment).await,
+        }
+    }
+}
+
+async fn check(
+    resp: reqwest::Response,
+    what: &'static str,
+) -> Result<reqwest::Response, ForgeError> {
+    if resp.status().is_success() {
+        return Ok(resp);
+    }
+    let status = resp.status().as_u16();
+    let mut body = resp.text().await.unwrap_or_default();
+    let mut cut = body.len().min(500);
+    while !body.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    body.truncate(cut);
+    Err(ForgeError::Status { status, what, body })
+}
+
+fn http() -> Result<reqwest::Client, ForgeError> {
+    Ok(reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(30))
+        .build()?)
+}
+
 /// A GitHub-compatible API for one repository.
 #[derive(Clone)]
-pub struct Forge {
+pub struct GitHub {
     http: reqwest::Client,
     api_url: String,
     owner: String,
     repo: String,
     token: String,
+    deco: Decoration,
 }
 
-impl std::fmt::Debug for Forge {
+impl std::fmt::Debug for GitHub {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Forge")
+        f.debug_struct("GitHub")
             .field("api_url", &self.api_url)
             .field("repo", &format!("{}/{}", self.owner, self.repo))
             .finish_non_exhaustive()
     }
 }
 
-impl Forge {
+impl GitHub {
     /// `api_url` like `https://api.github.com`, `repo` as `owner/name`.
-    pub fn new(api_url: &str, repo: &str, token: String) -> Result<Forge, ForgeError> {
+    pub fn new(api_url: &str, repo: &str, token: String) -> Result<GitHub, ForgeError> {
         let (owner, name) = repo
             .split_once('/')
             .ok_or_else(|| ForgeError::Config(format!("forge.repo `{repo}` is not owner/name")))?;
-        Ok(Forge {
-            http: reqwest::Client::builder()
-                .timeout(std::time::Duration::from_secs(30))
-                .build()?,
+        Ok(GitHub {
+            http: http()?,
             api_url: api_url.trim_end_matches('/').to_string(),
             owner: owner.to_string(),
             repo: name.to_string(),
             token,
+            deco: Decoration::default(),
         })
-    }
-
-    /// From `config_repo.forge`; `Ok(None)` for kind `none` (branch only).
-    pub fn from_config(f: &schema::ForgeConfig) -> Result<Option<Forge>, ForgeError> {
-        if f.kind == "none" {
-            return Ok(None);
-        }
-        let repo = f
-            .repo
-            .as_deref()
-            .ok_or_else(|| ForgeError::Config("forge.repo is required".into()))?;
-        let env = f.token_env.as_deref().unwrap_or("GITHUB_TOKEN");
-        let token = std::env::var(env)
-            .map_err(|_| ForgeError::Config(format!("environment variable {env} is not set")))?;
-        let api = f.api_url.as_deref().unwrap_or("https://api.github.com");
-        Forge::new(api, repo, token).map(Some)
     }
 
     fn req(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
@@ -94,19 +202,6 @@ impl Forge {
             .header("Accept", "application/vnd.github+json")
             .header("X-GitHub-Api-Version", "2022-11-28")
             .header("User-Agent", "rlc")
-    }
-
-    async fn check(
-        resp: reqwest::Response,
-        what: &'static str,
-    ) -> Result<reqwest::Response, ForgeError> {
-        if resp.status().is_success() {
-            return Ok(resp);
-        }
-        let status = resp.status().as_u16();
-        let mut body = resp.text().await.unwrap_or_default();
-        body.truncate(500);
-        Err(ForgeError::Status { status, what, body })
     }
 
     /// Opens the PR from `head` into `base`, or updates the title and body of the open one.
@@ -127,15 +222,16 @@ impl Forge {
             ])
             .send()
             .await?;
-        let open: Vec<PullRequest> = Self::check(resp, "list pulls").await?.json().await?;
+        let open: Vec<PullRequest> = check(resp, "list pulls").await?.json().await?;
         if let Some(pr) = open.into_iter().next() {
             let resp = self
                 .req(reqwest::Method::PATCH, &format!("{list}/{}", pr.number))
                 .json(&json!({"title": title, "body": body}))
                 .send()
                 .await?;
-            let pr: PullRequest = Self::check(resp, "update pull").await?.json().await?;
+            let pr: PullRequest = check(resp, "update pull").await?.json().await?;
             tracing::info!(number = pr.number, "updated pull request");
+            self.decorate(pr.number).await?;
             return Ok((pr, false));
         }
         let resp = self
@@ -143,9 +239,41 @@ impl Forge {
             .json(&json!({"title": title, "head": head, "base": base, "body": body}))
             .send()
             .await?;
-        let pr: PullRequest = Self::check(resp, "create pull").await?.json().await?;
+        let pr: PullRequest = check(resp, "create pull").await?.json().await?;
         tracing::info!(number = pr.number, "opened pull request");
+        self.decorate(pr.number).await?;
         Ok((pr, true))
+    }
+
+    /// Adds the labels (issue labels API) and requests the reviewers of PR `number`; both
+    /// calls are idempotent, so an update repeats them.
+    async fn decorate(&self, number: u64) -> Result<(), ForgeError> {
+        if !self.deco.labels.is_empty() {
+            let resp = self
+                .req(
+                    reqwest::Method::POST,
+                    &format!("/repos/{}/{}/issues/{number}/labels", self.owner, self.repo),
+                )
+                .json(&json!({ "labels": self.deco.labels }))
+                .send()
+                .await?;
+            check(resp, "label pull").await?;
+        }
+        if !self.deco.reviewers.is_empty() {
+            let resp = self
+                .req(
+                    reqwest::Method::POST,
+                    &format!(
+                        "/repos/{}/{}/pulls/{number}/requested_reviewers",
+                        self.owner, self.repo
+                    ),
+                )
+                .json(&json!({ "reviewers": self.deco.reviewers }))
+                .send()
+                .await?;
+            check(resp, "request reviewers").await?;
+        }
+        Ok(())
     }
 
     /// Closes the open pull request(s) of `head`, each with `comment` saying why (an issue
@@ -164,7 +292,7 @@ impl Forge {
             ])
             .send()
             .await?;
-        let open: Vec<PullRequest> = Self::check(resp, "list pulls").await?.json().await?;
+        let open: Vec<PullRequest> = check(resp, "list pulls").await?.json().await?;
         let mut closed = Vec::new();
         for pr in open {
             let resp = self
@@ -178,15 +306,191 @@ impl Forge {
                 .json(&json!({ "body": comment }))
                 .send()
                 .await?;
-            Self::check(resp, "comment on pull").await?;
+            check(resp, "comment on pull").await?;
             let resp = self
                 .req(reqwest::Method::PATCH, &format!("{list}/{}", pr.number))
                 .json(&json!({"state": "closed"}))
                 .send()
                 .await?;
-            let pr: PullRequest = Self::check(resp, "close pull").await?.json().await?;
+            let pr: PullRequest = check(resp, "close pull").await?.json().await?;
             tracing::info!(number = pr.number, "closed outdated pull request");
             closed.push(pr);
+        }
+        Ok(closed)
+    }
+}
+
+/// A GitLab project's merge requests (REST API v4; the token goes in `PRIVATE-TOKEN`).
+#[derive(Clone)]
+pub struct GitLab {
+    http: reqwest::Client,
+    api_url: String,
+    /// The project's full path, URL-encoded as one path segment (`group%2Fname`).
+    project: String,
+    token: String,
+    deco: Decoration,
+}
+
+impl std::fmt::Debug for GitLab {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GitLab")
+            .field("api_url", &self.api_url)
+            .field("project", &self.project)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A merge request as GitLab returns it.
+#[derive(Debug, Deserialize)]
+struct MergeRequest {
+    iid: u64,
+    #[serde(default)]
+    web_url: Option<String>,
+}
+
+impl From<MergeRequest> for PullRequest {
+    fn from(m: MergeRequest) -> PullRequest {
+        PullRequest {
+            number: m.iid,
+            html_url: m.web_url,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct User {
+    id: u64,
+}
+
+impl GitLab {
+    /// `api_url` like `https://gitlab.com/api/v4`, `project` as its full path
+    /// (`group/subgroup/name`) or numeric id.
+    pub fn new(api_url: &str, project: &str, token: String) -> Result<GitLab, ForgeError> {
+        if project.trim().is_empty() {
+            return Err(ForgeError::Config("forge.repo is empty".into()));
+        }
+        Ok(GitLab {
+            http: http()?,
+            api_url: api_url.trim_end_matches('/').to_string(),
+            project: crate::gitops::summary::url_segment(project),
+            token,
+            deco: Decoration::default(),
+        })
+    }
+
+    fn req(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        self.http
+            .request(
+                method,
+                format!("{}/projects/{}{path}", self.api_url, self.project),
+            )
+            .header("PRIVATE-TOKEN", &self.token)
+            .header("User-Agent", "rlc")
+    }
+
+    async fn open_for(&self, head: &str) -> Result<Vec<MergeRequest>, ForgeError> {
+        let resp = self
+            .req(reqwest::Method::GET, "/merge_requests")
+            .query(&[("source_branch", head), ("state", "opened")])
+            .send()
+            .await?;
+        Ok(check(resp, "list merge requests").await?.json().await?)
+    }
+
+    /// The reviewers as user ids: numbers are taken as ids, names looked up
+    /// (`GET /users?username=`). An unknown name is an error naming it.
+    async fn reviewer_ids(&self) -> Result<Vec<u64>, ForgeError> {
+        let mut ids = Vec::new();
+        for r in &self.deco.reviewers {
+            if let Ok(id) = r.parse::<u64>() {
+                ids.push(id);
+                continue;
+            }
+            let resp = self
+                .http
+                .get(format!("{}/users", self.api_url))
+                .query(&[("username", r.as_str())])
+                .header("PRIVATE-TOKEN", &self.token)
+                .header("User-Agent", "rlc")
+                .send()
+                .await?;
+            let users: Vec<User> = check(resp, "look up reviewer").await?.json().await?;
+            match users.first() {
+                Some(u) => ids.push(u.id),
+                None => {
+                    return Err(ForgeError::Config(format!(
+                        "forge.reviewers: no GitLab user `{r}`"
+                    )))
+                }
+            }
+        }
+        Ok(ids)
+    }
+
+    /// Opens the merge request from `head` into `base`, or updates the open one (title,
+    /// description, labels, reviewers). Returns it and whether it was created.
+    pub async fn upsert_merge_request(
+        &self,
+        head: &str,
+        base: &str,
+        title: &str,
+        body: &str,
+    ) -> Result<(PullRequest, bool), ForgeError> {
+        let mut fields = json!({"title": title, "description": body});
+        if !self.deco.labels.is_empty() {
+            fields["labels"] = json!(self.deco.labels.join(","));
+        }
+        if !self.deco.reviewers.is_empty() {
+            fields["reviewer_ids"] = json!(self.reviewer_ids().await?);
+        }
+        if let Some(mr) = self.open_for(head).await?.into_iter().next() {
+            let resp = self
+                .req(reqwest::Method::PUT, &format!("/merge_requests/{}", mr.iid))
+                .json(&fields)
+                .send()
+                .await?;
+            let mr: MergeRequest = check(resp, "update merge request").await?.json().await?;
+            tracing::info!(iid = mr.iid, "updated merge request");
+            return Ok((mr.into(), false));
+        }
+        fields["source_branch"] = json!(head);
+        fields["target_branch"] = json!(base);
+        let resp = self
+            .req(reqwest::Method::POST, "/merge_requests")
+            .json(&fields)
+            .send()
+            .await?;
+        let mr: MergeRequest = check(resp, "create merge request").await?.json().await?;
+        tracing::info!(iid = mr.iid, "opened merge request");
+        Ok((mr.into(), true))
+    }
+
+    /// Closes the open merge request(s) of `head`, each with a note saying why, then
+    /// `state_event: close`.
+    pub async fn close_merge_requests(
+        &self,
+        head: &str,
+        comment: &str,
+    ) -> Result<Vec<PullRequest>, ForgeError> {
+        let mut closed = Vec::new();
+        for mr in self.open_for(head).await? {
+            let resp = self
+                .req(
+                    reqwest::Method::POST,
+                    &format!("/merge_requests/{}/notes", mr.iid),
+                )
+                .json(&json!({ "body": comment }))
+                .send()
+                .await?;
+            check(resp, "note on merge request").await?;
+            let resp = self
+                .req(reqwest::Method::PUT, &format!("/merge_requests/{}", mr.iid))
+                .json(&json!({"state_event": "close"}))
+                .send()
+                .await?;
+            let mr: MergeRequest = check(resp, "close merge request").await?.json().await?;
+            tracing::info!(iid = mr.iid, "closed outdated merge request");
+            closed.push(mr.into());
         }
         Ok(closed)
     }

@@ -7,7 +7,7 @@ pub mod writer;
 
 use std::path::PathBuf;
 
-pub use forge::{Forge, ForgeError, PullRequest};
+pub use forge::{Decoration, Forge, ForgeError, GitHub, GitLab, PullRequest};
 pub use summary::{ChangeKind, ChangeSummary};
 pub use writer::{WriteOutcome, WriteStatus, Writer, WriterConfig};
 

@@ -318,6 +318,8 @@ pub(crate) struct FakeForge {
     pub(crate) prs: Arc<Mutex<Vec<Value>>>,
     pub(crate) problems: Arc<Mutex<Vec<String>>>,
     pub(crate) calls: Arc<Mutex<Vec<String>>>,
+    /// `(pr number, labels or reviewers body)` of the decoration calls.
+    pub(crate) decorations: Arc<Mutex<Vec<(u64, Value)>>>,
 }
 
 impl FakeForge {
@@ -491,12 +493,37 @@ async fn comment(
     )
 }
 
+async fn decorate(
+    State(f): State<FakeForge>,
+    h: HeaderMap,
+    AxPath((_o, _r, n)): AxPath<(String, String, u64)>,
+    Json(body): Json<Value>,
+) -> (StatusCode, Json<Value>) {
+    f.calls.lock().unwrap().push(format!("DECORATE {n}"));
+    if !f.check_auth(&h) {
+        return (
+            StatusCode::UNAUTHORIZED,
+            Json(json!({"message": "Bad credentials"})),
+        );
+    }
+    if f.prs.lock().unwrap().get(n as usize - 1).is_none() {
+        return (StatusCode::NOT_FOUND, Json(json!({"message": "Not Found"})));
+    }
+    f.decorations.lock().unwrap().push((n, body.clone()));
+    (StatusCode::OK, Json(json!({})))
+}
+
 pub(crate) async fn spawn_forge() -> (String, FakeForge) {
     let f = FakeForge::default();
     let app = Router::new()
         .route("/repos/{o}/{r}/pulls", get(list).post(create))
         .route("/repos/{o}/{r}/pulls/{n}", patch(update))
         .route("/repos/{o}/{r}/issues/{n}/comments", post(comment))
+        .route("/repos/{o}/{r}/issues/{n}/labels", post(decorate))
+        .route(
+            "/repos/{o}/{r}/pulls/{n}/requested_reviewers",
+            post(decorate),
+        )
         .with_state(f.clone());
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
@@ -917,4 +944,332 @@ fn decreases_are_read_from_the_base_history_within_a_bound() {
     let err = w.decreases_since(&services, 0, 2).unwrap_err();
     assert!(matches!(err, GitOpsError::History(_)), "{err}");
     assert!(err.to_string().contains("more than 2 commits"), "{err}");
+}
+
+#[tokio::test]
+async fn github_pull_requests_get_the_configured_labels_and_reviewers() {
+    let (url, fake) = spawn_forge().await;
+    let forge = Forge::new(&url, "acme/config", "forge-token".into())
+        .unwrap()
+        .decorated(Decoration {
+            labels: vec!["quotas".into(), "rlc".into()],
+            reviewers: vec!["alice".into()],
+        });
+    let body = "| bucket | current | proposed | change % | observed peak | policy | confidence |\n";
+    forge
+        .upsert_pull_request("rlc/quotas", "main", "rlc: t", body)
+        .await
+        .unwrap();
+    forge
+        .upsert_pull_request("rlc/quotas", "main", "rlc: t2", body)
+        .await
+        .unwrap();
+    let deco = fake.decorations.lock().unwrap().clone();
+    assert_eq!(
+        deco,
+        [
+            (1, json!({"labels": ["quotas", "rlc"]})),
+            (1, json!({"reviewers": ["alice"]})),
+            (1, json!({"labels": ["quotas", "rlc"]})),
+            (1, json!({"reviewers": ["alice"]})),
+        ]
+    );
+    assert!(fake.problems.lock().unwrap().is_empty());
+}
+
+/// A stand-in GitLab API v4 that checks every request (path with the URL-encoded project,
+/// `PRIVATE-TOKEN`, bodies) and records what it got.
+#[derive(Clone, Default)]
+pub(crate) struct FakeGitLab {
+    pub(crate) mrs: Arc<Mutex<Vec<Value>>>,
+    pub(crate) problems: Arc<Mutex<Vec<String>>>,
+    pub(crate) calls: Arc<Mutex<Vec<String>>>,
+}
+
+impl FakeGitLab {
+    fn check(&self, h: &HeaderMap, uri: &axum::http::Uri) -> Result<(), (StatusCode, Json<Value>)> {
+        let path = uri.path();
+        if path != "/api/v4/users" && !path.starts_with("/api/v4/projects/acme%2Fconfig/") {
+            self.problems
+                .lock()
+                .unwrap()
+                .push(format!("unexpected path {path}"));
+        }
+        if h.get("private-token").and_then(|v| v.to_str().ok()) != Some("gl-token") {
+            self.problems
+                .lock()
+                .unwrap()
+                .push("missing or wrong PRIVATE-TOKEN".into());
+            return Err((
+                StatusCode::UNAUTHORIZED,
+                Json(json!({"message": "401 Unauthorized"})),
+            ));
+        }
+        Ok(())
+    }
+}
+
+type GlReply = (StatusCode, Json<Value>);
+
+async fn gl_list(
+    State(f): State<FakeGitLab>,
+    h: HeaderMap,
+    uri: axum::http::Uri,
+    Query(q): Query<std::collections::HashMap<String, String>>,
+) -> GlReply {
+    f.calls.lock().unwrap().push(format!(
+        "GET source_branch={:?} state={:?}",
+        q.get("source_branch"),
+        q.get("state")
+    ));
+    if let Err(e) = f.check(&h, &uri) {
+        return e;
+    }
+    let branch = q.get("source_branch").cloned().unwrap_or_default();
+    let state = q.get("state").cloned().unwrap_or_default();
+    let found: Vec<Value> = f
+        .mrs
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|m| m["source_branch"] == branch.as_str() && m["state"] == state.as_str())
+        .cloned()
+        .collect();
+    (StatusCode::OK, Json(Value::Array(found)))
+}
+
+async fn gl_create(
+    State(f): State<FakeGitLab>,
+    h: HeaderMap,
+    uri: axum::http::Uri,
+    Json(body): Json<Value>,
+) -> GlReply {
+    f.calls.lock().unwrap().push(format!(
+        "POST {} -> {}",
+        body["source_branch"], body["target_branch"]
+    ));
+    if let Err(e) = f.check(&h, &uri) {
+        return e;
+    }
+    if body["title"].as_str().unwrap_or_default().is_empty()
+        || body["description"].as_str().is_none()
+    {
+        f.problems
+            .lock()
+            .unwrap()
+            .push(format!("create without title or description: {body}"));
+    }
+    let mut mrs = f.mrs.lock().unwrap();
+    let iid = mrs.len() as u64 + 1;
+    let mut mr = body.clone();
+    mr["iid"] = json!(iid);
+    mr["id"] = json!(1000 + iid);
+    mr["state"] = json!("opened");
+    mr["notes"] = json!([]);
+    mr["web_url"] = json!(format!("http://gitlab/acme/config/-/merge_requests/{iid}"));
+    mrs.push(mr.clone());
+    (StatusCode::CREATED, Json(mr))
+}
+
+async fn gl_update(
+    State(f): State<FakeGitLab>,
+    h: HeaderMap,
+    uri: axum::http::Uri,
+    AxPath((_p, iid)): AxPath<(String, u64)>,
+    Json(body): Json<Value>,
+) -> GlReply {
+    f.calls.lock().unwrap().push(format!("PUT {iid} {body}"));
+    if let Err(e) = f.check(&h, &uri) {
+        return e;
+    }
+    let mut mrs = f.mrs.lock().unwrap();
+    let Some(mr) = mrs.get_mut(iid as usize - 1) else {
+        return (
+            StatusCode::NOT_FOUND,
+            Json(json!({"message": "404 Not found"})),
+        );
+    };
+    if body["state_event"] == "close" {
+        if mr["notes"].as_array().is_none_or(|n| n.is_empty()) {
+            f.problems
+                .lock()
+                .unwrap()
+                .push(format!("MR {iid} closed without a note saying why"));
+        }
+        mr["state"] = json!("closed");
+        return (StatusCode::OK, Json(mr.clone()));
+    }
+    for (k, v) in body.as_object().unwrap() {
+        mr[k] = v.clone();
+    }
+    (StatusCode::OK, Json(mr.clone()))
+}
+
+async fn gl_note(
+    State(f): State<FakeGitLab>,
+    h: HeaderMap,
+    uri: axum::http::Uri,
+    AxPath((_p, iid)): AxPath<(String, u64)>,
+    Json(body): Json<Value>,
+) -> GlReply {
+    f.calls.lock().unwrap().push(format!("NOTE {iid}"));
+    if let Err(e) = f.check(&h, &uri) {
+        return e;
+    }
+    let mut mrs = f.mrs.lock().unwrap();
+    let Some(mr) = mrs.get_mut(iid as usize - 1) else {
+        return (
+            StatusCode::NOT_FOUND,
+            Json(json!({"message": "404 Not found"})),
+        );
+    };
+    mr["notes"]
+        .as_array_mut()
+        .unwrap()
+        .push(body["body"].clone());
+    (StatusCode::CREATED, Json(json!({"id": 1})))
+}
+
+async fn gl_users(
+    State(f): State<FakeGitLab>,
+    h: HeaderMap,
+    uri: axum::http::Uri,
+    Query(q): Query<std::collections::HashMap<String, String>>,
+) -> GlReply {
+    f.calls
+        .lock()
+        .unwrap()
+        .push(format!("USERS {:?}", q.get("username")));
+    if let Err(e) = f.check(&h, &uri) {
+        return e;
+    }
+    let users = match q.get("username").map(String::as_str) {
+        Some("alice") => json!([{"id": 42, "username": "alice"}]),
+        _ => json!([]),
+    };
+    (StatusCode::OK, Json(users))
+}
+
+pub(crate) async fn spawn_gitlab() -> (String, FakeGitLab) {
+    let f = FakeGitLab::default();
+    let app = Router::new()
+        .route(
+            "/api/v4/projects/{p}/merge_requests",
+            get(gl_list).post(gl_create),
+        )
+        .route(
+            "/api/v4/projects/{p}/merge_requests/{iid}",
+            axum::routing::put(gl_update),
+        )
+        .route(
+            "/api/v4/projects/{p}/merge_requests/{iid}/notes",
+            post(gl_note),
+        )
+        .route("/api/v4/users", get(gl_users))
+        .with_state(f.clone());
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(axum::serve(l, app).into_future());
+    (format!("http://{addr}/api/v4"), f)
+}
+
+#[tokio::test]
+async fn gitlab_merge_requests_are_created_updated_and_closed_with_a_note() {
+    let (url, fake) = spawn_gitlab().await;
+    std::env::set_var("RLC_TEST_GITLAB_TOKEN", "gl-token");
+    let cfg: schema::ForgeConfig = serde_yaml::from_str(&format!(
+        "kind: gitlab\napi_url: {url}\nrepo: acme/config\ntoken_env: RLC_TEST_GITLAB_TOKEN\nlabels: [quotas, rlc]\nreviewers: [alice, \"7\"]\n"
+    ))
+    .unwrap();
+    let forge = Forge::from_config(&cfg).unwrap().unwrap();
+    assert!(matches!(forge, Forge::GitLab(_)));
+    let (mr, created) = forge
+        .upsert_pull_request("rlc/quotas", "main", "rlc: t", "body 1")
+        .await
+        .unwrap();
+    assert!(created);
+    assert_eq!(mr.number, 1);
+    assert_eq!(
+        mr.html_url.as_deref(),
+        Some("http://gitlab/acme/config/-/merge_requests/1")
+    );
+    {
+        let mrs = fake.mrs.lock().unwrap();
+        assert_eq!(mrs[0]["source_branch"], "rlc/quotas");
+        assert_eq!(mrs[0]["target_branch"], "main");
+        assert_eq!(mrs[0]["description"], "body 1");
+        assert_eq!(mrs[0]["labels"], "quotas,rlc");
+        assert_eq!(mrs[0]["reviewer_ids"], json!([42, 7]));
+    }
+    // The open one is found by its source branch and updated, not duplicated.
+    let (mr, created) = forge
+        .upsert_pull_request("rlc/quotas", "main", "rlc: t2", "body 2")
+        .await
+        .unwrap();
+    assert!(!created);
+    assert_eq!(mr.number, 1);
+    assert_eq!(fake.mrs.lock().unwrap().len(), 1);
+    assert_eq!(fake.mrs.lock().unwrap()[0]["description"], "body 2");
+    assert_eq!(fake.mrs.lock().unwrap()[0]["title"], "rlc: t2");
+    // Closing: a note, then state_event close.
+    let closed = forge
+        .close_pull_requests("rlc/quotas", "outdated")
+        .await
+        .unwrap();
+    assert_eq!(closed.len(), 1);
+    {
+        let mrs = fake.mrs.lock().unwrap();
+        assert_eq!(mrs[0]["state"], "closed");
+        assert_eq!(mrs[0]["notes"], json!(["outdated"]));
+    }
+    // Nothing open any more: nothing to close, and the next proposal is a new MR.
+    assert!(forge
+        .close_pull_requests("rlc/quotas", "outdated")
+        .await
+        .unwrap()
+        .is_empty());
+    let (mr, created) = forge
+        .upsert_pull_request("rlc/quotas", "main", "rlc: t3", "body 3")
+        .await
+        .unwrap();
+    assert!(created);
+    assert_eq!(mr.number, 2);
+    assert!(
+        fake.problems.lock().unwrap().is_empty(),
+        "{:?}",
+        fake.problems.lock().unwrap()
+    );
+    let calls = fake.calls.lock().unwrap().clone();
+    assert_eq!(
+        calls[..4],
+        [
+            "USERS Some(\"alice\")",
+            "GET source_branch=Some(\"rlc/quotas\") state=Some(\"opened\")",
+            "POST \"rlc/quotas\" -> \"main\"",
+            "USERS Some(\"alice\")",
+        ]
+    );
+
+    // A wrong token is refused with the status; an unknown reviewer is named.
+    let bad = Forge::GitLab(GitLab::new(&url, "acme/config", "nope".into()).unwrap());
+    let err = bad
+        .upsert_pull_request("rlc/quotas", "main", "t", "b")
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, ForgeError::Status { status: 401, .. }),
+        "{err}"
+    );
+    let who = forge.decorated(Decoration {
+        labels: vec![],
+        reviewers: vec!["mallory".into()],
+    });
+    let err = who
+        .upsert_pull_request("rlc/quotas", "main", "t", "b")
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("no GitLab user `mallory`"),
+        "{err}"
+    );
 }
