@@ -681,3 +681,381 @@ async fn a_store_replaced_during_a_run_is_an_error() {
     )
     .await;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Promotion out of shadow over days of simulated shadow figures.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use crate::promotion::{BucketKey, ShadowQuery};
+use crate::readiness::ShadowStats;
+
+const PROMOTION: &str = "promotion:\n  default:\n    min_days_in_shadow: 7\n";
+
+/// A remote whose `payments` service has one enforced bucket and three in shadow: `steady`
+/// (traffic well under its limit), `hot` (above its limit now and then) and `silent` (no
+/// shadow reports at all).
+fn shadow_remote(promotion: &str) -> GitRemote {
+    // Rendered as rlc renders: an unchanged plan makes no commit.
+    let buckets = schema::render_bucket_file(&shadow_plan().bucket_files()[0]);
+    let policies = format!("default:\n  policy: peak\n  headroom: 0.25\n{promotion}");
+    GitRemote::new(
+        "main",
+        &[
+            ("rlc/policies.yaml", policies.as_str()),
+            ("buckets/payments.yaml", buckets.as_str()),
+        ],
+    )
+    .unwrap()
+}
+
+/// The plan of every run: the same limits as the repo (only promotions can change anything).
+fn shadow_plan() -> Plan {
+    let mut buckets = vec![planned("payments", "gw", 100.0)];
+    for name in ["hot", "silent", "steady"] {
+        let mut b = planned("payments", name, 100.0);
+        b.bucket.mode = schema::Mode::Shadow;
+        buckets.push(b);
+    }
+    for b in &mut buckets {
+        b.current_limit_rps = Some(100.0);
+        b.evidence = serde_json::json!({"peak_rps": 80.0, "confidence": 1.0, "peak_at": "2026-11-20T14:03:00Z"});
+    }
+    plan(buckets)
+}
+
+/// Shadow figures of a bucket in shadow for `days` (capped to the window), from per-minute
+/// offered rates `rate(minute)` under `limit`: what the shadow store computes from its
+/// per-minute roll-ups.
+fn simulate(
+    key: &BucketKey,
+    q: &ShadowQuery,
+    days: u32,
+    limit: f64,
+    rate: impl Fn(usize) -> f64,
+) -> ShadowStats {
+    let since = q.now - chrono::Duration::days(days as i64);
+    let start = since.max(q.window_start);
+    let window_minutes = (q.now - q.window_start).num_minutes().max(1) as f64;
+    let minutes = (q.now - start).num_minutes().max(0) as usize;
+    let (mut offered, mut vdrop, mut peak, mut peak_at) = (0.0, 0.0, 0.0f64, None);
+    let mut rates = Vec::with_capacity(minutes);
+    for m in 0..minutes {
+        let r = rate(m);
+        rates.push(r);
+        let d = (r - limit).max(0.0);
+        offered += r * 60.0;
+        vdrop += d * 60.0;
+        if r > 0.0 && d / r > peak {
+            peak = d / r;
+            peak_at = Some(start + chrono::Duration::minutes(m as i64));
+        }
+    }
+    ShadowStats {
+        service: key.0.clone(),
+        bucket: key.1.clone(),
+        mode: "shadow".into(),
+        window_start: q.window_start,
+        window_end: q.now,
+        shadow_since: Some(since),
+        last_report: Some(q.now - chrono::Duration::seconds(30)),
+        coverage: minutes as f64 / window_minutes,
+        offered,
+        virtual_dropped: vdrop,
+        dropped: 0.0,
+        peak_drop_share: peak,
+        peak_drop_at: peak_at,
+        limit_rps: limit,
+        suggested_limit_rps: crate::readiness::suggested_limit(&rates, 1e-4),
+    }
+}
+
+/// A shadow source simulating `day` days of shadow reports: `steady` at 40–60 rps, `hot`
+/// at 80 rps with one minute in 50 at 160 rps, `silent` without reports. Counts the queries.
+fn simulated_source(day: Arc<AtomicU32>, queries: Arc<AtomicU32>) -> ShadowSource {
+    Arc::new(move |q: ShadowQuery| {
+        let days = day.load(Ordering::SeqCst);
+        queries.fetch_add(1, Ordering::SeqCst);
+        Box::pin(async move {
+            let mut out = BTreeMap::new();
+            for k in &q.buckets {
+                let s = match k.1.as_str() {
+                    "steady" => simulate(k, &q, days, 100.0, |m| {
+                        50.0 + 10.0 * ((m % 60) as f64 / 30.0 - 1.0)
+                    }),
+                    "hot" => simulate(
+                        k,
+                        &q,
+                        days,
+                        100.0,
+                        |m| if m % 50 == 0 { 160.0 } else { 80.0 },
+                    ),
+                    _ => continue,
+                };
+                out.insert(k.clone(), s);
+            }
+            Ok(out)
+        })
+    })
+}
+
+fn reasons(out: &RunOutcome) -> Vec<(String, bool, String)> {
+    out.promotions
+        .iter()
+        .map(|p| (p.bucket.clone(), p.promoted, p.reason.clone()))
+        .collect()
+}
+
+#[tokio::test]
+async fn a_ready_shadow_bucket_is_proposed_once_in_a_pr_that_lists_it_first() {
+    let remote = shadow_remote(PROMOTION);
+    let seed = remote.head("main").unwrap();
+    let (ctl_url, _ctl) = spawn_controller().await;
+    let (forge_url, forge) = spawn_forge().await;
+    let extra = format!(
+        "  mode: pull-request\n  forge:\n    kind: github\n    api_url: {forge_url}\n    repo: acme/config\n    token_env: RLC_TEST_FORGE_TOKEN\n    dashboard_url: http://dash.example/\n"
+    );
+    let cfg = config(&remote, &ctl_url, &extra);
+    let base = remote.scratch("");
+    let day = Arc::new(AtomicU32::new(3));
+    let queries = Arc::new(AtomicU32::new(0));
+    let mut cycle = Cycle::new(cfg, &base);
+    cycle.set_shadow_source(simulated_source(day.clone(), queries.clone()));
+    let p = shadow_plan();
+
+    // Day 3: nothing is ready; every shadow bucket says why.
+    let out = cycle.apply(&p, "schedule").await;
+    assert_eq!(out.status, RunStatus::Unchanged, "{out}");
+    let r = reasons(&out);
+    assert_eq!(r.len(), 3, "{r:?}");
+    assert_eq!((r[0].0.as_str(), r[0].1), ("hot", false));
+    assert!(r[0].2.contains("3.0 of 7 days in shadow"), "{r:?}");
+    assert!(r[0].2.contains("virtual drops"), "{r:?}");
+    assert_eq!(
+        (r[1].0.as_str(), r[1].1, r[1].2.as_str()),
+        ("silent", false, "not yet: no shadow reports")
+    );
+    assert_eq!((r[2].0.as_str(), r[2].1), ("steady", false));
+    assert!(
+        r[2].2.starts_with("not yet: coverage 42.9% < 90.0%"),
+        "{r:?}"
+    );
+    assert!(
+        out.to_string()
+            .contains("promotion payments/silent: stays in shadow (not yet: no shadow reports)"),
+        "{out}"
+    );
+    assert!(forge.prs.lock().unwrap().is_empty(), "{out}");
+    assert_eq!(remote.head("rlc/quotas"), None);
+
+    // Day 8: `steady` meets the rule and is proposed; `hot` would throttle; `silent` has
+    // no data.
+    day.store(8, Ordering::SeqCst);
+    let out = cycle.apply(&p, "schedule").await;
+    assert_eq!(out.status, RunStatus::Success, "{out}");
+    assert_eq!(out.pull_request.as_ref().map(|p| p.0), Some(1), "{out}");
+    let r = reasons(&out);
+    assert_eq!(
+        r.iter()
+            .map(|(b, p, _)| (b.as_str(), *p))
+            .collect::<Vec<_>>(),
+        [("hot", false), ("silent", false), ("steady", true)]
+    );
+    // The 7-day window (10,080 minutes) has 202 minutes at 160 rps (minutes 0, 50, …) over a
+    // 100 rps limit, the rest at 80.
+    let hot_share = (202.0 * 60.0) / (202.0 * 160.0 + (10_080.0 - 202.0) * 80.0);
+    assert_eq!(
+        r[0].2,
+        format!("would throttle {:.3}% of requests", hot_share * 100.0)
+    );
+    assert_eq!(
+        remote.head("main").as_deref(),
+        Some(seed.as_str()),
+        "base untouched"
+    );
+    let branch = remote.read("rlc/quotas", "buckets/payments.yaml").unwrap();
+    let modes: Vec<&str> = branch
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("mode: "))
+        .collect();
+    assert_eq!(
+        modes,
+        ["enforce", "shadow", "shadow", "enforce"],
+        "{branch}"
+    );
+    {
+        let prs = forge.prs.lock().unwrap();
+        assert_eq!(prs.len(), 1);
+        let body = prs[0]["body"].as_str().unwrap();
+        let first = body.find("- **").expect(body);
+        assert!(
+            body[first..].starts_with("- **promotion** [payments/steady](http://dash.example/buckets/payments/steady): promotion shadow → enforce at 100 rps · limit ÷ peak 1.25 (peak 80 rps at 2026-11-20 14:03 UTC) · shadow: 8.0 days in shadow, coverage 100.0%, virtual drops 0.000%"),
+            "{body}"
+        );
+        // The suggested limit keeps virtual drops ≤ 0.01 %: just under the 59.67 rps peak.
+        let suggested: f64 = body[first..]
+            .split("suggested limit ")
+            .nth(1)
+            .and_then(|r| r.split(' ').next())
+            .and_then(|v| v.parse().ok())
+            .expect(body);
+        assert!(
+            suggested > 59.0 && suggested <= 50.0 + 10.0 * (59.0 / 30.0 - 1.0),
+            "{body}"
+        );
+        assert!(first < body.find("| bucket | current |").unwrap(), "{body}");
+        assert!(
+            body.contains("### Staying in shadow\n\n- payments/hot: would throttle"),
+            "{body}"
+        );
+        assert!(
+            body.contains("- payments/silent: not yet: no shadow reports"),
+            "{body}"
+        );
+        assert!(!body.contains("**promotion** [payments/hot"), "{body}");
+        assert!(
+            forge.problems.lock().unwrap().is_empty(),
+            "{:?}",
+            forge.problems.lock().unwrap()
+        );
+    }
+    // The stored run carries the full report (it is not committed anywhere).
+    let runs = cycle.store().await.unwrap().recent_runs(1).await.unwrap();
+    assert!(
+        runs[0].summary.contains("**promotion**"),
+        "{}",
+        runs[0].summary
+    );
+    assert!(remote.read("rlc/quotas", "rlc/last-run.md").is_err());
+
+    // Day 9: the proposal stands; the PR is updated, not duplicated.
+    day.store(9, Ordering::SeqCst);
+    let out = cycle.apply(&p, "schedule").await;
+    assert_eq!(out.pull_request.as_ref().map(|p| p.0), Some(1), "{out}");
+    assert_eq!(forge.prs.lock().unwrap().len(), 1);
+    let posts = forge
+        .calls
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|c| c.starts_with("POST"))
+        .count();
+    assert_eq!(posts, 1);
+
+    // A person merges: the bucket is enforced and never proposed again.
+    remote.human_merge("rlc/quotas").unwrap();
+    day.store(10, Ordering::SeqCst);
+    let out = cycle.apply(&p_after_merge(), "schedule").await;
+    assert_eq!(out.status, RunStatus::Unchanged, "{out}");
+    assert_eq!(
+        reasons(&out)
+            .iter()
+            .map(|(b, _, _)| b.as_str())
+            .collect::<Vec<_>>(),
+        ["hot", "silent"]
+    );
+    assert_eq!(forge.prs.lock().unwrap().len(), 1);
+    assert!(queries.load(Ordering::SeqCst) >= 4);
+}
+
+/// The plan once `steady` is enforced in the repo.
+fn p_after_merge() -> Plan {
+    let mut p = shadow_plan();
+    for b in &mut p.buckets {
+        if b.bucket.name == "steady" {
+            b.bucket.mode = schema::Mode::Enforce;
+        }
+    }
+    p
+}
+
+#[tokio::test]
+async fn direct_mode_commits_a_promotion_once_when_auto_merge_allows_it() {
+    let remote = shadow_remote("promotion:\n  default:\n    auto_merge: [raise, promotion]\n");
+    let seed = remote.head("main").unwrap();
+    let (ctl_url, _ctl) = spawn_controller().await;
+    let cfg = config(&remote, &ctl_url, "");
+    let base = remote.scratch("");
+    let day = Arc::new(AtomicU32::new(8));
+    let mut cycle = Cycle::new(cfg, &base);
+    cycle.set_shadow_source(simulated_source(day, Arc::new(AtomicU32::new(0))));
+
+    let out = cycle.apply(&shadow_plan(), "schedule").await;
+    assert_eq!(out.status, RunStatus::Success, "{out}");
+    let head = remote.head("main").unwrap();
+    assert_ne!(head, seed);
+    let file = remote.read("main", "buckets/payments.yaml").unwrap();
+    assert!(file.contains("name: steady\n    caller: steady\n    scope: global\n    limit_rps: 100\n    mode: enforce"), "{file}");
+    assert!(
+        file.contains(
+            "name: hot\n    caller: hot\n    scope: global\n    limit_rps: 100\n    mode: shadow"
+        ),
+        "{file}"
+    );
+    assert!(
+        out.to_string()
+            .contains("payments/steady: modified 100 -> 100 (mode shadow -> enforce)"),
+        "{out}"
+    );
+    // The planner reads the new base: steady is enforced, so it is not a candidate.
+    let out = cycle.apply(&p_after_merge(), "schedule").await;
+    assert_eq!(out.status, RunStatus::Unchanged, "{out}");
+    assert_eq!(remote.head("main").as_deref(), Some(head.as_str()));
+    assert!(out.promotions.iter().all(|p| p.bucket != "steady"));
+    // Even a planner that still says shadow cannot demote it: no candidate, no promotion, and
+    // the change is a mode change that auto_merge does not allow.
+    let out = cycle.apply(&shadow_plan(), "schedule").await;
+    assert_eq!(remote.head("main").as_deref(), Some(head.as_str()), "{out}");
+    assert_eq!(out.needs_review.len(), 1, "{out}");
+}
+
+#[tokio::test]
+async fn direct_mode_holds_a_promotion_without_a_forge_and_proposes_it_with_one() {
+    // Default auto_merge: promotions need review.
+    let remote = shadow_remote(PROMOTION);
+    let seed = remote.head("main").unwrap();
+    let (ctl_url, _ctl) = spawn_controller().await;
+    let day = Arc::new(AtomicU32::new(8));
+
+    let mut held = Cycle::new(config(&remote, &ctl_url, ""), &remote.scratch("a"));
+    held.set_shadow_source(simulated_source(day.clone(), Arc::new(AtomicU32::new(0))));
+    let out = held.apply(&shadow_plan(), "schedule").await;
+    assert_eq!(out.status, RunStatus::Unchanged, "{out}");
+    assert_eq!(remote.head("main").as_deref(), Some(seed.as_str()), "{out}");
+    assert_eq!(remote.head("main").as_deref(), Some(seed.as_str()));
+    assert_eq!(out.needs_review.len(), 1);
+    assert_eq!(out.needs_review[0].bucket, "steady");
+    assert_eq!(out.needs_review[0].class, schema::ChangeClass::Promotion);
+    let text = out.to_string();
+    assert!(
+        text.contains("needs review payments/steady (promotion)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("held: promotion.auto_merge does not allow them"),
+        "{text}"
+    );
+
+    // With a forge: the promotion goes to the PR branch, the base stays as it is.
+    let (forge_url, forge) = spawn_forge().await;
+    let extra = format!(
+        "  forge:\n    kind: github\n    api_url: {forge_url}\n    repo: acme/config\n    token_env: RLC_TEST_FORGE_TOKEN\n"
+    );
+    let mut proposing = Cycle::new(config(&remote, &ctl_url, &extra), &remote.scratch("b"));
+    proposing.set_shadow_source(simulated_source(day, Arc::new(AtomicU32::new(0))));
+    let out = proposing.apply(&shadow_plan(), "schedule").await;
+    assert_eq!(remote.head("main").as_deref(), Some(seed.as_str()), "{out}");
+    assert_eq!(out.pull_request.as_ref().map(|p| p.0), Some(1), "{out}");
+    assert_eq!(out.review.as_deref(), Some("proposed on branch rlc/quotas"));
+    let branch = remote.read("rlc/quotas", "buckets/payments.yaml").unwrap();
+    assert!(branch.contains("name: steady\n    caller: steady\n    scope: global\n    limit_rps: 100\n    mode: enforce"), "{branch}");
+    let body = forge.prs.lock().unwrap()[0]["body"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        body.contains("- **promotion** payments/steady: promotion shadow → enforce"),
+        "{body}"
+    );
+}

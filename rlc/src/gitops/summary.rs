@@ -596,15 +596,16 @@ pub fn report_with(plan: &Plan, summary: &ChangeSummary, ctx: &ReportContext<'_>
 }
 
 /// Free text built by rlc around names (titles, reasons): the characters that would make
-/// markdown, HTML, links or mentions are escaped; spaces and punctuation rlc itself writes
-/// (`,;:%()>`) stay readable.
+/// markdown, HTML, links or mentions are escaped; spaces and the punctuation rlc itself writes
+/// (`,;:%()->`) stay readable (parentheses make no link without brackets, `>` no HTML without
+/// `<`, and a line never starts with these texts).
 fn md_title(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for ch in s.chars() {
         match ch {
             '\n' | '\r' => out.push(' '),
-            '<' | '>' | '[' | ']' | '(' | ')' | '!' | '@' | '#' | '|' | '*' | '_' | '`' | '~'
-            | '\\' | '&' | '"' | '\'' => {
+            '<' | '[' | ']' | '!' | '@' | '#' | '|' | '*' | '_' | '`' | '~' | '\\' | '&' | '"'
+            | '\'' => {
                 let _ = write!(out, "&#{};", ch as u32);
             }
             c => out.push(c),
@@ -797,5 +798,85 @@ mod tests {
         let body = truncate_body(&full, FORGE_BODY_LIMIT);
         assert!(body.chars().count() <= FORGE_BODY_LIMIT);
         assert!(body.contains("stored with the run"));
+    }
+
+    #[test]
+    fn risky_changes_lead_with_their_evidence_and_hostile_names_stay_text() {
+        let evil = "x](http://evil.example)<img src=x onerror=alert(1)>@admin|#1 www.evil.com";
+        let old: BTreeMap<String, BucketFile> = [(
+            "pay".to_string(),
+            BucketFile {
+                service: "pay".into(),
+                buckets: vec![
+                    bucket("down", 100.0),
+                    bucket("up", 100.0),
+                    bucket(evil, 10.0),
+                ],
+            },
+        )]
+        .into();
+        let mut shadow_new = bucket("quiet", 5.0);
+        shadow_new.mode = Mode::Shadow;
+        let new = vec![BucketFile {
+            service: "pay".into(),
+            buckets: vec![
+                bucket("down", 75.0),
+                bucket("fresh", 40.0),
+                shadow_new,
+                bucket("up", 150.0),
+                bucket(evil, 20.0),
+            ],
+        }];
+        let s = diff(&old, &new);
+        let mut plan = Plan::default();
+        for b in &new[0].buckets {
+            let mut ev = serde_json::json!({"peak_rps": 32.0, "confidence": 1.0, "peak_at": "2026-11-27T09:15:00Z"});
+            if b.name == "down" {
+                ev["capped_from"] = serde_json::json!(40.0);
+            }
+            plan.buckets.push(PlannedBucket {
+                service: "pay".into(),
+                bucket: b.clone(),
+                current_limit_rps: None,
+                evidence: ev,
+            });
+        }
+        let body = report_with(
+            &plan,
+            &s,
+            &ReportContext {
+                promotions: &[],
+                dashboard_url: Some("https://rlc.example"),
+            },
+        );
+        let risky: Vec<&str> = body.lines().filter(|l| l.starts_with("- **")).collect();
+        assert_eq!(risky.len(), 2, "{body}");
+        assert_eq!(
+            risky[0],
+            "- **new_enforcing** [pay/fresh](https://rlc.example/buckets/pay/fresh): new bucket enforcing at once at 40 rps · limit ÷ peak 1.25 (peak 32 rps at 2026-11-27 09:15 UTC)"
+        );
+        assert_eq!(
+            risky[1],
+            "- **decrease** [pay/down](https://rlc.example/buckets/pay/down): lowered 100 -> 75 rps · limit ÷ peak 2.34 (peak 32 rps at 2026-11-27 09:15 UTC) · capped from 40 rps by the rails"
+        );
+        // Raises and new shadow buckets are only in the table, after the risky ones.
+        assert!(body.find("- **decrease**").unwrap() < body.find("| up | 100 | 150 |").unwrap());
+        assert!(body.contains("| quiet (shadow) | — | 5 | new |"), "{body}");
+        // The hostile name: no link, no HTML, no mention, no reference, no extra cell, no
+        // autolink.
+        for bad in ["](http://evil", "<img", "@admin", "|#", " #1", "www.evil"] {
+            assert!(!body.contains(bad), "{bad} in {body}");
+        }
+        let row = body.lines().find(|l| l.contains("evil")).unwrap();
+        assert_eq!(row.matches('|').count(), 8, "{row}");
+        assert!(
+            row.starts_with("| x&#93;&#40;http&#58;&#47;&#47;evil.example&#41;&#60;img"),
+            "{row}"
+        );
+        // URL segments are percent-encoded.
+        assert_eq!(
+            bucket_url("https://rlc.example/", "pay", "a/b c"),
+            "https://rlc.example/buckets/pay/a%2Fb%20c"
+        );
     }
 }
