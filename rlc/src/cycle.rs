@@ -352,8 +352,9 @@ pub struct Cycle {
     pub push_backoff: Backoff,
     /// Attempts when the remote base moves underneath.
     pub git_attempts: u32,
-    /// Where the shadow figures of promotion candidates come from.
-    shadow: ShadowSource,
+    /// Where the shadow figures of promotion candidates come from (`None`: the store, through
+    /// [`promotion::store_stats`]).
+    shadow: Option<ShadowSource>,
 }
 
 impl Cycle {
@@ -367,14 +368,39 @@ impl Cycle {
             pending: Mutex::new(VecDeque::new()),
             push_backoff: Backoff::default(),
             git_attempts: 3,
-            shadow: promotion::no_shadow_data(),
+            shadow: None,
         }
     }
 
     /// Plugs in the source of shadow figures (the shadow-report store); without one nothing is
     /// promoted.
     pub fn set_shadow_source(&mut self, source: ShadowSource) {
-        self.shadow = source;
+        self.shadow = Some(source);
+    }
+
+    /// The shadow figures of promotion candidates: from the set source, or from the store
+    /// (a store that is down gives none, and its error: nothing is promoted).
+    async fn shadow_stats(
+        &self,
+        candidates: &[promotion::BucketKey],
+        rules: &std::collections::BTreeMap<String, schema::PromotionRule>,
+        now: DateTime<Utc>,
+    ) -> (
+        std::collections::BTreeMap<promotion::BucketKey, crate::readiness::ShadowStats>,
+        Option<String>,
+    ) {
+        let source = match &self.shadow {
+            Some(s) => s.clone(),
+            None => match self.store().await {
+                Ok(store) => Arc::new(move |q: promotion::ShadowQuery| {
+                    let store = store.clone();
+                    Box::pin(async move { promotion::store_stats(&store, &q).await })
+                        as BoxFuture<_>
+                }) as ShadowSource,
+                Err(e) => return (Default::default(), Some(format!("store unavailable: {e}"))),
+            },
+        };
+        promotion::fetch_stats(&source, candidates, rules, now).await
     }
 
     /// The daemon config.
@@ -667,8 +693,7 @@ impl Cycle {
             let candidates = promotion::candidates(&held, &base_files, policies.as_ref(), &rules);
             if !candidates.is_empty() {
                 let now = Utc::now();
-                let (stats, err) =
-                    promotion::fetch_stats(&self.shadow, &candidates, &rules, now).await;
+                let (stats, err) = self.shadow_stats(&candidates, &rules, now).await;
                 out.shadow_error = err;
                 out.promotions = promotion::apply(&mut held, &candidates, &rules, &stats, now);
             }

@@ -4,9 +4,9 @@
 //! (`promotion.auto_merge`).
 //!
 //! The shadow figures come through a seam, [`ShadowSource`], so that the store that computes them
-//! can be plugged in by whoever runs the cycle (`rlc serve` / `rlc run`): the cycle never reads
-//! shadow reports itself. Without a source every candidate has no data, and no data is never
-//! ready: nothing is promoted.
+//! can be plugged in by whoever runs the cycle (`Cycle::set_shadow_source`), the store's by
+//! default ([`store_stats`]): the cycle never reads shadow reports itself. A candidate without
+//! figures has no data, and no data is never ready: it is not promoted.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -43,23 +43,18 @@ pub type ShadowSource = Arc<
         + Sync,
 >;
 
-/// A source that has no figures for any bucket: nothing is ever promoted with it.
-pub fn no_shadow_data() -> ShadowSource {
-    Arc::new(|_| Box::pin(async { Ok(BTreeMap::new()) }))
-}
-
-/// A source that answers from fixed figures (tests, or a snapshot computed elsewhere).
-pub fn fixed_shadow_data(stats: BTreeMap<BucketKey, ShadowStats>) -> ShadowSource {
-    let stats = Arc::new(stats);
-    Arc::new(move |q: ShadowQuery| {
-        let stats = stats.clone();
-        Box::pin(async move {
-            Ok(q.buckets
-                .iter()
-                .filter_map(|k| stats.get(k).map(|s| (k.clone(), s.clone())))
-                .collect())
-        })
-    })
+/// The shadow figures of `q` from rlc's store: the seam the cycle uses when no other
+/// [`ShadowSource`] is set.
+///
+/// Interim: the store's per-minute shadow roll-ups (`Store::shadow_stats`, producing
+/// [`ShadowStats`]) are being written separately; until they are plugged in here, this gives no
+/// figures, so nothing is promoted (no data is never ready). The raw `shadow_reports` rows are
+/// deliberately not summed here: per-tick rows cannot say which minutes are covered.
+pub async fn store_stats(
+    _store: &crate::store::Store,
+    _q: &ShadowQuery,
+) -> anyhow::Result<BTreeMap<BucketKey, ShadowStats>> {
+    Ok(BTreeMap::new())
 }
 
 /// The verdict on one shadow bucket in a run.
