@@ -203,7 +203,8 @@ impl RunOutcome {
             RunStatus::Held
         } else if self.push_error.is_some() || self.store_error.is_some() {
             RunStatus::Pending
-        } else if self.summary.is_empty() {
+        } else if self.summary.is_empty() && self.pull_request.is_none() {
+            // (Direct mode may commit nothing and still propose what needs review.)
             RunStatus::Unchanged
         } else {
             RunStatus::Success

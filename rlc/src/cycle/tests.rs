@@ -1045,6 +1045,7 @@ async fn direct_mode_holds_a_promotion_without_a_forge_and_proposes_it_with_one(
     let mut proposing = Cycle::new(config(&remote, &ctl_url, &extra), &remote.scratch("b"));
     proposing.set_shadow_source(simulated_source(day, Arc::new(AtomicU32::new(0))));
     let out = proposing.apply(&shadow_plan(), "schedule").await;
+    assert_eq!(out.status, RunStatus::Success, "{out}");
     assert_eq!(remote.head("main").as_deref(), Some(seed.as_str()), "{out}");
     assert_eq!(out.pull_request.as_ref().map(|p| p.0), Some(1), "{out}");
     assert_eq!(out.review.as_deref(), Some("proposed on branch rlc/quotas"));
@@ -1057,5 +1058,48 @@ async fn direct_mode_holds_a_promotion_without_a_forge_and_proposes_it_with_one(
     assert!(
         body.contains("- **promotion** payments/steady: promotion shadow → enforce"),
         "{body}"
+    );
+}
+
+#[tokio::test]
+async fn pull_request_mode_on_gitlab_opens_a_merge_request_with_labels_and_reviewers() {
+    let remote = shadow_remote(PROMOTION);
+    let (ctl_url, _ctl) = spawn_controller().await;
+    let (gl_url, gitlab) = crate::gitops::tests::spawn_gitlab().await;
+    std::env::set_var("RLC_TEST_GITLAB_TOKEN", "gl-token");
+    let extra = format!(
+        "  mode: pull-request\n  forge:\n    kind: gitlab\n    api_url: {gl_url}\n    repo: acme/config\n    token_env: RLC_TEST_GITLAB_TOKEN\n    labels: [quotas]\n    reviewers: [alice]\n"
+    );
+    let mut cycle = Cycle::new(config(&remote, &ctl_url, &extra), &remote.scratch(""));
+    cycle.set_shadow_source(simulated_source(
+        Arc::new(AtomicU32::new(8)),
+        Arc::new(AtomicU32::new(0)),
+    ));
+    let out = cycle.apply(&shadow_plan(), "schedule").await;
+    assert_eq!(out.status, RunStatus::Success, "{out}");
+    assert_eq!(
+        out.pull_request,
+        Some((
+            1,
+            Some("http://gitlab/acme/config/-/merge_requests/1".to_string())
+        ))
+    );
+    let again = cycle.apply(&shadow_plan(), "schedule").await;
+    assert_eq!(again.pull_request.as_ref().map(|p| p.0), Some(1), "{again}");
+    let mrs = gitlab.mrs.lock().unwrap();
+    assert_eq!(mrs.len(), 1);
+    assert_eq!(mrs[0]["source_branch"], "rlc/quotas");
+    assert_eq!(mrs[0]["target_branch"], "main");
+    assert_eq!(mrs[0]["labels"], "quotas");
+    assert_eq!(mrs[0]["reviewer_ids"], serde_json::json!([42]));
+    let body = mrs[0]["description"].as_str().unwrap();
+    assert!(
+        body.contains("- **promotion** payments/steady: promotion shadow → enforce"),
+        "{body}"
+    );
+    assert!(
+        gitlab.problems.lock().unwrap().is_empty(),
+        "{:?}",
+        gitlab.problems.lock().unwrap()
     );
 }
