@@ -674,13 +674,31 @@ impl Cycle {
     pub async fn apply(&self, plan: &Plan, trigger: &str) -> RunOutcome {
         let mut out = RunOutcome::new(trigger);
         let mut held = self.hold_repeated_decreases(plan).await;
+        out.skipped = held.skipped.clone();
+        out.history_failed = held.history_failed.clone();
+        // Nothing was computed: write nothing (an open proposal must not look outdated
+        // because Prometheus is down) and fail the run.
+        if held.history_failed_everywhere() {
+            out.error = Some(match &held.history_error {
+                Some(e) => format!(
+                    "history source failed: {e}; nothing computed, every service keeps its current quotas"
+                ),
+                None => format!(
+                    "history failed for every service ({}); nothing computed, every service keeps its current quotas",
+                    held.history_failed.join(", ")
+                ),
+            });
+            out.finish();
+            tracing::error!(trigger, error = ?out.error, "history failed for every service; nothing written");
+            self.record(&mut out, &held).await;
+            return out;
+        }
         // The base's bucket files and promotion rule: shadow buckets that meet the rule are
         // proposed for `mode: enforce`; in direct mode, what `auto_merge` does not allow waits
-        // for review.
+        // for review. The base cannot be read: nothing is written (the write would fail alike).
         let (base_files, policies) = match self.base_snapshot().await {
             Ok(x) => x,
             Err(e) => {
-                out.skipped = held.skipped.clone();
                 out.error = Some(format!("{e:#}"));
                 out.finish();
                 tracing::error!(trigger, error = ?out.error, "git read failed; nothing written");
@@ -690,37 +708,16 @@ impl Cycle {
         };
         let services = held.buckets.iter().map(|b| b.service.clone()).collect();
         let rules = promotion::rules(policies.as_ref(), &services);
-        if !held.history_failed_everywhere() {
-            let candidates = promotion::candidates(&held, &base_files, policies.as_ref(), &rules);
-            if !candidates.is_empty() {
-                let now = Utc::now();
-                let (stats, err) = self.shadow_stats(&candidates, &rules, now).await;
-                out.shadow_error = err;
-                out.promotions = promotion::apply(&mut held, &candidates, &rules, &stats, now);
-            }
+        let candidates = promotion::candidates(&held, &base_files, policies.as_ref(), &rules);
+        if !candidates.is_empty() {
+            let now = Utc::now();
+            let (stats, err) = self.shadow_stats(&candidates, &rules, now).await;
+            out.shadow_error = err;
+            out.promotions = promotion::apply(&mut held, &candidates, &rules, &stats, now);
         }
         let plan = &held;
         let split = (self.cfg.config_repo.mode == RepoMode::Direct && !rules.is_empty())
             .then(|| promotion::split_for_review(plan, &base_files, &rules));
-        out.skipped = plan.skipped.clone();
-        out.history_failed = plan.history_failed.clone();
-        // Nothing was computed: write nothing (an open proposal must not look outdated
-        // because Prometheus is down) and fail the run.
-        if plan.history_failed_everywhere() {
-            out.error = Some(match &plan.history_error {
-                Some(e) => format!(
-                    "history source failed: {e}; nothing computed, every service keeps its current quotas"
-                ),
-                None => format!(
-                    "history failed for every service ({}); nothing computed, every service keeps its current quotas",
-                    plan.history_failed.join(", ")
-                ),
-            });
-            out.finish();
-            tracing::error!(trigger, error = ?out.error, "history failed for every service; nothing written");
-            self.record(&mut out, plan).await;
-            return out;
-        }
         // In pull-request mode with a forge, an outdated proposal's PR is closed (with a
         // comment) before its branch is deleted: GitHub marks a PR whose head becomes part of
         // the base as merged, and closes one whose head is deleted without saying why.
