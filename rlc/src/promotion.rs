@@ -410,6 +410,37 @@ mod tests {
         assert!(candidates(&plan, &base, Some(&policies), &rules).is_empty());
     }
 
+    #[tokio::test]
+    async fn a_failing_shadow_source_promotes_nothing_and_says_why() {
+        let now = Utc::now();
+        let mut plan = Plan {
+            buckets: vec![shadow("pay", "a", 100.0)],
+            ..Plan::default()
+        };
+        let rules: BTreeMap<String, PromotionRule> =
+            [("pay".to_string(), PromotionSpec::default().resolved())].into();
+        let cands = vec![("pay".to_string(), "a".to_string())];
+        let asked = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = asked.clone();
+        let source: ShadowSource = Arc::new(move |q: ShadowQuery| {
+            seen.lock()
+                .unwrap()
+                .push((q.now - q.window_start).num_days());
+            Box::pin(async { Err(anyhow::anyhow!("shadow store down")) })
+        });
+        let (stats, err) = fetch_stats(&source, &cands, &rules, now).await;
+        assert_eq!(err.as_deref(), Some("shadow store down"));
+        assert_eq!(
+            *asked.lock().unwrap(),
+            [7],
+            "one query over the rule's 7 days"
+        );
+        let notes = apply(&mut plan, &cands, &rules, &stats, now);
+        assert!(!notes[0].promoted);
+        assert_eq!(notes[0].reason, "not yet: no shadow reports");
+        assert_eq!(plan.buckets[0].bucket.mode, Mode::Shadow);
+    }
+
     #[test]
     fn direct_mode_keeps_what_auto_merge_does_not_allow() {
         let mut old = planned("pay", "a", 100.0);
