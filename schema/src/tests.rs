@@ -137,6 +137,14 @@ fn json_schema_covers_every_file() {
         assert!(s.get(k).is_some(), "{k}");
     }
     assert!(s["rlc.yaml"]["properties"]["history"].is_object());
+    assert!(s["rlc/policies.yaml"]["properties"]["promotion"].is_object());
+    let kinds = s["rlc/policies.yaml"]["definitions"]["ChangeClass"].to_string();
+    for k in ChangeClass::ALL {
+        assert!(
+            kinds.contains(&format!("\"{}\"", k.as_str())),
+            "{k:?} in {kinds}"
+        );
+    }
 }
 
 #[test]
