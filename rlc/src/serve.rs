@@ -29,8 +29,18 @@ use crate::store::{Lease, Store};
 pub mod dashboard;
 pub mod problem;
 
-/// Reports fetched per `GET /v1/reports` call.
-const REPORT_PAGE: u32 = 500;
+/// Reports fetched per `GET /v1/reports` call (the controller's maximum).
+const REPORT_PAGE: u32 = 10_000;
+/// Pages fetched per poll at most: a backlog is drained over several polls.
+const REPORT_PAGES_PER_POLL: usize = 200;
+/// Reports held in memory while the store is down or slow. At the bound rlc stops polling
+/// (the controller keeps the reports until its own buffer evicts them; a loss then shows as
+/// `rlc_shadow_report_gaps_total`); the stored cursor only moves past stored reports.
+const REPORT_BUFFER: usize = 100_000;
+/// Reports per store transaction.
+const REPORT_BATCH: usize = 20_000;
+/// Between two retention passes over the stored reports.
+const RETENTION_EVERY: Duration = Duration::from_secs(600);
 /// Store cursor of the controller's report stream.
 const REPORT_CURSOR: &str = "controller.reports";
 
@@ -69,6 +79,8 @@ struct Metrics {
     push_failures: AtomicU64,
     reports_stored: AtomicU64,
     report_gaps: AtomicU64,
+    reports_buffered: AtomicU64,
+    report_polls_paused: AtomicU64,
     pending_records: AtomicU64,
 }
 
@@ -199,6 +211,11 @@ async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
             "Run records waiting for the store.",
             m.pending_records.load(Ordering::Relaxed),
         ),
+        (
+            "rlc_shadow_reports_buffered",
+            "Controller reports fetched but not yet stored (store down or slow).",
+            m.reports_buffered.load(Ordering::Relaxed),
+        ),
     ];
     for (name, help, v) in gauges {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
@@ -218,6 +235,11 @@ async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
             "rlc_shadow_report_gaps_total",
             "Polls that found shadow reports lost at the controller.",
             m.report_gaps.load(Ordering::Relaxed),
+        ),
+        (
+            "rlc_shadow_report_polls_paused_total",
+            "Polls skipped because the report buffer was full (the store is down or slow).",
+            m.report_polls_paused.load(Ordering::Relaxed),
         ),
     ];
     for (name, help, v) in counters {
@@ -338,6 +360,17 @@ struct Loop {
     controller: Option<ControllerClient>,
     last_inputs: Option<String>,
     last_pushed: Option<String>,
+    reports: ReportBuffer,
+    last_retention: Option<tokio::time::Instant>,
+}
+
+/// Controller reports fetched but not yet stored, page by page with the cursor after each.
+#[derive(Default)]
+struct ReportBuffer {
+    /// The controller cursor after the last fetched page: `None` until read from the store.
+    cursor: Option<Option<String>>,
+    pages: std::collections::VecDeque<(Vec<Report>, Option<String>)>,
+    rows: usize,
 }
 
 impl Loop {
@@ -415,6 +448,7 @@ impl Loop {
                 tracing::warn!(error = %e, "cannot poll controller reports");
             }
         }
+        self.retention().await;
         self.state
             .inner
             .metrics
@@ -422,47 +456,125 @@ impl Loop {
             .store(self.cycle.pending_records().await as u64, Ordering::Relaxed);
     }
 
-    async fn poll_reports(&self, client: &ControllerClient) -> anyhow::Result<()> {
-        let store = self.cycle.store().await?;
-        let mut cursor = store.cursor(REPORT_CURSOR).await?;
-        // Bounded: a large backlog is drained over several ticks.
-        for _ in 0..20 {
+    /// Fetches the controller's reports (every mode) and stores them with their minute
+    /// roll-ups. Pages wait in a bounded buffer while the store is down or slow; the stored
+    /// cursor only moves past stored reports, so a restart re-fetches what was not stored.
+    async fn poll_reports(&mut self, client: &ControllerClient) -> anyhow::Result<()> {
+        let store = self.cycle.store().await;
+        if self.reports.cursor.is_none() {
+            // Where to start is in the store: without it, wait.
+            let store = store.as_ref().map_err(|e| anyhow::anyhow!("{e}"))?;
+            self.reports.cursor = Some(store.cursor(REPORT_CURSOR).await?);
+        }
+        let state = self.state.clone();
+        let m = &state.inner.metrics;
+        for _ in 0..REPORT_PAGES_PER_POLL {
+            if self.reports.rows >= REPORT_BUFFER {
+                m.report_polls_paused.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    buffered = self.reports.rows,
+                    "report buffer full: not polling the controller until the store catches up"
+                );
+                break;
+            }
+            let cursor = self.reports.cursor.clone().flatten();
             let page = client.reports(cursor.as_deref(), REPORT_PAGE).await?;
             if page.gap || page.reset {
                 // Visible to operators: the dashboard misses some intervals.
-                tracing::warn!(gap = page.gap, reset = page.reset, cursor = ?cursor, "shadow reports were lost between polls");
-                self.state
-                    .inner
-                    .metrics
-                    .report_gaps
-                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(gap = page.gap, reset = page.reset, cursor = ?cursor, "controller reports were lost between polls");
+                m.report_gaps.fetch_add(1, Ordering::Relaxed);
             }
             let got = page.reports.len();
-            let shadow: Vec<Report> = page
-                .reports
-                .into_iter()
-                .filter(|r| r.mode == "shadow")
-                .collect();
-            let n = store.insert_reports(&shadow, Utc::now()).await?;
-            self.state
-                .inner
-                .metrics
-                .reports_stored
-                .fetch_add(n, Ordering::Relaxed);
             let next = match page.next {
                 serde_json::Value::Null => None,
                 serde_json::Value::String(s) => Some(s),
                 v => Some(v.to_string()),
             };
-            if let Some(next) = &next {
-                store.set_cursor(REPORT_CURSOR, next).await?;
+            if got > 0 || (next.is_some() && next != cursor) {
+                self.reports.rows += got;
+                self.reports.pages.push_back((page.reports, next.clone()));
+                self.reports.cursor = Some(next.clone().or(cursor.clone()));
+            }
+            m.reports_buffered
+                .store(self.reports.rows as u64, Ordering::Relaxed);
+            if let Ok(store) = &store {
+                self.flush_reports(store).await?;
             }
             if got < REPORT_PAGE as usize || next.is_none() || next == cursor {
                 break;
             }
-            cursor = next;
+        }
+        match store {
+            Ok(_) => Ok(()),
+            Err(e) => Err(anyhow::anyhow!(
+                "{e} ({} reports buffered)",
+                self.reports.rows
+            )),
+        }
+    }
+
+    /// Stores buffered pages, a batch per transaction, and moves the stored cursor past them.
+    async fn flush_reports(&mut self, store: &Store) -> anyhow::Result<()> {
+        let state = self.state.clone();
+        let m = &state.inner.metrics;
+        while !self.reports.pages.is_empty() {
+            let mut batch: Vec<Report> = Vec::new();
+            let mut pages = 0;
+            let mut next = None;
+            for (reports, cursor) in self.reports.pages.iter() {
+                if pages > 0 && batch.len() + reports.len() > REPORT_BATCH {
+                    break;
+                }
+                batch.extend(reports.iter().cloned());
+                next = cursor.clone();
+                pages += 1;
+            }
+            let n = store.insert_reports(&batch, Utc::now()).await?;
+            if let Some(next) = &next {
+                store.set_cursor(REPORT_CURSOR, next).await?;
+            }
+            self.reports.pages.drain(..pages);
+            self.reports.rows -= batch.len();
+            m.reports_stored.fetch_add(n, Ordering::Relaxed);
+            m.reports_buffered
+                .store(self.reports.rows as u64, Ordering::Relaxed);
         }
         Ok(())
+    }
+
+    /// Deletes reports past their retention (`store.shadow_raw_retention`,
+    /// `store.shadow_rollup_retention`), at most every [`RETENTION_EVERY`].
+    async fn retention(&mut self) {
+        let now = tokio::time::Instant::now();
+        if self
+            .last_retention
+            .is_some_and(|t| now.duration_since(t) < RETENTION_EVERY)
+        {
+            return;
+        }
+        let Ok(store) = self.cycle.store().await else {
+            return;
+        };
+        self.last_retention = Some(now);
+        let cfg = self.cycle.config().store;
+        let at = Utc::now();
+        let ago = |d: schema::HumanDuration| {
+            at - chrono::Duration::from_std(d.0).unwrap_or(chrono::Duration::days(36_500))
+        };
+        match store
+            .apply_retention(
+                ago(cfg.shadow_raw_retention),
+                ago(cfg.shadow_rollup_retention),
+            )
+            .await
+        {
+            Ok(r) => tracing::debug!(
+                raw = r.raw_deleted,
+                minutes = r.minutes_deleted,
+                "report retention applied"
+            ),
+            Err(e) => tracing::warn!(error = %e, "report retention failed; retrying later"),
+        }
     }
 }
 
@@ -496,6 +608,8 @@ async fn scheduler(
         controller,
         last_inputs: None,
         last_pushed: None,
+        reports: ReportBuffer::default(),
+        last_retention: None,
     };
     let mut lease: Option<Lease> = None;
     let mut next_cron = schedule.as_ref().and_then(|s| s.upcoming(Utc).next());

@@ -35,14 +35,18 @@ fn five_field_cron_expressions() {
 async fn reports(
     Query(q): Query<std::collections::HashMap<String, String>>,
 ) -> Json<serde_json::Value> {
-    let row = |seq: i64, mode: &str| {
-        json!({"seq": seq, "t": 10, "service": "payments", "bucket": "gw", "caller": "gw",
+    let t = chrono::Utc::now().timestamp();
+    let row = |seq: i64, bucket: &str, mode: &str, dropped: f64, shadow: f64| {
+        json!({"seq": seq, "t": t, "service": "payments", "bucket": bucket, "caller": "gw",
                "procedure": null, "mode": mode, "scope_key": "global", "offered": 150.0,
-               "admitted": 150.0, "dropped": 0.0, "shadow_dropped": 50.0, "limit_rps": 100.0,
-               "drop_ratio": 0.33})
+               "admitted": 150.0 - dropped, "dropped": dropped, "shadow_dropped": shadow,
+               "limit_rps": 100.0, "drop_ratio": 0.33})
     };
     match q.get("after").map(String::as_str) {
-        None => Json(json!({"next": "2", "reports": [row(1, "shadow"), row(2, "enforce")]})),
+        None => Json(json!({"next": "2", "reports": [
+            row(1, "gw", "shadow", 0.0, 50.0),
+            row(2, "api", "enforce", 50.0, 0.0),
+        ]})),
         Some(_) => Json(json!({"next": "2", "reports": []})),
     }
 }
@@ -148,7 +152,7 @@ async fn daemon_runs_on_request_and_on_input_change_and_shuts_down() {
     );
     assert_eq!(fake.version.lock().unwrap().as_deref(), Some(head.as_str()));
 
-    // Shadow reports were stored (enforce ones are not).
+    // Reports of every mode were stored (the dashboard shows enforced buckets' real drops).
     let store = crate::store::Store::connect("sqlite://rlc.db", &base)
         .await
         .unwrap();
@@ -158,7 +162,7 @@ async fn daemon_runs_on_request_and_on_input_change_and_shuts_down() {
             .iter()
             .map(|r| (r.seq, r.mode.as_str()))
             .collect::<Vec<_>>(),
-        vec![(1, "shadow")]
+        vec![(1, "shadow"), (2, "enforce")]
     );
     // The daemon hands its store to the read-only dashboard.
     let v: serde_json::Value = http
@@ -185,7 +189,8 @@ async fn daemon_runs_on_request_and_on_input_change_and_shuts_down() {
         .unwrap();
     assert!(m.contains("rlc_runs_total{status=\"success\"} 2"), "{m}");
     assert!(m.contains("rlc_leader 1"), "{m}");
-    assert!(m.contains("rlc_shadow_reports_stored_total 1"), "{m}");
+    assert!(m.contains("rlc_shadow_reports_stored_total 2"), "{m}");
+    assert!(m.contains("rlc_shadow_reports_buffered 0"), "{m}");
 
     stop_tx.send(true).unwrap();
     daemon.await.unwrap().unwrap();

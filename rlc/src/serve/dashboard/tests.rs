@@ -45,29 +45,46 @@ fn run(status: &str, minute: u32, commit: Option<&str>, error: Option<&str>) -> 
     }
 }
 
+/// `reports` as ticks at `t`.
+fn at(reports: Vec<Report>, t: chrono::DateTime<Utc>) -> Vec<Report> {
+    reports
+        .into_iter()
+        .map(|mut r| {
+            r.t = serde_json::json!(t.timestamp());
+            r
+        })
+        .collect()
+}
+
 /// A SQLite store with reports received now (plus one too old for a 1 h window) and two runs.
 async fn filled_store(dir: &std::path::Path) -> Store {
     let store = Store::connect("sqlite://rlc.db", dir).await.unwrap();
     let now = Utc::now();
     store
         .insert_reports(
-            &[report(1, "payments", "gw", 5000.0, 100.0)],
+            &at(
+                vec![report(1, "payments", "gw", 5000.0, 100.0)],
+                now - chrono::Duration::hours(2),
+            ),
             now - chrono::Duration::hours(2),
         )
         .await
         .unwrap();
     store
         .insert_reports(
-            &[
-                // gw: 150 offered against a limit of 100, twice: a third would be dropped.
-                report(2, "payments", "gw", 150.0, 100.0),
-                report(3, "payments", "gw", 150.0, 100.0),
-                report(2, "payments", "steady", 90.0, 100.0),
-                // 1 in 201 would be dropped: under the 1% flag.
-                report(2, "payments", EVIL_BUCKET, 201.0, 200.0),
-                report(2, "maps", "geo", 120.0, 100.0),
-                report(2, EVIL_SERVICE, "b", 10.0, 100.0),
-            ],
+            &at(
+                vec![
+                    // gw: 150 offered against a limit of 100, twice: a third would be dropped.
+                    report(2, "payments", "gw", 150.0, 100.0),
+                    report(3, "payments", "gw", 150.0, 100.0),
+                    report(2, "payments", "steady", 90.0, 100.0),
+                    // 1 in 201 would be dropped: under the 1% flag.
+                    report(2, "payments", EVIL_BUCKET, 201.0, 200.0),
+                    report(2, "maps", "geo", 120.0, 100.0),
+                    report(2, EVIL_SERVICE, "b", 10.0, 100.0),
+                ],
+                now,
+            ),
             now,
         )
         .await
