@@ -300,6 +300,14 @@ pub fn app(state: AppState) -> Router {
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics))
         .route("/v1/shadow", get(dashboard::shadow_json))
+        .route(
+            "/v1/shadow/{service}/{bucket}",
+            get(dashboard::bucket::bucket_json),
+        )
+        .route(
+            "/buckets/{service}/{bucket}",
+            get(dashboard::bucket::bucket_page),
+        )
         .route("/v1/runs", get(dashboard::runs_json).post(trigger_run))
         .route("/v1/runs/last", get(last_run))
         .with_state(state)

@@ -137,6 +137,27 @@ pub struct QuotaRecord {
     pub recorded_at: DateTime<Utc>,
 }
 
+/// A bucket's quota change as the dashboard lists it, with the run that made it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow, schemars::JsonSchema)]
+pub struct QuotaChange {
+    /// The run (`GET /v1/runs`).
+    pub run_id: i64,
+    /// When it was recorded.
+    pub recorded_at: DateTime<Utc>,
+    /// added | removed | raised | lowered | modified.
+    pub change: String,
+    /// New limit (none when removed).
+    pub limit_rps: Option<f64>,
+    /// Limit before.
+    pub previous_limit_rps: Option<f64>,
+    /// enforce | shadow.
+    pub mode: Option<String>,
+    /// Policy that produced it.
+    pub policy: Option<String>,
+    /// Commit that carries it.
+    pub commit_sha: Option<String>,
+}
+
 /// A shadow report as stored.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow)]
 pub struct StoredReport {
@@ -420,6 +441,25 @@ impl Store {
         )
         .bind(service)
         .bind(bucket)
+        .fetch_all(pool)
+        .await?))
+    }
+
+    /// The quota changes of one bucket with the run that made them, newest first (at most
+    /// `limit`): the dashboard's quota history.
+    pub async fn quota_changes(
+        &self,
+        service: &str,
+        bucket: &str,
+        limit: i64,
+    ) -> Result<Vec<QuotaChange>, StoreError> {
+        on_pool!(self, pool => Ok(sqlx::query_as::<_, QuotaChange>(
+            "SELECT run_id, recorded_at, change, limit_rps, previous_limit_rps, mode, policy, commit_sha \
+             FROM quota_history WHERE service = $1 AND bucket = $2 ORDER BY id DESC LIMIT $3",
+        )
+        .bind(service)
+        .bind(bucket)
+        .bind(limit)
         .fetch_all(pool)
         .await?))
     }
