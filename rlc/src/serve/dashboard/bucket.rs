@@ -546,6 +546,8 @@ fn readiness_section(h: &mut String, r: &Readiness) {
 }
 
 const CHART_CSS: &str = "
+header code { color: #fff; font-size: inherit; }
+header a { color: #c9d6ea; }
 .windows a, .windows b { margin: 0 4px; }
 figure.chart { margin: 8px 0 16px; }
 figure.chart figcaption { font-size: 13px; color: #56627a; }
