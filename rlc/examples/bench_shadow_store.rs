@@ -51,7 +51,11 @@ async fn median_get(http: &reqwest::Client, url: &str) -> anyhow::Result<(Durati
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
-    let buckets: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(10_000);
+    let buckets: usize = args
+        .next()
+        .map(|a| a.parse())
+        .transpose()?
+        .unwrap_or(10_000);
     let seconds: i64 = args.next().map(|a| a.parse()).transpose()?.unwrap_or(10);
     let days: i64 = args.next().map(|a| a.parse()).transpose()?.unwrap_or(30);
     let db = test_support::postgres::fresh_database().await?;

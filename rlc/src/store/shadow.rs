@@ -479,32 +479,42 @@ impl Store {
         .await?))
     }
 
-    /// What the store knows of a bucket beyond a window: its newest tick, its newest enforce
-    /// minute and its first shadow minute after that (within the roll-up retention).
-    async fn bucket_span(
+    /// What the store knows of a bucket beyond a window: its newest tick and the start of its
+    /// current shadow period (the first shadow minute after its newest enforce minute, within
+    /// the roll-up retention). Index range lookups on the primary key (service, bucket, minute).
+    pub async fn bucket_span(
         &self,
         service: &str,
         bucket: &str,
     ) -> Result<(Option<DateTime<Utc>>, Option<DateTime<Utc>>), StoreError> {
         on_pool!(self, pool => {
-            let (last, enforced): (Option<Ts>, Option<Ts>) = sqlx::query_as(
-                "SELECT MAX(last_t), MAX(CASE WHEN mode = 'enforce' THEN minute END) \
-                 FROM shadow_minutes WHERE service = $1 AND bucket = $2",
+            let (last,): (Option<Ts>,) = sqlx::query_as(
+                "SELECT MAX(last_t) FROM shadow_minutes WHERE service = $1 AND bucket = $2 AND minute = \
+                 (SELECT MAX(minute) FROM shadow_minutes WHERE service = $1 AND bucket = $2)",
             )
             .bind(service)
             .bind(bucket)
             .fetch_one(pool)
             .await?;
-            let (since,): (Option<Ts>,) = sqlx::query_as(
-                "SELECT MIN(first_t) FROM shadow_minutes \
-                 WHERE service = $1 AND bucket = $2 AND mode = 'shadow' AND ($3 IS NULL OR minute > $3)",
+            let enforced: Option<(Ts,)> = sqlx::query_as(
+                "SELECT minute FROM shadow_minutes WHERE service = $1 AND bucket = $2 AND mode = 'enforce' \
+                 ORDER BY minute DESC LIMIT 1",
             )
             .bind(service)
             .bind(bucket)
-            .bind(enforced)
-            .fetch_one(pool)
+            .fetch_optional(pool)
             .await?;
-            Ok((last.map(Into::into), since.map(Into::into)))
+            let since: Option<(Ts,)> = sqlx::query_as(
+                "SELECT first_t FROM shadow_minutes \
+                 WHERE service = $1 AND bucket = $2 AND mode = 'shadow' AND ($3 IS NULL OR minute > $3) \
+                 ORDER BY minute, first_t LIMIT 1",
+            )
+            .bind(service)
+            .bind(bucket)
+            .bind(enforced.map(|e| e.0))
+            .fetch_optional(pool)
+            .await?;
+            Ok((last.map(Into::into), since.map(|s| s.0.into())))
         })
     }
 
