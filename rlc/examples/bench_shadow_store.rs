@@ -27,7 +27,7 @@ fn report(seq: i64, t: i64, b: usize, zone: usize) -> Report {
     let over = (offered - limit).max(0.0);
     serde_json::from_value(serde_json::json!({
         "seq": seq, "t": t, "service": format!("svc-{}", b / 20), "bucket": format!("b-{b}"),
-        "caller": null, "procedure": null, "mode": if b % 2 == 0 { "shadow" } else { "enforce" },
+        "caller": null, "procedure": null, "mode": if b.is_multiple_of(2) { "shadow" } else { "enforce" },
         "scope_key": format!("z{zone}"), "offered": offered, "admitted": offered,
         "dropped": 0.0, "shadow_dropped": over, "limit_rps": limit, "drop_ratio": over / offered
     }))

@@ -430,9 +430,9 @@ fn render(service: &str, bucket: &str, window: &str, d: Result<&BucketDetail, &s
     let d = match d {
         Ok(d) => d,
         Err(problem) => {
-            let _ = write!(
+            let _ = writeln!(
                 h,
-                "<section class=\"notice\" id=\"problem\"><h2>Could not load this bucket</h2><p>{}</p></section></main></body></html>\n",
+                "<section class=\"notice\" id=\"problem\"><h2>Could not load this bucket</h2><p>{}</p></section></main></body></html>",
                 escape_html(problem)
             );
             return h;

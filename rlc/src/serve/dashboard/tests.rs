@@ -228,7 +228,7 @@ async fn runs_json_lists_recent_runs_newest_first() {
 #[tokio::test]
 async fn without_a_store_the_pages_say_so() {
     let state = AppState::new(None, tokio::sync::mpsc::channel(1).0);
-    for uri in ["/v1/shadow", "/v1/runs"] {
+    for uri in ["/v1/shadow", "/v1/runs", "/v1/shadow/payments/gw?window=7d"] {
         let (status, v) = get_json(&state, uri).await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{uri}");
         assert!(
@@ -243,6 +243,12 @@ async fn without_a_store_the_pages_say_so() {
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     assert!(html.contains("store is not available"), "{html}");
     assert!(html.contains("What is shadow mode?"));
+    // The bucket page says what it could not load, and shows no figure.
+    let (status, html) = get(&state, "/buckets/payments/gw?window=7d").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(html.contains("Could not load this bucket"), "{html}");
+    assert!(html.contains("store is not available"), "{html}");
+    assert!(!html.contains("<svg"), "{html}");
     // Manual runs keep their own rules: still refused without a token.
     let resp = app(state)
         .oneshot(Request::post("/v1/runs").body(Body::empty()).unwrap())
