@@ -381,6 +381,50 @@ struct ReportBuffer {
     rows: usize,
 }
 
+impl ReportBuffer {
+    /// Adds a fetched page and the controller cursor after it.
+    fn push(&mut self, reports: Vec<Report>, next: Option<String>) {
+        self.rows += reports.len();
+        self.pages.push_back((reports, next));
+    }
+
+    /// Stores the buffered pages, a batch of up to [`REPORT_BATCH`] reports per transaction,
+    /// moving the stored cursor past each stored batch; a failure keeps the rest buffered.
+    /// Returns how many reports were new, and the failure if any.
+    async fn flush(&mut self, store: &Store) -> (u64, Result<(), crate::store::StoreError>) {
+        let mut stored = 0;
+        while !self.pages.is_empty() {
+            let mut batch: Vec<Report> = Vec::new();
+            let mut pages = 0;
+            let mut next = None;
+            for (reports, cursor) in self.pages.iter() {
+                if pages > 0 && batch.len() + reports.len() > REPORT_BATCH {
+                    break;
+                }
+                batch.extend(reports.iter().cloned());
+                next = cursor.clone();
+                pages += 1;
+            }
+            match store.insert_reports(&batch, Utc::now()).await {
+                Ok(n) => stored += n,
+                Err(e) => return (stored, Err(e)),
+            }
+            if let Some(next) = &next {
+                if let Err(e) = store.set_cursor(REPORT_CURSOR, next).await {
+                    // Stored but the cursor did not move: a restart fetches these again and
+                    // the store ignores them as duplicates.
+                    self.pages.drain(..pages);
+                    self.rows -= batch.len();
+                    return (stored, Err(e));
+                }
+            }
+            self.pages.drain(..pages);
+            self.rows -= batch.len();
+        }
+        (stored, Ok(()))
+    }
+}
+
 impl Loop {
     async fn run(&mut self, trigger: &str) {
         tracing::info!(trigger, "run starting");
@@ -499,8 +543,7 @@ impl Loop {
                 v => Some(v.to_string()),
             };
             if got > 0 || (next.is_some() && next != cursor) {
-                self.reports.rows += got;
-                self.reports.pages.push_back((page.reports, next.clone()));
+                self.reports.push(page.reports, next.clone());
                 self.reports.cursor = Some(next.clone().or(cursor.clone()));
             }
             m.reports_buffered
@@ -523,31 +566,12 @@ impl Loop {
 
     /// Stores buffered pages, a batch per transaction, and moves the stored cursor past them.
     async fn flush_reports(&mut self, store: &Store) -> anyhow::Result<()> {
-        let state = self.state.clone();
-        let m = &state.inner.metrics;
-        while !self.reports.pages.is_empty() {
-            let mut batch: Vec<Report> = Vec::new();
-            let mut pages = 0;
-            let mut next = None;
-            for (reports, cursor) in self.reports.pages.iter() {
-                if pages > 0 && batch.len() + reports.len() > REPORT_BATCH {
-                    break;
-                }
-                batch.extend(reports.iter().cloned());
-                next = cursor.clone();
-                pages += 1;
-            }
-            let n = store.insert_reports(&batch, Utc::now()).await?;
-            if let Some(next) = &next {
-                store.set_cursor(REPORT_CURSOR, next).await?;
-            }
-            self.reports.pages.drain(..pages);
-            self.reports.rows -= batch.len();
-            m.reports_stored.fetch_add(n, Ordering::Relaxed);
-            m.reports_buffered
-                .store(self.reports.rows as u64, Ordering::Relaxed);
-        }
-        Ok(())
+        let (stored, res) = self.reports.flush(store).await;
+        let m = &self.state.inner.metrics;
+        m.reports_stored.fetch_add(stored, Ordering::Relaxed);
+        m.reports_buffered
+            .store(self.reports.rows as u64, Ordering::Relaxed);
+        Ok(res?)
     }
 
     /// Deletes reports past their retention (`store.shadow_raw_retention`,

@@ -195,3 +195,43 @@ async fn daemon_runs_on_request_and_on_input_change_and_shuts_down() {
     stop_tx.send(true).unwrap();
     daemon.await.unwrap().unwrap();
 }
+
+/// Reports wait in the buffer while the store fails; the stored cursor only moves past what
+/// was stored, and a store that is back takes the whole backlog.
+#[tokio::test]
+async fn report_buffer_keeps_reports_until_stored() {
+    let row = |seq: i64| -> Report {
+        serde_json::from_value(json!({
+            "seq": seq, "t": 1_796_000_000 + seq, "service": "payments", "bucket": "gw",
+            "caller": null, "procedure": null, "mode": "shadow", "scope_key": "eu",
+            "offered": 10.0, "admitted": 10.0, "dropped": 0.0, "shadow_dropped": 0.0,
+            "limit_rps": 20.0, "drop_ratio": 0.0
+        }))
+        .unwrap()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::connect("sqlite://rlc.db", dir.path()).await.unwrap();
+    let mut buf = ReportBuffer::default();
+    buf.push(vec![row(1), row(2)], Some("2".into()));
+    buf.push(vec![row(3)], Some("3".into()));
+    assert_eq!(buf.rows, 3);
+
+    // The store's file is gone: nothing is stored, nothing is dropped, the cursor stays.
+    std::fs::rename(dir.path().join("rlc.db"), dir.path().join("moved.db")).unwrap();
+    let (stored, res) = buf.flush(&store).await;
+    assert_eq!(stored, 0);
+    assert!(res.is_err());
+    assert_eq!((buf.rows, buf.pages.len()), (3, 2));
+
+    // Back: the backlog is stored in one batch and the cursor moves past it.
+    std::fs::rename(dir.path().join("moved.db"), dir.path().join("rlc.db")).unwrap();
+    let (stored, res) = buf.flush(&store).await;
+    res.unwrap();
+    assert_eq!(stored, 3);
+    assert_eq!((buf.rows, buf.pages.len()), (0, 0));
+    assert_eq!(
+        store.cursor(REPORT_CURSOR).await.unwrap().as_deref(),
+        Some("3")
+    );
+    assert_eq!(store.reports(None, 10).await.unwrap().len(), 3);
+}
