@@ -228,7 +228,7 @@ async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
         ),
         (
             "rlc_shadow_reports_stored_total",
-            "Shadow reports stored.",
+            "Controller reports stored (every mode; duplicates not counted).",
             m.reports_stored.load(Ordering::Relaxed),
         ),
         (

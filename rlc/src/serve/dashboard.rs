@@ -81,7 +81,7 @@ pub struct BucketView {
 /// {
 ///   "service": "payments",            // null: every service
 ///   "window": "1h",
-///   "since": "2026-11-30T01:00:00Z",   // reports received since then
+///   "since": "2026-11-30T01:00:00Z",   // reports with a tick in this minute or later
 ///   "would_throttle_share": 0.01,
 ///   "truncated": false,                // more buckets than `limit`
 ///   "buckets": [{                      // largest virtual-drop share first
@@ -91,7 +91,7 @@ pub struct BucketView {
 ///     "virtual_drop_share": 0.25,      // shadow_dropped / offered
 ///     "peak_offered_rps": 150.0, "max_drop_ratio": 0.333,
 ///     "limit_rps": 200.0, "mode": "shadow",   // from the latest report
-///     "first_seen": "…", "last_seen": "…",
+///     "first_seen": "…", "last_seen": "…",  // first and newest tick in the window
 ///     "would_throttle": true
 ///   }]
 /// }
@@ -499,7 +499,7 @@ fn render(d: &PageData, problem: Option<&str>) -> String {
         if sum.buckets.is_empty() {
             let _ = write!(
                 h,
-                "<p class=\"muted\">No shadow reports received since {} UTC.</p>",
+                "<p class=\"muted\">No reports since {} UTC.</p>",
                 when(sum.since)
             );
         } else {
