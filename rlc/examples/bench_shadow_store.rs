@@ -2,7 +2,7 @@
 //! (docs/rlc-dashboard.md).
 //!
 //! `cargo run --release -p rlc --example bench_shadow_store -- [BUCKETS] [SECONDS] [DAYS]`
-//! (defaults 10000, 10, 30):
+//! (defaults 10000, 10, 30; DAYS 0 measures the ingest only):
 //!
 //! 1. ingest: every simulated second, one report per bucket and zone (3 zones) goes through
 //!    `Store::insert_reports` (raw rows plus the per-minute roll-up upsert), as `rlc serve`
@@ -89,6 +89,9 @@ async fn main() -> anyhow::Result<()> {
         worst.as_millis()
     );
 
+    if days == 0 {
+        return Ok(());
+    }
     // 2. Roll-ups: DAYS of minutes for 10 buckets, the last hour for every bucket.
     let now = minute_of(Utc::now());
     let t = Instant::now();

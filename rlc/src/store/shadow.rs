@@ -292,13 +292,24 @@ impl Store {
             Store::Postgres(pool) => {
                 let mut tx = pool.begin().await?;
                 for chunk in rows.chunks(PG_ROWS_PER_STATEMENT) {
-                    let inserted: Vec<(i64, String, String, String)> = sqlx::query_as(&format!(
-                        "INSERT INTO shadow_reports ({REPORT_COLUMNS}) \
+                    // One statement: the new rows (RETURNING) are summed per minute and upserted
+                    // into the roll-ups inside Postgres, without a round trip.
+                    let (inserted,): (i64,) = sqlx::query_as(&format!(
+                        "WITH ins AS (INSERT INTO shadow_reports ({REPORT_COLUMNS}) \
                          SELECT * FROM UNNEST($1::bigint[], $2::timestamptz[], $3::text[], $4::text[], $5::text[], \
                          $6::text[], $7::text[], $8::text[], $9::float8[], $10::float8[], $11::float8[], \
                          $12::float8[], $13::float8[], $14::float8[], $15::timestamptz[]) \
                          ON CONFLICT (seq, service, bucket, scope_key) DO NOTHING \
-                         RETURNING seq, service, bucket, scope_key"
+                         RETURNING seq, t, service, bucket, scope_key, mode, offered, admitted, dropped, \
+                                   shadow_dropped, limit_rps, drop_ratio), \
+                         up AS (INSERT INTO shadow_minutes AS m ({MINUTE_COLUMNS}) \
+                         SELECT service, bucket, scope_key, date_trunc('minute', t AT TIME ZONE 'UTC') AT TIME ZONE 'UTC', \
+                                COUNT(*), SUM(offered), SUM(admitted), SUM(dropped), SUM(shadow_dropped), \
+                                MAX(offered), MAX(drop_ratio), MIN(t), MAX(t), \
+                                (array_agg(limit_rps ORDER BY seq DESC))[1], (array_agg(mode ORDER BY seq DESC))[1], \
+                                MAX(seq) \
+                         FROM ins GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 4, 3{UPSERT_SET}) \
+                         SELECT COUNT(*) FROM ins"
                     ))
                     .bind(chunk.iter().map(|x| x.r.seq).collect::<Vec<_>>())
                     .bind(chunk.iter().map(|x| x.t).collect::<Vec<_>>())
@@ -315,38 +326,9 @@ impl Store {
                     .bind(chunk.iter().map(|x| x.r.limit_rps).collect::<Vec<_>>())
                     .bind(chunk.iter().map(|x| x.r.drop_ratio).collect::<Vec<_>>())
                     .bind(vec![received_at; chunk.len()])
-                    .fetch_all(&mut *tx)
+                    .fetch_one(&mut *tx)
                     .await?;
-                    new += inserted.len() as u64;
-                    let acc = rollup(only_new(chunk, inserted));
-                    if acc.is_empty() {
-                        continue;
-                    }
-                    let v: Vec<(&MinuteKey, &Acc)> = acc.iter().collect();
-                    sqlx::query(&format!(
-                        "INSERT INTO shadow_minutes AS m ({MINUTE_COLUMNS}) \
-                         SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::timestamptz[], $5::bigint[], \
-                         $6::float8[], $7::float8[], $8::float8[], $9::float8[], $10::float8[], $11::float8[], \
-                         $12::timestamptz[], $13::timestamptz[], $14::float8[], $15::text[], $16::bigint[]){UPSERT_SET}"
-                    ))
-                    .bind(v.iter().map(|(k, _)| k.0.as_str()).collect::<Vec<_>>())
-                    .bind(v.iter().map(|(k, _)| k.1.as_str()).collect::<Vec<_>>())
-                    .bind(v.iter().map(|(k, _)| k.3.as_str()).collect::<Vec<_>>())
-                    .bind(v.iter().map(|(k, _)| k.2).collect::<Vec<_>>())
-                    .bind(v.iter().map(|(_, a)| a.reports).collect::<Vec<_>>())
-                    .bind(v.iter().map(|(_, a)| a.offered).collect::<Vec<_>>())
-                    .bind(v.iter().map(|(_, a)| a.admitted).collect::<Vec<_>>())
-                    .bind(v.iter().map(|(_, a)| a.dropped).collect::<Vec<_>>())
-                    .bind(v.iter().map(|(_, a)| a.shadow_dropped).collect::<Vec<_>>())
-                    .bind(v.iter().map(|(_, a)| a.max_offered).collect::<Vec<_>>())
-                    .bind(v.iter().map(|(_, a)| a.max_drop_ratio).collect::<Vec<_>>())
-                    .bind(v.iter().map(|(_, a)| a.first_t).collect::<Vec<_>>())
-                    .bind(v.iter().map(|(_, a)| a.last_t).collect::<Vec<_>>())
-                    .bind(v.iter().map(|(_, a)| a.limit_rps).collect::<Vec<_>>())
-                    .bind(v.iter().map(|(_, a)| a.mode.as_str()).collect::<Vec<_>>())
-                    .bind(v.iter().map(|(_, a)| a.last_seq).collect::<Vec<_>>())
-                    .execute(&mut *tx)
-                    .await?;
+                    new += inserted as u64;
                 }
                 tx.commit().await?;
             }
