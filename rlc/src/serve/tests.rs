@@ -9,6 +9,7 @@ use crate::cycle::RunStatus;
 use crate::gitops::tests::{plan, planned, seeded_remote};
 use crate::plan::Plan;
 use crate::push::tests::{app as controller_app, Fake};
+use crate::push::Report;
 
 fn next(expr: &str, after: chrono::DateTime<Utc>) -> chrono::DateTime<Utc> {
     parse_schedule(expr).unwrap().after(&after).next().unwrap()
