@@ -23,14 +23,15 @@ use serde_json::json;
 use tokio::sync::{mpsc, watch};
 
 use crate::cycle::{load_config, Cycle, Planner, RunOutcome};
-use crate::push::{ControllerClient, Report};
+use crate::push::ControllerClient;
 use crate::store::{Lease, Store};
 
 pub mod dashboard;
 pub mod problem;
+mod reports;
 
-/// Reports fetched per `GET /v1/reports` call.
-const REPORT_PAGE: u32 = 500;
+use reports::ReportBuffer;
+
 /// Store cursor of the controller's report stream.
 const REPORT_CURSOR: &str = "controller.reports";
 
@@ -69,6 +70,8 @@ struct Metrics {
     push_failures: AtomicU64,
     reports_stored: AtomicU64,
     report_gaps: AtomicU64,
+    reports_buffered: AtomicU64,
+    report_polls_paused: AtomicU64,
     pending_records: AtomicU64,
 }
 
@@ -199,6 +202,11 @@ async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
             "Run records waiting for the store.",
             m.pending_records.load(Ordering::Relaxed),
         ),
+        (
+            "rlc_shadow_reports_buffered",
+            "Controller reports fetched but not yet stored (store down or slow).",
+            m.reports_buffered.load(Ordering::Relaxed),
+        ),
     ];
     for (name, help, v) in gauges {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
@@ -211,13 +219,18 @@ async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
         ),
         (
             "rlc_shadow_reports_stored_total",
-            "Shadow reports stored.",
+            "Controller reports stored (every mode; duplicates not counted).",
             m.reports_stored.load(Ordering::Relaxed),
         ),
         (
             "rlc_shadow_report_gaps_total",
             "Polls that found shadow reports lost at the controller.",
             m.report_gaps.load(Ordering::Relaxed),
+        ),
+        (
+            "rlc_shadow_report_polls_paused_total",
+            "Polls skipped because the report buffer was full (the store is down or slow).",
+            m.report_polls_paused.load(Ordering::Relaxed),
         ),
     ];
     for (name, help, v) in counters {
@@ -278,6 +291,14 @@ pub fn app(state: AppState) -> Router {
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics))
         .route("/v1/shadow", get(dashboard::shadow_json))
+        .route(
+            "/v1/shadow/{service}/{bucket}",
+            get(dashboard::bucket::bucket_json),
+        )
+        .route(
+            "/buckets/{service}/{bucket}",
+            get(dashboard::bucket::bucket_page),
+        )
         .route("/v1/runs", get(dashboard::runs_json).post(trigger_run))
         .route("/v1/runs/last", get(last_run))
         .with_state(state)
@@ -338,6 +359,8 @@ struct Loop {
     controller: Option<ControllerClient>,
     last_inputs: Option<String>,
     last_pushed: Option<String>,
+    reports: ReportBuffer,
+    last_retention: Option<tokio::time::Instant>,
 }
 
 impl Loop {
@@ -415,54 +438,12 @@ impl Loop {
                 tracing::warn!(error = %e, "cannot poll controller reports");
             }
         }
+        self.retention().await;
         self.state
             .inner
             .metrics
             .pending_records
             .store(self.cycle.pending_records().await as u64, Ordering::Relaxed);
-    }
-
-    async fn poll_reports(&self, client: &ControllerClient) -> anyhow::Result<()> {
-        let store = self.cycle.store().await?;
-        let mut cursor = store.cursor(REPORT_CURSOR).await?;
-        // Bounded: a large backlog is drained over several ticks.
-        for _ in 0..20 {
-            let page = client.reports(cursor.as_deref(), REPORT_PAGE).await?;
-            if page.gap || page.reset {
-                // Visible to operators: the dashboard misses some intervals.
-                tracing::warn!(gap = page.gap, reset = page.reset, cursor = ?cursor, "shadow reports were lost between polls");
-                self.state
-                    .inner
-                    .metrics
-                    .report_gaps
-                    .fetch_add(1, Ordering::Relaxed);
-            }
-            let got = page.reports.len();
-            let shadow: Vec<Report> = page
-                .reports
-                .into_iter()
-                .filter(|r| r.mode == "shadow")
-                .collect();
-            let n = store.insert_reports(&shadow, Utc::now()).await?;
-            self.state
-                .inner
-                .metrics
-                .reports_stored
-                .fetch_add(n, Ordering::Relaxed);
-            let next = match page.next {
-                serde_json::Value::Null => None,
-                serde_json::Value::String(s) => Some(s),
-                v => Some(v.to_string()),
-            };
-            if let Some(next) = &next {
-                store.set_cursor(REPORT_CURSOR, next).await?;
-            }
-            if got < REPORT_PAGE as usize || next.is_none() || next == cursor {
-                break;
-            }
-            cursor = next;
-        }
-        Ok(())
     }
 }
 
@@ -496,6 +477,8 @@ async fn scheduler(
         controller,
         last_inputs: None,
         last_pushed: None,
+        reports: ReportBuffer::default(),
+        last_retention: None,
     };
     let mut lease: Option<Lease> = None;
     let mut next_cron = schedule.as_ref().and_then(|s| s.upcoming(Utc).next());

@@ -16,8 +16,6 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
 use sqlx::{Connection, PgPool, SqlitePool};
 
-use crate::push::Report;
-
 /// Why a store call failed. Messages never include the database URL's password.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -139,13 +137,35 @@ pub struct QuotaRecord {
     pub recorded_at: DateTime<Utc>,
 }
 
+/// A bucket's quota change as the dashboard lists it, with the run that made it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow, schemars::JsonSchema)]
+pub struct QuotaChange {
+    /// The run (`GET /v1/runs`).
+    pub run_id: i64,
+    /// When it was recorded.
+    pub recorded_at: DateTime<Utc>,
+    /// added | removed | raised | lowered | modified.
+    pub change: String,
+    /// New limit (none when removed).
+    pub limit_rps: Option<f64>,
+    /// Limit before.
+    pub previous_limit_rps: Option<f64>,
+    /// enforce | shadow.
+    pub mode: Option<String>,
+    /// Policy that produced it.
+    pub policy: Option<String>,
+    /// Commit that carries it.
+    pub commit_sha: Option<String>,
+}
+
 /// A shadow report as stored.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow)]
 pub struct StoredReport {
     /// Controller sequence number.
     pub seq: i64,
-    /// Tick time as the controller sent it (JSON text).
-    pub t: String,
+    /// Tick time.
+    #[sqlx(try_from = "Ts")]
+    pub t: DateTime<Utc>,
     /// Callee service.
     pub service: String,
     /// Bucket.
@@ -202,9 +222,11 @@ pub struct BucketShadowSummary {
     pub limit_rps: f64,
     /// The mode in the bucket's latest report.
     pub mode: String,
-    /// When the first report of the window was received.
+    /// The first tick of the window with a report.
+    #[sqlx(try_from = "Ts")]
     pub first_seen: DateTime<Utc>,
-    /// When the latest report was received.
+    /// The newest tick with a report.
+    #[sqlx(try_from = "Ts")]
     pub last_seen: DateTime<Utc>,
 }
 
@@ -423,6 +445,25 @@ impl Store {
         .await?))
     }
 
+    /// The quota changes of one bucket with the run that made them, newest first (at most
+    /// `limit`): the dashboard's quota history.
+    pub async fn quota_changes(
+        &self,
+        service: &str,
+        bucket: &str,
+        limit: i64,
+    ) -> Result<Vec<QuotaChange>, StoreError> {
+        on_pool!(self, pool => Ok(sqlx::query_as::<_, QuotaChange>(
+            "SELECT run_id, recorded_at, change, limit_rps, previous_limit_rps, mode, policy, commit_sha \
+             FROM quota_history WHERE service = $1 AND bucket = $2 ORDER BY id DESC LIMIT $3",
+        )
+        .bind(service)
+        .bind(bucket)
+        .bind(limit)
+        .fetch_all(pool)
+        .await?))
+    }
+
     /// When `bucket` of `service` was last lowered at or after `since`, if it was.
     pub async fn lowered_since(
         &self,
@@ -443,67 +484,7 @@ impl Store {
         .map(|(t,)| t)))
     }
 
-    /// Stores reports (duplicates by seq/service/bucket/scope key are ignored); returns how
-    /// many were new.
-    pub async fn insert_reports(
-        &self,
-        reports: &[Report],
-        received_at: DateTime<Utc>,
-    ) -> Result<u64, StoreError> {
-        on_pool!(self, pool => {
-            let mut tx = pool.begin().await?;
-            let mut n = 0;
-            for r in reports {
-                let t = match &r.t {
-                    serde_json::Value::String(s) => s.clone(),
-                    v => v.to_string(),
-                };
-                n += sqlx::query(
-                    "INSERT INTO shadow_reports (seq, t, service, bucket, caller, procedure, mode, scope_key, offered, admitted, dropped, shadow_dropped, limit_rps, drop_ratio, received_at) \
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15) \
-                     ON CONFLICT (seq, service, bucket, scope_key) DO NOTHING",
-                )
-                .bind(r.seq)
-                .bind(t)
-                .bind(&r.service)
-                .bind(&r.bucket)
-                .bind(&r.caller)
-                .bind(&r.procedure)
-                .bind(&r.mode)
-                .bind(r.scope_key.clone().unwrap_or_default())
-                .bind(r.offered)
-                .bind(r.admitted)
-                .bind(r.dropped)
-                .bind(r.shadow_dropped)
-                .bind(r.limit_rps)
-                .bind(r.drop_ratio)
-                .bind(received_at)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
-            }
-            tx.commit().await?;
-            Ok(n)
-        })
-    }
-
-    /// Stored reports, optionally of one service, by sequence number (at most `limit`).
-    pub async fn reports(
-        &self,
-        service: Option<&str>,
-        limit: i64,
-    ) -> Result<Vec<StoredReport>, StoreError> {
-        on_pool!(self, pool => Ok(sqlx::query_as::<_, StoredReport>(
-            "SELECT seq, t, service, bucket, caller, procedure, mode, scope_key, offered, admitted, dropped, shadow_dropped, limit_rps, drop_ratio \
-             FROM shadow_reports WHERE ($1 IS NULL OR service = $1) ORDER BY seq, service, bucket, scope_key LIMIT $2",
-        )
-        .bind(service)
-        .bind(limit)
-        .fetch_all(pool)
-        .await?))
-    }
-
-    /// Per-bucket summary of the reports received since `since`, optionally of one service:
+    /// Per-bucket summary of the minute roll-ups from the minute of `since` on, optionally of one service:
     /// the buckets with the largest share of virtual drops first, at most `limit` of them.
     pub async fn shadow_summary(
         &self,
@@ -517,22 +498,22 @@ impl Store {
         on_pool!(self, pool => Ok(sqlx::query_as::<_, BucketShadowSummary>(
             "SELECT a.service, a.bucket, a.reports, a.offered, a.admitted, a.dropped, a.shadow_dropped, \
                     a.virtual_drop_share, a.peak_offered_rps, a.max_drop_ratio, \
-                    (SELECT l.limit_rps FROM shadow_reports l WHERE l.service = a.service AND l.bucket = a.bucket \
-                     ORDER BY l.seq DESC, l.scope_key LIMIT 1) AS limit_rps, \
-                    (SELECT l.mode FROM shadow_reports l WHERE l.service = a.service AND l.bucket = a.bucket \
-                     ORDER BY l.seq DESC, l.scope_key LIMIT 1) AS mode, \
+                    (SELECT l.limit_rps FROM shadow_minutes l WHERE l.service = a.service AND l.bucket = a.bucket \
+                     ORDER BY l.minute DESC, l.last_seq DESC LIMIT 1) AS limit_rps, \
+                    (SELECT l.mode FROM shadow_minutes l WHERE l.service = a.service AND l.bucket = a.bucket \
+                     ORDER BY l.minute DESC, l.last_seq DESC LIMIT 1) AS mode, \
                     a.first_seen, a.last_seen \
-             FROM (SELECT service, bucket, COUNT(*) AS reports, SUM(offered) AS offered, SUM(admitted) AS admitted, \
+             FROM (SELECT service, bucket, CAST(SUM(reports) AS BIGINT) AS reports, SUM(offered) AS offered, SUM(admitted) AS admitted, \
                           SUM(dropped) AS dropped, SUM(shadow_dropped) AS shadow_dropped, \
                           CASE WHEN SUM(offered) > 0 THEN SUM(shadow_dropped) / SUM(offered) ELSE 0.0 END AS virtual_drop_share, \
-                          MAX(offered) AS peak_offered_rps, MAX(drop_ratio) AS max_drop_ratio, \
-                          MIN(received_at) AS first_seen, MAX(received_at) AS last_seen \
-                   FROM shadow_reports \
-                   WHERE received_at >= $1 AND ($2 IS NULL OR service = $2) \
+                          MAX(max_offered) AS peak_offered_rps, MAX(max_drop_ratio) AS max_drop_ratio, \
+                          MIN(first_t) AS first_seen, MAX(last_t) AS last_seen \
+                   FROM shadow_minutes \
+                   WHERE minute >= $1 AND ($2 IS NULL OR service = $2) \
                    GROUP BY service, bucket) a \
              ORDER BY a.virtual_drop_share DESC, a.service, a.bucket LIMIT $3",
         )
-        .bind(since)
+        .bind(Ts(minute_of(since)))
         .bind(service)
         .bind(limit)
         .fetch_all(pool)
@@ -547,9 +528,9 @@ impl Store {
         limit: i64,
     ) -> Result<Vec<String>, StoreError> {
         on_pool!(self, pool => Ok(sqlx::query_as::<_, (String,)>(
-            "SELECT DISTINCT service FROM shadow_reports WHERE received_at >= $1 ORDER BY service LIMIT $2",
+            "SELECT DISTINCT service FROM shadow_minutes WHERE minute >= $1 ORDER BY service LIMIT $2",
         )
-        .bind(since)
+        .bind(Ts(minute_of(since)))
         .bind(limit)
         .fetch_all(pool)
         .await?
@@ -595,6 +576,9 @@ impl Store {
         }
     }
 }
+
+mod shadow;
+pub use shadow::{minute_of, stats_from_minutes, tick_time, MinuteRow, Retained, Ts};
 
 #[cfg(test)]
 mod tests;

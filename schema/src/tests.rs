@@ -173,6 +173,53 @@ fn daemon_config_checks_the_schedule_with_its_line() {
 }
 
 #[test]
+fn daemon_config_store_retention() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("rlc.yaml");
+    let base = "history:\n  file: h.csv\nconfig_repo:\n  path: repo\n";
+    std::fs::write(&p, base).unwrap();
+    let c = load_daemon_config(&p).unwrap();
+    assert_eq!(c.store.shadow_raw_retention.as_secs(), 48 * 3600);
+    assert_eq!(c.store.shadow_rollup_retention.as_secs(), 35 * 86_400);
+    std::fs::write(
+        &p,
+        format!("{base}store:\n  shadow_raw_retention: 6h\n  shadow_rollup_retention: 2w\n"),
+    )
+    .unwrap();
+    let c = load_daemon_config(&p).unwrap();
+    assert_eq!(c.store.shadow_raw_retention.as_secs(), 6 * 3600);
+    assert_eq!(c.store.shadow_rollup_retention.as_secs(), 14 * 86_400);
+    // Roll-ups shorter than raw reports: refused, with the line.
+    std::fs::write(
+        &p,
+        format!("{base}store:\n  shadow_raw_retention: 3d\n  shadow_rollup_retention: 2d\n"),
+    )
+    .unwrap();
+    let errs = load_daemon_config(&p).unwrap_err();
+    assert_eq!(
+        (errs[0].line, errs[0].key.as_str()),
+        (7, "store.shadow_rollup_retention"),
+        "{}",
+        errs[0]
+    );
+    for bad in [
+        "shadow_raw_retention: 2x",
+        "shadow_raw_retention: 0h",
+        "raw: 1h",
+    ] {
+        std::fs::write(&p, format!("{base}store:\n  {bad}\n")).unwrap();
+        let errs = load_daemon_config(&p).unwrap_err();
+        assert_eq!(errs[0].line, 6, "{bad}: {}", errs[0]);
+    }
+    let schema = json_schema();
+    assert!(
+        schema["rlc.yaml"]["definitions"]["StoreConfig"]["properties"]["shadow_rollup_retention"]
+            .is_object(),
+        "{schema:#}"
+    );
+}
+
+#[test]
 fn bucket_dir_reports_every_problem_with_file_and_line() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();

@@ -662,6 +662,38 @@ pub struct DaemonConfig {
     /// The daemon's HTTP API (`rlc serve`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub server: Option<ServerConfig>,
+    /// How long the store keeps shadow reports (`rlc serve` applies it periodically).
+    #[serde(default)]
+    pub store: StoreConfig,
+}
+
+/// Retention of the controller reports in the store.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StoreConfig {
+    /// Reports kept at full resolution (one row per controller tick and scope key); 48h default.
+    #[serde(default = "default_shadow_raw_retention")]
+    pub shadow_raw_retention: HumanDuration,
+    /// Per-minute roll-ups (per service, bucket and scope key) that the dashboard and the
+    /// readiness figures read; 35d default. Must not be shorter than `shadow_raw_retention`.
+    #[serde(default = "default_shadow_rollup_retention")]
+    pub shadow_rollup_retention: HumanDuration,
+}
+
+impl Default for StoreConfig {
+    fn default() -> StoreConfig {
+        StoreConfig {
+            shadow_raw_retention: default_shadow_raw_retention(),
+            shadow_rollup_retention: default_shadow_rollup_retention(),
+        }
+    }
+}
+
+fn default_shadow_raw_retention() -> HumanDuration {
+    HumanDuration(Duration::from_secs(48 * 3600))
+}
+fn default_shadow_rollup_retention() -> HumanDuration {
+    HumanDuration(Duration::from_secs(35 * 86_400))
 }
 
 fn default_database_url() -> String {

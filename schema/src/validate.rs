@@ -647,6 +647,13 @@ pub fn load_daemon_config(path: &Path) -> Result<DaemonConfig, Vec<Diagnostic>> 
     if h.step.as_secs() > h.lookback.as_secs() {
         diags.push(f.diag("history.step", "is longer than history.lookback"));
     }
+    let st = &f.value.store;
+    if st.shadow_rollup_retention.as_secs() < st.shadow_raw_retention.as_secs() {
+        diags.push(f.diag(
+            "store.shadow_rollup_retention",
+            "is shorter than store.shadow_raw_retention",
+        ));
+    }
     if let Some(p) = &h.prometheus {
         if !(p.url.starts_with("http://") || p.url.starts_with("https://")) {
             diags.push(f.diag(

@@ -33,7 +33,7 @@ const PAGE_RUNS: i64 = 10;
 /// Services offered by the HTML filter.
 const MAX_SERVICES: i64 = 200;
 /// Windows offered by the HTML filter.
-const WINDOWS: &[&str] = &["15m", "1h", "6h", "24h", "7d"];
+const WINDOWS: &[&str] = &["15m", "1h", "6h", "24h", "7d", "30d"];
 
 /// Parses a window such as `90s`, `15m`, `1h` or `7d` (1 s to 30 days).
 pub fn parse_window(s: &str) -> Result<chrono::Duration, String> {
@@ -81,7 +81,7 @@ pub struct BucketView {
 /// {
 ///   "service": "payments",            // null: every service
 ///   "window": "1h",
-///   "since": "2026-11-30T01:00:00Z",   // reports received since then
+///   "since": "2026-11-30T01:00:00Z",   // reports with a tick in this minute or later
 ///   "would_throttle_share": 0.01,
 ///   "truncated": false,                // more buckets than `limit`
 ///   "buckets": [{                      // largest virtual-drop share first
@@ -91,7 +91,7 @@ pub struct BucketView {
 ///     "virtual_drop_share": 0.25,      // shadow_dropped / offered
 ///     "peak_offered_rps": 150.0, "max_drop_ratio": 0.333,
 ///     "limit_rps": 200.0, "mode": "shadow",   // from the latest report
-///     "first_seen": "…", "last_seen": "…",
+///     "first_seen": "…", "last_seen": "…",  // first and newest tick in the window
 ///     "would_throttle": true
 ///   }]
 /// }
@@ -120,6 +120,7 @@ pub struct ShadowSummary {
 #[derive(Debug)]
 pub(super) enum DashError {
     BadRequest(String),
+    NotFound(String),
     NoStore,
     Store,
 }
@@ -128,6 +129,7 @@ impl DashError {
     fn status(&self) -> StatusCode {
         match self {
             DashError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            DashError::NotFound(_) => StatusCode::NOT_FOUND,
             DashError::NoStore => StatusCode::SERVICE_UNAVAILABLE,
             DashError::Store => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -135,7 +137,7 @@ impl DashError {
 
     fn message(&self) -> String {
         match self {
-            DashError::BadRequest(m) => m.clone(),
+            DashError::BadRequest(m) | DashError::NotFound(m) => m.clone(),
             DashError::NoStore => {
                 "the store is not available yet (database unreachable or still connecting)".into()
             }
@@ -265,10 +267,17 @@ struct PageData {
     services: Vec<String>,
     summary: Option<ShadowSummary>,
     runs: Vec<RunRecord>,
+    /// Reports fetched but not stored yet.
+    buffered: u64,
 }
 
 async fn page_data(s: &AppState, q: ShadowQuery) -> Result<PageData, (DashError, PageData)> {
     let mut data = PageData {
+        buffered: s
+            .inner
+            .metrics
+            .reports_buffered
+            .load(std::sync::atomic::Ordering::Relaxed),
         service: q.service.clone().filter(|s| !s.is_empty()),
         window: q.window.clone().unwrap_or_else(|| DEFAULT_WINDOW.into()),
         ..PageData::default()
@@ -384,6 +393,7 @@ code { font: 13px ui-monospace, SFMono-Regular, Menlo, monospace; }
 .muted { color: #7a8499; }
 .notice { background: #fff4db; border-color: #f0d58c; color: #5c3f00; }
 .err { color: #a4161a; font-size: 13px; }
+ul.why { margin: 4px 0 0; padding-left: 18px; font-size: 13px; color: #5c3f00; }
 ";
 
 /// Renders the page; `problem` replaces the data with an explanation.
@@ -474,13 +484,22 @@ fn render(d: &PageData, problem: Option<&str>) -> String {
             escape_html(p)
         );
     }
+    if d.buffered > 0 {
+        let _ = write!(
+            h,
+            "<section class=\"notice\" id=\"buffered\"><h2>Reports waiting for the store</h2>\
+             <p>{} controller reports are fetched but not stored yet (the store is down or slow): \
+             the latest minutes are missing here, not zero.</p></section>",
+            d.buffered
+        );
+    }
 
     if let Some(sum) = &d.summary {
         h.push_str("<section><h2>Buckets</h2>");
         if sum.buckets.is_empty() {
             let _ = write!(
                 h,
-                "<p class=\"muted\">No shadow reports received since {} UTC.</p>",
+                "<p class=\"muted\">No reports since {} UTC.</p>",
                 when(sum.since)
             );
         } else {
@@ -488,7 +507,7 @@ fn render(d: &PageData, problem: Option<&str>) -> String {
                 "<div class=\"scroll\"><table id=\"buckets\"><thead><tr><th>Service</th>\
                  <th>Bucket</th><th>Verdict</th><th class=\"num\">Virtual-drop share</th>\
                  <th class=\"num\">Limit rps</th><th class=\"num\">Peak offered rps</th>\
-                 <th class=\"num\">Offered</th><th class=\"num\">Virtual drops</th>\
+                 <th class=\"num\">Offered</th><th class=\"num\">Virtual drops</th><th class=\"num\">Real drops</th>\
                  <th class=\"num\">Max drop ratio</th><th>Mode</th><th class=\"num\">Reports</th>\
                  <th>Last report (UTC)</th></tr></thead><tbody>",
             );
@@ -499,15 +518,18 @@ fn render(d: &PageData, problem: Option<&str>) -> String {
                     h,
                     "<tr class=\"{cls}\" data-bucket=\"{bucket}\">\
                      <td><a href=\"/?service={href}&amp;window={win}\">{svc}</a></td>\
-                     <td class=\"name\"><code>{bucket}</code></td><td>{verdict}</td>\
+                     <td class=\"name\"><a href=\"/buckets/{svc_p}/{bucket_p}?window={win}\"><code>{bucket}</code></a></td><td>{verdict}</td>\
                      <td class=\"num share\">{share}</td>\
                      <td class=\"num\">{limit}</td><td class=\"num\">{peak}</td>\
-                     <td class=\"num\">{offered}</td><td class=\"num\">{vd}</td>\
+                     <td class=\"num\">{offered}</td><td class=\"num\">{vd}</td><td class=\"num\">{drops}</td>\
                      <td class=\"num\">{ratio}</td><td><span class=\"badge mode\">{mode}</span></td>\
                      <td class=\"num\">{reports}</td><td class=\"nowrap\">{last}</td></tr>",
                     cls = if b.would_throttle { "throttle" } else { "ok" },
                     bucket = escape_html(&s.bucket),
                     href = escape_html(&encode_query_value(&s.service)),
+                    svc_p = escape_html(&encode_query_value(&s.service)),
+                    bucket_p = escape_html(&encode_query_value(&s.bucket)),
+                    drops = rate(s.dropped),
                     win = escape_html(&encode_query_value(&d.window)),
                     mode = escape_html(&s.mode),
                     limit = rate(s.limit_rps),
@@ -556,6 +578,25 @@ fn render(d: &PageData, problem: Option<&str>) -> String {
                 if let Some(e) = &r.error {
                     let _ = write!(summary, "<div class=\"err\">{}</div>", escape_html(e));
                 }
+                // Why a run is pending, held or failed: the rest of its record.
+                if matches!(r.status.as_str(), "push-pending" | "held" | "failed") {
+                    let why: Vec<&str> = r
+                        .summary
+                        .lines()
+                        .skip(1)
+                        .map(str::trim)
+                        .filter(|l| {
+                            !l.is_empty() && Some(*l) != r.error.as_deref().map(|e| e.trim())
+                        })
+                        .collect();
+                    if !why.is_empty() {
+                        summary.push_str("<ul class=\"why\">");
+                        for l in why {
+                            let _ = write!(summary, "<li>{}</li>", escape_html(l));
+                        }
+                        summary.push_str("</ul>");
+                    }
+                }
                 let _ = write!(
                     h,
                     "<tr><td class=\"num\">{id}</td><td>{started}</td><td>{trigger}</td>\
@@ -574,6 +615,8 @@ fn render(d: &PageData, problem: Option<&str>) -> String {
     h.push_str("</main></body></html>\n");
     h
 }
+
+pub mod bucket;
 
 #[cfg(test)]
 mod tests;

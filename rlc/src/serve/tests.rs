@@ -9,6 +9,7 @@ use crate::cycle::RunStatus;
 use crate::gitops::tests::{plan, planned, seeded_remote};
 use crate::plan::Plan;
 use crate::push::tests::{app as controller_app, Fake};
+use crate::push::Report;
 
 fn next(expr: &str, after: chrono::DateTime<Utc>) -> chrono::DateTime<Utc> {
     parse_schedule(expr).unwrap().after(&after).next().unwrap()
@@ -35,14 +36,18 @@ fn five_field_cron_expressions() {
 async fn reports(
     Query(q): Query<std::collections::HashMap<String, String>>,
 ) -> Json<serde_json::Value> {
-    let row = |seq: i64, mode: &str| {
-        json!({"seq": seq, "t": 10, "service": "payments", "bucket": "gw", "caller": "gw",
+    let t = chrono::Utc::now().timestamp();
+    let row = |seq: i64, bucket: &str, mode: &str, dropped: f64, shadow: f64| {
+        json!({"seq": seq, "t": t, "service": "payments", "bucket": bucket, "caller": "gw",
                "procedure": null, "mode": mode, "scope_key": "global", "offered": 150.0,
-               "admitted": 150.0, "dropped": 0.0, "shadow_dropped": 50.0, "limit_rps": 100.0,
-               "drop_ratio": 0.33})
+               "admitted": 150.0 - dropped, "dropped": dropped, "shadow_dropped": shadow,
+               "limit_rps": 100.0, "drop_ratio": 0.33})
     };
     match q.get("after").map(String::as_str) {
-        None => Json(json!({"next": "2", "reports": [row(1, "shadow"), row(2, "enforce")]})),
+        None => Json(json!({"next": "2", "reports": [
+            row(1, "gw", "shadow", 0.0, 50.0),
+            row(2, "api", "enforce", 50.0, 0.0),
+        ]})),
         Some(_) => Json(json!({"next": "2", "reports": []})),
     }
 }
@@ -148,7 +153,7 @@ async fn daemon_runs_on_request_and_on_input_change_and_shuts_down() {
     );
     assert_eq!(fake.version.lock().unwrap().as_deref(), Some(head.as_str()));
 
-    // Shadow reports were stored (enforce ones are not).
+    // Reports of every mode were stored (the dashboard shows enforced buckets' real drops).
     let store = crate::store::Store::connect("sqlite://rlc.db", &base)
         .await
         .unwrap();
@@ -158,7 +163,7 @@ async fn daemon_runs_on_request_and_on_input_change_and_shuts_down() {
             .iter()
             .map(|r| (r.seq, r.mode.as_str()))
             .collect::<Vec<_>>(),
-        vec![(1, "shadow")]
+        vec![(1, "shadow"), (2, "enforce")]
     );
     // The daemon hands its store to the read-only dashboard.
     let v: serde_json::Value = http
@@ -185,8 +190,49 @@ async fn daemon_runs_on_request_and_on_input_change_and_shuts_down() {
         .unwrap();
     assert!(m.contains("rlc_runs_total{status=\"success\"} 2"), "{m}");
     assert!(m.contains("rlc_leader 1"), "{m}");
-    assert!(m.contains("rlc_shadow_reports_stored_total 1"), "{m}");
+    assert!(m.contains("rlc_shadow_reports_stored_total 2"), "{m}");
+    assert!(m.contains("rlc_shadow_reports_buffered 0"), "{m}");
 
     stop_tx.send(true).unwrap();
     daemon.await.unwrap().unwrap();
+}
+
+/// Reports wait in the buffer while the store fails; the stored cursor only moves past what
+/// was stored, and a store that is back takes the whole backlog.
+#[tokio::test]
+async fn report_buffer_keeps_reports_until_stored() {
+    let row = |seq: i64| -> Report {
+        serde_json::from_value(json!({
+            "seq": seq, "t": 1_796_000_000 + seq, "service": "payments", "bucket": "gw",
+            "caller": null, "procedure": null, "mode": "shadow", "scope_key": "eu",
+            "offered": 10.0, "admitted": 10.0, "dropped": 0.0, "shadow_dropped": 0.0,
+            "limit_rps": 20.0, "drop_ratio": 0.0
+        }))
+        .unwrap()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::connect("sqlite://rlc.db", dir.path()).await.unwrap();
+    let mut buf = ReportBuffer::default();
+    buf.push(vec![row(1), row(2)], Some("2".into()));
+    buf.push(vec![row(3)], Some("3".into()));
+    assert_eq!(buf.rows, 3);
+
+    // The store's file is gone: nothing is stored, nothing is dropped, the cursor stays.
+    std::fs::rename(dir.path().join("rlc.db"), dir.path().join("moved.db")).unwrap();
+    let (stored, res) = buf.flush(&store).await;
+    assert_eq!(stored, 0);
+    assert!(res.is_err());
+    assert_eq!((buf.rows, buf.pages.len()), (3, 2));
+
+    // Back: the backlog is stored in one batch and the cursor moves past it.
+    std::fs::rename(dir.path().join("moved.db"), dir.path().join("rlc.db")).unwrap();
+    let (stored, res) = buf.flush(&store).await;
+    res.unwrap();
+    assert_eq!(stored, 3);
+    assert_eq!((buf.rows, buf.pages.len()), (0, 0));
+    assert_eq!(
+        store.cursor(REPORT_CURSOR).await.unwrap().as_deref(),
+        Some("3")
+    );
+    assert_eq!(store.reports(None, 10).await.unwrap().len(), 3);
 }

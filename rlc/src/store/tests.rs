@@ -3,6 +3,7 @@
 use chrono::TimeZone;
 
 use super::*;
+use crate::push::Report;
 
 fn run(trigger: &str, status: &str, minute: u32) -> RunRecord {
     RunRecord {
@@ -36,7 +37,7 @@ fn quota(limit: f64, prev: Option<f64>) -> QuotaRecord {
 
 fn report(seq: i64, mode: &str) -> Report {
     serde_json::from_value(serde_json::json!({
-        "seq": seq, "t": 12.5, "service": "payments", "bucket": "gw", "caller": "gw",
+        "seq": seq, "t": 1_796_000_000.5, "service": "payments", "bucket": "gw", "caller": "gw",
         "procedure": null, "mode": mode, "scope_key": "global", "offered": 150.0,
         "admitted": 150.0, "dropped": 0.0, "shadow_dropped": 50.0, "limit_rps": 100.0,
         "drop_ratio": 0.333
@@ -99,7 +100,10 @@ async fn check_store(store: Store) {
         stored.iter().map(|r| r.seq).collect::<Vec<_>>(),
         vec![1, 2, 3]
     );
-    assert_eq!(stored[0].t, "12.5");
+    assert_eq!(
+        stored[0].t,
+        Utc.timestamp_millis_opt(1_796_000_000_500).unwrap()
+    );
     assert_eq!(stored[0].shadow_dropped, 50.0);
     assert!(store.reports(Some("maps"), 10).await.unwrap().is_empty());
     assert_eq!(store.reports(None, 2).await.unwrap().len(), 2);
@@ -127,32 +131,48 @@ fn rates(seq: i64, service: &str, bucket: &str, scope: &str, offered: f64, limit
     .unwrap()
 }
 
+/// Stores `reports` as ticks at `t`.
+async fn put(store: &Store, reports: &[Report], t: DateTime<Utc>) -> u64 {
+    let ticked: Vec<Report> = reports
+        .iter()
+        .cloned()
+        .map(|mut r| {
+            r.t = serde_json::json!(t.timestamp());
+            r
+        })
+        .collect();
+    store.insert_reports(&ticked, t).await.unwrap()
+}
+
 async fn check_shadow_summary(store: Store) {
     let at = |h, m| Utc.with_ymd_and_hms(2026, 11, 30, h, m, 0).unwrap();
     // Before the window: must not count.
-    store
-        .insert_reports(&[rates(1, "payments", "gw", "", 1000.0, 100.0)], at(1, 0))
-        .await
-        .unwrap();
-    store
-        .insert_reports(
-            &[
-                // gw: 150 offered against 100 in two regions, then the limit is raised to 200.
-                rates(2, "payments", "gw", "eu", 150.0, 100.0),
-                rates(2, "payments", "gw", "us", 150.0, 100.0),
-                rates(3, "payments", "gw", "eu", 100.0, 200.0),
-                rates(2, "payments", "quiet", "", 50.0, 100.0),
-                rates(2, "payments", "idle", "", 0.0, 100.0),
-                rates(2, "maps", "geo", "", 120.0, 100.0),
-            ],
-            at(2, 30),
-        )
-        .await
-        .unwrap();
-    store
-        .insert_reports(&[rates(4, "payments", "quiet", "", 70.0, 100.0)], at(2, 45))
-        .await
-        .unwrap();
+    put(
+        &store,
+        &[rates(1, "payments", "gw", "", 1000.0, 100.0)],
+        at(1, 0),
+    )
+    .await;
+    put(
+        &store,
+        &[
+            // gw: 150 offered against 100 in two regions, then the limit is raised to 200.
+            rates(2, "payments", "gw", "eu", 150.0, 100.0),
+            rates(2, "payments", "gw", "us", 150.0, 100.0),
+            rates(3, "payments", "gw", "eu", 100.0, 200.0),
+            rates(2, "payments", "quiet", "", 50.0, 100.0),
+            rates(2, "payments", "idle", "", 0.0, 100.0),
+            rates(2, "maps", "geo", "", 120.0, 100.0),
+        ],
+        at(2, 30),
+    )
+    .await;
+    put(
+        &store,
+        &[rates(4, "payments", "quiet", "", 70.0, 100.0)],
+        at(2, 45),
+    )
+    .await;
 
     let since = at(2, 0);
     let all = store.shadow_summary(None, since, 10).await.unwrap();
@@ -303,4 +323,291 @@ async fn postgres_elects_one_scheduler() {
         b.try_lead().await.unwrap().is_some(),
         "second replica takes over once the first lets go"
     );
+}
+
+/// A report of `bucket` at tick `t` (unix seconds) with the given rates and mode.
+#[allow(clippy::too_many_arguments)]
+fn tick(
+    seq: i64,
+    t: i64,
+    bucket: &str,
+    scope: &str,
+    mode: &str,
+    offered: f64,
+    limit: f64,
+) -> Report {
+    let over = (offered - limit).max(0.0);
+    let (dropped, shadow) = if mode == "enforce" {
+        (over, 0.0)
+    } else {
+        (0.0, over)
+    };
+    serde_json::from_value(serde_json::json!({
+        "seq": seq, "t": t, "service": "payments", "bucket": bucket, "caller": null,
+        "procedure": null, "mode": mode, "scope_key": scope, "offered": offered,
+        "admitted": offered - dropped, "dropped": dropped, "shadow_dropped": shadow,
+        "limit_rps": limit, "drop_ratio": if offered > 0.0 { over / offered } else { 0.0 }
+    }))
+    .unwrap()
+}
+
+/// Readiness figures from the roll-ups: a shadow bucket in two zones, 10 minutes, one burst,
+/// one missing minute, an enforce period before; and an enforced bucket with real drops.
+async fn check_shadow_stats(store: Store) {
+    let t0 = Utc.with_ymd_and_hms(2026, 11, 30, 2, 0, 0).unwrap();
+    let s0 = t0.timestamp();
+    let mut seq = 0;
+    let mut batch = Vec::new();
+    // An hour before: the bucket was enforced for a minute.
+    for k in 0..6 {
+        seq += 1;
+        batch.push(tick(
+            seq,
+            s0 - 3600 + k * 10,
+            "gw",
+            "eu",
+            "enforce",
+            100.0,
+            120.0,
+        ));
+    }
+    for minute in 0..10 {
+        if minute == 7 {
+            continue; // the report feed missed this minute
+        }
+        for k in 0..6 {
+            for zone in ["eu", "us"] {
+                seq += 1;
+                let offered = if minute == 5 && zone == "eu" {
+                    200.0
+                } else {
+                    100.0
+                };
+                let t = s0 + minute * 60 + k * 10;
+                batch.push(tick(seq, t, "gw", zone, "shadow", offered, 120.0));
+                batch.push(tick(seq, t, "api", zone, "enforce", 150.0, 120.0));
+            }
+        }
+    }
+    // Two batches, the second re-delivering part of the first: counted once.
+    let half = batch.len() / 2;
+    assert_eq!(
+        store.insert_reports(&batch[..half], t0).await.unwrap() as usize,
+        half
+    );
+    assert_eq!(
+        store.insert_reports(&batch[half - 10..], t0).await.unwrap() as usize,
+        batch.len() - half
+    );
+
+    let end = t0 + chrono::Duration::minutes(10);
+    let gw = store
+        .shadow_stats("payments", "gw", t0, end)
+        .await
+        .unwrap()
+        .expect("gw has reports");
+    assert_eq!(gw.mode, "shadow");
+    assert_eq!(
+        gw.shadow_since,
+        Some(t0),
+        "shadow since the end of the enforce period"
+    );
+    assert_eq!(
+        gw.last_report,
+        Some(t0 + chrono::Duration::seconds(9 * 60 + 50))
+    );
+    assert!((gw.coverage - 0.9).abs() < 1e-12, "{}", gw.coverage);
+    // 9 minutes × 2 zones × 6 ticks × 100, the burst minute's eu ticks at 200.
+    assert_eq!(gw.offered, 9.0 * 2.0 * 6.0 * 100.0 + 6.0 * 100.0);
+    assert_eq!(gw.virtual_dropped, 6.0 * 80.0);
+    assert_eq!(gw.dropped, 0.0);
+    assert!((gw.peak_drop_share - 480.0 / 1800.0).abs() < 1e-12);
+    assert_eq!(gw.peak_drop_at, Some(t0 + chrono::Duration::minutes(5)));
+    assert_eq!(gw.limit_rps, 120.0);
+    // 17 zone-minutes at 100 rps, one at 200: 1900 in all; 0.01 % = 0.19 may be lost.
+    let l = gw.suggested_limit_rps.unwrap();
+    assert!((l - (200.0 - 0.19)).abs() < 1e-9, "{l}");
+    assert!(matches!(
+        crate::readiness::verdict(&gw, &crate::readiness::Rule::default(), end),
+        crate::readiness::Verdict::WouldThrottle { .. }
+    ));
+
+    let api = store
+        .shadow_stats("payments", "api", t0, end)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(api.mode, "enforce");
+    assert_eq!(api.shadow_since, None);
+    assert_eq!(api.dropped, 9.0 * 2.0 * 6.0 * 30.0);
+    assert_eq!(api.virtual_dropped, 0.0);
+    assert_eq!(
+        crate::readiness::verdict(&api, &crate::readiness::Rule::default(), end),
+        crate::readiness::Verdict::Enforced
+    );
+    // A window without reports: zero coverage, no suggestion; an unknown bucket: None.
+    let empty = store
+        .shadow_stats("payments", "gw", end, end + chrono::Duration::hours(1))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((empty.coverage, empty.suggested_limit_rps), (0.0, None));
+    assert!(store
+        .shadow_stats("payments", "nope", t0, end)
+        .await
+        .unwrap()
+        .is_none());
+
+    // Series: 9 minutes × 2 zones; minute 7 absent, not zero.
+    let rows = store
+        .bucket_minutes("payments", "gw", t0, end)
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 18);
+    assert!(rows
+        .iter()
+        .all(|r| r.minute != t0 + chrono::Duration::minutes(7)));
+    let burst = rows
+        .iter()
+        .find(|r| r.minute == t0 + chrono::Duration::minutes(5) && r.scope_key == "eu")
+        .unwrap();
+    assert_eq!(
+        (
+            burst.reports,
+            burst.offered_rps(),
+            burst.shadow_dropped_rps()
+        ),
+        (6, 200.0, 80.0)
+    );
+
+    // Retention: raw reports before t0 + 5 min and roll-ups before t0 go.
+    let gone = store
+        .apply_retention(t0 + chrono::Duration::minutes(5), t0)
+        .await
+        .unwrap();
+    assert_eq!(gone.raw_deleted, 6 + 5 * 6 * 2 * 2);
+    assert_eq!(gone.minutes_deleted, 1);
+    assert_eq!(
+        store
+            .bucket_minutes("payments", "gw", t0, end)
+            .await
+            .unwrap()
+            .len(),
+        18,
+        "roll-ups outlive raw reports"
+    );
+}
+
+#[tokio::test]
+async fn sqlite_shadow_stats() {
+    let dir = tempfile::tempdir().unwrap();
+    check_shadow_stats(Store::connect("sqlite://rlc.db", dir.path()).await.unwrap()).await;
+}
+
+#[tokio::test]
+async fn postgres_shadow_stats() {
+    let db = test_support::postgres::fresh_database().await.unwrap();
+    check_shadow_stats(Store::connect(&db.url, Path::new("/")).await.unwrap()).await;
+}
+
+/// Migration 0003 keeps the reports stored before it: text tick times become timestamps and
+/// the roll-ups are filled from them.
+async fn check_migrated(store: Store) {
+    let t = |s: i64| Utc.timestamp_opt(s, 0).unwrap();
+    let stored = store.reports(None, 10).await.unwrap();
+    assert_eq!(
+        stored.iter().map(|r| (r.seq, r.t)).collect::<Vec<_>>(),
+        vec![
+            (1, t(1_796_000_000)),
+            (2, t(1_796_000_030)),
+            (3, t(1_796_000_090)),
+            (4, Utc.with_ymd_and_hms(2026, 11, 30, 3, 0, 30).unwrap())
+        ]
+    );
+    let rows = store
+        .bucket_minutes("payments", "gw", t(1_795_999_980), t(1_796_000_100))
+        .await
+        .unwrap();
+    assert_eq!(
+        rows.iter()
+            .map(|r| (r.minute, r.reports, r.offered, r.limit_rps))
+            .collect::<Vec<_>>(),
+        vec![
+            (t(1_795_999_980), 2, 300.0, 110.0),
+            (t(1_796_000_040), 1, 50.0, 120.0)
+        ]
+    );
+}
+
+const OLD_ROW: &str = "INSERT INTO shadow_reports (seq, t, service, bucket, mode, scope_key, offered, admitted, dropped, shadow_dropped, limit_rps, drop_ratio, received_at) \
+     VALUES ($1, $2, 'payments', 'gw', 'shadow', 'eu', $3, $3, 0, 0, $4, 0, $5)";
+
+fn old_rows() -> Vec<(i64, &'static str, f64, f64)> {
+    vec![
+        (1, "1796000000", 100.0, 100.0),
+        (2, "1796000030", 200.0, 110.0),
+        (3, "1796000090", 50.0, 120.0),
+        (4, "not a time", 10.0, 120.0),
+    ]
+}
+
+#[tokio::test]
+async fn sqlite_migration_keeps_reports() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = SqlitePoolOptions::new()
+        .connect_with(
+            SqliteConnectOptions::new()
+                .filename(dir.path().join("rlc.db"))
+                .create_if_missing(true),
+        )
+        .await
+        .unwrap();
+    let mut m = sqlx::migrate!("../migrations/sqlite");
+    m.migrations = m
+        .migrations
+        .iter()
+        .filter(|x| x.version < 3)
+        .cloned()
+        .collect();
+    m.run(&pool).await.unwrap();
+    for (seq, t, offered, limit) in old_rows() {
+        sqlx::query(OLD_ROW)
+            .bind(seq)
+            .bind(t)
+            .bind(offered)
+            .bind(limit)
+            .bind(Utc.with_ymd_and_hms(2026, 11, 30, 3, 0, 30).unwrap())
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    pool.close().await;
+    check_migrated(Store::connect("sqlite://rlc.db", dir.path()).await.unwrap()).await;
+}
+
+#[tokio::test]
+async fn postgres_migration_keeps_reports() {
+    let db = test_support::postgres::fresh_database().await.unwrap();
+    let pool = PgPoolOptions::new().connect(&db.url).await.unwrap();
+    let mut m = sqlx::migrate!("../migrations/postgres");
+    m.migrations = m
+        .migrations
+        .iter()
+        .filter(|x| x.version < 3)
+        .cloned()
+        .collect();
+    m.run(&pool).await.unwrap();
+    for (seq, t, offered, limit) in old_rows() {
+        sqlx::query(OLD_ROW)
+            .bind(seq)
+            .bind(t)
+            .bind(offered)
+            .bind(limit)
+            .bind(Utc.with_ymd_and_hms(2026, 11, 30, 3, 0, 30).unwrap())
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    pool.close().await;
+    check_migrated(Store::connect(&db.url, Path::new("/")).await.unwrap()).await;
 }

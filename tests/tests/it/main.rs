@@ -538,3 +538,5 @@ fn post(port: u16, path: &str, token: &str) -> Option<u16> {
     s.read_to_string(&mut buf).ok()?;
     buf.split_whitespace().nth(1)?.parse().ok()
 }
+
+mod dashboard;

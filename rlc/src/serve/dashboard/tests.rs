@@ -45,29 +45,46 @@ fn run(status: &str, minute: u32, commit: Option<&str>, error: Option<&str>) -> 
     }
 }
 
+/// `reports` as ticks at `t`.
+fn at(reports: Vec<Report>, t: chrono::DateTime<Utc>) -> Vec<Report> {
+    reports
+        .into_iter()
+        .map(|mut r| {
+            r.t = serde_json::json!(t.timestamp());
+            r
+        })
+        .collect()
+}
+
 /// A SQLite store with reports received now (plus one too old for a 1 h window) and two runs.
 async fn filled_store(dir: &std::path::Path) -> Store {
     let store = Store::connect("sqlite://rlc.db", dir).await.unwrap();
     let now = Utc::now();
     store
         .insert_reports(
-            &[report(1, "payments", "gw", 5000.0, 100.0)],
+            &at(
+                vec![report(1, "payments", "gw", 5000.0, 100.0)],
+                now - chrono::Duration::hours(2),
+            ),
             now - chrono::Duration::hours(2),
         )
         .await
         .unwrap();
     store
         .insert_reports(
-            &[
-                // gw: 150 offered against a limit of 100, twice: a third would be dropped.
-                report(2, "payments", "gw", 150.0, 100.0),
-                report(3, "payments", "gw", 150.0, 100.0),
-                report(2, "payments", "steady", 90.0, 100.0),
-                // 1 in 201 would be dropped: under the 1% flag.
-                report(2, "payments", EVIL_BUCKET, 201.0, 200.0),
-                report(2, "maps", "geo", 120.0, 100.0),
-                report(2, EVIL_SERVICE, "b", 10.0, 100.0),
-            ],
+            &at(
+                vec![
+                    // gw: 150 offered against a limit of 100, twice: a third would be dropped.
+                    report(2, "payments", "gw", 150.0, 100.0),
+                    report(3, "payments", "gw", 150.0, 100.0),
+                    report(2, "payments", "steady", 90.0, 100.0),
+                    // 1 in 201 would be dropped: under the 1% flag.
+                    report(2, "payments", EVIL_BUCKET, 201.0, 200.0),
+                    report(2, "maps", "geo", 120.0, 100.0),
+                    report(2, EVIL_SERVICE, "b", 10.0, 100.0),
+                ],
+                now,
+            ),
             now,
         )
         .await
@@ -211,7 +228,7 @@ async fn runs_json_lists_recent_runs_newest_first() {
 #[tokio::test]
 async fn without_a_store_the_pages_say_so() {
     let state = AppState::new(None, tokio::sync::mpsc::channel(1).0);
-    for uri in ["/v1/shadow", "/v1/runs"] {
+    for uri in ["/v1/shadow", "/v1/runs", "/v1/shadow/payments/gw?window=7d"] {
         let (status, v) = get_json(&state, uri).await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{uri}");
         assert!(
@@ -226,6 +243,12 @@ async fn without_a_store_the_pages_say_so() {
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     assert!(html.contains("store is not available"), "{html}");
     assert!(html.contains("What is shadow mode?"));
+    // The bucket page says what it could not load, and shows no figure.
+    let (status, html) = get(&state, "/buckets/payments/gw?window=7d").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(html.contains("Could not load this bucket"), "{html}");
+    assert!(html.contains("store is not available"), "{html}");
+    assert!(!html.contains("<svg"), "{html}");
     // Manual runs keep their own rules: still refused without a token.
     let resp = app(state)
         .oneshot(Request::post("/v1/runs").body(Body::empty()).unwrap())
@@ -262,7 +285,12 @@ async fn html_dashboard_flags_buckets_and_escapes_names() {
     assert!(html.contains(r#"<span class="badge success">success</span>"#));
     assert!(html.contains(">0123456789ab</code>"));
     assert!(html.contains("payments: raised 1 bucket (success)"));
-    assert!(!html.contains("second line"));
+    // The rest of a record only for a run that did not succeed: why it failed.
+    assert_eq!(
+        html.matches("<li>second line</li>").count(),
+        1,
+        "the failed run's, not the successful one's"
+    );
 
     let (status, html) = get(&state, "/?service=maps&window=6h").await;
     assert_eq!(status, StatusCode::OK);
@@ -365,4 +393,379 @@ async fn dashboard_renders_in_headless_chromium() {
         )
         .await;
     }
+}
+
+/// Where the test run writes screenshots: `$CARGO_TARGET_DIR/screenshots/` (else the target
+/// directory of this test binary).
+fn screenshot_dir() -> PathBuf {
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let exe = std::env::current_exe().unwrap();
+            exe.ancestors().nth(3).unwrap().to_path_buf()
+        });
+    let dir = target.join("screenshots");
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A report of one zone-minute.
+fn zone_minute(
+    seq: i64,
+    t: chrono::DateTime<Utc>,
+    (service, bucket, zone, mode): (&str, &str, &str, &str),
+    offered: f64,
+    limit: f64,
+) -> Report {
+    let over = (offered - limit).max(0.0);
+    let (dropped, shadow) = if mode == "enforce" {
+        (over, 0.0)
+    } else {
+        (0.0, over)
+    };
+    serde_json::from_value(serde_json::json!({
+        "seq": seq, "t": t.timestamp(), "service": service, "bucket": bucket, "caller": null,
+        "procedure": null, "mode": mode, "scope_key": zone, "offered": offered,
+        "admitted": offered - dropped, "dropped": dropped, "shadow_dropped": shadow,
+        "limit_rps": limit, "drop_ratio": over / offered
+    }))
+    .unwrap()
+}
+
+/// What [`eight_days`] put in the store.
+struct Days {
+    burst: chrono::DateTime<Utc>,
+    gap: (chrono::DateTime<Utc>, chrono::DateTime<Utc>),
+}
+
+const ZONES: [&str; 3] = ["eu-1", "eu-2", "us-1"];
+
+/// Eight days of simulated reports, one per zone and minute, through the store API:
+/// - `checkout/gw` (shadow, limit 150): 100 rps per zone, a one-minute burst to 400 rps in
+///   eu-1 two days ago, no report at all for two hours three days ago;
+/// - `checkout/api` (enforced, limit 150): 200 rps per zone, so 50 rps really dropped;
+/// - `search/<script>` (shadow, limit 80): 100 rps per zone, would throttle 20 %.
+async fn eight_days(store: &Store) -> Days {
+    let now = crate::store::minute_of(Utc::now());
+    let burst = now - chrono::Duration::days(2);
+    let gap = (
+        now - chrono::Duration::days(3),
+        now - chrono::Duration::days(3) + chrono::Duration::hours(2),
+    );
+    let mut seq = 0;
+    let mut batch = Vec::new();
+    let mut t = now - chrono::Duration::days(8);
+    while t <= now {
+        if !(gap.0 <= t && t < gap.1) {
+            for zone in ZONES {
+                seq += 1;
+                let gw = if t == burst && zone == "eu-1" {
+                    400.0
+                } else {
+                    100.0
+                };
+                batch.push(zone_minute(
+                    seq,
+                    t,
+                    ("checkout", "gw", zone, "shadow"),
+                    gw,
+                    150.0,
+                ));
+                batch.push(zone_minute(
+                    seq,
+                    t,
+                    ("checkout", "api", zone, "enforce"),
+                    200.0,
+                    150.0,
+                ));
+                batch.push(zone_minute(
+                    seq,
+                    t,
+                    ("search", EVIL_BUCKET, zone, "shadow"),
+                    100.0,
+                    80.0,
+                ));
+            }
+        }
+        if batch.len() >= 30_000 {
+            store.insert_reports(&batch, Utc::now()).await.unwrap();
+            batch.clear();
+        }
+        t += chrono::Duration::minutes(1);
+    }
+    store.insert_reports(&batch, Utc::now()).await.unwrap();
+    // A run that raised gw, for the quota history link.
+    let mut q = crate::store::QuotaRecord {
+        service: "checkout".into(),
+        bucket: "gw".into(),
+        change: "raised".into(),
+        limit_rps: Some(150.0),
+        previous_limit_rps: Some(120.0),
+        mode: Some("shadow".into()),
+        policy: Some("peak".into()),
+        commit_sha: Some("feedfacefeedfacefeedfacefeedfacefeedface".into()),
+        evidence: "{}".into(),
+        recorded_at: now - chrono::Duration::days(1),
+    };
+    let mut held = run("held", 1, None, None);
+    held.summary = "rlc run (schedule): held\n  git: held — the PR branch has human commits".into();
+    store.record_run(&held, &[]).await.unwrap();
+    q.recorded_at = now - chrono::Duration::days(1);
+    store
+        .record_run(&run("success", 2, q.commit_sha.as_deref(), None), &[q])
+        .await
+        .unwrap();
+    Days { burst, gap }
+}
+
+/// The bucket JSON twin: series with gaps as nulls, readiness figures with numbers.
+async fn check_bucket_json(state: &AppState, days: &Days) {
+    let (status, v) = get_json(state, "/v1/shadow/checkout/gw?window=7d").await;
+    assert_eq!(status, StatusCode::OK, "{v:#}");
+    assert_eq!(v["step_secs"], 28 * 60, "10080 minutes in 360 steps of 28");
+    let series = v["series"].as_array().unwrap();
+    assert_eq!(series.len(), 3);
+    assert_eq!(series[0]["scope_key"], "eu-1", "the busiest zone first");
+    let pts = series[0]["points"].as_array().unwrap();
+    assert_eq!(pts.len(), 360);
+    // The burst: the highest offered point is the step that holds it.
+    let (i, top) = pts
+        .iter()
+        .enumerate()
+        .max_by(|a, b| {
+            a.1["offered_rps"]
+                .as_f64()
+                .unwrap_or(0.0)
+                .total_cmp(&b.1["offered_rps"].as_f64().unwrap_or(0.0))
+        })
+        .unwrap();
+    assert_eq!(top["offered_rps"], 400.0);
+    assert_eq!(top["virtual_drop_rps"], 250.0);
+    let step_start: chrono::DateTime<Utc> = serde_json::from_value(pts[i]["t"].clone()).unwrap();
+    assert!(step_start <= days.burst && days.burst < step_start + chrono::Duration::minutes(28));
+    // The two-hour gap: whole steps inside it have no value at all (not zero).
+    let empty: Vec<_> = pts.iter().filter(|p| p["offered_rps"].is_null()).collect();
+    assert!((3..=4).contains(&empty.len()), "{}", empty.len());
+    for p in empty {
+        let t: chrono::DateTime<Utc> = serde_json::from_value(p["t"].clone()).unwrap();
+        assert!(
+            days.gap.0 - chrono::Duration::minutes(28) < t && t < days.gap.1,
+            "{t}"
+        );
+        assert!(p["limit_rps"].is_null() && p["virtual_drop_rps"].is_null());
+    }
+
+    let r = &v["readiness"];
+    let s = &r["stats"];
+    assert_eq!(s["mode"], "shadow");
+    // Shadow since the first report, eight days ago.
+    assert!(
+        (r["days_in_shadow"].as_f64().unwrap() - 8.0).abs() < 0.01,
+        "{r}"
+    );
+    // Every minute of the window but the gap's 120 (± the minute the clock may have turned).
+    let cov = s["coverage"].as_f64().unwrap();
+    assert!(
+        (cov - (10_080.0 - 120.0) / 10_080.0).abs() <= 1.5 / 10_080.0,
+        "{cov}"
+    );
+    let offered = s["offered"].as_f64().unwrap();
+    let minutes = (offered - 300.0) / 300.0; // the burst adds 300 once
+    assert!((minutes - (10_080.0 - 120.0)).abs() <= 1.0, "{offered}");
+    assert_eq!(s["virtual_dropped"], 250.0);
+    assert_eq!(s["dropped"], 0.0);
+    assert!((s["peak_drop_share"].as_f64().unwrap() - 250.0 / 600.0).abs() < 1e-12);
+    let peak_at: chrono::DateTime<Utc> = serde_json::from_value(s["peak_drop_at"].clone()).unwrap();
+    assert_eq!(peak_at, days.burst);
+    // The burst minute may lose 0.01 % of all offered requests: 400 − 1e-4 × offered.
+    let suggested = s["suggested_limit_rps"].as_f64().unwrap();
+    assert!(
+        (suggested - (400.0 - 1e-4 * offered)).abs() < 1e-6,
+        "{suggested}"
+    );
+    assert_eq!(r["verdict"]["verdict"], "ready", "{r}");
+    assert_eq!(v["quota_history"][0]["limit_rps"], 150.0);
+    assert_eq!(
+        v["quota_history"][0]["commit_sha"],
+        "feedfacefeedfacefeedfacefeedfacefeedface"
+    );
+
+    let (_, api) = get_json(state, "/v1/shadow/checkout/api?window=24h").await;
+    assert_eq!(api["readiness"]["verdict"]["verdict"], "enforced");
+    let d = api["readiness"]["stats"]["dropped"].as_f64().unwrap();
+    assert!(
+        (d / 150.0 - 1440.0).abs() <= 1.0,
+        "50 rps × 3 zones a minute: {d}"
+    );
+    assert_eq!(api["series"][0]["points"][0]["drop_rps"], 50.0);
+
+    let evil = format!(
+        "/v1/shadow/search/{}?window=24h",
+        encode_query_value(EVIL_BUCKET)
+    );
+    let (status, e) = get_json(state, &evil).await;
+    assert_eq!(status, StatusCode::OK, "{e}");
+    assert_eq!(e["bucket"], EVIL_BUCKET);
+    assert_eq!(e["readiness"]["verdict"]["verdict"], "would_throttle");
+    assert!((e["readiness"]["virtual_drop_share"].as_f64().unwrap() - 0.2).abs() < 1e-12);
+
+    let (status, _) = get_json(state, "/v1/shadow/checkout/nope").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (status, _) = get_json(state, "/v1/shadow/checkout/gw?window=40d").await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+}
+
+/// The points of an SVG path `d` ("M x y L x y ...").
+fn path_points(d: &str) -> Vec<(char, f64, f64)> {
+    let toks: Vec<&str> = d.split_whitespace().collect();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i + 1 < toks.len() {
+        let (cmd, x) = toks[i].split_at(1);
+        let c = cmd.chars().next().unwrap();
+        if c == 'M' || c == 'L' {
+            out.push((c, x.parse().unwrap(), toks[i + 1].parse().unwrap()));
+        }
+        i += 2;
+    }
+    out
+}
+
+/// The value of attribute `name` in the first tag of `html` after `from`.
+fn attr<'a>(html: &'a str, from: usize, name: &str) -> &'a str {
+    let key = format!("{name}=\"");
+    let s = from + html[from..].find(&key).unwrap_or_else(|| panic!("{name}")) + key.len();
+    &html[s..s + html[s..].find('"').unwrap()]
+}
+
+async fn check_bucket_pages(store: Store, label: &str) {
+    let days = eight_days(&store).await;
+    let state = AppState::with_store(store);
+    check_bucket_json(&state, &days).await;
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(axum::serve(listener, app(state)).into_future());
+
+    // Overview: links to bucket pages; the enforced bucket's real drops are a column.
+    let dom = chromium_run(&["--dump-dom".into()], &format!("{base}/?window=24h")).await;
+    assert!(
+        dom.contains("href=\"/buckets/checkout/gw?window=24h\""),
+        "{dom}"
+    );
+    let evil_link = format!(
+        "href=\"/buckets/search/{}?window=24h\"",
+        encode_query_value(EVIL_BUCKET)
+    );
+    assert!(dom.contains(&evil_link), "{dom}");
+    assert!(!dom.contains("<script"), "{dom}");
+    // Why the held run was held.
+    assert!(dom.contains("the PR branch has human commits"), "{dom}");
+
+    // The shadow bucket over 7 days.
+    let url = format!("{base}/buckets/checkout/gw?window=7d");
+    let dom = chromium_run(&["--dump-dom".into()], &url).await;
+    assert!(
+        dom.contains(r#"<span class="badge ok" id="verdict">ready</span>"#),
+        "{dom}"
+    );
+    let svg = dom.find("<svg").expect("a chart");
+    let scope = attr(&dom, svg, "data-scope");
+    assert_eq!(scope, "eu-1");
+    let t0: f64 = attr(&dom, svg, "data-t0").parse().unwrap();
+    let x0: f64 = attr(&dom, svg, "data-x0").parse().unwrap();
+    let px_per_sec: f64 = attr(&dom, svg, "data-px-per-sec").parse().unwrap();
+    let offered = dom[svg..].find("data-series=\"offered\"").unwrap() + svg;
+    let pts = path_points(attr(&dom, offered.saturating_sub(200), "d"));
+    // The chart's highest point (smallest y) is at the burst's time, within one step.
+    let (_, x, _) = pts
+        .iter()
+        .copied()
+        .min_by(|a, b| a.2.total_cmp(&b.2))
+        .unwrap();
+    let t = t0 + (x - x0) / px_per_sec;
+    assert!(
+        (t - days.burst.timestamp() as f64).abs() <= 28.0 * 60.0,
+        "burst drawn at {t}"
+    );
+    // The gap breaks the line (a second "M"), and is shaded.
+    assert_eq!(pts.iter().filter(|p| p.0 == 'M').count(), 2, "{pts:?}");
+    let gap = dom[svg..].find("<rect class=\"gap\"").unwrap() + svg;
+    let gx: f64 = attr(&dom, gap, "x").parse().unwrap();
+    let gw: f64 = attr(&dom, gap, "width").parse().unwrap();
+    let mid = (days.gap.0.timestamp() + 3600) as f64;
+    assert!(t0 + (gx - x0) / px_per_sec <= mid && mid <= t0 + (gx + gw - x0) / px_per_sec);
+    let suggested = dom.find("id=\"suggested\">").unwrap();
+    let value: f64 = dom[suggested + 15..][..dom[suggested + 15..].find('<').unwrap()]
+        .parse()
+        .unwrap();
+    assert!((value - 101.2).abs() < 0.11, "{value}");
+    assert!(dom.contains("href=\"/v1/shadow/checkout/gw?window=7d\""));
+    assert!(
+        dom.contains(">feedfacefeed</code>"),
+        "quota history with its commit"
+    );
+    let dir = screenshot_dir();
+    let shots = [
+        ("bucket-shadow", url.clone()),
+        (
+            "bucket-enforced",
+            format!("{base}/buckets/checkout/api?window=24h"),
+        ),
+        ("overview", format!("{base}/?window=24h")),
+    ];
+    // The enforced bucket: real drops drawn and counted.
+    let dom = chromium_run(&["--dump-dom".into()], &shots[1].1).await;
+    assert!(dom.contains(r#"id="verdict">enforced</span>"#), "{dom}");
+    assert!(dom.contains(r#"data-series="drops""#), "{dom}");
+    assert!(!dom.contains(r#"data-series="virtual-drops""#), "{dom}");
+    // The hostile bucket name: text in the page and in the SVG title.
+    let dom = chromium_run(
+        &["--dump-dom".into()],
+        &format!(
+            "{base}/buckets/search/{}?window=24h",
+            encode_query_value(EVIL_BUCKET)
+        ),
+    )
+    .await;
+    assert!(!dom.contains("<script"), "{dom}");
+    assert!(
+        dom.contains("search/&lt;script&gt;alert(\"x\")&lt;/script&gt; scope eu-1"),
+        "{dom}"
+    );
+    assert!(dom.contains("would throttle 20.000% of requests"), "{dom}");
+    for (name, url) in shots {
+        let file = dir.join(format!("{name}-{label}.png"));
+        chromium_run(
+            &[
+                format!("--screenshot={}", file.display()),
+                "--window-size=1280,1600".into(),
+                "--hide-scrollbars".into(),
+            ],
+            &url,
+        )
+        .await;
+        assert!(
+            std::fs::metadata(&file).unwrap().len() > 10_000,
+            "{}",
+            file.display()
+        );
+        println!("screenshot: {}", file.display());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bucket_pages_in_headless_chromium_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::connect("sqlite://rlc.db", dir.path()).await.unwrap();
+    check_bucket_pages(store, "sqlite").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bucket_pages_in_headless_chromium_postgres() {
+    let db = test_support::postgres::fresh_database().await.unwrap();
+    let store = Store::connect(&db.url, std::path::Path::new("/"))
+        .await
+        .unwrap();
+    check_bucket_pages(store, "postgres").await;
 }

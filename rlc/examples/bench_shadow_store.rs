@@ -1,0 +1,147 @@
+//! Benchmark of the report store and the dashboard on a throwaway Postgres
+//! (docs/rlc-dashboard.md).
+//!
+//! `cargo run --release -p rlc --example bench_shadow_store -- [BUCKETS] [SECONDS] [DAYS]`
+//! (defaults 10000, 10, 30; DAYS 0 measures the ingest only):
+//!
+//! 1. ingest: every simulated second, one report per bucket and zone (3 zones) goes through
+//!    `Store::insert_reports` (raw rows plus the per-minute roll-up upsert), as `rlc serve`
+//!    stores a controller page; prints rows/s;
+//! 2. dashboard: fills `shadow_minutes` with DAYS of minutes for 10 buckets and the last hour
+//!    for every bucket (SQL `generate_series`), then times `GET /buckets/{s}/{b}?window=30d`,
+//!    its JSON twin and the overview `GET /?window=1h` over real HTTP (median of 5).
+//!
+//! Starts its own Postgres (test-support; or `DATABASE_URL`).
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use chrono::Utc;
+use rlc::push::Report;
+use rlc::serve::{app, AppState};
+use rlc::store::{minute_of, Store};
+
+fn report(seq: i64, t: i64, b: usize, zone: usize) -> Report {
+    let offered = 50.0 + (b % 97) as f64;
+    let limit = 120.0;
+    let over = (offered - limit).max(0.0);
+    serde_json::from_value(serde_json::json!({
+        "seq": seq, "t": t, "service": format!("svc-{}", b / 20), "bucket": format!("b-{b}"),
+        "caller": null, "procedure": null, "mode": if b.is_multiple_of(2) { "shadow" } else { "enforce" },
+        "scope_key": format!("z{zone}"), "offered": offered, "admitted": offered,
+        "dropped": 0.0, "shadow_dropped": over, "limit_rps": limit, "drop_ratio": over / offered
+    }))
+    .unwrap()
+}
+
+async fn median_get(http: &reqwest::Client, url: &str) -> anyhow::Result<(Duration, usize)> {
+    let mut times = Vec::new();
+    let mut size = 0;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let r = http.get(url).send().await?;
+        anyhow::ensure!(r.status().is_success(), "{url}: {}", r.status());
+        size = r.bytes().await?.len();
+        times.push(t.elapsed());
+    }
+    times.sort();
+    Ok((times[2], size))
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let mut args = std::env::args().skip(1);
+    let buckets: usize = args
+        .next()
+        .map(|a| a.parse())
+        .transpose()?
+        .unwrap_or(10_000);
+    let seconds: i64 = args.next().map(|a| a.parse()).transpose()?.unwrap_or(10);
+    let days: i64 = args.next().map(|a| a.parse()).transpose()?.unwrap_or(30);
+    let db = test_support::postgres::fresh_database().await?;
+    let store = Store::connect(&db.url, Path::new("/")).await?;
+    let pool = sqlx::PgPool::connect(&db.url).await?;
+
+    // 1. Ingest.
+    let start = Utc::now().timestamp() - seconds;
+    let mut seq = 0;
+    let mut total = Duration::ZERO;
+    let mut worst = Duration::ZERO;
+    let mut rows = 0;
+    for s in 0..seconds {
+        let page: Vec<Report> = (0..buckets)
+            .flat_map(|b| (0..3).map(move |z| (b, z)))
+            .map(|(b, z)| {
+                seq += 1;
+                report(seq, start + s, b, z)
+            })
+            .collect();
+        let t = Instant::now();
+        rows += store.insert_reports(&page, Utc::now()).await?;
+        let e = t.elapsed();
+        total += e;
+        worst = worst.max(e);
+    }
+    println!(
+        "ingest: {rows} rows ({buckets} buckets x 3 zones x {seconds} s) in {:.2} s: {:.0} rows/s (slowest second: {} ms)",
+        total.as_secs_f64(),
+        rows as f64 / total.as_secs_f64(),
+        worst.as_millis()
+    );
+
+    if days == 0 {
+        return Ok(());
+    }
+    // 2. Roll-ups: DAYS of minutes for 10 buckets, the last hour for every bucket.
+    let now = minute_of(Utc::now());
+    let t = Instant::now();
+    let fill = "INSERT INTO shadow_minutes (service, bucket, scope_key, minute, reports, offered, admitted, dropped, \
+                shadow_dropped, max_offered, max_drop_ratio, first_t, last_t, limit_rps, mode, last_seq) \
+                SELECT 'svc-' || (b / 20), 'b-' || b, 'z' || z, m, 60, 6000 + (b % 97) * 60, 6000, 0, \
+                       CASE WHEN b % 97 > 70 THEN (b % 97 - 70) * 60 ELSE 0 END, 100 + b % 97, 0, m, \
+                       m + interval '59 seconds', 170, 'shadow', 0 \
+                FROM generate_series(0, $1::int - 1) b, generate_series(0, 2) z, \
+                     generate_series($2::timestamptz - make_interval(mins => $3::int), $2::timestamptz, interval '1 minute') m \
+                ON CONFLICT DO NOTHING";
+    sqlx::query(fill)
+        .bind(10i32)
+        .bind(now)
+        .bind((days * 1440) as i32)
+        .execute(&pool)
+        .await?;
+    sqlx::query(fill)
+        .bind(buckets as i32)
+        .bind(now)
+        .bind(60i32)
+        .execute(&pool)
+        .await?;
+    sqlx::query("ANALYZE").execute(&pool).await?;
+    let (n,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM shadow_minutes")
+        .fetch_one(&pool)
+        .await?;
+    println!(
+        "roll-ups: {n} rows ({days} d x 3 zones for 10 buckets, 1 h x 3 zones for {buckets}) written in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let base = format!("http://{}", listener.local_addr()?);
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app(AppState::with_store(store))).await;
+    });
+    let http = reqwest::Client::new();
+    for path in [
+        format!("/buckets/svc-0/b-0?window={days}d"),
+        format!("/v1/shadow/svc-0/b-0?window={days}d"),
+        "/?window=1h".to_string(),
+        "/v1/shadow?window=1h".to_string(),
+    ] {
+        let (t, size) = median_get(&http, &format!("{base}{path}")).await?;
+        println!(
+            "GET {path}: {} ms (median of 5, {} KiB)",
+            t.as_millis(),
+            size / 1024
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,567 @@
+//! One bucket over a window: `GET /buckets/{service}/{bucket}?window=1h` (HTML with inline SVG
+//! charts rendered on the server) and its JSON twin `GET /v1/shadow/{service}/{bucket}`.
+//! Both read the per-minute roll-ups only. A minute without a report is a gap (no point, no
+//! line through it), never zero traffic.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{Html, IntoResponse, Response};
+use axum::Json;
+use chrono::{DateTime, Duration, Utc};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::{
+    encode_query_value, escape_html, parse_window, percent, rate, store_failed, when, DashError,
+    CSS, DEFAULT_WINDOW,
+};
+use crate::readiness::{self, ShadowStats, Verdict};
+use crate::serve::AppState;
+use crate::store::{minute_of, MinuteRow, QuotaChange, Store};
+
+/// Most points of a series: longer windows aggregate several minutes per point.
+const MAX_POINTS: i64 = 360;
+/// Most scope keys charted one by one (the rest are listed as cut).
+const MAX_SCOPES: usize = 12;
+/// Quota changes listed.
+const MAX_CHANGES: i64 = 50;
+/// Windows offered on the page.
+const WINDOWS: &[&str] = &["15m", "1h", "6h", "24h", "7d", "30d"];
+
+/// Query string of the bucket page and its JSON twin.
+#[derive(Debug, Default, Deserialize)]
+pub struct BucketQuery {
+    /// How far back, `15m` to `30d` (default `1h`).
+    pub window: Option<String>,
+}
+
+/// One point of a series: a step of `step_secs` starting at `t`. Every value is `null` when no
+/// report arrived in the step (a gap in the report feed, not zero traffic).
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
+pub struct Point {
+    /// Start of the step.
+    pub t: DateTime<Utc>,
+    /// Offered rate (rps): the highest per-minute average in the step.
+    pub offered_rps: Option<f64>,
+    /// The limit of the step's latest report.
+    pub limit_rps: Option<f64>,
+    /// Virtual-drop rate (shadow), highest per-minute average in the step.
+    pub virtual_drop_rps: Option<f64>,
+    /// Real drop rate (enforce), highest per-minute average in the step.
+    pub drop_rps: Option<f64>,
+}
+
+/// The series of one scope key (`global`, a region or a zone).
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
+pub struct Series {
+    /// The scope key ('' or `global` for a global bucket).
+    pub scope_key: String,
+    /// One point per step of the window, oldest first.
+    pub points: Vec<Point>,
+}
+
+/// Readiness of the bucket over the window.
+#[derive(Debug, Clone, Serialize, JsonSchema)]
+pub struct Readiness {
+    /// The figures (see `crate::readiness::ShadowStats`).
+    #[schemars(with = "serde_json::Value")]
+    pub stats: ShadowStats,
+    /// Days in shadow at the window's end.
+    pub days_in_shadow: f64,
+    /// Virtual drops ÷ offered over the window.
+    pub virtual_drop_share: f64,
+    /// The verdict with the default promotion rule.
+    #[schemars(with = "serde_json::Value")]
+    pub verdict: Verdict,
+    /// The verdict in words.
+    pub verdict_text: String,
+}
+
+/// `GET /v1/shadow/{service}/{bucket}?window=1h`.
+#[derive(Debug, Clone, Serialize, JsonSchema)]
+pub struct BucketDetail {
+    /// Callee service.
+    pub service: String,
+    /// Bucket.
+    pub bucket: String,
+    /// The window as asked.
+    pub window: String,
+    /// Start of the window (a minute boundary).
+    pub window_start: DateTime<Utc>,
+    /// End of the window (the current minute's end).
+    pub window_end: DateTime<Utc>,
+    /// Seconds per point.
+    pub step_secs: i64,
+    /// The figures and the verdict; null when the store holds no report of the bucket.
+    pub readiness: Option<Readiness>,
+    /// One series per scope key (at most 12, the busiest first).
+    pub series: Vec<Series>,
+    /// Scope keys not charted (beyond 12).
+    pub scopes_cut: usize,
+    /// The bucket's quota changes recorded by runs, newest first (at most 50).
+    pub quota_history: Vec<QuotaChange>,
+}
+
+/// The window's bounds: whole minutes, ending with the current one.
+fn bounds(window: &str) -> Result<(DateTime<Utc>, DateTime<Utc>, i64), DashError> {
+    let span = parse_window(window).map_err(DashError::BadRequest)?;
+    let end = minute_of(Utc::now()) + Duration::minutes(1);
+    let minutes = ((span.num_seconds() + 59) / 60).max(1);
+    let step_minutes = ((minutes + MAX_POINTS - 1) / MAX_POINTS).max(1);
+    let steps = (minutes + step_minutes - 1) / step_minutes;
+    let start = end - Duration::minutes(steps * step_minutes);
+    Ok((start, end, step_minutes * 60))
+}
+
+/// Series per scope key from minute rows: each step takes the highest per-minute average
+/// (so a one-minute burst stays visible in a 30-day view) and the latest limit.
+pub fn series(
+    rows: &[MinuteRow],
+    start: DateTime<Utc>,
+    end: DateTime<Utc>,
+    step_secs: i64,
+) -> (Vec<Series>, usize) {
+    let steps = ((end - start).num_seconds() / step_secs).max(0) as usize;
+    let mut by_scope: BTreeMap<&str, (f64, Vec<Option<Point>>)> = BTreeMap::new();
+    for r in rows {
+        let i = ((r.minute - start).num_seconds() / step_secs) as usize;
+        if r.minute < start || i >= steps {
+            continue;
+        }
+        let e = by_scope
+            .entry(r.scope_key.as_str())
+            .or_insert_with(|| (0.0, vec![None; steps]));
+        e.0 += r.offered;
+        let max = |a: Option<f64>, b: f64| Some(a.map_or(b, |a| a.max(b)));
+        let p = e.1[i].get_or_insert(Point {
+            t: start + Duration::seconds(i as i64 * step_secs),
+            offered_rps: None,
+            limit_rps: None,
+            virtual_drop_rps: None,
+            drop_rps: None,
+        });
+        p.offered_rps = max(p.offered_rps, r.offered_rps());
+        p.virtual_drop_rps = max(p.virtual_drop_rps, r.shadow_dropped_rps());
+        p.drop_rps = max(p.drop_rps, r.dropped_rps());
+        p.limit_rps = Some(r.limit_rps); // rows come by minute: the last one wins
+    }
+    let mut scopes: Vec<_> = by_scope.into_iter().collect();
+    // Busiest first, then by name.
+    scopes.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0).then(a.0.cmp(b.0)));
+    let cut = scopes.len().saturating_sub(MAX_SCOPES);
+    scopes.truncate(MAX_SCOPES);
+    let out = scopes
+        .into_iter()
+        .map(|(scope, (_, pts))| Series {
+            scope_key: scope.to_string(),
+            points: pts
+                .into_iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    p.unwrap_or(Point {
+                        t: start + Duration::seconds(i as i64 * step_secs),
+                        offered_rps: None,
+                        limit_rps: None,
+                        virtual_drop_rps: None,
+                        drop_rps: None,
+                    })
+                })
+                .collect(),
+        })
+        .collect();
+    (out, cut)
+}
+
+async fn detail(
+    store: &Store,
+    service: &str,
+    bucket: &str,
+    window: &str,
+) -> Result<BucketDetail, DashError> {
+    let (start, end, step_secs) = bounds(window)?;
+    let failed = |e| store_failed("/v1/shadow/{service}/{bucket}", e);
+    let rows = store
+        .bucket_minutes(service, bucket, start, end)
+        .await
+        .map_err(failed)?;
+    // The figures from the rows already fetched (what `Store::shadow_stats` computes).
+    let (last, since) = store.bucket_span(service, bucket).await.map_err(failed)?;
+    let stats = last
+        .map(|_| crate::store::stats_from_minutes(service, bucket, start, end, &rows, last, since));
+    let quota_history = store
+        .quota_changes(service, bucket, MAX_CHANGES)
+        .await
+        .map_err(failed)?;
+    let (series, scopes_cut) = series(&rows, start, end, step_secs);
+    let now = Utc::now();
+    Ok(BucketDetail {
+        service: service.into(),
+        bucket: bucket.into(),
+        window: window.into(),
+        window_start: start,
+        window_end: end,
+        step_secs,
+        readiness: stats.map(|stats| {
+            let verdict = readiness::verdict(&stats, &readiness::Rule::default(), now);
+            Readiness {
+                days_in_shadow: stats.days_in_shadow(now),
+                virtual_drop_share: stats.drop_share(),
+                verdict_text: verdict.describe(),
+                verdict,
+                stats,
+            }
+        }),
+        series,
+        scopes_cut,
+        quota_history,
+    })
+}
+
+fn window_of(q: BucketQuery) -> String {
+    q.window
+        .filter(|w| !w.is_empty())
+        .unwrap_or_else(|| DEFAULT_WINDOW.into())
+}
+
+/// `GET /v1/shadow/{service}/{bucket}?window=1h`: see [`BucketDetail`]. 400 for a bad window,
+/// 404 when the store holds no report of the bucket, 503 without a store.
+pub(in crate::serve) async fn bucket_json(
+    State(s): State<AppState>,
+    Path((service, bucket)): Path<(String, String)>,
+    Query(q): Query<BucketQuery>,
+) -> Result<Json<BucketDetail>, DashError> {
+    let window = window_of(q);
+    let store = s.store().ok_or(DashError::NoStore)?;
+    let d = detail(&store, &service, &bucket, &window).await?;
+    if d.readiness.is_none() {
+        return Err(DashError::NotFound(format!(
+            "no report of bucket `{bucket}` of service `{service}` in the store"
+        )));
+    }
+    Ok(Json(d))
+}
+
+/// `GET /buckets/{service}/{bucket}?window=1h`: the HTML page.
+pub(in crate::serve) async fn bucket_page(
+    State(s): State<AppState>,
+    Path((service, bucket)): Path<(String, String)>,
+    Query(q): Query<BucketQuery>,
+) -> Response {
+    let window = window_of(q);
+    let res = match s.store() {
+        None => Err(DashError::NoStore),
+        Some(store) => detail(&store, &service, &bucket, &window).await,
+    };
+    let (status, body) = match res {
+        Ok(d) => (StatusCode::OK, render(&service, &bucket, &window, Ok(&d))),
+        Err(e) => (
+            e.status(),
+            render(&service, &bucket, &window, Err(&e.message())),
+        ),
+    };
+    (status, Html(body)).into_response()
+}
+
+/// Chart geometry (px).
+const W: f64 = 900.0;
+const H: f64 = 200.0;
+const LEFT: f64 = 56.0;
+const TOP: f64 = 10.0;
+const BOTTOM: f64 = 24.0;
+
+/// An SVG path through `values` (x by index): a missing value ends the line, so gaps show as
+/// gaps. An isolated point is drawn as a dot.
+fn path(values: &[Option<f64>], x: impl Fn(usize) -> f64, y: impl Fn(f64) -> f64) -> String {
+    let mut d = String::new();
+    let mut open = false;
+    for (i, v) in values.iter().enumerate() {
+        match v {
+            Some(v) => {
+                let _ = write!(
+                    d,
+                    "{}{:.1} {:.1} ",
+                    if open { "L" } else { "M" },
+                    x(i),
+                    y(*v)
+                );
+                let lone = !open && values.get(i + 1).is_none_or(|n| n.is_none());
+                if lone {
+                    d.push_str("l0.1 0 ");
+                }
+                open = true;
+            }
+            None => open = false,
+        }
+    }
+    d.trim_end().to_string()
+}
+
+/// One chart: offered, limit and drops of a series, gaps shaded. Every text is escaped.
+fn chart(h: &mut String, s: &Series, d: &BucketDetail) {
+    let n = s.points.len().max(1);
+    let plot_w = W - LEFT - 8.0;
+    let plot_h = H - TOP - BOTTOM;
+    let top = s
+        .points
+        .iter()
+        .flat_map(|p| [p.offered_rps, p.limit_rps, p.virtual_drop_rps, p.drop_rps])
+        .flatten()
+        .fold(0.0f64, f64::max)
+        .max(1.0)
+        * 1.1;
+    let x = |i: usize| LEFT + plot_w * i as f64 / n as f64;
+    let y = |v: f64| TOP + plot_h * (1.0 - v / top);
+    let px_per_sec = plot_w / (n as f64 * d.step_secs as f64);
+    let _ = write!(
+        h,
+        "<figure class=\"chart\"><figcaption>Scope <code>{scope}</code></figcaption>\
+         <svg xmlns=\"http://www.w3.org/2000/svg\" viewBox=\"0 0 {W} {H}\" width=\"{W}\" height=\"{H}\" \
+         role=\"img\" data-scope=\"{scope}\" data-t0=\"{t0}\" data-x0=\"{LEFT}\" data-px-per-sec=\"{px_per_sec}\" \
+         data-y0=\"{y0}\" data-px-per-rps=\"{px_per_rps}\"><title>{svc}/{bucket} scope {scope}</title>",
+        scope = escape_html(&s.scope_key),
+        svc = escape_html(&d.service),
+        bucket = escape_html(&d.bucket),
+        t0 = d.window_start.timestamp(),
+        y0 = TOP + plot_h,
+        px_per_rps = plot_h / top,
+    );
+    // Gaps: steps without a report, shaded and labelled.
+    let mut i = 0;
+    while i < s.points.len() {
+        if s.points[i].offered_rps.is_none() {
+            let j = (i..s.points.len())
+                .find(|&j| s.points[j].offered_rps.is_some())
+                .unwrap_or(s.points.len());
+            let _ = write!(
+                h,
+                "<rect class=\"gap\" x=\"{:.1}\" y=\"{TOP}\" width=\"{:.1}\" height=\"{plot_h}\"><title>no reports {} – {} UTC</title></rect>",
+                x(i),
+                x(j) - x(i),
+                when(s.points[i].t),
+                when(s.points[i].t + Duration::seconds((j - i) as i64 * d.step_secs)),
+            );
+            i = j;
+        } else {
+            i += 1;
+        }
+    }
+    // Axes: 0, half and top of the scale; start and end times.
+    for frac in [0.0, 0.5, 1.0] {
+        let v = top / 1.1 * frac;
+        let _ = write!(
+            h,
+            "<line class=\"grid\" x1=\"{LEFT}\" x2=\"{:.1}\" y1=\"{yy:.1}\" y2=\"{yy:.1}\"/>\
+             <text class=\"tick\" x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>",
+            LEFT + plot_w,
+            LEFT - 4.0,
+            y(v) + 4.0,
+            rate(v),
+            yy = y(v),
+        );
+    }
+    let _ = write!(
+        h,
+        "<text class=\"tick\" x=\"{LEFT}\" y=\"{H}\" dy=\"-6\">{}</text>\
+         <text class=\"tick\" x=\"{:.1}\" y=\"{H}\" dy=\"-6\" text-anchor=\"end\">{} UTC</text>",
+        when(d.window_start),
+        LEFT + plot_w,
+        when(d.window_end),
+    );
+    let get = |f: fn(&Point) -> Option<f64>| s.points.iter().map(f).collect::<Vec<_>>();
+    let series: [(&str, Vec<Option<f64>>); 4] = [
+        ("limit", get(|p| p.limit_rps)),
+        ("offered", get(|p| p.offered_rps)),
+        ("virtual-drops", get(|p| p.virtual_drop_rps)),
+        ("drops", get(|p| p.drop_rps)),
+    ];
+    for (name, values) in series {
+        // Drop lines only when there were drops: a flat zero line says nothing.
+        if name.ends_with("drops") && !values.iter().flatten().any(|v| *v > 0.0) {
+            continue;
+        }
+        let _ = write!(
+            h,
+            "<path class=\"{name}\" data-series=\"{name}\" d=\"{}\"/>",
+            path(&values, |i| x(i) + plot_w / n as f64 / 2.0, y)
+        );
+    }
+    h.push_str("</svg></figure>");
+}
+
+fn render(service: &str, bucket: &str, window: &str, d: Result<&BucketDetail, &str>) -> String {
+    let mut h = String::with_capacity(32 * 1024);
+    let svc = escape_html(service);
+    let bkt = escape_html(bucket);
+    let _ = write!(
+        h,
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\
+         <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\
+         <title>RLC bucket {svc}/{bkt}</title><style>{CSS}{CHART_CSS}</style></head><body>\
+         <header><h1>Bucket <code>{bkt}</code> of <code>{svc}</code></h1>\
+         <p><a href=\"/?service={svc_q}&amp;window={win_q}\">← all buckets</a> · last {win}</p></header><main>",
+        svc_q = escape_html(&encode_query_value(service)),
+        win_q = escape_html(&encode_query_value(window)),
+        win = escape_html(window),
+    );
+    // The window choice: plain links, no script.
+    h.push_str("<section><nav class=\"windows\">Window: ");
+    let base = format!(
+        "/buckets/{}/{}",
+        escape_html(&encode_query_value(service)),
+        escape_html(&encode_query_value(bucket))
+    );
+    for w in WINDOWS {
+        if *w == window {
+            let _ = write!(h, "<b>{w}</b> ");
+        } else {
+            let _ = write!(h, "<a href=\"{base}?window={w}\">{w}</a> ");
+        }
+    }
+    let _ = write!(
+        h,
+        "· <a href=\"/v1/shadow/{}/{}?window={}\">JSON</a></nav></section>",
+        escape_html(&encode_query_value(service)),
+        escape_html(&encode_query_value(bucket)),
+        escape_html(&encode_query_value(window)),
+    );
+    let d = match d {
+        Ok(d) => d,
+        Err(problem) => {
+            let _ = writeln!(
+                h,
+                "<section class=\"notice\" id=\"problem\"><h2>Could not load this bucket</h2><p>{}</p></section></main></body></html>",
+                escape_html(problem)
+            );
+            return h;
+        }
+    };
+    match &d.readiness {
+        None => {
+            h.push_str(
+                "<section class=\"notice\" id=\"problem\"><h2>No reports</h2><p>The store holds no \
+                 report of this bucket (never reported, or older than the roll-up retention).</p></section>",
+            );
+        }
+        Some(r) => readiness_section(&mut h, r),
+    }
+    h.push_str("<section><h2>Traffic</h2><p class=\"muted\">Per-minute averages (the highest minute of each step on long windows): \
+                <span class=\"key offered\">offered</span> <span class=\"key limit\">limit</span> \
+                <span class=\"key virtual-drops\">virtual drops</span> <span class=\"key drops\">real drops</span>; \
+                shaded: no reports (a gap in the report feed, not zero traffic).</p>");
+    if d.series.is_empty() {
+        h.push_str("<p class=\"muted\" id=\"no-series\">No report in this window.</p>");
+    }
+    for s in &d.series {
+        chart(&mut h, s, d);
+    }
+    if d.scopes_cut > 0 {
+        let _ = write!(
+            h,
+            "<p class=\"muted\">{} more scope keys not charted.</p>",
+            d.scopes_cut
+        );
+    }
+    h.push_str("</section><section><h2>Quota history</h2>");
+    if d.quota_history.is_empty() {
+        h.push_str("<p class=\"muted\">No change recorded by a run.</p>");
+    } else {
+        h.push_str(
+            "<table id=\"quota-history\"><thead><tr><th>Recorded (UTC)</th><th>Change</th>\
+             <th class=\"num\">Limit rps</th><th class=\"num\">Before</th><th>Mode</th><th>Policy</th>\
+             <th class=\"num\">Run</th><th>Commit</th></tr></thead><tbody>",
+        );
+        for q in &d.quota_history {
+            let opt = |v: Option<f64>| v.map(rate).unwrap_or_else(|| "—".into());
+            let _ = write!(
+                h,
+                "<tr><td class=\"nowrap\">{}</td><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>\
+                 <td>{}</td><td>{}</td><td class=\"num\">{}</td><td>{}</td></tr>",
+                when(q.recorded_at),
+                escape_html(&q.change),
+                opt(q.limit_rps),
+                opt(q.previous_limit_rps),
+                escape_html(q.mode.as_deref().unwrap_or("")),
+                escape_html(q.policy.as_deref().unwrap_or("")),
+                q.run_id,
+                q.commit_sha
+                    .as_deref()
+                    .map(|c| format!(
+                        "<code title=\"{}\">{}</code>",
+                        escape_html(c),
+                        escape_html(&c.chars().take(12).collect::<String>())
+                    ))
+                    .unwrap_or_else(|| "—".into()),
+            );
+        }
+        h.push_str("</tbody></table>");
+    }
+    h.push_str("</section></main></body></html>\n");
+    h
+}
+
+fn readiness_section(h: &mut String, r: &Readiness) {
+    let s = &r.stats;
+    let badge = match &r.verdict {
+        Verdict::Ready => "ok",
+        Verdict::Enforced => "mode",
+        _ => "warn",
+    };
+    let opt_when = |t: Option<DateTime<Utc>>| t.map(when).unwrap_or_else(|| "—".into());
+    let _ = write!(
+        h,
+        "<section id=\"readiness\"><h2>Readiness</h2><p>Verdict: <span class=\"badge {badge}\" id=\"verdict\">{}</span> \
+         <span class=\"muted\">(default rule: ≥ 7 days in shadow, coverage ≥ 90%, virtual drops ≤ 0.01%, last report ≤ 15 min old)</span></p>\
+         <table class=\"facts\"><tbody>\
+         <tr><th>Mode</th><td id=\"mode\">{}</td></tr>\
+         <tr><th>In shadow since</th><td id=\"shadow-since\">{} ({:.1} days)</td></tr>\
+         <tr><th>Coverage</th><td id=\"coverage\">{}</td></tr>\
+         <tr><th>Offered</th><td id=\"offered\">{}</td></tr>\
+         <tr><th>Virtual drops</th><td id=\"virtual-drops\">{} ({})</td></tr>\
+         <tr><th>Real drops</th><td id=\"drops\">{}</td></tr>\
+         <tr><th>Peak virtual-drop share (minute)</th><td id=\"peak\">{} at {}</td></tr>\
+         <tr><th>Limit rps</th><td id=\"limit\">{}</td></tr>\
+         <tr><th>Suggested limit rps (virtual drops ≤ 0.01%)</th><td id=\"suggested\">{}</td></tr>\
+         <tr><th>Last report</th><td id=\"last-report\">{}</td></tr>\
+         </tbody></table></section>",
+        escape_html(&r.verdict_text),
+        escape_html(&s.mode),
+        opt_when(s.shadow_since),
+        r.days_in_shadow,
+        percent(s.coverage),
+        rate(s.offered),
+        rate(s.virtual_dropped),
+        percent(r.virtual_drop_share),
+        rate(s.dropped),
+        percent(s.peak_drop_share),
+        opt_when(s.peak_drop_at),
+        rate(s.limit_rps),
+        s.suggested_limit_rps
+            .map(|v| format!("{v:.1}"))
+            .unwrap_or_else(|| "—".into()),
+        opt_when(s.last_report),
+    );
+}
+
+const CHART_CSS: &str = "
+header code { color: #fff; font-size: inherit; }
+header a { color: #c9d6ea; }
+.windows a, .windows b { margin: 0 4px; }
+figure.chart { margin: 8px 0 16px; }
+figure.chart figcaption { font-size: 13px; color: #56627a; }
+svg { max-width: 100%; height: auto; background: #fbfcfe; border: 1px solid #edf0f5; }
+svg path { fill: none; stroke-width: 2; stroke-linecap: round; stroke-linejoin: round; }
+svg path.offered { stroke: #1f6feb; }
+svg path.limit { stroke: #7a8499; stroke-dasharray: 6 4; }
+svg path.virtual-drops { stroke: #e36209; }
+svg path.drops { stroke: #c1121f; }
+svg rect.gap { fill: #eceff4; }
+svg line.grid { stroke: #e3e7ee; }
+svg text.tick { font-size: 11px; fill: #56627a; }
+.key { padding: 0 6px; border-left: 14px solid; margin-right: 6px; }
+.key.offered { border-color: #1f6feb; } .key.limit { border-color: #7a8499; }
+.key.virtual-drops { border-color: #e36209; } .key.drops { border-color: #c1121f; }
+table.facts th { text-transform: none; font-size: 13px; width: 320px; }
+";

@@ -1,0 +1,184 @@
+//! `rlc serve`'s report polling: the controller's reports (every mode) go through a bounded
+//! buffer into the store; the stored cursor only moves past stored reports. And the periodic
+//! retention of stored reports.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use chrono::Utc;
+
+use super::{Loop, REPORT_CURSOR};
+use crate::push::{ControllerClient, Report};
+use crate::store::Store;
+
+/// Reports fetched per `GET /v1/reports` call (the controller's maximum).
+const REPORT_PAGE: u32 = 10_000;
+/// Pages fetched per poll at most: a backlog is drained over several polls.
+const REPORT_PAGES_PER_POLL: usize = 200;
+/// Reports held in memory while the store is down or slow. At the bound rlc stops polling
+/// (the controller keeps the reports until its own buffer evicts them; a loss then shows as
+/// `rlc_shadow_report_gaps_total`); the stored cursor only moves past stored reports.
+const REPORT_BUFFER: usize = 100_000;
+/// Reports per store transaction.
+const REPORT_BATCH: usize = 20_000;
+/// Between two retention passes over the stored reports.
+const RETENTION_EVERY: Duration = Duration::from_secs(600);
+
+/// Controller reports fetched but not yet stored, page by page with the cursor after each.
+#[derive(Default)]
+pub(super) struct ReportBuffer {
+    /// The controller cursor after the last fetched page: `None` until read from the store.
+    pub(super) cursor: Option<Option<String>>,
+    pub(super) pages: std::collections::VecDeque<(Vec<Report>, Option<String>)>,
+    pub(super) rows: usize,
+}
+
+impl ReportBuffer {
+    /// Adds a fetched page and the controller cursor after it.
+    pub(super) fn push(&mut self, reports: Vec<Report>, next: Option<String>) {
+        self.rows += reports.len();
+        self.pages.push_back((reports, next));
+    }
+
+    /// Stores the buffered pages, a batch of up to [`REPORT_BATCH`] reports per transaction,
+    /// moving the stored cursor past each stored batch; a failure keeps the rest buffered.
+    /// Returns how many reports were new, and the failure if any.
+    pub(super) async fn flush(
+        &mut self,
+        store: &Store,
+    ) -> (u64, Result<(), crate::store::StoreError>) {
+        let mut stored = 0;
+        while !self.pages.is_empty() {
+            let mut batch: Vec<Report> = Vec::new();
+            let mut pages = 0;
+            let mut next = None;
+            for (reports, cursor) in self.pages.iter() {
+                if pages > 0 && batch.len() + reports.len() > REPORT_BATCH {
+                    break;
+                }
+                batch.extend(reports.iter().cloned());
+                next = cursor.clone();
+                pages += 1;
+            }
+            match store.insert_reports(&batch, Utc::now()).await {
+                Ok(n) => stored += n,
+                Err(e) => return (stored, Err(e)),
+            }
+            if let Some(next) = &next {
+                if let Err(e) = store.set_cursor(REPORT_CURSOR, next).await {
+                    // Stored but the cursor did not move: a restart fetches these again and
+                    // the store ignores them as duplicates.
+                    self.pages.drain(..pages);
+                    self.rows -= batch.len();
+                    return (stored, Err(e));
+                }
+            }
+            self.pages.drain(..pages);
+            self.rows -= batch.len();
+        }
+        (stored, Ok(()))
+    }
+}
+
+impl Loop {
+    /// Fetches the controller's reports (every mode) and stores them with their minute
+    /// roll-ups. Pages wait in a bounded buffer while the store is down or slow; the stored
+    /// cursor only moves past stored reports, so a restart re-fetches what was not stored.
+    pub(super) async fn poll_reports(&mut self, client: &ControllerClient) -> anyhow::Result<()> {
+        let store = self.cycle.store().await;
+        if self.reports.cursor.is_none() {
+            // Where to start is in the store: without it, wait.
+            let store = store.as_ref().map_err(|e| anyhow::anyhow!("{e}"))?;
+            self.reports.cursor = Some(store.cursor(REPORT_CURSOR).await?);
+        }
+        let state = self.state.clone();
+        let m = &state.inner.metrics;
+        for _ in 0..REPORT_PAGES_PER_POLL {
+            if self.reports.rows >= REPORT_BUFFER {
+                m.report_polls_paused.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    buffered = self.reports.rows,
+                    "report buffer full: not polling the controller until the store catches up"
+                );
+                break;
+            }
+            let cursor = self.reports.cursor.clone().flatten();
+            let page = client.reports(cursor.as_deref(), REPORT_PAGE).await?;
+            if page.gap || page.reset {
+                // Visible to operators: the dashboard misses some intervals.
+                tracing::warn!(gap = page.gap, reset = page.reset, cursor = ?cursor, "controller reports were lost between polls");
+                m.report_gaps.fetch_add(1, Ordering::Relaxed);
+            }
+            let got = page.reports.len();
+            let next = match page.next {
+                serde_json::Value::Null => None,
+                serde_json::Value::String(s) => Some(s),
+                v => Some(v.to_string()),
+            };
+            if got > 0 || (next.is_some() && next != cursor) {
+                self.reports.push(page.reports, next.clone());
+                self.reports.cursor = Some(next.clone().or(cursor.clone()));
+            }
+            m.reports_buffered
+                .store(self.reports.rows as u64, Ordering::Relaxed);
+            if let Ok(store) = &store {
+                self.flush_reports(store).await?;
+            }
+            if got < REPORT_PAGE as usize || next.is_none() || next == cursor {
+                break;
+            }
+        }
+        match store {
+            Ok(_) => Ok(()),
+            Err(e) => Err(anyhow::anyhow!(
+                "{e} ({} reports buffered)",
+                self.reports.rows
+            )),
+        }
+    }
+
+    /// Stores buffered pages, a batch per transaction, and moves the stored cursor past them.
+    async fn flush_reports(&mut self, store: &Store) -> anyhow::Result<()> {
+        let (stored, res) = self.reports.flush(store).await;
+        let m = &self.state.inner.metrics;
+        m.reports_stored.fetch_add(stored, Ordering::Relaxed);
+        m.reports_buffered
+            .store(self.reports.rows as u64, Ordering::Relaxed);
+        Ok(res?)
+    }
+
+    /// Deletes reports past their retention (`store.shadow_raw_retention`,
+    /// `store.shadow_rollup_retention`), at most every [`RETENTION_EVERY`].
+    pub(super) async fn retention(&mut self) {
+        let now = tokio::time::Instant::now();
+        if self
+            .last_retention
+            .is_some_and(|t| now.duration_since(t) < RETENTION_EVERY)
+        {
+            return;
+        }
+        let Ok(store) = self.cycle.store().await else {
+            return;
+        };
+        self.last_retention = Some(now);
+        let cfg = self.cycle.config().store;
+        let at = Utc::now();
+        let ago = |d: schema::HumanDuration| {
+            at - chrono::Duration::from_std(d.0).unwrap_or(chrono::Duration::days(36_500))
+        };
+        match store
+            .apply_retention(
+                ago(cfg.shadow_raw_retention),
+                ago(cfg.shadow_rollup_retention),
+            )
+            .await
+        {
+            Ok(r) => tracing::debug!(
+                raw = r.raw_deleted,
+                minutes = r.minutes_deleted,
+                "report retention applied"
+            ),
+            Err(e) => tracing::warn!(error = %e, "report retention failed; retrying later"),
+        }
+    }
+}

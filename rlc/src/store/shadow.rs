@@ -1,0 +1,628 @@
+//! Controller reports in the store at fleet scale.
+//!
+//! Two tables: `shadow_reports` keeps every report (one row per controller tick, bucket and
+//! scope key) for `store.shadow_raw_retention` (48 h by default), and `shadow_minutes` rolls
+//! them up per minute per (service, bucket, scope key) for `store.shadow_rollup_retention`
+//! (35 days by default). Ingest writes both in one transaction (the roll-up counts only the
+//! reports that were new, so a re-delivered page is not counted twice); every dashboard query
+//! and [`Store::shadow_stats`] read the roll-ups only.
+//!
+//! Time columns are real timestamps: `TIMESTAMPTZ` in Postgres, integer unix milliseconds in
+//! SQLite. [`Ts`] binds and reads either, so both backends run the same query text.
+
+use std::collections::{BTreeMap, HashSet};
+
+use chrono::{DateTime, Duration, DurationRound, TimeZone, Utc};
+use serde::{Deserialize, Serialize};
+use sqlx::{Postgres, Sqlite};
+
+use super::{Store, StoreError, StoredReport};
+use crate::push::Report;
+use crate::readiness::{self, ShadowStats};
+
+/// Rows per SQLite multi-row statement (15 columns each, under SQLite's 32,766 variables).
+const SQLITE_ROWS_PER_STATEMENT: usize = 1_000;
+/// Rows per Postgres statement (arrays bound with UNNEST: no variable limit, bounded memory).
+const PG_ROWS_PER_STATEMENT: usize = 10_000;
+
+/// A point in time as the store keeps it: `TIMESTAMPTZ` in Postgres, integer unix
+/// milliseconds in SQLite.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Ts(pub DateTime<Utc>);
+
+impl From<Ts> for DateTime<Utc> {
+    fn from(t: Ts) -> DateTime<Utc> {
+        t.0
+    }
+}
+
+impl sqlx::Type<Postgres> for Ts {
+    fn type_info() -> sqlx::postgres::PgTypeInfo {
+        <DateTime<Utc> as sqlx::Type<Postgres>>::type_info()
+    }
+    fn compatible(ty: &sqlx::postgres::PgTypeInfo) -> bool {
+        <DateTime<Utc> as sqlx::Type<Postgres>>::compatible(ty)
+    }
+}
+
+impl sqlx::postgres::PgHasArrayType for Ts {
+    fn array_type_info() -> sqlx::postgres::PgTypeInfo {
+        <DateTime<Utc> as sqlx::postgres::PgHasArrayType>::array_type_info()
+    }
+}
+
+impl<'q> sqlx::Encode<'q, Postgres> for Ts {
+    fn encode_by_ref(
+        &self,
+        buf: &mut sqlx::postgres::PgArgumentBuffer,
+    ) -> Result<sqlx::encode::IsNull, sqlx::error::BoxDynError> {
+        <DateTime<Utc> as sqlx::Encode<'q, Postgres>>::encode_by_ref(&self.0, buf)
+    }
+}
+
+impl<'r> sqlx::Decode<'r, Postgres> for Ts {
+    fn decode(v: sqlx::postgres::PgValueRef<'r>) -> Result<Ts, sqlx::error::BoxDynError> {
+        Ok(Ts(<DateTime<Utc> as sqlx::Decode<'r, Postgres>>::decode(
+            v,
+        )?))
+    }
+}
+
+impl sqlx::Type<Sqlite> for Ts {
+    fn type_info() -> sqlx::sqlite::SqliteTypeInfo {
+        <i64 as sqlx::Type<Sqlite>>::type_info()
+    }
+    fn compatible(ty: &sqlx::sqlite::SqliteTypeInfo) -> bool {
+        <i64 as sqlx::Type<Sqlite>>::compatible(ty)
+    }
+}
+
+impl<'q> sqlx::Encode<'q, Sqlite> for Ts {
+    fn encode_by_ref(
+        &self,
+        buf: &mut Vec<sqlx::sqlite::SqliteArgumentValue<'q>>,
+    ) -> Result<sqlx::encode::IsNull, sqlx::error::BoxDynError> {
+        <i64 as sqlx::Encode<'q, Sqlite>>::encode(self.0.timestamp_millis(), buf)
+    }
+}
+
+impl<'r> sqlx::Decode<'r, Sqlite> for Ts {
+    fn decode(v: sqlx::sqlite::SqliteValueRef<'r>) -> Result<Ts, sqlx::error::BoxDynError> {
+        let ms = <i64 as sqlx::Decode<'r, Sqlite>>::decode(v)?;
+        Utc.timestamp_millis_opt(ms)
+            .single()
+            .map(Ts)
+            .ok_or_else(|| format!("timestamp {ms} ms out of range").into())
+    }
+}
+
+/// The tick time of a report: the controller sends unix seconds (a number); a string holding
+/// a number or an RFC 3339 time is accepted too. Anything else is the time it was received.
+pub fn tick_time(t: &serde_json::Value, received_at: DateTime<Utc>) -> DateTime<Utc> {
+    let secs = match t {
+        serde_json::Value::Number(n) => n.as_f64(),
+        serde_json::Value::String(s) => match s.parse::<f64>() {
+            Ok(v) => Some(v),
+            Err(_) => {
+                return DateTime::parse_from_rfc3339(s)
+                    .map(|d| d.with_timezone(&Utc))
+                    .unwrap_or(received_at)
+            }
+        },
+        _ => None,
+    };
+    secs.filter(|s| s.is_finite())
+        .and_then(|s| Utc.timestamp_millis_opt((s * 1000.0) as i64).single())
+        .unwrap_or(received_at)
+}
+
+/// The minute `t` falls in.
+pub fn minute_of(t: DateTime<Utc>) -> DateTime<Utc> {
+    t.duration_trunc(Duration::minutes(1)).unwrap_or(t)
+}
+
+/// One row of `shadow_minutes`: what one scope key of a bucket reported in one minute.
+/// Sums are sums of per-report rates (one report per controller tick), so `offered /
+/// reports` is the minute's average offered rate.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow)]
+pub struct MinuteRow {
+    /// Scope key ('' or `global` for a global bucket, else a region or a zone).
+    pub scope_key: String,
+    /// Start of the minute.
+    #[sqlx(try_from = "Ts")]
+    pub minute: DateTime<Utc>,
+    /// Reports summed (ticks).
+    pub reports: i64,
+    /// Sum of offered rates.
+    pub offered: f64,
+    /// Sum of admitted rates.
+    pub admitted: f64,
+    /// Sum of dropped rates (enforced).
+    pub dropped: f64,
+    /// Sum of virtual drop rates (shadow).
+    pub shadow_dropped: f64,
+    /// Highest offered rate of one report.
+    pub max_offered: f64,
+    /// Highest drop ratio of one report.
+    pub max_drop_ratio: f64,
+    /// The newest tick in the minute.
+    #[sqlx(try_from = "Ts")]
+    pub last_t: DateTime<Utc>,
+    /// Limit of the minute's latest report.
+    pub limit_rps: f64,
+    /// Mode of the minute's latest report.
+    pub mode: String,
+}
+
+impl MinuteRow {
+    fn avg(&self, sum: f64) -> f64 {
+        if self.reports > 0 {
+            sum / self.reports as f64
+        } else {
+            0.0
+        }
+    }
+    /// Average offered rate in the minute (rps).
+    pub fn offered_rps(&self) -> f64 {
+        self.avg(self.offered)
+    }
+    /// Average virtual-drop rate (rps).
+    pub fn shadow_dropped_rps(&self) -> f64 {
+        self.avg(self.shadow_dropped)
+    }
+    /// Average real drop rate (rps).
+    pub fn dropped_rps(&self) -> f64 {
+        self.avg(self.dropped)
+    }
+}
+
+/// A roll-up increment computed from newly stored reports.
+#[derive(Debug, Clone)]
+struct Acc {
+    reports: i64,
+    offered: f64,
+    admitted: f64,
+    dropped: f64,
+    shadow_dropped: f64,
+    max_offered: f64,
+    max_drop_ratio: f64,
+    first_t: DateTime<Utc>,
+    last_t: DateTime<Utc>,
+    limit_rps: f64,
+    mode: String,
+    last_seq: i64,
+}
+
+type MinuteKey = (String, String, DateTime<Utc>, String);
+
+/// A report ready to store.
+struct Row<'a> {
+    r: &'a Report,
+    t: DateTime<Utc>,
+    scope: String,
+}
+
+fn rollup<'a>(rows: impl Iterator<Item = &'a Row<'a>>) -> BTreeMap<MinuteKey, Acc> {
+    let mut m: BTreeMap<MinuteKey, Acc> = BTreeMap::new();
+    for row in rows {
+        let r = row.r;
+        let key = (
+            r.service.clone(),
+            r.bucket.clone(),
+            minute_of(row.t),
+            row.scope.clone(),
+        );
+        let a = m.entry(key).or_insert_with(|| Acc {
+            reports: 0,
+            offered: 0.0,
+            admitted: 0.0,
+            dropped: 0.0,
+            shadow_dropped: 0.0,
+            max_offered: f64::MIN,
+            max_drop_ratio: f64::MIN,
+            first_t: row.t,
+            last_t: row.t,
+            limit_rps: r.limit_rps,
+            mode: r.mode.clone(),
+            last_seq: i64::MIN,
+        });
+        a.reports += 1;
+        a.offered += r.offered;
+        a.admitted += r.admitted;
+        a.dropped += r.dropped;
+        a.shadow_dropped += r.shadow_dropped;
+        a.max_offered = a.max_offered.max(r.offered);
+        a.max_drop_ratio = a.max_drop_ratio.max(r.drop_ratio);
+        a.first_t = a.first_t.min(row.t);
+        a.last_t = a.last_t.max(row.t);
+        if r.seq >= a.last_seq {
+            a.last_seq = r.seq;
+            a.limit_rps = r.limit_rps;
+            a.mode = r.mode.clone();
+        }
+    }
+    m
+}
+
+/// The roll-up upsert: sums add up, maxima stay maxima, limit and mode follow the latest
+/// report by sequence.
+const UPSERT_SET: &str = " ON CONFLICT (service, bucket, minute, scope_key) DO UPDATE SET \
+    reports = m.reports + excluded.reports, offered = m.offered + excluded.offered, \
+    admitted = m.admitted + excluded.admitted, dropped = m.dropped + excluded.dropped, \
+    shadow_dropped = m.shadow_dropped + excluded.shadow_dropped, \
+    max_offered = CASE WHEN excluded.max_offered > m.max_offered THEN excluded.max_offered ELSE m.max_offered END, \
+    max_drop_ratio = CASE WHEN excluded.max_drop_ratio > m.max_drop_ratio THEN excluded.max_drop_ratio ELSE m.max_drop_ratio END, \
+    first_t = CASE WHEN excluded.first_t < m.first_t THEN excluded.first_t ELSE m.first_t END, \
+    last_t = CASE WHEN excluded.last_t > m.last_t THEN excluded.last_t ELSE m.last_t END, \
+    limit_rps = CASE WHEN excluded.last_seq >= m.last_seq THEN excluded.limit_rps ELSE m.limit_rps END, \
+    mode = CASE WHEN excluded.last_seq >= m.last_seq THEN excluded.mode ELSE m.mode END, \
+    last_seq = CASE WHEN excluded.last_seq > m.last_seq THEN excluded.last_seq ELSE m.last_seq END";
+
+const MINUTE_COLUMNS: &str = "service, bucket, scope_key, minute, reports, offered, admitted, dropped, shadow_dropped, max_offered, max_drop_ratio, first_t, last_t, limit_rps, mode, last_seq";
+const REPORT_COLUMNS: &str = "seq, t, service, bucket, caller, procedure, mode, scope_key, offered, admitted, dropped, shadow_dropped, limit_rps, drop_ratio, received_at";
+
+/// Reports deleted by [`Store::apply_retention`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Retained {
+    /// Full-resolution reports deleted.
+    pub raw_deleted: u64,
+    /// Minute roll-ups deleted.
+    pub minutes_deleted: u64,
+}
+
+impl Store {
+    /// Stores reports of any mode (duplicates by seq/service/bucket/scope key are ignored) and
+    /// adds the new ones to the per-minute roll-ups, in one transaction; returns how many
+    /// were new. Batched: multi-row statements on SQLite, arrays with `UNNEST` on Postgres.
+    pub async fn insert_reports(
+        &self,
+        reports: &[Report],
+        received_at: DateTime<Utc>,
+    ) -> Result<u64, StoreError> {
+        let rows: Vec<Row> = reports
+            .iter()
+            .map(|r| Row {
+                r,
+                t: tick_time(&r.t, received_at),
+                scope: r.scope_key.clone().unwrap_or_default(),
+            })
+            .collect();
+        let mut new = 0u64;
+        match self {
+            Store::Postgres(pool) => {
+                let mut tx = pool.begin().await?;
+                for chunk in rows.chunks(PG_ROWS_PER_STATEMENT) {
+                    // One statement: the new rows (RETURNING) are summed per minute and upserted
+                    // into the roll-ups inside Postgres, without a round trip.
+                    let (inserted,): (i64,) = sqlx::query_as(&format!(
+                        "WITH ins AS (INSERT INTO shadow_reports ({REPORT_COLUMNS}) \
+                         SELECT * FROM UNNEST($1::bigint[], $2::timestamptz[], $3::text[], $4::text[], $5::text[], \
+                         $6::text[], $7::text[], $8::text[], $9::float8[], $10::float8[], $11::float8[], \
+                         $12::float8[], $13::float8[], $14::float8[], $15::timestamptz[]) \
+                         ON CONFLICT (seq, service, bucket, scope_key) DO NOTHING \
+                         RETURNING seq, t, service, bucket, scope_key, mode, offered, admitted, dropped, \
+                                   shadow_dropped, limit_rps, drop_ratio), \
+                         up AS (INSERT INTO shadow_minutes AS m ({MINUTE_COLUMNS}) \
+                         SELECT service, bucket, scope_key, date_trunc('minute', t AT TIME ZONE 'UTC') AT TIME ZONE 'UTC', \
+                                COUNT(*), SUM(offered), SUM(admitted), SUM(dropped), SUM(shadow_dropped), \
+                                MAX(offered), MAX(drop_ratio), MIN(t), MAX(t), \
+                                (array_agg(limit_rps ORDER BY seq DESC))[1], (array_agg(mode ORDER BY seq DESC))[1], \
+                                MAX(seq) \
+                         FROM ins GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 4, 3{UPSERT_SET}) \
+                         SELECT COUNT(*) FROM ins"
+                    ))
+                    .bind(chunk.iter().map(|x| x.r.seq).collect::<Vec<_>>())
+                    .bind(chunk.iter().map(|x| x.t).collect::<Vec<_>>())
+                    .bind(chunk.iter().map(|x| x.r.service.as_str()).collect::<Vec<_>>())
+                    .bind(chunk.iter().map(|x| x.r.bucket.as_str()).collect::<Vec<_>>())
+                    .bind(chunk.iter().map(|x| x.r.caller.as_deref()).collect::<Vec<_>>())
+                    .bind(chunk.iter().map(|x| x.r.procedure.as_deref()).collect::<Vec<_>>())
+                    .bind(chunk.iter().map(|x| x.r.mode.as_str()).collect::<Vec<_>>())
+                    .bind(chunk.iter().map(|x| x.scope.as_str()).collect::<Vec<_>>())
+                    .bind(chunk.iter().map(|x| x.r.offered).collect::<Vec<_>>())
+                    .bind(chunk.iter().map(|x| x.r.admitted).collect::<Vec<_>>())
+                    .bind(chunk.iter().map(|x| x.r.dropped).collect::<Vec<_>>())
+                    .bind(chunk.iter().map(|x| x.r.shadow_dropped).collect::<Vec<_>>())
+                    .bind(chunk.iter().map(|x| x.r.limit_rps).collect::<Vec<_>>())
+                    .bind(chunk.iter().map(|x| x.r.drop_ratio).collect::<Vec<_>>())
+                    .bind(vec![received_at; chunk.len()])
+                    .fetch_one(&mut *tx)
+                    .await?;
+                    new += inserted as u64;
+                }
+                tx.commit().await?;
+            }
+            Store::Sqlite(pool, file) => {
+                if let Some(f) = file {
+                    f.check()?;
+                }
+                let mut tx = pool.begin().await?;
+                for chunk in rows.chunks(SQLITE_ROWS_PER_STATEMENT) {
+                    let mut q = sqlx::QueryBuilder::<Sqlite>::new(format!(
+                        "INSERT INTO shadow_reports ({REPORT_COLUMNS}) "
+                    ));
+                    q.push_values(chunk, |mut b, x| {
+                        b.push_bind(x.r.seq)
+                            .push_bind(Ts(x.t))
+                            .push_bind(&x.r.service)
+                            .push_bind(&x.r.bucket)
+                            .push_bind(&x.r.caller)
+                            .push_bind(&x.r.procedure)
+                            .push_bind(&x.r.mode)
+                            .push_bind(&x.scope)
+                            .push_bind(x.r.offered)
+                            .push_bind(x.r.admitted)
+                            .push_bind(x.r.dropped)
+                            .push_bind(x.r.shadow_dropped)
+                            .push_bind(x.r.limit_rps)
+                            .push_bind(x.r.drop_ratio)
+                            .push_bind(Ts(received_at));
+                    });
+                    q.push(
+                        " ON CONFLICT (seq, service, bucket, scope_key) DO NOTHING \
+                         RETURNING seq, service, bucket, scope_key",
+                    );
+                    let inserted: Vec<(i64, String, String, String)> =
+                        q.build_query_as().fetch_all(&mut *tx).await?;
+                    new += inserted.len() as u64;
+                    let acc = rollup(only_new(chunk, inserted));
+                    if acc.is_empty() {
+                        continue;
+                    }
+                    let v: Vec<(&MinuteKey, &Acc)> = acc.iter().collect();
+                    let mut q = sqlx::QueryBuilder::<Sqlite>::new(format!(
+                        "INSERT INTO shadow_minutes AS m ({MINUTE_COLUMNS}) "
+                    ));
+                    q.push_values(v, |mut b, (k, a)| {
+                        b.push_bind(k.0.as_str())
+                            .push_bind(k.1.as_str())
+                            .push_bind(k.3.as_str())
+                            .push_bind(Ts(k.2))
+                            .push_bind(a.reports)
+                            .push_bind(a.offered)
+                            .push_bind(a.admitted)
+                            .push_bind(a.dropped)
+                            .push_bind(a.shadow_dropped)
+                            .push_bind(a.max_offered)
+                            .push_bind(a.max_drop_ratio)
+                            .push_bind(Ts(a.first_t))
+                            .push_bind(Ts(a.last_t))
+                            .push_bind(a.limit_rps)
+                            .push_bind(a.mode.as_str())
+                            .push_bind(a.last_seq);
+                    });
+                    q.push(UPSERT_SET);
+                    q.build().execute(&mut *tx).await?;
+                }
+                tx.commit().await?;
+            }
+        }
+        Ok(new)
+    }
+
+    /// Deletes full-resolution reports with a tick before `raw_before` and minute roll-ups
+    /// before `minutes_before`.
+    pub async fn apply_retention(
+        &self,
+        raw_before: DateTime<Utc>,
+        minutes_before: DateTime<Utc>,
+    ) -> Result<Retained, StoreError> {
+        on_pool!(self, pool => {
+            let raw_deleted = sqlx::query("DELETE FROM shadow_reports WHERE t < $1")
+                .bind(Ts(raw_before))
+                .execute(pool)
+                .await?
+                .rows_affected();
+            let minutes_deleted = sqlx::query("DELETE FROM shadow_minutes WHERE minute < $1")
+                .bind(Ts(minutes_before))
+                .execute(pool)
+                .await?
+                .rows_affected();
+            Ok(Retained { raw_deleted, minutes_deleted })
+        })
+    }
+
+    /// Stored full-resolution reports, optionally of one service, by sequence number (at
+    /// most `limit`).
+    pub async fn reports(
+        &self,
+        service: Option<&str>,
+        limit: i64,
+    ) -> Result<Vec<StoredReport>, StoreError> {
+        on_pool!(self, pool => Ok(sqlx::query_as::<_, StoredReport>(
+            "SELECT seq, t, service, bucket, caller, procedure, mode, scope_key, offered, admitted, dropped, shadow_dropped, limit_rps, drop_ratio \
+             FROM shadow_reports WHERE ($1 IS NULL OR service = $1) ORDER BY seq, service, bucket, scope_key LIMIT $2",
+        )
+        .bind(service)
+        .bind(limit)
+        .fetch_all(pool)
+        .await?))
+    }
+
+    /// The minute roll-ups of one bucket with `from <= minute < to`, by minute then scope key.
+    pub async fn bucket_minutes(
+        &self,
+        service: &str,
+        bucket: &str,
+        from: DateTime<Utc>,
+        to: DateTime<Utc>,
+    ) -> Result<Vec<MinuteRow>, StoreError> {
+        on_pool!(self, pool => Ok(sqlx::query_as::<_, MinuteRow>(
+            "SELECT scope_key, minute, reports, offered, admitted, dropped, shadow_dropped, max_offered, \
+                    max_drop_ratio, last_t, limit_rps, mode \
+             FROM shadow_minutes WHERE service = $1 AND bucket = $2 AND minute >= $3 AND minute < $4 \
+             ORDER BY minute, scope_key",
+        )
+        .bind(service)
+        .bind(bucket)
+        .bind(Ts(from))
+        .bind(Ts(to))
+        .fetch_all(pool)
+        .await?))
+    }
+
+    /// What the store knows of a bucket beyond a window: its newest tick and the start of its
+    /// current shadow period (the first shadow minute after its newest enforce minute, within
+    /// the roll-up retention). Index range lookups on the primary key (service, bucket, minute).
+    pub async fn bucket_span(
+        &self,
+        service: &str,
+        bucket: &str,
+    ) -> Result<(Option<DateTime<Utc>>, Option<DateTime<Utc>>), StoreError> {
+        on_pool!(self, pool => {
+            let (last,): (Option<Ts>,) = sqlx::query_as(
+                "SELECT MAX(last_t) FROM shadow_minutes WHERE service = $1 AND bucket = $2 AND minute = \
+                 (SELECT MAX(minute) FROM shadow_minutes WHERE service = $1 AND bucket = $2)",
+            )
+            .bind(service)
+            .bind(bucket)
+            .fetch_one(pool)
+            .await?;
+            let enforced: Option<(Ts,)> = sqlx::query_as(
+                "SELECT minute FROM shadow_minutes WHERE service = $1 AND bucket = $2 AND mode = 'enforce' \
+                 ORDER BY minute DESC LIMIT 1",
+            )
+            .bind(service)
+            .bind(bucket)
+            .fetch_optional(pool)
+            .await?;
+            let since: Option<(Ts,)> = sqlx::query_as(
+                "SELECT first_t FROM shadow_minutes \
+                 WHERE service = $1 AND bucket = $2 AND mode = 'shadow' AND ($3 IS NULL OR minute > $3) \
+                 ORDER BY minute, first_t LIMIT 1",
+            )
+            .bind(service)
+            .bind(bucket)
+            .bind(enforced.map(|e| e.0))
+            .fetch_optional(pool)
+            .await?;
+            Ok((last.map(Into::into), since.map(|s| s.0.into())))
+        })
+    }
+
+    /// The readiness figures of one bucket over `[window_start, window_end)`, from the minute
+    /// roll-ups; `None` when the store has no report of the bucket at all. The promotion
+    /// logic and the dashboard both call this.
+    pub async fn shadow_stats(
+        &self,
+        service: &str,
+        bucket: &str,
+        window_start: DateTime<Utc>,
+        window_end: DateTime<Utc>,
+    ) -> Result<Option<ShadowStats>, StoreError> {
+        let (last, since) = self.bucket_span(service, bucket).await?;
+        if last.is_none() {
+            return Ok(None);
+        }
+        let rows = self
+            .bucket_minutes(service, bucket, window_start, window_end)
+            .await?;
+        Ok(Some(stats_from_minutes(
+            service,
+            bucket,
+            window_start,
+            window_end,
+            &rows,
+            last,
+            since,
+        )))
+    }
+
+    /// The services and buckets with a roll-up since `since` (sorted, at most `limit`).
+    pub async fn shadow_buckets(
+        &self,
+        service: Option<&str>,
+        since: DateTime<Utc>,
+        limit: i64,
+    ) -> Result<Vec<(String, String)>, StoreError> {
+        on_pool!(self, pool => Ok(sqlx::query_as::<_, (String, String)>(
+            "SELECT DISTINCT service, bucket FROM shadow_minutes \
+             WHERE minute >= $1 AND ($2 IS NULL OR service = $2) ORDER BY service, bucket LIMIT $3",
+        )
+        .bind(Ts(since))
+        .bind(service)
+        .bind(limit)
+        .fetch_all(pool)
+        .await?))
+    }
+}
+
+/// Keeps the rows of `chunk` whose keys the insert reported as new.
+fn only_new<'a>(
+    chunk: &'a [Row<'a>],
+    inserted: Vec<(i64, String, String, String)>,
+) -> impl Iterator<Item = &'a Row<'a>> {
+    let keys: HashSet<(i64, String, String, String)> = inserted.into_iter().collect();
+    chunk.iter().filter(move |x| {
+        keys.contains(&(
+            x.r.seq,
+            x.r.service.clone(),
+            x.r.bucket.clone(),
+            x.scope.clone(),
+        ))
+    })
+}
+
+/// The figures of [`ShadowStats`] from a bucket's minute roll-ups in the window (`rows`, by
+/// minute), its newest report and the start of its current shadow period:
+///
+/// - coverage: minutes with a report ÷ minutes of the window;
+/// - offered, virtual and real drops: sums of per-report rates (requests with 1 s ticks);
+/// - peak drop share: the largest per-minute virtual drops ÷ offered (all scope keys);
+/// - suggested limit: [`readiness::suggested_limit`] over the per-minute average offered
+///   rates of every scope key (a limit applies per scope key), at
+///   [`readiness::SUGGESTED_LIMIT_DROP_SHARE`];
+/// - mode and limit: of the newest roll-up in the window (else `shadow`, 0).
+pub fn stats_from_minutes(
+    service: &str,
+    bucket: &str,
+    window_start: DateTime<Utc>,
+    window_end: DateTime<Utc>,
+    rows: &[MinuteRow],
+    last_report: Option<DateTime<Utc>>,
+    shadow_since: Option<DateTime<Utc>>,
+) -> ShadowStats {
+    let window_minutes = ((window_end - window_start).num_seconds() as f64 / 60.0)
+        .ceil()
+        .max(1.0);
+    let mut per_minute: BTreeMap<DateTime<Utc>, (f64, f64)> = BTreeMap::new();
+    let (mut offered, mut vd, mut dropped) = (0.0, 0.0, 0.0);
+    let mut rates = Vec::with_capacity(rows.len());
+    for r in rows {
+        offered += r.offered;
+        vd += r.shadow_dropped;
+        dropped += r.dropped;
+        rates.push(r.offered_rps());
+        let m = per_minute.entry(r.minute).or_default();
+        m.0 += r.offered;
+        m.1 += r.shadow_dropped;
+    }
+    let mut peak = (0.0, None);
+    for (minute, (o, v)) in &per_minute {
+        if *o > 0.0 && v / o > peak.0 {
+            peak = (v / o, Some(*minute));
+        }
+    }
+    let latest = rows.iter().max_by_key(|r| (r.minute, r.last_t));
+    let mode = latest.map_or("shadow".to_string(), |r| r.mode.clone());
+    ShadowStats {
+        service: service.into(),
+        bucket: bucket.into(),
+        shadow_since: if mode == "shadow" { shadow_since } else { None },
+        mode,
+        window_start,
+        window_end,
+        last_report,
+        coverage: (per_minute.len() as f64 / window_minutes).min(1.0),
+        offered,
+        virtual_dropped: vd,
+        dropped,
+        peak_drop_share: peak.0,
+        peak_drop_at: peak.1,
+        limit_rps: latest.map_or(0.0, |r| r.limit_rps),
+        suggested_limit_rps: readiness::suggested_limit(
+            &rates,
+            readiness::SUGGESTED_LIMIT_DROP_SHARE,
+        ),
+    }
+}
