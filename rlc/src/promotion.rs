@@ -46,15 +46,23 @@ pub type ShadowSource = Arc<
 /// The shadow figures of `q` from rlc's store: the seam the cycle uses when no other
 /// [`ShadowSource`] is set.
 ///
-/// Interim: the store's per-minute shadow roll-ups (`Store::shadow_stats`, producing
-/// [`ShadowStats`]) are being written separately; until they are plugged in here, this gives no
-/// figures, so nothing is promoted (no data is never ready). The raw `shadow_reports` rows are
-/// deliberately not summed here: per-tick rows cannot say which minutes are covered.
+/// The store's per-minute roll-ups ([`crate::store::Store::shadow_stats`]), one bucket at a
+/// time (candidates are only the buckets in shadow); a bucket the store has no report of is
+/// left out, and so is not promoted.
 pub async fn store_stats(
-    _store: &crate::store::Store,
-    _q: &ShadowQuery,
+    store: &crate::store::Store,
+    q: &ShadowQuery,
 ) -> anyhow::Result<BTreeMap<BucketKey, ShadowStats>> {
-    Ok(BTreeMap::new())
+    let mut out = BTreeMap::new();
+    for (service, bucket) in &q.buckets {
+        if let Some(s) = store
+            .shadow_stats(service, bucket, q.window_start, q.now)
+            .await?
+        {
+            out.insert((service.clone(), bucket.clone()), s);
+        }
+    }
+    Ok(out)
 }
 
 /// The verdict on one shadow bucket in a run.
