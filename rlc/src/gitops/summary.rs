@@ -16,7 +16,7 @@ pub const FORGE_BODY_LIMIT: usize = 65_535;
 pub const REPORT_PATH: &str = "rlc/last-run.md";
 
 /// How one bucket changed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ChangeKind {
     /// New bucket.
@@ -46,7 +46,7 @@ impl ChangeKind {
 }
 
 /// One changed bucket.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, schemars::JsonSchema)]
 pub struct BucketChange {
     /// Bucket name.
     pub bucket: String,
@@ -109,7 +109,7 @@ impl BucketChange {
 }
 
 /// The changed buckets of one service.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, schemars::JsonSchema)]
 pub struct ServiceChange {
     /// Callee service.
     pub service: String,
@@ -118,7 +118,7 @@ pub struct ServiceChange {
 }
 
 /// Every change of one run, by service.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, schemars::JsonSchema)]
 pub struct ChangeSummary {
     /// Services with at least one changed bucket, sorted.
     pub services: Vec<ServiceChange>,

@@ -5,14 +5,16 @@
 
 use std::fmt::Write;
 
-use axum::extract::{Query, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{Html, IntoResponse, Response};
 use axum::Json;
 use chrono::{DateTime, Utc};
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
-use serde_json::json;
 
+use super::limits::Query;
+use super::problem::CompatProblem;
 use super::AppState;
 use crate::store::{BucketShadowSummary, RunRecord, Store};
 
@@ -55,7 +57,7 @@ pub fn parse_window(s: &str) -> Result<chrono::Duration, String> {
 }
 
 /// Query string of `GET /v1/shadow` and `GET /`.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 pub struct ShadowQuery {
     /// Only this callee service (empty: all).
     pub service: Option<String>,
@@ -66,7 +68,7 @@ pub struct ShadowQuery {
 }
 
 /// One bucket of `GET /v1/shadow`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, JsonSchema)]
 pub struct BucketView {
     /// The stored aggregate.
     #[serde(flatten)]
@@ -100,7 +102,7 @@ pub struct BucketView {
 /// `offered`, `admitted`, `dropped` and `shadow_dropped` are sums of per-report rates (requests
 /// when ticks are 1 s). Errors: 400 `{"error"}` for a bad window, 503 without a store, 500 when
 /// the store query fails (details only in the log).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, JsonSchema)]
 pub struct ShadowSummary {
     /// The service filter, if any.
     pub service: Option<String>,
@@ -146,7 +148,18 @@ impl DashError {
 
 impl IntoResponse for DashError {
     fn into_response(self) -> Response {
-        (self.status(), Json(json!({"error": self.message()}))).into_response()
+        CompatProblem::new(self.status(), self.message()).into_response()
+    }
+}
+
+impl aide::OperationOutput for DashError {
+    type Inner = CompatProblem;
+
+    fn operation_response(
+        ctx: &mut aide::generate::GenContext,
+        operation: &mut aide::openapi::Operation,
+    ) -> Option<aide::openapi::Response> {
+        <CompatProblem as aide::OperationOutput>::operation_response(ctx, operation)
     }
 }
 
@@ -214,7 +227,7 @@ pub(super) async fn shadow_json(
 }
 
 /// Query string of `GET /v1/runs`.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 pub struct RunsQuery {
     /// How many runs, newest first (default 20, at most 200).
     pub limit: Option<i64>,
@@ -222,30 +235,76 @@ pub struct RunsQuery {
 
 /// A run as `GET /v1/runs` shows it: the stored record with `services` as JSON instead of
 /// JSON text.
-fn run_json(r: &RunRecord) -> serde_json::Value {
-    let mut v = serde_json::to_value(r).unwrap_or_default();
-    if let Ok(services) = serde_json::from_str::<serde_json::Value>(&r.services) {
-        v["services"] = services;
+#[derive(Debug, Clone, Serialize, JsonSchema)]
+pub struct RunView {
+    /// The store's id.
+    pub id: i64,
+    /// schedule | inputs-changed | api | once.
+    pub trigger: String,
+    /// Start.
+    pub started_at: DateTime<Utc>,
+    /// End.
+    pub finished_at: DateTime<Utc>,
+    /// success | unchanged | pending | held | failed.
+    pub status: String,
+    /// The commit made (or the PR branch tip), if any.
+    pub commit_sha: Option<String>,
+    /// The version the controller confirmed, if any.
+    pub version_pushed: Option<String>,
+    /// Per-service outcome (`[{"service", "outcome", ...}]`).
+    pub services: serde_json::Value,
+    /// The human-readable summary.
+    pub summary: String,
+    /// Why it failed, if it did.
+    pub error: Option<String>,
+    /// The id given out when the run was asked for or started (`GET /v1/runs/{run_uid}`);
+    /// null for runs recorded before run ids.
+    pub run_uid: Option<String>,
+}
+
+impl From<&RunRecord> for RunView {
+    fn from(r: &RunRecord) -> RunView {
+        RunView {
+            id: r.id,
+            trigger: r.trigger.clone(),
+            started_at: r.started_at,
+            finished_at: r.finished_at,
+            status: r.status.clone(),
+            commit_sha: r.commit_sha.clone(),
+            version_pushed: r.version_pushed.clone(),
+            // Stored as JSON text; shown as JSON (the text itself if it is not JSON).
+            services: serde_json::from_str(&r.services)
+                .unwrap_or_else(|_| serde_json::Value::String(r.services.clone())),
+            summary: r.summary.clone(),
+            error: r.error.clone(),
+            run_uid: r.run_uid.clone(),
+        }
     }
-    v
+}
+
+/// The answer of `GET /v1/runs`.
+#[derive(Debug, Clone, Serialize, JsonSchema)]
+pub struct RunsPage {
+    /// Newest first.
+    pub runs: Vec<RunView>,
 }
 
 /// `GET /v1/runs?limit=N`: `{"runs": [{"id", "trigger", "started_at", "finished_at",
-/// "status", "commit_sha", "version_pushed", "services": [...], "summary", "error"}]}`,
-/// newest first. 503 without a store.
+/// "status", "commit_sha", "version_pushed", "services": [...], "summary", "error",
+/// "run_uid"}]}`, newest first. 503 without a store.
 pub(super) async fn runs_json(
     State(s): State<AppState>,
     Query(q): Query<RunsQuery>,
-) -> Result<Json<serde_json::Value>, DashError> {
+) -> Result<Json<RunsPage>, DashError> {
     let store = s.store().ok_or(DashError::NoStore)?;
     let limit = q.limit.unwrap_or(DEFAULT_RUNS).clamp(1, MAX_RUNS);
     let runs = store
         .recent_runs(limit)
         .await
         .map_err(|e| store_failed("/v1/runs", e))?;
-    Ok(Json(
-        json!({"runs": runs.iter().map(run_json).collect::<Vec<_>>()}),
-    ))
+    Ok(Json(RunsPage {
+        runs: runs.iter().map(RunView::from).collect(),
+    }))
 }
 
 /// `GET /?service=S&window=1h`: the HTML dashboard.

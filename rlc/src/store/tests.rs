@@ -16,6 +16,7 @@ fn run(trigger: &str, status: &str, minute: u32) -> RunRecord {
         services: r#"[{"service":"payments","outcome":"committed"}]"#.into(),
         summary: "raised 1".into(),
         error: None,
+        run_uid: None,
     }
 }
 

@@ -42,6 +42,7 @@ fn run(status: &str, minute: u32, commit: Option<&str>, error: Option<&str>) -> 
         services: r#"[{"service":"payments","outcome":"committed"}]"#.into(),
         summary: format!("payments: raised 1 bucket ({status})\nsecond line"),
         error: error.map(Into::into),
+        run_uid: None,
     }
 }
 
