@@ -37,11 +37,20 @@ const MAX_SERVICES: i64 = 200;
 /// Windows offered by the HTML filter.
 const WINDOWS: &[&str] = &["15m", "1h", "6h", "24h", "7d"];
 
+/// The windows [`parse_window`] accepts, as a regular expression for the API document: a
+/// number without sign or leading zero and a unit, 1 s to 30 d (or empty: the default).
+pub const WINDOW_PATTERN: &str = "^(|([1-9][0-9]{0,5}|1[0-9]{6}|2[0-4][0-9]{5}|25[0-8][0-9]{4}|259[01][0-9]{3}|2592000)s|([1-9][0-9]{0,3}|[1-3][0-9]{4}|4[0-2][0-9]{3}|43[01][0-9]{2}|43200)m|([1-9][0-9]?|[1-6][0-9]{2}|7[01][0-9]|720)h|([1-9]|[12][0-9]|30)d)$";
+
 /// Parses a window such as `90s`, `15m`, `1h` or `7d` (1 s to 30 days).
 pub fn parse_window(s: &str) -> Result<chrono::Duration, String> {
     let bad = || format!("window `{s}`: expected a number followed by s, m, h or d (e.g. 1h)");
     let unit = s.chars().last().ok_or_else(bad)?;
-    let n: i64 = s[..s.len() - unit.len_utf8()].parse().map_err(|_| bad())?;
+    let digits = &s[..s.len() - unit.len_utf8()];
+    // Digits only, no sign, no leading zero: what WINDOW_PATTERN says.
+    if digits.is_empty() || digits.starts_with('0') || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad());
+    }
+    let n: i64 = digits.parse().map_err(|_| bad())?;
     let secs = match unit {
         's' => Some(n),
         'm' => n.checked_mul(60),
@@ -61,7 +70,9 @@ pub fn parse_window(s: &str) -> Result<chrono::Duration, String> {
 pub struct ShadowQuery {
     /// Only this callee service (empty: all).
     pub service: Option<String>,
-    /// How far back, e.g. `1h` (default) or `7d`.
+    /// How far back, e.g. `1h` (default) or `7d`: a number and a unit (s, m, h, d), 1 s to
+    /// 30 d.
+    #[schemars(regex(path = "WINDOW_PATTERN"))]
     pub window: Option<String>,
     /// Most buckets returned (default and maximum 500).
     pub limit: Option<i64>,

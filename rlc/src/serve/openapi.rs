@@ -36,6 +36,8 @@ use crate::cycle::RunOutcome;
 pub const BEARER: &str = "bearer";
 /// Requests in flight at once on the store-backed read endpoints (dashboard, shadow, runs).
 pub const MAX_CONCURRENT_QUERIES: usize = 8;
+/// The operation id of `GET /v1/runs/{id}` (target of the link from `POST /v1/runs`).
+const GET_RUN: &str = "getRun";
 /// `Retry-After` of a 429.
 pub const RETRY_AFTER_SECS: u64 = 1;
 
@@ -324,6 +326,7 @@ fn last_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
 
 fn run_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
     let op = op
+        .id(GET_RUN)
         .summary("One run's state")
         .description(
             "`id` is the `run_uid` that `POST /v1/runs` answered (also in its `Location`), or \
@@ -363,13 +366,29 @@ fn trigger_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
     let op = problem(op, 413, "The body is longer than 4 KiB.");
     let op = problem(op, 415, "A body that is not `application/json`.");
     let op = problem(op, 422, "JSON that is not an empty object.");
-    let op = header(
+    let mut op = header(
         op,
         202,
         "Location",
         "`/v1/runs/{run_uid}`: where the run's state is.",
         true,
     );
+    // The link tells clients (and API testers) where the answered id leads.
+    if let Some(ReferenceOr::Item(r)) = responses(&mut op).get_mut(&Status::Code(202)) {
+        r.links.insert(
+            "run".into(),
+            ReferenceOr::Item(aide::openapi::Link {
+                description: Some("The state of the run this request queued or joined.".into()),
+                operation: aide::openapi::LinkOperation::OperationId(GET_RUN.into()),
+                request_body: None,
+                parameters: [("id".to_string(), "$response.body#/run_uid".into())]
+                    .into_iter()
+                    .collect(),
+                server: None,
+                extensions: Default::default(),
+            }),
+        );
+    }
     let op = problem(
         op,
         409,

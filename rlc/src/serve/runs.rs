@@ -87,17 +87,29 @@ pub enum RunState {
 }
 
 /// The body of `POST /v1/runs`: optional; an empty object (no option yet).
-#[derive(Debug, Default, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Default, JsonSchema)]
+#[schemars(deny_unknown_fields)]
 pub struct RunOptions {}
+
+// By hand: serde's derive takes `[]` for a struct without fields too; this is an object.
+impl<'de> Deserialize<'de> for RunOptions {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<RunOptions, D::Error> {
+        let m = serde_json::Map::<String, serde_json::Value>::deserialize(d)?;
+        match m.keys().next() {
+            Some(k) => Err(serde::de::Error::unknown_field(k, &[])),
+            None => Ok(RunOptions {}),
+        }
+    }
+}
 
 /// The answer of `POST /v1/runs` (202).
 #[derive(Debug, Clone, Serialize, JsonSchema)]
 pub struct Queued {
     /// Always true: a run will follow.
     pub queued: bool,
-    /// True when a run was already waiting: this request joins it (same inputs).
-    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    /// True when a run was already waiting: this request joins it (same inputs). Absent
+    /// otherwise.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub coalesced: bool,
     /// The run's id: `GET /v1/runs/{run_uid}` follows it.
     pub run_uid: String,

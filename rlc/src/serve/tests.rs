@@ -461,6 +461,15 @@ async fn read_and_write_tokens_over_http() {
         ),
         400
     );
+    // An array is not the object the body must be (schemathesis found serde taking `[]`).
+    assert_eq!(
+        status(
+            post(w, Some(("application/json", b"[]".to_vec())))
+                .await
+                .unwrap()
+        ),
+        422
+    );
     let big = format!("{{\"x\": \"{}\"}}", "a".repeat(5000)).into_bytes();
     assert_eq!(
         status(

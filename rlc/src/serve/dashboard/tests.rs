@@ -187,6 +187,20 @@ fn windows() {
     for bad in ["", "1", "1w", "1.5h", "99999999999999999d", "é"] {
         assert!(parse_window(bad).is_err(), "{bad}");
     }
+    // The bounds WINDOW_PATTERN (the API document) encodes, and the forms it refuses.
+    for (ok, bad) in [
+        ("2592000s", "2592001s"),
+        ("43200m", "43201m"),
+        ("720h", "721h"),
+        ("30d", "31d"),
+        ("1s", "0s"),
+        ("1h", "01h"),
+        ("5m", "+5m"),
+        ("9d", " 9d"),
+    ] {
+        assert!(parse_window(ok).is_ok(), "{ok}");
+        assert!(parse_window(bad).is_err(), "{bad}");
+    }
 }
 
 #[tokio::test]
