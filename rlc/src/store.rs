@@ -355,6 +355,8 @@ impl Store {
     }
 
     /// Records a finished run and its quota changes in one transaction; returns the run id.
+    /// A run whose `run_uid` is already recorded is not recorded again (a buffered record
+    /// retried after its first insert committed unacknowledged): its id is returned.
     pub async fn record_run(
         &self,
         run: &RunRecord,
@@ -362,6 +364,15 @@ impl Store {
     ) -> Result<i64, StoreError> {
         on_pool!(self, pool => {
             let mut tx = pool.begin().await?;
+            if let Some(uid) = &run.run_uid {
+                let known: Option<(i64,)> = sqlx::query_as("SELECT id FROM runs WHERE run_uid = $1")
+                    .bind(uid)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+                if let Some((id,)) = known {
+                    return Ok(id);
+                }
+            }
             let (id,): (i64,) = sqlx::query_as(
                 "INSERT INTO runs (trigger, started_at, finished_at, status, commit_sha, version_pushed, services, summary, error, run_uid) \
                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) RETURNING id",
