@@ -1,5 +1,6 @@
 //! The shadow-mode dashboard of `rlc serve`: what new or risky quotas would do before they are
-//! enforced. Read-only, so no token: `GET /v1/shadow` and `GET /v1/runs` answer JSON, `GET /`
+//! enforced. Read-only (open, or the read token when one is configured: [`super::auth`]):
+//! `GET /v1/shadow` and `GET /v1/runs` answer JSON, `GET /`
 //! renders the same data as one HTML page (no script, no external asset, every value escaped:
 //! service and bucket names come from config repos that many people edit).
 
