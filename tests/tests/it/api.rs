@@ -134,3 +134,24 @@ fn the_served_openapi_document_describes_every_answer() {
     // The daemon is still up and answering.
     assert_eq!(get_text(port, "/healthz").as_deref(), Some("ok\n"));
 }
+
+/// A read token that rlc.yaml asks for but the environment lacks never opens the reads: the
+/// daemon refuses to start and names the variable.
+#[test]
+fn serve_refuses_to_start_without_the_configured_read_token() {
+    let d = Deployment::build("sqlite://rlc.db", &[], "  read_token_env: RLC_READ_TOKEN\n");
+    let port = free_port();
+    let out = d
+        .rlc(&["serve", "--listen", &format!("127.0.0.1:{port}")])
+        .env_remove("RLC_READ_TOKEN")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("server.read_token_env") && stderr.contains("RLC_READ_TOKEN"),
+        "{stderr}"
+    );
+    assert!(get_text(port, "/healthz").is_none(), "nothing listens");
+}
