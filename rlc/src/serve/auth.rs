@@ -74,46 +74,65 @@ impl Tokens {
         }
     }
 
-    /// Whether a request with headers `h` may use an endpoint that needs `need`; the refusal
-    /// (401 or 403, problem details) otherwise.
-    pub fn check(&self, h: &HeaderMap, need: Right) -> Result<(), Response> {
+    /// Whether a request with headers `h` may use an endpoint that needs `need`; why not
+    /// otherwise.
+    pub fn check(&self, h: &HeaderMap, need: Right) -> Result<(), Refusal> {
         if need == Right::Read && self.read.is_none() {
             return Ok(());
         }
         match (self.held(h), need) {
             (Some(Right::Write), _) | (Some(Right::Read), Right::Read) => Ok(()),
-            (Some(Right::Read), Right::Write) => Err(CompatProblem::new(
-                StatusCode::FORBIDDEN,
-                "the read token cannot do this; it needs the write token",
-            )
-            .into_response()),
-            (None, _) => Err(unauthorized(h)),
+            (Some(Right::Read), Right::Write) => Err(Refusal::Forbidden),
+            (None, _) => Err(Refusal::Unauthorized {
+                presented: h.contains_key(header::AUTHORIZATION),
+            }),
         }
     }
 }
 
-/// 401 with the challenge of RFC 6750 (`error="invalid_token"` when a token was presented).
-fn unauthorized(h: &HeaderMap) -> Response {
-    let presented = h.contains_key(header::AUTHORIZATION);
-    let mut r = CompatProblem::new(StatusCode::UNAUTHORIZED, "missing or wrong bearer token")
-        .into_response();
-    let challenge = if presented {
-        r#"Bearer realm="rlc", error="invalid_token""#
-    } else {
-        r#"Bearer realm="rlc""#
-    };
-    r.headers_mut().insert(
-        header::WWW_AUTHENTICATE,
-        HeaderValue::from_static(challenge),
-    );
-    r
+/// Why a request was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// No credential, a malformed one or an unknown one (401); `presented`: an
+    /// `Authorization` header was sent.
+    Unauthorized { presented: bool },
+    /// A known token without the right (403).
+    Forbidden,
+}
+
+impl IntoResponse for Refusal {
+    fn into_response(self) -> Response {
+        match self {
+            Refusal::Forbidden => CompatProblem::new(
+                StatusCode::FORBIDDEN,
+                "the read token cannot do this; it needs the write token",
+            )
+            .into_response(),
+            // The challenge of RFC 6750.
+            Refusal::Unauthorized { presented } => {
+                let mut r =
+                    CompatProblem::new(StatusCode::UNAUTHORIZED, "missing or wrong bearer token")
+                        .into_response();
+                let challenge = if presented {
+                    r#"Bearer realm="rlc", error="invalid_token""#
+                } else {
+                    r#"Bearer realm="rlc""#
+                };
+                r.headers_mut().insert(
+                    header::WWW_AUTHENTICATE,
+                    HeaderValue::from_static(challenge),
+                );
+                r
+            }
+        }
+    }
 }
 
 /// Middleware of the read endpoints (`route_layer`).
 pub async fn require_read(State(s): State<AppState>, req: Request, next: Next) -> Response {
     match s.tokens().check(req.headers(), Right::Read) {
         Ok(()) => next.run(req).await,
-        Err(refusal) => refusal,
+        Err(refusal) => refusal.into_response(),
     }
 }
 
@@ -121,7 +140,7 @@ pub async fn require_read(State(s): State<AppState>, req: Request, next: Next) -
 pub async fn require_write(State(s): State<AppState>, req: Request, next: Next) -> Response {
     match s.tokens().check(req.headers(), Right::Write) {
         Ok(()) => next.run(req).await,
-        Err(refusal) => refusal,
+        Err(refusal) => refusal.into_response(),
     }
 }
 
@@ -140,8 +159,8 @@ mod tests {
         h
     }
 
-    fn status(r: Result<(), Response>) -> u16 {
-        r.map_or_else(|r| r.status().as_u16(), |()| 200)
+    fn status(r: Result<(), Refusal>) -> u16 {
+        r.map_or_else(|r| r.into_response().status().as_u16(), |()| 200)
     }
 
     #[test]
@@ -169,13 +188,16 @@ mod tests {
         // A malformed header (not `Bearer <token>`) is no credential.
         let mut h = HeaderMap::new();
         h.insert(header::AUTHORIZATION, "Basic d3JpdGU=".parse().unwrap());
-        let r = both.check(&h, Right::Read).unwrap_err();
+        let r = both.check(&h, Right::Read).unwrap_err().into_response();
         assert_eq!(r.status(), 401);
         assert_eq!(
             r.headers()[header::WWW_AUTHENTICATE],
             r#"Bearer realm="rlc", error="invalid_token""#
         );
-        let r = both.check(&HeaderMap::new(), Right::Read).unwrap_err();
+        let r = both
+            .check(&HeaderMap::new(), Right::Read)
+            .unwrap_err()
+            .into_response();
         assert_eq!(
             r.headers()[header::WWW_AUTHENTICATE],
             r#"Bearer realm="rlc""#

@@ -306,7 +306,6 @@ async fn run_ids_follow_a_run_from_queued_to_finished() {
         }
     };
     let wait_state = |uid: String, want: &'static str| {
-        let state_of = state_of.clone();
         async move {
             for _ in 0..500 {
                 let v = state_of(uid.clone()).await;
