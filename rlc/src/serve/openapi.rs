@@ -2,12 +2,16 @@
 //! (aide over the handlers' extractor and answer types, whose schemas come from their
 //! `schemars::JsonSchema` derives): a route is documented by being registered here.
 //!
-//! Registering an endpoint is one line in [`routes`]: in the group that matches its
-//! access (`read`, `write`, `open`), e.g.
-//! `.api_route("/v1/quotas", get_with(quotas::list, quotas::list_docs))`; expensive endpoints
-//! add `.route_layer(limit.clone())` (see [`super::limits::ConcurrencyLimit`]) after theirs,
-//! and [`saturated`] to their docs. The group adds the security requirement and the 401/403
-//! answers to the document, and the layer that enforces them.
+//! Registering an endpoint is one line in [`routes`], in the group that matches its access:
+//! `.api_route("/v1/quotas/{service}", get_with(quotas::one, quotas::one_docs))` in `read`
+//! (open, or the read token), in `queries` when it is expensive (it then shares their
+//! concurrency bound: 429), in `write` for a mutating one (write token), in `open` for one
+//! without data. The group's layers enforce the access (before any body is read) and its
+//! `with_path_items` adds the security requirement and the 401 / 403 / 429 answers to the
+//! document. The handler's docs function (`|op| op.summary(..)...`) adds the rest: handlers
+//! returning `Result<Json<T>, Problem>` (T: `JsonSchema`) get their 200 schema inferred; list
+//! each error status with [`problem`]; bodies read with [`super::limits::BoundedJson`]
+//! document their 400/413/415/422.
 //!
 //! `docs/openapi.json` is a committed copy (`rlc openapi > docs/openapi.json`); a test fails
 //! when it differs from what this module generates.
@@ -20,7 +24,7 @@ use aide::openapi::{
     Header, HeaderStyle, Info, OpenApi, ParameterSchemaOrContent, ReferenceOr, Response,
     SchemaObject, SecurityScheme, StatusCode as Status,
 };
-use aide::transform::{TransformOpenApi, TransformOperation};
+use aide::transform::{TransformOpenApi, TransformOperation, TransformPathItem};
 use aide::OperationOutput;
 use axum::response::Html;
 use axum::{Extension, Json, Router};
@@ -43,15 +47,22 @@ pub const RETRY_AFTER_SECS: u64 = 1;
 
 /// Every documented route, with the layers that enforce access and bounds.
 pub fn routes(state: &AppState) -> ApiRouter<AppState> {
-    let queries = ConcurrencyLimit::new(MAX_CONCURRENT_QUERIES, RETRY_AFTER_SECS);
-    // Read endpoints: open, or the read (or write) token when `server.read_token_env` is set.
-    let read = ApiRouter::new()
+    // Store-backed reads: one concurrency bound for all of them.
+    let queries = ApiRouter::new()
         .api_route("/", get_with(dashboard::page, page_docs))
         .api_route("/v1/shadow", get_with(dashboard::shadow_json, shadow_docs))
         .api_route("/v1/runs", get_with(dashboard::runs_json, runs_docs))
-        .route_layer(queries)
+        .route_layer(ConcurrencyLimit::new(
+            MAX_CONCURRENT_QUERIES,
+            RETRY_AFTER_SECS,
+        ))
+        .with_path_items(limited_read_docs);
+    // Read endpoints: open, or the read (or write) token when `server.read_token_env` is set.
+    let read = ApiRouter::new()
         .api_route("/v1/runs/last", get_with(runs::last_run, last_docs))
         .api_route("/v1/runs/{id}", get_with(runs::run_status, run_docs))
+        .with_path_items(read_docs)
+        .merge(queries)
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             auth::require_read,
@@ -59,6 +70,7 @@ pub fn routes(state: &AppState) -> ApiRouter<AppState> {
     // Mutating endpoints: the write token, checked before the body is read.
     let write = ApiRouter::new()
         .api_route("/v1/runs", post_with(runs::trigger_run, trigger_docs))
+        .with_path_items(write_docs)
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             auth::require_write,
@@ -205,6 +217,42 @@ fn unauthorized(op: TransformOperation<'_>) -> TransformOperation<'_> {
     )
 }
 
+/// Applies `f` to every operation of a path item.
+fn each_operation<'t>(
+    mut p: TransformPathItem<'t>,
+    f: impl Fn(TransformOperation<'_>) -> TransformOperation<'_>,
+) -> TransformPathItem<'t> {
+    let item = p.inner_mut();
+    for op in [
+        &mut item.get,
+        &mut item.put,
+        &mut item.post,
+        &mut item.delete,
+        &mut item.patch,
+    ]
+    .into_iter()
+    .flatten()
+    {
+        let _ = f(TransformOperation::new(op));
+    }
+    p
+}
+
+/// Docs of a route in the read group (see [`read_access`]).
+pub fn read_docs(p: TransformPathItem<'_>) -> TransformPathItem<'_> {
+    each_operation(p, read_access)
+}
+
+/// Docs of a route in the read group behind the queries' [`ConcurrencyLimit`].
+pub fn limited_read_docs(p: TransformPathItem<'_>) -> TransformPathItem<'_> {
+    each_operation(p, |op| saturated(read_access(op)))
+}
+
+/// Docs of a route in the write group (see [`write_access`]).
+pub fn write_docs(p: TransformPathItem<'_>) -> TransformPathItem<'_> {
+    each_operation(p, write_access)
+}
+
 /// Docs of an endpoint in the read group: the bearer token is optional (needed only when a
 /// read token is configured), 401 without a good one then.
 pub fn read_access(mut op: TransformOperation<'_>) -> TransformOperation<'_> {
@@ -262,7 +310,7 @@ fn page_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
         "A query parameter of the wrong type (problem details), or a bad `window` (the page, \
          as HTML, with the error).",
     );
-    let mut op = saturated(read_access(op));
+    let mut op = op;
     // 400 comes as problem details or as the page.
     if let Some(ReferenceOr::Item(r)) = responses(&mut op).get_mut(&Status::Code(400)) {
         let html = aide::generate::in_context(|ctx| {
@@ -295,7 +343,7 @@ fn shadow_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
         500,
         "The store query failed (details in the daemon log).",
     );
-    saturated(read_access(op))
+    op
 }
 
 fn runs_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
@@ -310,18 +358,14 @@ fn runs_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
         500,
         "The store query failed (details in the daemon log).",
     );
-    saturated(read_access(op))
+    op
 }
 
 fn last_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
     let op = op
         .summary("The last run this daemon finished")
         .response_with::<200, Json<RunOutcome>, _>(|r| r.description("Its outcome."));
-    read_access(problem(
-        op,
-        404,
-        "No run has finished since the daemon started.",
-    ))
+    problem(op, 404, "No run has finished since the daemon started.")
 }
 
 fn run_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
@@ -346,7 +390,7 @@ fn run_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
         500,
         "The store query failed (details in the daemon log).",
     );
-    read_access(op)
+    op
 }
 
 fn trigger_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
@@ -399,7 +443,7 @@ fn trigger_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
         503,
         "Shutting down, or a run is being handed over; retry.",
     );
-    write_access(op)
+    op
 }
 
 fn healthz_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {

@@ -305,17 +305,15 @@ async fn run_ids_follow_a_run_from_queued_to_finished() {
                 .unwrap()
         }
     };
-    let wait_state = |uid: String, want: &'static str| {
-        async move {
-            for _ in 0..500 {
-                let v = state_of(uid.clone()).await;
-                if v["state"] == want {
-                    return v;
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
+    let wait_state = |uid: String, want: &'static str| async move {
+        for _ in 0..500 {
+            let v = state_of(uid.clone()).await;
+            if v["state"] == want {
+                return v;
             }
-            panic!("run {uid} never {want}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
+        panic!("run {uid} never {want}");
     };
 
     let first = post().await;
