@@ -160,9 +160,9 @@ fn accepted(body: Queued) -> Response {
 /// not the active scheduler; 503 while shutting down.
 pub(super) async fn trigger_run(
     State(s): State<AppState>,
-    body: Option<BoundedJson<RunOptions, MAX_RUN_BODY>>,
+    // Read (bounded) for its refusals only: no option yet.
+    _body: Option<BoundedJson<RunOptions, MAX_RUN_BODY>>,
 ) -> Response {
-    let _ = body;
     if !s.is_leader() {
         return CompatProblem::new(
             StatusCode::CONFLICT,
@@ -194,21 +194,14 @@ pub(super) async fn trigger_run(
                 run_uid: req.run_uid,
             })
         }
-        // Only the API queues, under the book's lock: a full channel means the scheduler has
-        // just taken the queued run out and not yet marked it started. Join that run.
-        Err(mpsc::error::TrySendError::Full(_)) => match &book.running {
-            Some((r, _)) => accepted(Queued {
-                queued: true,
-                coalesced: true,
-                location: location(&r.run_uid),
-                run_uid: r.run_uid.clone(),
-            }),
-            None => CompatProblem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "a run is being handed to the scheduler; retry",
-            )
-            .into_response(),
-        },
+        // Only this function sends, under the book's lock, and `queued` is cleared only once
+        // the scheduler has received the request: with nothing queued the channel is empty.
+        // Should that ever not hold, the caller retries rather than losing track of a run.
+        Err(mpsc::error::TrySendError::Full(_)) => CompatProblem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "a run is being handed to the scheduler; retry",
+        )
+        .into_response(),
         Err(mpsc::error::TrySendError::Closed(_)) => {
             CompatProblem::new(StatusCode::SERVICE_UNAVAILABLE, "shutting down").into_response()
         }
