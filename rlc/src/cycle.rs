@@ -58,7 +58,7 @@ pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 pub type Planner = Arc<dyn Fn(PlanInput) -> BoxFuture<anyhow::Result<Plan>> + Send + Sync>;
 
 /// Overall result of a run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum RunStatus {
     /// Changes committed (or proposed) and the controller runs the base version.
@@ -87,7 +87,7 @@ impl RunStatus {
 }
 
 /// Everything a run did, for people (`Display`), the store and the exit status.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, schemars::JsonSchema)]
 pub struct RunOutcome {
     /// Why it ran.
     pub trigger: String,
@@ -118,6 +118,9 @@ pub struct RunOutcome {
     pub store_error: Option<String>,
     /// Id of the stored run.
     pub run_id: Option<i64>,
+    /// The id `rlc` gave the run before it started (see [`new_run_uid`]): what
+    /// `POST /v1/runs` answers and `GET /v1/runs/{id}` takes; stored with the run.
+    pub run_uid: String,
     /// Why the run failed.
     pub error: Option<String>,
     /// What changed.
@@ -147,10 +150,17 @@ pub struct RunOutcome {
     pub report: Option<String>,
 }
 
+/// A new run id: 32 random hex digits. Daemon replicas and restarts never share one
+/// (128 random bits), so it needs no coordination and exists before the store has the run.
+pub fn new_run_uid() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
 impl RunOutcome {
-    fn new(trigger: &str) -> RunOutcome {
+    fn new(trigger: &str, run_uid: &str) -> RunOutcome {
         let now = Utc::now();
         RunOutcome {
+            run_uid: run_uid.into(),
             trigger: trigger.into(),
             status: RunStatus::Failed,
             started_at: now,
@@ -632,6 +642,11 @@ impl Cycle {
     /// Syncs the repo, asks `planner` for a plan, and applies it. Never returns an error: a
     /// failure is a failed outcome (recorded like any run).
     pub async fn run(&self, planner: &Planner, trigger: &str) -> RunOutcome {
+        self.run_as(planner, trigger, &new_run_uid()).await
+    }
+
+    /// [`Cycle::run`] under the run id `run_uid` (given out before the run started).
+    pub async fn run_as(&self, planner: &Planner, trigger: &str, run_uid: &str) -> RunOutcome {
         // Open the store first, so that one deleted or replaced during the run is noticed
         // (an error) instead of being created anew at the end. A store that is down now is
         // retried when it is needed.
@@ -642,7 +657,7 @@ impl Cycle {
             Ok((dir, _, _)) => dir,
             Err(e) => {
                 return self
-                    .failed(trigger, format!("syncing the config repo: {e:#}"))
+                    .failed(trigger, run_uid, format!("syncing the config repo: {e:#}"))
                     .await
             }
         };
@@ -653,16 +668,16 @@ impl Cycle {
             trigger: trigger.to_string(),
         };
         match planner(input).await {
-            Ok(plan) => self.apply(&plan, trigger).await,
+            Ok(plan) => self.apply_as(&plan, trigger, run_uid).await,
             Err(e) => {
-                self.failed(trigger, format!("computing the plan: {e:#}"))
+                self.failed(trigger, run_uid, format!("computing the plan: {e:#}"))
                     .await
             }
         }
     }
 
-    async fn failed(&self, trigger: &str, error: String) -> RunOutcome {
-        let mut out = RunOutcome::new(trigger);
+    async fn failed(&self, trigger: &str, run_uid: &str, error: String) -> RunOutcome {
+        let mut out = RunOutcome::new(trigger, run_uid);
         tracing::error!(trigger, error = %error, "run failed");
         out.error = Some(error);
         out.finish();
@@ -672,7 +687,12 @@ impl Cycle {
 
     /// Applies `plan`: render → validate → commit/PR → push → record.
     pub async fn apply(&self, plan: &Plan, trigger: &str) -> RunOutcome {
-        let mut out = RunOutcome::new(trigger);
+        self.apply_as(plan, trigger, &new_run_uid()).await
+    }
+
+    /// [`Cycle::apply`] under the run id `run_uid`.
+    pub async fn apply_as(&self, plan: &Plan, trigger: &str, run_uid: &str) -> RunOutcome {
+        let mut out = RunOutcome::new(trigger, run_uid);
         let mut held = self.hold_repeated_decreases(plan).await;
         out.skipped = held.skipped.clone();
         out.history_failed = held.history_failed.clone();
@@ -1078,6 +1098,7 @@ impl Cycle {
                 None => out.to_string(),
             },
             error: out.error.clone(),
+            run_uid: Some(out.run_uid.clone()),
         };
         self.flush_pending().await;
         let res = match self.store().await {

@@ -29,6 +29,9 @@ enum Command {
     },
     /// Print the JSON Schema of every file format (for editors).
     Schema,
+    /// Print the OpenAPI 3.1 document of `rlc serve`'s HTTP API (what it serves at
+    /// /openapi.json; docs/openapi.json is this output).
+    Openapi,
     /// Compute quotas and print them (table or JSON); writes nothing.
     #[command(after_help = PREVIEW_EXIT)]
     Preview(rlc::preview::PreviewArgs),
@@ -88,6 +91,10 @@ fn main() -> ExitCode {
                 "{}",
                 serde_json::to_string_pretty(&schema::json_schema()).expect("schema serialises")
             );
+            Ok(0)
+        }
+        Command::Openapi => {
+            print!("{}", rlc::serve::openapi::document_json());
             Ok(0)
         }
         Command::Preview(args) => runtime().block_on(rlc::preview::run(args)),

@@ -38,7 +38,7 @@ pub struct PlannedBucket {
 }
 
 /// A series or a whole service left as it is, and why.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, schemars::JsonSchema)]
 pub struct Skipped {
     /// Callee service.
     pub service: String,

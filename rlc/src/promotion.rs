@@ -66,7 +66,7 @@ pub async fn store_stats(
 }
 
 /// The verdict on one shadow bucket in a run.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, schemars::JsonSchema)]
 pub struct PromotionNote {
     /// Callee service.
     pub service: String,
@@ -259,7 +259,7 @@ pub fn classify(c: &BucketChange) -> ChangeClass {
 }
 
 /// A change direct mode may not commit: it waits for review.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, schemars::JsonSchema)]
 pub struct NeedsReview {
     /// Callee service.
     pub service: String,

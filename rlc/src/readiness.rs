@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 pub const SUGGESTED_LIMIT_DROP_SHARE: f64 = 1e-4;
 
 /// One bucket's shadow-mode (or enforced) figures over a window.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct ShadowStats {
     /// Callee service.
     pub service: String,
@@ -104,7 +104,7 @@ impl From<&schema::PromotionRule> for Rule {
 }
 
 /// The readiness of one bucket.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(tag = "verdict", rename_all = "snake_case")]
 pub enum Verdict {
     /// Meets the rule: may be proposed for `mode: enforce`.

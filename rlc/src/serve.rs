@@ -1,7 +1,8 @@
 //! `rlc serve`: the daemon. A cron schedule, a run as soon as the human-authored
 //! `rlc/*.yaml` change on the base branch, and manual runs over HTTP (`POST /v1/runs`); it
 //! also keeps the controller on the base branch's version (so a merged PR reaches it), stores
-//! the controller's shadow reports, and serves `/healthz` and `/metrics`.
+//! the controller's shadow reports, and serves `/healthz`, `/metrics`, the dashboard and the
+//! run API, documented by the OpenAPI document at `/openapi.json` ([`openapi`]).
 //!
 //! Several replicas on one Postgres elect one active scheduler (`pg_try_advisory_lock`);
 //! the others serve HTTP and refuse manual runs with 409. With SQLite there is one instance.
@@ -13,24 +14,28 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
-use axum::response::IntoResponse;
-use axum::routing::get;
-use axum::{Json, Router};
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use axum::Router;
 use chrono::Utc;
 use schema::DaemonConfig;
-use serde_json::json;
 use tokio::sync::{mpsc, watch};
 
 use crate::cycle::{load_config, Cycle, Planner, RunOutcome};
 use crate::push::ControllerClient;
 use crate::store::{Lease, Store};
 
+pub mod auth;
 pub mod dashboard;
+pub mod limits;
+pub mod openapi;
 pub mod problem;
 mod reports;
+pub mod runs;
 
+pub use auth::Tokens;
 use reports::ReportBuffer;
+pub use runs::RunRequest;
 
 /// Store cursor of the controller's report stream.
 const REPORT_CURSOR: &str = "controller.reports";
@@ -76,8 +81,10 @@ struct Metrics {
 }
 
 struct Inner {
-    token: Option<String>,
-    trigger: mpsc::Sender<String>,
+    tokens: Tokens,
+    trigger: mpsc::Sender<RunRequest>,
+    /// Queued, running and recently finished runs, for `GET /v1/runs/{id}`.
+    book: Mutex<runs::RunBook>,
     metrics: Metrics,
     runs_done: watch::Sender<u64>,
     last: Mutex<Option<RunOutcome>>,
@@ -92,13 +99,25 @@ pub struct AppState {
 }
 
 impl AppState {
-    /// State with the API `token` (None: every mutating call is refused) and the channel
-    /// manual triggers go to.
-    pub fn new(token: Option<String>, trigger: mpsc::Sender<String>) -> AppState {
+    /// State with the API's write `token` (None: every mutating call is refused), no read
+    /// token, and the channel manual triggers go to.
+    pub fn new(token: Option<String>, trigger: mpsc::Sender<RunRequest>) -> AppState {
+        AppState::with_tokens(
+            Tokens {
+                write: token,
+                read: None,
+            },
+            trigger,
+        )
+    }
+
+    /// State with the API's `tokens` and the channel manual triggers go to.
+    pub fn with_tokens(tokens: Tokens, trigger: mpsc::Sender<RunRequest>) -> AppState {
         AppState {
             inner: Arc::new(Inner {
-                token,
+                tokens,
                 trigger,
+                book: Mutex::new(runs::RunBook::default()),
                 metrics: Metrics::default(),
                 runs_done: watch::channel(0).0,
                 last: Mutex::new(None),
@@ -147,7 +166,17 @@ impl AppState {
             .expect("a run finished")
     }
 
+    /// The API's tokens.
+    pub fn tokens(&self) -> &Tokens {
+        &self.inner.tokens
+    }
+
+    fn started(&self, req: &RunRequest) {
+        self.inner.book.lock().unwrap().started(req);
+    }
+
     fn finished(&self, out: &RunOutcome) {
+        self.inner.book.lock().unwrap().finished(out);
         let m = &self.inner.metrics;
         *m.runs
             .lock()
@@ -159,21 +188,13 @@ impl AppState {
         *self.inner.last.lock().unwrap() = Some(out.clone());
         self.inner.runs_done.send_modify(|v| *v += 1);
     }
-
-    fn authorized(&self, h: &HeaderMap) -> bool {
-        // No token configured: every mutating call is refused.
-        self.inner
-            .token
-            .as_deref()
-            .is_some_and(|t| grl_runtime::http_util::check_token(h, t).is_ok())
-    }
 }
 
 async fn healthz() -> &'static str {
     "ok\n"
 }
 
-async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
+async fn metrics(State(s): State<AppState>) -> Response {
     use std::fmt::Write;
     let m = &s.inner.metrics;
     let mut out = String::new();
@@ -239,69 +260,15 @@ async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
             "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
         );
     }
-    ([("content-type", "text/plain; version=0.0.4")], out)
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
 }
 
-async fn trigger_run(
-    State(s): State<AppState>,
-    h: HeaderMap,
-) -> (StatusCode, Json<serde_json::Value>) {
-    if !s.authorized(&h) {
-        return (
-            StatusCode::UNAUTHORIZED,
-            Json(json!({"error": "missing or wrong bearer token"})),
-        );
-    }
-    if !s.is_leader() {
-        return (
-            StatusCode::CONFLICT,
-            Json(json!({"error": "this replica is not the active scheduler; ask another replica"})),
-        );
-    }
-    match s.inner.trigger.try_send("api".into()) {
-        Ok(()) => (StatusCode::ACCEPTED, Json(json!({"queued": true}))),
-        // A run is already queued: it will see the same inputs, so this one coalesces.
-        Err(mpsc::error::TrySendError::Full(_)) => (
-            StatusCode::ACCEPTED,
-            Json(json!({"queued": true, "coalesced": true})),
-        ),
-        Err(mpsc::error::TrySendError::Closed(_)) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({"error": "shutting down"})),
-        ),
-    }
-}
-
-async fn last_run(State(s): State<AppState>) -> (StatusCode, Json<serde_json::Value>) {
-    match s.inner.last.lock().unwrap().as_ref() {
-        Some(o) => (
-            StatusCode::OK,
-            Json(serde_json::to_value(o).unwrap_or_default()),
-        ),
-        None => (StatusCode::NOT_FOUND, Json(json!({"error": "no run yet"}))),
-    }
-}
-
-/// The HTTP API: `/healthz`, `/metrics`, `POST /v1/runs` (token), `GET /v1/runs/last`, and
-/// the read-only shadow-mode dashboard: `GET /` (HTML), `GET /v1/shadow`, `GET /v1/runs`
-/// (see [`dashboard`]).
+/// The HTTP API: `/healthz`, `/metrics`, `/openapi.json`, `POST /v1/runs` (write token),
+/// `GET /v1/runs/{id}`, `GET /v1/runs/last`, and the read-only shadow-mode dashboard: `GET /`
+/// (HTML), `GET /v1/shadow`, `GET /v1/runs` (see [`dashboard`]); the routes are listed in
+/// [`openapi::routes`].
 pub fn app(state: AppState) -> Router {
-    Router::new()
-        .route("/", get(dashboard::page))
-        .route("/healthz", get(healthz))
-        .route("/metrics", get(metrics))
-        .route("/v1/shadow", get(dashboard::shadow_json))
-        .route(
-            "/v1/shadow/{service}/{bucket}",
-            get(dashboard::bucket::bucket_json),
-        )
-        .route(
-            "/buckets/{service}/{bucket}",
-            get(dashboard::bucket::bucket_page),
-        )
-        .route("/v1/runs", get(dashboard::runs_json).post(trigger_run))
-        .route("/v1/runs/last", get(last_run))
-        .with_state(state)
+    openapi::router(state)
 }
 
 /// Daemon settings not in rlc.yaml.
@@ -329,7 +296,7 @@ pub async fn serve_on(
     planner: Planner,
     opts: ServeOptions,
     state: AppState,
-    triggers: mpsc::Receiver<String>,
+    triggers: mpsc::Receiver<RunRequest>,
     shutdown: watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
     let schedule = cfg
@@ -365,8 +332,20 @@ struct Loop {
 
 impl Loop {
     async fn run(&mut self, trigger: &str) {
-        tracing::info!(trigger, "run starting");
-        let out = self.cycle.run(&self.planner, trigger).await;
+        let req = RunRequest {
+            trigger: trigger.into(),
+            run_uid: crate::cycle::new_run_uid(),
+        };
+        self.run_request(&req).await
+    }
+
+    async fn run_request(&mut self, req: &RunRequest) {
+        tracing::info!(trigger = %req.trigger, run_uid = %req.run_uid, "run starting");
+        self.state.started(req);
+        let out = self
+            .cycle
+            .run_as(&self.planner, &req.trigger, &req.run_uid)
+            .await;
         if out.version_pushed.is_some() {
             self.last_pushed = out.version_pushed.clone();
             self.state
@@ -453,7 +432,7 @@ async fn scheduler(
     schedule: Option<cron::Schedule>,
     opts: ServeOptions,
     state: AppState,
-    mut triggers: mpsc::Receiver<String>,
+    mut triggers: mpsc::Receiver<RunRequest>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let controller = match cycle
@@ -535,8 +514,8 @@ async fn scheduler(
                     break;
                 }
                 t = triggers.recv() => match t {
-                    Some(t) if leader => lp.run(&t).await,
-                    Some(_) => {}
+                    Some(t) if leader => lp.run_request(&t).await,
+                    Some(t) => lp.state.inner.book.lock().unwrap().dropped(&t),
                     None => {
                         stop = true;
                         break;
@@ -577,6 +556,7 @@ pub async fn run(args: ServeArgs, planner: Planner) -> anyhow::Result<i32> {
     let server = cfg.server.clone().unwrap_or(schema::ServerConfig {
         listen: "127.0.0.1:8080".into(),
         token_env: "RLC_TOKEN".into(),
+        read_token_env: None,
         tls: None,
     });
     // Flags (relative to the working directory) win over rlc.yaml (relative to the file).
@@ -595,18 +575,23 @@ pub async fn run(args: ServeArgs, planner: Planner) -> anyhow::Result<i32> {
         }),
     };
     let listen = args.listen.clone().unwrap_or(server.listen.clone());
-    let token = std::env::var(&server.token_env)
-        .ok()
-        .filter(|t| !t.is_empty());
-    if token.is_none() {
+    let tokens = Tokens::from_env(&server.token_env, server.read_token_env.as_deref());
+    if tokens.write.is_none() {
         tracing::warn!(env = %server.token_env, "no API token set: POST /v1/runs is refused");
+    }
+    // Fail closed: a read token that was asked for but is missing never opens the reads.
+    if let (Some(env), None) = (&server.read_token_env, &tokens.read) {
+        anyhow::bail!(
+            "server.read_token_env in {} names {env}, which is unset or empty: set it, or remove read_token_env to leave the read endpoints open",
+            args.config.display()
+        );
     }
     let listener = tokio::net::TcpListener::bind(&listen)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {listen}: {e}"))?;
     tracing::info!(listen = %listen, tls = tls.is_some(), "rlc serve listening");
     let (tx, rx) = mpsc::channel(1);
-    let state = AppState::new(token, tx);
+    let state = AppState::with_tokens(tokens, tx);
     let opts = ServeOptions {
         poll: Duration::from_secs(args.poll_secs.max(1)),
         tls,

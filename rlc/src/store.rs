@@ -110,6 +110,11 @@ pub struct RunRecord {
     pub summary: String,
     /// Why it failed, if it did.
     pub error: Option<String>,
+    /// The id `rlc` gave the run when it was asked for or started (`POST /v1/runs` answers it;
+    /// `GET /v1/runs/{id}` finds the run by it); null for runs recorded before run ids.
+    #[sqlx(default)]
+    #[serde(default)]
+    pub run_uid: Option<String>,
 }
 
 /// One bucket change, with the evidence that produced it.
@@ -195,7 +200,7 @@ pub struct StoredReport {
 /// What the shadow reports of one bucket add up to over a window: the evidence a service
 /// owner reads before a quota is enforced. Sums are sums of the per-report rates (one report
 /// per controller tick and scope key), so with 1 s ticks they count requests.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow, schemars::JsonSchema)]
 pub struct BucketShadowSummary {
     /// Callee service.
     pub service: String,
@@ -372,6 +377,8 @@ impl Store {
     }
 
     /// Records a finished run and its quota changes in one transaction; returns the run id.
+    /// A run whose `run_uid` is already recorded is not recorded again (a buffered record
+    /// retried after its first insert committed unacknowledged): its id is returned.
     pub async fn record_run(
         &self,
         run: &RunRecord,
@@ -379,9 +386,18 @@ impl Store {
     ) -> Result<i64, StoreError> {
         on_pool!(self, pool => {
             let mut tx = pool.begin().await?;
+            if let Some(uid) = &run.run_uid {
+                let known: Option<(i64,)> = sqlx::query_as("SELECT id FROM runs WHERE run_uid = $1")
+                    .bind(uid)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+                if let Some((id,)) = known {
+                    return Ok(id);
+                }
+            }
             let (id,): (i64,) = sqlx::query_as(
-                "INSERT INTO runs (trigger, started_at, finished_at, status, commit_sha, version_pushed, services, summary, error) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) RETURNING id",
+                "INSERT INTO runs (trigger, started_at, finished_at, status, commit_sha, version_pushed, services, summary, error, run_uid) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) RETURNING id",
             )
             .bind(&run.trigger)
             .bind(run.started_at)
@@ -392,6 +408,7 @@ impl Store {
             .bind(&run.services)
             .bind(&run.summary)
             .bind(&run.error)
+            .bind(&run.run_uid)
             .fetch_one(&mut *tx)
             .await?;
             for q in quotas {
@@ -421,11 +438,33 @@ impl Store {
     /// The most recent runs, newest first.
     pub async fn recent_runs(&self, limit: i64) -> Result<Vec<RunRecord>, StoreError> {
         on_pool!(self, pool => Ok(sqlx::query_as::<_, RunRecord>(
-            "SELECT id, trigger, started_at, finished_at, status, commit_sha, version_pushed, services, summary, error \
+            "SELECT id, trigger, started_at, finished_at, status, commit_sha, version_pushed, services, summary, error, run_uid \
              FROM runs ORDER BY id DESC LIMIT $1",
         )
         .bind(limit)
         .fetch_all(pool)
+        .await?))
+    }
+
+    /// The run recorded with `run_uid`, if any.
+    pub async fn run_by_uid(&self, run_uid: &str) -> Result<Option<RunRecord>, StoreError> {
+        on_pool!(self, pool => Ok(sqlx::query_as::<_, RunRecord>(
+            "SELECT id, trigger, started_at, finished_at, status, commit_sha, version_pushed, services, summary, error, run_uid \
+             FROM runs WHERE run_uid = $1",
+        )
+        .bind(run_uid)
+        .fetch_optional(pool)
+        .await?))
+    }
+
+    /// The run with the store's `id`, if any.
+    pub async fn run_by_id(&self, id: i64) -> Result<Option<RunRecord>, StoreError> {
+        on_pool!(self, pool => Ok(sqlx::query_as::<_, RunRecord>(
+            "SELECT id, trigger, started_at, finished_at, status, commit_sha, version_pushed, services, summary, error, run_uid \
+             FROM runs WHERE id = $1",
+        )
+        .bind(id)
+        .fetch_optional(pool)
         .await?))
     }
 

@@ -1043,9 +1043,16 @@ pub struct ServerConfig {
     /// Listen address, e.g. `127.0.0.1:8080`.
     #[serde(default = "default_listen")]
     pub listen: String,
-    /// Environment variable holding the token for mutating endpoints.
+    /// Environment variable holding the write token: mutating endpoints (`POST /v1/runs`)
+    /// need `Authorization: Bearer <write token>`; without it they are refused.
     #[serde(default = "default_server_token_env")]
     pub token_env: String,
+    /// Environment variable holding the read token. When it is set (and the variable is not
+    /// empty), the read endpoints (`GET /`, `GET /v1/...`) need `Authorization: Bearer <read
+    /// or write token>`; when absent they are open. `/healthz`, `/metrics` and
+    /// `/openapi.json` stay open either way.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_token_env: Option<String>,
     /// Serve HTTPS (plain HTTP when absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls: Option<ServerTlsConfig>,

@@ -11,4 +11,5 @@ pub mod plugin;
 pub mod postgres;
 pub mod process;
 pub mod prometheus;
+pub mod schemathesis;
 pub mod tls;

@@ -25,6 +25,9 @@ const PACKAGES: &[(&str, &str)] = &[
     ("redis-server", "redis-server"),
     ("git", "git"),
     ("chromium", "chromium"),
+    // schemathesis (PyPI) runs in a venv of Debian's Python (test_support::schemathesis).
+    ("python3", "/usr/bin/python3"),
+    ("python3-venv", "python3-venv"),
 ];
 
 fn main() -> ExitCode {
@@ -279,6 +282,14 @@ fn is_root() -> bool {
 fn have(bin: &str) -> bool {
     if bin == "initdb" {
         return postgres_bin_dir().is_ok();
+    }
+    if bin == "python3-venv" {
+        // A module, not a binary: Debian's python3 without it cannot make a venv with pip.
+        return Command::new("/usr/bin/python3")
+            .args(["-c", "import ensurepip, venv"])
+            .output()
+            .map(|o| o.status.success())
+            .unwrap_or(false);
     }
     Command::new("sh")
         .args(["-c", &format!("command -v {bin}")])

@@ -404,7 +404,7 @@ fn run_summary_names_mode_and_scope_changes() {
         },
     )]
     .into();
-    let mut out = RunOutcome::new("once");
+    let mut out = RunOutcome::new("once", "test-run");
     out.git = Some("committed".into());
     out.summary = summary::diff(
         &before,

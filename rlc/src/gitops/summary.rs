@@ -14,7 +14,7 @@ use crate::promotion::PromotionNote;
 pub const FORGE_BODY_LIMIT: usize = 65_535;
 
 /// How one bucket changed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ChangeKind {
     /// New bucket.
@@ -44,7 +44,7 @@ impl ChangeKind {
 }
 
 /// One changed bucket.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, schemars::JsonSchema)]
 pub struct BucketChange {
     /// Bucket name.
     pub bucket: String,
@@ -107,7 +107,7 @@ impl BucketChange {
 }
 
 /// The changed buckets of one service.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, schemars::JsonSchema)]
 pub struct ServiceChange {
     /// Callee service.
     pub service: String,
@@ -116,7 +116,7 @@ pub struct ServiceChange {
 }
 
 /// Every change of one run, by service.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, schemars::JsonSchema)]
 pub struct ChangeSummary {
     /// Services with at least one changed bucket, sorted.
     pub services: Vec<ServiceChange>,

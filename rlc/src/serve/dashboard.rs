@@ -1,18 +1,21 @@
 //! The shadow-mode dashboard of `rlc serve`: what new or risky quotas would do before they are
-//! enforced. Read-only, so no token: `GET /v1/shadow` and `GET /v1/runs` answer JSON, `GET /`
+//! enforced. Read-only (open, or the read token when one is configured: [`super::auth`]):
+//! `GET /v1/shadow` and `GET /v1/runs` answer JSON, `GET /`
 //! renders the same data as one HTML page (no script, no external asset, every value escaped:
 //! service and bucket names come from config repos that many people edit).
 
 use std::fmt::Write;
 
-use axum::extract::{Query, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{Html, IntoResponse, Response};
 use axum::Json;
 use chrono::{DateTime, Utc};
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
-use serde_json::json;
 
+use super::limits::Query;
+use super::problem::CompatProblem;
 use super::AppState;
 use crate::store::{BucketShadowSummary, RunRecord, Store};
 
@@ -35,11 +38,20 @@ const MAX_SERVICES: i64 = 200;
 /// Windows offered by the HTML filter.
 const WINDOWS: &[&str] = &["15m", "1h", "6h", "24h", "7d", "30d"];
 
+/// The windows [`parse_window`] accepts, as a regular expression for the API document: a
+/// number without sign or leading zero and a unit, 1 s to 30 d (or empty: the default).
+pub const WINDOW_PATTERN: &str = "^(|([1-9][0-9]{0,5}|1[0-9]{6}|2[0-4][0-9]{5}|25[0-8][0-9]{4}|259[01][0-9]{3}|2592000)s|([1-9][0-9]{0,3}|[1-3][0-9]{4}|4[0-2][0-9]{3}|43[01][0-9]{2}|43200)m|([1-9][0-9]?|[1-6][0-9]{2}|7[01][0-9]|720)h|([1-9]|[12][0-9]|30)d)$";
+
 /// Parses a window such as `90s`, `15m`, `1h` or `7d` (1 s to 30 days).
 pub fn parse_window(s: &str) -> Result<chrono::Duration, String> {
     let bad = || format!("window `{s}`: expected a number followed by s, m, h or d (e.g. 1h)");
     let unit = s.chars().last().ok_or_else(bad)?;
-    let n: i64 = s[..s.len() - unit.len_utf8()].parse().map_err(|_| bad())?;
+    let digits = &s[..s.len() - unit.len_utf8()];
+    // Digits only, no sign, no leading zero: what WINDOW_PATTERN says.
+    if digits.is_empty() || digits.starts_with('0') || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad());
+    }
+    let n: i64 = digits.parse().map_err(|_| bad())?;
     let secs = match unit {
         's' => Some(n),
         'm' => n.checked_mul(60),
@@ -55,18 +67,20 @@ pub fn parse_window(s: &str) -> Result<chrono::Duration, String> {
 }
 
 /// Query string of `GET /v1/shadow` and `GET /`.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 pub struct ShadowQuery {
     /// Only this callee service (empty: all).
     pub service: Option<String>,
-    /// How far back, e.g. `1h` (default) or `7d`.
+    /// How far back, e.g. `1h` (default) or `7d`: a number and a unit (s, m, h, d), 1 s to
+    /// 30 d.
+    #[schemars(regex(path = "WINDOW_PATTERN"))]
     pub window: Option<String>,
     /// Most buckets returned (default and maximum 500).
     pub limit: Option<i64>,
 }
 
 /// One bucket of `GET /v1/shadow`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, JsonSchema)]
 pub struct BucketView {
     /// The stored aggregate.
     #[serde(flatten)]
@@ -100,7 +114,7 @@ pub struct BucketView {
 /// `offered`, `admitted`, `dropped` and `shadow_dropped` are sums of per-report rates (requests
 /// when ticks are 1 s). Errors: 400 `{"error"}` for a bad window, 503 without a store, 500 when
 /// the store query fails (details only in the log).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, JsonSchema)]
 pub struct ShadowSummary {
     /// The service filter, if any.
     pub service: Option<String>,
@@ -148,7 +162,18 @@ impl DashError {
 
 impl IntoResponse for DashError {
     fn into_response(self) -> Response {
-        (self.status(), Json(json!({"error": self.message()}))).into_response()
+        CompatProblem::new(self.status(), self.message()).into_response()
+    }
+}
+
+impl aide::OperationOutput for DashError {
+    type Inner = CompatProblem;
+
+    fn operation_response(
+        ctx: &mut aide::generate::GenContext,
+        operation: &mut aide::openapi::Operation,
+    ) -> Option<aide::openapi::Response> {
+        <CompatProblem as aide::OperationOutput>::operation_response(ctx, operation)
     }
 }
 
@@ -216,7 +241,7 @@ pub(super) async fn shadow_json(
 }
 
 /// Query string of `GET /v1/runs`.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 pub struct RunsQuery {
     /// How many runs, newest first (default 20, at most 200).
     pub limit: Option<i64>,
@@ -224,30 +249,76 @@ pub struct RunsQuery {
 
 /// A run as `GET /v1/runs` shows it: the stored record with `services` as JSON instead of
 /// JSON text.
-fn run_json(r: &RunRecord) -> serde_json::Value {
-    let mut v = serde_json::to_value(r).unwrap_or_default();
-    if let Ok(services) = serde_json::from_str::<serde_json::Value>(&r.services) {
-        v["services"] = services;
+#[derive(Debug, Clone, Serialize, JsonSchema)]
+pub struct RunView {
+    /// The store's id.
+    pub id: i64,
+    /// schedule | inputs-changed | api | once.
+    pub trigger: String,
+    /// Start.
+    pub started_at: DateTime<Utc>,
+    /// End.
+    pub finished_at: DateTime<Utc>,
+    /// success | unchanged | pending | held | failed.
+    pub status: String,
+    /// The commit made (or the PR branch tip), if any.
+    pub commit_sha: Option<String>,
+    /// The version the controller confirmed, if any.
+    pub version_pushed: Option<String>,
+    /// Per-service outcome (`[{"service", "outcome", ...}]`).
+    pub services: serde_json::Value,
+    /// The human-readable summary.
+    pub summary: String,
+    /// Why it failed, if it did.
+    pub error: Option<String>,
+    /// The id given out when the run was asked for or started (`GET /v1/runs/{run_uid}`);
+    /// null for runs recorded before run ids.
+    pub run_uid: Option<String>,
+}
+
+impl From<&RunRecord> for RunView {
+    fn from(r: &RunRecord) -> RunView {
+        RunView {
+            id: r.id,
+            trigger: r.trigger.clone(),
+            started_at: r.started_at,
+            finished_at: r.finished_at,
+            status: r.status.clone(),
+            commit_sha: r.commit_sha.clone(),
+            version_pushed: r.version_pushed.clone(),
+            // Stored as JSON text; shown as JSON (the text itself if it is not JSON).
+            services: serde_json::from_str(&r.services)
+                .unwrap_or_else(|_| serde_json::Value::String(r.services.clone())),
+            summary: r.summary.clone(),
+            error: r.error.clone(),
+            run_uid: r.run_uid.clone(),
+        }
     }
-    v
+}
+
+/// The answer of `GET /v1/runs`.
+#[derive(Debug, Clone, Serialize, JsonSchema)]
+pub struct RunsPage {
+    /// Newest first.
+    pub runs: Vec<RunView>,
 }
 
 /// `GET /v1/runs?limit=N`: `{"runs": [{"id", "trigger", "started_at", "finished_at",
-/// "status", "commit_sha", "version_pushed", "services": [...], "summary", "error"}]}`,
-/// newest first. 503 without a store.
+/// "status", "commit_sha", "version_pushed", "services": [...], "summary", "error",
+/// "run_uid"}]}`, newest first. 503 without a store.
 pub(super) async fn runs_json(
     State(s): State<AppState>,
     Query(q): Query<RunsQuery>,
-) -> Result<Json<serde_json::Value>, DashError> {
+) -> Result<Json<RunsPage>, DashError> {
     let store = s.store().ok_or(DashError::NoStore)?;
     let limit = q.limit.unwrap_or(DEFAULT_RUNS).clamp(1, MAX_RUNS);
     let runs = store
         .recent_runs(limit)
         .await
         .map_err(|e| store_failed("/v1/runs", e))?;
-    Ok(Json(
-        json!({"runs": runs.iter().map(run_json).collect::<Vec<_>>()}),
-    ))
+    Ok(Json(RunsPage {
+        runs: runs.iter().map(RunView::from).collect(),
+    }))
 }
 
 /// `GET /?service=S&window=1h`: the HTML dashboard.

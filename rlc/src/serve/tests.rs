@@ -1,7 +1,9 @@
 use std::future::IntoFuture;
 
 use axum::extract::Query;
+use axum::Json;
 use chrono::{TimeZone, Utc};
+use serde_json::json;
 
 use super::*;
 use crate::cycle::tests::config;
@@ -110,7 +112,7 @@ async fn daemon_runs_on_request_and_on_input_change_and_shuts_down() {
         .unwrap();
     assert_eq!(r.status(), 401);
     // Until the scheduler has taken the lead, manual runs get 409: retry (bounded).
-    let mut status = 0;
+    let mut answer = None;
     for _ in 0..200 {
         let r = http
             .post(format!("{url}/v1/runs"))
@@ -118,16 +120,61 @@ async fn daemon_runs_on_request_and_on_input_change_and_shuts_down() {
             .send()
             .await
             .unwrap();
-        status = r.status().as_u16();
-        if status != 409 {
+        if r.status() != 409 {
+            answer = Some(r);
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(status, 202);
+    let r = answer.expect("the daemon took the lead");
+    assert_eq!(r.status(), 202);
+    let location = r.headers()["location"].to_str().unwrap().to_string();
+    let queued: serde_json::Value = r.json().await.unwrap();
+    let run_uid = queued["run_uid"].as_str().unwrap().to_string();
+    assert_eq!(run_uid.len(), 32, "{queued}");
+    assert_eq!(location, format!("/v1/runs/{run_uid}"));
+    assert_eq!(queued["location"], location.as_str());
+    assert_eq!(queued["queued"], true);
     let out = state.wait_runs(1).await;
     assert_eq!(out.trigger, "api");
     assert_eq!(out.status, RunStatus::Success, "{out}");
+    // The run the POST queued is the one that ran, and its Location says so (from memory
+    // and, by its store id, from the store).
+    assert_eq!(out.run_uid, run_uid);
+    let v: serde_json::Value = http
+        .get(format!("{url}{location}"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["state"], "finished", "{v}");
+    assert_eq!(v["status"], "success", "{v}");
+    assert_eq!(
+        v["outcome"]["commit"],
+        out.commit.as_deref().unwrap(),
+        "{v}"
+    );
+    let store_id = v["id"].as_i64().expect("recorded");
+    assert_eq!(Some(store_id), out.run_id);
+    assert_eq!(v["record"]["run_uid"], run_uid.as_str(), "{v}");
+    let by_id: serde_json::Value = http
+        .get(format!("{url}/v1/runs/{store_id}"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(by_id["run_uid"], run_uid.as_str(), "{by_id}");
+    let r = http
+        .get(format!("{url}/v1/runs/ffffffffffffffffffffffffffffffff"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    assert_eq!(r.headers()["content-type"], "application/problem+json");
     let head = remote.head("main").unwrap();
     assert_eq!(out.commit.as_deref(), Some(head.as_str()));
     assert_eq!(fake.version.lock().unwrap().as_deref(), Some(head.as_str()));
@@ -235,4 +282,342 @@ async fn report_buffer_keeps_reports_until_stored() {
         Some("3")
     );
     assert_eq!(store.reports(None, 10).await.unwrap().len(), 3);
+}
+
+/// `POST /v1/runs` answers the id of the run it queued; `GET /v1/runs/{id}` follows it from
+/// queued to running to finished, and a request while one is queued joins that one.
+#[tokio::test]
+async fn run_ids_follow_a_run_from_queued_to_finished() {
+    let remote = seeded_remote();
+    let fake = Fake::default();
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let ctl_url = format!("http://{}", l.local_addr().unwrap());
+    let ctl_app = controller_app(fake.clone()).route("/v1/reports", axum::routing::get(reports));
+    tokio::spawn(axum::serve(l, ctl_app).into_future());
+    let cfg = config(&remote, &ctl_url, "");
+    let base = remote.scratch("");
+    // Each planner call waits for one permit: the test decides when a run may finish.
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let g = gate.clone();
+    let planner: Planner = Arc::new(move |_input: crate::cycle::PlanInput| {
+        let g = g.clone();
+        Box::pin(async move {
+            g.acquire().await.unwrap().forget();
+            Ok(plan(vec![planned("payments", "gw", 250.0)]))
+        })
+    });
+    let (tx, rx) = mpsc::channel(1);
+    let state = AppState::new(Some("api-token".into()), tx);
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let opts = ServeOptions {
+        poll: Duration::from_secs(3600),
+        tls: None,
+    };
+    let daemon = {
+        let state = state.clone();
+        tokio::spawn(async move {
+            serve_on(listener, cfg, &base, planner, opts, state, rx, stop_rx).await
+        })
+    };
+    let http = reqwest::Client::new();
+    let post = || async {
+        for _ in 0..200 {
+            let r = http
+                .post(format!("{url}/v1/runs"))
+                .bearer_auth("api-token")
+                .send()
+                .await
+                .unwrap();
+            if r.status() != 409 {
+                assert_eq!(r.status(), 202);
+                return r.json::<serde_json::Value>().await.unwrap();
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("the daemon never took the lead");
+    };
+    let state_of = |uid: String| {
+        let http = http.clone();
+        let url = url.clone();
+        async move {
+            http.get(format!("{url}/v1/runs/{uid}"))
+                .send()
+                .await
+                .unwrap()
+                .json::<serde_json::Value>()
+                .await
+                .unwrap()
+        }
+    };
+    let wait_state = |uid: String, want: &'static str| async move {
+        for _ in 0..500 {
+            let v = state_of(uid.clone()).await;
+            if v["state"] == want {
+                return v;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("run {uid} never {want}");
+    };
+
+    let first = post().await;
+    let a = first["run_uid"].as_str().unwrap().to_string();
+    assert_eq!(first.get("coalesced"), None, "{first}");
+    let v = wait_state(a.clone(), "running").await;
+    assert_eq!(v["trigger"], "api", "{v}");
+    assert!(v["started_at"].is_string(), "{v}");
+    // While A runs, a request queues B; the next one joins B.
+    let second = post().await;
+    let b = second["run_uid"].as_str().unwrap().to_string();
+    assert_ne!(a, b);
+    let v = state_of(b.clone()).await;
+    assert_eq!(v["state"], "queued", "{v}");
+    let third = post().await;
+    assert_eq!(third["run_uid"], b.as_str(), "{third}");
+    assert_eq!(third["coalesced"], true, "{third}");
+
+    gate.add_permits(1);
+    let v = wait_state(a.clone(), "finished").await;
+    assert_eq!(v["status"], "success", "{v}");
+    assert_eq!(v["outcome"]["run_uid"], a.as_str(), "{v}");
+    let v = wait_state(b.clone(), "running").await;
+    assert_eq!(v["run_uid"], b.as_str());
+    gate.add_permits(1);
+    let v = wait_state(b.clone(), "finished").await;
+    // Same plan again: nothing left to change.
+    assert_eq!(v["status"], "unchanged", "{v}");
+    assert_eq!(state.wait_runs(2).await.run_uid, b);
+    // Both are in the store with their ids.
+    let runs: serde_json::Value = http
+        .get(format!("{url}/v1/runs"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let uids: Vec<&str> = runs["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["run_uid"].as_str().unwrap())
+        .collect();
+    assert_eq!(uids, [b.as_str(), a.as_str()], "{runs}");
+
+    stop_tx.send(true).unwrap();
+    daemon.await.unwrap().unwrap();
+}
+
+async fn spawn(router: Router) -> String {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(axum::serve(l, router).into_future());
+    url
+}
+
+/// With a read token configured the read endpoints need it (or the write token); the
+/// mutating ones need the write token (403 for the read token); probes, metrics and the
+/// document stay open. Body bounds answer before anything runs.
+#[tokio::test]
+async fn read_and_write_tokens_over_http() {
+    let state = AppState::with_tokens(
+        Tokens {
+            write: Some("write-token-0123456789".into()),
+            read: Some("read-token-0123456789".into()),
+        },
+        mpsc::channel(1).0,
+    );
+    let url = spawn(app(state)).await;
+    let http = reqwest::Client::new();
+    let get = |path: &str, token: Option<&str>| {
+        let mut r = http.get(format!("{url}{path}"));
+        if let Some(t) = token {
+            r = r.bearer_auth(t);
+        }
+        r.send()
+    };
+    for open in ["/healthz", "/metrics", "/openapi.json"] {
+        assert_eq!(get(open, None).await.unwrap().status(), 200, "{open}");
+    }
+    let r = get("/v1/runs/last", None).await.unwrap();
+    assert_eq!(r.status(), 401);
+    assert_eq!(r.headers()["www-authenticate"], r#"Bearer realm="rlc""#);
+    assert_eq!(r.headers()["content-type"], "application/problem+json");
+    let p: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(p["status"], 401, "{p}");
+    assert_eq!(p["error"], p["detail"], "{p}");
+    let r = get("/v1/shadow", Some("wrong")).await.unwrap();
+    assert_eq!(r.status(), 401);
+    assert_eq!(
+        r.headers()["www-authenticate"],
+        r#"Bearer realm="rlc", error="invalid_token""#
+    );
+    // Read or write token: through to the handler (no run yet, no store yet).
+    for t in ["read-token-0123456789", "write-token-0123456789"] {
+        assert_eq!(get("/v1/runs/last", Some(t)).await.unwrap().status(), 404);
+        assert_eq!(get("/v1/shadow", Some(t)).await.unwrap().status(), 503);
+        assert_eq!(get("/", Some(t)).await.unwrap().status(), 503);
+    }
+    assert_eq!(get("/", None).await.unwrap().status(), 401);
+
+    let post = |token: &str, body: Option<(&str, Vec<u8>)>| {
+        let mut r = http.post(format!("{url}/v1/runs")).bearer_auth(token);
+        if let Some((ct, b)) = body {
+            r = r.header("content-type", ct).body(b);
+        }
+        r.send()
+    };
+    let status = |r: reqwest::Response| r.status().as_u16();
+    assert_eq!(
+        status(post("read-token-0123456789", None).await.unwrap()),
+        403
+    );
+    assert_eq!(status(post("nope", None).await.unwrap()), 401);
+    let w = "write-token-0123456789";
+    // Authorised but not the scheduler (no scheduler runs here): 409, body or not.
+    assert_eq!(status(post(w, None).await.unwrap()), 409);
+    assert_eq!(
+        status(
+            post(w, Some(("application/json", b"{}".to_vec())))
+                .await
+                .unwrap()
+        ),
+        409
+    );
+    assert_eq!(
+        status(post(w, Some(("text/plain", b"{}".to_vec()))).await.unwrap()),
+        415
+    );
+    let r = post(w, Some(("application/json", br#"{"when": 1}"#.to_vec())))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 422);
+    let p: serde_json::Value = r.json().await.unwrap();
+    assert!(p["detail"].as_str().unwrap().contains("when"), "{p}");
+    assert_eq!(
+        status(
+            post(w, Some(("application/json", b"{".to_vec())))
+                .await
+                .unwrap()
+        ),
+        400
+    );
+    // An array is not the object the body must be (schemathesis found serde taking `[]`).
+    assert_eq!(
+        status(
+            post(w, Some(("application/json", b"[]".to_vec())))
+                .await
+                .unwrap()
+        ),
+        422
+    );
+    let big = format!("{{\"x\": \"{}\"}}", "a".repeat(5000)).into_bytes();
+    assert_eq!(
+        status(
+            post(w, Some(("application/json", big.clone())))
+                .await
+                .unwrap()
+        ),
+        413
+    );
+    // Without the write token the body is never looked at.
+    assert_eq!(
+        status(
+            post("read-token-0123456789", Some(("application/json", big)))
+                .await
+                .unwrap()
+        ),
+        403
+    );
+}
+
+/// The concurrency bound answers 429 with `Retry-After` while `max` requests are in flight,
+/// and lets requests through again once they are done.
+#[tokio::test]
+async fn concurrency_limit_answers_429_with_retry_after() {
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let entered = Arc::new(AtomicU64::new(0));
+    let (g, e) = (gate.clone(), entered.clone());
+    let slow = axum::routing::get(move || {
+        let (g, e) = (g.clone(), e.clone());
+        async move {
+            e.fetch_add(1, Ordering::SeqCst);
+            g.acquire().await.unwrap().forget();
+            "done"
+        }
+    });
+    let router = Router::new()
+        .route("/slow", slow)
+        .route_layer(limits::ConcurrencyLimit::new(2, 3));
+    let url = spawn(router).await;
+    let http = reqwest::Client::new();
+    let in_flight: Vec<_> = (0..2)
+        .map(|_| tokio::spawn(http.get(format!("{url}/slow")).send()))
+        .collect();
+    // Both hold their permit (bounded wait), so a third is refused at once.
+    for _ in 0..1000 {
+        if entered.load(Ordering::SeqCst) == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(entered.load(Ordering::SeqCst), 2);
+    let r = http.get(format!("{url}/slow")).send().await.unwrap();
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["retry-after"], "3");
+    assert_eq!(r.headers()["content-type"], "application/problem+json");
+    let p: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(p["status"], 429);
+    // The refused request never reached the handler.
+    assert_eq!(entered.load(Ordering::SeqCst), 2);
+    gate.add_permits(2);
+    for f in in_flight {
+        assert_eq!(f.await.unwrap().unwrap().status(), 200);
+    }
+    // The permits are back: the next request goes through.
+    gate.add_permits(1);
+    assert_eq!(
+        http.get(format!("{url}/slow"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    assert_eq!(entered.load(Ordering::SeqCst), 3);
+}
+
+/// `docs/openapi.json` is what the code generates.
+#[test]
+fn committed_openapi_document_is_current() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/openapi.json");
+    let committed = std::fs::read_to_string(&path).unwrap_or_default();
+    let generated = openapi::document_json();
+    assert!(
+        committed == generated,
+        "{} is stale: regenerate it with `cargo run -p rlc -- openapi > docs/openapi.json`",
+        path.display()
+    );
+    // Every endpoint is in it, with its methods.
+    let doc: serde_json::Value = serde_json::from_str(&generated).unwrap();
+    assert_eq!(doc["openapi"], "3.1.0");
+    for (path, method) in [
+        ("/", "get"),
+        ("/healthz", "get"),
+        ("/metrics", "get"),
+        ("/openapi.json", "get"),
+        ("/v1/shadow", "get"),
+        ("/v1/runs", "get"),
+        ("/v1/runs", "post"),
+        ("/v1/runs/last", "get"),
+        ("/v1/runs/{id}", "get"),
+    ] {
+        assert!(doc["paths"][path][method].is_object(), "{method} {path}");
+    }
+    assert_eq!(
+        doc["components"]["securitySchemes"]["bearer"]["scheme"],
+        "bearer"
+    );
 }

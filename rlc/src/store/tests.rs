@@ -17,6 +17,7 @@ fn run(trigger: &str, status: &str, minute: u32) -> RunRecord {
         services: r#"[{"service":"payments","outcome":"committed"}]"#.into(),
         summary: "raised 1".into(),
         error: None,
+        run_uid: None,
     }
 }
 
@@ -53,8 +54,21 @@ async fn check_store(store: Store) {
     let mut failed = run("schedule", "failed", 5);
     failed.error = Some("remote rejected".into());
     failed.commit_sha = None;
+    failed.run_uid = Some("0123456789abcdef0123456789abcdef".into());
     let id2 = store.record_run(&failed, &[]).await.unwrap();
     assert!(id2 > id1);
+    // A run is found by the id given out before it ran, and by the store's id.
+    let by_uid = store
+        .run_by_uid("0123456789abcdef0123456789abcdef")
+        .await
+        .unwrap()
+        .expect("found by run_uid");
+    assert_eq!((by_uid.id, by_uid.status.as_str()), (id2, "failed"));
+    assert_eq!(store.run_by_id(id1).await.unwrap().unwrap().run_uid, None);
+    assert_eq!(store.run_by_uid("nope").await.unwrap(), None);
+    assert_eq!(store.run_by_id(id2 + 100).await.unwrap(), None);
+    // One record per run: recording it again (a retried buffered record) returns its id.
+    assert_eq!(store.record_run(&failed, &[]).await.unwrap(), id2);
     store
         .record_run(&run("api", "success", 10), &[quota(150.0, Some(100.0))])
         .await

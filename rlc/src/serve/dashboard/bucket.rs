@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{Html, IntoResponse, Response};
 use axum::Json;
@@ -14,6 +14,7 @@ use chrono::{DateTime, Duration, Utc};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use super::super::limits::{Path, Query};
 use super::{
     encode_query_value, escape_html, parse_window, percent, rate, store_failed, when, DashError,
     CSS, DEFAULT_WINDOW,
@@ -32,10 +33,20 @@ const MAX_CHANGES: i64 = 50;
 const WINDOWS: &[&str] = &["15m", "1h", "6h", "24h", "7d", "30d"];
 
 /// Query string of the bucket page and its JSON twin.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 pub struct BucketQuery {
-    /// How far back, `15m` to `30d` (default `1h`).
+    /// How far back, `15m` to `30d` (default `1h`): a number and a unit (s, m, h, d).
+    #[schemars(regex(path = "super::WINDOW_PATTERN"))]
     pub window: Option<String>,
+}
+
+/// Path of the bucket page and its JSON twin.
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct BucketPath {
+    /// Callee service.
+    pub service: String,
+    /// Bucket name.
+    pub bucket: String,
 }
 
 /// One point of a series: a step of `step_secs` starting at `t`. Every value is `null` when no
@@ -67,14 +78,12 @@ pub struct Series {
 #[derive(Debug, Clone, Serialize, JsonSchema)]
 pub struct Readiness {
     /// The figures (see `crate::readiness::ShadowStats`).
-    #[schemars(with = "serde_json::Value")]
     pub stats: ShadowStats,
     /// Days in shadow at the window's end.
     pub days_in_shadow: f64,
     /// Virtual drops ÷ offered over the window.
     pub virtual_drop_share: f64,
     /// The verdict with the default promotion rule.
-    #[schemars(with = "serde_json::Value")]
     pub verdict: Verdict,
     /// The verdict in words.
     pub verdict_text: String,
@@ -230,7 +239,7 @@ fn window_of(q: BucketQuery) -> String {
 /// 404 when the store holds no report of the bucket, 503 without a store.
 pub(in crate::serve) async fn bucket_json(
     State(s): State<AppState>,
-    Path((service, bucket)): Path<(String, String)>,
+    Path(BucketPath { service, bucket }): Path<BucketPath>,
     Query(q): Query<BucketQuery>,
 ) -> Result<Json<BucketDetail>, DashError> {
     let window = window_of(q);
@@ -247,7 +256,7 @@ pub(in crate::serve) async fn bucket_json(
 /// `GET /buckets/{service}/{bucket}?window=1h`: the HTML page.
 pub(in crate::serve) async fn bucket_page(
     State(s): State<AppState>,
-    Path((service, bucket)): Path<(String, String)>,
+    Path(BucketPath { service, bucket }): Path<BucketPath>,
     Query(q): Query<BucketQuery>,
 ) -> Response {
     let window = window_of(q);

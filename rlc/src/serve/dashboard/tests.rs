@@ -42,6 +42,7 @@ fn run(status: &str, minute: u32, commit: Option<&str>, error: Option<&str>) -> 
         services: r#"[{"service":"payments","outcome":"committed"}]"#.into(),
         summary: format!("payments: raised 1 bucket ({status})\nsecond line"),
         error: error.map(Into::into),
+        run_uid: None,
     }
 }
 
@@ -201,6 +202,20 @@ fn windows() {
     assert_eq!(secs("1h"), Ok(3_600));
     assert_eq!(secs("30d"), Ok(30 * 86_400));
     for bad in ["", "1", "1w", "1.5h", "99999999999999999d", "é"] {
+        assert!(parse_window(bad).is_err(), "{bad}");
+    }
+    // The bounds WINDOW_PATTERN (the API document) encodes, and the forms it refuses.
+    for (ok, bad) in [
+        ("2592000s", "2592001s"),
+        ("43200m", "43201m"),
+        ("720h", "721h"),
+        ("30d", "31d"),
+        ("1s", "0s"),
+        ("1h", "01h"),
+        ("5m", "+5m"),
+        ("9d", " 9d"),
+    ] {
+        assert!(parse_window(ok).is_ok(), "{ok}");
         assert!(parse_window(bad).is_err(), "{bad}");
     }
 }
