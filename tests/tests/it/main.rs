@@ -9,6 +9,8 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use test_support::git::GitRemote;
+
+mod deploy;
 use test_support::process::{free_port, Proc};
 
 const TOKEN: &str = "e2e-token-0123456789";
