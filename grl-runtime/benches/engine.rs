@@ -72,7 +72,75 @@ fn bench(c: &mut Criterion) {
     g.bench_function("ingest_one_zone_report", |b| {
         b.iter(|| e.ingest(black_box(&reports[0]), 0))
     });
+    // GET /metrics: every bucket's counters per zone, ratios, limits and info, encoded by
+    // prometheus-client under the engine lock.
+    let engine = std::sync::Arc::new(std::sync::Mutex::new(e));
+    let mut registry = prometheus_client::registry::Registry::default();
+    registry.register_collector(Box::new(grl_runtime::metrics::EngineCollector::new(
+        engine.clone(),
+    )));
+    let text = grl_runtime::metrics::encode(&registry);
+    eprintln!(
+        "metrics text: {} bytes, {} lines",
+        text.len(),
+        text.lines().count()
+    );
+    g.bench_function("metrics_render", |b| {
+        b.iter(|| black_box(grl_runtime::metrics::encode(&registry)))
+    });
+    g.bench_function("metrics_render_baseline_format", |b| {
+        b.iter(|| black_box(baseline_render(&engine.lock().unwrap())))
+    });
     g.finish();
+}
+
+/// The baseline: the hand-formatted text the controller wrote before the registry crate
+/// (the same counters and ratios, with `mode` on every series; no limit or info series).
+fn baseline_render(e: &Engine) -> String {
+    use std::fmt::Write as _;
+    fn esc(v: &str) -> String {
+        v.replace('\\', "\\\\")
+            .replace('"', "\\\"")
+            .replace('\n', "\\n")
+    }
+    let mut out = String::new();
+    let names = [
+        "grl_requests_offered_total",
+        "grl_requests_admitted_total",
+        "grl_requests_dropped_total",
+        "grl_requests_shadow_dropped_total",
+    ];
+    let label = |b: &grl_runtime::engine::BucketState, zone: &str| -> String {
+        format!(
+            "service=\"{}\",bucket=\"{}\",caller=\"{}\",procedure=\"{}\",mode=\"{}\",zone=\"{}\"",
+            esc(&b.service),
+            esc(&b.bucket.name),
+            esc(b.bucket.caller.as_deref().unwrap_or("")),
+            esc(b.bucket.procedure.as_deref().unwrap_or("")),
+            b.bucket.mode.as_str(),
+            esc(zone)
+        )
+    };
+    for (i, name) in names.iter().enumerate() {
+        let _ = writeln!(out, "# TYPE {name} counter");
+        for (b, zone, t) in e.totals() {
+            let _ = writeln!(out, "{name}{{{}}} {}", label(b, zone), t[i]);
+        }
+    }
+    let _ = writeln!(out, "# TYPE grl_drop_ratio gauge");
+    for b in e.buckets() {
+        for k in &b.keys {
+            let zone = k.scope_key.strip_prefix("zone:").unwrap_or("");
+            let _ = writeln!(
+                out,
+                "grl_drop_ratio{{{},scope_key=\"{}\"}} {}",
+                label(b, zone),
+                esc(&k.scope_key),
+                k.ratio
+            );
+        }
+    }
+    out
 }
 
 criterion_group!(benches, bench);

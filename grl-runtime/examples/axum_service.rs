@@ -38,6 +38,9 @@ async fn main() -> anyhow::Result<()> {
         path("GRL_TLS_CLIENT_KEY"),
     )?;
     let client = GrlClient::start(opts);
+    // The client's series (fail-open, failovers, age of the drop ratios) on this service's
+    // own /metrics, outside the limiter.
+    let registry = std::sync::Arc::new(client.registry());
     let app = Router::new()
         .route("/charge", get(|| async { "charged\n" }))
         .route("/refund", get(|| async { "refunded\n" }))
@@ -46,6 +49,13 @@ async fn main() -> anyhow::Result<()> {
                 .caller_from(KeyFrom::Header(http::HeaderName::from_static("x-caller")))
                 .procedure_from(KeyFrom::PathSegment(0))
                 .retry_after_secs(1),
+        )
+        .route(
+            "/metrics",
+            get(move || {
+                let r = registry.clone();
+                async move { grl_runtime::metrics::response(&r) }
+            }),
         );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
     tracing::info!(addr = %listener.local_addr()?, "serving");

@@ -106,13 +106,113 @@ struct AggState {
 struct Shared {
     opts: AggregatorOptions,
     id: String,
-    state: Mutex<AggState>,
+    state: Arc<Mutex<AggState>>,
     all_in: Notify,
     http: reqwest::Client,
     creds: CredentialSet,
     refused: RefusalCounts,
     refused_log: LogGate,
-    accepted: std::sync::atomic::AtomicU64,
+    metrics: AggMetrics,
+    registry: prometheus_client::registry::Registry,
+}
+
+/// The aggregator's own counters (the per-service client counts are read at scrape time by
+/// [`ClientsCollector`]).
+#[derive(Default, Clone)]
+struct AggMetrics {
+    accepted: prometheus_client::metrics::counter::Counter,
+    forward_seconds: ForwardHistogram,
+    forward_failures: prometheus_client::metrics::counter::Counter,
+}
+
+#[derive(Clone)]
+struct ForwardHistogram(prometheus_client::metrics::histogram::Histogram);
+
+impl Default for ForwardHistogram {
+    fn default() -> Self {
+        ForwardHistogram(prometheus_client::metrics::histogram::Histogram::new(
+            crate::metrics::LATENCY_BUCKETS,
+        ))
+    }
+}
+
+impl AggMetrics {
+    fn registry(
+        &self,
+        state: Arc<Mutex<AggState>>,
+        horizon: Duration,
+    ) -> prometheus_client::registry::Registry {
+        let mut reg = prometheus_client::registry::Registry::default();
+        crate::metrics::register_build_info(&mut reg, "grl", "aggregator");
+        reg.register(
+            "grl_reports_accepted",
+            "Client reports accepted.",
+            self.accepted.clone(),
+        );
+        reg.register(
+            "grl_aggregator_forward_duration_seconds",
+            "Zone reports forwarded to a controller: time until its answer.",
+            self.forward_seconds.0.clone(),
+        );
+        reg.register(
+            "grl_aggregator_forward_failures",
+            "Failed forwards of a zone report (each controller tried counts).",
+            self.forward_failures.clone(),
+        );
+        reg.register_collector(Box::new(ClientsCollector { state, horizon }));
+        reg
+    }
+}
+
+/// `grl_aggregator_clients{service}` (clients heard from within 3 ticks) and
+/// `grl_aggregator_directives_age_seconds` (since the last answer of a controller).
+struct ClientsCollector {
+    state: Arc<Mutex<AggState>>,
+    horizon: Duration,
+}
+
+impl std::fmt::Debug for ClientsCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ClientsCollector")
+    }
+}
+
+impl prometheus_client::collector::Collector for ClientsCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> std::fmt::Result {
+        use crate::metrics::Label;
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        use prometheus_client::metrics::MetricType;
+        let st = self.state.lock().expect("aggregator lock");
+        let mut per_service: std::collections::BTreeMap<&str, i64> = Default::default();
+        for ((service, _), c) in &st.clients {
+            if c.at.elapsed() <= self.horizon {
+                *per_service.entry(service.as_str()).or_default() += 1;
+            }
+        }
+        let mut fam = encoder.encode_descriptor(
+            "grl_aggregator_clients",
+            "Clients heard from within 3 ticks, by service.",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (service, n) in per_service {
+            ConstGauge::new(n).encode(fam.encode_family(&[("service", Label(service))])?)?;
+        }
+        if let Some(at) = st.directives_at {
+            let fam = encoder.encode_descriptor(
+                "grl_aggregator_directives_age_seconds",
+                "Seconds since a controller last answered a zone report.",
+                None,
+                MetricType::Gauge,
+            )?;
+            ConstGauge::new(at.elapsed().as_secs_f64()).encode(fam)?;
+        }
+        Ok(())
+    }
 }
 
 impl Shared {
@@ -173,21 +273,27 @@ impl Aggregator {
             .await
             .with_context(|| format!("bind {}", opts.listen))?;
         let addr = listener.local_addr()?;
+        let state = Arc::new(Mutex::new(AggState::default()));
+        let metrics = AggMetrics::default();
+        let refused = RefusalCounts::default();
+        let mut registry = metrics.registry(state.clone(), opts.tick * 3);
+        refused.register(&mut registry);
         let shared = Arc::new(Shared {
             id: opts.id.clone().unwrap_or_else(|| format!("agg-{addr}")),
             opts,
-            state: Mutex::new(AggState::default()),
+            state,
             all_in: Notify::new(),
             http,
             creds,
-            refused: RefusalCounts::default(),
+            refused,
             refused_log: LogGate::new(Duration::from_secs(10)),
-            accepted: Default::default(),
+            metrics,
+            registry,
         });
         let router = Router::new()
             .route("/v1/report", post(report))
             .route("/v1/config", get(config))
-            .route("/metrics", get(metrics))
+            .route("/metrics", get(serve_metrics))
             .with_state(shared.clone());
         let (stop, server) = crate::http_util::spawn_server(listener, router, tls, "aggregator");
         let (finish, finished) = oneshot::channel::<()>();
@@ -261,8 +367,7 @@ async fn report(
             ));
         }
     }
-    s.accepted
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    s.metrics.accepted.inc();
     let mut st = s.state.lock().expect("aggregator lock");
     for b in &r.buckets {
         let p = st
@@ -310,22 +415,9 @@ async fn report(
     }))
 }
 
-async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
-    use std::fmt::Write as _;
-    let mut out = String::new();
-    let _ = writeln!(
-        out,
-        "# HELP grl_reports_accepted_total Client reports accepted.\n# TYPE grl_reports_accepted_total counter\ngrl_reports_accepted_total {}",
-        s.accepted.load(std::sync::atomic::Ordering::Relaxed)
-    );
-    s.refused.write_prometheus(&mut out);
-    (
-        [(
-            axum::http::header::CONTENT_TYPE,
-            "text/plain; version=0.0.4",
-        )],
-        out,
-    )
+/// `GET /metrics`: reports accepted and refused, clients, forward latency and failures.
+async fn serve_metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
+    crate::metrics::response(&s.registry)
 }
 
 #[derive(Deserialize)]
@@ -412,7 +504,19 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
         let mut done = false;
         for attempt in 0..n {
             let base = &s.opts.controllers[(current + attempt) % n];
-            match post_report(&s, base, &report).await {
+            let t = Instant::now();
+            let sent = post_report(&s, base, &report).await;
+            match &sent {
+                Ok(_) => s
+                    .metrics
+                    .forward_seconds
+                    .0
+                    .observe(t.elapsed().as_secs_f64()),
+                Err(_) => {
+                    s.metrics.forward_failures.inc();
+                }
+            }
+            match sent {
                 Ok(d) => {
                     current = (current + attempt) % n;
                     let refetch =

@@ -474,43 +474,29 @@ impl CredentialSet {
     }
 }
 
-/// Counts per reason, for `/metrics`.
-#[derive(Default)]
+/// Refusals counted per reason: `grl_reports_refused_total{reason}` (the reasons are fixed
+/// words, so the family stays small).
+#[derive(Default, Clone)]
 pub struct RefusalCounts {
-    counts: Mutex<std::collections::BTreeMap<&'static str, u64>>,
+    counts: prometheus_client::metrics::family::Family<
+        [(&'static str, &'static str); 1],
+        prometheus_client::metrics::counter::Counter,
+    >,
 }
 
 impl RefusalCounts {
     /// Counts one refusal.
     pub fn add(&self, reason: &'static str) {
-        *self
-            .counts
-            .lock()
-            .expect("counts lock")
-            .entry(reason)
-            .or_default() += 1;
+        self.counts.get_or_create(&[("reason", reason)]).inc();
     }
 
-    /// Current counts, by reason.
-    pub fn snapshot(&self) -> Vec<(&'static str, u64)> {
-        self.counts
-            .lock()
-            .expect("counts lock")
-            .iter()
-            .map(|(k, v)| (*k, *v))
-            .collect()
-    }
-
-    /// `grl_reports_refused_total{reason}` in the Prometheus text format.
-    pub fn write_prometheus(&self, out: &mut String) {
-        use std::fmt::Write;
-        let _ = writeln!(
-            out,
-            "# HELP grl_reports_refused_total Reports refused, by reason (missing_credential, unknown_credential, forbidden, malformed, invalid, too_large).\n# TYPE grl_reports_refused_total counter"
+    /// Registers `grl_reports_refused_total{reason}` (a reason appears once counted).
+    pub fn register(&self, reg: &mut prometheus_client::registry::Registry) {
+        reg.register(
+            "grl_reports_refused",
+            "Reports refused, by reason (missing_credential, unknown_credential, forbidden, malformed, invalid, too_large).",
+            self.counts.clone(),
         );
-        for (reason, n) in self.snapshot() {
-            let _ = writeln!(out, "grl_reports_refused_total{{reason=\"{reason}\"}} {n}");
-        }
     }
 }
 

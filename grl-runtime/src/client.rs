@@ -257,6 +257,9 @@ pub struct ClientStats {
     pub stale: AtomicBool,
     /// Index of the aggregator in use.
     pub aggregator: AtomicUsize,
+    /// When the drop ratios in force were computed (`grl_core::now_ms` clock; 0 = never):
+    /// the reply's time less the age the aggregator reported.
+    pub directives_from_ms: AtomicU64,
 }
 
 /// A running client: the limiter to call per request, and its reporter task.
@@ -289,6 +292,41 @@ impl GrlClient {
         &self.stats
     }
 
+    /// The client's metrics as a `prometheus-client` collector, for the embedding service's
+    /// own registry:
+    ///
+    /// ```no_run
+    /// # async fn f(client: grl_runtime::client::GrlClient) {
+    /// use grl_runtime::metrics::prometheus_client::registry::Registry;
+    /// let mut registry = Registry::default();
+    /// registry.register_collector(Box::new(client.metrics()));
+    /// // in the service's `GET /metrics` handler:
+    /// let body = grl_runtime::metrics::encode(&registry);
+    /// # }
+    /// ```
+    ///
+    /// Series (label `service`): `grl_client_failing_open` (1 while the drop ratios are
+    /// stale and the limiter admits everything), `grl_client_directives_age_seconds`,
+    /// `grl_client_fail_open_total`, `grl_client_failovers_total`, `grl_client_reports_total`,
+    /// `grl_client_report_errors_total`, `grl_client_reports_refused_total`. Read from
+    /// counters the reporter task keeps; nothing is counted per request.
+    pub fn metrics(&self) -> ClientMetrics {
+        ClientMetrics {
+            service: self.limiter.table().service().to_string(),
+            stats: self.stats.clone(),
+        }
+    }
+
+    /// A registry with `grl_build_info{component="client"}` and [`GrlClient::metrics`], for a
+    /// service that serves nothing else on its `/metrics`
+    /// (`grl_runtime::metrics::response(&registry)`).
+    pub fn registry(&self) -> prometheus_client::registry::Registry {
+        let mut reg = prometheus_client::registry::Registry::default();
+        crate::metrics::register_build_info(&mut reg, "grl", "client");
+        reg.register_collector(Box::new(self.metrics()));
+        reg
+    }
+
     /// Stops reporting (the limiter fails open once directives go stale).
     pub fn shutdown(self) {
         self.task.abort();
@@ -298,6 +336,74 @@ impl GrlClient {
 impl Drop for GrlClient {
     fn drop(&mut self) {
         self.task.abort();
+    }
+}
+
+/// The client's metrics (see [`GrlClient::metrics`]).
+#[derive(Debug, Clone)]
+pub struct ClientMetrics {
+    service: String,
+    stats: Arc<ClientStats>,
+}
+
+impl prometheus_client::collector::Collector for ClientMetrics {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> std::fmt::Result {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::counter::ConstCounter;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        use prometheus_client::metrics::MetricType;
+        let labels = [("service", crate::metrics::Label(&self.service))];
+        let st = &self.stats;
+        let mut fam = encoder.encode_descriptor(
+            "grl_client_failing_open",
+            "1 while the drop ratios are stale and the limiter admits everything.",
+            None,
+            MetricType::Gauge,
+        )?;
+        ConstGauge::new(st.stale.load(Ordering::Relaxed) as i64)
+            .encode(fam.encode_family(&labels)?)?;
+        let from = st.directives_from_ms.load(Ordering::Relaxed);
+        if from > 0 {
+            let mut fam = encoder.encode_descriptor(
+                "grl_client_directives_age_seconds",
+                "Age of the drop ratios in force (since the controller computed them).",
+                None,
+                MetricType::Gauge,
+            )?;
+            let age = now_ms().saturating_sub(from) as f64 / 1000.0;
+            ConstGauge::new(age).encode(fam.encode_family(&labels)?)?;
+        }
+        let counters = [
+            (
+                "grl_client_fail_open",
+                "Times the drop ratios went stale (the limiter started failing open).",
+                &st.fail_open_total,
+            ),
+            (
+                "grl_client_failovers",
+                "Times the client moved to another aggregator.",
+                &st.failovers,
+            ),
+            ("grl_client_reports", "Reports answered.", &st.reports_ok),
+            (
+                "grl_client_report_errors",
+                "Report attempts that failed (each aggregator tried counts).",
+                &st.report_errors,
+            ),
+            (
+                "grl_client_reports_refused",
+                "Report attempts refused for the credential (401 or 403).",
+                &st.reports_refused,
+            ),
+        ];
+        for (name, help, v) in counters {
+            let mut fam = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+            ConstCounter::new(v.load(Ordering::Relaxed)).encode(fam.encode_family(&labels)?)?;
+        }
+        Ok(())
     }
 }
 
@@ -385,7 +491,11 @@ async fn run(opts: ClientOptions, limiter: Arc<Limiter>, stats: Arc<ClientStats>
                             }
                         }
                     }
-                    rep.apply(&reply, now_ms());
+                    let at = now_ms();
+                    if rep.apply(&reply, at) {
+                        let from = at.saturating_sub(reply.age_ms.unwrap_or(0)).max(1);
+                        stats.directives_from_ms.store(from, Ordering::Relaxed);
+                    }
                     break;
                 }
                 Err(e) => {

@@ -1,6 +1,5 @@
 //! The controller: config API, overrides, per-tick drop ratios, reports and metrics.
 
-use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -106,7 +105,9 @@ struct OverridesFile {
 }
 
 struct Shared {
-    engine: Mutex<Engine>,
+    engine: Arc<Mutex<Engine>>,
+    /// `/metrics`: build info, refusals and the engine's series (read at scrape time).
+    registry: prometheus_client::registry::Registry,
     persisted: Mutex<Persisted>,
     creds: CredentialSet,
     report_token: Option<TokenSource>,
@@ -323,15 +324,24 @@ impl Controller {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64);
         engine.set_report_seq_base(start_ms << 10);
+        let engine = Arc::new(Mutex::new(engine));
+        let refused = RefusalCounts::default();
+        let mut registry = prometheus_client::registry::Registry::default();
+        crate::metrics::register_build_info(&mut registry, "grl", "controller");
+        refused.register(&mut registry);
+        registry.register_collector(Box::new(crate::metrics::EngineCollector::new(
+            engine.clone(),
+        )));
         let shared = Arc::new(Shared {
-            engine: Mutex::new(engine),
+            engine,
+            registry,
             persisted: Mutex::new(Persisted {
                 next_id: ov.next_id,
             }),
             creds,
             report_token: opts.report_token.clone(),
             allow_anonymous_reports: opts.allow_anonymous_reports,
-            refused: RefusalCounts::default(),
+            refused,
             refused_log: LogGate::new(Duration::from_secs(10)),
             state_dir: opts.state_dir.clone(),
             started: std::time::Instant::now(),
@@ -673,73 +683,7 @@ async fn remove_override(
     Ok(Json(o))
 }
 
-fn esc(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
-
+/// `GET /metrics` (see [`crate::metrics::EngineCollector`] for the per-bucket series).
 async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
-    let e = s.engine.lock().expect("engine lock");
-    let mut out = String::new();
-    let names = [
-        (
-            "grl_requests_offered_total",
-            "Requests offered to a bucket (before dropping).",
-        ),
-        (
-            "grl_requests_admitted_total",
-            "Requests admitted (shadow drops included).",
-        ),
-        (
-            "grl_requests_dropped_total",
-            "Requests dropped in enforce mode.",
-        ),
-        (
-            "grl_requests_shadow_dropped_total",
-            "Requests that shadow mode would have dropped.",
-        ),
-    ];
-    let label = |b: &crate::engine::BucketState, zone: &str| -> String {
-        format!(
-            "service=\"{}\",bucket=\"{}\",caller=\"{}\",procedure=\"{}\",mode=\"{}\",zone=\"{}\"",
-            esc(&b.service),
-            esc(&b.bucket.name),
-            esc(b.bucket.caller.as_deref().unwrap_or("")),
-            esc(b.bucket.procedure.as_deref().unwrap_or("")),
-            b.bucket.mode.as_str(),
-            esc(zone)
-        )
-    };
-    for (i, (name, help)) in names.iter().enumerate() {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
-        for (b, zone, t) in e.totals() {
-            let _ = writeln!(out, "{name}{{{}}} {}", label(b, zone), t[i]);
-        }
-    }
-    let _ = writeln!(
-        out,
-        "# HELP grl_drop_ratio Drop ratio in force per bucket and scope key.\n# TYPE grl_drop_ratio gauge"
-    );
-    for b in e.buckets() {
-        for k in &b.keys {
-            let zone = k.scope_key.strip_prefix("zone:").unwrap_or("");
-            let _ = writeln!(
-                out,
-                "grl_drop_ratio{{{},scope_key=\"{}\"}} {}",
-                label(b, zone),
-                esc(&k.scope_key),
-                k.ratio
-            );
-        }
-    }
-    drop(e);
-    s.refused.write_prometheus(&mut out);
-    (
-        [(
-            axum::http::header::CONTENT_TYPE,
-            "text/plain; version=0.0.4",
-        )],
-        out,
-    )
+    crate::metrics::response(&s.registry)
 }

@@ -315,6 +315,11 @@ impl Engine {
         self.buckets.len()
     }
 
+    /// Zones (aggregators) heard from within the zone TTL at the last `ingest`/`recompute`.
+    pub fn zones_reporting(&self) -> usize {
+        self.zones.len()
+    }
+
     /// Per-bucket state after the last `recompute`.
     pub fn buckets(&self) -> &[BucketState] {
         &self.buckets

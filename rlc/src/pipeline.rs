@@ -13,6 +13,17 @@ use crate::cycle::{PlanInput, Planner};
 use crate::plan::Plan;
 use crate::preview::load_history;
 
+/// Lengths of the history pulls of this process's plans (`rlc_history_pull_duration_seconds`
+/// on `rlc serve`'s `/metrics`): one histogram per process, as the pull happens inside the
+/// planner the cycle calls.
+pub fn history_pull_seconds() -> &'static prometheus_client::metrics::histogram::Histogram {
+    static H: std::sync::OnceLock<prometheus_client::metrics::histogram::Histogram> =
+        std::sync::OnceLock::new();
+    H.get_or_init(|| {
+        prometheus_client::metrics::histogram::Histogram::new(grl_runtime::metrics::RUN_BUCKETS)
+    })
+}
+
 /// The production planner.
 pub fn planner() -> Planner {
     Arc::new(|input: PlanInput| Box::pin(plan(input)))
@@ -29,7 +40,9 @@ pub async fn plan(input: PlanInput) -> anyhow::Result<Plan> {
         bail!("the config repo has problems:\n{}", Diagnostics(diags));
     }
     // A failed source becomes a history that keeps every current quota (listed in `skipped`).
+    let t = std::time::Instant::now();
     let history = load_history(&cfg, &input.base_dir).await;
+    history_pull_seconds().observe(t.elapsed().as_secs_f64());
     tokio::task::spawn_blocking(move || compute_plan(&cfg, &repo, &history, chrono::Utc::now()))
         .await
         .context("computing the plan")

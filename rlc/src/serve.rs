@@ -7,21 +7,23 @@
 //! Several replicas on one Postgres elect one active scheduler (`pg_try_advisory_lock`);
 //! the others serve HTTP and refuse manual runs with 409. With SQLite there is one instance.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use axum::extract::State;
-use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::Router;
 use chrono::Utc;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
 use schema::DaemonConfig;
 use tokio::sync::{mpsc, watch};
 
-use crate::cycle::{load_config, Cycle, Planner, RunOutcome};
+use crate::cycle::{load_config, Cycle, Planner, RunOutcome, RunStatus};
 use crate::push::ControllerClient;
 use crate::store::{Lease, Store};
 
@@ -66,18 +68,116 @@ pub struct ServeArgs {
 
 pub use schema::parse_schedule;
 
-#[derive(Default)]
+/// The daemon's metrics (`GET /metrics`, OpenMetrics text through `prometheus-client`).
+#[derive(Clone)]
 struct Metrics {
-    runs: Mutex<BTreeMap<&'static str, u64>>,
-    last_run_finished: AtomicI64,
-    leader: AtomicBool,
-    in_sync: AtomicBool,
-    push_failures: AtomicU64,
-    reports_stored: AtomicU64,
-    report_gaps: AtomicU64,
-    reports_buffered: AtomicU64,
-    report_polls_paused: AtomicU64,
-    pending_records: AtomicU64,
+    runs: Family<[(&'static str, &'static str); 1], Counter>,
+    last_run_finished: Gauge,
+    last_success: Gauge,
+    run_seconds: Histogram,
+    leader: Gauge,
+    in_sync: Gauge,
+    desired_version: grl_runtime::metrics::InfoGauge,
+    push_failures: Counter,
+    reports_stored: Counter,
+    report_gaps: Counter,
+    reports_buffered: Gauge,
+    report_polls_paused: Counter,
+    pending_records: Gauge,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics {
+            runs: Family::default(),
+            last_run_finished: Gauge::default(),
+            last_success: Gauge::default(),
+            run_seconds: Histogram::new(grl_runtime::metrics::RUN_BUCKETS),
+            leader: Gauge::default(),
+            in_sync: Gauge::default(),
+            desired_version: grl_runtime::metrics::InfoGauge::new(
+                "rlc_config_version_info",
+                "1, labelled with the base branch's version rlc keeps the controller on.",
+                "version",
+            ),
+            push_failures: Counter::default(),
+            reports_stored: Counter::default(),
+            report_gaps: Counter::default(),
+            reports_buffered: Gauge::default(),
+            report_polls_paused: Counter::default(),
+            pending_records: Gauge::default(),
+        }
+    }
+}
+
+impl Metrics {
+    fn registry(&self) -> Registry {
+        let mut r = Registry::default();
+        grl_runtime::metrics::register_build_info(&mut r, "rlc", "serve");
+        r.register("rlc_runs", "Finished runs by status.", self.runs.clone());
+        r.register(
+            "rlc_last_run_finished_timestamp_seconds",
+            "Unix time of the last finished run.",
+            self.last_run_finished.clone(),
+        );
+        r.register(
+            "rlc_last_successful_run_timestamp_seconds",
+            "Unix time of the last run that ended `success` or `unchanged` (0: none since start).",
+            self.last_success.clone(),
+        );
+        r.register(
+            "rlc_run_duration_seconds",
+            "Length of finished runs.",
+            self.run_seconds.clone(),
+        );
+        r.register(
+            "rlc_history_pull_duration_seconds",
+            "Length of the history pulls of this process's runs.",
+            crate::pipeline::history_pull_seconds().clone(),
+        );
+        r.register(
+            "rlc_leader",
+            "1 when this replica is the active scheduler.",
+            self.leader.clone(),
+        );
+        r.register(
+            "rlc_controller_in_sync",
+            "1 when the controller runs the base branch's version.",
+            self.in_sync.clone(),
+        );
+        r.register_collector(Box::new(self.desired_version.clone()));
+        r.register(
+            "rlc_pending_run_records",
+            "Run records waiting for the store.",
+            self.pending_records.clone(),
+        );
+        r.register(
+            "rlc_controller_push_failures",
+            "Failed controller reconcile attempts.",
+            self.push_failures.clone(),
+        );
+        r.register(
+            "rlc_shadow_reports_stored",
+            "Controller reports stored (every mode; duplicates not counted).",
+            self.reports_stored.clone(),
+        );
+        r.register(
+            "rlc_shadow_reports_buffered",
+            "Controller reports fetched but not yet stored (store down or slow).",
+            self.reports_buffered.clone(),
+        );
+        r.register(
+            "rlc_shadow_report_polls_paused",
+            "Polls skipped because the report buffer was full (the store is down or slow).",
+            self.report_polls_paused.clone(),
+        );
+        r.register(
+            "rlc_shadow_report_gaps",
+            "Polls that found shadow reports lost at the controller.",
+            self.report_gaps.clone(),
+        );
+        r
+    }
 }
 
 struct Inner {
@@ -86,6 +186,7 @@ struct Inner {
     /// Queued, running and recently finished runs, for `GET /v1/runs/{id}`.
     book: Mutex<runs::RunBook>,
     metrics: Metrics,
+    registry: Registry,
     runs_done: watch::Sender<u64>,
     last: Mutex<Option<RunOutcome>>,
     /// Set once the scheduler has connected; the read-only pages answer 503 until then.
@@ -113,12 +214,14 @@ impl AppState {
 
     /// State with the API's `tokens` and the channel manual triggers go to.
     pub fn with_tokens(tokens: Tokens, trigger: mpsc::Sender<RunRequest>) -> AppState {
+        let metrics = Metrics::default();
         AppState {
             inner: Arc::new(Inner {
                 tokens,
                 trigger,
                 book: Mutex::new(runs::RunBook::default()),
-                metrics: Metrics::default(),
+                registry: metrics.registry(),
+                metrics,
                 runs_done: watch::channel(0).0,
                 last: Mutex::new(None),
                 store: RwLock::new(None),
@@ -146,12 +249,12 @@ impl AppState {
 
     /// Marks this replica as the active scheduler or not.
     pub fn set_leader(&self, leader: bool) {
-        self.inner.metrics.leader.store(leader, Ordering::Relaxed);
+        self.inner.metrics.leader.set(leader as i64);
     }
 
     /// Whether this replica is the active scheduler.
     pub fn is_leader(&self) -> bool {
-        self.inner.metrics.leader.load(Ordering::Relaxed)
+        self.inner.metrics.leader.get() == 1
     }
 
     /// Waits until at least `n` runs have finished since start.
@@ -178,13 +281,15 @@ impl AppState {
     fn finished(&self, out: &RunOutcome) {
         self.inner.book.lock().unwrap().finished(out);
         let m = &self.inner.metrics;
-        *m.runs
-            .lock()
-            .unwrap()
-            .entry(out.status.as_str())
-            .or_default() += 1;
-        m.last_run_finished
-            .store(out.finished_at.timestamp(), Ordering::Relaxed);
+        m.runs
+            .get_or_create(&[("status", out.status.as_str())])
+            .inc();
+        m.last_run_finished.set(out.finished_at.timestamp());
+        if matches!(out.status, RunStatus::Success | RunStatus::Unchanged) {
+            m.last_success.set(out.finished_at.timestamp());
+        }
+        let took = (out.finished_at - out.started_at).num_milliseconds().max(0);
+        m.run_seconds.observe(took as f64 / 1000.0);
         *self.inner.last.lock().unwrap() = Some(out.clone());
         self.inner.runs_done.send_modify(|v| *v += 1);
     }
@@ -195,72 +300,7 @@ async fn healthz() -> &'static str {
 }
 
 async fn metrics(State(s): State<AppState>) -> Response {
-    use std::fmt::Write;
-    let m = &s.inner.metrics;
-    let mut out = String::new();
-    out.push_str("# HELP rlc_runs_total Finished runs by status.\n# TYPE rlc_runs_total counter\n");
-    for (status, n) in m.runs.lock().unwrap().iter() {
-        let _ = writeln!(out, "rlc_runs_total{{status=\"{status}\"}} {n}");
-    }
-    let gauges = [
-        (
-            "rlc_last_run_finished_timestamp_seconds",
-            "Unix time of the last finished run.",
-            m.last_run_finished.load(Ordering::Relaxed) as u64,
-        ),
-        (
-            "rlc_leader",
-            "1 when this replica is the active scheduler.",
-            m.leader.load(Ordering::Relaxed) as u64,
-        ),
-        (
-            "rlc_controller_in_sync",
-            "1 when the controller runs the base branch's version.",
-            m.in_sync.load(Ordering::Relaxed) as u64,
-        ),
-        (
-            "rlc_pending_run_records",
-            "Run records waiting for the store.",
-            m.pending_records.load(Ordering::Relaxed),
-        ),
-        (
-            "rlc_shadow_reports_buffered",
-            "Controller reports fetched but not yet stored (store down or slow).",
-            m.reports_buffered.load(Ordering::Relaxed),
-        ),
-    ];
-    for (name, help, v) in gauges {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
-    }
-    let counters = [
-        (
-            "rlc_controller_push_failures_total",
-            "Failed controller reconcile attempts.",
-            m.push_failures.load(Ordering::Relaxed),
-        ),
-        (
-            "rlc_shadow_reports_stored_total",
-            "Controller reports stored (every mode; duplicates not counted).",
-            m.reports_stored.load(Ordering::Relaxed),
-        ),
-        (
-            "rlc_shadow_report_gaps_total",
-            "Polls that found shadow reports lost at the controller.",
-            m.report_gaps.load(Ordering::Relaxed),
-        ),
-        (
-            "rlc_shadow_report_polls_paused_total",
-            "Polls skipped because the report buffer was full (the store is down or slow).",
-            m.report_polls_paused.load(Ordering::Relaxed),
-        ),
-    ];
-    for (name, help, v) in counters {
-        let _ = writeln!(
-            out,
-            "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
-        );
-    }
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+    grl_runtime::metrics::response(&s.inner.registry).into_response()
 }
 
 /// The HTTP API: `/healthz`, `/metrics`, `/openapi.json`, `POST /v1/runs` (write token),
@@ -348,17 +388,13 @@ impl Loop {
             .await;
         if out.version_pushed.is_some() {
             self.last_pushed = out.version_pushed.clone();
-            self.state
-                .inner
-                .metrics
-                .in_sync
-                .store(true, Ordering::Relaxed);
+            self.state.inner.metrics.in_sync.set(1);
         }
         self.state
             .inner
             .metrics
             .pending_records
-            .store(self.cycle.pending_records().await as u64, Ordering::Relaxed);
+            .set(self.cycle.pending_records().await as i64);
         self.state.finished(&out);
     }
 
@@ -383,29 +419,20 @@ impl Loop {
                 Err(e)
             }
         };
+        if let Ok(d) = &desired {
+            self.state.inner.metrics.desired_version.set(&d.version);
+        }
         if let Some(client) = self.controller.clone() {
             match desired {
                 Ok(desired) if self.last_pushed.as_deref() != Some(desired.version.as_str()) => {
                     match client.reconcile_once(&desired).await {
                         Ok(_) => {
                             self.last_pushed = Some(desired.version.clone());
-                            self.state
-                                .inner
-                                .metrics
-                                .in_sync
-                                .store(true, Ordering::Relaxed);
+                            self.state.inner.metrics.in_sync.set(1);
                         }
                         Err(e) => {
-                            self.state
-                                .inner
-                                .metrics
-                                .in_sync
-                                .store(false, Ordering::Relaxed);
-                            self.state
-                                .inner
-                                .metrics
-                                .push_failures
-                                .fetch_add(1, Ordering::Relaxed);
+                            self.state.inner.metrics.in_sync.set(0);
+                            self.state.inner.metrics.push_failures.inc();
                             tracing::warn!(version = %desired.version, error = %e, "controller not reconciled; retrying next tick");
                         }
                     }
@@ -422,7 +449,7 @@ impl Loop {
             .inner
             .metrics
             .pending_records
-            .store(self.cycle.pending_records().await as u64, Ordering::Relaxed);
+            .set(self.cycle.pending_records().await as i64);
     }
 }
 

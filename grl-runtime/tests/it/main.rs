@@ -13,6 +13,7 @@ use serde_json::{json, Value};
 use test_support::process::{free_port, Proc};
 
 mod config_dir_faults;
+mod metrics;
 mod trust;
 mod wire_props;
 
@@ -283,7 +284,8 @@ async fn controller_api_validates_persists_and_restarts() {
         .text()
         .await
         .unwrap();
-    assert!(metrics.contains("# TYPE grl_requests_offered_total counter"));
+    // OpenMetrics: the family is named without `_total`, its samples with it.
+    assert!(metrics.contains("# TYPE grl_requests_offered counter"));
     assert!(metrics.contains("# TYPE grl_drop_ratio gauge"));
 
     // Restart: config and override come back from the state dir.
@@ -517,6 +519,25 @@ async fn fleet_enforces_fails_over_fails_open_and_recovers() {
         async move { ok }
     })
     .await;
+    // What the embedding service's /metrics shows: the same failovers, not failing open.
+    for c in [&clients[0], &clients[2]] {
+        let m = metrics::client_metrics(c);
+        let failovers = c.stats().failovers.load(Ordering::Relaxed) as f64;
+        assert!(failovers >= 1.0);
+        assert!(
+            metrics::client_value(&m, "grl_client_failovers_total") >= failovers,
+            "{m}"
+        );
+        assert_eq!(
+            metrics::client_value(&m, "grl_client_failing_open"),
+            0.0,
+            "{m}"
+        );
+        assert!(
+            metrics::client_value(&m, "grl_client_directives_age_seconds") < 5.0,
+            "{m}"
+        );
+    }
     let now = grl_core::now_ms();
     for c in &clients {
         let t = c.limiter().table();
@@ -553,6 +574,16 @@ async fn fleet_enforces_fails_over_fails_open_and_recovers() {
         for _ in 0..1000 {
             assert_ne!(c.limiter().decide("gw", "charge"), Decision::Drop);
         }
+        let m = metrics::client_metrics(c);
+        assert_eq!(
+            metrics::client_value(&m, "grl_client_failing_open"),
+            1.0,
+            "{m}"
+        );
+        assert!(
+            metrics::client_value(&m, "grl_client_fail_open_total") >= 1.0,
+            "{m}"
+        );
     }
 
     // 4. Restart the controller: it serves the persisted config and enforcement resumes.

@@ -344,11 +344,7 @@ struct PageData {
 
 async fn page_data(s: &AppState, q: ShadowQuery) -> Result<PageData, (DashError, PageData)> {
     let mut data = PageData {
-        buffered: s
-            .inner
-            .metrics
-            .reports_buffered
-            .load(std::sync::atomic::Ordering::Relaxed),
+        buffered: s.inner.metrics.reports_buffered.get().max(0) as u64,
         service: q.service.clone().filter(|s| !s.is_empty()),
         window: q.window.clone().unwrap_or_else(|| DEFAULT_WINDOW.into()),
         ..PageData::default()

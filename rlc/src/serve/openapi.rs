@@ -318,9 +318,13 @@ fn page_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
         "A query parameter of the wrong type (problem details), or a bad `window` (the page, \
          as HTML, with the error).",
     );
-    let mut op = op;
-    // 400 comes as problem details or as the page.
-    if let Some(ReferenceOr::Item(r)) = responses(&mut op).get_mut(&Status::Code(400)) {
+    html_too(op, 400)
+}
+
+/// Adds the HTML page as a second media type of the `status` answer (a page that renders its
+/// own error).
+fn html_too(mut op: TransformOperation<'_>, status: u16) -> TransformOperation<'_> {
+    if let Some(ReferenceOr::Item(r)) = responses(&mut op).get_mut(&Status::Code(status)) {
         let html = aide::generate::in_context(|ctx| {
             <Html<String> as OperationOutput>::operation_response(ctx, &mut Default::default())
         });
@@ -370,12 +374,13 @@ fn bucket_page_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
         .response_with::<500, Html<String>, _>(|r| {
             r.description("The store query failed (the page says so; details in the log).")
         });
-    problem(
+    let op = problem(
         op,
         400,
         "A malformed path or query (problem details), or a bad `window` (the page, as HTML, \
          with the error).",
-    )
+    );
+    html_too(op, 400)
 }
 
 fn bucket_json_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
@@ -505,9 +510,22 @@ fn healthz_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
 }
 
 fn metrics_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
-    op.summary("Prometheus metrics")
-        .description("Text exposition format 0.0.4.")
-        .response_with::<200, String, _>(|r| r.description("The metrics."))
+    let mut op = op
+        .summary("Prometheus metrics")
+        .description("OpenMetrics text exposition (`docs/metrics.md` lists every series).")
+        .response_with::<200, String, _>(|r| r.description("The metrics."));
+    // The body is text, in the OpenMetrics media type rather than plain text.
+    if let Some(ReferenceOr::Item(r)) = responses(&mut op).get_mut(&Status::Code(200)) {
+        let media = std::mem::take(&mut r.content)
+            .into_iter()
+            .next()
+            .map(|(_, m)| m);
+        r.content.insert(
+            grl_runtime::metrics::CONTENT_TYPE_OPENMETRICS.to_string(),
+            media.unwrap_or_default(),
+        );
+    }
+    op
 }
 
 fn document_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {

@@ -2,7 +2,6 @@
 //! buffer into the store; the stored cursor only moves past stored reports. And the periodic
 //! retention of stored reports.
 
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use chrono::Utc;
@@ -95,7 +94,7 @@ impl Loop {
         let m = &state.inner.metrics;
         for _ in 0..REPORT_PAGES_PER_POLL {
             if self.reports.rows >= REPORT_BUFFER {
-                m.report_polls_paused.fetch_add(1, Ordering::Relaxed);
+                m.report_polls_paused.inc();
                 tracing::warn!(
                     buffered = self.reports.rows,
                     "report buffer full: not polling the controller until the store catches up"
@@ -107,7 +106,7 @@ impl Loop {
             if page.gap || page.reset {
                 // Visible to operators: the dashboard misses some intervals.
                 tracing::warn!(gap = page.gap, reset = page.reset, cursor = ?cursor, "controller reports were lost between polls");
-                m.report_gaps.fetch_add(1, Ordering::Relaxed);
+                m.report_gaps.inc();
             }
             let got = page.reports.len();
             let next = match page.next {
@@ -119,8 +118,7 @@ impl Loop {
                 self.reports.push(page.reports, next.clone());
                 self.reports.cursor = Some(next.clone().or(cursor.clone()));
             }
-            m.reports_buffered
-                .store(self.reports.rows as u64, Ordering::Relaxed);
+            m.reports_buffered.set(self.reports.rows as i64);
             if let Ok(store) = &store {
                 self.flush_reports(store).await?;
             }
@@ -141,9 +139,8 @@ impl Loop {
     async fn flush_reports(&mut self, store: &Store) -> anyhow::Result<()> {
         let (stored, res) = self.reports.flush(store).await;
         let m = &self.state.inner.metrics;
-        m.reports_stored.fetch_add(stored, Ordering::Relaxed);
-        m.reports_buffered
-            .store(self.reports.rows as u64, Ordering::Relaxed);
+        m.reports_stored.inc_by(stored);
+        m.reports_buffered.set(self.reports.rows as i64);
         Ok(res?)
     }
 

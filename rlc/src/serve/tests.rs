@@ -1,4 +1,5 @@
 use std::future::IntoFuture;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use axum::extract::Query;
 use axum::Json;
@@ -238,7 +239,25 @@ async fn daemon_runs_on_request_and_on_input_change_and_shuts_down() {
     assert!(m.contains("rlc_runs_total{status=\"success\"} 2"), "{m}");
     assert!(m.contains("rlc_leader 1"), "{m}");
     assert!(m.contains("rlc_shadow_reports_stored_total 2"), "{m}");
-    assert!(m.contains("rlc_shadow_reports_buffered 0"), "{m}");
+    assert!(m.contains("rlc_shadow_reports_buffered 0\n"), "{m}");
+    assert!(m.contains("rlc_controller_in_sync 1\n"), "{m}");
+    let last = out.finished_at.timestamp();
+    assert!(
+        m.contains(&format!(
+            "rlc_last_successful_run_timestamp_seconds {last}\n"
+        )),
+        "{m}"
+    );
+    assert!(m.contains("rlc_run_duration_seconds_count 2\n"), "{m}");
+    assert!(
+        m.contains("# TYPE rlc_history_pull_duration_seconds histogram"),
+        "{m}"
+    );
+    assert!(
+        m.contains("rlc_build_info{component=\"serve\",version="),
+        "{m}"
+    );
+    assert!(m.ends_with("# EOF\n"), "{m}");
 
     stop_tx.send(true).unwrap();
     daemon.await.unwrap().unwrap();
