@@ -189,6 +189,7 @@ fn kept(service: &str, b: &Bucket, reason: &str) -> PlannedBucket {
         bucket: b.clone(),
         current_limit_rps: Some(b.limit_rps),
         evidence: json!({"kept_current": reason}),
+        held: None,
     }
 }
 
@@ -536,6 +537,11 @@ fn push(
     if !railed.notes.is_empty() {
         evidence.insert("rails".into(), json!(railed.notes));
     }
+    // The value a rail moved the limit from (floor, ceiling, per-run cap, small change).
+    let proposed = rails::round_limit(p.limit_rps);
+    if railed.limit_rps != proposed {
+        evidence.insert("capped_from_rps".into(), json!(proposed));
+    }
     if !expired.is_empty() {
         evidence.insert("expired_contracts".into(), json!(expired));
     }
@@ -552,5 +558,6 @@ fn push(
         },
         current_limit_rps: cur.map(|b| b.limit_rps),
         evidence: serde_json::to_value(evidence).unwrap_or_default(),
+        held: None,
     });
 }

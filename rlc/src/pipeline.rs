@@ -1,16 +1,19 @@
 //! The planner that `rlc run`, `rlc serve` and `rlc demo` plug into the cycle: history →
-//! policies and rails → [`Plan`]. The cycle hands it a working copy already synced to the
-//! base branch, so the plan is always computed against what is committed there.
+//! policies and rails → decrease guard → [`Plan`] ([`crate::planner::effective_plan`], the
+//! same function `rlc preview` and the quota API use). The cycle hands it a working copy
+//! already synced to the base branch, so the plan is always computed against what is
+//! committed there.
 
 use std::path::Path;
 use std::sync::Arc;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use schema::{ConfigRepo, Diagnostics};
 
-use crate::compute::{compute_plan, resolve_paths};
+use crate::compute::resolve_paths;
 use crate::cycle::{PlanInput, Planner};
 use crate::plan::Plan;
+use crate::planner::{effective_plan, GitHistory};
 use crate::preview::load_history;
 
 /// The production planner.
@@ -29,8 +32,19 @@ pub async fn plan(input: PlanInput) -> anyhow::Result<Plan> {
         bail!("the config repo has problems:\n{}", Diagnostics(diags));
     }
     // A failed source becomes a history that keeps every current quota (listed in `skipped`).
-    let history = load_history(&cfg, &input.base_dir).await;
-    tokio::task::spawn_blocking(move || compute_plan(&cfg, &repo, &history, chrono::Utc::now()))
-        .await
-        .context("computing the plan")
+    // In the daemon the pull goes through its snapshot, which it refreshes.
+    let history = match &input.history_cache {
+        Some(cache) => cache.refresh().await.history.clone(),
+        None => Arc::new(load_history(&cfg, &input.base_dir).await),
+    };
+    effective_plan(
+        &cfg,
+        &input.base_dir,
+        Arc::new(repo),
+        history,
+        &input.store,
+        GitHistory::Fetch,
+        chrono::Utc::now(),
+    )
+    .await
 }
