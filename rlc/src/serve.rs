@@ -28,6 +28,7 @@ use crate::store::{Lease, Store};
 
 pub mod dashboard;
 pub mod problem;
+pub mod quotas;
 
 /// Reports fetched per `GET /v1/reports` call.
 const REPORT_PAGE: u32 = 500;
@@ -80,6 +81,8 @@ struct Inner {
     last: Mutex<Option<RunOutcome>>,
     /// Set once the scheduler has connected; the read-only pages answer 503 until then.
     store: RwLock<Option<Store>>,
+    /// The quota API (`/v1/quotas…`), set by [`serve_on`].
+    quotas: std::sync::OnceLock<Arc<quotas::Quotas>>,
 }
 
 /// Shared state of the HTTP API and the scheduler.
@@ -100,6 +103,7 @@ impl AppState {
                 runs_done: watch::channel(0).0,
                 last: Mutex::new(None),
                 store: RwLock::new(None),
+                quotas: std::sync::OnceLock::new(),
             }),
         }
     }
@@ -115,6 +119,16 @@ impl AppState {
     /// Gives the HTTP pages the store (a pool: cloning it is cheap).
     pub fn set_store(&self, store: Store) {
         *self.inner.store.write().unwrap() = Some(store);
+    }
+
+    /// Serves the quota API from `q` (the first call wins).
+    pub fn set_quotas(&self, q: Arc<quotas::Quotas>) {
+        let _ = self.inner.quotas.set(q);
+    }
+
+    /// The quota API, once set.
+    pub fn quotas(&self) -> Option<Arc<quotas::Quotas>> {
+        self.inner.quotas.get().cloned()
     }
 
     /// The store, once connected.
@@ -220,6 +234,12 @@ async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
             m.report_gaps.load(Ordering::Relaxed),
         ),
     ];
+    let pulls = s.quotas().map_or(0, |q| q.cache.pulls());
+    let counters = counters.into_iter().chain([(
+        "rlc_history_pulls_total",
+        "History pulls (runs and the quota API share one snapshot).",
+        pulls,
+    )]);
     for (name, help, v) in counters {
         let _ = writeln!(
             out,
@@ -280,6 +300,9 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/shadow", get(dashboard::shadow_json))
         .route("/v1/runs", get(dashboard::runs_json).post(trigger_run))
         .route("/v1/runs/last", get(last_run))
+        .route("/v1/quotas", get(quotas::list))
+        .route("/v1/quotas/{service}", get(quotas::service))
+        .route("/v1/quotas/{service}/{bucket}/history", get(quotas::history))
         .with_state(state)
 }
 
@@ -322,7 +345,26 @@ pub async fn serve_on(
         .as_ref()
         .map(grl_runtime::tls::ReloadingServerConfig::load)
         .transpose()?;
-    let cycle = Arc::new(Cycle::new(cfg, base_dir));
+    let mut cycle = Cycle::new(cfg.clone(), base_dir);
+    // One history snapshot: runs refresh it, the quota API computes from it.
+    let q = match state.quotas() {
+        Some(q) => q,
+        None => {
+            let mut resolved = cfg;
+            crate::compute::resolve_paths(&mut resolved, base_dir);
+            let cache = Arc::new(crate::snapshot::HistoryCache::new(resolved.clone(), base_dir));
+            let q = Arc::new(quotas::Quotas::new(
+                resolved,
+                base_dir,
+                cache,
+                quotas::DEFAULT_CONCURRENCY,
+            )?);
+            state.set_quotas(q.clone());
+            q
+        }
+    };
+    cycle.history_cache = Some(q.cache.clone());
+    let cycle = Arc::new(cycle);
     let http =
         grl_runtime::tls::serve(listener, app(state.clone()), tls, stopped(shutdown.clone()));
     let sched = scheduler(cycle, planner, schedule, opts, state, triggers, shutdown);

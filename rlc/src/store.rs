@@ -114,6 +114,34 @@ pub struct RunRecord {
     pub error: Option<String>,
 }
 
+/// One recorded change of a bucket with the run that made it (`GET
+/// /v1/quotas/{service}/{bucket}/history`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow, schemars::JsonSchema)]
+pub struct QuotaChange {
+    /// Row id (increasing).
+    pub id: i64,
+    /// The run that made the change.
+    pub run_id: i64,
+    /// Why that run happened (schedule, inputs-changed, api, once).
+    pub trigger: String,
+    /// When it was recorded.
+    pub recorded_at: DateTime<Utc>,
+    /// added | removed | raised | lowered | modified.
+    pub change: String,
+    /// Limit before.
+    pub previous_limit_rps: Option<f64>,
+    /// Limit after (none when removed).
+    pub limit_rps: Option<f64>,
+    /// enforce | shadow.
+    pub mode: Option<String>,
+    /// The policy that computed it.
+    pub policy: Option<String>,
+    /// The commit made (or the PR branch tip).
+    pub commit_sha: Option<String>,
+    /// The evidence, as stored (JSON text).
+    pub evidence: String,
+}
+
 /// One bucket change, with the evidence that produced it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow)]
 pub struct QuotaRecord {
@@ -421,6 +449,31 @@ impl Store {
         .bind(bucket)
         .fetch_all(pool)
         .await?))
+    }
+
+    /// The `limit` most recent changes of one bucket with the run that made them (id and
+    /// trigger), oldest first.
+    pub async fn quota_changes(
+        &self,
+        service: &str,
+        bucket: &str,
+        limit: i64,
+    ) -> Result<Vec<QuotaChange>, StoreError> {
+        on_pool!(self, pool => {
+            let mut rows = sqlx::query_as::<_, QuotaChange>(
+                "SELECT q.id, q.run_id, r.trigger, q.recorded_at, q.change, q.previous_limit_rps, q.limit_rps, \
+                 q.mode, q.policy, q.commit_sha, q.evidence \
+                 FROM quota_history q JOIN runs r ON r.id = q.run_id \
+                 WHERE q.service = $1 AND q.bucket = $2 ORDER BY q.id DESC LIMIT $3",
+            )
+            .bind(service)
+            .bind(bucket)
+            .bind(limit)
+            .fetch_all(pool)
+            .await?;
+            rows.reverse();
+            Ok(rows)
+        })
     }
 
     /// When `bucket` of `service` was last lowered at or after `since`, if it was.
