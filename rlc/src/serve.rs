@@ -302,7 +302,10 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/runs/last", get(last_run))
         .route("/v1/quotas", get(quotas::list))
         .route("/v1/quotas/{service}", get(quotas::service))
-        .route("/v1/quotas/{service}/{bucket}/history", get(quotas::history))
+        .route(
+            "/v1/quotas/{service}/{bucket}/history",
+            get(quotas::history),
+        )
         .with_state(state)
 }
 
@@ -352,7 +355,10 @@ pub async fn serve_on(
         None => {
             let mut resolved = cfg;
             crate::compute::resolve_paths(&mut resolved, base_dir);
-            let cache = Arc::new(crate::snapshot::HistoryCache::new(resolved.clone(), base_dir));
+            let cache = Arc::new(crate::snapshot::HistoryCache::new(
+                resolved.clone(),
+                base_dir,
+            ));
             let q = Arc::new(quotas::Quotas::new(
                 resolved,
                 base_dir,

@@ -34,6 +34,8 @@ pub struct HistoryCache {
     /// The result of the last pull (good or failed), shared with whoever waited for it.
     pull: tokio::sync::Mutex<Option<Arc<Snapshot>>>,
     pulls: AtomicU64,
+    /// Pulls finished; a caller that saw `n` takes the result of any pull finishing after.
+    finished: AtomicU64,
     last_error: RwLock<Option<String>>,
 }
 
@@ -64,6 +66,7 @@ impl HistoryCache {
             latest: RwLock::new(None),
             pull: tokio::sync::Mutex::new(None),
             pulls: AtomicU64::new(0),
+            finished: AtomicU64::new(0),
             last_error: RwLock::new(None),
         }
     }
@@ -103,9 +106,10 @@ impl HistoryCache {
     /// good snapshot in [`HistoryCache::latest`]: previews keep computing from the last good
     /// history and report [`HistoryCache::last_error`] beside it.
     pub async fn refresh(&self) -> Arc<Snapshot> {
-        let seen = self.pulls();
+        // A pull in progress when this call came finishes after it: its result is shared.
+        let seen = self.finished.load(Ordering::Acquire);
         let mut last = self.pull.lock().await;
-        if self.pulls() > seen {
+        if self.finished.load(Ordering::Acquire) > seen {
             if let Some(s) = last.as_ref() {
                 return s.clone();
             }
@@ -128,6 +132,7 @@ impl HistoryCache {
             *self.latest.write().unwrap() = Some(snap.clone());
         }
         *last = Some(snap.clone());
+        self.finished.fetch_add(1, Ordering::Release);
         snap
     }
 }

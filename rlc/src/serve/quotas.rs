@@ -474,7 +474,10 @@ impl Computed {
 
 fn json_bytes(body: Bytes) -> Response {
     (
-        [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))],
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
         body,
     )
         .into_response()
@@ -506,7 +509,11 @@ fn enter(s: &AppState) -> Result<(Arc<Quotas>, tokio::sync::OwnedSemaphorePermit
     let q = s.quotas().ok_or_else(|| {
         unavailable("the quota API is not configured on this server").into_response()
     })?;
-    let permit = q.limit.clone().try_acquire_owned().map_err(|_| too_many())?;
+    let permit = q
+        .limit
+        .clone()
+        .try_acquire_owned()
+        .map_err(|_| too_many())?;
     Ok((q, permit))
 }
 
