@@ -89,7 +89,9 @@ async fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
     let services: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(1000);
     let requests: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(200);
-    let dir = tempfile::Builder::new().prefix("rlc-bench-quotas-").tempdir()?;
+    let dir = tempfile::Builder::new()
+        .prefix("rlc-bench-quotas-")
+        .tempdir()?;
     let d = dir.path();
     write_repo(&d.join("repo"), services)?;
     write_history(&d.join("h.csv"), services)?;

@@ -685,12 +685,19 @@ pub async fn history(
         Err(e) => return unavailable(format!("the store cannot answer: {e}")).into_response(),
     };
     if rows.is_empty() {
-        let known = q.latest().is_some_and(|c| {
-            c.plan
-                .buckets
-                .iter()
-                .any(|b| b.service == service && b.bucket.name == bucket)
-        });
+        // A bucket without recorded changes is still known when the plan has it.
+        let latest = match q.latest() {
+            Some(c) => c,
+            None => match q.current(store_witness(&s)).await {
+                Ok(c) => c,
+                Err(p) => return p.into_response(),
+            },
+        };
+        let known = latest
+            .plan
+            .buckets
+            .iter()
+            .any(|b| b.service == service && b.bucket.name == bucket);
         if !known {
             return Problem::new(
                 StatusCode::NOT_FOUND,
