@@ -531,7 +531,7 @@ pub async fn list(
 ) -> Response {
     let (q, _permit) = match enter(&s) {
         Ok(x) => x,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let Query(query) = match query {
         Ok(x) => x,
@@ -576,7 +576,7 @@ pub async fn service(
 ) -> Response {
     let (q, _permit) = match enter(&s) {
         Ok(x) => x,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let Query(query) = match query {
         Ok(x) => x,
@@ -611,7 +611,7 @@ pub async fn service(
             .filter(|x| x.service == service)
             .cloned()
             .collect(),
-        history_failed: c.plan.history_failed.iter().any(|x| *x == service),
+        history_failed: c.plan.history_failed.contains(&service),
     };
     axum::Json(body).into_response()
 }
@@ -660,7 +660,7 @@ pub async fn history(
 ) -> Response {
     let (q, _permit) = match enter(&s) {
         Ok(x) => x,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     match query {
         Ok(Query(m)) if m.is_empty() => {}
