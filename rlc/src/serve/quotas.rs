@@ -505,15 +505,15 @@ fn bad_query(e: QueryRejection) -> Problem {
 }
 
 /// The quota API and a slot of its concurrency limit, or the answer to give instead.
-fn enter(s: &AppState) -> Result<(Arc<Quotas>, tokio::sync::OwnedSemaphorePermit), Response> {
+fn enter(s: &AppState) -> Result<(Arc<Quotas>, tokio::sync::OwnedSemaphorePermit), Box<Response>> {
     let q = s.quotas().ok_or_else(|| {
-        unavailable("the quota API is not configured on this server").into_response()
+        Box::new(unavailable("the quota API is not configured on this server").into_response())
     })?;
     let permit = q
         .limit
         .clone()
         .try_acquire_owned()
-        .map_err(|_| too_many())?;
+        .map_err(|_| Box::new(too_many()))?;
     Ok((q, permit))
 }
 
