@@ -59,6 +59,8 @@ pub struct Computed {
     base_commit: String,
     computed_at: DateTime<Utc>,
     plan: Plan,
+    /// Where each service's buckets are in `plan.buckets` (sorted by service).
+    by_service: std::collections::HashMap<String, std::ops::Range<usize>>,
     /// The unfiltered `GET /v1/quotas` body, rendered on first use.
     all: OnceLock<Bytes>,
 }
@@ -119,11 +121,20 @@ impl Quotas {
         )
         .await
         .map_err(|e| Problem::new(StatusCode::SERVICE_UNAVAILABLE, format!("{e:#}")))?;
+        let mut by_service: std::collections::HashMap<String, std::ops::Range<usize>> =
+            Default::default();
+        for (i, b) in plan.buckets.iter().enumerate() {
+            by_service
+                .entry(b.service.clone())
+                .and_modify(|r| r.end = i + 1)
+                .or_insert(i..i + 1);
+        }
         let c = Arc::new(Computed {
             snapshot,
             base_commit: commit,
             computed_at: Utc::now(),
             plan,
+            by_service,
             all: OnceLock::new(),
         });
         *self.latest.write().unwrap() = Some(c.clone());
@@ -440,10 +451,8 @@ impl Computed {
             computed_at: self.computed_at,
             history: history_info(q, self),
             buckets: self
-                .plan
-                .buckets
+                .buckets_of(service)
                 .iter()
-                .filter(|b| keep(&b.service))
                 .map(|b| view(b, false))
                 .collect(),
             skipped: self
@@ -464,9 +473,20 @@ impl Computed {
         }
     }
 
+    /// The buckets of `service` (every bucket for `None`).
+    fn buckets_of(&self, service: Option<&str>) -> &[PlannedBucket] {
+        match service {
+            None => &self.plan.buckets,
+            Some(s) => self
+                .by_service
+                .get(s)
+                .map_or(&[][..], |r| &self.plan.buckets[r.clone()]),
+        }
+    }
+
     /// Whether `service` is in this plan at all (buckets, skipped or failed history).
     fn knows(&self, service: &str) -> bool {
-        self.plan.buckets.iter().any(|b| b.service == service)
+        self.by_service.contains_key(service)
             || self.plan.skipped.iter().any(|s| s.service == service)
             || self.plan.history_failed.iter().any(|s| s == service)
     }
@@ -598,10 +618,8 @@ pub async fn service(
         computed_at: c.computed_at,
         history: history_info(&q, &c),
         buckets: c
-            .plan
-            .buckets
+            .buckets_of(Some(&service))
             .iter()
-            .filter(|b| b.service == service)
             .map(|b| view(b, true))
             .collect(),
         skipped: c
