@@ -195,6 +195,8 @@ impl Policy for Forecast {
                 "upper_bound_rps": round3(upper),
                 "residual_ratio_q99": round3(fit.residual_q99),
                 "peak_rps": round3(peak),
+                "peak_at": s.argmax().map(|i| s.datetime_of(i).to_rfc3339()),
+                "coverage": round3(s.coverage_since_first()),
                 "headroom": h,
                 "history_days": round3(days),
                 "capped_by": capped_by,

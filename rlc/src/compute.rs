@@ -189,6 +189,7 @@ fn kept(service: &str, b: &Bucket, reason: &str) -> PlannedBucket {
         bucket: b.clone(),
         current_limit_rps: Some(b.limit_rps),
         evidence: json!({"kept_current": reason}),
+        held: None,
     }
 }
 
@@ -541,6 +542,7 @@ fn push(
     if !railed.notes.is_empty() {
         evidence.insert("rails".into(), json!(railed.notes));
     }
+    // The value a rail moved the limit from (floor, ceiling, per-run cap).
     if let Some(from) = railed.capped_from {
         evidence.insert("capped_from".into(), json!(from));
     }
@@ -563,5 +565,6 @@ fn push(
         },
         current_limit_rps: cur.map(|b| b.limit_rps),
         evidence: serde_json::to_value(evidence).unwrap_or_default(),
+        held: None,
     });
 }

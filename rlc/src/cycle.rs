@@ -26,11 +26,12 @@ use serde::Serialize;
 use tokio::sync::Mutex;
 
 use crate::gitops::summary::{self, ChangeSummary, FORGE_BODY_LIMIT};
-use crate::gitops::writer::DECREASE_HISTORY_MAX_COMMITS;
 use crate::gitops::{Forge, PullRequest, WriteOutcome, WriteStatus, Writer, WriterConfig};
 use crate::plan::{Plan, Skipped};
+use crate::planner::{GitHistory, StoreWitness};
 use crate::promotion::{self, NeedsReview, PromotionNote, ShadowSource};
 use crate::push::{self, Backoff, ControllerClient, Desired};
+use crate::snapshot::HistoryCache;
 use crate::store::{QuotaRecord, RunRecord, Store};
 
 /// Run records kept while the store is down; the oldest are dropped beyond this.
@@ -48,6 +49,11 @@ pub struct PlanInput {
     pub repo_dir: PathBuf,
     /// Why this run happens.
     pub trigger: String,
+    /// The store, for the decrease guard (as connected at the start of the run).
+    pub store: StoreWitness,
+    /// The daemon's history snapshot: the run's pull goes through it (shared with concurrent
+    /// API pulls) and refreshes it. None: pull directly.
+    pub history_cache: Option<Arc<HistoryCache>>,
 }
 
 /// A boxed future, as returned by a [`Planner`].
@@ -366,6 +372,8 @@ pub struct Cycle {
     /// Where the shadow figures of promotion candidates come from (`None`: the store, through
     /// [`promotion::store_stats`]).
     shadow: Option<ShadowSource>,
+    /// The daemon's history snapshot, handed to the planner (see [`PlanInput`]).
+    pub history_cache: Option<Arc<HistoryCache>>,
 }
 
 impl Cycle {
@@ -380,6 +388,7 @@ impl Cycle {
             push_backoff: Backoff::default(),
             git_attempts: 3,
             shadow: None,
+            history_cache: None,
         }
     }
 
@@ -474,98 +483,21 @@ impl Cycle {
     }
 
     /// The plan with every decrease of a bucket already lowered within
-    /// `rails.decrease_interval` held back (listed in `skipped`): the per-run cap must not
-    /// compound over frequent runs.
-    ///
-    /// Two witnesses are asked, and either one holds a decrease:
-    /// - the config repo's history (the base branch's first-parent history of
-    ///   `buckets/<service>.yaml`, at most [`DECREASE_HISTORY_MAX_COMMITS`] commits back). It
-    ///   records every change, whoever made it, and cannot be lost with rlc's store: with the
-    ///   SQLite file deleted between runs, the guard still holds. This is why the guard does
-    ///   not merely hold decreases while the store is younger than the interval: a young
-    ///   store cannot tell a first run from a lost history, the repo can.
-    /// - the store's quota history (which also knows decreases of runs whose commit was
-    ///   later reverted).
-    ///
-    /// When a witness cannot say (store down, deleted or replaced mid-run; history too long
-    /// or unreadable), decreases are held too: a failed dependency never lowers a quota.
+    /// `rails.decrease_interval` held back ([`crate::planner::hold_repeated_decreases`],
+    /// asking the config repo's history and this cycle's store). The pipeline's planner has
+    /// already applied it; applying it again here keeps any plan handed to
+    /// [`Cycle::apply`] safe, and changes nothing on a plan already checked.
     async fn hold_repeated_decreases(&self, plan: &Plan) -> Plan {
-        let interval = self.cfg.rails.decrease_interval.0;
-        if interval.as_secs() <= 1 {
-            return plan.clone();
-        }
-        let lowering = |b: &crate::plan::PlannedBucket| {
-            b.current_limit_rps
-                .is_some_and(|cur| b.bucket.limit_rps < cur)
-        };
-        let mut services: Vec<String> = plan
-            .buckets
-            .iter()
-            .filter(|b| lowering(b))
-            .map(|b| b.service.clone())
-            .collect();
-        if services.is_empty() {
-            return plan.clone();
-        }
-        services.sort();
-        services.dedup();
-        let since =
-            Utc::now() - chrono::Duration::from_std(interval).unwrap_or(chrono::Duration::days(1));
-        let wcfg = self.writer_config();
-        let since_s = since.timestamp();
-        let from_git = tokio::task::spawn_blocking(move || {
-            let w = Writer::open(wcfg)?;
-            w.fetch()?;
-            w.decreases_since(&services, since_s, DECREASE_HISTORY_MAX_COMMITS)
-        })
+        let store: StoreWitness = self.store().await.into();
+        crate::planner::hold_repeated_decreases(
+            &self.cfg,
+            &self.base_dir,
+            &store,
+            GitHistory::Fetch,
+            plan,
+            Utc::now(),
+        )
         .await
-        .map_err(|e| crate::gitops::GitOpsError::History(format!("task panicked: {e}")))
-        .and_then(|r| r);
-        let at = |t: DateTime<Utc>| t.format("%Y-%m-%d %H:%M UTC").to_string();
-        let mut out = plan.clone();
-        let store = self.store().await;
-        for b in &mut out.buckets {
-            let Some(cur) = b.current_limit_rps else {
-                continue;
-            };
-            if b.bucket.limit_rps >= cur {
-                continue;
-            }
-            let waits = |when: String, source: &str| {
-                format!(
-                    "already lowered at {when} per {source} (one decrease per {}): the decrease to {} rps waits",
-                    self.cfg.rails.decrease_interval,
-                    schema::format_rps(b.bucket.limit_rps)
-                )
-            };
-            let by_git = match &from_git {
-                Ok(found) => found
-                    .get(&(b.service.clone(), b.bucket.name.clone()))
-                    .and_then(|t| DateTime::<Utc>::from_timestamp(*t, 0))
-                    .map(|t| waits(at(t), "the config repo history")),
-                Err(e) => Some(format!("{e}: decrease held")),
-            };
-            let why = match by_git {
-                Some(r) => Some(r),
-                None => match &store {
-                    Ok(s) => match s.lowered_since(&b.service, &b.bucket.name, since).await {
-                        Ok(last) => last.map(|t| waits(at(t), "the store")),
-                        Err(e) => Some(format!("quota history unavailable ({e}): decrease held")),
-                    },
-                    Err(e) => Some(format!("store unavailable ({e}): decrease held")),
-                },
-            };
-            if let Some(reason) = why {
-                out.skipped.push(Skipped {
-                    service: b.service.clone(),
-                    caller: b.bucket.caller.clone(),
-                    procedure: b.bucket.procedure.clone(),
-                    reason,
-                });
-                b.bucket.limit_rps = cur;
-            }
-        }
-        out
     }
 
     /// Run records waiting for the store.
@@ -650,7 +582,8 @@ impl Cycle {
         // Open the store first, so that one deleted or replaced during the run is noticed
         // (an error) instead of being created anew at the end. A store that is down now is
         // retried when it is needed.
-        if let Err(e) = self.store().await {
+        let store: StoreWitness = self.store().await.into();
+        if let StoreWitness::Unavailable(e) = &store {
             tracing::warn!(error = %e, "store unavailable at the start of the run");
         }
         let repo_dir = match self.sync().await {
@@ -666,6 +599,8 @@ impl Cycle {
             base_dir: self.base_dir.clone(),
             repo_dir,
             trigger: trigger.to_string(),
+            store,
+            history_cache: self.history_cache.clone(),
         };
         match planner(input).await {
             Ok(plan) => self.apply_as(&plan, trigger, run_uid).await,

@@ -5,6 +5,9 @@
 //! - `history`: RPS history from Prometheus or a file; `history::synth` makes the quickstart's.
 //! - `compute`: policies and rails per bucket → a `Plan`; `preview` and `backtest` print it.
 //! - `pipeline`: the planner `run`/`serve`/`demo` use: history → compute → plan.
+//! - `planner`: the plan a run would really do (compute + the decrease guard), shared by
+//!   `run`, `preview` and the quota API.
+//! - `snapshot`: the daemon's in-memory history snapshot (single-flight pulls).
 //! - `plan`: the computed quota set (what `preview` prints and `run` commits).
 //! - `validate_cmd`: `rlc validate DIR`.
 //! - `exit`: the exit codes of every command.
@@ -26,10 +29,12 @@ pub mod gitops;
 pub mod history;
 pub mod pipeline;
 pub mod plan;
+pub mod planner;
 pub mod preview;
 pub mod promotion;
 pub mod push;
 pub mod readiness;
 pub mod serve;
+pub mod snapshot;
 pub mod store;
 pub mod validate_cmd;

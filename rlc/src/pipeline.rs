@@ -1,16 +1,19 @@
 //! The planner that `rlc run`, `rlc serve` and `rlc demo` plug into the cycle: history →
-//! policies and rails → [`Plan`]. The cycle hands it a working copy already synced to the
-//! base branch, so the plan is always computed against what is committed there.
+//! policies and rails → decrease guard → [`Plan`] ([`crate::planner::effective_plan`], the
+//! same function `rlc preview` and the quota API use). The cycle hands it a working copy
+//! already synced to the base branch, so the plan is always computed against what is
+//! committed there.
 
 use std::path::Path;
 use std::sync::Arc;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use schema::{ConfigRepo, Diagnostics};
 
-use crate::compute::{compute_plan, resolve_paths};
+use crate::compute::resolve_paths;
 use crate::cycle::{PlanInput, Planner};
 use crate::plan::Plan;
+use crate::planner::{effective_plan, GitHistory};
 use crate::preview::load_history;
 
 /// Lengths of the history pulls of this process's plans (`rlc_history_pull_duration_seconds`
@@ -22,6 +25,14 @@ pub fn history_pull_seconds() -> &'static prometheus_client::metrics::histogram:
     H.get_or_init(|| {
         prometheus_client::metrics::histogram::Histogram::new(grl_runtime::metrics::RUN_BUCKETS)
     })
+}
+
+/// History pulls of this process (`rlc_history_pulls_total`): runs and the quota API's
+/// snapshot together.
+pub fn history_pulls() -> &'static prometheus_client::metrics::counter::Counter {
+    static C: std::sync::OnceLock<prometheus_client::metrics::counter::Counter> =
+        std::sync::OnceLock::new();
+    C.get_or_init(Default::default)
 }
 
 /// The production planner.
@@ -40,10 +51,25 @@ pub async fn plan(input: PlanInput) -> anyhow::Result<Plan> {
         bail!("the config repo has problems:\n{}", Diagnostics(diags));
     }
     // A failed source becomes a history that keeps every current quota (listed in `skipped`).
-    let t = std::time::Instant::now();
-    let history = load_history(&cfg, &input.base_dir).await;
-    history_pull_seconds().observe(t.elapsed().as_secs_f64());
-    tokio::task::spawn_blocking(move || compute_plan(&cfg, &repo, &history, chrono::Utc::now()))
-        .await
-        .context("computing the plan")
+    // In the daemon the pull goes through its snapshot, which it refreshes.
+    let history = match &input.history_cache {
+        Some(cache) => cache.refresh().await.history.clone(),
+        None => {
+            let t = std::time::Instant::now();
+            let h = Arc::new(load_history(&cfg, &input.base_dir).await);
+            history_pull_seconds().observe(t.elapsed().as_secs_f64());
+            history_pulls().inc();
+            h
+        }
+    };
+    effective_plan(
+        &cfg,
+        &input.base_dir,
+        Arc::new(repo),
+        history,
+        &input.store,
+        GitHistory::Fetch,
+        chrono::Utc::now(),
+    )
+    .await
 }

@@ -4,10 +4,11 @@
 use std::collections::BTreeMap;
 
 use schema::{Bucket, BucketFile};
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// All proposed buckets and all skipped series/services of one computation.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, JsonSchema)]
 pub struct Plan {
     /// Proposed buckets, sorted by service then name.
     pub buckets: Vec<PlannedBucket>,
@@ -24,7 +25,7 @@ pub struct Plan {
 }
 
 /// One proposed bucket (flattened into the preview JSON shape).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, JsonSchema)]
 pub struct PlannedBucket {
     /// Callee service.
     pub service: String,
@@ -35,10 +36,24 @@ pub struct PlannedBucket {
     pub current_limit_rps: Option<f64>,
     /// Which numbers, window and confidence produced the limit.
     pub evidence: serde_json::Value,
+    /// Set when a decrease is held back by the one-decrease-per-`rails.decrease_interval`
+    /// guard: `limit_rps` is then the current limit (what the run writes), and this says what
+    /// the policy and rails proposed and why it waits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held: Option<Held>,
+}
+
+/// A decrease the run would not apply yet.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, JsonSchema)]
+pub struct Held {
+    /// The limit the policy and rails proposed (lower than the current one).
+    pub proposed_limit_rps: f64,
+    /// Why it waits (the last decrease and who recorded it, or which witness could not say).
+    pub reason: String,
 }
 
 /// A series or a whole service left as it is, and why.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, schemars::JsonSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, JsonSchema)]
 pub struct Skipped {
     /// Callee service.
     pub service: String,

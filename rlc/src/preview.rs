@@ -1,4 +1,7 @@
 //! `rlc preview --config rlc.yaml [--service S] [--format table|json]`: compute, write nothing.
+//! It shows the plan a run would do ([`crate::planner::effective_plan`]): a decrease the run
+//! would hold (one per `rails.decrease_interval`, asked of the config repo's history and the
+//! store named in rlc.yaml) keeps the current limit and says why (`held`).
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -6,7 +9,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use schema::{ConfigRepo, DaemonConfig};
 
-use crate::compute::{compute_plan, resolve_paths};
+use crate::compute::resolve_paths;
 use crate::history::{self, History};
 use crate::plan::Plan;
 
@@ -72,9 +75,16 @@ pub async fn run(args: PreviewArgs) -> anyhow::Result<i32> {
     let (cfg, repo, base) =
         load_inputs(&args.config).with_context(|| format!("loading {}", args.config.display()))?;
     let history = load_history(&cfg, &base).await;
-    let mut plan = tokio::task::spawn_blocking(move || {
-        compute_plan(&cfg, &repo, &history, chrono::Utc::now())
-    })
+    let store = crate::planner::open_store_for_reading(&cfg, &base).await;
+    let mut plan = crate::planner::effective_plan(
+        &cfg,
+        &base,
+        std::sync::Arc::new(repo),
+        std::sync::Arc::new(history),
+        &store,
+        crate::planner::GitHistory::Fetch,
+        chrono::Utc::now(),
+    )
     .await?;
     if let Some(s) = &args.service {
         plan.buckets.retain(|b| &b.service == s);
@@ -119,6 +129,11 @@ pub fn table(plan: &Plan) -> String {
     for b in &plan.buckets {
         let cur = b.current_limit_rps;
         let change = match cur {
+            // The run keeps the current limit; `skipped` below says why.
+            Some(c) if c > 0.0 && b.held.is_some() => {
+                let p = b.held.as_ref().map_or(c, |h| h.proposed_limit_rps);
+                format!("held ({:+.1}%)", (p - c) / c * 100.0)
+            }
             Some(c) if c > 0.0 => format!("{:+.1}%", (b.bucket.limit_rps - c) / c * 100.0),
             Some(_) => "-".into(),
             None => "new".into(),

@@ -317,6 +317,7 @@ pub fn split_for_review(
                     bucket: o.clone(),
                     current_limit_rps: Some(o.limit_rps),
                     evidence: json!({"kept_current": "removal waits for review"}),
+                    held: None,
                 }),
                 (None, None) => {}
             }

@@ -32,6 +32,7 @@ pub mod dashboard;
 pub mod limits;
 pub mod openapi;
 pub mod problem;
+pub mod quotas;
 mod reports;
 pub mod runs;
 
@@ -136,6 +137,11 @@ impl Metrics {
             crate::pipeline::history_pull_seconds().clone(),
         );
         r.register(
+            "rlc_history_pulls",
+            "History pulls (runs and the quota API share one snapshot).",
+            crate::pipeline::history_pulls().clone(),
+        );
+        r.register(
             "rlc_leader",
             "1 when this replica is the active scheduler.",
             self.leader.clone(),
@@ -191,6 +197,8 @@ struct Inner {
     last: Mutex<Option<RunOutcome>>,
     /// Set once the scheduler has connected; the read-only pages answer 503 until then.
     store: RwLock<Option<Store>>,
+    /// The quota API (`/v1/quotas…`), set by [`serve_on`].
+    quotas: std::sync::OnceLock<Arc<quotas::Quotas>>,
 }
 
 /// Shared state of the HTTP API and the scheduler.
@@ -225,6 +233,7 @@ impl AppState {
                 runs_done: watch::channel(0).0,
                 last: Mutex::new(None),
                 store: RwLock::new(None),
+                quotas: std::sync::OnceLock::new(),
             }),
         }
     }
@@ -240,6 +249,16 @@ impl AppState {
     /// Gives the HTTP pages the store (a pool: cloning it is cheap).
     pub fn set_store(&self, store: Store) {
         *self.inner.store.write().unwrap() = Some(store);
+    }
+
+    /// Serves the quota API from `q` (the first call wins).
+    pub fn set_quotas(&self, q: Arc<quotas::Quotas>) {
+        let _ = self.inner.quotas.set(q);
+    }
+
+    /// The quota API, once set.
+    pub fn quotas(&self) -> Option<Arc<quotas::Quotas>> {
+        self.inner.quotas.get().cloned()
     }
 
     /// The store, once connected.
@@ -350,7 +369,29 @@ pub async fn serve_on(
         .as_ref()
         .map(grl_runtime::tls::ReloadingServerConfig::load)
         .transpose()?;
-    let cycle = Arc::new(Cycle::new(cfg, base_dir));
+    let mut cycle = Cycle::new(cfg.clone(), base_dir);
+    // One history snapshot: runs refresh it, the quota API computes from it.
+    let q = match state.quotas() {
+        Some(q) => q,
+        None => {
+            let mut resolved = cfg;
+            crate::compute::resolve_paths(&mut resolved, base_dir);
+            let cache = Arc::new(crate::snapshot::HistoryCache::new(
+                resolved.clone(),
+                base_dir,
+            ));
+            let q = Arc::new(quotas::Quotas::new(
+                resolved,
+                base_dir,
+                cache,
+                quotas::DEFAULT_CONCURRENCY,
+            )?);
+            state.set_quotas(q.clone());
+            q
+        }
+    };
+    cycle.history_cache = Some(q.cache.clone());
+    let cycle = Arc::new(cycle);
     let http =
         grl_runtime::tls::serve(listener, app(state.clone()), tls, stopped(shutdown.clone()));
     let sched = scheduler(cycle, planner, schedule, opts, state, triggers, shutdown);

@@ -117,6 +117,34 @@ pub struct RunRecord {
     pub run_uid: Option<String>,
 }
 
+/// One recorded change of a bucket with the run that made it (`GET
+/// /v1/quotas/{service}/{bucket}/history`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow, schemars::JsonSchema)]
+pub struct QuotaChange {
+    /// Row id (increasing).
+    pub id: i64,
+    /// The run that made the change.
+    pub run_id: i64,
+    /// Why that run happened (schedule, inputs-changed, api, once).
+    pub trigger: String,
+    /// When it was recorded.
+    pub recorded_at: DateTime<Utc>,
+    /// added | removed | raised | lowered | modified.
+    pub change: String,
+    /// Limit before.
+    pub previous_limit_rps: Option<f64>,
+    /// Limit after (none when removed).
+    pub limit_rps: Option<f64>,
+    /// enforce | shadow.
+    pub mode: Option<String>,
+    /// The policy that computed it.
+    pub policy: Option<String>,
+    /// The commit made (or the PR branch tip).
+    pub commit_sha: Option<String>,
+    /// The evidence, as stored (JSON text).
+    pub evidence: String,
+}
+
 /// One bucket change, with the evidence that produced it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow)]
 pub struct QuotaRecord {
@@ -140,27 +168,6 @@ pub struct QuotaRecord {
     pub evidence: String,
     /// When it was recorded.
     pub recorded_at: DateTime<Utc>,
-}
-
-/// A bucket's quota change as the dashboard lists it, with the run that made it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow, schemars::JsonSchema)]
-pub struct QuotaChange {
-    /// The run (`GET /v1/runs`).
-    pub run_id: i64,
-    /// When it was recorded.
-    pub recorded_at: DateTime<Utc>,
-    /// added | removed | raised | lowered | modified.
-    pub change: String,
-    /// New limit (none when removed).
-    pub limit_rps: Option<f64>,
-    /// Limit before.
-    pub previous_limit_rps: Option<f64>,
-    /// enforce | shadow.
-    pub mode: Option<String>,
-    /// Policy that produced it.
-    pub policy: Option<String>,
-    /// Commit that carries it.
-    pub commit_sha: Option<String>,
 }
 
 /// A shadow report as stored.
@@ -484,23 +491,29 @@ impl Store {
         .await?))
     }
 
-    /// The quota changes of one bucket with the run that made them, newest first (at most
-    /// `limit`): the dashboard's quota history.
+    /// The `limit` most recent changes of one bucket with the run that made them (id and
+    /// trigger), newest first: the dashboard's quota history and `GET
+    /// /v1/quotas/{service}/{bucket}/history`.
     pub async fn quota_changes(
         &self,
         service: &str,
         bucket: &str,
         limit: i64,
     ) -> Result<Vec<QuotaChange>, StoreError> {
-        on_pool!(self, pool => Ok(sqlx::query_as::<_, QuotaChange>(
-            "SELECT run_id, recorded_at, change, limit_rps, previous_limit_rps, mode, policy, commit_sha \
-             FROM quota_history WHERE service = $1 AND bucket = $2 ORDER BY id DESC LIMIT $3",
-        )
-        .bind(service)
-        .bind(bucket)
-        .bind(limit)
-        .fetch_all(pool)
-        .await?))
+        on_pool!(self, pool => {
+            let rows = sqlx::query_as::<_, QuotaChange>(
+                "SELECT q.id, q.run_id, r.trigger, q.recorded_at, q.change, q.previous_limit_rps, q.limit_rps, \
+                 q.mode, q.policy, q.commit_sha, q.evidence \
+                 FROM quota_history q JOIN runs r ON r.id = q.run_id \
+                 WHERE q.service = $1 AND q.bucket = $2 ORDER BY q.id DESC LIMIT $3",
+            )
+            .bind(service)
+            .bind(bucket)
+            .bind(limit)
+            .fetch_all(pool)
+            .await?;
+            Ok(rows)
+        })
     }
 
     /// When `bucket` of `service` was last lowered at or after `since`, if it was.

@@ -738,6 +738,7 @@ mod tests {
                 bucket: b.clone(),
                 current_limit_rps: Some(10.0),
                 evidence: serde_json::json!({"peak_rps": 8.0, "confidence": "high"}),
+                held: None,
             });
         }
         let body = report(&plan, &s);
@@ -781,6 +782,7 @@ mod tests {
                 bucket: bucket("caller-x", 100.0),
                 current_limit_rps: None,
                 evidence: serde_json::json!({"peak_rps": 80.0, "confidence": "high"}),
+                held: None,
             });
             files.push(BucketFile {
                 service: svc,
@@ -839,6 +841,7 @@ mod tests {
                 bucket: b.clone(),
                 current_limit_rps: None,
                 evidence: ev,
+                held: None,
             });
         }
         let body = report_with(

@@ -38,6 +38,7 @@ pub(crate) fn planned(service: &str, name: &str, limit: f64) -> PlannedBucket {
         },
         current_limit_rps: None,
         evidence: json!({"peak_rps": limit / 1.25, "confidence": "high"}),
+        held: None,
     }
 }
 

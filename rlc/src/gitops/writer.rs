@@ -431,6 +431,53 @@ impl Writer {
         }
     }
 
+    /// Opens the working copy at `cfg.path` only when it exists (never clones): for readers
+    /// such as the preview API, which must not race the scheduler's first clone.
+    pub fn open_existing(cfg: WriterConfig) -> Result<Writer, GitOpsError> {
+        if !(cfg.path.join(".git").exists() || cfg.path.join("HEAD").exists()) {
+            return Err(GitOpsError::NoRepo(cfg.path.clone()));
+        }
+        Writer::open(cfg)
+    }
+
+    /// The base branch tip as last fetched (no network).
+    pub fn base_tip(&self) -> Result<String, GitOpsError> {
+        Ok(self.base_commit()?.id().to_string())
+    }
+
+    /// Writes the files of the base tip's `rlc/` and `buckets/` into `dir` (created; regular
+    /// files only, one level deep as the config repo has them) without touching the working
+    /// copy, its index or HEAD; returns the commit. Readers load the config repo from there
+    /// while the scheduler owns the working copy.
+    pub fn export_base(&self, dir: &Path) -> Result<String, GitOpsError> {
+        let base = self.base_commit()?;
+        let tree = base.tree()?;
+        std::fs::create_dir_all(dir)?;
+        for top in ["rlc", "buckets"] {
+            let Ok(entry) = tree.get_path(Path::new(top)) else {
+                continue;
+            };
+            if entry.kind() != Some(ObjectType::Tree) {
+                continue;
+            }
+            let sub = self.repo.find_tree(entry.id())?;
+            let out = dir.join(top);
+            std::fs::create_dir_all(&out)?;
+            for e in sub.iter() {
+                let (Some(name), Some(ObjectType::Blob)) = (e.name(), e.kind()) else {
+                    continue;
+                };
+                // Symlinks and executables are not config files.
+                if e.filemode() != i32::from(git2::FileMode::Blob) {
+                    continue;
+                }
+                let blob = self.repo.find_blob(e.id())?;
+                std::fs::write(out.join(name), blob.content())?;
+            }
+        }
+        Ok(base.id().to_string())
+    }
+
     /// A hash of the human-authored `rlc/*.yaml` at the base tip: a change triggers a run.
     pub fn inputs_hash(&self) -> Result<String, GitOpsError> {
         let base = self.base_commit()?;

@@ -33,7 +33,7 @@ use super::dashboard::{self, RunsPage, ShadowSummary};
 use super::limits::ConcurrencyLimit;
 use super::problem::CompatProblem;
 use super::runs::{self, Queued, RunStatusView};
-use super::{auth, AppState};
+use super::{auth, quotas, AppState};
 use crate::cycle::RunOutcome;
 
 /// The security scheme's name in the document.
@@ -69,6 +69,15 @@ pub fn routes(state: &AppState) -> ApiRouter<AppState> {
     let read = ApiRouter::new()
         .api_route("/v1/runs/last", get_with(runs::last_run, last_docs))
         .api_route("/v1/runs/{id}", get_with(runs::run_status, run_docs))
+        .api_route("/v1/quotas", get_with(quotas::list, quotas_docs))
+        .api_route(
+            "/v1/quotas/{service}",
+            get_with(quotas::service, service_docs),
+        )
+        .api_route(
+            "/v1/quotas/{service}/{bucket}/history",
+            get_with(quotas::history, quota_history_docs),
+        )
         .with_path_items(read_docs)
         .merge(queries)
         .route_layer(axum::middleware::from_fn_with_state(
@@ -402,6 +411,79 @@ fn bucket_json_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
         500,
         "The store query failed (details in the daemon log).",
     )
+}
+
+/// The answers every quota endpoint shares: its own concurrency bound, a store or config repo
+/// not ready yet, and a bad query string.
+fn quota_errors(op: TransformOperation<'_>) -> TransformOperation<'_> {
+    let op = problem(
+        op,
+        400,
+        "An unknown or malformed query parameter, or a malformed path.",
+    );
+    let op = problem(
+        op,
+        429,
+        "Every slot of the quota API is taken; retry after `Retry-After` seconds.",
+    );
+    problem(
+        op,
+        503,
+        "The quota API has no plan yet (the config repo is not synced, or the store is not \
+         connected).",
+    )
+}
+
+fn quotas_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
+    let op = op
+        .summary("Every bucket's current and proposed limit")
+        .description(
+            "The plan a run would write now, computed from the daemon's history snapshot and \
+             the config repo's base branch (the decrease guard included: a held decrease shows \
+             the current limit and why). `refresh=true` re-pulls the history first; concurrent \
+             refreshes share one pull. Same bucket shape as `rlc preview --format json`.",
+        )
+        .response_with::<200, Json<quotas::QuotasResponse>, _>(|r| r.description("The plan."));
+    let op = problem(op, 404, "`service` names no service of the plan.");
+    quota_errors(op)
+}
+
+fn service_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
+    let op = op
+        .summary("One service's buckets with their evidence")
+        .description(
+            "As `GET /v1/quotas?service=`, with per-bucket details: the peak and when, the \
+             statistic used, the forecast bound, headroom, capacity share, coverage, and the \
+             value a rail capped the limit from.",
+        )
+        .response_with::<200, Json<quotas::ServiceQuotas>, _>(|r| r.description("The service."));
+    let op = problem(
+        op,
+        404,
+        "No such service in the config repo or the history.",
+    );
+    quota_errors(op)
+}
+
+fn quota_history_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
+    let op = op
+        .summary("A bucket's quota history")
+        .description(
+            "Every recorded change of the bucket (the most recent 1000, oldest first): when, \
+             which run and commit, old → new limit, and why.",
+        )
+        .response_with::<200, Json<quotas::BucketHistory>, _>(|r| r.description("The history."));
+    let op = problem(
+        op,
+        404,
+        "No recorded change and no such bucket in the latest plan.",
+    );
+    let op = problem(
+        op,
+        500,
+        "The store query failed (details in the daemon log).",
+    );
+    quota_errors(op)
 }
 
 fn runs_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {

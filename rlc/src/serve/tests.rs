@@ -640,3 +640,57 @@ fn committed_openapi_document_is_current() {
         "bearer"
     );
 }
+
+/// A Prometheus that accepts connections and never answers: a pull holds its request.
+fn hung_prometheus() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for s in listener.incoming().take(16) {
+            held.push(s);
+        }
+    });
+    url
+}
+
+#[tokio::test]
+async fn quota_api_answers_429_with_retry_after_when_every_slot_is_taken() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!(
+        "history:\n  prometheus:\n    url: {}\n    query: up\n    timeout: 5s\n    retries: 1\nconfig_repo:\n  path: wc\n",
+        hung_prometheus()
+    );
+    let cfg: DaemonConfig = schema::parse_str(Path::new("rlc.yaml"), &text)
+        .unwrap()
+        .value;
+    let cache = Arc::new(crate::snapshot::HistoryCache::new(cfg.clone(), dir.path()));
+    let q = quotas::Quotas::new(cfg, dir.path(), cache.clone(), 1).unwrap();
+    let state = AppState::new(None, mpsc::channel(1).0);
+    state.set_quotas(Arc::new(q));
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(axum::serve(l, app(state)).into_future());
+    let c = reqwest::Client::new();
+    // The one slot is taken by a refresh waiting for the hung Prometheus.
+    let busy = tokio::spawn({
+        let (c, url) = (c.clone(), url.clone());
+        async move { c.get(format!("{url}/v1/quotas?refresh=true")).send().await }
+    });
+    for _ in 0..100 {
+        if cache.pulls() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(cache.pulls(), 1, "the first request is pulling");
+    for path in ["/v1/quotas", "/v1/quotas/pay", "/v1/quotas/pay/gw/history"] {
+        let r = c.get(format!("{url}{path}")).send().await.unwrap();
+        assert_eq!(r.status(), 429, "{path}");
+        assert_eq!(r.headers()["retry-after"], "1");
+        assert_eq!(r.headers()["content-type"], "application/problem+json");
+        let body: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(body["status"], 429);
+    }
+    busy.abort();
+}

@@ -25,6 +25,16 @@ fn setup(history: &str) -> tempfile::TempDir {
     )
     .unwrap();
     rlc::history::synth::generate(&d.join("h.csv"), 1, Utc::now(), 28, 60).unwrap();
+    // A git working copy, as `rlc run` keeps it: preview asks its history whether a decrease
+    // must wait (no commit lowered anything here).
+    let repo = d.join("repo");
+    for args in [
+        &["init", "-q", "-b", "main"][..],
+        &["add", "-A"],
+        &["commit", "-q", "-m", "seed"],
+    ] {
+        test_support::git::git(&repo, args).unwrap();
+    }
     dir
 }
 
@@ -81,6 +91,33 @@ fn preview_json_and_table() {
     assert!(
         out.contains("web.route") && out.contains("-25.0%") && !out.contains("search"),
         "{out}"
+    );
+
+    // Without the config repo's history the run would hold the decrease (fail safe): so
+    // does the preview, keeping the current limit and saying why.
+    std::fs::remove_dir_all(dir.path().join("repo/.git")).unwrap();
+    let (code, out, err) = rlc(dir.path(), &["preview", "--format", "json"]);
+    assert_eq!(code, 0, "{err}");
+    let plan: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let web = plan["buckets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["service"] == "maps" && b["name"] == "web.route")
+        .unwrap()
+        .clone();
+    assert_eq!(web["limit_rps"], 5000.0, "{web}");
+    assert_eq!(web["held"]["proposed_limit_rps"], 3750.0, "{web}");
+    let reason = web["held"]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("not a git repository") && reason.contains("decrease held"),
+        "{reason}"
+    );
+    let (_, out, _) = rlc(dir.path(), &["preview", "--service", "maps"]);
+    assert!(out.contains("held (-25.0%)"), "{out}");
+    assert!(
+        !dir.path().join("rlc.db").exists(),
+        "preview created no store"
     );
 }
 

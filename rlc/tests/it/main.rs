@@ -6,5 +6,6 @@ mod cli;
 mod compute;
 mod faults;
 mod prometheus;
+mod quotas;
 mod support;
 mod validate;

@@ -1,0 +1,751 @@
+//! The read endpoints of the quota preview API (JSON; errors as problem+json):
+//!
+//! - `GET /v1/quotas[?service=S][&refresh=true]`: every bucket of the latest computed plan
+//!   (the plan a run would do now, [`crate::planner::effective_plan`]) in the shape of
+//!   `rlc preview --format json`, each bucket extended with `change`, `confidence` and `rail`.
+//! - `GET /v1/quotas/{service}[?refresh=true]`: one service, each bucket with `details` (peak
+//!   and when, statistic, forecast bound, headroom, capacity share, coverage, capped-from).
+//! - `GET /v1/quotas/{service}/{bucket}/history`: the bucket's changes from the store.
+//!
+//! The plan is computed from the daemon's history snapshot ([`crate::snapshot`]) against the
+//! config repo's base tip as last fetched, and cached until either changes. Concurrency is
+//! bounded: a request that finds every slot taken gets 429 with `Retry-After`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock, RwLock};
+
+use axum::body::Bytes;
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Query, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use chrono::{DateTime, Utc};
+use schema::{ConfigRepo, DaemonConfig};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use tokio::sync::Semaphore;
+
+use super::dashboard::bucket::BucketPath;
+use super::limits::Path as UrlPath;
+use super::problem::{InputProblem, Problem};
+use super::AppState;
+use crate::gitops::{Writer, WriterConfig};
+use crate::plan::{Plan, PlannedBucket, Skipped};
+use crate::planner::{effective_plan, GitHistory, StoreWitness};
+use crate::snapshot::{HistoryCache, Snapshot};
+
+/// Requests of these endpoints served at once; more get 429.
+pub const DEFAULT_CONCURRENCY: usize = 32;
+/// Seconds a client is told to wait after a 429.
+pub const RETRY_AFTER_SECS: u64 = 1;
+/// Changes returned by the history endpoint at most (the most recent ones).
+pub const HISTORY_MAX: i64 = 1000;
+
+/// The quota API's state: the history snapshot, the latest computed plan, the limit.
+pub struct Quotas {
+    cfg: DaemonConfig,
+    base_dir: PathBuf,
+    /// The daemon's history snapshot (also refreshed by runs).
+    pub cache: Arc<HistoryCache>,
+    latest: RwLock<Option<Arc<Computed>>>,
+    compute: tokio::sync::Mutex<()>,
+    limit: Arc<Semaphore>,
+    export: tempfile::TempDir,
+}
+
+/// One computed plan and what it was computed from.
+pub struct Computed {
+    snapshot: Arc<Snapshot>,
+    base_commit: String,
+    computed_at: DateTime<Utc>,
+    plan: Plan,
+    /// Where each service's buckets are in `plan.buckets` (sorted by service).
+    by_service: std::collections::HashMap<String, std::ops::Range<usize>>,
+    /// The unfiltered `GET /v1/quotas` body, rendered on first use.
+    all: OnceLock<Bytes>,
+}
+
+impl Quotas {
+    /// The API over `cfg` (paths resolved against `base_dir`, the directory of rlc.yaml) and
+    /// `cache`, serving at most `concurrency` requests at once.
+    pub fn new(
+        cfg: DaemonConfig,
+        base_dir: &Path,
+        cache: Arc<HistoryCache>,
+        concurrency: usize,
+    ) -> std::io::Result<Quotas> {
+        Ok(Quotas {
+            cfg,
+            base_dir: base_dir.to_path_buf(),
+            cache,
+            latest: RwLock::new(None),
+            compute: tokio::sync::Mutex::new(()),
+            limit: Arc::new(Semaphore::new(concurrency)),
+            export: tempfile::Builder::new().prefix("rlc-quotas-").tempdir()?,
+        })
+    }
+
+    /// The latest computed plan, if any.
+    pub fn latest(&self) -> Option<Arc<Computed>> {
+        self.latest.read().unwrap().clone()
+    }
+
+    fn writer_config(&self) -> WriterConfig {
+        WriterConfig::from_config(&self.cfg.config_repo, &self.base_dir)
+    }
+
+    /// The plan for the base tip as last fetched and the latest snapshot: the cached one when
+    /// neither changed, else computed (one computation at a time; waiters reuse it).
+    async fn current(&self, store: StoreWitness) -> Result<Arc<Computed>, Problem> {
+        let tip = self.base_tip().await?;
+        let snapshot = self.cache.get().await;
+        let fresh = |c: &Arc<Computed>| {
+            c.base_commit == tip && c.snapshot.generation == snapshot.generation
+        };
+        if let Some(c) = self.latest().filter(fresh) {
+            return Ok(c);
+        }
+        let _one = self.compute.lock().await;
+        if let Some(c) = self.latest().filter(fresh) {
+            return Ok(c);
+        }
+        let (commit, repo) = self.load_base().await?;
+        let plan = effective_plan(
+            &self.cfg,
+            &self.base_dir,
+            Arc::new(repo),
+            snapshot.history.clone(),
+            &store,
+            GitHistory::AsFetched,
+            Utc::now(),
+        )
+        .await
+        .map_err(|e| Problem::new(StatusCode::SERVICE_UNAVAILABLE, format!("{e:#}")))?;
+        let mut by_service: std::collections::HashMap<String, std::ops::Range<usize>> =
+            Default::default();
+        for (i, b) in plan.buckets.iter().enumerate() {
+            by_service
+                .entry(b.service.clone())
+                .and_modify(|r| r.end = i + 1)
+                .or_insert(i..i + 1);
+        }
+        let c = Arc::new(Computed {
+            snapshot,
+            base_commit: commit,
+            computed_at: Utc::now(),
+            plan,
+            by_service,
+            all: OnceLock::new(),
+        });
+        *self.latest.write().unwrap() = Some(c.clone());
+        Ok(c)
+    }
+
+    async fn base_tip(&self) -> Result<String, Problem> {
+        let wcfg = self.writer_config();
+        tokio::task::spawn_blocking(move || Writer::open_existing(wcfg)?.base_tip())
+            .await
+            .map_err(|e| unavailable(format!("reading the config repo: {e}")))?
+            .map_err(|e| {
+                unavailable(format!(
+                    "the config repo is not synced yet ({e}); try again after the first poll"
+                ))
+            })
+    }
+
+    /// The base tip's config repo, exported next to (never inside) the working copy the
+    /// scheduler owns, and loaded. A tip with problems answers 503 listing them.
+    async fn load_base(&self) -> Result<(String, ConfigRepo), Problem> {
+        let wcfg = self.writer_config();
+        let root = self.export.path().to_path_buf();
+        let res = tokio::task::spawn_blocking(move || -> Result<_, String> {
+            let w = Writer::open_existing(wcfg).map_err(|e| e.to_string())?;
+            let tip = w.base_tip().map_err(|e| e.to_string())?;
+            let dir = root.join(&tip);
+            if !dir.exists() {
+                let tmp = root.join(format!("{tip}.part"));
+                let _ = std::fs::remove_dir_all(&tmp);
+                w.export_base(&tmp).map_err(|e| e.to_string())?;
+                std::fs::rename(&tmp, &dir).map_err(|e| e.to_string())?;
+                // Older exports are no longer needed.
+                if let Ok(entries) = std::fs::read_dir(&root) {
+                    for e in entries.flatten() {
+                        if e.path() != dir {
+                            let _ = std::fs::remove_dir_all(e.path());
+                        }
+                    }
+                }
+            }
+            let (repo, diags) = ConfigRepo::load(&dir);
+            Ok((tip, repo, diags))
+        })
+        .await
+        .map_err(|e| unavailable(format!("reading the config repo: {e}")))?
+        .map_err(|e| unavailable(format!("reading the config repo: {e}")))?;
+        let (tip, repo, diags) = res;
+        if !diags.is_empty() {
+            let problems = diags.iter().map(InputProblem::from).collect();
+            return Err(unavailable(format!(
+                "the config repo at {} has problems; no plan is computed on top of it",
+                crate::cycle::short(&tip)
+            ))
+            .with_problems(problems));
+        }
+        Ok((tip, repo))
+    }
+}
+
+fn unavailable(detail: impl Into<String>) -> Problem {
+    Problem::new(StatusCode::SERVICE_UNAVAILABLE, detail)
+}
+
+/// `?service=` and `?refresh=`; anything else is a 400.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct QuotasQuery {
+    /// Only this service.
+    pub service: Option<String>,
+    /// Pull the history again before computing (concurrent refreshes share one pull).
+    pub refresh: Option<bool>,
+}
+
+/// `?refresh=`; anything else is a 400.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RefreshQuery {
+    /// Pull the history again before computing.
+    pub refresh: Option<bool>,
+}
+
+/// The history snapshot a plan was computed from.
+#[derive(Debug, Clone, Serialize, JsonSchema)]
+pub struct HistoryInfo {
+    /// When the pull finished.
+    pub pulled_at: DateTime<Utc>,
+    /// The snapshot's number (increases with every stored pull).
+    pub generation: u64,
+    /// The source (Prometheus URL and query, or file).
+    pub source: String,
+    /// Why the latest pull failed, when it did (the plan is from the last good snapshot).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_pull_error: Option<String>,
+}
+
+/// How the limit a run would write differs from the current one.
+#[derive(Debug, Clone, Serialize, JsonSchema)]
+pub struct Change {
+    /// `new` (no current bucket), `raised`, `lowered`, `unchanged`, or `held` (a decrease
+    /// waits for the decrease interval: the current limit is kept).
+    pub kind: &'static str,
+    /// `limit_rps - current_limit_rps` (none for a new bucket).
+    pub delta_rps: Option<f64>,
+    /// The same in percent of the current limit (none for a new bucket or a current 0).
+    pub percent: Option<f64>,
+}
+
+/// Numbers behind one bucket's limit, from its evidence (absent when the policy has none).
+#[derive(Debug, Clone, Default, Serialize, JsonSchema)]
+pub struct Details {
+    /// The highest rate observed in the window.
+    pub peak_rps: Option<f64>,
+    /// When it happened.
+    pub peak_at: Option<String>,
+    /// The statistic the limit is based on: `max` or a percentile such as `p99.9` (peak).
+    pub statistic: Option<String>,
+    /// That statistic's value.
+    pub statistic_rps: Option<f64>,
+    /// The forecast's upper bound over the horizon (forecast policy).
+    pub forecast_upper_bound_rps: Option<f64>,
+    /// The headroom multiplied in (0.25 = +25%).
+    pub headroom: Option<f64>,
+    /// The bucket's share of the planned capacity (`rlc/capacity.yaml`).
+    pub capacity_share_rps: Option<f64>,
+    /// What the policy's limit was capped by (planned capacity share, ...).
+    pub capped_by: Option<String>,
+    /// Share of the window with samples since the series' first one.
+    pub coverage: Option<f64>,
+    /// Days of history behind the limit.
+    pub history_days: Option<f64>,
+    /// The policy's limit before a rail moved it (floor, ceiling, per-run cap, small change).
+    pub capped_from_rps: Option<f64>,
+    /// The limit the policy proposed (before the rails).
+    pub proposed_rps: Option<f64>,
+}
+
+/// One bucket: the preview JSON's bucket (every field of `rlc preview --format json`), plus
+/// the change, the confidence and the rail that held or capped it.
+#[derive(Debug, Clone, Serialize, JsonSchema)]
+pub struct QuotaBucket {
+    /// The bucket as `rlc preview --format json` shows it; `limit_rps` is what the next run
+    /// would write.
+    #[serde(flatten)]
+    pub planned: PlannedBucket,
+    /// Current → proposed.
+    pub change: Change,
+    /// 0–1 (none when the bucket keeps its quota without a computation).
+    pub confidence: Option<f64>,
+    /// The rail or guard that held or capped the limit, in words, if any.
+    pub rail: Option<String>,
+    /// Per-bucket numbers (only in `GET /v1/quotas/{service}`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub details: Option<Details>,
+}
+
+/// `GET /v1/quotas`: the preview JSON (`buckets`, `skipped`, `history_failed`,
+/// `history_error`) with what it was computed from.
+#[derive(Debug, Clone, Serialize, JsonSchema)]
+pub struct QuotasResponse {
+    /// The config repo's base commit the current limits come from.
+    pub base_commit: String,
+    /// When the plan was computed.
+    pub computed_at: DateTime<Utc>,
+    /// The history snapshot it was computed from.
+    pub history: HistoryInfo,
+    /// Every bucket, sorted by service then name.
+    pub buckets: Vec<QuotaBucket>,
+    /// Series or services that keep their current quotas, with the reason.
+    pub skipped: Vec<Skipped>,
+    /// Services whose history failed or was incomplete.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub history_failed: Vec<String>,
+    /// Why the whole history source failed, when it did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub history_error: Option<String>,
+}
+
+/// `GET /v1/quotas/{service}`.
+#[derive(Debug, Clone, Serialize, JsonSchema)]
+pub struct ServiceQuotas {
+    /// The service.
+    pub service: String,
+    /// The config repo's base commit the current limits come from.
+    pub base_commit: String,
+    /// When the plan was computed.
+    pub computed_at: DateTime<Utc>,
+    /// The history snapshot it was computed from.
+    pub history: HistoryInfo,
+    /// The service's buckets, with `details`.
+    pub buckets: Vec<QuotaBucket>,
+    /// The service's skipped series, with the reason.
+    pub skipped: Vec<Skipped>,
+    /// Whether the service's history failed (it keeps its current quotas).
+    pub history_failed: bool,
+}
+
+/// `GET /v1/quotas/{service}/{bucket}/history`.
+#[derive(Debug, Clone, Serialize, JsonSchema)]
+pub struct BucketHistory {
+    /// The service.
+    pub service: String,
+    /// The bucket.
+    pub bucket: String,
+    /// Every recorded change (at most the latest 1000), oldest first.
+    pub changes: Vec<HistoryChange>,
+}
+
+/// One recorded change of a bucket.
+#[derive(Debug, Clone, Serialize, JsonSchema)]
+pub struct HistoryChange {
+    /// The stored row.
+    #[serde(flatten)]
+    pub change: crate::store::QuotaChange,
+    /// Why, in words: the rails that acted, or the policy's numbers.
+    pub reason: String,
+}
+
+fn change_of(b: &PlannedBucket) -> Change {
+    let Some(cur) = b.current_limit_rps else {
+        return Change {
+            kind: "new",
+            delta_rps: None,
+            percent: None,
+        };
+    };
+    let delta = b.bucket.limit_rps - cur;
+    let kind = if b.held.is_some() {
+        "held"
+    } else if delta > 0.0 {
+        "raised"
+    } else if delta < 0.0 {
+        "lowered"
+    } else {
+        "unchanged"
+    };
+    let round = |v: f64| (v * 1000.0).round() / 1000.0;
+    Change {
+        kind,
+        delta_rps: Some(round(delta)),
+        percent: (cur > 0.0).then(|| (delta / cur * 1000.0).round() / 10.0),
+    }
+}
+
+/// The rail or guard that held or capped the limit: the decrease guard, a rail's note, the
+/// policy's cap, or why the bucket keeps its quota.
+fn rail_of(b: &PlannedBucket) -> Option<String> {
+    if let Some(h) = &b.held {
+        return Some(h.reason.clone());
+    }
+    let e = &b.evidence;
+    if let Some(notes) = e.get("rails").and_then(Value::as_array) {
+        // The note of the rail that moved the limit, else the first one (mode, shadow start).
+        let limit = notes
+            .iter()
+            .filter_map(Value::as_str)
+            .find(|n| !n.starts_with("mode ") && !n.contains("starts in shadow"));
+        if let Some(n) = limit.or_else(|| notes.first().and_then(Value::as_str)) {
+            return Some(n.to_string());
+        }
+    }
+    if let Some(c) = e.pointer("/policy/capped_by").and_then(Value::as_str) {
+        return Some(format!("capped by the {c}"));
+    }
+    e.get("kept_current")
+        .and_then(Value::as_str)
+        .map(str::to_string)
+}
+
+fn details_of(b: &PlannedBucket) -> Details {
+    let e = &b.evidence;
+    let num = |p: &str| e.pointer(p).and_then(Value::as_f64);
+    let text = |p: &str| e.pointer(p).and_then(Value::as_str).map(str::to_string);
+    Details {
+        peak_rps: num("/peak_rps").or_else(|| num("/policy/peak_rps")),
+        peak_at: text("/peak_at").or_else(|| text("/policy/peak_at")),
+        statistic: text("/policy/statistic"),
+        statistic_rps: num("/policy/value_rps"),
+        forecast_upper_bound_rps: num("/policy/upper_bound_rps"),
+        headroom: num("/policy/headroom"),
+        capacity_share_rps: num("/policy/capacity_share_rps"),
+        capped_by: text("/policy/capped_by"),
+        coverage: num("/policy/coverage"),
+        history_days: num("/policy/history_days"),
+        capped_from_rps: num("/capped_from"),
+        proposed_rps: num("/proposed_rps"),
+    }
+}
+
+fn view(b: &PlannedBucket, details: bool) -> QuotaBucket {
+    QuotaBucket {
+        planned: b.clone(),
+        change: change_of(b),
+        confidence: b.evidence.get("confidence").and_then(Value::as_f64),
+        rail: rail_of(b),
+        details: details.then(|| details_of(b)),
+    }
+}
+
+fn history_info(q: &Quotas, c: &Computed) -> HistoryInfo {
+    HistoryInfo {
+        pulled_at: c.snapshot.pulled_at,
+        generation: c.snapshot.generation,
+        source: c.snapshot.source.clone(),
+        last_pull_error: q.cache.last_error(),
+    }
+}
+
+impl Computed {
+    fn response(&self, q: &Quotas, service: Option<&str>) -> QuotasResponse {
+        let keep = |s: &str| service.is_none_or(|want| want == s);
+        QuotasResponse {
+            base_commit: self.base_commit.clone(),
+            computed_at: self.computed_at,
+            history: history_info(q, self),
+            buckets: self
+                .buckets_of(service)
+                .iter()
+                .map(|b| view(b, false))
+                .collect(),
+            skipped: self
+                .plan
+                .skipped
+                .iter()
+                .filter(|s| keep(&s.service))
+                .cloned()
+                .collect(),
+            history_failed: self
+                .plan
+                .history_failed
+                .iter()
+                .filter(|s| keep(s))
+                .cloned()
+                .collect(),
+            history_error: self.plan.history_error.clone(),
+        }
+    }
+
+    /// The buckets of `service` (every bucket for `None`).
+    fn buckets_of(&self, service: Option<&str>) -> &[PlannedBucket] {
+        match service {
+            None => &self.plan.buckets,
+            Some(s) => self
+                .by_service
+                .get(s)
+                .map_or(&[][..], |r| &self.plan.buckets[r.clone()]),
+        }
+    }
+
+    /// Whether `service` is in this plan at all (buckets, skipped or failed history).
+    fn knows(&self, service: &str) -> bool {
+        self.by_service.contains_key(service)
+            || self.plan.skipped.iter().any(|s| s.service == service)
+            || self.plan.history_failed.iter().any(|s| s == service)
+    }
+}
+
+fn json_bytes(body: Bytes) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        body,
+    )
+        .into_response()
+}
+
+fn too_many() -> Response {
+    let mut r = Problem::new(
+        StatusCode::TOO_MANY_REQUESTS,
+        "too many quota requests at once; retry after the time in Retry-After",
+    )
+    .into_response();
+    r.headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECS));
+    r
+}
+
+fn bad_query(e: QueryRejection) -> Problem {
+    Problem::new(
+        StatusCode::BAD_REQUEST,
+        format!(
+            "invalid query string: {}; accepted: service=<name>, refresh=true|false",
+            e.body_text()
+        ),
+    )
+}
+
+/// The quota API and a slot of its concurrency limit, or the answer to give instead.
+fn enter(s: &AppState) -> Result<(Arc<Quotas>, tokio::sync::OwnedSemaphorePermit), Box<Response>> {
+    let q = s.quotas().ok_or_else(|| {
+        Box::new(unavailable("the quota API is not configured on this server").into_response())
+    })?;
+    let permit = q
+        .limit
+        .clone()
+        .try_acquire_owned()
+        .map_err(|_| Box::new(too_many()))?;
+    Ok((q, permit))
+}
+
+fn store_witness(s: &AppState) -> StoreWitness {
+    match s.store() {
+        Some(st) => StoreWitness::Store(st),
+        None => StoreWitness::Unavailable("not connected yet".into()),
+    }
+}
+
+/// `GET /v1/quotas[?service=S][&refresh=true]`.
+pub async fn list(
+    State(s): State<AppState>,
+    query: Result<Query<QuotasQuery>, QueryRejection>,
+) -> Response {
+    let (q, _permit) = match enter(&s) {
+        Ok(x) => x,
+        Err(r) => return *r,
+    };
+    let Query(query) = match query {
+        Ok(x) => x,
+        Err(e) => return bad_query(e).into_response(),
+    };
+    if query.refresh == Some(true) {
+        q.cache.refresh().await;
+    }
+    let c = match q.current(store_witness(&s)).await {
+        Ok(c) => c,
+        Err(p) => return p.into_response(),
+    };
+    match query.service.as_deref() {
+        None => {
+            let body = c
+                .all
+                .get_or_init(|| {
+                    Bytes::from(serde_json::to_vec(&c.response(&q, None)).unwrap_or_default())
+                })
+                .clone();
+            json_bytes(body)
+        }
+        Some(svc) if !c.knows(svc) => unknown_service(svc).into_response(),
+        Some(svc) => axum::Json(c.response(&q, Some(svc))).into_response(),
+    }
+}
+
+fn unknown_service(service: &str) -> Problem {
+    Problem::new(
+        StatusCode::NOT_FOUND,
+        format!(
+            "no service `{service}` in the config repo or the history (GET /v1/quotas lists every service)"
+        ),
+    )
+}
+
+/// Path of `GET /v1/quotas/{service}`.
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct ServicePath {
+    /// Callee service.
+    pub service: String,
+}
+
+/// `GET /v1/quotas/{service}[?refresh=true]`.
+pub async fn service(
+    State(s): State<AppState>,
+    UrlPath(ServicePath { service }): UrlPath<ServicePath>,
+    query: Result<Query<RefreshQuery>, QueryRejection>,
+) -> Response {
+    let (q, _permit) = match enter(&s) {
+        Ok(x) => x,
+        Err(r) => return *r,
+    };
+    let Query(query) = match query {
+        Ok(x) => x,
+        Err(e) => return bad_query(e).into_response(),
+    };
+    if query.refresh == Some(true) {
+        q.cache.refresh().await;
+    }
+    let c = match q.current(store_witness(&s)).await {
+        Ok(c) => c,
+        Err(p) => return p.into_response(),
+    };
+    if !c.knows(&service) {
+        return unknown_service(&service).into_response();
+    }
+    let body = ServiceQuotas {
+        service: service.clone(),
+        base_commit: c.base_commit.clone(),
+        computed_at: c.computed_at,
+        history: history_info(&q, &c),
+        buckets: c
+            .buckets_of(Some(&service))
+            .iter()
+            .map(|b| view(b, true))
+            .collect(),
+        skipped: c
+            .plan
+            .skipped
+            .iter()
+            .filter(|x| x.service == service)
+            .cloned()
+            .collect(),
+        history_failed: c.plan.history_failed.contains(&service),
+    };
+    axum::Json(body).into_response()
+}
+
+/// Why a recorded change was made, from its stored evidence.
+fn reason_of(evidence: &str) -> String {
+    let Ok(e) = serde_json::from_str::<Value>(evidence) else {
+        return String::new();
+    };
+    let mut parts: Vec<String> = Vec::new();
+    if let Some(h) = e.get("held") {
+        parts.push(h.to_string());
+    }
+    if let Some(k) = e.get("kept_current").and_then(Value::as_str) {
+        parts.push(k.to_string());
+    }
+    let p = |k: &str| e.pointer(&format!("/policy/{k}")).and_then(Value::as_f64);
+    match (p("value_rps").or(p("upper_bound_rps")), p("headroom")) {
+        (Some(v), Some(h)) => {
+            let stat = e
+                .pointer("/policy/statistic")
+                .and_then(Value::as_str)
+                .unwrap_or("forecast upper bound");
+            parts.push(format!(
+                "{stat} {} rps × (1 + headroom {h})",
+                schema::format_rps(v)
+            ));
+        }
+        _ => {
+            if let Some(r) = e.pointer("/policy/reference").and_then(Value::as_str) {
+                parts.push(format!("contract {r}"));
+            }
+        }
+    }
+    if let Some(notes) = e.get("rails").and_then(Value::as_array) {
+        parts.extend(notes.iter().filter_map(Value::as_str).map(str::to_string));
+    }
+    parts.join("; ")
+}
+
+/// `GET /v1/quotas/{service}/{bucket}/history`.
+pub async fn history(
+    State(s): State<AppState>,
+    UrlPath(BucketPath { service, bucket }): UrlPath<BucketPath>,
+    query: Result<Query<BTreeMap<String, String>>, QueryRejection>,
+) -> Response {
+    let (q, _permit) = match enter(&s) {
+        Ok(x) => x,
+        Err(r) => return *r,
+    };
+    match query {
+        Ok(Query(m)) if m.is_empty() => {}
+        Ok(Query(m)) => {
+            let names: Vec<&str> = m.keys().map(String::as_str).collect();
+            return Problem::new(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "unknown query parameter(s) {}: this endpoint takes none",
+                    names.join(", ")
+                ),
+            )
+            .into_response();
+        }
+        Err(e) => return bad_query(e).into_response(),
+    }
+    let Some(store) = s.store() else {
+        return unavailable("the store is not connected yet").into_response();
+    };
+    let rows = match store.quota_changes(&service, &bucket, HISTORY_MAX).await {
+        Ok(r) => r,
+        Err(e) => return unavailable(format!("the store cannot answer: {e}")).into_response(),
+    };
+    if rows.is_empty() {
+        // A bucket without recorded changes is still known when the plan has it.
+        let latest = match q.latest() {
+            Some(c) => c,
+            None => match q.current(store_witness(&s)).await {
+                Ok(c) => c,
+                Err(p) => return p.into_response(),
+            },
+        };
+        let known = latest
+            .plan
+            .buckets
+            .iter()
+            .any(|b| b.service == service && b.bucket.name == bucket);
+        if !known {
+            return Problem::new(
+                StatusCode::NOT_FOUND,
+                format!("no bucket `{bucket}` of service `{service}`: no recorded change and none in the latest plan"),
+            )
+            .into_response();
+        }
+    }
+    // The store answers newest first; the history reads oldest first.
+    let changes = rows
+        .into_iter()
+        .rev()
+        .map(|c| HistoryChange {
+            reason: reason_of(&c.evidence),
+            change: c,
+        })
+        .collect();
+    axum::Json(BucketHistory {
+        service,
+        bucket,
+        changes,
+    })
+    .into_response()
+}

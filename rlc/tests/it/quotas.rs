@@ -1,0 +1,421 @@
+//! The quota preview API of a real `rlc serve`, with a real Prometheus (backfilled, constant
+//! rates so the numbers are exact), a config repo on a git remote, on SQLite and on Postgres:
+//! the numbers of every endpoint, a held decrease with its reason, the history rows of a run,
+//! one pull for many concurrent refreshes; and `rlc preview --format json`, `GET /v1/quotas`
+//! and `rlc run --once` agreeing bucket for bucket.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::Value;
+use test_support::git::GitRemote;
+use test_support::process::{free_port, Proc};
+use test_support::prometheus::{OpenMetricsWriter, Prometheus};
+
+const DAY: i64 = 86_400;
+const QUERY: &str = "sum by (service, caller, procedure) (rate(rpc_requests_total[1m]))";
+/// `pay`: `web` at 200 rps (limit 100 → 250), `batch` at 400 rps (limit 1000 → 500 wanted,
+/// capped at 750 by the 25% per-run cap).
+const PAY: &str = "service: pay\nbuckets:\n  - name: web\n    caller: web\n    scope: global\n    limit_rps: 100\n    mode: enforce\n    policy: peak\n  - name: batch\n    caller: batch\n    scope: global\n    limit_rps: 1000\n    mode: enforce\n    policy: peak\n";
+
+/// Nine days of counters at constant rates, scraped every 30 s, up to `end`.
+fn prometheus(dir: &Path, end: i64) -> Prometheus {
+    let mut w = OpenMetricsWriter::create(&dir.join("history.om")).unwrap();
+    w.family("rpc_requests", "counter").unwrap();
+    for (caller, rate) in [("web", 200.0), ("batch", 400.0)] {
+        let labels = [("service", "pay"), ("caller", caller), ("procedure", "")];
+        let labels: Vec<(&str, &str)> = labels.into_iter().filter(|l| !l.1.is_empty()).collect();
+        let mut t = end - 9 * DAY;
+        let mut counter = 0.0;
+        while t <= end {
+            w.sample("rpc_requests_total", &labels, counter, t).unwrap();
+            counter += rate * 30.0;
+            t += 30;
+        }
+    }
+    Prometheus::start(&w.finish().unwrap()).expect("start Prometheus")
+}
+
+/// A pass-through proxy in front of Prometheus that waits `delay_ms` before forwarding each
+/// request while it is set: a pull then lasts long enough for every concurrent request of a
+/// test to come in while it runs, whatever the machine's speed.
+async fn slow_proxy(target: String, delay_ms: Arc<AtomicU64>) -> String {
+    let client = reqwest::Client::new();
+    let app = axum::Router::new().fallback(move |req: axum::extract::Request| {
+        let (client, target, delay) = (client.clone(), target.clone(), delay_ms.clone());
+        async move {
+            let d = delay.load(Ordering::Relaxed);
+            if d > 0 {
+                tokio::time::sleep(Duration::from_millis(d)).await;
+            }
+            let (parts, body) = req.into_parts();
+            let body = axum::body::to_bytes(body, 1 << 20).await.unwrap();
+            let mut fwd = client.request(parts.method, format!("{target}{}", parts.uri));
+            if let Some(ct) = parts.headers.get("content-type") {
+                fwd = fwd.header("content-type", ct.clone());
+            }
+            let r = fwd.body(body).send().await.unwrap();
+            let status = r.status();
+            (status, r.bytes().await.unwrap())
+        }
+    });
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
+    format!("http://{addr}")
+}
+
+fn rlc(dir: &Path, args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_rlc"));
+    c.args(args)
+        .arg("--config")
+        .arg(dir.join("rlc.yaml"))
+        .current_dir(dir)
+        .env("RLC_TEST_API_TOKEN", "quota-api-token");
+    c
+}
+
+fn output(dir: &Path, args: &[&str]) -> (i32, String) {
+    let out = rlc(dir, args).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.code().is_some(), "{args:?} killed: {err}");
+    (
+        out.status.code().unwrap(),
+        String::from_utf8(out.stdout).unwrap() + &err,
+    )
+}
+
+fn json_of(text: &str) -> Value {
+    let start = text.find('{').unwrap_or(0);
+    let mut de = serde_json::Deserializer::from_str(&text[start..]).into_iter::<Value>();
+    de.next().unwrap().unwrap_or_else(|e| panic!("{e}: {text}"))
+}
+
+/// `(service/name, limit_rps)` of every bucket of a plan-shaped JSON.
+fn limits(plan: &Value) -> Vec<(String, f64)> {
+    let mut v: Vec<(String, f64)> = plan["buckets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| {
+            (
+                format!(
+                    "{}/{}",
+                    b["service"].as_str().unwrap(),
+                    b["name"].as_str().unwrap()
+                ),
+                b["limit_rps"].as_f64().unwrap(),
+            )
+        })
+        .collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+fn bucket<'a>(plan: &'a Value, name: &str) -> &'a Value {
+    plan["buckets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["name"] == name)
+        .unwrap_or_else(|| panic!("no bucket {name} in {plan}"))
+}
+
+async fn get(c: &reqwest::Client, url: &str) -> (u16, Option<String>, Value) {
+    let r = c.get(url).send().await.unwrap();
+    let status = r.status().as_u16();
+    let ctype = r
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let text = r.text().await.unwrap();
+    (
+        status,
+        ctype,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
+}
+
+async fn pulls(c: &reqwest::Client, base: &str) -> u64 {
+    let text = c
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix("rlc_history_pulls_total "))
+        .unwrap_or_else(|| panic!("no rlc_history_pulls_total in {text}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+fn scenario(database_url: &str) {
+    let end = chrono::Utc::now().timestamp() / 60 * 60 - 60;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let prom = prometheus(d, end);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let delay = Arc::new(AtomicU64::new(0));
+    let proxy = rt.block_on(slow_proxy(prom.url.clone(), delay.clone()));
+    let mut files = test_support::git::minimal_repo_files(&[]);
+    files.push(("buckets/pay.yaml".into(), PAY.into()));
+    let refs: Vec<(&str, &str)> = files
+        .iter()
+        .map(|(a, b)| (a.as_str(), b.as_str()))
+        .collect();
+    let remote = GitRemote::new("main", &refs).unwrap();
+    let port = free_port();
+    std::fs::write(
+        d.join("rlc.yaml"),
+        format!(
+            "history:\n  prometheus:\n    url: {proxy}\n    query: '{QUERY}'\n  lookback: 8d\n  step: 5m\n\
+             config_repo:\n  path: wc\n  url: {}\n  author_name: rlc-bot\n  author_email: rlc@example.com\n\
+             database_url: {database_url}\n\
+             server:\n  listen: 127.0.0.1:{port}\n  token_env: RLC_TEST_API_TOKEN\n",
+            remote.url()
+        ),
+    )
+    .unwrap();
+
+    // First run: web 100 → 250 (200 × 1.25), batch 1000 → 750 (500 wanted, capped at 25%).
+    let (code, out) = output(d, &["run", "--once"]);
+    assert_eq!(code, 0, "{out}");
+    let head = remote.head("main").unwrap();
+    let pay = remote.read("main", "buckets/pay.yaml").unwrap();
+    assert!(
+        pay.contains("limit_rps: 250\n") && pay.contains("limit_rps: 750\n"),
+        "{pay}"
+    );
+
+    // The CLI preview now shows what a second run would do: batch's next decrease (750 →
+    // 563 after the cap) is held for a day, with the reason.
+    let (code, out) = output(d, &["preview", "--format", "json"]);
+    assert_eq!(code, 0, "{out}");
+    let cli = json_of(&out);
+    let batch = bucket(&cli, "batch");
+    assert_eq!(batch["limit_rps"], 750.0, "{batch}");
+    assert_eq!(batch["current_limit_rps"], 750.0, "{batch}");
+    assert_eq!(batch["held"]["proposed_limit_rps"], 563.0, "{batch}");
+    let reason = batch["held"]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("already lowered") && reason.contains("config repo history"),
+        "{reason}"
+    );
+    assert_eq!(bucket(&cli, "web")["limit_rps"], 250.0);
+
+    let serve = Proc::spawn(
+        rlc(d, &["serve", "--poll-secs", "1"])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(d.join("serve.log")).unwrap()),
+    )
+    .unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    let rest = rt.block_on(async {
+        let c = reqwest::Client::builder()
+            .timeout(Duration::from_secs(60))
+            .build()
+            .unwrap();
+        // Up, and the working copy synced (the first poll).
+        let mut first = None;
+        for _ in 0..600 {
+            if let Ok(r) = c.get(format!("{base}/v1/quotas")).send().await {
+                if r.status() == 200 {
+                    first = Some(r.json::<Value>().await.unwrap());
+                    break;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let all = first.unwrap_or_else(|| {
+            panic!(
+                "GET /v1/quotas never answered 200: {}",
+                std::fs::read_to_string(d.join("serve.log")).unwrap_or_default()
+            )
+        });
+        assert_eq!(all["base_commit"], head.as_str());
+        assert!(all["history"]["source"].as_str().unwrap().contains(&proxy));
+        let batch = bucket(&all, "batch");
+        assert_eq!(batch["change"]["kind"], "held", "{batch}");
+        assert_eq!(batch["change"]["delta_rps"], 0.0);
+        assert!(
+            batch["rail"].as_str().unwrap().contains("already lowered"),
+            "{batch}"
+        );
+        assert_eq!(batch["held"]["proposed_limit_rps"], 563.0);
+        let web = bucket(&all, "web");
+        assert_eq!(web["change"]["kind"], "unchanged", "{web}");
+        assert_eq!(web["confidence"], 1.0, "{web}");
+        assert_eq!(
+            (web["mode"].as_str(), web["policy"].as_str()),
+            (Some("enforce"), Some("peak"))
+        );
+
+        // One service, with the numbers behind each limit.
+        let (status, _, svc) = get(&c, &format!("{base}/v1/quotas/pay")).await;
+        assert_eq!(status, 200, "{svc}");
+        let web = bucket(&svc, "web");
+        let det = &web["details"];
+        let peak = det["peak_rps"].as_f64().unwrap();
+        assert!((peak - 200.0).abs() < 0.5, "{det}");
+        assert_eq!(det["headroom"], 0.25);
+        assert_eq!(det["statistic"], "max");
+        assert_eq!(
+            web["limit_rps"].as_f64().unwrap(),
+            (peak * 1.25).round(),
+            "{det}"
+        );
+        assert!(
+            (det["coverage"].as_f64().unwrap() - 1.0).abs() < 0.01,
+            "{det}"
+        );
+        let at = chrono::DateTime::parse_from_rfc3339(det["peak_at"].as_str().unwrap()).unwrap();
+        assert!(
+            at.timestamp() <= end && at.timestamp() >= end - 8 * DAY - 600,
+            "{at}"
+        );
+        let bd = &bucket(&svc, "batch")["details"];
+        assert!(
+            (bd["peak_rps"].as_f64().unwrap() - 400.0).abs() < 0.5,
+            "{bd}"
+        );
+        assert_eq!(bd["capped_from_rps"], 500.0, "{bd}");
+        assert_eq!(svc["history_failed"], false);
+
+        // The bucket's history: the first run's change, its run and commit.
+        let (status, _, h) = get(&c, &format!("{base}/v1/quotas/pay/batch/history")).await;
+        assert_eq!(status, 200, "{h}");
+        let changes = h["changes"].as_array().unwrap();
+        assert_eq!(changes.len(), 1, "{h}");
+        let ch = &changes[0];
+        assert_eq!(
+            (
+                ch["change"].as_str(),
+                ch["previous_limit_rps"].as_f64(),
+                ch["limit_rps"].as_f64()
+            ),
+            (Some("lowered"), Some(1000.0), Some(750.0)),
+            "{ch}"
+        );
+        assert_eq!(ch["trigger"], "once");
+        assert_eq!(ch["commit_sha"], head.as_str());
+        assert!(ch["run_id"].as_i64().unwrap() >= 1);
+        assert!(
+            ch["reason"]
+                .as_str()
+                .unwrap()
+                .contains("capped at 25% per run"),
+            "{ch}"
+        );
+
+        // Unknown names: 404 problem details; odd query strings: 400.
+        for path in [
+            "/v1/quotas/nope",
+            "/v1/quotas/pay/nope/history",
+            "/v1/quotas?service=nope",
+        ] {
+            let (status, ctype, body) = get(&c, &format!("{base}{path}")).await;
+            assert_eq!(status, 404, "{path}: {body}");
+            assert_eq!(ctype.as_deref(), Some("application/problem+json"), "{path}");
+            assert!(body["detail"].as_str().unwrap().contains("nope"), "{body}");
+        }
+        for path in [
+            "/v1/quotas?refresh=maybe",
+            "/v1/quotas?bogus=1",
+            "/v1/quotas/pay?service=pay",
+            "/v1/quotas/pay/web/history?x=1",
+            "/v1/quotas?service=a&service=b",
+        ] {
+            let (status, ctype, body) = get(&c, &format!("{base}{path}")).await;
+            assert_eq!(status, 400, "{path}: {body}");
+            assert_eq!(ctype.as_deref(), Some("application/problem+json"), "{path}");
+        }
+        let (status, _, one) = get(&c, &format!("{base}/v1/quotas?service=pay")).await;
+        assert_eq!(status, 200);
+        assert_eq!(limits(&one), limits(&all));
+
+        // Many concurrent refreshes share one pull. Warm connections first, so that every
+        // request is in before the pull finishes.
+        let before = pulls(&c, &base).await;
+        let warm = concurrently(&c, vec![format!("{base}/healthz"); 20]).await;
+        assert!(warm.iter().all(|s| *s == 200));
+        delay.store(1500, Ordering::Relaxed);
+        let refreshed = concurrently(&c, vec![format!("{base}/v1/quotas?refresh=true"); 20]).await;
+        assert!(refreshed.iter().all(|s| *s == 200), "{refreshed:?}");
+        assert_eq!(
+            pulls(&c, &base).await,
+            before + 1,
+            "one pull for 20 refreshes"
+        );
+        all
+    });
+    drop(serve);
+
+    // Second run: writes exactly what both previews showed.
+    let (code, out) = output(d, &["run", "--once"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("already lowered"), "{out}");
+    assert_eq!(
+        remote.head("main").unwrap(),
+        head,
+        "nothing to commit: {out}"
+    );
+    let written: Vec<(String, f64)> = {
+        let file: schema::BucketFile =
+            serde_yaml::from_str(&remote.read("main", "buckets/pay.yaml").unwrap()).unwrap();
+        let mut v: Vec<_> = file
+            .buckets
+            .iter()
+            .map(|b| (format!("pay/{}", b.name), b.limit_rps))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    };
+    assert_eq!(limits(&cli), written, "CLI preview vs run");
+    assert_eq!(limits(&rest), written, "REST preview vs run");
+    assert_eq!(cli["buckets"].as_array().unwrap().len(), 2);
+}
+
+/// GETs every URL at once (one task each); their statuses, in order.
+async fn concurrently(c: &reqwest::Client, urls: Vec<String>) -> Vec<u16> {
+    let tasks: Vec<_> = urls
+        .into_iter()
+        .map(|u| {
+            let c = c.clone();
+            tokio::spawn(async move { c.get(u).send().await.unwrap().status().as_u16() })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+#[test]
+fn quota_api_on_sqlite_agrees_with_preview_and_run() {
+    scenario("sqlite://rlc.db");
+}
+
+#[test]
+fn quota_api_on_postgres_agrees_with_preview_and_run() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let db = rt
+        .block_on(test_support::postgres::fresh_database())
+        .expect("a throwaway Postgres");
+    scenario(&db.url);
+}
