@@ -7,6 +7,8 @@
 //! - `pipeline`: the planner `run`/`serve`/`demo` use: history → compute → plan.
 //! - `plan`: the computed quota set (what `preview` prints and `run` commits).
 //! - `validate_cmd`: `rlc validate DIR`.
+//! - `whatif`: what-if previews (`POST /v1/previews`): a plan for changed `rlc/*.yaml`, its diff
+//!   from the current plan and the backtest of both; writes nothing.
 //! - `exit`: the exit codes of every command.
 //! - `demo`: `rlc demo`, the whole loop on embedded defaults.
 //! - `gitops`: git write-back (libgit2 writer, forge client for PRs, commit message/PR body).
@@ -32,3 +34,4 @@ pub mod readiness;
 pub mod serve;
 pub mod store;
 pub mod validate_cmd;
+pub mod whatif;

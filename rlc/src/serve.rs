@@ -27,6 +27,7 @@ use crate::push::{ControllerClient, Report};
 use crate::store::{Lease, Store};
 
 pub mod dashboard;
+pub mod previews;
 pub mod problem;
 
 /// Reports fetched per `GET /v1/reports` call.
@@ -80,6 +81,8 @@ struct Inner {
     last: Mutex<Option<RunOutcome>>,
     /// Set once the scheduler has connected; the read-only pages answer 503 until then.
     store: RwLock<Option<Store>>,
+    /// `POST /v1/previews`; answers 503 until set.
+    previews: RwLock<Option<previews::Previews>>,
 }
 
 /// Shared state of the HTTP API and the scheduler.
@@ -100,6 +103,7 @@ impl AppState {
                 runs_done: watch::channel(0).0,
                 last: Mutex::new(None),
                 store: RwLock::new(None),
+                previews: RwLock::new(None),
             }),
         }
     }
@@ -115,6 +119,11 @@ impl AppState {
     /// Gives the HTTP pages the store (a pool: cloning it is cheap).
     pub fn set_store(&self, store: Store) {
         *self.inner.store.write().unwrap() = Some(store);
+    }
+
+    /// Sets what `POST /v1/previews` computes on.
+    pub fn set_previews(&self, p: previews::Previews) {
+        *self.inner.previews.write().unwrap() = Some(p);
     }
 
     /// The store, once connected.
@@ -269,9 +278,25 @@ async fn last_run(State(s): State<AppState>) -> (StatusCode, Json<serde_json::Va
     }
 }
 
-/// The HTTP API: `/healthz`, `/metrics`, `POST /v1/runs` (token), `GET /v1/runs/last`, and
-/// the read-only shadow-mode dashboard: `GET /` (HTML), `GET /v1/shadow`, `GET /v1/runs`
-/// (see [`dashboard`]).
+async fn post_previews(
+    State(s): State<AppState>,
+    h: HeaderMap,
+    body: axum::body::Body,
+) -> axum::response::Response {
+    let p = s.inner.previews.read().unwrap().clone();
+    match p {
+        Some(p) => previews::answer(&p, &h, body).await,
+        None => problem::Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "previews are not available yet",
+        )
+        .into_response(),
+    }
+}
+
+/// The HTTP API: `/healthz`, `/metrics`, `POST /v1/runs` (token), `GET /v1/runs/last`,
+/// `POST /v1/previews` (what-if previews, see [`previews`]) and the read-only shadow-mode
+/// dashboard: `GET /` (HTML), `GET /v1/shadow`, `GET /v1/runs` (see [`dashboard`]).
 pub fn app(state: AppState) -> Router {
     Router::new()
         .route("/", get(dashboard::page))
@@ -280,6 +305,7 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/shadow", get(dashboard::shadow_json))
         .route("/v1/runs", get(dashboard::runs_json).post(trigger_run))
         .route("/v1/runs/last", get(last_run))
+        .route("/v1/previews", axum::routing::post(post_previews))
         .with_state(state)
 }
 
@@ -322,6 +348,10 @@ pub async fn serve_on(
         .as_ref()
         .map(grl_runtime::tls::ReloadingServerConfig::load)
         .transpose()?;
+    if state.inner.previews.read().unwrap().is_none() {
+        // PLACEHOLDER: to be fed by the daemon's snapshot (see previews::from_working_copy).
+        state.set_previews(previews::from_working_copy(cfg.clone(), base_dir));
+    }
     let cycle = Arc::new(Cycle::new(cfg, base_dir));
     let http =
         grl_runtime::tls::serve(listener, app(state.clone()), tls, stopped(shutdown.clone()));
