@@ -256,7 +256,7 @@ pub fn preview(
     current_plan: &Plan,
     body: &[u8],
     content_type: Option<&str>,
-    plan_fn: &PlanFn,
+    plan_fn: &(dyn Fn(&DaemonConfig, &ConfigRepo, &History, DateTime<Utc>) -> Plan + Sync),
     now: DateTime<Utc>,
 ) -> Result<PreviewAnswer, Problem> {
     if body.len() > MAX_BODY_BYTES {
@@ -278,7 +278,7 @@ pub fn preview(
     // The documents, as texts in the files' format: replaced, or the current one patched.
     let repo = &inputs.repo;
     let mut changes: Vec<DocChange> = Vec::new();
-    let mut problems: Vec<InputProblem> = Vec::new();
+    let mut problems: Vec<InputProblem> = body.problems.clone();
     for (doc, change) in [
         (Doc::Policies, &req.policies),
         (Doc::Contracts, &req.contracts),
@@ -298,9 +298,7 @@ pub fn preview(
             )),
         }
     }
-    if !problems.is_empty() {
-        return Err(bad_request(problems));
-    }
+    let shape_problems = !problems.is_empty();
     let texts = {
         let mut t = DocumentTexts::default();
         for c in &changes {
@@ -320,7 +318,7 @@ pub fn preview(
             .iter()
             .map(|d| map_problem(d, &changes, &body, repo)),
     );
-    if checked.parse_problems {
+    if shape_problems || checked.parse_problems {
         return Err(bad_request(problems));
     }
 
@@ -418,6 +416,8 @@ struct Body {
     locator: Locator,
     /// Whether lines refer to the body (false when a JSON body had to be re-read).
     lines: bool,
+    /// Problems of the body's shape (the faulty parts left out of `request`).
+    problems: Vec<InputProblem>,
 }
 
 impl Body {
@@ -496,32 +496,31 @@ fn parse_body(body: &[u8], format: BodyFormat) -> Result<Body, Problem> {
         }
         _ => (parsed, true),
     };
-    if !parsed.problems.is_empty() {
-        return Err(bad_request(
-            parsed
-                .problems
-                .iter()
-                .map(|d| InputProblem {
-                    file: "body".into(),
-                    line: if lines { d.line } else { 0 },
-                    column: if lines { d.column } else { 0 },
-                    key: d.key.clone(),
-                    message: d.message.clone(),
-                })
-                .collect(),
-        ));
-    }
+    // Problems of the body's own shape are reported with those of the documents it carries
+    // (the faulty parts replaced), so that every problem is listed at once.
+    let problems: Vec<InputProblem> = parsed
+        .problems
+        .iter()
+        .map(|d| InputProblem {
+            file: "body".into(),
+            line: if lines { d.line } else { 0 },
+            column: if lines { d.column } else { 0 },
+            key: d.key.clone(),
+            message: d.message.clone(),
+        })
+        .collect();
     let Some(Located { value, locator, .. }) = parsed.located else {
-        return Err(bad_request(vec![whole_body(
-            0,
-            0,
-            "cannot read the body".into(),
-        )]));
+        return Err(bad_request(if problems.is_empty() {
+            vec![whole_body(0, 0, "cannot read the body".into())]
+        } else {
+            problems
+        }));
     };
     Ok(Body {
         request: value,
         locator,
         lines,
+        problems,
     })
 }
 
