@@ -371,7 +371,7 @@ pub fn preview(
                 problems.len()
             ),
         )
-        .with_problems(problems));
+        .with_problems(sorted(problems)));
     }
 
     let whatif_repo = restrict_repo(repo, whatif_repo, only.as_ref());
@@ -434,7 +434,17 @@ impl Body {
     }
 }
 
+/// Sorted by file (the body first), line, column and key.
+fn sorted(mut problems: Vec<InputProblem>) -> Vec<InputProblem> {
+    problems.sort_by(|a, b| {
+        (&a.file, a.line, a.column, &a.key).cmp(&(&b.file, b.line, b.column, &b.key))
+    });
+    problems.dedup();
+    problems
+}
+
 fn bad_request(problems: Vec<InputProblem>) -> Problem {
+    let problems = sorted(problems);
     Problem::new(
         StatusCode::BAD_REQUEST,
         format!(
