@@ -402,6 +402,26 @@ fn nesting_and_alias_bombs_are_refused() {
 }
 
 #[test]
+fn holdout_is_bounded_by_the_history() {
+    let f = fixture();
+    let a = f.run("holdout: 3d\n", YAML).unwrap();
+    assert_eq!(a.backtest.holdout_secs, 3 * DAY);
+    let a = f.run("holdout: 100w\n", YAML).unwrap();
+    assert_eq!(
+        a.backtest.holdout_secs,
+        21 * DAY / 2,
+        "at most half the history"
+    );
+    // A duration that overflows is a problem of the body, not a panic.
+    let e = f.run("holdout: 18446744073709551615w\n", YAML).unwrap_err();
+    assert_eq!(
+        (e.status, e.problems[0].key.as_str()),
+        (400, "holdout"),
+        "{e:?}"
+    );
+}
+
+#[test]
 fn merge_patch_follows_rfc_7396() {
     // Examples of RFC 7396, appendix A.
     for (target, patch, result) in [
