@@ -701,19 +701,9 @@ fn map_problem(
     )
 }
 
-/// Whether `service` has a series in `history` (a range lookup: keys sort by service first).
+/// Whether `service` has a series in `history`.
 fn has_history(history: &History, service: &str) -> bool {
-    first_key_of(service)
-        .and_then(|k| history.series.range(k..).next())
-        .is_some_and(|(k, _)| k.service == service)
-}
-
-fn first_key_of(service: &str) -> Option<SeriesKey> {
-    Some(SeriesKey {
-        service: service.to_string(),
-        caller: None,
-        procedure: None,
-    })
+    history.service_series(service).next().is_some()
 }
 
 /// `docs` completed with `base`'s bucket files, keeping only the services in `only` (every
@@ -754,18 +744,11 @@ fn restrict_history<'a>(history: &'a History, only: Option<&BTreeSet<String>>) -
     let Some(only) = only else {
         return Cow::Borrowed(history);
     };
-    let mut series = BTreeMap::new();
-    for s in only {
-        if let Some(k) = first_key_of(s) {
-            for (k, v) in history
-                .series
-                .range(k..)
-                .take_while(|(k, _)| &k.service == s)
-            {
-                series.insert(k.clone(), v.clone());
-            }
-        }
-    }
+    let series: BTreeMap<SeriesKey, _> = only
+        .iter()
+        .flat_map(|s| history.service_series(s))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
     Cow::Owned(History {
         start: history.start,
         step: history.step,
