@@ -311,7 +311,9 @@ pub fn preview(
         }
         t
     };
-    let checked = repo.check_documents(&texts, &BODY_LIMITS);
+    // The documents get the files' limits: they hold at most the body's nodes and the
+    // current document's, which passed those limits.
+    let checked = repo.check_documents(&texts, &Limits::DEFAULT);
     problems.extend(
         checked
             .problems

@@ -559,3 +559,16 @@ fn what_if_text() -> impl Strategy<Value = String> {
         });
     proptest::collection::vec(line, 0..16).prop_map(|l| l.join("\n"))
 }
+
+#[test]
+fn request_and_answer_have_json_schemas() {
+    let req = serde_json::to_value(schemars::schema_for!(Request)).unwrap();
+    let props = &req["properties"];
+    for k in ["services", "policies", "contracts", "capacity", "holdout"] {
+        assert!(props.get(k).is_some(), "{k} in {req}");
+    }
+    let ans = serde_json::to_value(schemars::schema_for!(PreviewAnswer)).unwrap();
+    for k in ["services", "plan", "diff", "backtest"] {
+        assert!(ans["properties"].get(k).is_some(), "{k} in {ans}");
+    }
+}
