@@ -65,7 +65,8 @@ pub struct Inputs {
 
 /// The plan computation a run does (history + config repo → plan at `now`): the what-if and
 /// its backtest go through the same one.
-pub type PlanFn = dyn Fn(&DaemonConfig, &ConfigRepo, &History, DateTime<Utc>) -> Plan + Send + Sync;
+pub type PlanFn<'a> =
+    dyn Fn(&DaemonConfig, &ConfigRepo, &History, DateTime<Utc>) -> Plan + Send + Sync + 'a;
 
 /// The body of `POST /v1/previews`. Every key is optional; an empty body previews the current
 /// inputs.
@@ -256,7 +257,7 @@ pub fn preview(
     current_plan: &Plan,
     body: &[u8],
     content_type: Option<&str>,
-    plan_fn: &(dyn Fn(&DaemonConfig, &ConfigRepo, &History, DateTime<Utc>) -> Plan + Sync),
+    plan_fn: &PlanFn<'_>,
     now: DateTime<Utc>,
 ) -> Result<PreviewAnswer, Problem> {
     if body.len() > MAX_BODY_BYTES {

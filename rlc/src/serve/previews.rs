@@ -46,14 +46,14 @@ pub type SnapshotFn = Arc<
 #[derive(Clone)]
 pub struct Previews {
     snapshot: SnapshotFn,
-    plan_fn: Arc<PlanFn>,
+    plan_fn: Arc<PlanFn<'static>>,
     running: Arc<Semaphore>,
 }
 
 impl Previews {
     /// Previews on the snapshots of `snapshot`, planned with `plan_fn` (the planner a run
     /// uses).
-    pub fn new(snapshot: SnapshotFn, plan_fn: Arc<PlanFn>) -> Previews {
+    pub fn new(snapshot: SnapshotFn, plan_fn: Arc<PlanFn<'static>>) -> Previews {
         Previews {
             snapshot,
             plan_fn,
@@ -62,7 +62,7 @@ impl Previews {
     }
 
     /// Previews of a fixed snapshot (tests, benchmarks, embedding).
-    pub fn fixed(snapshot: Snapshot, plan_fn: Arc<PlanFn>) -> Previews {
+    pub fn fixed(snapshot: Snapshot, plan_fn: Arc<PlanFn<'static>>) -> Previews {
         let snapshot = Arc::new(snapshot);
         Previews::new(
             Arc::new(move || {
@@ -166,8 +166,8 @@ async fn compute(
 /// The planner a run uses, as a [`PlanFn`]: [`crate::compute::compute_plan`].
 // To be replaced by the daemon's one planner (with the one-decrease-per-interval guard) when
 // the snapshot lands.
-pub fn compute_plan_fn() -> Arc<PlanFn> {
-    Arc::new(|cfg, repo, history, now| crate::compute::compute_plan(cfg, repo, history, now))
+pub fn compute_plan_fn() -> Arc<PlanFn<'static>> {
+    Arc::new(crate::compute::compute_plan)
 }
 
 /// PLACEHOLDER until the daemon keeps a snapshot of its inputs, history and current plan:
