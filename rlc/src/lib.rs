@@ -10,6 +10,8 @@
 //! - `snapshot`: the daemon's in-memory history snapshot (single-flight pulls).
 //! - `plan`: the computed quota set (what `preview` prints and `run` commits).
 //! - `validate_cmd`: `rlc validate DIR`.
+//! - `whatif`: what-if previews (`POST /v1/previews`): a plan for changed `rlc/*.yaml`, its diff
+//!   from the current plan and the backtest of both; writes nothing.
 //! - `exit`: the exit codes of every command.
 //! - `demo`: `rlc demo`, the whole loop on embedded defaults.
 //! - `gitops`: git write-back (libgit2 writer, forge client for PRs, commit message/PR body).
@@ -38,3 +40,4 @@ pub mod serve;
 pub mod snapshot;
 pub mod store;
 pub mod validate_cmd;
+pub mod whatif;

@@ -31,6 +31,7 @@ pub mod auth;
 pub mod dashboard;
 pub mod limits;
 pub mod openapi;
+pub mod previews;
 pub mod problem;
 pub mod quotas;
 mod reports;
@@ -199,6 +200,8 @@ struct Inner {
     store: RwLock<Option<Store>>,
     /// The quota API (`/v1/quotas…`), set by [`serve_on`].
     quotas: std::sync::OnceLock<Arc<quotas::Quotas>>,
+    /// `POST /v1/previews`; answers 503 until set.
+    previews: RwLock<Option<previews::Previews>>,
 }
 
 /// Shared state of the HTTP API and the scheduler.
@@ -234,6 +237,7 @@ impl AppState {
                 last: Mutex::new(None),
                 store: RwLock::new(None),
                 quotas: std::sync::OnceLock::new(),
+                previews: RwLock::new(None),
             }),
         }
     }
@@ -259,6 +263,11 @@ impl AppState {
     /// The quota API, once set.
     pub fn quotas(&self) -> Option<Arc<quotas::Quotas>> {
         self.inner.quotas.get().cloned()
+    }
+
+    /// Sets what `POST /v1/previews` computes on.
+    pub fn set_previews(&self, p: previews::Previews) {
+        *self.inner.previews.write().unwrap() = Some(p);
     }
 
     /// The store, once connected.
@@ -391,6 +400,10 @@ pub async fn serve_on(
         }
     };
     cycle.history_cache = Some(q.cache.clone());
+    if state.inner.previews.read().unwrap().is_none() {
+        // What-if previews start from the quota API's plan, on the same snapshot.
+        state.set_previews(q.previews(state.clone()));
+    }
     let cycle = Arc::new(cycle);
     let http =
         grl_runtime::tls::serve(listener, app(state.clone()), tls, stopped(shutdown.clone()));

@@ -24,7 +24,8 @@ pub use render::{format_rps, render_bucket_file};
 pub use schedule::parse_schedule;
 pub use types::*;
 pub use validate::{
-    load_bucket_dir, load_bucket_dir_with, load_daemon_config, validate_repo, ConfigRepo,
+    load_bucket_dir, load_bucket_dir_with, load_daemon_config, validate_repo, CheckedDocuments,
+    ConfigRepo, DocumentTexts,
 };
 
 /// One problem in one file, at one line, about one key.

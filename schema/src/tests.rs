@@ -771,3 +771,84 @@ fn forge_kind_defaults_to_github_and_gitlab_is_checked() {
         "{errs:?}"
     );
 }
+
+#[test]
+fn replacement_documents_get_the_checks_of_the_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let w = |p: &str, t: &str| {
+        let p = dir.path().join(p);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, t).unwrap();
+    };
+    w(
+        "buckets/a.yaml",
+        "service: a\nbuckets:\n  - name: x\n    caller: x\n    limit_rps: 5\n",
+    );
+    w("rlc/policies.yaml", "default:\n  policy: peak\n");
+    w(
+        "rlc/contracts.yaml",
+        "contracts:\n  - service: b\n    caller: x\n    limit_rps: 5\n",
+    );
+    w("rlc/capacity.yaml", "capacity: []\n");
+    // `b` is known through policies.yaml: the repo is valid.
+    w(
+        "rlc/policies.yaml",
+        "default:\n  policy: peak\nservices:\n  b: {}\n",
+    );
+    let (repo, diags) = ConfigRepo::load(dir.path());
+    assert!(diags.is_empty(), "{}", Diagnostics(diags));
+
+    // A replacement of policies.yaml that drops `b` and has a bad headroom: both reported,
+    // the first about the text given, the second about the repo's own contracts.yaml.
+    let text = "default:\n  policy: peak\n  headroom: -1\n";
+    let body = Path::new("what-if policies");
+    let c = repo.check_documents(
+        &DocumentTexts {
+            policies: Some((body, text)),
+            ..Default::default()
+        },
+        &Limits::DEFAULT,
+    );
+    assert!(!c.parse_problems);
+    let shown: Vec<String> = c.problems.iter().map(|d| d.to_string()).collect();
+    assert_eq!(c.problems.len(), 2, "{shown:?}");
+    let h = c.problems.iter().find(|d| d.file == body).unwrap();
+    assert_eq!((h.line, h.key.as_str()), (3, "default.headroom"), "{h}");
+    let r = c.problems.iter().find(|d| d.file != body).unwrap();
+    assert!(r.file.ends_with("rlc/contracts.yaml"), "{r}");
+    assert_eq!((r.line, r.key.as_str()), (2, "contracts[0].service"), "{r}");
+    assert_eq!(c.policies.unwrap().value.default.headroom, Some(-1.0));
+    assert_eq!(
+        c.contracts.unwrap().value.contracts.len(),
+        1,
+        "the repo's own"
+    );
+
+    // A contract over capacity and an unknown key: a parse problem and a check problem.
+    let contracts =
+        "contracts:\n  - service: a\n    caller: x\n    limit_rps: 50\n    colour: red\n";
+    let capacity = "capacity:\n  - service: a\n    rps: 10\n";
+    let c = repo.check_documents(
+        &DocumentTexts {
+            contracts: Some((Path::new("c"), contracts)),
+            capacity: Some((Path::new("k"), capacity)),
+            ..Default::default()
+        },
+        &Limits::DEFAULT,
+    );
+    assert!(c.parse_problems);
+    let keys: Vec<(&str, usize, &str)> = c
+        .problems
+        .iter()
+        .map(|d| (d.file.to_str().unwrap(), d.line, d.key.as_str()))
+        .collect();
+    assert_eq!(
+        keys,
+        [
+            ("c", 4, "contracts[0].limit_rps"),
+            ("c", 5, "contracts[0].colour")
+        ],
+        "{:?}",
+        c.problems
+    );
+}

@@ -214,7 +214,10 @@ impl FromStr for HumanDuration {
         if n == 0 {
             return Err(format!("duration `{s}` must be positive"));
         }
-        Ok(HumanDuration(Duration::from_secs(n * mult)))
+        let secs = n
+            .checked_mul(mult)
+            .ok_or_else(|| format!("duration `{s}` is too long"))?;
+        Ok(HumanDuration(Duration::from_secs(secs)))
     }
 }
 

@@ -102,76 +102,139 @@ impl ConfigRepo {
         }
 
         let policies = rel("rlc/policies.yaml");
-        if present(&policies) {
-            let p = load_file::<PoliciesFile>(&mut reader, &policies, &mut diags);
-            repo.services_complete = p.as_ref().is_some_and(|p| p.problems.is_empty());
-            if let Some(p) = p {
-                if let Some(f) = &p.located {
-                    let mut found = Vec::new();
-                    check_policies(f, &mut found);
-                    push_checked(&p, found, &mut diags);
-                }
-                repo.policies = p.located;
-            }
+        let parsed_policies = if present(&policies) {
+            load_file::<PoliciesFile>(&mut reader, &policies, &mut diags).map(Some)
         } else {
             diags.push(file_diag(
                 &policies,
                 "missing: every config repo needs rlc/policies.yaml (at least a `default` policy)"
                     .into(),
             ));
-        }
-        let mut parsed_contracts = None;
+            Some(None)
+        };
         let contracts = rel("rlc/contracts.yaml");
-        if present(&contracts) {
-            parsed_contracts = load_file::<ContractsFile>(&mut reader, &contracts, &mut diags);
-            repo.contracts = parsed_contracts.as_ref().and_then(|p| p.located.clone());
-        }
-        let mut parsed_capacity = None;
+        let parsed_contracts = present(&contracts)
+            .then(|| load_file::<ContractsFile>(&mut reader, &contracts, &mut diags))
+            .flatten();
         let capacity = rel("rlc/capacity.yaml");
-        if present(&capacity) {
-            parsed_capacity = load_file::<CapacityFile>(&mut reader, &capacity, &mut diags);
-            repo.capacity = parsed_capacity.as_ref().and_then(|p| p.located.clone());
+        let parsed_capacity = present(&capacity)
+            .then(|| load_file::<CapacityFile>(&mut reader, &capacity, &mut diags))
+            .flatten();
+        // A policies file that exists but cannot be read leaves the set of services incomplete.
+        let policies_read = parsed_policies.is_some();
+        let docs = Docs {
+            policies: parsed_policies.flatten(),
+            contracts: parsed_contracts,
+            capacity: parsed_capacity,
+        };
+        let mut known = repo.bucket_services();
+        if let Some(f) = docs.policies.as_ref().and_then(|p| p.located.as_ref()) {
+            known.extend(f.value.services.keys().cloned());
         }
-        let mut found = Vec::new();
-        repo.check_references(&mut found);
-        // A replaced (faulty) value in contracts or capacity explains what is said about it.
-        found.retain(|d| {
-            let c = parsed_contracts
-                .as_ref()
-                .is_some_and(|p| d.file == contracts && p.explains(&d.key));
-            let k = parsed_capacity
-                .as_ref()
-                .is_some_and(|p| d.file == capacity && p.explains(&d.key));
-            !(c || k)
-        });
-        diags.extend(found);
+        let checked = docs.check(&known, true, (None, None), &mut diags);
+        repo.services_complete = checked.services_complete && policies_read;
+        repo.policies = checked.policies;
+        repo.contracts = checked.contracts;
+        repo.capacity = checked.capacity;
         (repo, bound(diags, limits))
     }
 
     /// Every service the repo knows: bucket files and services named in policies.yaml.
     /// A bucket file that exists but failed to parse still makes its service known.
     pub fn known_services(&self) -> BTreeSet<String> {
-        let mut s: BTreeSet<String> = self.buckets.keys().cloned().collect();
-        s.extend(self.unparsed_services.iter().cloned());
+        let mut s = self.bucket_services();
         if let Some(p) = &self.policies {
             s.extend(p.value.services.keys().cloned());
         }
         s
     }
 
+    /// The services with a bucket file (parsed or not).
+    fn bucket_services(&self) -> BTreeSet<String> {
+        let mut s: BTreeSet<String> = self.buckets.keys().cloned().collect();
+        s.extend(self.unparsed_services.iter().cloned());
+        s
+    }
+
+    /// Checks replacement texts of the human-authored documents (`rlc/policies.yaml`,
+    /// `rlc/contracts.yaml`, `rlc/capacity.yaml`) against this repo exactly as
+    /// [`ConfigRepo::load`] checks the files: parsed within `limits` with unknown keys refused,
+    /// the policies checked, and the references across documents checked with the repo's
+    /// other documents and bucket files. Reads and writes nothing. A document that is not
+    /// replaced is this repo's own (only the problems the replacements cause are reported
+    /// about it). Diagnostics about a replacement name the `file` given with its text.
+    pub fn check_documents(&self, texts: &DocumentTexts<'_>, limits: &Limits) -> CheckedDocuments {
+        let mut diags = Vec::new();
+        fn one<T: DeserializeOwned>(
+            t: Option<(&Path, &str)>,
+            limits: &Limits,
+            diags: &mut Vec<Diagnostic>,
+        ) -> Option<Parsed<T>> {
+            let (file, text) = t?;
+            let p = crate::parse_all::<T>(file, text, limits);
+            diags.extend(p.problems.iter().cloned());
+            Some(p)
+        }
+        let docs = Docs {
+            policies: one::<PoliciesFile>(texts.policies, limits, &mut diags),
+            contracts: one::<ContractsFile>(texts.contracts, limits, &mut diags),
+            capacity: one::<CapacityFile>(texts.capacity, limits, &mut diags),
+        };
+        let parse_problems = !diags.is_empty();
+        let mut known = self.bucket_services();
+        let policies = match &docs.policies {
+            Some(p) => p.located.as_ref(),
+            None => self.policies.as_ref(),
+        };
+        if let Some(f) = policies {
+            known.extend(f.value.services.keys().cloned());
+        }
+        let (replaced_contracts, replaced_capacity) =
+            (docs.contracts.is_some(), docs.capacity.is_some());
+        let complete = match &docs.policies {
+            Some(_) => true,
+            None => self.services_complete,
+        };
+        let base = (self.contracts.as_ref(), self.capacity.as_ref());
+        let mut checked = docs.check(&known, complete, base, &mut diags);
+        if !replaced_contracts {
+            checked.contracts = self.contracts.clone();
+        }
+        if !replaced_capacity {
+            checked.capacity = self.capacity.clone();
+        }
+        CheckedDocuments {
+            policies: checked.policies.or_else(|| self.policies.clone()),
+            contracts: checked.contracts,
+            capacity: checked.capacity,
+            services_complete: checked.services_complete,
+            parse_problems,
+            problems: bound(diags, limits),
+        }
+    }
+
     /// The current buckets of `service`, if it has a file.
     pub fn current(&self, service: &str) -> Option<&BucketFile> {
         self.buckets.get(service).map(|l| &l.value)
     }
+}
 
-    fn check_references(&self, diags: &mut Vec<Diagnostic>) {
-        let known = self.known_services();
-        let capacity = self.capacity.as_ref();
-        if let Some(c) = &self.contracts {
+/// The checks across documents: contracts and capacities name known services, contracts stay
+/// within the planned capacity, no contract or capacity twice. `complete`: whether `known` is
+/// every service (an unknown reference is reported only then).
+fn check_references(
+    known: &BTreeSet<String>,
+    complete: bool,
+    contracts: Option<&Located<ContractsFile>>,
+    capacity: Option<&Located<CapacityFile>>,
+    diags: &mut Vec<Diagnostic>,
+) {
+    {
+        if let Some(c) = contracts {
             let mut seen: HashMap<(&str, Option<&str>, Option<&str>), usize> = HashMap::new();
             for (i, k) in c.value.contracts.iter().enumerate() {
                 let at = |key: &str| format!("contracts[{i}].{key}");
-                if self.services_complete && !known.contains(&k.service) {
+                if complete && !known.contains(&k.service) {
                     diags.push(c.diag(
                         at("service"),
                         format!(
@@ -219,7 +282,7 @@ impl ConfigRepo {
         if let Some(c) = capacity {
             let mut seen: HashMap<(&str, Option<&str>), usize> = HashMap::new();
             for (i, e) in c.value.capacity.iter().enumerate() {
-                if self.services_complete && !known.contains(&e.service) {
+                if complete && !known.contains(&e.service) {
                     diags.push(c.diag(
                         format!("capacity[{i}].service"),
                         format!("references unknown service `{}`", e.service),
@@ -400,6 +463,103 @@ fn bucket_dir_with(reader: &mut Reader, dir: &Path) -> BucketDir {
     }
     // Both callers sort and dedup through `bound`.
     out
+}
+
+/// Replacement texts of the human-authored documents of a config repo (None: the repo's own),
+/// each with the file name its diagnostics should carry.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DocumentTexts<'a> {
+    /// `rlc/policies.yaml`.
+    pub policies: Option<(&'a Path, &'a str)>,
+    /// `rlc/contracts.yaml`.
+    pub contracts: Option<(&'a Path, &'a str)>,
+    /// `rlc/capacity.yaml`.
+    pub capacity: Option<(&'a Path, &'a str)>,
+}
+
+/// The documents of [`ConfigRepo::check_documents`]: the replacements where given (with their
+/// faulty parts replaced when there are problems), the repo's own otherwise.
+#[derive(Debug, Clone)]
+pub struct CheckedDocuments {
+    /// `rlc/policies.yaml`.
+    pub policies: Option<Located<PoliciesFile>>,
+    /// `rlc/contracts.yaml`.
+    pub contracts: Option<Located<ContractsFile>>,
+    /// `rlc/capacity.yaml`.
+    pub capacity: Option<Located<CapacityFile>>,
+    /// Whether the set of known services is complete (see [`ConfigRepo::services_complete`]).
+    pub services_complete: bool,
+    /// Whether a replacement failed to parse (YAML syntax, wrong types, unknown keys, limits),
+    /// as opposed to parsing and failing a later check.
+    pub parse_problems: bool,
+    /// Every problem, sorted, bounded like [`ConfigRepo::load`]'s.
+    pub problems: Vec<Diagnostic>,
+}
+
+/// The human-authored documents as parsed, before the checks that need them together.
+struct Docs {
+    policies: Option<Parsed<PoliciesFile>>,
+    contracts: Option<Parsed<ContractsFile>>,
+    capacity: Option<Parsed<CapacityFile>>,
+}
+
+/// [`Docs`] checked.
+struct CheckedDocs {
+    policies: Option<Located<PoliciesFile>>,
+    contracts: Option<Located<ContractsFile>>,
+    capacity: Option<Located<CapacityFile>>,
+    services_complete: bool,
+}
+
+impl Docs {
+    /// Checks the policies and the references across documents (`base`: the contracts and
+    /// capacity to use where these have none), adding every problem that is not a
+    /// consequence of a parse problem. `complete`: whether `known` holds every service when
+    /// the policies parsed cleanly.
+    fn check(
+        self,
+        known: &BTreeSet<String>,
+        complete: bool,
+        base: (
+            Option<&Located<ContractsFile>>,
+            Option<&Located<CapacityFile>>,
+        ),
+        diags: &mut Vec<Diagnostic>,
+    ) -> CheckedDocs {
+        let mut complete = complete;
+        if let Some(p) = &self.policies {
+            complete = p.problems.is_empty();
+            if let Some(f) = &p.located {
+                let mut found = Vec::new();
+                check_policies(f, &mut found);
+                push_checked(p, found, diags);
+            }
+        }
+        let contracts = match &self.contracts {
+            Some(p) => p.located.as_ref(),
+            None => base.0,
+        };
+        let capacity = match &self.capacity {
+            Some(p) => p.located.as_ref(),
+            None => base.1,
+        };
+        let mut found = Vec::new();
+        check_references(known, complete, contracts, capacity, &mut found);
+        // A replaced (faulty) value in contracts or capacity explains what is said about it.
+        fn explains<T>(p: &Option<Parsed<T>>, d: &Diagnostic) -> bool {
+            p.as_ref().is_some_and(|p| {
+                p.located.as_ref().is_some_and(|l| l.file == d.file) && p.explains(&d.key)
+            })
+        }
+        found.retain(|d| !(explains(&self.contracts, d) || explains(&self.capacity, d)));
+        diags.extend(found);
+        CheckedDocs {
+            policies: self.policies.and_then(|p| p.located),
+            contracts: self.contracts.and_then(|p| p.located),
+            capacity: self.capacity.and_then(|p| p.located),
+            services_complete: complete,
+        }
+    }
 }
 
 /// Validates the config repo at `root`: all problems, sorted by file and line.

@@ -84,14 +84,20 @@ impl History {
         self.start + self.len as i64 * self.step
     }
 
-    /// The series of one service.
+    /// The series of one service: a range of the map (keys sort by service first), not a scan
+    /// of every series.
     pub fn service_series<'a>(
         &'a self,
         service: &'a str,
     ) -> impl Iterator<Item = (&'a SeriesKey, &'a RateSeries)> + 'a {
+        let first = SeriesKey {
+            service: service.to_string(),
+            caller: None,
+            procedure: None,
+        };
         self.series
-            .iter()
-            .filter(move |(k, _)| k.service == service)
+            .range(first..)
+            .take_while(move |(k, _)| k.service == service)
     }
 
     /// Fraction of grid points since the service's first sample where at least one of its

@@ -33,7 +33,7 @@ use super::dashboard::{self, RunsPage, ShadowSummary};
 use super::limits::ConcurrencyLimit;
 use super::problem::CompatProblem;
 use super::runs::{self, Queued, RunStatusView};
-use super::{auth, quotas, AppState};
+use super::{auth, previews, quotas, AppState};
 use crate::cycle::RunOutcome;
 
 /// The security scheme's name in the document.
@@ -69,6 +69,7 @@ pub fn routes(state: &AppState) -> ApiRouter<AppState> {
     let read = ApiRouter::new()
         .api_route("/v1/runs/last", get_with(runs::last_run, last_docs))
         .api_route("/v1/runs/{id}", get_with(runs::run_status, run_docs))
+        .api_route("/v1/previews", post_with(previews::on_serve, previews_docs))
         .api_route("/v1/quotas", get_with(quotas::list, quotas_docs))
         .api_route(
             "/v1/quotas/{service}",
@@ -431,6 +432,50 @@ fn quota_errors(op: TransformOperation<'_>) -> TransformOperation<'_> {
         503,
         "The quota API has no plan yet (the config repo is not synced, or the store is not \
          connected).",
+    )
+}
+
+fn previews_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
+    let op = op
+        .summary("What-if preview")
+        .description(
+            "The plan a run would write if `rlc/policies.yaml`, `rlc/contracts.yaml` or \
+             `rlc/capacity.yaml` were replaced or merge-patched as the body says (JSON, or \
+             YAML with a YAML content type), optionally for some services only: the plan, its \
+             diff against the current plan, and both scored on the held-out end of the \
+             history. Writes nothing.",
+        )
+        .input::<Json<crate::whatif::Request>>()
+        .response_with::<200, Json<crate::whatif::PreviewAnswer>, _>(|r| {
+            r.description("The preview.")
+        });
+    let op = problem(
+        op,
+        400,
+        "A body that does not parse, or of the wrong shape.",
+    );
+    let op = problem(op, 413, "A body over 1 MiB.");
+    let op = problem(op, 415, "A content type other than JSON or YAML.");
+    let op = problem(
+        op,
+        422,
+        "What-if inputs that fail validation (every problem with file, line and key), or \
+         services that do not exist.",
+    );
+    let op = problem(
+        op,
+        429,
+        "Every preview slot is taken; retry after `Retry-After` seconds.",
+    );
+    let op = problem(
+        op,
+        503,
+        "No current plan yet (the config repo is not synced).",
+    );
+    problem(
+        op,
+        500,
+        "The preview could not be computed (details in the daemon log).",
     )
 }
 

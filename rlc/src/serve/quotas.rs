@@ -65,6 +65,10 @@ pub struct Computed {
     by_service: std::collections::HashMap<String, std::ops::Range<usize>>,
     /// The unfiltered `GET /v1/quotas` body, rendered on first use.
     all: OnceLock<Bytes>,
+    /// The config repo the plan was computed on.
+    repo: Arc<ConfigRepo>,
+    /// What `POST /v1/previews` starts from, made on first use.
+    preview: OnceLock<Arc<super::previews::Snapshot>>,
 }
 
 impl Quotas {
@@ -112,10 +116,11 @@ impl Quotas {
             return Ok(c);
         }
         let (commit, repo) = self.load_base().await?;
+        let repo = Arc::new(repo);
         let plan = effective_plan(
             &self.cfg,
             &self.base_dir,
-            Arc::new(repo),
+            repo.clone(),
             snapshot.history.clone(),
             &store,
             GitHistory::AsFetched,
@@ -138,9 +143,53 @@ impl Quotas {
             plan,
             by_service,
             all: OnceLock::new(),
+            repo,
+            preview: OnceLock::new(),
         });
         *self.latest.write().unwrap() = Some(c.clone());
         Ok(c)
+    }
+
+    /// What-if previews (`POST /v1/previews`) on the same plan and snapshot as this API, with
+    /// the same planner: the policies and rails, then the decrease guard on the what-if plan.
+    pub fn previews(self: &Arc<Self>, state: AppState) -> super::previews::Previews {
+        let q = self.clone();
+        let st = state.clone();
+        let snapshot: super::previews::SnapshotFn = Arc::new(move || {
+            let (q, st) = (q.clone(), st.clone());
+            Box::pin(async move {
+                let c = q.current(store_witness(&st)).await?;
+                Ok(c.preview
+                    .get_or_init(|| {
+                        Arc::new(super::previews::Snapshot {
+                            inputs: crate::whatif::Inputs {
+                                cfg: q.cfg.clone(),
+                                repo: (*c.repo).clone(),
+                            },
+                            history: c.snapshot.history.clone(),
+                            current: c.plan.clone(),
+                        })
+                    })
+                    .clone())
+            })
+        });
+        let q = self.clone();
+        let guard: super::previews::GuardFn = Arc::new(move |plan: Plan| {
+            let (q, st) = (q.clone(), state.clone());
+            Box::pin(async move {
+                crate::planner::hold_repeated_decreases(
+                    &q.cfg,
+                    &q.base_dir,
+                    &store_witness(&st),
+                    GitHistory::AsFetched,
+                    &plan,
+                    Utc::now(),
+                )
+                .await
+            })
+        });
+        super::previews::Previews::new(snapshot, super::previews::compute_plan_fn())
+            .with_guard(guard)
     }
 
     async fn base_tip(&self) -> Result<String, Problem> {

@@ -85,3 +85,44 @@ fn forecast_beats_peak_on_growing_traffic() {
     assert_eq!(totals, [("peak", 2), ("forecast", 2)]);
     assert!(r.totals[1].throttled_fraction < r.totals[0].throttled_fraction);
 }
+
+/// A plugin answering 1e308 is refused by the rails as in a run: it counts as failed, never
+/// as a bucket that is never overloaded.
+#[test]
+fn a_plugin_answering_1e308_fails_instead_of_scoring() {
+    let dir = tempfile::tempdir().unwrap();
+    let plugins = dir.path().join("plugins");
+    std::fs::create_dir(&plugins).unwrap();
+    let file = format!(
+        "{}example_plugin{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    );
+    std::fs::copy(crate::support::plugin_lib(), plugins.join(file)).unwrap();
+    let repo = repo(
+        &dir.path().join("repo"),
+        &[(
+            "rlc/policies.yaml",
+            "default:\n  policy: peak\n  params: {mode: huge}\n",
+        )],
+    );
+    let cfg = daemon(&format!(
+        "history:\n  file: x.csv\nplugins:\n  dir: {}\n  host: {}",
+        plugins.display(),
+        env!("CARGO_BIN_EXE_rlc")
+    ));
+    let steady = Profile {
+        noise: 0.03,
+        ..Default::default()
+    };
+    let h = history(vec![("maps", "web", "route", series(&steady, 28))]);
+    let plugin = PolicyName::Plugin("example-plugin".into());
+    let r = backtest(&cfg, &repo, &h, 7 * 86_400, &[plugin, PolicyName::Peak]);
+    assert!(
+        r.buckets.iter().all(|b| b.policy == "peak"),
+        "no score for the plugin: {:?}",
+        r.buckets
+    );
+    assert_eq!((r.totals[0].buckets, r.totals[0].failed), (0, 1));
+    assert_eq!((r.totals[1].buckets, r.totals[1].failed), (1, 0));
+}

@@ -254,6 +254,42 @@ fn scenario(database_url: &str) {
             "{batch}"
         );
         assert_eq!(batch["held"]["proposed_limit_rps"], 563.0);
+        // A what-if on the same snapshot and planner: 50 % headroom raises web, and batch's
+        // decrease (600 under the 750 now) is held by the same guard a run applies.
+        let r = c
+            .post(format!("{base}/v1/previews"))
+            .json(&serde_json::json!({"policies": {"patch": {"default": {"headroom": 0.5}}}}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let w: Value = r.json().await.unwrap();
+        let in_plan = |name: &str| {
+            w["plan"]["buckets"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|b| b["name"] == name)
+                .unwrap_or_else(|| panic!("no {name} in {w}"))
+                .clone()
+        };
+        let wweb = in_plan("web");
+        let cur_web = bucket(&all, "web")["limit_rps"].as_f64().unwrap();
+        assert_eq!(
+            wweb["limit_rps"].as_f64().unwrap(),
+            (cur_web / 1.25 * 1.5).round(),
+            "{wweb}"
+        );
+        let wbatch = in_plan("batch");
+        assert_eq!(wbatch["limit_rps"], 750.0, "{wbatch}");
+        assert!(wbatch["held"]["reason"].is_string(), "{wbatch}");
+        let dweb = w["diff"]["buckets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|b| b["name"] == "web")
+            .unwrap_or_else(|| panic!("no web in the diff: {w}"));
+        assert_eq!(dweb["limit_factor"], 1.2, "{dweb}");
         let web = bucket(&all, "web");
         assert_eq!(web["change"]["kind"], "unchanged", "{web}");
         assert_eq!(web["confidence"], 1.0, "{web}");

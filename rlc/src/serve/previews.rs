@@ -1,0 +1,268 @@
+//! `POST /v1/previews`: the HTTP side of the what-if previews ([`crate::whatif`]). Checks the
+//! media type (415) and the size (413, read bounded: a body is never buffered past
+//! [`MAX_BODY_BYTES`]), takes the daemon's inputs, history and current plan from a
+//! [`SnapshotFn`], and computes the preview off the async runtime. At most
+//! [`MAX_CONCURRENT`] previews run at once; more answer 429. Every error is an
+//! `application/problem+json` body.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::{Json, Router};
+use tokio::sync::Semaphore;
+
+use crate::history::History;
+use crate::plan::Plan;
+use crate::serve::problem::Problem;
+use crate::whatif::{self, BodyFormat, Inputs, PlanFn, MAX_BODY_BYTES};
+
+/// Previews computed at once; more are refused with 429 (each is CPU-bound).
+pub const MAX_CONCURRENT: usize = 2;
+/// Seconds a client is told to wait after a 429.
+pub const RETRY_AFTER_SECS: u64 = 1;
+
+/// What a preview starts from: the inputs of the current plan, the history it was computed
+/// on, and the plan itself.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    /// `rlc.yaml` and the config repo.
+    pub inputs: Inputs,
+    /// The history.
+    pub history: Arc<History>,
+    /// The current plan (what a run would compute now).
+    pub current: Plan,
+}
+
+/// Hands out the current [`Snapshot`] (a problem, e.g. 503, when there is none yet).
+pub type SnapshotFn = Arc<
+    dyn Fn() -> Pin<Box<dyn Future<Output = Result<Arc<Snapshot>, Problem>> + Send>> + Send + Sync,
+>;
+
+/// The decrease guard a run applies after the policies and rails (the what-if plan goes
+/// through it too, so a preview shows what a run would really do).
+pub type GuardFn = Arc<dyn Fn(Plan) -> Pin<Box<dyn Future<Output = Plan> + Send>> + Send + Sync>;
+
+/// The state of the previews endpoint.
+#[derive(Clone)]
+pub struct Previews {
+    snapshot: SnapshotFn,
+    plan_fn: Arc<PlanFn<'static>>,
+    guard: Option<GuardFn>,
+    running: Arc<Semaphore>,
+}
+
+impl Previews {
+    /// Previews on the snapshots of `snapshot`, planned with `plan_fn` (the planner a run
+    /// uses).
+    pub fn new(snapshot: SnapshotFn, plan_fn: Arc<PlanFn<'static>>) -> Previews {
+        Previews {
+            snapshot,
+            plan_fn,
+            guard: None,
+            running: Arc::new(Semaphore::new(MAX_CONCURRENT)),
+        }
+    }
+
+    /// Applies `guard` to every what-if plan (and recomputes the diff).
+    pub fn with_guard(mut self, guard: GuardFn) -> Previews {
+        self.guard = Some(guard);
+        self
+    }
+
+    /// Previews of a fixed snapshot (tests, benchmarks, embedding).
+    pub fn fixed(snapshot: Snapshot, plan_fn: Arc<PlanFn<'static>>) -> Previews {
+        let snapshot = Arc::new(snapshot);
+        Previews::new(
+            Arc::new(move || {
+                let s = snapshot.clone();
+                Box::pin(async move { Ok(s) })
+            }),
+            plan_fn,
+        )
+    }
+}
+
+/// The router of `POST /v1/previews` alone (merged into `rlc serve`'s, see
+/// [`crate::serve::app`]).
+pub fn routes(previews: Previews) -> Router {
+    Router::new()
+        .route("/v1/previews", post(post_preview))
+        .with_state(previews)
+}
+
+async fn post_preview(State(p): State<Previews>, headers: HeaderMap, body: Body) -> Response {
+    answer(&p, &headers, body).await
+}
+
+/// Answers one `POST /v1/previews` request.
+pub async fn answer(p: &Previews, headers: &HeaderMap, body: Body) -> Response {
+    match compute(p, headers, body).await {
+        Ok(a) => Json(a).into_response(),
+        Err(problem) => {
+            let busy = problem.status == StatusCode::TOO_MANY_REQUESTS.as_u16();
+            let mut r = problem.into_response();
+            if busy {
+                r.headers_mut().insert(
+                    header::RETRY_AFTER,
+                    axum::http::HeaderValue::from(RETRY_AFTER_SECS),
+                );
+            }
+            r
+        }
+    }
+}
+
+async fn compute(
+    p: &Previews,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<whatif::PreviewAnswer, Problem> {
+    let content_type = match headers.get(header::CONTENT_TYPE) {
+        None => None,
+        Some(v) => Some(
+            v.to_str()
+                .map_err(|_| whatif::unsupported_media_type(Some("(not text)")))?
+                .to_string(),
+        ),
+    };
+    // Refuse early what cannot be read, before the body is.
+    if let Some(c) = &content_type {
+        if BodyFormat::of(c).is_none() {
+            return Err(whatif::unsupported_media_type(Some(c)));
+        }
+    }
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
+        return Err(whatif::too_large());
+    }
+    let bytes = axum::body::to_bytes(body, MAX_BODY_BYTES)
+        .await
+        .map_err(|e| {
+            let too_big = std::error::Error::source(&e)
+                .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
+            if too_big {
+                whatif::too_large()
+            } else {
+                Problem::new(
+                    StatusCode::BAD_REQUEST,
+                    format!("cannot read the body: {e}"),
+                )
+            }
+        })?;
+    let _permit = p.running.clone().try_acquire_owned().map_err(|_| {
+        Problem::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            format!(
+                "{MAX_CONCURRENT} previews are being computed; retry after the time in Retry-After"
+            ),
+        )
+    })?;
+    let snap = (p.snapshot)().await?;
+    let plan_fn = p.plan_fn.clone();
+    let current = snap.clone();
+    let mut answer = tokio::task::spawn_blocking(move || {
+        whatif::preview(
+            &snap.inputs,
+            &snap.history,
+            &snap.current,
+            &bytes,
+            content_type.as_deref(),
+            plan_fn.as_ref(),
+            chrono::Utc::now(),
+        )
+    })
+    .await
+    .map_err(|e| {
+        tracing::error!(error = %e, "what-if preview task failed");
+        Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "the preview could not be computed",
+        )
+    })??;
+    if let Some(guard) = &p.guard {
+        // The run's decrease guard on the what-if plan; the diff follows what is left.
+        answer.plan = guard(answer.plan).await;
+        let only = answer
+            .services
+            .as_ref()
+            .map(|s| s.iter().cloned().collect::<std::collections::BTreeSet<_>>());
+        let current = whatif::restrict_plan(&current.current, only.as_ref());
+        answer.diff = whatif::diff(&current, &answer.plan);
+    }
+    Ok(answer)
+}
+
+/// `POST /v1/previews` on `rlc serve` (see [`crate::serve::openapi`]): 503 until the daemon
+/// has set up its previews.
+pub(in crate::serve) async fn on_serve(
+    State(s): State<crate::serve::AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let p = s.inner.previews.read().unwrap().clone();
+    match p {
+        Some(p) => answer(&p, &headers, body).await,
+        None => Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "previews are not available yet",
+        )
+        .into_response(),
+    }
+}
+
+/// The policies and rails a run uses, as a [`PlanFn`] ([`crate::compute::compute_plan`]); the
+/// run's decrease guard is applied after it ([`Previews::with_guard`]).
+pub fn compute_plan_fn() -> Arc<PlanFn<'static>> {
+    Arc::new(crate::compute::compute_plan)
+}
+
+/// Previews over a config repo directory as it is on disk, for embedding and tests: every
+/// request loads the directory, pulls the history ([`crate::preview::load_history`]) and
+/// computes the current plan (no decrease guard: a directory has no run history). `rlc serve`
+/// uses the quota API's snapshot and plan instead ([`crate::serve::quotas::Quotas::previews`]).
+/// A directory with problems answers 503.
+pub fn from_directory(cfg: schema::DaemonConfig, base_dir: &std::path::Path) -> Previews {
+    let mut cfg = cfg;
+    crate::compute::resolve_paths(&mut cfg, base_dir);
+    let base = base_dir.to_path_buf();
+    let plan_fn = compute_plan_fn();
+    let planner = plan_fn.clone();
+    let snapshot: SnapshotFn = Arc::new(move || {
+        let (cfg, base, planner) = (cfg.clone(), base.clone(), planner.clone());
+        Box::pin(async move {
+            let unavailable =
+                |detail: String| Problem::new(StatusCode::SERVICE_UNAVAILABLE, detail);
+            let dir = std::path::PathBuf::from(&cfg.config_repo.path);
+            let (repo, diags) = tokio::task::spawn_blocking(move || schema::ConfigRepo::load(&dir))
+                .await
+                .map_err(|e| unavailable(format!("loading the config repo: {e}")))?;
+            if !diags.is_empty() {
+                return Err(unavailable(format!(
+                    "the config repo's working copy has {} problem(s) (or is not cloned yet); previews need a valid repo",
+                    diags.len()
+                )));
+            }
+            let history = crate::preview::load_history(&cfg, &base).await;
+            tokio::task::spawn_blocking(move || {
+                let current = planner(&cfg, &repo, &history, chrono::Utc::now());
+                Arc::new(Snapshot {
+                    inputs: Inputs { cfg, repo },
+                    history: Arc::new(history),
+                    current,
+                })
+            })
+            .await
+            .map_err(|e| unavailable(format!("computing the current plan: {e}")))
+        })
+    });
+    Previews::new(snapshot, plan_fn)
+}
