@@ -287,7 +287,7 @@ fn scenario(database_url: &str) {
             .as_array()
             .unwrap()
             .iter()
-            .find(|b| b["name"] == "web")
+            .find(|b| b["bucket"] == "web")
             .unwrap_or_else(|| panic!("no web in the diff: {w}"));
         assert_eq!(dweb["limit_factor"], 1.2, "{dweb}");
         let web = bucket(&all, "web");
