@@ -98,13 +98,14 @@ pub struct Request {
 #[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Change {
-    /// The new document.
+    /// The new document (a mapping, as the file's top level).
     #[serde(default)]
-    #[schemars(with = "Option<serde_json::Value>")]
+    #[schemars(with = "Option<serde_json::Map<String, serde_json::Value>>")]
     pub replace: Option<Value>,
-    /// A merge patch over the current document.
+    /// A merge patch over the current document (a mapping: its keys merge into the
+    /// document's).
     #[serde(default)]
-    #[schemars(with = "Option<serde_json::Value>")]
+    #[schemars(with = "Option<serde_json::Map<String, serde_json::Value>>")]
     pub patch: Option<Value>,
 }
 

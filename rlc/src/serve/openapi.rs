@@ -449,6 +449,11 @@ fn previews_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
         .response_with::<200, Json<crate::whatif::PreviewAnswer>, _>(|r| {
             r.description("The preview.")
         });
+    let mut op = op;
+    // No body at all previews the current inputs.
+    if let Some(ReferenceOr::Item(b)) = op.inner_mut().request_body.as_mut() {
+        b.required = false;
+    }
     let op = problem(
         op,
         400,

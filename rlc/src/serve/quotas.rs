@@ -356,8 +356,8 @@ pub struct QuotasResponse {
     pub buckets: Vec<QuotaBucket>,
     /// Series or services that keep their current quotas, with the reason.
     pub skipped: Vec<Skipped>,
-    /// Services whose history failed or was incomplete.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    /// Services whose history failed or was incomplete (absent when none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub history_failed: Vec<String>,
     /// Why the whole history source failed, when it did.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -396,6 +396,7 @@ fn scenario(database_url: &str) {
         );
         all
     });
+    doc_examples(&base, d);
     drop(serve);
 
     // Second run: writes exactly what both previews showed.
@@ -421,6 +422,116 @@ fn scenario(database_url: &str) {
     assert_eq!(limits(&cli), written, "CLI preview vs run");
     assert_eq!(limits(&rest), written, "REST preview vs run");
     assert_eq!(cli["buckets"].as_array().unwrap().len(), 2);
+}
+
+/// Runs every `curl` example of README.md and docs/rlc-api.md against the daemon at `base` (the
+/// examples' `http://127.0.0.1:8080` replaced, `-f` added so an HTTP error fails), in `work`
+/// with the docs' `what-if.yaml` written there, and checks the numbers of the what-ifs.
+fn doc_examples(base: &str, work: &Path) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut commands = Vec::new();
+    for doc in ["README.md", "docs/rlc-api.md"] {
+        let text = std::fs::read_to_string(root.join(doc)).unwrap();
+        let mut block: Option<&str> = None;
+        let mut pending = String::new();
+        let mut joined = String::new();
+        for line in text.lines() {
+            if let Some(lang) = line.strip_prefix("```") {
+                block = match block {
+                    None => Some(lang),
+                    Some(_) => None,
+                };
+                continue;
+            }
+            match block {
+                Some("yaml") if line == "# what-if.yaml" || !pending.is_empty() => {
+                    // The what-if file: its block up to the fence.
+                    pending.push_str(line);
+                    pending.push('\n');
+                }
+                Some("sh") => {
+                    // A command may continue over lines ending with a backslash.
+                    let l = line.trim();
+                    match l.strip_suffix('\\') {
+                        Some(part) => {
+                            joined.push_str(part);
+                            joined.push(' ');
+                        }
+                        None => {
+                            joined.push_str(l);
+                            if joined.starts_with("curl") {
+                                commands.push((doc.to_string(), joined.clone()));
+                            }
+                            joined.clear();
+                        }
+                    }
+                }
+                None if !pending.is_empty() => {
+                    std::fs::write(work.join("what-if.yaml"), &pending).unwrap();
+                    pending.clear();
+                }
+                _ => {}
+            }
+        }
+    }
+    assert!(
+        work.join("what-if.yaml").exists(),
+        "docs/rlc-api.md shows what-if.yaml"
+    );
+    let examples: Vec<_> = commands
+        .iter()
+        .filter(|(_, c)| c.contains("http://127.0.0.1:8080/"))
+        .collect();
+    assert!(examples.len() >= 10, "{examples:?}");
+    let mut answers = Vec::new();
+    for (doc, c) in &examples {
+        let cmd =
+            c.replace("http://127.0.0.1:8080", base)
+                .replacen("curl ", "curl -f --max-time 60 ", 1);
+        let out = Command::new("bash")
+            .arg("-c")
+            .arg(&cmd)
+            .current_dir(work)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{doc}: `{c}` failed ({}): {}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("{doc}: `{c}` answered no JSON ({e})"));
+        answers.push((c.clone(), v));
+    }
+    let web_limit = |v: &Value| {
+        v["plan"]["buckets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|b| b["name"] == "web")
+            .unwrap_or_else(|| panic!("no web in {v}"))
+            .clone()
+    };
+    let contract = answers
+        .iter()
+        .find(|(c, _)| c.contains("@what-if.yaml"))
+        .expect("the contract example");
+    let web = web_limit(&contract.1);
+    assert_eq!(
+        (web["limit_rps"].as_f64(), web["policy"].as_str()),
+        (Some(333.0), Some("fixed")),
+        "{web}"
+    );
+    let headroom: Vec<_> = answers
+        .iter()
+        .filter(|(c, _)| c.contains("\"headroom\": 0.5"))
+        .collect();
+    assert_eq!(headroom.len(), 2, "README's and the API doc's");
+    for (_, v) in headroom {
+        assert_eq!(web_limit(v)["limit_rps"], 300.0, "200 rps × 1.5");
+    }
 }
 
 /// GETs every URL at once (one task each); their statuses, in order.

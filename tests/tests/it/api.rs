@@ -44,6 +44,13 @@ fn schemathesis(port: u16, token: &str, work: &std::path::Path) {
             &format!("Authorization: Bearer {token}"),
             "--checks",
             "all",
+            // Schema-valid what-if documents may still fail the checks of the files (a merge
+            // patch setting a negative headroom is a valid JSON object): the server answers
+            // 422 with every problem, which this check would count as a refusal of valid
+            // data. Every other check (no 5xx, status codes, content types, headers and
+            // bodies conforming to the document) stays on.
+            "--exclude-checks",
+            "positive_data_acceptance",
             "--mode",
             "all",
             "--max-examples",
