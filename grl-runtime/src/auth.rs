@@ -53,15 +53,6 @@ impl std::fmt::Debug for Credential {
 }
 
 impl Credential {
-    /// A credential named `name` covering `scope` (`["*"]` for everything).
-    pub fn new(name: &str, scope: &[&str], secret: &str) -> Credential {
-        Credential {
-            name: name.into(),
-            scope: scope.iter().map(|s| s.to_string()).collect(),
-            secret: secret.into(),
-        }
-    }
-
     /// Whether the scope covers `item` (a service or a role).
     pub fn covers(&self, item: &str) -> bool {
         self.scope.iter().any(|s| s == "*" || s == item)
@@ -533,6 +524,18 @@ impl LogGate {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The refusal logs' throttle: open once, closed within the period, open again after.
+    #[test]
+    fn log_gate_opens_once_per_period() {
+        let gate = LogGate::new(Duration::from_millis(200));
+        assert!(gate.open(), "the first refusal is logged");
+        assert!(!gate.open(), "the next ones within the period are not");
+        assert!(!gate.open());
+        std::thread::sleep(Duration::from_millis(250));
+        assert!(gate.open(), "one again after the period");
+        assert!(!gate.open());
+    }
 
     #[test]
     fn file_errors_name_the_line_and_never_the_secret() {

@@ -201,7 +201,19 @@ struct Inner {
     /// The quota API (`/v1/quotas…`), set by [`serve_on`].
     quotas: std::sync::OnceLock<Arc<quotas::Quotas>>,
     /// `POST /v1/previews`; answers 503 until set.
-    previews: RwLock<Option<previews::Previews>>,
+    previews: std::sync::OnceLock<previews::Previews>,
+}
+
+/// An [`AppState`] that does not keep it alive: for closures the state itself holds (they
+/// would otherwise make a reference cycle that is never freed).
+#[derive(Clone)]
+pub struct WeakAppState(std::sync::Weak<Inner>);
+
+impl WeakAppState {
+    /// The state, while it exists.
+    pub fn upgrade(&self) -> Option<AppState> {
+        self.0.upgrade().map(|inner| AppState { inner })
+    }
 }
 
 /// Shared state of the HTTP API and the scheduler.
@@ -237,9 +249,14 @@ impl AppState {
                 last: Mutex::new(None),
                 store: RwLock::new(None),
                 quotas: std::sync::OnceLock::new(),
-                previews: RwLock::new(None),
+                previews: std::sync::OnceLock::new(),
             }),
         }
+    }
+
+    /// A handle that does not keep the state alive.
+    pub fn downgrade(&self) -> WeakAppState {
+        WeakAppState(Arc::downgrade(&self.inner))
     }
 
     /// Read-only state over `store` (dashboard and JSON pages; manual runs are refused): for
@@ -265,9 +282,9 @@ impl AppState {
         self.inner.quotas.get().cloned()
     }
 
-    /// Sets what `POST /v1/previews` computes on.
+    /// Sets what `POST /v1/previews` computes on (the first call wins).
     pub fn set_previews(&self, p: previews::Previews) {
-        *self.inner.previews.write().unwrap() = Some(p);
+        let _ = self.inner.previews.set(p);
     }
 
     /// The store, once connected.
@@ -400,9 +417,9 @@ pub async fn serve_on(
         }
     };
     cycle.history_cache = Some(q.cache.clone());
-    if state.inner.previews.read().unwrap().is_none() {
+    if state.inner.previews.get().is_none() {
         // What-if previews start from the quota API's plan, on the same snapshot.
-        state.set_previews(q.previews(state.clone()));
+        state.set_previews(q.previews(state.downgrade()));
     }
     let cycle = Arc::new(cycle);
     let http =

@@ -242,14 +242,6 @@ pub fn unsupported_media_type(content_type: Option<&str>) -> Problem {
     )
 }
 
-/// The 413 answer.
-pub fn too_large() -> Problem {
-    Problem::new(
-        StatusCode::PAYLOAD_TOO_LARGE,
-        format!("the body is larger than {MAX_BODY_BYTES} bytes (1 MiB), the limit"),
-    )
-}
-
 /// Computes a what-if preview. `history` and `current_plan` are the daemon's (the current plan
 /// is what a run would compute now); `plan_fn` is the planner a run uses. Writes nothing.
 pub fn preview(
@@ -262,7 +254,7 @@ pub fn preview(
     now: DateTime<Utc>,
 ) -> Result<PreviewAnswer, Problem> {
     if body.len() > MAX_BODY_BYTES {
-        return Err(too_large());
+        return Err(crate::serve::limits::too_large(MAX_BODY_BYTES));
     }
     let empty = body.iter().all(|b| b.is_ascii_whitespace());
     let format = match content_type {

@@ -615,6 +615,7 @@ fn md_title(s: &str) -> String {
 }
 
 /// [`report_with`] without promotions nor dashboard links.
+#[cfg(test)]
 pub fn report(plan: &Plan, summary: &ChangeSummary) -> String {
     report_with(plan, summary, &ReportContext::default())
 }

@@ -130,8 +130,6 @@ pub struct WriteOutcome {
     pub base_commit: String,
     /// What changed compared with the base branch.
     pub summary: ChangeSummary,
-    /// The full markdown report (pull-request mode).
-    pub report: String,
     /// Attempts used (more than 1 when the remote moved underneath).
     pub attempts: u32,
 }
@@ -547,7 +545,6 @@ impl Writer {
         let old = read_buckets(&self.repo, &base_tree).map_err(fatal)?;
         let new_files = plan.bucket_files();
         let summary = summary::diff(&old, &new_files);
-        let report = summary::report(plan, &summary);
 
         let blobs: Vec<(String, Vec<u8>)> = new_files
             .iter()
@@ -564,7 +561,6 @@ impl Writer {
             status,
             base_commit: base_s.clone(),
             summary: summary.clone(),
-            report: report.clone(),
             attempts,
         };
         // The PR branch as fetched: every decision below (and the lease of the push that

@@ -35,8 +35,15 @@ const MAX_RUNS: i64 = 200;
 const PAGE_RUNS: i64 = 10;
 /// Services offered by the HTML filter.
 const MAX_SERVICES: i64 = 200;
-/// Windows offered by the HTML filter.
+/// Windows offered by the HTML filters (overview and bucket pages).
 const WINDOWS: &[&str] = &["15m", "1h", "6h", "24h", "7d", "30d"];
+
+/// The window asked, or [`DEFAULT_WINDOW`] when none (or an empty one) is.
+fn window_or_default(window: Option<String>) -> String {
+    window
+        .filter(|w| !w.is_empty())
+        .unwrap_or_else(|| DEFAULT_WINDOW.into())
+}
 
 /// The windows [`parse_window`] accepts, as a regular expression for the API document: a
 /// number without sign or leading zero and a unit, 1 s to 30 d (or empty: the default).
@@ -192,10 +199,7 @@ struct Filter {
 
 impl Filter {
     fn parse(q: ShadowQuery) -> Result<Filter, DashError> {
-        let window = q
-            .window
-            .filter(|w| !w.is_empty())
-            .unwrap_or_else(|| DEFAULT_WINDOW.into());
+        let window = window_or_default(q.window);
         let span = parse_window(&window).map_err(DashError::BadRequest)?;
         Ok(Filter {
             service: q.service.filter(|s| !s.is_empty()),

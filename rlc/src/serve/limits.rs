@@ -40,11 +40,36 @@ fn declared_len(h: &HeaderMap) -> Option<u64> {
     h.get(header::CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
 }
 
-fn too_large(n: usize) -> Problem {
+/// 413: the body is longer than `n` bytes.
+pub(crate) fn too_large(n: usize) -> Problem {
     Problem::new(
         StatusCode::PAYLOAD_TOO_LARGE,
         format!("the request body is longer than {n} bytes"),
     )
+}
+
+/// The body, never holding more than `n` bytes: 413 when `Content-Length` says it is longer
+/// (before reading) or when it turns out longer while reading, 400 when it cannot be read.
+pub async fn read_bounded(
+    headers: &HeaderMap,
+    body: axum::body::Body,
+    n: usize,
+) -> Result<axum::body::Bytes, Problem> {
+    if declared_len(headers).is_some_and(|l| l > n as u64) {
+        return Err(too_large(n));
+    }
+    axum::body::to_bytes(body, n).await.map_err(|e| {
+        let too_big = std::error::Error::source(&e)
+            .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
+        if too_big {
+            too_large(n)
+        } else {
+            Problem::new(
+                StatusCode::BAD_REQUEST,
+                format!("cannot read the body: {e}"),
+            )
+        }
+    })
 }
 
 impl<T, S, const N: usize> FromRequest<S> for BoundedJson<T, N>
@@ -61,12 +86,8 @@ where
                 "the request body must be JSON (Content-Type: application/json)",
             ));
         }
-        if declared_len(req.headers()).is_some_and(|l| l > N as u64) {
-            return Err(too_large(N));
-        }
-        let body = axum::body::to_bytes(req.into_body(), N)
-            .await
-            .map_err(|_| too_large(N))?;
+        let (parts, body) = req.into_parts();
+        let body = read_bounded(&parts.headers, body, N).await?;
         let de = &mut serde_json::Deserializer::from_slice(&body);
         serde_path_to_error::deserialize(de)
             .map(BoundedJson)
@@ -142,6 +163,9 @@ impl<T: JsonSchema, const N: usize> aide::OperationInput for BoundedJson<T, N> {
     }
 }
 
+/// Seconds a client is told to wait after a 429, on every bounded endpoint.
+pub const RETRY_AFTER_SECS: u64 = 1;
+
 /// A bound on the requests in flight through the routes it wraps (`route_layer`): the
 /// `max + 1`-th concurrent request is answered at once with 429, `Retry-After` and problem
 /// details. Clones share one count, so one limit can guard several routes.
@@ -158,6 +182,15 @@ impl ConcurrencyLimit {
             permits: Arc::new(Semaphore::new(max)),
             retry_after_secs,
         }
+    }
+
+    /// A slot, held until the permit is dropped, or the refusal to answer instead: for a
+    /// handler that bounds only part of its work (the layer bounds a whole request).
+    pub fn try_enter(&self) -> Result<tokio::sync::OwnedSemaphorePermit, Box<Response>> {
+        self.permits
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| Box::new(self.saturated()))
     }
 
     /// The refusal: 429, `Retry-After`, problem details.
@@ -210,7 +243,7 @@ where
     }
 
     fn call(&mut self, req: Request) -> Self::Future {
-        match self.limit.permits.clone().try_acquire_owned() {
+        match self.limit.try_enter() {
             Ok(permit) => {
                 let fut = self.inner.call(req);
                 Box::pin(async move {
@@ -219,10 +252,7 @@ where
                     r
                 })
             }
-            Err(_) => {
-                let r = self.limit.saturated();
-                Box::pin(async move { Ok(r) })
-            }
+            Err(refusal) => Box::pin(async move { Ok(*refusal) }),
         }
     }
 }

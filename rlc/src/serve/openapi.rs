@@ -30,7 +30,7 @@ use axum::response::Html;
 use axum::{Extension, Json, Router};
 
 use super::dashboard::{self, RunsPage, ShadowSummary};
-use super::limits::ConcurrencyLimit;
+use super::limits::{ConcurrencyLimit, RETRY_AFTER_SECS};
 use super::problem::CompatProblem;
 use super::runs::{self, Queued, RunStatusView};
 use super::{auth, previews, quotas, AppState};
@@ -42,8 +42,6 @@ pub const BEARER: &str = "bearer";
 pub const MAX_CONCURRENT_QUERIES: usize = 8;
 /// The operation id of `GET /v1/runs/{id}` (target of the link from `POST /v1/runs`).
 const GET_RUN: &str = "getRun";
-/// `Retry-After` of a 429.
-pub const RETRY_AFTER_SECS: u64 = 1;
 
 /// Every documented route, with the layers that enforce access and bounds.
 pub fn routes(state: &AppState) -> ApiRouter<AppState> {
@@ -422,11 +420,7 @@ fn quota_errors(op: TransformOperation<'_>) -> TransformOperation<'_> {
         400,
         "An unknown or malformed query parameter, or a malformed path.",
     );
-    let op = problem(
-        op,
-        429,
-        "Every slot of the quota API is taken; retry after `Retry-After` seconds.",
-    );
+    let op = saturated(op);
     problem(
         op,
         503,
@@ -467,11 +461,7 @@ fn previews_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
         "What-if inputs that fail validation (every problem with file, line and key), or \
          services that do not exist.",
     );
-    let op = problem(
-        op,
-        429,
-        "Every preview slot is taken; retry after `Retry-After` seconds.",
-    );
+    let op = saturated(op);
     let op = problem(
         op,
         503,

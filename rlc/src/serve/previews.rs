@@ -15,17 +15,15 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use tokio::sync::Semaphore;
 
 use crate::history::History;
 use crate::plan::Plan;
+use crate::serve::limits::{read_bounded, ConcurrencyLimit, RETRY_AFTER_SECS};
 use crate::serve::problem::Problem;
 use crate::whatif::{self, BodyFormat, Inputs, PlanFn, MAX_BODY_BYTES};
 
 /// Previews computed at once; more are refused with 429 (each is CPU-bound).
 pub const MAX_CONCURRENT: usize = 2;
-/// Seconds a client is told to wait after a 429.
-pub const RETRY_AFTER_SECS: u64 = 1;
 
 /// What a preview starts from: the inputs of the current plan, the history it was computed
 /// on, and the plan itself.
@@ -54,7 +52,7 @@ pub struct Previews {
     snapshot: SnapshotFn,
     plan_fn: Arc<PlanFn<'static>>,
     guard: Option<GuardFn>,
-    running: Arc<Semaphore>,
+    running: ConcurrencyLimit,
 }
 
 impl Previews {
@@ -65,7 +63,7 @@ impl Previews {
             snapshot,
             plan_fn,
             guard: None,
-            running: Arc::new(Semaphore::new(MAX_CONCURRENT)),
+            running: ConcurrencyLimit::new(MAX_CONCURRENT, RETRY_AFTER_SECS),
         }
     }
 
@@ -102,27 +100,26 @@ async fn post_preview(State(p): State<Previews>, headers: HeaderMap, body: Body)
 
 /// Answers one `POST /v1/previews` request.
 pub async fn answer(p: &Previews, headers: &HeaderMap, body: Body) -> Response {
-    match compute(p, headers, body).await {
+    // The cheap refusals first (media type, size), then a computing slot, then the work.
+    let (bytes, content_type) = match read_body(headers, body).await {
+        Ok(x) => x,
+        Err(problem) => return problem.into_response(),
+    };
+    let _permit = match p.running.try_enter() {
+        Ok(permit) => permit,
+        Err(refusal) => return *refusal,
+    };
+    match compute(p, bytes, content_type).await {
         Ok(a) => Json(a).into_response(),
-        Err(problem) => {
-            let busy = problem.status == StatusCode::TOO_MANY_REQUESTS.as_u16();
-            let mut r = problem.into_response();
-            if busy {
-                r.headers_mut().insert(
-                    header::RETRY_AFTER,
-                    axum::http::HeaderValue::from(RETRY_AFTER_SECS),
-                );
-            }
-            r
-        }
+        Err(problem) => problem.into_response(),
     }
 }
 
-async fn compute(
-    p: &Previews,
+/// The body within [`MAX_BODY_BYTES`] and its media type (415, 413 or 400 otherwise).
+async fn read_body(
     headers: &HeaderMap,
     body: Body,
-) -> Result<whatif::PreviewAnswer, Problem> {
+) -> Result<(axum::body::Bytes, Option<String>), Problem> {
     let content_type = match headers.get(header::CONTENT_TYPE) {
         None => None,
         Some(v) => Some(
@@ -137,35 +134,15 @@ async fn compute(
             return Err(whatif::unsupported_media_type(Some(c)));
         }
     }
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
-        return Err(whatif::too_large());
-    }
-    let bytes = axum::body::to_bytes(body, MAX_BODY_BYTES)
-        .await
-        .map_err(|e| {
-            let too_big = std::error::Error::source(&e)
-                .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
-            if too_big {
-                whatif::too_large()
-            } else {
-                Problem::new(
-                    StatusCode::BAD_REQUEST,
-                    format!("cannot read the body: {e}"),
-                )
-            }
-        })?;
-    let _permit = p.running.clone().try_acquire_owned().map_err(|_| {
-        Problem::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            format!(
-                "{MAX_CONCURRENT} previews are being computed; retry after the time in Retry-After"
-            ),
-        )
-    })?;
+    let bytes = read_bounded(headers, body, MAX_BODY_BYTES).await?;
+    Ok((bytes, content_type))
+}
+
+async fn compute(
+    p: &Previews,
+    bytes: axum::body::Bytes,
+    content_type: Option<String>,
+) -> Result<whatif::PreviewAnswer, Problem> {
     let snap = (p.snapshot)().await?;
     let plan_fn = p.plan_fn.clone();
     let current = snap.clone();
@@ -208,7 +185,7 @@ pub(in crate::serve) async fn on_serve(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let p = s.inner.previews.read().unwrap().clone();
+    let p = s.inner.previews.get().cloned();
     match p {
         Some(p) => answer(&p, &headers, body).await,
         None => Problem::new(

@@ -25,10 +25,10 @@ use schema::{ConfigRepo, DaemonConfig};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use tokio::sync::Semaphore;
 
 use super::dashboard::bucket::BucketPath;
 use super::limits::Path as UrlPath;
+use super::limits::{ConcurrencyLimit, RETRY_AFTER_SECS};
 use super::problem::{InputProblem, Problem};
 use super::AppState;
 use crate::gitops::{Writer, WriterConfig};
@@ -38,8 +38,6 @@ use crate::snapshot::{HistoryCache, Snapshot};
 
 /// Requests of these endpoints served at once; more get 429.
 pub const DEFAULT_CONCURRENCY: usize = 32;
-/// Seconds a client is told to wait after a 429.
-pub const RETRY_AFTER_SECS: u64 = 1;
 /// Changes returned by the history endpoint at most (the most recent ones).
 pub const HISTORY_MAX: i64 = 1000;
 
@@ -51,7 +49,7 @@ pub struct Quotas {
     pub cache: Arc<HistoryCache>,
     latest: RwLock<Option<Arc<Computed>>>,
     compute: tokio::sync::Mutex<()>,
-    limit: Arc<Semaphore>,
+    limit: ConcurrencyLimit,
     export: tempfile::TempDir,
 }
 
@@ -86,7 +84,7 @@ impl Quotas {
             cache,
             latest: RwLock::new(None),
             compute: tokio::sync::Mutex::new(()),
-            limit: Arc::new(Semaphore::new(concurrency)),
+            limit: ConcurrencyLimit::new(concurrency, RETRY_AFTER_SECS),
             export: tempfile::Builder::new().prefix("rlc-quotas-").tempdir()?,
         })
     }
@@ -152,13 +150,13 @@ impl Quotas {
 
     /// What-if previews (`POST /v1/previews`) on the same plan and snapshot as this API, with
     /// the same planner: the policies and rails, then the decrease guard on the what-if plan.
-    pub fn previews(self: &Arc<Self>, state: AppState) -> super::previews::Previews {
+    pub fn previews(self: &Arc<Self>, state: super::WeakAppState) -> super::previews::Previews {
         let q = self.clone();
         let st = state.clone();
         let snapshot: super::previews::SnapshotFn = Arc::new(move || {
             let (q, st) = (q.clone(), st.clone());
             Box::pin(async move {
-                let c = q.current(store_witness(&st)).await?;
+                let c = q.current(weak_store_witness(&st)).await?;
                 Ok(c.preview
                     .get_or_init(|| {
                         Arc::new(super::previews::Snapshot {
@@ -180,7 +178,7 @@ impl Quotas {
                 crate::planner::hold_repeated_decreases(
                     &q.cfg,
                     &q.base_dir,
-                    &store_witness(&st),
+                    &weak_store_witness(&st),
                     GitHistory::AsFetched,
                     &plan,
                     Utc::now(),
@@ -554,17 +552,6 @@ fn json_bytes(body: Bytes) -> Response {
         .into_response()
 }
 
-fn too_many() -> Response {
-    let mut r = Problem::new(
-        StatusCode::TOO_MANY_REQUESTS,
-        "too many quota requests at once; retry after the time in Retry-After",
-    )
-    .into_response();
-    r.headers_mut()
-        .insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECS));
-    r
-}
-
 fn bad_query(e: QueryRejection) -> Problem {
     Problem::new(
         StatusCode::BAD_REQUEST,
@@ -580,12 +567,16 @@ fn enter(s: &AppState) -> Result<(Arc<Quotas>, tokio::sync::OwnedSemaphorePermit
     let q = s.quotas().ok_or_else(|| {
         Box::new(unavailable("the quota API is not configured on this server").into_response())
     })?;
-    let permit = q
-        .limit
-        .clone()
-        .try_acquire_owned()
-        .map_err(|_| Box::new(too_many()))?;
+    let permit = q.limit.try_enter()?;
     Ok((q, permit))
+}
+
+/// [`store_witness`] of a state that may be gone (then no store can say: decreases are held).
+fn weak_store_witness(s: &super::WeakAppState) -> StoreWitness {
+    match s.upgrade() {
+        Some(s) => store_witness(&s),
+        None => StoreWitness::Unavailable("the daemon is stopping".into()),
+    }
 }
 
 fn store_witness(s: &AppState) -> StoreWitness {

@@ -63,17 +63,15 @@ impl ReportBuffer {
                 Ok(n) => stored += n,
                 Err(e) => return (stored, Err(e)),
             }
+            // Stored: out of the buffer, whether or not the cursor moves below (if it does not,
+            // a restart fetches these again and the store ignores them as duplicates).
+            self.pages.drain(..pages);
+            self.rows -= batch.len();
             if let Some(next) = &next {
                 if let Err(e) = store.set_cursor(REPORT_CURSOR, next).await {
-                    // Stored but the cursor did not move: a restart fetches these again and
-                    // the store ignores them as duplicates.
-                    self.pages.drain(..pages);
-                    self.rows -= batch.len();
                     return (stored, Err(e));
                 }
             }
-            self.pages.drain(..pages);
-            self.rows -= batch.len();
         }
         (stored, Ok(()))
     }

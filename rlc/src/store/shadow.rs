@@ -510,14 +510,31 @@ impl Store {
         window_start: DateTime<Utc>,
         window_end: DateTime<Utc>,
     ) -> Result<Option<ShadowStats>, StoreError> {
+        Ok(self
+            .bucket_window(service, bucket, window_start, window_end)
+            .await?
+            .1)
+    }
+
+    /// The minute rows of one bucket over `[window_start, window_end)` and the readiness
+    /// figures computed from them (`None` when the store has no report of the bucket at all):
+    /// the dashboard charts the rows it was given the figures of.
+    pub async fn bucket_window(
+        &self,
+        service: &str,
+        bucket: &str,
+        window_start: DateTime<Utc>,
+        window_end: DateTime<Utc>,
+    ) -> Result<(Vec<MinuteRow>, Option<ShadowStats>), StoreError> {
         let (last, since) = self.bucket_span(service, bucket).await?;
         if last.is_none() {
-            return Ok(None);
+            // No report of the bucket at all: no minute either.
+            return Ok((Vec::new(), None));
         }
         let rows = self
             .bucket_minutes(service, bucket, window_start, window_end)
             .await?;
-        Ok(Some(stats_from_minutes(
+        let stats = stats_from_minutes(
             service,
             bucket,
             window_start,
@@ -525,25 +542,8 @@ impl Store {
             &rows,
             last,
             since,
-        )))
-    }
-
-    /// The services and buckets with a roll-up since `since` (sorted, at most `limit`).
-    pub async fn shadow_buckets(
-        &self,
-        service: Option<&str>,
-        since: DateTime<Utc>,
-        limit: i64,
-    ) -> Result<Vec<(String, String)>, StoreError> {
-        on_pool!(self, pool => Ok(sqlx::query_as::<_, (String, String)>(
-            "SELECT DISTINCT service, bucket FROM shadow_minutes \
-             WHERE minute >= $1 AND ($2 IS NULL OR service = $2) ORDER BY service, bucket LIMIT $3",
-        )
-        .bind(Ts(since))
-        .bind(service)
-        .bind(limit)
-        .fetch_all(pool)
-        .await?))
+        );
+        Ok((rows, Some(stats)))
     }
 }
 

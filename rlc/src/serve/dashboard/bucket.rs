@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use super::super::limits::{Path, Query};
 use super::{
     encode_query_value, escape_html, parse_window, percent, rate, store_failed, when, DashError,
-    CSS, DEFAULT_WINDOW,
+    CSS, WINDOWS,
 };
 use crate::readiness::{self, ShadowStats, Verdict};
 use crate::serve::AppState;
@@ -29,8 +29,6 @@ const MAX_POINTS: i64 = 360;
 const MAX_SCOPES: usize = 12;
 /// Quota changes listed.
 const MAX_CHANGES: i64 = 50;
-/// Windows offered on the page.
-const WINDOWS: &[&str] = &["15m", "1h", "6h", "24h", "7d", "30d"];
 
 /// Query string of the bucket page and its JSON twin.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
@@ -192,14 +190,10 @@ async fn detail(
 ) -> Result<BucketDetail, DashError> {
     let (start, end, step_secs) = bounds(window)?;
     let failed = |e| store_failed("/v1/shadow/{service}/{bucket}", e);
-    let rows = store
-        .bucket_minutes(service, bucket, start, end)
+    let (rows, stats) = store
+        .bucket_window(service, bucket, start, end)
         .await
         .map_err(failed)?;
-    // The figures from the rows already fetched (what `Store::shadow_stats` computes).
-    let (last, since) = store.bucket_span(service, bucket).await.map_err(failed)?;
-    let stats = last
-        .map(|_| crate::store::stats_from_minutes(service, bucket, start, end, &rows, last, since));
     let quota_history = store
         .quota_changes(service, bucket, MAX_CHANGES)
         .await
@@ -230,9 +224,7 @@ async fn detail(
 }
 
 fn window_of(q: BucketQuery) -> String {
-    q.window
-        .filter(|w| !w.is_empty())
-        .unwrap_or_else(|| DEFAULT_WINDOW.into())
+    super::window_or_default(q.window)
 }
 
 /// `GET /v1/shadow/{service}/{bucket}?window=1h`: see [`BucketDetail`]. 400 for a bad window,
