@@ -1,27 +1,43 @@
-//! `rlc demo`: the whole loop on embedded defaults, for a first look.
+//! `rlc demo`: the whole loop on embedded defaults, for a first look, leaving a directory that
+//! the README's next commands (`grl controller`, `rlc run --once`, `rlc serve`) work with as is.
 //!
-//! 1. a config repo made from the template (a real git repository) in `--dir`;
+//! 1. a config repo made from the template embedded in the binary (a real git repository);
 //! 2. four weeks of generated per-minute history (the bundled quickstart set, as CSV);
-//! 3. an in-process GRL controller on loopback, with generated credentials (one per role, in
-//!    a mode-600 credentials file, as in production);
+//! 3. credentials (one per role, mode 600, as in production; `rlc-token` holds rlc's own),
+//!    `rlc.yaml`, and a GRL controller in-process on loopback with its state in `grl-state/`;
 //! 4. one `rlc run` cycle: history → policies → rails → `buckets/*.yaml` committed → pushed to
 //!    the controller → recorded in SQLite;
-//! 5. live traffic at 1.5× one bucket's new limit through a real GRL client and zone aggregator,
-//!    showing the admitted rate settle at the limit;
-//! 6. a second cycle on the same history: nothing to change, capped decreases wait a day, no
-//!    commit.
+//! 5. live traffic at 1.5× a bucket's new limit (and a shadow bucket's) through a real GRL
+//!    client and zone aggregator: the admitted rate settles at the limit; the controller's
+//!    reports go to the store (the dashboard's data), and the offered rates its `/metrics`
+//!    counted become the history's last sample;
+//! 6. a second cycle on that history: the policy learns the observed peak (a raise committed
+//!    and pushed); capped decreases wait a day.
+//!
+//! Files the demo wrote are recorded with their hashes ([`files`]); a re-run rewrites only
+//! those still unedited and says which it kept.
 
+use std::collections::BTreeMap;
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use grl_core::Decision;
 use grl_runtime::aggregator::{Aggregator, AggregatorOptions};
-use grl_runtime::auth::{write_secret_file, CredentialSet};
+use grl_runtime::auth::CredentialSet;
 use grl_runtime::client::{ClientOptions, GrlClient};
 use grl_runtime::controller::{Controller, ControllerOptions};
-use schema::{format_rps, Mode};
+use schema::{format_rps, Mode, PolicyName};
 
 use crate::cycle::{short, Cycle, RunStatus};
+
+pub mod files;
+use files::{Owned, Wrote};
+
+mod template {
+    include!(concat!(env!("OUT_DIR"), "/template.rs"));
+}
 
 /// Arguments of `rlc demo`.
 #[derive(Debug, clap::Args)]
@@ -29,15 +45,19 @@ pub struct DemoArgs {
     /// Working directory for the demo (config repo, history, database, controller state).
     #[arg(long, default_value = "demo-out")]
     pub dir: PathBuf,
-    /// The config-repo template to start from.
-    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../config-repo-template"))]
-    pub template: PathBuf,
+    /// A config-repo template directory to start from instead of the one built into rlc.
+    #[arg(long)]
+    pub template: Option<PathBuf>,
     /// Seconds of live traffic to drive through the GRL client.
     #[arg(long, default_value_t = 4)]
     pub traffic_secs: u64,
+    /// Where the `grl controller` of the next steps listens (`controller.url` of rlc.yaml).
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    pub controller_listen: String,
+    /// Where `rlc serve` listens (`server.listen` of rlc.yaml).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub listen: String,
 }
-
-const TOKEN_ENV: &str = "RLC_DEMO_GRL_TOKEN";
 
 /// 256 random bits, hex.
 fn secret() -> String {
@@ -48,22 +68,55 @@ fn secret() -> String {
     )
 }
 
+/// The secret of credential `name` in a credentials file (`NAME ROLES SECRET` lines).
+fn credential(path: &Path, name: &str) -> anyhow::Result<String> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    text.lines()
+        .map(str::trim)
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.len() == 3 && f[0] == name).then(|| f[2].to_string())
+        })
+        .with_context(|| {
+            format!(
+                "{}: no `{name}` credential line (NAME ROLES SECRET); delete the file and `rlc demo` writes a new one",
+                path.display()
+            )
+        })
+}
+
+/// Prints what happened to a file the demo writes.
+fn say(rel: &str, wrote: Wrote) {
+    if wrote == Wrote::Kept {
+        println!(
+            "   kept {rel}: edited since `rlc demo` wrote it (delete it to get the demo's version)"
+        );
+    }
+}
+
 /// Runs the demo; returns the exit code.
 pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
-    let dir = &args.dir;
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let dir = dir.canonicalize()?;
+    let shown = args.dir.clone();
+    std::fs::create_dir_all(&args.dir)
+        .with_context(|| format!("creating {}", args.dir.display()))?;
+    let dir = args.dir.canonicalize()?;
+    let mut owned = Owned::load(&dir)?;
 
     // 1. The config repo.
     let repo_dir = dir.join("config-repo");
-    let created = init_config_repo(&args.template, &repo_dir)?;
+    let created = match &args.template {
+        Some(t) => init_config_repo(t, &repo_dir)?,
+        None => init_config_repo_embedded(&repo_dir)?,
+    };
     println!(
         "1. config repo  {} ({})",
         repo_dir.display(),
-        if created {
-            "created from config-repo-template"
-        } else {
-            "reused"
+        match (created, &args.template) {
+            (false, _) => "reused".to_string(),
+            (true, None) => "created from the template built into rlc".to_string(),
+            (true, Some(t)) => format!("created from {}", t.display()),
         }
     );
 
@@ -72,6 +125,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
     if !history.exists() {
         let rows = crate::history::synth::generate(&history, 42, chrono::Utc::now(), 28, 60)
             .with_context(|| format!("writing {}", history.display()))?;
+        owned.record("history.csv")?;
         println!(
             "2. history      {} ({rows} per-minute samples, 28 days, generated)",
             history.display()
@@ -80,20 +134,41 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
         println!("2. history      {} (reused)", history.display());
     }
 
-    // 3. The in-process controller, serving the repo's current buckets, with one generated
-    // credential per role: rlc pushes configs and reads reports, on-call people add
-    // overrides, aggregators send zone reports. No anonymous report is accepted.
-    let token = secret();
-    let zone_token = secret();
+    // 3. Credentials, one per role: rlc pushes configs and reads reports, on-call people add
+    // overrides, aggregators send zone reports; no anonymous report is accepted. Reused when
+    // they exist, so that a controller started from them keeps working across re-runs.
     let creds_path = dir.join("grl-credentials");
-    write_secret_file(
-        &creds_path,
-        &format!(
-            "# Written by `rlc demo`: NAME ROLES SECRET (see docs/security.md).\nrlc config,reports {token}\noncall overrides {}\nzone-report zone-report {zone_token}\n",
-            secret()
-        ),
-    )
-    .with_context(|| format!("writing {}", creds_path.display()))?;
+    if !creds_path.exists() {
+        let w = owned.write(
+            "grl-credentials",
+            &format!(
+                "# Written by `rlc demo`: NAME ROLES SECRET (see docs/security.md).\nrlc config,reports {}\noncall overrides {}\nzone-report zone-report {}\n",
+                secret(),
+                secret(),
+                secret()
+            ),
+            true,
+        )?;
+        say("grl-credentials", w);
+    }
+    let token = credential(&creds_path, "rlc")?;
+    let zone_token = credential(&creds_path, "zone-report")?;
+    say(
+        "rlc-token",
+        owned.write("rlc-token", &format!("{token}\n"), true)?,
+    );
+    let cfg_path = dir.join("rlc.yaml");
+    say(
+        "rlc.yaml",
+        owned.write(
+            "rlc.yaml",
+            &rlc_yaml(&args.controller_listen, &args.listen),
+            false,
+        )?,
+    );
+
+    // The in-process controller serving the repo's buckets, its state where the README's
+    // `grl controller` takes it over.
     let mut credentials = CredentialSet::default();
     credentials
         .add_file(&creds_path, Some(grl_runtime::controller::ROLES))
@@ -107,19 +182,24 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
     })
     .await
     .context("starting the GRL controller")?;
-    // The push client reads its credential from the environment, as in production.
-    std::env::set_var(TOKEN_ENV, &token);
-    println!("3. controller   {} (in-process)", controller.url());
     println!(
-        "   credentials  {} (generated, mode 600: rlc = config,reports; oncall = overrides; zone-report)",
-        creds_path.display()
+        "3. controller   {} (in-process for the demo; state in {})",
+        controller.url(),
+        dir.join("grl-state").display()
+    );
+    println!(
+        "   credentials  {} (mode 600: rlc = config,reports; oncall = overrides; zone-report), rlc's in {}",
+        creds_path.display(),
+        dir.join("rlc-token").display()
     );
 
-    let cfg_path = dir.join("rlc.yaml");
-    std::fs::write(&cfg_path, rlc_yaml(&controller.url()))?;
-    let (cfg, base) = crate::cycle::load_config(&cfg_path)?;
+    // rlc.yaml names the controller of the next steps; the demo's cycles talk to this one.
+    let (mut cfg, base) = crate::cycle::load_config(&cfg_path)?;
+    if let Some(c) = cfg.controller.as_mut() {
+        c.url = controller.url();
+    }
     let planner = crate::pipeline::planner();
-    let cycle = Cycle::new(cfg, &base);
+    let cycle = Cycle::new(cfg.clone(), &base);
 
     // 4. One full cycle.
     println!("4. rlc run      (config: {})", cfg_path.display());
@@ -144,9 +224,11 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
         short(&head)
     );
 
-    // 5. Live traffic through a real client and aggregator.
+    // 5. Live traffic through a real client and aggregator, on an enforced bucket (a peak
+    // policy's when there is one: its next limit follows the observed peak) and a shadow
+    // bucket of the same service.
     let after = schema::ConfigRepo::load(&repo_dir).0;
-    let enforced = after
+    let mut all: Vec<(String, schema::Bucket)> = after
         .buckets
         .values()
         .flat_map(|f| {
@@ -155,21 +237,92 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
                 .iter()
                 .map(move |b| (f.value.service.clone(), b.clone()))
         })
-        .find(|(_, b)| b.mode == Mode::Enforce && b.caller.is_some() && b.procedure.is_some());
-    if let Some((service, bucket)) = enforced {
+        .filter(|(_, b)| b.caller.is_some() && b.procedure.is_some())
+        .collect();
+    all.sort_by_key(|(_, b)| (b.mode != Mode::Enforce, b.policy != PolicyName::Peak));
+    if let Some((service, enforced)) = all.first().filter(|(_, b)| b.mode == Mode::Enforce) {
+        let shadow = all
+            .iter()
+            .find(|(s, b)| s == service && b.mode == Mode::Shadow)
+            .map(|(_, b)| b.clone());
+        let mut driven = vec![enforced.clone()];
+        driven.extend(shadow);
+        let before = offered_counts(&controller.url()).await?;
         traffic(
             &controller.url(),
-            &dir,
+            &mut owned,
             &zone_token,
-            &service,
-            &bucket,
+            service,
+            &driven,
             args.traffic_secs,
         )
         .await?;
+        let counted = offered_counts(&controller.url()).await?;
+        // The controller's reports: the dashboard's data (`rlc serve` reads them from here on).
+        let mut client_cfg = cfg
+            .controller
+            .clone()
+            .context("rlc.yaml has no controller")?;
+        client_cfg.url = controller.url();
+        let client = crate::push::ControllerClient::from_config(&client_cfg, &base)?;
+        let store = cycle.store().await?;
+        let (mut cursor, mut stored) = (None::<String>, 0);
+        loop {
+            let page = client.reports(cursor.as_deref(), 10_000).await?;
+            let n = page.reports.len();
+            stored += store
+                .insert_reports(&page.reports, chrono::Utc::now())
+                .await?;
+            let next = match page.next {
+                serde_json::Value::String(s) => Some(s),
+                serde_json::Value::Null => None,
+                v => Some(v.to_string()),
+            };
+            if n < 10_000 || next.is_none() || next == cursor {
+                break;
+            }
+            cursor = next;
+        }
+        println!(
+            "   store        {stored} controller reports stored in {} (the dashboard's data)",
+            dir.join("rlc.db").display()
+        );
+        // What the controller counted, as Prometheus would scrape it: the history's last sample.
+        let mut observed = Vec::new();
+        for (key, n) in &counted {
+            let rate = (n - before.get(key).copied().unwrap_or(0.0)) / args.traffic_secs as f64;
+            if rate > 0.0 {
+                observed.push((key.clone(), rate));
+            }
+        }
+        if owned.is_ours("history.csv") {
+            let last = last_sample_ts(&history)?;
+            let mut f = std::fs::OpenOptions::new()
+                .append(true)
+                .open(&history)
+                .with_context(|| format!("appending to {}", history.display()))?;
+            writeln!(
+                f,
+                "# observed by `rlc demo` at {}: grl_requests_offered_total over {} s of traffic",
+                chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+                args.traffic_secs
+            )?;
+            for ((s, c, p), rate) in &observed {
+                writeln!(f, "{last},{s},{c},{p},{rate:.3}")?;
+                println!(
+                    "   observed     {s}/{c}.{p} {} rps offered (the controller's grl_requests_offered_total), added to history.csv as its last minute",
+                    format_rps(rate.round())
+                );
+            }
+            drop(f);
+            owned.record("history.csv")?;
+        } else {
+            println!("   kept history.csv: edited since `rlc demo` wrote it; the observed rates are not added");
+        }
     }
 
-    // 6. Same history again: nothing new to change. Decreases the rails capped wait for the
-    // next interval (one decrease per bucket per day), so no commit.
+    // 6. The history with the observed traffic: the peak policy raises the driven bucket.
+    // Decreases the rails capped wait for the next interval (one decrease per bucket per day).
     let again = cycle.run(&planner, "demo").await;
     let head2 = git_head(&repo_dir)?;
     let waiting = again
@@ -178,24 +331,52 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
         .filter(|s| s.reason.contains("already lowered"))
         .count();
     println!(
-        "6. rlc run again on the same history: {} — {}{}",
+        "6. rlc run again, on the history with the observed traffic: {}{}",
         again.status.as_str(),
-        if head2 == head {
-            "no new commit"
-        } else {
-            "a new commit"
-        },
         if waiting > 0 {
             format!(" ({waiting} capped decrease(s) wait a day: one decrease per bucket per day)")
         } else {
             String::new()
         }
     );
-    controller.shutdown().await;
+    for line in again.to_string().lines().skip(1) {
+        println!("   {line}");
+    }
     println!(
-        "\nNext: `rlc preview --config {0}` for the table, `rlc serve --config {0}` for the daemon and its dashboard,\n`git -C {1} log -p` for what was committed.",
-        cfg_path.display(),
-        repo_dir.display()
+        "   {}",
+        if head2 == head {
+            "no new commit".to_string()
+        } else {
+            format!("new commit {}", short(&head2))
+        }
+    );
+    controller.shutdown().await;
+
+    let (rlc, grl) = if std::env::var("CARGO_PKG_NAME").as_deref() == Ok("rlc") {
+        // Started by `cargo run`: the same way for the next commands.
+        let release = if cfg!(debug_assertions) {
+            ""
+        } else {
+            " --release"
+        };
+        (
+            format!("cargo run{release} -p rlc --"),
+            format!("cargo run{release} -p grl-runtime --"),
+        )
+    } else {
+        ("rlc".to_string(), "grl".to_string())
+    };
+    let d = shown.display();
+    println!("\nNext, from this directory (README, Quick start): the controller from the demo's state, a run, the daemon");
+    println!(
+        "  {grl} controller --listen {} --state-dir {d}/grl-state --credentials {d}/grl-credentials &",
+        args.controller_listen
+    );
+    println!("  {rlc} run --config {d}/rlc.yaml --once");
+    println!("  {rlc} serve --config {d}/rlc.yaml");
+    println!(
+        "Dashboard: http://{}/ ; `git -C {d}/config-repo log -p` shows what was committed.",
+        args.listen
     );
     Ok(if again.status == RunStatus::Failed {
         1
@@ -204,24 +385,95 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
     })
 }
 
-/// Offers 1.5× the bucket's limit for `secs` seconds through a GRL client reporting to a zone
-/// aggregator, and prints the admitted rate each second.
+/// `grl_requests_offered_total` of the controller's `/metrics`, summed per (service, caller,
+/// procedure) over buckets and zones.
+async fn offered_counts(
+    controller: &str,
+) -> anyhow::Result<BTreeMap<(String, String, String), f64>> {
+    let text = reqwest::get(format!("{controller}/metrics"))
+        .await?
+        .error_for_status()?
+        .text()
+        .await?;
+    Ok(parse_offered(&text))
+}
+
+/// The `grl_requests_offered_total` samples of an OpenMetrics text, summed per (service,
+/// caller, procedure).
+fn parse_offered(text: &str) -> BTreeMap<(String, String, String), f64> {
+    let mut out = BTreeMap::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("grl_requests_offered_total{") else {
+            continue;
+        };
+        let Some((labels, value)) = rest.rsplit_once("} ") else {
+            continue;
+        };
+        let Ok(v) = value.trim().parse::<f64>() else {
+            continue;
+        };
+        let mut l: BTreeMap<String, String> = BTreeMap::new();
+        let mut chars = labels.chars().peekable();
+        while chars.peek().is_some() {
+            let name: String = chars.by_ref().take_while(|&c| c != '=').collect();
+            if chars.next() != Some('"') {
+                break;
+            }
+            let mut value = String::new();
+            while let Some(c) = chars.next() {
+                match c {
+                    '\\' => value.extend(chars.next()),
+                    '"' => break,
+                    c => value.push(c),
+                }
+            }
+            l.insert(name.trim_start_matches(',').to_string(), value);
+            if chars.peek() == Some(&',') {
+                chars.next();
+            }
+        }
+        let get = |k: &str| l.get(k).cloned().unwrap_or_default();
+        *out.entry((get("service"), get("caller"), get("procedure")))
+            .or_insert(0.0) += v;
+    }
+    out
+}
+
+/// The timestamp of the last row of a history CSV.
+fn last_sample_ts(path: &Path) -> anyhow::Result<i64> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    text.lines()
+        .rev()
+        .filter(|l| !l.starts_with('#') && !l.starts_with("ts,"))
+        .find_map(|l| l.split(',').next()?.trim().parse::<i64>().ok())
+        .with_context(|| format!("{}: no sample", path.display()))
+}
+
+/// Offers 1.5× each bucket's limit for `secs` seconds through a GRL client reporting to a zone
+/// aggregator, and prints the admitted (and, in shadow, virtually dropped) rate each second.
 async fn traffic(
     controller: &str,
-    dir: &Path,
+    owned: &mut Owned,
     zone_token: &str,
     service: &str,
-    bucket: &schema::Bucket,
+    buckets: &[schema::Bucket],
     secs: u64,
 ) -> anyhow::Result<()> {
     // The aggregator accepts client reports only with a credential for their service.
-    let client_token = secret();
-    let client_creds = dir.join("grl-client-credentials");
-    write_secret_file(
-        &client_creds,
-        &format!("# Written by `rlc demo`: NAME SERVICES SECRET (see docs/security.md).\n{service} {service} {client_token}\n"),
-    )
-    .with_context(|| format!("writing {}", client_creds.display()))?;
+    let client_creds = owned.dir().join("grl-client-credentials");
+    if !client_creds.exists() {
+        let w = owned.write(
+            "grl-client-credentials",
+            &format!(
+                "# Written by `rlc demo`: NAME SERVICES SECRET (see docs/security.md).\n{service} {service} {}\n",
+                secret()
+            ),
+            true,
+        )?;
+        say("grl-client-credentials", w);
+    }
+    let client_token = credential(&client_creds, service)?;
     let agg = Aggregator::start(AggregatorOptions {
         listen: ([127, 0, 0, 1], 0).into(),
         controllers: vec![controller.to_string()],
@@ -237,53 +489,86 @@ async fn traffic(
     opts.tick = Duration::from_millis(250);
     opts.report_token = Some(client_token.as_str().into());
     let client = GrlClient::start(opts);
-    let caller = bucket.caller.clone().unwrap_or_default();
-    let procedure = bucket.procedure.clone().unwrap_or_default();
-    let offered = bucket.limit_rps * 1.5;
+    let offered: Vec<f64> = buckets.iter().map(|b| b.limit_rps * 1.5).collect();
+    for (b, o) in buckets.iter().zip(&offered) {
+        println!(
+            "5. traffic      {service}/{} ({}) limit {} rps, offering {} rps through a GRL client → zone aggregator → controller",
+            b.name,
+            b.mode.as_str(),
+            format_rps(b.limit_rps),
+            format_rps(o.round())
+        );
+    }
     println!(
-        "5. traffic      {service}/{} limit {} rps, offering {} rps through a GRL client → zone aggregator → controller",
-        bucket.name,
-        format_rps(bucket.limit_rps),
-        format_rps(offered.round())
-    );
-    println!(
-        "   client credential for {service} in {} (generated); anonymous reports are refused",
+        "   client credential for {service} in {} (mode 600); anonymous reports are refused",
         client_creds.display()
     );
     let slice = Duration::from_millis(20);
     let start = Instant::now();
     let mut last = start;
-    let mut carry = 0.0;
+    let mut carry = vec![0.0; buckets.len()];
     for second in 1..=secs {
-        let (mut admitted, mut sent) = (0u64, 0u64);
+        let mut counts = vec![(0u64, 0u64, 0u64); buckets.len()];
         let end = start + Duration::from_secs(second);
         while Instant::now() < end {
             // Requests due since the last slice, so that sleep overshoot does not lower the rate.
             let now = Instant::now();
-            carry += offered * (now - last).as_secs_f64();
+            let dt = (now - last).as_secs_f64();
             last = now;
-            while carry >= 1.0 {
-                carry -= 1.0;
-                sent += 1;
-                if client.limiter().decide(&caller, &procedure).admitted() {
-                    admitted += 1;
+            for (i, b) in buckets.iter().enumerate() {
+                carry[i] += offered[i] * dt;
+                let caller = b.caller.as_deref().unwrap_or_default();
+                let procedure = b.procedure.as_deref().unwrap_or_default();
+                while carry[i] >= 1.0 {
+                    carry[i] -= 1.0;
+                    let c = &mut counts[i];
+                    c.0 += 1;
+                    match client.limiter().decide(caller, procedure) {
+                        Decision::Drop => {}
+                        Decision::ShadowDrop => {
+                            c.1 += 1;
+                            c.2 += 1;
+                        }
+                        Decision::Admit => c.1 += 1,
+                    }
                 }
             }
             tokio::time::sleep(slice).await;
         }
-        println!(
-            "   t={second}s offered {sent:>6} admitted {admitted:>6} dropped {:>5.1}%",
-            100.0 * (sent - admitted) as f64 / sent.max(1) as f64
-        );
+        let line: Vec<String> = buckets
+            .iter()
+            .zip(&counts)
+            .map(|(b, &(sent, admitted, shadow))| {
+                let pct = |n: u64| 100.0 * n as f64 / sent.max(1) as f64;
+                if b.mode == Mode::Shadow {
+                    format!(
+                        "{}: offered {sent:>5} admitted {admitted:>5} virtually dropped {:>5.1}%",
+                        b.name,
+                        pct(shadow)
+                    )
+                } else {
+                    format!(
+                        "{}: offered {sent:>5} admitted {admitted:>5} dropped {:>5.1}%",
+                        b.name,
+                        pct(sent - admitted)
+                    )
+                }
+            })
+            .collect();
+        println!("   t={second}s {}", line.join(" | "));
     }
+    // Let the last counts reach the controller (client, aggregator and controller tick every
+    // 250 ms) before anyone reads them.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     client.shutdown();
     agg.shutdown().await;
     Ok(())
 }
 
-fn rlc_yaml(controller_url: &str) -> String {
+fn rlc_yaml(controller_listen: &str, listen: &str) -> String {
     format!(
         "# Written by `rlc demo`: the embedded defaults. Paths are relative to this file.
+# `rlc demo` rewrites this file on its next run unless you edited it (then it keeps it).
 history:
   file: history.csv
   lookback: 28d
@@ -293,10 +578,13 @@ config_repo:
   branch: main
   mode: direct
 controller:
-  url: {controller_url}   # the demo's in-process controller (gone when the demo ends)
-  token_env: {TOKEN_ENV}
+  # started from the demo's state: grl controller --listen {controller_listen} --state-dir grl-state --credentials grl-credentials
+  url: http://{controller_listen}
+  token_file: rlc-token   # the `rlc` credential of grl-credentials (roles config, reports)
 database_url: sqlite://rlc.db
 schedule: \"0 3 * * *\"
+server:
+  listen: {listen}   # the dashboard: http://{listen}/
 "
     )
 }
@@ -307,13 +595,40 @@ fn git_head(repo: &Path) -> anyhow::Result<String> {
     Ok(id)
 }
 
-/// Copies the template into a new git repository at `dest` with one initial commit; leaves an
-/// existing repository alone. Returns whether it created one.
+/// Writes the template built into rlc into a new git repository at `dest` with one initial
+/// commit; leaves an existing repository alone. Returns whether it created one.
+pub fn init_config_repo_embedded(dest: &Path) -> anyhow::Result<bool> {
+    if dest.join(".git").exists() {
+        return Ok(false);
+    }
+    for (rel, bytes, exec) in template::TEMPLATE {
+        let path = dest.join(rel);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent)
+                .with_context(|| format!("creating {}", parent.display()))?;
+        }
+        std::fs::write(&path, bytes).with_context(|| format!("writing {}", path.display()))?;
+        if *exec {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))?;
+        }
+    }
+    commit_initial(dest)?;
+    Ok(true)
+}
+
+/// Copies the template directory into a new git repository at `dest` with one initial
+/// commit; leaves an existing repository alone. Returns whether it created one.
 pub fn init_config_repo(template: &Path, dest: &Path) -> anyhow::Result<bool> {
     if dest.join(".git").exists() {
         return Ok(false);
     }
     copy_dir(template, dest)?;
+    commit_initial(dest)?;
+    Ok(true)
+}
+
+fn commit_initial(dest: &Path) -> anyhow::Result<()> {
     let repo = git2::Repository::init_opts(
         dest,
         git2::RepositoryInitOptions::new().initial_head("main"),
@@ -332,7 +647,7 @@ pub fn init_config_repo(template: &Path, dest: &Path) -> anyhow::Result<bool> {
         &tree,
         &[],
     )?;
-    Ok(true)
+    Ok(())
 }
 
 fn copy_dir(from: &Path, to: &Path) -> anyhow::Result<()> {
@@ -348,4 +663,41 @@ fn copy_dir(from: &Path, to: &Path) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_embedded_template_is_the_source_tree_one() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config-repo-template");
+        assert!(
+            template::TEMPLATE.len() >= 6,
+            "{}",
+            template::TEMPLATE.len()
+        );
+        for (rel, bytes, _) in template::TEMPLATE {
+            assert_eq!(&std::fs::read(root.join(rel)).unwrap()[..], *bytes, "{rel}");
+        }
+        let d = tempfile::tempdir().unwrap();
+        assert!(init_config_repo_embedded(&d.path().join("r")).unwrap());
+        let (_, diags) = schema::ConfigRepo::load(&d.path().join("r"));
+        assert!(diags.is_empty(), "{}", schema::Diagnostics(diags));
+        assert!(!init_config_repo_embedded(&d.path().join("r")).unwrap());
+    }
+
+    #[test]
+    fn offered_counts_are_summed_per_series() {
+        let text = "# TYPE grl_requests_offered counter\n\
+            grl_requests_offered_total{service=\"pay\",bucket=\"a\",caller=\"web\",procedure=\"charge\",zone=\"z1\"} 10\n\
+            grl_requests_offered_total{service=\"pay\",bucket=\"a\",caller=\"web\",procedure=\"charge\",zone=\"z2\"} 5.5\n\
+            grl_requests_offered_total{service=\"pay\",bucket=\"b\",caller=\"x\\\"y\",procedure=\"\",zone=\"z1\"} 2\n\
+            grl_requests_admitted_total{service=\"pay\",bucket=\"a\",caller=\"web\",procedure=\"charge\",zone=\"z1\"} 9\n";
+        let got = parse_offered(text);
+        let k = |s: &str, c: &str, p: &str| (s.to_string(), c.to_string(), p.to_string());
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert_eq!(got[&k("pay", "web", "charge")], 15.5);
+        assert_eq!(got[&k("pay", "x\"y", "")], 2.0);
+    }
 }

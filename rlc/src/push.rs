@@ -4,7 +4,8 @@
 //!
 //! Credentials (never logged): `controller.token_env` names the variable holding the
 //! credential with the controller's `config` role (`PUT /v1/config`), or `<VAR>_FILE` a file
-//! holding it, re-read on every call so that a rotation needs no restart;
+//! holding it, re-read on every call so that a rotation needs no restart (or
+//! `controller.token_file`, a file named in rlc.yaml, relative to it);
 //! `controller.reports_token_env` (default: the same credential) the one with the `reports`
 //! role (`GET /v1/reports`).
 
@@ -228,7 +229,14 @@ impl ControllerClient {
         c: &schema::ControllerConfig,
         base_dir: &Path,
     ) -> Result<ControllerClient, PushError> {
-        let token = Secret::from_env(&c.token_env)?;
+        let token = match &c.token_file {
+            Some(f) => {
+                let s = Secret::File(base_dir.join(f));
+                s.get()?;
+                s
+            }
+            None => Secret::from_env(&c.token_env)?,
+        };
         let reports_token = match &c.reports_token_env {
             Some(var) => Some(Secret::from_env(var)?),
             None => None,

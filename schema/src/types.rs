@@ -912,6 +912,10 @@ pub struct ControllerConfig {
     /// (`PUT /v1/config`); `<VAR>_FILE`, when `<VAR>` is unset, names a file holding it.
     #[serde(default = "default_controller_token_env")]
     pub token_env: String,
+    /// A file holding that credential (its first line), relative to rlc.yaml and re-read on
+    /// every call; when set, it is used instead of `token_env` (what `rlc demo` writes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_file: Option<String>,
     /// Environment variable holding the credential with the `reports` role
     /// (`GET /v1/reports`); default: the `token_env` credential.
     #[serde(default, skip_serializing_if = "Option::is_none")]

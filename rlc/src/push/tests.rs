@@ -198,6 +198,7 @@ async fn credentials_from_files_and_roles_against_the_real_controller() {
     let mut conf = schema::ControllerConfig {
         url: ctl.url(),
         token_env: "RLC_PUSH_TEST_CFG".into(),
+        token_file: None,
         reports_token_env: Some("RLC_PUSH_TEST_READ".into()),
         tls: None,
     };
@@ -228,5 +229,17 @@ async fn credentials_from_files_and_roles_against_the_real_controller() {
     std::env::remove_var("RLC_PUSH_TEST_CFG_FILE");
     let err = ControllerClient::from_config(&conf, dir.path()).unwrap_err();
     assert!(err.to_string().contains("RLC_PUSH_TEST_CFG_FILE"), "{err}");
+    // `token_file` (relative to rlc.yaml's directory) needs no variable at all.
+    conf.token_file = Some("rlc-token".into());
+    conf.reports_token_env = Some("RLC_PUSH_TEST_READ".into());
+    let client = ControllerClient::from_config(&conf, dir.path()).unwrap();
+    client.put_config(&desired("v3")).await.unwrap();
+    assert_eq!(
+        client.status().await.unwrap().version.as_deref(),
+        Some("v3")
+    );
+    conf.token_file = Some("no-such-token".into());
+    let err = ControllerClient::from_config(&conf, dir.path()).unwrap_err();
+    assert!(err.to_string().contains("no-such-token"), "{err}");
     ctl.shutdown().await;
 }
