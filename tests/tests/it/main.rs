@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use test_support::git::GitRemote;
 
 mod api;
+mod demo;
 mod deploy;
 use test_support::process::{free_port, Proc};
 

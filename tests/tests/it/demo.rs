@@ -1,0 +1,363 @@
+//! The README's Quick start, as a newcomer runs it: `rlc demo` in a directory outside the
+//! source tree, then the README's next commands exactly as it writes them (parsed out of the
+//! README, so the two cannot drift): `grl controller` from the demo's state in the background,
+//! `rlc run --once`, `rlc serve`. And a second `rlc demo` keeps a file the user edited.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use test_support::process::{free_port, Proc};
+
+use super::{bin, get, get_text, wait_until};
+
+/// The documented addresses, replaced by free ports so that parallel tests cannot collide
+/// (the demo is told the same ports with its `--controller-listen` and `--listen` flags).
+const CONTROLLER_ADDR: &str = "127.0.0.1:7070";
+const SERVE_ADDR: &str = "127.0.0.1:8080";
+
+/// The commands of the README's Quick start block (the first `sh` block after the heading).
+fn quick_start() -> Vec<String> {
+    let readme =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md"))
+            .unwrap();
+    let section = readme
+        .split("\n## Quick start\n")
+        .nth(1)
+        .expect("README has a Quick start");
+    let block = section
+        .split("```sh\n")
+        .nth(1)
+        .and_then(|b| b.split("```").next())
+        .expect("Quick start has an sh block");
+    block
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(str::to_string)
+        .collect()
+}
+
+/// A README command as a program and its arguments: `cargo run --release -p rlc --` is the
+/// built `rlc`, `cargo run --release -p grl-runtime --` the built `grl`; a trailing `&` runs it
+/// in the background.
+fn argv(cmd: &str) -> (PathBuf, Vec<String>, bool) {
+    let (cmd, background) = match cmd.strip_suffix('&') {
+        Some(c) => (c.trim(), true),
+        None => (cmd, false),
+    };
+    let (program, rest) = if let Some(r) = cmd.strip_prefix("cargo run --release -p rlc -- ") {
+        (bin("rlc"), r)
+    } else if let Some(r) = cmd.strip_prefix("cargo run --release -p grl-runtime -- ") {
+        (bin("grl"), r)
+    } else {
+        panic!("a Quick start command this test does not know how to run: {cmd}");
+    };
+    (
+        program,
+        rest.split_whitespace().map(str::to_string).collect(),
+        background,
+    )
+}
+
+/// Runs `rlc demo` (with `extra` arguments) in `cwd`; its exit code and output.
+fn demo(cwd: &Path, extra: &[String]) -> (Option<i32>, String) {
+    let log = cwd.join(format!("demo-{}.log", free_port()));
+    let mut p = Proc::spawn(
+        Command::new(bin("rlc"))
+            .arg("demo")
+            .args(extra)
+            .current_dir(cwd)
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&log).unwrap())
+            .stderr(Stdio::inherit()),
+    )
+    .unwrap();
+    let status = p.wait_exit(Duration::from_secs(300));
+    let out = std::fs::read_to_string(&log).unwrap();
+    assert!(status.is_some(), "rlc demo still runs after 300 s:\n{out}");
+    (status.unwrap().code(), out)
+}
+
+/// GET on loopback waiting up to 180 s for the answer; the body of a 200.
+fn get_waiting(port: u16, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(180))).unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").unwrap();
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).unwrap();
+    let (head, body) = buf.split_once("\r\n\r\n").unwrap();
+    assert!(head.contains(" 200 "), "GET {path}: {head}");
+    body.to_string()
+}
+
+fn limit(repo: &Path, rev: &str, service: &str, bucket: &str) -> f64 {
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(repo)
+        .args(["show", &format!("{rev}:buckets/{service}.yaml")])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "git show {rev}");
+    let file: schema::BucketFile = serde_yaml::from_slice(&out.stdout).unwrap();
+    file.buckets
+        .iter()
+        .find(|b| b.name == bucket)
+        .unwrap_or_else(|| panic!("{service}/{bucket} at {rev}"))
+        .limit_rps
+}
+
+#[test]
+fn the_readme_quick_start_runs_as_written() {
+    let cmds = quick_start();
+    assert_eq!(cmds.len(), 4, "{cmds:?}");
+    assert_eq!(cmds[0], "cargo run --release -p rlc -- demo");
+    let work = tempfile::tempdir().unwrap();
+    let cwd = work.path();
+    assert!(
+        !cwd.starts_with(Path::new(env!("CARGO_MANIFEST_DIR")).join("..")),
+        "outside the source tree"
+    );
+    let (cport, sport) = (free_port(), free_port());
+    let (caddr, saddr) = (format!("127.0.0.1:{cport}"), format!("127.0.0.1:{sport}"));
+    let ported = |c: &str| {
+        c.replace(CONTROLLER_ADDR, &caddr)
+            .replace(SERVE_ADDR, &saddr)
+    };
+
+    // 1. The demo.
+    let (_, mut args, _) = argv(&cmds[0]);
+    args.remove(0);
+    args.extend([
+        "--controller-listen".to_string(),
+        caddr.clone(),
+        "--listen".to_string(),
+        saddr.clone(),
+    ]);
+    let (code, out) = demo(cwd, &args);
+    assert_eq!(code, Some(0), "{out}");
+    // It prints the README's next commands (not run through cargo here: bare names).
+    for c in &cmds[1..] {
+        let printed = ported(c)
+            .replace("cargo run --release -p rlc -- ", "rlc ")
+            .replace("cargo run --release -p grl-runtime -- ", "grl ");
+        assert!(
+            out.lines().any(|l| l.trim() == printed),
+            "the demo does not print `{printed}`:\n{out}"
+        );
+    }
+    let d = cwd.join("demo-out");
+    for secret in ["grl-credentials", "rlc-token", "grl-client-credentials"] {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(d.join(secret))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600, "{secret}");
+    }
+    // The loop ran on the demo's traffic: payments/api-gateway.charge (the template's enforced
+    // peak-policy bucket) was offered 1.5× its first limit, and the second cycle raised it to
+    // the observed peak × 1.25 (headroom): at most 1.5 × 1.25 times the first, and well above
+    // 1.25 (the controller counts a little less than offered: the first tick's requests).
+    let repo = d.join("config-repo");
+    let (first, learned) = (
+        limit(&repo, "HEAD~1", "payments", "api-gateway.charge"),
+        limit(&repo, "HEAD", "payments", "api-gateway.charge"),
+    );
+    let ratio = learned / first;
+    assert!(
+        (1.25..=1.875).contains(&ratio),
+        "{first} -> {learned}\n{out}"
+    );
+    let head = String::from_utf8(
+        Command::new("git")
+            .arg("-C")
+            .arg(&repo)
+            .args(["rev-parse", "HEAD"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap()
+    .trim()
+    .to_string();
+
+    // 2. The rest, as written (addresses replaced).
+    let mut daemons: Vec<Proc> = Vec::new();
+    let mut ran_once = false;
+    for c in &cmds[1..] {
+        let c = ported(c);
+        let (program, args, background) = argv(&c);
+        let log = cwd.join(format!("step-{}.log", daemons.len() + ran_once as usize));
+        let mut cmd = Command::new(&program);
+        cmd.args(&args)
+            .current_dir(cwd)
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&log).unwrap())
+            .stderr(std::fs::File::create(log.with_extension("err")).unwrap());
+        if args.first().map(String::as_str) == Some("controller") {
+            assert!(
+                background,
+                "the README starts the controller in the background: {c}"
+            );
+            daemons.push(Proc::spawn(&mut cmd).unwrap());
+            wait_until(Duration::from_secs(30), || {
+                get(cport, "/v1/status").is_some()
+            });
+            // It serves the demo's last commit from the state the demo left.
+            assert_eq!(get(cport, "/v1/status").unwrap()["version"], head.as_str());
+        } else if args.first().map(String::as_str) == Some("serve") {
+            daemons.push(Proc::spawn(&mut cmd).unwrap());
+            wait_until(Duration::from_secs(60), || {
+                get_text(sport, "/healthz").is_some()
+            });
+        } else {
+            assert_eq!(args.first().map(String::as_str), Some("run"), "{c}");
+            let mut p = Proc::spawn(&mut cmd).unwrap();
+            let status = p.wait_exit(Duration::from_secs(180));
+            let out = std::fs::read_to_string(&log).unwrap()
+                + &std::fs::read_to_string(log.with_extension("err")).unwrap();
+            assert_eq!(status.and_then(|s| s.code()), Some(0), "{c}\n{out}");
+            assert!(out.contains("unchanged"), "{out}");
+            ran_once = true;
+        }
+    }
+    assert!(ran_once && daemons.len() == 2, "{cmds:?}");
+
+    // The daemon answers with the demo's buckets: every bucket of the config repo, at the
+    // limits the demo committed.
+    let mut committed = Vec::new();
+    for f in std::fs::read_dir(repo.join("buckets")).unwrap() {
+        let file: schema::BucketFile =
+            serde_yaml::from_str(&std::fs::read_to_string(f.unwrap().path()).unwrap()).unwrap();
+        for b in file.buckets {
+            committed.push((format!("{}/{}", file.service, b.name), b.limit_rps));
+        }
+    }
+    committed.sort_by(|a, b| a.0.cmp(&b.0));
+    assert!(committed.len() >= 7, "{committed:?}");
+    // The first answer loads four weeks of history (seconds in a debug build): wait for it.
+    let quotas: serde_json::Value =
+        serde_json::from_str(&get_waiting(sport, "/v1/quotas")).expect("GET /v1/quotas");
+    let mut current: Vec<(String, f64)> = quotas["buckets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| {
+            (
+                format!(
+                    "{}/{}",
+                    b["service"].as_str().unwrap(),
+                    b["name"].as_str().unwrap()
+                ),
+                b["current_limit_rps"].as_f64().unwrap(),
+            )
+        })
+        .collect();
+    current.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(current, committed);
+    assert!(current.contains(&("payments/api-gateway.charge".to_string(), learned)));
+
+    // The dashboard shows the demo's traffic, from the reports the demo stored: the enforced
+    // bucket dropped about a third of 1.5× its limit (less in the first second, before the
+    // ratio settles), the shadow one dropped nothing and would have dropped about as much.
+    let shadow = get(sport, "/v1/shadow?window=1h").expect("GET /v1/shadow");
+    let row = |name: &str| {
+        shadow["buckets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|b| b["service"] == "payments" && b["bucket"] == name)
+            .unwrap_or_else(|| panic!("payments/{name} in {shadow}"))
+            .clone()
+    };
+    let (charge, refund) = (row("api-gateway.charge"), row("api-gateway.refund"));
+    let share =
+        |b: &serde_json::Value, k: &str| b[k].as_f64().unwrap() / b["offered"].as_f64().unwrap();
+    assert_eq!(charge["mode"], "enforce");
+    assert!(
+        (0.15..0.40).contains(&share(&charge, "dropped")),
+        "{charge}"
+    );
+    assert_eq!(refund["mode"], "shadow");
+    assert_eq!(refund["dropped"].as_f64(), Some(0.0), "{refund}");
+    assert!(
+        (0.15..0.40).contains(&share(&refund, "shadow_dropped")),
+        "{refund}"
+    );
+    let page = get_text(sport, "/").expect("GET /");
+    for name in ["api-gateway.charge", "api-gateway.refund"] {
+        assert!(page.contains(name), "{name} on the dashboard");
+    }
+    drop(daemons);
+}
+
+#[test]
+fn a_second_demo_keeps_an_edited_rlc_yaml_and_rewrites_the_rest() {
+    let work = tempfile::tempdir().unwrap();
+    let cwd = work.path();
+    let (code, out) = demo(cwd, &[]);
+    assert_eq!(code, Some(0), "{out}");
+    let d = cwd.join("demo-out");
+    let edited = std::fs::read_to_string(d.join("rlc.yaml")).unwrap() + "# my own note\n";
+    std::fs::write(d.join("rlc.yaml"), &edited).unwrap();
+    std::fs::remove_file(d.join("rlc-token")).unwrap();
+    let observed = |text: &str| text.matches("# observed by `rlc demo`").count();
+    assert_eq!(
+        observed(&std::fs::read_to_string(d.join("history.csv")).unwrap()),
+        1
+    );
+
+    let (code, out) = demo(cwd, &[]);
+    assert_eq!(code, Some(0), "{out}");
+    assert_eq!(std::fs::read_to_string(d.join("rlc.yaml")).unwrap(), edited);
+    let kept: Vec<&str> = out
+        .lines()
+        .filter(|l| l.trim().starts_with("kept "))
+        .collect();
+    assert_eq!(kept.len(), 1, "{out}");
+    assert!(
+        kept[0].contains("rlc.yaml") && kept[0].contains("edited"),
+        "{out}"
+    );
+    // The deleted token is written again from the (reused) credentials, mode 600.
+    let creds = std::fs::read_to_string(d.join("grl-credentials")).unwrap();
+    let token = std::fs::read_to_string(d.join("rlc-token")).unwrap();
+    assert!(
+        creds
+            .lines()
+            .any(|l| l.starts_with("rlc ") && l.ends_with(token.trim())),
+        "rlc-token holds the rlc credential"
+    );
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(d.join("rlc-token"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+    // The unedited history is the demo's own: the second run's traffic was added to it.
+    assert_eq!(
+        observed(&std::fs::read_to_string(d.join("history.csv")).unwrap()),
+        2
+    );
+    assert!(
+        out.contains("1. config repo") && out.contains("(reused)"),
+        "{out}"
+    );
+
+    // Edited history: kept, and the observed rates are not added.
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(d.join("history.csv"))
+        .unwrap();
+    std::io::Write::write_all(&mut f, b"# mine\n").unwrap();
+    drop(f);
+    let (code, out) = demo(cwd, &[]);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("kept history.csv"), "{out}");
+    assert_eq!(
+        observed(&std::fs::read_to_string(d.join("history.csv")).unwrap()),
+        2
+    );
+}
