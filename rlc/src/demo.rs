@@ -48,7 +48,8 @@ pub struct DemoArgs {
     /// A config-repo template directory to start from instead of the one built into rlc.
     #[arg(long)]
     pub template: Option<PathBuf>,
-    /// Seconds of live traffic to drive through the GRL client.
+    /// Seconds of live traffic to drive through the GRL client (0: none, and the history
+    /// stays the bundled one).
     #[arg(long, default_value_t = 4)]
     pub traffic_secs: u64,
     /// Where the `grl controller` of the next steps listens (`controller.url` of rlc.yaml).
@@ -240,7 +241,13 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
         .filter(|(_, b)| b.caller.is_some() && b.procedure.is_some())
         .collect();
     all.sort_by_key(|(_, b)| (b.mode != Mode::Enforce, b.policy != PolicyName::Peak));
-    if let Some((service, enforced)) = all.first().filter(|(_, b)| b.mode == Mode::Enforce) {
+    let driven = all
+        .first()
+        .filter(|(_, b)| b.mode == Mode::Enforce && args.traffic_secs > 0);
+    if args.traffic_secs == 0 {
+        println!("5. traffic      none (--traffic-secs 0): the history stays the bundled one");
+    }
+    if let Some((service, enforced)) = driven {
         let shadow = all
             .iter()
             .find(|(s, b)| s == service && b.mode == Mode::Shadow)
