@@ -7,10 +7,11 @@
 //!    `rlc.yaml`, and a GRL controller in-process on loopback with its state in `grl-state/`;
 //! 4. one `rlc run` cycle: history → policies → rails → `buckets/*.yaml` committed → pushed to
 //!    the controller → recorded in SQLite;
-//! 5. live traffic at 1.5× a bucket's new limit (and a shadow bucket's) through a real GRL
-//!    client and zone aggregator: the admitted rate settles at the limit; the controller's
-//!    reports go to the store (the dashboard's data), and the offered rates its `/metrics`
-//!    counted become the history's last sample;
+//! 5. live traffic at 1.5× a bucket's new limit (and a shadow bucket's): requests to an
+//!    in-process axum service behind `GrlLayer`, whose GRL client reports through a zone
+//!    aggregator: 429s settle the admitted rate at the limit; the controller's reports go to
+//!    the store (the dashboard's data), and the offered rates its `/metrics` counted become
+//!    the history's last sample;
 //! 6. a second cycle on that history: the policy learns the observed peak (a raise committed
 //!    and pushed); capped decreases wait a day.
 //!
@@ -23,12 +24,13 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use grl_core::Decision;
 use grl_runtime::aggregator::{Aggregator, AggregatorOptions};
 use grl_runtime::auth::CredentialSet;
 use grl_runtime::client::{ClientOptions, GrlClient};
 use grl_runtime::controller::{Controller, ControllerOptions};
+use grl_runtime::layer::{GrlLayer, KeyFrom};
 use schema::{format_rps, Mode, PolicyName};
+use tower::ServiceExt as _;
 
 use crate::cycle::{short, Cycle, RunStatus};
 
@@ -92,7 +94,7 @@ fn credential(path: &Path, name: &str) -> anyhow::Result<String> {
 fn say(rel: &str, wrote: Wrote) {
     if wrote == Wrote::Kept {
         println!(
-            "   kept {rel}: edited since `rlc demo` wrote it (delete it to get the demo's version)"
+            "   kept {rel}: edited since `rlc demo` wrote it, or not written by it (delete it to get the demo's version)"
         );
     }
 }
@@ -274,9 +276,16 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
         let client = crate::push::ControllerClient::from_config(&client_cfg, &base)?;
         let store = cycle.store().await?;
         let (mut cursor, mut stored) = (None::<String>, 0);
+        let mut sums: BTreeMap<String, (f64, f64, f64)> = BTreeMap::new();
         loop {
             let page = client.reports(cursor.as_deref(), 10_000).await?;
             let n = page.reports.len();
+            for r in page.reports.iter().filter(|r| &r.service == service) {
+                let e = sums.entry(r.bucket.clone()).or_default();
+                e.0 += r.offered;
+                e.1 += r.dropped;
+                e.2 += r.shadow_dropped;
+            }
             stored += store
                 .insert_reports(&page.reports, chrono::Utc::now())
                 .await?;
@@ -289,6 +298,17 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
                 break;
             }
             cursor = next;
+        }
+        for b in &driven {
+            let (o, d, v) = sums.get(&b.name).copied().unwrap_or_default();
+            let pct = |x: f64| 100.0 * x / o.max(f64::MIN_POSITIVE);
+            println!(
+                "   reports      {service}/{} ({}): dropped {:.1}%, virtually dropped (shadow) {:.1}% of the offered requests",
+                b.name,
+                b.mode.as_str(),
+                pct(d),
+                pct(v)
+            );
         }
         println!(
             "   store        {stored} controller reports stored in {} (the dashboard's data)",
@@ -457,8 +477,8 @@ fn last_sample_ts(path: &Path) -> anyhow::Result<i64> {
         .with_context(|| format!("{}: no sample", path.display()))
 }
 
-/// Offers 1.5× each bucket's limit for `secs` seconds through a GRL client reporting to a zone
-/// aggregator, and prints the admitted (and, in shadow, virtually dropped) rate each second.
+/// Offers 1.5× each bucket's limit for `secs` seconds to an axum service behind `GrlLayer`
+/// (its GRL client reporting to a zone aggregator), and prints the 429s each second.
 async fn traffic(
     controller: &str,
     owned: &mut Owned,
@@ -497,9 +517,10 @@ async fn traffic(
     opts.report_token = Some(client_token.as_str().into());
     let client = GrlClient::start(opts);
     let offered: Vec<f64> = buckets.iter().map(|b| b.limit_rps * 1.5).collect();
-    for (b, o) in buckets.iter().zip(&offered) {
+    for (i, (b, o)) in buckets.iter().zip(&offered).enumerate() {
         println!(
-            "5. traffic      {service}/{} ({}) limit {} rps, offering {} rps through a GRL client → zone aggregator → controller",
+            "{} {service}/{} ({}) limit {} rps: {} rps of requests to an axum service behind GrlLayer (GRL client → zone aggregator → controller)",
+            if i == 0 { "5. traffic     " } else { "   traffic     " },
             b.name,
             b.mode.as_str(),
             format_rps(b.limit_rps),
@@ -510,12 +531,21 @@ async fn traffic(
         "   client credential for {service} in {} (mode 600); anonymous reports are refused",
         client_creds.display()
     );
+    // The service: an axum router behind `GrlLayer` (caller from `x-caller`, procedure from
+    // the path), called in-process; a dropped request is answered 429 by the layer.
+    let app = axum::Router::new().fallback(|| async { "ok\n" }).layer(
+        GrlLayer::new(client.limiter().clone())
+            .caller_from(KeyFrom::Header(axum::http::HeaderName::from_static(
+                "x-caller",
+            )))
+            .procedure_from(KeyFrom::PathSegment(0)),
+    );
     let slice = Duration::from_millis(20);
     let start = Instant::now();
     let mut last = start;
     let mut carry = vec![0.0; buckets.len()];
     for second in 1..=secs {
-        let mut counts = vec![(0u64, 0u64, 0u64); buckets.len()];
+        let mut counts = vec![(0u64, 0u64); buckets.len()];
         let end = start + Duration::from_secs(second);
         while Instant::now() < end {
             // Requests due since the last slice, so that sleep overshoot does not lower the rate.
@@ -525,18 +555,16 @@ async fn traffic(
             for (i, b) in buckets.iter().enumerate() {
                 carry[i] += offered[i] * dt;
                 let caller = b.caller.as_deref().unwrap_or_default();
-                let procedure = b.procedure.as_deref().unwrap_or_default();
+                let path = format!("/{}", b.procedure.as_deref().unwrap_or_default());
                 while carry[i] >= 1.0 {
                     carry[i] -= 1.0;
-                    let c = &mut counts[i];
-                    c.0 += 1;
-                    match client.limiter().decide(caller, procedure) {
-                        Decision::Drop => {}
-                        Decision::ShadowDrop => {
-                            c.1 += 1;
-                            c.2 += 1;
-                        }
-                        Decision::Admit => c.1 += 1,
+                    let req = axum::http::Request::get(&path)
+                        .header("x-caller", caller)
+                        .body(axum::body::Body::empty())?;
+                    let status = app.clone().oneshot(req).await?.status();
+                    counts[i].0 += 1;
+                    if status == axum::http::StatusCode::TOO_MANY_REQUESTS {
+                        counts[i].1 += 1;
                     }
                 }
             }
@@ -545,21 +573,12 @@ async fn traffic(
         let line: Vec<String> = buckets
             .iter()
             .zip(&counts)
-            .map(|(b, &(sent, admitted, shadow))| {
-                let pct = |n: u64| 100.0 * n as f64 / sent.max(1) as f64;
-                if b.mode == Mode::Shadow {
-                    format!(
-                        "{}: offered {sent:>5} admitted {admitted:>5} virtually dropped {:>5.1}%",
-                        b.name,
-                        pct(shadow)
-                    )
-                } else {
-                    format!(
-                        "{}: offered {sent:>5} admitted {admitted:>5} dropped {:>5.1}%",
-                        b.name,
-                        pct(sent - admitted)
-                    )
-                }
+            .map(|(b, &(sent, limited))| {
+                format!(
+                    "{}: {sent:>5} requests, {limited:>5} answered 429 ({:>4.1}%)",
+                    b.name,
+                    100.0 * limited as f64 / sent.max(1) as f64
+                )
             })
             .collect();
         println!("   t={second}s {}", line.join(" | "));

@@ -24,18 +24,6 @@ pub enum Wrote {
     Kept,
 }
 
-impl Wrote {
-    /// For the demo's output.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Wrote::Created => "written",
-            Wrote::Updated => "rewritten",
-            Wrote::Same => "unchanged",
-            Wrote::Kept => "kept: edited since the demo wrote it",
-        }
-    }
-}
-
 /// The demo directory's manifest: relative path → hash of the content the demo wrote.
 #[derive(Debug)]
 pub struct Owned {
