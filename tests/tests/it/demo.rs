@@ -16,7 +16,8 @@ use super::{bin, get, get_text, wait_until};
 const CONTROLLER_ADDR: &str = "127.0.0.1:7070";
 const SERVE_ADDR: &str = "127.0.0.1:8080";
 
-/// The commands of the README's Quick start block (the first `sh` block after the heading).
+/// The commands of the README's Quick start section (every `sh` block up to the next `## `
+/// heading: the demo, then the "After the demo" block), without `cargo xtask test`.
 fn quick_start() -> Vec<String> {
     let readme =
         std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md"))
@@ -24,18 +25,19 @@ fn quick_start() -> Vec<String> {
     let section = readme
         .split("\n## Quick start\n")
         .nth(1)
+        .and_then(|s| s.split("\n## ").next())
         .expect("README has a Quick start");
-    let block = section
+    let commands: Vec<String> = section
         .split("```sh\n")
-        .nth(1)
-        .and_then(|b| b.split("```").next())
-        .expect("Quick start has an sh block");
-    block
-        .lines()
+        .skip(1)
+        .filter_map(|b| b.split("```").next())
+        .flat_map(str::lines)
         .map(str::trim)
-        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .filter(|l| !l.is_empty() && !l.starts_with('#') && !l.starts_with("cargo xtask"))
         .map(str::to_string)
-        .collect()
+        .collect();
+    assert!(!commands.is_empty(), "Quick start has sh blocks");
+    commands
 }
 
 /// A README command as a program and its arguments: `cargo run --release -p rlc --` is the
