@@ -45,7 +45,9 @@ async fn main() -> anyhow::Result<()> {
         .route("/charge", get(|| async { "charged\n" }))
         .route("/refund", get(|| async { "refunded\n" }))
         .layer(
-            GrlLayer::new(client.limiter().clone())
+            // Decides every request and counts it by (caller, procedure) for
+            // `grl_calls_total`, the history rlc learns quotas from.
+            GrlLayer::for_client(&client)
                 .caller_from(KeyFrom::Header(http::HeaderName::from_static("x-caller")))
                 .procedure_from(KeyFrom::PathSegment(0))
                 .retry_after_secs(1),
