@@ -480,7 +480,10 @@ async fn run(
     let client_id = opts
         .client_id
         .clone()
-        .unwrap_or_else(|| format!("{}-{:016x}", opts.service, grl_core::thread_rng_u64()));
+        // From the OS's randomness: grl-core's generator starts from the same seed in every
+        // process, and instances of a service sharing an id would overwrite each other's
+        // counts at their aggregator.
+        .unwrap_or_else(|| format!("{}-{:016x}", opts.service, rand::random::<u64>()));
     let http = match opts
         .tls
         .http_client(opts.tick.max(Duration::from_millis(200)))

@@ -160,7 +160,10 @@ mod tests {
             values: vec![100.0; 30],
         };
         let p = run(&s, &spec, None);
-        assert!((p.limit_rps - 125.0 * (1.0 + 1.0 / 3.0)).abs() < 1e-6, "{p:?}");
+        assert!(
+            (p.limit_rps - 125.0 * (1.0 + 1.0 / 3.0)).abs() < 1e-6,
+            "{p:?}"
+        );
         assert!(p.shadow);
         // The default (7 days) makes the same 30 minutes young by far.
         let p = run(&s, &PolicySpec::default(), None);

@@ -188,7 +188,10 @@ fn daemon_config_prometheus_query_defaults_to_grl_calls() {
         "sum by (service, caller, procedure) (rate(grl_calls_total[1m]))"
     );
     assert_eq!(prom.labels.caller, "caller");
-    assert_eq!((c.history.lookback.as_secs(), c.history.step.as_secs()), (180, 5));
+    assert_eq!(
+        (c.history.lookback.as_secs(), c.history.step.as_secs()),
+        (180, 5)
+    );
 }
 
 #[test]
