@@ -385,12 +385,16 @@ impl CallStats {
         }
         match s.callers.get_mut(caller).filter(|_| caller_ok) {
             Some(c) => {
-                *c.procs.entry(procedure.to_string()).or_default() += n;
-                c.tick += n;
+                // Saturating: absurd counts in a report must not wrap (or panic in a debug
+                // build with the lock held).
+                let v = c.procs.entry(procedure.to_string()).or_default();
+                *v = v.saturating_add(n);
+                c.tick = c.tick.saturating_add(n);
             }
             None => {
                 folded = true;
-                *s.other.entry(procedure.to_string()).or_default() += n;
+                let v = s.other.entry(procedure.to_string()).or_default();
+                *v = v.saturating_add(n);
                 if caller_ok {
                     match s.candidates.get_mut(caller) {
                         Some(v) => *v += n as f64,
@@ -416,7 +420,7 @@ impl CallStats {
             }
         }
         if folded {
-            s.folded += n;
+            s.folded = s.folded.saturating_add(n);
         }
     }
 
@@ -688,6 +692,19 @@ mod tests {
         assert!(sc.candidates.len() <= 4, "{}", sc.candidates.len());
         assert_eq!(s.get("svc", OTHER, "/1"), Some(1000));
         assert_eq!(s.folded("svc"), 1001);
+    }
+
+    #[test]
+    fn absurd_counts_saturate() {
+        let mut s = CallStats::new(1, 10);
+        s.add("svc", "a", "/p", u64::MAX);
+        s.add("svc", "a", "/p", u64::MAX);
+        s.add("svc", "b", "/p", u64::MAX);
+        s.add("svc", "b", "/p", u64::MAX);
+        s.tick();
+        assert_eq!(s.get("svc", "a", "/p"), Some(u64::MAX));
+        assert_eq!(s.get("svc", OTHER, "/p"), Some(u64::MAX));
+        assert_eq!(s.folded("svc"), u64::MAX);
     }
 
     #[test]
