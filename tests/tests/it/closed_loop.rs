@@ -315,8 +315,9 @@ database_url: {}\nserver:\n  listen: 127.0.0.1:{rport}\n  token_env: RLC_TOKEN\n
     ] {
         let b = bucket(&learned, name);
         // peak × (1 + headroom): the peak of a 20 s rate is the offered rate, within the
-        // jitter of the clients' 1 s reports.
-        let (lo, hi) = (offered * 1.25 * 0.9, offered * 1.25 * 1.15);
+        // jitter of the clients' 1 s reports and the lag of counts still on their way
+        // (observed: 3–4 % under the offered rate).
+        let (lo, hi) = (offered * 1.25 * 0.85, offered * 1.25 * 1.15);
         assert!(
             (lo..=hi).contains(&b.1),
             "{name}: limit {} outside {lo}..{hi} for {offered} rps offered: {learned:?}",
