@@ -54,6 +54,7 @@ fn report(z: usize) -> ZoneReport {
         region: format!("r{}", z % 2),
         zone: format!("z{z}"),
         buckets,
+        calls: Vec::new(),
     }
 }
 

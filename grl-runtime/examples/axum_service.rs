@@ -3,7 +3,7 @@
 //! Run a controller and an aggregator, push a config with a bucket for service `payments`,
 //! then: `cargo run -p grl-runtime --example axum_service -- http://127.0.0.1:7071` and call
 //! `curl -H 'x-caller: gw' http://127.0.0.1:3000/charge`. Callers over their quota get 429
-//! with `Retry-After`. The report credential (a secret the aggregator's client credentials
+//! with `Retry-After`. `LISTEN` sets another address than 127.0.0.1:3000. The report credential (a secret the aggregator's client credentials
 //! file grants for `payments`) comes from `GRL_CLIENT_TOKEN` or `GRL_CLIENT_TOKEN_FILE`.
 //! Aggregators over HTTPS (`https://…`): `GRL_TLS_CA` names the CA to verify them against,
 //! `GRL_TLS_CLIENT_CERT` / `GRL_TLS_CLIENT_KEY` the client certificate when they require one
@@ -45,7 +45,9 @@ async fn main() -> anyhow::Result<()> {
         .route("/charge", get(|| async { "charged\n" }))
         .route("/refund", get(|| async { "refunded\n" }))
         .layer(
-            GrlLayer::new(client.limiter().clone())
+            // Decides every request and counts it by (caller, procedure) for
+            // `grl_calls_total`, the history rlc learns quotas from.
+            GrlLayer::for_client(&client)
                 .caller_from(KeyFrom::Header(http::HeaderName::from_static("x-caller")))
                 .procedure_from(KeyFrom::PathSegment(0))
                 .retry_after_secs(1),
@@ -57,7 +59,8 @@ async fn main() -> anyhow::Result<()> {
                 async move { grl_runtime::metrics::response(&r) }
             }),
         );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
+    let listen = std::env::var("LISTEN").unwrap_or_else(|_| "127.0.0.1:3000".into());
+    let listener = tokio::net::TcpListener::bind(&listen).await?;
     tracing::info!(addr = %listener.local_addr()?, "serving");
     axum::serve(listener, app).await?;
     Ok(())

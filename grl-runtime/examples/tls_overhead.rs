@@ -95,6 +95,7 @@ async fn main() -> anyhow::Result<()> {
             })
             .collect(),
         urgent: false,
+        calls: Vec::new(),
     };
     let server_tls = ServerTls::new(&crt, &key);
     let setups = [

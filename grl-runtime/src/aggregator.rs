@@ -23,10 +23,11 @@ use serde::Deserialize;
 use tokio::sync::{oneshot, Notify};
 
 use crate::auth::{CredentialSet, LogGate, RefusalCounts, TokenSource};
+use crate::calls::PendingCalls;
 use crate::http_util::{parse_json, read_body, ApiError};
 use crate::proto::{
-    BucketCountsMsg, ClientDirectives, ClientReport, ConfigDoc, ZoneBucketMsg, ZoneDirectives,
-    ZoneReport,
+    BucketCountsMsg, ClientDirectives, ClientReport, ConfigDoc, ServiceCallCountMsg, ZoneBucketMsg,
+    ZoneDirectives, ZoneReport, PROTO_HEADER, PROTO_VERSION,
 };
 
 /// How to start an aggregator.
@@ -58,7 +59,14 @@ pub struct AggregatorOptions {
     pub tls: Option<crate::tls::ServerTls>,
     /// How this aggregator verifies (and identifies itself to) the controllers.
     pub client_tls: crate::tls::ClientTls,
+    /// Distinct (caller, procedure) keys per service held between forwards; beyond, new
+    /// callers count as `_other` (see [`crate::calls`]).
+    pub max_call_keys: usize,
 }
+
+/// Services whose calls an aggregator holds between forwards; the calls of more services
+/// (possible only with a `*` client credential) wait for the next forward.
+const MAX_CALL_SERVICES: usize = 1024;
 
 /// Largest client report (one service's buckets).
 const MAX_REPORT_BODY: usize = 4 << 20;
@@ -77,6 +85,7 @@ impl Default for AggregatorOptions {
             allow_anonymous_reports: false,
             tls: None,
             client_tls: crate::tls::ClientTls::default(),
+            max_call_keys: crate::calls::DEFAULT_AGGREGATOR_KEYS,
         }
     }
 }
@@ -98,6 +107,8 @@ struct AggState {
     /// service's client by reusing its id.
     clients: HashMap<(String, String), ClientEntry>,
     pending: HashMap<(String, String), BucketCountsMsg>,
+    /// Calls by service since the last forward (bounded).
+    calls: HashMap<String, PendingCalls>,
     directives: ZoneDirectives,
     directives_at: Option<Instant>,
     config: ConfigDoc,
@@ -382,6 +393,23 @@ async fn report(
         p.dropped = p.dropped.saturating_add(b.dropped);
         p.shadow_dropped = p.shadow_dropped.saturating_add(b.shadow_dropped);
     }
+    if !r.calls.is_empty() {
+        let max = s.opts.max_call_keys;
+        let room = st.calls.len() < MAX_CALL_SERVICES;
+        if let Some(p) = match st.calls.get_mut(&r.service) {
+            Some(p) => Some(p),
+            None if room => Some(
+                st.calls
+                    .entry(r.service.clone())
+                    .or_insert_with(|| PendingCalls::new(max)),
+            ),
+            None => None,
+        } {
+            for c in &r.calls {
+                p.add(&c.caller, &c.procedure, c.count);
+            }
+        }
+    }
     let rates = r.rates();
     st.clients.insert(
         (r.service.clone(), r.client_id.clone()),
@@ -408,11 +436,14 @@ async fn report(
         .find(|d| d.service == r.service)
         .map(|d| d.directives.clone())
         .unwrap_or_default();
-    Ok(Json(ClientDirectives {
-        version: st.directives.version.clone(),
-        age_ms: st.directives_at.map(|t| t.elapsed().as_millis() as u64),
-        directives,
-    }))
+    Ok((
+        [(PROTO_HEADER, PROTO_VERSION.to_string())],
+        Json(ClientDirectives {
+            version: st.directives.version.clone(),
+            age_ms: st.directives_at.map(|t| t.elapsed().as_millis() as u64),
+            directives,
+        }),
+    ))
 }
 
 /// `GET /metrics`: reports accepted and refused, clients, forward latency and failures.
@@ -469,6 +500,40 @@ fn build_report(s: &Shared) -> ZoneReport {
         region: s.opts.region.clone(),
         zone: s.opts.zone.clone(),
         buckets,
+        calls: Vec::new(),
+    }
+}
+
+/// The calls held since the last forward, taken.
+fn take_calls(st: &mut AggState) -> Vec<ServiceCallCountMsg> {
+    let mut out = Vec::new();
+    let mut services: Vec<_> = st.calls.drain().collect();
+    services.sort_by(|a, b| a.0.cmp(&b.0));
+    for (service, mut p) in services {
+        for ((caller, procedure), count) in p.take() {
+            out.push(ServiceCallCountMsg {
+                service: service.clone(),
+                caller,
+                procedure,
+                count,
+            });
+        }
+    }
+    out
+}
+
+/// Puts back calls that were not forwarded (they go with a later forward).
+fn restore_calls(s: &Shared, calls: Vec<ServiceCallCountMsg>) {
+    let mut st = s.state.lock().expect("aggregator lock");
+    let max = s.opts.max_call_keys;
+    for c in calls {
+        if !st.calls.contains_key(&c.service) && st.calls.len() >= MAX_CALL_SERVICES {
+            continue;
+        }
+        st.calls
+            .entry(c.service)
+            .or_insert_with(|| PendingCalls::new(max))
+            .add(&c.caller, &c.procedure, c.count);
     }
 }
 
@@ -479,6 +544,8 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
     let mut iv = tokio::time::interval(s.opts.tick);
     iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut current = 0usize;
+    // The protocol version each controller announced (1 until it answers).
+    let mut proto = vec![1u32; s.opts.controllers.len()];
     let insecure_reminder = LogGate::new(Duration::from_secs(60));
     let mut last = false;
     while !last {
@@ -490,10 +557,12 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
         if s.opts.allow_anonymous_reports && insecure_reminder.open() {
             tracing::warn!("INSECURE: anonymous client reports are accepted (--insecure-allow-anonymous-reports)");
         }
-        let report = build_report(&s);
+        let mut report = build_report(&s);
         if last {
             let counted: u64 = report.buckets.iter().map(|b| b.counts.offered).sum();
-            if report.buckets.is_empty() {
+            if report.buckets.is_empty()
+                && s.state.lock().expect("aggregator lock").calls.is_empty()
+            {
                 tracing::info!(zone = %s.opts.zone, "aggregator stopped; nothing left to forward");
                 return;
             }
@@ -503,9 +572,21 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
         let n = s.opts.controllers.len();
         let mut done = false;
         for attempt in 0..n {
-            let base = &s.opts.controllers[(current + attempt) % n];
+            let idx = (current + attempt) % n;
+            let base = &s.opts.controllers[idx];
+            // Calls go only to a controller that announced protocol 2 (an older one refuses
+            // the field); until then they wait, bounded.
+            if proto[idx] >= 2 {
+                if report.calls.is_empty() {
+                    report.calls = take_calls(&mut s.state.lock().expect("aggregator lock"));
+                }
+            } else if !report.calls.is_empty() {
+                restore_calls(&s, std::mem::take(&mut report.calls));
+            }
             let t = Instant::now();
             let sent = post_report(&s, base, &report).await;
+            proto[idx] = sent.as_ref().map_or(1, |(_, v)| *v);
+            let sent = sent.map(|(d, _)| d);
             match &sent {
                 Ok(_) => s
                     .metrics
@@ -543,6 +624,9 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
                 }
             }
         }
+        if !done && !report.calls.is_empty() {
+            restore_calls(&s, std::mem::take(&mut report.calls));
+        }
         if last {
             if done {
                 tracing::info!(zone = %s.opts.zone, "aggregator stopped; last counts forwarded");
@@ -555,8 +639,16 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
     }
 }
 
-async fn post_report(s: &Shared, base: &str, r: &ZoneReport) -> anyhow::Result<ZoneDirectives> {
-    let mut req = s.http.post(format!("{base}/v1/aggregate")).json(r);
+async fn post_report(
+    s: &Shared,
+    base: &str,
+    r: &ZoneReport,
+) -> anyhow::Result<(ZoneDirectives, u32)> {
+    let mut req = s
+        .http
+        .post(format!("{base}/v1/aggregate"))
+        .header(PROTO_HEADER, PROTO_VERSION)
+        .json(r);
     if let Some(t) = s
         .opts
         .report_token
@@ -567,7 +659,8 @@ async fn post_report(s: &Shared, base: &str, r: &ZoneReport) -> anyhow::Result<Z
         req = req.bearer_auth(t);
     }
     let resp = req.send().await?.error_for_status()?;
-    Ok(resp.json().await?)
+    let version = crate::proto::peer_version(resp.headers());
+    Ok((resp.json().await?, version))
 }
 
 async fn fetch_config(s: &Shared, base: &str) -> anyhow::Result<ConfigDoc> {

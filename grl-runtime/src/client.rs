@@ -12,7 +12,8 @@ use schema::BucketFile;
 use tokio::task::JoinHandle;
 
 use crate::auth::TokenSource;
-use crate::proto::{BucketCountsMsg, ClientDirectives, ClientReport, ConfigDoc};
+use crate::calls::{CallCounter, CallDrain, PendingCalls};
+use crate::proto::{BucketCountsMsg, CallCountMsg, ClientDirectives, ClientReport, ConfigDoc};
 
 /// Sub-tick windows with fewer requests than this are too noisy to act on.
 const MIN_SUBTICK_REQUESTS: u64 = 20;
@@ -33,6 +34,10 @@ pub struct Reporter {
     directives: Vec<Option<Directive>>,
     sub_prev: Vec<u64>,
     sub_prev_ms: u64,
+    /// Every request by (caller, procedure), when counted (see [`Reporter::with_calls`]).
+    calls: Option<CallDrain>,
+    /// Calls drained but not sent yet (bounded).
+    pending_calls: PendingCalls,
 }
 
 impl Reporter {
@@ -51,6 +56,37 @@ impl Reporter {
             directives: vec![None; n],
             sub_prev: vec![0; n],
             sub_prev_ms: now_ms,
+            calls: None,
+            pending_calls: PendingCalls::new(crate::calls::DEFAULT_CLIENT_KEYS),
+        }
+    }
+
+    /// Also reports the calls `counter` counts, holding at most `max_keys` (caller,
+    /// procedure) keys between reports.
+    pub fn with_calls(mut self, counter: &Arc<CallCounter>, max_keys: usize) -> Reporter {
+        self.calls = Some(counter.drain());
+        self.pending_calls = PendingCalls::new(max_keys);
+        self
+    }
+
+    /// The calls counted since they were last taken (drained at every report), for a report
+    /// to an aggregator that takes them.
+    pub fn take_calls(&mut self) -> Vec<CallCountMsg> {
+        self.pending_calls
+            .take()
+            .into_iter()
+            .map(|((caller, procedure), count)| CallCountMsg {
+                caller,
+                procedure,
+                count,
+            })
+            .collect()
+    }
+
+    /// Puts back calls that could not be sent (they go with a later report).
+    pub fn restore_calls(&mut self, calls: Vec<CallCountMsg>) {
+        for c in calls {
+            self.pending_calls.add(&c.caller, &c.procedure, c.count);
         }
     }
 
@@ -67,6 +103,9 @@ impl Reporter {
     /// Counts since the previous report, as a report.
     pub fn build_report(&mut self, now_ms: u64) -> ClientReport {
         let interval_ms = now_ms.saturating_sub(self.last_report_ms).max(1);
+        if let Some(d) = &mut self.calls {
+            d.drain_into(&mut self.pending_calls);
+        }
         let mut buckets = Vec::with_capacity(self.prev.len() + self.carry.len());
         for (i, b) in self.table.buckets().iter().enumerate() {
             let now = self.table.counts(i);
@@ -94,6 +133,7 @@ impl Reporter {
             interval_ms,
             buckets,
             urgent: false,
+            calls: Vec::new(),
         }
     }
 
@@ -215,6 +255,9 @@ pub struct ClientOptions {
     /// one, aggregators refuse the reports (unless started for development with
     /// `--insecure-allow-anonymous-reports`) and the limiter stays open.
     pub report_token: Option<TokenSource>,
+    /// Distinct (caller, procedure) keys counted between reports; beyond, new callers count
+    /// as `_other` (see [`crate::calls`]).
+    pub max_call_keys: usize,
 }
 
 impl ClientOptions {
@@ -228,6 +271,7 @@ impl ClientOptions {
             client_id: None,
             tls: crate::tls::ClientTls::default(),
             report_token: None,
+            max_call_keys: crate::calls::DEFAULT_CLIENT_KEYS,
         }
     }
 
@@ -265,6 +309,7 @@ pub struct ClientStats {
 /// A running client: the limiter to call per request, and its reporter task.
 pub struct GrlClient {
     limiter: Arc<Limiter>,
+    calls: Arc<CallCounter>,
     stats: Arc<ClientStats>,
     task: JoinHandle<()>,
 }
@@ -274,9 +319,11 @@ impl GrlClient {
     pub fn start(opts: ClientOptions) -> GrlClient {
         let limiter = Arc::new(Limiter::new(&opts.service, opts.stale_after));
         let stats = Arc::new(ClientStats::default());
-        let task = tokio::spawn(run(opts, limiter.clone(), stats.clone()));
+        let calls = Arc::new(CallCounter::new(opts.max_call_keys));
+        let task = tokio::spawn(run(opts, limiter.clone(), calls.clone(), stats.clone()));
         GrlClient {
             limiter,
+            calls,
             stats,
             task,
         }
@@ -285,6 +332,21 @@ impl GrlClient {
     /// The limiter (call `decide` on it per request).
     pub fn limiter(&self) -> &Arc<Limiter> {
         &self.limiter
+    }
+
+    /// Every request's (caller, procedure), matched by a bucket or not: call
+    /// [`CallCounter::count`] once per request next to `limiter().decide(…)` (`GrlLayer::for_client`
+    /// does both). Reported to the aggregators, exported by the controller as `grl_calls_total`.
+    pub fn calls(&self) -> &Arc<CallCounter> {
+        &self.calls
+    }
+
+    /// Counts the request and decides it: what a service that does not use `GrlLayer` calls
+    /// per request.
+    #[inline]
+    pub fn decide(&self, caller: &str, procedure: &str) -> grl_core::Decision {
+        self.calls.count(caller, procedure);
+        self.limiter.decide(caller, procedure)
     }
 
     /// Health counters.
@@ -409,11 +471,19 @@ impl prometheus_client::collector::Collector for ClientMetrics {
 
 const SUBTICKS: u32 = 4;
 
-async fn run(opts: ClientOptions, limiter: Arc<Limiter>, stats: Arc<ClientStats>) {
+async fn run(
+    opts: ClientOptions,
+    limiter: Arc<Limiter>,
+    calls: Arc<CallCounter>,
+    stats: Arc<ClientStats>,
+) {
     let client_id = opts
         .client_id
         .clone()
-        .unwrap_or_else(|| format!("{}-{:016x}", opts.service, grl_core::thread_rng_u64()));
+        // From the OS's randomness: grl-core's generator starts from the same seed in every
+        // process, and instances of a service sharing an id would overwrite each other's
+        // counts at their aggregator.
+        .unwrap_or_else(|| format!("{}-{:016x}", opts.service, rand::random::<u64>()));
     let http = match opts
         .tls
         .http_client(opts.tick.max(Duration::from_millis(200)))
@@ -432,7 +502,10 @@ async fn run(opts: ClientOptions, limiter: Arc<Limiter>, stats: Arc<ClientStats>
         "aggregator URL",
         opts.aggregators.iter().map(String::as_str),
     );
-    let mut rep = Reporter::new(limiter.clone(), &client_id, now_ms());
+    let mut rep =
+        Reporter::new(limiter.clone(), &client_id, now_ms()).with_calls(&calls, opts.max_call_keys);
+    // The protocol version each aggregator announced (1 until it answers).
+    let mut proto = vec![1u32; opts.aggregators.len()];
     let mut iv = tokio::time::interval(opts.tick / SUBTICKS);
     iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut n: u32 = 0;
@@ -454,12 +527,24 @@ async fn run(opts: ClientOptions, limiter: Arc<Limiter>, stats: Arc<ClientStats>
         let mut report = rep.build_report(now);
         report.urgent = urgent;
         let k = opts.aggregators.len();
+        let mut sent = false;
         for attempt in 0..k {
             let idx = (current + attempt) % k;
             let base = &opts.aggregators[idx];
+            // Calls go only to an aggregator that announced protocol 2 (an older one refuses
+            // the field); until then they wait, bounded.
+            if proto[idx] >= 2 {
+                if report.calls.is_empty() {
+                    report.calls = rep.take_calls();
+                }
+            } else if !report.calls.is_empty() {
+                rep.restore_calls(std::mem::take(&mut report.calls));
+            }
             let token = opts.report_token.as_ref().map(|t| t.current());
             match exchange(&http, base, &report, token.as_deref().map(String::as_str)).await {
-                Ok(reply) => {
+                Ok((reply, version)) => {
+                    proto[idx] = version;
+                    sent = true;
                     if idx != current {
                         stats.failovers.fetch_add(1, Ordering::Relaxed);
                         tracing::warn!(from = %opts.aggregators[current], to = %base, "client failed over to another aggregator");
@@ -499,6 +584,7 @@ async fn run(opts: ClientOptions, limiter: Arc<Limiter>, stats: Arc<ClientStats>
                     break;
                 }
                 Err(e) => {
+                    proto[idx] = 1;
                     stats.report_errors.fetch_add(1, Ordering::Relaxed);
                     let refused = e
                         .downcast_ref::<reqwest::Error>()
@@ -512,6 +598,9 @@ async fn run(opts: ClientOptions, limiter: Arc<Limiter>, stats: Arc<ClientStats>
                     }
                 }
             }
+        }
+        if !sent && !report.calls.is_empty() {
+            rep.restore_calls(std::mem::take(&mut report.calls));
         }
         let stale = limiter.table().is_stale(now_ms());
         let was = stats.stale.swap(stale, Ordering::Relaxed);
@@ -529,13 +618,17 @@ async fn exchange(
     base: &str,
     r: &ClientReport,
     token: Option<&str>,
-) -> anyhow::Result<ClientDirectives> {
-    let mut req = http.post(format!("{base}/v1/report")).json(r);
+) -> anyhow::Result<(ClientDirectives, u32)> {
+    let mut req = http
+        .post(format!("{base}/v1/report"))
+        .header(crate::proto::PROTO_HEADER, crate::proto::PROTO_VERSION)
+        .json(r);
     if let Some(t) = token.filter(|t| !t.is_empty()) {
         req = req.bearer_auth(t);
     }
     let resp = req.send().await?.error_for_status()?;
-    Ok(resp.json().await?)
+    let version = crate::proto::peer_version(resp.headers());
+    Ok((resp.json().await?, version))
 }
 
 async fn fetch_config(

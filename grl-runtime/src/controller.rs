@@ -55,6 +55,12 @@ pub struct ControllerOptions {
     pub tls: Option<crate::tls::ServerTls>,
     /// How this controller verifies (and identifies itself to) its peers.
     pub client_tls: crate::tls::ClientTls,
+    /// `grl_calls_total`: labelled callers per service (the top ones by recent volume; the
+    /// rest fold into `caller="_other"`).
+    pub max_callers_per_service: usize,
+    /// `grl_calls_total`: labelled procedures per service (the first seen; the rest fold
+    /// into `procedure="_other"`).
+    pub max_procedures_per_service: usize,
 }
 
 /// The controller's roles: `config` (`PUT /v1/config`, held by rlc), `overrides`
@@ -86,6 +92,8 @@ impl Default for ControllerOptions {
             allow_anonymous_reports: false,
             tls: None,
             client_tls: crate::tls::ClientTls::default(),
+            max_callers_per_service: crate::calls::DEFAULT_MAX_CALLERS,
+            max_procedures_per_service: crate::calls::DEFAULT_MAX_PROCEDURES,
         }
     }
 }
@@ -106,6 +114,8 @@ struct OverridesFile {
 
 struct Shared {
     engine: Arc<Mutex<Engine>>,
+    /// Every request by (service, caller, procedure), as the zones report them.
+    calls: Arc<Mutex<crate::calls::CallStats>>,
     /// `/metrics`: build info, refusals and the engine's series (read at scrape time).
     registry: prometheus_client::registry::Registry,
     persisted: Mutex<Persisted>,
@@ -332,8 +342,14 @@ impl Controller {
         registry.register_collector(Box::new(crate::metrics::EngineCollector::new(
             engine.clone(),
         )));
+        let calls = Arc::new(Mutex::new(crate::calls::CallStats::new(
+            opts.max_callers_per_service,
+            opts.max_procedures_per_service,
+        )));
+        registry.register_collector(Box::new(crate::calls::CallsCollector(calls.clone())));
         let shared = Arc::new(Shared {
             engine,
+            calls,
             registry,
             persisted: Mutex::new(Persisted {
                 next_id: ov.next_id,
@@ -416,6 +432,7 @@ async fn tick_loop(
             let remaining = (!gone.is_empty()).then(|| e.overrides().to_vec());
             e.recompute(shared.now_ms(), now);
             e.record_reports(now);
+            shared.calls.lock().expect("calls lock").tick();
             let regional = peering
                 .as_ref()
                 .map(|(region, _)| e.regional_report(region));
@@ -576,12 +593,24 @@ async fn aggregate(
             ));
         }
     }
+    if !r.calls.is_empty() {
+        let mut c = s.calls.lock().expect("calls lock");
+        for m in &r.calls {
+            c.add(&m.service, &m.caller, &m.procedure, m.count);
+        }
+    }
     let mut e = s.engine.lock().expect("engine lock");
     e.ingest(&r, s.now_ms());
     // Answer with ratios that already include this report: a zone's fresh counts reach its
     // clients in the same round trip instead of waiting for the next tick.
     e.recompute(s.now_ms(), unix_now());
-    Ok(Json(e.directives_for(&r.region, &r.zone)))
+    Ok((
+        [(
+            crate::proto::PROTO_HEADER,
+            crate::proto::PROTO_VERSION.to_string(),
+        )],
+        Json(e.directives_for(&r.region, &r.zone)),
+    ))
 }
 
 /// An override with the served buckets it acts on (`affects`, empty for a bucket override).

@@ -416,6 +416,9 @@ impl Engine {
                     counts: Default::default(),
                 })
                 .collect(),
+            // Calls are exported by the controller their zones report to, never forwarded
+            // to peers (each region's controller serves its own zones' calls).
+            calls: Vec::new(),
         }
     }
 

@@ -1,6 +1,8 @@
 //! `GrlLayer`: the GRL client as a tower layer for axum services. State lives behind an `Arc`,
 //! so every clone of the service (axum clones per request) shares one limiter; a dropped
 //! request is answered from `call` with 429 and `Retry-After`, a shadow drop passes through.
+//! Built with [`GrlLayer::for_client`], it also counts every request by (caller, procedure),
+//! matched by a bucket or not, for `grl_calls_total` (the history RLC learns quotas from).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -48,6 +50,7 @@ impl KeyFrom {
 
 struct Config {
     limiter: Arc<Limiter>,
+    calls: Option<Arc<crate::calls::CallCounter>>,
     caller: KeyFrom,
     procedure: KeyFrom,
     retry_after: HeaderValue,
@@ -60,11 +63,23 @@ pub struct GrlLayer {
 }
 
 impl GrlLayer {
-    /// Caller from the `x-caller` header, procedure from the path, `Retry-After: 1`.
+    /// Decides with `client`'s limiter and counts every request with its call counter
+    /// (`grl_calls_total` at the controller). Caller from the `x-caller` header, procedure
+    /// from the path, `Retry-After: 1`.
+    pub fn for_client(client: &crate::client::GrlClient) -> GrlLayer {
+        let mut l = GrlLayer::new(client.limiter().clone());
+        Arc::get_mut(&mut l.cfg).expect("fresh layer").calls = Some(client.calls().clone());
+        l
+    }
+
+    /// Decides with `limiter` only: requests are not counted for `grl_calls_total` (prefer
+    /// [`GrlLayer::for_client`]). Caller from the `x-caller` header, procedure from the path,
+    /// `Retry-After: 1`.
     pub fn new(limiter: Arc<Limiter>) -> GrlLayer {
         GrlLayer {
             cfg: Arc::new(Config {
                 limiter,
+                calls: None,
                 caller: KeyFrom::Header(HeaderName::from_static("x-caller")),
                 procedure: KeyFrom::Path,
                 retry_after: HeaderValue::from_static("1"),
@@ -75,6 +90,7 @@ impl GrlLayer {
     fn with(self, f: impl FnOnce(&mut Config)) -> GrlLayer {
         let mut c = Config {
             limiter: self.cfg.limiter.clone(),
+            calls: self.cfg.calls.clone(),
             caller: self.cfg.caller.clone(),
             procedure: self.cfg.procedure.clone(),
             retry_after: self.cfg.retry_after.clone(),
@@ -130,10 +146,14 @@ where
     }
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
-        let d = self.cfg.limiter.decide(
+        let (caller, procedure) = (
             self.cfg.caller.extract(&req),
             self.cfg.procedure.extract(&req),
         );
+        if let Some(c) = &self.cfg.calls {
+            c.count(caller, procedure);
+        }
+        let d = self.cfg.limiter.decide(caller, procedure);
         if d == Decision::Drop {
             let mut resp = Response::new(Body::from("rate limited\n"));
             *resp.status_mut() = StatusCode::TOO_MANY_REQUESTS;

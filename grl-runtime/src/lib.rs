@@ -7,6 +7,7 @@
 
 pub mod aggregator;
 pub mod auth;
+pub mod calls;
 pub mod client;
 pub mod config;
 pub mod controller;

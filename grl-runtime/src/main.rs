@@ -69,6 +69,14 @@ enum Cmd {
         /// On SIGTERM or SIGINT: how long in-flight requests may take to finish.
         #[arg(long, default_value_t = 10_000)]
         shutdown_grace_ms: u64,
+        /// `grl_calls_total`: callers per service that keep their label (the top ones by
+        /// recent volume); the others are folded into caller="_other".
+        #[arg(long, default_value_t = grl_runtime::calls::DEFAULT_MAX_CALLERS)]
+        calls_max_callers: usize,
+        /// `grl_calls_total`: procedures per service that keep their label (the first
+        /// seen); the others are folded into procedure="_other".
+        #[arg(long, default_value_t = grl_runtime::calls::DEFAULT_MAX_PROCEDURES)]
+        calls_max_procedures: usize,
     },
     /// Run a zone aggregator.
     ///
@@ -310,6 +318,8 @@ async fn main() -> anyhow::Result<()> {
             client_tls,
             insecure_allow_anonymous_reports,
             shutdown_grace_ms,
+            calls_max_callers,
+            calls_max_procedures,
         } => {
             let mut creds = CredentialSet::default();
             for (var, roles) in [
@@ -348,6 +358,8 @@ async fn main() -> anyhow::Result<()> {
                 tls: tls.options()?,
                 client_tls: client_tls.options()?,
                 allow_anonymous_reports: insecure_allow_anonymous_reports,
+                max_callers_per_service: calls_max_callers,
+                max_procedures_per_service: calls_max_procedures,
             })
             .await?;
             println!("listening on {}", h.addr());
@@ -379,6 +391,7 @@ async fn main() -> anyhow::Result<()> {
                     .map_err(anyhow::Error::msg)?,
                 client_credentials,
                 allow_anonymous_reports: insecure_allow_anonymous_reports,
+                ..Default::default()
             })
             .await?;
             println!("listening on {}", h.addr());

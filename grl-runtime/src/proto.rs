@@ -4,6 +4,51 @@ use serde::{Deserialize, Serialize};
 
 use schema::BucketFile;
 
+/// Request and response header carrying the sender's protocol version. Versions only add
+/// optional fields; a sender includes a field of version N only once the receiver has
+/// answered with `grl-proto: N` or more, so peers of an older version (which refuse unknown
+/// fields and ignore unknown headers) keep working.
+pub const PROTO_HEADER: &str = "grl-proto";
+
+/// This build's protocol version. 1: the original messages (no header); 2: `calls` in
+/// [`ClientReport`] and [`ZoneReport`].
+pub const PROTO_VERSION: u32 = 2;
+
+/// The version a peer announced in a response's headers (1 when absent).
+pub fn peer_version(headers: &http::HeaderMap) -> u32 {
+    headers
+        .get(PROTO_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(1)
+}
+
+/// Calls of one (caller, procedure) over one interval, matched by a bucket or not.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct CallCountMsg {
+    /// Calling service (`_other`: callers folded by the client's bound).
+    pub caller: String,
+    /// Procedure.
+    pub procedure: String,
+    /// Requests.
+    pub count: u64,
+}
+
+/// A zone's calls of one (service, caller, procedure) since the previous forward.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct ServiceCallCountMsg {
+    /// Callee service.
+    pub service: String,
+    /// Calling service (`_other`: callers folded by a bound).
+    pub caller: String,
+    /// Procedure.
+    pub procedure: String,
+    /// Requests.
+    pub count: u64,
+}
+
 /// The whole bucket config the controller serves: `PUT/GET /v1/config`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
@@ -47,6 +92,10 @@ pub struct ClientReport {
     /// Sent between ticks because the client's own rate jumped: forward at once.
     #[serde(default)]
     pub urgent: bool,
+    /// Every request since the previous report by (caller, procedure), matched or not
+    /// (protocol 2; sent only to an aggregator that announced it).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub calls: Vec<CallCountMsg>,
 }
 
 impl ClientReport {
@@ -133,6 +182,10 @@ pub struct ZoneReport {
     pub zone: String,
     /// Sums per bucket.
     pub buckets: Vec<ZoneBucketMsg>,
+    /// The zone's calls since the previous forward (protocol 2; sent only to a controller
+    /// that announced it; never to peer controllers).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub calls: Vec<ServiceCallCountMsg>,
 }
 
 /// One service's directives in a zone.

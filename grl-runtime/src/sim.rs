@@ -708,6 +708,7 @@ fn control_round(
             region: z.region.clone(),
             zone: z.name.clone(),
             buckets: std::mem::take(&mut per_zone[zi]).into_values().collect(),
+            calls: Vec::new(),
         };
         engine.ingest(&report, now);
     }

@@ -157,6 +157,7 @@ fn zone_report(agg: &str, region: &str, zone: &str, rates: &[(&str, f64)]) -> Zo
                 ..Default::default()
             })
             .collect(),
+        calls: Vec::new(),
     }
 }
 

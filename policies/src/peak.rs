@@ -29,7 +29,13 @@ impl Policy for Peak {
         };
         let peak = s.max().unwrap_or(stat);
         let peak_at = s.argmax().map(|i| s.datetime_of(i).to_rfc3339());
-        let days = s.confidence_days();
+        let history_days = s.confidence_days();
+        // In units of confident_history ÷ 7 (days at the default): the VPA's rule, scaled.
+        let unit_days = input
+            .spec
+            .confident_history
+            .map_or(1.0, |d| d.as_secs() as f64 / 86_400.0 / CONFIDENT_DAYS);
+        let days = history_days / unit_days;
         let young = days < CONFIDENT_DAYS;
         // VPA recommender: bound × (1 + 1/confidence_days) while history is short.
         let widen = if young {
@@ -54,7 +60,7 @@ impl Policy for Peak {
                 "peak_at": peak_at,
                 "window": {"from": s.datetime_of(0).to_rfc3339(), "to": s.datetime_of(s.values.len()).to_rfc3339()},
                 "headroom": h,
-                "history_days": round3(days),
+                "history_days": round3(history_days),
                 "coverage": round3(s.coverage_since_first()),
                 "short_history_margin": young.then_some(round3(widen)),
                 "capped_by": capped_by,
@@ -129,6 +135,39 @@ mod tests {
             "{p:?}"
         );
         assert!(p.shadow);
+    }
+
+    #[test]
+    fn confident_history_scales_the_short_history_rule() {
+        // 70 minutes of history at 1 min steps against confident_history 70m: confident.
+        let s = RateSeries {
+            start: 0,
+            step: 60,
+            values: vec![100.0; 70],
+        };
+        let spec = PolicySpec {
+            confident_history: Some("70m".parse().unwrap()),
+            ..Default::default()
+        };
+        let p = run(&s, &spec, None);
+        assert_eq!(p.limit_rps, 125.0);
+        assert!(!p.shadow);
+        assert_eq!(p.confidence, 1.0);
+        // 30 minutes of it: 3 units of 10 minutes, margin 1 + 1/3, shadow.
+        let s = RateSeries {
+            start: 0,
+            step: 60,
+            values: vec![100.0; 30],
+        };
+        let p = run(&s, &spec, None);
+        assert!(
+            (p.limit_rps - 125.0 * (1.0 + 1.0 / 3.0)).abs() < 1e-6,
+            "{p:?}"
+        );
+        assert!(p.shadow);
+        // The default (7 days) makes the same 30 minutes young by far.
+        let p = run(&s, &PolicySpec::default(), None);
+        assert!(p.limit_rps > 125.0 * 20.0, "{p:?}");
     }
 
     #[test]

@@ -534,7 +534,7 @@ async fn traffic(
     // The service: an axum router behind `GrlLayer` (caller from `x-caller`, procedure from
     // the path), called in-process; a dropped request is answered 429 by the layer.
     let app = axum::Router::new().fallback(|| async { "ok\n" }).layer(
-        GrlLayer::new(client.limiter().clone())
+        GrlLayer::for_client(&client)
             .caller_from(KeyFrom::Header(axum::http::HeaderName::from_static(
                 "x-caller",
             )))

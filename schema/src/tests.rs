@@ -173,6 +173,28 @@ fn daemon_config_checks_the_schedule_with_its_line() {
 }
 
 #[test]
+fn daemon_config_prometheus_query_defaults_to_grl_calls() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("rlc.yaml");
+    std::fs::write(
+        &p,
+        "history:\n  prometheus:\n    url: http://127.0.0.1:9090\n  lookback: 3m\n  step: 5s\nconfig_repo:\n  path: repo\n",
+    )
+    .unwrap();
+    let c = load_daemon_config(&p).unwrap();
+    let prom = c.history.prometheus.unwrap();
+    assert_eq!(
+        prom.query,
+        "sum by (service, caller, procedure) (rate(grl_calls_total[1m]))"
+    );
+    assert_eq!(prom.labels.caller, "caller");
+    assert_eq!(
+        (c.history.lookback.as_secs(), c.history.step.as_secs()),
+        (180, 5)
+    );
+}
+
+#[test]
 fn daemon_config_store_retention() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("rlc.yaml");

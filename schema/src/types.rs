@@ -519,6 +519,13 @@ pub struct PolicySpec {
     /// keep their mode.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<Mode>,
+    /// How much history makes a bucket's quota fully confident (`peak`; 7d default). Under
+    /// it the bucket is young: the margin is widened by `1 + u / history` with
+    /// `u = confident_history / 7` (the VPA's `1 + 1/days` at the default) and the bucket
+    /// asks for shadow mode. Shorten it together with `history.lookback` when the history is
+    /// minutes long (a trial, a test).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub confident_history: Option<HumanDuration>,
     /// Free-form parameters handed to a plugin as JSON.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub params: Option<serde_json::Value>,
@@ -536,6 +543,7 @@ impl PolicySpec {
             ceiling_rps: self.ceiling_rps.or(base.ceiling_rps),
             scope: self.scope.or(base.scope),
             mode: self.mode.or(base.mode),
+            confident_history: self.confident_history.or(base.confident_history),
             params: self.params.clone().or_else(|| base.params.clone()),
         }
     }
@@ -740,7 +748,12 @@ fn default_min_coverage() -> f64 {
 pub struct PrometheusConfig {
     /// Base URL, e.g. `http://127.0.0.1:9090`.
     pub url: String,
-    /// PromQL giving one RPS series per (service, caller, procedure).
+    /// PromQL giving one RPS series per (service, caller, procedure). Default: GRL's own
+    /// counts of every request, `sum by (service, caller, procedure)
+    /// (rate(grl_calls_total[1m]))`; a mesh's metrics work too (with `labels`), e.g.
+    /// `sum by (destination_service_name, source_workload, request_operation)
+    /// (rate(istio_requests_total[1m]))`.
+    #[serde(default = "default_query")]
     pub query: String,
     /// Label names in the result.
     #[serde(default)]
@@ -763,6 +776,15 @@ pub struct PrometheusConfig {
     /// per-D maxima.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub downsample: Option<HumanDuration>,
+}
+
+/// The default `history.prometheus.query`: the controller's `grl_calls_total`, every request
+/// by (service, caller, procedure), matched by a bucket or not.
+pub const DEFAULT_PROMETHEUS_QUERY: &str =
+    "sum by (service, caller, procedure) (rate(grl_calls_total[1m]))";
+
+fn default_query() -> String {
+    DEFAULT_PROMETHEUS_QUERY.into()
 }
 
 fn default_max_points() -> u32 {

@@ -4,7 +4,9 @@
 //! time order, as promtool requires); [`Prometheus::start`] turns the file into TSDB blocks with
 //! `promtool tsdb create-blocks-from openmetrics --max-block-duration=720h`, starts
 //! `prometheus` on a free loopback port over them (no scrape targets, 10 y retention), waits for
-//! `/-/ready`, and stops its process group on drop. Missing binaries are an error that says how to get them.
+//! `/-/ready`, and stops its process group on drop. [`Prometheus::scraping`] starts one on an
+//! empty TSDB that scrapes live targets instead. Missing binaries are an error that says how
+//! to get them.
 
 use std::fmt::Write as _;
 use std::fs::File;
@@ -110,7 +112,6 @@ fn free_port() -> Result<u16> {
 impl Prometheus {
     /// Backfills `openmetrics` (a file from [`OpenMetricsWriter`]) and starts Prometheus on it.
     pub fn start(openmetrics: &Path) -> Result<Self> {
-        let prometheus = binary("prometheus")?;
         let promtool = binary("promtool")?;
         let dir = tempfile::Builder::new().prefix("prometheus-").tempdir()?;
         let data = dir.path().join("data");
@@ -134,11 +135,35 @@ impl Prometheus {
                 String::from_utf8_lossy(&out.stderr)
             );
         }
-        let config = dir.path().join("prometheus.yml");
-        std::fs::write(
-            &config,
+        Self::run(
+            dir,
+            &data,
             "global:\n  scrape_interval: 1h\nscrape_configs: []\n",
-        )?;
+        )
+    }
+
+    /// Starts Prometheus on an empty TSDB scraping `targets` (`host:port`, `/metrics`) every
+    /// `interval` (whole seconds, at least 1 s; the scrape timeout is the same).
+    pub fn scraping(targets: &[String], interval: Duration) -> Result<Self> {
+        let dir = tempfile::Builder::new().prefix("prometheus-").tempdir()?;
+        let data = dir.path().join("data");
+        std::fs::create_dir(&data)?;
+        let secs = interval.as_secs().max(1);
+        let list = targets
+            .iter()
+            .map(|t| format!("'{t}'"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let config = format!(
+            "global:\n  scrape_interval: {secs}s\n  scrape_timeout: {secs}s\nscrape_configs:\n  - job_name: targets\n    static_configs:\n      - targets: [{list}]\n"
+        );
+        Self::run(dir, &data, &config)
+    }
+
+    fn run(dir: tempfile::TempDir, data: &Path, config_text: &str) -> Result<Self> {
+        let prometheus = binary("prometheus")?;
+        let config = dir.path().join("prometheus.yml");
+        std::fs::write(&config, config_text)?;
         let log = File::create(dir.path().join("prometheus.log"))?;
         let port = free_port()?;
         let child = crate::process::spawn_in_group(

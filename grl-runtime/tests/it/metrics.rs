@@ -268,3 +268,128 @@ pub(crate) fn client_metrics(c: &GrlClient) -> String {
 pub(crate) fn client_value(text: &str, metric: &str) -> f64 {
     value(text, metric, &[]).unwrap_or_else(|| panic!("no {metric}: {text}"))
 }
+
+/// Every request counted by (caller, procedure), matched by a bucket or not: an axum service
+/// with `GrlLayer::for_client`, a real aggregator and a real controller bounded to two
+/// labelled callers per service. The controller's `grl_calls_total` holds the exact counts;
+/// the third caller is folded into `_other` and the fold is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_are_counted_matched_or_not_and_folded_beyond_the_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let cport = free_port();
+    let base = format!("http://127.0.0.1:{cport}");
+    let _ctl = spawn_controller(
+        cport,
+        &dir.path().join("state"),
+        dir.path(),
+        &["--calls-max-callers", "2"],
+    );
+    wait_up(&format!("{base}/v1/status")).await;
+    let http = reqwest::Client::new();
+    push(&http, &base, &config("v1", "enforce", 1000.0)).await;
+    let aport = free_port();
+    let aurl = format!("http://127.0.0.1:{aport}");
+    let _agg = spawn_aggregator(aport, &base, "agg-calls", dir.path());
+    wait_up(&format!("{aurl}/v1/config")).await;
+
+    let mut o = ClientOptions::new("payments", vec![aurl.clone()]);
+    o.tick = Duration::from_millis(100);
+    o.report_token = Some(super::CLIENT_TOKEN.into());
+    let client = GrlClient::start(o);
+    let app = axum::Router::new()
+        .route("/{proc}", axum::routing::get(|| async { "ok" }))
+        .layer(
+            grl_runtime::layer::GrlLayer::for_client(&client)
+                .procedure_from(grl_runtime::layer::KeyFrom::PathSegment(0)),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    let call = |caller: &'static str, proc_: &'static str, n: usize| {
+        let (http, url) = (http.clone(), format!("http://{addr}/{proc_}"));
+        async move {
+            for _ in 0..n {
+                let r = http
+                    .get(&url)
+                    .header("x-caller", caller)
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), 200);
+            }
+        }
+    };
+    eventually("the client runs v1", || {
+        let v = client.limiter().table().version().to_string();
+        async move { v == "v1" }
+    })
+    .await;
+    // gw.charge has a bucket; web's refunds and batch's charges match none.
+    call("gw", "charge", 30).await;
+    call("web", "refund", 20).await;
+    // Two labelled callers are known before the third one arrives.
+    let url = format!("{base}/metrics");
+    eventually("gw and web labelled", || {
+        let (http, url) = (http.clone(), url.clone());
+        async move {
+            let (_, m) = get(&http, &url).await;
+            value(&m, "grl_calls_total", &["caller=\"web\""]) == Some(20.0)
+        }
+    })
+    .await;
+    call("batch", "charge", 5).await;
+    call("gw", "refund", 2).await;
+    eventually("every call at the controller", || {
+        let (http, url) = (http.clone(), url.clone());
+        async move {
+            let (_, m) = get(&http, &url).await;
+            let total: f64 = samples(&m, "grl_calls_total")
+                .iter()
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum();
+            total >= 57.0
+        }
+    })
+    .await;
+    let (_, m) = get(&http, &url).await;
+    let svc = "service=\"payments\"";
+    let calls = |caller: &str, procedure: &str| {
+        value(
+            &m,
+            "grl_calls_total",
+            &[
+                svc,
+                &format!("caller=\"{caller}\""),
+                &format!("procedure=\"{procedure}\""),
+            ],
+        )
+    };
+    assert_eq!(calls("gw", "charge"), Some(30.0), "{m}");
+    assert_eq!(calls("gw", "refund"), Some(2.0), "{m}");
+    assert_eq!(calls("web", "refund"), Some(20.0), "{m}");
+    assert_eq!(calls("_other", "charge"), Some(5.0), "{m}");
+    assert_eq!(calls("batch", "charge"), None, "{m}");
+    assert_eq!(samples(&m, "grl_calls_total").len(), 4, "{m}");
+    assert_eq!(value(&m, "grl_calls_folded_total", &[svc]), Some(5.0));
+    // The bucket counters see only the matched traffic.
+    assert_eq!(
+        value(&m, "grl_requests_offered_total", &["bucket=\"gw.charge\""]),
+        Some(30.0)
+    );
+
+    // A protocol-1 client (no grl-proto header, no calls) is still served, and told that
+    // the aggregator speaks protocol 2.
+    let r = http
+        .post(format!("{aurl}/v1/report"))
+        .bearer_auth(super::CLIENT_TOKEN)
+        .json(
+            &json!({"client_id": "old", "service": "payments", "version": "", "interval_ms": 1000,
+                      "buckets": []}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["grl-proto"], "2");
+    server.abort();
+}

@@ -8,8 +8,8 @@ use grl_runtime::aggregator::{Aggregator, AggregatorOptions};
 use grl_runtime::controller::{Controller, ControllerOptions};
 use grl_runtime::overrides::OverrideRequest;
 use grl_runtime::proto::{
-    BucketCountsMsg, ClientDirectives, ClientReport, ConfigDoc, DirectiveMsg, ServiceDirectives,
-    ZoneBucketMsg, ZoneDirectives, ZoneReport,
+    BucketCountsMsg, CallCountMsg, ClientDirectives, ClientReport, ConfigDoc, DirectiveMsg,
+    ServiceCallCountMsg, ServiceDirectives, ZoneBucketMsg, ZoneDirectives, ZoneReport,
 };
 use proptest::prelude::*;
 use schema::{Bucket, BucketFile, Mode, PolicyName, Scope};
@@ -95,17 +95,27 @@ fn client_report() -> impl Strategy<Value = ClientReport> {
         count(),
         prop::collection::vec(counts(), 0..5),
         any::<bool>(),
+        prop::collection::vec(call(), 0..4),
     )
         .prop_map(
-            |(client_id, service, version, interval_ms, buckets, urgent)| ClientReport {
+            |(client_id, service, version, interval_ms, buckets, urgent, calls)| ClientReport {
                 client_id,
                 service,
                 version,
                 interval_ms,
                 buckets,
                 urgent,
+                calls,
             },
         )
+}
+
+fn call() -> impl Strategy<Value = CallCountMsg> {
+    (name(), name(), count()).prop_map(|(caller, procedure, count)| CallCountMsg {
+        caller,
+        procedure,
+        count,
+    })
 }
 
 fn zone_report() -> impl Strategy<Value = ZoneReport> {
@@ -120,14 +130,26 @@ fn zone_report() -> impl Strategy<Value = ZoneReport> {
             counts,
         },
     );
-    (name(), name(), name(), prop::collection::vec(bucket, 0..5)).prop_map(
-        |(aggregator_id, region, zone, buckets)| ZoneReport {
+    let call = (name(), call()).prop_map(|(service, c)| ServiceCallCountMsg {
+        service,
+        caller: c.caller,
+        procedure: c.procedure,
+        count: c.count,
+    });
+    (
+        name(),
+        name(),
+        name(),
+        prop::collection::vec(bucket, 0..5),
+        prop::collection::vec(call, 0..4),
+    )
+        .prop_map(|(aggregator_id, region, zone, buckets, calls)| ZoneReport {
             aggregator_id,
             region,
             zone,
             buckets,
-        },
-    )
+            calls,
+        })
 }
 
 fn bucket() -> impl Strategy<Value = Bucket> {

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use test_support::git::GitRemote;
 
 mod api;
+mod closed_loop;
 mod demo;
 mod deploy;
 use test_support::process::{free_port, Proc};
@@ -28,7 +29,10 @@ fn bin(name: &str) -> PathBuf {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let ok = Command::new(cargo)
             .current_dir(&root)
+            // The axum_service example (closed_loop.rs) in the same build: two builds with
+            // different feature sets would rebuild each other's dependencies every run.
             .args(["build", "-q", "-p", "rlc", "-p", "grl-runtime", "--bins"])
+            .args(["--example", "axum_service"])
             .status()
             .expect("cargo runs")
             .success();
@@ -43,13 +47,18 @@ fn bin(name: &str) -> PathBuf {
 }
 
 fn start_controller(port: u16, state: &Path) -> Proc {
+    start_controller_ticking(port, state, 200)
+}
+
+/// [`start_controller`] with a control-loop period of `tick_ms`.
+fn start_controller_ticking(port: u16, state: &Path, tick_ms: u64) -> Proc {
     let mut cmd = Command::new(bin("grl"));
     cmd.args([
         "controller",
         "--listen",
         &format!("127.0.0.1:{port}"),
         "--tick-ms",
-        "200",
+        &tick_ms.to_string(),
         "--state-dir",
     ])
     .arg(state)
