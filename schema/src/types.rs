@@ -522,6 +522,14 @@ pub struct PolicySpec {
     /// Free-form parameters handed to a plugin as JSON.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub params: Option<serde_json::Value>,
+    /// Time zone of the service's daily and weekly cycle (forecast policy), an IANA name such
+    /// as `Europe/Berlin`; default `UTC`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timezone: Option<String>,
+    /// Forecast policy: how long a lower level at the end of the history must last before it
+    /// is the new normal (default `10d`); a shorter dip is discounted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub new_normal_after: Option<HumanDuration>,
 }
 
 impl PolicySpec {
@@ -537,6 +545,8 @@ impl PolicySpec {
             scope: self.scope.or(base.scope),
             mode: self.mode.or(base.mode),
             params: self.params.clone().or_else(|| base.params.clone()),
+            timezone: self.timezone.clone().or_else(|| base.timezone.clone()),
+            new_normal_after: self.new_normal_after.or(base.new_normal_after),
         }
     }
 }
