@@ -48,6 +48,10 @@ pub struct BacktestArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
+    /// Score the built-in policies on the generated corpus of traffic shapes instead of the
+    /// configured history (`--config` is not read): the table of docs/rlc-policies.md.
+    #[arg(long)]
+    pub corpus: bool,
 }
 
 /// Score of one policy on one bucket.
@@ -313,6 +317,15 @@ pub fn backtest(
 
 /// Runs `rlc backtest`; exit code 1 when the history source failed.
 pub async fn run(args: BacktestArgs) -> anyhow::Result<i32> {
+    if args.corpus {
+        let rows =
+            tokio::task::spawn_blocking(|| crate::corpus::run(&crate::corpus::builtin())).await?;
+        match args.format {
+            Format::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
+            Format::Table => print!("{}", crate::corpus::markdown(&rows)),
+        }
+        return Ok(0);
+    }
     let (cfg, repo, base) = load_inputs(&args.config)?;
     let history = load_history(&cfg, &base).await;
     if let Some(e) = &history.source_error {

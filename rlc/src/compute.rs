@@ -526,6 +526,18 @@ fn push(
     // silently become one fleet-wide limit); new buckets are global.
     let scope = spec.scope.or(cur.map(|b| b.scope)).unwrap_or(Scope::Global);
     let mut evidence = BTreeMap::new();
+    // What set the limit, in one line (preview table, PR body): the policy's own line, else its
+    // name and the limit it proposed; then what the rails did.
+    let mut explain = p
+        .evidence
+        .get("explain")
+        .and_then(|v| v.as_str())
+        .map(str::to_string)
+        .unwrap_or_else(|| format!("{} proposed {:.1} rps", p.policy, p.limit_rps));
+    if !railed.notes.is_empty() {
+        explain.push_str(&format!("; rails: {}", railed.notes.join(", ")));
+    }
+    evidence.insert("explain".to_string(), json!(explain));
     evidence.insert("policy".to_string(), p.evidence);
     evidence.insert(
         "proposed_rps".into(),

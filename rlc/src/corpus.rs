@@ -94,49 +94,49 @@ pub fn shapes() -> Vec<Shape> {
             name: "steady",
             about: "flat 100 rps, ±5% noise",
             spec: forecast(),
-            max_slack: 1.4,
+            max_slack: 1.35,
             rate: |t| 100.0 * noise(t, 1, 0.05),
         },
         Shape {
             name: "diurnal-weekly",
             about: "daily cycle ±50% peaking 15:00, weekends at 60%",
             spec: forecast(),
-            max_slack: 1.4,
+            max_slack: 1.35,
             rate: |t| base(t) * noise(t, 2, 0.05),
         },
         Shape {
             name: "growth-5",
             about: "diurnal-weekly growing 5% a week (compounded)",
             spec: forecast(),
-            max_slack: 1.5,
+            max_slack: 1.35,
             rate: |t| growth(t, 0.05, 3),
         },
         Shape {
             name: "growth-20",
             about: "diurnal-weekly growing 20% a week",
             spec: forecast(),
-            max_slack: 1.6,
+            max_slack: 1.35,
             rate: |t| growth(t, 0.20, 4),
         },
         Shape {
             name: "growth-40",
             about: "diurnal-weekly growing 40% a week",
             spec: forecast(),
-            max_slack: 1.7,
+            max_slack: 1.35,
             rate: |t| growth(t, 0.40, 5),
         },
         Shape {
             name: "growth-60",
             about: "diurnal-weekly growing 60% a week",
             spec: forecast(),
-            max_slack: 1.8,
+            max_slack: 1.35,
             rate: |t| growth(t, 0.60, 6),
         },
         Shape {
             name: "holiday-dip",
             about: "diurnal-weekly, the whole week before the scored one at 50% (a holiday)",
             spec: forecast(),
-            max_slack: 1.6,
+            max_slack: 1.35,
             rate: |t| {
                 let split = END - HOLDOUT_DAYS * DAY;
                 let dip = if (split - 7 * DAY..split).contains(&t) { 0.5 } else { 1.0 };
@@ -147,7 +147,7 @@ pub fn shapes() -> Vec<Shape> {
             name: "spike",
             about: "diurnal-weekly with a 6× retry storm for 20 minutes on day 10",
             spec: forecast(),
-            max_slack: 1.6,
+            max_slack: 1.35,
             rate: |t| {
                 let at = start() + 9 * DAY + 11 * HOUR;
                 let spike = if (at..at + 20 * 60).contains(&t) { 6.0 } else { 1.0 };
@@ -158,7 +158,7 @@ pub fn shapes() -> Vec<Shape> {
             name: "level-up",
             about: "diurnal-weekly doubling 5 days before the scored week (a launch)",
             spec: forecast(),
-            max_slack: 1.6,
+            max_slack: 1.35,
             rate: |t| {
                 let at = END - HOLDOUT_DAYS * DAY - 5 * DAY;
                 base(t) * if t >= at { 2.0 } else { 1.0 } * noise(t, 9, 0.05)
@@ -168,7 +168,7 @@ pub fn shapes() -> Vec<Shape> {
             name: "level-down",
             about: "diurnal-weekly halved on day 8, for the 14 days before the scored week (a migration away)",
             spec: forecast(),
-            max_slack: 1.6,
+            max_slack: 1.35,
             rate: |t| {
                 let at = start() + 7 * DAY;
                 base(t) * if t >= at { 0.5 } else { 1.0 } * noise(t, 10, 0.05)
@@ -181,7 +181,7 @@ pub fn shapes() -> Vec<Shape> {
                 timezone: Some("Europe/Berlin".into()),
                 ..forecast()
             },
-            max_slack: 1.6,
+            max_slack: 1.35,
             rate: |t| {
                 let local = t + if t >= DST_SWITCH { 2 * HOUR } else { HOUR };
                 let h = local.rem_euclid(DAY) as f64 / 3600.0;
@@ -193,7 +193,7 @@ pub fn shapes() -> Vec<Shape> {
             name: "weekly-batch",
             about: "20 rps, plus a 2-hour batch at 400 rps every Sunday 02:00",
             spec: forecast(),
-            max_slack: 1.6,
+            max_slack: 1.45,
             rate: |t| {
                 let wd = (t.div_euclid(DAY) + 3).rem_euclid(7);
                 let h = t.rem_euclid(DAY) / HOUR;
@@ -205,7 +205,7 @@ pub fn shapes() -> Vec<Shape> {
             name: "sparse",
             about: "a few requests an hour: 0 most minutes, bursts up to 1 rps",
             spec: forecast(),
-            max_slack: 1.6,
+            max_slack: 1.4,
             rate: |t| {
                 let u = unit(13 ^ (t as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9));
                 if u < 0.95 {
@@ -219,7 +219,7 @@ pub fn shapes() -> Vec<Shape> {
             name: "new-caller",
             about: "diurnal-weekly, first sample 5 days before the scored week",
             spec: forecast(),
-            max_slack: 1.7,
+            max_slack: 1.6,
             rate: |t| {
                 if t < END - HOLDOUT_DAYS * DAY - 5 * DAY {
                     f64::NAN

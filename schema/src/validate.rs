@@ -712,6 +712,17 @@ fn check_spec(f: &Located<PoliciesFile>, at: &str, s: &PolicySpec, diags: &mut V
             ));
         }
     }
+    if let Some(tz) = &s.timezone {
+        if tz.parse::<chrono_tz::Tz>().is_err() {
+            diags.push(f.diag(
+                key("timezone"),
+                format!("unknown time zone `{tz}`: use an IANA name such as UTC or Europe/Berlin"),
+            ));
+        }
+    }
+    if s.new_normal_after.is_some_and(|d| d.as_secs() == 0) {
+        diags.push(f.diag(key("new_normal_after"), "must be longer than 0"));
+    }
     if s.policy == Some(PolicyName::Manual) {
         diags.push(f.diag(
             key("policy"),
