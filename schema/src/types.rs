@@ -612,6 +612,62 @@ pub struct CapacityFile {
     /// The planned capacities.
     #[serde(default)]
     pub capacity: Vec<CapacityEntry>,
+    /// Planned events (a launch, a sale, a migration onto the service): quotas computed for a
+    /// horizon that contains one are raised for it, and fall back once it is over.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub events: Vec<PlannedEvent>,
+}
+
+/// A dated event that raises the traffic of a service, or of one caller or procedure of it.
+/// Exactly one of `factor` and `rps`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PlannedEvent {
+    /// What it is (shown in the evidence).
+    pub name: String,
+    /// Callee service.
+    pub service: String,
+    /// Only this caller's buckets; every caller when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub caller: Option<String>,
+    /// Only this procedure's buckets; every procedure when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub procedure: Option<String>,
+    /// First day (UTC).
+    pub from: chrono::NaiveDate,
+    /// Last day (UTC, inclusive).
+    pub until: chrono::NaiveDate,
+    /// The traffic during the event is this × the usual (≥ 1): the limit is multiplied by it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub factor: Option<f64>,
+    /// The expected rate of the matching traffic during the event; split between the matching
+    /// buckets by their share of the observed peak, × (1 + headroom).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rps: Option<f64>,
+}
+
+impl PlannedEvent {
+    /// Whether the event concerns the bucket `caller`/`procedure` of `service`.
+    pub fn matches(&self, service: &str, caller: Option<&str>, procedure: Option<&str>) -> bool {
+        self.service == service
+            && self.caller.as_deref().is_none_or(|c| caller == Some(c))
+            && self
+                .procedure
+                .as_deref()
+                .is_none_or(|p| procedure == Some(p))
+    }
+
+    /// Unix times `[start, end)` of the event.
+    pub fn window(&self) -> (i64, i64) {
+        let t = |d: chrono::NaiveDate| d.and_time(chrono::NaiveTime::MIN).and_utc().timestamp();
+        (t(self.from), t(self.until) + 86_400)
+    }
+
+    /// Whether `[from, to)` (unix times) meets the event.
+    pub fn overlaps(&self, from: i64, to: i64) -> bool {
+        let (a, b) = self.window();
+        a < to && from < b
+    }
 }
 
 /// Planned capacity of a service, or of one of its procedures.
