@@ -141,6 +141,9 @@ fn q99(mut v: Vec<f64>) -> f64 {
 }
 
 fn offset(tz: &chrono_tz::Tz, t: i64) -> i64 {
+    if *tz == chrono_tz::UTC {
+        return 0;
+    }
     let utc = Utc
         .timestamp_opt(t, 0)
         .single()
