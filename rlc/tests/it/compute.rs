@@ -618,7 +618,10 @@ fn explain_line_and_expected_rate_event() {
     let repo = repo(
         dir.path(),
         &[
-            ("rlc/policies.yaml", "default:\n  policy: peak\n  headroom: 0.25\n"),
+            (
+                "rlc/policies.yaml",
+                "default:\n  policy: peak\n  headroom: 0.25\nservices:\n  shop: {}\n  mail: {}\n",
+            ),
             (
                 "rlc/capacity.yaml",
                 &format!("capacity: []\nevents:\n  - name: launch\n    service: shop\n    from: {}\n    until: {}\n    rps: 600\n", day(1), day(2)),
