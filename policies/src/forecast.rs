@@ -204,6 +204,7 @@ impl Fit {
     /// Fits the model on the hourly maxima of `s` in time zone `tz`, a fall of level lasting
     /// `new_normal_secs` being the new normal; `None` when there is too little data or the
     /// numbers are not finite.
+    #[allow(clippy::self_named_constructors, clippy::needless_range_loop)]
     pub fn fit(s: &crate::RateSeries, tz: chrono_tz::Tz, new_normal_secs: i64) -> Option<Fit> {
         let per_hour = (3600 / s.step.max(1)).max(1) as usize;
         let start_hour = s.start.div_euclid(3600) * 3600;
