@@ -754,23 +754,33 @@ mod tests {
                 service: "pay".into(),
                 bucket: b.clone(),
                 current_limit_rps: Some(10.0),
-                evidence: serde_json::json!({"peak_rps": 8.0, "confidence": "high"}),
+                evidence: serde_json::json!({"peak_rps": 8.0, "confidence": "high",
+                    "explain": "forecast bound 9.1 rps at 2026-12-03T15:00:00+00:00 (horizon 7d) × 1.25; dip 2026-11-25..2026-11-30 at 0.50× discounted (5.0d < new normal 10d)"}),
                 held: None,
             });
         }
         let body = report(&plan, &s);
+        // The one-line why, in its own cell (`<` escaped like every free text).
+        assert!(
+            body.contains("| 8 | peak | high | forecast bound 9.1 rps at 2026-12-03T15:00:00+00:00 (horizon 7d) × 1.25; dip 2026-11-25..2026-11-30 at 0.50× discounted (5.0d &#60; new normal 10d) |"),
+            "{body}"
+        );
         assert!(
             body.contains(
-                "| a | 10 | 10 | +0.0%; mode shadow -> enforce; scope region -> global | 8 | peak | high |"
+                "| a | 10 | 10 | +0.0%; mode shadow -> enforce; scope region -> global | 8 | peak | high | forecast"
             ),
             "{body}"
         );
         assert!(
-            body.contains("| b | 10 | 20 | +100.0%; mode shadow -> enforce | 8 | peak | high |"),
+            body.contains(
+                "| b | 10 | 20 | +100.0%; mode shadow -> enforce | 8 | peak | high | forecast"
+            ),
             "{body}"
         );
         assert!(
-            body.contains("| d | 10 | 10 | +0.0%; scope global -> region | 8 | peak | high |"),
+            body.contains(
+                "| d | 10 | 10 | +0.0%; scope global -> region | 8 | peak | high | forecast"
+            ),
             "{body}"
         );
         // Plain limit changes read as before.
