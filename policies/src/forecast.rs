@@ -690,7 +690,7 @@ impl Policy for Forecast {
                 horizon as f64 / 86_400.0
             ),
             _ => format!(
-                "last week's peak {:.1} rps at {} (above the forecast)",
+                "peak {:.1} rps at {} of the last week of data used (above the forecast)",
                 b.value,
                 set_at.as_deref().unwrap_or("?")
             ),
