@@ -50,6 +50,12 @@ pub fn proposal(c: &Contract, peak_rps: Option<f64>) -> Proposal {
             "limit_rps": c.limit_rps,
             "expires": c.expires.map(|d| d.to_string()),
             "peak_rps": peak_rps,
+            "explain": format!(
+                "contract {} at {} rps{}",
+                c.reference.as_deref().unwrap_or("(no reference)"),
+                c.limit_rps,
+                c.expires.map(|d| format!(" until {d}")).unwrap_or_default()
+            ),
         }),
     }
 }

@@ -1,17 +1,37 @@
-//! `forecast`: a seasonal (daily and weekly) model with a linear trend, forecasting the horizon
-//! (7 days default). The limit is the upper prediction bound × (1 + headroom), capped by the
-//! caller's share of planned capacity. With under two weeks of history, or when the fit fails,
-//! it falls back to [`Peak`](crate::peak::Peak) and says so in the evidence.
+//! `forecast`: a seasonal (daily and weekly) model with a trend, forecasting the horizon (7 days
+//! default), made robust to the shapes real traffic has. The limit is the upper bound of the
+//! horizon × (1 + headroom), capped by the caller's share of planned capacity. With under two
+//! weeks of history, or when the fit fails, it falls back to [`Peak`](crate::peak::Peak) and
+//! says so in the evidence.
 //!
-//! The model works on hourly maxima of the per-step rate (the quantity a limit must cover):
-//! `h(t) = (a + b·t) × s(hour of week)`, `a`, `b` by least squares, `s` the mean ratio of the
-//! value to the trend for each of the 168 hours of the week (so it carries the daily shape and
-//! the weekly one; multiplicative because traffic peaks grow with the traffic), and the upper
-//! bound multiplies by the 99th percentile of the in-sample residual ratios. Simple, deterministic and
-//! cheap (no external crate): 10,000 series fit in well under a second.
+//! The model works on hourly maxima of the per-step rate (the quantity a limit must cover), in
+//! the service's time zone (`timezone`, default UTC, so daylight-saving time does not move the
+//! daily peak between hour-of-week slots). Before the fit:
+//! 1. **Spikes**: an hour above [`SPIKE_FACTOR`] × both the median of the same hour of the week in
+//!    the other weeks and the median of the 12 hours around it is a one-off (a retry storm); it
+//!    is left out of the fit and named in the evidence (`spikes`). A recurring batch is not a
+//!    spike: its hour is high every week.
+//! 2. **Dips and level shifts**: each local day's peak, divided by its weekday's usual share,
+//!    gives a daily level. The longest run of days at the end of the history whose level is
+//!    ≤ [`DIP_RATIO`] (or ≥ [`SHIFT_UP_RATIO`]) × the median level of the 7 days before it, and
+//!    starts with a step of that size from the 3 days before (growth is a slope, not a step), is
+//!    a change of level. A rise is the new level at once. A fall that has lasted
+//!    `new_normal_after` (10 days default) is the new normal; a shorter one is a dip (a
+//!    holiday, an outage) and is left out of the fit. The fit uses the new level: the history
+//!    before a shift is scaled by its ratio. The evidence says which (`dip`, `level_shift`,
+//!    with dates).
+//!
+//! The fit: `h(t) = trend(t) × s(hour of week)` for two trends, linear and exponential (least
+//! squares on the log: growth of tens of percent a week compounds), `s` the **median** ratio of
+//! the value to the trend for each of the 168 hours of the week, the upper bound × the 99th
+//! percentile of the residual ratios. The bound of the horizon is the larger of the two models'
+//! bounds, at most the highest cleaned hour grown by the trend to the end of the horizon, and
+//! never under the highest cleaned hour of the last week of data (so a dip never pulls the limit
+//! under the recurring peaks of the weeks before). Deterministic and cheap (no external crate).
 
+use chrono::{Offset, TimeZone, Utc};
 use schema::PolicyName;
-use serde_json::json;
+use serde_json::{json, Value};
 
 use crate::peak::{round3, Peak};
 use crate::{bound, headroom, Policy, PolicyError, PolicyInput, Proposal};
@@ -20,56 +40,279 @@ use crate::{bound, headroom, Policy, PolicyError, PolicyInput, Proposal};
 pub const MIN_DAYS: f64 = 14.0;
 /// Default horizon: 7 days.
 pub const DEFAULT_HORIZON_SECS: u64 = 7 * 86_400;
+/// Default time a lower level must last to be the new normal.
+pub const DEFAULT_NEW_NORMAL_SECS: u64 = 10 * 86_400;
+/// An hour this many times above its usual value is a spike.
+pub const SPIKE_FACTOR: f64 = 3.0;
+/// A day whose level is at most this × the week before is low (a dip or a fall).
+pub const DIP_RATIO: f64 = 0.75;
+/// A day whose level is at least this × the week before is a rise of level.
+pub const SHIFT_UP_RATIO: f64 = 1.5;
 const WEEK_HOURS: usize = 168;
+const DAY: i64 = 86_400;
 
 /// The built-in `forecast` policy.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Forecast;
 
-/// A fitted model (exposed for tests and backtests).
+/// A one-off spike left out of the fit.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Spike {
+    /// Unix time of its first hour.
+    pub from: i64,
+    /// Unix time just after its last hour.
+    pub to: i64,
+    /// Its highest rate.
+    pub peak_rps: f64,
+    /// The usual rate of that hour (the larger of the two medians it was compared with).
+    pub usual_rps: f64,
+}
+
+/// A change of level at the end of the history.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LevelChange {
+    /// Unix time of the first day at the new level (local midnight).
+    pub from: i64,
+    /// Unix time of the end of the history.
+    pub to: i64,
+    /// Median level of the run ÷ median level of the 7 days before.
+    pub ratio: f64,
+    /// Days it has lasted.
+    pub days: f64,
+    /// `dip` (left out of the fit), `shift_down` (the new normal) or `shift_up`.
+    pub kind: &'static str,
+}
+
+/// What the analysis found and the fit (exposed for tests and backtests).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Fit {
-    /// Intercept (rps) at hour index 0 of the history.
+    /// Intercept (rps) at hour index 0 of the history (linear trend).
     pub intercept: f64,
-    /// Trend, rps per hour.
+    /// Linear trend, rps per hour.
     pub slope_per_hour: f64,
-    /// Mean ratio to the trend for each hour of the week (0 = Thursday 00:00 UTC, the epoch's).
+    /// Exponential trend: ln(rps) at hour 0 and per hour.
+    pub log_intercept: f64,
+    /// Exponential trend: growth of ln(rps) per hour.
+    pub log_slope_per_hour: f64,
+    /// Median ratio to the linear trend for each local hour of the week (0 = Thursday 00:00).
     pub seasonal: Vec<f64>,
-    /// 99th percentile of the residual ratios (≥ 1).
+    /// The same against the exponential trend.
+    pub seasonal_exp: Vec<f64>,
+    /// 99th percentile of the residual ratios, linear model (≥ 1).
     pub residual_q99: f64,
+    /// The same, exponential model.
+    pub residual_q99_exp: f64,
     /// Unix time of hour index 0.
     pub start_hour: i64,
-    /// Number of hours fitted.
+    /// Number of hours of history.
     pub hours: usize,
+    /// The cleaned hourly maxima the fit used (NaN = missing or left out).
+    pub cleaned: Vec<f64>,
+    /// Spikes left out.
+    pub spikes: Vec<Spike>,
+    /// The change of level at the end of the history, if any.
+    pub level: Option<LevelChange>,
+    /// The time zone of the seasonal slots.
+    pub tz: chrono_tz::Tz,
+    /// Which trends forecast: `linear`, `exponential` or `both` (the larger, when they fit
+    /// the last week of data about as well).
+    pub trend: &'static str,
+}
+
+fn median(v: &mut [f64]) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    Some(if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    })
+}
+
+fn q99(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 1.0;
+    }
+    v.sort_by(f64::total_cmp);
+    v[((v.len() as f64 * 0.99).ceil() as usize).clamp(1, v.len()) - 1].max(1.0)
+}
+
+fn offset(tz: &chrono_tz::Tz, t: i64) -> i64 {
+    if *tz == chrono_tz::UTC {
+        return 0;
+    }
+    let utc = Utc
+        .timestamp_opt(t, 0)
+        .single()
+        .unwrap_or_default()
+        .naive_utc();
+    i64::from(tz.offset_from_utc_datetime(&utc).fix().local_minus_utc())
+}
+
+/// Local hour-of-week slot of unix time `t` (0 = Thursday 00:00 local, the epoch's weekday).
+fn slot(tz: &chrono_tz::Tz, t: i64) -> usize {
+    ((t + offset(tz, t)).div_euclid(3600)).rem_euclid(WEEK_HOURS as i64) as usize
+}
+
+fn rfc(t: i64) -> String {
+    Utc.timestamp_opt(t, 0)
+        .single()
+        .unwrap_or_default()
+        .to_rfc3339()
+}
+
+fn date(t: i64) -> String {
+    Utc.timestamp_opt(t, 0)
+        .single()
+        .unwrap_or_default()
+        .format("%Y-%m-%d")
+        .to_string()
+}
+
+/// One fitted trend with its seasonal index and residual q99.
+fn fit_seasonal(pts: &[(f64, f64, usize)], trend: impl Fn(f64) -> f64) -> Option<(Vec<f64>, f64)> {
+    let mut by_slot: Vec<Vec<f64>> = vec![Vec::new(); WEEK_HOURS];
+    for &(x, y, k) in pts {
+        let t = trend(x);
+        if !(t > 0.0 && t.is_finite()) {
+            return None;
+        }
+        by_slot[k].push(y / t);
+    }
+    let seasonal: Vec<f64> = by_slot
+        .iter_mut()
+        .map(|v| median(v).unwrap_or(1.0))
+        .collect();
+    let res = pts
+        .iter()
+        .map(|&(x, y, k)| {
+            let f = trend(x) * seasonal[k];
+            if f > 0.0 {
+                y / f
+            } else {
+                1.0
+            }
+        })
+        .collect();
+    Some((seasonal, q99(res)))
 }
 
 impl Fit {
-    /// Fits the model on the hourly maxima of `s`; `None` when there is too little data or the
+    /// Fits the model on the hourly maxima of `s` in time zone `tz`, a fall of level lasting
+    /// `new_normal_secs` being the new normal; `None` when there is too little data or the
     /// numbers are not finite.
-    #[allow(clippy::self_named_constructors)]
-    pub fn fit(s: &crate::RateSeries) -> Option<Fit> {
+    #[allow(clippy::self_named_constructors, clippy::needless_range_loop)]
+    pub fn fit(s: &crate::RateSeries, tz: chrono_tz::Tz, new_normal_secs: i64) -> Option<Fit> {
         let per_hour = (3600 / s.step.max(1)).max(1) as usize;
         let start_hour = s.start.div_euclid(3600) * 3600;
-        let offset = ((s.start - start_hour) / s.step.max(1)) as usize;
-        let hours = (offset + s.values.len()).div_ceil(per_hour);
+        let offset0 = ((s.start - start_hour) / s.step.max(1)) as usize;
+        let hours = (offset0 + s.values.len()).div_ceil(per_hour);
         let mut h = vec![f64::NAN; hours];
         for (i, &v) in s.values.iter().enumerate() {
             if v.is_nan() {
                 continue;
             }
-            let k = (offset + i) / per_hour;
+            let k = (offset0 + i) / per_hour;
             let v = f64::from(v);
             if h[k].is_nan() || v > h[k] {
                 h[k] = v;
             }
         }
-        let pts: Vec<(f64, f64)> = h
+        if h.iter().filter(|v| !v.is_nan()).count() < 2 * WEEK_HOURS {
+            return None;
+        }
+        let time = |k: usize| start_hour + k as i64 * 3600;
+        let slots: Vec<usize> = (0..hours).map(|k| slot(&tz, time(k))).collect();
+
+        // 1. Spikes: above SPIKE_FACTOR × both the same hour in other weeks and the hours around.
+        let mut c = h.clone();
+        let mut spikes: Vec<Spike> = Vec::new();
+        for k in 0..hours {
+            let v = h[k];
+            if v.is_nan() || v <= 0.0 {
+                continue;
+            }
+            let mut same: Vec<f64> = (1..=8)
+                .flat_map(|w| [k as i64 - w * 168, k as i64 + w * 168])
+                .filter(|&j| j >= 0 && (j as usize) < hours)
+                .map(|j| h[j as usize])
+                .filter(|x| !x.is_nan())
+                .collect();
+            let mut near: Vec<f64> = (k.saturating_sub(6)..(k + 7).min(hours))
+                .filter(|&j| j != k)
+                .map(|j| h[j])
+                .filter(|x| !x.is_nan())
+                .collect();
+            let (Some(a), Some(b)) = (median(&mut same), median(&mut near)) else {
+                continue;
+            };
+            let usual = a.max(b);
+            if v > SPIKE_FACTOR * usual {
+                c[k] = f64::NAN;
+                match spikes.last_mut() {
+                    Some(sp) if sp.to == time(k) => {
+                        sp.to = time(k + 1);
+                        if v > sp.peak_rps {
+                            sp.peak_rps = v;
+                            sp.usual_rps = usual;
+                        }
+                    }
+                    _ => spikes.push(Spike {
+                        from: time(k),
+                        to: time(k + 1),
+                        peak_rps: v,
+                        usual_rps: usual,
+                    }),
+                }
+            }
+        }
+
+        // 2. Daily levels (local days), deseasonalised by the weekday's usual share.
+        let mut days: Vec<(i64, f64, usize)> = Vec::new(); // (local day, peak, hours present)
+        for k in 0..hours {
+            let t = time(k);
+            let d = (t + offset(&tz, t)).div_euclid(DAY);
+            if days.last().is_none_or(|x| x.0 != d) {
+                days.push((d, f64::NAN, 0));
+            }
+            let last = days.last_mut().expect("pushed");
+            if !c[k].is_nan() {
+                last.1 = if last.1.is_nan() {
+                    c[k]
+                } else {
+                    last.1.max(c[k])
+                };
+                last.2 += 1;
+            }
+        }
+        let days: Vec<(i64, f64)> = days
+            .into_iter()
+            .filter(|d| d.2 >= 12 && d.1 > 0.0)
+            .map(|d| (d.0, d.1))
+            .collect();
+        let level = Self::level_change(&days, hours, start_hour, &tz, new_normal_secs);
+        if let Some(l) = &level {
+            for (k, v) in c.iter_mut().enumerate() {
+                let t = time(k);
+                match l.kind {
+                    "dip" if t >= l.from => *v = f64::NAN,
+                    "shift_up" | "shift_down" if t < l.from => *v *= l.ratio,
+                    _ => {}
+                }
+            }
+        }
+
+        // 3. The two trends and their seasonal indices, on the cleaned hours.
+        let pts: Vec<(f64, f64, usize)> = c
             .iter()
             .enumerate()
             .filter(|(_, v)| !v.is_nan())
-            .map(|(i, &v)| (i as f64, v))
+            .map(|(i, &v)| (i as f64, v, slots[i]))
             .collect();
-        if pts.len() < 2 * WEEK_HOURS {
+        if pts.len() < WEEK_HOURS {
             return None;
         }
         let n = pts.len() as f64;
@@ -79,67 +322,268 @@ impl Fit {
         let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
         let slope = if sxx > 0.0 { sxy / sxx } else { 0.0 };
         let intercept = my - slope * mx;
-        let slot =
-            |i: usize| ((start_hour / 3600 + i as i64).rem_euclid(WEEK_HOURS as i64)) as usize;
-        let mut sum = vec![0.0; WEEK_HOURS];
-        let mut cnt = vec![0usize; WEEK_HOURS];
-        let trend = |x: f64| intercept + slope * x;
-        // A trend at or below zero anywhere in the window cannot carry a multiplicative season.
-        if trend(0.0) <= 0.0 || trend(hours as f64) <= 0.0 {
-            return None;
-        }
-        for &(x, y) in &pts {
-            let k = slot(x as usize);
-            sum[k] += y / trend(x);
-            cnt[k] += 1;
-        }
-        let seasonal: Vec<f64> = sum
+        let last_x = pts.last().map_or(0.0, |p| p.0);
+        let first_x = pts.first().map_or(0.0, |p| p.0);
+        // A linear trend at or below zero cannot carry a multiplicative season: flat instead.
+        let (intercept, slope) =
+            if intercept + slope * first_x <= 0.0 || intercept + slope * last_x <= 0.0 {
+                (my, 0.0)
+            } else {
+                (intercept, slope)
+            };
+        let logs: Vec<(f64, f64)> = pts
             .iter()
-            .zip(&cnt)
-            .map(|(s, &c)| if c > 0 { s / c as f64 } else { 1.0 })
+            .filter(|p| p.1 > 0.0)
+            .map(|p| (p.0, p.1.ln()))
             .collect();
-        let mut res: Vec<f64> = pts
-            .iter()
-            .map(|&(x, y)| {
-                let f = trend(x) * seasonal[slot(x as usize)];
-                if f > 0.0 {
-                    y / f
-                } else {
-                    1.0
-                }
-            })
-            .collect();
-        res.sort_by(f64::total_cmp);
-        let q = res[((res.len() as f64 * 0.99).ceil() as usize).clamp(1, res.len()) - 1].max(1.0);
+        let (log_intercept, log_slope) = if logs.len() >= WEEK_HOURS {
+            let n = logs.len() as f64;
+            let mx = logs.iter().map(|p| p.0).sum::<f64>() / n;
+            let my = logs.iter().map(|p| p.1).sum::<f64>() / n;
+            let sxx: f64 = logs.iter().map(|p| (p.0 - mx).powi(2)).sum();
+            let sxy: f64 = logs.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+            let b = if sxx > 0.0 { sxy / sxx } else { 0.0 };
+            (my - b * mx, b)
+        } else {
+            (my.max(f64::MIN_POSITIVE).ln(), 0.0)
+        };
+        let (seasonal, residual_q99) = fit_seasonal(&pts, |x| intercept + slope * x)?;
+        let (seasonal_exp, residual_q99_exp) =
+            fit_seasonal(&pts, |x| (log_intercept + log_slope * x).exp())?;
+        // The trend that fits the last week of data better (mean |log residual|); both, taking
+        // the larger, when neither is clearly better.
+        let err = |tr: &dyn Fn(f64) -> f64, seas: &[f64]| {
+            let tail: Vec<f64> = pts
+                .iter()
+                .filter(|p| p.0 + WEEK_HOURS as f64 > last_x)
+                .filter(|p| p.1 > 0.0)
+                .map(|&(x, y, k)| (y / (tr(x) * seas[k]).max(f64::MIN_POSITIVE)).ln().abs())
+                .collect();
+            tail.iter().sum::<f64>() / tail.len().max(1) as f64
+        };
+        let e_lin = err(&|x| intercept + slope * x, &seasonal);
+        let e_exp = err(&|x| (log_intercept + log_slope * x).exp(), &seasonal_exp);
+        let trend = if e_exp < 0.8 * e_lin {
+            "exponential"
+        } else if e_lin < 0.8 * e_exp {
+            "linear"
+        } else {
+            "both"
+        };
         let fit = Fit {
+            trend,
             intercept,
             slope_per_hour: slope,
+            log_intercept,
+            log_slope_per_hour: log_slope,
             seasonal,
-            residual_q99: q,
+            seasonal_exp,
+            residual_q99,
+            residual_q99_exp,
             start_hour,
             hours,
+            cleaned: c,
+            spikes,
+            level,
+            tz,
         };
-        (fit.intercept.is_finite() && fit.slope_per_hour.is_finite() && q.is_finite())
-            .then_some(fit)
+        [
+            fit.intercept,
+            fit.slope_per_hour,
+            fit.log_intercept,
+            fit.log_slope_per_hour,
+            fit.residual_q99,
+            fit.residual_q99_exp,
+        ]
+        .iter()
+        .all(|v| v.is_finite())
+        .then_some(fit)
     }
 
-    /// Point forecast of the hourly max at unix time `t`.
+    /// The longest run of days at the end whose level is low (or high) against the 7 days
+    /// before it.
+    fn level_change(
+        days: &[(i64, f64)],
+        hours: usize,
+        start_hour: i64,
+        tz: &chrono_tz::Tz,
+        new_normal_secs: i64,
+    ) -> Option<LevelChange> {
+        if days.len() < 9 {
+            return None;
+        }
+        // Weekday share: median, over the days of that weekday, of the day's peak ÷ the median
+        // peak of the 7 days around it (so that growth does not bias it).
+        let nd = days.len();
+        let ratios: Vec<(usize, f64)> = (0..nd)
+            .filter_map(|i| {
+                let lo = i.saturating_sub(3).min(nd - 7);
+                let mut w: Vec<f64> = days[lo..lo + 7].iter().map(|d| d.1).collect();
+                let m = median(&mut w)?;
+                (m > 0.0).then(|| (days[i].0.rem_euclid(7) as usize, days[i].1 / m))
+            })
+            .collect();
+        let mut share = [1.0; 7];
+        for (wd, s) in share.iter_mut().enumerate() {
+            let mut v: Vec<f64> = ratios.iter().filter(|r| r.0 == wd).map(|r| r.1).collect();
+            if let Some(x) = median(&mut v) {
+                if x > 0.0 {
+                    *s = x;
+                }
+            }
+        }
+        let x: Vec<f64> = days
+            .iter()
+            .map(|d| d.1 / share[d.0.rem_euclid(7) as usize])
+            .collect();
+        let n = x.len();
+        let mut found: Option<(usize, f64, bool)> = None; // (run length, ratio, up)
+        for len in 1..=n.saturating_sub(7) {
+            let run = &x[n - len..];
+            let mut before: Vec<f64> = x[n - len - 7..n - len].to_vec();
+            let Some(r) = median(&mut before) else {
+                continue;
+            };
+            if r <= 0.0 {
+                continue;
+            }
+            let mut runv = run.to_vec();
+            let rm = median(&mut runv).unwrap_or(r);
+            // A step, not a slope: the first day of the run against the 3 days before it.
+            let mut prev: Vec<f64> = x[n - len - 3..n - len].to_vec();
+            let jump = median(&mut prev).map_or(1.0, |p| run[0] / p);
+            if jump <= DIP_RATIO && run.iter().all(|&v| v <= DIP_RATIO * r) {
+                found = Some((len, rm / r, false));
+            } else if jump >= SHIFT_UP_RATIO && run.iter().all(|&v| v >= SHIFT_UP_RATIO * r) {
+                found = Some((len, rm / r, true));
+            }
+        }
+        let (len, ratio, up) = found?;
+        let day0 = days[n - len].0;
+        // Local midnight of the run's first day, as unix time.
+        let noon = day0 * DAY + DAY / 2;
+        let from = day0 * DAY - offset(tz, noon);
+        let to = start_hour + hours as i64 * 3600;
+        let span = (to - from) as f64 / DAY as f64;
+        let kind = if up {
+            "shift_up"
+        } else if (to - from) >= new_normal_secs {
+            "shift_down"
+        } else {
+            "dip"
+        };
+        Some(LevelChange {
+            from,
+            to,
+            ratio,
+            days: span,
+            kind,
+        })
+    }
+
+    fn trend_lin(&self, x: f64) -> f64 {
+        if self.trend == "exponential" {
+            return 0.0;
+        }
+        (self.intercept + self.slope_per_hour * x).max(0.0)
+    }
+
+    fn trend_exp(&self, x: f64) -> f64 {
+        if self.trend == "linear" {
+            return 0.0;
+        }
+        (self.log_intercept + self.log_slope_per_hour * x).exp()
+    }
+
+    /// Point forecast of the hourly max at unix time `t` (the larger of the two models).
     pub fn predict(&self, t: i64) -> f64 {
         let x = (t - self.start_hour) as f64 / 3600.0;
-        let slot = (t.div_euclid(3600)).rem_euclid(WEEK_HOURS as i64) as usize;
-        (self.intercept + self.slope_per_hour * x).max(0.0) * self.seasonal[slot]
+        let k = slot(&self.tz, t);
+        (self.trend_lin(x) * self.seasonal[k]).max(self.trend_exp(x) * self.seasonal_exp[k])
     }
 
-    /// Upper prediction bound of the max over `[from, to)`, and the point forecast there.
-    pub fn upper_over(&self, from: i64, to: i64) -> (f64, f64) {
-        let mut best = f64::NEG_INFINITY;
+    /// The bound of the max over `[from, to)` and what set it.
+    pub fn bound_over(&self, from: i64, to: i64) -> Bound {
+        let (mut upper, mut point, mut at) = (f64::NEG_INFINITY, 0.0, from);
         let mut t = from.div_euclid(3600) * 3600;
         while t < to {
-            best = best.max(self.predict(t));
+            let x = (t - self.start_hour) as f64 / 3600.0;
+            let k = slot(&self.tz, t);
+            let lin = self.trend_lin(x) * self.seasonal[k];
+            let exp = self.trend_exp(x) * self.seasonal_exp[k];
+            let u = (lin * self.residual_q99).max(exp * self.residual_q99_exp);
+            if u > upper {
+                upper = u;
+                point = lin.max(exp);
+                at = t;
+            }
             t += 3600;
         }
-        (best * self.residual_q99, best)
+        // Each cleaned hour grown by the trend to the end of the horizon; the last week's peak.
+        let xe = (to - self.start_hour) as f64 / 3600.0;
+        let (mut grown, mut grown_at) = (0.0f64, None);
+        let (mut recent, mut recent_at) = (0.0f64, None);
+        let last = self.cleaned.iter().rposition(|v| !v.is_nan()).unwrap_or(0);
+        for (k, &v) in self.cleaned.iter().enumerate() {
+            if v.is_nan() {
+                continue;
+            }
+            let x = k as f64;
+            let g = [
+                self.trend_lin(xe) / self.trend_lin(x),
+                self.trend_exp(xe) / self.trend_exp(x),
+            ]
+            .into_iter()
+            .filter(|g| g.is_finite() && *g > 0.0)
+            .fold(1.0f64, f64::max);
+            if v * g > grown {
+                grown = v * g;
+                grown_at = Some(k);
+            }
+            if k + WEEK_HOURS > last && v > recent {
+                recent = v;
+                recent_at = Some(k);
+            }
+        }
+        let time = |k: Option<usize>| k.map(|k| self.start_hour + k as i64 * 3600);
+        let (value, set_by, set_at) = if upper <= grown {
+            (upper, "forecast", Some(at))
+        } else {
+            (grown, "grown_peak", time(grown_at))
+        };
+        let (value, set_by, set_at) = if recent > value {
+            (recent, "recent_peak", time(recent_at))
+        } else {
+            (value, set_by, set_at)
+        };
+        Bound {
+            value,
+            upper,
+            point,
+            at,
+            set_by,
+            set_at,
+        }
     }
+}
+
+/// The bound of the horizon and what set it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Bound {
+    /// The bound the limit is built on.
+    pub value: f64,
+    /// The models' upper bound.
+    pub upper: f64,
+    /// The point forecast where the upper bound is.
+    pub point: f64,
+    /// Where the upper bound is.
+    pub at: i64,
+    /// `forecast` (the models' bound), `grown_peak` (the highest cleaned hour grown by the
+    /// trend, when lower than the models' bound) or `recent_peak` (the last week's highest
+    /// cleaned hour, when higher).
+    pub set_by: &'static str,
+    /// The hour that set it (the forecast's or the observed one).
+    pub set_at: Option<i64>,
 }
 
 impl Policy for Forecast {
@@ -154,11 +598,25 @@ impl Policy for Forecast {
             .spec
             .horizon
             .map_or(DEFAULT_HORIZON_SECS, |h| h.as_secs()) as i64;
+        let tz: chrono_tz::Tz = match &input.spec.timezone {
+            None => chrono_tz::UTC,
+            Some(name) => name
+                .parse()
+                .map_err(|_| PolicyError::Params(format!("unknown time zone `{name}`")))?,
+        };
+        let new_normal = input
+            .spec
+            .new_normal_after
+            .map_or(DEFAULT_NEW_NORMAL_SECS, |d| d.as_secs()) as i64;
         let fallback = |why: String| -> Result<Proposal, PolicyError> {
             let mut p = Peak.compute(input)?;
             if let Some(o) = p.evidence.as_object_mut() {
                 o.insert("fallback_from".into(), json!("forecast"));
                 o.insert("fallback_reason".into(), json!(why));
+                if let Some(e) = o.get("explain").and_then(Value::as_str) {
+                    let e = format!("{e} (forecast fell back: {why})");
+                    o.insert("explain".into(), json!(e));
+                }
             }
             Ok(p)
         };
@@ -168,18 +626,116 @@ impl Policy for Forecast {
                 days
             ));
         }
-        let Some(fit) = Fit::fit(s) else {
+        let Some(fit) = Fit::fit(s, tz, new_normal) else {
             return fallback("the seasonal fit failed".into());
         };
         let end = s.end();
-        let (upper, point) = fit.upper_over(end, end + horizon);
-        if !upper.is_finite() || upper <= 0.0 {
-            return fallback(format!("the forecast is not usable ({upper})"));
+        let b = fit.bound_over(end, end + horizon);
+        if !b.value.is_finite() || b.value <= 0.0 {
+            return fallback(format!("the forecast is not usable ({})", b.value));
         }
         let peak = s.max().ok_or(PolicyError::NoData)?;
         let h = headroom(input.spec);
-        let limit = upper * (1.0 + h);
+        let limit = b.value * (1.0 + h);
         let (limit, capped_by) = bound(limit, input);
+        let spikes: Vec<Value> = fit
+            .spikes
+            .iter()
+            .map(|sp| {
+                json!({
+                    "from": rfc(sp.from),
+                    "to": rfc(sp.to),
+                    "peak_rps": round3(sp.peak_rps),
+                    "usual_rps": round3(sp.usual_rps),
+                    "ratio": round3(sp.peak_rps / sp.usual_rps),
+                    "discounted": true,
+                    "why": format!("{:.1}× the usual rate of that hour, not recurring: a one-off", sp.peak_rps / sp.usual_rps),
+                })
+            })
+            .collect();
+        let level = fit.level.as_ref().map(|l| {
+            let why = match l.kind {
+                "dip" => format!(
+                    "level {:.2}× the week before for {:.1} days, under new_normal_after {:.0}d: discounted, the fit ends before it",
+                    l.ratio, l.days, new_normal as f64 / 86_400.0
+                ),
+                "shift_down" => format!(
+                    "level {:.2}× the week before for {:.1} days (≥ new_normal_after {:.0}d): the new normal, the fit uses it",
+                    l.ratio, l.days, new_normal as f64 / 86_400.0
+                ),
+                _ => format!("level {:.2}× the week before: the fit uses the new level", l.ratio),
+            };
+            json!({
+                "kind": l.kind,
+                "from": rfc(l.from),
+                "to": rfc(l.to),
+                "ratio": round3(l.ratio),
+                "days": round3(l.days),
+                "discounted": l.kind == "dip",
+                "why": why,
+            })
+        });
+        let set_at = b.set_at.map(rfc);
+        let mut explain = match b.set_by {
+            "forecast" => format!(
+                "forecast bound {:.1} rps at {} (horizon {:.0}d)",
+                b.value,
+                set_at.as_deref().unwrap_or("?"),
+                horizon as f64 / 86_400.0
+            ),
+            "grown_peak" => format!(
+                "observed hour {:.1} rps at {} grown by the trend over the {:.0}d horizon",
+                b.value,
+                set_at.as_deref().unwrap_or("?"),
+                horizon as f64 / 86_400.0
+            ),
+            _ => format!(
+                "peak {:.1} rps at {} of the last week of data used (above the forecast)",
+                b.value,
+                set_at.as_deref().unwrap_or("?")
+            ),
+        };
+        explain.push_str(&format!(" × {:.2}", 1.0 + h));
+        if let Some(l) = &fit.level {
+            explain.push_str(&match l.kind {
+                "dip" => format!(
+                    "; dip {}..{} at {:.2}× discounted ({:.1}d < new normal {:.0}d)",
+                    date(l.from),
+                    date(l.to),
+                    l.ratio,
+                    l.days,
+                    new_normal as f64 / 86_400.0
+                ),
+                "shift_down" => format!(
+                    "; level fell {:.2}× on {} ({:.1}d: the new normal)",
+                    l.ratio,
+                    date(l.from),
+                    l.days
+                ),
+                _ => format!(
+                    "; level rose {:.2}× on {} (fit on the new level)",
+                    l.ratio,
+                    date(l.from)
+                ),
+            });
+        }
+        for sp in fit.spikes.iter().take(3) {
+            explain.push_str(&format!(
+                "; spike {} {:.1} rps ({:.1}× usual) discounted",
+                rfc(sp.from),
+                sp.peak_rps,
+                sp.peak_rps / sp.usual_rps
+            ));
+        }
+        if fit.spikes.len() > 3 {
+            explain.push_str(&format!(
+                "; {} more spikes discounted",
+                fit.spikes.len() - 3
+            ));
+        }
+        if let Some(c) = capped_by {
+            explain.push_str(&format!("; capped by {c}"));
+        }
         Ok(Proposal {
             limit_rps: limit,
             shadow: false,
@@ -187,13 +743,21 @@ impl Policy for Forecast {
             peak_rps: peak,
             confidence: (days / 28.0).min(1.0),
             evidence: json!({
-                "model": "hourly max = linear trend × hour-of-week seasonal index; upper bound = × q99 of residual ratios",
+                "model": "hourly max (spikes, dips and level shifts handled) = max(linear, exponential trend × median hour-of-week index) × q99 of residual ratios; ≤ highest cleaned hour grown by the trend; ≥ last week's highest cleaned hour",
                 "window": {"from": s.datetime_of(0).to_rfc3339(), "to": s.datetime_of(s.values.len()).to_rfc3339()},
                 "horizon_days": round3(horizon as f64 / 86_400.0),
+                "timezone": tz.name(),
+                "trend": fit.trend,
                 "trend_rps_per_day": round3(fit.slope_per_hour * 24.0),
-                "forecast_max_rps": round3(point),
-                "upper_bound_rps": round3(upper),
+                "growth_per_week": round3((fit.log_slope_per_hour * 168.0).exp() - 1.0),
+                "forecast_max_rps": round3(b.point),
+                "forecast_max_at": rfc(b.at),
+                "upper_bound_rps": round3(b.upper),
                 "residual_ratio_q99": round3(fit.residual_q99),
+                "set_by": {"kind": b.set_by, "rps": round3(b.value), "at": set_at},
+                "spikes": spikes,
+                "level_change": level,
+                "explain": explain,
                 "peak_rps": round3(peak),
                 "peak_at": s.argmax().map(|i| s.datetime_of(i).to_rfc3339()),
                 "coverage": round3(s.coverage_since_first()),
@@ -267,5 +831,122 @@ mod tests {
         let p = run(&growing(10, 100.0, 5.0));
         assert_eq!(p.policy, PolicyName::Peak);
         assert_eq!(p.evidence["fallback_from"], "forecast");
+    }
+}
+
+#[cfg(test)]
+mod shape_tests {
+    use super::*;
+    use crate::RateSeries;
+    use schema::PolicySpec;
+
+    /// Diurnal (±50%, peak 15:00 UTC) and weekly (weekends 60%) traffic × `f(day)`.
+    fn shaped(days: usize, f: impl Fn(f64) -> f64) -> RateSeries {
+        let start = 1_700_000_000 / 86_400 * 86_400;
+        let values = (0..days * 1440)
+            .map(|i| {
+                let t = start + i as i64 * 60;
+                let d = i as f64 / 1440.0;
+                let hour = t.rem_euclid(86_400) as f64 / 3600.0;
+                let wd = (t.div_euclid(86_400) + 3).rem_euclid(7);
+                let weekly = if wd >= 5 { 0.6 } else { 1.0 };
+                let daily =
+                    1.0 + 0.5 * (2.0 * std::f64::consts::PI * (hour - 15.0 + 6.0) / 24.0).sin();
+                (100.0 * weekly * daily * f(d)) as f32
+            })
+            .collect();
+        RateSeries {
+            start,
+            step: 60,
+            values,
+        }
+    }
+
+    fn run(s: &RateSeries) -> Proposal {
+        Forecast
+            .compute(&PolicyInput {
+                service: "s",
+                caller: Some("c"),
+                procedure: None,
+                series: s,
+                spec: &PolicySpec {
+                    headroom: Some(0.0),
+                    ..Default::default()
+                },
+                capacity_share_rps: None,
+                now: chrono::Utc::now(),
+            })
+            .unwrap()
+    }
+
+    /// 60% a week compounded: the next week's peak is 1.6× the last one's.
+    #[test]
+    fn fast_growth_is_covered() {
+        let full = shaped(28, |d| 1.6f64.powf(d / 7.0));
+        let train = full.slice(full.start, full.start + 21 * 86_400);
+        let p = run(&train);
+        let next = full.slice(train.end(), full.end()).max().unwrap();
+        // Within 10% of next week's peak before any headroom (the default 0.25 covers it).
+        assert!(
+            p.limit_rps >= 0.9 * next && p.limit_rps < 1.2 * next,
+            "{} vs next week's peak {next}",
+            p.limit_rps
+        );
+        assert_eq!(p.evidence["trend"], "exponential");
+    }
+
+    /// Half the traffic for the last 5 days (a holiday): the fit ends before it, the limit stays
+    /// at the recurring peak (150) and the evidence names the dip with its dates.
+    #[test]
+    fn a_dip_at_the_end_is_discounted() {
+        let s = shaped(21, |d| if d >= 16.0 { 0.5 } else { 1.0 });
+        let p = run(&s);
+        assert!(p.limit_rps > 145.0 && p.limit_rps < 160.0, "{}", p.evidence);
+        let l = &p.evidence["level_change"];
+        assert_eq!(l["kind"], "dip", "{l}");
+        assert_eq!(l["discounted"], true);
+        assert_eq!(l["days"], 5.0);
+        assert!(
+            p.evidence["explain"]
+                .as_str()
+                .unwrap()
+                .contains("dip 2023-11-30..2023-12-05"),
+            "{}",
+            p.evidence["explain"]
+        );
+    }
+
+    /// The same fall lasting 12 days (over new_normal_after, 10d) is the new normal: ~75.
+    #[test]
+    fn a_long_fall_is_the_new_normal() {
+        let s = shaped(21, |d| if d >= 9.0 { 0.5 } else { 1.0 });
+        let p = run(&s);
+        assert!(p.limit_rps > 72.0 && p.limit_rps < 85.0, "{}", p.evidence);
+        assert_eq!(p.evidence["level_change"]["kind"], "shift_down");
+    }
+
+    /// A launch doubling traffic 4 days before the end: the fit is on the new level (~300).
+    #[test]
+    fn a_rise_is_the_new_level_at_once() {
+        let s = shaped(21, |d| if d >= 17.0 { 2.0 } else { 1.0 });
+        let p = run(&s);
+        assert!(p.limit_rps > 295.0 && p.limit_rps < 330.0, "{}", p.evidence);
+        assert_eq!(p.evidence["level_change"]["kind"], "shift_up");
+    }
+
+    /// A 6× retry storm for 20 minutes does not inflate the limit; the evidence names it.
+    #[test]
+    fn a_spike_is_discounted_and_named() {
+        let mut s = shaped(21, |_| 1.0);
+        let at = 9 * 1440 + 11 * 60;
+        for v in &mut s.values[at..at + 20] {
+            *v *= 6.0;
+        }
+        let p = run(&s);
+        assert!(p.limit_rps > 145.0 && p.limit_rps < 160.0, "{}", p.evidence);
+        let sp = &p.evidence["spikes"][0];
+        assert_eq!(sp["discounted"], true, "{}", p.evidence);
+        assert!(sp["ratio"].as_f64().unwrap() > 5.0, "{sp}");
+        assert!(p.evidence["explain"].as_str().unwrap().contains("spike"));
     }
 }

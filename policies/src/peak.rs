@@ -47,6 +47,23 @@ impl Policy for Peak {
         let limit = stat * (1.0 + h) * widen;
         let (limit, capped_by) = bound(limit, input);
         let confidence = (days / CONFIDENT_DAYS).min(1.0);
+        let mut explain = format!(
+            "{stat_name} {stat:.1} rps{} × {:.2}",
+            if stat_name == "max" {
+                format!(" at {}", peak_at.as_deref().unwrap_or("?"))
+            } else {
+                String::new()
+            },
+            1.0 + h
+        );
+        if young {
+            explain.push_str(&format!(
+                " × {widen:.2} ({history_days:.1} days of history, shadow)"
+            ));
+        }
+        if let Some(c) = capped_by {
+            explain.push_str(&format!("; capped by {c}"));
+        }
         Ok(Proposal {
             limit_rps: limit,
             shadow: young,
@@ -65,6 +82,7 @@ impl Policy for Peak {
                 "short_history_margin": young.then_some(round3(widen)),
                 "capped_by": capped_by,
                 "capacity_share_rps": input.capacity_share_rps.map(round3),
+                "explain": explain,
             }),
         })
     }

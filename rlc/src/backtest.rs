@@ -13,8 +13,8 @@ use std::path::PathBuf;
 
 use chrono::{TimeZone, Utc};
 use policies::rails;
-use policies::{Policy, PolicyInput};
-use schema::{ConfigRepo, DaemonConfig, HumanDuration, PolicyName};
+use policies::{Policy, PolicyInput, Proposal, RateSeries};
+use schema::{ConfigRepo, DaemonConfig, HumanDuration, PolicyName, PolicySpec};
 use serde::Serialize;
 
 use crate::compute::{policy_for, spec_for};
@@ -48,6 +48,10 @@ pub struct BacktestArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
+    /// Score the built-in policies on the generated corpus of traffic shapes instead of the
+    /// configured history (`--config` is not read): the table of docs/rlc-policies.md.
+    #[arg(long)]
+    pub corpus: bool,
 }
 
 /// Score of one policy on one bucket.
@@ -211,6 +215,40 @@ pub fn score_plan(history: &History, plan: &Plan, split: i64) -> Vec<(String, St
         .collect()
 }
 
+/// Fits `policy` on `full` before `split` and scores its limit (at least `floor`) on the rest,
+/// as a run would: a proposal the rails would refuse is an error, never a score. `Ok(None)` when
+/// the held-out part has no sample. The one scoring path of `rlc backtest` and the corpus
+/// ([`crate::corpus`]).
+pub fn fit_and_score(
+    policy: &dyn Policy,
+    spec: &PolicySpec,
+    floor: f64,
+    (service, caller, procedure): (&str, Option<&str>, Option<&str>),
+    full: &RateSeries,
+    split: i64,
+) -> Result<Option<(Score, Proposal)>, String> {
+    let s = &full.slice(full.start, split);
+    let test = full.slice(split, full.end()).values;
+    if test.iter().all(|v| v.is_nan()) {
+        return Ok(None);
+    }
+    let train_now = Utc.timestamp_opt(split, 0).single().unwrap_or_default();
+    let p = policy
+        .compute(&PolicyInput {
+            service,
+            caller,
+            procedure,
+            series: s,
+            spec,
+            capacity_share_rps: None,
+            now: train_now,
+        })
+        .map_err(|e| e.to_string())?;
+    // As in a run: no proposal is scored that the rails would refuse.
+    rails::check_proposal(p.limit_rps, s.max().unwrap_or(0.0), None, floor, true)?;
+    Ok(score(p.limit_rps.max(floor), &test).map(|sc| (sc, p)))
+}
+
 /// Scores `policies` on `history`, holding out its last `holdout_secs`.
 pub fn backtest(
     cfg: &DaemonConfig,
@@ -220,7 +258,6 @@ pub fn backtest(
     policies: &[PolicyName],
 ) -> BacktestReport {
     let split = history.end() - holdout_secs;
-    let train_now = Utc.timestamp_opt(split, 0).single().unwrap_or_default();
     let mut report = BacktestReport::default();
     for name in policies {
         let policy: &dyn Policy = match policy_for(cfg, name) {
@@ -234,33 +271,21 @@ pub fn backtest(
                 caller,
                 procedure,
             } = key;
-            let s = &full.slice(full.start, split);
-            let test = full.slice(split, full.end()).values;
-            if test.iter().all(|v| v.is_nan()) {
-                continue;
-            }
             let mut spec = spec_for(repo, service);
             spec.policy = Some(name.clone());
             let floor = rails::floor(&cfg.rails, &spec);
-            let r = policy.compute(&PolicyInput {
-                service,
-                caller: caller.as_deref(),
-                procedure: procedure.as_deref(),
-                series: s,
-                spec: &spec,
-                capacity_share_rps: None,
-                now: train_now,
-            });
-            // As in a run: no proposal is scored that the rails would refuse.
-            let checked = r.map_err(|e| e.to_string()).and_then(|p| {
-                rails::check_proposal(p.limit_rps, s.max().unwrap_or(0.0), None, floor, true)
-                    .map(|()| p)
-            });
-            let Ok(p) = checked else {
+            let Ok(fitted) = fit_and_score(
+                policy,
+                &spec,
+                floor,
+                (service, caller.as_deref(), procedure.as_deref()),
+                full,
+                split,
+            ) else {
                 failed += 1;
                 continue;
             };
-            let Some(sc) = score(p.limit_rps.max(floor), &test) else {
+            let Some((sc, _)) = fitted else {
                 continue;
             };
             over += sc.over;
@@ -292,6 +317,15 @@ pub fn backtest(
 
 /// Runs `rlc backtest`; exit code 1 when the history source failed.
 pub async fn run(args: BacktestArgs) -> anyhow::Result<i32> {
+    if args.corpus {
+        let rows =
+            tokio::task::spawn_blocking(|| crate::corpus::run(&crate::corpus::builtin())).await?;
+        match args.format {
+            Format::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
+            Format::Table => print!("{}", crate::corpus::markdown(&rows)),
+        }
+        return Ok(0);
+    }
     let (cfg, repo, base) = load_inputs(&args.config)?;
     let history = load_history(&cfg, &base).await;
     if let Some(e) = &history.source_error {

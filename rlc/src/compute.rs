@@ -12,7 +12,9 @@ use std::path::{Path, PathBuf};
 use chrono::{DateTime, Utc};
 use policies::rails::{self, Current};
 use policies::{fixed, Policy, PolicyError, PolicyInput, Proposal};
-use schema::{Bucket, ConfigRepo, Contract, DaemonConfig, PolicyName, PolicySpec, Scope};
+use schema::{
+    Bucket, ConfigRepo, Contract, DaemonConfig, PlannedEvent, PolicyName, PolicySpec, Scope,
+};
 use serde_json::json;
 
 use crate::history::{History, SeriesKey};
@@ -356,6 +358,23 @@ fn compute_service(
             ))),
             Err(e) => Err(e.clone()),
         };
+        let events: &[PlannedEvent] = capacity.map_or(&[], |c| &c.events);
+        let result = result.map(|p| {
+            with_events(
+                p,
+                events,
+                EventCtx {
+                    service,
+                    key,
+                    spec: &spec,
+                    now,
+                    peak: peaks[i],
+                    series: &series,
+                    peaks: &peaks,
+                    capacity_share,
+                },
+            )
+        });
         match result {
             Ok(p) => {
                 // No policy's output reaches the rails unchecked.
@@ -526,6 +545,18 @@ fn push(
     // silently become one fleet-wide limit); new buckets are global.
     let scope = spec.scope.or(cur.map(|b| b.scope)).unwrap_or(Scope::Global);
     let mut evidence = BTreeMap::new();
+    // What set the limit, in one line (preview table, PR body): the policy's own line, else its
+    // name and the limit it proposed; then what the rails did.
+    let mut explain = p
+        .evidence
+        .get("explain")
+        .and_then(|v| v.as_str())
+        .map(str::to_string)
+        .unwrap_or_else(|| format!("{} proposed {:.1} rps", p.policy, p.limit_rps));
+    if !railed.notes.is_empty() {
+        explain.push_str(&format!("; rails: {}", railed.notes.join(", ")));
+    }
+    evidence.insert("explain".to_string(), json!(explain));
     evidence.insert("policy".to_string(), p.evidence);
     evidence.insert(
         "proposed_rps".into(),
@@ -567,4 +598,114 @@ fn push(
         evidence: serde_json::to_value(evidence).unwrap_or_default(),
         held: None,
     });
+}
+
+/// What [`with_events`] needs to know about a bucket.
+struct EventCtx<'a> {
+    service: &'a str,
+    key: &'a SeriesKey,
+    spec: &'a PolicySpec,
+    now: DateTime<Utc>,
+    peak: f64,
+    series: &'a [(&'a SeriesKey, &'a policies::RateSeries)],
+    peaks: &'a [f64],
+    capacity_share: Option<f64>,
+}
+
+/// Raises a proposal for the planned events (`rlc/capacity.yaml` `events:`) of its bucket that
+/// meet the horizon (`horizon`, 7 days by default, from `now`): × `factor`, or the bucket's
+/// share (by observed peak, among the series the event matches) of the expected `rps` ×
+/// (1 + headroom), whichever event asks most; still bounded by `ceiling_rps` and the planned
+/// capacity share. An event that is over no longer counts, so the quota falls back with it
+/// (through the rails' decrease cap).
+fn with_events(mut p: Proposal, events: &[PlannedEvent], cx: EventCtx<'_>) -> Proposal {
+    let (caller, procedure) = (cx.key.caller.as_deref(), cx.key.procedure.as_deref());
+    let from = cx.now.timestamp();
+    let horizon = cx
+        .spec
+        .horizon
+        .map_or(policies::forecast::DEFAULT_HORIZON_SECS, |h| h.as_secs()) as i64;
+    let mut best: Option<(f64, &PlannedEvent, String)> = None;
+    for e in events
+        .iter()
+        .filter(|e| e.matches(cx.service, caller, procedure) && e.overlaps(from, from + horizon))
+    {
+        let (want, how) = match (e.factor, e.rps) {
+            (Some(f), _) => (p.limit_rps * f, format!("× {f}")),
+            (None, Some(r)) => {
+                let total: f64 = cx
+                    .series
+                    .iter()
+                    .zip(cx.peaks)
+                    .filter(|((k, _), _)| {
+                        e.matches(cx.service, k.caller.as_deref(), k.procedure.as_deref())
+                    })
+                    .map(|(_, p)| *p)
+                    .sum();
+                let share = if total > 0.0 { r * cx.peak / total } else { r };
+                let h = policies::headroom(cx.spec);
+                (
+                    share * (1.0 + h),
+                    format!(
+                        "expected {} rps, this bucket's share {} rps × {:.2}",
+                        schema::format_rps(r),
+                        schema::format_rps(share),
+                        1.0 + h
+                    ),
+                )
+            }
+            (None, None) => continue,
+        };
+        if want > p.limit_rps && best.as_ref().is_none_or(|b| want > b.0) {
+            best = Some((want, e, how));
+        }
+    }
+    let Some((want, e, how)) = best else {
+        return p;
+    };
+    let mut limit = want;
+    let mut capped = None;
+    for (cap, why) in [
+        (cx.spec.ceiling_rps, "ceiling_rps"),
+        (cx.capacity_share, "planned capacity share"),
+    ] {
+        if let Some(c) = cap.filter(|c| limit > *c) {
+            limit = c.max(p.limit_rps);
+            capped = Some(why);
+        }
+    }
+    let line = format!(
+        "; event {} {}..{} {how}: {:.1} → {:.1} rps{}",
+        e.name,
+        e.from,
+        e.until,
+        p.limit_rps,
+        limit,
+        capped
+            .map(|c| format!(" (capped by {c})"))
+            .unwrap_or_default()
+    );
+    if let Some(o) = p.evidence.as_object_mut() {
+        o.insert(
+            "event".into(),
+            json!({
+                "name": e.name,
+                "from": e.from,
+                "until": e.until,
+                "factor": e.factor,
+                "rps": e.rps,
+                "without_event_rps": (p.limit_rps * 1000.0).round() / 1000.0,
+                "limit_rps": (limit * 1000.0).round() / 1000.0,
+                "capped_by": capped,
+            }),
+        );
+        let explain = o
+            .get("explain")
+            .and_then(|v| v.as_str())
+            .map(str::to_string)
+            .unwrap_or_else(|| format!("{} proposed {:.1} rps", p.policy, p.limit_rps));
+        o.insert("explain".into(), json!(format!("{explain}{line}")));
+    }
+    p.limit_rps = limit;
+    p
 }

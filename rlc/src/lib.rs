@@ -24,6 +24,7 @@
 
 pub mod backtest;
 pub mod compute;
+pub mod corpus;
 pub mod cycle;
 pub mod demo;
 pub mod exit;

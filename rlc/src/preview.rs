@@ -111,9 +111,10 @@ pub fn history_exit_code(plan: &Plan) -> i32 {
 }
 
 /// The plan as a table: service, bucket, current, proposed, change %, peak, policy, scope,
-/// mode, confidence; then the skipped list.
+/// mode, confidence, why (the evidence's one line: what set the limit, what was discounted);
+/// then the skipped list.
 pub fn table(plan: &Plan) -> String {
-    let mut rows: Vec<[String; 10]> = vec![[
+    let mut rows: Vec<[String; 11]> = vec![[
         "SERVICE",
         "BUCKET",
         "CURRENT",
@@ -124,6 +125,7 @@ pub fn table(plan: &Plan) -> String {
         "SCOPE",
         "MODE",
         "CONFIDENCE",
+        "WHY",
     ]
     .map(String::from)];
     for b in &plan.buckets {
@@ -154,9 +156,15 @@ pub fn table(plan: &Plan) -> String {
             num("confidence")
                 .map(|c| format!("{:.0}%", c * 100.0))
                 .unwrap_or_else(|| "kept".into()),
+            b.evidence
+                .get("explain")
+                .and_then(|v| v.as_str())
+                .or_else(|| b.evidence.get("kept_current").and_then(|v| v.as_str()))
+                .unwrap_or("-")
+                .replace(['\n', '\r'], " "),
         ]);
     }
-    let mut width = [0usize; 10];
+    let mut width = [0usize; 11];
     for r in &rows {
         for (w, c) in width.iter_mut().zip(r) {
             *w = (*w).max(c.chars().count());

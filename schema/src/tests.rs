@@ -874,3 +874,49 @@ fn replacement_documents_get_the_checks_of_the_files() {
         c.problems
     );
 }
+
+#[test]
+fn planned_events_and_forecast_keys_are_checked_with_file_and_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let w = |p: &str, t: &str| {
+        let p = dir.path().join(p);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, t).unwrap();
+    };
+    w(
+        "rlc/policies.yaml",
+        "default:\n  policy: forecast\n  timezone: Mars/Olympus\n  new_normal_after: 10d\nservices:\n  a:\n    timezone: Europe/Berlin\n",
+    );
+    w(
+        "rlc/capacity.yaml",
+        "capacity: []\nevents:\n  - name: sale\n    service: a\n    from: 2026-12-01\n    until: 2026-12-03\n    factor: 3\n  - name: migration\n    service: nope\n    caller: web\n    from: 2026-12-05\n    until: 2026-12-04\n    factor: 0.5\n  - name: launch\n    service: a\n    from: 2026-12-01\n    until: 2026-12-01\n",
+    );
+    let (repo, diags) = ConfigRepo::load(dir.path());
+    let got: Vec<(String, usize, String)> = diags
+        .iter()
+        .map(|d| {
+            (
+                d.file.file_name().unwrap().to_string_lossy().into_owned(),
+                d.line,
+                d.key.clone(),
+            )
+        })
+        .collect();
+    let want = |f: &str, l: usize, k: &str| (f.to_string(), l, k.to_string());
+    for w in [
+        want("policies.yaml", 3, "default.timezone"),
+        want("capacity.yaml", 9, "events[1].service"),
+        want("capacity.yaml", 12, "events[1].until"),
+        want("capacity.yaml", 13, "events[1].factor"),
+        want("capacity.yaml", 14, "events[2]"),
+    ] {
+        assert!(got.contains(&w), "{w:?} not in {got:?}");
+    }
+    assert_eq!(got.len(), 5, "{}", Diagnostics(diags));
+    let e = &repo.capacity.unwrap().value.events[0];
+    assert!(e.matches("a", Some("web"), None) && !e.matches("b", None, None));
+    // 2026-12-01 00:00 UTC to 2026-12-04 00:00 UTC.
+    assert_eq!(e.window(), (1_796_083_200, 1_796_083_200 + 3 * 86_400));
+    assert!(e.overlaps(1_796_083_200 - 86_400, 1_796_083_200 + 1));
+    assert!(!e.overlaps(1_796_083_200 + 3 * 86_400, 1_796_083_200 + 4 * 86_400));
+}

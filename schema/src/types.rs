@@ -529,6 +529,14 @@ pub struct PolicySpec {
     /// Free-form parameters handed to a plugin as JSON.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub params: Option<serde_json::Value>,
+    /// Time zone of the service's daily and weekly cycle (forecast policy), an IANA name such
+    /// as `Europe/Berlin`; default `UTC`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timezone: Option<String>,
+    /// Forecast policy: how long a lower level at the end of the history must last before it
+    /// is the new normal (default `10d`); a shorter dip is discounted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub new_normal_after: Option<HumanDuration>,
 }
 
 impl PolicySpec {
@@ -545,6 +553,8 @@ impl PolicySpec {
             mode: self.mode.or(base.mode),
             confident_history: self.confident_history.or(base.confident_history),
             params: self.params.clone().or_else(|| base.params.clone()),
+            timezone: self.timezone.clone().or_else(|| base.timezone.clone()),
+            new_normal_after: self.new_normal_after.or(base.new_normal_after),
         }
     }
 }
@@ -610,6 +620,62 @@ pub struct CapacityFile {
     /// The planned capacities.
     #[serde(default)]
     pub capacity: Vec<CapacityEntry>,
+    /// Planned events (a launch, a sale, a migration onto the service): quotas computed for a
+    /// horizon that contains one are raised for it, and fall back once it is over.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub events: Vec<PlannedEvent>,
+}
+
+/// A dated event that raises the traffic of a service, or of one caller or procedure of it.
+/// Exactly one of `factor` and `rps`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PlannedEvent {
+    /// What it is (shown in the evidence).
+    pub name: String,
+    /// Callee service.
+    pub service: String,
+    /// Only this caller's buckets; every caller when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub caller: Option<String>,
+    /// Only this procedure's buckets; every procedure when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub procedure: Option<String>,
+    /// First day (UTC).
+    pub from: chrono::NaiveDate,
+    /// Last day (UTC, inclusive).
+    pub until: chrono::NaiveDate,
+    /// The traffic during the event is this × the usual (≥ 1): the limit is multiplied by it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub factor: Option<f64>,
+    /// The expected rate of the matching traffic during the event; split between the matching
+    /// buckets by their share of the observed peak, × (1 + headroom).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rps: Option<f64>,
+}
+
+impl PlannedEvent {
+    /// Whether the event concerns the bucket `caller`/`procedure` of `service`.
+    pub fn matches(&self, service: &str, caller: Option<&str>, procedure: Option<&str>) -> bool {
+        self.service == service
+            && self.caller.as_deref().is_none_or(|c| caller == Some(c))
+            && self
+                .procedure
+                .as_deref()
+                .is_none_or(|p| procedure == Some(p))
+    }
+
+    /// Unix times `[start, end)` of the event.
+    pub fn window(&self) -> (i64, i64) {
+        let t = |d: chrono::NaiveDate| d.and_time(chrono::NaiveTime::MIN).and_utc().timestamp();
+        (t(self.from), t(self.until) + 86_400)
+    }
+
+    /// Whether `[from, to)` (unix times) meets the event.
+    pub fn overlaps(&self, from: i64, to: i64) -> bool {
+        let (a, b) = self.window();
+        a < to && from < b
+    }
 }
 
 /// Planned capacity of a service, or of one of its procedures.

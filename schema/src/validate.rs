@@ -299,6 +299,46 @@ fn check_references(
                     seen.insert(key, i);
                 }
             }
+            for (i, e) in c.value.events.iter().enumerate() {
+                let at = |k: &str| format!("events[{i}].{k}");
+                if complete && !known.contains(&e.service) {
+                    diags.push(c.diag(
+                        at("service"),
+                        format!("references unknown service `{}`", e.service),
+                    ));
+                }
+                if e.name.trim().is_empty() {
+                    diags.push(c.diag(at("name"), "must not be empty"));
+                }
+                for (k, v) in [("caller", &e.caller), ("procedure", &e.procedure)] {
+                    if v.as_deref().is_some_and(|s| s.trim().is_empty()) {
+                        diags.push(c.diag(at(k), "must not be empty when present"));
+                    }
+                }
+                if e.until < e.from {
+                    diags.push(c.diag(
+                        at("until"),
+                        format!("{} is before from {}", e.until, e.from),
+                    ));
+                }
+                match (e.factor, e.rps) {
+                    (Some(_), Some(_)) => diags.push(c.diag(
+                        format!("events[{i}]"),
+                        "set one of factor and rps, not both",
+                    )),
+                    (None, None) => diags
+                        .push(c.diag(format!("events[{i}]"), "needs a factor or an expected rps")),
+                    (Some(f), None) => {
+                        if !f.is_finite() || f < 1.0 {
+                            diags.push(c.diag(
+                                at("factor"),
+                                format!("must be a finite number ≥ 1 (events raise quotas; a lower level is learnt from traffic), got {f}"),
+                            ));
+                        }
+                    }
+                    (None, Some(r)) => check_rate(c, &at("rps"), r, diags),
+                }
+            }
             // A procedure's capacity above its whole service's capacity cannot both hold.
             for (i, e) in c.value.capacity.iter().enumerate() {
                 if e.procedure.is_none() {
@@ -711,6 +751,17 @@ fn check_spec(f: &Located<PoliciesFile>, at: &str, s: &PolicySpec, diags: &mut V
                 format!("floor_rps {lo} is above ceiling_rps {hi}"),
             ));
         }
+    }
+    if let Some(tz) = &s.timezone {
+        if tz.parse::<chrono_tz::Tz>().is_err() {
+            diags.push(f.diag(
+                key("timezone"),
+                format!("unknown time zone `{tz}`: use an IANA name such as UTC or Europe/Berlin"),
+            ));
+        }
+    }
+    if s.new_normal_after.is_some_and(|d| d.as_secs() == 0) {
+        diags.push(f.diag(key("new_normal_after"), "must be longer than 0"));
     }
     if s.policy == Some(PolicyName::Manual) {
         diags.push(f.diag(

@@ -337,6 +337,21 @@ fn evidence_str(ev: &serde_json::Value, key: &str) -> String {
     }
 }
 
+/// The evidence's one line (what set the limit, which spikes and dips were discounted), at
+/// most 300 characters, safe in a table cell.
+fn why_cell(ev: &serde_json::Value) -> String {
+    match ev.get("explain").and_then(|v| v.as_str()) {
+        Some(s) => {
+            let mut s: String = s.chars().take(300).collect();
+            if s.chars().count() == 300 {
+                s.push('…');
+            }
+            md_title(&s)
+        }
+        None => "-".into(),
+    }
+}
+
 /// What a pull request's body shows besides the plan and its changes.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ReportContext<'a> {
@@ -525,9 +540,9 @@ pub fn report_with(plan: &Plan, summary: &ChangeSummary, ctx: &ReportContext<'_>
     for s in &summary.services {
         let _ = writeln!(out, "### {}\n", md(&s.service));
         out.push_str(
-            "| bucket | current | proposed | change % | observed peak | policy | confidence |\n",
+            "| bucket | current | proposed | change % | observed peak | policy | confidence | why |\n",
         );
-        out.push_str("|---|---:|---:|---:|---:|---|---|\n");
+        out.push_str("|---|---:|---:|---:|---:|---|---|---|\n");
         for c in &s.changes {
             let pb = find(&s.service, &c.bucket);
             let current = c
@@ -550,13 +565,14 @@ pub fn report_with(plan: &Plan, summary: &ChangeSummary, ctx: &ReportContext<'_>
                 let d = details.join("; ").replace('|', "\\|");
                 pct = format!("{pct}; {d}");
             }
-            let (peak, policy, conf) = match pb {
+            let (peak, policy, conf, why) = match pb {
                 Some(pb) => (
                     evidence_str(&pb.evidence, "peak_rps"),
                     md(&pb.bucket.policy.to_string()),
                     evidence_str(&pb.evidence, "confidence"),
+                    why_cell(&pb.evidence),
                 ),
-                None => ("-".into(), "-".into(), "-".into()),
+                None => ("-".into(), "-".into(), "-".into(), "-".into()),
             };
             let mode = match c.new_mode {
                 Some(Mode::Shadow) => " (shadow)",
@@ -564,7 +580,7 @@ pub fn report_with(plan: &Plan, summary: &ChangeSummary, ctx: &ReportContext<'_>
             };
             let _ = writeln!(
                 out,
-                "| {}{mode} | {current} | {proposed} | {pct} | {peak} | {policy} | {conf} |",
+                "| {}{mode} | {current} | {proposed} | {pct} | {peak} | {policy} | {conf} | {why} |",
                 md(&c.bucket)
             );
         }
@@ -738,23 +754,33 @@ mod tests {
                 service: "pay".into(),
                 bucket: b.clone(),
                 current_limit_rps: Some(10.0),
-                evidence: serde_json::json!({"peak_rps": 8.0, "confidence": "high"}),
+                evidence: serde_json::json!({"peak_rps": 8.0, "confidence": "high",
+                    "explain": "forecast bound 9.1 rps at 2026-12-03T15:00:00+00:00 (horizon 7d) × 1.25; dip 2026-11-25..2026-11-30 at 0.50× discounted (5.0d < new normal 10d)"}),
                 held: None,
             });
         }
         let body = report(&plan, &s);
+        // The one-line why, in its own cell (`<` escaped like every free text).
+        assert!(
+            body.contains("| 8 | peak | high | forecast bound 9.1 rps at 2026-12-03T15:00:00+00:00 (horizon 7d) × 1.25; dip 2026-11-25..2026-11-30 at 0.50× discounted (5.0d &#60; new normal 10d) |"),
+            "{body}"
+        );
         assert!(
             body.contains(
-                "| a | 10 | 10 | +0.0%; mode shadow -> enforce; scope region -> global | 8 | peak | high |"
+                "| a | 10 | 10 | +0.0%; mode shadow -> enforce; scope region -> global | 8 | peak | high | forecast"
             ),
             "{body}"
         );
         assert!(
-            body.contains("| b | 10 | 20 | +100.0%; mode shadow -> enforce | 8 | peak | high |"),
+            body.contains(
+                "| b | 10 | 20 | +100.0%; mode shadow -> enforce | 8 | peak | high | forecast"
+            ),
             "{body}"
         );
         assert!(
-            body.contains("| d | 10 | 10 | +0.0%; scope global -> region | 8 | peak | high |"),
+            body.contains(
+                "| d | 10 | 10 | +0.0%; scope global -> region | 8 | peak | high | forecast"
+            ),
             "{body}"
         );
         // Plain limit changes read as before.
@@ -872,7 +898,7 @@ mod tests {
             assert!(!body.contains(bad), "{bad} in {body}");
         }
         let row = body.lines().find(|l| l.contains("evil")).unwrap();
-        assert_eq!(row.matches('|').count(), 8, "{row}");
+        assert_eq!(row.matches('|').count(), 9, "{row}");
         assert!(
             row.starts_with("| x&#93;&#40;http&#58;&#47;&#47;evil.example&#41;&#60;img"),
             "{row}"

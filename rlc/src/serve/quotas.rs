@@ -319,6 +319,10 @@ pub struct Details {
     pub capped_from_rps: Option<f64>,
     /// The limit the policy proposed (before the rails).
     pub proposed_rps: Option<f64>,
+    /// What set the limit and what was discounted, in one line (the preview table's WHY).
+    pub explain: Option<String>,
+    /// Forecast: what set the bound (`forecast`, `grown_peak` or `recent_peak`).
+    pub set_by: Option<String>,
 }
 
 /// One bucket: the preview JSON's bucket (every field of `rlc preview --format json`), plus
@@ -470,6 +474,8 @@ fn details_of(b: &PlannedBucket) -> Details {
         history_days: num("/policy/history_days"),
         capped_from_rps: num("/capped_from"),
         proposed_rps: num("/proposed_rps"),
+        explain: text("/explain"),
+        set_by: text("/policy/set_by/kind"),
     }
 }
 

@@ -606,3 +606,54 @@ fn colliding_bucket_names_are_reported_not_dropped_silently() {
         plan.skipped
     );
 }
+
+/// Every bucket says in one line what set its limit (the preview table's WHY column); an
+/// expected-rate event is split between the matching callers by their peaks.
+#[test]
+fn explain_line_and_expected_rate_event() {
+    let dir = tempfile::tempdir().unwrap();
+    let start = 1_700_000_000 / 86_400 * 86_400;
+    let now = chrono::TimeZone::timestamp_opt(&Utc, start + 28 * 86_400, 0).unwrap();
+    let day = |n: i64| (now + chrono::Duration::days(n)).date_naive();
+    let repo = repo(
+        dir.path(),
+        &[
+            (
+                "rlc/policies.yaml",
+                "default:\n  policy: peak\n  headroom: 0.25\nservices:\n  shop: {}\n  mail: {}\n",
+            ),
+            (
+                "rlc/capacity.yaml",
+                &format!("capacity: []\nevents:\n  - name: launch\n    service: shop\n    from: {}\n    until: {}\n    rps: 600\n", day(1), day(2)),
+            ),
+        ],
+    );
+    let h = history(vec![
+        ("shop", "web", "", flat(28, 100.0)),
+        ("shop", "app", "", flat(28, 50.0)),
+        ("mail", "cron", "", flat(28, 40.0)),
+    ]);
+    let plan = compute_plan(&daemon(CFG), &repo, &h, now);
+    let get = |s: &str, c: &str| {
+        plan.buckets
+            .iter()
+            .find(|b| b.service == s && b.bucket.name == c)
+            .unwrap()
+    };
+    // 600 rps split 2:1 by peak, × 1.25: web 500, app 250 (without the event: 125, 62.5).
+    let web = get("shop", "web");
+    assert_eq!(web.bucket.limit_rps, 500.0, "{}", web.evidence);
+    assert_eq!(get("shop", "app").bucket.limit_rps, 250.0);
+    assert_eq!(web.evidence["policy"]["event"]["without_event_rps"], 125.0);
+    let why = web.evidence["explain"].as_str().unwrap();
+    assert!(
+        why.starts_with("max 100.0 rps at ") && why.contains("event launch"),
+        "{why}"
+    );
+    let mail = get("mail", "cron");
+    assert_eq!(mail.bucket.limit_rps, 50.0);
+    assert!(mail.evidence["policy"].get("event").is_none());
+    let table = rlc::preview::table(&plan);
+    assert!(table.lines().next().unwrap().ends_with("WHY"), "{table}");
+    assert!(table.contains("event launch"), "{table}");
+}

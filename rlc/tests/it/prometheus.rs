@@ -128,6 +128,30 @@ fn specs() -> Vec<Spec> {
         ),
         s("geo", "web", "lookup", p(100.0), Twist::default()),
         s("geo", "app", "lookup", p(100.0), Twist::default()),
+        // A holiday: half the traffic for the last 5 days.
+        s(
+            "holiday",
+            "web",
+            "browse",
+            p(100.0),
+            Twist {
+                storm: Some((-5 * DAY, 0, 0.5)),
+                ..Default::default()
+            },
+        ),
+        // A retry storm: 6× for 20 minutes 12 days ago.
+        s(
+            "retry",
+            "web",
+            "browse",
+            p(100.0),
+            Twist {
+                storm: Some((-12 * DAY, -12 * DAY + 1200, 6.0)),
+                ..Default::default()
+            },
+        ),
+        // A sale planned in rlc/capacity.yaml (× 3 from tomorrow).
+        s("sale", "web", "checkout", p(100.0), Twist::default()),
     ]
 }
 
@@ -188,7 +212,7 @@ fn backfill(path: &std::path::Path, end: i64) -> Prometheus {
     Prometheus::start(&file).expect("start Prometheus")
 }
 
-const POLICIES: &str = "default:\n  policy: peak\n  headroom: 0.25\nservices:\n  shop: {}\n  reports:\n    percentile: 99.9\n  mail:\n    policy: forecast\n  maps:\n    policy: forecast\n  geo: {}\n";
+const POLICIES: &str = "default:\n  policy: peak\n  headroom: 0.25\nservices:\n  shop: {}\n  reports:\n    percentile: 99.9\n  mail:\n    policy: forecast\n  maps:\n    policy: forecast\n  geo: {}\n  holiday:\n    policy: forecast\n  retry:\n    policy: forecast\n  sale: {}\n";
 const SHOP: &str = "service: shop
 buckets:
   - name: web.browse
@@ -220,6 +244,11 @@ const CONTRACTS: &str = "contracts:
     reference: MSA-OLD
 ";
 const CAPACITY: &str = "capacity:\n  - service: geo\n    procedure: lookup\n    rps: 200\n";
+
+/// The capacity file with a sale on the service `sale` from `from` to `until` (× 3).
+fn capacity_with_sale(from: chrono::NaiveDate, until: chrono::NaiveDate) -> String {
+    format!("{CAPACITY}events:\n  - name: winter sale\n    service: sale\n    caller: web\n    from: {from}\n    until: {until}\n    factor: 3\n")
+}
 
 fn config(url: &str, query: &str) -> schema::DaemonConfig {
     daemon(&format!(
@@ -261,13 +290,18 @@ fn four_weeks_from_real_prometheus() {
     let end = now / 60 * 60 - 60;
     let dir = tempfile::tempdir().unwrap();
     let prom = backfill(&dir.path().join("history.om"), end);
+    let today = Utc.timestamp_opt(now, 0).unwrap().date_naive();
+    let sale = capacity_with_sale(
+        today + chrono::Duration::days(2),
+        today + chrono::Duration::days(3),
+    );
     let repo = repo(
         &dir.path().join("repo"),
         &[
             ("rlc/policies.yaml", POLICIES),
             ("buckets/shop.yaml", SHOP),
             ("rlc/contracts.yaml", CONTRACTS),
-            ("rlc/capacity.yaml", CAPACITY),
+            ("rlc/capacity.yaml", &sale),
         ],
     );
     let cfg = config(&prom.url, QUERY);
@@ -418,6 +452,65 @@ fn four_weeks_from_real_prometheus() {
         assert_eq!(g.evidence["policy"]["capped_by"], "planned capacity share");
     }
 
+    // A holiday at half traffic for the last 5 days: the forecast does not follow it down;
+    // the limit stays at the recurring weekday peak (150 × 1.25) and the evidence names the
+    // dip with its dates.
+    let holiday = get(&plan, "holiday", "web.browse");
+    assert_eq!(holiday.bucket.policy.to_string(), "forecast");
+    within(holiday, 180.0, 200.0);
+    let dip = &holiday.evidence["policy"]["level_change"];
+    assert_eq!(dip["kind"], "dip", "{}", holiday.evidence);
+    assert_eq!(dip["discounted"], true);
+    let why = holiday.evidence["explain"].as_str().unwrap();
+    assert!(why.contains("dip ") && why.contains("discounted"), "{why}");
+
+    // A 6× retry storm 12 days ago: not in the limit (150 × 1.25, not 900 × 1.25), and named.
+    let retry = get(&plan, "retry", "web.browse");
+    within(retry, 180.0, 200.0);
+    assert!(
+        retry.evidence["peak_rps"].as_f64().unwrap() > 250.0,
+        "the storm is the observed peak"
+    );
+    let spike = &retry.evidence["policy"]["spikes"][0];
+    assert_eq!(spike["discounted"], true, "{}", retry.evidence);
+    let at = chrono::DateTime::parse_from_rfc3339(spike["from"].as_str().unwrap()).unwrap();
+    assert!(
+        (end - 12 * DAY - 3600..end - 12 * DAY + 1200).contains(&at.timestamp()),
+        "spike at {at}"
+    );
+    assert!(retry.evidence["explain"]
+        .as_str()
+        .unwrap()
+        .contains("spike"));
+
+    // A sale (× 3) the day after tomorrow is within the 7-day horizon: 187.5 × 3; the same
+    // sale over, or beyond the horizon, leaves the quota at 187.5.
+    let sale = get(&plan, "sale", "web.checkout");
+    within(sale, 540.0, 585.0);
+    assert_eq!(sale.evidence["policy"]["event"]["name"], "winter sale");
+    assert!(sale.evidence["explain"]
+        .as_str()
+        .unwrap()
+        .contains("event winter sale"));
+    for (from, until) in [(-10, -2), (9, 10)] {
+        let d = |n: i64| today + chrono::Duration::days(n);
+        let other = crate::support::repo(
+            &dir.path().join(format!("repo{from}")),
+            &[
+                ("rlc/policies.yaml", POLICIES),
+                ("rlc/capacity.yaml", &capacity_with_sale(d(from), d(until))),
+            ],
+        );
+        let p = compute_plan(&cfg, &other, &h, now_dt);
+        let b = get(&p, "sale", "web.checkout");
+        within(b, 180.0, 195.0);
+        assert!(
+            b.evidence["policy"].get("event").is_none(),
+            "{}",
+            b.evidence
+        );
+    }
+
     // Server-side reduction: 672 hourly points per series keep the per-minute peaks.
     let mut coarse = cfg.clone();
     coarse.history.prometheus.as_mut().unwrap().downsample = Some("1h".parse().unwrap());
@@ -488,7 +581,7 @@ fn four_weeks_from_real_prometheus() {
     );
     assert_eq!(
         plan.skipped.len(),
-        5,
+        8,
         "every known service listed: {:?}",
         plan.skipped
     );
