@@ -82,10 +82,7 @@ async fn daemon_runs_on_request_and_on_input_change_and_shuts_down() {
     let (stop_tx, stop_rx) = watch::channel(false);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    let opts = ServeOptions {
-        poll: Duration::from_millis(100),
-        tls: None,
-    };
+    let opts = ServeOptions::new(Duration::from_millis(100));
     let daemon = {
         let state = state.clone();
         let base = base.clone();
@@ -330,10 +327,7 @@ async fn run_ids_follow_a_run_from_queued_to_finished() {
     let (stop_tx, stop_rx) = watch::channel(false);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    let opts = ServeOptions {
-        poll: Duration::from_secs(3600),
-        tls: None,
-    };
+    let opts = ServeOptions::new(Duration::from_secs(3600));
     let daemon = {
         let state = state.clone();
         tokio::spawn(async move {
