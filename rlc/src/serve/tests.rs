@@ -454,6 +454,14 @@ async fn read_and_write_tokens_over_http() {
     for open in ["/healthz", "/metrics", "/openapi.json"] {
         assert_eq!(get(open, None).await.unwrap().status(), 200, "{open}");
     }
+    // Readiness is open too (probes carry no token); without a store it is not ready.
+    let r = get("/readyz", None).await.unwrap();
+    assert_eq!(r.status(), 503);
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(
+        v["reason"], "config: not loaded yet; store: not connected yet",
+        "{v}"
+    );
     let r = get("/v1/runs/last", None).await.unwrap();
     assert_eq!(r.status(), 401);
     assert_eq!(r.headers()["www-authenticate"], r#"Bearer realm="rlc""#);
@@ -619,6 +627,7 @@ fn committed_openapi_document_is_current() {
     for (path, method) in [
         ("/", "get"),
         ("/healthz", "get"),
+        ("/readyz", "get"),
         ("/metrics", "get"),
         ("/openapi.json", "get"),
         ("/v1/shadow", "get"),
