@@ -155,14 +155,8 @@ fn test(extra: &[String]) -> Result<u8> {
     for why in &totals.skipped {
         println!("xtask: skipped on this machine: {why}");
     }
-    // The leak check counts as one more test; a test that skipped itself is not a pass.
-    let skipped = totals.skipped.len() as u64;
-    println!(
-        "xtask: {} passed, {} failed, {} skipped",
-        totals.passed.saturating_sub(skipped),
-        totals.failed + u64::from(!left.is_empty()),
-        totals.ignored + skipped
-    );
+    let (passed, failed, skipped) = totals.summary(!left.is_empty());
+    println!("xtask: {passed} passed, {failed} failed, {skipped} skipped");
     Ok(
         if status.success() && totals.passed > 0 && left.is_empty() {
             0
@@ -259,6 +253,17 @@ struct Totals {
 }
 
 impl Totals {
+    /// (passed, failed, skipped): the leak check counts as one more test (failed when
+    /// `leaked`); a test that skipped itself is skipped, not passed.
+    fn summary(&self, leaked: bool) -> (u64, u64, u64) {
+        let skipped = self.skipped.len() as u64;
+        (
+            self.passed.saturating_sub(skipped),
+            self.failed + u64::from(leaked),
+            self.ignored + skipped,
+        )
+    }
+
     fn add(&mut self, line: &str) {
         // The marker of test_support::skip (kept in step with test_support::SKIP_MARKER).
         if let Some(why) = line.trim_start().strip_prefix("xtask-skip: ") {
@@ -385,6 +390,17 @@ fn postgres_bin_dir() -> Result<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_test_that_skips_itself_counts_as_skipped_not_passed() {
+        let mut t = Totals::default();
+        t.add("running 4 tests");
+        t.add("  xtask-skip: deploy::artefacts::container_image_starts_under_podman: podman cannot start containers here");
+        t.add("test result: ok. 3 passed; 0 failed; 1 ignored; 0 measured; 2 filtered out");
+        assert_eq!(t.summary(false), (2, 0, 2));
+        assert_eq!(t.summary(true), (2, 1, 2));
+        assert!(t.skipped[0].contains("podman cannot start containers here"));
+    }
 
     #[test]
     fn a_process_of_the_run_left_running_is_found_and_named() {
