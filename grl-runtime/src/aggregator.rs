@@ -305,6 +305,8 @@ impl Aggregator {
             .route("/v1/report", post(report))
             .route("/v1/config", get(config))
             .route("/metrics", get(serve_metrics))
+            .route("/healthz", get(crate::http_util::healthz))
+            .route("/readyz", get(readyz))
             .with_state(shared.clone());
         let (stop, server) = crate::http_util::spawn_server(listener, router, tls, "aggregator");
         let (finish, finished) = oneshot::channel::<()>();
@@ -444,6 +446,35 @@ async fn report(
             directives,
         }),
     ))
+}
+
+/// `GET /readyz`: a controller answered a forward within 3 ticks (at least 2 s): the
+/// directives and config served to clients are current. 503 with the reason otherwise (no
+/// controller answered yet, or the last answer is too old: clients are better served by
+/// another aggregator, or fail open).
+async fn readyz(State(s): State<Arc<Shared>>) -> crate::http_util::Readiness {
+    let (at, version) = {
+        let st = s.state.lock().expect("aggregator lock");
+        (st.directives_at, st.config.version.clone())
+    };
+    let bound = (s.opts.tick * 3).max(Duration::from_secs(2));
+    let controller = match at {
+        None => Err("no controller has answered yet".to_string()),
+        Some(t) if t.elapsed() <= bound => {
+            Ok(format!("answered {} ms ago", t.elapsed().as_millis()))
+        }
+        Some(t) => Err(format!(
+            "last answer {} ms ago (more than {} ms)",
+            t.elapsed().as_millis(),
+            bound.as_millis()
+        )),
+    };
+    let config = Ok(if version.is_empty() {
+        "no config version yet".to_string()
+    } else {
+        format!("config version {version}")
+    });
+    crate::http_util::Readiness::from_checks([("config", config), ("controller", controller)])
 }
 
 /// `GET /metrics`: reports accepted and refused, clients, forward latency and failures.

@@ -127,6 +127,8 @@ struct Shared {
     state_dir: PathBuf,
     started: std::time::Instant,
     tick: Duration,
+    /// [`Shared::now_ms`] at the end of the last tick (`u64::MAX`: none yet), for `/readyz`.
+    last_tick_ms: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
@@ -259,6 +261,8 @@ fn app(shared: Arc<Shared>) -> Router {
         .route("/v1/overrides", get(list_overrides).post(add_override))
         .route("/v1/overrides/{id}", delete(remove_override))
         .route("/metrics", get(metrics))
+        .route("/healthz", get(crate::http_util::healthz))
+        .route("/readyz", get(readyz))
         .with_state(shared)
 }
 
@@ -362,6 +366,7 @@ impl Controller {
             state_dir: opts.state_dir.clone(),
             started: std::time::Instant::now(),
             tick: opts.tick,
+            last_tick_ms: std::sync::atomic::AtomicU64::new(u64::MAX),
         });
         // TLS files and the peer client are checked before binding: a controller does not
         // start on files that do not load.
@@ -464,6 +469,9 @@ async fn tick_loop(
                 tracing::error!(error = %e, "cannot persist overrides after expiry");
             }
         }
+        shared
+            .last_tick_ms
+            .store(shared.now_ms(), std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -500,6 +508,46 @@ async fn put_config(
     Ok(Json(
         serde_json::json!({"version": version, "changed": true}),
     ))
+}
+
+/// `GET /readyz`: the persisted state loaded and its directory present, the control loop
+/// ticking (a tick within 3 periods, at least 2 s); 503 with the reason otherwise. A
+/// controller without a pushed config is ready (rlc pushes to it).
+async fn readyz(State(s): State<Arc<Shared>>) -> crate::http_util::Readiness {
+    let version = s
+        .engine
+        .lock()
+        .expect("engine lock")
+        .base_config()
+        .version
+        .clone();
+    let state_dir = if s.state_dir.is_dir() {
+        Ok(s.state_dir.display().to_string())
+    } else {
+        Err(format!("{} is not a directory", s.state_dir.display()))
+    };
+    let last = s.last_tick_ms.load(std::sync::atomic::Ordering::Relaxed);
+    let bound = (s.tick * 3).max(Duration::from_secs(2)).as_millis() as u64;
+    let ticking = if last == u64::MAX {
+        Err("no tick yet".to_string())
+    } else {
+        let age = s.now_ms().saturating_sub(last);
+        if age <= bound {
+            Ok(format!("last tick {age} ms ago"))
+        } else {
+            Err(format!("last tick {age} ms ago (more than {bound} ms)"))
+        }
+    };
+    let config = Ok(if version.is_empty() {
+        "no config pushed yet".to_string()
+    } else {
+        format!("config version {version}")
+    });
+    crate::http_util::Readiness::from_checks([
+        ("config", config),
+        ("state_dir", state_dir),
+        ("ticking", ticking),
+    ])
 }
 
 async fn status(State(s): State<Arc<Shared>>) -> Json<serde_json::Value> {

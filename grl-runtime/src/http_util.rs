@@ -211,3 +211,66 @@ pub(crate) fn spawn_server(
     });
     (stop, server)
 }
+
+/// `GET /healthz` of every daemon (liveness): the process answers.
+pub async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+/// One check of a readiness answer.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
+pub struct ReadinessCheck {
+    /// Whether this check passes.
+    pub ok: bool,
+    /// What was found (`leader`, `config version abc…`, the error).
+    pub detail: String,
+}
+
+/// The answer of `GET /readyz` (readiness) of every daemon: 200 when every check passes, 503
+/// otherwise, with `reason` naming the failed checks.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
+pub struct Readiness {
+    /// Whether every check passes.
+    pub ready: bool,
+    /// The failed checks and why (`store: connection refused`); absent when ready.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Every check by name.
+    pub checks: std::collections::BTreeMap<String, ReadinessCheck>,
+}
+
+impl Readiness {
+    /// From `(name, Ok(detail) | Err(detail))` checks.
+    pub fn from_checks<'a>(
+        checks: impl IntoIterator<Item = (&'a str, Result<String, String>)>,
+    ) -> Readiness {
+        let mut map = std::collections::BTreeMap::new();
+        let mut failed = Vec::new();
+        for (name, r) in checks {
+            let (ok, detail) = match r {
+                Ok(d) => (true, d),
+                Err(d) => {
+                    failed.push(format!("{name}: {d}"));
+                    (false, d)
+                }
+            };
+            map.insert(name.to_string(), ReadinessCheck { ok, detail });
+        }
+        Readiness {
+            ready: failed.is_empty(),
+            reason: (!failed.is_empty()).then(|| failed.join("; ")),
+            checks: map,
+        }
+    }
+}
+
+impl IntoResponse for Readiness {
+    fn into_response(self) -> Response {
+        let status = if self.ready {
+            StatusCode::OK
+        } else {
+            StatusCode::SERVICE_UNAVAILABLE
+        };
+        (status, Json(self)).into_response()
+    }
+}

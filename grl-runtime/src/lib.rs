@@ -14,6 +14,7 @@ pub mod controller;
 pub mod engine;
 pub mod http_util;
 pub mod layer;
+pub mod logging;
 pub mod metrics;
 pub mod overrides;
 pub mod proto;

@@ -21,6 +21,10 @@ use schema::HumanDuration;
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
+    /// Log lines on stderr as text or one JSON object per line (level: RUST_LOG, default
+    /// info; colours only on a terminal).
+    #[arg(long, global = true, value_enum, default_value = "text")]
+    log_format: grl_runtime::logging::LogFormat,
 }
 
 #[derive(Subcommand)]
@@ -293,19 +297,11 @@ enum OverrideCmd {
     },
 }
 
-fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    init_tracing();
-    match Cli::parse().cmd {
+    let cli = Cli::parse();
+    grl_runtime::logging::init(cli.log_format, "info");
+    match cli.cmd {
         Cmd::Controller {
             listen,
             state_dir,

@@ -803,7 +803,7 @@ impl Cycle {
         }
         out.finish();
         self.record(&mut out, plan).await;
-        tracing::info!(trigger, status = out.status.as_str(), commit = ?out.commit, version = ?out.version_pushed, "run finished");
+        tracing::info!(trigger, run_uid, status = out.status.as_str(), commit = ?out.commit, version = ?out.version_pushed, "run finished");
         out
     }
 

@@ -15,6 +15,10 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Log lines on stderr as text or one JSON object per line (level: RUST_LOG; default
+    /// info for `rlc serve`, warn otherwise; colours only on a terminal).
+    #[arg(long, global = true, value_enum, default_value = "text")]
+    log_format: grl_runtime::logging::LogFormat,
 }
 
 #[derive(Subcommand)]
@@ -64,13 +68,6 @@ fn main() -> ExitCode {
         std::process::exit(policies::host::main(args));
     }
     policies::isolated::host_is_current_exe();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
@@ -84,6 +81,14 @@ fn main() -> ExitCode {
             });
         }
     };
+    // The daemon logs what it does at info; one-shot commands only warnings (their output
+    // is the report).
+    let level = if matches!(cli.command, Command::Serve(_)) {
+        "info"
+    } else {
+        "warn"
+    };
+    grl_runtime::logging::init(cli.log_format, level);
     let result = match cli.command {
         Command::Validate { dir, format } => rlc::validate_cmd::run(&dir, &format),
         Command::Schema => {

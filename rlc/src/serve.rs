@@ -66,6 +66,11 @@ pub struct ServeArgs {
     /// Mutual TLS: require client certificates signed by this CA (PEM).
     #[arg(long)]
     pub tls_client_ca: Option<PathBuf>,
+    /// On SIGTERM or SIGINT: how long a running cycle and in-flight requests may take to
+    /// finish; a run still going then is abandoned (nothing half-written: see
+    /// docs/rlc-api.md, "Shutdown").
+    #[arg(long, default_value_t = 20_000)]
+    pub shutdown_grace_ms: u64,
 }
 
 pub use schema::parse_schedule;
@@ -344,6 +349,37 @@ async fn healthz() -> &'static str {
     "ok\n"
 }
 
+/// How long `/readyz` waits for the store to answer.
+const READY_STORE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// `GET /readyz`: rlc.yaml loaded and the daemon started, the store answering, and this
+/// replica's role (leader or standby: both are ready, a standby serves every read).
+async fn readyz(State(s): State<AppState>) -> Response {
+    let config = match s.inner.quotas.get() {
+        Some(_) => Ok("loaded".to_string()),
+        None => Err("not loaded yet".to_string()),
+    };
+    let store = match s.store() {
+        None => Err("not connected yet".to_string()),
+        Some(st) => match tokio::time::timeout(READY_STORE_TIMEOUT, st.ping()).await {
+            Ok(Ok(())) => Ok(st.backend().to_string()),
+            Ok(Err(e)) => Err(format!("{} unreachable: {e}", st.backend())),
+            Err(_) => Err(format!(
+                "{} did not answer within {} ms",
+                st.backend(),
+                READY_STORE_TIMEOUT.as_millis()
+            )),
+        },
+    };
+    let role = Ok(if s.is_leader() { "leader" } else { "standby" }.to_string());
+    grl_runtime::http_util::Readiness::from_checks([
+        ("config", config),
+        ("role", role),
+        ("store", store),
+    ])
+    .into_response()
+}
+
 async fn metrics(State(s): State<AppState>) -> Response {
     grl_runtime::metrics::response(&s.inner.registry).into_response()
 }
@@ -363,6 +399,40 @@ pub struct ServeOptions {
     pub poll: Duration,
     /// Serve HTTPS with these files (reloaded when they change); None = plain HTTP.
     pub tls: Option<grl_runtime::tls::ServerTls>,
+    /// After shutdown: how long a running cycle, the store backlog and in-flight requests
+    /// may take before they are abandoned.
+    pub grace: Duration,
+}
+
+impl ServeOptions {
+    /// Polls every `poll`, plain HTTP, [`DEFAULT_GRACE`].
+    pub fn new(poll: Duration) -> ServeOptions {
+        ServeOptions {
+            poll,
+            tls: None,
+            grace: DEFAULT_GRACE,
+        }
+    }
+}
+
+/// The default of `--shutdown-grace-ms`.
+pub const DEFAULT_GRACE: Duration = Duration::from_secs(20);
+
+/// Runs `work`; once `shutdown` turns true, lets it go on for at most `grace` more, then
+/// drops it (abandoned at its next await point). Returns its output when it finished.
+async fn within_grace<F: std::future::Future>(
+    work: F,
+    shutdown: watch::Receiver<bool>,
+    grace: Duration,
+) -> Option<F::Output> {
+    tokio::pin!(work);
+    tokio::select! {
+        out = &mut work => Some(out),
+        _ = async {
+            stopped(shutdown).await;
+            tokio::time::sleep(grace).await
+        } => None,
+    }
 }
 
 /// Resolves when `shutdown` turns true (or its sender is gone).
@@ -422,8 +492,25 @@ pub async fn serve_on(
         state.set_previews(q.previews(state.downgrade()));
     }
     let cycle = Arc::new(cycle);
-    let http =
-        grl_runtime::tls::serve(listener, app(state.clone()), tls, stopped(shutdown.clone()));
+    let grace = opts.grace;
+    let (http_state, http_shutdown) = (state.clone(), shutdown.clone());
+    let http = async move {
+        let serve = grl_runtime::tls::serve(
+            listener,
+            app(http_state),
+            tls,
+            stopped(http_shutdown.clone()),
+        );
+        within_grace(serve, http_shutdown, grace)
+            .await
+            .unwrap_or_else(|| {
+                tracing::warn!(
+                    grace_ms = grace.as_millis() as u64,
+                    "requests still in flight after the shutdown grace: connections cut"
+                );
+                Ok(())
+            })
+    };
     let sched = scheduler(cycle, planner, schedule, opts, state, triggers, shutdown);
     let (h, ()) = tokio::join!(http, sched);
     h?;
@@ -560,6 +647,7 @@ async fn scheduler(
     let mut lease: Option<Lease> = None;
     let mut next_cron = schedule.as_ref().and_then(|s| s.upcoming(Utc).next());
     let mut stop = false;
+    let mut abandoned = false;
     loop {
         if stop || *shutdown.borrow() {
             break;
@@ -595,8 +683,13 @@ async fn scheduler(
             }
         }
         let leader = lp.state.is_leader();
-        if leader {
-            lp.tick().await;
+        if leader
+            && within_grace(lp.tick(), shutdown.clone(), opts.grace)
+                .await
+                .is_none()
+        {
+            abandoned = true;
+            break;
         }
         let now = tokio::time::Instant::now();
         let poll_at = now + opts.poll;
@@ -612,7 +705,14 @@ async fn scheduler(
                     break;
                 }
                 t = triggers.recv() => match t {
-                    Some(t) if leader => lp.run_request(&t).await,
+                    Some(t) if leader => {
+                        if within_grace(lp.run_request(&t), shutdown.clone(), opts.grace).await.is_none() {
+                            tracing::warn!(run_uid = %t.run_uid, "shutdown: the run was abandoned after the grace");
+                            abandoned = true;
+                            stop = true;
+                            break;
+                        }
+                    }
                     Some(t) => lp.state.inner.book.lock().unwrap().dropped(&t),
                     None => {
                         stop = true;
@@ -620,7 +720,12 @@ async fn scheduler(
                     }
                 },
                 _ = tokio::time::sleep_until(cron_at.unwrap_or(poll_at)), if cron_first => {
-                    lp.run("schedule").await;
+                    if within_grace(lp.run("schedule"), shutdown.clone(), opts.grace).await.is_none() {
+                        tracing::warn!("shutdown: the scheduled run was abandoned after the grace");
+                        abandoned = true;
+                        stop = true;
+                        break;
+                    }
                     next_cron = schedule.as_ref().and_then(|s| s.after(&Utc::now()).next());
                     break;
                 }
@@ -631,10 +736,35 @@ async fn scheduler(
             next_cron = schedule.as_ref().and_then(|s| s.after(&Utc::now()).next());
         }
     }
-    if let Some(l) = lease {
-        l.release().await;
+    // Run records the store has not taken yet: one last try, bounded.
+    let flush = tokio::time::timeout(opts.grace, lp.cycle.flush_pending()).await;
+    let left = lp.cycle.pending_records().await;
+    if flush.is_err() || left > 0 {
+        tracing::warn!(
+            pending_records = left,
+            "shutdown: run records not stored (the store is down or slow)"
+        );
     }
-    tracing::info!("scheduler stopped");
+    if let Some(l) = lease {
+        let _ = tokio::time::timeout(opts.grace, l.release()).await;
+    }
+    tracing::info!(abandoned, "scheduler stopped");
+}
+
+/// `url` without the password of its user part (`postgres://rlc:***@db/rlc`), for logs.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    match rest[..end].rfind('@') {
+        Some(at) => {
+            let user = rest[..at].split(':').next().unwrap_or("");
+            let hidden = if rest[..at].contains(':') { ":***" } else { "" };
+            format!("{scheme}://{user}{hidden}{}", &rest[at..])
+        }
+        None => url.to_string(),
+    }
 }
 
 /// Ctrl-C or SIGTERM turn the returned receiver true.
@@ -642,7 +772,10 @@ pub fn shutdown_signal() -> watch::Receiver<bool> {
     let (tx, rx) = watch::channel(false);
     tokio::spawn(async move {
         let signal = grl_runtime::http_util::shutdown_signal().await;
-        tracing::info!(signal, "shutting down after the current run");
+        tracing::info!(
+            signal,
+            "shutting down: the current run may finish within the grace"
+        );
         let _ = tx.send(true);
     });
     rx
@@ -687,12 +820,33 @@ pub async fn run(args: ServeArgs, planner: Planner) -> anyhow::Result<i32> {
     let listener = tokio::net::TcpListener::bind(&listen)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {listen}: {e}"))?;
-    tracing::info!(listen = %listen, tls = tls.is_some(), "rlc serve listening");
+    tracing::info!(
+        listen = %listen,
+        tls = tls.is_some(),
+        config = %args.config.display(),
+        config_repo = %cfg.config_repo.url.as_deref().map_or_else(
+            || cfg.config_repo.path.clone(),
+            redact_url
+        ),
+        branch = %cfg.config_repo.branch,
+        mode = ?cfg.config_repo.mode,
+        store = %redact_url(&cfg.database_url),
+        schedule = cfg.schedule.as_deref().unwrap_or("none"),
+        controller = cfg.controller.as_ref().map_or("none", |c| c.url.as_str()),
+        history = %cfg.history.prometheus.as_ref().map_or_else(
+            || cfg.history.file.clone().unwrap_or_default(),
+            |p| redact_url(&p.url)
+        ),
+        poll_secs = args.poll_secs.max(1),
+        read_token = tokens.read.is_some(),
+        "rlc serve listening"
+    );
     let (tx, rx) = mpsc::channel(1);
     let state = AppState::with_tokens(tokens, tx);
     let opts = ServeOptions {
         poll: Duration::from_secs(args.poll_secs.max(1)),
         tls,
+        grace: Duration::from_millis(args.shutdown_grace_ms),
     };
     serve_on(
         listener,

@@ -375,6 +375,15 @@ impl Store {
         }
     }
 
+    /// One round trip to the database (`SELECT 1`); a SQLite file deleted or replaced is an
+    /// error here too. For readiness probes.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        on_pool!(self, p => {
+            sqlx::query("SELECT 1").execute(p).await?;
+        });
+        Ok(())
+    }
+
     /// Which backend: `postgres` or `sqlite`.
     pub fn backend(&self) -> &'static str {
         match self {

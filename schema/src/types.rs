@@ -1144,7 +1144,7 @@ pub struct ServerConfig {
     pub token_env: String,
     /// Environment variable holding the read token. When it is set (and the variable is not
     /// empty), the read endpoints (`GET /`, `GET /v1/...`) need `Authorization: Bearer <read
-    /// or write token>`; when absent they are open. `/healthz`, `/metrics` and
+    /// or write token>`; when absent they are open. `/healthz`, `/readyz`, `/metrics` and
     /// `/openapi.json` stay open either way.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub read_token_env: Option<String>,

@@ -28,6 +28,11 @@ const PACKAGES: &[(&str, &str)] = &[
     // schemathesis (PyPI) runs in a venv of Debian's Python (test_support::schemathesis).
     ("python3", "/usr/bin/python3"),
     ("python3-venv", "python3-venv"),
+    // builds the container image from scratch (tests/tests/it/deploy.rs) and starts it where
+    // the machine allows containers
+    ("podman", "podman"),
+    // `systemd-analyze verify` checks deploy/systemd/
+    ("systemd", "systemd-analyze"),
 ];
 
 fn main() -> ExitCode {
@@ -147,13 +152,11 @@ fn test(extra: &[String]) -> Result<u8> {
             left.len()
         );
     }
-    // The leak check counts as one more test.
-    println!(
-        "xtask: {} passed, {} failed, {} skipped",
-        totals.passed,
-        totals.failed + u64::from(!left.is_empty()),
-        totals.ignored
-    );
+    for why in &totals.skipped {
+        println!("xtask: skipped on this machine: {why}");
+    }
+    let (passed, failed, skipped) = totals.summary(!left.is_empty());
+    println!("xtask: {passed} passed, {failed} failed, {skipped} skipped");
     Ok(
         if status.success() && totals.passed > 0 && left.is_empty() {
             0
@@ -244,10 +247,29 @@ struct Totals {
     passed: u64,
     failed: u64,
     ignored: u64,
+    /// Tests that passed but declared themselves skipped on this machine
+    /// (`test_support::skip`), with their reasons.
+    skipped: Vec<String>,
 }
 
 impl Totals {
+    /// (passed, failed, skipped): the leak check counts as one more test (failed when
+    /// `leaked`); a test that skipped itself is skipped, not passed.
+    fn summary(&self, leaked: bool) -> (u64, u64, u64) {
+        let skipped = self.skipped.len() as u64;
+        (
+            self.passed.saturating_sub(skipped),
+            self.failed + u64::from(leaked),
+            self.ignored + skipped,
+        )
+    }
+
     fn add(&mut self, line: &str) {
+        // The marker of test_support::skip (kept in step with test_support::SKIP_MARKER).
+        if let Some(why) = line.trim_start().strip_prefix("xtask-skip: ") {
+            self.skipped.push(why.to_string());
+            return;
+        }
         let Some(rest) = line.strip_prefix("test result: ") else {
             return;
         };
@@ -368,6 +390,17 @@ fn postgres_bin_dir() -> Result<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_test_that_skips_itself_counts_as_skipped_not_passed() {
+        let mut t = Totals::default();
+        t.add("running 4 tests");
+        t.add("  xtask-skip: deploy::artefacts::container_image_starts_under_podman: podman cannot start containers here");
+        t.add("test result: ok. 3 passed; 0 failed; 1 ignored; 0 measured; 2 filtered out");
+        assert_eq!(t.summary(false), (2, 0, 2));
+        assert_eq!(t.summary(true), (2, 1, 2));
+        assert!(t.skipped[0].contains("podman cannot start containers here"));
+    }
 
     #[test]
     fn a_process_of_the_run_left_running_is_found_and_named() {

@@ -14,6 +14,7 @@ use test_support::process::{free_port, Proc};
 
 mod config_dir_faults;
 mod metrics;
+mod ops;
 mod trust;
 mod wire_props;
 

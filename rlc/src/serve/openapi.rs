@@ -94,6 +94,7 @@ pub fn routes(state: &AppState) -> ApiRouter<AppState> {
     // Open: probes, Prometheus, the document itself.
     let open = ApiRouter::new()
         .api_route("/healthz", get_with(super::healthz, healthz_docs))
+        .api_route("/readyz", get_with(super::readyz, readyz_docs))
         .api_route("/metrics", get_with(super::metrics, metrics_docs))
         .api_route("/openapi.json", get_with(serve_document, document_docs));
     read.merge(write).merge(open)
@@ -629,6 +630,21 @@ fn trigger_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
 fn healthz_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
     op.summary("Liveness")
         .response_with::<200, String, _>(|r| r.description("`ok`: the process answers."))
+}
+
+fn readyz_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
+    op.summary("Readiness")
+        .description(
+            "Ready when rlc.yaml is loaded and the daemon started, and the store answers \
+             (within 2 s); `role` says whether this replica is the active scheduler \
+             (`leader`) or a `standby` (both serve every read). Every check is in `checks`.",
+        )
+        .response_with::<200, Json<grl_runtime::http_util::Readiness>, _>(|r| {
+            r.description("Ready.")
+        })
+        .response_with::<503, Json<grl_runtime::http_util::Readiness>, _>(|r| {
+            r.description("Not ready: `reason` names the failed checks.")
+        })
 }
 
 fn metrics_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {

@@ -82,10 +82,7 @@ async fn daemon_runs_on_request_and_on_input_change_and_shuts_down() {
     let (stop_tx, stop_rx) = watch::channel(false);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    let opts = ServeOptions {
-        poll: Duration::from_millis(100),
-        tls: None,
-    };
+    let opts = ServeOptions::new(Duration::from_millis(100));
     let daemon = {
         let state = state.clone();
         let base = base.clone();
@@ -330,10 +327,7 @@ async fn run_ids_follow_a_run_from_queued_to_finished() {
     let (stop_tx, stop_rx) = watch::channel(false);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    let opts = ServeOptions {
-        poll: Duration::from_secs(3600),
-        tls: None,
-    };
+    let opts = ServeOptions::new(Duration::from_secs(3600));
     let daemon = {
         let state = state.clone();
         tokio::spawn(async move {
@@ -460,6 +454,14 @@ async fn read_and_write_tokens_over_http() {
     for open in ["/healthz", "/metrics", "/openapi.json"] {
         assert_eq!(get(open, None).await.unwrap().status(), 200, "{open}");
     }
+    // Readiness is open too (probes carry no token); without a store it is not ready.
+    let r = get("/readyz", None).await.unwrap();
+    assert_eq!(r.status(), 503);
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(
+        v["reason"], "config: not loaded yet; store: not connected yet",
+        "{v}"
+    );
     let r = get("/v1/runs/last", None).await.unwrap();
     assert_eq!(r.status(), 401);
     assert_eq!(r.headers()["www-authenticate"], r#"Bearer realm="rlc""#);
@@ -625,6 +627,7 @@ fn committed_openapi_document_is_current() {
     for (path, method) in [
         ("/", "get"),
         ("/healthz", "get"),
+        ("/readyz", "get"),
         ("/metrics", "get"),
         ("/openapi.json", "get"),
         ("/v1/shadow", "get"),

@@ -5,6 +5,7 @@ mod backtest;
 mod cli;
 mod compute;
 mod faults;
+mod ops;
 mod previews;
 mod prometheus;
 mod quotas;

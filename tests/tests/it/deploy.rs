@@ -14,6 +14,8 @@ use test_support::process::{free_port, Proc};
 
 use super::{bin, get_text, post, start_controller, wait_until, Deployment};
 
+mod artefacts;
+
 fn deploy_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy")
 }
