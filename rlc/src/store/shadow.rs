@@ -412,6 +412,13 @@ pub struct Retained {
 }
 
 impl Store {
+    /// Whether independent queries may run at once: on Postgres (a pool of connections), not
+    /// on SQLite (one connection: concurrent queries would only queue, and the queued ones
+    /// could time out waiting for each other).
+    pub fn concurrent(&self) -> bool {
+        matches!(self, Store::Postgres(_))
+    }
+
     /// Stores reports of any mode (duplicates by seq/service/bucket/scope key are ignored) and
     /// adds the new ones to the per-minute roll-ups, in one transaction; returns how many
     /// were new. Batched: multi-row statements on SQLite, arrays with `UNNEST` on Postgres.
@@ -751,7 +758,11 @@ impl Store {
             .bind(start)
             .bind(end)
             .fetch_all(pool);
-            tokio::try_join!(sums, latest, rates)?
+            if self.concurrent() {
+                tokio::try_join!(sums, latest, rates)?
+            } else {
+                (sums.await?, latest.await?, rates.await?)
+            }
         });
         let (minutes, offered, vd, dropped, peak_at, peak) = sums;
         let rates: Vec<f64> = rates.into_iter().map(|r| r.0).collect();
@@ -801,14 +812,17 @@ impl Store {
             Store::Sqlite(..) => "(minute / 1000)",
         };
         let sql = format!(
-            "SELECT s.scope_key, s.step, s.offered_rps, s.virtual_drop_rps, s.drop_rps, s.offered, m.limit_rps \
-             FROM (SELECT scope_key, ({epoch} - $5) / $6 AS step, MAX(offered / reports) AS offered_rps, \
+            // The steps are materialized once, then probe the primary key for the limit of
+            // their newest minute (not a correlated re-grouping per minute row).
+            "WITH s AS MATERIALIZED ( \
+                   SELECT scope_key, ({epoch} - $5) / $6 AS step, MAX(offered / reports) AS offered_rps, \
                           MAX(shadow_dropped / reports) AS virtual_drop_rps, MAX(dropped / reports) AS drop_rps, \
                           SUM(offered) AS offered, MAX(minute) AS last_minute \
                    FROM shadow_minutes \
                    WHERE service = $1 AND bucket = $2 AND minute >= $3 AND minute < $4 AND reports > 0 \
-                   GROUP BY scope_key, ({epoch} - $5) / $6) s \
-             JOIN shadow_minutes m ON m.service = $1 AND m.bucket = $2 AND m.minute = s.last_minute \
+                   GROUP BY scope_key, ({epoch} - $5) / $6) \
+             SELECT s.scope_key, s.step, s.offered_rps, s.virtual_drop_rps, s.drop_rps, s.offered, m.limit_rps \
+             FROM s JOIN shadow_minutes m ON m.service = $1 AND m.bucket = $2 AND m.minute = s.last_minute \
                   AND m.scope_key = s.scope_key \
              ORDER BY s.scope_key, s.step"
         );

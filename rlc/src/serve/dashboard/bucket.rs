@@ -290,12 +290,15 @@ async fn detail(
 ) -> Result<BucketDetail, DashError> {
     let (start, end, step_secs) = bounds(window)?;
     let failed = |e| store_failed("/v1/shadow/{service}/{bucket}", e);
-    // The figures, the chart steps and the history at once (each its own query).
-    let (stats, steps, quota_history) = tokio::try_join!(
-        store.shadow_stats(service, bucket, start, end),
-        store.bucket_steps(service, bucket, start, end, step_secs),
-        store.quota_changes(service, bucket, MAX_CHANGES),
-    )
+    // The figures, the chart steps and the history (at once where the store allows it).
+    let stats = store.shadow_stats(service, bucket, start, end);
+    let steps = store.bucket_steps(service, bucket, start, end, step_secs);
+    let history = store.quota_changes(service, bucket, MAX_CHANGES);
+    let (stats, steps, quota_history) = if store.concurrent() {
+        tokio::try_join!(stats, steps, history)
+    } else {
+        async { Ok((stats.await?, steps.await?, history.await?)) }.await
+    }
     .map_err(failed)?;
     let (series, scopes_cut) = series_from_steps(&steps, start, end, step_secs);
     let now = Utc::now();
