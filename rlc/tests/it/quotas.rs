@@ -667,6 +667,9 @@ fn preview_quota_api_and_run_propose_the_same_promotion() {
     )
     .unwrap();
 
+    // rlc's working copy of the config repo (a run would clone it too).
+    test_support::git::git(d, &["clone", "-q", &remote.url(), "wc"]).unwrap();
+
     // Three days of one report a minute per bucket, up to now.
     rt.block_on(async {
         let store = rlc::store::Store::connect("sqlite://rlc.db", d)
@@ -677,9 +680,9 @@ fn preview_quota_api_and_run_propose_the_same_promotion() {
         let mut batch = Vec::new();
         for m in 0..3 * 1440 {
             let t = now - (3 * 1440 - 1 - m) * 60;
-            for (bucket, offered, limit) in [("web", 200.0, 250.0), ("batch", 600.0, 500.0)] {
+            for (bucket, offered, limit) in [("web", 200.0f64, 250.0f64), ("batch", 600.0, 500.0)] {
                 seq += 1;
-                let over: f64 = (offered - limit).max(0.0);
+                let over = (offered - limit).max(0.0);
                 batch.push(
                     serde_json::from_value::<rlc::push::Report>(serde_json::json!({
                         "seq": seq, "t": t, "service": "pay", "bucket": bucket, "caller": null,
