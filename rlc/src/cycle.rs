@@ -398,29 +398,16 @@ impl Cycle {
         self.shadow = Some(source);
     }
 
-    /// The shadow figures of promotion candidates: from the set source, or from the store
-    /// (a store that is down gives none, and its error: nothing is promoted).
-    async fn shadow_stats(
-        &self,
-        candidates: &[promotion::BucketKey],
-        rules: &std::collections::BTreeMap<String, schema::PromotionRule>,
-        now: DateTime<Utc>,
-    ) -> (
-        std::collections::BTreeMap<promotion::BucketKey, crate::readiness::ShadowStats>,
-        Option<String>,
-    ) {
-        let source = match &self.shadow {
-            Some(s) => s.clone(),
+    /// Where the shadow figures of promotion candidates come from: the set source, or the
+    /// store (a store that is down gives none, and its error: nothing is promoted).
+    async fn shadow_source(&self) -> Result<ShadowSource, String> {
+        match &self.shadow {
+            Some(s) => Ok(s.clone()),
             None => match self.store().await {
-                Ok(store) => Arc::new(move |q: promotion::ShadowQuery| {
-                    let store = store.clone();
-                    Box::pin(async move { promotion::store_stats(&store, &q).await })
-                        as BoxFuture<_>
-                }) as ShadowSource,
-                Err(e) => return (Default::default(), Some(format!("store unavailable: {e}"))),
+                Ok(store) => Ok(promotion::store_source(store)),
+                Err(e) => Err(format!("store unavailable: {e}")),
             },
-        };
-        promotion::fetch_stats(&source, candidates, rules, now).await
+        }
     }
 
     /// The daemon config.
@@ -661,15 +648,16 @@ impl Cycle {
                 return out;
             }
         };
-        let services = held.buckets.iter().map(|b| b.service.clone()).collect();
-        let rules = promotion::rules(policies.as_ref(), &services);
-        let candidates = promotion::candidates(&held, &base_files, policies.as_ref(), &rules);
-        if !candidates.is_empty() {
-            let now = Utc::now();
-            let (stats, err) = self.shadow_stats(&candidates, &rules, now).await;
-            out.shadow_error = err;
-            out.promotions = promotion::apply(&mut held, &candidates, &rules, &stats, now);
-        }
+        let (rules, notes, err) = promotion::propose(
+            &mut held,
+            &base_files,
+            policies.as_ref(),
+            || self.shadow_source(),
+            Utc::now(),
+        )
+        .await;
+        out.shadow_error = err;
+        out.promotions = notes;
         let plan = &held;
         let split = (self.cfg.config_repo.mode == RepoMode::Direct && !rules.is_empty())
             .then(|| promotion::split_for_review(plan, &base_files, &rules));

@@ -80,6 +80,33 @@ pub async fn effective_plan(
     Ok(hold_repeated_decreases(cfg, base_dir, store, git, &plan, now).await)
 }
 
+/// [`effective_plan`], then the promotions a run would propose on it
+/// ([`crate::promotion::propose`]: ready shadow buckets of `repo` get `mode: enforce`, every
+/// candidate its `evidence.promotion`), with the shadow figures of `store`: what `rlc preview`
+/// and `GET /v1/quotas` show, so that they propose what `rlc run` writes. Returns the
+/// promotion notes and the shadow source's error too.
+pub async fn proposed_plan(
+    cfg: &DaemonConfig,
+    base_dir: &Path,
+    repo: Arc<ConfigRepo>,
+    history: Arc<History>,
+    store: &StoreWitness,
+    git: GitHistory,
+    now: DateTime<Utc>,
+) -> anyhow::Result<(Plan, Vec<crate::promotion::PromotionNote>, Option<String>)> {
+    let (base, policies) = crate::promotion::repo_inputs(&repo);
+    let mut plan = effective_plan(cfg, base_dir, repo, history, store, git, now).await?;
+    let (_, notes, error) = crate::promotion::propose(
+        &mut plan,
+        &base,
+        policies.as_ref(),
+        || async { crate::promotion::witness_source(store) },
+        now,
+    )
+    .await;
+    Ok((plan, notes, error))
+}
+
 fn lowering(b: &PlannedBucket) -> bool {
     b.current_limit_rps
         .is_some_and(|cur| b.bucket.limit_rps < cur)

@@ -76,7 +76,7 @@ pub async fn run(args: PreviewArgs) -> anyhow::Result<i32> {
         load_inputs(&args.config).with_context(|| format!("loading {}", args.config.display()))?;
     let history = load_history(&cfg, &base).await;
     let store = crate::planner::open_store_for_reading(&cfg, &base).await;
-    let mut plan = crate::planner::effective_plan(
+    let (mut plan, mut promotions, shadow_error) = crate::planner::proposed_plan(
         &cfg,
         &base,
         std::sync::Arc::new(repo),
@@ -86,16 +86,70 @@ pub async fn run(args: PreviewArgs) -> anyhow::Result<i32> {
         chrono::Utc::now(),
     )
     .await?;
+    if let Some(e) = &shadow_error {
+        tracing::warn!(error = %e, "shadow figures unavailable: nothing promoted");
+    }
     if let Some(s) = &args.service {
         plan.buckets.retain(|b| &b.service == s);
         plan.skipped.retain(|b| &b.service == s);
         plan.history_failed.retain(|f| f == s);
+        promotions.retain(|p| &p.service == s);
     }
     match args.format {
         Format::Json => println!("{}", serde_json::to_string_pretty(&plan)?),
-        Format::Table => print!("{}", table(&plan)),
+        Format::Table => {
+            print!("{}", table(&plan));
+            print!("{}", promotions_table(&promotions, shadow_error.as_deref()));
+        }
     }
     Ok(history_exit_code(&plan))
+}
+
+/// Whether the plan proposes `mode: enforce` for this shadow bucket
+/// (`evidence.promotion.promoted`).
+pub fn promoted(b: &crate::plan::PlannedBucket) -> bool {
+    b.evidence
+        .pointer("/promotion/promoted")
+        .and_then(|v| v.as_bool())
+        .unwrap_or(false)
+}
+
+/// The shadow buckets a run would promote or keep in shadow, with the reason: what the run
+/// summary says of them.
+pub fn promotions_table(
+    notes: &[crate::promotion::PromotionNote],
+    shadow_error: Option<&str>,
+) -> String {
+    let mut out = String::new();
+    if notes.is_empty() && shadow_error.is_none() {
+        return out;
+    }
+    out.push_str(
+        "
+shadow buckets (promotion rule of rlc/policies.yaml):
+",
+    );
+    for n in notes {
+        out.push_str(&format!(
+            "  {}/{}: {} ({})
+",
+            n.service,
+            n.bucket,
+            if n.promoted {
+                "shadow → enforce"
+            } else {
+                "stays in shadow"
+            },
+            n.reason
+        ));
+    }
+    if let Some(e) = shadow_error {
+        out.push_str(&format!(
+            "  shadow figures unavailable, nothing promoted: {e}
+"
+        ));
+    }
+    out
 }
 
 /// [`crate::exit::FAILED`] when the history failed for every service of `plan`,
@@ -152,7 +206,11 @@ pub fn table(plan: &Plan) -> String {
                 .unwrap_or_else(|| "-".into()),
             b.bucket.policy.to_string(),
             b.bucket.scope.as_str().into(),
-            b.bucket.mode.as_str().into(),
+            if promoted(b) {
+                "shadow → enforce".into()
+            } else {
+                b.bucket.mode.as_str().into()
+            },
             num("confidence")
                 .map(|c| format!("{:.0}%", c * 100.0))
                 .unwrap_or_else(|| "kept".into()),

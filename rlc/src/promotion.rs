@@ -80,18 +80,32 @@ pub struct PromotionNote {
     pub reason: String,
 }
 
+/// The promotion rule of `service` in `rlc/policies.yaml` (`promotion.default` merged under
+/// `promotion.services.<service>`); `None` without a `promotion:` section. The one place the
+/// rule is resolved: a run ([`rules`]) and the dashboard ([`readiness_rule`]) both call it.
+pub fn rule_of(policies: Option<&PoliciesFile>, service: &str) -> Option<PromotionRule> {
+    policies?.promotion_for(service)
+}
+
+/// The readiness rule of `service`: its promotion rule ([`rule_of`]) when
+/// `rlc/policies.yaml` has a `promotion:` section, else the default rule; and whether it came
+/// from the file.
+pub fn readiness_rule(policies: Option<&PoliciesFile>, service: &str) -> (Rule, bool) {
+    match rule_of(policies, service) {
+        Some(r) => (Rule::from(&r), true),
+        None => (Rule::default(), false),
+    }
+}
+
 /// The promotion rule of every service, from the base's `rlc/policies.yaml` (empty without a
 /// `promotion:` section).
 pub fn rules(
     policies: Option<&PoliciesFile>,
     services: &BTreeSet<String>,
 ) -> BTreeMap<String, PromotionRule> {
-    let Some(p) = policies else {
-        return BTreeMap::new();
-    };
     services
         .iter()
-        .filter_map(|s| p.promotion_for(s).map(|r| (s.clone(), r)))
+        .filter_map(|s| rule_of(policies, s).map(|r| (s.clone(), r)))
         .collect()
 }
 
@@ -157,6 +171,73 @@ pub async fn fetch_stats(
         }
     }
     (out, error)
+}
+
+/// What a run does to `plan` before it is written, and what `rlc preview` and
+/// `GET /v1/quotas` show of it: the promotion rules of `policies` ([`rules`]), the candidates
+/// among the shadow buckets of `base` ([`candidates`]), their figures from `source` (an error
+/// instead of a source: nothing is promoted, and the error is returned) and the verdicts
+/// ([`apply`]). Returns the rules, one note per candidate and the source's error.
+pub async fn propose<F>(
+    plan: &mut Plan,
+    base: &BTreeMap<String, BucketFile>,
+    policies: Option<&PoliciesFile>,
+    source: impl FnOnce() -> F,
+    now: DateTime<Utc>,
+) -> (
+    BTreeMap<String, PromotionRule>,
+    Vec<PromotionNote>,
+    Option<String>,
+)
+where
+    F: std::future::Future<Output = Result<ShadowSource, String>>,
+{
+    let services = plan.buckets.iter().map(|b| b.service.clone()).collect();
+    let rules = rules(policies, &services);
+    let candidates = candidates(plan, base, policies, &rules);
+    if candidates.is_empty() {
+        return (rules, Vec::new(), None);
+    }
+    let (stats, error) = match source().await {
+        Ok(source) => fetch_stats(&source, &candidates, &rules, now).await,
+        Err(e) => (BTreeMap::new(), Some(e)),
+    };
+    let notes = apply(plan, &candidates, &rules, &stats, now);
+    (rules, notes, error)
+}
+
+/// A [`ShadowSource`] over rlc's store ([`store_stats`]).
+pub fn store_source(store: crate::store::Store) -> ShadowSource {
+    Arc::new(move |q: ShadowQuery| {
+        let store = store.clone();
+        Box::pin(async move { store_stats(&store, &q).await }) as BoxFuture<_>
+    })
+}
+
+/// The [`ShadowSource`] of a [`crate::planner::StoreWitness`]: the store's figures; none at
+/// all for a store that does not exist yet (nothing is ready); the reason for one that cannot
+/// be read (nothing is promoted).
+pub fn witness_source(store: &crate::planner::StoreWitness) -> Result<ShadowSource, String> {
+    match store {
+        crate::planner::StoreWitness::Store(s) => Ok(store_source(s.clone())),
+        crate::planner::StoreWitness::Empty => Ok(Arc::new(|_q: ShadowQuery| {
+            Box::pin(async { Ok(BTreeMap::new()) }) as BoxFuture<_>
+        })),
+        crate::planner::StoreWitness::Unavailable(e) => Err(format!("store unavailable: {e}")),
+    }
+}
+
+/// The base's bucket files and policies of a loaded config repo, as [`propose`] takes them.
+pub fn repo_inputs(
+    repo: &schema::ConfigRepo,
+) -> (BTreeMap<String, BucketFile>, Option<PoliciesFile>) {
+    (
+        repo.buckets
+            .values()
+            .map(|f| (f.value.service.clone(), f.value.clone()))
+            .collect(),
+        repo.policies.as_ref().map(|p| p.value.clone()),
+    )
 }
 
 /// Applies the verdicts to `plan`: ready candidates get `mode: enforce`; every candidate gets

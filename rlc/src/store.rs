@@ -553,6 +553,10 @@ impl Store {
         since: DateTime<Utc>,
         limit: i64,
     ) -> Result<Vec<BucketShadowSummary>, StoreError> {
+        // Whole ten-minute blocks of the window come from `shadow_blocks`, the minutes before
+        // the first whole block from `shadow_minutes`: the same sums as over every minute.
+        let since = minute_of(since);
+        let blocks_from = shadow::block_ceil(since);
         // The limit and mode are those of the latest report (by controller sequence), so a
         // quota changed during the window shows its current value. The correlated lookups use
         // the (service, bucket, seq) index and run once per returned bucket.
@@ -569,14 +573,20 @@ impl Store {
                           CASE WHEN SUM(offered) > 0 THEN SUM(shadow_dropped) / SUM(offered) ELSE 0.0 END AS virtual_drop_share, \
                           MAX(max_offered) AS peak_offered_rps, MAX(max_drop_ratio) AS max_drop_ratio, \
                           MIN(first_t) AS first_seen, MAX(last_t) AS last_seen \
-                   FROM shadow_minutes \
-                   WHERE minute >= $1 AND ($2 IS NULL OR service = $2) \
+                   FROM (SELECT service, bucket, reports, offered, admitted, dropped, shadow_dropped, \
+                                max_offered, max_drop_ratio, first_t, last_t \
+                         FROM shadow_blocks WHERE block >= $4 AND ($2 IS NULL OR service = $2) \
+                         UNION ALL \
+                         SELECT service, bucket, reports, offered, admitted, dropped, shadow_dropped, \
+                                max_offered, max_drop_ratio, first_t, last_t \
+                         FROM shadow_minutes WHERE minute >= $1 AND minute < $4 AND ($2 IS NULL OR service = $2)) u \
                    GROUP BY service, bucket) a \
              ORDER BY a.virtual_drop_share DESC, a.service, a.bucket LIMIT $3",
         )
-        .bind(Ts(minute_of(since)))
+        .bind(Ts(since))
         .bind(service)
         .bind(limit)
+        .bind(Ts(blocks_from))
         .fetch_all(pool)
         .await?))
     }
@@ -588,11 +598,16 @@ impl Store {
         since: DateTime<Utc>,
         limit: i64,
     ) -> Result<Vec<String>, StoreError> {
+        let since = minute_of(since);
+        let blocks_from = shadow::block_ceil(since);
         on_pool!(self, pool => Ok(sqlx::query_as::<_, (String,)>(
-            "SELECT DISTINCT service FROM shadow_minutes WHERE minute >= $1 ORDER BY service LIMIT $2",
+            "SELECT service FROM shadow_blocks WHERE block >= $3 \
+             UNION SELECT service FROM shadow_minutes WHERE minute >= $1 AND minute < $3 \
+             ORDER BY service LIMIT $2",
         )
-        .bind(Ts(minute_of(since)))
+        .bind(Ts(since))
         .bind(limit)
+        .bind(Ts(blocks_from))
         .fetch_all(pool)
         .await?
         .into_iter()
@@ -639,7 +654,10 @@ impl Store {
 }
 
 mod shadow;
-pub use shadow::{minute_of, stats_from_minutes, tick_time, MinuteRow, Retained, Ts};
+pub use shadow::{
+    block_of, minute_of, stats_from_minutes, steps_from_minutes, tick_time, MinuteRow, Retained,
+    StepRow, Ts, BLOCK_SECS,
+};
 
 #[cfg(test)]
 mod tests;

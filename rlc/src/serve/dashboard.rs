@@ -360,9 +360,15 @@ async fn page_data(s: &AppState, q: ShadowQuery) -> Result<PageData, (DashError,
     let Some(store) = s.store() else {
         return Err((DashError::NoStore, data));
     };
-    let services = store.shadow_services(f.since, MAX_SERVICES).await;
-    let runs = store.recent_runs(PAGE_RUNS).await;
-    let summary = summary(&store, &f).await;
+    // Three independent queries: at once on Postgres, one after another on SQLite.
+    let services = store.shadow_services(f.since, MAX_SERVICES);
+    let runs = store.recent_runs(PAGE_RUNS);
+    let summary = summary(&store, &f);
+    let (services, runs, summary) = if store.concurrent() {
+        tokio::join!(services, runs, summary)
+    } else {
+        (services.await, runs.await, summary.await)
+    };
     match (services, runs, summary) {
         (Ok(services), Ok(runs), Ok(summary)) => {
             data.services = services;

@@ -33,7 +33,7 @@ use super::problem::{InputProblem, Problem};
 use super::AppState;
 use crate::gitops::{Writer, WriterConfig};
 use crate::plan::{Plan, PlannedBucket, Skipped};
-use crate::planner::{effective_plan, GitHistory, StoreWitness};
+use crate::planner::{proposed_plan, GitHistory, StoreWitness};
 use crate::snapshot::{HistoryCache, Snapshot};
 
 /// Requests of these endpoints served at once; more get 429.
@@ -61,8 +61,9 @@ pub struct Computed {
     plan: Plan,
     /// Where each service's buckets are in `plan.buckets` (sorted by service).
     by_service: std::collections::HashMap<String, std::ops::Range<usize>>,
-    /// The unfiltered `GET /v1/quotas` body, rendered on first use.
-    all: OnceLock<Bytes>,
+    /// The unfiltered `GET /v1/quotas` body and the last pull error it shows, rendered on
+    /// first use and again when a later pull failed (or succeeded) differently.
+    all: std::sync::Mutex<Option<(Option<String>, Bytes)>>,
     /// The config repo the plan was computed on.
     repo: Arc<ConfigRepo>,
     /// What `POST /v1/previews` starts from, made on first use.
@@ -115,7 +116,7 @@ impl Quotas {
         }
         let (commit, repo) = self.load_base().await?;
         let repo = Arc::new(repo);
-        let plan = effective_plan(
+        let (plan, _, _) = proposed_plan(
             &self.cfg,
             &self.base_dir,
             repo.clone(),
@@ -140,7 +141,7 @@ impl Quotas {
             computed_at: Utc::now(),
             plan,
             by_service,
-            all: OnceLock::new(),
+            all: std::sync::Mutex::new(None),
             repo,
             preview: OnceLock::new(),
         });
@@ -188,6 +189,16 @@ impl Quotas {
         });
         super::previews::Previews::new(snapshot, super::previews::compute_plan_fn())
             .with_guard(guard)
+    }
+
+    /// `rlc/policies.yaml` of the base tip as last fetched (no network): `Ok(None)` without
+    /// the file, an error when the working copy cannot be read.
+    pub async fn base_policies(&self) -> Result<Option<schema::PoliciesFile>, String> {
+        let wcfg = self.writer_config();
+        tokio::task::spawn_blocking(move || Writer::open_existing(wcfg)?.base_policies())
+            .await
+            .map_err(|e| format!("reading the config repo: {e}"))?
+            .map_err(|e| format!("reading the config repo: {e}"))
     }
 
     async fn base_tip(&self) -> Result<String, Problem> {
@@ -339,6 +350,9 @@ pub struct QuotaBucket {
     pub confidence: Option<f64>,
     /// The rail or guard that held or capped the limit, in words, if any.
     pub rail: Option<String>,
+    /// `shadow → enforce` when the next run would promote this shadow bucket (its shadow
+    /// figures are in `evidence.promotion`, as in `rlc preview`); null otherwise.
+    pub mode_change: Option<String>,
     /// Per-bucket numbers (only in `GET /v1/quotas/{service}`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub details: Option<Details>,
@@ -485,26 +499,40 @@ fn view(b: &PlannedBucket, details: bool) -> QuotaBucket {
         change: change_of(b),
         confidence: b.evidence.get("confidence").and_then(Value::as_f64),
         rail: rail_of(b),
+        mode_change: crate::preview::promoted(b).then(|| "shadow → enforce".to_string()),
         details: details.then(|| details_of(b)),
     }
 }
 
 fn history_info(q: &Quotas, c: &Computed) -> HistoryInfo {
+    history_info_with(c, q.cache.last_error())
+}
+
+fn history_info_with(c: &Computed, last_pull_error: Option<String>) -> HistoryInfo {
     HistoryInfo {
         pulled_at: c.snapshot.pulled_at,
         generation: c.snapshot.generation,
         source: c.snapshot.source.clone(),
-        last_pull_error: q.cache.last_error(),
+        last_pull_error,
     }
 }
 
 impl Computed {
     fn response(&self, q: &Quotas, service: Option<&str>) -> QuotasResponse {
+        self.response_with(service, q.cache.last_error())
+    }
+
+    /// The answer with `last_pull_error` as the history's last pull error.
+    fn response_with(
+        &self,
+        service: Option<&str>,
+        last_pull_error: Option<String>,
+    ) -> QuotasResponse {
         let keep = |s: &str| service.is_none_or(|want| want == s);
         QuotasResponse {
             base_commit: self.base_commit.clone(),
             computed_at: self.computed_at,
-            history: history_info(q, self),
+            history: history_info_with(self, last_pull_error),
             buckets: self
                 .buckets_of(service)
                 .iter()
@@ -614,12 +642,21 @@ pub async fn list(
     };
     match query.service.as_deref() {
         None => {
-            let body = c
-                .all
-                .get_or_init(|| {
-                    Bytes::from(serde_json::to_vec(&c.response(&q, None)).unwrap_or_default())
-                })
-                .clone();
+            // The cached body is only good while the last pull error it shows is the last one.
+            let error = q.cache.last_error();
+            let mut cached = c.all.lock().unwrap();
+            let body = match &*cached {
+                Some((e, body)) if *e == error => body.clone(),
+                _ => {
+                    let body = Bytes::from(
+                        serde_json::to_vec(&c.response_with(None, error.clone()))
+                            .unwrap_or_default(),
+                    );
+                    *cached = Some((error, body.clone()));
+                    body
+                }
+            };
+            drop(cached);
             json_bytes(body)
         }
         Some(svc) if !c.knows(svc) => unknown_service(svc).into_response(),

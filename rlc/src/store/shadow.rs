@@ -176,6 +176,65 @@ impl MinuteRow {
     }
 }
 
+/// One step of a bucket's chart for one scope key, grouped in SQL ([`Store::bucket_steps`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow)]
+pub struct StepRow {
+    /// Scope key.
+    pub scope_key: String,
+    /// Index of the step from the window's start.
+    pub step: i64,
+    /// Highest per-minute average offered rate in the step.
+    pub offered_rps: f64,
+    /// Highest per-minute average virtual-drop rate.
+    pub virtual_drop_rps: f64,
+    /// Highest per-minute average drop rate.
+    pub drop_rps: f64,
+    /// Sum of offered rates in the step (orders the scope keys, busiest first).
+    pub offered: f64,
+    /// Limit of the step's newest minute.
+    pub limit_rps: f64,
+}
+
+/// The steps of `rows` (minute rows, by minute) as [`Store::bucket_steps`] groups them in
+/// SQL: the reference it is tested against.
+pub fn steps_from_minutes(
+    rows: &[MinuteRow],
+    window_start: DateTime<Utc>,
+    step_secs: i64,
+) -> Vec<StepRow> {
+    let mut m: BTreeMap<(String, i64), (StepRow, DateTime<Utc>)> = BTreeMap::new();
+    for r in rows
+        .iter()
+        .filter(|r| r.reports > 0 && r.minute >= window_start)
+    {
+        let step = (r.minute.timestamp() - window_start.timestamp()) / step_secs.max(1);
+        let e = m.entry((r.scope_key.clone(), step)).or_insert_with(|| {
+            (
+                StepRow {
+                    scope_key: r.scope_key.clone(),
+                    step,
+                    offered_rps: f64::MIN,
+                    virtual_drop_rps: f64::MIN,
+                    drop_rps: f64::MIN,
+                    offered: 0.0,
+                    limit_rps: r.limit_rps,
+                },
+                r.minute,
+            )
+        });
+        let s = &mut e.0;
+        s.offered_rps = s.offered_rps.max(r.offered_rps());
+        s.virtual_drop_rps = s.virtual_drop_rps.max(r.shadow_dropped_rps());
+        s.drop_rps = s.drop_rps.max(r.dropped_rps());
+        s.offered += r.offered;
+        if r.minute >= e.1 {
+            e.1 = r.minute;
+            s.limit_rps = r.limit_rps;
+        }
+    }
+    m.into_values().map(|(s, _)| s).collect()
+}
+
 /// A roll-up increment computed from newly stored reports.
 #[derive(Debug, Clone)]
 struct Acc {
@@ -258,6 +317,86 @@ const UPSERT_SET: &str = " ON CONFLICT (service, bucket, minute, scope_key) DO U
     mode = CASE WHEN excluded.last_seq >= m.last_seq THEN excluded.mode ELSE m.mode END, \
     last_seq = CASE WHEN excluded.last_seq > m.last_seq THEN excluded.last_seq ELSE m.last_seq END";
 
+/// The ten-minute upsert: sums add up, extrema stay extrema.
+const BLOCK_UPSERT_SET: &str = " ON CONFLICT (service, bucket, block) DO UPDATE SET \
+    reports = b.reports + excluded.reports, enforce_reports = b.enforce_reports + excluded.enforce_reports, \
+    offered = b.offered + excluded.offered, admitted = b.admitted + excluded.admitted, \
+    dropped = b.dropped + excluded.dropped, shadow_dropped = b.shadow_dropped + excluded.shadow_dropped, \
+    max_offered = CASE WHEN excluded.max_offered > b.max_offered THEN excluded.max_offered ELSE b.max_offered END, \
+    max_drop_ratio = CASE WHEN excluded.max_drop_ratio > b.max_drop_ratio THEN excluded.max_drop_ratio ELSE b.max_drop_ratio END, \
+    first_t = CASE WHEN excluded.first_t < b.first_t THEN excluded.first_t ELSE b.first_t END, \
+    last_t = CASE WHEN excluded.last_t > b.last_t THEN excluded.last_t ELSE b.last_t END";
+
+const BLOCK_COLUMNS: &str = "service, bucket, block, reports, enforce_reports, offered, admitted, dropped, shadow_dropped, max_offered, max_drop_ratio, first_t, last_t";
+
+/// Length of a `shadow_blocks` roll-up.
+pub const BLOCK_SECS: i64 = 600;
+
+/// The ten minutes (`shadow_blocks`) `t` falls in.
+pub fn block_of(t: DateTime<Utc>) -> DateTime<Utc> {
+    t.duration_trunc(Duration::seconds(BLOCK_SECS)).unwrap_or(t)
+}
+
+/// The first block boundary at or after `t`.
+pub(super) fn block_ceil(t: DateTime<Utc>) -> DateTime<Utc> {
+    let b = block_of(t);
+    if b == t {
+        b
+    } else {
+        b + Duration::seconds(BLOCK_SECS)
+    }
+}
+
+/// A ten-minute increment computed from newly stored reports (SQLite; Postgres sums them in
+/// the insert statement).
+#[derive(Debug, Clone)]
+struct BlockAcc {
+    reports: i64,
+    enforce_reports: i64,
+    offered: f64,
+    admitted: f64,
+    dropped: f64,
+    shadow_dropped: f64,
+    max_offered: f64,
+    max_drop_ratio: f64,
+    first_t: DateTime<Utc>,
+    last_t: DateTime<Utc>,
+}
+
+type BlockKey = (String, String, DateTime<Utc>);
+
+fn block_rollup<'a>(rows: impl Iterator<Item = &'a Row<'a>>) -> BTreeMap<BlockKey, BlockAcc> {
+    let mut m: BTreeMap<BlockKey, BlockAcc> = BTreeMap::new();
+    for row in rows {
+        let r = row.r;
+        let a = m
+            .entry((r.service.clone(), r.bucket.clone(), block_of(row.t)))
+            .or_insert_with(|| BlockAcc {
+                reports: 0,
+                enforce_reports: 0,
+                offered: 0.0,
+                admitted: 0.0,
+                dropped: 0.0,
+                shadow_dropped: 0.0,
+                max_offered: f64::MIN,
+                max_drop_ratio: f64::MIN,
+                first_t: row.t,
+                last_t: row.t,
+            });
+        a.reports += 1;
+        a.enforce_reports += i64::from(r.mode == "enforce");
+        a.offered += r.offered;
+        a.admitted += r.admitted;
+        a.dropped += r.dropped;
+        a.shadow_dropped += r.shadow_dropped;
+        a.max_offered = a.max_offered.max(r.offered);
+        a.max_drop_ratio = a.max_drop_ratio.max(r.drop_ratio);
+        a.first_t = a.first_t.min(row.t);
+        a.last_t = a.last_t.max(row.t);
+    }
+    m
+}
+
 const MINUTE_COLUMNS: &str = "service, bucket, scope_key, minute, reports, offered, admitted, dropped, shadow_dropped, max_offered, max_drop_ratio, first_t, last_t, limit_rps, mode, last_seq";
 const REPORT_COLUMNS: &str = "seq, t, service, bucket, caller, procedure, mode, scope_key, offered, admitted, dropped, shadow_dropped, limit_rps, drop_ratio, received_at";
 
@@ -268,9 +407,18 @@ pub struct Retained {
     pub raw_deleted: u64,
     /// Minute roll-ups deleted.
     pub minutes_deleted: u64,
+    /// Ten-minute roll-ups deleted (those whose every minute is before the roll-up retention).
+    pub blocks_deleted: u64,
 }
 
 impl Store {
+    /// Whether independent queries may run at once: on Postgres (a pool of connections), not
+    /// on SQLite (one connection: concurrent queries would only queue, and the queued ones
+    /// could time out waiting for each other).
+    pub fn concurrent(&self) -> bool {
+        matches!(self, Store::Postgres(_))
+    }
+
     /// Stores reports of any mode (duplicates by seq/service/bucket/scope key are ignored) and
     /// adds the new ones to the per-minute roll-ups, in one transaction; returns how many
     /// were new. Batched: multi-row statements on SQLite, arrays with `UNNEST` on Postgres.
@@ -308,7 +456,12 @@ impl Store {
                                 MAX(offered), MAX(drop_ratio), MIN(t), MAX(t), \
                                 (array_agg(limit_rps ORDER BY seq DESC))[1], (array_agg(mode ORDER BY seq DESC))[1], \
                                 MAX(seq) \
-                         FROM ins GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 4, 3{UPSERT_SET}) \
+                         FROM ins GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 4, 3{UPSERT_SET}), \
+                         blk AS (INSERT INTO shadow_blocks AS b ({BLOCK_COLUMNS}) \
+                         SELECT service, bucket, to_timestamp(floor(extract(epoch FROM t) / 600) * 600), \
+                                COUNT(*), COUNT(*) FILTER (WHERE mode = 'enforce'), SUM(offered), SUM(admitted), \
+                                SUM(dropped), SUM(shadow_dropped), MAX(offered), MAX(drop_ratio), MIN(t), MAX(t) \
+                         FROM ins GROUP BY 1, 2, 3 ORDER BY 1, 2, 3{BLOCK_UPSERT_SET}) \
                          SELECT COUNT(*) FROM ins"
                     ))
                     .bind(chunk.iter().map(|x| x.r.seq).collect::<Vec<_>>())
@@ -365,10 +518,11 @@ impl Store {
                     let inserted: Vec<(i64, String, String, String)> =
                         q.build_query_as().fetch_all(&mut *tx).await?;
                     new += inserted.len() as u64;
-                    let acc = rollup(only_new(chunk, inserted));
-                    if acc.is_empty() {
+                    let fresh: Vec<&Row> = only_new(chunk, inserted).collect();
+                    if fresh.is_empty() {
                         continue;
                     }
+                    let acc = rollup(fresh.iter().copied());
                     let v: Vec<(&MinuteKey, &Acc)> = acc.iter().collect();
                     let mut q = sqlx::QueryBuilder::<Sqlite>::new(format!(
                         "INSERT INTO shadow_minutes AS m ({MINUTE_COLUMNS}) "
@@ -392,6 +546,27 @@ impl Store {
                             .push_bind(a.last_seq);
                     });
                     q.push(UPSERT_SET);
+                    q.build().execute(&mut *tx).await?;
+                    let blocks = block_rollup(fresh.iter().copied());
+                    let mut q = sqlx::QueryBuilder::<Sqlite>::new(format!(
+                        "INSERT INTO shadow_blocks AS b ({BLOCK_COLUMNS}) "
+                    ));
+                    q.push_values(blocks.iter(), |mut b, ((service, bucket, block), a)| {
+                        b.push_bind(service.as_str())
+                            .push_bind(bucket.as_str())
+                            .push_bind(Ts(*block))
+                            .push_bind(a.reports)
+                            .push_bind(a.enforce_reports)
+                            .push_bind(a.offered)
+                            .push_bind(a.admitted)
+                            .push_bind(a.dropped)
+                            .push_bind(a.shadow_dropped)
+                            .push_bind(a.max_offered)
+                            .push_bind(a.max_drop_ratio)
+                            .push_bind(Ts(a.first_t))
+                            .push_bind(Ts(a.last_t));
+                    });
+                    q.push(BLOCK_UPSERT_SET);
                     q.build().execute(&mut *tx).await?;
                 }
                 tx.commit().await?;
@@ -418,7 +593,12 @@ impl Store {
                 .execute(pool)
                 .await?
                 .rows_affected();
-            Ok(Retained { raw_deleted, minutes_deleted })
+            let blocks_deleted = sqlx::query("DELETE FROM shadow_blocks WHERE block <= $1")
+                .bind(Ts(minutes_before - Duration::seconds(BLOCK_SECS)))
+                .execute(pool)
+                .await?
+                .rows_affected();
+            Ok(Retained { raw_deleted, minutes_deleted, blocks_deleted })
         })
     }
 
@@ -478,14 +658,29 @@ impl Store {
             .bind(bucket)
             .fetch_one(pool)
             .await?;
-            let enforced: Option<(Ts,)> = sqlx::query_as(
-                "SELECT minute FROM shadow_minutes WHERE service = $1 AND bucket = $2 AND mode = 'enforce' \
-                 ORDER BY minute DESC LIMIT 1",
+            // The newest ten minutes with an enforce report bound the search for the newest
+            // enforced minute from above (a minute whose latest report is `enforce` has one in
+            // its block), so a bucket that stayed in shadow is not scanned minute by minute.
+            let block: Option<(Ts,)> = sqlx::query_as(
+                "SELECT block FROM shadow_blocks WHERE service = $1 AND bucket = $2 AND enforce_reports > 0 \
+                 ORDER BY block DESC LIMIT 1",
             )
             .bind(service)
             .bind(bucket)
             .fetch_optional(pool)
             .await?;
+            let enforced: Option<(Ts,)> = match block {
+                None => None,
+                Some((b,)) => sqlx::query_as(
+                    "SELECT minute FROM shadow_minutes WHERE service = $1 AND bucket = $2 AND mode = 'enforce' \
+                     AND minute < $3 ORDER BY minute DESC LIMIT 1",
+                )
+                .bind(service)
+                .bind(bucket)
+                .bind(Ts(b.0 + Duration::seconds(BLOCK_SECS)))
+                .fetch_optional(pool)
+                .await?,
+            };
             let since: Option<(Ts,)> = sqlx::query_as(
                 "SELECT first_t FROM shadow_minutes \
                  WHERE service = $1 AND bucket = $2 AND mode = 'shadow' AND ($3 IS NULL OR minute > $3) \
@@ -503,6 +698,11 @@ impl Store {
     /// The readiness figures of one bucket over `[window_start, window_end)`, from the minute
     /// roll-ups; `None` when the store has no report of the bucket at all. The promotion
     /// logic and the dashboard both call this.
+    ///
+    /// The same figures as [`stats_from_minutes`] over [`Store::bucket_minutes`] (up to the
+    /// order floating-point sums are added in), with the sums, the coverage and the peak minute
+    /// computed in SQL: only the per-minute offered rates (for the exact suggested limit)
+    /// leave the database.
     pub async fn shadow_stats(
         &self,
         service: &str,
@@ -510,15 +710,137 @@ impl Store {
         window_start: DateTime<Utc>,
         window_end: DateTime<Utc>,
     ) -> Result<Option<ShadowStats>, StoreError> {
-        Ok(self
-            .bucket_window(service, bucket, window_start, window_end)
-            .await?
-            .1)
+        let (last, since) = self.bucket_span(service, bucket).await?;
+        if last.is_none() {
+            return Ok(None);
+        }
+        let (start, end) = (Ts(window_start), Ts(window_end));
+        type Sums = (
+            i64,
+            Option<f64>,
+            Option<f64>,
+            Option<f64>,
+            Option<Ts>,
+            Option<f64>,
+        );
+        let (sums, latest, rates): (Sums, Option<(String, f64)>, Vec<(f64,)>) = on_pool!(self, pool => {
+            let sums = sqlx::query_as::<_, Sums>(
+                "WITH pm AS MATERIALIZED (SELECT minute, SUM(offered) AS o, SUM(shadow_dropped) AS v, SUM(dropped) AS d \
+                   FROM shadow_minutes WHERE service = $1 AND bucket = $2 AND minute >= $3 AND minute < $4 \
+                   GROUP BY minute) \
+                 SELECT (SELECT COUNT(*) FROM pm), (SELECT SUM(o) FROM pm), (SELECT SUM(v) FROM pm), \
+                        (SELECT SUM(d) FROM pm), p.minute, p.share \
+                 FROM (SELECT 1 AS one) x LEFT JOIN \
+                      (SELECT minute, v / o AS share FROM pm WHERE o > 0 AND v / o > 0 \
+                       ORDER BY v / o DESC, minute LIMIT 1) p ON 1 = 1",
+            )
+            .bind(service)
+            .bind(bucket)
+            .bind(start)
+            .bind(end)
+            .fetch_one(pool);
+            let latest = sqlx::query_as::<_, (String, f64)>(
+                "SELECT mode, limit_rps FROM shadow_minutes \
+                 WHERE service = $1 AND bucket = $2 AND minute >= $3 AND minute < $4 \
+                 ORDER BY minute DESC, last_t DESC, scope_key DESC LIMIT 1",
+            )
+            .bind(service)
+            .bind(bucket)
+            .bind(start)
+            .bind(end)
+            .fetch_optional(pool);
+            let rates = sqlx::query_as::<_, (f64,)>(
+                "SELECT offered / reports FROM shadow_minutes \
+                 WHERE service = $1 AND bucket = $2 AND minute >= $3 AND minute < $4 AND reports > 0",
+            )
+            .bind(service)
+            .bind(bucket)
+            .bind(start)
+            .bind(end)
+            .fetch_all(pool);
+            if self.concurrent() {
+                tokio::try_join!(sums, latest, rates)?
+            } else {
+                (sums.await?, latest.await?, rates.await?)
+            }
+        });
+        let (minutes, offered, vd, dropped, peak_at, peak) = sums;
+        let rates: Vec<f64> = rates.into_iter().map(|r| r.0).collect();
+        let window_minutes = ((window_end - window_start).num_seconds() as f64 / 60.0)
+            .ceil()
+            .max(1.0);
+        let mode = latest
+            .as_ref()
+            .map_or("shadow".to_string(), |l| l.0.clone());
+        Ok(Some(ShadowStats {
+            service: service.into(),
+            bucket: bucket.into(),
+            shadow_since: if mode == "shadow" { since } else { None },
+            mode,
+            window_start,
+            window_end,
+            last_report: last,
+            coverage: (minutes as f64 / window_minutes).min(1.0),
+            offered: offered.unwrap_or(0.0),
+            virtual_dropped: vd.unwrap_or(0.0),
+            dropped: dropped.unwrap_or(0.0),
+            peak_drop_share: peak.unwrap_or(0.0),
+            peak_drop_at: peak_at.map(Into::into),
+            limit_rps: latest.map_or(0.0, |l| l.1),
+            suggested_limit_rps: readiness::suggested_limit(
+                &rates,
+                readiness::SUGGESTED_LIMIT_DROP_SHARE,
+            ),
+        }))
+    }
+
+    /// The chart of one bucket over `[window_start, window_end)` in steps of `step_secs`,
+    /// grouped in SQL: per scope key and step, the highest per-minute average offered,
+    /// virtual-drop and drop rates, the limit of the step's newest minute and the step's
+    /// summed offered rates. Steps without a minute row are absent (gaps, not zeros). By
+    /// scope key, then step.
+    pub async fn bucket_steps(
+        &self,
+        service: &str,
+        bucket: &str,
+        window_start: DateTime<Utc>,
+        window_end: DateTime<Utc>,
+        step_secs: i64,
+    ) -> Result<Vec<StepRow>, StoreError> {
+        let epoch = match self {
+            Store::Postgres(_) => "CAST(EXTRACT(EPOCH FROM minute) AS BIGINT)",
+            Store::Sqlite(..) => "(minute / 1000)",
+        };
+        let sql = format!(
+            // The steps are materialized once, then probe the primary key for the limit of
+            // their newest minute (not a correlated re-grouping per minute row).
+            "WITH s AS MATERIALIZED ( \
+                   SELECT scope_key, ({epoch} - $5) / $6 AS step, MAX(offered / reports) AS offered_rps, \
+                          MAX(shadow_dropped / reports) AS virtual_drop_rps, MAX(dropped / reports) AS drop_rps, \
+                          SUM(offered) AS offered, MAX(minute) AS last_minute \
+                   FROM shadow_minutes \
+                   WHERE service = $1 AND bucket = $2 AND minute >= $3 AND minute < $4 AND reports > 0 \
+                   GROUP BY scope_key, ({epoch} - $5) / $6) \
+             SELECT s.scope_key, s.step, s.offered_rps, s.virtual_drop_rps, s.drop_rps, s.offered, m.limit_rps \
+             FROM s JOIN shadow_minutes m ON m.service = $1 AND m.bucket = $2 AND m.minute = s.last_minute \
+                  AND m.scope_key = s.scope_key \
+             ORDER BY s.scope_key, s.step"
+        );
+        on_pool!(self, pool => Ok(sqlx::query_as::<_, StepRow>(&sql)
+            .bind(service)
+            .bind(bucket)
+            .bind(Ts(window_start))
+            .bind(Ts(window_end))
+            .bind(window_start.timestamp())
+            .bind(step_secs.max(1))
+            .fetch_all(pool)
+            .await?))
     }
 
     /// The minute rows of one bucket over `[window_start, window_end)` and the readiness
-    /// figures computed from them (`None` when the store has no report of the bucket at all):
-    /// the dashboard charts the rows it was given the figures of.
+    /// figures computed from them in Rust ([`stats_from_minutes`]; `None` when the store has
+    /// no report of the bucket at all): the reference the SQL-side figures
+    /// ([`Store::shadow_stats`], [`Store::bucket_steps`]) are tested against.
     pub async fn bucket_window(
         &self,
         service: &str,

@@ -625,3 +625,199 @@ async fn postgres_migration_keeps_reports() {
     pool.close().await;
     check_migrated(Store::connect(&db.url, Path::new("/")).await.unwrap()).await;
 }
+
+/// The chart steps and readiness figures computed in SQL ([`Store::bucket_steps`],
+/// [`Store::shadow_stats`]) and the overview over ten-minute blocks ([`Store::shadow_summary`])
+/// give the numbers of the per-minute rows computed in Rust ([`steps_from_minutes`],
+/// [`stats_from_minutes`]): three hours of a shadow bucket in two zones with varying rates
+/// (several reports a minute, a one-minute burst, a limit changed mid-step), a 25-minute gap
+/// of the whole feed and a 7-minute gap of one zone.
+async fn check_sql_figures(store: Store) {
+    let t0 = Utc.with_ymd_and_hms(2026, 11, 30, 1, 3, 0).unwrap();
+    let s0 = t0.timestamp();
+    let mut seq = 0;
+    let mut batch = Vec::new();
+    for minute in 0..180i64 {
+        if (60..85).contains(&minute) {
+            continue; // the whole feed missed these minutes
+        }
+        for zone in ["eu", "us"] {
+            if zone == "us" && (120..127).contains(&minute) {
+                continue; // one zone missed these
+            }
+            for k in 0..3 {
+                seq += 1;
+                let offered = match (minute, zone) {
+                    (97, "eu") => 400.0 + k as f64, // the burst
+                    _ => 80.0 + ((minute * 7 + k * 3) % 50) as f64,
+                };
+                let limit = if minute < 100 { 120.0 } else { 110.0 };
+                let t = s0 + minute * 60 + k * 20;
+                batch.push(tick(seq, t, "gw", zone, "shadow", offered, limit));
+            }
+        }
+    }
+    assert_eq!(
+        store.insert_reports(&batch, t0).await.unwrap() as usize,
+        batch.len()
+    );
+    let end = t0 + chrono::Duration::minutes(180);
+    let rows = store
+        .bucket_minutes("payments", "gw", t0, end)
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 2 * (180 - 25) - 7);
+    for (start, step_secs) in [
+        (t0, 60),
+        (t0, 7 * 60),
+        (t0 + chrono::Duration::minutes(2), 28 * 60),
+        (t0 - chrono::Duration::minutes(30), 120 * 60),
+    ] {
+        let sql = store
+            .bucket_steps("payments", "gw", start, end, step_secs)
+            .await
+            .unwrap();
+        let rust = steps_from_minutes(
+            &store
+                .bucket_minutes("payments", "gw", start, end)
+                .await
+                .unwrap(),
+            start,
+            step_secs,
+        );
+        assert_eq!(sql.len(), rust.len(), "step {step_secs}");
+        for (a, b) in sql.iter().zip(&rust) {
+            assert_eq!(
+                (
+                    &a.scope_key,
+                    a.step,
+                    a.offered_rps,
+                    a.virtual_drop_rps,
+                    a.drop_rps,
+                    a.limit_rps
+                ),
+                (
+                    &b.scope_key,
+                    b.step,
+                    b.offered_rps,
+                    b.virtual_drop_rps,
+                    b.drop_rps,
+                    b.limit_rps
+                ),
+                "step {step_secs}"
+            );
+            assert!((a.offered - b.offered).abs() < 1e-9, "{a:?} {b:?}");
+        }
+        // Gaps are absent steps, never zeros: with one-minute steps, exactly the minutes
+        // without a row of the zone.
+        if step_secs == 60 && start == t0 {
+            let eu: Vec<i64> = sql
+                .iter()
+                .filter(|s| s.scope_key == "eu")
+                .map(|s| s.step)
+                .collect();
+            assert_eq!(eu.len(), 155);
+            assert!(!eu.iter().any(|i| (60..85).contains(i)));
+            let us = sql.iter().filter(|s| s.scope_key == "us").count();
+            assert_eq!(us, 148);
+            assert!(sql.iter().all(|s| s.offered_rps > 0.0));
+            let burst = sql
+                .iter()
+                .find(|s| s.scope_key == "eu" && s.step == 97)
+                .unwrap();
+            assert_eq!(burst.offered_rps, 401.0, "(400 + 401 + 402) / 3");
+            assert_eq!(burst.virtual_drop_rps, 281.0);
+        }
+    }
+    // The readiness figures, over windows that cut minutes off either end.
+    for (from, to) in [
+        (t0, end),
+        (
+            t0 + chrono::Duration::minutes(13),
+            end - chrono::Duration::minutes(5),
+        ),
+        (
+            t0 + chrono::Duration::minutes(61),
+            t0 + chrono::Duration::minutes(84),
+        ),
+    ] {
+        let sql = store
+            .shadow_stats("payments", "gw", from, to)
+            .await
+            .unwrap()
+            .unwrap();
+        let (_, rust) = store
+            .bucket_window("payments", "gw", from, to)
+            .await
+            .unwrap();
+        let rust = rust.unwrap();
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(1.0);
+        assert!(close(sql.offered, rust.offered), "{sql:?} {rust:?}");
+        assert!(close(sql.virtual_dropped, rust.virtual_dropped));
+        assert!(close(sql.dropped, rust.dropped));
+        assert!(close(sql.peak_drop_share, rust.peak_drop_share));
+        let mut same = sql.clone();
+        same.offered = rust.offered;
+        same.virtual_dropped = rust.virtual_dropped;
+        same.dropped = rust.dropped;
+        same.peak_drop_share = rust.peak_drop_share;
+        assert_eq!(same, rust);
+    }
+    // The burst minute is the peak; a window inside the gap has no coverage and no limit.
+    let all = store
+        .shadow_stats("payments", "gw", t0, end)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(all.peak_drop_at, Some(t0 + chrono::Duration::minutes(97)));
+    let gap = store
+        .shadow_stats(
+            "payments",
+            "gw",
+            t0 + chrono::Duration::minutes(61),
+            t0 + chrono::Duration::minutes(84),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (gap.coverage, gap.offered, gap.suggested_limit_rps),
+        (0.0, 0.0, None)
+    );
+
+    // The overview: whole blocks from `shadow_blocks`, the minutes before the first one from
+    // `shadow_minutes`, the same sums as the minute rows.
+    for since in [
+        t0,
+        t0 + chrono::Duration::minutes(4),
+        t0 + chrono::Duration::minutes(7),
+        t0 + chrono::Duration::minutes(90),
+    ] {
+        let got = store.shadow_summary(None, since, 10).await.unwrap();
+        assert_eq!(got.len(), 1);
+        let got = &got[0];
+        let want: Vec<&MinuteRow> = rows.iter().filter(|r| r.minute >= since).collect();
+        assert_eq!(got.reports, want.iter().map(|r| r.reports).sum::<i64>());
+        let offered: f64 = want.iter().map(|r| r.offered).sum();
+        let vd: f64 = want.iter().map(|r| r.shadow_dropped).sum();
+        assert!((got.offered - offered).abs() < 1e-6, "{since}");
+        assert!((got.shadow_dropped - vd).abs() < 1e-6, "{since}");
+        let peak = want.iter().map(|r| r.max_offered).fold(0.0, f64::max);
+        assert_eq!(got.peak_offered_rps, peak);
+        let first = want.iter().map(|r| r.minute).min().unwrap();
+        assert!(got.first_seen >= first && got.first_seen < first + chrono::Duration::minutes(1));
+        assert_eq!(got.limit_rps, 110.0);
+    }
+}
+
+#[tokio::test]
+async fn sqlite_sql_figures_match_the_minutes() {
+    let dir = tempfile::tempdir().unwrap();
+    check_sql_figures(Store::connect("sqlite://rlc.db", dir.path()).await.unwrap()).await;
+}
+
+#[tokio::test]
+async fn postgres_sql_figures_match_the_minutes() {
+    let db = test_support::postgres::fresh_database().await.unwrap();
+    check_sql_figures(Store::connect(&db.url, Path::new("/")).await.unwrap()).await;
+}

@@ -39,15 +39,24 @@ fn prometheus(dir: &Path, end: i64) -> Prometheus {
     Prometheus::start(&w.finish().unwrap()).expect("start Prometheus")
 }
 
+/// `delay_ms` of [`slow_proxy`] that makes it answer 503 instead of forwarding.
+const FAIL: u64 = u64::MAX;
+
 /// A pass-through proxy in front of Prometheus that waits `delay_ms` before forwarding each
 /// request while it is set: a pull then lasts long enough for every concurrent request of a
-/// test to come in while it runs, whatever the machine's speed.
+/// test to come in while it runs, whatever the machine's speed. With [`FAIL`] it answers 503.
 async fn slow_proxy(target: String, delay_ms: Arc<AtomicU64>) -> String {
     let client = reqwest::Client::new();
     let app = axum::Router::new().fallback(move |req: axum::extract::Request| {
         let (client, target, delay) = (client.clone(), target.clone(), delay_ms.clone());
         async move {
             let d = delay.load(Ordering::Relaxed);
+            if d == FAIL {
+                return (
+                    axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                    axum::body::Bytes::from_static(b"prometheus is down"),
+                );
+            }
             if d > 0 {
                 tokio::time::sleep(Duration::from_millis(d)).await;
             }
@@ -394,6 +403,30 @@ fn scenario(database_url: &str) {
             before + 1,
             "one pull for 20 refreshes"
         );
+
+        // A pull that fails after good ones: the whole-fleet body (cached per plan) says so as
+        // the one-service answer does, and stops saying so after the next good pull.
+        let (_, _, good) = get(&c, &format!("{base}/v1/quotas")).await;
+        assert!(good["history"]["last_pull_error"].is_null(), "{good}");
+        delay.store(FAIL, Ordering::Relaxed);
+        let (status, _, failed) = get(&c, &format!("{base}/v1/quotas?refresh=true")).await;
+        assert_eq!(status, 200, "{failed}");
+        let error = failed["history"]["last_pull_error"].clone();
+        assert!(error.is_string(), "{failed}");
+        let (_, _, cached) = get(&c, &format!("{base}/v1/quotas")).await;
+        assert_eq!(cached["history"]["last_pull_error"], error, "{cached}");
+        let (_, _, one) = get(&c, &format!("{base}/v1/quotas?service=pay")).await;
+        assert_eq!(one["history"]["last_pull_error"], error, "{one}");
+        assert_eq!(
+            cached["history"]["generation"], good["history"]["generation"],
+            "the plan of the last good pull is kept"
+        );
+        delay.store(0, Ordering::Relaxed);
+        let (status, _, good) = get(&c, &format!("{base}/v1/quotas?refresh=true")).await;
+        assert_eq!(status, 200, "{good}");
+        assert!(good["history"]["last_pull_error"].is_null(), "{good}");
+        let (_, _, cached) = get(&c, &format!("{base}/v1/quotas")).await;
+        assert!(cached["history"]["last_pull_error"].is_null(), "{cached}");
         all
     });
     doc_examples(&base, d);
@@ -565,4 +598,204 @@ fn quota_api_on_postgres_agrees_with_preview_and_run() {
         .block_on(test_support::postgres::fresh_database())
         .expect("a throwaway Postgres");
     scenario(&db.url);
+}
+
+/// `pay` in shadow: `web` (limit 250 at 200 rps) and `batch` (limit 500 at 400 rps in the
+/// history, but 600 offered in its shadow reports: it would throttle).
+const PAY_SHADOW: &str = "service: pay\nbuckets:\n  - name: web\n    caller: web\n    scope: global\n    limit_rps: 250\n    mode: shadow\n    policy: peak\n  - name: batch\n    caller: batch\n    scope: global\n    limit_rps: 500\n    mode: shadow\n    policy: peak\n";
+
+/// Promotion after two days in shadow; direct mode may commit promotions.
+const PROMOTING_POLICIES: &str = "default:\n  policy: peak\n  headroom: 0.25\npromotion:\n  default:\n    min_days_in_shadow: 2\n    auto_merge: [promotion, raise, new_shadow, other]\n";
+
+/// `(service/name, mode, limit_rps)` of every bucket of a plan-shaped JSON.
+fn modes(plan: &Value) -> Vec<(String, String, f64)> {
+    let mut v: Vec<(String, String, f64)> = plan["buckets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| {
+            (
+                format!(
+                    "{}/{}",
+                    b["service"].as_str().unwrap(),
+                    b["name"].as_str().unwrap()
+                ),
+                b["mode"].as_str().unwrap().to_string(),
+                b["limit_rps"].as_f64().unwrap(),
+            )
+        })
+        .collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+/// `rlc preview` (table and JSON), `GET /v1/quotas` and `rlc run --once` propose the same
+/// promotion: three days of shadow reports in the store (SQLite), `web` without virtual drops
+/// is proposed for `mode: enforce` with its shadow figures, `batch` (virtual drops 1/6 of its
+/// traffic) stays in shadow with the reason; the run then writes exactly that.
+#[test]
+fn preview_quota_api_and_run_propose_the_same_promotion() {
+    let end = chrono::Utc::now().timestamp() / 60 * 60 - 60;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let prom = prometheus(d, end);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut files = test_support::git::minimal_repo_files(&[]);
+    files.retain(|f| f.0 != "rlc/policies.yaml");
+    files.push(("rlc/policies.yaml".into(), PROMOTING_POLICIES.into()));
+    files.push(("buckets/pay.yaml".into(), PAY_SHADOW.into()));
+    let refs: Vec<(&str, &str)> = files
+        .iter()
+        .map(|(a, b)| (a.as_str(), b.as_str()))
+        .collect();
+    let remote = GitRemote::new("main", &refs).unwrap();
+    let port = free_port();
+    std::fs::write(
+        d.join("rlc.yaml"),
+        format!(
+            "history:\n  prometheus:\n    url: {}\n    query: '{QUERY}'\n  lookback: 8d\n  step: 5m\n\
+             config_repo:\n  path: wc\n  url: {}\n  author_name: rlc-bot\n  author_email: rlc@example.com\n\
+             database_url: sqlite://rlc.db\n\
+             server:\n  listen: 127.0.0.1:{port}\n  token_env: RLC_TEST_API_TOKEN\n",
+            prom.url,
+            remote.url()
+        ),
+    )
+    .unwrap();
+
+    // rlc's working copy of the config repo (a run would clone it too).
+    test_support::git::git(d, &["clone", "-q", &remote.url(), "wc"]).unwrap();
+
+    // Three days of one report a minute per bucket, up to now.
+    rt.block_on(async {
+        let store = rlc::store::Store::connect("sqlite://rlc.db", d)
+            .await
+            .unwrap();
+        let now = chrono::Utc::now().timestamp() / 60 * 60;
+        let mut seq = 0;
+        let mut batch = Vec::new();
+        for m in 0..3 * 1440 {
+            let t = now - (3 * 1440 - 1 - m) * 60;
+            for (bucket, offered, limit) in [("web", 200.0f64, 250.0f64), ("batch", 600.0, 500.0)] {
+                seq += 1;
+                let over = (offered - limit).max(0.0);
+                batch.push(
+                    serde_json::from_value::<rlc::push::Report>(serde_json::json!({
+                        "seq": seq, "t": t, "service": "pay", "bucket": bucket, "caller": null,
+                        "procedure": null, "mode": "shadow", "scope_key": "global",
+                        "offered": offered, "admitted": offered, "dropped": 0.0,
+                        "shadow_dropped": over, "limit_rps": limit, "drop_ratio": over / offered
+                    }))
+                    .unwrap(),
+                );
+            }
+        }
+        store
+            .insert_reports(&batch, chrono::Utc::now())
+            .await
+            .unwrap();
+    });
+
+    let (code, out) = output(d, &["preview", "--format", "json"]);
+    assert_eq!(code, 0, "{out}");
+    let cli = json_of(&out);
+    let web = bucket(&cli, "web");
+    assert_eq!(web["mode"], "enforce", "{web}");
+    let ev = &web["evidence"]["promotion"];
+    assert_eq!(ev["promoted"], true, "{ev}");
+    assert_eq!(ev["virtual_drop_share"], 0.0, "{ev}");
+    assert_eq!(ev["shadow_limit_rps"], 250.0, "{ev}");
+    assert!(
+        (ev["days_in_shadow"].as_f64().unwrap() - 3.0).abs() < 0.05,
+        "{ev}"
+    );
+    assert!(ev["coverage"].as_f64().unwrap() > 0.99, "{ev}");
+    let batch = bucket(&cli, "batch");
+    assert_eq!(batch["mode"], "shadow", "{batch}");
+    let bev = &batch["evidence"]["promotion"];
+    assert_eq!(bev["promoted"], false, "{bev}");
+    assert_eq!(bev["reason"], "would throttle 16.667% of requests", "{bev}");
+
+    let (code, table) = output(d, &["preview"]);
+    assert_eq!(code, 0, "{table}");
+    let web_row = table
+        .lines()
+        .find(|l| l.starts_with("pay") && l.split_whitespace().nth(1) == Some("web"))
+        .unwrap_or_else(|| panic!("{table}"));
+    assert!(web_row.contains("shadow → enforce"), "{table}");
+    assert!(
+        table.contains("pay/web: shadow → enforce (ready)"),
+        "{table}"
+    );
+    assert!(
+        table.contains("pay/batch: stays in shadow (would throttle 16.667% of requests)"),
+        "{table}"
+    );
+
+    // The daemon's quota API proposes the same.
+    let serve = Proc::spawn(
+        rlc(d, &["serve", "--poll-secs", "1"])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(d.join("serve.log")).unwrap()),
+    )
+    .unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    let rest = rt.block_on(async {
+        let c = reqwest::Client::new();
+        for _ in 0..600 {
+            if let Ok(r) = c.get(format!("{base}/v1/quotas")).send().await {
+                if r.status() == 200 {
+                    return r.json::<Value>().await.unwrap();
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!(
+            "GET /v1/quotas never answered 200: {}",
+            std::fs::read_to_string(d.join("serve.log")).unwrap_or_default()
+        )
+    });
+    drop(serve);
+    assert_eq!(
+        bucket(&rest, "web")["mode_change"],
+        "shadow → enforce",
+        "{rest}"
+    );
+    assert!(bucket(&rest, "batch")["mode_change"].is_null(), "{rest}");
+    assert_eq!(
+        bucket(&rest, "web")["evidence"]["promotion"]["promoted"],
+        true
+    );
+    assert_eq!(modes(&rest), modes(&cli), "REST vs CLI preview");
+
+    // The run writes what both showed.
+    let (code, out) = output(d, &["run", "--once"]);
+    assert_eq!(code, 0, "{out}");
+    let file: schema::BucketFile =
+        serde_yaml::from_str(&remote.read("main", "buckets/pay.yaml").unwrap()).unwrap();
+    let mut written: Vec<(String, String, f64)> = file
+        .buckets
+        .iter()
+        .map(|b| {
+            (
+                format!("pay/{}", b.name),
+                b.mode.as_str().to_string(),
+                b.limit_rps,
+            )
+        })
+        .collect();
+    written.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(
+        written,
+        vec![
+            ("pay/batch".to_string(), "shadow".to_string(), 500.0),
+            ("pay/web".to_string(), "enforce".to_string(), 250.0)
+        ],
+        "{out}"
+    );
+    assert_eq!(modes(&cli), written, "CLI preview vs run");
 }

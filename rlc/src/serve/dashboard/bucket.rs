@@ -21,7 +21,7 @@ use super::{
 };
 use crate::readiness::{self, ShadowStats, Verdict};
 use crate::serve::AppState;
-use crate::store::{minute_of, MinuteRow, QuotaChange, Store};
+use crate::store::{minute_of, steps_from_minutes, MinuteRow, QuotaChange, StepRow, Store};
 
 /// Most points of a series: longer windows aggregate several minutes per point.
 const MAX_POINTS: i64 = 360;
@@ -81,10 +81,94 @@ pub struct Readiness {
     pub days_in_shadow: f64,
     /// Virtual drops ÷ offered over the window.
     pub virtual_drop_share: f64,
-    /// The verdict with the default promotion rule.
+    /// The rule the verdict applies: the service's `promotion:` rule of `rlc/policies.yaml`
+    /// (as a run applies it), else the default rule.
+    pub rule: RuleView,
+    /// The verdict of `rule`.
     pub verdict: Verdict,
     /// The verdict in words.
     pub verdict_text: String,
+}
+
+/// The promotion rule of a bucket page's verdict.
+#[derive(Debug, Clone, Serialize, JsonSchema)]
+pub struct RuleView {
+    /// `rlc/policies.yaml` (the service's `promotion:` rule on the config repo's base as last
+    /// fetched, the one a run applies) or `default` (no `promotion:` section, or no config
+    /// repo on this server).
+    pub source: String,
+    /// Minimum days in shadow.
+    pub min_days_in_shadow: f64,
+    /// Maximum virtual-drop share.
+    pub max_virtual_drop_share: f64,
+    /// Minimum coverage.
+    pub min_coverage: f64,
+    /// Oldest last report, in seconds.
+    pub max_report_age_secs: i64,
+    /// Why the default rule is used although a config repo is configured (it could not be
+    /// read), if so.
+    pub problem: Option<String>,
+}
+
+impl RuleView {
+    fn new(rule: &readiness::Rule, from_file: bool, problem: Option<String>) -> RuleView {
+        RuleView {
+            source: if from_file {
+                "rlc/policies.yaml".into()
+            } else {
+                "default".into()
+            },
+            min_days_in_shadow: rule.min_days_in_shadow,
+            max_virtual_drop_share: rule.max_virtual_drop_share,
+            min_coverage: rule.min_coverage,
+            max_report_age_secs: rule.max_report_age.num_seconds(),
+            problem,
+        }
+    }
+
+    /// The rule in words.
+    pub fn describe(&self) -> String {
+        let age = if self.max_report_age_secs % 60 == 0 {
+            format!("{} min", self.max_report_age_secs / 60)
+        } else {
+            format!("{} s", self.max_report_age_secs)
+        };
+        format!(
+            "{} rule: ≥ {} days in shadow, coverage ≥ {}%, virtual drops ≤ {}%, last report ≤ {age} old",
+            if self.source == "default" {
+                "default"
+            } else {
+                "rlc/policies.yaml"
+            },
+            short(self.min_days_in_shadow),
+            short(self.min_coverage * 100.0),
+            short(self.max_virtual_drop_share * 100.0),
+        )
+    }
+}
+
+/// A number with at most four decimals and no trailing zeros (`0.01`, `90`, `7.5`).
+fn short(v: f64) -> String {
+    let s = format!("{v:.4}");
+    s.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
+/// The readiness rule of `service` as a run resolves it ([`crate::promotion::readiness_rule`])
+/// from the config repo's base as last fetched; the default rule without a config repo.
+pub(in crate::serve) async fn service_rule(
+    s: &AppState,
+    service: &str,
+) -> (readiness::Rule, RuleView) {
+    let (policies, problem) = match s.quotas() {
+        None => (None, None),
+        Some(q) => match q.base_policies().await {
+            Ok(p) => (p, None),
+            Err(e) => (None, Some(e)),
+        },
+    };
+    let (rule, from_file) = crate::promotion::readiness_rule(policies.as_ref(), service);
+    let view = RuleView::new(&rule, from_file, problem);
+    (rule, view)
 }
 
 /// `GET /v1/shadow/{service}/{bucket}?window=1h`.
@@ -123,37 +207,52 @@ fn bounds(window: &str) -> Result<(DateTime<Utc>, DateTime<Utc>, i64), DashError
     Ok((start, end, step_minutes * 60))
 }
 
-/// Series per scope key from minute rows: each step takes the highest per-minute average
-/// (so a one-minute burst stays visible in a 30-day view) and the latest limit.
+/// Series per scope key from minute rows, grouped in Rust ([`steps_from_minutes`]): the
+/// reference of [`series_from_steps`] over the steps grouped in SQL.
 pub fn series(
     rows: &[MinuteRow],
     start: DateTime<Utc>,
     end: DateTime<Utc>,
     step_secs: i64,
 ) -> (Vec<Series>, usize) {
-    let steps = ((end - start).num_seconds() / step_secs).max(0) as usize;
+    series_from_steps(
+        &steps_from_minutes(rows, start, step_secs),
+        start,
+        end,
+        step_secs,
+    )
+}
+
+/// Series per scope key from the steps of [`Store::bucket_steps`]: each point is the
+/// highest per-minute average of its step (so a one-minute burst stays visible in a 30-day
+/// view) and the limit of the step's newest minute; a step without a row is a gap (every
+/// value null). The busiest scope keys first, at most [`MAX_SCOPES`] (the count of the others
+/// is returned).
+pub fn series_from_steps(
+    steps: &[StepRow],
+    start: DateTime<Utc>,
+    end: DateTime<Utc>,
+    step_secs: i64,
+) -> (Vec<Series>, usize) {
+    let n = ((end - start).num_seconds() / step_secs).max(0) as usize;
+    let at = |i: usize| start + Duration::seconds(i as i64 * step_secs);
     let mut by_scope: BTreeMap<&str, (f64, Vec<Option<Point>>)> = BTreeMap::new();
-    for r in rows {
-        let i = ((r.minute - start).num_seconds() / step_secs) as usize;
-        if r.minute < start || i >= steps {
+    for r in steps {
+        if r.step < 0 || r.step as usize >= n {
             continue;
         }
+        let i = r.step as usize;
         let e = by_scope
             .entry(r.scope_key.as_str())
-            .or_insert_with(|| (0.0, vec![None; steps]));
+            .or_insert_with(|| (0.0, vec![None; n]));
         e.0 += r.offered;
-        let max = |a: Option<f64>, b: f64| Some(a.map_or(b, |a| a.max(b)));
-        let p = e.1[i].get_or_insert(Point {
-            t: start + Duration::seconds(i as i64 * step_secs),
-            offered_rps: None,
-            limit_rps: None,
-            virtual_drop_rps: None,
-            drop_rps: None,
+        e.1[i] = Some(Point {
+            t: at(i),
+            offered_rps: Some(r.offered_rps),
+            limit_rps: Some(r.limit_rps),
+            virtual_drop_rps: Some(r.virtual_drop_rps),
+            drop_rps: Some(r.drop_rps),
         });
-        p.offered_rps = max(p.offered_rps, r.offered_rps());
-        p.virtual_drop_rps = max(p.virtual_drop_rps, r.shadow_dropped_rps());
-        p.drop_rps = max(p.drop_rps, r.dropped_rps());
-        p.limit_rps = Some(r.limit_rps); // rows come by minute: the last one wins
     }
     let mut scopes: Vec<_> = by_scope.into_iter().collect();
     // Busiest first, then by name.
@@ -169,7 +268,7 @@ pub fn series(
                 .enumerate()
                 .map(|(i, p)| {
                     p.unwrap_or(Point {
-                        t: start + Duration::seconds(i as i64 * step_secs),
+                        t: at(i),
                         offered_rps: None,
                         limit_rps: None,
                         virtual_drop_rps: None,
@@ -184,21 +283,24 @@ pub fn series(
 
 async fn detail(
     store: &Store,
+    (rule, rule_view): (readiness::Rule, RuleView),
     service: &str,
     bucket: &str,
     window: &str,
 ) -> Result<BucketDetail, DashError> {
     let (start, end, step_secs) = bounds(window)?;
     let failed = |e| store_failed("/v1/shadow/{service}/{bucket}", e);
-    let (rows, stats) = store
-        .bucket_window(service, bucket, start, end)
-        .await
-        .map_err(failed)?;
-    let quota_history = store
-        .quota_changes(service, bucket, MAX_CHANGES)
-        .await
-        .map_err(failed)?;
-    let (series, scopes_cut) = series(&rows, start, end, step_secs);
+    // The figures, the chart steps and the history (at once where the store allows it).
+    let stats = store.shadow_stats(service, bucket, start, end);
+    let steps = store.bucket_steps(service, bucket, start, end, step_secs);
+    let history = store.quota_changes(service, bucket, MAX_CHANGES);
+    let (stats, steps, quota_history) = if store.concurrent() {
+        tokio::try_join!(stats, steps, history)
+    } else {
+        async { Ok((stats.await?, steps.await?, history.await?)) }.await
+    }
+    .map_err(failed)?;
+    let (series, scopes_cut) = series_from_steps(&steps, start, end, step_secs);
     let now = Utc::now();
     Ok(BucketDetail {
         service: service.into(),
@@ -208,8 +310,9 @@ async fn detail(
         window_end: end,
         step_secs,
         readiness: stats.map(|stats| {
-            let verdict = readiness::verdict(&stats, &readiness::Rule::default(), now);
+            let verdict = readiness::verdict(&stats, &rule, now);
             Readiness {
+                rule: rule_view,
                 days_in_shadow: stats.days_in_shadow(now),
                 virtual_drop_share: stats.drop_share(),
                 verdict_text: verdict.describe(),
@@ -236,7 +339,8 @@ pub(in crate::serve) async fn bucket_json(
 ) -> Result<Json<BucketDetail>, DashError> {
     let window = window_of(q);
     let store = s.store().ok_or(DashError::NoStore)?;
-    let d = detail(&store, &service, &bucket, &window).await?;
+    let rule = service_rule(&s, &service).await;
+    let d = detail(&store, rule, &service, &bucket, &window).await?;
     if d.readiness.is_none() {
         return Err(DashError::NotFound(format!(
             "no report of bucket `{bucket}` of service `{service}` in the store"
@@ -254,7 +358,10 @@ pub(in crate::serve) async fn bucket_page(
     let window = window_of(q);
     let res = match s.store() {
         None => Err(DashError::NoStore),
-        Some(store) => detail(&store, &service, &bucket, &window).await,
+        Some(store) => {
+            let rule = service_rule(&s, &service).await;
+            detail(&store, rule, &service, &bucket, &window).await
+        }
     };
     let (status, body) = match res {
         Ok(d) => (StatusCode::OK, render(&service, &bucket, &window, Ok(&d))),
@@ -514,7 +621,7 @@ fn readiness_section(h: &mut String, r: &Readiness) {
     let _ = write!(
         h,
         "<section id=\"readiness\"><h2>Readiness</h2><p>Verdict: <span class=\"badge {badge}\" id=\"verdict\">{}</span> \
-         <span class=\"muted\">(default rule: ≥ 7 days in shadow, coverage ≥ 90%, virtual drops ≤ 0.01%, last report ≤ 15 min old)</span></p>\
+         <span class=\"muted\" id=\"rule\">({})</span></p>{}\
          <table class=\"facts\"><tbody>\
          <tr><th>Mode</th><td id=\"mode\">{}</td></tr>\
          <tr><th>In shadow since</th><td id=\"shadow-since\">{} ({:.1} days)</td></tr>\
@@ -528,6 +635,15 @@ fn readiness_section(h: &mut String, r: &Readiness) {
          <tr><th>Last report</th><td id=\"last-report\">{}</td></tr>\
          </tbody></table></section>",
         escape_html(&r.verdict_text),
+        escape_html(&r.rule.describe()),
+        r.rule
+            .problem
+            .as_deref()
+            .map(|p| format!(
+                "<p class=\"err\">The service's rule in rlc/policies.yaml could not be read ({}); the default rule applies here.</p>",
+                escape_html(p)
+            ))
+            .unwrap_or_default(),
         escape_html(&s.mode),
         opt_when(s.shadow_since),
         r.days_in_shadow,

@@ -784,3 +784,88 @@ async fn bucket_pages_in_headless_chromium_postgres() {
         .unwrap();
     check_bucket_pages(store, "postgres").await;
 }
+
+/// The bucket page's verdict applies the service's `promotion:` rule of the config repo's
+/// `rlc/policies.yaml` (base branch), resolved as a run resolves it: `checkout` needs 10 days
+/// in shadow (gw has 8: not yet), every other service takes the `default:` section (search
+/// tolerates 50 % virtual drops: its 20 % is ready). Without a config repo: the default rule.
+#[tokio::test]
+async fn bucket_verdict_applies_the_services_promotion_rule() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::connect("sqlite://rlc.db", dir.path()).await.unwrap();
+    eight_days(&store).await;
+    let policies = "default:\n  policy: peak\npromotion:\n  default:\n    max_virtual_drop_share: 0.5\n  services:\n    checkout:\n      min_days_in_shadow: 10\n";
+    let wc = dir.path().join("wc");
+    std::fs::create_dir_all(wc.join("rlc")).unwrap();
+    std::fs::write(wc.join("rlc/policies.yaml"), policies).unwrap();
+    let git = |args: &[&str]| test_support::git::git(&wc, args).unwrap();
+    git(&["init", "-q", "-b", "main"]);
+    git(&["add", "-A"]);
+    git(&[
+        "-c",
+        "user.name=t",
+        "-c",
+        "user.email=t@example.com",
+        "commit",
+        "-q",
+        "-m",
+        "policies",
+    ]);
+    let cfg: schema::DaemonConfig = schema::parse_str(
+        std::path::Path::new("rlc.yaml"),
+        "history:\n  prometheus:\n    url: http://127.0.0.1:9\n    query: up\nconfig_repo:\n  path: wc\n",
+    )
+    .unwrap()
+    .value;
+    let cache = std::sync::Arc::new(crate::snapshot::HistoryCache::new(cfg.clone(), dir.path()));
+    let state = AppState::with_store(store.clone());
+    state.set_quotas(std::sync::Arc::new(
+        crate::serve::quotas::Quotas::new(cfg, dir.path(), cache, 4).unwrap(),
+    ));
+
+    // The run's resolution of the same file.
+    let file: schema::PoliciesFile =
+        schema::parse_str(std::path::Path::new("rlc/policies.yaml"), policies)
+            .unwrap()
+            .value;
+    let (run_rule, from_file) = crate::promotion::readiness_rule(Some(&file), "checkout");
+    assert!(from_file);
+    assert_eq!(run_rule.min_days_in_shadow, 10.0);
+
+    let (status, v) = get_json(&state, "/v1/shadow/checkout/gw?window=7d").await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let r = &v["readiness"];
+    assert_eq!(r["rule"]["source"], "rlc/policies.yaml", "{r}");
+    assert_eq!(r["rule"]["min_days_in_shadow"], 10.0);
+    assert_eq!(r["rule"]["max_virtual_drop_share"], 0.5);
+    assert_eq!(r["rule"]["min_coverage"], 0.9);
+    assert_eq!(r["verdict"]["verdict"], "not_yet", "{r}");
+    assert_eq!(
+        r["verdict"]["reasons"],
+        serde_json::json!(["8.0 of 10 days in shadow"]),
+        "{r}"
+    );
+    let (_, html) = get(&state, "/buckets/checkout/gw?window=7d").await;
+    assert!(
+        html.contains("rlc/policies.yaml rule: ≥ 10 days in shadow, coverage ≥ 90%, virtual drops ≤ 50%, last report ≤ 15 min old"),
+        "{html}"
+    );
+    assert!(html.contains("not yet: 8.0 of 10 days in shadow"));
+
+    let evil = format!(
+        "/v1/shadow/search/{}?window=7d",
+        encode_query_value(EVIL_BUCKET)
+    );
+    let (_, e) = get_json(&state, &evil).await;
+    assert_eq!(e["readiness"]["rule"]["min_days_in_shadow"], 7.0, "{e}");
+    assert_eq!(e["readiness"]["verdict"]["verdict"], "ready", "{e}");
+
+    // Without a config repo: the default rule, said so.
+    let (_, d) = get_json(
+        &AppState::with_store(store),
+        "/v1/shadow/checkout/gw?window=7d",
+    )
+    .await;
+    assert_eq!(d["readiness"]["rule"]["source"], "default");
+    assert_eq!(d["readiness"]["verdict"]["verdict"], "ready", "{d}");
+}
