@@ -102,7 +102,16 @@ pub async fn load(
         _ => (p.query.clone(), h.clone()),
     };
     let p = &PrometheusConfig { query, ..p.clone() };
-    let (start, step, len) = grid(&h, end.timestamp());
+    // Downsampled, the point at `t` is the maximum over `(t - step, t]`: the last point is the
+    // first multiple of `step` at or after the last raw point, so the freshest raw minutes
+    // are in the history too (a grid ending before them would drop up to two steps of them).
+    let grid_end = if h.step.as_secs() as i64 > raw_step {
+        let last_raw = end.timestamp().div_euclid(raw_step) * raw_step - raw_step;
+        last_raw + 2 * h.step.as_secs() as i64 - 1
+    } else {
+        end.timestamp()
+    };
+    let (start, step, len) = grid(&h, grid_end);
     // Bound the samples Prometheus evaluates per request too (its `query.max-samples`): with
     // server-side reduction, one output point costs `downsample ÷ step` inner steps.
     let inner_per_point = (step / raw_step.max(1)).max(1) as usize;
