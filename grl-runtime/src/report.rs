@@ -54,6 +54,11 @@ pub struct Step {
     pub max_overshoot: f64,
     /// Mean of max(0, admitted − limit) / limit over the 10 s after the step.
     pub mean_overshoot: f64,
+    /// Admitted in the first second after the step, over the limit.
+    pub first_second: f64,
+    /// The largest admitted / limit of the whole seconds after that one (second 2, 3, …
+    /// after the step, up to the end of the run).
+    pub later_seconds_max: f64,
 }
 
 /// Step figures of `bucket` for a step at `step_s`.
@@ -90,7 +95,25 @@ pub fn step(res: &SimResult, bucket: &str, limit: f64, step_s: f64) -> Step {
     // window right after the step is all offered load and says nothing about the loop.
     let overs: Vec<f64> = avg.iter().map(|&(_, v)| (v - limit) / limit).collect();
     let horizon = (10 * k).min(overs.len());
+    // Whole seconds after the step: windows are numbered from the step.
+    let mut seconds: Vec<u64> = Vec::new();
+    for x in &after {
+        let j = ((x.end_ms - step_ms - 1) / 1000) as usize;
+        if seconds.len() <= j {
+            seconds.resize(j + 1, 0);
+        }
+        seconds[j] += x.admitted;
+    }
+    // A last, partial second says nothing.
+    let whole = ((w.last().map_or(0, |x| x.end_ms) - step_ms) / 1000) as usize;
+    seconds.truncate(whole);
     Step {
+        first_second: seconds.first().map_or(0.0, |&a| a as f64 / limit),
+        later_seconds_max: seconds
+            .iter()
+            .skip(1)
+            .map(|&a| a as f64 / limit)
+            .fold(0.0, f64::max),
         catch_up_s: catch_up,
         capacity_used: if cap > 0.0 { used / cap } else { 0.0 },
         max_overshoot: overs.iter().copied().fold(f64::MIN, f64::max).max(0.0),
@@ -239,13 +262,14 @@ pub fn markdown(dir: &Path, seed: u64) -> anyhow::Result<String> {
         "1100 → 18350 rps at t = 10 s (the seeds' 22K → 367K scaled by 1/20) against 1500 rps, 40 instances. \
          Catch-up = time from the step until the 1 s moving average of admitted is back within +5% of the limit \
          for good; overshoot of the 1 s moving average: max, and mean over the 10 s after the step; capacity used = admitted / \
-         min(offered, limit) after the step.\n"
+         min(offered, limit) after the step; first second = admitted in the first second after the step / limit; \
+         later seconds = the largest admitted / limit of the following whole seconds.\n"
     )?;
     writeln!(
         w,
-        "| algorithm | catch-up | max overshoot | mean overshoot | capacity used |"
+        "| algorithm | first second | later seconds (max) | catch-up | max overshoot | mean overshoot | capacity used |"
     )?;
-    writeln!(w, "|---|---:|---:|---:|---:|")?;
+    writeln!(w, "|---|---:|---:|---:|---:|---:|---:|")?;
     for (label, s, algo) in [
         ("GRL", sc.clone(), Algorithm::DropByRatio),
         ("GRL, seeds' lag", seeds_loop(&sc), Algorithm::DropByRatio),
@@ -255,7 +279,9 @@ pub fn markdown(dir: &Path, seed: u64) -> anyhow::Result<String> {
         let st = step(&r, &name, limit, 10.0);
         writeln!(
             w,
-            "| {label} | {} | {} | {} | {} |",
+            "| {label} | {} | {} | {} | {} | {} | {} |",
+            pct(st.first_second),
+            pct(st.later_seconds_max),
             secs(st.catch_up_s),
             pct(st.max_overshoot),
             pct(st.mean_overshoot),

@@ -124,6 +124,86 @@ fn sim_drop_by_ratio_is_fairer_than_token_bucket() {
     assert_eq!(p.dropped, 0);
 }
 
+/// The 15× step is enforced within a second: the first second after it admits at most 150%
+/// of the limit (clients far above their share of the allowance drop at once), and every
+/// whole second after that at most 105%.
+#[test]
+fn sim_step_is_enforced_within_a_second() {
+    let sc = scenario("step-15x.yaml");
+    let b = &sc.buckets[0];
+    for seed in [1, 2, 3] {
+        let st = step(
+            &run(&sc, seed, Algorithm::DropByRatio, |_| {}).unwrap(),
+            &b.name,
+            b.limit_rps,
+            10.0,
+        );
+        assert!(
+            st.first_second <= 1.5,
+            "seed {seed}: first second {}",
+            st.first_second
+        );
+        assert!(
+            st.later_seconds_max <= 1.05,
+            "seed {seed}: later seconds {}",
+            st.later_seconds_max
+        );
+        // Not by starving it: the seconds after the step still use the limit.
+        assert!(
+            st.capacity_used >= 0.95,
+            "seed {seed}: {}",
+            st.capacity_used
+        );
+    }
+}
+
+/// Steady overload: every tick after the loop settled admits the limit within ±3% (no
+/// oscillation between over- and under-admitting).
+#[test]
+fn sim_steady_overload_does_not_oscillate() {
+    let sc = scenario("steady-1.5x.yaml");
+    let limit = sc.buckets[0].limit_rps;
+    for seed in [1, 2] {
+        let r = run(&sc, seed, Algorithm::DropByRatio, |_| {}).unwrap();
+        for row in r.rows.iter().filter(|row| row.t > 3.0) {
+            assert!(
+                ((row.admitted_rps - limit) / limit).abs() <= 0.03,
+                "seed {seed} t {}: admitted {}",
+                row.t,
+                row.admitted_rps
+            );
+        }
+    }
+}
+
+/// More callers than quota share a procedure bucket fairly (Jain's index ≥ 0.99), and an
+/// uneven fleet under quota (a hot instance, an 8× burst) is never dropped.
+#[test]
+fn sim_fairness_index_and_no_premature_drops() {
+    let sc = scenario("fairness.yaml");
+    let limit = sc.buckets[0].limit_rps;
+    for seed in [1, 2, 3] {
+        let f = fairness(
+            &run(&sc, seed, Algorithm::DropByRatio, |_| {}).unwrap(),
+            limit,
+            sc.duration_s,
+        );
+        assert!(f.jain >= 0.99, "seed {seed}: Jain {}", f.jain);
+        assert_eq!(f.starved, 0);
+    }
+    let sc = scenario("uneven.yaml");
+    let b = &sc.buckets[0];
+    for seed in [1, 2, 3] {
+        let r = run(&sc, seed, Algorithm::DropByRatio, |_| {}).unwrap();
+        let p = premature(&r, &b.name, b.limit_rps);
+        assert_eq!(p.dropped, 0, "seed {seed}");
+        assert!(
+            r.rows.iter().all(|row| row.dropped_rps == 0.0),
+            "seed {seed}"
+        );
+    }
+}
+
 fn bucket(name: &str, scope: Scope, limit: f64) -> Bucket {
     Bucket {
         name: name.into(),
