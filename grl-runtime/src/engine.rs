@@ -202,6 +202,14 @@ impl Interner {
     }
 }
 
+/// Whether a key had any traffic (it gets a report row).
+fn busy(k: &KeyState) -> bool {
+    k.offered_rps != 0.0
+        || k.admitted_rps != 0.0
+        || k.dropped_rps != 0.0
+        || k.shadow_dropped_rps != 0.0
+}
+
 /// Aggregator-id prefix of reports that come from a peer controller.
 pub const PEER_PREFIX: &str = "region:";
 
@@ -242,6 +250,8 @@ pub struct Engine {
     dirty: Vec<usize>,
     dirty_flag: Vec<bool>,
     all_dirty: bool,
+    /// Keys with traffic (the rows `record_reports` appends).
+    busy_rows: usize,
     /// A zone that has not reported for this long no longer counts.
     zone_ttl_ms: u64,
     reports: VecDeque<ReportRow>,
@@ -275,6 +285,7 @@ impl Engine {
             dirty: Vec::new(),
             dirty_flag: Vec::new(),
             all_dirty: true,
+            busy_rows: 0,
             zone_ttl_ms,
             reports: VecDeque::new(),
             report_cap: 20_000,
@@ -438,6 +449,7 @@ impl Engine {
         self.dirty.clear();
         self.dirty_flag = vec![false; self.buckets.len()];
         self.all_dirty = true;
+        self.busy_rows = 0;
         for z in zones.values() {
             self.contribute(z, 1);
         }
@@ -448,46 +460,94 @@ impl Engine {
     /// buckets it carries, and marks them dirty. A key no live report carries any more goes.
     fn contribute(&mut self, z: &ZoneData, sign: i64) {
         for &(i, r) in &z.resolved {
-            let s = &mut self.buckets[i];
-            let id = match s.bucket.scope {
-                Scope::Global => 0,
-                Scope::Region => z.region_key,
-                Scope::Zone => z.zone_key,
-            };
-            let p = match s.keys.iter().position(|k| k.id == id) {
-                Some(p) => p,
-                None if sign < 0 => continue,
-                None => {
-                    let name = self.keys.name(id);
-                    let at = s.keys.partition_point(|k| k.scope_key.as_str() < name);
-                    s.keys.insert(
-                        at,
-                        KeyState {
-                            scope_key: name.to_string(),
-                            id,
-                            ..Default::default()
-                        },
-                    );
-                    at
+            let id = self.key_of(i, z);
+            self.apply_entry(i, id, r.map(|x| sign * x), sign as i32);
+        }
+    }
+
+    /// The scope key id of bucket `i` for zone `z`.
+    fn key_of(&self, i: usize, z: &ZoneData) -> u32 {
+        match self.buckets[i].bucket.scope {
+            Scope::Global => 0,
+            Scope::Region => z.region_key,
+            Scope::Zone => z.zone_key,
+        }
+    }
+
+    /// Replaces zone report `old` by `new` (same region and zone), walking both in bucket
+    /// order: a bucket in both gets the difference, and is marked dirty only if it changed.
+    fn replace(&mut self, old: &ZoneData, new: &ZoneData) {
+        let (a, b) = (&old.resolved, &new.resolved);
+        let (mut x, mut y) = (0, 0);
+        while x < a.len() || y < b.len() {
+            let (i, delta, dz) = match (a.get(x), b.get(y)) {
+                (Some(&(i, o)), Some(&(j, n))) if i == j => {
+                    x += 1;
+                    y += 1;
+                    (i, [n[0] - o[0], n[1] - o[1], n[2] - o[2], n[3] - o[3]], 0)
                 }
+                (Some(&(i, o)), Some(&(j, _))) if i < j => {
+                    x += 1;
+                    (i, o.map(|v| -v), -1)
+                }
+                (Some(&(i, o)), None) => {
+                    x += 1;
+                    (i, o.map(|v| -v), -1)
+                }
+                (_, Some(&(j, n))) => {
+                    y += 1;
+                    (j, n, 1)
+                }
+                (None, None) => unreachable!(),
             };
-            let k = &mut s.keys[p];
-            for (sum, x) in k.sums.iter_mut().zip(r) {
-                *sum = sum.saturating_add(sign * x);
+            let id = self.key_of(i, new);
+            self.apply_entry(i, id, delta, dz);
+        }
+    }
+
+    /// Adds `delta` to the sums of bucket `i`'s key `id` and `dz` to the number of reports that
+    /// carry it (a key reaching zero goes; a missing key is created by a report that adds it).
+    fn apply_entry(&mut self, i: usize, id: u32, delta: [i64; 4], dz: i32) {
+        if delta == [0; 4] && dz == 0 {
+            return;
+        }
+        let s = &mut self.buckets[i];
+        let p = match s.keys.iter().position(|k| k.id == id) {
+            Some(p) => p,
+            None if dz <= 0 => return,
+            None => {
+                let name = self.keys.name(id);
+                let at = s.keys.partition_point(|k| k.scope_key.as_str() < name);
+                s.keys.insert(
+                    at,
+                    KeyState {
+                        scope_key: name.to_string(),
+                        id,
+                        ..Default::default()
+                    },
+                );
+                at
             }
-            k.zones = k.zones.saturating_add_signed(sign as i32);
-            if k.zones == 0 {
-                s.keys.remove(p);
-            } else {
-                k.offered_rps = from_units(k.sums[0]);
-                k.admitted_rps = from_units(k.sums[1]);
-                k.dropped_rps = from_units(k.sums[2]);
-                k.shadow_dropped_rps = from_units(k.sums[3]);
-            }
-            if !self.dirty_flag[i] {
-                self.dirty_flag[i] = true;
-                self.dirty.push(i);
-            }
+        };
+        let k = &mut s.keys[p];
+        let was_busy = busy(k);
+        for (sum, x) in k.sums.iter_mut().zip(delta) {
+            *sum = sum.saturating_add(x);
+        }
+        k.zones = k.zones.saturating_add_signed(dz);
+        if k.zones == 0 {
+            s.keys.remove(p);
+            self.busy_rows -= was_busy as usize;
+        } else {
+            k.offered_rps = from_units(k.sums[0]);
+            k.admitted_rps = from_units(k.sums[1]);
+            k.dropped_rps = from_units(k.sums[2]);
+            k.shadow_dropped_rps = from_units(k.sums[3]);
+            self.busy_rows = self.busy_rows + busy(k) as usize - was_busy as usize;
+        }
+        if !self.dirty_flag[i] {
+            self.dirty_flag[i] = true;
+            self.dirty.push(i);
         }
     }
 
@@ -609,17 +669,38 @@ impl Engine {
                 ],
             ));
         }
-        // Keyed by aggregator: replicas serving one zone each carry part of its clients.
-        if let Some(old) = self.zones.remove(&r.aggregator_id) {
-            self.contribute(&old, -1);
+        // In bucket order (reports usually are), a bucket reported twice summed: the previous
+        // report and this one are then walked side by side.
+        if !resolved.is_sorted_by_key(|e| e.0) {
+            resolved.sort_by_key(|e| e.0);
         }
+        resolved.dedup_by(|b, a| {
+            if a.0 == b.0 {
+                for j in 0..4 {
+                    a.1[j] = a.1[j].saturating_add(b.1[j]);
+                }
+                true
+            } else {
+                false
+            }
+        });
         let z = ZoneData {
             region_key: self.keys.id(&format!("region:{}", r.region)),
             zone_key: self.keys.id(&format!("zone:{}", r.zone)),
             at_ms: now_ms,
             resolved,
         };
-        self.contribute(&z, 1);
+        // Keyed by aggregator: replicas serving one zone each carry part of its clients.
+        match self.zones.remove(&r.aggregator_id) {
+            Some(old) if old.region_key == z.region_key && old.zone_key == z.zone_key => {
+                self.replace(&old, &z)
+            }
+            Some(old) => {
+                self.contribute(&old, -1);
+                self.contribute(&z, 1);
+            }
+            None => self.contribute(&z, 1),
+        }
         self.zones.insert(r.aggregator_id.clone(), z);
     }
 
@@ -830,40 +911,21 @@ impl Engine {
     /// per tick); keys whose zones reported nothing but zeros are skipped so that the bounded
     /// ring holds useful rows.
     pub fn record_reports(&mut self, unix_now: u64) {
-        let busy = |k: &KeyState| {
-            k.offered_rps != 0.0
-                || k.admitted_rps != 0.0
-                || k.dropped_rps != 0.0
-                || k.shadow_dropped_rps != 0.0
-        };
-        // Rows beyond the ring's capacity would be evicted at once: count them (their
-        // sequence numbers are used up all the same) and build only the newest `report_cap`.
-        let rows: usize = self
-            .buckets
-            .iter()
-            .map(|s| s.keys.iter().filter(|k| busy(k)).count())
-            .sum();
-        let mut skip = rows.saturating_sub(self.report_cap);
-        self.seq += skip as u64;
-        for s in &self.buckets {
-            if skip > 0 {
-                let n = s.keys.iter().filter(|k| busy(k)).count();
-                if n <= skip {
-                    skip -= n;
-                    continue;
+        // Rows beyond the ring's capacity would be evicted at once: their sequence numbers are
+        // used up (the count of keys with traffic is kept as sums change), but only the
+        // newest `report_cap` rows are built, walking back from the last bucket.
+        let keep = self.busy_rows.min(self.report_cap);
+        let mut rows: Vec<ReportRow> = Vec::with_capacity(keep);
+        'walk: for s in self.buckets.iter().rev() {
+            for k in s.keys.iter().rev() {
+                if rows.len() == keep {
+                    break 'walk;
                 }
-            }
-            for k in &s.keys {
                 if !busy(k) {
                     continue;
                 }
-                if skip > 0 {
-                    skip -= 1;
-                    continue;
-                }
-                self.seq += 1;
-                self.reports.push_back(ReportRow {
-                    seq: self.seq,
+                rows.push(ReportRow {
+                    seq: 0,
                     t: unix_now,
                     service: s.service.clone(),
                     bucket: s.bucket.name.clone(),
@@ -879,6 +941,12 @@ impl Engine {
                     drop_ratio: k.ratio,
                 });
             }
+        }
+        self.seq += (self.busy_rows - keep) as u64;
+        for mut row in rows.into_iter().rev() {
+            self.seq += 1;
+            row.seq = self.seq;
+            self.reports.push_back(row);
         }
         while self.reports.len() > self.report_cap {
             self.reports.pop_front();
