@@ -181,6 +181,15 @@ pub fn premature(res: &SimResult, bucket: &str, limit: f64) -> Premature {
     }
 }
 
+/// The rows of "GRL" before enforcement within a second (commit e45eac3: independent random
+/// draws, the lower-bound adjustment over quarter ticks only), measured by this generator at
+/// that commit with seed 1, kept beside the new figures.
+const BEFORE: &str = "GRL before (e45eac3)";
+const BEFORE_STEADY: &str = "| 998 | -0.17% | t = 2.0 s |";
+const BEFORE_STEP: &str = "| 436.9% | 103.3% | 1.3 s | 336.9% | 33.3% | 121.8% |";
+const BEFORE_FAIRNESS: &str = "| 0.971 | 99.9% | 0 |";
+const BEFORE_UNEVEN: &str = "| 0 | 0.0% |";
+
 fn load(dir: &Path, name: &str) -> anyhow::Result<Scenario> {
     let p = dir.join(name);
     Scenario::load(&p).with_context(|| format!("load {}", p.display()))
@@ -219,7 +228,10 @@ pub fn markdown(dir: &Path, seed: u64) -> anyhow::Result<String> {
          \"GRL\" = drop-by-ratio with 50 ms loop latency (aggregators forward as soon as a tick's reports are in) \
          and client-side adjustment on a jump of its own rate; \"GRL, seeds' lag\" = the same math with directives \
          arriving 2 s after the tick and no local adjustment; \"token bucket\" = the seeds' first design (per-host \
-         bucket refilled with whole tokens at share × limit per tick, 10 s of unused tokens kept).\n"
+         bucket refilled with whole tokens at share × limit per tick, 10 s of unused tokens kept). \
+         \"GRL before (e45eac3)\" = the GRL rows as this generator measured them (seed 1) before clients dropped \
+         at once on a jump far above their share of the allowance and before decisions followed a low-discrepancy \
+         sequence instead of independent draws (see docs/grl-architecture.md, \"Beating the seeds' lag\").\n"
     )?;
 
     // Steady 1.5x.
@@ -250,6 +262,10 @@ pub fn markdown(dir: &Path, seed: u64) -> anyhow::Result<String> {
             st.error * 100.0,
             secs(st.reached_at_s)
         )?;
+    }
+
+    if seed == 1 {
+        writeln!(w, "| {BEFORE} {BEFORE_STEADY}")?;
     }
 
     // Step.
@@ -289,6 +305,10 @@ pub fn markdown(dir: &Path, seed: u64) -> anyhow::Result<String> {
         )?;
     }
 
+    if seed == 1 {
+        writeln!(w, "| {BEFORE} {BEFORE_STEP}")?;
+    }
+
     // Fairness.
     let sc = load(dir, "fairness.yaml")?;
     let limit = sc.buckets[0].limit_rps;
@@ -318,6 +338,10 @@ pub fn markdown(dir: &Path, seed: u64) -> anyhow::Result<String> {
         )?;
     }
 
+    if seed == 1 {
+        writeln!(w, "| {BEFORE} {BEFORE_FAIRNESS}")?;
+    }
+
     // Uneven.
     let sc = load(dir, "uneven.yaml")?;
     let limit = sc.buckets[0].limit_rps;
@@ -337,6 +361,9 @@ pub fn markdown(dir: &Path, seed: u64) -> anyhow::Result<String> {
         let r = run(&sc, seed, algo, |_| {})?;
         let p = premature(&r, &name, limit);
         writeln!(w, "| {label} | {} | {} |", p.dropped, pct(p.fraction))?;
+    }
+    if seed == 1 {
+        writeln!(w, "| {BEFORE} {BEFORE_UNEVEN}")?;
     }
     Ok(md)
 }
