@@ -117,6 +117,15 @@ thread_local! {
     static SHARD: ShardClaim = ShardClaim::claim();
 }
 
+/// Decisions counted in one shard's counters of a bucket.
+#[inline(always)]
+pub(crate) fn decisions(e: &[AtomicU64; 3]) -> u64 {
+    e[ADMIT]
+        .load(Ordering::Relaxed)
+        .wrapping_add(e[DROP].load(Ordering::Relaxed))
+        .wrapping_add(e[SHADOW].load(Ordering::Relaxed))
+}
+
 pub(crate) struct Counters {
     shards: Box<[Shard]>,
 }
@@ -134,18 +143,27 @@ impl Counters {
         Counters { shards }
     }
 
-    /// Adds one to counter `which` of `bucket` in this thread's shard. An owned shard has a
-    /// single writer, so a plain load and store replace the locked read-modify-write (which
+    /// Counts one decision of `bucket` in this thread's shard: `decide` gets the shard's
+    /// counters of the bucket (for [`decisions`], read only when needed) and returns the
+    /// counter to bump (0 admit, 1 drop, 2 shadow drop), which is returned. An owned shard has
+    /// a single writer, so a plain load and store replace the locked read-modify-write (which
     /// costs as much as the rest of the counting); readers still see whole values.
-    #[inline]
-    pub(crate) fn bump(&self, bucket: usize, which: usize) {
+    #[inline(always)]
+    pub(crate) fn count_with(
+        &self,
+        bucket: usize,
+        decide: impl FnOnce(&[AtomicU64; 3]) -> usize,
+    ) -> usize {
         let (index, owned) = SHARD.try_with(|s| (s.index, s.owned)).unwrap_or((0, false));
-        let c = &self.shards[index][bucket + 2][which];
+        let e = &self.shards[index][bucket + 2];
+        let which = decide(e);
+        let c = &e[which];
         if owned {
             c.store(c.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
         } else {
             c.fetch_add(1, Ordering::Relaxed);
         }
+        which
     }
 
     pub(crate) fn snapshot(&self, bucket: usize) -> BucketCounts {

@@ -88,6 +88,19 @@ struct Slot {
     /// P(drop) = threshold / 2^64.
     threshold: AtomicU64,
     shadow: bool,
+    /// Start of the bucket's drop sequence (random per table, see [`spread`]).
+    phase: u64,
+}
+
+/// The `k`-th point of a bucket's drop sequence: request `k` of a thread's shard is dropped
+/// when it is below the threshold. An additive sequence with the golden-ratio step (a Weyl
+/// sequence) instead of independent draws: over any run of consecutive requests the dropped
+/// fraction stays within a request or two of the ratio, so a caller with few requests loses
+/// the same fraction as a big one (fairness) and a tick's admitted count has no binomial noise.
+/// The phase is random per table, so instances do not drop in step.
+#[inline(always)]
+fn spread(k: u64, phase: u64) -> u64 {
+    k.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(phase)
 }
 
 /// One service's bucket set compiled for lookup, with its directives and counters.
@@ -192,6 +205,7 @@ impl Table {
             .map(|b| Slot {
                 threshold: AtomicU64::new(0),
                 shadow: b.mode == Mode::Shadow,
+                phase: thread_rng_u64(),
             })
             .collect();
         Ok(Table {
@@ -272,12 +286,14 @@ impl Table {
         let i = i as usize;
         let slot = &self.slots[i];
         let t = slot.threshold.load(Ordering::Relaxed);
-        // Fail-open: a stale directive never drops. No clock read or draw at ratio 0.
-        let hit = t != 0
-            && (now_ms() < self.valid_until_ms.load(Ordering::Relaxed)) & (thread_rng_u64() < t);
-        // Without branches on the draw: 0 = admit, 1 = drop, 2 = shadow drop.
-        let which = hit as usize * (1 + slot.shadow as usize);
-        self.counters.bump(i, which);
+        let which = self.counters.count_with(i, |e| {
+            // Fail-open: a stale directive never drops. No clock read or count at ratio 0.
+            let hit = t != 0
+                && (now_ms() < self.valid_until_ms.load(Ordering::Relaxed))
+                    & (spread(crate::counters::decisions(e), slot.phase) < t);
+            // Without branches on the draw: 0 = admit, 1 = drop, 2 = shadow drop.
+            hit as usize * (1 + slot.shadow as usize)
+        });
         const OUTCOME: [Decision; 3] = [Decision::Admit, Decision::Drop, Decision::ShadowDrop];
         OUTCOME[which]
     }

@@ -202,8 +202,23 @@ fn local_growth_raises_ratio_but_never_lowers_it() {
     };
     assert_eq!(adjusted_ratio(&d, 10.0), 0.0);
     assert_eq!(adjusted_ratio(&d, 5.0), 0.0);
-    // Own load +110: the fleet is at least 200 → at least half must go.
-    assert!((adjusted_ratio(&d, 120.0) - 0.5).abs() < 1e-9);
+    // Own load +40 (5×, below 6× its allowance share of 11.1): only the lower bound, the
+    // fleet is at least 130 → 30/130 must go.
+    assert!((adjusted_ratio(&d, 50.0) - 30.0 / 130.0).abs() < 1e-9);
+    assert!(!crate::control::far_above_share(&d, 50.0));
+    // Own load 12× (far above its share): taken for a fleet-wide step, the client admits
+    // only its share of the allowance, 100 × 10/90.
+    let share = 100.0 * 10.0 / 90.0;
+    assert!(crate::control::far_above_share(&d, 120.0));
+    assert!((adjusted_ratio(&d, 120.0) - (1.0 - share / 120.0)).abs() < 1e-9);
+    // An uneven instance bursting 8× while its fleet runs at half the limit is 4× its share:
+    // no local drop at all.
+    let half = Directive {
+        fleet_offered_rps: 50.0,
+        local_offered_rps: 5.0,
+        ..d
+    };
+    assert_eq!(adjusted_ratio(&half, 40.0), 0.0);
     let fixed = Directive {
         fixed: true,
         ratio: 0.2,

@@ -17,6 +17,20 @@ use crate::proto::{BucketCountsMsg, CallCountMsg, ClientDirectives, ClientReport
 
 /// Sub-tick windows with fewer requests than this are too noisy to act on.
 const MIN_SUBTICK_REQUESTS: u64 = 20;
+/// The sub-tick window of the lower-bound adjustment (see `grl_core::control::adjusted_ratio`).
+const SUBTICK_WINDOW_MS: u64 = 250;
+/// The short window in which a client spots a fleet-wide step: its own rate far above its
+/// share of the allowance (`grl_core::control::far_above_share`) drops at once, not a sub-tick
+/// later. A 15× step of a client at 27 rps shows as 9 requests in 20 ms.
+const FAST_WINDOW_MS: u64 = 20;
+/// How long a ratio a client raised on its own holds against directives that do not show its
+/// jump yet (computed from reports before it): until one does, or this long.
+const JUMP_HOLD_MS: u64 = 2000;
+/// Fewer requests than this in a short window say nothing.
+const MIN_FAST_REQUESTS: u64 = 8;
+/// In a short window the rate must also be this many times the client's own previous rate:
+/// Poisson noise over 20 ms of a steady client stays well below it.
+const FAST_JUMP: f64 = 3.0;
 
 /// What a client does each tick, without the transport: turn counters into a report, apply
 /// the directives that come back, install new configs, and between reports raise a bucket's
@@ -38,6 +52,43 @@ pub struct Reporter {
     calls: Option<CallDrain>,
     /// Calls drained but not sent yet (bounded).
     pending_calls: PendingCalls,
+    fast_prev: Vec<u64>,
+    fast_prev_ms: u64,
+    /// A ratio raised on the client's own jump, per bucket: see [`Hold`].
+    hold: Vec<Option<Hold>>,
+}
+
+/// A ratio a client raised because its own rate jumped. A directive computed before the
+/// controller saw the jump (its fleet rate below `fleet_min`, the last known fleet rate plus
+/// this client's own growth) would set the old ratio again and let the jump through for
+/// another loop: such a directive does not lower the ratio, until `until_ms`.
+#[derive(Debug, Clone, Copy)]
+struct Hold {
+    ratio: f64,
+    fleet_min: f64,
+    until_ms: u64,
+}
+
+impl Hold {
+    /// The hold after raising the ratio to `ratio` on a local rate `rate` against `d`: the
+    /// first jump sets the deadline (later windows of the same jump do not extend it). A
+    /// directive shows the jump when its fleet rate grew by at least half this client's own
+    /// growth (rates of different windows differ a little).
+    fn raised(prev: Option<Hold>, d: &Directive, rate: f64, ratio: f64, now_ms: u64) -> Hold {
+        let fleet_min = d.fleet_offered_rps + 0.5 * (rate - d.local_offered_rps);
+        match prev {
+            Some(h) => Hold {
+                ratio: h.ratio.max(ratio),
+                fleet_min: h.fleet_min.max(fleet_min),
+                until_ms: h.until_ms,
+            },
+            None => Hold {
+                ratio,
+                fleet_min,
+                until_ms: now_ms + JUMP_HOLD_MS,
+            },
+        }
+    }
 }
 
 impl Reporter {
@@ -56,6 +107,9 @@ impl Reporter {
             directives: vec![None; n],
             sub_prev: vec![0; n],
             sub_prev_ms: now_ms,
+            fast_prev: vec![0; n],
+            fast_prev_ms: now_ms,
+            hold: vec![None; n],
             calls: None,
             pending_calls: PendingCalls::new(crate::calls::DEFAULT_CLIENT_KEYS),
         }
@@ -145,6 +199,16 @@ impl Reporter {
             let Some(i) = self.table.index_of(&m.bucket) else {
                 continue;
             };
+            seen[i] = true;
+            if let Some(h) = self.hold[i] {
+                if !m.fixed && now_ms < h.until_ms && m.fleet_offered_rps < h.fleet_min {
+                    // Computed before the controller saw this client's jump: the raised ratio
+                    // and the directive it was computed from stay.
+                    self.table.set_ratio(i, m.ratio.max(h.ratio));
+                    continue;
+                }
+                self.hold[i] = None;
+            }
             let dir = Directive {
                 ratio: m.ratio,
                 fleet_offered_rps: m.fleet_offered_rps,
@@ -154,12 +218,12 @@ impl Reporter {
             };
             self.table.set_ratio(i, dir.ratio);
             self.directives[i] = Some(dir);
-            seen[i] = true;
         }
         for (i, s) in seen.iter().enumerate() {
             if !s {
                 self.table.set_ratio(i, 0.0);
                 self.directives[i] = None;
+                self.hold[i] = None;
             }
         }
         match d.age_ms {
@@ -191,36 +255,72 @@ impl Reporter {
         self.local_rps = vec![0.0; n];
         self.directives = vec![None; n];
         self.sub_prev = vec![0; n];
+        self.fast_prev = vec![0; n];
+        self.hold = vec![None; n];
         Ok(())
     }
 
     /// Between reports: raises a bucket's ratio when this client's own offered rate has jumped
-    /// since the directive (see `grl_core::control::adjusted_ratio`). Returns whether some
-    /// bucket jumped, in which case the caller should report at once instead of at the tick.
+    /// since the directive (see `grl_core::control::adjusted_ratio`). Call it often (every
+    /// 10 to 20 ms): short windows ([`FAST_WINDOW_MS`]) catch a fleet-wide step at once, and
+    /// every [`SUBTICK_WINDOW_MS`] the longer window takes the smaller jumps. Returns whether
+    /// some bucket jumped, in which case the caller should report at once instead of at the
+    /// tick.
     pub fn subtick(&mut self, now_ms: u64) -> bool {
-        let dt = now_ms.saturating_sub(self.sub_prev_ms);
-        if dt == 0 {
+        let fast_dt = now_ms.saturating_sub(self.fast_prev_ms);
+        let long_dt = now_ms.saturating_sub(self.sub_prev_ms);
+        let fast = fast_dt >= FAST_WINDOW_MS;
+        let long = long_dt >= SUBTICK_WINDOW_MS;
+        if !fast && !long {
             return false;
         }
         let mut jumped = false;
         for i in 0..self.sub_prev.len() {
             let offered = self.table.counts(i).offered;
-            let n = offered.saturating_sub(self.sub_prev[i]);
-            self.sub_prev[i] = offered;
-            let Some(d) = &self.directives[i] else {
-                continue;
-            };
-            if n < MIN_SUBTICK_REQUESTS {
-                continue;
+            let d = self.directives[i];
+            if fast {
+                let n = offered.saturating_sub(self.fast_prev[i]);
+                self.fast_prev[i] = offered;
+                if let Some(d) = &d {
+                    let rate = n as f64 * 1000.0 / fast_dt as f64;
+                    if n >= MIN_FAST_REQUESTS
+                        && rate > d.local_offered_rps * FAST_JUMP
+                        && grl_core::control::far_above_share(d, rate)
+                    {
+                        jumped = true;
+                        let r = adjusted_ratio(d, rate);
+                        if r > self.table.ratio(i) {
+                            self.table.set_ratio(i, r);
+                            self.hold[i] = Some(Hold::raised(self.hold[i], d, rate, r, now_ms));
+                        }
+                    }
+                }
             }
-            let rate = n as f64 * 1000.0 / dt as f64;
-            jumped |= grl_core::control::jumped(d, rate);
-            let r = adjusted_ratio(d, rate);
-            if r > self.table.ratio(i) {
-                self.table.set_ratio(i, r);
+            if long {
+                let n = offered.saturating_sub(self.sub_prev[i]);
+                self.sub_prev[i] = offered;
+                let Some(d) = &d else {
+                    continue;
+                };
+                if n < MIN_SUBTICK_REQUESTS {
+                    continue;
+                }
+                let rate = n as f64 * 1000.0 / long_dt as f64;
+                let jump = grl_core::control::jumped(d, rate);
+                jumped |= jump;
+                let r = adjusted_ratio(d, rate);
+                if r > self.table.ratio(i) {
+                    self.table.set_ratio(i, r);
+                    self.hold[i] = Some(Hold::raised(self.hold[i], d, rate, r, now_ms));
+                }
             }
         }
-        self.sub_prev_ms = now_ms;
+        if fast {
+            self.fast_prev_ms = now_ms;
+        }
+        if long {
+            self.sub_prev_ms = now_ms;
+        }
         jumped
     }
 }
@@ -470,6 +570,8 @@ impl prometheus_client::collector::Collector for ClientMetrics {
 }
 
 const SUBTICKS: u32 = 4;
+/// How often the client loop watches its own rate between reports.
+const SUBTICK_EVERY: Duration = Duration::from_millis(10);
 
 async fn run(
     opts: ClientOptions,
@@ -506,23 +608,27 @@ async fn run(
         Reporter::new(limiter.clone(), &client_id, now_ms()).with_calls(&calls, opts.max_call_keys);
     // The protocol version each aggregator announced (1 until it answers).
     let mut proto = vec![1u32; opts.aggregators.len()];
-    let mut iv = tokio::time::interval(opts.tick / SUBTICKS);
+    // The loop wakes every few milliseconds to watch the client's own rate (see
+    // `Reporter::subtick`) and reports every tick.
+    let mut iv = tokio::time::interval((opts.tick / SUBTICKS).min(SUBTICK_EVERY));
     iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut n: u32 = 0;
+    let tick_ms = (opts.tick.as_millis() as u64).max(1);
+    let mut next_report = now_ms() + tick_ms;
     let mut current = 0usize;
     let mut urgent_sent = false;
     loop {
         iv.tick().await;
-        n = n.wrapping_add(1);
         let now = now_ms();
-        if n % SUBTICKS != 0 {
+        let urgent = now < next_report;
+        if urgent {
             // A jump of our own rate is reported at once (once per tick): the aggregator
             // forwards urgent reports immediately, so the fleet reacts within a sub-tick.
             if !rep.subtick(now) || urgent_sent {
                 continue;
             }
+        } else {
+            next_report = (next_report + tick_ms).max(now + tick_ms / 2);
         }
-        let urgent = n % SUBTICKS != 0;
         urgent_sent = urgent;
         let mut report = rep.build_report(now);
         report.urgent = urgent;

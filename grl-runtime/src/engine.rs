@@ -7,11 +7,11 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 // Zones and their rates live in ordered maps: sums then run in one order, so the simulator's
 // ratios (and so its random draws) are reproducible bit for bit.
 
-use grl_core::control::{drop_ratio, scope_key};
+use grl_core::control::drop_ratio;
 use schema::{Bucket, Scope};
 use serde::Serialize;
 
-use crate::overrides::{effect, materialize, Affected, Effect, Group, Override};
+use crate::overrides::{combine, materialize, Affected, Effect, Group, Override};
 use crate::proto::{
     ConfigDoc, DirectiveMsg, ServiceDirectives, ZoneBucketMsg, ZoneDirectives, ZoneReport,
 };
@@ -31,8 +31,12 @@ pub struct KeyState {
     pub shadow_dropped_rps: f64,
     /// The drop ratio for clients under the key.
     pub ratio: f64,
-    /// Seen in the current round.
-    touched: bool,
+    /// Interned id of `scope_key`.
+    id: u32,
+    /// Live zone reports that carry the key.
+    zones: u32,
+    /// The four rates' sums in [`RATE_UNIT`]s.
+    sums: [i64; 4],
 }
 
 /// One bucket with its effective limit and per-key state.
@@ -97,15 +101,70 @@ pub struct ReportPage {
 }
 
 struct ZoneData {
-    region: String,
-    zone: String,
+    /// Interned ids of `region:<region>` and `zone:<zone>`.
+    region_key: u32,
+    zone_key: u32,
     at_ms: u64,
-    /// [offered, admitted, dropped, shadow] rates by bucket index, resolved once per report
-    /// (and remapped on a config change) so that a recompute does no lookups.
-    resolved: Vec<(usize, [f64; 4])>,
+    /// [offered, admitted, dropped, shadow] rates (in [`RATE_UNIT`]s) by bucket index,
+    /// resolved once per report (and remapped on a config change). The engine's per-key sums
+    /// are the sums of these over the live zones: a report replaces its zone's previous
+    /// contribution bucket by bucket.
+    resolved: Vec<(usize, [i64; 4])>,
 }
 
-type Index = HashMap<String, HashMap<String, usize>>;
+/// Rates are summed as integers of 1/1000 request per second: adding a zone's new report and
+/// taking its previous one away is then exact, so the incremental sums never drift from the
+/// sums a full pass would compute, and they do not depend on the order reports arrive in
+/// (the simulator stays reproducible bit for bit).
+const RATE_UNIT: f64 = 1000.0;
+/// The largest rate one zone reports per bucket that is counted (2^53 units, about 9·10^12
+/// requests/s): far beyond any real rate, and sums of a thousand zones stay within an i64.
+const RATE_MAX: f64 = 9_007_199_254_740_992.0;
+
+fn to_units(x: f64) -> i64 {
+    // Reports are checked finite and non-negative; NaN would become 0 here all the same.
+    (x * RATE_UNIT).round().clamp(0.0, RATE_MAX) as i64
+}
+
+fn from_units(x: i64) -> f64 {
+    x as f64 / RATE_UNIT
+}
+
+/// A fast, non-cryptographic hasher (the rustc "Fx" mix) for the bucket index: looking up a
+/// report's buckets is the inner loop of ingestion, and only configured names are inserted.
+#[derive(Default, Clone, Copy)]
+struct Fx(u64);
+
+impl std::hash::Hasher for Fx {
+    fn write(&mut self, bytes: &[u8]) {
+        let mut chunks = bytes.chunks_exact(8);
+        for c in &mut chunks {
+            self.add(u64::from_le_bytes(c.try_into().expect("8 bytes")));
+        }
+        let rest = chunks.remainder();
+        if !rest.is_empty() {
+            let mut b = [0u8; 8];
+            b[..rest.len()].copy_from_slice(rest);
+            self.add(u64::from_le_bytes(b) ^ ((rest.len() as u64) << 59));
+        }
+    }
+    fn write_u8(&mut self, i: u8) {
+        self.add(i as u64 | 0x100);
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+impl Fx {
+    #[inline]
+    fn add(&mut self, w: u64) {
+        self.0 = (self.0.rotate_left(5) ^ w).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+}
+
+type FxBuild = std::hash::BuildHasherDefault<Fx>;
+type Index = HashMap<String, HashMap<String, usize, FxBuild>, FxBuild>;
 
 fn lookup(index: &Index, service: &str, bucket: &str) -> Option<usize> {
     index.get(service)?.get(bucket).copied()
@@ -120,41 +179,113 @@ fn key_is(key: &str, scope: Scope, region: &str, zone: &str) -> bool {
     }
 }
 
+/// Strings given small ids once (scope keys, zone names), so that the per-bucket state holds
+/// ids instead of strings.
+#[derive(Default)]
+struct Interner {
+    names: Vec<String>,
+    ids: HashMap<String, u32>,
+}
+
+impl Interner {
+    fn id(&mut self, s: &str) -> u32 {
+        if let Some(&i) = self.ids.get(s) {
+            return i;
+        }
+        let i = self.names.len() as u32;
+        self.names.push(s.to_string());
+        self.ids.insert(s.to_string(), i);
+        i
+    }
+    fn name(&self, i: u32) -> &str {
+        &self.names[i as usize]
+    }
+}
+
+/// Whether a key had any traffic (it gets a report row).
+fn busy(k: &KeyState) -> bool {
+    k.offered_rps != 0.0
+        || k.admitted_rps != 0.0
+        || k.dropped_rps != 0.0
+        || k.shadow_dropped_rps != 0.0
+}
+
 /// Aggregator-id prefix of reports that come from a peer controller.
 pub const PEER_PREFIX: &str = "region:";
 
 /// The controller's state.
+///
+/// Incremental: a zone report replaces that zone's contribution to the per-key sums of the
+/// buckets it carries (and of the ones its previous report carried) and marks those buckets
+/// dirty; [`Engine::recompute`] recomputes the ratios of the dirty buckets only (and of the
+/// traffic-override groups they belong to), so a report costs in proportion to its size, not
+/// to the number of buckets. Bucket overrides are indexed by bucket.
 pub struct Engine {
     /// The config as pushed (persisted, compared against pushes).
     base: ConfigDoc,
-    /// The config served to clients: `base` plus what traffic overrides need.
-    config: ConfigDoc,
+    /// The config served to clients: `base` plus what traffic overrides need (None: `base`
+    /// itself, no second copy, when no traffic override is in force).
+    config: Option<ConfigDoc>,
     overrides: Vec<Override>,
     /// Traffic-override groups over the served buckets, with their member indices.
     groups: Vec<(Group, Vec<usize>)>,
+    /// Each group's ratio and limit from its members' offered rates at the last recompute.
+    group_ratio: Vec<f64>,
+    /// Bucket index → the groups it is a member of.
+    bucket_groups: HashMap<usize, Vec<usize>>,
+    /// Bucket index → the bucket overrides targeting it (indices into `overrides`).
+    bucket_overrides: HashMap<usize, Vec<usize>>,
+    /// The next unix second at which a bucket override starts or stops applying, and the
+    /// unix second of the last recompute (a clock that goes back re-evaluates them all).
+    overrides_change_at: u64,
+    last_unix: u64,
     buckets: Vec<BucketState>,
     index: Index,
     zones: BTreeMap<String, ZoneData>,
+    /// Scope keys (`global` is id 0) and zone names.
+    keys: Interner,
+    zone_names: Interner,
+    /// Buckets whose sums changed since the last recompute (`dirty_flag` marks membership);
+    /// `all_dirty` after a config or override change.
+    dirty: Vec<usize>,
+    dirty_flag: Vec<bool>,
+    all_dirty: bool,
+    /// Keys with traffic (the rows `record_reports` appends).
+    busy_rows: usize,
     /// A zone that has not reported for this long no longer counts.
     zone_ttl_ms: u64,
     reports: VecDeque<ReportRow>,
     report_cap: usize,
     seq: u64,
-    /// Cumulative counts per bucket index, per zone (for `/metrics`).
-    totals: Vec<BTreeMap<String, [u64; 4]>>,
+    /// Cumulative counts per bucket index, per zone name id (sorted by zone name) for
+    /// `/metrics`.
+    totals: Vec<Vec<(u32, [u64; 4])>>,
 }
 
 impl Engine {
     /// An engine with `config`; zones silent for `zone_ttl_ms` are forgotten.
     pub fn new(config: ConfigDoc, zone_ttl_ms: u64) -> Engine {
+        let mut keys = Interner::default();
+        keys.id("global");
         let mut e = Engine {
             base: ConfigDoc::default(),
-            config: ConfigDoc::default(),
+            config: None,
             overrides: Vec::new(),
             groups: Vec::new(),
+            group_ratio: Vec::new(),
+            bucket_groups: HashMap::new(),
+            bucket_overrides: HashMap::new(),
+            overrides_change_at: u64::MAX,
+            last_unix: 0,
             buckets: Vec::new(),
-            index: HashMap::new(),
+            index: HashMap::default(),
             zones: BTreeMap::new(),
+            keys,
+            zone_names: Interner::default(),
+            dirty: Vec::new(),
+            dirty_flag: Vec::new(),
+            all_dirty: true,
+            busy_rows: 0,
             zone_ttl_ms,
             reports: VecDeque::new(),
             report_cap: 20_000,
@@ -167,7 +298,7 @@ impl Engine {
 
     /// The config served to clients (the pushed one plus traffic-override buckets).
     pub fn config(&self) -> &ConfigDoc {
-        &self.config
+        self.config.as_ref().unwrap_or(&self.base)
     }
 
     /// The config as pushed.
@@ -188,10 +319,10 @@ impl Engine {
             .iter()
             .find(|o| o.id == id && !o.is_traffic())
         {
-            return self
-                .buckets
-                .iter()
-                .filter(|b| o.matches(&b.service, &b.bucket))
+            let service = o.req.service.as_deref().unwrap_or_default();
+            let bucket = o.req.bucket.as_deref().unwrap_or_default();
+            return lookup(&self.index, service, bucket)
+                .map(|i| &self.buckets[i])
                 .map(|b| Affected {
                     service: b.service.clone(),
                     bucket: b.bucket.name.clone(),
@@ -199,6 +330,7 @@ impl Engine {
                     procedure: b.bucket.procedure.clone(),
                     created: false,
                 })
+                .into_iter()
                 .collect();
         }
         self.groups
@@ -226,6 +358,52 @@ impl Engine {
                 (g, idx)
             })
             .collect();
+        self.group_ratio = vec![0.0; self.groups.len()];
+        self.bucket_groups.clear();
+        for (gi, (_, idx)) in self.groups.iter().enumerate() {
+            for &i in idx {
+                let v = self.bucket_groups.entry(i).or_default();
+                if !v.contains(&gi) {
+                    v.push(gi);
+                }
+            }
+        }
+        self.index_overrides();
+    }
+
+    /// Indexes the bucket overrides by bucket (after any change of the list or the config).
+    fn index_overrides(&mut self) {
+        for &i in self.bucket_overrides.keys() {
+            if i < self.dirty_flag.len() && !self.dirty_flag[i] {
+                self.dirty_flag[i] = true;
+                self.dirty.push(i);
+            }
+        }
+        self.bucket_overrides.clear();
+        for (j, o) in self.overrides.iter().enumerate() {
+            if o.is_traffic() {
+                continue;
+            }
+            let (Some(svc), Some(b)) = (&o.req.service, &o.req.bucket) else {
+                continue;
+            };
+            if let Some(i) = lookup(&self.index, svc, b) {
+                self.bucket_overrides.entry(i).or_default().push(j);
+                if !self.dirty_flag[i] {
+                    self.dirty_flag[i] = true;
+                    self.dirty.push(i);
+                }
+            }
+        }
+        // Re-evaluated at the next recompute, whatever its time.
+        self.overrides_change_at = 0;
+    }
+
+    fn mark(&mut self, i: usize) {
+        if !self.dirty_flag[i] {
+            self.dirty_flag[i] = true;
+            self.dirty.push(i);
+        }
     }
 
     fn install(&mut self, config: ConfigDoc) {
@@ -252,20 +430,125 @@ impl Engine {
             .iter()
             .map(|b| lookup(&self.index, &b.service, &b.bucket.name))
             .collect();
-        for z in self.zones.values_mut() {
+        let mut zones = std::mem::take(&mut self.zones);
+        for z in zones.values_mut() {
             z.resolved = z
                 .resolved
                 .iter()
                 .filter_map(|&(i, r)| remap.get(i).copied().flatten().map(|j| (j, r)))
                 .collect();
         }
-        self.totals = vec![BTreeMap::new(); self.buckets.len()];
+        self.totals = vec![Vec::new(); self.buckets.len()];
         for (i, t) in old_totals.iter_mut().enumerate() {
             if let Some(Some(j)) = remap.get(i) {
                 self.totals[*j] = std::mem::take(t);
             }
         }
-        self.config = config;
+        self.config = (config != self.base).then_some(config);
+        // Every sum is rebuilt from the zones' reports, every ratio recomputed.
+        self.dirty.clear();
+        self.dirty_flag = vec![false; self.buckets.len()];
+        self.all_dirty = true;
+        self.busy_rows = 0;
+        for z in zones.values() {
+            self.contribute(z, 1);
+        }
+        self.zones = zones;
+    }
+
+    /// Adds (`sign` 1) or takes away (`sign` -1) a zone's report from the per-key sums of the
+    /// buckets it carries, and marks them dirty. A key no live report carries any more goes.
+    fn contribute(&mut self, z: &ZoneData, sign: i64) {
+        for &(i, r) in &z.resolved {
+            let id = self.key_of(i, z);
+            self.apply_entry(i, id, r.map(|x| sign * x), sign as i32);
+        }
+    }
+
+    /// The scope key id of bucket `i` for zone `z`.
+    fn key_of(&self, i: usize, z: &ZoneData) -> u32 {
+        match self.buckets[i].bucket.scope {
+            Scope::Global => 0,
+            Scope::Region => z.region_key,
+            Scope::Zone => z.zone_key,
+        }
+    }
+
+    /// Replaces zone report `old` by `new` (same region and zone), walking both in bucket
+    /// order: a bucket in both gets the difference, and is marked dirty only if it changed.
+    fn replace(&mut self, old: &ZoneData, new: &ZoneData) {
+        let (a, b) = (&old.resolved, &new.resolved);
+        let (mut x, mut y) = (0, 0);
+        while x < a.len() || y < b.len() {
+            let (i, delta, dz) = match (a.get(x), b.get(y)) {
+                (Some(&(i, o)), Some(&(j, n))) if i == j => {
+                    x += 1;
+                    y += 1;
+                    (i, [n[0] - o[0], n[1] - o[1], n[2] - o[2], n[3] - o[3]], 0)
+                }
+                (Some(&(i, o)), Some(&(j, _))) if i < j => {
+                    x += 1;
+                    (i, o.map(|v| -v), -1)
+                }
+                (Some(&(i, o)), None) => {
+                    x += 1;
+                    (i, o.map(|v| -v), -1)
+                }
+                (_, Some(&(j, n))) => {
+                    y += 1;
+                    (j, n, 1)
+                }
+                (None, None) => unreachable!(),
+            };
+            let id = self.key_of(i, new);
+            self.apply_entry(i, id, delta, dz);
+        }
+    }
+
+    /// Adds `delta` to the sums of bucket `i`'s key `id` and `dz` to the number of reports that
+    /// carry it (a key reaching zero goes; a missing key is created by a report that adds it).
+    fn apply_entry(&mut self, i: usize, id: u32, delta: [i64; 4], dz: i32) {
+        if delta == [0; 4] && dz == 0 {
+            return;
+        }
+        let s = &mut self.buckets[i];
+        let p = match s.keys.iter().position(|k| k.id == id) {
+            Some(p) => p,
+            None if dz <= 0 => return,
+            None => {
+                let name = self.keys.name(id);
+                let at = s.keys.partition_point(|k| k.scope_key.as_str() < name);
+                s.keys.insert(
+                    at,
+                    KeyState {
+                        scope_key: name.to_string(),
+                        id,
+                        ..Default::default()
+                    },
+                );
+                at
+            }
+        };
+        let k = &mut s.keys[p];
+        let was_busy = busy(k);
+        for (sum, x) in k.sums.iter_mut().zip(delta) {
+            *sum = sum.saturating_add(x);
+        }
+        k.zones = k.zones.saturating_add_signed(dz);
+        if k.zones == 0 {
+            s.keys.remove(p);
+            self.busy_rows -= was_busy as usize;
+        } else {
+            k.offered_rps = from_units(k.sums[0]);
+            k.admitted_rps = from_units(k.sums[1]);
+            k.dropped_rps = from_units(k.sums[2]);
+            k.shadow_dropped_rps = from_units(k.sums[3]);
+            self.busy_rows = self.busy_rows + busy(k) as usize - was_busy as usize;
+        }
+        if !self.dirty_flag[i] {
+            self.dirty_flag[i] = true;
+            self.dirty.push(i);
+        }
     }
 
     /// The overrides (active or not yet purged).
@@ -275,8 +558,15 @@ impl Engine {
 
     /// Replaces the override list.
     pub fn set_overrides(&mut self, list: Vec<Override>) {
+        let traffic = list.iter().any(Override::is_traffic)
+            || self.overrides.iter().any(Override::is_traffic);
         self.overrides = list;
-        self.rebuild();
+        if traffic {
+            self.rebuild();
+        } else {
+            // Bucket overrides do not change the served config: re-index them only.
+            self.index_overrides();
+        }
     }
 
     /// Replaces the override list if the config it makes clients run is valid (an override
@@ -288,24 +578,36 @@ impl Engine {
         list: Vec<Override>,
         persist: impl FnOnce(&[Override]) -> Result<(), E>,
     ) -> Result<Result<(), E>, crate::config::ConfigError> {
-        let m = materialize(&self.base, &list);
-        crate::config::validate(&m.0)?;
+        let traffic = list.iter().any(Override::is_traffic)
+            || self.overrides.iter().any(Override::is_traffic);
+        let m = traffic.then(|| materialize(&self.base, &list));
+        if let Some(m) = &m {
+            crate::config::validate(&m.0)?;
+        }
         if let Err(e) = persist(&list) {
             return Ok(Err(e));
         }
         self.overrides = list;
-        self.install_materialized(m);
+        match m {
+            Some(m) => self.install_materialized(m),
+            None => self.index_overrides(),
+        }
         Ok(Ok(()))
     }
 
     /// Removes overrides expired at `unix_now` and returns them (for the audit log).
     pub fn purge_expired(&mut self, unix_now: u64) -> Vec<Override> {
-        let (keep, gone) = std::mem::take(&mut self.overrides)
+        if self.overrides.iter().all(|o| o.active(unix_now)) {
+            return Vec::new();
+        }
+        let (keep, gone): (Vec<Override>, Vec<Override>) = std::mem::take(&mut self.overrides)
             .into_iter()
             .partition(|o| o.active(unix_now));
         self.overrides = keep;
         if gone.iter().any(|o: &Override| o.is_traffic()) {
             self.rebuild();
+        } else {
+            self.index_overrides();
         }
         gone
     }
@@ -325,9 +627,12 @@ impl Engine {
         &self.buckets
     }
 
-    /// Records a zone's report received at `now_ms`. Unknown buckets are ignored (a client on an
-    /// older config), counts go to the totals.
+    /// Records a zone's report received at `now_ms`: it replaces the zone's previous report
+    /// in the per-key sums, at a cost in proportion to the two reports' sizes. Unknown buckets
+    /// are ignored (a client on an older config), counts go to the totals. The ratios follow
+    /// at the next [`Engine::recompute`].
     pub fn ingest(&mut self, r: &ZoneReport, now_ms: u64) {
+        let zone_name = self.zone_names.id(&r.zone);
         let mut resolved = Vec::with_capacity(r.buckets.len());
         for b in &r.buckets {
             let Some(i) = lookup(&self.index, &b.service, &b.bucket) else {
@@ -335,9 +640,17 @@ impl Engine {
             };
             let c = &b.counts;
             if (c.offered | c.admitted | c.dropped | c.shadow_dropped) > 0 {
-                let t = match self.totals[i].get_mut(&r.zone) {
-                    Some(t) => t,
-                    None => self.totals[i].entry(r.zone.clone()).or_default(),
+                let names = &self.zone_names;
+                let totals = &mut self.totals[i];
+                let t = match totals.iter().position(|(z, _)| *z == zone_name) {
+                    Some(p) => &mut totals[p].1,
+                    None => {
+                        // Sorted by zone name, as `/metrics` lists them.
+                        let at =
+                            totals.partition_point(|(z, _)| names.name(*z) < names.name(zone_name));
+                        totals.insert(at, (zone_name, [0; 4]));
+                        &mut totals[at].1
+                    }
                 };
                 // Saturating: a report with absurd counts must not wrap the totals (or, in a
                 // debug build, panic with the engine lock held).
@@ -349,35 +662,46 @@ impl Engine {
             resolved.push((
                 i,
                 [
-                    b.offered_rps,
-                    b.admitted_rps,
-                    b.dropped_rps,
-                    b.shadow_dropped_rps,
+                    to_units(b.offered_rps),
+                    to_units(b.admitted_rps),
+                    to_units(b.dropped_rps),
+                    to_units(b.shadow_dropped_rps),
                 ],
             ));
         }
-        // Keyed by aggregator: replicas serving one zone each carry part of its clients.
-        match self.zones.get_mut(&r.aggregator_id) {
-            Some(z) => {
-                z.resolved = resolved;
-                z.at_ms = now_ms;
-                if z.zone != r.zone || z.region != r.region {
-                    z.zone = r.zone.clone();
-                    z.region = r.region.clone();
-                }
-            }
-            None => {
-                self.zones.insert(
-                    r.aggregator_id.clone(),
-                    ZoneData {
-                        region: r.region.clone(),
-                        zone: r.zone.clone(),
-                        at_ms: now_ms,
-                        resolved,
-                    },
-                );
-            }
+        // In bucket order (reports usually are), a bucket reported twice summed: the previous
+        // report and this one are then walked side by side.
+        if !resolved.is_sorted_by_key(|e| e.0) {
+            resolved.sort_by_key(|e| e.0);
         }
+        resolved.dedup_by(|b, a| {
+            if a.0 == b.0 {
+                for j in 0..4 {
+                    a.1[j] = a.1[j].saturating_add(b.1[j]);
+                }
+                true
+            } else {
+                false
+            }
+        });
+        let z = ZoneData {
+            region_key: self.keys.id(&format!("region:{}", r.region)),
+            zone_key: self.keys.id(&format!("zone:{}", r.zone)),
+            at_ms: now_ms,
+            resolved,
+        };
+        // Keyed by aggregator: replicas serving one zone each carry part of its clients.
+        match self.zones.remove(&r.aggregator_id) {
+            Some(old) if old.region_key == z.region_key && old.zone_key == z.zone_key => {
+                self.replace(&old, &z)
+            }
+            Some(old) => {
+                self.contribute(&old, -1);
+                self.contribute(&z, 1);
+            }
+            None => self.contribute(&z, 1),
+        }
+        self.zones.insert(r.aggregator_id.clone(), z);
     }
 
     /// This controller's own zones summed per `global` bucket, as a report for a peer
@@ -385,7 +709,7 @@ impl Engine {
     /// (aggregator ids starting with `region:`) is left out, so sums never echo back; counts
     /// are left at zero so that peers' `/metrics` do not count the same requests twice.
     pub fn regional_report(&self, region: &str) -> ZoneReport {
-        let mut sums: BTreeMap<usize, [f64; 4]> = BTreeMap::new();
+        let mut sums: BTreeMap<usize, [i64; 4]> = BTreeMap::new();
         for (id, z) in &self.zones {
             if id.starts_with(PEER_PREFIX) {
                 continue;
@@ -396,7 +720,7 @@ impl Engine {
                 }
                 let e = sums.entry(i).or_default();
                 for j in 0..4 {
-                    e[j] += r[j];
+                    e[j] = e[j].saturating_add(r[j]);
                 }
             }
         }
@@ -409,10 +733,10 @@ impl Engine {
                 .map(|(i, r)| ZoneBucketMsg {
                     service: self.buckets[i].service.clone(),
                     bucket: self.buckets[i].bucket.name.clone(),
-                    offered_rps: r[0],
-                    admitted_rps: r[1],
-                    dropped_rps: r[2],
-                    shadow_dropped_rps: r[3],
+                    offered_rps: from_units(r[0]),
+                    admitted_rps: from_units(r[1]),
+                    dropped_rps: from_units(r[2]),
+                    shadow_dropped_rps: from_units(r[3]),
                     counts: Default::default(),
                 })
                 .collect(),
@@ -425,111 +749,128 @@ impl Engine {
     /// Cumulative counts for `/metrics`: per bucket, per zone [offered, admitted, dropped,
     /// shadow-dropped].
     pub fn totals(&self) -> impl Iterator<Item = (&BucketState, &str, &[u64; 4])> {
+        let names = &self.zone_names;
         self.buckets
             .iter()
             .zip(&self.totals)
-            .flat_map(|(b, t)| t.iter().map(move |(z, c)| (b, z.as_str(), c)))
+            .flat_map(move |(b, t)| t.iter().map(move |(z, c)| (b, names.name(*z), c)))
     }
 
-    /// Recomputes every bucket's per-key rates and ratios from the zones heard from within the
-    /// zone TTL, with the overrides active at `unix_now`.
+    /// Brings the ratios up to date at `now_ms` / `unix_now`: zones silent for longer than the
+    /// zone TTL are taken out of the sums, and the buckets whose sums or overrides changed since
+    /// the last call (with the traffic-override groups they belong to) get their limit and
+    /// ratios recomputed. Buckets nothing touched are not visited.
     pub fn recompute(&mut self, now_ms: u64, unix_now: u64) {
         let ttl = self.zone_ttl_ms;
-        self.zones
-            .retain(|_, z| now_ms.saturating_sub(z.at_ms) <= ttl);
-        let no_overrides = self.overrides.is_empty();
-        for s in &mut self.buckets {
-            // Keys are reused from round to round (no allocation in steady state); a key no
-            // zone reports any more is dropped below.
-            for k in &mut s.keys {
-                k.offered_rps = 0.0;
-                k.admitted_rps = 0.0;
-                k.dropped_rps = 0.0;
-                k.shadow_dropped_rps = 0.0;
-                k.touched = false;
-            }
-            let eff = if no_overrides {
-                Effect::None
-            } else {
-                effect(&self.overrides, unix_now, &s.service, &s.bucket)
-            };
-            (s.limit_rps, s.fixed) = match eff {
-                Effect::None => (s.bucket.limit_rps, None),
-                Effect::Limit(l) => (l, None),
-                Effect::Ratio(r) => (s.bucket.limit_rps, Some(r)),
-            };
-        }
-        for z in self.zones.values() {
-            for &(i, ref r) in &z.resolved {
-                let s = &mut self.buckets[i];
-                let scope = s.bucket.scope;
-                let p = match s
-                    .keys
-                    .iter()
-                    .position(|k| key_is(&k.scope_key, scope, &z.region, &z.zone))
-                {
-                    Some(p) => p,
-                    None => {
-                        s.keys.push(KeyState {
-                            scope_key: scope_key(scope, &z.region, &z.zone),
-                            ..Default::default()
-                        });
-                        s.keys.len() - 1
-                    }
-                };
-                let k = &mut s.keys[p];
-                k.offered_rps += r[0];
-                k.admitted_rps += r[1];
-                k.dropped_rps += r[2];
-                k.shadow_dropped_rps += r[3];
-                k.touched = true;
+        let expired: Vec<String> = self
+            .zones
+            .iter()
+            .filter(|(_, z)| now_ms.saturating_sub(z.at_ms) > ttl)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in expired {
+            if let Some(z) = self.zones.remove(&id) {
+                self.contribute(&z, -1);
             }
         }
-        for s in &mut self.buckets {
-            if s.keys.iter().any(|k| !k.touched) {
-                s.keys.retain(|k| k.touched);
+        // Bucket overrides start or stop applying with time: their buckets are re-evaluated
+        // when the next such moment has come (or the clock went back).
+        if unix_now >= self.overrides_change_at || unix_now < self.last_unix {
+            let ids: Vec<usize> = self.bucket_overrides.keys().copied().collect();
+            for i in ids {
+                self.mark(i);
             }
-            if s.keys.len() > 1 && !s.keys.windows(2).all(|w| w[0].scope_key <= w[1].scope_key) {
-                s.keys.sort_by(|a, b| a.scope_key.cmp(&b.scope_key));
-            }
-            for k in &mut s.keys {
-                k.ratio = s
-                    .fixed
-                    .unwrap_or_else(|| drop_ratio(k.offered_rps, s.limit_rps));
-            }
-        }
-        // Traffic overrides: each group's offered rate as a whole against its limit; the ratio
-        // is fixed for every member in every zone (the strictest group wins). The override's
-        // limit replaces a member's own one.
-        let mut limited = vec![
-            false;
-            if self.groups.is_empty() {
-                0
-            } else {
-                self.buckets.len()
-            }
-        ];
-        for (g, idx) in &self.groups {
-            let offered: f64 = idx
+            self.overrides_change_at = self
+                .overrides
                 .iter()
-                .flat_map(|&i| self.buckets[i].keys.iter())
-                .map(|k| k.offered_rps)
-                .sum();
-            let ratio = g
-                .drop_ratio
-                .unwrap_or_else(|| drop_ratio(offered, g.limit_rps.unwrap_or(f64::INFINITY)));
-            for &i in idx {
-                let s = &mut self.buckets[i];
-                let r = s.fixed.map_or(ratio, |f| f.max(ratio));
-                s.fixed = Some(r);
-                if let Some(l) = g.limit_rps {
-                    s.limit_rps = if limited[i] { s.limit_rps.min(l) } else { l };
-                    limited[i] = true;
-                }
-                for k in &mut s.keys {
-                    k.ratio = r;
+                .filter(|o| !o.is_traffic() && o.expires_at > unix_now)
+                .map(|o| o.expires_at)
+                .min()
+                .unwrap_or(u64::MAX);
+        }
+        self.last_unix = unix_now;
+        let dirty: Vec<usize> = if self.all_dirty {
+            self.all_dirty = false;
+            for &i in &self.dirty {
+                self.dirty_flag[i] = false;
+            }
+            self.dirty.clear();
+            (0..self.buckets.len()).collect()
+        } else {
+            let d = std::mem::take(&mut self.dirty);
+            for &i in &d {
+                self.dirty_flag[i] = false;
+            }
+            d
+        };
+        if dirty.is_empty() {
+            return;
+        }
+        // Traffic overrides: each group touched gets its offered rate as a whole against its
+        // limit; every member of such a group is settled again below.
+        let mut settle = dirty;
+        if !self.groups.is_empty() {
+            let mut gdirty = vec![false; self.groups.len()];
+            for i in &settle {
+                for &g in self.bucket_groups.get(i).into_iter().flatten() {
+                    gdirty[g] = true;
                 }
             }
+            let mut seen = vec![false; self.buckets.len()];
+            settle.iter().for_each(|&i| seen[i] = true);
+            for (gi, (g, idx)) in self.groups.iter().enumerate() {
+                if !gdirty[gi] {
+                    continue;
+                }
+                let offered: f64 = idx
+                    .iter()
+                    .flat_map(|&i| self.buckets[i].keys.iter())
+                    .map(|k| k.offered_rps)
+                    .sum();
+                self.group_ratio[gi] = g
+                    .drop_ratio
+                    .unwrap_or_else(|| drop_ratio(offered, g.limit_rps.unwrap_or(f64::INFINITY)));
+                for &i in idx {
+                    if !seen[i] {
+                        seen[i] = true;
+                        settle.push(i);
+                    }
+                }
+            }
+        }
+        for i in settle {
+            self.settle(i, unix_now);
+        }
+    }
+
+    /// One bucket's limit, fixed ratio and per-key ratios from its overrides and groups.
+    fn settle(&mut self, i: usize, unix_now: u64) {
+        let s = &mut self.buckets[i];
+        let eff = match self.bucket_overrides.get(&i) {
+            None => Effect::None,
+            Some(js) => combine(js.iter().map(|&j| &self.overrides[j]), unix_now),
+        };
+        (s.limit_rps, s.fixed) = match eff {
+            Effect::None => (s.bucket.limit_rps, None),
+            Effect::Limit(l) => (l, None),
+            Effect::Ratio(r) => (s.bucket.limit_rps, Some(r)),
+        };
+        // The strictest group wins; a group's limit replaces the member's own one.
+        let mut group_limit: Option<f64> = None;
+        for &g in self.bucket_groups.get(&i).into_iter().flatten() {
+            let ratio = self.group_ratio[g];
+            s.fixed = Some(s.fixed.map_or(ratio, |f| f.max(ratio)));
+            if let Some(l) = self.groups[g].0.limit_rps {
+                group_limit = Some(group_limit.map_or(l, |m| m.min(l)));
+            }
+        }
+        if let Some(l) = group_limit {
+            s.limit_rps = l;
+        }
+        for k in &mut s.keys {
+            k.ratio = s
+                .fixed
+                .unwrap_or_else(|| drop_ratio(k.offered_rps, s.limit_rps));
         }
     }
 
@@ -557,7 +898,7 @@ impl Engine {
             }
         }
         ZoneDirectives {
-            version: self.config.version.clone(),
+            version: self.config().version.clone(),
             services,
         }
     }
@@ -573,18 +914,21 @@ impl Engine {
     /// per tick); keys whose zones reported nothing but zeros are skipped so that the bounded
     /// ring holds useful rows.
     pub fn record_reports(&mut self, unix_now: u64) {
-        for s in &self.buckets {
-            for k in &s.keys {
-                if k.offered_rps == 0.0
-                    && k.admitted_rps == 0.0
-                    && k.dropped_rps == 0.0
-                    && k.shadow_dropped_rps == 0.0
-                {
+        // Rows beyond the ring's capacity would be evicted at once: their sequence numbers are
+        // used up (the count of keys with traffic is kept as sums change), but only the
+        // newest `report_cap` rows are built, walking back from the last bucket.
+        let keep = self.busy_rows.min(self.report_cap);
+        let mut rows: Vec<ReportRow> = Vec::with_capacity(keep);
+        'walk: for s in self.buckets.iter().rev() {
+            for k in s.keys.iter().rev() {
+                if rows.len() == keep {
+                    break 'walk;
+                }
+                if !busy(k) {
                     continue;
                 }
-                self.seq += 1;
-                self.reports.push_back(ReportRow {
-                    seq: self.seq,
+                rows.push(ReportRow {
+                    seq: 0,
                     t: unix_now,
                     service: s.service.clone(),
                     bucket: s.bucket.name.clone(),
@@ -600,6 +944,12 @@ impl Engine {
                     drop_ratio: k.ratio,
                 });
             }
+        }
+        self.seq += (self.busy_rows - keep) as u64;
+        for mut row in rows.into_iter().rev() {
+            self.seq += 1;
+            row.seq = self.seq;
+            self.reports.push_back(row);
         }
         while self.reports.len() > self.report_cap {
             self.reports.pop_front();

@@ -307,11 +307,14 @@ pub enum Effect {
 
 /// The combined effect of the overrides active at `now` on `bucket` of `service`.
 pub fn effect(overrides: &[Override], now: u64, service: &str, bucket: &Bucket) -> Effect {
+    combine(overrides.iter().filter(|o| o.matches(service, bucket)), now)
+}
+
+/// The combined effect of those of `overrides` active at `now` (the controller passes the
+/// bucket overrides it indexed under one bucket, so a recompute never scans the whole list).
+pub fn combine<'a>(overrides: impl IntoIterator<Item = &'a Override>, now: u64) -> Effect {
     let mut eff = Effect::None;
-    for o in overrides
-        .iter()
-        .filter(|o| o.active(now) && o.matches(service, bucket))
-    {
+    for o in overrides.into_iter().filter(|o| o.active(now)) {
         eff = match (eff, o.req.limit_rps, o.req.drop_ratio) {
             (Effect::Ratio(a), _, Some(r)) => Effect::Ratio(a.max(r)),
             (Effect::Ratio(a), _, None) => Effect::Ratio(a),

@@ -54,6 +54,11 @@ pub struct Step {
     pub max_overshoot: f64,
     /// Mean of max(0, admitted − limit) / limit over the 10 s after the step.
     pub mean_overshoot: f64,
+    /// Admitted in the first second after the step, over the limit.
+    pub first_second: f64,
+    /// The largest admitted / limit of the whole seconds after that one (second 2, 3, …
+    /// after the step, up to the end of the run).
+    pub later_seconds_max: f64,
 }
 
 /// Step figures of `bucket` for a step at `step_s`.
@@ -90,7 +95,25 @@ pub fn step(res: &SimResult, bucket: &str, limit: f64, step_s: f64) -> Step {
     // window right after the step is all offered load and says nothing about the loop.
     let overs: Vec<f64> = avg.iter().map(|&(_, v)| (v - limit) / limit).collect();
     let horizon = (10 * k).min(overs.len());
+    // Whole seconds after the step: windows are numbered from the step.
+    let mut seconds: Vec<u64> = Vec::new();
+    for x in &after {
+        let j = ((x.end_ms - step_ms - 1) / 1000) as usize;
+        if seconds.len() <= j {
+            seconds.resize(j + 1, 0);
+        }
+        seconds[j] += x.admitted;
+    }
+    // A last, partial second says nothing.
+    let whole = ((w.last().map_or(0, |x| x.end_ms) - step_ms) / 1000) as usize;
+    seconds.truncate(whole);
     Step {
+        first_second: seconds.first().map_or(0.0, |&a| a as f64 / limit),
+        later_seconds_max: seconds
+            .iter()
+            .skip(1)
+            .map(|&a| a as f64 / limit)
+            .fold(0.0, f64::max),
         catch_up_s: catch_up,
         capacity_used: if cap > 0.0 { used / cap } else { 0.0 },
         max_overshoot: overs.iter().copied().fold(f64::MIN, f64::max).max(0.0),
@@ -158,6 +181,15 @@ pub fn premature(res: &SimResult, bucket: &str, limit: f64) -> Premature {
     }
 }
 
+/// The rows of "GRL" before enforcement within a second (commit e45eac3: independent random
+/// draws, the lower-bound adjustment over quarter ticks only), measured by this generator at
+/// that commit with seed 1, kept beside the new figures.
+const BEFORE: &str = "GRL before (e45eac3)";
+const BEFORE_STEADY: &str = "| 998 | -0.17% | t = 2.0 s |";
+const BEFORE_STEP: &str = "| 436.9% | 103.3% | 1.3 s | 336.9% | 33.3% | 121.8% |";
+const BEFORE_FAIRNESS: &str = "| 0.971 | 99.9% | 0 |";
+const BEFORE_UNEVEN: &str = "| 0 | 0.0% |";
+
 fn load(dir: &Path, name: &str) -> anyhow::Result<Scenario> {
     let p = dir.join(name);
     Scenario::load(&p).with_context(|| format!("load {}", p.display()))
@@ -196,7 +228,10 @@ pub fn markdown(dir: &Path, seed: u64) -> anyhow::Result<String> {
          \"GRL\" = drop-by-ratio with 50 ms loop latency (aggregators forward as soon as a tick's reports are in) \
          and client-side adjustment on a jump of its own rate; \"GRL, seeds' lag\" = the same math with directives \
          arriving 2 s after the tick and no local adjustment; \"token bucket\" = the seeds' first design (per-host \
-         bucket refilled with whole tokens at share × limit per tick, 10 s of unused tokens kept).\n"
+         bucket refilled with whole tokens at share × limit per tick, 10 s of unused tokens kept). \
+         \"GRL before (e45eac3)\" = the GRL rows as this generator measured them (seed 1) before clients dropped \
+         at once on a jump far above their share of the allowance and before decisions followed a low-discrepancy \
+         sequence instead of independent draws (see docs/grl-architecture.md, \"Beating the seeds' lag\").\n"
     )?;
 
     // Steady 1.5x.
@@ -229,6 +264,10 @@ pub fn markdown(dir: &Path, seed: u64) -> anyhow::Result<String> {
         )?;
     }
 
+    if seed == 1 {
+        writeln!(w, "| {BEFORE} {BEFORE_STEADY}")?;
+    }
+
     // Step.
     let sc = load(dir, "step-15x.yaml")?;
     let limit = sc.buckets[0].limit_rps;
@@ -239,13 +278,14 @@ pub fn markdown(dir: &Path, seed: u64) -> anyhow::Result<String> {
         "1100 → 18350 rps at t = 10 s (the seeds' 22K → 367K scaled by 1/20) against 1500 rps, 40 instances. \
          Catch-up = time from the step until the 1 s moving average of admitted is back within +5% of the limit \
          for good; overshoot of the 1 s moving average: max, and mean over the 10 s after the step; capacity used = admitted / \
-         min(offered, limit) after the step.\n"
+         min(offered, limit) after the step; first second = admitted in the first second after the step / limit; \
+         later seconds = the largest admitted / limit of the following whole seconds.\n"
     )?;
     writeln!(
         w,
-        "| algorithm | catch-up | max overshoot | mean overshoot | capacity used |"
+        "| algorithm | first second | later seconds (max) | catch-up | max overshoot | mean overshoot | capacity used |"
     )?;
-    writeln!(w, "|---|---:|---:|---:|---:|")?;
+    writeln!(w, "|---|---:|---:|---:|---:|---:|---:|")?;
     for (label, s, algo) in [
         ("GRL", sc.clone(), Algorithm::DropByRatio),
         ("GRL, seeds' lag", seeds_loop(&sc), Algorithm::DropByRatio),
@@ -255,12 +295,18 @@ pub fn markdown(dir: &Path, seed: u64) -> anyhow::Result<String> {
         let st = step(&r, &name, limit, 10.0);
         writeln!(
             w,
-            "| {label} | {} | {} | {} | {} |",
+            "| {label} | {} | {} | {} | {} | {} | {} |",
+            pct(st.first_second),
+            pct(st.later_seconds_max),
             secs(st.catch_up_s),
             pct(st.max_overshoot),
             pct(st.mean_overshoot),
             pct(st.capacity_used)
         )?;
+    }
+
+    if seed == 1 {
+        writeln!(w, "| {BEFORE} {BEFORE_STEP}")?;
     }
 
     // Fairness.
@@ -292,6 +338,10 @@ pub fn markdown(dir: &Path, seed: u64) -> anyhow::Result<String> {
         )?;
     }
 
+    if seed == 1 {
+        writeln!(w, "| {BEFORE} {BEFORE_FAIRNESS}")?;
+    }
+
     // Uneven.
     let sc = load(dir, "uneven.yaml")?;
     let limit = sc.buckets[0].limit_rps;
@@ -311,6 +361,9 @@ pub fn markdown(dir: &Path, seed: u64) -> anyhow::Result<String> {
         let r = run(&sc, seed, algo, |_| {})?;
         let p = premature(&r, &name, limit);
         writeln!(w, "| {label} | {} | {} |", p.dropped, pct(p.fraction))?;
+    }
+    if seed == 1 {
+        writeln!(w, "| {BEFORE} {BEFORE_UNEVEN}")?;
     }
     Ok(md)
 }

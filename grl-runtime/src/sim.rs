@@ -435,7 +435,6 @@ pub fn run(
     // (apply_at_ms, zone index or usize::MAX for token-bucket rates, directives)
     let mut pending: Vec<(u64, usize, ClientDirectives)> = Vec::new();
     let mut pending_tb: Vec<(u64, Vec<Vec<f64>>)> = Vec::new();
-    let subtick_ms = (sc.tick_ms / 4).max(sc.step_ms);
     // Each instance's latest reported rates, as an aggregator keeps them.
     let mut latest: Vec<BTreeMap<String, [f64; 4]>> = vec![BTreeMap::new(); instances.len()];
     let dt = sc.step_ms as f64 / 1000.0;
@@ -546,11 +545,8 @@ pub fn run(
                 *w = Window::default();
             }
         }
-        if algo == Algorithm::DropByRatio
-            && sc.local_adjust
-            && now % subtick_ms == 0
-            && now % sc.tick_ms != 0
-        {
+        // Clients watch their own rate every step (the real client every 10 ms).
+        if algo == Algorithm::DropByRatio && sc.local_adjust && now % sc.tick_ms != 0 {
             let mut urgent = Vec::new();
             for (i, inst) in instances.iter_mut().enumerate() {
                 if inst.reporter.subtick(now) && !inst.urgent_sent {

@@ -124,6 +124,86 @@ fn sim_drop_by_ratio_is_fairer_than_token_bucket() {
     assert_eq!(p.dropped, 0);
 }
 
+/// The 15× step is enforced within a second: the first second after it admits at most 150%
+/// of the limit (clients far above their share of the allowance drop at once), and every
+/// whole second after that at most 105%.
+#[test]
+fn sim_step_is_enforced_within_a_second() {
+    let sc = scenario("step-15x.yaml");
+    let b = &sc.buckets[0];
+    for seed in [1, 2, 3] {
+        let st = step(
+            &run(&sc, seed, Algorithm::DropByRatio, |_| {}).unwrap(),
+            &b.name,
+            b.limit_rps,
+            10.0,
+        );
+        assert!(
+            st.first_second <= 1.5,
+            "seed {seed}: first second {}",
+            st.first_second
+        );
+        assert!(
+            st.later_seconds_max <= 1.05,
+            "seed {seed}: later seconds {}",
+            st.later_seconds_max
+        );
+        // Not by starving it: the seconds after the step still use the limit.
+        assert!(
+            st.capacity_used >= 0.95,
+            "seed {seed}: {}",
+            st.capacity_used
+        );
+    }
+}
+
+/// Steady overload: every tick after the loop settled admits the limit within ±3% (no
+/// oscillation between over- and under-admitting).
+#[test]
+fn sim_steady_overload_does_not_oscillate() {
+    let sc = scenario("steady-1.5x.yaml");
+    let limit = sc.buckets[0].limit_rps;
+    for seed in [1, 2] {
+        let r = run(&sc, seed, Algorithm::DropByRatio, |_| {}).unwrap();
+        for row in r.rows.iter().filter(|row| row.t > 3.0) {
+            assert!(
+                ((row.admitted_rps - limit) / limit).abs() <= 0.03,
+                "seed {seed} t {}: admitted {}",
+                row.t,
+                row.admitted_rps
+            );
+        }
+    }
+}
+
+/// More callers than quota share a procedure bucket fairly (Jain's index ≥ 0.99), and an
+/// uneven fleet under quota (a hot instance, an 8× burst) is never dropped.
+#[test]
+fn sim_fairness_index_and_no_premature_drops() {
+    let sc = scenario("fairness.yaml");
+    let limit = sc.buckets[0].limit_rps;
+    for seed in [1, 2, 3] {
+        let f = fairness(
+            &run(&sc, seed, Algorithm::DropByRatio, |_| {}).unwrap(),
+            limit,
+            sc.duration_s,
+        );
+        assert!(f.jain >= 0.99, "seed {seed}: Jain {}", f.jain);
+        assert_eq!(f.starved, 0);
+    }
+    let sc = scenario("uneven.yaml");
+    let b = &sc.buckets[0];
+    for seed in [1, 2, 3] {
+        let r = run(&sc, seed, Algorithm::DropByRatio, |_| {}).unwrap();
+        let p = premature(&r, &b.name, b.limit_rps);
+        assert_eq!(p.dropped, 0, "seed {seed}");
+        assert!(
+            r.rows.iter().all(|row| row.dropped_rps == 0.0),
+            "seed {seed}"
+        );
+    }
+}
+
 fn bucket(name: &str, scope: Scope, limit: f64) -> Bucket {
     Bucket {
         name: name.into(),
@@ -461,4 +541,136 @@ fn reporter_carries_counts_across_a_config_change() {
     };
     assert!(!rep.apply(&stale, 8000));
     assert_eq!(limiter.decide_at("a", "x", 8000), grl_core::Decision::Admit);
+}
+
+/// The incremental engine computes what a full pass over the live zones' latest reports
+/// computes: zones report random subsets at random rates, some fall silent and expire, a
+/// bucket override starts and stops applying, the config changes once; after every recompute
+/// each bucket's keys are the sums over the zones heard from within the TTL.
+#[test]
+fn incremental_engine_matches_a_full_pass() {
+    use std::collections::BTreeMap;
+
+    use grl_core::control::{drop_ratio, scope_key};
+
+    let names: Vec<String> = (0..24).map(|i| format!("b{i}")).collect();
+    let cfg = |version: &str, n: usize| ConfigDoc {
+        version: version.into(),
+        services: vec![BucketFile {
+            service: "svc".into(),
+            buckets: names[..n]
+                .iter()
+                .enumerate()
+                .map(|(i, b)| bucket(b, [Scope::Global, Scope::Region, Scope::Zone][i % 3], 700.0))
+                .collect(),
+        }],
+    };
+    let mut e = Engine::new(cfg("v1", 24), 1000);
+    let mut x: u64 = 7;
+    let mut rand = move |m: u64| {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (x >> 33) % m
+    };
+    // aggregator → (region, zone, at_ms, [(bucket, offered)])
+    let mut latest: BTreeMap<String, (String, String, u64, Vec<(String, f64)>)> = BTreeMap::new();
+    let mut n_buckets = 24;
+    for step in 0..400u64 {
+        let now = step * 100;
+        if step == 150 {
+            // A bucket override on b0 until unix second 25.
+            e.set_overrides(vec![Override {
+                id: "ovr-1".into(),
+                req: OverrideRequest {
+                    service: Some("svc".into()),
+                    bucket: Some("b0".into()),
+                    caller: None,
+                    procedure: None,
+                    limit_rps: Some(50.0),
+                    drop_ratio: None,
+                    ttl_secs: 60,
+                    reason: "test".into(),
+                    who: "test".into(),
+                },
+                created_at: 0,
+                expires_at: 25,
+                credential: None,
+            }]);
+        }
+        if step == 300 {
+            // Fewer buckets: reports already in follow their bucket by name.
+            n_buckets = 20;
+            e.set_config(cfg("v2", 20));
+        }
+        // Aggregators 0..3 report often, 4..5 rarely (they expire in between).
+        let a = if rand(4) == 0 { 4 + rand(2) } else { rand(4) };
+        let (region, zone) = (format!("r{}", a % 2), format!("z{a}"));
+        let mut rates: Vec<(String, f64)> = Vec::new();
+        for b in &names {
+            if rand(2) == 0 {
+                rates.push((b.clone(), rand(300_000) as f64 / 1000.0));
+            }
+        }
+        let refs: Vec<(&str, f64)> = rates.iter().map(|(b, r)| (b.as_str(), *r)).collect();
+        e.ingest(
+            &zone_report(&format!("agg-{a}"), &region, &zone, &refs),
+            now,
+        );
+        latest.insert(format!("agg-{a}"), (region, zone, now, rates));
+        if step % 3 != 0 {
+            continue;
+        }
+        let unix = step / 10;
+        e.recompute(now, unix);
+        latest.retain(|_, (_, _, at, _)| now - *at <= 1000);
+        for s in e.buckets() {
+            let mut want: BTreeMap<String, f64> = BTreeMap::new();
+            for (region, zone, _, rates) in latest.values() {
+                for (_, r) in rates.iter().filter(|(b, _)| *b == s.bucket.name) {
+                    *want
+                        .entry(scope_key(s.bucket.scope, region, zone))
+                        .or_default() += r;
+                }
+            }
+            let got: BTreeMap<String, f64> = s
+                .keys
+                .iter()
+                .map(|k| (k.scope_key.clone(), k.offered_rps))
+                .collect();
+            assert_eq!(
+                got.keys().collect::<Vec<_>>(),
+                want.keys().collect::<Vec<_>>(),
+                "step {step} bucket {}",
+                s.bucket.name
+            );
+            let limit = if s.bucket.name == "b0" && (150..250).contains(&step) {
+                50.0
+            } else {
+                700.0
+            };
+            assert_eq!(s.limit_rps, limit, "step {step} bucket {}", s.bucket.name);
+            for (k, w) in &want {
+                assert!(
+                    (got[k] - w).abs() < 1e-6,
+                    "step {step} {k}: {} vs {w}",
+                    got[k]
+                );
+                let key = s.keys.iter().find(|x| &x.scope_key == k).unwrap();
+                assert_eq!(key.ratio, drop_ratio(key.offered_rps, limit));
+            }
+        }
+        assert_eq!(e.bucket_count(), n_buckets);
+        // One report row per key with traffic.
+        let busy: usize = e
+            .buckets()
+            .iter()
+            .flat_map(|s| &s.keys)
+            .filter(|k| k.offered_rps != 0.0 || k.admitted_rps != 0.0)
+            .count();
+        let before = e.reports_after(0, usize::MAX).next;
+        e.record_reports(unix);
+        let page = e.reports_after(before, usize::MAX);
+        assert_eq!(page.reports.len(), busy, "step {step}");
+    }
 }

@@ -1,0 +1,111 @@
+//! Memory per bucket of the controller's engine, counted by a global allocator (live bytes,
+//! not RSS): the engine after `Engine::new` (its input dropped), after 20 zones reported one
+//! bucket in ten each (every bucket reported by two zones on average), and after a tick.
+//!
+//! `cargo run --release -p grl-runtime --example engine_memory`
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicIsize, Ordering};
+
+use grl_runtime::engine::Engine;
+use grl_runtime::proto::{BucketCountsMsg, ConfigDoc, ZoneBucketMsg, ZoneReport};
+use schema::{Bucket, BucketFile, Mode, PolicyName, Scope};
+
+struct Counting;
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        LIVE.fetch_add(l.size() as isize, Ordering::Relaxed);
+        System.alloc(l)
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        LIVE.fetch_sub(l.size() as isize, Ordering::Relaxed);
+        System.dealloc(p, l)
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
+        LIVE.fetch_add(new as isize - l.size() as isize, Ordering::Relaxed);
+        System.realloc(p, l, new)
+    }
+}
+
+#[global_allocator]
+static A: Counting = Counting;
+
+fn live() -> isize {
+    LIVE.load(Ordering::Relaxed)
+}
+
+const PER_SERVICE: usize = 1000;
+const ZONES: usize = 20;
+
+fn config(n: usize) -> ConfigDoc {
+    ConfigDoc {
+        version: "mem".into(),
+        services: (0..n / PER_SERVICE)
+            .map(|s| BucketFile {
+                service: format!("service-{s:04}"),
+                buckets: (0..PER_SERVICE)
+                    .map(|b| Bucket {
+                        name: format!("caller-{b:04}.proc"),
+                        caller: Some(format!("caller-{b:04}")),
+                        procedure: Some("proc".into()),
+                        scope: [Scope::Global, Scope::Region, Scope::Zone][b % 3],
+                        limit_rps: 100.0,
+                        mode: Mode::Enforce,
+                        policy: PolicyName::Manual,
+                    })
+                    .collect(),
+            })
+            .collect(),
+    }
+}
+
+fn report(n: usize, z: usize) -> ZoneReport {
+    ZoneReport {
+        aggregator_id: format!("agg-{z}"),
+        region: format!("r{}", z / 5),
+        zone: format!("z{z}"),
+        calls: Vec::new(),
+        buckets: (z % 10..n)
+            .step_by(10)
+            .map(|i| ZoneBucketMsg {
+                service: format!("service-{:04}", i / PER_SERVICE),
+                bucket: format!("caller-{:04}.proc", i % PER_SERVICE),
+                offered_rps: 50.0,
+                admitted_rps: 50.0,
+                counts: BucketCountsMsg {
+                    offered: 50,
+                    admitted: 50,
+                    ..Default::default()
+                },
+                ..Default::default()
+            })
+            .collect(),
+    }
+}
+
+fn main() {
+    for n in [100_000usize, 1_000_000] {
+        let before = live();
+        let mut e = Engine::new(config(n), u64::MAX);
+        let empty = live() - before;
+        for z in 0..ZONES {
+            let r = report(n, z);
+            e.ingest(&r, 0);
+        }
+        e.recompute(0, 0);
+        let reported = live() - before;
+        e.record_reports(0);
+        let ticked = live() - before;
+        let per = |b: isize| b as f64 / n as f64;
+        println!(
+            "{n} buckets × {ZONES} zones: engine {:.0} B/bucket after new, {:.0} B/bucket with 2 zone reports per bucket, {:.0} B/bucket after a tick (report ring included); total {:.1} MB",
+            per(empty),
+            per(reported),
+            per(ticked),
+            ticked as f64 / 1e6
+        );
+        drop(e);
+    }
+}
