@@ -18,34 +18,12 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use grl_runtime::engine::Engine;
-use grl_runtime::proto::{BucketCountsMsg, ConfigDoc, ZoneBucketMsg, ZoneReport};
-use schema::{Bucket, BucketFile, Mode, PolicyName, Scope};
+use grl_runtime::proto::{BucketCountsMsg, ZoneBucketMsg, ZoneReport};
+
+mod fixture;
 
 const PER_SERVICE: usize = 1000;
 const ZONES: usize = 20;
-
-fn config(n: usize) -> ConfigDoc {
-    let services = (0..n / PER_SERVICE)
-        .map(|s| BucketFile {
-            service: format!("service-{s:04}"),
-            buckets: (0..PER_SERVICE)
-                .map(|b| Bucket {
-                    name: format!("caller-{b:04}.proc"),
-                    caller: Some(format!("caller-{b:04}")),
-                    procedure: Some("proc".into()),
-                    scope: [Scope::Global, Scope::Region, Scope::Zone][b % 3],
-                    limit_rps: 100.0,
-                    mode: Mode::Enforce,
-                    policy: PolicyName::Manual,
-                })
-                .collect(),
-        })
-        .collect();
-    ConfigDoc {
-        version: "bench".into(),
-        services,
-    }
-}
 
 /// Zone `z`'s report over `n` buckets: every `every`-th bucket starting at `z`, at most `max`.
 fn report(n: usize, z: usize, every: usize, max: usize, bump: f64) -> ZoneReport {
@@ -81,7 +59,7 @@ fn report(n: usize, z: usize, every: usize, max: usize, bump: f64) -> ZoneReport
 }
 
 fn scale(c: &mut Criterion, n: usize) {
-    let mut e = Engine::new(config(n), u64::MAX);
+    let mut e = Engine::new(fixture::fleet_config(n, PER_SERVICE), u64::MAX);
     let full: Vec<ZoneReport> = (0..ZONES).map(|z| report(n, z, 10, n, 0.0)).collect();
     for r in &full {
         e.ingest(r, 0);

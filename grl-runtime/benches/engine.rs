@@ -6,42 +6,20 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use grl_runtime::engine::Engine;
-use grl_runtime::proto::{ConfigDoc, ZoneBucketMsg, ZoneReport};
-use schema::{Bucket, BucketFile, Mode, PolicyName, Scope};
+use grl_runtime::proto::{ZoneBucketMsg, ZoneReport};
+
+mod fixture;
 
 const SERVICES: usize = 100;
 const PER_SERVICE: usize = 1000;
 const ZONES: usize = 6;
-
-fn config() -> ConfigDoc {
-    let services = (0..SERVICES)
-        .map(|s| BucketFile {
-            service: format!("service-{s:03}"),
-            buckets: (0..PER_SERVICE)
-                .map(|b| Bucket {
-                    name: format!("caller-{b:04}.proc"),
-                    caller: Some(format!("caller-{b:04}")),
-                    procedure: Some("proc".into()),
-                    scope: [Scope::Global, Scope::Region, Scope::Zone][b % 3],
-                    limit_rps: 100.0,
-                    mode: Mode::Enforce,
-                    policy: PolicyName::Manual,
-                })
-                .collect(),
-        })
-        .collect();
-    ConfigDoc {
-        version: "bench".into(),
-        services,
-    }
-}
 
 fn report(z: usize) -> ZoneReport {
     let mut buckets = Vec::with_capacity(SERVICES * PER_SERVICE);
     for s in 0..SERVICES {
         for b in 0..PER_SERVICE {
             buckets.push(ZoneBucketMsg {
-                service: format!("service-{s:03}"),
+                service: format!("service-{s:04}"),
                 bucket: format!("caller-{b:04}.proc"),
                 offered_rps: 40.0 + (b % 7) as f64,
                 admitted_rps: 40.0,
@@ -59,7 +37,10 @@ fn report(z: usize) -> ZoneReport {
 }
 
 fn bench(c: &mut Criterion) {
-    let mut e = Engine::new(config(), u64::MAX);
+    let mut e = Engine::new(
+        fixture::fleet_config(SERVICES * PER_SERVICE, PER_SERVICE),
+        u64::MAX,
+    );
     let reports: Vec<ZoneReport> = (0..ZONES).map(report).collect();
     for r in &reports {
         e.ingest(r, 0);

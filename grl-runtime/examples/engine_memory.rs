@@ -8,8 +8,10 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
 
 use grl_runtime::engine::Engine;
-use grl_runtime::proto::{BucketCountsMsg, ConfigDoc, ZoneBucketMsg, ZoneReport};
-use schema::{Bucket, BucketFile, Mode, PolicyName, Scope};
+use grl_runtime::proto::{BucketCountsMsg, ZoneBucketMsg, ZoneReport};
+
+#[path = "../benches/fixture/mod.rs"]
+mod fixture;
 
 struct Counting;
 static LIVE: AtomicIsize = AtomicIsize::new(0);
@@ -39,28 +41,6 @@ fn live() -> isize {
 const PER_SERVICE: usize = 1000;
 const ZONES: usize = 20;
 
-fn config(n: usize) -> ConfigDoc {
-    ConfigDoc {
-        version: "mem".into(),
-        services: (0..n / PER_SERVICE)
-            .map(|s| BucketFile {
-                service: format!("service-{s:04}"),
-                buckets: (0..PER_SERVICE)
-                    .map(|b| Bucket {
-                        name: format!("caller-{b:04}.proc"),
-                        caller: Some(format!("caller-{b:04}")),
-                        procedure: Some("proc".into()),
-                        scope: [Scope::Global, Scope::Region, Scope::Zone][b % 3],
-                        limit_rps: 100.0,
-                        mode: Mode::Enforce,
-                        policy: PolicyName::Manual,
-                    })
-                    .collect(),
-            })
-            .collect(),
-    }
-}
-
 fn report(n: usize, z: usize) -> ZoneReport {
     ZoneReport {
         aggregator_id: format!("agg-{z}"),
@@ -88,7 +68,7 @@ fn report(n: usize, z: usize) -> ZoneReport {
 fn main() {
     for n in [100_000usize, 1_000_000] {
         let before = live();
-        let mut e = Engine::new(config(n), u64::MAX);
+        let mut e = Engine::new(fixture::fleet_config(n, PER_SERVICE), u64::MAX);
         let empty = live() - before;
         for z in 0..ZONES {
             let r = report(n, z);
