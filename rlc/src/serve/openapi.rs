@@ -305,6 +305,30 @@ pub fn saturated(op: TransformOperation<'_>) -> TransformOperation<'_> {
     )
 }
 
+/// The answers of an endpoint that reads the store: not connected yet (503), a failed query
+/// (500).
+fn store_errors(op: TransformOperation<'_>) -> TransformOperation<'_> {
+    store_failed(problem(op, 503, "The store is not available yet."))
+}
+
+fn store_failed(op: TransformOperation<'_>) -> TransformOperation<'_> {
+    problem(
+        op,
+        500,
+        "The store query failed (details in the daemon log).",
+    )
+}
+
+/// A page that renders the store's errors itself, as HTML with the status.
+fn html_store_errors(op: TransformOperation<'_>) -> TransformOperation<'_> {
+    op.response_with::<503, Html<String>, _>(|r| {
+        r.description("The store is not available yet (the page says so).")
+    })
+    .response_with::<500, Html<String>, _>(|r| {
+        r.description("The store query failed (the page says so; details in the log).")
+    })
+}
+
 fn page_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
     let op = op
         .summary("Shadow-mode dashboard (HTML)")
@@ -314,13 +338,8 @@ fn page_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
              or a store that is unavailable renders the page with the error and status \
              400 / 503 / 500.",
         )
-        .response_with::<200, Html<String>, _>(|r| r.description("The dashboard."))
-        .response_with::<503, Html<String>, _>(|r| {
-            r.description("The store is not available yet (the page says so).")
-        })
-        .response_with::<500, Html<String>, _>(|r| {
-            r.description("The store query failed (the page says so; details in the log).")
-        });
+        .response_with::<200, Html<String>, _>(|r| r.description("The dashboard."));
+    let op = html_store_errors(op);
     let op = problem(
         op,
         400,
@@ -358,13 +377,7 @@ fn shadow_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
         400,
         "A bad `window` (e.g. `1h`, `7d`; 1 s to 30 d) or parameter.",
     );
-    let op = problem(op, 503, "The store is not available yet.");
-    let op = problem(
-        op,
-        500,
-        "The store query failed (details in the daemon log).",
-    );
-    op
+    store_errors(op)
 }
 
 fn bucket_page_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
@@ -376,13 +389,8 @@ fn bucket_page_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
              readiness figures and verdict, and the bucket's quota history. A bad `window` or a \
              store that is unavailable renders the page with the error.",
         )
-        .response_with::<200, Html<String>, _>(|r| r.description("The bucket page."))
-        .response_with::<503, Html<String>, _>(|r| {
-            r.description("The store is not available yet (the page says so).")
-        })
-        .response_with::<500, Html<String>, _>(|r| {
-            r.description("The store query failed (the page says so; details in the log).")
-        });
+        .response_with::<200, Html<String>, _>(|r| r.description("The bucket page."));
+    let op = html_store_errors(op);
     let op = problem(
         op,
         400,
@@ -405,12 +413,7 @@ fn bucket_json_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
         });
     let op = problem(op, 400, "A bad `window` (1 s to 30 d) or a malformed path.");
     let op = problem(op, 404, "The store holds no report of this bucket.");
-    let op = problem(op, 503, "The store is not available yet.");
-    problem(
-        op,
-        500,
-        "The store query failed (details in the daemon log).",
-    )
+    store_errors(op)
 }
 
 /// The answers every quota endpoint shares: its own concurrency bound, a store or config repo
@@ -519,11 +522,7 @@ fn quota_history_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
         404,
         "No recorded change and no such bucket in the latest plan.",
     );
-    let op = problem(
-        op,
-        500,
-        "The store query failed (details in the daemon log).",
-    );
+    let op = store_failed(op);
     quota_errors(op)
 }
 
@@ -533,13 +532,7 @@ fn runs_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
         .description("The recorded runs, newest first (`limit`: default 20, at most 200).")
         .response_with::<200, Json<RunsPage>, _>(|r| r.description("The runs."));
     let op = problem(op, 400, "A query parameter of the wrong type.");
-    let op = problem(op, 503, "The store is not available yet.");
-    let op = problem(
-        op,
-        500,
-        "The store query failed (details in the daemon log).",
-    );
-    op
+    store_errors(op)
 }
 
 fn last_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
@@ -566,12 +559,7 @@ fn run_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
         503,
         "Not in memory, and the store is not available yet to look further.",
     );
-    let op = problem(
-        op,
-        500,
-        "The store query failed (details in the daemon log).",
-    );
-    op
+    store_failed(op)
 }
 
 fn trigger_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
