@@ -204,6 +204,23 @@ impl GitHub {
             .header("User-Agent", "rlc")
     }
 
+    fn pulls_path(&self) -> String {
+        format!("/repos/{}/{}/pulls", self.owner, self.repo)
+    }
+
+    /// The open pull requests of branch `head`.
+    async fn open_for(&self, head: &str) -> Result<Vec<PullRequest>, ForgeError> {
+        let resp = self
+            .req(reqwest::Method::GET, &self.pulls_path())
+            .query(&[
+                ("head", format!("{}:{head}", self.owner)),
+                ("state", "open".to_string()),
+            ])
+            .send()
+            .await?;
+        Ok(check(resp, "list pulls").await?.json().await?)
+    }
+
     /// Opens the PR from `head` into `base`, or updates the title and body of the open one.
     /// Returns the PR and whether it was created.
     pub async fn upsert_pull_request(
@@ -213,16 +230,8 @@ impl GitHub {
         title: &str,
         body: &str,
     ) -> Result<(PullRequest, bool), ForgeError> {
-        let list = format!("/repos/{}/{}/pulls", self.owner, self.repo);
-        let resp = self
-            .req(reqwest::Method::GET, &list)
-            .query(&[
-                ("head", format!("{}:{head}", self.owner)),
-                ("state", "open".to_string()),
-            ])
-            .send()
-            .await?;
-        let open: Vec<PullRequest> = check(resp, "list pulls").await?.json().await?;
+        let list = self.pulls_path();
+        let open = self.open_for(head).await?;
         if let Some(pr) = open.into_iter().next() {
             let resp = self
                 .req(reqwest::Method::PATCH, &format!("{list}/{}", pr.number))
@@ -283,16 +292,8 @@ impl GitHub {
         head: &str,
         comment: &str,
     ) -> Result<Vec<PullRequest>, ForgeError> {
-        let list = format!("/repos/{}/{}/pulls", self.owner, self.repo);
-        let resp = self
-            .req(reqwest::Method::GET, &list)
-            .query(&[
-                ("head", format!("{}:{head}", self.owner)),
-                ("state", "open".to_string()),
-            ])
-            .send()
-            .await?;
-        let open: Vec<PullRequest> = check(resp, "list pulls").await?.json().await?;
+        let list = self.pulls_path();
+        let open = self.open_for(head).await?;
         let mut closed = Vec::new();
         for pr in open {
             let resp = self
