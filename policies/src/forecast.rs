@@ -792,7 +792,8 @@ mod tests {
         }
     }
 
-    fn run(s: &RateSeries) -> Proposal {
+    /// The forecast of `s` without headroom.
+    pub(super) fn run(s: &RateSeries) -> Proposal {
         Forecast
             .compute(&PolicyInput {
                 service: "s",
@@ -836,9 +837,8 @@ mod tests {
 
 #[cfg(test)]
 mod shape_tests {
-    use super::*;
+    use super::tests::run;
     use crate::RateSeries;
-    use schema::PolicySpec;
 
     /// Diurnal (±50%, peak 15:00 UTC) and weekly (weekends 60%) traffic × `f(day)`.
     fn shaped(days: usize, f: impl Fn(f64) -> f64) -> RateSeries {
@@ -860,23 +860,6 @@ mod shape_tests {
             step: 60,
             values,
         }
-    }
-
-    fn run(s: &RateSeries) -> Proposal {
-        Forecast
-            .compute(&PolicyInput {
-                service: "s",
-                caller: Some("c"),
-                procedure: None,
-                series: s,
-                spec: &PolicySpec {
-                    headroom: Some(0.0),
-                    ..Default::default()
-                },
-                capacity_share_rps: None,
-                now: chrono::Utc::now(),
-            })
-            .unwrap()
     }
 
     /// 60% a week compounded: the next week's peak is 1.6× the last one's.
