@@ -114,16 +114,7 @@ impl CallCounter {
     #[inline]
     pub fn count(&self, caller: &str, procedure: &str) {
         let t = self.table.load();
-        let caller = if caller.len() > MAX_NAME_LEN {
-            OTHER
-        } else {
-            caller
-        };
-        let procedure = if procedure.len() > MAX_NAME_LEN {
-            OTHER
-        } else {
-            procedure
-        };
+        let (caller, procedure) = (fold_long(caller), fold_long(procedure));
         if self.bump(&t, caller, procedure, self.capacity * 3 / 4) {
             return;
         }

@@ -437,12 +437,13 @@ async fn tick_loop(
             let remaining = (!gone.is_empty()).then(|| e.overrides().to_vec());
             e.recompute(shared.now_ms(), now);
             e.record_reports(now);
-            shared.calls.lock().expect("calls lock").tick();
             let regional = peering
                 .as_ref()
                 .map(|(region, _)| e.regional_report(region));
             (gone, remaining, regional)
         };
+        // The call counts need no engine: reports are not held behind their tick.
+        shared.calls.lock().expect("calls lock").tick();
         if let (Some(report), Some((_, peers))) = (regional, &peering) {
             // Fire and forget: a slow or dead peer must not hold this region's tick.
             for p in peers {

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 // Zones and their rates live in ordered maps: sums then run in one order, so the simulator's
 // ratios (and so its random draws) are reproducible bit for bit.
 
-use grl_core::control::drop_ratio;
+use grl_core::control::{drop_ratio, scope_key};
 use schema::{Bucket, Scope};
 use serde::Serialize;
 
@@ -685,8 +685,8 @@ impl Engine {
             }
         });
         let z = ZoneData {
-            region_key: self.keys.id(&format!("region:{}", r.region)),
-            zone_key: self.keys.id(&format!("zone:{}", r.zone)),
+            region_key: self.keys.id(&scope_key(Scope::Region, &r.region, &r.zone)),
+            zone_key: self.keys.id(&scope_key(Scope::Zone, &r.region, &r.zone)),
             at_ms: now_ms,
             resolved,
         };
@@ -810,18 +810,19 @@ impl Engine {
         // limit; every member of such a group is settled again below.
         let mut settle = dirty;
         if !self.groups.is_empty() {
-            let mut gdirty = vec![false; self.groups.len()];
-            for i in &settle {
-                for &g in self.bucket_groups.get(i).into_iter().flatten() {
-                    gdirty[g] = true;
-                }
-            }
-            let mut seen = vec![false; self.buckets.len()];
+            // Only the groups of the dirty buckets: a report costs its buckets and their
+            // groups, not a pass over every group or bucket. `dirty_flag` (all clear here)
+            // marks what is already to be settled, and is cleared again below.
+            let mut touched: Vec<usize> = settle
+                .iter()
+                .flat_map(|i| self.bucket_groups.get(i).into_iter().flatten().copied())
+                .collect();
+            touched.sort_unstable();
+            touched.dedup();
+            let seen = &mut self.dirty_flag;
             settle.iter().for_each(|&i| seen[i] = true);
-            for (gi, (g, idx)) in self.groups.iter().enumerate() {
-                if !gdirty[gi] {
-                    continue;
-                }
+            for gi in touched {
+                let (g, idx) = &self.groups[gi];
                 let offered: f64 = idx
                     .iter()
                     .flat_map(|&i| self.buckets[i].keys.iter())
@@ -839,6 +840,7 @@ impl Engine {
             }
         }
         for i in settle {
+            self.dirty_flag[i] = false;
             self.settle(i, unix_now);
         }
     }

@@ -67,9 +67,7 @@ impl GrlLayer {
     /// (`grl_calls_total` at the controller). Caller from the `x-caller` header, procedure
     /// from the path, `Retry-After: 1`.
     pub fn for_client(client: &crate::client::GrlClient) -> GrlLayer {
-        let mut l = GrlLayer::new(client.limiter().clone());
-        Arc::get_mut(&mut l.cfg).expect("fresh layer").calls = Some(client.calls().clone());
-        l
+        GrlLayer::new(client.limiter().clone()).with(|c| c.calls = Some(client.calls().clone()))
     }
 
     /// Decides with `limiter` only: requests are not counted for `grl_calls_total` (prefer
