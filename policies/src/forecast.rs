@@ -119,7 +119,8 @@ pub struct Fit {
     pub trend: &'static str,
 }
 
-fn median(v: &mut [f64]) -> Option<f64> {
+/// The median of `v` (sorted in place); `None` when empty.
+pub fn median(v: &mut [f64]) -> Option<f64> {
     if v.is_empty() {
         return None;
     }

@@ -352,16 +352,7 @@ pub fn median_slack(rows: &[ShapeRow]) -> f64 {
         .iter()
         .filter_map(|r| r.default_score().map(|s| s.slack))
         .collect();
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
+    policies::forecast::median(&mut v).unwrap_or(f64::NAN)
 }
 
 /// The markdown table of `docs/rlc-policies.md`.

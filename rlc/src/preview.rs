@@ -136,7 +136,7 @@ shadow buckets (promotion rule of rlc/policies.yaml):
             n.service,
             n.bucket,
             if n.promoted {
-                "shadow → enforce"
+                crate::promotion::PROMOTED_MODE
             } else {
                 "stays in shadow"
             },
@@ -207,7 +207,7 @@ pub fn table(plan: &Plan) -> String {
             b.bucket.policy.to_string(),
             b.bucket.scope.as_str().into(),
             if promoted(b) {
-                "shadow → enforce".into()
+                crate::promotion::PROMOTED_MODE.into()
             } else {
                 b.bucket.mode.as_str().into()
             },

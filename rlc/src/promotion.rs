@@ -21,6 +21,9 @@ use crate::gitops::summary::{self, BucketChange, ChangeKind};
 use crate::plan::{Plan, PlannedBucket};
 use crate::readiness::{self, Rule, ShadowStats, Verdict};
 
+/// How a promotion shows as a mode change (preview table, JSON, quota API).
+pub const PROMOTED_MODE: &str = "shadow → enforce";
+
 /// `(service, bucket)`.
 pub type BucketKey = (String, String);
 

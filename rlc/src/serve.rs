@@ -415,6 +415,9 @@ impl ServeOptions {
     }
 }
 
+/// What the last store writes of a shutdown get at least, when the grace is spent.
+const LAST_TRY: Duration = Duration::from_secs(2);
+
 /// The default of `--shutdown-grace-ms`.
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(20);
 
@@ -620,6 +623,15 @@ async fn scheduler(
     mut triggers: mpsc::Receiver<RunRequest>,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    // When the shutdown came: the grace counts from there for everything that follows.
+    let shutdown_at = Arc::new(std::sync::OnceLock::new());
+    {
+        let (at, rx) = (shutdown_at.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            stopped(rx).await;
+            let _ = at.set(tokio::time::Instant::now());
+        });
+    }
     let controller = match cycle
         .config()
         .controller
@@ -736,8 +748,14 @@ async fn scheduler(
             next_cron = schedule.as_ref().and_then(|s| s.after(&Utc::now()).next());
         }
     }
-    // Run records the store has not taken yet: one last try, bounded.
-    let flush = tokio::time::timeout(opts.grace, lp.cycle.flush_pending()).await;
+    // Run records the store has not taken yet, then the lease: one last try each, within
+    // what is left of the grace since the shutdown (at least `LAST_TRY`), so that the whole
+    // shutdown stays within the grace plus a few seconds.
+    let deadline = shutdown_at
+        .get()
+        .map_or_else(tokio::time::Instant::now, |t| *t + opts.grace)
+        .max(tokio::time::Instant::now() + LAST_TRY);
+    let flush = tokio::time::timeout_at(deadline, lp.cycle.flush_pending()).await;
     let left = lp.cycle.pending_records().await;
     if flush.is_err() || left > 0 {
         tracing::warn!(
@@ -746,7 +764,8 @@ async fn scheduler(
         );
     }
     if let Some(l) = lease {
-        let _ = tokio::time::timeout(opts.grace, l.release()).await;
+        let last = deadline.max(tokio::time::Instant::now() + LAST_TRY);
+        let _ = tokio::time::timeout_at(last, l.release()).await;
     }
     tracing::info!(abandoned, "scheduler stopped");
 }

@@ -499,7 +499,8 @@ fn view(b: &PlannedBucket, details: bool) -> QuotaBucket {
         change: change_of(b),
         confidence: b.evidence.get("confidence").and_then(Value::as_f64),
         rail: rail_of(b),
-        mode_change: crate::preview::promoted(b).then(|| "shadow → enforce".to_string()),
+        mode_change: crate::preview::promoted(b)
+            .then(|| crate::promotion::PROMOTED_MODE.to_string()),
         details: details.then(|| details_of(b)),
     }
 }

@@ -697,3 +697,20 @@ async fn quota_api_answers_429_with_retry_after_when_every_slot_is_taken() {
     }
     busy.abort();
 }
+
+#[test]
+fn logged_urls_hide_only_the_password() {
+    use super::redact_url;
+    assert_eq!(
+        redact_url("postgres://rlc:pw@db/rlc"),
+        "postgres://rlc:***@db/rlc"
+    );
+    assert_eq!(
+        redact_url("https://user@h/repo.git"),
+        "https://user@h/repo.git"
+    );
+    // An `@` after the authority is not a user part.
+    assert_eq!(redact_url("http://h/?a=b@c"), "http://h/?a=b@c");
+    assert_eq!(redact_url("sqlite://rlc.db"), "sqlite://rlc.db");
+    assert_eq!(redact_url("rlc.db"), "rlc.db");
+}

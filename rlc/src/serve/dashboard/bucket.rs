@@ -21,7 +21,7 @@ use super::{
 };
 use crate::readiness::{self, ShadowStats, Verdict};
 use crate::serve::AppState;
-use crate::store::{minute_of, steps_from_minutes, MinuteRow, QuotaChange, StepRow, Store};
+use crate::store::{minute_of, QuotaChange, StepRow, Store};
 
 /// Most points of a series: longer windows aggregate several minutes per point.
 const MAX_POINTS: i64 = 360;
@@ -205,22 +205,6 @@ fn bounds(window: &str) -> Result<(DateTime<Utc>, DateTime<Utc>, i64), DashError
     let steps = (minutes + step_minutes - 1) / step_minutes;
     let start = end - Duration::minutes(steps * step_minutes);
     Ok((start, end, step_minutes * 60))
-}
-
-/// Series per scope key from minute rows, grouped in Rust ([`steps_from_minutes`]): the
-/// reference of [`series_from_steps`] over the steps grouped in SQL.
-pub fn series(
-    rows: &[MinuteRow],
-    start: DateTime<Utc>,
-    end: DateTime<Utc>,
-    step_secs: i64,
-) -> (Vec<Series>, usize) {
-    series_from_steps(
-        &steps_from_minutes(rows, start, step_secs),
-        start,
-        end,
-        step_secs,
-    )
 }
 
 /// Series per scope key from the steps of [`Store::bucket_steps`]: each point is the
