@@ -57,6 +57,12 @@ impl Credential {
     pub fn covers(&self, item: &str) -> bool {
         self.scope.iter().any(|s| s == "*" || s == item)
     }
+
+    /// The secret, for a program that hands its own credential to a peer (the demo gives rlc
+    /// and the aggregator theirs); never log it.
+    pub fn secret(&self) -> &str {
+        &self.secret
+    }
 }
 
 /// The secret of an `Authorization: Bearer <secret>` header, as sent.

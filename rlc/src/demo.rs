@@ -71,17 +71,17 @@ fn secret() -> String {
     )
 }
 
-/// The secret of credential `name` in a credentials file (`NAME ROLES SECRET` lines).
+/// The secret of credential `name` in a credentials file (`NAME ROLES SECRET` lines), read
+/// with the same parser the controller and the aggregator use.
 fn credential(path: &Path, name: &str) -> anyhow::Result<String> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    text.lines()
-        .map(str::trim)
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            (f.len() == 3 && f[0] == name).then(|| f[2].to_string())
-        })
+    let creds = grl_runtime::auth::parse_credentials(path, &text, None)
+        .map_err(|e| anyhow::anyhow!("{e}; delete the file and `rlc demo` writes a new one"))?;
+    creds
+        .iter()
+        .find(|c| c.name == name)
+        .map(|c| c.secret().to_string())
         .with_context(|| {
             format!(
                 "{}: no `{name}` credential line (NAME ROLES SECRET); delete the file and `rlc demo` writes a new one",
@@ -725,5 +725,32 @@ mod tests {
         assert_eq!(got.len(), 2, "{got:?}");
         assert_eq!(got[&k("pay", "web", "charge")], 15.5);
         assert_eq!(got[&k("pay", "x\"y", "")], 2.0);
+    }
+
+    #[test]
+    fn credentials_are_read_with_the_controllers_parser() {
+        let d = tempfile::tempdir().unwrap();
+        let f = d.path().join("grl-credentials");
+        std::fs::write(
+            &f,
+            "# demo\nrlc config,reports 0123456789abcdef0123\nzone-report zone-report fedcba9876543210fedc\n",
+        )
+        .unwrap();
+        assert_eq!(credential(&f, "rlc").unwrap(), "0123456789abcdef0123");
+        assert_eq!(
+            credential(&f, "zone-report").unwrap(),
+            "fedcba9876543210fedc"
+        );
+        let e = credential(&f, "oncall").unwrap_err().to_string();
+        assert!(e.contains("no `oncall` credential line"), "{e}");
+        // A damaged line is named by file and line, as the controller would name it.
+        std::fs::write(
+            &f,
+            "rlc config,reports 0123456789abcdef0123\nzone-report short\n",
+        )
+        .unwrap();
+        let e = credential(&f, "rlc").unwrap_err().to_string();
+        assert!(e.contains("grl-credentials:2:"), "{e}");
+        assert!(e.contains("delete the file"), "{e}");
     }
 }
