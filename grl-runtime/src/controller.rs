@@ -1251,3 +1251,192 @@ async fn remove_override(
 async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
     crate::metrics::response(&s.registry)
 }
+
+#[cfg(test)]
+mod replica_tests {
+    use super::*;
+    use serde_json::{json, Value};
+
+    const TOKEN: &str = "t0ken";
+
+    async fn replica(url: &str, dir: &Path, name: &str) -> ControllerHandle {
+        Controller::start(ControllerOptions {
+            state_dir: dir.join(name),
+            token: TOKEN.into(),
+            allow_anonymous_reports: true,
+            tick: Duration::from_millis(100),
+            database: Some(DatabaseOptions {
+                // A poll far beyond the test: what reaches the other replica within it came
+                // by notification.
+                poll: Duration::from_secs(600),
+                ..DatabaseOptions::new(url)
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+    }
+
+    fn config(version: &str) -> Value {
+        json!({"version": version, "services": [{"service": "payments", "buckets": [
+            {"name": "gw.charge", "caller": "gw", "procedure": "charge", "scope": "global",
+             "limit_rps": 100.0, "mode": "enforce", "policy": "peak"}]}]})
+    }
+
+    /// Polls `f` every 50 ms until it holds; panics after 10 s (a hang guard).
+    async fn until<F, Fut>(what: &str, mut f: F)
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = bool>,
+    {
+        for _ in 0..200 {
+            if f().await {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("timed out waiting for: {what}");
+    }
+
+    async fn get(http: &reqwest::Client, url: String) -> Value {
+        http.get(url).send().await.unwrap().json().await.unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn replicas_share_changes_and_refuse_them_when_the_database_is_gone() {
+        let db = test_support::postgres::fresh_database().await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let a = replica(&db.url, dir.path(), "a").await;
+        let b = replica(&db.url, dir.path(), "b").await;
+        let (ua, ub) = (a.url(), b.url());
+        let http = reqwest::Client::new();
+
+        // A push to a reaches b by notification.
+        let r = http
+            .put(format!("{ua}/v1/config"))
+            .bearer_auth(TOKEN)
+            .json(&config("v1"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        until("b serves v1", || {
+            let (http, ub) = (http.clone(), ub.clone());
+            async move { get(&http, format!("{ub}/v1/config")).await["version"] == "v1" }
+        })
+        .await;
+
+        // Overrides added on both replicas at once: every one accepted, ids unique, and both
+        // replicas end with the same list.
+        let adds = (0..6).map(|i| {
+            let (http, url) = (http.clone(), if i % 2 == 0 { ua.clone() } else { ub.clone() });
+            tokio::spawn(async move {
+                http.post(format!("{url}/v1/overrides"))
+                    .bearer_auth(TOKEN)
+                    .json(&json!({"service": "payments", "bucket": "gw.charge",
+                        "limit_rps": 50.0 + i as f64, "ttl_secs": 600, "reason": "INC", "who": "x"}))
+                    .send()
+                    .await
+                    .unwrap()
+            })
+        });
+        let mut ids = std::collections::BTreeSet::new();
+        for add in adds {
+            let r = add.await.unwrap();
+            assert_eq!(r.status(), 201);
+            let v: Value = r.json().await.unwrap();
+            assert!(ids.insert(v["id"].as_str().unwrap().to_string()), "{v}");
+        }
+        let listed = |url: String| {
+            let http = http.clone();
+            async move {
+                get(&http, format!("{url}/v1/overrides")).await["overrides"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|o| o["id"].as_str().unwrap().to_string())
+                    .collect::<std::collections::BTreeSet<_>>()
+            }
+        };
+        until("both replicas list the six overrides", || {
+            let (la, lb, ids) = (listed(ua.clone()), listed(ub.clone()), ids.clone());
+            async move { la.await == ids && lb.await == ids }
+        })
+        .await;
+        // Removed on a: gone from b.
+        let first = ids.iter().next().unwrap().clone();
+        let r = http
+            .delete(format!("{ua}/v1/overrides/{first}"))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        until("b no longer lists the removed override", || {
+            let lb = listed(ub.clone());
+            let first = first.clone();
+            async move { !lb.await.contains(&first) }
+        })
+        .await;
+
+        // The database gone: changes answer 503 and change nothing; the data plane goes on.
+        let admin = format!("{}/postgres", db.url.rsplit_once('/').unwrap().0);
+        let mut conn = <sqlx::PgConnection as sqlx::Connection>::connect(&admin)
+            .await
+            .unwrap();
+        sqlx::query(&format!("DROP DATABASE \"{}\" WITH (FORCE)", db.name))
+            .execute(&mut conn)
+            .await
+            .unwrap();
+        let r = http
+            .put(format!("{ua}/v1/config"))
+            .bearer_auth(TOKEN)
+            .json(&config("v2"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 503);
+        let body: Value = r.json().await.unwrap();
+        assert!(
+            body["error"]
+                .as_str()
+                .unwrap()
+                .contains("nothing was changed"),
+            "{body}"
+        );
+        let r = http
+            .post(format!("{ub}/v1/overrides"))
+            .bearer_auth(TOKEN)
+            .json(&json!({"caller": "gw", "drop_ratio": 0.5, "ttl_secs": 60, "reason": "r", "who": "x"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 503);
+        assert_eq!(get(&http, format!("{ua}/v1/config")).await["version"], "v1");
+        assert_eq!(listed(ub.clone()).await.len(), 5);
+        let report = json!({"aggregator_id": "agg", "region": "r1", "zone": "z1", "buckets": [
+            {"service": "payments", "bucket": "gw.charge", "offered_rps": 200.0, "admitted_rps": 200.0,
+             "dropped_rps": 0.0, "shadow_dropped_rps": 0.0,
+             "counts": {"bucket": "gw.charge", "offered": 0, "admitted": 0, "dropped": 0, "shadow_dropped": 0}}]});
+        let r = http
+            .post(format!("{ub}/v1/aggregate"))
+            .json(&report)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let d: Value = r.json().await.unwrap();
+        assert_eq!(d["version"], "v1");
+        let ratio = d["services"][0]["directives"][0]["ratio"].as_f64().unwrap();
+        assert!(ratio > 0.5, "the overrides still apply: {d}");
+        let ready = http.get(format!("{ub}/readyz")).send().await.unwrap();
+        assert_eq!(ready.status(), 200, "the data plane is still ready");
+        let detail = ready.json::<Value>().await.unwrap()["checks"]["database"]["detail"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert!(detail.contains("changes answer 503"), "{detail}");
+        a.shutdown().await;
+        b.shutdown().await;
+    }
+}

@@ -384,3 +384,199 @@ impl StateDb {
         Ok(true)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::overrides::OverrideRequest;
+
+    fn doc(version: &str) -> ConfigDoc {
+        ConfigDoc {
+            version: version.to_string(),
+            services: Vec::new(),
+        }
+    }
+
+    fn ovr(id: u64, created_at: u64, ttl: u64) -> Override {
+        Override {
+            id: format!("ovr-{id}"),
+            req: OverrideRequest {
+                service: None,
+                bucket: None,
+                caller: Some("gw".into()),
+                procedure: None,
+                limit_rps: Some(10.0),
+                drop_ratio: None,
+                ttl_secs: ttl,
+                reason: "INC-1".into(),
+                who: "carol".into(),
+            },
+            created_at,
+            expires_at: created_at + ttl,
+            credential: Some("oncall".into()),
+        }
+    }
+
+    /// Two replicas' pools on one fresh database.
+    async fn two_replicas() -> (StateDb, StateDb) {
+        let db = test_support::postgres::fresh_database().await.unwrap();
+        let a = StateDb::connect(&db.url).await.unwrap();
+        let b = StateDb::connect(&db.url).await.unwrap();
+        (a, b)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_pushes_get_distinct_increasing_revisions_and_the_last_one_wins() {
+        let (a, b) = two_replicas().await;
+        let pushes = (0..12).map(|i| {
+            let db = if i % 2 == 0 { a.clone() } else { b.clone() };
+            tokio::spawn(async move { db.put_config(&doc(&format!("v{i}")), "rlc").await })
+        });
+        let mut revs = Vec::new();
+        for p in pushes {
+            let w = p.await.unwrap().unwrap();
+            assert!(w.changed);
+            revs.push(w.rev);
+        }
+        revs.sort();
+        assert_eq!(
+            revs,
+            (1..=12).collect::<Vec<i64>>(),
+            "one revision each, none lost"
+        );
+        // Both replicas load the same head: the config of the highest revision.
+        let (sa, sb) = (
+            a.load_since(0, 0).await.unwrap().unwrap(),
+            b.load_since(0, 0).await.unwrap().unwrap(),
+        );
+        assert_eq!((sa.rev, sa.config_rev), (12, 12));
+        assert_eq!(sa.config, sb.config);
+        let head: String = sqlx::query_scalar("SELECT version FROM configs WHERE rev = 12")
+            .fetch_one(a.pool())
+            .await
+            .unwrap();
+        assert_eq!(sa.config.unwrap().version, head);
+        // Pushing the current version again changes nothing.
+        let again = b.put_config(&doc(&head), "rlc").await.unwrap();
+        assert_eq!(
+            again,
+            Written {
+                rev: 12,
+                changed: false
+            }
+        );
+        // Old configs are pruned to a bounded number of rows.
+        let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM configs")
+            .fetch_one(a.pool())
+            .await
+            .unwrap();
+        assert_eq!(rows, CONFIGS_KEPT + 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn override_ids_are_unique_and_a_stale_revision_writes_nothing() {
+        let (a, b) = two_replicas().await;
+        let (o1, r1) = a
+            .add_override(0, |id| Ok::<_, ()>(ovr(id, 1_000, 60)))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!((o1.id.as_str(), r1), ("ovr-1", 1));
+        // Replica b still thinks the state is at revision 0: refused, nothing written.
+        match b
+            .add_override(0, |id| Ok::<_, ()>(ovr(id, 1_000, 60)))
+            .await
+        {
+            Err(DbError::Stale(1)) => {}
+            other => panic!("expected Stale(1), got {other:?}"),
+        }
+        // A refusal by the caller's check writes nothing either.
+        assert_eq!(b.add_override(1, |_| Err("no")).await.unwrap(), Err("no"));
+        assert_eq!(b.rev().await.unwrap(), 1);
+        // Caught up, b adds the next id.
+        let (o2, r2) = b
+            .add_override(1, |id| Ok::<_, ()>(ovr(id, 1_000, 60)))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!((o2.id.as_str(), r2), ("ovr-2", 2));
+        let snap = a.load_since(1, 0).await.unwrap().unwrap();
+        assert_eq!(snap.overrides, vec![o1.clone(), o2.clone()]);
+        assert_eq!(snap.next_override_id, 2);
+        assert!(snap.config.is_none(), "no config pushed: none loaded");
+        // Removal: by either replica, once.
+        let (gone, r3) = a.remove_override("ovr-1").await.unwrap().unwrap();
+        assert_eq!((gone, r3), (o1, 3));
+        assert!(b.remove_override("ovr-1").await.unwrap().is_none());
+        assert_eq!(b.rev().await.unwrap(), 3);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn expired_overrides_are_purged_without_a_new_revision() {
+        let (a, _) = two_replicas().await;
+        a.add_override(0, |id| Ok::<_, ()>(ovr(id, 1_000, 10)))
+            .await
+            .unwrap()
+            .unwrap();
+        a.add_override(1, |id| Ok::<_, ()>(ovr(id, 1_000, 100)))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(a.purge_expired(1_009).await.unwrap(), 0, "not yet expired");
+        assert_eq!(a.purge_expired(1_010).await.unwrap(), 1);
+        let snap = a.load_since(0, 0).await.unwrap().unwrap();
+        assert_eq!(snap.rev, 2, "expiry is by the clock: no revision");
+        let ids: Vec<&str> = snap.overrides.iter().map(|o| o.id.as_str()).collect();
+        assert_eq!(ids, ["ovr-2"]);
+        assert_eq!(snap.next_override_id, 2, "ids are never handed out again");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn catch_up_reads_only_what_changed() {
+        let (a, b) = two_replicas().await;
+        assert!(
+            b.load_since(0, 0).await.unwrap().is_none(),
+            "empty: nothing"
+        );
+        a.put_config(&doc("v1"), "rlc").await.unwrap();
+        let s1 = b.load_since(0, 0).await.unwrap().unwrap();
+        assert_eq!(s1.config.as_ref().map(|c| c.version.as_str()), Some("v1"));
+        assert!(b.load_since(s1.rev, s1.config_rev).await.unwrap().is_none());
+        // An override changes the revision but not the config: the config is not read again.
+        a.add_override(1, |id| Ok::<_, ()>(ovr(id, 1_000, 60)))
+            .await
+            .unwrap()
+            .unwrap();
+        let s2 = b.load_since(s1.rev, s1.config_rev).await.unwrap().unwrap();
+        assert_eq!((s2.rev, s2.config_rev), (2, 1));
+        assert!(s2.config.is_none());
+        assert_eq!(s2.overrides.len(), 1);
+        // A replica joining late (revision -1) gets everything.
+        let all = b.load_since(-1, -1).await.unwrap().unwrap();
+        assert_eq!(all.config.unwrap().version, "v1");
+        // Import happens into an empty database only.
+        assert!(!b
+            .import_if_empty(Some(&doc("local")), &[], 0)
+            .await
+            .unwrap());
+        let (c, _) = two_replicas().await;
+        assert!(c
+            .import_if_empty(Some(&doc("local")), &[ovr(3, 1_000, 60)], 3)
+            .await
+            .unwrap());
+        let imported = c.load_since(0, 0).await.unwrap().unwrap();
+        assert_eq!(imported.config.unwrap().version, "local");
+        assert_eq!(imported.next_override_id, 3);
+        assert_eq!(imported.overrides[0].id, "ovr-3");
+    }
+
+    #[test]
+    fn passwords_are_redacted() {
+        let u = "postgres://grl:hunter2@db:5432/grl?sslmode=require";
+        assert!(has_password(u));
+        assert!(!redact(u).contains("hunter2"), "{}", redact(u));
+        assert!(!format!("{:?}", DbUrl(u.into())).contains("hunter2"));
+        assert!(!has_password("postgres://grl@db/grl"));
+        assert_eq!(redact("not a url"), "<unparsable database URL>");
+    }
+}
