@@ -824,7 +824,6 @@ async fn put_config_db(
         .put_config(&doc, credential)
         .await
         .map_err(|e| sync.refuse("PUT /v1/config", e))?;
-    sync.ok(w.rev);
     if !w.changed {
         // Already the current version; this replica may not have applied it yet.
         let _ = catch_up(s, sync, &mut applied).await;
@@ -842,6 +841,8 @@ async fn put_config_db(
             rev: w.rev,
             config_rev: w.rev,
         };
+        drop(e);
+        sync.ok(w.rev);
     } else {
         tracing::info!(to = %doc.version, buckets, rev = w.rev, credential, "config stored (state database); catching up");
         // Committed: when this catch-up fails, the follower applies it at its next turn.
