@@ -113,9 +113,18 @@ impl StateDb {
         // resolve names in it. Two replicas creating it at once: one of them gets a unique
         // violation, and the caller retries.
         let mut conn = base.connect().await?;
-        sqlx::query(&format!("CREATE SCHEMA IF NOT EXISTS {SCHEMA}"))
-            .execute(&mut conn)
-            .await?;
+        // Created only when missing: a role without CREATE on the database can use a schema
+        // its administrator made.
+        let exists: bool =
+            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
+                .bind(SCHEMA)
+                .fetch_one(&mut conn)
+                .await?;
+        if !exists {
+            sqlx::query(&format!("CREATE SCHEMA IF NOT EXISTS {SCHEMA}"))
+                .execute(&mut conn)
+                .await?;
+        }
         let _ = sqlx::Connection::close(conn).await;
         let pool = PgPoolOptions::new()
             .max_connections(4)
