@@ -304,6 +304,46 @@ fn load_state(dir: &Path) -> anyhow::Result<(Option<ConfigDoc>, OverridesFile)> 
     Ok((cfg, ov))
 }
 
+/// `grl_controller_state_revision` and `grl_controller_state_database_up`, read at scrape time
+/// (registered only with a state database).
+struct DbCollector(Arc<DbSync>);
+
+impl std::fmt::Debug for DbCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DbCollector")
+    }
+}
+
+impl prometheus_client::collector::Collector for DbCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> std::fmt::Result {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        use prometheus_client::metrics::MetricType;
+        let (rev, up) = {
+            let h = self.0.health.lock().expect("db health lock");
+            (h.rev, i64::from(h.error.is_none()))
+        };
+        let fam = encoder.encode_descriptor(
+            "grl_controller_state_revision",
+            "Revision of the shared state (config and overrides) this replica applied.",
+            None,
+            MetricType::Gauge,
+        )?;
+        ConstGauge::new(rev).encode(fam)?;
+        let fam = encoder.encode_descriptor(
+            "grl_controller_state_database_up",
+            "1 while the last contact with the state database succeeded; 0 while it fails (changes answer 503).",
+            None,
+            MetricType::Gauge,
+        )?;
+        ConstGauge::new(up).encode(fam)?;
+        Ok(())
+    }
+}
+
 /// The checks of `POST /v1/overrides` on a stored override list: each request valid, ids
 /// unique and `ovr-N` with N at most the id counter, an expiry after the creation.
 fn check_overrides(ov: &OverridesFile) -> Result<(), String> {
@@ -631,6 +671,9 @@ impl Controller {
             opts.max_procedures_per_service,
         )));
         registry.register_collector(Box::new(crate::calls::CallsCollector(calls.clone())));
+        if let Some(sync) = &db {
+            registry.register_collector(Box::new(DbCollector(sync.clone())));
+        }
         let shared = Arc::new(Shared {
             engine,
             calls,
@@ -1437,6 +1480,22 @@ mod replica_tests {
             .unwrap()
             .to_string();
         assert!(detail.contains("changes answer 503"), "{detail}");
+        let metrics = http
+            .get(format!("{ub}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(
+            metrics.contains("grl_controller_state_database_up 0"),
+            "{metrics}"
+        );
+        assert!(
+            metrics.contains("grl_controller_state_revision 8"),
+            "{metrics}"
+        );
         a.shutdown().await;
         b.shutdown().await;
     }
