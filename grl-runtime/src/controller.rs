@@ -1346,6 +1346,50 @@ mod replica_tests {
         http.get(url).send().await.unwrap().json().await.unwrap()
     }
 
+    /// A change whose notification never came (written here without `pg_notify`) is picked
+    /// up by the periodic poll.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_change_without_notification_arrives_by_the_poll() {
+        let db = test_support::postgres::fresh_database().await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let c = Controller::start(ControllerOptions {
+            state_dir: dir.path().join("c"),
+            token: TOKEN.into(),
+            allow_anonymous_reports: true,
+            tick: Duration::from_millis(100),
+            database: Some(DatabaseOptions {
+                poll: Duration::from_millis(200),
+                ..DatabaseOptions::new(&db.url)
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        let url = c.url();
+        let state = crate::state_db::StateDb::connect(&db.url).await.unwrap();
+        let doc: ConfigDoc = serde_json::from_value(config("quiet")).unwrap();
+        let mut tx = state.pool().begin().await.unwrap();
+        sqlx::query(
+            "INSERT INTO configs (rev, version, doc, credential) VALUES (1, 'quiet', $1, 'test')",
+        )
+        .bind(serde_json::to_string(&doc).unwrap())
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+        sqlx::query("UPDATE state SET rev = 1, config_rev = 1 WHERE id = 1")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        let http = reqwest::Client::new();
+        until("the poll applies the quiet change", || {
+            let (http, url) = (http.clone(), url.clone());
+            async move { get(&http, format!("{url}/v1/config")).await["version"] == "quiet" }
+        })
+        .await;
+        c.shutdown().await;
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn replicas_share_changes_and_refuse_them_when_the_database_is_gone() {
         let db = test_support::postgres::fresh_database().await.unwrap();
