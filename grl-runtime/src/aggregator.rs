@@ -10,6 +10,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -35,7 +36,9 @@ use crate::proto::{
 pub struct AggregatorOptions {
     /// Listen address (port 0 picks a free port).
     pub listen: SocketAddr,
-    /// Controller base URLs, tried in order.
+    /// Controller base URLs: the replicas of the region's controller. Each zone report goes to
+    /// every one of them (see [`send_to_standbys`]); the directives served are those of the
+    /// first that answers, tried in order from the last one that did.
     pub controllers: Vec<String>,
     /// The zone served.
     pub zone: String,
@@ -578,6 +581,9 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
     // The protocol version each controller announced (1 until it answers).
     let mut proto = vec![1u32; s.opts.controllers.len()];
     let insecure_reminder = LogGate::new(Duration::from_secs(60));
+    let standby_busy: Vec<Arc<AtomicBool>> = (0..s.opts.controllers.len())
+        .map(|_| Arc::new(AtomicBool::new(false)))
+        .collect();
     let mut last = false;
     while !last {
         tokio::select! {
@@ -601,6 +607,7 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
                 "aggregator stopping: forwarding the last counts");
         }
         let n = s.opts.controllers.len();
+        send_to_standbys(&s, &report, current, &standby_busy);
         let mut done = false;
         for attempt in 0..n {
             let idx = (current + attempt) % n;
@@ -667,6 +674,55 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
         } else if !done {
             tracing::warn!(zone = %s.opts.zone, "no controller reachable; serving cached directives until they go stale");
         }
+    }
+}
+
+/// Sends a copy of `report` to every controller replica but `primary` (fire and forget, at most
+/// one copy in flight per replica, each bounded by the client's timeout): a standby computes
+/// the same ratios from the same zone rates, so when the aggregator fails over to it the
+/// clients' directives carry on within the tick. The copy carries the rates only: counts and
+/// calls go to the replica whose directives are served (and to the next one when it fails),
+/// so that each request is counted once over the replicas' `/metrics`.
+fn send_to_standbys(
+    s: &Arc<Shared>,
+    report: &ZoneReport,
+    primary: usize,
+    busy: &[Arc<AtomicBool>],
+) {
+    let n = s.opts.controllers.len();
+    if n < 2 {
+        return;
+    }
+    let mut copy: Option<Arc<ZoneReport>> = None;
+    for (idx, base) in s.opts.controllers.iter().enumerate() {
+        if idx == primary % n || busy[idx].swap(true, Ordering::AcqRel) {
+            continue;
+        }
+        let copy = copy
+            .get_or_insert_with(|| {
+                let mut c = ZoneReport {
+                    aggregator_id: report.aggregator_id.clone(),
+                    region: report.region.clone(),
+                    zone: report.zone.clone(),
+                    buckets: report.buckets.clone(),
+                    calls: Vec::new(),
+                };
+                for b in &mut c.buckets {
+                    b.counts = BucketCountsMsg {
+                        bucket: b.bucket.clone(),
+                        ..Default::default()
+                    };
+                }
+                Arc::new(c)
+            })
+            .clone();
+        let (s, base, busy) = (s.clone(), base.clone(), busy[idx].clone());
+        tokio::spawn(async move {
+            if let Err(e) = post_report(&s, &base, &copy).await {
+                tracing::debug!(controller = %base, error = %e, "standby controller replica did not take the zone report");
+            }
+            busy.store(false, Ordering::Release);
+        });
     }
 }
 

@@ -61,6 +61,32 @@ pub struct ControllerOptions {
     /// `grl_calls_total`: labelled procedures per service (the first seen; the rest fold
     /// into `procedure="_other"`).
     pub max_procedures_per_service: usize,
+    /// Keep the config and the overrides in this Postgres database instead of the state
+    /// directory, shared with the region's other controller replicas (see
+    /// [`crate::state_db`]). None = the state directory.
+    pub database: Option<DatabaseOptions>,
+}
+
+/// The shared state database of controller replicas.
+#[derive(Debug, Clone)]
+pub struct DatabaseOptions {
+    /// `postgres://…` (its password is never logged).
+    pub url: crate::state_db::DbUrl,
+    /// Period of the fallback poll for changes (notifications carry them at once).
+    pub poll: Duration,
+    /// How long a starting controller retries reaching the database before it gives up.
+    pub connect_timeout: Duration,
+}
+
+impl DatabaseOptions {
+    /// Defaults: a 2 s poll, 30 s to reach the database at start.
+    pub fn new(url: &str) -> DatabaseOptions {
+        DatabaseOptions {
+            url: crate::state_db::DbUrl(url.to_string()),
+            poll: Duration::from_secs(2),
+            connect_timeout: Duration::from_secs(30),
+        }
+    }
 }
 
 /// The controller's roles: `config` (`PUT /v1/config`, held by rlc), `overrides`
@@ -94,6 +120,7 @@ impl Default for ControllerOptions {
             client_tls: crate::tls::ClientTls::default(),
             max_callers_per_service: crate::calls::DEFAULT_MAX_CALLERS,
             max_procedures_per_service: crate::calls::DEFAULT_MAX_PROCEDURES,
+            database: None,
         }
     }
 }
@@ -129,6 +156,55 @@ struct Shared {
     tick: Duration,
     /// [`Shared::now_ms`] at the end of the last tick (`u64::MAX`: none yet), for `/readyz`.
     last_tick_ms: std::sync::atomic::AtomicU64,
+    /// The shared state database (replicas); None = the state directory.
+    db: Option<Arc<DbSync>>,
+}
+
+/// This replica's view of the state database.
+struct DbSync {
+    db: crate::state_db::StateDb,
+    /// The revision applied to the engine. Held across a catch-up or a change of this
+    /// replica's, so that they apply in revision order.
+    applied: tokio::sync::Mutex<Applied>,
+    /// Last contact with the database, for `/readyz` and `/v1/status`.
+    health: Mutex<DbHealth>,
+    errors_log: LogGate,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Applied {
+    rev: i64,
+    config_rev: i64,
+}
+
+struct DbHealth {
+    rev: i64,
+    ok_at: std::time::Instant,
+    error: Option<String>,
+}
+
+impl DbSync {
+    fn ok(&self, rev: i64) {
+        let mut h = self.health.lock().expect("db health lock");
+        h.rev = rev;
+        h.ok_at = std::time::Instant::now();
+        h.error = None;
+    }
+
+    fn failed(&self, what: &str, e: &crate::state_db::DbError) {
+        self.health.lock().expect("db health lock").error = Some(e.to_string());
+        if self.errors_log.open() {
+            tracing::warn!(error = %e, what, "state database unreachable or failing: serving the state held in memory; changes answer 503 (logged at most every 10 s)");
+        }
+    }
+
+    /// A database error as the answer to a change: 503, nothing changed.
+    fn refuse(&self, what: &str, e: crate::state_db::DbError) -> ApiError {
+        self.failed(what, &e);
+        ApiError::Unavailable(format!(
+            "the state database cannot take the change now; nothing was changed, retry later ({what})"
+        ))
+    }
 }
 
 impl Shared {
@@ -220,35 +296,224 @@ fn load_state(dir: &Path) -> anyhow::Result<(Option<ConfigDoc>, OverridesFile)> 
         Some((path, bytes)) => {
             let ov: OverridesFile =
                 serde_json::from_slice(&bytes).map_err(|e| refuse(&path, e.to_string()))?;
-            let mut ids = std::collections::BTreeSet::new();
-            for o in &ov.overrides {
-                let bad = |p: String| refuse(&path, format!("override `{}`: {p}", o.id));
-                o.req.validate().map_err(|e| bad(e.to_string()))?;
-                if !ids.insert(o.id.as_str()) {
-                    return Err(bad("id appears twice".into()));
-                }
-                match o
-                    .id
-                    .strip_prefix("ovr-")
-                    .and_then(|n| n.parse::<u64>().ok())
-                {
-                    Some(n) if n <= ov.next_id => {}
-                    _ => {
-                        return Err(bad(format!(
-                            "id must be `ovr-N` with N at most next_id ({})",
-                            ov.next_id
-                        )))
-                    }
-                }
-                if o.expires_at <= o.created_at {
-                    return Err(bad("expires_at must be after created_at".into()));
-                }
-            }
+            check_overrides(&ov).map_err(|p| refuse(&path, p))?;
             ov
         }
         None => OverridesFile::default(),
     };
     Ok((cfg, ov))
+}
+
+/// `grl_controller_state_revision` and `grl_controller_state_database_up`, read at scrape time
+/// (registered only with a state database).
+struct DbCollector(Arc<DbSync>);
+
+impl std::fmt::Debug for DbCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DbCollector")
+    }
+}
+
+impl prometheus_client::collector::Collector for DbCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> std::fmt::Result {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        use prometheus_client::metrics::MetricType;
+        let (rev, up) = {
+            let h = self.0.health.lock().expect("db health lock");
+            (h.rev, i64::from(h.error.is_none()))
+        };
+        let fam = encoder.encode_descriptor(
+            "grl_controller_state_revision",
+            "Revision of the shared state (config and overrides) this replica applied.",
+            None,
+            MetricType::Gauge,
+        )?;
+        ConstGauge::new(rev).encode(fam)?;
+        let fam = encoder.encode_descriptor(
+            "grl_controller_state_database_up",
+            "1 while the last contact with the state database succeeded; 0 while it fails (changes answer 503).",
+            None,
+            MetricType::Gauge,
+        )?;
+        ConstGauge::new(up).encode(fam)?;
+        Ok(())
+    }
+}
+
+/// The checks of `POST /v1/overrides` on a stored override list: each request valid, ids
+/// unique and `ovr-N` with N at most the id counter, an expiry after the creation.
+fn check_overrides(ov: &OverridesFile) -> Result<(), String> {
+    let mut ids = std::collections::BTreeSet::new();
+    for o in &ov.overrides {
+        let bad = |p: String| format!("override `{}`: {p}", o.id);
+        o.req.validate().map_err(|e| bad(e.to_string()))?;
+        if !ids.insert(o.id.as_str()) {
+            return Err(bad("id appears twice".into()));
+        }
+        match o
+            .id
+            .strip_prefix("ovr-")
+            .and_then(|n| n.parse::<u64>().ok())
+        {
+            Some(n) if n <= ov.next_id => {}
+            _ => {
+                return Err(bad(format!(
+                    "id must be `ovr-N` with N at most next_id ({})",
+                    ov.next_id
+                )))
+            }
+        }
+        if o.expires_at <= o.created_at {
+            return Err(bad("expires_at must be after created_at".into()));
+        }
+    }
+    Ok(())
+}
+
+/// A snapshot of the state database checked as the API checks a change (the config as
+/// `PUT /v1/config`, the overrides as `POST /v1/overrides`).
+fn check_snapshot(snap: &crate::state_db::Snapshot) -> Result<(), String> {
+    if let Some(doc) = &snap.config {
+        config::validate(doc).map_err(|e| format!("config `{}`: {e}", doc.version))?;
+    }
+    check_overrides(&OverridesFile {
+        next_id: snap.next_override_id,
+        overrides: snap.overrides.clone(),
+    })
+}
+
+/// Connects to the state database, retrying until `opts.connect_timeout` (a replica started
+/// while Postgres restarts waits for it instead of exiting at once).
+async fn connect_db(opts: &DatabaseOptions) -> anyhow::Result<crate::state_db::StateDb> {
+    let deadline = std::time::Instant::now() + opts.connect_timeout;
+    let mut wait = Duration::from_millis(200);
+    loop {
+        match crate::state_db::StateDb::connect(&opts.url.0).await {
+            Ok(db) => return Ok(db),
+            Err(e) if std::time::Instant::now() + wait < deadline => {
+                tracing::warn!(database = ?opts.url, error = %e, "state database not reachable yet; retrying");
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(5));
+            }
+            Err(e) => anyhow::bail!(
+                "refusing to start: state database {:?}: {e} (gave up after {:?})",
+                opts.url,
+                opts.connect_timeout
+            ),
+        }
+    }
+}
+
+/// Loads what changed in the state database since the applied revision into the engine.
+/// True when something was applied. A snapshot that fails the API's checks is not applied
+/// (logged; the replica keeps what it has).
+async fn catch_up(
+    s: &Shared,
+    sync: &DbSync,
+    applied: &mut Applied,
+) -> Result<bool, crate::state_db::DbError> {
+    let snap = match sync.db.load_since(applied.rev, applied.config_rev).await {
+        Ok(Some(snap)) => snap,
+        Ok(None) => {
+            sync.ok(applied.rev);
+            return Ok(false);
+        }
+        Err(e) => {
+            sync.failed("catch up", &e);
+            return Err(e);
+        }
+    };
+    if let Err(p) = check_snapshot(&snap) {
+        let e =
+            crate::state_db::DbError::Corrupt(format!("revision {}: {p}; not applied", snap.rev));
+        sync.failed("catch up", &e);
+        return Err(e);
+    }
+    let now = unix_now();
+    let mut e = s.engine.lock().expect("engine lock");
+    if let Some(doc) = snap.config {
+        tracing::info!(from = %e.base_config().version, to = %doc.version, rev = snap.config_rev, "config applied from the state database");
+        e.set_config(doc);
+    }
+    let list: Vec<Override> = snap
+        .overrides
+        .into_iter()
+        .filter(|o| o.active(now))
+        .collect();
+    if list != e.overrides() {
+        let (before, after) = (e.overrides().len(), list.len());
+        if let Err(err) = e.try_set_overrides(list, |_| Ok::<(), ()>(())) {
+            let err = crate::state_db::DbError::Corrupt(format!(
+                "revision {}: the overrides cannot be served: {err}; not applied",
+                snap.rev
+            ));
+            drop(e);
+            sync.failed("catch up", &err);
+            return Err(err);
+        }
+        tracing::info!(
+            before,
+            after,
+            rev = snap.rev,
+            "overrides applied from the state database"
+        );
+    }
+    e.recompute(s.now_ms(), now);
+    drop(e);
+    *applied = Applied {
+        rev: snap.rev,
+        config_rev: snap.config_rev,
+    };
+    sync.ok(snap.rev);
+    Ok(true)
+}
+
+/// Follows the state database: a catch-up on each notification of a change and at every
+/// `poll` (the fallback when a notification is lost, or the listening connection is down);
+/// expired overrides are deleted at each poll. Runs until aborted.
+async fn db_sync_loop(s: Arc<Shared>, sync: Arc<DbSync>, poll: Duration) {
+    use sqlx::postgres::PgListener;
+    let mut listener: Option<PgListener> = None;
+    let mut iv = tokio::time::interval(poll);
+    iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        if listener.is_none() {
+            match PgListener::connect_with(sync.db.pool()).await {
+                Ok(mut l) => match l.listen(crate::state_db::CHANNEL).await {
+                    Ok(()) => listener = Some(l),
+                    Err(e) => sync.failed("listen", &e.into()),
+                },
+                Err(e) => sync.failed("listen", &e.into()),
+            }
+        }
+        let polled = tokio::select! {
+            n = async {
+                match listener.as_mut() {
+                    Some(l) => l.try_recv().await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                if let Err(e) = n {
+                    // Reconnected at the next turn; the poll covers the meantime.
+                    sync.failed("listen", &e.into());
+                    listener = None;
+                }
+                false
+            }
+            _ = iv.tick() => true,
+        };
+        if polled {
+            if let Err(e) = sync.db.purge_expired(unix_now()).await {
+                sync.failed("purge expired overrides", &e);
+            }
+        }
+        let mut applied = sync.applied.lock().await;
+        let _ = catch_up(&s, &sync, &mut applied).await;
+    }
 }
 
 /// The controller as a router (for tests without sockets and for `start`).
@@ -311,14 +576,65 @@ impl Controller {
             })?),
             None => None,
         };
-        let cfg = match (persisted_cfg, from_dir) {
-            (Some(c), _) => c,
-            (None, Some(doc)) => {
-                let bytes = serde_json::to_vec_pretty(&doc)?;
-                write_atomic(&opts.state_dir.join("config.json"), &bytes)?;
-                doc
+        let (cfg, ov, db) = match &opts.database {
+            None => {
+                let cfg = match (persisted_cfg, from_dir) {
+                    (Some(c), _) => c,
+                    (None, Some(doc)) => {
+                        let bytes = serde_json::to_vec_pretty(&doc)?;
+                        write_atomic(&opts.state_dir.join("config.json"), &bytes)?;
+                        doc
+                    }
+                    (None, None) => ConfigDoc::default(),
+                };
+                (cfg, ov, None)
             }
-            (None, None) => ConfigDoc::default(),
+            Some(dbo) => {
+                let db = connect_db(dbo).await?;
+                // An empty database takes what this controller had: its state directory's
+                // files (a controller given a database for the first time), else its
+                // --config-dir. A database that holds a state wins over both.
+                let local_cfg = persisted_cfg.or(from_dir);
+                if db
+                    .import_if_empty(local_cfg.as_ref(), &ov.overrides, ov.next_id)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("refusing to start: {e}"))?
+                {
+                    tracing::info!(version = ?local_cfg.as_ref().map(|c| &c.version), overrides = ov.overrides.len(), "empty state database: imported this controller's state");
+                }
+                let snap = db
+                    .load_since(-1, -1)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("refusing to start: {e}"))?
+                    .context("refusing to start: the state database has no revision")?;
+                check_snapshot(&snap).map_err(|p| {
+                    anyhow::anyhow!("refusing to start: state database {:?} at revision {}: {p} (the controller does not serve a state it would refuse over its API)", dbo.url, snap.rev)
+                })?;
+                tracing::info!(database = ?dbo.url, rev = snap.rev, "controller state loaded from the state database");
+                let sync = DbSync {
+                    db,
+                    applied: tokio::sync::Mutex::new(Applied {
+                        rev: snap.rev,
+                        config_rev: snap.config_rev,
+                    }),
+                    health: Mutex::new(DbHealth {
+                        rev: snap.rev,
+                        ok_at: std::time::Instant::now(),
+                        error: None,
+                    }),
+                    errors_log: LogGate::new(Duration::from_secs(10)),
+                };
+                let now = unix_now();
+                let ov = OverridesFile {
+                    next_id: snap.next_override_id,
+                    overrides: snap
+                        .overrides
+                        .into_iter()
+                        .filter(|o| o.active(now))
+                        .collect(),
+                };
+                (snap.config.unwrap_or_default(), ov, Some(Arc::new(sync)))
+            }
         };
         tracing::info!(version = %cfg.version, services = cfg.services.len(), overrides = ov.overrides.len(), "controller state loaded");
         let zone_ttl = (opts.tick * 3).as_millis() as u64;
@@ -328,10 +644,14 @@ impl Controller {
         if ov.overrides.is_empty() {
             // Nothing to check (a fresh controller has no config version yet).
         } else if let Err(e) = engine.try_set_overrides(ov.overrides, |_| Ok::<(), ()>(())) {
-            anyhow::bail!(
-                "refusing to start: state file {}: the overrides cannot be served: {e}",
-                opts.state_dir.join("overrides.json").display()
-            );
+            let from = match &opts.database {
+                Some(d) => format!("state database {:?}", d.url),
+                None => format!(
+                    "state file {}",
+                    opts.state_dir.join("overrides.json").display()
+                ),
+            };
+            anyhow::bail!("refusing to start: {from}: the overrides cannot be served: {e}");
         }
         // Report cursors stay monotonic across restarts (see Engine::set_report_seq_base).
         let start_ms = std::time::SystemTime::now()
@@ -351,6 +671,9 @@ impl Controller {
             opts.max_procedures_per_service,
         )));
         registry.register_collector(Box::new(crate::calls::CallsCollector(calls.clone())));
+        if let Some(sync) = &db {
+            registry.register_collector(Box::new(DbCollector(sync.clone())));
+        }
         let shared = Arc::new(Shared {
             engine,
             calls,
@@ -367,6 +690,7 @@ impl Controller {
             started: std::time::Instant::now(),
             tick: opts.tick,
             last_tick_ms: std::sync::atomic::AtomicU64::new(u64::MAX),
+            db: db.clone(),
         });
         // TLS files and the peer client are checked before binding: a controller does not
         // start on files that do not load.
@@ -393,7 +717,15 @@ impl Controller {
             (None, false) => anyhow::bail!("peers need this controller's region"),
         };
         let (finish, finished) = oneshot::channel::<()>();
-        let ticker = tokio::spawn(tick_loop(shared, peering, http, finished));
+        let follower = match (&db, &opts.database) {
+            (Some(sync), Some(dbo)) => Some(tokio::spawn(db_sync_loop(
+                shared.clone(),
+                sync.clone(),
+                dbo.poll.max(Duration::from_millis(100)),
+            ))),
+            _ => None,
+        };
+        let ticker = tokio::spawn(tick_loop(shared, peering, http, finished, follower));
         tracing::info!(%addr, scheme, "controller listening");
         Ok(ControllerHandle {
             addr,
@@ -413,6 +745,7 @@ async fn tick_loop(
     peering: Option<(String, Vec<String>)>,
     http: reqwest::Client,
     mut finish: oneshot::Receiver<()>,
+    follower: Option<tokio::task::JoinHandle<()>>,
 ) {
     let mut iv = tokio::time::interval(shared.tick);
     iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -421,6 +754,9 @@ async fn tick_loop(
         tokio::select! {
             _ = iv.tick() => {}
             _ = &mut finish => {
+                if let Some(f) = &follower {
+                    f.abort();
+                }
                 let e = shared.engine.lock().expect("engine lock");
                 tracing::info!(state_dir = %shared.state_dir.display(), version = %e.base_config().version,
                     overrides = e.overrides().len(), "controller stopped; config and overrides are persisted");
@@ -461,11 +797,13 @@ async fn tick_loop(
                 });
             }
         }
-        if let Some(remaining) = remaining {
+        for o in &expired {
+            tracing::info!(id = %o.id, who = %o.req.who, reason = %o.req.reason, "override expired");
+        }
+        // With a state database, every replica expires by the clock and the follower deletes
+        // the rows; the state directory is rewritten here.
+        if let (Some(remaining), None) = (remaining, &shared.db) {
             let p = shared.persisted.lock().expect("persisted lock");
-            for o in &expired {
-                tracing::info!(id = %o.id, who = %o.req.who, reason = %o.req.reason, "override expired");
-            }
             if let Err(e) = shared.save_overrides(p.next_id, &remaining) {
                 tracing::error!(error = %e, "cannot persist overrides after expiry");
             }
@@ -490,6 +828,9 @@ async fn put_config(
     let body = read_body(body, MAX_BODY).await?;
     let doc: ConfigDoc = parse_json(&body)?;
     config::validate(&doc).map_err(|e| ApiError::Invalid(e.to_string()))?;
+    if let Some(sync) = &s.db {
+        return put_config_db(&s, sync, doc, &cred.name).await.map(Json);
+    }
     // Hold the engine lock across the write so that two pushes cannot interleave their
     // persist and apply.
     let mut e = s.engine.lock().expect("engine lock");
@@ -509,6 +850,48 @@ async fn put_config(
     Ok(Json(
         serde_json::json!({"version": version, "changed": true}),
     ))
+}
+
+/// `PUT /v1/config` with a state database: written in a transaction (unless its version is
+/// the database's current one), then applied here; the other replicas apply it on the
+/// notification.
+async fn put_config_db(
+    s: &Shared,
+    sync: &DbSync,
+    doc: ConfigDoc,
+    credential: &str,
+) -> Result<serde_json::Value, ApiError> {
+    let mut applied = sync.applied.lock().await;
+    let w = sync
+        .db
+        .put_config(&doc, credential)
+        .await
+        .map_err(|e| sync.refuse("PUT /v1/config", e))?;
+    if !w.changed {
+        // Already the current version; this replica may not have applied it yet.
+        let _ = catch_up(s, sync, &mut applied).await;
+        return Ok(serde_json::json!({"version": doc.version, "changed": false}));
+    }
+    let version = doc.version.clone();
+    let buckets: usize = doc.services.iter().map(|f| f.buckets.len()).sum();
+    if w.rev == applied.rev + 1 {
+        // Nothing else changed in between: apply what was written.
+        let mut e = s.engine.lock().expect("engine lock");
+        tracing::info!(from = %e.base_config().version, to = %doc.version, buckets, rev = w.rev, credential, "config applied (state database)");
+        e.set_config(doc);
+        e.recompute(s.now_ms(), unix_now());
+        *applied = Applied {
+            rev: w.rev,
+            config_rev: w.rev,
+        };
+        drop(e);
+        sync.ok(w.rev);
+    } else {
+        tracing::info!(to = %doc.version, buckets, rev = w.rev, credential, "config stored (state database); catching up");
+        // Committed: when this catch-up fails, the follower applies it at its next turn.
+        let _ = catch_up(s, sync, &mut applied).await;
+    }
+    Ok(serde_json::json!({"version": version, "changed": true}))
 }
 
 /// `GET /readyz`: the persisted state loaded and its directory present, the control loop
@@ -544,16 +927,49 @@ async fn readyz(State(s): State<Arc<Shared>>) -> crate::http_util::Readiness {
     } else {
         format!("config version {version}")
     });
+    let Some(sync) = &s.db else {
+        return crate::http_util::Readiness::from_checks([
+            ("config", config),
+            ("state_dir", state_dir),
+            ("ticking", ticking),
+        ]);
+    };
+    // The state was loaded from the database before this answered at all; while the database
+    // is unreachable the replica still enforces what it has (data plane fail-open, changes
+    // answer 503), so that stays ready and the detail says so.
+    let database = Ok(db_detail(sync));
     crate::http_util::Readiness::from_checks([
         ("config", config),
-        ("state_dir", state_dir),
+        ("database", database),
         ("ticking", ticking),
     ])
 }
 
+/// The state database as `/readyz` and `/v1/status` describe it.
+fn db_detail(sync: &DbSync) -> String {
+    let h = sync.health.lock().expect("db health lock");
+    let ago = h.ok_at.elapsed().as_millis();
+    match &h.error {
+        None => format!("revision {} (in sync {ago} ms ago)", h.rev),
+        Some(err) => format!(
+            "failing since {ago} ms: {err}; serving revision {}, changes answer 503",
+            h.rev
+        ),
+    }
+}
+
 async fn status(State(s): State<Arc<Shared>>) -> Json<serde_json::Value> {
+    let state = match &s.db {
+        Some(sync) => serde_json::json!({
+            "backend": "postgres",
+            "revision": sync.health.lock().expect("db health lock").rev,
+            "detail": db_detail(sync),
+        }),
+        None => serde_json::json!({"backend": "state_dir"}),
+    };
     let e = s.engine.lock().expect("engine lock");
     Json(serde_json::json!({
+        "state": state,
         // The pushed version (what rlc reconciles against); clients run `served_version`,
         // which differs while traffic overrides add buckets.
         "version": e.base_config().version,
@@ -705,6 +1121,11 @@ async fn add_override(
             )));
         }
     }
+    if let Some(sync) = &s.db {
+        return add_override_db(&s, sync, req, &cred.name)
+            .await
+            .map(|v| (axum::http::StatusCode::CREATED, Json(v)));
+    }
     let now = unix_now();
     let mut p = s.persisted.lock().expect("persisted lock");
     let mut e = s.engine.lock().expect("engine lock");
@@ -733,6 +1154,110 @@ async fn add_override(
     Ok((axum::http::StatusCode::CREATED, Json(with_affects(&o, &e))))
 }
 
+/// `POST /v1/overrides` with a state database: checked against this replica's state at the
+/// database's revision (caught up first when another replica changed it meanwhile; at most
+/// three tries), written in a transaction that hands out the id, then applied here.
+async fn add_override_db(
+    s: &Shared,
+    sync: &DbSync,
+    req: OverrideRequest,
+    credential: &str,
+) -> Result<serde_json::Value, ApiError> {
+    let mut applied = sync.applied.lock().await;
+    for _ in 0..3 {
+        let now = unix_now();
+        let made = sync
+            .db
+            .add_override(applied.rev, |next_id| {
+                let o = Override {
+                    id: format!("ovr-{next_id}"),
+                    created_at: now,
+                    expires_at: now.saturating_add(req.ttl_secs),
+                    credential: Some(credential.to_string()),
+                    req: req.clone(),
+                };
+                let e = s.engine.lock().expect("engine lock");
+                let mut list = e.overrides().to_vec();
+                list.push(o.clone());
+                e.check_overrides(&list).map(|()| o)
+            })
+            .await;
+        let (o, rev) = match made {
+            Err(crate::state_db::DbError::Stale(_)) => {
+                catch_up(s, sync, &mut applied)
+                    .await
+                    .map_err(|e| sync.refuse("POST /v1/overrides", e))?;
+                continue;
+            }
+            Err(e) => return Err(sync.refuse("POST /v1/overrides", e)),
+            Ok(Err(err)) => {
+                return Err(ApiError::Invalid(format!(
+                    "the override cannot be served: {err}"
+                )))
+            }
+            Ok(Ok(made)) => made,
+        };
+        sync.ok(rev);
+        let mut e = s.engine.lock().expect("engine lock");
+        let mut list = e.overrides().to_vec();
+        list.push(o.clone());
+        // Checked against this very state in the transaction.
+        if let Err(err) = e.try_set_overrides(list, |_| Ok::<(), ()>(())) {
+            tracing::error!(id = %o.id, error = %err, "override stored but not applicable here");
+        }
+        *applied = Applied {
+            rev,
+            config_rev: applied.config_rev,
+        };
+        tracing::info!(id = %o.id, who = %o.req.who, credential, reason = %o.req.reason, service = ?o.req.service,
+            bucket = ?o.req.bucket, caller = ?o.req.caller, procedure = ?o.req.procedure,
+            limit_rps = ?o.req.limit_rps, drop_ratio = ?o.req.drop_ratio, ttl_secs = o.req.ttl_secs, rev, "override added (state database)");
+        e.recompute(s.now_ms(), now);
+        return Ok(with_affects(&o, &e));
+    }
+    Err(ApiError::Unavailable(
+        "the state kept changing under this override (three tries); nothing was changed, retry"
+            .into(),
+    ))
+}
+
+/// `DELETE /v1/overrides/{id}` with a state database.
+async fn remove_override_db(
+    s: &Shared,
+    sync: &DbSync,
+    id: &str,
+    q: &WhoQuery,
+    credential: &str,
+) -> Result<Override, ApiError> {
+    let mut applied = sync.applied.lock().await;
+    let Some((o, rev)) = sync
+        .db
+        .remove_override(id)
+        .await
+        .map_err(|e| sync.refuse("DELETE /v1/overrides", e))?
+    else {
+        return Err(ApiError::NotFound(format!("no override `{id}`")));
+    };
+    sync.ok(rev);
+    tracing::info!(id = %o.id, removed_by = q.who.as_deref().unwrap_or("unknown"), credential, why = q.reason.as_deref().unwrap_or(""),
+        added_by = %o.req.who, rev, "override removed (state database)");
+    if rev == applied.rev + 1 {
+        let mut e = s.engine.lock().expect("engine lock");
+        let list = e
+            .overrides()
+            .iter()
+            .filter(|x| x.id != id)
+            .cloned()
+            .collect();
+        e.set_overrides(list);
+        e.recompute(s.now_ms(), unix_now());
+        applied.rev = rev;
+    } else {
+        let _ = catch_up(s, sync, &mut applied).await;
+    }
+    Ok(o)
+}
+
 #[derive(Deserialize)]
 struct WhoQuery {
     who: Option<String>,
@@ -746,6 +1271,11 @@ async fn remove_override(
     Query(q): Query<WhoQuery>,
 ) -> Result<impl IntoResponse, ApiError> {
     let cred = s.authorize(&headers, "overrides", "DELETE /v1/overrides/{id}")?;
+    if let Some(sync) = &s.db {
+        return remove_override_db(&s, sync, &id, &q, &cred.name)
+            .await
+            .map(Json);
+    }
     let p = s.persisted.lock().expect("persisted lock");
     let mut e = s.engine.lock().expect("engine lock");
     let mut list = e.overrides().to_vec();
@@ -764,4 +1294,253 @@ async fn remove_override(
 /// `GET /metrics` (see [`crate::metrics::EngineCollector`] for the per-bucket series).
 async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
     crate::metrics::response(&s.registry)
+}
+
+#[cfg(test)]
+mod replica_tests {
+    use super::*;
+    use serde_json::{json, Value};
+
+    const TOKEN: &str = "t0ken";
+
+    async fn replica(url: &str, dir: &Path, name: &str) -> ControllerHandle {
+        Controller::start(ControllerOptions {
+            state_dir: dir.join(name),
+            token: TOKEN.into(),
+            allow_anonymous_reports: true,
+            tick: Duration::from_millis(100),
+            database: Some(DatabaseOptions {
+                // A poll far beyond the test: what reaches the other replica within it came
+                // by notification.
+                poll: Duration::from_secs(600),
+                ..DatabaseOptions::new(url)
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+    }
+
+    fn config(version: &str) -> Value {
+        json!({"version": version, "services": [{"service": "payments", "buckets": [
+            {"name": "gw.charge", "caller": "gw", "procedure": "charge", "scope": "global",
+             "limit_rps": 100.0, "mode": "enforce", "policy": "peak"}]}]})
+    }
+
+    /// Polls `f` every 50 ms until it holds; panics after 10 s (a hang guard).
+    async fn until<F, Fut>(what: &str, mut f: F)
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = bool>,
+    {
+        for _ in 0..200 {
+            if f().await {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("timed out waiting for: {what}");
+    }
+
+    async fn get(http: &reqwest::Client, url: String) -> Value {
+        http.get(url).send().await.unwrap().json().await.unwrap()
+    }
+
+    /// A change whose notification never came (written here without `pg_notify`) is picked
+    /// up by the periodic poll.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_change_without_notification_arrives_by_the_poll() {
+        let db = test_support::postgres::fresh_database().await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let c = Controller::start(ControllerOptions {
+            state_dir: dir.path().join("c"),
+            token: TOKEN.into(),
+            allow_anonymous_reports: true,
+            tick: Duration::from_millis(100),
+            database: Some(DatabaseOptions {
+                poll: Duration::from_millis(200),
+                ..DatabaseOptions::new(&db.url)
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        let url = c.url();
+        let state = crate::state_db::StateDb::connect(&db.url).await.unwrap();
+        let doc: ConfigDoc = serde_json::from_value(config("quiet")).unwrap();
+        let mut tx = state.pool().begin().await.unwrap();
+        sqlx::query(
+            "INSERT INTO configs (rev, version, doc, credential) VALUES (1, 'quiet', $1, 'test')",
+        )
+        .bind(serde_json::to_string(&doc).unwrap())
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+        sqlx::query("UPDATE state SET rev = 1, config_rev = 1 WHERE id = 1")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        let http = reqwest::Client::new();
+        until("the poll applies the quiet change", || {
+            let (http, url) = (http.clone(), url.clone());
+            async move { get(&http, format!("{url}/v1/config")).await["version"] == "quiet" }
+        })
+        .await;
+        c.shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn replicas_share_changes_and_refuse_them_when_the_database_is_gone() {
+        let db = test_support::postgres::fresh_database().await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let a = replica(&db.url, dir.path(), "a").await;
+        let b = replica(&db.url, dir.path(), "b").await;
+        let (ua, ub) = (a.url(), b.url());
+        let http = reqwest::Client::new();
+
+        // A push to a reaches b by notification.
+        let r = http
+            .put(format!("{ua}/v1/config"))
+            .bearer_auth(TOKEN)
+            .json(&config("v1"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        until("b serves v1", || {
+            let (http, ub) = (http.clone(), ub.clone());
+            async move { get(&http, format!("{ub}/v1/config")).await["version"] == "v1" }
+        })
+        .await;
+
+        // Overrides added on both replicas at once: every one accepted, ids unique, and both
+        // replicas end with the same list.
+        let adds = (0..6).map(|i| {
+            let (http, url) = (http.clone(), if i % 2 == 0 { ua.clone() } else { ub.clone() });
+            tokio::spawn(async move {
+                http.post(format!("{url}/v1/overrides"))
+                    .bearer_auth(TOKEN)
+                    .json(&json!({"service": "payments", "bucket": "gw.charge",
+                        "limit_rps": 50.0 + i as f64, "ttl_secs": 600, "reason": "INC", "who": "x"}))
+                    .send()
+                    .await
+                    .unwrap()
+            })
+        });
+        let mut ids = std::collections::BTreeSet::new();
+        for add in adds {
+            let r = add.await.unwrap();
+            assert_eq!(r.status(), 201);
+            let v: Value = r.json().await.unwrap();
+            assert!(ids.insert(v["id"].as_str().unwrap().to_string()), "{v}");
+        }
+        let listed = |url: String| {
+            let http = http.clone();
+            async move {
+                get(&http, format!("{url}/v1/overrides")).await["overrides"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|o| o["id"].as_str().unwrap().to_string())
+                    .collect::<std::collections::BTreeSet<_>>()
+            }
+        };
+        until("both replicas list the six overrides", || {
+            let (la, lb, ids) = (listed(ua.clone()), listed(ub.clone()), ids.clone());
+            async move { la.await == ids && lb.await == ids }
+        })
+        .await;
+        // Removed on a: gone from b.
+        let first = ids.iter().next().unwrap().clone();
+        let r = http
+            .delete(format!("{ua}/v1/overrides/{first}"))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        until("b no longer lists the removed override", || {
+            let lb = listed(ub.clone());
+            let first = first.clone();
+            async move { !lb.await.contains(&first) }
+        })
+        .await;
+
+        // The database gone: changes answer 503 and change nothing; the data plane goes on.
+        let admin = format!("{}/postgres", db.url.rsplit_once('/').unwrap().0);
+        let mut conn = <sqlx::PgConnection as sqlx::Connection>::connect(&admin)
+            .await
+            .unwrap();
+        sqlx::query(&format!("DROP DATABASE \"{}\" WITH (FORCE)", db.name))
+            .execute(&mut conn)
+            .await
+            .unwrap();
+        let r = http
+            .put(format!("{ua}/v1/config"))
+            .bearer_auth(TOKEN)
+            .json(&config("v2"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 503);
+        let body: Value = r.json().await.unwrap();
+        assert!(
+            body["error"]
+                .as_str()
+                .unwrap()
+                .contains("nothing was changed"),
+            "{body}"
+        );
+        let r = http
+            .post(format!("{ub}/v1/overrides"))
+            .bearer_auth(TOKEN)
+            .json(&json!({"caller": "gw", "drop_ratio": 0.5, "ttl_secs": 60, "reason": "r", "who": "x"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 503);
+        assert_eq!(get(&http, format!("{ua}/v1/config")).await["version"], "v1");
+        assert_eq!(listed(ub.clone()).await.len(), 5);
+        let report = json!({"aggregator_id": "agg", "region": "r1", "zone": "z1", "buckets": [
+            {"service": "payments", "bucket": "gw.charge", "offered_rps": 200.0, "admitted_rps": 200.0,
+             "dropped_rps": 0.0, "shadow_dropped_rps": 0.0,
+             "counts": {"bucket": "gw.charge", "offered": 0, "admitted": 0, "dropped": 0, "shadow_dropped": 0}}]});
+        let r = http
+            .post(format!("{ub}/v1/aggregate"))
+            .json(&report)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let d: Value = r.json().await.unwrap();
+        assert_eq!(d["version"], "v1");
+        let ratio = d["services"][0]["directives"][0]["ratio"].as_f64().unwrap();
+        assert!(ratio > 0.5, "the overrides still apply: {d}");
+        let ready = http.get(format!("{ub}/readyz")).send().await.unwrap();
+        assert_eq!(ready.status(), 200, "the data plane is still ready");
+        let detail = ready.json::<Value>().await.unwrap()["checks"]["database"]["detail"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert!(detail.contains("changes answer 503"), "{detail}");
+        let metrics = http
+            .get(format!("{ub}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(
+            metrics.contains("grl_controller_state_database_up 0"),
+            "{metrics}"
+        );
+        assert!(
+            metrics.contains("grl_controller_state_revision 8"),
+            "{metrics}"
+        );
+        a.shutdown().await;
+        b.shutdown().await;
+    }
 }

@@ -595,6 +595,15 @@ impl Engine {
         Ok(Ok(()))
     }
 
+    /// Whether `list` could replace the overrides: the config it makes clients run must be
+    /// valid (the check of [`Engine::try_set_overrides`], changing nothing).
+    pub fn check_overrides(&self, list: &[Override]) -> Result<(), crate::config::ConfigError> {
+        if list.iter().any(Override::is_traffic) {
+            crate::config::validate(&materialize(&self.base, list).0)?;
+        }
+        Ok(())
+    }
+
     /// Removes overrides expired at `unix_now` and returns them (for the audit log).
     pub fn purge_expired(&mut self, unix_now: u64) -> Vec<Override> {
         if self.overrides.iter().all(|o| o.active(unix_now)) {

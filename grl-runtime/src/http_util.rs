@@ -30,6 +30,9 @@ pub enum ApiError {
     /// A failure on our side (details logged, not returned).
     #[error("internal error")]
     Internal(String),
+    /// A dependency (the state database) is unreachable: nothing was changed, retry later.
+    #[error("{0}")]
+    Unavailable(String),
 }
 
 impl IntoResponse for ApiError {
@@ -41,6 +44,7 @@ impl IntoResponse for ApiError {
             ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ApiError::Invalid(_) => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(detail) => {
                 tracing::error!(detail = %detail, "internal error");
                 StatusCode::INTERNAL_SERVER_ERROR

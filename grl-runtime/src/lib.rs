@@ -23,6 +23,7 @@ pub use http_util::ApiError;
 pub mod realtime;
 pub mod report;
 pub mod sim;
+pub mod state_db;
 #[cfg(test)]
 mod tests;
 pub mod tls;

@@ -36,8 +36,14 @@ enum Cmd {
     /// GRL_OVERRIDE_TOKEN (`overrides`: POST/DELETE /v1/overrides, what on-call people hold),
     /// GRL_READ_TOKEN (`reports`: GET /v1/reports), GRL_REPORT_TOKEN (`zone-report`:
     /// POST /v1/aggregate, also sent to --peer controllers); each also as <VAR>_FILE, a file
-    /// holding the secret, re-read when it changes. GRL_TOKEN (legacy) holds config,
+    /// holding the secret, re-read when it changes.     /// GRL_TOKEN (legacy) holds config,
     /// overrides and reports at once. More credentials, and rotations, go in --credentials.
+    ///
+    /// Replicas: run two or more controllers of a region on one Postgres database
+    /// (GRL_DATABASE_URL, or GRL_DATABASE_URL_FILE holding it; --database-url for a URL
+    /// without a password): the config and the overrides are kept there instead of
+    /// --state-dir, every replica serves the same ones, and the region's aggregators list
+    /// every replica with --controller.
     Controller {
         /// Listen address.
         #[arg(long, default_value = "127.0.0.1:7070")]
@@ -81,6 +87,18 @@ enum Cmd {
         /// seen); the others are folded into procedure="_other".
         #[arg(long, default_value_t = grl_runtime::calls::DEFAULT_MAX_PROCEDURES)]
         calls_max_procedures: usize,
+        /// Postgres URL of the state shared by the region's controller replicas, when it holds
+        /// no password (ps shows flags to every user: a password goes in GRL_DATABASE_URL,
+        /// GRL_DATABASE_URL_FILE or PGPASSWORD). Without one: --state-dir.
+        #[arg(long)]
+        database_url: Option<String>,
+        /// With a database: seconds between polls for changes of other replicas (a fallback;
+        /// changes are notified at once).
+        #[arg(long, default_value_t = 2)]
+        database_poll_secs: u64,
+        /// With a database: how long a starting controller waits for it before giving up.
+        #[arg(long, default_value_t = 30)]
+        database_connect_timeout_secs: u64,
     },
     /// Run a zone aggregator.
     ///
@@ -91,7 +109,9 @@ enum Cmd {
         /// Listen address.
         #[arg(long, default_value = "127.0.0.1:7071")]
         listen: SocketAddr,
-        /// Controller URL; repeat for failover.
+        /// Controller URL; repeat for the replicas of the region's controller: every zone
+        /// report goes to each of them (a standby stays warm), and the clients get the
+        /// directives of the first that answers (failover in order).
         #[arg(long = "controller", required = true)]
         controllers: Vec<String>,
         /// Zone served.
@@ -316,7 +336,24 @@ async fn main() -> anyhow::Result<()> {
             shutdown_grace_ms,
             calls_max_callers,
             calls_max_procedures,
+            database_url,
+            database_poll_secs,
+            database_connect_timeout_secs,
         } => {
+            let database = match database_url {
+                Some(url) if grl_runtime::state_db::has_password(&url) => bail!(
+                    "--database-url carries a password, which every user sees in ps: put the URL in GRL_DATABASE_URL or GRL_DATABASE_URL_FILE, or the password in PGPASSWORD"
+                ),
+                Some(url) => Some(url),
+                None => TokenSource::from_env("GRL_DATABASE_URL")
+                    .map_err(anyhow::Error::msg)?
+                    .map(|t| t.current().trim().to_string()),
+            }
+            .map(|url| grl_runtime::controller::DatabaseOptions {
+                poll: Duration::from_secs(database_poll_secs.max(1)),
+                connect_timeout: Duration::from_secs(database_connect_timeout_secs),
+                ..grl_runtime::controller::DatabaseOptions::new(&url)
+            });
             let mut creds = CredentialSet::default();
             for (var, roles) in [
                 ("GRL_CONFIG_TOKEN", &["config"][..]),
@@ -356,6 +393,7 @@ async fn main() -> anyhow::Result<()> {
                 allow_anonymous_reports: insecure_allow_anonymous_reports,
                 max_callers_per_service: calls_max_callers,
                 max_procedures_per_service: calls_max_procedures,
+                database,
             })
             .await?;
             println!("listening on {}", h.addr());
