@@ -565,17 +565,62 @@ fn build_image(podman: &Path, ctx: &Path, tag: &str) {
         .success();
     assert!(ok, "rootfs.sh");
     std::fs::copy(deploy().join("Containerfile"), ctx.join("Containerfile")).unwrap();
+    // One build at a time, so that the images a build leaves are known to be its own.
+    static BUILD: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = BUILD.lock().unwrap_or_else(|e| e.into_inner());
+    let before = image_ids(podman);
     let out = Command::new(podman)
         .args(["build", "--build-arg", "BINARIES=context", "-t", tag])
         .arg(ctx)
         .output()
         .unwrap();
+    // The build's stage images (the `context` stage holds the ~400 MB rootfs) are not part of
+    // the tagged image: remove them, or every run leaves one dangling image behind.
+    // (`--layers=false` would not keep them, but podman 4.3 then fails on this Containerfile's
+    // `FROM ${BINARIES} AS binaries`, a stage with the same image as the one before.)
+    let tagged = image_id(podman, tag);
+    let stages: Vec<String> = image_ids(podman)
+        .difference(&before)
+        .filter(|id| Some(*id) != tagged.as_ref())
+        .cloned()
+        .collect();
+    if !stages.is_empty() {
+        let _ = Command::new(podman)
+            .arg("rmi")
+            .args(&stages)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
     assert!(
         out.status.success(),
         "podman build: {}{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// Every image's full id (`podman images -a`), without the `sha256:` prefix.
+fn image_ids(podman: &Path) -> BTreeSet<String> {
+    let out = Command::new(podman)
+        .args(["images", "-a", "-q", "--no-trunc"])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| l.trim().trim_start_matches("sha256:").to_string())
+        .filter(|l| !l.is_empty())
+        .collect()
+}
+
+/// The full id of image `tag`, if it exists.
+fn image_id(podman: &Path, tag: &str) -> Option<String> {
+    let out = Command::new(podman)
+        .args(["image", "inspect", "--format", "{{.Id}}", tag])
+        .output()
+        .ok()?;
+    let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    (out.status.success() && !id.is_empty()).then(|| id.trim_start_matches("sha256:").to_string())
 }
 
 fn remove_image(podman: &Path, tag: &str) {
