@@ -647,8 +647,8 @@ async fn run(
                 rep.restore_calls(std::mem::take(&mut report.calls));
             }
             let token = opts.report_token.as_ref().map(|t| t.current());
-            // The binary encoding goes only to an aggregator that announced protocol 3.
-            let binary = proto[idx] >= 3;
+            // The binary encoding goes only to an aggregator that announced it.
+            let binary = proto[idx] >= crate::proto::PROTO_BINARY;
             match exchange(
                 &http,
                 base,

@@ -18,6 +18,9 @@ pub const PROTO_HEADER: &str = "grl-proto";
 /// binary encoding ([`binary::CONTENT_TYPE`]) and answers it in the same encoding.
 pub const PROTO_VERSION: u32 = 3;
 
+/// The first protocol version whose aggregators read the binary encoding ([`binary`]).
+pub const PROTO_BINARY: u32 = 3;
+
 /// The version a peer announced in a response's headers (1 when absent).
 pub fn peer_version(headers: &http::HeaderMap) -> u32 {
     headers

@@ -1304,7 +1304,7 @@ async fn aggregator_reads_json_and_binary_reports_and_refuses_bad_binary() {
             .body(body)
             .send()
     };
-    // A protocol-2 client: JSON in, JSON out, told the aggregator speaks 3.
+    // A protocol-2 client: JSON in, JSON out, told the aggregator's version.
     let r = http
         .post(format!("{url}/v1/report"))
         .bearer_auth(CLIENT_TOKEN)
@@ -1314,7 +1314,10 @@ async fn aggregator_reads_json_and_binary_reports_and_refuses_bad_binary() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
-    assert_eq!(r.headers()["grl-proto"], "3");
+    assert_eq!(
+        r.headers()["grl-proto"],
+        grl_runtime::proto::PROTO_VERSION.to_string().as_str()
+    );
     assert!(r.headers()["content-type"]
         .to_str()
         .unwrap()

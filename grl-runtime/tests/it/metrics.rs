@@ -386,7 +386,7 @@ async fn calls_are_counted_matched_or_not_and_folded_beyond_the_bound() {
     assert!(accepted >= 3.0 && binary >= accepted - 2.0, "{am}");
 
     // A protocol-1 client (no grl-proto header, no calls) is still served, and told that
-    // the aggregator speaks protocol 3.
+    // the aggregator's protocol version.
     let r = http
         .post(format!("{aurl}/v1/report"))
         .bearer_auth(super::CLIENT_TOKEN)
@@ -398,6 +398,9 @@ async fn calls_are_counted_matched_or_not_and_folded_beyond_the_bound() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
-    assert_eq!(r.headers()["grl-proto"], "3");
+    assert_eq!(
+        r.headers()["grl-proto"],
+        grl_runtime::proto::PROTO_VERSION.to_string().as_str()
+    );
     server.abort();
 }
