@@ -27,8 +27,8 @@ use crate::auth::{CredentialSet, LogGate, RefusalCounts, TokenSource};
 use crate::calls::PendingCalls;
 use crate::http_util::{parse_json, read_body, ApiError};
 use crate::proto::{
-    BucketCountsMsg, ClientDirectives, ClientReport, ConfigDoc, ServiceCallCountMsg, ZoneBucketMsg,
-    ZoneDirectives, ZoneReport, PROTO_HEADER, PROTO_VERSION,
+    BucketCountsMsg, ClientDirectives, ClientReport, ConfigDoc, DirectiveMsg, ServiceCallCountMsg,
+    ZoneBucketMsg, ZoneDirectives, ZoneReport, PROTO_HEADER, PROTO_VERSION,
 };
 
 /// How to start an aggregator.
@@ -114,7 +114,31 @@ struct AggState {
     calls: HashMap<String, PendingCalls>,
     directives: ZoneDirectives,
     directives_at: Option<Instant>,
+    /// `directives` by service, built at the first report after `directives_at` changed.
+    by_service: HashMap<String, Arc<Vec<DirectiveMsg>>>,
+    by_service_at: Option<Instant>,
+    /// Clients not heard from since the last forward (`fresh == false`), counted when
+    /// `build_report` cleared them and as they report; see `report`.
+    waiting: usize,
+    waiting_counted: Option<Instant>,
     config: ConfigDoc,
+}
+
+impl AggState {
+    /// The directives of `service` (None: the controller sent none), shared: indexed once per
+    /// controller answer instead of searched per report.
+    fn service_directives(&mut self, service: &str) -> Option<Arc<Vec<DirectiveMsg>>> {
+        if self.by_service_at != self.directives_at {
+            self.by_service = self
+                .directives
+                .services
+                .iter()
+                .map(|d| (d.service.clone(), Arc::new(d.directives.clone())))
+                .collect();
+            self.by_service_at = self.directives_at;
+        }
+        self.by_service.get(service).cloned()
+    }
 }
 
 struct Shared {
@@ -135,6 +159,7 @@ struct Shared {
 #[derive(Default, Clone)]
 struct AggMetrics {
     accepted: prometheus_client::metrics::counter::Counter,
+    accepted_binary: prometheus_client::metrics::counter::Counter,
     forward_seconds: ForwardHistogram,
     forward_failures: prometheus_client::metrics::counter::Counter,
 }
@@ -162,6 +187,11 @@ impl AggMetrics {
             "grl_reports_accepted",
             "Client reports accepted.",
             self.accepted.clone(),
+        );
+        reg.register(
+            "grl_reports_binary",
+            "Client reports accepted in the binary encoding (protocol 3); the rest were JSON.",
+            self.accepted_binary.clone(),
         );
         reg.register(
             "grl_aggregator_forward_duration_seconds",
@@ -331,7 +361,7 @@ async fn report(
     State(s): State<Arc<Shared>>,
     headers: HeaderMap,
     body: Body,
-) -> Result<impl IntoResponse, ApiError> {
+) -> Result<axum::response::Response, ApiError> {
     // The credential is checked from the headers before the body is read.
     let anonymous =
         s.opts.allow_anonymous_reports && headers.get(axum::http::header::AUTHORIZATION).is_none();
@@ -348,7 +378,14 @@ async fn report(
         Err(e @ ApiError::TooLarge(_)) => return Err(s.refuse("too_large", "", e)),
         Err(e) => return Err(s.refuse("malformed", "", e)),
     };
-    let r: ClientReport = parse_json(&body).map_err(|e| s.refuse("malformed", "", e))?;
+    // The binary encoding (protocol 3) when the content type says so; JSON otherwise.
+    let binary = crate::proto::binary::is_binary(headers.get(axum::http::header::CONTENT_TYPE));
+    let r: ClientReport = if binary {
+        crate::proto::binary::decode_report(&body)
+            .map_err(|e| s.refuse("malformed", "", ApiError::BadRequest(e.to_string())))?
+    } else {
+        parse_json(&body).map_err(|e| s.refuse("malformed", "", e))?
+    };
     if let Some(c) = &cred {
         if !c.covers(&r.service) {
             let detail = format!(
@@ -384,71 +421,121 @@ async fn report(
         }
     }
     s.metrics.accepted.inc();
-    let mut st = s.state.lock().expect("aggregator lock");
-    for b in &r.buckets {
-        let p = st
-            .pending
-            .entry((r.service.clone(), b.bucket.clone()))
-            .or_insert_with(|| BucketCountsMsg {
-                bucket: b.bucket.clone(),
-                ..Default::default()
-            });
-        p.offered = p.offered.saturating_add(b.offered);
-        p.admitted = p.admitted.saturating_add(b.admitted);
-        p.dropped = p.dropped.saturating_add(b.dropped);
-        p.shadow_dropped = p.shadow_dropped.saturating_add(b.shadow_dropped);
+    if binary {
+        s.metrics.accepted_binary.inc();
     }
-    if !r.calls.is_empty() {
-        let max = s.opts.max_call_keys;
-        let room = st.calls.len() < MAX_CALL_SERVICES;
-        if let Some(p) = match st.calls.get_mut(&r.service) {
-            Some(p) => Some(p),
-            None if room => Some(
-                st.calls
-                    .entry(r.service.clone())
-                    .or_insert_with(|| PendingCalls::new(max)),
-            ),
-            None => None,
-        } {
-            for c in &r.calls {
-                p.add(&c.caller, &c.procedure, c.count);
+    // The rates are computed and the reply encoded outside the lock; under it, only the sums,
+    // the client's entry and a shared handle on its service's directives.
+    let rates = r.rates();
+    let ClientReport {
+        client_id,
+        service,
+        buckets,
+        calls,
+        urgent,
+        ..
+    } = r;
+    let key = (service, client_id);
+    let (version, age_ms, directives) = {
+        let mut guard = s.state.lock().expect("aggregator lock");
+        let st = &mut *guard;
+        for b in buckets {
+            let p = st
+                .pending
+                .entry((key.0.clone(), b.bucket))
+                .or_insert_with_key(|k| BucketCountsMsg {
+                    bucket: k.1.clone(),
+                    ..Default::default()
+                });
+            p.offered = p.offered.saturating_add(b.offered);
+            p.admitted = p.admitted.saturating_add(b.admitted);
+            p.dropped = p.dropped.saturating_add(b.dropped);
+            p.shadow_dropped = p.shadow_dropped.saturating_add(b.shadow_dropped);
+        }
+        if !calls.is_empty() {
+            let max = s.opts.max_call_keys;
+            let room = st.calls.len() < MAX_CALL_SERVICES;
+            if let Some(p) = match st.calls.get_mut(&key.0) {
+                Some(p) => Some(p),
+                None if room => Some(
+                    st.calls
+                        .entry(key.0.clone())
+                        .or_insert_with(|| PendingCalls::new(max)),
+                ),
+                None => None,
+            } {
+                for c in &calls {
+                    p.add(&c.caller, &c.procedure, c.count);
+                }
             }
         }
-    }
-    let rates = r.rates();
-    st.clients.insert(
-        (r.service.clone(), r.client_id.clone()),
-        ClientEntry {
-            at: Instant::now(),
-            rates,
-            fresh: true,
-        },
-    );
-    let horizon = s.opts.tick * 3;
-    if r.urgent
-        || st
-            .clients
-            .values()
-            .filter(|c| c.at.elapsed() <= horizon)
-            .all(|c| c.fresh)
-    {
-        s.all_in.notify_one();
-    }
-    let directives = st
-        .directives
-        .services
-        .iter()
-        .find(|d| d.service == r.service)
-        .map(|d| d.directives.clone())
-        .unwrap_or_default();
-    Ok((
-        [(PROTO_HEADER, PROTO_VERSION.to_string())],
-        Json(ClientDirectives {
-            version: st.directives.version.clone(),
-            age_ms: st.directives_at.map(|t| t.elapsed().as_millis() as u64),
+        let horizon = s.opts.tick * 3;
+        let now = Instant::now();
+        match st.clients.get_mut(&key) {
+            Some(c) => {
+                if !c.fresh {
+                    st.waiting = st.waiting.saturating_sub(1);
+                }
+                c.at = now;
+                c.rates = rates;
+                c.fresh = true;
+            }
+            None => {
+                st.clients.insert(
+                    key.clone(),
+                    ClientEntry {
+                        at: now,
+                        rates,
+                        fresh: true,
+                    },
+                );
+            }
+        }
+        // Every client heard within the horizon has reported since the last forward: forward
+        // now. `waiting` counts the clients not heard since; it is recounted (leaving out
+        // those gone quiet beyond the horizon) at most every quarter tick, never per report.
+        if st.waiting > 0
+            && st
+                .waiting_counted
+                .is_none_or(|t| now.duration_since(t) >= s.opts.tick / 4)
+        {
+            st.waiting = st
+                .clients
+                .values()
+                .filter(|c| !c.fresh && now.duration_since(c.at) <= horizon)
+                .count();
+            st.waiting_counted = Some(now);
+        }
+        if urgent || st.waiting == 0 {
+            s.all_in.notify_one();
+        }
+        let directives = st.service_directives(&key.0);
+        (
+            st.directives.version.clone(),
+            st.directives_at.map(|t| t.elapsed().as_millis() as u64),
             directives,
-        }),
-    ))
+        )
+    };
+    // Encoded outside the lock.
+    let reply = ClientDirectives {
+        version,
+        age_ms,
+        directives: directives.map_or_else(Vec::new, |d| (*d).clone()),
+    };
+    let proto = [(PROTO_HEADER, PROTO_VERSION.to_string())];
+    Ok(if binary {
+        (
+            proto,
+            [(
+                axum::http::header::CONTENT_TYPE,
+                crate::proto::binary::CONTENT_TYPE,
+            )],
+            crate::proto::binary::encode_directives(&reply),
+        )
+            .into_response()
+    } else {
+        (proto, Json(reply)).into_response()
+    })
 }
 
 /// `GET /readyz`: a controller answered a forward within 3 ticks (at least 2 s): the
@@ -513,6 +600,7 @@ fn build_report(s: &Shared) -> ZoneReport {
             }
         }
     }
+    st.waiting = st.clients.len();
     let mut pending = std::mem::take(&mut st.pending);
     let mut buckets: Vec<ZoneBucketMsg> = sums
         .into_iter()

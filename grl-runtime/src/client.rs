@@ -647,7 +647,17 @@ async fn run(
                 rep.restore_calls(std::mem::take(&mut report.calls));
             }
             let token = opts.report_token.as_ref().map(|t| t.current());
-            match exchange(&http, base, &report, token.as_deref().map(String::as_str)).await {
+            // The binary encoding goes only to an aggregator that announced it.
+            let binary = proto[idx] >= crate::proto::PROTO_BINARY;
+            match exchange(
+                &http,
+                base,
+                &report,
+                token.as_deref().map(String::as_str),
+                binary,
+            )
+            .await
+            {
                 Ok((reply, version)) => {
                     proto[idx] = version;
                     sent = true;
@@ -719,22 +729,36 @@ async fn run(
     }
 }
 
-async fn exchange(
+/// Posts a report (in the binary encoding when `binary`, else JSON) and reads the reply in
+/// the encoding the aggregator answered with; returns it and the aggregator's protocol version.
+pub(crate) async fn exchange(
     http: &reqwest::Client,
     base: &str,
     r: &ClientReport,
     token: Option<&str>,
+    binary: bool,
 ) -> anyhow::Result<(ClientDirectives, u32)> {
+    use crate::proto::binary;
     let mut req = http
         .post(format!("{base}/v1/report"))
-        .header(crate::proto::PROTO_HEADER, crate::proto::PROTO_VERSION)
-        .json(r);
+        .header(crate::proto::PROTO_HEADER, crate::proto::PROTO_VERSION);
+    req = if binary {
+        req.header(reqwest::header::CONTENT_TYPE, binary::CONTENT_TYPE)
+            .body(binary::encode_report(r))
+    } else {
+        req.json(r)
+    };
     if let Some(t) = token.filter(|t| !t.is_empty()) {
         req = req.bearer_auth(t);
     }
     let resp = req.send().await?.error_for_status()?;
     let version = crate::proto::peer_version(resp.headers());
-    Ok((resp.json().await?, version))
+    let reply = if binary::is_binary(resp.headers().get(reqwest::header::CONTENT_TYPE)) {
+        binary::decode_directives(&resp.bytes().await?)?
+    } else {
+        resp.json().await?
+    };
+    Ok((reply, version))
 }
 
 async fn fetch_config(

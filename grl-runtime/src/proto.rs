@@ -1,4 +1,7 @@
-//! Wire types between the tiers (JSON over HTTP).
+//! Wire types between the tiers (JSON over HTTP; between clients and aggregators also the
+//! binary encoding of [`binary`], once the aggregator announced protocol 3).
+
+pub mod binary;
 
 use serde::{Deserialize, Serialize};
 
@@ -11,8 +14,12 @@ use schema::BucketFile;
 pub const PROTO_HEADER: &str = "grl-proto";
 
 /// This build's protocol version. 1: the original messages (no header); 2: `calls` in
-/// [`ClientReport`] and [`ZoneReport`].
-pub const PROTO_VERSION: u32 = 2;
+/// [`ClientReport`] and [`ZoneReport`]; 3: an aggregator reads [`ClientReport`] in the
+/// binary encoding ([`binary::CONTENT_TYPE`]) and answers it in the same encoding.
+pub const PROTO_VERSION: u32 = 3;
+
+/// The first protocol version whose aggregators read the binary encoding ([`binary`]).
+pub const PROTO_BINARY: u32 = 3;
 
 /// The version a peer announced in a response's headers (1 when absent).
 pub fn peer_version(headers: &http::HeaderMap) -> u32 {

@@ -377,8 +377,16 @@ async fn calls_are_counted_matched_or_not_and_folded_beyond_the_bound() {
         Some(30.0)
     );
 
+    // The real client sent its reports (calls included) in the binary encoding once the
+    // aggregator announced protocol 3: every report after the first (sent before any answer,
+    // in JSON) was binary.
+    let (_, am) = get(&http, &format!("{aurl}/metrics")).await;
+    let accepted = value(&am, "grl_reports_accepted_total", &[]).unwrap();
+    let binary = value(&am, "grl_reports_binary_total", &[]).unwrap();
+    assert!(accepted >= 3.0 && binary >= accepted - 2.0, "{am}");
+
     // A protocol-1 client (no grl-proto header, no calls) is still served, and told that
-    // the aggregator speaks protocol 2.
+    // the aggregator's protocol version.
     let r = http
         .post(format!("{aurl}/v1/report"))
         .bearer_auth(super::CLIENT_TOKEN)
@@ -390,6 +398,9 @@ async fn calls_are_counted_matched_or_not_and_folded_beyond_the_bound() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
-    assert_eq!(r.headers()["grl-proto"], "2");
+    assert_eq!(
+        r.headers()["grl-proto"],
+        grl_runtime::proto::PROTO_VERSION.to_string().as_str()
+    );
     server.abort();
 }
