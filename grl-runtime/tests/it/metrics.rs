@@ -378,7 +378,7 @@ async fn calls_are_counted_matched_or_not_and_folded_beyond_the_bound() {
     );
 
     // A protocol-1 client (no grl-proto header, no calls) is still served, and told that
-    // the aggregator speaks protocol 2.
+    // the aggregator speaks protocol 3 (calls since 2, delta zone reports since 3).
     let r = http
         .post(format!("{aurl}/v1/report"))
         .bearer_auth(super::CLIENT_TOKEN)
@@ -390,6 +390,6 @@ async fn calls_are_counted_matched_or_not_and_folded_beyond_the_bound() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
-    assert_eq!(r.headers()["grl-proto"], "2");
+    assert_eq!(r.headers()["grl-proto"], "3");
     server.abort();
 }
