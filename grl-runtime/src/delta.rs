@@ -63,9 +63,9 @@ fn units(b: &ZoneBucketMsg) -> Units {
 }
 
 fn changed(old: &Units, new: &Units, threshold: f64) -> bool {
-    old.iter().zip(new).any(|(&o, &n)| {
-        o != n && (o - n).unsigned_abs() as f64 > threshold * o.max(n) as f64
-    })
+    old.iter()
+        .zip(new)
+        .any(|(&o, &n)| o != n && (o - n).unsigned_abs() as f64 > threshold * o.max(n) as f64)
 }
 
 /// Whether `(service, bucket)`'s refresh turn is `round`.
@@ -156,7 +156,11 @@ impl Upstream {
         let key = |b: &ZoneBucketMsg| (b.service.clone(), b.bucket.clone());
         if self.acked.is_none() {
             report.buckets = full.buckets.clone();
-            let entries = full.buckets.iter().map(|b| (key(b), Some(units(b)))).collect();
+            let entries = full
+                .buckets
+                .iter()
+                .map(|b| (key(b), Some(units(b))))
+                .collect();
             return Prepared {
                 report,
                 held_back: Vec::new(),
@@ -314,4 +318,128 @@ pub fn merge_directives(held: &mut ZoneDirectives, reply: ZoneDirectives) {
 /// What the aggregator sends as `ReportSession::directives`: the directives it holds.
 pub fn directives_held(held: &ZoneDirectives) -> Option<(u64, u64)> {
     held.session.map(|s| (s.epoch, s.version))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::{ReplySession, ZoneDirectives};
+
+    fn zone(rates: &[(&str, f64)]) -> ZoneReport {
+        ZoneReport {
+            aggregator_id: "agg".into(),
+            region: "r".into(),
+            zone: "z".into(),
+            buckets: rates
+                .iter()
+                .map(|(b, r)| ZoneBucketMsg {
+                    service: "svc".into(),
+                    bucket: (*b).into(),
+                    offered_rps: *r,
+                    admitted_rps: *r,
+                    counts: BucketCountsMsg {
+                        bucket: (*b).into(),
+                        offered: *r as u64,
+                        admitted: *r as u64,
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    fn ack(p: &Prepared) -> ZoneDirectives {
+        ZoneDirectives {
+            session: Some(ReplySession {
+                applied: p.report.session.map(|s| s.seq),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn names(p: &Prepared) -> Vec<(String, bool)> {
+        p.report
+            .buckets
+            .iter()
+            .map(|b| (b.bucket.clone(), b.gone))
+            .collect()
+    }
+
+    #[test]
+    fn deltas_carry_changes_gone_buckets_refreshes_and_held_back_counts() {
+        let opts = DeltaOptions {
+            threshold: 0.05,
+            refresh_ticks: 3,
+        };
+        let mut up = Upstream::default();
+        // Before the controller announced protocol 3: the report as it is, no session.
+        let first = up.prepare(&zone(&[("a", 100.0)]), 0, opts, false);
+        assert_eq!(first.report.session, None);
+        up.proto = PROTO_DELTA;
+        let full = up.prepare(
+            &zone(&[("a", 100.0), ("b", 10.0), ("c", 5.0)]),
+            0,
+            opts,
+            false,
+        );
+        assert_eq!(full.report.session.unwrap().base, None);
+        assert_eq!(full.report.buckets.len(), 3);
+        let reply = ack(&full);
+        up.answered(full, &reply);
+        // a moves 2% (held), b 20% (sent), c is gone, d is new; refresh turns aside.
+        let now = zone(&[("a", 102.0), ("b", 12.0), ("d", 1.0)]);
+        let mut sent_a = 0;
+        let mut held_a = 0u64;
+        for round in 1..=3 {
+            let p = up.prepare(&now, round, opts, false);
+            let s = p.report.session.unwrap();
+            assert_eq!(s.base, Some(s.seq - 1), "round {round}");
+            let n = names(&p);
+            if round == 1 {
+                assert!(n.contains(&("b".into(), false)), "{n:?}");
+                assert!(n.contains(&("c".into(), true)), "{n:?}");
+                assert!(n.contains(&("d".into(), false)), "{n:?}");
+            } else {
+                // A gone bucket the controller acknowledged is not sent again.
+                assert!(!n.iter().any(|(b, _)| b == "c"), "{n:?}");
+            }
+            if n.contains(&("a".into(), false)) {
+                sent_a += 1;
+            } else {
+                held_a += p
+                    .held_back
+                    .iter()
+                    .filter(|(k, _)| k.1 == "a")
+                    .map(|(_, c)| c.offered)
+                    .sum::<u64>();
+            }
+            let reply = ack(&p);
+            up.answered(p, &reply);
+        }
+        // Within `refresh_ticks` forwards, a is refreshed exactly once; the other forwards
+        // hand its counts back to the caller.
+        assert_eq!(sent_a, 1);
+        assert_eq!(held_a, 2 * 102);
+        // The last forward of a stop carries every bucket with counts.
+        let p = up.prepare(&now, 10, opts, true);
+        assert_eq!(p.report.buckets.len(), 3);
+        assert!(p.held_back.is_empty());
+        // A resync answer: the next report is full.
+        let mut reply = ack(&p);
+        reply.session.as_mut().unwrap().resync = true;
+        reply.session.as_mut().unwrap().applied = None;
+        up.answered(p, &reply);
+        assert!(up.needs_full());
+        assert_eq!(
+            up.prepare(&now, 11, opts, false)
+                .report
+                .session
+                .unwrap()
+                .base,
+            None
+        );
+    }
 }

@@ -184,15 +184,6 @@ fn lookup(index: &Index, service: &str, bucket: &str) -> Option<usize> {
     index.get(service)?.get(bucket).copied()
 }
 
-/// Whether `key` is the scope key of `scope` in `region`/`zone` (without building it).
-fn key_is(key: &str, scope: Scope, region: &str, zone: &str) -> bool {
-    match scope {
-        Scope::Global => key == "global",
-        Scope::Region => key.strip_prefix("region:") == Some(region),
-        Scope::Zone => key.strip_prefix("zone:") == Some(zone),
-    }
-}
-
 /// Strings given small ids once (scope keys, zone names), so that the per-bucket state holds
 /// ids instead of strings.
 #[derive(Default)]
@@ -787,9 +778,16 @@ impl Engine {
         let Some((id, mut z)) = self.zones.remove_entry(&r.aggregator_id) else {
             return Ingested::Resync;
         };
-        let same_place = self.keys.ids.get(&scope_key(Scope::Region, &r.region, &r.zone))
+        let same_place = self
+            .keys
+            .ids
+            .get(&scope_key(Scope::Region, &r.region, &r.zone))
             == Some(&z.region_key)
-            && self.keys.ids.get(&scope_key(Scope::Zone, &r.region, &r.zone)) == Some(&z.zone_key);
+            && self
+                .keys
+                .ids
+                .get(&scope_key(Scope::Zone, &r.region, &r.zone))
+                == Some(&z.zone_key);
         if z.session != Some(base) || !same_place {
             self.zones.insert(id, z);
             return Ingested::Resync;
@@ -818,7 +816,12 @@ impl Engine {
             match (z.resolved.binary_search_by_key(&i, |e| e.0), new) {
                 (Ok(p), Some(n)) => {
                     let o = z.resolved[p].1;
-                    self.apply_entry(i, key, [n[0] - o[0], n[1] - o[1], n[2] - o[2], n[3] - o[3]], 0);
+                    self.apply_entry(
+                        i,
+                        key,
+                        [n[0] - o[0], n[1] - o[1], n[2] - o[2], n[3] - o[3]],
+                        0,
+                    );
                     z.resolved[p].1 = n;
                 }
                 (Ok(p), None) => {
@@ -1021,14 +1024,23 @@ impl Engine {
         }
         self.dver += 1;
         let v = self.dver;
-        self.changed.sort_unstable();
-        self.changed.dedup();
-        self.log
-            .extend(self.changed.drain(..).map(|(i, k)| (v, i, k)));
         let cap = self.log_cap();
-        while self.log.len() > cap {
-            if let Some((old, _, _)) = self.log.pop_front() {
-                self.log_from = self.log_from.max(old);
+        if self.changed.len() >= cap {
+            // More changes than the log holds (full reports of a whole fleet): every reply
+            // is full until the next version; no sort, no copy.
+            self.log.clear();
+            self.log_from = v;
+            self.changed.clear();
+        } else {
+            // Duplicates (a key changed by two zones' reports) cost log room only: the replies
+            // deduplicate their buckets.
+            self.changed.dedup();
+            self.log
+                .extend(self.changed.drain(..).map(|(i, k)| (v, i, k)));
+            while self.log.len() > cap {
+                if let Some((old, _, _)) = self.log.pop_front() {
+                    self.log_from = self.log_from.max(old);
+                }
             }
         }
         if self.changed.capacity() > cap {
@@ -1075,7 +1087,9 @@ impl Engine {
             }
             k.ratio = ratio;
         }
-        if before.0.to_bits() != s.limit_rps.to_bits() || before.1.map(f64::to_bits) != s.fixed.map(f64::to_bits) {
+        if before.0.to_bits() != s.limit_rps.to_bits()
+            || before.1.map(f64::to_bits) != s.fixed.map(f64::to_bits)
+        {
             self.changed.push((i as u32, ALL_KEYS));
         }
     }
@@ -1096,9 +1110,8 @@ impl Engine {
         zone: &str,
         since: Option<(u64, u64)>,
     ) -> ZoneDirectives {
-        let delta = since.filter(|&(epoch, v)| {
-            epoch == self.epoch && v >= self.log_from && v <= self.dver
-        });
+        let delta =
+            since.filter(|&(epoch, v)| epoch == self.epoch && v >= self.log_from && v <= self.dver);
         let mut d = match delta {
             None => self.directives_for(region, zone),
             Some((_, v)) => {
@@ -1107,7 +1120,11 @@ impl Engine {
                     .ids
                     .get(&scope_key(Scope::Region, region, zone))
                     .copied();
-                let zone_key = self.keys.ids.get(&scope_key(Scope::Zone, region, zone)).copied();
+                let zone_key = self
+                    .keys
+                    .ids
+                    .get(&scope_key(Scope::Zone, region, zone))
+                    .copied();
                 let start = self.log.partition_point(|e| e.0 <= v);
                 let mut idx: Vec<usize> = self
                     .log
@@ -1158,13 +1175,18 @@ impl Engine {
         region: &str,
         zone: &str,
     ) -> ZoneDirectives {
+        // The zone's keys by id (a key never interned is carried by no bucket).
+        let id = |scope| self.keys.ids.get(&scope_key(scope, region, zone)).copied();
+        let (region_id, zone_id) = (id(Scope::Region), id(Scope::Zone));
         let mut services: Vec<ServiceDirectives> = Vec::new();
         for i in idx {
             let s = &self.buckets[i];
-            let k = s
-                .keys
-                .iter()
-                .find(|k| key_is(&k.scope_key, s.bucket.scope, region, zone));
+            let want = match s.bucket.scope {
+                Scope::Global => Some(0),
+                Scope::Region => region_id,
+                Scope::Zone => zone_id,
+            };
+            let k = want.and_then(|w| s.keys.iter().find(|k| k.id == w));
             let d = DirectiveMsg {
                 bucket: s.bucket.name.clone(),
                 ratio: s.fixed.unwrap_or(k.map_or(0.0, |k| k.ratio)),

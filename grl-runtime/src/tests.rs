@@ -677,10 +677,16 @@ fn incremental_engine_matches_a_full_pass() {
 }
 
 /// Directives as a map by (service, bucket): a merged delta keeps new buckets at the end.
-fn directive_map(d: &crate::proto::ZoneDirectives) -> std::collections::BTreeMap<(String, String), crate::proto::DirectiveMsg> {
+fn directive_map(
+    d: &crate::proto::ZoneDirectives,
+) -> std::collections::BTreeMap<(String, String), crate::proto::DirectiveMsg> {
     d.services
         .iter()
-        .flat_map(|s| s.directives.iter().map(|x| ((s.service.clone(), x.bucket.clone()), x.clone())))
+        .flat_map(|s| {
+            s.directives
+                .iter()
+                .map(|x| ((s.service.clone(), x.bucket.clone()), x.clone()))
+        })
         .collect()
 }
 
@@ -806,7 +812,8 @@ fn delta_reports_match_full_reports() {
                     sent_full += p.report.buckets.len();
                 }
                 if let Some(h) = &held {
-                    p.report.session.as_mut().unwrap().directives = crate::delta::directives_held(h);
+                    p.report.session.as_mut().unwrap().directives =
+                        crate::delta::directives_held(h);
                 }
                 let reply = e.answer(&p.report, now, unix);
                 let rs = reply.session.unwrap();
@@ -821,7 +828,11 @@ fn delta_reports_match_full_reports() {
                     merge_directives(h, reply);
                     // The merged directives are the full ones.
                     let d = e.directives_for(&region, &zone);
-                    assert_eq!(directive_map(h), directive_map(&d), "step {step} zone {zone}");
+                    assert_eq!(
+                        directive_map(h),
+                        directive_map(&d),
+                        "step {step} zone {zone}"
+                    );
                 }
                 break;
             }
@@ -833,7 +844,12 @@ fn delta_reports_match_full_reports() {
             e.recompute(now, unix);
         }
         assert_eq!(full.bucket_count(), exact.bucket_count());
-        for ((f, x), c) in full.buckets().iter().zip(exact.buckets()).zip(coarse.buckets()) {
+        for ((f, x), c) in full
+            .buckets()
+            .iter()
+            .zip(exact.buckets())
+            .zip(coarse.buckets())
+        {
             // Exact deltas: the same keys, sums, limits and ratios, bit for bit.
             assert_eq!(f.limit_rps, x.limit_rps, "step {step} {}", f.bucket.name);
             assert_eq!(f.fixed, x.fixed, "step {step} {}", f.bucket.name);
