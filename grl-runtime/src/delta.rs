@@ -77,7 +77,7 @@ fn refresh_due(service: &str, bucket: &str, round: u64, every: u64) -> bool {
     #[allow(deprecated)]
     let mut h = std::hash::SipHasher::new();
     (service, bucket).hash(&mut h);
-    h.finish().wrapping_add(round) % every == 0
+    h.finish().wrapping_add(round).is_multiple_of(every)
 }
 
 /// A report prepared for one upstream: what it will hold once it applies it.
