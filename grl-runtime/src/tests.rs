@@ -856,29 +856,28 @@ fn delta_reports_match_full_reports() {
             assert_eq!(f.keys, x.keys, "step {step} {}", f.bucket.name);
             // 5% deltas: each zone's rate within 5% of the larger of it and its last full
             // report, so a sum within 5% of the two sums together.
-            {
-                assert_eq!(
-                    f.keys.iter().map(|k| &k.scope_key).collect::<Vec<_>>(),
-                    c.keys.iter().map(|k| &k.scope_key).collect::<Vec<_>>(),
-                    "step {step} {}",
-                    f.bucket.name
+            assert_eq!(
+                f.keys.iter().map(|k| &k.scope_key).collect::<Vec<_>>(),
+                c.keys.iter().map(|k| &k.scope_key).collect::<Vec<_>>(),
+                "step {step} {}",
+                f.bucket.name
+            );
+            for (fk, ck) in f.keys.iter().zip(&c.keys) {
+                assert!(
+                    (fk.offered_rps - ck.offered_rps).abs()
+                        <= 0.05 * (fk.offered_rps + ck.offered_rps) + 0.01,
+                    "step {step} {} {}: {} vs {}",
+                    f.bucket.name,
+                    fk.scope_key,
+                    fk.offered_rps,
+                    ck.offered_rps
                 );
-                for (fk, ck) in f.keys.iter().zip(&c.keys) {
-                    assert!(
-                        (fk.offered_rps - ck.offered_rps).abs()
-                            <= 0.05 * (fk.offered_rps + ck.offered_rps) + 0.01,
-                        "step {step} {} {}: {} vs {}",
-                        f.bucket.name,
-                        fk.scope_key,
-                        fk.offered_rps,
-                        ck.offered_rps
-                    );
-                }
             }
         }
     }
     // Every path was taken: resyncs (expired zones, the config change, the restart), delta
-    // directive replies, and reports much smaller than the full ones.
+    // directive replies, delta and full reports (180, 582, 10,068 and 2,804 buckets when
+    // written: this test changes far more buckets per report than a steady state does).
     assert!(resyncs >= 3, "{resyncs} resyncs");
     assert!(delta_replies > 100, "{delta_replies} delta replies");
     assert!(sent_delta > 0 && sent_full > 0);
