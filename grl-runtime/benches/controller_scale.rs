@@ -7,10 +7,18 @@
 //!   it answers, `ingest` + `recompute`;
 //! - `tick`: the controller's periodic work, `recompute` + `record_reports`;
 //! - `round`: one tick's whole work: every zone's 10 % report, then the tick;
-//! - `directives_one_zone`: the answer to one zone (every bucket, as the wire format wants).
+//! - `directives_one_zone`: the answer to one zone (every bucket, as protocol 2 wants).
 //!
-//! The file uses only the engine API the code before the incremental controller had, so the
-//! same file runs against that commit as a baseline (see docs/grl-architecture.md):
+//! The steady state with delta reports (protocol 4), side by side in the same run:
+//! - `round_delta_1pct` / `round_delta_5pct`: every zone sends a delta report carrying 1% / 5%
+//!   of its buckets (changed rates) on top of the report the engine applied before; then the
+//!   tick;
+//! - `round_delta_5pct_answered`: the same, each report answered as `POST /v1/aggregate`
+//!   does (`Engine::answer`: ingest, recompute, the directives changed since the zone's);
+//! - `directives_delta_one_zone`: the reply to one zone after a 5% round.
+//!
+//! The sizes of the messages (buckets and JSON bytes of one zone's report and of the reply)
+//! are printed once per scale.
 //! `cargo bench -p grl-runtime --bench controller_scale -- --warm-up-time 1 --measurement-time 3`
 
 use std::hint::black_box;
@@ -18,7 +26,7 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use grl_runtime::engine::Engine;
-use grl_runtime::proto::{BucketCountsMsg, ZoneBucketMsg, ZoneReport};
+use grl_runtime::proto::{BucketCountsMsg, ReportSession, ZoneBucketMsg, ZoneReport};
 
 mod fixture;
 
@@ -46,6 +54,7 @@ fn report(n: usize, z: usize, every: usize, max: usize, bump: f64) -> ZoneReport
                     dropped: 0,
                     shadow_dropped: 0,
                 },
+                gone: false,
             }
         })
         .collect();
@@ -55,7 +64,137 @@ fn report(n: usize, z: usize, every: usize, max: usize, bump: f64) -> ZoneReport
         zone: format!("z{z}"),
         buckets,
         calls: Vec::new(),
+        session: None,
     }
+}
+
+/// Zone `z`'s delta report: `share` of its buckets (a slice starting at `from`), rates
+/// bumped by `bump`.
+fn delta(n: usize, z: usize, share: f64, from: usize, bump: f64) -> ZoneReport {
+    let mut r = report(n, z, 10, n, bump);
+    let k = ((r.buckets.len() as f64 * share) as usize).max(1);
+    let from = from % r.buckets.len();
+    r.buckets.rotate_left(from);
+    r.buckets.truncate(k);
+    r.buckets
+        .sort_by(|a, b| (&a.service, &a.bucket).cmp(&(&b.service, &b.bucket)));
+    r
+}
+
+/// Sets `r`'s session to report `seq` on top of `seq - 1` (session id = the zone number).
+fn sequence(r: &mut ZoneReport, z: usize, seq: u64, held: Option<(u64, u64)>) {
+    r.session = Some(ReportSession {
+        id: z as u64,
+        seq,
+        base: Some(seq - 1),
+        directives: held,
+    });
+}
+
+fn directive_count(d: &grl_runtime::proto::ZoneDirectives) -> usize {
+    d.services.iter().map(|s| s.directives.len()).sum()
+}
+
+/// The steady state with delta reports: one engine, every zone's full report once (session
+/// report 1), then rounds of deltas.
+fn steady(c: &mut Criterion, n: usize, label: &str) {
+    let mut e = Engine::new(fixture::fleet_config(n, PER_SERVICE), u64::MAX);
+    let mut seq = 1u64;
+    for z in 0..ZONES {
+        let mut r = report(n, z, 10, n, 0.0);
+        r.session = Some(ReportSession {
+            id: z as u64,
+            seq,
+            ..Default::default()
+        });
+        e.ingest(&r, 0);
+    }
+    e.recompute(0, 0);
+    // Two versions of each share, alternating, so that every round changes the rates.
+    let build = |share: f64, bump: f64| -> Vec<ZoneReport> {
+        (0..ZONES)
+            .map(|z| delta(n, z, share, z * 7919, bump))
+            .collect()
+    };
+    let d1 = [build(0.01, 20.0), build(0.01, 0.0)];
+    let d5 = [build(0.05, 20.0), build(0.05, 0.0)];
+    let full_one = report(n, 3, 10, n, 0.0);
+    let mut g = c.benchmark_group(format!("controller-{label}-buckets-20-zones"));
+    g.sample_size(10);
+    let mut flip = 0usize;
+    for (name, set) in [("round_delta_1pct", &d1), ("round_delta_5pct", &d5)] {
+        let mut set = set.clone();
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                flip += 1;
+                seq += 1;
+                for (z, r) in set[flip % 2].iter_mut().enumerate() {
+                    sequence(r, z, seq, None);
+                    e.ingest(black_box(r), 0);
+                }
+                e.recompute(0, 0);
+                e.record_reports(0);
+            })
+        });
+    }
+    // Each zone holds the directives of its last answer.
+    let mut held: Vec<Option<(u64, u64)>> = vec![None; ZONES];
+    let mut set = d5[0].clone();
+    let mut answered = |e: &mut Engine, set: &mut [ZoneReport], seq: u64| -> (usize, usize) {
+        let mut last = (0, 0);
+        for (z, r) in set.iter_mut().enumerate() {
+            sequence(r, z, seq, held[z]);
+            let d = e.answer(black_box(r), 0, 0);
+            let s = d.session.expect("a session reply");
+            assert!(!s.resync);
+            held[z] = Some((s.epoch, s.version));
+            if z == 3 {
+                last = (directive_count(&d), serde_json::to_vec(&d).unwrap().len());
+            }
+        }
+        e.recompute(0, 0);
+        e.record_reports(0);
+        last
+    };
+    // Two rounds to reach the steady state: every zone holds the previous round's version.
+    for _ in 0..2 {
+        flip += 1;
+        seq += 1;
+        answered(&mut e, &mut set[..], seq);
+        set = d5[flip % 2].clone();
+    }
+    g.bench_function("round_delta_5pct_answered", |b| {
+        b.iter(|| {
+            flip += 1;
+            seq += 1;
+            set = d5[flip % 2].clone();
+            black_box(answered(&mut e, &mut set[..], seq));
+        })
+    });
+    flip += 1;
+    seq += 1;
+    set = d5[flip % 2].clone();
+    let (reply_n, reply_bytes) = answered(&mut e, &mut set[..], seq);
+    let since = held[3];
+    g.bench_function("directives_delta_one_zone", |b| {
+        b.iter(|| black_box(e.directives_since("r0", "z3", since)))
+    });
+    g.finish();
+    let full_reply = e.directives_for("r0", "z3");
+    eprintln!(
+        "{label}: zone report full {} buckets / {} bytes, 1% delta {} / {} bytes, 5% delta {} / {} bytes; \
+         reply to one zone full {} directives / {} bytes, after a 5% round {} / {} bytes",
+        full_one.buckets.len(),
+        serde_json::to_vec(&full_one).unwrap().len(),
+        d1[0][3].buckets.len(),
+        serde_json::to_vec(&d1[0][3]).unwrap().len(),
+        d5[0][3].buckets.len(),
+        serde_json::to_vec(&d5[0][3]).unwrap().len(),
+        directive_count(&full_reply),
+        serde_json::to_vec(&full_reply).unwrap().len(),
+        reply_n,
+        reply_bytes,
+    );
 }
 
 fn scale(c: &mut Criterion, n: usize) {
@@ -68,11 +207,7 @@ fn scale(c: &mut Criterion, n: usize) {
     // Two versions of each report so that every iteration changes the rates.
     let full2: Vec<ZoneReport> = (0..ZONES).map(|z| report(n, z, 10, n, 20.0)).collect();
     let small = [report(n, 3, 10, 1000, 0.0), report(n, 3, 10, 1000, 20.0)];
-    let label = if n >= 1_000_000 {
-        format!("{}M", n / 1_000_000)
-    } else {
-        format!("{}k", n / 1000)
-    };
+    let label = label(n);
     let mut g = c.benchmark_group(format!("controller-{label}-buckets-20-zones"));
     g.sample_size(10);
     let mut flip = 0usize;
@@ -102,7 +237,7 @@ fn scale(c: &mut Criterion, n: usize) {
             flip += 1;
             let set = if flip % 2 == 0 { &full } else { &full2 };
             for r in set {
-                e.ingest(black_box(r), 0);
+                black_box(e.ingest(black_box(r), 0));
             }
             e.recompute(0, 0);
             e.record_reports(0);
@@ -114,9 +249,20 @@ fn scale(c: &mut Criterion, n: usize) {
     g.finish();
 }
 
+fn label(n: usize) -> String {
+    if n >= 1_000_000 {
+        format!("{}M", n / 1_000_000)
+    } else {
+        format!("{}k", n / 1000)
+    }
+}
+
 fn bench(c: &mut Criterion) {
-    scale(c, 100_000);
-    scale(c, 1_000_000);
+    // The full rounds and the delta rounds in one run, one engine at a time (memory).
+    for n in [100_000, 1_000_000] {
+        scale(c, n);
+        steady(c, n, &label(n));
+    }
 }
 
 criterion_group! {

@@ -1,14 +1,18 @@
 //! Memory per bucket of the controller's engine, counted by a global allocator (live bytes,
 //! not RSS): the engine after `Engine::new` (its input dropped), after 20 zones reported one
-//! bucket in ten each (every bucket reported by two zones on average), and after a tick.
+//! bucket in ten each (every bucket reported by two zones on average), and after a tick; then
+//! with delta sessions (protocol 4): after 30 rounds of 5% delta reports answered with delta
+//! directives (the directive log at its bound), and the aggregator's side: one zone's
+//! `delta::Upstream` holding what its controller acknowledged (per bucket of the zone).
 //!
 //! `cargo run --release -p grl-runtime --example engine_memory`
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
 
+use grl_runtime::delta::{DeltaOptions, Upstream};
 use grl_runtime::engine::Engine;
-use grl_runtime::proto::{BucketCountsMsg, ZoneBucketMsg, ZoneReport};
+use grl_runtime::proto::{BucketCountsMsg, ReportSession, ZoneBucketMsg, ZoneReport, PROTO_DELTA};
 
 #[path = "../benches/fixture/mod.rs"]
 mod fixture;
@@ -47,6 +51,7 @@ fn report(n: usize, z: usize) -> ZoneReport {
         region: format!("r{}", z / 5),
         zone: format!("z{z}"),
         calls: Vec::new(),
+        session: None,
         buckets: (z % 10..n)
             .step_by(10)
             .map(|i| ZoneBucketMsg {
@@ -78,14 +83,58 @@ fn main() {
         let reported = live() - before;
         e.record_reports(0);
         let ticked = live() - before;
+        // Delta sessions: every zone's full report once more, with a session, then 30 rounds
+        // of deltas carrying 5% of its buckets, each answered.
+        let mut held: Vec<Option<(u64, u64)>> = vec![None; ZONES];
+        for round in 1..=31u64 {
+            for (z, h) in held.iter_mut().enumerate() {
+                let mut r = report(n, z);
+                if round > 1 {
+                    let k = r.buckets.len() / 20;
+                    let from = (round as usize * 7919) % (r.buckets.len() - k);
+                    r.buckets = r.buckets.drain(from..from + k).collect();
+                    for b in &mut r.buckets {
+                        b.offered_rps += round as f64;
+                    }
+                }
+                r.session = Some(ReportSession {
+                    id: z as u64,
+                    seq: round,
+                    base: (round > 1).then(|| round - 1),
+                    directives: *h,
+                });
+                let d = e.answer(&r, 0, 0);
+                let s = d.session.expect("session");
+                assert!(!s.resync);
+                *h = Some((s.epoch, s.version));
+            }
+            e.record_reports(0);
+        }
+        let delta = live() - before;
+        // The aggregator's side: what one zone's upstream holds after a full report is
+        // acknowledged.
+        let full = report(n, 3);
+        let zone_buckets = full.buckets.len();
+        let before_up = live();
+        let mut up = Upstream::default();
+        up.proto = PROTO_DELTA;
+        let p = up.prepare(&full, 0, DeltaOptions::default(), false);
+        let mut reply = e.answer(&p.report, 0, 0);
+        reply.services = Vec::new();
+        up.answered(p, &reply);
+        drop(reply);
+        let upstream = live() - before_up;
         let per = |b: isize| b as f64 / n as f64;
         println!(
-            "{n} buckets × {ZONES} zones: engine {:.0} B/bucket after new, {:.0} B/bucket with 2 zone reports per bucket, {:.0} B/bucket after a tick (report ring included); total {:.1} MB",
+            "{n} buckets × {ZONES} zones: engine {:.0} B/bucket after new, {:.0} B/bucket with 2 zone reports per bucket, {:.0} B/bucket after a tick (report ring included); total {:.1} MB; {:.0} B/bucket after 30 delta rounds (directive log included); aggregator upstream {:.0} B per zone bucket ({zone_buckets} buckets)",
             per(empty),
             per(reported),
             per(ticked),
-            ticked as f64 / 1e6
+            ticked as f64 / 1e6,
+            per(delta),
+            upstream as f64 / zone_buckets as f64,
         );
+        drop(up);
         drop(e);
     }
 }

@@ -65,6 +65,8 @@ pub struct AggregatorOptions {
     /// Distinct (caller, procedure) keys per service held between forwards; beyond, new
     /// callers count as `_other` (see [`crate::calls`]).
     pub max_call_keys: usize,
+    /// Delta zone reports to controllers that announced protocol 4 (see [`crate::delta`]).
+    pub delta: crate::delta::DeltaOptions,
 }
 
 /// Services whose calls an aggregator holds between forwards; the calls of more services
@@ -89,6 +91,7 @@ impl Default for AggregatorOptions {
             tls: None,
             client_tls: crate::tls::ClientTls::default(),
             max_call_keys: crate::calls::DEFAULT_AGGREGATOR_KEYS,
+            delta: Default::default(),
         }
     }
 }
@@ -614,6 +617,7 @@ fn build_report(s: &Shared) -> ZoneReport {
             admitted_rps: r[1],
             dropped_rps: r[2],
             shadow_dropped_rps: r[3],
+            gone: false,
         })
         .collect();
     buckets.sort_by(|a, b| (&a.service, &a.bucket).cmp(&(&b.service, &b.bucket)));
@@ -623,6 +627,7 @@ fn build_report(s: &Shared) -> ZoneReport {
         zone: s.opts.zone.clone(),
         buckets,
         calls: Vec::new(),
+        session: None,
     }
 }
 
@@ -666,8 +671,10 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
     let mut iv = tokio::time::interval(s.opts.tick);
     iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut current = 0usize;
-    // The protocol version each controller announced (1 until it answers).
-    let mut proto = vec![1u32; s.opts.controllers.len()];
+    // The protocol version each controller announced (1 until it answers) and its delta
+    // session.
+    let mut upstreams = crate::delta::Upstreams::default();
+    let mut round = 0u64;
     let insecure_reminder = LogGate::new(Duration::from_secs(60));
     let standby_busy: Vec<Arc<AtomicBool>> = (0..s.opts.controllers.len())
         .map(|_| Arc::new(AtomicBool::new(false)))
@@ -683,6 +690,7 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
             tracing::warn!("INSECURE: anonymous client reports are accepted (--insecure-allow-anonymous-reports)");
         }
         let mut report = build_report(&s);
+        round += 1;
         if last {
             let counted: u64 = report.buckets.iter().map(|b| b.counts.offered).sum();
             if report.buckets.is_empty()
@@ -702,7 +710,7 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
             let base = &s.opts.controllers[idx];
             // Calls go only to a controller that announced protocol 2 (an older one refuses
             // the field); until then they wait, bounded.
-            if proto[idx] >= 2 {
+            if upstreams.get(base).proto >= 2 {
                 if report.calls.is_empty() {
                     report.calls = take_calls(&mut s.state.lock().expect("aggregator lock"));
                 }
@@ -710,9 +718,7 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
                 restore_calls(&s, std::mem::take(&mut report.calls));
             }
             let t = Instant::now();
-            let sent = post_report(&s, base, &report).await;
-            proto[idx] = sent.as_ref().map_or(1, |(_, v)| *v);
-            let sent = sent.map(|(d, _)| d);
+            let sent = forward_to(&s, upstreams.get(base), base, &report, round, last).await;
             match &sent {
                 Ok(_) => s
                     .metrics
@@ -740,7 +746,7 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
                         }
                     }
                     let mut st = s.state.lock().expect("aggregator lock");
-                    st.directives = d;
+                    crate::delta::merge_directives(&mut st.directives, d);
                     st.directives_at = Some(Instant::now());
                     done = true;
                     break;
@@ -794,6 +800,8 @@ fn send_to_standbys(
                     zone: report.zone.clone(),
                     buckets: report.buckets.clone(),
                     calls: Vec::new(),
+                    // A full report: a standby keeps no delta session with this aggregator.
+                    session: None,
                 };
                 for b in &mut c.buckets {
                     b.counts = BucketCountsMsg {
@@ -812,6 +820,57 @@ fn send_to_standbys(
             busy.store(false, Ordering::Release);
         });
     }
+}
+
+/// Sends `full` to controller `base` as its upstream state wants it (full, or a delta once
+/// it announced protocol 4; full again at once when it answers `resync`), and records the
+/// answer. The counts a delta left out go back to the pending counts once it is applied.
+async fn forward_to(
+    s: &Shared,
+    up: &mut crate::delta::Upstream,
+    base: &str,
+    full: &ZoneReport,
+    round: u64,
+    flush: bool,
+) -> anyhow::Result<ZoneDirectives> {
+    // A resync costs one more request, at most one per forward.
+    for _ in 0..2 {
+        let mut p = up.prepare(full, round, s.opts.delta, flush);
+        if let Some(sess) = &mut p.report.session {
+            sess.directives =
+                crate::delta::directives_held(&s.state.lock().expect("aggregator lock").directives);
+        }
+        let sent = post_report(s, base, &p.report).await;
+        let (d, v) = match sent {
+            Ok(x) => x,
+            Err(e) => {
+                up.failed();
+                return Err(e);
+            }
+        };
+        up.proto = v;
+        let resync = d.session.is_some_and(|r| r.resync);
+        let held_back = std::mem::take(&mut p.held_back);
+        up.answered(p, &d);
+        if resync {
+            continue;
+        }
+        if !held_back.is_empty() {
+            let mut st = s.state.lock().expect("aggregator lock");
+            for ((service, bucket), c) in held_back {
+                let e = st.pending.entry((service, bucket)).or_default();
+                if e.bucket.is_empty() {
+                    e.bucket = c.bucket;
+                }
+                e.offered = e.offered.saturating_add(c.offered);
+                e.admitted = e.admitted.saturating_add(c.admitted);
+                e.dropped = e.dropped.saturating_add(c.dropped);
+                e.shadow_dropped = e.shadow_dropped.saturating_add(c.shadow_dropped);
+            }
+        }
+        return Ok(d);
+    }
+    anyhow::bail!("controller {base} asked for a full report twice in a row")
 }
 
 async fn post_report(

@@ -1065,16 +1065,16 @@ async fn aggregate(
         }
     }
     let mut e = s.engine.lock().expect("engine lock");
-    e.ingest(&r, s.now_ms());
-    // Answer with ratios that already include this report: a zone's fresh counts reach its
+    // The reply's ratios already include this report: a zone's fresh counts reach its
     // clients in the same round trip instead of waiting for the next tick.
-    e.recompute(s.now_ms(), unix_now());
+    let reply = e.answer(&r, s.now_ms(), unix_now());
+    drop(e);
     Ok((
         [(
             crate::proto::PROTO_HEADER,
             crate::proto::PROTO_VERSION.to_string(),
         )],
-        Json(e.directives_for(&r.region, &r.zone)),
+        Json(reply),
     ))
 }
 

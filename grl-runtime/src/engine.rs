@@ -13,7 +13,8 @@ use serde::Serialize;
 
 use crate::overrides::{combine, materialize, Affected, Effect, Group, Override};
 use crate::proto::{
-    ConfigDoc, DirectiveMsg, ServiceDirectives, ZoneBucketMsg, ZoneDirectives, ZoneReport,
+    BucketCountsMsg, ConfigDoc, DirectiveMsg, ReplySession, ServiceDirectives, ZoneBucketMsg,
+    ZoneDirectives, ZoneReport,
 };
 
 /// Rates of one scope key of a bucket, and its ratio.
@@ -105,6 +106,9 @@ struct ZoneData {
     region_key: u32,
     zone_key: u32,
     at_ms: u64,
+    /// The delta session `(id, seq)` of the last report applied (None: the zone sends full
+    /// reports only, or its session was invalidated by a config change).
+    session: Option<(u64, u64)>,
     /// [offered, admitted, dropped, shadow] rates (in [`RATE_UNIT`]s) by bucket index,
     /// resolved once per report (and remapped on a config change). The engine's per-key sums
     /// are the sums of these over the live zones: a report replaces its zone's previous
@@ -124,6 +128,16 @@ const RATE_MAX: f64 = 9_007_199_254_740_992.0;
 fn to_units(x: f64) -> i64 {
     // Reports are checked finite and non-negative; NaN would become 0 here all the same.
     (x * RATE_UNIT).round().clamp(0.0, RATE_MAX) as i64
+}
+
+/// A reported bucket's four rates in [`RATE_UNIT`]s.
+fn units(b: &ZoneBucketMsg) -> [i64; 4] {
+    [
+        to_units(b.offered_rps),
+        to_units(b.admitted_rps),
+        to_units(b.dropped_rps),
+        to_units(b.shadow_dropped_rps),
+    ]
 }
 
 fn from_units(x: i64) -> f64 {
@@ -170,15 +184,6 @@ fn lookup(index: &Index, service: &str, bucket: &str) -> Option<usize> {
     index.get(service)?.get(bucket).copied()
 }
 
-/// Whether `key` is the scope key of `scope` in `region`/`zone` (without building it).
-fn key_is(key: &str, scope: Scope, region: &str, zone: &str) -> bool {
-    match scope {
-        Scope::Global => key == "global",
-        Scope::Region => key.strip_prefix("region:") == Some(region),
-        Scope::Zone => key.strip_prefix("zone:") == Some(zone),
-    }
-}
-
 /// Strings given small ids once (scope keys, zone names), so that the per-bucket state holds
 /// ids instead of strings.
 #[derive(Default)]
@@ -209,6 +214,19 @@ fn busy(k: &KeyState) -> bool {
         || k.dropped_rps != 0.0
         || k.shadow_dropped_rps != 0.0
 }
+
+/// What [`Engine::ingest`] did with a report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ingested {
+    /// The report's numbers are in.
+    Applied,
+    /// A delta report whose base is not the zone's last applied report (or a session this
+    /// engine does not know): nothing changed; the zone must send a full report.
+    Resync,
+}
+
+/// A directive-log entry's key for a change of the whole bucket (limit or fixed ratio).
+const ALL_KEYS: u32 = u32::MAX;
 
 /// Aggregator-id prefix of reports that come from a peer controller.
 pub const PEER_PREFIX: &str = "region:";
@@ -260,6 +278,16 @@ pub struct Engine {
     /// Cumulative counts per bucket index, per zone name id (sorted by zone name) for
     /// `/metrics`.
     totals: Vec<Vec<(u32, [u64; 4])>>,
+    /// Directive changes for delta replies: this engine instance's epoch, the directives'
+    /// version (bumped by every recompute that changed something), the changes not yet
+    /// versioned as (bucket, key id or [`ALL_KEYS`]), and the log of versioned changes
+    /// (bounded: [`Engine::log_cap`]); `log_from`: every change after this version is in the
+    /// log, an older version gets every directive.
+    epoch: u64,
+    dver: u64,
+    changed: Vec<(u32, u32)>,
+    log: VecDeque<(u64, u32, u32)>,
+    log_from: u64,
 }
 
 impl Engine {
@@ -291,6 +319,19 @@ impl Engine {
             report_cap: 20_000,
             seq: 0,
             totals: Vec::new(),
+            epoch: {
+                use std::hash::{BuildHasher, Hasher};
+                // A random id per engine (std's per-process random keys, no extra crate),
+                // below 2^53 so that any JSON reader keeps it exact.
+                std::collections::hash_map::RandomState::new()
+                    .build_hasher()
+                    .finish()
+                    & ((1 << 53) - 1)
+            },
+            dver: 0,
+            changed: Vec::new(),
+            log: VecDeque::new(),
+            log_from: 0,
         };
         e.set_config(config);
         e
@@ -450,10 +491,18 @@ impl Engine {
         self.dirty_flag = vec![false; self.buckets.len()];
         self.all_dirty = true;
         self.busy_rows = 0;
-        for z in zones.values() {
+        for z in zones.values_mut() {
             self.contribute(z, 1);
+            // Delta reports name buckets the aggregator believes this engine holds: after a
+            // config change (buckets dropped or added by name) the next report must be full.
+            z.session = None;
         }
         self.zones = zones;
+        // Every directive may have changed (indices too): older versions get a full reply.
+        self.changed.clear();
+        self.log.clear();
+        self.dver += 1;
+        self.log_from = self.dver;
     }
 
     /// Adds (`sign` 1) or takes away (`sign` -1) a zone's report from the per-key sums of the
@@ -535,6 +584,7 @@ impl Engine {
             *sum = sum.saturating_add(x);
         }
         k.zones = k.zones.saturating_add_signed(dz);
+        self.changed.push((i as u32, id));
         if k.zones == 0 {
             s.keys.remove(p);
             self.busy_rows -= was_busy as usize;
@@ -640,43 +690,29 @@ impl Engine {
     /// in the per-key sums, at a cost in proportion to the two reports' sizes. Unknown buckets
     /// are ignored (a client on an older config), counts go to the totals. The ratios follow
     /// at the next [`Engine::recompute`].
-    pub fn ingest(&mut self, r: &ZoneReport, now_ms: u64) {
+    ///
+    /// A delta report ([`crate::proto::ReportSession`] with a base) changes only the buckets
+    /// it carries, at a cost in proportion to its own size; it is applied only on top of the
+    /// report it names as its base (else [`Ingested::Resync`], and nothing changes). Applying
+    /// a full report and then its deltas gives the same sums as applying the full reports
+    /// they stand for (`delta_reports_match_full_reports`).
+    pub fn ingest(&mut self, r: &ZoneReport, now_ms: u64) -> Ingested {
+        if let Some(sess) = r.session {
+            if let Some(base) = sess.base {
+                return self.ingest_delta(r, (sess.id, base), sess.seq, now_ms);
+            }
+        }
         let zone_name = self.zone_names.id(&r.zone);
         let mut resolved = Vec::with_capacity(r.buckets.len());
         for b in &r.buckets {
             let Some(i) = lookup(&self.index, &b.service, &b.bucket) else {
                 continue;
             };
-            let c = &b.counts;
-            if (c.offered | c.admitted | c.dropped | c.shadow_dropped) > 0 {
-                let names = &self.zone_names;
-                let totals = &mut self.totals[i];
-                let t = match totals.iter().position(|(z, _)| *z == zone_name) {
-                    Some(p) => &mut totals[p].1,
-                    None => {
-                        // Sorted by zone name, as `/metrics` lists them.
-                        let at =
-                            totals.partition_point(|(z, _)| names.name(*z) < names.name(zone_name));
-                        totals.insert(at, (zone_name, [0; 4]));
-                        &mut totals[at].1
-                    }
-                };
-                // Saturating: a report with absurd counts must not wrap the totals (or, in a
-                // debug build, panic with the engine lock held).
-                t[0] = t[0].saturating_add(c.offered);
-                t[1] = t[1].saturating_add(c.admitted);
-                t[2] = t[2].saturating_add(c.dropped);
-                t[3] = t[3].saturating_add(c.shadow_dropped);
+            self.count(i, zone_name, &b.counts);
+            if b.gone {
+                continue;
             }
-            resolved.push((
-                i,
-                [
-                    to_units(b.offered_rps),
-                    to_units(b.admitted_rps),
-                    to_units(b.dropped_rps),
-                    to_units(b.shadow_dropped_rps),
-                ],
-            ));
+            resolved.push((i, units(b)));
         }
         // In bucket order (reports usually are), a bucket reported twice summed: the previous
         // report and this one are then walked side by side.
@@ -697,6 +733,7 @@ impl Engine {
             region_key: self.keys.id(&scope_key(Scope::Region, &r.region, &r.zone)),
             zone_key: self.keys.id(&scope_key(Scope::Zone, &r.region, &r.zone)),
             at_ms: now_ms,
+            session: r.session.map(|s| (s.id, s.seq)),
             resolved,
         };
         // Keyed by aggregator: replicas serving one zone each carry part of its clients.
@@ -711,6 +748,136 @@ impl Engine {
             None => self.contribute(&z, 1),
         }
         self.zones.insert(r.aggregator_id.clone(), z);
+        Ingested::Applied
+    }
+
+    /// Adds a report's counts of bucket `i` to the zone's cumulative totals.
+    fn count(&mut self, i: usize, zone_name: u32, c: &BucketCountsMsg) {
+        if (c.offered | c.admitted | c.dropped | c.shadow_dropped) == 0 {
+            return;
+        }
+        let names = &self.zone_names;
+        let totals = &mut self.totals[i];
+        let t = match totals.iter().position(|(z, _)| *z == zone_name) {
+            Some(p) => &mut totals[p].1,
+            None => {
+                // Sorted by zone name, as `/metrics` lists them.
+                let at = totals.partition_point(|(z, _)| names.name(*z) < names.name(zone_name));
+                totals.insert(at, (zone_name, [0; 4]));
+                &mut totals[at].1
+            }
+        };
+        // Saturating: a report with absurd counts must not wrap the totals (or, in a debug
+        // build, panic with the engine lock held).
+        t[0] = t[0].saturating_add(c.offered);
+        t[1] = t[1].saturating_add(c.admitted);
+        t[2] = t[2].saturating_add(c.dropped);
+        t[3] = t[3].saturating_add(c.shadow_dropped);
+    }
+
+    /// A delta report on top of session report `base`: the buckets it carries replace (or,
+    /// marked gone, leave) the zone's previous numbers; the others keep theirs.
+    fn ingest_delta(
+        &mut self,
+        r: &ZoneReport,
+        base: (u64, u64),
+        seq: u64,
+        now_ms: u64,
+    ) -> Ingested {
+        let Some((id, mut z)) = self.zones.remove_entry(&r.aggregator_id) else {
+            return Ingested::Resync;
+        };
+        let same_place = self
+            .keys
+            .ids
+            .get(&scope_key(Scope::Region, &r.region, &r.zone))
+            == Some(&z.region_key)
+            && self
+                .keys
+                .ids
+                .get(&scope_key(Scope::Zone, &r.region, &r.zone))
+                == Some(&z.zone_key);
+        if z.session != Some(base) || !same_place {
+            self.zones.insert(id, z);
+            return Ingested::Resync;
+        }
+        let zone_name = self.zone_names.id(&r.zone);
+        // (bucket, new rates or None when gone), in bucket order, the last of a bucket wins.
+        let mut entries: Vec<(usize, Option<[i64; 4]>)> = Vec::with_capacity(r.buckets.len());
+        for b in &r.buckets {
+            let Some(i) = lookup(&self.index, &b.service, &b.bucket) else {
+                continue;
+            };
+            self.count(i, zone_name, &b.counts);
+            entries.push((i, (!b.gone).then(|| units(b))));
+        }
+        if !entries.is_sorted_by_key(|e| e.0) {
+            entries.sort_by_key(|e| e.0);
+        }
+        entries.reverse();
+        entries.dedup_by_key(|e| e.0);
+        entries.reverse();
+        let mut added: Vec<(usize, [i64; 4])> = Vec::new();
+        // Positions of the gone buckets (in order), taken out after the walk.
+        let mut removed: Vec<usize> = Vec::new();
+        for (i, new) in entries {
+            let key = self.key_of(i, &z);
+            match (z.resolved.binary_search_by_key(&i, |e| e.0), new) {
+                (Ok(p), Some(n)) => {
+                    let o = z.resolved[p].1;
+                    self.apply_entry(
+                        i,
+                        key,
+                        [n[0] - o[0], n[1] - o[1], n[2] - o[2], n[3] - o[3]],
+                        0,
+                    );
+                    z.resolved[p].1 = n;
+                }
+                (Ok(p), None) => {
+                    let o = z.resolved[p].1;
+                    self.apply_entry(i, key, o.map(|v| -v), -1);
+                    removed.push(p);
+                }
+                (Err(_), Some(n)) => {
+                    self.apply_entry(i, key, n, 1);
+                    added.push((i, n));
+                }
+                (Err(_), None) => {}
+            }
+        }
+        // A bucket set that changed costs one pass over the zone's buckets (rare in a steady
+        // state: a bucket starts or stops being called); rates that changed cost their own.
+        if !removed.is_empty() {
+            let mut next = removed.iter().copied().peekable();
+            let mut at = 0;
+            z.resolved.retain(|_| {
+                let gone = next.peek() == Some(&at);
+                if gone {
+                    next.next();
+                }
+                at += 1;
+                !gone
+            });
+        }
+        if !added.is_empty() {
+            let old = std::mem::take(&mut z.resolved);
+            let mut merged = Vec::with_capacity(old.len() + added.len());
+            let (mut x, mut y) = (0, 0);
+            while x < old.len() || y < added.len() {
+                if y == added.len() || (x < old.len() && old[x].0 < added[y].0) {
+                    merged.push(old[x]);
+                    x += 1;
+                } else {
+                    merged.push(added[y]);
+                    y += 1;
+                }
+            }
+            z.resolved = merged;
+        }
+        z.at_ms = now_ms;
+        z.session = Some((base.0, seq));
+        self.zones.insert(id, z);
+        Ingested::Applied
     }
 
     /// This controller's own zones summed per `global` bucket, as a report for a peer
@@ -747,11 +914,13 @@ impl Engine {
                     dropped_rps: from_units(r[2]),
                     shadow_dropped_rps: from_units(r[3]),
                     counts: Default::default(),
+                    gone: false,
                 })
                 .collect(),
             // Calls are exported by the controller their zones report to, never forwarded
             // to peers (each region's controller serves its own zones' calls).
             calls: Vec::new(),
+            session: None,
         }
     }
 
@@ -813,6 +982,7 @@ impl Engine {
             d
         };
         if dirty.is_empty() {
+            self.publish();
             return;
         }
         // Traffic overrides: each group touched gets its offered rate as a whole against its
@@ -852,11 +1022,50 @@ impl Engine {
             self.dirty_flag[i] = false;
             self.settle(i, unix_now);
         }
+        self.publish();
+    }
+
+    /// Versions the directive changes since the last recompute: one new version, appended to
+    /// the bounded log (the oldest entries go first; replies older than them are full).
+    fn publish(&mut self) {
+        if self.changed.is_empty() {
+            return;
+        }
+        self.dver += 1;
+        let v = self.dver;
+        let cap = self.log_cap();
+        if self.changed.len() >= cap {
+            // More changes than the log holds (full reports of a whole fleet): every reply
+            // is full until the next version; no sort, no copy.
+            self.log.clear();
+            self.log_from = v;
+            self.changed.clear();
+        } else {
+            // Duplicates (a key changed by two zones' reports) cost log room only: the replies
+            // deduplicate their buckets.
+            self.changed.dedup();
+            self.log
+                .extend(self.changed.drain(..).map(|(i, k)| (v, i, k)));
+            while self.log.len() > cap {
+                if let Some((old, _, _)) = self.log.pop_front() {
+                    self.log_from = self.log_from.max(old);
+                }
+            }
+        }
+        if self.changed.capacity() > cap {
+            self.changed.shrink_to(cap);
+        }
+    }
+
+    /// The directive log's bound: one entry per bucket (at least 65,536), about 16 bytes each.
+    fn log_cap(&self) -> usize {
+        self.buckets.len().max(1 << 16)
     }
 
     /// One bucket's limit, fixed ratio and per-key ratios from its overrides and groups.
     fn settle(&mut self, i: usize, unix_now: u64) {
         let s = &mut self.buckets[i];
+        let before = (s.limit_rps, s.fixed);
         let eff = match self.bucket_overrides.get(&i) {
             None => Effect::None,
             Some(js) => combine(js.iter().map(|&j| &self.overrides[j]), unix_now),
@@ -879,20 +1088,114 @@ impl Engine {
             s.limit_rps = l;
         }
         for k in &mut s.keys {
-            k.ratio = s
+            let ratio = s
                 .fixed
                 .unwrap_or_else(|| drop_ratio(k.offered_rps, s.limit_rps));
+            if ratio.to_bits() != k.ratio.to_bits() {
+                self.changed.push((i as u32, k.id));
+            }
+            k.ratio = ratio;
+        }
+        if before.0.to_bits() != s.limit_rps.to_bits()
+            || before.1.map(f64::to_bits) != s.fixed.map(f64::to_bits)
+        {
+            self.changed.push((i as u32, ALL_KEYS));
         }
     }
 
     /// Directives for the clients of `zone` in `region`.
     pub fn directives_for(&self, region: &str, zone: &str) -> ZoneDirectives {
+        self.directives_of(0..self.buckets.len(), region, zone)
+    }
+
+    /// The reply to a zone report that named the directives it holds (`since`: the epoch and
+    /// version of an earlier reply): only the directives that changed since, when this
+    /// engine's log still covers that version; every directive otherwise. The cost is in
+    /// proportion to the changes since `since` (filtered to the zone's scope keys), not to the
+    /// number of buckets.
+    pub fn directives_since(
+        &self,
+        region: &str,
+        zone: &str,
+        since: Option<(u64, u64)>,
+    ) -> ZoneDirectives {
+        let delta =
+            since.filter(|&(epoch, v)| epoch == self.epoch && v >= self.log_from && v <= self.dver);
+        let mut d = match delta {
+            None => self.directives_for(region, zone),
+            Some((_, v)) => {
+                let region_key = self
+                    .keys
+                    .ids
+                    .get(&scope_key(Scope::Region, region, zone))
+                    .copied();
+                let zone_key = self
+                    .keys
+                    .ids
+                    .get(&scope_key(Scope::Zone, region, zone))
+                    .copied();
+                let start = self.log.partition_point(|e| e.0 <= v);
+                let mut idx: Vec<usize> = self
+                    .log
+                    .range(start..)
+                    .filter(|&&(_, _, k)| {
+                        k == ALL_KEYS || k == 0 || Some(k) == region_key || Some(k) == zone_key
+                    })
+                    .map(|&(_, i, _)| i as usize)
+                    .collect();
+                idx.sort_unstable();
+                idx.dedup();
+                self.directives_of(idx.into_iter(), region, zone)
+            }
+        };
+        d.session = Some(ReplySession {
+            applied: None,
+            resync: false,
+            epoch: self.epoch,
+            version: self.dver,
+            delta: delta.is_some(),
+        });
+        d
+    }
+
+    /// What `POST /v1/aggregate` does with a zone report: ingests it, recomputes (so that the
+    /// reply already includes it) and answers the zone's directives: every one to a report
+    /// without a delta session (an aggregator before protocol 4, a peer controller); to a
+    /// report with one, the directives changed since the ones it holds, and whether the report
+    /// was applied or a full one is needed (`resync`).
+    pub fn answer(&mut self, r: &ZoneReport, now_ms: u64, unix_now: u64) -> ZoneDirectives {
+        let ingested = self.ingest(r, now_ms);
+        self.recompute(now_ms, unix_now);
+        let Some(sess) = r.session else {
+            return self.directives_for(&r.region, &r.zone);
+        };
+        let mut d = self.directives_since(&r.region, &r.zone, sess.directives);
+        if let Some(rs) = &mut d.session {
+            rs.resync = ingested == Ingested::Resync;
+            rs.applied = (!rs.resync).then_some(sess.seq);
+        }
+        d
+    }
+
+    /// The directives of buckets `idx` (in bucket order) for `zone` in `region`.
+    fn directives_of(
+        &self,
+        idx: impl Iterator<Item = usize>,
+        region: &str,
+        zone: &str,
+    ) -> ZoneDirectives {
+        // The zone's keys by id (a key never interned is carried by no bucket).
+        let id = |scope| self.keys.ids.get(&scope_key(scope, region, zone)).copied();
+        let (region_id, zone_id) = (id(Scope::Region), id(Scope::Zone));
         let mut services: Vec<ServiceDirectives> = Vec::new();
-        for s in &self.buckets {
-            let k = s
-                .keys
-                .iter()
-                .find(|k| key_is(&k.scope_key, s.bucket.scope, region, zone));
+        for i in idx {
+            let s = &self.buckets[i];
+            let want = match s.bucket.scope {
+                Scope::Global => Some(0),
+                Scope::Region => region_id,
+                Scope::Zone => zone_id,
+            };
+            let k = want.and_then(|w| s.keys.iter().find(|k| k.id == w));
             let d = DirectiveMsg {
                 bucket: s.bucket.name.clone(),
                 ratio: s.fixed.unwrap_or(k.map_or(0.0, |k| k.ratio)),
@@ -911,6 +1214,7 @@ impl Engine {
         ZoneDirectives {
             version: self.config().version.clone(),
             services,
+            session: None,
         }
     }
 

@@ -11,6 +11,7 @@ pub mod calls;
 pub mod client;
 pub mod config;
 pub mod controller;
+pub mod delta;
 pub mod engine;
 pub mod http_util;
 pub mod layer;

@@ -143,6 +143,15 @@ enum Cmd {
         /// counts held, may take.
         #[arg(long, default_value_t = 10_000)]
         shutdown_grace_ms: u64,
+        /// Delta zone reports (to controllers of protocol 4): a bucket is reported again when
+        /// one of its rates moved by more than this share since the controller last got it
+        /// (0 = any change).
+        #[arg(long, default_value_t = 0.01)]
+        report_change_threshold: f64,
+        /// Delta zone reports: every bucket is reported at least every this many forwards
+        /// (its counts ride along; 1 = every bucket every forward).
+        #[arg(long, default_value_t = 30)]
+        report_refresh_ticks: u64,
     },
     /// Print a new credential line (`NAME SCOPE SECRET`, 256 random bits) for a credentials
     /// file.
@@ -411,7 +420,14 @@ async fn main() -> anyhow::Result<()> {
             client_credentials,
             insecure_allow_anonymous_reports,
             shutdown_grace_ms,
+            report_change_threshold,
+            report_refresh_ticks,
         } => {
+            anyhow::ensure!(
+                report_change_threshold.is_finite()
+                    && (0.0..1.0).contains(&report_change_threshold),
+                "--report-change-threshold must be at least 0 and below 1"
+            );
             let h = Aggregator::start(AggregatorOptions {
                 listen,
                 controllers,
@@ -425,6 +441,10 @@ async fn main() -> anyhow::Result<()> {
                     .map_err(anyhow::Error::msg)?,
                 client_credentials,
                 allow_anonymous_reports: insecure_allow_anonymous_reports,
+                delta: grl_runtime::delta::DeltaOptions {
+                    threshold: report_change_threshold,
+                    refresh_ticks: report_refresh_ticks,
+                },
                 ..Default::default()
             })
             .await?;

@@ -15,11 +15,16 @@ pub const PROTO_HEADER: &str = "grl-proto";
 
 /// This build's protocol version. 1: the original messages (no header); 2: `calls` in
 /// [`ClientReport`] and [`ZoneReport`]; 3: an aggregator reads [`ClientReport`] in the
-/// binary encoding ([`binary::CONTENT_TYPE`]) and answers it in the same encoding.
-pub const PROTO_VERSION: u32 = 3;
+/// binary encoding ([`binary::CONTENT_TYPE`]) and answers it in the same encoding; 4: delta
+/// zone reports and delta directives ([`ZoneReport::session`], [`ZoneBucketMsg::gone`],
+/// [`ZoneDirectives::session`]).
+pub const PROTO_VERSION: u32 = 4;
 
 /// The first protocol version whose aggregators read the binary encoding ([`binary`]).
 pub const PROTO_BINARY: u32 = 3;
+
+/// The first protocol version with delta zone reports and delta directives.
+pub const PROTO_DELTA: u32 = 4;
 
 /// The version a peer announced in a response's headers (1 when absent).
 pub fn peer_version(headers: &http::HeaderMap) -> u32 {
@@ -175,10 +180,60 @@ pub struct ZoneBucketMsg {
     pub shadow_dropped_rps: f64,
     /// Counts since the previous forward (for the Prometheus counters).
     pub counts: BucketCountsMsg,
+    /// In a delta report (protocol 4): the zone no longer has this bucket; the controller
+    /// takes it out of the zone's contribution (its rates are ignored, its counts count).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub gone: bool,
+}
+
+/// A zone report's place in its delta session with one controller (protocol 4).
+///
+/// A session is one aggregator talking to one controller: `id` is drawn by the aggregator
+/// for that controller, `seq` numbers its reports. A report with `base: None` is full: it
+/// replaces everything the controller holds of the zone. A report with `base: Some(b)`
+/// carries only the buckets that changed since report `b` (and the ones gone, marked
+/// [`ZoneBucketMsg::gone`]); the controller applies it only when report `b` of the same
+/// session is the last one it applied, and answers [`ReplySession::resync`] otherwise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct ReportSession {
+    /// Session id (the aggregator's, for this controller).
+    pub id: u64,
+    /// This report's number in the session.
+    pub seq: u64,
+    /// The report this one is a delta of; None: a full report.
+    #[serde(default)]
+    pub base: Option<u64>,
+    /// The directives the aggregator holds: `(epoch, version)` from a previous
+    /// [`ReplySession`]; the reply then carries only what changed since (None: all).
+    #[serde(default)]
+    pub directives: Option<(u64, u64)>,
+}
+
+/// The controller's side of a delta session, in its reply (only to a report that carried a
+/// [`ReportSession`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct ReplySession {
+    /// The report applied (its `seq`); None when it was not (see `resync`).
+    #[serde(default)]
+    pub applied: Option<u64>,
+    /// The delta report was not applied (the controller restarted, expired the zone, changed
+    /// its config, or last applied another report): send a full report.
+    #[serde(default)]
+    pub resync: bool,
+    /// The controller's engine instance: versions of another epoch mean nothing here.
+    pub epoch: u64,
+    /// The directives' version this reply brings the aggregator to.
+    pub version: u64,
+    /// True: `services` holds only directives changed since the version the report named
+    /// (merge them by service and bucket); false: every directive (replace).
+    #[serde(default)]
+    pub delta: bool,
 }
 
 /// Aggregator → controller: `POST /v1/aggregate`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct ZoneReport {
     /// Aggregator instance id.
@@ -193,6 +248,9 @@ pub struct ZoneReport {
     /// that announced it; never to peer controllers).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub calls: Vec<ServiceCallCountMsg>,
+    /// Delta session (protocol 4; sent only to a controller that announced it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<ReportSession>,
 }
 
 /// One service's directives in a zone.
@@ -211,6 +269,10 @@ pub struct ServiceDirectives {
 pub struct ZoneDirectives {
     /// Current config version.
     pub version: String,
-    /// Directives for every service, for the zone's scope keys.
+    /// Directives for every service, for the zone's scope keys (or only the changed ones,
+    /// see [`ReplySession::delta`]).
     pub services: Vec<ServiceDirectives>,
+    /// Present only in the reply to a report that carried a [`ReportSession`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<ReplySession>,
 }

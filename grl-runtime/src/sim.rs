@@ -705,6 +705,7 @@ fn control_round(
             zone: z.name.clone(),
             buckets: std::mem::take(&mut per_zone[zi]).into_values().collect(),
             calls: Vec::new(),
+            session: None,
         };
         engine.ingest(&report, now);
     }

@@ -9,7 +9,8 @@ use grl_runtime::controller::{Controller, ControllerOptions};
 use grl_runtime::overrides::OverrideRequest;
 use grl_runtime::proto::{
     BucketCountsMsg, CallCountMsg, ClientDirectives, ClientReport, ConfigDoc, DirectiveMsg,
-    ServiceCallCountMsg, ServiceDirectives, ZoneBucketMsg, ZoneDirectives, ZoneReport,
+    ReplySession, ReportSession, ServiceCallCountMsg, ServiceDirectives, ZoneBucketMsg,
+    ZoneDirectives, ZoneReport,
 };
 use proptest::prelude::*;
 use schema::{Bucket, BucketFile, Mode, PolicyName, Scope};
@@ -119,17 +120,28 @@ fn call() -> impl Strategy<Value = CallCountMsg> {
 }
 
 fn zone_report() -> impl Strategy<Value = ZoneReport> {
-    let bucket = (name(), name(), float(), float(), float(), float(), counts()).prop_map(
-        |(service, bucket, o, a, d, s, counts)| ZoneBucketMsg {
-            service,
-            bucket,
-            offered_rps: o,
-            admitted_rps: a,
-            dropped_rps: d,
-            shadow_dropped_rps: s,
-            counts,
-        },
-    );
+    let bucket = (
+        name(),
+        name(),
+        float(),
+        float(),
+        float(),
+        float(),
+        counts(),
+        any::<bool>(),
+    )
+        .prop_map(
+            |(service, bucket, o, a, d, s, counts, gone)| ZoneBucketMsg {
+                service,
+                bucket,
+                offered_rps: o,
+                admitted_rps: a,
+                dropped_rps: d,
+                shadow_dropped_rps: s,
+                counts,
+                gone,
+            },
+        );
     let call = (name(), call()).prop_map(|(service, c)| ServiceCallCountMsg {
         service,
         caller: c.caller,
@@ -142,14 +154,28 @@ fn zone_report() -> impl Strategy<Value = ZoneReport> {
         name(),
         prop::collection::vec(bucket, 0..5),
         prop::collection::vec(call, 0..4),
+        prop::option::of((
+            any::<u32>(),
+            count(),
+            prop::option::of(count()),
+            prop::option::of((any::<u32>(), count())),
+        )),
     )
-        .prop_map(|(aggregator_id, region, zone, buckets, calls)| ZoneReport {
-            aggregator_id,
-            region,
-            zone,
-            buckets,
-            calls,
-        })
+        .prop_map(
+            |(aggregator_id, region, zone, buckets, calls, session)| ZoneReport {
+                aggregator_id,
+                region,
+                zone,
+                buckets,
+                calls,
+                session: session.map(|(id, seq, base, d)| ReportSession {
+                    id: id as u64,
+                    seq,
+                    base,
+                    directives: d.map(|(e, v)| (e as u64, v)),
+                }),
+            },
+        )
 }
 
 fn bucket() -> impl Strategy<Value = Bucket> {
@@ -259,8 +285,30 @@ fn zone_directives() -> impl Strategy<Value = ZoneDirectives> {
                 directives,
             }
         });
-    (name(), prop::collection::vec(svc, 0..3))
-        .prop_map(|(version, services)| ZoneDirectives { version, services })
+    let session = (
+        prop::option::of(count()),
+        any::<bool>(),
+        any::<u32>(),
+        count(),
+        any::<bool>(),
+    )
+        .prop_map(|(applied, resync, epoch, version, delta)| ReplySession {
+            applied,
+            resync,
+            epoch: epoch as u64,
+            version,
+            delta,
+        });
+    (
+        name(),
+        prop::collection::vec(svc, 0..3),
+        prop::option::of(session),
+    )
+        .prop_map(|(version, services, session)| ZoneDirectives {
+            version,
+            services,
+            session,
+        })
 }
 
 /// Equal, except that floats may differ in the last bit: serde_json's default float parser
