@@ -468,10 +468,8 @@ impl ResultSplitter {
                     self.in_string = false;
                     self.capture = false;
                 }
-                if self.capture && self.in_string {
-                    if self.string.len() < 64 {
-                        self.string.push(c);
-                    }
+                if self.capture && self.in_string && self.string.len() < 64 {
+                    self.string.push(c);
                 }
                 continue;
             }
