@@ -234,11 +234,13 @@ fn run(rlc: &Path, cfg: &Path) -> anyhow::Result<()> {
         }
     }
     if !out.status.success() {
-        let tail: Vec<&str> = stderr.lines().rev().take(12).collect();
-        println!(
-            "rlc failed:\n{}",
-            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-        );
+        // rlc's own lines (its error), not the report of /usr/bin/time after them.
+        let own: Vec<&str> = stderr
+            .lines()
+            .take_while(|l| !l.contains("Command being timed"))
+            .collect();
+        let tail = &own[own.len().saturating_sub(12)..];
+        println!("rlc failed:\n{}", tail.join("\n"));
         return Ok(());
     }
     let plan: serde_json::Value = serde_json::from_slice(&out.stdout)?;
