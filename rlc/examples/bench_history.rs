@@ -1,103 +1,221 @@
 //! Benchmark of `rlc preview` against a real Prometheus (docs/rlc-history-bench.md).
 //!
-//! `cargo run --release -p rlc --example bench_history -- N [DAYS]` backfills N gauge series
-//! `rpc_rps{service,caller,procedure}` × DAYS (28 default) at 1 m with promtool, starts a
-//! throwaway Prometheus, writes an rlc.yaml and config repo, then runs
-//! `/usr/bin/time -v <target>/release/rlc preview --format json` against it and prints the wall
-//! time, peak memory and the plan's size; with a third argument (e.g. `1h`) it runs again with
-//! `history.prometheus.downsample` set. Build the binary first: `cargo build --release -p rlc`.
+//! `cargo run --release -p rlc --example bench_history -- N [DAYS] [DOWNSAMPLE] [options]`
+//! backfills N gauge series `rpc_rps{service,caller,procedure}` × DAYS (28 default) with
+//! promtool, one UTC day per OpenMetrics part (written, backfilled as one 24 h block, deleted:
+//! temporary disk stays at about two days of text), starts a throwaway Prometheus on the
+//! blocks, writes an rlc.yaml and config repo, then runs `/usr/bin/time -v RLC preview
+//! --format json` against it and prints the wall time, CPU, peak memory and the plan's size and
+//! digest; with DOWNSAMPLE (e.g. `1h`) it runs again with `history.prometheus.downsample` set.
+//!
+//! Options:
+//! - `--data DIR`: keep the TSDB in DIR and reuse it when DIR already holds the same set
+//!   (N, DAYS, `--every`): generation and backfill take minutes at 10,000 series.
+//! - `--every SECS`: spacing of the generated samples (default 60; 3600 for an hourly set).
+//! - `--step D`: `history.step` of the pulls (default `1m`).
+//! - `--rlc PATH` (repeatable): the binaries to measure side by side, in turn on each pull
+//!   (default: the `rlc` next to this example's directory, `target/release/rlc`).
+//! - `--no-raw`: skip the pull without downsample.
+//! - `--repeat K`: run each (pull, binary) K times.
+//! - `--extra YAML`: lines added under `history.prometheus` (e.g. `batch_series: 1000`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
+use anyhow::{bail, Context};
 use rlc::history::synth::Profile;
 use test_support::prometheus::{OpenMetricsWriter, Prometheus};
 
-fn main() -> anyhow::Result<()> {
-    let mut args = std::env::args().skip(1);
-    let n: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(100);
-    let days: i64 = args.next().map(|a| a.parse()).transpose()?.unwrap_or(28);
-    // Optional: `downsample` value (e.g. 1h) for server-side reduction.
-    let downsample = args.next();
-    let dir = tempfile::Builder::new().prefix("rlc-bench-").tempdir()?;
-    let end = chrono::Utc::now().timestamp() / 60 * 60 - 60;
-    let start = end - days * 86_400 - 600;
+struct Args {
+    n: usize,
+    days: i64,
+    downsample: Option<String>,
+    data: Option<PathBuf>,
+    every: i64,
+    step: String,
+    rlc: Vec<PathBuf>,
+    raw: bool,
+    repeat: usize,
+    extra: String,
+}
 
-    let t0 = Instant::now();
-    let mut w = OpenMetricsWriter::create(&dir.path().join("h.om"))?;
-    w.family("rpc_rps", "gauge")?;
-    for i in 0..n {
-        let (service, caller) = (format!("svc-{}", i / 20), format!("caller-{}", i % 20));
-        let p = Profile {
-            base_rps: 10.0 + (i % 97) as f64,
-            noise: 0.05,
-            ..Default::default()
-        };
-        let mut t = start;
-        while t <= end {
-            let v = (p.sample(t, start, 1, i as u64) * 1000.0).round() / 1000.0;
-            w.sample(
-                "rpc_rps",
-                &[
-                    ("service", &service),
-                    ("caller", &caller),
-                    ("procedure", "call"),
-                ],
-                v,
-                t,
-            )?;
-            t += 60;
+fn args() -> anyhow::Result<Args> {
+    let mut a = Args {
+        n: 100,
+        days: 28,
+        downsample: None,
+        data: None,
+        every: 60,
+        step: "1m".into(),
+        rlc: Vec::new(),
+        raw: true,
+        repeat: 1,
+        extra: String::new(),
+    };
+    let mut positional = 0;
+    let mut it = std::env::args().skip(1);
+    while let Some(x) = it.next() {
+        let mut val = || it.next().with_context(|| format!("{x} needs a value"));
+        match x.as_str() {
+            "--data" => a.data = Some(val()?.into()),
+            "--every" => a.every = val()?.parse()?,
+            "--step" => a.step = val()?,
+            "--rlc" => a.rlc.push(val()?.into()),
+            "--no-raw" => a.raw = false,
+            "--repeat" => a.repeat = val()?.parse()?,
+            "--extra" => a.extra.push_str(&format!("    {}\n", val()?)),
+            _ if x.starts_with("--") => bail!("unknown option {x}"),
+            _ => {
+                match positional {
+                    0 => a.n = x.parse()?,
+                    1 => a.days = x.parse()?,
+                    2 => a.downsample = Some(x),
+                    _ => bail!("too many arguments"),
+                }
+                positional += 1;
+            }
         }
     }
-    let om = w.finish()?;
-    let generated = t0.elapsed();
-    let t1 = Instant::now();
-    let prom = Prometheus::start(&om)?;
-    let backfilled = t1.elapsed();
-    std::fs::remove_file(&om)?;
+    if a.rlc.is_empty() {
+        let exe = std::env::current_exe()?;
+        a.rlc.push(
+            exe.parent()
+                .and_then(|p| p.parent())
+                .map(|p| p.join("rlc"))
+                .context("no rlc next to the example")?,
+        );
+    }
+    Ok(a)
+}
+
+fn main() -> anyhow::Result<()> {
+    let a = args()?;
+    let dir = tempfile::Builder::new().prefix("rlc-bench-").tempdir()?;
+    let data = a.data.clone().unwrap_or_else(|| dir.path().join("tsdb"));
+    let marker = data.join(format!("bench-{}x{}d-every{}s", a.n, a.days, a.every));
+    if marker.exists() {
+        eprintln!("reusing {}", data.display());
+    } else {
+        if data.exists() && std::fs::read_dir(&data)?.next().is_some() {
+            bail!(
+                "{} holds another data set; remove it or name another --data",
+                data.display()
+            );
+        }
+        generate(&a, &data, dir.path())?;
+        std::fs::write(&marker, "")?;
+    }
+    let t = Instant::now();
+    let prom = Prometheus::on_data(&data, "24h")?;
+    eprintln!("prometheus ready in {:.1?}", t.elapsed());
 
     let repo = dir.path().join("repo");
     std::fs::create_dir_all(repo.join("rlc"))?;
     std::fs::write(repo.join("rlc/policies.yaml"), "default:\n  policy: peak\n")?;
-    let cfg = dir.path().join("rlc.yaml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "history:\n  prometheus:\n    url: {}\n    query: 'rpc_rps'\n{}  lookback: {days}d\n  step: 1m\nconfig_repo:\n  path: repo\n",
-            prom.url,
-            downsample.as_ref().map(|d| format!("    downsample: {d}\n")).unwrap_or_default()
-        ),
-    )?;
-    let exe = std::env::current_exe()?;
-    let rlc: PathBuf = exe
-        .parent()
-        .and_then(|p| p.parent())
-        .map(|p| p.join("rlc"))
-        .unwrap();
-    eprintln!("{n} series × {days} d: generated in {generated:.1?}, backfilled + started in {backfilled:.1?}");
-    for (label, ds) in [("per-minute", None), ("downsample", downsample.as_deref())] {
-        if label == "downsample" && ds.is_none() {
-            break;
+    let mut pulls: Vec<(&str, Option<&str>)> = Vec::new();
+    if a.raw {
+        pulls.push(("raw", None));
+    }
+    if let Some(d) = &a.downsample {
+        pulls.push(("downsample", Some(d)));
+    }
+    for (label, ds) in pulls {
+        let cfg = dir.path().join(format!("rlc-{label}.yaml"));
+        std::fs::write(
+            &cfg,
+            format!(
+                "history:\n  prometheus:\n    url: {}\n    query: 'rpc_rps'\n{}{}  lookback: {}d\n  step: {}\nconfig_repo:\n  path: repo\n",
+                prom.url,
+                ds.map(|d| format!("    downsample: {d}\n")).unwrap_or_default(),
+                a.extra,
+                a.days,
+                a.step,
+            ),
+        )?;
+        for _ in 0..a.repeat {
+            for rlc in &a.rlc {
+                println!(
+                    "== {} series, step {}, {label}{}: {}",
+                    a.n,
+                    a.step,
+                    ds.map(|d| format!(" {d}")).unwrap_or_default(),
+                    rlc.display()
+                );
+                run(rlc, &cfg)?;
+            }
         }
-        let text = std::fs::read_to_string(&cfg)?;
-        let text = match ds {
-            None => text
-                .lines()
-                .filter(|l| !l.contains("downsample"))
-                .collect::<Vec<_>>()
-                .join("\n"),
-            Some(_) => text,
-        };
-        let run_cfg = dir.path().join(format!("rlc-{label}.yaml"));
-        std::fs::write(&run_cfg, text)?;
-        println!("== {label}");
-        run(&rlc, &run_cfg)?;
     }
     Ok(())
 }
 
-fn run(rlc: &std::path::Path, cfg: &std::path::Path) -> anyhow::Result<()> {
+/// Writes and backfills the set one UTC day at a time (each part one 24 h block), the next
+/// part written while promtool backfills the previous one.
+fn generate(a: &Args, data: &Path, tmp: &Path) -> anyhow::Result<()> {
+    // The set runs 3 h past now, so that reruns within the session see full windows.
+    let end = (chrono::Utc::now().timestamp() + 3 * 3600) / a.every * a.every;
+    let start = end - a.days * 86_400 - 86_400;
+    let t0 = Instant::now();
+    let mut pending: Option<std::thread::JoinHandle<anyhow::Result<()>>> = None;
+    let mut bytes = 0u64;
+    for day in start.div_euclid(86_400)..=end.div_euclid(86_400) {
+        let (from, to) = ((day * 86_400).max(start), ((day + 1) * 86_400 - 1).min(end));
+        let path = tmp.join(format!("part-{day}.om"));
+        let mut w = OpenMetricsWriter::create(&path)?;
+        w.family("rpc_rps", "gauge")?;
+        for i in 0..a.n {
+            let (service, caller) = (format!("svc-{}", i / 20), format!("caller-{}", i % 20));
+            let p = Profile {
+                base_rps: 10.0 + (i % 97) as f64,
+                noise: 0.05,
+                ..Default::default()
+            };
+            let mut t = from.div_euclid(a.every) * a.every;
+            if t < from {
+                t += a.every;
+            }
+            while t <= to {
+                let v = (p.sample(t, start, 1, i as u64) * 1000.0).round() / 1000.0;
+                w.sample(
+                    "rpc_rps",
+                    &[
+                        ("service", &service),
+                        ("caller", &caller),
+                        ("procedure", "call"),
+                    ],
+                    v,
+                    t,
+                )?;
+                t += a.every;
+            }
+        }
+        let om = w.finish()?;
+        bytes += std::fs::metadata(&om)?.len();
+        if let Some(h) = pending.take() {
+            h.join().expect("backfill thread")?;
+        }
+        let data = data.to_path_buf();
+        pending = Some(std::thread::spawn(move || {
+            let r = Prometheus::backfill(&om, &data, "24h");
+            std::fs::remove_file(&om)?;
+            r
+        }));
+    }
+    if let Some(h) = pending.take() {
+        h.join().expect("backfill thread")?;
+    }
+    eprintln!(
+        "{} series × {} d every {} s: {:.1} GB of OpenMetrics written and backfilled in {:.1?}",
+        a.n,
+        a.days,
+        a.every,
+        bytes as f64 / 1e9,
+        t0.elapsed()
+    );
+    Ok(())
+}
+
+fn run(rlc: &Path, cfg: &Path) -> anyhow::Result<()> {
     let out = Command::new("/usr/bin/time")
         .arg("-v")
         .arg(rlc)
@@ -116,17 +234,26 @@ fn run(rlc: &std::path::Path, cfg: &std::path::Path) -> anyhow::Result<()> {
         }
     }
     if !out.status.success() {
-        let tail: Vec<&str> = stderr.lines().rev().take(12).collect();
-        println!(
-            "rlc failed:\n{}",
-            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-        );
+        // rlc's own lines (its error), not the report of /usr/bin/time after them.
+        let own: Vec<&str> = stderr
+            .lines()
+            .take_while(|l| !l.contains("Command being timed"))
+            .collect();
+        let tail = &own[own.len().saturating_sub(12)..];
+        println!("rlc failed:\n{}", tail.join("\n"));
+        return Ok(());
     }
     let plan: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    // The digest of what was planned, to show that the binaries compared plan the same.
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    plan["buckets"].to_string().hash(&mut h);
+    plan["skipped"].to_string().hash(&mut h);
     println!(
-        "plan: {} buckets, {} skipped",
+        "plan: {} buckets, {} skipped, digest {:016x}",
         plan["buckets"].as_array().map_or(0, |a| a.len()),
-        plan["skipped"].as_array().map_or(0, |a| a.len())
+        plan["skipped"].as_array().map_or(0, |a| a.len()),
+        h.finish()
     );
     Ok(())
 }

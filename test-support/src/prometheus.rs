@@ -142,6 +142,45 @@ impl Prometheus {
         )
     }
 
+    /// Backfills `openmetrics` into the TSDB directory `data` (created if missing) with blocks
+    /// of at most `max_block` (e.g. `24h`). Several calls can fill one directory part by part;
+    /// parts whose blocks overlap in time are merged by Prometheus (vertical compaction) later.
+    pub fn backfill(openmetrics: &Path, data: &Path, max_block: &str) -> Result<()> {
+        let promtool = binary("promtool")?;
+        std::fs::create_dir_all(data)?;
+        let out = Command::new(&promtool)
+            .args(["tsdb", "create-blocks-from", "openmetrics", "--quiet"])
+            .arg(format!("--max-block-duration={max_block}"))
+            .arg(openmetrics)
+            .arg(data)
+            .output()
+            .context("run promtool")?;
+        if !out.status.success() {
+            bail!(
+                "promtool failed: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(())
+    }
+
+    /// Starts Prometheus on an existing TSDB directory (kept when it stops), without
+    /// compaction of blocks longer than `max_block` (so that reruns on the same directory
+    /// query the same blocks).
+    pub fn on_data(data: &Path, max_block: &str) -> Result<Self> {
+        let dir = tempfile::Builder::new().prefix("prometheus-").tempdir()?;
+        Self::run_with(
+            dir,
+            data,
+            "global:\n  scrape_interval: 1h\nscrape_configs: []\n",
+            &[
+                "--storage.tsdb.min-block-duration=2h".to_string(),
+                format!("--storage.tsdb.max-block-duration={max_block}"),
+            ],
+        )
+    }
+
     /// Starts Prometheus on an empty TSDB scraping `targets` (`host:port`, `/metrics`) every
     /// `interval` (whole seconds, at least 1 s; the scrape timeout is the same).
     pub fn scraping(targets: &[String], interval: Duration) -> Result<Self> {
@@ -161,6 +200,15 @@ impl Prometheus {
     }
 
     fn run(dir: tempfile::TempDir, data: &Path, config_text: &str) -> Result<Self> {
+        Self::run_with(dir, data, config_text, &[])
+    }
+
+    fn run_with(
+        dir: tempfile::TempDir,
+        data: &Path,
+        config_text: &str,
+        extra: &[String],
+    ) -> Result<Self> {
         let prometheus = binary("prometheus")?;
         let config = dir.path().join("prometheus.yml");
         std::fs::write(&config, config_text)?;
@@ -172,6 +220,7 @@ impl Prometheus {
                 .arg(format!("--storage.tsdb.path={}", data.display()))
                 .arg("--storage.tsdb.retention.time=10y")
                 .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+                .args(extra)
                 .stdin(Stdio::null())
                 .stdout(log.try_clone()?)
                 .stderr(log),

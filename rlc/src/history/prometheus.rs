@@ -6,6 +6,13 @@
 //! time, each with a timeout and up to `retries` attempts separated by jittered exponential
 //! backoff. An answer Prometheus would repeat (HTTP 400/422: bad query, too many points) is not
 //! retried and is reported as [`HistoryError::Refused`].
+//!
+//! Answers are decoded as they arrive ([`ResultSplitter`]): each series of `data.result` is
+//! parsed on its own and put on the grid at once, so a pull holds no whole response, only
+//! the grid, one series' text per request in flight and the network buffers. A request that
+//! fails half-way is retried; what its first attempt already put on the grid is a subset of
+//! the same answer, and samples merge by maximum, so the retry leaves the grid as one clean
+//! answer would. The pull still fails as a whole when any chunk fails after its retries.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -60,6 +67,15 @@ struct Envelope {
     error: Option<String>,
     #[serde(default, rename = "isPartial")]
     is_partial: bool,
+    /// `data` without its series (the skeleton of [`ResultSplitter`]).
+    #[serde(default)]
+    data: Option<DataType>,
+}
+
+#[derive(Debug, Deserialize)]
+struct DataType {
+    #[serde(rename = "resultType")]
+    result_type: String,
 }
 
 /// Feeds a parsed response into the builder.
@@ -141,21 +157,7 @@ pub async fn load(
         );
         tasks.spawn(async move {
             let _permit = sem.acquire_owned().await.expect("semaphore never closed");
-            let body = fetch(&client, &url, &p, from, to, step).await?;
-            // Parse and feed on a blocking thread; the body is dropped as soon as its samples
-            // are on the grid, so memory stays bounded by `concurrency` responses.
-            tokio::task::spawn_blocking(move || {
-                let r: Response<'_> = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
-                let data = r.data.ok_or_else(|| "success without data".to_string())?;
-                feed(&mut b.lock().unwrap_or_else(|e| e.into_inner()), &data)
-            })
-            .await
-            .map_err(|e| e.to_string())
-            .and_then(|r| r)
-            .map_err(|message| HistoryError::Parse {
-                what: format!("response of {}", p.url),
-                message,
-            })
+            fetch(&client, &url, &p, from, to, step, &b).await
         });
         i += n;
     }
@@ -209,6 +211,7 @@ fn progress_bar(chunks: u64) -> indicatif::ProgressBar {
     pb
 }
 
+/// Pulls one chunk `[from, to]` and puts its samples on the grid as they arrive.
 async fn fetch(
     client: &reqwest::Client,
     url: &str,
@@ -216,13 +219,15 @@ async fn fetch(
     from: i64,
     to: i64,
     step: i64,
-) -> Result<Vec<u8>, HistoryError> {
+    b: &Arc<Mutex<Builder>>,
+) -> Result<(), HistoryError> {
     let form = [
         ("query", p.query.clone()),
         ("start", from.to_string()),
         ("end", to.to_string()),
         ("step", format!("{step}s")),
     ];
+    let what = || format!("response of {} for [{from}, {to}]", p.url);
     let attempts = p.retries.max(1);
     let mut last = String::new();
     for attempt in 1..=attempts {
@@ -246,8 +251,15 @@ async fn fetch(
             }
         };
         let status = resp.status();
-        let body = match resp.bytes().await {
-            Ok(b) => b,
+        let streamed = if status.is_success() {
+            stream_into(resp, b.clone()).await
+        } else {
+            read_capped(resp, ERROR_BODY_MAX)
+                .await
+                .map(|body| (body, Ok(())))
+        };
+        let (skeleton, fed) = match streamed {
+            Ok(x) => x,
             Err(e) => {
                 last = if e.is_timeout() {
                     format!("reading the response failed: timed out after {}", p.timeout)
@@ -257,16 +269,29 @@ async fn fetch(
                 continue;
             }
         };
-        // Only the envelope is looked at here; values are parsed once, when fed.
-        let parsed: Result<Envelope, _> = serde_json::from_slice(&body);
+        // The envelope: the whole body without the series of `data.result`.
+        let parsed: Result<Envelope, _> = serde_json::from_slice(&skeleton);
         match parsed {
             Ok(r) if status.is_success() && r.is_partial => {
                 // A partial answer could lower quotas: retry, then fail.
                 last = "partial response (isPartial: some storage nodes did not answer)".into();
             }
             Ok(r) if status.is_success() && r.status == "success" => {
-                drop(r);
-                return Ok(body.into());
+                fed.map_err(|message| HistoryError::Parse {
+                    what: what(),
+                    message,
+                })?;
+                return match r.data {
+                    None => Err(HistoryError::Parse {
+                        what: what(),
+                        message: "success without data".into(),
+                    }),
+                    Some(d) if d.result_type != "matrix" => Err(HistoryError::Parse {
+                        what: what(),
+                        message: format!("expected a matrix result, got `{}`", d.result_type),
+                    }),
+                    Some(_) => Ok(()),
+                };
             }
             Ok(r) if status.as_u16() == 400 || status.as_u16() == 422 => {
                 return Err(HistoryError::Refused {
@@ -290,14 +315,14 @@ async fn fetch(
                     error_type: "http".into(),
                     error: format!(
                         "{}: {e}",
-                        String::from_utf8_lossy(&body[..body.len().min(200)])
+                        String::from_utf8_lossy(&skeleton[..skeleton.len().min(200)])
                     ),
                 })
             }
             Err(e) => {
                 last = format!(
                     "HTTP {status}, unreadable body ({e}): {}",
-                    String::from_utf8_lossy(&body[..body.len().min(200)])
+                    String::from_utf8_lossy(&skeleton[..skeleton.len().min(200)])
                 );
             }
         }
@@ -307,6 +332,212 @@ async fn fetch(
         attempts,
         message: last,
     })
+}
+
+/// At most this much of an error answer is kept (an HTML page from a proxy can be large).
+const ERROR_BODY_MAX: usize = 64 * 1024;
+/// At most this much of a success answer outside `data.result` (envelope, warnings).
+const SKELETON_MAX: usize = 1 << 20;
+/// Network pieces queued between a request and its decoder (a piece is at most some 10s of
+/// KB): what a request in flight holds besides one series' text.
+const PIECES_IN_FLIGHT: usize = 16;
+
+/// The first `max` bytes of a body.
+async fn read_capped(mut resp: reqwest::Response, max: usize) -> Result<Vec<u8>, reqwest::Error> {
+    let mut body = Vec::new();
+    while let Some(piece) = resp.chunk().await? {
+        body.extend_from_slice(&piece[..piece.len().min(max - body.len())]);
+        if body.len() >= max {
+            break;
+        }
+    }
+    Ok(body)
+}
+
+/// Streams a success answer through a [`ResultSplitter`] on a blocking thread, which puts each
+/// series on the grid; returns the envelope (the body without the series) and whether every
+/// series could be decoded.
+async fn stream_into(
+    mut resp: reqwest::Response,
+    b: Arc<Mutex<Builder>>,
+) -> Result<(Vec<u8>, Result<(), String>), reqwest::Error> {
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(PIECES_IN_FLIGHT);
+    let decoder = tokio::task::spawn_blocking(move || {
+        let mut split = ResultSplitter::default();
+        let mut failed: Option<String> = None;
+        while let Some(piece) = rx.blocking_recv() {
+            if failed.is_some() {
+                continue; // drain, so that the reader finishes and the status can be read
+            }
+            split.push(&piece, &mut |series| {
+                if failed.is_none() {
+                    if let Err(e) = feed_series(&b, series) {
+                        failed = Some(e);
+                    }
+                }
+            });
+            if split.skeleton.len() > SKELETON_MAX {
+                failed = Some(format!(
+                    "more than {SKELETON_MAX} bytes outside data.result: not a query_range answer"
+                ));
+            }
+        }
+        let fed = match (failed, split.finish()) {
+            (Some(e), _) | (None, Err(e)) => Err(e),
+            (None, Ok(())) => Ok(()),
+        };
+        (split.skeleton, fed)
+    });
+    let mut read = Ok(());
+    loop {
+        match resp.chunk().await {
+            Ok(Some(piece)) => {
+                if tx.send(piece).await.is_err() {
+                    break;
+                }
+            }
+            Ok(None) => break,
+            Err(e) => {
+                read = Err(e);
+                break;
+            }
+        }
+    }
+    drop(tx);
+    let out = decoder.await.unwrap_or_else(|e| {
+        (
+            Vec::new(),
+            Err(format!("the decoder of the answer failed: {e}")),
+        )
+    });
+    read.map(|()| out)
+}
+
+/// Parses one element of `data.result` and puts its samples on the grid.
+fn feed_series(b: &Mutex<Builder>, text: &[u8]) -> Result<(), String> {
+    let m: Matrix<'_> = serde_json::from_slice(text).map_err(|e| e.to_string())?;
+    let mut b = b.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(key) = b.key(&m.metric) else {
+        return Ok(());
+    };
+    b.add_many(
+        &key,
+        m.values
+            .iter()
+            .map(|(ts, v)| (*ts, v.parse::<f64>().unwrap_or(f64::NAN))),
+    );
+    Ok(())
+}
+
+/// Cuts a `query_range` answer, fed in pieces of any size, into the elements of
+/// `data.result` (each handed over whole, as JSON text) and the rest of the body, the
+/// *skeleton*, which keeps `"result":[]` and is small. Only the JSON structure is tracked
+/// (strings, escapes, nesting, the keys on the way to `data.result`); the elements are parsed
+/// by whoever receives them.
+#[derive(Default)]
+pub(crate) struct ResultSplitter {
+    /// Everything but the elements of `data.result`.
+    pub skeleton: Vec<u8>,
+    /// The element being collected.
+    element: Vec<u8>,
+    /// Open containers.
+    depth: usize,
+    in_string: bool,
+    escaped: bool,
+    /// Inside `data.result` (its `[` seen, its `]` not yet).
+    in_result: bool,
+    /// The last string seen at depth 1 and 2 (a key once its `:` follows), short ones only.
+    string: Vec<u8>,
+    /// The current key at depth 1 and 2.
+    keys: [Vec<u8>; 3],
+    /// Whether the last string at depth ≤ 2 is still being read.
+    capture: bool,
+}
+
+impl ResultSplitter {
+    /// Takes the next piece of the body; `on_element` gets each complete element.
+    pub(crate) fn push(&mut self, piece: &[u8], on_element: &mut dyn FnMut(&[u8])) {
+        let mut start = 0; // of the run of bytes not yet copied where they belong
+        for (i, &c) in piece.iter().enumerate() {
+            if self.in_string {
+                if self.escaped {
+                    self.escaped = false;
+                } else if c == b'\\' {
+                    self.escaped = true;
+                } else if c == b'"' {
+                    self.in_string = false;
+                    self.capture = false;
+                }
+                if self.capture && self.in_string && self.string.len() < 64 {
+                    self.string.push(c);
+                }
+                continue;
+            }
+            match c {
+                b'"' => {
+                    self.in_string = true;
+                    if self.depth <= 2 {
+                        self.capture = true;
+                        self.string.clear();
+                    }
+                }
+                b':' if self.depth <= 2 => {
+                    self.keys[self.depth] = std::mem::take(&mut self.string);
+                }
+                b'{' | b'[' => {
+                    if self.depth == 2
+                        && c == b'['
+                        && self.keys[1] == b"data"
+                        && self.keys[2] == b"result"
+                    {
+                        // The `[` of data.result goes to the skeleton; what follows does not.
+                        self.skeleton.extend_from_slice(&piece[start..=i]);
+                        start = i + 1;
+                        self.in_result = true;
+                    }
+                    self.depth += 1;
+                }
+                b'}' | b']' => {
+                    self.depth = self.depth.saturating_sub(1);
+                    if self.in_result && self.depth == 3 {
+                        // An element closes: hand it over whole.
+                        self.element.extend_from_slice(&piece[start..=i]);
+                        start = i + 1;
+                        on_element(&self.element);
+                        self.element.clear();
+                    } else if self.in_result && self.depth == 2 {
+                        // The `]` of data.result: back to the skeleton.
+                        self.in_result = false;
+                        self.element.clear();
+                        start = i;
+                    }
+                }
+                b',' if self.in_result && self.depth == 3 => {
+                    start = i + 1; // between elements
+                }
+                _ => {}
+            }
+        }
+        let rest = &piece[start..];
+        if self.in_result {
+            if self.depth > 3 {
+                self.element.extend_from_slice(rest);
+            }
+        } else {
+            self.skeleton.extend_from_slice(rest);
+        }
+    }
+
+    /// Checks that the body ended where a JSON document can end.
+    pub(crate) fn finish(&self) -> Result<(), String> {
+        if self.depth != 0 || self.in_string {
+            return Err(format!(
+                "the answer ended inside the JSON document ({} containers open)",
+                self.depth
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// An error with its causes (reqwest hides "connection refused" in the source chain).
@@ -319,4 +550,118 @@ fn chain(e: &dyn std::error::Error) -> String {
         cur = c.source();
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use schema::LabelNames;
+
+    /// Two chunks of one pull: a series in both (duplicate across chunks), a missing step, `NaN`
+    /// and `+Inf` as Prometheus writes them, `values` before `metric`, label values with JSON
+    /// structure and escapes in them, and the envelope around `data.result`.
+    const CHUNKS: [&str; 2] = [
+        r#"{"status":"success","data":{"resultType":"matrix","result":[
+  {"metric":{"service":"shop","caller":"web","procedure":"browse"},"values":[[1000,"1.5"],[1060,"2"],[1180,"4.25"]]},
+  {"values":[[1000,"3"],[1120,"3.5"]],"metric":{"service":"shop","caller":"api"}},
+  {"metric":{"service":"pay","caller":"we{b}[\"x\\","procedure":"a"},"values":[[1000,"1"]]},
+  {"metric":{"service":"pay","caller":"bad"},"values":[[1000,"NaN"],[1060,"1"]]},
+  {"metric":{"service":"pay","caller":"inf"},"values":[[1060,"+Inf"]]},
+  {"metric":{"caller":"nobody"},"values":[[1000,"1"]]}
+ ]},"warnings":["a warning with ] and } in it"]}"#,
+        r#"{"status" : "success" , "data" : { "result" : [ {"metric":{"service":"shop","caller":"web","procedure":"browse"},"values":[[1240,"5"],[1300,"0.125"]]} ,
+ {"metric":{"service":"ship","procedure":"track"},"values":[[1300,"7"]]} ] , "resultType" : "matrix" } }"#,
+    ];
+
+    fn builder() -> Builder {
+        Builder::new(1000, 60, 6, LabelNames::default())
+    }
+
+    fn old_path() -> History {
+        let mut b = builder();
+        for body in CHUNKS {
+            let r: Response<'_> = serde_json::from_str(body).unwrap();
+            feed(&mut b, &r.data.unwrap()).unwrap();
+        }
+        b.finish()
+    }
+
+    fn streamed(piece: usize) -> (History, Vec<Envelope>) {
+        let b = Mutex::new(builder());
+        let mut envelopes = Vec::new();
+        for body in CHUNKS {
+            let mut split = ResultSplitter::default();
+            for p in body.as_bytes().chunks(piece) {
+                split.push(p, &mut |s| feed_series(&b, s).unwrap());
+            }
+            split.finish().unwrap();
+            envelopes.push(serde_json::from_slice(&split.skeleton).unwrap());
+        }
+        (b.into_inner().unwrap().finish(), envelopes)
+    }
+
+    fn bits(h: &History) -> Vec<(SeriesKey, Vec<u32>)> {
+        h.series
+            .iter()
+            .map(|(k, s)| (k.clone(), s.values.iter().map(|v| v.to_bits()).collect()))
+            .collect()
+    }
+
+    use super::super::SeriesKey;
+
+    #[test]
+    fn streamed_answers_give_the_series_of_whole_answers() {
+        let old = old_path();
+        assert_eq!(old.series.len(), 3, "{:?}", old.series.keys());
+        let web = &old.series[&SeriesKey {
+            service: "shop".into(),
+            caller: Some("web".into()),
+            procedure: Some("browse".into()),
+        }];
+        assert_eq!(web.values[..2], [1.5, 2.0]);
+        assert!(web.values[2].is_nan());
+        assert_eq!(web.values[3..], [4.25, 5.0, 0.125]);
+        assert_eq!(old.rejected.len(), 4, "{:?}", old.rejected);
+        for piece in [1, 2, 3, 7, 64, 100_000] {
+            let (new, envelopes) = streamed(piece);
+            assert_eq!(bits(&new), bits(&old), "pieces of {piece} bytes");
+            assert_eq!(new.rejected, old.rejected, "pieces of {piece} bytes");
+            for e in envelopes {
+                assert_eq!(e.status, "success");
+                assert!(!e.is_partial);
+                assert_eq!(e.data.unwrap().result_type, "matrix");
+            }
+        }
+    }
+
+    #[test]
+    fn the_skeleton_keeps_the_envelope_without_the_series() {
+        let mut split = ResultSplitter::default();
+        let mut n = 0;
+        split.push(CHUNKS[0].as_bytes(), &mut |_| n += 1);
+        split.finish().unwrap();
+        assert_eq!(n, 6);
+        let text = String::from_utf8(split.skeleton).unwrap();
+        assert!(text.contains(r#""result":[]"#), "{text}");
+        assert!(text.contains("a warning with ] and } in it"), "{text}");
+        assert!(!text.contains("shop"), "{text}");
+
+        let mut split = ResultSplitter::default();
+        split.push(
+            br#"{"status":"success","isPartial":true,"data":{"resultType":"matrix","result":[]}}"#,
+            &mut |_| n += 1,
+        );
+        let e: Envelope = serde_json::from_slice(&split.skeleton).unwrap();
+        assert!(e.is_partial);
+    }
+
+    #[test]
+    fn a_cut_answer_is_an_error() {
+        let body = CHUNKS[0].as_bytes();
+        let mut split = ResultSplitter::default();
+        let mut n = 0;
+        split.push(&body[..body.len() / 2], &mut |_| n += 1);
+        assert!(split.finish().is_err());
+        assert!(n < 6);
+    }
 }
