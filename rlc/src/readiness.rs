@@ -197,21 +197,37 @@ pub fn suggested_limit(rates: &[f64], share: f64) -> Option<f64> {
         .copied()
         .filter(|v| v.is_finite() && *v > 0.0)
         .collect();
+    r.sort_by(|a, b| b.total_cmp(a)); // descending
+    let total: f64 = r.iter().sum();
+    let weighted: Vec<(f64, f64)> = r.into_iter().map(|v| (v, 1.0)).collect();
+    limit_for_budget(&weighted, total * share)
+}
+
+/// The smallest limit under which `rates` (each `(rate, how many times it occurs)`) lose at
+/// most `budget` in all (`None` without a finite rate above zero): [`suggested_limit`] with
+/// the budget given, for rates of which only those that matter were fetched (the store's
+/// hourly roll-ups).
+pub fn limit_for_budget(rates: &[(f64, f64)], budget: f64) -> Option<f64> {
+    let mut r: Vec<(f64, f64)> = rates
+        .iter()
+        .copied()
+        .filter(|(v, n)| v.is_finite() && *v > 0.0 && *n > 0.0)
+        .collect();
     if r.is_empty() {
         return None;
     }
-    r.sort_by(|a, b| b.total_cmp(a)); // descending
-    let total: f64 = r.iter().sum();
-    let budget = total * share;
-    // With limit L between r[k] and r[k+1] (descending), the loss is sum_{i<=k}(r[i]) - (k+1)L.
-    let mut prefix = 0.0;
+    r.sort_by(|a, b| b.0.total_cmp(&a.0)); // descending
+                                           // With limit L between r[k] and r[k+1] (descending), the loss is
+                                           // sum_{i<=k}(n[i] r[i]) - (sum_{i<=k} n[i]) L.
+    let (mut prefix, mut count) = (0.0, 0.0);
     for k in 0..r.len() {
-        prefix += r[k];
-        let next = r.get(k + 1).copied().unwrap_or(0.0);
-        let loss_at_next = prefix - (k as f64 + 1.0) * next;
+        prefix += r[k].0 * r[k].1;
+        count += r[k].1;
+        let next = r.get(k + 1).map_or(0.0, |x| x.0);
+        let loss_at_next = prefix - count * next;
         if loss_at_next > budget {
-            // The limit lies in (next, r[k]]: solve prefix - (k+1)L = budget.
-            return Some(((prefix - budget) / (k as f64 + 1.0)).max(next));
+            // The limit lies in (next, r[k]]: solve prefix - count L = budget.
+            return Some(((prefix - budget) / count).max(next));
         }
     }
     // The budget covers every request: any limit would do; say 0.

@@ -529,6 +529,7 @@ struct Loop {
     last_pushed: Option<String>,
     reports: ReportBuffer,
     last_retention: Option<tokio::time::Instant>,
+    last_rollup: Option<tokio::time::Instant>,
 }
 
 impl Loop {
@@ -605,6 +606,7 @@ impl Loop {
                 tracing::warn!(error = %e, "cannot poll controller reports");
             }
         }
+        self.roll_up().await;
         self.retention().await;
         self.state
             .inner
@@ -655,6 +657,7 @@ async fn scheduler(
         last_pushed: None,
         reports: ReportBuffer::default(),
         last_retention: None,
+        last_rollup: None,
     };
     let mut lease: Option<Lease> = None;
     let mut next_cron = schedule.as_ref().and_then(|s| s.upcoming(Utc).next());

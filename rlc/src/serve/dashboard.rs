@@ -204,7 +204,14 @@ impl Filter {
         Ok(Filter {
             service: q.service.filter(|s| !s.is_empty()),
             window,
-            since: Utc::now() - span,
+            // Windows of an hour or more start at the ten-minute boundary at or before
+            // `now - window` (up to 9 minutes longer): they are summed from whole ten-minute
+            // roll-ups only, instead of up to nine minutes of every scope key's minute rows.
+            since: if span >= chrono::Duration::hours(1) {
+                crate::store::block_of(Utc::now() - span)
+            } else {
+                Utc::now() - span
+            },
             limit: q.limit.unwrap_or(MAX_BUCKETS).clamp(1, MAX_BUCKETS),
         })
     }

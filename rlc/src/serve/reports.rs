@@ -22,6 +22,8 @@ const REPORT_BUFFER: usize = 100_000;
 const REPORT_BATCH: usize = 20_000;
 /// Between two retention passes over the stored reports.
 const RETENTION_EVERY: Duration = Duration::from_secs(600);
+/// How often the minutes of closed hours are rolled up into `shadow_hours`.
+const ROLLUP_EVERY: Duration = Duration::from_secs(60);
 
 /// Controller reports fetched but not yet stored, page by page with the cursor after each.
 #[derive(Default)]
@@ -140,6 +142,28 @@ impl Loop {
         m.reports_stored.inc_by(stored);
         m.reports_buffered.set(self.reports.rows as i64);
         Ok(res?)
+    }
+
+    /// Rolls the minutes of closed hours written since the last pass up into the hourly
+    /// roll-ups ([`Store::roll_up_hours`]), at most every [`ROLLUP_EVERY`]. Until then the
+    /// readers use those hours' minutes, so a late or failed pass only costs time.
+    pub(super) async fn roll_up(&mut self) {
+        let now = tokio::time::Instant::now();
+        if self
+            .last_rollup
+            .is_some_and(|t| now.duration_since(t) < ROLLUP_EVERY)
+        {
+            return;
+        }
+        let Ok(store) = self.cycle.store().await else {
+            return;
+        };
+        self.last_rollup = Some(now);
+        match store.roll_up_hours(Utc::now()).await {
+            Ok(0) => {}
+            Ok(n) => tracing::debug!(hours = n, "hourly report roll-ups written"),
+            Err(e) => tracing::warn!(error = %e, "hourly report roll-up failed; retrying later"),
+        }
     }
 
     /// Deletes reports past their retention (`store.shadow_raw_retention`,

@@ -10,7 +10,7 @@
 //! Time columns are real timestamps: `TIMESTAMPTZ` in Postgres, integer unix milliseconds in
 //! SQLite. [`Ts`] binds and reads either, so both backends run the same query text.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 use chrono::{DateTime, Duration, DurationRound, TimeZone, Utc};
 use serde::{Deserialize, Serialize};
@@ -347,6 +347,78 @@ pub(super) fn block_ceil(t: DateTime<Utc>) -> DateTime<Utc> {
     }
 }
 
+/// Length of a `shadow_hours` roll-up.
+pub const HOUR_SECS: i64 = 3600;
+
+/// The hour (`shadow_hours`) `t` falls in.
+pub fn hour_of(t: DateTime<Utc>) -> DateTime<Utc> {
+    t.duration_trunc(Duration::seconds(HOUR_SECS)).unwrap_or(t)
+}
+
+/// The first hour boundary at or after `t`.
+fn hour_ceil(t: DateTime<Utc>) -> DateTime<Utc> {
+    let h = hour_of(t);
+    if h == t {
+        h
+    } else {
+        h + Duration::seconds(HOUR_SECS)
+    }
+}
+
+/// Closed dirty hours rolled up by one [`Store::roll_up_hours`] call at most (bounded work;
+/// the next call goes on).
+const HOURS_PER_PASS: i64 = 48;
+
+/// One row of `shadow_hours` as the readiness figures read it.
+#[derive(Debug, Clone, sqlx::FromRow)]
+struct HourRow {
+    hour: Ts,
+    offered: f64,
+    dropped: f64,
+    shadow_dropped: f64,
+    rates: i64,
+    rate_sum: f64,
+    rate_min: f64,
+    rate_max: f64,
+    bucket_minutes: i64,
+    peak_share: f64,
+    peak_minute: Option<Ts>,
+}
+
+/// Recomputes every `shadow_hours` row of the hour `[$1, $2)` from its minute rows (after
+/// the old rows were deleted). Per scope key: sums, extrema, the per-minute average offered
+/// rates above zero (count, sum, lowest, highest), the newest minute's limit and mode; per
+/// bucket (in every scope key's row): minutes with a report and the peak per-minute
+/// virtual-drop share (earliest minute on a tie).
+const HOUR_ROLLUP: &str = "INSERT INTO shadow_hours (service, bucket, scope_key, hour, reports, offered, admitted, \
+    dropped, shadow_dropped, max_offered, max_drop_ratio, first_t, last_t, rates, rate_sum, rate_min, rate_max, \
+    max_vd_rps, max_drop_rps, last_minute, last_minute_t, limit_rps, mode, bucket_minutes, peak_share, peak_minute) \
+    WITH m AS (SELECT * FROM shadow_minutes WHERE minute >= $1 AND minute < $2 AND reports > 0), \
+    pm AS (SELECT service, bucket, minute, SUM(offered) AS o, SUM(shadow_dropped) AS v FROM m \
+           GROUP BY service, bucket, minute), \
+    bk AS (SELECT service, bucket, COUNT(*) AS minutes FROM pm GROUP BY service, bucket), \
+    pk AS (SELECT service, bucket, minute, v / o AS share, \
+                  ROW_NUMBER() OVER (PARTITION BY service, bucket ORDER BY v / o DESC, minute) AS rn \
+           FROM pm WHERE o > 0 AND v / o > 0), \
+    lt AS (SELECT service, bucket, scope_key, minute, last_t, limit_rps, mode, \
+                  ROW_NUMBER() OVER (PARTITION BY service, bucket, scope_key ORDER BY minute DESC) AS rn FROM m), \
+    s AS (SELECT service, bucket, scope_key, CAST(SUM(reports) AS BIGINT) AS reports, SUM(offered) AS offered, \
+                 SUM(admitted) AS admitted, SUM(dropped) AS dropped, SUM(shadow_dropped) AS shadow_dropped, \
+                 MAX(max_offered) AS max_offered, MAX(max_drop_ratio) AS max_drop_ratio, MIN(first_t) AS first_t, \
+                 MAX(last_t) AS last_t, COUNT(CASE WHEN offered > 0 THEN 1 END) AS rates, \
+                 COALESCE(SUM(CASE WHEN offered > 0 THEN offered / reports END), 0) AS rate_sum, \
+                 COALESCE(MIN(CASE WHEN offered > 0 THEN offered / reports END), 0) AS rate_min, \
+                 COALESCE(MAX(CASE WHEN offered > 0 THEN offered / reports END), 0) AS rate_max, \
+                 MAX(shadow_dropped / reports) AS max_vd_rps, MAX(dropped / reports) AS max_drop_rps \
+          FROM m GROUP BY service, bucket, scope_key) \
+    SELECT s.service, s.bucket, s.scope_key, $1, s.reports, s.offered, s.admitted, s.dropped, s.shadow_dropped, \
+           s.max_offered, s.max_drop_ratio, s.first_t, s.last_t, s.rates, s.rate_sum, s.rate_min, s.rate_max, \
+           s.max_vd_rps, s.max_drop_rps, lt.minute, lt.last_t, lt.limit_rps, lt.mode, bk.minutes, \
+           COALESCE(pk.share, 0), pk.minute \
+    FROM s JOIN lt ON lt.service = s.service AND lt.bucket = s.bucket AND lt.scope_key = s.scope_key AND lt.rn = 1 \
+    JOIN bk ON bk.service = s.service AND bk.bucket = s.bucket \
+    LEFT JOIN pk ON pk.service = s.service AND pk.bucket = s.bucket AND pk.rn = 1";
+
 /// A ten-minute increment computed from newly stored reports (SQLite; Postgres sums them in
 /// the insert statement).
 #[derive(Debug, Clone)]
@@ -409,6 +481,8 @@ pub struct Retained {
     pub minutes_deleted: u64,
     /// Ten-minute roll-ups deleted (those whose every minute is before the roll-up retention).
     pub blocks_deleted: u64,
+    /// Hourly roll-ups deleted (those whose every minute is before the roll-up retention).
+    pub hours_deleted: u64,
 }
 
 impl Store {
@@ -436,9 +510,26 @@ impl Store {
             })
             .collect();
         let mut new = 0u64;
+        // Every hour the batch writes minutes in is marked dirty (before the minutes are
+        // written: the mark's row lock makes a concurrent roll-up pass of that hour wait for
+        // this transaction, so it sees these minutes).
+        let hours: Vec<Ts> = rows
+            .iter()
+            .map(|x| hour_of(x.t))
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .map(Ts)
+            .collect();
         match self {
             Store::Postgres(pool) => {
                 let mut tx = pool.begin().await?;
+                sqlx::query(
+                    "INSERT INTO shadow_dirty_hours AS d (hour, marks) SELECT h, 1 FROM UNNEST($1::timestamptz[]) h \
+                     ON CONFLICT (hour) DO UPDATE SET marks = d.marks + 1",
+                )
+                .bind(&hours)
+                .execute(&mut *tx)
+                .await?;
                 for chunk in rows.chunks(PG_ROWS_PER_STATEMENT) {
                     // One statement: the new rows (RETURNING) are summed per minute and upserted
                     // into the roll-ups inside Postgres, without a round trip.
@@ -490,6 +581,16 @@ impl Store {
                     f.check()?;
                 }
                 let mut tx = pool.begin().await?;
+                if !hours.is_empty() {
+                    let mut q = sqlx::QueryBuilder::<Sqlite>::new(
+                        "INSERT INTO shadow_dirty_hours AS d (hour, marks) ",
+                    );
+                    q.push_values(&hours, |mut b, h| {
+                        b.push_bind(*h).push_bind(1i64);
+                    });
+                    q.push(" ON CONFLICT (hour) DO UPDATE SET marks = d.marks + 1");
+                    q.build().execute(&mut *tx).await?;
+                }
                 for chunk in rows.chunks(SQLITE_ROWS_PER_STATEMENT) {
                     let mut q = sqlx::QueryBuilder::<Sqlite>::new(format!(
                         "INSERT INTO shadow_reports ({REPORT_COLUMNS}) "
@@ -598,7 +699,87 @@ impl Store {
                 .execute(pool)
                 .await?
                 .rows_affected();
-            Ok(Retained { raw_deleted, minutes_deleted, blocks_deleted })
+            let hour_end = Ts(minutes_before - Duration::seconds(HOUR_SECS));
+            let hours_deleted = sqlx::query("DELETE FROM shadow_hours WHERE hour <= $1")
+                .bind(hour_end)
+                .execute(pool)
+                .await?
+                .rows_affected();
+            // Marks of hours whose minutes are gone: nothing left to roll up.
+            sqlx::query("DELETE FROM shadow_dirty_hours WHERE hour <= $1")
+                .bind(hour_end)
+                .execute(pool)
+                .await?;
+            Ok(Retained { raw_deleted, minutes_deleted, blocks_deleted, hours_deleted })
+        })
+    }
+
+    /// Rolls the minutes of closed dirty hours (before the hour of `now`) up into
+    /// `shadow_hours`, oldest first, at most [`HOURS_PER_PASS`] of them, each in its own
+    /// transaction: the mark is deleted first (waiting for an ingest that holds it), then the
+    /// hour's rows are recomputed from its minutes. Returns how many hours were rolled up.
+    pub async fn roll_up_hours(&self, now: DateTime<Utc>) -> Result<u64, StoreError> {
+        let closed = Ts(hour_of(now));
+        on_pool!(self, pool => {
+            let hours: Vec<(Ts,)> = sqlx::query_as(
+                "SELECT hour FROM shadow_dirty_hours WHERE hour < $1 ORDER BY hour LIMIT $2",
+            )
+            .bind(closed)
+            .bind(HOURS_PER_PASS)
+            .fetch_all(pool)
+            .await?;
+            let mut done = 0;
+            for (h,) in hours {
+                let mut tx = pool.begin().await?;
+                let gone = sqlx::query("DELETE FROM shadow_dirty_hours WHERE hour = $1")
+                    .bind(h)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected();
+                if gone == 0 {
+                    continue; // another replica's pass took it
+                }
+                sqlx::query("DELETE FROM shadow_hours WHERE hour = $1")
+                    .bind(h)
+                    .execute(&mut *tx)
+                    .await?;
+                sqlx::query(HOUR_ROLLUP)
+                    .bind(h)
+                    .bind(Ts(h.0 + Duration::seconds(HOUR_SECS)))
+                    .execute(&mut *tx)
+                    .await?;
+                tx.commit().await?;
+                done += 1;
+            }
+            Ok(done)
+        })
+    }
+
+    /// The hours of `[start, end)` whose `shadow_hours` rows a reader may use: whole hours
+    /// inside the window, from the first one up to the first dirty one (or the window's
+    /// last whole hour). Readers take the minutes before and after from `shadow_minutes`.
+    /// `(start, start)` when there is none.
+    async fn clean_hours(
+        &self,
+        start: DateTime<Utc>,
+        end: DateTime<Utc>,
+    ) -> Result<(DateTime<Utc>, DateTime<Utc>), StoreError> {
+        let (from, to) = (hour_ceil(start), hour_of(end));
+        if to <= from {
+            return Ok((start, start));
+        }
+        let (dirty,): (Option<Ts>,) = on_pool!(self, pool => sqlx::query_as(
+            "SELECT MIN(hour) FROM shadow_dirty_hours WHERE hour >= $1 AND hour < $2",
+        )
+        .bind(Ts(from))
+        .bind(Ts(to))
+        .fetch_one(pool)
+        .await?);
+        let to = dirty.map_or(to, |d| d.0);
+        Ok(if to <= from {
+            (start, start)
+        } else {
+            (from, to)
         })
     }
 
@@ -695,14 +876,18 @@ impl Store {
         })
     }
 
-    /// The readiness figures of one bucket over `[window_start, window_end)`, from the minute
+    /// The readiness figures of one bucket over `[window_start, window_end)`, from the
     /// roll-ups; `None` when the store has no report of the bucket at all. The promotion
     /// logic and the dashboard both call this.
     ///
     /// The same figures as [`stats_from_minutes`] over [`Store::bucket_minutes`] (up to the
-    /// order floating-point sums are added in), with the sums, the coverage and the peak minute
-    /// computed in SQL: only the per-minute offered rates (for the exact suggested limit)
-    /// leave the database.
+    /// order floating-point sums are added in): the clean whole hours of the window
+    /// come from `shadow_hours`, the minutes before and after from
+    /// `shadow_minutes`. The suggested limit stays exact: a lower bound is solved from each
+    /// hour's highest per-minute rate (every hour has a minute at its highest rate, so the
+    /// true loss at any limit is at least the bound's), then only the minutes of hours
+    /// whose highest rate reaches it are fetched, and only those at or above it (an hour
+    /// whose rates are all equal counts as that rate times their number without a fetch).
     pub async fn shadow_stats(
         &self,
         service: &str,
@@ -714,31 +899,35 @@ impl Store {
         if last.is_none() {
             return Ok(None);
         }
+        let (hf, ht) = self.clean_hours(window_start, window_end).await?;
         let (start, end) = (Ts(window_start), Ts(window_end));
-        type Sums = (
-            i64,
-            Option<f64>,
-            Option<f64>,
-            Option<f64>,
-            Option<Ts>,
-            Option<f64>,
-        );
-        let (sums, latest, rates): (Sums, Option<(String, f64)>, Vec<(f64,)>) = on_pool!(self, pool => {
-            let sums = sqlx::query_as::<_, Sums>(
-                "WITH pm AS MATERIALIZED (SELECT minute, SUM(offered) AS o, SUM(shadow_dropped) AS v, SUM(dropped) AS d \
-                   FROM shadow_minutes WHERE service = $1 AND bucket = $2 AND minute >= $3 AND minute < $4 \
-                   GROUP BY minute) \
-                 SELECT (SELECT COUNT(*) FROM pm), (SELECT SUM(o) FROM pm), (SELECT SUM(v) FROM pm), \
-                        (SELECT SUM(d) FROM pm), p.minute, p.share \
-                 FROM (SELECT 1 AS one) x LEFT JOIN \
-                      (SELECT minute, v / o AS share FROM pm WHERE o > 0 AND v / o > 0 \
-                       ORDER BY v / o DESC, minute LIMIT 1) p ON 1 = 1",
+        let (minutes, hours, latest): (Vec<MinuteRow>, Vec<HourRow>, Option<(String, f64)>) = on_pool!(self, pool => {
+            let minutes = sqlx::query_as::<_, MinuteRow>(
+                "SELECT scope_key, minute, reports, offered, admitted, dropped, shadow_dropped, max_offered, \
+                        max_drop_ratio, last_t, limit_rps, mode \
+                 FROM shadow_minutes WHERE service = $1 AND bucket = $2 AND minute >= $3 AND minute < $4 \
+                 UNION ALL \
+                 SELECT scope_key, minute, reports, offered, admitted, dropped, shadow_dropped, max_offered, \
+                        max_drop_ratio, last_t, limit_rps, mode \
+                 FROM shadow_minutes WHERE service = $1 AND bucket = $2 AND minute >= $5 AND minute < $6",
             )
             .bind(service)
             .bind(bucket)
             .bind(start)
+            .bind(Ts(hf))
+            .bind(Ts(ht))
             .bind(end)
-            .fetch_one(pool);
+            .fetch_all(pool);
+            let hours = sqlx::query_as::<_, HourRow>(
+                "SELECT hour, offered, dropped, shadow_dropped, rates, rate_sum, rate_min, rate_max, \
+                        bucket_minutes, peak_share, peak_minute \
+                 FROM shadow_hours WHERE service = $1 AND bucket = $2 AND hour >= $3 AND hour < $4",
+            )
+            .bind(service)
+            .bind(bucket)
+            .bind(Ts(hf))
+            .bind(Ts(ht))
+            .fetch_all(pool);
             let latest = sqlx::query_as::<_, (String, f64)>(
                 "SELECT mode, limit_rps FROM shadow_minutes \
                  WHERE service = $1 AND bucket = $2 AND minute >= $3 AND minute < $4 \
@@ -749,56 +938,134 @@ impl Store {
             .bind(start)
             .bind(end)
             .fetch_optional(pool);
-            let rates = sqlx::query_as::<_, (f64,)>(
-                "SELECT offered / reports FROM shadow_minutes \
-                 WHERE service = $1 AND bucket = $2 AND minute >= $3 AND minute < $4 AND reports > 0",
-            )
-            .bind(service)
-            .bind(bucket)
-            .bind(start)
-            .bind(end)
-            .fetch_all(pool);
             if self.concurrent() {
-                tokio::try_join!(sums, latest, rates)?
+                tokio::try_join!(minutes, hours, latest)?
             } else {
-                (sums.await?, latest.await?, rates.await?)
+                (minutes.await?, hours.await?, latest.await?)
             }
         });
-        let (minutes, offered, vd, dropped, peak_at, peak) = sums;
-        let rates: Vec<f64> = rates.into_iter().map(|r| r.0).collect();
+        // The minutes outside the clean hours, as the reference computes them.
+        let mut stats = stats_from_minutes(
+            service,
+            bucket,
+            window_start,
+            window_end,
+            &minutes,
+            last,
+            since,
+        );
+        let mut covered = minutes
+            .iter()
+            .map(|r| r.minute)
+            .collect::<BTreeSet<_>>()
+            .len() as i64;
+        let mut seen = BTreeSet::new();
+        for h in &hours {
+            stats.offered += h.offered;
+            stats.virtual_dropped += h.shadow_dropped;
+            stats.dropped += h.dropped;
+            // Bucket-wide figures are repeated in every scope key's row of the hour.
+            if seen.insert(h.hour) {
+                covered += h.bucket_minutes;
+                if let Some(at) = h.peak_minute {
+                    let better = h.peak_share > stats.peak_drop_share
+                        || (h.peak_share == stats.peak_drop_share
+                            && stats.peak_drop_at.is_some_and(|p| at.0 < p));
+                    if h.peak_share > 0.0 && better {
+                        stats.peak_drop_share = h.peak_share;
+                        stats.peak_drop_at = Some(at.0);
+                    }
+                }
+            }
+        }
         let window_minutes = ((window_end - window_start).num_seconds() as f64 / 60.0)
             .ceil()
             .max(1.0);
+        stats.coverage = (covered as f64 / window_minutes).min(1.0);
         let mode = latest
             .as_ref()
             .map_or("shadow".to_string(), |l| l.0.clone());
-        Ok(Some(ShadowStats {
-            service: service.into(),
-            bucket: bucket.into(),
-            shadow_since: if mode == "shadow" { since } else { None },
-            mode,
-            window_start,
-            window_end,
-            last_report: last,
-            coverage: (minutes as f64 / window_minutes).min(1.0),
-            offered: offered.unwrap_or(0.0),
-            virtual_dropped: vd.unwrap_or(0.0),
-            dropped: dropped.unwrap_or(0.0),
-            peak_drop_share: peak.unwrap_or(0.0),
-            peak_drop_at: peak_at.map(Into::into),
-            limit_rps: latest.map_or(0.0, |l| l.1),
-            suggested_limit_rps: readiness::suggested_limit(
-                &rates,
-                readiness::SUGGESTED_LIMIT_DROP_SHARE,
-            ),
-        }))
+        stats.shadow_since = if mode == "shadow" { since } else { None };
+        stats.mode = mode;
+        stats.limit_rps = latest.map_or(0.0, |l| l.1);
+        if !hours.is_empty() {
+            stats.suggested_limit_rps = self
+                .suggested_limit(service, bucket, &minutes, &hours)
+                .await?;
+        }
+        Ok(Some(stats))
+    }
+
+    /// The exact suggested limit over the per-minute rates of `minutes` and of the minutes
+    /// rolled up in `hours` (see [`Store::shadow_stats`]).
+    async fn suggested_limit(
+        &self,
+        service: &str,
+        bucket: &str,
+        minutes: &[MinuteRow],
+        hours: &[HourRow],
+    ) -> Result<Option<f64>, StoreError> {
+        let mut rates: Vec<f64> = minutes
+            .iter()
+            .map(MinuteRow::offered_rps)
+            .filter(|v| v.is_finite() && *v > 0.0)
+            .collect();
+        rates.sort_by(|a, b| b.total_cmp(a));
+        let total = rates.iter().sum::<f64>() + hours.iter().map(|h| h.rate_sum).sum::<f64>();
+        let budget = total * readiness::SUGGESTED_LIMIT_DROP_SHARE;
+        let mut weighted: Vec<(f64, f64)> = rates.iter().map(|r| (*r, 1.0)).collect();
+        let bound: Vec<(f64, f64)> = weighted
+            .iter()
+            .copied()
+            .chain(
+                hours
+                    .iter()
+                    .filter(|h| h.rates > 0)
+                    .map(|h| (h.rate_max, 1.0)),
+            )
+            .collect();
+        let Some(low) = readiness::limit_for_budget(&bound, budget) else {
+            return Ok(None);
+        };
+        let mut fetch = BTreeSet::new();
+        for h in hours.iter().filter(|h| h.rates > 0 && h.rate_max >= low) {
+            if h.rate_min == h.rate_max {
+                weighted.push((h.rate_max, h.rates as f64));
+            } else {
+                fetch.insert(h.hour.0);
+            }
+        }
+        if let (Some(first), Some(last)) = (fetch.first(), fetch.last()) {
+            let above: Vec<(Ts, f64)> = on_pool!(self, pool => sqlx::query_as(
+                "SELECT minute, offered / reports FROM shadow_minutes \
+                 WHERE service = $1 AND bucket = $2 AND minute >= $3 AND minute < $4 \
+                   AND reports > 0 AND offered > 0 AND offered / reports >= $5",
+            )
+            .bind(service)
+            .bind(bucket)
+            .bind(Ts(*first))
+            .bind(Ts(*last + Duration::seconds(HOUR_SECS)))
+            .bind(low)
+            .fetch_all(pool)
+            .await?);
+            weighted.extend(
+                above
+                    .into_iter()
+                    .filter(|(m, _)| fetch.contains(&hour_of(m.0)))
+                    .map(|(_, r)| (r, 1.0)),
+            );
+        }
+        // Rates below the bound lose nothing at any limit at or above it.
+        Ok(readiness::limit_for_budget(&weighted, budget).map(|l| l.max(low)))
     }
 
     /// The chart of one bucket over `[window_start, window_end)` in steps of `step_secs`,
     /// grouped in SQL: per scope key and step, the highest per-minute average offered,
     /// virtual-drop and drop rates, the limit of the step's newest minute and the step's
     /// summed offered rates. Steps without a minute row are absent (gaps, not zeros). By
-    /// scope key, then step.
+    /// scope key, then step. When the steps are whole hours on hour boundaries, the clean
+    /// hours of the window come from `shadow_hours` (each lies in one step) and only the
+    /// minutes before and after them from `shadow_minutes`.
     pub async fn bucket_steps(
         &self,
         service: &str,
@@ -807,24 +1074,37 @@ impl Store {
         window_end: DateTime<Utc>,
         step_secs: i64,
     ) -> Result<Vec<StepRow>, StoreError> {
-        let epoch = match self {
-            Store::Postgres(_) => "CAST(EXTRACT(EPOCH FROM minute) AS BIGINT)",
-            Store::Sqlite(..) => "(minute / 1000)",
+        let step_secs = step_secs.max(1);
+        let (hf, ht) = if step_secs % HOUR_SECS == 0 && hour_of(window_start) == window_start {
+            self.clean_hours(window_start, window_end).await?
+        } else {
+            (window_start, window_start)
         };
+        let epoch = |col: &str| match self {
+            Store::Postgres(_) => format!("CAST(EXTRACT(EPOCH FROM {col}) AS BIGINT)"),
+            Store::Sqlite(..) => format!("({col} / 1000)"),
+        };
+        let (em, el) = (epoch("minute"), epoch("last_minute"));
+        let minute_cols = format!(
+            "scope_key, {em} AS e, offered / reports AS o, shadow_dropped / reports AS v, \
+             dropped / reports AS d, offered, limit_rps FROM shadow_minutes \
+             WHERE service = $1 AND bucket = $2 AND reports > 0"
+        );
         let sql = format!(
-            // The steps are materialized once, then probe the primary key for the limit of
-            // their newest minute (not a correlated re-grouping per minute row).
-            "WITH s AS MATERIALIZED ( \
-                   SELECT scope_key, ({epoch} - $5) / $6 AS step, MAX(offered / reports) AS offered_rps, \
-                          MAX(shadow_dropped / reports) AS virtual_drop_rps, MAX(dropped / reports) AS drop_rps, \
-                          SUM(offered) AS offered, MAX(minute) AS last_minute \
-                   FROM shadow_minutes \
-                   WHERE service = $1 AND bucket = $2 AND minute >= $3 AND minute < $4 AND reports > 0 \
-                   GROUP BY scope_key, ({epoch} - $5) / $6) \
-             SELECT s.scope_key, s.step, s.offered_rps, s.virtual_drop_rps, s.drop_rps, s.offered, m.limit_rps \
-             FROM s JOIN shadow_minutes m ON m.service = $1 AND m.bucket = $2 AND m.minute = s.last_minute \
-                  AND m.scope_key = s.scope_key \
-             ORDER BY s.scope_key, s.step"
+            // Per step, the maxima, the sum and the limit of the newest row (a minute, or an
+            // hour's newest minute).
+            "WITH u AS ( \
+                   SELECT {minute_cols} AND minute >= $3 AND minute < $7 \
+                   UNION ALL SELECT {minute_cols} AND minute >= $8 AND minute < $4 \
+                   UNION ALL SELECT scope_key, {el} AS e, rate_max AS o, max_vd_rps AS v, max_drop_rps AS d, \
+                          offered, limit_rps FROM shadow_hours \
+                   WHERE service = $1 AND bucket = $2 AND hour >= $7 AND hour < $8 AND reports > 0), \
+             s AS (SELECT scope_key, (e - $5) / $6 AS step, o, v, d, offered, \
+                          FIRST_VALUE(limit_rps) OVER (PARTITION BY scope_key, (e - $5) / $6 ORDER BY e DESC) AS lim \
+                   FROM u) \
+             SELECT scope_key, step, MAX(o) AS offered_rps, MAX(v) AS virtual_drop_rps, MAX(d) AS drop_rps, \
+                    SUM(offered) AS offered, MAX(lim) AS limit_rps \
+             FROM s GROUP BY scope_key, step ORDER BY scope_key, step"
         );
         on_pool!(self, pool => Ok(sqlx::query_as::<_, StepRow>(&sql)
             .bind(service)
@@ -832,7 +1112,9 @@ impl Store {
             .bind(Ts(window_start))
             .bind(Ts(window_end))
             .bind(window_start.timestamp())
-            .bind(step_secs.max(1))
+            .bind(step_secs)
+            .bind(Ts(hf))
+            .bind(Ts(ht))
             .fetch_all(pool)
             .await?))
     }

@@ -494,6 +494,53 @@ async fn check_shadow_stats(store: Store) {
         (6, 200.0, 80.0)
     );
 
+    // Whole hours from the hourly roll-ups (api's hour is flat at 150 rps, gw's has the
+    // burst): the same figures as from the minutes.
+    let wide = (
+        t0 - chrono::Duration::hours(1),
+        t0 + chrono::Duration::hours(2),
+    );
+    let mut from_minutes = Vec::new();
+    for b in ["gw", "api"] {
+        from_minutes.push(
+            store
+                .shadow_stats("payments", b, wide.0, wide.1)
+                .await
+                .unwrap()
+                .unwrap(),
+        );
+    }
+    assert_eq!(
+        store
+            .roll_up_hours(t0 + chrono::Duration::hours(3))
+            .await
+            .unwrap(),
+        2
+    );
+    for (b, want) in ["gw", "api"].into_iter().zip(from_minutes) {
+        let got = store
+            .shadow_stats("payments", b, wide.0, wide.1)
+            .await
+            .unwrap()
+            .unwrap();
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(1.0);
+        assert!(
+            close(got.offered, want.offered) && close(got.dropped, want.dropped),
+            "{got:?} {want:?}"
+        );
+        let l = (
+            got.suggested_limit_rps.unwrap(),
+            want.suggested_limit_rps.unwrap(),
+        );
+        assert!(close(l.0, l.1), "{b}: {l:?}");
+        let mut same = got.clone();
+        (same.offered, same.dropped, same.virtual_dropped) =
+            (want.offered, want.dropped, want.virtual_dropped);
+        (same.suggested_limit_rps, same.peak_drop_share) =
+            (want.suggested_limit_rps, want.peak_drop_share);
+        assert_eq!(same, want);
+    }
+
     // Retention: raw reports before t0 + 5 min and roll-ups before t0 go.
     let gone = store
         .apply_retention(t0 + chrono::Duration::minutes(5), t0)
@@ -501,6 +548,7 @@ async fn check_shadow_stats(store: Store) {
         .unwrap();
     assert_eq!(gone.raw_deleted, 6 + 5 * 6 * 2 * 2);
     assert_eq!(gone.minutes_deleted, 1);
+    assert_eq!(gone.hours_deleted, 1, "the hour before t0");
     assert_eq!(
         store
             .bucket_minutes("payments", "gw", t0, end)
@@ -667,101 +715,123 @@ async fn check_sql_figures(store: Store) {
         .await
         .unwrap();
     assert_eq!(rows.len(), 2 * (180 - 25) - 7);
-    for (start, step_secs) in [
-        (t0, 60),
-        (t0, 7 * 60),
-        (t0 + chrono::Duration::minutes(2), 28 * 60),
-        (t0 - chrono::Duration::minutes(30), 120 * 60),
-    ] {
-        let sql = store
-            .bucket_steps("payments", "gw", start, end, step_secs)
-            .await
-            .unwrap();
-        let rust = steps_from_minutes(
-            &store
-                .bucket_minutes("payments", "gw", start, end)
-                .await
-                .unwrap(),
-            start,
-            step_secs,
-        );
-        assert_eq!(sql.len(), rust.len(), "step {step_secs}");
-        for (a, b) in sql.iter().zip(&rust) {
+    // First from the minutes only (every hour is dirty), then with the closed hours rolled
+    // up: the same figures.
+    for pass in 0..2 {
+        if pass == 1 {
             assert_eq!(
-                (
-                    &a.scope_key,
-                    a.step,
-                    a.offered_rps,
-                    a.virtual_drop_rps,
-                    a.drop_rps,
-                    a.limit_rps
-                ),
-                (
-                    &b.scope_key,
-                    b.step,
-                    b.offered_rps,
-                    b.virtual_drop_rps,
-                    b.drop_rps,
-                    b.limit_rps
-                ),
-                "step {step_secs}"
+                store.roll_up_hours(end).await.unwrap(),
+                3,
+                "01:00, 02:00, 03:00"
             );
-            assert!((a.offered - b.offered).abs() < 1e-9, "{a:?} {b:?}");
+            assert_eq!(store.roll_up_hours(end).await.unwrap(), 0);
         }
-        // Gaps are absent steps, never zeros: with one-minute steps, exactly the minutes
-        // without a row of the zone.
-        if step_secs == 60 && start == t0 {
-            let eu: Vec<i64> = sql
-                .iter()
-                .filter(|s| s.scope_key == "eu")
-                .map(|s| s.step)
-                .collect();
-            assert_eq!(eu.len(), 155);
-            assert!(!eu.iter().any(|i| (60..85).contains(i)));
-            let us = sql.iter().filter(|s| s.scope_key == "us").count();
-            assert_eq!(us, 148);
-            assert!(sql.iter().all(|s| s.offered_rps > 0.0));
-            let burst = sql
-                .iter()
-                .find(|s| s.scope_key == "eu" && s.step == 97)
+        for (start, step_secs) in [
+            (t0, 60),
+            (t0, 7 * 60),
+            (t0 + chrono::Duration::minutes(2), 28 * 60),
+            (t0 - chrono::Duration::minutes(30), 120 * 60),
+            // Hour-aligned steps: the hourly roll-ups fill them.
+            (t0 - chrono::Duration::minutes(3), 60 * 60),
+            (t0 - chrono::Duration::minutes(63), 120 * 60),
+        ] {
+            let sql = store
+                .bucket_steps("payments", "gw", start, end, step_secs)
+                .await
                 .unwrap();
-            assert_eq!(burst.offered_rps, 401.0, "(400 + 401 + 402) / 3");
-            assert_eq!(burst.virtual_drop_rps, 281.0);
+            let rust = steps_from_minutes(
+                &store
+                    .bucket_minutes("payments", "gw", start, end)
+                    .await
+                    .unwrap(),
+                start,
+                step_secs,
+            );
+            assert_eq!(sql.len(), rust.len(), "step {step_secs}");
+            for (a, b) in sql.iter().zip(&rust) {
+                assert_eq!(
+                    (
+                        &a.scope_key,
+                        a.step,
+                        a.offered_rps,
+                        a.virtual_drop_rps,
+                        a.drop_rps,
+                        a.limit_rps
+                    ),
+                    (
+                        &b.scope_key,
+                        b.step,
+                        b.offered_rps,
+                        b.virtual_drop_rps,
+                        b.drop_rps,
+                        b.limit_rps
+                    ),
+                    "step {step_secs}"
+                );
+                assert!((a.offered - b.offered).abs() < 1e-9, "{a:?} {b:?}");
+            }
+            // Gaps are absent steps, never zeros: with one-minute steps, exactly the minutes
+            // without a row of the zone.
+            if step_secs == 60 && start == t0 {
+                let eu: Vec<i64> = sql
+                    .iter()
+                    .filter(|s| s.scope_key == "eu")
+                    .map(|s| s.step)
+                    .collect();
+                assert_eq!(eu.len(), 155);
+                assert!(!eu.iter().any(|i| (60..85).contains(i)));
+                let us = sql.iter().filter(|s| s.scope_key == "us").count();
+                assert_eq!(us, 148);
+                assert!(sql.iter().all(|s| s.offered_rps > 0.0));
+                let burst = sql
+                    .iter()
+                    .find(|s| s.scope_key == "eu" && s.step == 97)
+                    .unwrap();
+                assert_eq!(burst.offered_rps, 401.0, "(400 + 401 + 402) / 3");
+                assert_eq!(burst.virtual_drop_rps, 281.0);
+            }
         }
-    }
-    // The readiness figures, over windows that cut minutes off either end.
-    for (from, to) in [
-        (t0, end),
-        (
-            t0 + chrono::Duration::minutes(13),
-            end - chrono::Duration::minutes(5),
-        ),
-        (
-            t0 + chrono::Duration::minutes(61),
-            t0 + chrono::Duration::minutes(84),
-        ),
-    ] {
-        let sql = store
-            .shadow_stats("payments", "gw", from, to)
-            .await
-            .unwrap()
-            .unwrap();
-        let (_, rust) = store
-            .bucket_window("payments", "gw", from, to)
-            .await
-            .unwrap();
-        let rust = rust.unwrap();
-        let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(1.0);
-        assert!(close(sql.offered, rust.offered), "{sql:?} {rust:?}");
-        assert!(close(sql.virtual_dropped, rust.virtual_dropped));
-        assert!(close(sql.dropped, rust.dropped));
-        assert!(close(sql.peak_drop_share, rust.peak_drop_share));
-        let mut same = sql.clone();
-        same.offered = rust.offered;
-        same.virtual_dropped = rust.virtual_dropped;
-        same.dropped = rust.dropped;
-        same.peak_drop_share = rust.peak_drop_share;
-        assert_eq!(same, rust);
+        // The readiness figures, over windows that cut minutes off either end.
+        for (from, to) in [
+            (t0, end),
+            (
+                t0 + chrono::Duration::minutes(13),
+                end - chrono::Duration::minutes(5),
+            ),
+            (
+                t0 + chrono::Duration::minutes(61),
+                t0 + chrono::Duration::minutes(84),
+            ),
+        ] {
+            let sql = store
+                .shadow_stats("payments", "gw", from, to)
+                .await
+                .unwrap()
+                .unwrap();
+            let (_, rust) = store
+                .bucket_window("payments", "gw", from, to)
+                .await
+                .unwrap();
+            let rust = rust.unwrap();
+            let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(1.0);
+            assert!(close(sql.offered, rust.offered), "{sql:?} {rust:?}");
+            assert!(close(sql.virtual_dropped, rust.virtual_dropped));
+            assert!(close(sql.dropped, rust.dropped));
+            assert!(close(sql.peak_drop_share, rust.peak_drop_share));
+            let (a, b) = (sql.suggested_limit_rps, rust.suggested_limit_rps);
+            assert_eq!(a.is_some(), b.is_some());
+            assert!(close(a.unwrap_or(0.0), b.unwrap_or(0.0)), "{a:?} {b:?}");
+            if pass == 0 {
+                assert_eq!(a, b, "exactly the reference's from the minutes alone");
+            }
+            let mut same = sql.clone();
+            same.offered = rust.offered;
+            same.virtual_dropped = rust.virtual_dropped;
+            same.dropped = rust.dropped;
+            same.peak_drop_share = rust.peak_drop_share;
+            same.suggested_limit_rps = rust.suggested_limit_rps;
+            assert_eq!(same, rust);
+        }
     }
     // The burst minute is the peak; a window inside the gap has no coverage and no limit.
     let all = store

@@ -196,12 +196,23 @@ pub struct BucketDetail {
     pub quota_history: Vec<QuotaChange>,
 }
 
-/// The window's bounds: whole minutes, ending with the current one.
+/// The window's bounds: whole minutes, ending with the current one. Steps of an hour or
+/// more are whole hours starting on a multiple of the step (unix time), so that each of the
+/// store's hourly roll-ups lies in one step: the window then starts at the step boundary
+/// at or before `now - window` (up to one step longer) and its last step is the current,
+/// partial one (at most `MAX_POINTS + 1` steps).
 fn bounds(window: &str) -> Result<(DateTime<Utc>, DateTime<Utc>, i64), DashError> {
     let span = parse_window(window).map_err(DashError::BadRequest)?;
     let end = minute_of(Utc::now()) + Duration::minutes(1);
     let minutes = ((span.num_seconds() + 59) / 60).max(1);
     let step_minutes = ((minutes + MAX_POINTS - 1) / MAX_POINTS).max(1);
+    if step_minutes >= 60 {
+        let step = (step_minutes + 59) / 60 * 3600;
+        let from = (end - Duration::minutes(minutes)).timestamp();
+        let start = DateTime::<Utc>::from_timestamp(from.div_euclid(step) * step, 0)
+            .unwrap_or(end - Duration::minutes(minutes));
+        return Ok((start, end, step));
+    }
     let steps = (minutes + step_minutes - 1) / step_minutes;
     let start = end - Duration::minutes(steps * step_minutes);
     Ok((start, end, step_minutes * 60))
@@ -218,7 +229,10 @@ pub fn series_from_steps(
     end: DateTime<Utc>,
     step_secs: i64,
 ) -> (Vec<Series>, usize) {
-    let n = ((end - start).num_seconds() / step_secs).max(0) as usize;
+    // The last step may be partial (hour-aligned steps end with the current minute).
+    let n = ((end - start).num_seconds() + step_secs - 1)
+        .div_euclid(step_secs)
+        .max(0) as usize;
     let at = |i: usize| start + Duration::seconds(i as i64 * step_secs);
     let mut by_scope: BTreeMap<&str, (f64, Vec<Option<Point>>)> = BTreeMap::new();
     for r in steps {

@@ -509,6 +509,8 @@ async fn eight_days(store: &Store) -> Days {
         t += chrono::Duration::minutes(1);
     }
     store.insert_reports(&batch, Utc::now()).await.unwrap();
+    // The closed hours rolled up, as `rlc serve` does every minute: the pages read them.
+    while store.roll_up_hours(Utc::now()).await.unwrap() > 0 {}
     // A run that raised gw, for the quota history link.
     let mut q = crate::store::QuotaRecord {
         service: "checkout".into(),
@@ -558,6 +560,36 @@ async fn check_bucket_json(state: &AppState, days: &Days) {
     assert_eq!(top["virtual_drop_rps"], 250.0);
     let step_start: chrono::DateTime<Utc> = serde_json::from_value(pts[i]["t"].clone()).unwrap();
     assert!(step_start <= days.burst && days.burst < step_start + chrono::Duration::minutes(28));
+
+    // 30 days: two-hour steps on two-hour boundaries, from the hourly roll-ups; the burst
+    // shows in the step of its minute, the days before the first report are gaps.
+    let (status, v30) = get_json(state, "/v1/shadow/checkout/gw?window=30d").await;
+    assert_eq!(status, StatusCode::OK, "{v30:#}");
+    assert_eq!(v30["step_secs"], 7200);
+    let start: chrono::DateTime<Utc> = serde_json::from_value(v30["window_start"].clone()).unwrap();
+    assert_eq!(start.timestamp() % 7200, 0);
+    let pts30 = v30["series"][0]["points"].as_array().unwrap();
+    assert!(pts30.len() == 360 || pts30.len() == 361, "{}", pts30.len());
+    assert!(pts30[0]["offered_rps"].is_null(), "no report 30 days ago");
+    let top30 = pts30
+        .iter()
+        .max_by(|a, b| {
+            a["offered_rps"]
+                .as_f64()
+                .unwrap_or(0.0)
+                .total_cmp(&b["offered_rps"].as_f64().unwrap_or(0.0))
+        })
+        .unwrap();
+    assert_eq!(top30["offered_rps"], 400.0);
+    let t30: chrono::DateTime<Utc> = serde_json::from_value(top30["t"].clone()).unwrap();
+    assert!(t30 <= days.burst && days.burst < t30 + chrono::Duration::hours(2));
+    // About 34,200 zone-minutes at 100 rps and one at 400 (the budget, 0.01 % of ~3.42
+    // million, is ~342): the burst loses 300 above 100, the 100s share the remaining ~42, so
+    // the limit is 100 - 42 / 34,200 ≈ 99.9988 (without the burst it would be 99.99).
+    let limit = v30["readiness"]["stats"]["suggested_limit_rps"]
+        .as_f64()
+        .unwrap();
+    assert!((limit - 99.9988).abs() < 1e-4, "{limit}");
     // The two-hour gap: whole steps inside it have no value at all (not zero).
     let empty: Vec<_> = pts.iter().filter(|p| p["offered_rps"].is_null()).collect();
     assert!((3..=4).contains(&empty.len()), "{}", empty.len());
