@@ -27,7 +27,11 @@ fn walk(root: &Path, dir: &Path, out: &mut Vec<(String, PathBuf, bool)>) {
 }
 
 fn main() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+    // The manifest directory of this build, read when the script runs: `env!` would bake in
+    // the directory the script was compiled in, and cargo reuses a compiled build script
+    // for a checkout at another path (a second worktree sharing the target directory).
+    let manifest = std::env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR (set by cargo)");
+    let root = Path::new(&manifest)
         .join("../config-repo-template")
         .canonicalize()
         .expect("config-repo-template/ next to rlc/");
