@@ -98,7 +98,7 @@ pub struct RunRecord {
     pub started_at: DateTime<Utc>,
     /// End.
     pub finished_at: DateTime<Utc>,
-    /// success | unchanged | push-pending | held | failed.
+    /// success | unchanged | pending | held | failed (`cycle::RunStatus::as_str`).
     pub status: String,
     /// The commit made (or the PR branch tip), if any.
     pub commit_sha: Option<String>,

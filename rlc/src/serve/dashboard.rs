@@ -472,7 +472,7 @@ tr.throttle td.share { color: #a4161a; font-weight: 700; }
 .badge.mode { background: #eef1f6; color: #39445a; font-weight: 500; }
 .badge.failed, .badge.held { background: #fdecec; color: #a4161a; }
 .badge.success { background: #e3f4e8; color: #1b6b34; }
-.badge.unchanged, .badge.push-pending { background: #fff4db; color: #7a5300; }
+.badge.unchanged, .badge.pending { background: #fff4db; color: #7a5300; }
 code { font: 13px ui-monospace, SFMono-Regular, Menlo, monospace; }
 .muted { color: #7a8499; }
 .notice { background: #fff4db; border-color: #f0d58c; color: #5c3f00; }
@@ -663,7 +663,7 @@ fn render(d: &PageData, problem: Option<&str>) -> String {
                     let _ = write!(summary, "<div class=\"err\">{}</div>", escape_html(e));
                 }
                 // Why a run is pending, held or failed: the rest of its record.
-                if matches!(r.status.as_str(), "push-pending" | "held" | "failed") {
+                if matches!(r.status.as_str(), "pending" | "held" | "failed") {
                     let why: Vec<&str> = r
                         .summary
                         .lines()

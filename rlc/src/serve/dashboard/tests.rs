@@ -97,6 +97,17 @@ async fn filled_store(dir: &std::path::Path) -> Store {
         )
         .await
         .unwrap();
+    // A run whose push is pending: its page says why (the rest of its record).
+    let mut pending = run(
+        "pending",
+        3,
+        Some("fedcba9876543210fedcba9876543210fedcba98"),
+        None,
+    );
+    pending.summary =
+        "rlc run (schedule): pending\n  controller: push pending (controller <down>); the commit stands"
+            .into();
+    store.record_run(&pending, &[]).await.unwrap();
     store
         .record_run(
             &run(
@@ -227,14 +238,15 @@ async fn runs_json_lists_recent_runs_newest_first() {
     let (status, v) = get_json(&state, "/v1/runs").await;
     assert_eq!(status, StatusCode::OK);
     let runs = v["runs"].as_array().unwrap();
-    assert_eq!(runs.len(), 2);
+    assert_eq!(runs.len(), 3);
     assert_eq!(runs[0]["status"], "success");
     assert_eq!(
         runs[0]["commit_sha"],
         "0123456789abcdef0123456789abcdef01234567"
     );
     assert_eq!(runs[0]["services"][0]["service"], "payments", "parsed JSON");
-    assert_eq!(runs[1]["error"], "push rejected <by> remote");
+    assert_eq!(runs[1]["status"], "pending");
+    assert_eq!(runs[2]["error"], "push rejected <by> remote");
     let (_, v) = get_json(&state, "/v1/runs?limit=1").await;
     assert_eq!(v["runs"].as_array().unwrap().len(), 1);
     assert_eq!(v["runs"][0]["status"], "success");
@@ -305,6 +317,16 @@ async fn html_dashboard_flags_buckets_and_escapes_names() {
         html.matches("<li>second line</li>").count(),
         1,
         "the failed run's, not the successful one's"
+    );
+    assert!(html.contains(&format!(
+        r#"<span class="badge {0}">{0}</span>"#,
+        crate::cycle::RunStatus::Pending.as_str()
+    )));
+    assert!(
+        html.contains(
+            "<li>controller: push pending (controller &lt;down&gt;); the commit stands</li>"
+        ),
+        "why the push is pending"
     );
 
     let (status, html) = get(&state, "/?service=maps&window=6h").await;
