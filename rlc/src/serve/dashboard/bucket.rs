@@ -591,7 +591,8 @@ fn render(service: &str, bucket: &str, window: &str, d: Result<&BucketDetail, &s
                 opt(q.previous_limit_rps),
                 escape_html(q.mode.as_deref().unwrap_or("")),
                 escape_html(q.policy.as_deref().unwrap_or("")),
-                q.run_id,
+                // The run that made the change: its record (summary, commit, error).
+                format_args!("<a href=\"/v1/runs/{0}\">{0}</a>", q.run_id),
                 q.commit_sha
                     .as_deref()
                     .map(|c| format!(

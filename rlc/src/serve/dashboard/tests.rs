@@ -714,7 +714,7 @@ async fn check_bucket_pages(store: Store, label: &str) {
 
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(axum::serve(listener, app(state)).into_future());
+    tokio::spawn(axum::serve(listener, app(state.clone())).into_future());
 
     // Overview: links to bucket pages; the enforced bucket's real drops are a column.
     let dom = chromium_run(&["--dump-dom".into()], &format!("{base}/?window=24h")).await;
@@ -773,6 +773,15 @@ async fn check_bucket_pages(store: Store, label: &str) {
     assert!(
         dom.contains(">feedfacefeed</code>"),
         "quota history with its commit"
+    );
+    // The change links to the run that made it, whose record names the same commit.
+    let at = dom.find("href=\"/v1/runs/").expect("a link to the run") + 6;
+    let link = &dom[at..][..dom[at..].find('"').unwrap()];
+    let (status, run) = get_json(&state, link).await;
+    assert_eq!(status, StatusCode::OK, "{link}");
+    assert_eq!(
+        run["record"]["commit_sha"], "feedfacefeedfacefeedfacefeedfacefeedface",
+        "{run}"
     );
     let dir = screenshot_dir();
     let shots = [
