@@ -134,7 +134,25 @@ fn points(d: &str) -> Vec<(f64, f64)> {
 
 #[test]
 fn dashboard_shows_a_burst_and_real_drops_from_a_real_controller() {
-    let d = Deployment::build("sqlite://rlc.db", &[("buckets/shop.yaml", SHOP)], "");
+    burst_and_real_drops("sqlite://rlc.db", "e2e");
+}
+
+/// The same on Postgres (the store large deployments use).
+#[test]
+fn dashboard_shows_a_burst_and_real_drops_from_a_real_controller_on_postgres() {
+    let db = tokio::runtime::Runtime::new()
+        .unwrap()
+        .block_on(test_support::postgres::fresh_database())
+        .expect("a throwaway Postgres (cargo xtask test provides DATABASE_URL)");
+    burst_and_real_drops(&db.url, "e2e-postgres");
+}
+
+/// Zone reports of a shadow bucket with a burst minute and of an enforced bucket with real
+/// drops go to a real `grl controller`; `rlc serve` on `database_url` polls and stores them;
+/// its JSON and, in headless Chromium, its pages show the burst where it happened, the real
+/// drops and the verdicts. Screenshots `{shots}-shadow.png` and `{shots}-enforced.png`.
+fn burst_and_real_drops(database_url: &str, shots: &str) {
+    let d = Deployment::build(database_url, &[("buckets/shop.yaml", SHOP)], "");
     let _controller = start_controller(d.controller_port, &d.dir.path().join("grl-state"));
     let port = free_port();
     let _serve = Proc::spawn(
@@ -243,8 +261,8 @@ fn dashboard_shows_a_burst_and_real_drops_from_a_real_controller() {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"));
     let dir = target.join("screenshots");
     std::fs::create_dir_all(&dir).unwrap();
-    for (name, url) in [("e2e-shadow", &gw_url), ("e2e-enforced", &api_url)] {
-        let file = dir.join(format!("{name}.png"));
+    for (name, url) in [("shadow", &gw_url), ("enforced", &api_url)] {
+        let file = dir.join(format!("{shots}-{name}.png"));
         chromium(
             &[
                 format!("--screenshot={}", file.display()),
