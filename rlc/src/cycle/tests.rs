@@ -800,6 +800,103 @@ fn simulated_source(day: Arc<AtomicU32>, queries: Arc<AtomicU32>) -> ShadowSourc
     })
 }
 
+/// The seam's two sides agree: days of shadow reports stored as `rlc serve` stores them (one
+/// report a minute per bucket, rolled up by the hourly pass) give, through
+/// [`crate::promotion::store_source`], the figures [`simulated_source`] gives for the same
+/// traffic; so the promotion tests over simulated figures speak for the store too. A bucket
+/// without reports gets no figures (never promoted).
+#[tokio::test]
+async fn days_of_stored_reports_give_the_simulated_figures() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = crate::store::Store::connect("sqlite://rlc.db", dir.path())
+        .await
+        .unwrap();
+    let now = crate::store::minute_of(Utc::now());
+    let days = 8u32;
+    let window_start = now - chrono::Duration::days(7);
+    let steady = |m: usize| 50.0 + 10.0 * ((m % 60) as f64 / 30.0 - 1.0);
+    let hot = |m: usize| if m % 50 == 0 { 160.0 } else { 80.0 };
+    // Minute k counts from the window's start (as `simulate` counts); the day before it
+    // repeats the same pattern (3,000 minutes: a multiple of both periods).
+    let mut batch: Vec<crate::push::Report> = Vec::new();
+    let mut seq = 0;
+    for k in -1440i64..(7 * 1440) {
+        let t = window_start + chrono::Duration::minutes(k);
+        let m = k.rem_euclid(3000) as usize;
+        for (bucket, r) in [("steady", steady(m)), ("hot", hot(m))] {
+            seq += 1;
+            let over = (r - 100.0f64).max(0.0);
+            batch.push(
+                serde_json::from_value(serde_json::json!({
+                    "seq": seq, "t": t.timestamp(), "service": "payments", "bucket": bucket,
+                    "caller": null, "procedure": null, "mode": "shadow", "scope_key": "global",
+                    "offered": r, "admitted": r, "dropped": 0.0, "shadow_dropped": over,
+                    "limit_rps": 100.0, "drop_ratio": over / r
+                }))
+                .unwrap(),
+            );
+        }
+    }
+    for chunk in batch.chunks(20_000) {
+        store.insert_reports(chunk, Utc::now()).await.unwrap();
+    }
+    while store.roll_up_hours(Utc::now()).await.unwrap() > 0 {}
+
+    let key = |b: &str| ("payments".to_string(), b.to_string());
+    let q = ShadowQuery {
+        buckets: vec![key("steady"), key("hot"), key("silent")],
+        window_start,
+        now,
+    };
+    let got = (crate::promotion::store_source(store))(q.clone())
+        .await
+        .unwrap();
+    assert!(
+        got.get(&key("silent"))
+            .is_none_or(|s| s.last_report.is_none()),
+        "{got:?}"
+    );
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(b.abs()).max(1.0);
+    for (b, want) in [
+        ("steady", simulate(&key("steady"), &q, days, 100.0, steady)),
+        ("hot", simulate(&key("hot"), &q, days, 100.0, hot)),
+    ] {
+        let g = &got[&key(b)];
+        assert_eq!(g.mode, "shadow", "{b}");
+        assert_eq!(g.limit_rps, want.limit_rps, "{b}");
+        assert_eq!(g.shadow_since, want.shadow_since, "{b}");
+        assert!(
+            (g.coverage - want.coverage).abs() < 1e-3,
+            "{b}: {g:?} vs {want:?}"
+        );
+        // The store sums per-report rates (requests at the controller's one report a
+        // second); here one report stands for a minute, `simulate` counts its 60 seconds.
+        assert!(
+            close(g.offered * 60.0, want.offered),
+            "{b}: {g:?} vs {want:?}"
+        );
+        assert!(
+            close(g.virtual_dropped * 60.0, want.virtual_dropped),
+            "{b}: {g:?} vs {want:?}"
+        );
+        assert!(
+            close(g.peak_drop_share, want.peak_drop_share),
+            "{b}: {g:?} vs {want:?}"
+        );
+        assert_eq!(g.peak_drop_at, want.peak_drop_at, "{b}");
+        match (g.suggested_limit_rps, want.suggested_limit_rps) {
+            (Some(x), Some(y)) => assert!(close(x, y), "{b}: {x} vs {y}"),
+            (x, y) => assert_eq!(x, y, "{b}"),
+        }
+        // The same verdict either way.
+        assert_eq!(
+            g.drop_share() > 1e-4,
+            want.drop_share() > 1e-4,
+            "{b}: {g:?} vs {want:?}"
+        );
+    }
+}
+
 fn reasons(out: &RunOutcome) -> Vec<(String, bool, String)> {
     out.promotions
         .iter()
