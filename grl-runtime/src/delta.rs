@@ -326,28 +326,7 @@ mod tests {
     use crate::proto::{ReplySession, ZoneDirectives};
 
     fn zone(rates: &[(&str, f64)]) -> ZoneReport {
-        ZoneReport {
-            aggregator_id: "agg".into(),
-            region: "r".into(),
-            zone: "z".into(),
-            buckets: rates
-                .iter()
-                .map(|(b, r)| ZoneBucketMsg {
-                    service: "svc".into(),
-                    bucket: (*b).into(),
-                    offered_rps: *r,
-                    admitted_rps: *r,
-                    counts: BucketCountsMsg {
-                        bucket: (*b).into(),
-                        offered: *r as u64,
-                        admitted: *r as u64,
-                        ..Default::default()
-                    },
-                    ..Default::default()
-                })
-                .collect(),
-            ..Default::default()
-        }
+        crate::tests::zone_report("agg", "r", "z", rates)
     }
 
     fn ack(p: &Prepared) -> ZoneDirectives {

@@ -210,6 +210,27 @@ impl StateDb {
     }
 
     /// Ends a change: the new revision stored and announced (on commit).
+    /// Stores override `o` as written at revision `rev`.
+    async fn insert_override(
+        tx: &mut sqlx::PgConnection,
+        o: &Override,
+        rev: i64,
+    ) -> Result<(), DbError> {
+        let text = serde_json::to_string(o).map_err(|e| DbError::Corrupt(e.to_string()))?;
+        sqlx::query(
+            "INSERT INTO overrides (id, doc, who, created_at, expires_at, rev) VALUES ($1, $2, $3, $4, $5, $6)",
+        )
+        .bind(&o.id)
+        .bind(&text)
+        .bind(&o.req.who)
+        .bind(o.created_at.min(i64::MAX as u64) as i64)
+        .bind(o.expires_at.min(i64::MAX as u64) as i64)
+        .bind(rev)
+        .execute(&mut *tx)
+        .await?;
+        Ok(())
+    }
+
     async fn bump(tx: &mut sqlx::PgConnection, rev: i64) -> Result<(), DbError> {
         sqlx::query("UPDATE state SET rev = $1 WHERE id = 1")
             .bind(rev)
@@ -286,19 +307,8 @@ impl StateDb {
             Ok(o) => o,
             Err(e) => return Ok(Err(e)),
         };
-        let text = serde_json::to_string(&o).map_err(|e| DbError::Corrupt(e.to_string()))?;
         let new = rev + 1;
-        sqlx::query(
-            "INSERT INTO overrides (id, doc, who, created_at, expires_at, rev) VALUES ($1, $2, $3, $4, $5, $6)",
-        )
-        .bind(&o.id)
-        .bind(&text)
-        .bind(&o.req.who)
-        .bind(o.created_at.min(i64::MAX as u64) as i64)
-        .bind(o.expires_at.min(i64::MAX as u64) as i64)
-        .bind(new)
-        .execute(&mut *tx)
-        .await?;
+        Self::insert_override(&mut tx, &o, new).await?;
         sqlx::query("UPDATE state SET next_override_id = $1 WHERE id = 1")
             .bind(next_id)
             .execute(&mut *tx)
@@ -371,18 +381,7 @@ impl StateDb {
                 .await?;
         }
         for o in overrides {
-            let text = serde_json::to_string(o).map_err(|e| DbError::Corrupt(e.to_string()))?;
-            sqlx::query(
-                "INSERT INTO overrides (id, doc, who, created_at, expires_at, rev) VALUES ($1, $2, $3, $4, $5, $6)",
-            )
-            .bind(&o.id)
-            .bind(&text)
-            .bind(&o.req.who)
-            .bind(o.created_at.min(i64::MAX as u64) as i64)
-            .bind(o.expires_at.min(i64::MAX as u64) as i64)
-            .bind(new)
-            .execute(&mut *tx)
-            .await?;
+            Self::insert_override(&mut tx, o, new).await?;
         }
         sqlx::query("UPDATE state SET next_override_id = $1 WHERE id = 1")
             .bind(next_override_id.min(i64::MAX as u64) as i64)

@@ -216,7 +216,13 @@ fn bucket(name: &str, scope: Scope, limit: f64) -> Bucket {
     }
 }
 
-fn zone_report(agg: &str, region: &str, zone: &str, rates: &[(&str, f64)]) -> ZoneReport {
+/// A zone report of `svc` buckets at the given rates (counts = the rates, no calls).
+pub(crate) fn zone_report(
+    agg: &str,
+    region: &str,
+    zone: &str,
+    rates: &[(&str, f64)],
+) -> ZoneReport {
     ZoneReport {
         aggregator_id: agg.into(),
         region: region.into(),
