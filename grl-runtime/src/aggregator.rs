@@ -442,18 +442,15 @@ async fn report(
     let (version, age_ms, directives) = {
         let mut guard = s.state.lock().expect("aggregator lock");
         let st = &mut *guard;
-        for b in buckets {
+        for mut b in buckets {
             let p = st
                 .pending
-                .entry((key.0.clone(), b.bucket))
+                .entry((key.0.clone(), std::mem::take(&mut b.bucket)))
                 .or_insert_with_key(|k| BucketCountsMsg {
                     bucket: k.1.clone(),
                     ..Default::default()
                 });
-            p.offered = p.offered.saturating_add(b.offered);
-            p.admitted = p.admitted.saturating_add(b.admitted);
-            p.dropped = p.dropped.saturating_add(b.dropped);
-            p.shadow_dropped = p.shadow_dropped.saturating_add(b.shadow_dropped);
+            p.add(&b);
         }
         if !calls.is_empty() {
             let max = s.opts.max_call_keys;
@@ -860,12 +857,9 @@ async fn forward_to(
             for ((service, bucket), c) in held_back {
                 let e = st.pending.entry((service, bucket)).or_default();
                 if e.bucket.is_empty() {
-                    e.bucket = c.bucket;
+                    e.bucket = c.bucket.clone();
                 }
-                e.offered = e.offered.saturating_add(c.offered);
-                e.admitted = e.admitted.saturating_add(c.admitted);
-                e.dropped = e.dropped.saturating_add(c.dropped);
-                e.shadow_dropped = e.shadow_dropped.saturating_add(c.shadow_dropped);
+                e.add(&c);
             }
         }
         return Ok(d);

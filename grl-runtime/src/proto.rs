@@ -87,6 +87,16 @@ pub struct BucketCountsMsg {
     pub shadow_dropped: u64,
 }
 
+impl BucketCountsMsg {
+    /// Adds `other`'s counts (saturating); the bucket name stays.
+    pub fn add(&mut self, other: &BucketCountsMsg) {
+        self.offered = self.offered.saturating_add(other.offered);
+        self.admitted = self.admitted.saturating_add(other.admitted);
+        self.dropped = self.dropped.saturating_add(other.dropped);
+        self.shadow_dropped = self.shadow_dropped.saturating_add(other.shadow_dropped);
+    }
+}
+
 /// Client → aggregator, every tick: `POST /v1/report`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
