@@ -112,19 +112,8 @@ async fn replica_killed_under_traffic_loses_no_enforcement_and_catches_up_on_res
     // 4 clients × 100 rps = 400 rps offered against the override's 150.
     let stop = Arc::new(AtomicBool::new(false));
     let counts: Arc<[AtomicU64; 2]> = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
-    let mut clients = Vec::new();
-    for i in 0..4 {
-        let aggs = if i % 2 == 0 {
-            vec![ua.clone(), ub.clone()]
-        } else {
-            vec![ub.clone(), ua.clone()]
-        };
-        let mut o = ClientOptions::new("payments", aggs);
-        o.tick = Duration::from_millis(100);
-        o.stale_after = Duration::from_millis(600);
-        o.client_id = Some(format!("c{i}"));
-        o.report_token = Some(CLIENT_TOKEN.into());
-        let c = Arc::new(GrlClient::start(o));
+    let clients = super::alternating_clients(4, &ua, &ub);
+    for c in &clients {
         load_as(
             c.clone(),
             ("gw", "charge"),
@@ -132,7 +121,6 @@ async fn replica_killed_under_traffic_loses_no_enforcement_and_catches_up_on_res
             stop.clone(),
             counts.clone(),
         );
-        clients.push(c);
     }
     let limit = 150.0;
     let within = |admitted: f64| ((admitted - limit) / limit).abs() <= 0.05;

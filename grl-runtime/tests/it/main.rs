@@ -466,21 +466,9 @@ async fn fleet_enforces_fails_over_fails_open_and_recovers() {
     wait_up(&format!("{ub}/v1/config")).await;
 
     let stop = Arc::new(AtomicBool::new(false));
-    let mut clients = Vec::new();
-    for i in 0..4 {
-        let aggs = if i % 2 == 0 {
-            vec![ua.clone(), ub.clone()]
-        } else {
-            vec![ub.clone(), ua.clone()]
-        };
-        let mut o = ClientOptions::new("payments", aggs);
-        o.tick = Duration::from_millis(100);
-        o.stale_after = Duration::from_millis(600);
-        o.client_id = Some(format!("c{i}"));
-        o.report_token = Some(CLIENT_TOKEN.into());
-        let c = Arc::new(GrlClient::start(o));
+    let clients = alternating_clients(4, &ua, &ub);
+    for c in &clients {
         load(c.clone(), 100.0, stop.clone(), Arc::new(AtomicU64::new(0)));
-        clients.push(c);
     }
 
     // 1. Enforcement: 400 rps offered against 200 → the controller's reports settle at the
@@ -1715,4 +1703,20 @@ async fn aggregator_sigterm_forwards_the_counts_it_holds_and_exits_0() {
         log.contains("SIGTERM") && log.contains("last counts forwarded"),
         "{log}"
     );
+}
+
+/// `n` `payments` clients (ids `c0`, `c1`, …; 100 ms ticks, stale after 600 ms) whose first
+/// aggregator alternates between `ua` and `ub`, each failing over to the other.
+fn alternating_clients(n: usize, ua: &str, ub: &str) -> Vec<Arc<GrlClient>> {
+    (0..n)
+        .map(|i| {
+            let aggs = if i % 2 == 0 { [ua, ub] } else { [ub, ua] };
+            let mut o = ClientOptions::new("payments", aggs.map(String::from).to_vec());
+            o.tick = Duration::from_millis(100);
+            o.stale_after = Duration::from_millis(600);
+            o.client_id = Some(format!("c{i}"));
+            o.report_token = Some(CLIENT_TOKEN.into());
+            Arc::new(GrlClient::start(o))
+        })
+        .collect()
 }
