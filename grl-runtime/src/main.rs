@@ -36,7 +36,7 @@ enum Cmd {
     /// GRL_OVERRIDE_TOKEN (`overrides`: POST/DELETE /v1/overrides, what on-call people hold),
     /// GRL_READ_TOKEN (`reports`: GET /v1/reports), GRL_REPORT_TOKEN (`zone-report`:
     /// POST /v1/aggregate, also sent to --peer controllers); each also as <VAR>_FILE, a file
-    /// holding the secret, re-read when it changes.     /// GRL_TOKEN (legacy) holds config,
+    /// holding the secret, re-read when it changes. GRL_TOKEN (legacy) holds config,
     /// overrides and reports at once. More credentials, and rotations, go in --credentials.
     ///
     /// Replicas: run two or more controllers of a region on one Postgres database
