@@ -242,7 +242,13 @@ fn kubernetes_manifests_validate_offline_and_hang_together() {
     };
     let mut ports: BTreeMap<String, u16> = BTreeMap::new();
     let mut pod_labels = Vec::new();
-    for w in kinds("Deployment").into_iter().chain(kinds("DaemonSet")) {
+    let workloads = || {
+        kinds("Deployment")
+            .into_iter()
+            .chain(kinds("DaemonSet"))
+            .chain(kinds("StatefulSet"))
+    };
+    for w in workloads() {
         let name = w["metadata"]["name"].as_str().unwrap().to_string();
         let spec = &w["spec"]["template"]["spec"];
         let labels = &w["spec"]["template"]["metadata"]["labels"];
@@ -319,10 +325,14 @@ fn kubernetes_manifests_validate_offline_and_hang_together() {
             s["metadata"]["name"]
         );
     }
-    // The ServiceMonitor selects every Service, on a port name they all have.
+    // The ServiceMonitor selects every Service but the replicas' headless one (it would
+    // scrape the controllers twice), on a port name they all have.
     let sm = kinds("ServiceMonitor")[0];
     let port = &sm["spec"]["endpoints"][0]["port"];
-    for s in kinds("Service") {
+    for s in kinds("Service")
+        .into_iter()
+        .filter(|s| s["spec"]["clusterIP"] != "None")
+    {
         for (k, v) in sm["spec"]["selector"]["matchLabels"].as_mapping().unwrap() {
             assert_eq!(
                 &s["metadata"]["labels"][k], v,
@@ -331,6 +341,73 @@ fn kubernetes_manifests_validate_offline_and_hang_together() {
             );
         }
         assert_eq!(&s["spec"]["ports"][0]["name"], port);
+    }
+    // Controller replicas: at least two on one database, named through a headless Service,
+    // and every aggregator lists every one of them.
+    let controller = kinds("StatefulSet")
+        .into_iter()
+        .find(|d| d["metadata"]["name"] == "grl-controller")
+        .expect("the controllers as a StatefulSet");
+    let replicas = controller["spec"]["replicas"].as_u64().unwrap();
+    assert!(replicas >= 2, "controller replicas: {replicas}");
+    let headless = controller["spec"]["serviceName"].as_str().unwrap();
+    let hs = kinds("Service")
+        .into_iter()
+        .find(|d| d["metadata"]["name"] == headless)
+        .unwrap_or_else(|| panic!("no Service {headless}"));
+    assert_eq!(hs["spec"]["clusterIP"], "None", "{headless} is headless");
+    let pod = &controller["spec"]["template"]["spec"];
+    let env = &pod["containers"][0]["env"];
+    let url_file = env
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == "GRL_DATABASE_URL_FILE")
+        .expect("the replicas get the database from GRL_DATABASE_URL_FILE")["value"]
+        .as_str()
+        .unwrap();
+    // The file is a key of a mounted Secret that exists and holds a postgres:// URL.
+    let mount = pod["containers"][0]["volumeMounts"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|m| {
+            let dir = m["mountPath"].as_str().unwrap().trim_end_matches('/');
+            url_file.starts_with(&format!("{dir}/"))
+        })
+        .unwrap_or_else(|| panic!("{url_file} is not on a mounted volume"));
+    let key = url_file
+        .strip_prefix(mount["mountPath"].as_str().unwrap())
+        .unwrap()
+        .trim_start_matches('/');
+    let volume = pod["volumes"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == mount["name"])
+        .unwrap();
+    let secret_name = volume["secret"]["secretName"].as_str().unwrap();
+    let secret = kinds("Secret")
+        .into_iter()
+        .find(|d| d["metadata"]["name"] == secret_name)
+        .unwrap();
+    assert!(
+        secret["stringData"][key]
+            .as_str()
+            .is_some_and(|u| u.starts_with("postgres://")),
+        "{secret_name}/{key}"
+    );
+    let names: BTreeSet<String> = (0..replicas)
+        .map(|i| format!("http://grl-controller-{i}.{headless}.grl.svc:7070"))
+        .collect();
+    for a in kinds("DaemonSet") {
+        let args = strings(&a["spec"]["template"]["spec"]["containers"][0]["args"]);
+        let listed: BTreeSet<String> = args
+            .windows(2)
+            .filter(|w| w[0] == "--controller")
+            .map(|w| w[1].clone())
+            .collect();
+        assert_eq!(listed, names, "{:?}", a["metadata"]["name"]);
     }
     // Clients reach the aggregators' port.
     let np = kinds("NetworkPolicy")
@@ -493,7 +570,36 @@ fn compose_stack_hangs_together() {
     }
     assert_eq!(
         targets,
-        ["aggregator", "controller", "rlc"].map(String::from).into()
+        ["aggregator", "controller", "controller-2", "rlc"]
+            .map(String::from)
+            .into()
+    );
+    // Both controller replicas share one database, and the aggregator lists both.
+    for c in ["controller", "controller-2"] {
+        let s = &doc["services"][c];
+        assert_eq!(
+            s["environment"]["GRL_DATABASE_URL_FILE"], "/run/secrets/controller-database-url",
+            "{c}"
+        );
+        assert!(strings(&s["secrets"]).contains(&"controller-database-url".to_string()));
+    }
+    let url = std::fs::read_to_string(work.path().join("secrets/controller-database-url")).unwrap();
+    let pg = std::fs::read_to_string(work.path().join("secrets/pg-password")).unwrap();
+    assert_eq!(url.trim(), format!("postgres://rlc:{pg}@postgres:5432/rlc"));
+    let agg = strings(&doc["services"]["aggregator"]["command"]);
+    let listed: Vec<&String> = agg
+        .windows(2)
+        .filter(|w| w[0] == "--controller")
+        .map(|w| &w[1])
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            format!("http://controller:{}", listens["controller"]),
+            format!("http://controller-2:{}", listens["controller-2"])
+        ]
+        .iter()
+        .collect::<Vec<_>>()
     );
     assert_eq!(
         strings(&prom["rule_files"]),
