@@ -176,6 +176,16 @@ impl DashError {
             DashError::Store { part, cause, .. } => format!("{part} could not be loaded: {cause}"),
         }
     }
+
+    /// The message as a page's notice shows it (a sentence when it names a part).
+    fn notice(&self) -> String {
+        match self {
+            DashError::Store { part, cause, .. } => {
+                format!("{} could not be loaded: {cause}", sentence(part))
+            }
+            e => e.message(),
+        }
+    }
 }
 
 impl IntoResponse for DashError {
@@ -416,7 +426,7 @@ async fn page_data(s: &AppState, q: ShadowQuery) -> (PageData, Option<DashError>
         ..PageData::default()
     };
     let fail = |mut data: PageData, e: DashError| {
-        data.problems.push(e.message());
+        data.problems.push(e.notice());
         (data, Some(e))
     };
     let f = match Filter::parse(q) {
@@ -455,7 +465,7 @@ async fn page_data(s: &AppState, q: ShadowQuery) -> (PageData, Option<DashError>
         Ok(v) => data.runs = Some(v),
         Err(e) => errors.push(e),
     }
-    data.problems = errors.iter().map(DashError::message).collect();
+    data.problems = errors.iter().map(DashError::notice).collect();
     (data, errors.into_iter().next())
 }
 
@@ -566,7 +576,7 @@ fn problems_notice(h: &mut String, problems: &[String]) {
     }
     h.push_str("<section class=\"notice\" id=\"problem\"><h2>Not loaded</h2>");
     for p in problems {
-        let _ = write!(h, "<p>{}</p>", escape_html(&sentence(p)));
+        let _ = write!(h, "<p>{}</p>", escape_html(p));
     }
     h.push_str(
         "<p class=\"muted\">What is missing is not shown: nothing on this page stands in for it \

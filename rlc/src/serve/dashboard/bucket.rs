@@ -614,7 +614,7 @@ fn render(
         &missing
             .errors
             .iter()
-            .map(DashError::message)
+            .map(DashError::notice)
             .collect::<Vec<_>>(),
     );
     match &d.readiness {
