@@ -285,9 +285,10 @@ impl AppState {
 
     /// How long one store query of a page may take (`store.query_timeout`; 5 s until set).
     pub fn set_query_timeout(&self, limit: Duration) {
-        self.inner
-            .query_timeout_ms
-            .store(limit.as_millis() as u64, std::sync::atomic::Ordering::Relaxed);
+        self.inner.query_timeout_ms.store(
+            limit.as_millis() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
     }
 
     /// See [`AppState::set_query_timeout`].

@@ -204,7 +204,10 @@ fn daemon_config_store_retention() {
     assert_eq!(c.store.shadow_raw_retention.as_secs(), 48 * 3600);
     assert_eq!(c.store.shadow_rollup_retention.as_secs(), 35 * 86_400);
     assert_eq!(
-        (c.store.query_timeout.as_secs(), c.store.write_timeout.as_secs()),
+        (
+            c.store.query_timeout.as_secs(),
+            c.store.write_timeout.as_secs()
+        ),
         (5, 30)
     );
     std::fs::write(
@@ -214,7 +217,10 @@ fn daemon_config_store_retention() {
     .unwrap();
     let c = load_daemon_config(&p).unwrap();
     assert_eq!(
-        (c.store.query_timeout.as_secs(), c.store.write_timeout.as_secs()),
+        (
+            c.store.query_timeout.as_secs(),
+            c.store.write_timeout.as_secs()
+        ),
         (2, 60)
     );
     std::fs::write(

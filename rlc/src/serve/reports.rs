@@ -174,10 +174,9 @@ impl Loop {
                 "{e} ({} reports buffered)",
                 self.reports.rows
             )),
-            (Ok(_), Some(e)) => Err(e.context(format!(
-                "storing reports ({} buffered)",
-                self.reports.rows
-            ))),
+            (Ok(_), Some(e)) => {
+                Err(e.context(format!("storing reports ({} buffered)", self.reports.rows)))
+            }
         }
     }
 

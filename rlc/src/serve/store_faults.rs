@@ -58,7 +58,10 @@ async fn feed_reports(
     Query(q): Query<HashMap<String, String>>,
 ) -> Json<Value> {
     let after: u64 = q.get("after").and_then(|a| a.parse().ok()).unwrap_or(0);
-    let limit: usize = q.get("limit").and_then(|a| a.parse().ok()).unwrap_or(10_000);
+    let limit: usize = q
+        .get("limit")
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(10_000);
     f.fetches.fetch_add(1, Ordering::SeqCst);
     f.highest_after.fetch_max(after, Ordering::SeqCst);
     let rows: Vec<Value> = f
@@ -194,19 +197,23 @@ async fn a_hung_store_pauses_polling_at_the_bound_and_loses_nothing() {
     let d = Daemon::start(&db.url, &ctl).await;
     let store = Store::connect(&db.url, Path::new("/")).await.unwrap();
     let st = &store;
-    eventually("the first 20 reports stored", Duration::from_secs(60), || async move {
-        st.cursor(REPORT_CURSOR).await.unwrap().as_deref() == Some("20")
-    })
+    eventually(
+        "the first 20 reports stored",
+        Duration::from_secs(60),
+        || async move { st.cursor(REPORT_CURSOR).await.unwrap().as_deref() == Some("20") },
+    )
     .await;
     assert_eq!(stored_seqs(&store).await, (1..=20).collect::<Vec<_>>());
 
     // Another session locks the tables ingest writes and the pages read.
     let mut locker = sqlx::PgConnection::connect(&db.url).await.unwrap();
     sqlx::query("BEGIN").execute(&mut locker).await.unwrap();
-    sqlx::query("LOCK TABLE shadow_reports, shadow_minutes, shadow_blocks IN ACCESS EXCLUSIVE MODE")
-        .execute(&mut locker)
-        .await
-        .unwrap();
+    sqlx::query(
+        "LOCK TABLE shadow_reports, shadow_minutes, shadow_blocks IN ACCESS EXCLUSIVE MODE",
+    )
+    .execute(&mut locker)
+    .await
+    .unwrap();
     feed.extend_to(80);
     let m = d.metrics();
     eventually("polling paused", Duration::from_secs(60), || {
@@ -225,7 +232,11 @@ async fn a_hung_store_pauses_polling_at_the_bound_and_loses_nothing() {
         std::future::ready(m.report_polls_paused.get() >= paused + 2)
     })
     .await;
-    assert_eq!(feed.fetches.load(Ordering::SeqCst), fetches, "no fetch while full");
+    assert_eq!(
+        feed.fetches.load(Ordering::SeqCst),
+        fetches,
+        "no fetch while full"
+    );
     assert_eq!(d.metrics().reports_buffered.get(), 30);
     assert_eq!(d.metrics().reports_stored.get(), 20);
     assert_eq!(
@@ -243,9 +254,7 @@ async fn a_hung_store_pauses_polling_at_the_bound_and_loses_nothing() {
         "{html}"
     );
     assert!(
-        html.contains(
-            "The bucket list could not be loaded: the store did not answer within 1s"
-        ),
+        html.contains("The bucket list could not be loaded: the store did not answer within 1s"),
         "{html}"
     );
     assert!(!html.contains("id=\"buckets\""), "no bucket table: {html}");
@@ -283,9 +292,11 @@ async fn a_hung_store_pauses_polling_at_the_bound_and_loses_nothing() {
 
     // The lock goes: the backlog and the rest are stored once, and the cursor follows.
     sqlx::query("COMMIT").execute(&mut locker).await.unwrap();
-    eventually("every report stored", Duration::from_secs(60), || async move {
-        st.cursor(REPORT_CURSOR).await.unwrap().as_deref() == Some("80")
-    })
+    eventually(
+        "every report stored",
+        Duration::from_secs(60),
+        || async move { st.cursor(REPORT_CURSOR).await.unwrap().as_deref() == Some("80") },
+    )
     .await;
     assert_eq!(stored_seqs(&store).await, (1..=80).collect::<Vec<_>>());
     assert_eq!(d.metrics().reports_stored.get(), 80);
@@ -321,12 +332,15 @@ async fn pages_say_what_a_stopped_postgres_could_not_load_and_recover() {
         let store = store.clone();
         move || {
             let store = store.clone();
-            async move {
-                store.cursor(REPORT_CURSOR).await.ok().flatten().as_deref() == Some(want)
-            }
+            async move { store.cursor(REPORT_CURSOR).await.ok().flatten().as_deref() == Some(want) }
         }
     };
-    eventually("the first 20 reports stored", Duration::from_secs(60), at("20")).await;
+    eventually(
+        "the first 20 reports stored",
+        Duration::from_secs(60),
+        at("20"),
+    )
+    .await;
     let (status, html) = d.get("/").await;
     assert_eq!(status, 200, "{html}");
 
@@ -418,5 +432,8 @@ async fn a_dropped_table_is_named_with_the_store_error() {
             .starts_with("the bucket list could not be loaded: store: "),
         "{v}"
     );
-    assert!(v["detail"].as_str().unwrap().contains("shadow_blocks"), "{v}");
+    assert!(
+        v["detail"].as_str().unwrap().contains("shadow_blocks"),
+        "{v}"
+    );
 }

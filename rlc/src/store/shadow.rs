@@ -407,9 +407,7 @@ const CLEAN_HOUR_ROWS: &str = "SELECT hour, offered, dropped, shadow_dropped, ra
 #[cfg(test)]
 pub(crate) mod hook {
     pub(crate) type Hook = std::sync::Arc<
-        dyn Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>
-            + Send
-            + Sync,
+        dyn Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> + Send + Sync,
     >;
     tokio::task_local! {
         pub(crate) static AFTER_CLEAN_HOURS: Hook;
@@ -987,9 +985,17 @@ impl Store {
         let dirty: BTreeSet<DateTime<Utc>> = dirty.iter().map(|h| h.hour.0).collect();
         if let (Some(first), Some(last)) = (dirty.first(), dirty.last()) {
             let late = self
-                .bucket_minutes(service, bucket, *first, *last + Duration::seconds(HOUR_SECS))
+                .bucket_minutes(
+                    service,
+                    bucket,
+                    *first,
+                    *last + Duration::seconds(HOUR_SECS),
+                )
                 .await?;
-            minutes.extend(late.into_iter().filter(|m| dirty.contains(&hour_of(m.minute))));
+            minutes.extend(
+                late.into_iter()
+                    .filter(|m| dirty.contains(&hour_of(m.minute))),
+            );
         }
         // The minutes outside the clean hours, as the reference computes them.
         let mut stats = stats_from_minutes(

@@ -345,7 +345,9 @@ async fn detail(
     let mut missing = Missing::default();
     let stats = missing.part(stats, |m| &mut m.readiness).flatten();
     let steps = missing.part(steps, |m| &mut m.chart).unwrap_or_default();
-    let quota_history = missing.part(history, |m| &mut m.history).unwrap_or_default();
+    let quota_history = missing
+        .part(history, |m| &mut m.history)
+        .unwrap_or_default();
     let (series, scopes_cut) = series_from_steps(&steps, start, end, step_secs);
     let now = Utc::now();
     let detail = BucketDetail {

@@ -26,7 +26,17 @@ async fn check_late_report_between_reads(store: Store) {
     let t0 = hour_of(Utc::now()) - Duration::hours(4);
     let s0 = t0.timestamp();
     let batch: Vec<Report> = (0..180)
-        .map(|m| tick(m + 1, s0 + m * 60 + 10, "gw", "eu", "shadow", 10.0 + (m % 7) as f64, 12.0))
+        .map(|m| {
+            tick(
+                m + 1,
+                s0 + m * 60 + 10,
+                "gw",
+                "eu",
+                "shadow",
+                10.0 + (m % 7) as f64,
+                12.0,
+            )
+        })
         .collect();
     assert_eq!(store.insert_reports(&batch, Utc::now()).await.unwrap(), 180);
     assert_eq!(store.roll_up_hours(Utc::now()).await.unwrap(), 3);
@@ -43,12 +53,21 @@ async fn check_late_report_between_reads(store: Store) {
         .await
         .unwrap()
         .unwrap();
-    let (_, want) = store.bucket_window("payments", "gw", t0, end).await.unwrap();
+    let (_, want) = store
+        .bucket_window("payments", "gw", t0, end)
+        .await
+        .unwrap();
     let want = want.unwrap();
     let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(1.0);
     assert!(close(got.offered, want.offered), "{got:?} {want:?}");
-    assert!(close(got.virtual_dropped, want.virtual_dropped), "{got:?} {want:?}");
-    assert!(close(got.peak_drop_share, want.peak_drop_share), "{got:?} {want:?}");
+    assert!(
+        close(got.virtual_dropped, want.virtual_dropped),
+        "{got:?} {want:?}"
+    );
+    assert!(
+        close(got.peak_drop_share, want.peak_drop_share),
+        "{got:?} {want:?}"
+    );
     assert_eq!(got.peak_drop_at, want.peak_drop_at);
     assert_eq!(got.coverage, want.coverage);
     let (a, b) = (got.suggested_limit_rps, want.suggested_limit_rps);
@@ -56,7 +75,11 @@ async fn check_late_report_between_reads(store: Store) {
 
     // The chart, in hour steps: another late burst, in the third hour.
     let late = tick(1_001, s0 + 150 * 60 + 30, "gw", "eu", "shadow", 700.0, 12.0);
-    assert_eq!(store.roll_up_hours(Utc::now()).await.unwrap(), 1, "the second hour");
+    assert_eq!(
+        store.roll_up_hours(Utc::now()).await.unwrap(),
+        1,
+        "the second hour"
+    );
     let got = AFTER_CLEAN_HOURS
         .scope(
             store_once(&store, late),
@@ -65,7 +88,10 @@ async fn check_late_report_between_reads(store: Store) {
         .await
         .unwrap();
     let want = steps_from_minutes(
-        &store.bucket_minutes("payments", "gw", t0, end).await.unwrap(),
+        &store
+            .bucket_minutes("payments", "gw", t0, end)
+            .await
+            .unwrap(),
         t0,
         3600,
     );
@@ -79,7 +105,10 @@ async fn check_late_report_between_reads(store: Store) {
         assert!(close(a.offered, b.offered), "{a:?} {b:?}");
     }
     // The late burst shares its minute with that minute's report (offered 13): (13 + 700) / 2.
-    assert_eq!(got[2].offered_rps, 356.5, "the late burst, not the stale hour");
+    assert_eq!(
+        got[2].offered_rps, 356.5,
+        "the late burst, not the stale hour"
+    );
 }
 
 #[tokio::test]
@@ -93,7 +122,9 @@ async fn sqlite_a_late_report_between_the_reads_is_not_missed() {
 async fn postgres_a_late_report_between_the_reads_is_not_missed() {
     let db = test_support::postgres::fresh_database().await.unwrap();
     check_late_report_between_reads(
-        Store::connect(&db.url, std::path::Path::new("/")).await.unwrap(),
+        Store::connect(&db.url, std::path::Path::new("/"))
+            .await
+            .unwrap(),
     )
     .await;
 }
