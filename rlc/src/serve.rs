@@ -39,6 +39,7 @@ pub mod runs;
 
 pub use auth::Tokens;
 use reports::ReportBuffer;
+pub use reports::ReportLimits;
 pub use runs::RunRequest;
 
 /// Store cursor of the controller's report stream.
@@ -203,6 +204,8 @@ struct Inner {
     last: Mutex<Option<RunOutcome>>,
     /// Set once the scheduler has connected; the read-only pages answer 503 until then.
     store: RwLock<Option<Store>>,
+    /// `store.query_timeout` in milliseconds: how long one store query of a page may take.
+    query_timeout_ms: std::sync::atomic::AtomicU64,
     /// The quota API (`/v1/quotas…`), set by [`serve_on`].
     quotas: std::sync::OnceLock<Arc<quotas::Quotas>>,
     /// `POST /v1/previews`; answers 503 until set.
@@ -253,6 +256,9 @@ impl AppState {
                 runs_done: watch::channel(0).0,
                 last: Mutex::new(None),
                 store: RwLock::new(None),
+                query_timeout_ms: std::sync::atomic::AtomicU64::new(
+                    schema::StoreConfig::default().query_timeout.0.as_millis() as u64,
+                ),
                 quotas: std::sync::OnceLock::new(),
                 previews: std::sync::OnceLock::new(),
             }),
@@ -275,6 +281,23 @@ impl AppState {
     /// Gives the HTTP pages the store (a pool: cloning it is cheap).
     pub fn set_store(&self, store: Store) {
         *self.inner.store.write().unwrap() = Some(store);
+    }
+
+    /// How long one store query of a page may take (`store.query_timeout`; 5 s until set).
+    pub fn set_query_timeout(&self, limit: Duration) {
+        self.inner.query_timeout_ms.store(
+            limit.as_millis() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+
+    /// See [`AppState::set_query_timeout`].
+    pub fn query_timeout(&self) -> Duration {
+        Duration::from_millis(
+            self.inner
+                .query_timeout_ms
+                .load(std::sync::atomic::Ordering::Relaxed),
+        )
     }
 
     /// Serves the quota API from `q` (the first call wins).
@@ -402,6 +425,9 @@ pub struct ServeOptions {
     /// After shutdown: how long a running cycle, the store backlog and in-flight requests
     /// may take before they are abandoned.
     pub grace: Duration,
+    /// Controller reports held in memory while the store is down or slow, and fetched per
+    /// `GET /v1/reports` call ([`ReportLimits::DEFAULT`]: 100,000 and 10,000).
+    pub report_limits: ReportLimits,
 }
 
 impl ServeOptions {
@@ -411,6 +437,7 @@ impl ServeOptions {
             poll,
             tls: None,
             grace: DEFAULT_GRACE,
+            report_limits: ReportLimits::DEFAULT,
         }
     }
 }
@@ -468,6 +495,7 @@ pub async fn serve_on(
         .as_ref()
         .map(grl_runtime::tls::ReloadingServerConfig::load)
         .transpose()?;
+    state.set_query_timeout(cfg.store.query_timeout.0);
     let mut cycle = Cycle::new(cfg.clone(), base_dir);
     // One history snapshot: runs refresh it, the quota API computes from it.
     let q = match state.quotas() {
@@ -655,7 +683,7 @@ async fn scheduler(
         controller,
         last_inputs: None,
         last_pushed: None,
-        reports: ReportBuffer::default(),
+        reports: ReportBuffer::new(opts.report_limits),
         last_retention: None,
         last_rollup: None,
     };
@@ -869,6 +897,7 @@ pub async fn run(args: ServeArgs, planner: Planner) -> anyhow::Result<i32> {
         poll: Duration::from_secs(args.poll_secs.max(1)),
         tls,
         grace: Duration::from_millis(args.shutdown_grace_ms),
+        report_limits: ReportLimits::DEFAULT,
     };
     serve_on(
         listener,
@@ -884,5 +913,7 @@ pub async fn run(args: ServeArgs, planner: Planner) -> anyhow::Result<i32> {
     Ok(0)
 }
 
+#[cfg(test)]
+mod store_faults;
 #[cfg(test)]
 mod tests;

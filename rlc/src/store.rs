@@ -28,6 +28,10 @@ pub enum StoreError {
     /// The URL is neither sqlite: nor postgres:.
     #[error("unsupported database_url scheme (expected sqlite:… or postgres://…)")]
     Scheme,
+    /// The store did not answer within the time given ([`within`]): down, unreachable, or
+    /// slow (a long query, a lock held by another session).
+    #[error("the store did not answer within {} (down, unreachable or slow)", schema::HumanDuration(*.0))]
+    TimedOut(Duration),
     /// The SQLite file was deleted or replaced while rlc was using it. rlc neither keeps
     /// writing into the unlinked file nor silently starts a new database (which would forget
     /// the quota history): the store is unavailable until rlc is restarted.
@@ -38,6 +42,41 @@ pub enum StoreError {
         /// deleted | replaced by another file.
         what: &'static str,
     },
+}
+
+impl StoreError {
+    /// Whether the store is unavailable (down, unreachable, too slow, or its file gone) rather
+    /// than refusing a statement: HTTP 503 rather than 500.
+    pub fn unavailable(&self) -> bool {
+        match self {
+            StoreError::TimedOut(_) | StoreError::Vanished { .. } => true,
+            StoreError::Db(e) => matches!(
+                e,
+                sqlx::Error::Io(_)
+                    | sqlx::Error::Tls(_)
+                    | sqlx::Error::Protocol(_)
+                    | sqlx::Error::PoolTimedOut
+                    | sqlx::Error::PoolClosed
+                    | sqlx::Error::WorkerCrashed
+            ),
+            StoreError::Migrate(_) | StoreError::Scheme => false,
+        }
+    }
+}
+
+/// Runs one store call, giving up after `limit` ([`StoreError::TimedOut`]): a store that is
+/// down (the pool retries refused connections until its own acquire timeout) or slow (a
+/// statement waiting on a lock) then costs the caller `limit`, never an unbounded wait. A
+/// call given up is dropped at its await point: a transaction it had open is rolled back,
+/// unless its COMMIT was already sent (report writes are idempotent: a retry of those
+/// reports then adds nothing).
+pub async fn within<T>(
+    limit: Duration,
+    call: impl std::future::Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    tokio::time::timeout(limit, call)
+        .await
+        .unwrap_or(Err(StoreError::TimedOut(limit)))
 }
 
 /// The SQLite file a store was opened on (device and inode), to notice it being deleted or

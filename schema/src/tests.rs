@@ -203,6 +203,26 @@ fn daemon_config_store_retention() {
     let c = load_daemon_config(&p).unwrap();
     assert_eq!(c.store.shadow_raw_retention.as_secs(), 48 * 3600);
     assert_eq!(c.store.shadow_rollup_retention.as_secs(), 35 * 86_400);
+    assert_eq!(
+        (
+            c.store.query_timeout.as_secs(),
+            c.store.write_timeout.as_secs()
+        ),
+        (5, 30)
+    );
+    std::fs::write(
+        &p,
+        format!("{base}store:\n  query_timeout: 2s\n  write_timeout: 1m\n"),
+    )
+    .unwrap();
+    let c = load_daemon_config(&p).unwrap();
+    assert_eq!(
+        (
+            c.store.query_timeout.as_secs(),
+            c.store.write_timeout.as_secs()
+        ),
+        (2, 60)
+    );
     std::fs::write(
         &p,
         format!("{base}store:\n  shadow_raw_retention: 6h\n  shadow_rollup_retention: 2w\n"),
@@ -227,6 +247,8 @@ fn daemon_config_store_retention() {
     for bad in [
         "shadow_raw_retention: 2x",
         "shadow_raw_retention: 0h",
+        "query_timeout: 0s",
+        "write_timeout: soon",
         "raw: 1h",
     ] {
         std::fs::write(&p, format!("{base}store:\n  {bad}\n")).unwrap();

@@ -739,12 +739,13 @@ pub struct DaemonConfig {
     /// The daemon's HTTP API (`rlc serve`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub server: Option<ServerConfig>,
-    /// How long the store keeps shadow reports (`rlc serve` applies it periodically).
+    /// How long the store keeps shadow reports (`rlc serve` applies it periodically), and how
+    /// long `rlc serve` waits for the store.
     #[serde(default)]
     pub store: StoreConfig,
 }
 
-/// Retention of the controller reports in the store.
+/// Retention of the controller reports in the store, and how long `rlc serve` waits for it.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct StoreConfig {
@@ -755,6 +756,16 @@ pub struct StoreConfig {
     /// readiness figures read; 35d default. Must not be shorter than `shadow_raw_retention`.
     #[serde(default = "default_shadow_rollup_retention")]
     pub shadow_rollup_retention: HumanDuration,
+    /// Longest wait for one store query of a dashboard request (`GET /`, `/buckets/...`,
+    /// `/v1/shadow...`, `/v1/runs`): a part not loaded in time is named on the page (HTTP
+    /// 503) instead of the page hanging on a store that is down or slow; 5s default.
+    #[serde(default = "default_store_query_timeout")]
+    pub query_timeout: HumanDuration,
+    /// Longest wait for one store write of the report poll (a batch of up to 20,000
+    /// reports, an hourly roll-up pass, a retention pass): the reports stay buffered and are
+    /// written at a later poll; 30s default.
+    #[serde(default = "default_store_write_timeout")]
+    pub write_timeout: HumanDuration,
 }
 
 impl Default for StoreConfig {
@@ -762,6 +773,8 @@ impl Default for StoreConfig {
         StoreConfig {
             shadow_raw_retention: default_shadow_raw_retention(),
             shadow_rollup_retention: default_shadow_rollup_retention(),
+            query_timeout: default_store_query_timeout(),
+            write_timeout: default_store_write_timeout(),
         }
     }
 }
@@ -771,6 +784,12 @@ fn default_shadow_raw_retention() -> HumanDuration {
 }
 fn default_shadow_rollup_retention() -> HumanDuration {
     HumanDuration(Duration::from_secs(35 * 86_400))
+}
+fn default_store_query_timeout() -> HumanDuration {
+    HumanDuration(Duration::from_secs(5))
+}
+fn default_store_write_timeout() -> HumanDuration {
+    HumanDuration(Duration::from_secs(30))
 }
 
 fn default_database_url() -> String {

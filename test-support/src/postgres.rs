@@ -4,6 +4,9 @@
 //! cluster is started per test binary (as the `postgres` user: initdb and postgres refuse to
 //! run as root) on a free loopback port, and a watchdog stops it and removes its directory
 //! when the test process exits. Missing binaries are an error, never a silent skip.
+//!
+//! A test that needs a store that goes down starts a [`Server`] of its own, which it may stop
+//! and start again.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -24,12 +27,19 @@ pub struct TestDb {
     pub name: String,
 }
 
-struct Cluster {
+/// A throwaway Postgres server on a free loopback port (trust authentication, no fsync),
+/// stopped and removed when dropped, or by its watchdog when the test process exits first.
+#[derive(Debug)]
+pub struct Server {
     /// Admin URL (database `postgres`).
     admin_url: String,
+    pg_ctl: PathBuf,
+    dir: PathBuf,
+    data: PathBuf,
+    opts: String,
 }
 
-static CLUSTER: OnceLock<Result<Cluster, String>> = OnceLock::new();
+static CLUSTER: OnceLock<Result<Server, String>> = OnceLock::new();
 
 fn find_bin(name: &str) -> Option<PathBuf> {
     let local = Path::new("/usr/local/bin").join(name);
@@ -62,79 +72,126 @@ fn as_postgres(bin: &Path) -> Command {
     }
 }
 
-fn start_cluster() -> Result<Cluster> {
-    let initdb = find_bin("initdb").ok_or_else(|| anyhow!("initdb not found: {HOWTO}"))?;
-    let pg_ctl = find_bin("pg_ctl").ok_or_else(|| anyhow!("pg_ctl not found: {HOWTO}"))?;
-    // Kept on disk on purpose: the watchdog below removes it after the process exits.
-    let dir = tempfile::Builder::new().prefix("rlc-pg-").tempdir()?.keep();
-    let data = dir.join("data");
-    // As root the cluster runs as `postgres` and needs the directory; otherwise this fails and
-    // we run initdb ourselves.
-    let _ = Command::new("chown")
-        .args(["-R", "postgres:postgres"])
-        .arg(&dir)
-        .status();
-    let out = as_postgres(&initdb)
-        .args(["-D"])
-        .arg(&data)
-        .args(["-A", "trust", "-U", "postgres", "--no-sync"])
-        .output()
-        .with_context(|| format!("running initdb ({HOWTO})"))?;
-    if !out.status.success() {
-        bail!(
-            "initdb failed ({HOWTO}): {}",
-            String::from_utf8_lossy(&out.stderr)
+impl Server {
+    /// Initialises a new cluster in a temporary directory and starts it.
+    pub fn start() -> Result<Server> {
+        let initdb = find_bin("initdb").ok_or_else(|| anyhow!("initdb not found: {HOWTO}"))?;
+        let pg_ctl = find_bin("pg_ctl").ok_or_else(|| anyhow!("pg_ctl not found: {HOWTO}"))?;
+        // Kept on disk on purpose: dropping the server or the watchdog below removes it.
+        let dir = tempfile::Builder::new().prefix("rlc-pg-").tempdir()?.keep();
+        let data = dir.join("data");
+        // As root the cluster runs as `postgres` and needs the directory; otherwise this fails
+        // and we run initdb ourselves.
+        let _ = Command::new("chown")
+            .args(["-R", "postgres:postgres"])
+            .arg(&dir)
+            .status();
+        let out = as_postgres(&initdb)
+            .args(["-D"])
+            .arg(&data)
+            .args(["-A", "trust", "-U", "postgres", "--no-sync"])
+            .output()
+            .with_context(|| format!("running initdb ({HOWTO})"))?;
+        if !out.status.success() {
+            bail!(
+                "initdb failed ({HOWTO}): {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let opts = format!(
+            "-p {port} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200",
+            dir.display()
         );
-    }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let opts = format!(
-        "-p {port} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200",
-        dir.display()
-    );
-    let out = as_postgres(&pg_ctl)
-        .args(["-D"])
-        .arg(&data)
-        .args(["-o", &opts, "-l"])
-        .arg(dir.join("log"))
-        .args(["-w", "start"])
-        .stdin(Stdio::null())
-        .output()
-        .with_context(|| format!("running pg_ctl start ({HOWTO})"))?;
-    if !out.status.success() {
-        let log = std::fs::read_to_string(dir.join("log")).unwrap_or_default();
-        bail!(
-            "pg_ctl start failed: {}{log}",
-            String::from_utf8_lossy(&out.stderr)
+        let server = Server {
+            admin_url: format!("postgres://postgres@127.0.0.1:{port}/postgres"),
+            pg_ctl,
+            dir,
+            data,
+            opts,
+        };
+        server.resume()?;
+        // Stop the cluster when this test process exits (statics are never dropped, and a
+        // test may be killed): a small watchdog waits for our pid to disappear. Its own
+        // process group: a Ctrl-C meant for the test binary does not kill the watchdog before
+        // it has stopped the cluster.
+        let pid = std::process::id();
+        let stop = format!(
+            "while kill -0 {pid} 2>/dev/null; do sleep 0.5; done; {}; rm -rf {}",
+            server.stop_command("immediate"),
+            server.dir.display()
         );
+        crate::process::spawn_in_group(
+            Command::new("sh")
+                .args(["-c", &stop])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null()),
+        )
+        .context("starting the cluster watchdog")?;
+        Ok(server)
     }
-    // Stop the cluster when this test process exits: statics are never dropped, so a small
-    // watchdog waits for our pid to disappear.
-    let pid = std::process::id();
-    let stop = format!(
-        "while kill -0 {pid} 2>/dev/null; do sleep 0.5; done; \
-         runuser -u postgres -- {} -D {} -m immediate stop >/dev/null 2>&1 || {} -D {} -m immediate stop >/dev/null 2>&1; \
-         rm -rf {}",
-        pg_ctl.display(),
-        data.display(),
-        pg_ctl.display(),
-        data.display(),
-        dir.display()
-    );
-    // Its own process group: a Ctrl-C meant for the test binary does not kill the watchdog
-    // before it has stopped the cluster.
-    crate::process::spawn_in_group(
-        Command::new("sh")
-            .args(["-c", &stop])
+
+    /// `pg_ctl stop` in `mode` as a shell command (as `postgres` when we are root).
+    fn stop_command(&self, mode: &str) -> String {
+        let (pg_ctl, data) = (self.pg_ctl.display(), self.data.display());
+        format!(
+            "runuser -u postgres -- {pg_ctl} -D {data} -m {mode} -w stop >/dev/null 2>&1 || \
+             {pg_ctl} -D {data} -m {mode} -w stop >/dev/null 2>&1"
+        )
+    }
+
+    /// Stops the server (fast shutdown: sessions are ended) and waits until it is down; its
+    /// port then refuses connections until [`Server::resume`].
+    pub fn stop(&self) -> Result<()> {
+        let st = Command::new("sh")
+            .args(["-c", &self.stop_command("fast")])
             .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null()),
-    )
-    .context("starting the cluster watchdog")?;
-    Ok(Cluster {
-        admin_url: format!("postgres://postgres@127.0.0.1:{port}/postgres"),
-    })
+            .status()?;
+        if !st.success() {
+            bail!("pg_ctl stop failed");
+        }
+        Ok(())
+    }
+
+    /// Starts the (stopped) server again on the same port and data, and waits until it
+    /// accepts connections.
+    pub fn resume(&self) -> Result<()> {
+        let out = as_postgres(&self.pg_ctl)
+            .args(["-D"])
+            .arg(&self.data)
+            .args(["-o", &self.opts, "-l"])
+            .arg(self.dir.join("log"))
+            .args(["-w", "start"])
+            .stdin(Stdio::null())
+            .output()
+            .with_context(|| format!("running pg_ctl start ({HOWTO})"))?;
+        if !out.status.success() {
+            let log = std::fs::read_to_string(self.dir.join("log")).unwrap_or_default();
+            bail!(
+                "pg_ctl start failed: {}{log}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(())
+    }
+
+    /// Creates a fresh database with a random name on this server.
+    pub async fn fresh_database(&self) -> Result<TestDb> {
+        create_database(&self.admin_url).await
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = Command::new("sh")
+            .args(["-c", &self.stop_command("immediate")])
+            .stdin(Stdio::null())
+            .status();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 /// `url` with its database name replaced by `db`.
@@ -163,15 +220,20 @@ pub async fn fresh_database() -> Result<TestDb> {
     let admin = match std::env::var("DATABASE_URL") {
         Ok(u) if !u.is_empty() => u,
         _ => {
-            let c = CLUSTER.get_or_init(|| start_cluster().map_err(|e| format!("{e:#}")));
+            let c = CLUSTER.get_or_init(|| Server::start().map_err(|e| format!("{e:#}")));
             match c {
                 Ok(c) => c.admin_url.clone(),
                 Err(e) => bail!("cannot start a throwaway Postgres: {e}"),
             }
         }
     };
+    create_database(&admin).await
+}
+
+/// Creates a database with a random name through `admin` (a URL with the right to).
+async fn create_database(admin: &str) -> Result<TestDb> {
     let name = format!("rlc_test_{:016x}", rand::random::<u64>());
-    let mut conn = sqlx::PgConnection::connect(&admin)
+    let mut conn = sqlx::PgConnection::connect(admin)
         .await
         .with_context(|| format!("connecting to Postgres to create a test database ({HOWTO})"))?;
     sqlx::query(&format!("CREATE DATABASE \"{name}\""))
@@ -180,7 +242,7 @@ pub async fn fresh_database() -> Result<TestDb> {
         .context("CREATE DATABASE")?;
     let _ = conn.close().await;
     Ok(TestDb {
-        url: with_database(&admin, &name)?,
+        url: with_database(admin, &name)?,
         name,
     })
 }

@@ -119,8 +119,10 @@ pub struct BucketView {
 /// ```
 ///
 /// `offered`, `admitted`, `dropped` and `shadow_dropped` are sums of per-report rates (requests
-/// when ticks are 1 s). Errors: 400 `{"error"}` for a bad window, 503 without a store, 500 when
-/// the store query fails (details only in the log).
+/// when ticks are 1 s). Errors: 400 `{"error"}` for a bad window; 503 without a store, or when
+/// the store does not answer within `store.query_timeout` or is unreachable; 500 when it
+/// refuses the query. A store error names what could not be loaded and why (never the
+/// database URL's password), instead of answering zeros.
 #[derive(Debug, Clone, Serialize, JsonSchema)]
 pub struct ShadowSummary {
     /// The service filter, if any.
@@ -137,13 +139,19 @@ pub struct ShadowSummary {
     pub buckets: Vec<BucketView>,
 }
 
-/// Why a dashboard call failed; a closed map to status codes that hides database details.
+/// Why a dashboard call failed.
 #[derive(Debug)]
 pub(super) enum DashError {
     BadRequest(String),
     NotFound(String),
     NoStore,
-    Store,
+    /// A store call failed or was given up: what could not be loaded (`part`, e.g. "the
+    /// bucket list") and why, without secrets.
+    Store {
+        part: &'static str,
+        cause: String,
+        unavailable: bool,
+    },
 }
 
 impl DashError {
@@ -152,7 +160,10 @@ impl DashError {
             DashError::BadRequest(_) => StatusCode::BAD_REQUEST,
             DashError::NotFound(_) => StatusCode::NOT_FOUND,
             DashError::NoStore => StatusCode::SERVICE_UNAVAILABLE,
-            DashError::Store => StatusCode::INTERNAL_SERVER_ERROR,
+            DashError::Store {
+                unavailable: true, ..
+            } => StatusCode::SERVICE_UNAVAILABLE,
+            DashError::Store { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -162,7 +173,17 @@ impl DashError {
             DashError::NoStore => {
                 "the store is not available yet (database unreachable or still connecting)".into()
             }
-            DashError::Store => "the store query failed; see the daemon log".into(),
+            DashError::Store { part, cause, .. } => format!("{part} could not be loaded: {cause}"),
+        }
+    }
+
+    /// The message as a page's notice shows it (a sentence when it names a part).
+    fn notice(&self) -> String {
+        match self {
+            DashError::Store { part, cause, .. } => {
+                format!("{} could not be loaded: {cause}", sentence(part))
+            }
+            e => e.message(),
         }
     }
 }
@@ -184,9 +205,44 @@ impl aide::OperationOutput for DashError {
     }
 }
 
-fn store_failed(endpoint: &'static str, e: crate::store::StoreError) -> DashError {
-    tracing::warn!(endpoint, error = %e, "dashboard store query failed");
-    DashError::Store
+/// The error of a store call that loads `part` of `endpoint`'s answer: logged, and named in
+/// the answer. Any URL in the store's message loses its password.
+fn store_failed(
+    endpoint: &'static str,
+    part: &'static str,
+    e: crate::store::StoreError,
+) -> DashError {
+    tracing::warn!(endpoint, part, error = %e, "dashboard store query failed");
+    let cause = e
+        .to_string()
+        .split(' ')
+        .map(|w| {
+            if w.contains("://") {
+                super::redact_url(w)
+            } else {
+                w.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ");
+    DashError::Store {
+        part,
+        cause,
+        unavailable: e.unavailable(),
+    }
+}
+
+/// Runs one store call that loads `part` of `endpoint`'s answer, within `limit`
+/// (`store.query_timeout`).
+async fn load<T>(
+    endpoint: &'static str,
+    part: &'static str,
+    limit: std::time::Duration,
+    call: impl std::future::Future<Output = Result<T, crate::store::StoreError>>,
+) -> Result<T, DashError> {
+    crate::store::within(limit, call)
+        .await
+        .map_err(|e| store_failed(endpoint, part, e))
 }
 
 /// A parsed [`ShadowQuery`].
@@ -217,12 +273,14 @@ impl Filter {
     }
 }
 
-async fn summary(store: &Store, f: &Filter) -> Result<ShadowSummary, DashError> {
+async fn summary(
+    store: &Store,
+    f: &Filter,
+    limit: std::time::Duration,
+) -> Result<ShadowSummary, DashError> {
     // One more than asked tells whether the answer is cut.
-    let mut rows = store
-        .shadow_summary(f.service.as_deref(), f.since, f.limit + 1)
-        .await
-        .map_err(|e| store_failed("/v1/shadow", e))?;
+    let rows = store.shadow_summary(f.service.as_deref(), f.since, f.limit + 1);
+    let mut rows = load("/v1/shadow", "the bucket list", limit, rows).await?;
     let truncated = rows.len() as i64 > f.limit;
     rows.truncate(f.limit as usize);
     Ok(ShadowSummary {
@@ -248,7 +306,7 @@ pub(super) async fn shadow_json(
 ) -> Result<Json<ShadowSummary>, DashError> {
     let f = Filter::parse(q)?;
     let store = s.store().ok_or(DashError::NoStore)?;
-    Ok(Json(summary(&store, &f).await?))
+    Ok(Json(summary(&store, &f, s.query_timeout()).await?))
 }
 
 /// Query string of `GET /v1/runs`.
@@ -323,22 +381,24 @@ pub(super) async fn runs_json(
 ) -> Result<Json<RunsPage>, DashError> {
     let store = s.store().ok_or(DashError::NoStore)?;
     let limit = q.limit.unwrap_or(DEFAULT_RUNS).clamp(1, MAX_RUNS);
-    let runs = store
-        .recent_runs(limit)
-        .await
-        .map_err(|e| store_failed("/v1/runs", e))?;
+    let runs = load(
+        "/v1/runs",
+        "the runs",
+        s.query_timeout(),
+        store.recent_runs(limit),
+    )
+    .await?;
     Ok(Json(RunsPage {
         runs: runs.iter().map(RunView::from).collect(),
     }))
 }
 
-/// `GET /?service=S&window=1h`: the HTML dashboard.
+/// `GET /?service=S&window=1h`: the HTML dashboard. What loaded is shown; what did not is
+/// named in a notice, and the status is that of the first failure.
 pub(super) async fn page(State(s): State<AppState>, Query(q): Query<ShadowQuery>) -> Response {
-    let (status, body) = match page_data(&s, q).await {
-        Ok(data) => (StatusCode::OK, render(&data, None)),
-        Err((e, data)) => (e.status(), render(&data, Some(&e.message()))),
-    };
-    (status, Html(body)).into_response()
+    let (data, failed) = page_data(&s, q).await;
+    let status = failed.map_or(StatusCode::OK, |e| e.status());
+    (status, Html(render(&data))).into_response()
 }
 
 /// What the page shows.
@@ -347,45 +407,66 @@ struct PageData {
     service: Option<String>,
     window: String,
     services: Vec<String>,
+    /// None when it could not be loaded (named in `problems`).
     summary: Option<ShadowSummary>,
-    runs: Vec<RunRecord>,
+    /// None when they could not be loaded (named in `problems`).
+    runs: Option<Vec<RunRecord>>,
     /// Reports fetched but not stored yet.
     buffered: u64,
+    /// What could not be loaded, and why.
+    problems: Vec<String>,
 }
 
-async fn page_data(s: &AppState, q: ShadowQuery) -> Result<PageData, (DashError, PageData)> {
+/// The page's data, and the first failure if any (every failure is in `problems`).
+async fn page_data(s: &AppState, q: ShadowQuery) -> (PageData, Option<DashError>) {
     let mut data = PageData {
         buffered: s.inner.metrics.reports_buffered.get().max(0) as u64,
         service: q.service.clone().filter(|s| !s.is_empty()),
         window: q.window.clone().unwrap_or_else(|| DEFAULT_WINDOW.into()),
         ..PageData::default()
     };
+    let fail = |mut data: PageData, e: DashError| {
+        data.problems.push(e.notice());
+        (data, Some(e))
+    };
     let f = match Filter::parse(q) {
         Ok(f) => f,
-        Err(e) => return Err((e, data)),
+        Err(e) => return fail(data, e),
     };
     let Some(store) = s.store() else {
-        return Err((DashError::NoStore, data));
+        return fail(data, DashError::NoStore);
     };
-    // Three independent queries: at once on Postgres, one after another on SQLite.
-    let services = store.shadow_services(f.since, MAX_SERVICES);
-    let runs = store.recent_runs(PAGE_RUNS);
-    let summary = summary(&store, &f);
+    // Three independent queries, each within the query timeout: at once on Postgres, one
+    // after another on SQLite.
+    let limit = s.query_timeout();
+    let services = load(
+        "/",
+        "the service list",
+        limit,
+        store.shadow_services(f.since, MAX_SERVICES),
+    );
+    let runs = load("/", "the last runs", limit, store.recent_runs(PAGE_RUNS));
+    let summary = summary(&store, &f, limit);
     let (services, runs, summary) = if store.concurrent() {
         tokio::join!(services, runs, summary)
     } else {
         (services.await, runs.await, summary.await)
     };
-    match (services, runs, summary) {
-        (Ok(services), Ok(runs), Ok(summary)) => {
-            data.services = services;
-            data.runs = runs;
-            data.summary = Some(summary);
-            Ok(data)
-        }
-        (Err(e), _, _) | (_, Err(e), _) => Err((store_failed("/", e), data)),
-        (_, _, Err(e)) => Err((e, data)),
+    let mut errors = Vec::new();
+    match services {
+        Ok(v) => data.services = v,
+        Err(e) => errors.push(e),
     }
+    match summary {
+        Ok(v) => data.summary = Some(v),
+        Err(e) => errors.push(e),
+    }
+    match runs {
+        Ok(v) => data.runs = Some(v),
+        Err(e) => errors.push(e),
+    }
+    data.problems = errors.iter().map(DashError::notice).collect();
+    (data, errors.into_iter().next())
 }
 
 /// Escapes text for HTML element content and quoted attribute values.
@@ -480,8 +561,31 @@ code { font: 13px ui-monospace, SFMono-Regular, Menlo, monospace; }
 ul.why { margin: 4px 0 0; padding-left: 18px; font-size: 13px; color: #5c3f00; }
 ";
 
-/// Renders the page; `problem` replaces the data with an explanation.
-fn render(d: &PageData, problem: Option<&str>) -> String {
+/// Upper-cases the first letter of a sentence.
+fn sentence(s: &str) -> String {
+    let mut c = s.chars();
+    c.next()
+        .map(|f| f.to_uppercase().chain(c).collect())
+        .unwrap_or_default()
+}
+
+/// The notice naming what could not be loaded (nothing when everything was).
+fn problems_notice(h: &mut String, problems: &[String]) {
+    if problems.is_empty() {
+        return;
+    }
+    h.push_str("<section class=\"notice\" id=\"problem\"><h2>Not loaded</h2>");
+    for p in problems {
+        let _ = write!(h, "<p>{}</p>", escape_html(p));
+    }
+    h.push_str(
+        "<p class=\"muted\">What is missing is not shown: nothing on this page stands in for it \
+         with zeros.</p></section>",
+    );
+}
+
+/// Renders the page: what loaded, and a notice naming what did not.
+fn render(d: &PageData) -> String {
     let mut h = String::with_capacity(16 * 1024);
     let scope = match &d.service {
         Some(s) => format!("service {}", escape_html(s)),
@@ -561,13 +665,7 @@ fn render(d: &PageData, problem: Option<&str>) -> String {
     }
     h.push_str("</form></section>");
 
-    if let Some(p) = problem {
-        let _ = write!(
-            h,
-            "<section class=\"notice\" id=\"problem\"><h2>No data</h2><p>{}</p></section>",
-            escape_html(p)
-        );
-    }
+    problems_notice(&mut h, &d.problems);
     if d.buffered > 0 {
         let _ = write!(
             h,
@@ -640,16 +738,16 @@ fn render(d: &PageData, problem: Option<&str>) -> String {
         h.push_str("</section>");
     }
 
-    if d.summary.is_some() {
+    if let Some(runs) = &d.runs {
         h.push_str("<section><h2>Last runs</h2>");
-        if d.runs.is_empty() {
+        if runs.is_empty() {
             h.push_str("<p class=\"muted\">No run recorded yet.</p>");
         } else {
             h.push_str(
                 "<table id=\"runs\"><thead><tr><th class=\"num\">#</th><th>Started (UTC)</th>\
                  <th>Trigger</th><th>Status</th><th>Commit</th><th>Summary</th></tr></thead><tbody>",
             );
-            for r in &d.runs {
+            for r in runs {
                 let commit = match &r.commit_sha {
                     Some(c) => format!(
                         "<code title=\"{}\">{}</code>",

@@ -305,10 +305,21 @@ pub fn saturated(op: TransformOperation<'_>) -> TransformOperation<'_> {
     )
 }
 
-/// The answers of an endpoint that reads the store: not connected yet (503), a failed query
-/// (500).
+/// The answers of a dashboard endpoint that reads the store: not connected yet, unreachable
+/// or too slow (503), a refused query (500); `detail` names what could not be loaded.
 fn store_errors(op: TransformOperation<'_>) -> TransformOperation<'_> {
-    store_failed(problem(op, 503, "The store is not available yet."))
+    let op = problem(
+        op,
+        503,
+        "The store is not connected yet, is unreachable, or did not answer within \
+         `store.query_timeout`; `detail` names what could not be loaded.",
+    );
+    problem(
+        op,
+        500,
+        "The store refused a query; `detail` names what could not be loaded and the store's \
+         error.",
+    )
 }
 
 fn store_failed(op: TransformOperation<'_>) -> TransformOperation<'_> {
@@ -322,10 +333,16 @@ fn store_failed(op: TransformOperation<'_>) -> TransformOperation<'_> {
 /// A page that renders the store's errors itself, as HTML with the status.
 fn html_store_errors(op: TransformOperation<'_>) -> TransformOperation<'_> {
     op.response_with::<503, Html<String>, _>(|r| {
-        r.description("The store is not available yet (the page says so).")
+        r.description(
+            "The store is not connected yet, is unreachable, or did not answer within \
+             `store.query_timeout`: the page shows what loaded and names what did not.",
+        )
     })
     .response_with::<500, Html<String>, _>(|r| {
-        r.description("The store query failed (the page says so; details in the log).")
+        r.description(
+            "The store refused a query: the page shows what loaded and names what did not, \
+             with the store's error.",
+        )
     })
 }
 

@@ -8,16 +8,30 @@ use chrono::Utc;
 
 use super::{Loop, REPORT_CURSOR};
 use crate::push::{ControllerClient, Report};
-use crate::store::Store;
+use crate::store::{within, Store};
 
-/// Reports fetched per `GET /v1/reports` call (the controller's maximum).
-const REPORT_PAGE: u32 = 10_000;
+/// How many controller reports `rlc serve` holds and fetches at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReportLimits {
+    /// Reports held in memory while the store is down or slow. At the bound rlc stops polling
+    /// (the controller keeps the reports until its own buffer evicts them; a loss then shows
+    /// as `rlc_shadow_report_gaps_total`); the stored cursor only moves past stored reports.
+    /// The buffer holds at most this plus one page less one report.
+    pub buffer: usize,
+    /// Reports fetched per `GET /v1/reports` call (the controller's maximum is 10,000).
+    pub page: u32,
+}
+
+impl ReportLimits {
+    /// 100,000 reports held, pages of 10,000.
+    pub const DEFAULT: ReportLimits = ReportLimits {
+        buffer: 100_000,
+        page: 10_000,
+    };
+}
+
 /// Pages fetched per poll at most: a backlog is drained over several polls.
 const REPORT_PAGES_PER_POLL: usize = 200;
-/// Reports held in memory while the store is down or slow. At the bound rlc stops polling
-/// (the controller keeps the reports until its own buffer evicts them; a loss then shows as
-/// `rlc_shadow_report_gaps_total`); the stored cursor only moves past stored reports.
-const REPORT_BUFFER: usize = 100_000;
 /// Reports per store transaction.
 const REPORT_BATCH: usize = 20_000;
 /// Between two retention passes over the stored reports.
@@ -26,27 +40,44 @@ const RETENTION_EVERY: Duration = Duration::from_secs(600);
 const ROLLUP_EVERY: Duration = Duration::from_secs(60);
 
 /// Controller reports fetched but not yet stored, page by page with the cursor after each.
-#[derive(Default)]
 pub(super) struct ReportBuffer {
     /// The controller cursor after the last fetched page: `None` until read from the store.
     pub(super) cursor: Option<Option<String>>,
     pub(super) pages: std::collections::VecDeque<(Vec<Report>, Option<String>)>,
     pub(super) rows: usize,
+    pub(super) limits: ReportLimits,
+}
+
+impl Default for ReportBuffer {
+    fn default() -> ReportBuffer {
+        ReportBuffer::new(ReportLimits::DEFAULT)
+    }
 }
 
 impl ReportBuffer {
+    pub(super) fn new(limits: ReportLimits) -> ReportBuffer {
+        ReportBuffer {
+            cursor: None,
+            pages: Default::default(),
+            rows: 0,
+            limits,
+        }
+    }
+
     /// Adds a fetched page and the controller cursor after it.
     pub(super) fn push(&mut self, reports: Vec<Report>, next: Option<String>) {
         self.rows += reports.len();
         self.pages.push_back((reports, next));
     }
 
-    /// Stores the buffered pages, a batch of up to [`REPORT_BATCH`] reports per transaction,
-    /// moving the stored cursor past each stored batch; a failure keeps the rest buffered.
-    /// Returns how many reports were new, and the failure if any.
+    /// Stores the buffered pages, a batch of up to [`REPORT_BATCH`] reports per transaction
+    /// and each write within `limit` (`store.write_timeout`), moving the stored cursor past
+    /// each stored batch; a failure or a write given up keeps the rest buffered. Returns how
+    /// many reports were new, and the failure if any.
     pub(super) async fn flush(
         &mut self,
         store: &Store,
+        limit: Duration,
     ) -> (u64, Result<(), crate::store::StoreError>) {
         let mut stored = 0;
         while !self.pages.is_empty() {
@@ -61,7 +92,7 @@ impl ReportBuffer {
                 next = cursor.clone();
                 pages += 1;
             }
-            match store.insert_reports(&batch, Utc::now()).await {
+            match within(limit, store.insert_reports(&batch, Utc::now())).await {
                 Ok(n) => stored += n,
                 Err(e) => return (stored, Err(e)),
             }
@@ -70,7 +101,7 @@ impl ReportBuffer {
             self.pages.drain(..pages);
             self.rows -= batch.len();
             if let Some(next) = &next {
-                if let Err(e) = store.set_cursor(REPORT_CURSOR, next).await {
+                if let Err(e) = within(limit, store.set_cursor(REPORT_CURSOR, next)).await {
                     return (stored, Err(e));
                 }
             }
@@ -83,17 +114,27 @@ impl Loop {
     /// Fetches the controller's reports (every mode) and stores them with their minute
     /// roll-ups. Pages wait in a bounded buffer while the store is down or slow; the stored
     /// cursor only moves past stored reports, so a restart re-fetches what was not stored.
+    ///
+    /// The backlog is written first (a full buffer is emptied only here); after a failed or
+    /// timed-out write, this poll writes nothing more and only fetches, up to the bound.
     pub(super) async fn poll_reports(&mut self, client: &ControllerClient) -> anyhow::Result<()> {
         let store = self.cycle.store().await;
         if self.reports.cursor.is_none() {
             // Where to start is in the store: without it, wait.
             let store = store.as_ref().map_err(|e| anyhow::anyhow!("{e}"))?;
-            self.reports.cursor = Some(store.cursor(REPORT_CURSOR).await?);
+            let limit = self.cycle.config().store.write_timeout.0;
+            self.reports.cursor = Some(within(limit, store.cursor(REPORT_CURSOR)).await?);
         }
         let state = self.state.clone();
         let m = &state.inner.metrics;
+        let mut failed = None;
+        if self.reports.rows > 0 {
+            if let Ok(store) = &store {
+                failed = self.flush_reports(store).await.err();
+            }
+        }
         for _ in 0..REPORT_PAGES_PER_POLL {
-            if self.reports.rows >= REPORT_BUFFER {
+            if self.reports.rows >= self.reports.limits.buffer {
                 m.report_polls_paused.inc();
                 tracing::warn!(
                     buffered = self.reports.rows,
@@ -102,7 +143,8 @@ impl Loop {
                 break;
             }
             let cursor = self.reports.cursor.clone().flatten();
-            let page = client.reports(cursor.as_deref(), REPORT_PAGE).await?;
+            let page_size = self.reports.limits.page;
+            let page = client.reports(cursor.as_deref(), page_size).await?;
             if page.gap || page.reset {
                 // Visible to operators: the dashboard misses some intervals.
                 tracing::warn!(gap = page.gap, reset = page.reset, cursor = ?cursor, "controller reports were lost between polls");
@@ -119,25 +161,29 @@ impl Loop {
                 self.reports.cursor = Some(next.clone().or(cursor.clone()));
             }
             m.reports_buffered.set(self.reports.rows as i64);
-            if let Ok(store) = &store {
-                self.flush_reports(store).await?;
+            if let (Ok(store), None) = (&store, &failed) {
+                failed = self.flush_reports(store).await.err();
             }
-            if got < REPORT_PAGE as usize || next.is_none() || next == cursor {
+            if got < page_size as usize || next.is_none() || next == cursor {
                 break;
             }
         }
-        match store {
-            Ok(_) => Ok(()),
-            Err(e) => Err(anyhow::anyhow!(
+        match (store, failed) {
+            (Ok(_), None) => Ok(()),
+            (Err(e), _) => Err(anyhow::anyhow!(
                 "{e} ({} reports buffered)",
                 self.reports.rows
             )),
+            (Ok(_), Some(e)) => {
+                Err(e.context(format!("storing reports ({} buffered)", self.reports.rows)))
+            }
         }
     }
 
     /// Stores buffered pages, a batch per transaction, and moves the stored cursor past them.
     async fn flush_reports(&mut self, store: &Store) -> anyhow::Result<()> {
-        let (stored, res) = self.reports.flush(store).await;
+        let limit = self.cycle.config().store.write_timeout.0;
+        let (stored, res) = self.reports.flush(store, limit).await;
         let m = &self.state.inner.metrics;
         m.reports_stored.inc_by(stored);
         m.reports_buffered.set(self.reports.rows as i64);
@@ -159,7 +205,8 @@ impl Loop {
             return;
         };
         self.last_rollup = Some(now);
-        match store.roll_up_hours(Utc::now()).await {
+        let limit = self.cycle.config().store.write_timeout.0;
+        match within(limit, store.roll_up_hours(Utc::now())).await {
             Ok(0) => {}
             Ok(n) => tracing::debug!(hours = n, "hourly report roll-ups written"),
             Err(e) => tracing::warn!(error = %e, "hourly report roll-up failed; retrying later"),
@@ -185,13 +232,11 @@ impl Loop {
         let ago = |d: schema::HumanDuration| {
             at - chrono::Duration::from_std(d.0).unwrap_or(chrono::Duration::days(36_500))
         };
-        match store
-            .apply_retention(
-                ago(cfg.shadow_raw_retention),
-                ago(cfg.shadow_rollup_retention),
-            )
-            .await
-        {
+        let pass = store.apply_retention(
+            ago(cfg.shadow_raw_retention),
+            ago(cfg.shadow_rollup_retention),
+        );
+        match within(cfg.write_timeout.0, pass).await {
             Ok(r) => tracing::debug!(
                 raw = r.raw_deleted,
                 minutes = r.minutes_deleted,

@@ -282,14 +282,14 @@ async fn report_buffer_keeps_reports_until_stored() {
 
     // The store's file is gone: nothing is stored, nothing is dropped, the cursor stays.
     std::fs::rename(dir.path().join("rlc.db"), dir.path().join("moved.db")).unwrap();
-    let (stored, res) = buf.flush(&store).await;
+    let (stored, res) = buf.flush(&store, Duration::from_secs(5)).await;
     assert_eq!(stored, 0);
     assert!(res.is_err());
     assert_eq!((buf.rows, buf.pages.len()), (3, 2));
 
     // Back: the backlog is stored in one batch and the cursor moves past it.
     std::fs::rename(dir.path().join("moved.db"), dir.path().join("rlc.db")).unwrap();
-    let (stored, res) = buf.flush(&store).await;
+    let (stored, res) = buf.flush(&store, Duration::from_secs(5)).await;
     res.unwrap();
     assert_eq!(stored, 3);
     assert_eq!((buf.rows, buf.pages.len()), (0, 0));

@@ -369,7 +369,8 @@ fn hour_ceil(t: DateTime<Utc>) -> DateTime<Utc> {
 /// the next call goes on).
 const HOURS_PER_PASS: i64 = 48;
 
-/// One row of `shadow_hours` as the readiness figures read it.
+/// One row of `shadow_hours` as the readiness figures read it ([`CLEAN_HOUR_ROWS`]), or the
+/// mark of an hour that was dirty when they were read (`dirty` 1, every figure 0).
 #[derive(Debug, Clone, sqlx::FromRow)]
 struct HourRow {
     hour: Ts,
@@ -383,6 +384,39 @@ struct HourRow {
     bucket_minutes: i64,
     peak_share: f64,
     peak_minute: Option<Ts>,
+    dirty: i64,
+}
+
+/// The `shadow_hours` rows of a bucket (`$1`, `$2`) in `[$3, $4)` whose hour is clean, and
+/// the marks of the dirty hours of that range, in one statement (one snapshot): a reader
+/// that found those hours clean before ([`Store::clean_hours`]) takes the minutes of any
+/// hour re-marked since by a late report instead of its stale row.
+const CLEAN_HOUR_ROWS: &str = "SELECT hour, offered, dropped, shadow_dropped, rates, rate_sum, rate_min, rate_max, \
+        bucket_minutes, peak_share, peak_minute, CAST(0 AS BIGINT) AS dirty \
+ FROM shadow_hours h WHERE service = $1 AND bucket = $2 AND hour >= $3 AND hour < $4 \
+   AND NOT EXISTS (SELECT 1 FROM shadow_dirty_hours d WHERE d.hour = h.hour) \
+ UNION ALL \
+ SELECT hour, CAST(0 AS DOUBLE PRECISION), CAST(0 AS DOUBLE PRECISION), CAST(0 AS DOUBLE PRECISION), \
+        CAST(0 AS BIGINT), CAST(0 AS DOUBLE PRECISION), CAST(0 AS DOUBLE PRECISION), \
+        CAST(0 AS DOUBLE PRECISION), CAST(0 AS BIGINT), CAST(0 AS DOUBLE PRECISION), NULL, \
+        CAST(1 AS BIGINT) \
+ FROM shadow_dirty_hours WHERE hour >= $3 AND hour < $4";
+
+/// Test hook: runs right after a reader has read the dirty hours ([`Store::clean_hours`]),
+/// in the reader's task only; a test stores a late report there.
+#[cfg(test)]
+pub(crate) mod hook {
+    pub(crate) type Hook = std::sync::Arc<
+        dyn Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> + Send + Sync,
+    >;
+    tokio::task_local! {
+        pub(crate) static AFTER_CLEAN_HOURS: Hook;
+    }
+    pub(super) async fn after_clean_hours() {
+        if let Ok(h) = AFTER_CLEAN_HOURS.try_with(|h| h.clone()) {
+            h().await
+        }
+    }
 }
 
 /// Recomputes every `shadow_hours` row of the hour `[$1, $2)` from its minute rows (after
@@ -758,7 +792,9 @@ impl Store {
     /// The hours of `[start, end)` whose `shadow_hours` rows a reader may use: whole hours
     /// inside the window, from the first one up to the first dirty one (or the window's
     /// last whole hour). Readers take the minutes before and after from `shadow_minutes`.
-    /// `(start, start)` when there is none.
+    /// `(start, start)` when there is none. A late report may mark one of these hours dirty
+    /// again before the reader reads its rows: the readers therefore read the rows together
+    /// with the marks ([`CLEAN_HOUR_ROWS`], and the hour branch of [`Store::bucket_steps`]).
     async fn clean_hours(
         &self,
         start: DateTime<Utc>,
@@ -775,6 +811,8 @@ impl Store {
         .bind(Ts(to))
         .fetch_one(pool)
         .await?);
+        #[cfg(test)]
+        hook::after_clean_hours().await;
         let to = dirty.map_or(to, |d| d.0);
         Ok(if to <= from {
             (start, start)
@@ -918,11 +956,7 @@ impl Store {
             .bind(Ts(ht))
             .bind(end)
             .fetch_all(pool);
-            let hours = sqlx::query_as::<_, HourRow>(
-                "SELECT hour, offered, dropped, shadow_dropped, rates, rate_sum, rate_min, rate_max, \
-                        bucket_minutes, peak_share, peak_minute \
-                 FROM shadow_hours WHERE service = $1 AND bucket = $2 AND hour >= $3 AND hour < $4",
-            )
+            let hours = sqlx::query_as::<_, HourRow>(CLEAN_HOUR_ROWS)
             .bind(service)
             .bind(bucket)
             .bind(Ts(hf))
@@ -944,6 +978,25 @@ impl Store {
                 (minutes.await?, hours.await?, latest.await?)
             }
         });
+        // Hours marked dirty again since `clean_hours` (a late report): their minutes.
+        let (hours, dirty): (Vec<HourRow>, Vec<HourRow>) =
+            hours.into_iter().partition(|h| h.dirty == 0);
+        let mut minutes = minutes;
+        let dirty: BTreeSet<DateTime<Utc>> = dirty.iter().map(|h| h.hour.0).collect();
+        if let (Some(first), Some(last)) = (dirty.first(), dirty.last()) {
+            let late = self
+                .bucket_minutes(
+                    service,
+                    bucket,
+                    *first,
+                    *last + Duration::seconds(HOUR_SECS),
+                )
+                .await?;
+            minutes.extend(
+                late.into_iter()
+                    .filter(|m| dirty.contains(&hour_of(m.minute))),
+            );
+        }
         // The minutes outside the clean hours, as the reference computes them.
         let mut stats = stats_from_minutes(
             service,
@@ -1065,7 +1118,9 @@ impl Store {
     /// summed offered rates. Steps without a minute row are absent (gaps, not zeros). By
     /// scope key, then step. When the steps are whole hours on hour boundaries, the clean
     /// hours of the window come from `shadow_hours` (each lies in one step) and only the
-    /// minutes before and after them from `shadow_minutes`.
+    /// minutes before and after them from `shadow_minutes`, and the minutes of any of those
+    /// hours marked dirty again by a late report meanwhile (in the same statement, so one
+    /// snapshot decides between an hour's row and its minutes).
     pub async fn bucket_steps(
         &self,
         service: &str,
@@ -1085,6 +1140,11 @@ impl Store {
             Store::Sqlite(..) => format!("({col} / 1000)"),
         };
         let (em, el) = (epoch("minute"), epoch("last_minute"));
+        // The minutes of an hour marked dirty: `d.hour` is the hour of `minute`.
+        let in_dirty_hour = match self {
+            Store::Postgres(_) => "d.hour <= minute AND minute < d.hour + INTERVAL '1 hour'",
+            Store::Sqlite(..) => "d.hour <= minute AND minute < d.hour + 3600000",
+        };
         let minute_cols = format!(
             "scope_key, {em} AS e, offered / reports AS o, shadow_dropped / reports AS v, \
              dropped / reports AS d, offered, limit_rps FROM shadow_minutes \
@@ -1097,8 +1157,12 @@ impl Store {
                    SELECT {minute_cols} AND minute >= $3 AND minute < $7 \
                    UNION ALL SELECT {minute_cols} AND minute >= $8 AND minute < $4 \
                    UNION ALL SELECT scope_key, {el} AS e, rate_max AS o, max_vd_rps AS v, max_drop_rps AS d, \
-                          offered, limit_rps FROM shadow_hours \
-                   WHERE service = $1 AND bucket = $2 AND hour >= $7 AND hour < $8 AND reports > 0), \
+                          offered, limit_rps FROM shadow_hours h \
+                   WHERE service = $1 AND bucket = $2 AND hour >= $7 AND hour < $8 AND reports > 0 \
+                     AND NOT EXISTS (SELECT 1 FROM shadow_dirty_hours d WHERE d.hour = h.hour) \
+                   UNION ALL SELECT {minute_cols} AND minute >= $7 AND minute < $8 \
+                     AND EXISTS (SELECT 1 FROM shadow_dirty_hours d WHERE d.hour >= $7 AND d.hour < $8 \
+                                 AND {in_dirty_hour})), \
              s AS (SELECT scope_key, (e - $5) / $6 AS step, o, v, d, offered, \
                           FIRST_VALUE(limit_rps) OVER (PARTITION BY scope_key, (e - $5) / $6 ORDER BY e DESC) AS lim \
                    FROM u) \
@@ -1230,3 +1294,6 @@ pub fn stats_from_minutes(
         ),
     }
 }
+
+#[cfg(test)]
+mod race_tests;

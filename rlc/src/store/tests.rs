@@ -341,7 +341,7 @@ async fn postgres_elects_one_scheduler() {
 
 /// A report of `bucket` at tick `t` (unix seconds) with the given rates and mode.
 #[allow(clippy::too_many_arguments)]
-fn tick(
+pub(super) fn tick(
     seq: i64,
     t: i64,
     bucket: &str,

@@ -16,8 +16,8 @@ use serde::{Deserialize, Serialize};
 
 use super::super::limits::{Path, Query};
 use super::{
-    encode_query_value, escape_html, parse_window, percent, rate, store_failed, when, DashError,
-    CSS, WINDOWS,
+    encode_query_value, escape_html, load, parse_window, percent, problems_notice, rate, when,
+    DashError, CSS, WINDOWS,
 };
 use crate::readiness::{self, ShadowStats, Verdict};
 use crate::serve::AppState;
@@ -279,28 +279,78 @@ pub fn series_from_steps(
     (out, cut)
 }
 
+/// The parts of a bucket's answer that could not be loaded (each named in `errors`); a part
+/// not loaded is empty in the [`BucketDetail`] and never shown as such.
+#[derive(Debug, Default)]
+struct Missing {
+    readiness: bool,
+    chart: bool,
+    history: bool,
+    errors: Vec<DashError>,
+}
+
+impl Missing {
+    /// The part's value, or None with its error recorded and its `flag` set.
+    fn part<T>(
+        &mut self,
+        r: Result<T, DashError>,
+        flag: fn(&mut Missing) -> &mut bool,
+    ) -> Option<T> {
+        match r {
+            Ok(v) => Some(v),
+            Err(e) => {
+                *flag(self) = true;
+                self.errors.push(e);
+                None
+            }
+        }
+    }
+}
+
 async fn detail(
     store: &Store,
     (rule, rule_view): (readiness::Rule, RuleView),
     service: &str,
     bucket: &str,
     window: &str,
-) -> Result<BucketDetail, DashError> {
+    limit: std::time::Duration,
+) -> Result<(BucketDetail, Missing), DashError> {
     let (start, end, step_secs) = bounds(window)?;
-    let failed = |e| store_failed("/v1/shadow/{service}/{bucket}", e);
-    // The figures, the chart steps and the history (at once where the store allows it).
-    let stats = store.shadow_stats(service, bucket, start, end);
-    let steps = store.bucket_steps(service, bucket, start, end, step_secs);
-    let history = store.quota_changes(service, bucket, MAX_CHANGES);
-    let (stats, steps, quota_history) = if store.concurrent() {
-        tokio::try_join!(stats, steps, history)
+    const AT: &str = "/v1/shadow/{service}/{bucket}";
+    // The figures, the chart steps and the history, each within the query timeout (at once
+    // where the store allows it).
+    let stats = load(
+        AT,
+        "the readiness figures",
+        limit,
+        store.shadow_stats(service, bucket, start, end),
+    );
+    let steps = load(
+        AT,
+        "the chart",
+        limit,
+        store.bucket_steps(service, bucket, start, end, step_secs),
+    );
+    let history = load(
+        AT,
+        "the quota history",
+        limit,
+        store.quota_changes(service, bucket, MAX_CHANGES),
+    );
+    let (stats, steps, history) = if store.concurrent() {
+        tokio::join!(stats, steps, history)
     } else {
-        async { Ok((stats.await?, steps.await?, history.await?)) }.await
-    }
-    .map_err(failed)?;
+        (stats.await, steps.await, history.await)
+    };
+    let mut missing = Missing::default();
+    let stats = missing.part(stats, |m| &mut m.readiness).flatten();
+    let steps = missing.part(steps, |m| &mut m.chart).unwrap_or_default();
+    let quota_history = missing
+        .part(history, |m| &mut m.history)
+        .unwrap_or_default();
     let (series, scopes_cut) = series_from_steps(&steps, start, end, step_secs);
     let now = Utc::now();
-    Ok(BucketDetail {
+    let detail = BucketDetail {
         service: service.into(),
         bucket: bucket.into(),
         window: window.into(),
@@ -321,7 +371,8 @@ async fn detail(
         series,
         scopes_cut,
         quota_history,
-    })
+    };
+    Ok((detail, missing))
 }
 
 fn window_of(q: BucketQuery) -> String {
@@ -329,7 +380,9 @@ fn window_of(q: BucketQuery) -> String {
 }
 
 /// `GET /v1/shadow/{service}/{bucket}?window=1h`: see [`BucketDetail`]. 400 for a bad window,
-/// 404 when the store holds no report of the bucket, 503 without a store.
+/// 404 when the store holds no report of the bucket; 503 without a store, or when a part is
+/// not loaded within `store.query_timeout` or the store is unreachable, 500 when the store
+/// refuses a query (both naming the part).
 pub(in crate::serve) async fn bucket_json(
     State(s): State<AppState>,
     Path(BucketPath { service, bucket }): Path<BucketPath>,
@@ -338,7 +391,10 @@ pub(in crate::serve) async fn bucket_json(
     let window = window_of(q);
     let store = s.store().ok_or(DashError::NoStore)?;
     let rule = service_rule(&s, &service).await;
-    let d = detail(&store, rule, &service, &bucket, &window).await?;
+    let (d, missing) = detail(&store, rule, &service, &bucket, &window, s.query_timeout()).await?;
+    if let Some(e) = missing.errors.into_iter().next() {
+        return Err(e);
+    }
     if d.readiness.is_none() {
         return Err(DashError::NotFound(format!(
             "no report of bucket `{bucket}` of service `{service}` in the store"
@@ -358,11 +414,17 @@ pub(in crate::serve) async fn bucket_page(
         None => Err(DashError::NoStore),
         Some(store) => {
             let rule = service_rule(&s, &service).await;
-            detail(&store, rule, &service, &bucket, &window).await
+            detail(&store, rule, &service, &bucket, &window, s.query_timeout()).await
         }
     };
     let (status, body) = match res {
-        Ok(d) => (StatusCode::OK, render(&service, &bucket, &window, Ok(&d))),
+        Ok((d, missing)) => (
+            missing
+                .errors
+                .first()
+                .map_or(StatusCode::OK, DashError::status),
+            render(&service, &bucket, &window, Ok((&d, &missing))),
+        ),
         Err(e) => (
             e.status(),
             render(&service, &bucket, &window, Err(&e.message())),
@@ -497,7 +559,12 @@ fn chart(h: &mut String, s: &Series, d: &BucketDetail) {
     h.push_str("</svg></figure>");
 }
 
-fn render(service: &str, bucket: &str, window: &str, d: Result<&BucketDetail, &str>) -> String {
+fn render(
+    service: &str,
+    bucket: &str,
+    window: &str,
+    d: Result<(&BucketDetail, &Missing), &str>,
+) -> String {
     let mut h = String::with_capacity(32 * 1024);
     let svc = escape_html(service);
     let bkt = escape_html(bucket);
@@ -533,7 +600,7 @@ fn render(service: &str, bucket: &str, window: &str, d: Result<&BucketDetail, &s
         escape_html(&encode_query_value(bucket)),
         escape_html(&encode_query_value(window)),
     );
-    let d = match d {
+    let (d, missing) = match d {
         Ok(d) => d,
         Err(problem) => {
             let _ = writeln!(
@@ -544,7 +611,16 @@ fn render(service: &str, bucket: &str, window: &str, d: Result<&BucketDetail, &s
             return h;
         }
     };
+    problems_notice(
+        &mut h,
+        &missing
+            .errors
+            .iter()
+            .map(DashError::notice)
+            .collect::<Vec<_>>(),
+    );
     match &d.readiness {
+        None if missing.readiness => {}
         None => {
             h.push_str(
                 "<section class=\"notice\" id=\"problem\"><h2>No reports</h2><p>The store holds no \
@@ -557,7 +633,9 @@ fn render(service: &str, bucket: &str, window: &str, d: Result<&BucketDetail, &s
                 <span class=\"key offered\">offered</span> <span class=\"key limit\">limit</span> \
                 <span class=\"key virtual-drops\">virtual drops</span> <span class=\"key drops\">real drops</span>; \
                 shaded: no reports (a gap in the report feed, not zero traffic).</p>");
-    if d.series.is_empty() {
+    if missing.chart {
+        h.push_str("<p class=\"err\" id=\"chart-not-loaded\">Not loaded (see above).</p>");
+    } else if d.series.is_empty() {
         h.push_str("<p class=\"muted\" id=\"no-series\">No report in this window.</p>");
     }
     for s in &d.series {
@@ -571,7 +649,9 @@ fn render(service: &str, bucket: &str, window: &str, d: Result<&BucketDetail, &s
         );
     }
     h.push_str("</section><section><h2>Quota history</h2>");
-    if d.quota_history.is_empty() {
+    if missing.history {
+        h.push_str("<p class=\"err\" id=\"history-not-loaded\">Not loaded (see above).</p>");
+    } else if d.quota_history.is_empty() {
         h.push_str("<p class=\"muted\">No change recorded by a run.</p>");
     } else {
         h.push_str(
