@@ -986,7 +986,10 @@ impl Cycle {
             .as_ref()
             .and_then(|(n, _)| i64::try_from(*n).ok());
         let pr_url = out.pull_request.as_ref().and_then(|(_, u)| u.clone());
-        let via_pr = out.git.as_deref().is_some_and(|g| g.starts_with("pushed branch"));
+        let via_pr = out
+            .git
+            .as_deref()
+            .is_some_and(|g| g.starts_with("pushed branch"));
         let quotas: Vec<QuotaRecord> = if committed {
             out.summary
                 .services

@@ -232,7 +232,12 @@ exit $rc
     pub fn tree(&self, branch: &str) -> Result<std::collections::BTreeMap<String, String>> {
         let out = git(
             &self.bare_path(),
-            &["ls-tree", "-r", "--full-tree", &format!("refs/heads/{branch}")],
+            &[
+                "ls-tree",
+                "-r",
+                "--full-tree",
+                &format!("refs/heads/{branch}"),
+            ],
         )?;
         // `<mode> <type> <id>\t<path>`
         out.lines()

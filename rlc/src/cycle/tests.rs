@@ -1227,7 +1227,10 @@ async fn pull_request_mode_on_gitlab_opens_a_merge_request_with_labels_and_revie
         .unwrap();
     assert_eq!(
         (rec.pr_number, rec.pr_url.as_deref()),
-        (Some(1), Some("http://gitlab/acme/config/-/merge_requests/1"))
+        (
+            Some(1),
+            Some("http://gitlab/acme/config/-/merge_requests/1")
+        )
     );
     let again = cycle.apply(&shadow_plan(), "schedule").await;
     assert_eq!(again.pull_request.as_ref().map(|p| p.0), Some(1), "{again}");

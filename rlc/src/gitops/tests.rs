@@ -274,7 +274,12 @@ fn non_bucket_changes_lists_every_other_added_or_changed_file() {
     ]);
     assert_eq!(
         non_bucket_changes(&before, &after),
-        ["RUN_REPORT.txt", "buckets/sub/x.yaml", "rlc/last-run.md", "rlc/policies.yaml"]
+        [
+            "RUN_REPORT.txt",
+            "buckets/sub/x.yaml",
+            "rlc/last-run.md",
+            "rlc/policies.yaml"
+        ]
     );
     assert!(non_bucket_changes(&before, &before).is_empty());
 }
@@ -299,7 +304,10 @@ fn pull_request_branch_is_stable_and_human_commits_are_left_alone() {
     // The report goes to the PR body and the store, never into the tree (a merge would put it
     // on the base branch): the branch differs from the base by bucket files only.
     let branch_tree = remote.tree("rlc/quotas").unwrap();
-    assert_eq!(non_bucket_changes(&seed_tree, &branch_tree), Vec::<String>::new());
+    assert_eq!(
+        non_bucket_changes(&seed_tree, &branch_tree),
+        Vec::<String>::new()
+    );
     assert_ne!(branch_tree, seed_tree, "the bucket file changed");
     let report = crate::gitops::summary::report(&p1, &out.summary);
     assert!(

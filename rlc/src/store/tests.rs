@@ -897,7 +897,8 @@ async fn postgres_sql_figures_match_the_minutes() {
 }
 
 /// A run recorded before migration 0007 (no pull request columns), with one quota change.
-const OLD_RUN: &str = "INSERT INTO runs (trigger, started_at, finished_at, status, commit_sha, services, summary) \
+const OLD_RUN: &str =
+    "INSERT INTO runs (trigger, started_at, finished_at, status, commit_sha, services, summary) \
      VALUES ('schedule', $1, $1, 'success', 'abc', '[]', 'old run') RETURNING id";
 const OLD_QUOTA: &str = "INSERT INTO quota_history (run_id, recorded_at, service, bucket, change, limit_rps, commit_sha) \
      VALUES ($1, $2, 'payments', 'gw', 'added', 100, 'abc')";
@@ -905,7 +906,11 @@ const OLD_QUOTA: &str = "INSERT INTO quota_history (run_id, recorded_at, service
 /// Migration 0007 keeps the runs and quota changes recorded before it (without a pull
 /// request), and from then on a run and the changes it proposed keep their pull request.
 async fn check_pull_requests(store: Store, old_run: i64) {
-    let old = store.run_by_id(old_run).await.unwrap().expect("old run kept");
+    let old = store
+        .run_by_id(old_run)
+        .await
+        .unwrap()
+        .expect("old run kept");
     assert_eq!(old.summary, "old run");
     assert_eq!((old.pr_number, old.pull_request()), (None, None));
 
@@ -918,7 +923,10 @@ async fn check_pull_requests(store: Store, old_run: i64) {
     let id = store.record_run(&via_pr, &[q.clone()]).await.unwrap();
     // A direct run in between: no pull request.
     let direct = store
-        .record_run(&run("schedule", "success", 30), &[quota(160.0, Some(150.0))])
+        .record_run(
+            &run("schedule", "success", 30),
+            &[quota(160.0, Some(150.0))],
+        )
         .await
         .unwrap();
 
@@ -929,10 +937,21 @@ async fn check_pull_requests(store: Store, old_run: i64) {
     let got = store.run_by_id(id).await.unwrap().unwrap();
     assert_eq!(got.pull_request(), Some(pr.clone()));
     assert_eq!(got, RunRecord { id, ..via_pr });
-    assert_eq!(store.run_by_id(direct).await.unwrap().unwrap().pull_request(), None);
+    assert_eq!(
+        store
+            .run_by_id(direct)
+            .await
+            .unwrap()
+            .unwrap()
+            .pull_request(),
+        None
+    );
     let recent = store.recent_runs(3).await.unwrap();
     assert_eq!(
-        recent.iter().map(|r| (r.id, r.pr_number)).collect::<Vec<_>>(),
+        recent
+            .iter()
+            .map(|r| (r.id, r.pr_number))
+            .collect::<Vec<_>>(),
         vec![(direct, None), (id, Some(42)), (old_run, None)]
     );
     // The bucket's history, newest first: the direct change, the one through PR #42, the old one.
@@ -973,8 +992,17 @@ async fn sqlite_migration_0007_keeps_runs_and_records_pull_requests() {
         .collect();
     m.run(&pool).await.unwrap();
     let t = Utc.with_ymd_and_hms(2026, 11, 30, 2, 0, 0).unwrap();
-    let (old,): (i64,) = sqlx::query_as(OLD_RUN).bind(t).fetch_one(&pool).await.unwrap();
-    sqlx::query(OLD_QUOTA).bind(old).bind(t).execute(&pool).await.unwrap();
+    let (old,): (i64,) = sqlx::query_as(OLD_RUN)
+        .bind(t)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    sqlx::query(OLD_QUOTA)
+        .bind(old)
+        .bind(t)
+        .execute(&pool)
+        .await
+        .unwrap();
     pool.close().await;
     let store = Store::connect("sqlite://rlc.db", dir.path()).await.unwrap();
     check_pull_requests(store, old).await;
@@ -993,8 +1021,17 @@ async fn postgres_migration_0007_keeps_runs_and_records_pull_requests() {
         .collect();
     m.run(&pool).await.unwrap();
     let t = Utc.with_ymd_and_hms(2026, 11, 30, 2, 0, 0).unwrap();
-    let (old,): (i64,) = sqlx::query_as(OLD_RUN).bind(t).fetch_one(&pool).await.unwrap();
-    sqlx::query(OLD_QUOTA).bind(old).bind(t).execute(&pool).await.unwrap();
+    let (old,): (i64,) = sqlx::query_as(OLD_RUN)
+        .bind(t)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    sqlx::query(OLD_QUOTA)
+        .bind(old)
+        .bind(t)
+        .execute(&pool)
+        .await
+        .unwrap();
     pool.close().await;
     check_pull_requests(Store::connect(&db.url, Path::new("/")).await.unwrap(), old).await;
 }

@@ -971,15 +971,21 @@ fn commit_links_follow_the_forge_config() {
     );
     assert_eq!(
         url("kind: github\napi_url: https://gitea.example.com/api/v1\nrepo: acme/config\n"),
-        Some(format!("https://gitea.example.com/acme/config/commit/{sha}"))
+        Some(format!(
+            "https://gitea.example.com/acme/config/commit/{sha}"
+        ))
     );
     assert_eq!(
         url("kind: gitlab\nrepo: group/sub/config\n"),
-        Some(format!("https://gitlab.com/group/sub/config/-/commit/{sha}"))
+        Some(format!(
+            "https://gitlab.com/group/sub/config/-/commit/{sha}"
+        ))
     );
     assert_eq!(
         url("kind: gitlab\napi_url: https://git.example.com/api/v4\nrepo: group/config\n"),
-        Some(format!("https://git.example.com/group/config/-/commit/{sha}"))
+        Some(format!(
+            "https://git.example.com/group/config/-/commit/{sha}"
+        ))
     );
     // forge.web_url wins over the API URL.
     assert_eq!(
@@ -993,7 +999,10 @@ fn commit_links_follow_the_forge_config() {
     );
     assert_eq!(url("kind: none\nrepo: acme/config\n"), None);
     assert_eq!(url("kind: github\n"), None);
-    assert_eq!(url("kind: github\nweb_url: \"javascript:alert(1)//\"\nrepo: a/b\n"), None);
+    assert_eq!(
+        url("kind: github\nweb_url: \"javascript:alert(1)//\"\nrepo: a/b\n"),
+        None
+    );
     assert_eq!(Links::from_forge(None).commit_url(sha), None);
     // Only commit ids are linked.
     let links = Links::from_forge(Some(&forge("kind: github\nrepo: acme/config\n")));
@@ -1052,11 +1061,16 @@ async fn pages_link_commits_and_pull_requests_to_the_forge() {
     // run to its record; the hostile URL and commit stay text.
     let (status, html) = get(&state, "/").await;
     assert_eq!(status, StatusCode::OK, "{html}");
-    let row = &html[html.find(&format!("<tr data-run=\"{id}\">")).expect("run row")..];
+    let row = &html[html
+        .find(&format!("<tr data-run=\"{id}\">"))
+        .expect("run row")..];
     let row = &row[..row.find("</tr>").unwrap()];
     assert!(row.contains(&commit_link), "{row}");
     assert!(row.contains(&pr_link), "{row}");
-    assert!(row.contains(&format!("<a href=\"/v1/runs/{id}\">{id}</a>")), "{row}");
+    assert!(
+        row.contains(&format!("<a href=\"/v1/runs/{id}\">{id}</a>")),
+        "{row}"
+    );
     assert!(html.contains("<span class=\"pr\">#8</span>"), "{html}");
     assert!(!html.contains("javascript:"), "{html}");
     assert!(!html.contains("<img"), "{html}");
@@ -1069,10 +1083,20 @@ async fn pages_link_commits_and_pull_requests_to_the_forge() {
     let (_, v) = get_json(&state, "/v1/runs").await;
     let listed = v["runs"].as_array().unwrap();
     let r = listed.iter().find(|r| r["id"] == id).unwrap();
-    assert_eq!(r["pull_request"], serde_json::json!({"number": 7, "url": PR_URL}));
+    assert_eq!(
+        r["pull_request"],
+        serde_json::json!({"number": 7, "url": PR_URL})
+    );
     assert_eq!(r["commit_url"], commit_url.as_str());
-    assert_eq!(listed[0]["pull_request"]["url"], "javascript:alert(1)", "stored as given");
-    assert_eq!(listed[0]["commit_url"], serde_json::Value::Null, "not a commit id");
+    assert_eq!(
+        listed[0]["pull_request"]["url"], "javascript:alert(1)",
+        "stored as given"
+    );
+    assert_eq!(
+        listed[0]["commit_url"],
+        serde_json::Value::Null,
+        "not a commit id"
+    );
     assert_eq!(listed[2]["pull_request"], serde_json::Value::Null);
     let (status, one) = get_json(&state, &format!("/v1/runs/{id}")).await;
     assert_eq!(status, StatusCode::OK, "{one}");
@@ -1087,7 +1111,10 @@ async fn pages_link_commits_and_pull_requests_to_the_forge() {
     let table = &html[html.find("id=\"quota-history\"").expect("quota history")..];
     let row = &table[table.find("<tbody><tr>").unwrap()..];
     let row = &row[..row.find("</tr>").unwrap()];
-    assert!(row.contains(&format!("<a href=\"/v1/runs/{id}\">{id}</a>")), "{row}");
+    assert!(
+        row.contains(&format!("<a href=\"/v1/runs/{id}\">{id}</a>")),
+        "{row}"
+    );
     assert!(row.contains(&commit_link), "{row}");
     assert!(row.contains(&pr_link), "{row}");
     let (_, v) = get_json(&state, "/v1/shadow/payments/gw?window=1h").await;
