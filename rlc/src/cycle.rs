@@ -978,6 +978,18 @@ impl Cycle {
     /// down.
     async fn record(&self, out: &mut RunOutcome, plan: &Plan) {
         let committed = matches!(out.git.as_deref(), Some(g) if g == "committed" || g.starts_with("pushed branch"));
+        // The pull request the run opened or updated; it carries the recorded changes only
+        // when they went to its branch (pull-request mode). Direct mode commits its changes
+        // and proposes only those needing review there.
+        let pr_number = out
+            .pull_request
+            .as_ref()
+            .and_then(|(n, _)| i64::try_from(*n).ok());
+        let pr_url = out.pull_request.as_ref().and_then(|(_, u)| u.clone());
+        let via_pr = out
+            .git
+            .as_deref()
+            .is_some_and(|g| g.starts_with("pushed branch"));
         let quotas: Vec<QuotaRecord> = if committed {
             out.summary
                 .services
@@ -1001,6 +1013,8 @@ impl Cycle {
                             .map(|b| b.evidence.to_string())
                             .unwrap_or_else(|| "{}".into()),
                         recorded_at: out.finished_at,
+                        pr_number: pr_number.filter(|_| via_pr),
+                        pr_url: pr_url.clone().filter(|_| via_pr),
                     }
                 })
                 .collect()
@@ -1022,6 +1036,8 @@ impl Cycle {
             },
             error: out.error.clone(),
             run_uid: Some(out.run_uid.clone()),
+            pr_number,
+            pr_url,
         };
         self.flush_pending().await;
         let res = match self.store().await {

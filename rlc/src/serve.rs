@@ -210,6 +210,8 @@ struct Inner {
     quotas: std::sync::OnceLock<Arc<quotas::Quotas>>,
     /// `POST /v1/previews`; answers 503 until set.
     previews: std::sync::OnceLock<previews::Previews>,
+    /// How the pages link commits and pull requests; set by [`serve_on`] from rlc.yaml.
+    links: std::sync::OnceLock<dashboard::Links>,
 }
 
 /// An [`AppState`] that does not keep it alive: for closures the state itself holds (they
@@ -261,6 +263,7 @@ impl AppState {
                 ),
                 quotas: std::sync::OnceLock::new(),
                 previews: std::sync::OnceLock::new(),
+                links: std::sync::OnceLock::new(),
             }),
         }
     }
@@ -313,6 +316,17 @@ impl AppState {
     /// Sets what `POST /v1/previews` computes on (the first call wins).
     pub fn set_previews(&self, p: previews::Previews) {
         let _ = self.inner.previews.set(p);
+    }
+
+    /// Sets how the pages link commits and pull requests (the first call wins; plain text
+    /// until set).
+    pub fn set_links(&self, links: dashboard::Links) {
+        let _ = self.inner.links.set(links);
+    }
+
+    /// How the pages link commits and pull requests.
+    pub fn links(&self) -> dashboard::Links {
+        self.inner.links.get().cloned().unwrap_or_default()
     }
 
     /// The store, once connected.
@@ -496,6 +510,7 @@ pub async fn serve_on(
         .map(grl_runtime::tls::ReloadingServerConfig::load)
         .transpose()?;
     state.set_query_timeout(cfg.store.query_timeout.0);
+    state.set_links(dashboard::Links::from_forge(cfg.config_repo.forge.as_ref()));
     let mut cycle = Cycle::new(cfg.clone(), base_dir);
     // One history snapshot: runs refresh it, the quota API computes from it.
     let q = match state.quotas() {

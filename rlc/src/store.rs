@@ -154,6 +154,40 @@ pub struct RunRecord {
     #[sqlx(default)]
     #[serde(default)]
     pub run_uid: Option<String>,
+    /// The number of the pull (merge) request the run opened or updated, if any.
+    #[sqlx(default)]
+    #[serde(default)]
+    pub pr_number: Option<i64>,
+    /// Its web page, when the forge gave one.
+    #[sqlx(default)]
+    #[serde(default)]
+    pub pr_url: Option<String>,
+}
+
+impl RunRecord {
+    /// The pull request the run opened or updated.
+    pub fn pull_request(&self) -> Option<PullRequestRef> {
+        PullRequestRef::of(self.pr_number, self.pr_url.as_deref())
+    }
+}
+
+/// A pull (merge) request, as the store keeps it with a run or a quota change.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct PullRequestRef {
+    /// Its number (GitHub) or iid (GitLab).
+    pub number: i64,
+    /// Its web page, when the forge gave one.
+    pub url: Option<String>,
+}
+
+impl PullRequestRef {
+    /// From the stored columns: none without a number.
+    pub fn of(number: Option<i64>, url: Option<&str>) -> Option<PullRequestRef> {
+        number.map(|number| PullRequestRef {
+            number,
+            url: url.map(str::to_string),
+        })
+    }
 }
 
 /// One recorded change of a bucket with the run that made it (`GET
@@ -180,8 +214,21 @@ pub struct QuotaChange {
     pub policy: Option<String>,
     /// The commit made (or the PR branch tip).
     pub commit_sha: Option<String>,
+    /// The pull request that carries the change; null when it was committed on the base
+    /// branch directly (or recorded before pull requests were).
+    #[sqlx(skip)]
+    pub pull_request: Option<PullRequestRef>,
     /// The evidence, as stored (JSON text).
     pub evidence: String,
+}
+
+/// A [`QuotaChange`] as read, with its pull request's columns.
+#[derive(sqlx::FromRow)]
+struct QuotaChangeRow {
+    #[sqlx(flatten)]
+    change: QuotaChange,
+    pr_number: Option<i64>,
+    pr_url: Option<String>,
 }
 
 /// One bucket change, with the evidence that produced it.
@@ -207,6 +254,14 @@ pub struct QuotaRecord {
     pub evidence: String,
     /// When it was recorded.
     pub recorded_at: DateTime<Utc>,
+    /// The number of the pull request that carries it (none: committed directly).
+    #[sqlx(default)]
+    #[serde(default)]
+    pub pr_number: Option<i64>,
+    /// That pull request's web page.
+    #[sqlx(default)]
+    #[serde(default)]
+    pub pr_url: Option<String>,
 }
 
 /// A shadow report as stored.
@@ -451,8 +506,8 @@ impl Store {
                 }
             }
             let (id,): (i64,) = sqlx::query_as(
-                "INSERT INTO runs (trigger, started_at, finished_at, status, commit_sha, version_pushed, services, summary, error, run_uid) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) RETURNING id",
+                "INSERT INTO runs (trigger, started_at, finished_at, status, commit_sha, version_pushed, services, summary, error, run_uid, pr_number, pr_url) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) RETURNING id",
             )
             .bind(&run.trigger)
             .bind(run.started_at)
@@ -464,12 +519,14 @@ impl Store {
             .bind(&run.summary)
             .bind(&run.error)
             .bind(&run.run_uid)
+            .bind(run.pr_number)
+            .bind(&run.pr_url)
             .fetch_one(&mut *tx)
             .await?;
             for q in quotas {
                 sqlx::query(
-                    "INSERT INTO quota_history (run_id, recorded_at, service, bucket, change, limit_rps, previous_limit_rps, mode, policy, commit_sha, evidence) \
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+                    "INSERT INTO quota_history (run_id, recorded_at, service, bucket, change, limit_rps, previous_limit_rps, mode, policy, commit_sha, evidence, pr_number, pr_url) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
                 )
                 .bind(id)
                 .bind(q.recorded_at)
@@ -482,6 +539,8 @@ impl Store {
                 .bind(&q.policy)
                 .bind(&q.commit_sha)
                 .bind(&q.evidence)
+                .bind(q.pr_number)
+                .bind(&q.pr_url)
                 .execute(&mut *tx)
                 .await?;
             }
@@ -493,7 +552,7 @@ impl Store {
     /// The most recent runs, newest first.
     pub async fn recent_runs(&self, limit: i64) -> Result<Vec<RunRecord>, StoreError> {
         on_pool!(self, pool => Ok(sqlx::query_as::<_, RunRecord>(
-            "SELECT id, trigger, started_at, finished_at, status, commit_sha, version_pushed, services, summary, error, run_uid \
+            "SELECT id, trigger, started_at, finished_at, status, commit_sha, version_pushed, services, summary, error, run_uid, pr_number, pr_url \
              FROM runs ORDER BY id DESC LIMIT $1",
         )
         .bind(limit)
@@ -504,7 +563,7 @@ impl Store {
     /// The run recorded with `run_uid`, if any.
     pub async fn run_by_uid(&self, run_uid: &str) -> Result<Option<RunRecord>, StoreError> {
         on_pool!(self, pool => Ok(sqlx::query_as::<_, RunRecord>(
-            "SELECT id, trigger, started_at, finished_at, status, commit_sha, version_pushed, services, summary, error, run_uid \
+            "SELECT id, trigger, started_at, finished_at, status, commit_sha, version_pushed, services, summary, error, run_uid, pr_number, pr_url \
              FROM runs WHERE run_uid = $1",
         )
         .bind(run_uid)
@@ -515,7 +574,7 @@ impl Store {
     /// The run with the store's `id`, if any.
     pub async fn run_by_id(&self, id: i64) -> Result<Option<RunRecord>, StoreError> {
         on_pool!(self, pool => Ok(sqlx::query_as::<_, RunRecord>(
-            "SELECT id, trigger, started_at, finished_at, status, commit_sha, version_pushed, services, summary, error, run_uid \
+            "SELECT id, trigger, started_at, finished_at, status, commit_sha, version_pushed, services, summary, error, run_uid, pr_number, pr_url \
              FROM runs WHERE id = $1",
         )
         .bind(id)
@@ -530,7 +589,7 @@ impl Store {
         bucket: &str,
     ) -> Result<Vec<QuotaRecord>, StoreError> {
         on_pool!(self, pool => Ok(sqlx::query_as::<_, QuotaRecord>(
-            "SELECT service, bucket, change, limit_rps, previous_limit_rps, mode, policy, commit_sha, evidence, recorded_at \
+            "SELECT service, bucket, change, limit_rps, previous_limit_rps, mode, policy, commit_sha, evidence, recorded_at, pr_number, pr_url \
              FROM quota_history WHERE service = $1 AND bucket = $2 ORDER BY id",
         )
         .bind(service)
@@ -549,9 +608,9 @@ impl Store {
         limit: i64,
     ) -> Result<Vec<QuotaChange>, StoreError> {
         on_pool!(self, pool => {
-            let rows = sqlx::query_as::<_, QuotaChange>(
+            let rows = sqlx::query_as::<_, QuotaChangeRow>(
                 "SELECT q.id, q.run_id, r.trigger, q.recorded_at, q.change, q.previous_limit_rps, q.limit_rps, \
-                 q.mode, q.policy, q.commit_sha, q.evidence \
+                 q.mode, q.policy, q.commit_sha, q.evidence, q.pr_number, q.pr_url \
                  FROM quota_history q JOIN runs r ON r.id = q.run_id \
                  WHERE q.service = $1 AND q.bucket = $2 ORDER BY q.id DESC LIMIT $3",
             )
@@ -560,7 +619,13 @@ impl Store {
             .bind(limit)
             .fetch_all(pool)
             .await?;
-            Ok(rows)
+            Ok(rows
+                .into_iter()
+                .map(|r| QuotaChange {
+                    pull_request: PullRequestRef::of(r.pr_number, r.pr_url.as_deref()),
+                    ..r.change
+                })
+                .collect())
         })
     }
 

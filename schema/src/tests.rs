@@ -800,7 +800,7 @@ fn forge_kind_defaults_to_github_and_gitlab_is_checked() {
     assert!(load_daemon_config(&p).is_ok());
     std::fs::write(
         &p,
-        cfg("    kind: gitlab\n    repo: config\n    labels: [\"a,b\"]\n    dashboard_url: rlc.example\n"),
+        cfg("    kind: gitlab\n    repo: config\n    labels: [\"a,b\"]\n    dashboard_url: rlc.example\n    web_url: \"javascript:alert(1)\"\n"),
     )
     .unwrap();
     let errs = load_daemon_config(&p).unwrap_err();
@@ -811,6 +811,7 @@ fn forge_kind_defaults_to_github_and_gitlab_is_checked() {
             (8, "config_repo.forge.repo"),
             (9, "config_repo.forge.labels[0]"),
             (10, "config_repo.forge.dashboard_url"),
+            (11, "config_repo.forge.web_url"),
         ],
         "{errs:?}"
     );

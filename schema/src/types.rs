@@ -1003,6 +1003,13 @@ pub struct ForgeConfig {
     /// requests link each bucket to `<dashboard_url>/buckets/<service>/<bucket>`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dashboard_url: Option<String>,
+    /// Web base URL of the forge, e.g. `https://github.com` or `https://gitlab.example.com`:
+    /// the dashboard links a commit to `<web_url>/<repo>/commit/<sha>` (github) or
+    /// `<web_url>/<repo>/-/commit/<sha>` (gitlab). Default: from `api_url`
+    /// (`https://api.github.com` gives `https://github.com`; a trailing `/api/v3`, `/api/v4`,
+    /// `/api/v1` or `/api` is removed). Not used with kind `none`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub web_url: Option<String>,
 }
 
 fn default_forge_kind() -> String {

@@ -956,20 +956,15 @@ pub fn load_daemon_config(path: &Path) -> Result<DaemonConfig, Vec<Diagnostic>> 
                 format!("unknown forge `{k}`, expected github, gitlab or none"),
             )),
         }
-        if let Some(u) = &forge.api_url {
-            if !(u.starts_with("http://") || u.starts_with("https://")) {
-                diags.push(f.diag(
-                    "config_repo.forge.api_url",
-                    "must start with http:// or https://",
-                ));
-            }
-        }
-        if let Some(u) = &forge.dashboard_url {
-            if !(u.starts_with("http://") || u.starts_with("https://")) {
-                diags.push(f.diag(
-                    "config_repo.forge.dashboard_url",
-                    "must start with http:// or https://",
-                ));
+        for (key, url) in [
+            ("config_repo.forge.api_url", &forge.api_url),
+            ("config_repo.forge.dashboard_url", &forge.dashboard_url),
+            ("config_repo.forge.web_url", &forge.web_url),
+        ] {
+            if let Some(u) = url {
+                if !(u.starts_with("http://") || u.starts_with("https://")) {
+                    diags.push(f.diag(key, "must start with http:// or https://"));
+                }
             }
         }
         for (i, l) in forge.labels.iter().enumerate() {

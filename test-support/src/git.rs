@@ -228,6 +228,32 @@ exit $rc
         )
     }
 
+    /// Every file at the tip of `branch` in the remote with its blob id, by path.
+    pub fn tree(&self, branch: &str) -> Result<std::collections::BTreeMap<String, String>> {
+        let out = git(
+            &self.bare_path(),
+            &[
+                "ls-tree",
+                "-r",
+                "--full-tree",
+                &format!("refs/heads/{branch}"),
+            ],
+        )?;
+        // `<mode> <type> <id>\t<path>`
+        out.lines()
+            .map(|l| {
+                let (meta, path) = l
+                    .split_once('\t')
+                    .ok_or_else(|| anyhow::anyhow!("ls-tree line `{l}`"))?;
+                let id = meta
+                    .split(' ')
+                    .nth(2)
+                    .ok_or_else(|| anyhow::anyhow!("ls-tree line `{l}`"))?;
+                Ok((path.to_string(), id.to_string()))
+            })
+            .collect()
+    }
+
     /// `git log --format=%an|%ae|%s` of `branch` in the remote, newest first.
     pub fn log(&self, branch: &str) -> Result<Vec<String>> {
         let out = git(

@@ -78,6 +78,8 @@ async fn direct_mode_commits_pushes_and_records_once() {
     assert_eq!(hist[0].limit_rps, Some(250.0));
     assert_eq!(hist[0].previous_limit_rps, Some(100.0));
     assert!(hist[0].evidence.contains("peak_rps"));
+    // Direct mode: no pull request.
+    assert_eq!((runs[1].pull_request(), hist[0].pr_number), (None, None));
 }
 
 #[tokio::test]
@@ -166,6 +168,7 @@ async fn store_down_completes_git_work_and_records_later() {
 async fn pull_request_mode_opens_a_pr_and_pushes_only_merged_config() {
     let remote = seeded_remote();
     let seed = remote.head("main").unwrap();
+    let seed_tree = remote.tree("main").unwrap();
     let (ctl_url, ctl) = spawn_controller().await;
     let (forge_url, forge) = spawn_forge().await;
     let extra = format!(
@@ -210,13 +213,45 @@ async fn pull_request_mode_opens_a_pr_and_pushes_only_merged_config() {
 
     // A person merges: the next run pushes the merged config to the controller.
     let merged = remote.human_merge("rlc/quotas").unwrap();
+    // Nothing but bucket files came with the merge: the run's report and summary went to the
+    // pull request and the store, no file of any name to the base branch.
+    assert_eq!(
+        crate::gitops::tests::non_bucket_changes(&seed_tree, &remote.tree("main").unwrap()),
+        Vec::<String>::new()
+    );
     let out = apply_plan(&cfg, &base, &p, "schedule").await.unwrap();
     assert_eq!(out.status, RunStatus::Unchanged, "{out}");
     assert_eq!(out.version_pushed.as_deref(), Some(merged.as_str()));
-    let puts = ctl.puts.lock().unwrap();
-    let last = puts.last().unwrap();
-    assert_eq!(last["version"], merged.as_str());
-    assert_eq!(last["services"][0]["buckets"][0]["limit_rps"], 250.0);
+    {
+        let puts = ctl.puts.lock().unwrap();
+        let last = puts.last().unwrap();
+        assert_eq!(last["version"], merged.as_str());
+        assert_eq!(last["services"][0]["buckets"][0]["limit_rps"], 250.0);
+    }
+
+    // The store keeps the pull request with the runs that opened or updated it, and with the
+    // change it carries.
+    let store = Store::connect("sqlite://rlc.db", &base).await.unwrap();
+    let runs = store.recent_runs(10).await.unwrap();
+    let pr = crate::store::PullRequestRef {
+        number: 1,
+        url: Some("http://forge/pr/1".into()),
+    };
+    assert_eq!(
+        runs.iter()
+            .map(|r| (r.status.as_str(), r.pull_request()))
+            .collect::<Vec<_>>(),
+        vec![
+            ("unchanged", None),
+            ("success", Some(pr.clone())),
+            ("success", Some(pr.clone()))
+        ]
+    );
+    let changes = store.quota_changes("payments", "gw", 10).await.unwrap();
+    assert_eq!(changes.len(), 1);
+    assert_eq!(changes[0].run_id, runs[2].id);
+    assert_eq!(changes[0].commit_sha, runs[2].commit_sha);
+    assert_eq!(changes[0].pull_request, Some(pr));
 }
 
 #[tokio::test]
@@ -1180,6 +1215,22 @@ async fn pull_request_mode_on_gitlab_opens_a_merge_request_with_labels_and_revie
             1,
             Some("http://gitlab/acme/config/-/merge_requests/1".to_string())
         ))
+    );
+    // The run record keeps the merge request's iid and page.
+    let rec = cycle
+        .store()
+        .await
+        .unwrap()
+        .run_by_id(out.run_id.expect("recorded"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (rec.pr_number, rec.pr_url.as_deref()),
+        (
+            Some(1),
+            Some("http://gitlab/acme/config/-/merge_requests/1")
+        )
     );
     let again = cycle.apply(&shadow_plan(), "schedule").await;
     assert_eq!(again.pull_request.as_ref().map(|p| p.0), Some(1), "{again}");

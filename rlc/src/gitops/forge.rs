@@ -136,6 +136,54 @@ impl Forge {
     }
 }
 
+/// Whether `url` is an `http://` or `https://` URL (the only URLs the dashboard makes links of).
+pub fn is_http_url(url: &str) -> bool {
+    let lower = url.get(..8).unwrap_or(url).to_ascii_lowercase();
+    lower.starts_with("http://") || lower.starts_with("https://")
+}
+
+/// The web base URL of a forge from its API URL: `https://api.github.com` is
+/// `https://github.com`; otherwise a trailing `/api/v3` (GitHub Enterprise), `/api/v4`
+/// (GitLab), `/api/v1` (Gitea, Forgejo) or `/api` is removed.
+fn web_from_api(api: &str) -> String {
+    let api = api.trim_end_matches('/');
+    if api.eq_ignore_ascii_case("https://api.github.com") {
+        return "https://github.com".into();
+    }
+    for suffix in ["/api/v3", "/api/v4", "/api/v1", "/api"] {
+        if let Some(base) = api.strip_suffix(suffix) {
+            return base.to_string();
+        }
+    }
+    api.to_string()
+}
+
+/// Where the config repo's commits are on the forge's web site: a commit's page is this
+/// prefix followed by its SHA (`<web>/<owner>/<repo>/commit/` on GitHub,
+/// `<web>/<project>/-/commit/` on GitLab, the web base from `forge.web_url` or derived from
+/// `forge.api_url`). None for kind `none`, without `forge.repo`, or when the base is not an
+/// http(s) URL.
+pub fn commit_url_prefix(f: &schema::ForgeConfig) -> Option<String> {
+    let (default_api, commit_path) = match f.kind.as_str() {
+        "github" => ("https://api.github.com", "commit"),
+        "gitlab" => ("https://gitlab.com/api/v4", "-/commit"),
+        _ => return None,
+    };
+    let repo = f.repo.as_deref()?.trim_matches('/');
+    if repo.is_empty() {
+        return None;
+    }
+    let web = match &f.web_url {
+        Some(w) => w.trim_end_matches('/').to_string(),
+        None => web_from_api(f.api_url.as_deref().unwrap_or(default_api)),
+    };
+    if !is_http_url(&web) {
+        return None;
+    }
+    let repo: Vec<String> = repo.split('/').map(super::summary::url_segment).collect();
+    Some(format!("{web}/{}/{commit_path}/", repo.join("/")))
+}
+
 async fn check(
     resp: reqwest::Response,
     what: &'static str,

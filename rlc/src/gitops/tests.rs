@@ -49,6 +49,25 @@ pub(crate) fn plan(buckets: Vec<PlannedBucket>) -> Plan {
     }
 }
 
+/// The files of `after` that are not in `before` with the same content, other than bucket
+/// files (`buckets/<service>.yaml`): what a merge would put on the base branch besides quotas
+/// (a run report, a summary, anything).
+pub(crate) fn non_bucket_changes(
+    before: &std::collections::BTreeMap<String, String>,
+    after: &std::collections::BTreeMap<String, String>,
+) -> Vec<String> {
+    let bucket_file = |p: &str| {
+        p.strip_prefix("buckets/")
+            .and_then(|f| f.strip_suffix(".yaml"))
+            .is_some_and(|svc| !svc.is_empty() && !svc.contains('/'))
+    };
+    after
+        .iter()
+        .filter(|(path, id)| !bucket_file(path) && before.get(*path) != Some(*id))
+        .map(|(path, _)| path.clone())
+        .collect()
+}
+
 fn writer_cfg(remote: &GitRemote, dir: &str, mode: RepoMode) -> WriterConfig {
     WriterConfig {
         path: remote.scratch(dir),
@@ -237,9 +256,39 @@ fn invalid_render_is_never_committed() {
 }
 
 #[test]
+fn non_bucket_changes_lists_every_other_added_or_changed_file() {
+    let tree = |files: &[(&str, &str)]| {
+        files
+            .iter()
+            .map(|(p, id)| (p.to_string(), id.to_string()))
+            .collect::<std::collections::BTreeMap<_, _>>()
+    };
+    let before = tree(&[("rlc/policies.yaml", "a"), ("buckets/payments.yaml", "b")]);
+    let after = tree(&[
+        ("rlc/policies.yaml", "a2"),
+        ("buckets/payments.yaml", "b2"),
+        ("buckets/maps.yaml", "c"),
+        ("rlc/last-run.md", "d"),
+        ("buckets/sub/x.yaml", "e"),
+        ("RUN_REPORT.txt", "f"),
+    ]);
+    assert_eq!(
+        non_bucket_changes(&before, &after),
+        [
+            "RUN_REPORT.txt",
+            "buckets/sub/x.yaml",
+            "rlc/last-run.md",
+            "rlc/policies.yaml"
+        ]
+    );
+    assert!(non_bucket_changes(&before, &before).is_empty());
+}
+
+#[test]
 fn pull_request_branch_is_stable_and_human_commits_are_left_alone() {
     let remote = seeded_remote();
     let base = remote.head("main");
+    let seed_tree = remote.tree("main").unwrap();
     let mut w = Writer::open(writer_cfg(&remote, "wc", RepoMode::PullRequest)).unwrap();
     let p1 = plan(vec![planned("payments", "gw", 250.0)]);
     let out = w.write(&p1).unwrap();
@@ -253,8 +302,13 @@ fn pull_request_branch_is_stable_and_human_commits_are_left_alone() {
         "base branch untouched in PR mode"
     );
     // The report goes to the PR body and the store, never into the tree (a merge would put it
-    // on the base branch).
-    assert!(remote.read("rlc/quotas", "rlc/last-run.md").is_err());
+    // on the base branch): the branch differs from the base by bucket files only.
+    let branch_tree = remote.tree("rlc/quotas").unwrap();
+    assert_eq!(
+        non_bucket_changes(&seed_tree, &branch_tree),
+        Vec::<String>::new()
+    );
+    assert_ne!(branch_tree, seed_tree, "the bucket file changed");
     let report = crate::gitops::summary::report(&p1, &out.summary);
     assert!(
         report.contains("| gw | 100 | 250 | +150.0% | 200 | peak | high |"),
@@ -306,6 +360,11 @@ fn pull_request_branch_is_stable_and_human_commits_are_left_alone() {
 
     // Once merged, the base carries the change and the next plan equal to it is a no-op.
     remote.human_merge("rlc/quotas").unwrap();
+    // Every file on the base branch is a bucket file or one that was there before.
+    assert_eq!(
+        non_bucket_changes(&seed_tree, &remote.tree("main").unwrap()),
+        Vec::<String>::new()
+    );
     w.fetch().unwrap();
     let (version, files) = w.base_buckets().unwrap();
     assert_eq!(Some(version), remote.head("main"));

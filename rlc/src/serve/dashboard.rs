@@ -17,7 +17,8 @@ use serde::{Deserialize, Serialize};
 use super::limits::Query;
 use super::problem::CompatProblem;
 use super::AppState;
-use crate::store::{BucketShadowSummary, RunRecord, Store};
+use crate::gitops::forge::{commit_url_prefix, is_http_url};
+use crate::store::{BucketShadowSummary, PullRequestRef, RunRecord, Store};
 
 /// Share of virtual drops (`shadow_dropped / offered`) above which a bucket is flagged
 /// "would throttle": enforcing it as configured would refuse more than 1% of its traffic.
@@ -316,8 +317,61 @@ pub struct RunsQuery {
     pub limit: Option<i64>,
 }
 
+/// How the pages link a commit and a pull request to the forge (`config_repo.forge`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Links {
+    /// A commit's web page is this followed by its SHA; none without a forge.
+    commit_prefix: Option<String>,
+}
+
+impl Links {
+    /// From rlc.yaml's `config_repo.forge` (none, or kind `none`: commits stay plain text).
+    pub fn from_forge(forge: Option<&schema::ForgeConfig>) -> Links {
+        Links {
+            commit_prefix: forge.and_then(commit_url_prefix),
+        }
+    }
+
+    /// The forge's web page of commit `sha`: none without a forge, or for a value that is not
+    /// a commit id (7 to 64 hex digits).
+    pub fn commit_url(&self, sha: &str) -> Option<String> {
+        let prefix = self.commit_prefix.as_ref()?;
+        let hex = (7..=64).contains(&sha.len()) && sha.bytes().all(|b| b.is_ascii_hexdigit());
+        hex.then(|| format!("{prefix}{sha}"))
+    }
+
+    /// A commit as HTML: its first 12 characters (the whole SHA as title), a link to its
+    /// forge page when there is one.
+    pub fn commit_html(&self, sha: &str) -> String {
+        let code = format!(
+            "<code title=\"{}\">{}</code>",
+            escape_html(sha),
+            escape_html(&sha.chars().take(12).collect::<String>())
+        );
+        match self.commit_url(sha) {
+            Some(url) => format!(
+                "<a class=\"commit\" href=\"{}\">{code}</a>",
+                escape_html(&url)
+            ),
+            None => code,
+        }
+    }
+}
+
+/// A pull request as HTML: `#N`, a link to its page when that is an http(s) URL.
+pub fn pull_request_html(pr: &PullRequestRef) -> String {
+    match pr.url.as_deref().filter(|u| is_http_url(u)) {
+        Some(url) => format!(
+            "<a class=\"pr\" href=\"{}\">#{}</a>",
+            escape_html(url),
+            pr.number
+        ),
+        None => format!("<span class=\"pr\">#{}</span>", pr.number),
+    }
+}
+
 /// A run as `GET /v1/runs` shows it: the stored record with `services` as JSON instead of
-/// JSON text.
+/// JSON text, its pull request, and its commit's forge page.
 #[derive(Debug, Clone, Serialize, JsonSchema)]
 pub struct RunView {
     /// The store's id.
@@ -343,10 +397,17 @@ pub struct RunView {
     /// The id given out when the run was asked for or started (`GET /v1/runs/{run_uid}`);
     /// null for runs recorded before run ids.
     pub run_uid: Option<String>,
+    /// The pull (merge) request the run opened or updated; null when it opened none (or was
+    /// recorded before pull requests were).
+    pub pull_request: Option<PullRequestRef>,
+    /// The forge's web page of `commit_sha`; null without `config_repo.forge` (or kind
+    /// `none`).
+    pub commit_url: Option<String>,
 }
 
-impl From<&RunRecord> for RunView {
-    fn from(r: &RunRecord) -> RunView {
+impl RunView {
+    /// `r` as shown, its commit linked per `links`.
+    pub fn new(r: &RunRecord, links: &Links) -> RunView {
         RunView {
             id: r.id,
             trigger: r.trigger.clone(),
@@ -361,6 +422,8 @@ impl From<&RunRecord> for RunView {
             summary: r.summary.clone(),
             error: r.error.clone(),
             run_uid: r.run_uid.clone(),
+            pull_request: r.pull_request(),
+            commit_url: r.commit_sha.as_deref().and_then(|c| links.commit_url(c)),
         }
     }
 }
@@ -374,7 +437,8 @@ pub struct RunsPage {
 
 /// `GET /v1/runs?limit=N`: `{"runs": [{"id", "trigger", "started_at", "finished_at",
 /// "status", "commit_sha", "version_pushed", "services": [...], "summary", "error",
-/// "run_uid"}]}`, newest first. 503 without a store.
+/// "run_uid", "pull_request": {"number", "url"}, "commit_url"}]}`, newest first. 503 without a
+/// store.
 pub(super) async fn runs_json(
     State(s): State<AppState>,
     Query(q): Query<RunsQuery>,
@@ -388,8 +452,9 @@ pub(super) async fn runs_json(
         store.recent_runs(limit),
     )
     .await?;
+    let links = s.links();
     Ok(Json(RunsPage {
-        runs: runs.iter().map(RunView::from).collect(),
+        runs: runs.iter().map(|r| RunView::new(r, &links)).collect(),
     }))
 }
 
@@ -415,6 +480,7 @@ struct PageData {
     buffered: u64,
     /// What could not be loaded, and why.
     problems: Vec<String>,
+    links: Links,
 }
 
 /// The page's data, and the first failure if any (every failure is in `problems`).
@@ -423,6 +489,7 @@ async fn page_data(s: &AppState, q: ShadowQuery) -> (PageData, Option<DashError>
         buffered: s.inner.metrics.reports_buffered.get().max(0) as u64,
         service: q.service.clone().filter(|s| !s.is_empty()),
         window: q.window.clone().unwrap_or_else(|| DEFAULT_WINDOW.into()),
+        links: s.links(),
         ..PageData::default()
     };
     let fail = |mut data: PageData, e: DashError| {
@@ -745,15 +812,15 @@ fn render(d: &PageData) -> String {
         } else {
             h.push_str(
                 "<table id=\"runs\"><thead><tr><th class=\"num\">#</th><th>Started (UTC)</th>\
-                 <th>Trigger</th><th>Status</th><th>Commit</th><th>Summary</th></tr></thead><tbody>",
+                 <th>Trigger</th><th>Status</th><th>Commit</th><th>Pull request</th><th>Summary</th></tr></thead><tbody>",
             );
             for r in runs {
                 let commit = match &r.commit_sha {
-                    Some(c) => format!(
-                        "<code title=\"{}\">{}</code>",
-                        escape_html(c),
-                        escape_html(&c.chars().take(12).collect::<String>())
-                    ),
+                    Some(c) => d.links.commit_html(c),
+                    None => "<span class=\"muted\">—</span>".into(),
+                };
+                let pr = match r.pull_request() {
+                    Some(pr) => pull_request_html(&pr),
                     None => "<span class=\"muted\">—</span>".into(),
                 };
                 let mut summary = escape_html(r.summary.lines().next().unwrap_or(""));
@@ -781,9 +848,9 @@ fn render(d: &PageData) -> String {
                 }
                 let _ = write!(
                     h,
-                    "<tr><td class=\"num\">{id}</td><td>{started}</td><td>{trigger}</td>\
+                    "<tr data-run=\"{id}\"><td class=\"num\"><a href=\"/v1/runs/{id}\">{id}</a></td><td>{started}</td><td>{trigger}</td>\
                      <td><span class=\"badge {status}\">{status}</span></td><td>{commit}</td>\
-                     <td>{summary}</td></tr>",
+                     <td>{pr}</td><td>{summary}</td></tr>",
                     id = r.id,
                     started = when(r.started_at),
                     trigger = escape_html(&r.trigger),

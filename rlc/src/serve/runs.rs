@@ -290,7 +290,7 @@ pub(super) async fn run_status(
         (Some(mut m), rec) => {
             if let Some(r) = rec {
                 m.id = Some(r.id);
-                m.record = Some(RunView::from(&r));
+                m.record = Some(RunView::new(&r, &s.links()));
             }
             Ok(Json(m))
         }
@@ -304,7 +304,7 @@ pub(super) async fn run_status(
             finished_at: Some(r.finished_at),
             status: Some(r.status.clone()),
             outcome: None,
-            record: Some(RunView::from(&r)),
+            record: Some(RunView::new(&r, &s.links())),
         })),
         (None, None) if s.store().is_none() => Err(CompatProblem::new(
             StatusCode::SERVICE_UNAVAILABLE,

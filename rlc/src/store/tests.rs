@@ -18,6 +18,8 @@ fn run(trigger: &str, status: &str, minute: u32) -> RunRecord {
         summary: "raised 1".into(),
         error: None,
         run_uid: None,
+        pr_number: None,
+        pr_url: None,
     }
 }
 
@@ -33,6 +35,8 @@ fn quota(limit: f64, prev: Option<f64>) -> QuotaRecord {
         commit_sha: Some("abc".into()),
         evidence: r#"{"peak_rps":80}"#.into(),
         recorded_at: Utc.with_ymd_and_hms(2026, 11, 30, 3, 0, 30).unwrap(),
+        pr_number: None,
+        pr_url: None,
     }
 }
 
@@ -890,4 +894,144 @@ async fn sqlite_sql_figures_match_the_minutes() {
 async fn postgres_sql_figures_match_the_minutes() {
     let db = test_support::postgres::fresh_database().await.unwrap();
     check_sql_figures(Store::connect(&db.url, Path::new("/")).await.unwrap()).await;
+}
+
+/// A run recorded before migration 0007 (no pull request columns), with one quota change.
+const OLD_RUN: &str =
+    "INSERT INTO runs (trigger, started_at, finished_at, status, commit_sha, services, summary) \
+     VALUES ('schedule', $1, $1, 'success', 'abc', '[]', 'old run') RETURNING id";
+const OLD_QUOTA: &str = "INSERT INTO quota_history (run_id, recorded_at, service, bucket, change, limit_rps, commit_sha) \
+     VALUES ($1, $2, 'payments', 'gw', 'added', 100, 'abc')";
+
+/// Migration 0007 keeps the runs and quota changes recorded before it (without a pull
+/// request), and from then on a run and the changes it proposed keep their pull request.
+async fn check_pull_requests(store: Store, old_run: i64) {
+    let old = store
+        .run_by_id(old_run)
+        .await
+        .unwrap()
+        .expect("old run kept");
+    assert_eq!(old.summary, "old run");
+    assert_eq!((old.pr_number, old.pull_request()), (None, None));
+
+    let mut via_pr = run("schedule", "success", 20);
+    via_pr.pr_number = Some(42);
+    via_pr.pr_url = Some("https://forge.example/acme/config/pull/42".into());
+    let mut q = quota(150.0, Some(100.0));
+    q.pr_number = Some(42);
+    q.pr_url = via_pr.pr_url.clone();
+    let id = store.record_run(&via_pr, &[q.clone()]).await.unwrap();
+    // A direct run in between: no pull request.
+    let direct = store
+        .record_run(
+            &run("schedule", "success", 30),
+            &[quota(160.0, Some(150.0))],
+        )
+        .await
+        .unwrap();
+
+    let pr = PullRequestRef {
+        number: 42,
+        url: Some("https://forge.example/acme/config/pull/42".into()),
+    };
+    let got = store.run_by_id(id).await.unwrap().unwrap();
+    assert_eq!(got.pull_request(), Some(pr.clone()));
+    assert_eq!(got, RunRecord { id, ..via_pr });
+    assert_eq!(
+        store
+            .run_by_id(direct)
+            .await
+            .unwrap()
+            .unwrap()
+            .pull_request(),
+        None
+    );
+    let recent = store.recent_runs(3).await.unwrap();
+    assert_eq!(
+        recent
+            .iter()
+            .map(|r| (r.id, r.pr_number))
+            .collect::<Vec<_>>(),
+        vec![(direct, None), (id, Some(42)), (old_run, None)]
+    );
+    // The bucket's history, newest first: the direct change, the one through PR #42, the old one.
+    let changes = store.quota_changes("payments", "gw", 10).await.unwrap();
+    assert_eq!(
+        changes
+            .iter()
+            .map(|c| (c.run_id, c.limit_rps, c.pull_request.clone()))
+            .collect::<Vec<_>>(),
+        vec![
+            (direct, Some(160.0), None),
+            (id, Some(150.0), Some(pr)),
+            (old_run, Some(100.0), None)
+        ]
+    );
+    let hist = store.quota_history("payments", "gw").await.unwrap();
+    assert_eq!(hist[1], q);
+    assert_eq!((hist[0].pr_number, hist[2].pr_number), (None, None));
+}
+
+#[tokio::test]
+async fn sqlite_migration_0007_keeps_runs_and_records_pull_requests() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = SqlitePoolOptions::new()
+        .connect_with(
+            SqliteConnectOptions::new()
+                .filename(dir.path().join("rlc.db"))
+                .create_if_missing(true),
+        )
+        .await
+        .unwrap();
+    let mut m = sqlx::migrate!("../migrations/sqlite");
+    m.migrations = m
+        .migrations
+        .iter()
+        .filter(|x| x.version < 7)
+        .cloned()
+        .collect();
+    m.run(&pool).await.unwrap();
+    let t = Utc.with_ymd_and_hms(2026, 11, 30, 2, 0, 0).unwrap();
+    let (old,): (i64,) = sqlx::query_as(OLD_RUN)
+        .bind(t)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    sqlx::query(OLD_QUOTA)
+        .bind(old)
+        .bind(t)
+        .execute(&pool)
+        .await
+        .unwrap();
+    pool.close().await;
+    let store = Store::connect("sqlite://rlc.db", dir.path()).await.unwrap();
+    check_pull_requests(store, old).await;
+}
+
+#[tokio::test]
+async fn postgres_migration_0007_keeps_runs_and_records_pull_requests() {
+    let db = test_support::postgres::fresh_database().await.unwrap();
+    let pool = PgPoolOptions::new().connect(&db.url).await.unwrap();
+    let mut m = sqlx::migrate!("../migrations/postgres");
+    m.migrations = m
+        .migrations
+        .iter()
+        .filter(|x| x.version < 7)
+        .cloned()
+        .collect();
+    m.run(&pool).await.unwrap();
+    let t = Utc.with_ymd_and_hms(2026, 11, 30, 2, 0, 0).unwrap();
+    let (old,): (i64,) = sqlx::query_as(OLD_RUN)
+        .bind(t)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    sqlx::query(OLD_QUOTA)
+        .bind(old)
+        .bind(t)
+        .execute(&pool)
+        .await
+        .unwrap();
+    pool.close().await;
+    check_pull_requests(Store::connect(&db.url, Path::new("/")).await.unwrap(), old).await;
 }

@@ -16,8 +16,8 @@ use serde::{Deserialize, Serialize};
 
 use super::super::limits::{Path, Query};
 use super::{
-    encode_query_value, escape_html, load, parse_window, percent, problems_notice, rate, when,
-    DashError, CSS, WINDOWS,
+    encode_query_value, escape_html, load, parse_window, percent, problems_notice,
+    pull_request_html, rate, when, DashError, Links, CSS, WINDOWS,
 };
 use crate::readiness::{self, ShadowStats, Verdict};
 use crate::serve::AppState;
@@ -417,17 +417,18 @@ pub(in crate::serve) async fn bucket_page(
             detail(&store, rule, &service, &bucket, &window, s.query_timeout()).await
         }
     };
+    let links = s.links();
     let (status, body) = match res {
         Ok((d, missing)) => (
             missing
                 .errors
                 .first()
                 .map_or(StatusCode::OK, DashError::status),
-            render(&service, &bucket, &window, Ok((&d, &missing))),
+            render(&service, &bucket, &window, &links, Ok((&d, &missing))),
         ),
         Err(e) => (
             e.status(),
-            render(&service, &bucket, &window, Err(&e.message())),
+            render(&service, &bucket, &window, &links, Err(&e.message())),
         ),
     };
     (status, Html(body)).into_response()
@@ -563,6 +564,7 @@ fn render(
     service: &str,
     bucket: &str,
     window: &str,
+    links: &Links,
     d: Result<(&BucketDetail, &Missing), &str>,
 ) -> String {
     let mut h = String::with_capacity(32 * 1024);
@@ -657,14 +659,14 @@ fn render(
         h.push_str(
             "<table id=\"quota-history\"><thead><tr><th>Recorded (UTC)</th><th>Change</th>\
              <th class=\"num\">Limit rps</th><th class=\"num\">Before</th><th>Mode</th><th>Policy</th>\
-             <th class=\"num\">Run</th><th>Commit</th></tr></thead><tbody>",
+             <th class=\"num\">Run</th><th>Commit</th><th>Pull request</th></tr></thead><tbody>",
         );
         for q in &d.quota_history {
             let opt = |v: Option<f64>| v.map(rate).unwrap_or_else(|| "—".into());
             let _ = write!(
                 h,
                 "<tr><td class=\"nowrap\">{}</td><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>\
-                 <td>{}</td><td>{}</td><td class=\"num\">{}</td><td>{}</td></tr>",
+                 <td>{}</td><td>{}</td><td class=\"num\">{}</td><td>{}</td><td>{}</td></tr>",
                 when(q.recorded_at),
                 escape_html(&q.change),
                 opt(q.limit_rps),
@@ -675,11 +677,12 @@ fn render(
                 format_args!("<a href=\"/v1/runs/{0}\">{0}</a>", q.run_id),
                 q.commit_sha
                     .as_deref()
-                    .map(|c| format!(
-                        "<code title=\"{}\">{}</code>",
-                        escape_html(c),
-                        escape_html(&c.chars().take(12).collect::<String>())
-                    ))
+                    .map(|c| links.commit_html(c))
+                    .unwrap_or_else(|| "—".into()),
+                // The pull request that carries it (none: committed directly).
+                q.pull_request
+                    .as_ref()
+                    .map(pull_request_html)
                     .unwrap_or_else(|| "—".into()),
             );
         }

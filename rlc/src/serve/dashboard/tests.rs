@@ -43,6 +43,8 @@ fn run(status: &str, minute: u32, commit: Option<&str>, error: Option<&str>) -> 
         summary: format!("payments: raised 1 bucket ({status})\nsecond line"),
         error: error.map(Into::into),
         run_uid: None,
+        pr_number: None,
+        pr_url: None,
     }
 }
 
@@ -545,15 +547,18 @@ async fn eight_days(store: &Store) -> Days {
         commit_sha: Some("feedfacefeedfacefeedfacefeedfacefeedface".into()),
         evidence: "{}".into(),
         recorded_at: now - chrono::Duration::days(1),
+        // Proposed through merge request !12.
+        pr_number: Some(12),
+        pr_url: Some(MR_URL.into()),
     };
     let mut held = run("held", 1, None, None);
     held.summary = "rlc run (schedule): held\n  git: held — the PR branch has human commits".into();
     store.record_run(&held, &[]).await.unwrap();
     q.recorded_at = now - chrono::Duration::days(1);
-    store
-        .record_run(&run("success", 2, q.commit_sha.as_deref(), None), &[q])
-        .await
-        .unwrap();
+    let mut via_mr = run("success", 2, q.commit_sha.as_deref(), None);
+    via_mr.pr_number = q.pr_number;
+    via_mr.pr_url = q.pr_url.clone();
+    store.record_run(&via_mr, &[q]).await.unwrap();
     Days { burst, gap }
 }
 
@@ -707,9 +712,15 @@ fn attr<'a>(html: &'a str, from: usize, name: &str) -> &'a str {
     &html[s..s + html[s..].find('"').unwrap()]
 }
 
+/// The merge request of the change in [`eight_days`].
+const MR_URL: &str = "https://git.example.com/acme/config/-/merge_requests/12";
+
 async fn check_bucket_pages(store: Store, label: &str) {
     let days = eight_days(&store).await;
     let state = AppState::with_store(store);
+    state.set_links(Links::from_forge(Some(&forge(
+        "kind: gitlab\napi_url: https://git.example.com/api/v4\nrepo: acme/config\n",
+    ))));
     check_bucket_json(&state, &days).await;
 
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -774,6 +785,14 @@ async fn check_bucket_pages(store: Store, label: &str) {
         dom.contains(">feedfacefeed</code>"),
         "quota history with its commit"
     );
+    // The commit and the merge request link to the forge (hrefs only: nothing is fetched).
+    assert!(
+        dom.contains(
+            "href=\"https://git.example.com/acme/config/-/commit/feedfacefeedfacefeedfacefeedfacefeedface\""
+        ),
+        "{dom}"
+    );
+    assert!(dom.contains(&format!("href=\"{MR_URL}\">#12</a>")), "{dom}");
     // The change links to the run that made it, whose record names the same commit.
     let at = dom.find("href=\"/v1/runs/").expect("a link to the run") + 6;
     let link = &dom[at..][..dom[at..].find('"').unwrap()];
@@ -931,4 +950,185 @@ async fn bucket_verdict_applies_the_services_promotion_rule() {
     .await;
     assert_eq!(d["readiness"]["rule"]["source"], "default");
     assert_eq!(d["readiness"]["verdict"]["verdict"], "ready", "{d}");
+}
+
+fn forge(yaml: &str) -> schema::ForgeConfig {
+    serde_yaml::from_str(yaml).unwrap()
+}
+
+#[test]
+fn commit_links_follow_the_forge_config() {
+    let sha = "0123456789abcdef0123456789abcdef01234567";
+    let url = |yaml: &str| Links::from_forge(Some(&forge(yaml))).commit_url(sha);
+    assert_eq!(
+        url("kind: github\nrepo: acme/config\n"),
+        Some(format!("https://github.com/acme/config/commit/{sha}"))
+    );
+    // GitHub Enterprise and Gitea APIs live under /api/v3 and /api/v1 of the web site.
+    assert_eq!(
+        url("kind: github\napi_url: https://ghe.example.com/api/v3/\nrepo: acme/config\n"),
+        Some(format!("https://ghe.example.com/acme/config/commit/{sha}"))
+    );
+    assert_eq!(
+        url("kind: github\napi_url: https://gitea.example.com/api/v1\nrepo: acme/config\n"),
+        Some(format!(
+            "https://gitea.example.com/acme/config/commit/{sha}"
+        ))
+    );
+    assert_eq!(
+        url("kind: gitlab\nrepo: group/sub/config\n"),
+        Some(format!(
+            "https://gitlab.com/group/sub/config/-/commit/{sha}"
+        ))
+    );
+    assert_eq!(
+        url("kind: gitlab\napi_url: https://git.example.com/api/v4\nrepo: group/config\n"),
+        Some(format!(
+            "https://git.example.com/group/config/-/commit/{sha}"
+        ))
+    );
+    // forge.web_url wins over the API URL.
+    assert_eq!(
+        url("kind: github\napi_url: http://127.0.0.1:1/\nweb_url: https://code.example.com/\nrepo: acme/config\n"),
+        Some(format!("https://code.example.com/acme/config/commit/{sha}"))
+    );
+    // Path segments are percent-encoded; no forge, kind none or a non-http base: no link.
+    assert_eq!(
+        url("kind: github\nrepo: \"a b/c\\\"d\"\n"),
+        Some(format!("https://github.com/a%20b/c%22d/commit/{sha}"))
+    );
+    assert_eq!(url("kind: none\nrepo: acme/config\n"), None);
+    assert_eq!(url("kind: github\n"), None);
+    assert_eq!(
+        url("kind: github\nweb_url: \"javascript:alert(1)//\"\nrepo: a/b\n"),
+        None
+    );
+    assert_eq!(Links::from_forge(None).commit_url(sha), None);
+    // Only commit ids are linked.
+    let links = Links::from_forge(Some(&forge("kind: github\nrepo: acme/config\n")));
+    for bad in ["", "abc", "../../evil", "0123456789abcdef\"><x>"] {
+        assert_eq!(links.commit_url(bad), None, "{bad}");
+    }
+}
+
+const PR_SHA: &str = "c0ffeec0ffeec0ffeec0ffeec0ffeec0ffeec0ff";
+const PR_URL: &str = "https://github.com/acme/config/pull/7";
+
+/// [`filled_store`] plus a run that opened pull request #7 (and the change of payments/gw it
+/// carries), and a run whose stored pull request URL and commit are hostile.
+async fn store_with_pull_requests(dir: &std::path::Path) -> (Store, i64) {
+    let store = filled_store(dir).await;
+    let mut via_pr = run("success", 10, Some(PR_SHA), None);
+    via_pr.pr_number = Some(7);
+    via_pr.pr_url = Some(PR_URL.into());
+    let q = crate::store::QuotaRecord {
+        service: "payments".into(),
+        bucket: "gw".into(),
+        change: "raised".into(),
+        limit_rps: Some(150.0),
+        previous_limit_rps: Some(100.0),
+        mode: Some("shadow".into()),
+        policy: Some("peak".into()),
+        commit_sha: Some(PR_SHA.into()),
+        evidence: "{}".into(),
+        recorded_at: Utc::now(),
+        pr_number: Some(7),
+        pr_url: Some(PR_URL.into()),
+    };
+    let id = store.record_run(&via_pr, &[q]).await.unwrap();
+    let mut evil = run("success", 11, Some("\"><img src=x onerror=alert(2)>"), None);
+    evil.pr_number = Some(8);
+    evil.pr_url = Some("javascript:alert(1)".into());
+    store.record_run(&evil, &[]).await.unwrap();
+    (store, id)
+}
+
+#[tokio::test]
+async fn pages_link_commits_and_pull_requests_to_the_forge() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, id) = store_with_pull_requests(dir.path()).await;
+    let state = AppState::with_store(store);
+    state.set_links(Links::from_forge(Some(&forge(
+        "kind: github\nrepo: acme/config\n",
+    ))));
+    let commit_url = format!("https://github.com/acme/config/commit/{PR_SHA}");
+    let commit_link = format!(
+        "<a class=\"commit\" href=\"{commit_url}\"><code title=\"{PR_SHA}\">c0ffeec0ffee</code></a>"
+    );
+    let pr_link = format!("<a class=\"pr\" href=\"{PR_URL}\">#7</a>");
+
+    // The overview's runs table: the commit and the pull request link to the forge, the
+    // run to its record; the hostile URL and commit stay text.
+    let (status, html) = get(&state, "/").await;
+    assert_eq!(status, StatusCode::OK, "{html}");
+    let row = &html[html
+        .find(&format!("<tr data-run=\"{id}\">"))
+        .expect("run row")..];
+    let row = &row[..row.find("</tr>").unwrap()];
+    assert!(row.contains(&commit_link), "{row}");
+    assert!(row.contains(&pr_link), "{row}");
+    assert!(
+        row.contains(&format!("<a href=\"/v1/runs/{id}\">{id}</a>")),
+        "{row}"
+    );
+    assert!(html.contains("<span class=\"pr\">#8</span>"), "{html}");
+    assert!(!html.contains("javascript:"), "{html}");
+    assert!(!html.contains("<img"), "{html}");
+    assert!(html.contains("&quot;&gt;&lt;img src=x"), "{html}");
+    // Runs without a pull request or commit say so.
+    assert_eq!(html.matches("<a class=\"pr\"").count(), 1, "{html}");
+    assert_eq!(html.matches("<a class=\"commit\"").count(), 3, "{html}");
+
+    // The JSON of the runs and of one run.
+    let (_, v) = get_json(&state, "/v1/runs").await;
+    let listed = v["runs"].as_array().unwrap();
+    let r = listed.iter().find(|r| r["id"] == id).unwrap();
+    assert_eq!(
+        r["pull_request"],
+        serde_json::json!({"number": 7, "url": PR_URL})
+    );
+    assert_eq!(r["commit_url"], commit_url.as_str());
+    assert_eq!(
+        listed[0]["pull_request"]["url"], "javascript:alert(1)",
+        "stored as given"
+    );
+    assert_eq!(
+        listed[0]["commit_url"],
+        serde_json::Value::Null,
+        "not a commit id"
+    );
+    assert_eq!(listed[2]["pull_request"], serde_json::Value::Null);
+    let (status, one) = get_json(&state, &format!("/v1/runs/{id}")).await;
+    assert_eq!(status, StatusCode::OK, "{one}");
+    assert_eq!(one["record"]["pull_request"]["number"], 7);
+    assert_eq!(one["record"]["pull_request"]["url"], PR_URL);
+    assert_eq!(one["record"]["commit_url"], commit_url.as_str());
+    assert_eq!(one["record"]["commit_sha"], PR_SHA, "existing fields kept");
+
+    // The bucket page's quota history: the change, its run, commit and pull request.
+    let (status, html) = get(&state, "/buckets/payments/gw?window=1h").await;
+    assert_eq!(status, StatusCode::OK, "{html}");
+    let table = &html[html.find("id=\"quota-history\"").expect("quota history")..];
+    let row = &table[table.find("<tbody><tr>").unwrap()..];
+    let row = &row[..row.find("</tr>").unwrap()];
+    assert!(
+        row.contains(&format!("<a href=\"/v1/runs/{id}\">{id}</a>")),
+        "{row}"
+    );
+    assert!(row.contains(&commit_link), "{row}");
+    assert!(row.contains(&pr_link), "{row}");
+    let (_, v) = get_json(&state, "/v1/shadow/payments/gw?window=1h").await;
+    assert_eq!(
+        v["quota_history"][0]["pull_request"],
+        serde_json::json!({"number": 7, "url": PR_URL})
+    );
+
+    // Without a forge: plain SHAs, no commit link; the pull request keeps its stored page.
+    let plain = AppState::with_store(state.store().unwrap());
+    let (_, html) = get(&plain, "/").await;
+    assert!(!html.contains("class=\"commit\""), "{html}");
+    assert!(html.contains(&format!("<code title=\"{PR_SHA}\">c0ffeec0ffee</code>")));
+    assert!(html.contains(&pr_link), "{html}");
+    let (_, v) = get_json(&plain, &format!("/v1/runs/{id}")).await;
+    assert_eq!(v["record"]["commit_url"], serde_json::Value::Null);
 }
