@@ -125,6 +125,15 @@ fn cpu_secs(pid: u32) -> f64 {
     ticks / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
 }
 
+/// The 1-minute load average (`/proc/loadavg`), printed beside the figures: the machine's
+/// other load weighs on them.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|l| l.split_whitespace().next().map(str::to_string))
+        .unwrap_or_else(|| "?".into())
+}
+
 /// The child: controller + aggregator; prints the aggregator's URL, serves until stdin closes.
 fn serve(a: &Args) -> anyhow::Result<()> {
     if a.pin {
@@ -441,6 +450,7 @@ fn main() -> anyhow::Result<()> {
         codec(&a);
         return Ok(());
     }
+    let load_before = load_average();
     let mut child_args: Vec<String> = std::env::args().skip(1).collect();
     child_args.push("--serve".into());
     let mut child = std::process::Command::new(std::env::current_exe()?)
@@ -511,6 +521,10 @@ fn main() -> anyhow::Result<()> {
             .map_or(f64::NAN, |&us| us as f64 / 1000.0)
     };
     let ok = counts.ok.load(Ordering::Relaxed);
+    eprintln!(
+        "load average (1 min): {load_before} before, {} after",
+        load_average()
+    );
     println!(
         "| {} | {} | {} | {} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} | {:.2} | {} |",
         a.label,

@@ -117,9 +117,8 @@ struct AggState {
     calls: HashMap<String, PendingCalls>,
     directives: ZoneDirectives,
     directives_at: Option<Instant>,
-    /// `directives` by service, built at the first report after `directives_at` changed.
-    by_service: HashMap<String, Arc<Vec<DirectiveMsg>>>,
-    by_service_at: Option<Instant>,
+    /// What clients are answered, built at the first report after `directives_at` changed.
+    replies: Option<Replies>,
     /// Clients not heard from since the last forward (`fresh == false`), counted when
     /// `build_report` cleared them and as they report; see `report`.
     waiting: usize,
@@ -127,20 +126,75 @@ struct AggState {
     config: ConfigDoc,
 }
 
-impl AggState {
-    /// The directives of `service` (None: the controller sent none), shared: indexed once per
-    /// controller answer instead of searched per report.
-    fn service_directives(&mut self, service: &str) -> Option<Arc<Vec<DirectiveMsg>>> {
-        if self.by_service_at != self.directives_at {
-            self.by_service = self
-                .directives
-                .services
-                .iter()
-                .map(|d| (d.service.clone(), Arc::new(d.directives.clone())))
-                .collect();
-            self.by_service_at = self.directives_at;
+/// The replies to client reports since the controller's last answer (`at`), by service.
+struct Replies {
+    at: Option<Instant>,
+    by_service: HashMap<String, Arc<ServiceReply>>,
+    /// For a service the controller sent no directives for.
+    none: Arc<ServiceReply>,
+}
+
+/// One service's reply but for its age (which changes with every report), shared by all its
+/// clients until the controller answers again: indexed once per answer instead of searched
+/// per report, and encoded once per answer instead of per report.
+struct ServiceReply {
+    version: String,
+    directives: Vec<DirectiveMsg>,
+    /// The binary encoding, made at the first binary report.
+    binary: std::sync::OnceLock<crate::proto::binary::EncodedDirectives>,
+}
+
+impl ServiceReply {
+    fn new(version: &str, directives: Vec<DirectiveMsg>) -> Arc<ServiceReply> {
+        Arc::new(ServiceReply {
+            version: version.to_string(),
+            directives,
+            binary: Default::default(),
+        })
+    }
+
+    /// The reply's body with `age_ms`, in the binary encoding or JSON.
+    fn body(&self, age_ms: Option<u64>, binary: bool) -> Vec<u8> {
+        if binary {
+            self.binary
+                .get_or_init(|| {
+                    crate::proto::binary::EncodedDirectives::new(&self.version, &self.directives)
+                })
+                .with_age(age_ms)
+        } else {
+            serde_json::to_vec(&ClientDirectives {
+                version: self.version.clone(),
+                age_ms,
+                directives: self.directives.clone(),
+            })
+            .expect("directives serialize")
         }
-        self.by_service.get(service).cloned()
+    }
+}
+
+impl AggState {
+    /// The reply to a client of `service`.
+    fn service_reply(&mut self, service: &str) -> Arc<ServiceReply> {
+        if self.replies.as_ref().is_none_or(|r| r.at != self.directives_at) {
+            let version = &self.directives.version;
+            self.replies = Some(Replies {
+                at: self.directives_at,
+                by_service: self
+                    .directives
+                    .services
+                    .iter()
+                    .map(|d| {
+                        (
+                            d.service.clone(),
+                            ServiceReply::new(version, d.directives.clone()),
+                        )
+                    })
+                    .collect(),
+                none: ServiceReply::new(version, Vec::new()),
+            });
+        }
+        let r = self.replies.as_ref().expect("built above");
+        r.by_service.get(service).unwrap_or(&r.none).clone()
     }
 }
 
@@ -427,65 +481,62 @@ async fn report(
     if binary {
         s.metrics.accepted_binary.inc();
     }
-    // The rates are computed and the reply encoded outside the lock; under it, only the sums,
-    // the client's entry and a shared handle on its service's directives.
-    let rates = r.rates();
-    let ClientReport {
-        client_id,
-        service,
-        buckets,
-        calls,
-        urgent,
-        ..
-    } = r;
-    let key = (service, client_id);
-    let (version, age_ms, directives) = {
+    // Under the lock only the sums, the client's entry and a shared handle on its service's
+    // reply; the reply is encoded outside. Known keys are looked up by the report's borrowed
+    // names (nothing allocated per bucket); only a new client, bucket or caller allocates.
+    let (reply, age_ms) = {
+        use crate::keys::StrPair;
         let mut guard = s.state.lock().expect("aggregator lock");
         let st = &mut *guard;
-        for mut b in buckets {
-            let p = st
-                .pending
-                .entry((key.0.clone(), std::mem::take(&mut b.bucket)))
-                .or_insert_with_key(|k| BucketCountsMsg {
+        let service = r.service.as_str();
+        for b in &r.buckets {
+            crate::keys::update(
+                &mut st.pending,
+                (service, &b.bucket),
+                |k| BucketCountsMsg {
                     bucket: k.1.clone(),
                     ..Default::default()
-                });
-            p.add(&b);
+                },
+                |p| p.add(b),
+            );
         }
-        if !calls.is_empty() {
+        if !r.calls.is_empty() {
             let max = s.opts.max_call_keys;
             let room = st.calls.len() < MAX_CALL_SERVICES;
-            if let Some(p) = match st.calls.get_mut(&key.0) {
+            if let Some(p) = match st.calls.get_mut(service) {
                 Some(p) => Some(p),
                 None if room => Some(
                     st.calls
-                        .entry(key.0.clone())
+                        .entry(service.to_string())
                         .or_insert_with(|| PendingCalls::new(max)),
                 ),
                 None => None,
             } {
-                for c in &calls {
+                for c in &r.calls {
                     p.add(&c.caller, &c.procedure, c.count);
                 }
             }
         }
         let horizon = s.opts.tick * 3;
         let now = Instant::now();
-        match st.clients.get_mut(&key) {
+        match st
+            .clients
+            .get_mut(&(service, r.client_id.as_str()) as &dyn StrPair)
+        {
             Some(c) => {
                 if !c.fresh {
                     st.waiting = st.waiting.saturating_sub(1);
                 }
                 c.at = now;
-                c.rates = rates;
+                r.rates_into(&mut c.rates);
                 c.fresh = true;
             }
             None => {
                 st.clients.insert(
-                    key.clone(),
+                    (r.service.clone(), r.client_id.clone()),
                     ClientEntry {
                         at: now,
-                        rates,
+                        rates: r.rates(),
                         fresh: true,
                     },
                 );
@@ -506,36 +557,30 @@ async fn report(
                 .count();
             st.waiting_counted = Some(now);
         }
-        if urgent || st.waiting == 0 {
+        if r.urgent || st.waiting == 0 {
             s.all_in.notify_one();
         }
-        let directives = st.service_directives(&key.0);
         (
-            st.directives.version.clone(),
+            st.service_reply(service),
             st.directives_at.map(|t| t.elapsed().as_millis() as u64),
-            directives,
         )
     };
-    // Encoded outside the lock.
-    let reply = ClientDirectives {
-        version,
-        age_ms,
-        directives: directives.map_or_else(Vec::new, |d| (*d).clone()),
-    };
-    let proto = [(PROTO_HEADER, PROTO_VERSION.to_string())];
-    Ok(if binary {
-        (
-            proto,
-            [(
-                axum::http::header::CONTENT_TYPE,
-                crate::proto::binary::CONTENT_TYPE,
-            )],
-            crate::proto::binary::encode_directives(&reply),
-        )
-            .into_response()
+    let ctype = if binary {
+        crate::proto::binary::CONTENT_TYPE
     } else {
-        (proto, Json(reply)).into_response()
-    })
+        "application/json"
+    };
+    let mut resp = axum::response::Response::new(Body::from(reply.body(age_ms, binary)));
+    let h = resp.headers_mut();
+    h.insert(
+        axum::http::HeaderName::from_static(PROTO_HEADER),
+        crate::proto::version_header(),
+    );
+    h.insert(
+        axum::http::header::CONTENT_TYPE,
+        axum::http::HeaderValue::from_static(ctype),
+    );
+    Ok(resp)
 }
 
 /// `GET /readyz`: a controller answered a forward within 3 ticks (at least 2 s): the
@@ -594,10 +639,13 @@ fn build_report(s: &Shared) -> ZoneReport {
     for ((service, _), c) in st.clients.iter_mut() {
         c.fresh = false;
         for (b, r) in &c.rates {
-            let e = sums.entry((service.clone(), b.clone())).or_default();
-            for i in 0..4 {
-                e[i] += r[i];
-            }
+            // Under the lock that client reports wait on: the names are allocated once per
+            // bucket, not per client.
+            crate::keys::update(&mut sums, (service, b), |_| [0.0; 4], |e| {
+                for i in 0..4 {
+                    e[i] += r[i];
+                }
+            });
         }
     }
     st.waiting = st.clients.len();

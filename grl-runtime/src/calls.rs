@@ -262,26 +262,24 @@ impl PendingCalls {
 
     /// Adds `n` calls of `caller` to `procedure`.
     pub fn add(&mut self, caller: &str, procedure: &str, n: u64) {
+        use crate::keys::StrPair;
         let (caller, procedure) = (fold_long(caller), fold_long(procedure));
-        if let Some(v) = self
-            .map
-            .get_mut(&(caller.to_string(), procedure.to_string()))
-        {
+        // Looked up by the borrowed names: a key is allocated only when new.
+        if let Some(v) = self.map.get_mut(&(caller, procedure) as &dyn StrPair) {
             *v = v.saturating_add(n);
             return;
         }
         let key = if self.map.len() < self.max {
-            (caller.to_string(), procedure.to_string())
+            (caller, procedure)
         } else if self
             .map
-            .contains_key(&(OTHER.to_string(), procedure.to_string()))
+            .contains_key(&(OTHER, procedure) as &dyn StrPair)
         {
-            (OTHER.to_string(), procedure.to_string())
+            (OTHER, procedure)
         } else {
-            (OTHER.to_string(), OTHER.to_string())
+            (OTHER, OTHER)
         };
-        let v = self.map.entry(key).or_default();
-        *v = v.saturating_add(n);
+        crate::keys::update(&mut self.map, key, |_| 0, |v| *v = v.saturating_add(n));
     }
 
     /// Number of keys held.

@@ -14,6 +14,7 @@ pub mod controller;
 pub mod delta;
 pub mod engine;
 pub mod http_util;
+pub mod keys;
 pub mod layer;
 pub mod logging;
 pub mod metrics;

@@ -26,6 +26,13 @@ pub const PROTO_BINARY: u32 = 3;
 /// The first protocol version with delta zone reports and delta directives.
 pub const PROTO_DELTA: u32 = 4;
 
+/// [`PROTO_VERSION`] as a header value (made once).
+pub fn version_header() -> http::HeaderValue {
+    static V: std::sync::OnceLock<http::HeaderValue> = std::sync::OnceLock::new();
+    V.get_or_init(|| http::HeaderValue::from(PROTO_VERSION))
+        .clone()
+}
+
 /// The version a peer announced in a response's headers (1 when absent).
 pub fn peer_version(headers: &http::HeaderMap) -> u32 {
     headers
@@ -124,21 +131,34 @@ impl ClientReport {
     /// Per-bucket rates over the report's interval: `[offered, admitted, dropped, shadow]`
     /// requests per second, as an aggregator keeps them.
     pub fn rates(&self) -> Vec<(String, [f64; 4])> {
+        let mut out = Vec::new();
+        self.rates_into(&mut out);
+        out
+    }
+
+    /// [`Self::rates`] written over `out` (a client's previous rates): the names already
+    /// there are kept when they match, so a client reporting the same buckets as last time
+    /// allocates nothing.
+    pub fn rates_into(&self, out: &mut Vec<(String, [f64; 4])>) {
         let secs = self.interval_ms as f64 / 1000.0;
-        self.buckets
-            .iter()
-            .map(|b| {
-                (
-                    b.bucket.clone(),
-                    [
-                        b.offered as f64 / secs,
-                        b.admitted as f64 / secs,
-                        b.dropped as f64 / secs,
-                        b.shadow_dropped as f64 / secs,
-                    ],
-                )
-            })
-            .collect()
+        out.truncate(self.buckets.len());
+        for (i, b) in self.buckets.iter().enumerate() {
+            let r = [
+                b.offered as f64 / secs,
+                b.admitted as f64 / secs,
+                b.dropped as f64 / secs,
+                b.shadow_dropped as f64 / secs,
+            ];
+            match out.get_mut(i) {
+                Some(e) => {
+                    if e.0 != b.bucket {
+                        e.0.clone_from(&b.bucket);
+                    }
+                    e.1 = r;
+                }
+                None => out.push((b.bucket.clone(), r)),
+            }
+        }
     }
 }
 
@@ -285,4 +305,48 @@ pub struct ZoneDirectives {
     /// Present only in the reply to a report that carried a [`ReportSession`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session: Option<ReplySession>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(interval_ms: u64, buckets: &[(&str, u64)]) -> ClientReport {
+        ClientReport {
+            client_id: "c".into(),
+            service: "s".into(),
+            version: "v".into(),
+            interval_ms,
+            buckets: buckets
+                .iter()
+                .map(|&(b, n)| BucketCountsMsg {
+                    bucket: b.into(),
+                    offered: n,
+                    admitted: n / 2,
+                    dropped: n - n / 2,
+                    shadow_dropped: 0,
+                })
+                .collect(),
+            urgent: false,
+            calls: Vec::new(),
+        }
+    }
+
+    /// Written over a client's previous rates, the rates are those of the new report whatever
+    /// the previous ones held: more, fewer, other or the same buckets.
+    #[test]
+    fn rates_into_overwrites_previous_rates() {
+        let first = report(500, &[("a", 10), ("b", 20), ("c", 30)]);
+        let mut held = first.rates();
+        assert_eq!(held[1], ("b".to_string(), [40.0, 20.0, 20.0, 0.0]));
+        for next in [
+            report(1000, &[("a", 4), ("b", 8), ("c", 2)]),
+            report(1000, &[("x", 4), ("a", 8)]),
+            report(250, &[("x", 1), ("a", 2), ("b", 3), ("d", 4)]),
+            report(1000, &[]),
+        ] {
+            next.rates_into(&mut held);
+            assert_eq!(held, next.rates());
+        }
+    }
 }

@@ -395,6 +395,15 @@ impl Connected<IncomingStream<'_, TcpListener>> for Peer {
     }
 }
 
+impl Connected<IncomingStream<'_, NoDelayListener>> for Peer {
+    fn connect_info(stream: IncomingStream<'_, NoDelayListener>) -> Peer {
+        Peer {
+            addr: *stream.remote_addr(),
+            cert_names: Arc::from(Vec::new()),
+        }
+    }
+}
+
 impl Connected<IncomingStream<'_, TlsListener>> for Peer {
     fn connect_info(stream: IncomingStream<'_, TlsListener>) -> Peer {
         let (_, conn) = stream.io().get_ref();
@@ -539,6 +548,26 @@ impl axum::serve::Listener for TlsListener {
     }
 }
 
+/// A plain TCP listener whose connections send without delay (`TCP_NODELAY`, as the TLS
+/// listener's): an answer written in more than one piece never waits for the peer's delayed
+/// acknowledgement.
+pub struct NoDelayListener(pub TcpListener);
+
+impl axum::serve::Listener for NoDelayListener {
+    type Io = TcpStream;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        let (sock, addr) = axum::serve::Listener::accept(&mut self.0).await;
+        let _ = sock.set_nodelay(true);
+        (sock, addr)
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        self.0.local_addr()
+    }
+}
+
 /// Serves `router` on `listener` until `shutdown` resolves: over TLS when `tls` is given,
 /// plain HTTP otherwise. Handlers can extract `ConnectInfo<Peer>` either way.
 pub async fn serve(
@@ -550,7 +579,7 @@ pub async fn serve(
     match tls {
         None => {
             axum::serve(
-                listener,
+                NoDelayListener(listener),
                 router.into_make_service_with_connect_info::<Peer>(),
             )
             .with_graceful_shutdown(shutdown)

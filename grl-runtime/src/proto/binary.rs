@@ -95,31 +95,53 @@ pub fn encode_report(r: &ClientReport) -> Vec<u8> {
 
 /// An aggregator's reply, encoded.
 pub fn encode_directives(d: &ClientDirectives) -> Vec<u8> {
-    let mut out = Vec::with_capacity(
-        16 + d.version.len()
-            + d.directives
-                .iter()
-                .map(|m| m.bucket.len() + 30)
-                .sum::<usize>(),
-    );
-    out.push(FORMAT_VERSION);
-    put_str(&mut out, &d.version);
-    match d.age_ms {
-        Some(a) => {
-            out.push(1);
-            put_uvarint(&mut out, a);
+    EncodedDirectives::new(&d.version, &d.directives).with_age(d.age_ms)
+}
+
+/// A reply encoded but for its age: what an aggregator answers every client of one service
+/// until the controller answers again, encoded once, with the age (which changes with every
+/// report) put in per reply by [`Self::with_age`].
+#[derive(Debug, Clone)]
+pub struct EncodedDirectives {
+    /// Format version and config version.
+    head: Vec<u8>,
+    /// The directives (count, then each).
+    tail: Vec<u8>,
+}
+
+impl EncodedDirectives {
+    /// Encodes `version` and `directives`.
+    pub fn new(version: &str, directives: &[DirectiveMsg]) -> EncodedDirectives {
+        let mut head = Vec::with_capacity(11 + version.len());
+        head.push(FORMAT_VERSION);
+        put_str(&mut head, version);
+        let mut tail =
+            Vec::with_capacity(10 + directives.iter().map(|m| m.bucket.len() + 30).sum::<usize>());
+        put_uvarint(&mut tail, directives.len() as u64);
+        for m in directives {
+            put_str(&mut tail, &m.bucket);
+            for v in [m.ratio, m.fleet_offered_rps, m.limit_rps] {
+                tail.extend_from_slice(&v.to_le_bytes());
+            }
+            tail.push(m.fixed as u8);
         }
-        None => out.push(0),
+        EncodedDirectives { head, tail }
     }
-    put_uvarint(&mut out, d.directives.len() as u64);
-    for m in &d.directives {
-        put_str(&mut out, &m.bucket);
-        for v in [m.ratio, m.fleet_offered_rps, m.limit_rps] {
-            out.extend_from_slice(&v.to_le_bytes());
+
+    /// The whole reply with `age_ms`.
+    pub fn with_age(&self, age_ms: Option<u64>) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.head.len() + 11 + self.tail.len());
+        out.extend_from_slice(&self.head);
+        match age_ms {
+            Some(a) => {
+                out.push(1);
+                put_uvarint(&mut out, a);
+            }
+            None => out.push(0),
         }
-        out.push(m.fixed as u8);
+        out.extend_from_slice(&self.tail);
+        out
     }
-    out
 }
 
 /// Reads fields off a message, naming the field in its errors.
