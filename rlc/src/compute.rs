@@ -152,7 +152,12 @@ impl<'a> Source<'a> {
     }
 }
 
-fn plan_services(cfg: &DaemonConfig, repo: &ConfigRepo, source: Source<'_>, now: DateTime<Utc>) -> Plan {
+fn plan_services(
+    cfg: &DaemonConfig,
+    repo: &ConfigRepo,
+    source: Source<'_>,
+    now: DateTime<Utc>,
+) -> Plan {
     let mut plan = Plan::default();
     let today = now.date_naive();
     let contracts: &[Contract] = repo.contracts.as_ref().map_or(&[], |c| &c.value.contracts);

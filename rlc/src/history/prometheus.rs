@@ -694,7 +694,11 @@ mod tests {
             assert_eq!(s.rejected, old.rejected, "pieces of {piece} bytes");
             assert_eq!((s.start, s.step, s.len), (old.start, old.step, old.len));
             let whole = s.to_history().unwrap();
-            assert_eq!(bits(&whole), bits(&old), "pieces of {piece}, retried {repeat}");
+            assert_eq!(
+                bits(&whole),
+                bits(&old),
+                "pieces of {piece}, retried {repeat}"
+            );
             assert_eq!(whole.rejected, old.rejected);
             assert_eq!(s.services(), old.services());
             // One service at a time: its series, nothing else.
@@ -726,13 +730,17 @@ mod tests {
             .set_len(8)
             .unwrap();
         let e = s.service("shop").unwrap_err();
-        assert!(e.contains(&s.path().display().to_string()) && e.contains("shop"), "{e}");
+        assert!(
+            e.contains(&s.path().display().to_string()) && e.contains("shop"),
+            "{e}"
+        );
     }
 
     #[test]
     fn a_dropped_spilled_builder_removes_its_file() {
         let dir = tempfile::tempdir().unwrap();
-        let b = Mutex::new(Builder::spilled(1000, 60, 6, LabelNames::default(), dir.path()).unwrap());
+        let b =
+            Mutex::new(Builder::spilled(1000, 60, 6, LabelNames::default(), dir.path()).unwrap());
         let mut split = ResultSplitter::default();
         split.push(CHUNKS[0].as_bytes(), &mut |s| feed_series(&b, s).unwrap());
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);

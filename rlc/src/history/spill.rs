@@ -110,7 +110,9 @@ impl SpillWriter {
         if let Some(e) = error {
             return Err((path, e));
         }
-        let file = out.into_inner().map_err(|e| (path.clone(), e.into_error()))?;
+        let file = out
+            .into_inner()
+            .map_err(|e| (path.clone(), e.into_error()))?;
         tracing::debug!(path = %path.display(), bytes = offset, series = index.len(), "history spilled");
         Ok(SpilledHistory {
             start: grid.0,
@@ -210,14 +212,16 @@ impl SpilledHistory {
             let mut s = RateSeries::empty(self.start, self.step, self.len);
             for e in extents {
                 bytes.resize(e.len as usize * 4, 0);
-                self.file.read_exact_at(&mut bytes, e.offset).map_err(|err| {
-                    format!(
+                self.file
+                    .read_exact_at(&mut bytes, e.offset)
+                    .map_err(|err| {
+                        format!(
                         "cannot read the history spill {} (series {key:?}, {} bytes at {}): {err}",
                         self.path.display(),
                         bytes.len(),
                         e.offset
                     )
-                })?;
+                    })?;
                 let run = bytes
                     .chunks_exact(4)
                     .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));

@@ -369,7 +369,10 @@ fn four_weeks_from_real_prometheus() {
         assert_eq!(std::fs::read_dir(&spill_dir).unwrap().count(), 1);
         assert!(s.bytes() > 0);
         let back = s.to_history().unwrap();
-        assert_eq!((back.start, back.step, back.len), (whole.start, whole.step, whole.len));
+        assert_eq!(
+            (back.start, back.step, back.len),
+            (whole.start, whole.step, whole.len)
+        );
         assert_eq!(back.rejected, whole.rejected);
         assert_eq!(back.series.len(), whole.series.len());
         for (k, v) in &whole.series {
@@ -570,7 +573,12 @@ fn four_weeks_from_real_prometheus() {
         );
     }
     let mut coarse_spilling = coarse.clone();
-    coarse_spilling.history.prometheus.as_mut().unwrap().spill_dir = Some("spill".into());
+    coarse_spilling
+        .history
+        .prometheus
+        .as_mut()
+        .unwrap()
+        .spill_dir = Some("spill".into());
     same_plan(&coarse_spilling, &hc);
     let plan_c = compute_plan(&coarse, &repo, &hc, now_dt);
     let (fine, coarse_web) = (
@@ -607,7 +615,11 @@ fn four_weeks_from_real_prometheus() {
     );
     // A failed spilled pull: the same error, and its spill is gone.
     let e = rt
-        .block_on(history::load_for_plan(&spilling.history, dir.path(), now_dt))
+        .block_on(history::load_for_plan(
+            &spilling.history,
+            dir.path(),
+            now_dt,
+        ))
         .unwrap_err();
     assert!(
         matches!(e, HistoryError::Unavailable { attempts: 2, .. }),
