@@ -6,6 +6,7 @@
 //! failed, when their coverage is below `history.min_coverage`, or when they have buckets but
 //! no history at all. A bucket whose policy fails keeps its current quota, and is listed too.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -17,7 +18,7 @@ use schema::{
 };
 use serde_json::json;
 
-use crate::history::{History, SeriesKey};
+use crate::history::{History, PlanHistory, Rejected, SeriesKey, SpilledHistory};
 use crate::plan::{Plan, PlannedBucket, Skipped};
 
 /// The effective policy spec of `service` (peak with default headroom when the repo has no
@@ -95,14 +96,76 @@ pub fn compute_plan(
     history: &History,
     now: DateTime<Utc>,
 ) -> Plan {
+    plan_services(cfg, repo, Source::Whole(history), now)
+}
+
+/// [`compute_plan`] on either form of history: a spilled one is read one service at a time
+/// (each service's series loaded, its quotas computed, its series dropped), so memory is
+/// bounded by the largest service, not the fleet. Both forms give the same plan.
+pub fn compute_plan_from(
+    cfg: &DaemonConfig,
+    repo: &ConfigRepo,
+    history: &PlanHistory,
+    now: DateTime<Utc>,
+) -> Plan {
+    match history {
+        PlanHistory::Whole(h) => compute_plan(cfg, repo, h, now),
+        PlanHistory::Spilled(s) => plan_services(cfg, repo, Source::Spilled(s), now),
+    }
+}
+
+/// What [`plan_services`] reads a history through.
+#[derive(Clone, Copy)]
+enum Source<'a> {
+    Whole(&'a History),
+    Spilled(&'a SpilledHistory),
+}
+
+impl<'a> Source<'a> {
+    fn services(self) -> Vec<String> {
+        match self {
+            Source::Whole(h) => h.services(),
+            Source::Spilled(s) => s.services(),
+        }
+    }
+
+    fn rejected(self) -> &'a [Rejected] {
+        match self {
+            Source::Whole(h) => &h.rejected,
+            Source::Spilled(s) => &s.rejected,
+        }
+    }
+
+    fn source_error(self) -> Option<&'a String> {
+        match self {
+            Source::Whole(h) => h.source_error.as_ref(),
+            Source::Spilled(_) => None,
+        }
+    }
+
+    /// A history holding (at least) the series of `service`.
+    fn service(self, service: &str) -> Result<Cow<'a, History>, String> {
+        match self {
+            Source::Whole(h) => Ok(Cow::Borrowed(h)),
+            Source::Spilled(s) => s.service(service).map(Cow::Owned),
+        }
+    }
+}
+
+fn plan_services(
+    cfg: &DaemonConfig,
+    repo: &ConfigRepo,
+    source: Source<'_>,
+    now: DateTime<Utc>,
+) -> Plan {
     let mut plan = Plan::default();
     let today = now.date_naive();
     let contracts: &[Contract] = repo.contracts.as_ref().map_or(&[], |c| &c.value.contracts);
     let mut services: BTreeSet<String> = repo.known_services();
-    services.extend(history.services());
+    services.extend(source.services());
     services.extend(contracts.iter().map(|c| c.service.clone()));
 
-    for r in &history.rejected {
+    for r in source.rejected() {
         plan.skipped.push(Skipped {
             service: r.service.clone().unwrap_or_default(),
             caller: r.caller.clone(),
@@ -111,9 +174,9 @@ pub fn compute_plan(
         });
     }
 
-    plan.history_error = history.source_error.clone();
+    plan.history_error = source.source_error().cloned();
     for service in &services {
-        if let Some(e) = &history.source_error {
+        if let Some(e) = source.source_error() {
             plan.history_failed.push(service.clone());
             keep_service(
                 &mut plan,
@@ -123,6 +186,20 @@ pub fn compute_plan(
             );
             continue;
         }
+        // One service's series at a time (all of them for a history in memory).
+        let history = match source.service(service) {
+            Ok(h) => h,
+            Err(e) => {
+                plan.history_failed.push(service.clone());
+                keep_service(
+                    &mut plan,
+                    repo,
+                    service,
+                    &format!("history unreadable: {e}; keeps current quotas"),
+                );
+                continue;
+            }
+        };
         let has_series = history.service_series(service).next().is_some();
         let has_contract = contracts.iter().any(|c| &c.service == service);
         if has_series {
@@ -153,7 +230,7 @@ pub fn compute_plan(
             continue;
         }
         compute_service(
-            cfg, repo, history, service, contracts, today, now, &mut plan,
+            cfg, repo, &history, service, contracts, today, now, &mut plan,
         );
     }
     plan.buckets

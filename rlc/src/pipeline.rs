@@ -14,7 +14,8 @@ use crate::compute::resolve_paths;
 use crate::cycle::{PlanInput, Planner};
 use crate::plan::Plan;
 use crate::planner::{effective_plan, GitHistory};
-use crate::preview::load_history;
+use crate::history::PlanHistory;
+use crate::preview::load_plan_history;
 
 /// Lengths of the history pulls of this process's plans (`rlc_history_pull_duration_seconds`
 /// on `rlc serve`'s `/metrics`): one histogram per process, as the pull happens inside the
@@ -52,11 +53,14 @@ pub async fn plan(input: PlanInput) -> anyhow::Result<Plan> {
     }
     // A failed source becomes a history that keeps every current quota (listed in `skipped`).
     // In the daemon the pull goes through its snapshot, which it refreshes.
-    let history = match &input.history_cache {
-        Some(cache) => cache.refresh().await.history.clone(),
+    // Without the daemon's snapshot (`rlc run`), a Prometheus pull is spilled to disk and the
+    // plan computed service by service (bounded memory); the snapshot holds its history whole,
+    // as the quota API and what-if need it.
+    let history: PlanHistory = match &input.history_cache {
+        Some(cache) => cache.refresh().await.history.clone().into(),
         None => {
             let t = std::time::Instant::now();
-            let h = Arc::new(load_history(&cfg, &input.base_dir).await);
+            let h = load_plan_history(&cfg, &input.base_dir).await;
             history_pull_seconds().observe(t.elapsed().as_secs_f64());
             history_pulls().inc();
             h

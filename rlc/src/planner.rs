@@ -1,4 +1,4 @@
-//! The plan a run would really do: [`compute_plan`] followed by the decrease guard (one
+//! The plan a run would really do: [`compute_plan`](crate::compute::compute_plan) followed by the decrease guard (one
 //! decrease per bucket per `rails.decrease_interval`). `rlc run` (through the pipeline's
 //! planner, and again in `Cycle::apply`), `rlc preview` and the `rlc serve` quota API all call
 //! [`effective_plan`], so a preview never shows a decrease the run would hold: a held bucket
@@ -10,10 +10,10 @@ use std::sync::Arc;
 use chrono::{DateTime, Utc};
 use schema::{ConfigRepo, DaemonConfig};
 
-use crate::compute::compute_plan;
+use crate::compute::compute_plan_from;
 use crate::gitops::writer::DECREASE_HISTORY_MAX_COMMITS;
 use crate::gitops::{Writer, WriterConfig};
-use crate::history::History;
+use crate::history::PlanHistory;
 use crate::plan::{Held, Plan, PlannedBucket, Skipped};
 use crate::store::Store;
 
@@ -61,20 +61,21 @@ pub enum GitHistory {
     AsFetched,
 }
 
-/// The plan a run would do on `repo` with `history`: [`compute_plan`], then
+/// The plan a run would do on `repo` with `history`: [`compute_plan`](crate::compute::compute_plan), then
 /// [`hold_repeated_decreases`]. `cfg` must have its paths resolved
 /// ([`crate::compute::resolve_paths`]); `base_dir` is the directory of rlc.yaml.
 pub async fn effective_plan(
     cfg: &DaemonConfig,
     base_dir: &Path,
     repo: Arc<ConfigRepo>,
-    history: Arc<History>,
+    history: impl Into<PlanHistory>,
     store: &StoreWitness,
     git: GitHistory,
     now: DateTime<Utc>,
 ) -> anyhow::Result<Plan> {
     let c = cfg.clone();
-    let plan = tokio::task::spawn_blocking(move || compute_plan(&c, &repo, &history, now))
+    let history = history.into();
+    let plan = tokio::task::spawn_blocking(move || compute_plan_from(&c, &repo, &history, now))
         .await
         .map_err(|e| anyhow::anyhow!("computing the plan: {e}"))?;
     Ok(hold_repeated_decreases(cfg, base_dir, store, git, &plan, now).await)
@@ -89,7 +90,7 @@ pub async fn proposed_plan(
     cfg: &DaemonConfig,
     base_dir: &Path,
     repo: Arc<ConfigRepo>,
-    history: Arc<History>,
+    history: impl Into<PlanHistory>,
     store: &StoreWitness,
     git: GitHistory,
     now: DateTime<Utc>,

@@ -10,7 +10,7 @@ use anyhow::Context;
 use schema::{ConfigRepo, DaemonConfig};
 
 use crate::compute::resolve_paths;
-use crate::history::{self, History};
+use crate::history::{self, History, PlanHistory};
 use crate::plan::Plan;
 
 /// Output format.
@@ -69,18 +69,35 @@ pub async fn load_history(cfg: &DaemonConfig, base: &Path) -> History {
     h
 }
 
+/// [`load_history`] for a plan ([`history::load_for_plan`]): a Prometheus pull is spilled to
+/// disk and the plan computed service by service, so memory stays bounded by the largest
+/// service. What `rlc preview` and `rlc run` (without `rlc serve`'s snapshot) compute from.
+pub async fn load_plan_history(cfg: &DaemonConfig, base: &Path) -> PlanHistory {
+    let h = match history::load_for_plan(&cfg.history, base, chrono::Utc::now()).await {
+        Ok(h) => h,
+        Err(e) => {
+            tracing::error!(error = %e, "history source failed");
+            History::unavailable(e.to_string()).into()
+        }
+    };
+    if std::io::stderr().is_terminal() {
+        eprintln!("history: {} series", h.series_count());
+    }
+    h
+}
+
 /// Runs `rlc preview`; returns the exit code ([`crate::exit`]): 0, 1 when the history failed
 /// for every service (shown), 4 when it failed for some of them.
 pub async fn run(args: PreviewArgs) -> anyhow::Result<i32> {
     let (cfg, repo, base) =
         load_inputs(&args.config).with_context(|| format!("loading {}", args.config.display()))?;
-    let history = load_history(&cfg, &base).await;
+    let history = load_plan_history(&cfg, &base).await;
     let store = crate::planner::open_store_for_reading(&cfg, &base).await;
     let (mut plan, mut promotions, shadow_error) = crate::planner::proposed_plan(
         &cfg,
         &base,
         std::sync::Arc::new(repo),
-        std::sync::Arc::new(history),
+        history,
         &store,
         crate::planner::GitHistory::Fetch,
         chrono::Utc::now(),

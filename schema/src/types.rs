@@ -861,6 +861,14 @@ pub struct PrometheusConfig {
     /// per-D maxima.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub downsample: Option<HumanDuration>,
+    /// Directory for the temporary file that `rlc run` and `rlc preview` write the pulled
+    /// series to as they stream in, so that the plan is computed one service at a time instead
+    /// of holding the fleet's series in memory (lookback ÷ step × 4 bytes per series, e.g.
+    /// 1.6 GB for 10,000 series × 28 days at 1 m). Relative to rlc.yaml's directory; the
+    /// system's temporary directory (`$TMPDIR`) by default. The file is removed after the
+    /// plan.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spill_dir: Option<String>,
 }
 
 /// The default `history.prometheus.query`: the controller's `grl_calls_total`, every request

@@ -7,14 +7,18 @@
 
 pub mod file;
 pub mod prometheus;
+pub mod spill;
 pub mod synth;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 pub use policies::RateSeries;
 use schema::{HistoryConfig, LabelNames};
+pub use spill::SpilledHistory;
+use spill::{merge_max, SpillState, SpillWriter};
 
 /// Identifies one series: callee service, caller, procedure (at least one of the last two).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -139,6 +143,14 @@ pub enum HistoryError {
         /// The cause.
         source: std::io::Error,
     },
+    /// The temporary file a pull spills its series to could not be created or written.
+    #[error("cannot write the history spill {path}: {source}")]
+    Spill {
+        /// The file, or the directory it was to be created in.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
     /// A file or response could not be parsed.
     #[error("cannot parse {what}: {message}")]
     Parse {
@@ -197,6 +209,62 @@ pub async fn load(
     }
 }
 
+/// A history to compute a plan from: whole in memory, or spilled to disk and read service by
+/// service ([`crate::compute::compute_plan_from`]).
+#[derive(Debug, Clone)]
+pub enum PlanHistory {
+    /// Every series in memory.
+    Whole(Arc<History>),
+    /// Series on disk, one service in memory at a time.
+    Spilled(Arc<SpilledHistory>),
+}
+
+impl From<Arc<History>> for PlanHistory {
+    fn from(h: Arc<History>) -> Self {
+        PlanHistory::Whole(h)
+    }
+}
+
+impl From<History> for PlanHistory {
+    fn from(h: History) -> Self {
+        PlanHistory::Whole(Arc::new(h))
+    }
+}
+
+impl PlanHistory {
+    /// Series in the history.
+    pub fn series_count(&self) -> usize {
+        match self {
+            PlanHistory::Whole(h) => h.series.len(),
+            PlanHistory::Spilled(s) => s.series_count(),
+        }
+    }
+}
+
+/// [`load`] for computing a plan: a Prometheus pull is spilled to a temporary file under
+/// `history.prometheus.spill_dir` (or the system's temporary directory) as it streams in, so
+/// that neither the pull nor the plan holds the fleet's series in memory; a file source is
+/// read whole (it is in memory as text anyway).
+pub async fn load_for_plan(
+    cfg: &HistoryConfig,
+    base_dir: &Path,
+    end: DateTime<Utc>,
+) -> Result<PlanHistory, HistoryError> {
+    match &cfg.prometheus {
+        Some(p) => {
+            let dir = p
+                .spill_dir
+                .as_ref()
+                .map(|d| base_dir.join(d))
+                .unwrap_or_else(std::env::temp_dir);
+            prometheus::load_spilled(p, cfg, end, &dir)
+                .await
+                .map(|s| PlanHistory::Spilled(Arc::new(s)))
+        }
+        None => load(cfg, base_dir, end).await.map(PlanHistory::from),
+    }
+}
+
 /// The grid `[start, end)` for a lookback ending at `end`.
 pub(crate) fn grid(cfg: &HistoryConfig, end: i64) -> (i64, i64, usize) {
     let step = cfg.step.as_secs().max(1) as i64;
@@ -212,8 +280,12 @@ pub(crate) struct Builder {
     len: usize,
     labels: LabelNames,
     series: HashMap<SeriesKey, RateSeries>,
+    /// Set when the series go to disk instead of `series`.
+    spill: Option<SpillState>,
     bad: HashMap<SeriesKey, String>,
     rejected: Vec<Rejected>,
+    /// The in-range samples `(grid step, value)` of the series being added.
+    scratch: Vec<(usize, f32)>,
 }
 
 impl Builder {
@@ -224,9 +296,31 @@ impl Builder {
             len,
             labels,
             series: HashMap::new(),
+            spill: None,
             bad: HashMap::new(),
             rejected: Vec::new(),
+            scratch: Vec::new(),
         }
+    }
+
+    /// A builder writing the series to a new spill file under `dir`
+    /// ([`Builder::finish_spilled`]).
+    pub(crate) fn spilled(
+        start: i64,
+        step: i64,
+        len: usize,
+        labels: LabelNames,
+        dir: &Path,
+    ) -> Result<Self, HistoryError> {
+        let writer = SpillWriter::create(dir).map_err(|source| HistoryError::Spill {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        tracing::debug!(dir = %writer.dir().display(), "spilling the history pull");
+        Ok(Self {
+            spill: Some(SpillState::new(writer)),
+            ..Self::new(start, step, len, labels)
+        })
     }
 
     /// The key for a label set, or `None` (recorded as rejected) when labels are missing.
@@ -291,41 +385,55 @@ impl Builder {
             return;
         }
         let (start, step, len) = (self.start, self.step, self.len);
-        if !self.series.contains_key(key) {
-            self.series
-                .insert(key.clone(), RateSeries::empty(start, step, len));
-        }
-        let s = self.series.get_mut(key).expect("inserted above");
+        let mut scratch = std::mem::take(&mut self.scratch);
+        scratch.clear();
         for (ts, value) in samples {
             if !value.is_finite() || value < 0.0 {
                 self.series.remove(key);
+                if let Some(sp) = &mut self.spill {
+                    sp.index.remove(key);
+                }
                 self.bad.insert(
                     key.clone(),
                     format!("non-finite or negative value {value} at {ts}"),
                 );
+                self.scratch = scratch;
                 return;
             }
             let i = ((ts - start as f64) / step as f64).round();
             if i >= 0.0 && i < len as f64 {
+                scratch.push((i as usize, value as f32));
+            }
+        }
+        match &mut self.spill {
+            Some(sp) => sp.add(key, &scratch),
+            None => {
+                if !self.series.contains_key(key) {
+                    self.series
+                        .insert(key.clone(), RateSeries::empty(start, step, len));
+                }
+                let s = self.series.get_mut(key).expect("inserted above");
                 // Several samples in one step (a file finer than the step): keep the peak.
-                let v = &mut s.values[i as usize];
-                if v.is_nan() || *v < value as f32 {
-                    *v = value as f32;
+                for &(i, x) in &scratch {
+                    merge_max(&mut s.values[i], x);
                 }
             }
         }
+        self.scratch = scratch;
     }
 
-    pub(crate) fn finish(mut self) -> History {
-        for (k, reason) in self.bad {
-            self.rejected.push(Rejected {
+    /// The rejected series, bad values included, in order.
+    fn all_rejected(&mut self) -> Vec<Rejected> {
+        let mut rejected = std::mem::take(&mut self.rejected);
+        for (k, reason) in self.bad.drain() {
+            rejected.push(Rejected {
                 service: Some(k.service),
                 caller: k.caller,
                 procedure: k.procedure,
                 reason,
             });
         }
-        self.rejected.sort_by(|a, b| {
+        rejected.sort_by(|a, b| {
             (&a.service, &a.caller, &a.procedure, &a.reason).cmp(&(
                 &b.service,
                 &b.caller,
@@ -333,12 +441,32 @@ impl Builder {
                 &b.reason,
             ))
         });
+        rejected
+    }
+
+    /// The spilled history ([`Builder::spilled`]); an error when a write to the spill failed.
+    pub(crate) fn finish_spilled(mut self) -> Result<SpilledHistory, HistoryError> {
+        let rejected = self.all_rejected();
+        let Some(sp) = self.spill.take() else {
+            return Err(HistoryError::Parse {
+                what: "history".into(),
+                message: "finish_spilled on a builder without a spill".into(),
+            });
+        };
+        let index = sp.index.into_iter().collect();
+        sp.writer
+            .finish((self.start, self.step, self.len), index, rejected)
+            .map_err(|(path, source)| HistoryError::Spill { path, source })
+    }
+
+    pub(crate) fn finish(mut self) -> History {
+        let rejected = self.all_rejected();
         History {
             start: self.start,
             step: self.step,
             len: self.len,
             series: self.series.into_iter().collect(),
-            rejected: self.rejected,
+            rejected,
             source_error: None,
         }
     }

@@ -13,8 +13,13 @@
 //! fails half-way is retried; what its first attempt already put on the grid is a subset of
 //! the same answer, and samples merge by maximum, so the retry leaves the grid as one clean
 //! answer would. The pull still fails as a whole when any chunk fails after its retries.
+//!
+//! [`load_spilled`] (what `rlc run` and `rlc preview` use) puts the series on disk instead of
+//! on a grid in memory ([`super::spill`]): the pull then holds the index of the series, the
+//! answers in flight and a write buffer, whatever the fleet's size.
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -24,7 +29,7 @@ use schema::{HistoryConfig, PrometheusConfig};
 use serde::Deserialize;
 use tokio::sync::Semaphore;
 
-use super::{grid, Builder, History, HistoryError};
+use super::{grid, Builder, History, HistoryError, SpilledHistory};
 
 /// Upper bound on steps per request: 12 h at 1 m.
 pub const CHUNK_STEPS: u32 = 720;
@@ -107,6 +112,27 @@ pub async fn load(
     h: &HistoryConfig,
     end: DateTime<Utc>,
 ) -> Result<History, HistoryError> {
+    Ok(pull(p, h, end, None).await?.finish())
+}
+
+/// [`load`], the series spilled to a new temporary file under `dir` as they stream in
+/// ([`super::spill`]): the pull holds the index of the series, not their samples.
+pub async fn load_spilled(
+    p: &PrometheusConfig,
+    h: &HistoryConfig,
+    end: DateTime<Utc>,
+    dir: &Path,
+) -> Result<SpilledHistory, HistoryError> {
+    pull(p, h, end, Some(dir)).await?.finish_spilled()
+}
+
+/// Pulls the lookback into a builder: in memory, or spilled under `spill`.
+async fn pull(
+    p: &PrometheusConfig,
+    h: &HistoryConfig,
+    end: DateTime<Utc>,
+    spill: Option<&Path>,
+) -> Result<Builder, HistoryError> {
     let raw_step = h.step.as_secs() as i64;
     let (query, h) = match p.downsample {
         Some(d) if d.as_secs() > h.step.as_secs() => {
@@ -142,7 +168,11 @@ pub async fn load(
         })?;
     let url = format!("{}/api/v1/query_range", p.url.trim_end_matches('/'));
     let sem = Arc::new(Semaphore::new(p.concurrency.max(1) as usize));
-    let builder = Arc::new(Mutex::new(Builder::new(start, step, len, p.labels.clone())));
+    let builder = match spill {
+        Some(dir) => Builder::spilled(start, step, len, p.labels.clone(), dir)?,
+        None => Builder::new(start, step, len, p.labels.clone()),
+    };
+    let builder = Arc::new(Mutex::new(builder));
     let mut tasks = tokio::task::JoinSet::new();
     let mut i = 0;
     while i < len {
@@ -191,7 +221,7 @@ pub async fn load(
         what: "history".into(),
         message: "a chunk task outlived the pull".into(),
     })?;
-    Ok(b.into_inner().unwrap_or_else(|e| e.into_inner()).finish())
+    Ok(b.into_inner().unwrap_or_else(|e| e.into_inner()))
 }
 
 /// A progress bar over the pull's chunks on a terminal (stderr); hidden otherwise, so that
@@ -632,6 +662,104 @@ mod tests {
                 assert_eq!(e.data.unwrap().result_type, "matrix");
             }
         }
+    }
+
+    /// The chunks streamed into a spilled builder under `dir`; `repeat` feeds the first half
+    /// of the first answer once more first (a request cut and retried).
+    fn spilled(dir: &std::path::Path, piece: usize, repeat: bool) -> SpilledHistory {
+        let b = Mutex::new(Builder::spilled(1000, 60, 6, LabelNames::default(), dir).unwrap());
+        if repeat {
+            let mut split = ResultSplitter::default();
+            split.push(&CHUNKS[0].as_bytes()[..CHUNKS[0].len() / 2], &mut |s| {
+                feed_series(&b, s).unwrap()
+            });
+        }
+        for body in CHUNKS {
+            let mut split = ResultSplitter::default();
+            for p in body.as_bytes().chunks(piece) {
+                split.push(p, &mut |s| feed_series(&b, s).unwrap());
+            }
+            split.finish().unwrap();
+        }
+        b.into_inner().unwrap().finish_spilled().unwrap()
+    }
+
+    #[test]
+    fn a_spilled_pull_reads_back_the_series_of_one_in_memory() {
+        let old = old_path();
+        let dir = tempfile::tempdir().unwrap();
+        for (piece, repeat) in [(1, false), (7, true), (100_000, false), (100_000, true)] {
+            let s = spilled(dir.path(), piece, repeat);
+            assert_eq!(s.series_count(), old.series.len());
+            assert_eq!(s.rejected, old.rejected, "pieces of {piece} bytes");
+            assert_eq!((s.start, s.step, s.len), (old.start, old.step, old.len));
+            let whole = s.to_history().unwrap();
+            assert_eq!(
+                bits(&whole),
+                bits(&old),
+                "pieces of {piece}, retried {repeat}"
+            );
+            assert_eq!(whole.rejected, old.rejected);
+            assert_eq!(s.services(), old.services());
+            // One service at a time: its series, nothing else.
+            for svc in old.services() {
+                let one = s.service(&svc).unwrap();
+                let want: Vec<_> = bits(&old)
+                    .into_iter()
+                    .filter(|(k, _)| k.service == svc)
+                    .collect();
+                assert_eq!(bits(&one), want, "service {svc}");
+                assert!(one.rejected.is_empty() && one.source_error.is_none());
+            }
+            assert!(s.service("nobody").unwrap().series.is_empty());
+            // The spill lives in a directory of its own, removed with the history.
+            let spill_dir = s.path().parent().unwrap().to_path_buf();
+            assert!(spill_dir.starts_with(dir.path()), "{spill_dir:?}");
+            assert!(s.path().is_file());
+            drop(s);
+            assert!(!spill_dir.exists(), "{spill_dir:?} removed on drop");
+        }
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+
+        // A spill cut under the history: reading a service fails, naming the file and series.
+        let s = spilled(dir.path(), 100_000, false);
+        std::fs::File::options()
+            .write(true)
+            .open(s.path())
+            .unwrap()
+            .set_len(8)
+            .unwrap();
+        let e = s.service("shop").unwrap_err();
+        assert!(
+            e.contains(&s.path().display().to_string()) && e.contains("shop"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_dropped_spilled_builder_removes_its_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let b =
+            Mutex::new(Builder::spilled(1000, 60, 6, LabelNames::default(), dir.path()).unwrap());
+        let mut split = ResultSplitter::default();
+        split.push(CHUNKS[0].as_bytes(), &mut |s| feed_series(&b, s).unwrap());
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+        // A failed pull drops its builder, on an error or a panic (unwinding).
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+            let _b = b;
+            panic!("a decoder panics");
+        }));
+        assert!(r.is_err());
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+
+        // A spill directory that cannot be created: a clear error naming it.
+        let file = dir.path().join("a-file");
+        std::fs::write(&file, "x").unwrap();
+        let e = Builder::spilled(1000, 60, 6, LabelNames::default(), &file.join("sub"))
+            .err()
+            .unwrap();
+        assert!(matches!(e, HistoryError::Spill { .. }), "{e}");
+        assert!(e.to_string().contains("a-file"), "{e}");
     }
 
     #[test]

@@ -1,13 +1,15 @@
 //! History from a real Prometheus backfilled with four weeks of generated counters, through
 //! compute_plan: steady diurnal traffic, weekly seasonality, growth, a retry storm, a scrape gap,
 //! a counter reset, a new caller, callers that stopped; plus a refused query and a dead server.
+//! The pull spilled to disk and planned service by service gives the same plan as the pull in
+//! memory, per minute and downsampled.
 //!
 //! One test, one Prometheus: the instance is killed when the test ends (drop).
 
 use chrono::{TimeZone, Utc};
-use rlc::compute::compute_plan;
+use rlc::compute::{compute_plan, compute_plan_from};
 use rlc::history::synth::Profile;
-use rlc::history::{self, HistoryError};
+use rlc::history::{self, HistoryError, PlanHistory};
 use rlc::plan::PlannedBucket;
 use schema::Mode;
 use test_support::prometheus::{OpenMetricsWriter, Prometheus};
@@ -351,6 +353,43 @@ fn four_weeks_from_real_prometheus() {
     assert!((3.0 - series("shop", "newbie").confidence_days()).abs() < 0.01);
 
     let plan = compute_plan(&cfg, &repo, &h, now_dt);
+
+    // The same pull spilled to disk (`spill_dir`, relative to rlc.yaml's directory) and
+    // planned service by service: the same series, the same rejected ones, the same plan.
+    let spill_dir = dir.path().join("spill");
+    let mut spilling = cfg.clone();
+    spilling.history.prometheus.as_mut().unwrap().spill_dir = Some("spill".into());
+    let same_plan = |cfg: &schema::DaemonConfig, whole: &history::History| {
+        let ph = rt
+            .block_on(history::load_for_plan(&cfg.history, dir.path(), now_dt))
+            .expect("spilled history");
+        let PlanHistory::Spilled(s) = &ph else {
+            panic!("a Prometheus pull for a plan is spilled")
+        };
+        assert_eq!(std::fs::read_dir(&spill_dir).unwrap().count(), 1);
+        assert!(s.bytes() > 0);
+        let back = s.to_history().unwrap();
+        assert_eq!(
+            (back.start, back.step, back.len),
+            (whole.start, whole.step, whole.len)
+        );
+        assert_eq!(back.rejected, whole.rejected);
+        assert_eq!(back.series.len(), whole.series.len());
+        for (k, v) in &whole.series {
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&back.series[k].values), bits(&v.values), "{k:?}");
+        }
+        let whole_plan = compute_plan(cfg, &repo, whole, now_dt);
+        assert_eq!(compute_plan_from(cfg, &repo, &ph, now_dt), whole_plan);
+        drop(ph);
+        assert_eq!(
+            std::fs::read_dir(&spill_dir).unwrap().count(),
+            0,
+            "the spill is removed with the history"
+        );
+        whole_plan
+    };
+    assert_eq!(same_plan(&spilling, &h), plan);
     let skipped = |c: Option<&str>| {
         plan.skipped
             .iter()
@@ -533,6 +572,14 @@ fn four_weeks_from_real_prometheus() {
             "{k:?}: per-minute max {a}, hourly max {b}"
         );
     }
+    let mut coarse_spilling = coarse.clone();
+    coarse_spilling
+        .history
+        .prometheus
+        .as_mut()
+        .unwrap()
+        .spill_dir = Some("spill".into());
+    same_plan(&coarse_spilling, &hc);
     let plan_c = compute_plan(&coarse, &repo, &hc, now_dt);
     let (fine, coarse_web) = (
         get(&plan, "shop", "web.browse"),
@@ -566,6 +613,19 @@ fn four_weeks_from_real_prometheus() {
         matches!(e, HistoryError::Unavailable { attempts: 2, .. }),
         "{e}"
     );
+    // A failed spilled pull: the same error, and its spill is gone.
+    let e = rt
+        .block_on(history::load_for_plan(
+            &spilling.history,
+            dir.path(),
+            now_dt,
+        ))
+        .unwrap_err();
+    assert!(
+        matches!(e, HistoryError::Unavailable { attempts: 2, .. }),
+        "{e}"
+    );
+    assert_eq!(std::fs::read_dir(&spill_dir).unwrap().count(), 0);
     let plan = compute_plan(
         &cfg,
         &repo,
