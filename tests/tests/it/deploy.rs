@@ -256,9 +256,9 @@ fn variable_refs(text: &str) -> Vec<(std::ops::Range<usize>, String)> {
                 i = end;
                 continue;
             }
-        } else if text[i..].starts_with("[[") {
+        } else if b[i..].starts_with(b"[[") {
             let end = ident(i + 2);
-            if end > i + 2 && text[end..].starts_with("]]") {
+            if end > i + 2 && b[end..].starts_with(b"]]") {
                 out.push((i..end + 2, text[i + 2..end].to_string()));
                 i = end + 2;
                 continue;
