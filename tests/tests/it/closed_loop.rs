@@ -13,98 +13,19 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use test_support::git::GitRemote;
 use test_support::process::{free_port, Proc};
 use test_support::prometheus::Prometheus;
 
+use super::fleet::{Fleet, Load};
 use super::{bin, get, leader, start_controller_ticking, wait_until, TOKEN};
 
-const CLIENT_SECRET: &str = "closed-loop-payments-client-0123456789";
-/// The zone-report secret `start_controller` accepts.
-const ZONE_TOKEN: &str = "e2e-zone-report-token";
 const RLC_TOKEN: &str = "closed-loop-rlc-token";
-
-/// The `axum_service` example of grl-runtime (service `payments`, caller from `x-caller`,
-/// procedure from the first path segment), built once.
-fn service_bin() -> PathBuf {
-    // `bin` builds the example with the binaries.
-    bin("grl")
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join("axum_service")
-}
-
-/// One caller of the load generator: a target rate (changed while it runs) and what the
-/// services answered.
-struct Caller {
-    name: &'static str,
-    procedure: &'static str,
-    /// Requests per second × 1000.
-    milli_rps: AtomicU64,
-    ok: AtomicU64,
-    limited: AtomicU64,
-    failed: AtomicU64,
-}
-
-impl Caller {
-    fn new(name: &'static str, procedure: &'static str) -> Arc<Caller> {
-        Arc::new(Caller {
-            name,
-            procedure,
-            milli_rps: AtomicU64::new(0),
-            ok: AtomicU64::new(0),
-            limited: AtomicU64::new(0),
-            failed: AtomicU64::new(0),
-        })
-    }
-
-    fn set_rps(&self, rps: f64) {
-        self.milli_rps
-            .store((rps * 1000.0).round() as u64, Ordering::Relaxed);
-    }
-
-    /// (200s, 429s) so far.
-    fn counts(&self) -> (u64, u64) {
-        (
-            self.ok.load(Ordering::Relaxed),
-            self.limited.load(Ordering::Relaxed),
-        )
-    }
-}
-
-/// Sends `c`'s requests at its current rate, round robin over `urls`, each request on its
-/// own task (a slow answer does not slow the pace; a late tick is caught up).
-async fn drive(c: Arc<Caller>, http: reqwest::Client, urls: Vec<String>) {
-    let mut next = tokio::time::Instant::now();
-    let mut i = 0usize;
-    loop {
-        let rps = c.milli_rps.load(Ordering::Relaxed) as f64 / 1000.0;
-        if rps <= 0.0 {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            next = tokio::time::Instant::now();
-            continue;
-        }
-        next += Duration::from_secs_f64(1.0 / rps);
-        tokio::time::sleep_until(next).await;
-        let url = format!("{}/{}", urls[i % urls.len()], c.procedure);
-        i += 1;
-        let (c, http) = (c.clone(), http.clone());
-        tokio::spawn(async move {
-            match http.get(&url).header("x-caller", c.name).send().await {
-                Ok(r) if r.status() == 200 => c.ok.fetch_add(1, Ordering::Relaxed),
-                Ok(r) if r.status() == 429 => c.limited.fetch_add(1, Ordering::Relaxed),
-                _ => c.failed.fetch_add(1, Ordering::Relaxed),
-            };
-        });
-    }
-}
 
 /// `(name, limit, mode)` of every bucket of `payments` on the remote's main branch.
 fn committed(remote: &GitRemote) -> Vec<(String, f64, String)> {
@@ -186,48 +107,7 @@ fn the_loop_learns_quotas_from_grl_and_enforces_them() {
     // the default 1 s tick (the example's client reports every second).
     let cport = free_port();
     let _controller = start_controller_ticking(cport, &dir.path().join("grl-state"), 1000);
-    let creds = dir.path().join("client-credentials");
-    std::fs::write(&creds, format!("payments payments {CLIENT_SECRET}\n")).unwrap();
-    let mut procs: Vec<Proc> = Vec::new();
-    let mut service_urls = Vec::new();
-    for zone in ["z1", "z2"] {
-        let aport = free_port();
-        procs.push(
-            Proc::spawn(
-                Command::new(bin("grl"))
-                    .args(["aggregator", "--listen", &format!("127.0.0.1:{aport}")])
-                    .args(["--controller", &format!("http://127.0.0.1:{cport}")])
-                    .args(["--zone", zone, "--region", "r1", "--tick-ms", "1000"])
-                    .arg("--client-credentials")
-                    .arg(&creds)
-                    .env("GRL_REPORT_TOKEN", ZONE_TOKEN)
-                    .stdout(Stdio::null())
-                    .stderr(log(&format!("aggregator-{zone}.log"))),
-            )
-            .unwrap(),
-        );
-        wait_until(Duration::from_secs(20), || {
-            get(aport, "/v1/config").is_some()
-        });
-        for i in 0..2 {
-            let sport = free_port();
-            procs.push(
-                Proc::spawn(
-                    Command::new(service_bin())
-                        .arg(format!("http://127.0.0.1:{aport}"))
-                        .env("LISTEN", format!("127.0.0.1:{sport}"))
-                        .env("GRL_CLIENT_TOKEN", CLIENT_SECRET)
-                        .stdout(Stdio::null())
-                        .stderr(log(&format!("service-{zone}-{i}.log"))),
-                )
-                .unwrap(),
-            );
-            wait_until(Duration::from_secs(20), || {
-                super::get_text(sport, "/metrics").is_some()
-            });
-            service_urls.push(format!("http://127.0.0.1:{sport}"));
-        }
-    }
+    let fleet = Fleet::start(cport, &["z1", "z2"], 2, logs);
 
     // Prometheus scraping the controller every second.
     let prometheus = Prometheus::scraping(&[format!("127.0.0.1:{cport}")], Duration::from_secs(1))
@@ -272,21 +152,10 @@ database_url: {}\nserver:\n  listen: 127.0.0.1:{rport}\n  token_env: RLC_TOKEN\n
 
     // Traffic: steady at 20 rps, growing from 10 to 30 rps over 20 s, newbie (no quota yet)
     // at 8 rps from 15 s on.
-    let steady = Caller::new("steady", "charge");
-    let growing = Caller::new("growing", "charge");
-    let newbie = Caller::new("newbie", "refund");
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(5))
-        .build()
-        .unwrap();
-    for c in [&steady, &growing, &newbie] {
-        rt.spawn(drive(c.clone(), http.clone(), service_urls.clone()));
-    }
+    let load = Load::new(&fleet.service_urls);
+    let steady = load.caller("steady", "charge");
+    let growing = load.caller("growing", "charge");
+    let newbie = load.caller("newbie", "refund");
     eprintln!(
         "closed loop: everything up after {:.1} s",
         started.elapsed().as_secs_f64()
@@ -409,7 +278,7 @@ database_url: {}\nserver:\n  listen: 127.0.0.1:{rport}\n  token_env: RLC_TOKEN\n
         .map(|c| c.failed.load(Ordering::Relaxed))
         .sum();
     assert_eq!(failed, 0, "requests that got neither 200 nor 429");
-    rt.shutdown_background();
+    drop(load);
     eprintln!(
         "closed loop: {:.0} s; learned {learned:?}; growing admitted {admitted:.1} rps at limit {limit}, {limited} 429s in {secs:.1} s; newbie {row}",
         started.elapsed().as_secs_f64()

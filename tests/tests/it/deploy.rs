@@ -3,7 +3,7 @@
 //! from an embedded client's registry), the dashboards are Grafana dashboard JSON, and the
 //! rules pass `promtool check rules` and their `promtool test rules` unit tests.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
@@ -12,7 +12,11 @@ use std::time::Duration;
 
 use test_support::process::{free_port, Proc};
 
-use super::{bin, get_text, post, start_controller, wait_until, Deployment};
+use test_support::prometheus::Prometheus;
+
+use super::bin;
+use super::fleet::Fleet;
+use super::{get_text, post, start_controller, wait_until, Deployment};
 
 mod artefacts;
 
@@ -214,8 +218,140 @@ fn rules() -> Rules {
     r
 }
 
-/// Every PromQL expression of every dashboard, with where it is (file, panel title).
-fn dashboard_exprs() -> Vec<(PathBuf, String, String)> {
+/// Grafana's built-in variables (`$__rate_interval`, …), replaced by a value of their kind.
+fn grafana_builtin(name: &str) -> Option<&'static str> {
+    Some(match name {
+        "__rate_interval" | "__interval" | "__range" | "__auto" => "5m",
+        "__interval_ms" | "__range_ms" => "300000",
+        "__range_s" => "300",
+        _ => return None,
+    })
+}
+
+/// The names of the variables `text` references: `$x`, `${x}`, `${x:format}`, `[[x]]`.
+fn variable_refs(text: &str) -> Vec<(std::ops::Range<usize>, String)> {
+    let b = text.as_bytes();
+    let ident = |i: usize| {
+        let mut j = i;
+        while j < b.len() && (b[j].is_ascii_alphanumeric() || b[j] == b'_') {
+            j += 1;
+        }
+        j
+    };
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'$' && i + 1 < b.len() && b[i + 1] == b'{' {
+            let end = ident(i + 2);
+            let close = text[end..].find('}').map(|k| end + k);
+            if let Some(close) = close.filter(|_| end > i + 2) {
+                out.push((i..close + 1, text[i + 2..end].to_string()));
+                i = close + 1;
+                continue;
+            }
+        } else if b[i] == b'$' {
+            let end = ident(i + 1);
+            if end > i + 1 {
+                out.push((i..end, text[i + 1..end].to_string()));
+                i = end;
+                continue;
+            }
+        } else if b[i..].starts_with(b"[[") {
+            let end = ident(i + 2);
+            if end > i + 2 && b[end..].starts_with(b"]]") {
+                out.push((i..end + 2, text[i + 2..end].to_string()));
+                i = end + 2;
+                continue;
+            }
+        }
+        i += 1;
+    }
+    out
+}
+
+#[test]
+fn variable_refs_finds_every_syntax() {
+    let r: Vec<String> = variable_refs(
+        r#"rate(x{a=~"$service", b="${bucket:regex}", c="[[zone]]"}[$__rate_interval]) > 0.5$"#,
+    )
+    .into_iter()
+    .map(|(_, n)| n)
+    .collect();
+    assert_eq!(r, ["service", "bucket", "zone", "__rate_interval"]);
+}
+
+/// `text` with every variable replaced by its value in `values` or a built-in's; an error
+/// naming the variables that are neither.
+fn substitute(text: &str, values: &BTreeMap<String, String>) -> Result<String, String> {
+    let mut out = String::new();
+    let mut last = 0;
+    let mut unknown = Vec::new();
+    for (range, name) in variable_refs(text) {
+        out.push_str(&text[last..range.start]);
+        match values
+            .get(&name)
+            .map(String::as_str)
+            .or(grafana_builtin(&name))
+        {
+            Some(v) => out.push_str(v),
+            None => unknown.push(name),
+        }
+        last = range.end;
+    }
+    out.push_str(&text[last..]);
+    if unknown.is_empty() {
+        Ok(out)
+    } else {
+        Err(format!("undefined variable(s) {unknown:?} in {text}"))
+    }
+}
+
+/// One dashboard: its file, its variables (name → type, in order) and its expressions.
+struct Dashboard {
+    file: PathBuf,
+    /// (name, type, `label_values(…)` definition of a query variable).
+    variables: Vec<(String, String, Option<String>)>,
+    /// (panel title, expression).
+    exprs: Vec<(String, String)>,
+}
+
+/// Every string in `v` with its JSON path.
+fn strings_in(v: &serde_json::Value, path: &str, out: &mut Vec<(String, String)>) {
+    match v {
+        serde_json::Value::String(s) => out.push((path.to_string(), s.clone())),
+        serde_json::Value::Array(a) => {
+            for (i, x) in a.iter().enumerate() {
+                strings_in(x, &format!("{path}[{i}]"), out);
+            }
+        }
+        serde_json::Value::Object(o) => {
+            for (k, x) in o {
+                strings_in(x, &format!("{path}.{k}"), out);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// The panels of a dashboard, those nested in (collapsed) rows included.
+fn all_panels(panels: &[serde_json::Value]) -> Vec<&serde_json::Value> {
+    let mut out = Vec::new();
+    for p in panels {
+        out.push(p);
+        if let Some(inner) = p["panels"].as_array() {
+            out.extend(all_panels(inner));
+        }
+    }
+    out
+}
+
+/// Reads and checks the structure of every dashboard of deploy/grafana: Grafana's JSON
+/// model (uid, title, schema version), panels with unique ids and a full grid position
+/// inside the 24 columns, every data source reference (panel, target, variable) a
+/// Prometheus one naming a declared data source variable, every target with a unique
+/// `refId` and an expression, and every variable referenced anywhere declared (or one of
+/// Grafana's built-ins).
+fn dashboards() -> Vec<Dashboard> {
     let mut out = Vec::new();
     for f in files("grafana", "json") {
         let d: serde_json::Value =
@@ -225,50 +361,143 @@ fn dashboard_exprs() -> Vec<(PathBuf, String, String)> {
         assert!(d["uid"].as_str().is_some_and(|u| !u.is_empty()), "{what}");
         assert!(d["title"].as_str().is_some_and(|u| !u.is_empty()), "{what}");
         let vars = d["templating"]["list"].as_array().unwrap();
+        let mut variables = Vec::new();
+        for v in vars {
+            let name = v["name"].as_str().unwrap().to_string();
+            let kind = v["type"].as_str().unwrap().to_string();
+            assert!(
+                variables.iter().all(|(n, _, _)| *n != name),
+                "{what}: variable {name} declared twice"
+            );
+            let def = (kind == "query").then(|| v["definition"].as_str().unwrap().to_string());
+            variables.push((name, kind, def));
+        }
+        let datasources: BTreeSet<String> = vars
+            .iter()
+            .filter(|v| v["type"] == "datasource" && v["query"] == "prometheus")
+            .map(|v| v["name"].as_str().unwrap().to_string())
+            .collect();
         assert!(
-            vars.iter().any(|v| v["type"] == "datasource"
-                && v["query"] == "prometheus"
-                && v["name"] == "datasource"),
+            !datasources.is_empty(),
             "{what}: no Prometheus data source variable"
         );
-        for v in vars.iter().filter(|v| v["type"] == "query") {
-            out.push((
-                f.clone(),
-                format!("variable {}", v["name"]),
-                v["definition"].as_str().unwrap().to_string(),
-            ));
-        }
-        let panels = d["panels"].as_array().unwrap();
-        let mut with_targets = 0;
-        let mut ids = BTreeSet::new();
-        for p in panels {
+        let check_ds = |ds: &serde_json::Value, where_: &str| {
+            assert_eq!(ds["type"], "prometheus", "{what}: {where_}: {ds}");
+            let uid = ds["uid"].as_str().unwrap_or_default();
+            let refs = variable_refs(uid);
             assert!(
-                ids.insert(p["id"].as_u64().unwrap()),
-                "{what}: duplicate panel id"
+                refs.len() == 1
+                    && refs[0].0 == (0..uid.len())
+                    && datasources.contains(&refs[0].1),
+                "{what}: {where_}: data source {ds} is not one of the declared data source variables {datasources:?}"
             );
-            assert!(p["gridPos"]["w"].as_u64().unwrap() <= 24, "{what}");
+        };
+        for v in vars.iter().filter(|v| v["type"] == "query") {
+            check_ds(&v["datasource"], &format!("variable {}", v["name"]));
+        }
+        let mut exprs = Vec::new();
+        let mut ids = BTreeSet::new();
+        let mut with_targets = 0;
+        for p in all_panels(d["panels"].as_array().unwrap()) {
+            let title = p["title"].as_str().unwrap_or_default().to_string();
+            assert!(
+                ids.insert(p["id"].as_u64().expect("panel id")),
+                "{what}: duplicate panel id {}",
+                p["id"]
+            );
+            let g = &p["gridPos"];
+            let [x, y, w, h] = ["x", "y", "w", "h"].map(|k| {
+                g[k].as_u64()
+                    .unwrap_or_else(|| panic!("{what}: {title}: gridPos.{k}"))
+            });
+            let _ = y;
+            assert!(
+                w > 0 && h > 0 && x + w <= 24,
+                "{what}: {title}: gridPos {g}"
+            );
             if p["type"] == "row" {
                 continue;
             }
-            assert_eq!(
-                p["datasource"]["uid"], "${datasource}",
-                "{what}: {}",
-                p["title"]
-            );
+            check_ds(&p["datasource"], &title);
             let targets = p["targets"].as_array().unwrap();
-            assert!(!targets.is_empty(), "{what}: {} has no target", p["title"]);
+            assert!(!targets.is_empty(), "{what}: {title} has no target");
             with_targets += 1;
+            let mut ref_ids = BTreeSet::new();
             for t in targets {
-                out.push((
-                    f.clone(),
-                    p["title"].as_str().unwrap().to_string(),
-                    t["expr"].as_str().unwrap().to_string(),
-                ));
+                if !t["datasource"].is_null() {
+                    check_ds(&t["datasource"], &title);
+                }
+                let r = t["refId"].as_str().unwrap_or_default();
+                assert!(
+                    !r.is_empty() && ref_ids.insert(r.to_string()),
+                    "{what}: {title}: target refId {r:?} missing or repeated"
+                );
+                exprs.push((title.clone(), t["expr"].as_str().unwrap().to_string()));
             }
         }
         assert!(with_targets >= 6, "{what}: {with_targets} panels");
+        // Every variable referenced anywhere (expressions, titles, links) is declared.
+        let declared: BTreeMap<String, String> = variables
+            .iter()
+            .map(|(n, _, _)| (n.clone(), String::new()))
+            .collect();
+        let mut all = Vec::new();
+        strings_in(&d, "", &mut all);
+        for (path, s) in all {
+            if let Err(e) = substitute(&s, &declared) {
+                panic!("{what}: {path}: {e}");
+            }
+        }
+        out.push(Dashboard {
+            file: f,
+            variables,
+            exprs,
+        });
     }
     out
+}
+
+/// Every PromQL expression of every dashboard, with where it is (file, panel title or
+/// variable).
+fn dashboard_exprs() -> Vec<(PathBuf, String, String)> {
+    let mut out = Vec::new();
+    for d in dashboards() {
+        for (name, _, def) in &d.variables {
+            if let Some(def) = def {
+                out.push((d.file.clone(), format!("variable {name}"), def.clone()));
+            }
+        }
+        for (title, expr) in d.exprs {
+            out.push((d.file.clone(), title, expr));
+        }
+    }
+    out
+}
+
+/// `(selector, label)` of a `label_values(selector, label)` variable query.
+fn label_values(def: &str) -> Option<(&str, &str)> {
+    let inner = def
+        .trim()
+        .strip_prefix("label_values(")?
+        .strip_suffix(')')?;
+    let (sel, label) = inner.rsplit_once(',')?;
+    Some((sel.trim(), label.trim()))
+}
+
+/// A Prometheus HTTP API call (form-encoded POST); its JSON answer, whatever the status.
+fn prom_api(rt: &tokio::runtime::Runtime, url: &str, form: &[(&str, &str)]) -> serde_json::Value {
+    rt.block_on(async {
+        let r = reqwest::Client::new()
+            .post(url)
+            .form(form)
+            .timeout(Duration::from_secs(10))
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("{url}: {e}"));
+        r.json::<serde_json::Value>()
+            .await
+            .unwrap_or_else(|e| panic!("{url}: {e}"))
+    })
 }
 
 fn unknown_names(exprs: &[(PathBuf, String, String)], known: &BTreeSet<String>) -> Vec<String> {
@@ -297,12 +526,16 @@ fn write_raw(port: u16, req: &str) -> String {
     buf
 }
 
-/// The names that real processes export, then every dashboard and rule expression against
-/// them (and against the recording rules' names).
+/// Real processes (controller, `rlc serve`, an aggregator and a service instance embedding
+/// the client), scraped by a real Prometheus: every dashboard variable query finds series,
+/// every dashboard and rule expression (variables replaced by what the variable queries
+/// found) is accepted by Prometheus' query API, and every metric name they use is one the
+/// processes export (or a recording rule's).
 #[test]
 fn dashboards_and_rules_use_only_exported_metrics() {
     let d = Deployment::new();
-    let _controller = start_controller(d.controller_port, &d.dir.path().join("grl-state"));
+    let logs = d.dir.path();
+    let _controller = start_controller(d.controller_port, &logs.join("grl-state"));
     let rport = free_port();
     let _serve = Proc::spawn(
         d.rlc(&[
@@ -328,27 +561,14 @@ fn dashboards_and_rules_use_only_exported_metrics() {
         })
     });
 
-    let aport = free_port();
-    let creds = d.dir.path().join("client-credentials");
-    std::fs::write(&creds, "payments payments payments-client-0123456789\n").unwrap();
-    let _agg = Proc::spawn(
-        Command::new(bin("grl"))
-            .args(["aggregator", "--listen", &format!("127.0.0.1:{aport}")])
-            .args([
-                "--controller",
-                &format!("http://127.0.0.1:{}", d.controller_port),
-            ])
-            .args(["--zone", "z1", "--region", "r1", "--tick-ms", "200"])
-            .arg("--client-credentials")
-            .arg(&creds)
-            .env("GRL_REPORT_TOKEN", "e2e-zone-report-token")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null()),
-    )
-    .unwrap();
-    wait_until(Duration::from_secs(20), || {
-        get_text(aport, "/metrics").is_some()
-    });
+    // An aggregator and an instance of the example service (its client's series on its
+    // own /metrics).
+    let fleet = Fleet::start(d.controller_port, &["z1"], 1, logs);
+    let aport = fleet.aggregator_ports[0];
+    let service = fleet.service_urls[0]
+        .trim_start_matches("http://")
+        .to_string();
+    let sport: u16 = service.rsplit_once(':').unwrap().1.parse().unwrap();
     // A report without a credential: refused and counted (the refusal family appears).
     let r = write_raw(
         aport,
@@ -358,36 +578,26 @@ fn dashboards_and_rules_use_only_exported_metrics() {
         r.starts_with("HTTP/1.1 401") || r.starts_with("HTTP/1.0 401"),
         "{r}"
     );
+    // The client has had drop ratios (their age is exported from then on).
+    wait_until(Duration::from_secs(20), || {
+        get_text(sport, "/metrics")
+            .is_some_and(|m| m.contains("grl_client_directives_age_seconds{"))
+    });
 
-    // An embedded client: the registry its service serves.
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let client_text = {
-        let _g = rt.enter();
-        let mut o = grl_runtime::client::ClientOptions::new(
-            "payments",
-            vec![format!("http://127.0.0.1:{aport}")],
-        );
-        o.report_token = Some("payments-client-0123456789".into());
-        let c = grl_runtime::client::GrlClient::start(o);
-        wait_until(Duration::from_secs(20), || {
-            c.stats()
-                .directives_from_ms
-                .load(std::sync::atomic::Ordering::Relaxed)
-                > 0
-        });
-        grl_runtime::metrics::encode(&c.registry())
-    };
-
+    let targets = [
+        format!("127.0.0.1:{}", d.controller_port),
+        format!("127.0.0.1:{rport}"),
+        format!("127.0.0.1:{aport}"),
+        service.clone(),
+    ];
     let mut exported = BTreeSet::new();
-    for (what, text) in [
-        (
-            "controller",
-            get_text(d.controller_port, "/metrics").unwrap(),
-        ),
-        ("aggregator", get_text(aport, "/metrics").unwrap()),
-        ("rlc serve", get_text(rport, "/metrics").unwrap()),
-        ("client", client_text),
+    for (what, port) in [
+        ("controller", d.controller_port),
+        ("rlc serve", rport),
+        ("aggregator", aport),
+        ("service", sport),
     ] {
+        let text = get_text(port, "/metrics").unwrap();
         assert!(text.ends_with("# EOF\n"), "{what}: {text}");
         exported_names(&text, &mut exported);
     }
@@ -422,6 +632,88 @@ fn dashboards_and_rules_use_only_exported_metrics() {
         "rate(grl_requests_offerred_total[5m])".to_string(),
     )];
     assert_eq!(unknown_names(&fake, &known).len(), 1);
+
+    // A real Prometheus scraping the four processes every second.
+    let prometheus = Prometheus::scraping(&targets, Duration::from_secs(1))
+        .expect("prometheus (cargo xtask test installs it)");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let query = |q: &str| {
+        prom_api(
+            &rt,
+            &format!("{}/api/v1/query", prometheus.url),
+            &[("query", q)],
+        )
+    };
+    wait_until(Duration::from_secs(60), || {
+        query("count(up == 1)")["data"]["result"][0]["value"][1] == "4"
+    });
+    let mut failures = Vec::new();
+    for dash in dashboards() {
+        let what = dash.file.display().to_string();
+        // The variables' values: each query variable's first value in the scraped data
+        // (later variables' queries may use earlier ones).
+        let mut values = BTreeMap::new();
+        for (name, kind, def) in &dash.variables {
+            let value = match def {
+                None => kind.clone(),
+                Some(def) => {
+                    let def = substitute(def, &values).unwrap();
+                    let (selector, label) = label_values(&def).unwrap_or_else(|| {
+                        panic!(
+                            "{what}: variable {name}: {def} is not label_values(selector, label)"
+                        )
+                    });
+                    let v = prom_api(
+                        &rt,
+                        &format!("{}/api/v1/series", prometheus.url),
+                        &[("match[]", selector)],
+                    );
+                    assert_eq!(
+                        v["status"], "success",
+                        "{what}: variable {name}: {def}: {v}"
+                    );
+                    let found = v["data"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .find_map(|s| s[label].as_str().map(str::to_string));
+                    found.unwrap_or_else(|| {
+                        panic!("{what}: variable {name}: {def} finds nothing in a real scrape: {v}")
+                    })
+                }
+            };
+            values.insert(name.clone(), value);
+        }
+        for (title, expr) in &dash.exprs {
+            let q = substitute(expr, &values).unwrap();
+            let v = query(&q);
+            if v["status"] != "success" {
+                failures.push(format!(
+                    "{what}: {title}: {q}: {} {}",
+                    v["errorType"], v["error"]
+                ));
+            }
+        }
+    }
+    for (f, name, expr) in &rules.exprs {
+        let v = query(expr);
+        if v["status"] != "success" {
+            failures.push(format!(
+                "{}: {name}: {expr}: {} {}",
+                f.display(),
+                v["errorType"],
+                v["error"]
+            ));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "expressions Prometheus refuses:\n{}",
+        failures.join("\n")
+    );
+    // Not vacuous: a malformed expression is refused as such.
+    let v = query("sum by (service (grl_bucket_info)");
+    assert_eq!(v["errorType"], "bad_data", "{v}");
 }
 
 #[test]

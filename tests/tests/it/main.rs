@@ -14,6 +14,7 @@ mod api;
 mod closed_loop;
 mod demo;
 mod deploy;
+mod fleet;
 use test_support::process::{free_port, Proc};
 
 const TOKEN: &str = "e2e-token-0123456789";
@@ -64,7 +65,7 @@ fn start_controller_ticking(port: u16, state: &Path, tick_ms: u64) -> Proc {
     .arg(state)
     .env("GRL_TOKEN", TOKEN)
     // A controller refuses to start without a zone-report credential.
-    .env("GRL_REPORT_TOKEN", "e2e-zone-report-token")
+    .env("GRL_REPORT_TOKEN", fleet::ZONE_TOKEN)
     .stdout(Stdio::null())
     .stderr(Stdio::null());
     let p = Proc::spawn(&mut cmd).expect("grl starts");
