@@ -1029,8 +1029,9 @@ fn shared_directive_bytes_are_the_replies_built_from_scratch() {
             "step {step} zone {zone}"
         );
         cached_seen = cached_seen.max(e.cached_directives());
-        // Every zone's reply as it would be now, from whatever it holds.
-        for z in 0..zones {
+        // Every zone's reply as it would be now, from whatever it holds (every other step:
+        // the engine changed by two reports in between).
+        for z in (0..zones).filter(|_| step % 2 == 0) {
             let (region, zone) = (format!("r{}", z % 2), format!("z{z}"));
             for since in [held[z], None, Some((1, 1))] {
                 let bytes = e.directives_json(&region, &zone, since);
