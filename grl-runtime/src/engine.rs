@@ -1342,8 +1342,7 @@ impl Engine {
         out.extend_from_slice(b",\"services\":[");
         let mut service: Option<u32> = None;
         let mut scratch = Vec::new();
-        for p in 0..n {
-            let i = if all { p } else { idx[p] };
+        for i in (0..n).map(|p| if all { p } else { idx[p] }) {
             let svc = self.service_of[i];
             if service != Some(svc) {
                 out.extend_from_slice(if service.is_some() { b"]},{" } else { b"{" });
