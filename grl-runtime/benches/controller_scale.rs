@@ -14,7 +14,11 @@
 //!   of its buckets (changed rates) on top of the report the engine applied before; then the
 //!   tick;
 //! - `round_delta_5pct_answered`: the same, each report answered as `POST /v1/aggregate`
-//!   does (`Engine::answer`: ingest, recompute, the directives changed since the zone's);
+//!   did before the shared directive bytes (`Engine::answer`: ingest, recompute, the
+//!   directives changed since the zone's; every reply serialized with serde_json);
+//! - `round_delta_5pct_answered_shared`: the same answered as `POST /v1/aggregate` does now
+//!   (`Engine::answer_json`: each directive serialized once per change, its bytes shared by
+//!   the zones' replies);
 //! - `directives_delta_one_zone`: the reply to one zone after a 5% round.
 //!
 //! The sizes of the messages (buckets and JSON bytes of one zone's report and of the reply)
@@ -137,44 +141,60 @@ fn steady(c: &mut Criterion, n: usize, label: &str) {
             })
         });
     }
-    // Each zone holds the directives of its last answer.
+    // Each zone holds the directives of its last answer. Every reply is serialized as the
+    // controller sends it: `answer` + serde_json (before the shared directive bytes) or
+    // `answer_json`.
     let mut held: Vec<Option<(u64, u64)>> = vec![None; ZONES];
-    let mut set = d5[0].clone();
-    let mut answered = |e: &mut Engine, set: &mut [ZoneReport], seq: u64| -> (usize, usize) {
-        let mut last = (0, 0);
-        for (z, r) in set.iter_mut().enumerate() {
-            sequence(r, z, seq, held[z]);
-            let d = e.answer(black_box(r), 0, 0);
-            let s = d.session.expect("a session reply");
-            assert!(!s.resync);
-            held[z] = Some((s.epoch, s.version));
-            if z == 3 {
-                last = (directive_count(&d), serde_json::to_vec(&d).unwrap().len());
+    let mut sets = [d5[0].clone(), d5[1].clone()];
+    let mut answered =
+        |e: &mut Engine, set: &mut [ZoneReport], seq: u64, shared: bool, probe: bool| -> (usize, usize) {
+            let mut last = (0, 0);
+            for (z, r) in set.iter_mut().enumerate() {
+                sequence(r, z, seq, held[z]);
+                let bytes = if shared {
+                    let bytes = e.answer_json(black_box(r), 0, 0);
+                    held[z] = Some(e.directives_version());
+                    bytes
+                } else {
+                    let d = e.answer(black_box(r), 0, 0);
+                    let s = d.session.expect("a session reply");
+                    assert!(!s.resync);
+                    held[z] = Some((s.epoch, s.version));
+                    serde_json::to_vec(&d).unwrap()
+                };
+                if probe && z == 3 {
+                    let d: grl_runtime::proto::ZoneDirectives =
+                        serde_json::from_slice(&bytes).unwrap();
+                    assert!(!d.session.unwrap().resync);
+                    last = (directive_count(&d), bytes.len());
+                }
+                black_box(bytes);
             }
-        }
-        e.recompute(0, 0);
-        e.record_reports(0);
-        last
-    };
+            e.recompute(0, 0);
+            e.record_reports(0);
+            last
+        };
     // Two rounds to reach the steady state: every zone holds the previous round's version.
     for _ in 0..2 {
         flip += 1;
         seq += 1;
-        answered(&mut e, &mut set[..], seq);
-        set = d5[flip % 2].clone();
+        answered(&mut e, &mut sets[flip % 2], seq, false, false);
     }
-    g.bench_function("round_delta_5pct_answered", |b| {
-        b.iter(|| {
-            flip += 1;
-            seq += 1;
-            set = d5[flip % 2].clone();
-            black_box(answered(&mut e, &mut set[..], seq));
-        })
-    });
+    for (name, shared) in [
+        ("round_delta_5pct_answered", false),
+        ("round_delta_5pct_answered_shared", true),
+    ] {
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                flip += 1;
+                seq += 1;
+                black_box(answered(&mut e, &mut sets[flip % 2], seq, shared, false));
+            })
+        });
+    }
     flip += 1;
     seq += 1;
-    set = d5[flip % 2].clone();
-    let (reply_n, reply_bytes) = answered(&mut e, &mut set[..], seq);
+    let (reply_n, reply_bytes) = answered(&mut e, &mut sets[flip % 2], seq, true, true);
     let since = held[3];
     g.bench_function("directives_delta_one_zone", |b| {
         b.iter(|| black_box(e.directives_since("r0", "z3", since)))

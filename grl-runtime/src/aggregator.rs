@@ -10,7 +10,6 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -219,6 +218,7 @@ struct AggMetrics {
     accepted_binary: prometheus_client::metrics::counter::Counter,
     forward_seconds: ForwardHistogram,
     forward_failures: prometheus_client::metrics::counter::Counter,
+    standby_failures: prometheus_client::metrics::counter::Counter,
 }
 
 #[derive(Clone)]
@@ -259,6 +259,11 @@ impl AggMetrics {
             "grl_aggregator_forward_failures",
             "Failed forwards of a zone report (each controller tried counts).",
             self.forward_failures.clone(),
+        );
+        reg.register(
+            "grl_aggregator_standby_failures",
+            "Failed copies of a zone report to a standby controller replica (no answer in time, an error status, or a full report refused).",
+            self.standby_failures.clone(),
         );
         reg.register_collector(Box::new(ClientsCollector { state, horizon }));
         reg
@@ -363,7 +368,7 @@ impl Aggregator {
             .transpose()?;
         let http = opts
             .client_tls
-            .http_client(Duration::from_secs(2))
+            .http_client(CONTROLLER_TIMEOUT)
             .context("controller client")?;
         crate::tls::warn_plain_http(
             "controller URL",
@@ -721,9 +726,6 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
     let mut upstreams = crate::delta::Upstreams::default();
     let mut round = 0u64;
     let insecure_reminder = LogGate::new(Duration::from_secs(60));
-    let standby_busy: Vec<Arc<AtomicBool>> = (0..s.opts.controllers.len())
-        .map(|_| Arc::new(AtomicBool::new(false)))
-        .collect();
     let mut last = false;
     while !last {
         tokio::select! {
@@ -748,14 +750,18 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
                 "aggregator stopping: forwarding the last counts");
         }
         let n = s.opts.controllers.len();
-        send_to_standbys(&s, &report, current, &standby_busy);
+        send_to_standbys(&s, &report, current, &mut upstreams, round);
         let mut done = false;
         for attempt in 0..n {
             let idx = (current + attempt) % n;
             let base = &s.opts.controllers[idx];
+            // Waits for a standby copy in flight to this replica (one report at a time per
+            // session).
+            let up = upstreams.get(base);
+            let mut up = up.lock().await;
             // Calls go only to a controller that announced protocol 2 (an older one refuses
             // the field); until then they wait, bounded.
-            if upstreams.get(base).proto >= 2 {
+            if up.proto >= 2 {
                 if report.calls.is_empty() {
                     report.calls = take_calls(&mut s.state.lock().expect("aggregator lock"));
                 }
@@ -763,7 +769,8 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
                 restore_calls(&s, std::mem::take(&mut report.calls));
             }
             let t = Instant::now();
-            let sent = forward_to(&s, upstreams.get(base), base, &report, round, last).await;
+            let sent = forward_to(&s, &mut up, base, &report, round, last, Held::Served).await;
+            drop(up);
             match &sent {
                 Ok(_) => s
                     .metrics
@@ -817,16 +824,21 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
 }
 
 /// Sends a copy of `report` to every controller replica but `primary` (fire and forget, at most
-/// one copy in flight per replica, each bounded by the client's timeout): a standby computes
-/// the same ratios from the same zone rates, so when the aggregator fails over to it the
-/// clients' directives carry on within the tick. The copy carries the rates only: counts and
-/// calls go to the replica whose directives are served (and to the next one when it fails),
-/// so that each request is counted once over the replicas' `/metrics`.
+/// one report in flight per replica): a standby computes the same ratios from the same zone
+/// rates, so when the aggregator fails over to it the clients' directives carry on within the
+/// tick. The copy carries the rates only: counts and calls go to the replica whose directives
+/// are served (and to the next one when it fails), so that each request is counted once over
+/// the replicas' `/metrics`. Each standby has its own delta session ([`crate::delta::Upstream`]):
+/// once it announced protocol 4 it gets deltas like the serving replica, a full report first
+/// and again after a `resync` or a failed copy, and it answers with the directives changed
+/// since its own last reply (dropped here). Failed copies count in
+/// `grl_aggregator_standby_failures_total`.
 fn send_to_standbys(
     s: &Arc<Shared>,
     report: &ZoneReport,
     primary: usize,
-    busy: &[Arc<AtomicBool>],
+    upstreams: &mut crate::delta::Upstreams,
+    round: u64,
 ) {
     let n = s.opts.controllers.len();
     if n < 2 {
@@ -834,9 +846,13 @@ fn send_to_standbys(
     }
     let mut copy: Option<Arc<ZoneReport>> = None;
     for (idx, base) in s.opts.controllers.iter().enumerate() {
-        if idx == primary % n || busy[idx].swap(true, Ordering::AcqRel) {
+        if idx == primary % n {
             continue;
         }
+        // A copy still in flight: this one is skipped (the next carries the rates anew).
+        let Ok(mut up) = upstreams.get(base).try_lock_owned() else {
+            continue;
+        };
         let copy = copy
             .get_or_insert_with(|| {
                 let mut c = ZoneReport {
@@ -845,7 +861,6 @@ fn send_to_standbys(
                     zone: report.zone.clone(),
                     buckets: report.buckets.clone(),
                     calls: Vec::new(),
-                    // A full report: a standby keeps no delta session with this aggregator.
                     session: None,
                 };
                 for b in &mut c.buckets {
@@ -857,14 +872,23 @@ fn send_to_standbys(
                 Arc::new(c)
             })
             .clone();
-        let (s, base, busy) = (s.clone(), base.clone(), busy[idx].clone());
+        let (s, base) = (s.clone(), base.clone());
         tokio::spawn(async move {
-            if let Err(e) = post_report(&s, &base, &copy).await {
-                tracing::debug!(controller = %base, error = %e, "standby controller replica did not take the zone report");
+            if let Err(e) = forward_to(&s, &mut up, &base, &copy, round, false, Held::Own).await {
+                s.metrics.standby_failures.inc();
+                tracing::debug!(controller = %base, error = %e, "standby controller replica did not take the zone report (see grl_aggregator_standby_failures_total)");
             }
-            busy.store(false, Ordering::Release);
         });
     }
+}
+
+/// Which directives a report names as held (`ReportSession::directives`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Held {
+    /// Those served to the clients (the replica whose directives are served).
+    Served,
+    /// The upstream's own last reply (a standby, whose replies are dropped).
+    Own,
 }
 
 /// Sends `full` to controller `base` as its upstream state wants it (full, or a delta once
@@ -877,13 +901,18 @@ async fn forward_to(
     full: &ZoneReport,
     round: u64,
     flush: bool,
+    held: Held,
 ) -> anyhow::Result<ZoneDirectives> {
     // A resync costs one more request, at most one per forward.
     for _ in 0..2 {
         let mut p = up.prepare(full, round, s.opts.delta, flush);
         if let Some(sess) = &mut p.report.session {
-            sess.directives =
-                crate::delta::directives_held(&s.state.lock().expect("aggregator lock").directives);
+            sess.directives = match held {
+                Held::Served => crate::delta::directives_held(
+                    &s.state.lock().expect("aggregator lock").directives,
+                ),
+                Held::Own => up.seen,
+            };
         }
         let sent = post_report(s, base, &p.report).await;
         let (d, v) = match sent {
@@ -934,10 +963,41 @@ async fn post_report(
     {
         req = req.bearer_auth(t);
     }
-    let resp = req.send().await?.error_for_status()?;
+    // A delta is answered within the tick by a live controller: one that has not started
+    // answering by then is taken as hung and the next replica gets the report (a dead one
+    // refuses the connection at once). A full report (first contact, after a resync) may
+    // take longer and has the client's whole timeout; so does reading the answer.
+    let resp = match r.session.and_then(|sess| sess.base) {
+        Some(_) => {
+            let bound = delta_answer_timeout(s.opts.tick);
+            tokio::time::timeout(bound, req.send())
+                .await
+                .map_err(|_| {
+                    anyhow::anyhow!(
+                        "no answer to a delta report within {} ms (controller hung?)",
+                        bound.as_millis()
+                    )
+                })??
+        }
+        None => req.send().await?,
+    }
+    .error_for_status()?;
     let version = crate::proto::peer_version(resp.headers());
     Ok((resp.json().await?, version))
 }
+
+/// How long a controller may take to start answering a delta report before the aggregator
+/// gives up on it: one tick, at least [`MIN_DELTA_ANSWER`] (a loaded controller's lock), at
+/// most the client's timeout.
+fn delta_answer_timeout(tick: Duration) -> Duration {
+    tick.clamp(MIN_DELTA_ANSWER, CONTROLLER_TIMEOUT)
+}
+
+/// The floor of [`delta_answer_timeout`].
+const MIN_DELTA_ANSWER: Duration = Duration::from_millis(500);
+
+/// The controller client's timeout (a whole request, the answer read included).
+const CONTROLLER_TIMEOUT: Duration = Duration::from_secs(2);
 
 async fn fetch_config(s: &Shared, base: &str) -> anyhow::Result<ConfigDoc> {
     let resp = s
@@ -947,4 +1007,174 @@ async fn fetch_config(s: &Shared, base: &str) -> anyhow::Result<ConfigDoc> {
         .await?
         .error_for_status()?;
     Ok(resp.json().await?)
+}
+
+#[cfg(test)]
+mod standby_tests {
+    use super::*;
+    use crate::controller::{Controller, ControllerOptions};
+    use crate::engine::Engine;
+    use serde_json::json;
+
+    const TOKEN: &str = "t0ken";
+
+    fn config() -> serde_json::Value {
+        json!({"version": "v1", "services": [{"service": "payments", "buckets": [
+            {"name": "gw.charge", "caller": "gw", "procedure": "charge", "scope": "global",
+             "limit_rps": 100.0, "mode": "enforce", "policy": "peak"},
+            {"name": "gw.refund", "caller": "gw", "procedure": "refund", "scope": "zone",
+             "limit_rps": 100.0, "mode": "enforce", "policy": "peak"}]}]})
+    }
+
+    /// What a standby replica received, and whether its replies were deltas.
+    #[derive(Default)]
+    struct Seen {
+        reports: Vec<ZoneReport>,
+        delta_replies: usize,
+    }
+
+    /// A standby replica: the controller's engine behind `POST /v1/aggregate` (protocol 4),
+    /// recording every report.
+    async fn standby(
+        seen: Arc<Mutex<Seen>>,
+    ) -> (String, tokio::task::JoinHandle<()>) {
+        let doc: ConfigDoc = serde_json::from_value(config()).unwrap();
+        let engine = Arc::new(Mutex::new(Engine::new(doc, 60_000)));
+        let app = Router::new().route(
+            "/v1/aggregate",
+            post(move |Json(r): Json<ZoneReport>| {
+                let (engine, seen) = (engine.clone(), seen.clone());
+                async move {
+                    let d = engine.lock().unwrap().answer(&r, 0, 0);
+                    let mut seen = seen.lock().unwrap();
+                    seen.delta_replies += d.session.is_some_and(|s| s.delta) as usize;
+                    seen.reports.push(r);
+                    ([(PROTO_HEADER, PROTO_VERSION.to_string())], Json(d))
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let server = tokio::spawn(async move {
+            axum::serve(listener, app).await.unwrap();
+        });
+        (url, server)
+    }
+
+    /// Standby replicas get delta reports carrying rates only, answered with deltas, through
+    /// their own session; a standby that cannot be reached counts in
+    /// `grl_aggregator_standby_failures_total`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn standbys_get_deltas_of_rates_and_failed_copies_are_counted() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = Controller::start(ControllerOptions {
+            state_dir: dir.path().join("c"),
+            token: TOKEN.into(),
+            allow_anonymous_reports: true,
+            tick: Duration::from_millis(50),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        let http = reqwest::Client::new();
+        let r = http
+            .put(format!("{}/v1/config", c.url()))
+            .bearer_auth(TOKEN)
+            .json(&config())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let seen = Arc::new(Mutex::new(Seen::default()));
+        let (standby_url, standby_server) = standby(seen.clone()).await;
+        // A replica that refuses connections (a port bound, then released).
+        let dead = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            format!("http://{}", l.local_addr().unwrap())
+        };
+        let a = Aggregator::start(AggregatorOptions {
+            controllers: vec![c.url(), standby_url, dead],
+            zone: "z1".into(),
+            region: "r1".into(),
+            tick: Duration::from_millis(50),
+            allow_anonymous_reports: true,
+            // Every changed rate goes (the reports below change one bucket each time).
+            delta: crate::delta::DeltaOptions {
+                threshold: 0.0,
+                refresh_ticks: 1000,
+            },
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        let report = |n: u64| {
+            json!({"client_id": "c1", "service": "payments", "version": "v1", "interval_ms": 1000,
+                "buckets": [
+                    {"bucket": "gw.charge", "offered": 50 + n, "admitted": 50 + n, "dropped": 0, "shadow_dropped": 0},
+                    {"bucket": "gw.refund", "offered": 7, "admitted": 7, "dropped": 0, "shadow_dropped": 0}]})
+        };
+        let mut n = 0;
+        for _ in 0..200 {
+            n += 1;
+            let r = http
+                .post(format!("{}/v1/report", a.url()))
+                .json(&report(n))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            if seen.lock().unwrap().reports.len() >= 8 {
+                break;
+            }
+        }
+        {
+            let seen = seen.lock().unwrap();
+            let reports = &seen.reports;
+            assert!(reports.len() >= 8, "{} copies reached the standby", reports.len());
+            // Before the standby announced protocol 4: a full copy without a session; then a
+            // full report opening the session, then deltas on top of the last one applied.
+            assert_eq!(reports[0].session, None);
+            let s1 = reports[1].session.expect("a session once protocol 4 was announced");
+            assert_eq!(s1.base, None);
+            for (i, r) in reports.iter().enumerate().skip(2) {
+                let s = r.session.unwrap();
+                assert_eq!(s.id, s1.id, "one session");
+                assert_eq!(s.base, Some(s.seq - 1), "report {i}: a delta of the previous one");
+                assert!(s.directives.is_some(), "report {i} names the standby's directives");
+            }
+            // gw.refund's rate stays put: the standby gets it once (in the full report or in
+            // the first delta after it appeared), never again.
+            let refunds = reports[1..]
+                .iter()
+                .filter(|r| r.buckets.iter().any(|b| b.bucket == "gw.refund"))
+                .count();
+            assert_eq!(refunds, 1, "gw.refund sent {refunds} times");
+            // Rates only: counts and calls go to the serving replica.
+            for r in reports {
+                assert!(r.calls.is_empty());
+                assert!(r.buckets.iter().all(|b| b.counts.offered == 0 && b.counts.admitted == 0));
+            }
+            assert!(seen.delta_replies >= reports.len() - 2, "{} delta replies", seen.delta_replies);
+        }
+        let metrics = http
+            .get(format!("{}/metrics", a.url()))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let failures: f64 = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("grl_aggregator_standby_failures_total "))
+            .expect("the standby failures counter is exported")
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(failures >= 1.0, "{metrics}");
+        a.shutdown().await;
+        c.shutdown().await;
+        standby_server.abort();
+    }
 }

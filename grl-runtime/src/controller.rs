@@ -1067,14 +1067,21 @@ async fn aggregate(
     let mut e = s.engine.lock().expect("engine lock");
     // The reply's ratios already include this report: a zone's fresh counts reach its
     // clients in the same round trip instead of waiting for the next tick.
-    let reply = e.answer(&r, s.now_ms(), unix_now());
+    // Serialized under the lock: the directives' bytes are shared between the zones' replies.
+    let reply = e.answer_json(&r, s.now_ms(), unix_now());
     drop(e);
     Ok((
-        [(
-            crate::proto::PROTO_HEADER,
-            crate::proto::PROTO_VERSION.to_string(),
-        )],
-        Json(reply),
+        [
+            (
+                crate::proto::PROTO_HEADER,
+                crate::proto::PROTO_VERSION.to_string(),
+            ),
+            (
+                axum::http::header::CONTENT_TYPE.as_str(),
+                "application/json".to_string(),
+            ),
+        ],
+        reply,
     ))
 }
 

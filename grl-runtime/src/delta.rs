@@ -1,8 +1,9 @@
 //! Delta zone reports and delta directives (protocol 4), the aggregator's side.
 //!
 //! An aggregator keeps one [`Upstream`] per controller it reports to (in [`Upstreams`], keyed
-//! by the controller's base URL): the protocol version the controller announced and the delta
-//! session with it. Once the controller announced protocol 4, a zone report carries only the
+//! by the controller's base URL; the replica whose directives it serves and every standby
+//! replica alike): the protocol version the controller announced and the delta session with
+//! it. Once the controller announced protocol 4, a zone report carries only the
 //! buckets whose rates changed materially since what that controller holds (the last report
 //! it acknowledged), the buckets gone since, and a rolling share of the others (every bucket
 //! at least every `refresh_ticks` forwards); the first report of a session, and the one after
@@ -103,6 +104,10 @@ pub struct Upstream {
     acked: Option<u64>,
     /// The rates the controller holds of this zone, by (service, bucket).
     held: HashMap<(String, String), Units>,
+    /// The `(epoch, version)` of the controller's last reply. A standby replica's reports
+    /// name it (the aggregator serves another replica's directives and drops the standby's),
+    /// so that the standby answers with the directives changed since, not with all of them.
+    pub seen: Option<(u64, u64)>,
 }
 
 impl Default for Upstream {
@@ -114,6 +119,7 @@ impl Default for Upstream {
             next_seq: 1,
             acked: None,
             held: HashMap::new(),
+            seen: None,
         }
     }
 }
@@ -218,6 +224,7 @@ impl Upstream {
     /// `resync` means the next report is full. Without a session in the answer (a controller
     /// before protocol 4) nothing is held.
     pub fn answered(&mut self, sent: Prepared, reply: &ZoneDirectives) {
+        self.seen = directives_held(reply);
         let Some(rs) = reply.session else {
             self.acked = None;
             self.held.clear();
@@ -253,6 +260,7 @@ impl Upstream {
     /// protocol version is unknown again; the next report is full.
     pub fn failed(&mut self) {
         self.proto = 1;
+        self.seen = None;
         self.acked = None;
         self.held.clear();
     }
@@ -263,19 +271,18 @@ impl Upstream {
     }
 }
 
-/// The upstream controllers of one aggregator, by base URL.
+/// The upstream controllers of one aggregator, by base URL: the forwarder's and the standby
+/// copies' (each replica keeps its own delta session), behind a lock each that a report holds
+/// until its answer, so that one replica has at most one report in flight.
 #[derive(Debug, Default)]
 pub struct Upstreams {
-    by_url: HashMap<String, Upstream>,
+    by_url: HashMap<String, std::sync::Arc<tokio::sync::Mutex<Upstream>>>,
 }
 
 impl Upstreams {
     /// The state of controller `url` (a new session the first time).
-    pub fn get(&mut self, url: &str) -> &mut Upstream {
-        if !self.by_url.contains_key(url) {
-            self.by_url.insert(url.to_string(), Upstream::default());
-        }
-        self.by_url.get_mut(url).expect("inserted")
+    pub fn get(&mut self, url: &str) -> std::sync::Arc<tokio::sync::Mutex<Upstream>> {
+        self.by_url.entry(url.to_string()).or_default().clone()
     }
 }
 

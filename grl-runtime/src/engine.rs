@@ -11,6 +11,7 @@ use grl_core::control::{drop_ratio, scope_key};
 use schema::{Bucket, Scope};
 use serde::Serialize;
 
+use crate::frags::FragCache;
 use crate::overrides::{combine, materialize, Affected, Effect, Group, Override};
 use crate::proto::{
     BucketCountsMsg, ConfigDoc, DirectiveMsg, ReplySession, ServiceDirectives, ZoneBucketMsg,
@@ -225,6 +226,11 @@ pub enum Ingested {
     Resync,
 }
 
+/// Bytes of serialized directives kept per entry of the directive log's bound (the
+/// directives of about a quarter of the log's entries, at about 110 bytes each; 32 MB at 1M
+/// buckets, the arena up to twice that between compactions).
+const FRAG_BYTES_PER_LOG_ENTRY: usize = 32;
+
 /// A directive-log entry's key for a change of the whole bucket (limit or fixed ratio).
 const ALL_KEYS: u32 = u32::MAX;
 
@@ -288,6 +294,15 @@ pub struct Engine {
     changed: Vec<(u32, u32)>,
     log: VecDeque<(u64, u32, u32)>,
     log_from: u64,
+    /// Directives serialized for delta replies, by bucket and key id: dropped whenever the
+    /// bucket's limit or that key's rates or ratio change (wherever `changed` gets an entry),
+    /// so the bytes are always those of the current directive.
+    frags: FragCache,
+    /// Each bucket's scope and service (an index into `service_names`), packed: a reply whose
+    /// directives are all in `frags` reads no bucket state.
+    scope_of: Vec<Scope>,
+    service_of: Vec<u32>,
+    service_names: Vec<String>,
 }
 
 impl Engine {
@@ -332,6 +347,10 @@ impl Engine {
             changed: Vec::new(),
             log: VecDeque::new(),
             log_from: 0,
+            frags: FragCache::default(),
+            scope_of: Vec::new(),
+            service_of: Vec::new(),
+            service_names: Vec::new(),
         };
         e.set_config(config);
         e
@@ -500,6 +519,17 @@ impl Engine {
         self.zones = zones;
         // Every directive may have changed (indices too): older versions get a full reply.
         self.changed.clear();
+        self.frags = FragCache::new(self.buckets.len(), FRAG_BYTES_PER_LOG_ENTRY * self.log_cap());
+        self.scope_of = self.buckets.iter().map(|b| b.bucket.scope).collect();
+        // Buckets are in service order: a service is one group of a reply.
+        let (mut names, mut service_of) = (Vec::<String>::new(), Vec::new());
+        for b in &self.buckets {
+            if names.last() != Some(&b.service) {
+                names.push(b.service.clone());
+            }
+            service_of.push(names.len() as u32 - 1);
+        }
+        (self.service_names, self.service_of) = (names, service_of);
         self.log.clear();
         self.dver += 1;
         self.log_from = self.dver;
@@ -585,6 +615,7 @@ impl Engine {
         }
         k.zones = k.zones.saturating_add_signed(dz);
         self.changed.push((i as u32, id));
+        self.frags.drop_key(i, id);
         if k.zones == 0 {
             s.keys.remove(p);
             self.busy_rows -= was_busy as usize;
@@ -1093,6 +1124,7 @@ impl Engine {
                 .unwrap_or_else(|| drop_ratio(k.offered_rps, s.limit_rps));
             if ratio.to_bits() != k.ratio.to_bits() {
                 self.changed.push((i as u32, k.id));
+                self.frags.drop_key(i, k.id);
             }
             k.ratio = ratio;
         }
@@ -1100,6 +1132,7 @@ impl Engine {
             || before.1.map(f64::to_bits) != s.fixed.map(f64::to_bits)
         {
             self.changed.push((i as u32, ALL_KEYS));
+            self.frags.drop_bucket(i);
         }
     }
 
@@ -1119,43 +1152,61 @@ impl Engine {
         zone: &str,
         since: Option<(u64, u64)>,
     ) -> ZoneDirectives {
+        let (idx, session) = self.plan(region, zone, since);
+        let mut d = match idx {
+            None => self.directives_for(region, zone),
+            Some(idx) => self.directives_of(idx.into_iter(), region, zone),
+        };
+        d.session = Some(session);
+        d
+    }
+
+    /// The `(epoch, version)` of the directives as they are now: what a reply built now names
+    /// in its session.
+    pub fn directives_version(&self) -> (u64, u64) {
+        (self.epoch, self.dver)
+    }
+
+    /// Which buckets a reply to `zone` holding `since` carries (None: every bucket), and the
+    /// reply's session.
+    fn plan(
+        &self,
+        region: &str,
+        zone: &str,
+        since: Option<(u64, u64)>,
+    ) -> (Option<Vec<usize>>, ReplySession) {
         let delta =
             since.filter(|&(epoch, v)| epoch == self.epoch && v >= self.log_from && v <= self.dver);
-        let mut d = match delta {
-            None => self.directives_for(region, zone),
-            Some((_, v)) => {
-                let region_key = self
-                    .keys
-                    .ids
-                    .get(&scope_key(Scope::Region, region, zone))
-                    .copied();
-                let zone_key = self
-                    .keys
-                    .ids
-                    .get(&scope_key(Scope::Zone, region, zone))
-                    .copied();
-                let start = self.log.partition_point(|e| e.0 <= v);
-                let mut idx: Vec<usize> = self
-                    .log
-                    .range(start..)
-                    .filter(|&&(_, _, k)| {
-                        k == ALL_KEYS || k == 0 || Some(k) == region_key || Some(k) == zone_key
-                    })
-                    .map(|&(_, i, _)| i as usize)
-                    .collect();
-                idx.sort_unstable();
-                idx.dedup();
-                self.directives_of(idx.into_iter(), region, zone)
-            }
-        };
-        d.session = Some(ReplySession {
+        let idx = delta.map(|(_, v)| {
+            let (region_key, zone_key) = self.zone_keys(region, zone);
+            let start = self.log.partition_point(|e| e.0 <= v);
+            let mut idx: Vec<usize> = self
+                .log
+                .range(start..)
+                .filter(|&&(_, _, k)| {
+                    k == ALL_KEYS || k == 0 || Some(k) == region_key || Some(k) == zone_key
+                })
+                .map(|&(_, i, _)| i as usize)
+                .collect();
+            idx.sort_unstable();
+            idx.dedup();
+            idx
+        });
+        let session = ReplySession {
             applied: None,
             resync: false,
             epoch: self.epoch,
             version: self.dver,
             delta: delta.is_some(),
-        });
-        d
+        };
+        (idx, session)
+    }
+
+    /// The ids of `zone`'s region and zone scope keys (None: a key never interned is carried
+    /// by no bucket).
+    fn zone_keys(&self, region: &str, zone: &str) -> (Option<u32>, Option<u32>) {
+        let id = |scope| self.keys.ids.get(&scope_key(scope, region, zone)).copied();
+        (id(Scope::Region), id(Scope::Zone))
     }
 
     /// What `POST /v1/aggregate` does with a zone report: ingests it, recomputes (so that the
@@ -1164,17 +1215,78 @@ impl Engine {
     /// report with one, the directives changed since the ones it holds, and whether the report
     /// was applied or a full one is needed (`resync`).
     pub fn answer(&mut self, r: &ZoneReport, now_ms: u64, unix_now: u64) -> ZoneDirectives {
+        let (idx, session) = self.answer_plan(r, now_ms, unix_now);
+        let mut d = match idx {
+            None => self.directives_for(&r.region, &r.zone),
+            Some(idx) => self.directives_of(idx.into_iter(), &r.region, &r.zone),
+        };
+        d.session = session;
+        d
+    }
+
+    /// [`Engine::answer`] serialized as JSON: the same bytes as `serde_json::to_vec` of its
+    /// reply, built from directives serialized once per change and shared by every zone's
+    /// reply (see [`Engine::directives_json`]).
+    pub fn answer_json(&mut self, r: &ZoneReport, now_ms: u64, unix_now: u64) -> Vec<u8> {
+        let (idx, session) = self.answer_plan(r, now_ms, unix_now);
+        self.render_json(idx, &r.region, &r.zone, session)
+    }
+
+    /// [`Engine::directives_since`] serialized as JSON: the same bytes as `serde_json::to_vec`
+    /// of its reply. A directive is serialized once after each change of its bucket's limit or
+    /// of the zone's key (its ratio and rates) and the bytes are kept for every later reply
+    /// that carries it: a change of a `global` bucket goes to every zone, so in a steady state
+    /// most of each delta reply is bytes another zone's reply already built. The kept bytes
+    /// are bounded ([`FRAG_BYTES_PER_LOG_ENTRY`] per entry of the directive log's bound; all
+    /// dropped when full); a full reply keeps nothing.
+    pub fn directives_json(
+        &mut self,
+        region: &str,
+        zone: &str,
+        since: Option<(u64, u64)>,
+    ) -> Vec<u8> {
+        let (idx, session) = self.plan(region, zone, since);
+        self.render_json(idx, region, zone, Some(session))
+    }
+
+    fn answer_plan(
+        &mut self,
+        r: &ZoneReport,
+        now_ms: u64,
+        unix_now: u64,
+    ) -> (Option<Vec<usize>>, Option<ReplySession>) {
         let ingested = self.ingest(r, now_ms);
         self.recompute(now_ms, unix_now);
         let Some(sess) = r.session else {
-            return self.directives_for(&r.region, &r.zone);
+            return (None, None);
         };
-        let mut d = self.directives_since(&r.region, &r.zone, sess.directives);
-        if let Some(rs) = &mut d.session {
-            rs.resync = ingested == Ingested::Resync;
-            rs.applied = (!rs.resync).then_some(sess.seq);
+        let (idx, mut rs) = self.plan(&r.region, &r.zone, sess.directives);
+        rs.resync = ingested == Ingested::Resync;
+        rs.applied = (!rs.resync).then_some(sess.seq);
+        (idx, Some(rs))
+    }
+
+    /// Bucket `i`'s key that `zone`'s clients run under (None: no report carries it).
+    fn wanted(&self, i: usize, region_id: Option<u32>, zone_id: Option<u32>) -> Option<&KeyState> {
+        let s = &self.buckets[i];
+        let want = match s.bucket.scope {
+            Scope::Global => Some(0),
+            Scope::Region => region_id,
+            Scope::Zone => zone_id,
+        };
+        want.and_then(|w| s.keys.iter().find(|k| k.id == w))
+    }
+
+    /// Bucket `i`'s directive under key `k`.
+    fn directive(&self, i: usize, k: Option<&KeyState>) -> DirectiveMsg {
+        let s = &self.buckets[i];
+        DirectiveMsg {
+            bucket: s.bucket.name.clone(),
+            ratio: s.fixed.unwrap_or(k.map_or(0.0, |k| k.ratio)),
+            fleet_offered_rps: k.map_or(0.0, |k| k.offered_rps),
+            limit_rps: s.limit_rps,
+            fixed: s.fixed.is_some(),
         }
-        d
     }
 
     /// The directives of buckets `idx` (in bucket order) for `zone` in `region`.
@@ -1184,29 +1296,15 @@ impl Engine {
         region: &str,
         zone: &str,
     ) -> ZoneDirectives {
-        // The zone's keys by id (a key never interned is carried by no bucket).
-        let id = |scope| self.keys.ids.get(&scope_key(scope, region, zone)).copied();
-        let (region_id, zone_id) = (id(Scope::Region), id(Scope::Zone));
+        let (region_id, zone_id) = self.zone_keys(region, zone);
         let mut services: Vec<ServiceDirectives> = Vec::new();
         for i in idx {
-            let s = &self.buckets[i];
-            let want = match s.bucket.scope {
-                Scope::Global => Some(0),
-                Scope::Region => region_id,
-                Scope::Zone => zone_id,
-            };
-            let k = want.and_then(|w| s.keys.iter().find(|k| k.id == w));
-            let d = DirectiveMsg {
-                bucket: s.bucket.name.clone(),
-                ratio: s.fixed.unwrap_or(k.map_or(0.0, |k| k.ratio)),
-                fleet_offered_rps: k.map_or(0.0, |k| k.offered_rps),
-                limit_rps: s.limit_rps,
-                fixed: s.fixed.is_some(),
-            };
+            let d = self.directive(i, self.wanted(i, region_id, zone_id));
+            let service = &self.buckets[i].service;
             match services.last_mut() {
-                Some(sd) if sd.service == s.service => sd.directives.push(d),
+                Some(sd) if &sd.service == service => sd.directives.push(d),
                 _ => services.push(ServiceDirectives {
-                    service: s.service.clone(),
+                    service: service.clone(),
                     directives: vec![d],
                 }),
             }
@@ -1216,6 +1314,80 @@ impl Engine {
             services,
             session: None,
         }
+    }
+
+    /// Writes what `serde_json::to_vec` makes of [`Engine::directives_of`]`(idx)` with
+    /// `session` (None: every bucket), field by field in the order of [`ZoneDirectives`]; each
+    /// directive's bytes come from the shared cache when a delta reply built them before.
+    fn render_json(
+        &mut self,
+        idx: Option<Vec<usize>>,
+        region: &str,
+        zone: &str,
+        session: Option<ReplySession>,
+    ) -> Vec<u8> {
+        // Serializing plain data into a Vec cannot fail.
+        fn put<T: Serialize + ?Sized>(out: &mut Vec<u8>, v: &T) {
+            serde_json::to_writer(&mut *out, v).expect("JSON into memory");
+        }
+        let (region_id, zone_id) = self.zone_keys(region, zone);
+        // Only delta replies keep what they build: a full reply would flush the cache.
+        let keep = idx.is_some();
+        let all = idx.is_none();
+        let idx = idx.unwrap_or_default();
+        let n = if all { self.buckets.len() } else { idx.len() };
+        let mut out = Vec::with_capacity(64 + n * 112);
+        out.extend_from_slice(b"{\"version\":");
+        put(&mut out, &self.config().version);
+        out.extend_from_slice(b",\"services\":[");
+        let mut service: Option<u32> = None;
+        let mut scratch = Vec::new();
+        for i in (0..n).map(|p| if all { p } else { idx[p] }) {
+            let svc = self.service_of[i];
+            if service != Some(svc) {
+                out.extend_from_slice(if service.is_some() { b"]},{" } else { b"{" });
+                out.extend_from_slice(b"\"service\":");
+                put(&mut out, &self.service_names[svc as usize]);
+                out.extend_from_slice(b",\"directives\":[");
+                service = Some(svc);
+            } else {
+                out.push(b',');
+            }
+            let want = match self.scope_of[i] {
+                Scope::Global => Some(0),
+                Scope::Region => region_id,
+                Scope::Zone => zone_id,
+            };
+            if let Some(bytes) = want.and_then(|w| self.frags.get(i, w)) {
+                out.extend_from_slice(bytes);
+                continue;
+            }
+            let k = self.wanted(i, region_id, zone_id);
+            scratch.clear();
+            put(&mut scratch, &self.directive(i, k));
+            out.extend_from_slice(&scratch);
+            // A key absent from the bucket has no change to drop its bytes: not kept.
+            if let (true, Some(k)) = (keep, k) {
+                let id = k.id;
+                self.frags.insert(i, id, &scratch);
+            }
+        }
+        if service.is_some() {
+            out.extend_from_slice(b"]}");
+        }
+        out.push(b']');
+        if let Some(rs) = &session {
+            out.extend_from_slice(b",\"session\":");
+            put(&mut out, rs);
+        }
+        out.push(b'}');
+        out
+    }
+
+    /// Directives whose bytes are kept (tests).
+    #[cfg(test)]
+    pub(crate) fn cached_directives(&self) -> usize {
+        self.frags.len()
     }
 
     /// Starts this run's report sequence after `base`. The controller passes its start time as

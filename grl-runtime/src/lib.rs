@@ -13,6 +13,7 @@ pub mod config;
 pub mod controller;
 pub mod delta;
 pub mod engine;
+mod frags;
 pub mod http_util;
 pub mod keys;
 pub mod layer;

@@ -888,3 +888,167 @@ fn delta_reports_match_full_reports() {
     assert!(delta_replies > 100, "{delta_replies} delta replies");
     assert!(sent_delta > 0 && sent_full > 0);
 }
+
+/// The replies `POST /v1/aggregate` sends (`Engine::answer_json`, whose directives' bytes are
+/// shared between zones and kept across replies) are byte for byte `serde_json` of the
+/// engine's reply built from scratch, through rate changes, bucket and traffic overrides
+/// (fixed ratios, limits), zones expiring, a config change and stale or foreign versions.
+#[test]
+fn shared_directive_bytes_are_the_replies_built_from_scratch() {
+    use crate::proto::{ReportSession, ZoneDirectives};
+
+    let names: Vec<String> = (0..30).map(|i| format!("b{i}")).collect();
+    let cfg = |version: &str, n: usize| ConfigDoc {
+        version: version.into(),
+        services: ["svc", "tsv"]
+            .iter()
+            .map(|svc| BucketFile {
+                service: (*svc).into(),
+                buckets: names[..n]
+                    .iter()
+                    .enumerate()
+                    .map(|(i, b)| {
+                        let mut b = bucket(b, [Scope::Global, Scope::Region, Scope::Zone][i % 3], 500.0);
+                        b.caller = Some(format!("c{}", i % 4));
+                        b
+                    })
+                    .collect(),
+            })
+            .collect(),
+    };
+    let mut e = Engine::new(cfg("v1", 30), 2000);
+    let mut x: u64 = 7;
+    let mut rand = move |m: u64| {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (x >> 33) % m
+    };
+    let zones = 6;
+    // The (epoch, version) each zone holds, and its session (id, last applied seq).
+    let mut held: Vec<Option<(u64, u64)>> = vec![None; zones];
+    let mut seqs: Vec<Option<u64>> = vec![None; zones];
+    let override_of = |id: &str, bucket: Option<&str>, caller: Option<&str>, limit: Option<f64>, ratio: Option<f64>| Override {
+        id: id.into(),
+        req: OverrideRequest {
+            service: Some("svc".into()),
+            bucket: bucket.map(Into::into),
+            caller: caller.map(Into::into),
+            procedure: None,
+            limit_rps: limit,
+            drop_ratio: ratio,
+            ttl_secs: 60,
+            reason: "test".into(),
+            who: "test".into(),
+        },
+        created_at: 0,
+        expires_at: 40,
+        credential: None,
+    };
+    let (mut delta_replies, mut checked) = (0, 0);
+    let mut cached_seen = 0;
+    for step in 0..400u64 {
+        let now = step * 100;
+        let unix = step / 10;
+        match step {
+            60 => e.set_overrides(vec![
+                override_of("ovr-1", Some("b1"), None, Some(40.0), None),
+                override_of("ovr-2", Some("b2"), None, None, Some(0.3)),
+            ]),
+            120 => e.set_overrides(vec![
+                override_of("ovr-1", Some("b1"), None, Some(40.0), None),
+                override_of("ovr-3", None, Some("c1"), Some(300.0), None),
+            ]),
+            250 => e.set_config(cfg("v2", 24)),
+            _ => {}
+        }
+        let a = rand(zones as u64) as usize;
+        // Zone 5 falls silent for a while: it expires.
+        if a == 5 && (150..200).contains(&step) {
+            continue;
+        }
+        let (region, zone) = (format!("r{}", a % 2), format!("z{a}"));
+        let mut rates: Vec<(String, f64)> = Vec::new();
+        // Two passes: each bucket goes to `svc` or `tsv` below by its place in the report.
+        for _ in 0..2 {
+            for b in &names {
+                if rand(3) == 0 {
+                    rates.push((b.clone(), rand(400_000) as f64 / 1000.0));
+                }
+            }
+        }
+        let refs: Vec<(&str, f64)> = rates.iter().map(|(b, r)| (b.as_str(), *r)).collect();
+        let mut report = zone_report(&format!("agg-{a}"), &region, &zone, &refs);
+        for (n, b) in report.buckets.iter_mut().enumerate() {
+            if n % 2 == 1 {
+                b.service = "tsv".into();
+            }
+        }
+        report
+            .buckets
+            .sort_by(|p, q| (&p.service, &p.bucket).cmp(&(&q.service, &q.bucket)));
+        report.buckets.dedup_by(|p, q| p.service == q.service && p.bucket == q.bucket);
+        // Zones 0 and 3 send no session (older aggregators), the others full or delta reports
+        // (a delta on a base the engine may not hold); now and then one names a version of
+        // another engine.
+        let sessioned = a % 3 != 0;
+        if sessioned {
+            let seq = seqs[a].map_or(1, |s| s + 1);
+            let named = if rand(10) == 0 { Some((1, 1)) } else { held[a] };
+            report.session = Some(ReportSession {
+                id: a as u64,
+                seq,
+                base: seqs[a].filter(|_| rand(4) != 0),
+                directives: named,
+            });
+        }
+        let bytes = e.answer_json(&report, now, unix);
+        let got: ZoneDirectives = serde_json::from_slice(&bytes).unwrap();
+        let expected = match report.session {
+            None => e.directives_for(&region, &zone),
+            Some(sess) => {
+                let rs = got.session.unwrap();
+                if rs.resync {
+                    assert_eq!(rs.applied, None);
+                    seqs[a] = None;
+                } else {
+                    assert_eq!(rs.applied, Some(sess.seq));
+                    seqs[a] = Some(sess.seq);
+                }
+                held[a] = Some((rs.epoch, rs.version));
+                delta_replies += rs.delta as usize;
+                let mut d = e.directives_since(&region, &zone, sess.directives);
+                let s = d.session.as_mut().unwrap();
+                (s.applied, s.resync) = (rs.applied, rs.resync);
+                d
+            }
+        };
+        assert_eq!(
+            String::from_utf8(bytes).unwrap(),
+            String::from_utf8(serde_json::to_vec(&expected).unwrap()).unwrap(),
+            "step {step} zone {zone}"
+        );
+        cached_seen = cached_seen.max(e.cached_directives());
+        // Every zone's reply as it would be now, from whatever it holds (every other step:
+        // the engine changed by two reports in between).
+        for z in (0..zones).filter(|_| step % 2 == 0) {
+            let (region, zone) = (format!("r{}", z % 2), format!("z{z}"));
+            for since in [held[z], None, Some((1, 1))] {
+                let bytes = e.directives_json(&region, &zone, since);
+                let d = e.directives_since(&region, &zone, since);
+                assert_eq!(
+                    bytes,
+                    serde_json::to_vec(&d).unwrap(),
+                    "step {step} zone {zone} since {since:?}"
+                );
+                checked += 1;
+            }
+        }
+        if step % 5 == 0 {
+            e.recompute(now, unix);
+        }
+    }
+    assert!(delta_replies > 50, "{delta_replies} delta replies");
+    assert!(cached_seen > 0, "directive bytes were kept");
+    assert!(checked > 1000);
+}

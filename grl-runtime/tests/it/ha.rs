@@ -240,6 +240,133 @@ async fn replica_killed_under_traffic_loses_no_enforcement_and_catches_up_on_res
     stop.store(true, Ordering::Relaxed);
 }
 
+/// The largest `grl_aggregator_directives_age_seconds` of aggregator `base` sampled every
+/// 50 ms over `ms` milliseconds.
+async fn max_directives_age(http: &reqwest::Client, base: &str, ms: u64) -> f64 {
+    let mut max: f64 = 0.0;
+    for _ in 0..ms / 50 {
+        let text = http
+            .get(format!("{base}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        if let Some(age) = text
+            .lines()
+            .find_map(|l| l.strip_prefix("grl_aggregator_directives_age_seconds "))
+        {
+            max = max.max(age.trim().parse().unwrap());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    max
+}
+
+/// A hung replica (SIGSTOP: it accepts connections and never answers) costs the aggregator
+/// about one tick, not its 2 s client timeout: a delta report not answered within the tick
+/// (500 ms at least) goes to the standby, which already holds the zone's rates through its
+/// own delta session. Once the hung replica runs again the aggregator stays with the standby
+/// (no flapping back) and the former primary gets the standby copies again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hung_replica_fails_over_within_about_a_tick() {
+    let dir = tempfile::tempdir().unwrap();
+    let (pa, pb) = (free_port(), free_port());
+    let (ca, cb) = (
+        format!("http://127.0.0.1:{pa}"),
+        format!("http://127.0.0.1:{pb}"),
+    );
+    let ctl_a = spawn_controller(pa, &dir.path().join("state-a"), dir.path(), &[]);
+    let _ctl_b = spawn_controller(pb, &dir.path().join("state-b"), dir.path(), &[]);
+    let http = reqwest::Client::new();
+    for c in [&ca, &cb] {
+        wait_up(&format!("{c}/v1/status")).await;
+        let r = http
+            .put(format!("{c}/v1/config"))
+            .bearer_auth(TOKEN)
+            .json(&payments_config("v1", 200.0))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    let ga = free_port();
+    let ua = format!("http://127.0.0.1:{ga}");
+    let creds = dir.path().join("client-credentials");
+    std::fs::write(&creds, format!("payments payments {CLIENT_TOKEN}\n")).unwrap();
+    let _agg = spawn_aggregator_with(
+        ga,
+        &ca,
+        "agg-hung",
+        dir.path(),
+        100,
+        &["--controller", &cb, "--client-credentials", creds.to_str().unwrap()],
+        &[("GRL_REPORT_TOKEN", REPORT_TOKEN)],
+    );
+    wait_up(&format!("{ua}/v1/config")).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let counts: Arc<[AtomicU64; 2]> = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
+    let clients = super::alternating_clients(2, &ua, &ua);
+    for c in &clients {
+        load_as(c.clone(), ("gw", "charge"), 100.0, stop.clone(), counts.clone());
+    }
+    let metrics_of = |base: String| {
+        let http = http.clone();
+        async move {
+            http.get(format!("{base}/metrics"))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap()
+        }
+    };
+    // Replica a serves (it is listed first) and counts; b gets the rates only.
+    eventually("replica a counts the zone's requests", || {
+        let m = metrics_of(ca.clone());
+        async move { offered_total(&m.await, "gw.charge", "z1").unwrap_or(0) > 0 }
+    })
+    .await;
+    let steady = max_directives_age(&http, &ua, 1000).await;
+    assert_eq!(
+        offered_total(&metrics_of(cb.clone()).await, "gw.charge", "z1").unwrap_or(0),
+        0,
+        "standby b counted requests"
+    );
+
+    // Hung, not dead: the aggregator's next delta to a waits for no answer.
+    ctl_a.signal(libc::SIGSTOP);
+    let hung = max_directives_age(&http, &ua, 3000).await;
+    let counted_b = offered_total(&metrics_of(cb.clone()).await, "gw.charge", "z1");
+    ctl_a.signal(libc::SIGCONT);
+    eprintln!("directives age: steady max {steady:.3} s, with a hung primary max {hung:.3} s");
+    assert!(counted_b.unwrap_or(0) > 0, "b serves and counts once a hangs");
+    // One tick (100 ms) plus the 500 ms floor of the delta answer's bound and b's answer;
+    // the client timeout (2 s) would leave the directives more than 2 s old.
+    assert!(
+        hung < 1.5,
+        "directives {hung:.3} s old while the primary hung (steady {steady:.3} s)"
+    );
+    // a runs again: the aggregator stays with b (its directives are fresh and its counts
+    // keep going there), and a is a standby that takes the copies again.
+    let before = offered_total(&metrics_of(cb.clone()).await, "gw.charge", "z1").unwrap_or(0);
+    let after_resume = max_directives_age(&http, &ua, 1500).await;
+    let after = offered_total(&metrics_of(cb.clone()).await, "gw.charge", "z1").unwrap_or(0);
+    assert!(after > before, "b still counts after a resumed");
+    assert!(after_resume < 1.0, "directives {after_resume:.3} s old after a resumed");
+    let failures = |text: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix("grl_aggregator_standby_failures_total "))
+            .map(|v| v.trim().parse::<f64>().unwrap())
+    };
+    // The copies to a while it hung failed (counted); the forward that timed out too.
+    let agg_metrics = metrics_of(ua.clone()).await;
+    assert!(failures(&agg_metrics).is_some_and(|n| n >= 1.0), "{agg_metrics}");
+    stop.store(true, Ordering::Relaxed);
+}
+
 /// The database URL's forms: a password on the command line is refused (ps shows flags); from
 /// GRL_DATABASE_URL_FILE it is used, never printed, and an unreachable database ends the start
 /// after the connect timeout with a non-zero exit.
