@@ -146,34 +146,37 @@ fn steady(c: &mut Criterion, n: usize, label: &str) {
     // `answer_json`.
     let mut held: Vec<Option<(u64, u64)>> = vec![None; ZONES];
     let mut sets = [d5[0].clone(), d5[1].clone()];
-    let mut answered =
-        |e: &mut Engine, set: &mut [ZoneReport], seq: u64, shared: bool, probe: bool| -> (usize, usize) {
-            let mut last = (0, 0);
-            for (z, r) in set.iter_mut().enumerate() {
-                sequence(r, z, seq, held[z]);
-                let bytes = if shared {
-                    let bytes = e.answer_json(black_box(r), 0, 0);
-                    held[z] = Some(e.directives_version());
-                    bytes
-                } else {
-                    let d = e.answer(black_box(r), 0, 0);
-                    let s = d.session.expect("a session reply");
-                    assert!(!s.resync);
-                    held[z] = Some((s.epoch, s.version));
-                    serde_json::to_vec(&d).unwrap()
-                };
-                if probe && z == 3 {
-                    let d: grl_runtime::proto::ZoneDirectives =
-                        serde_json::from_slice(&bytes).unwrap();
-                    assert!(!d.session.unwrap().resync);
-                    last = (directive_count(&d), bytes.len());
-                }
-                black_box(bytes);
+    let mut answered = |e: &mut Engine,
+                        set: &mut [ZoneReport],
+                        seq: u64,
+                        shared: bool,
+                        probe: bool|
+     -> (usize, usize) {
+        let mut last = (0, 0);
+        for (z, r) in set.iter_mut().enumerate() {
+            sequence(r, z, seq, held[z]);
+            let bytes = if shared {
+                let bytes = e.answer_json(black_box(r), 0, 0);
+                held[z] = Some(e.directives_version());
+                bytes
+            } else {
+                let d = e.answer(black_box(r), 0, 0);
+                let s = d.session.expect("a session reply");
+                assert!(!s.resync);
+                held[z] = Some((s.epoch, s.version));
+                serde_json::to_vec(&d).unwrap()
+            };
+            if probe && z == 3 {
+                let d: grl_runtime::proto::ZoneDirectives = serde_json::from_slice(&bytes).unwrap();
+                assert!(!d.session.unwrap().resync);
+                last = (directive_count(&d), bytes.len());
             }
-            e.recompute(0, 0);
-            e.record_reports(0);
-            last
-        };
+            black_box(bytes);
+        }
+        e.recompute(0, 0);
+        e.record_reports(0);
+        last
+    };
     // Two rounds to reach the steady state: every zone holds the previous round's version.
     for _ in 0..2 {
         flip += 1;

@@ -174,7 +174,11 @@ impl ServiceReply {
 impl AggState {
     /// The reply to a client of `service`.
     fn service_reply(&mut self, service: &str) -> Arc<ServiceReply> {
-        if self.replies.as_ref().is_none_or(|r| r.at != self.directives_at) {
+        if self
+            .replies
+            .as_ref()
+            .is_none_or(|r| r.at != self.directives_at)
+        {
             let version = &self.directives.version;
             self.replies = Some(Replies {
                 at: self.directives_at,
@@ -646,11 +650,16 @@ fn build_report(s: &Shared) -> ZoneReport {
         for (b, r) in &c.rates {
             // Under the lock that client reports wait on: the names are allocated once per
             // bucket, not per client.
-            crate::keys::update(&mut sums, (service, b), |_| [0.0; 4], |e| {
-                for i in 0..4 {
-                    e[i] += r[i];
-                }
-            });
+            crate::keys::update(
+                &mut sums,
+                (service, b),
+                |_| [0.0; 4],
+                |e| {
+                    for i in 0..4 {
+                        e[i] += r[i];
+                    }
+                },
+            );
         }
     }
     st.waiting = st.clients.len();
@@ -1035,9 +1044,7 @@ mod standby_tests {
 
     /// A standby replica: the controller's engine behind `POST /v1/aggregate` (protocol 4),
     /// recording every report.
-    async fn standby(
-        seen: Arc<Mutex<Seen>>,
-    ) -> (String, tokio::task::JoinHandle<()>) {
+    async fn standby(seen: Arc<Mutex<Seen>>) -> (String, tokio::task::JoinHandle<()>) {
         let doc: ConfigDoc = serde_json::from_value(config()).unwrap();
         let engine = Arc::new(Mutex::new(Engine::new(doc, 60_000)));
         let app = Router::new().route(
@@ -1131,17 +1138,30 @@ mod standby_tests {
         {
             let seen = seen.lock().unwrap();
             let reports = &seen.reports;
-            assert!(reports.len() >= 8, "{} copies reached the standby", reports.len());
+            assert!(
+                reports.len() >= 8,
+                "{} copies reached the standby",
+                reports.len()
+            );
             // Before the standby announced protocol 4: a full copy without a session; then a
             // full report opening the session, then deltas on top of the last one applied.
             assert_eq!(reports[0].session, None);
-            let s1 = reports[1].session.expect("a session once protocol 4 was announced");
+            let s1 = reports[1]
+                .session
+                .expect("a session once protocol 4 was announced");
             assert_eq!(s1.base, None);
             for (i, r) in reports.iter().enumerate().skip(2) {
                 let s = r.session.unwrap();
                 assert_eq!(s.id, s1.id, "one session");
-                assert_eq!(s.base, Some(s.seq - 1), "report {i}: a delta of the previous one");
-                assert!(s.directives.is_some(), "report {i} names the standby's directives");
+                assert_eq!(
+                    s.base,
+                    Some(s.seq - 1),
+                    "report {i}: a delta of the previous one"
+                );
+                assert!(
+                    s.directives.is_some(),
+                    "report {i} names the standby's directives"
+                );
             }
             // gw.refund's rate stays put: the standby gets it once (in the full report or in
             // the first delta after it appeared), never again.
@@ -1153,9 +1173,16 @@ mod standby_tests {
             // Rates only: counts and calls go to the serving replica.
             for r in reports {
                 assert!(r.calls.is_empty());
-                assert!(r.buckets.iter().all(|b| b.counts.offered == 0 && b.counts.admitted == 0));
+                assert!(r
+                    .buckets
+                    .iter()
+                    .all(|b| b.counts.offered == 0 && b.counts.admitted == 0));
             }
-            assert!(seen.delta_replies >= reports.len() - 2, "{} delta replies", seen.delta_replies);
+            assert!(
+                seen.delta_replies >= reports.len() - 2,
+                "{} delta replies",
+                seen.delta_replies
+            );
         }
         let metrics = http
             .get(format!("{}/metrics", a.url()))

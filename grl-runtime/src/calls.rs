@@ -271,10 +271,7 @@ impl PendingCalls {
         }
         let key = if self.map.len() < self.max {
             (caller, procedure)
-        } else if self
-            .map
-            .contains_key(&(OTHER, procedure) as &dyn StrPair)
-        {
+        } else if self.map.contains_key(&(OTHER, procedure) as &dyn StrPair) {
             (OTHER, procedure)
         } else {
             (OTHER, OTHER)

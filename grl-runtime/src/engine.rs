@@ -519,7 +519,10 @@ impl Engine {
         self.zones = zones;
         // Every directive may have changed (indices too): older versions get a full reply.
         self.changed.clear();
-        self.frags = FragCache::new(self.buckets.len(), FRAG_BYTES_PER_LOG_ENTRY * self.log_cap());
+        self.frags = FragCache::new(
+            self.buckets.len(),
+            FRAG_BYTES_PER_LOG_ENTRY * self.log_cap(),
+        );
         self.scope_of = self.buckets.iter().map(|b| b.bucket.scope).collect();
         // Buckets are in service order: a service is one group of a reply.
         let (mut names, mut service_of) = (Vec::<String>::new(), Vec::new());

@@ -198,7 +198,11 @@ mod tests {
         }
         assert_eq!(c.get(2, 0), Some(&b"two"[..]));
         assert_eq!(c.len(), 2);
-        assert!(c.bytes.len() <= 2 * 4099 + (1 << 20) + 4096, "{}", c.bytes.len());
+        assert!(
+            c.bytes.len() <= 2 * 4099 + (1 << 20) + 4096,
+            "{}",
+            c.bytes.len()
+        );
         // The bound: an entry beyond it drops the others first.
         let mut small = FragCache::new(2, 10);
         small.insert(0, 0, b"12345678");

@@ -908,7 +908,8 @@ fn shared_directive_bytes_are_the_replies_built_from_scratch() {
                     .iter()
                     .enumerate()
                     .map(|(i, b)| {
-                        let mut b = bucket(b, [Scope::Global, Scope::Region, Scope::Zone][i % 3], 500.0);
+                        let mut b =
+                            bucket(b, [Scope::Global, Scope::Region, Scope::Zone][i % 3], 500.0);
                         b.caller = Some(format!("c{}", i % 4));
                         b
                     })
@@ -928,7 +929,11 @@ fn shared_directive_bytes_are_the_replies_built_from_scratch() {
     // The (epoch, version) each zone holds, and its session (id, last applied seq).
     let mut held: Vec<Option<(u64, u64)>> = vec![None; zones];
     let mut seqs: Vec<Option<u64>> = vec![None; zones];
-    let override_of = |id: &str, bucket: Option<&str>, caller: Option<&str>, limit: Option<f64>, ratio: Option<f64>| Override {
+    let override_of = |id: &str,
+                       bucket: Option<&str>,
+                       caller: Option<&str>,
+                       limit: Option<f64>,
+                       ratio: Option<f64>| Override {
         id: id.into(),
         req: OverrideRequest {
             service: Some("svc".into()),
@@ -987,7 +992,9 @@ fn shared_directive_bytes_are_the_replies_built_from_scratch() {
         report
             .buckets
             .sort_by(|p, q| (&p.service, &p.bucket).cmp(&(&q.service, &q.bucket)));
-        report.buckets.dedup_by(|p, q| p.service == q.service && p.bucket == q.bucket);
+        report
+            .buckets
+            .dedup_by(|p, q| p.service == q.service && p.bucket == q.bucket);
         // Zones 0 and 3 send no session (older aggregators), the others full or delta reports
         // (a delta on a base the engine may not hold); now and then one names a version of
         // another engine.

@@ -12,9 +12,9 @@ use schema::{ConfigRepo, Diagnostics};
 
 use crate::compute::resolve_paths;
 use crate::cycle::{PlanInput, Planner};
+use crate::history::PlanHistory;
 use crate::plan::Plan;
 use crate::planner::{effective_plan, GitHistory};
-use crate::history::PlanHistory;
 use crate::preview::load_plan_history;
 
 /// Lengths of the history pulls of this process's plans (`rlc_history_pull_duration_seconds`

@@ -115,8 +115,12 @@ impl EncodedDirectives {
         let mut head = Vec::with_capacity(11 + version.len());
         head.push(FORMAT_VERSION);
         put_str(&mut head, version);
-        let mut tail =
-            Vec::with_capacity(10 + directives.iter().map(|m| m.bucket.len() + 30).sum::<usize>());
+        let mut tail = Vec::with_capacity(
+            10 + directives
+                .iter()
+                .map(|m| m.bucket.len() + 30)
+                .sum::<usize>(),
+        );
         put_uvarint(&mut tail, directives.len() as u64);
         for m in directives {
             put_str(&mut tail, &m.bucket);

@@ -301,7 +301,12 @@ async fn hung_replica_fails_over_within_about_a_tick() {
         "agg-hung",
         dir.path(),
         100,
-        &["--controller", &cb, "--client-credentials", creds.to_str().unwrap()],
+        &[
+            "--controller",
+            &cb,
+            "--client-credentials",
+            creds.to_str().unwrap(),
+        ],
         &[("GRL_REPORT_TOKEN", REPORT_TOKEN)],
     );
     wait_up(&format!("{ua}/v1/config")).await;
@@ -309,7 +314,13 @@ async fn hung_replica_fails_over_within_about_a_tick() {
     let counts: Arc<[AtomicU64; 2]> = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
     let clients = super::alternating_clients(2, &ua, &ua);
     for c in &clients {
-        load_as(c.clone(), ("gw", "charge"), 100.0, stop.clone(), counts.clone());
+        load_as(
+            c.clone(),
+            ("gw", "charge"),
+            100.0,
+            stop.clone(),
+            counts.clone(),
+        );
     }
     let metrics_of = |base: String| {
         let http = http.clone();
@@ -342,7 +353,10 @@ async fn hung_replica_fails_over_within_about_a_tick() {
     let counted_b = offered_total(&metrics_of(cb.clone()).await, "gw.charge", "z1");
     ctl_a.signal(libc::SIGCONT);
     eprintln!("directives age: steady max {steady:.3} s, with a hung primary max {hung:.3} s");
-    assert!(counted_b.unwrap_or(0) > 0, "b serves and counts once a hangs");
+    assert!(
+        counted_b.unwrap_or(0) > 0,
+        "b serves and counts once a hangs"
+    );
     // One tick (100 ms) plus the 500 ms floor of the delta answer's bound and b's answer;
     // the client timeout (2 s) would leave the directives more than 2 s old.
     assert!(
@@ -355,7 +369,10 @@ async fn hung_replica_fails_over_within_about_a_tick() {
     let after_resume = max_directives_age(&http, &ua, 1500).await;
     let after = offered_total(&metrics_of(cb.clone()).await, "gw.charge", "z1").unwrap_or(0);
     assert!(after > before, "b still counts after a resumed");
-    assert!(after_resume < 1.0, "directives {after_resume:.3} s old after a resumed");
+    assert!(
+        after_resume < 1.0,
+        "directives {after_resume:.3} s old after a resumed"
+    );
     let failures = |text: &str| {
         text.lines()
             .find_map(|l| l.strip_prefix("grl_aggregator_standby_failures_total "))
@@ -363,7 +380,10 @@ async fn hung_replica_fails_over_within_about_a_tick() {
     };
     // The copies to a while it hung failed (counted); the forward that timed out too.
     let agg_metrics = metrics_of(ua.clone()).await;
-    assert!(failures(&agg_metrics).is_some_and(|n| n >= 1.0), "{agg_metrics}");
+    assert!(
+        failures(&agg_metrics).is_some_and(|n| n >= 1.0),
+        "{agg_metrics}"
+    );
     stop.store(true, Ordering::Relaxed);
 }
 
