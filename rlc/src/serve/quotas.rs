@@ -68,6 +68,10 @@ pub struct Computed {
     repo: Arc<ConfigRepo>,
     /// What `POST /v1/previews` starts from, made on first use.
     preview: OnceLock<Arc<super::previews::Snapshot>>,
+    /// Whether the store could be read when the plan was computed: a plan computed before the
+    /// daemon's store was connected (no shadow figures, so nothing promoted) is not kept once
+    /// the store is there.
+    with_store: bool,
 }
 
 impl Quotas {
@@ -104,8 +108,11 @@ impl Quotas {
     async fn current(&self, store: StoreWitness) -> Result<Arc<Computed>, Problem> {
         let tip = self.base_tip().await?;
         let snapshot = self.cache.get().await;
+        let with_store = matches!(store, StoreWitness::Store(_));
         let fresh = |c: &Arc<Computed>| {
-            c.base_commit == tip && c.snapshot.generation == snapshot.generation
+            c.base_commit == tip
+                && c.snapshot.generation == snapshot.generation
+                && still_valid(c.with_store, with_store)
         };
         if let Some(c) = self.latest().filter(fresh) {
             return Ok(c);
@@ -144,6 +151,7 @@ impl Quotas {
             all: std::sync::Mutex::new(None),
             repo,
             preview: OnceLock::new(),
+            with_store,
         });
         *self.latest.write().unwrap() = Some(c.clone());
         Ok(c)
@@ -607,6 +615,12 @@ fn enter(s: &AppState) -> Result<(Arc<Quotas>, tokio::sync::OwnedSemaphorePermit
 }
 
 /// [`store_witness`] of a state that may be gone (then no store can say: decreases are held).
+/// Whether a plan computed with (`computed_with_store`) or without the store stands now that
+/// the store is (`store_now`) or is not there: one computed without it is redone once it is.
+fn still_valid(computed_with_store: bool, store_now: bool) -> bool {
+    computed_with_store || !store_now
+}
+
 fn weak_store_witness(s: &super::WeakAppState) -> StoreWitness {
     match s.upgrade() {
         Some(s) => store_witness(&s),
@@ -832,4 +846,19 @@ pub async fn history(
         changes,
     })
     .into_response()
+}
+
+#[cfg(test)]
+mod cache_tests {
+    use super::still_valid;
+
+    /// A plan computed before the daemon's store was connected (nothing promoted, for want of
+    /// shadow figures) is computed again once the store is there; otherwise the cache stands.
+    #[test]
+    fn a_plan_computed_without_the_store_is_redone_once_the_store_is_there() {
+        assert!(!still_valid(false, true));
+        assert!(still_valid(false, false));
+        assert!(still_valid(true, true));
+        assert!(still_valid(true, false));
+    }
 }

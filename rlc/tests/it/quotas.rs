@@ -760,10 +760,11 @@ fn preview_quota_api_and_run_propose_the_same_promotion() {
         )
     });
     drop(serve);
+    let log = std::fs::read_to_string(d.join("serve.log")).unwrap_or_default();
     assert_eq!(
         bucket(&rest, "web")["mode_change"],
         "shadow → enforce",
-        "{rest}"
+        "{rest}\nrlc serve's log:\n{log}"
     );
     assert!(bucket(&rest, "batch")["mode_change"].is_null(), "{rest}");
     assert_eq!(
