@@ -746,6 +746,15 @@ fn preview_quota_api_and_run_propose_the_same_promotion() {
     let base = format!("http://127.0.0.1:{port}");
     let rest = rt.block_on(async {
         let c = reqwest::Client::new();
+        // Ready first: the store connected (a plan asked before has no shadow figures).
+        for _ in 0..600 {
+            if let Ok(r) = c.get(format!("{base}/readyz")).send().await {
+                if r.status() == 200 {
+                    break;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
         for _ in 0..600 {
             if let Ok(r) = c.get(format!("{base}/v1/quotas")).send().await {
                 if r.status() == 200 {
