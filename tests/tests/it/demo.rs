@@ -278,8 +278,10 @@ fn the_readme_quick_start_runs_as_written() {
     let share =
         |b: &serde_json::Value, k: &str| b[k].as_f64().unwrap() / b["offered"].as_f64().unwrap();
     assert_eq!(charge["mode"], "enforce");
+    // 1.5× the limit drops a third in steady state; the few seconds the demo drives include
+    // the control loop's first reaction, which once dropped 43.5% of them on a loaded run.
     assert!(
-        (0.15..0.40).contains(&share(&charge, "dropped")),
+        (0.15..0.50).contains(&share(&charge, "dropped")),
         "{charge}"
     );
     assert_eq!(refund["mode"], "shadow");
