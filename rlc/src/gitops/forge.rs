@@ -80,11 +80,11 @@ impl Forge {
         let forge = match f.kind.as_str() {
             "none" => return Ok(None),
             "github" => {
-                let api = f.api_url.as_deref().unwrap_or("https://api.github.com");
+                let api = api_url(f).unwrap_or_default();
                 Forge::GitHub(GitHub::new(api, repo()?, token("GITHUB_TOKEN")?)?)
             }
             "gitlab" => {
-                let api = f.api_url.as_deref().unwrap_or("https://gitlab.com/api/v4");
+                let api = api_url(f).unwrap_or_default();
                 Forge::GitLab(GitLab::new(api, repo()?, token("GITLAB_TOKEN")?)?)
             }
             k => return Err(ForgeError::Config(format!("unknown forge kind `{k}`"))),
@@ -158,15 +158,25 @@ fn web_from_api(api: &str) -> String {
     api.to_string()
 }
 
+/// The API URL of forge `f`: its `api_url`, else the public one of its kind (none for an
+/// unknown kind).
+fn api_url(f: &schema::ForgeConfig) -> Option<&str> {
+    f.api_url.as_deref().or(match f.kind.as_str() {
+        "github" => Some("https://api.github.com"),
+        "gitlab" => Some("https://gitlab.com/api/v4"),
+        _ => None,
+    })
+}
+
 /// Where the config repo's commits are on the forge's web site: a commit's page is this
 /// prefix followed by its SHA (`<web>/<owner>/<repo>/commit/` on GitHub,
 /// `<web>/<project>/-/commit/` on GitLab, the web base from `forge.web_url` or derived from
 /// `forge.api_url`). None for kind `none`, without `forge.repo`, or when the base is not an
 /// http(s) URL.
 pub fn commit_url_prefix(f: &schema::ForgeConfig) -> Option<String> {
-    let (default_api, commit_path) = match f.kind.as_str() {
-        "github" => ("https://api.github.com", "commit"),
-        "gitlab" => ("https://gitlab.com/api/v4", "-/commit"),
+    let commit_path = match f.kind.as_str() {
+        "github" => "commit",
+        "gitlab" => "-/commit",
         _ => return None,
     };
     let repo = f.repo.as_deref()?.trim_matches('/');
@@ -175,7 +185,7 @@ pub fn commit_url_prefix(f: &schema::ForgeConfig) -> Option<String> {
     }
     let web = match &f.web_url {
         Some(w) => w.trim_end_matches('/').to_string(),
-        None => web_from_api(f.api_url.as_deref().unwrap_or(default_api)),
+        None => web_from_api(api_url(f)?),
     };
     if !is_http_url(&web) {
         return None;
