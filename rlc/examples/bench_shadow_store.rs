@@ -9,8 +9,14 @@
 //!    stores a controller page; prints rows/s;
 //! 2. dashboard: fills `shadow_minutes` with DAYS of minutes for 10 buckets and the last hour
 //!    for every bucket (SQL `generate_series`), `shadow_blocks` from them and `shadow_hours`
-//!    by the hourly roll-up pass (timed), then times `GET /buckets/{s}/{b}?window=30d`,
-//!    its JSON twin and the overview `GET /?window=1h` over real HTTP (median of 5).
+//!    by the hourly roll-up pass (timed); then the bucket-wide roll-ups of every bucket over
+//!    DAYS (`shadow_blocks`, and `shadow_bucket_hours` and `shadow_bucket_days` where the
+//!    schema has them: a base build without them runs the same fill), as ingest would have
+//!    written them in DAYS of reports (43 million blocks at 10,000 buckets and 30 days; the
+//!    minutes of all of them, 1.3 billion rows, would not fit this machine's disk, and no
+//!    overview reads them); then times `GET /buckets/{s}/{b}?window=DAYSd`, its JSON twin and
+//!    the overview `GET /?window=W` and `GET /v1/shadow?window=W` for every window of the
+//!    dashboard's menu (15m to 30d) over real HTTP (median of 5).
 //!
 //! Starts its own Postgres (test-support; or `DATABASE_URL`).
 
@@ -163,6 +169,66 @@ async fn main() -> anyhow::Result<()> {
         "roll-ups: {n} rows ({days} d x 3 zones for 10 buckets, 1 h x 3 zones for {buckets}) written in {:.1} s",
         t.elapsed().as_secs_f64()
     );
+    // The bucket-wide roll-ups of every bucket over DAYS, before the hour filled above.
+    let t = Instant::now();
+    sqlx::query(
+        "INSERT INTO shadow_blocks (service, bucket, block, reports, enforce_reports, offered, admitted, \
+         dropped, shadow_dropped, max_offered, max_drop_ratio, first_t, last_t) \
+         SELECT 'svc-' || (b / 20), 'b-' || b, k, 1800, 0, 180000 + (b % 97) * 1800, 180000, 0, \
+                CASE WHEN b % 97 > 70 THEN (b % 97 - 70) * 1800 ELSE 0 END, 100 + b % 97, 0, k, \
+                k + interval '599 seconds' \
+         FROM generate_series(0, $1::int - 1) b, \
+              generate_series(to_timestamp(floor(extract(epoch FROM $2::timestamptz) / 600) * 600) \
+                              - make_interval(mins => $3::int), $2::timestamptz - interval '1 hour', \
+                              interval '10 minutes') k \
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(buckets as i32)
+    .bind(now)
+    .bind((days * 1440) as i32)
+    .execute(&pool)
+    .await?;
+    for (table, column, secs) in [
+        ("shadow_bucket_hours", "hour", 3600),
+        ("shadow_bucket_days", "day", 86_400),
+    ] {
+        let (exists,): (bool,) = sqlx::query_as("SELECT to_regclass($1) IS NOT NULL")
+            .bind(table)
+            .fetch_one(&pool)
+            .await?;
+        if !exists {
+            println!("(no {table} in this schema)");
+            continue;
+        }
+        sqlx::query(&format!("DELETE FROM {table}"))
+            .execute(&pool)
+            .await?;
+        sqlx::query(&format!(
+            "INSERT INTO {table} (service, bucket, {column}, reports, enforce_reports, offered, admitted, \
+             dropped, shadow_dropped, max_offered, max_drop_ratio, first_t, last_t) \
+             SELECT service, bucket, to_timestamp(floor(extract(epoch FROM block) / {secs}) * {secs}), \
+                    SUM(reports), SUM(enforce_reports), SUM(offered), SUM(admitted), SUM(dropped), \
+                    SUM(shadow_dropped), MAX(max_offered), MAX(max_drop_ratio), MIN(first_t), MAX(last_t) \
+             FROM shadow_blocks GROUP BY 1, 2, 3"
+        ))
+        .execute(&pool)
+        .await?;
+    }
+    sqlx::query("VACUUM ANALYZE").execute(&pool).await?;
+    let mut counts = Vec::new();
+    for table in ["shadow_blocks", "shadow_bucket_hours", "shadow_bucket_days"] {
+        if let Ok((n,)) = sqlx::query_as::<_, (i64,)>(&format!("SELECT COUNT(*) FROM {table}"))
+            .fetch_one(&pool)
+            .await
+        {
+            counts.push(format!("{table} {n}"));
+        }
+    }
+    println!(
+        "bucket-wide roll-ups of {buckets} buckets over {days} d: {} rows, written in {:.1} s",
+        counts.join(", "),
+        t.elapsed().as_secs_f64()
+    );
 
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let base = format!("http://{}", listener.local_addr()?);
@@ -170,12 +236,15 @@ async fn main() -> anyhow::Result<()> {
         let _ = axum::serve(listener, app(AppState::with_store(store))).await;
     });
     let http = reqwest::Client::new();
-    for path in [
+    let mut paths = vec![
         format!("/buckets/svc-0/b-0?window={days}d"),
         format!("/v1/shadow/svc-0/b-0?window={days}d"),
-        "/?window=1h".to_string(),
-        "/v1/shadow?window=1h".to_string(),
-    ] {
+    ];
+    for w in ["15m", "1h", "6h", "24h", "7d", "30d"] {
+        paths.push(format!("/?window={w}"));
+        paths.push(format!("/v1/shadow?window={w}"));
+    }
+    for path in paths {
         let (t, size) = median_get(&http, &format!("{base}{path}")).await?;
         println!(
             "GET {path}: {} ms (median of 5, {} KiB)",

@@ -657,14 +657,13 @@ impl Store {
         since: DateTime<Utc>,
         limit: i64,
     ) -> Result<Vec<BucketShadowSummary>, StoreError> {
-        // Whole ten-minute blocks of the window come from `shadow_blocks`, the minutes before
-        // the first whole block from `shadow_minutes`: the same sums as over every minute.
-        let since = minute_of(since);
-        let blocks_from = shadow::block_ceil(since);
+        // The same sums as over every minute, from the coarsest roll-up rows that tile the
+        // window ([`OverviewParts`]).
+        let p = OverviewParts::from(since);
         // The limit and mode are those of the latest report (by controller sequence), so a
         // quota changed during the window shows its current value. The correlated lookups use
         // the (service, bucket, seq) index and run once per returned bucket.
-        on_pool!(self, pool => Ok(sqlx::query_as::<_, BucketShadowSummary>(
+        on_pool!(self, pool => Ok(sqlx::query_as::<_, BucketShadowSummary>(&format!(
             "SELECT a.service, a.bucket, a.reports, a.offered, a.admitted, a.dropped, a.shadow_dropped, \
                     a.virtual_drop_share, a.peak_offered_rps, a.max_drop_ratio, \
                     (SELECT l.limit_rps FROM shadow_minutes l WHERE l.service = a.service AND l.bucket = a.bucket \
@@ -677,20 +676,22 @@ impl Store {
                           CASE WHEN SUM(offered) > 0 THEN SUM(shadow_dropped) / SUM(offered) ELSE 0.0 END AS virtual_drop_share, \
                           MAX(max_offered) AS peak_offered_rps, MAX(max_drop_ratio) AS max_drop_ratio, \
                           MIN(first_t) AS first_seen, MAX(last_t) AS last_seen \
-                   FROM (SELECT service, bucket, reports, offered, admitted, dropped, shadow_dropped, \
-                                max_offered, max_drop_ratio, first_t, last_t \
-                         FROM shadow_blocks WHERE block >= $4 AND ($2 IS NULL OR service = $2) \
-                         UNION ALL \
-                         SELECT service, bucket, reports, offered, admitted, dropped, shadow_dropped, \
-                                max_offered, max_drop_ratio, first_t, last_t \
-                         FROM shadow_minutes WHERE minute >= $1 AND minute < $4 AND ($2 IS NULL OR service = $2)) u \
+                   FROM ({parts}) u \
                    GROUP BY service, bucket) a \
              ORDER BY a.virtual_drop_share DESC, a.service, a.bucket LIMIT $3",
-        )
-        .bind(Ts(since))
+            parts = OverviewParts::union(
+                "service, bucket, reports, offered, admitted, dropped, shadow_dropped, \
+                 max_offered, max_drop_ratio, first_t, last_t",
+                " AND ($2 IS NULL OR service = $2)",
+                "UNION ALL",
+            ),
+        ))
+        .bind(Ts(p.since))
         .bind(service)
         .bind(limit)
-        .bind(Ts(blocks_from))
+        .bind(Ts(p.blocks))
+        .bind(Ts(p.hours))
+        .bind(Ts(p.days))
         .fetch_all(pool)
         .await?))
     }
@@ -702,16 +703,17 @@ impl Store {
         since: DateTime<Utc>,
         limit: i64,
     ) -> Result<Vec<String>, StoreError> {
-        let since = minute_of(since);
-        let blocks_from = shadow::block_ceil(since);
-        on_pool!(self, pool => Ok(sqlx::query_as::<_, (String,)>(
-            "SELECT service FROM shadow_blocks WHERE block >= $3 \
-             UNION SELECT service FROM shadow_minutes WHERE minute >= $1 AND minute < $3 \
-             ORDER BY service LIMIT $2",
-        )
-        .bind(Ts(since))
+        let p = OverviewParts::from(since);
+        on_pool!(self, pool => Ok(sqlx::query_as::<_, (String,)>(&format!(
+            "{} ORDER BY service LIMIT $3",
+            OverviewParts::union("service", " AND ($2 IS NULL OR service = $2)", "UNION")
+        ))
+        .bind(Ts(p.since))
+        .bind(Option::<&str>::None)
         .bind(limit)
-        .bind(Ts(blocks_from))
+        .bind(Ts(p.blocks))
+        .bind(Ts(p.hours))
+        .bind(Ts(p.days))
         .fetch_all(pool)
         .await?
         .into_iter()
@@ -757,10 +759,56 @@ impl Store {
     }
 }
 
+/// How the overview tiles `[since, now]` with roll-up rows: the minutes of `[since, blocks)`,
+/// the ten-minute blocks of `[blocks, hours)`, the bucket-wide hours of `[hours, days)` and
+/// the bucket-wide days from `days` on (the current day's row holds everything stored up to
+/// now). Each boundary is the first of its period at or after the one before, so a `since`
+/// on a day boundary reads day rows only, and any `since` gives the sums of every minute.
+struct OverviewParts {
+    since: DateTime<Utc>,
+    blocks: DateTime<Utc>,
+    hours: DateTime<Utc>,
+    days: DateTime<Utc>,
+}
+
+impl OverviewParts {
+    fn from(since: DateTime<Utc>) -> OverviewParts {
+        let since = minute_of(since);
+        let blocks = shadow::BLOCKS.ceil(since);
+        let hours = shadow::BUCKET_HOURS.ceil(blocks);
+        let days = shadow::BUCKET_DAYS.ceil(hours);
+        OverviewParts {
+            since,
+            blocks,
+            hours,
+            days,
+        }
+    }
+
+    /// The four parts' `columns` joined by `union`, each filtered by `filter` (binds: `$1`
+    /// since, `$4` blocks, `$5` hours, `$6` days; `$2` the service or none, `$3` free).
+    fn union(columns: &str, filter: &str, union: &str) -> String {
+        let [blocks, hours, days] = shadow::PERIODS;
+        let part = |table: &str, column: &str, from: &str, to: Option<&str>| {
+            let to = to
+                .map(|to| format!(" AND {column} < {to}"))
+                .unwrap_or_default();
+            format!("SELECT {columns} FROM {table} WHERE {column} >= {from}{to}{filter}")
+        };
+        [
+            part("shadow_minutes", "minute", "$1", Some("$4")),
+            part(blocks.table, blocks.column, "$4", Some("$5")),
+            part(hours.table, hours.column, "$5", Some("$6")),
+            part(days.table, days.column, "$6", None),
+        ]
+        .join(&format!(" {union} "))
+    }
+}
+
 mod shadow;
 pub use shadow::{
-    block_of, minute_of, stats_from_minutes, steps_from_minutes, tick_time, MinuteRow, Retained,
-    StepRow, Ts, BLOCK_SECS,
+    block_of, minute_of, stats_from_minutes, steps_from_minutes, tick_time, window_start,
+    MinuteRow, Retained, StepRow, Ts,
 };
 
 #[cfg(test)]

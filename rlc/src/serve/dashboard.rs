@@ -103,7 +103,10 @@ pub struct BucketView {
 /// {
 ///   "service": "payments",            // null: every service
 ///   "window": "1h",
-///   "since": "2026-11-30T01:00:00Z",   // reports with a tick in this minute or later
+///   "since": "2026-11-30T01:00:00Z",   // reports with a tick in this minute or later: the
+///                                      // boundary of a minute, ten minutes, an hour or a UTC
+///                                      // day at or before now - window (at most a sixth of
+///                                      // the window earlier)
 ///   "would_throttle_share": 0.01,
 ///   "truncated": false,                // more buckets than `limit`
 ///   "buckets": [{                      // largest virtual-drop share first
@@ -130,7 +133,8 @@ pub struct ShadowSummary {
     pub service: Option<String>,
     /// The window as asked.
     pub window: String,
-    /// Start of the window.
+    /// Start of the window: the boundary at or before `now - window` of the longest of a
+    /// minute, ten minutes, an hour and a UTC day that is at most a sixth of the window.
     pub since: DateTime<Utc>,
     /// See [`WOULD_THROTTLE_SHARE`].
     pub would_throttle_share: f64,
@@ -261,14 +265,10 @@ impl Filter {
         Ok(Filter {
             service: q.service.filter(|s| !s.is_empty()),
             window,
-            // Windows of an hour or more start at the ten-minute boundary at or before
-            // `now - window` (up to 9 minutes longer): they are summed from whole ten-minute
-            // roll-ups only, instead of up to nine minutes of every scope key's minute rows.
-            since: if span >= chrono::Duration::hours(1) {
-                crate::store::block_of(Utc::now() - span)
-            } else {
-                Utc::now() - span
-            },
+            // A window starts on the boundary of the longest roll-up period at most a sixth
+            // of it (up to a sixth longer than asked): it is summed from a few roll-up rows a
+            // bucket (30 days: 31 day rows) instead of every ten minutes or minute.
+            since: crate::store::window_start(Utc::now(), span),
             limit: q.limit.unwrap_or(MAX_BUCKETS).clamp(1, MAX_BUCKETS),
         })
     }

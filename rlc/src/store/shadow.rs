@@ -317,33 +317,119 @@ const UPSERT_SET: &str = " ON CONFLICT (service, bucket, minute, scope_key) DO U
     mode = CASE WHEN excluded.last_seq >= m.last_seq THEN excluded.mode ELSE m.mode END, \
     last_seq = CASE WHEN excluded.last_seq > m.last_seq THEN excluded.last_seq ELSE m.last_seq END";
 
-/// The ten-minute upsert: sums add up, extrema stay extrema.
-const BLOCK_UPSERT_SET: &str = " ON CONFLICT (service, bucket, block) DO UPDATE SET \
+/// A bucket-wide roll-up over fixed periods (every scope key of the bucket together), upserted
+/// with the minute roll-ups in the same transaction: `shadow_blocks` (ten minutes),
+/// `shadow_bucket_hours` and `shadow_bucket_days`. Only sums, extrema and counts, so an upsert
+/// keeps them exact however reports are batched, and a row holds everything stored for its
+/// period up to now, the current period included. The overview sums the coarsest rows that
+/// tile its window ([`Store::shadow_summary`]): 31 rows a bucket over 30 days instead of
+/// 4,320 blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Period {
+    /// The table.
+    pub table: &'static str,
+    /// Its time column: the period's start.
+    pub column: &'static str,
+    /// Length in seconds (a divisor of a day; periods start at unix multiples of it).
+    pub secs: i64,
+}
+
+/// Ten-minute roll-ups per (service, bucket).
+pub(super) const BLOCKS: Period = Period {
+    table: "shadow_blocks",
+    column: "block",
+    secs: 600,
+};
+/// Hourly roll-ups per (service, bucket) (not `shadow_hours`: that one is per scope key and
+/// rebuilt by the periodic pass).
+pub(super) const BUCKET_HOURS: Period = Period {
+    table: "shadow_bucket_hours",
+    column: "hour",
+    secs: 3600,
+};
+/// Daily roll-ups per (service, bucket), UTC days.
+pub(super) const BUCKET_DAYS: Period = Period {
+    table: "shadow_bucket_days",
+    column: "day",
+    secs: 86_400,
+};
+/// Every bucket-wide roll-up, finest first.
+pub(super) const PERIODS: [Period; 3] = [BLOCKS, BUCKET_HOURS, BUCKET_DAYS];
+
+impl Period {
+    /// The period `t` falls in.
+    pub fn of(&self, t: DateTime<Utc>) -> DateTime<Utc> {
+        t.duration_trunc(Duration::seconds(self.secs)).unwrap_or(t)
+    }
+
+    /// The first period boundary at or after `t`.
+    pub fn ceil(&self, t: DateTime<Utc>) -> DateTime<Utc> {
+        let p = self.of(t);
+        if p == t {
+            p
+        } else {
+            p + Duration::seconds(self.secs)
+        }
+    }
+
+    /// The columns of an insert, in [`BlockAcc`] order.
+    fn columns(&self) -> String {
+        format!(
+            "service, bucket, {}, reports, enforce_reports, offered, admitted, dropped, shadow_dropped, \
+             max_offered, max_drop_ratio, first_t, last_t",
+            self.column
+        )
+    }
+
+    /// The upsert of an insert `INSERT INTO {table} AS b`: sums add up, extrema stay extrema.
+    fn upsert_set(&self) -> String {
+        format!(
+            " ON CONFLICT (service, bucket, {}) DO UPDATE SET \
     reports = b.reports + excluded.reports, enforce_reports = b.enforce_reports + excluded.enforce_reports, \
     offered = b.offered + excluded.offered, admitted = b.admitted + excluded.admitted, \
     dropped = b.dropped + excluded.dropped, shadow_dropped = b.shadow_dropped + excluded.shadow_dropped, \
     max_offered = CASE WHEN excluded.max_offered > b.max_offered THEN excluded.max_offered ELSE b.max_offered END, \
     max_drop_ratio = CASE WHEN excluded.max_drop_ratio > b.max_drop_ratio THEN excluded.max_drop_ratio ELSE b.max_drop_ratio END, \
     first_t = CASE WHEN excluded.first_t < b.first_t THEN excluded.first_t ELSE b.first_t END, \
-    last_t = CASE WHEN excluded.last_t > b.last_t THEN excluded.last_t ELSE b.last_t END";
+    last_t = CASE WHEN excluded.last_t > b.last_t THEN excluded.last_t ELSE b.last_t END",
+            self.column
+        )
+    }
 
-const BLOCK_COLUMNS: &str = "service, bucket, block, reports, enforce_reports, offered, admitted, dropped, shadow_dropped, max_offered, max_drop_ratio, first_t, last_t";
-
-/// Length of a `shadow_blocks` roll-up.
-pub const BLOCK_SECS: i64 = 600;
+    /// Postgres: a CTE named `name` that upserts the new reports of CTE `ins` into this roll-up.
+    fn pg_upsert_cte(&self, name: &str) -> String {
+        format!(
+            "{name} AS (INSERT INTO {table} AS b ({cols}) \
+             SELECT service, bucket, to_timestamp(floor(extract(epoch FROM t) / {secs}) * {secs}), \
+                    COUNT(*), COUNT(*) FILTER (WHERE mode = 'enforce'), SUM(offered), SUM(admitted), \
+                    SUM(dropped), SUM(shadow_dropped), MAX(offered), MAX(drop_ratio), MIN(t), MAX(t) \
+             FROM ins GROUP BY 1, 2, 3 ORDER BY 1, 2, 3{set})",
+            table = self.table,
+            cols = self.columns(),
+            secs = self.secs,
+            set = self.upsert_set(),
+        )
+    }
+}
 
 /// The ten minutes (`shadow_blocks`) `t` falls in.
 pub fn block_of(t: DateTime<Utc>) -> DateTime<Utc> {
-    t.duration_trunc(Duration::seconds(BLOCK_SECS)).unwrap_or(t)
+    BLOCKS.of(t)
 }
 
-/// The first block boundary at or after `t`.
-pub(super) fn block_ceil(t: DateTime<Utc>) -> DateTime<Utc> {
-    let b = block_of(t);
-    if b == t {
-        b
-    } else {
-        b + Duration::seconds(BLOCK_SECS)
+/// Where an overview window of `span` ending at `now` starts: at the boundary at or before
+/// `now - span` of the longest roll-up period that is at most a sixth of the window (a minute,
+/// ten minutes, an hour or a UTC day), so the window is at most a sixth longer than asked and
+/// is summed from a few rows a bucket (1 h: six blocks; 24 h: 25 hours; 30 days: 31 days).
+pub fn window_start(now: DateTime<Utc>, span: Duration) -> DateTime<Utc> {
+    let from = now - span;
+    match PERIODS
+        .iter()
+        .rev()
+        .find(|p| span >= Duration::seconds(6 * p.secs))
+    {
+        Some(p) => p.of(from),
+        None => minute_of(from),
     }
 }
 
@@ -453,8 +539,8 @@ const HOUR_ROLLUP: &str = "INSERT INTO shadow_hours (service, bucket, scope_key,
     JOIN bk ON bk.service = s.service AND bk.bucket = s.bucket \
     LEFT JOIN pk ON pk.service = s.service AND pk.bucket = s.bucket AND pk.rn = 1";
 
-/// A ten-minute increment computed from newly stored reports (SQLite; Postgres sums them in
-/// the insert statement).
+/// An increment of a bucket-wide roll-up ([`Period`]) computed from newly stored reports
+/// (SQLite; Postgres sums them in the insert statement).
 #[derive(Debug, Clone)]
 struct BlockAcc {
     reports: i64,
@@ -471,12 +557,16 @@ struct BlockAcc {
 
 type BlockKey = (String, String, DateTime<Utc>);
 
-fn block_rollup<'a>(rows: impl Iterator<Item = &'a Row<'a>>) -> BTreeMap<BlockKey, BlockAcc> {
+/// The new rows of a batch summed per (service, bucket) and `period` (SQLite).
+fn period_rollup<'a>(
+    rows: impl Iterator<Item = &'a Row<'a>>,
+    period: Period,
+) -> BTreeMap<BlockKey, BlockAcc> {
     let mut m: BTreeMap<BlockKey, BlockAcc> = BTreeMap::new();
     for row in rows {
         let r = row.r;
         let a = m
-            .entry((r.service.clone(), r.bucket.clone(), block_of(row.t)))
+            .entry((r.service.clone(), r.bucket.clone(), period.of(row.t)))
             .or_insert_with(|| BlockAcc {
                 reports: 0,
                 enforce_reports: 0,
@@ -515,8 +605,13 @@ pub struct Retained {
     pub minutes_deleted: u64,
     /// Ten-minute roll-ups deleted (those whose every minute is before the roll-up retention).
     pub blocks_deleted: u64,
-    /// Hourly roll-ups deleted (those whose every minute is before the roll-up retention).
+    /// Hourly roll-ups per scope key deleted (those whose every minute is before the roll-up
+    /// retention).
     pub hours_deleted: u64,
+    /// Bucket-wide hourly roll-ups deleted (the same rule).
+    pub bucket_hours_deleted: u64,
+    /// Bucket-wide daily roll-ups deleted (the same rule).
+    pub bucket_days_deleted: u64,
 }
 
 impl Store {
@@ -564,6 +659,12 @@ impl Store {
                 .bind(&hours)
                 .execute(&mut *tx)
                 .await?;
+                let periods = PERIODS
+                    .iter()
+                    .enumerate()
+                    .map(|(i, p)| p.pg_upsert_cte(&format!("p{i}")))
+                    .collect::<Vec<_>>()
+                    .join(", ");
                 for chunk in rows.chunks(PG_ROWS_PER_STATEMENT) {
                     // One statement: the new rows (RETURNING) are summed per minute and upserted
                     // into the roll-ups inside Postgres, without a round trip.
@@ -582,11 +683,7 @@ impl Store {
                                 (array_agg(limit_rps ORDER BY seq DESC))[1], (array_agg(mode ORDER BY seq DESC))[1], \
                                 MAX(seq) \
                          FROM ins GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 4, 3{UPSERT_SET}), \
-                         blk AS (INSERT INTO shadow_blocks AS b ({BLOCK_COLUMNS}) \
-                         SELECT service, bucket, to_timestamp(floor(extract(epoch FROM t) / 600) * 600), \
-                                COUNT(*), COUNT(*) FILTER (WHERE mode = 'enforce'), SUM(offered), SUM(admitted), \
-                                SUM(dropped), SUM(shadow_dropped), MAX(offered), MAX(drop_ratio), MIN(t), MAX(t) \
-                         FROM ins GROUP BY 1, 2, 3 ORDER BY 1, 2, 3{BLOCK_UPSERT_SET}) \
+                         {periods} \
                          SELECT COUNT(*) FROM ins"
                     ))
                     .bind(chunk.iter().map(|x| x.r.seq).collect::<Vec<_>>())
@@ -682,27 +779,31 @@ impl Store {
                     });
                     q.push(UPSERT_SET);
                     q.build().execute(&mut *tx).await?;
-                    let blocks = block_rollup(fresh.iter().copied());
-                    let mut q = sqlx::QueryBuilder::<Sqlite>::new(format!(
-                        "INSERT INTO shadow_blocks AS b ({BLOCK_COLUMNS}) "
-                    ));
-                    q.push_values(blocks.iter(), |mut b, ((service, bucket, block), a)| {
-                        b.push_bind(service.as_str())
-                            .push_bind(bucket.as_str())
-                            .push_bind(Ts(*block))
-                            .push_bind(a.reports)
-                            .push_bind(a.enforce_reports)
-                            .push_bind(a.offered)
-                            .push_bind(a.admitted)
-                            .push_bind(a.dropped)
-                            .push_bind(a.shadow_dropped)
-                            .push_bind(a.max_offered)
-                            .push_bind(a.max_drop_ratio)
-                            .push_bind(Ts(a.first_t))
-                            .push_bind(Ts(a.last_t));
-                    });
-                    q.push(BLOCK_UPSERT_SET);
-                    q.build().execute(&mut *tx).await?;
+                    for period in PERIODS {
+                        let acc = period_rollup(fresh.iter().copied(), period);
+                        let mut q = sqlx::QueryBuilder::<Sqlite>::new(format!(
+                            "INSERT INTO {} AS b ({}) ",
+                            period.table,
+                            period.columns()
+                        ));
+                        q.push_values(acc.iter(), |mut b, ((service, bucket, start), a)| {
+                            b.push_bind(service.as_str())
+                                .push_bind(bucket.as_str())
+                                .push_bind(Ts(*start))
+                                .push_bind(a.reports)
+                                .push_bind(a.enforce_reports)
+                                .push_bind(a.offered)
+                                .push_bind(a.admitted)
+                                .push_bind(a.dropped)
+                                .push_bind(a.shadow_dropped)
+                                .push_bind(a.max_offered)
+                                .push_bind(a.max_drop_ratio)
+                                .push_bind(Ts(a.first_t))
+                                .push_bind(Ts(a.last_t));
+                        });
+                        q.push(period.upsert_set());
+                        q.build().execute(&mut *tx).await?;
+                    }
                 }
                 tx.commit().await?;
             }
@@ -728,11 +829,16 @@ impl Store {
                 .execute(pool)
                 .await?
                 .rows_affected();
-            let blocks_deleted = sqlx::query("DELETE FROM shadow_blocks WHERE block <= $1")
-                .bind(Ts(minutes_before - Duration::seconds(BLOCK_SECS)))
-                .execute(pool)
-                .await?
-                .rows_affected();
+            // A roll-up row goes once every minute of its period is before the retention.
+            let mut periods_deleted = [0u64; PERIODS.len()];
+            for (deleted, p) in periods_deleted.iter_mut().zip(PERIODS) {
+                *deleted = sqlx::query(&format!("DELETE FROM {} WHERE {} <= $1", p.table, p.column))
+                    .bind(Ts(minutes_before - Duration::seconds(p.secs)))
+                    .execute(pool)
+                    .await?
+                    .rows_affected();
+            }
+            let [blocks_deleted, bucket_hours_deleted, bucket_days_deleted] = periods_deleted;
             let hour_end = Ts(minutes_before - Duration::seconds(HOUR_SECS));
             let hours_deleted = sqlx::query("DELETE FROM shadow_hours WHERE hour <= $1")
                 .bind(hour_end)
@@ -744,7 +850,14 @@ impl Store {
                 .bind(hour_end)
                 .execute(pool)
                 .await?;
-            Ok(Retained { raw_deleted, minutes_deleted, blocks_deleted, hours_deleted })
+            Ok(Retained {
+                raw_deleted,
+                minutes_deleted,
+                blocks_deleted,
+                hours_deleted,
+                bucket_hours_deleted,
+                bucket_days_deleted,
+            })
         })
     }
 
@@ -896,7 +1009,7 @@ impl Store {
                 )
                 .bind(service)
                 .bind(bucket)
-                .bind(Ts(b.0 + Duration::seconds(BLOCK_SECS)))
+                .bind(Ts(b.0 + Duration::seconds(BLOCKS.secs)))
                 .fetch_optional(pool)
                 .await?,
             };

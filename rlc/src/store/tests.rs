@@ -603,6 +603,16 @@ async fn check_migrated(store: Store) {
             (t(1_796_000_040), 1, 50.0, 120.0)
         ]
     );
+    // Migration 0008 filled the bucket-wide days from the blocks: an overview from a UTC
+    // midnight reads day rows only, and counts every report.
+    let midnight = t(1_796_000_000 / 86_400 * 86_400 - 86_400);
+    let all = store.shadow_summary(None, midnight, 10).await.unwrap();
+    assert_eq!(
+        all.iter()
+            .map(|b| (b.bucket.as_str(), b.reports, b.offered))
+            .collect::<Vec<_>>(),
+        [("gw", 4, 360.0)]
+    );
 }
 
 const OLD_ROW: &str = "INSERT INTO shadow_reports (seq, t, service, bucket, mode, scope_key, offered, admitted, dropped, shadow_dropped, limit_rps, drop_ratio, received_at) \
@@ -894,6 +904,212 @@ async fn sqlite_sql_figures_match_the_minutes() {
 async fn postgres_sql_figures_match_the_minutes() {
     let db = test_support::postgres::fresh_database().await.unwrap();
     check_sql_figures(Store::connect(&db.url, Path::new("/")).await.unwrap()).await;
+}
+
+/// The overview tiles its window with minutes, ten-minute blocks, bucket-wide hours and days
+/// ([`Store::shadow_summary`]): over 28 hours across two UTC midnights, with windows starting
+/// on a minute, a block, an hour, a day and before every report, two buckets (one enforced
+/// part of the time) and a late report into a closed day, every figure equals the sums of
+/// the minute rows; retention drops hour and day rows once all their minutes are gone.
+async fn check_overview_tiles(store: Store) {
+    let t0 = Utc.with_ymd_and_hms(2026, 11, 28, 22, 3, 0).unwrap();
+    let end = t0 + chrono::Duration::hours(28);
+    let mut seq = 0;
+    let mut batch = Vec::new();
+    let mut t = t0;
+    while t < end {
+        let m = (t - t0).num_minutes();
+        for (bucket, zone) in [("gw", "eu"), ("gw", "us"), ("api", "global")] {
+            seq += 1;
+            let offered = 50.0 + ((m * 13 + seq) % 90) as f64;
+            let mode = if bucket == "api" && (600..900).contains(&m) {
+                "enforce"
+            } else {
+                "shadow"
+            };
+            batch.push(tick(seq, t.timestamp(), bucket, zone, mode, offered, 100.0));
+        }
+        t += chrono::Duration::minutes(7);
+    }
+    // In several batches, as polled pages arrive; the last one late, into the first day.
+    for chunk in batch.chunks(97) {
+        store.insert_reports(chunk, t0).await.unwrap();
+    }
+    let late = tick(
+        seq + 1,
+        (t0 + chrono::Duration::minutes(30)).timestamp(),
+        "gw",
+        "eu",
+        "shadow",
+        400.0,
+        100.0,
+    );
+    assert_eq!(store.insert_reports(&[late], end).await.unwrap(), 1);
+
+    let day = Utc.with_ymd_and_hms(2026, 11, 29, 0, 0, 0).unwrap();
+    for since in [
+        t0 - chrono::Duration::days(2),
+        t0,
+        t0 + chrono::Duration::minutes(4),
+        t0 + chrono::Duration::minutes(7),
+        t0 + chrono::Duration::minutes(57),
+        day,
+        day - chrono::Duration::minutes(50),
+        day + chrono::Duration::minutes(13 * 60 + 37),
+        day + chrono::Duration::hours(24),
+        day + chrono::Duration::minutes(24 * 60 + 70),
+    ] {
+        let got = store.shadow_summary(None, since, 10).await.unwrap();
+        assert_eq!(got.len(), 2, "{since}");
+        for bucket in ["gw", "api"] {
+            let g = got.iter().find(|b| b.bucket == bucket).unwrap();
+            let want: Vec<MinuteRow> = store
+                .bucket_minutes("payments", bucket, since, end + chrono::Duration::days(1))
+                .await
+                .unwrap();
+            assert_eq!(
+                g.reports,
+                want.iter().map(|r| r.reports).sum::<i64>(),
+                "{bucket} since {since}"
+            );
+            let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(1.0);
+            let sum = |f: fn(&MinuteRow) -> f64| want.iter().map(f).sum::<f64>();
+            assert!(
+                close(g.offered, sum(|r| r.offered)),
+                "{bucket} since {since}"
+            );
+            assert!(
+                close(g.admitted, sum(|r| r.admitted)),
+                "{bucket} since {since}"
+            );
+            assert!(
+                close(g.dropped, sum(|r| r.dropped)),
+                "{bucket} since {since}"
+            );
+            assert!(
+                close(g.shadow_dropped, sum(|r| r.shadow_dropped)),
+                "{bucket} since {since}"
+            );
+            let max = |f: fn(&MinuteRow) -> f64| want.iter().map(f).fold(0.0, f64::max);
+            assert_eq!(
+                g.peak_offered_rps,
+                max(|r| r.max_offered),
+                "{bucket} since {since}"
+            );
+            assert_eq!(
+                g.max_drop_ratio,
+                max(|r| r.max_drop_ratio),
+                "{bucket} since {since}"
+            );
+            assert_eq!(
+                (g.first_seen, g.last_seen),
+                (
+                    // every tick is on a whole minute: the first tick is the first minute
+                    want.iter().map(|r| r.minute).min().unwrap(),
+                    want.iter().map(|r| r.last_t).max().unwrap()
+                ),
+                "{bucket} since {since}"
+            );
+        }
+        assert_eq!(
+            store.shadow_services(since, 10).await.unwrap(),
+            ["payments"]
+        );
+    }
+    // The late 400 rps report counts in windows from before it, not in later ones.
+    let first_day = store
+        .shadow_summary(None, t0 - chrono::Duration::days(2), 10)
+        .await
+        .unwrap();
+    assert_eq!(
+        first_day
+            .iter()
+            .find(|b| b.bucket == "gw")
+            .unwrap()
+            .peak_offered_rps,
+        400.0
+    );
+    let later = store.shadow_summary(None, day, 10).await.unwrap();
+    assert!(
+        later
+            .iter()
+            .find(|b| b.bucket == "gw")
+            .unwrap()
+            .peak_offered_rps
+            < 400.0
+    );
+    assert!(store
+        .shadow_summary(None, end + chrono::Duration::hours(1), 10)
+        .await
+        .unwrap()
+        .is_empty());
+    assert!(store
+        .shadow_services(end + chrono::Duration::hours(1), 10)
+        .await
+        .unwrap()
+        .is_empty());
+
+    // Retention at 2026-11-29 05:20: the first day (22:00–24:00) and its hours go, the second
+    // day's row and the 05:00 hour stay (some of their minutes are kept).
+    let gone = store
+        .apply_retention(end, day + chrono::Duration::minutes(5 * 60 + 20))
+        .await
+        .unwrap();
+    assert_eq!(gone.bucket_days_deleted, 2, "one day row per bucket");
+    assert_eq!(
+        gone.bucket_hours_deleted,
+        2 * 7,
+        "22:00 to 04:00 of both buckets"
+    );
+    assert_eq!(gone.blocks_deleted, 2 * (12 + 5 * 6 + 2));
+}
+
+#[tokio::test]
+async fn sqlite_overview_tiles_match_the_minutes() {
+    let dir = tempfile::tempdir().unwrap();
+    check_overview_tiles(Store::connect("sqlite://rlc.db", dir.path()).await.unwrap()).await;
+}
+
+#[tokio::test]
+async fn postgres_overview_tiles_match_the_minutes() {
+    let db = test_support::postgres::fresh_database().await.unwrap();
+    check_overview_tiles(Store::connect(&db.url, Path::new("/")).await.unwrap()).await;
+}
+
+#[test]
+fn overview_windows_start_on_a_period_at_most_a_sixth_of_them() {
+    let now = Utc.with_ymd_and_hms(2026, 11, 30, 13, 47, 31).unwrap();
+    let at = |h, m| Utc.with_ymd_and_hms(2026, 11, 30, h, m, 0).unwrap();
+    let (m, h, d) = (
+        chrono::Duration::minutes,
+        chrono::Duration::hours,
+        chrono::Duration::days,
+    );
+    let cases = [
+        ("15m", m(15), at(13, 32)),
+        ("1h", h(1), at(12, 40)),
+        ("6h", h(6), at(7, 0)),
+        (
+            "24h",
+            h(24),
+            Utc.with_ymd_and_hms(2026, 11, 29, 13, 0, 0).unwrap(),
+        ),
+        (
+            "7d",
+            d(7),
+            Utc.with_ymd_and_hms(2026, 11, 23, 0, 0, 0).unwrap(),
+        ),
+        (
+            "30d",
+            d(30),
+            Utc.with_ymd_and_hms(2026, 10, 31, 0, 0, 0).unwrap(),
+        ),
+    ];
+    for (w, span, want) in cases {
+        let got = window_start(now, span);
+        assert_eq!(got, want, "{w}");
+        assert!(got <= now - span && now - got <= span + span / 6, "{w}");
+    }
 }
 
 /// A run recorded before migration 0007 (no pull request columns), with one quota change.
