@@ -205,7 +205,12 @@ where
         Ok(source) => fetch_stats(&source, &candidates, &rules, now).await,
         Err(e) => (BTreeMap::new(), Some(e)),
     };
-    let notes = apply(plan, &candidates, &rules, &stats, now);
+    // A bucket without figures because the source failed says so, not "no shadow reports".
+    let missing = match &error {
+        Some(e) => format!("shadow figures unavailable: {e}"),
+        None => NO_REPORTS.to_string(),
+    };
+    let notes = apply(plan, &candidates, &rules, &stats, &missing, now);
     (rules, notes, error)
 }
 
@@ -243,14 +248,20 @@ pub fn repo_inputs(
     )
 }
 
+/// Why a candidate without figures is not ready when the source answered.
+pub const NO_REPORTS: &str = "no shadow reports";
+
 /// Applies the verdicts to `plan`: ready candidates get `mode: enforce`; every candidate gets
 /// `evidence.promotion` (verdict, reason, days in shadow, coverage, virtual-drop share, peak
-/// drop share and minute, suggested limit, window). Returns one note per candidate.
+/// drop share and minute, suggested limit, window); a candidate without figures is not yet
+/// ready, for the reason `missing` ([`NO_REPORTS`], or why the source could not say). Returns
+/// one note per candidate.
 pub fn apply(
     plan: &mut Plan,
     candidates: &[BucketKey],
     rules: &BTreeMap<String, PromotionRule>,
     stats: &BTreeMap<BucketKey, ShadowStats>,
+    missing: &str,
     now: DateTime<Utc>,
 ) -> Vec<PromotionNote> {
     let mut notes = Vec::new();
@@ -269,7 +280,7 @@ pub fn apply(
         let verdict = match stats.get(key) {
             Some(s) => readiness::verdict(s, &rule, now),
             None => Verdict::NotYet {
-                reasons: vec!["no shadow reports".into()],
+                reasons: vec![missing.to_string()],
             },
         };
         let promoted = verdict == Verdict::Ready;
@@ -474,7 +485,7 @@ mod tests {
             (("pay".into(), "b".into()), stats("pay", "b", now, 8, 0.02)),
         ]
         .into();
-        let notes = apply(&mut plan, &cands, &rules, &stats, now);
+        let notes = apply(&mut plan, &cands, &rules, &stats, NO_REPORTS, now);
         let got: Vec<(&str, bool, &str)> = notes
             .iter()
             .map(|n| (n.bucket.as_str(), n.promoted, n.reason.as_str()))
@@ -528,10 +539,39 @@ mod tests {
             [7],
             "one query over the rule's 7 days"
         );
-        let notes = apply(&mut plan, &cands, &rules, &stats, now);
+        assert!(stats.is_empty());
+        // Through `propose`, as runs and the quota API call it: the reason is the failure,
+        // not "no shadow reports".
+        let base: BTreeMap<String, BucketFile> =
+            [("pay".to_string(), plan.bucket_files().remove(0))].into();
+        let policies: PoliciesFile = schema::parse_str(
+            std::path::Path::new("p.yaml"),
+            "default:\n  policy: peak\npromotion: {}\n",
+        )
+        .unwrap()
+        .value;
+        let (_, notes, error) = propose(
+            &mut plan,
+            &base,
+            Some(&policies),
+            || async { Err("store unavailable: not connected yet".to_string()) },
+            now,
+        )
+        .await;
+        assert_eq!(
+            error.as_deref(),
+            Some("store unavailable: not connected yet")
+        );
         assert!(!notes[0].promoted);
-        assert_eq!(notes[0].reason, "not yet: no shadow reports");
+        assert_eq!(
+            notes[0].reason,
+            "not yet: shadow figures unavailable: store unavailable: not connected yet"
+        );
         assert_eq!(plan.buckets[0].bucket.mode, Mode::Shadow);
+        assert_eq!(
+            plan.buckets[0].evidence["promotion"]["verdict"]["reasons"][0],
+            json!("shadow figures unavailable: store unavailable: not connected yet")
+        );
     }
 
     #[test]
