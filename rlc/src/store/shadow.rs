@@ -434,21 +434,16 @@ pub fn window_start(now: DateTime<Utc>, span: Duration) -> DateTime<Utc> {
 }
 
 /// Length of a `shadow_hours` roll-up.
-pub const HOUR_SECS: i64 = 3600;
+pub const HOUR_SECS: i64 = BUCKET_HOURS.secs;
 
 /// The hour (`shadow_hours`) `t` falls in.
 pub fn hour_of(t: DateTime<Utc>) -> DateTime<Utc> {
-    t.duration_trunc(Duration::seconds(HOUR_SECS)).unwrap_or(t)
+    BUCKET_HOURS.of(t)
 }
 
 /// The first hour boundary at or after `t`.
 fn hour_ceil(t: DateTime<Utc>) -> DateTime<Utc> {
-    let h = hour_of(t);
-    if h == t {
-        h
-    } else {
-        h + Duration::seconds(HOUR_SECS)
-    }
+    BUCKET_HOURS.ceil(t)
 }
 
 /// Closed dirty hours rolled up by one [`Store::roll_up_hours`] call at most (bounded work;
