@@ -1248,16 +1248,19 @@ impl Store {
             Store::Sqlite(..) => format!("({col} / 1000)"),
         };
         let (em, el) = (epoch("minute"), epoch("last_minute"));
-        // The minutes of an hour marked dirty: `d.hour` is the hour of `minute`.
+        // The minutes of an hour marked dirty: `d.hour` is the hour of `minute`. The dirty
+        // hours (few) drive the join, so only their minutes are read, not every minute of the
+        // clean span (`CROSS JOIN` keeps that order in SQLite; Postgres plans it the same).
         let in_dirty_hour = match self {
             Store::Postgres(_) => "d.hour <= minute AND minute < d.hour + INTERVAL '1 hour'",
             Store::Sqlite(..) => "d.hour <= minute AND minute < d.hour + 3600000",
         };
-        let minute_cols = format!(
+        let minute_sel = format!(
             "scope_key, {em} AS e, offered / reports AS o, shadow_dropped / reports AS v, \
-             dropped / reports AS d, offered, limit_rps FROM shadow_minutes \
-             WHERE service = $1 AND bucket = $2 AND reports > 0"
+             dropped / reports AS d, offered, limit_rps"
         );
+        let of_bucket = "service = $1 AND bucket = $2 AND reports > 0";
+        let minute_cols = format!("{minute_sel} FROM shadow_minutes WHERE {of_bucket}");
         let sql = format!(
             // Per step, the maxima, the sum and the limit of the newest row (a minute, or an
             // hour's newest minute).
@@ -1268,9 +1271,8 @@ impl Store {
                           offered, limit_rps FROM shadow_hours h \
                    WHERE service = $1 AND bucket = $2 AND hour >= $7 AND hour < $8 AND reports > 0 \
                      AND NOT EXISTS (SELECT 1 FROM shadow_dirty_hours d WHERE d.hour = h.hour) \
-                   UNION ALL SELECT {minute_cols} AND minute >= $7 AND minute < $8 \
-                     AND EXISTS (SELECT 1 FROM shadow_dirty_hours d WHERE d.hour >= $7 AND d.hour < $8 \
-                                 AND {in_dirty_hour})), \
+                   UNION ALL SELECT {minute_sel} FROM shadow_dirty_hours d CROSS JOIN shadow_minutes \
+                   WHERE d.hour >= $7 AND d.hour < $8 AND {in_dirty_hour} AND {of_bucket}), \
              s AS (SELECT scope_key, (e - $5) / $6 AS step, o, v, d, offered, \
                           FIRST_VALUE(limit_rps) OVER (PARTITION BY scope_key, (e - $5) / $6 ORDER BY e DESC) AS lim \
                    FROM u) \
