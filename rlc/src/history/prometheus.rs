@@ -459,6 +459,37 @@ fn feed_series(b: &Mutex<Builder>, text: &[u8]) -> Result<(), String> {
     Ok(())
 }
 
+/// Decodes whole answers as a pull does, for `benches/history_decode.rs`.
+#[doc(hidden)]
+pub mod bench {
+    use super::*;
+
+    /// Splits `body` into its series and drops them; returns how many there were.
+    pub fn split(body: &[u8]) -> usize {
+        let mut n = 0;
+        let mut split = ResultSplitter::default();
+        split.push(body, &mut |_| n += 1);
+        n
+    }
+
+    /// Puts the series of `bodies` (answers on the grid `start`, `step`, `len`) on a grid in
+    /// memory as a pull does; returns how many series it holds.
+    pub fn decode(bodies: &[Vec<u8>], start: i64, step: i64, len: usize) -> usize {
+        let b = Mutex::new(Builder::new(
+            start,
+            step,
+            len,
+            super::super::LabelNames::default(),
+        ));
+        for body in bodies {
+            let mut split = ResultSplitter::default();
+            split.push(body, &mut |s| feed_series(&b, s).unwrap());
+            split.finish().unwrap();
+        }
+        b.into_inner().unwrap().finish().series.len()
+    }
+}
+
 /// Cuts a `query_range` answer, fed in pieces of any size, into the elements of
 /// `data.result` (each handed over whole, as JSON text) and the rest of the body, the
 /// *skeleton*, which keeps `"result":[]` and is small. Only the JSON structure is tracked
