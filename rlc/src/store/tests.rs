@@ -225,7 +225,14 @@ async fn check_shadow_summary(store: Store) {
     let maps = store.shadow_summary(Some("maps"), since, 10).await.unwrap();
     assert_eq!(maps.len(), 1);
     assert!((maps[0].virtual_drop_share - 20.0 / 120.0).abs() < 1e-12);
-    assert_eq!(store.shadow_summary(None, since, 2).await.unwrap().len(), 2);
+    // The limit keeps the first buckets of the order, with their latest limit and mode.
+    let top = store.shadow_summary(None, since, 2).await.unwrap();
+    let top_names: Vec<_> = top
+        .iter()
+        .map(|b| format!("{}/{}", b.service, b.bucket))
+        .collect();
+    assert_eq!(top_names, names[..2]);
+    assert_eq!((top[0].limit_rps, top[0].mode.as_str()), (200.0, "shadow"));
     assert!(store
         .shadow_summary(None, at(3, 0), 10)
         .await
