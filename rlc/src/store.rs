@@ -381,7 +381,7 @@ macro_rules! on_pool {
 /// Raises `work_mem` to at least 16 MB on rlc's own connections (never lowers it): the
 /// overview groups a row per bucket and day (310,000 at 10,000 buckets over 31 days), which
 /// at Postgres' default of 4 MB sorts on disk. Measured in psql on `bench_shadow_store`'s data
-/// (docs/rlc-dashboard.md): the overview statement 283 → 170 ms, the service list 137 → 66 ms.
+/// (docs/rlc-dashboard.md): the overview statement 283 → 190 ms, the service list 138 → 68 ms.
 /// At most 5 connections, a few sort or hash nodes each.
 const WORK_MEM_FLOOR: &str = "SELECT set_config('work_mem', '16MB', false) \
      WHERE pg_size_bytes(current_setting('work_mem')) < 16 * 1024 * 1024";
