@@ -481,7 +481,7 @@ impl Cycle {
             &self.base_dir,
             &store,
             GitHistory::Fetch,
-            plan,
+            plan.clone(),
             Utc::now(),
         )
         .await

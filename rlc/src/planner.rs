@@ -78,7 +78,7 @@ pub async fn effective_plan(
     let plan = tokio::task::spawn_blocking(move || compute_plan_from(&c, &repo, &history, now))
         .await
         .map_err(|e| anyhow::anyhow!("computing the plan: {e}"))?;
-    Ok(hold_repeated_decreases(cfg, base_dir, store, git, &plan, now).await)
+    Ok(hold_repeated_decreases(cfg, base_dir, store, git, plan, now).await)
 }
 
 /// [`effective_plan`], then the promotions a run would propose on it
@@ -135,12 +135,12 @@ pub async fn hold_repeated_decreases(
     base_dir: &Path,
     store: &StoreWitness,
     git: GitHistory,
-    plan: &Plan,
+    plan: Plan,
     now: DateTime<Utc>,
 ) -> Plan {
     let interval = cfg.rails.decrease_interval.0;
     if interval.as_secs() <= 1 {
-        return plan.clone();
+        return plan;
     }
     let mut services: Vec<String> = plan
         .buckets
@@ -149,7 +149,7 @@ pub async fn hold_repeated_decreases(
         .map(|b| b.service.clone())
         .collect();
     if services.is_empty() {
-        return plan.clone();
+        return plan;
     }
     services.sort();
     services.dedup();
@@ -170,7 +170,7 @@ pub async fn hold_repeated_decreases(
     .map_err(|e| crate::gitops::GitOpsError::History(format!("task panicked: {e}")))
     .and_then(|r| r);
     let at = |t: DateTime<Utc>| t.format("%Y-%m-%d %H:%M UTC").to_string();
-    let mut out = plan.clone();
+    let mut out = plan;
     for b in &mut out.buckets {
         let Some(cur) = b.current_limit_rps else {
             continue;

@@ -189,7 +189,7 @@ impl Quotas {
                     &q.base_dir,
                     &weak_store_witness(&st),
                     GitHistory::AsFetched,
-                    &plan,
+                    plan,
                     Utc::now(),
                 )
                 .await
