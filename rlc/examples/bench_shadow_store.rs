@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use chrono::Utc;
 use rlc::push::Report;
 use rlc::serve::{app, AppState};
-use rlc::store::{block_of as shadow_block_of, minute_of, Store};
+use rlc::store::{block_of, minute_of, Store};
 
 fn report(seq: i64, t: i64, b: usize, zone: usize) -> Report {
     let offered = 50.0 + (b % 97) as f64;
@@ -175,11 +175,10 @@ async fn main() -> anyhow::Result<()> {
     // hours and days below too. (Written bucket by bucket instead, a 24-hour overview read
     // 230,000 hour rows from as many pages.)
     let t = Instant::now();
-    let first = shadow_block_of(now) - chrono::Duration::minutes(days * 1440);
     let last = now - chrono::Duration::hours(1);
-    let mut day = first;
+    let mut day = block_of(now) - chrono::Duration::days(days);
     while day <= last {
-        let to = (day + chrono::Duration::days(1)).min(last + chrono::Duration::seconds(1));
+        let end = (day + chrono::Duration::days(1) - chrono::Duration::seconds(1)).min(last);
         sqlx::query(
             "INSERT INTO shadow_blocks (service, bucket, block, reports, enforce_reports, offered, admitted, \
              dropped, shadow_dropped, max_offered, max_drop_ratio, first_t, last_t) \
@@ -187,16 +186,16 @@ async fn main() -> anyhow::Result<()> {
                     CASE WHEN b % 97 > 70 THEN (b % 97 - 70) * 1800 ELSE 0 END, 100 + b % 97, 0, k, \
                     k + interval '599 seconds' \
              FROM generate_series(0, $1::int - 1) b, \
-                  generate_series($2::timestamptz, $3::timestamptz - interval '1 second', interval '10 minutes') k \
+                  generate_series($2::timestamptz, $3::timestamptz, interval '10 minutes') k \
              ORDER BY k, b \
              ON CONFLICT DO NOTHING",
         )
         .bind(buckets as i32)
         .bind(day)
-        .bind(to)
+        .bind(end)
         .execute(&pool)
         .await?;
-        day = to;
+        day += chrono::Duration::days(1);
     }
     for (table, column, secs) in [
         ("shadow_bucket_hours", "hour", 3600),

@@ -490,18 +490,6 @@ pub mod bench {
     }
 }
 
-/// The bytes that can change [`ResultSplitter`]'s state inside an element: quotes and brackets.
-static STRUCTURAL: [bool; 256] = {
-    let mut t = [false; 256];
-    let mut k = 0;
-    let bytes = *b"\"{}[]";
-    while k < bytes.len() {
-        t[bytes[k] as usize] = true;
-        k += 1;
-    }
-    t
-};
-
 /// Cuts a `query_range` answer, fed in pieces of any size, into the elements of
 /// `data.result` (each handed over whole, as JSON text) and the rest of the body, the
 /// *skeleton*, which keeps `"result":[]` and is small. Only the JSON structure is tracked
@@ -542,7 +530,8 @@ impl ResultSplitter {
                     None => break,
                 }
             } else if !self.in_string && self.depth > 3 {
-                match piece[i..].iter().position(|&c| STRUCTURAL[usize::from(c)]) {
+                let structural = |&c: &u8| matches!(c, b'"' | b'{' | b'}' | b'[' | b']');
+                match piece[i..].iter().position(structural) {
                     Some(k) => i += k,
                     None => break,
                 }

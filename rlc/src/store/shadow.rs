@@ -441,11 +441,6 @@ pub fn hour_of(t: DateTime<Utc>) -> DateTime<Utc> {
     BUCKET_HOURS.of(t)
 }
 
-/// The first hour boundary at or after `t`.
-fn hour_ceil(t: DateTime<Utc>) -> DateTime<Utc> {
-    BUCKET_HOURS.ceil(t)
-}
-
 /// Closed dirty hours rolled up by one [`Store::roll_up_hours`] call at most (bounded work;
 /// the next call goes on).
 const HOURS_PER_PASS: i64 = 48;
@@ -908,7 +903,7 @@ impl Store {
         start: DateTime<Utc>,
         end: DateTime<Utc>,
     ) -> Result<(DateTime<Utc>, DateTime<Utc>), StoreError> {
-        let (from, to) = (hour_ceil(start), hour_of(end));
+        let (from, to) = (BUCKET_HOURS.ceil(start), hour_of(end));
         if to <= from {
             return Ok((start, start));
         }
