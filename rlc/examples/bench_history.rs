@@ -13,8 +13,10 @@
 //!   (N, DAYS, `--every`): generation and backfill take minutes at 10,000 series.
 //! - `--every SECS`: spacing of the generated samples (default 60; 3600 for an hourly set).
 //! - `--step D`: `history.step` of the pulls (default `1m`).
-//! - `--rlc PATH` (repeatable): the binaries to measure side by side, in turn on each pull
-//!   (default: the `rlc` next to this example's directory, `target/release/rlc`).
+//! - `--rlc PATH[@API]` (repeatable): the binaries to measure side by side, in turn on each
+//!   pull (default: the `rlc` next to this example's directory, `target/release/rlc`); with
+//!   `@API`, that run sets `history.prometheus.api` (`query_range`, `remote_read`, `auto`), so
+//!   that one binary can be measured on both APIs in one run.
 //! - `--no-raw`: skip the pull without downsample.
 //! - `--repeat K`: run each (pull, binary) K times.
 //! - `--extra YAML`: lines added under `history.prometheus` (e.g. `batch_series: 1000`).
@@ -142,7 +144,24 @@ fn main() -> anyhow::Result<()> {
                     ds.map(|d| format!(" {d}")).unwrap_or_default(),
                     rlc.display()
                 );
-                run(rlc, &cfg)?;
+                let text = rlc.to_string_lossy();
+                let (rlc, cfg) = match text.rsplit_once('@') {
+                    Some((bin, api)) => {
+                        let with_api = dir.path().join(format!("rlc-{label}-{api}.yaml"));
+                        let base = std::fs::read_to_string(&cfg)?;
+                        std::fs::write(
+                            &with_api,
+                            base.replacen(
+                                "  prometheus:\n",
+                                &format!("  prometheus:\n    api: {api}\n"),
+                                1,
+                            ),
+                        )?;
+                        (PathBuf::from(bin), with_api)
+                    }
+                    None => (rlc.clone(), cfg.clone()),
+                };
+                run(&rlc, &cfg)?;
             }
         }
     }

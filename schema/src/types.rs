@@ -869,6 +869,37 @@ pub struct PrometheusConfig {
     /// plan.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub spill_dir: Option<String>,
+    /// Which API the series are read with. `auto` (default): Prometheus' remote-read API
+    /// (`/api/v1/read`, raw samples as compressed chunks: several times fewer bytes and far
+    /// less decoding than JSON) when `query` is a plain selector (a metric name with optional
+    /// label matchers, e.g. a recording rule's series) and `downsample` is not set, else
+    /// `query_range`; a server without remote read (VictoriaMetrics) gets `query_range`.
+    /// `query_range` and `remote_read` force one API.
+    #[serde(default)]
+    pub api: HistoryApi,
+    /// Prometheus' `--query.lookback-delta` (5m by default there): with remote read, the
+    /// value at each step is the newest raw sample at most this old, as a `query_range` of
+    /// the selector would give.
+    #[serde(default = "default_lookback_delta")]
+    pub lookback_delta: HumanDuration,
+}
+
+/// How `history.prometheus` reads the series.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum HistoryApi {
+    /// Remote read when the query is a plain selector and the server supports it, else
+    /// `query_range`.
+    #[default]
+    Auto,
+    /// PromQL over `/api/v1/query_range` (JSON).
+    QueryRange,
+    /// Prometheus' remote-read API; the query must be a plain selector.
+    RemoteRead,
+}
+
+fn default_lookback_delta() -> HumanDuration {
+    HumanDuration(Duration::from_secs(300))
 }
 
 /// The default `history.prometheus.query`: the controller's `grl_calls_total`, every request

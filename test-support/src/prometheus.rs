@@ -18,7 +18,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-const HOW_TO_GET: &str = "install Debian package prometheus, or run `cargo xtask test`";
+const HOW_TO_GET: &str =
+    "install Debian packages prometheus and victoria-metrics, or run `cargo xtask test`";
 
 /// Writes an OpenMetrics text file for promtool.
 pub struct OpenMetricsWriter {
@@ -266,4 +267,95 @@ impl Drop for Prometheus {
     fn drop(&mut self) {
         crate::process::stop_group(&mut self.child, crate::process::STOP_GRACE);
     }
+}
+
+/// A throwaway single-node VictoriaMetrics (Debian's `victoria-metrics`) on a free port, its
+/// storage in a temporary directory; its process group is stopped on drop.
+pub struct VictoriaMetrics {
+    /// `http://127.0.0.1:PORT`.
+    pub url: String,
+    child: Child,
+    dir: tempfile::TempDir,
+}
+
+impl VictoriaMetrics {
+    /// Starts an empty instance; data from [`Self::import`] is searchable at once (no cache,
+    /// no latency offset).
+    pub fn start() -> Result<Self> {
+        let vm = binary("victoria-metrics")?;
+        let dir = tempfile::Builder::new().prefix("victoria-").tempdir()?;
+        let log = File::create(dir.path().join("vm.log"))?;
+        let port = free_port()?;
+        let child = crate::process::spawn_in_group(
+            Command::new(&vm)
+                .arg(format!(
+                    "-storageDataPath={}",
+                    dir.path().join("data").display()
+                ))
+                .arg(format!("-httpListenAddr=127.0.0.1:{port}"))
+                .arg("-retentionPeriod=100y")
+                .arg("-search.disableCache")
+                .arg("-search.latencyOffset=0s")
+                .stdin(Stdio::null())
+                .stdout(log.try_clone()?)
+                .stderr(log),
+        )
+        .context("start victoria-metrics")?;
+        let mut v = VictoriaMetrics {
+            url: format!("http://127.0.0.1:{port}"),
+            child,
+            dir,
+        };
+        // A start-up bound, not a timing assertion.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(status) = v.child.try_wait()? {
+                bail!("victoria-metrics exited with {status}: {}", v.log());
+            }
+            if http(port, "GET", "/health", "").is_ok_and(|r| r.starts_with("HTTP/1.1 200")) {
+                return Ok(v);
+            }
+            if Instant::now() > deadline {
+                bail!("victoria-metrics not ready after 60 s: {}", v.log());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Imports Prometheus text exposition lines with timestamps (ms) and flushes them to
+    /// search.
+    pub fn import(&self, text: &str) -> Result<()> {
+        let port: u16 = self.url.rsplit(':').next().unwrap_or_default().parse()?;
+        let r = http(port, "POST", "/api/v1/import/prometheus", text)?;
+        if !r.starts_with("HTTP/1.1 204") && !r.starts_with("HTTP/1.1 200") {
+            bail!("import refused: {r}");
+        }
+        http(port, "GET", "/internal/force_flush", "")?;
+        Ok(())
+    }
+
+    /// The instance's log so far (for error messages).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("vm.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for VictoriaMetrics {
+    fn drop(&mut self) {
+        crate::process::stop_group(&mut self.child, crate::process::STOP_GRACE);
+    }
+}
+
+/// One HTTP/1.1 request on a fresh connection (`Connection: close`); the whole answer.
+fn http(port: u16, method: &str, path: &str, body: &str) -> Result<String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port))?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )?;
+    let mut out = String::new();
+    s.read_to_string(&mut out)?;
+    Ok(out)
 }

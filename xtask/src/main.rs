@@ -22,6 +22,8 @@ use anyhow::{bail, Context, Result};
 const PACKAGES: &[(&str, &str)] = &[
     ("postgresql", "initdb"),
     ("prometheus", "promtool"),
+    // the Prometheus-compatible store without remote read (history falls back to query_range)
+    ("victoria-metrics", "victoria-metrics"),
     ("redis-server", "redis-server"),
     ("git", "git"),
     ("chromium", "chromium"),

@@ -7,6 +7,7 @@
 
 pub mod file;
 pub mod prometheus;
+pub mod remote_read;
 pub mod spill;
 pub mod synth;
 
@@ -181,6 +182,9 @@ pub enum HistoryError {
         /// The last failure.
         message: String,
     },
+    /// `history` asks for something that cannot be done (the message names the field).
+    #[error("{0}")]
+    Config(String),
 }
 
 /// Loads the configured history ending at `end` (rounded down to the step). Relative file

@@ -25,11 +25,11 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use rand::Rng;
-use schema::{HistoryConfig, PrometheusConfig};
+use schema::{HistoryApi, HistoryConfig, PrometheusConfig};
 use serde::Deserialize;
 use tokio::sync::Semaphore;
 
-use super::{grid, Builder, History, HistoryError, SpilledHistory};
+use super::{grid, remote_read, Builder, History, HistoryError, SpilledHistory};
 
 /// Upper bound on steps per request: 12 h at 1 m.
 pub const CHUNK_STEPS: u32 = 720;
@@ -166,6 +166,17 @@ async fn pull(
             attempts: 0,
             message: e.to_string(),
         })?;
+    let read = match read_api(p, &client, &h, start + (len as i64 - 1) * step).await? {
+        Some(matchers) => Some((remote_read::endpoint(&p.url), Arc::new(matchers))),
+        None => None,
+    };
+    // Remote read moves whole TSDB chunks, not steps: a request covers a day whatever
+    // `max_points` (each request is a query over its time range, not over points).
+    let per_chunk = match read {
+        Some(_) => (remote_read::CHUNK_SECS / step).max(1) as usize,
+        None => per_chunk,
+    };
+    let lookback_ms = p.lookback_delta.as_secs() as i64 * 1000;
     let url = format!("{}/api/v1/query_range", p.url.trim_end_matches('/'));
     let sem = Arc::new(Semaphore::new(p.concurrency.max(1) as usize));
     let builder = match spill {
@@ -178,20 +189,37 @@ async fn pull(
     while i < len {
         let n = per_chunk.min(len - i);
         let (from, to) = (start + i as i64 * step, start + (i + n - 1) as i64 * step);
-        let (client, url, sem, p, b) = (
+        let (client, url, sem, p, b, read) = (
             client.clone(),
             url.clone(),
             sem.clone(),
             p.clone(),
             builder.clone(),
+            read.clone(),
         );
         tasks.spawn(async move {
             let _permit = sem.acquire_owned().await.expect("semaphore never closed");
-            fetch(&client, &url, &p, from, to, step, &b).await
+            match read {
+                Some((url, matchers)) => {
+                    let steps = remote_read::Steps {
+                        from,
+                        to,
+                        step,
+                        lookback_ms,
+                    };
+                    remote_read::fetch(&client, &url, &p, &matchers, steps, &b).await
+                }
+                None => fetch(&client, &url, &p, from, to, step, &b).await,
+            }
         });
         i += n;
     }
-    tracing::info!(url = %p.url, chunks = tasks.len(), series_points = len, step, "pulling history");
+    let api = if read.is_some() {
+        "remote_read"
+    } else {
+        "query_range"
+    };
+    tracing::info!(url = %p.url, api, chunks = tasks.len(), series_points = len, step, "pulling history");
     let progress = progress_bar(tasks.len() as u64);
     let mut first_err = None;
     while let Some(r) = tasks.join_next().await {
@@ -222,6 +250,43 @@ async fn pull(
         message: "a chunk task outlived the pull".into(),
     })?;
     Ok(b.into_inner().unwrap_or_else(|e| e.into_inner()))
+}
+
+/// The matchers to pull by remote read, or `None` for `query_range` (see
+/// [`HistoryApi`]): `auto` reads remotely when the query is a plain selector, nothing is
+/// reduced server-side, and the server answers a probe for the last millisecond of the grid
+/// with streamed chunks.
+async fn read_api(
+    p: &PrometheusConfig,
+    client: &reqwest::Client,
+    h: &HistoryConfig,
+    last_step: i64,
+) -> Result<Option<Vec<remote_read::Matcher>>, HistoryError> {
+    let reduced = p.downsample.is_some_and(|d| d.as_secs() > h.step.as_secs());
+    let matchers = remote_read::selector(&p.query);
+    match (p.api, matchers) {
+        (HistoryApi::QueryRange, _) => Ok(None),
+        (HistoryApi::RemoteRead, Some(_)) if reduced => Err(HistoryError::Config(
+            "history.prometheus.api: remote_read reads raw samples; it cannot be combined with `downsample` (use `auto` or `query_range`)".into(),
+        )),
+        (HistoryApi::RemoteRead, Some(m)) => Ok(Some(m)),
+        (HistoryApi::RemoteRead, None) => Err(HistoryError::Config(format!(
+            "history.prometheus.api: remote_read needs `query` to be a plain selector (a metric name with label matchers), not `{}`",
+            p.query
+        ))),
+        (HistoryApi::Auto, Some(_)) if reduced => Ok(None),
+        (HistoryApi::Auto, None) => Ok(None),
+        (HistoryApi::Auto, Some(m)) => {
+            let url = remote_read::endpoint(&p.url);
+            match remote_read::probe(client, &url, &m, last_step * 1000).await {
+                Ok(()) => Ok(Some(m)),
+                Err(why) => {
+                    tracing::info!(url, %why, "no remote read here: pulling with query_range");
+                    Ok(None)
+                }
+            }
+        }
+    }
 }
 
 /// A progress bar over the pull's chunks on a terminal (stderr); hidden otherwise, so that
@@ -262,12 +327,7 @@ async fn fetch(
     let mut last = String::new();
     for attempt in 1..=attempts {
         if attempt > 1 {
-            let cap = BACKOFF_BASE
-                .saturating_mul(1 << (attempt - 2).min(10))
-                .min(BACKOFF_MAX);
-            let wait = rand::thread_rng().gen_range(cap / 2..=cap);
-            tracing::warn!(url, attempt, wait_ms = wait.as_millis() as u64, error = %last, "retrying query_range");
-            tokio::time::sleep(wait).await;
+            backoff(url, attempt, &last).await;
         }
         let resp = match client.post(url).form(&form).send().await {
             Ok(r) => r,
@@ -364,8 +424,18 @@ async fn fetch(
     })
 }
 
+/// Waits before attempt `attempt` (≥ 2) of a request to `url`: jittered exponential backoff.
+pub(super) async fn backoff(url: &str, attempt: u32, last_error: &str) {
+    let cap = BACKOFF_BASE
+        .saturating_mul(1 << (attempt - 2).min(10))
+        .min(BACKOFF_MAX);
+    let wait = rand::thread_rng().gen_range(cap / 2..=cap);
+    tracing::warn!(url, attempt, wait_ms = wait.as_millis() as u64, error = %last_error, "retrying");
+    tokio::time::sleep(wait).await;
+}
+
 /// At most this much of an error answer is kept (an HTML page from a proxy can be large).
-const ERROR_BODY_MAX: usize = 64 * 1024;
+pub(super) const ERROR_BODY_MAX: usize = 64 * 1024;
 /// At most this much of a success answer outside `data.result` (envelope, warnings).
 const SKELETON_MAX: usize = 1 << 20;
 /// Network pieces queued between a request and its decoder (a piece is at most some 10s of
@@ -373,7 +443,10 @@ const SKELETON_MAX: usize = 1 << 20;
 const PIECES_IN_FLIGHT: usize = 16;
 
 /// The first `max` bytes of a body.
-async fn read_capped(mut resp: reqwest::Response, max: usize) -> Result<Vec<u8>, reqwest::Error> {
+pub(super) async fn read_capped(
+    mut resp: reqwest::Response,
+    max: usize,
+) -> Result<Vec<u8>, reqwest::Error> {
     let mut body = Vec::new();
     while let Some(piece) = resp.chunk().await? {
         body.extend_from_slice(&piece[..piece.len().min(max - body.len())]);
@@ -388,35 +461,65 @@ async fn read_capped(mut resp: reqwest::Response, max: usize) -> Result<Vec<u8>,
 /// series on the grid; returns the envelope (the body without the series) and whether every
 /// series could be decoded.
 async fn stream_into(
-    mut resp: reqwest::Response,
+    resp: reqwest::Response,
     b: Arc<Mutex<Builder>>,
 ) -> Result<(Vec<u8>, Result<(), String>), reqwest::Error> {
-    let (tx, mut rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(PIECES_IN_FLIGHT);
-    let decoder = tokio::task::spawn_blocking(move || {
-        let mut split = ResultSplitter::default();
-        let mut failed: Option<String> = None;
-        while let Some(piece) = rx.blocking_recv() {
-            if failed.is_some() {
-                continue; // drain, so that the reader finishes and the status can be read
-            }
-            split.push(&piece, &mut |series| {
-                if failed.is_none() {
-                    if let Err(e) = feed_series(&b, series) {
-                        failed = Some(e);
-                    }
-                }
-            });
-            if split.skeleton.len() > SKELETON_MAX {
-                failed = Some(format!(
-                    "more than {SKELETON_MAX} bytes outside data.result: not a query_range answer"
-                ));
-            }
+    struct Decoder {
+        split: ResultSplitter,
+        failed: Option<String>,
+        b: Arc<Mutex<Builder>>,
+    }
+    let push = |d: &mut Decoder, piece: &[u8]| {
+        if d.failed.is_some() {
+            return; // drain, so that the reader finishes and the status can be read
         }
-        let fed = match (failed, split.finish()) {
+        let (b, failed) = (&d.b, &mut d.failed);
+        d.split.push(piece, &mut |series| {
+            if failed.is_none() {
+                if let Err(e) = feed_series(b, series) {
+                    *failed = Some(e);
+                }
+            }
+        });
+        if d.split.skeleton.len() > SKELETON_MAX {
+            d.failed = Some(format!(
+                "more than {SKELETON_MAX} bytes outside data.result: not a query_range answer"
+            ));
+        }
+    };
+    let finish = |d: Decoder| {
+        let fed = match (d.failed, d.split.finish()) {
             (Some(e), _) | (None, Err(e)) => Err(e),
             (None, Ok(())) => Ok(()),
         };
-        (split.skeleton, fed)
+        (d.split.skeleton, fed)
+    };
+    let d = Decoder {
+        split: ResultSplitter::default(),
+        failed: None,
+        b,
+    };
+    Ok(match stream_blocking(resp, d, push, finish).await? {
+        Ok(out) => out,
+        Err(e) => (Vec::new(), Err(e)),
+    })
+}
+
+/// Hands the pieces of a body to `push` on a blocking thread as they arrive (at most
+/// [`PIECES_IN_FLIGHT`] queued between them), then returns what `finish` makes of the
+/// decoder; `Ok(Err(_))` when the decoder panicked.
+pub(super) async fn stream_blocking<D: Send + 'static, T: Send + 'static>(
+    mut resp: reqwest::Response,
+    mut decoder: D,
+    push: fn(&mut D, &[u8]),
+    finish: fn(D) -> T,
+) -> Result<Result<T, String>, reqwest::Error> {
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(PIECES_IN_FLIGHT);
+    let task = tokio::task::spawn_blocking(move || {
+        while let Some(piece) = rx.blocking_recv() {
+            push(&mut decoder, &piece);
+        }
+        finish(decoder)
     });
     let mut read = Ok(());
     loop {
@@ -434,12 +537,9 @@ async fn stream_into(
         }
     }
     drop(tx);
-    let out = decoder.await.unwrap_or_else(|e| {
-        (
-            Vec::new(),
-            Err(format!("the decoder of the answer failed: {e}")),
-        )
-    });
+    let out = task
+        .await
+        .map_err(|e| format!("the decoder of the answer failed: {e}"));
     read.map(|()| out)
 }
 
@@ -621,7 +721,7 @@ impl ResultSplitter {
 }
 
 /// An error with its causes (reqwest hides "connection refused" in the source chain).
-fn chain(e: &dyn std::error::Error) -> String {
+pub(super) fn chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
     while let Some(c) = cur {

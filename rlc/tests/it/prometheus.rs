@@ -4,6 +4,9 @@
 //! The pull spilled to disk and planned service by service gives the same plan as the pull in
 //! memory, per minute and downsampled.
 //!
+//! A plain selector is read over remote read and gives the same series, bit for bit, as
+//! `query_range`; VictoriaMetrics, which has no remote read, is read over `query_range`.
+//!
 //! One test, one Prometheus: the instance is killed when the test ends (drop).
 
 use chrono::{TimeZone, Utc};
@@ -12,7 +15,7 @@ use rlc::history::synth::Profile;
 use rlc::history::{self, HistoryError, PlanHistory};
 use rlc::plan::PlannedBucket;
 use schema::Mode;
-use test_support::prometheus::{OpenMetricsWriter, Prometheus};
+use test_support::prometheus::{OpenMetricsWriter, Prometheus, VictoriaMetrics};
 
 use crate::support::{daemon, repo};
 
@@ -590,6 +593,49 @@ fn four_weeks_from_real_prometheus() {
         "same peak quota from 60× less data"
     );
 
+    // The raw counters, a plain selector, by remote read and by query_range: the same series
+    // value for value (30 s samples on a 1 m grid, the scrape gap, the reset, the callers that
+    // start and stop within the lookback), the series without caller/procedure rejected alike.
+    let raw = |api: &str| {
+        let mut c = config(&prom.url, "rpc_requests_total");
+        c.history.prometheus.as_mut().unwrap().api = serde_yaml::from_str(api).unwrap();
+        rt.block_on(history::load(&c.history, dir.path(), now_dt))
+            .unwrap_or_else(|e| panic!("{api}: {e}"))
+    };
+    let reads = || rt.block_on(remote_reads(&prom.url));
+    let before = reads();
+    let by_range = raw("query_range");
+    assert_eq!(reads(), before, "query_range reads nothing remotely");
+    let by_read = raw("remote_read");
+    let after_read = reads();
+    assert_eq!(after_read, before + 28, "28 days, a request a day");
+    let by_auto = raw("auto");
+    assert_eq!(reads(), after_read + 29, "auto: a probe, then remote read");
+    assert_eq!(by_range.series.len(), specs().len());
+    assert!(
+        by_range
+            .series
+            .values()
+            .filter(|s| s.values.iter().any(|v| v.is_nan()))
+            .count()
+            >= 3,
+        "the gap, the late start and the stops leave steps without a value"
+    );
+    assert_eq!(bits(&by_read), bits(&by_range));
+    assert_eq!(bits(&by_auto), bits(&by_range));
+    assert_eq!(by_read.rejected, by_range.rejected);
+    assert_eq!(by_range.rejected.len(), 1, "{:?}", by_range.rejected);
+    // remote_read needs a selector; it says which field.
+    let mut not_selector = config(&prom.url, QUERY);
+    not_selector.history.prometheus.as_mut().unwrap().api = schema::HistoryApi::RemoteRead;
+    let e = rt
+        .block_on(history::load(&not_selector.history, dir.path(), now_dt))
+        .unwrap_err();
+    assert!(
+        matches!(e, HistoryError::Config(_)) && e.to_string().contains("history.prometheus.api"),
+        "{e}"
+    );
+
     // Prometheus refuses a bad query: a clear error, and compute keeps every quota.
     let bad = config(&prom.url, "sum(");
     let e = rt
@@ -654,6 +700,32 @@ fn four_weeks_from_real_prometheus() {
     );
 }
 
+/// Every series' values as bits (`NaN` marks a missing step and is not equal to itself).
+fn bits(h: &rlc::history::History) -> Vec<(rlc::history::SeriesKey, Vec<u32>)> {
+    h.series
+        .iter()
+        .map(|(k, s)| (k.clone(), s.values.iter().map(|v| v.to_bits()).collect()))
+        .collect()
+}
+
+/// Remote-read requests Prometheus answered with 200, from its own metrics.
+async fn remote_reads(url: &str) -> u64 {
+    let text = reqwest::get(format!("{url}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find(|l| {
+            l.starts_with("prometheus_http_requests_total{")
+                && l.contains(r#"code="200""#)
+                && l.contains(r#"handler="/api/v1/read""#)
+        })
+        .and_then(|l| l.rsplit(' ').next())
+        .map_or(0, |v| v.parse().unwrap())
+}
+
 /// A server that accepts connections and never answers (a hung Prometheus): every attempt
 /// times out, the error says so, and nothing waits forever.
 #[test]
@@ -688,6 +760,84 @@ fn hung_prometheus_times_out_with_a_clear_error() {
     );
     assert!(
         e.to_string().contains(&url) && e.to_string().contains("request failed"),
+        "{e}"
+    );
+    // Remote read to it: the same.
+    let mut cfg = config(&url, "rpc_rps");
+    let p = cfg.history.prometheus.as_mut().unwrap();
+    p.timeout = "1s".parse().unwrap();
+    p.concurrency = 1;
+    p.api = schema::HistoryApi::RemoteRead;
+    cfg.history.lookback = "1h".parse().unwrap();
+    let e = rt
+        .block_on(history::load(
+            &cfg.history,
+            std::path::Path::new("."),
+            Utc::now(),
+        ))
+        .unwrap_err();
+    assert!(
+        matches!(e, HistoryError::Unavailable { attempts: 2, .. })
+            && e.to_string().contains("timed out"),
+        "{e}"
+    );
+}
+
+/// VictoriaMetrics has no remote read: with a plain selector, `auto` pulls over
+/// `query_range` and gets every series value for value, and `remote_read` is refused with
+/// VictoriaMetrics' own words.
+#[test]
+fn victoria_metrics_history_over_query_range() {
+    let vm = VictoriaMetrics::start().expect("start VictoriaMetrics");
+    let end = Utc::now().timestamp() / 60 * 60 - 600;
+    let value = |i: i64, t: i64| (i * 10) as f64 + ((t / 60) % 97) as f64 / 4.0;
+    let mut text = String::new();
+    for i in 0..12 {
+        for t in (end - DAY - 600..=end).step_by(60) {
+            text.push_str(&format!(
+                "rpc_rps{{service=\"svc-{}\",caller=\"c{i}\",procedure=\"call\"}} {} {}\n",
+                i / 4,
+                value(i, t),
+                t * 1000
+            ));
+        }
+    }
+    vm.import(&text).unwrap();
+    let mut cfg = config(&vm.url, r#"rpc_rps{procedure="call"}"#);
+    cfg.history.lookback = "1d".parse().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let end_dt = Utc.timestamp_opt(end, 0).unwrap();
+    let h = rt
+        .block_on(history::load(
+            &cfg.history,
+            std::path::Path::new("."),
+            end_dt,
+        ))
+        .unwrap_or_else(|e| panic!("{e}\n{}", vm.log()));
+    assert_eq!(h.series.len(), 12, "{:?}", h.rejected);
+    assert_eq!((h.len, h.start), (1440, end - DAY));
+    for (k, s) in &h.series {
+        let i: i64 = k.caller.as_deref().unwrap()[1..].parse().unwrap();
+        for (n, v) in s.values.iter().enumerate() {
+            let t = h.start + n as i64 * 60;
+            assert_eq!(*v, value(i, t) as f32, "{k:?} at {t}");
+        }
+    }
+    cfg.history.prometheus.as_mut().unwrap().api = schema::HistoryApi::RemoteRead;
+    let e = rt
+        .block_on(history::load(
+            &cfg.history,
+            std::path::Path::new("."),
+            end_dt,
+        ))
+        .unwrap_err();
+    assert!(
+        matches!(e, HistoryError::Refused { status: 400, .. })
+            && e.to_string().contains("unsupported path"),
         "{e}"
     );
 }

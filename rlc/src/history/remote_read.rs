@@ -1,0 +1,955 @@
+//! History over Prometheus' remote-read API (`POST /api/v1/read`), for a query that is a plain
+//! selector (a metric name with label matchers, e.g. a recording rule's series).
+//!
+//! Prometheus answers with the raw samples of each series as the compressed chunks of its
+//! TSDB (`STREAMED_XOR_CHUNKS`: length-prefixed, CRC32C-checked protobuf frames), which moves
+//! several times fewer bytes than `query_range`'s JSON and costs a few nanoseconds per sample
+//! to decode instead of a JSON parse and a float parse. The value at each step of the grid is
+//! the newest sample at most `lookback_delta` older than the step, stale markers excluded, as
+//! a `query_range` of the selector evaluates it (Prometheus 2: the window's start included).
+//!
+//! Frames are decoded as they arrive, on a blocking thread, and each series goes on the grid
+//! once its last frame is read: a request holds one series' samples and the network buffers.
+//! Failures are handled as for `query_range`: retries with jittered backoff, a checksum
+//! mismatch or a truncated answer is retried, one failed time chunk fails the pull.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use prost::Message;
+use schema::PrometheusConfig;
+
+use super::prometheus::{backoff, chain, read_capped, stream_blocking, ERROR_BODY_MAX};
+use super::{Builder, HistoryError};
+
+/// The content type of a streamed answer.
+const STREAMED: &str = "application/x-streamed-protobuf";
+/// A frame larger than this is taken for a corrupt length (Prometheus cuts frames at 1 MB by
+/// default, `--storage.remote.read-max-bytes-in-frame`; one chunk of a series is a few KB).
+const FRAME_MAX: usize = 64 << 20;
+/// Time covered by one remote-read request: chunks are whole 2-hour TSDB chunks, so wider
+/// requests decode fewer samples twice at their edges.
+pub(crate) const CHUNK_SECS: i64 = 86_400;
+
+/// The Prometheus wire messages (`prompb`), the fields rlc reads.
+mod proto {
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct ReadRequest {
+        #[prost(message, repeated, tag = "1")]
+        pub queries: Vec<Query>,
+        #[prost(int32, repeated, tag = "2")]
+        pub accepted_response_types: Vec<i32>,
+    }
+    /// `ReadRequest.ResponseType.STREAMED_XOR_CHUNKS`.
+    pub const STREAMED_XOR_CHUNKS: i32 = 1;
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Query {
+        #[prost(int64, tag = "1")]
+        pub start_timestamp_ms: i64,
+        #[prost(int64, tag = "2")]
+        pub end_timestamp_ms: i64,
+        #[prost(message, repeated, tag = "3")]
+        pub matchers: Vec<LabelMatcher>,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct LabelMatcher {
+        /// EQ = 0, NEQ = 1, RE = 2, NRE = 3.
+        #[prost(int32, tag = "1")]
+        pub r#type: i32,
+        #[prost(string, tag = "2")]
+        pub name: String,
+        #[prost(string, tag = "3")]
+        pub value: String,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct ChunkedReadResponse {
+        #[prost(message, repeated, tag = "1")]
+        pub chunked_series: Vec<ChunkedSeries>,
+        #[prost(int64, tag = "2")]
+        pub query_index: i64,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct ChunkedSeries {
+        #[prost(message, repeated, tag = "1")]
+        pub labels: Vec<Label>,
+        #[prost(message, repeated, tag = "2")]
+        pub chunks: Vec<Chunk>,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Label {
+        #[prost(string, tag = "1")]
+        pub name: String,
+        #[prost(string, tag = "2")]
+        pub value: String,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Chunk {
+        #[prost(int64, tag = "1")]
+        pub min_time_ms: i64,
+        #[prost(int64, tag = "2")]
+        pub max_time_ms: i64,
+        /// UNKNOWN = 0, XOR = 1, HISTOGRAM = 2, FLOAT_HISTOGRAM = 3.
+        #[prost(int32, tag = "3")]
+        pub r#type: i32,
+        #[prost(bytes = "vec", tag = "4")]
+        pub data: Vec<u8>,
+    }
+    /// `Chunk.Encoding.XOR`: float samples.
+    pub const XOR: i32 = 1;
+}
+
+/// One label matcher of a selector.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Matcher {
+    /// `=`, `!=`, `=~` or `!~`.
+    pub op: &'static str,
+    /// Label name (`__name__` for the metric name).
+    pub name: String,
+    /// Value or regular expression.
+    pub value: String,
+}
+
+impl Matcher {
+    fn proto(&self) -> proto::LabelMatcher {
+        let r#type = match self.op {
+            "=" => 0,
+            "!=" => 1,
+            "=~" => 2,
+            _ => 3,
+        };
+        proto::LabelMatcher {
+            r#type,
+            name: self.name.clone(),
+            value: self.value.clone(),
+        }
+    }
+}
+
+/// The matchers of `query` when it is a plain selector (`name`, `name{l="v",...}` or
+/// `{l="v",...}`, nothing else: no function, offset, range or operator), else `None`. Only
+/// what is surely a selector is taken; anything else is left to `query_range`.
+pub fn selector(query: &str) -> Option<Vec<Matcher>> {
+    let s = query.trim();
+    let b = s.as_bytes();
+    let mut i = 0;
+    let ident = |i: &mut usize, metric: bool| {
+        let st = *i;
+        while *i < b.len()
+            && (b[*i].is_ascii_alphabetic()
+                || b[*i] == b'_'
+                || (metric && b[*i] == b':')
+                || (*i > st && b[*i].is_ascii_digit()))
+        {
+            *i += 1;
+        }
+        (*i > st).then(|| s[st..*i].to_string())
+    };
+    let skip_ws = |i: &mut usize| {
+        while *i < b.len() && b[*i].is_ascii_whitespace() {
+            *i += 1;
+        }
+    };
+    let mut matchers = Vec::new();
+    if let Some(name) = ident(&mut i, true) {
+        matchers.push(Matcher {
+            op: "=",
+            name: "__name__".into(),
+            value: name,
+        });
+    }
+    skip_ws(&mut i);
+    if i < b.len() && b[i] == b'{' {
+        i += 1;
+        loop {
+            skip_ws(&mut i);
+            if i < b.len() && b[i] == b'}' {
+                i += 1;
+                break;
+            }
+            let name = ident(&mut i, false)?;
+            skip_ws(&mut i);
+            let op = ["=~", "!~", "!=", "="]
+                .into_iter()
+                .find(|op| s[i..].starts_with(op))?;
+            i += op.len();
+            skip_ws(&mut i);
+            let (value, n) = string_literal(&s[i..])?;
+            i += n;
+            matchers.push(Matcher { op, name, value });
+            skip_ws(&mut i);
+            match b.get(i) {
+                Some(b',') => i += 1,
+                Some(b'}') => {}
+                _ => return None,
+            }
+        }
+    }
+    skip_ws(&mut i);
+    (i == b.len() && !matchers.is_empty()).then_some(matchers)
+}
+
+/// A PromQL string literal at the start of `s` (`"…"`, `'…'` with the common escapes, or a
+/// raw `` `…` ``): its value and length; `None` for anything unusual.
+fn string_literal(s: &str) -> Option<(String, usize)> {
+    let quote = s.chars().next()?;
+    if !matches!(quote, '"' | '\'' | '`') {
+        return None;
+    }
+    let mut out = String::new();
+    let mut chars = s.char_indices().skip(1);
+    while let Some((i, c)) = chars.next() {
+        match c {
+            c if c == quote => return Some((out, i + 1)),
+            '\\' if quote != '`' => {
+                let (_, e) = chars.next()?;
+                out.push(match e {
+                    '\\' | '"' | '\'' => e,
+                    'n' => '\n',
+                    't' => '\t',
+                    'r' => '\r',
+                    _ => return None,
+                });
+            }
+            '\n' if quote != '`' => return None,
+            c => out.push(c),
+        }
+    }
+    None
+}
+
+/// The request body: one query over `[from_ms, to_ms]`, streamed chunks accepted.
+fn request(matchers: &[Matcher], from_ms: i64, to_ms: i64) -> Result<Vec<u8>, String> {
+    let req = proto::ReadRequest {
+        queries: vec![proto::Query {
+            start_timestamp_ms: from_ms,
+            end_timestamp_ms: to_ms,
+            matchers: matchers.iter().map(Matcher::proto).collect(),
+        }],
+        accepted_response_types: vec![proto::STREAMED_XOR_CHUNKS],
+    };
+    snap::raw::Encoder::new()
+        .compress_vec(&req.encode_to_vec())
+        .map_err(|e| e.to_string())
+}
+
+fn post(client: &reqwest::Client, url: &str, body: Vec<u8>) -> reqwest::RequestBuilder {
+    client
+        .post(url)
+        .header("Content-Type", "application/x-protobuf")
+        .header("Content-Encoding", "snappy")
+        .header("X-Prometheus-Remote-Read-Version", "0.1.0")
+        .body(body)
+}
+
+/// The remote-read endpoint of a Prometheus base URL.
+pub fn endpoint(base: &str) -> String {
+    format!("{}/api/v1/read", base.trim_end_matches('/'))
+}
+
+/// Whether the server answers remote read with streamed chunks: one request over the last
+/// millisecond before `at_ms`. `Err` says why not (a server without remote read answers 4xx;
+/// an unreachable one fails here and in `query_range` alike).
+pub async fn probe(
+    client: &reqwest::Client,
+    url: &str,
+    matchers: &[Matcher],
+    at_ms: i64,
+) -> Result<(), String> {
+    let body = request(matchers, at_ms - 1, at_ms)?;
+    let resp = post(client, url, body)
+        .send()
+        .await
+        .map_err(|e| format!("request failed: {}", chain(&e)))?;
+    let status = resp.status();
+    let streamed = content_type(&resp).starts_with(STREAMED);
+    let text = read_capped(resp, 256).await.unwrap_or_default();
+    if status.is_success() && streamed {
+        Ok(())
+    } else {
+        Err(format!(
+            "HTTP {status}, {:?}",
+            String::from_utf8_lossy(&text).trim()
+        ))
+    }
+}
+
+fn content_type(resp: &reqwest::Response) -> String {
+    resp.headers()
+        .get(reqwest::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string()
+}
+
+/// The steps of one request: values at `from, from + step, …, to` (seconds).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Steps {
+    pub from: i64,
+    pub to: i64,
+    pub step: i64,
+    pub lookback_ms: i64,
+}
+
+/// Pulls the steps `[from, to]` by remote read and puts them on the grid.
+pub(crate) async fn fetch(
+    client: &reqwest::Client,
+    url: &str,
+    p: &PrometheusConfig,
+    matchers: &[Matcher],
+    steps: Steps,
+    b: &Arc<Mutex<Builder>>,
+) -> Result<(), HistoryError> {
+    let (from_ms, to_ms) = (steps.from * 1000 - steps.lookback_ms, steps.to * 1000);
+    let what = || {
+        format!(
+            "remote-read answer of {} for [{}, {}]",
+            p.url, steps.from, steps.to
+        )
+    };
+    let body = request(matchers, from_ms, to_ms).map_err(|message| HistoryError::Parse {
+        what: what(),
+        message,
+    })?;
+    let attempts = p.retries.max(1);
+    let mut last = String::new();
+    for attempt in 1..=attempts {
+        if attempt > 1 {
+            backoff(url, attempt, &last).await;
+        }
+        let resp = match post(client, url, body.clone()).send().await {
+            Ok(r) => r,
+            Err(e) => {
+                last = if e.is_timeout() {
+                    format!("request failed: timed out after {}", p.timeout)
+                } else {
+                    format!("request failed: {}", chain(&e))
+                };
+                continue;
+            }
+        };
+        let status = resp.status();
+        if !status.is_success() || !content_type(&resp).starts_with(STREAMED) {
+            let ct = content_type(&resp);
+            let text = read_capped(resp, ERROR_BODY_MAX).await.unwrap_or_default();
+            let text = String::from_utf8_lossy(&text[..text.len().min(300)])
+                .trim()
+                .to_string();
+            if status.is_client_error() && status.as_u16() != 429 {
+                return Err(HistoryError::Refused {
+                    url: p.url.clone(),
+                    status: status.as_u16(),
+                    error_type: "remote_read".into(),
+                    error: text,
+                });
+            }
+            last = if status.is_success() {
+                format!("HTTP {status} with `{ct}` instead of streamed chunks (Prometheus 2.13 or later answers remote read with them)")
+            } else {
+                format!("HTTP {status}: {text}")
+            };
+            if status.is_success() {
+                break; // the server will not stream: retrying changes nothing
+            }
+            continue;
+        }
+        let decoder = Frames::new(steps, b.clone());
+        match stream_blocking(resp, decoder, Frames::push, Frames::finish).await {
+            Ok(Ok(Ok(()))) => return Ok(()),
+            // A corrupt or cut answer: retried (what it put on the grid is a subset of the
+            // same answer, and samples merge by maximum).
+            Ok(Ok(Err(e))) | Ok(Err(e)) => last = format!("bad answer: {e}"),
+            Err(e) => {
+                last = if e.is_timeout() {
+                    format!("reading the response failed: timed out after {}", p.timeout)
+                } else {
+                    format!("reading the response failed: {}", chain(&e))
+                };
+            }
+        }
+    }
+    Err(HistoryError::Unavailable {
+        url: p.url.clone(),
+        attempts,
+        message: last,
+    })
+}
+
+/// Decodes the frames of a streamed answer as they arrive.
+struct Frames {
+    steps: Steps,
+    b: Arc<Mutex<Builder>>,
+    /// Bytes of an incomplete frame.
+    buf: Vec<u8>,
+    /// The series being read (it can span several frames) and its samples so far.
+    labels: Vec<proto::Label>,
+    samples: Vec<(i64, f64)>,
+    /// The values at the steps, reused from series to series.
+    points: Vec<(f64, f64)>,
+    failed: Option<String>,
+}
+
+impl Frames {
+    fn new(steps: Steps, b: Arc<Mutex<Builder>>) -> Self {
+        Frames {
+            steps,
+            b,
+            buf: Vec::new(),
+            labels: Vec::new(),
+            samples: Vec::new(),
+            points: Vec::new(),
+            failed: None,
+        }
+    }
+
+    fn push(&mut self, piece: &[u8]) {
+        if self.failed.is_some() {
+            return; // drain, so that the reader finishes
+        }
+        self.buf.extend_from_slice(piece);
+        let mut at = 0;
+        let r = loop {
+            match frame(&self.buf[at..]) {
+                Ok(Some((msg, n))) => {
+                    let r = proto::ChunkedReadResponse::decode(msg)
+                        .map_err(|e| format!("undecodable frame: {e}"))
+                        .and_then(|r| self.frame(r));
+                    if let Err(e) = r {
+                        break Err(e);
+                    }
+                    at += n;
+                }
+                Ok(None) => break Ok(()),
+                Err(e) => break Err(e),
+            }
+        };
+        self.buf.drain(..at);
+        if let Err(e) = r {
+            self.failed = Some(e);
+        }
+    }
+
+    fn frame(&mut self, r: proto::ChunkedReadResponse) -> Result<(), String> {
+        if r.query_index != 0 {
+            return Err(format!("frame for query {} of 1", r.query_index + 1));
+        }
+        for s in r.chunked_series {
+            if s.labels != self.labels {
+                self.flush()?;
+                self.labels = s.labels;
+            }
+            for c in &s.chunks {
+                if c.r#type != proto::XOR {
+                    return Err(format!(
+                        "series {}: chunk encoding {} is not float samples (native histograms are not request rates)",
+                        show(&self.labels),
+                        c.r#type
+                    ));
+                }
+                decode_xor(&c.data, &mut self.samples)
+                    .map_err(|e| format!("series {}: {e}", show(&self.labels)))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Puts the series read so far on the grid.
+    fn flush(&mut self) -> Result<(), String> {
+        if self.labels.is_empty() {
+            return Ok(());
+        }
+        if !self.samples.is_sorted_by_key(|s| s.0) {
+            // Chunks arrive in time order; should overlapping ones come, the newest sample
+            // of a millisecond wins, as in Prometheus' merge.
+            self.samples.sort_by_key(|s| s.0);
+        }
+        self.points.clear();
+        at_steps(&self.samples, self.steps, &mut self.points);
+        let metric: BTreeMap<String, String> = std::mem::take(&mut self.labels)
+            .into_iter()
+            .map(|l| (l.name, l.value))
+            .collect();
+        let mut b = self.b.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(key) = b.key(&metric) {
+            b.add_many(&key, self.points.iter().copied());
+        }
+        self.samples.clear();
+        Ok(())
+    }
+
+    fn finish(mut self) -> Result<(), String> {
+        if let Some(e) = self.failed.take() {
+            return Err(e);
+        }
+        if !self.buf.is_empty() {
+            return Err(format!(
+                "the answer ended inside a frame ({} bytes left)",
+                self.buf.len()
+            ));
+        }
+        self.flush()
+    }
+}
+
+fn show(labels: &[proto::Label]) -> String {
+    let inner: Vec<String> = labels
+        .iter()
+        .map(|l| format!("{}={:?}", l.name, l.value))
+        .collect();
+    format!("{{{}}}", inner.join(", "))
+}
+
+/// The first frame of `buf` (uvarint length, big-endian CRC32C of the message, message): the
+/// message and the frame's length, `None` while incomplete.
+fn frame(buf: &[u8]) -> Result<Option<(&[u8], usize)>, String> {
+    let mut len: u64 = 0;
+    let mut n = 0;
+    loop {
+        let Some(&byte) = buf.get(n) else {
+            return Ok(None);
+        };
+        if n == 9 {
+            return Err("frame length is not a varint".into());
+        }
+        len |= u64::from(byte & 0x7f) << (7 * n);
+        n += 1;
+        if byte < 0x80 {
+            break;
+        }
+    }
+    let len = len as usize;
+    if len > FRAME_MAX {
+        return Err(format!("frame of {len} bytes (at most {FRAME_MAX})"));
+    }
+    let Some(msg) = buf.get(n + 4..n + 4 + len) else {
+        return Ok(None);
+    };
+    let want = u32::from_be_bytes(buf[n..n + 4].try_into().expect("4 bytes"));
+    if crc32c::crc32c(msg) != want {
+        return Err("frame checksum mismatch".into());
+    }
+    Ok(Some((msg, n + 4 + len)))
+}
+
+/// Prometheus' stale marker: a `NaN` with this bit pattern ends a series until its next
+/// sample.
+const STALE_NAN: u64 = 0x7ff0_0000_0000_0002;
+
+/// The value at each step of `steps` from sorted `samples`: the newest sample at or before the
+/// step, at most `lookback_ms` older, unless it is a stale marker.
+pub(crate) fn at_steps(samples: &[(i64, f64)], steps: Steps, out: &mut Vec<(f64, f64)>) {
+    let mut j = 0;
+    let mut t = steps.from;
+    while t <= steps.to {
+        let tm = t * 1000;
+        while j < samples.len() && samples[j].0 <= tm {
+            j += 1;
+        }
+        if let Some(&(st, v)) = j.checked_sub(1).map(|k| &samples[k]) {
+            if st >= tm - steps.lookback_ms && v.to_bits() != STALE_NAN {
+                out.push((t as f64, v));
+            }
+        }
+        t += steps.step;
+    }
+}
+
+/// A big-endian bit reader.
+struct Bits<'a> {
+    b: &'a [u8],
+    /// Position in bits.
+    pos: usize,
+}
+
+impl Bits<'_> {
+    /// The next `n` (1 to 64) bits.
+    #[inline]
+    fn read(&mut self, n: u32) -> Result<u64, String> {
+        debug_assert!((1..=64).contains(&n));
+        let end = self.pos + n as usize;
+        if end > self.b.len() * 8 {
+            return Err("chunk ends early".into());
+        }
+        let (byte, off) = (self.pos / 8, (self.pos % 8) as u32);
+        let hi = match self.b.get(byte..byte + 8) {
+            Some(w) => u64::from_be_bytes(w.try_into().expect("8 bytes")),
+            None => {
+                let mut w = [0u8; 8];
+                let rest = &self.b[byte..];
+                w[..rest.len()].copy_from_slice(rest);
+                u64::from_be_bytes(w)
+            }
+        };
+        let mut v = (hi << off) >> (64 - n);
+        if off + n > 64 {
+            let lo = u64::from(self.b.get(byte + 8).copied().unwrap_or(0));
+            v |= lo >> (8 - (off + n - 64));
+        }
+        self.pos = end;
+        Ok(v)
+    }
+
+    #[inline]
+    fn bit(&mut self) -> Result<bool, String> {
+        Ok(self.read(1)? == 1)
+    }
+
+    fn uvarint(&mut self) -> Result<u64, String> {
+        let mut x = 0u64;
+        for k in 0..10 {
+            let byte = self.read(8)?;
+            x |= (byte & 0x7f) << (7 * k);
+            if byte < 0x80 {
+                return Ok(x);
+            }
+        }
+        Err("varint too long".into())
+    }
+}
+
+/// Appends the samples of a Prometheus XOR chunk (`tsdb/chunkenc`: a 2-byte sample count,
+/// then the first timestamp as a varint and value as 64 bits, the second timestamp as a
+/// delta, then delta-of-deltas and XORed values in variable bit widths).
+pub(crate) fn decode_xor(data: &[u8], out: &mut Vec<(i64, f64)>) -> Result<(), String> {
+    if data.len() < 2 {
+        return Err("chunk shorter than its header".into());
+    }
+    let total = u16::from_be_bytes([data[0], data[1]]) as usize;
+    let mut r = Bits {
+        b: &data[2..],
+        pos: 0,
+    };
+    out.reserve(total);
+    let (mut t, mut delta, mut value) = (0i64, 0u64, 0u64);
+    let (mut leading, mut trailing) = (0u32, 0u32);
+    for k in 0..total {
+        match k {
+            0 => {
+                let u = r.uvarint()?;
+                t = ((u >> 1) as i64) ^ -((u & 1) as i64); // zig-zag
+                value = r.read(64)?;
+                out.push((t, f64::from_bits(value)));
+                continue;
+            }
+            1 => {
+                delta = r.uvarint()?;
+                t = t.wrapping_add(delta as i64);
+            }
+            _ => {
+                let mut d = 0u8;
+                for _ in 0..4 {
+                    d <<= 1;
+                    if !r.bit()? {
+                        break;
+                    }
+                    d |= 1;
+                }
+                let dod = match d {
+                    0b0 => 0,
+                    0b1111 => r.read(64)? as i64,
+                    _ => {
+                        let sz = match d {
+                            0b10 => 14,
+                            0b110 => 17,
+                            _ => 20,
+                        };
+                        let mut bits = r.read(sz)?;
+                        if bits > 1 << (sz - 1) {
+                            bits = bits.wrapping_sub(1 << sz);
+                        }
+                        bits as i64
+                    }
+                };
+                delta = (delta as i64).wrapping_add(dod) as u64;
+                t = t.wrapping_add(delta as i64);
+            }
+        }
+        if r.bit()? {
+            if r.bit()? {
+                leading = r.read(5)? as u32;
+                let mut sig = r.read(6)? as u32;
+                if sig == 0 {
+                    sig = 64;
+                }
+                trailing = 64u32.checked_sub(leading + sig).ok_or("bad XOR widths")?;
+            }
+            let sig = 64 - leading - trailing;
+            if sig == 0 {
+                return Err("bad XOR widths".into());
+            }
+            value ^= r.read(sig)? << trailing;
+        }
+        out.push((t, f64::from_bits(value)));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_selectors_are_recognised_and_nothing_else() {
+        let m =
+            selector(r#" rpc_rps{service="shop", caller=~"web|api",procedure!='x\'y'} "#).unwrap();
+        let got: Vec<_> = m
+            .iter()
+            .map(|m| (m.name.as_str(), m.op, m.value.as_str()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("__name__", "=", "rpc_rps"),
+                ("service", "=", "shop"),
+                ("caller", "=~", "web|api"),
+                ("procedure", "!=", "x'y"),
+            ]
+        );
+        assert_eq!(selector("job:rpc_rps:rate1m").unwrap().len(), 1);
+        assert_eq!(selector("{__name__=`a\\b`,}").unwrap()[0].value, "a\\b");
+        for q in [
+            "",
+            "{}",
+            "rate(x[1m])",
+            "sum by (service) (x)",
+            "x offset 5m",
+            "x[5m]",
+            "x * 2",
+            "x{a=\"b\"",
+            "x{a=b}",
+            "x{a=\"\\q\"}",
+            "x{1a=\"b\"}",
+            "x y",
+        ] {
+            assert!(selector(q).is_none(), "{q:?} taken for a selector");
+        }
+    }
+
+    /// A minimal XOR chunk encoder (Prometheus' `xorAppender`), to check the decoder on every
+    /// width of delta-of-delta and value.
+    struct Enc {
+        b: Vec<u8>,
+        bits: usize,
+    }
+    impl Enc {
+        fn put(&mut self, v: u64, n: u32) {
+            for k in (0..n).rev() {
+                if self.bits % 8 == 0 {
+                    self.b.push(0);
+                }
+                if (v >> k) & 1 == 1 {
+                    *self.b.last_mut().unwrap() |= 1 << (7 - self.bits % 8);
+                }
+                self.bits += 1;
+            }
+        }
+        fn uvarint(&mut self, mut x: u64) {
+            while x >= 0x80 {
+                self.put((x & 0x7f) | 0x80, 8);
+                x >>= 7;
+            }
+            self.put(x, 8);
+        }
+    }
+    fn encode(samples: &[(i64, f64)]) -> Vec<u8> {
+        let mut e = Enc {
+            b: Vec::new(),
+            bits: 0,
+        };
+        let (mut t, mut delta, mut v) = (0i64, 0i64, 0u64);
+        let (mut lead, mut trail) = (0xffu32, 0u32);
+        for (k, &(ts, val)) in samples.iter().enumerate() {
+            let bits = val.to_bits();
+            match k {
+                0 => {
+                    e.uvarint(((ts << 1) ^ (ts >> 63)) as u64);
+                    e.put(bits, 64);
+                    (t, v) = (ts, bits);
+                    continue;
+                }
+                1 => {
+                    delta = ts - t;
+                    e.uvarint(delta as u64);
+                }
+                _ => {
+                    let d = ts - t;
+                    let dod = d - delta;
+                    match dod {
+                        0 => e.put(0, 1),
+                        _ if (-8191..=8192).contains(&dod) => {
+                            e.put(0b10, 2);
+                            e.put(dod as u64 & 0x3fff, 14);
+                        }
+                        _ if (-65535..=65536).contains(&dod) => {
+                            e.put(0b110, 3);
+                            e.put(dod as u64 & 0x1ffff, 17);
+                        }
+                        _ if (-524287..=524288).contains(&dod) => {
+                            e.put(0b1110, 4);
+                            e.put(dod as u64 & 0xfffff, 20);
+                        }
+                        _ => {
+                            e.put(0b1111, 4);
+                            e.put(dod as u64, 64);
+                        }
+                    }
+                    delta = d;
+                }
+            }
+            t = ts;
+            let x = bits ^ v;
+            if x == 0 {
+                e.put(0, 1);
+            } else {
+                let (l, tr) = (x.leading_zeros().min(31), x.trailing_zeros());
+                if lead != 0xff && l >= lead && tr >= trail {
+                    e.put(0b10, 2);
+                    e.put(x >> trail, 64 - lead - trail);
+                } else {
+                    (lead, trail) = (l, tr);
+                    let sig = 64 - l - tr;
+                    e.put(0b11, 2);
+                    e.put(l as u64, 5);
+                    e.put(sig as u64 & 0x3f, 6);
+                    e.put(x >> tr, sig);
+                }
+            }
+            v = bits;
+        }
+        let mut out = (samples.len() as u16).to_be_bytes().to_vec();
+        out.extend(e.b);
+        out
+    }
+
+    #[test]
+    fn xor_chunks_decode_to_their_samples() {
+        // Regular steps, jitter of every width, a large jump, negative dods, equal values,
+        // values differing in every bit, NaN, the stale marker.
+        let mut s = vec![(1_700_000_000_000i64, 12.5f64)];
+        let gaps = [
+            60_000,
+            60_000,
+            60_013,
+            59_990,
+            65_000,
+            10,
+            70_000,
+            600_000,
+            1,
+            4_000_000_000,
+            60_000,
+        ];
+        let vals = [
+            12.5,
+            13.0,
+            -1e300,
+            0.0,
+            1e-300,
+            f64::NAN,
+            7.25,
+            7.25,
+            f64::from_bits(STALE_NAN),
+            3.0,
+            f64::MAX,
+        ];
+        for (g, v) in gaps.iter().zip(vals) {
+            let t = s.last().unwrap().0 + g;
+            s.push((t, v));
+        }
+        let mut out = Vec::new();
+        decode_xor(&encode(&s), &mut out).unwrap();
+        let bits = |v: &[(i64, f64)]| v.iter().map(|&(t, x)| (t, x.to_bits())).collect::<Vec<_>>();
+        assert_eq!(bits(&out), bits(&s));
+        // A random walk of 120 samples, as a TSDB chunk holds.
+        let mut x = 100.0f64;
+        let walk: Vec<_> = (0..120)
+            .map(|k| {
+                x = (x * (1.0 + ((k * 7919 % 13) as f64 - 6.0) / 100.0) * 1000.0).round() / 1000.0;
+                (k as i64 * 60_000 + (k % 3) as i64, x)
+            })
+            .collect();
+        out.clear();
+        decode_xor(&encode(&walk), &mut out).unwrap();
+        assert_eq!(bits(&out), bits(&walk));
+        // Cut short: an error, not garbage.
+        let enc = encode(&walk);
+        out.clear();
+        assert!(decode_xor(&enc[..enc.len() / 2], &mut out).is_err());
+    }
+
+    #[test]
+    fn steps_take_the_newest_sample_within_the_lookback() {
+        let st = f64::from_bits(STALE_NAN);
+        // Samples (ms): 30 s before step 60, at step 120, then a stale marker, then a gap.
+        let samples = [(30_000, 1.0), (120_000, 2.0), (150_000, st), (400_000, 4.0)];
+        let mut out = Vec::new();
+        at_steps(
+            &samples,
+            Steps {
+                from: 0,
+                to: 720,
+                step: 60,
+                lookback_ms: 300_000,
+            },
+            &mut out,
+        );
+        assert_eq!(
+            out,
+            [
+                (60.0, 1.0),
+                (120.0, 2.0),
+                (420.0, 4.0),
+                (480.0, 4.0),
+                (540.0, 4.0),
+                (600.0, 4.0),
+                (660.0, 4.0)
+            ] // 720: the sample is 320 s old, past the lookback.
+        );
+        // The window includes its start (Prometheus 2): 400 s + 300 s = 700 s still holds.
+        out.clear();
+        at_steps(
+            &samples,
+            Steps {
+                from: 700,
+                to: 701,
+                step: 1,
+                lookback_ms: 300_000,
+            },
+            &mut out,
+        );
+        assert_eq!(out, [(700.0, 4.0)]);
+    }
+
+    #[test]
+    fn frames_are_checked() {
+        let msg = proto::ChunkedReadResponse {
+            chunked_series: vec![proto::ChunkedSeries {
+                labels: vec![proto::Label {
+                    name: "a".into(),
+                    value: "b".into(),
+                }],
+                chunks: vec![],
+            }],
+            query_index: 0,
+        }
+        .encode_to_vec();
+        let mut f = vec![msg.len() as u8];
+        f.extend(crc32c::crc32c(&msg).to_be_bytes());
+        f.extend(&msg);
+        f.extend([5, 0, 0]); // the start of the next frame
+        let (m, n) = frame(&f).unwrap().unwrap();
+        assert_eq!((m, n), (&msg[..], 5 + msg.len()));
+        assert_eq!(frame(&f[n..]).unwrap(), None, "incomplete");
+        let mut bad = f.clone();
+        bad[1] ^= 1;
+        assert!(frame(&bad).unwrap_err().contains("checksum"));
+        assert!(frame(&[0xff, 0xff, 0xff, 0xff, 0x7f])
+            .unwrap_err()
+            .contains("bytes"));
+    }
+}
