@@ -170,10 +170,12 @@ async fn pull(
         Some(matchers) => Some((remote_read::endpoint(&p.url), Arc::new(matchers))),
         None => None,
     };
-    // Remote read moves whole TSDB chunks, not steps: a request covers a day whatever
-    // `max_points` (each request is a query over its time range, not over points).
+    // Remote read moves whole TSDB chunks, not steps, whatever `max_points`: a request covers
+    // at least a day (fewer chunks decoded twice at the edges), and the lookback is cut in
+    // about two requests per connection (each request costs a pass over every series).
     let per_chunk = match read {
-        Some(_) => (remote_read::CHUNK_SECS / step).max(1) as usize,
+        Some(_) => ((remote_read::CHUNK_SECS / step).max(1) as usize)
+            .max(len.div_ceil(2 * p.concurrency.max(1) as usize)),
         None => per_chunk,
     };
     let lookback_ms = p.lookback_delta.as_secs() as i64 * 1000;

@@ -27,8 +27,8 @@ const STREAMED: &str = "application/x-streamed-protobuf";
 /// A frame larger than this is taken for a corrupt length (Prometheus cuts frames at 1 MB by
 /// default, `--storage.remote.read-max-bytes-in-frame`; one chunk of a series is a few KB).
 const FRAME_MAX: usize = 64 << 20;
-/// Time covered by one remote-read request: chunks are whole 2-hour TSDB chunks, so wider
-/// requests decode fewer samples twice at their edges.
+/// Time covered by one remote-read request at least: answers carry whole TSDB chunks (2 hours),
+/// so wider requests decode fewer samples twice at their edges.
 pub(crate) const CHUNK_SECS: i64 = 86_400;
 
 /// The Prometheus wire messages (`prompb`), the fields rlc reads.
@@ -389,8 +389,10 @@ struct Frames {
     /// The series being read (it can span several frames) and its samples so far.
     labels: Vec<proto::Label>,
     samples: Vec<(i64, f64)>,
-    /// The values at the steps, reused from series to series.
+    /// The values at the steps of the series read whole and not yet on the grid.
     points: Vec<(f64, f64)>,
+    /// Those series: labels and their values in `points`.
+    ready: Vec<(BTreeMap<String, String>, std::ops::Range<usize>)>,
     failed: Option<String>,
 }
 
@@ -403,6 +405,7 @@ impl Frames {
             labels: Vec::new(),
             samples: Vec::new(),
             points: Vec::new(),
+            ready: Vec::new(),
             failed: None,
         }
     }
@@ -429,8 +432,9 @@ impl Frames {
             }
         };
         self.buf.drain(..at);
-        if let Err(e) = r {
-            self.failed = Some(e);
+        match r {
+            Ok(()) => self.deliver(),
+            Err(e) => self.failed = Some(e),
         }
     }
 
@@ -468,18 +472,31 @@ impl Frames {
             // of a millisecond wins, as in Prometheus' merge.
             self.samples.sort_by_key(|s| s.0);
         }
-        self.points.clear();
+        let from = self.points.len();
         at_steps(&self.samples, self.steps, &mut self.points);
         let metric: BTreeMap<String, String> = std::mem::take(&mut self.labels)
             .into_iter()
             .map(|l| (l.name, l.value))
             .collect();
-        let mut b = self.b.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(key) = b.key(&metric) {
-            b.add_many(&key, self.points.iter().copied());
-        }
+        self.ready.push((metric, from..self.points.len()));
         self.samples.clear();
         Ok(())
+    }
+
+    /// Puts the series read whole on the grid, under one lock (a lock per series made the
+    /// decoders of concurrent requests wait on each other at 100,000 series).
+    fn deliver(&mut self) {
+        if self.ready.is_empty() {
+            return;
+        }
+        let mut b = self.b.lock().unwrap_or_else(|e| e.into_inner());
+        for (metric, range) in self.ready.drain(..) {
+            if let Some(key) = b.key(&metric) {
+                b.add_many(&key, self.points[range].iter().copied());
+            }
+        }
+        drop(b);
+        self.points.clear();
     }
 
     fn finish(mut self) -> Result<(), String> {
@@ -492,7 +509,9 @@ impl Frames {
                 self.buf.len()
             ));
         }
-        self.flush()
+        self.flush()?;
+        self.deliver();
+        Ok(())
     }
 }
 
@@ -689,49 +708,14 @@ pub(crate) fn decode_xor(data: &[u8], out: &mut Vec<(i64, f64)>) -> Result<(), S
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
+/// Encodes and decodes answers as Prometheus and a pull do, for `benches/history_decode.rs`
+/// and the tests.
+#[doc(hidden)]
+pub mod bench {
     use super::*;
 
-    #[test]
-    fn plain_selectors_are_recognised_and_nothing_else() {
-        let m =
-            selector(r#" rpc_rps{service="shop", caller=~"web|api",procedure!='x\'y'} "#).unwrap();
-        let got: Vec<_> = m
-            .iter()
-            .map(|m| (m.name.as_str(), m.op, m.value.as_str()))
-            .collect();
-        assert_eq!(
-            got,
-            [
-                ("__name__", "=", "rpc_rps"),
-                ("service", "=", "shop"),
-                ("caller", "=~", "web|api"),
-                ("procedure", "!=", "x'y"),
-            ]
-        );
-        assert_eq!(selector("job:rpc_rps:rate1m").unwrap().len(), 1);
-        assert_eq!(selector("{__name__=`a\\b`,}").unwrap()[0].value, "a\\b");
-        for q in [
-            "",
-            "{}",
-            "rate(x[1m])",
-            "sum by (service) (x)",
-            "x offset 5m",
-            "x[5m]",
-            "x * 2",
-            "x{a=\"b\"",
-            "x{a=b}",
-            "x{a=\"\\q\"}",
-            "x{1a=\"b\"}",
-            "x y",
-        ] {
-            assert!(selector(q).is_none(), "{q:?} taken for a selector");
-        }
-    }
-
-    /// A minimal XOR chunk encoder (Prometheus' `xorAppender`), to check the decoder on every
-    /// width of delta-of-delta and value.
+    /// A minimal XOR chunk encoder (Prometheus' `xorAppender`): the tests check the decoder on
+    /// every width of delta-of-delta and value with it, the benchmark makes its answer with it.
     struct Enc {
         b: Vec<u8>,
         bits: usize,
@@ -756,7 +740,8 @@ mod tests {
             self.put(x, 8);
         }
     }
-    fn encode(samples: &[(i64, f64)]) -> Vec<u8> {
+    /// Samples as one XOR chunk (at most 65,535).
+    pub fn encode(samples: &[(i64, f64)]) -> Vec<u8> {
         let mut e = Enc {
             b: Vec::new(),
             bits: 0,
@@ -825,6 +810,105 @@ mod tests {
         out.extend(e.b);
         out
     }
+
+    /// A streamed answer: a frame per series, its samples in chunks of 120 as a TSDB cuts them.
+    pub fn answer(series: &[(Vec<(String, String)>, Vec<(i64, f64)>)]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for (labels, samples) in series {
+            let msg = proto::ChunkedReadResponse {
+                chunked_series: vec![proto::ChunkedSeries {
+                    labels: labels
+                        .iter()
+                        .map(|(name, value)| proto::Label {
+                            name: name.clone(),
+                            value: value.clone(),
+                        })
+                        .collect(),
+                    chunks: samples
+                        .chunks(120)
+                        .map(|c| proto::Chunk {
+                            min_time_ms: c[0].0,
+                            max_time_ms: c[c.len() - 1].0,
+                            r#type: proto::XOR,
+                            data: encode(c),
+                        })
+                        .collect(),
+                }],
+                query_index: 0,
+            }
+            .encode_to_vec();
+            prost::encoding::encode_varint(msg.len() as u64, &mut out);
+            out.extend(crc32c::crc32c(&msg).to_be_bytes());
+            out.extend(msg);
+        }
+        out
+    }
+
+    /// Puts the series of `body` on a grid in memory (`start`, `step` in seconds, `len`
+    /// steps) as a pull does; returns how many series it holds.
+    pub fn decode(body: &[u8], start: i64, step: i64, len: usize) -> usize {
+        let b = Arc::new(Mutex::new(Builder::new(
+            start,
+            step,
+            len,
+            super::super::LabelNames::default(),
+        )));
+        let steps = Steps {
+            from: start,
+            to: start + (len as i64 - 1) * step,
+            step,
+            lookback_ms: 300_000,
+        };
+        let mut f = Frames::new(steps, b.clone());
+        f.push(body);
+        f.finish().unwrap();
+        let b = Arc::try_unwrap(b).ok().unwrap().into_inner().unwrap();
+        b.finish().series.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_selectors_are_recognised_and_nothing_else() {
+        let m =
+            selector(r#" rpc_rps{service="shop", caller=~"web|api",procedure!='x\'y'} "#).unwrap();
+        let got: Vec<_> = m
+            .iter()
+            .map(|m| (m.name.as_str(), m.op, m.value.as_str()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("__name__", "=", "rpc_rps"),
+                ("service", "=", "shop"),
+                ("caller", "=~", "web|api"),
+                ("procedure", "!=", "x'y"),
+            ]
+        );
+        assert_eq!(selector("job:rpc_rps:rate1m").unwrap().len(), 1);
+        assert_eq!(selector("{__name__=`a\\b`,}").unwrap()[0].value, "a\\b");
+        for q in [
+            "",
+            "{}",
+            "rate(x[1m])",
+            "sum by (service) (x)",
+            "x offset 5m",
+            "x[5m]",
+            "x * 2",
+            "x{a=\"b\"",
+            "x{a=b}",
+            "x{a=\"\\q\"}",
+            "x{1a=\"b\"}",
+            "x y",
+        ] {
+            assert!(selector(q).is_none(), "{q:?} taken for a selector");
+        }
+    }
+
+    use super::bench::encode;
 
     #[test]
     fn xor_chunks_decode_to_their_samples() {
@@ -923,6 +1007,71 @@ mod tests {
             &mut out,
         );
         assert_eq!(out, [(700.0, 4.0)]);
+    }
+
+    #[test]
+    fn streamed_answers_go_on_the_grid() {
+        let labels = |caller: &str| {
+            let mut l = vec![("__name__".to_string(), "rpc_rps".to_string())];
+            if !caller.is_empty() {
+                l.push(("caller".into(), caller.into()));
+            }
+            l.push(("service".into(), "shop".into()));
+            l
+        };
+        let samples = |k: f64| {
+            (0..300)
+                .map(|i| (i * 60_000, k + i as f64))
+                .collect::<Vec<_>>()
+        };
+        let (a, b) = (samples(0.5), samples(1000.25));
+        // `web` comes in two frames (a series cut where Prometheus' frame is full).
+        let body = [
+            bench::answer(&[(labels("web"), a[..130].to_vec())]),
+            bench::answer(&[
+                (labels("web"), a[130..].to_vec()),
+                (labels("api"), b.clone()),
+            ]),
+            bench::answer(&[(labels(""), b.clone())]),
+        ]
+        .concat();
+        let builder = Arc::new(Mutex::new(Builder::new(0, 60, 300, Default::default())));
+        let steps = Steps {
+            from: 0,
+            to: 299 * 60,
+            step: 60,
+            lookback_ms: 300_000,
+        };
+        let mut f = Frames::new(steps, builder.clone());
+        // In pieces of 7 bytes: frames cut anywhere.
+        for piece in body.chunks(7) {
+            f.push(piece);
+        }
+        f.finish().unwrap();
+        let h = Arc::try_unwrap(builder)
+            .ok()
+            .unwrap()
+            .into_inner()
+            .unwrap()
+            .finish();
+        assert_eq!(h.series.len(), 2);
+        for (k, s) in &h.series {
+            let want = if k.caller.as_deref() == Some("web") {
+                &a
+            } else {
+                &b
+            };
+            let want: Vec<f32> = want.iter().map(|x| x.1 as f32).collect();
+            assert_eq!(s.values, want, "{k:?}");
+        }
+        assert_eq!(h.rejected.len(), 1, "the series without a caller");
+        // Cut in the middle of a frame: an error.
+        let mut f = Frames::new(
+            steps,
+            Arc::new(Mutex::new(Builder::new(0, 60, 300, Default::default()))),
+        );
+        f.push(&body[..body.len() - 3]);
+        assert!(f.finish().unwrap_err().contains("inside a frame"));
     }
 
     #[test]
