@@ -331,14 +331,10 @@ async fn fetch(
         if attempt > 1 {
             backoff(url, attempt, &last).await;
         }
-        let resp = match client.post(url).form(&form).send().await {
+        let resp = match send(client.post(url).form(&form), p).await {
             Ok(r) => r,
             Err(e) => {
-                last = if e.is_timeout() {
-                    format!("request failed: timed out after {}", p.timeout)
-                } else {
-                    format!("request failed: {}", chain(&e))
-                };
+                last = e;
                 continue;
             }
         };
@@ -353,11 +349,7 @@ async fn fetch(
         let (skeleton, fed) = match streamed {
             Ok(x) => x,
             Err(e) => {
-                last = if e.is_timeout() {
-                    format!("reading the response failed: timed out after {}", p.timeout)
-                } else {
-                    format!("reading the response failed: {}", chain(&e))
-                };
+                last = read_failed(&e, p);
                 continue;
             }
         };
@@ -426,6 +418,29 @@ async fn fetch(
     })
 }
 
+/// Sends a request; a failure worded for the pull's error ("timed out after" the timeout).
+pub(super) async fn send(
+    req: reqwest::RequestBuilder,
+    p: &PrometheusConfig,
+) -> Result<reqwest::Response, String> {
+    req.send().await.map_err(|e| {
+        if e.is_timeout() {
+            format!("request failed: timed out after {}", p.timeout)
+        } else {
+            format!("request failed: {}", chain(&e))
+        }
+    })
+}
+
+/// A failure while reading an answer, worded for the pull's error.
+pub(super) fn read_failed(e: &reqwest::Error, p: &PrometheusConfig) -> String {
+    if e.is_timeout() {
+        format!("reading the response failed: timed out after {}", p.timeout)
+    } else {
+        format!("reading the response failed: {}", chain(e))
+    }
+}
+
 /// Waits before attempt `attempt` (≥ 2) of a request to `url`: jittered exponential backoff.
 pub(super) async fn backoff(url: &str, attempt: u32, last_error: &str) {
     let cap = BACKOFF_BASE
@@ -489,7 +504,8 @@ async fn stream_into(
             ));
         }
     };
-    let finish = |d: Decoder| {
+    // Every series handed over is whole: a cut answer leaves a subset of the samples.
+    let finish = |d: Decoder, _whole: bool| {
         let fed = match (d.failed, d.split.finish()) {
             (Some(e), _) | (None, Err(e)) => Err(e),
             (None, Ok(())) => Ok(()),
@@ -509,19 +525,23 @@ async fn stream_into(
 
 /// Hands the pieces of a body to `push` on a blocking thread as they arrive (at most
 /// [`PIECES_IN_FLIGHT`] queued between them), then returns what `finish` makes of the
-/// decoder; `Ok(Err(_))` when the decoder panicked.
+/// decoder, told whether the whole body was read; `Ok(Err(_))` when the decoder panicked.
 pub(super) async fn stream_blocking<D: Send + 'static, T: Send + 'static>(
     mut resp: reqwest::Response,
     mut decoder: D,
     push: fn(&mut D, &[u8]),
-    finish: fn(D) -> T,
+    finish: fn(D, bool) -> T,
 ) -> Result<Result<T, String>, reqwest::Error> {
+    use std::sync::atomic::{AtomicBool, Ordering};
     let (tx, mut rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(PIECES_IN_FLIGHT);
+    let whole = Arc::new(AtomicBool::new(false));
+    let read_whole = whole.clone();
     let task = tokio::task::spawn_blocking(move || {
         while let Some(piece) = rx.blocking_recv() {
             push(&mut decoder, &piece);
         }
-        finish(decoder)
+        // Set before the sender was dropped, which ended the loop.
+        finish(decoder, read_whole.load(Ordering::SeqCst))
     });
     let mut read = Ok(());
     loop {
@@ -538,6 +558,7 @@ pub(super) async fn stream_blocking<D: Send + 'static, T: Send + 'static>(
             }
         }
     }
+    whole.store(read.is_ok(), Ordering::SeqCst);
     drop(tx);
     let out = task
         .await

@@ -19,7 +19,9 @@ use std::sync::{Arc, Mutex};
 use prost::Message;
 use schema::PrometheusConfig;
 
-use super::prometheus::{backoff, chain, read_capped, stream_blocking, ERROR_BODY_MAX};
+use super::prometheus::{
+    backoff, chain, read_capped, read_failed, send, stream_blocking, ERROR_BODY_MAX,
+};
 use super::{Builder, HistoryError};
 
 /// The content type of a streamed answer.
@@ -253,15 +255,22 @@ pub fn endpoint(base: &str) -> String {
 }
 
 /// Whether the server answers remote read with streamed chunks: one request over the last
-/// millisecond before `at_ms`. `Err` says why not (a server without remote read answers 4xx;
-/// an unreachable one fails here and in `query_range` alike).
+/// millisecond before `at_ms` for the query's series that also carry a label no series has,
+/// so that the answer is empty. `Err` says why not (a server without remote read answers
+/// 4xx; an unreachable one fails here and in `query_range` alike).
 pub async fn probe(
     client: &reqwest::Client,
     url: &str,
     matchers: &[Matcher],
     at_ms: i64,
 ) -> Result<(), String> {
-    let body = request(matchers, at_ms - 1, at_ms)?;
+    let mut matchers = matchers.to_vec();
+    matchers.push(Matcher {
+        op: "=",
+        name: "__rlc_probe__".into(),
+        value: "none".into(),
+    });
+    let body = request(&matchers, at_ms - 1, at_ms)?;
     let resp = post(client, url, body)
         .send()
         .await
@@ -322,14 +331,10 @@ pub(crate) async fn fetch(
         if attempt > 1 {
             backoff(url, attempt, &last).await;
         }
-        let resp = match post(client, url, body.clone()).send().await {
+        let resp = match send(post(client, url, body.clone()), p).await {
             Ok(r) => r,
             Err(e) => {
-                last = if e.is_timeout() {
-                    format!("request failed: timed out after {}", p.timeout)
-                } else {
-                    format!("request failed: {}", chain(&e))
-                };
+                last = e;
                 continue;
             }
         };
@@ -364,13 +369,7 @@ pub(crate) async fn fetch(
             // A corrupt or cut answer: retried (what it put on the grid is a subset of the
             // same answer, and samples merge by maximum).
             Ok(Ok(Err(e))) | Ok(Err(e)) => last = format!("bad answer: {e}"),
-            Err(e) => {
-                last = if e.is_timeout() {
-                    format!("reading the response failed: timed out after {}", p.timeout)
-                } else {
-                    format!("reading the response failed: {}", chain(&e))
-                };
-            }
+            Err(e) => last = read_failed(&e, p),
         }
     }
     Err(HistoryError::Unavailable {
@@ -499,9 +498,14 @@ impl Frames {
         self.points.clear();
     }
 
-    fn finish(mut self) -> Result<(), String> {
+    /// Puts the last series on the grid once the whole answer was read: a series cut short
+    /// would give its last sample to later steps than it should.
+    fn finish(mut self, whole: bool) -> Result<(), String> {
         if let Some(e) = self.failed.take() {
             return Err(e);
+        }
+        if !whole {
+            return Err("the answer was cut".into());
         }
         if !self.buf.is_empty() {
             return Err(format!(
@@ -861,7 +865,7 @@ pub mod bench {
         };
         let mut f = Frames::new(steps, b.clone());
         f.push(body);
-        f.finish().unwrap();
+        f.finish(true).unwrap();
         let b = Arc::try_unwrap(b).ok().unwrap().into_inner().unwrap();
         b.finish().series.len()
     }
@@ -1047,7 +1051,7 @@ mod tests {
         for piece in body.chunks(7) {
             f.push(piece);
         }
-        f.finish().unwrap();
+        f.finish(true).unwrap();
         let h = Arc::try_unwrap(builder)
             .ok()
             .unwrap()
@@ -1071,7 +1075,20 @@ mod tests {
             Arc::new(Mutex::new(Builder::new(0, 60, 300, Default::default()))),
         );
         f.push(&body[..body.len() - 3]);
-        assert!(f.finish().unwrap_err().contains("inside a frame"));
+        assert!(f.finish(true).unwrap_err().contains("inside a frame"));
+        // Cut at a frame's end, the body not whole: the last series is not put on the grid.
+        let cut = bench::answer(&[(labels("web"), a[..130].to_vec())]);
+        let builder = Arc::new(Mutex::new(Builder::new(0, 60, 300, Default::default())));
+        let mut f = Frames::new(steps, builder.clone());
+        f.push(&cut);
+        assert!(f.finish(false).unwrap_err().contains("cut"));
+        let h = Arc::try_unwrap(builder)
+            .ok()
+            .unwrap()
+            .into_inner()
+            .unwrap()
+            .finish();
+        assert!(h.series.is_empty(), "{:?}", h.series.keys());
     }
 
     #[test]
