@@ -729,20 +729,10 @@ fn bits(h: &rlc::history::History) -> Vec<(rlc::history::SeriesKey, Vec<u32>)> {
 
 /// Remote-read requests Prometheus answered with 200, from its own metrics.
 async fn remote_reads(url: &str) -> u64 {
-    let text = reqwest::get(format!("{url}/metrics"))
+    let with = [r#"code="200""#, r#"handler="/api/v1/read""#];
+    crate::support::metric(url, "prometheus_http_requests_total{", &with)
         .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .find(|l| {
-            l.starts_with("prometheus_http_requests_total{")
-                && l.contains(r#"code="200""#)
-                && l.contains(r#"handler="/api/v1/read""#)
-        })
-        .and_then(|l| l.rsplit(' ').next())
-        .map_or(0, |v| v.parse().unwrap())
+        .unwrap_or(0.0) as u64
 }
 
 /// A server that accepts connections and never answers (a hung Prometheus): every attempt

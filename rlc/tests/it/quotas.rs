@@ -149,21 +149,10 @@ async fn get(c: &reqwest::Client, url: &str) -> (u16, Option<String>, Value) {
     )
 }
 
-async fn pulls(c: &reqwest::Client, base: &str) -> u64 {
-    let text = c
-        .get(format!("{base}/metrics"))
-        .send()
+async fn pulls(base: &str) -> u64 {
+    crate::support::metric(base, "rlc_history_pulls_total ", &[])
         .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix("rlc_history_pulls_total "))
-        .unwrap_or_else(|| panic!("no rlc_history_pulls_total in {text}"))
-        .trim()
-        .parse()
-        .unwrap()
+        .expect("rlc_history_pulls_total in /metrics") as u64
 }
 
 fn scenario(database_url: &str) {
@@ -392,17 +381,13 @@ fn scenario(database_url: &str) {
 
         // Many concurrent refreshes share one pull. Warm connections first, so that every
         // request is in before the pull finishes.
-        let before = pulls(&c, &base).await;
+        let before = pulls(&base).await;
         let warm = concurrently(&c, vec![format!("{base}/healthz"); 20]).await;
         assert!(warm.iter().all(|s| *s == 200));
         delay.store(1500, Ordering::Relaxed);
         let refreshed = concurrently(&c, vec![format!("{base}/v1/quotas?refresh=true"); 20]).await;
         assert!(refreshed.iter().all(|s| *s == 200), "{refreshed:?}");
-        assert_eq!(
-            pulls(&c, &base).await,
-            before + 1,
-            "one pull for 20 refreshes"
-        );
+        assert_eq!(pulls(&base).await, before + 1, "one pull for 20 refreshes");
 
         // A pull that fails after good ones: the whole-fleet body (cached per plan) says so as
         // the one-service answer does, and stops saying so after the next good pull.

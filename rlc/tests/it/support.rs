@@ -61,3 +61,18 @@ pub fn history(series: Vec<(&str, &str, &str, RateSeries)>) -> History {
 pub fn plugin_lib() -> &'static Path {
     test_support::plugin::example_plugin_lib()
 }
+
+/// The value of the first sample of `/metrics` at `base` whose line starts with `prefix` (a
+/// name with `{` or a space) and contains every string of `with`; `None` if there is none.
+pub async fn metric(base: &str, prefix: &str, with: &[&str]) -> Option<f64> {
+    let text = reqwest::get(format!("{base}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find(|l| l.starts_with(prefix) && with.iter().all(|w| l.contains(w)))
+        .and_then(|l| l.rsplit(' ').next())
+        .map(|v| v.trim().parse().unwrap())
+}
