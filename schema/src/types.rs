@@ -873,15 +873,11 @@ pub struct PrometheusConfig {
     /// (`/api/v1/read`, raw samples as compressed chunks: several times fewer bytes and far
     /// less decoding than JSON) when `query` is a plain selector (a metric name with optional
     /// label matchers, e.g. a recording rule's series) and `downsample` is not set, else
-    /// `query_range`; a server without remote read (VictoriaMetrics) gets `query_range`.
-    /// `query_range` and `remote_read` force one API.
+    /// `query_range`; a server without remote read (VictoriaMetrics), or whose lookback delta,
+    /// version or external labels cannot be read, gets `query_range`. `query_range` and
+    /// `remote_read` force one API.
     #[serde(default)]
     pub api: HistoryApi,
-    /// Prometheus' `--query.lookback-delta` (5m by default there): with remote read, the
-    /// value at each step is the newest raw sample at most this old, as a `query_range` of
-    /// the selector would give.
-    #[serde(default = "default_lookback_delta")]
-    pub lookback_delta: HumanDuration,
 }
 
 /// How `history.prometheus` reads the series.
@@ -896,10 +892,6 @@ pub enum HistoryApi {
     QueryRange,
     /// Prometheus' remote-read API; the query must be a plain selector.
     RemoteRead,
-}
-
-fn default_lookback_delta() -> HumanDuration {
-    HumanDuration(Duration::from_secs(300))
 }
 
 /// The default `history.prometheus.query`: the controller's `grl_calls_total`, every request

@@ -134,6 +134,9 @@ async fn pull(
     spill: Option<&Path>,
 ) -> Result<Builder, HistoryError> {
     let raw_step = h.step.as_secs() as i64;
+    // The API is chosen on the query as written, before any server-side reduction.
+    let reduced = p.downsample.is_some_and(|d| d.as_secs() > h.step.as_secs());
+    let written = p;
     let (query, h) = match p.downsample {
         Some(d) if d.as_secs() > h.step.as_secs() => {
             let mut h = h.clone();
@@ -166,19 +169,20 @@ async fn pull(
             attempts: 0,
             message: e.to_string(),
         })?;
-    let read = match read_api(p, &client, &h, start + (len as i64 - 1) * step).await? {
-        Some(matchers) => Some((remote_read::endpoint(&p.url), Arc::new(matchers))),
+    let read = match read_api(written, reduced, &client, start + (len as i64 - 1) * step).await? {
+        Some((matchers, rules)) => Some((remote_read::endpoint(&p.url), Arc::new(matchers), rules)),
         None => None,
     };
     // Remote read moves whole TSDB chunks, not steps, whatever `max_points`: a request covers
-    // at least a day (fewer chunks decoded twice at the edges), and the lookback is cut in
-    // about two requests per connection (each request costs a pass over every series).
+    // one to three days (fewer chunks decoded twice at the edges, each answer read well within
+    // the timeout), about two requests per connection (each costs a pass over every series).
     let per_chunk = match read {
-        Some(_) => ((remote_read::CHUNK_SECS / step).max(1) as usize)
-            .max(len.div_ceil(2 * p.concurrency.max(1) as usize)),
+        Some(_) => len.div_ceil(2 * p.concurrency.max(1) as usize).clamp(
+            (remote_read::CHUNK_SECS / step).max(1) as usize,
+            (3 * remote_read::CHUNK_SECS / step).max(1) as usize,
+        ),
         None => per_chunk,
     };
-    let lookback_ms = p.lookback_delta.as_secs() as i64 * 1000;
     let url = format!("{}/api/v1/query_range", p.url.trim_end_matches('/'));
     let sem = Arc::new(Semaphore::new(p.concurrency.max(1) as usize));
     let builder = match spill {
@@ -202,12 +206,13 @@ async fn pull(
         tasks.spawn(async move {
             let _permit = sem.acquire_owned().await.expect("semaphore never closed");
             match read {
-                Some((url, matchers)) => {
+                Some((url, matchers, rules)) => {
                     let steps = remote_read::Steps {
                         from,
                         to,
                         step,
-                        lookback_ms,
+                        lookback_ms: rules.lookback_ms,
+                        include_start: rules.include_start,
                     };
                     remote_read::fetch(&client, &url, &p, &matchers, steps, &b).await
                 }
@@ -254,39 +259,57 @@ async fn pull(
     Ok(b.into_inner().unwrap_or_else(|e| e.into_inner()))
 }
 
-/// The matchers to pull by remote read, or `None` for `query_range` (see
-/// [`HistoryApi`]): `auto` reads remotely when the query is a plain selector, nothing is
-/// reduced server-side, and the server answers a probe for the last millisecond of the grid
-/// with streamed chunks.
+/// The matchers to pull by remote read and the server's rules, or `None` for `query_range`
+/// (see [`HistoryApi`]): `auto` reads remotely when the query as written is a plain selector,
+/// nothing is reduced server-side, the server answers a probe with streamed chunks and tells
+/// its lookback, version and external labels ([`remote_read::rules`]).
 async fn read_api(
     p: &PrometheusConfig,
+    reduced: bool,
     client: &reqwest::Client,
-    h: &HistoryConfig,
     last_step: i64,
-) -> Result<Option<Vec<remote_read::Matcher>>, HistoryError> {
-    let reduced = p.downsample.is_some_and(|d| d.as_secs() > h.step.as_secs());
+) -> Result<Option<(Vec<remote_read::Matcher>, remote_read::Rules)>, HistoryError> {
     let matchers = remote_read::selector(&p.query);
+    let labels = [
+        p.labels.service.as_str(),
+        p.labels.caller.as_str(),
+        p.labels.procedure.as_str(),
+    ];
     match (p.api, matchers) {
         (HistoryApi::QueryRange, _) => Ok(None),
-        (HistoryApi::RemoteRead, Some(_)) if reduced => Err(HistoryError::Config(
+        (HistoryApi::RemoteRead, _) if reduced => Err(HistoryError::Config(
             "history.prometheus.api: remote_read reads raw samples; it cannot be combined with `downsample` (use `auto` or `query_range`)".into(),
         )),
-        (HistoryApi::RemoteRead, Some(m)) => Ok(Some(m)),
+        (HistoryApi::RemoteRead, Some(m)) => {
+            match remote_read::rules(client, &p.url, &labels, &m).await {
+                Ok(Ok(rules)) => Ok(Some((m, rules))),
+                Ok(Err(message)) => Err(HistoryError::Unavailable {
+                    url: p.url.clone(),
+                    attempts: 1,
+                    message: format!("reading the server's settings failed: {message}"),
+                }),
+                Err(why) => Err(HistoryError::Config(format!(
+                    "history.prometheus.api: remote_read cannot give what query_range would: {why} (use `auto` or `query_range`)"
+                ))),
+            }
+        }
         (HistoryApi::RemoteRead, None) => Err(HistoryError::Config(format!(
-            "history.prometheus.api: remote_read needs `query` to be a plain selector (a metric name with label matchers), not `{}`",
+            "history.prometheus.api: remote_read needs `query` to be a plain selector (a metric name, or a non-empty `=` matcher, with label matchers), not `{}`",
             p.query
         ))),
         (HistoryApi::Auto, Some(_)) if reduced => Ok(None),
         (HistoryApi::Auto, None) => Ok(None),
         (HistoryApi::Auto, Some(m)) => {
             let url = remote_read::endpoint(&p.url);
-            match remote_read::probe(client, &url, &m, last_step * 1000).await {
-                Ok(()) => Ok(Some(m)),
-                Err(why) => {
-                    tracing::info!(url, %why, "no remote read here: pulling with query_range");
-                    Ok(None)
-                }
-            }
+            let why = match remote_read::probe(client, &url, &m, last_step * 1000).await {
+                Ok(()) => match remote_read::rules(client, &p.url, &labels, &m).await {
+                    Ok(Ok(rules)) => return Ok(Some((m, rules))),
+                    Ok(Err(why)) | Err(why) => why,
+                },
+                Err(why) => why,
+            };
+            tracing::info!(url, %why, "no remote read here: pulling with query_range");
+            Ok(None)
         }
     }
 }

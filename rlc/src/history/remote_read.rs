@@ -137,7 +137,7 @@ impl Matcher {
 /// `{l="v",...}`, nothing else: no function, offset, range or operator), else `None`. Only
 /// what is surely a selector is taken; anything else is left to `query_range`.
 pub fn selector(query: &str) -> Option<Vec<Matcher>> {
-    let s = query.trim();
+    let s = query.trim_matches([' ', '\t', '\n', '\r']);
     let b = s.as_bytes();
     let mut i = 0;
     let ident = |i: &mut usize, metric: bool| {
@@ -153,12 +153,15 @@ pub fn selector(query: &str) -> Option<Vec<Matcher>> {
         (*i > st).then(|| s[st..*i].to_string())
     };
     let skip_ws = |i: &mut usize| {
-        while *i < b.len() && b[*i].is_ascii_whitespace() {
+        while *i < b.len() && matches!(b[*i], b' ' | b'\t' | b'\n' | b'\r') {
             *i += 1;
         }
     };
     let mut matchers = Vec::new();
     if let Some(name) = ident(&mut i, true) {
+        if KEYWORDS.contains(&name.to_ascii_lowercase().as_str()) {
+            return None;
+        }
         matchers.push(Matcher {
             op: "=",
             name: "__name__".into(),
@@ -183,6 +186,9 @@ pub fn selector(query: &str) -> Option<Vec<Matcher>> {
             skip_ws(&mut i);
             let (value, n) = string_literal(&s[i..])?;
             i += n;
+            if name == "__name__" && matchers.iter().any(|m| m.name == "__name__") {
+                return None; // the name given twice: PromQL refuses it
+            }
             matchers.push(Matcher { op, name, value });
             skip_ws(&mut i);
             match b.get(i) {
@@ -193,8 +199,45 @@ pub fn selector(query: &str) -> Option<Vec<Matcher>> {
         }
     }
     skip_ws(&mut i);
-    (i == b.len() && !matchers.is_empty()).then_some(matchers)
+    // PromQL wants a matcher that does not match the empty string; only the sure ones count
+    // here (a name, or `=` with a value), so that a selector of every series never goes out.
+    let anchored = matchers.iter().any(|m| m.op == "=" && !m.value.is_empty());
+    (i == b.len() && anchored).then_some(matchers)
 }
+
+/// Words that PromQL does not read as a metric name.
+const KEYWORDS: &[&str] = &[
+    "and",
+    "or",
+    "unless",
+    "atan2",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "offset",
+    "start",
+    "end",
+    "inf",
+    "nan",
+    "sum",
+    "avg",
+    "count",
+    "min",
+    "max",
+    "group",
+    "stddev",
+    "stdvar",
+    "topk",
+    "bottomk",
+    "count_values",
+    "quantile",
+    "limitk",
+    "limit_ratio",
+];
 
 /// A PromQL string literal at the start of `s` (`"…"`, `'…'` with the common escapes, or a
 /// raw `` `…` ``): its value and length; `None` for anything unusual.
@@ -211,7 +254,8 @@ fn string_literal(s: &str) -> Option<(String, usize)> {
             '\\' if quote != '`' => {
                 let (_, e) = chars.next()?;
                 out.push(match e {
-                    '\\' | '"' | '\'' => e,
+                    '\\' => e,
+                    e if e == quote => e,
                     'n' => '\n',
                     't' => '\t',
                     'r' => '\r',
@@ -288,6 +332,133 @@ pub async fn probe(
     }
 }
 
+/// What of the server's settings remote read must follow to give what `query_range` gives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rules {
+    /// `--query.lookback-delta`.
+    pub lookback_ms: i64,
+    /// Before Prometheus 3, a sample exactly the lookback old still counts.
+    pub include_start: bool,
+}
+
+/// Reads the server's lookback delta (`/api/v1/status/flags`), version (`buildinfo`) and
+/// external labels (`config`): remote read adds the external labels to every series and
+/// rewrites matchers on them, so that any of them among the label names rlc reads or the
+/// matchers would make the answer differ from `query_range`'s. `Err` says what could not be
+/// read or why the answers would differ; `Ok(Err(_))` when the server could not be reached.
+pub async fn rules(
+    client: &reqwest::Client,
+    base: &str,
+    labels: &[&str],
+    matchers: &[Matcher],
+) -> Result<Result<Rules, String>, String> {
+    match read_rules(client, base, labels, matchers).await {
+        Ok(rules) => Ok(Ok(rules)),
+        Err((true, why)) => Ok(Err(why)),
+        Err((false, why)) => Err(why),
+    }
+}
+
+/// [`rules`]; errors say whether the server could not be reached.
+async fn read_rules(
+    client: &reqwest::Client,
+    base: &str,
+    labels: &[&str],
+    matchers: &[Matcher],
+) -> Result<Rules, (bool, String)> {
+    #[derive(serde::Deserialize)]
+    struct Answer<T> {
+        data: T,
+    }
+    #[derive(serde::Deserialize)]
+    struct Build {
+        version: String,
+    }
+    #[derive(serde::Deserialize)]
+    struct Config {
+        yaml: String,
+    }
+    async fn get<T: serde::de::DeserializeOwned>(
+        client: &reqwest::Client,
+        base: &str,
+        path: &str,
+    ) -> Result<T, (bool, String)> {
+        let url = format!("{}{path}", base.trim_end_matches('/'));
+        let unreachable = |e: reqwest::Error| (true, format!("{url}: {}", chain(&e)));
+        let resp = client.get(&url).send().await.map_err(unreachable)?;
+        let status = resp.status();
+        let body = read_capped(resp, 4 << 20).await.map_err(unreachable)?;
+        if !status.is_success() {
+            return Err((false, format!("{url}: HTTP {status}")));
+        }
+        serde_json::from_slice::<Answer<T>>(&body)
+            .map(|a| a.data)
+            .map_err(|e| (false, format!("{url}: {e}")))
+    }
+    let differs = |why: String| (false, why);
+    let flags: BTreeMap<String, String> = get(client, base, "/api/v1/status/flags").await?;
+    let delta = flags
+        .get("query.lookback-delta")
+        .ok_or_else(|| differs("the server's flags do not name query.lookback-delta".into()))?;
+    let lookback_ms = prom_duration_ms(delta)
+        .filter(|&ms| ms > 0)
+        .ok_or_else(|| differs(format!("unreadable query.lookback-delta `{delta}`")))?;
+    let build: Build = get(client, base, "/api/v1/status/buildinfo").await?;
+    let major: u32 = build
+        .version
+        .split('.')
+        .next()
+        .and_then(|m| m.parse().ok())
+        .ok_or_else(|| differs(format!("unreadable version `{}`", build.version)))?;
+    let config: Config = get(client, base, "/api/v1/status/config").await?;
+    let config: serde_yaml::Value = serde_yaml::from_str(&config.yaml)
+        .map_err(|e| differs(format!("the server's config: {e}")))?;
+    if let Some(ext) = config["global"]["external_labels"].as_mapping() {
+        for name in ext.keys().filter_map(|k| k.as_str()) {
+            if labels.contains(&name) || matchers.iter().any(|m| m.name == name) {
+                return Err(differs(format!(
+                    "the server's external label `{name}` is one rlc reads or matches: remote read would set it on every series"
+                )));
+            }
+        }
+    }
+    Ok(Rules {
+        lookback_ms,
+        include_start: major < 3,
+    })
+}
+
+/// A Prometheus duration (`5m`, `1m30s`, `300ms`, `1h`) in milliseconds.
+fn prom_duration_ms(text: &str) -> Option<i64> {
+    let mut total = 0i64;
+    let mut rest = text.trim();
+    if rest.is_empty() {
+        return None;
+    }
+    while !rest.is_empty() {
+        let digits = rest
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        let n: i64 = rest[..digits].parse().ok()?;
+        rest = &rest[digits..];
+        let (unit, len) = [
+            ("ms", 1),
+            ("s", 1_000),
+            ("m", 60_000),
+            ("h", 3_600_000),
+            ("d", 86_400_000),
+            ("w", 604_800_000),
+            ("y", 31_536_000_000),
+        ]
+        .into_iter()
+        .find(|(u, _)| rest.starts_with(u))
+        .map(|(u, ms)| (ms, u.len()))?;
+        total = total.checked_add(n.checked_mul(unit)?)?;
+        rest = &rest[len..];
+    }
+    Some(total)
+}
+
 fn content_type(resp: &reqwest::Response) -> String {
     resp.headers()
         .get(reqwest::header::CONTENT_TYPE)
@@ -302,7 +473,10 @@ pub(crate) struct Steps {
     pub from: i64,
     pub to: i64,
     pub step: i64,
+    /// The server's lookback delta.
     pub lookback_ms: i64,
+    /// Whether a sample exactly `lookback_ms` old still counts (Prometheus 2; not from 3 on).
+    pub include_start: bool,
 }
 
 /// Pulls the steps `[from, to]` by remote read and puts them on the grid.
@@ -327,10 +501,12 @@ pub(crate) async fn fetch(
     })?;
     let attempts = p.retries.max(1);
     let mut last = String::new();
+    let mut made = 0;
     for attempt in 1..=attempts {
         if attempt > 1 {
             backoff(url, attempt, &last).await;
         }
+        made = attempt;
         let resp = match send(post(client, url, body.clone()), p).await {
             Ok(r) => r,
             Err(e) => {
@@ -363,18 +539,41 @@ pub(crate) async fn fetch(
             }
             continue;
         }
+        // The stream has no end marker: its end must be told by HTTP (a length, chunked
+        // encoding or HTTP/2), or a connection closed early would pass for a whole answer.
+        let chunked = resp
+            .headers()
+            .get(reqwest::header::TRANSFER_ENCODING)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.contains("chunked"));
+        if !(chunked
+            || resp.content_length().is_some()
+            || resp.version() >= reqwest::Version::HTTP_2)
+        {
+            last = "a streamed answer without a length or chunked encoding: a cut could not be told from its end (a proxy in between?)".into();
+            break;
+        }
         let decoder = Frames::new(steps, b.clone());
         match stream_blocking(resp, decoder, Frames::push, Frames::finish).await {
             Ok(Ok(Ok(()))) => return Ok(()),
+            // What the server sent whole but rlc cannot read: the same again on a retry.
+            Ok(Ok(Err((true, message)))) => {
+                return Err(HistoryError::Parse {
+                    what: what(),
+                    message: format!(
+                        "{message} (`history.prometheus.api: query_range` reads the query as PromQL instead)"
+                    ),
+                })
+            }
             // A corrupt or cut answer: retried (what it put on the grid is a subset of the
             // same answer, and samples merge by maximum).
-            Ok(Ok(Err(e))) | Ok(Err(e)) => last = format!("bad answer: {e}"),
+            Ok(Ok(Err((false, e)))) | Ok(Err(e)) => last = format!("bad answer: {e}"),
             Err(e) => last = read_failed(&e, p),
         }
     }
     Err(HistoryError::Unavailable {
         url: p.url.clone(),
-        attempts,
+        attempts: made,
         message: last,
     })
 }
@@ -392,7 +591,9 @@ struct Frames {
     points: Vec<(f64, f64)>,
     /// Those series: labels and their values in `points`.
     ready: Vec<(BTreeMap<String, String>, std::ops::Range<usize>)>,
-    failed: Option<String>,
+    /// The first error, and whether it is fatal (the server sent it whole: a retry gets the
+    /// same) rather than a corrupt or cut answer.
+    failed: Option<(bool, String)>,
 }
 
 impl Frames {
@@ -418,16 +619,17 @@ impl Frames {
         let r = loop {
             match frame(&self.buf[at..]) {
                 Ok(Some((msg, n))) => {
+                    // The frame's checksum held: what follows is what the server meant.
                     let r = proto::ChunkedReadResponse::decode(msg)
                         .map_err(|e| format!("undecodable frame: {e}"))
                         .and_then(|r| self.frame(r));
                     if let Err(e) = r {
-                        break Err(e);
+                        break Err((true, e));
                     }
                     at += n;
                 }
                 Ok(None) => break Ok(()),
-                Err(e) => break Err(e),
+                Err(e) => break Err((false, e)),
             }
         };
         self.buf.drain(..at);
@@ -454,8 +656,22 @@ impl Frames {
                         c.r#type
                     ));
                 }
+                let before = self.samples.len();
                 decode_xor(&c.data, &mut self.samples)
                     .map_err(|e| format!("series {}: {e}", show(&self.labels)))?;
+                // Only what the steps can use: chunks overlap the range's edges.
+                let (lo, hi) = (
+                    self.steps.from * 1000 - self.steps.lookback_ms,
+                    self.steps.to * 1000,
+                );
+                let mut w = before;
+                for r in before..self.samples.len() {
+                    if (lo..=hi).contains(&self.samples[r].0) {
+                        self.samples[w] = self.samples[r];
+                        w += 1;
+                    }
+                }
+                self.samples.truncate(w);
             }
         }
         Ok(())
@@ -464,6 +680,7 @@ impl Frames {
     /// Puts the series read so far on the grid.
     fn flush(&mut self) -> Result<(), String> {
         if self.labels.is_empty() {
+            self.samples.clear();
             return Ok(());
         }
         if !self.samples.is_sorted_by_key(|s| s.0) {
@@ -473,12 +690,16 @@ impl Frames {
         }
         let from = self.points.len();
         at_steps(&self.samples, self.steps, &mut self.points);
-        let metric: BTreeMap<String, String> = std::mem::take(&mut self.labels)
-            .into_iter()
-            .map(|l| (l.name, l.value))
-            .collect();
-        self.ready.push((metric, from..self.points.len()));
+        let labels = std::mem::take(&mut self.labels);
         self.samples.clear();
+        if self.points.len() == from {
+            // No value at any step (stopped before the range, say): `query_range` would
+            // not list the series at all.
+            return Ok(());
+        }
+        let metric: BTreeMap<String, String> =
+            labels.into_iter().map(|l| (l.name, l.value)).collect();
+        self.ready.push((metric, from..self.points.len()));
         Ok(())
     }
 
@@ -500,20 +721,23 @@ impl Frames {
 
     /// Puts the last series on the grid once the whole answer was read: a series cut short
     /// would give its last sample to later steps than it should.
-    fn finish(mut self, whole: bool) -> Result<(), String> {
+    fn finish(mut self, whole: bool) -> Result<(), (bool, String)> {
         if let Some(e) = self.failed.take() {
             return Err(e);
         }
         if !whole {
-            return Err("the answer was cut".into());
+            return Err((false, "the answer was cut".into()));
         }
         if !self.buf.is_empty() {
-            return Err(format!(
-                "the answer ended inside a frame ({} bytes left)",
-                self.buf.len()
+            return Err((
+                false,
+                format!(
+                    "the answer ended inside a frame ({} bytes left)",
+                    self.buf.len()
+                ),
             ));
         }
-        self.flush()?;
+        self.flush().map_err(|e| (true, e))?;
         self.deliver();
         Ok(())
     }
@@ -574,7 +798,12 @@ pub(crate) fn at_steps(samples: &[(i64, f64)], steps: Steps, out: &mut Vec<(f64,
             j += 1;
         }
         if let Some(&(st, v)) = j.checked_sub(1).map(|k| &samples[k]) {
-            if st >= tm - steps.lookback_ms && v.to_bits() != STALE_NAN {
+            let fresh = if steps.include_start {
+                st >= tm - steps.lookback_ms
+            } else {
+                st > tm - steps.lookback_ms
+            };
+            if fresh && v.to_bits() != STALE_NAN {
                 out.push((t as f64, v));
             }
         }
@@ -862,6 +1091,7 @@ pub mod bench {
             to: start + (len as i64 - 1) * step,
             step,
             lookback_ms: 300_000,
+            include_start: true,
         };
         let mut f = Frames::new(steps, b.clone());
         f.push(body);
@@ -893,6 +1123,10 @@ mod tests {
             ]
         );
         assert_eq!(selector("job:rpc_rps:rate1m").unwrap().len(), 1);
+        assert_eq!(
+            selector(r#"{service="shop", caller!="x"}"#).unwrap().len(),
+            2
+        );
         assert_eq!(selector("{__name__=`a\\b`,}").unwrap()[0].value, "a\\b");
         for q in [
             "",
@@ -907,6 +1141,16 @@ mod tests {
             "x{a=\"\\q\"}",
             "x{1a=\"b\"}",
             "x y",
+            // PromQL refuses these (no matcher that excludes the empty string, the name
+            // twice, a keyword, an escape of the other quote), or they select every series.
+            "{caller!=\"x\"}",
+            "{a=~\".*\"}",
+            "{a=\"\"}",
+            "x{__name__=\"y\"}",
+            "sum",
+            "Inf",
+            "x{a=\"\\'\"}",
+            "\u{a0}x",
         ] {
             assert!(selector(q).is_none(), "{q:?} taken for a selector");
         }
@@ -949,6 +1193,21 @@ mod tests {
             let t = s.last().unwrap().0 + g;
             s.push((t, v));
         }
+        // Every delta-of-delta width at its bounds, and values differing in all 64 bits.
+        let mut d = 60_000i64;
+        let mut v = 1.0f64;
+        for dod in [
+            8192, -8191, 8193, 65_536, -65_535, 65_537, 524_288, -524_287, 524_289, -600_000,
+        ] {
+            d += dod;
+            v = if v == 1.0 {
+                -1.000_000_000_000_000_2
+            } else {
+                1.0
+            };
+            let t = s.last().unwrap().0 + d;
+            s.push((t, v));
+        }
         let mut out = Vec::new();
         decode_xor(&encode(&s), &mut out).unwrap();
         let bits = |v: &[(i64, f64)]| v.iter().map(|&(t, x)| (t, x.to_bits())).collect::<Vec<_>>();
@@ -983,6 +1242,7 @@ mod tests {
                 to: 720,
                 step: 60,
                 lookback_ms: 300_000,
+                include_start: true,
             },
             &mut out,
         );
@@ -1007,10 +1267,29 @@ mod tests {
                 to: 701,
                 step: 1,
                 lookback_ms: 300_000,
+                include_start: true,
             },
             &mut out,
         );
         assert_eq!(out, [(700.0, 4.0)]);
+        // From Prometheus 3 on it does not.
+        out.clear();
+        at_steps(
+            &samples,
+            Steps {
+                from: 700,
+                to: 701,
+                step: 1,
+                lookback_ms: 300_000,
+                include_start: false,
+            },
+            &mut out,
+        );
+        assert_eq!(out, []);
+        assert_eq!(prom_duration_ms("5m"), Some(300_000));
+        assert_eq!(prom_duration_ms("1m30s"), Some(90_000));
+        assert_eq!(prom_duration_ms("250ms"), Some(250));
+        assert_eq!(prom_duration_ms("5x"), None);
     }
 
     #[test]
@@ -1028,13 +1307,27 @@ mod tests {
                 .map(|i| (i * 60_000, k + i as f64))
                 .collect::<Vec<_>>()
         };
-        let (a, b) = (samples(0.5), samples(1000.25));
-        // `web` comes in two frames (a series cut where Prometheus' frame is full).
+        // `web` falls step by step and comes in two frames (a series cut where Prometheus'
+        // frame is full) with three samples missing at the cut: the steps there take the last
+        // sample of the first frame, and the steps after the gap the second frame's samples,
+        // which only holds if both frames are read as one series (a merge of separate parts
+        // by maximum would keep the first frame's larger sample).
+        let a: Vec<(i64, f64)> = (0..300)
+            .filter(|i| !(130..133).contains(i))
+            .map(|i| (i * 60_000, 1000.5 - i as f64))
+            .collect();
+        let b = samples(1000.25);
+        let cut = a.iter().position(|s| s.0 >= 130 * 60_000).unwrap();
+        let stale_long_ago = vec![(-3_600_000, 7.0)];
         let body = [
-            bench::answer(&[(labels("web"), a[..130].to_vec())]),
+            bench::answer(&[(labels("web"), a[..cut].to_vec())]),
             bench::answer(&[
-                (labels("web"), a[130..].to_vec()),
+                (labels("web"), a[cut..].to_vec()),
+                // no labels at all (a broken server): skipped, its samples go nowhere
+                (vec![], vec![(0, 1e9), (60_000, 1e9)]),
                 (labels("api"), b.clone()),
+                // samples only before the range: no value at any step, no series
+                (labels("old"), stale_long_ago),
             ]),
             bench::answer(&[(labels(""), b.clone())]),
         ]
@@ -1045,6 +1338,7 @@ mod tests {
             to: 299 * 60,
             step: 60,
             lookback_ms: 300_000,
+            include_start: true,
         };
         let mut f = Frames::new(steps, builder.clone());
         // In pieces of 7 bytes: frames cut anywhere.
@@ -1058,15 +1352,21 @@ mod tests {
             .into_inner()
             .unwrap()
             .finish();
-        assert_eq!(h.series.len(), 2);
+        assert_eq!(h.series.len(), 2, "{:?}", h.series.keys());
+        let web: Vec<f32> = (0..300)
+            .map(|i: i64| {
+                let i = if (130..133).contains(&i) { 129 } else { i };
+                (1000.5 - i as f64) as f32
+            })
+            .collect();
+        let api: Vec<f32> = b.iter().map(|x| x.1 as f32).collect();
         for (k, s) in &h.series {
             let want = if k.caller.as_deref() == Some("web") {
-                &a
+                &web
             } else {
-                &b
+                &api
             };
-            let want: Vec<f32> = want.iter().map(|x| x.1 as f32).collect();
-            assert_eq!(s.values, want, "{k:?}");
+            assert_eq!(&s.values, want, "{k:?}");
         }
         assert_eq!(h.rejected.len(), 1, "the series without a caller");
         // Cut in the middle of a frame: an error.
@@ -1075,13 +1375,13 @@ mod tests {
             Arc::new(Mutex::new(Builder::new(0, 60, 300, Default::default()))),
         );
         f.push(&body[..body.len() - 3]);
-        assert!(f.finish(true).unwrap_err().contains("inside a frame"));
+        assert!(f.finish(true).unwrap_err().1.contains("inside a frame"));
         // Cut at a frame's end, the body not whole: the last series is not put on the grid.
         let cut = bench::answer(&[(labels("web"), a[..130].to_vec())]);
         let builder = Arc::new(Mutex::new(Builder::new(0, 60, 300, Default::default())));
         let mut f = Frames::new(steps, builder.clone());
         f.push(&cut);
-        assert!(f.finish(false).unwrap_err().contains("cut"));
+        assert!(f.finish(false).unwrap_err().1.contains("cut"));
         let h = Arc::try_unwrap(builder)
             .ok()
             .unwrap()
