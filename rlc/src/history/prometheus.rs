@@ -173,13 +173,24 @@ async fn pull(
         Some((matchers, rules)) => Some((remote_read::endpoint(&p.url), Arc::new(matchers), rules)),
         None => None,
     };
-    // Remote read moves whole TSDB chunks, not steps, whatever `max_points`: a request covers
-    // one to three days (fewer chunks decoded twice at the edges, each answer read well within
-    // the timeout), about two requests per connection (each costs a pass over every series).
+    // A remote-read answer's size grows with the fleet, not with `max_points`: its requests
+    // time out when no byte came for `timeout` (a hung server), not after `timeout` in all.
+    let stream_client = reqwest::Client::builder()
+        .connect_timeout(p.timeout.0)
+        .read_timeout(p.timeout.0)
+        .build()
+        .map_err(|e| HistoryError::Unavailable {
+            url: p.url.clone(),
+            attempts: 0,
+            message: e.to_string(),
+        })?;
+    // Remote read moves whole TSDB chunks, not steps: a request covers one to seven days (fewer
+    // chunks decoded twice at the edges; a retry downloads at most a week again), about two
+    // requests per connection (each costs a pass over every series).
     let per_chunk = match read {
         Some(_) => len.div_ceil(2 * p.concurrency.max(1) as usize).clamp(
             (remote_read::CHUNK_SECS / step).max(1) as usize,
-            (3 * remote_read::CHUNK_SECS / step).max(1) as usize,
+            (7 * remote_read::CHUNK_SECS / step).max(1) as usize,
         ),
         None => per_chunk,
     };
@@ -195,8 +206,9 @@ async fn pull(
     while i < len {
         let n = per_chunk.min(len - i);
         let (from, to) = (start + i as i64 * step, start + (i + n - 1) as i64 * step);
-        let (client, url, sem, p, b, read) = (
+        let (client, stream_client, url, sem, p, b, read) = (
             client.clone(),
+            stream_client.clone(),
             url.clone(),
             sem.clone(),
             p.clone(),
@@ -214,7 +226,7 @@ async fn pull(
                         lookback_ms: rules.lookback_ms,
                         include_start: rules.include_start,
                     };
-                    remote_read::fetch(&client, &url, &p, &matchers, steps, &b).await
+                    remote_read::fetch(&stream_client, &url, &p, &matchers, steps, &b).await
                 }
                 None => fetch(&client, &url, &p, from, to, step, &b).await,
             }

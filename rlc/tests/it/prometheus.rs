@@ -620,14 +620,14 @@ fn four_weeks_from_real_prometheus() {
     assert_eq!(reads(0), before, "query_range reads nothing remotely");
     let by_read = raw("remote_read");
     assert_eq!(
-        reads(before + 10),
-        before + 10,
-        "28 days in requests of three days at most"
+        reads(before + 8),
+        before + 8,
+        "28 days in two requests per connection (4)"
     );
     let by_auto = raw("auto");
     assert_eq!(
-        reads(before + 21),
-        before + 21,
+        reads(before + 17),
+        before + 17,
         "auto: a probe, then remote read"
     );
     assert_eq!(by_range.series.len(), specs().len());
