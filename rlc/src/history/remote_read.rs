@@ -5,13 +5,15 @@
 //! TSDB (`STREAMED_XOR_CHUNKS`: length-prefixed, CRC32C-checked protobuf frames), which moves
 //! several times fewer bytes than `query_range`'s JSON and costs a few nanoseconds per sample
 //! to decode instead of a JSON parse and a float parse. The value at each step of the grid is
-//! the newest sample at most `lookback_delta` older than the step, stale markers excluded, as
-//! a `query_range` of the selector evaluates it (Prometheus 2: the window's start included).
+//! the newest sample at most the server's lookback delta older than the step (read from
+//! `/api/v1/status/flags`), stale markers excluded, as a `query_range` of the selector
+//! evaluates it (the window's start included before Prometheus 3, excluded from 3 on).
 //!
 //! Frames are decoded as they arrive, on a blocking thread, and each series goes on the grid
 //! once its last frame is read: a request holds one series' samples and the network buffers.
 //! Failures are handled as for `query_range`: retries with jittered backoff, a checksum
-//! mismatch or a truncated answer is retried, one failed time chunk fails the pull.
+//! mismatch or a truncated answer is retried, what the server sent whole but rlc cannot read
+//! fails at once, one failed time chunk fails the pull.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
