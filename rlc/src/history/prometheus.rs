@@ -161,29 +161,19 @@ async fn pull(
     // server-side reduction, one output point costs `downsample ÷ step` inner steps.
     let inner_per_point = (step / raw_step.max(1)).max(1) as usize;
     let per_chunk = (p.max_points.clamp(2, CHUNK_STEPS) as usize / inner_per_point).max(1);
-    let client = reqwest::Client::builder()
-        .timeout(p.timeout.0)
-        .build()
-        .map_err(|e| HistoryError::Unavailable {
-            url: p.url.clone(),
-            attempts: 0,
-            message: e.to_string(),
-        })?;
+    let client = http_client(p, reqwest::Client::builder().timeout(p.timeout.0))?;
     let read = match read_api(written, reduced, &client, start + (len as i64 - 1) * step).await? {
         Some((matchers, rules)) => Some((remote_read::endpoint(&p.url), Arc::new(matchers), rules)),
         None => None,
     };
     // A remote-read answer's size grows with the fleet, not with `max_points`: its requests
     // time out when no byte came for `timeout` (a hung server), not after `timeout` in all.
-    let stream_client = reqwest::Client::builder()
-        .connect_timeout(p.timeout.0)
-        .read_timeout(p.timeout.0)
-        .build()
-        .map_err(|e| HistoryError::Unavailable {
-            url: p.url.clone(),
-            attempts: 0,
-            message: e.to_string(),
-        })?;
+    let stream_client = http_client(
+        p,
+        reqwest::Client::builder()
+            .connect_timeout(p.timeout.0)
+            .read_timeout(p.timeout.0),
+    )?;
     // Remote read moves whole TSDB chunks, not steps: a request covers one to seven days (fewer
     // chunks decoded twice at the edges; a retry downloads at most a week again), about two
     // requests per connection (each costs a pass over every series).
@@ -269,6 +259,17 @@ async fn pull(
         message: "a chunk task outlived the pull".into(),
     })?;
     Ok(b.into_inner().unwrap_or_else(|e| e.into_inner()))
+}
+
+fn http_client(
+    p: &PrometheusConfig,
+    b: reqwest::ClientBuilder,
+) -> Result<reqwest::Client, HistoryError> {
+    b.build().map_err(|e| HistoryError::Unavailable {
+        url: p.url.clone(),
+        attempts: 0,
+        message: e.to_string(),
+    })
 }
 
 /// The matchers to pull by remote read and the server's rules, or `None` for `query_range`

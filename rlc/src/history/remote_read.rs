@@ -1260,34 +1260,20 @@ mod tests {
                 (660.0, 4.0)
             ] // 720: the sample is 320 s old, past the lookback.
         );
-        // The window includes its start (Prometheus 2): 400 s + 300 s = 700 s still holds.
-        out.clear();
-        at_steps(
-            &samples,
-            Steps {
+        // The window includes its start before Prometheus 3: 400 s + 300 s = 700 s still
+        // holds; from Prometheus 3 on it does not.
+        for (include_start, want) in [(true, vec![(700.0, 4.0)]), (false, vec![])] {
+            out.clear();
+            let steps = Steps {
                 from: 700,
                 to: 701,
                 step: 1,
                 lookback_ms: 300_000,
-                include_start: true,
-            },
-            &mut out,
-        );
-        assert_eq!(out, [(700.0, 4.0)]);
-        // From Prometheus 3 on it does not.
-        out.clear();
-        at_steps(
-            &samples,
-            Steps {
-                from: 700,
-                to: 701,
-                step: 1,
-                lookback_ms: 300_000,
-                include_start: false,
-            },
-            &mut out,
-        );
-        assert_eq!(out, []);
+                include_start,
+            };
+            at_steps(&samples, steps, &mut out);
+            assert_eq!(out, want, "include_start {include_start}");
+        }
         assert_eq!(prom_duration_ms("5m"), Some(300_000));
         assert_eq!(prom_duration_ms("1m30s"), Some(90_000));
         assert_eq!(prom_duration_ms("250ms"), Some(250));
