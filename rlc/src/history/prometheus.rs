@@ -163,17 +163,21 @@ async fn pull(
     let per_chunk = (p.max_points.clamp(2, CHUNK_STEPS) as usize / inner_per_point).max(1);
     let client = http_client(p, reqwest::Client::builder().timeout(p.timeout.0))?;
     let read = match read_api(written, reduced, &client, start + (len as i64 - 1) * step).await? {
-        Some((matchers, rules)) => Some((remote_read::endpoint(&p.url), Arc::new(matchers), rules)),
+        Some((matchers, rules)) => {
+            // A remote-read answer's size grows with the fleet, not with `max_points`: its
+            // requests time out when no byte came for `timeout` (a hung server), not after
+            // `timeout` in all.
+            let stream_client = http_client(
+                p,
+                reqwest::Client::builder()
+                    .connect_timeout(p.timeout.0)
+                    .read_timeout(p.timeout.0),
+            )?;
+            let url = remote_read::endpoint(&p.url);
+            Some((stream_client, url, Arc::new(matchers), rules))
+        }
         None => None,
     };
-    // A remote-read answer's size grows with the fleet, not with `max_points`: its requests
-    // time out when no byte came for `timeout` (a hung server), not after `timeout` in all.
-    let stream_client = http_client(
-        p,
-        reqwest::Client::builder()
-            .connect_timeout(p.timeout.0)
-            .read_timeout(p.timeout.0),
-    )?;
     // Remote read moves whole TSDB chunks, not steps: a request covers one to seven days (fewer
     // chunks decoded twice at the edges; a retry downloads at most a week again), about two
     // requests per connection (each costs a pass over every series).
@@ -196,9 +200,8 @@ async fn pull(
     while i < len {
         let n = per_chunk.min(len - i);
         let (from, to) = (start + i as i64 * step, start + (i + n - 1) as i64 * step);
-        let (client, stream_client, url, sem, p, b, read) = (
+        let (client, url, sem, p, b, read) = (
             client.clone(),
-            stream_client.clone(),
             url.clone(),
             sem.clone(),
             p.clone(),
@@ -208,7 +211,7 @@ async fn pull(
         tasks.spawn(async move {
             let _permit = sem.acquire_owned().await.expect("semaphore never closed");
             match read {
-                Some((url, matchers, rules)) => {
+                Some((stream_client, url, matchers, rules)) => {
                     let steps = remote_read::Steps {
                         from,
                         to,
@@ -295,13 +298,13 @@ async fn read_api(
         )),
         (HistoryApi::RemoteRead, Some(m)) => {
             match remote_read::rules(client, &p.url, &labels, &m).await {
-                Ok(Ok(rules)) => Ok(Some((m, rules))),
-                Ok(Err(message)) => Err(HistoryError::Unavailable {
+                Ok(rules) => Ok(Some((m, rules))),
+                Err(remote_read::Refusal::Unreachable(message)) => Err(HistoryError::Unavailable {
                     url: p.url.clone(),
                     attempts: 1,
                     message: format!("reading the server's settings failed: {message}"),
                 }),
-                Err(why) => Err(HistoryError::Config(format!(
+                Err(remote_read::Refusal::Final(why)) => Err(HistoryError::Config(format!(
                     "history.prometheus.api: remote_read cannot give what query_range would: {why} (use `auto` or `query_range`)"
                 ))),
             }
@@ -316,8 +319,8 @@ async fn read_api(
             let url = remote_read::endpoint(&p.url);
             let why = match remote_read::probe(client, &url, &m, last_step * 1000).await {
                 Ok(()) => match remote_read::rules(client, &p.url, &labels, &m).await {
-                    Ok(Ok(rules)) => return Ok(Some((m, rules))),
-                    Ok(Err(why)) | Err(why) => why,
+                    Ok(rules) => return Ok(Some((m, rules))),
+                    Err(r) => r.why(),
                 },
                 Err(why) => why,
             };
@@ -540,8 +543,7 @@ async fn stream_into(
             ));
         }
     };
-    // Every series handed over is whole: a cut answer leaves a subset of the samples.
-    let finish = |d: Decoder, _whole: bool| {
+    let finish = |d: Decoder| {
         let fed = match (d.failed, d.split.finish()) {
             (Some(e), _) | (None, Err(e)) => Err(e),
             (None, Ok(())) => Ok(()),
@@ -553,31 +555,27 @@ async fn stream_into(
         failed: None,
         b,
     };
-    Ok(match stream_blocking(resp, d, push, finish).await? {
-        Ok(out) => out,
+    Ok(match stream_blocking(resp, d, push).await? {
+        Ok(d) => finish(d),
         Err(e) => (Vec::new(), Err(e)),
     })
 }
 
 /// Hands the pieces of a body to `push` on a blocking thread as they arrive (at most
-/// [`PIECES_IN_FLIGHT`] queued between them), then returns what `finish` makes of the
-/// decoder, told whether the whole body was read; `Ok(Err(_))` when the decoder panicked.
-pub(super) async fn stream_blocking<D: Send + 'static, T: Send + 'static>(
+/// [`PIECES_IN_FLIGHT`] queued between them) and gives the decoder back once the whole body
+/// was read (`Err` if it was not: nothing the decoder would only do at the end is done for a
+/// cut body); `Ok(Err(_))` when the decoder panicked.
+pub(super) async fn stream_blocking<D: Send + 'static>(
     mut resp: reqwest::Response,
     mut decoder: D,
     push: fn(&mut D, &[u8]),
-    finish: fn(D, bool) -> T,
-) -> Result<Result<T, String>, reqwest::Error> {
-    use std::sync::atomic::{AtomicBool, Ordering};
+) -> Result<Result<D, String>, reqwest::Error> {
     let (tx, mut rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(PIECES_IN_FLIGHT);
-    let whole = Arc::new(AtomicBool::new(false));
-    let read_whole = whole.clone();
     let task = tokio::task::spawn_blocking(move || {
         while let Some(piece) = rx.blocking_recv() {
             push(&mut decoder, &piece);
         }
-        // Set before the sender was dropped, which ended the loop.
-        finish(decoder, read_whole.load(Ordering::SeqCst))
+        decoder
     });
     let mut read = Ok(());
     loop {
@@ -594,7 +592,6 @@ pub(super) async fn stream_blocking<D: Send + 'static, T: Send + 'static>(
             }
         }
     }
-    whole.store(read.is_ok(), Ordering::SeqCst);
     drop(tx);
     let out = task
         .await

@@ -343,31 +343,35 @@ pub struct Rules {
     pub include_start: bool,
 }
 
+/// Why remote read is not used or failed: the server could not be reached (worth a retry
+/// later), or what it answered rules remote read out (the same again on a retry).
+#[derive(Debug)]
+pub enum Refusal {
+    /// No answer (connection, timeout).
+    Unreachable(String),
+    /// An answer that rules remote read out, or one rlc cannot read.
+    Final(String),
+}
+
+impl Refusal {
+    /// The reason, whichever kind.
+    pub fn why(self) -> String {
+        match self {
+            Refusal::Unreachable(w) | Refusal::Final(w) => w,
+        }
+    }
+}
+
 /// Reads the server's lookback delta (`/api/v1/status/flags`), version (`buildinfo`) and
 /// external labels (`config`): remote read adds the external labels to every series and
 /// rewrites matchers on them, so that any of them among the label names rlc reads or the
-/// matchers would make the answer differ from `query_range`'s. `Err` says what could not be
-/// read or why the answers would differ; `Ok(Err(_))` when the server could not be reached.
+/// matchers would make the answer differ from `query_range`'s.
 pub async fn rules(
     client: &reqwest::Client,
     base: &str,
     labels: &[&str],
     matchers: &[Matcher],
-) -> Result<Result<Rules, String>, String> {
-    match read_rules(client, base, labels, matchers).await {
-        Ok(rules) => Ok(Ok(rules)),
-        Err((true, why)) => Ok(Err(why)),
-        Err((false, why)) => Err(why),
-    }
-}
-
-/// [`rules`]; errors say whether the server could not be reached.
-async fn read_rules(
-    client: &reqwest::Client,
-    base: &str,
-    labels: &[&str],
-    matchers: &[Matcher],
-) -> Result<Rules, (bool, String)> {
+) -> Result<Rules, Refusal> {
     #[derive(serde::Deserialize)]
     struct Answer<T> {
         data: T,
@@ -384,20 +388,20 @@ async fn read_rules(
         client: &reqwest::Client,
         base: &str,
         path: &str,
-    ) -> Result<T, (bool, String)> {
+    ) -> Result<T, Refusal> {
         let url = format!("{}{path}", base.trim_end_matches('/'));
-        let unreachable = |e: reqwest::Error| (true, format!("{url}: {}", chain(&e)));
+        let unreachable = |e: reqwest::Error| Refusal::Unreachable(format!("{url}: {}", chain(&e)));
         let resp = client.get(&url).send().await.map_err(unreachable)?;
         let status = resp.status();
         let body = read_capped(resp, 4 << 20).await.map_err(unreachable)?;
         if !status.is_success() {
-            return Err((false, format!("{url}: HTTP {status}")));
+            return Err(Refusal::Final(format!("{url}: HTTP {status}")));
         }
         serde_json::from_slice::<Answer<T>>(&body)
             .map(|a| a.data)
-            .map_err(|e| (false, format!("{url}: {e}")))
+            .map_err(|e| Refusal::Final(format!("{url}: {e}")))
     }
-    let differs = |why: String| (false, why);
+    let differs = Refusal::Final;
     let flags: BTreeMap<String, String> = get(client, base, "/api/v1/status/flags").await?;
     let delta = flags
         .get("query.lookback-delta")
@@ -556,10 +560,13 @@ pub(crate) async fn fetch(
             break;
         }
         let decoder = Frames::new(steps, b.clone());
-        match stream_blocking(resp, decoder, Frames::push, Frames::finish).await {
-            Ok(Ok(Ok(()))) => return Ok(()),
+        let done = stream_blocking(resp, decoder, Frames::push)
+            .await
+            .map(|d| d.map_err(Bad::Corrupt).and_then(Frames::finish));
+        match done {
+            Ok(Ok(())) => return Ok(()),
             // What the server sent whole but rlc cannot read: the same again on a retry.
-            Ok(Ok(Err((true, message)))) => {
+            Ok(Err(Bad::Unreadable(message))) => {
                 return Err(HistoryError::Parse {
                     what: what(),
                     message: format!(
@@ -569,7 +576,7 @@ pub(crate) async fn fetch(
             }
             // A corrupt or cut answer: retried (what it put on the grid is a subset of the
             // same answer, and samples merge by maximum).
-            Ok(Ok(Err((false, e)))) | Ok(Err(e)) => last = format!("bad answer: {e}"),
+            Ok(Err(Bad::Corrupt(e))) => last = format!("bad answer: {e}"),
             Err(e) => last = read_failed(&e, p),
         }
     }
@@ -578,6 +585,23 @@ pub(crate) async fn fetch(
         attempts: made,
         message: last,
     })
+}
+
+/// What went wrong with a streamed answer.
+#[derive(Debug)]
+enum Bad {
+    /// Corrupt or cut (a checksum, a frame cut short): retried.
+    Corrupt(String),
+    /// Sent whole by the server but not readable by rlc: the same again on a retry.
+    Unreadable(String),
+}
+
+impl std::fmt::Display for Bad {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Bad::Corrupt(e) | Bad::Unreadable(e) => f.write_str(e),
+        }
+    }
 }
 
 /// Decodes the frames of a streamed answer as they arrive.
@@ -593,9 +617,8 @@ struct Frames {
     points: Vec<(f64, f64)>,
     /// Those series: labels and their values in `points`.
     ready: Vec<(BTreeMap<String, String>, std::ops::Range<usize>)>,
-    /// The first error, and whether it is fatal (the server sent it whole: a retry gets the
-    /// same) rather than a corrupt or cut answer.
-    failed: Option<(bool, String)>,
+    /// The first error.
+    failed: Option<Bad>,
 }
 
 impl Frames {
@@ -626,12 +649,12 @@ impl Frames {
                         .map_err(|e| format!("undecodable frame: {e}"))
                         .and_then(|r| self.frame(r));
                     if let Err(e) = r {
-                        break Err((true, e));
+                        break Err(Bad::Unreadable(e));
                     }
                     at += n;
                 }
                 Ok(None) => break Ok(()),
-                Err(e) => break Err((false, e)),
+                Err(e) => break Err(Bad::Corrupt(e)),
             }
         };
         self.buf.drain(..at);
@@ -721,25 +744,19 @@ impl Frames {
         self.points.clear();
     }
 
-    /// Puts the last series on the grid once the whole answer was read: a series cut short
-    /// would give its last sample to later steps than it should.
-    fn finish(mut self, whole: bool) -> Result<(), (bool, String)> {
+    /// Puts the last series on the grid; called only once the whole answer was read (a
+    /// series cut short would give its last sample to later steps than it should).
+    fn finish(mut self) -> Result<(), Bad> {
         if let Some(e) = self.failed.take() {
             return Err(e);
         }
-        if !whole {
-            return Err((false, "the answer was cut".into()));
-        }
         if !self.buf.is_empty() {
-            return Err((
-                false,
-                format!(
-                    "the answer ended inside a frame ({} bytes left)",
-                    self.buf.len()
-                ),
-            ));
+            return Err(Bad::Corrupt(format!(
+                "the answer ended inside a frame ({} bytes left)",
+                self.buf.len()
+            )));
         }
-        self.flush().map_err(|e| (true, e))?;
+        self.flush().map_err(Bad::Unreadable)?;
         self.deliver();
         Ok(())
     }
@@ -1097,7 +1114,7 @@ pub mod bench {
         };
         let mut f = Frames::new(steps, b.clone());
         f.push(body);
-        f.finish(true).unwrap();
+        f.finish().unwrap();
         let b = Arc::try_unwrap(b).ok().unwrap().into_inner().unwrap();
         b.finish().series.len()
     }
@@ -1333,7 +1350,7 @@ mod tests {
         for piece in body.chunks(7) {
             f.push(piece);
         }
-        f.finish(true).unwrap();
+        f.finish().unwrap();
         let h = Arc::try_unwrap(builder)
             .ok()
             .unwrap()
@@ -1363,13 +1380,18 @@ mod tests {
             Arc::new(Mutex::new(Builder::new(0, 60, 300, Default::default()))),
         );
         f.push(&body[..body.len() - 3]);
-        assert!(f.finish(true).unwrap_err().1.contains("inside a frame"));
-        // Cut at a frame's end, the body not whole: the last series is not put on the grid.
+        assert!(f
+            .finish()
+            .unwrap_err()
+            .to_string()
+            .contains("inside a frame"));
+        // Cut at a frame's end, the body not whole (a pull then never finishes the decoder):
+        // the last series is not put on the grid.
         let cut = bench::answer(&[(labels("web"), a[..130].to_vec())]);
         let builder = Arc::new(Mutex::new(Builder::new(0, 60, 300, Default::default())));
         let mut f = Frames::new(steps, builder.clone());
         f.push(&cut);
-        assert!(f.finish(false).unwrap_err().1.contains("cut"));
+        drop(f);
         let h = Arc::try_unwrap(builder)
             .ok()
             .unwrap()
