@@ -84,6 +84,7 @@ impl GitRemote {
                 .args([
                     "daemon",
                     "--reuseaddr",
+                    "--verbose",
                     "--export-all",
                     "--enable=receive-pack",
                     "--listen=127.0.0.1",
@@ -95,7 +96,8 @@ impl GitRemote {
                 .env("GIT_CONFIG_GLOBAL", "/dev/null")
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
-                .stderr(Stdio::null()),
+                // `--verbose` logs one line per request: `upload_packs` counts the fetches.
+                .stderr(std::fs::File::create(dir.path().join("daemon.log"))?),
         )
         .context("starting git daemon (Debian package git provides it)")?;
         // Wait until it accepts connections (bounded: it starts in milliseconds).
@@ -130,6 +132,16 @@ impl GitRemote {
     /// The pid of the `git daemon` process, which leads the daemon's process group.
     pub fn daemon_pid(&self) -> u32 {
         self.daemon.id()
+    }
+
+    /// Fetches and clones served so far (`git-upload-pack` requests in the daemon's verbose
+    /// log): how many times the code under test went to the remote for its refs and objects.
+    pub fn upload_packs(&self) -> usize {
+        std::fs::read_to_string(self.dir.path().join("daemon.log"))
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains("Request upload-pack"))
+            .count()
     }
 
     /// The bare repository's directory.
