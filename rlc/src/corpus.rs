@@ -10,7 +10,7 @@ use policies::{Policy, RateSeries};
 use schema::{PolicyName, PolicySpec};
 use serde::Serialize;
 
-use crate::backtest::fit_and_score;
+use rlc_plan::backtest::fit_and_score;
 use crate::history::synth::unit;
 
 const DAY: i64 = 86_400;

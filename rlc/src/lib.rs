@@ -31,14 +31,14 @@ pub mod exit;
 pub mod gitops;
 pub mod history;
 pub mod pipeline;
-pub mod plan;
 pub mod planner;
 pub mod preview;
 pub mod promotion;
 pub mod push;
-pub mod readiness;
 pub mod serve;
 pub mod snapshot;
 pub mod store;
 pub mod validate_cmd;
 pub mod whatif;
+
+pub use rlc_plan::{plan, readiness};

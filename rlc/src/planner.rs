@@ -10,7 +10,7 @@ use std::sync::Arc;
 use chrono::{DateTime, Utc};
 use schema::{ConfigRepo, DaemonConfig};
 
-use crate::compute::compute_plan_from;
+use crate::compute::compute_plan;
 use crate::gitops::writer::DECREASE_HISTORY_MAX_COMMITS;
 use crate::gitops::{Writer, WriterConfig};
 use crate::history::PlanHistory;
@@ -75,7 +75,7 @@ pub async fn effective_plan(
 ) -> anyhow::Result<Plan> {
     let c = cfg.clone();
     let history = history.into();
-    let plan = tokio::task::spawn_blocking(move || compute_plan_from(&c, &repo, &history, now))
+    let plan = tokio::task::spawn_blocking(move || compute_plan(&c, &repo, &history, now))
         .await
         .map_err(|e| anyhow::anyhow!("computing the plan: {e}"))?;
     Ok(hold_repeated_decreases(cfg, base_dir, store, git, plan, now).await)

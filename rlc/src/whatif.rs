@@ -32,7 +32,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_yaml::Value;
 
-use crate::backtest::{score_plan, split, Score};
+use rlc_plan::backtest::{score_plan, split, Score};
 use crate::history::{History, SeriesKey};
 use crate::plan::Plan;
 use crate::serve::problem::{InputProblem, Problem};

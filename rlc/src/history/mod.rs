@@ -16,119 +16,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-pub use policies::RateSeries;
+pub use rlc_plan::history::{History, RateSeries, Rejected, SeriesKey, SeriesSource};
 use schema::{HistoryConfig, LabelNames};
 pub use spill::SpilledHistory;
 use spill::{merge_max, SpillState, SpillWriter};
-
-/// Identifies one series: callee service, caller, procedure (at least one of the last two).
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct SeriesKey {
-    /// Callee service.
-    pub service: String,
-    /// Calling service.
-    pub caller: Option<String>,
-    /// Procedure of the callee.
-    pub procedure: Option<String>,
-}
-
-impl SeriesKey {
-    /// The bucket name: `<caller>.<procedure>`, or just the one present.
-    pub fn bucket_name(&self) -> String {
-        match (&self.caller, &self.procedure) {
-            (Some(c), Some(p)) => format!("{c}.{p}"),
-            (Some(c), None) => c.clone(),
-            (None, Some(p)) => p.clone(),
-            (None, None) => String::new(),
-        }
-    }
-}
-
-/// A series the source returned but that cannot be used, and why.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Rejected {
-    /// The service, when the label was there.
-    pub service: Option<String>,
-    /// The caller label, if any.
-    pub caller: Option<String>,
-    /// The procedure label, if any.
-    pub procedure: Option<String>,
-    /// Why it was rejected.
-    pub reason: String,
-}
-
-/// The history of every series on one time grid.
-#[derive(Debug, Clone, Default)]
-pub struct History {
-    /// Unix time (s) of the first grid point.
-    pub start: i64,
-    /// Grid step, seconds.
-    pub step: i64,
-    /// Grid points.
-    pub len: usize,
-    /// One series per key, all on the grid.
-    pub series: BTreeMap<SeriesKey, RateSeries>,
-    /// Unusable series with the reason.
-    pub rejected: Vec<Rejected>,
-    /// Set when the whole source failed: every service keeps its current quotas.
-    pub source_error: Option<String>,
-}
-
-impl History {
-    /// A history whose source failed; [`crate::compute::compute_plan`] then keeps every
-    /// service's current quotas and lists them in `skipped` with `reason`.
-    pub fn unavailable(reason: impl Into<String>) -> Self {
-        Self {
-            source_error: Some(reason.into()),
-            ..Default::default()
-        }
-    }
-
-    /// Unix time just after the last grid point.
-    pub fn end(&self) -> i64 {
-        self.start + self.len as i64 * self.step
-    }
-
-    /// The series of one service: a range of the map (keys sort by service first), not a scan
-    /// of every series.
-    pub fn service_series<'a>(
-        &'a self,
-        service: &'a str,
-    ) -> impl Iterator<Item = (&'a SeriesKey, &'a RateSeries)> + 'a {
-        let first = SeriesKey {
-            service: service.to_string(),
-            caller: None,
-            procedure: None,
-        };
-        self.series
-            .range(first..)
-            .take_while(move |(k, _)| k.service == service)
-    }
-
-    /// Fraction of grid points since the service's first sample where at least one of its
-    /// series has a sample (0 when it has none).
-    pub fn service_coverage(&self, service: &str) -> f64 {
-        let mut any = vec![false; self.len];
-        for (_, s) in self.service_series(service) {
-            for (a, v) in any.iter_mut().zip(&s.values) {
-                *a |= !v.is_nan();
-            }
-        }
-        match any.iter().position(|&a| a) {
-            None => 0.0,
-            Some(first) => {
-                any[first..].iter().filter(|&&a| a).count() as f64 / (self.len - first) as f64
-            }
-        }
-    }
-
-    /// Every service with at least one series.
-    pub fn services(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.series.keys().map(|k| k.service.clone()).collect();
-        v.dedup();
-        v
-    }
-}
 
 /// Why history could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -484,4 +375,34 @@ pub fn valid_name(v: &str) -> bool {
         && !v.starts_with('.')
         && v.chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | ':'))
+}
+
+impl SeriesSource for PlanHistory {
+    fn services(&self) -> Vec<String> {
+        match self {
+            PlanHistory::Whole(h) => h.services(),
+            PlanHistory::Spilled(s) => s.services(),
+        }
+    }
+
+    fn rejected(&self) -> &[Rejected] {
+        match self {
+            PlanHistory::Whole(h) => &h.rejected,
+            PlanHistory::Spilled(s) => &s.rejected,
+        }
+    }
+
+    fn source_error(&self) -> Option<&str> {
+        match self {
+            PlanHistory::Whole(h) => h.source_error.as_deref(),
+            PlanHistory::Spilled(_) => None,
+        }
+    }
+
+    fn service(&self, service: &str) -> Result<std::borrow::Cow<'_, History>, String> {
+        match self {
+            PlanHistory::Whole(h) => Ok(std::borrow::Cow::Borrowed(h)),
+            PlanHistory::Spilled(s) => s.service(service).map(std::borrow::Cow::Owned),
+        }
+    }
 }

@@ -199,7 +199,7 @@ pub(in crate::serve) async fn on_serve(
 /// The policies and rails a run uses, as a [`PlanFn`] ([`crate::compute::compute_plan`]); the
 /// run's decrease guard is applied after it ([`Previews::with_guard`]).
 pub fn compute_plan_fn() -> Arc<PlanFn<'static>> {
-    Arc::new(crate::compute::compute_plan)
+    Arc::new(|c, r, h, now| crate::compute::compute_plan(c, r, h, now))
 }
 
 /// Previews over a config repo directory as it is on disk, for embedding and tests: every

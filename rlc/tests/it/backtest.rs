@@ -1,7 +1,7 @@
 //! The forecast policy beats peak on growing traffic in a backtest.
 
 use policies::RateSeries;
-use rlc::backtest::backtest;
+use rlc_plan::backtest::backtest;
 use rlc::history::synth::Profile;
 use schema::PolicyName;
 

@@ -10,7 +10,7 @@
 //! One test, one Prometheus: the instance is killed when the test ends (drop).
 
 use chrono::{TimeZone, Utc};
-use rlc::compute::{compute_plan, compute_plan_from};
+use rlc::compute::compute_plan;
 use rlc::history::synth::Profile;
 use rlc::history::{self, HistoryError, PlanHistory};
 use rlc::plan::PlannedBucket;
@@ -383,7 +383,7 @@ fn four_weeks_from_real_prometheus() {
             assert_eq!(bits(&back.series[k].values), bits(&v.values), "{k:?}");
         }
         let whole_plan = compute_plan(cfg, &repo, whole, now_dt);
-        assert_eq!(compute_plan_from(cfg, &repo, &ph, now_dt), whole_plan);
+        assert_eq!(compute_plan(cfg, &repo, &ph, now_dt), whole_plan);
         drop(ph);
         assert_eq!(
             std::fs::read_dir(&spill_dir).unwrap().count(),

@@ -1,0 +1,281 @@
+//! Backtests: fit each policy on the history before the last `holdout`, score it on the
+//! holdout: the fraction of requests it would have throttled and its slack (limit ÷ real
+//! peak), per bucket and overall (`rlc backtest`).
+//!
+//! The scoring ([`score`]) and the split of a history ([`split`]) are shared with the what-if
+//! previews (`crate::whatif`), which score whole plans computed on the training part
+//! ([`score_plan`]).
+//! Every fitted limit passes `policies::rails::check_proposal` first, as in a run: a proposal
+//! the rails would refuse (not finite, negative, far above the peak) scores as a failure, never
+//! as a bucket that is never overloaded.
+
+use chrono::{TimeZone, Utc};
+use policies::rails;
+use policies::{Policy, PolicyInput, Proposal, RateSeries};
+use schema::{ConfigRepo, DaemonConfig, PolicyName, PolicySpec};
+use serde::Serialize;
+
+use crate::compute::{policy_for, spec_for};
+use crate::history::{History, SeriesKey};
+use crate::plan::Plan;
+
+/// Score of one policy on one bucket.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct BucketScore {
+    /// Callee.
+    pub service: String,
+    /// Bucket name.
+    pub bucket: String,
+    /// Policy scored (as asked; the evidence may show a fallback).
+    pub policy: String,
+    /// Limit fitted on the training part.
+    pub limit_rps: f64,
+    /// Highest rate in the holdout.
+    pub holdout_peak_rps: f64,
+    /// Requests over the limit ÷ all requests in the holdout.
+    pub throttled_fraction: f64,
+    /// limit ÷ holdout peak.
+    pub slack: f64,
+}
+
+/// Totals of one policy.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct PolicyTotals {
+    /// Policy.
+    pub policy: String,
+    /// Requests throttled ÷ requests, over every bucket.
+    pub throttled_fraction: f64,
+    /// Mean of the per-bucket slack.
+    pub mean_slack: f64,
+    /// Buckets scored.
+    pub buckets: usize,
+    /// Buckets that failed (no training data, policy error).
+    pub failed: usize,
+}
+
+/// The whole backtest.
+#[derive(Debug, Clone, Serialize, PartialEq, Default)]
+pub struct BacktestReport {
+    /// Per bucket and policy.
+    pub buckets: Vec<BucketScore>,
+    /// Per policy.
+    pub totals: Vec<PolicyTotals>,
+}
+
+/// How one limit fares on a holdout.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, schemars::JsonSchema)]
+pub struct Score {
+    /// The limit scored.
+    pub limit_rps: f64,
+    /// Highest rate in the holdout.
+    pub holdout_peak_rps: f64,
+    /// Requests over the limit ÷ all requests in the holdout.
+    pub throttled_fraction: f64,
+    /// limit ÷ holdout peak (infinite, serialised as null, when the holdout peak is 0).
+    pub slack: f64,
+    /// Requests over the limit (rate × samples, for totals).
+    #[serde(skip)]
+    pub over: f64,
+    /// All requests (rate × samples, for totals).
+    #[serde(skip)]
+    pub total: f64,
+}
+
+/// Scores `limit` on the rates of a holdout (NaN = missing sample); None when the holdout has
+/// no sample.
+pub fn score(limit: f64, holdout: &[f32]) -> Option<Score> {
+    let (mut over, mut total, mut peak) = (0.0, 0.0, None::<f64>);
+    for &v in holdout.iter().filter(|v| !v.is_nan()) {
+        let v = f64::from(v);
+        total += v;
+        over += (v - limit).max(0.0);
+        peak = Some(peak.map_or(v, |p| p.max(v)));
+    }
+    let peak = peak?;
+    Some(Score {
+        limit_rps: limit,
+        holdout_peak_rps: peak,
+        throttled_fraction: if total > 0.0 { over / total } else { 0.0 },
+        slack: if peak > 0.0 {
+            limit / peak
+        } else {
+            f64::INFINITY
+        },
+        over,
+        total,
+    })
+}
+
+/// Splits `history` before its last `holdout_secs`: the training part (every series cut at
+/// the split, on the same grid start) and the split time.
+pub fn split(history: &History, holdout_secs: i64) -> (History, i64) {
+    let split = history.end() - holdout_secs.max(0);
+    let len = if history.step > 0 {
+        ((split - history.start).max(0) / history.step) as usize
+    } else {
+        0
+    }
+    .min(history.len);
+    let train = History {
+        start: history.start,
+        step: history.step,
+        len,
+        series: history
+            .series
+            .iter()
+            .map(|(k, s)| (k.clone(), s.slice(s.start, split)))
+            .collect(),
+        rejected: history.rejected.clone(),
+        source_error: history.source_error.clone(),
+    };
+    (train, split)
+}
+
+/// The holdout rates (from `split` on) of the traffic a bucket of `service` matching `caller`
+/// and `procedure` sees: the sum of the series it covers (a caller-wide bucket covers every
+/// procedure of the caller), missing where all of them are.
+pub fn holdout_rates(
+    history: &History,
+    service: &str,
+    caller: Option<&str>,
+    procedure: Option<&str>,
+    split: i64,
+) -> Vec<f32> {
+    let mut sum: Vec<f32> = Vec::new();
+    for (k, s) in history.service_series(service) {
+        if k.caller.as_deref() != caller
+            || (procedure.is_some() && k.procedure.as_deref() != procedure)
+        {
+            continue;
+        }
+        let test = s.slice(split, s.end());
+        if sum.len() < test.values.len() {
+            sum.resize(test.values.len(), f32::NAN);
+        }
+        for (a, v) in sum.iter_mut().zip(&test.values) {
+            if !v.is_nan() {
+                *a = if a.is_nan() { *v } else { *a + *v };
+            }
+        }
+    }
+    sum
+}
+
+/// Scores each bucket of `plan` (computed on the history before `split`) on the traffic it
+/// covers from `split` on. Buckets without traffic there are left out.
+pub fn score_plan(history: &History, plan: &Plan, split: i64) -> Vec<(String, String, Score)> {
+    plan.buckets
+        .iter()
+        .filter_map(|b| {
+            let rates = holdout_rates(
+                history,
+                &b.service,
+                b.bucket.caller.as_deref(),
+                b.bucket.procedure.as_deref(),
+                split,
+            );
+            let s = score(b.bucket.limit_rps, &rates)?;
+            Some((b.service.clone(), b.bucket.name.clone(), s))
+        })
+        .collect()
+}
+
+/// Fits `policy` on `full` before `split` and scores its limit (at least `floor`) on the rest,
+/// as a run would: a proposal the rails would refuse is an error, never a score. `Ok(None)` when
+/// the held-out part has no sample. The one scoring path of `rlc backtest` and the corpus
+/// ([`crate::corpus`]).
+pub fn fit_and_score(
+    policy: &dyn Policy,
+    spec: &PolicySpec,
+    floor: f64,
+    (service, caller, procedure): (&str, Option<&str>, Option<&str>),
+    full: &RateSeries,
+    split: i64,
+) -> Result<Option<(Score, Proposal)>, String> {
+    let s = &full.slice(full.start, split);
+    let test = full.slice(split, full.end()).values;
+    if test.iter().all(|v| v.is_nan()) {
+        return Ok(None);
+    }
+    let train_now = Utc.timestamp_opt(split, 0).single().unwrap_or_default();
+    let p = policy
+        .compute(&PolicyInput {
+            service,
+            caller,
+            procedure,
+            series: s,
+            spec,
+            capacity_share_rps: None,
+            now: train_now,
+        })
+        .map_err(|e| e.to_string())?;
+    // As in a run: no proposal is scored that the rails would refuse.
+    rails::check_proposal(p.limit_rps, s.max().unwrap_or(0.0), None, floor, true)?;
+    Ok(score(p.limit_rps.max(floor), &test).map(|sc| (sc, p)))
+}
+
+/// Scores `policies` on `history`, holding out its last `holdout_secs`.
+pub fn backtest(
+    cfg: &DaemonConfig,
+    repo: &ConfigRepo,
+    history: &History,
+    holdout_secs: i64,
+    policies: &[PolicyName],
+) -> BacktestReport {
+    let split = history.end() - holdout_secs;
+    let mut report = BacktestReport::default();
+    for name in policies {
+        let policy: &dyn Policy = match policy_for(cfg, name) {
+            Ok(Some(p)) => p,
+            _ => continue,
+        };
+        let (mut over, mut total, mut slack_sum, mut n, mut failed) = (0.0, 0.0, 0.0, 0, 0);
+        for (key, full) in &history.series {
+            let SeriesKey {
+                service,
+                caller,
+                procedure,
+            } = key;
+            let mut spec = spec_for(repo, service);
+            spec.policy = Some(name.clone());
+            let floor = rails::floor(&cfg.rails, &spec);
+            let Ok(fitted) = fit_and_score(
+                policy,
+                &spec,
+                floor,
+                (service, caller.as_deref(), procedure.as_deref()),
+                full,
+                split,
+            ) else {
+                failed += 1;
+                continue;
+            };
+            let Some((sc, _)) = fitted else {
+                continue;
+            };
+            over += sc.over;
+            total += sc.total;
+            if sc.slack.is_finite() {
+                slack_sum += sc.slack;
+                n += 1;
+            }
+            report.buckets.push(BucketScore {
+                service: service.clone(),
+                bucket: key.bucket_name(),
+                policy: name.to_string(),
+                limit_rps: sc.limit_rps,
+                holdout_peak_rps: sc.holdout_peak_rps,
+                throttled_fraction: sc.throttled_fraction,
+                slack: sc.slack,
+            });
+        }
+        report.totals.push(PolicyTotals {
+            policy: name.to_string(),
+            throttled_fraction: if total > 0.0 { over / total } else { 0.0 },
+            mean_slack: if n > 0 { slack_sum / n as f64 } else { 0.0 },
+            buckets: n,
+            failed,
+        });
+    }
+    report
+}
