@@ -6,7 +6,7 @@
 //! failed, when their coverage is below `history.min_coverage`, or when they have buckets but
 //! no history at all. A bucket whose policy fails keeps its current quota, and is listed too.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 use chrono::{DateTime, Utc};
@@ -18,6 +18,7 @@ use schema::{
 use serde_json::json;
 
 use crate::history::{History, SeriesKey, SeriesSource};
+use crate::evidence::{Evidence, PolicyEvidence};
 use crate::plan::{Plan, PlannedBucket, Skipped};
 
 /// The effective policy spec of `service` (peak with default headroom when the repo has no
@@ -198,7 +199,7 @@ fn kept(service: &str, b: &Bucket, reason: &str) -> PlannedBucket {
         service: service.into(),
         bucket: b.clone(),
         current_limit_rps: Some(b.limit_rps),
-        evidence: json!({"kept_current": reason}),
+        evidence: Evidence::kept(reason),
         held: None,
     }
 }
@@ -552,7 +553,6 @@ fn push(
     // The owner's scope wins; otherwise a bucket keeps its scope (a region limit must not
     // silently become one fleet-wide limit); new buckets are global.
     let scope = spec.scope.or(cur.map(|b| b.scope)).unwrap_or(Scope::Global);
-    let mut evidence = BTreeMap::new();
     // What set the limit, in one line (preview table, PR body): the policy's own line, else its
     // name and the limit it proposed; then what the rails did.
     let mut explain = p
@@ -564,33 +564,19 @@ fn push(
     if !railed.notes.is_empty() {
         explain.push_str(&format!("; rails: {}", railed.notes.join(", ")));
     }
-    evidence.insert("explain".to_string(), json!(explain));
-    evidence.insert("policy".to_string(), p.evidence);
-    evidence.insert(
-        "proposed_rps".into(),
-        json!(rails::round_limit(p.limit_rps)),
-    );
-    evidence.insert(
-        "peak_rps".into(),
-        json!((p.peak_rps * 1000.0).round() / 1000.0),
-    );
-    evidence.insert(
-        "confidence".into(),
-        json!((p.confidence * 100.0).round() / 100.0),
-    );
-    if !railed.notes.is_empty() {
-        evidence.insert("rails".into(), json!(railed.notes));
-    }
-    // The value a rail moved the limit from (floor, ceiling, per-run cap).
-    if let Some(from) = railed.capped_from {
-        evidence.insert("capped_from".into(), json!(from));
-    }
-    if let Some(at) = peak_at {
-        evidence.insert("peak_at".into(), json!(at.to_rfc3339()));
-    }
-    if !expired.is_empty() {
-        evidence.insert("expired_contracts".into(), json!(expired));
-    }
+    let evidence = Evidence {
+        explain: Some(explain),
+        proposed_rps: Some(rails::round_limit(p.limit_rps)),
+        peak_rps: Some((p.peak_rps * 1000.0).round() / 1000.0),
+        confidence: Some((p.confidence * 100.0).round() / 100.0),
+        rails: railed.notes.clone(),
+        // The value a rail moved the limit from (floor, ceiling, per-run cap).
+        capped_from: railed.capped_from,
+        peak_at: peak_at.map(|at| at.to_rfc3339()),
+        expired_contracts: expired,
+        policy: Some(PolicyEvidence(p.evidence)),
+        ..Evidence::default()
+    };
     plan.buckets.push(PlannedBucket {
         service: service.into(),
         bucket: Bucket {
@@ -603,7 +589,7 @@ fn push(
             policy: p.policy,
         },
         current_limit_rps: cur.map(|b| b.limit_rps),
-        evidence: serde_json::to_value(evidence).unwrap_or_default(),
+        evidence,
         held: None,
     });
 }

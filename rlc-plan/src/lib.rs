@@ -16,6 +16,7 @@
 pub mod backtest;
 pub mod change;
 pub mod compute;
+pub mod evidence;
 pub mod history;
 pub mod plan;
 pub mod promotion;

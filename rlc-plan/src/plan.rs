@@ -5,6 +5,8 @@ use std::collections::BTreeMap;
 
 use schema::{Bucket, BucketFile};
 use schemars::JsonSchema;
+
+pub use crate::evidence::Evidence;
 use serde::{Deserialize, Serialize};
 
 /// All proposed buckets and all skipped series/services of one computation.
@@ -35,7 +37,7 @@ pub struct PlannedBucket {
     /// The limit in the config repo now, if any.
     pub current_limit_rps: Option<f64>,
     /// Which numbers, window and confidence produced the limit.
-    pub evidence: serde_json::Value,
+    pub evidence: Evidence,
     /// Set when a decrease is held back by the one-decrease-per-`rails.decrease_interval`
     /// guard: `limit_rps` is then the current limit (what the run writes), and this says what
     /// the policy and rails proposed and why it waits.

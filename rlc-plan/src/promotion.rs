@@ -11,9 +11,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use chrono::{DateTime, Utc};
 use schema::{BucketFile, ChangeClass, Mode, PoliciesFile, PromotionRule};
 use serde::Serialize;
-use serde_json::json;
 
 use crate::change::{self as summary, BucketChange, ChangeKind};
+use crate::evidence::{Evidence, PromotionEvidence, ShadowFigures};
 use crate::plan::{Plan, PlannedBucket};
 use crate::readiness::{self, Rule, ShadowStats, Verdict};
 
@@ -142,7 +142,12 @@ pub fn apply(
         };
         let promoted = verdict == Verdict::Ready;
         let reason = verdict.describe();
-        set_evidence(pb, stats.get(key), &verdict, &reason, promoted, now);
+        pb.evidence.promotion = Some(PromotionEvidence {
+            promoted,
+            verdict: verdict.clone(),
+            reason: reason.clone(),
+            figures: stats.get(key).map(|s| ShadowFigures::of(s, now)),
+        });
         if promoted {
             pb.bucket.mode = Mode::Enforce;
         }
@@ -155,41 +160,6 @@ pub fn apply(
         });
     }
     notes
-}
-
-fn set_evidence(
-    pb: &mut PlannedBucket,
-    s: Option<&ShadowStats>,
-    verdict: &Verdict,
-    reason: &str,
-    promoted: bool,
-    now: DateTime<Utc>,
-) {
-    let round = |v: f64, k: f64| (v * k).round() / k;
-    let mut ev = json!({
-        "promoted": promoted,
-        "verdict": verdict,
-        "reason": reason,
-    });
-    if let Some(s) = s {
-        ev["days_in_shadow"] = json!(round(s.days_in_shadow(now), 100.0));
-        ev["shadow_since"] = json!(s.shadow_since);
-        ev["coverage"] = json!(round(s.coverage, 10_000.0));
-        ev["virtual_drop_share"] = json!(s.drop_share());
-        ev["offered"] = json!(s.offered);
-        ev["virtual_dropped"] = json!(s.virtual_dropped);
-        ev["peak_drop_share"] = json!(s.peak_drop_share);
-        ev["peak_drop_at"] = json!(s.peak_drop_at);
-        ev["suggested_limit_rps"] = json!(s.suggested_limit_rps.map(|v| round(v, 1000.0)));
-        ev["shadow_limit_rps"] = json!(s.limit_rps);
-        ev["window_start"] = json!(s.window_start);
-        ev["window_end"] = json!(s.window_end);
-        ev["last_report"] = json!(s.last_report);
-    }
-    if !pb.evidence.is_object() {
-        pb.evidence = json!({});
-    }
-    pb.evidence["promotion"] = ev;
 }
 
 /// The class of one change, riskiest reading first: a new bucket enforcing at once, a
@@ -268,7 +238,7 @@ pub fn split_for_review(
                     service: s.service.clone(),
                     bucket: o.clone(),
                     current_limit_rps: Some(o.limit_rps),
-                    evidence: json!({"kept_current": "removal waits for review"}),
+                    evidence: Evidence::kept("removal waits for review"),
                     held: None,
                 }),
                 (None, None) => {}
@@ -300,7 +270,7 @@ mod tests {
                 policy: schema::PolicyName::Peak,
             },
             current_limit_rps: None,
-            evidence: json!({}),
+            evidence: Evidence::default(),
             held: None,
         }
     }
@@ -375,10 +345,15 @@ mod tests {
         );
         assert_eq!(plan.buckets[0].bucket.mode, Mode::Enforce);
         assert_eq!(plan.buckets[1].bucket.mode, Mode::Shadow);
-        let ev = &plan.buckets[0].evidence["promotion"];
-        assert_eq!(ev["days_in_shadow"], json!(8.0));
-        assert_eq!(ev["suggested_limit_rps"], json!(80.0));
-        assert_eq!(ev["verdict"]["verdict"], json!("ready"));
+        let ev = plan.buckets[0].evidence.promotion.as_ref().unwrap();
+        let figures = ev.figures.as_ref().unwrap();
+        assert_eq!(figures.days_in_shadow, 8.0);
+        assert_eq!(figures.suggested_limit_rps, Some(80.0));
+        assert_eq!(ev.verdict, Verdict::Ready);
+        // As the preview JSON shows it.
+        let json = serde_json::to_value(ev).unwrap();
+        assert_eq!(json["verdict"]["verdict"], "ready");
+        assert_eq!(json["days_in_shadow"], 8.0);
         // An explicit mode in policies.yaml wins: no candidates.
         let policies: PoliciesFile = schema::parse_str(
             std::path::Path::new("p.yaml"),

@@ -1010,7 +1010,7 @@ impl Cycle {
                         policy: pb.map(|b| b.bucket.policy.to_string()),
                         commit_sha: out.commit.clone(),
                         evidence: pb
-                            .map(|b| b.evidence.to_string())
+                            .map(|b| serde_json::to_string(&b.evidence).unwrap_or_default())
                             .unwrap_or_else(|| "{}".into()),
                         recorded_at: out.finished_at,
                         pr_number: pr_number.filter(|_| via_pr),

@@ -125,10 +125,7 @@ pub async fn run(args: PreviewArgs) -> anyhow::Result<i32> {
 /// Whether the plan proposes `mode: enforce` for this shadow bucket
 /// (`evidence.promotion.promoted`).
 pub fn promoted(b: &crate::plan::PlannedBucket) -> bool {
-    b.evidence
-        .pointer("/promotion/promoted")
-        .and_then(|v| v.as_bool())
-        .unwrap_or(false)
+    b.evidence.promoted()
 }
 
 /// The shadow buckets a run would promote or keep in shadow, with the reason: what the run
@@ -211,14 +208,14 @@ pub fn table(plan: &Plan) -> String {
             Some(_) => "-".into(),
             None => "new".into(),
         };
-        let num = |k: &str| b.evidence.get(k).and_then(|v| v.as_f64());
         rows.push([
             b.service.clone(),
             b.bucket.name.clone(),
             cur.map(schema::format_rps).unwrap_or_else(|| "-".into()),
             schema::format_rps(b.bucket.limit_rps),
             change,
-            num("peak_rps")
+            b.evidence
+                .peak_rps
                 .map(schema::format_rps)
                 .unwrap_or_else(|| "-".into()),
             b.bucket.policy.to_string(),
@@ -228,13 +225,12 @@ pub fn table(plan: &Plan) -> String {
             } else {
                 b.bucket.mode.as_str().into()
             },
-            num("confidence")
+            b.evidence
+                .confidence
                 .map(|c| format!("{:.0}%", c * 100.0))
                 .unwrap_or_else(|| "kept".into()),
             b.evidence
-                .get("explain")
-                .and_then(|v| v.as_str())
-                .or_else(|| b.evidence.get("kept_current").and_then(|v| v.as_str()))
+                .why()
                 .unwrap_or("-")
                 .replace(['\n', '\r'], " "),
         ]);

@@ -158,7 +158,6 @@ mod tests {
     use super::*;
     use crate::gitops::tests::planned;
     use schema::{Mode, PromotionSpec};
-    use serde_json::json;
 
     fn shadow(service: &str, name: &str, limit: f64) -> rlc_plan::plan::PlannedBucket {
         let mut b = planned(service, name, limit);
@@ -222,8 +221,10 @@ mod tests {
         );
         assert_eq!(plan.buckets[0].bucket.mode, Mode::Shadow);
         assert_eq!(
-            plan.buckets[0].evidence["promotion"]["verdict"]["reasons"][0],
-            json!("shadow figures unavailable: store unavailable: not connected yet")
+            plan.buckets[0].evidence.promotion.as_ref().map(|p| &p.verdict),
+            Some(&rlc_plan::readiness::Verdict::NotYet {
+                reasons: vec!["shadow figures unavailable: store unavailable: not connected yet".into()]
+            })
         );
     }
 }

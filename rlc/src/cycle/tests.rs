@@ -196,7 +196,7 @@ async fn pull_request_mode_opens_a_pr_and_pushes_only_merged_config() {
         assert_eq!(prs[0]["base"], "main");
         let body = prs[0]["body"].as_str().unwrap();
         assert!(
-            body.contains("| gw | 100 | 250 | +150.0% | 200 | peak | high |"),
+            body.contains("| gw | 100 | 250 | +150.0% | 200 | peak | 0.9 |"),
             "{body}"
         );
         assert!(
@@ -755,7 +755,12 @@ fn shadow_plan() -> Plan {
     }
     for b in &mut buckets {
         b.current_limit_rps = Some(100.0);
-        b.evidence = serde_json::json!({"peak_rps": 80.0, "confidence": 1.0, "peak_at": "2026-11-20T14:03:00Z"});
+        b.evidence = crate::plan::Evidence {
+            peak_rps: Some(80.0),
+            confidence: Some(1.0),
+            peak_at: Some("2026-11-20T14:03:00Z".into()),
+            ..Default::default()
+        };
     }
     plan(buckets)
 }

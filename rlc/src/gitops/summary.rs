@@ -6,25 +6,21 @@ use std::fmt::Write;
 use schema::{format_rps, Mode};
 
 pub use rlc_plan::change::{describe, diff, BucketChange, ChangeKind, ChangeSummary, ServiceChange};
-use rlc_plan::plan::Plan;
+use rlc_plan::plan::{Evidence, Plan};
 use rlc_plan::promotion::PromotionNote;
 
 /// GitHub refuses PR bodies and comments above 65,535 characters.
 pub const FORGE_BODY_LIMIT: usize = 65_535;
 
-fn evidence_str(ev: &serde_json::Value, key: &str) -> String {
-    match ev.get(key) {
-        Some(serde_json::Value::Number(n)) => n.as_f64().map(format_rps).unwrap_or_default(),
-        Some(serde_json::Value::String(s)) => md_title(s),
-        Some(serde_json::Value::Null) | None => "-".into(),
-        Some(v) => md_title(&v.to_string()),
-    }
+/// A number of the evidence as a table cell (`-` when absent).
+fn cell(v: Option<f64>) -> String {
+    v.map(format_rps).unwrap_or_else(|| "-".into())
 }
 
 /// The evidence's one line (what set the limit, which spikes and dips were discounted), at
 /// most 300 characters, safe in a table cell.
-fn why_cell(ev: &serde_json::Value) -> String {
-    match ev.get("explain").and_then(|v| v.as_str()) {
+fn why_cell(ev: &Evidence) -> String {
+    match ev.explain.as_deref() {
         Some(s) => {
             let mut s: String = s.chars().take(300).collect();
             if s.chars().count() == 300 {
@@ -92,18 +88,15 @@ pub fn bucket_url(base: &str, service: &str, bucket: &str) -> String {
     )
 }
 
-fn num(ev: &serde_json::Value, key: &str) -> Option<f64> {
-    ev.get(key).and_then(|v| v.as_f64())
+/// A minute as the report shows it: `2026-11-12 14:00 UTC`.
+fn minute(t: chrono::DateTime<chrono::Utc>) -> String {
+    t.format("%Y-%m-%d %H:%M UTC").to_string()
 }
 
-fn when(ev: &serde_json::Value, key: &str) -> Option<String> {
-    let t = ev.get(key)?.as_str()?;
-    let t = chrono::DateTime::parse_from_rfc3339(t).ok()?;
-    Some(
-        t.with_timezone(&chrono::Utc)
-            .format("%Y-%m-%d %H:%M UTC")
-            .to_string(),
-    )
+/// An RFC 3339 time of the evidence as a minute.
+fn when(t: Option<&str>) -> Option<String> {
+    let t = chrono::DateTime::parse_from_rfc3339(t?).ok()?;
+    Some(minute(t.with_timezone(&chrono::Utc)))
 }
 
 fn pct(v: f64) -> String {
@@ -122,42 +115,41 @@ fn risky_line(pb: Option<&rlc_plan::plan::PlannedBucket>, c: &BucketChange) -> V
         return parts;
     };
     let ev = &pb.evidence;
-    if let (Some(limit), Some(peak)) = (c.new_limit_rps, num(ev, "peak_rps")) {
+    if let (Some(limit), Some(peak)) = (c.new_limit_rps, ev.peak_rps) {
         if peak > 0.0 {
             let mut p = format!(
                 "limit ÷ peak {:.2} (peak {} rps",
                 limit / peak,
                 format_rps(peak)
             );
-            if let Some(at) = when(ev, "peak_at") {
+            if let Some(at) = when(ev.peak_at.as_deref()) {
                 let _ = write!(p, " at {at}");
             }
             p.push(')');
             parts.push(p);
         }
     }
-    if let Some(from) = num(ev, "capped_from") {
+    if let Some(from) = ev.capped_from {
         parts.push(format!("capped from {} rps by the rails", format_rps(from)));
     }
-    if let Some(p) = ev.get("promotion").filter(|p| p["promoted"] == true) {
+    if let Some(f) = ev
+        .promotion
+        .as_ref()
+        .filter(|p| p.promoted)
+        .and_then(|p| p.figures.as_ref())
+    {
         let mut s = String::from("shadow:");
-        if let Some(d) = num(p, "days_in_shadow") {
-            let _ = write!(s, " {d:.1} days in shadow,");
-        }
-        if let Some(cov) = num(p, "coverage") {
-            let _ = write!(s, " coverage {:.1}%,", cov * 100.0);
-        }
-        if let Some(v) = num(p, "virtual_drop_share") {
-            let _ = write!(s, " virtual drops {}", pct(v));
-        }
-        if let Some(v) = num(p, "peak_drop_share").filter(|v| *v > 0.0) {
-            let _ = write!(s, " (worst minute {}", pct(v));
-            if let Some(at) = when(p, "peak_drop_at") {
-                let _ = write!(s, " at {at}");
+        let _ = write!(s, " {:.1} days in shadow,", f.days_in_shadow);
+        let _ = write!(s, " coverage {:.1}%,", f.coverage * 100.0);
+        let _ = write!(s, " virtual drops {}", pct(f.virtual_drop_share));
+        if f.peak_drop_share > 0.0 {
+            let _ = write!(s, " (worst minute {}", pct(f.peak_drop_share));
+            if let Some(at) = f.peak_drop_at {
+                let _ = write!(s, " at {}", minute(at));
             }
             s.push(')');
         }
-        if let Some(v) = num(p, "suggested_limit_rps") {
+        if let Some(v) = f.suggested_limit_rps {
             let _ = write!(s, ", suggested limit {} rps", format_rps(v));
         }
         parts.push(s);
@@ -251,9 +243,9 @@ pub fn report_with(plan: &Plan, summary: &ChangeSummary, ctx: &ReportContext<'_>
             }
             let (peak, policy, conf, why) = match pb {
                 Some(pb) => (
-                    evidence_str(&pb.evidence, "peak_rps"),
+                    cell(pb.evidence.peak_rps),
                     md(&pb.bucket.policy.to_string()),
-                    evidence_str(&pb.evidence, "confidence"),
+                    cell(pb.evidence.confidence),
                     why_cell(&pb.evidence),
                 ),
                 None => ("-".into(), "-".into(), "-".into(), "-".into()),
@@ -419,32 +411,36 @@ mod tests {
                 service: "pay".into(),
                 bucket: b.clone(),
                 current_limit_rps: Some(10.0),
-                evidence: serde_json::json!({"peak_rps": 8.0, "confidence": "high",
-                    "explain": "forecast bound 9.1 rps at 2026-12-03T15:00:00+00:00 (horizon 7d) × 1.25; dip 2026-11-25..2026-11-30 at 0.50× discounted (5.0d < new normal 10d)"}),
+                evidence: Evidence {
+                    peak_rps: Some(8.0),
+                    confidence: Some(0.9),
+                    explain: Some("forecast bound 9.1 rps at 2026-12-03T15:00:00+00:00 (horizon 7d) × 1.25; dip 2026-11-25..2026-11-30 at 0.50× discounted (5.0d < new normal 10d)".into()),
+                    ..Evidence::default()
+                },
                 held: None,
             });
         }
         let body = report(&plan, &s);
         // The one-line why, in its own cell (`<` escaped like every free text).
         assert!(
-            body.contains("| 8 | peak | high | forecast bound 9.1 rps at 2026-12-03T15:00:00+00:00 (horizon 7d) × 1.25; dip 2026-11-25..2026-11-30 at 0.50× discounted (5.0d &#60; new normal 10d) |"),
+            body.contains("| 8 | peak | 0.9 | forecast bound 9.1 rps at 2026-12-03T15:00:00+00:00 (horizon 7d) × 1.25; dip 2026-11-25..2026-11-30 at 0.50× discounted (5.0d &#60; new normal 10d) |"),
             "{body}"
         );
         assert!(
             body.contains(
-                "| a | 10 | 10 | +0.0%; mode shadow -> enforce; scope region -> global | 8 | peak | high | forecast"
+                "| a | 10 | 10 | +0.0%; mode shadow -> enforce; scope region -> global | 8 | peak | 0.9 | forecast"
             ),
             "{body}"
         );
         assert!(
             body.contains(
-                "| b | 10 | 20 | +100.0%; mode shadow -> enforce | 8 | peak | high | forecast"
+                "| b | 10 | 20 | +100.0%; mode shadow -> enforce | 8 | peak | 0.9 | forecast"
             ),
             "{body}"
         );
         assert!(
             body.contains(
-                "| d | 10 | 10 | +0.0%; scope global -> region | 8 | peak | high | forecast"
+                "| d | 10 | 10 | +0.0%; scope global -> region | 8 | peak | 0.9 | forecast"
             ),
             "{body}"
         );
@@ -473,7 +469,11 @@ mod tests {
                 service: svc.clone(),
                 bucket: bucket("caller-x", 100.0),
                 current_limit_rps: None,
-                evidence: serde_json::json!({"peak_rps": 80.0, "confidence": "high"}),
+                evidence: Evidence {
+                    peak_rps: Some(80.0),
+                    confidence: Some(0.9),
+                    ..Evidence::default()
+                },
                 held: None,
             });
             files.push(BucketFile {
@@ -485,7 +485,7 @@ mod tests {
         let full = report(&plan, &s);
         assert!(full.len() > FORGE_BODY_LIMIT);
         assert!(
-            full.contains("| caller-x | — | 100 | new | 80 | peak | high |"),
+            full.contains("| caller-x | — | 100 | new | 80 | peak | 0.9 |"),
             "{}",
             &full[..600]
         );
@@ -524,9 +524,14 @@ mod tests {
         let s = diff(&old, &new);
         let mut plan = Plan::default();
         for b in &new[0].buckets {
-            let mut ev = serde_json::json!({"peak_rps": 32.0, "confidence": 1.0, "peak_at": "2026-11-27T09:15:00Z"});
+            let mut ev = Evidence {
+                peak_rps: Some(32.0),
+                confidence: Some(1.0),
+                peak_at: Some("2026-11-27T09:15:00Z".into()),
+                ..Evidence::default()
+            };
             if b.name == "down" {
-                ev["capped_from"] = serde_json::json!(40.0);
+                ev.capped_from = Some(40.0);
             }
             plan.buckets.push(PlannedBucket {
                 service: "pay".into(),

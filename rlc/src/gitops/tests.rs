@@ -37,7 +37,11 @@ pub(crate) fn planned(service: &str, name: &str, limit: f64) -> PlannedBucket {
             policy: PolicyName::Peak,
         },
         current_limit_rps: None,
-        evidence: json!({"peak_rps": limit / 1.25, "confidence": "high"}),
+        evidence: crate::plan::Evidence {
+            peak_rps: Some(limit / 1.25),
+            confidence: Some(0.9),
+            ..Default::default()
+        },
         held: None,
     }
 }
@@ -311,7 +315,7 @@ fn pull_request_branch_is_stable_and_human_commits_are_left_alone() {
     assert_ne!(branch_tree, seed_tree, "the bucket file changed");
     let report = crate::gitops::summary::report(&p1, &out.summary);
     assert!(
-        report.contains("| gw | 100 | 250 | +150.0% | 200 | peak | high |"),
+        report.contains("| gw | 100 | 250 | +150.0% | 200 | peak | 0.9 |"),
         "{report}"
     );
 

@@ -24,7 +24,6 @@ use chrono::{DateTime, Utc};
 use schema::{ConfigRepo, DaemonConfig};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
 
 use super::dashboard::bucket::BucketPath;
 use super::limits::Path as UrlPath;
@@ -461,43 +460,39 @@ fn rail_of(b: &PlannedBucket) -> Option<String> {
         return Some(h.reason.clone());
     }
     let e = &b.evidence;
-    if let Some(notes) = e.get("rails").and_then(Value::as_array) {
-        // The note of the rail that moved the limit, else the first one (mode, shadow start).
-        let limit = notes
-            .iter()
-            .filter_map(Value::as_str)
-            .find(|n| !n.starts_with("mode ") && !n.contains("starts in shadow"));
-        if let Some(n) = limit.or_else(|| notes.first().and_then(Value::as_str)) {
-            return Some(n.to_string());
-        }
+    // The note of the rail that moved the limit, else the first one (mode, shadow start).
+    let limit = e
+        .rails
+        .iter()
+        .find(|n| !n.starts_with("mode ") && !n.contains("starts in shadow"));
+    if let Some(n) = limit.or(e.rails.first()) {
+        return Some(n.clone());
     }
-    if let Some(c) = e.pointer("/policy/capped_by").and_then(Value::as_str) {
+    let figures = e.policy.as_ref().map(|p| p.figures()).unwrap_or_default();
+    if let Some(c) = figures.capped_by {
         return Some(format!("capped by the {c}"));
     }
-    e.get("kept_current")
-        .and_then(Value::as_str)
-        .map(str::to_string)
+    e.kept_current.clone()
 }
 
 fn details_of(b: &PlannedBucket) -> Details {
     let e = &b.evidence;
-    let num = |p: &str| e.pointer(p).and_then(Value::as_f64);
-    let text = |p: &str| e.pointer(p).and_then(Value::as_str).map(str::to_string);
+    let f = e.policy.as_ref().map(|p| p.figures()).unwrap_or_default();
     Details {
-        peak_rps: num("/peak_rps").or_else(|| num("/policy/peak_rps")),
-        peak_at: text("/peak_at").or_else(|| text("/policy/peak_at")),
-        statistic: text("/policy/statistic"),
-        statistic_rps: num("/policy/value_rps"),
-        forecast_upper_bound_rps: num("/policy/upper_bound_rps"),
-        headroom: num("/policy/headroom"),
-        capacity_share_rps: num("/policy/capacity_share_rps"),
-        capped_by: text("/policy/capped_by"),
-        coverage: num("/policy/coverage"),
-        history_days: num("/policy/history_days"),
-        capped_from_rps: num("/capped_from"),
-        proposed_rps: num("/proposed_rps"),
-        explain: text("/explain"),
-        set_by: text("/policy/set_by/kind"),
+        peak_rps: e.peak_rps.or(f.peak_rps),
+        peak_at: e.peak_at.clone().or(f.peak_at),
+        statistic: f.statistic,
+        statistic_rps: f.value_rps,
+        forecast_upper_bound_rps: f.upper_bound_rps,
+        headroom: f.headroom,
+        capacity_share_rps: f.capacity_share_rps,
+        capped_by: f.capped_by,
+        coverage: f.coverage,
+        history_days: f.history_days,
+        capped_from_rps: e.capped_from,
+        proposed_rps: e.proposed_rps,
+        explain: e.explain.clone(),
+        set_by: f.set_by.and_then(|s| s.kind),
     }
 }
 
@@ -505,7 +500,7 @@ fn view(b: &PlannedBucket, details: bool) -> QuotaBucket {
     QuotaBucket {
         planned: b.clone(),
         change: change_of(b),
-        confidence: b.evidence.get("confidence").and_then(Value::as_f64),
+        confidence: b.evidence.confidence,
         rail: rail_of(b),
         mode_change: crate::preview::promoted(b)
             .then(|| crate::promotion::PROMOTED_MODE.to_string()),
@@ -743,37 +738,27 @@ pub async fn service(
 
 /// Why a recorded change was made, from its stored evidence.
 fn reason_of(evidence: &str) -> String {
-    let Ok(e) = serde_json::from_str::<Value>(evidence) else {
-        return String::new();
-    };
+    let e = crate::plan::Evidence::from_stored(evidence);
     let mut parts: Vec<String> = Vec::new();
-    if let Some(h) = e.get("held") {
-        parts.push(h.to_string());
+    if let Some(k) = &e.kept_current {
+        parts.push(k.clone());
     }
-    if let Some(k) = e.get("kept_current").and_then(Value::as_str) {
-        parts.push(k.to_string());
-    }
-    let p = |k: &str| e.pointer(&format!("/policy/{k}")).and_then(Value::as_f64);
-    match (p("value_rps").or(p("upper_bound_rps")), p("headroom")) {
+    let f = e.policy.as_ref().map(|p| p.figures()).unwrap_or_default();
+    match (f.value_rps.or(f.upper_bound_rps), f.headroom) {
         (Some(v), Some(h)) => {
-            let stat = e
-                .pointer("/policy/statistic")
-                .and_then(Value::as_str)
-                .unwrap_or("forecast upper bound");
+            let stat = f.statistic.as_deref().unwrap_or("forecast upper bound");
             parts.push(format!(
                 "{stat} {} rps × (1 + headroom {h})",
                 schema::format_rps(v)
             ));
         }
         _ => {
-            if let Some(r) = e.pointer("/policy/reference").and_then(Value::as_str) {
+            if let Some(r) = &f.reference {
                 parts.push(format!("contract {r}"));
             }
         }
     }
-    if let Some(notes) = e.get("rails").and_then(Value::as_array) {
-        parts.extend(notes.iter().filter_map(Value::as_str).map(str::to_string));
-    }
+    parts.extend(e.rails);
     parts.join("; ")
 }
 

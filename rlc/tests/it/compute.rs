@@ -126,9 +126,9 @@ fn contract_wins_and_expired_contract_is_reported() {
         (px.bucket.limit_rps, px.bucket.policy.to_string().as_str()),
         (600.0, "fixed")
     );
-    assert_eq!(px.evidence["policy"]["contract"], "MSA-2291");
+    assert_eq!(json(&px.evidence)["policy"]["contract"], "MSA-2291");
     assert_eq!(
-        px.evidence["peak_rps"], 150.0,
+        json(&px.evidence)["peak_rps"], 150.0,
         "both procedures of the caller"
     );
     let old = &plan.buckets[0];
@@ -137,7 +137,7 @@ fn contract_wins_and_expired_contract_is_reported() {
         "expired contract no longer applies: peak 20 × 1.25"
     );
     assert!(
-        old.evidence["expired_contracts"][0]
+        json(&old.evidence)["expired_contracts"][0]
             .as_str()
             .unwrap()
             .contains("MSA-1"),
@@ -644,16 +644,21 @@ fn explain_line_and_expected_rate_event() {
     let web = get("shop", "web");
     assert_eq!(web.bucket.limit_rps, 500.0, "{}", web.evidence);
     assert_eq!(get("shop", "app").bucket.limit_rps, 250.0);
-    assert_eq!(web.evidence["policy"]["event"]["without_event_rps"], 125.0);
-    let why = web.evidence["explain"].as_str().unwrap();
+    assert_eq!(json(&web.evidence)["policy"]["event"]["without_event_rps"], 125.0);
+    let why = web.evidence.explain.as_deref().unwrap();
     assert!(
         why.starts_with("max 100.0 rps at ") && why.contains("event launch"),
         "{why}"
     );
     let mail = get("mail", "cron");
     assert_eq!(mail.bucket.limit_rps, 50.0);
-    assert!(mail.evidence["policy"].get("event").is_none());
+    assert!(json(&mail.evidence)["policy"].get("event").is_none());
     let table = rlc::preview::table(&plan);
     assert!(table.lines().next().unwrap().ends_with("WHY"), "{table}");
     assert!(table.contains("event launch"), "{table}");
+}
+
+/// Evidence as the preview JSON shows it.
+fn json(e: &rlc::plan::Evidence) -> serde_json::Value {
+    serde_json::to_value(e).unwrap()
 }
