@@ -15,8 +15,10 @@ use policies::{Policy, PolicyInput, Proposal, RateSeries};
 use schema::{ConfigRepo, DaemonConfig, PolicyName, PolicySpec};
 use serde::Serialize;
 
-use crate::compute::{policy_for, spec_for};
-use crate::history::{History, SeriesKey};
+use std::collections::BTreeMap;
+
+use crate::pipeline::{self, Purpose, World};
+use crate::history::History;
 use crate::plan::Plan;
 
 /// Score of one policy on one bucket.
@@ -214,7 +216,13 @@ pub fn fit_and_score(
     Ok(score(p.limit_rps.max(floor), &test).map(|sc| (sc, p)))
 }
 
-/// Scores `policies` on `history`, holding out its last `holdout_secs`.
+/// Scores `policies` on `history`, holding out its last `holdout_secs`: for each policy, the
+/// plan a run would compute on the history before the split with every service on that
+/// policy (contracts left out: a backtest scores policies), fitted from no limit in force
+/// ([`Purpose::Backtest`]), each bucket scored on the traffic it sees after. The very
+/// computation what-if previews backtest with, so that both give the same limits for the
+/// same inputs. A series with held-out traffic but no bucket (no training data, a policy
+/// error, a refused proposal) counts as failed.
 pub fn backtest(
     cfg: &DaemonConfig,
     repo: &ConfigRepo,
@@ -222,35 +230,24 @@ pub fn backtest(
     holdout_secs: i64,
     policies: &[PolicyName],
 ) -> BacktestReport {
-    let split = history.end() - holdout_secs;
+    let (train, split_at) = split(history, holdout_secs);
+    let at = Utc.timestamp_opt(split_at, 0).single().unwrap_or_default();
     let mut report = BacktestReport::default();
     for name in policies {
-        let policy: &dyn Policy = match policy_for(cfg, name) {
-            Ok(Some(p)) => p,
-            _ => continue,
-        };
+        let on_policy = with_policy(repo, name);
+        let plan = pipeline::plan(cfg, &on_policy, &train, &World::none(), at, Purpose::Backtest);
+        let scored: BTreeMap<(String, String), Score> = score_plan(history, &plan, split_at)
+            .into_iter()
+            .map(|(s, b, sc)| ((s, b), sc))
+            .collect();
         let (mut over, mut total, mut slack_sum, mut n, mut failed) = (0.0, 0.0, 0.0, 0, 0);
         for (key, full) in &history.series {
-            let SeriesKey {
-                service,
-                caller,
-                procedure,
-            } = key;
-            let mut spec = spec_for(repo, service);
-            spec.policy = Some(name.clone());
-            let floor = rails::floor(&cfg.rails, &spec);
-            let Ok(fitted) = fit_and_score(
-                policy,
-                &spec,
-                floor,
-                (service, caller.as_deref(), procedure.as_deref()),
-                full,
-                split,
-            ) else {
-                failed += 1;
-                continue;
-            };
-            let Some((sc, _)) = fitted else {
+            let bucket = key.bucket_name();
+            let Some(sc) = scored.get(&(key.service.clone(), bucket.clone())) else {
+                let held_out = full.slice(split_at, full.end()).values;
+                if held_out.iter().any(|v| !v.is_nan()) {
+                    failed += 1;
+                }
                 continue;
             };
             over += sc.over;
@@ -260,8 +257,8 @@ pub fn backtest(
                 n += 1;
             }
             report.buckets.push(BucketScore {
-                service: service.clone(),
-                bucket: key.bucket_name(),
+                service: key.service.clone(),
+                bucket,
                 policy: name.to_string(),
                 limit_rps: sc.limit_rps,
                 holdout_peak_rps: sc.holdout_peak_rps,
@@ -278,4 +275,33 @@ pub fn backtest(
         });
     }
     report
+}
+
+/// `repo` with every service on `policy` (their other parameters kept) and no contracts.
+fn with_policy(repo: &ConfigRepo, policy: &PolicyName) -> ConfigRepo {
+    let mut out = repo.clone();
+    out.contracts = None;
+    match &mut out.policies {
+        Some(p) => {
+            p.value.default.policy = Some(policy.clone());
+            for spec in p.value.services.values_mut() {
+                spec.policy = Some(policy.clone());
+            }
+        }
+        None => {
+            out.policies = Some(schema::Located {
+                file: repo.root.join("rlc/policies.yaml"),
+                value: schema::PoliciesFile {
+                    default: PolicySpec {
+                        policy: Some(policy.clone()),
+                        ..PolicySpec::default()
+                    },
+                    services: Default::default(),
+                    promotion: None,
+                },
+                locator: Default::default(),
+            })
+        }
+    }
+    out
 }

@@ -17,9 +17,12 @@ pub mod backtest;
 pub mod change;
 pub mod compute;
 pub mod evidence;
+pub mod guard;
 pub mod history;
+pub mod pipeline;
 pub mod plan;
 pub mod promotion;
 pub mod readiness;
+pub mod whatif;
 
 pub use plan::Plan;

@@ -3,10 +3,11 @@
 
 use std::collections::BTreeMap;
 
-use schema::{Bucket, BucketFile};
+use schema::{Bucket, BucketFile, ChangeClass};
 use schemars::JsonSchema;
 
 pub use crate::evidence::Evidence;
+use crate::readiness::Verdict;
 use serde::{Deserialize, Serialize};
 
 /// All proposed buckets and all skipped series/services of one computation.
@@ -24,6 +25,45 @@ pub struct Plan {
     /// Why the whole history source failed, when it did (every service keeps its quotas).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub history_error: Option<String>,
+    /// The verdict on every shadow bucket that could be promoted (`promotion:` in
+    /// `rlc/policies.yaml`): proposed for `mode: enforce`, or why it stays in shadow.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub promotions: Vec<PromotionNote>,
+    /// Why the shadow figures could not be read (nothing was promoted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shadow_error: Option<String>,
+    /// Direct mode: the changes `promotion.auto_merge` does not let rlc commit on the base
+    /// branch (they go to review).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub needs_review: Vec<NeedsReview>,
+}
+
+/// The verdict on one shadow bucket in a run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct PromotionNote {
+    /// Callee service.
+    pub service: String,
+    /// Bucket name.
+    pub bucket: String,
+    /// Whether the run proposes `mode: enforce` for it.
+    pub promoted: bool,
+    /// The verdict of the rule.
+    pub verdict: Verdict,
+    /// The verdict in words (`ready`, `not yet: …`, `would throttle …`).
+    pub reason: String,
+}
+
+/// A change direct mode may not commit: it waits for review.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct NeedsReview {
+    /// Callee service.
+    pub service: String,
+    /// Bucket name.
+    pub bucket: String,
+    /// Its class.
+    pub class: ChangeClass,
+    /// The change in words.
+    pub change: String,
 }
 
 /// One proposed bucket (flattened into the preview JSON shape).

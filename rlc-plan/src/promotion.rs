@@ -10,11 +10,10 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use chrono::{DateTime, Utc};
 use schema::{BucketFile, ChangeClass, Mode, PoliciesFile, PromotionRule};
-use serde::Serialize;
 
 use crate::change::{self as summary, BucketChange, ChangeKind};
 use crate::evidence::{Evidence, PromotionEvidence, ShadowFigures};
-use crate::plan::{Plan, PlannedBucket};
+use crate::plan::{NeedsReview, Plan, PlannedBucket, PromotionNote};
 use crate::readiness::{self, Rule, ShadowStats, Verdict};
 
 /// How a promotion shows as a mode change (preview table, JSON, quota API).
@@ -22,21 +21,6 @@ pub const PROMOTED_MODE: &str = "shadow → enforce";
 
 /// `(service, bucket)`.
 pub type BucketKey = (String, String);
-
-/// The verdict on one shadow bucket in a run.
-#[derive(Debug, Clone, PartialEq, Serialize, schemars::JsonSchema)]
-pub struct PromotionNote {
-    /// Callee service.
-    pub service: String,
-    /// Bucket name.
-    pub bucket: String,
-    /// Whether the run proposes `mode: enforce` for it.
-    pub promoted: bool,
-    /// The verdict of the rule.
-    pub verdict: Verdict,
-    /// The verdict in words (`ready`, `not yet: …`, `would throttle …`).
-    pub reason: String,
-}
 
 /// The promotion rule of `service` in `rlc/policies.yaml` (`promotion.default` merged under
 /// `promotion.services.<service>`); `None` without a `promotion:` section. The one place the
@@ -180,29 +164,14 @@ pub fn classify(c: &BucketChange) -> ChangeClass {
     }
 }
 
-/// A change direct mode may not commit: it waits for review.
-#[derive(Debug, Clone, PartialEq, Serialize, schemars::JsonSchema)]
-pub struct NeedsReview {
-    /// Callee service.
-    pub service: String,
-    /// Bucket name.
-    pub bucket: String,
-    /// Its class.
-    pub class: ChangeClass,
-    /// The change in words.
-    pub change: String,
-}
-
-/// Splits `plan` for direct mode: the plan direct mode commits (every change whose class is
-/// in its service's `auto_merge`; the others kept as in `base`), and the changes left for
-/// review. Services without a rule commit everything.
-pub fn split_for_review(
+/// The changes of `plan` that direct mode may not commit: every change (against `base`) whose
+/// class is not in its service's `auto_merge`. Services without a rule commit everything.
+pub fn review_list(
     plan: &Plan,
     base: &BTreeMap<String, BucketFile>,
     rules: &BTreeMap<String, PromotionRule>,
-) -> (Plan, Vec<NeedsReview>) {
+) -> Vec<NeedsReview> {
     let diff = summary::diff(base, &plan.bucket_files());
-    let mut direct = plan.clone();
     let mut review = Vec::new();
     for s in &diff.services {
         let Some(rule) = rules.get(&s.service) else {
@@ -210,45 +179,81 @@ pub fn split_for_review(
         };
         for c in &s.changes {
             let class = classify(c);
-            if rule.auto_merge.contains(&class) {
-                continue;
-            }
-            review.push(NeedsReview {
-                service: s.service.clone(),
-                bucket: c.bucket.clone(),
-                class,
-                change: summary::describe(c),
-            });
-            let old = base
-                .get(&s.service)
-                .and_then(|f| f.buckets.iter().find(|b| b.name == c.bucket));
-            let pos = direct
-                .buckets
-                .iter()
-                .position(|b| b.service == s.service && b.bucket.name == c.bucket);
-            match (old, pos) {
-                // Changed: keep the base's bucket.
-                (Some(o), Some(i)) => direct.buckets[i].bucket = o.clone(),
-                // Added: leave it out.
-                (None, Some(i)) => {
-                    direct.buckets.remove(i);
-                }
-                // Removed: keep it.
-                (Some(o), None) => direct.buckets.push(PlannedBucket {
+            if !rule.auto_merge.contains(&class) {
+                review.push(NeedsReview {
                     service: s.service.clone(),
-                    bucket: o.clone(),
-                    current_limit_rps: Some(o.limit_rps),
-                    evidence: Evidence::kept("removal waits for review"),
-                    held: None,
-                }),
-                (None, None) => {}
+                    bucket: c.bucket.clone(),
+                    class,
+                    change: summary::describe(c),
+                });
             }
+        }
+    }
+    review
+}
+
+/// What direct mode commits of `plan`: every change in `plan.needs_review` kept as in `base`
+/// (a changed bucket as it was, an added one left out, a removed one kept).
+pub fn committable(plan: &Plan, base: &BTreeMap<String, BucketFile>) -> Plan {
+    let mut direct = plan.clone();
+    for r in &plan.needs_review {
+        let old = base
+            .get(&r.service)
+            .and_then(|f| f.buckets.iter().find(|b| b.name == r.bucket));
+        let pos = direct
+            .buckets
+            .iter()
+            .position(|b| b.service == r.service && b.bucket.name == r.bucket);
+        match (old, pos) {
+            // Changed: keep the base's bucket.
+            (Some(o), Some(i)) => direct.buckets[i].bucket = o.clone(),
+            // Added: leave it out.
+            (None, Some(i)) => {
+                direct.buckets.remove(i);
+            }
+            // Removed: keep it.
+            (Some(o), None) => direct.buckets.push(PlannedBucket {
+                service: r.service.clone(),
+                bucket: o.clone(),
+                current_limit_rps: Some(o.limit_rps),
+                evidence: Evidence::kept("removal waits for review"),
+                held: None,
+            }),
+            (None, None) => {}
         }
     }
     direct
         .buckets
         .sort_by(|a, b| (&a.service, &a.bucket.name).cmp(&(&b.service, &b.bucket.name)));
-    (direct, review)
+    direct.needs_review.clear();
+    direct
+}
+
+/// The shadow buckets of `repo` (the base) that a plan could promote: in shadow, in a service
+/// with promotion enabled and no `mode` of its own in `rlc/policies.yaml`, with the window
+/// their figures are read over (the rule's `min_days_in_shadow`, at least a day). Whoever
+/// plans gathers their figures first.
+pub fn base_candidates(repo: &schema::ConfigRepo) -> Vec<(BucketKey, chrono::Duration)> {
+    let policies = repo.policies.as_ref().map(|p| &p.value);
+    let mut out = Vec::new();
+    for f in repo.buckets.values() {
+        let service = &f.value.service;
+        let Some(rule) = rule_of(policies, service).filter(|r| r.enabled) else {
+            continue;
+        };
+        if policies.is_some_and(|p| p.for_service(service).mode.is_some()) {
+            continue;
+        }
+        let secs = (rule.min_days_in_shadow.max(1.0) * 86_400.0).ceil() as i64;
+        for b in f.value.buckets.iter().filter(|b| b.mode == Mode::Shadow) {
+            out.push((
+                (service.clone(), b.name.clone()),
+                chrono::Duration::seconds(secs),
+            ));
+        }
+    }
+    out.sort();
+    out
 }
 
 #[cfg(test)]
@@ -380,7 +385,7 @@ mod tests {
             [("pay".to_string(), base_plan.bucket_files().remove(0))].into();
         let mut promoted = old.clone();
         promoted.bucket.mode = Mode::Enforce;
-        let plan = Plan {
+        let mut plan = Plan {
             buckets: vec![
                 promoted,
                 planned("pay", "b", 150.0),
@@ -390,8 +395,10 @@ mod tests {
         };
         let rules: BTreeMap<String, PromotionRule> =
             [("pay".to_string(), PromotionSpec::default().resolved())].into();
-        let (direct, review) = split_for_review(&plan, &base, &rules);
-        let classes: Vec<(&str, ChangeClass)> = review
+        plan.needs_review = review_list(&plan, &base, &rules);
+        let direct = committable(&plan, &base);
+        let classes: Vec<(&str, ChangeClass)> = plan
+            .needs_review
             .iter()
             .map(|r| (r.bucket.as_str(), r.class))
             .collect();

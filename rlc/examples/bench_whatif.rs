@@ -101,8 +101,11 @@ fn main() -> anyhow::Result<()> {
     let t = Instant::now();
     let current = compute_plan(&cfg, &repo, &history, now);
     let fleet_plan = t.elapsed();
-    let inputs = Inputs { cfg, repo };
-    let plan_fn = |c: &DaemonConfig, r: &ConfigRepo, h: &History, n| compute_plan(c, r, h, n);
+    let inputs = Inputs {
+        cfg,
+        repo,
+        world: rlc_plan::pipeline::World::none(),
+    };
 
     let one = format!(
         r#"{{"services": ["svc{:04}"], "policies": {{"patch": {{"services": {{"svc{:04}": {{"headroom": 0.5}}}}}}}}}}"#,
@@ -120,10 +123,9 @@ fn main() -> anyhow::Result<()> {
                 &current,
                 body.as_bytes(),
                 Some("application/json"),
-                &plan_fn,
                 now,
             )
-            .map_err(|p| anyhow::anyhow!("{}", serde_json::to_string(&p).unwrap_or_default()))?;
+            .map_err(|p| anyhow::anyhow!("{p}: {:?}", p.problems))?;
             v.push(t.elapsed());
             std::hint::black_box(a);
         }

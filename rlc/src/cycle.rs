@@ -25,20 +25,23 @@ use schema::{DaemonConfig, RepoMode};
 use serde::Serialize;
 use tokio::sync::Mutex;
 
+use rlc_plan::pipeline;
+use rlc_plan::plan::{NeedsReview, PromotionNote};
+
+use crate::gather::{self, Base, StoreWitness};
 use crate::gitops::summary::{self, ChangeSummary, FORGE_BODY_LIMIT};
 use crate::gitops::{Forge, PullRequest, WriteOutcome, WriteStatus, Writer, WriterConfig};
 use crate::plan::{Plan, Skipped};
-use crate::planner::{GitHistory, StoreWitness};
-use crate::promotion::{self, NeedsReview, PromotionNote, ShadowSource};
+use crate::promotion::{self, ShadowSource};
 use crate::push::{self, Backoff, ControllerClient, Desired};
 use crate::snapshot::HistoryCache;
-use crate::store::{QuotaRecord, RunRecord, Store};
+use crate::store::{ChangeState, QuotaRecord, RunRecord, Store};
 
 /// Run records kept while the store is down; the oldest are dropped beyond this.
 pub const PENDING_RECORDS_MAX: usize = 100;
 
-/// What the plan-producing step gets: the config, and the config repo synced to the remote
-/// base tip.
+/// What the computing step of a run gets: the config, and the config repo synced to the
+/// remote base tip (read once, at the start of the run).
 #[derive(Debug, Clone)]
 pub struct PlanInput {
     /// The daemon config.
@@ -47,10 +50,10 @@ pub struct PlanInput {
     pub base_dir: PathBuf,
     /// The config repo working copy, at the base branch tip.
     pub repo_dir: PathBuf,
+    /// The config repo at the base tip, loaded and valid.
+    pub repo: Arc<schema::ConfigRepo>,
     /// Why this run happens.
     pub trigger: String,
-    /// The store, for the decrease guard (as connected at the start of the run).
-    pub store: StoreWitness,
     /// The daemon's history snapshot: the run's pull goes through it (shared with concurrent
     /// API pulls) and refreshes it. None: pull directly.
     pub history_cache: Option<Arc<HistoryCache>>,
@@ -59,9 +62,77 @@ pub struct PlanInput {
 /// A boxed future, as returned by a [`Planner`].
 pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
-/// The plan-producing step (`compute::compute_plan` over `history::load`), plugged in by
-/// `main.rs`.
+/// The computing step of a run's plan: history pulled, then a policy per bucket and the rails
+/// ([`rlc_plan::compute`]); [`crate::pipeline::planner`] in production, a fixed plan in
+/// tests. The run then finishes it with the evidence it gathered
+/// ([`rlc_plan::pipeline::finish`]: decrease guard, promotions, review).
 pub type Planner = Arc<dyn Fn(PlanInput) -> BoxFuture<anyhow::Result<Plan>> + Send + Sync>;
+
+/// What the git write of a run did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GitOutcome {
+    /// Nothing to write.
+    Unchanged,
+    /// Committed on the base branch (direct mode).
+    Committed,
+    /// The pull-request branch was pushed with the proposal.
+    BranchPushed(String),
+    /// The pull-request branch already held the proposal.
+    BranchUpToDate(String),
+    /// The pull-request branch is outdated and was left (its pull request could not be
+    /// closed).
+    BranchOutdated(String),
+    /// The outdated pull-request branch was deleted.
+    BranchWithdrawn {
+        /// The branch.
+        branch: String,
+        /// Its tip before.
+        was: String,
+    },
+    /// The pull-request branch has commits by people and was left alone.
+    Held,
+}
+
+impl GitOutcome {
+    /// Whether the run's changes went to the pull-request branch (proposed, not applied).
+    pub fn proposed(&self) -> bool {
+        matches!(
+            self,
+            GitOutcome::BranchPushed(_) | GitOutcome::BranchUpToDate(_)
+        )
+    }
+}
+
+impl std::fmt::Display for GitOutcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GitOutcome::Unchanged => f.write_str("unchanged"),
+            GitOutcome::Committed => f.write_str("committed"),
+            GitOutcome::BranchPushed(b) => write!(f, "pushed branch {b}"),
+            GitOutcome::BranchUpToDate(b) => write!(f, "branch {b} already up to date"),
+            GitOutcome::BranchOutdated(b) => write!(f, "branch {b} is outdated, left"),
+            GitOutcome::BranchWithdrawn { branch, was } => {
+                write!(f, "deleted outdated branch {branch} (was {})", short(was))
+            }
+            GitOutcome::Held => f.write_str("held"),
+        }
+    }
+}
+
+impl Serialize for GitOutcome {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl schemars::JsonSchema for GitOutcome {
+    fn schema_name() -> String {
+        "GitOutcome".into()
+    }
+    fn json_schema(g: &mut schemars::gen::SchemaGenerator) -> schemars::schema::Schema {
+        String::json_schema(g)
+    }
+}
 
 /// Overall result of a run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, schemars::JsonSchema)]
@@ -103,8 +174,9 @@ pub struct RunOutcome {
     pub started_at: DateTime<Utc>,
     /// End.
     pub finished_at: DateTime<Utc>,
-    /// What the writer did, in words (`committed`, `unchanged`, `branch updated`, ...).
-    pub git: Option<String>,
+    /// What the writer did, in words (`committed`, `unchanged`, `pushed branch rlc/quotas`,
+    /// ...).
+    pub git: Option<GitOutcome>,
     /// The commit made (direct) or the PR branch tip (pull-request).
     pub commit: Option<String>,
     /// The base branch tip the controller should run.
@@ -215,7 +287,7 @@ impl RunOutcome {
         self.finished_at = Utc::now();
         self.status = if self.error.is_some() {
             RunStatus::Failed
-        } else if self.git.as_deref() == Some("held") {
+        } else if self.git == Some(GitOutcome::Held) {
             RunStatus::Held
         } else if self.push_error.is_some() || self.store_error.is_some() {
             RunStatus::Pending
@@ -235,7 +307,7 @@ impl RunOutcome {
             .map(|s| {
                 serde_json::json!({
                     "service": s.service,
-                    "outcome": if self.error.is_some() { "failed" } else { self.git.as_deref().unwrap_or("") },
+                    "outcome": if self.error.is_some() { "failed".to_string() } else { self.git.as_ref().map(ToString::to_string).unwrap_or_default() },
                     "changes": s.changes.len(),
                 })
             })
@@ -400,13 +472,10 @@ impl Cycle {
 
     /// Where the shadow figures of promotion candidates come from: the set source, or the
     /// store (a store that is down gives none, and its error: nothing is promoted).
-    async fn shadow_source(&self) -> Result<ShadowSource, String> {
+    async fn shadow_source(&self, store: &StoreWitness) -> Result<ShadowSource, String> {
         match &self.shadow {
             Some(s) => Ok(s.clone()),
-            None => match self.store().await {
-                Ok(store) => Ok(promotion::store_source(store)),
-                Err(e) => Err(format!("store unavailable: {e}")),
-            },
+            None => store.shadow_source(),
         }
     }
 
@@ -424,27 +493,6 @@ impl Cycle {
         let mut w = WriterConfig::from_config(&self.cfg.config_repo, &self.base_dir);
         w.max_attempts = self.git_attempts;
         w
-    }
-
-    /// The base branch tip's bucket files (by service) and `rlc/policies.yaml`, fetching first.
-    async fn base_snapshot(
-        &self,
-    ) -> anyhow::Result<(
-        std::collections::BTreeMap<String, schema::BucketFile>,
-        Option<schema::PoliciesFile>,
-    )> {
-        let wcfg = self.writer_config();
-        tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
-            let w = Writer::open(wcfg)?;
-            w.fetch()?;
-            let (_, files) = w.base_buckets()?;
-            let policies = w.base_policies()?;
-            Ok((
-                files.into_iter().map(|f| (f.service.clone(), f)).collect(),
-                policies,
-            ))
-        })
-        .await?
     }
 
     /// The store, connecting (and migrating) on first use or after a failure.
@@ -467,24 +515,6 @@ impl Cycle {
         }
         *g = Some(s.clone());
         Ok(s)
-    }
-
-    /// The plan with every decrease of a bucket already lowered within
-    /// `rails.decrease_interval` held back ([`crate::planner::hold_repeated_decreases`],
-    /// asking the config repo's history and this cycle's store). The pipeline's planner has
-    /// already applied it; applying it again here keeps any plan handed to
-    /// [`Cycle::apply`] safe, and changes nothing on a plan already checked.
-    async fn hold_repeated_decreases(&self, plan: &Plan) -> Plan {
-        let store: StoreWitness = self.store().await.into();
-        crate::planner::hold_repeated_decreases(
-            &self.cfg,
-            &self.base_dir,
-            &store,
-            GitHistory::Fetch,
-            plan.clone(),
-            Utc::now(),
-        )
-        .await
     }
 
     /// Run records waiting for the store.
@@ -518,16 +548,18 @@ impl Cycle {
         n
     }
 
-    /// Fetches the config repo and moves its working copy to the base tip; returns the repo
-    /// directory, the base commit and the hash of `rlc/*.yaml` there.
-    pub async fn sync(&self) -> anyhow::Result<(PathBuf, String, String)> {
+    /// The one fetch of a run: fetches the config repo, moves its working copy to the base
+    /// tip, and reads the base there ([`gather::read_base`]: the config repo at the tip, its
+    /// decreases). A working copy cloned just now is not fetched again.
+    pub async fn sync_base(&self) -> anyhow::Result<(PathBuf, Base)> {
         let wcfg = self.writer_config();
         let dir = wcfg.path.clone();
+        let cfg = self.cfg.clone();
         tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
             let w = Writer::open(wcfg)?;
-            let base = w.sync()?;
-            let hash = w.inputs_hash()?;
-            Ok((dir, base, hash))
+            w.sync()?;
+            let base = gather::read_base(&w, &dir, &cfg, Utc::now())?;
+            Ok((dir, base))
         })
         .await?
     }
@@ -546,12 +578,12 @@ impl Cycle {
         .await?
     }
 
-    /// The base tip's bucket files as the controller's desired config (fetching first).
+    /// The base tip's bucket files as the controller's desired config, as last fetched (a run
+    /// moves the local base ref with what it pushed).
     pub async fn desired(&self) -> anyhow::Result<Desired> {
         let wcfg = self.writer_config();
         tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
             let w = Writer::open(wcfg)?;
-            w.fetch()?;
             let (version, services) = w.base_buckets()?;
             Ok(Desired { version, services })
         })
@@ -566,35 +598,46 @@ impl Cycle {
 
     /// [`Cycle::run`] under the run id `run_uid` (given out before the run started).
     pub async fn run_as(&self, planner: &Planner, trigger: &str, run_uid: &str) -> RunOutcome {
-        // Open the store first, so that one deleted or replaced during the run is noticed
-        // (an error) instead of being created anew at the end. A store that is down now is
-        // retried when it is needed.
-        let store: StoreWitness = self.store().await.into();
-        if let StoreWitness::Unavailable(e) = &store {
-            tracing::warn!(error = %e, "store unavailable at the start of the run");
-        }
-        let repo_dir = match self.sync().await {
-            Ok((dir, _, _)) => dir,
-            Err(e) => {
-                return self
-                    .failed(trigger, run_uid, format!("syncing the config repo: {e:#}"))
-                    .await
-            }
+        let (store, synced) = match self.begin(trigger, run_uid).await {
+            Ok(x) => x,
+            Err(out) => return *out,
         };
+        let (repo_dir, base) = synced;
         let input = PlanInput {
             cfg: self.cfg.clone(),
             base_dir: self.base_dir.clone(),
             repo_dir,
+            repo: base.repo.clone(),
             trigger: trigger.to_string(),
-            store,
             history_cache: self.history_cache.clone(),
         };
         match planner(input).await {
-            Ok(plan) => self.apply_as(&plan, trigger, run_uid).await,
+            Ok(plan) => self.apply_planned(plan, &base, &store, trigger, run_uid).await,
             Err(e) => {
                 self.failed(trigger, run_uid, format!("computing the plan: {e:#}"))
                     .await
             }
+        }
+    }
+
+    /// The start of every run: the store (opened first, so that one deleted or replaced
+    /// during the run is noticed instead of being created anew at the end; one that is down
+    /// is retried when needed), then the one fetch. A failed fetch is a failed run.
+    async fn begin(
+        &self,
+        trigger: &str,
+        run_uid: &str,
+    ) -> Result<(StoreWitness, (PathBuf, Base)), Box<RunOutcome>> {
+        let store: StoreWitness = self.store().await.into();
+        if let StoreWitness::Unavailable(e) = &store {
+            tracing::warn!(error = %e, "store unavailable at the start of the run");
+        }
+        match self.sync_base().await {
+            Ok(synced) => Ok((store, synced)),
+            Err(e) => Err(Box::new(
+                self.failed(trigger, run_uid, format!("syncing the config repo: {e:#}"))
+                    .await,
+            )),
         }
     }
 
@@ -603,64 +646,69 @@ impl Cycle {
         tracing::error!(trigger, error = %error, "run failed");
         out.error = Some(error);
         out.finish();
-        self.record(&mut out, &Plan::default()).await;
+        self.record(&mut out, &Plan::default(), &[]).await;
         out
     }
 
-    /// Applies `plan`: render → validate → commit/PR → push → record.
+    /// Applies a computed `plan` (a fixed one: tests, embedding): syncs, gathers the evidence,
+    /// finishes the plan with it (decrease guard, promotions, review) and writes, pushes and
+    /// records it.
     pub async fn apply(&self, plan: &Plan, trigger: &str) -> RunOutcome {
         self.apply_as(plan, trigger, &new_run_uid()).await
     }
 
     /// [`Cycle::apply`] under the run id `run_uid`.
     pub async fn apply_as(&self, plan: &Plan, trigger: &str, run_uid: &str) -> RunOutcome {
+        match self.begin(trigger, run_uid).await {
+            Ok((store, (_, base))) => {
+                self.apply_planned(plan.clone(), &base, &store, trigger, run_uid)
+                    .await
+            }
+            Err(out) => *out,
+        }
+    }
+
+    /// Gathers the evidence of `base` (decreases, shadow figures), finishes `computed` with it
+    /// ([`pipeline::finish`]), then writes → proposes → pushes → records.
+    async fn apply_planned(
+        &self,
+        computed: Plan,
+        base: &Base,
+        store: &StoreWitness,
+        trigger: &str,
+        run_uid: &str,
+    ) -> RunOutcome {
         let mut out = RunOutcome::new(trigger, run_uid);
-        let mut held = self.hold_repeated_decreases(plan).await;
-        out.skipped = held.skipped.clone();
-        out.history_failed = held.history_failed.clone();
+        let now = Utc::now();
+        let world = gather::world(&self.cfg, base, store, self.shadow_source(store), now).await;
+        let plan = pipeline::finish(&self.cfg, &base.repo, &world, computed, now);
+        out.skipped = plan.skipped.clone();
+        out.history_failed = plan.history_failed.clone();
+        out.promotions = plan.promotions.clone();
+        out.shadow_error = plan.shadow_error.clone();
+        out.needs_review = plan.needs_review.clone();
         // Nothing was computed: write nothing (an open proposal must not look outdated
         // because Prometheus is down) and fail the run.
-        if held.history_failed_everywhere() {
-            out.error = Some(match &held.history_error {
+        if plan.history_failed_everywhere() {
+            out.error = Some(match &plan.history_error {
                 Some(e) => format!(
                     "history source failed: {e}; nothing computed, every service keeps its current quotas"
                 ),
                 None => format!(
                     "history failed for every service ({}); nothing computed, every service keeps its current quotas",
-                    held.history_failed.join(", ")
+                    plan.history_failed.join(", ")
                 ),
             });
             out.finish();
             tracing::error!(trigger, error = ?out.error, "history failed for every service; nothing written");
-            self.record(&mut out, &held).await;
+            self.record(&mut out, &plan, &[]).await;
             return out;
         }
-        // The base's bucket files and promotion rule: shadow buckets that meet the rule are
-        // proposed for `mode: enforce`; in direct mode, what `auto_merge` does not allow waits
-        // for review. The base cannot be read: nothing is written (the write would fail alike).
-        let (base_files, policies) = match self.base_snapshot().await {
-            Ok(x) => x,
-            Err(e) => {
-                out.error = Some(format!("{e:#}"));
-                out.finish();
-                tracing::error!(trigger, error = ?out.error, "git read failed; nothing written");
-                self.record(&mut out, &held).await;
-                return out;
-            }
-        };
-        let (rules, notes, err) = promotion::propose(
-            &mut held,
-            &base_files,
-            policies.as_ref(),
-            || self.shadow_source(),
-            Utc::now(),
-        )
-        .await;
-        out.shadow_error = err;
-        out.promotions = notes;
-        let plan = &held;
-        let split = (self.cfg.config_repo.mode == RepoMode::Direct && !rules.is_empty())
-            .then(|| promotion::split_for_review(plan, &base_files, &rules));
+        let (base_files, _) = promotion::repo_inputs(&base.repo);
+        // Direct mode commits what auto_merge allows; the rest is proposed after.
+        let direct = (self.cfg.config_repo.mode == RepoMode::Direct && !plan.needs_review.is_empty())
+            .then(|| promotion::committable(&plan, &base_files));
+        let write_plan = direct.as_ref().unwrap_or(&plan);
         // In pull-request mode with a forge, an outdated proposal's PR is closed (with a
         // comment) before its branch is deleted: GitHub marks a PR whose head becomes part of
         // the base as merged, and closes one whose head is deleted without saying why.
@@ -670,14 +718,6 @@ impl Cycle {
             .forge
             .as_ref()
             .filter(|f| f.kind != "none" && self.cfg.config_repo.mode == RepoMode::PullRequest);
-        // Direct mode commits what auto_merge allows; the rest is proposed after.
-        let write_plan = match &split {
-            Some((direct, review)) => {
-                out.needs_review = review.clone();
-                direct
-            }
-            None => plan,
-        };
         let mut written = self.write(write_plan, forge_cfg.is_none()).await;
         if let (Ok((w, _)), Some(fc)) = (&written, forge_cfg) {
             if let WriteStatus::BranchOutdated { .. } = w.status {
@@ -699,55 +739,38 @@ impl Cycle {
                 out.error = Some(e);
                 out.finish();
                 tracing::error!(trigger, error = ?out.error, "git write failed; nothing written");
-                self.record(&mut out, plan).await;
+                self.record(&mut out, &plan, &[]).await;
                 return out;
             }
         };
         out.attempts = write.attempts;
         out.base_commit = Some(desired.version.clone());
         out.summary = write.summary.clone();
-        let proposal = match &write.status {
-            WriteStatus::Unchanged => {
-                out.git = Some("unchanged".into());
-                false
-            }
+        let branch = self.cfg.config_repo.pr_branch.clone();
+        out.git = Some(match &write.status {
+            WriteStatus::Unchanged => GitOutcome::Unchanged,
             WriteStatus::Committed { commit } => {
-                out.git = Some("committed".into());
                 out.commit = Some(commit.clone());
-                false
+                GitOutcome::Committed
             }
             WriteStatus::BranchUpdated { commit } => {
-                out.git = Some(format!("pushed branch {}", self.cfg.config_repo.pr_branch));
                 out.commit = Some(commit.clone());
-                true
+                GitOutcome::BranchPushed(branch.clone())
             }
             WriteStatus::BranchUpToDate { commit } => {
-                out.git = Some(format!(
-                    "branch {} already up to date",
-                    self.cfg.config_repo.pr_branch
-                ));
                 out.commit = Some(commit.clone());
-                true
+                GitOutcome::BranchUpToDate(branch.clone())
             }
             WriteStatus::BranchOutdated { commit } => {
                 // Only when the PR could not be closed and the branch moved meanwhile.
-                out.git = Some(format!(
-                    "branch {} is outdated, left",
-                    self.cfg.config_repo.pr_branch
-                ));
                 out.commit = Some(commit.clone());
-                false
+                GitOutcome::BranchOutdated(branch.clone())
             }
-            WriteStatus::BranchWithdrawn { commit } => {
-                out.git = Some(format!(
-                    "deleted outdated branch {} (was {})",
-                    self.cfg.config_repo.pr_branch,
-                    short(commit)
-                ));
-                false
-            }
+            WriteStatus::BranchWithdrawn { commit } => GitOutcome::BranchWithdrawn {
+                branch: branch.clone(),
+                was: commit.clone(),
+            },
             WriteStatus::BranchHeldByHumans { authors } => {
-                out.git = Some("held".into());
                 out.error = None;
                 tracing::warn!(authors = ?authors, "PR branch left alone: it has commits by people");
                 out.skipped.push(Skipped {
@@ -755,19 +778,33 @@ impl Cycle {
                     caller: None,
                     procedure: None,
                     reason: format!(
-                        "branch {} has commits by {}; not overwritten (merge or delete it)",
-                        self.cfg.config_repo.pr_branch,
+                        "branch {branch} has commits by {}; not overwritten (merge or delete it)",
                         authors.join(", ")
                     ),
                 });
-                false
+                GitOutcome::Held
             }
-        };
-        if split.is_some() && out.error.is_none() {
-            self.propose_for_review(plan, &mut out).await;
+        });
+        let proposal = out.git.as_ref().is_some_and(GitOutcome::proposed);
+        // The changes this run recorded: applied on the base branch, or proposed on the
+        // pull-request branch.
+        let mut recorded: Vec<(ChangeSummary, ChangeState, bool)> = Vec::new();
+        match out.git {
+            Some(GitOutcome::Committed) => {
+                recorded.push((write.summary.clone(), ChangeState::Applied, false))
+            }
+            Some(GitOutcome::BranchPushed(_)) => {
+                recorded.push((write.summary.clone(), ChangeState::Proposed, true))
+            }
+            _ => {}
+        }
+        if direct.is_some() && out.error.is_none() {
+            if let Some(proposed) = self.propose_for_review(&plan, &mut out).await {
+                recorded.push((proposed, ChangeState::Proposed, true));
+            }
         }
         if proposal && self.cfg.config_repo.mode == RepoMode::PullRequest {
-            if let Err(e) = self.open_pull_request(plan, &write.summary, &mut out).await {
+            if let Err(e) = self.open_pull_request(&plan, &write.summary, &mut out).await {
                 out.error = Some(format!(
                     "branch {} pushed, but the pull request could not be opened or updated: {e}",
                     self.cfg.config_repo.pr_branch
@@ -790,13 +827,21 @@ impl Cycle {
             }
         }
         out.finish();
-        self.record(&mut out, plan).await;
-        tracing::info!(trigger, run_uid, status = out.status.as_str(), commit = ?out.commit, version = ?out.version_pushed, "run finished");
+        self.record(&mut out, &plan, &recorded).await;
+        tracing::info!(
+            trigger,
+            run_uid,
+            status = out.status.as_str(),
+            commit = out.commit.as_deref().unwrap_or("none"),
+            version = out.version_pushed.as_deref().unwrap_or("none"),
+            "run finished"
+        );
         out
     }
 
-    /// Renders and writes `plan` (withdrawing an outdated PR branch when `withdraw`), and
-    /// reads the base tip's bucket files. A failure carries the attempts the writer made.
+    /// Renders and writes `plan` on the refs as fetched at the start of the run (withdrawing
+    /// an outdated PR branch when `withdraw`), and reads the base tip's bucket files. A
+    /// failure carries the attempts the writer made.
     async fn write(
         &self,
         plan: &Plan,
@@ -822,12 +867,7 @@ impl Cycle {
                 Ok(w) => w,
                 Err(e) => return (Err(e), 0),
             };
-            let res = if withdraw {
-                w.write_withdrawing(&p)
-            } else {
-                w.write(&p)
-            };
-            let res = res.and_then(|res| {
+            let res = w.write_as_fetched(&p, withdraw).and_then(|res| {
                 let (version, services) = w.base_buckets()?;
                 Ok((res, Desired { version, services }))
             });
@@ -901,8 +941,9 @@ impl Cycle {
     /// on the pull-request branch, on top of what was just committed, and opens or updates its
     /// pull request; an outdated proposal is closed and its branch deleted. Without
     /// `config_repo.forge` the changes are held and listed. A failure here leaves the commit
-    /// standing and is listed in `skipped` and `review`.
-    async fn propose_for_review(&self, plan: &Plan, out: &mut RunOutcome) {
+    /// standing and is listed in `skipped` and `review`. Returns the changes proposed on the
+    /// branch, when it was pushed.
+    async fn propose_for_review(&self, plan: &Plan, out: &mut RunOutcome) -> Option<ChangeSummary> {
         let branch = self.cfg.config_repo.pr_branch.clone();
         let Some(fc) = self.cfg.config_repo.forge.clone() else {
             if !out.needs_review.is_empty() {
@@ -924,7 +965,7 @@ impl Cycle {
                     });
                 }
             }
-            return;
+            return None;
         };
         let mut written = self
             .write_as(plan, fc.kind == "none", RepoMode::PullRequest)
@@ -949,13 +990,19 @@ impl Cycle {
         };
         let w = match written {
             Ok((w, _)) => w,
-            Err((e, _)) => return failed(out, e),
+            Err((e, _)) => {
+                failed(out, e);
+                return None;
+            }
         };
         match &w.status {
             WriteStatus::BranchUpdated { .. } | WriteStatus::BranchUpToDate { .. } => {
                 out.review = Some(format!("proposed on branch {branch}"));
                 if let Err(e) = self.open_pull_request(plan, &w.summary, out).await {
                     failed(out, format!("branch {branch} pushed, but the pull request could not be opened or updated: {e:#}"));
+                }
+                if matches!(w.status, WriteStatus::BranchUpdated { .. }) {
+                    return Some(w.summary.clone());
                 }
             }
             WriteStatus::BranchWithdrawn { commit } => {
@@ -972,35 +1019,35 @@ impl Cycle {
             }
             _ => {}
         }
+        None
     }
 
-    /// Records the run (after flushing older buffered records); buffers it when the store is
-    /// down.
-    async fn record(&self, out: &mut RunOutcome, plan: &Plan) {
-        let committed = matches!(out.git.as_deref(), Some(g) if g == "committed" || g.starts_with("pushed branch"));
-        // The pull request the run opened or updated; it carries the recorded changes only
-        // when they went to its branch (pull-request mode). Direct mode commits its changes
-        // and proposes only those needing review there.
+    /// Records the run (after flushing older buffered records) with the changes it made:
+    /// `recorded` holds each set of changes with whether it was applied (on the base branch)
+    /// or proposed (on the pull-request branch), and whether the run's pull request carries
+    /// it. Buffers the record when the store is down.
+    async fn record(
+        &self,
+        out: &mut RunOutcome,
+        plan: &Plan,
+        recorded: &[(ChangeSummary, ChangeState, bool)],
+    ) {
+        // The pull request the run opened or updated: it carries the changes proposed on its
+        // branch (not those direct mode committed).
         let pr_number = out
             .pull_request
             .as_ref()
             .and_then(|(n, _)| i64::try_from(*n).ok());
         let pr_url = out.pull_request.as_ref().and_then(|(_, u)| u.clone());
-        let via_pr = out
-            .git
-            .as_deref()
-            .is_some_and(|g| g.starts_with("pushed branch"));
-        let quotas: Vec<QuotaRecord> = if committed {
-            out.summary
-                .services
-                .iter()
-                .flat_map(|s| s.changes.iter().map(move |c| (s, c)))
-                .map(|(s, c)| {
+        let mut quotas: Vec<QuotaRecord> = Vec::new();
+        for (summary, state, via_pr) in recorded {
+            for s in &summary.services {
+                for c in &s.changes {
                     let pb = plan
                         .buckets
                         .iter()
                         .find(|b| b.service == s.service && b.bucket.name == c.bucket);
-                    QuotaRecord {
+                    quotas.push(QuotaRecord {
                         service: s.service.clone(),
                         bucket: c.bucket.clone(),
                         change: c.kind.as_str().into(),
@@ -1009,18 +1056,17 @@ impl Cycle {
                         mode: c.new_mode.map(|m| m.as_str().to_string()),
                         policy: pb.map(|b| b.bucket.policy.to_string()),
                         commit_sha: out.commit.clone(),
+                        state: *state,
                         evidence: pb
                             .map(|b| serde_json::to_string(&b.evidence).unwrap_or_default())
                             .unwrap_or_else(|| "{}".into()),
                         recorded_at: out.finished_at,
-                        pr_number: pr_number.filter(|_| via_pr),
-                        pr_url: pr_url.clone().filter(|_| via_pr),
-                    }
-                })
-                .collect()
-        } else {
-            vec![]
-        };
+                        pr_number: pr_number.filter(|_| *via_pr),
+                        pr_url: pr_url.clone().filter(|_| *via_pr),
+                    });
+                }
+            }
+        }
         let run = RunRecord {
             id: 0,
             trigger: out.trigger.clone(),

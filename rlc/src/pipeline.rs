@@ -1,20 +1,15 @@
-//! The planner that `rlc run`, `rlc serve` and `rlc demo` plug into the cycle: history →
-//! policies and rails → decrease guard → [`Plan`] ([`crate::planner::effective_plan`], the
-//! same function `rlc preview` and the quota API use). The cycle hands it a working copy
-//! already synced to the base branch, so the plan is always computed against what is
-//! committed there.
+//! The computing step a run plugs into its cycle: history pulled (or refreshed in the
+//! daemon's snapshot), then a policy per bucket and the rails ([`rlc_plan::compute`]). The run
+//! finishes the plan with the evidence it gathered ([`rlc_plan::pipeline::finish`]), so that
+//! it is the very plan `rlc preview`, the quota API and what-if previews compute
+//! ([`rlc_plan::pipeline::plan`]).
 
-use std::path::Path;
 use std::sync::Arc;
-
-use anyhow::bail;
-use schema::{ConfigRepo, Diagnostics};
 
 use crate::compute::resolve_paths;
 use crate::cycle::{PlanInput, Planner};
 use crate::history::PlanHistory;
 use crate::plan::Plan;
-use crate::planner::{effective_plan, GitHistory};
 use crate::preview::load_plan_history;
 
 /// Lengths of the history pulls of this process's plans (`rlc_history_pull_duration_seconds`
@@ -38,19 +33,14 @@ pub fn history_pulls() -> &'static prometheus_client::metrics::counter::Counter 
 
 /// The production planner.
 pub fn planner() -> Planner {
-    Arc::new(|input: PlanInput| Box::pin(plan(input)))
+    Arc::new(|input: PlanInput| Box::pin(compute(input)))
 }
 
-/// Computes the plan for one cycle. A config repo that does not validate is an error: nothing
-/// is computed (and so nothing committed) on top of a broken repo.
-pub async fn plan(input: PlanInput) -> anyhow::Result<Plan> {
+/// Pulls the history and computes the plan on the config repo the run read at its base tip.
+pub async fn compute(input: PlanInput) -> anyhow::Result<Plan> {
     let mut cfg = input.cfg;
     resolve_paths(&mut cfg, &input.base_dir);
     cfg.config_repo.path = input.repo_dir.to_string_lossy().into_owned();
-    let (repo, diags) = ConfigRepo::load(Path::new(&input.repo_dir));
-    if !diags.is_empty() {
-        bail!("the config repo has problems:\n{}", Diagnostics(diags));
-    }
     // A failed source becomes a history that keeps every current quota (listed in `skipped`).
     // In the daemon the pull goes through its snapshot, which it refreshes.
     // Without the daemon's snapshot (`rlc run`), a Prometheus pull is spilled to disk and the
@@ -66,14 +56,9 @@ pub async fn plan(input: PlanInput) -> anyhow::Result<Plan> {
             h
         }
     };
-    effective_plan(
-        &cfg,
-        &input.base_dir,
-        Arc::new(repo),
-        history,
-        &input.store,
-        GitHistory::Fetch,
-        chrono::Utc::now(),
-    )
-    .await
+    let repo = input.repo;
+    let now = chrono::Utc::now();
+    tokio::task::spawn_blocking(move || crate::compute::compute_plan(&cfg, &repo, &history, now))
+        .await
+        .map_err(|e| anyhow::anyhow!("computing the plan: {e}"))
 }

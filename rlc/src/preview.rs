@@ -12,6 +12,7 @@ use schema::{ConfigRepo, DaemonConfig};
 use crate::compute::resolve_paths;
 use crate::history::{self, History, PlanHistory};
 use crate::plan::Plan;
+use rlc_plan::pipeline::Purpose;
 
 /// Output format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Default)]
@@ -88,38 +89,87 @@ pub async fn load_plan_history(cfg: &DaemonConfig, base: &Path) -> PlanHistory {
 
 /// Runs `rlc preview`; returns the exit code ([`crate::exit`]): 0, 1 when the history failed
 /// for every service (shown), 4 when it failed for some of them.
+///
+/// It computes what the next run would: the config repo at the base branch's tip (fetched
+/// once; the working copy is not touched, and one that does not exist yet is cloned aside),
+/// its decreases, the store's applied decreases and shadow figures, then
+/// [`rlc_plan::pipeline::plan`].
 pub async fn run(args: PreviewArgs) -> anyhow::Result<i32> {
-    let (cfg, repo, base) =
-        load_inputs(&args.config).with_context(|| format!("loading {}", args.config.display()))?;
-    let history = load_plan_history(&cfg, &base).await;
-    let store = crate::planner::open_store_for_reading(&cfg, &base).await;
-    let (mut plan, mut promotions, shadow_error) = crate::planner::proposed_plan(
-        &cfg,
-        &base,
-        std::sync::Arc::new(repo),
-        history,
-        &store,
-        crate::planner::GitHistory::Fetch,
-        chrono::Utc::now(),
-    )
+    let (mut cfg, base_dir) = crate::cycle::load_config(&args.config)?;
+    resolve_paths(&mut cfg, &base_dir);
+    let now = chrono::Utc::now();
+    let base = read_base(&cfg, &base_dir, now)
+        .await
+        .with_context(|| format!("loading {}", args.config.display()))?;
+    let history = load_plan_history(&cfg, &base_dir).await;
+    let store = crate::gather::open_store_for_reading(&cfg, &base_dir).await;
+    let world = crate::gather::world(&cfg, &base, &store, async { store.shadow_source() }, now).await;
+    let repo = base.repo.clone();
+    let c = cfg.clone();
+    let mut plan = tokio::task::spawn_blocking(move || {
+        rlc_plan::pipeline::plan(&c, &repo, &history, &world, now, Purpose::Run)
+    })
     .await?;
-    if let Some(e) = &shadow_error {
+    if let Some(e) = &plan.shadow_error {
         tracing::warn!(error = %e, "shadow figures unavailable: nothing promoted");
     }
     if let Some(s) = &args.service {
-        plan.buckets.retain(|b| &b.service == s);
-        plan.skipped.retain(|b| &b.service == s);
-        plan.history_failed.retain(|f| f == s);
-        promotions.retain(|p| &p.service == s);
+        plan = rlc_plan::whatif::restrict_plan(&plan, Some(&[s.clone()].into()));
     }
     match args.format {
         Format::Json => println!("{}", serde_json::to_string_pretty(&plan)?),
         Format::Table => {
             print!("{}", table(&plan));
-            print!("{}", promotions_table(&promotions, shadow_error.as_deref()));
+            print!(
+                "{}",
+                promotions_table(&plan.promotions, plan.shadow_error.as_deref())
+            );
         }
     }
     Ok(history_exit_code(&plan))
+}
+
+/// The base a run would plan on, read without writing anything where rlc.yaml points: the
+/// working copy fetched once (a fetch that fails leaves it as last fetched, with a warning),
+/// or a clone aside when there is none yet; a config repo that is a plain directory (no git,
+/// no URL) is read as it is, and its decreases cannot be told (held). A repo with problems
+/// is a configuration error.
+pub async fn read_base(
+    cfg: &DaemonConfig,
+    base_dir: &Path,
+    now: chrono::DateTime<chrono::Utc>,
+) -> anyhow::Result<crate::gather::Base> {
+    let (cfg, base_dir) = (cfg.clone(), base_dir.to_path_buf());
+    tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+        let read = match crate::gather::ReadOnlyCopy::open(&cfg, &base_dir) {
+            Ok(copy) => crate::gather::read_base(&copy.writer, &copy.dir(), &cfg, now),
+            Err(e @ crate::gitops::GitOpsError::NoRepo(_)) => {
+                let dir = Path::new(&cfg.config_repo.path);
+                let (repo, diags) = ConfigRepo::load(dir);
+                if diags.is_empty() {
+                    Ok(crate::gather::Base {
+                        commit: String::new(),
+                        repo: std::sync::Arc::new(repo),
+                        decreases: rlc_plan::guard::Witness::Unknown(e.to_string()),
+                    })
+                } else {
+                    Err(crate::gather::BaseError::Invalid {
+                        commit: dir.display().to_string(),
+                        problems: schema::Diagnostics(diags),
+                    })
+                }
+            }
+            Err(e) => Err(e.into()),
+        };
+        match read {
+            Ok(b) => Ok(b),
+            Err(e @ crate::gather::BaseError::Invalid { .. }) => {
+                Err(crate::exit::ConfigError(e.to_string()).into())
+            }
+            Err(e) => Err(e.into()),
+        }
+    })
+    .await?
 }
 
 /// Whether the plan proposes `mode: enforce` for this shadow bucket
@@ -131,7 +181,7 @@ pub fn promoted(b: &crate::plan::PlannedBucket) -> bool {
 /// The shadow buckets a run would promote or keep in shadow, with the reason: what the run
 /// summary says of them.
 pub fn promotions_table(
-    notes: &[crate::promotion::PromotionNote],
+    notes: &[rlc_plan::plan::PromotionNote],
     shadow_error: Option<&str>,
 ) -> String {
     let mut out = String::new();

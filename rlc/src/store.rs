@@ -5,6 +5,7 @@
 //! Several daemons on one Postgres elect the active scheduler with `pg_try_advisory_lock` on
 //! a dedicated connection ([`Store::try_lead`]); with SQLite there is one instance.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::Arc;
@@ -190,6 +191,37 @@ impl PullRequestRef {
     }
 }
 
+/// Whether a recorded change changed the limit in force.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ChangeState {
+    /// On the base branch: committed there by rlc, or merged.
+    Applied,
+    /// On the pull-request branch, waiting for review: the limit in force is unchanged.
+    Proposed,
+}
+
+impl ChangeState {
+    /// The word stored in `quota_history.state`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ChangeState::Applied => "applied",
+            ChangeState::Proposed => "proposed",
+        }
+    }
+}
+
+impl TryFrom<String> for ChangeState {
+    type Error = String;
+    fn try_from(s: String) -> Result<ChangeState, String> {
+        match s.as_str() {
+            "applied" => Ok(ChangeState::Applied),
+            "proposed" => Ok(ChangeState::Proposed),
+            other => Err(format!("unknown change state `{other}`")),
+        }
+    }
+}
+
 /// One recorded change of a bucket with the run that made it (`GET
 /// /v1/quotas/{service}/{bucket}/history`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow, schemars::JsonSchema)]
@@ -214,6 +246,10 @@ pub struct QuotaChange {
     pub policy: Option<String>,
     /// The commit made (or the PR branch tip).
     pub commit_sha: Option<String>,
+    /// `applied` (on the base branch) or `proposed` (on the pull-request branch, waiting for
+    /// review: the limit in force did not change).
+    #[sqlx(try_from = "String")]
+    pub state: ChangeState,
     /// The pull request that carries the change; null when it was committed on the base
     /// branch directly (or recorded before pull requests were).
     #[sqlx(skip)]
@@ -250,6 +286,9 @@ pub struct QuotaRecord {
     pub policy: Option<String>,
     /// Commit that carries it.
     pub commit_sha: Option<String>,
+    /// Applied (on the base branch) or only proposed (on the pull-request branch).
+    #[sqlx(try_from = "String")]
+    pub state: ChangeState,
     /// Evidence JSON.
     pub evidence: String,
     /// When it was recorded.
@@ -539,8 +578,8 @@ impl Store {
             .await?;
             for q in quotas {
                 sqlx::query(
-                    "INSERT INTO quota_history (run_id, recorded_at, service, bucket, change, limit_rps, previous_limit_rps, mode, policy, commit_sha, evidence, pr_number, pr_url) \
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
+                    "INSERT INTO quota_history (run_id, recorded_at, service, bucket, change, limit_rps, previous_limit_rps, mode, policy, commit_sha, evidence, pr_number, pr_url, state) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
                 )
                 .bind(id)
                 .bind(q.recorded_at)
@@ -555,6 +594,7 @@ impl Store {
                 .bind(&q.evidence)
                 .bind(q.pr_number)
                 .bind(&q.pr_url)
+                .bind(q.state.as_str())
                 .execute(&mut *tx)
                 .await?;
             }
@@ -603,7 +643,7 @@ impl Store {
         bucket: &str,
     ) -> Result<Vec<QuotaRecord>, StoreError> {
         on_pool!(self, pool => Ok(sqlx::query_as::<_, QuotaRecord>(
-            "SELECT service, bucket, change, limit_rps, previous_limit_rps, mode, policy, commit_sha, evidence, recorded_at, pr_number, pr_url \
+            "SELECT service, bucket, change, limit_rps, previous_limit_rps, mode, policy, commit_sha, evidence, recorded_at, pr_number, pr_url, state \
              FROM quota_history WHERE service = $1 AND bucket = $2 ORDER BY id",
         )
         .bind(service)
@@ -624,7 +664,7 @@ impl Store {
         on_pool!(self, pool => {
             let rows = sqlx::query_as::<_, QuotaChangeRow>(
                 "SELECT q.id, q.run_id, r.trigger, q.recorded_at, q.change, q.previous_limit_rps, q.limit_rps, \
-                 q.mode, q.policy, q.commit_sha, q.evidence, q.pr_number, q.pr_url \
+                 q.mode, q.policy, q.commit_sha, q.evidence, q.pr_number, q.pr_url, q.state \
                  FROM quota_history q JOIN runs r ON r.id = q.run_id \
                  WHERE q.service = $1 AND q.bucket = $2 ORDER BY q.id DESC LIMIT $3",
             )
@@ -643,24 +683,28 @@ impl Store {
         })
     }
 
-    /// When `bucket` of `service` was last lowered at or after `since`, if it was.
-    pub async fn lowered_since(
+    /// When each bucket was last lowered at or after `since` by an applied change (a change
+    /// only proposed on the pull-request branch is not one), by `(service, bucket)`: one query
+    /// for every bucket, what the decrease guard asks before planning.
+    pub async fn applied_decreases_since(
         &self,
-        service: &str,
-        bucket: &str,
         since: DateTime<Utc>,
-    ) -> Result<Option<DateTime<Utc>>, StoreError> {
-        on_pool!(self, pool => Ok(sqlx::query_as::<_, (DateTime<Utc>,)>(
-            "SELECT recorded_at FROM quota_history \
-             WHERE service = $1 AND bucket = $2 AND change = 'lowered' AND recorded_at >= $3 \
-             ORDER BY id DESC LIMIT 1",
-        )
-        .bind(service)
-        .bind(bucket)
-        .bind(since)
-        .fetch_optional(pool)
-        .await?
-        .map(|(t,)| t)))
+    ) -> Result<BTreeMap<(String, String), DateTime<Utc>>, StoreError> {
+        on_pool!(self, pool => {
+            let rows = sqlx::query_as::<_, (String, String, DateTime<Utc>)>(
+                "SELECT service, bucket, recorded_at FROM quota_history \
+                 WHERE change = 'lowered' AND state = 'applied' AND recorded_at >= $1",
+            )
+            .bind(since)
+            .fetch_all(pool)
+            .await?;
+            let mut out: BTreeMap<(String, String), DateTime<Utc>> = BTreeMap::new();
+            for (service, bucket, at) in rows {
+                let e = out.entry((service, bucket)).or_insert(at);
+                *e = (*e).max(at);
+            }
+            Ok(out)
+        })
     }
 
     /// Per-bucket summary of the minute roll-ups from the minute of `since` on, optionally of one service:

@@ -265,7 +265,7 @@ async fn outdated_proposal_is_closed_with_a_comment_and_its_branch_deleted() {
     // The base carries rlc's own rendering of the current quota (same working copy).
     let direct = config(&remote, &ctl_url, "");
     let out = apply_plan(&direct, &base, &back, "schedule").await.unwrap();
-    assert_eq!(out.git.as_deref(), Some("committed"), "{out}");
+    assert_eq!(out.git, Some(GitOutcome::Committed), "{out}");
     let main = remote.head("main").unwrap();
     let extra = format!(
         "  mode: pull-request\n  forge:\n    kind: github\n    api_url: {forge_url}\n    repo: acme/config\n    token_env: RLC_TEST_FORGE_TOKEN\n"
@@ -325,7 +325,7 @@ async fn outdated_proposal_is_closed_with_a_comment_and_its_branch_deleted() {
     // Nothing left to withdraw: no more forge calls.
     let calls = forge.calls.lock().unwrap().len();
     let out = apply_plan(&cfg, &base, &back, "schedule").await.unwrap();
-    assert_eq!(out.git.as_deref(), Some("unchanged"), "{out}");
+    assert_eq!(out.git, Some(GitOutcome::Unchanged), "{out}");
     assert!(out.closed_pull_requests.is_empty());
     assert_eq!(forge.calls.lock().unwrap().len(), calls);
 
@@ -440,7 +440,7 @@ fn run_summary_names_mode_and_scope_changes() {
     )]
     .into();
     let mut out = RunOutcome::new("once", "test-run");
-    out.git = Some("committed".into());
+    out.git = Some(GitOutcome::Committed);
     out.summary = summary::diff(
         &before,
         &[schema::BucketFile {

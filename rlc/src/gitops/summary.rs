@@ -7,7 +7,7 @@ use schema::{format_rps, Mode};
 
 pub use rlc_plan::change::{describe, diff, BucketChange, ChangeKind, ChangeSummary, ServiceChange};
 use rlc_plan::plan::{Evidence, Plan};
-use rlc_plan::promotion::PromotionNote;
+use rlc_plan::plan::PromotionNote;
 
 /// GitHub refuses PR bodies and comments above 65,535 characters.
 pub const FORGE_BODY_LIMIT: usize = 65_535;

@@ -145,6 +145,8 @@ pub struct Writer {
     before_push: std::sync::Mutex<Option<BeforePush>>,
     /// Attempts the last write started (also when it failed).
     attempts: u32,
+    /// Whether [`Writer::open`] cloned the remote just now (the clone fetched every branch).
+    cloned: bool,
 }
 
 enum PushFailure {
@@ -197,7 +199,8 @@ fn callbacks<'a>(token: Option<&'a str>, attempts: &'a Cell<u32>) -> RemoteCallb
 impl Writer {
     /// Opens the working copy at `cfg.path`, cloning `cfg.url` into it when it does not exist.
     pub fn open(cfg: WriterConfig) -> Result<Writer, GitOpsError> {
-        let repo = if cfg.path.join(".git").exists() || cfg.path.join("HEAD").exists() {
+        let cloned = !(cfg.path.join(".git").exists() || cfg.path.join("HEAD").exists());
+        let repo = if !cloned {
             let repo = Repository::open(&cfg.path)?;
             if let Some(url) = &cfg.url {
                 if repo.find_remote("origin").is_err() {
@@ -223,6 +226,7 @@ impl Writer {
             cfg,
             before_push: std::sync::Mutex::new(None),
             attempts: 0,
+            cloned,
         })
     }
 
@@ -241,7 +245,8 @@ impl Writer {
         self.repo.find_remote("origin").is_ok()
     }
 
-    /// Fetches the base and PR branches into `refs/remotes/origin/*`.
+    /// Fetches the base and PR branches into `refs/remotes/origin/*`: one request to the
+    /// remote (a missing PR branch is normal: its tracking ref is then removed).
     pub fn fetch(&self) -> Result<(), GitOpsError> {
         if !self.has_remote() {
             return Ok(());
@@ -250,7 +255,6 @@ impl Writer {
         let attempts = Cell::new(0);
         let mut fo = FetchOptions::new();
         fo.remote_callbacks(callbacks(self.cfg.token.as_deref(), &attempts));
-        fo.prune(git2::FetchPrune::On);
         let specs = [
             format!("+refs/heads/{0}:refs/remotes/origin/{0}", self.cfg.branch),
             format!(
@@ -258,13 +262,13 @@ impl Writer {
                 self.cfg.pr_branch
             ),
         ];
-        // A missing PR branch is normal: fetch the base first, then the PR branch if present.
         remote
-            .fetch(&[specs[0].as_str()], Some(&mut fo), None)
+            .fetch(&[specs[0].as_str(), specs[1].as_str()], Some(&mut fo), None)
             .map_err(|e| GitOpsError::Remote {
                 op: "fetch",
                 message: e.message().to_string(),
             })?;
+        // The refs the remote advertised on that very connection.
         let has_pr = remote
             .list()
             .map(|heads| {
@@ -272,22 +276,14 @@ impl Writer {
                     .iter()
                     .any(|h| h.name() == format!("refs/heads/{}", self.cfg.pr_branch))
             })
-            .unwrap_or(false);
-        if has_pr {
-            let attempts = Cell::new(0);
-            let mut fo = FetchOptions::new();
-            fo.remote_callbacks(callbacks(self.cfg.token.as_deref(), &attempts));
-            remote
-                .fetch(&[specs[1].as_str()], Some(&mut fo), None)
-                .map_err(|e| GitOpsError::Remote {
-                    op: "fetch",
-                    message: e.message().to_string(),
-                })?;
-        } else if let Ok(mut r) = self
-            .repo
-            .find_reference(&format!("refs/remotes/origin/{}", self.cfg.pr_branch))
-        {
-            r.delete()?;
+            .unwrap_or(true);
+        if !has_pr {
+            if let Ok(mut r) = self
+                .repo
+                .find_reference(&format!("refs/remotes/origin/{}", self.cfg.pr_branch))
+            {
+                r.delete()?;
+            }
         }
         Ok(())
     }
@@ -312,7 +308,10 @@ impl Writer {
     /// computation reads is what the remote has. Local edits in the working copy are
     /// discarded: it belongs to rlc. Returns the base commit.
     pub fn sync(&self) -> Result<String, GitOpsError> {
-        self.fetch()?;
+        // A clone made by this very `open` has just fetched every branch.
+        if !self.cloned {
+            self.fetch()?;
+        }
         let base = self.base_commit()?;
         let local = format!("refs/heads/{}", self.cfg.branch);
         self.repo
@@ -498,7 +497,7 @@ impl Writer {
     /// `max_attempts`. An outdated PR branch is reported ([`WriteStatus::BranchOutdated`]),
     /// not touched.
     pub fn write(&mut self, plan: &Plan) -> Result<WriteOutcome, GitOpsError> {
-        self.write_with(plan, false)
+        self.write_with(plan, false, true)
     }
 
     /// Like [`Writer::write`], but an outdated PR branch (the plan equals the base, the
@@ -507,16 +506,34 @@ impl Writer {
     /// GitHub marks a PR whose head becomes part of the base as merged, and one whose head
     /// is deleted as closed without a word.
     pub fn write_withdrawing(&mut self, plan: &Plan) -> Result<WriteOutcome, GitOpsError> {
-        self.write_with(plan, true)
+        self.write_with(plan, true, true)
     }
 
-    fn write_with(&mut self, plan: &Plan, withdraw: bool) -> Result<WriteOutcome, GitOpsError> {
+    /// [`Writer::write`] (withdrawing an outdated PR branch when `withdraw`) on the refs as
+    /// last fetched: a run fetches once, at its start, and decides on what it read then. A
+    /// conflict (the remote moved) fetches again before the next attempt.
+    pub fn write_as_fetched(
+        &mut self,
+        plan: &Plan,
+        withdraw: bool,
+    ) -> Result<WriteOutcome, GitOpsError> {
+        self.write_with(plan, withdraw, false)
+    }
+
+    fn write_with(
+        &mut self,
+        plan: &Plan,
+        withdraw: bool,
+        fetch_first: bool,
+    ) -> Result<WriteOutcome, GitOpsError> {
         let max = self.cfg.max_attempts.max(1);
         let mut last_conflict = String::new();
         self.attempts = 0;
         for attempt in 1..=max {
             self.attempts = attempt;
-            self.fetch()?;
+            if attempt > 1 || fetch_first {
+                self.fetch()?;
+            }
             match self.write_once(plan, attempt, withdraw) {
                 Ok(out) => return Ok(out),
                 Err(PushFailure::Conflict(msg)) => {

@@ -20,7 +20,7 @@ use crate::history::History;
 use crate::plan::Plan;
 use crate::serve::limits::{read_bounded, ConcurrencyLimit, RETRY_AFTER_SECS};
 use crate::serve::problem::Problem;
-use crate::whatif::{self, BodyFormat, Inputs, PlanFn, MAX_BODY_BYTES};
+use crate::whatif::{self, BodyFormat, Inputs, Refusal, WhatIfError, MAX_BODY_BYTES};
 
 /// Previews computed at once; more are refused with 429 (each is CPU-bound).
 pub const MAX_CONCURRENT: usize = 2;
@@ -42,48 +42,42 @@ pub type SnapshotFn = Arc<
     dyn Fn() -> Pin<Box<dyn Future<Output = Result<Arc<Snapshot>, Problem>> + Send>> + Send + Sync,
 >;
 
-/// The decrease guard a run applies after the policies and rails (the what-if plan goes
-/// through it too, so a preview shows what a run would really do).
-pub type GuardFn = Arc<dyn Fn(Plan) -> Pin<Box<dyn Future<Output = Plan> + Send>> + Send + Sync>;
-
 /// The state of the previews endpoint.
 #[derive(Clone)]
 pub struct Previews {
     snapshot: SnapshotFn,
-    plan_fn: Arc<PlanFn<'static>>,
-    guard: Option<GuardFn>,
     running: ConcurrencyLimit,
 }
 
 impl Previews {
-    /// Previews on the snapshots of `snapshot`, planned with `plan_fn` (the planner a run
-    /// uses).
-    pub fn new(snapshot: SnapshotFn, plan_fn: Arc<PlanFn<'static>>) -> Previews {
+    /// Previews on the snapshots of `snapshot`.
+    pub fn new(snapshot: SnapshotFn) -> Previews {
         Previews {
             snapshot,
-            plan_fn,
-            guard: None,
             running: ConcurrencyLimit::new(MAX_CONCURRENT, RETRY_AFTER_SECS),
         }
     }
 
-    /// Applies `guard` to every what-if plan (and recomputes the diff).
-    pub fn with_guard(mut self, guard: GuardFn) -> Previews {
-        self.guard = Some(guard);
-        self
-    }
-
     /// Previews of a fixed snapshot (tests, benchmarks, embedding).
-    pub fn fixed(snapshot: Snapshot, plan_fn: Arc<PlanFn<'static>>) -> Previews {
+    pub fn fixed(snapshot: Snapshot) -> Previews {
         let snapshot = Arc::new(snapshot);
-        Previews::new(
-            Arc::new(move || {
-                let s = snapshot.clone();
-                Box::pin(async move { Ok(s) })
-            }),
-            plan_fn,
-        )
+        Previews::new(Arc::new(move || {
+            let s = snapshot.clone();
+            Box::pin(async move { Ok(s) })
+        }))
     }
+}
+
+/// The problem details of a refused what-if: 413, 415, 400 (cannot be read) or 422 (does not
+/// validate), with every problem.
+pub fn problem_of(e: WhatIfError) -> Problem {
+    let status = match e.refusal {
+        Refusal::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+        Refusal::MediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        Refusal::Unreadable => StatusCode::BAD_REQUEST,
+        Refusal::Invalid => StatusCode::UNPROCESSABLE_ENTITY,
+    };
+    Problem::new(status, e.detail).with_problems(e.problems)
 }
 
 /// The router of `POST /v1/previews` alone (merged into `rlc serve`'s, see
@@ -124,14 +118,14 @@ async fn read_body(
         None => None,
         Some(v) => Some(
             v.to_str()
-                .map_err(|_| whatif::unsupported_media_type(Some("(not text)")))?
+                .map_err(|_| problem_of(whatif::unsupported_media_type(Some("(not text)"))))?
                 .to_string(),
         ),
     };
     // Refuse early what cannot be read, before the body is.
     if let Some(c) = &content_type {
         if BodyFormat::of(c).is_none() {
-            return Err(whatif::unsupported_media_type(Some(c)));
+            return Err(problem_of(whatif::unsupported_media_type(Some(c))));
         }
     }
     let bytes = read_bounded(headers, body, MAX_BODY_BYTES).await?;
@@ -144,16 +138,13 @@ async fn compute(
     content_type: Option<String>,
 ) -> Result<whatif::PreviewAnswer, Problem> {
     let snap = (p.snapshot)().await?;
-    let plan_fn = p.plan_fn.clone();
-    let current = snap.clone();
-    let mut answer = tokio::task::spawn_blocking(move || {
+    tokio::task::spawn_blocking(move || {
         whatif::preview(
             &snap.inputs,
             &snap.history,
             &snap.current,
             &bytes,
             content_type.as_deref(),
-            plan_fn.as_ref(),
             chrono::Utc::now(),
         )
     })
@@ -164,18 +155,8 @@ async fn compute(
             StatusCode::INTERNAL_SERVER_ERROR,
             "the preview could not be computed",
         )
-    })??;
-    if let Some(guard) = &p.guard {
-        // The run's decrease guard on the what-if plan; the diff follows what is left.
-        answer.plan = guard(answer.plan).await;
-        let only = answer
-            .services
-            .as_ref()
-            .map(|s| s.iter().cloned().collect::<std::collections::BTreeSet<_>>());
-        let current = whatif::restrict_plan(&current.current, only.as_ref());
-        answer.diff = whatif::diff(&current, &answer.plan);
-    }
-    Ok(answer)
+    })?
+    .map_err(problem_of)
 }
 
 /// `POST /v1/previews` on `rlc serve` (see [`crate::serve::openapi`]): 503 until the daemon
@@ -196,25 +177,17 @@ pub(in crate::serve) async fn on_serve(
     }
 }
 
-/// The policies and rails a run uses, as a [`PlanFn`] ([`crate::compute::compute_plan`]); the
-/// run's decrease guard is applied after it ([`Previews::with_guard`]).
-pub fn compute_plan_fn() -> Arc<PlanFn<'static>> {
-    Arc::new(|c, r, h, now| crate::compute::compute_plan(c, r, h, now))
-}
-
 /// Previews over a config repo directory as it is on disk, for embedding and tests: every
 /// request loads the directory, pulls the history ([`crate::preview::load_history`]) and
-/// computes the current plan (no decrease guard: a directory has no run history). `rlc serve`
-/// uses the quota API's snapshot and plan instead ([`crate::serve::quotas::Quotas::previews`]).
-/// A directory with problems answers 503.
+/// computes the current plan with no evidence (a directory has no run history nor shadow
+/// reports). `rlc serve` uses the quota API's snapshot, plan and evidence instead
+/// ([`crate::serve::quotas::Quotas::previews`]). A directory with problems answers 503.
 pub fn from_directory(cfg: schema::DaemonConfig, base_dir: &std::path::Path) -> Previews {
     let mut cfg = cfg;
     crate::compute::resolve_paths(&mut cfg, base_dir);
     let base = base_dir.to_path_buf();
-    let plan_fn = compute_plan_fn();
-    let planner = plan_fn.clone();
     let snapshot: SnapshotFn = Arc::new(move || {
-        let (cfg, base, planner) = (cfg.clone(), base.clone(), planner.clone());
+        let (cfg, base) = (cfg.clone(), base.clone());
         Box::pin(async move {
             let unavailable =
                 |detail: String| Problem::new(StatusCode::SERVICE_UNAVAILABLE, detail);
@@ -230,9 +203,18 @@ pub fn from_directory(cfg: schema::DaemonConfig, base_dir: &std::path::Path) -> 
             }
             let history = crate::preview::load_history(&cfg, &base).await;
             tokio::task::spawn_blocking(move || {
-                let current = planner(&cfg, &repo, &history, chrono::Utc::now());
+                let world = rlc_plan::pipeline::World::none();
+                let now = chrono::Utc::now();
+                let current = rlc_plan::pipeline::plan(
+                    &cfg,
+                    &repo,
+                    &history,
+                    &world,
+                    now,
+                    rlc_plan::pipeline::Purpose::Run,
+                );
                 Arc::new(Snapshot {
-                    inputs: Inputs { cfg, repo },
+                    inputs: Inputs { cfg, repo, world },
                     history: Arc::new(history),
                     current,
                 })
@@ -241,5 +223,5 @@ pub fn from_directory(cfg: schema::DaemonConfig, base_dir: &std::path::Path) -> 
             .map_err(|e| unavailable(format!("computing the current plan: {e}")))
         })
     });
-    Previews::new(snapshot, plan_fn)
+    Previews::new(snapshot)
 }

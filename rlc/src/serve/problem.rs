@@ -12,32 +12,7 @@ use serde::Serialize;
 /// The media type of problem details.
 pub const PROBLEM_JSON: &str = "application/problem+json";
 
-/// One problem of an input, as `rlc validate` reports it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, JsonSchema)]
-pub struct InputProblem {
-    /// The file the problem is in (`rlc/policies.yaml`, `body`, ...).
-    pub file: String,
-    /// 1-based line (0 when the problem is about the whole input).
-    pub line: usize,
-    /// 1-based column (0 when unknown).
-    pub column: usize,
-    /// The YAML path of the key, e.g. `defaults.headroom` (empty for the whole file).
-    pub key: String,
-    /// What is wrong.
-    pub message: String,
-}
-
-impl From<&schema::Diagnostic> for InputProblem {
-    fn from(d: &schema::Diagnostic) -> InputProblem {
-        InputProblem {
-            file: d.file.to_string_lossy().into_owned(),
-            line: d.line,
-            column: d.column,
-            key: d.key.clone(),
-            message: d.message.clone(),
-        }
-    }
-}
+pub use rlc_plan::whatif::InputProblem;
 
 /// An RFC 9457 problem details body.
 #[derive(Debug, Clone, Serialize, JsonSchema)]

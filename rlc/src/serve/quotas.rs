@@ -32,7 +32,8 @@ use super::problem::{InputProblem, Problem};
 use super::AppState;
 use crate::gitops::{Writer, WriterConfig};
 use crate::plan::{Plan, PlannedBucket, Skipped};
-use crate::planner::{proposed_plan, GitHistory, StoreWitness};
+use crate::gather::StoreWitness;
+use rlc_plan::pipeline::Purpose;
 use crate::snapshot::{HistoryCache, Snapshot};
 
 /// Requests of these endpoints served at once; more get 429.
@@ -65,6 +66,8 @@ pub struct Computed {
     all: std::sync::Mutex<Option<(Option<String>, Bytes)>>,
     /// The config repo the plan was computed on.
     repo: Arc<ConfigRepo>,
+    /// The evidence it was computed with (what-if previews plan with the same).
+    world: rlc_plan::pipeline::World,
     /// What `POST /v1/previews` starts from, made on first use.
     preview: OnceLock<Arc<super::previews::Snapshot>>,
     /// Whether the store could be read when the plan was computed: a plan computed before the
@@ -120,19 +123,28 @@ impl Quotas {
         if let Some(c) = self.latest().filter(fresh) {
             return Ok(c);
         }
-        let (commit, repo) = self.load_base().await?;
-        let repo = Arc::new(repo);
-        let (plan, _, _) = proposed_plan(
+        let now = Utc::now();
+        let base = self.load_base(now).await?;
+        let world = crate::gather::world(
             &self.cfg,
-            &self.base_dir,
-            repo.clone(),
-            snapshot.history.clone(),
+            &base,
             &store,
-            GitHistory::AsFetched,
-            Utc::now(),
+            async { store.shadow_source() },
+            now,
         )
+        .await;
+        let (cfg, repo, history, w) = (
+            self.cfg.clone(),
+            base.repo.clone(),
+            snapshot.history.clone(),
+            world.clone(),
+        );
+        let plan = tokio::task::spawn_blocking(move || {
+            rlc_plan::pipeline::plan(&cfg, &repo, history.as_ref(), &w, now, Purpose::Run)
+        })
         .await
         .map_err(|e| Problem::new(StatusCode::SERVICE_UNAVAILABLE, format!("{e:#}")))?;
+        let (commit, repo) = (base.commit, base.repo);
         let mut by_service: std::collections::HashMap<String, std::ops::Range<usize>> =
             Default::default();
         for (i, b) in plan.buckets.iter().enumerate() {
@@ -149,6 +161,7 @@ impl Quotas {
             by_service,
             all: std::sync::Mutex::new(None),
             repo,
+            world,
             preview: OnceLock::new(),
             with_store,
         });
@@ -156,13 +169,12 @@ impl Quotas {
         Ok(c)
     }
 
-    /// What-if previews (`POST /v1/previews`) on the same plan and snapshot as this API, with
-    /// the same planner: the policies and rails, then the decrease guard on the what-if plan.
+    /// What-if previews (`POST /v1/previews`) on the same plan, snapshot and evidence as this
+    /// API: the what-if plan is computed as the current one is, with other documents.
     pub fn previews(self: &Arc<Self>, state: super::WeakAppState) -> super::previews::Previews {
         let q = self.clone();
-        let st = state.clone();
         let snapshot: super::previews::SnapshotFn = Arc::new(move || {
-            let (q, st) = (q.clone(), st.clone());
+            let (q, st) = (q.clone(), state.clone());
             Box::pin(async move {
                 let c = q.current(weak_store_witness(&st)).await?;
                 Ok(c.preview
@@ -171,6 +183,7 @@ impl Quotas {
                             inputs: crate::whatif::Inputs {
                                 cfg: q.cfg.clone(),
                                 repo: (*c.repo).clone(),
+                                world: c.world.clone(),
                             },
                             history: c.snapshot.history.clone(),
                             current: c.plan.clone(),
@@ -179,23 +192,7 @@ impl Quotas {
                     .clone())
             })
         });
-        let q = self.clone();
-        let guard: super::previews::GuardFn = Arc::new(move |plan: Plan| {
-            let (q, st) = (q.clone(), state.clone());
-            Box::pin(async move {
-                crate::planner::hold_repeated_decreases(
-                    &q.cfg,
-                    &q.base_dir,
-                    &weak_store_witness(&st),
-                    GitHistory::AsFetched,
-                    plan,
-                    Utc::now(),
-                )
-                .await
-            })
-        });
-        super::previews::Previews::new(snapshot, super::previews::compute_plan_fn())
-            .with_guard(guard)
+        super::previews::Previews::new(snapshot)
     }
 
     /// `rlc/policies.yaml` of the base tip as last fetched (no network): `Ok(None)` without
@@ -221,10 +218,13 @@ impl Quotas {
     }
 
     /// The base tip's config repo, exported next to (never inside) the working copy the
-    /// scheduler owns, and loaded. A tip with problems answers 503 listing them.
-    async fn load_base(&self) -> Result<(String, ConfigRepo), Problem> {
+    /// scheduler owns, and read as a run reads it ([`crate::gather::read_base`]: the config
+    /// repo, its decreases) from the refs as last fetched (no network). A tip with problems
+    /// answers 503 listing them.
+    async fn load_base(&self, now: DateTime<Utc>) -> Result<crate::gather::Base, Problem> {
         let wcfg = self.writer_config();
         let root = self.export.path().to_path_buf();
+        let cfg = self.cfg.clone();
         let res = tokio::task::spawn_blocking(move || -> Result<_, String> {
             let w = Writer::open_existing(wcfg).map_err(|e| e.to_string())?;
             let tip = w.base_tip().map_err(|e| e.to_string())?;
@@ -243,22 +243,22 @@ impl Quotas {
                     }
                 }
             }
-            let (repo, diags) = ConfigRepo::load(&dir);
-            Ok((tip, repo, diags))
+            Ok(crate::gather::read_base(&w, &dir, &cfg, now))
         })
         .await
         .map_err(|e| unavailable(format!("reading the config repo: {e}")))?
         .map_err(|e| unavailable(format!("reading the config repo: {e}")))?;
-        let (tip, repo, diags) = res;
-        if !diags.is_empty() {
-            let problems = diags.iter().map(InputProblem::from).collect();
-            return Err(unavailable(format!(
-                "the config repo at {} has problems; no plan is computed on top of it",
-                crate::cycle::short(&tip)
-            ))
-            .with_problems(problems));
+        match res {
+            Ok(base) => Ok(base),
+            Err(crate::gather::BaseError::Invalid { commit, problems }) => {
+                let list = problems.0.iter().map(InputProblem::from).collect();
+                Err(unavailable(format!(
+                    "the config repo at {commit} has problems; no plan is computed on top of it"
+                ))
+                .with_problems(list))
+            }
+            Err(e) => Err(unavailable(format!("reading the config repo: {e}"))),
         }
-        Ok((tip, repo))
     }
 }
 

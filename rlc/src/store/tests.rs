@@ -33,6 +33,7 @@ fn quota(limit: f64, prev: Option<f64>) -> QuotaRecord {
         mode: Some("enforce".into()),
         policy: Some("peak".into()),
         commit_sha: Some("abc".into()),
+        state: ChangeState::Applied,
         evidence: r#"{"peak_rps":80}"#.into(),
         recorded_at: Utc.with_ymd_and_hms(2026, 11, 30, 3, 0, 30).unwrap(),
         pr_number: None,
@@ -252,8 +253,9 @@ async fn check_shadow_summary(store: Store) {
     assert_eq!(store.shadow_services(since, 1).await.unwrap(), ["maps"]);
 }
 
-/// The decrease guard's query: only `lowered` records at or after `since` count.
-async fn check_lowered_since(store: Store) {
+/// The decrease guard's query: only applied `lowered` records at or after `since` count; a
+/// decrease only proposed on the pull-request branch is not one.
+async fn check_applied_decreases(store: Store) {
     store
         .record_run(&run("once", "success", 0), &[quota(150.0, None)])
         .await
@@ -261,39 +263,49 @@ async fn check_lowered_since(store: Store) {
     let mut cut = quota(120.0, Some(150.0));
     cut.change = "lowered".into();
     cut.recorded_at = Utc.with_ymd_and_hms(2026, 11, 30, 4, 0, 0).unwrap();
+    let mut proposed = cut.clone();
+    proposed.bucket = "other".into();
+    proposed.state = ChangeState::Proposed;
+    proposed.recorded_at = Utc.with_ymd_and_hms(2026, 11, 30, 4, 10, 0).unwrap();
+    let mut later = cut.clone();
+    later.recorded_at = Utc.with_ymd_and_hms(2026, 11, 30, 4, 5, 0).unwrap();
     store
-        .record_run(&run("api", "success", 20), &[cut.clone()])
+        .record_run(&run("api", "success", 20), &[cut.clone(), proposed])
+        .await
+        .unwrap();
+    store
+        .record_run(&run("api", "success", 25), &[later.clone()])
         .await
         .unwrap();
     let before = Utc.with_ymd_and_hms(2026, 11, 30, 3, 30, 0).unwrap();
     let after = Utc.with_ymd_and_hms(2026, 11, 30, 4, 30, 0).unwrap();
+    let found = store.applied_decreases_since(before).await.unwrap();
     assert_eq!(
-        store.lowered_since("payments", "gw", before).await.unwrap(),
-        Some(cut.recorded_at)
+        found,
+        [(("payments".to_string(), "gw".to_string()), later.recorded_at)].into(),
+        "the latest applied decrease of gw; the proposed one of `other` does not count"
     );
-    assert_eq!(
-        store.lowered_since("payments", "gw", after).await.unwrap(),
-        None
-    );
-    assert_eq!(
-        store
-            .lowered_since("payments", "other", before)
-            .await
-            .unwrap(),
-        None
-    );
+    assert!(store.applied_decreases_since(after).await.unwrap().is_empty());
+    let states: Vec<ChangeState> = store
+        .quota_changes("payments", "other", 10)
+        .await
+        .unwrap()
+        .iter()
+        .map(|c| c.state)
+        .collect();
+    assert_eq!(states, [ChangeState::Proposed]);
 }
 
 #[tokio::test]
-async fn sqlite_lowered_since() {
+async fn sqlite_applied_decreases() {
     let dir = tempfile::tempdir().unwrap();
-    check_lowered_since(Store::connect("sqlite://rlc.db", dir.path()).await.unwrap()).await;
+    check_applied_decreases(Store::connect("sqlite://rlc.db", dir.path()).await.unwrap()).await;
 }
 
 #[tokio::test]
-async fn postgres_lowered_since() {
+async fn postgres_applied_decreases() {
     let db = test_support::postgres::fresh_database().await.unwrap();
-    check_lowered_since(Store::connect(&db.url, Path::new("/")).await.unwrap()).await;
+    check_applied_decreases(Store::connect(&db.url, Path::new("/")).await.unwrap()).await;
 }
 
 #[tokio::test]

@@ -264,6 +264,11 @@ fn preview_survives_a_segfaulting_plugin_and_refuses_1e308() {
         "service: payments\nbuckets:\n  - name: billing.charge\n    caller: billing\n    procedure: charge\n    limit_rps: 321\n    policy: peak\n",
     )
     .unwrap();
+    // Committed, as a run reads the base branch's tip (uncommitted edits of the working copy
+    // are not what the next run would use).
+    for args in [&["add", "-A"][..], &["commit", "-q", "-m", "plugins"]] {
+        test_support::git::git(&d.join("repo"), args).unwrap();
+    }
     let yaml = std::fs::read_to_string(d.join("rlc.yaml")).unwrap();
     std::fs::write(
         d.join("rlc.yaml"),

@@ -288,6 +288,37 @@ fn scenario(database_url: &str) {
             .find(|b| b["bucket"] == "web")
             .unwrap_or_else(|| panic!("no web in the diff: {w}"));
         assert_eq!(dweb["limit_factor"], 1.2, "{dweb}");
+        // Its backtest answers the question asked: both sides fitted on the training part
+        // from no limit in force (no decrease rail against today's limit, which the held-out
+        // days set), so they differ exactly where the headroom does: 400 × 1.25 and × 1.5,
+        // each × 1.25 for the short (four-day) training history.
+        let bt = |name: &str| {
+            w["backtest"]["buckets"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|b| b["bucket"] == name)
+                .unwrap_or_else(|| panic!("no {name} in the backtest: {w}"))
+                .clone()
+        };
+        let (bbatch, bweb) = (bt("batch"), bt("web"));
+        assert_eq!(
+            (
+                bbatch["current"]["limit_rps"].as_f64(),
+                bbatch["what_if"]["limit_rps"].as_f64()
+            ),
+            (Some(625.0), Some(750.0)),
+            "{bbatch}"
+        );
+        assert_eq!(
+            (
+                bweb["current"]["limit_rps"].as_f64(),
+                bweb["what_if"]["limit_rps"].as_f64()
+            ),
+            (Some(313.0), Some(375.0)),
+            "{bweb}"
+        );
+        assert_eq!(w["backtest"]["holdout_secs"], 4 * DAY, "{w}");
         let web = bucket(&all, "web");
         assert_eq!(web["change"]["kind"], "unchanged", "{web}");
         assert_eq!(web["confidence"], 1.0, "{web}");
@@ -416,6 +447,29 @@ fn scenario(database_url: &str) {
     });
     doc_examples(&base, d);
     drop(serve);
+
+    // `rlc backtest` on the same history and holdout scores the limits the what-if's current
+    // side showed.
+    let (code, out) = output(
+        d,
+        &["backtest", "--holdout", "4d", "--policy", "peak", "--format", "json"],
+    );
+    assert_eq!(code, 0, "{out}");
+    let scored = json_of(&out);
+    let fitted = |name: &str| {
+        scored["buckets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|b| b["bucket"] == name)
+            .unwrap_or_else(|| panic!("no {name} in {scored}"))["limit_rps"]
+            .as_f64()
+    };
+    assert_eq!(
+        (fitted("batch"), fitted("web")),
+        (Some(625.0), Some(313.0)),
+        "{scored}"
+    );
 
     // Second run: writes exactly what both previews showed.
     let (code, out) = output(d, &["run", "--once"]);
@@ -753,7 +807,20 @@ fn preview_quota_api_and_run_propose_the_same_promotion() {
             std::fs::read_to_string(d.join("serve.log")).unwrap_or_default()
         )
     });
+    // An empty what-if previews the current inputs: the same plan, promotion included, so
+    // nothing is listed as changed.
+    let empty = rt.block_on(async {
+        let r = reqwest::Client::new()
+            .post(format!("{base}/v1/previews"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        r.json::<Value>().await.unwrap()
+    });
     drop(serve);
+    assert_eq!(empty["diff"]["buckets"], serde_json::json!([]), "{empty}");
+    assert_eq!(modes(&empty["plan"]), modes(&rest), "what-if vs REST");
     let log = std::fs::read_to_string(d.join("serve.log")).unwrap_or_default();
     assert_eq!(
         bucket(&rest, "web")["mode_change"],

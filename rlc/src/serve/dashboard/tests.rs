@@ -545,6 +545,7 @@ async fn eight_days(store: &Store) -> Days {
         mode: Some("shadow".into()),
         policy: Some("peak".into()),
         commit_sha: Some("feedfacefeedfacefeedfacefeedfacefeedface".into()),
+        state: crate::store::ChangeState::Applied,
         evidence: "{}".into(),
         recorded_at: now - chrono::Duration::days(1),
         // Proposed through merge request !12.
@@ -1030,6 +1031,7 @@ async fn store_with_pull_requests(dir: &std::path::Path) -> (Store, i64) {
         mode: Some("shadow".into()),
         policy: Some("peak".into()),
         commit_sha: Some(PR_SHA.into()),
+        state: crate::store::ChangeState::Applied,
         evidence: "{}".into(),
         recorded_at: Utc::now(),
         pr_number: Some(7),

@@ -1,10 +1,9 @@
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use policies::RateSeries;
 use proptest::prelude::*;
 
 use super::*;
-use crate::compute::compute_plan;
+use crate::pipeline::{self, Purpose, World};
 
 const DAY: i64 = 86_400;
 /// 2026-01-01, the history's start; it lasts 21 days.
@@ -70,29 +69,41 @@ fn fixture() -> Fixture {
         source_error: None,
     };
     let now = Utc.timestamp_opt(START + 21 * DAY, 0).unwrap();
-    let current = compute_plan(&cfg, &repo, &history, now);
+    let world = World::none();
+    let current = pipeline::plan(&cfg, &repo, &history, &world, now, Purpose::Run);
     Fixture {
         _dir: dir,
-        inputs: Inputs { cfg, repo },
+        inputs: Inputs { cfg, repo, world },
         history,
         current,
         now,
     }
 }
 
-fn plan_fn() -> impl Fn(&DaemonConfig, &ConfigRepo, &History, DateTime<Utc>) -> Plan {
-    |c: &DaemonConfig, r: &ConfigRepo, h: &History, n: DateTime<Utc>| compute_plan(c, r, h, n)
+/// The HTTP status `rlc serve` answers a refusal with.
+trait HttpStatus {
+    fn status(&self) -> u16;
+}
+
+impl HttpStatus for WhatIfError {
+    fn status(&self) -> u16 {
+        match self.refusal {
+            Refusal::TooLarge => 413,
+            Refusal::MediaType => 415,
+            Refusal::Unreadable => 400,
+            Refusal::Invalid => 422,
+        }
+    }
 }
 
 impl Fixture {
-    fn run(&self, body: &str, ct: Option<&str>) -> Result<PreviewAnswer, Problem> {
+    fn run(&self, body: &str, ct: Option<&str>) -> Result<PreviewAnswer, WhatIfError> {
         preview(
             &self.inputs,
             &self.history,
             &self.current,
             body.as_bytes(),
             ct,
-            &plan_fn(),
             self.now,
         )
     }
@@ -110,7 +121,7 @@ fn limit(plan: &Plan, service: &str, bucket: &str) -> f64 {
         .limit_rps
 }
 
-fn problems(p: &Problem) -> Vec<(String, usize, String)> {
+fn problems(p: &WhatIfError) -> Vec<(String, usize, String)> {
     p.problems
         .iter()
         .map(|q| (q.file.clone(), q.line, q.key.clone()))
@@ -220,25 +231,21 @@ fn a_contract_gives_its_bucket_the_contract_limit() {
 #[test]
 fn services_restrict_what_is_computed() {
     let f = fixture();
-    let seen = AtomicUsize::new(0);
-    let series = AtomicUsize::new(0);
-    let counting = |c: &DaemonConfig, r: &ConfigRepo, h: &History, n: DateTime<Utc>| {
-        seen.fetch_max(r.buckets.len(), Ordering::Relaxed);
-        series.fetch_max(h.series.len(), Ordering::Relaxed);
-        compute_plan(c, r, h, n)
-    };
     let a = preview(
         &f.inputs,
         &f.history,
         &f.current,
         br#"{"services": ["maps"], "policies": {"patch": {"default": {"headroom": 1}}}}"#,
         JSON,
-        &counting,
         f.now,
     )
     .unwrap();
-    assert_eq!(seen.load(Ordering::Relaxed), 1, "only maps' bucket file");
-    assert_eq!(series.load(Ordering::Relaxed), 1, "only maps' series");
+    // What is computed is restricted before computing: the repo and history handed to the
+    // plan hold maps only.
+    let only: BTreeSet<String> = ["maps".to_string()].into();
+    let repo = restrict_repo(&f.inputs.repo, f.inputs.repo.clone(), Some(&only));
+    assert_eq!(repo.buckets.keys().collect::<Vec<_>>(), ["maps"]);
+    assert_eq!(restrict_history(&f.history, Some(&only)).series.len(), 1);
     assert_eq!(a.services, Some(vec!["maps".to_string()]));
     assert_eq!(a.plan.buckets.len(), 1);
     assert_eq!(limit(&a.plan, "maps", "mobile"), 80.0);
@@ -253,7 +260,7 @@ fn unknown_services_are_named() {
     let e = f
         .run("services:\n  - pay\n  - nope\n  - gone\n", YAML)
         .unwrap_err();
-    assert_eq!(e.status, 422);
+    assert_eq!(e.status(), 422);
     assert_eq!(
         problems(&e),
         [
@@ -270,7 +277,7 @@ fn syntax_shape_and_type_problems_are_400_with_every_problem() {
     // YAML: an unknown top-level key, an unknown key and a wrong type in the document.
     let body = "policies:\n  replace:\n    default:\n      policy: peak\n      headroom: lots\n      colour: red\nextra: 1\n";
     let e = f.run(body, YAML).unwrap_err();
-    assert_eq!(e.status, 400, "{e:?}");
+    assert_eq!(e.status(), 400, "{e:?}");
     let mut got = problems(&e);
     got.sort();
     assert_eq!(
@@ -284,7 +291,7 @@ fn syntax_shape_and_type_problems_are_400_with_every_problem() {
     );
     // JSON syntax: line and column of the error.
     let e = f.run("{\n  \"policies\": {,}\n}", JSON).unwrap_err();
-    assert_eq!((e.status, e.problems[0].line), (400, 2), "{e:?}");
+    assert_eq!((e.status(), e.problems[0].line), (400, 2), "{e:?}");
     // Both replace and patch.
     let e = f
         .run(r#"{"capacity": {"replace": {}, "patch": {}}}"#, JSON)
@@ -297,11 +304,10 @@ fn syntax_shape_and_type_problems_are_400_with_every_problem() {
         &f.current,
         b"\xff\xfe",
         YAML,
-        &plan_fn(),
         f.now,
     )
     .unwrap_err();
-    assert_eq!(e.status, 400);
+    assert_eq!(e.status(), 400);
 }
 
 #[test]
@@ -311,7 +317,7 @@ fn validation_problems_are_422_with_file_line_and_key() {
     // makes nothing else wrong. A contract above the capacity: both in the body.
     let body = "policies:\n  patch:\n    default:\n      headroom: -1\ncontracts:\n  replace:\n    contracts:\n      - service: pay\n        caller: web\n        limit_rps: 500\ncapacity:\n  replace:\n    capacity:\n      - service: pay\n        rps: 300\n";
     let e = f.run(body, YAML).unwrap_err();
-    assert_eq!(e.status, 422, "{e:?}");
+    assert_eq!(e.status(), 422, "{e:?}");
     let mut got = problems(&e);
     got.sort();
     assert_eq!(
@@ -356,7 +362,7 @@ fn a_problem_in_an_untouched_document_names_its_repo_file() {
             JSON,
         )
         .unwrap_err();
-    assert_eq!(e.status, 422, "{e:?}");
+    assert_eq!(e.status(), 422, "{e:?}");
     assert_eq!(
         problems(&e),
         [(
@@ -370,13 +376,13 @@ fn a_problem_in_an_untouched_document_names_its_repo_file() {
 #[test]
 fn media_type_and_size() {
     let f = fixture();
-    assert_eq!(f.run("{}", Some("text/plain")).unwrap_err().status, 415);
-    assert_eq!(f.run("{}", None).unwrap_err().status, 415);
+    assert_eq!(f.run("{}", Some("text/plain")).unwrap_err().status(), 415);
+    assert_eq!(f.run("{}", None).unwrap_err().status(), 415);
     assert!(f.run("{}", Some("application/json; charset=utf-8")).is_ok());
     assert!(f.run("{}", Some("text/yaml")).is_ok());
     assert!(f.run("{}", Some("application/x-yaml")).is_ok());
     let big = format!("services: [{}]", "pay, ".repeat(MAX_BODY_BYTES / 4));
-    assert_eq!(f.run(&big, YAML).unwrap_err().status, 413);
+    assert_eq!(f.run(&big, YAML).unwrap_err().status(), 413);
 }
 
 #[test]
@@ -386,7 +392,7 @@ fn nesting_and_alias_bombs_are_refused() {
     let e = f
         .run(&format!("{{\"policies\": {{\"patch\": {deep}}}}}"), JSON)
         .unwrap_err();
-    assert_eq!(e.status, 400, "{e:?}");
+    assert_eq!(e.status(), 400, "{e:?}");
     assert!(e.problems[0].message.contains("nesting"), "{e:?}");
     let mut bomb = String::from("a: &a [x, x, x, x, x, x, x, x, x, x]\n");
     for i in 1..8 {
@@ -398,7 +404,7 @@ fn nesting_and_alias_bombs_are_refused() {
         ));
     }
     let e = f.run(&bomb, YAML).unwrap_err();
-    assert_eq!(e.status, 400, "{e:?}");
+    assert_eq!(e.status(), 400, "{e:?}");
 }
 
 #[test]
@@ -415,7 +421,7 @@ fn holdout_is_bounded_by_the_history() {
     // A duration that overflows is a problem of the body, not a panic.
     let e = f.run("holdout: 18446744073709551615w\n", YAML).unwrap_err();
     assert_eq!(
-        (e.status, e.problems[0].key.as_str()),
+        (e.status(), e.problems[0].key.as_str()),
         (400, "holdout"),
         "{e:?}"
     );
@@ -469,7 +475,7 @@ proptest! {
         let f = FIXTURE.with(|f| f.clone());
         let r = f.run_bytes(&body, if json { JSON } else { YAML });
         if let Err(p) = r {
-            prop_assert!((400..500).contains(&p.status), "{p:?}");
+            prop_assert!((400..500).contains(&p.status()), "{p:?}");
         }
     }
 
@@ -478,7 +484,7 @@ proptest! {
     fn random_what_ifs_never_panic(body in what_if_text()) {
         let f = FIXTURE.with(|f| f.clone());
         if let Err(p) = f.run_bytes(body.as_bytes(), YAML) {
-            prop_assert!((400..500).contains(&p.status), "{body}\n{p:?}");
+            prop_assert!((400..500).contains(&p.status()), "{body}\n{p:?}");
         }
     }
 }
@@ -488,14 +494,13 @@ thread_local! {
 }
 
 impl Fixture {
-    fn run_bytes(&self, body: &[u8], ct: Option<&str>) -> Result<PreviewAnswer, Problem> {
+    fn run_bytes(&self, body: &[u8], ct: Option<&str>) -> Result<PreviewAnswer, WhatIfError> {
         preview(
             &self.inputs,
             &self.history,
             &self.current,
             body,
             ct,
-            &plan_fn(),
             self.now,
         )
     }

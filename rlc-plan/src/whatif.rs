@@ -22,7 +22,6 @@ use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-use axum::http::StatusCode;
 use chrono::{DateTime, TimeZone, Utc};
 use schema::{
     ConfigRepo, DaemonConfig, Diagnostic, DocumentTexts, HumanDuration, Limits, Located, Locator,
@@ -32,10 +31,73 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_yaml::Value;
 
-use rlc_plan::backtest::{score_plan, split, Score};
+use crate::backtest::{score_plan, split, Score};
 use crate::history::{History, SeriesKey};
+use crate::pipeline::{self, Purpose, World};
 use crate::plan::Plan;
-use crate::serve::problem::{InputProblem, Problem};
+
+/// One problem of the input, where it is: the file (`body` for the request itself), the line
+/// and column (1-based; 0 when unknown), the key's path, and the message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, JsonSchema)]
+pub struct InputProblem {
+    /// `body`, or the config repo file the problem is in (`rlc/contracts.yaml`).
+    pub file: String,
+    /// Line, 1-based (0 when unknown).
+    pub line: usize,
+    /// Column, 1-based (0 when unknown).
+    pub column: usize,
+    /// The key's path (`policies.patch.default.headroom`), empty for the whole file.
+    pub key: String,
+    /// What is wrong, in words.
+    pub message: String,
+}
+
+impl From<&schema::Diagnostic> for InputProblem {
+    fn from(d: &schema::Diagnostic) -> InputProblem {
+        InputProblem {
+            file: d.file.to_string_lossy().into_owned(),
+            line: d.line,
+            column: d.column,
+            key: d.key.clone(),
+            message: d.message.clone(),
+        }
+    }
+}
+
+/// Why a what-if was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// The body is larger than [`MAX_BODY_BYTES`].
+    TooLarge,
+    /// The body is not JSON or YAML.
+    MediaType,
+    /// The body cannot be read as a what-if (syntax, shape, types, unknown keys, limits).
+    Unreadable,
+    /// It parses, but the documents fail the checks, or a service is unknown.
+    Invalid,
+}
+
+/// A refused what-if: why, in words, and every problem found with where it is.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{detail}")]
+pub struct WhatIfError {
+    /// The kind of refusal.
+    pub refusal: Refusal,
+    /// What is wrong, in words.
+    pub detail: String,
+    /// Every problem, with file, line and key (empty for the media type and the size).
+    pub problems: Vec<InputProblem>,
+}
+
+impl WhatIfError {
+    fn new(refusal: Refusal, detail: String, problems: Vec<InputProblem>) -> WhatIfError {
+        WhatIfError {
+            refusal,
+            detail,
+            problems,
+        }
+    }
+}
 
 /// The largest body accepted (413 above).
 pub const MAX_BODY_BYTES: usize = 1 << 20;
@@ -53,20 +115,19 @@ pub const BODY_LIMITS: Limits = Limits {
     ..Limits::DEFAULT
 };
 
-/// What a what-if starts from: the daemon config (paths resolved) and the config repo as on
-/// the base branch.
+/// What a what-if starts from: the daemon config (paths resolved), the config repo as on the
+/// base branch, and the evidence the current plan was computed with (past decreases, shadow
+/// figures): the what-if plan is computed as the current one is ([`pipeline::plan`]), with
+/// other documents.
 #[derive(Debug, Clone)]
 pub struct Inputs {
     /// `rlc.yaml`, relative paths resolved.
     pub cfg: DaemonConfig,
     /// The config repo (valid: a repo with problems is never planned on).
     pub repo: ConfigRepo,
+    /// The evidence gathered for the current plan.
+    pub world: World,
 }
-
-/// The plan computation a run does (history + config repo → plan at `now`): the what-if and
-/// its backtest go through the same one.
-pub type PlanFn<'a> =
-    dyn Fn(&DaemonConfig, &ConfigRepo, &History, DateTime<Utc>) -> Plan + Send + Sync + 'a;
 
 /// The body of `POST /v1/previews`. Every key is optional; an empty body previews the current
 /// inputs.
@@ -231,30 +292,34 @@ impl BodyFormat {
     }
 }
 
-/// The 415 answer.
-pub fn unsupported_media_type(content_type: Option<&str>) -> Problem {
-    Problem::new(
-        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+/// The refusal of a body that is not JSON or YAML.
+pub fn unsupported_media_type(content_type: Option<&str>) -> WhatIfError {
+    WhatIfError::new(
+        Refusal::MediaType,
         format!(
             "the body must be application/json or application/yaml (also application/x-yaml, text/yaml), got {}",
             content_type.map_or("no Content-Type".to_string(), |c| format!("`{c}`"))
         ),
+        Vec::new(),
     )
 }
 
 /// Computes a what-if preview. `history` and `current_plan` are the daemon's (the current plan
-/// is what a run would compute now); `plan_fn` is the planner a run uses. Writes nothing.
+/// is what a run would compute now, from `inputs`). Writes nothing.
 pub fn preview(
     inputs: &Inputs,
     history: &History,
     current_plan: &Plan,
     body: &[u8],
     content_type: Option<&str>,
-    plan_fn: &PlanFn<'_>,
     now: DateTime<Utc>,
-) -> Result<PreviewAnswer, Problem> {
+) -> Result<PreviewAnswer, WhatIfError> {
     if body.len() > MAX_BODY_BYTES {
-        return Err(crate::serve::limits::too_large(MAX_BODY_BYTES));
+        return Err(WhatIfError::new(
+            Refusal::TooLarge,
+            format!("the body is larger than {MAX_BODY_BYTES} bytes"),
+            Vec::new(),
+        ));
     }
     let empty = body.iter().all(|b| b.is_ascii_whitespace());
     let format = match content_type {
@@ -360,14 +425,14 @@ pub fn preview(
         }
     };
     if !problems.is_empty() {
-        return Err(Problem::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
+        return Err(WhatIfError::new(
+            Refusal::Invalid,
             format!(
                 "the what-if inputs do not validate: {} problem(s), listed with file, line and key",
                 problems.len()
             ),
-        )
-        .with_problems(sorted(problems)));
+            sorted(problems),
+        ));
     }
 
     let whatif_repo = restrict_repo(repo, whatif_repo, only.as_ref());
@@ -384,17 +449,27 @@ pub fn preview(
     );
     let history = restrict_history(history, only.as_ref());
     let cfg = &inputs.cfg;
-    let plan = plan_fn(cfg, &whatif_repo, &history, now);
+    let plan = pipeline::plan(
+        cfg,
+        &whatif_repo,
+        history.as_ref(),
+        &inputs.world,
+        now,
+        Purpose::Run,
+    );
     let current = restrict_plan(current_plan, only.as_ref());
     let diff = diff(&current, &plan);
 
+    // Both sides from no limit in force at the split: they differ exactly where the inputs
+    // do, and each equals what `rlc backtest` scores for them.
     let holdout_asked = req
         .holdout
         .map_or(DEFAULT_HOLDOUT_SECS, |h| h.as_secs() as i64);
     let backtest = backtest(&history, holdout_asked, |h, at| {
+        let none = World::none();
         (
-            plan_fn(cfg, &current_repo, h, at),
-            plan_fn(cfg, &whatif_repo, h, at),
+            pipeline::plan(cfg, &current_repo, h, &none, at, Purpose::Backtest),
+            pipeline::plan(cfg, &whatif_repo, h, &none, at, Purpose::Backtest),
         )
     });
     Ok(PreviewAnswer {
@@ -439,16 +514,16 @@ fn sorted(mut problems: Vec<InputProblem>) -> Vec<InputProblem> {
     problems
 }
 
-fn bad_request(problems: Vec<InputProblem>) -> Problem {
+fn bad_request(problems: Vec<InputProblem>) -> WhatIfError {
     let problems = sorted(problems);
-    Problem::new(
-        StatusCode::BAD_REQUEST,
+    WhatIfError::new(
+        Refusal::Unreadable,
         format!(
             "the body cannot be read as a what-if: {} problem(s), listed with file, line and key",
             problems.len()
         ),
+        problems,
     )
-    .with_problems(problems)
 }
 
 fn whole_body(line: usize, column: usize, message: String) -> InputProblem {
@@ -465,7 +540,7 @@ fn whole_body(line: usize, column: usize, message: String) -> InputProblem {
 /// node limits first, every problem with line and key); JSON checked as strict JSON first,
 /// then read the same way (JSON is YAML), or, in the rare case the YAML reader refuses valid
 /// JSON, re-read from the JSON value without line numbers.
-fn parse_body(body: &[u8], format: BodyFormat) -> Result<Body, Problem> {
+fn parse_body(body: &[u8], format: BodyFormat) -> Result<Body, WhatIfError> {
     let text = std::str::from_utf8(body).map_err(|e| {
         bad_request(vec![whole_body(
             0,
@@ -767,6 +842,19 @@ pub fn restrict_plan(plan: &Plan, only: Option<&BTreeSet<String>>) -> Plan {
         return plan.clone();
     };
     Plan {
+        promotions: plan
+            .promotions
+            .iter()
+            .filter(|p| only.contains(&p.service))
+            .cloned()
+            .collect(),
+        needs_review: plan
+            .needs_review
+            .iter()
+            .filter(|r| only.contains(&r.service))
+            .cloned()
+            .collect(),
+        shadow_error: plan.shadow_error.clone(),
         buckets: plan
             .buckets
             .iter()

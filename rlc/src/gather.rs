@@ -1,0 +1,254 @@
+//! Reading the world once, before planning: the config repo's base (its documents and the
+//! bucket files in force) and its history of decreases from the working copy as last fetched,
+//! the store's applied decreases, and the shadow figures of promotion candidates. What is read
+//! here is what [`rlc_plan::pipeline`] decides on; nothing is read again while planning, so one
+//! run (or one preview) sees one state of the world.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use chrono::{DateTime, Utc};
+use rlc_plan::guard::{self, Decreases, Witness};
+use rlc_plan::pipeline::{ShadowEvidence, World};
+use rlc_plan::promotion::{self, BucketKey};
+use rlc_plan::readiness::ShadowStats;
+use schema::{ConfigRepo, DaemonConfig};
+
+use crate::gitops::writer::DECREASE_HISTORY_MAX_COMMITS;
+use crate::gitops::{Writer, WriterConfig};
+use crate::promotion::{ShadowQuery, ShadowSource};
+use crate::store::Store;
+
+/// The config repo's base branch as read after the one fetch.
+#[derive(Debug, Clone)]
+pub struct Base {
+    /// The base branch's tip.
+    pub commit: String,
+    /// The config repo at that tip, loaded and valid.
+    pub repo: Arc<ConfigRepo>,
+    /// When each bucket was last lowered on the base branch within `rails.decrease_interval`.
+    pub decreases: Witness,
+}
+
+/// Why the base could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum BaseError {
+    /// git failed (the remote, the working copy, the branch).
+    #[error(transparent)]
+    Git(#[from] crate::gitops::GitOpsError),
+    /// The config repo at the base tip has problems: nothing is planned on top of it.
+    #[error("the config repo at {commit} has problems:\n{problems}")]
+    Invalid {
+        /// The base tip.
+        commit: String,
+        /// Every problem, as `rlc validate` prints them.
+        problems: schema::Diagnostics,
+    },
+}
+
+/// Reads the base from `w`'s refs as last fetched (no network): the tip, the config repo at
+/// it (from `dir`, where the tip's files are: the working copy after a sync, or an export),
+/// and the decreases on its history within `rails.decrease_interval` before `now`, for every
+/// service of the repo. Blocking (git and files).
+pub fn read_base(
+    w: &Writer,
+    dir: &Path,
+    cfg: &DaemonConfig,
+    now: DateTime<Utc>,
+) -> Result<Base, BaseError> {
+    let commit = w.base_tip()?;
+    let (repo, diags) = ConfigRepo::load(dir);
+    if !diags.is_empty() {
+        return Err(BaseError::Invalid {
+            commit: crate::cycle::short(&commit).to_string(),
+            problems: schema::Diagnostics(diags),
+        });
+    }
+    let services: Vec<String> = repo.buckets.keys().cloned().collect();
+    let since = guard::since(cfg.rails.decrease_interval.0, now);
+    let decreases = match w.decreases_since(&services, since.timestamp(), DECREASE_HISTORY_MAX_COMMITS)
+    {
+        Ok(found) => Witness::Known(
+            found
+                .into_iter()
+                .filter_map(|(k, t)| DateTime::<Utc>::from_timestamp(t, 0).map(|t| (k, t)))
+                .collect(),
+        ),
+        Err(e) => Witness::Unknown(e.to_string()),
+    };
+    Ok(Base {
+        commit,
+        repo: Arc::new(repo),
+        decreases,
+    })
+}
+
+/// What the store can say about past decreases.
+#[derive(Debug, Clone)]
+pub enum StoreWitness {
+    /// A connected store: its quota history is asked.
+    Store(Store),
+    /// No store exists yet (a SQLite file a run would create): it has recorded nothing.
+    Empty,
+    /// The store cannot say (down, deleted, replaced): every decrease is held.
+    Unavailable(String),
+}
+
+impl From<Result<Store, crate::store::StoreError>> for StoreWitness {
+    fn from(r: Result<Store, crate::store::StoreError>) -> StoreWitness {
+        match r {
+            Ok(s) => StoreWitness::Store(s),
+            Err(e) => StoreWitness::Unavailable(e.to_string()),
+        }
+    }
+}
+
+impl StoreWitness {
+    /// The shadow figures this store gives: its own; none at all for a store that does not
+    /// exist yet (nothing is ready); the reason for one that cannot be read.
+    pub fn shadow_source(&self) -> Result<ShadowSource, String> {
+        match self {
+            StoreWitness::Store(s) => Ok(crate::promotion::store_source(s.clone())),
+            StoreWitness::Empty => Ok(Arc::new(|_q: ShadowQuery| {
+                Box::pin(async { Ok(BTreeMap::new()) }) as crate::cycle::BoxFuture<_>
+            })),
+            StoreWitness::Unavailable(e) => Err(format!("store unavailable: {e}")),
+        }
+    }
+}
+
+/// The store of `cfg` for a reader that must write nothing (`rlc preview`): a SQLite file
+/// that does not exist is [`StoreWitness::Empty`] (what a run would create), never created.
+pub async fn open_store_for_reading(cfg: &DaemonConfig, base_dir: &Path) -> StoreWitness {
+    let url = &cfg.database_url;
+    if let Some(rest) = url.strip_prefix("sqlite:") {
+        let rest = rest.trim_start_matches("//");
+        let path = rest.split_once('?').map_or(rest, |(p, _)| p);
+        if path != ":memory:" && !path.is_empty() && !base_dir.join(path).exists() {
+            return StoreWitness::Empty;
+        }
+    }
+    Store::connect(url, base_dir).await.into()
+}
+
+/// The applied decreases the store knows within `rails.decrease_interval` before `now`.
+pub async fn store_decreases(
+    cfg: &DaemonConfig,
+    store: &StoreWitness,
+    now: DateTime<Utc>,
+) -> Witness {
+    if cfg.rails.decrease_interval.0.as_secs() <= 1 {
+        return Witness::none();
+    }
+    let since = guard::since(cfg.rails.decrease_interval.0, now);
+    match store {
+        StoreWitness::Store(s) => match s.applied_decreases_since(since).await {
+            Ok(found) => Witness::Known(found),
+            Err(e) => Witness::Unknown(format!("quota history unavailable ({e})")),
+        },
+        StoreWitness::Empty => Witness::none(),
+        StoreWitness::Unavailable(e) => Witness::Unknown(format!("store unavailable ({e})")),
+    }
+}
+
+/// The shadow figures of `repo`'s promotion candidates ([`promotion::base_candidates`]) from
+/// `source`, one query per window length. No candidate: nothing is asked.
+pub async fn shadow(
+    repo: &ConfigRepo,
+    source: impl std::future::Future<Output = Result<ShadowSource, String>>,
+    now: DateTime<Utc>,
+) -> ShadowEvidence {
+    let candidates = promotion::base_candidates(repo);
+    if candidates.is_empty() {
+        return ShadowEvidence::Figures(BTreeMap::new());
+    }
+    let source = match source.await {
+        Ok(s) => s,
+        Err(e) => return ShadowEvidence::Unavailable(e),
+    };
+    let mut by_window: BTreeMap<chrono::Duration, Vec<BucketKey>> = BTreeMap::new();
+    for (key, window) in candidates {
+        by_window.entry(window).or_default().push(key);
+    }
+    let mut out: BTreeMap<BucketKey, ShadowStats> = BTreeMap::new();
+    for (window, buckets) in by_window {
+        let q = ShadowQuery {
+            buckets,
+            window_start: now - window,
+            now,
+        };
+        match source(q).await {
+            Ok(m) => out.extend(m),
+            Err(e) => {
+                tracing::warn!(error = %format!("{e:#}"), "shadow figures unavailable: nothing promoted");
+                return ShadowEvidence::Unavailable(format!("{e:#}"));
+            }
+        }
+    }
+    ShadowEvidence::Figures(out)
+}
+
+/// The world of a plan on `base`: its decreases (the repo's history and the store's applied
+/// ones) and its candidates' shadow figures (from `shadow_source`).
+pub async fn world(
+    cfg: &DaemonConfig,
+    base: &Base,
+    store: &StoreWitness,
+    shadow_source: impl std::future::Future<Output = Result<ShadowSource, String>>,
+    now: DateTime<Utc>,
+) -> World {
+    let decreases = Decreases {
+        git: base.decreases.clone(),
+        store: store_decreases(cfg, store, now).await,
+    };
+    World {
+        decreases,
+        shadow: shadow(&base.repo, shadow_source, now).await,
+    }
+}
+
+/// A working copy to read the base from without writing anything where rlc.yaml points: the
+/// existing working copy (fetched), or, when there is none yet, a clone in a temporary
+/// directory (`rlc preview` writes nothing).
+pub struct ReadOnlyCopy {
+    /// The writer over it.
+    pub writer: Writer,
+    /// Where the base tip's files are exported.
+    pub export: tempfile::TempDir,
+    _clone: Option<tempfile::TempDir>,
+}
+
+impl ReadOnlyCopy {
+    /// Opens (or clones aside) the working copy of `cfg` (paths resolved against
+    /// `base_dir`), fetches once and exports the base tip. Blocking.
+    pub fn open(cfg: &DaemonConfig, base_dir: &Path) -> Result<ReadOnlyCopy, crate::gitops::GitOpsError> {
+        let mut wcfg = WriterConfig::from_config(&cfg.config_repo, base_dir);
+        let exists = wcfg.path.join(".git").exists() || wcfg.path.join("HEAD").exists();
+        let clone = if !exists && wcfg.url.is_some() {
+            let dir = tempfile::Builder::new().prefix("rlc-preview-").tempdir()?;
+            wcfg.path = dir.path().join("repo");
+            Some(dir)
+        } else {
+            None
+        };
+        let writer = Writer::open(wcfg)?;
+        if clone.is_none() {
+            if let Err(e) = writer.fetch() {
+                tracing::warn!(error = %e, "cannot fetch the config repo: reading its base branch as last fetched");
+            }
+        }
+        let export = tempfile::Builder::new().prefix("rlc-base-").tempdir()?;
+        writer.export_base(export.path())?;
+        Ok(ReadOnlyCopy {
+            writer,
+            export,
+            _clone: clone,
+        })
+    }
+
+    /// The directory holding the base tip's `rlc/` and `buckets/`.
+    pub fn dir(&self) -> PathBuf {
+        self.export.path().to_path_buf()
+    }
+}
