@@ -16,6 +16,7 @@
 pub mod backtest;
 pub mod change;
 pub mod compute;
+pub mod corpus;
 pub mod evidence;
 pub mod guard;
 pub mod history;

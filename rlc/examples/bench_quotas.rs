@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rlc::serve::{app, quotas::Quotas, AppState};
-use rlc::snapshot::HistoryCache;
+use rlc::history::snapshot::HistoryCache;
 
 const BUCKETS: usize = 10;
 
@@ -97,7 +97,7 @@ async fn main() -> anyhow::Result<()> {
     write_history(&d.join("h.csv"), services)?;
     let text = "history:\n  file: h.csv\n  lookback: 2d\n  step: 1h\n  min_coverage: 0.5\nconfig_repo:\n  path: repo\ndatabase_url: sqlite://rlc.db\n";
     let mut cfg: schema::DaemonConfig = schema::parse_str(Path::new("rlc.yaml"), text)?.value;
-    rlc::compute::resolve_paths(&mut cfg, d);
+    rlc::config::resolve_paths(&mut cfg, d);
     let cache = Arc::new(HistoryCache::new(cfg.clone(), d));
     let quotas = Arc::new(Quotas::new(cfg.clone(), d, cache.clone(), 64)?);
     let state = AppState::new(None, tokio::sync::mpsc::channel(1).0);

@@ -14,7 +14,7 @@
 use std::time::{Duration, Instant};
 
 use chrono::{TimeZone, Utc};
-use rlc::compute::compute_plan;
+use rlc_plan::compute::compute_plan;
 use rlc::history::synth::Profile;
 use rlc::history::{History, RateSeries, SeriesKey};
 use rlc::whatif::{preview, Inputs};

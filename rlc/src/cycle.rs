@@ -15,9 +15,7 @@
 //!   push again, at most `git_attempts` times.
 
 use std::collections::VecDeque;
-use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::pin::Pin;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
@@ -29,12 +27,14 @@ use rlc_plan::pipeline;
 use rlc_plan::plan::{NeedsReview, PromotionNote};
 
 use crate::gather::{self, Base, StoreWitness};
+use crate::gitops::short;
 use crate::gitops::summary::{self, ChangeSummary, FORGE_BODY_LIMIT};
 use crate::gitops::{Forge, PullRequest, WriteOutcome, WriteStatus, Writer, WriterConfig};
 use crate::plan::{Plan, Skipped};
-use crate::promotion::{self, ShadowSource};
+use crate::shadow::ShadowSource;
+use rlc_plan::promotion;
 use crate::push::{self, Backoff, ControllerClient, Desired};
-use crate::snapshot::HistoryCache;
+use crate::history::snapshot::HistoryCache;
 use crate::store::{ChangeState, QuotaRecord, RunRecord, Store};
 
 /// Run records kept while the store is down; the oldest are dropped beyond this.
@@ -59,11 +59,10 @@ pub struct PlanInput {
     pub history_cache: Option<Arc<HistoryCache>>,
 }
 
-/// A boxed future, as returned by a [`Planner`].
-pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+pub use crate::BoxFuture;
 
 /// The computing step of a run's plan: history pulled, then a policy per bucket and the rails
-/// ([`rlc_plan::compute`]); [`crate::pipeline::planner`] in production, a fixed plan in
+/// ([`rlc_plan::compute`]); [`crate::cycle::compute::planner`] in production, a fixed plan in
 /// tests. The run then finishes it with the evidence it gathered
 /// ([`rlc_plan::pipeline::finish`]: decrease guard, promotions, review).
 pub type Planner = Arc<dyn Fn(PlanInput) -> BoxFuture<anyhow::Result<Plan>> + Send + Sync>;
@@ -322,9 +321,6 @@ impl RunOutcome {
     }
 }
 
-pub(crate) fn short(sha: &str) -> &str {
-    &sha[..sha.len().min(10)]
-}
 
 impl std::fmt::Display for RunOutcome {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -1124,55 +1120,6 @@ pub async fn apply_plan(
     Ok(Cycle::new(cfg.clone(), base_dir).apply(plan, trigger).await)
 }
 
-/// Loads rlc.yaml; returns it with its directory as an absolute path (the base of relative
-/// paths in it), so that paths resolve the same wherever the command runs from.
-pub fn load_config(path: &Path) -> anyhow::Result<(DaemonConfig, PathBuf)> {
-    let cfg = schema::load_daemon_config(path)
-        .map_err(|d| crate::exit::ConfigError(schema::Diagnostics(d).to_string()))?;
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    let base = std::path::absolute(dir).map_err(|e| {
-        crate::exit::ConfigError(format!(
-            "{}: cannot resolve its directory: {e}",
-            path.display()
-        ))
-    })?;
-    Ok((cfg, base))
-}
-
-/// `rlc run`.
-#[derive(Debug, Clone, clap::Args)]
-pub struct RunArgs {
-    /// The daemon config (rlc.yaml).
-    #[arg(long, default_value = "rlc.yaml")]
-    pub config: PathBuf,
-    /// Run one full cycle and exit (the only mode of `rlc run`; `rlc serve` is the daemon).
-    #[arg(long)]
-    pub once: bool,
-    /// Print the outcome as JSON instead of text.
-    #[arg(long)]
-    pub json: bool,
-}
-
-/// `rlc run --once`: one full cycle; prints a summary; returns the exit status
-/// ([`RunOutcome::exit_code`]).
-pub async fn run(args: RunArgs, planner: Planner) -> anyhow::Result<i32> {
-    if !args.once {
-        eprintln!("rlc run needs --once (one cycle); use `rlc serve` for the scheduled daemon");
-        return Ok(crate::exit::USAGE);
-    }
-    let (cfg, base) = load_config(&args.config)?;
-    let cycle = Cycle::new(cfg, &base);
-    let out = cycle.run(&planner, "once").await;
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&out)?);
-    } else {
-        print!("{out}");
-    }
-    Ok(out.exit_code())
-}
-
+pub mod compute;
 #[cfg(test)]
 pub(crate) mod tests;

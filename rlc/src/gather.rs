@@ -17,7 +17,7 @@ use schema::{ConfigRepo, DaemonConfig};
 
 use crate::gitops::writer::DECREASE_HISTORY_MAX_COMMITS;
 use crate::gitops::{Writer, WriterConfig};
-use crate::promotion::{ShadowQuery, ShadowSource};
+use crate::shadow::{ShadowQuery, ShadowSource};
 use crate::store::Store;
 
 /// The config repo's base branch as read after the one fetch.
@@ -61,7 +61,7 @@ pub fn read_base(
     let (repo, diags) = ConfigRepo::load(dir);
     if !diags.is_empty() {
         return Err(BaseError::Invalid {
-            commit: crate::cycle::short(&commit).to_string(),
+            commit: crate::gitops::short(&commit).to_string(),
             problems: schema::Diagnostics(diags),
         });
     }
@@ -109,9 +109,9 @@ impl StoreWitness {
     /// exist yet (nothing is ready); the reason for one that cannot be read.
     pub fn shadow_source(&self) -> Result<ShadowSource, String> {
         match self {
-            StoreWitness::Store(s) => Ok(crate::promotion::store_source(s.clone())),
+            StoreWitness::Store(s) => Ok(crate::shadow::store_source(s.clone())),
             StoreWitness::Empty => Ok(Arc::new(|_q: ShadowQuery| {
-                Box::pin(async { Ok(BTreeMap::new()) }) as crate::cycle::BoxFuture<_>
+                Box::pin(async { Ok(BTreeMap::new()) }) as crate::BoxFuture<_>
             })),
             StoreWitness::Unavailable(e) => Err(format!("store unavailable: {e}")),
         }
@@ -251,4 +251,47 @@ impl ReadOnlyCopy {
     pub fn dir(&self) -> PathBuf {
         self.export.path().to_path_buf()
     }
+}
+
+/// The base a run would plan on, read without writing anything where rlc.yaml points: the
+/// working copy fetched once (a fetch that fails leaves it as last fetched, with a warning),
+/// or a clone aside when there is none yet; a config repo that is a plain directory (no git,
+/// no URL) is read as it is, and its decreases cannot be told (held). A repo with problems
+/// is a configuration error.
+pub async fn read_base_aside(
+    cfg: &DaemonConfig,
+    base_dir: &Path,
+    now: DateTime<Utc>,
+) -> anyhow::Result<Base> {
+    let (cfg, base_dir) = (cfg.clone(), base_dir.to_path_buf());
+    tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+        let read = match ReadOnlyCopy::open(&cfg, &base_dir) {
+            Ok(copy) => read_base(&copy.writer, &copy.dir(), &cfg, now),
+            Err(e @ crate::gitops::GitOpsError::NoRepo(_)) => {
+                let dir = Path::new(&cfg.config_repo.path);
+                let (repo, diags) = ConfigRepo::load(dir);
+                if diags.is_empty() {
+                    Ok(Base {
+                        commit: String::new(),
+                        repo: std::sync::Arc::new(repo),
+                        decreases: rlc_plan::guard::Witness::Unknown(e.to_string()),
+                    })
+                } else {
+                    Err(BaseError::Invalid {
+                        commit: dir.display().to_string(),
+                        problems: schema::Diagnostics(diags),
+                    })
+                }
+            }
+            Err(e) => Err(e.into()),
+        };
+        match read {
+            Ok(b) => Ok(b),
+            Err(e @ BaseError::Invalid { .. }) => {
+                Err(crate::exit::ConfigError(e.to_string()).into())
+            }
+            Err(e) => Err(e.into()),
+        }
+    })
+    .await?
 }

@@ -38,17 +38,17 @@ enum Command {
     Openapi,
     /// Compute quotas and print them (table or JSON); writes nothing.
     #[command(after_help = PREVIEW_EXIT)]
-    Preview(rlc::preview::PreviewArgs),
+    Preview(rlc::cmd::preview::PreviewArgs),
     /// One full cycle: history → policies → git → controller → store.
     #[command(after_help = rlc::exit::HELP)]
-    Run(rlc::cycle::RunArgs),
+    Run(rlc::cmd::run::RunArgs),
     /// The daemon: schedule, input-change and API triggers, dashboard.
     Serve(rlc::serve::ServeArgs),
     /// Score policies on history they did not see.
-    Backtest(rlc::backtest::BacktestArgs),
+    Backtest(rlc::cmd::backtest::BacktestArgs),
     /// Run the whole loop on embedded defaults: bundled history, a local config repo made
     /// from the template, an in-process GRL controller.
-    Demo(rlc::demo::DemoArgs),
+    Demo(rlc::cmd::demo::DemoArgs),
 }
 
 /// Exit codes of `rlc preview` (a subset of [`rlc::exit::HELP`]).
@@ -90,7 +90,7 @@ fn main() -> ExitCode {
     };
     grl_runtime::logging::init(cli.log_format, level);
     let result = match cli.command {
-        Command::Validate { dir, format } => rlc::validate_cmd::run(&dir, &format),
+        Command::Validate { dir, format } => rlc::cmd::validate::run(&dir, &format),
         Command::Schema => {
             println!(
                 "{}",
@@ -102,11 +102,11 @@ fn main() -> ExitCode {
             print!("{}", rlc::serve::openapi::document_json());
             Ok(0)
         }
-        Command::Preview(args) => runtime().block_on(rlc::preview::run(args)),
-        Command::Run(args) => runtime().block_on(rlc::cycle::run(args, rlc::pipeline::planner())),
-        Command::Serve(args) => runtime().block_on(rlc::serve::run(args, rlc::pipeline::planner())),
-        Command::Backtest(args) => runtime().block_on(rlc::backtest::run(args)),
-        Command::Demo(args) => runtime().block_on(rlc::demo::run(args)),
+        Command::Preview(args) => runtime().block_on(rlc::cmd::preview::run(args)),
+        Command::Run(args) => runtime().block_on(rlc::cmd::run::run(args, rlc::cycle::compute::planner())),
+        Command::Serve(args) => runtime().block_on(rlc::serve::run(args, rlc::cycle::compute::planner())),
+        Command::Backtest(args) => runtime().block_on(rlc::cmd::backtest::run(args)),
+        Command::Demo(args) => runtime().block_on(rlc::cmd::demo::run(args)),
     };
     match result {
         Ok(code) => ExitCode::from(code as u8),

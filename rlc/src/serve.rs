@@ -23,7 +23,8 @@ use prometheus_client::registry::Registry;
 use schema::DaemonConfig;
 use tokio::sync::{mpsc, watch};
 
-use crate::cycle::{load_config, Cycle, Planner, RunOutcome, RunStatus};
+use crate::config::load_config;
+use crate::cycle::{Cycle, Planner, RunOutcome, RunStatus};
 use crate::push::ControllerClient;
 use crate::store::{Lease, Store};
 
@@ -141,12 +142,12 @@ impl Metrics {
         r.register(
             "rlc_history_pull_duration_seconds",
             "Length of the history pulls of this process's runs.",
-            crate::pipeline::history_pull_seconds().clone(),
+            crate::history::pull_seconds().clone(),
         );
         r.register(
             "rlc_history_pulls",
             "History pulls (runs and the quota API share one snapshot).",
-            crate::pipeline::history_pulls().clone(),
+            crate::history::pulls().clone(),
         );
         r.register(
             "rlc_leader",
@@ -517,8 +518,8 @@ pub async fn serve_on(
         Some(q) => q,
         None => {
             let mut resolved = cfg;
-            crate::compute::resolve_paths(&mut resolved, base_dir);
-            let cache = Arc::new(crate::snapshot::HistoryCache::new(
+            crate::config::resolve_paths(&mut resolved, base_dir);
+            let cache = Arc::new(crate::history::snapshot::HistoryCache::new(
                 resolved.clone(),
                 base_dir,
             ));

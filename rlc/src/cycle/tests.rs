@@ -6,6 +6,7 @@ use std::time::Duration;
 use test_support::git::GitRemote;
 
 use super::*;
+use crate::cmd::run::{run, RunArgs};
 use crate::gitops::tests::{plan, planned, seeded_remote, spawn_forge};
 use crate::push::tests::{app as controller_app, Fake};
 
@@ -723,7 +724,8 @@ async fn a_store_replaced_during_a_run_is_an_error() {
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use crate::promotion::{BucketKey, ShadowQuery};
+use crate::shadow::ShadowQuery;
+use rlc_plan::promotion::BucketKey;
 use crate::readiness::ShadowStats;
 
 const PROMOTION: &str = "promotion:\n  default:\n    min_days_in_shadow: 7\n";
@@ -842,7 +844,7 @@ fn simulated_source(day: Arc<AtomicU32>, queries: Arc<AtomicU32>) -> ShadowSourc
 
 /// The seam's two sides agree: days of shadow reports stored as `rlc serve` stores them (one
 /// report a minute per bucket, rolled up by the hourly pass) give, through
-/// [`crate::promotion::store_source`], the figures [`simulated_source`] gives for the same
+/// [`crate::shadow::store_source`], the figures [`simulated_source`] gives for the same
 /// traffic; so the promotion tests over simulated figures speak for the store too. A bucket
 /// without reports gets no figures (never promoted).
 #[tokio::test]
@@ -888,7 +890,7 @@ async fn days_of_stored_reports_give_the_simulated_figures() {
         window_start,
         now,
     };
-    let got = (crate::promotion::store_source(store))(q.clone())
+    let got = (crate::shadow::store_source(store))(q.clone())
         .await
         .unwrap();
     assert!(

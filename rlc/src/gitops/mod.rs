@@ -11,6 +11,11 @@ pub use forge::{Decoration, Forge, ForgeError, GitHub, GitLab, PullRequest};
 pub use summary::{ChangeKind, ChangeSummary};
 pub use writer::{WriteOutcome, WriteStatus, Writer, WriterConfig};
 
+/// A commit id as people read it: its first 10 hex digits.
+pub fn short(sha: &str) -> &str {
+    &sha[..sha.len().min(10)]
+}
+
 /// Why a git write failed. Messages carry the remote's own words; never a token.
 #[derive(Debug, thiserror::Error)]
 pub enum GitOpsError {

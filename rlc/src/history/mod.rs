@@ -8,6 +8,7 @@
 pub mod file;
 pub mod prometheus;
 pub mod remote_read;
+pub mod snapshot;
 pub mod spill;
 pub mod synth;
 
@@ -104,8 +105,59 @@ pub async fn load(
     }
 }
 
+/// Pulls history, turning a source failure into a history that keeps every quota.
+pub async fn load_or_unavailable(cfg: &schema::DaemonConfig, base: &Path) -> History {
+    let terminal = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let h = match load(&cfg.history, base, chrono::Utc::now()).await {
+        Ok(h) => h,
+        Err(e) => {
+            tracing::error!(error = %e, "history source failed");
+            History::unavailable(e.to_string())
+        }
+    };
+    if terminal {
+        eprintln!("history: {} series", h.series.len());
+    }
+    h
+}
+
+/// [`load_or_unavailable`] for a plan ([`load_for_plan`]): a Prometheus pull is spilled to
+/// disk and the plan computed service by service, so memory stays bounded by the largest
+/// service. What `rlc preview` and `rlc run` (without `rlc serve`'s snapshot) compute from.
+pub async fn load_plan_or_unavailable(cfg: &schema::DaemonConfig, base: &Path) -> PlanHistory {
+    let h = match load_for_plan(&cfg.history, base, chrono::Utc::now()).await {
+        Ok(h) => h,
+        Err(e) => {
+            tracing::error!(error = %e, "history source failed");
+            History::unavailable(e.to_string()).into()
+        }
+    };
+    if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        eprintln!("history: {} series", h.series_count());
+    }
+    h
+}
+
+/// Lengths of the history pulls of this process's plans (`rlc_history_pull_duration_seconds`
+/// on `rlc serve`'s `/metrics`): one histogram per process.
+pub fn pull_seconds() -> &'static prometheus_client::metrics::histogram::Histogram {
+    static H: std::sync::OnceLock<prometheus_client::metrics::histogram::Histogram> =
+        std::sync::OnceLock::new();
+    H.get_or_init(|| {
+        prometheus_client::metrics::histogram::Histogram::new(grl_runtime::metrics::RUN_BUCKETS)
+    })
+}
+
+/// History pulls of this process (`rlc_history_pulls_total`): runs and the quota API's
+/// snapshot together.
+pub fn pulls() -> &'static prometheus_client::metrics::counter::Counter {
+    static C: std::sync::OnceLock<prometheus_client::metrics::counter::Counter> =
+        std::sync::OnceLock::new();
+    C.get_or_init(Default::default)
+}
+
 /// A history to compute a plan from: whole in memory, or spilled to disk and read service by
-/// service ([`crate::compute::compute_plan_from`]).
+/// service ([`rlc_plan::compute::compute_plan_from`]).
 #[derive(Debug, Clone)]
 pub enum PlanHistory {
     /// Every series in memory.

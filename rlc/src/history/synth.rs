@@ -61,14 +61,7 @@ impl Profile {
     }
 }
 
-/// splitmix64 → [0, 1): stable across versions and platforms, unlike a library RNG.
-pub fn unit(mut x: u64) -> f64 {
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^= x >> 31;
-    (x >> 11) as f64 / (1u64 << 53) as f64
-}
+pub use rlc_plan::corpus::unit;
 
 /// One series of the quickstart set.
 #[derive(Debug, Clone)]

@@ -178,13 +178,13 @@ pub(in crate::serve) async fn on_serve(
 }
 
 /// Previews over a config repo directory as it is on disk, for embedding and tests: every
-/// request loads the directory, pulls the history ([`crate::preview::load_history`]) and
+/// request loads the directory, pulls the history ([`crate::history::load_or_unavailable`]) and
 /// computes the current plan with no evidence (a directory has no run history nor shadow
 /// reports). `rlc serve` uses the quota API's snapshot, plan and evidence instead
 /// ([`crate::serve::quotas::Quotas::previews`]). A directory with problems answers 503.
 pub fn from_directory(cfg: schema::DaemonConfig, base_dir: &std::path::Path) -> Previews {
     let mut cfg = cfg;
-    crate::compute::resolve_paths(&mut cfg, base_dir);
+    crate::config::resolve_paths(&mut cfg, base_dir);
     let base = base_dir.to_path_buf();
     let snapshot: SnapshotFn = Arc::new(move || {
         let (cfg, base) = (cfg.clone(), base.clone());
@@ -201,7 +201,7 @@ pub fn from_directory(cfg: schema::DaemonConfig, base_dir: &std::path::Path) -> 
                     diags.len()
                 )));
             }
-            let history = crate::preview::load_history(&cfg, &base).await;
+            let history = crate::history::load_or_unavailable(&cfg, &base).await;
             tokio::task::spawn_blocking(move || {
                 let world = rlc_plan::pipeline::World::none();
                 let now = chrono::Utc::now();

@@ -1,7 +1,7 @@
 //! The read endpoints of the quota preview API (JSON; errors as problem+json):
 //!
 //! - `GET /v1/quotas[?service=S][&refresh=true]`: every bucket of the latest computed plan
-//!   (the plan a run would do now, [`crate::planner::effective_plan`]) in the shape of
+//!   (the plan a run would do now, [`rlc_plan::pipeline::plan`]) in the shape of
 //!   `rlc preview --format json`, each bucket extended with `change`, `confidence` and `rail`.
 //! - `GET /v1/quotas/{service}[?refresh=true]`: one service, each bucket with `details` (peak
 //!   and when, statistic, forecast bound, headroom, capacity share, coverage, capped-from).
@@ -34,7 +34,7 @@ use crate::gitops::{Writer, WriterConfig};
 use crate::plan::{Plan, PlannedBucket, Skipped};
 use crate::gather::StoreWitness;
 use rlc_plan::pipeline::Purpose;
-use crate::snapshot::{HistoryCache, Snapshot};
+use crate::history::snapshot::{HistoryCache, Snapshot};
 
 /// Requests of these endpoints served at once; more get 429.
 pub const DEFAULT_CONCURRENCY: usize = 32;
@@ -502,8 +502,8 @@ fn view(b: &PlannedBucket, details: bool) -> QuotaBucket {
         change: change_of(b),
         confidence: b.evidence.confidence,
         rail: rail_of(b),
-        mode_change: crate::preview::promoted(b)
-            .then(|| crate::promotion::PROMOTED_MODE.to_string()),
+        mode_change: b.evidence.promoted()
+            .then(|| rlc_plan::promotion::PROMOTED_MODE.to_string()),
         details: details.then(|| details_of(b)),
     }
 }

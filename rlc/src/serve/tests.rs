@@ -667,7 +667,7 @@ async fn quota_api_answers_429_with_retry_after_when_every_slot_is_taken() {
     let cfg: DaemonConfig = schema::parse_str(Path::new("rlc.yaml"), &text)
         .unwrap()
         .value;
-    let cache = Arc::new(crate::snapshot::HistoryCache::new(cfg.clone(), dir.path()));
+    let cache = Arc::new(crate::history::snapshot::HistoryCache::new(cfg.clone(), dir.path()));
     let q = quotas::Quotas::new(cfg, dir.path(), cache.clone(), 1).unwrap();
     let state = AppState::new(None, mpsc::channel(1).0);
     state.set_quotas(Arc::new(q));

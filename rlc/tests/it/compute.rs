@@ -3,7 +3,7 @@
 
 use chrono::Utc;
 use policies::RateSeries;
-use rlc::compute::compute_plan;
+use rlc_plan::compute::compute_plan;
 use rlc::history::History;
 use schema::Mode;
 
@@ -395,7 +395,7 @@ fn quickstart_file_previews() {
         .find(|b| b.bucket.name == "web.query")
         .unwrap();
     assert_eq!(q.bucket.policy.to_string(), "forecast");
-    assert!(rlc::preview::table(&plan).contains("web.route"));
+    assert!(rlc::cmd::preview::table(&plan).contains("web.route"));
 }
 
 /// The bucket `name` of `service` in a plan.
@@ -653,7 +653,7 @@ fn explain_line_and_expected_rate_event() {
     let mail = get("mail", "cron");
     assert_eq!(mail.bucket.limit_rps, 50.0);
     assert!(json(&mail.evidence)["policy"].get("event").is_none());
-    let table = rlc::preview::table(&plan);
+    let table = rlc::cmd::preview::table(&plan);
     assert!(table.lines().next().unwrap().ends_with("WHY"), "{table}");
     assert!(table.contains("event launch"), "{table}");
 }

@@ -5,6 +5,7 @@ mod backtest;
 mod cli;
 mod compute;
 mod faults;
+mod layers;
 mod one_plan;
 mod ops;
 mod previews;

@@ -10,7 +10,7 @@
 //! One test, one Prometheus: the instance is killed when the test ends (drop).
 
 use chrono::{TimeZone, Utc};
-use rlc::compute::compute_plan;
+use rlc_plan::compute::compute_plan;
 use rlc::history::synth::Profile;
 use rlc::history::{self, HistoryError, PlanHistory};
 use rlc::plan::PlannedBucket;

@@ -153,7 +153,7 @@ fn short(v: f64) -> String {
     s.trim_end_matches('0').trim_end_matches('.').to_string()
 }
 
-/// The readiness rule of `service` as a run resolves it ([`crate::promotion::readiness_rule`])
+/// The readiness rule of `service` as a run resolves it ([`rlc_plan::promotion::readiness_rule`])
 /// from the config repo's base as last fetched; the default rule without a config repo.
 pub(in crate::serve) async fn service_rule(
     s: &AppState,
@@ -166,7 +166,7 @@ pub(in crate::serve) async fn service_rule(
             Err(e) => (None, Some(e)),
         },
     };
-    let (rule, from_file) = crate::promotion::readiness_rule(policies.as_ref(), service);
+    let (rule, from_file) = rlc_plan::promotion::readiness_rule(policies.as_ref(), service);
     let view = RuleView::new(&rule, from_file, problem);
     (rule, view)
 }

@@ -900,7 +900,7 @@ async fn bucket_verdict_applies_the_services_promotion_rule() {
     )
     .unwrap()
     .value;
-    let cache = std::sync::Arc::new(crate::snapshot::HistoryCache::new(cfg.clone(), dir.path()));
+    let cache = std::sync::Arc::new(crate::history::snapshot::HistoryCache::new(cfg.clone(), dir.path()));
     let state = AppState::with_store(store.clone());
     state.set_quotas(std::sync::Arc::new(
         crate::serve::quotas::Quotas::new(cfg, dir.path(), cache, 4).unwrap(),
@@ -911,7 +911,7 @@ async fn bucket_verdict_applies_the_services_promotion_rule() {
         schema::parse_str(std::path::Path::new("rlc/policies.yaml"), policies)
             .unwrap()
             .value;
-    let (run_rule, from_file) = crate::promotion::readiness_rule(Some(&file), "checkout");
+    let (run_rule, from_file) = rlc_plan::promotion::readiness_rule(Some(&file), "checkout");
     assert!(from_file);
     assert_eq!(run_rule.min_days_in_shadow, 10.0);
 

@@ -6,30 +6,11 @@
 
 use std::sync::Arc;
 
-use crate::compute::resolve_paths;
-use crate::cycle::{PlanInput, Planner};
-use crate::history::PlanHistory;
-use crate::plan::Plan;
-use crate::preview::load_plan_history;
+use rlc_plan::plan::Plan;
 
-/// Lengths of the history pulls of this process's plans (`rlc_history_pull_duration_seconds`
-/// on `rlc serve`'s `/metrics`): one histogram per process, as the pull happens inside the
-/// planner the cycle calls.
-pub fn history_pull_seconds() -> &'static prometheus_client::metrics::histogram::Histogram {
-    static H: std::sync::OnceLock<prometheus_client::metrics::histogram::Histogram> =
-        std::sync::OnceLock::new();
-    H.get_or_init(|| {
-        prometheus_client::metrics::histogram::Histogram::new(grl_runtime::metrics::RUN_BUCKETS)
-    })
-}
-
-/// History pulls of this process (`rlc_history_pulls_total`): runs and the quota API's
-/// snapshot together.
-pub fn history_pulls() -> &'static prometheus_client::metrics::counter::Counter {
-    static C: std::sync::OnceLock<prometheus_client::metrics::counter::Counter> =
-        std::sync::OnceLock::new();
-    C.get_or_init(Default::default)
-}
+use super::{PlanInput, Planner};
+use crate::config::resolve_paths;
+use crate::history::{self, PlanHistory};
 
 /// The production planner.
 pub fn planner() -> Planner {
@@ -50,15 +31,15 @@ pub async fn compute(input: PlanInput) -> anyhow::Result<Plan> {
         Some(cache) => cache.refresh().await.history.clone().into(),
         None => {
             let t = std::time::Instant::now();
-            let h = load_plan_history(&cfg, &input.base_dir).await;
-            history_pull_seconds().observe(t.elapsed().as_secs_f64());
-            history_pulls().inc();
+            let h = history::load_plan_or_unavailable(&cfg, &input.base_dir).await;
+            history::pull_seconds().observe(t.elapsed().as_secs_f64());
+            history::pulls().inc();
             h
         }
     };
     let repo = input.repo;
     let now = chrono::Utc::now();
-    tokio::task::spawn_blocking(move || crate::compute::compute_plan(&cfg, &repo, &history, now))
+    tokio::task::spawn_blocking(move || rlc_plan::compute::compute_plan(&cfg, &repo, &history, now))
         .await
         .map_err(|e| anyhow::anyhow!("computing the plan: {e}"))
 }

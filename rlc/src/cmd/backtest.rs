@@ -7,7 +7,13 @@ use std::path::PathBuf;
 use rlc_plan::backtest::backtest;
 use schema::{HumanDuration, PolicyName};
 
-use crate::preview::{load_history, load_inputs, Format};
+use std::path::Path;
+
+use schema::{ConfigRepo, DaemonConfig};
+
+use super::preview::Format;
+use crate::config::resolve_paths;
+use crate::history::load_or_unavailable as load_history;
 
 /// Which policies to compare.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -41,14 +47,30 @@ pub struct BacktestArgs {
     pub corpus: bool,
 }
 
+/// Loads `rlc.yaml` with its relative paths resolved, and the config repo it names. A repo with
+/// problems is an error (listing every problem).
+pub fn load_inputs(config: &Path) -> anyhow::Result<(DaemonConfig, ConfigRepo, PathBuf)> {
+    let (mut cfg, base) = crate::config::load_config(config)?;
+    resolve_paths(&mut cfg, &base);
+    let (repo, diags) = ConfigRepo::load(Path::new(&cfg.config_repo.path));
+    if !diags.is_empty() {
+        return Err(crate::exit::ConfigError(format!(
+            "the config repo has problems:\n{}",
+            schema::Diagnostics(diags)
+        ))
+        .into());
+    }
+    Ok((cfg, repo, base))
+}
+
 /// Runs `rlc backtest`; exit code 1 when the history source failed.
 pub async fn run(args: BacktestArgs) -> anyhow::Result<i32> {
     if args.corpus {
         let rows =
-            tokio::task::spawn_blocking(|| crate::corpus::run(&crate::corpus::builtin())).await?;
+            tokio::task::spawn_blocking(|| rlc_plan::corpus::run(&rlc_plan::corpus::builtin())).await?;
         match args.format {
             Format::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
-            Format::Table => print!("{}", crate::corpus::markdown(&rows)),
+            Format::Table => print!("{}", rlc_plan::corpus::markdown(&rows)),
         }
         return Ok(0);
     }

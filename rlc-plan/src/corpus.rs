@@ -10,8 +10,17 @@ use policies::{Policy, RateSeries};
 use schema::{PolicyName, PolicySpec};
 use serde::Serialize;
 
-use rlc_plan::backtest::fit_and_score;
-use crate::history::synth::unit;
+use crate::backtest::fit_and_score;
+
+/// splitmix64 → [0, 1): stable across versions and platforms, unlike a library RNG. The one
+/// seeded generator of rlc's generated data (this corpus, the quickstart's history).
+pub fn unit(mut x: u64) -> f64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^= x >> 31;
+    (x >> 11) as f64 / (1u64 << 53) as f64
+}
 
 const DAY: i64 = 86_400;
 const HOUR: i64 = 3_600;

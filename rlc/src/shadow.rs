@@ -10,9 +10,9 @@ use chrono::{DateTime, Utc};
 use rlc_plan::plan::Plan;
 use rlc_plan::readiness::ShadowStats;
 
-pub use rlc_plan::promotion::*;
+use rlc_plan::promotion::BucketKey;
 
-use crate::cycle::BoxFuture;
+use crate::BoxFuture;
 
 /// What a [`ShadowSource`] is asked: the figures of `buckets` over `[window_start, now]`.
 #[derive(Debug, Clone, PartialEq)]

@@ -1,16 +1,13 @@
 //! `rlc preview --config rlc.yaml [--service S] [--format table|json]`: compute, write nothing.
-//! It shows the plan a run would do ([`crate::planner::effective_plan`]): a decrease the run
+//! It shows the plan a run would do ([`rlc_plan::pipeline::plan`]): a decrease the run
 //! would hold (one per `rails.decrease_interval`, asked of the config repo's history and the
 //! store named in rlc.yaml) keeps the current limit and says why (`held`).
 
-use std::io::IsTerminal;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::Context;
-use schema::{ConfigRepo, DaemonConfig};
 
-use crate::compute::resolve_paths;
-use crate::history::{self, History, PlanHistory};
+use crate::config::resolve_paths;
 use crate::plan::Plan;
 use rlc_plan::pipeline::Purpose;
 
@@ -38,55 +35,6 @@ pub struct PreviewArgs {
     pub format: Format,
 }
 
-/// Loads `rlc.yaml` with its relative paths resolved, and the config repo it names. A repo with
-/// problems is an error (listing every problem).
-pub fn load_inputs(config: &Path) -> anyhow::Result<(DaemonConfig, ConfigRepo, PathBuf)> {
-    let (mut cfg, base) = crate::cycle::load_config(config)?;
-    resolve_paths(&mut cfg, &base);
-    let (repo, diags) = ConfigRepo::load(Path::new(&cfg.config_repo.path));
-    if !diags.is_empty() {
-        return Err(crate::exit::ConfigError(format!(
-            "the config repo has problems:\n{}",
-            schema::Diagnostics(diags)
-        ))
-        .into());
-    }
-    Ok((cfg, repo, base))
-}
-
-/// Pulls history, turning a source failure into a history that keeps every quota.
-pub async fn load_history(cfg: &DaemonConfig, base: &Path) -> History {
-    let terminal = std::io::stderr().is_terminal();
-    let h = match history::load(&cfg.history, base, chrono::Utc::now()).await {
-        Ok(h) => h,
-        Err(e) => {
-            tracing::error!(error = %e, "history source failed");
-            History::unavailable(e.to_string())
-        }
-    };
-    if terminal {
-        eprintln!("history: {} series", h.series.len());
-    }
-    h
-}
-
-/// [`load_history`] for a plan ([`history::load_for_plan`]): a Prometheus pull is spilled to
-/// disk and the plan computed service by service, so memory stays bounded by the largest
-/// service. What `rlc preview` and `rlc run` (without `rlc serve`'s snapshot) compute from.
-pub async fn load_plan_history(cfg: &DaemonConfig, base: &Path) -> PlanHistory {
-    let h = match history::load_for_plan(&cfg.history, base, chrono::Utc::now()).await {
-        Ok(h) => h,
-        Err(e) => {
-            tracing::error!(error = %e, "history source failed");
-            History::unavailable(e.to_string()).into()
-        }
-    };
-    if std::io::stderr().is_terminal() {
-        eprintln!("history: {} series", h.series_count());
-    }
-    h
-}
-
 /// Runs `rlc preview`; returns the exit code ([`crate::exit`]): 0, 1 when the history failed
 /// for every service (shown), 4 when it failed for some of them.
 ///
@@ -95,13 +43,13 @@ pub async fn load_plan_history(cfg: &DaemonConfig, base: &Path) -> PlanHistory {
 /// its decreases, the store's applied decreases and shadow figures, then
 /// [`rlc_plan::pipeline::plan`].
 pub async fn run(args: PreviewArgs) -> anyhow::Result<i32> {
-    let (mut cfg, base_dir) = crate::cycle::load_config(&args.config)?;
+    let (mut cfg, base_dir) = crate::config::load_config(&args.config)?;
     resolve_paths(&mut cfg, &base_dir);
     let now = chrono::Utc::now();
-    let base = read_base(&cfg, &base_dir, now)
+    let base = crate::gather::read_base_aside(&cfg, &base_dir, now)
         .await
         .with_context(|| format!("loading {}", args.config.display()))?;
-    let history = load_plan_history(&cfg, &base_dir).await;
+    let history = crate::history::load_plan_or_unavailable(&cfg, &base_dir).await;
     let store = crate::gather::open_store_for_reading(&cfg, &base_dir).await;
     let world = crate::gather::world(&cfg, &base, &store, async { store.shadow_source() }, now).await;
     let repo = base.repo.clone();
@@ -129,55 +77,6 @@ pub async fn run(args: PreviewArgs) -> anyhow::Result<i32> {
     Ok(history_exit_code(&plan))
 }
 
-/// The base a run would plan on, read without writing anything where rlc.yaml points: the
-/// working copy fetched once (a fetch that fails leaves it as last fetched, with a warning),
-/// or a clone aside when there is none yet; a config repo that is a plain directory (no git,
-/// no URL) is read as it is, and its decreases cannot be told (held). A repo with problems
-/// is a configuration error.
-pub async fn read_base(
-    cfg: &DaemonConfig,
-    base_dir: &Path,
-    now: chrono::DateTime<chrono::Utc>,
-) -> anyhow::Result<crate::gather::Base> {
-    let (cfg, base_dir) = (cfg.clone(), base_dir.to_path_buf());
-    tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
-        let read = match crate::gather::ReadOnlyCopy::open(&cfg, &base_dir) {
-            Ok(copy) => crate::gather::read_base(&copy.writer, &copy.dir(), &cfg, now),
-            Err(e @ crate::gitops::GitOpsError::NoRepo(_)) => {
-                let dir = Path::new(&cfg.config_repo.path);
-                let (repo, diags) = ConfigRepo::load(dir);
-                if diags.is_empty() {
-                    Ok(crate::gather::Base {
-                        commit: String::new(),
-                        repo: std::sync::Arc::new(repo),
-                        decreases: rlc_plan::guard::Witness::Unknown(e.to_string()),
-                    })
-                } else {
-                    Err(crate::gather::BaseError::Invalid {
-                        commit: dir.display().to_string(),
-                        problems: schema::Diagnostics(diags),
-                    })
-                }
-            }
-            Err(e) => Err(e.into()),
-        };
-        match read {
-            Ok(b) => Ok(b),
-            Err(e @ crate::gather::BaseError::Invalid { .. }) => {
-                Err(crate::exit::ConfigError(e.to_string()).into())
-            }
-            Err(e) => Err(e.into()),
-        }
-    })
-    .await?
-}
-
-/// Whether the plan proposes `mode: enforce` for this shadow bucket
-/// (`evidence.promotion.promoted`).
-pub fn promoted(b: &crate::plan::PlannedBucket) -> bool {
-    b.evidence.promoted()
-}
-
 /// The shadow buckets a run would promote or keep in shadow, with the reason: what the run
 /// summary says of them.
 pub fn promotions_table(
@@ -200,7 +99,7 @@ shadow buckets (promotion rule of rlc/policies.yaml):
             n.service,
             n.bucket,
             if n.promoted {
-                crate::promotion::PROMOTED_MODE
+                rlc_plan::promotion::PROMOTED_MODE
             } else {
                 "stays in shadow"
             },
@@ -270,8 +169,8 @@ pub fn table(plan: &Plan) -> String {
                 .unwrap_or_else(|| "-".into()),
             b.bucket.policy.to_string(),
             b.bucket.scope.as_str().into(),
-            if promoted(b) {
-                crate::promotion::PROMOTED_MODE.into()
+            if b.evidence.promoted() {
+                rlc_plan::promotion::PROMOTED_MODE.into()
             } else {
                 b.bucket.mode.as_str().into()
             },

@@ -11,7 +11,7 @@ use std::sync::{Arc, RwLock};
 use chrono::{DateTime, Utc};
 use schema::DaemonConfig;
 
-use crate::history::History;
+use super::History;
 
 /// One pulled history.
 #[derive(Debug)]
@@ -115,10 +115,10 @@ impl HistoryCache {
             }
         }
         self.pulls.fetch_add(1, Ordering::Relaxed);
-        crate::pipeline::history_pulls().inc();
+        super::pulls().inc();
         let t = std::time::Instant::now();
-        let history = Arc::new(crate::preview::load_history(&self.cfg, &self.base_dir).await);
-        crate::pipeline::history_pull_seconds().observe(t.elapsed().as_secs_f64());
+        let history = Arc::new(super::load_or_unavailable(&self.cfg, &self.base_dir).await);
+        super::pull_seconds().observe(t.elapsed().as_secs_f64());
         let previous = self.latest();
         let keep_previous = history.source_error.is_some()
             && previous

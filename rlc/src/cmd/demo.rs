@@ -32,7 +32,8 @@ use grl_runtime::layer::{GrlLayer, KeyFrom};
 use schema::{format_rps, Mode, PolicyName};
 use tower::ServiceExt as _;
 
-use crate::cycle::{short, Cycle, RunStatus};
+use crate::cycle::{Cycle, RunStatus};
+use crate::gitops::short;
 
 pub mod files;
 use files::{Owned, Wrote};
@@ -197,11 +198,11 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
     );
 
     // rlc.yaml names the controller of the next steps; the demo's cycles talk to this one.
-    let (mut cfg, base) = crate::cycle::load_config(&cfg_path)?;
+    let (mut cfg, base) = crate::config::load_config(&cfg_path)?;
     if let Some(c) = cfg.controller.as_mut() {
         c.url = controller.url();
     }
-    let planner = crate::pipeline::planner();
+    let planner = crate::cycle::compute::planner();
     let cycle = Cycle::new(cfg.clone(), &base);
 
     // 4. One full cycle.
