@@ -385,6 +385,10 @@ pub struct QuotasResponse {
     /// Why the whole history source failed, when it did.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub history_error: Option<String>,
+    /// Direct mode: the changes a run would not commit on the base branch because
+    /// `promotion.auto_merge` does not allow them (they go to review); absent when none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub needs_review: Vec<rlc_plan::plan::NeedsReview>,
 }
 
 /// `GET /v1/quotas/{service}`.
@@ -557,6 +561,13 @@ impl Computed {
                 .cloned()
                 .collect(),
             history_error: self.plan.history_error.clone(),
+            needs_review: self
+                .plan
+                .needs_review
+                .iter()
+                .filter(|r| keep(&r.service))
+                .cloned()
+                .collect(),
         }
     }
 

@@ -4,6 +4,7 @@
 mod backtest;
 mod cli;
 mod compute;
+mod agreement;
 mod faults;
 mod layers;
 mod one_plan;
