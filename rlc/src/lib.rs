@@ -11,7 +11,7 @@
 //!    `gitops` (the config repo, the forge), `store` (runs, quota history, shadow reports),
 //!    `history` (Prometheus, files, the daemon's snapshot), `shadow` (shadow figures from the
 //!    store), `push` (the controller);
-//! 4. base: `config` (rlc.yaml), `exit` (exit codes);
+//! 4. base: `config` (rlc.yaml), `retry` (the one backoff), `exit` (exit codes);
 //! 5. the plan itself, without I/O: the `rlc-plan` crate ([`plan`], [`readiness`],
 //!    [`whatif`] re-exported here).
 
@@ -26,6 +26,7 @@ pub mod gather;
 pub mod gitops;
 pub mod history;
 pub mod push;
+pub mod retry;
 pub mod serve;
 pub mod shadow;
 pub mod store;

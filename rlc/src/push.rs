@@ -357,27 +357,7 @@ impl ControllerClient {
     }
 }
 
-/// Exponential backoff between `min` and `max`, at most `attempts` tries (`None` = until
-/// it succeeds or fails for good).
-#[derive(Debug, Clone, Copy)]
-pub struct Backoff {
-    /// First delay.
-    pub min: Duration,
-    /// Largest delay.
-    pub max: Duration,
-    /// Tries at most.
-    pub attempts: Option<u32>,
-}
-
-impl Default for Backoff {
-    fn default() -> Self {
-        Backoff {
-            min: Duration::from_millis(200),
-            max: Duration::from_secs(30),
-            attempts: Some(5),
-        }
-    }
-}
+pub use crate::retry::Backoff;
 
 /// Brings the controller to `desired`, retrying retryable failures with `backoff`.
 /// `on_failure` sees every failed attempt (the daemon counts them in metrics; tests use it to
@@ -388,7 +368,6 @@ pub async fn reconcile(
     backoff: Backoff,
     mut on_failure: impl FnMut(u32, &PushError),
 ) -> Result<bool, PushError> {
-    let mut delay = backoff.min;
     let mut attempt = 0u32;
     loop {
         attempt += 1;
@@ -400,13 +379,12 @@ pub async fn reconcile(
             Err(e) => {
                 tracing::warn!(version = %desired.version, attempt, error = %e, "controller push failed");
                 on_failure(attempt, &e);
-                if !e.retryable() || backoff.attempts.is_some_and(|n| attempt >= n) {
+                if !e.retryable() || backoff.exhausted(attempt) {
                     return Err(e);
                 }
             }
         }
-        tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(backoff.max);
+        tokio::time::sleep(backoff.delay(attempt + 1)).await;
     }
 }
 

@@ -5,6 +5,7 @@
 //! Used by `rlc`, by the GRL controller and by `rlc validate` alike, so that what one accepts
 //! the others accept too.
 
+pub mod duration;
 mod lenient;
 mod locate;
 mod read;

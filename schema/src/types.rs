@@ -194,30 +194,19 @@ impl FromStr for HumanDuration {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         let s = s.trim();
-        let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-        let (num, unit) = s.split_at(split);
-        let n: u64 = num
-            .parse()
-            .map_err(|_| format!("invalid duration `{s}`: expected e.g. 30s, 1m, 1h, 7d, 2w"))?;
-        let mult = match unit {
-            "s" => 1,
-            "m" => 60,
-            "h" => 3600,
-            "d" => 86_400,
-            "w" => 7 * 86_400,
-            _ => {
-                return Err(format!(
-                    "invalid duration unit in `{s}`: expected s, m, h, d or w"
-                ))
+        let ms = crate::duration::parse_ms(s, crate::duration::HUMAN_UNITS).map_err(|e| match e {
+            crate::duration::DurationError::NoNumber => {
+                format!("invalid duration `{s}`: expected e.g. 30s, 1m, 1h, 7d, 2w")
             }
-        };
-        if n == 0 {
+            crate::duration::DurationError::Unit => {
+                format!("invalid duration unit in `{s}`: expected s, m, h, d or w")
+            }
+            crate::duration::DurationError::TooLong => format!("duration `{s}` is too long"),
+        })?;
+        if ms == 0 {
             return Err(format!("duration `{s}` must be positive"));
         }
-        let secs = n
-            .checked_mul(mult)
-            .ok_or_else(|| format!("duration `{s}` is too long"))?;
-        Ok(HumanDuration(Duration::from_secs(secs)))
+        Ok(HumanDuration(Duration::from_millis(ms)))
     }
 }
 

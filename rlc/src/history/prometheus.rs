@@ -24,7 +24,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use rand::Rng;
 use schema::{HistoryApi, HistoryConfig, PrometheusConfig};
 use serde::Deserialize;
 use tokio::sync::Semaphore;
@@ -33,8 +32,12 @@ use super::{grid, remote_read, Builder, History, HistoryError, SpilledHistory};
 
 /// Upper bound on steps per request: 12 h at 1 m.
 pub const CHUNK_STEPS: u32 = 720;
-const BACKOFF_BASE: Duration = Duration::from_millis(200);
-const BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// Between the tries of one history request.
+const BACKOFF: crate::retry::Backoff = crate::retry::Backoff {
+    min: Duration::from_millis(200),
+    max: Duration::from_secs(5),
+    attempts: None,
+};
 
 /// A `query_range` response (also the saved-file format).
 #[derive(Debug, Deserialize)]
@@ -482,10 +485,7 @@ pub(super) fn read_failed(e: &reqwest::Error, p: &PrometheusConfig) -> String {
 
 /// Waits before attempt `attempt` (≥ 2) of a request to `url`: jittered exponential backoff.
 pub(super) async fn backoff(url: &str, attempt: u32, last_error: &str) {
-    let cap = BACKOFF_BASE
-        .saturating_mul(1 << (attempt - 2).min(10))
-        .min(BACKOFF_MAX);
-    let wait = rand::thread_rng().gen_range(cap / 2..=cap);
+    let wait = BACKOFF.delay(attempt);
     tracing::warn!(url, attempt, wait_ms = wait.as_millis() as u64, error = %last_error, "retrying");
     tokio::time::sleep(wait).await;
 }

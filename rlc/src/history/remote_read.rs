@@ -436,33 +436,9 @@ pub async fn rules(
 
 /// A Prometheus duration (`5m`, `1m30s`, `300ms`, `1h`) in milliseconds.
 fn prom_duration_ms(text: &str) -> Option<i64> {
-    let mut total = 0i64;
-    let mut rest = text.trim();
-    if rest.is_empty() {
-        return None;
-    }
-    while !rest.is_empty() {
-        let digits = rest
-            .find(|c: char| !c.is_ascii_digit())
-            .unwrap_or(rest.len());
-        let n: i64 = rest[..digits].parse().ok()?;
-        rest = &rest[digits..];
-        let (unit, len) = [
-            ("ms", 1),
-            ("s", 1_000),
-            ("m", 60_000),
-            ("h", 3_600_000),
-            ("d", 86_400_000),
-            ("w", 604_800_000),
-            ("y", 31_536_000_000),
-        ]
-        .into_iter()
-        .find(|(u, _)| rest.starts_with(u))
-        .map(|(u, ms)| (ms, u.len()))?;
-        total = total.checked_add(n.checked_mul(unit)?)?;
-        rest = &rest[len..];
-    }
-    Some(total)
+    schema::duration::parse_ms(text, schema::duration::PROMETHEUS_UNITS)
+        .ok()
+        .and_then(|ms| i64::try_from(ms).ok())
 }
 
 fn content_type(resp: &reqwest::Response) -> String {

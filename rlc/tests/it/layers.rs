@@ -22,6 +22,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("push", 6),
     // base
     ("config", 7),
+    ("retry", 7),
     ("exit", 8),
 ];
 
