@@ -37,6 +37,9 @@ use crate::push::{self, Backoff, ControllerClient, Desired};
 use crate::history::snapshot::HistoryCache;
 use crate::store::{ChangeState, QuotaRecord, RunRecord, Store};
 
+/// How long after a poll's sync a run starting decides on it instead of fetching again.
+const POLL_FRESH: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Run records kept while the store is down; the oldest are dropped beyond this.
 pub const PENDING_RECORDS_MAX: usize = 100;
 
@@ -442,6 +445,8 @@ pub struct Cycle {
     shadow: Option<ShadowSource>,
     /// The daemon's history snapshot, handed to the planner (see [`PlanInput`]).
     pub history_cache: Option<Arc<HistoryCache>>,
+    /// When [`Cycle::poll`] last synced the working copy (taken by the next run's sync).
+    polled: std::sync::Mutex<Option<std::time::Instant>>,
 }
 
 impl Cycle {
@@ -457,6 +462,7 @@ impl Cycle {
             git_attempts: 3,
             shadow: None,
             history_cache: None,
+            polled: std::sync::Mutex::new(None),
         }
     }
 
@@ -551,9 +557,19 @@ impl Cycle {
         let wcfg = self.writer_config();
         let dir = wcfg.path.clone();
         let cfg = self.cfg.clone();
+        // The daemon's poll synced the working copy moments ago and found a reason to run:
+        // the run decides on what that poll fetched instead of fetching again.
+        let polled = self
+            .polled
+            .lock()
+            .unwrap()
+            .take()
+            .is_some_and(|t| t.elapsed() < POLL_FRESH);
         tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
             let w = Writer::open(wcfg)?;
-            w.sync()?;
+            if !polled {
+                w.sync()?;
+            }
             let base = gather::read_base(&w, &dir, &cfg, Utc::now())?;
             Ok((dir, base))
         })
@@ -564,14 +580,16 @@ impl Cycle {
     /// hash of `rlc/*.yaml` there with the base's bucket files as the desired config.
     pub async fn poll(&self) -> anyhow::Result<(String, Desired)> {
         let wcfg = self.writer_config();
-        tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+        let polled = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
             let w = Writer::open(wcfg)?;
             w.sync()?;
             let hash = w.inputs_hash()?;
             let (version, services) = w.base_buckets()?;
             Ok((hash, Desired { version, services }))
         })
-        .await?
+        .await??;
+        *self.polled.lock().unwrap() = Some(std::time::Instant::now());
+        Ok(polled)
     }
 
     /// The base tip's bucket files as the controller's desired config, as last fetched (a run
