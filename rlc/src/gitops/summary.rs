@@ -3,6 +3,7 @@
 
 use std::fmt::Write;
 
+use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 use schema::{format_rps, Mode};
 
 pub use rlc_plan::change::{describe, diff, BucketChange, ChangeKind, ChangeSummary, ServiceChange};
@@ -64,18 +65,20 @@ pub fn md(s: &str) -> String {
     out
 }
 
+/// What a URL path segment or query value percent-encodes: everything but RFC 3986 unreserved
+/// characters (letters, digits, `-`, `.`, `_`, `~`), so a name can neither end the segment
+/// (`/`, `?`, `#`) nor the value (`&`, `=`). Non-ASCII bytes are always encoded. The PR body's
+/// links and the dashboard's use this one set.
+pub const URL_SEGMENT: &AsciiSet = &NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~');
+
 /// `s` as one URL path segment (RFC 3986 unreserved characters kept, the rest
-/// percent-encoded).
+/// percent-encoded: [`URL_SEGMENT`]).
 pub fn url_segment(s: &str) -> String {
-    let mut out = String::new();
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-            out.push(b as char);
-        } else {
-            let _ = write!(out, "%{b:02X}");
-        }
-    }
-    out
+    utf8_percent_encode(s, URL_SEGMENT).to_string()
 }
 
 /// The dashboard page of a bucket: `<base>/buckets/<service>/<bucket>`.
