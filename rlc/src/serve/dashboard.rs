@@ -1,16 +1,16 @@
 //! The shadow-mode dashboard of `rlc serve`: what new or risky quotas would do before they are
 //! enforced. Read-only (open, or the read token when one is configured: [`super::auth`]):
 //! `GET /v1/shadow` and `GET /v1/runs` answer JSON, `GET /`
-//! renders the same data as one HTML page (no script, no external asset, every value escaped:
-//! service and bucket names come from config repos that many people edit).
-
-use std::fmt::Write;
+//! renders the same data as one HTML page (no script, no external asset, every value escaped by
+//! maud's `html!`: service and bucket names come from config repos that many people edit).
 
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{Html, IntoResponse, Response};
 use axum::Json;
 use chrono::{DateTime, Utc};
+use maud::{html, Markup, PreEscaped, DOCTYPE};
+use percent_encoding::{utf8_percent_encode, PercentEncode};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -18,6 +18,7 @@ use super::limits::Query;
 use super::problem::CompatProblem;
 use super::AppState;
 use crate::gitops::forge::{commit_url_prefix, is_http_url};
+use crate::gitops::summary::URL_SEGMENT;
 use crate::store::{BucketShadowSummary, PullRequestRef, RunRecord, Store};
 
 /// Share of virtual drops (`shadow_dropped / offered`) above which a bucket is flagged
@@ -342,31 +343,25 @@ impl Links {
 
     /// A commit as HTML: its first 12 characters (the whole SHA as title), a link to its
     /// forge page when there is one.
-    pub fn commit_html(&self, sha: &str) -> String {
-        let code = format!(
-            "<code title=\"{}\">{}</code>",
-            escape_html(sha),
-            escape_html(&sha.chars().take(12).collect::<String>())
-        );
-        match self.commit_url(sha) {
-            Some(url) => format!(
-                "<a class=\"commit\" href=\"{}\">{code}</a>",
-                escape_html(&url)
-            ),
-            None => code,
+    pub fn commit_html(&self, sha: &str) -> Markup {
+        let short: String = sha.chars().take(12).collect();
+        html! {
+            @if let Some(url) = self.commit_url(sha) {
+                a class="commit" href=(url) { code title=(sha) { (short) } }
+            } @else {
+                code title=(sha) { (short) }
+            }
         }
     }
 }
 
 /// A pull request as HTML: `#N`, a link to its page when that is an http(s) URL.
-pub fn pull_request_html(pr: &PullRequestRef) -> String {
-    match pr.url.as_deref().filter(|u| is_http_url(u)) {
-        Some(url) => format!(
-            "<a class=\"pr\" href=\"{}\">#{}</a>",
-            escape_html(url),
-            pr.number
-        ),
-        None => format!("<span class=\"pr\">#{}</span>", pr.number),
+pub fn pull_request_html(pr: &PullRequestRef) -> Markup {
+    html! {
+        @match pr.url.as_deref().filter(|u| is_http_url(u)) {
+            Some(url) => { a class="pr" href=(url) { "#" (pr.number) } }
+            None => { span class="pr" { "#" (pr.number) } }
+        }
     }
 }
 
@@ -536,33 +531,10 @@ async fn page_data(s: &AppState, q: ShadowQuery) -> (PageData, Option<DashError>
     (data, errors.into_iter().next())
 }
 
-/// Escapes text for HTML element content and quoted attribute values.
-pub fn escape_html(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&#39;"),
-            c => out.push(c),
-        }
-    }
-    out
-}
-
-/// Percent-encodes a query-string value (everything but RFC 3986 unreserved characters).
-fn encode_query_value(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
-            out.push(b as char);
-        } else {
-            let _ = write!(out, "%{b:02X}");
-        }
-    }
-    out
+/// `s` percent-encoded as a URL path segment or query value ([`URL_SEGMENT`]: RFC 3986
+/// unreserved characters kept).
+fn encoded(s: &str) -> PercentEncode<'_> {
+    utf8_percent_encode(s, URL_SEGMENT)
 }
 
 fn rate(v: f64) -> String {
@@ -637,232 +609,294 @@ fn sentence(s: &str) -> String {
 }
 
 /// The notice naming what could not be loaded (nothing when everything was).
-fn problems_notice(h: &mut String, problems: &[String]) {
-    if problems.is_empty() {
-        return;
+fn problems_notice(problems: &[String]) -> Markup {
+    html! {
+        @if !problems.is_empty() {
+            section class="notice" id="problem" {
+                h2 { "Not loaded" }
+                @for problem in problems {
+                    p { (problem) }
+                }
+                p class="muted" {
+                    "What is missing is not shown: nothing on this page stands in for it with zeros."
+                }
+            }
+        }
     }
-    h.push_str("<section class=\"notice\" id=\"problem\"><h2>Not loaded</h2>");
-    for p in problems {
-        let _ = write!(h, "<p>{}</p>", escape_html(p));
+}
+
+/// The page's stylesheet: constant text of this file, no value in it.
+fn style(css: &[&'static str]) -> Markup {
+    html! {
+        // PreEscaped: constant CSS (a `<style>` element's text is not decoded, so escaping
+        // would break it); nothing from a request or the store.
+        style { @for c in css { (PreEscaped(*c)) } }
     }
-    h.push_str(
-        "<p class=\"muted\">What is missing is not shown: nothing on this page stands in for it \
-         with zeros.</p></section>",
-    );
 }
 
 /// Renders the page: what loaded, and a notice naming what did not.
 fn render(d: &PageData) -> String {
-    let mut h = String::with_capacity(16 * 1024);
     let scope = match &d.service {
-        Some(s) => format!("service {}", escape_html(s)),
+        Some(s) => format!("service {s}"),
         None => "all services".into(),
     };
-    let _ = write!(
-        h,
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\
-         <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\
-         <title>RLC shadow mode — {scope}</title><style>{CSS}</style></head><body>\
-         <header><h1>Rate Limit Configurator — shadow mode</h1>\
-         <p>What new or risky quotas would do if they were enforced · {scope} · last {window}</p></header><main>",
-        window = escape_html(&d.window),
-    );
-    h.push_str(
-        "<section class=\"explain\"><h2>What is shadow mode?</h2>\
-         <p>A quota in <b>shadow</b> mode is computed and distributed like any other, but it never \
-         refuses a request: every client counts the requests it <i>would</i> have dropped \
-         (<b>virtual drops</b>) and lets them through. The controller reports these counts and \
-         they are shown here.</p>\
-         <p><b>Virtual-drop share</b> = virtual drops ÷ offered requests over the window. A bucket \
-         above 1% is flagged <span class=\"badge warn\">would throttle</span>: switching it to \
-         <code>mode: enforce</code> as is would refuse that share of its callers' traffic. If that \
-         traffic is legitimate, raise the limit (or ask for a contract in \
-         <code>rlc/contracts.yaml</code>) before the quota is enforced; if it is not, enforcing \
-         is what protects your service.</p></section>",
-    );
+    html! {
+        (DOCTYPE)
+        html lang="en" {
+            head {
+                meta charset="utf-8";
+                meta name="viewport" content="width=device-width, initial-scale=1";
+                title { "RLC shadow mode — " (scope) }
+                (style(&[CSS]))
+            }
+            body {
+                header {
+                    h1 { "Rate Limit Configurator — shadow mode" }
+                    p {
+                        "What new or risky quotas would do if they were enforced · " (scope)
+                        " · last " (d.window)
+                    }
+                }
+                main {
+                    (explain())
+                    (filter(d))
+                    (problems_notice(&d.problems))
+                    @if d.buffered > 0 {
+                        section class="notice" id="buffered" {
+                            h2 { "Reports waiting for the store" }
+                            p {
+                                (d.buffered) " controller reports are fetched but not stored yet \
+                                 (the store is down or slow): the latest minutes are missing \
+                                 here, not zero."
+                            }
+                        }
+                    }
+                    @if let Some(sum) = &d.summary {
+                        (buckets_table(sum, &d.window))
+                    }
+                    @if let Some(runs) = &d.runs {
+                        (runs_table(runs, &d.links))
+                    }
+                }
+            }
+        }
+    }
+    .into_string()
+}
 
-    // Filter: a plain GET form, so the page needs no script.
-    h.push_str(
-        "<section><form method=\"get\" action=\"/\"><label>Service<select name=\"service\">",
-    );
-    let _ = write!(
-        h,
-        "<option value=\"\"{}>all services</option>",
-        if d.service.is_none() { " selected" } else { "" }
-    );
+/// What shadow mode is, for whoever opens the page.
+fn explain() -> Markup {
+    html! {
+        section class="explain" {
+            h2 { "What is shadow mode?" }
+            p {
+                "A quota in " b { "shadow" } " mode is computed and distributed like any other, \
+                 but it never refuses a request: every client counts the requests it "
+                i { "would" } " have dropped (" b { "virtual drops" } ") and lets them through. \
+                 The controller reports these counts and they are shown here."
+            }
+            p {
+                b { "Virtual-drop share" } " = virtual drops ÷ offered requests over the window. \
+                 A bucket above 1% is flagged " span class="badge warn" { "would throttle" }
+                ": switching it to " code { "mode: enforce" } " as is would refuse that share of \
+                 its callers' traffic. If that traffic is legitimate, raise the limit (or ask for \
+                 a contract in " code { "rlc/contracts.yaml" } ") before the quota is enforced; \
+                 if it is not, enforcing is what protects your service."
+            }
+        }
+    }
+}
+
+/// The filter: a plain GET form, so the page needs no script.
+fn filter(d: &PageData) -> Markup {
     let mut services = d.services.clone();
     if let Some(s) = &d.service {
         if !services.contains(s) {
             services.push(s.clone());
         }
     }
-    for s in &services {
-        let sel = if d.service.as_ref() == Some(s) {
-            " selected"
-        } else {
-            ""
-        };
-        let e = escape_html(s);
-        let _ = write!(h, "<option value=\"{e}\"{sel}>{e}</option>");
-    }
-    h.push_str("</select></label><label>Window<select name=\"window\">");
     let mut windows: Vec<&str> = WINDOWS.to_vec();
     if !windows.contains(&d.window.as_str()) {
         windows.push(&d.window);
     }
-    for w in windows {
-        let sel = if w == d.window { " selected" } else { "" };
-        let e = escape_html(w);
-        let _ = write!(h, "<option value=\"{e}\"{sel}>{e}</option>");
-    }
-    h.push_str("</select></label><button type=\"submit\">Show</button>");
-    if let Some(sum) = &d.summary {
-        let flagged = sum.buckets.iter().filter(|b| b.would_throttle).count();
-        let _ = write!(
-            h,
-            "<span class=\"counts\">{} bucket{} · <b>{flagged}</b> would throttle{}</span>",
-            sum.buckets.len(),
-            if sum.buckets.len() == 1 { "" } else { "s" },
-            if sum.truncated {
-                " · list truncated"
-            } else {
-                ""
-            },
-        );
-    }
-    h.push_str("</form></section>");
-
-    problems_notice(&mut h, &d.problems);
-    if d.buffered > 0 {
-        let _ = write!(
-            h,
-            "<section class=\"notice\" id=\"buffered\"><h2>Reports waiting for the store</h2>\
-             <p>{} controller reports are fetched but not stored yet (the store is down or slow): \
-             the latest minutes are missing here, not zero.</p></section>",
-            d.buffered
-        );
-    }
-
-    if let Some(sum) = &d.summary {
-        h.push_str("<section><h2>Buckets</h2>");
-        if sum.buckets.is_empty() {
-            let _ = write!(
-                h,
-                "<p class=\"muted\">No reports since {} UTC.</p>",
-                when(sum.since)
-            );
-        } else {
-            h.push_str(
-                "<div class=\"scroll\"><table id=\"buckets\"><thead><tr><th>Service</th>\
-                 <th>Bucket</th><th>Verdict</th><th class=\"num\">Virtual-drop share</th>\
-                 <th class=\"num\">Limit rps</th><th class=\"num\">Peak offered rps</th>\
-                 <th class=\"num\">Offered</th><th class=\"num\">Virtual drops</th><th class=\"num\">Real drops</th>\
-                 <th class=\"num\">Max drop ratio</th><th>Mode</th><th class=\"num\">Reports</th>\
-                 <th>Last report (UTC)</th></tr></thead><tbody>",
-            );
-            for b in &sum.buckets {
-                let s = &b.summary;
-                let svc = escape_html(&s.service);
-                let _ = write!(
-                    h,
-                    "<tr class=\"{cls}\" data-bucket=\"{bucket}\">\
-                     <td><a href=\"/?service={href}&amp;window={win}\">{svc}</a></td>\
-                     <td class=\"name\"><a href=\"/buckets/{svc_p}/{bucket_p}?window={win}\"><code>{bucket}</code></a></td><td>{verdict}</td>\
-                     <td class=\"num share\">{share}</td>\
-                     <td class=\"num\">{limit}</td><td class=\"num\">{peak}</td>\
-                     <td class=\"num\">{offered}</td><td class=\"num\">{vd}</td><td class=\"num\">{drops}</td>\
-                     <td class=\"num\">{ratio}</td><td><span class=\"badge mode\">{mode}</span></td>\
-                     <td class=\"num\">{reports}</td><td class=\"nowrap\">{last}</td></tr>",
-                    cls = if b.would_throttle { "throttle" } else { "ok" },
-                    bucket = escape_html(&s.bucket),
-                    href = escape_html(&encode_query_value(&s.service)),
-                    svc_p = escape_html(&encode_query_value(&s.service)),
-                    bucket_p = escape_html(&encode_query_value(&s.bucket)),
-                    drops = rate(s.dropped),
-                    win = escape_html(&encode_query_value(&d.window)),
-                    mode = escape_html(&s.mode),
-                    limit = rate(s.limit_rps),
-                    peak = rate(s.peak_offered_rps),
-                    offered = rate(s.offered),
-                    vd = rate(s.shadow_dropped),
-                    share = percent(s.virtual_drop_share),
-                    ratio = percent(s.max_drop_ratio),
-                    reports = s.reports,
-                    last = when(s.last_seen),
-                    verdict = if b.would_throttle {
-                        "<span class=\"badge warn\">would throttle</span>"
-                    } else {
-                        "<span class=\"badge ok\">ok</span>"
-                    },
-                );
-            }
-            h.push_str("</tbody></table></div>");
-            h.push_str(
-                "<p class=\"muted\">Offered and virtual drops are sums of per-tick rates \
-                 (requests, with 1-second ticks). Limit and mode are from the latest report.</p>",
-            );
-        }
-        h.push_str("</section>");
-    }
-
-    if let Some(runs) = &d.runs {
-        h.push_str("<section><h2>Last runs</h2>");
-        if runs.is_empty() {
-            h.push_str("<p class=\"muted\">No run recorded yet.</p>");
-        } else {
-            h.push_str(
-                "<table id=\"runs\"><thead><tr><th class=\"num\">#</th><th>Started (UTC)</th>\
-                 <th>Trigger</th><th>Status</th><th>Commit</th><th>Pull request</th><th>Summary</th></tr></thead><tbody>",
-            );
-            for r in runs {
-                let commit = match &r.commit_sha {
-                    Some(c) => d.links.commit_html(c),
-                    None => "<span class=\"muted\">—</span>".into(),
-                };
-                let pr = match r.pull_request() {
-                    Some(pr) => pull_request_html(&pr),
-                    None => "<span class=\"muted\">—</span>".into(),
-                };
-                let mut summary = escape_html(r.summary.lines().next().unwrap_or(""));
-                if let Some(e) = &r.error {
-                    let _ = write!(summary, "<div class=\"err\">{}</div>", escape_html(e));
-                }
-                // Why a run is pending, held or failed: the rest of its record.
-                if matches!(r.status.as_str(), "pending" | "held" | "failed") {
-                    let why: Vec<&str> = r
-                        .summary
-                        .lines()
-                        .skip(1)
-                        .map(str::trim)
-                        .filter(|l| {
-                            !l.is_empty() && Some(*l) != r.error.as_deref().map(|e| e.trim())
-                        })
-                        .collect();
-                    if !why.is_empty() {
-                        summary.push_str("<ul class=\"why\">");
-                        for l in why {
-                            let _ = write!(summary, "<li>{}</li>", escape_html(l));
+    html! {
+        section {
+            form method="get" action="/" {
+                label {
+                    "Service"
+                    select name="service" {
+                        option value="" selected[d.service.is_none()] { "all services" }
+                        @for s in &services {
+                            option value=(s) selected[d.service.as_ref() == Some(s)] { (s) }
                         }
-                        summary.push_str("</ul>");
                     }
                 }
-                let _ = write!(
-                    h,
-                    "<tr data-run=\"{id}\"><td class=\"num\"><a href=\"/v1/runs/{id}\">{id}</a></td><td>{started}</td><td>{trigger}</td>\
-                     <td><span class=\"badge {status}\">{status}</span></td><td>{commit}</td>\
-                     <td>{pr}</td><td>{summary}</td></tr>",
-                    id = r.id,
-                    started = when(r.started_at),
-                    trigger = escape_html(&r.trigger),
-                    status = escape_html(&r.status),
-                );
+                label {
+                    "Window"
+                    select name="window" {
+                        @for w in windows {
+                            option value=(w) selected[w == d.window] { (w) }
+                        }
+                    }
+                }
+                button type="submit" { "Show" }
+                @if let Some(sum) = &d.summary {
+                    @let n = sum.buckets.len();
+                    span class="counts" {
+                        (n) " bucket" @if n != 1 { "s" } " · "
+                        b { (sum.buckets.iter().filter(|b| b.would_throttle).count()) }
+                        " would throttle"
+                        @if sum.truncated { " · list truncated" }
+                    }
+                }
             }
-            h.push_str("</tbody></table>");
         }
-        h.push_str("</section>");
     }
-    h.push_str("</main></body></html>\n");
-    h
+}
+
+/// The buckets of the window, each linked to its service's view and its own page.
+fn buckets_table(sum: &ShadowSummary, window: &str) -> Markup {
+    html! {
+        section {
+            h2 { "Buckets" }
+            @if sum.buckets.is_empty() {
+                p class="muted" { "No reports since " (when(sum.since)) " UTC." }
+            } @else {
+                div class="scroll" {
+                    table id="buckets" {
+                        thead {
+                            tr {
+                                th { "Service" } th { "Bucket" } th { "Verdict" }
+                                th class="num" { "Virtual-drop share" }
+                                th class="num" { "Limit rps" }
+                                th class="num" { "Peak offered rps" }
+                                th class="num" { "Offered" }
+                                th class="num" { "Virtual drops" }
+                                th class="num" { "Real drops" }
+                                th class="num" { "Max drop ratio" }
+                                th { "Mode" }
+                                th class="num" { "Reports" }
+                                th { "Last report (UTC)" }
+                            }
+                        }
+                        tbody {
+                            @for b in &sum.buckets {
+                                @let s = &b.summary;
+                                tr class=(if b.would_throttle { "throttle" } else { "ok" })
+                                    data-bucket=(s.bucket) {
+                                    td {
+                                        a href={ "/?service=" (encoded(&s.service)) "&window=" (encoded(window)) } {
+                                            (s.service)
+                                        }
+                                    }
+                                    td class="name" {
+                                        a href={
+                                            "/buckets/" (encoded(&s.service)) "/" (encoded(&s.bucket))
+                                            "?window=" (encoded(window))
+                                        } {
+                                            code { (s.bucket) }
+                                        }
+                                    }
+                                    td {
+                                        @if b.would_throttle {
+                                            span class="badge warn" { "would throttle" }
+                                        } @else {
+                                            span class="badge ok" { "ok" }
+                                        }
+                                    }
+                                    td class="num share" { (percent(s.virtual_drop_share)) }
+                                    td class="num" { (rate(s.limit_rps)) }
+                                    td class="num" { (rate(s.peak_offered_rps)) }
+                                    td class="num" { (rate(s.offered)) }
+                                    td class="num" { (rate(s.shadow_dropped)) }
+                                    td class="num" { (rate(s.dropped)) }
+                                    td class="num" { (percent(s.max_drop_ratio)) }
+                                    td { span class="badge mode" { (s.mode) } }
+                                    td class="num" { (s.reports) }
+                                    td class="nowrap" { (when(s.last_seen)) }
+                                }
+                            }
+                        }
+                    }
+                }
+                p class="muted" {
+                    "Offered and virtual drops are sums of per-tick rates (requests, with 1-second \
+                     ticks). Limit and mode are from the latest report."
+                }
+            }
+        }
+    }
+}
+
+/// The last runs: status, commit, pull request, the first line of the summary and, for a run
+/// that did not succeed, why.
+fn runs_table(runs: &[RunRecord], links: &Links) -> Markup {
+    html! {
+        section {
+            h2 { "Last runs" }
+            @if runs.is_empty() {
+                p class="muted" { "No run recorded yet." }
+            } @else {
+                table id="runs" {
+                    thead {
+                        tr {
+                            th class="num" { "#" } th { "Started (UTC)" } th { "Trigger" }
+                            th { "Status" } th { "Commit" } th { "Pull request" } th { "Summary" }
+                        }
+                    }
+                    tbody {
+                        @for r in runs {
+                            tr data-run=(r.id) {
+                                td class="num" { a href={ "/v1/runs/" (r.id) } { (r.id) } }
+                                td { (when(r.started_at)) }
+                                td { (r.trigger) }
+                                td { span class={ "badge " (r.status) } { (r.status) } }
+                                td {
+                                    @match &r.commit_sha {
+                                        Some(c) => { (links.commit_html(c)) }
+                                        None => { span class="muted" { "—" } }
+                                    }
+                                }
+                                td {
+                                    @match r.pull_request() {
+                                        Some(pr) => { (pull_request_html(&pr)) }
+                                        None => { span class="muted" { "—" } }
+                                    }
+                                }
+                                td { (run_summary(r)) }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A run's summary cell: its first line, its error, and why a run is pending, held or failed
+/// (the rest of its record).
+fn run_summary(r: &RunRecord) -> Markup {
+    let why: Vec<&str> = if matches!(r.status.as_str(), "pending" | "held" | "failed") {
+        r.summary
+            .lines()
+            .skip(1)
+            .map(str::trim)
+            .filter(|l| !l.is_empty() && Some(*l) != r.error.as_deref().map(|e| e.trim()))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    html! {
+        (r.summary.lines().next().unwrap_or(""))
+        @if let Some(e) = &r.error {
+            div class="err" { (e) }
+        }
+        @if !why.is_empty() {
+            ul class="why" {
+                @for l in why { li { (l) } }
+            }
+        }
+    }
 }
 
 pub mod bucket;

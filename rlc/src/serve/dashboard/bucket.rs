@@ -11,13 +11,14 @@ use axum::http::StatusCode;
 use axum::response::{Html, IntoResponse, Response};
 use axum::Json;
 use chrono::{DateTime, Duration, Utc};
+use maud::{html, Markup, DOCTYPE};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::super::limits::{Path, Query};
 use super::{
-    encode_query_value, escape_html, load, parse_window, percent, problems_notice,
-    pull_request_html, rate, when, DashError, Links, CSS, WINDOWS,
+    encoded, load, parse_window, percent, problems_notice, pull_request_html, rate, style, when,
+    DashError, Links, CSS, WINDOWS,
 };
 use crate::readiness::{self, ShadowStats, Verdict};
 use crate::serve::AppState;
@@ -468,8 +469,13 @@ fn path(values: &[Option<f64>], x: impl Fn(usize) -> f64, y: impl Fn(f64) -> f64
     d.trim_end().to_string()
 }
 
+/// `v` with one decimal: coordinates and figures.
+fn dec1(v: f64) -> String {
+    format!("{v:.1}")
+}
+
 /// One chart: offered, limit and drops of a series, gaps shaded. Every text is escaped.
-fn chart(h: &mut String, s: &Series, d: &BucketDetail) {
+fn chart(s: &Series, d: &BucketDetail) -> Markup {
     let n = s.points.len().max(1);
     let plot_w = W - LEFT - 8.0;
     let plot_h = H - TOP - BOTTOM;
@@ -484,80 +490,72 @@ fn chart(h: &mut String, s: &Series, d: &BucketDetail) {
     let x = |i: usize| LEFT + plot_w * i as f64 / n as f64;
     let y = |v: f64| TOP + plot_h * (1.0 - v / top);
     let px_per_sec = plot_w / (n as f64 * d.step_secs as f64);
-    let _ = write!(
-        h,
-        "<figure class=\"chart\"><figcaption>Scope <code>{scope}</code></figcaption>\
-         <svg xmlns=\"http://www.w3.org/2000/svg\" viewBox=\"0 0 {W} {H}\" width=\"{W}\" height=\"{H}\" \
-         role=\"img\" data-scope=\"{scope}\" data-t0=\"{t0}\" data-x0=\"{LEFT}\" data-px-per-sec=\"{px_per_sec}\" \
-         data-y0=\"{y0}\" data-px-per-rps=\"{px_per_rps}\"><title>{svc}/{bucket} scope {scope}</title>",
-        scope = escape_html(&s.scope_key),
-        svc = escape_html(&d.service),
-        bucket = escape_html(&d.bucket),
-        t0 = d.window_start.timestamp(),
-        y0 = TOP + plot_h,
-        px_per_rps = plot_h / top,
-    );
-    // Gaps: steps without a report, shaded and labelled.
+    // Gaps: runs of steps without a report, as [first, end).
+    let mut gaps = Vec::new();
     let mut i = 0;
     while i < s.points.len() {
         if s.points[i].offered_rps.is_none() {
             let j = (i..s.points.len())
                 .find(|&j| s.points[j].offered_rps.is_some())
                 .unwrap_or(s.points.len());
-            let _ = write!(
-                h,
-                "<rect class=\"gap\" x=\"{:.1}\" y=\"{TOP}\" width=\"{:.1}\" height=\"{plot_h}\"><title>no reports {} – {} UTC</title></rect>",
-                x(i),
-                x(j) - x(i),
-                when(s.points[i].t),
-                when(s.points[i].t + Duration::seconds((j - i) as i64 * d.step_secs)),
-            );
+            gaps.push((i, j));
             i = j;
         } else {
             i += 1;
         }
     }
-    // Axes: 0, half and top of the scale; start and end times.
-    for frac in [0.0, 0.5, 1.0] {
-        let v = top / 1.1 * frac;
-        let _ = write!(
-            h,
-            "<line class=\"grid\" x1=\"{LEFT}\" x2=\"{:.1}\" y1=\"{yy:.1}\" y2=\"{yy:.1}\"/>\
-             <text class=\"tick\" x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>",
-            LEFT + plot_w,
-            LEFT - 4.0,
-            y(v) + 4.0,
-            rate(v),
-            yy = y(v),
-        );
-    }
-    let _ = write!(
-        h,
-        "<text class=\"tick\" x=\"{LEFT}\" y=\"{H}\" dy=\"-6\">{}</text>\
-         <text class=\"tick\" x=\"{:.1}\" y=\"{H}\" dy=\"-6\" text-anchor=\"end\">{} UTC</text>",
-        when(d.window_start),
-        LEFT + plot_w,
-        when(d.window_end),
-    );
     let get = |f: fn(&Point) -> Option<f64>| s.points.iter().map(f).collect::<Vec<_>>();
-    let series: [(&str, Vec<Option<f64>>); 4] = [
+    let lines: Vec<(&str, String)> = [
         ("limit", get(|p| p.limit_rps)),
         ("offered", get(|p| p.offered_rps)),
         ("virtual-drops", get(|p| p.virtual_drop_rps)),
         ("drops", get(|p| p.drop_rps)),
-    ];
-    for (name, values) in series {
-        // Drop lines only when there were drops: a flat zero line says nothing.
-        if name.ends_with("drops") && !values.iter().flatten().any(|v| *v > 0.0) {
-            continue;
+    ]
+    .into_iter()
+    // Drop lines only when there were drops: a flat zero line says nothing.
+    .filter(|(name, values)| !name.ends_with("drops") || values.iter().flatten().any(|v| *v > 0.0))
+    .map(|(name, values)| (name, path(&values, |i| x(i) + plot_w / n as f64 / 2.0, y)))
+    .collect();
+    // SVG elements get an end tag each: in HTML, `<line …>` without one would hold what
+    // follows it.
+    html! {
+        figure class="chart" {
+            figcaption { "Scope " code { (s.scope_key) } }
+            svg xmlns="http://www.w3.org/2000/svg" viewBox={ "0 0 " (W) " " (H) } width=(W)
+                height=(H) role="img" data-scope=(s.scope_key) data-t0=(d.window_start.timestamp())
+                data-x0=(LEFT) data-px-per-sec=(px_per_sec) data-y0=(TOP + plot_h)
+                data-px-per-rps=(plot_h / top) {
+                title { (d.service) "/" (d.bucket) " scope " (s.scope_key) }
+                // Gaps: steps without a report, shaded and labelled.
+                @for (i, j) in gaps {
+                    rect class="gap" x=(dec1(x(i))) y=(TOP) width=(dec1(x(j) - x(i)))
+                        height=(plot_h) {
+                        title {
+                            "no reports " (when(s.points[i].t)) " – "
+                            (when(s.points[i].t + Duration::seconds((j - i) as i64 * d.step_secs)))
+                            " UTC"
+                        }
+                    }
+                }
+                // Axes: 0, half and top of the scale; start and end times.
+                @for frac in [0.0, 0.5, 1.0] {
+                    @let v = top / 1.1 * frac;
+                    line class="grid" x1=(LEFT) x2=(dec1(LEFT + plot_w)) y1=(dec1(y(v)))
+                        y2=(dec1(y(v))) {}
+                    text class="tick" x=(dec1(LEFT - 4.0)) y=(dec1(y(v) + 4.0)) text-anchor="end" {
+                        (rate(v))
+                    }
+                }
+                text class="tick" x=(LEFT) y=(H) dy="-6" { (when(d.window_start)) }
+                text class="tick" x=(dec1(LEFT + plot_w)) y=(H) dy="-6" text-anchor="end" {
+                    (when(d.window_end)) " UTC"
+                }
+                @for (name, d) in &lines {
+                    path class=(name) data-series=(name) d=(d) {}
+                }
+            }
         }
-        let _ = write!(
-            h,
-            "<path class=\"{name}\" data-series=\"{name}\" d=\"{}\"/>",
-            path(&values, |i| x(i) + plot_w / n as f64 / 2.0, y)
-        );
     }
-    h.push_str("</svg></figure>");
 }
 
 fn render(
@@ -567,132 +565,162 @@ fn render(
     links: &Links,
     d: Result<(&BucketDetail, &Missing), &str>,
 ) -> String {
-    let mut h = String::with_capacity(32 * 1024);
-    let svc = escape_html(service);
-    let bkt = escape_html(bucket);
-    let _ = write!(
-        h,
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\
-         <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\
-         <title>RLC bucket {svc}/{bkt}</title><style>{CSS}{CHART_CSS}</style></head><body>\
-         <header><h1>Bucket <code>{bkt}</code> of <code>{svc}</code></h1>\
-         <p><a href=\"/?service={svc_q}&amp;window={win_q}\">← all buckets</a> · last {win}</p></header><main>",
-        svc_q = escape_html(&encode_query_value(service)),
-        win_q = escape_html(&encode_query_value(window)),
-        win = escape_html(window),
-    );
-    // The window choice: plain links, no script.
-    h.push_str("<section><nav class=\"windows\">Window: ");
-    let base = format!(
-        "/buckets/{}/{}",
-        escape_html(&encode_query_value(service)),
-        escape_html(&encode_query_value(bucket))
-    );
-    for w in WINDOWS {
-        if *w == window {
-            let _ = write!(h, "<b>{w}</b> ");
-        } else {
-            let _ = write!(h, "<a href=\"{base}?window={w}\">{w}</a> ");
+    html! {
+        (DOCTYPE)
+        html lang="en" {
+            head {
+                meta charset="utf-8";
+                meta name="viewport" content="width=device-width, initial-scale=1";
+                title { "RLC bucket " (service) "/" (bucket) }
+                (style(&[CSS, CHART_CSS]))
+            }
+            body {
+                header {
+                    h1 { "Bucket " code { (bucket) } " of " code { (service) } }
+                    p {
+                        a href={ "/?service=" (encoded(service)) "&window=" (encoded(window)) } {
+                            "← all buckets"
+                        }
+                        " · last " (window)
+                    }
+                }
+                main {
+                    // The window choice: plain links, no script.
+                    section {
+                        nav class="windows" {
+                            "Window: "
+                            @for w in WINDOWS {
+                                @if *w == window {
+                                    b { (w) } " "
+                                } @else {
+                                    a href={
+                                        "/buckets/" (encoded(service)) "/" (encoded(bucket))
+                                        "?window=" (w)
+                                    } { (w) }
+                                    " "
+                                }
+                            }
+                            "· "
+                            a href={
+                                "/v1/shadow/" (encoded(service)) "/" (encoded(bucket))
+                                "?window=" (encoded(window))
+                            } { "JSON" }
+                        }
+                    }
+                    @match d {
+                        Ok((d, missing)) => { (sections(d, missing, links)) }
+                        Err(problem) => {
+                            section class="notice" id="problem" {
+                                h2 { "Could not load this bucket" }
+                                p { (problem) }
+                            }
+                        }
+                    }
+                }
+            }
         }
     }
-    let _ = write!(
-        h,
-        "· <a href=\"/v1/shadow/{}/{}?window={}\">JSON</a></nav></section>",
-        escape_html(&encode_query_value(service)),
-        escape_html(&encode_query_value(bucket)),
-        escape_html(&encode_query_value(window)),
-    );
-    let (d, missing) = match d {
-        Ok(d) => d,
-        Err(problem) => {
-            let _ = writeln!(
-                h,
-                "<section class=\"notice\" id=\"problem\"><h2>Could not load this bucket</h2><p>{}</p></section></main></body></html>",
-                escape_html(problem)
-            );
-            return h;
-        }
-    };
-    problems_notice(
-        &mut h,
-        &missing
-            .errors
-            .iter()
-            .map(DashError::notice)
-            .collect::<Vec<_>>(),
-    );
-    match &d.readiness {
-        None if missing.readiness => {}
-        None => {
-            h.push_str(
-                "<section class=\"notice\" id=\"problem\"><h2>No reports</h2><p>The store holds no \
-                 report of this bucket (never reported, or older than the roll-up retention).</p></section>",
-            );
-        }
-        Some(r) => readiness_section(&mut h, r),
-    }
-    h.push_str("<section><h2>Traffic</h2><p class=\"muted\">Per-minute averages (the highest minute of each step on long windows): \
-                <span class=\"key offered\">offered</span> <span class=\"key limit\">limit</span> \
-                <span class=\"key virtual-drops\">virtual drops</span> <span class=\"key drops\">real drops</span>; \
-                shaded: no reports (a gap in the report feed, not zero traffic).</p>");
-    if missing.chart {
-        h.push_str("<p class=\"err\" id=\"chart-not-loaded\">Not loaded (see above).</p>");
-    } else if d.series.is_empty() {
-        h.push_str("<p class=\"muted\" id=\"no-series\">No report in this window.</p>");
-    }
-    for s in &d.series {
-        chart(&mut h, s, d);
-    }
-    if d.scopes_cut > 0 {
-        let _ = write!(
-            h,
-            "<p class=\"muted\">{} more scope keys not charted.</p>",
-            d.scopes_cut
-        );
-    }
-    h.push_str("</section><section><h2>Quota history</h2>");
-    if missing.history {
-        h.push_str("<p class=\"err\" id=\"history-not-loaded\">Not loaded (see above).</p>");
-    } else if d.quota_history.is_empty() {
-        h.push_str("<p class=\"muted\">No change recorded by a run.</p>");
-    } else {
-        h.push_str(
-            "<table id=\"quota-history\"><thead><tr><th>Recorded (UTC)</th><th>Change</th>\
-             <th class=\"num\">Limit rps</th><th class=\"num\">Before</th><th>Mode</th><th>Policy</th>\
-             <th class=\"num\">Run</th><th>Commit</th><th>Pull request</th></tr></thead><tbody>",
-        );
-        for q in &d.quota_history {
-            let opt = |v: Option<f64>| v.map(rate).unwrap_or_else(|| "—".into());
-            let _ = write!(
-                h,
-                "<tr><td class=\"nowrap\">{}</td><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td>\
-                 <td>{}</td><td>{}</td><td class=\"num\">{}</td><td>{}</td><td>{}</td></tr>",
-                when(q.recorded_at),
-                escape_html(&q.change),
-                opt(q.limit_rps),
-                opt(q.previous_limit_rps),
-                escape_html(q.mode.as_deref().unwrap_or("")),
-                escape_html(q.policy.as_deref().unwrap_or("")),
-                // The run that made the change: its record (summary, commit, error).
-                format_args!("<a href=\"/v1/runs/{0}\">{0}</a>", q.run_id),
-                q.commit_sha
-                    .as_deref()
-                    .map(|c| links.commit_html(c))
-                    .unwrap_or_else(|| "—".into()),
-                // The pull request that carries it (none: committed directly).
-                q.pull_request
-                    .as_ref()
-                    .map(pull_request_html)
-                    .unwrap_or_else(|| "—".into()),
-            );
-        }
-        h.push_str("</tbody></table>");
-    }
-    h.push_str("</section></main></body></html>\n");
-    h
+    .into_string()
 }
 
-fn readiness_section(h: &mut String, r: &Readiness) {
+/// What loaded of the bucket, and a notice naming what did not.
+fn sections(d: &BucketDetail, missing: &Missing, links: &Links) -> Markup {
+    let problems: Vec<String> = missing.errors.iter().map(DashError::notice).collect();
+    html! {
+        (problems_notice(&problems))
+        @match &d.readiness {
+            None if missing.readiness => {}
+            None => {
+                section class="notice" id="problem" {
+                    h2 { "No reports" }
+                    p {
+                        "The store holds no report of this bucket (never reported, or older than \
+                         the roll-up retention)."
+                    }
+                }
+            }
+            Some(r) => { (readiness_section(r)) }
+        }
+        section {
+            h2 { "Traffic" }
+            p class="muted" {
+                "Per-minute averages (the highest minute of each step on long windows): "
+                span class="key offered" { "offered" } " "
+                span class="key limit" { "limit" } " "
+                span class="key virtual-drops" { "virtual drops" } " "
+                span class="key drops" { "real drops" }
+                "; shaded: no reports (a gap in the report feed, not zero traffic)."
+            }
+            @if missing.chart {
+                p class="err" id="chart-not-loaded" { "Not loaded (see above)." }
+            } @else if d.series.is_empty() {
+                p class="muted" id="no-series" { "No report in this window." }
+            }
+            @for s in &d.series {
+                (chart(s, d))
+            }
+            @if d.scopes_cut > 0 {
+                p class="muted" { (d.scopes_cut) " more scope keys not charted." }
+            }
+        }
+        section {
+            h2 { "Quota history" }
+            @if missing.history {
+                p class="err" id="history-not-loaded" { "Not loaded (see above)." }
+            } @else if d.quota_history.is_empty() {
+                p class="muted" { "No change recorded by a run." }
+            } @else {
+                (quota_history(&d.quota_history, links))
+            }
+        }
+    }
+}
+
+/// The bucket's recorded changes, each with the run, commit and pull request that made it.
+fn quota_history(changes: &[QuotaChange], links: &Links) -> Markup {
+    let opt = |v: Option<f64>| v.map(rate).unwrap_or_else(|| "—".into());
+    html! {
+        table id="quota-history" {
+            thead {
+                tr {
+                    th { "Recorded (UTC)" } th { "Change" }
+                    th class="num" { "Limit rps" } th class="num" { "Before" }
+                    th { "Mode" } th { "Policy" } th class="num" { "Run" }
+                    th { "Commit" } th { "Pull request" }
+                }
+            }
+            tbody {
+                @for q in changes {
+                    tr {
+                        td class="nowrap" { (when(q.recorded_at)) }
+                        td { (q.change) }
+                        td class="num" { (opt(q.limit_rps)) }
+                        td class="num" { (opt(q.previous_limit_rps)) }
+                        td { (q.mode.as_deref().unwrap_or("")) }
+                        td { (q.policy.as_deref().unwrap_or("")) }
+                        // The run that made the change: its record (summary, commit, error).
+                        td class="num" { a href={ "/v1/runs/" (q.run_id) } { (q.run_id) } }
+                        td {
+                            @match q.commit_sha.as_deref() {
+                                Some(c) => { (links.commit_html(c)) }
+                                None => { "—" }
+                            }
+                        }
+                        // The pull request that carries it (none: committed directly).
+                        td {
+                            @match &q.pull_request {
+                                Some(pr) => { (pull_request_html(pr)) }
+                                None => { "—" }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn readiness_section(r: &Readiness) -> Markup {
     let s = &r.stats;
     let badge = match &r.verdict {
         Verdict::Ready => "ok",
@@ -700,48 +728,57 @@ fn readiness_section(h: &mut String, r: &Readiness) {
         _ => "warn",
     };
     let opt_when = |t: Option<DateTime<Utc>>| t.map(when).unwrap_or_else(|| "—".into());
-    let _ = write!(
-        h,
-        "<section id=\"readiness\"><h2>Readiness</h2><p>Verdict: <span class=\"badge {badge}\" id=\"verdict\">{}</span> \
-         <span class=\"muted\" id=\"rule\">({})</span></p>{}\
-         <table class=\"facts\"><tbody>\
-         <tr><th>Mode</th><td id=\"mode\">{}</td></tr>\
-         <tr><th>In shadow since</th><td id=\"shadow-since\">{} ({:.1} days)</td></tr>\
-         <tr><th>Coverage</th><td id=\"coverage\">{}</td></tr>\
-         <tr><th>Offered</th><td id=\"offered\">{}</td></tr>\
-         <tr><th>Virtual drops</th><td id=\"virtual-drops\">{} ({})</td></tr>\
-         <tr><th>Real drops</th><td id=\"drops\">{}</td></tr>\
-         <tr><th>Peak virtual-drop share (minute)</th><td id=\"peak\">{} at {}</td></tr>\
-         <tr><th>Limit rps</th><td id=\"limit\">{}</td></tr>\
-         <tr><th>Suggested limit rps (virtual drops ≤ 0.01%)</th><td id=\"suggested\">{}</td></tr>\
-         <tr><th>Last report</th><td id=\"last-report\">{}</td></tr>\
-         </tbody></table></section>",
-        escape_html(&r.verdict_text),
-        escape_html(&r.rule.describe()),
-        r.rule
-            .problem
-            .as_deref()
-            .map(|p| format!(
-                "<p class=\"err\">The service's rule in rlc/policies.yaml could not be read ({}); the default rule applies here.</p>",
-                escape_html(p)
-            ))
-            .unwrap_or_default(),
-        escape_html(&s.mode),
-        opt_when(s.shadow_since),
-        r.days_in_shadow,
-        percent(s.coverage),
-        rate(s.offered),
-        rate(s.virtual_dropped),
-        percent(r.virtual_drop_share),
-        rate(s.dropped),
-        percent(s.peak_drop_share),
-        opt_when(s.peak_drop_at),
-        rate(s.limit_rps),
-        s.suggested_limit_rps
-            .map(|v| format!("{v:.1}"))
-            .unwrap_or_else(|| "—".into()),
-        opt_when(s.last_report),
-    );
+    html! {
+        section id="readiness" {
+            h2 { "Readiness" }
+            p {
+                "Verdict: "
+                span class={ "badge " (badge) } id="verdict" { (r.verdict_text) }
+                " "
+                span class="muted" id="rule" { "(" (r.rule.describe()) ")" }
+            }
+            @if let Some(problem) = &r.rule.problem {
+                p class="err" {
+                    "The service's rule in rlc/policies.yaml could not be read (" (problem)
+                    "); the default rule applies here."
+                }
+            }
+            table class="facts" {
+                tbody {
+                    tr { th { "Mode" } td id="mode" { (s.mode) } }
+                    tr {
+                        th { "In shadow since" }
+                        td id="shadow-since" {
+                            (opt_when(s.shadow_since)) " (" (dec1(r.days_in_shadow)) " days)"
+                        }
+                    }
+                    tr { th { "Coverage" } td id="coverage" { (percent(s.coverage)) } }
+                    tr { th { "Offered" } td id="offered" { (rate(s.offered)) } }
+                    tr {
+                        th { "Virtual drops" }
+                        td id="virtual-drops" {
+                            (rate(s.virtual_dropped)) " (" (percent(r.virtual_drop_share)) ")"
+                        }
+                    }
+                    tr { th { "Real drops" } td id="drops" { (rate(s.dropped)) } }
+                    tr {
+                        th { "Peak virtual-drop share (minute)" }
+                        td id="peak" {
+                            (percent(s.peak_drop_share)) " at " (opt_when(s.peak_drop_at))
+                        }
+                    }
+                    tr { th { "Limit rps" } td id="limit" { (rate(s.limit_rps)) } }
+                    tr {
+                        th { "Suggested limit rps (virtual drops ≤ 0.01%)" }
+                        td id="suggested" {
+                            (s.suggested_limit_rps.map(dec1).unwrap_or_else(|| "—".into()))
+                        }
+                    }
+                    tr { th { "Last report" } td id="last-report" { (opt_when(s.last_report)) } }
+                }
+            }
+        }
+    }
 }
 
 const CHART_CSS: &str = "

@@ -674,10 +674,7 @@ async fn check_bucket_json(state: &AppState, days: &Days) {
     );
     assert_eq!(api["series"][0]["points"][0]["drop_rps"], 50.0);
 
-    let evil = format!(
-        "/v1/shadow/search/{}?window=24h",
-        encode_query_value(EVIL_BUCKET)
-    );
+    let evil = format!("/v1/shadow/search/{}?window=24h", encoded(EVIL_BUCKET));
     let (status, e) = get_json(state, &evil).await;
     assert_eq!(status, StatusCode::OK, "{e}");
     assert_eq!(e["bucket"], EVIL_BUCKET);
@@ -736,7 +733,7 @@ async fn check_bucket_pages(store: Store, label: &str) {
     );
     let evil_link = format!(
         "href=\"/buckets/search/{}?window=24h\"",
-        encode_query_value(EVIL_BUCKET)
+        encoded(EVIL_BUCKET)
     );
     assert!(dom.contains(&evil_link), "{dom}");
     assert!(!dom.contains("<script"), "{dom}");
@@ -820,10 +817,7 @@ async fn check_bucket_pages(store: Store, label: &str) {
     // The hostile bucket name: text in the page and in the SVG title.
     let dom = chromium_run(
         &["--dump-dom".into()],
-        &format!(
-            "{base}/buckets/search/{}?window=24h",
-            encode_query_value(EVIL_BUCKET)
-        ),
+        &format!("{base}/buckets/search/{}?window=24h", encoded(EVIL_BUCKET)),
     )
     .await;
     assert!(!dom.contains("<script"), "{dom}");
@@ -935,10 +929,7 @@ async fn bucket_verdict_applies_the_services_promotion_rule() {
     );
     assert!(html.contains("not yet: 8.0 of 10 days in shadow"));
 
-    let evil = format!(
-        "/v1/shadow/search/{}?window=7d",
-        encode_query_value(EVIL_BUCKET)
-    );
+    let evil = format!("/v1/shadow/search/{}?window=7d", encoded(EVIL_BUCKET));
     let (_, e) = get_json(&state, &evil).await;
     assert_eq!(e["readiness"]["rule"]["min_days_in_shadow"], 7.0, "{e}");
     assert_eq!(e["readiness"]["verdict"]["verdict"], "ready", "{e}");
