@@ -22,7 +22,7 @@ use super::{
 };
 use crate::readiness::{self, ShadowStats, Verdict};
 use crate::serve::AppState;
-use crate::store::{minute_of, QuotaChange, StepRow, Store};
+use crate::store::{minute_of, ChangeState, QuotaChange, StepRow, Store};
 
 /// Most points of a series: longer windows aggregate several minutes per point.
 const MAX_POINTS: i64 = 360;
@@ -676,7 +676,12 @@ fn sections(d: &BucketDetail, missing: &Missing, links: &Links) -> Markup {
     }
 }
 
-/// The bucket's recorded changes, each with the run, commit and pull request that made it.
+/// What a proposed change's Change cell says on hover.
+const PROPOSED_TITLE: &str =
+    "on the pull-request branch, waiting for review: the limit in force is unchanged";
+
+/// The bucket's recorded changes, each with the run, commit and pull request that made it; a
+/// proposed change reads as a proposal (`lowered (proposed)`, row class `proposed`).
 fn quota_history(changes: &[QuotaChange], links: &Links) -> Markup {
     let opt = |v: Option<f64>| v.map(rate).unwrap_or_else(|| "—".into());
     html! {
@@ -691,9 +696,15 @@ fn quota_history(changes: &[QuotaChange], links: &Links) -> Markup {
             }
             tbody {
                 @for q in changes {
-                    tr {
+                    // A proposal waits for review on the pull-request branch: it did not change
+                    // the limit in force, and the row says so.
+                    @let proposed = q.state == ChangeState::Proposed;
+                    tr class=[proposed.then_some("proposed")] {
                         td class="nowrap" { (when(q.recorded_at)) }
-                        td { (q.change) }
+                        td title=[proposed.then_some(PROPOSED_TITLE)] {
+                            (q.change)
+                            @if proposed { " (proposed)" }
+                        }
                         td class="num" { (opt(q.limit_rps)) }
                         td class="num" { (opt(q.previous_limit_rps)) }
                         td { (q.mode.as_deref().unwrap_or("")) }
@@ -800,4 +811,5 @@ svg text.tick { font-size: 11px; fill: #56627a; }
 .key.offered { border-color: #1f6feb; } .key.limit { border-color: #7a8499; }
 .key.virtual-drops { border-color: #e36209; } .key.drops { border-color: #c1121f; }
 table.facts th { text-transform: none; font-size: 13px; width: 320px; }
+tr.proposed td { color: #7a8499; font-style: italic; }
 ";

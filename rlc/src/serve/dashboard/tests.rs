@@ -1125,3 +1125,89 @@ async fn pages_link_commits_and_pull_requests_to_the_forge() {
     let (_, v) = get_json(&plain, &format!("/v1/runs/{id}")).await;
     assert_eq!(v["record"]["commit_url"], serde_json::Value::Null);
 }
+
+/// A change of `payments/gw` as a run records it.
+fn change(
+    kind: &str,
+    limit: f64,
+    before: f64,
+    state: crate::store::ChangeState,
+) -> crate::store::QuotaRecord {
+    crate::store::QuotaRecord {
+        service: "payments".into(),
+        bucket: "gw".into(),
+        change: kind.into(),
+        limit_rps: Some(limit),
+        previous_limit_rps: Some(before),
+        mode: Some("enforce".into()),
+        policy: Some("peak".into()),
+        commit_sha: Some(PR_SHA.into()),
+        state,
+        evidence: "{}".into(),
+        recorded_at: Utc::now(),
+        pr_number: Some(7),
+        pr_url: Some(PR_URL.into()),
+    }
+}
+
+/// The quota history tells a proposal (pushed to the pull-request branch, waiting for review)
+/// from a change of the limit in force.
+#[tokio::test]
+async fn quota_history_shows_proposals_as_proposals() {
+    use crate::store::ChangeState::{Applied, Proposed};
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::connect("sqlite://rlc.db", dir.path()).await.unwrap();
+    let changes = [
+        change("raised", 150.0, 100.0, Applied),
+        change("lowered", 120.0, 150.0, Proposed),
+    ];
+    store
+        .record_run(&run("success", 0, Some(PR_SHA), None), &changes)
+        .await
+        .unwrap();
+    let (status, html) = get(
+        &AppState::with_store(store),
+        "/buckets/payments/gw?window=1h",
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{html}");
+    let table = &html[html.find("id=\"quota-history\"").expect("quota history")..];
+    let body = &table[table.find("<tbody>").unwrap() + 7..table.find("</tbody>").unwrap()];
+    let rows: Vec<&str> = body.split("</tr>").filter(|r| !r.is_empty()).collect();
+    assert_eq!(rows.len(), 2, "{body}");
+    let row = |change: &str| {
+        *rows
+            .iter()
+            .find(|r| r.contains(&format!(">{change}")))
+            .unwrap_or_else(|| panic!("no {change} row: {body}"))
+    };
+    let proposed = row("lowered");
+    assert!(
+        proposed.starts_with("<tr class=\"proposed\">"),
+        "{proposed}"
+    );
+    assert!(proposed.contains(">lowered (proposed)</td>"), "{proposed}");
+    let applied = row("raised");
+    assert!(applied.starts_with("<tr><td"), "no class: {applied}");
+    assert!(applied.contains("<td>raised</td>"), "{applied}");
+    assert!(!applied.contains("proposed"), "{applied}");
+}
+
+/// Links percent-encode everything but RFC 3986 unreserved characters, as the PR body does.
+#[test]
+fn link_segments_keep_only_unreserved_characters() {
+    for b in 0u8..=127 {
+        let c = b as char;
+        let want = if c.is_ascii_alphanumeric() || "-._~".contains(c) {
+            c.to_string()
+        } else {
+            format!("%{b:02X}")
+        };
+        assert_eq!(encoded(&c.to_string()).to_string(), want, "{b}");
+    }
+    assert_eq!(encoded("é/ü").to_string(), "%C3%A9%2F%C3%BC");
+    assert_eq!(
+        encoded("a b&c").to_string(),
+        crate::gitops::summary::url_segment("a b&c")
+    );
+}
