@@ -90,6 +90,17 @@ pub fn apply(
                     cur.limit_rps
                 ));
                 limit = cur.limit_rps;
+            } else if change > rails.max_increase {
+                let capped = cur.limit_rps * (1.0 + rails.max_increase);
+                notes.push(format!(
+                    "increase of {:.1}% capped at {:.0}% per run: {} rps instead of {:.3}",
+                    change * 100.0,
+                    rails.max_increase * 100.0,
+                    schema::format_rps(capped),
+                    limit
+                ));
+                capped_from = Some(round_limit(limit));
+                limit = capped;
             } else if change < -rails.max_decrease {
                 let capped = (cur.limit_rps * (1.0 - rails.max_decrease)).max(floor);
                 notes.push(format!(
@@ -211,7 +222,9 @@ mod tests {
     fn rails_table() {
         check(Some(1000.0), 1050.0, 1000.0, Mode::Enforce); // below 10%: keep
         check(Some(1000.0), 950.0, 1000.0, Mode::Enforce);
-        check(Some(1000.0), 2000.0, 2000.0, Mode::Enforce); // increase at once
+        check(Some(1000.0), 2000.0, 2000.0, Mode::Enforce); // doubling at once
+        check(Some(1000.0), 1e12, 2000.0, Mode::Enforce); // increase capped at +100%
+        check(Some(1000.0), 3470.0, 2000.0, Mode::Enforce);
         check(Some(1000.0), 100.0, 750.0, Mode::Enforce); // decrease capped at 25%
         check(Some(1000.0), 800.0, 800.0, Mode::Enforce);
         check(Some(1000.0), 0.0, 750.0, Mode::Enforce);

@@ -6,7 +6,7 @@
 //! failed, when their coverage is below `history.min_coverage`, or when they have buckets but
 //! no history at all. A bucket whose policy fails keeps its current quota, and is listed too.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 use chrono::{DateTime, Utc};
@@ -20,6 +20,7 @@ use serde_json::json;
 use crate::history::{History, SeriesKey, SeriesSource};
 use crate::evidence::{Evidence, PolicyEvidence};
 use crate::plan::{Plan, PlannedBucket, Skipped};
+use crate::plausibility::{all_zero, implausible_peak};
 
 /// The effective policy spec of `service` (peak with default headroom when the repo has no
 /// `rlc/policies.yaml`).
@@ -97,7 +98,15 @@ fn plan_services(
     services.extend(source.services());
     services.extend(contracts.iter().map(|c| c.service.clone()));
 
+    // Services whose history the source could not tell apart (series merged by its labels):
+    // none of their series can be believed.
+    let mut ambiguous: BTreeMap<String, String> = BTreeMap::new();
     for r in source.rejected() {
+        if r.fails_service {
+            if let Some(s) = &r.service {
+                ambiguous.entry(s.clone()).or_insert_with(|| r.reason.clone());
+            }
+        }
         plan.skipped.push(Skipped {
             service: r.service.clone().unwrap_or_default(),
             caller: r.caller.clone(),
@@ -115,6 +124,16 @@ fn plan_services(
                 repo,
                 service,
                 &format!("history source failed: {e}; keeps current quotas"),
+            );
+            continue;
+        }
+        if let Some(why) = ambiguous.get(service) {
+            plan.history_failed.push(service.clone());
+            keep_service(
+                &mut plan,
+                repo,
+                service,
+                &format!("history ambiguous: {why}; keeps current quotas"),
             );
             continue;
         }
@@ -150,6 +169,21 @@ fn plan_services(
                 );
                 continue;
             }
+            // Every value 0 while quotas are in force: a broken query or recording rule, far
+            // more likely than a whole service gone quiet (which would keep its quotas too).
+            let in_force = repo
+                .current(service)
+                .is_some_and(|f| f.buckets.iter().any(|b| b.limit_rps > 0.0));
+            if in_force && all_zero(history.service_series(service).map(|(_, s)| s)) {
+                plan.history_failed.push(service.clone());
+                keep_service(
+                    &mut plan,
+                    repo,
+                    service,
+                    "every sample of its history is 0 although it has quotas in force (a broken query or recording rule?): not plausible; keeps current quotas",
+                );
+                continue;
+            }
         } else if !has_contract {
             if repo.current(service).is_some() {
                 keep_service(
@@ -165,6 +199,10 @@ fn plan_services(
             cfg, repo, &history, service, contracts, today, now, &mut plan,
         );
     }
+    plan.history_failed.sort();
+    plan.history_failed.dedup();
+    plan.history_refused.sort();
+    plan.history_refused.dedup();
     plan.buckets
         .sort_by(|a, b| (&a.service, &a.bucket.name).cmp(&(&b.service, &b.bucket.name)));
     plan.skipped.sort_by(|a, b| {
@@ -317,6 +355,24 @@ fn compute_service(
             continue; // covered by the caller's contract bucket
         }
         done.insert(name.clone());
+        // A sample no instance could have sent is refused with its series: the bucket keeps
+        // its quota and the run says so (its service counts as failed: exit 4).
+        if let Some(why) = implausible_peak(s) {
+            let cur = current.get(name.as_str()).copied();
+            tracing::warn!(service, bucket = %name, %why, "history not plausible");
+            plan.history_refused.push(service.into());
+            let reason = format!("history {why}; keeps current quota");
+            plan.skipped.push(Skipped {
+                service: service.into(),
+                caller: key.caller.clone(),
+                procedure: key.procedure.clone(),
+                reason: reason.clone(),
+            });
+            if let Some(b) = cur {
+                plan.buckets.push(kept(service, b, &reason));
+            }
+            continue;
+        }
         let expired: Vec<String> = fixed::contract_for(
             contracts,
             service,

@@ -45,6 +45,9 @@ pub struct Rejected {
     pub procedure: Option<String>,
     /// Why it was rejected.
     pub reason: String,
+    /// Whether none of its service's series can be believed either (the source merged
+    /// series it could not tell apart): the whole service keeps its quotas.
+    pub fails_service: bool,
 }
 
 /// The history of every series on one time grid.

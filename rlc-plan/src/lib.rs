@@ -22,6 +22,7 @@ pub mod guard;
 pub mod history;
 pub mod pipeline;
 pub mod plan;
+pub mod plausibility;
 pub mod promotion;
 pub mod readiness;
 pub mod whatif;

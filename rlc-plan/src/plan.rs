@@ -22,6 +22,11 @@ pub struct Plan {
     /// any, 1 when every service is.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub history_failed: Vec<String>,
+    /// Services with a series whose history is not plausible (a sample no instance could have
+    /// sent): those buckets keep their quotas (listed in `skipped`), the service's other
+    /// buckets are computed; `rlc run`/`rlc preview` exit 4.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub history_refused: Vec<String>,
     /// Why the whole history source failed, when it did (every service keeps its quotas).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub history_error: Option<String>,

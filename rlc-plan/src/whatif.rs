@@ -867,6 +867,12 @@ pub fn restrict_plan(plan: &Plan, only: Option<&BTreeSet<String>>) -> Plan {
             .filter(|s| only.contains(&s.service))
             .cloned()
             .collect(),
+        history_refused: plan
+            .history_refused
+            .iter()
+            .filter(|s| only.contains(*s))
+            .cloned()
+            .collect(),
         history_failed: plan
             .history_failed
             .iter()

@@ -210,6 +210,10 @@ pub struct RunOutcome {
     /// Services whose history failed or was incomplete; they kept their current quotas
     /// (exit 4, or 1 when that is every service).
     pub history_failed: Vec<String>,
+    /// Services with a series whose history is not plausible: those buckets kept their
+    /// quotas, the others were computed (exit 4).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub history_refused: Vec<String>,
     /// The verdict on every shadow bucket that could be promoted (`promotion:` in
     /// `rlc/policies.yaml`): proposed for `mode: enforce`, or why it stays in shadow.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -259,6 +263,7 @@ impl RunOutcome {
             summary: ChangeSummary::default(),
             skipped: vec![],
             history_failed: vec![],
+            history_refused: vec![],
             promotions: vec![],
             needs_review: vec![],
             review: None,
@@ -278,7 +283,9 @@ impl RunOutcome {
             RunStatus::Failed => exit::FAILED,
             RunStatus::Held => exit::HELD,
             RunStatus::Pending => exit::PENDING,
-            RunStatus::Success | RunStatus::Unchanged if !self.history_failed.is_empty() => {
+            RunStatus::Success | RunStatus::Unchanged
+                if !self.history_failed.is_empty() || !self.history_refused.is_empty() =>
+            {
                 exit::PARTIAL
             }
             RunStatus::Success | RunStatus::Unchanged => exit::OK,
@@ -422,6 +429,13 @@ impl std::fmt::Display for RunOutcome {
                 f,
                 "  history failed for {}: kept their current quotas",
                 self.history_failed.join(", ")
+            )?;
+        }
+        if !self.history_refused.is_empty() && self.error.is_none() {
+            writeln!(
+                f,
+                "  history not plausible for some buckets of {}: they kept their quotas (see skipped)",
+                self.history_refused.join(", ")
             )?;
         }
         Ok(())
@@ -698,6 +712,7 @@ impl Cycle {
         let plan = pipeline::finish(&self.cfg, &base.repo, &world, computed, now);
         out.skipped = plan.skipped.clone();
         out.history_failed = plan.history_failed.clone();
+        out.history_refused = plan.history_refused.clone();
         out.promotions = plan.promotions.clone();
         out.shadow_error = plan.shadow_error.clone();
         out.needs_review = plan.needs_review.clone();

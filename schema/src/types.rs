@@ -1103,6 +1103,11 @@ pub struct RailsConfig {
     /// A decrease is capped at this fraction of the current limit per run.
     #[serde(default = "default_max_decrease")]
     pub max_decrease: f64,
+    /// An increase is capped at this fraction of the current limit per run (1.0: at most
+    /// double), so that no bad sample or storm can lift a quota further than that in one
+    /// run. Contracts are not capped.
+    #[serde(default = "default_max_increase")]
+    pub max_increase: f64,
     /// No limit goes below this.
     #[serde(default = "default_floor")]
     pub floor_rps: f64,
@@ -1125,6 +1130,9 @@ fn default_min_change() -> f64 {
 fn default_max_decrease() -> f64 {
     0.25
 }
+fn default_max_increase() -> f64 {
+    1.0
+}
 fn default_floor() -> f64 {
     1.0
 }
@@ -1137,6 +1145,7 @@ impl Default for RailsConfig {
         Self {
             min_change: default_min_change(),
             max_decrease: default_max_decrease(),
+            max_increase: default_max_increase(),
             floor_rps: default_floor(),
             new_buckets_shadow: true,
             decrease_interval: default_decrease_interval(),

@@ -894,6 +894,12 @@ pub fn load_daemon_config(path: &Path) -> Result<DaemonConfig, Vec<Diagnostic>> 
             ));
         }
     }
+    if !(r.max_increase.is_finite() && r.max_increase > 0.0) {
+        diags.push(f.diag(
+            "rails.max_increase",
+            format!("must be a finite number > 0, got {}", r.max_increase),
+        ));
+    }
     if !(r.floor_rps.is_finite() && r.floor_rps >= 0.0) {
         diags.push(f.diag("rails.floor_rps", "must be a finite number ≥ 0"));
     }

@@ -120,7 +120,7 @@ shadow buckets (promotion rule of rlc/policies.yaml):
 pub fn history_exit_code(plan: &Plan) -> i32 {
     if plan.history_failed_everywhere() {
         crate::exit::FAILED
-    } else if !plan.history_failed.is_empty() {
+    } else if !plan.history_failed.is_empty() || !plan.history_refused.is_empty() {
         crate::exit::PARTIAL
     } else {
         crate::exit::OK

@@ -233,6 +233,11 @@ pub(crate) struct Builder {
     rejected: Vec<Rejected>,
     /// The in-range samples `(grid step, value)` of the series being added.
     scratch: Vec<(usize, f32)>,
+    /// The label set each key was first seen with: another label set with the same key is a
+    /// series the labels rlc reads cannot tell apart.
+    first_labels: HashMap<SeriesKey, BTreeMap<String, String>>,
+    /// Keys seen with several label sets, and the labels those differ in.
+    merged: BTreeMap<SeriesKey, std::collections::BTreeSet<String>>,
 }
 
 impl Builder {
@@ -247,6 +252,8 @@ impl Builder {
             bad: HashMap::new(),
             rejected: Vec::new(),
             scratch: Vec::new(),
+            first_labels: HashMap::new(),
+            merged: BTreeMap::new(),
         }
     }
 
@@ -307,17 +314,33 @@ impl Builder {
                 caller,
                 procedure,
                 reason,
+                fails_service: false,
             };
             if !self.rejected.contains(&r) {
                 self.rejected.push(r);
             }
             return None;
         }
-        Some(SeriesKey {
+        let key = SeriesKey {
             service: service.unwrap(),
             caller,
             procedure,
-        })
+        };
+        match self.first_labels.get(&key) {
+            None => {
+                self.first_labels.insert(key.clone(), metric.clone());
+            }
+            Some(first) if first != metric => {
+                let differ = first
+                    .keys()
+                    .chain(metric.keys())
+                    .filter(|k| first.get(*k) != metric.get(*k))
+                    .cloned();
+                self.merged.entry(key.clone()).or_default().extend(differ);
+            }
+            Some(_) => {}
+        }
+        Some(key)
     }
 
     /// Adds one sample; `NaN`/infinite values mark the whole series unusable.
@@ -378,6 +401,32 @@ impl Builder {
                 caller: k.caller,
                 procedure: k.procedure,
                 reason,
+                fails_service: false,
+            });
+        }
+        // Several series for one (service, caller, procedure): merging them (by max, or by
+        // sum) would compute a quota from one instance, or count a series twice. The rule:
+        // such a service keeps its quotas, named with the labels the series differ in, until
+        // the query aggregates them (`sum by (service, caller, procedure)`).
+        for (k, labels) in std::mem::take(&mut self.merged) {
+            let labels: Vec<String> = labels.into_iter().map(|l| format!("`{l}`")).collect();
+            rejected.push(Rejected {
+                reason: format!(
+                    "several series map to {}: they differ in {}; aggregate them in the query (`sum by ({}, {}, {})`)",
+                    [Some(k.service.as_str()), k.caller.as_deref(), k.procedure.as_deref()]
+                        .into_iter()
+                        .flatten()
+                        .collect::<Vec<_>>()
+                        .join("/"),
+                    labels.join(", "),
+                    self.labels.service,
+                    self.labels.caller,
+                    self.labels.procedure
+                ),
+                service: Some(k.service),
+                caller: k.caller,
+                procedure: k.procedure,
+                fails_service: true,
             });
         }
         rejected.sort_by(|a, b| {

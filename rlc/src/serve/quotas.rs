@@ -385,6 +385,10 @@ pub struct QuotasResponse {
     /// Why the whole history source failed, when it did.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub history_error: Option<String>,
+    /// Services with a series whose history is not plausible (those buckets keep their
+    /// quotas; absent when none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub history_refused: Vec<String>,
     /// Direct mode: the changes a run would not commit on the base branch because
     /// `promotion.auto_merge` does not allow them (they go to review); absent when none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -561,6 +565,13 @@ impl Computed {
                 .cloned()
                 .collect(),
             history_error: self.plan.history_error.clone(),
+            history_refused: self
+                .plan
+                .history_refused
+                .iter()
+                .filter(|s| keep(s))
+                .cloned()
+                .collect(),
             needs_review: self
                 .plan
                 .needs_review

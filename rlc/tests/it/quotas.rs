@@ -179,6 +179,7 @@ fn scenario(database_url: &str) {
         d.join("rlc.yaml"),
         format!(
             "history:\n  prometheus:\n    url: {proxy}\n    query: '{QUERY}'\n  lookback: 8d\n  step: 5m\n\
+             rails:\n  max_increase: 2\n\
              config_repo:\n  path: wc\n  url: {}\n  author_name: rlc-bot\n  author_email: rlc@example.com\n\
              database_url: {database_url}\n\
              server:\n  listen: 127.0.0.1:{port}\n  token_env: RLC_TEST_API_TOKEN\n",
@@ -187,7 +188,8 @@ fn scenario(database_url: &str) {
     )
     .unwrap();
 
-    // First run: web 100 → 250 (200 × 1.25), batch 1000 → 750 (500 wanted, capped at 25%).
+    // First run: web 100 → 250 (200 × 1.25; `max_increase: 2` lets it go beyond double),
+    // batch 1000 → 750 (500 wanted, capped at 25%).
     let (code, out) = output(d, &["run", "--once"]);
     assert_eq!(code, 0, "{out}");
     let head = remote.head("main").unwrap();
