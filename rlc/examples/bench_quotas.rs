@@ -99,10 +99,13 @@ async fn main() -> anyhow::Result<()> {
     let mut cfg: schema::DaemonConfig = schema::parse_str(Path::new("rlc.yaml"), text)?.value;
     rlc::config::resolve_paths(&mut cfg, d);
     let cache = Arc::new(HistoryCache::new(cfg.clone(), d));
-    let quotas = Arc::new(Quotas::new(cfg.clone(), d, cache.clone(), 64)?);
-    let state = AppState::new(None, tokio::sync::mpsc::channel(1).0);
-    state.set_quotas(quotas);
-    state.set_store(rlc::store::Store::connect(&cfg.database_url, d).await?);
+    let store = rlc::serve::StoreSlot::with(rlc::store::Store::connect(&cfg.database_url, d).await?);
+    let quotas = Arc::new(Quotas::new(cfg.clone(), d, cache.clone(), 64, store.clone())?);
+    let state = AppState::from_parts(rlc::serve::AppParts {
+        quotas: Some(quotas),
+        store,
+        ..Default::default()
+    });
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let base = format!("http://{}", l.local_addr()?);
     tokio::spawn(async move { axum::serve(l, app(state)).await });

@@ -203,27 +203,114 @@ struct Inner {
     registry: Registry,
     runs_done: watch::Sender<u64>,
     last: Mutex<Option<RunOutcome>>,
-    /// Set once the scheduler has connected; the read-only pages answer 503 until then.
-    store: RwLock<Option<Store>>,
-    /// `store.query_timeout` in milliseconds: how long one store query of a page may take.
-    query_timeout_ms: std::sync::atomic::AtomicU64,
-    /// The quota API (`/v1/quotas…`), set by [`serve_on`].
-    quotas: std::sync::OnceLock<Arc<quotas::Quotas>>,
-    /// `POST /v1/previews`; answers 503 until set.
-    previews: std::sync::OnceLock<previews::Previews>,
-    /// How the pages link commits and pull requests; set by [`serve_on`] from rlc.yaml.
-    links: std::sync::OnceLock<dashboard::Links>,
+    /// Filled once the scheduler has connected; the read-only pages answer 503 until then.
+    store: StoreSlot,
+    /// How long one store query of a page may take (`store.query_timeout`).
+    query_timeout: Duration,
+    /// The quota API (`/v1/quotas…`); answers 503 without one.
+    quotas: Option<Arc<quotas::Quotas>>,
+    /// `POST /v1/previews`; answers 503 without one.
+    previews: Option<previews::Previews>,
+    /// How the pages link commits and pull requests.
+    links: dashboard::Links,
 }
 
-/// An [`AppState`] that does not keep it alive: for closures the state itself holds (they
-/// would otherwise make a reference cycle that is never freed).
-#[derive(Clone)]
-pub struct WeakAppState(std::sync::Weak<Inner>);
+/// The store the daemon's pages, the quota API and the scheduler share: empty until the
+/// scheduler has connected (the daemon serves before the store answers), then the pool.
+#[derive(Clone, Default)]
+pub struct StoreSlot(Arc<RwLock<Option<Store>>>);
 
-impl WeakAppState {
-    /// The state, while it exists.
-    pub fn upgrade(&self) -> Option<AppState> {
-        self.0.upgrade().map(|inner| AppState { inner })
+impl StoreSlot {
+    /// A slot holding `store` already.
+    pub fn with(store: Store) -> StoreSlot {
+        let slot = StoreSlot::default();
+        slot.set(store);
+        slot
+    }
+
+    /// The store, once connected.
+    pub fn get(&self) -> Option<Store> {
+        self.0.read().unwrap().clone()
+    }
+
+    /// Fills the slot (a pool: cloning it is cheap).
+    pub fn set(&self, store: Store) {
+        *self.0.write().unwrap() = Some(store);
+    }
+}
+
+/// Everything the HTTP API serves from, put together before the state is built: nothing is
+/// filled in afterwards (but the store, which connects when it can).
+pub struct AppParts {
+    /// The API's tokens.
+    pub tokens: Tokens,
+    /// Where manual runs go (a sender whose receiver is gone: they are refused).
+    pub trigger: mpsc::Sender<RunRequest>,
+    /// The store.
+    pub store: StoreSlot,
+    /// How long one store query of a page may take.
+    pub query_timeout: Duration,
+    /// How the pages link commits and pull requests.
+    pub links: dashboard::Links,
+    /// The quota API (none: its endpoints answer 503).
+    pub quotas: Option<Arc<quotas::Quotas>>,
+    /// What-if previews (none: 503).
+    pub previews: Option<previews::Previews>,
+}
+
+impl Default for AppParts {
+    /// No token (every mutating call refused), no run channel, no store yet, the default
+    /// query timeout, plain-text links, no quota API nor previews.
+    fn default() -> AppParts {
+        AppParts {
+            tokens: Tokens {
+                write: None,
+                read: None,
+            },
+            trigger: mpsc::channel(1).0,
+            store: StoreSlot::default(),
+            query_timeout: schema::StoreConfig::default().query_timeout.0,
+            links: dashboard::Links::default(),
+            quotas: None,
+            previews: None,
+        }
+    }
+}
+
+impl AppParts {
+    /// The parts of `rlc serve` for `cfg` (paths relative to `base_dir`): the quota API over
+    /// a new history snapshot, what-if previews on it, the links and query timeout of
+    /// rlc.yaml, sharing `store` with the scheduler.
+    pub fn daemon(
+        cfg: &DaemonConfig,
+        base_dir: &Path,
+        tokens: Tokens,
+        trigger: mpsc::Sender<RunRequest>,
+        store: StoreSlot,
+    ) -> std::io::Result<AppParts> {
+        let mut resolved = cfg.clone();
+        crate::config::resolve_paths(&mut resolved, base_dir);
+        let cache = Arc::new(crate::history::snapshot::HistoryCache::new(
+            resolved.clone(),
+            base_dir,
+        ));
+        let q = Arc::new(quotas::Quotas::new(
+            resolved,
+            base_dir,
+            cache,
+            quotas::DEFAULT_CONCURRENCY,
+            store.clone(),
+        )?);
+        Ok(AppParts {
+            tokens,
+            trigger,
+            query_timeout: cfg.store.query_timeout.0,
+            links: dashboard::Links::from_forge(cfg.config_repo.forge.as_ref()),
+            // What-if previews start from the quota API's plan, on the same snapshot.
+            previews: Some(q.previews()),
+            quotas: Some(q),
+            store,
+        })
     }
 }
 
@@ -234,105 +321,92 @@ pub struct AppState {
 }
 
 impl AppState {
-    /// State with the API's write `token` (None: every mutating call is refused), no read
-    /// token, and the channel manual triggers go to.
-    pub fn new(token: Option<String>, trigger: mpsc::Sender<RunRequest>) -> AppState {
-        AppState::with_tokens(
-            Tokens {
-                write: token,
-                read: None,
-            },
-            trigger,
-        )
-    }
-
-    /// State with the API's `tokens` and the channel manual triggers go to.
-    pub fn with_tokens(tokens: Tokens, trigger: mpsc::Sender<RunRequest>) -> AppState {
+    /// The state made of `parts`.
+    pub fn from_parts(parts: AppParts) -> AppState {
         let metrics = Metrics::default();
         AppState {
             inner: Arc::new(Inner {
-                tokens,
-                trigger,
+                tokens: parts.tokens,
+                trigger: parts.trigger,
                 book: Mutex::new(runs::RunBook::default()),
                 registry: metrics.registry(),
                 metrics,
                 runs_done: watch::channel(0).0,
                 last: Mutex::new(None),
-                store: RwLock::new(None),
-                query_timeout_ms: std::sync::atomic::AtomicU64::new(
-                    schema::StoreConfig::default().query_timeout.0.as_millis() as u64,
-                ),
-                quotas: std::sync::OnceLock::new(),
-                previews: std::sync::OnceLock::new(),
-                links: std::sync::OnceLock::new(),
+                store: parts.store,
+                query_timeout: parts.query_timeout,
+                quotas: parts.quotas,
+                previews: parts.previews,
+                links: parts.links,
             }),
         }
     }
 
-    /// A handle that does not keep the state alive.
-    pub fn downgrade(&self) -> WeakAppState {
-        WeakAppState(Arc::downgrade(&self.inner))
+    /// State with the API's write `token` (None: every mutating call is refused), no read
+    /// token, the channel manual triggers go to, and no quota API.
+    pub fn new(token: Option<String>, trigger: mpsc::Sender<RunRequest>) -> AppState {
+        AppState::from_parts(AppParts {
+            tokens: Tokens {
+                write: token,
+                read: None,
+            },
+            trigger,
+            ..AppParts::default()
+        })
+    }
+
+    /// The state of `rlc serve` for `cfg` ([`AppParts::daemon`]) with the write `token`.
+    pub fn daemon(
+        cfg: &DaemonConfig,
+        base_dir: &Path,
+        token: Option<String>,
+        trigger: mpsc::Sender<RunRequest>,
+    ) -> std::io::Result<AppState> {
+        let tokens = Tokens {
+            write: token,
+            read: None,
+        };
+        Ok(AppState::from_parts(AppParts::daemon(
+            cfg,
+            base_dir,
+            tokens,
+            trigger,
+            StoreSlot::default(),
+        )?))
     }
 
     /// Read-only state over `store` (dashboard and JSON pages; manual runs are refused): for
     /// tests and for embedding the pages elsewhere.
     pub fn with_store(store: Store) -> AppState {
-        let state = AppState::new(None, mpsc::channel(1).0);
-        state.set_store(store);
-        state
+        AppState::from_parts(AppParts {
+            store: StoreSlot::with(store),
+            ..AppParts::default()
+        })
     }
 
-    /// Gives the HTTP pages the store (a pool: cloning it is cheap).
+    /// Gives the HTTP pages the store, once connected.
     pub fn set_store(&self, store: Store) {
-        *self.inner.store.write().unwrap() = Some(store);
+        self.inner.store.set(store);
     }
 
-    /// How long one store query of a page may take (`store.query_timeout`; 5 s until set).
-    pub fn set_query_timeout(&self, limit: Duration) {
-        self.inner.query_timeout_ms.store(
-            limit.as_millis() as u64,
-            std::sync::atomic::Ordering::Relaxed,
-        );
-    }
-
-    /// See [`AppState::set_query_timeout`].
+    /// How long one store query of a page may take (`store.query_timeout`).
     pub fn query_timeout(&self) -> Duration {
-        Duration::from_millis(
-            self.inner
-                .query_timeout_ms
-                .load(std::sync::atomic::Ordering::Relaxed),
-        )
+        self.inner.query_timeout
     }
 
-    /// Serves the quota API from `q` (the first call wins).
-    pub fn set_quotas(&self, q: Arc<quotas::Quotas>) {
-        let _ = self.inner.quotas.set(q);
-    }
-
-    /// The quota API, once set.
+    /// The quota API, if this state serves one.
     pub fn quotas(&self) -> Option<Arc<quotas::Quotas>> {
-        self.inner.quotas.get().cloned()
-    }
-
-    /// Sets what `POST /v1/previews` computes on (the first call wins).
-    pub fn set_previews(&self, p: previews::Previews) {
-        let _ = self.inner.previews.set(p);
-    }
-
-    /// Sets how the pages link commits and pull requests (the first call wins; plain text
-    /// until set).
-    pub fn set_links(&self, links: dashboard::Links) {
-        let _ = self.inner.links.set(links);
+        self.inner.quotas.clone()
     }
 
     /// How the pages link commits and pull requests.
     pub fn links(&self) -> dashboard::Links {
-        self.inner.links.get().cloned().unwrap_or_default()
+        self.inner.links.clone()
     }
 
     /// The store, once connected.
     pub fn store(&self) -> Option<Store> {
-        self.inner.store.read().unwrap().clone()
+        self.inner.store.get()
     }
 
     /// Marks this replica as the active scheduler or not.
@@ -393,7 +467,7 @@ const READY_STORE_TIMEOUT: Duration = Duration::from_secs(2);
 /// `GET /readyz`: rlc.yaml loaded and the daemon started, the store answering, and this
 /// replica's role (leader or standby: both are ready, a standby serves every read).
 async fn readyz(State(s): State<AppState>) -> Response {
-    let config = match s.inner.quotas.get() {
+    let config = match &s.inner.quotas {
         Some(_) => Ok("loaded".to_string()),
         None => Err("not loaded yet".to_string()),
     };
@@ -510,34 +584,12 @@ pub async fn serve_on(
         .as_ref()
         .map(grl_runtime::tls::ReloadingServerConfig::load)
         .transpose()?;
-    state.set_query_timeout(cfg.store.query_timeout.0);
-    state.set_links(dashboard::Links::from_forge(cfg.config_repo.forge.as_ref()));
     let mut cycle = Cycle::new(cfg.clone(), base_dir);
     // One history snapshot: runs refresh it, the quota API computes from it.
-    let q = match state.quotas() {
-        Some(q) => q,
-        None => {
-            let mut resolved = cfg;
-            crate::config::resolve_paths(&mut resolved, base_dir);
-            let cache = Arc::new(crate::history::snapshot::HistoryCache::new(
-                resolved.clone(),
-                base_dir,
-            ));
-            let q = Arc::new(quotas::Quotas::new(
-                resolved,
-                base_dir,
-                cache,
-                quotas::DEFAULT_CONCURRENCY,
-            )?);
-            state.set_quotas(q.clone());
-            q
-        }
-    };
+    let q = state.quotas().ok_or_else(|| {
+        anyhow::anyhow!("the daemon's state has no quota API: build it with AppParts::daemon")
+    })?;
     cycle.history_cache = Some(q.cache.clone());
-    if state.inner.previews.get().is_none() {
-        // What-if previews start from the quota API's plan, on the same snapshot.
-        state.set_previews(q.previews(state.downgrade()));
-    }
     let cycle = Arc::new(cycle);
     let grace = opts.grace;
     let (http_state, http_shutdown) = (state.clone(), shutdown.clone());
@@ -908,7 +960,13 @@ pub async fn run(args: ServeArgs, planner: Planner) -> anyhow::Result<i32> {
         "rlc serve listening"
     );
     let (tx, rx) = mpsc::channel(1);
-    let state = AppState::with_tokens(tokens, tx);
+    let state = AppState::from_parts(AppParts::daemon(
+        &cfg,
+        &base,
+        tokens,
+        tx,
+        StoreSlot::default(),
+    )?);
     let opts = ServeOptions {
         poll: Duration::from_secs(args.poll_secs.max(1)),
         tls,

@@ -159,15 +159,14 @@ async fn compute(
     .map_err(problem_of)
 }
 
-/// `POST /v1/previews` on `rlc serve` (see [`crate::serve::openapi`]): 503 until the daemon
-/// has set up its previews.
+/// `POST /v1/previews` on `rlc serve` (see [`crate::serve::openapi`]): 503 when this state
+/// serves no previews.
 pub(in crate::serve) async fn on_serve(
     State(s): State<crate::serve::AppState>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let p = s.inner.previews.get().cloned();
-    match p {
+    match &s.inner.previews {
         Some(p) => answer(&p, &headers, body).await,
         None => Problem::new(
             StatusCode::SERVICE_UNAVAILABLE,

@@ -51,6 +51,8 @@ pub struct Quotas {
     compute: tokio::sync::Mutex<()>,
     limit: ConcurrencyLimit,
     export: tempfile::TempDir,
+    /// The daemon's store, once connected (shadow figures and decreases come from it).
+    store: super::StoreSlot,
 }
 
 /// One computed plan and what it was computed from.
@@ -84,6 +86,7 @@ impl Quotas {
         base_dir: &Path,
         cache: Arc<HistoryCache>,
         concurrency: usize,
+        store: super::StoreSlot,
     ) -> std::io::Result<Quotas> {
         Ok(Quotas {
             cfg,
@@ -93,7 +96,16 @@ impl Quotas {
             compute: tokio::sync::Mutex::new(()),
             limit: ConcurrencyLimit::new(concurrency, RETRY_AFTER_SECS),
             export: tempfile::Builder::new().prefix("rlc-quotas-").tempdir()?,
+            store,
         })
+    }
+
+    /// What the store can say now: connected, or not yet.
+    fn store_witness(&self) -> StoreWitness {
+        match self.store.get() {
+            Some(st) => StoreWitness::Store(st),
+            None => StoreWitness::Unavailable("not connected yet".into()),
+        }
     }
 
     /// The latest computed plan, if any.
@@ -171,12 +183,12 @@ impl Quotas {
 
     /// What-if previews (`POST /v1/previews`) on the same plan, snapshot and evidence as this
     /// API: the what-if plan is computed as the current one is, with other documents.
-    pub fn previews(self: &Arc<Self>, state: super::WeakAppState) -> super::previews::Previews {
+    pub fn previews(self: &Arc<Self>) -> super::previews::Previews {
         let q = self.clone();
         let snapshot: super::previews::SnapshotFn = Arc::new(move || {
-            let (q, st) = (q.clone(), state.clone());
+            let q = q.clone();
             Box::pin(async move {
-                let c = q.current(weak_store_witness(&st)).await?;
+                let c = q.current(q.store_witness()).await?;
                 Ok(c.preview
                     .get_or_init(|| {
                         Arc::new(super::previews::Snapshot {
@@ -631,26 +643,12 @@ fn enter(s: &AppState) -> Result<(Arc<Quotas>, tokio::sync::OwnedSemaphorePermit
     Ok((q, permit))
 }
 
-/// [`store_witness`] of a state that may be gone (then no store can say: decreases are held).
 /// Whether a plan computed with (`computed_with_store`) or without the store stands now that
 /// the store is (`store_now`) or is not there: one computed without it is redone once it is.
 fn still_valid(computed_with_store: bool, store_now: bool) -> bool {
     computed_with_store || !store_now
 }
 
-fn weak_store_witness(s: &super::WeakAppState) -> StoreWitness {
-    match s.upgrade() {
-        Some(s) => store_witness(&s),
-        None => StoreWitness::Unavailable("the daemon is stopping".into()),
-    }
-}
-
-fn store_witness(s: &AppState) -> StoreWitness {
-    match s.store() {
-        Some(st) => StoreWitness::Store(st),
-        None => StoreWitness::Unavailable("not connected yet".into()),
-    }
-}
 
 /// `GET /v1/quotas[?service=S][&refresh=true]`.
 pub async fn list(
@@ -668,7 +666,7 @@ pub async fn list(
     if query.refresh == Some(true) {
         q.cache.refresh().await;
     }
-    let c = match q.current(store_witness(&s)).await {
+    let c = match q.current(q.store_witness()).await {
         Ok(c) => c,
         Err(p) => return p.into_response(),
     };
@@ -729,7 +727,7 @@ pub async fn service(
     if query.refresh == Some(true) {
         q.cache.refresh().await;
     }
-    let c = match q.current(store_witness(&s)).await {
+    let c = match q.current(q.store_witness()).await {
         Ok(c) => c,
         Err(p) => return p.into_response(),
     };
@@ -820,7 +818,7 @@ pub async fn history(
         // A bucket without recorded changes is still known when the plan has it.
         let latest = match q.latest() {
             Some(c) => c,
-            None => match q.current(store_witness(&s)).await {
+            None => match q.current(q.store_witness()).await {
                 Ok(c) => c,
                 Err(p) => return p.into_response(),
             },

@@ -112,7 +112,7 @@ impl Daemon {
         let base = remote.scratch("");
         let planner: Planner = Arc::new(|_| Box::pin(async { Ok(plan(vec![])) }));
         let (tx, rx) = mpsc::channel(1);
-        let state = AppState::new(Some("api-token".into()), tx);
+        let state = AppState::daemon(&cfg, &base, Some("api-token".into()), tx).unwrap();
         let (stop, stop_rx) = watch::channel(false);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());

@@ -78,7 +78,7 @@ async fn daemon_runs_on_request_and_on_input_change_and_shuts_down() {
         })
     });
     let (tx, rx) = mpsc::channel(1);
-    let state = AppState::new(Some("api-token".into()), tx);
+    let state = AppState::daemon(&cfg, &base, Some("api-token".into()), tx).unwrap();
     let (stop_tx, stop_rx) = watch::channel(false);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
@@ -323,7 +323,7 @@ async fn run_ids_follow_a_run_from_queued_to_finished() {
         })
     });
     let (tx, rx) = mpsc::channel(1);
-    let state = AppState::new(Some("api-token".into()), tx);
+    let state = AppState::daemon(&cfg, &base, Some("api-token".into()), tx).unwrap();
     let (stop_tx, stop_rx) = watch::channel(false);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
@@ -435,13 +435,13 @@ async fn spawn(router: Router) -> String {
 /// document stay open. Body bounds answer before anything runs.
 #[tokio::test]
 async fn read_and_write_tokens_over_http() {
-    let state = AppState::with_tokens(
-        Tokens {
+    let state = AppState::from_parts(AppParts {
+        tokens: Tokens {
             write: Some("write-token-0123456789".into()),
             read: Some("read-token-0123456789".into()),
         },
-        mpsc::channel(1).0,
-    );
+        ..AppParts::default()
+    });
     let url = spawn(app(state)).await;
     let http = reqwest::Client::new();
     let get = |path: &str, token: Option<&str>| {
@@ -668,9 +668,11 @@ async fn quota_api_answers_429_with_retry_after_when_every_slot_is_taken() {
         .unwrap()
         .value;
     let cache = Arc::new(crate::history::snapshot::HistoryCache::new(cfg.clone(), dir.path()));
-    let q = quotas::Quotas::new(cfg, dir.path(), cache.clone(), 1).unwrap();
-    let state = AppState::new(None, mpsc::channel(1).0);
-    state.set_quotas(Arc::new(q));
+    let q = quotas::Quotas::new(cfg, dir.path(), cache.clone(), 1, StoreSlot::default()).unwrap();
+    let state = AppState::from_parts(AppParts {
+        quotas: Some(Arc::new(q)),
+        ..AppParts::default()
+    });
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", l.local_addr().unwrap());
     tokio::spawn(axum::serve(l, app(state)).into_future());

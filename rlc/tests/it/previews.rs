@@ -50,8 +50,10 @@ struct Server {
 async fn server() -> Server {
     let dir = tempfile::tempdir().unwrap();
     let cfg = setup(dir.path());
-    let state = AppState::new(None, tokio::sync::mpsc::channel(1).0);
-    state.set_previews(previews::from_directory(cfg, dir.path()));
+    let state = AppState::from_parts(rlc::serve::AppParts {
+        previews: Some(previews::from_directory(cfg, dir.path())),
+        ..Default::default()
+    });
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}/v1/previews", l.local_addr().unwrap());
     tokio::spawn(axum::serve(l, app(state)).into_future());

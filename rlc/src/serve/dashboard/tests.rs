@@ -715,10 +715,13 @@ const MR_URL: &str = "https://git.example.com/acme/config/-/merge_requests/12";
 
 async fn check_bucket_pages(store: Store, label: &str) {
     let days = eight_days(&store).await;
-    let state = AppState::with_store(store);
-    state.set_links(Links::from_forge(Some(&forge(
-        "kind: gitlab\napi_url: https://git.example.com/api/v4\nrepo: acme/config\n",
-    ))));
+    let state = AppState::from_parts(crate::serve::AppParts {
+        store: crate::serve::StoreSlot::with(store),
+        links: Links::from_forge(Some(&forge(
+            "kind: gitlab\napi_url: https://git.example.com/api/v4\nrepo: acme/config\n",
+        ))),
+        ..Default::default()
+    });
     check_bucket_json(&state, &days).await;
 
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -895,10 +898,14 @@ async fn bucket_verdict_applies_the_services_promotion_rule() {
     .unwrap()
     .value;
     let cache = std::sync::Arc::new(crate::history::snapshot::HistoryCache::new(cfg.clone(), dir.path()));
-    let state = AppState::with_store(store.clone());
-    state.set_quotas(std::sync::Arc::new(
-        crate::serve::quotas::Quotas::new(cfg, dir.path(), cache, 4).unwrap(),
-    ));
+    let slot = crate::serve::StoreSlot::with(store.clone());
+    let state = AppState::from_parts(crate::serve::AppParts {
+        quotas: Some(std::sync::Arc::new(
+            crate::serve::quotas::Quotas::new(cfg, dir.path(), cache, 4, slot.clone()).unwrap(),
+        )),
+        store: slot,
+        ..Default::default()
+    });
 
     // The run's resolution of the same file.
     let file: schema::PoliciesFile =
@@ -1040,10 +1047,11 @@ async fn store_with_pull_requests(dir: &std::path::Path) -> (Store, i64) {
 async fn pages_link_commits_and_pull_requests_to_the_forge() {
     let dir = tempfile::tempdir().unwrap();
     let (store, id) = store_with_pull_requests(dir.path()).await;
-    let state = AppState::with_store(store);
-    state.set_links(Links::from_forge(Some(&forge(
-        "kind: github\nrepo: acme/config\n",
-    ))));
+    let state = AppState::from_parts(crate::serve::AppParts {
+        store: crate::serve::StoreSlot::with(store),
+        links: Links::from_forge(Some(&forge("kind: github\nrepo: acme/config\n"))),
+        ..Default::default()
+    });
     let commit_url = format!("https://github.com/acme/config/commit/{PR_SHA}");
     let commit_link = format!(
         "<a class=\"commit\" href=\"{commit_url}\"><code title=\"{PR_SHA}\">c0ffeec0ffee</code></a>"
