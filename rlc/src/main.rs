@@ -102,11 +102,11 @@ fn main() -> ExitCode {
             print!("{}", rlc::serve::openapi::document_json());
             Ok(0)
         }
-        Command::Preview(args) => runtime().block_on(rlc::cmd::preview::run(args)),
-        Command::Run(args) => runtime().block_on(rlc::cmd::run::run(args, rlc::cycle::compute::planner())),
-        Command::Serve(args) => runtime().block_on(rlc::serve::run(args, rlc::cycle::compute::planner())),
-        Command::Backtest(args) => runtime().block_on(rlc::cmd::backtest::run(args)),
-        Command::Demo(args) => runtime().block_on(rlc::cmd::demo::run(args)),
+        Command::Preview(args) => on_runtime(rlc::cmd::preview::run(args)),
+        Command::Run(args) => on_runtime(rlc::cmd::run::run(args, rlc::cycle::compute::planner())),
+        Command::Serve(args) => on_runtime(rlc::serve::run(args, rlc::cycle::compute::planner())),
+        Command::Backtest(args) => on_runtime(rlc::cmd::backtest::run(args)),
+        Command::Demo(args) => on_runtime(rlc::cmd::demo::run(args)),
     };
     match result {
         Ok(code) => ExitCode::from(code as u8),
@@ -115,6 +115,16 @@ fn main() -> ExitCode {
             ExitCode::from(rlc::exit::code_of(&e) as u8)
         }
     }
+}
+
+/// Runs `work` to its end, then leaves: a blocking task still stuck (a git operation on a
+/// remote that never answers, until its own timeout) does not keep the process alive past a
+/// shutdown, whose work is finished or abandoned by then.
+fn on_runtime<T>(work: impl std::future::Future<Output = T>) -> T {
+    let rt = runtime();
+    let out = rt.block_on(work);
+    rt.shutdown_timeout(std::time::Duration::from_millis(500));
+    out
 }
 
 fn runtime() -> tokio::runtime::Runtime {

@@ -73,6 +73,10 @@ pub struct ServeArgs {
     /// docs/rlc-api.md, "Shutdown").
     #[arg(long, default_value_t = 20_000)]
     pub shutdown_grace_ms: u64,
+    /// How long one run or poll of the scheduler may take before `/readyz` says it is stuck
+    /// (503 naming what: a git remote that never answers, a hung store...).
+    #[arg(long, default_value_t = 600)]
+    pub run_deadline_secs: u64,
 }
 
 pub use schema::parse_schedule;
@@ -213,6 +217,10 @@ struct Inner {
     previews: Option<previews::Previews>,
     /// How the pages link commits and pull requests.
     links: dashboard::Links,
+    /// How long one run or poll may take before `/readyz` calls the scheduler stuck.
+    run_deadline: Duration,
+    /// What the scheduler is doing, and since when (none: waiting).
+    busy: Mutex<Option<(String, std::time::Instant)>>,
 }
 
 /// The store the daemon's pages, the quota API and the scheduler share: empty until the
@@ -256,6 +264,8 @@ pub struct AppParts {
     pub quotas: Option<Arc<quotas::Quotas>>,
     /// What-if previews (none: 503).
     pub previews: Option<previews::Previews>,
+    /// How long one run or poll may take before `/readyz` calls the scheduler stuck.
+    pub run_deadline: Duration,
 }
 
 impl Default for AppParts {
@@ -273,6 +283,7 @@ impl Default for AppParts {
             links: dashboard::Links::default(),
             quotas: None,
             previews: None,
+            run_deadline: DEFAULT_RUN_DEADLINE,
         }
     }
 }
@@ -310,6 +321,7 @@ impl AppParts {
             previews: Some(q.previews()),
             quotas: Some(q),
             store,
+            run_deadline: DEFAULT_RUN_DEADLINE,
         })
     }
 }
@@ -338,6 +350,8 @@ impl AppState {
                 quotas: parts.quotas,
                 previews: parts.previews,
                 links: parts.links,
+                run_deadline: parts.run_deadline,
+                busy: Mutex::new(None),
             }),
         }
     }
@@ -407,6 +421,16 @@ impl AppState {
     /// The store, once connected.
     pub fn store(&self) -> Option<Store> {
         self.inner.store.get()
+    }
+
+    /// The scheduler starts `what` (a run, a poll of the config repo...).
+    fn busy(&self, what: impl Into<String>) {
+        *self.inner.busy.lock().unwrap() = Some((what.into(), std::time::Instant::now()));
+    }
+
+    /// The scheduler waits for its next event.
+    fn idle(&self) {
+        *self.inner.busy.lock().unwrap() = None;
     }
 
     /// Marks this replica as the active scheduler or not.
@@ -484,9 +508,20 @@ async fn readyz(State(s): State<AppState>) -> Response {
         },
     };
     let role = Ok(if s.is_leader() { "leader" } else { "standby" }.to_string());
+    let deadline = s.inner.run_deadline;
+    let scheduler = match s.inner.busy.lock().unwrap().as_ref() {
+        None => Ok("waiting".to_string()),
+        Some((what, since)) if since.elapsed() > deadline => Err(format!(
+            "{what} busy for {}s, past the run deadline of {}s (--run-deadline-secs)",
+            since.elapsed().as_secs(),
+            deadline.as_secs()
+        )),
+        Some((what, since)) => Ok(format!("{what} for {}s", since.elapsed().as_secs())),
+    };
     grl_runtime::http_util::Readiness::from_checks([
         ("config", config),
         ("role", role),
+        ("scheduler", scheduler),
         ("store", store),
     ])
     .into_response()
@@ -533,6 +568,9 @@ impl ServeOptions {
 
 /// What the last store writes of a shutdown get at least, when the grace is spent.
 const LAST_TRY: Duration = Duration::from_secs(2);
+
+/// The default of `--run-deadline-secs`.
+pub const DEFAULT_RUN_DEADLINE: Duration = Duration::from_secs(600);
 
 /// The default of `--shutdown-grace-ms`.
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(20);
@@ -640,6 +678,8 @@ impl Loop {
     async fn run_request(&mut self, req: &RunRequest) {
         tracing::info!(trigger = %req.trigger, run_uid = %req.run_uid, "run starting");
         self.state.started(req);
+        self.state
+            .busy(format!("run {} ({})", req.run_uid, req.trigger));
         let out = self
             .cycle
             .run_as(&self.planner, &req.trigger, &req.run_uid)
@@ -654,13 +694,16 @@ impl Loop {
             .pending_records
             .set(self.cycle.pending_records().await as i64);
         self.state.finished(&out);
+        self.state.idle();
     }
 
     /// Periodic work of the active scheduler: store backlog, input change, controller
     /// version, shadow reports.
     async fn tick(&mut self) {
+        self.state.busy("store backlog");
         self.cycle.flush_pending().await;
         // One fetch per poll; a second only when a run has just moved the base.
+        self.state.busy("poll of the config repo");
         let desired = match self.cycle.poll().await {
             Ok((hash, desired)) => {
                 let changed = self.last_inputs.as_ref().is_some_and(|h| *h != hash);
@@ -681,6 +724,7 @@ impl Loop {
             self.state.inner.metrics.desired_version.set(&d.version);
         }
         if let Some(client) = self.controller.clone() {
+            self.state.busy("controller reconcile and report poll");
             match desired {
                 Ok(desired) if self.last_pushed.as_deref() != Some(desired.version.as_str()) => {
                     match client.reconcile_once(&desired).await {
@@ -702,8 +746,10 @@ impl Loop {
                 tracing::warn!(error = %e, "cannot poll controller reports");
             }
         }
+        self.state.busy("shadow roll-ups and retention");
         self.roll_up().await;
         self.retention().await;
+        self.state.idle();
         self.state
             .inner
             .metrics
@@ -960,13 +1006,10 @@ pub async fn run(args: ServeArgs, planner: Planner) -> anyhow::Result<i32> {
         "rlc serve listening"
     );
     let (tx, rx) = mpsc::channel(1);
-    let state = AppState::from_parts(AppParts::daemon(
-        &cfg,
-        &base,
-        tokens,
-        tx,
-        StoreSlot::default(),
-    )?);
+    let state = AppState::from_parts(AppParts {
+        run_deadline: Duration::from_secs(args.run_deadline_secs.max(1)),
+        ..AppParts::daemon(&cfg, &base, tokens, tx, StoreSlot::default())?
+    });
     let opts = ServeOptions {
         poll: Duration::from_secs(args.poll_secs.max(1)),
         tls,

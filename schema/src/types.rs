@@ -981,6 +981,15 @@ pub struct ConfigRepoConfig {
     /// The forge API for pull requests.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub forge: Option<ForgeConfig>,
+    /// How long a connection to the remote may take to open, and how long it may stay
+    /// silent while fetching or pushing: past it the git operation fails (a run fails with
+    /// exit 1, nothing written) instead of hanging on a remote that never answers.
+    #[serde(default = "default_git_timeout")]
+    pub timeout: HumanDuration,
+}
+
+fn default_git_timeout() -> HumanDuration {
+    HumanDuration(Duration::from_secs(30))
 }
 
 fn default_branch() -> String {

@@ -83,6 +83,7 @@ fn writer_cfg(remote: &GitRemote, dir: &str, mode: RepoMode) -> WriterConfig {
         author_email: "rlc@example.com".into(),
         token: None,
         max_attempts: 3,
+        timeout: std::time::Duration::from_secs(30),
     }
 }
 
@@ -147,6 +148,7 @@ fn local_repo_without_remote_gets_commits_on_its_branch() {
         author_email: "rlc@example.com".into(),
         token: None,
         max_attempts: 3,
+        timeout: std::time::Duration::from_secs(30),
     };
     let p = plan(vec![planned("payments", "gw", 250.0)]);
     let mut w = Writer::open(cfg.clone()).unwrap();
@@ -672,6 +674,7 @@ async fn refused_credentials_are_bounded_not_retried_forever() {
         author_email: "rlc@example.com".into(),
         token: Some("tok-123".into()),
         max_attempts: 3,
+        timeout: std::time::Duration::from_secs(30),
     };
     let err = tokio::task::spawn_blocking(move || Writer::open(cfg).err().unwrap())
         .await

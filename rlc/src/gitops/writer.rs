@@ -49,6 +49,8 @@ pub struct WriterConfig {
     pub token: Option<String>,
     /// Attempts when the remote base moves underneath (fetch, regenerate, push again).
     pub max_attempts: u32,
+    /// Connect timeout, and longest silence of the remote while fetching or pushing.
+    pub timeout: std::time::Duration,
 }
 
 impl std::fmt::Debug for WriterConfig {
@@ -78,6 +80,7 @@ impl WriterConfig {
             author_email: c.author_email.clone(),
             token: c.token_env.as_ref().and_then(|v| std::env::var(v).ok()),
             max_attempts: 3,
+            timeout: c.timeout.0,
         }
     }
 }
@@ -196,9 +199,46 @@ fn callbacks<'a>(token: Option<&'a str>, attempts: &'a Cell<u32>) -> RemoteCallb
     cb
 }
 
+/// libgit2's connect and I/O timeouts are process-wide: set once, from the first working copy
+/// opened (every writer of a process comes from one rlc.yaml).
+fn set_network_timeouts(timeout: std::time::Duration) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX).max(1);
+        // SAFETY: called once, before this process runs any other libgit2 operation
+        // (`Writer::open` is the only way rlc reaches libgit2's network code).
+        unsafe {
+            if let Err(e) = git2::opts::set_server_connect_timeout_in_milliseconds(ms) {
+                tracing::warn!(error = %e, "cannot set the git connect timeout");
+            }
+            if let Err(e) = git2::opts::set_server_timeout_in_milliseconds(ms) {
+                tracing::warn!(error = %e, "cannot set the git I/O timeout");
+            }
+        }
+    });
+}
+
+/// The remote's error, naming the timeout that ended it when it timed out.
+fn remote_error(op: &'static str, e: &git2::Error, timeout: std::time::Duration) -> GitOpsError {
+    let message = e.message().to_string();
+    let timed_out = e.code() == ErrorCode::Timeout || message.to_ascii_lowercase().contains("timed out");
+    GitOpsError::Remote {
+        op,
+        message: if timed_out {
+            format!(
+                "{message} (timed out after {}: config_repo.timeout)",
+                schema::HumanDuration(timeout)
+            )
+        } else {
+            message
+        },
+    }
+}
+
 impl Writer {
     /// Opens the working copy at `cfg.path`, cloning `cfg.url` into it when it does not exist.
     pub fn open(cfg: WriterConfig) -> Result<Writer, GitOpsError> {
+        set_network_timeouts(cfg.timeout);
         let cloned = !(cfg.path.join(".git").exists() || cfg.path.join("HEAD").exists());
         let repo = if !cloned {
             let repo = Repository::open(&cfg.path)?;
@@ -214,10 +254,8 @@ impl Writer {
             fo.remote_callbacks(callbacks(cfg.token.as_deref(), &attempts));
             let mut b = git2::build::RepoBuilder::new();
             b.fetch_options(fo).branch(&cfg.branch);
-            b.clone(url, &cfg.path).map_err(|e| GitOpsError::Remote {
-                op: "clone",
-                message: e.message().to_string(),
-            })?
+            b.clone(url, &cfg.path)
+                .map_err(|e| remote_error("clone", &e, cfg.timeout))?
         } else {
             return Err(GitOpsError::NoRepo(cfg.path.clone()));
         };
@@ -264,10 +302,7 @@ impl Writer {
         ];
         remote
             .fetch(&[specs[0].as_str(), specs[1].as_str()], Some(&mut fo), None)
-            .map_err(|e| GitOpsError::Remote {
-                op: "fetch",
-                message: e.message().to_string(),
-            })?;
+            .map_err(|e| remote_error("fetch", &e, self.cfg.timeout))?;
         // The refs the remote advertised on that very connection.
         let has_pr = remote
             .list()
@@ -828,12 +863,7 @@ impl Writer {
             Err(e) if e.code() == ErrorCode::NotFastForward => {
                 return Err(PushFailure::Conflict(e.message().to_string()))
             }
-            Err(e) => {
-                return Err(PushFailure::Fatal(GitOpsError::Remote {
-                    op: "push",
-                    message: e.message().to_string(),
-                }))
-            }
+            Err(e) => return Err(PushFailure::Fatal(remote_error("push", &e, self.cfg.timeout))),
             Ok(()) => {}
         }
         let rejected = rejected.into_inner();

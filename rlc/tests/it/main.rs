@@ -6,6 +6,7 @@ mod cli;
 mod compute;
 mod agreement;
 mod faults;
+mod git_faults;
 mod history_faults;
 mod layers;
 mod one_plan;
