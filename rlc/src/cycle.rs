@@ -6,15 +6,18 @@
 //!   reason and nothing is written (the writer only moves refs after the remote accepted).
 //! - controller down: the commit stands; the push is retried with bounded backoff, then left
 //!   pending (the daemon's reconcile loop, or the next run, delivers it).
-//! - store down: the git work and push complete; the run record waits in a bounded buffer
-//!   and is written when the store is back (in `--once`, the run says it was not recorded).
-//!   A SQLite store deleted or replaced during the run is down too (never recreated).
+//! - store down: the git work and push complete; the run record waits in the journal
+//!   (`store.journal_dir`, written right after the git write, so a kill does not lose it)
+//!   and is written by the next run or poll that reaches the store (in `--once`, the run
+//!   says where its record waits). A SQLite store deleted or replaced during the run is down
+//!   too (never recreated).
+//! - another run on the same working copy or Postgres store: this one waits for it (one run
+//!   at a time, so a change is never written or recorded twice).
 //! - history failed for every service: the run fails and writes nothing (exit 1); for some
 //!   services: those keep their quotas and the run exits 4.
 //! - the remote's ref moved during the push ("failed to update ref"): fetch, rebuild on top,
 //!   push again, at most `git_attempts` times.
 
-use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -35,13 +38,23 @@ use crate::shadow::ShadowSource;
 use rlc_plan::promotion;
 use crate::push::{self, Backoff, ControllerClient, Desired};
 use crate::history::snapshot::HistoryCache;
+use crate::journal::{Entry, Journal};
 use crate::store::{ChangeState, QuotaRecord, RunRecord, Store};
+
+/// How long a run waits for another run of the same config repo or store to finish.
+const RUN_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Held while a run works (dropped at its end, or when the process dies): one run at a time
+/// per working copy (a file lock beside it) and per Postgres store (an advisory lock), so
+/// that concurrent runs never write and record the same change twice.
+struct RunGuard {
+    _file: std::fs::File,
+    _lease: Option<crate::store::Lease>,
+}
 
 /// How long after a poll's sync a run starting decides on it instead of fetching again.
 const POLL_FRESH: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// Run records kept while the store is down; the oldest are dropped beyond this.
-pub const PENDING_RECORDS_MAX: usize = 100;
 
 /// What the computing step of a run gets: the config, and the config repo synced to the
 /// remote base tip (read once, at the start of the run).
@@ -449,7 +462,8 @@ pub struct Cycle {
     store: Mutex<Option<Store>>,
     /// The SQLite file of the first connection (a reconnection must find the same file).
     opened: Mutex<Option<crate::store::SqliteFile>>,
-    pending: Mutex<VecDeque<(RunRecord, Vec<QuotaRecord>)>>,
+    /// Run records on their way to the store.
+    journal: Journal,
     /// Backoff of the controller push inside a run.
     pub push_backoff: Backoff,
     /// Attempts when the remote base moves underneath.
@@ -467,11 +481,11 @@ impl Cycle {
     /// A cycle for `cfg`; `base_dir` is the directory of rlc.yaml.
     pub fn new(cfg: DaemonConfig, base_dir: &Path) -> Cycle {
         Cycle {
+            journal: Journal::of(&cfg, base_dir),
             cfg,
             base_dir: base_dir.to_path_buf(),
             store: Mutex::new(None),
             opened: Mutex::new(None),
-            pending: Mutex::new(VecDeque::new()),
             push_backoff: Backoff::default(),
             git_attempts: 3,
             shadow: None,
@@ -533,35 +547,27 @@ impl Cycle {
         Ok(s)
     }
 
-    /// Run records waiting for the store.
+    /// Run records waiting for the store (in the journal).
     pub async fn pending_records(&self) -> usize {
-        self.pending.lock().await.len()
+        self.journal.len()
     }
 
-    /// Writes buffered run records; returns how many were written.
+    /// Writes the journal's records to the store; returns how many were written.
     pub async fn flush_pending(&self) -> usize {
-        let mut pending = self.pending.lock().await;
-        if pending.is_empty() {
+        if self.journal.is_empty() {
             return 0;
         }
         let Ok(store) = self.store().await else {
             return 0;
         };
-        let mut n = 0;
-        while let Some((run, quotas)) = pending.front() {
-            match store.record_run(run, quotas).await {
-                Ok(_) => {
-                    pending.pop_front();
-                    n += 1;
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "store still unavailable");
-                    *self.store.lock().await = None;
-                    break;
-                }
+        match self.journal.replay(&store).await {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::warn!(error = %e, "store still unavailable");
+                *self.store.lock().await = None;
+                0
             }
         }
-        n
     }
 
     /// The one fetch of a run: fetches the config repo, moves its working copy to the base
@@ -593,6 +599,18 @@ impl Cycle {
     /// One fetch for the daemon's poll: syncs the working copy to the base tip and returns the
     /// hash of `rlc/*.yaml` there with the base's bucket files as the desired config.
     pub async fn poll(&self) -> anyhow::Result<(String, Desired)> {
+        // Not under another process's run (an `rlc run --once` beside the daemon): its working
+        // copy is in use; the next poll will see what it did.
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(self.lock_path());
+        if let Ok(f) = &lock {
+            if let Err(std::fs::TryLockError::WouldBlock) = f.try_lock() {
+                anyhow::bail!("another rlc run works on the config repo; this poll is skipped");
+            }
+        }
         let wcfg = self.writer_config();
         let polled = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
             let w = Writer::open(wcfg)?;
@@ -626,7 +644,7 @@ impl Cycle {
 
     /// [`Cycle::run`] under the run id `run_uid` (given out before the run started).
     pub async fn run_as(&self, planner: &Planner, trigger: &str, run_uid: &str) -> RunOutcome {
-        let (store, synced) = match self.begin(trigger, run_uid).await {
+        let (_guard, store, synced) = match self.begin(trigger, run_uid).await {
             Ok(x) => x,
             Err(out) => return *out,
         };
@@ -655,18 +673,95 @@ impl Cycle {
         &self,
         trigger: &str,
         run_uid: &str,
-    ) -> Result<(StoreWitness, (PathBuf, Base)), Box<RunOutcome>> {
+    ) -> Result<(RunGuard, StoreWitness, (PathBuf, Base)), Box<RunOutcome>> {
         let store: StoreWitness = self.store().await.into();
         if let StoreWitness::Unavailable(e) = &store {
             tracing::warn!(error = %e, "store unavailable at the start of the run");
         }
+        let guard = match self.exclusive(&store).await {
+            Ok(g) => g,
+            Err(e) => return Err(Box::new(self.failed(trigger, run_uid, e).await)),
+        };
+        // Records of earlier runs the store could not take, before this run's.
+        self.flush_pending().await;
         match self.sync_base().await {
-            Ok(synced) => Ok((store, synced)),
+            Ok(synced) => Ok((guard, store, synced)),
             Err(e) => Err(Box::new(
                 self.failed(trigger, run_uid, format!("syncing the config repo: {e:#}"))
                     .await,
             )),
         }
+    }
+
+    /// The file beside the working copy whose lock a run holds.
+    fn lock_path(&self) -> PathBuf {
+        let wc = self.writer_config().path;
+        let name = wc
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "config-repo".into());
+        wc.with_file_name(format!(".{name}.rlc-lock"))
+    }
+
+    /// One run at a time: the working copy's lock (waiting up to [`RUN_LOCK_WAIT`] for a
+    /// run of another process), then the store's (Postgres, for runs on other machines). A
+    /// store that cannot answer gives no lock: its record waits in the journal anyway.
+    async fn exclusive(&self, store: &StoreWitness) -> Result<RunGuard, String> {
+        let path = self.lock_path();
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| format!("creating {}: {e}", dir.display()))?;
+        }
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|e| format!("opening the run lock {}: {e}", path.display()))?;
+        let until = tokio::time::Instant::now() + RUN_LOCK_WAIT;
+        let mut told = false;
+        loop {
+            match file.try_lock() {
+                Ok(()) => break,
+                Err(std::fs::TryLockError::WouldBlock) => {
+                    if tokio::time::Instant::now() >= until {
+                        return Err(format!(
+                            "another rlc run holds {} (waited {}s)",
+                            path.display(),
+                            RUN_LOCK_WAIT.as_secs()
+                        ));
+                    }
+                    if !told {
+                        tracing::info!(lock = %path.display(), "another rlc run works on this config repo: waiting for it");
+                        told = true;
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+                Err(std::fs::TryLockError::Error(e)) => {
+                    return Err(format!("locking {}: {e}", path.display()))
+                }
+            }
+        }
+        let lease = match store {
+            StoreWitness::Store(s) => match s.lock_runs(RUN_LOCK_WAIT).await {
+                Ok(Some(l)) => Some(l),
+                Ok(None) => {
+                    return Err(format!(
+                        "another rlc run holds the store's run lock (waited {}s)",
+                        RUN_LOCK_WAIT.as_secs()
+                    ))
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "the store's run lock cannot be taken");
+                    None
+                }
+            },
+            _ => None,
+        };
+        Ok(RunGuard {
+            _file: file,
+            _lease: lease,
+        })
     }
 
     async fn failed(&self, trigger: &str, run_uid: &str, error: String) -> RunOutcome {
@@ -688,7 +783,7 @@ impl Cycle {
     /// [`Cycle::apply`] under the run id `run_uid`.
     pub async fn apply_as(&self, plan: &Plan, trigger: &str, run_uid: &str) -> RunOutcome {
         match self.begin(trigger, run_uid).await {
-            Ok((store, (_, base))) => {
+            Ok((_guard, store, (_, base))) => {
                 self.apply_planned(plan.clone(), &base, &store, trigger, run_uid)
                     .await
             }
@@ -826,6 +921,23 @@ impl Cycle {
                 recorded.push((write.summary.clone(), ChangeState::Proposed, true))
             }
             _ => {}
+        }
+        if !recorded.is_empty() {
+            // The changes are on the remote now: their record must survive whatever comes
+            // next (a store that is down, a kill before the record). Replaced by the final
+            // record at the end of the run.
+            let mut provisional = out.clone();
+            provisional.status = RunStatus::Pending;
+            provisional.finished_at = Utc::now();
+            provisional.store_error = Some(
+                "the run was interrupted after its git write; recorded from the journal".into(),
+            );
+            if let Err(e) = self
+                .journal
+                .write(&self.record_of(&provisional, &plan, &recorded))
+            {
+                tracing::warn!(dir = %self.journal.dir().display(), error = %e, "cannot journal the run before its push");
+            }
         }
         if direct.is_some() && out.error.is_none() {
             if let Some(proposed) = self.propose_for_review(&plan, &mut out).await {
@@ -1051,16 +1163,15 @@ impl Cycle {
         None
     }
 
-    /// Records the run (after flushing older buffered records) with the changes it made:
-    /// `recorded` holds each set of changes with whether it was applied (on the base branch)
-    /// or proposed (on the pull-request branch), and whether the run's pull request carries
-    /// it. Buffers the record when the store is down.
-    async fn record(
+    /// The record of the run as it stands: the run and the changes it made, `recorded`
+    /// holding each set of changes with whether it was applied (on the base branch) or
+    /// proposed (on the pull-request branch), and whether the run's pull request carries it.
+    fn record_of(
         &self,
-        out: &mut RunOutcome,
+        out: &RunOutcome,
         plan: &Plan,
         recorded: &[(ChangeSummary, ChangeState, bool)],
-    ) {
+    ) -> Entry {
         // The pull request the run opened or updated: it carries the changes proposed on its
         // branch (not those direct mode committed).
         let pr_number = out
@@ -1114,26 +1225,49 @@ impl Cycle {
             pr_number,
             pr_url,
         };
+        Entry { run, quotas }
+    }
+
+    /// Records the run with the changes it made ([`Cycle::record_of`]): first in the journal,
+    /// then in the store (after the journal's older records), and out of the journal once the
+    /// store has it. A store that cannot take it leaves it in the journal: the run is
+    /// `pending` and says where its record waits.
+    async fn record(
+        &self,
+        out: &mut RunOutcome,
+        plan: &Plan,
+        recorded: &[(ChangeSummary, ChangeState, bool)],
+    ) {
+        let entry = self.record_of(out, plan, recorded);
+        let journaled = match self.journal.write(&entry) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(dir = %self.journal.dir().display(), error = %e, "cannot write the run record to the journal");
+                false
+            }
+        };
         self.flush_pending().await;
         let res = match self.store().await {
-            Ok(s) => s.record_run(&run, &quotas).await,
+            Ok(s) => s.record_run(&entry.run, &entry.quotas).await,
             Err(e) => Err(e),
         };
         match res {
-            Ok(id) => out.run_id = Some(id),
+            Ok(id) => {
+                out.run_id = Some(id);
+                self.journal.remove(&entry.run);
+            }
             Err(e) => {
-                tracing::warn!(error = %e, "store unavailable; run kept in memory until it is back");
                 *self.store.lock().await = None;
-                let mut p = self.pending.lock().await;
-                if p.len() == PENDING_RECORDS_MAX {
-                    p.pop_front();
-                    tracing::warn!(
-                        max = PENDING_RECORDS_MAX,
-                        "pending run records full; dropped the oldest"
-                    );
-                }
-                p.push_back((run, quotas));
-                out.store_error = Some(e.to_string());
+                let kept = if journaled {
+                    format!(
+                        "; kept in the journal {} until the store takes it",
+                        self.journal.dir().display()
+                    )
+                } else {
+                    "; the journal could not keep it either".to_string()
+                };
+                tracing::warn!(error = %e, journaled, "store unavailable: the run record waits");
+                out.store_error = Some(format!("{e}{kept}"));
                 if out.status != RunStatus::Failed && out.status != RunStatus::Held {
                     out.status = RunStatus::Pending;
                 }

@@ -10,7 +10,7 @@
 //! 3. readers and writers of the world: `gather` (everything a plan depends on, read once),
 //!    `gitops` (the config repo, the forge), `store` (runs, quota history, shadow reports),
 //!    `history` (Prometheus, files, the daemon's snapshot), `shadow` (shadow figures from the
-//!    store), `push` (the controller);
+//!    store), `journal` (run records on their way to the store), `push` (the controller);
 //! 4. base: `config` (rlc.yaml), `retry` (the one backoff), `exit` (exit codes);
 //! 5. the plan itself, without I/O: the `rlc-plan` crate ([`plan`], [`readiness`],
 //!    [`whatif`] re-exported here).
@@ -25,6 +25,7 @@ pub mod exit;
 pub mod gather;
 pub mod gitops;
 pub mod history;
+pub mod journal;
 pub mod push;
 pub mod retry;
 pub mod serve;

@@ -116,6 +116,8 @@ impl SqliteFile {
 
 /// Advisory-lock key of the active scheduler ("rlc-sched").
 const SCHEDULER_LOCK_KEY: i64 = 0x726c_632d_7363_6864;
+/// The advisory lock of one run at a time (`Store::lock_runs`): "rlc-runs".
+const RUNS_LOCK_KEY: i64 = 0x726c_632d_7275_6e73;
 
 /// A connected, migrated store.
 #[derive(Clone, Debug)]
@@ -806,6 +808,32 @@ impl Store {
                 .await?;
             Ok(())
         })
+    }
+
+    /// The lock of one run at a time on this store (Postgres: a session advisory lock held
+    /// by a connection of its own; SQLite: one process per file, no lock needed), waiting for
+    /// it up to `wait`. `Ok(None)`: another run held it all that time.
+    pub async fn lock_runs(&self, wait: Duration) -> Result<Option<Lease>, StoreError> {
+        match self {
+            Store::Sqlite(..) => Ok(Some(Lease { conn: None })),
+            Store::Postgres(pool) => {
+                let mut conn = pool.acquire().await?.detach();
+                let until = std::time::Instant::now() + wait;
+                loop {
+                    let (got,): (bool,) = sqlx::query_as("SELECT pg_try_advisory_lock($1)")
+                        .bind(RUNS_LOCK_KEY)
+                        .fetch_one(&mut conn)
+                        .await?;
+                    if got {
+                        return Ok(Some(Lease { conn: Some(conn) }));
+                    }
+                    if std::time::Instant::now() >= until {
+                        return Ok(None);
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        }
     }
 
     /// Tries to become the active scheduler. `None`: another replica is. The lease holds a

@@ -735,7 +735,7 @@ pub struct DaemonConfig {
 }
 
 /// Retention of the controller reports in the store, and how long `rlc serve` waits for it.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct StoreConfig {
     /// Reports kept at full resolution (one row per controller tick and scope key); 48h default.
@@ -755,6 +755,16 @@ pub struct StoreConfig {
     /// written at a later poll; 30s default.
     #[serde(default = "default_store_write_timeout")]
     pub write_timeout: HumanDuration,
+    /// Directory where a run writes its record before the store (relative to rlc.yaml's
+    /// directory): a record the store could not take (down, locked, full), or of a run killed
+    /// between its git write and its record, stays there and is written to the store at the
+    /// next run or poll; `rlc-journal` by default.
+    #[serde(default = "default_journal_dir")]
+    pub journal_dir: String,
+}
+
+fn default_journal_dir() -> String {
+    "rlc-journal".into()
 }
 
 impl Default for StoreConfig {
@@ -764,6 +774,7 @@ impl Default for StoreConfig {
             shadow_rollup_retention: default_shadow_rollup_retention(),
             query_timeout: default_store_query_timeout(),
             write_timeout: default_store_write_timeout(),
+            journal_dir: default_journal_dir(),
         }
     }
 }

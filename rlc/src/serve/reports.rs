@@ -227,7 +227,7 @@ impl Loop {
             return;
         };
         self.last_retention = Some(now);
-        let cfg = self.cycle.config().store;
+        let cfg = self.cycle.config().store.clone();
         let at = Utc::now();
         let ago = |d: schema::HumanDuration| {
             at - chrono::Duration::from_std(d.0).unwrap_or(chrono::Duration::days(36_500))

@@ -265,6 +265,13 @@ fn a_locked_store_holds_decreases_and_leaves_the_run_record_pending() {
     );
     assert!(remote.read("main", "buckets/payments.yaml").is_ok());
 
+    // The record waits in the journal (not in the memory of a process that is gone).
+    assert!(
+        out["store_error"].as_str().unwrap().contains("kept in the journal"),
+        "{out}"
+    );
+    let first_commit = out["commit"].as_str().unwrap().to_string();
+
     rt.block_on(holder.execute("ROLLBACK")).unwrap();
     // Once the lock is gone, the next run lowers it (the repo history has no decrease yet)
     // and is recorded.
@@ -275,4 +282,21 @@ fn a_locked_store_holds_decreases_and_leaves_the_run_record_pending() {
         .read("main", "buckets/maps.yaml")
         .unwrap()
         .contains("limit_rps: 3750\n"));
+    // ... and the first run, with the changes it committed, is in the store too.
+    let store = rt
+        .block_on(rlc::store::Store::connect("sqlite://rlc.db", dir.path()))
+        .unwrap();
+    let runs = rt.block_on(store.recent_runs(10)).unwrap();
+    assert_eq!(runs.len(), 2, "{runs:?}");
+    assert_eq!(runs[1].commit_sha.as_deref(), Some(first_commit.as_str()));
+    // What it did: committed and pushed; only its record came late.
+    assert_eq!(runs[1].status, "success");
+    let added = rt
+        .block_on(store.quota_history("payments", "api-gateway.charge"))
+        .unwrap();
+    assert!(
+        added.iter().any(|q| q.change == "added" && q.commit_sha.as_deref() == Some(first_commit.as_str())),
+        "{added:?}"
+    );
+    assert!(!dir.path().join("rlc-journal").exists() || std::fs::read_dir(dir.path().join("rlc-journal")).unwrap().next().is_none());
 }

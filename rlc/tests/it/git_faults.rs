@@ -12,13 +12,13 @@ use std::time::Duration;
 use test_support::process::{free_port, Proc};
 
 /// Accepts connections and holds them without a byte, until dropped.
-struct BlackHole {
-    port: u16,
+pub(crate) struct BlackHole {
+    pub(crate) port: u16,
     _held: std::thread::JoinHandle<()>,
 }
 
 impl BlackHole {
-    fn start() -> BlackHole {
+    pub(crate) fn start() -> BlackHole {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = l.local_addr().unwrap().port();
         let held = std::thread::spawn(move || {

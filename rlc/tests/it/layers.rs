@@ -16,6 +16,7 @@ const LAYERS: &[(&str, u32)] = &[
     // readers and writers of the world, the one that gathers them on top
     ("gather", 3),
     ("shadow", 4),
+    ("journal", 4),
     ("gitops", 5),
     ("store", 5),
     ("history", 5),

@@ -14,5 +14,6 @@ mod ops;
 mod previews;
 mod prometheus;
 mod quotas;
+mod records;
 mod support;
 mod validate;
