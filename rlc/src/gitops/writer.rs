@@ -235,6 +235,20 @@ fn remote_error(op: &'static str, e: &git2::Error, timeout: std::time::Duration)
     }
 }
 
+/// A remote on this machine (a path, or a `file://` URL) that does not exist, named as such:
+/// libgit2 reads a missing path as an "unsupported URL protocol".
+fn missing_local_remote(op: &'static str, url: &str) -> Option<GitOpsError> {
+    let path = match url.strip_prefix("file://") {
+        Some(p) => p,
+        None if url.starts_with('/') || url.starts_with("./") || url.starts_with("../") => url,
+        None => return None,
+    };
+    (!Path::new(path).exists()).then(|| GitOpsError::Remote {
+        op,
+        message: format!("the remote path {path} does not exist (config_repo.url)"),
+    })
+}
+
 impl Writer {
     /// Opens the working copy at `cfg.path`, cloning `cfg.url` into it when it does not exist.
     pub fn open(cfg: WriterConfig) -> Result<Writer, GitOpsError> {
@@ -249,6 +263,9 @@ impl Writer {
             }
             repo
         } else if let Some(url) = &cfg.url {
+            if let Some(e) = missing_local_remote("clone", url) {
+                return Err(e);
+            }
             let attempts = Cell::new(0);
             let mut fo = FetchOptions::new();
             fo.remote_callbacks(callbacks(cfg.token.as_deref(), &attempts));
@@ -290,6 +307,9 @@ impl Writer {
             return Ok(());
         }
         let mut remote = self.repo.find_remote("origin")?;
+        if let Some(e) = remote.url().and_then(|u| missing_local_remote("fetch", u)) {
+            return Err(e);
+        }
         let attempts = Cell::new(0);
         let mut fo = FetchOptions::new();
         fo.remote_callbacks(callbacks(self.cfg.token.as_deref(), &attempts));

@@ -138,3 +138,36 @@ fn rlc_serve_on_a_hung_git_remote_is_not_ready_and_stops_on_sigterm() {
         .unwrap_or_else(|| panic!("rlc serve did not stop after SIGTERM:\n{}", log()));
     assert_eq!(st.code(), Some(0), "{}", log());
 }
+
+/// A remote path that does not exist is named as such (libgit2 alone says "unsupported URL
+/// protocol").
+#[test]
+fn a_missing_remote_path_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    rlc::history::synth::generate(&d.join("h.csv"), 1, chrono::Utc::now(), 28, 60).unwrap();
+    let missing = d.join("nowhere/remote.git");
+    std::fs::write(
+        d.join("rlc.yaml"),
+        format!(
+            "history:\n  file: h.csv\nconfig_repo:\n  path: wc\n  url: {}\ndatabase_url: sqlite://rlc.db\n",
+            missing.display()
+        ),
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_rlc"))
+        .args(["run", "--once", "--json", "--config"])
+        .arg(d.join("rlc.yaml"))
+        .current_dir(d)
+        .env("RUST_LOG", "error")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let error = v["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains(&format!("the remote path {} does not exist", missing.display())),
+        "{text}"
+    );
+}
