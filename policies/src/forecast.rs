@@ -42,8 +42,7 @@ pub const MIN_DAYS: f64 = 14.0;
 pub const DEFAULT_HORIZON_SECS: u64 = 7 * 86_400;
 /// Default time a lower level must last to be the new normal.
 pub const DEFAULT_NEW_NORMAL_SECS: u64 = 10 * 86_400;
-/// An hour this many times above its usual value is a spike.
-pub const SPIKE_FACTOR: f64 = 3.0;
+pub use crate::spikes::{median, Spike, DEFAULT_SPIKE_FACTOR as SPIKE_FACTOR};
 /// A day whose level is at most this × the week before is low (a dip or a fall).
 pub const DIP_RATIO: f64 = 0.75;
 /// A day whose level is at least this × the week before is a rise of level.
@@ -54,19 +53,6 @@ const DAY: i64 = 86_400;
 /// The built-in `forecast` policy.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Forecast;
-
-/// A one-off spike left out of the fit.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Spike {
-    /// Unix time of its first hour.
-    pub from: i64,
-    /// Unix time just after its last hour.
-    pub to: i64,
-    /// Its highest rate.
-    pub peak_rps: f64,
-    /// The usual rate of that hour (the larger of the two medians it was compared with).
-    pub usual_rps: f64,
-}
 
 /// A change of level at the end of the history.
 #[derive(Debug, Clone, PartialEq)]
@@ -119,19 +105,6 @@ pub struct Fit {
     pub trend: &'static str,
 }
 
-/// The median of `v` (sorted in place); `None` when empty.
-pub fn median(v: &mut [f64]) -> Option<f64> {
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    Some(if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    })
-}
 
 fn q99(mut v: Vec<f64>) -> f64 {
     if v.is_empty() {
@@ -206,67 +179,28 @@ impl Fit {
     /// `new_normal_secs` being the new normal; `None` when there is too little data or the
     /// numbers are not finite.
     #[allow(clippy::self_named_constructors, clippy::needless_range_loop)]
-    pub fn fit(s: &crate::RateSeries, tz: chrono_tz::Tz, new_normal_secs: i64) -> Option<Fit> {
-        let per_hour = (3600 / s.step.max(1)).max(1) as usize;
-        let start_hour = s.start.div_euclid(3600) * 3600;
-        let offset0 = ((s.start - start_hour) / s.step.max(1)) as usize;
-        let hours = (offset0 + s.values.len()).div_ceil(per_hour);
-        let mut h = vec![f64::NAN; hours];
-        for (i, &v) in s.values.iter().enumerate() {
-            if v.is_nan() {
-                continue;
-            }
-            let k = (offset0 + i) / per_hour;
-            let v = f64::from(v);
-            if h[k].is_nan() || v > h[k] {
-                h[k] = v;
-            }
-        }
+    pub fn fit(
+        s: &crate::RateSeries,
+        tz: chrono_tz::Tz,
+        new_normal_secs: i64,
+        spike_factor: f64,
+    ) -> Option<Fit> {
+        let (start_hour, h) = crate::spikes::hourly_maxima(s);
+        let hours = h.len();
         if h.iter().filter(|v| !v.is_nan()).count() < 2 * WEEK_HOURS {
             return None;
         }
         let time = |k: usize| start_hour + k as i64 * 3600;
         let slots: Vec<usize> = (0..hours).map(|k| slot(&tz, time(k))).collect();
 
-        // 1. Spikes: above SPIKE_FACTOR × both the same hour in other weeks and the hours around.
+        // 1. Spikes: above the spike factor × both the same hour in other weeks and the hours
+        //    around.
+        let spikes = crate::spikes::spikes(start_hour, &h, spike_factor);
         let mut c = h.clone();
-        let mut spikes: Vec<Spike> = Vec::new();
-        for k in 0..hours {
-            let v = h[k];
-            if v.is_nan() || v <= 0.0 {
-                continue;
-            }
-            let mut same: Vec<f64> = (1..=8)
-                .flat_map(|w| [k as i64 - w * 168, k as i64 + w * 168])
-                .filter(|&j| j >= 0 && (j as usize) < hours)
-                .map(|j| h[j as usize])
-                .filter(|x| !x.is_nan())
-                .collect();
-            let mut near: Vec<f64> = (k.saturating_sub(6)..(k + 7).min(hours))
-                .filter(|&j| j != k)
-                .map(|j| h[j])
-                .filter(|x| !x.is_nan())
-                .collect();
-            let (Some(a), Some(b)) = (median(&mut same), median(&mut near)) else {
-                continue;
-            };
-            let usual = a.max(b);
-            if v > SPIKE_FACTOR * usual {
-                c[k] = f64::NAN;
-                match spikes.last_mut() {
-                    Some(sp) if sp.to == time(k) => {
-                        sp.to = time(k + 1);
-                        if v > sp.peak_rps {
-                            sp.peak_rps = v;
-                            sp.usual_rps = usual;
-                        }
-                    }
-                    _ => spikes.push(Spike {
-                        from: time(k),
-                        to: time(k + 1),
-                        peak_rps: v,
-                        usual_rps: usual,
-                    }),
+        for sp in &spikes {
+            for (k, v) in c.iter_mut().enumerate() {
+                if (sp.from..sp.to).contains(&time(k)) {
+                    *v = f64::NAN;
                 }
             }
         }
@@ -594,7 +528,7 @@ impl Policy for Forecast {
 
     fn compute(&self, input: &PolicyInput<'_>) -> Result<Proposal, PolicyError> {
         let s = input.series;
-        let days = s.confidence_days();
+        let days = s.confidence_days_with(input.left_out);
         let horizon = input
             .spec
             .horizon
@@ -627,7 +561,7 @@ impl Policy for Forecast {
                 days
             ));
         }
-        let Some(fit) = Fit::fit(s, tz, new_normal) else {
+        let Some(fit) = Fit::fit(s, tz, new_normal, crate::spike_factor(input.spec)) else {
             return fallback("the seasonal fit failed".into());
         };
         let end = s.end();
@@ -639,21 +573,7 @@ impl Policy for Forecast {
         let h = headroom(input.spec);
         let limit = b.value * (1.0 + h);
         let (limit, capped_by) = bound(limit, input);
-        let spikes: Vec<Value> = fit
-            .spikes
-            .iter()
-            .map(|sp| {
-                json!({
-                    "from": rfc(sp.from),
-                    "to": rfc(sp.to),
-                    "peak_rps": round3(sp.peak_rps),
-                    "usual_rps": round3(sp.usual_rps),
-                    "ratio": round3(sp.peak_rps / sp.usual_rps),
-                    "discounted": true,
-                    "why": format!("{:.1}× the usual rate of that hour, not recurring: a one-off", sp.peak_rps / sp.usual_rps),
-                })
-            })
-            .collect();
+        let spikes = crate::spikes::evidence(&fit.spikes);
         let level = fit.level.as_ref().map(|l| {
             let why = match l.kind {
                 "dip" => format!(
@@ -720,20 +640,7 @@ impl Policy for Forecast {
                 ),
             });
         }
-        for sp in fit.spikes.iter().take(3) {
-            explain.push_str(&format!(
-                "; spike {} {:.1} rps ({:.1}× usual) discounted",
-                rfc(sp.from),
-                sp.peak_rps,
-                sp.peak_rps / sp.usual_rps
-            ));
-        }
-        if fit.spikes.len() > 3 {
-            explain.push_str(&format!(
-                "; {} more spikes discounted",
-                fit.spikes.len() - 3
-            ));
-        }
+        explain.push_str(&crate::spikes::explain(&fit.spikes));
         if let Some(c) = capped_by {
             explain.push_str(&format!("; capped by {c}"));
         }
@@ -761,7 +668,7 @@ impl Policy for Forecast {
                 "explain": explain,
                 "peak_rps": round3(peak),
                 "peak_at": s.argmax().map(|i| s.datetime_of(i).to_rfc3339()),
-                "coverage": round3(s.coverage_since_first()),
+                "coverage": round3(s.coverage_since_first_with(input.left_out)),
                 "headroom": h,
                 "history_days": round3(days),
                 "capped_by": capped_by,
@@ -797,6 +704,7 @@ mod tests {
     pub(super) fn run(s: &RateSeries) -> Proposal {
         Forecast
             .compute(&PolicyInput {
+                left_out: 0,
                 service: "s",
                 caller: Some("c"),
                 procedure: None,

@@ -14,6 +14,7 @@ pub mod loader;
 pub mod peak;
 pub mod rails;
 mod series;
+pub mod spikes;
 
 pub use series::RateSeries;
 
@@ -35,8 +36,12 @@ pub struct PolicyInput<'a> {
     pub caller: Option<&'a str>,
     /// Procedure, if the bucket is per procedure.
     pub procedure: Option<&'a str>,
-    /// The bucket's per-step request rate over the lookback.
+    /// The bucket's per-step request rate over the lookback, minutes that were not demand
+    /// (throttled, excluded) left out as missing.
     pub series: &'a RateSeries,
+    /// How many steps of `series` were left out as not demand: observed, so they count as
+    /// history (confidence, coverage), not as gaps.
+    pub left_out: usize,
     /// The service's effective policy spec (parameters).
     pub spec: &'a PolicySpec,
     /// The planned capacity that bounds this bucket, already scaled by the caller's share of
@@ -117,7 +122,15 @@ pub fn bound(limit: f64, input: &PolicyInput<'_>) -> (f64, Option<&'static str>)
     (limit, capped_by)
 }
 
-/// The headroom of a spec, defaulting to [`DEFAULT_HEADROOM`].
+/// The spike factor of a spec (an hour this many times above its usual value is a one-off
+/// burst, left out), defaulting to [`spikes::DEFAULT_SPIKE_FACTOR`].
+pub fn spike_factor(spec: &PolicySpec) -> f64 {
+    spec.spike_factor
+        .filter(|f| f.is_finite() && *f > 1.0)
+        .unwrap_or(spikes::DEFAULT_SPIKE_FACTOR)
+}
+
+/// The headroom of `spec`, at least 0.
 pub fn headroom(spec: &PolicySpec) -> f64 {
     spec.headroom.unwrap_or(DEFAULT_HEADROOM).max(0.0)
 }

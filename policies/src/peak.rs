@@ -1,6 +1,9 @@
 //! `peak`: the max (or a percentile) of the per-step rate over the lookback × (1 + headroom),
-//! with a floor and a ceiling from planned capacity. Short history widens the margin by the VPA's
-//! `1 + 1/confidence_days` and keeps the bucket in shadow.
+//! with a floor and a ceiling from planned capacity. A one-off burst (a retry storm: an hour
+//! above `spike_factor` × both the same hour of the other weeks and the hours around it,
+//! [`crate::spikes`]) is left out and named: the peak is a level traffic reaches again, not a
+//! storm it once was. Short history widens the margin by the VPA's `1 + 1/confidence_days` and
+//! keeps the bucket in shadow.
 
 use schema::PolicyName;
 use serde_json::json;
@@ -17,7 +20,11 @@ impl Policy for Peak {
     }
 
     fn compute(&self, input: &PolicyInput<'_>) -> Result<Proposal, PolicyError> {
-        let s = input.series;
+        let raw = input.series;
+        let (h0, hours) = crate::spikes::hourly_maxima(raw);
+        let spikes = crate::spikes::spikes(h0, &hours, crate::spike_factor(input.spec));
+        let cleaned = (!spikes.is_empty()).then(|| crate::spikes::without(raw, &spikes));
+        let s = cleaned.as_ref().unwrap_or(raw);
         let (stat, stat_name) = match input.spec.percentile {
             Some(p) if !(0.0..=100.0).contains(&p) => {
                 return Err(PolicyError::Params(format!(
@@ -27,9 +34,12 @@ impl Policy for Peak {
             Some(p) => (s.percentile(p).ok_or(PolicyError::NoData)?, format!("p{p}")),
             None => (s.max().ok_or(PolicyError::NoData)?, "max".to_string()),
         };
-        let peak = s.max().unwrap_or(stat);
-        let peak_at = s.argmax().map(|i| s.datetime_of(i).to_rfc3339());
-        let history_days = s.confidence_days();
+        // The observed peak, storms included (what a reviewer compares the limit with).
+        let peak = raw.max().unwrap_or(stat);
+        let peak_at = raw.argmax().map(|i| raw.datetime_of(i).to_rfc3339());
+        // When the level used was reached (the peak's time unless a spike was left out).
+        let stat_at = s.argmax().map(|i| s.datetime_of(i).to_rfc3339());
+        let history_days = raw.confidence_days_with(input.left_out);
         // In units of confident_history ÷ 7 (days at the default): the VPA's rule, scaled.
         let unit_days = input
             .spec
@@ -50,7 +60,7 @@ impl Policy for Peak {
         let mut explain = format!(
             "{stat_name} {stat:.1} rps{} × {:.2}",
             if stat_name == "max" {
-                format!(" at {}", peak_at.as_deref().unwrap_or("?"))
+                format!(" at {}", stat_at.as_deref().unwrap_or("?"))
             } else {
                 String::new()
             },
@@ -61,6 +71,7 @@ impl Policy for Peak {
                 " × {widen:.2} ({history_days:.1} days of history, shadow)"
             ));
         }
+        explain.push_str(&crate::spikes::explain(&spikes));
         if let Some(c) = capped_by {
             explain.push_str(&format!("; capped by {c}"));
         }
@@ -78,10 +89,11 @@ impl Policy for Peak {
                 "window": {"from": s.datetime_of(0).to_rfc3339(), "to": s.datetime_of(s.values.len()).to_rfc3339()},
                 "headroom": h,
                 "history_days": round3(history_days),
-                "coverage": round3(s.coverage_since_first()),
+                "coverage": round3(raw.coverage_since_first_with(input.left_out)),
                 "short_history_margin": young.then_some(round3(widen)),
                 "capped_by": capped_by,
                 "capacity_share_rps": input.capacity_share_rps.map(round3),
+                "spikes": crate::spikes::evidence(&spikes),
                 "explain": explain,
             }),
         })
@@ -99,10 +111,14 @@ mod tests {
     use crate::RateSeries;
     use schema::PolicySpec;
 
+    /// `days` at 10 rps with a one-minute `peak` at noon every day (recurring: a level the
+    /// traffic reaches again, not a one-off) and one missing minute.
     fn series(days: usize, peak: f32) -> RateSeries {
         let n = days * 1440;
         let mut values = vec![10.0; n];
-        values[n / 2] = peak;
+        for d in 0..days {
+            values[d * 1440 + 720] = peak;
+        }
         values[n / 3] = f32::NAN;
         RateSeries {
             start: 0,
@@ -113,6 +129,7 @@ mod tests {
 
     fn run(s: &RateSeries, spec: &PolicySpec, cap: Option<f64>) -> Proposal {
         Peak.compute(&PolicyInput {
+            left_out: 0,
             service: "s",
             caller: Some("c"),
             procedure: None,
@@ -130,6 +147,27 @@ mod tests {
         assert!((p.limit_rps - 125.0).abs() < 1e-6, "{p:?}");
         assert!(!p.shadow);
         assert_eq!(p.confidence, 1.0);
+    }
+
+    #[test]
+    fn a_one_off_storm_is_left_out_and_named() {
+        // A 10-minute storm at 8× one afternoon of four weeks of noon peaks at 100 rps.
+        let mut s = series(28, 100.0);
+        for v in &mut s.values[7 * 1440 + 14 * 60..7 * 1440 + 14 * 60 + 10] {
+            *v = 800.0;
+        }
+        let p = run(&s, &PolicySpec::default(), None);
+        assert_eq!(p.limit_rps, 125.0, "{p:?}");
+        assert_eq!(p.peak_rps, 800.0, "the observed peak is reported");
+        assert_eq!(p.evidence["spikes"][0]["ratio"], 80.0, "{}", p.evidence);
+        let why = p.evidence["explain"].as_str().unwrap();
+        assert!(why.contains("spike 1970-01-08T14:00:00+00:00 800.0 rps (80.0× usual) discounted"), "{why}");
+        // A higher spike factor keeps it.
+        let spec = PolicySpec {
+            spike_factor: Some(100.0),
+            ..Default::default()
+        };
+        assert_eq!(run(&s, &spec, None).limit_rps, 1000.0);
     }
 
     #[test]
@@ -205,6 +243,7 @@ mod tests {
     fn no_data_is_an_error() {
         let s = RateSeries::empty(0, 60, 10);
         let e = Peak.compute(&PolicyInput {
+            left_out: 0,
             service: "s",
             caller: None,
             procedure: Some("p"),

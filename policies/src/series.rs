@@ -54,6 +54,20 @@ impl RateSeries {
         self.present() as f64 * self.step as f64 / 86_400.0
     }
 
+    /// [`RateSeries::confidence_days`] counting `left_out` steps (samples left out as not
+    /// demand: they were observed, so they are history, not gaps).
+    pub fn confidence_days_with(&self, left_out: usize) -> f64 {
+        (self.present() + left_out) as f64 * self.step as f64 / 86_400.0
+    }
+
+    /// [`RateSeries::coverage_since_first`] counting `left_out` steps as covered.
+    pub fn coverage_since_first_with(&self, left_out: usize) -> f64 {
+        match self.first_present() {
+            None => 0.0,
+            Some(f) => ((self.present() + left_out) as f64 / (self.values.len() - f) as f64).min(1.0),
+        }
+    }
+
     /// Fraction of the steps since the first sample that have one (1 when none is missing).
     pub fn coverage_since_first(&self) -> f64 {
         match self.first_present() {

@@ -202,6 +202,7 @@ pub fn fit_and_score(
     let train_now = Utc.timestamp_opt(split, 0).single().unwrap_or_default();
     let p = policy
         .compute(&PolicyInput {
+            left_out: 0,
             service,
             caller,
             procedure,
@@ -298,6 +299,7 @@ fn with_policy(repo: &ConfigRepo, policy: &PolicyName) -> ConfigRepo {
                     },
                     services: Default::default(),
                     promotion: None,
+                    excluded: Vec::new(),
                 },
                 locator: Default::default(),
             })

@@ -18,6 +18,7 @@ use schema::{
 use serde_json::json;
 
 use crate::history::{History, SeriesKey, SeriesSource};
+use crate::censor::{self, Censored, ThrottledMinutes};
 use crate::evidence::{Evidence, PolicyEvidence};
 use crate::plan::{Plan, PlannedBucket, Skipped};
 use crate::plausibility::{all_zero, implausible_peak};
@@ -82,13 +83,26 @@ pub fn compute_plan(
     history: &dyn SeriesSource,
     now: DateTime<Utc>,
 ) -> Plan {
-    plan_services(cfg, repo, history, now)
+    compute_plan_censored(cfg, repo, history, &ThrottledMinutes::new(), now)
+}
+
+/// [`compute_plan`] with the minutes each bucket was throttled ([`crate::censor`]): short
+/// throttling is left out of its series, sustained throttling counts and says so.
+pub fn compute_plan_censored(
+    cfg: &DaemonConfig,
+    repo: &ConfigRepo,
+    history: &dyn SeriesSource,
+    throttled: &ThrottledMinutes,
+    now: DateTime<Utc>,
+) -> Plan {
+    plan_services(cfg, repo, history, throttled, now)
 }
 
 fn plan_services(
     cfg: &DaemonConfig,
     repo: &ConfigRepo,
     source: &dyn SeriesSource,
+    throttled: &ThrottledMinutes,
     now: DateTime<Utc>,
 ) -> Plan {
     let mut plan = Plan::default();
@@ -196,7 +210,7 @@ fn plan_services(
             continue;
         }
         compute_service(
-            cfg, repo, &history, service, contracts, today, now, &mut plan,
+            cfg, repo, &history, service, contracts, throttled, today, now, &mut plan,
         );
     }
     plan.history_failed.sort();
@@ -249,11 +263,13 @@ fn compute_service(
     history: &History,
     service: &str,
     contracts: &[Contract],
+    throttled: &ThrottledMinutes,
     today: chrono::NaiveDate,
     now: DateTime<Utc>,
     plan: &mut Plan,
 ) {
     let spec = spec_for(repo, service);
+    let excluded: &[schema::Exclusion] = repo.policies.as_ref().map_or(&[], |p| &p.value.excluded);
     let current: HashMap<&str, &Bucket> = repo
         .current(service)
         .map(|f| f.buckets.iter().map(|b| (b.name.as_str(), b)).collect())
@@ -317,6 +333,7 @@ fn compute_service(
             railed,
             Vec::new(),
             None,
+            Censored::default(),
         );
     }
 
@@ -408,12 +425,25 @@ fn compute_service(
                 total_cap
             })
         });
+        // Minutes that are not demand: throttled (unless sustained) and excluded windows.
+        let censored = censor::censored(
+            (service, key.caller.as_deref(), key.procedure.as_deref()),
+            &name,
+            &spec,
+            excluded,
+            throttled,
+            (s.start, s.end()),
+        );
+        let masked = (!censored.ignored.is_empty()).then(|| censor::apply(s, &censored.ignored));
+        let (demand, left_out): (&policies::RateSeries, usize) =
+            masked.as_ref().map_or((s, 0), |(m, n)| (m, *n));
         let result = match &policy {
             Ok(Some(p)) => p.compute(&PolicyInput {
                 service,
                 caller: key.caller.as_deref(),
                 procedure: key.procedure.as_deref(),
-                series: s,
+                series: demand,
+                left_out,
                 spec: &spec,
                 capacity_share_rps: capacity_share,
                 now,
@@ -470,7 +500,10 @@ fn compute_service(
                     }
                     _ => {
                         let peak_at = s.argmax().map(|i| s.datetime_of(i));
-                        push(plan, &spec, service, key, cur, p, railed, expired, peak_at)
+                        push(
+                            plan, &spec, service, key, cur, p, railed, expired, peak_at,
+                            censored,
+                        )
                     }
                 }
             }
@@ -605,6 +638,7 @@ fn push(
     railed: rails::Railed,
     expired: Vec<String>,
     peak_at: Option<DateTime<Utc>>,
+    censored: Censored,
 ) {
     // The owner's scope wins; otherwise a bucket keeps its scope (a region limit must not
     // silently become one fleet-wide limit); new buckets are global.
@@ -617,10 +651,13 @@ fn push(
         .and_then(|v| v.as_str())
         .map(str::to_string)
         .unwrap_or_else(|| format!("{} proposed {:.1} rps", p.policy, p.limit_rps));
+    explain.push_str(&censor::explain(&censored));
     if !railed.notes.is_empty() {
         explain.push_str(&format!("; rails: {}", railed.notes.join(", ")));
     }
     let evidence = Evidence {
+        ignored: censored.ignored,
+        throttled: censored.throttled,
         explain: Some(explain),
         proposed_rps: Some(rails::round_limit(p.limit_rps)),
         peak_rps: Some((p.peak_rps * 1000.0).round() / 1000.0),

@@ -49,6 +49,13 @@ pub struct Evidence {
     /// The shadow figures and verdict of a shadow bucket that could be promoted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub promotion: Option<PromotionEvidence>,
+    /// Windows left out of the series because they were not demand (throttled minutes,
+    /// `excluded` windows of `rlc/policies.yaml`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ignored: Vec<crate::censor::Ignored>,
+    /// How much demand the bucket's limit refused in the window, if it refused any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub throttled: Option<crate::censor::ThrottledEvidence>,
 }
 
 impl Evidence {

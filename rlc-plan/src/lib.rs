@@ -14,6 +14,7 @@
 //! - [`backtest`]: fit before a held-out window, score on it.
 
 pub mod backtest;
+pub mod censor;
 pub mod change;
 pub mod compute;
 pub mod corpus;

@@ -17,7 +17,8 @@ use std::collections::BTreeMap;
 use chrono::{DateTime, Utc};
 use schema::{ConfigRepo, DaemonConfig, RepoMode};
 
-use crate::compute::compute_plan;
+use crate::censor::ThrottledMinutes;
+use crate::compute::compute_plan_censored;
 use crate::guard::{self, Decreases};
 use crate::history::SeriesSource;
 use crate::plan::Plan;
@@ -41,6 +42,9 @@ pub struct World {
     pub decreases: Decreases,
     /// Shadow figures, for promotions.
     pub shadow: ShadowEvidence,
+    /// The minutes each enforced bucket was throttled in the window, from the controller's
+    /// reports (refused demand, left out unless sustained: [`crate::censor`]).
+    pub throttled: ThrottledMinutes,
 }
 
 impl World {
@@ -49,6 +53,7 @@ impl World {
         World {
             decreases: Decreases::none(),
             shadow: ShadowEvidence::Figures(BTreeMap::new()),
+            throttled: ThrottledMinutes::new(),
         }
     }
 }
@@ -73,8 +78,13 @@ pub fn plan(
     purpose: Purpose,
 ) -> Plan {
     match purpose {
-        Purpose::Run => finish(cfg, repo, world, compute_plan(cfg, repo, history, now), now),
-        Purpose::Backtest => compute_plan(cfg, &without_limits(repo), history, now),
+        Purpose::Run => {
+            let computed = compute_plan_censored(cfg, repo, history, &world.throttled, now);
+            finish(cfg, repo, world, computed, now)
+        }
+        Purpose::Backtest => {
+            compute_plan_censored(cfg, &without_limits(repo), history, &world.throttled, now)
+        }
     }
 }
 
@@ -107,7 +117,7 @@ pub fn finish(
         plan.promotions = promotion::apply(&mut plan, &candidates, &rules, stats, &missing, now);
         plan.shadow_error = error;
     }
-    if cfg.config_repo.mode == RepoMode::Direct && !rules.is_empty() {
+    if cfg.config_repo.mode == RepoMode::Direct {
         plan.needs_review = promotion::review_list(&plan, &base, &rules);
     }
     plan

@@ -149,8 +149,13 @@ pub fn apply(
 /// The class of one change, riskiest reading first: a new bucket enforcing at once, a
 /// promotion (shadow → enforce, whatever the limit did), another mode, scope or match change,
 /// a removal, a decrease, a raise, a new shadow bucket, or only the provenance.
-pub fn classify(c: &BucketChange) -> ChangeClass {
+pub fn classify(c: &BucketChange, throttled: bool) -> ChangeClass {
     match c.kind {
+        // A raise of an enforced bucket its limit throttled in the window: growth or a storm
+        // the rails did not recognise; a person looks first.
+        ChangeKind::Raised if throttled && c.old_mode == Some(Mode::Enforce) => {
+            ChangeClass::ThrottledRaise
+        }
         ChangeKind::Added if c.new_mode == Some(Mode::Enforce) => ChangeClass::NewEnforcing,
         ChangeKind::Added => ChangeClass::NewShadow,
         ChangeKind::Removed => ChangeClass::Removal,
@@ -165,7 +170,8 @@ pub fn classify(c: &BucketChange) -> ChangeClass {
 }
 
 /// The changes of `plan` that direct mode may not commit: every change (against `base`) whose
-/// class is not in its service's `auto_merge`. Services without a rule commit everything.
+/// class is not in its service's `auto_merge`. Services without a rule commit everything but
+/// a throttled raise (an enforced bucket raised after its limit refused demand).
 pub fn review_list(
     plan: &Plan,
     base: &BTreeMap<String, BucketFile>,
@@ -174,12 +180,14 @@ pub fn review_list(
     let diff = summary::diff(base, &plan.bucket_files());
     let mut review = Vec::new();
     for s in &diff.services {
-        let Some(rule) = rules.get(&s.service) else {
-            continue;
-        };
+        let rule = rules.get(&s.service);
         for c in &s.changes {
-            let class = classify(c);
-            if !rule.auto_merge.contains(&class) {
+            let class = classify(c, throttled_in(plan, &s.service, &c.bucket));
+            let allowed = match rule {
+                Some(r) => r.auto_merge.contains(&class),
+                None => class != ChangeClass::ThrottledRaise,
+            };
+            if !allowed {
                 review.push(NeedsReview {
                     service: s.service.clone(),
                     bucket: c.bucket.clone(),
@@ -190,6 +198,14 @@ pub fn review_list(
         }
     }
     review
+}
+
+/// Whether the planned bucket `service/bucket` was throttled in the window.
+pub fn throttled_in(plan: &Plan, service: &str, bucket: &str) -> bool {
+    plan.buckets
+        .iter()
+        .find(|b| b.service == service && b.bucket.name == bucket)
+        .is_some_and(|b| b.evidence.throttled.is_some())
 }
 
 /// What direct mode commits of `plan`: every change in `plan.needs_review` kept as in `base`

@@ -26,7 +26,7 @@ use schema::{DaemonConfig, RepoMode};
 use serde::Serialize;
 use tokio::sync::Mutex;
 
-use rlc_plan::pipeline;
+use rlc_plan::pipeline::{self, World};
 use rlc_plan::plan::{NeedsReview, PromotionNote};
 
 use crate::gather::{self, Base, StoreWitness};
@@ -73,6 +73,10 @@ pub struct PlanInput {
     /// The daemon's history snapshot: the run's pull goes through it (shared with concurrent
     /// API pulls) and refreshes it. None: pull directly.
     pub history_cache: Option<Arc<HistoryCache>>,
+    /// The evidence the run gathered on the base (past decreases, shadow figures, throttled
+    /// minutes): the planner leaves throttled minutes out of what a policy learns, and the run
+    /// finishes the plan with the same evidence.
+    pub world: Arc<World>,
 }
 
 pub use crate::BoxFuture;
@@ -649,6 +653,7 @@ impl Cycle {
             Err(out) => return *out,
         };
         let (repo_dir, base) = synced;
+        let world = Arc::new(self.gather(&base, &store).await);
         let input = PlanInput {
             cfg: self.cfg.clone(),
             base_dir: self.base_dir.clone(),
@@ -656,9 +661,13 @@ impl Cycle {
             repo: base.repo.clone(),
             trigger: trigger.to_string(),
             history_cache: self.history_cache.clone(),
+            world: world.clone(),
         };
         match planner(input).await {
-            Ok(plan) => self.apply_planned(plan, &base, &store, trigger, run_uid).await,
+            Ok(plan) => {
+                self.apply_planned(plan, &base, &world, trigger, run_uid)
+                    .await
+            }
             Err(e) => {
                 self.failed(trigger, run_uid, format!("computing the plan: {e:#}"))
                     .await
@@ -784,27 +793,33 @@ impl Cycle {
     pub async fn apply_as(&self, plan: &Plan, trigger: &str, run_uid: &str) -> RunOutcome {
         match self.begin(trigger, run_uid).await {
             Ok((_guard, store, (_, base))) => {
-                self.apply_planned(plan.clone(), &base, &store, trigger, run_uid)
+                let world = self.gather(&base, &store).await;
+                self.apply_planned(plan.clone(), &base, &world, trigger, run_uid)
                     .await
             }
             Err(out) => *out,
         }
     }
 
-    /// Gathers the evidence of `base` (decreases, shadow figures), finishes `computed` with it
-    /// ([`pipeline::finish`]), then writes → proposes → pushes → records.
+    /// The evidence of `base`: its past decreases, its candidates' shadow figures, the
+    /// throttled minutes of its window ([`gather::world`]).
+    async fn gather(&self, base: &Base, store: &StoreWitness) -> World {
+        gather::world(&self.cfg, base, store, self.shadow_source(store), Utc::now()).await
+    }
+
+    /// Finishes `computed` with the evidence `world` gathered on `base` ([`pipeline::finish`]),
+    /// then writes → proposes → pushes → records.
     async fn apply_planned(
         &self,
         computed: Plan,
         base: &Base,
-        store: &StoreWitness,
+        world: &World,
         trigger: &str,
         run_uid: &str,
     ) -> RunOutcome {
         let mut out = RunOutcome::new(trigger, run_uid);
         let now = Utc::now();
-        let world = gather::world(&self.cfg, base, store, self.shadow_source(store), now).await;
-        let plan = pipeline::finish(&self.cfg, &base.repo, &world, computed, now);
+        let plan = pipeline::finish(&self.cfg, &base.repo, world, computed, now);
         out.skipped = plan.skipped.clone();
         out.history_failed = plan.history_failed.clone();
         out.history_refused = plan.history_refused.clone();

@@ -296,6 +296,36 @@ fn default_policy() -> PolicyName {
 // ---------------------------------------------------------------------------------------------
 // rlc/policies.yaml
 
+/// A window of one service's traffic (or of one caller or procedure of it) that is not
+/// demand.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Exclusion {
+    /// Callee service.
+    pub service: String,
+    /// Only this caller's traffic (default: every caller).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub caller: Option<String>,
+    /// Only this procedure's traffic (default: every procedure).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub procedure: Option<String>,
+    /// Start (RFC 3339, e.g. `2026-11-20T10:00:00Z`).
+    pub from: chrono::DateTime<chrono::Utc>,
+    /// End, after `from`.
+    pub to: chrono::DateTime<chrono::Utc>,
+    /// Why (an incident reference, what happened): shown wherever the window is.
+    pub reason: String,
+}
+
+impl Exclusion {
+    /// Whether it covers the series of `service` with `caller` and `procedure`.
+    pub fn covers(&self, service: &str, caller: Option<&str>, procedure: Option<&str>) -> bool {
+        self.service == service
+            && self.caller.as_deref().is_none_or(|c| Some(c) == caller)
+            && self.procedure.as_deref().is_none_or(|p| Some(p) == procedure)
+    }
+}
+
 /// `rlc/policies.yaml`: which policy each service uses.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
@@ -307,9 +337,14 @@ pub struct PoliciesFile {
     pub services: BTreeMap<String, PolicySpec>,
     /// When shadow buckets are promoted to `mode: enforce` on their own, and which kinds of
     /// change may be committed without review. Absent: no automatic promotion, and direct
-    /// mode commits every change (as before this section existed).
+    /// mode commits every change but a `throttled_raise` (which goes to review).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub promotion: Option<PromotionSection>,
+    /// Windows whose traffic is not demand (an incident, a load test, a retry storm seen
+    /// after the fact): left out of every computation, like throttled minutes, and named in
+    /// the evidence.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub excluded: Vec<Exclusion>,
 }
 
 /// The `promotion:` section of `rlc/policies.yaml`: a default and per-service overrides.
@@ -357,6 +392,9 @@ pub struct PromotionSpec {
 )]
 #[serde(rename_all = "snake_case")]
 pub enum ChangeClass {
+    /// A higher limit for an enforced bucket that was throttled in the window: demand its
+    /// limit refused, which may be growth or a storm.
+    ThrottledRaise,
     /// A new bucket that enforces at once.
     NewEnforcing,
     /// A shadow bucket switched to `mode: enforce`.
@@ -377,7 +415,8 @@ pub enum ChangeClass {
 
 impl ChangeClass {
     /// Every class, riskiest first (the order of a pull request's body).
-    pub const ALL: [ChangeClass; 8] = [
+    pub const ALL: [ChangeClass; 9] = [
+        ChangeClass::ThrottledRaise,
         ChangeClass::NewEnforcing,
         ChangeClass::Promotion,
         ChangeClass::Decrease,
@@ -391,6 +430,7 @@ impl ChangeClass {
     /// The word used in `auto_merge`.
     pub fn as_str(self) -> &'static str {
         match self {
+            ChangeClass::ThrottledRaise => "throttled_raise",
             ChangeClass::NewEnforcing => "new_enforcing",
             ChangeClass::Promotion => "promotion",
             ChangeClass::Decrease => "decrease",
@@ -526,6 +566,18 @@ pub struct PolicySpec {
     /// is the new normal (default `10d`); a shorter dip is discounted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub new_normal_after: Option<HumanDuration>,
+    /// An hour of traffic this many times above both the same hour of the other weeks and
+    /// the hours around it is a one-off burst (a retry storm): left out of the peak and the
+    /// forecast, and named in the evidence (default 3; a recurring batch is never one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spike_factor: Option<f64>,
+    /// Throttling (real drops of an enforced bucket) on at least this many days of the window
+    /// is demand that outgrew the limit: those minutes count and the bucket is raised (a
+    /// `throttled_raise`, which direct mode commits only when `promotion.auto_merge` lists
+    /// it); throttling on fewer days (an overload, a storm) is refused demand, left out
+    /// (default 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sustained_throttling_days: Option<u32>,
 }
 
 impl PolicySpec {
@@ -544,6 +596,10 @@ impl PolicySpec {
             params: self.params.clone().or_else(|| base.params.clone()),
             timezone: self.timezone.clone().or_else(|| base.timezone.clone()),
             new_normal_after: self.new_normal_after.or(base.new_normal_after),
+            spike_factor: self.spike_factor.or(base.spike_factor),
+            sustained_throttling_days: self
+                .sustained_throttling_days
+                .or(base.sustained_throttling_days),
         }
     }
 }

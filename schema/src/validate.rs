@@ -733,6 +733,17 @@ fn check_spec(f: &Located<PoliciesFile>, at: &str, s: &PolicySpec, diags: &mut V
             diags.push(f.diag(key("percentile"), format!("must be in (0, 100], got {p}")));
         }
     }
+    if let Some(v) = s.spike_factor {
+        if !(v.is_finite() && v > 1.0) {
+            diags.push(f.diag(
+                key("spike_factor"),
+                format!("must be a finite number > 1, got {v}"),
+            ));
+        }
+    }
+    if s.sustained_throttling_days == Some(0) {
+        diags.push(f.diag(key("sustained_throttling_days"), "must be at least 1"));
+    }
     if let Some(v) = s.floor_rps {
         if !v.is_finite() || v < 0.0 {
             diags.push(f.diag(
@@ -778,6 +789,15 @@ fn check_policies(f: &Located<PoliciesFile>, diags: &mut Vec<Diagnostic>) {
     check_spec(f, "default", &f.value.default, diags);
     for (name, spec) in &f.value.services {
         check_spec(f, &format!("services.{name}"), spec, diags);
+    }
+    for (i, e) in f.value.excluded.iter().enumerate() {
+        let key = |k: &str| format!("excluded[{i}].{k}");
+        if e.to <= e.from {
+            diags.push(f.diag(key("to"), format!("must be after from ({})", e.from)));
+        }
+        if e.reason.trim().is_empty() {
+            diags.push(f.diag(key("reason"), "say why this traffic is not demand"));
+        }
     }
     if let Some(p) = &f.value.promotion {
         check_promotion(f, "promotion.default", &p.default, diags);

@@ -62,6 +62,7 @@ fn compute(p: &dyn Policy, params: serde_json::Value) -> Result<policies::Propos
     };
     let _env = ENV.read().unwrap_or_else(|p| p.into_inner());
     p.compute(&PolicyInput {
+        left_out: 0,
         service: "maps",
         caller: Some("web"),
         procedure: Some("route"),

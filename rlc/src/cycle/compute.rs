@@ -38,8 +38,11 @@ pub async fn compute(input: PlanInput) -> anyhow::Result<Plan> {
         }
     };
     let repo = input.repo;
+    let world = input.world;
     let now = chrono::Utc::now();
-    tokio::task::spawn_blocking(move || rlc_plan::compute::compute_plan(&cfg, &repo, &history, now))
+    tokio::task::spawn_blocking(move || {
+        rlc_plan::compute::compute_plan_censored(&cfg, &repo, &history, &world.throttled, now)
+    })
         .await
         .map_err(|e| anyhow::anyhow!("computing the plan: {e}"))
 }

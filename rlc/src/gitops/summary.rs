@@ -180,7 +180,10 @@ pub fn report_with(plan: &Plan, summary: &ChangeSummary, ctx: &ReportContext<'_>
         .services
         .iter()
         .flat_map(|s| s.changes.iter().map(move |c| (s.service.as_str(), c)))
-        .map(|(s, c)| (rlc_plan::promotion::classify(c), s, c))
+        .map(|(s, c)| {
+            let throttled = rlc_plan::promotion::throttled_in(plan, s, &c.bucket);
+            (rlc_plan::promotion::classify(c, throttled), s, c)
+        })
         .filter(|(k, _, _)| k.is_risky())
         .collect();
     risky.sort_by(|a, b| (a.0, a.1, &a.2.bucket).cmp(&(b.0, b.1, &b.2.bucket)));
@@ -197,6 +200,21 @@ pub fn report_with(plan: &Plan, summary: &ChangeSummary, ctx: &ReportContext<'_>
                     "new bucket enforcing at once at {} rps",
                     c.new_limit_rps.map(format_rps).unwrap_or_default()
                 ),
+                schema::ChangeClass::ThrottledRaise => {
+                    let t = find(service, &c.bucket).and_then(|b| b.evidence.throttled.as_ref());
+                    format!(
+                        "{}; its limit refused {} requests over {} minutes on {} day(s){}",
+                        md_title(&describe(c)),
+                        t.map_or("?".into(), |t| format_rps(t.refused_requests)),
+                        t.map_or(0, |t| t.minutes),
+                        t.map_or(0, |t| t.days),
+                        if t.is_some_and(|t| t.sustained) {
+                            " (sustained: counted as demand)"
+                        } else {
+                            " (left out: the raise comes from other traffic)"
+                        }
+                    )
+                }
                 schema::ChangeClass::Promotion => format!(
                     "promotion shadow → enforce at {} rps{}",
                     c.new_limit_rps.map(format_rps).unwrap_or_default(),

@@ -941,6 +941,37 @@ impl Store {
         .await?))
     }
 
+    /// The minutes since `since` in which an enforced bucket refused requests, with the
+    /// requests it refused (each scope key's average dropped rate × 60 s, summed), by
+    /// `(service, bucket)`. At most `max_minutes` rows are read (newest dropped first beyond
+    /// it); the second value says whether some were.
+    pub async fn throttled_minutes(
+        &self,
+        since: DateTime<Utc>,
+        max_minutes: usize,
+    ) -> Result<(rlc_plan::censor::ThrottledMinutes, bool), StoreError> {
+        let limit = i64::try_from(max_minutes.saturating_add(1)).unwrap_or(i64::MAX);
+        let rows: Vec<(String, String, Ts, f64)> = on_pool!(self, pool => sqlx::query_as(
+            "SELECT service, bucket, minute, SUM(dropped * 60.0 / reports) FROM shadow_minutes \
+             WHERE minute >= $1 AND mode = 'enforce' AND dropped > 0 AND reports > 0 \
+             GROUP BY service, bucket, minute ORDER BY minute LIMIT $2",
+        )
+        .bind(Ts(since))
+        .bind(limit)
+        .fetch_all(pool)
+        .await?);
+        let truncated = rows.len() > max_minutes;
+        let mut out = rlc_plan::censor::ThrottledMinutes::new();
+        for (service, bucket, minute, refused) in rows.into_iter().take(max_minutes) {
+            let t = out.entry((service, bucket)).or_default();
+            t.minutes.push(minute.0.timestamp());
+            if refused.is_finite() && refused > 0.0 {
+                t.refused += refused;
+            }
+        }
+        Ok((out, truncated))
+    }
+
     /// The minute roll-ups of one bucket with `from <= minute < to`, by minute then scope key.
     pub async fn bucket_minutes(
         &self,

@@ -9,6 +9,7 @@ mod faults;
 mod git_faults;
 mod history_faults;
 mod layers;
+mod learning;
 mod one_plan;
 mod ops;
 mod previews;

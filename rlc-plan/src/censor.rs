@@ -1,0 +1,279 @@
+//! Minutes that are not demand, left out before a policy sees a series: the minutes an enforced
+//! bucket was throttled (its limit refused requests: a storm, an overload — unless it lasted,
+//! see below), and the windows `rlc/policies.yaml` excludes (`excluded:`: an incident, a load
+//! test). A quota learned from offered load would otherwise learn from the incidents it exists
+//! to stop: a retry storm would raise its own ceiling.
+//!
+//! Throttling on at least `sustained_throttling_days` distinct days of the window is demand
+//! that outgrew its limit: those minutes count (the bucket is raised, a `throttled_raise` for
+//! review) and the evidence says how much was refused and for how long.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use chrono::{DateTime, TimeZone, Utc};
+use policies::RateSeries;
+use schema::{Exclusion, PolicySpec};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// A rate over a range still carries a window's traffic after the window ends (the sample at
+/// `t` of `rate(x[5m])` counts the five minutes before `t`): this many seconds after each
+/// window are left out with it.
+pub const LAG_SECS: i64 = 300;
+
+/// The default of `sustained_throttling_days`.
+pub const DEFAULT_SUSTAINED_THROTTLING_DAYS: u32 = 2;
+
+/// The minutes one bucket was throttled in the window, from the controller's reports.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Throttled {
+    /// Start (unix seconds) of every minute with real drops, sorted.
+    pub minutes: Vec<i64>,
+    /// Requests refused over those minutes.
+    pub refused: f64,
+}
+
+/// The throttled minutes of every bucket, by `(service, bucket)`.
+pub type ThrottledMinutes = BTreeMap<(String, String), Throttled>;
+
+/// A window left out of a series.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Ignored {
+    /// `throttled` (the bucket refused requests) or `excluded` (`rlc/policies.yaml`).
+    pub kind: String,
+    /// Start.
+    pub from: DateTime<Utc>,
+    /// End.
+    pub to: DateTime<Utc>,
+    /// Why, in words.
+    pub reason: String,
+}
+
+/// How much demand the bucket's limit refused in the window.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ThrottledEvidence {
+    /// Minutes with real drops.
+    pub minutes: usize,
+    /// Distinct days they fell on.
+    pub days: usize,
+    /// Requests refused.
+    pub refused_requests: f64,
+    /// First and last throttled minute.
+    pub first: DateTime<Utc>,
+    /// The last.
+    pub last: DateTime<Utc>,
+    /// Whether it lasted `sustained_throttling_days` (demand, counted) or not (left out).
+    pub sustained: bool,
+}
+
+/// What is left out of one series, and what its throttling says.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Censored {
+    /// The windows left out, in order.
+    pub ignored: Vec<Ignored>,
+    /// The bucket's throttling in the window, if any.
+    pub throttled: Option<ThrottledEvidence>,
+}
+
+fn at(t: i64) -> DateTime<Utc> {
+    Utc.timestamp_opt(t, 0).single().unwrap_or_default()
+}
+
+/// What is left out of the series of `(service, caller, procedure)` whose bucket is `bucket`
+/// over `[start, end)`: the exclusions that cover it, and its throttled minutes unless they
+/// lasted `spec`'s `sustained_throttling_days`.
+pub fn censored(
+    (service, caller, procedure): (&str, Option<&str>, Option<&str>),
+    bucket: &str,
+    spec: &PolicySpec,
+    excluded: &[Exclusion],
+    throttled: &ThrottledMinutes,
+    (start, end): (i64, i64),
+) -> Censored {
+    let mut out = Censored::default();
+    for e in excluded
+        .iter()
+        .filter(|e| e.covers(service, caller, procedure))
+        .filter(|e| e.to.timestamp() > start && e.from.timestamp() < end)
+    {
+        out.ignored.push(Ignored {
+            kind: "excluded".into(),
+            from: e.from,
+            to: e.to,
+            reason: e.reason.clone(),
+        });
+    }
+    if let Some(t) = throttled.get(&(service.to_string(), bucket.to_string())) {
+        let minutes: Vec<i64> = t
+            .minutes
+            .iter()
+            .copied()
+            .filter(|m| (start..end).contains(m))
+            .collect();
+        if let (Some(&first), Some(&last)) = (minutes.first(), minutes.last()) {
+            let days: BTreeSet<i64> = minutes.iter().map(|m| m.div_euclid(86_400)).collect();
+            let sustained = days.len() as u32
+                >= spec
+                    .sustained_throttling_days
+                    .unwrap_or(DEFAULT_SUSTAINED_THROTTLING_DAYS);
+            if !sustained {
+                // Consecutive minutes as one window.
+                let mut runs: Vec<(i64, i64)> = Vec::new();
+                for &m in &minutes {
+                    match runs.last_mut() {
+                        Some(r) if r.1 == m => r.1 = m + 60,
+                        _ => runs.push((m, m + 60)),
+                    }
+                }
+                for (from, to) in runs {
+                    out.ignored.push(Ignored {
+                        kind: "throttled".into(),
+                        from: at(from),
+                        to: at(to),
+                        reason: "the bucket's limit refused requests: refused demand, not demand".into(),
+                    });
+                }
+            }
+            out.throttled = Some(ThrottledEvidence {
+                minutes: minutes.len(),
+                days: days.len(),
+                refused_requests: t.refused.round(),
+                first: at(first),
+                last: at(last + 60),
+                sustained,
+            });
+        }
+    }
+    out.ignored.sort_by_key(|i| i.from);
+    out
+}
+
+/// `s` without the samples of `ignored` and the [`LAG_SECS`] after each (NaN: missing, never
+/// zero), and how many samples that left out.
+pub fn apply(s: &RateSeries, ignored: &[Ignored]) -> (RateSeries, usize) {
+    let mut out = s.clone();
+    let mut left_out = 0;
+    if ignored.is_empty() {
+        return (out, 0);
+    }
+    for (i, v) in out.values.iter_mut().enumerate() {
+        let t = s.time_of(i);
+        if !v.is_nan()
+            && ignored
+                .iter()
+                .any(|w| t >= w.from.timestamp() && t < w.to.timestamp() + LAG_SECS)
+        {
+            *v = f32::NAN;
+            left_out += 1;
+        }
+    }
+    (out, left_out)
+}
+
+/// What the one-line why says of it.
+pub fn explain(c: &Censored) -> String {
+    let mut out = String::new();
+    let minute = |t: DateTime<Utc>| t.format("%Y-%m-%d %H:%M").to_string();
+    let excluded: Vec<&Ignored> = c.ignored.iter().filter(|i| i.kind == "excluded").collect();
+    for e in excluded.iter().take(3) {
+        out.push_str(&format!(
+            "; excluded {}–{} UTC ({})",
+            minute(e.from),
+            e.to.format("%H:%M"),
+            e.reason
+        ));
+    }
+    if excluded.len() > 3 {
+        out.push_str(&format!("; {} more exclusions", excluded.len() - 3));
+    }
+    if let Some(t) = &c.throttled {
+        if t.sustained {
+            out.push_str(&format!(
+                "; throttled {} minutes on {} days ({} requests refused): sustained demand, counted",
+                t.minutes,
+                t.days,
+                schema::format_rps(t.refused_requests)
+            ));
+        } else {
+            out.push_str(&format!(
+                "; {} throttled minutes ({} {}–{} UTC, {} requests refused) left out",
+                t.minutes,
+                t.first.format("%Y-%m-%d"),
+                t.first.format("%H:%M"),
+                t.last.format("%H:%M"),
+                schema::format_rps(t.refused_requests)
+            ));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DAY: i64 = 86_400;
+
+    fn exclusion(caller: Option<&str>, from: i64, to: i64) -> Exclusion {
+        Exclusion {
+            service: "pay".into(),
+            caller: caller.map(str::to_string),
+            procedure: None,
+            from: at(from),
+            to: at(to),
+            reason: "INC-123".into(),
+        }
+    }
+
+    #[test]
+    fn short_throttling_and_exclusions_are_left_out_sustained_throttling_counts() {
+        let start = 20_000 * DAY;
+        let end = start + 28 * DAY;
+        let key = ("pay", Some("web"), None);
+        let mut throttled = ThrottledMinutes::new();
+        // Ten minutes one afternoon.
+        throttled.insert(
+            ("pay".into(), "web".into()),
+            Throttled {
+                minutes: (0..10).map(|m| start + 3 * DAY + 14 * 3600 + m * 60).collect(),
+                refused: 1234.4,
+            },
+        );
+        let ex = [
+            exclusion(Some("web"), start + DAY, start + DAY + 3600),
+            exclusion(Some("other"), start, end),
+        ];
+        let spec = PolicySpec::default();
+        let c = censored(key, "web", &spec, &ex, &throttled, (start, end));
+        let kinds: Vec<(&str, i64)> = c
+            .ignored
+            .iter()
+            .map(|i| (i.kind.as_str(), (i.to - i.from).num_minutes()))
+            .collect();
+        assert_eq!(kinds, [("excluded", 60), ("throttled", 10)]);
+        let t = c.throttled.as_ref().unwrap();
+        assert_eq!((t.minutes, t.days, t.sustained, t.refused_requests), (10, 1, false, 1234.0));
+        let why = explain(&c);
+        assert!(why.contains("excluded") && why.contains("INC-123"), "{why}");
+        assert!(why.contains("10 throttled minutes") && why.contains("left out"), "{why}");
+        // Masked: the series loses those samples and the five minutes after each window.
+        let s = RateSeries {
+            start,
+            step: 60,
+            values: vec![1.0; 28 * 1440],
+        };
+        let (masked, left_out) = apply(&s, &c.ignored);
+        assert_eq!(masked.values.iter().filter(|v| v.is_nan()).count(), 80);
+        assert_eq!(left_out, 80);
+        // The same minutes on two days: sustained, counted.
+        let mut two = throttled.clone();
+        two.get_mut(&("pay".into(), "web".into()))
+            .unwrap()
+            .minutes
+            .push(start + 5 * DAY);
+        let c = censored(key, "web", &spec, &[], &two, (start, end));
+        assert!(c.ignored.is_empty());
+        assert!(c.throttled.as_ref().unwrap().sustained);
+        assert!(explain(&c).contains("sustained demand, counted"));
+    }
+}
