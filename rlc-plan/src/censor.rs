@@ -21,6 +21,10 @@ use serde::{Deserialize, Serialize};
 /// window are left out with it.
 pub const LAG_SECS: i64 = 300;
 
+/// The controller's clock and the history's may differ, and a window's first minute may be
+/// stamped on the sample before it: this many seconds before each window are left out too.
+pub const LEAD_SECS: i64 = 60;
+
 /// The default of `sustained_throttling_days`.
 pub const DEFAULT_SUSTAINED_THROTTLING_DAYS: u32 = 2;
 
@@ -108,7 +112,7 @@ pub fn censored(
             .minutes
             .iter()
             .copied()
-            .filter(|m| (start..end).contains(m))
+            .filter(|m| (start - LAG_SECS..end + LEAD_SECS).contains(m))
             .collect();
         if let (Some(&first), Some(&last)) = (minutes.first(), minutes.last()) {
             let days: BTreeSet<i64> = minutes.iter().map(|m| m.div_euclid(86_400)).collect();
@@ -148,8 +152,8 @@ pub fn censored(
     out
 }
 
-/// `s` without the samples of `ignored` and the [`LAG_SECS`] after each (NaN: missing, never
-/// zero), and how many samples that left out.
+/// `s` without the samples of `ignored`, the [`LEAD_SECS`] before and the [`LAG_SECS`] after
+/// each (NaN: missing, never zero), and how many samples that left out.
 pub fn apply(s: &RateSeries, ignored: &[Ignored]) -> (RateSeries, usize) {
     let mut out = s.clone();
     let mut left_out = 0;
@@ -161,7 +165,7 @@ pub fn apply(s: &RateSeries, ignored: &[Ignored]) -> (RateSeries, usize) {
         if !v.is_nan()
             && ignored
                 .iter()
-                .any(|w| t >= w.from.timestamp() && t < w.to.timestamp() + LAG_SECS)
+                .any(|w| t >= w.from.timestamp() - LEAD_SECS && t < w.to.timestamp() + LAG_SECS)
         {
             *v = f32::NAN;
             left_out += 1;
@@ -196,8 +200,9 @@ pub fn explain(c: &Censored) -> String {
             ));
         } else {
             out.push_str(&format!(
-                "; {} throttled minutes ({} {}–{} UTC, {} requests refused) left out",
+                "; {} throttled minute{} ({} {}–{} UTC, {} requests refused) left out",
                 t.minutes,
+                if t.minutes == 1 { "" } else { "s" },
                 t.first.format("%Y-%m-%d"),
                 t.first.format("%H:%M"),
                 t.last.format("%H:%M"),
@@ -256,15 +261,16 @@ mod tests {
         let why = explain(&c);
         assert!(why.contains("excluded") && why.contains("INC-123"), "{why}");
         assert!(why.contains("10 throttled minutes") && why.contains("left out"), "{why}");
-        // Masked: the series loses those samples and the five minutes after each window.
+        // Masked: the series loses those samples, the minute before and the five minutes after
+        // each window.
         let s = RateSeries {
             start,
             step: 60,
             values: vec![1.0; 28 * 1440],
         };
         let (masked, left_out) = apply(&s, &c.ignored);
-        assert_eq!(masked.values.iter().filter(|v| v.is_nan()).count(), 80);
-        assert_eq!(left_out, 80);
+        assert_eq!(masked.values.iter().filter(|v| v.is_nan()).count(), 82);
+        assert_eq!(left_out, 82);
         // The same minutes on two days: sustained, counted.
         let mut two = throttled.clone();
         two.get_mut(&("pay".into(), "web".into()))

@@ -210,7 +210,8 @@ pub async fn world(
     }
 }
 
-/// Most throttled minutes read for one plan (16 bytes each, a few tens of MB at most).
+/// Most throttled minute rows read for one plan (a minute of one bucket's scope key; tens of
+/// bytes each, a few tens of MB at most).
 pub const MAX_THROTTLED_MINUTES: usize = 2_000_000;
 
 /// The minutes of the history window in which an enforced bucket refused requests (the

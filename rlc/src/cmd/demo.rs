@@ -12,8 +12,9 @@
 //!    aggregator: 429s settle the admitted rate at the limit; the controller's reports go to
 //!    the store (the dashboard's data), and the offered rates its `/metrics` counted become
 //!    the history's last sample;
-//! 6. a second cycle on that history: the policy learns the observed peak (a raise committed
-//!    and pushed); capped decreases wait a day.
+//! 6. a second cycle on that history: the enforced bucket keeps its limit (its overload lasted
+//!    seconds and was refused: throttled minutes are not demand), the shadow bucket, which
+//!    refused nothing, follows its demand; the demo prints why; capped decreases wait a day.
 //!
 //! Files the demo wrote are recorded with their hashes ([`files`]); a re-run rewrites only
 //! those still unedited and says which it kept.
@@ -21,6 +22,7 @@
 use std::collections::BTreeMap;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -33,6 +35,7 @@ use schema::{format_rps, Mode, PolicyName};
 use tower::ServiceExt as _;
 
 use crate::cycle::{Cycle, RunStatus};
+use crate::plan::Plan;
 use crate::gitops::short;
 
 pub mod files;
@@ -202,7 +205,20 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
     if let Some(c) = cfg.controller.as_mut() {
         c.url = controller.url();
     }
-    let planner = crate::cycle::compute::planner();
+    // The production planner, keeping its last plan: the demo says why a driven bucket kept
+    // its limit (the plan's evidence).
+    let last_plan: Arc<Mutex<Option<Plan>>> = Arc::default();
+    let planner: crate::cycle::Planner = {
+        let last_plan = last_plan.clone();
+        Arc::new(move |input| {
+            let last_plan = last_plan.clone();
+            Box::pin(async move {
+                let plan = crate::cycle::compute::compute(input).await?;
+                *last_plan.lock().unwrap_or_else(|e| e.into_inner()) = Some(plan.clone());
+                Ok(plan)
+            })
+        })
+    };
     let cycle = Cycle::new(cfg.clone(), &base);
 
     // 4. One full cycle.
@@ -250,6 +266,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
     if args.traffic_secs == 0 {
         println!("5. traffic      none (--traffic-secs 0): the history stays the bundled one");
     }
+    let mut driven_keys: Vec<(String, String)> = Vec::new();
     if let Some((service, enforced)) = driven {
         let shadow = all
             .iter()
@@ -257,6 +274,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
             .map(|(_, b)| b.clone());
         let mut driven = vec![enforced.clone()];
         driven.extend(shadow);
+        driven_keys = driven.iter().map(|b| (service.clone(), b.name.clone())).collect();
         let before = offered_counts(&controller.url()).await?;
         traffic(
             &controller.url(),
@@ -324,7 +342,10 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
             }
         }
         if owned.is_ours("history.csv") {
-            let last = last_sample_ts(&history)?;
+            // Stamped at the last whole minute (the newest a run reads), or the history's
+            // last minute if later.
+            let whole = chrono::Utc::now().timestamp() / 60 * 60 - 60;
+            let last = last_sample_ts(&history)?.max(whole);
             let mut f = std::fs::OpenOptions::new()
                 .append(true)
                 .open(&history)
@@ -349,7 +370,8 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
         }
     }
 
-    // 6. The history with the observed traffic: the peak policy raises the driven bucket.
+    // 6. The history with the observed traffic: the enforced bucket's overload was refused
+    // (throttled minutes, left out); the shadow bucket's demand is learned.
     // Decreases the rails capped wait for the next interval (one decrease per bucket per day).
     let again = cycle.run(&planner, "demo").await;
     let head2 = git_head(&repo_dir)?;
@@ -369,6 +391,24 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
     );
     for line in again.to_string().lines().skip(1) {
         println!("   {line}");
+    }
+    // Why each driven bucket has the limit it has: an overload refused for seconds is not
+    // demand (the enforced bucket keeps its limit); the shadow bucket refused nothing.
+    if let Some(plan) = last_plan.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+        for (service, name) in &driven_keys {
+            if let Some(b) = plan
+                .buckets
+                .iter()
+                .find(|b| &b.service == service && &b.bucket.name == name)
+            {
+                println!(
+                    "   why          {service}/{name} ({}) {} rps: {}",
+                    b.bucket.mode.as_str(),
+                    format_rps(b.bucket.limit_rps),
+                    b.evidence.explain.as_deref().unwrap_or("-")
+                );
+            }
+        }
     }
     println!(
         "   {}",

@@ -942,29 +942,38 @@ impl Store {
     }
 
     /// The minutes since `since` in which an enforced bucket refused requests, with the
-    /// requests it refused (each scope key's average dropped rate × 60 s, summed), by
-    /// `(service, bucket)`. At most `max_minutes` rows are read (newest dropped first beyond
-    /// it); the second value says whether some were.
+    /// requests it refused, by `(service, bucket)`. A scope key's refused requests in a minute
+    /// are its average dropped rate over the time its reports span (from the first to the last,
+    /// plus one report's share: a 4-second overload counts 4 seconds, not the minute). At most
+    /// `max_rows` rows (a minute of one scope key) are read, oldest first; the second value
+    /// says whether some were left.
     pub async fn throttled_minutes(
         &self,
         since: DateTime<Utc>,
-        max_minutes: usize,
+        max_rows: usize,
     ) -> Result<(rlc_plan::censor::ThrottledMinutes, bool), StoreError> {
-        let limit = i64::try_from(max_minutes.saturating_add(1)).unwrap_or(i64::MAX);
-        let rows: Vec<(String, String, Ts, f64)> = on_pool!(self, pool => sqlx::query_as(
-            "SELECT service, bucket, minute, SUM(dropped * 60.0 / reports) FROM shadow_minutes \
+        let limit = i64::try_from(max_rows.saturating_add(1)).unwrap_or(i64::MAX);
+        let rows: Vec<(String, String, Ts, i64, f64, Ts, Ts)> = on_pool!(self, pool => sqlx::query_as(
+            "SELECT service, bucket, minute, reports, dropped, first_t, last_t FROM shadow_minutes \
              WHERE minute >= $1 AND mode = 'enforce' AND dropped > 0 AND reports > 0 \
-             GROUP BY service, bucket, minute ORDER BY minute LIMIT $2",
+             ORDER BY minute, service, bucket LIMIT $2",
         )
         .bind(Ts(since))
         .bind(limit)
         .fetch_all(pool)
         .await?);
-        let truncated = rows.len() > max_minutes;
+        let truncated = rows.len() > max_rows;
         let mut out = rlc_plan::censor::ThrottledMinutes::new();
-        for (service, bucket, minute, refused) in rows.into_iter().take(max_minutes) {
+        for (service, bucket, minute, reports, dropped, first, last) in rows.into_iter().take(max_rows) {
+            let n = reports.max(1) as f64;
+            let span = (last.0 - first.0).num_milliseconds().max(0) as f64 / 1000.0;
+            let covered = if reports > 1 { span * n / (n - 1.0) } else { 1.0 };
+            let refused = dropped / n * covered.clamp(1.0, 60.0);
             let t = out.entry((service, bucket)).or_default();
-            t.minutes.push(minute.0.timestamp());
+            let m = minute.0.timestamp();
+            if t.minutes.last() != Some(&m) {
+                t.minutes.push(m);
+            }
             if refused.is_finite() && refused > 0.0 {
                 t.refused += refused;
             }

@@ -116,13 +116,14 @@ fn explain(preview: &Value, name: &str) -> String {
         .to_string()
 }
 
-/// Enforced-mode controller reports for `caller`'s bucket: one per `(minute, offered,
-/// dropped)`.
+/// Enforced-mode controller reports for `caller`'s bucket: every 10 s of each `(minute,
+/// offered, dropped)`.
 async fn throttled(dir: &Path, caller: &str, minutes: &[(i64, f64, f64)]) {
     let store = rlc::store::Store::connect("sqlite://rlc.db", dir).await.unwrap();
     let batch: Vec<rlc::push::Report> = minutes
         .iter()
-        .map(|&(t, offered, dropped)| {
+        .flat_map(|&(m, offered, dropped)| (m..m + 60).step_by(10).map(move |t| (t, offered, dropped)))
+        .map(|(t, offered, dropped)| {
             serde_json::from_value(json!({
                 "seq": t, "t": t, "service": "pay", "bucket": caller, "caller": caller,
                 "procedure": null, "mode": "enforce", "scope_key": "global", "offered": offered,

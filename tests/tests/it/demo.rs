@@ -159,13 +159,26 @@ fn the_readme_quick_start_runs_as_written() {
         assert_eq!(mode & 0o777, 0o600, "{secret}");
     }
     // The loop ran on the demo's traffic: payments/api-gateway.charge (the template's enforced
-    // peak-policy bucket) was offered 1.5× its first limit, and the second cycle raised it to
-    // the observed peak × 1.25 (headroom): at most 1.5 × 1.25 times the first, and well above
-    // 1.25 (the controller counts a little less than offered: the first tick's requests).
+    // peak-policy bucket) and payments/api-gateway.refund (a shadow bucket) were offered 1.5×
+    // their first limits. The enforced bucket refused the excess for seconds: refused minutes
+    // are not demand, it keeps its limit and the demo says why. The shadow bucket refused
+    // nothing: the second cycle raised it to the observed peak × 1.25 (headroom), at most
+    // 1.5 × 1.25 times the first, and well above 1.25 (the controller counts a little less than
+    // offered: the first tick's requests).
     let repo = d.join("config-repo");
     let (first, learned) = (
         limit(&repo, "HEAD~1", "payments", "api-gateway.charge"),
         limit(&repo, "HEAD", "payments", "api-gateway.charge"),
+    );
+    assert_eq!(first, learned, "the enforced bucket kept its limit\n{out}");
+    assert!(
+        out.lines().any(|l| l.contains("why") && l.contains("api-gateway.charge")
+            && l.contains("throttled minute") && l.contains("left out")),
+        "the demo says why the enforced bucket kept its limit:\n{out}"
+    );
+    let (first, learned) = (
+        limit(&repo, "HEAD~1", "payments", "api-gateway.refund"),
+        limit(&repo, "HEAD", "payments", "api-gateway.refund"),
     );
     let ratio = learned / first;
     assert!(
@@ -259,7 +272,7 @@ fn the_readme_quick_start_runs_as_written() {
         .collect();
     current.sort_by(|a, b| a.0.cmp(&b.0));
     assert_eq!(current, committed);
-    assert!(current.contains(&("payments/api-gateway.charge".to_string(), learned)));
+    assert!(current.contains(&("payments/api-gateway.refund".to_string(), learned)));
 
     // The dashboard shows the demo's traffic, from the reports the demo stored: the enforced
     // bucket dropped about a third of 1.5× its limit (less in the first second, before the
