@@ -66,6 +66,8 @@ pub struct AggregatorOptions {
     pub max_call_keys: usize,
     /// Delta zone reports to controllers that announced protocol 4 (see [`crate::delta`]).
     pub delta: crate::delta::DeltaOptions,
+    /// Header and idle timeouts, connection cap and health connections of the listener.
+    pub serve: crate::server::ServeLimits,
 }
 
 /// Services whose calls an aggregator holds between forwards; the calls of more services
@@ -91,6 +93,7 @@ impl Default for AggregatorOptions {
             client_tls: crate::tls::ClientTls::default(),
             max_call_keys: crate::calls::DEFAULT_AGGREGATOR_KEYS,
             delta: Default::default(),
+            serve: Default::default(),
         }
     }
 }
@@ -388,6 +391,8 @@ impl Aggregator {
         let refused = RefusalCounts::default();
         let mut registry = metrics.registry(state.clone(), opts.tick * 3);
         refused.register(&mut registry);
+        let server_stats = Arc::new(crate::server::ServerStats::default());
+        server_stats.register(&mut registry);
         let shared = Arc::new(Shared {
             id: opts.id.clone().unwrap_or_else(|| format!("agg-{addr}")),
             opts,
@@ -407,7 +412,14 @@ impl Aggregator {
             .route("/healthz", get(crate::http_util::healthz))
             .route("/readyz", get(readyz))
             .with_state(shared.clone());
-        let (stop, server) = crate::http_util::spawn_server(listener, router, tls, "aggregator");
+        let (stop, server) = crate::http_util::spawn_server(
+            listener,
+            router,
+            tls,
+            shared.opts.serve,
+            server_stats,
+            "aggregator",
+        );
         let (finish, finished) = oneshot::channel::<()>();
         let forwarder = tokio::spawn(forward_loop(shared.clone(), finished));
         tracing::info!(%addr, scheme, zone = %shared.opts.zone, region = %shared.opts.region, "aggregator listening");

@@ -65,6 +65,8 @@ pub struct ControllerOptions {
     /// directory, shared with the region's other controller replicas (see
     /// [`crate::state_db`]). None = the state directory.
     pub database: Option<DatabaseOptions>,
+    /// Header and idle timeouts, connection cap and health connections of the listener.
+    pub serve: crate::server::ServeLimits,
 }
 
 /// The shared state database of controller replicas.
@@ -121,6 +123,7 @@ impl Default for ControllerOptions {
             max_callers_per_service: crate::calls::DEFAULT_MAX_CALLERS,
             max_procedures_per_service: crate::calls::DEFAULT_MAX_PROCEDURES,
             database: None,
+            serve: Default::default(),
         }
     }
 }
@@ -663,6 +666,8 @@ impl Controller {
         let mut registry = prometheus_client::registry::Registry::default();
         crate::metrics::register_build_info(&mut registry, "grl", "controller");
         refused.register(&mut registry);
+        let server_stats = Arc::new(crate::server::ServerStats::default());
+        server_stats.register(&mut registry);
         registry.register_collector(Box::new(crate::metrics::EngineCollector::new(
             engine.clone(),
         )));
@@ -709,8 +714,14 @@ impl Controller {
             .await
             .with_context(|| format!("bind {}", opts.listen))?;
         let addr = listener.local_addr()?;
-        let (stop, server) =
-            crate::http_util::spawn_server(listener, app(shared.clone()), tls, "controller");
+        let (stop, server) = crate::http_util::spawn_server(
+            listener,
+            app(shared.clone()),
+            tls,
+            opts.serve,
+            server_stats,
+            "controller",
+        );
         let peering = match (&opts.region, opts.peers.is_empty()) {
             (_, true) => None,
             (Some(r), false) => Some((r.clone(), opts.peers.clone())),

@@ -33,6 +33,9 @@ pub enum ApiError {
     /// A dependency (the state database) is unreachable: nothing was changed, retry later.
     #[error("{0}")]
     Unavailable(String),
+    /// The body did not arrive within [`BODY_TIMEOUT`].
+    #[error("request body not received within {} s", BODY_TIMEOUT.as_secs())]
+    Timeout,
 }
 
 impl IntoResponse for ApiError {
@@ -45,6 +48,7 @@ impl IntoResponse for ApiError {
             ApiError::Invalid(_) => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Timeout => StatusCode::REQUEST_TIMEOUT,
             ApiError::Internal(detail) => {
                 tracing::error!(detail = %detail, "internal error");
                 StatusCode::INTERNAL_SERVER_ERROR
@@ -63,13 +67,19 @@ pub fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| ApiError::BadRequest(e.to_string()))
 }
 
-/// Reads a request body of at most `limit` bytes (413 beyond). Call it only once the
-/// request is authenticated: until then nothing of the body is read.
+/// How long a request body may take to arrive (408 beyond): a client trickling its body holds
+/// a connection for at most this long.
+pub const BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Reads a request body of at most `limit` bytes (413 beyond) within [`BODY_TIMEOUT`] (408
+/// beyond). Call it only once the request is authenticated: until then nothing of the body
+/// is read.
 pub async fn read_body(
     body: axum::body::Body,
     limit: usize,
 ) -> Result<axum::body::Bytes, ApiError> {
-    axum::body::to_bytes(body, limit).await.map_err(|e| {
+    let read = tokio::time::timeout(BODY_TIMEOUT, axum::body::to_bytes(body, limit));
+    read.await.map_err(|_| ApiError::Timeout)?.map_err(|e| {
         // axum wraps http-body-util's `LengthLimitError` ("length limit exceeded").
         let mut too_large = false;
         let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(&e);
@@ -192,12 +202,15 @@ impl ServerHandle {
     }
 }
 
-/// Serves `router` on `listener` (over TLS when `tls` is given) in a task until the returned
-/// sender fires or drops; `what` names the server in logs.
+/// Serves `router` on `listener` (over TLS when `tls` is given, with `limits`, counting in
+/// `stats`) in a task until the returned sender fires or drops; `what` names the server in
+/// logs.
 pub(crate) fn spawn_server(
     listener: tokio::net::TcpListener,
     router: axum::Router,
     tls: Option<std::sync::Arc<crate::tls::ReloadingServerConfig>>,
+    limits: crate::server::ServeLimits,
+    stats: std::sync::Arc<crate::server::ServerStats>,
     what: &'static str,
 ) -> (
     tokio::sync::oneshot::Sender<()>,
@@ -205,7 +218,7 @@ pub(crate) fn spawn_server(
 ) {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(async move {
-        let r = crate::tls::serve(listener, router, tls, async {
+        let r = crate::server::serve_with(listener, router, tls, limits, stats, async {
             let _ = stopped.await;
         })
         .await;

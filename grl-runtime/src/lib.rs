@@ -25,6 +25,7 @@ pub mod proto;
 pub use http_util::ApiError;
 pub mod realtime;
 pub mod report;
+pub mod server;
 pub mod sim;
 pub mod state_db;
 #[cfg(test)]

@@ -69,6 +69,8 @@ enum Cmd {
         peers: Vec<String>,
         #[command(flatten)]
         tls: ServeTlsArgs,
+        #[command(flatten)]
+        limits: ServeLimitArgs,
         /// How peer controllers (--peer https://…) are verified.
         #[command(flatten)]
         client_tls: ClientTlsArgs,
@@ -128,6 +130,8 @@ enum Cmd {
         id: Option<String>,
         #[command(flatten)]
         tls: ServeTlsArgs,
+        #[command(flatten)]
+        limits: ServeLimitArgs,
         /// How the controllers (--controller https://…) are verified.
         #[command(flatten)]
         client_tls: ClientTlsArgs,
@@ -237,6 +241,48 @@ impl ServeTlsArgs {
     }
 }
 
+/// A server's connection limits (controller, aggregator): see `grl_runtime::server`.
+#[derive(Args)]
+struct ServeLimitArgs {
+    /// A request's head (request line and headers) must arrive within this many milliseconds
+    /// of the connection's accept (TLS handshake included) or of its first byte; else the
+    /// connection is cut.
+    #[arg(long, default_value_t = 10_000)]
+    http_header_timeout_ms: u64,
+    /// A kept-alive connection with no request in flight and no traffic for this many
+    /// milliseconds is closed.
+    #[arg(long, default_value_t = 60_000)]
+    http_idle_timeout_ms: u64,
+    /// Connections served at once; beyond, --health-connections more get /healthz and /readyz
+    /// only, and the rest are closed at accept. Lowered, with a warning, to fit the open-file
+    /// limit.
+    #[arg(long, default_value_t = 10_000)]
+    max_connections: usize,
+    /// Connections beyond --max-connections that still get /healthz and /readyz (one request
+    /// each, 2 s to send it), so that probes answer while the cap is reached.
+    #[arg(long, default_value_t = 16)]
+    health_connections: usize,
+}
+
+impl ServeLimitArgs {
+    fn limits(&self) -> anyhow::Result<grl_runtime::server::ServeLimits> {
+        anyhow::ensure!(
+            self.http_header_timeout_ms > 0 && self.http_idle_timeout_ms > 0,
+            "--http-header-timeout-ms and --http-idle-timeout-ms must be positive"
+        );
+        anyhow::ensure!(
+            self.max_connections > 0,
+            "--max-connections must be positive"
+        );
+        Ok(grl_runtime::server::ServeLimits {
+            header_timeout: Duration::from_millis(self.http_header_timeout_ms),
+            idle_timeout: Duration::from_millis(self.http_idle_timeout_ms),
+            max_connections: self.max_connections,
+            health_connections: self.health_connections,
+        })
+    }
+}
+
 /// How this process verifies the servers it calls, and its client certificate.
 #[derive(Args)]
 struct ClientTlsArgs {
@@ -340,6 +386,7 @@ async fn main() -> anyhow::Result<()> {
             region,
             peers,
             tls,
+            limits,
             client_tls,
             insecure_allow_anonymous_reports,
             shutdown_grace_ms,
@@ -403,6 +450,7 @@ async fn main() -> anyhow::Result<()> {
                 max_callers_per_service: calls_max_callers,
                 max_procedures_per_service: calls_max_procedures,
                 database,
+                serve: limits.limits()?,
             })
             .await?;
             println!("listening on {}", h.addr());
@@ -416,6 +464,7 @@ async fn main() -> anyhow::Result<()> {
             tick_ms,
             id,
             tls,
+            limits,
             client_tls,
             client_credentials,
             insecure_allow_anonymous_reports,
@@ -445,6 +494,7 @@ async fn main() -> anyhow::Result<()> {
                     threshold: report_change_threshold,
                     refresh_ticks: report_refresh_ticks,
                 },
+                serve: limits.limits()?,
                 ..Default::default()
             })
             .await?;

@@ -27,18 +27,10 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{RootCertStore, ServerConfig};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, Semaphore};
-use tokio::task::JoinHandle;
-use tokio_rustls::server::TlsStream;
-use tokio_rustls::TlsAcceptor;
+use tokio::net::TcpListener;
 
 /// Default period of the certificate file poll.
 pub const DEFAULT_RELOAD_EVERY: Duration = Duration::from_secs(5);
-/// A TLS handshake not finished within this is dropped.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Handshakes in progress at most; further connections wait in the kernel's backlog.
-const MAX_HANDSHAKES: usize = 512;
 
 fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
@@ -344,6 +336,11 @@ impl ReloadingServerConfig {
         self.handshake_failures.load(Ordering::Relaxed)
     }
 
+    /// Counts a failed handshake.
+    pub(crate) fn handshake_failed(&self) {
+        self.handshake_failures.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Reloads when a file changed since the last look. A pair that does not load (a key
     /// written after its certificate, a truncated file) keeps the old config, with a warning,
     /// and is tried again when a file changes again. Returns whether the config was replaced.
@@ -395,30 +392,6 @@ impl Connected<IncomingStream<'_, TcpListener>> for Peer {
     }
 }
 
-impl Connected<IncomingStream<'_, NoDelayListener>> for Peer {
-    fn connect_info(stream: IncomingStream<'_, NoDelayListener>) -> Peer {
-        Peer {
-            addr: *stream.remote_addr(),
-            cert_names: Arc::from(Vec::new()),
-        }
-    }
-}
-
-impl Connected<IncomingStream<'_, TlsListener>> for Peer {
-    fn connect_info(stream: IncomingStream<'_, TlsListener>) -> Peer {
-        let (_, conn) = stream.io().get_ref();
-        Peer {
-            addr: *stream.remote_addr(),
-            cert_names: Arc::from(
-                conn.peer_certificates()
-                    .and_then(|c| c.first())
-                    .map(cert_names)
-                    .unwrap_or_default(),
-            ),
-        }
-    }
-}
-
 /// DNS and URI subject alternative names of a certificate.
 pub fn cert_names(der: &CertificateDer<'_>) -> Vec<String> {
     match webpki::EndEntityCert::try_from(der) {
@@ -431,167 +404,25 @@ pub fn cert_names(der: &CertificateDer<'_>) -> Vec<String> {
     }
 }
 
-/// A TCP listener that hands out connections after their TLS handshake (done concurrently,
-/// with a timeout, so that a slow or silent client holds up no one), with the config of the
-/// moment, and re-reads the certificate files in the background.
-pub struct TlsListener {
-    rx: mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
-    local: SocketAddr,
-    tasks: Vec<JoinHandle<()>>,
-}
-
-impl TlsListener {
-    /// Starts accepting on `tcp` with `tls` (the reload loop runs until the listener drops).
-    pub fn new(tcp: TcpListener, tls: Arc<ReloadingServerConfig>) -> std::io::Result<TlsListener> {
-        let local = tcp.local_addr()?;
-        let (tx, rx) = mpsc::channel(64);
-        let reload = {
-            let tls = tls.clone();
-            tokio::spawn(async move {
-                let mut iv =
-                    tokio::time::interval(tls.files.reload_every.max(Duration::from_millis(50)));
-                iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                loop {
-                    iv.tick().await;
-                    let t = tls.clone();
-                    // File reads off the async threads.
-                    let _ = tokio::task::spawn_blocking(move || t.check()).await;
-                }
-            })
-        };
-        let accept = tokio::spawn(accept_loop(tcp, tls, tx));
-        Ok(TlsListener {
-            rx,
-            local,
-            tasks: vec![reload, accept],
-        })
-    }
-}
-
-impl Drop for TlsListener {
-    fn drop(&mut self) {
-        for t in &self.tasks {
-            t.abort();
-        }
-    }
-}
-
-async fn accept_loop(
-    tcp: TcpListener,
-    tls: Arc<ReloadingServerConfig>,
-    tx: mpsc::Sender<(TlsStream<TcpStream>, SocketAddr)>,
-) {
-    let permits = Arc::new(Semaphore::new(MAX_HANDSHAKES));
-    let warn_gate = crate::auth::LogGate::new(Duration::from_secs(10));
-    let mut warned_failures = 0u64;
-    loop {
-        let Ok(permit) = permits.clone().acquire_owned().await else {
-            return;
-        };
-        let (sock, peer) = match tcp.accept().await {
-            Ok(x) => x,
-            Err(e) => {
-                // Out of file descriptors and the like: wait instead of spinning.
-                tracing::warn!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        if tx.is_closed() {
-            return;
-        }
-        let _ = sock.set_nodelay(true);
-        let acceptor = TlsAcceptor::from(tls.current());
-        let (tx, tls2) = (tx.clone(), tls.clone());
-        tokio::spawn(async move {
-            let _permit = permit;
-            match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(sock)).await {
-                Ok(Ok(stream)) => {
-                    let _ = tx.send((stream, peer)).await;
-                }
-                Ok(Err(e)) => {
-                    tls2.handshake_failures.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                }
-                Err(_) => {
-                    tls2.handshake_failures.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(%peer, "TLS handshake timed out");
-                }
-            }
-        });
-        // A summary at most every 10 s: refused clients are visible without a log flood.
-        let failures = tls.handshake_failures();
-        if failures > warned_failures && warn_gate.open() {
-            tracing::warn!(
-                failed = failures - warned_failures,
-                "TLS handshakes failed (untrusted or missing client certificate, plain HTTP, timeout); RUST_LOG=grl_runtime::tls=debug names the peers"
-            );
-            warned_failures = failures;
-        }
-    }
-}
-
-impl axum::serve::Listener for TlsListener {
-    type Io = TlsStream<TcpStream>;
-    type Addr = SocketAddr;
-
-    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        match self.rx.recv().await {
-            Some(c) => c,
-            // The accept task ended (it only does when aborted): nothing more comes.
-            None => std::future::pending().await,
-        }
-    }
-
-    fn local_addr(&self) -> std::io::Result<Self::Addr> {
-        Ok(self.local)
-    }
-}
-
-/// A plain TCP listener whose connections send without delay (`TCP_NODELAY`, as the TLS
-/// listener's): an answer written in more than one piece never waits for the peer's delayed
-/// acknowledgement.
-pub struct NoDelayListener(pub TcpListener);
-
-impl axum::serve::Listener for NoDelayListener {
-    type Io = TcpStream;
-    type Addr = SocketAddr;
-
-    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        let (sock, addr) = axum::serve::Listener::accept(&mut self.0).await;
-        let _ = sock.set_nodelay(true);
-        (sock, addr)
-    }
-
-    fn local_addr(&self) -> std::io::Result<Self::Addr> {
-        self.0.local_addr()
-    }
-}
-
 /// Serves `router` on `listener` until `shutdown` resolves: over TLS when `tls` is given,
-/// plain HTTP otherwise. Handlers can extract `ConnectInfo<Peer>` either way.
+/// plain HTTP otherwise, with the default connection limits ([`crate::server::ServeLimits`]:
+/// header and idle timeouts, a connection cap with room for health probes). Handlers can
+/// extract `ConnectInfo<Peer>` either way. [`crate::server::serve_with`] takes other limits.
 pub async fn serve(
     listener: TcpListener,
     router: Router,
     tls: Option<Arc<ReloadingServerConfig>>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    match tls {
-        None => {
-            axum::serve(
-                NoDelayListener(listener),
-                router.into_make_service_with_connect_info::<Peer>(),
-            )
-            .with_graceful_shutdown(shutdown)
-            .await
-        }
-        Some(tls) => {
-            let l = TlsListener::new(listener, tls)?;
-            axum::serve(l, router.into_make_service_with_connect_info::<Peer>())
-                .with_graceful_shutdown(shutdown)
-                .await
-        }
-    }
+    crate::server::serve_with(
+        listener,
+        router,
+        tls,
+        crate::server::ServeLimits::default(),
+        Default::default(),
+        shutdown,
+    )
+    .await
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@ use serde_json::{json, Value};
 use test_support::process::{free_port, Proc};
 
 mod config_dir_faults;
+mod connections;
 mod ha;
 mod metrics;
 mod ops;
