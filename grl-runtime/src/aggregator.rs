@@ -30,6 +30,8 @@ use crate::proto::{
     ZoneBucketMsg, ZoneDirectives, ZoneReport, PROTO_HEADER, PROTO_VERSION,
 };
 
+pub mod screen;
+
 /// How to start an aggregator.
 #[derive(Debug, Clone)]
 pub struct AggregatorOptions {
@@ -68,6 +70,8 @@ pub struct AggregatorOptions {
     pub delta: crate::delta::DeltaOptions,
     /// Header and idle timeouts, connection cap and health connections of the listener.
     pub serve: crate::server::ServeLimits,
+    /// What one client may claim (see [`screen`]).
+    pub plausibility: screen::Plausibility,
 }
 
 /// Services whose calls an aggregator holds between forwards; the calls of more services
@@ -94,6 +98,7 @@ impl Default for AggregatorOptions {
             max_call_keys: crate::calls::DEFAULT_AGGREGATOR_KEYS,
             delta: Default::default(),
             serve: Default::default(),
+            plausibility: Default::default(),
         }
     }
 }
@@ -126,6 +131,8 @@ struct AggState {
     waiting: usize,
     waiting_counted: Option<Instant>,
     config: ConfigDoc,
+    /// The buckets of `config` by service, with the state of the plausibility caps.
+    known: screen::Known,
 }
 
 /// The replies to client reports since the controller's last answer (`at`), by service.
@@ -213,6 +220,9 @@ struct Shared {
     creds: CredentialSet,
     refused: RefusalCounts,
     refused_log: LogGate,
+    /// `grl_report_entries_refused_total{service, reason}`.
+    entries_refused: EntryCounts,
+    entries_log: LogGate,
     metrics: AggMetrics,
     registry: prometheus_client::registry::Registry,
 }
@@ -328,7 +338,58 @@ impl prometheus_client::collector::Collector for ClientsCollector {
     }
 }
 
+/// Entries of accepted client reports dropped or cut, by service (a configured one, else
+/// `_unknown`) and reason.
+#[derive(Default, Clone)]
+struct EntryCounts(
+    prometheus_client::metrics::family::Family<
+        [(&'static str, String); 2],
+        prometheus_client::metrics::counter::Counter,
+    >,
+);
+
+impl EntryCounts {
+    fn register(&self, reg: &mut prometheus_client::registry::Registry) {
+        reg.register(
+            "grl_report_entries_refused",
+            "Bucket entries of accepted client reports dropped or cut, by service and reason: unknown_bucket (not in the config served for the service: dropped), duplicate (named twice in one report: dropped), rate_capped (offered rate above what one instance plausibly offers: cut to it), short_interval (interval below 10 ms: rates computed over 10 ms).",
+            self.0.clone(),
+        );
+    }
+}
+
 impl Shared {
+    /// Counts and logs (at most every 10 s) what screening a client report dropped or cut.
+    fn count_screened(&self, r: &ClientReport, s: &screen::Screened) {
+        if s.refused.is_empty() {
+            return;
+        }
+        let service = if s.known_service {
+            r.service.clone()
+        } else {
+            "_unknown".to_string()
+        };
+        for (why, n) in &s.refused {
+            self.entries_refused
+                .0
+                .get_or_create(&[
+                    ("service", service.clone()),
+                    ("reason", why.reason().into()),
+                ])
+                .inc_by(*n);
+        }
+        if self.entries_log.open() {
+            let client: String = r.client_id.chars().take(64).collect();
+            let refused: Vec<String> = s
+                .refused
+                .iter()
+                .map(|(why, n)| format!("{}={n}", why.reason()))
+                .collect();
+            tracing::warn!(service = %service, client = %client, refused = %refused.join(" "),
+                "client report entries dropped or cut (logged at most every 10 s; see grl_report_entries_refused_total)");
+        }
+    }
+
     /// A client report refused: counted by reason and logged (at most every 10 s) without
     /// the credential.
     fn refuse(&self, reason: &'static str, detail: &str, err: ApiError) -> ApiError {
@@ -391,6 +452,8 @@ impl Aggregator {
         let refused = RefusalCounts::default();
         let mut registry = metrics.registry(state.clone(), opts.tick * 3);
         refused.register(&mut registry);
+        let entries_refused = EntryCounts::default();
+        entries_refused.register(&mut registry);
         let server_stats = Arc::new(crate::server::ServerStats::default());
         server_stats.register(&mut registry);
         let shared = Arc::new(Shared {
@@ -402,6 +465,8 @@ impl Aggregator {
             creds,
             refused,
             refused_log: LogGate::new(Duration::from_secs(10)),
+            entries_refused,
+            entries_log: LogGate::new(Duration::from_secs(10)),
             metrics,
             registry,
         });
@@ -454,11 +519,12 @@ async fn report(
     let body = match read_body(body, MAX_REPORT_BODY).await {
         Ok(b) => b,
         Err(e @ ApiError::TooLarge(_)) => return Err(s.refuse("too_large", "", e)),
+        Err(e @ ApiError::Timeout) => return Err(s.refuse("timeout", "", e)),
         Err(e) => return Err(s.refuse("malformed", "", e)),
     };
     // The binary encoding (protocol 3) when the content type says so; JSON otherwise.
     let binary = crate::proto::binary::is_binary(headers.get(axum::http::header::CONTENT_TYPE));
-    let r: ClientReport = if binary {
+    let mut r: ClientReport = if binary {
         crate::proto::binary::decode_report(&body)
             .map_err(|e| s.refuse("malformed", "", ApiError::BadRequest(e.to_string())))?
     } else {
@@ -477,13 +543,18 @@ async fn report(
             return Err(s.refuse("forbidden", &detail, e));
         }
     }
-    if r.interval_ms == 0 || r.client_id.is_empty() || r.service.is_empty() {
+    if r.interval_ms == 0
+        || r.client_id.is_empty()
+        || r.client_id.len() > screen::MAX_CLIENT_ID_LEN
+        || r.service.is_empty()
+    {
         return Err(s.refuse(
             "invalid",
             "",
-            ApiError::Invalid(
-                "interval_ms must be positive; client_id and service must not be empty".into(),
-            ),
+            ApiError::Invalid(format!(
+                "interval_ms must be positive; client_id (at most {} bytes) and service must not be empty",
+                screen::MAX_CLIENT_ID_LEN
+            )),
         ));
     }
     for b in &r.buckets {
@@ -498,18 +569,41 @@ async fn report(
             ));
         }
     }
-    s.metrics.accepted.inc();
-    if binary {
-        s.metrics.accepted_binary.inc();
-    }
-    // Under the lock only the sums, the client's entry and a shared handle on its service's
-    // reply; the reply is encoded outside. Known keys are looked up by the report's borrowed
-    // names (nothing allocated per bucket); only a new client, bucket or caller allocates.
-    let (reply, age_ms) = {
+    // Under the lock only the screening, the sums, the client's entry and a shared handle on
+    // its service's reply; the reply is encoded outside. Known keys are looked up by the
+    // report's borrowed names (nothing allocated per bucket); only a new client, bucket or
+    // caller allocates.
+    let (reply, age_ms, screened) = {
         use crate::keys::StrPair;
         let mut guard = s.state.lock().expect("aggregator lock");
         let st = &mut *guard;
+        let held = st
+            .clients
+            .get(&(r.service.as_str(), r.client_id.as_str()) as &dyn StrPair)
+            .map(|c| c.rates.len());
+        let screened = st
+            .known
+            .screen(&mut r, held.is_none(), &s.opts.plausibility);
         let service = r.service.as_str();
+        // The service's budget of rates held: a report that would pass it changes nothing.
+        let held = held.unwrap_or(0);
+        if let Some(k) = st.known.services.get_mut(service) {
+            let entries = k.entries - held.min(k.entries) + r.buckets.len();
+            if r.buckets.len() > held && entries > s.opts.plausibility.max_rates_per_service {
+                drop(guard);
+                s.count_screened(&r, &screened);
+                let detail = format!("service `{}`", r.service);
+                return Err(s.refuse(
+                    "over_budget",
+                    &detail,
+                    ApiError::TooMany(format!(
+                        "service `{}` holds {} rates in this zone, its budget; retry later",
+                        r.service, s.opts.plausibility.max_rates_per_service
+                    )),
+                ));
+            }
+            k.entries = entries;
+        }
         for b in &r.buckets {
             crate::keys::update(
                 &mut st.pending,
@@ -584,8 +678,14 @@ async fn report(
         (
             st.service_reply(service),
             st.directives_at.map(|t| t.elapsed().as_millis() as u64),
+            screened,
         )
     };
+    s.metrics.accepted.inc();
+    if binary {
+        s.metrics.accepted_binary.inc();
+    }
+    s.count_screened(&r, &screened);
     let ctype = if binary {
         crate::proto::binary::CONTENT_TYPE
     } else {
@@ -653,12 +753,19 @@ async fn config(State(s): State<Arc<Shared>>, Query(q): Query<ConfigQuery>) -> J
 }
 
 fn build_report(s: &Shared) -> ZoneReport {
-    let mut st = s.state.lock().expect("aggregator lock");
+    let mut guard = s.state.lock().expect("aggregator lock");
+    let st = &mut *guard;
     let horizon = s.opts.tick * 3;
     st.clients.retain(|_, c| c.at.elapsed() <= horizon);
+    // Rates summed by bucket, with the offered rates' sum, count and largest for the peer caps.
     let mut sums: HashMap<(String, String), [f64; 4]> = HashMap::new();
+    let mut offered: HashMap<(String, String), (f64, u32, f64)> = HashMap::new();
+    let mut per_service: HashMap<&str, (usize, usize)> = HashMap::new();
     for ((service, _), c) in st.clients.iter_mut() {
         c.fresh = false;
+        let n = per_service.entry(service.as_str()).or_default();
+        n.0 += 1;
+        n.1 += c.rates.len();
         for (b, r) in &c.rates {
             // Under the lock that client reports wait on: the names are allocated once per
             // bucket, not per client.
@@ -672,8 +779,23 @@ fn build_report(s: &Shared) -> ZoneReport {
                     }
                 },
             );
+            crate::keys::update(
+                &mut offered,
+                (service, b),
+                |_| (0.0, 0, 0.0),
+                |e| {
+                    e.0 += r[0];
+                    e.1 += 1;
+                    e.2 = e.2.max(r[0]);
+                },
+            );
         }
     }
+    st.known.forwarded(
+        per_service.into_iter().map(|(s, (n, e))| (s, n, e)),
+        &offered,
+        &s.opts.plausibility,
+    );
     st.waiting = st.clients.len();
     let mut pending = std::mem::take(&mut st.pending);
     let mut buckets: Vec<ZoneBucketMsg> = sums
@@ -811,7 +933,9 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
                         match fetch_config(&s, base).await {
                             Ok(doc) => {
                                 tracing::info!(version = %doc.version, "aggregator fetched config");
-                                s.state.lock().expect("aggregator lock").config = doc;
+                                let mut st = s.state.lock().expect("aggregator lock");
+                                st.known.rebuild(&doc);
+                                st.config = doc;
                             }
                             Err(e) => {
                                 tracing::warn!(controller = %base, error = %e, "config fetch failed")
@@ -819,6 +943,7 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
                         }
                     }
                     let mut st = s.state.lock().expect("aggregator lock");
+                    st.known.follow(&d);
                     crate::delta::merge_directives(&mut st.directives, d);
                     st.directives_at = Some(Instant::now());
                     done = true;

@@ -216,7 +216,16 @@ impl Reporter {
                 local_offered_rps: self.local_rps[i],
                 fixed: m.fixed,
             };
-            self.table.set_ratio(i, dir.ratio);
+            // At least the ratio this instance's own rate alone asks for: an aggregator cuts a
+            // claim above what one instance plausibly offers (`aggregator::screen`), so the
+            // fleet's ratio can understate the excess of an instance that really receives it.
+            // Never above the fleet-wide formula's: its own rate is part of the fleet's.
+            let own = if m.fixed {
+                0.0
+            } else {
+                grl_core::control::drop_ratio(self.local_rps[i], m.limit_rps)
+            };
+            self.table.set_ratio(i, dir.ratio.max(own));
             self.directives[i] = Some(dir);
         }
         for (i, s) in seen.iter().enumerate() {

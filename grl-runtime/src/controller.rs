@@ -1043,6 +1043,7 @@ async fn aggregate(
     let body = match read_body(body, MAX_BODY).await {
         Ok(b) => b,
         Err(e @ ApiError::TooLarge(_)) => return Err(s.refuse_report("too_large", e)),
+        Err(e @ ApiError::Timeout) => return Err(s.refuse_report("timeout", e)),
         Err(e) => return Err(s.refuse_report("malformed", e)),
     };
     let r: ZoneReport = parse_json(&body).map_err(|e| s.refuse_report("malformed", e))?;

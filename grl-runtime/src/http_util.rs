@@ -33,6 +33,9 @@ pub enum ApiError {
     /// A dependency (the state database) is unreachable: nothing was changed, retry later.
     #[error("{0}")]
     Unavailable(String),
+    /// A bound of the server is reached (a service's budget of rates held): retry later.
+    #[error("{0}")]
+    TooMany(String),
     /// The body did not arrive within [`BODY_TIMEOUT`].
     #[error("request body not received within {} s", BODY_TIMEOUT.as_secs())]
     Timeout,
@@ -49,6 +52,7 @@ impl IntoResponse for ApiError {
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Timeout => StatusCode::REQUEST_TIMEOUT,
+            ApiError::TooMany(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Internal(detail) => {
                 tracing::error!(detail = %detail, "internal error");
                 StatusCode::INTERNAL_SERVER_ERROR

@@ -156,6 +156,18 @@ enum Cmd {
         /// (its counts ride along; 1 = every bucket every forward).
         #[arg(long, default_value_t = 30)]
         report_refresh_ticks: u64,
+        /// Plausibility: a client's offered rate for a bucket is cut to the largest of this
+        /// many times the bucket's limit divided by the service's clients in the zone, ...
+        #[arg(long, default_value_t = 10.0)]
+        plausible_limit_multiple: f64,
+        /// ... this many times the mean rate of the bucket's other clients (the largest left
+        /// out), and 10 rps. Buckets under an incident override are not cut.
+        #[arg(long, default_value_t = 4.0)]
+        plausible_peer_multiple: f64,
+        /// Rates held per service (one per client and bucket); a report that would pass it is
+        /// refused with 429.
+        #[arg(long, default_value_t = 1_000_000)]
+        max_rates_per_service: usize,
     },
     /// Print a new credential line (`NAME SCOPE SECRET`, 256 random bits) for a credentials
     /// file.
@@ -471,7 +483,17 @@ async fn main() -> anyhow::Result<()> {
             shutdown_grace_ms,
             report_change_threshold,
             report_refresh_ticks,
+            plausible_limit_multiple,
+            plausible_peer_multiple,
+            max_rates_per_service,
         } => {
+            anyhow::ensure!(
+                plausible_limit_multiple.is_finite()
+                    && plausible_limit_multiple >= 1.0
+                    && plausible_peer_multiple.is_finite()
+                    && plausible_peer_multiple >= 1.0,
+                "--plausible-limit-multiple and --plausible-peer-multiple must be at least 1"
+            );
             anyhow::ensure!(
                 report_change_threshold.is_finite()
                     && (0.0..1.0).contains(&report_change_threshold),
@@ -495,6 +517,11 @@ async fn main() -> anyhow::Result<()> {
                     refresh_ticks: report_refresh_ticks,
                 },
                 serve: limits.limits()?,
+                plausibility: grl_runtime::aggregator::screen::Plausibility {
+                    limit_multiple: plausible_limit_multiple,
+                    peer_multiple: plausible_peer_multiple,
+                    max_rates_per_service,
+                },
                 ..Default::default()
             })
             .await?;

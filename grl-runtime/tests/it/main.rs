@@ -14,6 +14,7 @@ use test_support::process::{free_port, Proc};
 
 mod config_dir_faults;
 mod connections;
+mod flood;
 mod ha;
 mod metrics;
 mod ops;
