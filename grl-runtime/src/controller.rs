@@ -67,7 +67,12 @@ pub struct ControllerOptions {
     pub database: Option<DatabaseOptions>,
     /// Header and idle timeouts, connection cap and health connections of the listener.
     pub serve: crate::server::ServeLimits,
+    /// Overrides active at once; one more is refused (422).
+    pub max_overrides: usize,
 }
+
+/// The default of [`ControllerOptions::max_overrides`].
+pub const DEFAULT_MAX_OVERRIDES: usize = 1_000;
 
 /// The shared state database of controller replicas.
 #[derive(Debug, Clone)]
@@ -124,6 +129,7 @@ impl Default for ControllerOptions {
             max_procedures_per_service: crate::calls::DEFAULT_MAX_PROCEDURES,
             database: None,
             serve: Default::default(),
+            max_overrides: DEFAULT_MAX_OVERRIDES,
         }
     }
 }
@@ -161,6 +167,7 @@ struct Shared {
     last_tick_ms: std::sync::atomic::AtomicU64,
     /// The shared state database (replicas); None = the state directory.
     db: Option<Arc<DbSync>>,
+    max_overrides: usize,
 }
 
 /// This replica's view of the state database.
@@ -255,11 +262,15 @@ impl Shared {
     }
 
     fn save_overrides(&self, next_id: u64, overrides: &[Override]) -> Result<(), ApiError> {
-        let f = OverridesFile {
-            next_id,
-            overrides: overrides.to_vec(),
-        };
-        let bytes = serde_json::to_vec_pretty(&f).map_err(|e| ApiError::Internal(e.to_string()))?;
+        // The shape of `OverridesFile`, borrowed.
+        #[derive(Serialize)]
+        struct Borrowed<'a> {
+            next_id: u64,
+            overrides: &'a [Override],
+        }
+        let f = Borrowed { next_id, overrides };
+        // Compact: rewritten whole at every change, up to --max-overrides of them.
+        let bytes = serde_json::to_vec(&f).map_err(|e| ApiError::Internal(e.to_string()))?;
         write_atomic(&self.state_dir.join("overrides.json"), &bytes)
             .map_err(|e| ApiError::Internal(format!("write overrides: {e}")))
     }
@@ -290,7 +301,7 @@ fn load_state(dir: &Path) -> anyhow::Result<(Option<ConfigDoc>, OverridesFile)> 
         Some((path, bytes)) => {
             let doc: ConfigDoc =
                 serde_json::from_slice(&bytes).map_err(|e| refuse(&path, e.to_string()))?;
-            config::validate(&doc).map_err(|e| refuse(&path, e.to_string()))?;
+            config::validate_pushed(&doc).map_err(|e| refuse(&path, e.to_string()))?;
             Some(doc)
         }
         None => None,
@@ -381,7 +392,7 @@ fn check_overrides(ov: &OverridesFile) -> Result<(), String> {
 /// `PUT /v1/config`, the overrides as `POST /v1/overrides`).
 fn check_snapshot(snap: &crate::state_db::Snapshot) -> Result<(), String> {
     if let Some(doc) = &snap.config {
-        config::validate(doc).map_err(|e| format!("config `{}`: {e}", doc.version))?;
+        config::validate_pushed(doc).map_err(|e| format!("config `{}`: {e}", doc.version))?;
     }
     check_overrides(&OverridesFile {
         next_id: snap.next_override_id,
@@ -696,6 +707,7 @@ impl Controller {
             tick: opts.tick,
             last_tick_ms: std::sync::atomic::AtomicU64::new(u64::MAX),
             db: db.clone(),
+            max_overrides: opts.max_overrides,
         });
         // TLS files and the peer client are checked before binding: a controller does not
         // start on files that do not load.
@@ -825,8 +837,37 @@ async fn tick_loop(
     }
 }
 
-async fn get_config(State(s): State<Arc<Shared>>) -> Json<ConfigDoc> {
-    Json(s.engine.lock().expect("engine lock").config().clone())
+#[derive(Deserialize)]
+struct ConfigView {
+    view: Option<String>,
+}
+
+/// `GET /v1/config`: the served config (the pushed one plus the buckets of traffic overrides,
+/// what aggregators and clients run); `?view=pushed`: the config as pushed, which
+/// `PUT /v1/config` takes back (a served config's `override:` buckets are refused there).
+async fn get_config(
+    State(s): State<Arc<Shared>>,
+    Query(q): Query<ConfigView>,
+) -> Result<Json<ConfigDoc>, ApiError> {
+    let e = s.engine.lock().expect("engine lock");
+    match q.view.as_deref() {
+        None | Some("served") => Ok(Json(e.config().clone())),
+        Some("pushed") => Ok(Json(e.base_config().clone())),
+        Some(v) => Err(ApiError::BadRequest(format!(
+            "view `{v}`: expected `served` (the default) or `pushed`"
+        ))),
+    }
+}
+
+/// 422 when `max` overrides are active at `now` (expired ones not purged yet do not count).
+fn room_for_one_more(e: &Engine, now: u64, max: usize) -> Result<(), ApiError> {
+    let active = e.overrides().iter().filter(|o| o.active(now)).count();
+    if active >= max {
+        return Err(ApiError::Invalid(format!(
+            "{active} overrides are active, the most this controller takes (--max-overrides {max}); remove one (grl override rm ID) or let one expire, and put lasting limits in the bucket files"
+        )));
+    }
+    Ok(())
 }
 
 /// `PUT /v1/config`: role `config` (rlc's credential).
@@ -838,7 +879,7 @@ async fn put_config(
     let cred = s.authorize(&headers, "config", "PUT /v1/config")?;
     let body = read_body(body, MAX_BODY).await?;
     let doc: ConfigDoc = parse_json(&body)?;
-    config::validate(&doc).map_err(|e| ApiError::Invalid(e.to_string()))?;
+    config::validate_pushed(&doc).map_err(|e| ApiError::Invalid(e.to_string()))?;
     if let Some(sync) = &s.db {
         return put_config_db(&s, sync, doc, &cred.name).await.map(Json);
     }
@@ -1148,6 +1189,7 @@ async fn add_override(
     let now = unix_now();
     let mut p = s.persisted.lock().expect("persisted lock");
     let mut e = s.engine.lock().expect("engine lock");
+    room_for_one_more(&e, now, s.max_overrides)?;
     let next_id = p.next_id + 1;
     let o = Override {
         id: format!("ovr-{next_id}"),
@@ -1196,9 +1238,12 @@ async fn add_override_db(
                     req: req.clone(),
                 };
                 let e = s.engine.lock().expect("engine lock");
+                room_for_one_more(&e, now, s.max_overrides)?;
                 let mut list = e.overrides().to_vec();
                 list.push(o.clone());
-                e.check_overrides(&list).map(|()| o)
+                e.check_overrides(&list).map(|()| o).map_err(|err| {
+                    ApiError::Invalid(format!("the override cannot be served: {err}"))
+                })
             })
             .await;
         let (o, rev) = match made {
@@ -1209,11 +1254,7 @@ async fn add_override_db(
                 continue;
             }
             Err(e) => return Err(sync.refuse("POST /v1/overrides", e)),
-            Ok(Err(err)) => {
-                return Err(ApiError::Invalid(format!(
-                    "the override cannot be served: {err}"
-                )))
-            }
+            Ok(Err(err)) => return Err(err),
             Ok(Ok(made)) => made,
         };
         sync.ok(rev);

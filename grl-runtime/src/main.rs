@@ -101,6 +101,10 @@ enum Cmd {
         /// With a database: how long a starting controller waits for it before giving up.
         #[arg(long, default_value_t = 30)]
         database_connect_timeout_secs: u64,
+        /// Overrides active at once; one more is refused (422) until one is removed or
+        /// expires.
+        #[arg(long, default_value_t = grl_runtime::controller::DEFAULT_MAX_OVERRIDES)]
+        max_overrides: usize,
     },
     /// Run a zone aggregator.
     ///
@@ -407,6 +411,7 @@ async fn main() -> anyhow::Result<()> {
             database_url,
             database_poll_secs,
             database_connect_timeout_secs,
+            max_overrides,
         } => {
             let database = match database_url {
                 Some(url) if grl_runtime::state_db::has_password(&url) => bail!(
@@ -463,6 +468,7 @@ async fn main() -> anyhow::Result<()> {
                 max_procedures_per_service: calls_max_procedures,
                 database,
                 serve: limits.limits()?,
+                max_overrides,
             })
             .await?;
             println!("listening on {}", h.addr());

@@ -18,6 +18,7 @@ mod flood;
 mod ha;
 mod metrics;
 mod ops;
+mod overrides;
 mod trust;
 mod wire_props;
 
