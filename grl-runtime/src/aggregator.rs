@@ -1113,24 +1113,26 @@ async fn post_report(
     // answering by then is taken as hung and the next replica gets the report (a dead one
     // refuses the connection at once). A full report (first contact, after a resync) may
     // take longer and has the client's whole timeout; so does reading the answer.
-    let resp = match r.session.and_then(|sess| sess.base) {
+    let call = crate::http_util::call(req, CONTROLLER_TIMEOUT, MAX_ANSWER);
+    let answer = match r.session.and_then(|sess| sess.base) {
         Some(_) => {
             let bound = delta_answer_timeout(s.opts.tick);
-            tokio::time::timeout(bound, req.send())
-                .await
-                .map_err(|_| {
-                    anyhow::anyhow!(
-                        "no answer to a delta report within {} ms (controller hung?)",
-                        bound.as_millis()
-                    )
-                })??
+            tokio::time::timeout(bound, call).await.map_err(|_| {
+                anyhow::anyhow!(
+                    "{base}: no answer to a delta report within {} ms (controller hung?)",
+                    bound.as_millis()
+                )
+            })??
         }
-        None => req.send().await?,
-    }
-    .error_for_status()?;
-    let version = crate::proto::peer_version(resp.headers());
-    Ok((resp.json().await?, version))
+        None => call.await?,
+    };
+    let version = crate::proto::peer_version(&answer.headers);
+    Ok((answer.json()?, version))
 }
+
+/// The largest answer read from a controller (every service's directives, or the served
+/// config with the buckets of overrides).
+const MAX_ANSWER: usize = 128 << 20;
 
 /// How long a controller may take to start answering a delta report before the aggregator
 /// gives up on it: one tick, at least [`MIN_DELTA_ANSWER`] (a loaded controller's lock), at
@@ -1146,13 +1148,10 @@ const MIN_DELTA_ANSWER: Duration = Duration::from_millis(500);
 const CONTROLLER_TIMEOUT: Duration = Duration::from_secs(2);
 
 async fn fetch_config(s: &Shared, base: &str) -> anyhow::Result<ConfigDoc> {
-    let resp = s
-        .http
-        .get(format!("{base}/v1/config"))
-        .send()
+    let req = s.http.get(format!("{base}/v1/config"));
+    Ok(crate::http_util::call(req, CONTROLLER_TIMEOUT, MAX_ANSWER)
         .await?
-        .error_for_status()?;
-    Ok(resp.json().await?)
+        .json()?)
 }
 
 #[cfg(test)]

@@ -809,13 +809,15 @@ async fn tick_loop(
                 let (http, url, report) =
                     (http.clone(), format!("{p}/v1/aggregate"), report.clone());
                 let token = shared.report_token.as_ref().map(|t| t.current());
+                let timeout = shared.tick.max(Duration::from_millis(200));
                 tokio::spawn(async move {
                     let mut req = http.post(&url).json(&report);
                     if let Some(t) = token.filter(|t| !t.is_empty()) {
                         req = req.bearer_auth(t);
                     }
                     if let Err(e) = req.send().await.and_then(|r| r.error_for_status()) {
-                        tracing::debug!(peer = %url, error = %e, "peer controller unreachable");
+                        let cause = crate::cause::describe(&e, timeout);
+                        tracing::debug!(peer = %url, error = %cause, "peer controller unreachable");
                     }
                 });
             }

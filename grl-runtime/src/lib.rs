@@ -8,6 +8,7 @@
 pub mod aggregator;
 pub mod auth;
 pub mod calls;
+pub mod cause;
 pub mod client;
 pub mod config;
 pub mod controller;

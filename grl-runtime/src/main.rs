@@ -222,6 +222,9 @@ struct Remote {
     controller: String,
     #[command(flatten)]
     tls: ClientTlsArgs,
+    /// Give up on the controller after this many seconds.
+    #[arg(long, default_value_t = 30)]
+    timeout_secs: u64,
 }
 
 /// A server's TLS (controller, aggregator). No certificate = plain HTTP (loopback, tests).
@@ -619,19 +622,22 @@ fn who_or_user(who: Option<String>) -> String {
 }
 
 async fn override_cmd(mut cmd: OverrideCmd) -> anyhow::Result<()> {
-    let tls = match &mut cmd {
+    let (tls, timeout) = match &mut cmd {
         OverrideCmd::Add { remote, .. }
         | OverrideCmd::List { remote }
-        | OverrideCmd::Rm { remote, .. } => std::mem::replace(
-            &mut remote.tls,
-            ClientTlsArgs {
-                tls_ca: None,
-                tls_client_cert: None,
-                tls_client_key: None,
-            },
+        | OverrideCmd::Rm { remote, .. } => (
+            std::mem::replace(
+                &mut remote.tls,
+                ClientTlsArgs {
+                    tls_ca: None,
+                    tls_client_cert: None,
+                    tls_client_key: None,
+                },
+            ),
+            Duration::from_secs(remote.timeout_secs.max(1)),
         ),
     };
-    let http = tls.options()?.http_client(Duration::from_secs(30))?;
+    let http = tls.options()?.http_client(timeout)?;
     let (resp, what) = match cmd {
         OverrideCmd::Add {
             remote,
@@ -660,18 +666,11 @@ async fn override_cmd(mut cmd: OverrideCmd) -> anyhow::Result<()> {
             let r = http
                 .post(format!("{}/v1/overrides", remote.controller))
                 .bearer_auth(override_token()?)
-                .json(&req)
-                .send()
-                .await
-                .context("reach controller")?;
+                .json(&req);
             (r, "add override")
         }
         OverrideCmd::List { remote } => {
-            let r = http
-                .get(format!("{}/v1/overrides", remote.controller))
-                .send()
-                .await
-                .context("reach controller")?;
+            let r = http.get(format!("{}/v1/overrides", remote.controller));
             (r, "list overrides")
         }
         OverrideCmd::Rm {
@@ -683,15 +682,23 @@ async fn override_cmd(mut cmd: OverrideCmd) -> anyhow::Result<()> {
             let r = http
                 .delete(format!("{}/v1/overrides/{id}", remote.controller))
                 .query(&[("who", who), ("reason", reason)])
-                .bearer_auth(override_token()?)
-                .send()
-                .await
-                .context("reach controller")?;
+                .bearer_auth(override_token()?);
             (r, "remove override")
         }
     };
+    // The controller's refusals carry a reason in their body: read (bounded) and shown.
+    let resp = match resp.send().await {
+        Ok(r) => r,
+        Err(e) => bail!(
+            "{what}: cannot reach the controller: {}",
+            grl_runtime::cause::describe(&e, timeout)
+        ),
+    };
     let status = resp.status();
-    let body = resp.text().await.unwrap_or_default();
+    let body = match grl_runtime::http_util::call_response(resp, timeout, 64 << 20).await {
+        Ok(b) => String::from_utf8_lossy(&b).into_owned(),
+        Err(e) => bail!("{what}: {e}"),
+    };
     if !status.is_success() {
         bail!("{what}: controller answered {status}: {body}");
     }

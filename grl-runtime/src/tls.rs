@@ -154,6 +154,7 @@ impl ClientTls {
                 // Parsed first so that a bad file is named; reqwest wants both in one PEM buffer.
                 read_certs(cert)?;
                 read_key(key)?;
+                warn_if_expired("TLS client", cert);
                 let mut pem = std::fs::read(cert)
                     .with_context(|| format!("{}: cannot read", cert.display()))?;
                 pem.push(b'\n');
@@ -223,6 +224,89 @@ pub fn read_key(path: &Path) -> anyhow::Result<PrivateKeyDer<'static>> {
     let bytes = std::fs::read(path).with_context(|| format!("{}: cannot read", path.display()))?;
     PrivateKeyDer::from_pem_slice(&bytes)
         .map_err(|e| anyhow::anyhow!("{}: no usable private key: {e}", path.display()))
+}
+
+/// The end of an X.509 certificate's validity (`notAfter`, unix seconds), read from its DER
+/// (`Certificate` → `tbsCertificate` → `validity`); None when it cannot be read.
+pub fn not_after(der: &[u8]) -> Option<i64> {
+    let (cert, _) = der_tlv(der, 0x30)?;
+    let (mut tbs, _) = der_tlv(cert, 0x30)?;
+    // version [0] EXPLICIT is optional
+    if tbs.first() == Some(&0xa0) {
+        tbs = der_tlv(tbs, 0xa0)?.1;
+    }
+    // serialNumber, signature, issuer
+    for tag in [0x02, 0x30, 0x30] {
+        tbs = der_tlv(tbs, tag)?.1;
+    }
+    let (validity, _) = der_tlv(tbs, 0x30)?;
+    let (_, rest) = der_time(validity)?;
+    Some(der_time(rest)?.0)
+}
+
+/// The content of the DER element with `tag` at the start of `b`, and what follows it.
+fn der_tlv(b: &[u8], tag: u8) -> Option<(&[u8], &[u8])> {
+    if *b.first()? != tag {
+        return None;
+    }
+    let first = *b.get(1)?;
+    let (len, at) = if first < 0x80 {
+        (first as usize, 2)
+    } else {
+        let n = (first & 0x7f) as usize;
+        if n == 0 || n > 4 {
+            return None;
+        }
+        let len = b
+            .get(2..2 + n)?
+            .iter()
+            .fold(0usize, |l, &x| (l << 8) | x as usize);
+        (len, 2 + n)
+    };
+    let end = at.checked_add(len)?;
+    Some((b.get(at..end)?, &b[end..]))
+}
+
+/// A UTCTime or GeneralizedTime at the start of `b` (unix seconds) and what follows it.
+fn der_time(b: &[u8]) -> Option<(i64, &[u8])> {
+    let (text, rest, year_digits) = match b.first()? {
+        0x17 => (der_tlv(b, 0x17)?.0, der_tlv(b, 0x17)?.1, 2),
+        0x18 => (der_tlv(b, 0x18)?.0, der_tlv(b, 0x18)?.1, 4),
+        _ => return None,
+    };
+    let t = std::str::from_utf8(text).ok()?.strip_suffix('Z')?;
+    let num = |r: std::ops::Range<usize>| t.get(r)?.parse::<u32>().ok();
+    let y = num(0..year_digits)? as i32;
+    // RFC 5280: two-digit years from 50 are 19YY.
+    let year = match year_digits {
+        2 if y >= 50 => 1900 + y,
+        2 => 2000 + y,
+        _ => y,
+    };
+    let o = year_digits;
+    let date = chrono::NaiveDate::from_ymd_opt(year, num(o..o + 2)?, num(o + 2..o + 4)?)?;
+    let at = date.and_hms_opt(num(o + 4..o + 6)?, num(o + 6..o + 8)?, num(o + 8..o + 10)?)?;
+    Some((at.and_utc().timestamp(), rest))
+}
+
+/// Warns when the leaf certificate of `path` has expired: peers refuse it (the process still
+/// starts or reloads, so that a renewal written later is picked up).
+fn warn_if_expired(what: &str, path: &Path) {
+    let Ok(certs) = read_certs(path) else {
+        return;
+    };
+    let Some(end) = certs.first().and_then(|c| not_after(c)) else {
+        return;
+    };
+    let now = crate::http_util::unix_now() as i64;
+    if end < now {
+        tracing::warn!(
+            file = %path.display(),
+            expired = %crate::cause::fmt_unix(end),
+            "{what} certificate expired on {}: peers refuse it; renew it (a new file is picked up without a restart where the process reloads it)",
+            crate::cause::fmt_unix(end)
+        );
+    }
 }
 
 /// Builds the rustls server config from the files (checking that the key matches the
@@ -302,10 +386,12 @@ impl std::fmt::Debug for ReloadingServerConfig {
 }
 
 impl ReloadingServerConfig {
-    /// Loads the files now (an error names the file: a server does not start on bad ones).
+    /// Loads the files now (an error names the file: a server does not start on bad ones; an
+    /// expired certificate is logged as a warning).
     pub fn load(files: &ServerTls) -> anyhow::Result<Arc<ReloadingServerConfig>> {
         let seen = files.files().iter().map(|p| stamp(p)).collect();
         let cfg = server_config(files)?;
+        warn_if_expired("TLS server", &files.cert);
         Ok(Arc::new(ReloadingServerConfig {
             files: files.clone(),
             current: ArcSwap::from_pointee(cfg),
@@ -358,6 +444,7 @@ impl ReloadingServerConfig {
             Ok(cfg) => {
                 self.current.store(Arc::new(cfg));
                 self.reloads.fetch_add(1, Ordering::Relaxed);
+                warn_if_expired("TLS server", &self.files.cert);
                 tracing::info!(cert = %self.files.cert.display(), "TLS certificate reloaded; new connections use it");
                 true
             }
@@ -449,6 +536,26 @@ mod tests {
             .unwrap()
             .relative_to(Path::new("/etc/rlc"));
         assert_eq!(rel.ca, p("/etc/rlc/ca.pem"));
+    }
+
+    /// The end of a certificate's validity, in both encodings of RFC 5280 (UTCTime until 2049,
+    /// GeneralizedTime after).
+    #[test]
+    fn not_after_reads_both_time_encodings() {
+        let ca = Ca::new("unit CA");
+        let der = |pem: &str| {
+            CertificateDer::pem_slice_iter(pem.as_bytes())
+                .next()
+                .unwrap()
+                .unwrap()
+        };
+        assert_eq!(
+            not_after(&der(&ca.expired_server().cert_pem)),
+            Some(1_609_459_200) // 2021-01-01
+        );
+        // rcgen's default: 4096-01-01.
+        assert_eq!(not_after(&der(&ca.server().cert_pem)), Some(67_090_118_400));
+        assert_eq!(not_after(b"\x30\x03\x02\x01"), None);
     }
 
     /// Under mutual TLS a handler sees the names of the client's certificate; a client
