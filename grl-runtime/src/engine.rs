@@ -471,11 +471,14 @@ impl Engine {
         let mut old_totals = std::mem::take(&mut self.totals);
         self.index.clear();
         for f in &config.services {
+            // The service's name is copied once, not per bucket.
+            let names = match self.index.get_mut(f.service.as_str()) {
+                Some(m) => m,
+                None => self.index.entry(f.service.clone()).or_default(),
+            };
+            names.reserve(f.buckets.len());
             for b in &f.buckets {
-                self.index
-                    .entry(f.service.clone())
-                    .or_default()
-                    .insert(b.name.clone(), self.buckets.len());
+                names.insert(b.name.clone(), self.buckets.len());
                 self.buckets.push(BucketState {
                     service: f.service.clone(),
                     bucket: b.clone(),
