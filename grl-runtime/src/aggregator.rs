@@ -81,6 +81,14 @@ const MAX_CALL_SERVICES: usize = 1024;
 /// Largest client report (one service's buckets).
 const MAX_REPORT_BODY: usize = 4 << 20;
 
+/// A client report is a few KiB; one larger than this (or of unknown length) is read and
+/// decoded only [`LARGE_REPORTS_AT_ONCE`] at a time, since decoded it takes about eight times
+/// its size: reports in flight hold at most about 150 MB, however many connections send them.
+const LARGE_REPORT: u64 = 256 << 10;
+
+/// Large reports read and decoded at once.
+const LARGE_REPORTS_AT_ONCE: usize = 4;
+
 impl Default for AggregatorOptions {
     fn default() -> Self {
         AggregatorOptions {
@@ -223,6 +231,8 @@ struct Shared {
     /// `grl_report_entries_refused_total{service, reason}`.
     entries_refused: EntryCounts,
     entries_log: LogGate,
+    /// Permits to read and decode a large report ([`LARGE_REPORT`]).
+    large_reports: tokio::sync::Semaphore,
     metrics: AggMetrics,
     registry: prometheus_client::registry::Registry,
 }
@@ -467,6 +477,7 @@ impl Aggregator {
             refused_log: LogGate::new(Duration::from_secs(10)),
             entries_refused,
             entries_log: LogGate::new(Duration::from_secs(10)),
+            large_reports: tokio::sync::Semaphore::new(LARGE_REPORTS_AT_ONCE),
             metrics,
             registry,
         });
@@ -515,6 +526,25 @@ async fn report(
             Ok(c) => Some(c),
             Err(r) => return Err(s.refuse(r.reason(), "", ApiError::Unauthorized)),
         }
+    };
+    let large = headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+        .is_none_or(|n| n > LARGE_REPORT);
+    // Held until the report is summed: its decoded form is what takes the memory.
+    let _large = match large {
+        true => {
+            let permit =
+                tokio::time::timeout(crate::http_util::BODY_TIMEOUT, s.large_reports.acquire());
+            match permit.await {
+                Ok(p) => Some(p.expect("never closed")),
+                Err(_) => {
+                    let e = ApiError::TooMany("too many large reports at once; retry later".into());
+                    return Err(s.refuse("busy", "", e));
+                }
+            }
+        }
+        false => None,
     };
     let body = match read_body(body, MAX_REPORT_BODY).await {
         Ok(b) => b,
