@@ -70,6 +70,8 @@ pub struct AggregatorOptions {
     pub delta: crate::delta::DeltaOptions,
     /// Header and idle timeouts, connection cap and health connections of the listener.
     pub serve: crate::server::ServeLimits,
+    /// A second listener serving `/healthz` and `/readyz` only (None: none).
+    pub health_listen: Option<SocketAddr>,
     /// What one client may claim (see [`screen`]).
     pub plausibility: screen::Plausibility,
 }
@@ -106,6 +108,7 @@ impl Default for AggregatorOptions {
             max_call_keys: crate::calls::DEFAULT_AGGREGATOR_KEYS,
             delta: Default::default(),
             serve: Default::default(),
+            health_listen: None,
             plausibility: Default::default(),
         }
     }
@@ -488,6 +491,18 @@ impl Aggregator {
             .route("/healthz", get(crate::http_util::healthz))
             .route("/readyz", get(readyz))
             .with_state(shared.clone());
+        let health_routes = Router::new()
+            .route("/healthz", get(crate::http_util::healthz))
+            .route("/readyz", get(readyz))
+            .with_state(shared.clone());
+        let health = crate::http_util::spawn_health(
+            shared.opts.health_listen,
+            health_routes,
+            tls.clone(),
+            shared.opts.serve,
+            "aggregator health",
+        )
+        .await?;
         let (stop, server) = crate::http_util::spawn_server(
             listener,
             router,
@@ -506,6 +521,7 @@ impl Aggregator {
             server,
             finish,
             background: forwarder,
+            health,
         })
     }
 }

@@ -67,6 +67,8 @@ pub struct ControllerOptions {
     pub database: Option<DatabaseOptions>,
     /// Header and idle timeouts, connection cap and health connections of the listener.
     pub serve: crate::server::ServeLimits,
+    /// A second listener serving `/healthz` and `/readyz` only (None: none).
+    pub health_listen: Option<SocketAddr>,
     /// Overrides active at once; one more is refused (422).
     pub max_overrides: usize,
 }
@@ -129,6 +131,7 @@ impl Default for ControllerOptions {
             max_procedures_per_service: crate::calls::DEFAULT_MAX_PROCEDURES,
             database: None,
             serve: Default::default(),
+            health_listen: None,
             max_overrides: DEFAULT_MAX_OVERRIDES,
         }
     }
@@ -726,6 +729,18 @@ impl Controller {
             .await
             .with_context(|| format!("bind {}", opts.listen))?;
         let addr = listener.local_addr()?;
+        let health_routes = Router::new()
+            .route("/healthz", get(crate::http_util::healthz))
+            .route("/readyz", get(readyz))
+            .with_state(shared.clone());
+        let health = crate::http_util::spawn_health(
+            opts.health_listen,
+            health_routes,
+            tls.clone(),
+            opts.serve,
+            "controller health",
+        )
+        .await?;
         let (stop, server) = crate::http_util::spawn_server(
             listener,
             app(shared.clone()),
@@ -757,6 +772,7 @@ impl Controller {
             server,
             finish,
             background: ticker,
+            health,
         })
     }
 }

@@ -260,6 +260,46 @@ pub struct ServerHandle {
     /// Tells the background loop to do its last work (flush) and return.
     pub(crate) finish: tokio::sync::oneshot::Sender<()>,
     pub(crate) background: tokio::task::JoinHandle<()>,
+    /// The health listener (`/healthz`, `/readyz` only), when one was asked for.
+    pub(crate) health: Option<HealthServer>,
+}
+
+/// A listener serving the health paths only, apart from the main one: an orchestrator's
+/// probes reach it however many connections the main port holds.
+pub(crate) struct HealthServer {
+    addr: std::net::SocketAddr,
+    stop: tokio::sync::oneshot::Sender<()>,
+    server: tokio::task::JoinHandle<()>,
+}
+
+/// Connections the health listener serves at once.
+const HEALTH_LISTENER_CONNECTIONS: usize = 64;
+
+/// Binds `addr` (when given) and serves `health` on it: the routes `/healthz` and `/readyz`
+/// of the server, with its TLS and timeouts and a cap of 64 connections.
+pub(crate) async fn spawn_health(
+    addr: Option<std::net::SocketAddr>,
+    health: axum::Router,
+    tls: Option<std::sync::Arc<crate::tls::ReloadingServerConfig>>,
+    limits: crate::server::ServeLimits,
+    what: &'static str,
+) -> anyhow::Result<Option<HealthServer>> {
+    use anyhow::Context;
+    let Some(addr) = addr else {
+        return Ok(None);
+    };
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("bind the health listener {addr}"))?;
+    let addr = listener.local_addr()?;
+    let limits = crate::server::ServeLimits {
+        max_connections: HEALTH_LISTENER_CONNECTIONS,
+        health_connections: 0,
+        ..limits
+    };
+    let (stop, server) = spawn_server(listener, health, tls, limits, Default::default(), what);
+    tracing::info!(%addr, "health listener (/healthz, /readyz only)");
+    Ok(Some(HealthServer { addr, stop, server }))
 }
 
 impl ServerHandle {
@@ -273,6 +313,11 @@ impl ServerHandle {
         self.addr
     }
 
+    /// The health listener's address, when one was asked for.
+    pub fn health_addr(&self) -> Option<std::net::SocketAddr> {
+        self.health.as_ref().map(|h| h.addr)
+    }
+
     /// [`Self::shutdown_within`] with [`SHUTDOWN_GRACE`].
     pub async fn shutdown(self) -> bool {
         self.shutdown_within(SHUTDOWN_GRACE).await
@@ -284,6 +329,13 @@ impl ServerHandle {
     /// Returns whether everything finished within the bounds.
     pub async fn shutdown_within(self, grace: std::time::Duration) -> bool {
         let _ = self.stop.send(());
+        if let Some(h) = self.health {
+            let _ = h.stop.send(());
+            let mut server = h.server;
+            if tokio::time::timeout(grace, &mut server).await.is_err() {
+                server.abort();
+            }
+        }
         let mut clean = true;
         let mut server = self.server;
         if tokio::time::timeout(grace, &mut server).await.is_err() {

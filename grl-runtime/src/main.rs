@@ -281,6 +281,11 @@ struct ServeLimitArgs {
     /// each, 2 s to send it), so that probes answer while the cap is reached.
     #[arg(long, default_value_t = 16)]
     health_connections: usize,
+    /// Also serve /healthz and /readyz (only) on this address, with its own 64 connections:
+    /// probes reach it however many connections hold the main port (keep it off the
+    /// network that reaches the main port).
+    #[arg(long)]
+    health_listen: Option<SocketAddr>,
 }
 
 impl ServeLimitArgs {
@@ -471,6 +476,7 @@ async fn main() -> anyhow::Result<()> {
                 max_procedures_per_service: calls_max_procedures,
                 database,
                 serve: limits.limits()?,
+                health_listen: limits.health_listen,
                 max_overrides,
             })
             .await?;
@@ -526,6 +532,7 @@ async fn main() -> anyhow::Result<()> {
                     refresh_ticks: report_refresh_ticks,
                 },
                 serve: limits.limits()?,
+                health_listen: limits.health_listen,
                 plausibility: grl_runtime::aggregator::screen::Plausibility {
                     limit_multiple: plausible_limit_multiple,
                     peer_multiple: plausible_peer_multiple,

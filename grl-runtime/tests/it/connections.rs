@@ -187,3 +187,56 @@ async fn at_the_connection_cap_health_probes_still_answer() {
         assert_eq!(after, 200, "{which}: served again once the hogs were cut");
     }
 }
+
+/// With `--health-listen`, probes have a port of their own: while connections hold the main
+/// port's cap and its health connections too, `/healthz` and `/readyz` answer there (and
+/// nothing else is served there).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_health_listener_answers_while_the_main_port_is_flooded() {
+    for which in ["controller", "aggregator"] {
+        let dir = tempfile::tempdir().unwrap();
+        let (port, health) = (free_port(), free_port());
+        let listen = format!("127.0.0.1:{health}");
+        let _p = spawn(
+            which,
+            port,
+            dir.path(),
+            &[
+                "--max-connections",
+                "20",
+                "--health-connections",
+                "2",
+                "--health-listen",
+                &listen,
+            ],
+        );
+        wait_up(&format!("http://127.0.0.1:{port}/healthz")).await;
+        wait_up(&format!("http://127.0.0.1:{health}/healthz")).await;
+        let r = tokio::task::spawn_blocking(move || {
+            std::thread::sleep(Duration::from_millis(500));
+            // More silent connections than the cap and the health connections together.
+            let hogs: Vec<TcpStream> = (0..40)
+                .filter_map(|_| TcpStream::connect(("127.0.0.1", port)).ok())
+                .collect();
+            std::thread::sleep(Duration::from_millis(300));
+            let r = (
+                raw_get(port, "/v1/status"),
+                raw_get(health, "/healthz"),
+                raw_get(health, "/readyz"),
+                raw_get(health, "/metrics"),
+            );
+            drop(hogs);
+            r
+        })
+        .await
+        .unwrap();
+        let (main, healthz, readyz, other) = r;
+        assert_ne!(main, 200, "{which}: the main port is full");
+        assert_eq!(healthz, 200, "{which}: /healthz on the health listener");
+        assert!(readyz == 200 || readyz == 503, "{which}: /readyz {readyz}");
+        assert_eq!(
+            other, 404,
+            "{which}: the health listener serves health only"
+        );
+    }
+}
