@@ -1,7 +1,7 @@
 //! The limiter: a compiled bucket table swapped in atomically, and the per-request decision.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -138,13 +138,15 @@ impl Table {
     /// Checks `buckets` of `service` as [`Table::compile`] would (limits, names, matchers),
     /// without building the lookup or allocating counters: for validating a config push.
     pub fn check(service: &str, buckets: &[Bucket]) -> Result<(), CompileError> {
-        Self::checked(service, buckets).map(|_| ())
+        Self::checked(service, buckets, false).map(|_| ())
     }
 
-    /// The checks of `compile`; returns the lookup and the name index they build along the way.
+    /// The checks of `compile`; with `build`, also the lookup and the name index (nothing is
+    /// built or copied for a mere check: a controller checks every config it serves).
     fn checked(
         service: &str,
         buckets: &[Bucket],
+        build: bool,
     ) -> Result<(Lookup, HashMap<String, usize>), CompileError> {
         if service.is_empty() {
             return Err(CompileError::EmptyName {
@@ -153,7 +155,9 @@ impl Table {
         }
         let mut lookup = Lookup::default();
         let mut by_name = HashMap::new();
-        let mut by_match: HashMap<(Option<&str>, Option<&str>), &str> = HashMap::new();
+        let mut names: HashSet<&str> = HashSet::with_capacity(buckets.len());
+        let mut by_match: HashMap<(Option<&str>, Option<&str>), &str> =
+            HashMap::with_capacity(buckets.len());
         for (i, b) in buckets.iter().enumerate() {
             if b.name.is_empty() {
                 return Err(CompileError::EmptyName {
@@ -173,7 +177,7 @@ impl Table {
                     bucket: b.name.clone(),
                 });
             }
-            if by_name.insert(b.name.clone(), i).is_some() {
+            if !names.insert(b.name.as_str()) {
                 return Err(CompileError::DuplicateName {
                     service: service.into(),
                     bucket: b.name.clone(),
@@ -187,7 +191,10 @@ impl Table {
                     other: other.into(),
                 });
             }
-            lookup.insert(b.caller.as_deref(), b.procedure.as_deref(), i as u32);
+            if build {
+                lookup.insert(b.caller.as_deref(), b.procedure.as_deref(), i as u32);
+                by_name.insert(b.name.clone(), i);
+            }
         }
         Ok((lookup, by_name))
     }
@@ -198,7 +205,7 @@ impl Table {
         version: &str,
         buckets: &[Bucket],
     ) -> Result<Table, CompileError> {
-        let (mut lookup, by_name) = Self::checked(service, buckets)?;
+        let (mut lookup, by_name) = Self::checked(service, buckets, true)?;
         lookup.seal();
         let slots = buckets
             .iter()

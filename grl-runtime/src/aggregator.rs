@@ -30,6 +30,8 @@ use crate::proto::{
     ZoneBucketMsg, ZoneDirectives, ZoneReport, PROTO_HEADER, PROTO_VERSION,
 };
 
+pub mod screen;
+
 /// How to start an aggregator.
 #[derive(Debug, Clone)]
 pub struct AggregatorOptions {
@@ -66,6 +68,12 @@ pub struct AggregatorOptions {
     pub max_call_keys: usize,
     /// Delta zone reports to controllers that announced protocol 4 (see [`crate::delta`]).
     pub delta: crate::delta::DeltaOptions,
+    /// Header and idle timeouts, connection cap and health connections of the listener.
+    pub serve: crate::server::ServeLimits,
+    /// A second listener serving `/healthz` and `/readyz` only (None: none).
+    pub health_listen: Option<SocketAddr>,
+    /// What one client may claim (see [`screen`]).
+    pub plausibility: screen::Plausibility,
 }
 
 /// Services whose calls an aggregator holds between forwards; the calls of more services
@@ -74,6 +82,14 @@ const MAX_CALL_SERVICES: usize = 1024;
 
 /// Largest client report (one service's buckets).
 const MAX_REPORT_BODY: usize = 4 << 20;
+
+/// A client report is a few KiB; one larger than this (or of unknown length) is read and
+/// decoded only [`LARGE_REPORTS_AT_ONCE`] at a time, since decoded it takes about eight times
+/// its size: reports in flight hold at most about 150 MB, however many connections send them.
+const LARGE_REPORT: u64 = 256 << 10;
+
+/// Large reports read and decoded at once.
+const LARGE_REPORTS_AT_ONCE: usize = 4;
 
 impl Default for AggregatorOptions {
     fn default() -> Self {
@@ -91,6 +107,9 @@ impl Default for AggregatorOptions {
             client_tls: crate::tls::ClientTls::default(),
             max_call_keys: crate::calls::DEFAULT_AGGREGATOR_KEYS,
             delta: Default::default(),
+            serve: Default::default(),
+            health_listen: None,
+            plausibility: Default::default(),
         }
     }
 }
@@ -123,6 +142,8 @@ struct AggState {
     waiting: usize,
     waiting_counted: Option<Instant>,
     config: ConfigDoc,
+    /// The buckets of `config` by service, with the state of the plausibility caps.
+    known: screen::Known,
 }
 
 /// The replies to client reports since the controller's last answer (`at`), by service.
@@ -210,6 +231,11 @@ struct Shared {
     creds: CredentialSet,
     refused: RefusalCounts,
     refused_log: LogGate,
+    /// `grl_report_entries_refused_total{service, reason}`.
+    entries_refused: EntryCounts,
+    entries_log: LogGate,
+    /// Permits to read and decode a large report ([`LARGE_REPORT`]).
+    large_reports: tokio::sync::Semaphore,
     metrics: AggMetrics,
     registry: prometheus_client::registry::Registry,
 }
@@ -325,7 +351,58 @@ impl prometheus_client::collector::Collector for ClientsCollector {
     }
 }
 
+/// Entries of accepted client reports dropped or cut, by service (a configured one, else
+/// `_unknown`) and reason.
+#[derive(Default, Clone)]
+struct EntryCounts(
+    prometheus_client::metrics::family::Family<
+        [(&'static str, String); 2],
+        prometheus_client::metrics::counter::Counter,
+    >,
+);
+
+impl EntryCounts {
+    fn register(&self, reg: &mut prometheus_client::registry::Registry) {
+        reg.register(
+            "grl_report_entries_refused",
+            "Bucket entries of accepted client reports dropped or cut, by service and reason: unknown_bucket (not in the config served for the service: dropped), duplicate (named twice in one report: dropped), rate_capped (offered rate above what one instance plausibly offers: cut to it), short_interval (interval below 10 ms: rates computed over 10 ms).",
+            self.0.clone(),
+        );
+    }
+}
+
 impl Shared {
+    /// Counts and logs (at most every 10 s) what screening a client report dropped or cut.
+    fn count_screened(&self, r: &ClientReport, s: &screen::Screened) {
+        if s.refused.is_empty() {
+            return;
+        }
+        let service = if s.known_service {
+            r.service.clone()
+        } else {
+            "_unknown".to_string()
+        };
+        for (why, n) in &s.refused {
+            self.entries_refused
+                .0
+                .get_or_create(&[
+                    ("service", service.clone()),
+                    ("reason", why.reason().into()),
+                ])
+                .inc_by(*n);
+        }
+        if self.entries_log.open() {
+            let client: String = r.client_id.chars().take(64).collect();
+            let refused: Vec<String> = s
+                .refused
+                .iter()
+                .map(|(why, n)| format!("{}={n}", why.reason()))
+                .collect();
+            tracing::warn!(service = %service, client = %client, refused = %refused.join(" "),
+                "client report entries dropped or cut (logged at most every 10 s; see grl_report_entries_refused_total)");
+        }
+    }
+
     /// A client report refused: counted by reason and logged (at most every 10 s) without
     /// the credential.
     fn refuse(&self, reason: &'static str, detail: &str, err: ApiError) -> ApiError {
@@ -388,6 +465,10 @@ impl Aggregator {
         let refused = RefusalCounts::default();
         let mut registry = metrics.registry(state.clone(), opts.tick * 3);
         refused.register(&mut registry);
+        let entries_refused = EntryCounts::default();
+        entries_refused.register(&mut registry);
+        let server_stats = Arc::new(crate::server::ServerStats::default());
+        server_stats.register(&mut registry);
         let shared = Arc::new(Shared {
             id: opts.id.clone().unwrap_or_else(|| format!("agg-{addr}")),
             opts,
@@ -397,6 +478,9 @@ impl Aggregator {
             creds,
             refused,
             refused_log: LogGate::new(Duration::from_secs(10)),
+            entries_refused,
+            entries_log: LogGate::new(Duration::from_secs(10)),
+            large_reports: tokio::sync::Semaphore::new(LARGE_REPORTS_AT_ONCE),
             metrics,
             registry,
         });
@@ -407,7 +491,26 @@ impl Aggregator {
             .route("/healthz", get(crate::http_util::healthz))
             .route("/readyz", get(readyz))
             .with_state(shared.clone());
-        let (stop, server) = crate::http_util::spawn_server(listener, router, tls, "aggregator");
+        let health_routes = Router::new()
+            .route("/healthz", get(crate::http_util::healthz))
+            .route("/readyz", get(readyz))
+            .with_state(shared.clone());
+        let health = crate::http_util::spawn_health(
+            shared.opts.health_listen,
+            health_routes,
+            tls.clone(),
+            shared.opts.serve,
+            "aggregator health",
+        )
+        .await?;
+        let (stop, server) = crate::http_util::spawn_server(
+            listener,
+            router,
+            tls,
+            shared.opts.serve,
+            server_stats,
+            "aggregator",
+        );
         let (finish, finished) = oneshot::channel::<()>();
         let forwarder = tokio::spawn(forward_loop(shared.clone(), finished));
         tracing::info!(%addr, scheme, zone = %shared.opts.zone, region = %shared.opts.region, "aggregator listening");
@@ -418,6 +521,7 @@ impl Aggregator {
             server,
             finish,
             background: forwarder,
+            health,
         })
     }
 }
@@ -439,14 +543,34 @@ async fn report(
             Err(r) => return Err(s.refuse(r.reason(), "", ApiError::Unauthorized)),
         }
     };
+    let large = headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+        .is_none_or(|n| n > LARGE_REPORT);
+    // Held until the report is summed: its decoded form is what takes the memory.
+    let _large = match large {
+        true => {
+            let permit =
+                tokio::time::timeout(crate::http_util::BODY_TIMEOUT, s.large_reports.acquire());
+            match permit.await {
+                Ok(p) => Some(p.expect("never closed")),
+                Err(_) => {
+                    let e = ApiError::TooMany("too many large reports at once; retry later".into());
+                    return Err(s.refuse("busy", "", e));
+                }
+            }
+        }
+        false => None,
+    };
     let body = match read_body(body, MAX_REPORT_BODY).await {
         Ok(b) => b,
         Err(e @ ApiError::TooLarge(_)) => return Err(s.refuse("too_large", "", e)),
+        Err(e @ ApiError::Timeout) => return Err(s.refuse("timeout", "", e)),
         Err(e) => return Err(s.refuse("malformed", "", e)),
     };
     // The binary encoding (protocol 3) when the content type says so; JSON otherwise.
     let binary = crate::proto::binary::is_binary(headers.get(axum::http::header::CONTENT_TYPE));
-    let r: ClientReport = if binary {
+    let mut r: ClientReport = if binary {
         crate::proto::binary::decode_report(&body)
             .map_err(|e| s.refuse("malformed", "", ApiError::BadRequest(e.to_string())))?
     } else {
@@ -465,13 +589,18 @@ async fn report(
             return Err(s.refuse("forbidden", &detail, e));
         }
     }
-    if r.interval_ms == 0 || r.client_id.is_empty() || r.service.is_empty() {
+    if r.interval_ms == 0
+        || r.client_id.is_empty()
+        || r.client_id.len() > screen::MAX_CLIENT_ID_LEN
+        || r.service.is_empty()
+    {
         return Err(s.refuse(
             "invalid",
             "",
-            ApiError::Invalid(
-                "interval_ms must be positive; client_id and service must not be empty".into(),
-            ),
+            ApiError::Invalid(format!(
+                "interval_ms must be positive; client_id (at most {} bytes) and service must not be empty",
+                screen::MAX_CLIENT_ID_LEN
+            )),
         ));
     }
     for b in &r.buckets {
@@ -486,18 +615,41 @@ async fn report(
             ));
         }
     }
-    s.metrics.accepted.inc();
-    if binary {
-        s.metrics.accepted_binary.inc();
-    }
-    // Under the lock only the sums, the client's entry and a shared handle on its service's
-    // reply; the reply is encoded outside. Known keys are looked up by the report's borrowed
-    // names (nothing allocated per bucket); only a new client, bucket or caller allocates.
-    let (reply, age_ms) = {
+    // Under the lock only the screening, the sums, the client's entry and a shared handle on
+    // its service's reply; the reply is encoded outside. Known keys are looked up by the
+    // report's borrowed names (nothing allocated per bucket); only a new client, bucket or
+    // caller allocates.
+    let (reply, age_ms, screened) = {
         use crate::keys::StrPair;
         let mut guard = s.state.lock().expect("aggregator lock");
         let st = &mut *guard;
+        let held = st
+            .clients
+            .get(&(r.service.as_str(), r.client_id.as_str()) as &dyn StrPair)
+            .map(|c| c.rates.len());
+        let screened = st
+            .known
+            .screen(&mut r, held.is_none(), &s.opts.plausibility);
         let service = r.service.as_str();
+        // The service's budget of rates held: a report that would pass it changes nothing.
+        let held = held.unwrap_or(0);
+        if let Some(k) = st.known.services.get_mut(service) {
+            let entries = k.entries - held.min(k.entries) + r.buckets.len();
+            if r.buckets.len() > held && entries > s.opts.plausibility.max_rates_per_service {
+                drop(guard);
+                s.count_screened(&r, &screened);
+                let detail = format!("service `{}`", r.service);
+                return Err(s.refuse(
+                    "over_budget",
+                    &detail,
+                    ApiError::TooMany(format!(
+                        "service `{}` holds {} rates in this zone, its budget; retry later",
+                        r.service, s.opts.plausibility.max_rates_per_service
+                    )),
+                ));
+            }
+            k.entries = entries;
+        }
         for b in &r.buckets {
             crate::keys::update(
                 &mut st.pending,
@@ -572,8 +724,14 @@ async fn report(
         (
             st.service_reply(service),
             st.directives_at.map(|t| t.elapsed().as_millis() as u64),
+            screened,
         )
     };
+    s.metrics.accepted.inc();
+    if binary {
+        s.metrics.accepted_binary.inc();
+    }
+    s.count_screened(&r, &screened);
     let ctype = if binary {
         crate::proto::binary::CONTENT_TYPE
     } else {
@@ -641,12 +799,19 @@ async fn config(State(s): State<Arc<Shared>>, Query(q): Query<ConfigQuery>) -> J
 }
 
 fn build_report(s: &Shared) -> ZoneReport {
-    let mut st = s.state.lock().expect("aggregator lock");
+    let mut guard = s.state.lock().expect("aggregator lock");
+    let st = &mut *guard;
     let horizon = s.opts.tick * 3;
     st.clients.retain(|_, c| c.at.elapsed() <= horizon);
+    // Rates summed by bucket, with the offered rates' sum, count and largest for the peer caps.
     let mut sums: HashMap<(String, String), [f64; 4]> = HashMap::new();
+    let mut offered: HashMap<(String, String), (f64, u32, f64)> = HashMap::new();
+    let mut per_service: HashMap<&str, (usize, usize)> = HashMap::new();
     for ((service, _), c) in st.clients.iter_mut() {
         c.fresh = false;
+        let n = per_service.entry(service.as_str()).or_default();
+        n.0 += 1;
+        n.1 += c.rates.len();
         for (b, r) in &c.rates {
             // Under the lock that client reports wait on: the names are allocated once per
             // bucket, not per client.
@@ -660,8 +825,23 @@ fn build_report(s: &Shared) -> ZoneReport {
                     }
                 },
             );
+            crate::keys::update(
+                &mut offered,
+                (service, b),
+                |_| (0.0, 0, 0.0),
+                |e| {
+                    e.0 += r[0];
+                    e.1 += 1;
+                    e.2 = e.2.max(r[0]);
+                },
+            );
         }
     }
+    st.known.forwarded(
+        per_service.into_iter().map(|(s, (n, e))| (s, n, e)),
+        &offered,
+        &s.opts.plausibility,
+    );
     st.waiting = st.clients.len();
     let mut pending = std::mem::take(&mut st.pending);
     let mut buckets: Vec<ZoneBucketMsg> = sums
@@ -799,7 +979,9 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
                         match fetch_config(&s, base).await {
                             Ok(doc) => {
                                 tracing::info!(version = %doc.version, "aggregator fetched config");
-                                s.state.lock().expect("aggregator lock").config = doc;
+                                let mut st = s.state.lock().expect("aggregator lock");
+                                st.known.rebuild(&doc);
+                                st.config = doc;
                             }
                             Err(e) => {
                                 tracing::warn!(controller = %base, error = %e, "config fetch failed")
@@ -807,6 +989,7 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
                         }
                     }
                     let mut st = s.state.lock().expect("aggregator lock");
+                    st.known.follow(&d);
                     crate::delta::merge_directives(&mut st.directives, d);
                     st.directives_at = Some(Instant::now());
                     done = true;
@@ -976,24 +1159,26 @@ async fn post_report(
     // answering by then is taken as hung and the next replica gets the report (a dead one
     // refuses the connection at once). A full report (first contact, after a resync) may
     // take longer and has the client's whole timeout; so does reading the answer.
-    let resp = match r.session.and_then(|sess| sess.base) {
+    let call = crate::http_util::call(req, CONTROLLER_TIMEOUT, MAX_ANSWER);
+    let answer = match r.session.and_then(|sess| sess.base) {
         Some(_) => {
             let bound = delta_answer_timeout(s.opts.tick);
-            tokio::time::timeout(bound, req.send())
-                .await
-                .map_err(|_| {
-                    anyhow::anyhow!(
-                        "no answer to a delta report within {} ms (controller hung?)",
-                        bound.as_millis()
-                    )
-                })??
+            tokio::time::timeout(bound, call).await.map_err(|_| {
+                anyhow::anyhow!(
+                    "{base}: no answer to a delta report within {} ms (controller hung?)",
+                    bound.as_millis()
+                )
+            })??
         }
-        None => req.send().await?,
-    }
-    .error_for_status()?;
-    let version = crate::proto::peer_version(resp.headers());
-    Ok((resp.json().await?, version))
+        None => call.await?,
+    };
+    let version = crate::proto::peer_version(&answer.headers);
+    Ok((answer.json()?, version))
 }
+
+/// The largest answer read from a controller (every service's directives, or the served
+/// config with the buckets of overrides).
+const MAX_ANSWER: usize = 128 << 20;
 
 /// How long a controller may take to start answering a delta report before the aggregator
 /// gives up on it: one tick, at least [`MIN_DELTA_ANSWER`] (a loaded controller's lock), at
@@ -1009,13 +1194,10 @@ const MIN_DELTA_ANSWER: Duration = Duration::from_millis(500);
 const CONTROLLER_TIMEOUT: Duration = Duration::from_secs(2);
 
 async fn fetch_config(s: &Shared, base: &str) -> anyhow::Result<ConfigDoc> {
-    let resp = s
-        .http
-        .get(format!("{base}/v1/config"))
-        .send()
+    let req = s.http.get(format!("{base}/v1/config"));
+    Ok(crate::http_util::call(req, CONTROLLER_TIMEOUT, MAX_ANSWER)
         .await?
-        .error_for_status()?;
-    Ok(resp.json().await?)
+        .json()?)
 }
 
 #[cfg(test)]

@@ -491,7 +491,7 @@ impl RefusalCounts {
     pub fn register(&self, reg: &mut prometheus_client::registry::Registry) {
         reg.register(
             "grl_reports_refused",
-            "Reports refused, by reason (missing_credential, unknown_credential, forbidden, malformed, invalid, too_large).",
+            "Reports refused, by reason (missing_credential, unknown_credential, forbidden, malformed, invalid, too_large, timeout, over_budget, busy).",
             self.counts.clone(),
         );
     }

@@ -216,7 +216,16 @@ impl Reporter {
                 local_offered_rps: self.local_rps[i],
                 fixed: m.fixed,
             };
-            self.table.set_ratio(i, dir.ratio);
+            // At least the ratio this instance's own rate alone asks for: an aggregator cuts a
+            // claim above what one instance plausibly offers (`aggregator::screen`), so the
+            // fleet's ratio can understate the excess of an instance that really receives it.
+            // Never above the fleet-wide formula's: its own rate is part of the fleet's.
+            let own = if m.fixed {
+                0.0
+            } else {
+                grl_core::control::drop_ratio(self.local_rps[i], m.limit_rps)
+            };
+            self.table.set_ratio(i, dir.ratio.max(own));
             self.directives[i] = Some(dir);
         }
         for (i, s) in seen.iter().enumerate() {
@@ -404,6 +413,9 @@ pub struct ClientStats {
     /// When the drop ratios in force were computed (`grl_core::now_ms` clock; 0 = never):
     /// the reply's time less the age the aggregator reported.
     pub directives_from_ms: AtomicU64,
+    /// Why the last failed report attempt failed ("server certificate expired on …",
+    /// "connection refused", "answered 401 Unauthorized"…); None before any failure.
+    pub last_error: std::sync::Mutex<Option<String>>,
 }
 
 /// A running client: the limiter to call per request, and its reporter task.
@@ -586,10 +598,8 @@ async fn run(
         // process, and instances of a service sharing an id would overwrite each other's
         // counts at their aggregator.
         .unwrap_or_else(|| format!("{}-{:016x}", opts.service, rand::random::<u64>()));
-    let http = match opts
-        .tls
-        .http_client(opts.tick.max(Duration::from_millis(200)))
-    {
+    let timeout = opts.tick.max(Duration::from_millis(200));
+    let http = match opts.tls.http_client(timeout) {
         Ok(h) => h,
         Err(e) => {
             // Fail-open: a client that cannot reach its aggregators never drops.
@@ -616,6 +626,7 @@ async fn run(
     let mut next_report = now_ms() + tick_ms;
     let mut current = 0usize;
     let mut urgent_sent = false;
+    let failed_log = crate::auth::LogGate::new(Duration::from_secs(10));
     loop {
         iv.tick().await;
         let now = now_ms();
@@ -655,6 +666,7 @@ async fn run(
                 &report,
                 token.as_deref().map(String::as_str),
                 binary,
+                timeout,
             )
             .await
             {
@@ -674,6 +686,7 @@ async fn run(
                             base,
                             &opts.service,
                             token.as_deref().map(String::as_str),
+                            timeout,
                         )
                         .await
                         {
@@ -702,16 +715,19 @@ async fn run(
                 Err(e) => {
                     proto[idx] = 1;
                     stats.report_errors.fetch_add(1, Ordering::Relaxed);
-                    let refused = e
-                        .downcast_ref::<reqwest::Error>()
-                        .and_then(|e| e.status())
-                        .is_some_and(|s| s == 401 || s == 403);
+                    let cause = e.to_string();
+                    let refused = matches!(
+                        e.downcast_ref::<crate::http_util::CallError>(),
+                        Some(crate::http_util::CallError::Status { status, .. })
+                            if *status == 401 || *status == 403
+                    );
                     if refused {
                         stats.reports_refused.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(aggregator = %base, error = %e, "report refused: check the report credential (GRL_CLIENT_TOKEN)");
-                    } else {
-                        tracing::debug!(aggregator = %base, error = %e, "report failed");
+                        tracing::warn!(aggregator = %base, error = %cause, "report refused: check the report credential (GRL_CLIENT_TOKEN)");
+                    } else if failed_log.open() {
+                        tracing::warn!(aggregator = %base, error = %cause, "report failed (logged at most every 10 s; another aggregator is tried, and the client fails open once its directives are stale)");
                     }
+                    *stats.last_error.lock().expect("client stats lock") = Some(cause);
                 }
             }
         }
@@ -737,6 +753,7 @@ pub(crate) async fn exchange(
     r: &ClientReport,
     token: Option<&str>,
     binary: bool,
+    timeout: Duration,
 ) -> anyhow::Result<(ClientDirectives, u32)> {
     use crate::proto::binary;
     let mut req = http
@@ -751,21 +768,25 @@ pub(crate) async fn exchange(
     if let Some(t) = token.filter(|t| !t.is_empty()) {
         req = req.bearer_auth(t);
     }
-    let resp = req.send().await?.error_for_status()?;
-    let version = crate::proto::peer_version(resp.headers());
-    let reply = if binary::is_binary(resp.headers().get(reqwest::header::CONTENT_TYPE)) {
-        binary::decode_directives(&resp.bytes().await?)?
+    let a = crate::http_util::call(req, timeout, MAX_ANSWER).await?;
+    let version = crate::proto::peer_version(&a.headers);
+    let reply = if binary::is_binary(a.headers.get(reqwest::header::CONTENT_TYPE)) {
+        binary::decode_directives(&a.body)?
     } else {
-        resp.json().await?
+        a.json()?
     };
     Ok((reply, version))
 }
+
+/// The largest answer a client reads from an aggregator (its service's directives or config).
+const MAX_ANSWER: usize = 64 << 20;
 
 async fn fetch_config(
     http: &reqwest::Client,
     base: &str,
     service: &str,
     token: Option<&str>,
+    timeout: Duration,
 ) -> anyhow::Result<ConfigDoc> {
     let mut req = http
         .get(format!("{base}/v1/config"))
@@ -773,6 +794,7 @@ async fn fetch_config(
     if let Some(t) = token.filter(|t| !t.is_empty()) {
         req = req.bearer_auth(t);
     }
-    let resp = req.send().await?.error_for_status()?;
-    Ok(resp.json().await?)
+    Ok(crate::http_util::call(req, timeout, MAX_ANSWER)
+        .await?
+        .json()?)
 }

@@ -24,6 +24,50 @@ pub enum ConfigError {
     /// `source`: the diagnostics are the message, so chains print them once.
     #[error("{0}")]
     Files(schema::Diagnostics),
+    /// A pushed bucket named like the buckets the controller adds for traffic overrides.
+    #[error("service `{service}`, bucket `{bucket}`: names starting with `{RESERVED_PREFIX}` are reserved for the buckets the controller adds for traffic overrides; a config read from GET /v1/config carries them (restore GET /v1/config?view=pushed, the config as pushed, instead)")]
+    Reserved {
+        /// The service.
+        service: String,
+        /// The bucket.
+        bucket: String,
+    },
+    /// Traffic overrides would add too many buckets to the served config.
+    #[error("the overrides would add {added} buckets to the served config, more than {max}; target a service or a procedure, or put the limit in the bucket files")]
+    TooManyOverrideBuckets {
+        /// Buckets the overrides would add.
+        added: usize,
+        /// The bound ([`MAX_OVERRIDE_BUCKETS`]).
+        max: usize,
+    },
+}
+
+/// Bucket names starting with this are the controller's: the buckets it adds to the served
+/// config for traffic overrides (`override:<id>`, `override:<id>:<procedure>`). A pushed config
+/// may not use it, so that an override's bucket never collides with a pushed one.
+pub const RESERVED_PREFIX: &str = "override:";
+
+/// The most buckets traffic overrides may add to the served config (as many as a config repo
+/// may hold).
+pub const MAX_OVERRIDE_BUCKETS: usize = 100_000;
+
+/// [`validate`], and what only a pushed config (`PUT /v1/config`, `--config-dir`, the persisted
+/// `config.json`) must also satisfy: no bucket name starting with [`RESERVED_PREFIX`].
+pub fn validate_pushed(doc: &ConfigDoc) -> Result<(), ConfigError> {
+    validate(doc)?;
+    for f in &doc.services {
+        if let Some(b) = f
+            .buckets
+            .iter()
+            .find(|b| b.name.starts_with(RESERVED_PREFIX))
+        {
+            return Err(ConfigError::Reserved {
+                service: f.service.clone(),
+                bucket: b.name.clone(),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Checks everything the controller requires before applying `doc`: a version, unique
@@ -58,15 +102,19 @@ pub fn load_dir(dir: &Path) -> Result<ConfigDoc, ConfigError> {
         version: format!("dir:{:016x}", fnv(text.as_bytes())),
         services,
     };
-    validate(&doc)?;
+    validate_pushed(&doc)?;
     Ok(doc)
 }
 
 /// FNV-1a of `b`: a stable content hash for config versions.
 pub(crate) fn fnv(b: &[u8]) -> u64 {
-    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
-        (h ^ x as u64).wrapping_mul(0x100_0000_01b3)
-    })
+    fnv_from(0xcbf2_9ce4_8422_2325u64, b)
+}
+
+/// FNV-1a of `b` continued from `h` (the hash of what came before).
+pub(crate) fn fnv_from(h: u64, b: &[u8]) -> u64 {
+    b.iter()
+        .fold(h, |h, &x| (h ^ x as u64).wrapping_mul(0x100_0000_01b3))
 }
 
 /// Writes `bytes` to `path` atomically and durably: a temp file beside it is written and

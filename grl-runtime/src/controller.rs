@@ -65,7 +65,16 @@ pub struct ControllerOptions {
     /// directory, shared with the region's other controller replicas (see
     /// [`crate::state_db`]). None = the state directory.
     pub database: Option<DatabaseOptions>,
+    /// Header and idle timeouts, connection cap and health connections of the listener.
+    pub serve: crate::server::ServeLimits,
+    /// A second listener serving `/healthz` and `/readyz` only (None: none).
+    pub health_listen: Option<SocketAddr>,
+    /// Overrides active at once; one more is refused (422).
+    pub max_overrides: usize,
 }
+
+/// The default of [`ControllerOptions::max_overrides`].
+pub const DEFAULT_MAX_OVERRIDES: usize = 1_000;
 
 /// The shared state database of controller replicas.
 #[derive(Debug, Clone)]
@@ -121,6 +130,9 @@ impl Default for ControllerOptions {
             max_callers_per_service: crate::calls::DEFAULT_MAX_CALLERS,
             max_procedures_per_service: crate::calls::DEFAULT_MAX_PROCEDURES,
             database: None,
+            serve: Default::default(),
+            health_listen: None,
+            max_overrides: DEFAULT_MAX_OVERRIDES,
         }
     }
 }
@@ -158,6 +170,7 @@ struct Shared {
     last_tick_ms: std::sync::atomic::AtomicU64,
     /// The shared state database (replicas); None = the state directory.
     db: Option<Arc<DbSync>>,
+    max_overrides: usize,
 }
 
 /// This replica's view of the state database.
@@ -252,11 +265,15 @@ impl Shared {
     }
 
     fn save_overrides(&self, next_id: u64, overrides: &[Override]) -> Result<(), ApiError> {
-        let f = OverridesFile {
-            next_id,
-            overrides: overrides.to_vec(),
-        };
-        let bytes = serde_json::to_vec_pretty(&f).map_err(|e| ApiError::Internal(e.to_string()))?;
+        // The shape of `OverridesFile`, borrowed.
+        #[derive(Serialize)]
+        struct Borrowed<'a> {
+            next_id: u64,
+            overrides: &'a [Override],
+        }
+        let f = Borrowed { next_id, overrides };
+        // Compact: rewritten whole at every change, up to --max-overrides of them.
+        let bytes = serde_json::to_vec(&f).map_err(|e| ApiError::Internal(e.to_string()))?;
         write_atomic(&self.state_dir.join("overrides.json"), &bytes)
             .map_err(|e| ApiError::Internal(format!("write overrides: {e}")))
     }
@@ -287,7 +304,7 @@ fn load_state(dir: &Path) -> anyhow::Result<(Option<ConfigDoc>, OverridesFile)> 
         Some((path, bytes)) => {
             let doc: ConfigDoc =
                 serde_json::from_slice(&bytes).map_err(|e| refuse(&path, e.to_string()))?;
-            config::validate(&doc).map_err(|e| refuse(&path, e.to_string()))?;
+            config::validate_pushed(&doc).map_err(|e| refuse(&path, e.to_string()))?;
             Some(doc)
         }
         None => None,
@@ -378,7 +395,7 @@ fn check_overrides(ov: &OverridesFile) -> Result<(), String> {
 /// `PUT /v1/config`, the overrides as `POST /v1/overrides`).
 fn check_snapshot(snap: &crate::state_db::Snapshot) -> Result<(), String> {
     if let Some(doc) = &snap.config {
-        config::validate(doc).map_err(|e| format!("config `{}`: {e}", doc.version))?;
+        config::validate_pushed(doc).map_err(|e| format!("config `{}`: {e}", doc.version))?;
     }
     check_overrides(&OverridesFile {
         next_id: snap.next_override_id,
@@ -663,6 +680,8 @@ impl Controller {
         let mut registry = prometheus_client::registry::Registry::default();
         crate::metrics::register_build_info(&mut registry, "grl", "controller");
         refused.register(&mut registry);
+        let server_stats = Arc::new(crate::server::ServerStats::default());
+        server_stats.register(&mut registry);
         registry.register_collector(Box::new(crate::metrics::EngineCollector::new(
             engine.clone(),
         )));
@@ -691,6 +710,7 @@ impl Controller {
             tick: opts.tick,
             last_tick_ms: std::sync::atomic::AtomicU64::new(u64::MAX),
             db: db.clone(),
+            max_overrides: opts.max_overrides,
         });
         // TLS files and the peer client are checked before binding: a controller does not
         // start on files that do not load.
@@ -709,8 +729,26 @@ impl Controller {
             .await
             .with_context(|| format!("bind {}", opts.listen))?;
         let addr = listener.local_addr()?;
-        let (stop, server) =
-            crate::http_util::spawn_server(listener, app(shared.clone()), tls, "controller");
+        let health_routes = Router::new()
+            .route("/healthz", get(crate::http_util::healthz))
+            .route("/readyz", get(readyz))
+            .with_state(shared.clone());
+        let health = crate::http_util::spawn_health(
+            opts.health_listen,
+            health_routes,
+            tls.clone(),
+            opts.serve,
+            "controller health",
+        )
+        .await?;
+        let (stop, server) = crate::http_util::spawn_server(
+            listener,
+            app(shared.clone()),
+            tls,
+            opts.serve,
+            server_stats,
+            "controller",
+        );
         let peering = match (&opts.region, opts.peers.is_empty()) {
             (_, true) => None,
             (Some(r), false) => Some((r.clone(), opts.peers.clone())),
@@ -734,6 +772,7 @@ impl Controller {
             server,
             finish,
             background: ticker,
+            health,
         })
     }
 }
@@ -786,13 +825,15 @@ async fn tick_loop(
                 let (http, url, report) =
                     (http.clone(), format!("{p}/v1/aggregate"), report.clone());
                 let token = shared.report_token.as_ref().map(|t| t.current());
+                let timeout = shared.tick.max(Duration::from_millis(200));
                 tokio::spawn(async move {
                     let mut req = http.post(&url).json(&report);
                     if let Some(t) = token.filter(|t| !t.is_empty()) {
                         req = req.bearer_auth(t);
                     }
                     if let Err(e) = req.send().await.and_then(|r| r.error_for_status()) {
-                        tracing::debug!(peer = %url, error = %e, "peer controller unreachable");
+                        let cause = crate::cause::describe(&e, timeout);
+                        tracing::debug!(peer = %url, error = %cause, "peer controller unreachable");
                     }
                 });
             }
@@ -814,8 +855,37 @@ async fn tick_loop(
     }
 }
 
-async fn get_config(State(s): State<Arc<Shared>>) -> Json<ConfigDoc> {
-    Json(s.engine.lock().expect("engine lock").config().clone())
+#[derive(Deserialize)]
+struct ConfigView {
+    view: Option<String>,
+}
+
+/// `GET /v1/config`: the served config (the pushed one plus the buckets of traffic overrides,
+/// what aggregators and clients run); `?view=pushed`: the config as pushed, which
+/// `PUT /v1/config` takes back (a served config's `override:` buckets are refused there).
+async fn get_config(
+    State(s): State<Arc<Shared>>,
+    Query(q): Query<ConfigView>,
+) -> Result<Json<ConfigDoc>, ApiError> {
+    let e = s.engine.lock().expect("engine lock");
+    match q.view.as_deref() {
+        None | Some("served") => Ok(Json(e.config().clone())),
+        Some("pushed") => Ok(Json(e.base_config().clone())),
+        Some(v) => Err(ApiError::BadRequest(format!(
+            "view `{v}`: expected `served` (the default) or `pushed`"
+        ))),
+    }
+}
+
+/// 422 when `max` overrides are active at `now` (expired ones not purged yet do not count).
+fn room_for_one_more(e: &Engine, now: u64, max: usize) -> Result<(), ApiError> {
+    let active = e.overrides().iter().filter(|o| o.active(now)).count();
+    if active >= max {
+        return Err(ApiError::Invalid(format!(
+            "{active} overrides are active, the most this controller takes (--max-overrides {max}); remove one (grl override rm ID) or let one expire, and put lasting limits in the bucket files"
+        )));
+    }
+    Ok(())
 }
 
 /// `PUT /v1/config`: role `config` (rlc's credential).
@@ -827,7 +897,7 @@ async fn put_config(
     let cred = s.authorize(&headers, "config", "PUT /v1/config")?;
     let body = read_body(body, MAX_BODY).await?;
     let doc: ConfigDoc = parse_json(&body)?;
-    config::validate(&doc).map_err(|e| ApiError::Invalid(e.to_string()))?;
+    config::validate_pushed(&doc).map_err(|e| ApiError::Invalid(e.to_string()))?;
     if let Some(sync) = &s.db {
         return put_config_db(&s, sync, doc, &cred.name).await.map(Json);
     }
@@ -1032,6 +1102,7 @@ async fn aggregate(
     let body = match read_body(body, MAX_BODY).await {
         Ok(b) => b,
         Err(e @ ApiError::TooLarge(_)) => return Err(s.refuse_report("too_large", e)),
+        Err(e @ ApiError::Timeout) => return Err(s.refuse_report("timeout", e)),
         Err(e) => return Err(s.refuse_report("malformed", e)),
     };
     let r: ZoneReport = parse_json(&body).map_err(|e| s.refuse_report("malformed", e))?;
@@ -1136,6 +1207,7 @@ async fn add_override(
     let now = unix_now();
     let mut p = s.persisted.lock().expect("persisted lock");
     let mut e = s.engine.lock().expect("engine lock");
+    room_for_one_more(&e, now, s.max_overrides)?;
     let next_id = p.next_id + 1;
     let o = Override {
         id: format!("ovr-{next_id}"),
@@ -1184,9 +1256,12 @@ async fn add_override_db(
                     req: req.clone(),
                 };
                 let e = s.engine.lock().expect("engine lock");
+                room_for_one_more(&e, now, s.max_overrides)?;
                 let mut list = e.overrides().to_vec();
                 list.push(o.clone());
-                e.check_overrides(&list).map(|()| o)
+                e.check_overrides(&list).map(|()| o).map_err(|err| {
+                    ApiError::Invalid(format!("the override cannot be served: {err}"))
+                })
             })
             .await;
         let (o, rev) = match made {
@@ -1197,11 +1272,7 @@ async fn add_override_db(
                 continue;
             }
             Err(e) => return Err(sync.refuse("POST /v1/overrides", e)),
-            Ok(Err(err)) => {
-                return Err(ApiError::Invalid(format!(
-                    "the override cannot be served: {err}"
-                )))
-            }
+            Ok(Err(err)) => return Err(err),
             Ok(Ok(made)) => made,
         };
         sync.ok(rev);

@@ -471,11 +471,14 @@ impl Engine {
         let mut old_totals = std::mem::take(&mut self.totals);
         self.index.clear();
         for f in &config.services {
+            // The service's name is copied once, not per bucket.
+            let names = match self.index.get_mut(f.service.as_str()) {
+                Some(m) => m,
+                None => self.index.entry(f.service.clone()).or_default(),
+            };
+            names.reserve(f.buckets.len());
             for b in &f.buckets {
-                self.index
-                    .entry(f.service.clone())
-                    .or_default()
-                    .insert(b.name.clone(), self.buckets.len());
+                names.insert(b.name.clone(), self.buckets.len());
                 self.buckets.push(BucketState {
                     service: f.service.clone(),
                     bucket: b.clone(),
@@ -666,7 +669,7 @@ impl Engine {
             || self.overrides.iter().any(Override::is_traffic);
         let m = traffic.then(|| materialize(&self.base, &list));
         if let Some(m) = &m {
-            crate::config::validate(&m.0)?;
+            self.check_served(&m.0)?;
         }
         if let Err(e) = persist(&list) {
             return Ok(Err(e));
@@ -683,9 +686,23 @@ impl Engine {
     /// valid (the check of [`Engine::try_set_overrides`], changing nothing).
     pub fn check_overrides(&self, list: &[Override]) -> Result<(), crate::config::ConfigError> {
         if list.iter().any(Override::is_traffic) {
-            crate::config::validate(&materialize(&self.base, list).0)?;
+            self.check_served(&materialize(&self.base, list).0)?;
         }
         Ok(())
+    }
+
+    /// A served config the overrides make: valid, and within [`crate::config::MAX_OVERRIDE_BUCKETS`]
+    /// buckets more than the pushed one.
+    fn check_served(&self, served: &ConfigDoc) -> Result<(), crate::config::ConfigError> {
+        let count = |d: &ConfigDoc| d.services.iter().map(|f| f.buckets.len()).sum::<usize>();
+        let added = count(served).saturating_sub(count(&self.base));
+        if added > crate::config::MAX_OVERRIDE_BUCKETS {
+            return Err(crate::config::ConfigError::TooManyOverrideBuckets {
+                added,
+                max: crate::config::MAX_OVERRIDE_BUCKETS,
+            });
+        }
+        crate::config::validate(served)
     }
 
     /// Removes overrides expired at `unix_now` and returns them (for the audit log).

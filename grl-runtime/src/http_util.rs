@@ -33,6 +33,12 @@ pub enum ApiError {
     /// A dependency (the state database) is unreachable: nothing was changed, retry later.
     #[error("{0}")]
     Unavailable(String),
+    /// A bound of the server is reached (a service's budget of rates held): retry later.
+    #[error("{0}")]
+    TooMany(String),
+    /// The body did not arrive within [`BODY_TIMEOUT`].
+    #[error("request body not received within {} s", BODY_TIMEOUT.as_secs())]
+    Timeout,
 }
 
 impl IntoResponse for ApiError {
@@ -45,6 +51,8 @@ impl IntoResponse for ApiError {
             ApiError::Invalid(_) => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Timeout => StatusCode::REQUEST_TIMEOUT,
+            ApiError::TooMany(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Internal(detail) => {
                 tracing::error!(detail = %detail, "internal error");
                 StatusCode::INTERNAL_SERVER_ERROR
@@ -63,13 +71,19 @@ pub fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| ApiError::BadRequest(e.to_string()))
 }
 
-/// Reads a request body of at most `limit` bytes (413 beyond). Call it only once the
-/// request is authenticated: until then nothing of the body is read.
+/// How long a request body may take to arrive (408 beyond): a client trickling its body holds
+/// a connection for at most this long.
+pub const BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Reads a request body of at most `limit` bytes (413 beyond) within [`BODY_TIMEOUT`] (408
+/// beyond). Call it only once the request is authenticated: until then nothing of the body
+/// is read.
 pub async fn read_body(
     body: axum::body::Body,
     limit: usize,
 ) -> Result<axum::body::Bytes, ApiError> {
-    axum::body::to_bytes(body, limit).await.map_err(|e| {
+    let read = tokio::time::timeout(BODY_TIMEOUT, axum::body::to_bytes(body, limit));
+    read.await.map_err(|_| ApiError::Timeout)?.map_err(|e| {
         // axum wraps http-body-util's `LengthLimitError` ("length limit exceeded").
         let mut too_large = false;
         let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(&e);
@@ -83,6 +97,108 @@ pub async fn read_body(
             ApiError::BadRequest(format!("reading the body: {e}"))
         }
     })
+}
+
+/// Why a call to another tier failed: the cause in words ([`crate::cause`]), or an answer too
+/// large to read.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    /// The request failed: the cause in words.
+    #[error("{0}")]
+    Failed(String),
+    /// The answer has an error status.
+    #[error("{url}: answered {status}")]
+    Status {
+        /// Where the call went.
+        url: String,
+        /// The status.
+        status: http::StatusCode,
+    },
+    /// The answer is larger than the caller reads.
+    #[error("{url}: answer larger than {limit} bytes")]
+    TooLarge {
+        /// Where the call went.
+        url: String,
+        /// The bound.
+        limit: usize,
+    },
+    /// The answer is not what was expected.
+    #[error("{url}: unreadable answer: {reason}")]
+    Unreadable {
+        /// Where the call went.
+        url: String,
+        /// The decoder's message.
+        reason: String,
+    },
+}
+
+/// Sends `req` and reads the answer's body, at most `limit` bytes: the cause of a failure is
+/// named ([`crate::cause::describe`], `timeout` being the client's bound), an error status is
+/// an error, and a larger answer is refused without being held.
+pub async fn call(
+    req: reqwest::RequestBuilder,
+    timeout: std::time::Duration,
+    limit: usize,
+) -> Result<Answer, CallError> {
+    let failed = |e: reqwest::Error| CallError::Failed(crate::cause::describe(&e, timeout));
+    let resp = req.send().await.map_err(failed)?;
+    let mut u = resp.url().clone();
+    u.set_query(None);
+    let url = u.to_string();
+    let status = resp.status();
+    if status.is_client_error() || status.is_server_error() {
+        return Err(CallError::Status { url, status });
+    }
+    let headers = resp.headers().clone();
+    let body = call_response(resp, timeout, limit).await?;
+    Ok(Answer { url, headers, body })
+}
+
+/// Reads the body of `resp` (any status), at most `limit` bytes.
+pub async fn call_response(
+    mut resp: reqwest::Response,
+    timeout: std::time::Duration,
+    limit: usize,
+) -> Result<axum::body::Bytes, CallError> {
+    let mut u = resp.url().clone();
+    u.set_query(None);
+    let url = u.to_string();
+    if resp.content_length().is_some_and(|n| n > limit as u64) {
+        return Err(CallError::TooLarge { url, limit });
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = resp
+        .chunk()
+        .await
+        .map_err(|e| CallError::Failed(crate::cause::describe(&e, timeout)))?
+    {
+        if body.len() + chunk.len() > limit {
+            return Err(CallError::TooLarge { url, limit });
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body.into())
+}
+
+/// A successful answer read whole by [`call`].
+#[derive(Debug)]
+pub struct Answer {
+    /// Where the call went.
+    pub url: String,
+    /// The answer's headers.
+    pub headers: http::HeaderMap,
+    /// The answer's body.
+    pub body: axum::body::Bytes,
+}
+
+impl Answer {
+    /// The body parsed as JSON.
+    pub fn json<T: DeserializeOwned>(&self) -> Result<T, CallError> {
+        serde_json::from_slice(&self.body).map_err(|e| CallError::Unreadable {
+            url: self.url.clone(),
+            reason: e.to_string(),
+        })
+    }
 }
 
 /// Checks `Authorization: Bearer <token>` in constant time over the token's length.
@@ -144,6 +260,46 @@ pub struct ServerHandle {
     /// Tells the background loop to do its last work (flush) and return.
     pub(crate) finish: tokio::sync::oneshot::Sender<()>,
     pub(crate) background: tokio::task::JoinHandle<()>,
+    /// The health listener (`/healthz`, `/readyz` only), when one was asked for.
+    pub(crate) health: Option<HealthServer>,
+}
+
+/// A listener serving the health paths only, apart from the main one: an orchestrator's
+/// probes reach it however many connections the main port holds.
+pub(crate) struct HealthServer {
+    addr: std::net::SocketAddr,
+    stop: tokio::sync::oneshot::Sender<()>,
+    server: tokio::task::JoinHandle<()>,
+}
+
+/// Connections the health listener serves at once.
+const HEALTH_LISTENER_CONNECTIONS: usize = 64;
+
+/// Binds `addr` (when given) and serves `health` on it: the routes `/healthz` and `/readyz`
+/// of the server, with its TLS and timeouts and a cap of 64 connections.
+pub(crate) async fn spawn_health(
+    addr: Option<std::net::SocketAddr>,
+    health: axum::Router,
+    tls: Option<std::sync::Arc<crate::tls::ReloadingServerConfig>>,
+    limits: crate::server::ServeLimits,
+    what: &'static str,
+) -> anyhow::Result<Option<HealthServer>> {
+    use anyhow::Context;
+    let Some(addr) = addr else {
+        return Ok(None);
+    };
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("bind the health listener {addr}"))?;
+    let addr = listener.local_addr()?;
+    let limits = crate::server::ServeLimits {
+        max_connections: HEALTH_LISTENER_CONNECTIONS,
+        health_connections: 0,
+        ..limits
+    };
+    let (stop, server) = spawn_server(listener, health, tls, limits, Default::default(), what);
+    tracing::info!(%addr, "health listener (/healthz, /readyz only)");
+    Ok(Some(HealthServer { addr, stop, server }))
 }
 
 impl ServerHandle {
@@ -157,6 +313,11 @@ impl ServerHandle {
         self.addr
     }
 
+    /// The health listener's address, when one was asked for.
+    pub fn health_addr(&self) -> Option<std::net::SocketAddr> {
+        self.health.as_ref().map(|h| h.addr)
+    }
+
     /// [`Self::shutdown_within`] with [`SHUTDOWN_GRACE`].
     pub async fn shutdown(self) -> bool {
         self.shutdown_within(SHUTDOWN_GRACE).await
@@ -168,6 +329,13 @@ impl ServerHandle {
     /// Returns whether everything finished within the bounds.
     pub async fn shutdown_within(self, grace: std::time::Duration) -> bool {
         let _ = self.stop.send(());
+        if let Some(h) = self.health {
+            let _ = h.stop.send(());
+            let mut server = h.server;
+            if tokio::time::timeout(grace, &mut server).await.is_err() {
+                server.abort();
+            }
+        }
         let mut clean = true;
         let mut server = self.server;
         if tokio::time::timeout(grace, &mut server).await.is_err() {
@@ -192,12 +360,15 @@ impl ServerHandle {
     }
 }
 
-/// Serves `router` on `listener` (over TLS when `tls` is given) in a task until the returned
-/// sender fires or drops; `what` names the server in logs.
+/// Serves `router` on `listener` (over TLS when `tls` is given, with `limits`, counting in
+/// `stats`) in a task until the returned sender fires or drops; `what` names the server in
+/// logs.
 pub(crate) fn spawn_server(
     listener: tokio::net::TcpListener,
     router: axum::Router,
     tls: Option<std::sync::Arc<crate::tls::ReloadingServerConfig>>,
+    limits: crate::server::ServeLimits,
+    stats: std::sync::Arc<crate::server::ServerStats>,
     what: &'static str,
 ) -> (
     tokio::sync::oneshot::Sender<()>,
@@ -205,7 +376,7 @@ pub(crate) fn spawn_server(
 ) {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(async move {
-        let r = crate::tls::serve(listener, router, tls, async {
+        let r = crate::server::serve_with(listener, router, tls, limits, stats, async {
             let _ = stopped.await;
         })
         .await;

@@ -8,6 +8,7 @@
 pub mod aggregator;
 pub mod auth;
 pub mod calls;
+pub mod cause;
 pub mod client;
 pub mod config;
 pub mod controller;
@@ -25,6 +26,7 @@ pub mod proto;
 pub use http_util::ApiError;
 pub mod realtime;
 pub mod report;
+pub mod server;
 pub mod sim;
 pub mod state_db;
 #[cfg(test)]

@@ -69,6 +69,8 @@ enum Cmd {
         peers: Vec<String>,
         #[command(flatten)]
         tls: ServeTlsArgs,
+        #[command(flatten)]
+        limits: ServeLimitArgs,
         /// How peer controllers (--peer https://…) are verified.
         #[command(flatten)]
         client_tls: ClientTlsArgs,
@@ -99,6 +101,10 @@ enum Cmd {
         /// With a database: how long a starting controller waits for it before giving up.
         #[arg(long, default_value_t = 30)]
         database_connect_timeout_secs: u64,
+        /// Overrides active at once; one more is refused (422) until one is removed or
+        /// expires.
+        #[arg(long, default_value_t = grl_runtime::controller::DEFAULT_MAX_OVERRIDES)]
+        max_overrides: usize,
     },
     /// Run a zone aggregator.
     ///
@@ -128,6 +134,8 @@ enum Cmd {
         id: Option<String>,
         #[command(flatten)]
         tls: ServeTlsArgs,
+        #[command(flatten)]
+        limits: ServeLimitArgs,
         /// How the controllers (--controller https://…) are verified.
         #[command(flatten)]
         client_tls: ClientTlsArgs,
@@ -152,6 +160,18 @@ enum Cmd {
         /// (its counts ride along; 1 = every bucket every forward).
         #[arg(long, default_value_t = 30)]
         report_refresh_ticks: u64,
+        /// Plausibility: a client's offered rate for a bucket is cut to the largest of this
+        /// many times the bucket's limit divided by the service's clients in the zone, ...
+        #[arg(long, default_value_t = 10.0)]
+        plausible_limit_multiple: f64,
+        /// ... this many times the mean rate of the bucket's other clients (the largest left
+        /// out), and 10 rps. Buckets under an incident override are not cut.
+        #[arg(long, default_value_t = 4.0)]
+        plausible_peer_multiple: f64,
+        /// Rates held per service (one per client and bucket); a report that would pass it is
+        /// refused with 429.
+        #[arg(long, default_value_t = 1_000_000)]
+        max_rates_per_service: usize,
     },
     /// Print a new credential line (`NAME SCOPE SECRET`, 256 random bits) for a credentials
     /// file.
@@ -202,6 +222,9 @@ struct Remote {
     controller: String,
     #[command(flatten)]
     tls: ClientTlsArgs,
+    /// Give up on the controller after this many seconds.
+    #[arg(long, default_value_t = 30)]
+    timeout_secs: u64,
 }
 
 /// A server's TLS (controller, aggregator). No certificate = plain HTTP (loopback, tests).
@@ -234,6 +257,53 @@ impl ServeTlsArgs {
             reload_every: reload,
             ..t
         }))
+    }
+}
+
+/// A server's connection limits (controller, aggregator): see `grl_runtime::server`.
+#[derive(Args)]
+struct ServeLimitArgs {
+    /// A request's head (request line and headers) must arrive within this many milliseconds
+    /// of the connection's accept (TLS handshake included) or of its first byte; else the
+    /// connection is cut.
+    #[arg(long, default_value_t = 10_000)]
+    http_header_timeout_ms: u64,
+    /// A kept-alive connection with no request in flight and no traffic for this many
+    /// milliseconds is closed.
+    #[arg(long, default_value_t = 60_000)]
+    http_idle_timeout_ms: u64,
+    /// Connections served at once; beyond, --health-connections more get /healthz and /readyz
+    /// only, and the rest are closed at accept. Lowered, with a warning, to fit the open-file
+    /// limit.
+    #[arg(long, default_value_t = 10_000)]
+    max_connections: usize,
+    /// Connections beyond --max-connections that still get /healthz and /readyz (one request
+    /// each, 2 s to send it), so that probes answer while the cap is reached.
+    #[arg(long, default_value_t = 16)]
+    health_connections: usize,
+    /// Also serve /healthz and /readyz (only) on this address, with its own 64 connections:
+    /// probes reach it however many connections hold the main port (keep it off the
+    /// network that reaches the main port).
+    #[arg(long)]
+    health_listen: Option<SocketAddr>,
+}
+
+impl ServeLimitArgs {
+    fn limits(&self) -> anyhow::Result<grl_runtime::server::ServeLimits> {
+        anyhow::ensure!(
+            self.http_header_timeout_ms > 0 && self.http_idle_timeout_ms > 0,
+            "--http-header-timeout-ms and --http-idle-timeout-ms must be positive"
+        );
+        anyhow::ensure!(
+            self.max_connections > 0,
+            "--max-connections must be positive"
+        );
+        Ok(grl_runtime::server::ServeLimits {
+            header_timeout: Duration::from_millis(self.http_header_timeout_ms),
+            idle_timeout: Duration::from_millis(self.http_idle_timeout_ms),
+            max_connections: self.max_connections,
+            health_connections: self.health_connections,
+        })
     }
 }
 
@@ -340,6 +410,7 @@ async fn main() -> anyhow::Result<()> {
             region,
             peers,
             tls,
+            limits,
             client_tls,
             insecure_allow_anonymous_reports,
             shutdown_grace_ms,
@@ -348,6 +419,7 @@ async fn main() -> anyhow::Result<()> {
             database_url,
             database_poll_secs,
             database_connect_timeout_secs,
+            max_overrides,
         } => {
             let database = match database_url {
                 Some(url) if grl_runtime::state_db::has_password(&url) => bail!(
@@ -403,6 +475,9 @@ async fn main() -> anyhow::Result<()> {
                 max_callers_per_service: calls_max_callers,
                 max_procedures_per_service: calls_max_procedures,
                 database,
+                serve: limits.limits()?,
+                health_listen: limits.health_listen,
+                max_overrides,
             })
             .await?;
             println!("listening on {}", h.addr());
@@ -416,13 +491,24 @@ async fn main() -> anyhow::Result<()> {
             tick_ms,
             id,
             tls,
+            limits,
             client_tls,
             client_credentials,
             insecure_allow_anonymous_reports,
             shutdown_grace_ms,
             report_change_threshold,
             report_refresh_ticks,
+            plausible_limit_multiple,
+            plausible_peer_multiple,
+            max_rates_per_service,
         } => {
+            anyhow::ensure!(
+                plausible_limit_multiple.is_finite()
+                    && plausible_limit_multiple >= 1.0
+                    && plausible_peer_multiple.is_finite()
+                    && plausible_peer_multiple >= 1.0,
+                "--plausible-limit-multiple and --plausible-peer-multiple must be at least 1"
+            );
             anyhow::ensure!(
                 report_change_threshold.is_finite()
                     && (0.0..1.0).contains(&report_change_threshold),
@@ -444,6 +530,13 @@ async fn main() -> anyhow::Result<()> {
                 delta: grl_runtime::delta::DeltaOptions {
                     threshold: report_change_threshold,
                     refresh_ticks: report_refresh_ticks,
+                },
+                serve: limits.limits()?,
+                health_listen: limits.health_listen,
+                plausibility: grl_runtime::aggregator::screen::Plausibility {
+                    limit_multiple: plausible_limit_multiple,
+                    peer_multiple: plausible_peer_multiple,
+                    max_rates_per_service,
                 },
                 ..Default::default()
             })
@@ -536,19 +629,22 @@ fn who_or_user(who: Option<String>) -> String {
 }
 
 async fn override_cmd(mut cmd: OverrideCmd) -> anyhow::Result<()> {
-    let tls = match &mut cmd {
+    let (tls, timeout) = match &mut cmd {
         OverrideCmd::Add { remote, .. }
         | OverrideCmd::List { remote }
-        | OverrideCmd::Rm { remote, .. } => std::mem::replace(
-            &mut remote.tls,
-            ClientTlsArgs {
-                tls_ca: None,
-                tls_client_cert: None,
-                tls_client_key: None,
-            },
+        | OverrideCmd::Rm { remote, .. } => (
+            std::mem::replace(
+                &mut remote.tls,
+                ClientTlsArgs {
+                    tls_ca: None,
+                    tls_client_cert: None,
+                    tls_client_key: None,
+                },
+            ),
+            Duration::from_secs(remote.timeout_secs.max(1)),
         ),
     };
-    let http = tls.options()?.http_client(Duration::from_secs(30))?;
+    let http = tls.options()?.http_client(timeout)?;
     let (resp, what) = match cmd {
         OverrideCmd::Add {
             remote,
@@ -577,18 +673,11 @@ async fn override_cmd(mut cmd: OverrideCmd) -> anyhow::Result<()> {
             let r = http
                 .post(format!("{}/v1/overrides", remote.controller))
                 .bearer_auth(override_token()?)
-                .json(&req)
-                .send()
-                .await
-                .context("reach controller")?;
+                .json(&req);
             (r, "add override")
         }
         OverrideCmd::List { remote } => {
-            let r = http
-                .get(format!("{}/v1/overrides", remote.controller))
-                .send()
-                .await
-                .context("reach controller")?;
+            let r = http.get(format!("{}/v1/overrides", remote.controller));
             (r, "list overrides")
         }
         OverrideCmd::Rm {
@@ -600,15 +689,23 @@ async fn override_cmd(mut cmd: OverrideCmd) -> anyhow::Result<()> {
             let r = http
                 .delete(format!("{}/v1/overrides/{id}", remote.controller))
                 .query(&[("who", who), ("reason", reason)])
-                .bearer_auth(override_token()?)
-                .send()
-                .await
-                .context("reach controller")?;
+                .bearer_auth(override_token()?);
             (r, "remove override")
         }
     };
+    // The controller's refusals carry a reason in their body: read (bounded) and shown.
+    let resp = match resp.send().await {
+        Ok(r) => r,
+        Err(e) => bail!(
+            "{what}: cannot reach the controller: {}",
+            grl_runtime::cause::describe(&e, timeout)
+        ),
+    };
     let status = resp.status();
-    let body = resp.text().await.unwrap_or_default();
+    let body = match grl_runtime::http_util::call_response(resp, timeout, 64 << 20).await {
+        Ok(b) => String::from_utf8_lossy(&b).into_owned(),
+        Err(e) => bail!("{what}: {e}"),
+    };
     if !status.is_success() {
         bail!("{what}: controller answered {status}: {body}");
     }

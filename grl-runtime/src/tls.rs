@@ -27,18 +27,10 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{RootCertStore, ServerConfig};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, Semaphore};
-use tokio::task::JoinHandle;
-use tokio_rustls::server::TlsStream;
-use tokio_rustls::TlsAcceptor;
+use tokio::net::TcpListener;
 
 /// Default period of the certificate file poll.
 pub const DEFAULT_RELOAD_EVERY: Duration = Duration::from_secs(5);
-/// A TLS handshake not finished within this is dropped.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Handshakes in progress at most; further connections wait in the kernel's backlog.
-const MAX_HANDSHAKES: usize = 512;
 
 fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
@@ -162,6 +154,7 @@ impl ClientTls {
                 // Parsed first so that a bad file is named; reqwest wants both in one PEM buffer.
                 read_certs(cert)?;
                 read_key(key)?;
+                warn_if_expired("TLS client", cert);
                 let mut pem = std::fs::read(cert)
                     .with_context(|| format!("{}: cannot read", cert.display()))?;
                 pem.push(b'\n');
@@ -231,6 +224,89 @@ pub fn read_key(path: &Path) -> anyhow::Result<PrivateKeyDer<'static>> {
     let bytes = std::fs::read(path).with_context(|| format!("{}: cannot read", path.display()))?;
     PrivateKeyDer::from_pem_slice(&bytes)
         .map_err(|e| anyhow::anyhow!("{}: no usable private key: {e}", path.display()))
+}
+
+/// The end of an X.509 certificate's validity (`notAfter`, unix seconds), read from its DER
+/// (`Certificate` → `tbsCertificate` → `validity`); None when it cannot be read.
+pub fn not_after(der: &[u8]) -> Option<i64> {
+    let (cert, _) = der_tlv(der, 0x30)?;
+    let (mut tbs, _) = der_tlv(cert, 0x30)?;
+    // version [0] EXPLICIT is optional
+    if tbs.first() == Some(&0xa0) {
+        tbs = der_tlv(tbs, 0xa0)?.1;
+    }
+    // serialNumber, signature, issuer
+    for tag in [0x02, 0x30, 0x30] {
+        tbs = der_tlv(tbs, tag)?.1;
+    }
+    let (validity, _) = der_tlv(tbs, 0x30)?;
+    let (_, rest) = der_time(validity)?;
+    Some(der_time(rest)?.0)
+}
+
+/// The content of the DER element with `tag` at the start of `b`, and what follows it.
+fn der_tlv(b: &[u8], tag: u8) -> Option<(&[u8], &[u8])> {
+    if *b.first()? != tag {
+        return None;
+    }
+    let first = *b.get(1)?;
+    let (len, at) = if first < 0x80 {
+        (first as usize, 2)
+    } else {
+        let n = (first & 0x7f) as usize;
+        if n == 0 || n > 4 {
+            return None;
+        }
+        let len = b
+            .get(2..2 + n)?
+            .iter()
+            .fold(0usize, |l, &x| (l << 8) | x as usize);
+        (len, 2 + n)
+    };
+    let end = at.checked_add(len)?;
+    Some((b.get(at..end)?, &b[end..]))
+}
+
+/// A UTCTime or GeneralizedTime at the start of `b` (unix seconds) and what follows it.
+fn der_time(b: &[u8]) -> Option<(i64, &[u8])> {
+    let (text, rest, year_digits) = match b.first()? {
+        0x17 => (der_tlv(b, 0x17)?.0, der_tlv(b, 0x17)?.1, 2),
+        0x18 => (der_tlv(b, 0x18)?.0, der_tlv(b, 0x18)?.1, 4),
+        _ => return None,
+    };
+    let t = std::str::from_utf8(text).ok()?.strip_suffix('Z')?;
+    let num = |r: std::ops::Range<usize>| t.get(r)?.parse::<u32>().ok();
+    let y = num(0..year_digits)? as i32;
+    // RFC 5280: two-digit years from 50 are 19YY.
+    let year = match year_digits {
+        2 if y >= 50 => 1900 + y,
+        2 => 2000 + y,
+        _ => y,
+    };
+    let o = year_digits;
+    let date = chrono::NaiveDate::from_ymd_opt(year, num(o..o + 2)?, num(o + 2..o + 4)?)?;
+    let at = date.and_hms_opt(num(o + 4..o + 6)?, num(o + 6..o + 8)?, num(o + 8..o + 10)?)?;
+    Some((at.and_utc().timestamp(), rest))
+}
+
+/// Warns when the leaf certificate of `path` has expired: peers refuse it (the process still
+/// starts or reloads, so that a renewal written later is picked up).
+fn warn_if_expired(what: &str, path: &Path) {
+    let Ok(certs) = read_certs(path) else {
+        return;
+    };
+    let Some(end) = certs.first().and_then(|c| not_after(c)) else {
+        return;
+    };
+    let now = crate::http_util::unix_now() as i64;
+    if end < now {
+        tracing::warn!(
+            file = %path.display(),
+            expired = %crate::cause::fmt_unix(end),
+            "{what} certificate expired on {}: peers refuse it; renew it (a new file is picked up without a restart where the process reloads it)",
+            crate::cause::fmt_unix(end)
+        );
+    }
 }
 
 /// Builds the rustls server config from the files (checking that the key matches the
@@ -310,10 +386,12 @@ impl std::fmt::Debug for ReloadingServerConfig {
 }
 
 impl ReloadingServerConfig {
-    /// Loads the files now (an error names the file: a server does not start on bad ones).
+    /// Loads the files now (an error names the file: a server does not start on bad ones; an
+    /// expired certificate is logged as a warning).
     pub fn load(files: &ServerTls) -> anyhow::Result<Arc<ReloadingServerConfig>> {
         let seen = files.files().iter().map(|p| stamp(p)).collect();
         let cfg = server_config(files)?;
+        warn_if_expired("TLS server", &files.cert);
         Ok(Arc::new(ReloadingServerConfig {
             files: files.clone(),
             current: ArcSwap::from_pointee(cfg),
@@ -344,6 +422,11 @@ impl ReloadingServerConfig {
         self.handshake_failures.load(Ordering::Relaxed)
     }
 
+    /// Counts a failed handshake.
+    pub(crate) fn handshake_failed(&self) {
+        self.handshake_failures.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Reloads when a file changed since the last look. A pair that does not load (a key
     /// written after its certificate, a truncated file) keeps the old config, with a warning,
     /// and is tried again when a file changes again. Returns whether the config was replaced.
@@ -361,6 +444,7 @@ impl ReloadingServerConfig {
             Ok(cfg) => {
                 self.current.store(Arc::new(cfg));
                 self.reloads.fetch_add(1, Ordering::Relaxed);
+                warn_if_expired("TLS server", &self.files.cert);
                 tracing::info!(cert = %self.files.cert.display(), "TLS certificate reloaded; new connections use it");
                 true
             }
@@ -395,30 +479,6 @@ impl Connected<IncomingStream<'_, TcpListener>> for Peer {
     }
 }
 
-impl Connected<IncomingStream<'_, NoDelayListener>> for Peer {
-    fn connect_info(stream: IncomingStream<'_, NoDelayListener>) -> Peer {
-        Peer {
-            addr: *stream.remote_addr(),
-            cert_names: Arc::from(Vec::new()),
-        }
-    }
-}
-
-impl Connected<IncomingStream<'_, TlsListener>> for Peer {
-    fn connect_info(stream: IncomingStream<'_, TlsListener>) -> Peer {
-        let (_, conn) = stream.io().get_ref();
-        Peer {
-            addr: *stream.remote_addr(),
-            cert_names: Arc::from(
-                conn.peer_certificates()
-                    .and_then(|c| c.first())
-                    .map(cert_names)
-                    .unwrap_or_default(),
-            ),
-        }
-    }
-}
-
 /// DNS and URI subject alternative names of a certificate.
 pub fn cert_names(der: &CertificateDer<'_>) -> Vec<String> {
     match webpki::EndEntityCert::try_from(der) {
@@ -431,167 +491,25 @@ pub fn cert_names(der: &CertificateDer<'_>) -> Vec<String> {
     }
 }
 
-/// A TCP listener that hands out connections after their TLS handshake (done concurrently,
-/// with a timeout, so that a slow or silent client holds up no one), with the config of the
-/// moment, and re-reads the certificate files in the background.
-pub struct TlsListener {
-    rx: mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
-    local: SocketAddr,
-    tasks: Vec<JoinHandle<()>>,
-}
-
-impl TlsListener {
-    /// Starts accepting on `tcp` with `tls` (the reload loop runs until the listener drops).
-    pub fn new(tcp: TcpListener, tls: Arc<ReloadingServerConfig>) -> std::io::Result<TlsListener> {
-        let local = tcp.local_addr()?;
-        let (tx, rx) = mpsc::channel(64);
-        let reload = {
-            let tls = tls.clone();
-            tokio::spawn(async move {
-                let mut iv =
-                    tokio::time::interval(tls.files.reload_every.max(Duration::from_millis(50)));
-                iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                loop {
-                    iv.tick().await;
-                    let t = tls.clone();
-                    // File reads off the async threads.
-                    let _ = tokio::task::spawn_blocking(move || t.check()).await;
-                }
-            })
-        };
-        let accept = tokio::spawn(accept_loop(tcp, tls, tx));
-        Ok(TlsListener {
-            rx,
-            local,
-            tasks: vec![reload, accept],
-        })
-    }
-}
-
-impl Drop for TlsListener {
-    fn drop(&mut self) {
-        for t in &self.tasks {
-            t.abort();
-        }
-    }
-}
-
-async fn accept_loop(
-    tcp: TcpListener,
-    tls: Arc<ReloadingServerConfig>,
-    tx: mpsc::Sender<(TlsStream<TcpStream>, SocketAddr)>,
-) {
-    let permits = Arc::new(Semaphore::new(MAX_HANDSHAKES));
-    let warn_gate = crate::auth::LogGate::new(Duration::from_secs(10));
-    let mut warned_failures = 0u64;
-    loop {
-        let Ok(permit) = permits.clone().acquire_owned().await else {
-            return;
-        };
-        let (sock, peer) = match tcp.accept().await {
-            Ok(x) => x,
-            Err(e) => {
-                // Out of file descriptors and the like: wait instead of spinning.
-                tracing::warn!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        if tx.is_closed() {
-            return;
-        }
-        let _ = sock.set_nodelay(true);
-        let acceptor = TlsAcceptor::from(tls.current());
-        let (tx, tls2) = (tx.clone(), tls.clone());
-        tokio::spawn(async move {
-            let _permit = permit;
-            match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(sock)).await {
-                Ok(Ok(stream)) => {
-                    let _ = tx.send((stream, peer)).await;
-                }
-                Ok(Err(e)) => {
-                    tls2.handshake_failures.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                }
-                Err(_) => {
-                    tls2.handshake_failures.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(%peer, "TLS handshake timed out");
-                }
-            }
-        });
-        // A summary at most every 10 s: refused clients are visible without a log flood.
-        let failures = tls.handshake_failures();
-        if failures > warned_failures && warn_gate.open() {
-            tracing::warn!(
-                failed = failures - warned_failures,
-                "TLS handshakes failed (untrusted or missing client certificate, plain HTTP, timeout); RUST_LOG=grl_runtime::tls=debug names the peers"
-            );
-            warned_failures = failures;
-        }
-    }
-}
-
-impl axum::serve::Listener for TlsListener {
-    type Io = TlsStream<TcpStream>;
-    type Addr = SocketAddr;
-
-    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        match self.rx.recv().await {
-            Some(c) => c,
-            // The accept task ended (it only does when aborted): nothing more comes.
-            None => std::future::pending().await,
-        }
-    }
-
-    fn local_addr(&self) -> std::io::Result<Self::Addr> {
-        Ok(self.local)
-    }
-}
-
-/// A plain TCP listener whose connections send without delay (`TCP_NODELAY`, as the TLS
-/// listener's): an answer written in more than one piece never waits for the peer's delayed
-/// acknowledgement.
-pub struct NoDelayListener(pub TcpListener);
-
-impl axum::serve::Listener for NoDelayListener {
-    type Io = TcpStream;
-    type Addr = SocketAddr;
-
-    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        let (sock, addr) = axum::serve::Listener::accept(&mut self.0).await;
-        let _ = sock.set_nodelay(true);
-        (sock, addr)
-    }
-
-    fn local_addr(&self) -> std::io::Result<Self::Addr> {
-        self.0.local_addr()
-    }
-}
-
 /// Serves `router` on `listener` until `shutdown` resolves: over TLS when `tls` is given,
-/// plain HTTP otherwise. Handlers can extract `ConnectInfo<Peer>` either way.
+/// plain HTTP otherwise, with the default connection limits ([`crate::server::ServeLimits`]:
+/// header and idle timeouts, a connection cap with room for health probes). Handlers can
+/// extract `ConnectInfo<Peer>` either way. [`crate::server::serve_with`] takes other limits.
 pub async fn serve(
     listener: TcpListener,
     router: Router,
     tls: Option<Arc<ReloadingServerConfig>>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    match tls {
-        None => {
-            axum::serve(
-                NoDelayListener(listener),
-                router.into_make_service_with_connect_info::<Peer>(),
-            )
-            .with_graceful_shutdown(shutdown)
-            .await
-        }
-        Some(tls) => {
-            let l = TlsListener::new(listener, tls)?;
-            axum::serve(l, router.into_make_service_with_connect_info::<Peer>())
-                .with_graceful_shutdown(shutdown)
-                .await
-        }
-    }
+    crate::server::serve_with(
+        listener,
+        router,
+        tls,
+        crate::server::ServeLimits::default(),
+        Default::default(),
+        shutdown,
+    )
+    .await
 }
 
 #[cfg(test)]
@@ -618,6 +536,26 @@ mod tests {
             .unwrap()
             .relative_to(Path::new("/etc/rlc"));
         assert_eq!(rel.ca, p("/etc/rlc/ca.pem"));
+    }
+
+    /// The end of a certificate's validity, in both encodings of RFC 5280 (UTCTime until 2049,
+    /// GeneralizedTime after).
+    #[test]
+    fn not_after_reads_both_time_encodings() {
+        let ca = Ca::new("unit CA");
+        let der = |pem: &str| {
+            CertificateDer::pem_slice_iter(pem.as_bytes())
+                .next()
+                .unwrap()
+                .unwrap()
+        };
+        assert_eq!(
+            not_after(&der(&ca.expired_server().cert_pem)),
+            Some(1_609_459_200) // 2021-01-01
+        );
+        // rcgen's default: 4096-01-01.
+        assert_eq!(not_after(&der(&ca.server().cert_pem)), Some(67_090_118_400));
+        assert_eq!(not_after(b"\x30\x03\x02\x01"), None);
     }
 
     /// Under mutual TLS a handler sees the names of the client's certificate; a client

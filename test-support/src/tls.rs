@@ -52,9 +52,20 @@ impl Ca {
     }
 
     fn issue(&self, cn: &str, names: &[&str], usage: ExtendedKeyUsagePurpose) -> Leaf {
+        self.issue_with(cn, names, usage, |_| {})
+    }
+
+    fn issue_with(
+        &self,
+        cn: &str,
+        names: &[&str],
+        usage: ExtendedKeyUsagePurpose,
+        adjust: impl FnOnce(&mut CertificateParams),
+    ) -> Leaf {
         let key = KeyPair::generate().expect("generate key");
         let mut p = CertificateParams::new(names.iter().map(|s| s.to_string()).collect::<Vec<_>>())
             .expect("leaf params");
+        adjust(&mut p);
         p.distinguished_name.push(DnType::CommonName, cn);
         p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         p.extended_key_usages = vec![usage];
@@ -73,6 +84,25 @@ impl Ca {
             &["localhost", "127.0.0.1"],
             ExtendedKeyUsagePurpose::ServerAuth,
         )
+    }
+
+    /// A server certificate for `localhost` and `127.0.0.1` that expired on 2021-01-01
+    /// (valid from 2020-01-01).
+    pub fn expired_server(&self) -> Leaf {
+        self.issue_with(
+            "localhost",
+            &["localhost", "127.0.0.1"],
+            ExtendedKeyUsagePurpose::ServerAuth,
+            |p| {
+                p.not_before = rcgen::date_time_ymd(2020, 1, 1);
+                p.not_after = rcgen::date_time_ymd(2021, 1, 1);
+            },
+        )
+    }
+
+    /// A server certificate for these names only (a host name mismatch for any other).
+    pub fn server_for(&self, names: &[&str]) -> Leaf {
+        self.issue(names[0], names, ExtendedKeyUsagePurpose::ServerAuth)
     }
 
     /// A client certificate whose subject alternative name is the DNS name `name`.

@@ -13,9 +13,12 @@ use serde_json::{json, Value};
 use test_support::process::{free_port, Proc};
 
 mod config_dir_faults;
+mod connections;
+mod flood;
 mod ha;
 mod metrics;
 mod ops;
+mod overrides;
 mod trust;
 mod wire_props;
 

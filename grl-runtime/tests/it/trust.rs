@@ -545,7 +545,8 @@ async fn controller_roles_are_least_privilege() {
     }
     // The state file and the log name credentials, never secrets.
     let state = std::fs::read_to_string(d.join("state/overrides.json")).unwrap();
-    assert!(state.contains("\"credential\": \"alice\""), "{state}");
+    let saved: Value = serde_json::from_str(&state).unwrap();
+    assert_eq!(saved["overrides"][0]["credential"], "alice", "{state}");
     let log = std::fs::read_to_string(d.join("controller.log")).unwrap();
     for secret in [config, ovr, read, alice, REPORT_TOKEN] {
         assert!(!state.contains(secret) && !log.contains(secret));

@@ -639,3 +639,160 @@ async fn peer_controllers_over_mutual_tls_hear_only_certified_peers() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Whether the log `name.log` in `dir` contains `text`, polled for up to 15 s.
+async fn log_shows(dir: &Path, name: &str, text: &str) -> bool {
+    for _ in 0..150 {
+        let log = std::fs::read_to_string(dir.join(format!("{name}.log"))).unwrap_or_default();
+        if log.contains(text) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    false
+}
+
+/// Waits until something accepts TCP connections on `port`.
+async fn wait_listening(port: u16) {
+    eventually(&format!("port {port} listening"), || async move {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    })
+    .await;
+}
+
+/// `grl override list` against `url` trusting `ca`: its exit status and stderr.
+fn override_list(url: &str, ca: &Path, extra: &[&str]) -> (bool, String) {
+    let out = grl(&["override", "list", "--controller", url, "--tls-ca", s(ca)])
+        .args(extra)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Every call between the tiers names why it failed: an expired certificate with its date, a
+/// host name mismatch with the names the certificate has, a refused connection, a timeout;
+/// `grl override`, an aggregator calling its controller and a client calling its aggregator
+/// alike (before: "error sending request" for all of them). A server started on an expired
+/// certificate says so at start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_calls_name_their_cause() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ca = Ca::new("grl test CA");
+    let ca_file = ca.write(&d.join("ca.crt"));
+    let (old_crt, old_key) = ca.expired_server().write(d, "expired");
+    let (other_crt, other_key) = ca.server_for(&["other.example"]).write(d, "other");
+    let controller = |port: u16, crt: &Path, key: &Path, name: &str| {
+        spawn(
+            &[
+                "controller",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--state-dir",
+                s(&d.join(name)),
+                "--tls-cert",
+                s(crt),
+                "--tls-key",
+                s(key),
+            ],
+            d,
+            name,
+        )
+    };
+    let (p_old, p_other) = (free_port(), free_port());
+    let _c_old = controller(p_old, &old_crt, &old_key, "controller-expired");
+    let _c_other = controller(p_other, &other_crt, &other_key, "controller-other");
+    wait_listening(p_old).await;
+    wait_listening(p_other).await;
+    assert!(
+        log_shows(
+            d,
+            "controller-expired",
+            "TLS server certificate expired on 2021-01-01"
+        )
+        .await,
+        "no warning at start"
+    );
+
+    // grl override.
+    let (ok, err) = override_list(&format!("https://127.0.0.1:{p_old}"), &ca_file, &[]);
+    assert!(!ok);
+    assert!(
+        err.contains("server certificate expired on 2021-01-01 00:00:00 UTC"),
+        "{err}"
+    );
+    let (ok, err) = override_list(&format!("https://127.0.0.1:{p_other}"), &ca_file, &[]);
+    assert!(!ok);
+    assert!(
+        err.contains("host name mismatch") && err.contains("other.example"),
+        "{err}"
+    );
+    let refused = free_port();
+    let (ok, err) = override_list(&format!("https://127.0.0.1:{refused}"), &ca_file, &[]);
+    assert!(!ok);
+    assert!(err.contains("connection refused"), "{err}");
+    // Accepts connections (the kernel's backlog) and never answers.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("https://{}", silent.local_addr().unwrap());
+    let (ok, err) = override_list(&url, &ca_file, &["--timeout-secs", "1"]);
+    assert!(!ok);
+    assert!(err.contains("timed out after 1000 ms"), "{err}");
+
+    // An aggregator calling the controller whose certificate expired.
+    let creds = client_credentials(d);
+    let pa = free_port();
+    let _agg = spawn(
+        &[
+            "aggregator",
+            "--listen",
+            &format!("127.0.0.1:{pa}"),
+            "--controller",
+            &format!("https://127.0.0.1:{p_old}"),
+            "--zone",
+            "z1",
+            "--region",
+            "r1",
+            "--tls-ca",
+            s(&ca_file),
+            "--client-credentials",
+            s(&creds),
+            // Its own certificate names another host than the one its clients call.
+            "--tls-cert",
+            s(&other_crt),
+            "--tls-key",
+            s(&other_key),
+        ],
+        d,
+        "aggregator",
+    );
+    assert!(
+        log_shows(
+            d,
+            "aggregator",
+            "server certificate expired on 2021-01-01 00:00:00 UTC"
+        )
+        .await,
+        "{}",
+        std::fs::read_to_string(d.join("aggregator.log")).unwrap_or_default()
+    );
+
+    // A client calling that aggregator by an address its certificate does not name.
+    let c = client(
+        &format!("https://127.0.0.1:{pa}"),
+        "c1",
+        ClientTls {
+            ca: Some(ca_file.clone()),
+            ..Default::default()
+        },
+    );
+    let last = || c.stats().last_error.lock().unwrap().clone();
+    eventually("the client names the cause", || {
+        let l = last();
+        async move { l.is_some_and(|e| e.contains("host name mismatch")) }
+    })
+    .await;
+    assert!(last().unwrap().contains("other.example"), "{:?}", last());
+}

@@ -1,0 +1,726 @@
+//! The one HTTP serving loop of every daemon (controller, aggregator, `rlc serve`): HTTP/1.1
+//! over plain TCP or TLS, with every connection bounded in time and in number.
+//!
+//! - **Header timeout**: a request's head (request line and headers) must arrive within
+//!   [`ServeLimits::header_timeout`] of the connection's accept (the TLS handshake included)
+//!   or of its first byte; a client that trickles a byte a second is cut.
+//! - **Idle timeout**: a kept-alive connection with no request in flight and no byte read or
+//!   written for [`ServeLimits::idle_timeout`] is closed.
+//! - **Connection cap**: at most [`ServeLimits::max_connections`] connections per listener.
+//!   Beyond it, [`ServeLimits::health_connections`] more connections are served one request
+//!   each, and only the health paths ([`HEALTH_PATHS`]; anything else gets 503 with
+//!   `Retry-After`), with a short header timeout ([`HEALTH_HEADER_TIMEOUT`]): an orchestrator's
+//!   probes still answer while the cap is reached. Connections beyond both are closed at once.
+//!   The cap is kept below the process's file-descriptor limit ([`fit_to_fd_limit`]).
+//!
+//! Request bodies are bounded by the handlers ([`crate::http_util::read_body`]: size and time);
+//! heads by hyper's buffer (about 400 KiB).
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::ConnectInfo;
+use axum::Router;
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, watch, Semaphore};
+use tower::ServiceExt;
+
+use crate::tls::{Peer, ReloadingServerConfig};
+
+/// Paths served on a connection taken beyond the cap (every daemon's liveness and readiness).
+pub const HEALTH_PATHS: &[&str] = &["/healthz", "/readyz"];
+
+/// The header timeout of a connection served beyond the cap (a probe sends its request at
+/// once), or [`ServeLimits::header_timeout`] when that is shorter.
+pub const HEALTH_HEADER_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// File descriptors kept free beside the connections: state files, outgoing connections
+/// (forwards, peers, the state database), logs.
+const FD_RESERVE: u64 = 256;
+
+/// Time and number bounds of a server's connections (see the module documentation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServeLimits {
+    /// A request's head must arrive within this of the connection's accept or of its first
+    /// byte.
+    pub header_timeout: Duration,
+    /// A connection with no request in flight and no I/O for this long is closed.
+    pub idle_timeout: Duration,
+    /// Connections served at once (TLS handshakes included).
+    pub max_connections: usize,
+    /// Connections beyond `max_connections` that still get the health paths.
+    pub health_connections: usize,
+}
+
+impl Default for ServeLimits {
+    /// 10 s header timeout, 60 s idle timeout, 10,000 connections plus 16 for health probes.
+    fn default() -> Self {
+        ServeLimits {
+            header_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
+            max_connections: 10_000,
+            health_connections: 16,
+        }
+    }
+}
+
+/// What a server's connections did: `/metrics` of the controller and the aggregator export
+/// it ([`ServerStats::register`]).
+#[derive(Debug, Default)]
+pub struct ServerStats {
+    open: AtomicU64,
+    accepted: AtomicU64,
+    health_only: AtomicU64,
+    refused: AtomicU64,
+    header_timeouts: AtomicU64,
+    idle_closed: AtomicU64,
+    /// The cap in force (after [`fit_to_fd_limit`]).
+    cap: AtomicU64,
+}
+
+impl ServerStats {
+    /// Connections open now (health-only ones included).
+    pub fn open(&self) -> u64 {
+        self.open.load(Ordering::Relaxed)
+    }
+
+    /// Connections closed at accept because the cap and the health slots were taken.
+    pub fn refused(&self) -> u64 {
+        self.refused.load(Ordering::Relaxed)
+    }
+
+    /// Connections served beyond the cap, health paths only.
+    pub fn health_only(&self) -> u64 {
+        self.health_only.load(Ordering::Relaxed)
+    }
+
+    /// Connections cut because a request head did not arrive in time.
+    pub fn header_timeouts(&self) -> u64 {
+        self.header_timeouts.load(Ordering::Relaxed)
+    }
+
+    /// Connections closed after the idle timeout.
+    pub fn idle_closed(&self) -> u64 {
+        self.idle_closed.load(Ordering::Relaxed)
+    }
+
+    /// The connection cap in force (0 before the server started).
+    pub fn cap(&self) -> u64 {
+        self.cap.load(Ordering::Relaxed)
+    }
+
+    /// Registers `grl_http_connections`, `grl_http_connections_max`,
+    /// `grl_http_connections_accepted_total` and `grl_http_connections_closed_total{reason}`
+    /// (read at scrape time).
+    pub fn register(self: &Arc<Self>, reg: &mut prometheus_client::registry::Registry) {
+        reg.register_collector(Box::new(StatsCollector(self.clone())));
+    }
+}
+
+#[derive(Debug)]
+struct StatsCollector(Arc<ServerStats>);
+
+impl prometheus_client::collector::Collector for StatsCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> std::fmt::Result {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::counter::ConstCounter;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        use prometheus_client::metrics::MetricType;
+        let s = &self.0;
+        let fam = encoder.encode_descriptor(
+            "grl_http_connections",
+            "HTTP connections open now.",
+            None,
+            MetricType::Gauge,
+        )?;
+        ConstGauge::new(s.open() as i64).encode(fam)?;
+        let fam = encoder.encode_descriptor(
+            "grl_http_connections_max",
+            "The cap on HTTP connections served at once (health-only connections come on top).",
+            None,
+            MetricType::Gauge,
+        )?;
+        ConstGauge::new(s.cap() as i64).encode(fam)?;
+        let fam = encoder.encode_descriptor(
+            "grl_http_connections_accepted",
+            "HTTP connections accepted and served (health-only ones included).",
+            None,
+            MetricType::Counter,
+        )?;
+        ConstCounter::new(s.accepted.load(Ordering::Relaxed)).encode(fam)?;
+        let mut fam = encoder.encode_descriptor(
+            "grl_http_connections_closed",
+            "HTTP connections closed by the server, by reason: refused (cap and health slots taken), health_only (served beyond the cap, health paths only), header_timeout, idle.",
+            None,
+            MetricType::Counter,
+        )?;
+        for (reason, v) in [
+            ("refused", &s.refused),
+            ("health_only", &s.health_only),
+            ("header_timeout", &s.header_timeouts),
+            ("idle", &s.idle_closed),
+        ] {
+            ConstCounter::new(v.load(Ordering::Relaxed))
+                .encode(fam.encode_family(&[("reason", reason)])?)?;
+        }
+        Ok(())
+    }
+}
+
+/// Keeps `limits.max_connections + limits.health_connections` (times `listeners`) plus a
+/// reserve below the process's open-file limit: the soft limit is raised toward the hard one
+/// when needed (as Go's runtime does at start), and when that is not enough the cap is lowered,
+/// with a warning. Returns the limits in force.
+pub fn fit_to_fd_limit(mut limits: ServeLimits, listeners: usize) -> ServeLimits {
+    let per = (limits.max_connections + limits.health_connections) as u64;
+    let want = per * listeners.max(1) as u64 + FD_RESERVE;
+    let mut rl = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct it is given and has no other effect.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) } != 0 {
+        return limits;
+    }
+    if rl.rlim_cur < want as libc::rlim_t && rl.rlim_cur < rl.rlim_max {
+        let raised = libc::rlimit {
+            rlim_cur: (want as libc::rlim_t).min(rl.rlim_max),
+            rlim_max: rl.rlim_max,
+        };
+        // SAFETY: setrlimit reads the struct it is given; raising the soft limit up to the
+        // hard one needs no privilege.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            rl.rlim_cur = raised.rlim_cur;
+        }
+    }
+    #[allow(clippy::unnecessary_cast)] // rlim_t is not u64 everywhere
+    let have = rl.rlim_cur as u64;
+    if have < want {
+        let room = have.saturating_sub(FD_RESERVE) / listeners.max(1) as u64;
+        let cap = room.saturating_sub(limits.health_connections as u64).max(1) as usize;
+        tracing::warn!(
+            asked = limits.max_connections,
+            cap,
+            open_files_limit = have,
+            "connection cap lowered to fit the open-file limit (raise it with ulimit -n or LimitNOFILE=)"
+        );
+        limits.max_connections = cap;
+    }
+    limits
+}
+
+/// Per connection: what its reads, writes and requests did, for the timeouts.
+struct Activity {
+    origin: Instant,
+    /// Milliseconds since `origin` of the last byte read or written, or request finished.
+    last_io: AtomicU64,
+    /// Milliseconds since `origin` at which the head being awaited began ([`NONE`]: no head
+    /// is being awaited; 0 at accept: the first head).
+    head_since: AtomicU64,
+    in_flight: AtomicU32,
+}
+
+const NONE: u64 = u64::MAX;
+
+#[derive(Debug, PartialEq)]
+enum Verdict {
+    Fine,
+    HeaderTimeout,
+    Idle,
+}
+
+impl Activity {
+    fn new() -> Activity {
+        Activity {
+            origin: Instant::now(),
+            last_io: AtomicU64::new(0),
+            head_since: AtomicU64::new(0),
+            in_flight: AtomicU32::new(0),
+        }
+    }
+
+    fn now(&self) -> u64 {
+        self.origin.elapsed().as_millis() as u64
+    }
+
+    fn read(&self) {
+        let now = self.now();
+        self.last_io.store(now, Ordering::Relaxed);
+        if self.in_flight.load(Ordering::Relaxed) == 0 {
+            // The first byte of the next head starts its clock (body bytes arrive while the
+            // request is in flight and do not).
+            let _ =
+                self.head_since
+                    .compare_exchange(NONE, now, Ordering::Relaxed, Ordering::Relaxed);
+        }
+    }
+
+    fn wrote(&self) {
+        self.last_io.store(self.now(), Ordering::Relaxed);
+    }
+
+    fn request_started(&self) {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.head_since.store(NONE, Ordering::Relaxed);
+    }
+
+    fn request_done(&self) {
+        self.last_io.store(self.now(), Ordering::Relaxed);
+        self.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    fn verdict(&self, header_ms: u64, idle_ms: u64) -> Verdict {
+        if self.in_flight.load(Ordering::Relaxed) > 0 {
+            return Verdict::Fine;
+        }
+        let now = self.now();
+        match self.head_since.load(Ordering::Relaxed) {
+            NONE if now.saturating_sub(self.last_io.load(Ordering::Relaxed)) > idle_ms => {
+                Verdict::Idle
+            }
+            NONE => Verdict::Fine,
+            since if now.saturating_sub(since) > header_ms => Verdict::HeaderTimeout,
+            _ => Verdict::Fine,
+        }
+    }
+}
+
+/// Marks a request finished when dropped (its handler returned, or the connection was cut).
+struct InFlight(Arc<Activity>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.request_done();
+    }
+}
+
+/// A connection's stream, noting its reads and writes in its [`Activity`].
+struct Watched<I> {
+    inner: I,
+    act: Arc<Activity>,
+}
+
+impl<I: AsyncRead + Unpin> AsyncRead for Watched<I> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let r = std::pin::Pin::new(&mut self.inner).poll_read(cx, buf);
+        if matches!(r, std::task::Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            self.act.read();
+        }
+        r
+    }
+}
+
+impl<I: AsyncWrite + Unpin> AsyncWrite for Watched<I> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let r = std::pin::Pin::new(&mut self.inner).poll_write(cx, buf);
+        if matches!(r, std::task::Poll::Ready(Ok(n)) if n > 0) {
+            self.act.wrote();
+        }
+        r
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let r = std::pin::Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        if matches!(r, std::task::Poll::Ready(Ok(n)) if n > 0) {
+            self.act.wrote();
+        }
+        r
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// Everything a connection task needs, shared by all of them.
+struct Ctx {
+    router: Router,
+    tls: Option<Arc<ReloadingServerConfig>>,
+    limits: ServeLimits,
+    stats: Arc<ServerStats>,
+}
+
+/// Serves `router` on `listener` until `shutdown` resolves, with `limits` (see the module
+/// documentation), over TLS when `tls` is given. Then stops accepting, lets every connection
+/// finish its request in flight (idle ones close at once) and returns when all are closed.
+/// Handlers can extract `ConnectInfo<Peer>`.
+pub async fn serve_with(
+    listener: TcpListener,
+    router: Router,
+    tls: Option<Arc<ReloadingServerConfig>>,
+    limits: ServeLimits,
+    stats: Arc<ServerStats>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let limits = fit_to_fd_limit(limits, 1);
+    stats
+        .cap
+        .store(limits.max_connections as u64, Ordering::Relaxed);
+    let full = Arc::new(Semaphore::new(limits.max_connections));
+    let health = Arc::new(Semaphore::new(limits.health_connections));
+    // Connections watch `closing`; each holds a clone of `done_tx`, so `done_rx` ends once
+    // the last one is gone.
+    let (closing_tx, closing_rx) = watch::channel(false);
+    let (done_tx, mut done_rx) = mpsc::channel::<()>(1);
+    let reload = tls.clone().map(|t| tokio::spawn(reload_loop(t)));
+    let ctx = Arc::new(Ctx {
+        router,
+        tls,
+        limits,
+        stats: stats.clone(),
+    });
+    let refused_log = crate::auth::LogGate::new(Duration::from_secs(10));
+    let mut refused_logged = 0u64;
+    let handshake_log = crate::auth::LogGate::new(Duration::from_secs(10));
+    let mut handshakes_logged = 0u64;
+    tokio::pin!(shutdown);
+    loop {
+        let (sock, addr) = tokio::select! {
+            _ = &mut shutdown => break,
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(e) => {
+                    // Out of file descriptors and the like: wait instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        // Within the cap: every path, kept alive; beyond it: health paths only, one request.
+        let (permit, health_only) = match full.clone().try_acquire_owned() {
+            Ok(p) => (p, false),
+            Err(_) => match health.clone().try_acquire_owned() {
+                Ok(p) => {
+                    stats.health_only.fetch_add(1, Ordering::Relaxed);
+                    (p, true)
+                }
+                Err(_) => {
+                    stats.refused.fetch_add(1, Ordering::Relaxed);
+                    drop(sock);
+                    let n = stats.refused();
+                    if refused_log.open() {
+                        tracing::warn!(
+                            refused = n - refused_logged,
+                            max_connections = limits.max_connections,
+                            "connection cap reached: connections closed at accept (logged at most every 10 s; grl_http_connections_closed_total{{reason=\"refused\"}})"
+                        );
+                        refused_logged = n;
+                    }
+                    continue;
+                }
+            },
+        };
+        let _ = sock.set_nodelay(true);
+        stats.accepted.fetch_add(1, Ordering::Relaxed);
+        stats.open.fetch_add(1, Ordering::Relaxed);
+        let (ctx2, closing, done) = (ctx.clone(), closing_rx.clone(), done_tx.clone());
+        tokio::spawn(async move {
+            connection(ctx2.clone(), sock, addr, health_only, closing).await;
+            drop(permit);
+            ctx2.stats.open.fetch_sub(1, Ordering::Relaxed);
+            drop(done);
+        });
+        // A summary at most every 10 s: refused clients are visible without a log flood.
+        if let Some(t) = &ctx.tls {
+            let failures = t.handshake_failures();
+            if failures > handshakes_logged && handshake_log.open() {
+                tracing::warn!(
+                    failed = failures - handshakes_logged,
+                    "TLS handshakes failed (untrusted or missing client certificate, plain HTTP, timeout); RUST_LOG=grl_runtime::tls=debug names the peers"
+                );
+                handshakes_logged = failures;
+            }
+        }
+    }
+    drop(listener);
+    let _ = closing_tx.send(true);
+    drop(done_tx);
+    let _ = done_rx.recv().await;
+    if let Some(r) = reload {
+        r.abort();
+    }
+    Ok(())
+}
+
+/// Re-reads the TLS files every `reload_every` (off the async threads) until aborted.
+async fn reload_loop(tls: Arc<ReloadingServerConfig>) {
+    let mut iv = tokio::time::interval(tls.files().reload_every.max(Duration::from_millis(50)));
+    iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        iv.tick().await;
+        let t = tls.clone();
+        let _ = tokio::task::spawn_blocking(move || t.check()).await;
+    }
+}
+
+/// One connection: the TLS handshake (within the header timeout), then HTTP/1.1 until the
+/// client closes, a timeout cuts it, or the server shuts down.
+async fn connection(
+    ctx: Arc<Ctx>,
+    sock: TcpStream,
+    addr: SocketAddr,
+    health_only: bool,
+    closing: watch::Receiver<bool>,
+) {
+    let header_timeout = if health_only {
+        ctx.limits.header_timeout.min(HEALTH_HEADER_TIMEOUT)
+    } else {
+        ctx.limits.header_timeout
+    };
+    let act = Arc::new(Activity::new());
+    match &ctx.tls {
+        None => {
+            let peer = Peer {
+                addr,
+                cert_names: Arc::from(Vec::new()),
+            };
+            let io = Watched {
+                inner: sock,
+                act: act.clone(),
+            };
+            http(&ctx, io, peer, act, header_timeout, health_only, closing).await;
+        }
+        Some(tls) => {
+            let acceptor = tokio_rustls::TlsAcceptor::from(tls.current());
+            let stream = match tokio::time::timeout(header_timeout, acceptor.accept(sock)).await {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => {
+                    tls.handshake_failed();
+                    tracing::debug!(peer = %addr, error = %e, "TLS handshake failed");
+                    return;
+                }
+                Err(_) => {
+                    tls.handshake_failed();
+                    ctx.stats.header_timeouts.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(peer = %addr, "TLS handshake timed out");
+                    return;
+                }
+            };
+            let (_, conn) = stream.get_ref();
+            let peer = Peer {
+                addr,
+                cert_names: Arc::from(
+                    conn.peer_certificates()
+                        .and_then(|c| c.first())
+                        .map(crate::tls::cert_names)
+                        .unwrap_or_default(),
+                ),
+            };
+            let io = Watched {
+                inner: stream,
+                act: act.clone(),
+            };
+            http(&ctx, io, peer, act, header_timeout, health_only, closing).await;
+        }
+    }
+}
+
+async fn http<I>(
+    ctx: &Arc<Ctx>,
+    io: Watched<I>,
+    peer: Peer,
+    act: Arc<Activity>,
+    header_timeout: Duration,
+    health_only: bool,
+    mut closing: watch::Receiver<bool>,
+) where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let addr = peer.addr;
+    let router = ctx.router.clone();
+    let act2 = act.clone();
+    let svc = hyper::service::service_fn(move |mut req: http::Request<Incoming>| {
+        act2.request_started();
+        let done = InFlight(act2.clone());
+        req.extensions_mut().insert(ConnectInfo(peer.clone()));
+        let router = router.clone();
+        async move {
+            let _done = done;
+            if health_only && !HEALTH_PATHS.contains(&req.uri().path()) {
+                return Ok::<_, Infallible>(at_capacity());
+            }
+            let resp = router
+                .oneshot(req.map(axum::body::Body::new))
+                .await
+                .unwrap_or_else(|e| match e {});
+            Ok(resp)
+        }
+    });
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder.keep_alive(!health_only);
+    let conn = builder.serve_connection(TokioIo::new(io), svc);
+    tokio::pin!(conn);
+    let (header_ms, idle_ms) = (
+        header_timeout.as_millis() as u64,
+        ctx.limits.idle_timeout.as_millis() as u64,
+    );
+    let every = (header_timeout.min(ctx.limits.idle_timeout) / 4)
+        .clamp(Duration::from_millis(10), Duration::from_secs(1));
+    let mut check = tokio::time::interval(every);
+    check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut shutting = *closing.borrow();
+    if shutting {
+        conn.as_mut().graceful_shutdown();
+    }
+    loop {
+        tokio::select! {
+            r = conn.as_mut() => {
+                if let Err(e) = r {
+                    tracing::debug!(peer = %addr, error = %e, "connection ended with an error");
+                }
+                return;
+            }
+            _ = closing.changed(), if !shutting => {
+                shutting = true;
+                conn.as_mut().graceful_shutdown();
+            }
+            _ = check.tick() => match act.verdict(header_ms, idle_ms) {
+                Verdict::Fine => {}
+                Verdict::HeaderTimeout => {
+                    ctx.stats.header_timeouts.fetch_add(1, Ordering::Relaxed);
+                    // Dropping the connection closes the socket.
+                    return;
+                }
+                Verdict::Idle => {
+                    ctx.stats.idle_closed.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+            },
+        }
+    }
+}
+
+/// The answer to anything but a health path on a connection served beyond the cap.
+fn at_capacity() -> axum::response::Response {
+    use axum::response::IntoResponse;
+    (
+        http::StatusCode::SERVICE_UNAVAILABLE,
+        [
+            (http::header::RETRY_AFTER, "1"),
+            (http::header::CONNECTION, "close"),
+        ],
+        axum::Json(serde_json::json!({
+            "error": "connection limit reached: only /healthz and /readyz are served on this connection; retry later"
+        })),
+    )
+        .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verdicts() {
+        let a = Activity::new();
+        // A silent new connection: its first head is awaited from the accept.
+        assert_eq!(a.verdict(1000, 1000), Verdict::Fine);
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(a.verdict(1, 1000), Verdict::HeaderTimeout);
+        // A request in flight is never cut, however long it takes.
+        a.request_started();
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(a.verdict(1, 1), Verdict::Fine);
+        a.request_done();
+        // Idle between requests: the idle bound, not the header one.
+        assert_eq!(a.verdict(1, 1000), Verdict::Fine);
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(a.verdict(1, 1), Verdict::Idle);
+        // The first byte of the next head starts the header clock.
+        a.read();
+        assert_eq!(a.verdict(1000, 1), Verdict::Fine);
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(a.verdict(1, 1000), Verdict::HeaderTimeout);
+    }
+
+    /// The serving function `rlc serve` calls ([`crate::tls::serve`], default limits) cuts a
+    /// connection that never sends its request head after the default header timeout, and
+    /// keeps answering requests meanwhile.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_default_serve_cuts_a_silent_connection_and_keeps_serving() {
+        use std::io::{Read, Write};
+        let router = Router::new().route("/healthz", axum::routing::get(|| async { "ok" }));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(crate::tls::serve(listener, router, None, async {
+            let _ = stopped.await;
+        }));
+        let (cut_after, answered) = tokio::task::spawn_blocking(move || {
+            let start = Instant::now();
+            let mut silent = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+            silent
+                .set_read_timeout(Some(Duration::from_millis(200)))
+                .unwrap();
+            let mut answered = 0;
+            let mut b = [0u8; 64];
+            // A hang guard of three header timeouts, not a speed claim.
+            while start.elapsed() < Duration::from_secs(30) {
+                let cut = match silent.read(&mut b) {
+                    Ok(_) => true,
+                    Err(e) => !matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ),
+                };
+                if cut {
+                    return (Some(start.elapsed()), answered);
+                }
+                let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+                s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    .unwrap();
+                let mut out = String::new();
+                let _ = s.read_to_string(&mut out);
+                answered += out.starts_with("HTTP/1.1 200") as usize;
+            }
+            (None, answered)
+        })
+        .await
+        .unwrap();
+        let cut_after = cut_after.expect("the silent connection was never cut");
+        assert!(
+            cut_after >= Duration::from_secs(9),
+            "cut after {cut_after:?}, before the header timeout"
+        );
+        assert!(answered > 10, "requests answered meanwhile: {answered}");
+        let _ = stop.send(());
+        server.await.unwrap().unwrap();
+    }
+}
