@@ -40,6 +40,28 @@ pub struct Throttled {
 /// The throttled minutes of every bucket, by `(service, bucket)`.
 pub type ThrottledMinutes = BTreeMap<(String, String), Throttled>;
 
+/// An incident override acting on one bucket, as rlc saw it on the controller.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OverrideWindow {
+    /// The override's id.
+    pub id: String,
+    /// When it started.
+    pub from: DateTime<Utc>,
+    /// When it ended (or will).
+    pub to: DateTime<Utc>,
+    /// Its reason.
+    pub reason: String,
+}
+
+/// What the controller's reports and overrides say of the window, by `(service, bucket)`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Observed {
+    /// Minutes each enforced bucket refused requests.
+    pub throttled: ThrottledMinutes,
+    /// The incident overrides that acted on each bucket.
+    pub overrides: BTreeMap<(String, String), Vec<OverrideWindow>>,
+}
+
 /// A window left out of a series.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Ignored {
@@ -84,16 +106,25 @@ fn at(t: i64) -> DateTime<Utc> {
 }
 
 /// What is left out of the series of `(service, caller, procedure)` whose bucket is `bucket`
-/// over `[start, end)`: the exclusions that cover it, and its throttled minutes unless they
-/// lasted `spec`'s `sustained_throttling_days`.
+/// over `[start, end)`: the exclusions that cover it, the incident overrides that acted on it,
+/// and its throttled minutes (outside overrides) unless they lasted `spec`'s
+/// `sustained_throttling_days`.
 pub fn censored(
     (service, caller, procedure): (&str, Option<&str>, Option<&str>),
     bucket: &str,
     spec: &PolicySpec,
     excluded: &[Exclusion],
-    throttled: &ThrottledMinutes,
+    observed: &Observed,
     (start, end): (i64, i64),
 ) -> Censored {
+    let key = (service.to_string(), bucket.to_string());
+    let overrides: Vec<&OverrideWindow> = observed
+        .overrides
+        .get(&key)
+        .into_iter()
+        .flatten()
+        .filter(|o| o.to.timestamp() > start && o.from.timestamp() < end)
+        .collect();
     let mut out = Censored::default();
     for e in excluded
         .iter()
@@ -107,12 +138,27 @@ pub fn censored(
             reason: e.reason.clone(),
         });
     }
-    if let Some(t) = throttled.get(&(service.to_string(), bucket.to_string())) {
+    for o in &overrides {
+        out.ignored.push(Ignored {
+            kind: "override".into(),
+            from: o.from,
+            to: o.to,
+            reason: format!("override {}: {}", o.id, o.reason),
+        });
+    }
+    // Minutes under an override are the override's doing, not demand outgrowing the limit.
+    let overridden = |m: i64| {
+        overrides
+            .iter()
+            .any(|o| m + 60 > o.from.timestamp() && m < o.to.timestamp())
+    };
+    if let Some(t) = observed.throttled.get(&key) {
         let minutes: Vec<i64> = t
             .minutes
             .iter()
             .copied()
             .filter(|m| (start - LAG_SECS..end + LEAD_SECS).contains(m))
+            .filter(|&m| !overridden(m))
             .collect();
         if let (Some(&first), Some(&last)) = (minutes.first(), minutes.last()) {
             let days: BTreeSet<i64> = minutes.iter().map(|m| m.div_euclid(86_400)).collect();
@@ -190,6 +236,18 @@ pub fn explain(c: &Censored) -> String {
     if excluded.len() > 3 {
         out.push_str(&format!("; {} more exclusions", excluded.len() - 3));
     }
+    let overrides: Vec<&Ignored> = c.ignored.iter().filter(|i| i.kind == "override").collect();
+    for o in overrides.iter().take(3) {
+        out.push_str(&format!(
+            "; {} {}–{} UTC left out",
+            o.reason,
+            minute(o.from),
+            o.to.format("%H:%M")
+        ));
+    }
+    if overrides.len() > 3 {
+        out.push_str(&format!("; {} more overrides", overrides.len() - 3));
+    }
     if let Some(t) = &c.throttled {
         if t.sustained {
             out.push_str(&format!(
@@ -235,9 +293,9 @@ mod tests {
         let start = 20_000 * DAY;
         let end = start + 28 * DAY;
         let key = ("pay", Some("web"), None);
-        let mut throttled = ThrottledMinutes::new();
+        let mut observed = Observed::default();
         // Ten minutes one afternoon.
-        throttled.insert(
+        observed.throttled.insert(
             ("pay".into(), "web".into()),
             Throttled {
                 minutes: (0..10).map(|m| start + 3 * DAY + 14 * 3600 + m * 60).collect(),
@@ -249,7 +307,7 @@ mod tests {
             exclusion(Some("other"), start, end),
         ];
         let spec = PolicySpec::default();
-        let c = censored(key, "web", &spec, &ex, &throttled, (start, end));
+        let c = censored(key, "web", &spec, &ex, &observed, (start, end));
         let kinds: Vec<(&str, i64)> = c
             .ignored
             .iter()
@@ -272,8 +330,9 @@ mod tests {
         assert_eq!(masked.values.iter().filter(|v| v.is_nan()).count(), 82);
         assert_eq!(left_out, 82);
         // The same minutes on two days: sustained, counted.
-        let mut two = throttled.clone();
-        two.get_mut(&("pay".into(), "web".into()))
+        let mut two = observed.clone();
+        two.throttled
+            .get_mut(&("pay".into(), "web".into()))
             .unwrap()
             .minutes
             .push(start + 5 * DAY);
@@ -281,5 +340,21 @@ mod tests {
         assert!(c.ignored.is_empty());
         assert!(c.throttled.as_ref().unwrap().sustained);
         assert!(explain(&c).contains("sustained demand, counted"));
+        // Unless the second day's throttling was an override's doing: left out with it.
+        two.overrides.insert(
+            ("pay".into(), "web".into()),
+            vec![OverrideWindow {
+                id: "ovr-7".into(),
+                from: at(start + 5 * DAY - 600),
+                to: at(start + 5 * DAY + 600),
+                reason: "INC-123 shed load".into(),
+            }],
+        );
+        let c = censored(key, "web", &spec, &[], &two, (start, end));
+        let t = c.throttled.as_ref().unwrap();
+        assert!(!t.sustained && t.minutes == 10, "{t:?}");
+        assert!(c.ignored.iter().any(|i| i.kind == "override"), "{:?}", c.ignored);
+        let why = explain(&c);
+        assert!(why.contains("override ovr-7: INC-123 shed load"), "{why}");
     }
 }

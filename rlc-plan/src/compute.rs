@@ -18,7 +18,7 @@ use schema::{
 use serde_json::json;
 
 use crate::history::{History, SeriesKey, SeriesSource};
-use crate::censor::{self, Censored, ThrottledMinutes};
+use crate::censor::{self, Censored, Observed};
 use crate::evidence::{Evidence, PolicyEvidence};
 use crate::plan::{Plan, PlannedBucket, Skipped};
 use crate::plausibility::{all_zero, implausible_peak};
@@ -83,26 +83,27 @@ pub fn compute_plan(
     history: &dyn SeriesSource,
     now: DateTime<Utc>,
 ) -> Plan {
-    compute_plan_censored(cfg, repo, history, &ThrottledMinutes::new(), now)
+    compute_plan_censored(cfg, repo, history, &Observed::default(), now)
 }
 
-/// [`compute_plan`] with the minutes each bucket was throttled ([`crate::censor`]): short
-/// throttling is left out of its series, sustained throttling counts and says so.
+/// [`compute_plan`] with what the controller observed ([`crate::censor`]): minutes under an
+/// override and short throttling are left out of each series, sustained throttling counts and
+/// says so.
 pub fn compute_plan_censored(
     cfg: &DaemonConfig,
     repo: &ConfigRepo,
     history: &dyn SeriesSource,
-    throttled: &ThrottledMinutes,
+    observed: &Observed,
     now: DateTime<Utc>,
 ) -> Plan {
-    plan_services(cfg, repo, history, throttled, now)
+    plan_services(cfg, repo, history, observed, now)
 }
 
 fn plan_services(
     cfg: &DaemonConfig,
     repo: &ConfigRepo,
     source: &dyn SeriesSource,
-    throttled: &ThrottledMinutes,
+    observed: &Observed,
     now: DateTime<Utc>,
 ) -> Plan {
     let mut plan = Plan::default();
@@ -210,7 +211,7 @@ fn plan_services(
             continue;
         }
         compute_service(
-            cfg, repo, &history, service, contracts, throttled, today, now, &mut plan,
+            cfg, repo, &history, service, contracts, observed, today, now, &mut plan,
         );
     }
     plan.history_failed.sort();
@@ -263,7 +264,7 @@ fn compute_service(
     history: &History,
     service: &str,
     contracts: &[Contract],
-    throttled: &ThrottledMinutes,
+    observed: &Observed,
     today: chrono::NaiveDate,
     now: DateTime<Utc>,
     plan: &mut Plan,
@@ -431,7 +432,7 @@ fn compute_service(
             &name,
             &spec,
             excluded,
-            throttled,
+            observed,
             (s.start, s.end()),
         );
         let masked = (!censored.ignored.is_empty()).then(|| censor::apply(s, &censored.ignored));

@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 use chrono::{DateTime, Utc};
 use schema::{ConfigRepo, DaemonConfig, RepoMode};
 
-use crate::censor::ThrottledMinutes;
+use crate::censor::Observed;
 use crate::compute::compute_plan_censored;
 use crate::guard::{self, Decreases};
 use crate::history::SeriesSource;
@@ -42,9 +42,10 @@ pub struct World {
     pub decreases: Decreases,
     /// Shadow figures, for promotions.
     pub shadow: ShadowEvidence,
-    /// The minutes each enforced bucket was throttled in the window, from the controller's
-    /// reports (refused demand, left out unless sustained: [`crate::censor`]).
-    pub throttled: ThrottledMinutes,
+    /// What the controller observed in the window: the minutes each enforced bucket was
+    /// throttled (refused demand, left out unless sustained) and the incident overrides that
+    /// acted on it (left out): [`crate::censor`].
+    pub observed: Observed,
 }
 
 impl World {
@@ -53,7 +54,7 @@ impl World {
         World {
             decreases: Decreases::none(),
             shadow: ShadowEvidence::Figures(BTreeMap::new()),
-            throttled: ThrottledMinutes::new(),
+            observed: Observed::default(),
         }
     }
 }
@@ -79,11 +80,11 @@ pub fn plan(
 ) -> Plan {
     match purpose {
         Purpose::Run => {
-            let computed = compute_plan_censored(cfg, repo, history, &world.throttled, now);
+            let computed = compute_plan_censored(cfg, repo, history, &world.observed, now);
             finish(cfg, repo, world, computed, now)
         }
         Purpose::Backtest => {
-            compute_plan_censored(cfg, &without_limits(repo), history, &world.throttled, now)
+            compute_plan_censored(cfg, &without_limits(repo), history, &world.observed, now)
         }
     }
 }

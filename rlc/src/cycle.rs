@@ -653,6 +653,11 @@ impl Cycle {
             Err(out) => return *out,
         };
         let (repo_dir, base) = synced;
+        if let Some(c) = &self.cfg.controller {
+            if let Ok(client) = ControllerClient::from_config(c, &self.base_dir) {
+                self.record_overrides(&client).await;
+            }
+        }
         let world = Arc::new(self.gather(&base, &store).await);
         let input = PlanInput {
             cfg: self.cfg.clone(),
@@ -801,8 +806,33 @@ impl Cycle {
         }
     }
 
+    /// Records the incident overrides the controller has in force (`GET /v1/overrides`) in the
+    /// store, so that the minutes they acted on are left out of what policies learn. A
+    /// controller or store that cannot answer is logged and skipped: the next poll or run
+    /// sees the overrides again while they last.
+    pub async fn record_overrides(&self, client: &ControllerClient) {
+        let list = match client.overrides().await {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the controller's overrides");
+                return;
+            }
+        };
+        if list.overrides.is_empty() {
+            return;
+        }
+        match self.store().await {
+            Ok(store) => {
+                if let Err(e) = store.record_overrides(&list, Utc::now()).await {
+                    tracing::warn!(error = %e, "cannot record the controller's overrides");
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot record the controller's overrides"),
+        }
+    }
+
     /// The evidence of `base`: its past decreases, its candidates' shadow figures, the
-    /// throttled minutes of its window ([`gather::world`]).
+    /// throttled and overridden minutes of its window ([`gather::world`]).
     async fn gather(&self, base: &Base, store: &StoreWitness) -> World {
         gather::world(&self.cfg, base, store, self.shadow_source(store), Utc::now()).await
     }

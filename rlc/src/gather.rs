@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 use rlc_plan::guard::{self, Decreases, Witness};
-use rlc_plan::censor::ThrottledMinutes;
+use rlc_plan::censor::Observed;
 use rlc_plan::pipeline::{ShadowEvidence, World};
 use rlc_plan::promotion::{self, BucketKey};
 use rlc_plan::readiness::ShadowStats;
@@ -206,7 +206,7 @@ pub async fn world(
     World {
         decreases,
         shadow: shadow(&base.repo, shadow_source, now).await,
-        throttled: throttled(cfg, store, now).await,
+        observed: observed(cfg, store, now).await,
     }
 }
 
@@ -214,34 +214,40 @@ pub async fn world(
 /// bytes each, a few tens of MB at most).
 pub const MAX_THROTTLED_MINUTES: usize = 2_000_000;
 
-/// The minutes of the history window in which an enforced bucket refused requests (the
-/// controller's reports in the store), left out of what its policy learns. A store that cannot
-/// answer leaves them in, with a warning: the one-off-spike filter still keeps a short storm
-/// out, and the raise rails still bound the rest.
-pub async fn throttled(cfg: &DaemonConfig, store: &StoreWitness, now: DateTime<Utc>) -> ThrottledMinutes {
+/// What the controller observed in the history window: the minutes an enforced bucket refused
+/// requests (its reports in the store) and the incident overrides that acted on it, left out
+/// of what its policy learns. A store that cannot answer leaves them in, with a warning: the
+/// one-off-spike filter still keeps a short storm out, and the raise rails still bound the rest.
+pub async fn observed(cfg: &DaemonConfig, store: &StoreWitness, now: DateTime<Utc>) -> Observed {
     let since = guard::since(cfg.history.lookback.0, now);
-    match store {
-        StoreWitness::Store(s) => match s.throttled_minutes(since, MAX_THROTTLED_MINUTES).await {
-            Ok((found, truncated)) => {
-                if truncated {
-                    tracing::warn!(
-                        max = MAX_THROTTLED_MINUTES,
-                        "more throttled minutes than read: the newest are learned from as demand"
-                    );
-                }
-                found
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "throttled minutes unavailable: learned from as demand");
-                ThrottledMinutes::new()
-            }
-        },
-        StoreWitness::Empty => ThrottledMinutes::new(),
+    let s = match store {
+        StoreWitness::Store(s) => s,
+        StoreWitness::Empty => return Observed::default(),
         StoreWitness::Unavailable(e) => {
-            tracing::warn!(error = %e, "store unavailable: throttled minutes learned from as demand");
-            ThrottledMinutes::new()
+            tracing::warn!(error = %e, "store unavailable: throttled and overridden minutes learned from as demand");
+            return Observed::default();
         }
-    }
+    };
+    let throttled = match s.throttled_minutes(since, MAX_THROTTLED_MINUTES).await {
+        Ok((found, truncated)) => {
+            if truncated {
+                tracing::warn!(
+                    max = MAX_THROTTLED_MINUTES,
+                    "more throttled minutes than read: the newest are learned from as demand"
+                );
+            }
+            found
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "throttled minutes unavailable: learned from as demand");
+            Default::default()
+        }
+    };
+    let overrides = s.override_windows(since).await.unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "override windows unavailable: learned from as demand");
+        Default::default()
+    });
+    Observed { throttled, overrides }
 }
 
 /// A working copy to read the base from without writing anything where rlc.yaml points: the

@@ -70,6 +70,42 @@ pub struct ControllerStatus {
     pub version: Option<String>,
 }
 
+/// One incident override of `GET /v1/overrides`, the part rlc reads.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+pub struct ActiveOverride {
+    /// Its id.
+    pub id: String,
+    /// Why on-call added it.
+    #[serde(default)]
+    pub reason: String,
+    /// Unix seconds it was applied.
+    pub created_at: i64,
+    /// Unix seconds it stops applying.
+    pub expires_at: i64,
+    /// The served buckets it acts on.
+    #[serde(default)]
+    pub affects: Vec<OverrideTarget>,
+}
+
+/// A bucket an override acts on.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+pub struct OverrideTarget {
+    /// Callee service.
+    pub service: String,
+    /// Bucket name.
+    pub bucket: String,
+    /// Added for the override (`override:<id>…`) rather than a bucket of the config.
+    #[serde(default)]
+    pub created: bool,
+}
+
+/// `GET /v1/overrides`.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+pub struct OverrideList {
+    /// The overrides in force.
+    pub overrides: Vec<ActiveOverride>,
+}
+
 /// One report row of `GET /v1/reports`.
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 pub struct Report {
@@ -327,6 +363,12 @@ impl ControllerClient {
                 status: 200,
                 message: format!("unreadable {what}: {e}"),
             })
+    }
+
+    /// `GET /v1/overrides`: the incident overrides in force.
+    pub async fn overrides(&self) -> Result<OverrideList, PushError> {
+        self.get_json("/v1/overrides", &[], "overrides", &self.token)
+            .await
     }
 
     /// `GET /v1/status`.

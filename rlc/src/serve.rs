@@ -745,6 +745,7 @@ impl Loop {
             if let Err(e) = self.poll_reports(&client).await {
                 tracing::warn!(error = %e, "cannot poll controller reports");
             }
+            self.cycle.record_overrides(&client).await;
         }
         self.state.busy("shadow roll-ups and retention");
         self.roll_up().await;

@@ -41,7 +41,7 @@ pub async fn compute(input: PlanInput) -> anyhow::Result<Plan> {
     let world = input.world;
     let now = chrono::Utc::now();
     tokio::task::spawn_blocking(move || {
-        rlc_plan::compute::compute_plan_censored(&cfg, &repo, &history, &world.throttled, now)
+        rlc_plan::compute::compute_plan_censored(&cfg, &repo, &history, &world.observed, now)
     })
         .await
         .map_err(|e| anyhow::anyhow!("computing the plan: {e}"))

@@ -121,6 +121,14 @@ pub fn minute_of(t: DateTime<Utc>) -> DateTime<Utc> {
     t.duration_trunc(Duration::minutes(1)).unwrap_or(t)
 }
 
+/// Most override rows recorded per sighting or read per plan (an override and a bucket it acts
+/// on; the controller holds at most 1,000 overrides by default).
+pub const MAX_OVERRIDE_ROWS: usize = 100_000;
+
+/// How long after rlc last saw an override listed it still counts as in force, when it was
+/// removed before its expiry (rlc sees the list at each report poll and each run).
+pub const OVERRIDE_SEEN_GRACE_SECS: i64 = 300;
+
 /// One row of `shadow_minutes`: what one scope key of a bucket reported in one minute.
 /// Sums are sums of per-report rates (one report per controller tick), so `offered /
 /// reports` is the minute's average offered rate.
@@ -979,6 +987,89 @@ impl Store {
             }
         }
         Ok((out, truncated))
+    }
+
+    /// Records the overrides `list` the controller had in force at `seen`: one row per
+    /// override and bucket of the config it acts on (at most [`MAX_OVERRIDE_ROWS`]), its last
+    /// sighting moved to `seen`.
+    pub async fn record_overrides(
+        &self,
+        list: &crate::push::OverrideList,
+        seen: DateTime<Utc>,
+    ) -> Result<u64, StoreError> {
+        let at = |t: i64| Ts(DateTime::from_timestamp(t, 0).unwrap_or_default());
+        let rows: Vec<(&str, Ts, &str, &str, &str, Ts)> = list
+            .overrides
+            .iter()
+            .flat_map(|o| {
+                o.affects.iter().filter(|a| !a.created).map(move |a| {
+                    (
+                        o.id.as_str(),
+                        at(o.created_at),
+                        a.service.as_str(),
+                        a.bucket.as_str(),
+                        o.reason.as_str(),
+                        at(o.expires_at),
+                    )
+                })
+            })
+            .take(MAX_OVERRIDE_ROWS)
+            .collect();
+        let mut n = 0;
+        for chunk in rows.chunks(1_000) {
+            n += on_pool!(self, pool => {
+                let mut q = sqlx::QueryBuilder::new(
+                    "INSERT INTO override_windows AS w (override_id, created_at, service, bucket, reason, expires_at, last_seen) ",
+                );
+                q.push_values(chunk, |mut b, r| {
+                    b.push_bind(r.0)
+                        .push_bind(r.1)
+                        .push_bind(r.2)
+                        .push_bind(r.3)
+                        .push_bind(r.4)
+                        .push_bind(r.5)
+                        .push_bind(Ts(seen));
+                });
+                q.push(
+                    " ON CONFLICT (override_id, created_at, service, bucket) DO UPDATE SET \
+                     reason = excluded.reason, expires_at = excluded.expires_at, \
+                     last_seen = CASE WHEN excluded.last_seen > w.last_seen THEN excluded.last_seen ELSE w.last_seen END",
+                );
+                q.build().execute(pool).await?.rows_affected()
+            });
+        }
+        Ok(n)
+    }
+
+    /// The overrides that acted on buckets since `since`, by `(service, bucket)`: each from its
+    /// start to its expiry or, removed early, [`OVERRIDE_SEEN_GRACE_SECS`] after rlc last saw
+    /// it. At most [`MAX_OVERRIDE_ROWS`] rows.
+    pub async fn override_windows(
+        &self,
+        since: DateTime<Utc>,
+    ) -> Result<BTreeMap<(String, String), Vec<rlc_plan::censor::OverrideWindow>>, StoreError> {
+        let rows: Vec<(String, Ts, String, String, String, Ts, Ts)> = on_pool!(self, pool => sqlx::query_as(
+            "SELECT override_id, created_at, service, bucket, reason, expires_at, last_seen FROM override_windows \
+             WHERE expires_at >= $1 ORDER BY created_at LIMIT $2",
+        )
+        .bind(Ts(since))
+        .bind(MAX_OVERRIDE_ROWS as i64)
+        .fetch_all(pool)
+        .await?);
+        let mut out: BTreeMap<(String, String), Vec<rlc_plan::censor::OverrideWindow>> = BTreeMap::new();
+        for (id, created, service, bucket, reason, expires, seen) in rows {
+            let to = expires.0.min(seen.0 + Duration::seconds(OVERRIDE_SEEN_GRACE_SECS));
+            if to <= since {
+                continue;
+            }
+            out.entry((service, bucket)).or_default().push(rlc_plan::censor::OverrideWindow {
+                id,
+                from: created.0,
+                to,
+                reason,
+            });
+        }
+        Ok(out)
     }
 
     /// The minute roll-ups of one bucket with `from <= minute < to`, by minute then scope key.

@@ -324,3 +324,79 @@ fn max_increase_bounds_a_raise() {
     assert!(remote.read("main", "buckets/pay.yaml").unwrap().contains("limit_rps: 375\n"));
     drop(prom);
 }
+
+/// Two callers at 200 rps for eight days with one 3-hour burst at 2× two days ago. An incident
+/// override acted on `web` through its burst (rlc saw it in force then: the store has it);
+/// `mobile` had none. `web` keeps its limit and its evidence names the override; `mobile` is
+/// raised. And a run records the overrides a real controller has in force now
+/// (`GET /v1/overrides`), so the minutes they act on are left out of later runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn minutes_under_an_incident_override_are_not_demand() {
+    use grl_runtime::controller::{Controller, ControllerOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let end = chrono::Utc::now().timestamp() / 60 * 60 - 60;
+    let from = (end - 2 * DAY).div_euclid(DAY) * DAY + 10 * HOUR;
+    let burst = move |t: i64| if (from..from + 3 * HOUR).contains(&t) { 400.0 } else { 200.0 };
+    let (prom, _) = prometheus(d, 8, &[("web", &burst), ("mobile", &burst)]);
+    let buckets = pay(&[("web", 250.0, "peak"), ("mobile", 250.0, "peak")]);
+    std::fs::create_dir_all(d.join("pushed")).unwrap();
+    std::fs::write(d.join("pushed/pay.yaml"), &buckets).unwrap();
+    let controller = Controller::start(ControllerOptions {
+        state_dir: d.join("grl-state"),
+        token: "ctl-s3cret".into(),
+        report_token: Some("zone-s3cret".into()),
+        config_dir: Some(d.join("pushed")),
+        tick: std::time::Duration::from_millis(200),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    std::env::set_var("RLC_LEARNING_GRL_TOKEN", "ctl-s3cret");
+    let _remote = setup(
+        d,
+        &prom,
+        &buckets,
+        None,
+        "7d",
+        &format!("controller:\n  url: {}\n  token_env: RLC_LEARNING_GRL_TOKEN\n", controller.url()),
+    );
+    // What `rlc serve` recorded while the incident lasted.
+    let store = rlc::store::Store::connect("sqlite://rlc.db", d).await.unwrap();
+    let seen: rlc::push::OverrideList = serde_json::from_value(json!({"overrides": [{
+        "id": "ovr-1", "reason": "INC-123 launch traffic", "created_at": from,
+        "expires_at": from + 3 * HOUR,
+        "affects": [{"service": "pay", "bucket": "web", "created": false}]
+    }]}))
+    .unwrap();
+    let at = |t: i64| chrono::DateTime::from_timestamp(t, 0).unwrap();
+    store.record_overrides(&seen, at(from + 3 * HOUR - 60)).await.unwrap();
+    // On-call throttles mobile now.
+    let added = reqwest::Client::new()
+        .post(format!("{}/v1/overrides", controller.url()))
+        .bearer_auth("ctl-s3cret")
+        .json(&json!({"service": "pay", "bucket": "mobile", "limit_rps": 100.0,
+                      "ttl_secs": 3600, "reason": "INC-124 mobile retry loop", "who": "test"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(added.status(), 201, "{}", added.text().await.unwrap());
+
+    let (code, preview) = rlc(d, &["preview", "--format", "json"]);
+    assert_eq!(code, 0, "{preview}");
+    assert_eq!(limit(&preview, "web"), 250.0, "{preview}");
+    assert_eq!(limit(&preview, "mobile"), 500.0, "{preview}");
+    let w = &planned(&preview, "web")["evidence"];
+    assert_eq!(w["ignored"][0]["kind"], "override", "{w}");
+    assert!(explain(&preview, "web").contains("override ovr-1: INC-123 launch traffic"), "{w}");
+
+    let (code, out) = rlc(d, &["run", "--once", "--json"]);
+    assert_eq!(code, 0, "{out}");
+    let windows = store.override_windows(at(end - DAY)).await.unwrap();
+    let mobile = &windows[&("pay".to_string(), "mobile".to_string())];
+    assert_eq!(mobile.len(), 1, "{windows:?}");
+    assert!(mobile[0].reason.contains("INC-124"), "{windows:?}");
+    assert!(mobile[0].from.timestamp() >= end - 120, "{windows:?}");
+    controller.shutdown().await;
+    drop(prom);
+}
