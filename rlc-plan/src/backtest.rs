@@ -191,7 +191,7 @@ pub fn fit_and_score(
     spec: &PolicySpec,
     floor: f64,
     (service, caller, procedure): (&str, Option<&str>, Option<&str>),
-    full: &RateSeries,
+    (full, left_out): (&RateSeries, usize),
     split: i64,
 ) -> Result<Option<(Score, Proposal)>, String> {
     let s = &full.slice(full.start, split);
@@ -202,7 +202,7 @@ pub fn fit_and_score(
     let train_now = Utc.timestamp_opt(split, 0).single().unwrap_or_default();
     let p = policy
         .compute(&PolicyInput {
-            left_out: 0,
+            left_out,
             service,
             caller,
             procedure,

@@ -52,10 +52,26 @@ pub struct Shape {
     pub max_slack: f64,
     /// The rate at unix time `t` (NaN = no sample), noise drawn from the seed included.
     pub rate: fn(i64, u64) -> f64,
+    /// Windows a run would leave out: `(from, to, kind)`, kind `throttled` (an enforced
+    /// bucket refused requests; controller reports) or `override` (an incident override).
+    pub censored: fn() -> Vec<(i64, i64, &'static str)>,
+}
+
+fn none() -> Vec<(i64, i64, &'static str)> {
+    Vec::new()
+}
+
+/// A retry storm: `times` the usual rate for `minutes` from `at`.
+fn storm(t: i64, at: i64, minutes: i64, times: f64) -> f64 {
+    if (at..at + minutes * 60).contains(&t) {
+        times
+    } else {
+        1.0
+    }
 }
 
 /// Start of every history.
-pub fn start() -> i64 {
+pub const fn start() -> i64 {
     END - DAYS * DAY
 }
 
@@ -104,6 +120,7 @@ pub fn shapes() -> Vec<Shape> {
             about: "flat 100 rps, ±5% noise",
             spec: forecast(),
             max_slack: 1.35,
+            censored: none,
             rate: |t, seed| 100.0 * noise(t, seed, 1, 0.05),
         },
         Shape {
@@ -111,6 +128,7 @@ pub fn shapes() -> Vec<Shape> {
             about: "daily cycle ±50% peaking 15:00, weekends at 60%",
             spec: forecast(),
             max_slack: 1.35,
+            censored: none,
             rate: |t, seed| base(t) * noise(t, seed, 2, 0.05),
         },
         Shape {
@@ -118,6 +136,7 @@ pub fn shapes() -> Vec<Shape> {
             about: "diurnal-weekly growing 5% a week (compounded)",
             spec: forecast(),
             max_slack: 1.35,
+            censored: none,
             rate: |t, seed| growth(t, seed, 0.05, 3),
         },
         Shape {
@@ -125,6 +144,7 @@ pub fn shapes() -> Vec<Shape> {
             about: "diurnal-weekly growing 20% a week",
             spec: forecast(),
             max_slack: 1.35,
+            censored: none,
             rate: |t, seed| growth(t, seed, 0.20, 4),
         },
         Shape {
@@ -132,6 +152,7 @@ pub fn shapes() -> Vec<Shape> {
             about: "diurnal-weekly growing 40% a week",
             spec: forecast(),
             max_slack: 1.35,
+            censored: none,
             rate: |t, seed| growth(t, seed, 0.40, 5),
         },
         Shape {
@@ -139,6 +160,7 @@ pub fn shapes() -> Vec<Shape> {
             about: "diurnal-weekly growing 60% a week",
             spec: forecast(),
             max_slack: 1.35,
+            censored: none,
             rate: |t, seed| growth(t, seed, 0.60, 6),
         },
         Shape {
@@ -146,6 +168,7 @@ pub fn shapes() -> Vec<Shape> {
             about: "diurnal-weekly, the whole week before the scored one at 50% (a holiday)",
             spec: forecast(),
             max_slack: 1.35,
+            censored: none,
             rate: |t, seed| {
                 let split = END - HOLDOUT_DAYS * DAY;
                 let dip = if (split - 7 * DAY..split).contains(&t) { 0.5 } else { 1.0 };
@@ -157,6 +180,7 @@ pub fn shapes() -> Vec<Shape> {
             about: "diurnal-weekly with a 6× retry storm for 20 minutes on day 10",
             spec: forecast(),
             max_slack: 1.35,
+            censored: none,
             rate: |t, seed| {
                 let at = start() + 9 * DAY + 11 * HOUR;
                 let spike = if (at..at + 20 * 60).contains(&t) { 6.0 } else { 1.0 };
@@ -168,6 +192,7 @@ pub fn shapes() -> Vec<Shape> {
             about: "diurnal-weekly doubling 5 days before the scored week (a launch)",
             spec: forecast(),
             max_slack: 1.35,
+            censored: none,
             rate: |t, seed| {
                 let at = END - HOLDOUT_DAYS * DAY - 5 * DAY;
                 base(t) * if t >= at { 2.0 } else { 1.0 } * noise(t, seed, 9, 0.05)
@@ -178,6 +203,7 @@ pub fn shapes() -> Vec<Shape> {
             about: "diurnal-weekly halved on day 8, for the 14 days before the scored week (a migration away)",
             spec: forecast(),
             max_slack: 1.35,
+            censored: none,
             rate: |t, seed| {
                 let at = start() + 7 * DAY;
                 base(t) * if t >= at { 0.5 } else { 1.0 } * noise(t, seed, 10, 0.05)
@@ -191,6 +217,7 @@ pub fn shapes() -> Vec<Shape> {
                 ..forecast()
             },
             max_slack: 1.35,
+            censored: none,
             rate: |t, seed| {
                 let local = t + if t >= DST_SWITCH { 2 * HOUR } else { HOUR };
                 let h = local.rem_euclid(DAY) as f64 / 3600.0;
@@ -203,6 +230,7 @@ pub fn shapes() -> Vec<Shape> {
             about: "20 rps, plus a 2-hour batch at 400 rps every Sunday 02:00",
             spec: forecast(),
             max_slack: 1.45,
+            censored: none,
             rate: |t, seed| {
                 let wd = (t.div_euclid(DAY) + 3).rem_euclid(7);
                 let h = t.rem_euclid(DAY) / HOUR;
@@ -215,6 +243,7 @@ pub fn shapes() -> Vec<Shape> {
             about: "a few requests an hour: 0 most minutes, bursts up to 1 rps",
             spec: forecast(),
             max_slack: 1.4,
+            censored: none,
             rate: |t, seed| {
                 let u = unit(seed ^ 13 ^ (t as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9));
                 if u < 0.95 {
@@ -229,6 +258,7 @@ pub fn shapes() -> Vec<Shape> {
             about: "diurnal-weekly, first sample 5 days before the scored week",
             spec: forecast(),
             max_slack: 1.6,
+            censored: none,
             rate: |t, seed| {
                 if t < END - HOLDOUT_DAYS * DAY - 5 * DAY {
                     f64::NAN
@@ -236,6 +266,63 @@ pub fn shapes() -> Vec<Shape> {
                     base(t) * noise(t, seed, 14, 0.05)
                 }
             },
+        },
+        Shape {
+            name: "storm-20x-1m",
+            about: "diurnal-weekly with a 20× retry storm for 1 minute at the day's peak on day 8",
+            spec: forecast(),
+            max_slack: 1.35,
+            censored: none,
+            rate: |t, seed| base(t) * storm(t, start() + 7 * DAY + 15 * HOUR, 1, 20.0) * noise(t, seed, 15, 0.05),
+        },
+        Shape {
+            name: "storm-8x-10m",
+            about: "diurnal-weekly with an 8× retry storm for 10 minutes one afternoon (day 7)",
+            spec: forecast(),
+            max_slack: 1.35,
+            censored: none,
+            rate: |t, seed| base(t) * storm(t, start() + 6 * DAY + 14 * HOUR, 10, 8.0) * noise(t, seed, 16, 0.05),
+        },
+        Shape {
+            name: "storm-4x-60m",
+            about: "diurnal-weekly with a 4× retry storm for an hour one morning (day 15)",
+            spec: forecast(),
+            max_slack: 1.35,
+            censored: none,
+            rate: |t, seed| base(t) * storm(t, start() + 14 * DAY + 10 * HOUR, 60, 4.0) * noise(t, seed, 17, 0.05),
+        },
+        Shape {
+            name: "storm-2x-30m-throttled",
+            about: "diurnal-weekly with a 2× storm for 30 minutes at the peak (day 19) that the enforced limit refused (throttled minutes)",
+            spec: forecast(),
+            max_slack: 1.35,
+            censored: || {
+                let at = start() + 18 * DAY + 15 * HOUR;
+                vec![(at, at + 30 * 60, "throttled")]
+            },
+            rate: |t, seed| base(t) * storm(t, start() + 18 * DAY + 15 * HOUR, 30, 2.0) * noise(t, seed, 18, 0.05),
+        },
+        Shape {
+            name: "throttled-day",
+            about: "diurnal-weekly with a whole day at 1.6× (a retry loop held at the limit, throttled all day, day 17)",
+            spec: forecast(),
+            max_slack: 1.35,
+            censored: || {
+                let at = start() + 16 * DAY;
+                vec![(at, at + DAY, "throttled")]
+            },
+            rate: |t, seed| base(t) * storm(t, start() + 16 * DAY, 24 * 60, 1.6) * noise(t, seed, 19, 0.05),
+        },
+        Shape {
+            name: "override-window",
+            about: "diurnal-weekly with 3 hours at 2.5× under an incident override (day 20)",
+            spec: forecast(),
+            max_slack: 1.35,
+            censored: || {
+                let at = start() + 19 * DAY + 13 * HOUR;
+                vec![(at, at + 3 * HOUR, "override")]
+            },
+            rate: |t, seed| base(t) * storm(t, start() + 19 * DAY + 13 * HOUR, 180, 2.5) * noise(t, seed, 20, 0.05),
         },
     ]
 }
@@ -301,24 +388,56 @@ pub fn run(policies: &[(&str, &dyn Policy)]) -> Vec<ShapeRow> {
     run_seeded(policies, SEED)
 }
 
+/// How the corpus is scored: as runs compute today, or as they did before robust learning
+/// (throttled and overridden minutes learned from, `peak` keeping one-off spikes), for the
+/// before/after table of `docs/rlc-policies.md`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Learning {
+    /// Censored windows left out, spikes left out of `peak`.
+    Robust,
+    /// Every minute learned from; `peak` keeps spikes (`forecast` left spikes out already).
+    Before,
+}
+
 /// Scores `policies` on every shape, noise from `seed`.
 pub fn run_seeded(policies: &[(&str, &dyn Policy)], seed: u64) -> Vec<ShapeRow> {
+    run_as(policies, seed, Learning::Robust)
+}
+
+/// Scores `policies` on every shape, noise from `seed`, learning as `learning` says.
+pub fn run_as(policies: &[(&str, &dyn Policy)], seed: u64, learning: Learning) -> Vec<ShapeRow> {
     let split = END - HOLDOUT_DAYS * DAY;
     shapes()
         .iter()
         .map(|shape| {
-            let full = series(shape, seed);
+            let raw = series(shape, seed);
+            let windows: Vec<crate::censor::Ignored> = (shape.censored)()
+                .into_iter()
+                .map(|(from, to, kind)| crate::censor::Ignored {
+                    kind: kind.into(),
+                    from: chrono::DateTime::from_timestamp(from, 0).unwrap_or_default(),
+                    to: chrono::DateTime::from_timestamp(to, 0).unwrap_or_default(),
+                    reason: kind.into(),
+                })
+                .collect();
+            let (full, left_out) = match learning {
+                Learning::Robust => crate::censor::apply(&raw, &windows),
+                Learning::Before => (raw, 0),
+            };
             let scores = policies
                 .iter()
                 .filter_map(|(name, policy)| {
                     let mut spec = shape.spec.clone();
                     spec.policy = name.parse().ok();
+                    if learning == Learning::Before && *name == "peak" {
+                        spec.spike_factor = Some(f64::MAX);
+                    }
                     let (sc, p) = fit_and_score(
                         *policy,
                         &spec,
                         0.0,
                         (shape.name, Some("caller"), None),
-                        &full,
+                        (&full, left_out),
                         split,
                     )
                     .ok()??;
@@ -416,9 +535,65 @@ pub fn markdown(rows: &[ShapeRow]) -> String {
     out
 }
 
+/// The before/after table of `docs/rlc-policies.md`: each policy's throttled share and slack
+/// on each shape, learning as before robust learning and as today.
+pub fn markdown_before_after(before: &[ShapeRow], after: &[ShapeRow]) -> String {
+    let names: Vec<String> = after
+        .first()
+        .map(|r| r.scores.iter().map(|s| s.policy.clone()).collect())
+        .unwrap_or_default();
+    let mut out = String::from("| shape |");
+    for n in &names {
+        out.push_str(&format!(" {n} before | {n} after |"));
+    }
+    out.push_str("\n|---|");
+    for _ in &names {
+        out.push_str("---:|---:|");
+    }
+    out.push('\n');
+    let cell = |r: Option<&ShapeRow>, n: &str| {
+        r.and_then(|r| r.scores.iter().find(|s| s.policy == n))
+            .map_or("-".to_string(), |s| {
+                format!("{:.4}% / {:.2}", s.throttled_fraction * 100.0, s.slack)
+            })
+    };
+    for a in after {
+        let b = before.iter().find(|b| b.shape == a.shape);
+        out.push_str(&format!("| {} |", a.shape));
+        for n in &names {
+            out.push_str(&format!(" {} | {} |", cell(b, n), cell(Some(a), n)));
+        }
+        out.push('\n');
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The storm shapes (a retry storm, a throttled day, an override window) set no limit:
+    /// today every policy stays within the shape's slack threshold at 0% throttled, where
+    /// learning as before set limits from the storm (the table of `docs/rlc-policies.md`,
+    /// printed with `--nocapture`); the shapes without storms score as before.
+    #[test]
+    fn storms_before_and_after() {
+        let before = run_as(&builtin(), SEED, Learning::Before);
+        let after = run_as(&builtin(), SEED, Learning::Robust);
+        eprintln!("{}", markdown_before_after(&before, &after));
+        for (b, a) in before.iter().zip(&after) {
+            for (sb, sa) in b.scores.iter().zip(&a.scores) {
+                if a.shape.starts_with("storm") || a.shape == "throttled-day" || a.shape == "override-window" {
+                    assert!(sa.slack <= a.max_slack && sa.throttled_fraction <= MAX_THROTTLED, "{} {}: {sa:?}", a.shape, sa.policy);
+                    if sa.policy == "peak" {
+                        assert!(sb.slack > 1.5, "{} learned from its storm before: {sb:?}", a.shape);
+                    }
+                } else if !(a.shape == "spike" && sa.policy == "peak") {
+                    assert_eq!((sb.slack, sb.throttled_fraction), (sa.slack, sa.throttled_fraction), "{} {}", a.shape, sa.policy);
+                }
+            }
+        }
+    }
 
     #[test]
     fn corpus_is_deterministic() {
