@@ -515,6 +515,61 @@ mod tests {
         assert!(body.contains("stored with the run"));
     }
 
+    /// A raise of an enforced bucket its limit throttled leads the review list, with how much
+    /// was refused and for how long; an unthrottled raise stays in the table.
+    #[test]
+    fn throttled_raises_lead_the_review_list() {
+        let old: BTreeMap<String, BucketFile> = [(
+            "pay".to_string(),
+            BucketFile {
+                service: "pay".into(),
+                buckets: vec![bucket("down", 100.0), bucket("grown", 100.0), bucket("up", 100.0)],
+            },
+        )]
+        .into();
+        let new = vec![BucketFile {
+            service: "pay".into(),
+            buckets: vec![bucket("down", 75.0), bucket("grown", 180.0), bucket("up", 150.0)],
+        }];
+        let mut plan = Plan::default();
+        for b in &new[0].buckets {
+            let mut evidence = Evidence::default();
+            if b.name == "grown" {
+                let t = chrono::DateTime::from_timestamp(1_796_000_000, 0).unwrap();
+                evidence.throttled = Some(rlc_plan::censor::ThrottledEvidence {
+                    minutes: 412,
+                    days: 5,
+                    refused_requests: 1_234_000.0,
+                    first: t,
+                    last: t,
+                    sustained: true,
+                });
+            }
+            plan.buckets.push(PlannedBucket {
+                service: "pay".into(),
+                bucket: b.clone(),
+                current_limit_rps: Some(100.0),
+                evidence,
+                held: None,
+            });
+        }
+        let body = report_with(
+            &plan,
+            &diff(&old, &new),
+            &ReportContext {
+                promotions: &[],
+                dashboard_url: None,
+            },
+        );
+        let risky: Vec<&str> = body.lines().filter(|l| l.starts_with("- **")).collect();
+        assert_eq!(risky.len(), 2, "{body}");
+        assert!(
+            risky[0].starts_with("- **throttled_raise** pay/grown: raised 100 -> 180 rps; its limit refused 1234000 requests over 412 minutes on 5 day(s) (sustained: counted as demand)"),
+            "{body}"
+        );
+        assert!(risky[1].starts_with("- **decrease** pay/down"), "{body}");
+    }
+
     #[test]
     fn risky_changes_lead_with_their_evidence_and_hostile_names_stay_text() {
         let evil = "x](http://evil.example)<img src=x onerror=alert(1)>@admin|#1 www.evil.com";

@@ -353,6 +353,13 @@ pub struct Details {
     pub explain: Option<String>,
     /// Forecast: what set the bound (`forecast`, `grown_peak` or `recent_peak`).
     pub set_by: Option<String>,
+    /// Windows left out of what the policy learnt (throttled minutes, incident overrides,
+    /// `excluded:` windows).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub ignored: Vec<rlc_plan::censor::Ignored>,
+    /// How much demand the bucket's limit refused in the window, if it refused any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub throttled: Option<rlc_plan::censor::ThrottledEvidence>,
 }
 
 /// One bucket: the preview JSON's bucket (every field of `rlc preview --format json`), plus
@@ -513,6 +520,8 @@ fn details_of(b: &PlannedBucket) -> Details {
         proposed_rps: e.proposed_rps,
         explain: e.explain.clone(),
         set_by: f.set_by.and_then(|s| s.kind),
+        ignored: e.ignored.clone(),
+        throttled: e.throttled.clone(),
     }
 }
 
