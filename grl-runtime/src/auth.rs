@@ -190,6 +190,14 @@ fn file_key(path: &Path) -> Option<(std::time::SystemTime, u64, u64)> {
 }
 
 fn read_small(path: &Path) -> Result<String, String> {
+    let text = read_secret_file(path)?;
+    warn_if_world_readable(path);
+    Ok(text)
+}
+
+/// A secret file's text, at most [`MAX_FILE_BYTES`]; a path that is not a regular file is
+/// refused. Errors name the file, never its content.
+pub fn read_secret_file(path: &Path) -> Result<String, String> {
     use std::io::Read;
     let f = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let meta = f
@@ -197,13 +205,6 @@ fn read_small(path: &Path) -> Result<String, String> {
         .map_err(|e| format!("{}: {e}", path.display()))?;
     if !meta.is_file() {
         return Err(format!("{}: not a regular file", path.display()));
-    }
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::PermissionsExt;
-        if meta.permissions().mode() & 0o004 != 0 {
-            tracing::warn!(file = %path.display(), "secret file is readable by every user (chmod 600 it)");
-        }
     }
     let mut text = String::new();
     f.take(MAX_FILE_BYTES + 1)
@@ -216,6 +217,17 @@ fn read_small(path: &Path) -> Result<String, String> {
         ));
     }
     Ok(text)
+}
+
+/// Warns when a secret file is readable by every user of the machine.
+pub fn warn_if_world_readable(path: &Path) {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        if std::fs::metadata(path).is_ok_and(|m| m.permissions().mode() & 0o004 != 0) {
+            tracing::warn!(file = %path.display(), "secret file is readable by every user (chmod 600 it)");
+        }
+    }
 }
 
 /// How a watched file's text becomes its value.

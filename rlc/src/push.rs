@@ -19,9 +19,10 @@ use serde::{Deserialize, Serialize};
 /// Why a controller call failed. Never carries the token.
 #[derive(Debug, thiserror::Error)]
 pub enum PushError {
-    /// Could not reach the controller (down, refused, timed out): worth retrying.
+    /// Could not reach the controller (down, refused, timed out, a certificate it or rlc
+    /// refused), with the cause in words: worth retrying.
     #[error("controller unreachable: {0}")]
-    Unreachable(#[source] reqwest::Error),
+    Unreachable(String),
     /// 401: the token is wrong or missing.
     #[error("controller refused the token (401); check the env var named by controller.token_env")]
     Unauthorized,
@@ -55,7 +56,19 @@ pub enum PushError {
     TokenFile(String),
 }
 
+/// Longest wait for one controller call.
+pub const TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Largest controller answer read (a page of reports is a few MB).
+pub const MAX_ANSWER_BYTES: usize = 64 << 20;
+
 impl PushError {
+    /// A failed call, its cause named ("server certificate expired on DATE", "host name
+    /// mismatch", "connection refused", "timed out after N ms").
+    fn unreachable(e: reqwest::Error) -> PushError {
+        PushError::Unreachable(grl_runtime::cause::describe(&e, TIMEOUT))
+    }
+
     /// Whether trying again later can succeed without a config change.
     pub fn retryable(&self) -> bool {
         matches!(self, PushError::Unreachable(_) | PushError::Server { .. })
@@ -174,7 +187,7 @@ impl Secret {
         }
         match std::env::var_os(format!("{var}_FILE")).filter(|v| !v.is_empty()) {
             Some(p) => {
-                let s = Secret::File(PathBuf::from(p));
+                let s = Secret::file(PathBuf::from(p));
                 s.get()?;
                 Ok(s)
             }
@@ -182,13 +195,19 @@ impl Secret {
         }
     }
 
+    /// A token file, with a warning when every user can read it.
+    fn file(p: PathBuf) -> Secret {
+        grl_runtime::auth::warn_if_world_readable(&p);
+        Secret::File(p)
+    }
+
     fn get(&self) -> Result<String, PushError> {
         match self {
             Secret::Value(v) => Ok(v.clone()),
             Secret::File(p) => {
                 // Never the content in errors: only the file and what is wrong.
-                let text = std::fs::read_to_string(p)
-                    .map_err(|e| PushError::TokenFile(format!("{}: {e}", p.display())))?;
+                let text =
+                    grl_runtime::auth::read_secret_file(p).map_err(PushError::TokenFile)?;
                 let t = text.lines().next().unwrap_or("").trim().to_string();
                 if t.is_empty() {
                     return Err(PushError::TokenFile(format!("{}: empty", p.display())));
@@ -230,7 +249,7 @@ impl ControllerClient {
     pub fn new(url: &str, token: String) -> ControllerClient {
         ControllerClient {
             http: reqwest::Client::builder()
-                .timeout(Duration::from_secs(30))
+                .timeout(TIMEOUT)
                 .build()
                 .expect("a default reqwest client builds"),
             url: url.trim_end_matches('/').to_string(),
@@ -247,7 +266,7 @@ impl ControllerClient {
         tls: &ClientTls,
     ) -> Result<ControllerClient, PushError> {
         let http = tls
-            .http_client(Duration::from_secs(30))
+            .http_client(TIMEOUT)
             .map_err(|e| PushError::Tls(format!("{e:#}")))?;
         grl_runtime::tls::warn_plain_http("controller.url", [url]);
         Ok(ControllerClient {
@@ -267,7 +286,7 @@ impl ControllerClient {
     ) -> Result<ControllerClient, PushError> {
         let token = match &c.token_file {
             Some(f) => {
-                let s = Secret::File(base_dir.join(f));
+                let s = Secret::file(base_dir.join(f));
                 s.get()?;
                 s
             }
@@ -303,7 +322,16 @@ impl ControllerClient {
         if status.as_u16() == 401 {
             return Err(PushError::Unauthorized);
         }
-        let text = resp.text().await.unwrap_or_default();
+        // The error body: its first 64 KiB.
+        let mut resp = resp;
+        let mut raw = Vec::new();
+        while let Ok(Some(piece)) = resp.chunk().await {
+            raw.extend_from_slice(&piece[..piece.len().min((64 << 10) - raw.len())]);
+            if raw.len() >= 64 << 10 {
+                break;
+            }
+        }
+        let text = String::from_utf8_lossy(&raw).into_owned();
         let message = serde_json::from_str::<serde_json::Value>(&text)
             .ok()
             .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_string))
@@ -334,7 +362,7 @@ impl ControllerClient {
             .json(&body)
             .send()
             .await
-            .map_err(PushError::Unreachable)?;
+            .map_err(PushError::unreachable)?;
         Self::check(resp).await?;
         Ok(())
     }
@@ -354,15 +382,23 @@ impl ControllerClient {
             .query(query)
             .send()
             .await
-            .map_err(PushError::Unreachable)?;
-        Self::check(resp)
-            .await?
-            .json()
-            .await
-            .map_err(|e| PushError::Server {
-                status: 200,
-                message: format!("unreadable {what}: {e}"),
-            })
+            .map_err(PushError::unreachable)?;
+        let mut resp = Self::check(resp).await?;
+        let unreadable = |message: String| PushError::Server {
+            status: 200,
+            message: format!("unreadable {what}: {message}"),
+        };
+        if resp.content_length().is_some_and(|n| n > MAX_ANSWER_BYTES as u64) {
+            return Err(unreadable(format!("larger than {MAX_ANSWER_BYTES} bytes")));
+        }
+        let mut body = Vec::new();
+        while let Some(piece) = resp.chunk().await.map_err(PushError::unreachable)? {
+            if body.len() + piece.len() > MAX_ANSWER_BYTES {
+                return Err(unreadable(format!("larger than {MAX_ANSWER_BYTES} bytes")));
+            }
+            body.extend_from_slice(&piece);
+        }
+        serde_json::from_slice(&body).map_err(|e| unreadable(e.to_string()))
     }
 
     /// `GET /v1/overrides`: the incident overrides in force.

@@ -49,7 +49,9 @@ pub(crate) fn too_large(n: usize) -> Problem {
 }
 
 /// The body, never holding more than `n` bytes: 413 when `Content-Length` says it is longer
-/// (before reading) or when it turns out longer while reading, 400 when it cannot be read.
+/// (before reading) or when it turns out longer while reading, 408 when it does not arrive
+/// within 30 s (a client trickling its body would hold the request open), 400 when it cannot
+/// be read.
 pub async fn read_bounded(
     headers: &HeaderMap,
     body: axum::body::Body,
@@ -58,7 +60,16 @@ pub async fn read_bounded(
     if declared_len(headers).is_some_and(|l| l > n as u64) {
         return Err(too_large(n));
     }
-    axum::body::to_bytes(body, n).await.map_err(|e| {
+    let timeout = grl_runtime::http_util::BODY_TIMEOUT;
+    let read = tokio::time::timeout(timeout, axum::body::to_bytes(body, n))
+        .await
+        .map_err(|_| {
+            Problem::new(
+                StatusCode::REQUEST_TIMEOUT,
+                format!("the request body did not arrive within {} s", timeout.as_secs()),
+            )
+        })?;
+    read.map_err(|e| {
         let too_big = std::error::Error::source(&e)
             .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
         if too_big {

@@ -313,3 +313,31 @@ fn preview_survives_a_segfaulting_plugin_and_refuses_1e308() {
         "{r}"
     );
 }
+
+/// A push that fails says why in words ("connection refused", not reqwest's "error sending
+/// request"), and a controller token file every user can read is warned about.
+#[test]
+fn a_failed_push_names_its_cause_and_a_world_readable_token_is_warned_about() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = setup("  file: h.csv");
+    let d = dir.path();
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let yaml = std::fs::read_to_string(d.join("rlc.yaml")).unwrap();
+    std::fs::write(
+        d.join("rlc.yaml"),
+        format!("{yaml}controller:\n  url: http://{dead}\n  token_file: rlc-token\n"),
+    )
+    .unwrap();
+    std::fs::write(d.join("rlc-token"), "rlc-config-0123456789abcdef\n").unwrap();
+    std::fs::set_permissions(d.join("rlc-token"), std::fs::Permissions::from_mode(0o644)).unwrap();
+    let (code, out, err) = rlc(d, &["run", "--once", "--json"]);
+    assert_eq!(code, 2, "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let push = v["push_error"].as_str().unwrap_or_default();
+    assert!(push.contains("connection refused"), "{push}");
+    assert!(err.contains("readable by every user") && err.contains("rlc-token"), "{err}");
+    // chmod 600: no warning.
+    std::fs::set_permissions(d.join("rlc-token"), std::fs::Permissions::from_mode(0o600)).unwrap();
+    let (_, _, err) = rlc(d, &["run", "--once", "--json"]);
+    assert!(!err.contains("readable by every user"), "{err}");
+}
