@@ -73,9 +73,10 @@ pub(crate) fn bearer(headers: &HeaderMap) -> Option<&str> {
         .and_then(|v| v.strip_prefix("Bearer "))
 }
 
-/// Compares in time that depends on the lengths only.
+/// Compares in time that depends on the lengths only (`subtle`).
 pub(crate) fn ct_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    use subtle::ConstantTimeEq;
+    a.ct_eq(b).into()
 }
 
 /// Parses a credentials file's text. `allowed_scope` (when given) lists the scope items
