@@ -6,6 +6,7 @@ mod cli;
 mod compute;
 mod agreement;
 mod faults;
+mod history_bounds;
 mod history_faults;
 mod layers;
 mod one_plan;
