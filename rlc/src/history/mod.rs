@@ -340,7 +340,7 @@ pub(crate) struct Builder {
     scratch: Vec<(usize, f32)>,
     /// The label set each key was first seen with: another label set with the same key is a
     /// series the labels rlc reads cannot tell apart.
-    first_labels: HashMap<SeriesKey, BTreeMap<String, String>>,
+    first_labels: HashMap<SeriesKey, FirstLabels>,
     /// Keys seen with several label sets, and the labels those differ in.
     merged: BTreeMap<SeriesKey, std::collections::BTreeSet<String>>,
     /// Distinct label sets the builder takes at most ([`Builder::bounded`]).
@@ -360,6 +360,59 @@ pub(crate) struct Builder {
 const REJECTED_LABELS_MAX: usize = 512;
 /// Label names kept per key that several label sets map to.
 const MERGED_NAMES_MAX: usize = 16;
+/// The first label set of a key is kept as text up to this size, for naming the labels a
+/// second set differs in; a longer one is kept as its hash only.
+const FIRST_LABELS_MAX: usize = 1024;
+
+/// The label set a key was first seen with, kept small whatever the answer's labels: its hash,
+/// and its text (`name\0value\0…`) when short.
+struct FirstLabels {
+    hash: u64,
+    text: Option<Box<str>>,
+}
+
+impl FirstLabels {
+    fn of(metric: &BTreeMap<String, String>, hash: u64) -> FirstLabels {
+        let len: usize = metric.iter().map(|(k, v)| k.len() + v.len() + 2).sum();
+        let text = (len <= FIRST_LABELS_MAX).then(|| {
+            let mut t = String::with_capacity(len);
+            for (k, v) in metric {
+                t.push_str(k);
+                t.push('\0');
+                t.push_str(v);
+                t.push('\0');
+            }
+            t.into_boxed_str()
+        });
+        FirstLabels { hash, text }
+    }
+
+    /// The names of the labels `metric` differs in from this set.
+    fn differing(&self, metric: &BTreeMap<String, String>) -> Vec<String> {
+        let Some(text) = &self.text else {
+            return vec![format!(
+                "(the first one's labels, over {FIRST_LABELS_MAX} bytes)"
+            )];
+        };
+        let mut parts = text.split('\0');
+        let mut first = BTreeMap::new();
+        while let (Some(k), Some(v)) = (parts.next(), parts.next()) {
+            first.insert(k, v);
+        }
+        let mut names: Vec<String> = first
+            .iter()
+            .filter(|(k, v)| metric.get(**k).map(String::as_str) != Some(**v))
+            .map(|(k, _)| k.to_string())
+            .collect();
+        names.extend(
+            metric
+                .keys()
+                .filter(|k| !first.contains_key(k.as_str()))
+                .cloned(),
+        );
+        names
+    }
+}
 
 impl Builder {
     pub(crate) fn new(start: i64, step: i64, len: usize, labels: LabelNames) -> Self {
@@ -400,20 +453,20 @@ impl Builder {
     /// Counts the label set `metric`; `false` (the bound recorded) when it is one more than
     /// `max_series`. Each series costs memory (its key, its first labels, its index or grid),
     /// so a pull must not take series without end.
-    fn count(&mut self, metric: &BTreeMap<String, String>) -> bool {
+    fn count(&mut self, metric: &BTreeMap<String, String>) -> Option<u64> {
         let mut h = std::hash::DefaultHasher::new();
         metric.hash(&mut h);
         let id = h.finish();
         if self.label_sets.contains(&id) {
-            return true;
+            return Some(id);
         }
         if self.label_sets.len() >= self.max_series {
             self.exceeded
                 .get_or_insert(Bound::Series(self.max_series as u64));
-            return false;
+            return None;
         }
         self.label_sets.insert(id);
-        true
+        Some(id)
     }
 
     /// A builder writing the series to a new spill file under `dir`
@@ -438,9 +491,10 @@ impl Builder {
 
     /// The key for a label set, or `None` (recorded as rejected) when labels are missing.
     pub(crate) fn key(&mut self, metric: &BTreeMap<String, String>) -> Option<SeriesKey> {
-        if self.exceeded.is_some() || !self.count(metric) {
+        if self.exceeded.is_some() {
             return None;
         }
+        let id = self.count(metric)?;
         let get = |n: &str| metric.get(n).filter(|v| !v.is_empty()).cloned();
         let (service, caller, procedure) = (
             get(&self.labels.service),
@@ -494,20 +548,18 @@ impl Builder {
         };
         match self.first_labels.get(&key) {
             None => {
-                self.first_labels.insert(key.clone(), metric.clone());
+                self.first_labels
+                    .insert(key.clone(), FirstLabels::of(metric, id));
             }
-            Some(first) if first != metric => {
-                let differ = first
-                    .keys()
-                    .chain(metric.keys())
-                    .filter(|k| first.get(*k) != metric.get(*k));
+            Some(first) if first.hash != id => {
+                let differ = first.differing(metric);
                 let names = self.merged.entry(key.clone()).or_default();
                 // The names are for the message: a few tell what to aggregate by.
                 for k in differ {
                     if names.len() >= MERGED_NAMES_MAX {
                         break;
                     }
-                    names.insert(k.clone());
+                    names.insert(shorten(k, 128));
                 }
             }
             Some(_) => {}

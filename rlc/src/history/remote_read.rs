@@ -599,12 +599,16 @@ fn undecodable(e: impl std::fmt::Display) -> Bad {
 }
 
 /// Series read whole are put on the grid at the end of each network piece (one lock per
-/// piece), or once this many wait (a frame of many small series).
+/// piece), or once this many wait, or their points reach [`POINTS_MAX`] (a frame of many
+/// small series).
 const READY_MAX: usize = 1024;
+/// See [`READY_MAX`]: 16 MB of points.
+const POINTS_MAX: usize = 1 << 20;
 
 /// Decodes the frames of a streamed answer as they arrive. What it holds is bounded whatever
 /// the answer: a frame ([`FRAME_MAX`]), one series' labels ([`LABELS_MAX`]) and samples (at
-/// most about two per step: see [`Frames::compact`]), and [`READY_MAX`] series.
+/// most about two per step: see [`Frames::compact`]), and the points of [`READY_MAX`] series
+/// or [`POINTS_MAX`] points.
 struct Frames {
     steps: Steps,
     b: Arc<Mutex<Builder>>,
@@ -813,7 +817,7 @@ impl Frames {
         let metric: BTreeMap<String, String> =
             labels.into_iter().map(|l| (l.name, l.value)).collect();
         self.ready.push((metric, from..self.points.len()));
-        if self.ready.len() >= READY_MAX {
+        if self.ready.len() >= READY_MAX || self.points.len() >= POINTS_MAX {
             self.deliver()?;
         }
         Ok(())

@@ -144,3 +144,53 @@ fn a_rejected_series_keeps_a_bounded_reason() {
         assert!(r.reason.len() < 1024, "{} bytes", r.reason.len());
     }
 }
+
+/// Several label sets for one key are named by the labels they differ in; the first set is
+/// kept small (as text up to 1 KiB, else as its hash), so a long one is named as such.
+#[test]
+fn merged_label_sets_are_named_from_a_small_copy_of_the_first() {
+    let mut b = Builder::new(1000, 60, 10, LabelNames::default());
+    feed(
+        &mut b,
+        &[
+            ("service", "s"),
+            ("caller", "web"),
+            ("instance", "a"),
+            ("job", "j"),
+        ],
+    );
+    feed(
+        &mut b,
+        &[
+            ("service", "s"),
+            ("caller", "web"),
+            ("instance", "b"),
+            ("job", "j"),
+        ],
+    );
+    feed(&mut b, &[("service", "s"), ("caller", "web"), ("pod", "p")]);
+    let long = "x".repeat(2000);
+    feed(
+        &mut b,
+        &[("service", "s"), ("caller", "api"), ("huge", &long)],
+    );
+    feed(&mut b, &[("service", "s"), ("caller", "api")]);
+    let h = b.finish();
+    let reason = |caller: &str| {
+        h.rejected
+            .iter()
+            .find(|r| r.caller.as_deref() == Some(caller))
+            .map(|r| r.reason.clone())
+            .unwrap()
+    };
+    assert!(
+        reason("web").contains("they differ in `instance`, `job`, `pod`;"),
+        "{}",
+        reason("web")
+    );
+    assert!(
+        reason("api").contains("`(the first one's labels, over 1024 bytes)`"),
+        "{}",
+        reason("api")
+    );
+}
