@@ -943,3 +943,43 @@ fn planned_events_and_forecast_keys_are_checked_with_file_and_line() {
     assert!(e.overlaps(1_796_083_200 - 86_400, 1_796_083_200 + 1));
     assert!(!e.overlaps(1_796_083_200 + 3 * 86_400, 1_796_083_200 + 4 * 86_400));
 }
+
+#[test]
+fn history_bounds_have_defaults_and_refuse_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("rlc.yaml");
+    let yaml = |extra: &str| {
+        format!("history:\n  prometheus:\n    url: http://127.0.0.1:9090\n{extra}config_repo:\n  path: repo\n")
+    };
+    std::fs::write(&p, yaml("")).unwrap();
+    let cfg = load_daemon_config(&p).unwrap();
+    let prom = cfg.history.prometheus.unwrap();
+    assert_eq!(
+        (
+            prom.max_response_bytes,
+            prom.max_pull_bytes,
+            prom.max_series
+        ),
+        (2 << 30, 32 << 30, crate::DEFAULT_MAX_SERIES)
+    );
+    std::fs::write(
+        &p,
+        yaml("    max_response_bytes: 0\n    max_pull_bytes: 0\n    max_series: 0\n"),
+    )
+    .unwrap();
+    let errs = load_daemon_config(&p).unwrap_err();
+    let keys: Vec<&str> = errs.iter().map(|d| d.key.as_str()).collect();
+    assert_eq!(
+        keys,
+        [
+            "history.prometheus.max_response_bytes",
+            "history.prometheus.max_pull_bytes",
+            "history.prometheus.max_series"
+        ],
+        "{errs:?}"
+    );
+    assert!(
+        errs.iter().all(|d| d.message == "must be at least 1"),
+        "{errs:?}"
+    );
+}

@@ -934,6 +934,23 @@ pub struct PrometheusConfig {
     /// `remote_read` force one API.
     #[serde(default)]
     pub api: HistoryApi,
+    /// Bytes one answer may carry at most (after the HTTP headers; error answers are cut at
+    /// 64 KiB anyway). An answer that sends more fails the pull at once, not retried. The
+    /// default, 2 GiB, is about 9 times a `query_range` answer of 10,000 series × 720 points
+    /// (about 33 bytes a point: 240 MB) and above the largest answer Prometheus gives with its
+    /// default `--query.max-samples` (50 million points: 1.65 GB).
+    #[serde(default = "default_max_response_bytes")]
+    pub max_response_bytes: u64,
+    /// Bytes a whole pull may read at most, every answer and retry counted. The default,
+    /// 32 GiB, is about 2.4 times a per-minute `query_range` pull of 10,000 series × 28 days
+    /// (403 million points at about 33 bytes: 13.3 GB; remote read moves about a fifth of it).
+    #[serde(default = "default_max_pull_bytes")]
+    pub max_pull_bytes: u64,
+    /// Distinct series a pull may hold at most (series rejected for their labels included):
+    /// each one costs memory for its labels and index (and, in `rlc serve`, its grid:
+    /// lookback ÷ step × 4 bytes). A pull with more fails at once.
+    #[serde(default = "default_max_series")]
+    pub max_series: u64,
 }
 
 /// How `history.prometheus` reads the series.
@@ -970,6 +987,21 @@ fn default_timeout() -> HumanDuration {
 }
 fn default_retries() -> u32 {
     3
+}
+/// See [`PrometheusConfig::max_response_bytes`].
+pub const DEFAULT_MAX_RESPONSE_BYTES: u64 = 2 << 30;
+/// See [`PrometheusConfig::max_pull_bytes`].
+pub const DEFAULT_MAX_PULL_BYTES: u64 = 32 << 30;
+/// See [`PrometheusConfig::max_series`].
+pub const DEFAULT_MAX_SERIES: u64 = 200_000;
+fn default_max_response_bytes() -> u64 {
+    DEFAULT_MAX_RESPONSE_BYTES
+}
+fn default_max_pull_bytes() -> u64 {
+    DEFAULT_MAX_PULL_BYTES
+}
+fn default_max_series() -> u64 {
+    DEFAULT_MAX_SERIES
 }
 
 /// Names of the labels carrying service, caller and procedure.

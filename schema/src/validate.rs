@@ -901,6 +901,15 @@ pub fn load_daemon_config(path: &Path) -> Result<DaemonConfig, Vec<Diagnostic>> 
         if p.retries == 0 {
             diags.push(f.diag("history.prometheus.retries", "must be at least 1"));
         }
+        for (k, v) in [
+            ("max_response_bytes", p.max_response_bytes),
+            ("max_pull_bytes", p.max_pull_bytes),
+            ("max_series", p.max_series),
+        ] {
+            if v == 0 {
+                diags.push(f.diag(format!("history.prometheus.{k}"), "must be at least 1"));
+            }
+        }
     }
     let r = &f.value.rails;
     for (k, v) in [

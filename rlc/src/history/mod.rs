@@ -12,7 +12,8 @@ pub mod snapshot;
 pub mod spill;
 pub mod synth;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -77,6 +78,110 @@ pub enum HistoryError {
     /// `history` asks for something that cannot be done (the message names the field).
     #[error("{0}")]
     Config(String),
+    /// An answer crossed a bound on what a pull reads: the pull stops at once (a server that
+    /// sent it would send it again, so it is not retried) and fails as a whole.
+    #[error("prometheus at {url}: {bound}, in the answer to {request}{}", bound.advice())]
+    Exceeded {
+        /// Base URL.
+        url: String,
+        /// The request: API and time range.
+        request: String,
+        /// The bound crossed.
+        bound: Bound,
+    },
+}
+
+/// A bound on what a history pull reads from the network or holds ([`HistoryError::Exceeded`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Bound {
+    /// One answer carried more bytes than `history.prometheus.max_response_bytes`.
+    ResponseBytes(u64),
+    /// The pull read more bytes than `history.prometheus.max_pull_bytes`.
+    PullBytes(u64),
+    /// The pull met more series than `history.prometheus.max_series`.
+    Series(u64),
+    /// One series' text in a `query_range` answer is longer than its points can be.
+    SeriesText {
+        /// The bound in bytes.
+        max: usize,
+        /// The points one series has at most in the request.
+        points: usize,
+    },
+    /// One series' labels take more than [`LABELS_MAX`] bytes.
+    Labels(usize),
+    /// A `query_range` answer has more than this many bytes outside `data.result`.
+    Envelope(usize),
+    /// A series came in more answers than the pull made requests and attempts.
+    Repeated {
+        /// The series (service/caller/procedure).
+        series: String,
+        /// Answers (requests × attempts) the pull could get.
+        max: usize,
+    },
+}
+
+impl Bound {
+    /// The setting that raises the bound, if one does.
+    pub fn key(&self) -> Option<&'static str> {
+        match self {
+            Bound::ResponseBytes(_) => Some("history.prometheus.max_response_bytes"),
+            Bound::PullBytes(_) => Some("history.prometheus.max_pull_bytes"),
+            Bound::Series(_) => Some("history.prometheus.max_series"),
+            _ => None,
+        }
+    }
+
+    /// What to do about it, after the error.
+    fn advice(&self) -> String {
+        match self.key() {
+            Some(k) => format!(": raise `{k}` if such answers are legitimate"),
+            None => ": not an answer Prometheus sends".into(),
+        }
+    }
+}
+
+impl std::fmt::Display for Bound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Bound::ResponseBytes(n) => write!(
+                f,
+                "the answer exceeds {n} bytes (history.prometheus.max_response_bytes)"
+            ),
+            Bound::PullBytes(n) => write!(
+                f,
+                "the pull exceeds {n} bytes in all (history.prometheus.max_pull_bytes)"
+            ),
+            Bound::Series(n) => write!(
+                f,
+                "the pull exceeds {n} series (history.prometheus.max_series)"
+            ),
+            Bound::SeriesText { max, points } => write!(
+                f,
+                "one series' text exceeds {max} bytes, more than its {points} points and labels can take"
+            ),
+            Bound::Labels(n) => write!(f, "one series' labels exceed {n} bytes"),
+            Bound::Envelope(n) => write!(f, "more than {n} bytes outside data.result"),
+            Bound::Repeated { series, max } => write!(
+                f,
+                "series {series} comes more than {max} times, once per request and attempt at most"
+            ),
+        }
+    }
+}
+
+/// The labels of one series take at most this many bytes in an answer (Prometheus sets no
+/// limit of its own; a series' labels rarely take 1 KB).
+pub const LABELS_MAX: usize = 64 << 10;
+
+/// What a request of a pull asked for, for errors: the API and the time range.
+pub(crate) fn request_range(api: &str, from: i64, to: i64) -> String {
+    let t = |s: i64| {
+        DateTime::<Utc>::from_timestamp(s, 0).map_or_else(
+            || s.to_string(),
+            |d| d.format("%Y-%m-%dT%H:%M:%SZ").to_string(),
+        )
+    };
+    format!("{api} [{}, {}]", t(from), t(to))
 }
 
 /// Loads the configured history ending at `end` (rounded down to the step). Relative file
@@ -235,9 +340,78 @@ pub(crate) struct Builder {
     scratch: Vec<(usize, f32)>,
     /// The label set each key was first seen with: another label set with the same key is a
     /// series the labels rlc reads cannot tell apart.
-    first_labels: HashMap<SeriesKey, BTreeMap<String, String>>,
+    first_labels: HashMap<SeriesKey, FirstLabels>,
     /// Keys seen with several label sets, and the labels those differ in.
     merged: BTreeMap<SeriesKey, std::collections::BTreeSet<String>>,
+    /// Distinct label sets the builder takes at most ([`Builder::bounded`]).
+    max_series: usize,
+    /// Hashes of the label sets seen (a few bytes per series, whatever its labels).
+    label_sets: HashSet<u64>,
+    /// Runs one key may have in the spill: one per request and attempt of the pull.
+    max_runs: usize,
+    /// The first bound crossed; nothing is added after it.
+    exceeded: Option<Bound>,
+    /// Hashes of the entries of `rejected`, so that a repeated one is found in constant time.
+    rejected_seen: HashSet<u64>,
+}
+
+/// A rejected series' label set is cut to this much in its reason: what is kept per rejected
+/// series stays small whatever the answer's labels.
+const REJECTED_LABELS_MAX: usize = 512;
+/// Label names kept per key that several label sets map to.
+const MERGED_NAMES_MAX: usize = 16;
+/// The first label set of a key is kept as text up to this size, for naming the labels a
+/// second set differs in; a longer one is kept as its hash only.
+const FIRST_LABELS_MAX: usize = 1024;
+
+/// The label set a key was first seen with, kept small whatever the answer's labels: its hash,
+/// and its text (`name\0value\0…`) when short.
+struct FirstLabels {
+    hash: u64,
+    text: Option<Box<str>>,
+}
+
+impl FirstLabels {
+    fn of(metric: &BTreeMap<String, String>, hash: u64) -> FirstLabels {
+        let len: usize = metric.iter().map(|(k, v)| k.len() + v.len() + 2).sum();
+        let text = (len <= FIRST_LABELS_MAX).then(|| {
+            let mut t = String::with_capacity(len);
+            for (k, v) in metric {
+                t.push_str(k);
+                t.push('\0');
+                t.push_str(v);
+                t.push('\0');
+            }
+            t.into_boxed_str()
+        });
+        FirstLabels { hash, text }
+    }
+
+    /// The names of the labels `metric` differs in from this set.
+    fn differing(&self, metric: &BTreeMap<String, String>) -> Vec<String> {
+        let Some(text) = &self.text else {
+            return vec![format!(
+                "(the first one's labels, over {FIRST_LABELS_MAX} bytes)"
+            )];
+        };
+        let mut parts = text.split('\0');
+        let mut first = BTreeMap::new();
+        while let (Some(k), Some(v)) = (parts.next(), parts.next()) {
+            first.insert(k, v);
+        }
+        let mut names: Vec<String> = first
+            .iter()
+            .filter(|(k, v)| metric.get(**k).map(String::as_str) != Some(**v))
+            .map(|(k, _)| k.to_string())
+            .collect();
+        names.extend(
+            metric
+                .keys()
+                .filter(|k| !first.contains_key(k.as_str()))
+                .cloned(),
+        );
+        names
+    }
 }
 
 impl Builder {
@@ -254,7 +428,45 @@ impl Builder {
             scratch: Vec::new(),
             first_labels: HashMap::new(),
             merged: BTreeMap::new(),
+            max_series: usize::MAX,
+            label_sets: HashSet::new(),
+            max_runs: usize::MAX,
+            exceeded: None,
+            rejected_seen: HashSet::new(),
         }
+    }
+
+    /// The builder of a pull: at most `max_series` series (distinct label sets, rejected ones
+    /// included), and in the spill at most `max_runs` runs per key (one per request and attempt). Past a
+    /// bound nothing more is added and [`Builder::exceeded`] says which.
+    pub(crate) fn bounded(mut self, max_series: usize, max_runs: usize) -> Self {
+        self.max_series = max_series;
+        self.max_runs = max_runs;
+        self
+    }
+
+    /// The first bound crossed, if any: the pull must fail.
+    pub(crate) fn exceeded(&self) -> Option<&Bound> {
+        self.exceeded.as_ref()
+    }
+
+    /// Counts the label set `metric`; `false` (the bound recorded) when it is one more than
+    /// `max_series`. Each series costs memory (its key, its first labels, its index or grid),
+    /// so a pull must not take series without end.
+    fn count(&mut self, metric: &BTreeMap<String, String>) -> Option<u64> {
+        let mut h = std::hash::DefaultHasher::new();
+        metric.hash(&mut h);
+        let id = h.finish();
+        if self.label_sets.contains(&id) {
+            return Some(id);
+        }
+        if self.label_sets.len() >= self.max_series {
+            self.exceeded
+                .get_or_insert(Bound::Series(self.max_series as u64));
+            return None;
+        }
+        self.label_sets.insert(id);
+        Some(id)
     }
 
     /// A builder writing the series to a new spill file under `dir`
@@ -279,6 +491,10 @@ impl Builder {
 
     /// The key for a label set, or `None` (recorded as rejected) when labels are missing.
     pub(crate) fn key(&mut self, metric: &BTreeMap<String, String>) -> Option<SeriesKey> {
+        if self.exceeded.is_some() {
+            return None;
+        }
+        let id = self.count(metric)?;
         let get = |n: &str| metric.get(n).filter(|v| !v.is_empty()).cloned();
         let (service, caller, procedure) = (
             get(&self.labels.service),
@@ -287,8 +503,9 @@ impl Builder {
         );
         let reason = match (&service, &caller, &procedure) {
             (None, _, _) => Some(format!(
-                "series without a `{}` label: {metric:?}",
-                self.labels.service
+                "series without a `{}` label: {}",
+                self.labels.service,
+                shorten(format!("{metric:?}"), REJECTED_LABELS_MAX)
             )),
             (Some(_), None, None) => Some(format!(
                 "series without a `{}` or `{}` label",
@@ -303,7 +520,8 @@ impl Builder {
             .find_map(|(label, v)| {
                 v.as_deref().filter(|v| !valid_name(v)).map(|v| {
                     format!(
-                        "label `{label}` value `{v}` is not a valid name (letters, digits, `.`, `_`, `-`, `:`; at most 128)"
+                        "label `{label}` value `{}` is not a valid name (letters, digits, `.`, `_`, `-`, `:`; at most 128)",
+                        shorten(v.to_string(), REJECTED_LABELS_MAX)
                     )
                 })
             }),
@@ -316,7 +534,9 @@ impl Builder {
                 reason,
                 fails_service: false,
             };
-            if !self.rejected.contains(&r) {
+            let mut h = std::hash::DefaultHasher::new();
+            (&r.service, &r.caller, &r.procedure, &r.reason).hash(&mut h);
+            if self.rejected_seen.insert(h.finish()) {
                 self.rejected.push(r);
             }
             return None;
@@ -328,15 +548,19 @@ impl Builder {
         };
         match self.first_labels.get(&key) {
             None => {
-                self.first_labels.insert(key.clone(), metric.clone());
+                self.first_labels
+                    .insert(key.clone(), FirstLabels::of(metric, id));
             }
-            Some(first) if first != metric => {
-                let differ = first
-                    .keys()
-                    .chain(metric.keys())
-                    .filter(|k| first.get(*k) != metric.get(*k))
-                    .cloned();
-                self.merged.entry(key.clone()).or_default().extend(differ);
+            Some(first) if first.hash != id => {
+                let differ = first.differing(metric);
+                let names = self.merged.entry(key.clone()).or_default();
+                // The names are for the message: a few tell what to aggregate by.
+                for k in differ {
+                    if names.len() >= MERGED_NAMES_MAX {
+                        break;
+                    }
+                    names.insert(shorten(k, 128));
+                }
             }
             Some(_) => {}
         }
@@ -351,7 +575,12 @@ impl Builder {
     /// Adds samples of one series (one map lookup for all of them); a `NaN`, infinite or
     /// negative value marks the whole series unusable.
     pub(crate) fn add_many(&mut self, key: &SeriesKey, samples: impl Iterator<Item = (f64, f64)>) {
-        if self.bad.contains_key(key) {
+        if self.bad.contains_key(key) || self.exceeded.is_some() {
+            return;
+        }
+        if self.spill.is_some() && self.merged.contains_key(key) {
+            // Several label sets map to this key: its service keeps its quotas whatever its
+            // values, so its runs (one per label set and request) are not written.
             return;
         }
         let (start, step, len) = (self.start, self.step, self.len);
@@ -376,7 +605,22 @@ impl Builder {
             }
         }
         match &mut self.spill {
-            Some(sp) => sp.add(key, &scratch),
+            Some(sp) => {
+                if !sp.add(key, &scratch, self.max_runs) {
+                    self.exceeded.get_or_insert(Bound::Repeated {
+                        series: [
+                            Some(key.service.as_str()),
+                            key.caller.as_deref(),
+                            key.procedure.as_deref(),
+                        ]
+                        .into_iter()
+                        .flatten()
+                        .collect::<Vec<_>>()
+                        .join("/"),
+                        max: self.max_runs,
+                    });
+                }
+            }
             None => {
                 if !self.series.contains_key(key) {
                     self.series
@@ -468,6 +712,19 @@ impl Builder {
     }
 }
 
+/// `text` cut to at most `max` bytes (at a character boundary), marked with `…` when cut.
+fn shorten(mut text: String, max: usize) -> String {
+    if text.len() > max {
+        let mut end = max;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+        text.push('…');
+    }
+    text
+}
+
 /// Whether a label value can name a service, caller or procedure: it becomes a file name
 /// (`buckets/<service>.yaml`) and part of a bucket name, so no path separators or spaces.
 pub fn valid_name(v: &str) -> bool {
@@ -507,3 +764,6 @@ impl SeriesSource for PlanHistory {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -14,12 +14,19 @@
 //! the same answer, and samples merge by maximum, so the retry leaves the grid as one clean
 //! answer would. The pull still fails as a whole when any chunk fails after its retries.
 //!
+//! What a pull reads is bounded whatever the server sends ([`Budget`], [`Bound`]): bytes per
+//! answer and per pull, series per pull, the text of one series (its points and labels), a
+//! series once per request and attempt. An answer that crosses a bound stops the pull at once,
+//! without a retry: the same server would send the same again.
+//!
 //! [`load_spilled`] (what `rlc run` and `rlc preview` use) puts the series on disk instead of
 //! on a grid in memory ([`super::spill`]): the pull then holds the index of the series, the
 //! answers in flight and a write buffer, whatever the fleet's size.
 
 use std::collections::BTreeMap;
+use std::ops::ControlFlow;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -28,7 +35,10 @@ use schema::{HistoryApi, HistoryConfig, PrometheusConfig};
 use serde::Deserialize;
 use tokio::sync::Semaphore;
 
-use super::{grid, remote_read, Builder, History, HistoryError, SpilledHistory};
+use super::{
+    grid, remote_read, request_range, Bound, Builder, History, HistoryError, SpilledHistory,
+    LABELS_MAX,
+};
 
 /// Upper bound on steps per request: 12 h at 1 m.
 pub const CHUNK_STEPS: u32 = 720;
@@ -197,19 +207,27 @@ async fn pull(
         Some(dir) => Builder::spilled(start, step, len, p.labels.clone(), dir)?,
         None => Builder::new(start, step, len, p.labels.clone()),
     };
+    // An answer lists a series once: one run per request and attempt at most.
+    let max_runs = len.div_ceil(per_chunk) * p.retries.max(1) as usize;
+    let builder = builder.bounded(
+        usize::try_from(p.max_series).unwrap_or(usize::MAX),
+        max_runs,
+    );
     let builder = Arc::new(Mutex::new(builder));
+    let budget = Arc::new(Budget::new(p));
     let mut tasks = tokio::task::JoinSet::new();
     let mut i = 0;
     while i < len {
         let n = per_chunk.min(len - i);
         let (from, to) = (start + i as i64 * step, start + (i + n - 1) as i64 * step);
-        let (client, url, sem, p, b, read) = (
+        let (client, url, sem, p, b, read, budget) = (
             client.clone(),
             url.clone(),
             sem.clone(),
             p.clone(),
             builder.clone(),
             read.clone(),
+            budget.clone(),
         );
         tasks.spawn(async move {
             let _permit = sem.acquire_owned().await.expect("semaphore never closed");
@@ -222,9 +240,10 @@ async fn pull(
                         lookback_ms: rules.lookback_ms,
                         include_start: rules.include_start,
                     };
-                    remote_read::fetch(&stream_client, &url, &p, &matchers, steps, &b).await
+                    let at = (&stream_client, url.as_str(), &p);
+                    remote_read::fetch(at, &matchers, steps, &b, &budget).await
                 }
-                None => fetch(&client, &url, &p, from, to, step, &b).await,
+                None => fetch(&client, &url, &p, (from, to, step), &b, &budget).await,
             }
         });
         i += n;
@@ -350,15 +369,14 @@ fn progress_bar(chunks: u64) -> indicatif::ProgressBar {
     pb
 }
 
-/// Pulls one chunk `[from, to]` and puts its samples on the grid as they arrive.
+/// Pulls one chunk `[from, to]` at `step` and puts its samples on the grid as they arrive.
 async fn fetch(
     client: &reqwest::Client,
     url: &str,
     p: &PrometheusConfig,
-    from: i64,
-    to: i64,
-    step: i64,
+    (from, to, step): (i64, i64, i64),
     b: &Arc<Mutex<Builder>>,
+    budget: &Budget,
 ) -> Result<(), HistoryError> {
     let form = [
         ("query", p.query.clone()),
@@ -382,17 +400,26 @@ async fn fetch(
         };
         let status = resp.status();
         let streamed = if status.is_success() {
-            stream_into(resp, b.clone()).await
+            let points = ((to - from) / step + 1) as usize;
+            stream_into(resp, b.clone(), points, budget).await
         } else {
             read_capped(resp, ERROR_BODY_MAX)
                 .await
                 .map(|body| (body, Ok(())))
+                .map_err(ReadError::Http)
         };
         let (skeleton, fed) = match streamed {
             Ok(x) => x,
-            Err(e) => {
+            Err(ReadError::Http(e)) => {
                 last = read_failed(&e, p);
                 continue;
+            }
+            Err(ReadError::Exceeded(bound)) => {
+                return Err(HistoryError::Exceeded {
+                    url: p.url.clone(),
+                    request: request_range("query_range", from, to),
+                    bound,
+                })
             }
         };
         // The envelope: the whole body without the series of `data.result`.
@@ -494,6 +521,47 @@ pub(super) async fn backoff(url: &str, attempt: u32, last_error: &str) {
 pub(super) const ERROR_BODY_MAX: usize = 64 * 1024;
 /// At most this much of a success answer outside `data.result` (envelope, warnings).
 const SKELETON_MAX: usize = 1 << 20;
+/// The text of one point of a series at most: `[1796096640.123,"-1.2345678901234567e-308"],`
+/// takes 45 bytes written compactly (Prometheus and VictoriaMetrics write them so).
+const POINT_TEXT_MAX: usize = 64;
+
+/// What a pull may still read: `max_response_bytes` per answer, `max_pull_bytes` in all
+/// (every answer and every attempt of every request).
+pub(crate) struct Budget {
+    max_response: u64,
+    max_pull: u64,
+    read: AtomicU64,
+}
+
+impl Budget {
+    pub(crate) fn new(p: &PrometheusConfig) -> Budget {
+        Budget {
+            max_response: p.max_response_bytes,
+            max_pull: p.max_pull_bytes,
+            read: AtomicU64::new(0),
+        }
+    }
+
+    /// Counts `n` more bytes of an answer that has now read `answer` bytes.
+    fn take(&self, answer: u64, n: u64) -> Result<(), Bound> {
+        if answer > self.max_response {
+            return Err(Bound::ResponseBytes(self.max_response));
+        }
+        if self.read.fetch_add(n, Ordering::Relaxed) + n > self.max_pull {
+            return Err(Bound::PullBytes(self.max_pull));
+        }
+        Ok(())
+    }
+}
+
+/// Why an answer could not be read whole.
+#[derive(Debug)]
+pub(super) enum ReadError {
+    /// The connection failed or timed out (worth a retry).
+    Http(reqwest::Error),
+    /// A bound was crossed: the pull fails at once.
+    Exceeded(Bound),
+}
 /// Network pieces queued between a request and its decoder (a piece is at most some 10s of
 /// KB): what a request in flight holds besides one series' text.
 const PIECES_IN_FLIGHT: usize = 16;
@@ -513,81 +581,111 @@ pub(super) async fn read_capped(
     Ok(body)
 }
 
+/// Why a `query_range` decoder stopped taking series.
+#[derive(Debug)]
+enum Stop {
+    /// A series could not be parsed: the rest of the answer is read (its envelope says
+    /// whether the answer is partial, and so worth a retry).
+    Parse(String),
+    /// A bound was crossed: nothing more is read.
+    Exceeded(Bound),
+}
+
 /// Streams a success answer through a [`ResultSplitter`] on a blocking thread, which puts each
 /// series on the grid; returns the envelope (the body without the series) and whether every
-/// series could be decoded.
+/// series could be decoded. A series has at most `points` points.
 async fn stream_into(
     resp: reqwest::Response,
     b: Arc<Mutex<Builder>>,
-) -> Result<(Vec<u8>, Result<(), String>), reqwest::Error> {
+    points: usize,
+    budget: &Budget,
+) -> Result<(Vec<u8>, Result<(), String>), ReadError> {
     struct Decoder {
         split: ResultSplitter,
-        failed: Option<String>,
+        failed: Option<Stop>,
         b: Arc<Mutex<Builder>>,
     }
     let push = |d: &mut Decoder, piece: &[u8]| {
-        if d.failed.is_some() {
-            return; // drain, so that the reader finishes and the status can be read
+        match d.failed {
+            Some(Stop::Exceeded(_)) => return ControlFlow::Break(()),
+            // Drain, so that the reader finishes and the envelope can be read.
+            Some(Stop::Parse(_)) => return ControlFlow::Continue(()),
+            None => {}
         }
         let (b, failed) = (&d.b, &mut d.failed);
-        d.split.push(piece, &mut |series| {
+        let split = d.split.push(piece, &mut |series| {
             if failed.is_none() {
                 if let Err(e) = feed_series(b, series) {
                     *failed = Some(e);
                 }
             }
         });
-        if d.split.skeleton.len() > SKELETON_MAX {
-            d.failed = Some(format!(
-                "more than {SKELETON_MAX} bytes outside data.result: not a query_range answer"
-            ));
+        if let Err(bound) = split {
+            d.failed = Some(Stop::Exceeded(bound));
+        } else if d.split.skeleton.len() > SKELETON_MAX {
+            d.failed = Some(Stop::Exceeded(Bound::Envelope(SKELETON_MAX)));
+        }
+        match d.failed {
+            Some(Stop::Exceeded(_)) => ControlFlow::Break(()),
+            _ => ControlFlow::Continue(()),
         }
     };
-    let finish = |d: Decoder| {
-        let fed = match (d.failed, d.split.finish()) {
-            (Some(e), _) | (None, Err(e)) => Err(e),
-            (None, Ok(())) => Ok(()),
-        };
-        (d.split.skeleton, fed)
+    let finish = |d: Decoder| match d.failed {
+        Some(Stop::Exceeded(bound)) => Err(ReadError::Exceeded(bound)),
+        Some(Stop::Parse(e)) => Ok((d.split.skeleton, Err(e))),
+        None => {
+            let fed = d.split.finish();
+            Ok((d.split.skeleton, fed))
+        }
     };
     let d = Decoder {
-        split: ResultSplitter::default(),
+        split: ResultSplitter::bounded(points),
         failed: None,
         b,
     };
-    Ok(match stream_blocking(resp, d, push).await? {
+    match stream_blocking(resp, d, push, budget).await? {
         Ok(d) => finish(d),
-        Err(e) => (Vec::new(), Err(e)),
-    })
+        Err(e) => Ok((Vec::new(), Err(e))),
+    }
 }
 
 /// Hands the pieces of a body to `push` on a blocking thread as they arrive (at most
 /// [`PIECES_IN_FLIGHT`] queued between them) and gives the decoder back once the whole body
-/// was read (`Err` if it was not: nothing the decoder would only do at the end is done for a
-/// cut body); `Ok(Err(_))` when the decoder panicked.
+/// was read, or once `push` said to stop (the decoder then knows why); `Err` if the body was
+/// not read whole (nothing the decoder would only do at the end is done for a cut body) or
+/// crossed a bound of `budget`; `Ok(Err(_))` when the decoder panicked.
 pub(super) async fn stream_blocking<D: Send + 'static>(
     mut resp: reqwest::Response,
     mut decoder: D,
-    push: fn(&mut D, &[u8]),
-) -> Result<Result<D, String>, reqwest::Error> {
+    push: fn(&mut D, &[u8]) -> ControlFlow<()>,
+    budget: &Budget,
+) -> Result<Result<D, String>, ReadError> {
     let (tx, mut rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(PIECES_IN_FLIGHT);
     let task = tokio::task::spawn_blocking(move || {
         while let Some(piece) = rx.blocking_recv() {
-            push(&mut decoder, &piece);
+            if push(&mut decoder, &piece).is_break() {
+                break; // `rx` dropped: the reader stops
+            }
         }
         decoder
     });
     let mut read = Ok(());
+    let mut answer = 0u64;
     loop {
         match resp.chunk().await {
             Ok(Some(piece)) => {
+                answer += piece.len() as u64;
+                if let Err(bound) = budget.take(answer, piece.len() as u64) {
+                    read = Err(ReadError::Exceeded(bound));
+                    break;
+                }
                 if tx.send(piece).await.is_err() {
                     break;
                 }
             }
             Ok(None) => break,
             Err(e) => {
-                read = Err(e);
+                read = Err(ReadError::Http(e));
                 break;
             }
         }
@@ -600,19 +698,21 @@ pub(super) async fn stream_blocking<D: Send + 'static>(
 }
 
 /// Parses one element of `data.result` and puts its samples on the grid.
-fn feed_series(b: &Mutex<Builder>, text: &[u8]) -> Result<(), String> {
-    let m: Matrix<'_> = serde_json::from_slice(text).map_err(|e| e.to_string())?;
+fn feed_series(b: &Mutex<Builder>, text: &[u8]) -> Result<(), Stop> {
+    let m: Matrix<'_> = serde_json::from_slice(text).map_err(|e| Stop::Parse(e.to_string()))?;
     let mut b = b.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(key) = b.key(&m.metric) else {
-        return Ok(());
-    };
-    b.add_many(
-        &key,
-        m.values
-            .iter()
-            .map(|(ts, v)| (*ts, v.parse::<f64>().unwrap_or(f64::NAN))),
-    );
-    Ok(())
+    if let Some(key) = b.key(&m.metric) {
+        b.add_many(
+            &key,
+            m.values
+                .iter()
+                .map(|(ts, v)| (*ts, v.parse::<f64>().unwrap_or(f64::NAN))),
+        );
+    }
+    match b.exceeded() {
+        Some(bound) => Err(Stop::Exceeded(bound.clone())),
+        None => Ok(()),
+    }
 }
 
 /// Decodes whole answers as a pull does, for `benches/history_decode.rs`.
@@ -624,7 +724,7 @@ pub mod bench {
     pub fn split(body: &[u8]) -> usize {
         let mut n = 0;
         let mut split = ResultSplitter::default();
-        split.push(body, &mut |_| n += 1);
+        split.push(body, &mut |_| n += 1).unwrap();
         n
     }
 
@@ -639,7 +739,9 @@ pub mod bench {
         ));
         for body in bodies {
             let mut split = ResultSplitter::default();
-            split.push(body, &mut |s| feed_series(&b, s).unwrap());
+            split
+                .push(body, &mut |s| feed_series(&b, s).unwrap())
+                .unwrap();
             split.finish().unwrap();
         }
         b.into_inner().unwrap().finish().series.len()
@@ -650,7 +752,8 @@ pub mod bench {
 /// `data.result` (each handed over whole, as JSON text) and the rest of the body, the
 /// *skeleton*, which keeps `"result":[]` and is small. Only the JSON structure is tracked
 /// (strings, escapes, nesting, the keys on the way to `data.result`); the elements are parsed
-/// by whoever receives them.
+/// by whoever receives them. An element longer than [`ResultSplitter::bounded`] allows is an
+/// error, so that what is held per answer stays bounded whatever the answer.
 #[derive(Default)]
 pub(crate) struct ResultSplitter {
     /// Everything but the elements of `data.result`.
@@ -669,11 +772,40 @@ pub(crate) struct ResultSplitter {
     keys: [Vec<u8>; 3],
     /// Whether the last string at depth ≤ 2 is still being read.
     capture: bool,
+    /// Bytes an element may take at most, and the points that makes room for (0: unbounded).
+    element_max: usize,
+    points: usize,
 }
 
 impl ResultSplitter {
-    /// Takes the next piece of the body; `on_element` gets each complete element.
-    pub(crate) fn push(&mut self, piece: &[u8], on_element: &mut dyn FnMut(&[u8])) {
+    /// A splitter for an answer whose series have at most `points` points each: an element
+    /// may take the labels' bound and `points` points of the longest form.
+    pub(crate) fn bounded(points: usize) -> Self {
+        ResultSplitter {
+            element_max: LABELS_MAX + points.saturating_mul(POINT_TEXT_MAX),
+            points,
+            ..Default::default()
+        }
+    }
+
+    /// Checks that an element of `len` bytes is within the bound.
+    fn within(&self, len: usize) -> Result<(), Bound> {
+        if self.element_max > 0 && len > self.element_max {
+            return Err(Bound::SeriesText {
+                max: self.element_max,
+                points: self.points,
+            });
+        }
+        Ok(())
+    }
+
+    /// Takes the next piece of the body; `on_element` gets each complete element. An element
+    /// over the bound is an error, and the splitter must not be used after it.
+    pub(crate) fn push(
+        &mut self,
+        piece: &[u8],
+        on_element: &mut dyn FnMut(&[u8]),
+    ) -> Result<(), Bound> {
         let mut start = 0; // of the run of bytes not yet copied where they belong
         let mut i = 0;
         while i < piece.len() {
@@ -736,6 +868,7 @@ impl ResultSplitter {
                     self.depth = self.depth.saturating_sub(1);
                     if self.in_result && self.depth == 3 {
                         // An element closes: hand it over whole.
+                        self.within(self.element.len() + i + 1 - start)?;
                         self.element.extend_from_slice(&piece[start..=i]);
                         start = i + 1;
                         on_element(&self.element);
@@ -757,11 +890,13 @@ impl ResultSplitter {
         let rest = &piece[start..];
         if self.in_result {
             if self.depth > 3 {
+                self.within(self.element.len() + rest.len())?;
                 self.element.extend_from_slice(rest);
             }
         } else {
             self.skeleton.extend_from_slice(rest);
         }
+        Ok(())
     }
 
     /// Checks that the body ended where a JSON document can end.
@@ -828,7 +963,7 @@ mod tests {
         for body in CHUNKS {
             let mut split = ResultSplitter::default();
             for p in body.as_bytes().chunks(piece) {
-                split.push(p, &mut |s| feed_series(&b, s).unwrap());
+                split.push(p, &mut |s| feed_series(&b, s).unwrap()).unwrap();
             }
             split.finish().unwrap();
             envelopes.push(serde_json::from_slice(&split.skeleton).unwrap());
@@ -876,14 +1011,16 @@ mod tests {
         let b = Mutex::new(Builder::spilled(1000, 60, 6, LabelNames::default(), dir).unwrap());
         if repeat {
             let mut split = ResultSplitter::default();
-            split.push(&CHUNKS[0].as_bytes()[..CHUNKS[0].len() / 2], &mut |s| {
-                feed_series(&b, s).unwrap()
-            });
+            split
+                .push(&CHUNKS[0].as_bytes()[..CHUNKS[0].len() / 2], &mut |s| {
+                    feed_series(&b, s).unwrap()
+                })
+                .unwrap();
         }
         for body in CHUNKS {
             let mut split = ResultSplitter::default();
             for p in body.as_bytes().chunks(piece) {
-                split.push(p, &mut |s| feed_series(&b, s).unwrap());
+                split.push(p, &mut |s| feed_series(&b, s).unwrap()).unwrap();
             }
             split.finish().unwrap();
         }
@@ -948,7 +1085,9 @@ mod tests {
         let b =
             Mutex::new(Builder::spilled(1000, 60, 6, LabelNames::default(), dir.path()).unwrap());
         let mut split = ResultSplitter::default();
-        split.push(CHUNKS[0].as_bytes(), &mut |s| feed_series(&b, s).unwrap());
+        split
+            .push(CHUNKS[0].as_bytes(), &mut |s| feed_series(&b, s).unwrap())
+            .unwrap();
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
         // A failed pull drops its builder, on an error or a panic (unwinding).
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
@@ -972,7 +1111,7 @@ mod tests {
     fn the_skeleton_keeps_the_envelope_without_the_series() {
         let mut split = ResultSplitter::default();
         let mut n = 0;
-        split.push(CHUNKS[0].as_bytes(), &mut |_| n += 1);
+        split.push(CHUNKS[0].as_bytes(), &mut |_| n += 1).unwrap();
         split.finish().unwrap();
         assert_eq!(n, 6);
         let text = String::from_utf8(split.skeleton).unwrap();
@@ -984,7 +1123,8 @@ mod tests {
         split.push(
             br#"{"status":"success","isPartial":true,"data":{"resultType":"matrix","result":[]}}"#,
             &mut |_| n += 1,
-        );
+        )
+        .unwrap();
         let e: Envelope = serde_json::from_slice(&split.skeleton).unwrap();
         assert!(e.is_partial);
     }
@@ -994,8 +1134,80 @@ mod tests {
         let body = CHUNKS[0].as_bytes();
         let mut split = ResultSplitter::default();
         let mut n = 0;
-        split.push(&body[..body.len() / 2], &mut |_| n += 1);
+        split
+            .push(&body[..body.len() / 2], &mut |_| n += 1)
+            .unwrap();
         assert!(split.finish().is_err());
         assert!(n < 6);
+    }
+
+    /// A series whose values never end, one whose labels never end, and one nested without
+    /// end: each is refused once its text passes what `points` points and labels can take,
+    /// having held no more than that.
+    #[test]
+    fn a_series_longer_than_its_points_can_be_is_refused() {
+        let points = 720;
+        let max = LABELS_MAX + points * POINT_TEXT_MAX;
+        let head = r#"{"status":"success","data":{"resultType":"matrix","result":[{"metric":{"service":"a","#;
+        for (start, endless) in [
+            (r#""caller":"b"},"values":["#, r#"[1796096640,"1.5"],"#),
+            (r#""caller":""#, "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb"),
+            (
+                r#""caller":"b"},"values":"#,
+                "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[",
+            ),
+        ] {
+            let mut split = ResultSplitter::bounded(points);
+            split
+                .push(format!("{head}{start}").as_bytes(), &mut |_| panic!())
+                .unwrap();
+            let piece = endless.repeat(1000);
+            let mut fed = 0;
+            let e = loop {
+                match split.push(piece.as_bytes(), &mut |_| panic!("no element ends")) {
+                    Ok(()) => fed += piece.len(),
+                    Err(e) => break e,
+                }
+            };
+            assert_eq!(e, Bound::SeriesText { max, points }, "{endless}");
+            assert!(fed <= max, "{endless}: {fed} bytes taken");
+            assert!(split.element.capacity() <= 2 * max, "{endless}");
+        }
+
+        // The longest a real series can be: 720 points of the longest form and 1 KB of
+        // labels, cut anywhere.
+        let labels: String = (0..40)
+            .map(|i| format!(r#""label_{i:02}":"{}","#, "v".repeat(12)))
+            .collect();
+        let values = vec![r#"[1796096640.123,"-1.2345678901234567e-308"]"#; points].join(",");
+        let body = format!(
+            r#"{{"status":"success","data":{{"resultType":"matrix","result":[{{"metric":{{{labels}"service":"a"}},"values":[{values}]}}]}}}}"#
+        );
+        for piece in [1, 7, 4096, body.len()] {
+            let mut split = ResultSplitter::bounded(points);
+            let mut n = 0;
+            for p in body.as_bytes().chunks(piece) {
+                split.push(p, &mut |_| n += 1).unwrap();
+            }
+            split.finish().unwrap();
+            assert_eq!(n, 1);
+        }
+    }
+
+    /// Each answer is counted against `max_response_bytes`, all of them together against
+    /// `max_pull_bytes`.
+    #[test]
+    fn the_budget_bounds_an_answer_and_the_pull() {
+        let b = Budget {
+            max_response: 100,
+            max_pull: 250,
+            read: AtomicU64::new(0),
+        };
+        assert_eq!(b.take(60, 60), Ok(()));
+        assert_eq!(b.take(100, 40), Ok(()));
+        assert_eq!(b.take(101, 1), Err(Bound::ResponseBytes(100)));
+        // A second answer, then a third that crosses the pull's bound.
+        assert_eq!(b.take(100, 100), Ok(()));
+        assert_eq!(b.take(51, 51), Err(Bound::PullBytes(250)));
     }
 }

@@ -9,28 +9,33 @@
 //! `/api/v1/status/flags`), stale markers excluded, as a `query_range` of the selector
 //! evaluates it (the window's start included before Prometheus 3, excluded from 3 on).
 //!
-//! Frames are decoded as they arrive, on a blocking thread, and each series goes on the grid
-//! once its last frame is read: a request holds one series' samples and the network buffers.
+//! Frames are decoded as they arrive, on a blocking thread, field by field where they lie,
+//! and each series goes on the grid once its last frame is read: a request holds one frame,
+//! one series' labels and samples (compacted to about two per step, however many come) and the
+//! network buffers. The answer's bytes count against the pull's bounds as `query_range`'s do.
 //! Failures are handled as for `query_range`: retries with jittered backoff, a checksum
 //! mismatch or a truncated answer is retried, what the server sent whole but rlc cannot read
 //! fails at once, one failed time chunk fails the pull.
 
 use std::collections::BTreeMap;
+use std::ops::ControlFlow;
 use std::sync::{Arc, Mutex};
 
 use prost::Message;
 use schema::PrometheusConfig;
 
 use super::prometheus::{
-    backoff, chain, read_capped, read_failed, send, stream_blocking, ERROR_BODY_MAX,
+    backoff, chain, read_capped, read_failed, send, stream_blocking, Budget, ReadError,
+    ERROR_BODY_MAX,
 };
-use super::{Builder, HistoryError};
+use super::{request_range, Bound, Builder, HistoryError, LABELS_MAX};
 
 /// The content type of a streamed answer.
 const STREAMED: &str = "application/x-streamed-protobuf";
 /// A frame larger than this is taken for a corrupt length (Prometheus cuts frames at 1 MB by
-/// default, `--storage.remote.read-max-bytes-in-frame`; one chunk of a series is a few KB).
-const FRAME_MAX: usize = 64 << 20;
+/// default, `--storage.remote.read-max-bytes-in-frame`, going past it by one chunk of a
+/// series at most: a few KB). Each request in flight holds up to one frame.
+const FRAME_MAX: usize = 16 << 20;
 /// Time covered by one remote-read request at least: answers carry whole TSDB chunks (2 hours),
 /// so wider requests decode fewer samples twice at their edges.
 pub(crate) const CHUNK_SECS: i64 = 86_400;
@@ -461,14 +466,13 @@ pub(crate) struct Steps {
     pub include_start: bool,
 }
 
-/// Pulls the steps `[from, to]` by remote read and puts them on the grid.
+/// Pulls the steps `[from, to]` by remote read from `url` and puts them on the grid.
 pub(crate) async fn fetch(
-    client: &reqwest::Client,
-    url: &str,
-    p: &PrometheusConfig,
+    (client, url, p): (&reqwest::Client, &str, &PrometheusConfig),
     matchers: &[Matcher],
     steps: Steps,
     b: &Arc<Mutex<Builder>>,
+    budget: &Budget,
 ) -> Result<(), HistoryError> {
     let (from_ms, to_ms) = (steps.from * 1000 - steps.lookback_ms, steps.to * 1000);
     let what = || {
@@ -536,11 +540,18 @@ pub(crate) async fn fetch(
             break;
         }
         let decoder = Frames::new(steps, b.clone());
-        let done = stream_blocking(resp, decoder, Frames::push)
+        let done = stream_blocking(resp, decoder, Frames::push, budget)
             .await
             .map(|d| d.map_err(Bad::Corrupt).and_then(Frames::finish));
         match done {
             Ok(Ok(())) => return Ok(()),
+            Ok(Err(Bad::Exceeded(bound))) | Err(ReadError::Exceeded(bound)) => {
+                return Err(HistoryError::Exceeded {
+                    url: p.url.clone(),
+                    request: request_range("remote read", steps.from, steps.to),
+                    bound,
+                })
+            }
             // What the server sent whole but rlc cannot read: the same again on a retry.
             Ok(Err(Bad::Unreadable(message))) => {
                 return Err(HistoryError::Parse {
@@ -553,7 +564,7 @@ pub(crate) async fn fetch(
             // A corrupt or cut answer: retried (what it put on the grid is a subset of the
             // same answer, and samples merge by maximum).
             Ok(Err(Bad::Corrupt(e))) => last = format!("bad answer: {e}"),
-            Err(e) => last = read_failed(&e, p),
+            Err(ReadError::Http(e)) => last = read_failed(&e, p),
         }
     }
     Err(HistoryError::Unavailable {
@@ -570,17 +581,34 @@ enum Bad {
     Corrupt(String),
     /// Sent whole by the server but not readable by rlc: the same again on a retry.
     Unreadable(String),
+    /// A bound crossed: the pull fails at once.
+    Exceeded(Bound),
 }
 
 impl std::fmt::Display for Bad {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Bad::Corrupt(e) | Bad::Unreadable(e) => f.write_str(e),
+            Bad::Exceeded(b) => b.fmt(f),
         }
     }
 }
 
-/// Decodes the frames of a streamed answer as they arrive.
+fn undecodable(e: impl std::fmt::Display) -> Bad {
+    Bad::Unreadable(format!("undecodable frame: {e}"))
+}
+
+/// Series read whole are put on the grid at the end of each network piece (one lock per
+/// piece), or once this many wait, or their points reach [`POINTS_MAX`] (a frame of many
+/// small series).
+const READY_MAX: usize = 1024;
+/// See [`READY_MAX`]: 16 MB of points.
+const POINTS_MAX: usize = 1 << 20;
+
+/// Decodes the frames of a streamed answer as they arrive. What it holds is bounded whatever
+/// the answer: a frame ([`FRAME_MAX`]), one series' labels ([`LABELS_MAX`]) and samples (at
+/// most about two per step: see [`Frames::compact`]), and the points of [`READY_MAX`] series
+/// or [`POINTS_MAX`] points.
 struct Frames {
     steps: Steps,
     b: Arc<Mutex<Builder>>,
@@ -589,6 +617,8 @@ struct Frames {
     /// The series being read (it can span several frames) and its samples so far.
     labels: Vec<proto::Label>,
     samples: Vec<(i64, f64)>,
+    /// `samples` is compacted once it holds this many.
+    compact_at: usize,
     /// The values at the steps of the series read whole and not yet on the grid.
     points: Vec<(f64, f64)>,
     /// Those series: labels and their values in `points`.
@@ -599,33 +629,35 @@ struct Frames {
 
 impl Frames {
     fn new(steps: Steps, b: Arc<Mutex<Builder>>) -> Self {
+        let n = ((steps.to - steps.from) / steps.step.max(1)).max(0) as usize + 1;
         Frames {
             steps,
             b,
             buf: Vec::new(),
             labels: Vec::new(),
             samples: Vec::new(),
+            compact_at: (2 * (n + 1)).max(4096),
             points: Vec::new(),
             ready: Vec::new(),
             failed: None,
         }
     }
 
-    fn push(&mut self, piece: &[u8]) {
+    /// Takes the next piece of the answer; `Break` once it failed (nothing more is read).
+    fn push(&mut self, piece: &[u8]) -> ControlFlow<()> {
         if self.failed.is_some() {
-            return; // drain, so that the reader finishes
+            return ControlFlow::Break(());
         }
         self.buf.extend_from_slice(piece);
+        // Out of `self` while its frames are decoded into `self`.
+        let buf = std::mem::take(&mut self.buf);
         let mut at = 0;
         let r = loop {
-            match frame(&self.buf[at..]) {
+            match frame(&buf[at..]) {
+                // The frame's checksum held: what follows is what the server meant.
                 Ok(Some((msg, n))) => {
-                    // The frame's checksum held: what follows is what the server meant.
-                    let r = proto::ChunkedReadResponse::decode(msg)
-                        .map_err(|e| format!("undecodable frame: {e}"))
-                        .and_then(|r| self.frame(r));
-                    if let Err(e) = r {
-                        break Err(Bad::Unreadable(e));
+                    if let Err(e) = self.frame(msg) {
+                        break Err(e);
                     }
                     at += n;
                 }
@@ -633,53 +665,137 @@ impl Frames {
                 Err(e) => break Err(Bad::Corrupt(e)),
             }
         };
+        self.buf = buf;
         self.buf.drain(..at);
-        match r {
-            Ok(()) => self.deliver(),
-            Err(e) => self.failed = Some(e),
+        match r.and_then(|()| self.deliver()) {
+            Ok(()) => ControlFlow::Continue(()),
+            Err(e) => {
+                self.failed = Some(e);
+                ControlFlow::Break(())
+            }
         }
     }
 
-    fn frame(&mut self, r: proto::ChunkedReadResponse) -> Result<(), String> {
-        if r.query_index != 0 {
-            return Err(format!("frame for query {} of 1", r.query_index + 1));
-        }
-        for s in r.chunked_series {
-            if s.labels != self.labels {
-                self.flush()?;
-                self.labels = s.labels;
-            }
-            for c in &s.chunks {
-                if c.r#type != proto::XOR {
-                    return Err(format!(
-                        "series {}: chunk encoding {} is not float samples (native histograms are not request rates)",
-                        show(&self.labels),
-                        c.r#type
-                    ));
+    /// One frame (`ChunkedReadResponse`), read field by field where it lies: decoded whole,
+    /// a frame of many empty parts would take some 24 times its size in memory.
+    fn frame(&mut self, msg: &[u8]) -> Result<(), Bad> {
+        for f in Fields(msg) {
+            match f.map_err(undecodable)? {
+                (1, Field::Bytes(series)) => self.series(series)?,
+                (2, Field::Varint(0)) => {}
+                (2, Field::Varint(q)) => {
+                    return Err(Bad::Unreadable(format!(
+                        "frame for query {} of 1",
+                        (q as i64).wrapping_add(1)
+                    )))
                 }
-                let before = self.samples.len();
-                decode_xor(&c.data, &mut self.samples)
-                    .map_err(|e| format!("series {}: {e}", show(&self.labels)))?;
-                // Only what the steps can use: chunks overlap the range's edges.
-                let (lo, hi) = (
-                    self.steps.from * 1000 - self.steps.lookback_ms,
-                    self.steps.to * 1000,
-                );
-                let mut w = before;
-                for r in before..self.samples.len() {
-                    if (lo..=hi).contains(&self.samples[r].0) {
-                        self.samples[w] = self.samples[r];
-                        w += 1;
-                    }
-                }
-                self.samples.truncate(w);
+                (1 | 2, _) => return Err(undecodable("a field of the wrong type")),
+                _ => {} // unknown fields are skipped, as protobuf does
             }
         }
         Ok(())
     }
 
-    /// Puts the series read so far on the grid.
-    fn flush(&mut self) -> Result<(), String> {
+    /// One `ChunkedSeries`: its labels first (wherever they lie in it), then its chunks.
+    fn series(&mut self, s: &[u8]) -> Result<(), Bad> {
+        let mut labels = Vec::new();
+        let mut bytes = 0;
+        for f in Fields(s) {
+            match f.map_err(undecodable)? {
+                (1, Field::Bytes(l)) => {
+                    bytes += l.len();
+                    if bytes > LABELS_MAX {
+                        return Err(Bad::Exceeded(Bound::Labels(LABELS_MAX)));
+                    }
+                    labels.push(label(l)?);
+                }
+                (2, Field::Bytes(_)) => {}
+                (1 | 2, _) => return Err(undecodable("a field of the wrong type")),
+                _ => {}
+            }
+        }
+        if labels != self.labels {
+            self.flush()?;
+            self.labels = labels;
+        }
+        for f in Fields(s) {
+            if let (2, Field::Bytes(c)) = f.map_err(undecodable)? {
+                self.chunk(c).map_err(Bad::Unreadable)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One chunk of the series being read: its samples in the request's range.
+    fn chunk(&mut self, c: &[u8]) -> Result<(), String> {
+        let (mut encoding, mut data) = (0, &[][..]);
+        for f in Fields(c) {
+            match f.map_err(|e| format!("undecodable frame: {e}"))? {
+                (3, Field::Varint(v)) => encoding = v,
+                (4, Field::Bytes(d)) => data = d,
+                _ => {}
+            }
+        }
+        if encoding != proto::XOR as u64 {
+            return Err(format!(
+                "series {}: chunk encoding {} is not float samples (native histograms are not request rates)",
+                show(&self.labels),
+                encoding as i32
+            ));
+        }
+        let before = self.samples.len();
+        decode_xor(data, &mut self.samples)
+            .map_err(|e| format!("series {}: {e}", show(&self.labels)))?;
+        // Only what the steps can use: chunks overlap the range's edges.
+        let (lo, hi) = (
+            self.steps.from * 1000 - self.steps.lookback_ms,
+            self.steps.to * 1000,
+        );
+        let mut w = before;
+        for r in before..self.samples.len() {
+            if (lo..=hi).contains(&self.samples[r].0) {
+                self.samples[w] = self.samples[r];
+                w += 1;
+            }
+        }
+        self.samples.truncate(w);
+        if self.samples.len() > self.compact_at {
+            self.compact();
+        }
+        Ok(())
+    }
+
+    /// Keeps of the series' samples only those a step can take: the newest at or before each
+    /// step and after the one before it (the newest of a millisecond being the last to come,
+    /// as in [`Frames::flush`]). [`at_steps`] gives the same values from what is left, and a
+    /// series holds at most about two samples per step however many the server sends
+    /// (scrapes finer than the step, or an answer repeating its chunks).
+    fn compact(&mut self) {
+        if !self.samples.is_sorted_by_key(|s| s.0) {
+            self.samples.sort_by_key(|s| s.0); // stable: equal times keep their order
+        }
+        let (first, step_ms) = (self.steps.from * 1000, self.steps.step.max(1) * 1000);
+        // The step a sample counts for first: the one at or after it.
+        let slot = |t: i64| {
+            if t <= first {
+                0
+            } else {
+                (t - first + step_ms - 1) / step_ms
+            }
+        };
+        let s = &mut self.samples;
+        let mut w = 0;
+        for r in 0..s.len() {
+            if r + 1 == s.len() || slot(s[r + 1].0) != slot(s[r].0) {
+                s[w] = s[r];
+                w += 1;
+            }
+        }
+        s.truncate(w);
+    }
+
+    /// Puts the series read so far in `ready`, and on the grid once [`READY_MAX`] wait.
+    fn flush(&mut self) -> Result<(), Bad> {
         if self.labels.is_empty() {
             self.samples.clear();
             return Ok(());
@@ -701,14 +817,17 @@ impl Frames {
         let metric: BTreeMap<String, String> =
             labels.into_iter().map(|l| (l.name, l.value)).collect();
         self.ready.push((metric, from..self.points.len()));
+        if self.ready.len() >= READY_MAX || self.points.len() >= POINTS_MAX {
+            self.deliver()?;
+        }
         Ok(())
     }
 
     /// Puts the series read whole on the grid, under one lock (a lock per series made the
     /// decoders of concurrent requests wait on each other at 100,000 series).
-    fn deliver(&mut self) {
+    fn deliver(&mut self) -> Result<(), Bad> {
         if self.ready.is_empty() {
-            return;
+            return Ok(());
         }
         let mut b = self.b.lock().unwrap_or_else(|e| e.into_inner());
         for (metric, range) in self.ready.drain(..) {
@@ -716,8 +835,10 @@ impl Frames {
                 b.add_many(&key, self.points[range].iter().copied());
             }
         }
+        let exceeded = b.exceeded().cloned();
         drop(b);
         self.points.clear();
+        exceeded.map_or(Ok(()), |bound| Err(Bad::Exceeded(bound)))
     }
 
     /// Puts the last series on the grid; called only once the whole answer was read (a
@@ -732,10 +853,96 @@ impl Frames {
                 self.buf.len()
             )));
         }
-        self.flush().map_err(Bad::Unreadable)?;
-        self.deliver();
-        Ok(())
+        self.flush()?;
+        self.deliver()
     }
+}
+
+/// One field of a protobuf message: a varint, the bytes of a length-delimited field, or a
+/// fixed-width value (which no field rlc reads has).
+#[derive(Debug)]
+enum Field<'a> {
+    Varint(u64),
+    Bytes(&'a [u8]),
+    Fixed,
+}
+
+/// The fields of a protobuf message as `(number, value)`, read where they lie; ends after
+/// the first error.
+struct Fields<'a>(&'a [u8]);
+
+impl<'a> Iterator for Fields<'a> {
+    type Item = Result<(u64, Field<'a>), String>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.0.is_empty() {
+            return None;
+        }
+        let f = self.field();
+        if f.is_err() {
+            self.0 = &[];
+        }
+        Some(f)
+    }
+}
+
+impl<'a> Fields<'a> {
+    fn field(&mut self) -> Result<(u64, Field<'a>), String> {
+        let key = varint(&mut self.0)?;
+        let value = match key & 7 {
+            0 => Field::Varint(varint(&mut self.0)?),
+            2 => {
+                let n = usize::try_from(varint(&mut self.0)?)
+                    .ok()
+                    .filter(|&n| n <= self.0.len())
+                    .ok_or("a length past the message's end")?;
+                let (v, rest) = self.0.split_at(n);
+                self.0 = rest;
+                Field::Bytes(v)
+            }
+            w @ (1 | 5) => {
+                let n = if w == 1 { 8 } else { 4 };
+                self.0 = self.0.get(n..).ok_or("the message ends inside a field")?;
+                Field::Fixed
+            }
+            w => return Err(format!("wire type {w}")),
+        };
+        Ok((key >> 3, value))
+    }
+}
+
+/// A protobuf varint at the start of `b`, which is advanced past it.
+fn varint(b: &mut &[u8]) -> Result<u64, String> {
+    let mut x = 0u64;
+    for k in 0..10 {
+        let (&byte, rest) = b.split_first().ok_or("the message ends inside a varint")?;
+        *b = rest;
+        x |= u64::from(byte & 0x7f) << (7 * k);
+        if byte < 0x80 {
+            return Ok(x);
+        }
+    }
+    Err("varint too long".into())
+}
+
+/// A `Label` message.
+fn label(l: &[u8]) -> Result<proto::Label, Bad> {
+    let mut out = proto::Label::default();
+    for f in Fields(l) {
+        let (n, v) = f.map_err(undecodable)?;
+        let text = |v: Field<'_>| match v {
+            Field::Bytes(b) => {
+                String::from_utf8(b.to_vec()).map_err(|_| undecodable("a label that is not UTF-8"))
+            }
+            _ => Err(undecodable("a field of the wrong type")),
+        };
+        match n {
+            1 => out.name = text(v)?,
+            2 => out.value = text(v)?,
+            _ => {}
+        }
+    }
+    Ok(out)
 }
 
 fn show(labels: &[proto::Label]) -> String {
@@ -1089,7 +1296,7 @@ pub mod bench {
             include_start: true,
         };
         let mut f = Frames::new(steps, b.clone());
-        f.push(body);
+        assert!(f.push(body).is_continue());
         f.finish().unwrap();
         let b = Arc::try_unwrap(b).ok().unwrap().into_inner().unwrap();
         b.finish().series.len()
@@ -1324,7 +1531,7 @@ mod tests {
         let mut f = Frames::new(steps, builder.clone());
         // In pieces of 7 bytes: frames cut anywhere.
         for piece in body.chunks(7) {
-            f.push(piece);
+            assert!(f.push(piece).is_continue());
         }
         f.finish().unwrap();
         let h = Arc::try_unwrap(builder)
@@ -1355,7 +1562,7 @@ mod tests {
             steps,
             Arc::new(Mutex::new(Builder::new(0, 60, 300, Default::default()))),
         );
-        f.push(&body[..body.len() - 3]);
+        assert!(f.push(&body[..body.len() - 3]).is_continue());
         assert!(f
             .finish()
             .unwrap_err()
@@ -1366,7 +1573,7 @@ mod tests {
         let cut = bench::answer(&[(labels("web"), a[..130].to_vec())]);
         let builder = Arc::new(Mutex::new(Builder::new(0, 60, 300, Default::default())));
         let mut f = Frames::new(steps, builder.clone());
-        f.push(&cut);
+        assert!(f.push(&cut).is_continue());
         drop(f);
         let h = Arc::try_unwrap(builder)
             .ok()
@@ -1403,5 +1610,189 @@ mod tests {
         assert!(frame(&[0xff, 0xff, 0xff, 0xff, 0x7f])
             .unwrap_err()
             .contains("bytes"));
+    }
+
+    /// A frame around `msg`: length, CRC32C, message.
+    fn framed(msg: &[u8]) -> Vec<u8> {
+        let mut f = Vec::new();
+        prost::encoding::encode_varint(msg.len() as u64, &mut f);
+        f.extend(crc32c::crc32c(msg).to_be_bytes());
+        f.extend(msg);
+        f
+    }
+
+    fn rps(caller: &str) -> Vec<(String, String)> {
+        vec![
+            ("__name__".into(), "rpc_rps".into()),
+            ("caller".into(), caller.into()),
+            ("service".into(), "shop".into()),
+        ]
+    }
+
+    /// One series whose chunks keep coming (the same times again and again, with new values:
+    /// the newest of a millisecond wins), at one sample a second on a one-minute grid: the
+    /// decoder holds a bounded number of samples, and the steps get what they would get from
+    /// every sample kept.
+    #[test]
+    fn a_series_of_endless_chunks_holds_about_two_samples_per_step() {
+        let steps = Steps {
+            from: 0,
+            to: 299 * 60,
+            step: 60,
+            lookback_ms: 300_000,
+            include_start: true,
+        };
+        let mut all = Vec::new();
+        let builder = Arc::new(Mutex::new(Builder::new(0, 60, 300, Default::default())));
+        let mut f = Frames::new(steps, builder.clone());
+        let mut most = 0;
+        for rep in 0..20 {
+            let samples: Vec<(i64, f64)> = (-400..18_100)
+                .map(|k| {
+                    let v = if rep == 19 && k == 6_000 {
+                        f64::from_bits(STALE_NAN)
+                    } else {
+                        (rep * 1_000_000 + k) as f64
+                    };
+                    (k * 1_000, v)
+                })
+                .collect();
+            all.extend(samples.iter().copied());
+            for piece in bench::answer(&[(rps("web"), samples)]).chunks(4096) {
+                assert!(f.push(piece).is_continue());
+                most = most.max(f.samples.len());
+            }
+        }
+        assert!(most <= f.compact_at + 120, "{most} samples held");
+        f.finish().unwrap();
+        // Every sample kept, in order of arrival, as before compaction.
+        all.retain(|s| (-300_000..=299 * 60_000).contains(&s.0));
+        all.sort_by_key(|s| s.0);
+        let mut want = Vec::new();
+        at_steps(&all, steps, &mut want);
+        assert_eq!(want.len(), 299, "the stale step has no value");
+        let h = Arc::try_unwrap(builder)
+            .ok()
+            .unwrap()
+            .into_inner()
+            .unwrap()
+            .finish();
+        let got = &h.series.values().next().unwrap().values;
+        let mut expect = vec![f32::NAN; 300];
+        for (t, v) in want {
+            expect[t as usize / 60] = v as f32;
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(got), bits(&expect));
+    }
+
+    /// Labels without end in one series: refused past [`LABELS_MAX`], nothing more read.
+    #[test]
+    fn labels_of_one_series_are_bounded() {
+        let msg = proto::ChunkedReadResponse {
+            chunked_series: vec![proto::ChunkedSeries {
+                labels: (0..10_000)
+                    .map(|i| proto::Label {
+                        name: format!("l{i}"),
+                        value: "v".into(),
+                    })
+                    .collect(),
+                chunks: vec![],
+            }],
+            query_index: 0,
+        }
+        .encode_to_vec();
+        let b = Arc::new(Mutex::new(Builder::new(0, 60, 300, Default::default())));
+        let steps = Steps {
+            from: 0,
+            to: 299 * 60,
+            step: 60,
+            lookback_ms: 300_000,
+            include_start: true,
+        };
+        let mut f = Frames::new(steps, b);
+        assert!(f.push(&framed(&msg)).is_break());
+        assert!(f.push(b"more").is_break(), "nothing more is read");
+        match f.finish() {
+            Err(Bad::Exceeded(Bound::Labels(LABELS_MAX))) => {}
+            e => panic!("{e:?}"),
+        }
+    }
+
+    /// Fields are read where they lie: unknown ones are skipped, a wrong type or a length past
+    /// the end is an error, not a panic.
+    #[test]
+    fn frames_are_read_field_by_field() {
+        let series = bench::answer(&[(rps("web"), vec![(0, 1.0), (60_000, 2.0)])]);
+        let (msg, _) = frame(&series).unwrap().unwrap();
+        // An unknown varint field and an unknown fixed64 field before the series.
+        let mut odd = vec![3 << 3, 7, (4 << 3) | 1, 0, 0, 0, 0, 0, 0, 0, 0];
+        odd.extend(msg);
+        let b = Arc::new(Mutex::new(Builder::new(0, 60, 2, Default::default())));
+        let steps = Steps {
+            from: 0,
+            to: 60,
+            step: 60,
+            lookback_ms: 300_000,
+            include_start: true,
+        };
+        let mut f = Frames::new(steps, b.clone());
+        assert!(f.push(&framed(&odd)).is_continue());
+        f.finish().unwrap();
+        let h = Arc::try_unwrap(b)
+            .ok()
+            .unwrap()
+            .into_inner()
+            .unwrap()
+            .finish();
+        assert_eq!(h.series.values().next().unwrap().values, [1.0, 2.0]);
+        for bad in [
+            vec![1 << 3, 5],            // series as a varint
+            vec![(1 << 3) | 2, 200, 1], // a length past the end
+            vec![(1 << 3) | 3],         // a group
+            vec![(2 << 3), 0x80],       // a varint cut short
+        ] {
+            let b = Arc::new(Mutex::new(Builder::new(0, 60, 2, Default::default())));
+            let mut f = Frames::new(steps, b);
+            assert!(f.push(&framed(&bad)).is_break(), "{bad:?}");
+            match f.finish() {
+                Err(Bad::Unreadable(e)) => assert!(e.starts_with("undecodable frame"), "{e}"),
+                e => panic!("{bad:?}: {e:?}"),
+            }
+        }
+    }
+
+    /// A series listed again and again (two series in turn) in a spilled pull of one request
+    /// and attempt: refused at its second listing.
+    #[test]
+    fn a_series_repeated_in_an_answer_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = Builder::spilled(0, 60, 300, Default::default(), dir.path())
+            .unwrap()
+            .bounded(1000, 1);
+        let b = Arc::new(Mutex::new(b));
+        let steps = Steps {
+            from: 0,
+            to: 299 * 60,
+            step: 60,
+            lookback_ms: 300_000,
+            include_start: true,
+        };
+        let mut f = Frames::new(steps, b);
+        let two = bench::answer(&[(rps("web"), vec![(0, 1.0)]), (rps("api"), vec![(0, 1.0)])]);
+        let mut broke = false;
+        for _ in 0..3 {
+            broke = f.push(&two).is_break();
+            if broke {
+                break;
+            }
+        }
+        assert!(broke);
+        match f.finish() {
+            Err(Bad::Exceeded(Bound::Repeated { series, max: 1 })) => {
+                assert_eq!(series, "shop/web")
+            }
+            e => panic!("{e:?}"),
+        }
     }
 }

@@ -268,8 +268,16 @@ impl SpillState {
         }
     }
 
-    /// Writes the samples `(grid step, value)` of one series as one run.
-    pub(crate) fn add(&mut self, key: &SeriesKey, samples: &[(usize, f32)]) {
+    /// Writes the samples `(grid step, value)` of one series as one run; `false` (nothing
+    /// written) when the series has `max_runs` runs already: an answer lists a series once,
+    /// so a pull writes at most one run per request and attempt, and more is an answer
+    /// repeating it (which would grow the index and the file without end).
+    pub(crate) fn add(
+        &mut self,
+        key: &SeriesKey,
+        samples: &[(usize, f32)],
+        max_runs: usize,
+    ) -> bool {
         // A series seen without a sample in the grid is a series of missing samples.
         if !self.index.contains_key(key) {
             self.index.insert(key.clone(), Vec::new());
@@ -278,8 +286,11 @@ impl SpillState {
             samples.iter().map(|s| s.0).min(),
             samples.iter().map(|s| s.0).max(),
         ) else {
-            return;
+            return true;
         };
+        if self.index[key].len() >= max_runs {
+            return false;
+        }
         self.run.clear();
         self.run.resize(hi - lo + 1, f32::NAN);
         for &(i, x) in samples {
@@ -288,5 +299,6 @@ impl SpillState {
         if let Some(e) = self.writer.write(lo, &self.run) {
             self.index.get_mut(key).expect("inserted above").push(e);
         }
+        true
     }
 }

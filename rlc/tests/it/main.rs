@@ -7,6 +7,7 @@ mod compute;
 mod agreement;
 mod faults;
 mod git_faults;
+mod history_bounds;
 mod history_faults;
 mod layers;
 mod learning;
