@@ -28,3 +28,23 @@ pub fn init(format: LogFormat, default_level: &str) {
         LogFormat::Json => b.json().init(),
     }
 }
+
+/// Makes a command that prints to a closed pipe (`rlc openapi | head -1`) leave quietly, as
+/// command-line tools do, instead of panicking with "failed printing to stdout: Broken pipe"
+/// and a backtrace: that panic exits with status 141 (128 + SIGPIPE) and prints nothing. Any
+/// other panic goes to the default hook.
+pub fn quiet_on_closed_pipe() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or_default();
+        if msg.contains("Broken pipe") && (msg.contains("stdout") || msg.contains("stderr")) {
+            std::process::exit(141);
+        }
+        default(info);
+    }));
+}

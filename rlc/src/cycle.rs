@@ -658,7 +658,16 @@ impl Cycle {
                 self.record_overrides(&client).await;
             }
         }
+        tracing::info!(trigger, run_uid, base = %short(&base.commit), "config repo synced");
         let world = Arc::new(self.gather(&base, &store).await);
+        tracing::info!(
+            trigger,
+            run_uid,
+            throttled_buckets = world.observed.throttled.len(),
+            overridden_buckets = world.observed.overrides.len(),
+            "evidence gathered"
+        );
+        let planning = std::time::Instant::now();
         let input = PlanInput {
             cfg: self.cfg.clone(),
             base_dir: self.base_dir.clone(),
@@ -670,6 +679,14 @@ impl Cycle {
         };
         match planner(input).await {
             Ok(plan) => {
+                tracing::info!(
+                    trigger,
+                    run_uid,
+                    buckets = plan.buckets.len(),
+                    skipped = plan.skipped.len(),
+                    seconds = format_args!("{:.1}", planning.elapsed().as_secs_f64()),
+                    "plan computed"
+                );
                 self.apply_planned(plan, &base, &world, trigger, run_uid)
                     .await
             }
@@ -869,7 +886,7 @@ impl Cycle {
                 ),
             });
             out.finish();
-            tracing::error!(trigger, error = ?out.error, "history failed for every service; nothing written");
+            tracing::error!(trigger, error = out.error.as_deref().unwrap_or_default(), "history failed for every service; nothing written");
             self.record(&mut out, &plan, &[]).await;
             return out;
         }
@@ -907,7 +924,7 @@ impl Cycle {
                 out.attempts = attempts;
                 out.error = Some(e);
                 out.finish();
-                tracing::error!(trigger, error = ?out.error, "git write failed; nothing written");
+                tracing::error!(trigger, error = out.error.as_deref().unwrap_or_default(), "git write failed; nothing written");
                 self.record(&mut out, &plan, &[]).await;
                 return out;
             }
@@ -941,7 +958,7 @@ impl Cycle {
             },
             WriteStatus::BranchHeldByHumans { authors } => {
                 out.error = None;
-                tracing::warn!(authors = ?authors, "PR branch left alone: it has commits by people");
+                tracing::warn!(authors = %authors.join(", "), "PR branch left alone: it has commits by people");
                 out.skipped.push(Skipped {
                     service: "*".into(),
                     caller: None,

@@ -68,6 +68,7 @@ fn main() -> ExitCode {
         std::process::exit(policies::host::main(args));
     }
     policies::isolated::host_is_current_exe();
+    grl_runtime::logging::quiet_on_closed_pipe();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {

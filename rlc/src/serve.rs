@@ -664,6 +664,9 @@ struct Loop {
     reports: ReportBuffer,
     last_retention: Option<tokio::time::Instant>,
     last_rollup: Option<tokio::time::Instant>,
+    /// Whether `rlc_last_successful_run_timestamp_seconds` was read from the store (once,
+    /// when the store first answers: a restart must not reset it to 0 and fire the alert).
+    last_success_loaded: bool,
 }
 
 impl Loop {
@@ -700,6 +703,20 @@ impl Loop {
     /// Periodic work of the active scheduler: store backlog, input change, controller
     /// version, shadow reports.
     async fn tick(&mut self) {
+        if !self.last_success_loaded {
+            if let Ok(store) = self.cycle.store().await {
+                match store.last_successful_run_at().await {
+                    Ok(at) => {
+                        self.last_success_loaded = true;
+                        let g = &self.state.inner.metrics.last_success;
+                        if let Some(at) = at.filter(|t| t.timestamp() > g.get()) {
+                            g.set(at.timestamp());
+                        }
+                    }
+                    Err(e) => tracing::warn!(error = %e, "cannot read the last successful run"),
+                }
+            }
+        }
         self.state.busy("store backlog");
         self.cycle.flush_pending().await;
         // One fetch per poll; a second only when a run has just moved the base.
@@ -801,6 +818,7 @@ async fn scheduler(
         reports: ReportBuffer::new(opts.report_limits),
         last_retention: None,
         last_rollup: None,
+        last_success_loaded: false,
     };
     let mut lease: Option<Lease> = None;
     let mut next_cron = schedule.as_ref().and_then(|s| s.upcoming(Utc).next());

@@ -616,6 +616,16 @@ impl Store {
         .await?))
     }
 
+    /// When the newest successful (or unchanged) run finished, if any.
+    pub async fn last_successful_run_at(&self) -> Result<Option<DateTime<Utc>>, StoreError> {
+        let row: Option<(DateTime<Utc>,)> = on_pool!(self, pool => sqlx::query_as(
+            "SELECT finished_at FROM runs WHERE status IN ('success', 'unchanged') ORDER BY id DESC LIMIT 1",
+        )
+        .fetch_optional(pool)
+        .await?);
+        Ok(row.map(|r| r.0))
+    }
+
     /// The run recorded with `run_uid`, if any.
     pub async fn run_by_uid(&self, run_uid: &str) -> Result<Option<RunRecord>, StoreError> {
         on_pool!(self, pool => Ok(sqlx::query_as::<_, RunRecord>(

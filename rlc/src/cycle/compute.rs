@@ -11,6 +11,7 @@ use rlc_plan::plan::Plan;
 use super::{PlanInput, Planner};
 use crate::config::resolve_paths;
 use crate::history::{self, PlanHistory};
+use rlc_plan::history::SeriesSource as _;
 
 /// The production planner.
 pub fn planner() -> Planner {
@@ -34,6 +35,18 @@ pub async fn compute(input: PlanInput) -> anyhow::Result<Plan> {
             let h = history::load_plan_or_unavailable(&cfg, &input.base_dir).await;
             history::pull_seconds().observe(t.elapsed().as_secs_f64());
             history::pulls().inc();
+            match h.source_error() {
+                None => tracing::info!(
+                    series = h.series_count(),
+                    seconds = format_args!("{:.1}", t.elapsed().as_secs_f64()),
+                    "history pulled"
+                ),
+                Some(e) => tracing::warn!(
+                    seconds = format_args!("{:.1}", t.elapsed().as_secs_f64()),
+                    error = e,
+                    "history pull failed: every service keeps its quotas"
+                ),
+            }
             h
         }
     };

@@ -258,6 +258,37 @@ async fn daemon_runs_on_request_and_on_input_change_and_shuts_down() {
 
     stop_tx.send(true).unwrap();
     daemon.await.unwrap().unwrap();
+
+    // A restarted daemon reads its last successful run from the store: the metric does not
+    // start at 0 (the shipped alert on it would fire after every deploy).
+    let (tx, rx) = mpsc::channel(1);
+    let cfg = config(&remote, &ctl_url, "");
+    let state = AppState::daemon(&cfg, &base, Some("api-token".into()), tx).unwrap();
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let idle: Planner = Arc::new(|_| Box::pin(async { Ok(Plan::default()) }));
+    let daemon = {
+        let base = base.clone();
+        tokio::spawn(async move {
+            serve_on(listener, cfg, &base, idle, ServeOptions::new(Duration::from_millis(100)), state, rx, stop_rx)
+                .await
+        })
+    };
+    let want = format!("rlc_last_successful_run_timestamp_seconds {last}\n");
+    let mut seen = String::new();
+    for _ in 0..200 {
+        if let Ok(r) = http.get(format!("{url}/metrics")).send().await {
+            seen = r.text().await.unwrap_or_default();
+            if seen.contains(&want) {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(seen.contains(&want), "{seen}");
+    stop_tx.send(true).unwrap();
+    daemon.await.unwrap().unwrap();
 }
 
 /// Reports wait in the buffer while the store fails; the stored cursor only moves past what

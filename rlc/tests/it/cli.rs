@@ -341,3 +341,44 @@ fn a_failed_push_names_its_cause_and_a_world_readable_token_is_warned_about() {
     let (_, _, err) = rlc(d, &["run", "--once", "--json"]);
     assert!(!err.contains("readable by every user"), "{err}");
 }
+
+/// `rlc openapi | head -1`: the reader goes away; rlc leaves quietly (no panic, no backtrace),
+/// with status 141 as a command killed by SIGPIPE would.
+#[test]
+fn a_closed_pipe_ends_a_command_quietly() {
+    use std::io::Read;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_rlc"))
+        .arg("openapi")
+        .env("RUST_BACKTRACE", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = [0u8; 1];
+    child.stdout.take().unwrap().read_exact(&mut first).unwrap();
+    // The read end is dropped here.
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked") && !err.contains("backtrace"), "{err}");
+    assert_eq!(out.status.code(), Some(141), "{err}");
+}
+
+/// `RUST_LOG=info rlc run --once` tells what each phase did: the history pull (series,
+/// seconds), the evidence, the plan, the outcome; fields print as text, not Rust `Debug`.
+#[test]
+fn info_logs_tell_the_phases_of_a_run() {
+    let dir = setup("  file: h.csv");
+    let out = Command::new(env!("CARGO_BIN_EXE_rlc"))
+        .args(["run", "--once", "--config"])
+        .arg(dir.path().join("rlc.yaml"))
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    for phase in ["config repo synced", "evidence gathered", "history pulled", "plan computed", "run finished"] {
+        assert!(err.contains(phase), "no `{phase}` in:\n{err}");
+    }
+    assert!(err.contains("series=8"), "{err}");
+    assert!(!err.contains("=None") && !err.contains("=Some("), "{err}");
+}
