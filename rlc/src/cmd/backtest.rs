@@ -11,7 +11,15 @@ use std::path::Path;
 
 use schema::{ConfigRepo, DaemonConfig};
 
-use super::preview::Format;
+/// Output format of `rlc backtest`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Default)]
+pub enum Format {
+    /// A table (the corpus: a markdown table).
+    #[default]
+    Table,
+    /// JSON.
+    Json,
+}
 use crate::config::resolve_paths;
 use crate::history::load_or_unavailable as load_history;
 

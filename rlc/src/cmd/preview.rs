@@ -1,4 +1,5 @@
-//! `rlc preview --config rlc.yaml [--service S] [--format table|json]`: compute, write nothing.
+//! `rlc preview --config rlc.yaml [--service S] [--format table|json|markdown]`: compute,
+//! write nothing.
 //! It shows the plan a run would do ([`rlc_plan::pipeline::plan`]): a decrease the run
 //! would hold (one per `rails.decrease_interval`, asked of the config repo's history and the
 //! store named in rlc.yaml) keeps the current limit and says why (`held`).
@@ -19,6 +20,8 @@ pub enum Format {
     Table,
     /// The preview JSON (`rlc preview --format json`).
     Json,
+    /// The body the pull request would get (the same renderer as the forge's).
+    Markdown,
 }
 
 /// Arguments of `rlc preview`.
@@ -66,6 +69,7 @@ pub async fn run(args: PreviewArgs) -> anyhow::Result<i32> {
     }
     match args.format {
         Format::Json => println!("{}", serde_json::to_string_pretty(&plan)?),
+        Format::Markdown => print!("{}", pull_request_body(&cfg, &base.repo, &plan)),
         Format::Table => {
             print!("{}", table(&plan));
             print!(
@@ -75,6 +79,27 @@ pub async fn run(args: PreviewArgs) -> anyhow::Result<i32> {
         }
     }
     Ok(history_exit_code(&plan))
+}
+
+/// The body of the pull request `plan` would get against the base `repo`: the renderer and
+/// the length bound of the forge path.
+pub fn pull_request_body(cfg: &schema::DaemonConfig, repo: &schema::ConfigRepo, plan: &Plan) -> String {
+    use crate::gitops::summary;
+    let (base_files, _) = rlc_plan::promotion::repo_inputs(repo);
+    let changes = rlc_plan::change::diff(&base_files, &plan.bucket_files());
+    let report = summary::report_with(
+        plan,
+        &changes,
+        &summary::ReportContext {
+            promotions: &plan.promotions,
+            dashboard_url: cfg
+                .config_repo
+                .forge
+                .as_ref()
+                .and_then(|f| f.dashboard_url.as_deref()),
+        },
+    );
+    summary::truncate_body(&report, summary::FORGE_BODY_LIMIT)
 }
 
 /// The shadow buckets a run would promote or keep in shadow, with the reason: what the run

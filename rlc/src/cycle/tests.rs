@@ -200,6 +200,19 @@ async fn pull_request_mode_opens_a_pr_and_pushes_only_merged_config() {
             body.contains("| gw | 100 | 250 | +150.0% | 200 | peak | 0.9 |"),
             "{body}"
         );
+        // `rlc preview --format markdown` renders this very body from the plan and the base.
+        let seed_dir = tempfile::tempdir().unwrap();
+        test_support::git::git(
+            seed_dir.path(),
+            &["clone", "-q", &remote.bare_path().to_string_lossy(), "repo"],
+        )
+        .unwrap();
+        let (seed_repo, problems) = schema::ConfigRepo::load(&seed_dir.path().join("repo"));
+        assert!(problems.is_empty(), "{problems:?}");
+        assert_eq!(
+            crate::cmd::preview::pull_request_body(&cfg, &seed_repo, &p),
+            body
+        );
         assert!(
             forge.problems.lock().unwrap().is_empty(),
             "{:?}",
