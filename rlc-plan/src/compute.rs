@@ -336,6 +336,14 @@ fn compute_service(
             None,
             Censored::default(),
         );
+        if peak.is_none_or(|p| p <= 0.0) {
+            if let Some(b) = plan.buckets.last_mut() {
+                let why = no_traffic(c);
+                let e = &mut b.evidence;
+                e.explain = Some(format!("{}; {why}", e.explain.take().unwrap_or_default()));
+                e.no_traffic = Some(why);
+            }
+        }
     }
 
     // One policy for the whole service, resolved once (a plugin load is a filesystem lookup).
@@ -629,6 +637,42 @@ fn rails_for(
 }
 
 #[allow(clippy::too_many_arguments)]
+/// What a contract without traffic in the window is flagged with.
+pub fn no_traffic(c: &Contract) -> String {
+    format!(
+        "no traffic from caller {} to {}{} in the window: does the contract name them as the traffic's labels do?",
+        c.caller.as_deref().unwrap_or("(any)"),
+        c.service,
+        c.procedure.as_deref().map(|p| format!(" procedure {p}")).unwrap_or_default()
+    )
+}
+
+/// The active contracts of `repo` (by index in `rlc/contracts.yaml`) whose caller and
+/// procedure sent no traffic in `history`: what `rlc validate --history` flags.
+pub fn contracts_without_traffic(
+    repo: &ConfigRepo,
+    history: &dyn SeriesSource,
+    today: chrono::NaiveDate,
+) -> Result<Vec<(usize, String)>, String> {
+    if let Some(e) = history.source_error() {
+        return Err(e.to_string());
+    }
+    let contracts: &[Contract] = repo.contracts.as_ref().map_or(&[], |c| &c.value.contracts);
+    let mut out = Vec::new();
+    for (i, c) in contracts.iter().enumerate().filter(|(_, c)| c.active_on(today)) {
+        let h = history.service(&c.service)?;
+        let seen = h.service_series(&c.service).any(|(k, s)| {
+            k.caller == c.caller
+                && (c.procedure.is_none() || k.procedure == c.procedure)
+                && s.max().is_some_and(|m| m > 0.0)
+        });
+        if !seen {
+            out.push((i, no_traffic(c)));
+        }
+    }
+    Ok(out)
+}
+
 fn push(
     plan: &mut Plan,
     spec: &PolicySpec,

@@ -19,6 +19,10 @@ pub struct Evidence {
     /// What set the limit and what the rails did, in one line (the preview table's WHY).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub explain: Option<String>,
+    /// A contract's bucket whose caller (and procedure) sent no traffic in the window: the
+    /// contract may name the caller or procedure differently from the traffic's labels.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub no_traffic: Option<String>,
     /// The policy's own numbers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub policy: Option<PolicyEvidence>,

@@ -104,20 +104,21 @@ pub fn finish(
     let services = plan.buckets.iter().map(|b| b.service.clone()).collect();
     let rules = promotion::rules(policies.as_ref(), &services);
     let candidates = promotion::candidates(&plan, &base, policies.as_ref(), &rules);
+    let none = BTreeMap::new();
+    let (stats, missing, error) = match &world.shadow {
+        ShadowEvidence::Figures(m) => (m, NO_REPORTS.to_string(), None),
+        // A bucket without figures because they could not be read says so.
+        ShadowEvidence::Unavailable(e) => (
+            &none,
+            format!("shadow figures unavailable: {e}"),
+            Some(e.clone()),
+        ),
+    };
     if !candidates.is_empty() {
-        let none = BTreeMap::new();
-        let (stats, missing, error) = match &world.shadow {
-            ShadowEvidence::Figures(m) => (m, NO_REPORTS.to_string(), None),
-            // A bucket without figures because they could not be read says so.
-            ShadowEvidence::Unavailable(e) => (
-                &none,
-                format!("shadow figures unavailable: {e}"),
-                Some(e.clone()),
-            ),
-        };
         plan.promotions = promotion::apply(&mut plan, &candidates, &rules, stats, &missing, now);
         plan.shadow_error = error;
     }
+    promotion::annotate_manual(&mut plan, &base, policies.as_ref(), stats, &missing, now);
     if cfg.config_repo.mode == RepoMode::Direct {
         plan.needs_review = promotion::review_list(&plan, &base, &rules);
     }

@@ -89,6 +89,50 @@ pub fn repo_inputs(
     )
 }
 
+/// Buckets the plan switches from shadow to enforce without the promotion rule (a `mode:
+/// enforce` set by hand in `rlc/policies.yaml`): their evidence gets the shadow figures the
+/// rule would have read, or says there are none, so that the reviewer sees what the bucket
+/// would have dropped before it drops anything.
+pub fn annotate_manual(
+    plan: &mut Plan,
+    base: &BTreeMap<String, BucketFile>,
+    policies: Option<&PoliciesFile>,
+    stats: &BTreeMap<BucketKey, ShadowStats>,
+    missing: &str,
+    now: DateTime<Utc>,
+) {
+    for pb in plan.buckets.iter_mut() {
+        if pb.bucket.mode != Mode::Enforce || pb.evidence.promotion.is_some() {
+            continue;
+        }
+        let was_shadow = base.get(&pb.service).is_some_and(|f| {
+            f.buckets
+                .iter()
+                .any(|b| b.name == pb.bucket.name && b.mode == Mode::Shadow)
+        });
+        if !was_shadow {
+            continue;
+        }
+        let key = (pb.service.clone(), pb.bucket.name.clone());
+        let rule = readiness_rule(policies, &pb.service).0;
+        let verdict = match stats.get(&key) {
+            Some(s) => readiness::verdict(s, &rule, now),
+            None => Verdict::NotYet {
+                reasons: vec![missing.to_string()],
+            },
+        };
+        pb.evidence.promotion = Some(PromotionEvidence {
+            promoted: true,
+            reason: format!(
+                "mode: enforce set by hand (rlc/policies.yaml), not by the promotion rule; the rule would say: {}",
+                verdict.describe()
+            ),
+            verdict,
+            figures: stats.get(&key).map(|s| ShadowFigures::of(s, now)),
+        });
+    }
+}
+
 /// Why a candidate without figures is not ready when the source answered.
 pub const NO_REPORTS: &str = "no shadow reports";
 
@@ -254,13 +298,16 @@ pub fn base_candidates(repo: &schema::ConfigRepo) -> Vec<(BucketKey, chrono::Dur
     let mut out = Vec::new();
     for f in repo.buckets.values() {
         let service = &f.value.service;
-        let Some(rule) = rule_of(policies, service).filter(|r| r.enabled) else {
-            continue;
+        // A service whose `mode: enforce` is set by hand enforces its shadow buckets without
+        // the promotion rule: their figures go with the change, for the reviewer.
+        let manual = policies.is_some_and(|p| p.for_service(service).mode == Some(Mode::Enforce));
+        let days = match rule_of(policies, service).filter(|r| r.enabled) {
+            _ if manual => readiness_rule(policies, service).0.min_days_in_shadow,
+            Some(_) if policies.is_some_and(|p| p.for_service(service).mode.is_some()) => continue,
+            Some(rule) => rule.min_days_in_shadow,
+            None => continue,
         };
-        if policies.is_some_and(|p| p.for_service(service).mode.is_some()) {
-            continue;
-        }
-        let secs = (rule.min_days_in_shadow.max(1.0) * 86_400.0).ceil() as i64;
+        let secs = (days.max(1.0) * 86_400.0).ceil() as i64;
         for b in f.value.buckets.iter().filter(|b| b.mode == Mode::Shadow) {
             out.push((
                 (service.clone(), b.name.clone()),
@@ -327,6 +374,34 @@ mod tests {
         b.bucket.mode = Mode::Shadow;
         b.current_limit_rps = Some(limit);
         b
+    }
+
+    /// A shadow bucket enforced by a hand-set `mode: enforce` carries the figures the rule
+    /// would have read (or says there are none); a bucket that was enforced already gets
+    /// nothing.
+    #[test]
+    fn a_hand_set_enforce_carries_the_shadow_figures_or_says_there_are_none() {
+        let now = Utc::now();
+        let base_plan = Plan {
+            buckets: vec![shadow("pay", "a", 100.0), shadow("pay", "b", 100.0), planned("pay", "c", 100.0)],
+            ..Plan::default()
+        };
+        let base: BTreeMap<String, BucketFile> =
+            [("pay".to_string(), base_plan.bucket_files().remove(0))].into();
+        let mut plan = Plan {
+            buckets: vec![planned("pay", "a", 100.0), planned("pay", "b", 100.0), planned("pay", "c", 100.0)],
+            ..Plan::default()
+        };
+        let stats: BTreeMap<BucketKey, ShadowStats> =
+            [(("pay".into(), "a".into()), stats("pay", "a", now, 8, 0.02))].into();
+        annotate_manual(&mut plan, &base, None, &stats, NO_REPORTS, now);
+        let a = plan.buckets[0].evidence.promotion.as_ref().unwrap();
+        assert!(a.reason.starts_with("mode: enforce set by hand"), "{}", a.reason);
+        assert!(a.reason.contains("would throttle"), "{}", a.reason);
+        assert!((a.figures.as_ref().unwrap().virtual_drop_share - 0.02).abs() < 1e-9);
+        let b = plan.buckets[1].evidence.promotion.as_ref().unwrap();
+        assert!(b.figures.is_none() && b.reason.contains(NO_REPORTS), "{}", b.reason);
+        assert!(plan.buckets[2].evidence.promotion.is_none());
     }
 
     #[test]

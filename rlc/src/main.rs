@@ -30,6 +30,13 @@ enum Command {
         /// Output format.
         #[arg(long, default_value = "text", value_parser = ["text", "json"])]
         format: String,
+        /// Also pull the history (the source of `--config`) and warn about every active
+        /// contract whose caller and procedure sent no traffic in the window.
+        #[arg(long)]
+        history: bool,
+        /// The daemon config whose history `--history` reads.
+        #[arg(long, default_value = "rlc.yaml", requires = "history")]
+        config: PathBuf,
     },
     /// Print the JSON Schema of every file format (for editors).
     Schema,
@@ -91,7 +98,18 @@ fn main() -> ExitCode {
     };
     grl_runtime::logging::init(cli.log_format, level);
     let result = match cli.command {
-        Command::Validate { dir, format } => rlc::cmd::validate::run(&dir, &format),
+        Command::Validate {
+            dir,
+            format,
+            history: false,
+            ..
+        } => rlc::cmd::validate::run(&dir, &format),
+        Command::Validate {
+            dir,
+            format,
+            config,
+            ..
+        } => on_runtime(rlc::cmd::validate::run_with_history(&dir, &format, &config)),
         Command::Schema => {
             println!(
                 "{}",

@@ -157,6 +157,16 @@ fn risky_line(pb: Option<&rlc_plan::plan::PlannedBucket>, c: &BucketChange) -> V
         }
         parts.push(s);
     }
+    // Enforced by a hand-set mode, not the promotion rule: say so, and when nothing was ever
+    // watched in shadow, say that.
+    if let Some(p) = ev.promotion.as_ref().filter(|p| p.promoted) {
+        if p.reason.starts_with("mode: enforce set by hand") {
+            parts.push("set by hand in rlc/policies.yaml, not by the promotion rule".into());
+        }
+        if p.figures.is_none() {
+            parts.push(format!("shadow: none ({})", md(&p.reason)));
+        }
+    }
     parts
 }
 

@@ -398,3 +398,49 @@ fn preview_markdown_is_the_pull_request_body() {
     );
     assert!(out.contains("### maps"), "{out}");
 }
+
+/// A contract for a caller the traffic never shows (a typo, a partner not live yet) is
+/// flagged: in the limit's why and evidence (preview, pull request body) and by
+/// `rlc validate --history`; a contract whose caller sends traffic is not.
+#[test]
+fn contracts_without_traffic_are_flagged() {
+    let dir = setup("  file: h.csv");
+    let d = dir.path();
+    std::fs::write(
+        d.join("repo/rlc/contracts.yaml"),
+        "contracts:\n  - service: maps\n    caller: partner-x\n    procedure: geocode\n    limit_rps: 40\n    reference: MSA-1\n  - service: maps\n    caller: partner-y\n    procedure: geocode\n    limit_rps: 30\n    reference: MSA-2\n",
+    )
+    .unwrap();
+    for args in [&["add", "-A"][..], &["commit", "-q", "-m", "contracts"]] {
+        test_support::git::git(&d.join("repo"), args).unwrap();
+    }
+    let (code, out, err) = rlc(d, &["preview", "--format", "json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let bucket = |caller: &str| {
+        v["buckets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|b| b["caller"] == caller && b["service"] == "maps")
+            .cloned()
+            .unwrap_or_else(|| panic!("{caller} in {v}"))
+    };
+    let y = bucket("partner-y");
+    assert!(y["evidence"]["no_traffic"].as_str().unwrap().contains("partner-y"), "{y}");
+    assert!(y["evidence"]["explain"].as_str().unwrap().contains("no traffic from caller partner-y"), "{y}");
+    assert!(bucket("partner-x")["evidence"].get("no_traffic").is_none());
+    let (_, md, _) = rlc(d, &["preview", "--format", "markdown"]);
+    assert!(md.contains("no traffic from caller partner-y"), "{md}");
+
+    let out = Command::new(env!("CARGO_BIN_EXE_rlc"))
+        .args(["validate", "repo", "--history", "--config", "rlc.yaml"])
+        .current_dir(d)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    let flagged: Vec<&str> = text.lines().filter(|l| l.contains("warning")).collect();
+    assert_eq!(flagged.len(), 1, "{text}");
+    assert!(flagged[0].contains("contracts.yaml: contracts[1]") && flagged[0].contains("partner-y"), "{text}");
+}
