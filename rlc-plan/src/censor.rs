@@ -4,9 +4,10 @@
 //! test). A quota learned from offered load would otherwise learn from the incidents it exists
 //! to stop: a retry storm would raise its own ceiling.
 //!
-//! Throttling on at least `sustained_throttling_days` distinct days of the window is demand
-//! that outgrew its limit: those minutes count (the bucket is raised, a `throttled_raise` for
-//! review) and the evidence says how much was refused and for how long.
+//! Throttling on at least `sustained_throttling_days` distinct days of the window (or through
+//! most of a window shorter than that) is demand that outgrew its limit: those minutes count
+//! (the bucket is raised, a `throttled_raise` for review) and the evidence says how much was
+//! refused and for how long.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -162,10 +163,13 @@ pub fn censored(
             .collect();
         if let (Some(&first), Some(&last)) = (minutes.first(), minutes.last()) {
             let days: BTreeSet<i64> = minutes.iter().map(|m| m.div_euclid(86_400)).collect();
+            // Over days, or over most of a window shorter than that (a trial with a lookback
+            // of minutes: a limit that refused demand through it has been outgrown).
             let sustained = days.len() as u32
                 >= spec
                     .sustained_throttling_days
-                    .unwrap_or(DEFAULT_SUSTAINED_THROTTLING_DAYS);
+                    .unwrap_or(DEFAULT_SUSTAINED_THROTTLING_DAYS)
+                || minutes.len() as i64 * 60 * 2 >= end - start;
             if !sustained {
                 // Consecutive minutes as one window.
                 let mut runs: Vec<(i64, i64)> = Vec::new();

@@ -572,7 +572,7 @@ pub struct PolicySpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub spike_factor: Option<f64>,
     /// Throttling (real drops of an enforced bucket) on at least this many days of the window
-    /// is demand that outgrew the limit: those minutes count and the bucket is raised (a
+    /// (or in at least half its minutes) is demand that outgrew the limit: those minutes count and the bucket is raised (a
     /// `throttled_raise`, which direct mode commits only when `promotion.auto_merge` lists
     /// it); throttling on fewer days (an overload, a storm) is refused demand, left out
     /// (default 2).

@@ -355,10 +355,10 @@ pub struct Details {
     pub set_by: Option<String>,
     /// Windows left out of what the policy learnt (throttled minutes, incident overrides,
     /// `excluded:` windows).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ignored: Vec<rlc_plan::censor::Ignored>,
     /// How much demand the bucket's limit refused in the window, if it refused any.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub throttled: Option<rlc_plan::censor::ThrottledEvidence>,
 }
 

@@ -81,8 +81,11 @@ fn the_loop_learns_quotas_from_grl_and_enforces_them() {
     let log = |name: &str| Stdio::from(std::fs::File::create(logs.join(name)).unwrap());
 
     // The config repo: payments has quotas for two callers, set long ago and now too low
-    // (enforced); the policy trusts 20 s of history (the lookback is 2 minutes).
-    let policies = "default:\n  policy: peak\n  headroom: 0.25\n  confident_history: 20s\n";
+    // (enforced); the policy trusts 20 s of history (the lookback is 2 minutes). Their limits
+    // refuse demand through the whole window: growth, raised as `throttled_raise`, which this
+    // repo lets direct mode commit (`auto_merge`; without it the raises wait for review).
+    let policies = "default:\n  policy: peak\n  headroom: 0.25\n  confident_history: 20s\n\
+                    promotion:\n  default:\n    enabled: false\n    auto_merge: [throttled_raise, raise, new_shadow, other]\n";
     let bucket_yaml = |caller: &str| {
         format!(
             "  - name: {caller}.charge\n    caller: {caller}\n    procedure: charge\n    scope: global\n    limit_rps: 5\n    mode: enforce\n    policy: peak\n"
@@ -114,7 +117,8 @@ fn the_loop_learns_quotas_from_grl_and_enforces_them() {
         .expect("prometheus (cargo xtask test installs it)");
 
     // rlc serve on Postgres, its history from that Prometheus: the documented series
-    // (`grl_calls_total`), a rate over 20 s for a lookback of minutes.
+    // (`grl_calls_total`), a rate over 20 s for a lookback of minutes; a raise may go past
+    // double (`max_increase`: the old limits are a sixth of the demand at its peak).
     let db = tokio::runtime::Runtime::new()
         .unwrap()
         .block_on(test_support::postgres::fresh_database())
@@ -125,6 +129,7 @@ fn the_loop_learns_quotas_from_grl_and_enforces_them() {
         &rlc_yaml,
         format!(
             "history:\n  prometheus:\n    url: {}\n    query: 'sum by (service, caller, procedure) (rate(grl_calls_total[20s]))'\n    timeout: 10s\n    retries: 1\n  lookback: 2m\n  step: 5s\n\
+rails:\n  max_increase: 10\n\
 config_repo:\n  path: work\n  url: {}\n  branch: main\n  mode: direct\n\
 controller:\n  url: http://127.0.0.1:{cport}\n  token_env: GRL_TOKEN\n\
 database_url: {}\nserver:\n  listen: 127.0.0.1:{rport}\n  token_env: RLC_TOKEN\n",
