@@ -14,6 +14,7 @@ use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
+use crate::audit::Event;
 use crate::auth::{Credential, CredentialSet, LogGate, RefusalCounts, TokenSource};
 use crate::config::{self, write_atomic};
 use crate::engine::Engine;
@@ -139,6 +140,60 @@ impl Default for ControllerOptions {
 
 /// A running controller.
 pub type ControllerHandle = crate::http_util::ServerHandle;
+
+/// The lock file in a state directory.
+pub const STATE_LOCK_FILE: &str = "controller.lock";
+
+/// Takes the state directory's exclusive lock (`controller.lock`, an advisory lock the OS
+/// releases with the process) and writes who holds it. Two controllers on one state directory
+/// would overwrite each other's config and overrides: the second refuses to start, naming the
+/// holder. A lock released by a controller of this process that is still stopping is waited
+/// for up to 2 s.
+async fn lock_state_dir(dir: &Path) -> anyhow::Result<std::fs::File> {
+    use std::io::{Read, Seek, Write};
+    let path = dir.join(STATE_LOCK_FILE);
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(|e| anyhow::anyhow!("refusing to start: cannot open {}: {e}", path.display()))?;
+    let mut tries = 0;
+    loop {
+        match f.try_lock() {
+            Ok(()) => break,
+            Err(std::fs::TryLockError::WouldBlock) if tries < 20 => {
+                tries += 1;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let mut holder = String::new();
+                let _ = (&f).take(1024).read_to_string(&mut holder);
+                let holder = holder.trim();
+                anyhow::bail!(
+                    "refusing to start: state directory {} is in use by another controller ({}); stop it, or give this one its own --state-dir (replicas share a state through --database-url, not a directory)",
+                    dir.display(),
+                    if holder.is_empty() { "holder unknown" } else { holder }
+                );
+            }
+            Err(std::fs::TryLockError::Error(e)) => {
+                anyhow::bail!("refusing to start: cannot lock {}: {e}", path.display())
+            }
+        }
+    }
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let holder = format!(
+        "pid {} on {} since {}",
+        std::process::id(),
+        host.trim(),
+        chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+    );
+    f.set_len(0)?;
+    f.rewind()?;
+    f.write_all(holder.as_bytes())?;
+    Ok(f)
+}
 
 /// The override id counter; the overrides themselves live in the engine.
 struct Persisted {
@@ -276,6 +331,18 @@ impl Shared {
         let bytes = serde_json::to_vec(&f).map_err(|e| ApiError::Internal(e.to_string()))?;
         write_atomic(&self.state_dir.join("overrides.json"), &bytes)
             .map_err(|e| ApiError::Internal(format!("write overrides: {e}")))
+    }
+
+    /// Appends `events` to the state directory's audit log. A failure is logged, not
+    /// returned: the change it records is already in force and persisted.
+    fn audit(&self, events: &[Event]) {
+        let log = crate::audit::FileLog::in_dir(&self.state_dir);
+        if let Err(e) = log.append(events) {
+            for ev in events {
+                tracing::error!(error = %e, file = %log.path().display(), id = %ev.id, action = ev.action.as_str(),
+                    "cannot write the overrides' audit log");
+            }
+        }
     }
 }
 
@@ -541,6 +608,7 @@ fn app(shared: Arc<Shared>) -> Router {
         .route("/v1/reports", get(reports))
         .route("/v1/aggregate", post(aggregate))
         .route("/v1/overrides", get(list_overrides).post(add_override))
+        .route("/v1/overrides/history", get(override_history))
         .route("/v1/overrides/{id}", delete(remove_override))
         .route("/metrics", get(metrics))
         .route("/healthz", get(crate::http_util::healthz))
@@ -557,6 +625,7 @@ impl Controller {
         use anyhow::Context;
         std::fs::create_dir_all(&opts.state_dir)
             .with_context(|| format!("create state dir {}", opts.state_dir.display()))?;
+        let state_lock = lock_state_dir(&opts.state_dir).await?;
         let mut creds = opts.credentials.clone();
         if !opts.token.is_empty() {
             creds.add(
@@ -763,7 +832,9 @@ impl Controller {
             ))),
             _ => None,
         };
-        let ticker = tokio::spawn(tick_loop(shared, peering, http, finished, follower));
+        let ticker = tokio::spawn(tick_loop(
+            shared, peering, http, finished, follower, state_lock,
+        ));
         tracing::info!(%addr, scheme, "controller listening");
         Ok(ControllerHandle {
             addr,
@@ -785,6 +856,8 @@ async fn tick_loop(
     http: reqwest::Client,
     mut finish: oneshot::Receiver<()>,
     follower: Option<tokio::task::JoinHandle<()>>,
+    // Held until the loop ends: the state directory is this controller's until then.
+    _state_lock: std::fs::File,
 ) {
     let mut iv = tokio::time::interval(shared.tick);
     iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -848,6 +921,7 @@ async fn tick_loop(
             if let Err(e) = shared.save_overrides(p.next_id, &remaining) {
                 tracing::error!(error = %e, "cannot persist overrides after expiry");
             }
+            shared.audit(&expired.iter().map(Event::expired).collect::<Vec<_>>());
         }
         shared
             .last_tick_ms
@@ -1175,6 +1249,36 @@ async fn list_overrides(State(s): State<Arc<Shared>>) -> Json<serde_json::Value>
     Json(serde_json::json!({ "overrides": list }))
 }
 
+#[derive(Deserialize)]
+struct HistoryQuery {
+    limit: Option<usize>,
+}
+
+/// `GET /v1/overrides/history?limit=N`: the overrides' audit log, newest first (100 events
+/// unless `limit` says otherwise, at most [`crate::audit::MAX_PAGE`]); readable as
+/// `GET /v1/overrides` is.
+async fn override_history(
+    State(s): State<Arc<Shared>>,
+    Query(q): Query<HistoryQuery>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let limit = q.limit.unwrap_or(100).clamp(1, crate::audit::MAX_PAGE);
+    let events = match &s.db {
+        Some(sync) => sync
+            .db
+            .history(limit)
+            .await
+            .map_err(|e| sync.refuse("GET /v1/overrides/history", e))?,
+        None => {
+            let log = crate::audit::FileLog::in_dir(&s.state_dir);
+            tokio::task::spawn_blocking(move || log.read(limit))
+                .await
+                .map_err(|e| ApiError::Internal(e.to_string()))?
+                .map_err(|e| ApiError::Internal(format!("read the overrides' audit log: {e}")))?
+        }
+    };
+    Ok(Json(serde_json::json!({ "events": events })))
+}
+
 /// `POST /v1/overrides`: role `overrides` (on-call people); the credential's name is recorded.
 async fn add_override(
     State(s): State<Arc<Shared>>,
@@ -1222,6 +1326,7 @@ async fn add_override(
     e.try_set_overrides(list, |l| s.save_overrides(next_id, l))
         .map_err(|err| ApiError::Invalid(format!("the override cannot be served: {err}")))??;
     p.next_id = next_id;
+    s.audit(&[Event::created(&o)]);
     tracing::info!(id = %o.id, who = %o.req.who, credential = %cred.name, reason = %o.req.reason, service = ?o.req.service,
         bucket = ?o.req.bucket, caller = ?o.req.caller, procedure = ?o.req.procedure,
         limit_rps = ?o.req.limit_rps, drop_ratio = ?o.req.drop_ratio, ttl_secs = o.req.ttl_secs, "override added");
@@ -1310,7 +1415,13 @@ async fn remove_override_db(
     let mut applied = sync.applied.lock().await;
     let Some((o, rev)) = sync
         .db
-        .remove_override(id)
+        .remove_override(
+            id,
+            unix_now(),
+            q.who.as_deref().unwrap_or("unknown"),
+            q.reason.as_deref().unwrap_or(""),
+            credential,
+        )
         .await
         .map_err(|e| sync.refuse("DELETE /v1/overrides", e))?
     else {
@@ -1362,6 +1473,13 @@ async fn remove_override(
     };
     let o = list.remove(pos);
     s.save_overrides(p.next_id, &list)?;
+    s.audit(&[Event::removed(
+        &o,
+        unix_now(),
+        q.who.as_deref().unwrap_or("unknown"),
+        q.reason.as_deref().unwrap_or(""),
+        &cred.name,
+    )]);
     tracing::info!(id = %o.id, removed_by = q.who.as_deref().unwrap_or("unknown"), credential = %cred.name, why = q.reason.as_deref().unwrap_or(""),
         added_by = %o.req.who, "override removed");
     e.set_overrides(list);
@@ -1544,6 +1662,21 @@ mod replica_tests {
             async move { !lb.await.contains(&first) }
         })
         .await;
+        // One audit log for the replicas: b reads the removal a made, after six creations.
+        let h = get(&http, format!("{ub}/v1/overrides/history")).await;
+        let actions: Vec<&str> = h["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["action"].as_str().unwrap())
+            .collect();
+        assert_eq!(actions[0], "removed", "{h}");
+        assert_eq!(h["events"][0]["id"], first.as_str(), "{h}");
+        assert_eq!(
+            actions.iter().filter(|a| **a == "created").count(),
+            6,
+            "{h}"
+        );
 
         // The database gone: changes answer 503 and change nothing; the data plane goes on.
         let admin = format!("{}/postgres", db.url.rsplit_once('/').unwrap().0);

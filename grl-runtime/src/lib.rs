@@ -6,6 +6,7 @@
 #![warn(missing_docs)]
 
 pub mod aggregator;
+pub mod audit;
 pub mod auth;
 pub mod calls;
 pub mod cause;

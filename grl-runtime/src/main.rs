@@ -9,9 +9,9 @@ use clap::{Args, Parser, Subcommand};
 use grl_runtime::aggregator::{Aggregator, AggregatorOptions};
 use grl_runtime::auth::{CredentialSet, TokenSource};
 use grl_runtime::controller::{Controller, ControllerOptions};
-use grl_runtime::overrides::OverrideRequest;
 use grl_runtime::sim::{self, Algorithm, Scenario};
-use schema::HumanDuration;
+
+mod override_cli;
 
 #[derive(Parser)]
 #[command(
@@ -186,7 +186,7 @@ enum Cmd {
     /// Incident overrides on a controller.
     Override {
         #[command(subcommand)]
-        cmd: OverrideCmd,
+        cmd: override_cli::OverrideCmd,
     },
     /// Simulate a fleet over a scenario; one JSON line per bucket per tick.
     Simulate {
@@ -331,75 +331,46 @@ impl ClientTlsArgs {
     }
 }
 
-/// The override credential: GRL_OVERRIDE_TOKEN[_FILE], else the legacy GRL_TOKEN[_FILE].
-fn override_token() -> anyhow::Result<String> {
-    for var in ["GRL_OVERRIDE_TOKEN", "GRL_TOKEN"] {
-        if let Some(t) = TokenSource::from_env(var).map_err(anyhow::Error::msg)? {
-            return Ok(t.current().to_string());
-        }
-    }
-    bail!("set the override credential in GRL_OVERRIDE_TOKEN or GRL_OVERRIDE_TOKEN_FILE (or the legacy GRL_TOKEN)")
-}
-
-#[derive(Subcommand)]
-enum OverrideCmd {
-    /// Apply an override.
-    Add {
-        #[command(flatten)]
-        remote: Remote,
-        /// Callee service (required with --bucket).
-        #[arg(long)]
-        service: Option<String>,
-        /// Bucket name.
-        #[arg(long)]
-        bucket: Option<String>,
-        /// Caller.
-        #[arg(long)]
-        caller: Option<String>,
-        /// Procedure.
-        #[arg(long)]
-        procedure: Option<String>,
-        /// Replacement limit.
-        #[arg(long)]
-        limit_rps: Option<f64>,
-        /// Fixed drop ratio.
-        #[arg(long)]
-        drop_ratio: Option<f64>,
-        /// Time to live, e.g. 30m.
-        #[arg(long)]
-        ttl: HumanDuration,
-        /// Why.
-        #[arg(long)]
-        reason: String,
-        /// Who applies it, for the audit log (defaults to $USER; "unknown", with a warning,
-        /// when that is unset).
-        #[arg(long)]
-        who: Option<String>,
-    },
-    /// List active overrides.
-    List {
-        #[command(flatten)]
-        remote: Remote,
-    },
-    /// Remove an override.
-    Rm {
-        #[command(flatten)]
-        remote: Remote,
-        /// Override id.
-        id: String,
-        /// Who removes it.
-        #[arg(long, env = "USER", default_value = "unknown")]
-        who: String,
-        /// Why.
-        #[arg(long, default_value = "")]
-        reason: String,
-    },
-}
-
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
+    grl_runtime::logging::quiet_on_closed_pipe();
     let cli = Cli::parse();
     grl_runtime::logging::init(cli.log_format, "info");
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(run(cli)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e)
+            if e.chain().any(|c| {
+                c.downcast_ref::<std::io::Error>()
+                    .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+            }) =>
+        {
+            // The reader went away (`grl simulate … | head`): leave quietly, as
+            // command-line tools do (128 + SIGPIPE).
+            std::process::ExitCode::from(141)
+        }
+        Err(e) => {
+            // One line for the user; the chain of causes with its backtrace only when debug
+            // logs are asked for (RUST_LOG=debug).
+            if tracing::enabled!(tracing::Level::DEBUG) {
+                eprintln!("error: {e:?}");
+            } else {
+                eprintln!("error: {e:#}");
+            }
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.cmd {
         Cmd::Controller {
             listen,
@@ -544,7 +515,7 @@ async fn main() -> anyhow::Result<()> {
             println!("listening on {}", h.addr());
             stop_gracefully("aggregator", h, shutdown_grace_ms).await;
         }
-        Cmd::Override { cmd } => override_cmd(cmd).await?,
+        Cmd::Override { cmd } => override_cli::run(cmd).await?,
         Cmd::GenCredential { name, scope } => {
             anyhow::ensure!(
                 !name.is_empty() && !name.contains(char::is_whitespace),
@@ -613,102 +584,4 @@ async fn stop_gracefully(what: &str, h: grl_runtime::http_util::ServerHandle, gr
         .shutdown_within(Duration::from_millis(grace_ms.max(1)))
         .await;
     tracing::info!(clean, "{what} shut down");
-}
-
-/// `--who`, else $USER, else "unknown" with a warning (cron jobs and containers often run
-/// without $USER; the override must still go through in an incident).
-fn who_or_user(who: Option<String>) -> String {
-    who.filter(|w| !w.trim().is_empty())
-        .or_else(|| std::env::var("USER").ok().filter(|u| !u.trim().is_empty()))
-        .unwrap_or_else(|| {
-            eprintln!(
-                "warning: --who not given and $USER unset: recording the author as \"unknown\""
-            );
-            "unknown".to_string()
-        })
-}
-
-async fn override_cmd(mut cmd: OverrideCmd) -> anyhow::Result<()> {
-    let (tls, timeout) = match &mut cmd {
-        OverrideCmd::Add { remote, .. }
-        | OverrideCmd::List { remote }
-        | OverrideCmd::Rm { remote, .. } => (
-            std::mem::replace(
-                &mut remote.tls,
-                ClientTlsArgs {
-                    tls_ca: None,
-                    tls_client_cert: None,
-                    tls_client_key: None,
-                },
-            ),
-            Duration::from_secs(remote.timeout_secs.max(1)),
-        ),
-    };
-    let http = tls.options()?.http_client(timeout)?;
-    let (resp, what) = match cmd {
-        OverrideCmd::Add {
-            remote,
-            service,
-            bucket,
-            caller,
-            procedure,
-            limit_rps,
-            drop_ratio,
-            ttl,
-            reason,
-            who,
-        } => {
-            let req = OverrideRequest {
-                service,
-                bucket,
-                caller,
-                procedure,
-                limit_rps,
-                drop_ratio,
-                ttl_secs: ttl.as_secs(),
-                reason,
-                who: who_or_user(who),
-            };
-            req.validate()?;
-            let r = http
-                .post(format!("{}/v1/overrides", remote.controller))
-                .bearer_auth(override_token()?)
-                .json(&req);
-            (r, "add override")
-        }
-        OverrideCmd::List { remote } => {
-            let r = http.get(format!("{}/v1/overrides", remote.controller));
-            (r, "list overrides")
-        }
-        OverrideCmd::Rm {
-            remote,
-            id,
-            who,
-            reason,
-        } => {
-            let r = http
-                .delete(format!("{}/v1/overrides/{id}", remote.controller))
-                .query(&[("who", who), ("reason", reason)])
-                .bearer_auth(override_token()?);
-            (r, "remove override")
-        }
-    };
-    // The controller's refusals carry a reason in their body: read (bounded) and shown.
-    let resp = match resp.send().await {
-        Ok(r) => r,
-        Err(e) => bail!(
-            "{what}: cannot reach the controller: {}",
-            grl_runtime::cause::describe(&e, timeout)
-        ),
-    };
-    let status = resp.status();
-    let body = match grl_runtime::http_util::call_response(resp, timeout, 64 << 20).await {
-        Ok(b) => String::from_utf8_lossy(&b).into_owned(),
-        Err(e) => bail!("{what}: {e}"),
-    };
-    if !status.is_success() {
-        bail!("{what}: controller answered {status}: {body}");
-    }
-    println!("{body}");
-    Ok(())
 }

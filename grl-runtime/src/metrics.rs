@@ -297,6 +297,33 @@ impl prometheus_client::collector::Collector for EngineCollector {
         )?;
         let version = [("version", Label(&e.base_config().version))];
         ConstGauge::new(1i64).encode(fam.encode_family(&version)?)?;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let active: Vec<_> = e.overrides().iter().filter(|o| o.active(now)).collect();
+        let kind =
+            |o: &crate::overrides::Override| if o.is_traffic() { "traffic" } else { "bucket" };
+        let mut fam = encoder.encode_descriptor(
+            "grl_overrides_active",
+            "Incident overrides in force, by kind (bucket: one bucket's limit; traffic: a caller's or procedure's traffic as a whole).",
+            None,
+            MetricType::Gauge,
+        )?;
+        for k in ["bucket", "traffic"] {
+            let n = active.iter().filter(|o| kind(o) == k).count();
+            ConstGauge::new(n as i64).encode(fam.encode_family(&[("kind", Label(k))])?)?;
+        }
+        let mut fam = encoder.encode_descriptor(
+            "grl_override_expires_in_seconds",
+            "Seconds until each override in force expires (at most --max-overrides series).",
+            None,
+            MetricType::Gauge,
+        )?;
+        for o in &active {
+            let labels = [("id", Label(o.id.as_str())), ("kind", Label(kind(o)))];
+            ConstGauge::new(o.expires_at.saturating_sub(now) as i64)
+                .encode(fam.encode_family(&labels)?)?;
+        }
         let fam = encoder.encode_descriptor(
             "grl_controller_zones",
             "Zones (aggregators) heard from within the zone TTL.",

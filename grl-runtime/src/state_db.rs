@@ -28,6 +28,7 @@ impl std::fmt::Debug for DbUrl {
     }
 }
 
+use crate::audit::{self, Event};
 use crate::overrides::Override;
 use crate::proto::ConfigDoc;
 
@@ -209,6 +210,36 @@ impl StateDb {
         Ok((row.get(0), row.get(1)))
     }
 
+    /// Writes `ev` to the audit log in the change's transaction.
+    async fn audit(tx: &mut sqlx::PgConnection, ev: &Event) -> Result<(), DbError> {
+        let text = serde_json::to_string(ev).map_err(|e| DbError::Corrupt(e.to_string()))?;
+        sqlx::query(
+            "INSERT INTO override_audit (at, action, override_id, doc) VALUES ($1, $2, $3, $4)",
+        )
+        .bind(ev.at.min(i64::MAX as u64) as i64)
+        .bind(ev.action.as_str())
+        .bind(&ev.id)
+        .bind(&text)
+        .execute(&mut *tx)
+        .await?;
+        Ok(())
+    }
+
+    /// The newest `limit` events of the overrides' audit log, newest first.
+    pub async fn history(&self, limit: usize) -> Result<Vec<Event>, DbError> {
+        let rows: Vec<(i64, String)> =
+            sqlx::query_as("SELECT seq, doc FROM override_audit ORDER BY seq DESC LIMIT $1")
+                .bind(limit.min(audit::KEPT_EVENTS) as i64)
+                .fetch_all(&self.pool)
+                .await?;
+        rows.into_iter()
+            .map(|(seq, doc)| {
+                serde_json::from_str(&doc)
+                    .map_err(|e| DbError::Corrupt(format!("audit event {seq}: {e}")))
+            })
+            .collect()
+    }
+
     /// Ends a change: the new revision stored and announced (on commit).
     /// Stores override `o` as written at revision `rev`.
     async fn insert_override(
@@ -309,6 +340,7 @@ impl StateDb {
         };
         let new = rev + 1;
         Self::insert_override(&mut tx, &o, new).await?;
+        Self::audit(&mut tx, &Event::created(&o)).await?;
         sqlx::query("UPDATE state SET next_override_id = $1 WHERE id = 1")
             .bind(next_id)
             .execute(&mut *tx)
@@ -318,9 +350,17 @@ impl StateDb {
         Ok(Ok((o, new)))
     }
 
-    /// Removes override `id`; the override removed and the new revision, or None when there
-    /// is no such override.
-    pub async fn remove_override(&self, id: &str) -> Result<Option<(Override, i64)>, DbError> {
+    /// Removes override `id` (at `now`, by `by`, for `reason`, through `credential`: the
+    /// audit log's entry); the override removed and the new revision, or None when there is no
+    /// such override.
+    pub async fn remove_override(
+        &self,
+        id: &str,
+        now: u64,
+        by: &str,
+        reason: &str,
+        credential: &str,
+    ) -> Result<Option<(Override, i64)>, DbError> {
         let mut tx = self.pool.begin().await?;
         let (rev, _) = Self::lock(&mut tx).await?;
         let doc: Option<String> =
@@ -334,19 +374,36 @@ impl StateDb {
         };
         let o: Override = serde_json::from_str(&doc)
             .map_err(|e| DbError::Corrupt(format!("override `{id}`: {e}")))?;
+        Self::audit(&mut tx, &Event::removed(&o, now, by, reason, credential)).await?;
         Self::bump(&mut tx, rev + 1).await?;
         tx.commit().await?;
         Ok(Some((o, rev + 1)))
     }
 
     /// Deletes the overrides expired at `unix_now` (every replica stops applying them by the
-    /// clock, so this is housekeeping and bumps no revision); how many were deleted.
+    /// clock, so this is housekeeping and bumps no revision), writing their `expired` events
+    /// (the replica whose delete takes a row writes its event: once), and trims the audit log
+    /// to its newest [`audit::KEPT_EVENTS`] events; how many overrides were deleted.
     pub async fn purge_expired(&self, unix_now: u64) -> Result<u64, DbError> {
-        Ok(sqlx::query("DELETE FROM overrides WHERE expires_at <= $1")
-            .bind(unix_now.min(i64::MAX as u64) as i64)
-            .execute(&self.pool)
-            .await?
-            .rows_affected())
+        let mut tx = self.pool.begin().await?;
+        let docs: Vec<(String, String)> =
+            sqlx::query_as("DELETE FROM overrides WHERE expires_at <= $1 RETURNING id, doc")
+                .bind(unix_now.min(i64::MAX as u64) as i64)
+                .fetch_all(&mut *tx)
+                .await?;
+        for (id, doc) in &docs {
+            let o: Override = serde_json::from_str(doc)
+                .map_err(|e| DbError::Corrupt(format!("override `{id}`: {e}")))?;
+            Self::audit(&mut tx, &Event::expired(&o)).await?;
+        }
+        sqlx::query(
+            "DELETE FROM override_audit WHERE seq <= (SELECT max(seq) FROM override_audit) - $1",
+        )
+        .bind(audit::KEPT_EVENTS as i64)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(docs.len() as u64)
     }
 
     /// Imports a state into an empty database (revision 0): the config and the overrides a
@@ -513,10 +570,34 @@ mod tests {
         assert_eq!(snap.next_override_id, 2);
         assert!(snap.config.is_none(), "no config pushed: none loaded");
         // Removal: by either replica, once.
-        let (gone, r3) = a.remove_override("ovr-1").await.unwrap().unwrap();
+        let (gone, r3) = a
+            .remove_override("ovr-1", 1_005, "dave", "resolved", "oncall")
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!((gone, r3), (o1, 3));
-        assert!(b.remove_override("ovr-1").await.unwrap().is_none());
+        assert!(b
+            .remove_override("ovr-1", 1_006, "erin", "", "oncall")
+            .await
+            .unwrap()
+            .is_none());
         assert_eq!(b.rev().await.unwrap(), 3);
+        // The audit log, as either replica reads it: created twice, removed once.
+        let log: Vec<(audit::Action, String, String)> = b
+            .history(10)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|e| (e.action, e.id, e.by))
+            .collect();
+        assert_eq!(
+            log,
+            [
+                (audit::Action::Removed, "ovr-1".into(), "dave".into()),
+                (audit::Action::Created, "ovr-2".into(), "carol".into()),
+                (audit::Action::Created, "ovr-1".into(), "carol".into()),
+            ]
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -537,6 +618,17 @@ mod tests {
         let ids: Vec<&str> = snap.overrides.iter().map(|o| o.id.as_str()).collect();
         assert_eq!(ids, ["ovr-2"]);
         assert_eq!(snap.next_override_id, 2, "ids are never handed out again");
+        // The expiry is in the audit log once, however many replicas purge.
+        assert_eq!(a.purge_expired(1_011).await.unwrap(), 0);
+        let expired: Vec<String> = a
+            .history(10)
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|e| e.action == audit::Action::Expired)
+            .map(|e| e.id)
+            .collect();
+        assert_eq!(expired, ["ovr-1"]);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -651,7 +651,14 @@ async fn fleet_enforces_fails_over_fails_open_and_recovers() {
     })
     .await;
     let out = Command::new(env!("CARGO_BIN_EXE_grl"))
-        .args(["override", "list", "--controller", &base])
+        .args([
+            "override",
+            "list",
+            "--controller",
+            &base,
+            "--format",
+            "json",
+        ])
         .output()
         .unwrap();
     let list: Value = serde_json::from_slice(&out.stdout).unwrap();

@@ -140,3 +140,298 @@ async fn the_number_of_overrides_is_bounded_with_a_clear_error() {
     assert_eq!(s, 201, "{o}");
     assert_eq!(o["id"], "ovr-21");
 }
+
+/// `grl` with the test's override credential.
+fn grl(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_grl"))
+        .args(args)
+        .env("GRL_OVERRIDE_TOKEN", TOKEN)
+        .env_remove("GRL_TOKEN")
+        .output()
+        .unwrap()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// An on-call's day with the CLI: `grl override list` is a table (and JSON on request),
+/// every override added, removed or expired is in the audit log, which outlives the overrides
+/// and the controller's restart (`GET /v1/overrides/history`, `grl override history`);
+/// `/metrics` counts the active overrides by kind with their time left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overrides_leave_an_audit_trail_and_the_cli_reads_as_a_table() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let http = reqwest::Client::new();
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let mut c = spawn_controller(port, &state, dir.path(), &[]);
+    wait_up(&format!("{base}/v1/status")).await;
+    assert_eq!(
+        put(&http, &base, &payments_config("v1", 200.0)).await.0,
+        200
+    );
+
+    // A traffic override (the CLI), a bucket override that expires in 2 s (the API).
+    let out = grl(&[
+        "override",
+        "add",
+        "--controller",
+        &base,
+        "--service",
+        "payments",
+        "--caller",
+        "gw",
+        "--limit-rps",
+        "50",
+        "--ttl",
+        "30m",
+        "--reason",
+        "INC-7 retry storm",
+        "--who",
+        "alice",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let (s, o) = add(
+        &http,
+        &base,
+        &json!({"service": "payments", "bucket": "gw.charge", "drop_ratio": 0.5,
+                "ttl_secs": 2, "reason": "INC-8", "who": "bob"}),
+    )
+    .await;
+    assert_eq!(s, 201, "{o}");
+
+    let out = grl(&["override", "list", "--controller", &base]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let table = text(&out.stdout);
+    let lines: Vec<&str> = table.lines().collect();
+    assert!(
+        lines[0].starts_with("ID") && lines[0].contains("EXPIRES IN"),
+        "{table}"
+    );
+    let ovr1 = lines
+        .iter()
+        .find(|l| l.starts_with("ovr-1"))
+        .expect("ovr-1 listed");
+    assert!(
+        ovr1.contains("traffic caller=gw service=payments (as a whole, over 2 buckets)")
+            && ovr1.contains("limit 50 rps")
+            && ovr1.contains("alice")
+            && ovr1.contains("INC-7 retry storm"),
+        "{table}"
+    );
+    assert!(
+        ovr1.ends_with("29m 59s") || ovr1.ends_with("30m 0s") || ovr1.ends_with("29m 58s"),
+        "{table}"
+    );
+    let out = grl(&[
+        "override",
+        "list",
+        "--controller",
+        &base,
+        "--format",
+        "json",
+    ]);
+    let list: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(list["overrides"].as_array().unwrap().len(), 2, "{list}");
+
+    let metrics = http
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("grl_overrides_active{kind=\"bucket\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("grl_overrides_active{kind=\"traffic\"} 1"),
+        "{metrics}"
+    );
+    let left: f64 = metrics
+        .lines()
+        .find(|l| l.starts_with("grl_override_expires_in_seconds{id=\"ovr-1\""))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .expect("a countdown for ovr-1");
+    assert!((1790.0..=1800.0).contains(&left), "{left}");
+
+    // The bucket override expires; the traffic one is removed.
+    super::eventually("ovr-2 expired", || {
+        let http = http.clone();
+        let url = format!("{base}/v1/overrides");
+        async move {
+            get(&http, &url).await["overrides"]
+                .as_array()
+                .unwrap()
+                .len()
+                == 1
+        }
+    })
+    .await;
+    let out = grl(&[
+        "override",
+        "rm",
+        "--controller",
+        &base,
+        "ovr-1",
+        "--who",
+        "carol",
+        "--reason",
+        "storm over",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let metrics = http
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("grl_overrides_active{kind=\"traffic\"} 0"),
+        "{metrics}"
+    );
+    assert!(
+        !metrics.contains("grl_override_expires_in_seconds{"),
+        "{metrics}"
+    );
+
+    // The trail outlives the overrides and the controller.
+    drop(c);
+    c = spawn_controller(port, &state, dir.path(), &[]);
+    wait_up(&format!("{base}/v1/status")).await;
+    let h = get(&http, &format!("{base}/v1/overrides/history")).await;
+    let events: Vec<(String, String, String, String)> = h["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            let s = |k: &str| e[k].as_str().unwrap_or("").to_string();
+            (s("action"), s("id"), s("by"), s("reason"))
+        })
+        .collect();
+    let want = |a: &str, id: &str, by: &str, why: &str| {
+        (
+            a.to_string(),
+            id.to_string(),
+            by.to_string(),
+            why.to_string(),
+        )
+    };
+    assert_eq!(
+        events,
+        [
+            want("removed", "ovr-1", "carol", "storm over"),
+            want("expired", "ovr-2", "expiry", "INC-8"),
+            want("created", "ovr-2", "bob", "INC-8"),
+            want("created", "ovr-1", "alice", "INC-7 retry storm"),
+        ],
+        "{h}"
+    );
+    assert_eq!(
+        h["events"][0]["override"]["limit_rps"], 50.0,
+        "what it was: {h}"
+    );
+    assert_eq!(h["events"][0]["credential"], "GRL_TOKEN", "{h}");
+    let out = grl(&["override", "history", "--controller", &base, "--limit", "2"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let t = text(&out.stdout);
+    let lines: Vec<&str> = t.lines().collect();
+    assert_eq!(lines.len(), 3, "a header and two events: {t}");
+    assert!(
+        lines[1].contains("removed")
+            && lines[1].contains("carol")
+            && lines[1].contains("storm over"),
+        "{t}"
+    );
+    assert!(
+        lines[2].contains("expired")
+            && lines[2].contains("bucket payments/gw.charge")
+            && lines[2].contains("drop 50%"),
+        "{t}"
+    );
+    drop(c);
+}
+
+/// Two controllers on one state directory would overwrite each other's overrides: the second
+/// refuses to start, naming the holder. A user error is one line, even with RUST_BACKTRACE=1;
+/// a closed pipe ends a command quietly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_state_dir_has_one_controller_and_errors_are_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let c = spawn_controller(port, &state, dir.path(), &[]);
+    wait_up(&format!("{base}/v1/status")).await;
+    let pid = c.0.id();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_grl"))
+        .args(["controller", "--listen", "127.0.0.1:0", "--state-dir"])
+        .arg(&state)
+        .env("GRL_TOKEN", TOKEN)
+        .env("GRL_REPORT_TOKEN", "r")
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    let last = err.lines().last().unwrap_or("");
+    assert!(
+        last.starts_with("error: refusing to start: state directory")
+            && last.contains("in use by another controller")
+            && last.contains(&format!("pid {pid} ")),
+        "{err}"
+    );
+    assert!(
+        !err.contains("Stack backtrace") && !err.contains("stack backtrace"),
+        "{err}"
+    );
+
+    // A user error: one line, no backtrace.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_grl"))
+        .args(["override", "add", "--controller", &base, "--caller", "gw"])
+        .args([
+            "--limit-rps",
+            "5",
+            "--ttl",
+            "8d",
+            "--reason",
+            "x",
+            "--who",
+            "x",
+        ])
+        .env("RUST_BACKTRACE", "1")
+        .env("GRL_OVERRIDE_TOKEN", TOKEN)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.starts_with("error: --ttl is at most 7d"), "{err}");
+
+    // The state directory is free again once the controller has stopped.
+    drop(c);
+    let port2 = free_port();
+    let _c2 = spawn_controller(port2, &state, dir.path(), &[]);
+    wait_up(&format!("http://127.0.0.1:{port2}/v1/status")).await;
+
+    // A closed pipe (`grl override history | head -0`): a quiet exit 141, as command-line
+    // tools do.
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_grl"))
+        .args(["override", "history", "--format", "json", "--controller"])
+        .arg(format!("http://127.0.0.1:{port2}"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(141), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stderr), "", "quiet");
+}
