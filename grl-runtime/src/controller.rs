@@ -686,7 +686,7 @@ impl Controller {
                     .await
                     .map_err(|e| anyhow::anyhow!("refusing to start: {e}"))?
                 {
-                    tracing::info!(version = ?local_cfg.as_ref().map(|c| &c.version), overrides = ov.overrides.len(), "empty state database: imported this controller's state");
+                    tracing::info!(version = local_cfg.as_ref().map_or("none", |c| c.version.as_str()), overrides = ov.overrides.len(), "empty state database: imported this controller's state");
                 }
                 let snap = db
                     .load_since(-1, -1)
@@ -1327,9 +1327,8 @@ async fn add_override(
         .map_err(|err| ApiError::Invalid(format!("the override cannot be served: {err}")))??;
     p.next_id = next_id;
     s.audit(&[Event::created(&o)]);
-    tracing::info!(id = %o.id, who = %o.req.who, credential = %cred.name, reason = %o.req.reason, service = ?o.req.service,
-        bucket = ?o.req.bucket, caller = ?o.req.caller, procedure = ?o.req.procedure,
-        limit_rps = ?o.req.limit_rps, drop_ratio = ?o.req.drop_ratio, ttl_secs = o.req.ttl_secs, "override added");
+    tracing::info!(id = %o.id, who = %o.req.who, credential = %cred.name, reason = %o.req.reason,
+        target = %o.req.target(), action = %o.req.action(), ttl_secs = o.req.ttl_secs, "override added");
     e.recompute(s.now_ms(), now);
     let affects = e.affected(&o.id);
     if o.is_traffic() {
@@ -1392,9 +1391,8 @@ async fn add_override_db(
             rev,
             config_rev: applied.config_rev,
         };
-        tracing::info!(id = %o.id, who = %o.req.who, credential, reason = %o.req.reason, service = ?o.req.service,
-            bucket = ?o.req.bucket, caller = ?o.req.caller, procedure = ?o.req.procedure,
-            limit_rps = ?o.req.limit_rps, drop_ratio = ?o.req.drop_ratio, ttl_secs = o.req.ttl_secs, rev, "override added (state database)");
+        tracing::info!(id = %o.id, who = %o.req.who, credential, reason = %o.req.reason,
+            target = %o.req.target(), action = %o.req.action(), ttl_secs = o.req.ttl_secs, rev, "override added (state database)");
         e.recompute(s.now_ms(), now);
         return Ok(with_affects(&o, &e));
     }

@@ -5,7 +5,7 @@ use std::time::Duration;
 use anyhow::bail;
 use clap::Subcommand;
 use grl_runtime::auth::TokenSource;
-use grl_runtime::overrides::{OverrideRequest, MAX_TTL_SECS};
+use grl_runtime::overrides::{describe_action, describe_target, OverrideRequest, MAX_TTL_SECS};
 use schema::HumanDuration;
 use serde_json::Value;
 
@@ -264,38 +264,26 @@ fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// What an override targets: `payments/api-gateway.charge` for a bucket, the traffic's keys
-/// and how many served buckets it acts on for a traffic override.
+/// What an override targets ([`describe_target`]), and for a traffic override how many served
+/// buckets it limits as a whole.
 fn target(o: &Value) -> String {
     let s = |k: &str| o.get(k).and_then(Value::as_str);
-    if let (Some(svc), Some(b)) = (s("service"), s("bucket")) {
-        return format!("bucket {svc}/{b}");
-    }
-    let mut parts = Vec::new();
-    for k in ["caller", "procedure", "service"] {
-        if let Some(v) = s(k) {
-            parts.push(format!("{k}={v}"));
-        }
-    }
-    let mut t = format!("traffic {}", parts.join(" "));
+    let mut t = describe_target(s("service"), s("bucket"), s("caller"), s("procedure"));
     if let Some(n) = o.get("affects").and_then(Value::as_array).map(Vec::len) {
-        t.push_str(&format!(
-            " (as a whole, over {n} bucket{})",
-            if n == 1 { "" } else { "s" }
-        ));
+        if s("bucket").is_none() {
+            t.push_str(&format!(
+                " (as a whole, over {n} bucket{})",
+                if n == 1 { "" } else { "s" }
+            ));
+        }
     }
     t
 }
 
-/// `limit 200 rps` or `drop 50%`.
+/// What an override does ([`describe_action`]).
 fn action(o: &Value) -> String {
-    if let Some(l) = o.get("limit_rps").and_then(Value::as_f64) {
-        format!("limit {l} rps")
-    } else if let Some(r) = o.get("drop_ratio").and_then(Value::as_f64) {
-        format!("drop {}%", (r * 1000.0).round() / 10.0)
-    } else {
-        "?".into()
-    }
+    let f = |k: &str| o.get(k).and_then(Value::as_f64);
+    describe_action(f("limit_rps"), f("drop_ratio"))
 }
 
 /// Unix seconds as `2026-12-01 19:20:05Z`.

@@ -115,6 +115,51 @@ impl OverrideRequest {
     }
 }
 
+/// What an override targets, in words: `bucket payments/charge`, or
+/// `traffic caller=gw procedure=/pay.Charge service=payments` (logs, `grl override list`).
+pub fn describe_target(
+    service: Option<&str>,
+    bucket: Option<&str>,
+    caller: Option<&str>,
+    procedure: Option<&str>,
+) -> String {
+    if let (Some(svc), Some(b)) = (service, bucket) {
+        return format!("bucket {svc}/{b}");
+    }
+    let keys = [("caller", caller), ("procedure", procedure), ("service", service)];
+    let parts: Vec<String> = keys
+        .iter()
+        .filter_map(|(k, v)| v.map(|v| format!("{k}={v}")))
+        .collect();
+    format!("traffic {}", parts.join(" "))
+}
+
+/// What an override does, in words: `limit 50 rps` or `drop 25%`.
+pub fn describe_action(limit_rps: Option<f64>, drop_ratio: Option<f64>) -> String {
+    match (limit_rps, drop_ratio) {
+        (Some(l), _) => format!("limit {l} rps"),
+        (None, Some(r)) => format!("drop {}%", (r * 1000.0).round() / 10.0),
+        (None, None) => "nothing".into(),
+    }
+}
+
+impl OverrideRequest {
+    /// [`describe_target`] of this request.
+    pub fn target(&self) -> String {
+        describe_target(
+            self.service.as_deref(),
+            self.bucket.as_deref(),
+            self.caller.as_deref(),
+            self.procedure.as_deref(),
+        )
+    }
+
+    /// [`describe_action`] of this request.
+    pub fn action(&self) -> String {
+        describe_action(self.limit_rps, self.drop_ratio)
+    }
+}
+
 /// An applied override.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Override {
