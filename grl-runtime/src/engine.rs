@@ -56,51 +56,8 @@ pub struct BucketState {
     pub keys: Vec<KeyState>,
 }
 
-/// One row of `GET /v1/reports`.
-#[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct ReportRow {
-    /// Monotonic sequence number (the cursor).
-    pub seq: u64,
-    /// Unix seconds.
-    pub t: u64,
-    /// Callee service.
-    pub service: String,
-    /// Bucket name.
-    pub bucket: String,
-    /// Caller matched by the bucket.
-    pub caller: Option<String>,
-    /// Procedure matched by the bucket.
-    pub procedure: Option<String>,
-    /// enforce | shadow.
-    pub mode: &'static str,
-    /// The scope key.
-    pub scope_key: String,
-    /// Offered requests/s.
-    pub offered: f64,
-    /// Admitted requests/s.
-    pub admitted: f64,
-    /// Dropped requests/s.
-    pub dropped: f64,
-    /// Shadow-dropped requests/s.
-    pub shadow_dropped: f64,
-    /// Effective limit.
-    pub limit_rps: f64,
-    /// Ratio in force.
-    pub drop_ratio: f64,
-}
-
-/// One page of `GET /v1/reports`.
-#[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct ReportPage {
-    /// The cursor to pass as `after` next time.
-    pub next: u64,
-    /// Rows with `seq > after`, oldest first.
-    pub reports: Vec<ReportRow>,
-    /// The cursor was beyond the newest row: this page starts at the oldest row kept.
-    pub reset: bool,
-    /// Rows between the cursor and the oldest row kept were lost (evicted or a restart).
-    pub gap: bool,
-}
+/// The rows and pages of `GET /v1/reports` (wire types, shared with `rlc`).
+pub use grl_wire::{ReportPage, ReportRow};
 
 struct ZoneData {
     /// Interned ids of `region:<region>` and `zone:<zone>`.
@@ -1436,12 +1393,12 @@ impl Engine {
                 }
                 rows.push(ReportRow {
                     seq: 0,
-                    t: unix_now,
+                    t: unix_now.into(),
                     service: s.service.clone(),
                     bucket: s.bucket.name.clone(),
                     caller: s.bucket.caller.clone(),
                     procedure: s.bucket.procedure.clone(),
-                    mode: s.bucket.mode.as_str(),
+                    mode: std::borrow::Cow::Borrowed(s.bucket.mode.as_str()),
                     scope_key: k.scope_key.clone(),
                     offered: k.offered_rps,
                     admitted: k.admitted_rps,
@@ -1481,7 +1438,7 @@ impl Engine {
             .last()
             .map_or(if reset { self.seq } else { after }, |r| r.seq);
         ReportPage {
-            next,
+            next: next.into(),
             reports: rows,
             reset,
             gap,

@@ -1,10 +1,14 @@
 //! The one HTTP error type of the control plane: a closed map to status codes with a JSON
-//! `{"error": "..."}` body.
+//! `{"error": "..."}` body, bounded request bodies, signals, health and readiness answers and
+//! the serving handles of every daemon. Calls to other tiers (`call`, `CallError`) are
+//! `grl_client::http_util`'s, re-exported here.
 
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::de::DeserializeOwned;
+
+pub use grl_client::http_util::*;
 
 /// An error answered to an HTTP client.
 #[derive(Debug, thiserror::Error)]
@@ -99,108 +103,6 @@ pub async fn read_body(
     })
 }
 
-/// Why a call to another tier failed: the cause in words ([`crate::cause`]), or an answer too
-/// large to read.
-#[derive(Debug, thiserror::Error)]
-pub enum CallError {
-    /// The request failed: the cause in words.
-    #[error("{0}")]
-    Failed(String),
-    /// The answer has an error status.
-    #[error("{url}: answered {status}")]
-    Status {
-        /// Where the call went.
-        url: String,
-        /// The status.
-        status: http::StatusCode,
-    },
-    /// The answer is larger than the caller reads.
-    #[error("{url}: answer larger than {limit} bytes")]
-    TooLarge {
-        /// Where the call went.
-        url: String,
-        /// The bound.
-        limit: usize,
-    },
-    /// The answer is not what was expected.
-    #[error("{url}: unreadable answer: {reason}")]
-    Unreadable {
-        /// Where the call went.
-        url: String,
-        /// The decoder's message.
-        reason: String,
-    },
-}
-
-/// Sends `req` and reads the answer's body, at most `limit` bytes: the cause of a failure is
-/// named ([`crate::cause::describe`], `timeout` being the client's bound), an error status is
-/// an error, and a larger answer is refused without being held.
-pub async fn call(
-    req: reqwest::RequestBuilder,
-    timeout: std::time::Duration,
-    limit: usize,
-) -> Result<Answer, CallError> {
-    let failed = |e: reqwest::Error| CallError::Failed(crate::cause::describe(&e, timeout));
-    let resp = req.send().await.map_err(failed)?;
-    let mut u = resp.url().clone();
-    u.set_query(None);
-    let url = u.to_string();
-    let status = resp.status();
-    if status.is_client_error() || status.is_server_error() {
-        return Err(CallError::Status { url, status });
-    }
-    let headers = resp.headers().clone();
-    let body = call_response(resp, timeout, limit).await?;
-    Ok(Answer { url, headers, body })
-}
-
-/// Reads the body of `resp` (any status), at most `limit` bytes.
-pub async fn call_response(
-    mut resp: reqwest::Response,
-    timeout: std::time::Duration,
-    limit: usize,
-) -> Result<axum::body::Bytes, CallError> {
-    let mut u = resp.url().clone();
-    u.set_query(None);
-    let url = u.to_string();
-    if resp.content_length().is_some_and(|n| n > limit as u64) {
-        return Err(CallError::TooLarge { url, limit });
-    }
-    let mut body = Vec::new();
-    while let Some(chunk) = resp
-        .chunk()
-        .await
-        .map_err(|e| CallError::Failed(crate::cause::describe(&e, timeout)))?
-    {
-        if body.len() + chunk.len() > limit {
-            return Err(CallError::TooLarge { url, limit });
-        }
-        body.extend_from_slice(&chunk);
-    }
-    Ok(body.into())
-}
-
-/// A successful answer read whole by [`call`].
-#[derive(Debug)]
-pub struct Answer {
-    /// Where the call went.
-    pub url: String,
-    /// The answer's headers.
-    pub headers: http::HeaderMap,
-    /// The answer's body.
-    pub body: axum::body::Bytes,
-}
-
-impl Answer {
-    /// The body parsed as JSON.
-    pub fn json<T: DeserializeOwned>(&self) -> Result<T, CallError> {
-        serde_json::from_slice(&self.body).map_err(|e| CallError::Unreadable {
-            url: self.url.clone(),
-            reason: e.to_string(),
-        })
-    }
-}
-
 /// Checks `Authorization: Bearer <token>` in constant time over the token's length.
 pub fn check_token(headers: &HeaderMap, token: &str) -> Result<(), ApiError> {
     let got = crate::auth::bearer(headers).ok_or(ApiError::Unauthorized)?;
@@ -209,13 +111,6 @@ pub fn check_token(headers: &HeaderMap, token: &str) -> Result<(), ApiError> {
     } else {
         Err(ApiError::Unauthorized)
     }
-}
-
-/// Unix seconds now.
-pub fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
 }
 
 /// How long a shutdown waits for in-flight requests, and then for the background loop's last

@@ -1,28 +1,30 @@
-//! GRL runtime: the control plane around the decision core. A client reporter per service
-//! instance, zone aggregators, a controller (config API, overrides, ratios, reports,
-//! metrics), a tower layer for axum services, and a simulator that runs the same code in
-//! virtual time.
+//! GRL runtime, the `grl` binary's crate: the control plane around the decision core. Zone
+//! aggregators, a controller (config API, overrides, ratios, reports, metrics) and a simulator
+//! that runs the same code in virtual time. The client a service embeds (`GrlClient`,
+//! `GrlLayer`) is the `grl-client` crate and the wire types are `grl-wire`: both are
+//! re-exported here under their old paths (`grl_runtime::layer::GrlLayer`,
+//! `grl_runtime::proto::ConfigDoc`, ...).
 
 #![warn(missing_docs)]
 
 pub mod aggregator;
 pub mod audit;
-pub mod auth;
-pub mod calls;
-pub mod cause;
-pub mod client;
+pub use grl_client::auth;
+pub use grl_client::calls;
+pub use grl_client::cause;
+pub use grl_client::client;
 pub mod config;
 pub mod controller;
 pub mod delta;
 pub mod engine;
 mod frags;
 pub mod http_util;
-pub mod keys;
-pub mod layer;
+pub use grl_client::keys;
+pub use grl_client::layer;
 pub mod logging;
 pub mod metrics;
 pub mod overrides;
-pub mod proto;
+pub use grl_wire as proto;
 
 pub use http_util::ApiError;
 pub mod realtime;

@@ -419,7 +419,7 @@ fn report_cursors_survive_restarts_resets_and_gaps() {
     assert_eq!(page.reports.len(), 2);
     assert!(page.reports.iter().all(|r| r.bucket == "busy"));
     assert!(!page.reset && !page.gap);
-    let cursor = page.next;
+    let cursor = page.next.seq().unwrap();
     // A restart later: the new run's rows come after the old cursor; the rows the old run
     // had not served are lost, which the page says.
     let mut second = run(2000 << 10);
@@ -429,19 +429,19 @@ fn report_cursors_survive_restarts_resets_and_gaps() {
     assert!(page.reports[0].seq > cursor);
     assert!(page.gap && !page.reset);
     // Caught up: nothing, the cursor stays, no flags.
-    let again = second.reports_after(page.next, 100);
+    let again = second.reports_after(page.next.seq().unwrap(), 100);
     assert!(again.reports.is_empty() && again.next == page.next && !again.gap && !again.reset);
     // A cursor beyond the newest row: answered from the oldest row kept, flagged.
     let ahead = second.reports_after(u64::MAX / 2, 100);
     assert!(ahead.reset && !ahead.gap);
     assert_eq!(ahead.reports.len(), 1);
-    assert_eq!(ahead.next, ahead.reports[0].seq);
+    assert_eq!(ahead.next.seq(), Some(ahead.reports[0].seq));
     // Pages follow the cursor.
     first.record_reports(4);
     let p1 = first.reports_after(0, 2);
-    let p2 = first.reports_after(p1.next, 2);
+    let p2 = first.reports_after(p1.next.seq().unwrap(), 2);
     assert_eq!(p2.reports.len(), 1);
-    assert_eq!(p2.reports[0].t, 4);
+    assert_eq!(p2.reports[0].t, 4.into());
 }
 
 #[test]
@@ -675,7 +675,7 @@ fn incremental_engine_matches_a_full_pass() {
             .flat_map(|s| &s.keys)
             .filter(|k| k.offered_rps != 0.0 || k.admitted_rps != 0.0)
             .count();
-        let before = e.reports_after(0, usize::MAX).next;
+        let before = e.reports_after(0, usize::MAX).next.seq().unwrap();
         e.record_reports(unix);
         let page = e.reports_after(before, usize::MAX);
         assert_eq!(page.reports.len(), busy, "step {step}");

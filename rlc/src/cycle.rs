@@ -36,7 +36,7 @@ use crate::gitops::{Forge, PullRequest, WriteOutcome, WriteStatus, Writer, Write
 use crate::plan::{Plan, Skipped};
 use crate::shadow::ShadowSource;
 use rlc_plan::promotion;
-use crate::push::{self, Backoff, ControllerClient, Desired};
+use crate::push::{self, Backoff, ControllerClient, ConfigDoc};
 use crate::history::snapshot::HistoryCache;
 use crate::journal::{Entry, Journal};
 use crate::store::{ChangeState, QuotaRecord, RunRecord, Store};
@@ -602,7 +602,7 @@ impl Cycle {
 
     /// One fetch for the daemon's poll: syncs the working copy to the base tip and returns the
     /// hash of `rlc/*.yaml` there with the base's bucket files as the desired config.
-    pub async fn poll(&self) -> anyhow::Result<(String, Desired)> {
+    pub async fn poll(&self) -> anyhow::Result<(String, ConfigDoc)> {
         // Not under another process's run (an `rlc run --once` beside the daemon): its working
         // copy is in use; the next poll will see what it did.
         let lock = std::fs::OpenOptions::new()
@@ -621,7 +621,7 @@ impl Cycle {
             w.sync()?;
             let hash = w.inputs_hash()?;
             let (version, services) = w.base_buckets()?;
-            Ok((hash, Desired { version, services }))
+            Ok((hash, ConfigDoc { version, services }))
         })
         .await??;
         *self.polled.lock().unwrap() = Some(std::time::Instant::now());
@@ -630,12 +630,12 @@ impl Cycle {
 
     /// The base tip's bucket files as the controller's desired config, as last fetched (a run
     /// moves the local base ref with what it pushed).
-    pub async fn desired(&self) -> anyhow::Result<Desired> {
+    pub async fn desired(&self) -> anyhow::Result<ConfigDoc> {
         let wcfg = self.writer_config();
         tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
             let w = Writer::open(wcfg)?;
             let (version, services) = w.base_buckets()?;
-            Ok(Desired { version, services })
+            Ok(ConfigDoc { version, services })
         })
         .await?
     }
@@ -1049,7 +1049,7 @@ impl Cycle {
         &self,
         plan: &Plan,
         withdraw: bool,
-    ) -> Result<(WriteOutcome, Desired), (String, u32)> {
+    ) -> Result<(WriteOutcome, ConfigDoc), (String, u32)> {
         self.write_as(plan, withdraw, self.cfg.config_repo.mode)
             .await
     }
@@ -1061,7 +1061,7 @@ impl Cycle {
         plan: &Plan,
         withdraw: bool,
         mode: RepoMode,
-    ) -> Result<(WriteOutcome, Desired), (String, u32)> {
+    ) -> Result<(WriteOutcome, ConfigDoc), (String, u32)> {
         let mut wcfg = self.writer_config();
         wcfg.mode = mode;
         let p = plan.clone();
@@ -1072,7 +1072,7 @@ impl Cycle {
             };
             let res = w.write_as_fetched(&p, withdraw).and_then(|res| {
                 let (version, services) = w.base_buckets()?;
-                Ok((res, Desired { version, services }))
+                Ok((res, ConfigDoc { version, services }))
             });
             (res, w.attempts())
         })

@@ -13,8 +13,12 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use grl_runtime::tls::ClientTls;
-use schema::BucketFile;
 use serde::{Deserialize, Serialize};
+
+/// The wire types rlc shares with the controller: the config it pushes (`PUT /v1/config`, the
+/// base branch's commit and every bucket file at it) and the rows and pages of
+/// `GET /v1/reports`.
+pub use grl_wire::{ConfigDoc, Cursor, ReportPage, ReportRow, Tick};
 
 /// Why a controller call failed. Never carries the token.
 #[derive(Debug, thiserror::Error)]
@@ -119,59 +123,6 @@ pub struct OverrideList {
     pub overrides: Vec<ActiveOverride>,
 }
 
-/// One report row of `GET /v1/reports`.
-#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
-pub struct Report {
-    /// Controller sequence number.
-    pub seq: i64,
-    /// Time of the tick (as the controller sends it: seconds or a timestamp).
-    pub t: serde_json::Value,
-    /// Callee service.
-    pub service: String,
-    /// Bucket name.
-    pub bucket: String,
-    /// Caller, if the bucket matches one.
-    #[serde(default)]
-    pub caller: Option<String>,
-    /// Procedure, if the bucket matches one.
-    #[serde(default)]
-    pub procedure: Option<String>,
-    /// enforce | shadow.
-    pub mode: String,
-    /// Scope key (global, a region or a zone).
-    #[serde(default)]
-    pub scope_key: Option<String>,
-    /// Offered rate.
-    pub offered: f64,
-    /// Admitted rate.
-    pub admitted: f64,
-    /// Dropped rate.
-    pub dropped: f64,
-    /// Virtually dropped rate (shadow).
-    pub shadow_dropped: f64,
-    /// The limit.
-    pub limit_rps: f64,
-    /// Drop ratio.
-    pub drop_ratio: f64,
-}
-
-/// `GET /v1/reports` answer.
-#[derive(Debug, Clone, Deserialize, Serialize)]
-pub struct ReportPage {
-    /// Cursor for the next call.
-    pub next: serde_json::Value,
-    /// Reports after the given cursor.
-    pub reports: Vec<Report>,
-    /// The cursor was beyond the controller's newest report (its clock went back): the page
-    /// starts again from the oldest report kept.
-    #[serde(default)]
-    pub reset: bool,
-    /// Reports between the cursor and the oldest one kept were lost (evicted, or before a
-    /// controller restart).
-    #[serde(default)]
-    pub gap: bool,
-}
-
 /// A credential: a value, or a file read at each use.
 #[derive(Clone)]
 enum Secret {
@@ -233,15 +184,6 @@ impl std::fmt::Debug for ControllerClient {
             .field("url", &self.url)
             .finish_non_exhaustive()
     }
-}
-
-/// The config the controller should run.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Desired {
-    /// The commit id of the base branch the files come from.
-    pub version: String,
-    /// Every bucket file at that commit.
-    pub services: Vec<BucketFile>,
 }
 
 impl ControllerClient {
@@ -353,13 +295,12 @@ impl ControllerClient {
     }
 
     /// `PUT /v1/config`: the same version twice is a no-op on the controller.
-    pub async fn put_config(&self, desired: &Desired) -> Result<(), PushError> {
-        let body = serde_json::json!({"version": desired.version, "services": desired.services});
+    pub async fn put_config(&self, desired: &ConfigDoc) -> Result<(), PushError> {
         let resp = self
             .http
             .put(format!("{}/v1/config", self.url))
             .bearer_auth(self.token.get()?)
-            .json(&body)
+            .json(desired)
             .send()
             .await
             .map_err(PushError::unreachable)?;
@@ -425,7 +366,7 @@ impl ControllerClient {
 
     /// One reconcile step: reads the active version and pushes `desired` unless the
     /// controller already runs it. Returns whether a PUT was sent.
-    pub async fn reconcile_once(&self, desired: &Desired) -> Result<bool, PushError> {
+    pub async fn reconcile_once(&self, desired: &ConfigDoc) -> Result<bool, PushError> {
         let st = self.status().await?;
         if st.version.as_deref() == Some(desired.version.as_str()) {
             return Ok(false);
@@ -442,7 +383,7 @@ pub use crate::retry::Backoff;
 /// know the controller was really down). Returns whether a PUT was sent.
 pub async fn reconcile(
     client: &ControllerClient,
-    desired: &Desired,
+    desired: &ConfigDoc,
     backoff: Backoff,
     mut on_failure: impl FnMut(u32, &PushError),
 ) -> Result<bool, PushError> {

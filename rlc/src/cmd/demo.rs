@@ -308,11 +308,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
             stored += store
                 .insert_reports(&page.reports, chrono::Utc::now())
                 .await?;
-            let next = match page.next {
-                serde_json::Value::String(s) => Some(s),
-                serde_json::Value::Null => None,
-                v => Some(v.to_string()),
-            };
+            let next = page.next.as_param();
             if n < 10_000 || next.is_none() || next == cursor {
                 break;
             }

@@ -867,7 +867,7 @@ async fn days_of_stored_reports_give_the_simulated_figures() {
     let hot = |m: usize| if m % 50 == 0 { 160.0 } else { 80.0 };
     // Minute k counts from the window's start (as `simulate` counts); the day before it
     // repeats the same pattern (3,000 minutes: a multiple of both periods).
-    let mut batch: Vec<crate::push::Report> = Vec::new();
+    let mut batch: Vec<crate::push::ReportRow> = Vec::new();
     let mut seq = 0;
     for k in -1440i64..(7 * 1440) {
         let t = window_start + chrono::Duration::minutes(k);

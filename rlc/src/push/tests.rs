@@ -5,7 +5,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{get, put};
 use axum::{Json, Router};
-use schema::{Bucket, Mode, PolicyName, Scope};
+use schema::{Bucket, BucketFile, Mode, PolicyName, Scope};
 use serde_json::{json, Value};
 
 use super::*;
@@ -79,8 +79,8 @@ pub(crate) fn app(f: Fake) -> Router {
         .with_state(f)
 }
 
-fn desired(version: &str) -> Desired {
-    Desired {
+fn desired(version: &str) -> ConfigDoc {
+    ConfigDoc {
         version: version.into(),
         services: vec![BucketFile {
             service: "payments".into(),

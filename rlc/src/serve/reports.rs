@@ -7,7 +7,7 @@ use std::time::Duration;
 use chrono::Utc;
 
 use super::{Loop, REPORT_CURSOR};
-use crate::push::{ControllerClient, Report};
+use crate::push::{ControllerClient, ReportRow};
 use crate::store::{within, Store};
 
 /// How many controller reports `rlc serve` holds and fetches at once.
@@ -43,7 +43,7 @@ const ROLLUP_EVERY: Duration = Duration::from_secs(60);
 pub(super) struct ReportBuffer {
     /// The controller cursor after the last fetched page: `None` until read from the store.
     pub(super) cursor: Option<Option<String>>,
-    pub(super) pages: std::collections::VecDeque<(Vec<Report>, Option<String>)>,
+    pub(super) pages: std::collections::VecDeque<(Vec<ReportRow>, Option<String>)>,
     pub(super) rows: usize,
     pub(super) limits: ReportLimits,
 }
@@ -65,7 +65,7 @@ impl ReportBuffer {
     }
 
     /// Adds a fetched page and the controller cursor after it.
-    pub(super) fn push(&mut self, reports: Vec<Report>, next: Option<String>) {
+    pub(super) fn push(&mut self, reports: Vec<ReportRow>, next: Option<String>) {
         self.rows += reports.len();
         self.pages.push_back((reports, next));
     }
@@ -81,7 +81,7 @@ impl ReportBuffer {
     ) -> (u64, Result<(), crate::store::StoreError>) {
         let mut stored = 0;
         while !self.pages.is_empty() {
-            let mut batch: Vec<Report> = Vec::new();
+            let mut batch: Vec<ReportRow> = Vec::new();
             let mut pages = 0;
             let mut next = None;
             for (reports, cursor) in self.pages.iter() {
@@ -151,11 +151,7 @@ impl Loop {
                 m.report_gaps.inc();
             }
             let got = page.reports.len();
-            let next = match page.next {
-                serde_json::Value::Null => None,
-                serde_json::Value::String(s) => Some(s),
-                v => Some(v.to_string()),
-            };
+            let next = page.next.as_param();
             if got > 0 || (next.is_some() && next != cursor) {
                 self.reports.push(page.reports, next.clone());
                 self.reports.cursor = Some(next.clone().or(cursor.clone()));

@@ -12,7 +12,7 @@ use crate::cycle::RunStatus;
 use crate::gitops::tests::{plan, planned, seeded_remote};
 use crate::plan::Plan;
 use crate::push::tests::{app as controller_app, Fake};
-use crate::push::Report;
+use crate::push::ReportRow;
 
 fn next(expr: &str, after: chrono::DateTime<Utc>) -> chrono::DateTime<Utc> {
     parse_schedule(expr).unwrap().after(&after).next().unwrap()
@@ -295,7 +295,7 @@ async fn daemon_runs_on_request_and_on_input_change_and_shuts_down() {
 /// was stored, and a store that is back takes the whole backlog.
 #[tokio::test]
 async fn report_buffer_keeps_reports_until_stored() {
-    let row = |seq: i64| -> Report {
+    let row = |seq: i64| -> ReportRow {
         serde_json::from_value(json!({
             "seq": seq, "t": 1_796_000_000 + seq, "service": "payments", "bucket": "gw",
             "caller": null, "procedure": null, "mode": "shadow", "scope_key": "eu",

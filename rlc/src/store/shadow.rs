@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use sqlx::{Postgres, Sqlite};
 
 use super::{Store, StoreError, StoredReport};
-use crate::push::Report;
+use crate::push::{ReportRow, Tick};
 use crate::readiness::{self, ShadowStats};
 
 /// Rows per SQLite multi-row statement (15 columns each, under SQLite's 32,766 variables).
@@ -98,22 +98,24 @@ impl<'r> sqlx::Decode<'r, Sqlite> for Ts {
 
 /// The tick time of a report: the controller sends unix seconds (a number); a string holding
 /// a number or an RFC 3339 time is accepted too. Anything else is the time it was received.
-pub fn tick_time(t: &serde_json::Value, received_at: DateTime<Utc>) -> DateTime<Utc> {
-    let secs = match t {
-        serde_json::Value::Number(n) => n.as_f64(),
-        serde_json::Value::String(s) => match s.parse::<f64>() {
-            Ok(v) => Some(v),
-            Err(_) => {
-                return DateTime::parse_from_rfc3339(s)
-                    .map(|d| d.with_timezone(&Utc))
-                    .unwrap_or(received_at)
-            }
-        },
-        _ => None,
+pub fn tick_time(t: &Tick, received_at: DateTime<Utc>) -> DateTime<Utc> {
+    let secs = match (t.secs(), t) {
+        (Some(v), _) => Some(v),
+        (None, Tick::Text(s)) => {
+            return DateTime::parse_from_rfc3339(s)
+                .map(|d| d.with_timezone(&Utc))
+                .unwrap_or(received_at)
+        }
+        (None, _) => None,
     };
     secs.filter(|s| s.is_finite())
         .and_then(|s| Utc.timestamp_millis_opt((s * 1000.0) as i64).single())
         .unwrap_or(received_at)
+}
+
+/// A row's sequence number as stored (a `BIGINT`; the controller's stay below 2^53).
+fn seq_of(r: &ReportRow) -> i64 {
+    i64::try_from(r.seq).unwrap_or(i64::MAX)
 }
 
 /// The minute `t` falls in.
@@ -264,7 +266,7 @@ type MinuteKey = (String, String, DateTime<Utc>, String);
 
 /// A report ready to store.
 struct Row<'a> {
-    r: &'a Report,
+    r: &'a ReportRow,
     t: DateTime<Utc>,
     scope: String,
 }
@@ -290,7 +292,7 @@ fn rollup<'a>(rows: impl Iterator<Item = &'a Row<'a>>) -> BTreeMap<MinuteKey, Ac
             first_t: row.t,
             last_t: row.t,
             limit_rps: r.limit_rps,
-            mode: r.mode.clone(),
+            mode: r.mode.to_string(),
             last_seq: i64::MIN,
         });
         a.reports += 1;
@@ -302,10 +304,10 @@ fn rollup<'a>(rows: impl Iterator<Item = &'a Row<'a>>) -> BTreeMap<MinuteKey, Ac
         a.max_drop_ratio = a.max_drop_ratio.max(r.drop_ratio);
         a.first_t = a.first_t.min(row.t);
         a.last_t = a.last_t.max(row.t);
-        if r.seq >= a.last_seq {
-            a.last_seq = r.seq;
+        if seq_of(r) >= a.last_seq {
+            a.last_seq = seq_of(r);
             a.limit_rps = r.limit_rps;
-            a.mode = r.mode.clone();
+            a.mode = r.mode.to_string();
         }
     }
     m
@@ -625,7 +627,7 @@ impl Store {
     /// were new. Batched: multi-row statements on SQLite, arrays with `UNNEST` on Postgres.
     pub async fn insert_reports(
         &self,
-        reports: &[Report],
+        reports: &[ReportRow],
         received_at: DateTime<Utc>,
     ) -> Result<u64, StoreError> {
         let rows: Vec<Row> = reports
@@ -633,7 +635,7 @@ impl Store {
             .map(|r| Row {
                 r,
                 t: tick_time(&r.t, received_at),
-                scope: r.scope_key.clone().unwrap_or_default(),
+                scope: r.scope_key.clone(),
             })
             .collect();
         let mut new = 0u64;
@@ -684,13 +686,13 @@ impl Store {
                          {periods} \
                          SELECT COUNT(*) FROM ins"
                     ))
-                    .bind(chunk.iter().map(|x| x.r.seq).collect::<Vec<_>>())
+                    .bind(chunk.iter().map(|x| seq_of(x.r)).collect::<Vec<_>>())
                     .bind(chunk.iter().map(|x| x.t).collect::<Vec<_>>())
                     .bind(chunk.iter().map(|x| x.r.service.as_str()).collect::<Vec<_>>())
                     .bind(chunk.iter().map(|x| x.r.bucket.as_str()).collect::<Vec<_>>())
                     .bind(chunk.iter().map(|x| x.r.caller.as_deref()).collect::<Vec<_>>())
                     .bind(chunk.iter().map(|x| x.r.procedure.as_deref()).collect::<Vec<_>>())
-                    .bind(chunk.iter().map(|x| x.r.mode.as_str()).collect::<Vec<_>>())
+                    .bind(chunk.iter().map(|x| x.r.mode.as_ref()).collect::<Vec<_>>())
                     .bind(chunk.iter().map(|x| x.scope.as_str()).collect::<Vec<_>>())
                     .bind(chunk.iter().map(|x| x.r.offered).collect::<Vec<_>>())
                     .bind(chunk.iter().map(|x| x.r.admitted).collect::<Vec<_>>())
@@ -725,13 +727,13 @@ impl Store {
                         "INSERT INTO shadow_reports ({REPORT_COLUMNS}) "
                     ));
                     q.push_values(chunk, |mut b, x| {
-                        b.push_bind(x.r.seq)
+                        b.push_bind(seq_of(x.r))
                             .push_bind(Ts(x.t))
                             .push_bind(&x.r.service)
                             .push_bind(&x.r.bucket)
                             .push_bind(&x.r.caller)
                             .push_bind(&x.r.procedure)
-                            .push_bind(&x.r.mode)
+                            .push_bind(x.r.mode.as_ref())
                             .push_bind(&x.scope)
                             .push_bind(x.r.offered)
                             .push_bind(x.r.admitted)
@@ -1460,7 +1462,7 @@ fn only_new<'a>(
     let keys: HashSet<(i64, String, String, String)> = inserted.into_iter().collect();
     chunk.iter().filter(move |x| {
         keys.contains(&(
-            x.r.seq,
+            seq_of(x.r),
             x.r.service.clone(),
             x.r.bucket.clone(),
             x.scope.clone(),

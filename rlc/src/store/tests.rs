@@ -3,7 +3,7 @@
 use chrono::TimeZone;
 
 use super::*;
-use crate::push::Report;
+use crate::push::ReportRow;
 
 fn run(trigger: &str, status: &str, minute: u32) -> RunRecord {
     RunRecord {
@@ -41,7 +41,7 @@ fn quota(limit: f64, prev: Option<f64>) -> QuotaRecord {
     }
 }
 
-fn report(seq: i64, mode: &str) -> Report {
+fn report(seq: i64, mode: &str) -> ReportRow {
     serde_json::from_value(serde_json::json!({
         "seq": seq, "t": 1_796_000_000.5, "service": "payments", "bucket": "gw", "caller": "gw",
         "procedure": null, "mode": mode, "scope_key": "global", "offered": 150.0,
@@ -135,7 +135,7 @@ async fn check_store(store: Store) {
 
 /// A shadow report of `service`/`bucket` with the given rates; drop ratio and virtual drops
 /// follow from the offered rate and the limit, as the controller computes them.
-fn rates(seq: i64, service: &str, bucket: &str, scope: &str, offered: f64, limit: f64) -> Report {
+fn rates(seq: i64, service: &str, bucket: &str, scope: &str, offered: f64, limit: f64) -> ReportRow {
     let ratio = if offered > limit {
         (offered - limit) / offered
     } else {
@@ -151,12 +151,12 @@ fn rates(seq: i64, service: &str, bucket: &str, scope: &str, offered: f64, limit
 }
 
 /// Stores `reports` as ticks at `t`.
-async fn put(store: &Store, reports: &[Report], t: DateTime<Utc>) -> u64 {
-    let ticked: Vec<Report> = reports
+async fn put(store: &Store, reports: &[ReportRow], t: DateTime<Utc>) -> u64 {
+    let ticked: Vec<ReportRow> = reports
         .iter()
         .cloned()
         .map(|mut r| {
-            r.t = serde_json::json!(t.timestamp());
+            r.t = crate::push::Tick::Frac(t.timestamp() as f64);
             r
         })
         .collect();
@@ -372,7 +372,7 @@ pub(super) fn tick(
     mode: &str,
     offered: f64,
     limit: f64,
-) -> Report {
+) -> ReportRow {
     let over = (offered - limit).max(0.0);
     let (dropped, shadow) = if mode == "enforce" {
         (over, 0.0)

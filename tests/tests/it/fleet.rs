@@ -1,6 +1,6 @@
 //! A GRL fleet on loopback for the end-to-end tests: one `grl aggregator` process per zone and
 //! instances of an axum service embedding the GRL client through `GrlLayer` (the
-//! `axum_service` example of grl-runtime: service `payments`, caller from `x-caller`,
+//! `axum_service` example of grl-client: service `payments`, caller from `x-caller`,
 //! procedure from the first path segment, routes `/charge` and `/refund`), and a load
 //! generator whose callers each send at a set rate and count what the services answered.
 
@@ -19,7 +19,7 @@ pub const ZONE_TOKEN: &str = "e2e-zone-report-token";
 /// The report credential the aggregators grant the `payments` instances.
 pub const CLIENT_SECRET: &str = "fleet-payments-client-0123456789";
 
-/// The `axum_service` example of grl-runtime, built once.
+/// The `axum_service` example of grl-client, built once.
 pub fn service_bin() -> PathBuf {
     // `bin` builds the example with the binaries.
     bin("grl")

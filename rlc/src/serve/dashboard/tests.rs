@@ -10,7 +10,7 @@ use chrono::{TimeZone, Utc};
 use tower::ServiceExt;
 
 use super::*;
-use crate::push::Report;
+use crate::push::ReportRow;
 use crate::serve::app;
 
 /// Bucket names come from config repos: this one must stay text everywhere.
@@ -19,7 +19,7 @@ const EVIL_BUCKET: &str = "<script>alert(\"x\")</script>";
 const EVIL_SERVICE: &str = "x\"><img src=y onerror=alert(1)>";
 
 /// A shadow report: virtual drops and drop ratio follow from `offered` and `limit`.
-fn report(seq: i64, service: &str, bucket: &str, offered: f64, limit: f64) -> Report {
+fn report(seq: i64, service: &str, bucket: &str, offered: f64, limit: f64) -> ReportRow {
     let shadow = (offered - limit).max(0.0);
     serde_json::from_value(serde_json::json!({
         "seq": seq, "t": seq, "service": service, "bucket": bucket, "caller": "gw",
@@ -49,11 +49,11 @@ fn run(status: &str, minute: u32, commit: Option<&str>, error: Option<&str>) -> 
 }
 
 /// `reports` as ticks at `t`.
-fn at(reports: Vec<Report>, t: chrono::DateTime<Utc>) -> Vec<Report> {
+fn at(reports: Vec<ReportRow>, t: chrono::DateTime<Utc>) -> Vec<ReportRow> {
     reports
         .into_iter()
         .map(|mut r| {
-            r.t = serde_json::json!(t.timestamp());
+            r.t = crate::push::Tick::Frac(t.timestamp() as f64);
             r
         })
         .collect()
@@ -455,7 +455,7 @@ fn zone_minute(
     (service, bucket, zone, mode): (&str, &str, &str, &str),
     offered: f64,
     limit: f64,
-) -> Report {
+) -> ReportRow {
     let over = (offered - limit).max(0.0);
     let (dropped, shadow) = if mode == "enforce" {
         (over, 0.0)

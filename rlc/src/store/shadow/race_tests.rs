@@ -9,7 +9,7 @@ use super::*;
 use crate::store::tests::tick;
 
 /// A hook that stores `late` once, through `store`.
-fn store_once(store: &Store, late: Report) -> Hook {
+fn store_once(store: &Store, late: ReportRow) -> Hook {
     let (store, done) = (store.clone(), Arc::new(AtomicBool::new(false)));
     Arc::new(move || {
         let (store, late, done) = (store.clone(), late.clone(), done.clone());
@@ -25,7 +25,7 @@ async fn check_late_report_between_reads(store: Store) {
     // Three closed hours of one report a minute, rolled up: every hour clean.
     let t0 = hour_of(Utc::now()) - Duration::hours(4);
     let s0 = t0.timestamp();
-    let batch: Vec<Report> = (0..180)
+    let batch: Vec<ReportRow> = (0..180)
         .map(|m| {
             tick(
                 m + 1,

@@ -1,7 +1,15 @@
 //! Wire types between the tiers (JSON over HTTP; between clients and aggregators also the
-//! binary encoding of [`binary`], once the aggregator announced protocol 3).
+//! binary encoding of [`binary`], once the aggregator announced protocol 3): the config
+//! document the controller serves, client and zone reports, directives, the rows of
+//! `GET /v1/reports` ([`reports`]) and the protocol versions. Every tier (`grl-client`, the
+//! `grl` binary's aggregator and controller) and `rlc` use these types; serde only, no I/O.
+
+#![warn(missing_docs)]
 
 pub mod binary;
+pub mod reports;
+
+pub use reports::{Cursor, ReportPage, ReportRow, Tick};
 
 use serde::{Deserialize, Serialize};
 

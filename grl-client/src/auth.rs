@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use axum::http::HeaderMap;
+use http::HeaderMap;
 
 /// Shortest secret a credentials file accepts.
 pub const MIN_SECRET_LEN: usize = 16;
@@ -66,15 +66,15 @@ impl Credential {
 }
 
 /// The secret of an `Authorization: Bearer <secret>` header, as sent.
-pub(crate) fn bearer(headers: &HeaderMap) -> Option<&str> {
+pub fn bearer(headers: &HeaderMap) -> Option<&str> {
     headers
-        .get(axum::http::header::AUTHORIZATION)
+        .get(http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
 }
 
 /// Compares in time that depends on the lengths only (`subtle`).
-pub(crate) fn ct_eq(a: &[u8], b: &[u8]) -> bool {
+pub fn ct_eq(a: &[u8], b: &[u8]) -> bool {
     use subtle::ConstantTimeEq;
     a.ct_eq(b).into()
 }

@@ -1,5 +1,6 @@
-//! `GrlLayer`: the GRL client as a tower layer for axum services. State lives behind an `Arc`,
-//! so every clone of the service (axum clones per request) shares one limiter; a dropped
+//! `GrlLayer`: the GRL client as a tower layer for axum (or any tower/hyper) services, whatever
+//! their response body type (one that can be made from a `&'static str`). State lives behind an
+//! `Arc`, so every clone of the service (axum clones per request) shares one limiter; a dropped
 //! request is answered from `call` with 429 and `Retry-After`, a shadow drop passes through.
 //! Built with [`GrlLayer::for_client`], it also counts every request by (caller, procedure),
 //! matched by a bucket or not, for `grl_calls_total` (the history RLC learns quotas from).
@@ -9,7 +10,6 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use axum::body::Body;
 use grl_core::{Decision, Limiter};
 use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use tower::{Layer, Service};
@@ -131,13 +131,14 @@ pub struct GrlService<S> {
     cfg: Arc<Config>,
 }
 
-impl<S, B> Service<Request<B>> for GrlService<S>
+impl<S, B, RB> Service<Request<B>> for GrlService<S>
 where
-    S: Service<Request<B>, Response = Response<Body>>,
+    S: Service<Request<B>, Response = Response<RB>>,
+    RB: From<&'static str>,
 {
-    type Response = Response<Body>;
+    type Response = Response<RB>;
     type Error = S::Error;
-    type Future = GrlFuture<S::Future>;
+    type Future = GrlFuture<S::Future, RB>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
@@ -153,7 +154,7 @@ where
         }
         let d = self.cfg.limiter.decide(caller, procedure);
         if d == Decision::Drop {
-            let mut resp = Response::new(Body::from("rate limited\n"));
+            let mut resp = Response::new(RB::from("rate limited\n"));
             *resp.status_mut() = StatusCode::TOO_MANY_REQUESTS;
             resp.headers_mut()
                 .insert(http::header::RETRY_AFTER, self.cfg.retry_after.clone());
@@ -170,19 +171,19 @@ pin_project_lite::pin_project! {
     /// the macro takes no doc comments on fields).
     #[allow(missing_docs)]
     #[project = GrlFutureProj]
-    pub enum GrlFuture<F> {
+    pub enum GrlFuture<F, RB> {
         /// Passed to the inner service.
         Inner { #[pin] fut: F },
         /// Answered with 429.
-        Limited { resp: Option<Response<Body>> },
+        Limited { resp: Option<Response<RB>> },
     }
 }
 
-impl<F, E> Future for GrlFuture<F>
+impl<F, E, RB> Future for GrlFuture<F, RB>
 where
-    F: Future<Output = Result<Response<Body>, E>>,
+    F: Future<Output = Result<Response<RB>, E>>,
 {
-    type Output = Result<Response<Body>, E>;
+    type Output = Result<Response<RB>, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project() {

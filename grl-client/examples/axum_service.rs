@@ -1,7 +1,7 @@
 //! An axum service embedding the GRL client through `GrlLayer`.
 //!
 //! Run a controller and an aggregator, push a config with a bucket for service `payments`,
-//! then: `cargo run -p grl-runtime --example axum_service -- http://127.0.0.1:7071` and call
+//! then: `cargo run -p grl-client --example axum_service -- http://127.0.0.1:7071` and call
 //! `curl -H 'x-caller: gw' http://127.0.0.1:3000/charge`. Callers over their quota get 429
 //! with `Retry-After`. `LISTEN` sets another address than 127.0.0.1:3000. The report credential (a secret the aggregator's client credentials
 //! file grants for `payments`) comes from `GRL_CLIENT_TOKEN` or `GRL_CLIENT_TOKEN_FILE`.
@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use axum::routing::get;
 use axum::Router;
-use grl_runtime::client::{ClientOptions, GrlClient};
-use grl_runtime::layer::{GrlLayer, KeyFrom};
+use grl_client::client::{ClientOptions, GrlClient};
+use grl_client::layer::{GrlLayer, KeyFrom};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -32,7 +32,7 @@ async fn main() -> anyhow::Result<()> {
     }
     opts.tick = Duration::from_secs(1);
     let path = |var: &str| std::env::var_os(var).map(std::path::PathBuf::from);
-    opts.tls = grl_runtime::tls::ClientTls::from_flags(
+    opts.tls = grl_client::tls::ClientTls::from_flags(
         path("GRL_TLS_CA"),
         path("GRL_TLS_CLIENT_CERT"),
         path("GRL_TLS_CLIENT_KEY"),
@@ -56,7 +56,13 @@ async fn main() -> anyhow::Result<()> {
             "/metrics",
             get(move || {
                 let r = registry.clone();
-                async move { grl_runtime::metrics::response(&r) }
+                async move {
+                    let ct = grl_client::metrics::CONTENT_TYPE_OPENMETRICS;
+                    (
+                        [(http::header::CONTENT_TYPE, ct)],
+                        grl_client::metrics::encode(&r),
+                    )
+                }
             }),
         );
     let listen = std::env::var("LISTEN").unwrap_or_else(|_| "127.0.0.1:3000".into());

@@ -470,12 +470,12 @@ impl GrlClient {
     /// own registry:
     ///
     /// ```no_run
-    /// # async fn f(client: grl_runtime::client::GrlClient) {
-    /// use grl_runtime::metrics::prometheus_client::registry::Registry;
+    /// # async fn f(client: grl_client::client::GrlClient) {
+    /// use grl_client::metrics::prometheus_client::registry::Registry;
     /// let mut registry = Registry::default();
     /// registry.register_collector(Box::new(client.metrics()));
     /// // in the service's `GET /metrics` handler:
-    /// let body = grl_runtime::metrics::encode(&registry);
+    /// let body = grl_client::metrics::encode(&registry);
     /// # }
     /// ```
     ///
@@ -493,7 +493,7 @@ impl GrlClient {
 
     /// A registry with `grl_build_info{component="client"}` and [`GrlClient::metrics`], for a
     /// service that serves nothing else on its `/metrics`
-    /// (`grl_runtime::metrics::response(&registry)`).
+    /// (`grl_client::metrics::encode(&registry)` as the body).
     pub fn registry(&self) -> prometheus_client::registry::Registry {
         let mut reg = prometheus_client::registry::Registry::default();
         crate::metrics::register_build_info(&mut reg, "grl", "client");

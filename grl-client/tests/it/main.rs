@@ -1,0 +1,3 @@
+//! grl-client integration tests.
+
+mod deps;

@@ -1,0 +1,189 @@
+//! `GET /v1/reports`: the controller's per-tick rows (one per bucket and scope key with
+//! traffic), paged by a cursor. The controller writes them ([`ReportRow`] built by its engine);
+//! `rlc` reads them into its store. A reader accepts what older or other controllers send: a
+//! tick time in seconds (whole or fractional), as a numeric string or as an RFC 3339 text
+//! ([`Tick`]), a cursor as a number or a string ([`Cursor`]), a missing or null scope key.
+
+use std::borrow::Cow;
+
+use serde::{Deserialize, Deserializer, Serialize};
+
+/// When a report row was ticked, as the controller sent it. This controller sends whole unix
+/// seconds ([`Tick::Secs`]); readers also accept fractional seconds and texts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Tick {
+    /// Whole unix seconds (what `grl controller` sends).
+    Secs(u64),
+    /// Fractional (or negative) unix seconds.
+    Frac(f64),
+    /// A text: unix seconds as a number, or an RFC 3339 time (the reader parses it).
+    Text(String),
+}
+
+impl From<u64> for Tick {
+    fn from(secs: u64) -> Tick {
+        Tick::Secs(secs)
+    }
+}
+
+impl Tick {
+    /// Unix seconds when the tick is a number or a numeric text (None: an RFC 3339 text or
+    /// anything else, which the reader interprets).
+    pub fn secs(&self) -> Option<f64> {
+        match self {
+            Tick::Secs(s) => Some(*s as f64),
+            Tick::Frac(f) => Some(*f),
+            Tick::Text(t) => t.parse().ok(),
+        }
+    }
+}
+
+/// The cursor of a report page: the `seq` of its last row, to pass as `after` next time.
+/// This controller sends a number; readers also accept a string, and null (no cursor).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Cursor {
+    /// A row's sequence number (what `grl controller` sends).
+    Seq(u64),
+    /// An opaque text.
+    Text(String),
+    /// No cursor (JSON null).
+    None,
+}
+
+impl From<u64> for Cursor {
+    fn from(seq: u64) -> Cursor {
+        Cursor::Seq(seq)
+    }
+}
+
+impl Cursor {
+    /// The sequence number, when the cursor is one.
+    pub fn seq(&self) -> Option<u64> {
+        match self {
+            Cursor::Seq(n) => Some(*n),
+            _ => None,
+        }
+    }
+
+    /// The cursor as the `after` query parameter (None: no cursor).
+    pub fn as_param(&self) -> Option<String> {
+        match self {
+            Cursor::Seq(n) => Some(n.to_string()),
+            Cursor::Text(s) => Some(s.clone()),
+            Cursor::None => None,
+        }
+    }
+}
+
+/// One row of `GET /v1/reports`: a bucket's rates for one scope key over one tick.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReportRow {
+    /// Monotonic sequence number (the cursor).
+    pub seq: u64,
+    /// When the tick was (unix seconds from this controller).
+    pub t: Tick,
+    /// Callee service.
+    pub service: String,
+    /// Bucket name.
+    pub bucket: String,
+    /// Caller matched by the bucket.
+    #[serde(default)]
+    pub caller: Option<String>,
+    /// Procedure matched by the bucket.
+    #[serde(default)]
+    pub procedure: Option<String>,
+    /// `enforce` | `shadow` (a constant on the controller's side: no allocation per row).
+    pub mode: Cow<'static, str>,
+    /// The scope key (`global`, `region:…`, `zone:…`); empty when a sender left it out.
+    #[serde(default, deserialize_with = "null_as_empty")]
+    pub scope_key: String,
+    /// Offered requests/s.
+    pub offered: f64,
+    /// Admitted requests/s.
+    pub admitted: f64,
+    /// Dropped requests/s.
+    pub dropped: f64,
+    /// Shadow-dropped requests/s (would have been dropped).
+    pub shadow_dropped: f64,
+    /// Effective limit (after overrides).
+    pub limit_rps: f64,
+    /// Drop ratio in force.
+    pub drop_ratio: f64,
+}
+
+fn null_as_empty<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    Ok(Option::<String>::deserialize(d)?.unwrap_or_default())
+}
+
+/// One page of `GET /v1/reports?after=CURSOR&limit=N`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReportPage {
+    /// The cursor to pass as `after` next time.
+    pub next: Cursor,
+    /// Rows with `seq > after`, oldest first.
+    pub reports: Vec<ReportRow>,
+    /// The cursor was beyond the newest row (a controller whose clock went back, or a cursor
+    /// from another controller): this page starts at the oldest row kept.
+    #[serde(default)]
+    pub reset: bool,
+    /// Rows between the cursor and the oldest row kept were lost (evicted, or a restart).
+    #[serde(default)]
+    pub gap: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What the controller writes reads back as the same row; what other senders write
+    /// (fractional or text times, string cursors, no scope key) reads too.
+    #[test]
+    fn rows_round_trip_and_lenient_fields_read() {
+        let row = ReportRow {
+            seq: 7,
+            t: Tick::Secs(1_796_000_000),
+            service: "payments".into(),
+            bucket: "gw".into(),
+            caller: Some("gw".into()),
+            procedure: None,
+            mode: Cow::Borrowed("shadow"),
+            scope_key: "global".into(),
+            offered: 1.5,
+            admitted: 1.0,
+            dropped: 0.5,
+            shadow_dropped: 0.0,
+            limit_rps: 1.0,
+            drop_ratio: 0.25,
+        };
+        let page = ReportPage {
+            next: 7.into(),
+            reports: vec![row.clone()],
+            reset: false,
+            gap: false,
+        };
+        let text = serde_json::to_string(&page).unwrap();
+        assert!(
+            text.contains(r#""next":7"#) && text.contains(r#""t":1796000000,"#),
+            "{text}"
+        );
+        assert_eq!(serde_json::from_str::<ReportPage>(&text).unwrap(), page);
+
+        let other: ReportPage = serde_json::from_value(serde_json::json!({
+            "next": "2", "reports": [{
+                "seq": 2, "t": "2026-12-01T00:00:00Z", "service": "s", "bucket": "b",
+                "mode": "enforce", "scope_key": null, "offered": 1.0, "admitted": 1.0,
+                "dropped": 0.0, "shadow_dropped": 0.0, "limit_rps": 2.0, "drop_ratio": 0.0
+            }]
+        }))
+        .unwrap();
+        assert_eq!(other.next.as_param().as_deref(), Some("2"));
+        assert_eq!(other.reports[0].scope_key, "");
+        assert_eq!(other.reports[0].t.secs(), None);
+        assert_eq!(Tick::Frac(1.5).secs(), Some(1.5));
+        assert_eq!(Tick::Text("12.5".into()).secs(), Some(12.5));
+        let none: Cursor = serde_json::from_str("null").unwrap();
+        assert_eq!(none.as_param(), None);
+    }
+}
