@@ -33,6 +33,10 @@ async fn put(http: &reqwest::Client, base: &str, body: &Value) -> (u16, Value) {
     (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
 }
 
+async fn get_text(http: &reqwest::Client, url: &str) -> String {
+    http.get(url).send().await.unwrap().text().await.unwrap()
+}
+
 async fn get(http: &reqwest::Client, url: &str) -> Value {
     http.get(url).send().await.unwrap().json().await.unwrap()
 }
@@ -236,14 +240,7 @@ async fn overrides_leave_an_audit_trail_and_the_cli_reads_as_a_table() {
     let list: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(list["overrides"].as_array().unwrap().len(), 2, "{list}");
 
-    let metrics = http
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = get_text(&http, &format!("{base}/metrics")).await;
     assert!(
         metrics.contains("grl_overrides_active{kind=\"bucket\"} 1"),
         "{metrics}"
@@ -287,14 +284,7 @@ async fn overrides_leave_an_audit_trail_and_the_cli_reads_as_a_table() {
         "storm over",
     ]);
     assert!(out.status.success(), "{}", text(&out.stderr));
-    let metrics = http
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = get_text(&http, &format!("{base}/metrics")).await;
     assert!(
         metrics.contains("grl_overrides_active{kind=\"traffic\"} 0"),
         "{metrics}"
