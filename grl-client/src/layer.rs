@@ -48,6 +48,15 @@ impl KeyFrom {
     }
 }
 
+/// The decide path of [`GrlLayer::decide`] and of the layer's service: count, then decide.
+#[inline]
+fn decide(cfg: &Config, caller: &str, procedure: &str) -> Decision {
+    if let Some(c) = &cfg.calls {
+        c.count(caller, procedure);
+    }
+    cfg.limiter.decide(caller, procedure)
+}
+
 struct Config {
     limiter: Arc<Limiter>,
     calls: Option<Arc<crate::calls::CallCounter>>,
@@ -111,6 +120,32 @@ impl GrlLayer {
     pub fn retry_after_secs(self, secs: u64) -> GrlLayer {
         self.with(|c| c.retry_after = HeaderValue::from(secs))
     }
+
+    /// Counts one request of `caller` to `procedure` (when built with
+    /// [`GrlLayer::for_client`]) and decides it: what the layer's service does before it
+    /// answers 429 or passes the request on. For front ends that read the caller and the
+    /// procedure their own way (`grl sidecar`).
+    #[inline]
+    pub fn decide(&self, caller: &str, procedure: &str) -> Decision {
+        decide(&self.cfg, caller, procedure)
+    }
+
+    /// [`GrlLayer::decide`] with the fail-open check at `now_ms` (`grl_core::now_ms()`):
+    /// `decide` reads a per-thread clock refreshed every 64 decisions, which at a few requests
+    /// per second and thread lags by seconds and delays failing open; a front end that reads
+    /// the clock per request anyway passes it here.
+    #[inline]
+    pub fn decide_at(&self, caller: &str, procedure: &str, now_ms: u64) -> Decision {
+        if let Some(c) = &self.cfg.calls {
+            c.count(caller, procedure);
+        }
+        self.cfg.limiter.decide_at(caller, procedure, now_ms)
+    }
+
+    /// The limiter the layer decides with.
+    pub fn limiter(&self) -> &Arc<Limiter> {
+        &self.cfg.limiter
+    }
 }
 
 impl<S> Layer<S> for GrlLayer {
@@ -149,10 +184,7 @@ where
             self.cfg.caller.extract(&req),
             self.cfg.procedure.extract(&req),
         );
-        if let Some(c) = &self.cfg.calls {
-            c.count(caller, procedure);
-        }
-        let d = self.cfg.limiter.decide(caller, procedure);
+        let d = decide(&self.cfg, caller, procedure);
         if d == Decision::Drop {
             let mut resp = Response::new(RB::from("rate limited\n"));
             *resp.status_mut() = StatusCode::TOO_MANY_REQUESTS;

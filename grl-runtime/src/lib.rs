@@ -30,6 +30,7 @@ pub use http_util::ApiError;
 pub mod realtime;
 pub mod report;
 pub mod server;
+pub mod sidecar;
 pub mod sim;
 pub mod state_db;
 #[cfg(test)]

@@ -1,4 +1,4 @@
-//! `grl`: the controller, the zone aggregator, incident overrides and the simulator.
+//! `grl`: the controller, the zone aggregator, the sidecar, incident overrides and the simulator.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -172,6 +172,87 @@ enum Cmd {
         /// refused with 429.
         #[arg(long, default_value_t = 1_000_000)]
         max_rates_per_service: usize,
+    },
+    /// Run an inbound reverse proxy in front of one service instance (any language): every
+    /// request is decided by the GRL client, refused ones are answered here (HTTP 429, gRPC
+    /// RESOURCE_EXHAUSTED), the rest go to --upstream with their bodies streamed. HTTP/1.1 and
+    /// HTTP/2 without TLS (h2c, gRPC) on one port.
+    ///
+    /// The report credential (a secret the aggregators' client credentials file grants for
+    /// --service) comes from GRL_CLIENT_TOKEN or GRL_CLIENT_TOKEN_FILE, never from a flag.
+    Sidecar {
+        /// Where callers connect.
+        #[arg(long, default_value = "0.0.0.0:8080")]
+        listen: SocketAddr,
+        /// The service instance: http://HOST:PORT or unix:/path/to/socket.
+        #[arg(long)]
+        upstream: String,
+        /// The callee service (its buckets in the controller's config).
+        #[arg(long)]
+        service: String,
+        /// The zone the instance runs in (logs, grl_sidecar_info).
+        #[arg(long, default_value = "")]
+        zone: String,
+        /// The region.
+        #[arg(long, default_value = "")]
+        region: String,
+        /// Zone aggregator URL; repeat for failover, in order of preference.
+        #[arg(long = "aggregator", required = true)]
+        aggregators: Vec<String>,
+        /// /metrics, /healthz and /readyz on this address (keep it off the callers' network).
+        #[arg(long, default_value = "127.0.0.1:9901")]
+        admin_listen: SocketAddr,
+        /// Caller from a verified client certificate (with --tls-client-ca): a pattern tried on
+        /// its SPIFFE ID and SANs, `*` any characters but `/`, {caller} the caller; repeat,
+        /// first match wins.
+        #[arg(
+            long = "caller-cert-pattern",
+            default_value = "spiffe://*/ns/*/sa/{caller}"
+        )]
+        caller_cert_patterns: Vec<String>,
+        /// Else the caller from this header (x-caller, l5d-client-id, x-forwarded-client-cert:
+        /// its URI= through the patterns); `none` trusts no header. A header is spoofable
+        /// unless the mesh or the network guarantees who sets it.
+        #[arg(long, default_value = "rpc-caller")]
+        caller_header: String,
+        /// The procedure of a non-gRPC request from this header (`none`: no header).
+        #[arg(long, default_value = "rpc-procedure")]
+        procedure_header: String,
+        /// Else method and route template of the first matching route: `GET /users/{id}`,
+        /// `/static/{path*}` (any method); repeat. Unmatched requests fold into `_other`.
+        #[arg(long = "route")]
+        routes: Vec<String>,
+        /// Retry-After seconds of a refusal (grpc-retry-pushback-ms: the same in ms).
+        #[arg(long, default_value_t = 1)]
+        retry_after_secs: u64,
+        /// The upstream must answer a request's head within this (504, gRPC DEADLINE_EXCEEDED).
+        #[arg(long, default_value_t = 30_000)]
+        upstream_timeout_ms: u64,
+        /// A connection to the upstream must open within this (502, gRPC UNAVAILABLE).
+        #[arg(long, default_value_t = 5_000)]
+        upstream_connect_timeout_ms: u64,
+        /// Largest request head (HTTP/1.1 buffer, HTTP/2 header list).
+        #[arg(long, default_value_t = grl_runtime::sidecar::DEFAULT_MAX_HEADER_BYTES)]
+        max_header_bytes: usize,
+        /// Reporting period in milliseconds.
+        #[arg(long, default_value_t = 1000)]
+        tick_ms: u64,
+        /// Drop ratios older than this stop dropping (fail-open), in milliseconds.
+        #[arg(long, default_value_t = 3000)]
+        stale_after_ms: u64,
+        /// Instance id (random when absent).
+        #[arg(long)]
+        id: Option<String>,
+        #[command(flatten)]
+        tls: ServeTlsArgs,
+        #[command(flatten)]
+        limits: ServeLimitArgs,
+        /// How the aggregators (--aggregator https://…) are verified.
+        #[command(flatten)]
+        client_tls: ClientTlsArgs,
+        /// On SIGTERM or SIGINT: how long requests in flight may take to finish.
+        #[arg(long, default_value_t = 10_000)]
+        shutdown_grace_ms: u64,
     },
     /// Print a new credential line (`NAME SCOPE SECRET`, 256 random bits) for a credentials
     /// file.
@@ -515,6 +596,91 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             println!("listening on {}", h.addr());
             stop_gracefully("aggregator", h, shutdown_grace_ms).await;
         }
+        Cmd::Sidecar {
+            listen,
+            upstream,
+            service,
+            zone,
+            region,
+            aggregators,
+            admin_listen,
+            caller_cert_patterns,
+            caller_header,
+            procedure_header,
+            routes,
+            retry_after_secs,
+            upstream_timeout_ms,
+            upstream_connect_timeout_ms,
+            max_header_bytes,
+            tick_ms,
+            stale_after_ms,
+            id,
+            tls,
+            limits,
+            client_tls,
+            shutdown_grace_ms,
+        } => {
+            use grl_runtime::sidecar::identity::{CallerFrom, NamePattern, ProcedureFrom, Route};
+            if limits.health_listen.is_some() {
+                bail!("grl sidecar serves /healthz and /readyz on --admin-listen (no --health-listen)");
+            }
+            let upstream = grl_runtime::sidecar::upstream::Upstream::parse(&upstream)
+                .map_err(|e| anyhow::anyhow!("--upstream {e}"))?;
+            let header = |flag: &str, v: &str| -> anyhow::Result<Option<http::HeaderName>> {
+                if v == "none" {
+                    return Ok(None);
+                }
+                http::HeaderName::from_bytes(v.as_bytes())
+                    .map(Some)
+                    .map_err(|_| anyhow::anyhow!("{flag} {v:?}: not a header name"))
+            };
+            let caller = CallerFrom {
+                cert_patterns: caller_cert_patterns
+                    .iter()
+                    .map(|p| NamePattern::parse(p))
+                    .collect::<Result<_, _>>()
+                    .map_err(|e| anyhow::anyhow!("--caller-cert-pattern {e}"))?,
+                header: header("--caller-header", &caller_header)?,
+            };
+            let procedure = ProcedureFrom {
+                header: header("--procedure-header", &procedure_header)?,
+                routes: routes
+                    .iter()
+                    .map(|r| Route::parse(r))
+                    .collect::<Result<_, _>>()
+                    .map_err(|e| anyhow::anyhow!("--route {e}"))?,
+            };
+            anyhow::ensure!(
+                max_header_bytes >= 1024,
+                "--max-header-bytes must be at least 1024"
+            );
+            let mut client = grl_runtime::client::ClientOptions::new(&service, aggregators)
+                .with_report_token_from_env()
+                .map_err(anyhow::Error::msg)?;
+            client.tick = Duration::from_millis(tick_ms.max(1));
+            client.stale_after = Duration::from_millis(stale_after_ms.max(1));
+            client.tls = client_tls.options()?;
+            client.client_id = Some(id.unwrap_or_else(|| {
+                format!("{service}-{zone}-{}-{}", hostname(), std::process::id())
+            }));
+            let opts = grl_runtime::sidecar::SidecarOptions {
+                zone,
+                region,
+                admin_listen: Some(admin_listen),
+                tls: tls.options()?,
+                caller,
+                procedure,
+                retry_after_secs: retry_after_secs.max(1),
+                upstream_timeout: Duration::from_millis(upstream_timeout_ms.max(1)),
+                connect_timeout: Duration::from_millis(upstream_connect_timeout_ms.max(1)),
+                serve: limits.limits()?,
+                max_header_bytes,
+                ..grl_runtime::sidecar::SidecarOptions::new(listen, upstream, client)
+            };
+            let h = grl_runtime::sidecar::start(opts).await?;
+            println!("listening on {}", h.server.addr());
+            stop_gracefully("sidecar", h.server, shutdown_grace_ms).await;
+        }
         Cmd::Override { cmd } => override_cli::run(cmd).await?,
         Cmd::GenCredential { name, scope } => {
             anyhow::ensure!(
@@ -584,4 +750,11 @@ async fn stop_gracefully(what: &str, h: grl_runtime::http_util::ServerHandle, gr
         .shutdown_within(Duration::from_millis(grace_ms.max(1)))
         .await;
     tracing::info!(clean, "{what} shut down");
+}
+
+/// This host's name, for the sidecar's default client id (empty when unreadable).
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_default()
 }

@@ -1,5 +1,6 @@
-//! The one HTTP serving loop of every daemon (controller, aggregator, `rlc serve`): HTTP/1.1
-//! over plain TCP or TLS, with every connection bounded in time and in number.
+//! The one HTTP serving loop of every daemon (controller, aggregator, `rlc serve`, `grl
+//! sidecar`): HTTP/1.1 over plain TCP or TLS (and for the sidecar HTTP/2 without TLS on the
+//! same port, [`ConnOptions`]), with every connection bounded in time and in number.
 //!
 //! - **Header timeout**: a request's head (request line and headers) must arrive within
 //!   [`ServeLimits::header_timeout`] of the connection's accept (the TLS handshake included)
@@ -368,12 +369,24 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for Watched<I> {
     }
 }
 
+/// How a server's connections speak HTTP (every daemon: HTTP/1.1 with hyper's bounds).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ConnOptions {
+    /// Also HTTP/2 on the same port: without TLS with prior knowledge (h2c, as gRPC clients
+    /// send it), told apart from HTTP/1.1 by its connection preface (`grl sidecar`).
+    pub h2c: bool,
+    /// Largest request head: HTTP/1.1's read buffer (at least 8 KiB) and HTTP/2's header list.
+    /// None: hyper's defaults (about 400 KiB for HTTP/1.1).
+    pub max_header_bytes: Option<usize>,
+}
+
 /// Everything a connection task needs, shared by all of them.
 struct Ctx {
     router: Router,
     tls: Option<Arc<ReloadingServerConfig>>,
     limits: ServeLimits,
     stats: Arc<ServerStats>,
+    conn: ConnOptions,
 }
 
 /// Serves `router` on `listener` until `shutdown` resolves, with `limits` (see the module
@@ -386,6 +399,28 @@ pub async fn serve_with(
     tls: Option<Arc<ReloadingServerConfig>>,
     limits: ServeLimits,
     stats: Arc<ServerStats>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    serve_with_options(
+        listener,
+        router,
+        tls,
+        limits,
+        stats,
+        ConnOptions::default(),
+        shutdown,
+    )
+    .await
+}
+
+/// [`serve_with`] with `conn` (HTTP/2 as well, a bound on request heads).
+pub async fn serve_with_options(
+    listener: TcpListener,
+    router: Router,
+    tls: Option<Arc<ReloadingServerConfig>>,
+    limits: ServeLimits,
+    stats: Arc<ServerStats>,
+    conn: ConnOptions,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let limits = fit_to_fd_limit(limits, 1);
@@ -404,6 +439,7 @@ pub async fn serve_with(
         tls,
         limits,
         stats: stats.clone(),
+        conn,
     });
     let refused_log = crate::auth::LogGate::new(Duration::from_secs(10));
     let mut refused_logged = 0u64;
@@ -559,7 +595,7 @@ async fn http<I>(
     act: Arc<Activity>,
     header_timeout: Duration,
     health_only: bool,
-    mut closing: watch::Receiver<bool>,
+    closing: watch::Receiver<bool>,
 ) where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
@@ -583,15 +619,51 @@ async fn http<I>(
             Ok(resp)
         }
     });
-    let mut builder = hyper::server::conn::http1::Builder::new();
-    builder.keep_alive(!health_only);
-    let conn = builder.serve_connection(TokioIo::new(io), svc);
+    let io = TokioIo::new(io);
+    let limits = (header_timeout, ctx.limits.idle_timeout);
+    let max_head = ctx.conn.max_header_bytes;
+    if ctx.conn.h2c {
+        let mut builder =
+            hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
+        builder.http1().keep_alive(!health_only);
+        if let Some(n) = max_head {
+            builder.http1().max_buf_size(n.max(8192));
+            builder
+                .http2()
+                .max_header_list_size(u32::try_from(n).unwrap_or(u32::MAX));
+        }
+        let conn = builder.serve_connection(io, svc);
+        drive(ctx, conn, act, addr, limits, closing).await;
+    } else {
+        let mut builder = hyper::server::conn::http1::Builder::new();
+        builder.keep_alive(!health_only);
+        if let Some(n) = max_head {
+            builder.max_buf_size(n.max(8192));
+        }
+        let conn = builder.serve_connection(io, svc);
+        drive(ctx, conn, act, addr, limits, closing).await;
+    }
+}
+
+/// Runs one connection until it ends, a timeout cuts it, or (on shutdown) it finishes its
+/// requests in flight.
+async fn drive<C>(
+    ctx: &Arc<Ctx>,
+    conn: C,
+    act: Arc<Activity>,
+    addr: SocketAddr,
+    (header_timeout, idle_timeout): (Duration, Duration),
+    mut closing: watch::Receiver<bool>,
+) where
+    C: hyper_util::server::graceful::GracefulConnection,
+    C::Error: std::fmt::Display,
+{
     tokio::pin!(conn);
     let (header_ms, idle_ms) = (
         header_timeout.as_millis() as u64,
-        ctx.limits.idle_timeout.as_millis() as u64,
+        idle_timeout.as_millis() as u64,
     );
-    let every = (header_timeout.min(ctx.limits.idle_timeout) / 4)
+    let every = (header_timeout.min(idle_timeout) / 4)
         .clamp(Duration::from_millis(10), Duration::from_secs(1));
     let mut check = tokio::time::interval(every);
     check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -19,6 +19,7 @@ mod ha;
 mod metrics;
 mod ops;
 mod overrides;
+mod sidecar;
 mod trust;
 mod wire_props;
 

@@ -1,0 +1,691 @@
+//! `grl sidecar`: an inbound reverse proxy in front of one service instance, whatever its
+//! language. Every request is decided by the GRL client before it reaches the instance, with
+//! the decide path of `GrlLayer` (`grl_client::layer::GrlLayer::decide_at`, the clock read per request): the caller and the
+//! procedure are read from the request ([`identity`]), a drop is answered by the sidecar
+//! (HTTP 429 with `Retry-After` and the `RateLimit-Policy` / `RateLimit` headers, or for gRPC
+//! `RESOURCE_EXHAUSTED` with `grpc-retry-pushback-ms`), everything else goes to the upstream
+//! ([`upstream`]) with its body streamed both ways and its trailers passed through.
+//!
+//! One port serves HTTP/1.1 and HTTP/2 without TLS (h2c, prior knowledge, as gRPC clients
+//! send it); gRPC goes upstream over h2c, everything else over HTTP/1.1. It serves through the serving loop of every daemon (`crate::server`: header and idle
+//! timeouts, a connection cap below the open-file limit, graceful drain); with `--tls-cert` it
+//! terminates TLS (HTTP/1.1), and with `--tls-client-ca` the names of the verified client
+//! certificate name the caller. The admin listener answers `/metrics`, `/healthz` and
+//! `/readyz`. Without an answer from the aggregators the client fails open, as an embedded
+//! one does.
+
+pub mod identity;
+pub mod upstream;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use axum::body::Body;
+use axum::extract::{ConnectInfo, State};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::Router;
+use grl_client::client::{ClientOptions, GrlClient};
+use grl_client::layer::GrlLayer;
+use grl_core::Decision;
+use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode, Version};
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+use crate::http_util::{Readiness, ServerHandle};
+use crate::server::{ServeLimits, ServerStats};
+use crate::tls::{Peer, ServerTls};
+use identity::{is_grpc, CallerFrom, ProcedureFrom};
+use upstream::{Clients, Upstream};
+
+/// How the sidecar runs.
+#[derive(Debug, Clone)]
+pub struct SidecarOptions {
+    /// Where callers connect.
+    pub listen: SocketAddr,
+    /// The service instance.
+    pub upstream: Upstream,
+    /// The GRL client: the service, the aggregators (failover in order), the report credential,
+    /// how the aggregators are verified.
+    pub client: ClientOptions,
+    /// The zone and region the instance runs in (logs, `grl_sidecar_info`).
+    pub zone: String,
+    /// The region.
+    pub region: String,
+    /// `/metrics`, `/healthz`, `/readyz` (None: not served).
+    pub admin_listen: Option<SocketAddr>,
+    /// TLS terminated by the sidecar (its client CA: mutual TLS, the caller from the
+    /// certificate).
+    pub tls: Option<ServerTls>,
+    /// Where the caller comes from.
+    pub caller: CallerFrom,
+    /// Where the procedure comes from.
+    pub procedure: ProcedureFrom,
+    /// `Retry-After` seconds of a refusal (`grpc-retry-pushback-ms` is the same in ms).
+    pub retry_after_secs: u64,
+    /// The upstream must answer a request's head within this (then 504, or gRPC
+    /// `DEADLINE_EXCEEDED`); bodies stream for as long as they last.
+    pub upstream_timeout: Duration,
+    /// A connection to the upstream must open within this (then 502, gRPC `UNAVAILABLE`).
+    pub connect_timeout: Duration,
+    /// Connections and timeouts of the main listener.
+    pub serve: ServeLimits,
+    /// Largest request head (HTTP/1.1 buffer, HTTP/2 header list).
+    pub max_header_bytes: usize,
+}
+
+impl SidecarOptions {
+    /// Defaults around the required parts.
+    pub fn new(listen: SocketAddr, upstream: Upstream, client: ClientOptions) -> SidecarOptions {
+        SidecarOptions {
+            listen,
+            upstream,
+            client,
+            zone: String::new(),
+            region: String::new(),
+            admin_listen: None,
+            tls: None,
+            caller: CallerFrom::default(),
+            procedure: ProcedureFrom::default(),
+            retry_after_secs: 1,
+            upstream_timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(5),
+            serve: ServeLimits::default(),
+            max_header_bytes: DEFAULT_MAX_HEADER_BYTES,
+        }
+    }
+}
+
+/// Default bound of a request head.
+pub const DEFAULT_MAX_HEADER_BYTES: usize = 64 << 10;
+
+/// What the sidecar counted (read at scrape time; a histogram for the added latency).
+#[derive(Debug, Default)]
+struct Stats {
+    /// [protocol: http, grpc][decision: admit, drop, shadow_drop].
+    requests: [[AtomicU64; 3]; 2],
+    /// Refusals the sidecar answered itself: rate_limited, upstream_unreachable,
+    /// upstream_timeout.
+    refusals: [AtomicU64; 3],
+    /// Upstream failures: connect, timeout, other.
+    upstream_errors: [AtomicU64; 3],
+}
+
+const PROTOCOLS: [&str; 2] = ["http", "grpc"];
+const DECISIONS: [&str; 3] = ["admit", "drop", "shadow_drop"];
+const REFUSALS: [&str; 3] = ["rate_limited", "upstream_unreachable", "upstream_timeout"];
+const UPSTREAM_ERRORS: [&str; 3] = ["connect", "timeout", "other"];
+
+#[derive(Debug)]
+struct StatsCollector {
+    stats: Arc<Stats>,
+    info: [(&'static str, String); 4],
+}
+
+impl prometheus_client::collector::Collector for StatsCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> std::fmt::Result {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::counter::ConstCounter;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        use prometheus_client::metrics::MetricType;
+        let s = &self.stats;
+        let mut fam = encoder.encode_descriptor(
+            "grl_sidecar_requests",
+            "Requests decided by the sidecar, by protocol (http, grpc) and decision (admit, drop, shadow_drop: passed, counted as a drop shadow mode would make).",
+            None,
+            MetricType::Counter,
+        )?;
+        for (p, protocol) in PROTOCOLS.iter().enumerate() {
+            for (d, decision) in DECISIONS.iter().enumerate() {
+                ConstCounter::new(s.requests[p][d].load(Ordering::Relaxed)).encode(
+                    fam.encode_family(&[("protocol", *protocol), ("decision", *decision)])?,
+                )?;
+            }
+        }
+        let mut fam = encoder.encode_descriptor(
+            "grl_sidecar_refusals",
+            "Requests the sidecar answered itself instead of the upstream, by reason: rate_limited (429, gRPC RESOURCE_EXHAUSTED), upstream_unreachable (502, UNAVAILABLE), upstream_timeout (504, DEADLINE_EXCEEDED).",
+            None,
+            MetricType::Counter,
+        )?;
+        for (i, reason) in REFUSALS.iter().enumerate() {
+            ConstCounter::new(s.refusals[i].load(Ordering::Relaxed))
+                .encode(fam.encode_family(&[("reason", *reason)])?)?;
+        }
+        let mut fam = encoder.encode_descriptor(
+            "grl_sidecar_upstream_errors",
+            "Requests the upstream did not answer, by kind: connect (no connection), timeout (no response head in time), other (the connection failed mid-request).",
+            None,
+            MetricType::Counter,
+        )?;
+        for (i, kind) in UPSTREAM_ERRORS.iter().enumerate() {
+            ConstCounter::new(s.upstream_errors[i].load(Ordering::Relaxed))
+                .encode(fam.encode_family(&[("kind", *kind)])?)?;
+        }
+        let mut fam = encoder.encode_descriptor(
+            "grl_sidecar_info",
+            "The sidecar's service, zone, region and upstream.",
+            None,
+            MetricType::Gauge,
+        )?;
+        let labels: Vec<(&str, crate::metrics::Label<'_>)> = self
+            .info
+            .iter()
+            .map(|(k, v)| (*k, crate::metrics::Label(v)))
+            .collect();
+        ConstGauge::new(1i64).encode(fam.encode_family(&labels)?)?;
+        Ok(())
+    }
+}
+
+/// Buckets (seconds) of the added-latency histogram: 10 µs … 50 ms.
+const ADDED_LATENCY_BUCKETS: [f64; 12] = [
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+];
+
+struct Shared {
+    layer: GrlLayer,
+    client: GrlClient,
+    clients: Clients,
+    authority: http::uri::Authority,
+    upstream: Upstream,
+    caller: CallerFrom,
+    procedure: ProcedureFrom,
+    retry_after: HeaderValue,
+    pushback_ms: HeaderValue,
+    retry_after_secs: u64,
+    upstream_timeout: Duration,
+    connect_timeout: Duration,
+    stats: Arc<Stats>,
+    added: Histogram,
+    registry: Registry,
+}
+
+/// A running sidecar: the main listener's handle (drain on shutdown) and the admin address.
+pub struct SidecarHandle {
+    /// The main listener; its shutdown drains the connections, then stops the admin listener
+    /// and the client.
+    pub server: ServerHandle,
+    /// Where `/metrics`, `/healthz` and `/readyz` are served.
+    pub admin_addr: Option<SocketAddr>,
+}
+
+/// Starts the sidecar: the GRL client, the upstream pools, the main and the admin listeners.
+pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
+    anyhow::ensure!(
+        !opts.client.aggregators.is_empty(),
+        "a sidecar needs at least one aggregator URL"
+    );
+    if opts.client.report_token.is_none() {
+        tracing::warn!("no report credential (GRL_CLIENT_TOKEN or GRL_CLIENT_TOKEN_FILE): aggregators refuse the reports and the sidecar admits everything");
+    }
+    crate::tls::warn_plain_http(
+        "aggregator URL",
+        opts.client.aggregators.iter().map(String::as_str),
+    );
+    let tls = opts
+        .tls
+        .as_ref()
+        .map(crate::tls::ReloadingServerConfig::load)
+        .transpose()?;
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let listener = tokio::net::TcpListener::bind(opts.listen)
+        .await
+        .with_context(|| format!("bind {}", opts.listen))?;
+    let addr = listener.local_addr()?;
+    let admin = match opts.admin_listen {
+        Some(a) => Some(
+            tokio::net::TcpListener::bind(a)
+                .await
+                .with_context(|| format!("bind the admin listener {a}"))?,
+        ),
+        None => None,
+    };
+    let admin_addr = admin.as_ref().map(|l| l.local_addr()).transpose()?;
+
+    let client = GrlClient::start(opts.client.clone());
+    let layer = GrlLayer::for_client(&client);
+    let stats = Arc::new(Stats::default());
+    let server_stats = Arc::new(ServerStats::default());
+    let mut registry = Registry::default();
+    crate::metrics::register_build_info(&mut registry, "grl", "sidecar");
+    registry.register_collector(Box::new(client.metrics()));
+    server_stats.register(&mut registry);
+    registry.register_collector(Box::new(StatsCollector {
+        stats: stats.clone(),
+        info: [
+            ("service", opts.client.service.clone()),
+            ("zone", opts.zone.clone()),
+            ("region", opts.region.clone()),
+            ("upstream", opts.upstream.describe()),
+        ],
+    }));
+    let added = Histogram::new(ADDED_LATENCY_BUCKETS);
+    registry.register(
+        "grl_sidecar_added_latency_seconds",
+        "Time a request spends in the sidecar before it is sent upstream or refused (reading the caller and procedure, the decision, building the upstream request)",
+        added.clone(),
+    );
+    let shared = Arc::new(Shared {
+        layer,
+        client,
+        clients: Clients::new(
+            opts.upstream.clone(),
+            opts.connect_timeout,
+            opts.serve.idle_timeout,
+        ),
+        authority: opts.upstream.authority(),
+        upstream: opts.upstream.clone(),
+        caller: opts.caller.clone(),
+        procedure: opts.procedure.clone(),
+        retry_after: HeaderValue::from(opts.retry_after_secs),
+        pushback_ms: HeaderValue::from(opts.retry_after_secs.saturating_mul(1000)),
+        retry_after_secs: opts.retry_after_secs,
+        upstream_timeout: opts.upstream_timeout,
+        connect_timeout: opts.connect_timeout,
+        stats,
+        added,
+        registry,
+    });
+
+    let proxy = Router::new().fallback(proxy).with_state(shared.clone());
+    let conn = crate::server::ConnOptions {
+        h2c: true,
+        max_header_bytes: Some(opts.max_header_bytes),
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        let r = crate::server::serve_with_options(
+            listener,
+            proxy,
+            tls,
+            opts.serve,
+            server_stats,
+            conn,
+            async {
+                let _ = stopped.await;
+            },
+        )
+        .await;
+        if let Err(e) = r {
+            tracing::error!(error = %e, "sidecar server failed");
+        }
+    });
+
+    // The admin listener lives until the main one has drained: /metrics shows the drain.
+    let admin_server = admin.map(|l| {
+        let router = Router::new()
+            .route("/metrics", get(metrics))
+            .route("/healthz", get(crate::http_util::healthz))
+            .route("/readyz", get(readyz))
+            .with_state(shared.clone());
+        let limits = ServeLimits {
+            max_connections: 64,
+            health_connections: 4,
+            ..opts.serve
+        };
+        crate::http_util::spawn_server(l, router, None, limits, Default::default(), "sidecar admin")
+    });
+    let (finish, finished) = tokio::sync::oneshot::channel::<()>();
+    let bg_shared = shared.clone();
+    let background = tokio::spawn(async move {
+        let _ = finished.await;
+        if let Some((stop, server)) = admin_server {
+            let _ = stop.send(());
+            let _ = server.await;
+        }
+        drop(bg_shared);
+    });
+    tracing::info!(
+        %addr,
+        scheme,
+        admin = ?admin_addr,
+        service = %opts.client.service,
+        zone = %opts.zone,
+        region = %opts.region,
+        upstream = %opts.upstream.describe(),
+        "sidecar listening (HTTP/1.1 and h2c)"
+    );
+    Ok(SidecarHandle {
+        server: ServerHandle {
+            addr,
+            scheme,
+            stop,
+            server,
+            finish,
+            background,
+            health: None,
+        },
+        admin_addr,
+    })
+}
+
+async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
+    crate::metrics::response(&s.registry)
+}
+
+/// Ready when the upstream accepts a connection; the aggregators are not a condition (the
+/// client fails open without them), their state is a detail.
+async fn readyz(State(s): State<Arc<Shared>>) -> Readiness {
+    let up = match s
+        .upstream
+        .connect(s.connect_timeout.min(Duration::from_secs(2)))
+        .await
+    {
+        Ok(_) => Ok(s.upstream.describe()),
+        Err(e) => Err(format!("{}: {e}", s.upstream.describe())),
+    };
+    let st = s.client.stats();
+    let agg = if st.stale.load(Ordering::Relaxed) {
+        "failing open: no fresh drop ratios from the aggregators".to_string()
+    } else {
+        "drop ratios fresh".to_string()
+    };
+    Readiness::from_checks([("upstream", up), ("aggregators", Ok(agg))])
+}
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1), never forwarded; `te: trailers` is kept (gRPC needs
+/// it over HTTP/2).
+const HOP_BY_HOP: [&str; 7] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "upgrade",
+    "proxy-authenticate",
+    "proxy-authorization",
+];
+
+fn strip_hop_by_hop(h: &mut HeaderMap) {
+    // Headers the Connection header names are hop-by-hop too.
+    let named: Vec<HeaderName> = h
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for n in named {
+        h.remove(n);
+    }
+    for n in HOP_BY_HOP {
+        h.remove(n);
+    }
+    let te_trailers = h
+        .get(http::header::TE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| {
+            v.split(',')
+                .any(|t| t.trim().eq_ignore_ascii_case("trailers"))
+        });
+    h.remove(http::header::TE);
+    if te_trailers {
+        h.insert(http::header::TE, HeaderValue::from_static("trailers"));
+    }
+}
+
+/// Every request: decide, then refuse or forward.
+async fn proxy(
+    State(s): State<Arc<Shared>>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    req: Request<Body>,
+) -> Response<Body> {
+    let start = Instant::now();
+    let grpc = is_grpc(req.headers());
+    let decision = {
+        let caller = s.caller.caller(&peer.cert_names, req.headers());
+        let procedure = s
+            .procedure
+            .procedure(grpc, req.method(), req.uri().path(), req.headers());
+        let d = s.layer.decide_at(caller, &procedure, grl_core::now_ms());
+        if d == Decision::Drop {
+            let resp = refusal(&s, grpc, caller, &procedure);
+            count(&s, grpc, d);
+            s.stats.refusals[0].fetch_add(1, Ordering::Relaxed);
+            s.added.observe(start.elapsed().as_secs_f64());
+            return resp;
+        }
+        d
+    };
+    count(&s, grpc, decision);
+    let (mut parts, body) = req.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    if let Ok(v) = HeaderValue::from_str(&peer.addr.ip().to_string()) {
+        parts
+            .headers
+            .append(HeaderName::from_static("x-forwarded-for"), v);
+    }
+    // gRPC goes upstream over HTTP/2 (h2c), everything else over HTTP/1.1, which every
+    // application server speaks (an HTTP/2 caller's authority becomes the Host header).
+    if parts.version == Version::HTTP_2 && !grpc && !parts.headers.contains_key(http::header::HOST)
+    {
+        if let Some(v) = parts
+            .uri
+            .authority()
+            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+        {
+            parts.headers.insert(http::header::HOST, v);
+        }
+    }
+    let h2 = grpc;
+    let path = parts
+        .uri
+        .path_and_query()
+        .cloned()
+        .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
+    parts.uri = match http::Uri::builder()
+        .scheme("http")
+        .authority(s.authority.clone())
+        .path_and_query(path)
+        .build()
+    {
+        Ok(u) => u,
+        Err(_) => return plain(StatusCode::BAD_REQUEST, "bad request target\n"),
+    };
+    parts.version = if h2 {
+        Version::HTTP_2
+    } else {
+        Version::HTTP_11
+    };
+    let up_req = Request::from_parts(parts, body);
+    let pool = if h2 { &s.clients.h2 } else { &s.clients.h1 };
+    s.added.observe(start.elapsed().as_secs_f64());
+    match tokio::time::timeout(s.upstream_timeout, pool.request(up_req)).await {
+        Ok(Ok(resp)) => {
+            let (mut parts, body) = resp.into_parts();
+            strip_hop_by_hop(&mut parts.headers);
+            Response::from_parts(parts, Body::new(body))
+        }
+        Ok(Err(e)) => {
+            let connect = e.is_connect();
+            s.stats.upstream_errors[if connect { 0 } else { 2 }].fetch_add(1, Ordering::Relaxed);
+            s.stats.refusals[1].fetch_add(1, Ordering::Relaxed);
+            let cause = crate::cause::describe_any(&anyhow::Error::new(e), s.connect_timeout);
+            tracing::debug!(upstream = %s.upstream.describe(), error = %cause, "upstream failed");
+            upstream_failure(
+                grpc,
+                StatusCode::BAD_GATEWAY,
+                14,
+                &format!("upstream unreachable: {cause}"),
+            )
+        }
+        Err(_) => {
+            s.stats.upstream_errors[1].fetch_add(1, Ordering::Relaxed);
+            s.stats.refusals[2].fetch_add(1, Ordering::Relaxed);
+            upstream_failure(
+                grpc,
+                StatusCode::GATEWAY_TIMEOUT,
+                4,
+                &format!(
+                    "upstream did not answer within {} ms",
+                    s.upstream_timeout.as_millis()
+                ),
+            )
+        }
+    }
+}
+
+fn count(s: &Shared, grpc: bool, d: Decision) {
+    let di = match d {
+        Decision::Admit => 0,
+        Decision::Drop => 1,
+        Decision::ShadowDrop => 2,
+    };
+    s.stats.requests[usize::from(grpc)][di].fetch_add(1, Ordering::Relaxed);
+}
+
+fn plain(status: StatusCode, text: &'static str) -> Response<Body> {
+    let mut r = Response::new(Body::from(text));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    r
+}
+
+/// A gRPC answer without a body: the status in the headers (a "trailers-only" response).
+fn grpc_status(code: u8, message: &str) -> Response<Body> {
+    let mut r = Response::new(Body::empty());
+    let h = r.headers_mut();
+    h.insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/grpc"),
+    );
+    h.insert("grpc-status", HeaderValue::from(u16::from(code)));
+    // grpc-message is percent-encoded; ours is ASCII without `%`.
+    let msg: String = message
+        .chars()
+        .map(|c| {
+            if c.is_ascii_graphic() || c == ' ' {
+                c
+            } else {
+                '?'
+            }
+        })
+        .filter(|c| *c != '%')
+        .collect();
+    if let Ok(v) = HeaderValue::from_str(&msg) {
+        h.insert("grpc-message", v);
+    }
+    r
+}
+
+fn upstream_failure(
+    grpc: bool,
+    status: StatusCode,
+    grpc_code: u8,
+    message: &str,
+) -> Response<Body> {
+    if grpc {
+        return grpc_status(grpc_code, message);
+    }
+    let mut r = Response::new(Body::from(format!("{message}\n")));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    r
+}
+
+/// The answer to a dropped request: gRPC `RESOURCE_EXHAUSTED` (code 8, which clients do not
+/// retry on their own, unlike `UNAVAILABLE`) with `grpc-retry-pushback-ms`; HTTP 429 with
+/// `Retry-After` and the IETF RateLimit headers naming the bucket, its quota per window and
+/// nothing left.
+fn refusal(s: &Shared, grpc: bool, caller: &str, procedure: &str) -> Response<Body> {
+    if grpc {
+        let mut r = grpc_status(8, "rate limited");
+        r.headers_mut()
+            .insert("grpc-retry-pushback-ms", s.pushback_ms.clone());
+        return r;
+    }
+    let mut r = plain(StatusCode::TOO_MANY_REQUESTS, "rate limited\n");
+    let h = r.headers_mut();
+    h.insert(http::header::RETRY_AFTER, s.retry_after.clone());
+    let table = s.layer.limiter().table();
+    if let Some(b) = table.find(caller, procedure).map(|i| &table.buckets()[i]) {
+        let (q, w) = quota_window(b.limit_rps);
+        let name = sf_string(&b.name);
+        if let Ok(v) = HeaderValue::from_str(&format!("{name};q={q};w={w}")) {
+            h.insert(HeaderName::from_static("ratelimit-policy"), v);
+        }
+        if let Ok(v) = HeaderValue::from_str(&format!("{name};r=0;t={}", s.retry_after_secs)) {
+            h.insert(HeaderName::from_static("ratelimit"), v);
+        }
+    }
+    r
+}
+
+/// A limit in requests per second as a whole quota per window: `q` requests per `w` seconds.
+fn quota_window(limit_rps: f64) -> (u64, u64) {
+    if !limit_rps.is_finite() || limit_rps <= 0.0 {
+        return (0, 1);
+    }
+    if limit_rps >= 1.0 {
+        (limit_rps.round() as u64, 1)
+    } else {
+        (1, (1.0 / limit_rps).ceil() as u64)
+    }
+}
+
+/// A structured-field string (RFC 8941): printable ASCII, `"` and `\` escaped.
+fn sf_string(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' | '\\' => {
+                out.push('\\');
+                out.push(c);
+            }
+            ' '..='~' => out.push(c),
+            _ => out.push('_'),
+        }
+    }
+    out.push('"');
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limits_become_whole_quotas_per_window() {
+        assert_eq!(quota_window(100.0), (100, 1));
+        assert_eq!(quota_window(2.4), (2, 1));
+        assert_eq!(quota_window(0.5), (1, 2));
+        assert_eq!(quota_window(0.3), (1, 4));
+        assert_eq!(quota_window(f64::NAN), (0, 1));
+        assert_eq!(sf_string("gw.charge"), "\"gw.charge\"");
+        assert_eq!(sf_string("a\"b\\c\u{e9}"), "\"a\\\"b\\\\c_\"");
+    }
+
+    #[test]
+    fn hop_by_hop_headers_stay_behind_and_te_trailers_goes_on() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            "connection",
+            HeaderValue::from_static("keep-alive, x-secret-hop"),
+        );
+        h.insert("x-secret-hop", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert("te", HeaderValue::from_static("gzip, trailers"));
+        h.insert("rpc-caller", HeaderValue::from_static("gw"));
+        strip_hop_by_hop(&mut h);
+        let names: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
+        assert_eq!(names, ["rpc-caller", "te"]);
+        assert_eq!(h["te"], "trailers");
+        let mut h = HeaderMap::new();
+        h.insert("te", HeaderValue::from_static("gzip"));
+        strip_hop_by_hop(&mut h);
+        assert!(h.is_empty());
+    }
+}

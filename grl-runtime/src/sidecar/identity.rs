@@ -1,0 +1,532 @@
+//! Who calls and what they call, for a request the sidecar decides: the caller from a verified
+//! client certificate (SPIFFE ID or another name, through patterns), else from a header the
+//! operator trusts, else `unknown`; the procedure from the gRPC path, else a header, else the
+//! method and a configured route template (unmatched paths fold into one value, so that a
+//! scanner cannot create unbounded keys).
+
+use std::borrow::Cow;
+
+use http::{HeaderMap, HeaderName, Method};
+
+/// The caller of a request no source names.
+pub const UNKNOWN_CALLER: &str = "unknown";
+
+/// The procedure of an HTTP request no route matches (the same fold as `grl_calls_total`).
+pub const UNMATCHED_PROCEDURE: &str = grl_client::calls::OTHER;
+
+/// Longest caller or procedure taken from a request; a longer one is cut (names in bucket files
+/// are short; `grl_calls_total` folds longer ones anyway).
+pub const MAX_KEY_LEN: usize = 256;
+
+/// One piece of a [`NamePattern`].
+#[derive(Debug, Clone, PartialEq)]
+enum Piece {
+    Lit(String),
+    /// `*`: any run of characters without `/` (possibly empty).
+    Star,
+    /// `{caller}`: a non-empty run of characters without `/`, captured.
+    Caller,
+}
+
+/// A pattern mapping a certificate name to a caller, e.g. `spiffe://*/ns/*/sa/{caller}` (the
+/// service account of a SPIFFE ID) or `{caller}.clients.example.com` (a DNS name). `*` matches
+/// any characters but `/`; `{caller}` (exactly once) the caller name.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NamePattern {
+    text: String,
+    pieces: Vec<Piece>,
+}
+
+impl NamePattern {
+    /// Parses a pattern; it must hold `{caller}` exactly once.
+    pub fn parse(text: &str) -> Result<NamePattern, String> {
+        let mut pieces = Vec::new();
+        let mut lit = String::new();
+        let mut rest = text;
+        let mut callers = 0;
+        while !rest.is_empty() {
+            if let Some(r) = rest.strip_prefix("{caller}") {
+                if !lit.is_empty() {
+                    pieces.push(Piece::Lit(std::mem::take(&mut lit)));
+                }
+                pieces.push(Piece::Caller);
+                callers += 1;
+                rest = r;
+            } else if let Some(r) = rest.strip_prefix('*') {
+                if !lit.is_empty() {
+                    pieces.push(Piece::Lit(std::mem::take(&mut lit)));
+                }
+                pieces.push(Piece::Star);
+                rest = r;
+            } else {
+                let c = rest.chars().next().expect("not empty");
+                if c == '{' || c == '}' {
+                    return Err(format!("{text:?}: only {{caller}} may stand in braces"));
+                }
+                lit.push(c);
+                rest = &rest[c.len_utf8()..];
+            }
+        }
+        if !lit.is_empty() {
+            pieces.push(Piece::Lit(lit));
+        }
+        if callers != 1 {
+            return Err(format!(
+                "{text:?}: a caller pattern holds {{caller}} exactly once"
+            ));
+        }
+        Ok(NamePattern {
+            text: text.to_string(),
+            pieces,
+        })
+    }
+
+    /// The pattern as written.
+    pub fn as_str(&self) -> &str {
+        &self.text
+    }
+
+    /// The caller `name` maps to, if it matches.
+    pub fn capture<'a>(&self, name: &'a str) -> Option<&'a str> {
+        let mut out = None;
+        matches(&self.pieces, name, name, &mut out)
+            .then_some(out)
+            .flatten()
+    }
+}
+
+/// Whether `pieces` match all of `s` (a suffix of `whole`); the `{caller}` span goes to `out`.
+fn matches<'a>(pieces: &[Piece], s: &'a str, whole: &'a str, out: &mut Option<&'a str>) -> bool {
+    let Some((first, rest)) = pieces.split_first() else {
+        return s.is_empty();
+    };
+    match first {
+        Piece::Lit(l) => s
+            .strip_prefix(l.as_str())
+            .is_some_and(|r| matches(rest, r, whole, out)),
+        Piece::Star | Piece::Caller => {
+            // The span ends at a `/` or at the end; try every end, shortest first.
+            let limit = s.find('/').unwrap_or(s.len());
+            let min = usize::from(*first == Piece::Caller);
+            for end in (min..=limit).filter(|e| s.is_char_boundary(*e)) {
+                if matches(rest, &s[end..], whole, out) {
+                    if *first == Piece::Caller {
+                        *out = Some(&s[..end]);
+                    }
+                    return true;
+                }
+            }
+            false
+        }
+    }
+}
+
+/// Where the caller comes from, first that applies.
+#[derive(Debug, Clone)]
+pub struct CallerFrom {
+    /// Patterns tried in order on every name of a verified client certificate (URI SANs such
+    /// as SPIFFE IDs, then DNS names); the first that matches names the caller.
+    pub cert_patterns: Vec<NamePattern>,
+    /// The header naming the caller (`rpc-caller` by default), or None to trust no header. A
+    /// header is spoofable unless the mesh or the network guarantees who sets it. For
+    /// `x-forwarded-client-cert` the `URI=` of the last element is taken and mapped through
+    /// `cert_patterns` (the SPIFFE ID the mesh verified).
+    pub header: Option<HeaderName>,
+}
+
+impl Default for CallerFrom {
+    fn default() -> Self {
+        CallerFrom {
+            cert_patterns: vec![NamePattern::parse("spiffe://*/ns/*/sa/{caller}").expect("valid")],
+            header: Some(HeaderName::from_static("rpc-caller")),
+        }
+    }
+}
+
+impl CallerFrom {
+    /// The caller of a request whose connection presented `cert_names` (empty without a
+    /// verified client certificate) and whose headers are `headers`.
+    pub fn caller<'a>(&self, cert_names: &'a [String], headers: &'a HeaderMap) -> &'a str {
+        // URI names first: a SPIFFE ID says more than a DNS name.
+        let uris = cert_names.iter().filter(|n| n.contains("://"));
+        let dns = cert_names.iter().filter(|n| !n.contains("://"));
+        for name in uris.chain(dns) {
+            if let Some(c) = self.map(name) {
+                return cut(c);
+            }
+        }
+        let Some(h) = &self.header else {
+            return UNKNOWN_CALLER;
+        };
+        let Some(v) = headers.get(h).and_then(|v| v.to_str().ok()) else {
+            return UNKNOWN_CALLER;
+        };
+        let v = if h.as_str() == "x-forwarded-client-cert" {
+            match xfcc_uri(v) {
+                Some(uri) => self.map(uri).unwrap_or(uri),
+                None => "",
+            }
+        } else {
+            v.trim()
+        };
+        if v.is_empty() {
+            UNKNOWN_CALLER
+        } else {
+            cut(v)
+        }
+    }
+
+    fn map<'a>(&self, name: &'a str) -> Option<&'a str> {
+        self.cert_patterns.iter().find_map(|p| p.capture(name))
+    }
+}
+
+/// The `URI=` value of the last element of an `x-forwarded-client-cert` header (Envoy's format:
+/// elements separated by `,`, key=value pairs by `;`, values optionally quoted).
+pub fn xfcc_uri(v: &str) -> Option<&str> {
+    let last = v.rsplit(',').next()?;
+    last.split(';').find_map(|kv| {
+        let (k, val) = kv.split_once('=')?;
+        k.trim()
+            .eq_ignore_ascii_case("uri")
+            .then(|| val.trim().trim_matches('"'))
+            .filter(|u| !u.is_empty())
+    })
+}
+
+fn cut(s: &str) -> &str {
+    if s.len() <= MAX_KEY_LEN {
+        return s;
+    }
+    let mut end = MAX_KEY_LEN;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// One segment of a route template.
+#[derive(Debug, Clone, PartialEq)]
+enum Seg {
+    Lit(String),
+    /// `{name}`: one segment.
+    Param,
+    /// `{name*}` (last): the rest of the path, possibly empty.
+    Rest,
+}
+
+/// A route template, `GET /users/{id}` or `/static/{path*}` (every method): the procedure of a
+/// matching HTTP request is the method and the template, `GET /users/{id}`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Route {
+    method: Option<Method>,
+    template: String,
+    segs: Vec<Seg>,
+    /// The procedure when the method is fixed.
+    name: String,
+}
+
+/// Methods a route without one matches (an extension method folds into the unmatched value:
+/// methods are chosen by the client).
+const METHODS: [Method; 7] = [
+    Method::GET,
+    Method::HEAD,
+    Method::POST,
+    Method::PUT,
+    Method::DELETE,
+    Method::PATCH,
+    Method::OPTIONS,
+];
+
+impl Route {
+    /// Parses `[METHOD ]/path/{param}/…[/{rest*}]`.
+    pub fn parse(text: &str) -> Result<Route, String> {
+        let (method, template) = match text.trim().split_once(' ') {
+            Some((m, t)) => {
+                let m = Method::from_bytes(m.as_bytes())
+                    .map_err(|_| format!("{text:?}: {m:?} is not an HTTP method"))?;
+                (Some(m), t.trim())
+            }
+            None => (None, text.trim()),
+        };
+        if !template.starts_with('/') {
+            return Err(format!("{text:?}: a route template starts with /"));
+        }
+        let parts: Vec<&str> = template.split('/').skip(1).collect();
+        let mut segs = Vec::new();
+        for (i, p) in parts.iter().enumerate() {
+            let seg = match p.strip_prefix('{').and_then(|p| p.strip_suffix('}')) {
+                Some(name) if name.ends_with('*') => {
+                    if i + 1 != parts.len() {
+                        return Err(format!("{text:?}: {{{name}}} must be the last segment"));
+                    }
+                    Seg::Rest
+                }
+                Some(name) if !name.is_empty() && !name.contains(['{', '}']) => Seg::Param,
+                _ if p.contains(['{', '}']) => {
+                    return Err(format!(
+                        "{text:?}: a parameter is a whole segment, {{name}}"
+                    ))
+                }
+                _ => Seg::Lit(p.to_string()),
+            };
+            segs.push(seg);
+        }
+        let name = match &method {
+            Some(m) => format!("{m} {template}"),
+            None => String::new(),
+        };
+        Ok(Route {
+            method,
+            template: template.to_string(),
+            segs,
+            name,
+        })
+    }
+
+    fn matches_path(&self, path: &str) -> bool {
+        let mut parts = path.split('/').skip(1);
+        for seg in &self.segs {
+            match seg {
+                Seg::Rest => return true,
+                Seg::Lit(l) => {
+                    if parts.next() != Some(l.as_str()) {
+                        return false;
+                    }
+                }
+                Seg::Param => {
+                    if parts.next().is_none_or(str::is_empty) {
+                        return false;
+                    }
+                }
+            }
+        }
+        parts.next().is_none()
+    }
+}
+
+/// Where the procedure comes from, first that applies.
+#[derive(Debug, Clone)]
+pub struct ProcedureFrom {
+    /// The header naming the procedure of a non-gRPC request (`rpc-procedure` by default).
+    pub header: Option<HeaderName>,
+    /// Route templates tried in order.
+    pub routes: Vec<Route>,
+}
+
+impl Default for ProcedureFrom {
+    fn default() -> Self {
+        ProcedureFrom {
+            header: Some(HeaderName::from_static("rpc-procedure")),
+            routes: Vec::new(),
+        }
+    }
+}
+
+impl ProcedureFrom {
+    /// The procedure of a request: the gRPC method's path (`/pkg.Service/Method`) for gRPC,
+    /// else the header, else `METHOD template` of the first matching route, else
+    /// [`UNMATCHED_PROCEDURE`].
+    pub fn procedure<'a>(
+        &'a self,
+        grpc: bool,
+        method: &Method,
+        path: &'a str,
+        headers: &'a HeaderMap,
+    ) -> Cow<'a, str> {
+        if grpc {
+            return Cow::Borrowed(cut(path));
+        }
+        if let Some(v) = self
+            .header
+            .as_ref()
+            .and_then(|h| headers.get(h))
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
+            .filter(|v| !v.is_empty())
+        {
+            return Cow::Borrowed(cut(v));
+        }
+        for r in &self.routes {
+            match &r.method {
+                Some(m) if m == method && r.matches_path(path) => return Cow::Borrowed(&r.name),
+                None if METHODS.contains(method) && r.matches_path(path) => {
+                    return Cow::Owned(format!("{method} {}", r.template))
+                }
+                _ => {}
+            }
+        }
+        Cow::Borrowed(UNMATCHED_PROCEDURE)
+    }
+}
+
+/// Whether a request is a gRPC call (`content-type: application/grpc[+proto|;…]`).
+pub fn is_grpc(headers: &HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| {
+            v.strip_prefix("application/grpc")
+                .is_some_and(|r| r.is_empty() || r.starts_with(['+', ';']))
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.insert(HeaderName::from_static(k), v.parse().unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn patterns_map_names_to_callers() {
+        let check = |pat: &str, name: &str, want: Option<&str>| {
+            let p = NamePattern::parse(pat).unwrap();
+            assert_eq!(p.capture(name), want, "{pat} on {name}");
+        };
+        check(
+            "spiffe://*/ns/*/sa/{caller}",
+            "spiffe://cluster.local/ns/shop/sa/checkout",
+            Some("checkout"),
+        );
+        check(
+            "spiffe://*/ns/*/sa/{caller}",
+            "spiffe://cluster.local/ns/shop/sa/",
+            None,
+        );
+        check(
+            "spiffe://*/ns/*/sa/{caller}",
+            "spiffe://cluster.local/ns/a/b/sa/x",
+            None,
+        );
+        check(
+            "spiffe://*/ns/*/sa/{caller}",
+            "spiffe://td/ns/shop/sa/x/extra",
+            None,
+        );
+        check(
+            "{caller}.clients.example.com",
+            "gw.clients.example.com",
+            Some("gw"),
+        );
+        check(
+            "{caller}.clients.example.com",
+            "gw.clients.example.org",
+            None,
+        );
+        check(
+            "spiffe://td/{caller}",
+            "spiffe://td/payments",
+            Some("payments"),
+        );
+        for bad in [
+            "spiffe://*/sa/*",
+            "{caller}/{caller}",
+            "{who}.x",
+            "a{caller",
+        ] {
+            assert!(NamePattern::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn caller_comes_from_the_certificate_then_the_header_then_unknown() {
+        let from = CallerFrom::default();
+        let certs = vec![
+            "gw.internal".to_string(),
+            "spiffe://cluster.local/ns/shop/sa/checkout".to_string(),
+        ];
+        let h = headers(&[("rpc-caller", "spoofed")]);
+        assert_eq!(from.caller(&certs, &h), "checkout");
+        assert_eq!(from.caller(&[], &h), "spoofed");
+        assert_eq!(from.caller(&[], &HeaderMap::new()), UNKNOWN_CALLER);
+        assert_eq!(
+            from.caller(&[], &headers(&[("rpc-caller", "  ")])),
+            UNKNOWN_CALLER
+        );
+        // A certificate whose names match no pattern: the next source.
+        assert_eq!(from.caller(&["other.internal".into()], &h), "spoofed");
+        let none = CallerFrom {
+            header: None,
+            ..CallerFrom::default()
+        };
+        assert_eq!(none.caller(&[], &h), UNKNOWN_CALLER);
+        let xfcc = CallerFrom {
+            header: Some(HeaderName::from_static("x-forwarded-client-cert")),
+            ..CallerFrom::default()
+        };
+        let h = headers(&[(
+            "x-forwarded-client-cert",
+            "By=spiffe://td/ns/a/sa/b;Hash=ab;URI=spiffe://td/ns/x/sa/edge,By=spiffe://td/ns/a/sa/b;Hash=cd;URI=\"spiffe://td/ns/shop/sa/checkout\"",
+        )]);
+        assert_eq!(xfcc.caller(&[], &h), "checkout");
+        let long = "x".repeat(1000);
+        assert_eq!(
+            from.caller(&[], &headers(&[("rpc-caller", &long)])).len(),
+            MAX_KEY_LEN
+        );
+    }
+
+    #[test]
+    fn procedure_comes_from_grpc_then_header_then_routes_and_folds_the_rest() {
+        let from = ProcedureFrom {
+            routes: ["GET /users/{id}", "/static/{path*}", "POST /orders"]
+                .iter()
+                .map(|r| Route::parse(r).unwrap())
+                .collect(),
+            ..ProcedureFrom::default()
+        };
+        let none = HeaderMap::new();
+        let p = |grpc, m: Method, path: &str, h: &HeaderMap| {
+            from.procedure(grpc, &m, path, h).into_owned()
+        };
+        assert_eq!(
+            p(true, Method::POST, "/shop.Cart/Add", &none),
+            "/shop.Cart/Add"
+        );
+        let named = headers(&[("rpc-procedure", "charge")]);
+        assert_eq!(p(false, Method::GET, "/x", &named), "charge");
+        assert_eq!(p(false, Method::GET, "/users/42", &none), "GET /users/{id}");
+        assert_eq!(
+            p(false, Method::DELETE, "/users/42", &none),
+            UNMATCHED_PROCEDURE
+        );
+        assert_eq!(p(false, Method::GET, "/users/", &none), UNMATCHED_PROCEDURE);
+        assert_eq!(
+            p(false, Method::GET, "/users/42/x", &none),
+            UNMATCHED_PROCEDURE
+        );
+        assert_eq!(
+            p(false, Method::HEAD, "/static/a/b.css", &none),
+            "HEAD /static/{path*}"
+        );
+        assert_eq!(p(false, Method::POST, "/orders", &none), "POST /orders");
+        let odd = Method::from_bytes(b"SCAN").unwrap();
+        assert_eq!(p(false, odd, "/static/x", &none), UNMATCHED_PROCEDURE);
+        for path in ["/admin", "/.env", "/wp-login.php"] {
+            assert_eq!(p(false, Method::GET, path, &none), UNMATCHED_PROCEDURE);
+        }
+        for bad in ["users/{id}", "GET /a/{b*}/c", "G@T /a", "/a/x{y}"] {
+            assert!(Route::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn grpc_is_told_by_its_content_type() {
+        for (ct, want) in [
+            ("application/grpc", true),
+            ("application/grpc+proto", true),
+            ("application/grpc;charset=utf-8", true),
+            ("application/grpc-web", false),
+            ("application/json", false),
+        ] {
+            assert_eq!(is_grpc(&headers(&[("content-type", ct)])), want, "{ct}");
+        }
+        assert!(!is_grpc(&HeaderMap::new()));
+    }
+}

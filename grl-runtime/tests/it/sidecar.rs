@@ -1,0 +1,709 @@
+//! `grl sidecar` in front of services in another language: a Python HTTP service and a Python
+//! gRPC service (grpcio from PyPI, in a test venv), real `grl` controller, aggregator and
+//! sidecar processes on loopback.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use test_support::process::{free_port, Proc};
+
+use super::{
+    eventually, log_file, spawn_aggregator, spawn_controller, wait_up, CLIENT_TOKEN, TOKEN,
+};
+
+/// The grpcio release the gRPC tests install into their venv.
+const GRPCIO: &str = "1.85.1";
+
+/// A Python HTTP/1.1 service (keep-alive): answers every method with `ok METHOD PATH read=N`,
+/// N the request body's bytes read; `/slow?ms=N` answers after N ms.
+const PY_HTTP: &str = r#"
+import sys, time
+from http.server import ThreadingHTTPServer, BaseHTTPRequestHandler
+from urllib.parse import urlparse, parse_qs
+
+class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *a):
+        pass
+    def answer(self):
+        u = urlparse(self.path)
+        n = int(self.headers.get("content-length") or 0)
+        read = 0
+        while read < n:
+            chunk = self.rfile.read(min(65536, n - read))
+            if not chunk:
+                break
+            read += len(chunk)
+        if u.path == "/slow":
+            time.sleep(int(parse_qs(u.query).get("ms", ["1000"])[0]) / 1000)
+        body = ("ok %s %s read=%d\n" % (self.command, u.path, read)).encode()
+        self.send_response(200)
+        self.send_header("content-type", "text/plain")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    do_GET = do_POST = do_PUT = do_DELETE = answer
+
+ThreadingHTTPServer.daemon_threads = True
+ThreadingHTTPServer.request_queue_size = 256
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"#;
+
+/// A Python gRPC service: `/test.Echo/Say` (bytes in, bytes out) answers `hello CALLER REQ`
+/// and sets the trailing metadata `x-echo-trailer: yes`.
+const PY_GRPC_SERVER: &str = r#"
+import sys, grpc
+from concurrent import futures
+
+def say(req, ctx):
+    ctx.set_trailing_metadata((("x-echo-trailer", "yes"),))
+    md = dict(ctx.invocation_metadata())
+    return b"hello " + md.get("rpc-caller", "").encode() + b" " + req
+
+handler = grpc.method_handlers_generic_handler("test.Echo", {"Say": grpc.unary_unary_rpc_method_handler(say)})
+server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+server.add_generic_rpc_handlers((handler,))
+server.add_insecure_port("127.0.0.1:" + sys.argv[1])
+server.start()
+print("ready", flush=True)
+server.wait_for_termination()
+"#;
+
+/// A Python gRPC client: calls `/test.Echo/Say` as CALLER for SECS seconds through ADDR and
+/// prints the status codes it got, the last reply, trailer and pushback, as JSON.
+const PY_GRPC_CLIENT: &str = r#"
+import sys, json, time, grpc
+addr, caller, secs = sys.argv[1], sys.argv[2], float(sys.argv[3])
+ch = grpc.insecure_channel(addr, options=[("grpc.enable_http_proxy", 0)])
+say = ch.unary_unary("/test.Echo/Say")
+out = {"codes": {}, "reply": None, "trailer": None, "pushback": None}
+end = time.time() + secs
+while time.time() < end:
+    try:
+        resp, call = say.with_call(b"x", metadata=(("rpc-caller", caller),), timeout=5)
+        out["codes"]["OK"] = out["codes"].get("OK", 0) + 1
+        out["reply"] = resp.decode()
+        out["trailer"] = dict(call.trailing_metadata()).get("x-echo-trailer")
+    except grpc.RpcError as e:
+        c = e.code().name
+        out["codes"][c] = out["codes"].get(c, 0) + 1
+        if c == "RESOURCE_EXHAUSTED":
+            out["pushback"] = dict(e.trailing_metadata() or ()).get("grpc-retry-pushback-ms")
+    time.sleep(0.002)
+print(json.dumps(out))
+"#;
+
+fn write_script(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+/// The Python HTTP service on `port`.
+fn spawn_py_http(dir: &Path, port: u16) -> Proc {
+    let script = write_script(dir, "service.py", PY_HTTP);
+    Proc::spawn(
+        Command::new("/usr/bin/python3")
+            .arg(script)
+            .arg(port.to_string())
+            .stdout(Stdio::null())
+            .stderr(log_file(dir, &format!("py-http-{port}"))),
+    )
+    .unwrap()
+}
+
+/// A sidecar for `payments` on `port` (admin on `admin`) in front of `upstream`.
+fn spawn_sidecar(
+    dir: &Path,
+    port: u16,
+    admin: u16,
+    upstream: &str,
+    aggregators: &[&str],
+    extra: &[&str],
+) -> Proc {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_grl"));
+    cmd.args(["sidecar", "--listen", &format!("127.0.0.1:{port}")])
+        .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
+        .args(["--upstream", upstream, "--service", "payments"])
+        .args(["--zone", "z1", "--region", "r1", "--tick-ms", "200"]);
+    for a in aggregators {
+        cmd.args(["--aggregator", a]);
+    }
+    Proc::spawn(
+        cmd.args(extra)
+            .env("GRL_CLIENT_TOKEN", CLIENT_TOKEN)
+            .stdout(Stdio::null())
+            .stderr(log_file(dir, &format!("sidecar-{port}"))),
+    )
+    .unwrap()
+}
+
+async fn push_config(ctl: &str, version: &str, buckets: Value) {
+    let r = reqwest::Client::new()
+        .put(format!("{ctl}/v1/config"))
+        .bearer_auth(TOKEN)
+        .json(
+            &json!({"version": version, "services": [{"service": "payments", "buckets": buckets}]}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+}
+
+/// Waits until the sidecar behind `admin` has fresh drop ratios (it stopped failing open).
+async fn wait_fresh(admin: u16) {
+    let http = reqwest::Client::new();
+    eventually("sidecar has fresh drop ratios", || {
+        let http = http.clone();
+        async move {
+            match http
+                .get(format!("http://127.0.0.1:{admin}/metrics"))
+                .send()
+                .await
+            {
+                Ok(r) => r
+                    .text()
+                    .await
+                    .is_ok_and(|t| t.contains("grl_client_failing_open{service=\"payments\"} 0")),
+                Err(_) => false,
+            }
+        }
+    })
+    .await;
+}
+
+/// Counts of one paced stream of requests.
+#[derive(Default)]
+struct Counts {
+    ok: AtomicU64,
+    limited: AtomicU64,
+    other: AtomicU64,
+}
+
+/// Sends `rps` requests per second as `caller` to `url` until `stop`, counting the answers
+/// into `counts` (read and reset by the test); each request is its own task, so a slow answer
+/// does not slow the pace.
+fn paced(
+    url: String,
+    caller: &'static str,
+    rps: f64,
+    counts: Arc<Counts>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(10))
+            .build()
+            .unwrap();
+        let mut iv = tokio::time::interval(Duration::from_secs_f64(1.0 / rps));
+        iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+        while !stop.load(Ordering::Relaxed) {
+            iv.tick().await;
+            let (http, url, counts) = (http.clone(), url.clone(), counts.clone());
+            tokio::spawn(async move {
+                let r = http
+                    .get(&url)
+                    .header("rpc-caller", caller)
+                    .header("rpc-procedure", "charge")
+                    .send()
+                    .await;
+                let c = match r.map(|r| r.status().as_u16()) {
+                    Ok(200) => &counts.ok,
+                    Ok(429) => &counts.limited,
+                    _ => &counts.other,
+                };
+                c.fetch_add(1, Ordering::Relaxed);
+            });
+        }
+    })
+}
+
+fn take(c: &Counts) -> (u64, u64, u64) {
+    (
+        c.ok.swap(0, Ordering::Relaxed),
+        c.limited.swap(0, Ordering::Relaxed),
+        c.other.swap(0, Ordering::Relaxed),
+    )
+}
+
+/// Three sidecars in front of one Python service, one aggregator and one controller: caller
+/// `gw` offers 1.5 times its global limit, unevenly over the three (60/30/10 %); the fleet
+/// admits the limit within ±10 %, caller `web` is never refused, a refusal carries
+/// `Retry-After` and the RateLimit headers, and when the aggregator dies the sidecars fail
+/// open within a few seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_sidecars_hold_one_global_limit_and_fail_open_without_the_aggregator() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ctl_port, agg_port, py_port) = (free_port(), free_port(), free_port());
+    let ctl_url = format!("http://127.0.0.1:{ctl_port}");
+    let agg_url = format!("http://127.0.0.1:{agg_port}");
+    let _ctl = spawn_controller(ctl_port, &dir.path().join("state"), dir.path(), &[]);
+    wait_up(&format!("{ctl_url}/v1/status")).await;
+    const LIMIT: f64 = 40.0;
+    push_config(
+        &ctl_url,
+        "v1",
+        json!([{"name": "gw.charge", "caller": "gw", "procedure": "charge", "scope": "global",
+                "limit_rps": LIMIT, "mode": "enforce", "policy": "peak"}]),
+    )
+    .await;
+    let agg = spawn_aggregator(agg_port, &ctl_url, "agg-z1", dir.path());
+    wait_up(&format!("{agg_url}/healthz")).await;
+    let _py = spawn_py_http(dir.path(), py_port);
+    let upstream = format!("http://127.0.0.1:{py_port}");
+    let mut sidecars = Vec::new();
+    let mut ports = Vec::new();
+    for _ in 0..3 {
+        let (port, admin) = (free_port(), free_port());
+        sidecars.push(spawn_sidecar(
+            dir.path(),
+            port,
+            admin,
+            &upstream,
+            &[&agg_url],
+            &[],
+        ));
+        ports.push((port, admin));
+    }
+    for &(port, admin) in &ports {
+        wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
+        wait_up(&format!("http://127.0.0.1:{port}/")).await;
+        wait_fresh(admin).await;
+    }
+
+    // The answer comes from the Python service, through the sidecar.
+    let http = reqwest::Client::new();
+    let body = http
+        .post(format!("http://127.0.0.1:{}/charge", ports[0].0))
+        .header("rpc-caller", "web")
+        .body(vec![b'x'; 100_000])
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(body, "ok POST /charge read=100000\n");
+
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let gw: Vec<Arc<Counts>> = (0..3).map(|_| Arc::default()).collect();
+    let web: Arc<Counts> = Arc::default();
+    let mut tasks = Vec::new();
+    for (i, share) in [0.6, 0.3, 0.1].iter().enumerate() {
+        let url = format!("http://127.0.0.1:{}/charge", ports[i].0);
+        tasks.push(paced(
+            url,
+            "gw",
+            1.5 * LIMIT * share,
+            gw[i].clone(),
+            stop.clone(),
+        ));
+    }
+    let web_url = format!("http://127.0.0.1:{}/charge", ports[2].0);
+    tasks.push(paced(web_url, "web", 10.0, web.clone(), stop.clone()));
+
+    // Settle, then measure.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    for c in gw.iter().chain([&web]) {
+        take(c);
+    }
+    let t0 = Instant::now();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let secs = t0.elapsed().as_secs_f64();
+    let per: Vec<(u64, u64, u64)> = gw.iter().map(|c| take(c)).collect();
+    let (web_ok, web_limited, web_other) = take(&web);
+    let admitted: u64 = per.iter().map(|p| p.0).sum();
+    let limited: u64 = per.iter().map(|p| p.1).sum();
+    let failed: u64 = per.iter().map(|p| p.2).sum();
+    let rate = admitted as f64 / secs;
+    eprintln!("gw admitted {rate:.1} rps over the fleet (limit {LIMIT}); per sidecar ok/429/failed {per:?}");
+    assert_eq!(failed, 0, "gw requests failed: {per:?}");
+    assert!(
+        (rate - LIMIT).abs() <= 0.1 * LIMIT,
+        "gw admitted {rate:.1} rps over the fleet, limit {LIMIT} (per sidecar ok/429: {per:?}, {limited} refused)"
+    );
+    assert!(limited > 0, "{per:?}");
+    // Every sidecar both admitted and refused: one limit over the fleet, not per node.
+    assert!(per.iter().all(|p| p.0 > 0), "{per:?}");
+    assert_eq!(
+        (web_limited, web_other),
+        (0, 0),
+        "web was refused ({web_ok} ok)"
+    );
+    assert!(web_ok > 0);
+
+    // A refusal: 429, Retry-After and the RateLimit headers.
+    let mut seen = None;
+    for _ in 0..200 {
+        let r = http
+            .get(format!("http://127.0.0.1:{}/charge", ports[0].0))
+            .header("rpc-caller", "gw")
+            .header("rpc-procedure", "charge")
+            .send()
+            .await
+            .unwrap();
+        if r.status() == 429 {
+            seen = Some(r);
+            break;
+        }
+    }
+    let r = seen.expect("a 429 while gw is over its limit");
+    let h = |n: &str| r.headers().get(n).map(|v| v.to_str().unwrap().to_string());
+    assert_eq!(h("retry-after").as_deref(), Some("1"));
+    assert_eq!(
+        h("ratelimit-policy").as_deref(),
+        Some("\"gw.charge\";q=40;w=1")
+    );
+    assert_eq!(h("ratelimit").as_deref(), Some("\"gw.charge\";r=0;t=1"));
+
+    // The admin listener counts what the sidecar decided.
+    let m = http
+        .get(format!("http://127.0.0.1:{}/metrics", ports[0].1))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let sample = |name: &str| -> f64 {
+        m.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing:\n{m}"))
+    };
+    assert!(sample("grl_sidecar_requests_total{protocol=\"http\",decision=\"drop\"}") > 0.0);
+    assert!(sample("grl_sidecar_requests_total{protocol=\"http\",decision=\"admit\"}") > 0.0);
+    assert!(sample("grl_sidecar_refusals_total{reason=\"rate_limited\"}") > 0.0);
+    assert!(sample("grl_sidecar_added_latency_seconds_count") > 0.0);
+    assert!(
+        m.contains("grl_sidecar_info{service=\"payments\",zone=\"z1\",region=\"r1\""),
+        "{m}"
+    );
+
+    // The aggregator dies: the sidecars fail open (stale drop ratios stop dropping).
+    agg.kill();
+    let killed = Instant::now();
+    let mut open_after = None;
+    while killed.elapsed() < Duration::from_secs(20) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut all = true;
+        for &(_, admin) in &ports {
+            let m = http
+                .get(format!("http://127.0.0.1:{admin}/metrics"))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            all &= m.contains("grl_client_failing_open{service=\"payments\"} 1");
+        }
+        if all {
+            open_after = Some(killed.elapsed());
+            break;
+        }
+    }
+    let open_after = open_after.expect("the sidecars never failed open after the aggregator died");
+    // The staleness bound is 3 s; a report tick and the polling on top.
+    assert!(
+        open_after < Duration::from_secs(6),
+        "failed open after {open_after:?}"
+    );
+    // Open: gw is admitted in full.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for c in &gw {
+        take(c);
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let open: Vec<(u64, u64, u64)> = gw.iter().map(|c| take(c)).collect();
+    assert!(
+        open.iter().all(|p| p.0 > 0 && p.1 == 0 && p.2 == 0),
+        "failing open, gw ok/429/failed per sidecar: {open:?}"
+    );
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
+
+/// A Python gRPC service behind a sidecar: calls pass with their trailers; a caller over its
+/// limit gets RESOURCE_EXHAUSTED with `grpc-retry-pushback-ms` (never UNAVAILABLE, which
+/// clients retry on their own); another caller is untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_calls_pass_with_trailers_and_an_excess_caller_gets_resource_exhausted() {
+    let python = match test_support::venv::tool("grpcio", GRPCIO, "python") {
+        Ok(p) => p,
+        Err(e) => {
+            return test_support::skip(
+                "grpc_calls_pass_with_trailers_and_an_excess_caller_gets_resource_exhausted",
+                &format!("grpcio venv: {e:#}"),
+            )
+        }
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (ctl_port, agg_port, grpc_port) = (free_port(), free_port(), free_port());
+    let ctl_url = format!("http://127.0.0.1:{ctl_port}");
+    let agg_url = format!("http://127.0.0.1:{agg_port}");
+    let _ctl = spawn_controller(ctl_port, &dir.path().join("state"), dir.path(), &[]);
+    wait_up(&format!("{ctl_url}/v1/status")).await;
+    push_config(
+        &ctl_url,
+        "v1",
+        json!([{"name": "gw.say", "caller": "gw", "procedure": "/test.Echo/Say", "scope": "global",
+                "limit_rps": 20.0, "mode": "enforce", "policy": "peak"}]),
+    )
+    .await;
+    let _agg = spawn_aggregator(agg_port, &ctl_url, "agg-z1", dir.path());
+    wait_up(&format!("{agg_url}/healthz")).await;
+    let server = write_script(dir.path(), "server.py", PY_GRPC_SERVER);
+    let _srv = Proc::spawn(
+        Command::new(&python)
+            .arg(server)
+            .arg(grpc_port.to_string())
+            .stdout(Stdio::null())
+            .stderr(log_file(dir.path(), "py-grpc")),
+    )
+    .unwrap();
+    let (port, admin) = (free_port(), free_port());
+    let _sc = spawn_sidecar(
+        dir.path(),
+        port,
+        admin,
+        &format!("http://127.0.0.1:{grpc_port}"),
+        &[&agg_url],
+        &[],
+    );
+    wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
+    wait_fresh(admin).await;
+    let http = reqwest::Client::new();
+    eventually("the gRPC upstream is up", || {
+        let http = http.clone();
+        async move {
+            http.get(format!("http://127.0.0.1:{admin}/readyz"))
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 200)
+        }
+    })
+    .await;
+    let client = write_script(dir.path(), "client.py", PY_GRPC_CLIENT);
+    let run = move |caller: &str, secs: &str| {
+        let out = Command::new(&python)
+            .arg(&client)
+            .args([&format!("127.0.0.1:{port}"), caller, secs])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<Value>(&out.stdout).unwrap()
+    };
+    let gw = tokio::task::spawn_blocking({
+        let run = run.clone();
+        move || run("gw", "5")
+    });
+    let web = tokio::task::spawn_blocking(move || run("web", "5"));
+    let (gw, web) = (gw.await.unwrap(), web.await.unwrap());
+    let codes = |v: &Value| -> BTreeMap<String, u64> {
+        serde_json::from_value(v["codes"].clone()).unwrap()
+    };
+    let (gwc, webc) = (codes(&gw), codes(&web));
+    assert!(gwc.get("OK").copied().unwrap_or(0) > 0, "{gw}");
+    assert!(
+        gwc.get("RESOURCE_EXHAUSTED").copied().unwrap_or(0) > 0,
+        "{gw}"
+    );
+    assert_eq!(
+        gwc.keys()
+            .filter(|k| *k != "OK" && *k != "RESOURCE_EXHAUSTED")
+            .count(),
+        0,
+        "{gw}"
+    );
+    assert_eq!(gw["pushback"], "1000", "{gw}");
+    assert_eq!(gw["reply"], "hello gw x", "{gw}");
+    assert_eq!(gw["trailer"], "yes", "the service's trailers pass: {gw}");
+    assert_eq!(
+        webc.keys().collect::<Vec<_>>(),
+        ["OK"],
+        "web was refused: {web}"
+    );
+    let m = http
+        .get(format!("http://127.0.0.1:{admin}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        m.contains("grl_sidecar_requests_total{protocol=\"grpc\",decision=\"drop\"}"),
+        "{m}"
+    );
+}
+
+/// SIGTERM with requests in flight: they finish with the service's answer, new connections
+/// are refused, the sidecar exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_requests_in_flight_and_exits_0() {
+    let dir = tempfile::tempdir().unwrap();
+    let (py_port, port, admin) = (free_port(), free_port(), free_port());
+    let _py = spawn_py_http(dir.path(), py_port);
+    // No aggregator answers: the sidecar fails open and proxies everything.
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let mut sc = spawn_sidecar(
+        dir.path(),
+        port,
+        admin,
+        &format!("http://127.0.0.1:{py_port}"),
+        &[&dead],
+        &["--shutdown-grace-ms", "10000"],
+    );
+    wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
+    wait_up(&format!("http://127.0.0.1:{py_port}/")).await;
+    let http = reqwest::Client::new();
+    let inflight: Vec<_> = (0..3)
+        .map(|_| {
+            // A connection each: the drain must wait for every one.
+            let http = reqwest::Client::builder()
+                .pool_max_idle_per_host(0)
+                .build()
+                .unwrap();
+            tokio::spawn(async move {
+                let r = http
+                    .get(format!("http://127.0.0.1:{port}/slow?ms=2000"))
+                    .send()
+                    .await?;
+                let status = r.status().as_u16();
+                Ok::<_, reqwest::Error>((status, r.text().await?))
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    sc.signal(libc::SIGTERM);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        sc.0.try_wait().unwrap().is_none(),
+        "exited with requests in flight"
+    );
+    assert!(
+        tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_err(),
+        "a new connection was accepted after SIGTERM"
+    );
+    for t in inflight {
+        let (status, body) = t.await.unwrap().expect("the request in flight is answered");
+        assert_eq!((status, body.as_str()), (200, "ok GET /slow read=0\n"));
+    }
+    let st = sc
+        .wait_exit(Duration::from_secs(20))
+        .expect("exit after SIGTERM");
+    let log = std::fs::read_to_string(dir.path().join(format!("sidecar-{port}.log"))).unwrap();
+    assert_eq!(st.code(), Some(0), "exit {st}; log:\n{log}");
+    assert!(
+        log.contains("SIGTERM") && log.contains("sidecar shut down"),
+        "{log}"
+    );
+    drop(http);
+}
+
+/// Mutual TLS: the verified client certificate names the caller (through a pattern), and a
+/// header claiming another caller does not change it; the controller's `grl_calls_total`
+/// counts the call under the certificate's caller.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_verified_client_certificate_names_the_caller_over_any_header() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = test_support::tls::Ca::new("sidecar test CA");
+    let ca_path = ca.write(&dir.path().join("ca.pem"));
+    let (cert, key) = ca.server().write(dir.path(), "sidecar");
+    let client = ca.client("gw.clients.test");
+    let (ccert, ckey) = client.write(dir.path(), "client");
+    let (ctl_port, agg_port, py_port) = (free_port(), free_port(), free_port());
+    let ctl_url = format!("http://127.0.0.1:{ctl_port}");
+    let agg_url = format!("http://127.0.0.1:{agg_port}");
+    let _ctl = spawn_controller(ctl_port, &dir.path().join("state"), dir.path(), &[]);
+    wait_up(&format!("{ctl_url}/v1/status")).await;
+    push_config(
+        &ctl_url,
+        "v1",
+        json!([{"name": "gw.charge", "caller": "gw", "procedure": "charge", "scope": "global",
+                "limit_rps": 1000.0, "mode": "shadow", "policy": "peak"}]),
+    )
+    .await;
+    let _agg = spawn_aggregator(agg_port, &ctl_url, "agg-z1", dir.path());
+    wait_up(&format!("{agg_url}/healthz")).await;
+    let _py = spawn_py_http(dir.path(), py_port);
+    let (port, admin) = (free_port(), free_port());
+    let _sc = spawn_sidecar(
+        dir.path(),
+        port,
+        admin,
+        &format!("http://127.0.0.1:{py_port}"),
+        &[&agg_url],
+        &[
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+            "--tls-client-ca",
+            ca_path.to_str().unwrap(),
+            "--caller-cert-pattern",
+            "{caller}.clients.test",
+        ],
+    );
+    wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
+    wait_up(&format!("http://127.0.0.1:{py_port}/")).await;
+    let mut pem = client.cert_pem.clone().into_bytes();
+    pem.extend_from_slice(client.key_pem.as_bytes());
+    let _ = (ccert, ckey);
+    let https = reqwest::Client::builder()
+        .use_rustls_tls()
+        .add_root_certificate(reqwest::Certificate::from_pem(ca.pem().as_bytes()).unwrap())
+        .tls_built_in_root_certs(false)
+        .identity(reqwest::Identity::from_pem(&pem).unwrap())
+        .build()
+        .unwrap();
+    let url = format!("https://127.0.0.1:{port}/charge");
+    for _ in 0..20 {
+        let r = https
+            .get(&url)
+            .header("rpc-caller", "mallory")
+            .header("rpc-procedure", "charge")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    // Without a client certificate the handshake is refused.
+    let anonymous = reqwest::Client::builder()
+        .use_rustls_tls()
+        .add_root_certificate(reqwest::Certificate::from_pem(ca.pem().as_bytes()).unwrap())
+        .tls_built_in_root_certs(false)
+        .build()
+        .unwrap();
+    assert!(anonymous.get(&url).send().await.is_err());
+    let http = reqwest::Client::new();
+    eventually("the controller counts gw's calls", || {
+        let http = http.clone();
+        let u = format!("{ctl_url}/metrics");
+        async move {
+            let m = http.get(u).send().await.unwrap().text().await.unwrap();
+            m.lines().any(|l| {
+                l.starts_with(
+                    "grl_calls_total{service=\"payments\",caller=\"gw\",procedure=\"charge\"}",
+                ) && l.ends_with(" 20")
+            }) && !m.contains("caller=\"mallory\"")
+        }
+    })
+    .await;
+}
