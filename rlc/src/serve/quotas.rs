@@ -217,6 +217,16 @@ impl Quotas {
             .map_err(|e| format!("reading the config repo: {e}"))
     }
 
+    /// The bucket files of the base tip as last fetched (no network) with its commit: what the
+    /// controller should run. The dashboard lists every bucket from it.
+    pub async fn base_buckets(&self) -> Result<(String, Vec<schema::BucketFile>), String> {
+        let wcfg = self.writer_config();
+        tokio::task::spawn_blocking(move || Writer::open_existing(wcfg)?.base_buckets())
+            .await
+            .map_err(|e| format!("reading the config repo: {e}"))?
+            .map_err(|e| format!("reading the config repo: {e}"))
+    }
+
     async fn base_tip(&self) -> Result<String, Problem> {
         let wcfg = self.writer_config();
         tokio::task::spawn_blocking(move || Writer::open_existing(wcfg)?.base_tip())
