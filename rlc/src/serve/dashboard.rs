@@ -1006,6 +1006,7 @@ fn run_summary(r: &RunRecord) -> Markup {
 }
 
 pub mod bucket;
+pub mod lookback;
 pub mod overview;
 pub mod run_page;
 

@@ -561,6 +561,21 @@ fn history_info_with(c: &Computed, last_pull_error: Option<String>) -> HistoryIn
 }
 
 impl Computed {
+    /// The history snapshot it was computed from.
+    pub fn snapshot(&self) -> &Arc<Snapshot> {
+        &self.snapshot
+    }
+
+    /// The plan.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// When it was computed.
+    pub fn computed_at(&self) -> DateTime<Utc> {
+        self.computed_at
+    }
+
     fn response(&self, q: &Quotas, service: Option<&str>) -> QuotasResponse {
         self.response_with(service, q.cache.last_error())
     }

@@ -206,6 +206,10 @@ pub struct BucketDetail {
     /// The incident overrides acting on the bucket now, as rlc last saw them on the
     /// controller.
     pub overrides: Vec<OverrideView>,
+    /// The history the quota is computed from (the daemon's history snapshot), with what the
+    /// latest computed plan read from it; null before the first pull, without a config repo,
+    /// or when the history has no series of the bucket.
+    pub lookback: Option<super::lookback::Lookback>,
 }
 
 /// The limit in force of a bucket: its entry in the config repo's base branch.
@@ -219,6 +223,10 @@ pub struct InForce {
     pub policy: String,
     /// The base branch's commit it was read at.
     pub commit: String,
+    /// The bucket's caller (null: any caller).
+    pub caller: Option<String>,
+    /// The bucket's procedure (null: any procedure).
+    pub procedure: Option<String>,
 }
 
 /// An incident override acting on a bucket.
@@ -332,6 +340,8 @@ struct Missing {
     overrides: bool,
     /// Why the config repo's bucket could not be read, if it could not.
     config: Option<String>,
+    /// Why the page has no lookback chart.
+    no_lookback: &'static str,
     errors: Vec<DashError>,
 }
 
@@ -379,7 +389,76 @@ async fn in_force(s: &AppState, service: &str, bucket: &str) -> Result<Option<In
             mode: b.mode.as_str().to_string(),
             policy: b.policy.to_string(),
             commit: commit.clone(),
+            caller: b.caller.clone(),
+            procedure: b.procedure.clone(),
         }))
+}
+
+/// The bucket's lookback from the quota API's latest plan and its snapshot (else the latest
+/// snapshot alone), from memory; or why there is none.
+fn lookback(
+    s: &AppState,
+    service: &str,
+    bucket: &str,
+    in_force: Option<&InForce>,
+) -> Result<super::lookback::Lookback, &'static str> {
+    let q = s
+        .quotas()
+        .ok_or("No config repo on this server: no history is read.")?;
+    let computed = q.latest();
+    let snapshot = computed
+        .as_ref()
+        .map(|c| c.snapshot().clone())
+        .or_else(|| q.cache.latest())
+        .ok_or("No history pulled yet (the first run or GET /v1/quotas pulls it).")?;
+    let planned = computed.as_ref().and_then(|c| {
+        c.plan()
+            .buckets
+            .iter()
+            .find(|b| b.service == service && b.bucket.name == bucket)
+            .cloned()
+    });
+    let (caller, procedure) = match (in_force, &planned) {
+        (Some(f), _) => (f.caller.clone(), f.procedure.clone()),
+        (None, Some(p)) => (p.bucket.caller.clone(), p.bucket.procedure.clone()),
+        (None, None) => return Err("The bucket is not in the config repo or the plan."),
+    };
+    let (start, step, points, series) = super::lookback::from_history(
+        &snapshot.history,
+        service,
+        caller.as_deref(),
+        procedure.as_deref(),
+    )
+    .ok_or("The history has no series of this bucket.")?;
+    let at = |t: i64| DateTime::<Utc>::from_timestamp(t, 0).unwrap_or_default();
+    Ok(super::lookback::Lookback {
+        start: at(start),
+        end: at(start + step * points.len() as i64),
+        step_secs: step,
+        points,
+        series,
+        pulled_at: snapshot.pulled_at,
+        source: snapshot.source.clone(),
+        computed: planned.zip(computed).map(|(p, c)| {
+            let f = p
+                .evidence
+                .policy
+                .as_ref()
+                .map(|e| e.figures())
+                .unwrap_or_default();
+            super::lookback::Computed {
+                policy: p.bucket.policy.to_string(),
+                statistic: f.statistic,
+                statistic_rps: f.value_rps,
+                forecast_upper_bound_rps: f.upper_bound_rps,
+                headroom: f.headroom,
+                limit_rps: p.bucket.limit_rps,
+                capped_from_rps: p.evidence.capped_from,
+                explain: p.evidence.explain.clone(),
+                computed_at: c.computed_at(),
+            }
+        }),
+    })
 }
 
 /// Whether a bucket is unknown: not in the config repo (when there is one and it was read)
@@ -481,6 +560,7 @@ async fn detail(
         quota_history,
         in_force,
         overrides,
+        lookback: None,
     };
     Ok((detail, missing))
 }
@@ -516,6 +596,8 @@ pub(in crate::serve) async fn bucket_json(
     if unknown(&d, &missing, config_read) {
         return Err(not_found(&service, &bucket, s.quotas().is_some()));
     }
+    let mut d = d;
+    d.lookback = lookback(&s, &service, &bucket, d.in_force.as_ref()).ok();
     if let Some(e) = missing.errors.into_iter().next() {
         return Err(e);
     }
@@ -556,9 +638,13 @@ pub(in crate::serve) async fn bucket_page(
                 ),
             )
         }
-        Ok((d, mut missing)) => {
+        Ok((mut d, mut missing)) => {
             if let Some(p) = config_problem {
                 missing.config = Some(p);
+            }
+            match lookback(&s, &service, &bucket, d.in_force.as_ref()) {
+                Ok(l) => d.lookback = Some(l),
+                Err(why) => missing.no_lookback = why,
             }
             (
                 missing
@@ -602,7 +688,11 @@ const MARKERS_UP_TO: usize = 90;
 
 /// An SVG path through `values` (x by index): a missing value ends the line, so gaps show as
 /// gaps. An isolated point is drawn as a dot.
-fn path(values: &[Option<f64>], x: impl Fn(usize) -> f64, y: impl Fn(f64) -> f64) -> String {
+pub(super) fn path(
+    values: &[Option<f64>],
+    x: impl Fn(usize) -> f64,
+    y: impl Fn(f64) -> f64,
+) -> String {
     let mut d = String::new();
     let mut open = false;
     for (i, v) in values.iter().enumerate() {
@@ -653,7 +743,7 @@ fn step_path(values: &[Option<f64>], x: impl Fn(usize) -> f64, y: impl Fn(f64) -
 }
 
 /// `v` with one decimal: coordinates and figures.
-fn dec1(v: f64) -> String {
+pub(super) fn dec1(v: f64) -> String {
     format!("{v:.1}")
 }
 
@@ -797,7 +887,8 @@ fn chart(s: &Series, d: &BucketDetail) -> Markup {
                     @if markers && !*step {
                         @for (i, v) in values.iter().enumerate() {
                             @if let Some(v) = v {
-                                circle class={ "marker " (name) } cx=(dec1(mid(i))) cy=(dec1(y(*v))) r="3.5" {
+                                circle class={ "marker " (name) } cx=(dec1(mid(i))) cy=(dec1(y(*v)))
+                                    r=(if *name == "offered" { "5" } else { "3" }) {
                                     title { (label_of(name)) " " (rate(*v)) " requests/s at " (when(s.points[i].t)) " UTC" }
                                 }
                             }
@@ -911,14 +1002,12 @@ fn sections(d: &BucketDetail, missing: &Missing, links: &Links) -> Markup {
         section {
             h2 { "Traffic" }
             p class="muted" {
-                "Requests per second, per-minute averages (the highest minute of each step of "
-                (step_words(d.step_secs)) " on long windows) as the controller reported them: "
-                span class="key offered" { "offered" } " "
-                span class="key admitted" { "admitted" } " "
-                span class="key limit" { "limit (step line)" } " "
-                span class="key virtual-drops" { "virtual drops" } " "
-                span class="key drops" { "real drops" }
-                "; shaded: no reports (a gap in the report feed, not zero traffic)."
+                "Requests per second as the controller reported them, per-minute averages"
+                @if d.step_secs > 60 {
+                    " (each point: the busiest minute of its " (step_words(d.step_secs)) " step)"
+                }
+                "; the limit is a step line (the limit of each step's latest report); shaded: \
+                 no reports (a gap in the report feed, not zero traffic)."
             }
             @if missing.chart {
                 p class="err" id="chart-not-loaded" { "Not loaded (see above)." }
@@ -932,6 +1021,7 @@ fn sections(d: &BucketDetail, missing: &Missing, links: &Links) -> Markup {
                 p class="muted" { (d.scopes_cut) " more scope keys not charted." }
             }
         }
+        (super::lookback::section(d.lookback.as_ref(), missing.no_lookback))
         section {
             h2 { "Quota history" }
             @if missing.history {
@@ -1155,6 +1245,15 @@ svg line.axis, svg line.tick { stroke: #9aa5b8; }
 svg text.legend { font-size: 12px; fill: #39445a; }
 svg text.unit { font-size: 11px; fill: #56627a; }
 .big { font-size: 22px; font-weight: 700; }
+svg path.history { stroke: #1f6feb; stroke-width: 1.5; }
+svg line.key.history { stroke: #1f6feb; }
+svg line.level { stroke-width: 1.5; }
+svg line.level.statistic, svg line.level.forecast { stroke: #e36209; stroke-dasharray: 4 3; }
+svg line.level.proposed { stroke: #2a9d4b; }
+svg text.level { font-size: 11px; font-weight: 600; }
+svg text.level.statistic, svg text.level.forecast { fill: #b24d05; }
+svg text.level.proposed { fill: #1e7a3a; }
+svg rect.headroom { fill: #2a9d4b; opacity: .10; }
 pre.summary { white-space: pre-wrap; font-size: 13px; background: #f7f9fc; padding: 10px; }
 svg rect.gap { fill: #eceff4; }
 svg line.grid { stroke: #e3e7ee; }

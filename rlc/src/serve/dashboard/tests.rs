@@ -1257,6 +1257,21 @@ buckets:
 
 /// A config repo (git, branch main) with `files`, and a state serving it with `store`.
 fn config_state(dir: &std::path::Path, store: Store, files: &[(&str, &str)]) -> AppState {
+    config_state_with(
+        dir,
+        store,
+        files,
+        "history:\n  prometheus:\n    url: http://127.0.0.1:9\n    query: up\nconfig_repo:\n  path: wc\n",
+    )
+}
+
+/// [`config_state`] with this rlc.yaml.
+fn config_state_with(
+    dir: &std::path::Path,
+    store: Store,
+    files: &[(&str, &str)],
+    rlc_yaml: &str,
+) -> AppState {
     let wc = dir.join("wc");
     for (path, text) in files {
         let p = wc.join(path);
@@ -1276,12 +1291,9 @@ fn config_state(dir: &std::path::Path, store: Store, files: &[(&str, &str)]) -> 
         "-m",
         "buckets",
     ]);
-    let cfg: schema::DaemonConfig = schema::parse_str(
-        std::path::Path::new("rlc.yaml"),
-        "history:\n  prometheus:\n    url: http://127.0.0.1:9\n    query: up\nconfig_repo:\n  path: wc\n",
-    )
-    .unwrap()
-    .value;
+    let cfg: schema::DaemonConfig = schema::parse_str(std::path::Path::new("rlc.yaml"), rlc_yaml)
+        .unwrap()
+        .value;
     let cache = std::sync::Arc::new(crate::history::snapshot::HistoryCache::new(
         cfg.clone(),
         dir,
@@ -1584,7 +1596,7 @@ async fn operator_pages_in_headless_chromium() {
         chromium_run(
             &[
                 format!("--screenshot={}", file.display()),
-                "--window-size=1280,1400".into(),
+                "--window-size=1280,2000".into(),
                 "--hide-scrollbars".into(),
                 "--virtual-time-budget=5000".into(),
             ],
@@ -1598,4 +1610,88 @@ async fn operator_pages_in_headless_chromium() {
         );
         println!("screenshot: {}", file.display());
     }
+}
+
+/// The bucket page charts the history its quota is computed from: eight days of 10-minute
+/// samples (one burst), at most 360 points each holding the busiest sample of its step, with
+/// the level the plan read from it and the limit it proposes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bucket_page_charts_the_history_the_quota_is_computed_from() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::connect("sqlite://rlc.db", dir.path()).await.unwrap();
+    let end = Utc::now().timestamp() / 600 * 600;
+    let burst = end - 3 * 86_400;
+    let mut csv = String::from("ts,service,caller,procedure,rps\n");
+    let mut t = end - 8 * 86_400;
+    while t <= end {
+        let rps = if t == burst { 300.0 } else { 100.0 };
+        csv.push_str(&format!("{t},payments,web,charge,{rps}\n"));
+        t += 600;
+    }
+    std::fs::write(dir.path().join("history.csv"), csv).unwrap();
+    let state = config_state_with(
+        dir.path(),
+        store,
+        &[
+            (
+                "buckets/payments.yaml",
+                "service: payments\nbuckets:\n  - name: web.charge\n    caller: web\n    procedure: charge\n    limit_rps: 90\n    mode: shadow\n    policy: peak\n",
+            ),
+            ("rlc/policies.yaml", "default:\n  policy: peak\n  headroom: 0.25\n"),
+        ],
+        "history:\n  file: history.csv\n  lookback: 8d\n  step: 10m\nconfig_repo:\n  path: wc\n",
+    );
+    // Before any pull: the page says so, nothing is pulled for it.
+    let (_, html) = get(&state, "/buckets/payments/web.charge").await;
+    assert!(html.contains(r#"id="no-lookback""#), "{html}");
+    assert!(html.contains("No history pulled yet"), "{html}");
+    // The quota API computes a plan (pulling the history).
+    let (status, q) = get_json(&state, "/v1/quotas").await;
+    assert_eq!(status, StatusCode::OK, "{q}");
+    let (status, v) = get_json(&state, "/v1/shadow/payments/web.charge").await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let l = &v["lookback"];
+    let points = l["points"].as_array().unwrap();
+    assert!(points.len() <= 360 && points.len() >= 280, "{}", points.len());
+    assert_eq!(l["step_secs"].as_i64().unwrap() % 600, 0);
+    let top = points.iter().filter_map(|p| p.as_f64()).fold(0.0, f64::max);
+    assert_eq!(top, 300.0, "the burst stays visible: {l}");
+    let planned = q["buckets"][0]["limit_rps"].as_f64().unwrap();
+    assert_eq!(l["computed"]["limit_rps"].as_f64(), Some(planned), "{l}");
+    assert_eq!(l["computed"]["policy"], "peak");
+    assert_eq!(l["computed"]["headroom"], 0.25, "{l}");
+    let stat = l["computed"]["statistic_rps"].as_f64().expect("the statistic");
+    let (_, html) = get(&state, "/buckets/payments/web.charge?window=1h").await;
+    let chart = html.split("id=\"lookback-chart\"").nth(1).expect("lookback chart");
+    let chart = &chart[..chart.find("</svg>").unwrap()];
+    assert!(chart.contains("data-level=\"statistic\""), "{chart}");
+    assert!(chart.contains("data-level=\"proposed\""), "{chart}");
+    assert!(chart.contains(&format!("proposed limit {} (headroom +25%)", rate(planned))), "{chart}");
+    // A rail that moved the policy's limit is named with the figure it moved it from.
+    if let Some(from) = l["computed"]["capped_from_rps"].as_f64() {
+        assert!(chart.contains(&format!("capped from {} by a rail", rate(from))), "{chart}");
+    }
+    if planned > stat {
+        assert!(chart.contains("<rect class=\"headroom\""), "{chart}");
+    }
+    assert!(chart.matches("class=\"tick time\"").count() >= 4, "{chart}");
+    assert!(chart.contains(">requests/s</text>"));
+    // For a person to look at: the page in a browser, in the test's screenshots.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!(
+        "http://{}/buckets/payments/web.charge?window=7d",
+        listener.local_addr().unwrap()
+    );
+    tokio::spawn(axum::serve(listener, app(state)).into_future());
+    let file = screenshot_dir().join("bucket-lookback.png");
+    chromium_run(
+        &[
+            format!("--screenshot={}", file.display()),
+            "--window-size=1280,1400".into(),
+            "--hide-scrollbars".into(),
+        ],
+        &url,
+    )
+    .await;
+    assert!(std::fs::metadata(&file).unwrap().len() > 10_000);
 }
