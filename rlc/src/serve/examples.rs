@@ -96,13 +96,7 @@ fn example_for(
         let title = status
             .and_then(|s| s.canonical_reason())
             .unwrap_or("Error");
-        let detail = description
-            .split_inclusive(". ")
-            .next()
-            .unwrap_or(description)
-            .trim()
-            .trim_end_matches('.')
-            .to_string();
+        let detail = description.trim().trim_end_matches('.').to_string();
         let compat = media
             .schema
             .as_ref()

@@ -82,8 +82,10 @@ pub fn error_page(title: &str, message: &str) -> String {
 
 /// The lines of a run's summary that say what it held or left for review, and why.
 fn held_lines(summary: &str) -> Vec<&str> {
+    // The first line is the run's status line (`rlc run (schedule): held`).
     summary
         .lines()
+        .skip(1)
         .map(str::trim)
         .filter(|l| {
             let l = l.to_ascii_lowercase();
