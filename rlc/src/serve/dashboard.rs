@@ -665,7 +665,7 @@ table { border-collapse: collapse; width: 100%; font-size: 14px; }
 th { text-align: left; font-size: 11px; text-transform: uppercase; letter-spacing: .03em;
   color: #56627a; border-bottom: 2px solid #dde3ec; padding: 6px 8px; vertical-align: bottom; }
 td { border-bottom: 1px solid #edf0f5; padding: 6px 8px; vertical-align: top; }
-td.name { max-width: 320px; overflow-wrap: normal; word-break: keep-all; hyphens: none; }
+td.name { min-width: 7em; max-width: 320px; overflow-wrap: normal; word-break: keep-all; hyphens: none; }
 .nowrap { white-space: nowrap; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 th.num { text-align: right; }

@@ -747,6 +747,24 @@ pub(super) fn dec1(v: f64) -> String {
     format!("{v:.1}")
 }
 
+/// Round rate ticks from 0 up to above `max` (a step of 1, 2, 2.5 or 5 × 10^k, four to six
+/// intervals), and the scale's top (the last tick).
+pub fn rate_ticks(max: f64) -> (Vec<f64>, f64) {
+    let max = if max.is_finite() { max.max(1.0) } else { 1.0 };
+    let raw = max / 4.0;
+    let mag = 10f64.powf(raw.log10().floor());
+    let step = [1.0, 2.0, 2.5, 5.0, 10.0]
+        .into_iter()
+        .map(|m| m * mag)
+        .find(|s| *s >= raw)
+        .unwrap_or(10.0 * mag);
+    // A little room above the highest value.
+    let n = ((max * 1.05) / step).ceil().max(1.0) as usize;
+    let ticks: Vec<f64> = (0..=n).map(|i| i as f64 * step).collect();
+    let top = n as f64 * step;
+    (ticks, top)
+}
+
 /// Time ticks for `[start, end)`: the first interval of a fixed ladder (1 min to 7 days) that
 /// gives at most 8 ticks, at its multiples (unix time, so days start at 00:00 UTC), each
 /// with its label (`HH:MM`, with the date when the window spans more than a day).
@@ -793,9 +811,8 @@ fn chart(s: &Series, d: &BucketDetail) -> Markup {
         .iter()
         .flat_map(|p| [p.offered_rps, p.limit_rps, p.virtual_drop_rps, p.drop_rps])
         .flatten()
-        .fold(0.0f64, f64::max)
-        .max(1.0)
-        * 1.1;
+        .fold(0.0f64, f64::max);
+    let (rate_ticks, top) = rate_ticks(top);
     let x = |i: usize| LEFT + plot_w * i as f64 / n as f64;
     let mid = |i: usize| x(i) + plot_w / n as f64 / 2.0;
     let y = |v: f64| TOP + plot_h * (1.0 - v / top);
@@ -855,8 +872,7 @@ fn chart(s: &Series, d: &BucketDetail) -> Markup {
                     }
                 }
                 // Rate axis: 0, a quarter, half, three quarters and the top of the scale.
-                @for frac in [0.0, 0.25, 0.5, 0.75, 1.0] {
-                    @let v = top / 1.1 * frac;
+                @for v in rate_ticks.iter().copied() {
                     line class="grid" x1=(LEFT) x2=(dec1(LEFT + plot_w)) y1=(dec1(y(v)))
                         y2=(dec1(y(v))) {}
                     text class="tick" x=(dec1(LEFT - 4.0)) y=(dec1(y(v) + 4.0)) text-anchor="end" {
@@ -1063,7 +1079,8 @@ fn in_force_section(d: &BucketDetail, links: &Links) -> Markup {
                             "The controller's latest report in this window says " (rate(rep))
                             " requests/s: it had not applied this limit yet then"
                             @if !d.overrides.is_empty() { ", or an incident override set it" }
-                            "."
+                            ". The virtual and real drops and the verdict below were counted \
+                             against the reported limit."
                         }
                     }
                 }

@@ -156,9 +156,8 @@ pub fn chart(l: &Lookback) -> Markup {
         .flatten()
         .copied()
         .chain(levels.iter().map(|(_, _, v)| *v))
-        .fold(0.0f64, f64::max)
-        .max(1.0)
-        * 1.1;
+        .fold(0.0f64, f64::max);
+    let (rate_ticks, top) = super::bucket::rate_ticks(top);
     let x = |i: usize| LEFT + plot_w * i as f64 / n as f64;
     let mid = |i: usize| x(i) + plot_w / n as f64 / 2.0;
     let y = |v: f64| TOP + plot_h * (1.0 - v / top);
@@ -180,8 +179,7 @@ pub fn chart(l: &Lookback) -> Markup {
                         }
                     }
                 }
-                @for frac in [0.0, 0.25, 0.5, 0.75, 1.0] {
-                    @let v = top / 1.1 * frac;
+                @for v in rate_ticks.iter().copied() {
                     line class="grid" x1=(LEFT) x2=(dec1(LEFT + plot_w)) y1=(dec1(y(v)))
                         y2=(dec1(y(v))) {}
                     text class="tick" x=(dec1(LEFT - 4.0)) y=(dec1(y(v) + 4.0)) text-anchor="end" {

@@ -1500,6 +1500,17 @@ async fn bucket_page_shows_the_limit_in_force_overrides_and_readable_charts() {
 }
 
 #[test]
+fn rate_ticks_are_round_and_above_the_highest_value() {
+    for (max, want_step) in [(144.0, 50.0), (98.4, 25.0), (1.0, 0.25), (3180.0, 1000.0), (0.0, 0.25)] {
+        let (ticks, top) = bucket::rate_ticks(max);
+        assert_eq!(ticks[0], 0.0);
+        assert_eq!(ticks[1], want_step, "{max}: {ticks:?}");
+        assert!((4..=7).contains(&ticks.len()), "{max}: {ticks:?}");
+        assert!(top >= max && top == *ticks.last().unwrap(), "{max}: {ticks:?}");
+    }
+}
+
+#[test]
 fn time_ticks_are_round_and_few() {
     let t = |h: u32, m: u32| Utc.with_ymd_and_hms(2026, 11, 30, h, m, 0).unwrap();
     let ticks = bucket::time_ticks(t(10, 3), t(11, 3));
