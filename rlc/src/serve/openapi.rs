@@ -423,20 +423,22 @@ fn html_store_errors(op: TransformOperation<'_>) -> TransformOperation<'_> {
 
 fn page_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
     let op = op
-        .summary("Shadow-mode dashboard (HTML)")
+        .summary("Dashboard overview (HTML)")
         .description(
-            "One server-rendered page: what new or risky quotas would do before they are \
-             enforced, and the recent runs. No script; every value escaped. A bad `window` \
-             or a store that is unavailable renders the page with the error and status \
-             400 / 503 / 500.",
+            "One server-rendered page: every bucket of the config repo and every bucket that \
+             reported, most in need of attention first (enforced buckets dropping real \
+             requests, shadow buckets that would drop, stale, silent, ok), filtered by \
+             `service`, `mode` and `verdict`, and the recent runs. No script; every value \
+             escaped. A bad `window`, `mode` or `verdict`, or a store that is unavailable, \
+             renders the page with the error and status 400 / 503 / 500.",
         )
         .response_with::<200, Html<String>, _>(|r| r.description("The dashboard."));
     let op = html_store_errors(op);
     let op = problem(
         op,
         400,
-        "A query parameter of the wrong type (problem details), or a bad `window` (the page, \
-         as HTML, with the error).",
+        "A query parameter of the wrong type (problem details), or a bad `window`, `mode` or \
+         `verdict` (the page, as HTML, with the error).",
     );
     html_too(op, 400)
 }
