@@ -836,8 +836,10 @@ fn chart(s: &Series, d: &BucketDetail) -> Markup {
     let get = |f: fn(&Point) -> Option<f64>| s.points.iter().map(f).collect::<Vec<_>>();
     let lines: Vec<Line> = [
         ("limit", "limit", get(|p| p.limit_rps), true),
-        ("offered", "offered", get(|p| p.offered_rps), false),
+        // Admitted under offered, wider: where nothing was really dropped the two coincide,
+        // and admitted shows as a band around the offered line.
         ("admitted", "admitted", get(|p| p.admitted_rps), false),
+        ("offered", "offered", get(|p| p.offered_rps), false),
         ("virtual-drops", "virtual drops", get(|p| p.virtual_drop_rps), false),
         ("drops", "real drops", get(|p| p.drop_rps), false),
     ]
@@ -904,7 +906,7 @@ fn chart(s: &Series, d: &BucketDetail) -> Markup {
                         @for (i, v) in values.iter().enumerate() {
                             @if let Some(v) = v {
                                 circle class={ "marker " (name) } cx=(dec1(mid(i))) cy=(dec1(y(*v)))
-                                    r=(if *name == "offered" { "5" } else { "3" }) {
+                                    r=(match *name { "admitted" => "7", "offered" => "4", _ => "3" }) {
                                     title { (label_of(name)) " " (rate(*v)) " requests/s at " (when(s.points[i].t)) " UTC" }
                                 }
                             }
@@ -1251,10 +1253,12 @@ svg path.offered { stroke: #1f6feb; }
 svg path.limit { stroke: #7a8499; stroke-dasharray: 6 4; }
 svg path.virtual-drops { stroke: #e36209; }
 svg path.drops { stroke: #c1121f; }
-svg path.admitted { stroke: #2a9d4b; stroke-dasharray: 2 3; }
+svg path.admitted { stroke: #2a9d4b; stroke-width: 6; opacity: .35; }
+svg circle.admitted { opacity: .45; }
 svg line.key { stroke-width: 3; }
 svg line.key.offered, svg circle.offered { stroke: #1f6feb; fill: #1f6feb; }
 svg line.key.admitted, svg circle.admitted { stroke: #2a9d4b; fill: #2a9d4b; }
+svg line.key.admitted { stroke-width: 6; opacity: .35; }
 svg line.key.limit { stroke: #7a8499; stroke-dasharray: 6 4; }
 svg line.key.virtual-drops, svg circle.virtual-drops { stroke: #e36209; fill: #e36209; }
 svg line.key.drops, svg circle.drops { stroke: #c1121f; fill: #c1121f; }
