@@ -1601,6 +1601,22 @@ async fn operator_pages_in_headless_chromium() {
     assert!(dom.contains("id=\"op-get-v1-shadow\""), "{dom}");
     assert!(dom.contains("class=\"example\""), "{dom}");
     assert!(dom.contains("Send GET"), "{dom}");
+    // Trying a GET from the page: `?send` sends the operation's request at once; the answer
+    // (status, type, body) is shown in the page.
+    let dom = chromium_run(
+        &["--dump-dom".into(), "--virtual-time-budget=10000".into()],
+        &format!("{base}/docs?send#op-get-v1-runs"),
+    )
+    .await;
+    let result = dom
+        .split("id=\"op-get-v1-runs\"")
+        .nth(1)
+        .and_then(|s| s.split("<pre class=\"result\">").nth(1))
+        .and_then(|s| s.split("</pre>").next())
+        .unwrap_or_else(|| panic!("the answer shown: {dom}"));
+    assert!(result.starts_with("GET /v1/runs\n200 OK"), "{result}");
+    assert!(result.contains("content-type: application/json"), "{result}");
+    assert!(result.contains("\"status\": \"held\""), "the run in the answer: {result}");
     let dir = screenshot_dir();
     for (name, url) in pages {
         let file = dir.join(format!("{name}.png"));
