@@ -35,6 +35,7 @@ pub mod openapi;
 pub mod previews;
 pub mod problem;
 pub mod quotas;
+mod examples;
 mod reports;
 pub mod runs;
 

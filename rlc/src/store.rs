@@ -260,6 +260,28 @@ pub struct QuotaChange {
     pub evidence: String,
 }
 
+/// One bucket change a run recorded (its page lists them).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow)]
+pub struct RunChange {
+    /// Callee service.
+    pub service: String,
+    /// Bucket name.
+    pub bucket: String,
+    /// added | removed | raised | lowered | modified.
+    pub change: String,
+    /// Limit before.
+    pub previous_limit_rps: Option<f64>,
+    /// Limit after (none when removed).
+    pub limit_rps: Option<f64>,
+    /// enforce | shadow.
+    pub mode: Option<String>,
+    /// The policy that computed it.
+    pub policy: Option<String>,
+    /// Applied on the base branch, or proposed on the pull-request branch.
+    #[sqlx(try_from = "String")]
+    pub state: ChangeState,
+}
+
 /// A [`QuotaChange`] as read, with its pull request's columns.
 #[derive(sqlx::FromRow)]
 struct QuotaChangeRow {
@@ -693,6 +715,23 @@ impl Store {
                 })
                 .collect())
         })
+    }
+
+    /// The changes run `run_id` recorded (at most `limit`), by service then bucket: the run's
+    /// page.
+    pub async fn run_changes(
+        &self,
+        run_id: i64,
+        limit: i64,
+    ) -> Result<Vec<RunChange>, StoreError> {
+        on_pool!(self, pool => Ok(sqlx::query_as::<_, RunChange>(
+            "SELECT service, bucket, change, previous_limit_rps, limit_rps, mode, policy, state \
+             FROM quota_history WHERE run_id = $1 ORDER BY service, bucket, id LIMIT $2",
+        )
+        .bind(run_id)
+        .bind(limit)
+        .fetch_all(pool)
+        .await?))
     }
 
     /// When each bucket was last lowered at or after `since` by an applied change (a change

@@ -88,6 +88,24 @@ pub struct ShadowQuery {
     pub limit: Option<i64>,
 }
 
+/// Query string of the overview `GET /`: the filters of [`ShadowQuery`] and two more.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+pub struct OverviewQuery {
+    /// Only this callee service (empty: all).
+    pub service: Option<String>,
+    /// How far back, e.g. `1h` (default) or `7d`: a number and a unit (s, m, h, d), 1 s to
+    /// 30 d.
+    #[schemars(regex(path = "WINDOW_PATTERN"))]
+    pub window: Option<String>,
+    /// Only buckets in this mode: `enforce` or `shadow` (empty: both).
+    pub mode: Option<String>,
+    /// Only buckets with this verdict: `dropping`, `would-throttle`, `stale`, `silent` or
+    /// `ok` (empty: all).
+    pub verdict: Option<String>,
+    /// Most buckets with reports read from the store (default and maximum 500).
+    pub limit: Option<i64>,
+}
+
 /// One bucket of `GET /v1/shadow`.
 #[derive(Debug, Clone, Serialize, JsonSchema)]
 pub struct BucketView {
@@ -455,7 +473,7 @@ pub(super) async fn runs_json(
 
 /// `GET /?service=S&window=1h`: the HTML dashboard. What loaded is shown; what did not is
 /// named in a notice, and the status is that of the first failure.
-pub(super) async fn page(State(s): State<AppState>, Query(q): Query<ShadowQuery>) -> Response {
+pub(super) async fn page(State(s): State<AppState>, Query(q): Query<OverviewQuery>) -> Response {
     let (data, failed) = page_data(&s, q).await;
     let status = failed.map_or(StatusCode::OK, |e| e.status());
     (status, Html(render(&data))).into_response()
@@ -469,6 +487,19 @@ struct PageData {
     services: Vec<String>,
     /// None when it could not be loaded (named in `problems`).
     summary: Option<ShadowSummary>,
+    /// The config repo's bucket files at its base tip (none: no config repo on this server,
+    /// or it could not be read: named in `problems`).
+    config: Option<Vec<schema::BucketFile>>,
+    /// Whether this server has a config repo.
+    with_config: bool,
+    /// The incident overrides in force now, by bucket.
+    overrides: std::collections::BTreeMap<(String, String), Vec<rlc_plan::censor::OverrideWindow>>,
+    /// The mode filter.
+    mode: Option<String>,
+    /// The verdict filter.
+    verdict: Option<overview::Attention>,
+    /// The config repo's services (filter choices).
+    config_services: Vec<String>,
     /// None when they could not be loaded (named in `problems`).
     runs: Option<Vec<RunRecord>>,
     /// Reports fetched but not stored yet.
@@ -479,28 +510,72 @@ struct PageData {
 }
 
 /// The page's data, and the first failure if any (every failure is in `problems`).
-async fn page_data(s: &AppState, q: ShadowQuery) -> (PageData, Option<DashError>) {
+async fn page_data(s: &AppState, q: OverviewQuery) -> (PageData, Option<DashError>) {
     let mut data = PageData {
         buffered: s.inner.metrics.reports_buffered.get().max(0) as u64,
         service: q.service.clone().filter(|s| !s.is_empty()),
         window: q.window.clone().unwrap_or_else(|| DEFAULT_WINDOW.into()),
         links: s.links(),
+        mode: q.mode.clone().filter(|m| !m.is_empty()),
         ..PageData::default()
     };
     let fail = |mut data: PageData, e: DashError| {
         data.problems.push(e.notice());
         (data, Some(e))
     };
-    let f = match Filter::parse(q) {
+    match q.mode.as_deref().filter(|m| !m.is_empty()) {
+        None | Some("enforce" | "shadow") => {}
+        Some(m) => {
+            return fail(
+                data,
+                DashError::BadRequest(format!("mode `{m}`: expected enforce or shadow")),
+            )
+        }
+    }
+    match q.verdict.as_deref().filter(|v| !v.is_empty()) {
+        None => {}
+        Some(v) => match overview::Attention::parse(v) {
+            Some(a) => data.verdict = Some(a),
+            None => {
+                let keys: Vec<&str> = overview::Attention::ALL.iter().map(|a| a.key()).collect();
+                return fail(
+                    data,
+                    DashError::BadRequest(format!(
+                        "verdict `{v}`: expected one of {}",
+                        keys.join(", ")
+                    )),
+                );
+            }
+        },
+    }
+    let f = match Filter::parse(ShadowQuery {
+        service: q.service,
+        window: q.window,
+        limit: q.limit,
+    }) {
         Ok(f) => f,
         Err(e) => return fail(data, e),
     };
+    // The config repo's buckets: every bucket is listed, with reports or not.
+    if let Some(quotas) = s.quotas() {
+        data.with_config = true;
+        match quotas.base_buckets().await {
+            Ok((_, files)) => {
+                data.config_services = files.iter().map(|f| f.service.clone()).collect();
+                data.config = Some(files);
+            }
+            Err(e) => data
+                .problems
+                .push(format!("The config repo's buckets could not be loaded: {e}")),
+        }
+    }
     let Some(store) = s.store() else {
         return fail(data, DashError::NoStore);
     };
-    // Three independent queries, each within the query timeout: at once on Postgres, one
+    // Four independent queries, each within the query timeout: at once on Postgres, one
     // after another on SQLite.
     let limit = s.query_timeout();
+    let now = Utc::now();
     let services = load(
         "/",
         "the service list",
@@ -509,10 +584,16 @@ async fn page_data(s: &AppState, q: ShadowQuery) -> (PageData, Option<DashError>
     );
     let runs = load("/", "the last runs", limit, store.recent_runs(PAGE_RUNS));
     let summary = summary(&store, &f, limit);
-    let (services, runs, summary) = if store.concurrent() {
-        tokio::join!(services, runs, summary)
+    let overrides = load(
+        "/",
+        "the incident overrides",
+        limit,
+        store.override_windows(now),
+    );
+    let (services, runs, summary, overrides) = if store.concurrent() {
+        tokio::join!(services, runs, summary, overrides)
     } else {
-        (services.await, runs.await, summary.await)
+        (services.await, runs.await, summary.await, overrides.await)
     };
     let mut errors = Vec::new();
     match services {
@@ -527,7 +608,12 @@ async fn page_data(s: &AppState, q: ShadowQuery) -> (PageData, Option<DashError>
         Ok(v) => data.runs = Some(v),
         Err(e) => errors.push(e),
     }
-    data.problems = errors.iter().map(DashError::notice).collect();
+    match overrides {
+        Ok(v) => data.overrides = v,
+        Err(e) => errors.push(e),
+    }
+    data.problems
+        .extend(errors.iter().map(DashError::notice));
     (data, errors.into_iter().next())
 }
 
@@ -579,7 +665,7 @@ table { border-collapse: collapse; width: 100%; font-size: 14px; }
 th { text-align: left; font-size: 11px; text-transform: uppercase; letter-spacing: .03em;
   color: #56627a; border-bottom: 2px solid #dde3ec; padding: 6px 8px; vertical-align: bottom; }
 td { border-bottom: 1px solid #edf0f5; padding: 6px 8px; vertical-align: top; }
-td.name { max-width: 260px; overflow-wrap: anywhere; }
+td.name { min-width: 7em; max-width: 320px; overflow-wrap: normal; word-break: keep-all; hyphens: none; }
 .nowrap { white-space: nowrap; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 th.num { text-align: right; }
@@ -588,6 +674,15 @@ tr.throttle td.share { color: #a4161a; font-weight: 700; }
 .badge { display: inline-block; padding: 1px 8px; border-radius: 10px; font-size: 12px;
   font-weight: 600; white-space: nowrap; }
 .badge.warn { background: #c1121f; color: #fff; }
+.badge.dropping { background: #8d0801; color: #fff; }
+.badge.would-throttle { background: #c1121f; color: #fff; }
+.badge.stale, .badge.silent { background: #fff4db; color: #7a5300; }
+.badge.override { background: #5a189a; color: #fff; }
+tr.dropping td { background: #fbe3e3; }
+tr.would-throttle td { background: #fdecec; }
+tr.dropping td.drops { color: #8d0801; font-weight: 700; }
+tr.would-throttle td.share { color: #a4161a; font-weight: 700; }
+.small { font-size: 12px; }
 .badge.ok { background: #e3f4e8; color: #1b6b34; }
 .badge.mode { background: #eef1f6; color: #39445a; font-weight: 500; }
 .badge.failed, .badge.held { background: #fdecec; color: #a4161a; }
@@ -640,6 +735,7 @@ fn render(d: &PageData) -> String {
         Some(s) => format!("service {s}"),
         None => "all services".into(),
     };
+    let rows = overview_rows(d);
     html! {
         (DOCTYPE)
         html lang="en" {
@@ -659,7 +755,7 @@ fn render(d: &PageData) -> String {
                 }
                 main {
                     (explain())
-                    (filter(d))
+                    (filter(d, rows.as_deref()))
                     (problems_notice(&d.problems))
                     @if d.buffered > 0 {
                         section class="notice" id="buffered" {
@@ -671,8 +767,8 @@ fn render(d: &PageData) -> String {
                             }
                         }
                     }
-                    @if let Some(sum) = &d.summary {
-                        (buckets_table(sum, &d.window))
+                    @if let Some(rows) = &rows {
+                        (buckets_section(d, rows))
                     }
                     @if let Some(runs) = &d.runs {
                         (runs_table(runs, &d.links))
@@ -707,9 +803,39 @@ fn explain() -> Markup {
     }
 }
 
+/// The overview's rows: every bucket of the config repo and of the reports, filtered by mode
+/// and verdict; none when the reports could not be loaded.
+fn overview_rows(d: &PageData) -> Option<Vec<overview::Row>> {
+    let sum = d.summary.as_ref()?;
+    let summaries: Vec<BucketShadowSummary> =
+        sum.buckets.iter().map(|b| b.summary.clone()).collect();
+    let rows = overview::rows(&overview::Sources {
+        config: d.config.as_deref(),
+        summaries: &summaries,
+        overrides: &d.overrides,
+        service: d.service.as_deref(),
+        window: &d.window,
+        now: Utc::now(),
+        max_age: crate::readiness::Rule::default().max_report_age,
+    });
+    Some(
+        rows.into_iter()
+            .filter(|r| d.mode.as_deref().is_none_or(|m| r.mode() == m))
+            .filter(|r| d.verdict.is_none_or(|v| r.attention == v))
+            .collect(),
+    )
+}
+
 /// The filter: a plain GET form, so the page needs no script.
-fn filter(d: &PageData) -> Markup {
-    let mut services = d.services.clone();
+fn filter(d: &PageData, rows: Option<&[overview::Row]>) -> Markup {
+    let mut services: Vec<String> = d
+        .services
+        .iter()
+        .chain(&d.config_services)
+        .cloned()
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
     if let Some(s) = &d.service {
         if !services.contains(s) {
             services.push(s.clone());
@@ -721,13 +847,31 @@ fn filter(d: &PageData) -> Markup {
     }
     html! {
         section {
-            form method="get" action="/" {
+            form method="get" action="/" id="filter" {
                 label {
                     "Service"
                     select name="service" {
                         option value="" selected[d.service.is_none()] { "all services" }
                         @for s in &services {
                             option value=(s) selected[d.service.as_ref() == Some(s)] { (s) }
+                        }
+                    }
+                }
+                label {
+                    "Mode"
+                    select name="mode" {
+                        option value="" selected[d.mode.is_none()] { "enforce and shadow" }
+                        @for m in ["enforce", "shadow"] {
+                            option value=(m) selected[d.mode.as_deref() == Some(m)] { (m) }
+                        }
+                    }
+                }
+                label {
+                    "Verdict"
+                    select name="verdict" {
+                        option value="" selected[d.verdict.is_none()] { "every verdict" }
+                        @for a in overview::Attention::ALL {
+                            option value=(a.key()) selected[d.verdict == Some(a)] { (a.label()) }
                         }
                     }
                 }
@@ -740,13 +884,16 @@ fn filter(d: &PageData) -> Markup {
                     }
                 }
                 button type="submit" { "Show" }
-                @if let Some(sum) = &d.summary {
-                    @let n = sum.buckets.len();
-                    span class="counts" {
+                @if let Some(rows) = rows {
+                    @let n = rows.len();
+                    @let count = |a: overview::Attention| rows.iter().filter(|r| r.attention == a).count();
+                    span class="counts" id="counts" {
                         (n) " bucket" @if n != 1 { "s" } " · "
-                        b { (sum.buckets.iter().filter(|b| b.would_throttle).count()) }
-                        " would throttle"
-                        @if sum.truncated { " · list truncated" }
+                        b { (count(overview::Attention::Dropping)) } " dropping · "
+                        b { (count(overview::Attention::WouldThrottle)) } " would throttle · "
+                        b { (count(overview::Attention::Stale) + count(overview::Attention::Silent)) }
+                        " stale or silent"
+                        @if d.summary.as_ref().is_some_and(|s| s.truncated) { " · list truncated" }
                     }
                 }
             }
@@ -754,74 +901,33 @@ fn filter(d: &PageData) -> Markup {
     }
 }
 
-/// The buckets of the window, each linked to its service's view and its own page.
-fn buckets_table(sum: &ShadowSummary, window: &str) -> Markup {
+/// Every bucket, most in need of attention first, each linked to its service's view and its
+/// own page.
+fn buckets_section(d: &PageData, rows: &[overview::Row]) -> Markup {
     html! {
         section {
             h2 { "Buckets" }
-            @if sum.buckets.is_empty() {
-                p class="muted" { "No reports since " (when(sum.since)) " UTC." }
-            } @else {
-                div class="scroll" {
-                    table id="buckets" {
-                        thead {
-                            tr {
-                                th { "Service" } th { "Bucket" } th { "Verdict" }
-                                th class="num" { "Virtual-drop share" }
-                                th class="num" { "Limit rps" }
-                                th class="num" { "Peak offered rps" }
-                                th class="num" { "Offered" }
-                                th class="num" { "Virtual drops" }
-                                th class="num" { "Real drops" }
-                                th class="num" { "Max drop ratio" }
-                                th { "Mode" }
-                                th class="num" { "Reports" }
-                                th { "Last report (UTC)" }
-                            }
-                        }
-                        tbody {
-                            @for b in &sum.buckets {
-                                @let s = &b.summary;
-                                tr class=(if b.would_throttle { "throttle" } else { "ok" })
-                                    data-bucket=(s.bucket) {
-                                    td {
-                                        a href={ "/?service=" (encoded(&s.service)) "&window=" (encoded(window)) } {
-                                            (s.service)
-                                        }
-                                    }
-                                    td class="name" {
-                                        a href={
-                                            "/buckets/" (encoded(&s.service)) "/" (encoded(&s.bucket))
-                                            "?window=" (encoded(window))
-                                        } {
-                                            code { (s.bucket) }
-                                        }
-                                    }
-                                    td {
-                                        @if b.would_throttle {
-                                            span class="badge warn" { "would throttle" }
-                                        } @else {
-                                            span class="badge ok" { "ok" }
-                                        }
-                                    }
-                                    td class="num share" { (percent(s.virtual_drop_share)) }
-                                    td class="num" { (rate(s.limit_rps)) }
-                                    td class="num" { (rate(s.peak_offered_rps)) }
-                                    td class="num" { (rate(s.offered)) }
-                                    td class="num" { (rate(s.shadow_dropped)) }
-                                    td class="num" { (rate(s.dropped)) }
-                                    td class="num" { (percent(s.max_drop_ratio)) }
-                                    td { span class="badge mode" { (s.mode) } }
-                                    td class="num" { (s.reports) }
-                                    td class="nowrap" { (when(s.last_seen)) }
-                                }
-                            }
-                        }
-                    }
+            @if !d.with_config {
+                p class="muted" id="no-config" {
+                    "No config repo on this server: only buckets with reports are listed."
                 }
+            }
+            @if rows.is_empty() {
                 p class="muted" {
-                    "Offered and virtual drops are sums of per-tick rates (requests, with 1-second \
-                     ticks). Limit and mode are from the latest report."
+                    "No bucket"
+                    @if d.mode.is_some() || d.verdict.is_some() { " matches the filter" }
+                    @if let Some(sum) = &d.summary { " (no report since " (when(sum.since)) " UTC)" }
+                    "."
+                }
+            } @else {
+                (overview::table(rows, &d.window, d.with_config))
+                p class="muted" {
+                    "Sorted by what needs attention: enforced buckets dropping real requests, \
+                     then shadow buckets that would drop more than 1%, then buckets whose reports \
+                     stopped (stale) or never came in the window (silent). Limit: the config \
+                     repo's base branch (what the controller should run), with the controller's \
+                     latest report when it differs. Offered and drops are sums of per-tick rates \
+                     (requests, with 1-second ticks)."
                 }
             }
         }
@@ -847,7 +953,7 @@ fn runs_table(runs: &[RunRecord], links: &Links) -> Markup {
                     tbody {
                         @for r in runs {
                             tr data-run=(r.id) {
-                                td class="num" { a href={ "/v1/runs/" (r.id) } { (r.id) } }
+                                td class="num" { a href={ "/runs/" (r.id) } { (r.id) } }
                                 td { (when(r.started_at)) }
                                 td { (r.trigger) }
                                 td { span class={ "badge " (r.status) } { (r.status) } }
@@ -900,6 +1006,9 @@ fn run_summary(r: &RunRecord) -> Markup {
 }
 
 pub mod bucket;
+pub mod lookback;
+pub mod overview;
+pub mod run_page;
 
 #[cfg(test)]
 mod tests;

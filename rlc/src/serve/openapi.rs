@@ -58,6 +58,10 @@ pub fn routes(state: &AppState) -> ApiRouter<AppState> {
             "/v1/shadow/{service}/{bucket}",
             get_with(dashboard::bucket::bucket_json, bucket_json_docs),
         )
+        .api_route(
+            "/runs/{id}",
+            get_with(dashboard::run_page::run_page, run_page_docs),
+        )
         .route_layer(ConcurrencyLimit::new(
             MAX_CONCURRENT_QUERIES,
             RETRY_AFTER_SECS,
@@ -96,15 +100,85 @@ pub fn routes(state: &AppState) -> ApiRouter<AppState> {
         .api_route("/healthz", get_with(super::healthz, healthz_docs))
         .api_route("/readyz", get_with(super::readyz, readyz_docs))
         .api_route("/metrics", get_with(super::metrics, metrics_docs))
-        .api_route("/openapi.json", get_with(serve_document, document_docs));
+        .api_route("/openapi.json", get_with(serve_document, document_docs))
+        .api_route("/docs", get_with(docs_page, docs_page_docs));
     read.merge(write).merge(open)
 }
 
-/// The router of `rlc serve` with its document served at `/openapi.json`.
+/// The router of `rlc serve` with its document served at `/openapi.json`; a path it does not
+/// know answers 404 and a method a path does not take 405, both as problem details (an HTML
+/// page for a browser).
 pub fn router(state: AppState) -> Router {
     let mut api = OpenApi::default();
     let r = routes(&state).finish_api_with(&mut api, describe);
-    r.layer(Extension(Arc::new(api))).with_state(state)
+    super::examples::add_examples(&mut api);
+    r.fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(Extension(Arc::new(api)))
+        .with_state(state)
+}
+
+/// Whether the client asked for HTML first (a browser), rather than JSON.
+fn wants_html(headers: &axum::http::HeaderMap) -> bool {
+    headers
+        .get(axum::http::header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|a| a.contains("text/html"))
+}
+
+/// 404 for a path no route takes.
+async fn not_found(
+    method: axum::http::Method,
+    uri: axum::http::Uri,
+    headers: axum::http::HeaderMap,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let detail = format!(
+        "no such endpoint: {method} {}; the endpoints are listed at /docs and /openapi.json",
+        uri.path()
+    );
+    if wants_html(&headers) {
+        return (
+            axum::http::StatusCode::NOT_FOUND,
+            Html(dashboard::run_page::error_page("Not found", &detail)),
+        )
+            .into_response();
+    }
+    super::problem::Problem::new(axum::http::StatusCode::NOT_FOUND, detail).into_response()
+}
+
+/// 405 for a method a route does not take (axum adds the `Allow` header).
+async fn method_not_allowed(
+    method: axum::http::Method,
+    uri: axum::http::Uri,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    super::problem::Problem::new(
+        axum::http::StatusCode::METHOD_NOT_ALLOWED,
+        format!(
+            "{} does not take {method}; its methods are listed at /docs and /openapi.json",
+            uri.path()
+        ),
+    )
+    .into_response()
+}
+
+/// The interactive API documentation page (`GET /docs`): a page and a script of this binary
+/// (no external asset) that render `/openapi.json` and send GET requests.
+const DOCS_HTML: &str = include_str!("docs.html");
+
+async fn docs_page() -> Html<&'static str> {
+    Html(DOCS_HTML)
+}
+
+fn docs_page_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
+    op.summary("Interactive API documentation (HTML)")
+        .description(
+            "Renders this document (`/openapi.json`): every operation with its parameters, \
+             bodies, answers and examples, and a form that sends GET requests from the \
+             browser. Served from the binary: no external script, style or font.",
+        )
+        .response_with::<200, Html<String>, _>(|r| r.description("The page."))
 }
 
 /// The OpenAPI document (what `GET /openapi.json` answers).
@@ -112,6 +186,7 @@ pub fn document() -> OpenApi {
     let state = AppState::new(None, tokio::sync::mpsc::channel(1).0);
     let mut api = OpenApi::default();
     let _ = routes(&state).finish_api_with(&mut api, describe);
+    super::examples::add_examples(&mut api);
     api
 }
 
@@ -348,20 +423,22 @@ fn html_store_errors(op: TransformOperation<'_>) -> TransformOperation<'_> {
 
 fn page_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
     let op = op
-        .summary("Shadow-mode dashboard (HTML)")
+        .summary("Dashboard overview (HTML)")
         .description(
-            "One server-rendered page: what new or risky quotas would do before they are \
-             enforced, and the recent runs. No script; every value escaped. A bad `window` \
-             or a store that is unavailable renders the page with the error and status \
-             400 / 503 / 500.",
+            "One server-rendered page: every bucket of the config repo and every bucket that \
+             reported, most in need of attention first (enforced buckets dropping real \
+             requests, shadow buckets that would drop, stale, silent, ok), filtered by \
+             `service`, `mode` and `verdict`, and the recent runs. No script; every value \
+             escaped. A bad `window`, `mode` or `verdict`, or a store that is unavailable, \
+             renders the page with the error and status 400 / 503 / 500.",
         )
         .response_with::<200, Html<String>, _>(|r| r.description("The dashboard."));
     let op = html_store_errors(op);
     let op = problem(
         op,
         400,
-        "A query parameter of the wrong type (problem details), or a bad `window` (the page, \
-         as HTML, with the error).",
+        "A query parameter of the wrong type (problem details), or a bad `window`, `mode` or \
+         `verdict` (the page, as HTML, with the error).",
     );
     html_too(op, 400)
 }
@@ -401,12 +478,20 @@ fn bucket_page_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
     let op = op
         .summary("One bucket over a window (HTML)")
         .description(
-            "Offered rate, limit and virtual or real drops per minute as server-rendered SVG \
-             charts (one per scope key; a minute without a report is a gap, never zero), the \
-             readiness figures and verdict, and the bucket's quota history. A bad `window` or a \
-             store that is unavailable renders the page with the error.",
+            "The limit in force (the config repo's base branch), incident overrides acting \
+             on the bucket, offered, admitted, limit and virtual or real drops as \
+             server-rendered SVG charts in requests/s (one per scope key; a minute without a \
+             report is a gap, never zero), the readiness figures and verdict, and the bucket's \
+             quota history. A bad `window` or a store that is unavailable renders the page \
+             with the error.",
         )
-        .response_with::<200, Html<String>, _>(|r| r.description("The bucket page."));
+        .response_with::<200, Html<String>, _>(|r| r.description("The bucket page."))
+        .response_with::<404, Html<String>, _>(|r| {
+            r.description(
+                "No such bucket: not in the config repo (when the server has one), and no \
+                 report or recorded change in the store.",
+            )
+        });
     let op = html_store_errors(op);
     let op = problem(
         op,
@@ -415,6 +500,20 @@ fn bucket_page_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
          with the error).",
     );
     html_too(op, 400)
+}
+
+fn run_page_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
+    let op = op
+        .summary("One run (HTML)")
+        .description(
+            "The run's status, commit and pull request (linked to the forge), the bucket \
+             changes it recorded, what it held or left for review and why, per-service \
+             outcomes and its whole summary. Its JSON is `GET /v1/runs/{id}`.",
+        )
+        .response_with::<200, Html<String>, _>(|r| r.description("The run page."))
+        .response_with::<404, Html<String>, _>(|r| r.description("No run with this id."));
+    let op = html_store_errors(op);
+    problem(op, 400, "A malformed path (an id that is not a number).")
 }
 
 fn bucket_json_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
@@ -429,7 +528,12 @@ fn bucket_json_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
             r.description("The bucket.")
         });
     let op = problem(op, 400, "A bad `window` (1 s to 30 d) or a malformed path.");
-    let op = problem(op, 404, "The store holds no report of this bucket.");
+    let op = problem(
+        op,
+        404,
+        "No such bucket: not in the config repo (when the server has one), and no report or \
+         recorded change in the store.",
+    );
     store_errors(op)
 }
 

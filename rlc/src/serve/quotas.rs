@@ -217,6 +217,16 @@ impl Quotas {
             .map_err(|e| format!("reading the config repo: {e}"))
     }
 
+    /// The bucket files of the base tip as last fetched (no network) with its commit: what the
+    /// controller should run. The dashboard lists every bucket from it.
+    pub async fn base_buckets(&self) -> Result<(String, Vec<schema::BucketFile>), String> {
+        let wcfg = self.writer_config();
+        tokio::task::spawn_blocking(move || Writer::open_existing(wcfg)?.base_buckets())
+            .await
+            .map_err(|e| format!("reading the config repo: {e}"))?
+            .map_err(|e| format!("reading the config repo: {e}"))
+    }
+
     async fn base_tip(&self) -> Result<String, Problem> {
         let wcfg = self.writer_config();
         tokio::task::spawn_blocking(move || Writer::open_existing(wcfg)?.base_tip())
@@ -551,6 +561,21 @@ fn history_info_with(c: &Computed, last_pull_error: Option<String>) -> HistoryIn
 }
 
 impl Computed {
+    /// The history snapshot it was computed from.
+    pub fn snapshot(&self) -> &Arc<Snapshot> {
+        &self.snapshot
+    }
+
+    /// The plan.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// When it was computed.
+    pub fn computed_at(&self) -> DateTime<Utc> {
+        self.computed_at
+    }
+
     fn response(&self, q: &Quotas, service: Option<&str>) -> QuotasResponse {
         self.response_with(service, q.cache.last_error())
     }

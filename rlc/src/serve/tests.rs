@@ -666,6 +666,8 @@ fn committed_openapi_document_is_current() {
         ("/v1/runs", "post"),
         ("/v1/runs/last", "get"),
         ("/v1/runs/{id}", "get"),
+        ("/runs/{id}", "get"),
+        ("/docs", "get"),
     ] {
         assert!(doc["paths"][path][method].is_object(), "{method} {path}");
     }
@@ -746,4 +748,82 @@ fn logged_urls_hide_only_the_password() {
     assert_eq!(redact_url("http://h/?a=b@c"), "http://h/?a=b@c");
     assert_eq!(redact_url("sqlite://rlc.db"), "sqlite://rlc.db");
     assert_eq!(redact_url("rlc.db"), "rlc.db");
+}
+
+/// Every request and answer body of every operation has an example, and each conforms to its
+/// schema (a checker of the schema keywords the document uses).
+#[test]
+fn every_body_in_the_document_has_an_example_of_its_schema() {
+    let doc: serde_json::Value = serde_json::to_value(openapi::document()).unwrap();
+    let schemas = doc["components"]["schemas"].as_object().unwrap().clone();
+    let mut bodies = 0;
+    for (path, item) in doc["paths"].as_object().unwrap() {
+        for (method, op) in item.as_object().unwrap() {
+            let mut media = Vec::new();
+            if let Some(c) = op["requestBody"]["content"].as_object() {
+                media.extend(c.iter().map(|(t, m)| (format!("request {t}"), m)));
+            }
+            for (status, r) in op["responses"].as_object().unwrap() {
+                for (t, m) in r["content"].as_object().into_iter().flatten() {
+                    media.push((format!("{status} {t}"), m));
+                }
+            }
+            for (what, m) in media {
+                bodies += 1;
+                let at = format!("{method} {path} {what}");
+                let example = m.get("example").unwrap_or_else(|| panic!("{at}: no example"));
+                if let Some(schema) = m.get("schema") {
+                    examples::conforms(example, schema, &schemas, "$")
+                        .unwrap_or_else(|e| panic!("{at}: the example does not conform: {e}\n{example:#}"));
+                }
+            }
+        }
+    }
+    assert!(bodies > 60, "{bodies}");
+    // The checker refuses what does not conform.
+    let queued = json!({"$ref": "#/components/schemas/Queued"});
+    assert!(examples::conforms(&json!({"queued": true}), &queued, &schemas, "$").is_err());
+    assert!(examples::conforms(&json!({"queued": 1, "run_uid": "r", "location": "/"}), &queued, &schemas, "$").is_err());
+}
+
+/// A path no endpoint takes is 404 and a method an endpoint does not take 405, both as
+/// problem details (a browser gets an HTML 404 page); `/docs` is a page of this binary that
+/// loads nothing from elsewhere.
+#[tokio::test]
+async fn router_errors_are_problem_details_and_the_docs_page_is_offline() {
+    let state = AppState::new(None, tokio::sync::mpsc::channel(1).0);
+    let url = spawn(app(state)).await;
+    let http = reqwest::Client::new();
+    let r = http.get(format!("{url}/v1/nothing-here")).send().await.unwrap();
+    assert_eq!(r.status(), 404);
+    assert_eq!(r.headers()["content-type"], "application/problem+json");
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(v["status"], 404);
+    assert_eq!(v["title"], "Not Found");
+    assert!(v["detail"].as_str().unwrap().contains("GET /v1/nothing-here"), "{v}");
+    let r = http
+        .get(format!("{url}/nothing"))
+        .header("accept", "text/html,application/xhtml+xml")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    assert!(r.headers()["content-type"].to_str().unwrap().starts_with("text/html"));
+    assert!(r.text().await.unwrap().contains("no such endpoint: GET /nothing"));
+    let r = http.delete(format!("{url}/v1/runs")).send().await.unwrap();
+    assert_eq!(r.status(), 405);
+    assert_eq!(r.headers()["content-type"], "application/problem+json");
+    assert!(r.headers().contains_key("allow"), "{:?}", r.headers());
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(v["status"], 405);
+    assert!(v["detail"].as_str().unwrap().contains("/v1/runs does not take DELETE"), "{v}");
+
+    let r = http.get(format!("{url}/docs")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let page = r.text().await.unwrap();
+    assert!(page.contains("fetch(\"/openapi.json\""), "renders the served document");
+    // No asset from elsewhere: no src or stylesheet link at all, and no absolute URL.
+    for needle in [" src=", "<link", "http://", "https://", "@import", "url("] {
+        assert!(!page.contains(needle), "{needle} in /docs");
+    }
 }

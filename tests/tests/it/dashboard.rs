@@ -485,16 +485,22 @@ fn burst_and_real_drops(database_url: &str, shots: &str) {
 
     let overview_url = format!("{base}/?window=15m");
     let dom = chromium(&["--dump-dom".into()], &overview_url);
+    // Most in need of attention first: the enforced bucket that answered 429s is dropping
+    // real requests (it used to read "ok"), then the shadow bucket that would throttle.
+    let mut at = Vec::new();
     for (bucket, class) in [
-        ("web.charge", "throttle"),
+        ("mobile.refund", "dropping"),
+        ("web.charge", "would-throttle"),
         ("batch.charge", "ok"),
-        ("mobile.refund", "ok"),
     ] {
-        assert!(
-            dom.contains(&format!(r#"<tr class="{class}" data-bucket="{bucket}">"#)),
-            "{bucket} listed as {class}: {dom}"
+        let row = format!(r#"<tr class="{class}" data-bucket="{bucket}" data-service="payments""#);
+        at.push(
+            dom.find(&row)
+                .unwrap_or_else(|| panic!("{bucket} listed as {class}: {dom}")),
         );
     }
+    assert!(at.windows(2).all(|w| w[0] < w[1]), "attention order: {at:?}");
+    assert!(dom.contains("dropping "), "{dom}");
 
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)

@@ -309,7 +309,90 @@ fn the_readme_quick_start_runs_as_written() {
     for name in ["api-gateway.charge", "api-gateway.refund"] {
         assert!(page.contains(name), "{name} on the dashboard");
     }
+    // Every bucket of the config repo is on the overview, reported or not; the enforced
+    // bucket that dropped a third of its requests says so first, not "ok".
+    for (name, _) in &committed {
+        let (service, bucket) = name.split_once('/').unwrap();
+        assert!(
+            page.contains(&format!("data-bucket=\"{bucket}\" data-service=\"{service}\"")),
+            "{name} on the overview:\n{page}"
+        );
+    }
+    let first_row = page
+        .split("<tbody>")
+        .nth(1)
+        .and_then(|t| t.split("</tr>").next())
+        .unwrap();
+    assert!(
+        first_row.contains("data-bucket=\"api-gateway.charge\"")
+            && first_row.contains("data-verdict=\"dropping\"")
+            && first_row.contains("dropping "),
+        "the dropping bucket first: {first_row}"
+    );
+    // The bucket page shows the limit the last run committed (its quota history's), not the
+    // one of the reports' time.
+    let bucket_page =
+        get_text(sport, "/buckets/payments/api-gateway.refund?window=1h").expect("bucket page");
+    let shown = bucket_page
+        .split("id=\"limit-in-force\">")
+        .nth(1)
+        .and_then(|t| t.split(" requests/s").next())
+        .unwrap_or_else(|| panic!("limit in force on the bucket page:\n{bucket_page}"));
+    let expected = if learned >= 100.0 || learned.fract() == 0.0 {
+        format!("{learned:.0}")
+    } else {
+        format!("{learned:.1}")
+    };
+    assert_eq!(shown, expected, "the limit in force is the committed one");
+
+    // The README's API examples, as written (the address replaced), against the demo's
+    // `rlc serve`: every answer is JSON, the unknown path's a problem.
+    for c in readme_curls() {
+        let c = ported(&c);
+        let out = Command::new("sh").arg("-c").arg(&c).current_dir(cwd).output().unwrap();
+        assert!(out.status.success(), "{c}: {out:?}");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("{c}: {e}: {}", String::from_utf8_lossy(&out.stdout)));
+        if c.contains("/v1/nothing-here") {
+            assert_eq!(v["status"], 404, "{c}: {v}");
+            assert_eq!(v["type"], "about:blank", "{c}: {v}");
+            continue;
+        }
+        assert_ne!(v["type"], "about:blank", "{c} answered a problem: {v:#}");
+        if c.contains("/history") {
+            assert!(!v["changes"].as_array().unwrap().is_empty(), "{c}: {v:#}");
+        } else if c.contains("/v1/previews") {
+            assert!(v["diff"].is_object() && v["plan"].is_object(), "{c}: {v:#}");
+        } else {
+            let buckets = v["buckets"].as_array().unwrap();
+            assert!(!buckets.is_empty(), "{c}: {v:#}");
+            assert!(buckets.iter().all(|b| b["service"] == "payments"), "{c}: {v:#}");
+        }
+    }
     drop(daemons);
+}
+
+/// The `curl` commands of the README's "Previewing quotas over HTTP" section, continuation
+/// lines joined.
+fn readme_curls() -> Vec<String> {
+    let readme =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md"))
+            .unwrap();
+    let block = readme
+        .split("\n## Previewing quotas over HTTP\n")
+        .nth(1)
+        .and_then(|s| s.split("```sh\n").nth(1))
+        .and_then(|s| s.split("```").next())
+        .expect("README has the API examples");
+    let joined = block.replace("\\\n", " ");
+    let curls: Vec<String> = joined
+        .lines()
+        .map(str::trim)
+        .filter(|l| l.starts_with("curl "))
+        .map(str::to_string)
+        .collect();
+    assert!(curls.len() >= 4, "{curls:?}");
+    curls
 }
 
 #[test]

@@ -62,6 +62,10 @@ pub struct Point {
     pub virtual_drop_rps: Option<f64>,
     /// Real drop rate (enforce), highest per-minute average in the step.
     pub drop_rps: Option<f64>,
+    /// Admitted rate: `offered_rps - drop_rps` (exact for a one-minute step; on longer steps
+    /// the busiest minute's offered rate less the step's highest drop rate). Virtual drops
+    /// are admitted.
+    pub admitted_rps: Option<f64>,
 }
 
 /// The series of one scope key (`global`, a region or a zone).
@@ -195,6 +199,50 @@ pub struct BucketDetail {
     pub scopes_cut: usize,
     /// The bucket's quota changes recorded by runs, newest first (at most 50).
     pub quota_history: Vec<QuotaChange>,
+    /// The limit in force now: the bucket in the config repo's base branch as last fetched
+    /// (what the controller should run); null without a config repo on this server, or when
+    /// the bucket is not in it.
+    pub in_force: Option<InForce>,
+    /// The incident overrides acting on the bucket now, as rlc last saw them on the
+    /// controller.
+    pub overrides: Vec<OverrideView>,
+    /// The history the quota is computed from (the daemon's history snapshot), with what the
+    /// latest computed plan read from it; null before the first pull, without a config repo,
+    /// or when the history has no series of the bucket.
+    pub lookback: Option<super::lookback::Lookback>,
+}
+
+/// The limit in force of a bucket: its entry in the config repo's base branch.
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
+pub struct InForce {
+    /// Requests per second.
+    pub limit_rps: f64,
+    /// enforce | shadow.
+    pub mode: String,
+    /// The policy that set it.
+    pub policy: String,
+    /// The base branch's commit it was read at.
+    pub commit: String,
+    /// The bucket's caller (null: any caller).
+    pub caller: Option<String>,
+    /// The bucket's procedure (null: any procedure).
+    pub procedure: Option<String>,
+}
+
+/// An incident override acting on a bucket.
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
+pub struct OverrideView {
+    /// Its id.
+    pub id: String,
+    /// Why on-call added it.
+    pub reason: String,
+    /// When it started.
+    pub from: DateTime<Utc>,
+    /// When it expires (or, removed early, shortly after rlc last saw it).
+    pub to: DateTime<Utc>,
+    /// How many buckets it acts on: more than one for a caller-wide override, whose limit is
+    /// shared between them (not this bucket's own).
+    pub buckets: usize,
 }
 
 /// The window's bounds: whole minutes, ending with the current one. Steps of an hour or
@@ -251,6 +299,7 @@ pub fn series_from_steps(
             limit_rps: Some(r.limit_rps),
             virtual_drop_rps: Some(r.virtual_drop_rps),
             drop_rps: Some(r.drop_rps),
+            admitted_rps: Some((r.offered_rps - r.drop_rps).max(0.0)),
         });
     }
     let mut scopes: Vec<_> = by_scope.into_iter().collect();
@@ -272,6 +321,7 @@ pub fn series_from_steps(
                         limit_rps: None,
                         virtual_drop_rps: None,
                         drop_rps: None,
+                        admitted_rps: None,
                     })
                 })
                 .collect(),
@@ -287,7 +337,139 @@ struct Missing {
     readiness: bool,
     chart: bool,
     history: bool,
+    overrides: bool,
+    /// Why the config repo's bucket could not be read, if it could not.
+    config: Option<String>,
+    /// Why the page has no lookback chart.
+    no_lookback: &'static str,
     errors: Vec<DashError>,
+}
+
+/// The overrides of `windows` acting on `service`/`bucket` at `now`, each with the number of
+/// buckets it acts on (more than one: a caller-wide override sharing its limit).
+pub fn overrides_on(
+    windows: &BTreeMap<(String, String), Vec<rlc_plan::censor::OverrideWindow>>,
+    service: &str,
+    bucket: &str,
+    now: DateTime<Utc>,
+) -> Vec<OverrideView> {
+    let mut spread: BTreeMap<&str, usize> = BTreeMap::new();
+    for w in windows.values().flatten() {
+        *spread.entry(w.id.as_str()).or_default() += 1;
+    }
+    windows
+        .get(&(service.to_string(), bucket.to_string()))
+        .into_iter()
+        .flatten()
+        .filter(|w| w.from <= now && now < w.to)
+        .map(|w| OverrideView {
+            id: w.id.clone(),
+            reason: w.reason.clone(),
+            from: w.from,
+            to: w.to,
+            buckets: spread.get(w.id.as_str()).copied().unwrap_or(1),
+        })
+        .collect()
+}
+
+/// The bucket in the config repo's base branch as last fetched: `Ok(None)` without a config
+/// repo on this server or when the bucket is not in it, an error when it cannot be read.
+async fn in_force(s: &AppState, service: &str, bucket: &str) -> Result<Option<InForce>, String> {
+    let Some(q) = s.quotas() else {
+        return Ok(None);
+    };
+    let (commit, files) = q.base_buckets().await?;
+    Ok(files
+        .iter()
+        .filter(|f| f.service == service)
+        .flat_map(|f| &f.buckets)
+        .find(|b| b.name == bucket)
+        .map(|b| InForce {
+            limit_rps: b.limit_rps,
+            mode: b.mode.as_str().to_string(),
+            policy: b.policy.to_string(),
+            commit: commit.clone(),
+            caller: b.caller.clone(),
+            procedure: b.procedure.clone(),
+        }))
+}
+
+/// The bucket's lookback from the quota API's latest plan and its snapshot (else the latest
+/// snapshot alone), from memory; or why there is none.
+fn lookback(
+    s: &AppState,
+    service: &str,
+    bucket: &str,
+    in_force: Option<&InForce>,
+) -> Result<super::lookback::Lookback, &'static str> {
+    let q = s
+        .quotas()
+        .ok_or("No config repo on this server: no history is read.")?;
+    let computed = q.latest();
+    let snapshot = computed
+        .as_ref()
+        .map(|c| c.snapshot().clone())
+        .or_else(|| q.cache.latest())
+        .ok_or("No history pulled yet (the first run or GET /v1/quotas pulls it).")?;
+    let planned = computed.as_ref().and_then(|c| {
+        c.plan()
+            .buckets
+            .iter()
+            .find(|b| b.service == service && b.bucket.name == bucket)
+            .cloned()
+    });
+    let (caller, procedure) = match (in_force, &planned) {
+        (Some(f), _) => (f.caller.clone(), f.procedure.clone()),
+        (None, Some(p)) => (p.bucket.caller.clone(), p.bucket.procedure.clone()),
+        (None, None) => return Err("The bucket is not in the config repo or the plan."),
+    };
+    let (start, step, points, series) = super::lookback::from_history(
+        &snapshot.history,
+        service,
+        caller.as_deref(),
+        procedure.as_deref(),
+    )
+    .ok_or("The history has no series of this bucket.")?;
+    let at = |t: i64| DateTime::<Utc>::from_timestamp(t, 0).unwrap_or_default();
+    Ok(super::lookback::Lookback {
+        start: at(start),
+        end: at(start + step * points.len() as i64),
+        step_secs: step,
+        points,
+        series,
+        pulled_at: snapshot.pulled_at,
+        source: snapshot.source.clone(),
+        computed: planned.zip(computed).map(|(p, c)| {
+            let f = p
+                .evidence
+                .policy
+                .as_ref()
+                .map(|e| e.figures())
+                .unwrap_or_default();
+            super::lookback::Computed {
+                policy: p.bucket.policy.to_string(),
+                statistic: f.statistic,
+                statistic_rps: f.value_rps,
+                forecast_upper_bound_rps: f.upper_bound_rps,
+                headroom: f.headroom,
+                limit_rps: p.bucket.limit_rps,
+                capped_from_rps: p.evidence.capped_from,
+                explain: p.evidence.explain.clone(),
+                computed_at: c.computed_at(),
+            }
+        }),
+    })
+}
+
+/// Whether a bucket is unknown: not in the config repo (when there is one and it was read)
+/// and without a report or a recorded change in the store.
+fn unknown(d: &BucketDetail, missing: &Missing, config_read: bool) -> bool {
+    d.in_force.is_none()
+        && d.readiness.is_none()
+        && d.quota_history.is_empty()
+        && !missing.readiness
+        && !missing.history
+        && config_read
 }
 
 impl Missing {
@@ -315,6 +497,7 @@ async fn detail(
     bucket: &str,
     window: &str,
     limit: std::time::Duration,
+    in_force: Option<InForce>,
 ) -> Result<(BucketDetail, Missing), DashError> {
     let (start, end, step_secs) = bounds(window)?;
     const AT: &str = "/v1/shadow/{service}/{bucket}";
@@ -338,10 +521,12 @@ async fn detail(
         limit,
         store.quota_changes(service, bucket, MAX_CHANGES),
     );
-    let (stats, steps, history) = if store.concurrent() {
-        tokio::join!(stats, steps, history)
+    let now = Utc::now();
+    let overrides = load(AT, "the incident overrides", limit, store.override_windows(now));
+    let (stats, steps, history, overrides) = if store.concurrent() {
+        tokio::join!(stats, steps, history, overrides)
     } else {
-        (stats.await, steps.await, history.await)
+        (stats.await, steps.await, history.await, overrides.await)
     };
     let mut missing = Missing::default();
     let stats = missing.part(stats, |m| &mut m.readiness).flatten();
@@ -349,8 +534,9 @@ async fn detail(
     let quota_history = missing
         .part(history, |m| &mut m.history)
         .unwrap_or_default();
+    let overrides = missing.part(overrides, |m| &mut m.overrides).unwrap_or_default();
     let (series, scopes_cut) = series_from_steps(&steps, start, end, step_secs);
-    let now = Utc::now();
+    let overrides = overrides_on(&overrides, service, bucket, now);
     let detail = BucketDetail {
         service: service.into(),
         bucket: bucket.into(),
@@ -372,6 +558,9 @@ async fn detail(
         series,
         scopes_cut,
         quota_history,
+        in_force,
+        overrides,
+        lookback: None,
     };
     Ok((detail, missing))
 }
@@ -392,14 +581,25 @@ pub(in crate::serve) async fn bucket_json(
     let window = window_of(q);
     let store = s.store().ok_or(DashError::NoStore)?;
     let rule = service_rule(&s, &service).await;
-    let (d, missing) = detail(&store, rule, &service, &bucket, &window, s.query_timeout()).await?;
+    let force = in_force(&s, &service, &bucket).await;
+    let config_read = force.is_ok();
+    let (d, missing) = detail(
+        &store,
+        rule,
+        &service,
+        &bucket,
+        &window,
+        s.query_timeout(),
+        force.unwrap_or(None),
+    )
+    .await?;
+    if unknown(&d, &missing, config_read) {
+        return Err(not_found(&service, &bucket, s.quotas().is_some()));
+    }
+    let mut d = d;
+    d.lookback = lookback(&s, &service, &bucket, d.in_force.as_ref()).ok();
     if let Some(e) = missing.errors.into_iter().next() {
         return Err(e);
-    }
-    if d.readiness.is_none() {
-        return Err(DashError::NotFound(format!(
-            "no report of bucket `{bucket}` of service `{service}` in the store"
-        )));
     }
     Ok(Json(d))
 }
@@ -411,22 +611,49 @@ pub(in crate::serve) async fn bucket_page(
     Query(q): Query<BucketQuery>,
 ) -> Response {
     let window = window_of(q);
+    let mut config_problem = None;
     let res = match s.store() {
         None => Err(DashError::NoStore),
         Some(store) => {
             let rule = service_rule(&s, &service).await;
-            detail(&store, rule, &service, &bucket, &window, s.query_timeout()).await
+            let force = match in_force(&s, &service, &bucket).await {
+                Ok(f) => f,
+                Err(e) => {
+                    config_problem = Some(e);
+                    None
+                }
+            };
+            detail(&store, rule, &service, &bucket, &window, s.query_timeout(), force).await
         }
     };
     let links = s.links();
     let (status, body) = match res {
-        Ok((d, missing)) => (
-            missing
-                .errors
-                .first()
-                .map_or(StatusCode::OK, DashError::status),
-            render(&service, &bucket, &window, &links, Ok((&d, &missing))),
-        ),
+        Ok((d, missing)) if unknown(&d, &missing, config_problem.is_none()) => {
+            let e = not_found(&service, &bucket, s.quotas().is_some());
+            (
+                e.status(),
+                super::run_page::error_page(
+                    &format!("Bucket {service}/{bucket}"),
+                    &e.message(),
+                ),
+            )
+        }
+        Ok((mut d, mut missing)) => {
+            if let Some(p) = config_problem {
+                missing.config = Some(p);
+            }
+            match lookback(&s, &service, &bucket, d.in_force.as_ref()) {
+                Ok(l) => d.lookback = Some(l),
+                Err(why) => missing.no_lookback = why,
+            }
+            (
+                missing
+                    .errors
+                    .first()
+                    .map_or(StatusCode::OK, DashError::status),
+                render(&service, &bucket, &window, &links, Ok((&d, &missing))),
+            )
+        }
         Err(e) => (
             e.status(),
             render(&service, &bucket, &window, &links, Err(&e.message())),
@@ -435,16 +662,37 @@ pub(in crate::serve) async fn bucket_page(
     (status, Html(body)).into_response()
 }
 
-/// Chart geometry (px).
+/// The 404 of an unknown bucket.
+fn not_found(service: &str, bucket: &str, with_config: bool) -> DashError {
+    DashError::NotFound(if with_config {
+        format!(
+            "no bucket `{bucket}` of service `{service}`: not in the config repo, and no report \
+             or recorded change in the store"
+        )
+    } else {
+        format!("no report of bucket `{bucket}` of service `{service}` in the store")
+    })
+}
+
+/// Chart geometry (px): the plot sits between the margins; the legend is above it.
 const W: f64 = 900.0;
-const H: f64 = 200.0;
-const LEFT: f64 = 56.0;
-const TOP: f64 = 10.0;
-const BOTTOM: f64 = 24.0;
+const H: f64 = 250.0;
+const LEFT: f64 = 64.0;
+const RIGHT: f64 = 12.0;
+const TOP: f64 = 30.0;
+const BOTTOM: f64 = 26.0;
+
+/// Points drawn as markers when a series has at most this many values (a minute of data is
+/// a visible dot, not a speck).
+const MARKERS_UP_TO: usize = 90;
 
 /// An SVG path through `values` (x by index): a missing value ends the line, so gaps show as
 /// gaps. An isolated point is drawn as a dot.
-fn path(values: &[Option<f64>], x: impl Fn(usize) -> f64, y: impl Fn(f64) -> f64) -> String {
+pub(super) fn path(
+    values: &[Option<f64>],
+    x: impl Fn(usize) -> f64,
+    y: impl Fn(f64) -> f64,
+) -> String {
     let mut d = String::new();
     let mut open = false;
     for (i, v) in values.iter().enumerate() {
@@ -469,27 +717,108 @@ fn path(values: &[Option<f64>], x: impl Fn(usize) -> f64, y: impl Fn(f64) -> f64
     d.trim_end().to_string()
 }
 
+/// A step line through `values`: each value held flat over its whole step (`x(i)` to
+/// `x(i + 1)`), joined by vertical segments; a missing value ends it.
+fn step_path(values: &[Option<f64>], x: impl Fn(usize) -> f64, y: impl Fn(f64) -> f64) -> String {
+    let mut d = String::new();
+    let mut open = false;
+    for (i, v) in values.iter().enumerate() {
+        match v {
+            Some(v) => {
+                let _ = write!(
+                    d,
+                    "{}{:.1} {:.1} L{:.1} {:.1} ",
+                    if open { "L" } else { "M" },
+                    x(i),
+                    y(*v),
+                    x(i + 1),
+                    y(*v)
+                );
+                open = true;
+            }
+            None => open = false,
+        }
+    }
+    d.trim_end().to_string()
+}
+
 /// `v` with one decimal: coordinates and figures.
-fn dec1(v: f64) -> String {
+pub(super) fn dec1(v: f64) -> String {
     format!("{v:.1}")
 }
 
-/// One chart: offered, limit and drops of a series, gaps shaded. Every text is escaped.
+/// Round rate ticks from 0 up to above `max` (a step of 1, 2, 2.5 or 5 × 10^k, four to six
+/// intervals), and the scale's top (the last tick).
+pub fn rate_ticks(max: f64) -> (Vec<f64>, f64) {
+    let max = if max.is_finite() { max.max(1.0) } else { 1.0 };
+    let raw = max / 4.0;
+    let mag = 10f64.powf(raw.log10().floor());
+    let step = [1.0, 2.0, 2.5, 5.0, 10.0]
+        .into_iter()
+        .map(|m| m * mag)
+        .find(|s| *s >= raw)
+        .unwrap_or(10.0 * mag);
+    // A little room above the highest value.
+    let n = ((max * 1.05) / step).ceil().max(1.0) as usize;
+    let ticks: Vec<f64> = (0..=n).map(|i| i as f64 * step).collect();
+    let top = n as f64 * step;
+    (ticks, top)
+}
+
+/// Time ticks for `[start, end)`: the first interval of a fixed ladder (1 min to 7 days) that
+/// gives at most 8 ticks, at its multiples (unix time, so days start at 00:00 UTC), each
+/// with its label (`HH:MM`, with the date when the window spans more than a day).
+pub fn time_ticks(start: DateTime<Utc>, end: DateTime<Utc>) -> Vec<(DateTime<Utc>, String)> {
+    const LADDER: [i64; 14] = [
+        60, 120, 300, 600, 900, 1_800, 3_600, 7_200, 10_800, 21_600, 43_200, 86_400, 172_800,
+        604_800,
+    ];
+    let span = (end - start).num_seconds().max(60);
+    let every = LADDER
+        .into_iter()
+        .find(|s| span / s <= 8)
+        .unwrap_or(604_800);
+    let first = (start.timestamp() + every - 1).div_euclid(every) * every;
+    let long = span > 86_400;
+    (0..)
+        .map(|k| first + k * every)
+        .take_while(|t| *t <= end.timestamp())
+        .filter_map(|t| DateTime::<Utc>::from_timestamp(t, 0))
+        .map(|t| {
+            let label = if long && every >= 86_400 {
+                t.format("%b %-d").to_string()
+            } else if long {
+                t.format("%b %-d %H:%M").to_string()
+            } else {
+                t.format("%H:%M").to_string()
+            };
+            (t, label)
+        })
+        .collect()
+}
+
+/// The series a chart draws: class, legend label, values, drawn as a step line or not.
+type Line = (&'static str, &'static str, Vec<Option<f64>>, bool);
+
+/// One chart: offered, admitted, limit (a step line) and drops of a series, gaps shaded,
+/// with a time axis, a rate axis in requests/s and a legend. Every text is escaped.
 fn chart(s: &Series, d: &BucketDetail) -> Markup {
     let n = s.points.len().max(1);
-    let plot_w = W - LEFT - 8.0;
+    let plot_w = W - LEFT - RIGHT;
     let plot_h = H - TOP - BOTTOM;
     let top = s
         .points
         .iter()
         .flat_map(|p| [p.offered_rps, p.limit_rps, p.virtual_drop_rps, p.drop_rps])
         .flatten()
-        .fold(0.0f64, f64::max)
-        .max(1.0)
-        * 1.1;
+        .fold(0.0f64, f64::max);
+    let (rate_ticks, top) = rate_ticks(top);
     let x = |i: usize| LEFT + plot_w * i as f64 / n as f64;
+    let mid = |i: usize| x(i) + plot_w / n as f64 / 2.0;
     let y = |v: f64| TOP + plot_h * (1.0 - v / top);
+    let span_secs = (d.window_end - d.window_start).num_seconds().max(1) as f64;
     let px_per_sec = plot_w / (n as f64 * d.step_secs as f64);
+    let tx = |t: DateTime<Utc>| LEFT + plot_w * (t - d.window_start).num_seconds() as f64 / span_secs;
     // Gaps: runs of steps without a report, as [first, end).
     let mut gaps = Vec::new();
     let mut i = 0;
@@ -505,17 +834,24 @@ fn chart(s: &Series, d: &BucketDetail) -> Markup {
         }
     }
     let get = |f: fn(&Point) -> Option<f64>| s.points.iter().map(f).collect::<Vec<_>>();
-    let lines: Vec<(&str, String)> = [
-        ("limit", get(|p| p.limit_rps)),
-        ("offered", get(|p| p.offered_rps)),
-        ("virtual-drops", get(|p| p.virtual_drop_rps)),
-        ("drops", get(|p| p.drop_rps)),
+    let lines: Vec<Line> = [
+        ("limit", "limit", get(|p| p.limit_rps), true),
+        // Admitted under offered, wider: where nothing was really dropped the two coincide,
+        // and admitted shows as a band around the offered line.
+        ("admitted", "admitted", get(|p| p.admitted_rps), false),
+        ("offered", "offered", get(|p| p.offered_rps), false),
+        ("virtual-drops", "virtual drops", get(|p| p.virtual_drop_rps), false),
+        ("drops", "real drops", get(|p| p.drop_rps), false),
     ]
     .into_iter()
     // Drop lines only when there were drops: a flat zero line says nothing.
-    .filter(|(name, values)| !name.ends_with("drops") || values.iter().flatten().any(|v| *v > 0.0))
-    .map(|(name, values)| (name, path(&values, |i| x(i) + plot_w / n as f64 / 2.0, y)))
+    .filter(|(name, _, values, _)| {
+        !name.ends_with("drops") || values.iter().flatten().any(|v| *v > 0.0)
+    })
     .collect();
+    let valued = s.points.iter().filter(|p| p.offered_rps.is_some()).count();
+    let markers = valued <= MARKERS_UP_TO;
+    let ticks = time_ticks(d.window_start, d.window_end);
     // SVG elements get an end tag each: in HTML, `<line …>` without one would hold what
     // follows it.
     html! {
@@ -525,7 +861,7 @@ fn chart(s: &Series, d: &BucketDetail) -> Markup {
                 height=(H) role="img" data-scope=(s.scope_key) data-t0=(d.window_start.timestamp())
                 data-x0=(LEFT) data-px-per-sec=(px_per_sec) data-y0=(TOP + plot_h)
                 data-px-per-rps=(plot_h / top) {
-                title { (d.service) "/" (d.bucket) " scope " (s.scope_key) }
+                title { (d.service) "/" (d.bucket) " scope " (s.scope_key) ", requests/s" }
                 // Gaps: steps without a report, shaded and labelled.
                 @for (i, j) in gaps {
                     rect class="gap" x=(dec1(x(i))) y=(TOP) width=(dec1(x(j) - x(i)))
@@ -537,24 +873,57 @@ fn chart(s: &Series, d: &BucketDetail) -> Markup {
                         }
                     }
                 }
-                // Axes: 0, half and top of the scale; start and end times.
-                @for frac in [0.0, 0.5, 1.0] {
-                    @let v = top / 1.1 * frac;
+                // Rate axis: 0, a quarter, half, three quarters and the top of the scale.
+                @for v in rate_ticks.iter().copied() {
                     line class="grid" x1=(LEFT) x2=(dec1(LEFT + plot_w)) y1=(dec1(y(v)))
                         y2=(dec1(y(v))) {}
                     text class="tick" x=(dec1(LEFT - 4.0)) y=(dec1(y(v) + 4.0)) text-anchor="end" {
                         (rate(v))
                     }
                 }
-                text class="tick" x=(LEFT) y=(H) dy="-6" { (when(d.window_start)) }
-                text class="tick" x=(dec1(LEFT + plot_w)) y=(H) dy="-6" text-anchor="end" {
-                    (when(d.window_end)) " UTC"
+                text class="unit" x="12" y=(dec1(TOP + plot_h / 2.0)) text-anchor="middle"
+                    transform={ "rotate(-90 12 " (dec1(TOP + plot_h / 2.0)) ")" } { "requests/s" }
+                // Time axis: ticks at round times, UTC.
+                line class="axis" x1=(LEFT) x2=(dec1(LEFT + plot_w)) y1=(dec1(TOP + plot_h))
+                    y2=(dec1(TOP + plot_h)) {}
+                @for (t, label) in &ticks {
+                    @let tx = tx(*t);
+                    line class="tick" x1=(dec1(tx)) x2=(dec1(tx)) y1=(dec1(TOP + plot_h))
+                        y2=(dec1(TOP + plot_h + 4.0)) {}
+                    text class="tick time" x=(dec1(tx)) y=(dec1(H - 6.0)) text-anchor="middle" { (label) }
                 }
-                @for (name, d) in &lines {
-                    path class=(name) data-series=(name) d=(d) {}
+                text class="tick" x=(dec1(LEFT + plot_w)) y=(dec1(TOP - 6.0)) text-anchor="end" { "UTC" }
+                // Legend, above the plot.
+                @for (k, (name, label, _, _)) in lines.iter().enumerate() {
+                    @let lx = LEFT + k as f64 * 130.0;
+                    line class={ "key " (name) } x1=(dec1(lx)) x2=(dec1(lx + 22.0)) y1="12" y2="12" {}
+                    text class="legend" x=(dec1(lx + 28.0)) y="16" { (label) }
+                }
+                @for (name, _, values, step) in &lines {
+                    @let p = if *step { step_path(values, x, y) } else { path(values, mid, y) };
+                    path class=(name) data-series=(name) d=(p) {}
+                    @if markers && !*step {
+                        @for (i, v) in values.iter().enumerate() {
+                            @if let Some(v) = v {
+                                circle class={ "marker " (name) } cx=(dec1(mid(i))) cy=(dec1(y(*v)))
+                                    r=(match *name { "admitted" => "7", "offered" => "4", _ => "3" }) {
+                                    title { (label_of(name)) " " (rate(*v)) " requests/s at " (when(s.points[i].t)) " UTC" }
+                                }
+                            }
+                        }
+                    }
                 }
             }
         }
+    }
+}
+
+/// A series' name in words.
+fn label_of(name: &str) -> &str {
+    match name {
+        "virtual-drops" => "virtual drops",
+        "drops" => "real drops",
+        other => other,
     }
 }
 
@@ -576,7 +945,7 @@ fn render(
             }
             body {
                 header {
-                    h1 { "Bucket " code { (bucket) } " of " code { (service) } }
+                    h1 { "Bucket " code { (super::overview::name_html(bucket)) } " of " code { (super::overview::name_html(service)) } }
                     p {
                         a href={ "/?service=" (encoded(service)) "&window=" (encoded(window)) } {
                             "← all buckets"
@@ -625,9 +994,16 @@ fn render(
 
 /// What loaded of the bucket, and a notice naming what did not.
 fn sections(d: &BucketDetail, missing: &Missing, links: &Links) -> Markup {
-    let problems: Vec<String> = missing.errors.iter().map(DashError::notice).collect();
+    let mut problems: Vec<String> = missing.errors.iter().map(DashError::notice).collect();
+    if let Some(p) = &missing.config {
+        problems.push(format!("The bucket in the config repo could not be read: {p}"));
+    }
     html! {
         (problems_notice(&problems))
+        (in_force_section(d, links))
+        @if !d.overrides.is_empty() {
+            (overrides_section(&d.overrides))
+        }
         @match &d.readiness {
             None if missing.readiness => {}
             None => {
@@ -644,12 +1020,12 @@ fn sections(d: &BucketDetail, missing: &Missing, links: &Links) -> Markup {
         section {
             h2 { "Traffic" }
             p class="muted" {
-                "Per-minute averages (the highest minute of each step on long windows): "
-                span class="key offered" { "offered" } " "
-                span class="key limit" { "limit" } " "
-                span class="key virtual-drops" { "virtual drops" } " "
-                span class="key drops" { "real drops" }
-                "; shaded: no reports (a gap in the report feed, not zero traffic)."
+                "Requests per second as the controller reported them, per-minute averages"
+                @if d.step_secs > 60 {
+                    " (each point: the busiest minute of its " (step_words(d.step_secs)) " step)"
+                }
+                "; the limit is a step line (the limit of each step's latest report); shaded: \
+                 no reports (a gap in the report feed, not zero traffic)."
             }
             @if missing.chart {
                 p class="err" id="chart-not-loaded" { "Not loaded (see above)." }
@@ -663,6 +1039,7 @@ fn sections(d: &BucketDetail, missing: &Missing, links: &Links) -> Markup {
                 p class="muted" { (d.scopes_cut) " more scope keys not charted." }
             }
         }
+        (super::lookback::section(d.lookback.as_ref(), missing.no_lookback))
         section {
             h2 { "Quota history" }
             @if missing.history {
@@ -671,6 +1048,75 @@ fn sections(d: &BucketDetail, missing: &Missing, links: &Links) -> Markup {
                 p class="muted" { "No change recorded by a run." }
             } @else {
                 (quota_history(&d.quota_history, links))
+            }
+        }
+    }
+}
+
+/// A step length in words (`1 min`, `28 min`, `2 h`).
+fn step_words(secs: i64) -> String {
+    if secs % 3_600 == 0 {
+        format!("{} h", secs / 3_600)
+    } else {
+        format!("{} min", (secs / 60).max(1))
+    }
+}
+
+/// The limit in force now (the config repo's base branch), and the controller's latest
+/// report when it differs.
+fn in_force_section(d: &BucketDetail, links: &Links) -> Markup {
+    let reported = d.readiness.as_ref().map(|r| r.stats.limit_rps);
+    html! {
+        section id="in-force" {
+            h2 { "Limit in force" }
+            @match &d.in_force {
+                Some(f) => {
+                    p {
+                        span class="big" id="limit-in-force" { (rate(f.limit_rps)) " requests/s" }
+                        " · " span class="badge mode" { (f.mode) } " · policy " code { (f.policy) }
+                        " · config repo base at " (links.commit_html(&f.commit))
+                    }
+                    @if let Some(rep) = reported.filter(|r| (r - f.limit_rps).abs() > 0.005 * f.limit_rps.abs().max(1.0)) {
+                        p class="muted" id="reported-limit" {
+                            "The controller's latest report in this window says " (rate(rep))
+                            " requests/s: it had not applied this limit yet then"
+                            @if !d.overrides.is_empty() { ", or an incident override set it" }
+                            ". The virtual and real drops and the verdict below were counted \
+                             against the reported limit."
+                        }
+                    }
+                }
+                None => {
+                    p class="muted" id="limit-in-force" {
+                        "Not in the config repo"
+                        @if let Some(rep) = reported { " · latest report: " (rate(rep)) " requests/s" }
+                        "."
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The incident overrides acting on the bucket now; a caller-wide one says so.
+fn overrides_section(overrides: &[OverrideView]) -> Markup {
+    html! {
+        section id="overrides" class="notice" {
+            h2 { "Incident overrides in force" }
+            ul {
+                @for o in overrides {
+                    li data-override=(o.id) {
+                        code { (o.id) } ": " (o.reason)
+                        " · since " (when(o.from)) " UTC, until " (when(o.to)) " UTC"
+                        @if o.buckets > 1 {
+                            " · " b { "caller-wide" } ": acts on " (o.buckets)
+                            " buckets and shares its limit between them; it is not this bucket's own limit"
+                        }
+                    }
+                }
+            }
+            p class="muted" {
+                "As rlc last saw them on the controller (`GET /v1/overrides`, read at each report poll)."
             }
         }
     }
@@ -710,7 +1156,7 @@ fn quota_history(changes: &[QuotaChange], links: &Links) -> Markup {
                         td { (q.mode.as_deref().unwrap_or("")) }
                         td { (q.policy.as_deref().unwrap_or("")) }
                         // The run that made the change: its record (summary, commit, error).
-                        td class="num" { a href={ "/v1/runs/" (q.run_id) } { (q.run_id) } }
+                        td class="num" { a href={ "/runs/" (q.run_id) } { (q.run_id) } }
                         td {
                             @match q.commit_sha.as_deref() {
                                 Some(c) => { (links.commit_html(c)) }
@@ -778,7 +1224,10 @@ fn readiness_section(r: &Readiness) -> Markup {
                             (percent(s.peak_drop_share)) " at " (opt_when(s.peak_drop_at))
                         }
                     }
-                    tr { th { "Limit rps" } td id="limit" { (rate(s.limit_rps)) } }
+                    tr {
+                        th { "Limit in the latest report, rps" }
+                        td id="limit" { (rate(s.limit_rps)) }
+                    }
                     tr {
                         th { "Suggested limit rps (virtual drops ≤ 0.01%)" }
                         td id="suggested" {
@@ -792,7 +1241,7 @@ fn readiness_section(r: &Readiness) -> Markup {
     }
 }
 
-const CHART_CSS: &str = "
+pub(super) const CHART_CSS: &str = "
 header code { color: #fff; font-size: inherit; }
 header a { color: #c9d6ea; }
 .windows a, .windows b { margin: 0 4px; }
@@ -804,12 +1253,36 @@ svg path.offered { stroke: #1f6feb; }
 svg path.limit { stroke: #7a8499; stroke-dasharray: 6 4; }
 svg path.virtual-drops { stroke: #e36209; }
 svg path.drops { stroke: #c1121f; }
+svg path.admitted { stroke: #2a9d4b; stroke-width: 6; opacity: .35; }
+svg circle.admitted { opacity: .45; }
+svg line.key { stroke-width: 3; }
+svg line.key.offered, svg circle.offered { stroke: #1f6feb; fill: #1f6feb; }
+svg line.key.admitted, svg circle.admitted { stroke: #2a9d4b; fill: #2a9d4b; }
+svg line.key.admitted { stroke-width: 6; opacity: .35; }
+svg line.key.limit { stroke: #7a8499; stroke-dasharray: 6 4; }
+svg line.key.virtual-drops, svg circle.virtual-drops { stroke: #e36209; fill: #e36209; }
+svg line.key.drops, svg circle.drops { stroke: #c1121f; fill: #c1121f; }
+svg line.axis, svg line.tick { stroke: #9aa5b8; }
+svg text.legend { font-size: 12px; fill: #39445a; }
+svg text.unit { font-size: 11px; fill: #56627a; }
+.big { font-size: 22px; font-weight: 700; }
+svg path.history { stroke: #1f6feb; stroke-width: 1.5; }
+svg line.key.history { stroke: #1f6feb; }
+svg line.level { stroke-width: 1.5; }
+svg line.level.statistic, svg line.level.forecast { stroke: #e36209; stroke-dasharray: 4 3; }
+svg line.level.proposed { stroke: #2a9d4b; }
+svg text.level { font-size: 11px; font-weight: 600; }
+svg text.level.statistic, svg text.level.forecast { fill: #b24d05; }
+svg text.level.proposed { fill: #1e7a3a; }
+svg rect.headroom { fill: #2a9d4b; opacity: .10; }
+pre.summary { white-space: pre-wrap; font-size: 13px; background: #f7f9fc; padding: 10px; }
 svg rect.gap { fill: #eceff4; }
 svg line.grid { stroke: #e3e7ee; }
 svg text.tick { font-size: 11px; fill: #56627a; }
 .key { padding: 0 6px; border-left: 14px solid; margin-right: 6px; }
 .key.offered { border-color: #1f6feb; } .key.limit { border-color: #7a8499; }
 .key.virtual-drops { border-color: #e36209; } .key.drops { border-color: #c1121f; }
+.key.admitted { border-color: #2a9d4b; }
 table.facts th { text-transform: none; font-size: 13px; width: 320px; }
 tr.proposed td { color: #7a8499; font-style: italic; }
 ";

@@ -293,13 +293,15 @@ async fn html_dashboard_flags_buckets_and_escapes_names() {
     let (status, html) = get(&state, "/").await;
     assert_eq!(status, StatusCode::OK);
     assert!(
-        html.contains(r#"<tr class="throttle" data-bucket="gw">"#),
+        html.contains(
+            r#"<tr class="would-throttle" data-bucket="gw" data-service="payments" data-verdict="would-throttle">"#
+        ),
         "{html}"
     );
-    assert!(html.contains(r#"<tr class="ok" data-bucket="steady">"#));
-    assert!(html.contains("33.33%"));
-    assert!(html.contains("would throttle"));
+    assert!(html.contains(r#"<tr class="ok" data-bucket="steady" data-service="payments""#));
+    assert!(html.contains("would throttle 33.33%"));
     assert!(html.contains("<b>2</b> would throttle"), "gw and geo");
+    assert!(html.contains(r#"id="no-config""#), "says only reported buckets are listed");
     // Names are text, never markup: no script element, no injected attribute.
     assert!(!html.contains("<script"), "{html}");
     assert!(!html.contains("<img"), "{html}");
@@ -409,14 +411,15 @@ async fn dashboard_renders_in_headless_chromium() {
         assert!(dom.contains(&format!("data-bucket=\"{b}\"")), "{b}: {dom}");
     }
     assert!(
-        dom.contains(r#"<tr class="throttle" data-bucket="gw">"#),
+        dom.contains(r#"<tr class="would-throttle" data-bucket="gw""#),
         "{dom}"
     );
     assert!(dom.contains("would throttle"));
     // The browser parsed the evil bucket name as text: no script element in the DOM.
     assert!(!dom.contains("<script"), "{dom}");
+    // (A line may break after its `/`: a `<wbr>` there, never inside a word.)
     assert!(
-        dom.contains("&lt;script&gt;alert(\"x\")&lt;/script&gt;"),
+        dom.contains("&lt;script&gt;alert(\"x\")&lt;/<wbr>script&gt;"),
         "{dom}"
     );
 
@@ -795,9 +798,12 @@ async fn check_bucket_pages(store: Store, label: &str) {
     );
     assert!(dom.contains(&format!("href=\"{MR_URL}\">#12</a>")), "{dom}");
     // The change links to the run that made it, whose record names the same commit.
-    let at = dom.find("href=\"/v1/runs/").expect("a link to the run") + 6;
+    let at = dom.find("href=\"/runs/").expect("a link to the run's page") + 6;
     let link = &dom[at..][..dom[at..].find('"').unwrap()];
-    let (status, run) = get_json(&state, link).await;
+    let (status, page) = get(&state, link).await;
+    assert_eq!(status, StatusCode::OK, "{link}");
+    assert!(page.contains(">feedfacefeed</code>"), "the run page names its commit: {page}");
+    let (status, run) = get_json(&state, &format!("/v1{link}")).await;
     assert_eq!(status, StatusCode::OK, "{link}");
     assert_eq!(
         run["record"]["commit_sha"], "feedfacefeedfacefeedfacefeedfacefeedface",
@@ -1069,7 +1075,7 @@ async fn pages_link_commits_and_pull_requests_to_the_forge() {
     assert!(row.contains(&commit_link), "{row}");
     assert!(row.contains(&pr_link), "{row}");
     assert!(
-        row.contains(&format!("<a href=\"/v1/runs/{id}\">{id}</a>")),
+        row.contains(&format!("<a href=\"/runs/{id}\">{id}</a>")),
         "{row}"
     );
     assert!(html.contains("<span class=\"pr\">#8</span>"), "{html}");
@@ -1113,7 +1119,7 @@ async fn pages_link_commits_and_pull_requests_to_the_forge() {
     let row = &table[table.find("<tbody><tr>").unwrap()..];
     let row = &row[..row.find("</tr>").unwrap()];
     assert!(
-        row.contains(&format!("<a href=\"/v1/runs/{id}\">{id}</a>")),
+        row.contains(&format!("<a href=\"/runs/{id}\">{id}</a>")),
         "{row}"
     );
     assert!(row.contains(&commit_link), "{row}");
@@ -1218,4 +1224,501 @@ fn link_segments_keep_only_unreserved_characters() {
         encoded("a b&c").to_string(),
         crate::gitops::summary::url_segment("a b&c")
     );
+}
+
+/// The operator's view: a config repo whose base branch has `payments` (five buckets) and a
+/// store whose reports disagree with it in the ways that used to mislead.
+struct OperatorView {
+    _dir: tempfile::TempDir,
+    state: AppState,
+    /// The run that raised gw to 173.
+    run_id: i64,
+}
+
+const PAYMENTS_YAML: &str = "service: payments
+buckets:
+  - name: gw
+    limit_rps: 173
+    mode: shadow
+    policy: peak
+  - name: steady
+    limit_rps: 100
+    mode: shadow
+  - name: enforced.api-gateway
+    limit_rps: 100
+    mode: enforce
+  - name: quiet-bucket
+    limit_rps: 50
+    mode: enforce
+  - name: old
+    limit_rps: 100
+    mode: shadow
+";
+
+/// A config repo (git, branch main) with `files`, and a state serving it with `store`.
+fn config_state(dir: &std::path::Path, store: Store, files: &[(&str, &str)]) -> AppState {
+    config_state_with(
+        dir,
+        store,
+        files,
+        "history:\n  prometheus:\n    url: http://127.0.0.1:9\n    query: up\nconfig_repo:\n  path: wc\n",
+    )
+}
+
+/// [`config_state`] with this rlc.yaml.
+fn config_state_with(
+    dir: &std::path::Path,
+    store: Store,
+    files: &[(&str, &str)],
+    rlc_yaml: &str,
+) -> AppState {
+    let wc = dir.join("wc");
+    for (path, text) in files {
+        let p = wc.join(path);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, text).unwrap();
+    }
+    let git = |args: &[&str]| test_support::git::git(&wc, args).unwrap();
+    git(&["init", "-q", "-b", "main"]);
+    git(&["add", "-A"]);
+    git(&[
+        "-c",
+        "user.name=t",
+        "-c",
+        "user.email=t@example.com",
+        "commit",
+        "-q",
+        "-m",
+        "buckets",
+    ]);
+    let cfg: schema::DaemonConfig = schema::parse_str(std::path::Path::new("rlc.yaml"), rlc_yaml)
+        .unwrap()
+        .value;
+    let cache = std::sync::Arc::new(crate::history::snapshot::HistoryCache::new(
+        cfg.clone(),
+        dir,
+    ));
+    let slot = crate::serve::StoreSlot::with(store);
+    AppState::from_parts(crate::serve::AppParts {
+        quotas: Some(std::sync::Arc::new(
+            crate::serve::quotas::Quotas::new(cfg, dir, cache, 4, slot.clone()).unwrap(),
+        )),
+        store: slot,
+        links: Links::from_forge(Some(&forge("kind: github\nrepo: acme/config\n"))),
+        ..Default::default()
+    })
+}
+
+/// The store of [`OperatorView`]: in the last minute, `payments/enforced.api-gateway`
+/// (enforced) really dropped a third, `payments/gw` (shadow) would drop a third against the
+/// 98.4 its reports still carry although a run raised it to 173, `maps/geo` (not in the config
+/// repo) would drop a sixth, `payments/steady` is fine; `payments/old` last reported 40
+/// minutes ago; `payments/quiet-bucket` never reported. A caller-wide override acts on gw and
+/// steady.
+async fn operator_view() -> OperatorView {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::connect("sqlite://rlc.db", dir.path()).await.unwrap();
+    let now = crate::store::minute_of(Utc::now());
+    let old = now - chrono::Duration::minutes(40);
+    let reports = vec![
+        zone_minute(1, now, ("payments", "enforced.api-gateway", "global", "enforce"), 150.0, 100.0),
+        zone_minute(1, now, ("payments", "gw", "global", "shadow"), 147.6, 98.4),
+        zone_minute(1, now, ("maps", "geo", "global", "shadow"), 120.0, 100.0),
+        zone_minute(1, now, ("payments", "steady", "global", "shadow"), 90.0, 100.0),
+        zone_minute(1, old, ("payments", "old", "global", "shadow"), 50.0, 100.0),
+    ];
+    store.insert_reports(&reports, Utc::now()).await.unwrap();
+    let list = crate::push::OverrideList {
+        overrides: vec![crate::push::ActiveOverride {
+            id: "ov-7".into(),
+            reason: "INC-7 retry storm from web".into(),
+            created_at: (Utc::now() - chrono::Duration::minutes(10)).timestamp(),
+            expires_at: (Utc::now() + chrono::Duration::hours(1)).timestamp(),
+            affects: ["gw", "steady"]
+                .into_iter()
+                .map(|b| crate::push::OverrideTarget {
+                    service: "payments".into(),
+                    bucket: b.into(),
+                    created: false,
+                })
+                .collect(),
+        }],
+    };
+    store.record_overrides(&list, Utc::now()).await.unwrap();
+    let mut raised = run("held", 1, Some("0123456789abcdef0123456789abcdef01234567"), None);
+    raised.summary = "rlc run (schedule): held\n  payments: raised gw 98.4 → 173\n  needs review: \
+                      payments/steady lowered (decrease held until the decrease interval)"
+        .into();
+    let q = crate::store::QuotaRecord {
+        service: "payments".into(),
+        bucket: "gw".into(),
+        change: "raised".into(),
+        limit_rps: Some(173.0),
+        previous_limit_rps: Some(98.4),
+        mode: Some("shadow".into()),
+        policy: Some("peak".into()),
+        commit_sha: raised.commit_sha.clone(),
+        state: crate::store::ChangeState::Applied,
+        evidence: "{}".into(),
+        recorded_at: Utc::now(),
+        pr_number: None,
+        pr_url: None,
+    };
+    let run_id = store.record_run(&raised, &[q]).await.unwrap();
+    let state = config_state(
+        dir.path(),
+        store,
+        &[("buckets/payments.yaml", PAYMENTS_YAML)],
+    );
+    OperatorView {
+        _dir: dir,
+        state,
+        run_id,
+    }
+}
+
+/// The `data-bucket` of each overview row, in order.
+fn row_buckets(html: &str) -> Vec<String> {
+    html.split("<tr class=\"")
+        .skip(1)
+        .filter_map(|r| r.split("data-bucket=\"").nth(1))
+        .filter_map(|r| r.split('"').next())
+        .map(str::to_string)
+        .collect()
+}
+
+#[tokio::test]
+async fn overview_lists_every_bucket_by_attention() {
+    let v = operator_view().await;
+    let (status, html) = get(&v.state, "/?window=1h").await;
+    assert_eq!(status, StatusCode::OK, "{html}");
+    // Every bucket of the config repo, and the reported one that is not in it, most urgent
+    // first: really dropping, would drop (largest share first), stale, silent, fine.
+    assert_eq!(
+        row_buckets(&html),
+        ["enforced.api-gateway", "gw", "geo", "old", "quiet-bucket", "steady"],
+        "{html}"
+    );
+    // The enforced bucket that dropped a third says so, not "ok".
+    assert!(
+        html.contains(r#"<span class="badge dropping">dropping 33.33% of requests</span>"#),
+        "{html}"
+    );
+    assert!(html.contains(r#"<span class="badge would-throttle">would throttle 33.33%</span>"#));
+    assert!(html.contains(r#"<span class="badge stale">stale: last report 40 min ago</span>"#), "{html}");
+    assert!(html.contains(r#"<span class="badge silent">no reports in the last 1h</span>"#));
+    assert!(html.contains("not in the config repo"), "maps/geo");
+    // The limit in force is the config repo's; the reports' older one is named as such.
+    let gw = html.split("data-bucket=\"gw\"").nth(1).unwrap().split("</tr>").next().unwrap();
+    assert!(gw.contains(">173<div class=\"muted small\""), "{gw}");
+    assert!(gw.contains("reported 98.4"), "{gw}");
+    // The caller-wide override, as what it is.
+    assert!(gw.contains("override (caller-wide, 2 buckets)"), "{gw}");
+    assert!(gw.contains("INC-7 retry storm from web"), "{gw}");
+    // Names break only after separators, never inside a word.
+    assert!(html.contains("enforced.<wbr>api-<wbr>gateway"), "{html}");
+    assert!(!html.contains("overflow-wrap: anywhere"));
+    assert!(html.contains("<b>1</b> dropping"), "{html}");
+    // Runs link to their page.
+    assert!(html.contains(&format!("href=\"/runs/{}\"", v.run_id)), "{html}");
+
+    // Filters: by mode, by verdict, by service; a bad value names the accepted ones.
+    let (_, html) = get(&v.state, "/?mode=enforce").await;
+    assert_eq!(row_buckets(&html), ["enforced.api-gateway", "quiet-bucket"]);
+    assert!(html.contains(r#"<option value="enforce" selected>"#));
+    let (_, html) = get(&v.state, "/?verdict=would-throttle").await;
+    assert_eq!(row_buckets(&html), ["gw", "geo"]);
+    let (_, html) = get(&v.state, "/?service=maps").await;
+    assert_eq!(row_buckets(&html), ["geo"]);
+    let (_, html) = get(&v.state, "/?verdict=silent&service=payments&mode=enforce").await;
+    assert_eq!(row_buckets(&html), ["quiet-bucket"]);
+    let (status, html) = get(&v.state, "/?verdict=bad").await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(html.contains("verdict `bad`: expected one of dropping, would-throttle"), "{html}");
+    let (status, _) = get(&v.state, "/?mode=both").await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn bucket_page_shows_the_limit_in_force_overrides_and_readable_charts() {
+    let v = operator_view().await;
+    let (status, html) = get(&v.state, "/buckets/payments/gw?window=1h").await;
+    assert_eq!(status, StatusCode::OK, "{html}");
+    // The limit in force is the one its quota history ends with, not the reports'.
+    assert!(
+        html.contains(r#"<span class="big" id="limit-in-force">173 requests/s</span>"#),
+        "{html}"
+    );
+    assert!(html.contains(r#"id="reported-limit""#) && html.contains("says 98.4"), "{html}");
+    assert!(html.contains("href=\"https://github.com/acme/config/commit/"), "{html}");
+    // The caller-wide override is shown as caller-wide, not as the bucket's limit.
+    let ov = html.split("id=\"overrides\"").nth(1).expect("overrides section");
+    assert!(ov.contains("<b>caller-wide</b>: acts on 2 buckets"), "{ov}");
+    assert!(ov.contains("INC-7 retry storm from web"));
+    // The chart: unit, legend, several labelled times, the limit as a step line, one minute
+    // of data drawn as visible markers, admitted traffic drawn.
+    let svg = &html[html.find("<svg").unwrap()..html.find("</svg>").unwrap()];
+    assert!(svg.contains(">requests/s</text>"), "{svg}");
+    for legend in [">offered</text>", ">admitted</text>", ">limit</text>", ">virtual drops</text>"] {
+        assert!(svg.contains(legend), "{legend}: {svg}");
+    }
+    let times = svg.matches("class=\"tick time\"").count();
+    assert!((4..=9).contains(&times), "{times} time ticks: {svg}");
+    assert!(svg.contains(">UTC</text>"));
+    let limit = attr(svg, svg.find("data-series=\"limit\"").unwrap() - 60, "d");
+    let pts = path_points(limit);
+    assert_eq!(pts.len(), 2, "one step held flat: {limit}");
+    assert_eq!(pts[0].2, pts[1].2, "{limit}");
+    assert!(pts[1].1 > pts[0].1, "{limit}");
+    assert!(svg.contains("<circle class=\"marker offered\""), "{svg}");
+    assert!(svg.contains("<circle class=\"marker admitted\""), "{svg}");
+    assert!(svg.contains("data-series=\"admitted\""));
+    // The quota history links to the run's page.
+    assert!(html.contains(&format!("href=\"/runs/{}\"", v.run_id)), "{html}");
+
+    // A bucket of the config repo without a report: 200, its limit, no chart.
+    let (status, html) = get(&v.state, "/buckets/payments/quiet-bucket").await;
+    assert_eq!(status, StatusCode::OK, "{html}");
+    assert!(html.contains(">50 requests/s</span>"), "{html}");
+    let (status, j) = get_json(&v.state, "/v1/shadow/payments/quiet-bucket").await;
+    assert_eq!(status, StatusCode::OK, "{j}");
+    assert_eq!(j["in_force"]["limit_rps"], 50.0);
+    assert!(j["readiness"].is_null());
+    let (_, j) = get_json(&v.state, "/v1/shadow/payments/gw").await;
+    assert_eq!(j["overrides"][0]["buckets"], 2, "{j}");
+    assert_eq!(j["in_force"]["limit_rps"], 173.0, "{j}");
+    // An unknown bucket: 404, an HTML page for the page and problem details for the JSON.
+    let (status, html) = get(&v.state, "/buckets/payments/nope").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert!(html.contains("no bucket `nope` of service `payments`"), "{html}");
+    let resp = app(v.state.clone())
+        .oneshot(Request::get("/v1/shadow/payments/nope").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::NOT_FOUND);
+    assert_eq!(resp.headers()["content-type"], "application/problem+json");
+}
+
+#[test]
+fn rate_ticks_are_round_and_above_the_highest_value() {
+    for (max, want_step) in [(144.0, 50.0), (98.4, 25.0), (1.0, 0.25), (3180.0, 1000.0), (0.0, 0.25)] {
+        let (ticks, top) = bucket::rate_ticks(max);
+        assert_eq!(ticks[0], 0.0);
+        assert_eq!(ticks[1], want_step, "{max}: {ticks:?}");
+        assert!((4..=7).contains(&ticks.len()), "{max}: {ticks:?}");
+        assert!(top >= max && top == *ticks.last().unwrap(), "{max}: {ticks:?}");
+    }
+}
+
+#[test]
+fn time_ticks_are_round_and_few() {
+    let t = |h: u32, m: u32| Utc.with_ymd_and_hms(2026, 11, 30, h, m, 0).unwrap();
+    let ticks = bucket::time_ticks(t(10, 3), t(11, 3));
+    let labels: Vec<&str> = ticks.iter().map(|(_, l)| l.as_str()).collect();
+    assert_eq!(labels, ["10:10", "10:20", "10:30", "10:40", "10:50", "11:00"]);
+    let ticks = bucket::time_ticks(t(10, 0), t(10, 0) + chrono::Duration::days(30));
+    assert!((4..=8).contains(&ticks.len()), "{ticks:?}");
+    assert!(ticks[0].1.starts_with("Dec ") || ticks[0].1.starts_with("Nov "), "{ticks:?}");
+    let ticks = bucket::time_ticks(t(10, 0), t(10, 15));
+    assert_eq!(ticks.len(), 8, "every two minutes: {ticks:?}");
+}
+
+#[tokio::test]
+async fn run_page_says_what_changed_and_why_it_was_held() {
+    let v = operator_view().await;
+    let (status, html) = get(&v.state, &format!("/runs/{}", v.run_id)).await;
+    assert_eq!(status, StatusCode::OK, "{html}");
+    assert!(html.contains(r#"<span class="badge held" id="status">held</span>"#), "{html}");
+    let changes = html.split("id=\"changes\"").nth(1).unwrap();
+    assert!(changes.contains("data-bucket=\"gw\""), "{changes}");
+    assert!(changes.contains(">98.4</td>") && changes.contains(">173</td>"), "{changes}");
+    let held = html.split("id=\"held\"").nth(1).expect("held section");
+    assert!(held.contains("needs review: payments/steady lowered"), "{held}");
+    assert!(html.contains(
+        "href=\"https://github.com/acme/config/commit/0123456789abcdef0123456789abcdef01234567\""
+    ));
+    let (status, html) = get(&v.state, "/runs/999999").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert!(html.contains("no run with id 999999"), "{html}");
+    assert!(html.starts_with("<!DOCTYPE html>"));
+}
+
+/// Headless Chromium on the overview, a bucket page, a run page and the API page: what a
+/// person sees, with screenshots in the test's output (`target/screenshots/`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_pages_in_headless_chromium() {
+    let v = operator_view().await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(axum::serve(listener, app(v.state.clone())).into_future());
+    let pages = [
+        ("operator-overview", format!("{base}/?window=1h")),
+        ("operator-bucket", format!("{base}/buckets/payments/gw?window=1h")),
+        ("operator-run", format!("{base}/runs/{}", v.run_id)),
+        ("operator-api-docs", format!("{base}/docs#op-get-v1-shadow")),
+    ];
+    let dom = chromium_run(&["--dump-dom".into()], &pages[0].1).await;
+    assert_eq!(
+        row_buckets(&dom),
+        ["enforced.api-gateway", "gw", "geo", "old", "quiet-bucket", "steady"]
+    );
+    assert!(dom.contains("dropping 33.33% of requests"), "{dom}");
+    let dom = chromium_run(&["--dump-dom".into()], &pages[1].1).await;
+    assert!(dom.contains("173 requests/s"), "{dom}");
+    assert!(dom.contains("caller-wide"), "{dom}");
+    assert!(dom.contains("requests/s</text>"), "{dom}");
+    let dom = chromium_run(&["--dump-dom".into()], &pages[2].1).await;
+    assert!(dom.contains("needs review: payments/steady lowered"), "{dom}");
+    // The API page renders the served document with its script (a virtual time budget lets
+    // the fetch finish before the DOM is dumped): every operation, with examples.
+    let dom = chromium_run(
+        &["--dump-dom".into(), "--virtual-time-budget=10000".into()],
+        &pages[3].1,
+    )
+    .await;
+    let ops: usize = dom
+        .split("data-operations=\"")
+        .nth(1)
+        .and_then(|r| r.split('"').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("operations rendered: {dom}"));
+    let doc = crate::serve::openapi::document();
+    let expected: usize = doc
+        .paths
+        .iter()
+        .flat_map(|p| p.paths.values())
+        .map(|i| match i {
+            aide::openapi::ReferenceOr::Item(i) => {
+                [i.get.is_some(), i.post.is_some(), i.put.is_some(), i.delete.is_some()]
+                    .into_iter()
+                    .filter(|b| *b)
+                    .count()
+            }
+            _ => 0,
+        })
+        .sum();
+    assert_eq!(ops, expected, "{dom}");
+    assert!(dom.contains("id=\"op-get-v1-shadow\""), "{dom}");
+    assert!(dom.contains("class=\"example\""), "{dom}");
+    assert!(dom.contains("Send GET"), "{dom}");
+    // Trying a GET from the page: `?send` sends the operation's request at once; the answer
+    // (status, type, body) is shown in the page.
+    let dom = chromium_run(
+        &["--dump-dom".into(), "--virtual-time-budget=10000".into()],
+        &format!("{base}/docs?send#op-get-v1-runs"),
+    )
+    .await;
+    let result = dom
+        .split("id=\"op-get-v1-runs\"")
+        .nth(1)
+        .and_then(|s| s.split("<pre class=\"result\">").nth(1))
+        .and_then(|s| s.split("</pre>").next())
+        .unwrap_or_else(|| panic!("the answer shown: {dom}"));
+    assert!(result.starts_with("GET /v1/runs\n200 OK"), "{result}");
+    assert!(result.contains("content-type: application/json"), "{result}");
+    assert!(result.contains("\"status\": \"held\""), "the run in the answer: {result}");
+    let dir = screenshot_dir();
+    for (name, url) in pages {
+        let file = dir.join(format!("{name}.png"));
+        chromium_run(
+            &[
+                format!("--screenshot={}", file.display()),
+                "--window-size=1280,2000".into(),
+                "--hide-scrollbars".into(),
+                "--virtual-time-budget=5000".into(),
+            ],
+            &url,
+        )
+        .await;
+        assert!(
+            std::fs::metadata(&file).unwrap().len() > 10_000,
+            "{}",
+            file.display()
+        );
+        println!("screenshot: {}", file.display());
+    }
+}
+
+/// The bucket page charts the history its quota is computed from: eight days of 10-minute
+/// samples (one burst), at most 360 points each holding the busiest sample of its step, with
+/// the level the plan read from it and the limit it proposes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bucket_page_charts_the_history_the_quota_is_computed_from() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::connect("sqlite://rlc.db", dir.path()).await.unwrap();
+    let end = Utc::now().timestamp() / 600 * 600;
+    let burst = end - 3 * 86_400;
+    let mut csv = String::from("ts,service,caller,procedure,rps\n");
+    let mut t = end - 8 * 86_400;
+    while t <= end {
+        let rps = if t == burst { 300.0 } else { 100.0 };
+        csv.push_str(&format!("{t},payments,web,charge,{rps}\n"));
+        t += 600;
+    }
+    std::fs::write(dir.path().join("history.csv"), csv).unwrap();
+    let state = config_state_with(
+        dir.path(),
+        store,
+        &[
+            (
+                "buckets/payments.yaml",
+                "service: payments\nbuckets:\n  - name: web.charge\n    caller: web\n    procedure: charge\n    limit_rps: 90\n    mode: shadow\n    policy: peak\n",
+            ),
+            ("rlc/policies.yaml", "default:\n  policy: peak\n  headroom: 0.25\n"),
+        ],
+        "history:\n  file: history.csv\n  lookback: 8d\n  step: 10m\nconfig_repo:\n  path: wc\n",
+    );
+    // Before any pull: the page says so, nothing is pulled for it.
+    let (_, html) = get(&state, "/buckets/payments/web.charge").await;
+    assert!(html.contains(r#"id="no-lookback""#), "{html}");
+    assert!(html.contains("No history pulled yet"), "{html}");
+    // The quota API computes a plan (pulling the history).
+    let (status, q) = get_json(&state, "/v1/quotas").await;
+    assert_eq!(status, StatusCode::OK, "{q}");
+    let (status, v) = get_json(&state, "/v1/shadow/payments/web.charge").await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let l = &v["lookback"];
+    let points = l["points"].as_array().unwrap();
+    assert!(points.len() <= 360 && points.len() >= 280, "{}", points.len());
+    assert_eq!(l["step_secs"].as_i64().unwrap() % 600, 0);
+    let top = points.iter().filter_map(|p| p.as_f64()).fold(0.0, f64::max);
+    assert_eq!(top, 300.0, "the burst stays visible: {l}");
+    let planned = q["buckets"][0]["limit_rps"].as_f64().unwrap();
+    assert_eq!(l["computed"]["limit_rps"].as_f64(), Some(planned), "{l}");
+    assert_eq!(l["computed"]["policy"], "peak");
+    assert_eq!(l["computed"]["headroom"], 0.25, "{l}");
+    let stat = l["computed"]["statistic_rps"].as_f64().expect("the statistic");
+    let (_, html) = get(&state, "/buckets/payments/web.charge?window=1h").await;
+    let chart = html.split("id=\"lookback-chart\"").nth(1).expect("lookback chart");
+    let chart = &chart[..chart.find("</svg>").unwrap()];
+    assert!(chart.contains("data-level=\"statistic\""), "{chart}");
+    assert!(chart.contains("data-level=\"proposed\""), "{chart}");
+    assert!(chart.contains(&format!("proposed limit {} (headroom +25%)", rate(planned))), "{chart}");
+    // A rail that moved the policy's limit is named with the figure it moved it from.
+    if let Some(from) = l["computed"]["capped_from_rps"].as_f64() {
+        assert!(chart.contains(&format!("capped from {} by a rail", rate(from))), "{chart}");
+    }
+    if planned > stat {
+        assert!(chart.contains("<rect class=\"headroom\""), "{chart}");
+    }
+    assert!(chart.matches("class=\"tick time\"").count() >= 4, "{chart}");
+    assert!(chart.contains(">requests/s</text>"));
+    // For a person to look at: the page in a browser, in the test's screenshots.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!(
+        "http://{}/buckets/payments/web.charge?window=7d",
+        listener.local_addr().unwrap()
+    );
+    tokio::spawn(axum::serve(listener, app(state)).into_future());
+    let file = screenshot_dir().join("bucket-lookback.png");
+    chromium_run(
+        &[
+            format!("--screenshot={}", file.display()),
+            "--window-size=1280,1400".into(),
+            "--hide-scrollbars".into(),
+        ],
+        &url,
+    )
+    .await;
+    assert!(std::fs::metadata(&file).unwrap().len() > 10_000);
 }
