@@ -55,7 +55,7 @@ pub fn merge(held: &History, tail: History, grid: (i64, i64, usize)) -> Option<H
     }
     // Grid points [0, k) come from `held`, [k, len) from `tail`.
     let k = ((tail.start - start) / step) as usize;
-    // Held point i is new point i - shift.
+    // Held point i is new point i - shift (shift ≥ 0: the held history starts no later).
     let shift = (start - held.start) / step;
     let rejected = union(&held.rejected, tail.rejected);
     // A series rejected for its values (or a key rejected outright) is not a series in a full
@@ -80,26 +80,31 @@ pub fn merge(held: &History, tail: History, grid: (i64, i64, usize)) -> Option<H
             tail_series.remove(&key);
             continue;
         }
-        let mut values = vec![f32::NAN; len];
+        // One write per point: the held points still in the lookback, NaN where the held
+        // grid ends before the tail starts (never: no gap is merged), then the tail.
+        let mut values = Vec::with_capacity(len);
         if let Some(h) = held.series.get(&key) {
-            // New points [0, k) that the held grid has.
-            let from = shift.max(0) as usize;
-            let first_new = (-shift).max(0) as usize;
-            if from < h.values.len() && first_new < k {
-                let n = (h.values.len() - from).min(k - first_new);
-                values[first_new..first_new + n].copy_from_slice(&h.values[from..from + n]);
-            }
+            let from = (shift as usize).min(h.values.len());
+            let n = (h.values.len() - from).min(k);
+            values.extend_from_slice(&h.values[from..from + n]);
         }
-        if let Some(t) = tail_series.remove(&key) {
-            values[k..].copy_from_slice(&t.values);
+        values.resize(k, f32::NAN);
+        match tail_series.remove(&key) {
+            Some(t) => values.extend_from_slice(&t.values),
+            None => values.resize(len, f32::NAN),
         }
         // A full pull lists a series only if it has a sample in the lookback.
         if values.iter().all(|v| v.is_nan()) {
             continue;
         }
-        let mut s = RateSeries::empty(start, step, len);
-        s.values = values;
-        series.insert(key, s);
+        series.insert(
+            key,
+            RateSeries {
+                start,
+                step,
+                values,
+            },
+        );
     }
     Some(History {
         start,
