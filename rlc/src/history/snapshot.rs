@@ -173,9 +173,6 @@ impl HistoryCache {
         }
         state.last = Some(snap.clone());
         self.finished.fetch_add(1, Ordering::Release);
-        if kind == PullKind::Incremental {
-            release_freed_memory();
-        }
         snap
     }
 
@@ -251,20 +248,6 @@ impl HistoryCache {
             });
         }
         (h, PullKind::Full)
-    }
-}
-
-/// Hands the pages of freed allocations back to the system. Each increment replaces the held
-/// grid (lookback ÷ step × 4 bytes per series, 1.6 GB at 10,000 series × 28 days per minute)
-/// by a new one built on a blocking thread; glibc keeps what the old grid freed in that
-/// thread's arena, so without this the daemon's RSS grows to several grids (measured: 6 GB for
-/// a 1.6 GB grid; docs/rlc-history-bench.md, "Incremental pulls").
-fn release_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim only returns free memory of the allocator's own arenas to the
-    // system; it has no preconditions.
-    unsafe {
-        libc::malloc_trim(0);
     }
 }
 
