@@ -20,6 +20,13 @@
 //! - `--no-raw`: skip the pull without downsample.
 //! - `--repeat K`: run each (pull, binary) K times.
 //! - `--extra YAML`: lines added under `history.prometheus` (e.g. `batch_series: 1000`).
+//! - `--incremental K`: instead of `rlc preview`, measure `rlc serve`'s history snapshot in
+//!   this process (docs/rlc-history-bench.md, "Incremental pulls"): a full pull of the
+//!   lookback ending an hour ago, then K pulls 5 minutes apart (increments merged into the
+//!   held history), then a full pull at the last one's end by a fresh snapshot; prints the
+//!   wall and CPU seconds of each, the CPU share of the increments over K × 5 minutes, the
+//!   RSS holding the history, and the digests of both plans and histories. `--api API` sets
+//!   `history.prometheus.api` for it.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -40,6 +47,8 @@ struct Args {
     raw: bool,
     repeat: usize,
     extra: String,
+    incremental: Option<usize>,
+    api: Option<String>,
 }
 
 fn args() -> anyhow::Result<Args> {
@@ -54,6 +63,8 @@ fn args() -> anyhow::Result<Args> {
         raw: true,
         repeat: 1,
         extra: String::new(),
+        incremental: None,
+        api: None,
     };
     let mut positional = 0;
     let mut it = std::env::args().skip(1);
@@ -67,6 +78,8 @@ fn args() -> anyhow::Result<Args> {
             "--no-raw" => a.raw = false,
             "--repeat" => a.repeat = val()?.parse()?,
             "--extra" => a.extra.push_str(&format!("    {}\n", val()?)),
+            "--incremental" => a.incremental = Some(val()?.parse()?),
+            "--api" => a.api = Some(val()?),
             _ if x.starts_with("--") => bail!("unknown option {x}"),
             _ => {
                 match positional {
@@ -115,6 +128,9 @@ fn main() -> anyhow::Result<()> {
     let repo = dir.path().join("repo");
     std::fs::create_dir_all(repo.join("rlc"))?;
     std::fs::write(repo.join("rlc/policies.yaml"), "default:\n  policy: peak\n")?;
+    if let Some(k) = a.incremental {
+        return incremental(&a, &prom.url, dir.path(), k);
+    }
     let mut pulls: Vec<(&str, Option<&str>)> = Vec::new();
     if a.raw {
         pulls.push(("raw", None));
@@ -273,6 +289,152 @@ fn run(rlc: &Path, cfg: &Path) -> anyhow::Result<()> {
         plan["buckets"].as_array().map_or(0, |a| a.len()),
         plan["skipped"].as_array().map_or(0, |a| a.len()),
         h.finish()
+    );
+    Ok(())
+}
+
+/// CPU seconds (user + system) of this process so far.
+fn cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the command's closing parenthesis: utime and stime are the 12th and 13th.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    (ticks(11) + ticks(12)) / hz
+}
+
+/// `VmRSS` and `VmHWM` of this process, in MB.
+fn rss_mb() -> (f64, f64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kb = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+            / 1024.0
+    };
+    (kb("VmRSS:"), kb("VmHWM:"))
+}
+
+/// A digest of a plan's buckets and skipped list (as [`run`] prints for `rlc preview`).
+fn plan_digest(plan: &rlc::plan::Plan) -> anyhow::Result<String> {
+    use std::hash::{Hash, Hasher};
+    let v = serde_json::to_value(plan)?;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    v["buckets"].to_string().hash(&mut h);
+    v["skipped"].to_string().hash(&mut h);
+    Ok(format!("{:016x}", h.finish()))
+}
+
+/// A digest of a history's grid, series (values as bits) and rejected series.
+fn history_digest(h: &rlc::history::History) -> String {
+    use std::hash::{Hash, Hasher};
+    let mut d = std::collections::hash_map::DefaultHasher::new();
+    (h.start, h.step, h.len).hash(&mut d);
+    for (k, s) in &h.series {
+        k.hash(&mut d);
+        for v in &s.values {
+            v.to_bits().hash(&mut d);
+        }
+    }
+    format!("{:?}", h.rejected).hash(&mut d);
+    format!("{:016x}", d.finish())
+}
+
+/// `rlc serve`'s snapshot in this process: a full pull, `k` increments 5 minutes apart, and a
+/// fresh full pull at the last increment's end, each measured; both plans' digests.
+fn incremental(a: &Args, url: &str, dir: &Path, k: usize) -> anyhow::Result<()> {
+    use rlc::history::snapshot::HistoryCache;
+    let cfg_path = dir.join("rlc-incremental.yaml");
+    std::fs::write(
+        &cfg_path,
+        format!(
+            "history:\n  prometheus:\n    url: {url}\n    query: 'rpc_rps'\n{}{}  lookback: {}d\n  step: {}\nconfig_repo:\n  path: repo\n",
+            a.api.as_ref().map(|x| format!("    api: {x}\n")).unwrap_or_default(),
+            a.extra,
+            a.days,
+            a.step,
+        ),
+    )?;
+    let (cfg, base) = rlc::config::load_config(&cfg_path)?;
+    let (repo, diags) = schema::ConfigRepo::load(&dir.join("repo"));
+    if !diags.is_empty() {
+        bail!("config repo: {}", schema::Diagnostics(diags));
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let at = |t: i64| chrono::DateTime::<chrono::Utc>::from_timestamp(t, 0).expect("a time");
+    // The set runs 3 h past the time it was generated: an hour ago and the hour after are in.
+    let end0 = (chrono::Utc::now().timestamp() - 3600) / 60 * 60;
+    let measure = |cache: &HistoryCache, t: i64| {
+        let (c0, w0) = (cpu_seconds(), Instant::now());
+        let snap = rt.block_on(cache.refresh_at(at(t)));
+        (snap, w0.elapsed().as_secs_f64(), cpu_seconds() - c0)
+    };
+    let held = HistoryCache::new(cfg.clone(), &base);
+    let (snap, wall, cpu) = measure(&held, end0);
+    if let Some(e) = &snap.history.source_error {
+        bail!("the full pull failed: {e}");
+    }
+    let (rss, hwm) = rss_mb();
+    println!(
+        "full pull ({}): {} series × {} points, wall {wall:.2} s, rlc CPU {cpu:.2} s; RSS {rss:.0} MB (peak {hwm:.0} MB)",
+        snap.kind,
+        snap.history.series.len(),
+        snap.history.len
+    );
+    let (mut walls, mut cpus) = (Vec::new(), Vec::new());
+    let mut end = end0;
+    for i in 1..=k {
+        end += 300;
+        let (snap, wall, cpu) = measure(&held, end);
+        if let Some(e) = &snap.history.source_error {
+            bail!("increment {i} failed: {e}");
+        }
+        let (rss, hwm) = rss_mb();
+        println!(
+            "pull {i} (+{} min, {}): wall {wall:.2} s, rlc CPU {cpu:.2} s; RSS {rss:.0} MB (peak {hwm:.0} MB)",
+            i * 5,
+            snap.kind
+        );
+        walls.push(wall);
+        cpus.push(cpu);
+    }
+    let total_cpu: f64 = cpus.iter().sum();
+    let max_wall = walls.iter().cloned().fold(0.0, f64::max);
+    println!(
+        "increments: wall max {max_wall:.2} s, mean {:.2} s; rlc CPU {total_cpu:.2} s over {} min = {:.2} % of a core",
+        walls.iter().sum::<f64>() / k.max(1) as f64,
+        k * 5,
+        100.0 * total_cpu / (k as f64 * 300.0)
+    );
+    let merged = held.latest().expect("a snapshot").history.clone();
+    let (c0, w0) = (cpu_seconds(), Instant::now());
+    let plan_inc = rlc_plan::compute::compute_plan(&cfg, &repo, &*merged, at(end));
+    println!(
+        "plan from the held history: {} buckets, digest {}, computed in {:.2} s (CPU {:.2} s); history digest {}",
+        plan_inc.buckets.len(),
+        plan_digest(&plan_inc)?,
+        w0.elapsed().as_secs_f64(),
+        cpu_seconds() - c0,
+        history_digest(&merged)
+    );
+    drop(plan_inc);
+    let (rss, _) = rss_mb();
+    println!("RSS holding the history (one snapshot, no pull in flight): {rss:.0} MB");
+    let fresh = HistoryCache::new(cfg.clone(), &base);
+    let (snap, wall, cpu) = measure(&fresh, end);
+    let plan_full = rlc_plan::compute::compute_plan(&cfg, &repo, &*snap.history, at(end));
+    println!(
+        "full pull at the same end ({}): wall {wall:.2} s, rlc CPU {cpu:.2} s; plan digest {}, history digest {}",
+        snap.kind,
+        plan_digest(&plan_full)?,
+        history_digest(&snap.history)
     );
     Ok(())
 }

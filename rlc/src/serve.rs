@@ -155,6 +155,16 @@ impl Metrics {
             crate::history::pulls().clone(),
         );
         r.register(
+            "rlc_history_pulls_by_kind",
+            "Successful history pulls by kind: `full` (the whole lookback) or `incremental` (the minutes since the last pull, merged into the held history).",
+            crate::history::pulls_by_kind().clone(),
+        );
+        r.register(
+            "rlc_history_pulled_points",
+            "Samples taken by successful history pulls, by kind.",
+            crate::history::pulled_points().clone(),
+        );
+        r.register(
             "rlc_leader",
             "1 when this replica is the active scheduler.",
             self.leader.clone(),

@@ -983,3 +983,30 @@ fn history_bounds_have_defaults_and_refuse_zero() {
         "{errs:?}"
     );
 }
+
+#[test]
+fn full_pull_every_defaults_to_a_day_and_refuses_zero_and_garbage() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("rlc.yaml");
+    std::fs::write(&p, "history:\n  file: h.csv\nconfig_repo:\n  path: repo\n").unwrap();
+    let c = load_daemon_config(&p).unwrap();
+    assert_eq!(c.history.full_pull_every.as_secs(), 86_400);
+    std::fs::write(
+        &p,
+        "history:\n  file: h.csv\n  full_pull_every: 6h\nconfig_repo:\n  path: repo\n",
+    )
+    .unwrap();
+    assert_eq!(load_daemon_config(&p).unwrap().history.full_pull_every.as_secs(), 6 * 3600);
+    for (value, says) in [("0s", "must be positive"), ("often", "often")] {
+        std::fs::write(
+            &p,
+            format!("history:\n  file: h.csv\n  full_pull_every: {value}\nconfig_repo:\n  path: repo\n"),
+        )
+        .unwrap();
+        let errs = load_daemon_config(&p).unwrap_err();
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        assert_eq!(errs[0].key, "history.full_pull_every", "{value}: {errs:?}");
+        assert_eq!(errs[0].line, 3, "{errs:?}");
+        assert!(errs[0].message.contains(says), "{}", errs[0].message);
+    }
+}

@@ -871,6 +871,12 @@ pub struct HistoryConfig {
     /// Below this fraction of expected samples a service keeps its current quotas.
     #[serde(default = "default_min_coverage")]
     pub min_coverage: f64,
+    /// `rlc serve` keeps the pulled history and pulls only the minutes since its last pull
+    /// (plus a 10-minute overlap for late samples); it pulls the whole lookback again at most
+    /// this long after the last full pull (1d default), and always after a start or a change
+    /// of the history settings.
+    #[serde(default = "default_full_pull_every")]
+    pub full_pull_every: HumanDuration,
 }
 
 fn default_lookback() -> HumanDuration {
@@ -881,6 +887,9 @@ fn default_step() -> HumanDuration {
 }
 fn default_min_coverage() -> f64 {
     0.5
+}
+fn default_full_pull_every() -> HumanDuration {
+    HumanDuration(Duration::from_secs(86_400))
 }
 
 /// Prometheus query settings.

@@ -35,17 +35,14 @@ pub async fn compute(input: PlanInput) -> anyhow::Result<Plan> {
             let h = history::load_plan_or_unavailable(&cfg, &input.base_dir).await;
             history::pull_seconds().observe(t.elapsed().as_secs_f64());
             history::pulls().inc();
-            match h.source_error() {
-                None => tracing::info!(
-                    series = h.series_count(),
-                    seconds = format_args!("{:.1}", t.elapsed().as_secs_f64()),
-                    "history pulled"
-                ),
-                Some(e) => tracing::warn!(
-                    seconds = format_args!("{:.1}", t.elapsed().as_secs_f64()),
+            // A pull that worked logged its own line (`history pulled`: kind, API, series,
+            // points, bytes, seconds).
+            if let Some(e) = h.source_error() {
+                tracing::warn!(
+                    seconds = %format_args!("{:.1}", t.elapsed().as_secs_f64()),
                     error = e,
                     "history pull failed: every service keeps its quotas"
-                ),
+                );
             }
             h
         }

@@ -6,6 +6,7 @@
 //! used (missing labels, non-finite values) are listed in [`History::rejected`] with a reason.
 
 pub mod file;
+pub mod incremental;
 pub mod prometheus;
 pub mod remote_read;
 pub mod snapshot;
@@ -169,6 +170,102 @@ impl std::fmt::Display for Bound {
     }
 }
 
+/// Whether a pull read the whole lookback or only its newest minutes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PullKind {
+    /// The whole lookback.
+    Full,
+    /// The minutes since the previous pull (and an overlap), merged into the held history
+    /// ([`incremental::merge`]).
+    Incremental,
+}
+
+impl PullKind {
+    /// `full` or `incremental` (the `kind` of logs and metrics).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PullKind::Full => "full",
+            PullKind::Incremental => "incremental",
+        }
+    }
+}
+
+impl std::fmt::Display for PullKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What one pull read, for its log line and metrics.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PullStats {
+    /// How the series were read: `query_range`, `remote_read` or `file`.
+    pub api: &'static str,
+    /// Whole lookback or increment.
+    pub kind: PullKind,
+    /// Series the pull took (rejected ones not counted).
+    pub series: usize,
+    /// Samples put on the grid.
+    pub points: u64,
+    /// Bytes read (answers over the network, or the file).
+    pub bytes: u64,
+    /// Unix time of the first and last grid point pulled.
+    pub from: i64,
+    /// See `from`.
+    pub to: i64,
+}
+
+/// Logs a finished pull at info, its fields as text, and counts it in the metrics.
+pub(crate) fn log_pull(s: &PullStats, seconds: f64) {
+    let t = |ts: i64| {
+        DateTime::<Utc>::from_timestamp(ts, 0).map_or_else(
+            || ts.to_string(),
+            |d| d.format("%Y-%m-%dT%H:%M:%SZ").to_string(),
+        )
+    };
+    tracing::info!(
+        kind = %s.kind,
+        api = %s.api,
+        series = s.series,
+        points = s.points,
+        bytes = s.bytes,
+        seconds = %format_args!("{seconds:.2}"),
+        from = %t(s.from),
+        to = %t(s.to),
+        "history pulled"
+    );
+    pulls_by_kind()
+        .get_or_create(&KindLabel { kind: s.kind.as_str() })
+        .inc();
+    pulled_points()
+        .get_or_create(&KindLabel { kind: s.kind.as_str() })
+        .inc_by(s.points);
+}
+
+/// The label of the per-kind pull metrics.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, prometheus_client::encoding::EncodeLabelSet)]
+pub struct KindLabel {
+    /// `full` or `incremental`.
+    pub kind: &'static str,
+}
+
+type KindCounters = prometheus_client::metrics::family::Family<
+    KindLabel,
+    prometheus_client::metrics::counter::Counter,
+>;
+
+/// Successful history pulls by kind (`rlc_history_pulls_by_kind_total{kind}`).
+pub fn pulls_by_kind() -> &'static KindCounters {
+    static F: std::sync::OnceLock<KindCounters> = std::sync::OnceLock::new();
+    F.get_or_init(Default::default)
+}
+
+/// Samples taken by history pulls, by kind (`rlc_history_pulled_points_total{kind}`).
+pub fn pulled_points() -> &'static KindCounters {
+    static F: std::sync::OnceLock<KindCounters> = std::sync::OnceLock::new();
+    F.get_or_init(Default::default)
+}
+
 /// The labels of one series take at most this many bytes in an answer (Prometheus sets no
 /// limit of its own; a series' labels rarely take 1 KB).
 pub const LABELS_MAX: usize = 64 << 10;
@@ -199,12 +296,33 @@ pub async fn load(
     } else if let Some(f) = &cfg.file {
         let path = base_dir.join(f);
         let cfg = cfg.clone();
-        tokio::task::spawn_blocking(move || file::load(&path, &cfg, end))
-            .await
-            .map_err(|e| HistoryError::Parse {
-                what: "history file".into(),
-                message: e.to_string(),
-            })?
+        let began = std::time::Instant::now();
+        let h = tokio::task::spawn_blocking(move || {
+            let h = file::load(&path, &cfg, end)?;
+            let bytes = std::fs::metadata(&path).map_or(0, |m| m.len());
+            Ok::<_, HistoryError>((h, bytes))
+        })
+        .await
+        .map_err(|e| HistoryError::Parse {
+            what: "history file".into(),
+            message: e.to_string(),
+        })?;
+        let (h, bytes) = h?;
+        let stats = PullStats {
+            api: "file",
+            kind: PullKind::Full,
+            series: h.series.len(),
+            points: h
+                .series
+                .values()
+                .map(|s| s.values.iter().filter(|v| !v.is_nan()).count() as u64)
+                .sum(),
+            bytes,
+            from: h.start,
+            to: h.end() - h.step,
+        };
+        log_pull(&stats, began.elapsed().as_secs_f64());
+        Ok(h)
     } else {
         Err(HistoryError::NoSource)
     }
@@ -353,6 +471,8 @@ pub(crate) struct Builder {
     exceeded: Option<Bound>,
     /// Hashes of the entries of `rejected`, so that a repeated one is found in constant time.
     rejected_seen: HashSet<u64>,
+    /// Samples put on the grid (or in the spill), for the pull's log line.
+    points: u64,
 }
 
 /// A rejected series' label set is cut to this much in its reason: what is kept per rejected
@@ -433,6 +553,20 @@ impl Builder {
             max_runs: usize::MAX,
             exceeded: None,
             rejected_seen: HashSet::new(),
+            points: 0,
+        }
+    }
+
+    /// Samples taken so far (on the grid or in the spill).
+    pub(crate) fn points(&self) -> u64 {
+        self.points
+    }
+
+    /// Series held so far (on the grid or in the spill's index).
+    pub(crate) fn series_count(&self) -> usize {
+        match &self.spill {
+            Some(sp) => sp.index.len(),
+            None => self.series.len(),
         }
     }
 
@@ -604,6 +738,7 @@ impl Builder {
                 scratch.push((i as usize, value as f32));
             }
         }
+        self.points += scratch.len() as u64;
         match &mut self.spill {
             Some(sp) => {
                 if !sp.add(key, &scratch, self.max_runs) {

@@ -125,7 +125,46 @@ pub async fn load(
     h: &HistoryConfig,
     end: DateTime<Utc>,
 ) -> Result<History, HistoryError> {
-    Ok(pull(p, h, end, None).await?.finish())
+    Ok(pull(p, h, end, None, None).await?.0.finish())
+}
+
+/// The newest part of the lookback ending at `end`: its grid points at or after `since`
+/// (at least the last one), pulled as a full pull would pull them.
+#[derive(Debug)]
+pub struct Tail {
+    /// The series on the grid of the points pulled (`history.end()` is the lookback's end).
+    pub history: History,
+    /// The grid of the whole lookback: first point, step, points.
+    pub grid: (i64, i64, usize),
+    /// What the pull read.
+    pub stats: super::PullStats,
+}
+
+/// Pulls the grid points of the lookback ending at `end` from the first at or after `since`
+/// ([`Tail`]): what `rlc serve` merges into the history it holds
+/// ([`super::incremental::merge`]).
+pub async fn load_tail(
+    p: &PrometheusConfig,
+    h: &HistoryConfig,
+    end: DateTime<Utc>,
+    since: i64,
+) -> Result<Tail, HistoryError> {
+    let (b, grid, stats) = pull(p, h, end, None, Some(since)).await?;
+    Ok(Tail {
+        history: b.finish(),
+        grid,
+        stats,
+    })
+}
+
+/// [`load`] with what the pull read.
+pub async fn load_with_stats(
+    p: &PrometheusConfig,
+    h: &HistoryConfig,
+    end: DateTime<Utc>,
+) -> Result<(History, super::PullStats), HistoryError> {
+    let (b, _, stats) = pull(p, h, end, None, None).await?;
+    Ok((b.finish(), stats))
 }
 
 /// [`load`], the series spilled to a new temporary file under `dir` as they stream in
@@ -136,16 +175,21 @@ pub async fn load_spilled(
     end: DateTime<Utc>,
     dir: &Path,
 ) -> Result<SpilledHistory, HistoryError> {
-    pull(p, h, end, Some(dir)).await?.finish_spilled()
+    pull(p, h, end, Some(dir), None).await?.0.finish_spilled()
 }
 
-/// Pulls the lookback into a builder: in memory, or spilled under `spill`.
+/// Pulls the lookback into a builder: in memory, or spilled under `spill`; with `since`, only
+/// the grid points at or after it (at least the last point), on a builder whose grid holds
+/// just those. Returns the builder, the grid of the whole lookback and what the pull read
+/// (also logged at info).
 async fn pull(
     p: &PrometheusConfig,
     h: &HistoryConfig,
     end: DateTime<Utc>,
     spill: Option<&Path>,
-) -> Result<Builder, HistoryError> {
+    since: Option<i64>,
+) -> Result<(Builder, (i64, i64, usize), super::PullStats), HistoryError> {
+    let began = std::time::Instant::now();
     let raw_step = h.step.as_secs() as i64;
     // The API is chosen on the query as written, before any server-side reduction.
     let reduced = p.downsample.is_some_and(|d| d.as_secs() > h.step.as_secs());
@@ -169,7 +213,15 @@ async fn pull(
     } else {
         end.timestamp()
     };
-    let (start, step, len) = grid(&h, grid_end);
+    let full_grid = grid(&h, grid_end);
+    let (start, step, len) = full_grid;
+    // An increment: the points from `since` on, on a grid of their own.
+    let skip = since.map_or(0, |s| {
+        usize::try_from(((s - start).max(0) + step - 1) / step)
+            .unwrap_or(usize::MAX)
+            .min(len - 1)
+    });
+    let (start, len) = (start + skip as i64 * step, len - skip);
     // Bound the samples Prometheus evaluates per request too (its `query.max-samples`): with
     // server-side reduction, one output point costs `downsample ÷ step` inner steps.
     let inner_per_point = (step / raw_step.max(1)).max(1) as usize;
@@ -253,7 +305,12 @@ async fn pull(
     } else {
         "query_range"
     };
-    tracing::info!(url = %p.url, api, chunks = tasks.len(), series_points = len, step, "pulling history");
+    let kind = if skip > 0 {
+        super::PullKind::Incremental
+    } else {
+        super::PullKind::Full
+    };
+    tracing::info!(url = %p.url, api, %kind, chunks = tasks.len(), series_points = len, step, "pulling history");
     let progress = progress_bar(tasks.len() as u64);
     let mut first_err = None;
     while let Some(r) = tasks.join_next().await {
@@ -283,7 +340,18 @@ async fn pull(
         what: "history".into(),
         message: "a chunk task outlived the pull".into(),
     })?;
-    Ok(b.into_inner().unwrap_or_else(|e| e.into_inner()))
+    let b = b.into_inner().unwrap_or_else(|e| e.into_inner());
+    let stats = super::PullStats {
+        api,
+        kind,
+        series: b.series_count(),
+        points: b.points(),
+        bytes: budget.read(),
+        from: start,
+        to: start + (len as i64 - 1) * step,
+    };
+    super::log_pull(&stats, began.elapsed().as_secs_f64());
+    Ok((b, full_grid, stats))
 }
 
 fn http_client(
@@ -540,6 +608,11 @@ impl Budget {
             max_pull: p.max_pull_bytes,
             read: AtomicU64::new(0),
         }
+    }
+
+    /// Bytes read so far.
+    pub(crate) fn read(&self) -> u64 {
+        self.read.load(Ordering::Relaxed)
     }
 
     /// Counts `n` more bytes of an answer that has now read `answer` bytes.

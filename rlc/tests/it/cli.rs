@@ -380,6 +380,27 @@ fn info_logs_tell_the_phases_of_a_run() {
         assert!(err.contains(phase), "no `{phase}` in:\n{err}");
     }
     assert!(err.contains("series=8"), "{err}");
+    // The pull's line: kind, API, series, points, bytes, seconds, as text.
+    let pulled = err
+        .lines()
+        .find(|l| l.contains("history pulled"))
+        .unwrap_or_else(|| panic!("{err}"));
+    let bytes = std::fs::metadata(dir.path().join("h.csv")).unwrap().len();
+    for field in [
+        "kind=full".to_string(),
+        "api=file".into(),
+        "series=8".into(),
+        format!("bytes={bytes} "),
+        "seconds=".into(),
+    ] {
+        assert!(pulled.contains(&field), "{field} in {pulled}");
+    }
+    let points: u64 = pulled
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("points="))
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("points in {pulled}"));
+    assert!(points >= 8, "{pulled}");
     assert!(!err.contains("=None") && !err.contains("=Some("), "{err}");
 }
 

@@ -9,6 +9,7 @@ mod faults;
 mod git_faults;
 mod history_bounds;
 mod history_faults;
+mod incremental;
 mod layers;
 mod learning;
 mod one_plan;

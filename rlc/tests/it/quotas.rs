@@ -445,6 +445,33 @@ fn scenario(database_url: &str) {
         assert!(good["history"]["last_pull_error"].is_null(), "{good}");
         let (_, _, cached) = get(&c, &format!("{base}/v1/quotas")).await;
         assert!(cached["history"]["last_pull_error"].is_null(), "{cached}");
+        // The daemon pulled the whole lookback once (its first pull); every later pull (the
+        // refreshes above, the one after the failure included) took only the new minutes.
+        let kind = |k: &'static str| {
+            let base = base.clone();
+            async move {
+                let label = format!("kind=\"{k}\"");
+                crate::support::metric(&base, "rlc_history_pulls_by_kind_total{", &[label.as_str()])
+                    .await
+                    .unwrap_or(0.0)
+            }
+        };
+        assert_eq!(kind("full").await, 1.0);
+        assert!(kind("incremental").await >= 2.0);
+        let log = std::fs::read_to_string(d.join("serve.log")).unwrap();
+        let pulled: Vec<&str> = log.lines().filter(|l| l.contains("history pulled")).collect();
+        assert!(
+            pulled.iter().any(|l| l.contains("kind=full") && l.contains("api=query_range")),
+            "{log}"
+        );
+        let inc = pulled
+            .iter()
+            .find(|l| l.contains("kind=incremental"))
+            .unwrap_or_else(|| panic!("no incremental pull logged: {log}"));
+        for field in ["api=query_range", "series=2", "points=", "bytes=", "seconds=", "from=", "to="] {
+            assert!(inc.contains(field), "{field} in {inc}");
+        }
+        assert!(!inc.contains("=None") && !inc.contains("=Some("), "{inc}");
         all
     });
     doc_examples(&base, d);

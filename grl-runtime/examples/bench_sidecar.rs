@@ -1,0 +1,469 @@
+//! One proxy hop measured side by side: a direct call, Debian's nginx as a plain reverse proxy,
+//! nginx with `limit_req`, and `grl sidecar` (with a real controller and aggregator), all in
+//! front of the same upstream, in one run. Then the accuracy of a global limit over three
+//! replicas with uneven load (60/30/10 %) at 1.5 × the limit: three sidecars sharing one GRL
+//! tier against three nginx with `limit_req` at a third of the limit each.
+//!
+//! ```text
+//! cargo build --release -p grl-runtime --bin grl --example bench_sidecar
+//! target/release/examples/bench_sidecar --grl target/release/grl [--nginx /usr/sbin/nginx]
+//!     [--secs 10] [--rates 1000,10000]
+//! ```
+//!
+//! Latency is measured by an open-loop generator (requests sent at a fixed rate over pooled
+//! keep-alive connections, 1 KiB request bodies, whatever the answers' pace), from the send to
+//! the last byte of the answer; "added" is a peer's percentile minus the direct call's. The
+//! saturation figure is requests per second of a closed loop (64 in flight) over the proxy's
+//! CPU seconds (`/proc`, every process of the proxy), i.e. requests/s per core. The upstream
+//! and the generator run in this process; nginx gets one worker. Output: Markdown tables
+//! (docs/grl-sidecar-bench.md).
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::{Request, Response};
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use test_support::process::{free_port, Proc};
+
+const TOKEN: &str = "bench-config-token";
+const REPORT: &str = "bench-report-token";
+const CLIENT: &str = "bench-payments-client-token";
+
+struct Args {
+    grl: PathBuf,
+    nginx: PathBuf,
+    secs: u64,
+    rates: Vec<u64>,
+}
+
+fn args() -> Args {
+    let mut a = Args {
+        grl: PathBuf::from("target/release/grl"),
+        nginx: PathBuf::from("/usr/sbin/nginx"),
+        secs: 10,
+        rates: vec![1_000, 10_000],
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(k) = it.next() {
+        let v = it.next().unwrap_or_else(|| panic!("{k} needs a value"));
+        match k.as_str() {
+            "--grl" => a.grl = v.into(),
+            "--nginx" => a.nginx = v.into(),
+            "--secs" => a.secs = v.parse().expect("--secs N"),
+            "--rates" => a.rates = v.split(',').map(|r| r.parse().expect("--rates N,M")).collect(),
+            _ => panic!("unknown flag {k}"),
+        }
+    }
+    a
+}
+
+/// The upstream every peer proxies to: reads the body, answers 200 with 2 bytes.
+async fn upstream() -> SocketAddr {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((s, _)) = l.accept().await else { continue };
+            let _ = s.set_nodelay(true);
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(|req: Request<hyper::body::Incoming>| async move {
+                    let _ = req.into_body().collect().await;
+                    Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok"))))
+                });
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+fn client() -> HttpClient {
+    let mut c = HttpConnector::new();
+    c.set_nodelay(true);
+    Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(1024)
+        .build(c)
+}
+
+/// One request as `caller`; its status, or 0 for a transport error.
+async fn call(c: &HttpClient, url: &str, caller: &str, body: &Bytes) -> u16 {
+    let req = Request::post(url)
+        .header("rpc-caller", caller)
+        .header("content-type", "application/octet-stream")
+        .body(Full::new(body.clone()))
+        .unwrap();
+    match c.request(req).await {
+        Ok(r) => {
+            let s = r.status().as_u16();
+            let _ = r.into_body().collect().await;
+            s
+        }
+        Err(_) => 0,
+    }
+}
+
+struct Latency {
+    p50: f64,
+    p90: f64,
+    p99: f64,
+    errors: u64,
+}
+
+/// `rate` requests/s for `secs` seconds, open loop; latencies in µs.
+async fn open_loop(url: &str, rate: u64, secs: u64) -> Latency {
+    let c = client();
+    let body = Bytes::from(vec![b'x'; 1024]);
+    // Warm the pool.
+    for _ in 0..32 {
+        call(&c, url, "bench", &body).await;
+    }
+    let total = rate * secs;
+    let lat = Arc::new(std::sync::Mutex::new(Vec::with_capacity(total as usize)));
+    let errors = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut sent = 0u64;
+    while sent < total {
+        let due = ((start.elapsed().as_secs_f64() * rate as f64) as u64).min(total);
+        while sent < due {
+            let (c, url, body, lat, errors) =
+                (c.clone(), url.to_string(), body.clone(), lat.clone(), errors.clone());
+            tasks.spawn(async move {
+                let t = Instant::now();
+                let s = call(&c, &url, "bench", &body).await;
+                let us = t.elapsed().as_micros() as u32;
+                if s == 200 {
+                    lat.lock().unwrap().push(us);
+                } else {
+                    errors.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+            sent += 1;
+        }
+        while tasks.try_join_next().is_some() {}
+        tokio::time::sleep(Duration::from_micros(200)).await;
+    }
+    while tasks.join_next().await.is_some() {}
+    let mut v = std::mem::take(&mut *lat.lock().unwrap());
+    v.sort_unstable();
+    let q = |p: f64| v.get(((v.len() as f64 - 1.0) * p) as usize).copied().unwrap_or(0) as f64;
+    Latency {
+        p50: q(0.50),
+        p90: q(0.90),
+        p99: q(0.99),
+        errors: errors.load(Ordering::Relaxed),
+    }
+}
+
+/// CPU seconds used so far by `pid` and its children (utime + stime).
+fn cpu_secs(pid: u32) -> f64 {
+    let tick = 100.0; // USER_HZ on Linux
+    let mut total = 0u64;
+    let stat = |p: &Path| -> Option<(u32, u64)> {
+        let s = std::fs::read_to_string(p).ok()?;
+        let rest = &s[s.rfind(')')? + 2..];
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        Some((f[1].parse().ok()?, f[11].parse::<u64>().ok()? + f[12].parse::<u64>().ok()?))
+    };
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(p) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
+        if let Some((ppid, t)) = stat(&e.path().join("stat")) {
+            if p == pid || ppid == pid {
+                total += t;
+            }
+        }
+    }
+    total as f64 / tick
+}
+
+/// Requests/s of a closed loop (64 in flight) for 5 s, and the proxy's requests per CPU second.
+async fn saturation(url: &str, pid: Option<u32>) -> (f64, Option<f64>) {
+    let c = client();
+    let body = Bytes::from(vec![b'x'; 1024]);
+    let done = Arc::new(AtomicU64::new(0));
+    let end = Instant::now() + Duration::from_secs(5);
+    let cpu0 = pid.map(cpu_secs);
+    let t0 = Instant::now();
+    let mut set = tokio::task::JoinSet::new();
+    for _ in 0..64 {
+        let (c, url, body, done) = (c.clone(), url.to_string(), body.clone(), done.clone());
+        set.spawn(async move {
+            while Instant::now() < end {
+                if call(&c, &url, "bench", &body).await == 200 {
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        });
+    }
+    while set.join_next().await.is_some() {}
+    let wall = t0.elapsed().as_secs_f64();
+    let n = done.load(Ordering::Relaxed) as f64;
+    let per_core = match (pid, cpu0) {
+        (Some(p), Some(c0)) => Some(n / (cpu_secs(p) - c0).max(0.01)),
+        _ => None,
+    };
+    (n / wall, per_core)
+}
+
+fn nginx_conf(dir: &Path, up: SocketAddr, plain: u16, limited: &[(u16, f64)]) -> PathBuf {
+    let mut servers = format!(
+        "server {{ listen 127.0.0.1:{plain}; location / {{ proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection \"\"; }} }}\n"
+    );
+    let mut zones = String::new();
+    for (i, (port, rate)) in limited.iter().enumerate() {
+        // A rate limit in requests/s per replica; a burst of a tenth of a second.
+        let r = (*rate).round() as u64;
+        zones.push_str(&format!("limit_req_zone $server_port zone=z{i}:1m rate={r}r/s;\n"));
+        servers.push_str(&format!(
+            "server {{ listen 127.0.0.1:{port}; location / {{ limit_req zone=z{i} burst={} nodelay; limit_req_status 429; proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection \"\"; }} }}\n",
+            (r / 10).max(1)
+        ));
+    }
+    let d = dir.display();
+    let conf = format!(
+        "worker_processes 1;\ndaemon off;\npid {d}/nginx.pid;\nerror_log {d}/nginx-error.log warn;\nevents {{ worker_connections 4096; }}\nhttp {{\naccess_log off;\nclient_body_temp_path {d}/body;\nproxy_temp_path {d}/proxy;\nfastcgi_temp_path {d}/fastcgi;\nuwsgi_temp_path {d}/uwsgi;\nscgi_temp_path {d}/scgi;\nupstream up {{ server {up}; keepalive 256; }}\n{zones}{servers}}}\n"
+    );
+    let path = dir.join("nginx.conf");
+    std::fs::write(&path, conf).unwrap();
+    path
+}
+
+async fn wait_up(url: &str) {
+    let c = reqwest::Client::new();
+    for _ in 0..200 {
+        if c.get(url).send().await.is_ok() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{url} never answered");
+}
+
+/// A GRL tier: controller (config: payments' caller `gw` limited to `limit`, caller `bench`
+/// unlimited) and one aggregator; its aggregator URL.
+async fn tier(grl: &Path, dir: &Path, limit: f64, procs: &mut Vec<Proc>) -> String {
+    std::fs::create_dir_all(dir).unwrap();
+    let (cp, ap) = (free_port(), free_port());
+    let log = |n: &str| Stdio::from(std::fs::File::create(dir.join(format!("{n}.log"))).unwrap());
+    procs.push(
+        Proc::spawn(
+            Command::new(grl)
+                .args(["controller", "--listen", &format!("127.0.0.1:{cp}"), "--tick-ms", "100", "--state-dir"])
+                .arg(dir.join("state"))
+                .env("GRL_TOKEN", TOKEN)
+                .env("GRL_REPORT_TOKEN", REPORT)
+                .stdout(Stdio::null())
+                .stderr(log("controller")),
+        )
+        .unwrap(),
+    );
+    let creds = dir.join("client-credentials");
+    std::fs::write(&creds, format!("payments payments {CLIENT}\n")).unwrap();
+    let controller = format!("http://127.0.0.1:{cp}");
+    wait_up(&format!("{controller}/healthz")).await;
+    procs.push(
+        Proc::spawn(
+            Command::new(grl)
+                .args(["aggregator", "--listen", &format!("127.0.0.1:{ap}"), "--controller", &controller])
+                .args(["--zone", "z1", "--region", "r1", "--tick-ms", "100", "--client-credentials"])
+                .arg(&creds)
+                .env("GRL_REPORT_TOKEN", REPORT)
+                .stdout(Stdio::null())
+                .stderr(log("aggregator")),
+        )
+        .unwrap(),
+    );
+    let doc = serde_json::json!({"version": "bench", "services": [{"service": "payments", "buckets": [
+        {"name": "gw", "caller": "gw", "scope": "global", "limit_rps": limit, "mode": "enforce", "policy": "peak"}]}]});
+    let r = reqwest::Client::new()
+        .put(format!("{controller}/v1/config"))
+        .bearer_auth(TOKEN)
+        .json(&doc)
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "config refused: {}", r.text().await.unwrap_or_default());
+    let agg = format!("http://127.0.0.1:{ap}");
+    wait_up(&format!("{agg}/healthz")).await;
+    agg
+}
+
+/// A sidecar in front of `up`; its listen port and process id.
+fn sidecar(grl: &Path, dir: &Path, up: SocketAddr, agg: &str, name: &str, procs: &mut Vec<Proc>) -> (u16, u32) {
+    let (port, admin) = (free_port(), free_port());
+    let p = Proc::spawn(
+        Command::new(grl)
+            .args(["sidecar", "--listen", &format!("127.0.0.1:{port}"), "--upstream", &format!("http://{up}")])
+            .args(["--service", "payments", "--zone", "z1", "--region", "r1", "--aggregator", agg])
+            .args(["--admin-listen", &format!("127.0.0.1:{admin}"), "--id", name])
+            .env("GRL_CLIENT_TOKEN", CLIENT)
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(std::fs::File::create(dir.join(format!("{name}.log"))).unwrap())),
+    )
+    .unwrap();
+    let pid = p.0.id();
+    procs.push(p);
+    (port, pid)
+}
+
+/// Offers `rate` requests/s of caller `gw` to `url` for `secs` s; admitted (200) per second
+/// over the last `measure` seconds.
+async fn offer(url: String, rate: f64, secs: u64, measure: u64) -> f64 {
+    let c = client();
+    let body = Bytes::from(vec![b'x'; 1024]);
+    let ok = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let from = Duration::from_secs(secs - measure);
+    let mut sent = 0u64;
+    let total = (rate * secs as f64) as u64;
+    let mut set = tokio::task::JoinSet::new();
+    while sent < total {
+        let due = ((start.elapsed().as_secs_f64() * rate) as u64).min(total);
+        while sent < due {
+            let (c, url, body, ok) = (c.clone(), url.clone(), body.clone(), ok.clone());
+            let counted = start.elapsed() >= from;
+            set.spawn(async move {
+                if call(&c, &url, "gw", &body).await == 200 && counted {
+                    ok.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+            sent += 1;
+        }
+        while set.try_join_next().is_some() {}
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    while set.join_next().await.is_some() {}
+    ok.load(Ordering::Relaxed) as f64 / measure as f64
+}
+
+#[tokio::main]
+async fn main() {
+    let a = args();
+    let dir = tempfile::tempdir().unwrap();
+    let up = upstream().await;
+    let mut procs = Vec::new();
+
+    // Peers for the hop: nginx (plain, limit_req far above the load) and a sidecar.
+    let (ng_plain, ng_limited) = (free_port(), free_port());
+    let conf = nginx_conf(dir.path(), up, ng_plain, &[(ng_limited, 1e6)]);
+    let nginx = Proc::spawn(
+        Command::new(&a.nginx)
+            .arg("-c")
+            .arg(&conf)
+            .arg("-p")
+            .arg(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    )
+    .unwrap();
+    let nginx_pid = nginx.0.id();
+    procs.push(nginx);
+    let agg = tier(&a.grl, dir.path(), 1e9, &mut procs).await;
+    let (sc, sc_pid) = sidecar(&a.grl, dir.path(), up, &agg, "sidecar", &mut procs);
+    let peers: Vec<(&str, String, Option<u32>)> = vec![
+        ("direct", format!("http://{up}/"), None),
+        ("nginx (proxy_pass)", format!("http://127.0.0.1:{ng_plain}/"), Some(nginx_pid)),
+        ("nginx (limit_req)", format!("http://127.0.0.1:{ng_limited}/"), Some(nginx_pid)),
+        ("grl sidecar", format!("http://127.0.0.1:{sc}/"), Some(sc_pid)),
+    ];
+    for (_, url, _) in &peers {
+        wait_up(url).await;
+    }
+    println!("## One hop, 1 KiB POST bodies, keep-alive, loopback ({} s per rate)\n", a.secs);
+    for &rate in &a.rates {
+        println!("### {rate} requests/s (open loop)\n");
+        println!("| path | p50 µs | p90 µs | p99 µs | added p50 µs | added p99 µs | errors |");
+        println!("|---|---|---|---|---|---|---|");
+        let mut base = None;
+        for (name, url, _) in &peers {
+            let l = open_loop(url, rate, a.secs).await;
+            let (b50, b99) = *base.get_or_insert((l.p50, l.p99));
+            println!(
+                "| {name} | {:.0} | {:.0} | {:.0} | {:+.0} | {:+.0} | {} |",
+                l.p50, l.p90, l.p99, l.p50 - b50, l.p99 - b99, l.errors
+            );
+        }
+        println!();
+    }
+    println!("### Saturation (closed loop, 64 in flight, 5 s)\n");
+    println!("| path | requests/s | requests/s per CPU second of the proxy |");
+    println!("|---|---|---|");
+    for (name, url, pid) in &peers {
+        let (rps, per_core) = saturation(url, *pid).await;
+        let pc = per_core.map_or("–".to_string(), |v| format!("{v:.0}"));
+        println!("| {name} | {rps:.0} | {pc} |");
+    }
+    println!();
+
+    // Accuracy: a global limit over three replicas with uneven load.
+    let limit = 600.0;
+    let offered = [0.6, 0.3, 0.1].map(|s| s * 1.5 * limit);
+    let limited: Vec<(u16, f64)> = (0..3).map(|_| (free_port(), limit / 3.0)).collect();
+    let dir2 = tempfile::tempdir().unwrap();
+    let conf = nginx_conf(dir2.path(), up, free_port(), &limited);
+    procs.push(
+        Proc::spawn(
+            Command::new(&a.nginx)
+                .arg("-c")
+                .arg(&conf)
+                .arg("-p")
+                .arg(dir2.path())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null()),
+        )
+        .unwrap(),
+    );
+    let agg2 = tier(&a.grl, &dir2.path().join("grl"), limit, &mut procs).await;
+    let sidecars: Vec<u16> = (0..3)
+        .map(|i| sidecar(&a.grl, dir2.path(), up, &agg2, &format!("replica-{i}"), &mut procs).0)
+        .collect();
+    for p in &sidecars {
+        wait_up(&format!("http://127.0.0.1:{p}/")).await;
+    }
+    for &(p, _) in &limited {
+        wait_up(&format!("http://127.0.0.1:{p}/")).await;
+    }
+    let (secs, measure) = (30, 20);
+    let run = |ports: Vec<u16>| {
+        let tasks: Vec<_> = ports
+            .into_iter()
+            .zip(offered)
+            .map(|(p, r)| tokio::spawn(offer(format!("http://127.0.0.1:{p}/"), r, secs, measure)))
+            .collect();
+        async move {
+            let mut out = Vec::new();
+            for t in tasks {
+                out.push(t.await.unwrap());
+            }
+            out
+        }
+    };
+    let grl = run(sidecars).await;
+    let ngx = run(limited.iter().map(|l| l.0).collect()).await;
+    println!("## Accuracy: a global limit of {limit} requests/s, offered 1.5 × over three replicas (60/30/10 %), admitted over the last {measure} of {secs} s\n");
+    println!("| replica | offered | grl sidecar admitted | nginx limit_req ({:.0} r/s each) admitted |", limit / 3.0);
+    println!("|---|---|---|---|");
+    for i in 0..3 {
+        println!("| {i} | {:.0} | {:.1} | {:.1} |", offered[i], grl[i], ngx[i]);
+    }
+    let (g, n): (f64, f64) = (grl.iter().sum(), ngx.iter().sum());
+    println!(
+        "| **fleet** | {:.0} | **{g:.1}** ({:+.1} % of the limit) | **{n:.1}** ({:+.1} % of the limit) |",
+        offered.iter().sum::<f64>(),
+        (g / limit - 1.0) * 100.0,
+        (n / limit - 1.0) * 100.0
+    );
+    drop(procs);
+}
