@@ -707,3 +707,70 @@ async fn a_verified_client_certificate_names_the_caller_over_any_header() {
     })
     .await;
 }
+
+/// A hung upstream answers 504 after `--upstream-timeout-ms` while other requests keep being
+/// served; an upstream that is gone answers 502; both are counted by kind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_upstream_is_cut_after_the_timeout_and_a_gone_one_is_502() {
+    let dir = tempfile::tempdir().unwrap();
+    let (py_port, port, admin) = (free_port(), free_port(), free_port());
+    let py = spawn_py_http(dir.path(), py_port);
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let _sc = spawn_sidecar(
+        dir.path(),
+        port,
+        admin,
+        &format!("http://127.0.0.1:{py_port}"),
+        &[&dead],
+        &["--upstream-timeout-ms", "500"],
+    );
+    wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
+    wait_up(&format!("http://127.0.0.1:{py_port}/")).await;
+    let http = reqwest::Client::new();
+    let base = format!("http://127.0.0.1:{port}");
+    let hung = tokio::spawn({
+        let (http, base) = (http.clone(), base.clone());
+        async move {
+            let r = http
+                .get(format!("{base}/slow?ms=5000"))
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.text().await.unwrap())
+        }
+    });
+    // Served meanwhile.
+    let r = http.get(format!("{base}/fast")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let (status, body) = hung.await.unwrap();
+    assert_eq!(status, 504, "{body}");
+    assert!(body.contains("did not answer within 500 ms"), "{body}");
+    // The upstream is gone: 502, and /readyz says why.
+    py.kill();
+    let r = http.get(format!("{base}/fast")).send().await.unwrap();
+    assert_eq!(r.status(), 502);
+    let body = r.text().await.unwrap();
+    assert!(body.contains("connection refused"), "{body}");
+    let r = http
+        .get(format!("http://127.0.0.1:{admin}/readyz"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+    let m = http
+        .get(format!("http://127.0.0.1:{admin}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for line in [
+        "grl_sidecar_upstream_errors_total{kind=\"timeout\"} 1",
+        "grl_sidecar_upstream_errors_total{kind=\"connect\"} 1",
+        "grl_sidecar_refusals_total{reason=\"upstream_timeout\"} 1",
+        "grl_sidecar_refusals_total{reason=\"upstream_unreachable\"} 1",
+    ] {
+        assert!(m.contains(line), "{line} missing:\n{m}");
+    }
+}
