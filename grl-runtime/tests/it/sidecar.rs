@@ -19,8 +19,9 @@ use super::{
 /// The grpcio release the gRPC tests install into their venv.
 const GRPCIO: &str = "1.85.1";
 
-/// A Python HTTP/1.1 service (keep-alive): answers every method with `ok METHOD PATH read=N`,
-/// N the request body's bytes read; `/slow?ms=N` answers after N ms.
+/// A Python HTTP/1.1 service (keep-alive) on a port or a Unix socket (an absolute path):
+/// answers every method with `ok METHOD PATH read=N`, N the request body's bytes read;
+/// `/slow?ms=N` answers after N ms.
 const PY_HTTP: &str = r#"
 import sys, time
 from http.server import ThreadingHTTPServer, BaseHTTPRequestHandler
@@ -49,6 +50,14 @@ class H(BaseHTTPRequestHandler):
         self.wfile.write(body)
     do_GET = do_POST = do_PUT = do_DELETE = answer
 
+if sys.argv[1].startswith("/"):
+    import socketserver
+    class U(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+        daemon_threads = True
+        def get_request(self):
+            conn, _ = self.socket.accept()
+            return conn, ("unix", 0)
+    U(sys.argv[1], H).serve_forever()
 ThreadingHTTPServer.daemon_threads = True
 ThreadingHTTPServer.request_queue_size = 256
 ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
@@ -106,13 +115,18 @@ fn write_script(dir: &Path, name: &str, text: &str) -> PathBuf {
 
 /// The Python HTTP service on `port`.
 fn spawn_py_http(dir: &Path, port: u16) -> Proc {
+    spawn_py_http_on(dir, &port.to_string())
+}
+
+/// The Python HTTP service on a port or a Unix socket path.
+fn spawn_py_http_on(dir: &Path, at: &str) -> Proc {
     let script = write_script(dir, "service.py", PY_HTTP);
     Proc::spawn(
         Command::new("/usr/bin/python3")
             .arg(script)
-            .arg(port.to_string())
+            .arg(at)
             .stdout(Stdio::null())
-            .stderr(log_file(dir, &format!("py-http-{port}"))),
+            .stderr(log_file(dir, &format!("py-http-{}", at.replace('/', "_")))),
     )
     .unwrap()
 }
@@ -772,5 +786,48 @@ async fn a_hung_upstream_is_cut_after_the_timeout_and_a_gone_one_is_502() {
         "grl_sidecar_refusals_total{reason=\"upstream_unreachable\"} 1",
     ] {
         assert!(m.contains(line), "{line} missing:\n{m}");
+    }
+}
+
+/// An upstream on a Unix socket: requests reach it over pooled connections, and `/readyz`
+/// checks the socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unix_socket_upstream_is_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("app.sock");
+    let _py = spawn_py_http_on(dir.path(), sock.to_str().unwrap());
+    let (port, admin) = (free_port(), free_port());
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let _sc = spawn_sidecar(
+        dir.path(),
+        port,
+        admin,
+        &format!("unix:{}", sock.display()),
+        &[&dead],
+        &[],
+    );
+    let http = reqwest::Client::new();
+    eventually("the sidecar is ready (the socket accepts)", || {
+        let http = http.clone();
+        async move {
+            http.get(format!("http://127.0.0.1:{admin}/readyz"))
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 200)
+        }
+    })
+    .await;
+    for i in 0..5 {
+        let r = http
+            .post(format!("http://127.0.0.1:{port}/items/{i}"))
+            .body("abc")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(
+            r.text().await.unwrap(),
+            format!("ok POST /items/{i} read=3\n")
+        );
     }
 }
