@@ -39,12 +39,29 @@ fn cause_of(e: &reqwest::Error, timeout: Duration) -> String {
     if let Some(status) = e.status() {
         return format!("answered {status}");
     }
-    // The most specific cause in the chain wins: a TLS certificate problem, then the I/O error.
+    if let Some(c) = known_cause(e, timeout, e.is_timeout()) {
+        return c;
+    }
+    if e.is_decode() || e.is_body() {
+        return format!("unreadable answer ({})", chain(e));
+    }
+    chain(e)
+}
+
+/// Why any error (hyper's client, a connect) failed, in the words of [`describe`]: a TLS
+/// certificate problem, a timeout, connection refused or reset; else its chain.
+pub fn describe_error(e: &(dyn StdError + 'static), timeout: Duration) -> String {
+    known_cause(e, timeout, false).unwrap_or_else(|| chain(e))
+}
+
+/// The most specific cause in the chain: a TLS certificate problem, then a timeout (`timed_out`:
+/// the caller knows it timed out), then the I/O error.
+fn known_cause(e: &(dyn StdError + 'static), timeout: Duration, timed_out: bool) -> Option<String> {
     let mut io_kind = None;
     let mut dns = None;
     for err in errors(e) {
         if let Some(t) = err.downcast_ref::<rustls::Error>() {
-            return tls(t);
+            return Some(tls(t));
         }
         if let Some(io) = err.downcast_ref::<std::io::Error>() {
             // The innermost kind that says something (an outer one is often `Other`).
@@ -57,26 +74,20 @@ fn cause_of(e: &reqwest::Error, timeout: Duration) -> String {
             dns = Some(text);
         }
     }
-    if e.is_timeout() || io_kind == Some(std::io::ErrorKind::TimedOut) {
-        return format!("timed out after {} ms", timeout.as_millis());
+    if timed_out || io_kind == Some(std::io::ErrorKind::TimedOut) {
+        return Some(format!("timed out after {} ms", timeout.as_millis()));
     }
     if let Some(d) = dns {
-        return format!("cannot resolve the host name ({d})");
+        return Some(format!("cannot resolve the host name ({d})"));
     }
     match io_kind {
-        Some(std::io::ErrorKind::ConnectionRefused) => return "connection refused".into(),
-        Some(std::io::ErrorKind::ConnectionReset) => {
-            return "connection reset by the server".into()
-        }
+        Some(std::io::ErrorKind::ConnectionRefused) => Some("connection refused".into()),
+        Some(std::io::ErrorKind::ConnectionReset) => Some("connection reset by the server".into()),
         Some(std::io::ErrorKind::UnexpectedEof) => {
-            return "the server closed the connection before answering".into()
+            Some("the server closed the connection before answering".into())
         }
-        _ => {}
+        _ => None,
     }
-    if e.is_decode() || e.is_body() {
-        return format!("unreadable answer ({})", chain(e));
-    }
-    chain(e)
 }
 
 /// `e` and every error under it: its `source` chain, and the errors an I/O error wraps (an

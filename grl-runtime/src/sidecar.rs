@@ -506,7 +506,7 @@ async fn proxy(
             let connect = e.is_connect();
             s.stats.upstream_errors[if connect { 0 } else { 2 }].fetch_add(1, Ordering::Relaxed);
             s.stats.refusals[1].fetch_add(1, Ordering::Relaxed);
-            let cause = crate::cause::describe_any(&anyhow::Error::new(e), s.connect_timeout);
+            let cause = crate::cause::describe_error(&e, s.connect_timeout);
             tracing::debug!(upstream = %s.upstream.describe(), error = %cause, "upstream failed");
             upstream_failure(
                 grpc,

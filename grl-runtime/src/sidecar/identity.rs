@@ -89,27 +89,27 @@ impl NamePattern {
     /// The caller `name` maps to, if it matches.
     pub fn capture<'a>(&self, name: &'a str) -> Option<&'a str> {
         let mut out = None;
-        matches(&self.pieces, name, name, &mut out)
+        matches(&self.pieces, name, &mut out)
             .then_some(out)
             .flatten()
     }
 }
 
-/// Whether `pieces` match all of `s` (a suffix of `whole`); the `{caller}` span goes to `out`.
-fn matches<'a>(pieces: &[Piece], s: &'a str, whole: &'a str, out: &mut Option<&'a str>) -> bool {
+/// Whether `pieces` match all of `s`; the `{caller}` span goes to `out`.
+fn matches<'a>(pieces: &[Piece], s: &'a str, out: &mut Option<&'a str>) -> bool {
     let Some((first, rest)) = pieces.split_first() else {
         return s.is_empty();
     };
     match first {
         Piece::Lit(l) => s
             .strip_prefix(l.as_str())
-            .is_some_and(|r| matches(rest, r, whole, out)),
+            .is_some_and(|r| matches(rest, r, out)),
         Piece::Star | Piece::Caller => {
             // The span ends at a `/` or at the end; try every end, shortest first.
             let limit = s.find('/').unwrap_or(s.len());
             let min = usize::from(*first == Piece::Caller);
             for end in (min..=limit).filter(|e| s.is_char_boundary(*e)) {
-                if matches(rest, &s[end..], whole, out) {
+                if matches(rest, &s[end..], out) {
                     if *first == Piece::Caller {
                         *out = Some(&s[..end]);
                     }

@@ -19,8 +19,9 @@ use super::{
 /// The grpcio release the gRPC tests install into their venv.
 const GRPCIO: &str = "1.85.1";
 
-/// A Python HTTP/1.1 service (keep-alive): answers every method with `ok METHOD PATH read=N`,
-/// N the request body's bytes read; `/slow?ms=N` answers after N ms.
+/// A Python HTTP/1.1 service (keep-alive) on a port or a Unix socket (an absolute path):
+/// answers every method with `ok METHOD PATH read=N`, N the request body's bytes read;
+/// `/slow?ms=N` answers after N ms.
 const PY_HTTP: &str = r#"
 import sys, time
 from http.server import ThreadingHTTPServer, BaseHTTPRequestHandler
@@ -49,6 +50,14 @@ class H(BaseHTTPRequestHandler):
         self.wfile.write(body)
     do_GET = do_POST = do_PUT = do_DELETE = answer
 
+if sys.argv[1].startswith("/"):
+    import socketserver
+    class U(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+        daemon_threads = True
+        def get_request(self):
+            conn, _ = self.socket.accept()
+            return conn, ("unix", 0)
+    U(sys.argv[1], H).serve_forever()
 ThreadingHTTPServer.daemon_threads = True
 ThreadingHTTPServer.request_queue_size = 256
 ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
@@ -94,7 +103,7 @@ while time.time() < end:
         out["codes"][c] = out["codes"].get(c, 0) + 1
         if c == "RESOURCE_EXHAUSTED":
             out["pushback"] = dict(e.trailing_metadata() or ()).get("grpc-retry-pushback-ms")
-    time.sleep(0.002)
+    time.sleep(0.02)
 print(json.dumps(out))
 "#;
 
@@ -106,13 +115,18 @@ fn write_script(dir: &Path, name: &str, text: &str) -> PathBuf {
 
 /// The Python HTTP service on `port`.
 fn spawn_py_http(dir: &Path, port: u16) -> Proc {
+    spawn_py_http_on(dir, &port.to_string())
+}
+
+/// The Python HTTP service on a port or a Unix socket path.
+fn spawn_py_http_on(dir: &Path, at: &str) -> Proc {
     let script = write_script(dir, "service.py", PY_HTTP);
     Proc::spawn(
         Command::new("/usr/bin/python3")
             .arg(script)
-            .arg(port.to_string())
+            .arg(at)
             .stdout(Stdio::null())
-            .stderr(log_file(dir, &format!("py-http-{port}"))),
+            .stderr(log_file(dir, &format!("py-http-{}", at.replace('/', "_")))),
     )
     .unwrap()
 }
@@ -245,7 +259,7 @@ async fn three_sidecars_hold_one_global_limit_and_fail_open_without_the_aggregat
     let agg_url = format!("http://127.0.0.1:{agg_port}");
     let _ctl = spawn_controller(ctl_port, &dir.path().join("state"), dir.path(), &[]);
     wait_up(&format!("{ctl_url}/v1/status")).await;
-    const LIMIT: f64 = 40.0;
+    const LIMIT: f64 = 20.0;
     push_config(
         &ctl_url,
         "v1",
@@ -306,7 +320,7 @@ async fn three_sidecars_hold_one_global_limit_and_fail_open_without_the_aggregat
         ));
     }
     let web_url = format!("http://127.0.0.1:{}/charge", ports[2].0);
-    tasks.push(paced(web_url, "web", 10.0, web.clone(), stop.clone()));
+    tasks.push(paced(web_url, "web", 5.0, web.clone(), stop.clone()));
 
     // Settle, then measure.
     tokio::time::sleep(Duration::from_secs(8)).await;
@@ -358,7 +372,7 @@ async fn three_sidecars_hold_one_global_limit_and_fail_open_without_the_aggregat
     assert_eq!(h("retry-after").as_deref(), Some("1"));
     assert_eq!(
         h("ratelimit-policy").as_deref(),
-        Some("\"gw.charge\";q=40;w=1")
+        Some("\"gw.charge\";q=20;w=1")
     );
     assert_eq!(h("ratelimit").as_deref(), Some("\"gw.charge\";r=0;t=1"));
 
@@ -457,7 +471,7 @@ async fn grpc_calls_pass_with_trailers_and_an_excess_caller_gets_resource_exhaus
         &ctl_url,
         "v1",
         json!([{"name": "gw.say", "caller": "gw", "procedure": "/test.Echo/Say", "scope": "global",
-                "limit_rps": 20.0, "mode": "enforce", "policy": "peak"}]),
+                "limit_rps": 10.0, "mode": "enforce", "policy": "peak"}]),
     )
     .await;
     let _agg = spawn_aggregator(agg_port, &ctl_url, "agg-z1", dir.path());
@@ -706,4 +720,114 @@ async fn a_verified_client_certificate_names_the_caller_over_any_header() {
         }
     })
     .await;
+}
+
+/// A hung upstream answers 504 after `--upstream-timeout-ms` while other requests keep being
+/// served; an upstream that is gone answers 502; both are counted by kind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_upstream_is_cut_after_the_timeout_and_a_gone_one_is_502() {
+    let dir = tempfile::tempdir().unwrap();
+    let (py_port, port, admin) = (free_port(), free_port(), free_port());
+    let py = spawn_py_http(dir.path(), py_port);
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let _sc = spawn_sidecar(
+        dir.path(),
+        port,
+        admin,
+        &format!("http://127.0.0.1:{py_port}"),
+        &[&dead],
+        &["--upstream-timeout-ms", "500"],
+    );
+    wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
+    wait_up(&format!("http://127.0.0.1:{py_port}/")).await;
+    let http = reqwest::Client::new();
+    let base = format!("http://127.0.0.1:{port}");
+    let hung = tokio::spawn({
+        let (http, base) = (http.clone(), base.clone());
+        async move {
+            let r = http
+                .get(format!("{base}/slow?ms=5000"))
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.text().await.unwrap())
+        }
+    });
+    // Served meanwhile.
+    let r = http.get(format!("{base}/fast")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let (status, body) = hung.await.unwrap();
+    assert_eq!(status, 504, "{body}");
+    assert!(body.contains("did not answer within 500 ms"), "{body}");
+    // The upstream is gone: 502, and /readyz says why.
+    py.kill();
+    let r = http.get(format!("{base}/fast")).send().await.unwrap();
+    assert_eq!(r.status(), 502);
+    let body = r.text().await.unwrap();
+    assert!(body.contains("connection refused"), "{body}");
+    let r = http
+        .get(format!("http://127.0.0.1:{admin}/readyz"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+    let m = http
+        .get(format!("http://127.0.0.1:{admin}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for line in [
+        "grl_sidecar_upstream_errors_total{kind=\"timeout\"} 1",
+        "grl_sidecar_upstream_errors_total{kind=\"connect\"} 1",
+        "grl_sidecar_refusals_total{reason=\"upstream_timeout\"} 1",
+        "grl_sidecar_refusals_total{reason=\"upstream_unreachable\"} 1",
+    ] {
+        assert!(m.contains(line), "{line} missing:\n{m}");
+    }
+}
+
+/// An upstream on a Unix socket: requests reach it over pooled connections, and `/readyz`
+/// checks the socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unix_socket_upstream_is_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("app.sock");
+    let _py = spawn_py_http_on(dir.path(), sock.to_str().unwrap());
+    let (port, admin) = (free_port(), free_port());
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let _sc = spawn_sidecar(
+        dir.path(),
+        port,
+        admin,
+        &format!("unix:{}", sock.display()),
+        &[&dead],
+        &[],
+    );
+    let http = reqwest::Client::new();
+    eventually("the sidecar is ready (the socket accepts)", || {
+        let http = http.clone();
+        async move {
+            http.get(format!("http://127.0.0.1:{admin}/readyz"))
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 200)
+        }
+    })
+    .await;
+    for i in 0..5 {
+        let r = http
+            .post(format!("http://127.0.0.1:{port}/items/{i}"))
+            .body("abc")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(
+            r.text().await.unwrap(),
+            format!("ok POST /items/{i} read=3\n")
+        );
+    }
 }

@@ -140,7 +140,7 @@ fn systemd_units_pass_systemd_analyze_verify() {
         std::fs::write(dir.path().join(p.file_name().unwrap()), local).unwrap();
         n += 1;
     }
-    assert_eq!(n, 3, "controller, aggregator and rlc units");
+    assert_eq!(n, 4, "controller, aggregator, sidecar and rlc units");
     let (ok, out) = verify(dir.path());
     assert!(ok, "{out}");
     // Warnings (an unknown key, a bad specifier) name the unit file: none.
@@ -440,6 +440,142 @@ fn kubernetes_manifests_validate_offline_and_hang_together() {
     }
 }
 
+/// The sidecar example (`deploy/kubernetes/sidecar/`) passes `kubernetes-validate --strict`
+/// offline and hangs together: the sidecar's flags exist, the Service sends callers to the
+/// sidecar's port (never the application's), the sidecar's upstream is the port the
+/// application serves, its probes are on the admin listener, its credential file is a key of a
+/// mounted Secret of the example.
+#[test]
+fn kubernetes_sidecar_example_validates_offline_and_hangs_together() {
+    let tool = test_support::venv::tool(
+        "kubernetes-validate",
+        KUBERNETES_VALIDATE,
+        "kubernetes-validate",
+    )
+    .unwrap();
+    let file = deploy().join("kubernetes/sidecar/payments.yaml");
+    let offline = Command::new("unshare")
+        .args(["-n", "true"])
+        .status()
+        .is_ok_and(|s| s.success());
+    let mut cmd = if offline {
+        let mut c = Command::new("unshare");
+        c.arg("-n").arg(&tool);
+        c
+    } else {
+        Command::new(&tool)
+    };
+    let out = cmd
+        .args(["--strict", "-k", KUBERNETES])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    let docs: Vec<Value> =
+        serde_yaml::Deserializer::from_str(&std::fs::read_to_string(&file).unwrap())
+            .map(|d| Value::deserialize(d).unwrap())
+            .filter(|v| !v.is_null())
+            .collect();
+    assert_eq!(
+        text.matches(" passed for resource ").count(),
+        docs.len(),
+        "{text}"
+    );
+    let kind = |k: &str| docs.iter().find(|d| d["kind"] == k).unwrap();
+    let (deploy_, service, secret) = (kind("Deployment"), kind("Service"), kind("Secret"));
+    let pod = &deploy_["spec"]["template"]["spec"];
+    let labels = &deploy_["spec"]["template"]["metadata"]["labels"];
+    for (k, v) in service["spec"]["selector"].as_mapping().unwrap() {
+        assert_eq!(&labels[k], v, "the Service selects the pods");
+    }
+    let containers = pod["containers"].as_sequence().unwrap();
+    let sidecar = containers
+        .iter()
+        .find(|c| strings(&c["args"]).first().map(String::as_str) == Some("sidecar"))
+        .expect("a grl sidecar container");
+    let app = containers
+        .iter()
+        .find(|c| *c != sidecar)
+        .expect("an application container");
+    let args = strings(&sidecar["args"]);
+    check_flags("sidecar example", "grl", &args);
+    let port_named = |c: &Value, name: &str| -> u64 {
+        c["ports"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == name)
+            .unwrap_or_else(|| panic!("no port {name}"))["containerPort"]
+            .as_u64()
+            .unwrap()
+    };
+    let listen = port_of(flag_value(&args, "--listen").unwrap()) as u64;
+    let admin = port_of(flag_value(&args, "--admin-listen").unwrap()) as u64;
+    assert_eq!(port_named(sidecar, "http"), listen);
+    assert_eq!(port_named(sidecar, "admin"), admin);
+    // Callers reach the sidecar's port.
+    let target = &service["spec"]["ports"][0]["targetPort"];
+    let target = target
+        .as_u64()
+        .unwrap_or_else(|| port_named(sidecar, target.as_str().unwrap()));
+    assert_eq!(target, listen);
+    // Probes on the admin listener.
+    for (probe, path) in [("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")] {
+        assert_eq!(sidecar[probe]["httpGet"]["path"], path);
+        assert_eq!(sidecar[probe]["httpGet"]["port"], "admin");
+    }
+    // The upstream is the application's port, on the pod's loopback.
+    let upstream = flag_value(&args, "--upstream").unwrap();
+    let up_port = port_of(upstream);
+    assert!(upstream.starts_with("http://127.0.0.1:"), "{upstream}");
+    let app_cmd = strings(&app["command"]);
+    assert!(
+        app_cmd.contains(&up_port.to_string()),
+        "{app_cmd:?} does not serve {up_port}"
+    );
+    assert!(
+        app["ports"].is_null(),
+        "the application's port is not exposed"
+    );
+    // The client credential file is a key of the example's Secret, mounted.
+    let env = sidecar["env"].as_sequence().unwrap();
+    let file_ = env
+        .iter()
+        .find(|e| e["name"] == "GRL_CLIENT_TOKEN_FILE")
+        .unwrap()["value"]
+        .as_str()
+        .unwrap();
+    let mount = sidecar["volumeMounts"][0]["mountPath"].as_str().unwrap();
+    let key = file_
+        .strip_prefix(&format!("{mount}/"))
+        .expect("the token file is mounted");
+    let vol = pod["volumes"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == sidecar["volumeMounts"][0]["name"])
+        .unwrap();
+    assert_eq!(vol["secret"]["secretName"], secret["metadata"]["name"]);
+    assert!(secret["stringData"][key].is_string(), "Secret key {key}");
+    // It reports to the aggregators' Service (30-aggregator.yaml).
+    let agg = flag_value(&args, "--aggregator").unwrap();
+    let agg_service = manifests()
+        .into_iter()
+        .map(|(_, d)| d)
+        .find(|d| d["kind"] == "Service" && d["metadata"]["name"] == "grl-aggregator")
+        .unwrap();
+    assert_eq!(
+        agg,
+        format!(
+            "http://grl-aggregator.{}.svc:{}",
+            agg_service["metadata"]["namespace"].as_str().unwrap(),
+            agg_service["spec"]["ports"][0]["port"].as_u64().unwrap()
+        )
+    );
+}
+
 // ------------------------------------------------------------------------------------------
 // compose
 
@@ -626,6 +762,30 @@ fn compose_stack_hangs_together() {
         let (h, p) = host_port(&url);
         assert_eq!(listens.get(&h), Some(&p), "{url}");
     }
+    // The sidecar sends to a service of the stack, reports to the aggregator's port, and its
+    // client token is the secret of the aggregator's `payments` credential.
+    let sc = strings(&doc["services"]["payments-sidecar"]["command"]);
+    let (up_host, up_port) = host_port(flag_value(&sc, "--upstream").unwrap());
+    let app = strings(&doc["services"][up_host.as_str()]["command"]);
+    assert!(
+        app.contains(&up_port.to_string()),
+        "{up_host} does not serve {up_port}: {app:?}"
+    );
+    let (agg_host, agg_port) = host_port(flag_value(&sc, "--aggregator").unwrap());
+    assert_eq!(listens.get(&agg_host), Some(&agg_port));
+    let client_line =
+        std::fs::read_to_string(work.path().join("secrets/client-credentials")).unwrap();
+    let token = std::fs::read_to_string(work.path().join("secrets/payments-client-token")).unwrap();
+    assert_eq!(
+        client_line.split_whitespace().nth(2),
+        Some(token.trim()),
+        "the sidecar's token is the payments secret"
+    );
+    assert_eq!(
+        flag_value(&sc, "--service"),
+        client_line.split_whitespace().nth(1)
+    );
+
     // Grafana: the provider reads the directory deploy/grafana is mounted on.
     let provider: Value = serde_yaml::from_str(
         &std::fs::read_to_string(dir.join("grafana/dashboards.yaml")).unwrap(),
