@@ -308,6 +308,8 @@ fn sidecar(grl: &Path, dir: &Path, up: SocketAddr, agg: &str, name: &str, procs:
             .args(["sidecar", "--listen", &format!("127.0.0.1:{port}"), "--upstream", &format!("http://{up}")])
             .args(["--service", "payments", "--zone", "z1", "--region", "r1", "--aggregator", agg])
             .args(["--admin-listen", &format!("127.0.0.1:{admin}"), "--id", name])
+            // The default reporting period unless BENCH_SIDECAR_TICK says otherwise.
+            .args(std::env::var("BENCH_SIDECAR_TICK").map(|t| vec!["--tick-ms".to_string(), t]).unwrap_or_default())
             .env("GRL_CLIENT_TOKEN", CLIENT)
             .stdout(Stdio::null())
             .stderr(Stdio::from(std::fs::File::create(dir.join(format!("{name}.log"))).unwrap())),
@@ -372,15 +374,17 @@ async fn main() {
     procs.push(nginx);
     let agg = tier(&a.grl, dir.path(), 1e9, &mut procs).await;
     let (sc, sc_pid) = sidecar(&a.grl, dir.path(), up, &agg, "sidecar", &mut procs);
-    let peers: Vec<(&str, String, Option<u32>)> = vec![
+    let only_accuracy = std::env::var("BENCH_ONLY").is_ok_and(|v| v == "accuracy");
+    let peers: Vec<(&str, String, Option<u32>)> = if only_accuracy { vec![] } else { vec![
         ("direct", format!("http://{up}/"), None),
         ("nginx (proxy_pass)", format!("http://127.0.0.1:{ng_plain}/"), Some(nginx_pid)),
         ("nginx (limit_req)", format!("http://127.0.0.1:{ng_limited}/"), Some(nginx_pid)),
         ("grl sidecar", format!("http://127.0.0.1:{sc}/"), Some(sc_pid)),
-    ];
+    ] };
     for (_, url, _) in &peers {
         wait_up(url).await;
     }
+    if !only_accuracy {
     println!("## One hop, 1 KiB POST bodies, keep-alive, loopback ({} s per rate)\n", a.secs);
     for &rate in &a.rates {
         println!("### {rate} requests/s (open loop)\n");
@@ -388,6 +392,8 @@ async fn main() {
         println!("|---|---|---|---|---|---|---|");
         let mut base = None;
         for (name, url, _) in &peers {
+            // A first pass warms the pool, the peer and the generator; the second is measured.
+            open_loop(url, rate, 2).await;
             let l = open_loop(url, rate, a.secs).await;
             let (b50, b99) = *base.get_or_insert((l.p50, l.p99));
             println!(
@@ -406,9 +412,10 @@ async fn main() {
         println!("| {name} | {rps:.0} | {pc} |");
     }
     println!();
+    }
 
     // Accuracy: a global limit over three replicas with uneven load.
-    let limit = 600.0;
+    let limit: f64 = std::env::var("BENCH_LIMIT").ok().and_then(|v| v.parse().ok()).unwrap_or(600.0);
     let offered = [0.6, 0.3, 0.1].map(|s| s * 1.5 * limit);
     let limited: Vec<(u16, f64)> = (0..3).map(|_| (free_port(), limit / 3.0)).collect();
     let dir2 = tempfile::tempdir().unwrap();
@@ -465,5 +472,8 @@ async fn main() {
         (g / limit - 1.0) * 100.0,
         (n / limit - 1.0) * 100.0
     );
+    if std::env::var("BENCH_KEEP").is_ok() {
+        eprintln!("kept: {}", dir2.keep().display());
+    }
     drop(procs);
 }
