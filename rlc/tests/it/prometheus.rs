@@ -499,7 +499,10 @@ fn four_weeks_from_real_prometheus() {
     // dip with its dates.
     let holiday = get(&plan, "holiday", "web.browse");
     assert_eq!(holiday.bucket.policy.to_string(), "forecast");
-    within(holiday, 180.0, 200.0);
+    // Not followed down (half the traffic would give about 100–125); the grown hourly maximum
+    // it starts from moves with the time of day the test runs (the series end now), so the
+    // limit lands between about 190 and 206 (164.7 rps grown by the trend × 1.25).
+    within(holiday, 180.0, 210.0);
     let dip = &json(&holiday.evidence)["policy"]["level_change"];
     assert_eq!(dip["kind"], "dip", "{}", holiday.evidence);
     assert_eq!(dip["discounted"], true);
