@@ -164,10 +164,19 @@ fn the_readme_quick_start_runs_as_written() {
     // are not demand, it keeps its limit and the demo says why. The shadow bucket refused
     // nothing: the second cycle raised it to the observed peak × 1.25 (headroom), at most
     // 1.5 × 1.25 times the first, and well above 1.25 (the controller counts a little less than
-    // offered: the first tick's requests).
+    // offered: the first tick's requests), unless the observed minute is a one-off spike over
+    // the usual level at the hour the test runs (the demo's history has a daily shape), which
+    // the policy leaves out and the demo names.
     let repo = d.join("config-repo");
+    // The first run's commit (the second run may or may not commit).
+    let run1 = out
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("git: committed "))
+        .and_then(|l| l.split_whitespace().next())
+        .unwrap_or_else(|| panic!("the first run committed\n{out}"))
+        .to_string();
     let (first, learned) = (
-        limit(&repo, "HEAD~1", "payments", "api-gateway.charge"),
+        limit(&repo, &run1, "payments", "api-gateway.charge"),
         limit(&repo, "HEAD", "payments", "api-gateway.charge"),
     );
     assert_eq!(first, learned, "the enforced bucket kept its limit\n{out}");
@@ -177,13 +186,17 @@ fn the_readme_quick_start_runs_as_written() {
         "the demo says why the enforced bucket kept its limit:\n{out}"
     );
     let (first, learned) = (
-        limit(&repo, "HEAD~1", "payments", "api-gateway.refund"),
+        limit(&repo, &run1, "payments", "api-gateway.refund"),
         limit(&repo, "HEAD", "payments", "api-gateway.refund"),
     );
     let ratio = learned / first;
+    let spike_named = out.lines().any(|l| {
+        l.contains("why") && l.contains("api-gateway.refund") && l.contains("spike")
+            && l.contains("discounted")
+    });
     assert!(
-        (1.25..=1.875).contains(&ratio),
-        "{first} -> {learned}\n{out}"
+        (1.25..=1.875).contains(&ratio) || (ratio == 1.0 && spike_named),
+        "{first} -> {learned}: raised to the demand, or kept with the spike named\n{out}"
     );
     let head = String::from_utf8(
         Command::new("git")
