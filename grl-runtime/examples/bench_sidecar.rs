@@ -58,7 +58,12 @@ fn args() -> Args {
             "--grl" => a.grl = v.into(),
             "--nginx" => a.nginx = v.into(),
             "--secs" => a.secs = v.parse().expect("--secs N"),
-            "--rates" => a.rates = v.split(',').map(|r| r.parse().expect("--rates N,M")).collect(),
+            "--rates" => {
+                a.rates = v
+                    .split(',')
+                    .map(|r| r.parse().expect("--rates N,M"))
+                    .collect()
+            }
             _ => panic!("unknown flag {k}"),
         }
     }
@@ -71,13 +76,16 @@ async fn upstream() -> SocketAddr {
     let addr = l.local_addr().unwrap();
     tokio::spawn(async move {
         loop {
-            let Ok((s, _)) = l.accept().await else { continue };
+            let Ok((s, _)) = l.accept().await else {
+                continue;
+            };
             let _ = s.set_nodelay(true);
             tokio::spawn(async move {
-                let svc = hyper::service::service_fn(|req: Request<hyper::body::Incoming>| async move {
-                    let _ = req.into_body().collect().await;
-                    Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok"))))
-                });
+                let svc =
+                    hyper::service::service_fn(|req: Request<hyper::body::Incoming>| async move {
+                        let _ = req.into_body().collect().await;
+                        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok"))))
+                    });
                 let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                     .serve_connection(TokioIo::new(s), svc)
                     .await;
@@ -138,8 +146,13 @@ async fn open_loop(url: &str, rate: u64, secs: u64) -> Latency {
     while sent < total {
         let due = ((start.elapsed().as_secs_f64() * rate as f64) as u64).min(total);
         while sent < due {
-            let (c, url, body, lat, errors) =
-                (c.clone(), url.to_string(), body.clone(), lat.clone(), errors.clone());
+            let (c, url, body, lat, errors) = (
+                c.clone(),
+                url.to_string(),
+                body.clone(),
+                lat.clone(),
+                errors.clone(),
+            );
             tasks.spawn(async move {
                 let t = Instant::now();
                 let s = call(&c, &url, "bench", &body).await;
@@ -158,7 +171,11 @@ async fn open_loop(url: &str, rate: u64, secs: u64) -> Latency {
     while tasks.join_next().await.is_some() {}
     let mut v = std::mem::take(&mut *lat.lock().unwrap());
     v.sort_unstable();
-    let q = |p: f64| v.get(((v.len() as f64 - 1.0) * p) as usize).copied().unwrap_or(0) as f64;
+    let q = |p: f64| {
+        v.get(((v.len() as f64 - 1.0) * p) as usize)
+            .copied()
+            .unwrap_or(0) as f64
+    };
     Latency {
         p50: q(0.50),
         p90: q(0.90),
@@ -175,10 +192,15 @@ fn cpu_secs(pid: u32) -> f64 {
         let s = std::fs::read_to_string(p).ok()?;
         let rest = &s[s.rfind(')')? + 2..];
         let f: Vec<&str> = rest.split_whitespace().collect();
-        Some((f[1].parse().ok()?, f[11].parse::<u64>().ok()? + f[12].parse::<u64>().ok()?))
+        Some((
+            f[1].parse().ok()?,
+            f[11].parse::<u64>().ok()? + f[12].parse::<u64>().ok()?,
+        ))
     };
     for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(p) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(p) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
         if let Some((ppid, t)) = stat(&e.path().join("stat")) {
             if p == pid || ppid == pid {
                 total += t;
@@ -225,7 +247,9 @@ fn nginx_conf(dir: &Path, up: SocketAddr, plain: u16, limited: &[(u16, f64)]) ->
     for (i, (port, rate)) in limited.iter().enumerate() {
         // A rate limit in requests/s per replica; a burst of a tenth of a second.
         let r = (*rate).round() as u64;
-        zones.push_str(&format!("limit_req_zone $server_port zone=z{i}:1m rate={r}r/s;\n"));
+        zones.push_str(&format!(
+            "limit_req_zone $server_port zone=z{i}:1m rate={r}r/s;\n"
+        ));
         servers.push_str(&format!(
             "server {{ listen 127.0.0.1:{port}; location / {{ limit_req zone=z{i} burst={} nodelay; limit_req_status 429; proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection \"\"; }} }}\n",
             (r / 10).max(1)
@@ -260,7 +284,14 @@ async fn tier(grl: &Path, dir: &Path, limit: f64, procs: &mut Vec<Proc>) -> Stri
     procs.push(
         Proc::spawn(
             Command::new(grl)
-                .args(["controller", "--listen", &format!("127.0.0.1:{cp}"), "--tick-ms", "100", "--state-dir"])
+                .args([
+                    "controller",
+                    "--listen",
+                    &format!("127.0.0.1:{cp}"),
+                    "--tick-ms",
+                    "100",
+                    "--state-dir",
+                ])
                 .arg(dir.join("state"))
                 .env("GRL_TOKEN", TOKEN)
                 .env("GRL_REPORT_TOKEN", REPORT)
@@ -276,8 +307,22 @@ async fn tier(grl: &Path, dir: &Path, limit: f64, procs: &mut Vec<Proc>) -> Stri
     procs.push(
         Proc::spawn(
             Command::new(grl)
-                .args(["aggregator", "--listen", &format!("127.0.0.1:{ap}"), "--controller", &controller])
-                .args(["--zone", "z1", "--region", "r1", "--tick-ms", "100", "--client-credentials"])
+                .args([
+                    "aggregator",
+                    "--listen",
+                    &format!("127.0.0.1:{ap}"),
+                    "--controller",
+                    &controller,
+                ])
+                .args([
+                    "--zone",
+                    "z1",
+                    "--region",
+                    "r1",
+                    "--tick-ms",
+                    "100",
+                    "--client-credentials",
+                ])
                 .arg(&creds)
                 .env("GRL_REPORT_TOKEN", REPORT)
                 .stdout(Stdio::null())
@@ -294,25 +339,62 @@ async fn tier(grl: &Path, dir: &Path, limit: f64, procs: &mut Vec<Proc>) -> Stri
         .send()
         .await
         .unwrap();
-    assert!(r.status().is_success(), "config refused: {}", r.text().await.unwrap_or_default());
+    assert!(
+        r.status().is_success(),
+        "config refused: {}",
+        r.text().await.unwrap_or_default()
+    );
     let agg = format!("http://127.0.0.1:{ap}");
     wait_up(&format!("{agg}/healthz")).await;
     agg
 }
 
 /// A sidecar in front of `up`; its listen port and process id.
-fn sidecar(grl: &Path, dir: &Path, up: SocketAddr, agg: &str, name: &str, procs: &mut Vec<Proc>) -> (u16, u32) {
+fn sidecar(
+    grl: &Path,
+    dir: &Path,
+    up: SocketAddr,
+    agg: &str,
+    name: &str,
+    procs: &mut Vec<Proc>,
+) -> (u16, u32) {
     let (port, admin) = (free_port(), free_port());
     let p = Proc::spawn(
         Command::new(grl)
-            .args(["sidecar", "--listen", &format!("127.0.0.1:{port}"), "--upstream", &format!("http://{up}")])
-            .args(["--service", "payments", "--zone", "z1", "--region", "r1", "--aggregator", agg])
-            .args(["--admin-listen", &format!("127.0.0.1:{admin}"), "--id", name])
+            .args([
+                "sidecar",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--upstream",
+                &format!("http://{up}"),
+            ])
+            .args([
+                "--service",
+                "payments",
+                "--zone",
+                "z1",
+                "--region",
+                "r1",
+                "--aggregator",
+                agg,
+            ])
+            .args([
+                "--admin-listen",
+                &format!("127.0.0.1:{admin}"),
+                "--id",
+                name,
+            ])
             // The default reporting period unless BENCH_SIDECAR_TICK says otherwise.
-            .args(std::env::var("BENCH_SIDECAR_TICK").map(|t| vec!["--tick-ms".to_string(), t]).unwrap_or_default())
+            .args(
+                std::env::var("BENCH_SIDECAR_TICK")
+                    .map(|t| vec!["--tick-ms".to_string(), t])
+                    .unwrap_or_default(),
+            )
             .env("GRL_CLIENT_TOKEN", CLIENT)
             .stdout(Stdio::null())
-            .stderr(Stdio::from(std::fs::File::create(dir.join(format!("{name}.log"))).unwrap())),
+            .stderr(Stdio::from(
+                std::fs::File::create(dir.join(format!("{name}.log"))).unwrap(),
+            )),
     )
     .unwrap();
     let pid = p.0.id();
@@ -375,47 +457,74 @@ async fn main() {
     let agg = tier(&a.grl, dir.path(), 1e9, &mut procs).await;
     let (sc, sc_pid) = sidecar(&a.grl, dir.path(), up, &agg, "sidecar", &mut procs);
     let only_accuracy = std::env::var("BENCH_ONLY").is_ok_and(|v| v == "accuracy");
-    let peers: Vec<(&str, String, Option<u32>)> = if only_accuracy { vec![] } else { vec![
-        ("direct", format!("http://{up}/"), None),
-        ("nginx (proxy_pass)", format!("http://127.0.0.1:{ng_plain}/"), Some(nginx_pid)),
-        ("nginx (limit_req)", format!("http://127.0.0.1:{ng_limited}/"), Some(nginx_pid)),
-        ("grl sidecar", format!("http://127.0.0.1:{sc}/"), Some(sc_pid)),
-    ] };
+    let peers: Vec<(&str, String, Option<u32>)> = if only_accuracy {
+        vec![]
+    } else {
+        vec![
+            ("direct", format!("http://{up}/"), None),
+            (
+                "nginx (proxy_pass)",
+                format!("http://127.0.0.1:{ng_plain}/"),
+                Some(nginx_pid),
+            ),
+            (
+                "nginx (limit_req)",
+                format!("http://127.0.0.1:{ng_limited}/"),
+                Some(nginx_pid),
+            ),
+            (
+                "grl sidecar",
+                format!("http://127.0.0.1:{sc}/"),
+                Some(sc_pid),
+            ),
+        ]
+    };
     for (_, url, _) in &peers {
         wait_up(url).await;
     }
     if !only_accuracy {
-    println!("## One hop, 1 KiB POST bodies, keep-alive, loopback ({} s per rate)\n", a.secs);
-    for &rate in &a.rates {
-        println!("### {rate} requests/s (open loop)\n");
-        println!("| path | p50 µs | p90 µs | p99 µs | added p50 µs | added p99 µs | errors |");
-        println!("|---|---|---|---|---|---|---|");
-        let mut base = None;
-        for (name, url, _) in &peers {
-            // A first pass warms the pool, the peer and the generator; the second is measured.
-            open_loop(url, rate, 2).await;
-            let l = open_loop(url, rate, a.secs).await;
-            let (b50, b99) = *base.get_or_insert((l.p50, l.p99));
-            println!(
-                "| {name} | {:.0} | {:.0} | {:.0} | {:+.0} | {:+.0} | {} |",
-                l.p50, l.p90, l.p99, l.p50 - b50, l.p99 - b99, l.errors
-            );
+        println!(
+            "## One hop, 1 KiB POST bodies, keep-alive, loopback ({} s per rate)\n",
+            a.secs
+        );
+        for &rate in &a.rates {
+            println!("### {rate} requests/s (open loop)\n");
+            println!("| path | p50 µs | p90 µs | p99 µs | added p50 µs | added p99 µs | errors |");
+            println!("|---|---|---|---|---|---|---|");
+            let mut base = None;
+            for (name, url, _) in &peers {
+                // A first pass warms the pool, the peer and the generator; the second is measured.
+                open_loop(url, rate, 2).await;
+                let l = open_loop(url, rate, a.secs).await;
+                let (b50, b99) = *base.get_or_insert((l.p50, l.p99));
+                println!(
+                    "| {name} | {:.0} | {:.0} | {:.0} | {:+.0} | {:+.0} | {} |",
+                    l.p50,
+                    l.p90,
+                    l.p99,
+                    l.p50 - b50,
+                    l.p99 - b99,
+                    l.errors
+                );
+            }
+            println!();
+        }
+        println!("### Saturation (closed loop, 64 in flight, 5 s)\n");
+        println!("| path | requests/s | requests/s per CPU second of the proxy |");
+        println!("|---|---|---|");
+        for (name, url, pid) in &peers {
+            let (rps, per_core) = saturation(url, *pid).await;
+            let pc = per_core.map_or("–".to_string(), |v| format!("{v:.0}"));
+            println!("| {name} | {rps:.0} | {pc} |");
         }
         println!();
     }
-    println!("### Saturation (closed loop, 64 in flight, 5 s)\n");
-    println!("| path | requests/s | requests/s per CPU second of the proxy |");
-    println!("|---|---|---|");
-    for (name, url, pid) in &peers {
-        let (rps, per_core) = saturation(url, *pid).await;
-        let pc = per_core.map_or("–".to_string(), |v| format!("{v:.0}"));
-        println!("| {name} | {rps:.0} | {pc} |");
-    }
-    println!();
-    }
 
     // Accuracy: a global limit over three replicas with uneven load.
-    let limit: f64 = std::env::var("BENCH_LIMIT").ok().and_then(|v| v.parse().ok()).unwrap_or(600.0);
+    let limit: f64 = std::env::var("BENCH_LIMIT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(600.0);
     let offered = [0.6, 0.3, 0.1].map(|s| s * 1.5 * limit);
     let limited: Vec<(u16, f64)> = (0..3).map(|_| (free_port(), limit / 3.0)).collect();
     let dir2 = tempfile::tempdir().unwrap();
@@ -434,7 +543,17 @@ async fn main() {
     );
     let agg2 = tier(&a.grl, &dir2.path().join("grl"), limit, &mut procs).await;
     let sidecars: Vec<u16> = (0..3)
-        .map(|i| sidecar(&a.grl, dir2.path(), up, &agg2, &format!("replica-{i}"), &mut procs).0)
+        .map(|i| {
+            sidecar(
+                &a.grl,
+                dir2.path(),
+                up,
+                &agg2,
+                &format!("replica-{i}"),
+                &mut procs,
+            )
+            .0
+        })
         .collect();
     for p in &sidecars {
         wait_up(&format!("http://127.0.0.1:{p}/")).await;
@@ -460,10 +579,16 @@ async fn main() {
     let grl = run(sidecars).await;
     let ngx = run(limited.iter().map(|l| l.0).collect()).await;
     println!("## Accuracy: a global limit of {limit} requests/s, offered 1.5 × over three replicas (60/30/10 %), admitted over the last {measure} of {secs} s\n");
-    println!("| replica | offered | grl sidecar admitted | nginx limit_req ({:.0} r/s each) admitted |", limit / 3.0);
+    println!(
+        "| replica | offered | grl sidecar admitted | nginx limit_req ({:.0} r/s each) admitted |",
+        limit / 3.0
+    );
     println!("|---|---|---|---|");
     for i in 0..3 {
-        println!("| {i} | {:.0} | {:.1} | {:.1} |", offered[i], grl[i], ngx[i]);
+        println!(
+            "| {i} | {:.0} | {:.1} | {:.1} |",
+            offered[i], grl[i], ngx[i]
+        );
     }
     let (g, n): (f64, f64) = (grl.iter().sum(), ngx.iter().sum());
     println!(

@@ -686,7 +686,11 @@ impl Controller {
                     .await
                     .map_err(|e| anyhow::anyhow!("refusing to start: {e}"))?
                 {
-                    tracing::info!(version = local_cfg.as_ref().map_or("none", |c| c.version.as_str()), overrides = ov.overrides.len(), "empty state database: imported this controller's state");
+                    tracing::info!(
+                        version = local_cfg.as_ref().map_or("none", |c| c.version.as_str()),
+                        overrides = ov.overrides.len(),
+                        "empty state database: imported this controller's state"
+                    );
                 }
                 let snap = db
                     .load_since(-1, -1)

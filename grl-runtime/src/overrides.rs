@@ -126,7 +126,11 @@ pub fn describe_target(
     if let (Some(svc), Some(b)) = (service, bucket) {
         return format!("bucket {svc}/{b}");
     }
-    let keys = [("caller", caller), ("procedure", procedure), ("service", service)];
+    let keys = [
+        ("caller", caller),
+        ("procedure", procedure),
+        ("service", service),
+    ];
     let parts: Vec<String> = keys
         .iter()
         .filter_map(|(k, v)| v.map(|v| format!("{k}={v}")))

@@ -105,7 +105,6 @@ pub struct Fit {
     pub trend: &'static str,
 }
 
-
 fn q99(mut v: Vec<f64>) -> f64 {
     if v.is_empty() {
         return 1.0;

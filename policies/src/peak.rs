@@ -161,7 +161,10 @@ mod tests {
         assert_eq!(p.peak_rps, 800.0, "the observed peak is reported");
         assert_eq!(p.evidence["spikes"][0]["ratio"], 80.0, "{}", p.evidence);
         let why = p.evidence["explain"].as_str().unwrap();
-        assert!(why.contains("spike 1970-01-08T14:00:00+00:00 800.0 rps (80.0× usual) discounted"), "{why}");
+        assert!(
+            why.contains("spike 1970-01-08T14:00:00+00:00 800.0 rps (80.0× usual) discounted"),
+            "{why}"
+        );
         // A higher spike factor keeps it.
         let spec = PolicySpec {
             spike_factor: Some(100.0),

@@ -64,7 +64,9 @@ impl RateSeries {
     pub fn coverage_since_first_with(&self, left_out: usize) -> f64 {
         match self.first_present() {
             None => 0.0,
-            Some(f) => ((self.present() + left_out) as f64 / (self.values.len() - f) as f64).min(1.0),
+            Some(f) => {
+                ((self.present() + left_out) as f64 / (self.values.len() - f) as f64).min(1.0)
+            }
         }
     }
 

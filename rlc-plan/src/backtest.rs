@@ -17,8 +17,8 @@ use serde::Serialize;
 
 use std::collections::BTreeMap;
 
-use crate::pipeline::{self, Purpose, World};
 use crate::history::History;
+use crate::pipeline::{self, Purpose, World};
 use crate::plan::Plan;
 
 /// Score of one policy on one bucket.
@@ -236,7 +236,14 @@ pub fn backtest(
     let mut report = BacktestReport::default();
     for name in policies {
         let on_policy = with_policy(repo, name);
-        let plan = pipeline::plan(cfg, &on_policy, &train, &World::none(), at, Purpose::Backtest);
+        let plan = pipeline::plan(
+            cfg,
+            &on_policy,
+            &train,
+            &World::none(),
+            at,
+            Purpose::Backtest,
+        );
         let scored: BTreeMap<(String, String), Score> = score_plan(history, &plan, split_at)
             .into_iter()
             .map(|(s, b, sc)| ((s, b), sc))

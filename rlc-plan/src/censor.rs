@@ -184,7 +184,8 @@ pub fn censored(
                         kind: "throttled".into(),
                         from: at(from),
                         to: at(to),
-                        reason: "the bucket's limit refused requests: refused demand, not demand".into(),
+                        reason: "the bucket's limit refused requests: refused demand, not demand"
+                            .into(),
                     });
                 }
             }
@@ -302,7 +303,9 @@ mod tests {
         observed.throttled.insert(
             ("pay".into(), "web".into()),
             Throttled {
-                minutes: (0..10).map(|m| start + 3 * DAY + 14 * 3600 + m * 60).collect(),
+                minutes: (0..10)
+                    .map(|m| start + 3 * DAY + 14 * 3600 + m * 60)
+                    .collect(),
                 refused: 1234.4,
             },
         );
@@ -319,10 +322,16 @@ mod tests {
             .collect();
         assert_eq!(kinds, [("excluded", 60), ("throttled", 10)]);
         let t = c.throttled.as_ref().unwrap();
-        assert_eq!((t.minutes, t.days, t.sustained, t.refused_requests), (10, 1, false, 1234.0));
+        assert_eq!(
+            (t.minutes, t.days, t.sustained, t.refused_requests),
+            (10, 1, false, 1234.0)
+        );
         let why = explain(&c);
         assert!(why.contains("excluded") && why.contains("INC-123"), "{why}");
-        assert!(why.contains("10 throttled minutes") && why.contains("left out"), "{why}");
+        assert!(
+            why.contains("10 throttled minutes") && why.contains("left out"),
+            "{why}"
+        );
         // Masked: the series loses those samples, the minute before and the five minutes after
         // each window.
         let s = RateSeries {
@@ -357,7 +366,11 @@ mod tests {
         let c = censored(key, "web", &spec, &[], &two, (start, end));
         let t = c.throttled.as_ref().unwrap();
         assert!(!t.sustained && t.minutes == 10, "{t:?}");
-        assert!(c.ignored.iter().any(|i| i.kind == "override"), "{:?}", c.ignored);
+        assert!(
+            c.ignored.iter().any(|i| i.kind == "override"),
+            "{:?}",
+            c.ignored
+        );
         let why = explain(&c);
         assert!(why.contains("override ovr-7: INC-123 shed load"), "{why}");
     }

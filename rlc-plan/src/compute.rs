@@ -17,9 +17,9 @@ use schema::{
 };
 use serde_json::json;
 
-use crate::history::{History, SeriesKey, SeriesSource};
 use crate::censor::{self, Censored, Observed};
 use crate::evidence::{Evidence, PolicyEvidence};
+use crate::history::{History, SeriesKey, SeriesSource};
 use crate::plan::{Plan, PlannedBucket, Skipped};
 use crate::plausibility::{all_zero, implausible_peak};
 
@@ -119,7 +119,9 @@ fn plan_services(
     for r in source.rejected() {
         if r.fails_service {
             if let Some(s) = &r.service {
-                ambiguous.entry(s.clone()).or_insert_with(|| r.reason.clone());
+                ambiguous
+                    .entry(s.clone())
+                    .or_insert_with(|| r.reason.clone());
             }
         }
         plan.skipped.push(Skipped {
@@ -510,8 +512,7 @@ fn compute_service(
                     _ => {
                         let peak_at = s.argmax().map(|i| s.datetime_of(i));
                         push(
-                            plan, &spec, service, key, cur, p, railed, expired, peak_at,
-                            censored,
+                            plan, &spec, service, key, cur, p, railed, expired, peak_at, censored,
                         )
                     }
                 }
@@ -659,7 +660,11 @@ pub fn contracts_without_traffic(
     }
     let contracts: &[Contract] = repo.contracts.as_ref().map_or(&[], |c| &c.value.contracts);
     let mut out = Vec::new();
-    for (i, c) in contracts.iter().enumerate().filter(|(_, c)| c.active_on(today)) {
+    for (i, c) in contracts
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.active_on(today))
+    {
         let h = history.service(&c.service)?;
         let seen = h.service_series(&c.service).any(|(k, s)| {
             k.caller == c.caller

@@ -583,13 +583,31 @@ mod tests {
         eprintln!("{}", markdown_before_after(&before, &after));
         for (b, a) in before.iter().zip(&after) {
             for (sb, sa) in b.scores.iter().zip(&a.scores) {
-                if a.shape.starts_with("storm") || a.shape == "throttled-day" || a.shape == "override-window" {
-                    assert!(sa.slack <= a.max_slack && sa.throttled_fraction <= MAX_THROTTLED, "{} {}: {sa:?}", a.shape, sa.policy);
+                if a.shape.starts_with("storm")
+                    || a.shape == "throttled-day"
+                    || a.shape == "override-window"
+                {
+                    assert!(
+                        sa.slack <= a.max_slack && sa.throttled_fraction <= MAX_THROTTLED,
+                        "{} {}: {sa:?}",
+                        a.shape,
+                        sa.policy
+                    );
                     if sa.policy == "peak" {
-                        assert!(sb.slack > 1.5, "{} learned from its storm before: {sb:?}", a.shape);
+                        assert!(
+                            sb.slack > 1.5,
+                            "{} learned from its storm before: {sb:?}",
+                            a.shape
+                        );
                     }
                 } else if !(a.shape == "spike" && sa.policy == "peak") {
-                    assert_eq!((sb.slack, sb.throttled_fraction), (sa.slack, sa.throttled_fraction), "{} {}", a.shape, sa.policy);
+                    assert_eq!(
+                        (sb.slack, sb.throttled_fraction),
+                        (sa.slack, sa.throttled_fraction),
+                        "{} {}",
+                        a.shape,
+                        sa.policy
+                    );
                 }
             }
         }

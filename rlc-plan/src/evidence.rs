@@ -246,7 +246,10 @@ mod tests {
         assert_eq!(f.value_rps, Some(400.0));
         assert_eq!(f.headroom, None, "a string is not a headroom");
         assert_eq!(f.set_by.and_then(|s| s.kind).as_deref(), Some("grown_peak"));
-        assert_eq!(PolicyEvidence(json!("text")).figures(), PolicyFigures::default());
+        assert_eq!(
+            PolicyEvidence(json!("text")).figures(),
+            PolicyFigures::default()
+        );
     }
 
     #[test]

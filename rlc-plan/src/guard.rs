@@ -181,8 +181,18 @@ mod tests {
                 ("up", 150.0, false)
             ]
         );
-        assert!(out.buckets[0].held.as_ref().unwrap().reason.contains("config repo history"));
-        assert!(out.buckets[1].held.as_ref().unwrap().reason.contains("per the store"));
+        assert!(out.buckets[0]
+            .held
+            .as_ref()
+            .unwrap()
+            .reason
+            .contains("config repo history"));
+        assert!(out.buckets[1]
+            .held
+            .as_ref()
+            .unwrap()
+            .reason
+            .contains("per the store"));
         assert_eq!(out.skipped.len(), 2);
         // Idempotent.
         assert_eq!(hold_repeated_decreases(day, &decreases, out.clone()), out);

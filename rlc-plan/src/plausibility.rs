@@ -83,7 +83,10 @@ mod tests {
     #[test]
     fn one_absurd_sample_is_refused_storms_and_growth_are_not() {
         let why = implausible_peak(&series(100.0, Some((600, 1e12)))).unwrap();
-        assert!(why.contains("999999995904 rps") && why.contains("not plausible"), "{why}");
+        assert!(
+            why.contains("999999995904 rps") && why.contains("not plausible"),
+            "{why}"
+        );
         // A 20× retry storm, a steady series, a caller that starts at 900 rps after quiet
         // weeks: believed.
         assert_eq!(implausible_peak(&series(100.0, Some((600, 2000.0)))), None);

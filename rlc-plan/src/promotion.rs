@@ -383,24 +383,40 @@ mod tests {
     fn a_hand_set_enforce_carries_the_shadow_figures_or_says_there_are_none() {
         let now = Utc::now();
         let base_plan = Plan {
-            buckets: vec![shadow("pay", "a", 100.0), shadow("pay", "b", 100.0), planned("pay", "c", 100.0)],
+            buckets: vec![
+                shadow("pay", "a", 100.0),
+                shadow("pay", "b", 100.0),
+                planned("pay", "c", 100.0),
+            ],
             ..Plan::default()
         };
         let base: BTreeMap<String, BucketFile> =
             [("pay".to_string(), base_plan.bucket_files().remove(0))].into();
         let mut plan = Plan {
-            buckets: vec![planned("pay", "a", 100.0), planned("pay", "b", 100.0), planned("pay", "c", 100.0)],
+            buckets: vec![
+                planned("pay", "a", 100.0),
+                planned("pay", "b", 100.0),
+                planned("pay", "c", 100.0),
+            ],
             ..Plan::default()
         };
         let stats: BTreeMap<BucketKey, ShadowStats> =
             [(("pay".into(), "a".into()), stats("pay", "a", now, 8, 0.02))].into();
         annotate_manual(&mut plan, &base, None, &stats, NO_REPORTS, now);
         let a = plan.buckets[0].evidence.promotion.as_ref().unwrap();
-        assert!(a.reason.starts_with("mode: enforce set by hand"), "{}", a.reason);
+        assert!(
+            a.reason.starts_with("mode: enforce set by hand"),
+            "{}",
+            a.reason
+        );
         assert!(a.reason.contains("would throttle"), "{}", a.reason);
         assert!((a.figures.as_ref().unwrap().virtual_drop_share - 0.02).abs() < 1e-9);
         let b = plan.buckets[1].evidence.promotion.as_ref().unwrap();
-        assert!(b.figures.is_none() && b.reason.contains(NO_REPORTS), "{}", b.reason);
+        assert!(
+            b.figures.is_none() && b.reason.contains(NO_REPORTS),
+            "{}",
+            b.reason
+        );
         assert!(plan.buckets[2].evidence.promotion.is_none());
     }
 

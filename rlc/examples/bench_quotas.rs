@@ -13,8 +13,8 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rlc::serve::{app, quotas::Quotas, AppState};
 use rlc::history::snapshot::HistoryCache;
+use rlc::serve::{app, quotas::Quotas, AppState};
 
 const BUCKETS: usize = 10;
 
@@ -99,8 +99,15 @@ async fn main() -> anyhow::Result<()> {
     let mut cfg: schema::DaemonConfig = schema::parse_str(Path::new("rlc.yaml"), text)?.value;
     rlc::config::resolve_paths(&mut cfg, d);
     let cache = Arc::new(HistoryCache::new(cfg.clone(), d));
-    let store = rlc::serve::StoreSlot::with(rlc::store::Store::connect(&cfg.database_url, d).await?);
-    let quotas = Arc::new(Quotas::new(cfg.clone(), d, cache.clone(), 64, store.clone())?);
+    let store =
+        rlc::serve::StoreSlot::with(rlc::store::Store::connect(&cfg.database_url, d).await?);
+    let quotas = Arc::new(Quotas::new(
+        cfg.clone(),
+        d,
+        cache.clone(),
+        64,
+        store.clone(),
+    )?);
     let state = AppState::from_parts(rlc::serve::AppParts {
         quotas: Some(quotas),
         store,

@@ -14,10 +14,10 @@
 use std::time::{Duration, Instant};
 
 use chrono::{TimeZone, Utc};
-use rlc_plan::compute::compute_plan;
 use rlc::history::synth::Profile;
 use rlc::history::{History, RateSeries, SeriesKey};
 use rlc::whatif::{preview, Inputs};
+use rlc_plan::compute::compute_plan;
 use schema::{ConfigRepo, DaemonConfig};
 
 fn main() -> anyhow::Result<()> {

@@ -37,4 +37,3 @@ pub fn resolve_paths(cfg: &mut DaemonConfig, base_dir: &Path) {
         }
     }
 }
-

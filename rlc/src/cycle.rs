@@ -33,13 +33,13 @@ use crate::gather::{self, Base, StoreWitness};
 use crate::gitops::short;
 use crate::gitops::summary::{self, ChangeSummary, FORGE_BODY_LIMIT};
 use crate::gitops::{Forge, PullRequest, WriteOutcome, WriteStatus, Writer, WriterConfig};
-use crate::plan::{Plan, Skipped};
-use crate::shadow::ShadowSource;
-use rlc_plan::promotion;
-use crate::push::{self, Backoff, ControllerClient, ConfigDoc};
 use crate::history::snapshot::HistoryCache;
 use crate::journal::{Entry, Journal};
+use crate::plan::{Plan, Skipped};
+use crate::push::{self, Backoff, ConfigDoc, ControllerClient};
+use crate::shadow::ShadowSource;
 use crate::store::{ChangeState, QuotaRecord, RunRecord, Store};
+use rlc_plan::promotion;
 
 /// How long a run waits for another run of the same config repo or store to finish.
 const RUN_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(600);
@@ -54,7 +54,6 @@ struct RunGuard {
 
 /// How long after a poll's sync a run starting decides on it instead of fetching again.
 const POLL_FRESH: std::time::Duration = std::time::Duration::from_secs(10);
-
 
 /// What the computing step of a run gets: the config, and the config repo synced to the
 /// remote base tip (read once, at the start of the run).
@@ -347,7 +346,6 @@ impl RunOutcome {
         serde_json::Value::Array(v).to_string()
     }
 }
-
 
 impl std::fmt::Display for RunOutcome {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -740,8 +738,7 @@ impl Cycle {
     async fn exclusive(&self, store: &StoreWitness) -> Result<RunGuard, String> {
         let path = self.lock_path();
         if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir)
-                .map_err(|e| format!("creating {}: {e}", dir.display()))?;
+            std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
         }
         let file = std::fs::OpenOptions::new()
             .create(true)
@@ -851,7 +848,14 @@ impl Cycle {
     /// The evidence of `base`: its past decreases, its candidates' shadow figures, the
     /// throttled and overridden minutes of its window ([`gather::world`]).
     async fn gather(&self, base: &Base, store: &StoreWitness) -> World {
-        gather::world(&self.cfg, base, store, self.shadow_source(store), Utc::now()).await
+        gather::world(
+            &self.cfg,
+            base,
+            store,
+            self.shadow_source(store),
+            Utc::now(),
+        )
+        .await
     }
 
     /// Finishes `computed` with the evidence `world` gathered on `base` ([`pipeline::finish`]),
@@ -886,14 +890,19 @@ impl Cycle {
                 ),
             });
             out.finish();
-            tracing::error!(trigger, error = out.error.as_deref().unwrap_or_default(), "history failed for every service; nothing written");
+            tracing::error!(
+                trigger,
+                error = out.error.as_deref().unwrap_or_default(),
+                "history failed for every service; nothing written"
+            );
             self.record(&mut out, &plan, &[]).await;
             return out;
         }
         let (base_files, _) = promotion::repo_inputs(&base.repo);
         // Direct mode commits what auto_merge allows; the rest is proposed after.
-        let direct = (self.cfg.config_repo.mode == RepoMode::Direct && !plan.needs_review.is_empty())
-            .then(|| promotion::committable(&plan, &base_files));
+        let direct = (self.cfg.config_repo.mode == RepoMode::Direct
+            && !plan.needs_review.is_empty())
+        .then(|| promotion::committable(&plan, &base_files));
         let write_plan = direct.as_ref().unwrap_or(&plan);
         // In pull-request mode with a forge, an outdated proposal's PR is closed (with a
         // comment) before its branch is deleted: GitHub marks a PR whose head becomes part of
@@ -924,7 +933,11 @@ impl Cycle {
                 out.attempts = attempts;
                 out.error = Some(e);
                 out.finish();
-                tracing::error!(trigger, error = out.error.as_deref().unwrap_or_default(), "git write failed; nothing written");
+                tracing::error!(
+                    trigger,
+                    error = out.error.as_deref().unwrap_or_default(),
+                    "git write failed; nothing written"
+                );
                 self.record(&mut out, &plan, &[]).await;
                 return out;
             }
@@ -1007,7 +1020,10 @@ impl Cycle {
             }
         }
         if proposal && self.cfg.config_repo.mode == RepoMode::PullRequest {
-            if let Err(e) = self.open_pull_request(&plan, &write.summary, &mut out).await {
+            if let Err(e) = self
+                .open_pull_request(&plan, &write.summary, &mut out)
+                .await
+            {
                 out.error = Some(format!(
                     "branch {} pushed, but the pull request could not be opened or updated: {e}",
                     self.cfg.config_repo.pr_branch

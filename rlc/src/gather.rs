@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-use rlc_plan::guard::{self, Decreases, Witness};
 use rlc_plan::censor::Observed;
+use rlc_plan::guard::{self, Decreases, Witness};
 use rlc_plan::pipeline::{ShadowEvidence, World};
 use rlc_plan::promotion::{self, BucketKey};
 use rlc_plan::readiness::ShadowStats;
@@ -68,16 +68,16 @@ pub fn read_base(
     }
     let services: Vec<String> = repo.buckets.keys().cloned().collect();
     let since = guard::since(cfg.rails.decrease_interval.0, now);
-    let decreases = match w.decreases_since(&services, since.timestamp(), DECREASE_HISTORY_MAX_COMMITS)
-    {
-        Ok(found) => Witness::Known(
-            found
-                .into_iter()
-                .filter_map(|(k, t)| DateTime::<Utc>::from_timestamp(t, 0).map(|t| (k, t)))
-                .collect(),
-        ),
-        Err(e) => Witness::Unknown(e.to_string()),
-    };
+    let decreases =
+        match w.decreases_since(&services, since.timestamp(), DECREASE_HISTORY_MAX_COMMITS) {
+            Ok(found) => Witness::Known(
+                found
+                    .into_iter()
+                    .filter_map(|(k, t)| DateTime::<Utc>::from_timestamp(t, 0).map(|t| (k, t)))
+                    .collect(),
+            ),
+            Err(e) => Witness::Unknown(e.to_string()),
+        };
     Ok(Base {
         commit,
         repo: Arc::new(repo),
@@ -247,7 +247,10 @@ pub async fn observed(cfg: &DaemonConfig, store: &StoreWitness, now: DateTime<Ut
         tracing::warn!(error = %e, "override windows unavailable: learned from as demand");
         Default::default()
     });
-    Observed { throttled, overrides }
+    Observed {
+        throttled,
+        overrides,
+    }
 }
 
 /// A working copy to read the base from without writing anything where rlc.yaml points: the
@@ -264,7 +267,10 @@ pub struct ReadOnlyCopy {
 impl ReadOnlyCopy {
     /// Opens (or clones aside) the working copy of `cfg` (paths resolved against
     /// `base_dir`), fetches once and exports the base tip. Blocking.
-    pub fn open(cfg: &DaemonConfig, base_dir: &Path) -> Result<ReadOnlyCopy, crate::gitops::GitOpsError> {
+    pub fn open(
+        cfg: &DaemonConfig,
+        base_dir: &Path,
+    ) -> Result<ReadOnlyCopy, crate::gitops::GitOpsError> {
         let mut wcfg = WriterConfig::from_config(&cfg.config_repo, base_dir);
         let exists = wcfg.path.join(".git").exists() || wcfg.path.join("HEAD").exists();
         let clone = if !exists && wcfg.url.is_some() {

@@ -157,8 +157,7 @@ impl Secret {
             Secret::Value(v) => Ok(v.clone()),
             Secret::File(p) => {
                 // Never the content in errors: only the file and what is wrong.
-                let text =
-                    grl_runtime::auth::read_secret_file(p).map_err(PushError::TokenFile)?;
+                let text = grl_runtime::auth::read_secret_file(p).map_err(PushError::TokenFile)?;
                 let t = text.lines().next().unwrap_or("").trim().to_string();
                 if t.is_empty() {
                     return Err(PushError::TokenFile(format!("{}: empty", p.display())));
@@ -329,7 +328,10 @@ impl ControllerClient {
             status: 200,
             message: format!("unreadable {what}: {message}"),
         };
-        if resp.content_length().is_some_and(|n| n > MAX_ANSWER_BYTES as u64) {
+        if resp
+            .content_length()
+            .is_some_and(|n| n > MAX_ANSWER_BYTES as u64)
+        {
             return Err(unreadable(format!("larger than {MAX_ANSWER_BYTES} bytes")));
         }
         let mut body = Vec::new();

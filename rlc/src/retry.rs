@@ -62,13 +62,24 @@ mod tests {
             attempts: Some(4),
         };
         for _ in 0..100 {
-            for (attempt, cap) in [(2, 100), (3, 200), (4, 400), (5, 800), (6, 1000), (30, 1000)] {
+            for (attempt, cap) in [
+                (2, 100),
+                (3, 200),
+                (4, 400),
+                (5, 800),
+                (6, 1000),
+                (30, 1000),
+            ] {
                 let d = b.delay(attempt).as_millis() as u64;
                 assert!((cap / 2..=cap).contains(&d), "attempt {attempt}: {d} ms");
             }
         }
         assert!(!b.exhausted(3));
         assert!(b.exhausted(4));
-        assert!(!Backoff { attempts: None, ..b }.exhausted(1000));
+        assert!(!Backoff {
+            attempts: None,
+            ..b
+        }
+        .exhausted(1000));
     }
 }

@@ -30,12 +30,12 @@ use crate::store::{Lease, Store};
 
 pub mod auth;
 pub mod dashboard;
+mod examples;
 pub mod limits;
 pub mod openapi;
 pub mod previews;
 pub mod problem;
 pub mod quotas;
-mod examples;
 mod reports;
 pub mod runs;
 

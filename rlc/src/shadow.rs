@@ -108,7 +108,10 @@ mod tests {
             [7],
             "one query over the rule's 7 days"
         );
-        assert_eq!(shadow, ShadowEvidence::Unavailable("shadow store down".into()));
+        assert_eq!(
+            shadow,
+            ShadowEvidence::Unavailable("shadow store down".into())
+        );
         // A store that cannot be opened at all: nothing is asked.
         let shadow = crate::gather::shadow(
             &repo,
@@ -144,9 +147,15 @@ mod tests {
         );
         assert_eq!(plan.buckets[0].bucket.mode, Mode::Shadow);
         assert_eq!(
-            plan.buckets[0].evidence.promotion.as_ref().map(|p| &p.verdict),
+            plan.buckets[0]
+                .evidence
+                .promotion
+                .as_ref()
+                .map(|p| &p.verdict),
             Some(&rlc_plan::readiness::Verdict::NotYet {
-                reasons: vec!["shadow figures unavailable: store unavailable: not connected yet".into()]
+                reasons: vec![
+                    "shadow figures unavailable: store unavailable: not connected yet".into()
+                ]
             })
         );
     }

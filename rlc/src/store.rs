@@ -719,11 +719,7 @@ impl Store {
 
     /// The changes run `run_id` recorded (at most `limit`), by service then bucket: the run's
     /// page.
-    pub async fn run_changes(
-        &self,
-        run_id: i64,
-        limit: i64,
-    ) -> Result<Vec<RunChange>, StoreError> {
+    pub async fn run_changes(&self, run_id: i64, limit: i64) -> Result<Vec<RunChange>, StoreError> {
         on_pool!(self, pool => Ok(sqlx::query_as::<_, RunChange>(
             "SELECT service, bucket, change, previous_limit_rps, limit_rps, mode, policy, state \
              FROM quota_history WHERE run_id = $1 ORDER BY service, bucket, id LIMIT $2",

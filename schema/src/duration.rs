@@ -85,8 +85,16 @@ mod tests {
             ("d", HUMAN_UNITS, Err(DurationError::NoNumber)),
             ("1h m", HUMAN_UNITS, Err(DurationError::NoNumber)),
             ("1hm", HUMAN_UNITS, Err(DurationError::Unit)),
-            ("99999999999999999999s", HUMAN_UNITS, Err(DurationError::TooLong)),
-            ("18446744073709552s", HUMAN_UNITS, Err(DurationError::TooLong)),
+            (
+                "99999999999999999999s",
+                HUMAN_UNITS,
+                Err(DurationError::TooLong),
+            ),
+            (
+                "18446744073709552s",
+                HUMAN_UNITS,
+                Err(DurationError::TooLong),
+            ),
         ];
         for (text, units, want) in cases {
             assert_eq!(&parse_ms(text, units), want, "{text}");

@@ -996,11 +996,20 @@ fn full_pull_every_defaults_to_a_day_and_refuses_zero_and_garbage() {
         "history:\n  file: h.csv\n  full_pull_every: 6h\nconfig_repo:\n  path: repo\n",
     )
     .unwrap();
-    assert_eq!(load_daemon_config(&p).unwrap().history.full_pull_every.as_secs(), 6 * 3600);
+    assert_eq!(
+        load_daemon_config(&p)
+            .unwrap()
+            .history
+            .full_pull_every
+            .as_secs(),
+        6 * 3600
+    );
     for (value, says) in [("0s", "must be positive"), ("often", "often")] {
         std::fs::write(
             &p,
-            format!("history:\n  file: h.csv\n  full_pull_every: {value}\nconfig_repo:\n  path: repo\n"),
+            format!(
+                "history:\n  file: h.csv\n  full_pull_every: {value}\nconfig_repo:\n  path: repo\n"
+            ),
         )
         .unwrap();
         let errs = load_daemon_config(&p).unwrap_err();

@@ -194,15 +194,16 @@ impl FromStr for HumanDuration {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         let s = s.trim();
-        let ms = crate::duration::parse_ms(s, crate::duration::HUMAN_UNITS).map_err(|e| match e {
-            crate::duration::DurationError::NoNumber => {
-                format!("invalid duration `{s}`: expected e.g. 30s, 1m, 1h, 7d, 2w")
-            }
-            crate::duration::DurationError::Unit => {
-                format!("invalid duration unit in `{s}`: expected s, m, h, d or w")
-            }
-            crate::duration::DurationError::TooLong => format!("duration `{s}` is too long"),
-        })?;
+        let ms =
+            crate::duration::parse_ms(s, crate::duration::HUMAN_UNITS).map_err(|e| match e {
+                crate::duration::DurationError::NoNumber => {
+                    format!("invalid duration `{s}`: expected e.g. 30s, 1m, 1h, 7d, 2w")
+                }
+                crate::duration::DurationError::Unit => {
+                    format!("invalid duration unit in `{s}`: expected s, m, h, d or w")
+                }
+                crate::duration::DurationError::TooLong => format!("duration `{s}` is too long"),
+            })?;
         if ms == 0 {
             return Err(format!("duration `{s}` must be positive"));
         }
@@ -322,7 +323,10 @@ impl Exclusion {
     pub fn covers(&self, service: &str, caller: Option<&str>, procedure: Option<&str>) -> bool {
         self.service == service
             && self.caller.as_deref().is_none_or(|c| Some(c) == caller)
-            && self.procedure.as_deref().is_none_or(|p| Some(p) == procedure)
+            && self
+                .procedure
+                .as_deref()
+                .is_none_or(|p| Some(p) == procedure)
     }
 }
 

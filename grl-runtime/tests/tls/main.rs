@@ -376,7 +376,14 @@ async fn tier_over_mutual_tls_enforces_and_refuses_untrusted_peers() {
 
     // The override CLI over TLS: works with the CA and its certificate, refused without.
     let cli = |extra: &[&str]| {
-        let mut c = grl(&["override", "list", "--format", "json", "--controller", &base]);
+        let mut c = grl(&[
+            "override",
+            "list",
+            "--format",
+            "json",
+            "--controller",
+            &base,
+        ]);
         c.args(extra);
         c.output().unwrap()
     };

@@ -1,4 +1,3 @@
-
 use policies::RateSeries;
 use proptest::prelude::*;
 
@@ -298,15 +297,7 @@ fn syntax_shape_and_type_problems_are_400_with_every_problem() {
         .unwrap_err();
     assert_eq!(problems(&e), [("body".into(), 1, "capacity".into())]);
     // Not UTF-8.
-    let e = preview(
-        &f.inputs,
-        &f.history,
-        &f.current,
-        b"\xff\xfe",
-        YAML,
-        f.now,
-    )
-    .unwrap_err();
+    let e = preview(&f.inputs, &f.history, &f.current, b"\xff\xfe", YAML, f.now).unwrap_err();
     assert_eq!(e.status(), 400);
 }
 

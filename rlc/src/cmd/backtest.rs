@@ -75,7 +75,8 @@ pub fn load_inputs(config: &Path) -> anyhow::Result<(DaemonConfig, ConfigRepo, P
 pub async fn run(args: BacktestArgs) -> anyhow::Result<i32> {
     if args.corpus {
         let rows =
-            tokio::task::spawn_blocking(|| rlc_plan::corpus::run(&rlc_plan::corpus::builtin())).await?;
+            tokio::task::spawn_blocking(|| rlc_plan::corpus::run(&rlc_plan::corpus::builtin()))
+                .await?;
         match args.format {
             Format::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
             Format::Table => print!("{}", rlc_plan::corpus::markdown(&rows)),

@@ -35,8 +35,8 @@ use schema::{format_rps, Mode, PolicyName};
 use tower::ServiceExt as _;
 
 use crate::cycle::{Cycle, RunStatus};
-use crate::plan::Plan;
 use crate::gitops::short;
+use crate::plan::Plan;
 
 pub mod files;
 use files::{Owned, Wrote};
@@ -274,7 +274,10 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
             .map(|(_, b)| b.clone());
         let mut driven = vec![enforced.clone()];
         driven.extend(shadow);
-        driven_keys = driven.iter().map(|b| (service.clone(), b.name.clone())).collect();
+        driven_keys = driven
+            .iter()
+            .map(|b| (service.clone(), b.name.clone()))
+            .collect();
         let before = offered_counts(&controller.url()).await?;
         traffic(
             &controller.url(),

@@ -54,7 +54,8 @@ pub async fn run(args: PreviewArgs) -> anyhow::Result<i32> {
         .with_context(|| format!("loading {}", args.config.display()))?;
     let history = crate::history::load_plan_or_unavailable(&cfg, &base_dir).await;
     let store = crate::gather::open_store_for_reading(&cfg, &base_dir).await;
-    let world = crate::gather::world(&cfg, &base, &store, async { store.shadow_source() }, now).await;
+    let world =
+        crate::gather::world(&cfg, &base, &store, async { store.shadow_source() }, now).await;
     let repo = base.repo.clone();
     let c = cfg.clone();
     let mut plan = tokio::task::spawn_blocking(move || {
@@ -83,7 +84,11 @@ pub async fn run(args: PreviewArgs) -> anyhow::Result<i32> {
 
 /// The body of the pull request `plan` would get against the base `repo`: the renderer and
 /// the length bound of the forge path.
-pub fn pull_request_body(cfg: &schema::DaemonConfig, repo: &schema::ConfigRepo, plan: &Plan) -> String {
+pub fn pull_request_body(
+    cfg: &schema::DaemonConfig,
+    repo: &schema::ConfigRepo,
+    plan: &Plan,
+) -> String {
     use crate::gitops::summary;
     let (base_files, _) = rlc_plan::promotion::repo_inputs(repo);
     let changes = rlc_plan::change::diff(&base_files, &plan.bucket_files());
@@ -203,10 +208,7 @@ pub fn table(plan: &Plan) -> String {
                 .confidence
                 .map(|c| format!("{:.0}%", c * 100.0))
                 .unwrap_or_else(|| "kept".into()),
-            b.evidence
-                .why()
-                .unwrap_or("-")
-                .replace(['\n', '\r'], " "),
+            b.evidence.why().unwrap_or("-").replace(['\n', '\r'], " "),
         ]);
     }
     let mut width = [0usize; 11];

@@ -36,4 +36,3 @@ pub async fn run(args: RunArgs, planner: Planner) -> anyhow::Result<i32> {
     }
     Ok(out.exit_code())
 }
-

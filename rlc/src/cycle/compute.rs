@@ -53,6 +53,6 @@ pub async fn compute(input: PlanInput) -> anyhow::Result<Plan> {
     tokio::task::spawn_blocking(move || {
         rlc_plan::compute::compute_plan_censored(&cfg, &repo, &history, &world.observed, now)
     })
-        .await
-        .map_err(|e| anyhow::anyhow!("computing the plan: {e}"))
+    .await
+    .map_err(|e| anyhow::anyhow!("computing the plan: {e}"))
 }

@@ -731,9 +731,9 @@ async fn a_store_replaced_during_a_run_is_an_error() {
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use crate::readiness::ShadowStats;
 use crate::shadow::ShadowQuery;
 use rlc_plan::promotion::BucketKey;
-use crate::readiness::ShadowStats;
 
 const PROMOTION: &str = "promotion:\n  default:\n    min_days_in_shadow: 7\n";
 

@@ -6,9 +6,11 @@ use std::fmt::Write;
 use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 use schema::{format_rps, Mode};
 
-pub use rlc_plan::change::{describe, diff, BucketChange, ChangeKind, ChangeSummary, ServiceChange};
-use rlc_plan::plan::{Evidence, Plan};
+pub use rlc_plan::change::{
+    describe, diff, BucketChange, ChangeKind, ChangeSummary, ServiceChange,
+};
 use rlc_plan::plan::PromotionNote;
+use rlc_plan::plan::{Evidence, Plan};
 
 /// GitHub refuses PR bodies and comments above 65,535 characters.
 pub const FORGE_BODY_LIMIT: usize = 65_535;
@@ -365,10 +367,10 @@ pub fn truncate_body(full: &str, limit: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use schema::BucketFile;
-    use std::collections::BTreeMap;
     use rlc_plan::plan::PlannedBucket;
+    use schema::BucketFile;
     use schema::{Bucket, PolicyName, Scope};
+    use std::collections::BTreeMap;
 
     fn bucket(name: &str, limit: f64) -> Bucket {
         Bucket {
@@ -533,13 +535,21 @@ mod tests {
             "pay".to_string(),
             BucketFile {
                 service: "pay".into(),
-                buckets: vec![bucket("down", 100.0), bucket("grown", 100.0), bucket("up", 100.0)],
+                buckets: vec![
+                    bucket("down", 100.0),
+                    bucket("grown", 100.0),
+                    bucket("up", 100.0),
+                ],
             },
         )]
         .into();
         let new = vec![BucketFile {
             service: "pay".into(),
-            buckets: vec![bucket("down", 75.0), bucket("grown", 180.0), bucket("up", 150.0)],
+            buckets: vec![
+                bucket("down", 75.0),
+                bucket("grown", 180.0),
+                bucket("up", 150.0),
+            ],
         }];
         let mut plan = Plan::default();
         for b in &new[0].buckets {

@@ -204,7 +204,9 @@ fn callbacks<'a>(token: Option<&'a str>, attempts: &'a Cell<u32>) -> RemoteCallb
 fn set_network_timeouts(timeout: std::time::Duration) {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX).max(1);
+        let ms = i32::try_from(timeout.as_millis())
+            .unwrap_or(i32::MAX)
+            .max(1);
         // SAFETY: called once, before this process runs any other libgit2 operation
         // (`Writer::open` is the only way rlc reaches libgit2's network code).
         unsafe {
@@ -221,7 +223,8 @@ fn set_network_timeouts(timeout: std::time::Duration) {
 /// The remote's error, naming the timeout that ended it when it timed out.
 fn remote_error(op: &'static str, e: &git2::Error, timeout: std::time::Duration) -> GitOpsError {
     let message = e.message().to_string();
-    let timed_out = e.code() == ErrorCode::Timeout || message.to_ascii_lowercase().contains("timed out");
+    let timed_out =
+        e.code() == ErrorCode::Timeout || message.to_ascii_lowercase().contains("timed out");
     GitOpsError::Remote {
         op,
         message: if timed_out {
@@ -883,7 +886,13 @@ impl Writer {
             Err(e) if e.code() == ErrorCode::NotFastForward => {
                 return Err(PushFailure::Conflict(e.message().to_string()))
             }
-            Err(e) => return Err(PushFailure::Fatal(remote_error("push", &e, self.cfg.timeout))),
+            Err(e) => {
+                return Err(PushFailure::Fatal(remote_error(
+                    "push",
+                    &e,
+                    self.cfg.timeout,
+                )))
+            }
             Ok(()) => {}
         }
         let rejected = rejected.into_inner();

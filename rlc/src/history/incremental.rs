@@ -36,8 +36,7 @@ pub fn since(held: &History) -> Option<i64> {
 /// as it is.
 pub fn merge(held: &History, tail: History, grid: (i64, i64, usize)) -> Option<History> {
     let (start, step, len) = grid;
-    if tail.source_error.is_none() && tail.start == start && tail.len == len && tail.step == step
-    {
+    if tail.source_error.is_none() && tail.start == start && tail.len == len && tail.step == step {
         return Some(tail);
     }
     if held.source_error.is_some()
@@ -140,10 +139,8 @@ fn key_of(r: &Rejected) -> Option<SeriesKey> {
 /// kept: a full pull names a series once), in the order a pull lists them.
 fn union(held: &[Rejected], tail: Vec<Rejected>) -> Vec<Rejected> {
     let mut out: Vec<Rejected> = held.to_vec();
-    let mut seen: std::collections::HashSet<(Option<SeriesKey>, bool, String)> = held
-        .iter()
-        .map(|r| ident(r))
-        .collect();
+    let mut seen: std::collections::HashSet<(Option<SeriesKey>, bool, String)> =
+        held.iter().map(|r| ident(r)).collect();
     for r in tail {
         if seen.insert(ident(&r)) {
             out.push(r);
@@ -167,7 +164,10 @@ fn ident(r: &Rejected) -> (Option<SeriesKey>, bool, String) {
         None => (
             None,
             r.fails_service,
-            format!("{:?}/{:?}/{:?}/{}", r.service, r.caller, r.procedure, r.reason),
+            format!(
+                "{:?}/{:?}/{:?}/{}",
+                r.service, r.caller, r.procedure, r.reason
+            ),
         ),
     }
 }
@@ -219,7 +219,10 @@ mod tests {
             .filter_map(|(key, s)| {
                 let mut s2 = RateSeries::empty(from, 60, t.len);
                 s2.values = s.values[k..].to_vec();
-                s2.values.iter().any(|v| !v.is_nan()).then(|| (key.clone(), s2))
+                s2.values
+                    .iter()
+                    .any(|v| !v.is_nan())
+                    .then(|| (key.clone(), s2))
             })
             .collect();
         t

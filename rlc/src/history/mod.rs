@@ -235,10 +235,14 @@ pub(crate) fn log_pull(s: &PullStats, seconds: f64) {
         "history pulled"
     );
     pulls_by_kind()
-        .get_or_create(&KindLabel { kind: s.kind.as_str() })
+        .get_or_create(&KindLabel {
+            kind: s.kind.as_str(),
+        })
         .inc();
     pulled_points()
-        .get_or_create(&KindLabel { kind: s.kind.as_str() })
+        .get_or_create(&KindLabel {
+            kind: s.kind.as_str(),
+        })
         .inc_by(s.points);
 }
 

@@ -191,9 +191,9 @@ impl HistoryCache {
         };
         let settings = settings(cfg);
         let every = cfg.history.full_pull_every.as_secs() as i64;
-        let base = held.as_ref().filter(|h| {
-            h.settings == settings && end.timestamp() - h.full_end < every
-        });
+        let base = held
+            .as_ref()
+            .filter(|h| h.settings == settings && end.timestamp() - h.full_end < every);
         if let Some(base) = base {
             if let Some(since) = super::incremental::since(&base.history) {
                 match super::prometheus::load_tail(p, &cfg.history, end, since).await {
@@ -226,7 +226,10 @@ impl HistoryCache {
                     Err(e) => {
                         // The held history stays: the next pull tries from it again.
                         tracing::error!(error = %e, "history source failed");
-                        return (Arc::new(History::unavailable(e.to_string())), PullKind::Incremental);
+                        return (
+                            Arc::new(History::unavailable(e.to_string())),
+                            PullKind::Incremental,
+                        );
                     }
                 }
             }

@@ -564,9 +564,9 @@ async fn page_data(s: &AppState, q: OverviewQuery) -> (PageData, Option<DashErro
                 data.config_services = files.iter().map(|f| f.service.clone()).collect();
                 data.config = Some(files);
             }
-            Err(e) => data
-                .problems
-                .push(format!("The config repo's buckets could not be loaded: {e}")),
+            Err(e) => data.problems.push(format!(
+                "The config repo's buckets could not be loaded: {e}"
+            )),
         }
     }
     let Some(store) = s.store() else {
@@ -612,8 +612,7 @@ async fn page_data(s: &AppState, q: OverviewQuery) -> (PageData, Option<DashErro
         Ok(v) => data.overrides = v,
         Err(e) => errors.push(e),
     }
-    data.problems
-        .extend(errors.iter().map(DashError::notice));
+    data.problems.extend(errors.iter().map(DashError::notice));
     (data, errors.into_iter().next())
 }
 

@@ -23,7 +23,12 @@ pub fn add_examples(api: &mut OpenApi) {
         .map(|c| {
             c.schemas
                 .iter()
-                .map(|(k, v)| (k.clone(), serde_json::to_value(&v.json_schema).unwrap_or(Value::Null)))
+                .map(|(k, v)| {
+                    (
+                        k.clone(),
+                        serde_json::to_value(&v.json_schema).unwrap_or(Value::Null),
+                    )
+                })
                 .collect()
         })
         .unwrap_or_default();
@@ -45,10 +50,10 @@ pub fn add_examples(api: &mut OpenApi) {
             if let Some(ReferenceOr::Item(body)) = op.request_body.as_mut() {
                 for (_, media) in body.content.iter_mut() {
                     if media.example.is_none() {
-                        media.example =
-                            Some(hand_written(method, path, "request").unwrap_or_else(|| {
-                                generated(media, &schemas)
-                            }));
+                        media.example = Some(
+                            hand_written(method, path, "request")
+                                .unwrap_or_else(|| generated(media, &schemas)),
+                        );
                     }
                 }
             }
@@ -93,9 +98,7 @@ fn example_for(
 ) -> Value {
     if media_type == PROBLEM_JSON {
         let status = axum::http::StatusCode::from_u16(code).ok();
-        let title = status
-            .and_then(|s| s.canonical_reason())
-            .unwrap_or("Error");
+        let title = status.and_then(|s| s.canonical_reason()).unwrap_or("Error");
         let detail = description.trim().trim_end_matches('.').to_string();
         let compat = media
             .schema
@@ -103,7 +106,8 @@ fn example_for(
             .and_then(|s| serde_json::to_value(&s.json_schema).ok())
             .and_then(|v| v.get("$ref").and_then(Value::as_str).map(str::to_string))
             .is_some_and(|r| r.ends_with("/CompatProblem"));
-        let mut v = json!({"type": "about:blank", "title": title, "status": code, "detail": detail});
+        let mut v =
+            json!({"type": "about:blank", "title": title, "status": code, "detail": detail});
         if compat {
             v["error"] = v["detail"].clone();
         }
@@ -113,9 +117,7 @@ fn example_for(
         return json!("<!DOCTYPE html><html lang=\"en\">…</html>");
     }
     if media_type.starts_with("application/openmetrics-text") {
-        return json!(
-            "# TYPE rlc_runs counter\nrlc_runs_total{status=\"success\"} 12\n# EOF\n"
-        );
+        return json!("# TYPE rlc_runs counter\nrlc_runs_total{status=\"success\"} 12\n# EOF\n");
     }
     if media_type.starts_with("text/") {
         return json!("ok");
@@ -213,7 +215,12 @@ fn by_name(name: &str, ty: &str, format: Option<&str>) -> Option<Value> {
 
 /// A value conforming to `schema` (`$ref`s resolved in `schemas`); `name` is the property it
 /// is for, if any.
-pub fn from_schema(schema: &Value, schemas: &Map<String, Value>, name: &str, depth: usize) -> Value {
+pub fn from_schema(
+    schema: &Value,
+    schemas: &Map<String, Value>,
+    name: &str,
+    depth: usize,
+) -> Value {
     let Some(s) = schema.as_object() else {
         return Value::Null;
     };
@@ -229,10 +236,18 @@ pub fn from_schema(schema: &Value, schemas: &Map<String, Value>, name: &str, dep
             return v.clone();
         }
     }
-    if let Some(v) = s.get("examples").and_then(Value::as_array).and_then(|a| a.first()) {
+    if let Some(v) = s
+        .get("examples")
+        .and_then(Value::as_array)
+        .and_then(|a| a.first())
+    {
         return v.clone();
     }
-    if let Some(v) = s.get("enum").and_then(Value::as_array).and_then(|a| a.first()) {
+    if let Some(v) = s
+        .get("enum")
+        .and_then(Value::as_array)
+        .and_then(|a| a.first())
+    {
         return v.clone();
     }
     for key in ["anyOf", "oneOf"] {
@@ -277,7 +292,10 @@ pub fn from_schema(schema: &Value, schemas: &Map<String, Value>, name: &str, dep
                     out.insert(k.clone(), from_schema(p, schemas, k, depth + 1));
                 }
             } else if let Some(extra) = s.get("additionalProperties").filter(|a| a.is_object()) {
-                out.insert("payments".into(), from_schema(extra, schemas, "", depth + 1));
+                out.insert(
+                    "payments".into(),
+                    from_schema(extra, schemas, "", depth + 1),
+                );
             }
             Value::Object(out)
         }
@@ -297,7 +315,11 @@ pub fn from_schema(schema: &Value, schemas: &Map<String, Value>, name: &str, dep
             _ => json!("text"),
         },
         "integer" => json!(s.get("minimum").and_then(Value::as_i64).unwrap_or(0).max(1)),
-        "number" => json!(s.get("minimum").and_then(Value::as_f64).unwrap_or(0.0).max(1.0)),
+        "number" => json!(s
+            .get("minimum")
+            .and_then(Value::as_f64)
+            .unwrap_or(0.0)
+            .max(1.0)),
         "boolean" => json!(false),
         _ => Value::Null,
     }
@@ -357,10 +379,16 @@ pub fn conforms(
         _ => {}
     }
     if let Some(n) = v.as_f64() {
-        if s.get("minimum").and_then(Value::as_f64).is_some_and(|m| n < m) {
+        if s.get("minimum")
+            .and_then(Value::as_f64)
+            .is_some_and(|m| n < m)
+        {
             return Err(format!("{at}: {n} is below the minimum"));
         }
-        if s.get("maximum").and_then(Value::as_f64).is_some_and(|m| n > m) {
+        if s.get("maximum")
+            .and_then(Value::as_f64)
+            .is_some_and(|m| n > m)
+        {
             return Err(format!("{at}: {n} is above the maximum"));
         }
     }
@@ -378,7 +406,12 @@ pub fn conforms(
     }
     if let Some(obj) = v.as_object() {
         let props = s.get("properties").and_then(Value::as_object);
-        for r in s.get("required").and_then(Value::as_array).into_iter().flatten() {
+        for r in s
+            .get("required")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
             let r = r.as_str().unwrap_or_default();
             if !obj.contains_key(r) {
                 return Err(format!("{at}: `{r}` is required"));

@@ -66,7 +66,10 @@ pub async fn read_bounded(
         .map_err(|_| {
             Problem::new(
                 StatusCode::REQUEST_TIMEOUT,
-                format!("the request body did not arrive within {} s", timeout.as_secs()),
+                format!(
+                    "the request body did not arrive within {} s",
+                    timeout.as_secs()
+                ),
             )
         })?;
     read.map_err(|e| {

@@ -30,11 +30,11 @@ use super::limits::Path as UrlPath;
 use super::limits::{ConcurrencyLimit, RETRY_AFTER_SECS};
 use super::problem::{InputProblem, Problem};
 use super::AppState;
-use crate::gitops::{Writer, WriterConfig};
-use crate::plan::{Plan, PlannedBucket, Skipped};
 use crate::gather::StoreWitness;
-use rlc_plan::pipeline::Purpose;
+use crate::gitops::{Writer, WriterConfig};
 use crate::history::snapshot::{HistoryCache, Snapshot};
+use crate::plan::{Plan, PlannedBucket, Skipped};
+use rlc_plan::pipeline::Purpose;
 
 /// Requests of these endpoints served at once; more get 429.
 pub const DEFAULT_CONCURRENCY: usize = 32;
@@ -541,7 +541,9 @@ fn view(b: &PlannedBucket, details: bool) -> QuotaBucket {
         change: change_of(b),
         confidence: b.evidence.confidence,
         rail: rail_of(b),
-        mode_change: b.evidence.promoted()
+        mode_change: b
+            .evidence
+            .promoted()
             .then(|| rlc_plan::promotion::PROMOTED_MODE.to_string()),
         details: details.then(|| details_of(b)),
     }
@@ -682,7 +684,6 @@ fn enter(s: &AppState) -> Result<(Arc<Quotas>, tokio::sync::OwnedSemaphorePermit
 fn still_valid(computed_with_store: bool, store_now: bool) -> bool {
     computed_with_store || !store_now
 }
-
 
 /// `GET /v1/quotas[?service=S][&refresh=true]`.
 pub async fn list(

@@ -271,8 +271,17 @@ async fn daemon_runs_on_request_and_on_input_change_and_shuts_down() {
     let daemon = {
         let base = base.clone();
         tokio::spawn(async move {
-            serve_on(listener, cfg, &base, idle, ServeOptions::new(Duration::from_millis(100)), state, rx, stop_rx)
-                .await
+            serve_on(
+                listener,
+                cfg,
+                &base,
+                idle,
+                ServeOptions::new(Duration::from_millis(100)),
+                state,
+                rx,
+                stop_rx,
+            )
+            .await
         })
     };
     let want = format!("rlc_last_successful_run_timestamp_seconds {last}\n");
@@ -700,7 +709,10 @@ async fn quota_api_answers_429_with_retry_after_when_every_slot_is_taken() {
     let cfg: DaemonConfig = schema::parse_str(Path::new("rlc.yaml"), &text)
         .unwrap()
         .value;
-    let cache = Arc::new(crate::history::snapshot::HistoryCache::new(cfg.clone(), dir.path()));
+    let cache = Arc::new(crate::history::snapshot::HistoryCache::new(
+        cfg.clone(),
+        dir.path(),
+    ));
     let q = quotas::Quotas::new(cfg, dir.path(), cache.clone(), 1, StoreSlot::default()).unwrap();
     let state = AppState::from_parts(AppParts {
         quotas: Some(Arc::new(q)),
@@ -771,10 +783,13 @@ fn every_body_in_the_document_has_an_example_of_its_schema() {
             for (what, m) in media {
                 bodies += 1;
                 let at = format!("{method} {path} {what}");
-                let example = m.get("example").unwrap_or_else(|| panic!("{at}: no example"));
+                let example = m
+                    .get("example")
+                    .unwrap_or_else(|| panic!("{at}: no example"));
                 if let Some(schema) = m.get("schema") {
-                    examples::conforms(example, schema, &schemas, "$")
-                        .unwrap_or_else(|e| panic!("{at}: the example does not conform: {e}\n{example:#}"));
+                    examples::conforms(example, schema, &schemas, "$").unwrap_or_else(|e| {
+                        panic!("{at}: the example does not conform: {e}\n{example:#}")
+                    });
                 }
             }
         }
@@ -783,7 +798,13 @@ fn every_body_in_the_document_has_an_example_of_its_schema() {
     // The checker refuses what does not conform.
     let queued = json!({"$ref": "#/components/schemas/Queued"});
     assert!(examples::conforms(&json!({"queued": true}), &queued, &schemas, "$").is_err());
-    assert!(examples::conforms(&json!({"queued": 1, "run_uid": "r", "location": "/"}), &queued, &schemas, "$").is_err());
+    assert!(examples::conforms(
+        &json!({"queued": 1, "run_uid": "r", "location": "/"}),
+        &queued,
+        &schemas,
+        "$"
+    )
+    .is_err());
 }
 
 /// A path no endpoint takes is 404 and a method an endpoint does not take 405, both as
@@ -794,13 +815,23 @@ async fn router_errors_are_problem_details_and_the_docs_page_is_offline() {
     let state = AppState::new(None, tokio::sync::mpsc::channel(1).0);
     let url = spawn(app(state)).await;
     let http = reqwest::Client::new();
-    let r = http.get(format!("{url}/v1/nothing-here")).send().await.unwrap();
+    let r = http
+        .get(format!("{url}/v1/nothing-here"))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 404);
     assert_eq!(r.headers()["content-type"], "application/problem+json");
     let v: serde_json::Value = r.json().await.unwrap();
     assert_eq!(v["status"], 404);
     assert_eq!(v["title"], "Not Found");
-    assert!(v["detail"].as_str().unwrap().contains("GET /v1/nothing-here"), "{v}");
+    assert!(
+        v["detail"]
+            .as_str()
+            .unwrap()
+            .contains("GET /v1/nothing-here"),
+        "{v}"
+    );
     let r = http
         .get(format!("{url}/nothing"))
         .header("accept", "text/html,application/xhtml+xml")
@@ -808,20 +839,36 @@ async fn router_errors_are_problem_details_and_the_docs_page_is_offline() {
         .await
         .unwrap();
     assert_eq!(r.status(), 404);
-    assert!(r.headers()["content-type"].to_str().unwrap().starts_with("text/html"));
-    assert!(r.text().await.unwrap().contains("no such endpoint: GET /nothing"));
+    assert!(r.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/html"));
+    assert!(r
+        .text()
+        .await
+        .unwrap()
+        .contains("no such endpoint: GET /nothing"));
     let r = http.delete(format!("{url}/v1/runs")).send().await.unwrap();
     assert_eq!(r.status(), 405);
     assert_eq!(r.headers()["content-type"], "application/problem+json");
     assert!(r.headers().contains_key("allow"), "{:?}", r.headers());
     let v: serde_json::Value = r.json().await.unwrap();
     assert_eq!(v["status"], 405);
-    assert!(v["detail"].as_str().unwrap().contains("/v1/runs does not take DELETE"), "{v}");
+    assert!(
+        v["detail"]
+            .as_str()
+            .unwrap()
+            .contains("/v1/runs does not take DELETE"),
+        "{v}"
+    );
 
     let r = http.get(format!("{url}/docs")).send().await.unwrap();
     assert_eq!(r.status(), 200);
     let page = r.text().await.unwrap();
-    assert!(page.contains("fetch(\"/openapi.json\""), "renders the served document");
+    assert!(
+        page.contains("fetch(\"/openapi.json\""),
+        "renders the served document"
+    );
     // No asset from elsewhere: no src or stylesheet link at all, and no absolute URL.
     for needle in [" src=", "<link", "http://", "https://", "@import", "url("] {
         assert!(!page.contains(needle), "{needle} in /docs");

@@ -974,10 +974,16 @@ impl Store {
         .await?);
         let truncated = rows.len() > max_rows;
         let mut out = rlc_plan::censor::ThrottledMinutes::new();
-        for (service, bucket, minute, reports, dropped, first, last) in rows.into_iter().take(max_rows) {
+        for (service, bucket, minute, reports, dropped, first, last) in
+            rows.into_iter().take(max_rows)
+        {
             let n = reports.max(1) as f64;
             let span = (last.0 - first.0).num_milliseconds().max(0) as f64 / 1000.0;
-            let covered = if reports > 1 { span * n / (n - 1.0) } else { 1.0 };
+            let covered = if reports > 1 {
+                span * n / (n - 1.0)
+            } else {
+                1.0
+            };
             let refused = dropped / n * covered.clamp(1.0, 60.0);
             let t = out.entry((service, bucket)).or_default();
             let m = minute.0.timestamp();
@@ -1058,18 +1064,23 @@ impl Store {
         .bind(MAX_OVERRIDE_ROWS as i64)
         .fetch_all(pool)
         .await?);
-        let mut out: BTreeMap<(String, String), Vec<rlc_plan::censor::OverrideWindow>> = BTreeMap::new();
+        let mut out: BTreeMap<(String, String), Vec<rlc_plan::censor::OverrideWindow>> =
+            BTreeMap::new();
         for (id, created, service, bucket, reason, expires, seen) in rows {
-            let to = expires.0.min(seen.0 + Duration::seconds(OVERRIDE_SEEN_GRACE_SECS));
+            let to = expires
+                .0
+                .min(seen.0 + Duration::seconds(OVERRIDE_SEEN_GRACE_SECS));
             if to <= since {
                 continue;
             }
-            out.entry((service, bucket)).or_default().push(rlc_plan::censor::OverrideWindow {
-                id,
-                from: created.0,
-                to,
-                reason,
-            });
+            out.entry((service, bucket))
+                .or_default()
+                .push(rlc_plan::censor::OverrideWindow {
+                    id,
+                    from: created.0,
+                    to,
+                    reason,
+                });
         }
         Ok(out)
     }

@@ -135,7 +135,14 @@ async fn check_store(store: Store) {
 
 /// A shadow report of `service`/`bucket` with the given rates; drop ratio and virtual drops
 /// follow from the offered rate and the limit, as the controller computes them.
-fn rates(seq: i64, service: &str, bucket: &str, scope: &str, offered: f64, limit: f64) -> ReportRow {
+fn rates(
+    seq: i64,
+    service: &str,
+    bucket: &str,
+    scope: &str,
+    offered: f64,
+    limit: f64,
+) -> ReportRow {
     let ratio = if offered > limit {
         (offered - limit) / offered
     } else {
@@ -282,10 +289,18 @@ async fn check_applied_decreases(store: Store) {
     let found = store.applied_decreases_since(before).await.unwrap();
     assert_eq!(
         found,
-        [(("payments".to_string(), "gw".to_string()), later.recorded_at)].into(),
+        [(
+            ("payments".to_string(), "gw".to_string()),
+            later.recorded_at
+        )]
+        .into(),
         "the latest applied decrease of gw; the proposed one of `other` does not count"
     );
-    assert!(store.applied_decreases_since(after).await.unwrap().is_empty());
+    assert!(store
+        .applied_decreases_since(after)
+        .await
+        .unwrap()
+        .is_empty());
     let states: Vec<ChangeState> = store
         .quota_changes("payments", "other", 10)
         .await

@@ -148,7 +148,9 @@ fn history(case: &Case, path: &Path, end: i64) {
 /// A day of one shadow report a minute for every shadow bucket with traffic, so that
 /// promotion has figures to decide on.
 async fn shadow_reports(case: &Case, dir: &Path) {
-    let store = rlc::store::Store::connect("sqlite://rlc.db", dir).await.unwrap();
+    let store = rlc::store::Store::connect("sqlite://rlc.db", dir)
+        .await
+        .unwrap();
     let now = chrono::Utc::now().timestamp() / 60 * 60;
     let mut seq = 0;
     let mut batch = Vec::new();
@@ -188,8 +190,7 @@ fn rlc(dir: &Path, args: &[&str]) -> (i32, String) {
         .unwrap();
     (
         out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned()
-            + &String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
     )
 }
 
@@ -208,7 +209,13 @@ fn seen(plan: &Value) -> BTreeMap<String, Seen> {
         .as_array()
         .map(|v| {
             v.iter()
-                .map(|r| format!("{}/{}", r["service"].as_str().unwrap(), r["bucket"].as_str().unwrap()))
+                .map(|r| {
+                    format!(
+                        "{}/{}",
+                        r["service"].as_str().unwrap(),
+                        r["bucket"].as_str().unwrap()
+                    )
+                })
                 .collect()
         })
         .unwrap_or_default();
@@ -217,7 +224,11 @@ fn seen(plan: &Value) -> BTreeMap<String, Seen> {
         .unwrap()
         .iter()
         .map(|b| {
-            let key = format!("{}/{}", b["service"].as_str().unwrap(), b["name"].as_str().unwrap());
+            let key = format!(
+                "{}/{}",
+                b["service"].as_str().unwrap(),
+                b["name"].as_str().unwrap()
+            );
             (
                 key.clone(),
                 Seen {
@@ -235,12 +246,22 @@ fn seen(plan: &Value) -> BTreeMap<String, Seen> {
 /// mode, the base branch in direct mode), with `held` and `review` from its outcome: a change
 /// that needs review is not committed (its bucket stays as it was on the base branch).
 fn committed(remote: &GitRemote, case: &Case, out: &Value) -> BTreeMap<String, Seen> {
-    let branch = if case.pull_request { "rlc/quotas" } else { "main" };
+    let branch = if case.pull_request {
+        "rlc/quotas"
+    } else {
+        "main"
+    };
     let review: Vec<String> = out["needs_review"]
         .as_array()
         .map(|v| {
             v.iter()
-                .map(|r| format!("{}/{}", r["service"].as_str().unwrap(), r["bucket"].as_str().unwrap()))
+                .map(|r| {
+                    format!(
+                        "{}/{}",
+                        r["service"].as_str().unwrap(),
+                        r["bucket"].as_str().unwrap()
+                    )
+                })
                 .collect()
         })
         .unwrap_or_default();
@@ -288,7 +309,10 @@ fn check(case: &Case) {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let files = files(case);
-    let refs: Vec<(&str, &str)> = files.iter().map(|(a, b)| (a.as_str(), b.as_str())).collect();
+    let refs: Vec<(&str, &str)> = files
+        .iter()
+        .map(|(a, b)| (a.as_str(), b.as_str()))
+        .collect();
     let remote = GitRemote::new("main", &refs).unwrap();
     let end = chrono::Utc::now().timestamp() / STEP * STEP - 2 * STEP;
     history(case, &d.join("h.csv"), end);
@@ -362,16 +386,27 @@ fn check(case: &Case) {
         }
         let r = c.post(format!("{base}/v1/previews")).send().await.unwrap();
         assert_eq!(r.status(), 200);
-        (quotas.expect("GET /v1/quotas"), r.json::<Value>().await.unwrap())
+        (
+            quotas.expect("GET /v1/quotas"),
+            r.json::<Value>().await.unwrap(),
+        )
     });
     drop(serve);
-    assert_eq!(seen(&quotas), preview, "GET /v1/quotas vs rlc preview\n{case:?}");
+    assert_eq!(
+        seen(&quotas),
+        preview,
+        "GET /v1/quotas vs rlc preview\n{case:?}"
+    );
     assert_eq!(
         seen(&what_if["plan"]),
         preview,
         "empty what-if vs rlc preview\n{case:?}"
     );
-    assert_eq!(what_if["diff"]["buckets"], serde_json::json!([]), "{case:?}");
+    assert_eq!(
+        what_if["diff"]["buckets"],
+        serde_json::json!([]),
+        "{case:?}"
+    );
 
     let (code, out) = rlc(d, &["run", "--once", "--json"]);
     assert!(code == 0 || code == 4, "{out}");

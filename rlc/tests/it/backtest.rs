@@ -1,8 +1,8 @@
 //! The forecast policy beats peak on growing traffic in a backtest.
 
 use policies::RateSeries;
-use rlc_plan::backtest::backtest;
 use rlc::history::synth::Profile;
+use rlc_plan::backtest::backtest;
 use schema::PolicyName;
 
 use crate::support::{daemon, history, repo};

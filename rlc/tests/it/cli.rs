@@ -321,7 +321,10 @@ fn a_failed_push_names_its_cause_and_a_world_readable_token_is_warned_about() {
     use std::os::unix::fs::PermissionsExt;
     let dir = setup("  file: h.csv");
     let d = dir.path();
-    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
     let yaml = std::fs::read_to_string(d.join("rlc.yaml")).unwrap();
     std::fs::write(
         d.join("rlc.yaml"),
@@ -335,7 +338,10 @@ fn a_failed_push_names_its_cause_and_a_world_readable_token_is_warned_about() {
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let push = v["push_error"].as_str().unwrap_or_default();
     assert!(push.contains("connection refused"), "{push}");
-    assert!(err.contains("readable by every user") && err.contains("rlc-token"), "{err}");
+    assert!(
+        err.contains("readable by every user") && err.contains("rlc-token"),
+        "{err}"
+    );
     // chmod 600: no warning.
     std::fs::set_permissions(d.join("rlc-token"), std::fs::Permissions::from_mode(0o600)).unwrap();
     let (_, _, err) = rlc(d, &["run", "--once", "--json"]);
@@ -359,7 +365,10 @@ fn a_closed_pipe_ends_a_command_quietly() {
     // The read end is dropped here.
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!err.contains("panicked") && !err.contains("backtrace"), "{err}");
+    assert!(
+        !err.contains("panicked") && !err.contains("backtrace"),
+        "{err}"
+    );
     assert_eq!(out.status.code(), Some(141), "{err}");
 }
 
@@ -376,7 +385,13 @@ fn info_logs_tell_the_phases_of_a_run() {
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    for phase in ["config repo synced", "evidence gathered", "history pulled", "plan computed", "run finished"] {
+    for phase in [
+        "config repo synced",
+        "evidence gathered",
+        "history pulled",
+        "plan computed",
+        "run finished",
+    ] {
         assert!(err.contains(phase), "no `{phase}` in:\n{err}");
     }
     assert!(err.contains("series=8"), "{err}");
@@ -448,8 +463,20 @@ fn contracts_without_traffic_are_flagged() {
             .unwrap_or_else(|| panic!("{caller} in {v}"))
     };
     let y = bucket("partner-y");
-    assert!(y["evidence"]["no_traffic"].as_str().unwrap().contains("partner-y"), "{y}");
-    assert!(y["evidence"]["explain"].as_str().unwrap().contains("no traffic from caller partner-y"), "{y}");
+    assert!(
+        y["evidence"]["no_traffic"]
+            .as_str()
+            .unwrap()
+            .contains("partner-y"),
+        "{y}"
+    );
+    assert!(
+        y["evidence"]["explain"]
+            .as_str()
+            .unwrap()
+            .contains("no traffic from caller partner-y"),
+        "{y}"
+    );
     assert!(bucket("partner-x")["evidence"].get("no_traffic").is_none());
     let (_, md, _) = rlc(d, &["preview", "--format", "markdown"]);
     assert!(md.contains("no traffic from caller partner-y"), "{md}");
@@ -460,8 +487,16 @@ fn contracts_without_traffic_are_flagged() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(out.status.code(), Some(0), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let flagged: Vec<&str> = text.lines().filter(|l| l.contains("warning")).collect();
     assert_eq!(flagged.len(), 1, "{text}");
-    assert!(flagged[0].contains("contracts.yaml: contracts[1]") && flagged[0].contains("partner-y"), "{text}");
+    assert!(
+        flagged[0].contains("contracts.yaml: contracts[1]") && flagged[0].contains("partner-y"),
+        "{text}"
+    );
 }

@@ -3,8 +3,8 @@
 
 use chrono::Utc;
 use policies::RateSeries;
-use rlc_plan::compute::compute_plan;
 use rlc::history::History;
+use rlc_plan::compute::compute_plan;
 use schema::Mode;
 
 use crate::support::{daemon, history, plugin_lib, repo};
@@ -128,7 +128,8 @@ fn contract_wins_and_expired_contract_is_reported() {
     );
     assert_eq!(json(&px.evidence)["policy"]["contract"], "MSA-2291");
     assert_eq!(
-        json(&px.evidence)["peak_rps"], 150.0,
+        json(&px.evidence)["peak_rps"],
+        150.0,
         "both procedures of the caller"
     );
     let old = &plan.buckets[0];
@@ -644,7 +645,10 @@ fn explain_line_and_expected_rate_event() {
     let web = get("shop", "web");
     assert_eq!(web.bucket.limit_rps, 500.0, "{}", web.evidence);
     assert_eq!(get("shop", "app").bucket.limit_rps, 250.0);
-    assert_eq!(json(&web.evidence)["policy"]["event"]["without_event_rps"], 125.0);
+    assert_eq!(
+        json(&web.evidence)["policy"]["event"]["without_event_rps"],
+        125.0
+    );
     let why = web.evidence.explain.as_deref().unwrap();
     assert!(
         why.starts_with("max 100.0 rps at ") && why.contains("event launch"),

@@ -267,7 +267,10 @@ fn a_locked_store_holds_decreases_and_leaves_the_run_record_pending() {
 
     // The record waits in the journal (not in the memory of a process that is gone).
     assert!(
-        out["store_error"].as_str().unwrap().contains("kept in the journal"),
+        out["store_error"]
+            .as_str()
+            .unwrap()
+            .contains("kept in the journal"),
         "{out}"
     );
     let first_commit = out["commit"].as_str().unwrap().to_string();
@@ -295,8 +298,16 @@ fn a_locked_store_holds_decreases_and_leaves_the_run_record_pending() {
         .block_on(store.quota_history("payments", "api-gateway.charge"))
         .unwrap();
     assert!(
-        added.iter().any(|q| q.change == "added" && q.commit_sha.as_deref() == Some(first_commit.as_str())),
+        added
+            .iter()
+            .any(|q| q.change == "added" && q.commit_sha.as_deref() == Some(first_commit.as_str())),
         "{added:?}"
     );
-    assert!(!dir.path().join("rlc-journal").exists() || std::fs::read_dir(dir.path().join("rlc-journal")).unwrap().next().is_none());
+    assert!(
+        !dir.path().join("rlc-journal").exists()
+            || std::fs::read_dir(dir.path().join("rlc-journal"))
+                .unwrap()
+                .next()
+                .is_none()
+    );
 }

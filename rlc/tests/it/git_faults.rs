@@ -167,7 +167,10 @@ fn a_missing_remote_path_is_named() {
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     let error = v["error"].as_str().unwrap_or_default();
     assert!(
-        error.contains(&format!("the remote path {} does not exist", missing.display())),
+        error.contains(&format!(
+            "the remote path {} does not exist",
+            missing.display()
+        )),
         "{text}"
     );
 }

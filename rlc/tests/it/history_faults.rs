@@ -114,10 +114,20 @@ fn one_absurd_sample_does_not_become_a_quota() {
     assert_eq!(code, 4, "{out}");
     assert_eq!(out["history_refused"], serde_json::json!(["pay"]), "{out}");
     let why = skipped(&out);
-    assert!(why.contains("not plausible") && why.contains("web"), "{out}");
+    assert!(
+        why.contains("not plausible") && why.contains("web"),
+        "{out}"
+    );
     let pay = remote.read("main", "buckets/pay.yaml").unwrap();
-    assert!(pay.contains("limit_rps: 250\n"), "web kept its limit: {pay}");
-    assert_eq!(out["summary"]["services"], serde_json::json!([]), "no limit changed: {out}");
+    assert!(
+        pay.contains("limit_rps: 250\n"),
+        "web kept its limit: {pay}"
+    );
+    assert_eq!(
+        out["summary"]["services"],
+        serde_json::json!([]),
+        "no limit changed: {out}"
+    );
 }
 
 /// Every value 0 (a broken recording rule): nothing is lowered, nothing committed, exit 1
@@ -145,7 +155,10 @@ fn an_all_zero_history_lowers_nothing() {
     let head = remote.head("main").unwrap();
     let (code, out) = run_once(d);
     assert_eq!(code, 1, "{out}");
-    assert!(skipped(&out).contains("every sample of its history is 0"), "{out}");
+    assert!(
+        skipped(&out).contains("every sample of its history is 0"),
+        "{out}"
+    );
     assert_eq!(remote.head("main").unwrap(), head, "nothing committed");
 }
 
@@ -160,7 +173,11 @@ fn series_the_query_did_not_aggregate_are_named_not_merged() {
     for (caller, rate) in [("web", 100.0), ("batch", 200.0)] {
         for instance in ["a:9090", "b:9090"] {
             counters.push(Counter {
-                labels: vec![("service", "pay"), ("caller", caller), ("instance", instance)],
+                labels: vec![
+                    ("service", "pay"),
+                    ("caller", caller),
+                    ("instance", instance),
+                ],
                 rate,
                 jump: None,
             });

@@ -43,17 +43,31 @@ fn backfill(path: &std::path::Path, start: i64, end: i64, late: i64, stop: i64) 
                 _ => true,
             };
             if present {
-                let labels = [("service", service), ("caller", caller), ("procedure", procedure)];
-                w.sample("rpc_requests_total", &labels, (counter * 1000.0).round() / 1000.0, t)
-                    .unwrap();
+                let labels = [
+                    ("service", service),
+                    ("caller", caller),
+                    ("procedure", procedure),
+                ];
+                w.sample(
+                    "rpc_requests_total",
+                    &labels,
+                    (counter * 1000.0).round() / 1000.0,
+                    t,
+                )
+                .unwrap();
             }
             t += SCRAPE;
         }
     }
     let mut t = start;
     while t <= end {
-        w.sample("rpc_requests_total", &[("service", "shop")], ((t - start) * 3) as f64, t)
-            .unwrap();
+        w.sample(
+            "rpc_requests_total",
+            &[("service", "shop")],
+            ((t - start) * 3) as f64,
+            t,
+        )
+        .unwrap();
         t += SCRAPE;
     }
     Prometheus::start(&w.finish().unwrap()).expect("start Prometheus")
@@ -66,7 +80,12 @@ fn config(url: &str, query: &str, extra: &str) -> schema::DaemonConfig {
 }
 
 /// Every series' values as bits (NaN compared as NaN), and the rejected series.
-fn bits(h: &History) -> (Vec<(rlc::history::SeriesKey, Vec<u32>)>, Vec<rlc::history::Rejected>) {
+fn bits(
+    h: &History,
+) -> (
+    Vec<(rlc::history::SeriesKey, Vec<u32>)>,
+    Vec<rlc::history::Rejected>,
+) {
     (
         h.series
             .iter()
@@ -105,13 +124,23 @@ fn incremental_pulls_give_the_full_pulls_history_and_plan() {
     let rate = "sum by (service, caller, procedure) (rate(rpc_requests_total[2m]))";
     for (what, cfg) in [
         ("query_range", config(&prom.url, rate, "")),
-        ("remote_read", config(&prom.url, "rpc_requests_total", "    api: remote_read\n")),
-        ("downsample", config(&prom.url, rate, "    downsample: 1h\n")),
+        (
+            "remote_read",
+            config(&prom.url, "rpc_requests_total", "    api: remote_read\n"),
+        ),
+        (
+            "downsample",
+            config(&prom.url, rate, "    downsample: 1h\n"),
+        ),
     ] {
         let cache = HistoryCache::new(cfg.clone(), dir.path());
         let first = rt.block_on(cache.refresh_at(at(t0)));
         assert_eq!(first.kind, PullKind::Full, "{what}: the first pull");
-        assert!(first.history.source_error.is_none(), "{what}: {:?}", first.history.source_error);
+        assert!(
+            first.history.source_error.is_none(),
+            "{what}: {:?}",
+            first.history.source_error
+        );
         assert!(first.history.series.len() >= 4, "{what}");
         // Every 5 minutes (and once after 47 minutes, a pull that was missed), then past
         // `full_pull_every` (2 h after the first, full) and one more increment.
@@ -137,7 +166,11 @@ fn incremental_pulls_give_the_full_pulls_history_and_plan() {
                 "{what} at +{} s",
                 t - t0
             );
-            assert!(bits(merged) == bits(fresh), "{what} at +{} s: the merged history differs from a full pull", t - t0);
+            assert!(
+                bits(merged) == bits(fresh),
+                "{what} at +{} s: the merged history differs from a full pull",
+                t - t0
+            );
             assert_eq!(
                 plan_json(&cfg, merged, t),
                 plan_json(&cfg, fresh, t),
@@ -146,15 +179,26 @@ fn incremental_pulls_give_the_full_pulls_history_and_plan() {
             );
         }
         let last = cache.latest().unwrap();
-        assert_eq!(last.history.rejected.len(), 1, "{what}: {:?}", last.history.rejected);
+        assert_eq!(
+            last.history.rejected.len(),
+            1,
+            "{what}: {:?}",
+            last.history.rejected
+        );
         let keys: Vec<String> = last
             .history
             .series
             .keys()
             .map(|k| format!("{}/{}", k.service, k.bucket_name()))
             .collect();
-        assert!(keys.contains(&"maps/new.route".to_string()), "{what}: {keys:?}");
-        assert!(!keys.contains(&"maps/gone.route".to_string()), "{what}: gone left the lookback: {keys:?}");
+        assert!(
+            keys.contains(&"maps/new.route".to_string()),
+            "{what}: {keys:?}"
+        );
+        assert!(
+            !keys.contains(&"maps/gone.route".to_string()),
+            "{what}: gone left the lookback: {keys:?}"
+        );
 
         // Another query: a full pull, although the held history is minutes old.
         let mut other = cfg.clone();
@@ -168,7 +212,11 @@ fn incremental_pulls_give_the_full_pulls_history_and_plan() {
         assert_eq!(snap.kind, PullKind::Full, "{what}: another query");
         t += 300;
         let snap = rt.block_on(cache.refresh_at(at(t)));
-        assert_eq!(snap.kind, PullKind::Incremental, "{what}: then increments again");
+        assert_eq!(
+            snap.kind,
+            PullKind::Incremental,
+            "{what}: then increments again"
+        );
     }
 
     // A failed increment (here: crossing `max_pull_bytes`, which bounds increments as it
@@ -180,12 +228,24 @@ fn incremental_pulls_give_the_full_pulls_history_and_plan() {
     tight.history.prometheus.as_mut().unwrap().max_pull_bytes = 500;
     cache.set_config(tight);
     let failed = rt.block_on(cache.refresh_at(at(t0 + 300)));
-    let why = failed.history.source_error.clone().expect("the increment fails");
+    let why = failed
+        .history
+        .source_error
+        .clone()
+        .expect("the increment fails");
     assert!(why.contains("max_pull_bytes"), "{why}");
-    assert_eq!(cache.latest().unwrap().generation, 1, "the good snapshot stays");
+    assert_eq!(
+        cache.latest().unwrap().generation,
+        1,
+        "the good snapshot stays"
+    );
     cache.set_config(cfg.clone());
     let next = rt.block_on(cache.refresh_at(at(t0 + 900)));
-    assert_eq!(next.kind, PullKind::Incremental, "continues from the held history");
+    assert_eq!(
+        next.kind,
+        PullKind::Incremental,
+        "continues from the held history"
+    );
     let full = rt.block_on(HistoryCache::new(cfg.clone(), dir.path()).refresh_at(at(t0 + 900)));
     assert!(bits(&next.history) == bits(&full.history));
 }

@@ -133,9 +133,20 @@ fn the_plan_crate_has_no_io_dependency() {
         .split("\n[")
         .next()
         .unwrap();
-    for io in ["tokio", "reqwest", "git2", "sqlx", "axum", "hyper", "grl-runtime", "rlc"] {
+    for io in [
+        "tokio",
+        "reqwest",
+        "git2",
+        "sqlx",
+        "axum",
+        "hyper",
+        "grl-runtime",
+        "rlc",
+    ] {
         assert!(
-            !deps.lines().any(|l| l.split(['.', ' ', '=']).next() == Some(io)),
+            !deps
+                .lines()
+                .any(|l| l.split(['.', ' ', '=']).next() == Some(io)),
             "rlc-plan depends on {io}"
         );
     }

@@ -33,7 +33,10 @@ fn prometheus(dir: &Path, days: i64, callers: &[Rate<'_>]) -> (Prometheus, i64) 
             t += 60;
         }
     }
-    (Prometheus::start(&w.finish().unwrap()).expect("start Prometheus"), end)
+    (
+        Prometheus::start(&w.finish().unwrap()).expect("start Prometheus"),
+        end,
+    )
 }
 
 /// An enforced `pay` bucket per `(caller, limit, policy)`.
@@ -119,10 +122,14 @@ fn explain(preview: &Value, name: &str) -> String {
 /// Enforced-mode controller reports for `caller`'s bucket: every 10 s of each `(minute,
 /// offered, dropped)`.
 async fn throttled(dir: &Path, caller: &str, minutes: &[(i64, f64, f64)]) {
-    let store = rlc::store::Store::connect("sqlite://rlc.db", dir).await.unwrap();
+    let store = rlc::store::Store::connect("sqlite://rlc.db", dir)
+        .await
+        .unwrap();
     let batch: Vec<rlc::push::ReportRow> = minutes
         .iter()
-        .flat_map(|&(m, offered, dropped)| (m..m + 60).step_by(10).map(move |t| (t, offered, dropped)))
+        .flat_map(|&(m, offered, dropped)| {
+            (m..m + 60).step_by(10).map(move |t| (t, offered, dropped))
+        })
         .map(|(t, offered, dropped)| {
             serde_json::from_value(json!({
                 "seq": t, "t": t, "service": "pay", "bucket": caller, "caller": caller,
@@ -134,7 +141,10 @@ async fn throttled(dir: &Path, caller: &str, minutes: &[(i64, f64, f64)]) {
         })
         .collect();
     for chunk in batch.chunks(10_000) {
-        store.insert_reports(chunk, chrono::Utc::now()).await.unwrap();
+        store
+            .insert_reports(chunk, chrono::Utc::now())
+            .await
+            .unwrap();
     }
 }
 
@@ -167,11 +177,17 @@ fn a_retry_storm_does_not_raise_its_own_ceiling() {
     let (code, preview) = rlc(d, &["preview", "--format", "json"]);
     assert_eq!(code, 0, "{preview}");
     let web = limit(&preview, "web");
-    assert!(web <= 150.0, "web limited at {web} for a 100 rps peak: {preview}");
+    assert!(
+        web <= 150.0,
+        "web limited at {web} for a 100 rps peak: {preview}"
+    );
     assert!(web >= 100.0, "web limited below its peak: {web}");
     let why = explain(&preview, "web");
     assert!(why.contains("spike") && why.contains("discounted"), "{why}");
-    assert_eq!(planned(&preview, "web")["evidence"]["policy"]["spikes"][0]["peak_rps"], 800.0);
+    assert_eq!(
+        planned(&preview, "web")["evidence"]["policy"]["spikes"][0]["peak_rps"],
+        800.0
+    );
     drop(prom);
 }
 
@@ -191,10 +207,24 @@ async fn throttled_minutes_and_excluded_windows_are_not_demand() {
     };
     let (web_burst, batch_burst) = (burst(2), burst(3));
     let rate = |base: f64, (from, to): (i64, i64)| {
-        move |t: i64| if (from..to).contains(&t) { 2.0 * base } else { base }
+        move |t: i64| {
+            if (from..to).contains(&t) {
+                2.0 * base
+            } else {
+                base
+            }
+        }
     };
-    let (web, batch, mobile) = (rate(200.0, web_burst), rate(400.0, batch_burst), rate(200.0, web_burst));
-    let (prom, _) = prometheus(d, 8, &[("web", &web), ("batch", &batch), ("mobile", &mobile)]);
+    let (web, batch, mobile) = (
+        rate(200.0, web_burst),
+        rate(400.0, batch_burst),
+        rate(200.0, web_burst),
+    );
+    let (prom, _) = prometheus(
+        d,
+        8,
+        &[("web", &web), ("batch", &batch), ("mobile", &mobile)],
+    );
     let at = |t: i64| chrono::DateTime::from_timestamp(t, 0).unwrap().to_rfc3339();
     let policies = format!(
         "default:\n  policy: peak\n  headroom: 0.25\nexcluded:\n  - service: pay\n    caller: batch\n    \
@@ -205,13 +235,20 @@ async fn throttled_minutes_and_excluded_windows_are_not_demand() {
     let remote = setup(
         d,
         &prom,
-        &pay(&[("web", 250.0, "peak"), ("batch", 500.0, "peak"), ("mobile", 250.0, "peak")]),
+        &pay(&[
+            ("web", 250.0, "peak"),
+            ("batch", 500.0, "peak"),
+            ("mobile", 250.0, "peak"),
+        ]),
         Some(&policies),
         "7d",
         "",
     );
     // The controller refused 150 of web's 400 rps through its burst.
-    let minutes: Vec<_> = (web_burst.0..web_burst.1).step_by(60).map(|t| (t, 400.0, 150.0)).collect();
+    let minutes: Vec<_> = (web_burst.0..web_burst.1)
+        .step_by(60)
+        .map(|t| (t, 400.0, 150.0))
+        .collect();
     throttled(d, "web", &minutes).await;
 
     let (code, preview) = rlc(d, &["preview", "--format", "json"]);
@@ -222,10 +259,17 @@ async fn throttled_minutes_and_excluded_windows_are_not_demand() {
     let w = &planned(&preview, "web")["evidence"];
     assert_eq!(w["throttled"]["minutes"], 180, "{w}");
     assert_eq!(w["throttled"]["sustained"], false, "{w}");
-    assert_eq!(w["throttled"]["refused_requests"], 180.0 * 60.0 * 150.0, "{w}");
+    assert_eq!(
+        w["throttled"]["refused_requests"],
+        180.0 * 60.0 * 150.0,
+        "{w}"
+    );
     assert_eq!(w["ignored"][0]["kind"], "throttled", "{w}");
     let why = explain(&preview, "web");
-    assert!(why.contains("180 throttled minutes") && why.contains("left out"), "{why}");
+    assert!(
+        why.contains("180 throttled minutes") && why.contains("left out"),
+        "{why}"
+    );
     let b = &planned(&preview, "batch")["evidence"];
     assert_eq!(b["ignored"][0]["kind"], "excluded", "{b}");
     assert!(explain(&preview, "batch").contains("load test LT-7"), "{b}");
@@ -238,8 +282,14 @@ async fn throttled_minutes_and_excluded_windows_are_not_demand() {
         pay.contains("name: mobile\n    caller: mobile\n    scope: global\n    limit_rps: 500\n"),
         "{pay}"
     );
-    assert!(pay.contains("name: web\n    caller: web\n    scope: global\n    limit_rps: 250\n"), "{pay}");
-    assert!(pay.contains("name: batch\n    caller: batch\n    scope: global\n    limit_rps: 500\n"), "{pay}");
+    assert!(
+        pay.contains("name: web\n    caller: web\n    scope: global\n    limit_rps: 250\n"),
+        "{pay}"
+    );
+    assert!(
+        pay.contains("name: batch\n    caller: batch\n    scope: global\n    limit_rps: 500\n"),
+        "{pay}"
+    );
     drop(prom);
 }
 
@@ -258,19 +308,36 @@ async fn sustained_throttling_is_growth_raised_for_review() {
     let start = end - 28 * DAY;
     let peak = move |t: i64| {
         let day = (t - start) as f64 / DAY as f64;
-        if day < 14.0 { 200.0 } else { 200.0 + 200.0 * (day - 14.0) / 14.0 }
+        if day < 14.0 {
+            200.0
+        } else {
+            200.0 + 200.0 * (day - 14.0) / 14.0
+        }
     };
     let rate = move |t: i64| {
-        if (12 * HOUR..16 * HOUR).contains(&t.rem_euclid(DAY)) { peak(t) } else { peak(t) / 2.0 }
+        if (12 * HOUR..16 * HOUR).contains(&t.rem_euclid(DAY)) {
+            peak(t)
+        } else {
+            peak(t) / 2.0
+        }
     };
     let (prom, _) = prometheus(d, 28, &[("web", &rate)]);
     let policies = "default:\n  policy: forecast\n  headroom: 0.25\n";
-    let remote = setup(d, &prom, &pay(&[("web", 300.0, "forecast")]), Some(policies), "28d", "");
-    // Review proposals go to the `rlc/quotas` branch (no forge API).
-    let yaml = std::fs::read_to_string(d.join("rlc.yaml")).unwrap().replace(
-        "  author_email: rlc@example.com\n",
-        "  author_email: rlc@example.com\n  forge:\n    kind: none\n",
+    let remote = setup(
+        d,
+        &prom,
+        &pay(&[("web", 300.0, "forecast")]),
+        Some(policies),
+        "28d",
+        "",
     );
+    // Review proposals go to the `rlc/quotas` branch (no forge API).
+    let yaml = std::fs::read_to_string(d.join("rlc.yaml"))
+        .unwrap()
+        .replace(
+            "  author_email: rlc@example.com\n",
+            "  author_email: rlc@example.com\n  forge:\n    kind: none\n",
+        );
     std::fs::write(d.join("rlc.yaml"), yaml).unwrap();
     // Every minute over 300 rps was throttled to 300.
     let minutes: Vec<_> = (start..end)
@@ -285,23 +352,38 @@ async fn sustained_throttling_is_growth_raised_for_review() {
     let (code, preview) = rlc(d, &["preview", "--format", "json"]);
     assert_eq!(code, 0, "{preview}");
     let raised = limit(&preview, "web");
-    assert!((500.0..=600.0).contains(&raised), "web at {raised}: {preview}");
+    assert!(
+        (500.0..=600.0).contains(&raised),
+        "web at {raised}: {preview}"
+    );
     let e = &planned(&preview, "web")["evidence"];
     assert_eq!(e["throttled"]["sustained"], true, "{e}");
     assert!(e["throttled"]["days"].as_u64().unwrap() >= 2, "{e}");
     let said = e["throttled"]["refused_requests"].as_f64().unwrap();
-    assert!((said - refused).abs() < refused * 1e-6, "{said} vs {refused}");
+    assert!(
+        (said - refused).abs() < refused * 1e-6,
+        "{said} vs {refused}"
+    );
     assert!(e["ignored"].as_array().is_none_or(|i| i.is_empty()), "{e}");
-    assert!(explain(&preview, "web").contains("sustained demand, counted"), "{e}");
+    assert!(
+        explain(&preview, "web").contains("sustained demand, counted"),
+        "{e}"
+    );
 
     let (code, out) = rlc(d, &["run", "--once", "--json"]);
     assert_eq!(code, 0, "{out}");
     assert_eq!(out["needs_review"][0]["class"], "throttled_raise", "{out}");
     assert_eq!(out["needs_review"][0]["bucket"], "web", "{out}");
     let base = remote.read("main", "buckets/pay.yaml").unwrap();
-    assert!(base.contains("limit_rps: 300\n"), "kept on the base: {base}");
+    assert!(
+        base.contains("limit_rps: 300\n"),
+        "kept on the base: {base}"
+    );
     let proposed = remote.read("rlc/quotas", "buckets/pay.yaml").unwrap();
-    assert!(proposed.contains(&format!("limit_rps: {raised}\n")), "proposed: {proposed}");
+    assert!(
+        proposed.contains(&format!("limit_rps: {raised}\n")),
+        "proposed: {proposed}"
+    );
     drop(prom);
 }
 
@@ -314,14 +396,28 @@ fn max_increase_bounds_a_raise() {
     let end = chrono::Utc::now().timestamp() / 60 * 60 - 60;
     let rate = move |t: i64| if t > end - DAY { 400.0 } else { 200.0 };
     let (prom, _) = prometheus(d, 8, &[("web", &rate)]);
-    let remote = setup(d, &prom, &pay(&[("web", 250.0, "peak")]), None, "7d", "rails:\n  max_increase: 0.5\n");
+    let remote = setup(
+        d,
+        &prom,
+        &pay(&[("web", 250.0, "peak")]),
+        None,
+        "7d",
+        "rails:\n  max_increase: 0.5\n",
+    );
     let (code, preview) = rlc(d, &["preview", "--format", "json"]);
     assert_eq!(code, 0, "{preview}");
     assert_eq!(limit(&preview, "web"), 375.0, "{preview}");
-    assert_eq!(planned(&preview, "web")["evidence"]["capped_from"], 500.0, "{preview}");
+    assert_eq!(
+        planned(&preview, "web")["evidence"]["capped_from"],
+        500.0,
+        "{preview}"
+    );
     let (code, out) = rlc(d, &["run", "--once", "--json"]);
     assert_eq!(code, 0, "{out}");
-    assert!(remote.read("main", "buckets/pay.yaml").unwrap().contains("limit_rps: 375\n"));
+    assert!(remote
+        .read("main", "buckets/pay.yaml")
+        .unwrap()
+        .contains("limit_rps: 375\n"));
     drop(prom);
 }
 
@@ -337,7 +433,13 @@ async fn minutes_under_an_incident_override_are_not_demand() {
     let d = dir.path();
     let end = chrono::Utc::now().timestamp() / 60 * 60 - 60;
     let from = (end - 2 * DAY).div_euclid(DAY) * DAY + 10 * HOUR;
-    let burst = move |t: i64| if (from..from + 3 * HOUR).contains(&t) { 400.0 } else { 200.0 };
+    let burst = move |t: i64| {
+        if (from..from + 3 * HOUR).contains(&t) {
+            400.0
+        } else {
+            200.0
+        }
+    };
     let (prom, _) = prometheus(d, 8, &[("web", &burst), ("mobile", &burst)]);
     let buckets = pay(&[("web", 250.0, "peak"), ("mobile", 250.0, "peak")]);
     std::fs::create_dir_all(d.join("pushed")).unwrap();
@@ -359,10 +461,15 @@ async fn minutes_under_an_incident_override_are_not_demand() {
         &buckets,
         None,
         "7d",
-        &format!("controller:\n  url: {}\n  token_env: RLC_LEARNING_GRL_TOKEN\n", controller.url()),
+        &format!(
+            "controller:\n  url: {}\n  token_env: RLC_LEARNING_GRL_TOKEN\n",
+            controller.url()
+        ),
     );
     // What `rlc serve` recorded while the incident lasted.
-    let store = rlc::store::Store::connect("sqlite://rlc.db", d).await.unwrap();
+    let store = rlc::store::Store::connect("sqlite://rlc.db", d)
+        .await
+        .unwrap();
     let seen: rlc::push::OverrideList = serde_json::from_value(json!({"overrides": [{
         "id": "ovr-1", "reason": "INC-123 launch traffic", "created_at": from,
         "expires_at": from + 3 * HOUR,
@@ -370,13 +477,18 @@ async fn minutes_under_an_incident_override_are_not_demand() {
     }]}))
     .unwrap();
     let at = |t: i64| chrono::DateTime::from_timestamp(t, 0).unwrap();
-    store.record_overrides(&seen, at(from + 3 * HOUR - 60)).await.unwrap();
+    store
+        .record_overrides(&seen, at(from + 3 * HOUR - 60))
+        .await
+        .unwrap();
     // On-call throttles mobile now.
     let added = reqwest::Client::new()
         .post(format!("{}/v1/overrides", controller.url()))
         .bearer_auth("ctl-s3cret")
-        .json(&json!({"service": "pay", "bucket": "mobile", "limit_rps": 100.0,
-                      "ttl_secs": 3600, "reason": "INC-124 mobile retry loop", "who": "test"}))
+        .json(
+            &json!({"service": "pay", "bucket": "mobile", "limit_rps": 100.0,
+                      "ttl_secs": 3600, "reason": "INC-124 mobile retry loop", "who": "test"}),
+        )
         .send()
         .await
         .unwrap();
@@ -388,7 +500,10 @@ async fn minutes_under_an_incident_override_are_not_demand() {
     assert_eq!(limit(&preview, "mobile"), 500.0, "{preview}");
     let w = &planned(&preview, "web")["evidence"];
     assert_eq!(w["ignored"][0]["kind"], "override", "{w}");
-    assert!(explain(&preview, "web").contains("override ovr-1: INC-123 launch traffic"), "{w}");
+    assert!(
+        explain(&preview, "web").contains("override ovr-1: INC-123 launch traffic"),
+        "{w}"
+    );
 
     let (code, out) = rlc(d, &["run", "--once", "--json"]);
     assert_eq!(code, 0, "{out}");

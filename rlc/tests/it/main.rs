@@ -1,10 +1,10 @@
 //! Integration tests of the `rlc` binary and library (one test binary per crate): validation,
 //! history from a real Prometheus, compute_plan end to end, backtests, plugins.
 
+mod agreement;
 mod backtest;
 mod cli;
 mod compute;
-mod agreement;
 mod faults;
 mod git_faults;
 mod history_bounds;

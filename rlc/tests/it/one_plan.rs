@@ -68,12 +68,8 @@ fn run_once(dir: &Path) -> (i32, Value) {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| {
-        panic!(
-            "{e}: {text}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        )
-    });
+    let v: Value = serde_json::from_str(&text)
+        .unwrap_or_else(|e| panic!("{e}: {text}\n{}", String::from_utf8_lossy(&out.stderr)));
     (out.status.code().unwrap_or(-1), v)
 }
 
@@ -97,11 +93,7 @@ fn a_proposed_decrease_is_not_counted_as_applied() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let prom = prometheus(d);
-    let remote = setup(
-        d,
-        &prom,
-        "  mode: pull-request\n  forge:\n    kind: none\n",
-    );
+    let remote = setup(d, &prom, "  mode: pull-request\n  forge:\n    kind: none\n");
 
     let (code, out) = run_once(d);
     assert_eq!(code, 0, "{out}");
@@ -132,7 +124,9 @@ fn a_proposed_decrease_is_not_counted_as_applied() {
     // The store knows the decrease as a proposal only.
     let rt = tokio::runtime::Runtime::new().unwrap();
     let changes = rt.block_on(async {
-        let store = rlc::store::Store::connect("sqlite://rlc.db", d).await.unwrap();
+        let store = rlc::store::Store::connect("sqlite://rlc.db", d)
+            .await
+            .unwrap();
         store.quota_changes("pay", "batch", 10).await.unwrap()
     });
     assert!(!changes.is_empty());
@@ -154,11 +148,7 @@ fn one_run_fetches_the_remote_once() {
         let before = direct.upload_packs();
         let (code, out) = run_once(d);
         assert_eq!(code, 0, "{out}");
-        assert_eq!(
-            direct.upload_packs() - before,
-            1,
-            "direct run {run}: {out}"
-        );
+        assert_eq!(direct.upload_packs() - before, 1, "direct run {run}: {out}");
     }
     assert_eq!(limit(&direct, "main", "batch"), 750.0);
 

@@ -98,7 +98,12 @@ fn wait_for(what: &str, bound: Duration, mut f: impl FnMut() -> bool) {
 }
 
 /// `(status, body)` of a plain HTTP request.
-pub(crate) fn http(port: u16, method: &str, path: &str, token: Option<&str>) -> Option<(u16, String)> {
+pub(crate) fn http(
+    port: u16,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+) -> Option<(u16, String)> {
     let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));

@@ -10,10 +10,10 @@
 //! One test, one Prometheus: the instance is killed when the test ends (drop).
 
 use chrono::{TimeZone, Utc};
-use rlc_plan::compute::compute_plan;
 use rlc::history::synth::Profile;
 use rlc::history::{self, HistoryError, PlanHistory};
 use rlc::plan::PlannedBucket;
+use rlc_plan::compute::compute_plan;
 use schema::Mode;
 use test_support::prometheus::{OpenMetricsWriter, Prometheus, VictoriaMetrics};
 
@@ -462,9 +462,10 @@ fn four_weeks_from_real_prometheus() {
     within(storm, 85.0, 100.0);
     let peak = json(&storm.evidence)["peak_rps"].as_f64().unwrap();
     assert!(peak > 150.0, "storm peak {peak} (normal daily peak is 75)");
-    let peak_at =
-        chrono::DateTime::parse_from_rfc3339(json(&storm.evidence)["policy"]["peak_at"].as_str().unwrap())
-            .unwrap();
+    let peak_at = chrono::DateTime::parse_from_rfc3339(
+        json(&storm.evidence)["policy"]["peak_at"].as_str().unwrap(),
+    )
+    .unwrap();
     let off = peak_at.timestamp() - end;
     assert!(
         (-5 * DAY..-5 * DAY + 700).contains(&off),
@@ -491,7 +492,10 @@ fn four_weeks_from_real_prometheus() {
     for c in ["web.lookup", "app.lookup"] {
         let g = get(&plan, "geo", c);
         within(g, 95.0, 105.0);
-        assert_eq!(json(&g.evidence)["policy"]["capped_by"], "planned capacity share");
+        assert_eq!(
+            json(&g.evidence)["policy"]["capped_by"],
+            "planned capacity share"
+        );
     }
 
     // A holiday at half traffic for the last 5 days: the forecast does not follow it down;
@@ -532,7 +536,10 @@ fn four_weeks_from_real_prometheus() {
     // sale over, or beyond the horizon, leaves the quota at 187.5.
     let sale = get(&plan, "sale", "web.checkout");
     within(sale, 540.0, 585.0);
-    assert_eq!(json(&sale.evidence)["policy"]["event"]["name"], "winter sale");
+    assert_eq!(
+        json(&sale.evidence)["policy"]["event"]["name"],
+        "winter sale"
+    );
     assert!(json(&sale.evidence)["explain"]
         .as_str()
         .unwrap()

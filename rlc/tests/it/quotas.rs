@@ -459,16 +459,29 @@ fn scenario(database_url: &str) {
         assert_eq!(kind("full").await, 1.0);
         assert!(kind("incremental").await >= 2.0);
         let log = std::fs::read_to_string(d.join("serve.log")).unwrap();
-        let pulled: Vec<&str> = log.lines().filter(|l| l.contains("history pulled")).collect();
+        let pulled: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("history pulled"))
+            .collect();
         assert!(
-            pulled.iter().any(|l| l.contains("kind=full") && l.contains("api=query_range")),
+            pulled
+                .iter()
+                .any(|l| l.contains("kind=full") && l.contains("api=query_range")),
             "{log}"
         );
         let inc = pulled
             .iter()
             .find(|l| l.contains("kind=incremental"))
             .unwrap_or_else(|| panic!("no incremental pull logged: {log}"));
-        for field in ["api=query_range", "series=2", "points=", "bytes=", "seconds=", "from=", "to="] {
+        for field in [
+            "api=query_range",
+            "series=2",
+            "points=",
+            "bytes=",
+            "seconds=",
+            "from=",
+            "to=",
+        ] {
             assert!(inc.contains(field), "{field} in {inc}");
         }
         assert!(!inc.contains("=None") && !inc.contains("=Some("), "{inc}");
@@ -481,7 +494,15 @@ fn scenario(database_url: &str) {
     // side showed.
     let (code, out) = output(
         d,
-        &["backtest", "--holdout", "4d", "--policy", "peak", "--format", "json"],
+        &[
+            "backtest",
+            "--holdout",
+            "4d",
+            "--policy",
+            "peak",
+            "--format",
+            "json",
+        ],
     );
     assert_eq!(code, 0, "{out}");
     let scored = json_of(&out);

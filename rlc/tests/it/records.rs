@@ -62,12 +62,7 @@ fn a_run_killed_between_its_push_and_its_record_is_recorded_by_the_next() {
         ),
     );
     let seed = remote.head("main").unwrap();
-    let mut run = Proc::spawn(
-        rlc_run(d)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null()),
-    )
-    .unwrap();
+    let mut run = Proc::spawn(rlc_run(d).stdout(Stdio::null()).stderr(Stdio::null())).unwrap();
     // Killed once the commit is on the remote and the run has journaled it (right after its
     // git write, before the controller push).
     let journaled = || {
@@ -93,11 +88,21 @@ fn a_run_killed_between_its_push_and_its_record_is_recorded_by_the_next() {
         d.join("rlc.yaml"),
         std::fs::read_to_string(d.join("rlc.yaml"))
             .unwrap()
-            .replace(&format!("controller:\n  url: http://127.0.0.1:{}\n  token_env: RLC_RECORDS_TOKEN\n", hole.port), ""),
+            .replace(
+                &format!(
+                    "controller:\n  url: http://127.0.0.1:{}\n  token_env: RLC_RECORDS_TOKEN\n",
+                    hole.port
+                ),
+                "",
+            ),
     )
     .unwrap();
     let out = rlc_run(d).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     let rt = tokio::runtime::Runtime::new().unwrap();
     let store = rt
         .block_on(rlc::store::Store::connect("sqlite://rlc.db", d))
@@ -108,7 +113,10 @@ fn a_run_killed_between_its_push_and_its_record_is_recorded_by_the_next() {
         .find(|r| r.commit_sha.as_deref() == Some(committed.as_str()))
         .unwrap_or_else(|| panic!("the killed run is not in the history: {runs:?}"));
     assert_eq!(killed.status, "pending", "{killed:?}");
-    assert!(killed.summary.contains("interrupted after its git write"), "{killed:?}");
+    assert!(
+        killed.summary.contains("interrupted after its git write"),
+        "{killed:?}"
+    );
     let history = rt
         .block_on(store.quota_history("payments", "api-gateway.charge"))
         .unwrap();
@@ -125,7 +133,9 @@ fn a_run_killed_between_its_push_and_its_record_is_recorded_by_the_next() {
 #[test]
 fn concurrent_runs_record_each_change_once() {
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let db = rt.block_on(test_support::postgres::fresh_database()).unwrap();
+    let db = rt
+        .block_on(test_support::postgres::fresh_database())
+        .unwrap();
     let remote = remote();
     let a = tempfile::tempdir().unwrap();
     let b = tempfile::tempdir().unwrap();
@@ -140,8 +150,14 @@ fn concurrent_runs_record_each_change_once() {
         let st = p.wait_exit(Duration::from_secs(300)).expect("run ended");
         assert!(st.success(), "{st:?}");
     }
-    assert_eq!(remote.commit_count("main").unwrap(), 2, "one commit of changes");
-    let store = rt.block_on(rlc::store::Store::connect(&db.url, Path::new("/"))).unwrap();
+    assert_eq!(
+        remote.commit_count("main").unwrap(),
+        2,
+        "one commit of changes"
+    );
+    let store = rt
+        .block_on(rlc::store::Store::connect(&db.url, Path::new("/")))
+        .unwrap();
     let runs = rt.block_on(store.recent_runs(10)).unwrap();
     assert_eq!(runs.len(), 3, "{runs:?}");
     let with_commit: Vec<_> = runs.iter().filter(|r| r.status == "success").collect();

@@ -499,7 +499,10 @@ fn burst_and_real_drops(database_url: &str, shots: &str) {
                 .unwrap_or_else(|| panic!("{bucket} listed as {class}: {dom}")),
         );
     }
-    assert!(at.windows(2).all(|w| w[0] < w[1]), "attention order: {at:?}");
+    assert!(
+        at.windows(2).all(|w| w[0] < w[1]),
+        "attention order: {at:?}"
+    );
     assert!(dom.contains("dropping "), "{dom}");
 
     let target = std::env::var_os("CARGO_TARGET_DIR")

@@ -181,8 +181,10 @@ fn the_readme_quick_start_runs_as_written() {
     );
     assert_eq!(first, learned, "the enforced bucket kept its limit\n{out}");
     assert!(
-        out.lines().any(|l| l.contains("why") && l.contains("api-gateway.charge")
-            && l.contains("throttled minute") && l.contains("left out")),
+        out.lines().any(|l| l.contains("why")
+            && l.contains("api-gateway.charge")
+            && l.contains("throttled minute")
+            && l.contains("left out")),
         "the demo says why the enforced bucket kept its limit:\n{out}"
     );
     let (first, learned) = (
@@ -191,7 +193,9 @@ fn the_readme_quick_start_runs_as_written() {
     );
     let ratio = learned / first;
     let spike_named = out.lines().any(|l| {
-        l.contains("why") && l.contains("api-gateway.refund") && l.contains("spike")
+        l.contains("why")
+            && l.contains("api-gateway.refund")
+            && l.contains("spike")
             && l.contains("discounted")
     });
     assert!(
@@ -327,7 +331,9 @@ fn the_readme_quick_start_runs_as_written() {
     for (name, _) in &committed {
         let (service, bucket) = name.split_once('/').unwrap();
         assert!(
-            page.contains(&format!("data-bucket=\"{bucket}\" data-service=\"{service}\"")),
+            page.contains(&format!(
+                "data-bucket=\"{bucket}\" data-service=\"{service}\""
+            )),
             "{name} on the overview:\n{page}"
         );
     }
@@ -362,7 +368,12 @@ fn the_readme_quick_start_runs_as_written() {
     // `rlc serve`: every answer is JSON, the unknown path's a problem.
     for c in readme_curls() {
         let c = ported(&c);
-        let out = Command::new("sh").arg("-c").arg(&c).current_dir(cwd).output().unwrap();
+        let out = Command::new("sh")
+            .arg("-c")
+            .arg(&c)
+            .current_dir(cwd)
+            .output()
+            .unwrap();
         assert!(out.status.success(), "{c}: {out:?}");
         let v: serde_json::Value = serde_json::from_slice(&out.stdout)
             .unwrap_or_else(|e| panic!("{c}: {e}: {}", String::from_utf8_lossy(&out.stdout)));
@@ -379,7 +390,10 @@ fn the_readme_quick_start_runs_as_written() {
         } else {
             let buckets = v["buckets"].as_array().unwrap();
             assert!(!buckets.is_empty(), "{c}: {v:#}");
-            assert!(buckets.iter().all(|b| b["service"] == "payments"), "{c}: {v:#}");
+            assert!(
+                buckets.iter().all(|b| b["service"] == "payments"),
+                "{c}: {v:#}"
+            );
         }
     }
     drop(daemons);

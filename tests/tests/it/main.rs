@@ -32,7 +32,17 @@ fn bin(name: &str) -> PathBuf {
             .current_dir(&root)
             // The axum_service example (closed_loop.rs) in the same build: two builds with
             // different feature sets would rebuild each other's dependencies every run.
-            .args(["build", "-q", "-p", "rlc", "-p", "grl-runtime", "-p", "grl-client", "--bins"])
+            .args([
+                "build",
+                "-q",
+                "-p",
+                "rlc",
+                "-p",
+                "grl-runtime",
+                "-p",
+                "grl-client",
+                "--bins",
+            ])
             .args(["--example", "axum_service"])
             .status()
             .expect("cargo runs")

@@ -522,7 +522,12 @@ async fn detail(
         store.quota_changes(service, bucket, MAX_CHANGES),
     );
     let now = Utc::now();
-    let overrides = load(AT, "the incident overrides", limit, store.override_windows(now));
+    let overrides = load(
+        AT,
+        "the incident overrides",
+        limit,
+        store.override_windows(now),
+    );
     let (stats, steps, history, overrides) = if store.concurrent() {
         tokio::join!(stats, steps, history, overrides)
     } else {
@@ -534,7 +539,9 @@ async fn detail(
     let quota_history = missing
         .part(history, |m| &mut m.history)
         .unwrap_or_default();
-    let overrides = missing.part(overrides, |m| &mut m.overrides).unwrap_or_default();
+    let overrides = missing
+        .part(overrides, |m| &mut m.overrides)
+        .unwrap_or_default();
     let (series, scopes_cut) = series_from_steps(&steps, start, end, step_secs);
     let overrides = overrides_on(&overrides, service, bucket, now);
     let detail = BucketDetail {
@@ -623,7 +630,16 @@ pub(in crate::serve) async fn bucket_page(
                     None
                 }
             };
-            detail(&store, rule, &service, &bucket, &window, s.query_timeout(), force).await
+            detail(
+                &store,
+                rule,
+                &service,
+                &bucket,
+                &window,
+                s.query_timeout(),
+                force,
+            )
+            .await
         }
     };
     let links = s.links();
@@ -632,10 +648,7 @@ pub(in crate::serve) async fn bucket_page(
             let e = not_found(&service, &bucket, s.quotas().is_some());
             (
                 e.status(),
-                super::run_page::error_page(
-                    &format!("Bucket {service}/{bucket}"),
-                    &e.message(),
-                ),
+                super::run_page::error_page(&format!("Bucket {service}/{bucket}"), &e.message()),
             )
         }
         Ok((mut d, mut missing)) => {
@@ -818,7 +831,8 @@ fn chart(s: &Series, d: &BucketDetail) -> Markup {
     let y = |v: f64| TOP + plot_h * (1.0 - v / top);
     let span_secs = (d.window_end - d.window_start).num_seconds().max(1) as f64;
     let px_per_sec = plot_w / (n as f64 * d.step_secs as f64);
-    let tx = |t: DateTime<Utc>| LEFT + plot_w * (t - d.window_start).num_seconds() as f64 / span_secs;
+    let tx =
+        |t: DateTime<Utc>| LEFT + plot_w * (t - d.window_start).num_seconds() as f64 / span_secs;
     // Gaps: runs of steps without a report, as [first, end).
     let mut gaps = Vec::new();
     let mut i = 0;
@@ -840,7 +854,12 @@ fn chart(s: &Series, d: &BucketDetail) -> Markup {
         // and admitted shows as a band around the offered line.
         ("admitted", "admitted", get(|p| p.admitted_rps), false),
         ("offered", "offered", get(|p| p.offered_rps), false),
-        ("virtual-drops", "virtual drops", get(|p| p.virtual_drop_rps), false),
+        (
+            "virtual-drops",
+            "virtual drops",
+            get(|p| p.virtual_drop_rps),
+            false,
+        ),
         ("drops", "real drops", get(|p| p.drop_rps), false),
     ]
     .into_iter()
@@ -996,7 +1015,9 @@ fn render(
 fn sections(d: &BucketDetail, missing: &Missing, links: &Links) -> Markup {
     let mut problems: Vec<String> = missing.errors.iter().map(DashError::notice).collect();
     if let Some(p) = &missing.config {
-        problems.push(format!("The bucket in the config repo could not be read: {p}"));
+        problems.push(format!(
+            "The bucket in the config repo could not be read: {p}"
+        ));
     }
     html! {
         (problems_notice(&problems))

@@ -121,7 +121,11 @@ pub fn chart(l: &Lookback) -> Markup {
             c.statistic_rps.map(|v| {
                 (
                     "statistic",
-                    format!("{} {}", c.statistic.as_deref().unwrap_or("statistic"), rate(v)),
+                    format!(
+                        "{} {}",
+                        c.statistic.as_deref().unwrap_or("statistic"),
+                        rate(v)
+                    ),
                     v,
                 )
             })
@@ -163,8 +167,14 @@ pub fn chart(l: &Lookback) -> Markup {
     let y = |v: f64| TOP + plot_h * (1.0 - v / top);
     let span = (l.end - l.start).num_seconds().max(1) as f64;
     let tx = |t: DateTime<Utc>| LEFT + plot_w * (t - l.start).num_seconds() as f64 / span;
-    let statistic = levels.iter().find(|(k, _, _)| *k != "proposed").map(|l| l.2);
-    let proposed = levels.iter().find(|(k, _, _)| *k == "proposed").map(|l| l.2);
+    let statistic = levels
+        .iter()
+        .find(|(k, _, _)| *k != "proposed")
+        .map(|l| l.2);
+    let proposed = levels
+        .iter()
+        .find(|(k, _, _)| *k == "proposed")
+        .map(|l| l.2);
     html! {
         figure class="chart" id="lookback-chart" {
             svg xmlns="http://www.w3.org/2000/svg" viewBox={ "0 0 " (W) " " (H) } width=(W)

@@ -155,7 +155,11 @@ pub fn verdict(
         );
     };
     if s.dropped > 0.0 {
-        let share = if s.offered > 0.0 { s.dropped / s.offered } else { 0.0 };
+        let share = if s.offered > 0.0 {
+            s.dropped / s.offered
+        } else {
+            0.0
+        };
         return (
             Attention::Dropping,
             format!("dropping {} of requests", percent(share)),
@@ -223,8 +227,7 @@ pub fn rows(src: &Sources<'_>) -> Vec<Row> {
     for w in src.overrides.values().flatten() {
         *spread.entry(w.id.as_str()).or_default() += 1;
     }
-    let keys: BTreeSet<(String, String)> =
-        config.keys().chain(summaries.keys()).cloned().collect();
+    let keys: BTreeSet<(String, String)> = config.keys().chain(summaries.keys()).cloned().collect();
     let mut out: Vec<Row> = keys
         .into_iter()
         .map(|key| {

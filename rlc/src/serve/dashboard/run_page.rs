@@ -48,7 +48,11 @@ pub(in crate::serve) async fn run_page(
     .await;
     match res {
         Ok((run, changes)) => Html(render(&run, &changes, &links)).into_response(),
-        Err(e) => (e.status(), Html(error_page(&format!("Run {id}"), &e.message()))).into_response(),
+        Err(e) => (
+            e.status(),
+            Html(error_page(&format!("Run {id}"), &e.message())),
+        )
+            .into_response(),
     }
 }
 

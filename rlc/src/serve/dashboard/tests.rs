@@ -301,7 +301,10 @@ async fn html_dashboard_flags_buckets_and_escapes_names() {
     assert!(html.contains(r#"<tr class="ok" data-bucket="steady" data-service="payments""#));
     assert!(html.contains("would throttle 33.33%"));
     assert!(html.contains("<b>2</b> would throttle"), "gw and geo");
-    assert!(html.contains(r#"id="no-config""#), "says only reported buckets are listed");
+    assert!(
+        html.contains(r#"id="no-config""#),
+        "says only reported buckets are listed"
+    );
     // Names are text, never markup: no script element, no injected attribute.
     assert!(!html.contains("<script"), "{html}");
     assert!(!html.contains("<img"), "{html}");
@@ -802,7 +805,10 @@ async fn check_bucket_pages(store: Store, label: &str) {
     let link = &dom[at..][..dom[at..].find('"').unwrap()];
     let (status, page) = get(&state, link).await;
     assert_eq!(status, StatusCode::OK, "{link}");
-    assert!(page.contains(">feedfacefeed</code>"), "the run page names its commit: {page}");
+    assert!(
+        page.contains(">feedfacefeed</code>"),
+        "the run page names its commit: {page}"
+    );
     let (status, run) = get_json(&state, &format!("/v1{link}")).await;
     assert_eq!(status, StatusCode::OK, "{link}");
     assert_eq!(
@@ -903,7 +909,10 @@ async fn bucket_verdict_applies_the_services_promotion_rule() {
     )
     .unwrap()
     .value;
-    let cache = std::sync::Arc::new(crate::history::snapshot::HistoryCache::new(cfg.clone(), dir.path()));
+    let cache = std::sync::Arc::new(crate::history::snapshot::HistoryCache::new(
+        cfg.clone(),
+        dir.path(),
+    ));
     let slot = crate::serve::StoreSlot::with(store.clone());
     let state = AppState::from_parts(crate::serve::AppParts {
         quotas: Some(std::sync::Arc::new(
@@ -1321,10 +1330,22 @@ async fn operator_view() -> OperatorView {
     let now = crate::store::minute_of(Utc::now());
     let old = now - chrono::Duration::minutes(40);
     let reports = vec![
-        zone_minute(1, now, ("payments", "enforced.api-gateway", "global", "enforce"), 150.0, 100.0),
+        zone_minute(
+            1,
+            now,
+            ("payments", "enforced.api-gateway", "global", "enforce"),
+            150.0,
+            100.0,
+        ),
         zone_minute(1, now, ("payments", "gw", "global", "shadow"), 147.6, 98.4),
         zone_minute(1, now, ("maps", "geo", "global", "shadow"), 120.0, 100.0),
-        zone_minute(1, now, ("payments", "steady", "global", "shadow"), 90.0, 100.0),
+        zone_minute(
+            1,
+            now,
+            ("payments", "steady", "global", "shadow"),
+            90.0,
+            100.0,
+        ),
         zone_minute(1, old, ("payments", "old", "global", "shadow"), 50.0, 100.0),
     ];
     store.insert_reports(&reports, Utc::now()).await.unwrap();
@@ -1345,7 +1366,12 @@ async fn operator_view() -> OperatorView {
         }],
     };
     store.record_overrides(&list, Utc::now()).await.unwrap();
-    let mut raised = run("held", 1, Some("0123456789abcdef0123456789abcdef01234567"), None);
+    let mut raised = run(
+        "held",
+        1,
+        Some("0123456789abcdef0123456789abcdef01234567"),
+        None,
+    );
     raised.summary = "rlc run (schedule): held\n  payments: raised gw 98.4 → 173\n  needs review: \
                       payments/steady lowered (decrease held until the decrease interval)"
         .into();
@@ -1396,7 +1422,14 @@ async fn overview_lists_every_bucket_by_attention() {
     // first: really dropping, would drop (largest share first), stale, silent, fine.
     assert_eq!(
         row_buckets(&html),
-        ["enforced.api-gateway", "gw", "geo", "old", "quiet-bucket", "steady"],
+        [
+            "enforced.api-gateway",
+            "gw",
+            "geo",
+            "old",
+            "quiet-bucket",
+            "steady"
+        ],
         "{html}"
     );
     // The enforced bucket that dropped a third says so, not "ok".
@@ -1405,11 +1438,20 @@ async fn overview_lists_every_bucket_by_attention() {
         "{html}"
     );
     assert!(html.contains(r#"<span class="badge would-throttle">would throttle 33.33%</span>"#));
-    assert!(html.contains(r#"<span class="badge stale">stale: last report 40 min ago</span>"#), "{html}");
+    assert!(
+        html.contains(r#"<span class="badge stale">stale: last report 40 min ago</span>"#),
+        "{html}"
+    );
     assert!(html.contains(r#"<span class="badge silent">no reports in the last 1h</span>"#));
     assert!(html.contains("not in the config repo"), "maps/geo");
     // The limit in force is the config repo's; the reports' older one is named as such.
-    let gw = html.split("data-bucket=\"gw\"").nth(1).unwrap().split("</tr>").next().unwrap();
+    let gw = html
+        .split("data-bucket=\"gw\"")
+        .nth(1)
+        .unwrap()
+        .split("</tr>")
+        .next()
+        .unwrap();
     assert!(gw.contains(">173<div class=\"muted small\""), "{gw}");
     assert!(gw.contains("reported 98.4"), "{gw}");
     // The caller-wide override, as what it is.
@@ -1420,7 +1462,10 @@ async fn overview_lists_every_bucket_by_attention() {
     assert!(!html.contains("overflow-wrap: anywhere"));
     assert!(html.contains("<b>1</b> dropping"), "{html}");
     // Runs link to their page.
-    assert!(html.contains(&format!("href=\"/runs/{}\"", v.run_id)), "{html}");
+    assert!(
+        html.contains(&format!("href=\"/runs/{}\"", v.run_id)),
+        "{html}"
+    );
 
     // Filters: by mode, by verdict, by service; a bad value names the accepted ones.
     let (_, html) = get(&v.state, "/?mode=enforce").await;
@@ -1434,7 +1479,10 @@ async fn overview_lists_every_bucket_by_attention() {
     assert_eq!(row_buckets(&html), ["quiet-bucket"]);
     let (status, html) = get(&v.state, "/?verdict=bad").await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
-    assert!(html.contains("verdict `bad`: expected one of dropping, would-throttle"), "{html}");
+    assert!(
+        html.contains("verdict `bad`: expected one of dropping, would-throttle"),
+        "{html}"
+    );
     let (status, _) = get(&v.state, "/?mode=both").await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
 }
@@ -1449,17 +1497,31 @@ async fn bucket_page_shows_the_limit_in_force_overrides_and_readable_charts() {
         html.contains(r#"<span class="big" id="limit-in-force">173 requests/s</span>"#),
         "{html}"
     );
-    assert!(html.contains(r#"id="reported-limit""#) && html.contains("says 98.4"), "{html}");
-    assert!(html.contains("href=\"https://github.com/acme/config/commit/"), "{html}");
+    assert!(
+        html.contains(r#"id="reported-limit""#) && html.contains("says 98.4"),
+        "{html}"
+    );
+    assert!(
+        html.contains("href=\"https://github.com/acme/config/commit/"),
+        "{html}"
+    );
     // The caller-wide override is shown as caller-wide, not as the bucket's limit.
-    let ov = html.split("id=\"overrides\"").nth(1).expect("overrides section");
+    let ov = html
+        .split("id=\"overrides\"")
+        .nth(1)
+        .expect("overrides section");
     assert!(ov.contains("<b>caller-wide</b>: acts on 2 buckets"), "{ov}");
     assert!(ov.contains("INC-7 retry storm from web"));
     // The chart: unit, legend, several labelled times, the limit as a step line, one minute
     // of data drawn as visible markers, admitted traffic drawn.
     let svg = &html[html.find("<svg").unwrap()..html.find("</svg>").unwrap()];
     assert!(svg.contains(">requests/s</text>"), "{svg}");
-    for legend in [">offered</text>", ">admitted</text>", ">limit</text>", ">virtual drops</text>"] {
+    for legend in [
+        ">offered</text>",
+        ">admitted</text>",
+        ">limit</text>",
+        ">virtual drops</text>",
+    ] {
         assert!(svg.contains(legend), "{legend}: {svg}");
     }
     let times = svg.matches("class=\"tick time\"").count();
@@ -1474,7 +1536,10 @@ async fn bucket_page_shows_the_limit_in_force_overrides_and_readable_charts() {
     assert!(svg.contains("<circle class=\"marker admitted\""), "{svg}");
     assert!(svg.contains("data-series=\"admitted\""));
     // The quota history links to the run's page.
-    assert!(html.contains(&format!("href=\"/runs/{}\"", v.run_id)), "{html}");
+    assert!(
+        html.contains(&format!("href=\"/runs/{}\"", v.run_id)),
+        "{html}"
+    );
 
     // A bucket of the config repo without a report: 200, its limit, no chart.
     let (status, html) = get(&v.state, "/buckets/payments/quiet-bucket").await;
@@ -1490,9 +1555,16 @@ async fn bucket_page_shows_the_limit_in_force_overrides_and_readable_charts() {
     // An unknown bucket: 404, an HTML page for the page and problem details for the JSON.
     let (status, html) = get(&v.state, "/buckets/payments/nope").await;
     assert_eq!(status, StatusCode::NOT_FOUND);
-    assert!(html.contains("no bucket `nope` of service `payments`"), "{html}");
+    assert!(
+        html.contains("no bucket `nope` of service `payments`"),
+        "{html}"
+    );
     let resp = app(v.state.clone())
-        .oneshot(Request::get("/v1/shadow/payments/nope").body(Body::empty()).unwrap())
+        .oneshot(
+            Request::get("/v1/shadow/payments/nope")
+                .body(Body::empty())
+                .unwrap(),
+        )
         .await
         .unwrap();
     assert_eq!(resp.status(), StatusCode::NOT_FOUND);
@@ -1501,12 +1573,21 @@ async fn bucket_page_shows_the_limit_in_force_overrides_and_readable_charts() {
 
 #[test]
 fn rate_ticks_are_round_and_above_the_highest_value() {
-    for (max, want_step) in [(144.0, 50.0), (98.4, 25.0), (1.0, 0.25), (3180.0, 1000.0), (0.0, 0.25)] {
+    for (max, want_step) in [
+        (144.0, 50.0),
+        (98.4, 25.0),
+        (1.0, 0.25),
+        (3180.0, 1000.0),
+        (0.0, 0.25),
+    ] {
         let (ticks, top) = bucket::rate_ticks(max);
         assert_eq!(ticks[0], 0.0);
         assert_eq!(ticks[1], want_step, "{max}: {ticks:?}");
         assert!((4..=7).contains(&ticks.len()), "{max}: {ticks:?}");
-        assert!(top >= max && top == *ticks.last().unwrap(), "{max}: {ticks:?}");
+        assert!(
+            top >= max && top == *ticks.last().unwrap(),
+            "{max}: {ticks:?}"
+        );
     }
 }
 
@@ -1515,10 +1596,16 @@ fn time_ticks_are_round_and_few() {
     let t = |h: u32, m: u32| Utc.with_ymd_and_hms(2026, 11, 30, h, m, 0).unwrap();
     let ticks = bucket::time_ticks(t(10, 3), t(11, 3));
     let labels: Vec<&str> = ticks.iter().map(|(_, l)| l.as_str()).collect();
-    assert_eq!(labels, ["10:10", "10:20", "10:30", "10:40", "10:50", "11:00"]);
+    assert_eq!(
+        labels,
+        ["10:10", "10:20", "10:30", "10:40", "10:50", "11:00"]
+    );
     let ticks = bucket::time_ticks(t(10, 0), t(10, 0) + chrono::Duration::days(30));
     assert!((4..=8).contains(&ticks.len()), "{ticks:?}");
-    assert!(ticks[0].1.starts_with("Dec ") || ticks[0].1.starts_with("Nov "), "{ticks:?}");
+    assert!(
+        ticks[0].1.starts_with("Dec ") || ticks[0].1.starts_with("Nov "),
+        "{ticks:?}"
+    );
     let ticks = bucket::time_ticks(t(10, 0), t(10, 15));
     assert_eq!(ticks.len(), 8, "every two minutes: {ticks:?}");
 }
@@ -1528,12 +1615,21 @@ async fn run_page_says_what_changed_and_why_it_was_held() {
     let v = operator_view().await;
     let (status, html) = get(&v.state, &format!("/runs/{}", v.run_id)).await;
     assert_eq!(status, StatusCode::OK, "{html}");
-    assert!(html.contains(r#"<span class="badge held" id="status">held</span>"#), "{html}");
+    assert!(
+        html.contains(r#"<span class="badge held" id="status">held</span>"#),
+        "{html}"
+    );
     let changes = html.split("id=\"changes\"").nth(1).unwrap();
     assert!(changes.contains("data-bucket=\"gw\""), "{changes}");
-    assert!(changes.contains(">98.4</td>") && changes.contains(">173</td>"), "{changes}");
+    assert!(
+        changes.contains(">98.4</td>") && changes.contains(">173</td>"),
+        "{changes}"
+    );
     let held = html.split("id=\"held\"").nth(1).expect("held section");
-    assert!(held.contains("needs review: payments/steady lowered"), "{held}");
+    assert!(
+        held.contains("needs review: payments/steady lowered"),
+        "{held}"
+    );
     assert!(html.contains(
         "href=\"https://github.com/acme/config/commit/0123456789abcdef0123456789abcdef01234567\""
     ));
@@ -1553,14 +1649,24 @@ async fn operator_pages_in_headless_chromium() {
     tokio::spawn(axum::serve(listener, app(v.state.clone())).into_future());
     let pages = [
         ("operator-overview", format!("{base}/?window=1h")),
-        ("operator-bucket", format!("{base}/buckets/payments/gw?window=1h")),
+        (
+            "operator-bucket",
+            format!("{base}/buckets/payments/gw?window=1h"),
+        ),
         ("operator-run", format!("{base}/runs/{}", v.run_id)),
         ("operator-api-docs", format!("{base}/docs#op-get-v1-shadow")),
     ];
     let dom = chromium_run(&["--dump-dom".into()], &pages[0].1).await;
     assert_eq!(
         row_buckets(&dom),
-        ["enforced.api-gateway", "gw", "geo", "old", "quiet-bucket", "steady"]
+        [
+            "enforced.api-gateway",
+            "gw",
+            "geo",
+            "old",
+            "quiet-bucket",
+            "steady"
+        ]
     );
     assert!(dom.contains("dropping 33.33% of requests"), "{dom}");
     let dom = chromium_run(&["--dump-dom".into()], &pages[1].1).await;
@@ -1568,7 +1674,10 @@ async fn operator_pages_in_headless_chromium() {
     assert!(dom.contains("caller-wide"), "{dom}");
     assert!(dom.contains("requests/s</text>"), "{dom}");
     let dom = chromium_run(&["--dump-dom".into()], &pages[2].1).await;
-    assert!(dom.contains("needs review: payments/steady lowered"), "{dom}");
+    assert!(
+        dom.contains("needs review: payments/steady lowered"),
+        "{dom}"
+    );
     // The API page renders the served document with its script (a virtual time budget lets
     // the fetch finish before the DOM is dumped): every operation, with examples.
     let dom = chromium_run(
@@ -1588,12 +1697,15 @@ async fn operator_pages_in_headless_chromium() {
         .iter()
         .flat_map(|p| p.paths.values())
         .map(|i| match i {
-            aide::openapi::ReferenceOr::Item(i) => {
-                [i.get.is_some(), i.post.is_some(), i.put.is_some(), i.delete.is_some()]
-                    .into_iter()
-                    .filter(|b| *b)
-                    .count()
-            }
+            aide::openapi::ReferenceOr::Item(i) => [
+                i.get.is_some(),
+                i.post.is_some(),
+                i.put.is_some(),
+                i.delete.is_some(),
+            ]
+            .into_iter()
+            .filter(|b| *b)
+            .count(),
             _ => 0,
         })
         .sum();
@@ -1615,8 +1727,14 @@ async fn operator_pages_in_headless_chromium() {
         .and_then(|s| s.split("</pre>").next())
         .unwrap_or_else(|| panic!("the answer shown: {dom}"));
     assert!(result.starts_with("GET /v1/runs\n200 OK"), "{result}");
-    assert!(result.contains("content-type: application/json"), "{result}");
-    assert!(result.contains("\"status\": \"held\""), "the run in the answer: {result}");
+    assert!(
+        result.contains("content-type: application/json"),
+        "{result}"
+    );
+    assert!(
+        result.contains("\"status\": \"held\""),
+        "the run in the answer: {result}"
+    );
     let dir = screenshot_dir();
     for (name, url) in pages {
         let file = dir.join(format!("{name}.png"));
@@ -1679,7 +1797,11 @@ async fn bucket_page_charts_the_history_the_quota_is_computed_from() {
     assert_eq!(status, StatusCode::OK, "{v}");
     let l = &v["lookback"];
     let points = l["points"].as_array().unwrap();
-    assert!(points.len() <= 360 && points.len() >= 280, "{}", points.len());
+    assert!(
+        points.len() <= 360 && points.len() >= 280,
+        "{}",
+        points.len()
+    );
     assert_eq!(l["step_secs"].as_i64().unwrap() % 600, 0);
     let top = points.iter().filter_map(|p| p.as_f64()).fold(0.0, f64::max);
     assert_eq!(top, 300.0, "the burst stays visible: {l}");
@@ -1687,16 +1809,27 @@ async fn bucket_page_charts_the_history_the_quota_is_computed_from() {
     assert_eq!(l["computed"]["limit_rps"].as_f64(), Some(planned), "{l}");
     assert_eq!(l["computed"]["policy"], "peak");
     assert_eq!(l["computed"]["headroom"], 0.25, "{l}");
-    let stat = l["computed"]["statistic_rps"].as_f64().expect("the statistic");
+    let stat = l["computed"]["statistic_rps"]
+        .as_f64()
+        .expect("the statistic");
     let (_, html) = get(&state, "/buckets/payments/web.charge?window=1h").await;
-    let chart = html.split("id=\"lookback-chart\"").nth(1).expect("lookback chart");
+    let chart = html
+        .split("id=\"lookback-chart\"")
+        .nth(1)
+        .expect("lookback chart");
     let chart = &chart[..chart.find("</svg>").unwrap()];
     assert!(chart.contains("data-level=\"statistic\""), "{chart}");
     assert!(chart.contains("data-level=\"proposed\""), "{chart}");
-    assert!(chart.contains(&format!("proposed limit {} (headroom +25%)", rate(planned))), "{chart}");
+    assert!(
+        chart.contains(&format!("proposed limit {} (headroom +25%)", rate(planned))),
+        "{chart}"
+    );
     // A rail that moved the policy's limit is named with the figure it moved it from.
     if let Some(from) = l["computed"]["capped_from_rps"].as_f64() {
-        assert!(chart.contains(&format!("capped from {} by a rail", rate(from))), "{chart}");
+        assert!(
+            chart.contains(&format!("capped from {} by a rail", rate(from))),
+            "{chart}"
+        );
     }
     if planned > stat {
         assert!(chart.contains("<rect class=\"headroom\""), "{chart}");
