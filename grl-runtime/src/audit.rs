@@ -135,25 +135,22 @@ impl FileLog {
         if events.is_empty() {
             return Ok(());
         }
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .read(true)
+            .append(true)
+            .open(&self.path)?;
         let mut buf = Vec::new();
         // A line cut by a crash is ended first, so that it does not swallow the next event.
-        if let Ok(mut f) = std::fs::File::open(&self.path) {
-            let mut last = [0u8];
-            if f.seek(SeekFrom::End(-1)).is_ok()
-                && f.read_exact(&mut last).is_ok()
-                && last[0] != b'\n'
-            {
-                buf.push(b'\n');
-            }
+        let mut last = [0u8];
+        if f.seek(SeekFrom::End(-1)).is_ok() && f.read_exact(&mut last).is_ok() && last[0] != b'\n'
+        {
+            buf.push(b'\n');
         }
         for e in events {
             serde_json::to_writer(&mut buf, e).map_err(std::io::Error::other)?;
             buf.push(b'\n');
         }
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.path)?;
         f.write_all(&buf)?;
         f.sync_data()?;
         if f.metadata()?.len() > MAX_FILE_BYTES {
