@@ -269,6 +269,7 @@ fn engine_computes_each_scope_from_its_zones() {
                 bucket("z", Scope::Zone, 50.0),
             ],
         }],
+        candidates: Vec::new(),
     };
     let mut e = Engine::new(cfg, 3000);
     let all = [("g", 100.0), ("r", 100.0), ("z", 100.0)];
@@ -304,6 +305,7 @@ fn engine_applies_overrides_until_they_expire() {
             service: "svc".into(),
             buckets: vec![bucket("g", Scope::Global, 1000.0)],
         }],
+        candidates: Vec::new(),
     };
     let mut e = Engine::new(cfg, 3000);
     e.ingest(&zone_report("a1", "r1", "z1", &[("g", 200.0)]), 0);
@@ -345,6 +347,7 @@ fn engine_limits_a_caller_override_as_a_whole() {
             service: "svc".into(),
             buckets: vec![ab],
         }],
+        candidates: Vec::new(),
     };
     let mut e = Engine::new(cfg, 3000);
     let req = OverrideRequest {
@@ -400,6 +403,7 @@ fn report_cursors_survive_restarts_resets_and_gaps() {
                 bucket("idle", Scope::Global, 100.0),
             ],
         }],
+        candidates: Vec::new(),
     };
     let run = |base: u64| {
         let mut e = Engine::new(cfg.clone(), 3000);
@@ -455,6 +459,7 @@ fn peered_regions_compute_one_global_ratio_without_echo() {
                 bucket("r", Scope::Region, 100.0),
             ],
         }],
+        candidates: Vec::new(),
     };
     let mut east = Engine::new(cfg.clone(), 3000);
     let mut west = Engine::new(cfg, 3000);
@@ -571,6 +576,7 @@ fn incremental_engine_matches_a_full_pass() {
                 .map(|(i, b)| bucket(b, [Scope::Global, Scope::Region, Scope::Zone][i % 3], 700.0))
                 .collect(),
         }],
+        candidates: Vec::new(),
     };
     let mut e = Engine::new(cfg("v1", 24), 1000);
     let mut x: u64 = 7;
@@ -714,6 +720,7 @@ fn delta_reports_match_full_reports() {
                 .map(|(i, b)| bucket(b, [Scope::Global, Scope::Region, Scope::Zone][i % 3], 700.0))
                 .collect(),
         }],
+        candidates: Vec::new(),
     };
     // `full` ingests every report whole; `exact` gets the deltas an aggregator's `Upstream`
     // makes of the same reports with threshold 0 (and a refresh too rare to matter);
@@ -916,6 +923,7 @@ fn shared_directive_bytes_are_the_replies_built_from_scratch() {
                     .collect(),
             })
             .collect(),
+        candidates: Vec::new(),
     };
     let mut e = Engine::new(cfg("v1", 30), 2000);
     let mut x: u64 = 7;

@@ -619,7 +619,14 @@ impl Cycle {
             w.sync()?;
             let hash = w.inputs_hash()?;
             let (version, services) = w.base_buckets()?;
-            Ok((hash, ConfigDoc { version, services }))
+            Ok((
+                hash,
+                ConfigDoc {
+                    version,
+                    services,
+                    candidates: Vec::new(),
+                },
+            ))
         })
         .await??;
         *self.polled.lock().unwrap() = Some(std::time::Instant::now());
@@ -633,7 +640,11 @@ impl Cycle {
         tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
             let w = Writer::open(wcfg)?;
             let (version, services) = w.base_buckets()?;
-            Ok(ConfigDoc { version, services })
+            Ok(ConfigDoc {
+                version,
+                services,
+                candidates: Vec::new(),
+            })
         })
         .await?
     }
@@ -1088,7 +1099,14 @@ impl Cycle {
             };
             let res = w.write_as_fetched(&p, withdraw).and_then(|res| {
                 let (version, services) = w.base_buckets()?;
-                Ok((res, ConfigDoc { version, services }))
+                Ok((
+                    res,
+                    ConfigDoc {
+                        version,
+                        services,
+                        candidates: Vec::new(),
+                    },
+                ))
             });
             (res, w.attempts())
         })

@@ -94,6 +94,7 @@ fn desired(version: &str) -> ConfigDoc {
                 policy: PolicyName::Peak,
             }],
         }],
+        candidates: Vec::new(),
     }
 }
 
