@@ -274,3 +274,40 @@ async fn candidates_survive_a_restart_with_a_state_database() {
         .unwrap();
     assert!(!text.contains("candidates"), "{text}");
 }
+
+/// `grl simulate` on a scenario with a candidate prints candidate lines beside the bucket
+/// lines; the example scenario's candidate of 3,000 rps is promoted after its bake of a minute
+/// and enforced from then on, and no request is refused at any time.
+#[test]
+fn simulate_cli_prints_candidate_lines_and_the_verdict() {
+    let scenario =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scenarios/candidate-promote.yaml");
+    let out = Command::new(env!("CARGO_BIN_EXE_grl"))
+        .args(["simulate", "--seed", "3", "--scenario"])
+        .arg(&scenario)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let (cands, buckets): (Vec<&Value>, Vec<&Value>) =
+        lines.iter().partition(|l| l.get("candidate").is_some());
+    assert_eq!(buckets.len(), 90, "90 ticks of one bucket");
+    assert!(buckets.iter().all(|b| b["dropped_rps"] == 0.0));
+    let last = cands.last().unwrap();
+    assert_eq!(last["verdict"], "promote", "{last}");
+    assert_eq!(last["real_dropped"], 0);
+    assert!(last["baked_s"].as_f64().unwrap() >= 60.0);
+    assert!(cands[..cands.len() - 1]
+        .iter()
+        .all(|c| c["verdict"] == "baking"));
+    assert_eq!(buckets.last().unwrap()["limit_rps"], 3000.0);
+    assert_eq!(buckets[0]["limit_rps"], 3470.0);
+}
