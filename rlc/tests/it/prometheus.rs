@@ -505,8 +505,10 @@ fn four_weeks_from_real_prometheus() {
     assert_eq!(holiday.bucket.policy.to_string(), "forecast");
     // Not followed down (half the traffic would give about 100–125); the grown hourly maximum
     // it starts from moves with the time of day the test runs (the series end now), so the
-    // limit lands between about 190 and 206 (164.7 rps grown by the trend × 1.25).
-    within(holiday, 180.0, 210.0);
+    // limit lands between about 190 and 212 (164.7 rps grown by the trend × 1.25; 212 seen at
+    // 23:55 UTC). The lower bound is the point of this check; the upper one only catches a
+    // runaway forecast, far below following the weekday peak up twice.
+    within(holiday, 180.0, 225.0);
     let dip = &json(&holiday.evidence)["policy"]["level_change"];
     assert_eq!(dip["kind"], "dip", "{}", holiday.evidence);
     assert_eq!(dip["discounted"], true);
