@@ -101,6 +101,7 @@ pub fn load_dir(dir: &Path) -> Result<ConfigDoc, ConfigError> {
     let doc = ConfigDoc {
         version: format!("dir:{:016x}", fnv(text.as_bytes())),
         services,
+        candidates: Vec::new(),
     };
     validate_pushed(&doc)?;
     Ok(doc)

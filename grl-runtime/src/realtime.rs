@@ -42,6 +42,7 @@ pub async fn run_realtime(
             service: sc.service.clone(),
             buckets: sc.buckets.clone(),
         }],
+        candidates: Vec::new(),
     };
     crate::config::validate(&doc)?;
     std::fs::write(state.join("config.json"), serde_json::to_vec(&doc)?)?;

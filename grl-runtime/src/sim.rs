@@ -337,6 +337,7 @@ pub fn run(
     let doc = ConfigDoc {
         version: "sim".into(),
         services: vec![file.clone()],
+        candidates: Vec::new(),
     };
     crate::config::validate(&doc)?;
     let mut engine = Engine::new(doc, sc.tick_ms * 3);

@@ -7,8 +7,11 @@
 #![warn(missing_docs)]
 
 pub mod binary;
+pub mod candidates;
 pub mod reports;
+pub mod rollout;
 
+pub use candidates::{Candidate, CandidateReport, CandidatesReply};
 pub use reports::{Cursor, ReportPage, ReportRow, Tick};
 
 use serde::{Deserialize, Serialize};
@@ -25,14 +28,19 @@ pub const PROTO_HEADER: &str = "grl-proto";
 /// [`ClientReport`] and [`ZoneReport`]; 3: an aggregator reads [`ClientReport`] in the
 /// binary encoding ([`binary::CONTENT_TYPE`]) and answers it in the same encoding; 4: delta
 /// zone reports and delta directives ([`ZoneReport::session`], [`ZoneBucketMsg::gone`],
-/// [`ZoneDirectives::session`]).
-pub const PROTO_VERSION: u32 = 4;
+/// [`ZoneDirectives::session`]); 5: candidates in `PUT /v1/config`
+/// ([`ConfigDoc::candidates`]) and `GET /v1/candidates` on the controller.
+pub const PROTO_VERSION: u32 = 5;
 
 /// The first protocol version whose aggregators read the binary encoding ([`binary`]).
 pub const PROTO_BINARY: u32 = 3;
 
 /// The first protocol version with delta zone reports and delta directives.
 pub const PROTO_DELTA: u32 = 4;
+
+/// The first protocol version whose controllers accept [`ConfigDoc::candidates`] and serve
+/// `GET /v1/candidates`: send candidates only to a controller that announced it.
+pub const PROTO_CANDIDATES: u32 = 5;
 
 /// [`PROTO_VERSION`] as a header value (made once).
 pub fn version_header() -> http::HeaderValue {
@@ -84,6 +92,10 @@ pub struct ConfigDoc {
     pub version: String,
     /// One bucket file per callee service.
     pub services: Vec<BucketFile>,
+    /// Candidate limits watched beside the limits in force (protocol 5; `PUT` only: the
+    /// controller keeps them with the config but never serves them in `GET /v1/config`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub candidates: Vec<Candidate>,
 }
 
 /// A client's counts of one bucket over one interval.

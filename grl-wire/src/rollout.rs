@@ -1,0 +1,194 @@
+//! The verdict on a candidate limit ([`crate::Candidate`]) from what it was seen doing:
+//! pure, shared by whoever decides (`rlc serve` from the controllers' `GET /v1/candidates`)
+//! and by `grl simulate` (the proof), so both decide alike.
+//!
+//! The rule, in order:
+//! 1. **Abort** as soon as the candidate's virtual-drop share (`virtual_dropped / offered`)
+//!    is above [`RolloutRule::max_virtual_drop_share`] and at least
+//!    [`RolloutRule::min_offered`] requests were seen (enough to say so): not only at the end
+//!    of the bake.
+//! 2. **Promote** once baked for [`RolloutRule::bake`] with at least `min_offered` requests
+//!    and the share at or below the bar.
+//! 3. **Abort** with "too little traffic" once baked for [`RolloutRule::max_bake`] (or
+//!    `bake`, whichever is longer) with fewer than `min_offered` requests: a starved
+//!    candidate does not pass silently.
+//! 4. Otherwise **Baking**.
+
+use std::time::Duration;
+
+/// How a candidate is baked and judged.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RolloutRule {
+    /// How long a candidate is watched before it may be promoted (default 1h).
+    pub bake: Duration,
+    /// The highest share of offered requests the candidate may have virtually dropped
+    /// (default 0.0001).
+    pub max_virtual_drop_share: f64,
+    /// Requests the candidate must have seen before any verdict (default 1000).
+    pub min_offered: f64,
+    /// How long a candidate that saw fewer than `min_offered` requests waits before it is
+    /// aborted (default 24h; never shorter than `bake`).
+    pub max_bake: Duration,
+}
+
+impl Default for RolloutRule {
+    fn default() -> Self {
+        RolloutRule {
+            bake: Duration::from_secs(3600),
+            max_virtual_drop_share: 0.0001,
+            min_offered: 1000.0,
+            max_bake: Duration::from_secs(24 * 3600),
+        }
+    }
+}
+
+/// What a candidate was seen doing so far (in one stage: summed over its controllers).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Observed {
+    /// How long it has been watched.
+    pub baked: Duration,
+    /// Requests offered to its match.
+    pub offered: f64,
+    /// Requests its drop ratio would have dropped.
+    pub virtual_dropped: f64,
+}
+
+impl Observed {
+    /// `virtual_dropped / offered`; 0 when nothing was offered.
+    pub fn share(&self) -> f64 {
+        if self.offered > 0.0 {
+            self.virtual_dropped / self.offered
+        } else {
+            0.0
+        }
+    }
+}
+
+/// The decision on a candidate.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Verdict {
+    /// Keep watching.
+    Baking,
+    /// The candidate passed: it may become the limit in force.
+    Promote,
+    /// The candidate failed: the limit in force stays.
+    Abort {
+        /// Why, with the evidence (share, counts, bar).
+        reason: String,
+    },
+}
+
+/// Judges `seen` by `rule` (see the module doc for the order of the checks).
+pub fn judge(rule: &RolloutRule, seen: &Observed) -> Verdict {
+    let share = seen.share();
+    let enough = seen.offered >= rule.min_offered;
+    // NaN counts are never "under the bar".
+    let over = !(share <= rule.max_virtual_drop_share);
+    if enough && over {
+        return Verdict::Abort {
+            reason: format!(
+                "virtual-drop share {:.4}% is above the bar of {}% ({:.0} of {:.0} offered requests would have been refused after {}s)",
+                share * 100.0,
+                rule.max_virtual_drop_share * 100.0,
+                seen.virtual_dropped,
+                seen.offered,
+                seen.baked.as_secs()
+            ),
+        };
+    }
+    if enough && seen.baked >= rule.bake {
+        return Verdict::Promote;
+    }
+    if !enough && seen.baked >= rule.max_bake.max(rule.bake) {
+        return Verdict::Abort {
+            reason: format!(
+                "too little traffic: {:.0} offered requests in {}s, fewer than the {:.0} required",
+                seen.offered,
+                seen.baked.as_secs(),
+                rule.min_offered
+            ),
+        };
+    }
+    Verdict::Baking
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seen(secs: u64, offered: f64, virtual_dropped: f64) -> Observed {
+        Observed {
+            baked: Duration::from_secs(secs),
+            offered,
+            virtual_dropped,
+        }
+    }
+
+    fn is_abort(v: &Verdict, word: &str) -> bool {
+        matches!(v, Verdict::Abort { reason } if reason.contains(word))
+    }
+
+    #[test]
+    fn defaults() {
+        let r = RolloutRule::default();
+        assert_eq!(r.bake, Duration::from_secs(3600));
+        assert_eq!(r.max_virtual_drop_share, 0.0001);
+        assert_eq!(r.min_offered, 1000.0);
+        assert_eq!(r.max_bake, Duration::from_secs(86_400));
+    }
+
+    #[test]
+    fn aborts_early_once_enough_traffic_shows_the_share_over_the_bar() {
+        let r = RolloutRule::default();
+        // A third dropped after 10 s with 1,500 requests: abort now, not at the bake's end.
+        let v = judge(&r, &seen(10, 1500.0, 500.0));
+        assert!(is_abort(&v, "33.3333%"), "{v:?}");
+        // The same share with too few requests: keep watching.
+        assert_eq!(judge(&r, &seen(10, 15.0, 5.0)), Verdict::Baking);
+    }
+
+    #[test]
+    fn promotes_after_the_bake_with_enough_traffic_under_the_bar() {
+        let r = RolloutRule::default();
+        assert_eq!(judge(&r, &seen(3599, 1e6, 0.0)), Verdict::Baking);
+        assert_eq!(judge(&r, &seen(3600, 1e6, 0.0)), Verdict::Promote);
+        // At the bar exactly: passes; just above: aborts.
+        assert_eq!(judge(&r, &seen(3600, 1e6, 100.0)), Verdict::Promote);
+        assert!(is_abort(
+            &judge(&r, &seen(3600, 1e6, 101.0)),
+            "above the bar"
+        ));
+    }
+
+    #[test]
+    fn a_starved_candidate_waits_then_aborts() {
+        let r = RolloutRule::default();
+        assert_eq!(judge(&r, &seen(3600, 999.0, 0.0)), Verdict::Baking);
+        assert_eq!(judge(&r, &seen(86_399, 999.0, 0.0)), Verdict::Baking);
+        assert!(is_abort(
+            &judge(&r, &seen(86_400, 999.0, 0.0)),
+            "too little traffic"
+        ));
+        // Enough traffic arriving late promotes.
+        assert_eq!(judge(&r, &seen(50_000, 1000.0, 0.0)), Verdict::Promote);
+        // max_bake shorter than bake: the bake still runs.
+        let short = RolloutRule {
+            max_bake: Duration::from_secs(60),
+            ..RolloutRule::default()
+        };
+        assert_eq!(judge(&short, &seen(600, 0.0, 0.0)), Verdict::Baking);
+        assert!(is_abort(
+            &judge(&short, &seen(3600, 0.0, 0.0)),
+            "too little"
+        ));
+    }
+
+    #[test]
+    fn nan_counts_never_pass() {
+        let r = RolloutRule::default();
+        assert!(matches!(
+            judge(&r, &seen(3600, 1e6, f64::NAN)),
+            Verdict::Abort { .. }
+        ));
+    }
+}
