@@ -1727,4 +1727,6 @@ pub async fn apply_plan(
 
 pub mod compute;
 #[cfg(test)]
+mod rollout_tests;
+#[cfg(test)]
 pub(crate) mod tests;
