@@ -32,6 +32,10 @@ pub enum ConfigError {
         /// The bucket.
         bucket: String,
     },
+    /// A candidate limit that cannot be evaluated; the message names the field
+    /// (`candidates[3].bucket.limit_rps`).
+    #[error("{0}")]
+    Candidate(#[from] grl_wire::candidates::CandidateError),
     /// Traffic overrides would add too many buckets to the served config.
     #[error("the overrides would add {added} buckets to the served config, more than {max}; target a service or a procedure, or put the limit in the bucket files")]
     TooManyOverrideBuckets {
@@ -72,7 +76,8 @@ pub fn validate_pushed(doc: &ConfigDoc) -> Result<(), ConfigError> {
 
 /// Checks everything the controller requires before applying `doc`: a version, unique
 /// service names, and per service positive finite limits, unique bucket names and at least a
-/// caller or a procedure per bucket (the same checks the client's compile runs).
+/// caller or a procedure per bucket (the same checks the client's compile runs); and its
+/// candidates ([`check_candidates`]).
 pub fn validate(doc: &ConfigDoc) -> Result<(), ConfigError> {
     if doc.version.trim().is_empty() {
         return Err(ConfigError::EmptyVersion);
@@ -83,6 +88,64 @@ pub fn validate(doc: &ConfigDoc) -> Result<(), ConfigError> {
             return Err(ConfigError::DuplicateService(f.service.clone()));
         }
         Table::check(&f.service, &f.buckets)?;
+    }
+    check_candidates(doc)?;
+    Ok(())
+}
+
+/// The candidates of `doc`: the checks of [`grl_wire::candidates::check_candidates`] (count,
+/// ids, limits, a matcher), a bucket name not starting with [`RESERVED_PREFIX`], and a bucket
+/// that compiles in place of the service's bucket of that name (or beside the service's
+/// buckets when it is new: no two buckets with one caller and procedure). A candidate's
+/// service need not have a bucket file yet (the first enforced bucket of a new service is a
+/// candidate too). Errors name the field (`candidates[3].bucket.limit_rps`).
+pub fn check_candidates(doc: &ConfigDoc) -> Result<(), ConfigError> {
+    use grl_wire::candidates::CandidateError;
+    grl_wire::candidates::check_candidates(&doc.candidates)?;
+    if doc.candidates.is_empty() {
+        return Ok(());
+    }
+    type Match<'a> = (Option<&'a str>, Option<&'a str>);
+    let by_match: std::collections::HashMap<(&str, Match), &str> = doc
+        .services
+        .iter()
+        .flat_map(|f| {
+            f.buckets.iter().map(|b| {
+                (
+                    (
+                        f.service.as_str(),
+                        (b.caller.as_deref(), b.procedure.as_deref()),
+                    ),
+                    b.name.as_str(),
+                )
+            })
+        })
+        .collect();
+    for (i, c) in doc.candidates.iter().enumerate() {
+        let bad = |field: &str, message: String| CandidateError {
+            field: format!("candidates[{i}].{field}"),
+            message,
+        };
+        if c.bucket.name.starts_with(RESERVED_PREFIX) {
+            return Err(bad(
+                "bucket.name",
+                format!("names starting with `{RESERVED_PREFIX}` are reserved for the buckets the controller adds for traffic overrides"),
+            )
+            .into());
+        }
+        Table::check(&c.service, std::slice::from_ref(&c.bucket))
+            .map_err(|e| bad("bucket", e.to_string()))?;
+        let key = (c.bucket.caller.as_deref(), c.bucket.procedure.as_deref());
+        if let Some(other) = by_match
+            .get(&(c.service.as_str(), key))
+            .filter(|n| **n != c.bucket.name)
+        {
+            return Err(bad(
+                "bucket",
+                format!("matches the same caller and procedure as bucket `{other}` of service `{}`; a candidate replaces the bucket of its name", c.service),
+            )
+            .into());
+        }
     }
     Ok(())
 }

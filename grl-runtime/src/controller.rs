@@ -606,6 +606,7 @@ fn app(shared: Arc<Shared>) -> Router {
         .route("/v1/config", get(get_config).put(put_config))
         .route("/v1/status", get(status))
         .route("/v1/reports", get(reports))
+        .route("/v1/candidates", get(candidates))
         .route("/v1/aggregate", post(aggregate))
         .route("/v1/overrides", get(list_overrides).post(add_override))
         .route("/v1/overrides/history", get(override_history))
@@ -614,6 +615,16 @@ fn app(shared: Arc<Shared>) -> Router {
         .route("/healthz", get(crate::http_util::healthz))
         .route("/readyz", get(readyz))
         .with_state(shared)
+        // Every answer announces the protocol version (rlc sends candidates only to a
+        // controller that announced protocol 5; it reads it from GET /v1/status).
+        .layer(axum::middleware::map_response(
+            |mut r: axum::response::Response| async move {
+                r.headers_mut()
+                    .entry(crate::proto::PROTO_HEADER)
+                    .or_insert_with(crate::proto::version_header);
+                r
+            },
+        ))
 }
 
 /// The controller.
@@ -889,6 +900,7 @@ async fn tick_loop(
             let remaining = (!gone.is_empty()).then(|| e.overrides().to_vec());
             e.recompute(shared.now_ms(), now);
             e.record_reports(now);
+            e.evaluate_candidates(shared.now_ms(), unix_now_ms());
             let regional = peering
                 .as_ref()
                 .map(|(region, _)| e.regional_report(region));
@@ -1125,7 +1137,31 @@ async fn status(State(s): State<Arc<Shared>>) -> Json<serde_json::Value> {
         "buckets": e.bucket_count(),
         "services": e.config().services.len(),
         "overrides": e.overrides().len(),
+        "candidates": e.candidates().count(),
         "tick_ms": s.tick.as_millis() as u64,
+        "proto": crate::proto::PROTO_VERSION,
+    }))
+}
+
+/// Unix milliseconds now.
+fn unix_now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// `GET /v1/candidates`: role `reports`. Each candidate limit's counts since this controller
+/// began evaluating it; `epoch` changes when the controller restarts (its counts start over).
+async fn candidates(
+    State(s): State<Arc<Shared>>,
+    headers: HeaderMap,
+) -> Result<Json<crate::proto::CandidatesReply>, ApiError> {
+    s.authorize(&headers, "reports", "GET /v1/candidates")?;
+    let e = s.engine.lock().expect("engine lock");
+    Ok(Json(crate::proto::CandidatesReply {
+        epoch: format!("{:016x}", e.directives_version().0),
+        now_ms: unix_now_ms(),
+        candidates: e.candidate_reports(),
     }))
 }
 

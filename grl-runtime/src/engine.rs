@@ -4,6 +4,8 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
+mod candidates;
+
 // Zones and their rates live in ordered maps: sums then run in one order, so the simulator's
 // ratios (and so its random draws) are reproducible bit for bit.
 
@@ -260,6 +262,8 @@ pub struct Engine {
     scope_of: Vec<Scope>,
     service_of: Vec<u32>,
     service_names: Vec<String>,
+    /// Candidate limits, evaluated beside the buckets, never served.
+    candidates: candidates::Candidates,
 }
 
 impl Engine {
@@ -308,6 +312,7 @@ impl Engine {
             scope_of: Vec::new(),
             service_of: Vec::new(),
             service_names: Vec::new(),
+            candidates: Default::default(),
         };
         e.set_config(config);
         e
@@ -323,10 +328,14 @@ impl Engine {
         &self.base
     }
 
-    /// Replaces the config (already validated).
-    pub fn set_config(&mut self, config: ConfigDoc) {
+    /// Replaces the config (already validated). Its candidates are kept apart (see
+    /// [`Engine::candidates`]): neither the pushed nor the served config carries them, so no
+    /// aggregator or client ever sees one.
+    pub fn set_config(&mut self, mut config: ConfigDoc) {
+        let candidates = std::mem::take(&mut config.candidates);
         self.base = config;
         self.rebuild();
+        self.set_candidates(candidates);
     }
 
     /// The served buckets an override acts on (empty for an unknown id).
@@ -705,6 +714,8 @@ impl Engine {
     /// a full report and then its deltas gives the same sums as applying the full reports
     /// they stand for (`delta_reports_match_full_reports`).
     pub fn ingest(&mut self, r: &ZoneReport, now_ms: u64) -> Ingested {
+        // Calls are counts since the zone's previous forward, whatever becomes of its rates.
+        self.candidate_calls(r);
         if let Some(sess) = r.session {
             if let Some(base) = sess.base {
                 return self.ingest_delta(r, (sess.id, base), sess.seq, now_ms);

@@ -716,17 +716,24 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 })
                 .await;
             }
-            let mut out = std::io::BufWriter::new(std::io::stdout().lock());
-            let mut err = None;
-            sim::run(&sc, seed, algorithm, |row| {
+            let out = std::cell::RefCell::new(std::io::BufWriter::new(std::io::stdout().lock()));
+            let err = std::cell::RefCell::new(None);
+            // Tick rows, and candidate rows (a `candidate` key instead of `algorithm`) when the
+            // scenario has candidates: one JSON object per line, in time order.
+            let line = |row: &dyn erased::Row| {
                 use std::io::Write;
-                if let Err(e) = serde_json::to_writer(&mut out, row)
+                let mut out = out.borrow_mut();
+                if let Err(e) = row
+                    .write(&mut *out)
                     .map_err(std::io::Error::from)
                     .and_then(|_| writeln!(out))
                 {
-                    err.get_or_insert(e);
+                    err.borrow_mut().get_or_insert(e);
                 }
-            })?;
+            };
+            sim::run_with(&sc, seed, algorithm, |row| line(row), |row| line(row))?;
+            drop(out);
+            let err = err.into_inner();
             if let Some(e) = err {
                 return Err(e).context("write output");
             }
@@ -758,4 +765,17 @@ fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().to_string())
         .unwrap_or_default()
+}
+
+/// The rows `grl simulate` prints, as one type.
+mod erased {
+    /// A row written as one JSON object.
+    pub trait Row {
+        fn write(&self, w: &mut dyn std::io::Write) -> serde_json::Result<()>;
+    }
+    impl<T: serde::Serialize> Row for T {
+        fn write(&self, w: &mut dyn std::io::Write) -> serde_json::Result<()> {
+            serde_json::to_writer(w, self)
+        }
+    }
 }

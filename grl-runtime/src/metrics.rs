@@ -30,6 +30,8 @@ pub fn response(reg: &Registry) -> impl IntoResponse {
 /// - `grl_bucket_limit_rps{service,bucket}` (the limit in force, overrides included)
 /// - `grl_bucket_info{service,bucket,caller,procedure,mode,scope,policy}` = 1
 /// - `grl_config_info{version}` = 1 and `grl_controller_zones` (zones reporting)
+/// - `grl_candidate_{offered,virtual_dropped}_total{service,bucket}` and `grl_candidates`
+///   (candidate limits, see [`crate::engine::Engine::evaluate_candidates`])
 ///
 /// The counters carry no `mode` label: a bucket moved from shadow to enforce keeps one
 /// series per counter; its mode is `grl_bucket_info`'s (join `on(service, bucket)`).
@@ -182,6 +184,33 @@ impl prometheus_client::collector::Collector for EngineCollector {
             ConstGauge::new(o.expires_at.saturating_sub(now) as i64)
                 .encode(fam.encode_family(&labels)?)?;
         }
+        let mut fam = encoder.encode_descriptor(
+            "grl_candidate_offered",
+            "Requests offered to candidate limits' matches while evaluated (rate x tick length, summed over scope keys), by the bucket they would replace.",
+            None,
+            MetricType::Counter,
+        )?;
+        for (s, b, t) in e.candidate_totals() {
+            let labels = [("service", Label(s)), ("bucket", Label(b))];
+            ConstCounter::new(t[0]).encode(fam.encode_family(&labels)?)?;
+        }
+        let mut fam = encoder.encode_descriptor(
+            "grl_candidate_virtual_dropped",
+            "Requests candidate limits would have dropped (their drop ratio per scope key), by the bucket they would replace; nothing was dropped.",
+            None,
+            MetricType::Counter,
+        )?;
+        for (s, b, t) in e.candidate_totals() {
+            let labels = [("service", Label(s)), ("bucket", Label(b))];
+            ConstCounter::new(t[1]).encode(fam.encode_family(&labels)?)?;
+        }
+        let fam = encoder.encode_descriptor(
+            "grl_candidates",
+            "Candidate limits evaluated beside the limits in force.",
+            None,
+            MetricType::Gauge,
+        )?;
+        ConstGauge::new(e.candidates().count() as i64).encode(fam)?;
         let fam = encoder.encode_descriptor(
             "grl_controller_zones",
             "Zones (aggregators) heard from within the zone TTL.",

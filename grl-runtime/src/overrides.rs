@@ -565,6 +565,7 @@ mod tests {
                     b("c.y", Some("c"), Some("y"), Mode::Enforce),
                 ],
             }],
+            candidates: Vec::new(),
         };
         // Nothing targeted: the base config, same version.
         assert_eq!(materialize(&base, &[]).0, base);
@@ -775,6 +776,7 @@ mod tests {
                     buckets: vec![b("z", None, Some("z"), Mode::Enforce)],
                 },
             ],
+            candidates: Vec::new(),
         };
         let (callers, procedures) = (["a", "c", "d"], ["x", "y", "z", "w"]);
         let mut list = Vec::new();

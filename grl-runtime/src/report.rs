@@ -365,5 +365,53 @@ pub fn markdown(dir: &Path, seed: u64) -> anyhow::Result<String> {
     if seed == 1 {
         writeln!(w, "| {BEFORE} {BEFORE_UNEVEN}")?;
     }
+
+    // Candidate limits.
+    writeln!(
+        w,
+        "\n## Candidate limits (`candidate-abort.yaml`, `candidate-promote.yaml`)\n"
+    )?;
+    writeln!(
+        w,
+        "A change that could refuse more traffic reaches the controller as a candidate beside the limit in force \
+         (`candidates` in `PUT /v1/config`). Clients keep enforcing the limit in force; every tick the controller \
+         computes the candidate's drop ratio with the formula of a real bucket (`drop_ratio(offered, limit)` per scope \
+         key of the candidate's scope) and counts the requests it would have dropped (offered rate × tick length × \
+         ratio). When the candidate matches the same callers and procedures as the bucket in force, the offered rates \
+         are that bucket's, from the zones' reports (regrouped per region or zone when the candidate's scope is \
+         narrower); otherwise (a new bucket, another caller or procedure) they are the calls the zones report per \
+         (service, caller, procedure) since the previous tick. `grl_wire::rollout::judge` decides on the counts: \
+         abort as soon as at least `min_offered` requests were seen and the virtual-drop share is above \
+         `max_virtual_drop_share`; promote after `bake` with enough traffic under the bar; abort a candidate that saw \
+         too little traffic after `max_bake`. Here: 10 instances offer 150 rps to a 3,470 rps bucket, bake 1 minute, \
+         bar 0.01%, at least 1,000 requests.\n"
+    )?;
+    writeln!(
+        w,
+        "| candidate | verdict | at | offered | virtual drops | share | requests refused |"
+    )?;
+    writeln!(w, "|---|---|---:|---:|---:|---:|---:|")?;
+    for file in ["candidate-abort.yaml", "candidate-promote.yaml"] {
+        let sc = load(dir, file)?;
+        let r = run(&sc, seed, Algorithm::DropByRatio, |_| {})?;
+        let refused: f64 = r
+            .rows
+            .iter()
+            .map(|row| row.dropped_rps * sc.tick_ms as f64 / 1000.0)
+            .sum();
+        let limit = sc.candidates.first().map_or(0.0, |c| c.bucket.limit_rps);
+        match r.candidates.last() {
+            Some(c) => writeln!(
+                w,
+                "| {limit:.0} rps | {} | t = {:.0} s | {:.0} | {:.0} | {} | {refused:.0} |",
+                c.verdict,
+                c.t,
+                c.offered,
+                c.virtual_dropped,
+                pct(c.virtual_drop_share)
+            )?,
+            None => writeln!(w, "| {limit:.0} rps | none | | | | | {refused:.0} |")?,
+        }
+    }
     Ok(md)
 }

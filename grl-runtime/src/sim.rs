@@ -14,7 +14,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::client::Reporter;
 use crate::engine::Engine;
-use crate::proto::{ClientDirectives, ConfigDoc, ZoneBucketMsg, ZoneReport};
+use crate::proto::rollout::{judge, Observed, RolloutRule, Verdict};
+use crate::proto::{
+    Candidate, ClientDirectives, ConfigDoc, ServiceCallCountMsg, ZoneBucketMsg, ZoneReport,
+};
 
 /// A scenario file.
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -52,6 +55,98 @@ pub struct Scenario {
     /// Token-bucket baseline parameters.
     #[serde(default)]
     pub token_bucket: TokenBucketSpec,
+    /// Candidate limits for the scenario's buckets: evaluated by the controller engine beside
+    /// the limits in force (which the clients keep enforcing) and judged every tick by
+    /// [`grl_wire::rollout::judge`]; a promoted candidate becomes the limit in force, an
+    /// aborted one is dropped (drop-by-ratio only).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub candidates: Vec<SimCandidate>,
+    /// How candidates are judged (default: the defaults of `rollout:`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout: Option<SimRollout>,
+}
+
+/// A candidate limit of a scenario.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SimCandidate {
+    /// Its id (unique in the scenario).
+    pub id: String,
+    /// The bucket as it would be: its `name` is one of the scenario's buckets.
+    pub bucket: Bucket,
+}
+
+/// The rollout rule of a scenario (see [`grl_wire::rollout::RolloutRule`]).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SimRollout {
+    /// How long a candidate is watched before it may be promoted (default 1h).
+    #[serde(default = "d_bake")]
+    pub bake: schema::HumanDuration,
+    /// The highest share of offered requests it may virtually drop (default 0.0001).
+    #[serde(default = "d_share")]
+    pub max_virtual_drop_share: f64,
+    /// Requests it must have seen before any verdict (default 1000).
+    #[serde(default = "d_min_offered")]
+    pub min_offered: f64,
+    /// How long a candidate with too little traffic waits before it is aborted (default 1d).
+    #[serde(default = "d_max_bake")]
+    pub max_bake: schema::HumanDuration,
+}
+
+fn d_bake() -> schema::HumanDuration {
+    schema::HumanDuration(RolloutRule::default().bake)
+}
+fn d_share() -> f64 {
+    RolloutRule::default().max_virtual_drop_share
+}
+fn d_min_offered() -> f64 {
+    RolloutRule::default().min_offered
+}
+fn d_max_bake() -> schema::HumanDuration {
+    schema::HumanDuration(RolloutRule::default().max_bake)
+}
+
+impl SimRollout {
+    /// The rule it stands for.
+    pub fn rule(&self) -> RolloutRule {
+        RolloutRule {
+            bake: self.bake.0,
+            max_virtual_drop_share: self.max_virtual_drop_share,
+            min_offered: self.min_offered,
+            max_bake: self.max_bake.0,
+        }
+    }
+}
+
+/// A candidate over one tick: its counts since its evaluation began and the verdict on them.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct CandidateRow {
+    /// Virtual seconds at the end of the tick.
+    pub t: f64,
+    /// The candidate's id.
+    pub candidate: String,
+    /// The bucket it would replace.
+    pub bucket: String,
+    /// Its limit.
+    pub limit_rps: f64,
+    /// The limit in force.
+    pub in_force_limit_rps: f64,
+    /// Seconds evaluated so far.
+    pub baked_s: f64,
+    /// Requests offered to it so far (the engine's count).
+    pub offered: f64,
+    /// Requests its drop ratio would have dropped so far.
+    pub virtual_dropped: f64,
+    /// `virtual_dropped / offered`.
+    pub virtual_drop_share: f64,
+    /// Requests the clients really dropped in the bucket since the evaluation began.
+    pub real_dropped: u64,
+    /// `baking`, `promote` or `abort`.
+    pub verdict: String,
+    /// Why it was aborted.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 fn d_tick() -> u64 {
@@ -226,6 +321,8 @@ pub struct SimResult {
     pub windows: BTreeMap<String, Vec<Window>>,
     /// Per caller name: (offered, admitted) of matched requests in the second half of the run.
     pub per_caller: BTreeMap<String, (u64, u64)>,
+    /// Per tick per candidate being evaluated (up to and including its verdict's tick).
+    pub candidates: Vec<CandidateRow>,
 }
 
 /// Width of the fine-grained windows.
@@ -250,6 +347,9 @@ struct Instance {
     tb: Vec<TokenBucket>,
     carry: f64,
     tick_offered: Vec<u64>,
+    /// Requests offered since the last tick, matched by a bucket or not (the calls an
+    /// aggregator forwards).
+    tick_calls: u64,
     urgent_sent: bool,
 }
 
@@ -305,7 +405,41 @@ impl Scenario {
                 }
             }
         }
+        for (i, c) in self.candidates.iter().enumerate() {
+            if !self.buckets.iter().any(|b| b.name == c.bucket.name) {
+                return Err(SimError::Invalid(format!(
+                    "candidates[{i}].bucket.name: `{}` is not one of the scenario's buckets (the simulator evaluates candidates for buckets in force)",
+                    c.bucket.name
+                )));
+            }
+        }
+        if let Some(r) = &self.rollout {
+            #[allow(clippy::neg_cmp_op_on_partial_ord)]
+            if !(r.max_virtual_drop_share >= 0.0 && r.max_virtual_drop_share <= 1.0) {
+                return Err(SimError::Invalid(
+                    "rollout.max_virtual_drop_share must be between 0 and 1".into(),
+                ));
+            }
+            #[allow(clippy::neg_cmp_op_on_partial_ord)]
+            if !(r.min_offered >= 0.0 && r.min_offered.is_finite()) {
+                return Err(SimError::Invalid(
+                    "rollout.min_offered must be a finite number, 0 or more".into(),
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// The scenario's candidates as the controller gets them.
+    fn wire_candidates(&self) -> Vec<Candidate> {
+        self.candidates
+            .iter()
+            .map(|c| Candidate {
+                id: c.id.clone(),
+                service: self.service.clone(),
+                bucket: c.bucket.clone(),
+            })
+            .collect()
     }
 
     fn zone_list(&self) -> Vec<ZoneSpec> {
@@ -325,23 +459,46 @@ pub fn run(
     sc: &Scenario,
     seed: u64,
     algo: Algorithm,
+    emit: impl FnMut(&TickRow),
+) -> Result<SimResult, SimError> {
+    run_with(sc, seed, algo, emit, |_| {})
+}
+
+/// [`run`], also calling `emit_candidate` for every candidate row as it is produced.
+pub fn run_with(
+    sc: &Scenario,
+    seed: u64,
+    algo: Algorithm,
     mut emit: impl FnMut(&TickRow),
+    mut emit_candidate: impl FnMut(&CandidateRow),
 ) -> Result<SimResult, SimError> {
     sc.check()?;
     seed_thread_rng(seed);
     let zones = sc.zone_list();
-    let file = BucketFile {
+    // The buckets in force: a promoted candidate replaces its bucket.
+    let mut buckets = sc.buckets.clone();
+    let mut file = BucketFile {
         service: sc.service.clone(),
-        buckets: sc.buckets.clone(),
+        buckets: buckets.clone(),
     };
-    let doc = ConfigDoc {
+    let mut doc = ConfigDoc {
         version: "sim".into(),
         services: vec![file.clone()],
-        candidates: Vec::new(),
+        candidates: sc.wire_candidates(),
     };
     crate::config::validate(&doc)?;
-    let mut engine = Engine::new(doc, sc.tick_ms * 3);
+    let rule = sc
+        .rollout
+        .as_ref()
+        .map(SimRollout::rule)
+        .unwrap_or_default();
+    let mut engine = Engine::new(doc.clone(), sc.tick_ms * 3);
     let nb = sc.buckets.len();
+    // Requests the clients dropped per bucket since the start, and per candidate the count
+    // when its evaluation began.
+    let mut dropped_total = vec![0u64; nb];
+    let mut cand_start: BTreeMap<String, u64> = BTreeMap::new();
+    let mut changes = 0;
 
     // Instances of every caller replica.
     let mut instances: Vec<Instance> = Vec::new();
@@ -405,6 +562,7 @@ pub fn run(
                 tb: Vec::new(),
                 carry: 0.0,
                 tick_offered: vec![0; nb],
+                tick_calls: 0,
                 urgent_sent: false,
             });
         }
@@ -423,7 +581,7 @@ pub fn run(
             inst.tb.push(TokenBucket { rate, tokens: rate });
         }
     }
-    let bucket_of: Vec<Option<usize>> = instances
+    let mut bucket_of: Vec<Option<usize>> = instances
         .iter()
         .map(|i| i.limiter.table().find(&i.caller_name, &i.procedure))
         .collect();
@@ -477,10 +635,11 @@ pub fn run(
             let want = rate * dt + inst.carry;
             let n = want.floor() as u64;
             inst.carry = want - n as f64;
+            inst.tick_calls += n;
             let Some(b) = bucket_of[ii] else {
                 continue;
             };
-            let shadow = sc.buckets[b].mode == Mode::Shadow;
+            let shadow = buckets[b].mode == Mode::Shadow;
             let mut c = Window::default();
             for _ in 0..n {
                 let d = match algo {
@@ -513,6 +672,7 @@ pub fn run(
                 }
             }
             inst.tick_offered[b] += c.offered;
+            dropped_total[b] += c.dropped;
             for w in [&mut tick_counts[b], &mut win_counts[b]] {
                 w.offered += c.offered;
                 w.admitted += c.admitted;
@@ -540,7 +700,7 @@ pub fn run(
                 w.end_ms = now;
                 result
                     .windows
-                    .entry(sc.buckets[b].name.clone())
+                    .entry(buckets[b].name.clone())
                     .or_default()
                     .push(*w);
                 *w = Window::default();
@@ -565,6 +725,7 @@ pub fn run(
                     &urgent,
                     now,
                     &mut pending,
+                    Vec::new(),
                 );
             }
         }
@@ -576,6 +737,29 @@ pub fn run(
         match algo {
             Algorithm::DropByRatio => {
                 let all: Vec<usize> = (0..instances.len()).collect();
+                // Every request since the last tick by (caller, procedure), per zone.
+                let mut calls: Vec<BTreeMap<(String, String), u64>> =
+                    vec![BTreeMap::new(); zones.len()];
+                for inst in instances.iter_mut() {
+                    if inst.tick_calls > 0 {
+                        *calls[inst.zone]
+                            .entry((inst.caller_name.clone(), inst.procedure.clone()))
+                            .or_default() += std::mem::take(&mut inst.tick_calls);
+                    }
+                }
+                let calls = calls
+                    .into_iter()
+                    .map(|m| {
+                        m.into_iter()
+                            .map(|((caller, procedure), count)| ServiceCallCountMsg {
+                                service: sc.service.clone(),
+                                caller,
+                                procedure,
+                                count,
+                            })
+                            .collect()
+                    })
+                    .collect();
                 control_round(
                     sc,
                     &zones,
@@ -585,8 +769,81 @@ pub fn run(
                     &all,
                     now,
                     &mut pending,
+                    calls,
                 );
                 instances.iter_mut().for_each(|i| i.urgent_sent = false);
+                // The controller's tick evaluates the candidates; each is judged.
+                engine.evaluate_candidates(now, now);
+                let mut decided: Vec<(String, Option<Bucket>)> = Vec::new();
+                for r in engine.candidate_reports() {
+                    let Some(b) = buckets.iter().position(|b| b.name == r.bucket) else {
+                        continue;
+                    };
+                    let start = *cand_start.entry(r.id.clone()).or_insert(dropped_total[b]);
+                    let verdict = judge(
+                        &rule,
+                        &Observed {
+                            baked: Duration::from_secs_f64(r.seconds.max(0.0)),
+                            offered: r.offered,
+                            virtual_dropped: r.virtual_dropped,
+                        },
+                    );
+                    let (name, reason) = match &verdict {
+                        Verdict::Baking => ("baking", None),
+                        Verdict::Promote => ("promote", None),
+                        Verdict::Abort { reason } => ("abort", Some(reason.clone())),
+                    };
+                    let row = CandidateRow {
+                        t: now as f64 / 1000.0,
+                        candidate: r.id.clone(),
+                        bucket: r.bucket.clone(),
+                        limit_rps: r.limit_rps,
+                        in_force_limit_rps: buckets[b].limit_rps,
+                        baked_s: r.seconds,
+                        offered: r.offered,
+                        virtual_dropped: r.virtual_dropped,
+                        virtual_drop_share: r.virtual_drop_share,
+                        real_dropped: dropped_total[b] - start,
+                        verdict: name.into(),
+                        reason,
+                    };
+                    emit_candidate(&row);
+                    result.candidates.push(row);
+                    match verdict {
+                        Verdict::Baking => {}
+                        Verdict::Promote => {
+                            let c = doc.candidates.iter().find(|c| c.id == r.id);
+                            decided.push((r.id.clone(), c.map(|c| c.bucket.clone())));
+                        }
+                        Verdict::Abort { .. } => decided.push((r.id.clone(), None)),
+                    }
+                }
+                if !decided.is_empty() {
+                    // Promoted candidates become the limits in force; decided ones leave.
+                    for (id, promoted) in decided {
+                        doc.candidates.retain(|c| c.id != id);
+                        if let Some(new) = promoted {
+                            if let Some(b) = buckets.iter_mut().find(|b| b.name == new.name) {
+                                *b = new;
+                            }
+                        }
+                    }
+                    changes += 1;
+                    file.buckets = buckets.clone();
+                    doc.services = vec![file.clone()];
+                    doc.version = format!("sim+{changes}");
+                    crate::config::validate(&doc)?;
+                    engine.set_config(doc.clone());
+                    for inst in instances.iter_mut() {
+                        inst.reporter
+                            .install(&sc.service, Some(&file), &doc.version)
+                            .map_err(|e| SimError::Invalid(e.to_string()))?;
+                    }
+                    bucket_of = instances
+                        .iter()
+                        .map(|i| i.limiter.table().find(&i.caller_name, &i.procedure))
+                        .collect();
+                }
             }
             Algorithm::TokenBucket => {
                 // Each host refills at (its share of the scope's offered load) × limit.
@@ -595,7 +852,7 @@ pub fn run(
                     let z = &zones[inst.zone];
                     for (b, &n) in inst.tick_offered.iter().enumerate() {
                         *fleet
-                            .entry((b, scope_key(sc.buckets[b].scope, &z.region, &z.name)))
+                            .entry((b, scope_key(buckets[b].scope, &z.region, &z.name)))
                             .or_default() += n;
                     }
                 }
@@ -605,11 +862,11 @@ pub fn run(
                     let row: Vec<f64> = (0..nb)
                         .map(|b| {
                             let total =
-                                fleet[&(b, scope_key(sc.buckets[b].scope, &z.region, &z.name))];
+                                fleet[&(b, scope_key(buckets[b].scope, &z.region, &z.name))];
                             if total == 0 {
                                 inst.tb[b].rate
                             } else {
-                                inst.tick_offered[b] as f64 / total as f64 * sc.buckets[b].limit_rps
+                                inst.tick_offered[b] as f64 / total as f64 * buckets[b].limit_rps
                             }
                         })
                         .collect();
@@ -629,6 +886,7 @@ pub fn run(
         }
         for inst in instances.iter_mut() {
             inst.tick_offered.iter_mut().for_each(|x| *x = 0);
+            inst.tick_calls = 0;
         }
         let secs = sc.tick_ms as f64 / 1000.0;
         for (b, c) in tick_counts.iter_mut().enumerate() {
@@ -648,13 +906,13 @@ pub fn run(
             };
             let row = TickRow {
                 t: now as f64 / 1000.0,
-                bucket: sc.buckets[b].name.clone(),
+                bucket: buckets[b].name.clone(),
                 offered_rps: c.offered as f64 / secs,
                 admitted_rps: c.admitted as f64 / secs,
                 dropped_rps: c.dropped as f64 / secs,
                 shadow_dropped_rps: c.shadow_dropped as f64 / secs,
                 drop_ratio: ratio,
-                limit_rps: sc.buckets[b].limit_rps,
+                limit_rps: buckets[b].limit_rps,
                 algorithm: algo,
             };
             emit(&row);
@@ -678,6 +936,8 @@ fn control_round(
     ids: &[usize],
     now: u64,
     pending: &mut Vec<(u64, usize, ClientDirectives)>,
+    // Per zone, the calls since the last tick (empty between ticks).
+    mut calls: Vec<Vec<ServiceCallCountMsg>>,
 ) {
     for &i in ids {
         let r = instances[i].reporter.build_report(now);
@@ -705,7 +965,7 @@ fn control_round(
             region: z.region.clone(),
             zone: z.name.clone(),
             buckets: std::mem::take(&mut per_zone[zi]).into_values().collect(),
-            calls: Vec::new(),
+            calls: calls.get_mut(zi).map(std::mem::take).unwrap_or_default(),
             session: None,
         };
         engine.ingest(&report, now);

@@ -459,6 +459,7 @@ mod tests {
         ConfigDoc {
             version: version.to_string(),
             services: Vec::new(),
+            candidates: Vec::new(),
         }
     }
 

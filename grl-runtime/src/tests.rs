@@ -269,6 +269,7 @@ fn engine_computes_each_scope_from_its_zones() {
                 bucket("z", Scope::Zone, 50.0),
             ],
         }],
+        candidates: Vec::new(),
     };
     let mut e = Engine::new(cfg, 3000);
     let all = [("g", 100.0), ("r", 100.0), ("z", 100.0)];
@@ -304,6 +305,7 @@ fn engine_applies_overrides_until_they_expire() {
             service: "svc".into(),
             buckets: vec![bucket("g", Scope::Global, 1000.0)],
         }],
+        candidates: Vec::new(),
     };
     let mut e = Engine::new(cfg, 3000);
     e.ingest(&zone_report("a1", "r1", "z1", &[("g", 200.0)]), 0);
@@ -345,6 +347,7 @@ fn engine_limits_a_caller_override_as_a_whole() {
             service: "svc".into(),
             buckets: vec![ab],
         }],
+        candidates: Vec::new(),
     };
     let mut e = Engine::new(cfg, 3000);
     let req = OverrideRequest {
@@ -400,6 +403,7 @@ fn report_cursors_survive_restarts_resets_and_gaps() {
                 bucket("idle", Scope::Global, 100.0),
             ],
         }],
+        candidates: Vec::new(),
     };
     let run = |base: u64| {
         let mut e = Engine::new(cfg.clone(), 3000);
@@ -455,6 +459,7 @@ fn peered_regions_compute_one_global_ratio_without_echo() {
                 bucket("r", Scope::Region, 100.0),
             ],
         }],
+        candidates: Vec::new(),
     };
     let mut east = Engine::new(cfg.clone(), 3000);
     let mut west = Engine::new(cfg, 3000);
@@ -571,6 +576,7 @@ fn incremental_engine_matches_a_full_pass() {
                 .map(|(i, b)| bucket(b, [Scope::Global, Scope::Region, Scope::Zone][i % 3], 700.0))
                 .collect(),
         }],
+        candidates: Vec::new(),
     };
     let mut e = Engine::new(cfg("v1", 24), 1000);
     let mut x: u64 = 7;
@@ -714,6 +720,7 @@ fn delta_reports_match_full_reports() {
                 .map(|(i, b)| bucket(b, [Scope::Global, Scope::Region, Scope::Zone][i % 3], 700.0))
                 .collect(),
         }],
+        candidates: Vec::new(),
     };
     // `full` ingests every report whole; `exact` gets the deltas an aggregator's `Upstream`
     // makes of the same reports with threshold 0 (and a refresh too rare to matter);
@@ -916,6 +923,7 @@ fn shared_directive_bytes_are_the_replies_built_from_scratch() {
                     .collect(),
             })
             .collect(),
+        candidates: Vec::new(),
     };
     let mut e = Engine::new(cfg("v1", 30), 2000);
     let mut x: u64 = 7;
@@ -1058,4 +1066,168 @@ fn shared_directive_bytes_are_the_replies_built_from_scratch() {
     assert!(delta_replies > 50, "{delta_replies} delta replies");
     assert!(cached_seen > 0, "directive bytes were kept");
     assert!(checked > 1000);
+}
+
+/// The proof of candidate limits: a fleet at 150 rps on a 3,470 rps limit and a candidate of
+/// 100 rps. No request is refused while the candidate is watched, the candidate's virtual-drop
+/// share is about a third, and the rollout rule aborts it (as soon as enough traffic showed
+/// it); the limit in force stays.
+#[test]
+fn sim_candidate_below_the_traffic_is_aborted_without_refusing_anything() {
+    let sc = scenario("candidate-abort.yaml");
+    for seed in [1, 9] {
+        let r = run(&sc, seed, Algorithm::DropByRatio, |_| {}).unwrap();
+        assert!(!r.candidates.is_empty());
+        for c in &r.candidates {
+            assert_eq!(c.real_dropped, 0, "{c:?}");
+        }
+        for row in &r.rows {
+            assert_eq!(row.dropped_rps, 0.0, "{row:?}");
+            assert_eq!(row.limit_rps, 3470.0, "the limit in force stays: {row:?}");
+        }
+        let last = r.candidates.last().unwrap();
+        assert_eq!(last.verdict, "abort", "{last:?}");
+        assert!(
+            (last.virtual_drop_share - 1.0 / 3.0).abs() < 0.03,
+            "{last:?}"
+        );
+        assert!(last.offered >= 1000.0, "{last:?}");
+        assert!(
+            last.reason.as_deref().unwrap().contains("above the bar"),
+            "{last:?}"
+        );
+        // Aborted before the bake's end: enough traffic showed it early.
+        assert!(last.baked_s < 60.0, "{last:?}");
+        let baking = &r.candidates[..r.candidates.len() - 1];
+        assert!(baking.iter().all(|c| c.verdict == "baking"));
+    }
+}
+
+/// A candidate of 3,000 rps beside the same fleet is promoted after the bake, and from then on
+/// enforced: no request is refused at any time.
+#[test]
+fn sim_candidate_above_the_traffic_is_promoted_after_the_bake() {
+    let sc = scenario("candidate-promote.yaml");
+    let r = run(&sc, 1, Algorithm::DropByRatio, |_| {}).unwrap();
+    for row in &r.rows {
+        assert_eq!(row.dropped_rps, 0.0, "{row:?}");
+    }
+    let last = r.candidates.last().unwrap();
+    assert_eq!(last.verdict, "promote", "{last:?}");
+    assert_eq!(last.virtual_dropped, 0.0, "{last:?}");
+    assert_eq!(last.real_dropped, 0, "{last:?}");
+    assert!(last.baked_s >= 60.0, "{last:?}");
+    assert!(r.candidates[..r.candidates.len() - 1]
+        .iter()
+        .all(|c| c.verdict == "baking"));
+    // Promoted: the candidate's limit is the one in force afterwards.
+    let after: Vec<_> = r.rows.iter().filter(|row| row.t > last.t).collect();
+    assert!(!after.is_empty());
+    assert!(after.iter().all(|row| row.limit_rps == 3000.0));
+    let before: Vec<_> = r.rows.iter().filter(|row| row.t < last.t).collect();
+    assert!(before.iter().all(|row| row.limit_rps == 3470.0));
+}
+
+/// A candidate matching other callers than the bucket in force (here: every caller of the
+/// procedure) is fed by the calls the zones report: the same share.
+#[test]
+fn sim_candidate_with_another_match_reads_the_calls() {
+    let mut sc = scenario("candidate-abort.yaml");
+    sc.candidates[0].bucket.caller = None;
+    let r = run(&sc, 2, Algorithm::DropByRatio, |_| {}).unwrap();
+    let last = r.candidates.last().unwrap();
+    assert_eq!(last.verdict, "abort", "{last:?}");
+    assert!(
+        (last.virtual_drop_share - 1.0 / 3.0).abs() < 0.05,
+        "{last:?}"
+    );
+    assert!(r.rows.iter().all(|row| row.dropped_rps == 0.0));
+}
+
+/// Scenario candidates are checked like pushed ones: the error names the field.
+#[test]
+fn sim_candidate_errors_name_the_field() {
+    let mut sc = scenario("candidate-abort.yaml");
+    sc.candidates[0].bucket.limit_rps = -1.0;
+    let e = run(&sc, 1, Algorithm::DropByRatio, |_| {}).unwrap_err();
+    assert!(
+        e.to_string().contains("candidates[0].bucket.limit_rps"),
+        "{e}"
+    );
+    let mut sc = scenario("candidate-abort.yaml");
+    sc.candidates[0].bucket.name = "nope".into();
+    let e = run(&sc, 1, Algorithm::DropByRatio, |_| {}).unwrap_err();
+    assert!(e.to_string().contains("candidates[0].bucket.name"), "{e}");
+}
+
+/// Candidates are evaluated with the controller's formula per scope key of the candidate's
+/// scope (a narrower scope regroups the in-force bucket's zones), never served, and keep their
+/// counts across a push that keeps them.
+#[test]
+fn engine_evaluates_candidates_per_scope_key_and_never_serves_them() {
+    use crate::proto::Candidate;
+    let g = bucket("g", Scope::Global, 1000.0);
+    let cand = |id: &str, scope: Scope, limit: f64| Candidate {
+        id: id.into(),
+        service: "svc".into(),
+        bucket: Bucket {
+            scope,
+            limit_rps: limit,
+            ..g.clone()
+        },
+    };
+    let cfg = |version: &str, cands: Vec<Candidate>| ConfigDoc {
+        version: version.into(),
+        services: vec![BucketFile {
+            service: "svc".into(),
+            buckets: vec![g.clone()],
+        }],
+        candidates: cands,
+    };
+    let mut e = Engine::new(
+        cfg(
+            "v1",
+            vec![
+                cand("global-150", Scope::Global, 150.0),
+                cand("region-150", Scope::Region, 150.0),
+            ],
+        ),
+        3000,
+    );
+    assert!(e.config().candidates.is_empty());
+    assert!(e.base_config().candidates.is_empty());
+    assert_eq!(e.candidates().count(), 2);
+    // 200 rps in region r1, 100 rps in r2: globally 300 rps against 150 (half dropped); per
+    // region, r1's 200 against 150 (a quarter) and r2's 100 under it.
+    let mut at = 0;
+    let mut step = |e: &mut Engine| {
+        e.ingest(&zone_report("a1", "r1", "z1", &[("g", 200.0)]), at);
+        e.ingest(&zone_report("a2", "r2", "z2", &[("g", 100.0)]), at);
+        e.recompute(at, at / 1000);
+        e.evaluate_candidates(at, at);
+        at += 1000;
+    };
+    for _ in 0..11 {
+        step(&mut e);
+    }
+    let r = e.candidate_reports();
+    assert_eq!(r[0].seconds, 10.0);
+    assert_eq!(r[0].offered, 3000.0);
+    assert!((r[0].virtual_dropped - 1500.0).abs() < 1e-6, "{:?}", r[0]);
+    assert!((r[0].virtual_drop_share - 0.5).abs() < 1e-9);
+    assert_eq!(r[0].in_force_limit_rps, Some(1000.0));
+    assert_eq!(r[0].enforced_dropped, 0.0);
+    assert!((r[1].virtual_dropped - 500.0).abs() < 1e-6, "{:?}", r[1]);
+    // The real bucket drops nothing (300 rps under 1000).
+    assert!(e.buckets()[0].keys.iter().all(|k| k.ratio == 0.0));
+    // A new version keeping one candidate keeps its counts; the other is gone.
+    e.set_config(cfg("v2", vec![cand("region-150", Scope::Region, 150.0)]));
+    let r = e.candidate_reports();
+    assert_eq!(r.len(), 1);
+    assert_eq!(r[0].id, "region-150");
+    assert_eq!(r[0].seconds, 10.0);
+    // The metrics' totals never go down.
+    let totals: Vec<_> = e.candidate_totals().collect();
+    assert_eq!(totals.len(), 1);
+    assert!((totals[0].2[0] - 6000.0).abs() < 1e-6, "{totals:?}");
 }

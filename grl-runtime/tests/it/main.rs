@@ -12,6 +12,7 @@ use grl_runtime::client::{ClientOptions, GrlClient};
 use serde_json::{json, Value};
 use test_support::process::{free_port, Proc};
 
+mod candidates;
 mod config_dir_faults;
 mod connections;
 mod flood;

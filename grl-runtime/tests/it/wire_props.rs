@@ -210,8 +210,11 @@ fn bucket() -> impl Strategy<Value = Bucket> {
 fn config_doc() -> impl Strategy<Value = ConfigDoc> {
     let file = (name(), prop::collection::vec(bucket(), 0..4))
         .prop_map(|(service, buckets)| BucketFile { service, buckets });
-    (name(), prop::collection::vec(file, 0..3))
-        .prop_map(|(version, services)| ConfigDoc { version, services })
+    (name(), prop::collection::vec(file, 0..3)).prop_map(|(version, services)| ConfigDoc {
+        version,
+        services,
+        candidates: Vec::new(),
+    })
 }
 
 fn override_request(ttl: BoxedStrategy<u64>) -> impl Strategy<Value = OverrideRequest> {

@@ -1,0 +1,280 @@
+//! Candidate limits ([`grl_wire::Candidate`]): evaluated beside the limits in force, never
+//! served. Every tick ([`Engine::evaluate_candidates`]) each candidate gets the drop ratio the
+//! controller would compute for it, per scope key, with the production formula
+//! ([`grl_core::control::drop_ratio`]), from one of two sources of offered rates:
+//!
+//! - **The in-force bucket** of the candidate's name when it matches the same caller and
+//!   procedure (a changed limit, mode or scope): its offered rates from the zones' reports,
+//!   regrouped by the candidate's scope when that differs (a narrower scope sees each region
+//!   or zone apart).
+//! - **The calls** the zones report per (service, caller, procedure) (protocol 2) otherwise (a
+//!   new bucket, a changed caller or procedure): the requests matching the candidate since the
+//!   previous tick, by the candidate's scope key of the zone that reported them; the rate is
+//!   their count over the tick's length. Calls folded into `_other` by an aggregator's or a
+//!   client's bound match only a candidate without that matcher; peer controllers forward no
+//!   calls, so such a candidate of `global` scope sees this region's calls only.
+//!
+//! Counts accumulate from the candidate's first evaluation by this engine: `offered` and
+//! `virtual_dropped` in requests (rate × tick length, or counted calls), `enforced_dropped`
+//! the in-force bucket's real drops over the same ticks (0 without one).
+
+use std::collections::BTreeMap;
+
+use grl_core::control::drop_ratio;
+use grl_wire::{Candidate, CandidateReport, ZoneReport};
+use schema::Scope;
+
+use super::{lookup, Engine, RATE_UNIT};
+
+/// One candidate's evaluation state.
+#[derive(Debug, Clone)]
+pub(super) struct CandEval {
+    pub(super) c: Candidate,
+    /// Engine time (`now_ms`) and unix ms of the first evaluation (None: not evaluated yet).
+    last_ms: Option<u64>,
+    since_unix_ms: u64,
+    seconds: f64,
+    offered: f64,
+    virtual_dropped: f64,
+    enforced_dropped: f64,
+    /// Calls matching the candidate since the last evaluation, by scope key id.
+    calls: Vec<(u32, u64)>,
+}
+
+impl CandEval {
+    fn new(c: Candidate) -> CandEval {
+        CandEval {
+            c,
+            last_ms: None,
+            since_unix_ms: 0,
+            seconds: 0.0,
+            offered: 0.0,
+            virtual_dropped: 0.0,
+            enforced_dropped: 0.0,
+            calls: Vec::new(),
+        }
+    }
+
+    fn matches(&self, caller: &str, procedure: &str) -> bool {
+        self.c.bucket.caller.as_deref().is_none_or(|c| c == caller)
+            && self
+                .c
+                .bucket
+                .procedure
+                .as_deref()
+                .is_none_or(|p| p == procedure)
+    }
+}
+
+/// The candidates of an engine, their cumulative totals for `/metrics`.
+#[derive(Debug, Default)]
+pub(super) struct Candidates {
+    pub(super) list: Vec<CandEval>,
+    /// Per service, the candidates fed by calls (indices into `list`); rebuilt every tick
+    /// (a config or override change moves bucket indices).
+    by_service: BTreeMap<String, Vec<usize>>,
+    /// `grl_candidate_{offered,virtual_dropped}_total{service,bucket}`: never decrease.
+    totals: BTreeMap<(String, String), [f64; 2]>,
+}
+
+/// The scope key id of `scope` for a zone with these region and zone key ids.
+fn key_for(scope: Scope, region_key: u32, zone_key: u32) -> u32 {
+    match scope {
+        Scope::Global => 0,
+        Scope::Region => region_key,
+        Scope::Zone => zone_key,
+    }
+}
+
+fn add_to(v: &mut Vec<(u32, f64)>, key: u32, x: f64) {
+    match v.iter_mut().find(|e| e.0 == key) {
+        Some(e) => e.1 += x,
+        None => v.push((key, x)),
+    }
+}
+
+impl Engine {
+    /// Replaces the candidates; one of the same id and content keeps its counts.
+    pub(super) fn set_candidates(&mut self, list: Vec<Candidate>) {
+        let mut old = std::mem::take(&mut self.candidates.list);
+        self.candidates.list = list
+            .into_iter()
+            .map(|c| match old.iter().position(|o| o.c == c) {
+                Some(p) => old.swap_remove(p),
+                None => CandEval::new(c),
+            })
+            .collect();
+        self.index_candidates();
+    }
+
+    /// The candidates as pushed (never served).
+    pub fn candidates(&self) -> impl Iterator<Item = &Candidate> {
+        self.candidates.list.iter().map(|e| &e.c)
+    }
+
+    /// The in-force bucket a candidate is read from (same name, caller and procedure).
+    fn candidate_source(&self, c: &Candidate) -> Option<usize> {
+        lookup(&self.index, &c.service, &c.bucket.name).filter(|&i| {
+            let b = &self.buckets[i].bucket;
+            b.caller == c.bucket.caller && b.procedure == c.bucket.procedure
+        })
+    }
+
+    /// Which candidates read calls, by service.
+    fn index_candidates(&mut self) {
+        let mut by: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+        for (j, e) in self.candidates.list.iter().enumerate() {
+            if self.candidate_source(&e.c).is_none() {
+                by.entry(e.c.service.clone()).or_default().push(j);
+            }
+        }
+        self.candidates.by_service = by;
+    }
+
+    /// Counts a zone report's calls for the candidates fed by calls.
+    pub(super) fn candidate_calls(&mut self, r: &ZoneReport) {
+        if self.candidates.by_service.is_empty() || r.calls.is_empty() {
+            return;
+        }
+        let (mut region_key, mut zone_key) = (None, None);
+        for m in &r.calls {
+            let Some(js) = self.candidates.by_service.get(&m.service) else {
+                continue;
+            };
+            for &j in js {
+                let e = &self.candidates.list[j];
+                if m.count == 0 || e.last_ms.is_none() || !e.matches(&m.caller, &m.procedure) {
+                    continue;
+                }
+                let scope = e.c.bucket.scope;
+                let key = match scope {
+                    Scope::Global => 0,
+                    Scope::Region => *region_key.get_or_insert_with(|| {
+                        self.keys
+                            .id(&grl_core::control::scope_key(scope, &r.region, &r.zone))
+                    }),
+                    Scope::Zone => *zone_key.get_or_insert_with(|| {
+                        self.keys
+                            .id(&grl_core::control::scope_key(scope, &r.region, &r.zone))
+                    }),
+                };
+                let calls = &mut self.candidates.list[j].calls;
+                match calls.iter_mut().find(|c| c.0 == key) {
+                    Some(c) => c.1 = c.1.saturating_add(m.count),
+                    None => calls.push((key, m.count)),
+                }
+            }
+        }
+    }
+
+    /// One evaluation of every candidate at `now_ms` (the engine's clock, as given to
+    /// [`Engine::recompute`], which should run first) and `unix_ms`: the time since the
+    /// previous evaluation at the rates and ratios of now. A candidate's first evaluation only
+    /// starts its clock.
+    pub fn evaluate_candidates(&mut self, now_ms: u64, unix_ms: u64) {
+        self.index_candidates();
+        let mut per_key: Vec<(u32, f64)> = Vec::new();
+        for j in 0..self.candidates.list.len() {
+            let Some(last) = self.candidates.list[j].last_ms else {
+                let e = &mut self.candidates.list[j];
+                e.last_ms = Some(now_ms);
+                e.since_unix_ms = unix_ms;
+                e.calls.clear();
+                continue;
+            };
+            let dt = now_ms.saturating_sub(last) as f64 / 1000.0;
+            if dt <= 0.0 {
+                continue;
+            }
+            let c = self.candidates.list[j].c.clone();
+            let c = &c;
+            let limit = c.bucket.limit_rps;
+            per_key.clear();
+            let (offered, virtual_dropped);
+            let named = lookup(&self.index, &c.service, &c.bucket.name);
+            match self.candidate_source(c) {
+                Some(i) => {
+                    let b = &self.buckets[i];
+                    if b.bucket.scope == c.bucket.scope {
+                        per_key.extend(b.keys.iter().map(|k| (k.id, k.offered_rps)));
+                    } else {
+                        for z in self.zones.values() {
+                            if let Ok(p) = z.resolved.binary_search_by_key(&i, |e| e.0) {
+                                let key = key_for(c.bucket.scope, z.region_key, z.zone_key);
+                                add_to(&mut per_key, key, z.resolved[p].1[0] as f64 / RATE_UNIT);
+                            }
+                        }
+                    }
+                    offered = per_key.iter().map(|k| k.1).sum::<f64>() * dt;
+                    virtual_dropped = per_key
+                        .iter()
+                        .map(|&(_, rps)| drop_ratio(rps, limit) * rps)
+                        .sum::<f64>()
+                        * dt;
+                }
+                None => {
+                    let calls = std::mem::take(&mut self.candidates.list[j].calls);
+                    offered = calls.iter().map(|c| c.1 as f64).sum();
+                    virtual_dropped = calls
+                        .iter()
+                        .map(|&(_, n)| drop_ratio(n as f64 / dt, limit) * n as f64)
+                        .sum();
+                }
+            }
+            let enforced = named.map_or(0.0, |i| {
+                self.buckets[i]
+                    .keys
+                    .iter()
+                    .map(|k| k.dropped_rps)
+                    .sum::<f64>()
+                    * dt
+            });
+            let key = (c.service.clone(), c.bucket.name.clone());
+            let e = &mut self.candidates.list[j];
+            e.last_ms = Some(now_ms);
+            e.seconds += dt;
+            e.offered += offered;
+            e.virtual_dropped += virtual_dropped;
+            e.enforced_dropped += enforced;
+            let t = self.candidates.totals.entry(key).or_default();
+            t[0] += offered;
+            t[1] += virtual_dropped;
+        }
+    }
+
+    /// Every candidate's counts since its first evaluation (`GET /v1/candidates`).
+    pub fn candidate_reports(&self) -> Vec<CandidateReport> {
+        self.candidates
+            .list
+            .iter()
+            .map(|e| CandidateReport {
+                id: e.c.id.clone(),
+                service: e.c.service.clone(),
+                bucket: e.c.bucket.name.clone(),
+                limit_rps: e.c.bucket.limit_rps,
+                mode: e.c.bucket.mode,
+                in_force_limit_rps: lookup(&self.index, &e.c.service, &e.c.bucket.name)
+                    .map(|i| self.buckets[i].bucket.limit_rps),
+                since_ms: e.since_unix_ms,
+                seconds: e.seconds,
+                offered: e.offered,
+                virtual_dropped: e.virtual_dropped,
+                enforced_dropped: e.enforced_dropped,
+                virtual_drop_share: if e.offered > 0.0 {
+                    e.virtual_dropped / e.offered
+                } else {
+                    0.0
+                },
+            })
+            .collect()
+    }
+
+    /// `grl_candidate_{offered,virtual_dropped}_total` by (service, bucket): cumulative over
+    /// this engine's life, candidates gone included.
+    pub fn candidate_totals(&self) -> impl Iterator<Item = (&str, &str, [f64; 2])> {
+        self.candidates
+            .totals
+            .iter()
+            .map(|((s, b), t)| (s.as_str(), b.as_str(), *t))
+    }
+}
