@@ -782,7 +782,7 @@ pub async fn judge(
             }
             Verdict::Abort { reason } => {
                 let evidence = format!(
-                    "{reason}: in region {} over {} of bake, {} of {} offered requests ({:.3} %) would have been refused by the candidate's {} rps (in force: {}; real drops meanwhile: {})",
+                    "{reason}; in region {} over {} of bake: {} of {} offered requests ({:.3} %) would have been refused by the candidate's {} rps (in force: {}; real drops meanwhile: {})",
                     regions.join(", "),
                     schema::HumanDuration(std::time::Duration::from_secs(baked.max(1.0) as u64)),
                     fmt_count(f.virtual_dropped),

@@ -82,9 +82,9 @@ fn config(d: &Path, remote: &GitRemote, controllers: &[(&str, String)]) -> schem
         "history:\n  file: history.csv\nconfig_repo:\n  path: wc\n  url: {}\n  author_name: rlc-bot\n  author_email: rlc@example.com\nrails:\n  decrease_interval: 1s\ndatabase_url: sqlite://rlc.db\n",
         remote.url()
     );
-    if let [(_, url)] = controllers {
+    if let [(region, url)] = controllers {
         text.push_str(&format!(
-            "controller:\n  url: {url}\n  token_env: RLC_ROLLOUT_GRL_TOKEN\n"
+            "controller:\n  url: {url}\n  region: {region}\n  token_env: RLC_ROLLOUT_GRL_TOKEN\n"
         ));
     } else {
         text.push_str("controllers:\n");
