@@ -299,3 +299,79 @@ async fn without_rollout_changes_apply_at_once() {
     assert_eq!(ctl.limit(), Some(50.0));
     assert!(out.rollouts.is_empty());
 }
+
+/// Pull-request mode: the lowering reaches the base branch when a person merges its pull
+/// request; its candidate fails, the controllers keep 3,470 although the base holds 100, and
+/// the pull request gets a comment with the evidence and the `rollout-aborted` label (the
+/// stand-in forge checks the credential and the comment's size, and records the label).
+#[tokio::test]
+async fn pull_request_mode_comments_and_labels_the_merged_pull_request() {
+    let remote = remote("");
+    let ctl = Ctl::default();
+    let url = spawn(ctl.clone()).await;
+    let (forge_url, forge) = crate::gitops::tests::spawn_forge().await;
+    let extra = format!(
+        "  mode: pull-request\n  forge:\n    kind: github\n    api_url: {forge_url}\n    repo: acme/config\n    token_env: RLC_TEST_FORGE_TOKEN\n"
+    );
+    std::env::set_var("RLC_TEST_FORGE_TOKEN", "forge-token");
+    let cfg = config(&remote, &[("eu", &url)], &extra);
+    let cycle = Cycle::new(cfg, &remote.scratch(""));
+    let out = cycle.apply(&gw(100.0), "once").await;
+    assert_eq!(out.pull_request.as_ref().map(|p| p.0), Some(1), "{out}");
+    assert!(out.rollouts.is_empty(), "nothing on the base yet: {out}");
+    let merged = remote.human_merge("rlc/quotas").unwrap();
+
+    let r = poll_until(&cycle, |r| {
+        r.state == RolloutState::Aborted && !r.revert_pending
+    })
+    .await;
+    assert_eq!(r.version, merged);
+    assert_eq!(
+        r.revert.as_deref(),
+        Some("commented and labelled `rollout-aborted` on pull request #1")
+    );
+    assert_eq!(
+        remote.head("main").unwrap(),
+        merged,
+        "people revert in PR mode"
+    );
+    {
+        let prs = forge.prs.lock().unwrap();
+        let comments = prs[0]["comments"].as_array().unwrap();
+        let c = comments.last().unwrap().as_str().unwrap();
+        assert!(
+            c.starts_with("Rollout aborted by rlc: `payments/gw` lowered 3470 -> 100 rps"),
+            "{c}"
+        );
+        assert!(c.contains("would have been refused"), "{c}");
+    }
+    assert!(forge
+        .decorations
+        .lock()
+        .unwrap()
+        .contains(&(1, json!({"labels": ["rollout-aborted"]}))));
+    assert!(
+        forge.problems.lock().unwrap().is_empty(),
+        "{:?}",
+        forge.problems.lock().unwrap()
+    );
+    // The controller keeps the limit in force while the base holds the aborted change.
+    for _ in 0..3 {
+        let (_, base) = cycle.poll().await.unwrap();
+        assert!(cycle.push_all(&base, None).await.errors.is_empty());
+    }
+    assert!(ctl
+        .docs
+        .lock()
+        .unwrap()
+        .iter()
+        .all(|d| d.services[0].buckets[0].limit_rps == 3470.0));
+    assert!(ctl
+        .doc
+        .lock()
+        .unwrap()
+        .as_ref()
+        .unwrap()
+        .candidates
+        .is_empty());
+}
