@@ -375,3 +375,34 @@ async fn pull_request_mode_comments_and_labels_the_merged_pull_request() {
         .candidates
         .is_empty());
 }
+
+/// With `rollout:` set and the store gone, rlc cannot know what is rolled out where: nothing is
+/// pushed (the controllers keep what they run, candidate included), and the push says why.
+#[tokio::test]
+async fn with_rollout_set_and_the_store_gone_the_controllers_keep_what_they_run() {
+    let remote = remote("");
+    let ctl = Ctl::default();
+    let url = spawn(ctl.clone()).await;
+    let cfg = config(&remote, &[("eu", &url)], "");
+    let dir = remote.scratch("");
+    let cycle = Cycle::new(cfg, &dir);
+    let out = cycle.apply(&gw(100.0), "once").await;
+    assert_eq!(out.status, RunStatus::Success, "{out}");
+    let pushed = ctl.docs.lock().unwrap().len();
+    std::fs::remove_file(dir.join("rlc.db")).unwrap();
+    let (_, base) = cycle.poll().await.unwrap();
+    let rep = cycle.push_all(&base, None).await;
+    assert!(
+        rep.errors
+            .iter()
+            .any(|e| e.contains("rollout state unavailable")),
+        "{:?}",
+        rep.errors
+    );
+    assert_eq!(ctl.docs.lock().unwrap().len(), pushed, "nothing pushed");
+    assert_eq!(ctl.limit(), Some(3470.0));
+    assert_eq!(
+        ctl.doc.lock().unwrap().as_ref().unwrap().candidates.len(),
+        1
+    );
+}
