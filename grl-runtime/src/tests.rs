@@ -1231,3 +1231,39 @@ fn engine_evaluates_candidates_per_scope_key_and_never_serves_them() {
     assert_eq!(totals.len(), 1);
     assert!((totals[0].2[0] - 6000.0).abs() < 1e-6, "{totals:?}");
 }
+
+/// With a peer region's sums in the engine, a global candidate counts them (as the global
+/// ratio does) and a region candidate regrouped from the global bucket does not.
+#[test]
+fn engine_candidates_count_peer_sums_for_global_scope_only() {
+    use crate::proto::Candidate;
+    let g = bucket("g", Scope::Global, 1000.0);
+    let cand = |id: &str, scope: Scope| Candidate {
+        id: id.into(),
+        service: "svc".into(),
+        bucket: Bucket {
+            scope,
+            limit_rps: 50.0,
+            ..g.clone()
+        },
+    };
+    let cfg = ConfigDoc {
+        version: "v1".into(),
+        services: vec![BucketFile {
+            service: "svc".into(),
+            buckets: vec![g.clone()],
+        }],
+        candidates: vec![cand("global", Scope::Global), cand("region", Scope::Region)],
+    };
+    let mut e = Engine::new(cfg, 3000);
+    for at in [0, 1000] {
+        e.ingest(&zone_report("a1", "r1", "z1", &[("g", 100.0)]), at);
+        e.ingest(&zone_report("region:r9", "r9", "r9/*", &[("g", 300.0)]), at);
+        e.recompute(at, at / 1000);
+        e.evaluate_candidates(at, at);
+    }
+    let r = e.candidate_reports();
+    assert_eq!(r[0].offered, 400.0, "{:?}", r[0]);
+    assert_eq!(r[1].offered, 100.0, "{:?}", r[1]);
+    assert!((r[1].virtual_dropped - 50.0).abs() < 1e-9, "{:?}", r[1]);
+}

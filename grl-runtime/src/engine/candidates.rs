@@ -14,6 +14,11 @@
 //!   client's bound match only a candidate without that matcher; peer controllers forward no
 //!   calls, so such a candidate of `global` scope sees this region's calls only.
 //!
+//! With peered regions, a `global` candidate of a `global` bucket counts the whole fleet (the
+//! peers' sums are part of the bucket's `global` key, as for its ratio) at every region's
+//! controller; a `region` or `zone` candidate regrouped from a `global` bucket counts this
+//! region's zones only.
+//!
 //! Counts accumulate from the candidate's first evaluation by this engine: `offered` and
 //! `virtual_dropped` in requests (rate × tick length, or counted calls), `enforced_dropped`
 //! the in-force bucket's real drops over the same ticks (0 without one).
@@ -198,13 +203,20 @@ impl Engine {
                     if b.bucket.scope == c.bucket.scope {
                         per_key.extend(b.keys.iter().map(|k| (k.id, k.offered_rps)));
                     } else {
-                        for z in self.zones.values() {
+                        // A region or zone candidate is this region's: the sums peer
+                        // controllers send (global buckets only) are theirs to judge.
+                        let local_only = c.bucket.scope != Scope::Global;
+                        for (id, z) in &self.zones {
+                            if local_only && id.starts_with(super::PEER_PREFIX) {
+                                continue;
+                            }
                             if let Ok(p) = z.resolved.binary_search_by_key(&i, |e| e.0) {
                                 let key = key_for(c.bucket.scope, z.region_key, z.zone_key);
                                 add_to(&mut per_key, key, z.resolved[p].1[0] as f64 / RATE_UNIT);
                             }
                         }
                     }
+                    self.candidates.list[j].calls.clear();
                     offered = per_key.iter().map(|k| k.1).sum::<f64>() * dt;
                     virtual_dropped = per_key
                         .iter()
