@@ -307,6 +307,7 @@ fn with_policy(repo: &ConfigRepo, policy: &PolicyName) -> ConfigRepo {
                     services: Default::default(),
                     promotion: None,
                     excluded: Vec::new(),
+                    rollout: None,
                 },
                 locator: Default::default(),
             })

@@ -26,6 +26,7 @@ pub mod plan;
 pub mod plausibility;
 pub mod promotion;
 pub mod readiness;
+pub mod rollout;
 pub mod whatif;
 
 pub use plan::Plan;

@@ -5,7 +5,8 @@
 //! 1. compute: a policy per bucket, planned events, the rails ([`crate::compute`]);
 //! 2. the decrease guard, on the evidence gathered before planning ([`crate::guard`]);
 //! 3. promotions of ready shadow buckets, on their gathered figures ([`crate::promotion`]);
-//! 4. in direct mode, the changes `promotion.auto_merge` leaves for review.
+//! 4. changes whose rollout was aborted held until their inputs change ([`crate::rollout`]);
+//! 5. in direct mode, the changes `promotion.auto_merge` leaves for review.
 //!
 //! A backtest ([`Purpose::Backtest`]) fits from no limit in force: the limits in the repo
 //! today were set from the very traffic a backtest holds out, so damping against them (the
@@ -46,6 +47,12 @@ pub struct World {
     /// throttled (refused demand, left out unless sustained) and the incident overrides that
     /// acted on it (left out): [`crate::censor`].
     pub observed: Observed,
+    /// Changes whose rollout was aborted (`rollout:`), held while their inputs stay the same
+    /// ([`crate::rollout::hold_aborted`]).
+    pub aborted: Vec<crate::rollout::Aborted>,
+    /// The digest of the base's `rlc/*.yaml` the aborted changes' fingerprints are checked
+    /// against.
+    pub inputs: String,
 }
 
 impl World {
@@ -55,6 +62,8 @@ impl World {
             decreases: Decreases::none(),
             shadow: ShadowEvidence::Figures(BTreeMap::new()),
             observed: Observed::default(),
+            aborted: Vec::new(),
+            inputs: String::new(),
         }
     }
 }
@@ -119,6 +128,7 @@ pub fn finish(
         plan.shadow_error = error;
     }
     promotion::annotate_manual(&mut plan, &base, policies.as_ref(), stats, &missing, now);
+    plan = crate::rollout::hold_aborted(plan, &base, &world.inputs, &world.aborted);
     if cfg.config_repo.mode == RepoMode::Direct {
         plan.needs_review = promotion::review_list(&plan, &base, &rules);
     }

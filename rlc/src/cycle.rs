@@ -37,6 +37,7 @@ use crate::history::snapshot::HistoryCache;
 use crate::journal::{Entry, Journal};
 use crate::plan::{Plan, Skipped};
 use crate::push::{self, Backoff, ConfigDoc, ControllerClient};
+use crate::rollout;
 use crate::shadow::ShadowSource;
 use crate::store::{ChangeState, QuotaRecord, RunRecord, Store};
 use rlc_plan::promotion;
@@ -76,6 +77,71 @@ pub struct PlanInput {
     /// minutes): the planner leaves throttled minutes out of what a policy learns, and the run
     /// finishes the plan with the same evidence.
     pub world: Arc<World>,
+}
+
+/// The base branch's tip as the controllers' desired config, with what rollouts read.
+#[derive(Debug, Clone)]
+pub struct BaseState {
+    /// The tip's version and bucket files.
+    pub doc: ConfigDoc,
+    /// `rlc/policies.yaml` at the tip (its `rollout:` section).
+    pub policies: Option<schema::PoliciesFile>,
+    /// The digest of the tip's `rlc/*.yaml`.
+    pub inputs: String,
+}
+
+impl BaseState {
+    /// From the writer's base ref as last fetched.
+    pub fn of(w: &Writer) -> Result<BaseState, crate::gitops::GitOpsError> {
+        let (version, services) = w.base_buckets()?;
+        Ok(BaseState {
+            doc: ConfigDoc {
+                version,
+                services,
+                ..ConfigDoc::default()
+            },
+            policies: w.base_policies()?,
+            inputs: w.inputs_hash()?,
+        })
+    }
+}
+
+/// What a push to the controllers did ([`Cycle::push_all`]).
+#[derive(Debug, Default)]
+pub struct PushReport {
+    /// The version each region's controller confirmed.
+    pub versions: std::collections::BTreeMap<String, String>,
+    /// Failures, `region: error`.
+    pub errors: Vec<String>,
+    /// The open rollouts afterwards.
+    pub rollouts: Vec<rollout::Rollout>,
+}
+
+/// The label put on a pull request whose change's rollout was aborted.
+pub const ROLLOUT_ABORTED_LABEL: &str = "rollout-aborted";
+
+/// The message of a revert commit: the bucket, the spec it returns to, the evidence.
+fn revert_message(r: &rollout::Rollout) -> String {
+    let to = r
+        .old
+        .as_ref()
+        .map(|o| {
+            format!(
+                "{} rps {}",
+                schema::format_rps(o.limit_rps),
+                o.mode.as_str()
+            )
+        })
+        .unwrap_or_else(|| "no bucket".into());
+    format!(
+        "rlc: revert {}/{} to {to}: rollout aborted\n\nThe change ({}, from {}) was tried as a candidate beside the limit in force and aborted:\n{}\n\nRollout {}. rlc does not propose this change again until its inputs change.\n",
+        r.service,
+        r.bucket,
+        r.change,
+        short(&r.version),
+        r.reason.as_deref().unwrap_or("no reason recorded"),
+        r.id
+    )
 }
 
 pub use crate::BoxFuture;
@@ -244,6 +310,11 @@ pub struct RunOutcome {
     /// Why the shadow figures could not be read (nothing was promoted).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shadow_error: Option<String>,
+    /// The rollouts open after the run's push (`rollout:` in `rlc/policies.yaml`): each
+    /// change that could refuse more traffic, baking as a candidate (in which region, since
+    /// when, the virtual drops so far), or aborted and why.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rollouts: Vec<rollout::RolloutView>,
     /// The full markdown report of the proposal (the pull request's body before truncation);
     /// stored with the run, never committed.
     #[serde(skip)]
@@ -284,6 +355,7 @@ impl RunOutcome {
             needs_review: vec![],
             review: None,
             shadow_error: None,
+            rollouts: vec![],
             report: None,
         }
     }
@@ -426,6 +498,13 @@ impl std::fmt::Display for RunOutcome {
         if let Some(e) = &self.shadow_error {
             writeln!(f, "  shadow figures unavailable ({e}): nothing promoted")?;
         }
+        for r in &self.rollouts {
+            writeln!(
+                f,
+                "  rollout {}/{} ({}): {}",
+                r.service, r.bucket, r.change, r.summary
+            )?;
+        }
         for r in &self.needs_review {
             writeln!(
                 f,
@@ -477,6 +556,8 @@ pub struct Cycle {
     pub history_cache: Option<Arc<HistoryCache>>,
     /// When [`Cycle::poll`] last synced the working copy (taken by the next run's sync).
     polled: std::sync::Mutex<Option<std::time::Instant>>,
+    /// The version each region's controller last confirmed.
+    pushed: std::sync::Mutex<std::collections::BTreeMap<String, String>>,
 }
 
 impl Cycle {
@@ -493,6 +574,7 @@ impl Cycle {
             shadow: None,
             history_cache: None,
             polled: std::sync::Mutex::new(None),
+            pushed: Default::default(),
         }
     }
 
@@ -600,7 +682,7 @@ impl Cycle {
 
     /// One fetch for the daemon's poll: syncs the working copy to the base tip and returns the
     /// hash of `rlc/*.yaml` there with the base's bucket files as the desired config.
-    pub async fn poll(&self) -> anyhow::Result<(String, ConfigDoc)> {
+    pub async fn poll(&self) -> anyhow::Result<(String, BaseState)> {
         // Not under another process's run (an `rlc run --once` beside the daemon): its working
         // copy is in use; the next poll will see what it did.
         let lock = std::fs::OpenOptions::new()
@@ -618,15 +700,8 @@ impl Cycle {
             let w = Writer::open(wcfg)?;
             w.sync()?;
             let hash = w.inputs_hash()?;
-            let (version, services) = w.base_buckets()?;
-            Ok((
-                hash,
-                ConfigDoc {
-                    version,
-                    services,
-                    candidates: Vec::new(),
-                },
-            ))
+            let base = BaseState::of(&w)?;
+            Ok((hash, base))
         })
         .await??;
         *self.polled.lock().unwrap() = Some(std::time::Instant::now());
@@ -635,18 +710,271 @@ impl Cycle {
 
     /// The base tip's bucket files as the controller's desired config, as last fetched (a run
     /// moves the local base ref with what it pushed).
-    pub async fn desired(&self) -> anyhow::Result<ConfigDoc> {
+    pub async fn desired(&self) -> anyhow::Result<BaseState> {
         let wcfg = self.writer_config();
         tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
             let w = Writer::open(wcfg)?;
-            let (version, services) = w.base_buckets()?;
-            Ok(ConfigDoc {
-                version,
-                services,
-                candidates: Vec::new(),
-            })
+            Ok(BaseState::of(&w)?)
         })
         .await?
+    }
+
+    /// Brings every controller of rlc.yaml to the base `base`, through the rollouts
+    /// ([`rollout`]): the base is accounted (a change that could refuse more traffic becomes
+    /// a rollout) and each region's controller gets [`rollout::desired_for`] its region.
+    /// `backoff`: retry each controller (a run); `None`: one attempt, and a controller that
+    /// confirmed the same version before is not asked again (the daemon's poll). With
+    /// `rollout:` set and the store unavailable nothing is pushed: the controllers keep what
+    /// they run.
+    pub async fn push_all(&self, base: &BaseState, backoff: Option<Backoff>) -> PushReport {
+        let mut report = PushReport::default();
+        let controllers = self.cfg.region_controllers();
+        if controllers.is_empty() {
+            return report;
+        }
+        let now = Utc::now();
+        let regions: Vec<String> = controllers.iter().map(|(r, _)| r.clone()).collect();
+        let wants = base.policies.as_ref().is_some_and(|p| p.rollout.is_some());
+        let input = rollout::BaseInput {
+            doc: &base.doc,
+            policies: base.policies.as_ref(),
+            inputs: &base.inputs,
+        };
+        let mut store = None;
+        let mut open = Vec::new();
+        let accounted = match self.store().await {
+            Ok(st) => rollout::account(&st, &regions, &input, now)
+                .await
+                .map(|o| (st, o)),
+            Err(e) => Err(e),
+        };
+        match accounted {
+            Ok((st, o)) => {
+                open = o;
+                store = Some(st);
+            }
+            Err(e) if wants => {
+                *self.store.lock().await = None;
+                report.errors.push(format!(
+                    "rollout state unavailable ({e}): the controllers keep what they run"
+                ));
+                return report;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "store unavailable: the controllers get the base as it is (no rollout: in rlc/policies.yaml)");
+            }
+        }
+        for (region, c) in controllers {
+            let client = match ControllerClient::from_config(&c, &self.base_dir) {
+                Ok(c) => c,
+                Err(e) => {
+                    report.errors.push(format!("{region}: {e}"));
+                    continue;
+                }
+            };
+            let mut doc = rollout::desired_for(&region, &base.doc, &open);
+            if !doc.candidates.is_empty() {
+                match client.status_proto().await {
+                    Ok((_, p)) if p < 5 => {
+                        tracing::warn!(region, proto = p, "controller predates candidates (grl-proto 5): it keeps the limits in force, the candidates wait");
+                        doc.candidates.clear();
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        report.errors.push(format!("{region}: {e}"));
+                        continue;
+                    }
+                }
+            }
+            if backoff.is_none() && self.pushed.lock().unwrap().get(&region) == Some(&doc.version) {
+                report.versions.insert(region, doc.version);
+                continue;
+            }
+            let res = match backoff {
+                Some(b) => push::reconcile(&client, &doc, b, |_, _| {}).await,
+                None => client.reconcile_once(&doc).await,
+            };
+            match res {
+                Ok(_) => {
+                    self.pushed
+                        .lock()
+                        .unwrap()
+                        .insert(region.clone(), doc.version.clone());
+                    if let (Some(st), false) = (&store, doc.candidates.is_empty()) {
+                        if let Err(e) = rollout::reached(st, &mut open, &region, now).await {
+                            tracing::warn!(error = %e, "cannot record the start of a rollout stage");
+                        }
+                    }
+                    report.versions.insert(region, doc.version);
+                }
+                Err(e) => {
+                    self.pushed.lock().unwrap().remove(&region);
+                    report.errors.push(format!("{region}: {e}"));
+                }
+            }
+        }
+        report.rollouts = open;
+        report
+    }
+
+    /// The periodic rollout work of `rlc serve`: the candidates' counts from every
+    /// controller, the verdicts ([`rollout::judge`]), and each aborted change's config repo
+    /// brought back in line (a revert commit in direct mode, a comment and a label on its
+    /// pull request in pull-request mode). Returns whether the base branch moved.
+    pub async fn rollout_tick(&self) -> bool {
+        let Ok(store) = self.store().await else {
+            return false;
+        };
+        let mut open = match rollout::open(&store).await {
+            Ok(o) => o,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the rollouts");
+                return false;
+            }
+        };
+        if open.is_empty() {
+            return false;
+        }
+        let now = Utc::now();
+        if open
+            .iter()
+            .any(|r| r.state == rollout::RolloutState::Baking)
+        {
+            for (region, c) in self.cfg.region_controllers() {
+                let Ok(client) = ControllerClient::from_config(&c, &self.base_dir) else {
+                    continue;
+                };
+                match client.candidates().await {
+                    Ok(page) => {
+                        if let Err(e) = rollout::observe(&store, &region, &page, &open, now).await {
+                            tracing::warn!(region, error = %e, "cannot store the candidates' counts");
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(region, error = %e, "cannot read the controller's candidates")
+                    }
+                }
+            }
+            if let Err(e) = rollout::judge(&store, &mut open, now).await {
+                tracing::warn!(error = %e, "cannot judge the rollouts");
+            }
+        }
+        let mut moved = false;
+        for r in open
+            .iter_mut()
+            .filter(|r| r.state == rollout::RolloutState::Aborted && r.revert_pending)
+        {
+            match self.bring_back(&store, r).await {
+                Ok(m) => moved |= m,
+                Err(e) => {
+                    tracing::warn!(id = %r.id, error = %e, "the aborted change is not reverted yet; retrying next poll")
+                }
+            }
+        }
+        moved
+    }
+
+    /// Brings the config repo back in line with what is enforced after `r` was aborted.
+    async fn bring_back(&self, store: &Store, r: &mut rollout::Rollout) -> anyhow::Result<bool> {
+        let now = Utc::now();
+        if self.cfg.config_repo.mode == RepoMode::PullRequest {
+            let how = self.comment_aborted(store, r).await?;
+            rollout::reverted(store, r, how, now).await?;
+            return Ok(false);
+        }
+        let _guard = self
+            .exclusive(&StoreWitness::Store(store.clone()))
+            .await
+            .map_err(|e| anyhow::anyhow!(e))?;
+        let mut wcfg = self.writer_config();
+        wcfg.mode = RepoMode::Direct;
+        let rr = r.clone();
+        let message = revert_message(r);
+        let commit = tokio::task::spawn_blocking(move || -> anyhow::Result<Option<String>> {
+            let mut w = Writer::open(wcfg)?;
+            w.sync()?;
+            let (_, services) = w.base_buckets()?;
+            let Some(file) = services.iter().find(|f| f.service == rr.service) else {
+                return Ok(None);
+            };
+            if file.buckets.iter().find(|b| b.name == rr.bucket) != Some(&rr.new) {
+                return Ok(None);
+            }
+            let buckets = file
+                .buckets
+                .iter()
+                .filter_map(|b| {
+                    let spec = if b.name == rr.bucket {
+                        rr.old.clone()?
+                    } else {
+                        b.clone()
+                    };
+                    Some(rlc_plan::plan::PlannedBucket {
+                        service: rr.service.clone(),
+                        current_limit_rps: Some(b.limit_rps),
+                        bucket: spec,
+                        evidence: Default::default(),
+                        held: None,
+                    })
+                })
+                .collect();
+            let plan = Plan {
+                buckets,
+                ..Plan::default()
+            };
+            w.set_message(message);
+            match w.write_as_fetched(&plan, false)?.status {
+                WriteStatus::Committed { commit } => Ok(Some(commit)),
+                _ => Ok(None),
+            }
+        })
+        .await??;
+        let how = match &commit {
+            Some(c) => format!("reverted by commit {}", short(c)),
+            None => "the base branch no longer held the change".to_string(),
+        };
+        tracing::info!(id = %r.id, service = %r.service, bucket = %r.bucket, how, "config repo brought back in line after an aborted rollout");
+        rollout::reverted(store, r, how, now).await?;
+        Ok(commit.is_some())
+    }
+
+    /// Pull-request mode: a comment naming the evidence and the `rollout-aborted` label on the
+    /// pull request that carried the aborted change (the newest one the store recorded for
+    /// the bucket with that limit).
+    async fn comment_aborted(&self, store: &Store, r: &rollout::Rollout) -> anyhow::Result<String> {
+        let history = store.quota_history(&r.service, &r.bucket).await?;
+        let pr = history
+            .iter()
+            .rev()
+            .filter(|q| q.limit_rps == Some(r.new.limit_rps))
+            .find_map(|q| q.pr_number);
+        let Some(number) = pr else {
+            return Ok("no pull request of rlc carried the change: nothing to comment".into());
+        };
+        let Some(fc) = &self.cfg.config_repo.forge else {
+            return Ok(format!(
+                "pull request #{number}: no forge configured to comment on"
+            ));
+        };
+        let Some(forge) = Forge::from_config(fc)? else {
+            return Ok(format!(
+                "pull request #{number}: no forge configured to comment on"
+            ));
+        };
+        let body = format!(
+            "Rollout aborted by rlc: `{}/{}` {} was tried as a candidate and {}\n\nThe controllers keep the limit in force. Revert this change on `{}` (rlc does not propose it again until its inputs change).",
+            r.service,
+            r.bucket,
+            r.change,
+            r.reason.as_deref().unwrap_or("failed"),
+            self.cfg.config_repo.branch
+        );
+        forge
+            .comment_and_label(number as u64, &body, ROLLOUT_ABORTED_LABEL)
+            .await?;
+        Ok(format!(
+            "commented and labelled `{ROLLOUT_ABORTED_LABEL}` on pull request #{number}"
+        ))
     }
 
     /// Syncs the repo, asks `planner` for a plan, and applies it. Never returns an error: a
@@ -662,8 +990,8 @@ impl Cycle {
             Err(out) => return *out,
         };
         let (repo_dir, base) = synced;
-        if let Some(c) = &self.cfg.controller {
-            if let Ok(client) = ControllerClient::from_config(c, &self.base_dir) {
+        for (_, c) in self.cfg.region_controllers() {
+            if let Ok(client) = ControllerClient::from_config(&c, &self.base_dir) {
                 self.record_overrides(&client).await;
             }
         }
@@ -910,6 +1238,18 @@ impl Cycle {
             return out;
         }
         let (base_files, _) = promotion::repo_inputs(&base.repo);
+        // What the base held before this run's write is what is in force, unless rollouts
+        // accounted an earlier version already.
+        if let StoreWitness::Store(st) = &self.store().await.into() {
+            let before = ConfigDoc {
+                version: base.commit.clone(),
+                services: base_files.values().cloned().collect(),
+                ..ConfigDoc::default()
+            };
+            if let Err(e) = rollout::ensure_accounted(st, &before).await {
+                tracing::warn!(error = %e, "cannot record the config in force before the run");
+            }
+        }
         // Direct mode commits what auto_merge allows; the rest is proposed after.
         let direct = (self.cfg.config_repo.mode == RepoMode::Direct
             && !plan.needs_review.is_empty())
@@ -1041,20 +1381,22 @@ impl Cycle {
                 ));
             }
         }
-        // The controller runs what the base branch holds (in PR mode: once a person merged).
-        if out.error.is_none() {
-            if let Some(c) = &self.cfg.controller {
-                match ControllerClient::from_config(c, &self.base_dir) {
-                    Ok(client) => {
-                        match push::reconcile(&client, &desired, self.push_backoff, |_, _| {}).await
-                        {
-                            Ok(_) => out.version_pushed = Some(desired.version.clone()),
-                            Err(e) => out.push_error = Some(e.to_string()),
-                        }
-                    }
-                    Err(e) => out.push_error = Some(e.to_string()),
-                }
+        // The controllers run what the base branch holds (in PR mode: once a person merged),
+        // a change that could refuse more traffic first as a candidate (`rollout:`).
+        if out.error.is_none() && !self.cfg.region_controllers().is_empty() {
+            let state = BaseState {
+                doc: desired.clone(),
+                policies: base.repo.policies.as_ref().map(|p| p.value.clone()),
+                inputs: base.inputs.clone(),
+            };
+            let rep = self.push_all(&state, Some(self.push_backoff)).await;
+            if rep.errors.is_empty() {
+                out.version_pushed = rep.versions.values().next().cloned();
+            } else {
+                out.push_error = Some(rep.errors.join("; "));
             }
+            let now = Utc::now();
+            out.rollouts = rep.rollouts.iter().map(|r| r.view(now)).collect();
         }
         out.finish();
         self.record(&mut out, &plan, &recorded).await;
@@ -1104,7 +1446,7 @@ impl Cycle {
                     ConfigDoc {
                         version,
                         services,
-                        candidates: Vec::new(),
+                        ..ConfigDoc::default()
                     },
                 ))
             });
@@ -1384,5 +1726,7 @@ pub async fn apply_plan(
 }
 
 pub mod compute;
+#[cfg(test)]
+mod rollout_tests;
 #[cfg(test)]
 pub(crate) mod tests;

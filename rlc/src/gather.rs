@@ -30,6 +30,9 @@ pub struct Base {
     pub repo: Arc<ConfigRepo>,
     /// When each bucket was last lowered on the base branch within `rails.decrease_interval`.
     pub decreases: Witness,
+    /// The digest of the base's `rlc/*.yaml` ([`crate::gitops::Writer::inputs_hash`]): the
+    /// inputs an aborted rollout's fingerprint names.
+    pub inputs: String,
 }
 
 /// Why the base could not be read.
@@ -82,6 +85,7 @@ pub fn read_base(
         commit,
         repo: Arc::new(repo),
         decreases,
+        inputs: w.inputs_hash().unwrap_or_default(),
     })
 }
 
@@ -207,7 +211,22 @@ pub async fn world(
         decreases,
         shadow: shadow(&base.repo, shadow_source, now).await,
         observed: observed(cfg, store, now).await,
+        aborted: aborted(store).await,
+        inputs: base.inputs.clone(),
     }
+}
+
+/// The changes whose rollout was aborted (held while their inputs stay the same). A store
+/// that cannot answer holds none, with a warning: the rollout of such a change is aborted
+/// again by its candidate phase, never enforced unproven.
+pub async fn aborted(store: &StoreWitness) -> Vec<rlc_plan::rollout::Aborted> {
+    let StoreWitness::Store(s) = store else {
+        return Vec::new();
+    };
+    crate::rollout::aborted_changes(s).await.unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "aborted rollouts unavailable: their changes may be proposed again");
+        Vec::new()
+    })
 }
 
 /// Most throttled minute rows read for one plan (a minute of one bucket's scope key; tens of
@@ -323,6 +342,7 @@ pub async fn read_base_aside(
                         commit: String::new(),
                         repo: std::sync::Arc::new(repo),
                         decreases: rlc_plan::guard::Witness::Unknown(e.to_string()),
+                        inputs: String::new(),
                     })
                 } else {
                     Err(BaseError::Invalid {

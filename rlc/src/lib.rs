@@ -28,6 +28,7 @@ pub mod history;
 pub mod journal;
 pub mod push;
 pub mod retry;
+pub mod rollout;
 pub mod serve;
 pub mod shadow;
 pub mod store;

@@ -123,6 +123,35 @@ pub struct OverrideList {
     pub overrides: Vec<ActiveOverride>,
 }
 
+/// One candidate of `GET /v1/candidates`, the part rlc reads.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+pub struct CandidateCounts {
+    /// The candidate's id.
+    pub id: String,
+    /// Seconds this controller process evaluated it.
+    #[serde(default)]
+    pub seconds: f64,
+    /// Requests offered (cumulative in this epoch).
+    #[serde(default)]
+    pub offered: f64,
+    /// Requests the candidate would have refused.
+    #[serde(default)]
+    pub virtual_dropped: f64,
+    /// Real drops of the bucket in force.
+    #[serde(default)]
+    pub enforced_dropped: f64,
+}
+
+/// `GET /v1/candidates`.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+pub struct CandidatesPage {
+    /// The controller process.
+    pub epoch: String,
+    /// The candidates it evaluates, with their counts.
+    #[serde(default)]
+    pub candidates: Vec<CandidateCounts>,
+}
+
 /// A credential: a value, or a file read at each use.
 #[derive(Clone)]
 enum Secret {
@@ -353,6 +382,39 @@ impl ControllerClient {
     /// `GET /v1/status`.
     pub async fn status(&self) -> Result<ControllerStatus, PushError> {
         self.get_json("/v1/status", &[], "status", &self.token)
+            .await
+    }
+
+    /// `GET /v1/status` with the protocol version the controller announced (`grl-proto`
+    /// header; 1 when absent): candidates go only to a controller of protocol 5 or more.
+    pub async fn status_proto(&self) -> Result<(ControllerStatus, u32), PushError> {
+        let resp = self
+            .http
+            .get(format!("{}/v1/status", self.url))
+            .bearer_auth(self.token.get()?)
+            .send()
+            .await
+            .map_err(PushError::unreachable)?;
+        let resp = Self::check(resp).await?;
+        let proto = resp
+            .headers()
+            .get(grl_wire::PROTO_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u32>().ok())
+            .unwrap_or(1);
+        let body = resp.bytes().await.map_err(PushError::unreachable)?;
+        let st = serde_json::from_slice(&body).map_err(|e| PushError::Server {
+            status: 200,
+            message: format!("unreadable status: {e}"),
+        })?;
+        Ok((st, proto))
+    }
+
+    /// `GET /v1/candidates`: the counts of the candidates the controller evaluates (`reports`
+    /// role).
+    pub async fn candidates(&self) -> Result<CandidatesPage, PushError> {
+        let token = self.reports_token.as_ref().unwrap_or(&self.token);
+        self.get_json("/v1/candidates", &[], "candidates", token)
             .await
     }
 

@@ -98,6 +98,7 @@ struct Metrics {
     reports_buffered: Gauge,
     report_polls_paused: Counter,
     pending_records: Gauge,
+    rollout_state: Family<Vec<(String, String)>, Gauge>,
 }
 
 impl Default for Metrics {
@@ -120,6 +121,7 @@ impl Default for Metrics {
             reports_buffered: Gauge::default(),
             report_polls_paused: Counter::default(),
             pending_records: Gauge::default(),
+            rollout_state: Family::default(),
         }
     }
 }
@@ -199,6 +201,11 @@ impl Metrics {
             "rlc_shadow_report_polls_paused",
             "Polls skipped because the report buffer was full (the store is down or slow).",
             self.report_polls_paused.clone(),
+        );
+        r.register(
+            "rlc_rollout_state",
+            "1 for the state of the newest rollout of each bucket (pending, baking, done, aborted, superseded), 0 for the other states.",
+            self.rollout_state.clone(),
         );
         r.register(
             "rlc_shadow_report_gaps",
@@ -671,7 +678,6 @@ struct Loop {
     state: AppState,
     controller: Option<ControllerClient>,
     last_inputs: Option<String>,
-    last_pushed: Option<String>,
     reports: ReportBuffer,
     last_retention: Option<tokio::time::Instant>,
     last_rollup: Option<tokio::time::Instant>,
@@ -699,7 +705,6 @@ impl Loop {
             .run_as(&self.planner, &req.trigger, &req.run_uid)
             .await;
         if out.version_pushed.is_some() {
-            self.last_pushed = out.version_pushed.clone();
             self.state.inner.metrics.in_sync.set(1);
         }
         self.state
@@ -749,27 +754,40 @@ impl Loop {
             }
         };
         if let Ok(d) = &desired {
-            self.state.inner.metrics.desired_version.set(&d.version);
+            self.state.inner.metrics.desired_version.set(&d.doc.version);
         }
-        if let Some(client) = self.controller.clone() {
+        if !self.cycle.config().region_controllers().is_empty() {
             self.state.busy("controller reconcile and report poll");
+            // Rollouts first: the candidates' counts and verdicts decide what each controller
+            // runs; an abort's revert commit moves the base.
+            let desired = if self.cycle.rollout_tick().await {
+                self.cycle.desired().await
+            } else {
+                desired
+            };
             match desired {
-                Ok(desired) if self.last_pushed.as_deref() != Some(desired.version.as_str()) => {
-                    match client.reconcile_once(&desired).await {
-                        Ok(_) => {
-                            self.last_pushed = Some(desired.version.clone());
-                            self.state.inner.metrics.in_sync.set(1);
-                        }
-                        Err(e) => {
-                            self.state.inner.metrics.in_sync.set(0);
-                            self.state.inner.metrics.push_failures.inc();
-                            tracing::warn!(version = %desired.version, error = %e, "controller not reconciled; retrying next tick");
+                Ok(desired) => {
+                    let rep = self.cycle.push_all(&desired, None).await;
+                    // During a rollout a controller runs `<commit>+c<digest>`: the version
+                    // rlc keeps it on (GrlControllerVersionDiffers compares them).
+                    if let Some(v) = rep.versions.values().next() {
+                        self.state.inner.metrics.desired_version.set(v);
+                    }
+                    if rep.errors.is_empty() {
+                        self.state.inner.metrics.in_sync.set(1);
+                    } else {
+                        self.state.inner.metrics.in_sync.set(0);
+                        self.state.inner.metrics.push_failures.inc();
+                        for e in &rep.errors {
+                            tracing::warn!(version = %desired.doc.version, error = %e, "controller not reconciled; retrying next tick");
                         }
                     }
                 }
-                Ok(_) => {}
                 Err(e) => tracing::warn!(error = %e, "no desired config to reconcile"),
             }
+            self.update_rollout_gauge().await;
+        }
+        if let Some(client) = self.controller.clone() {
             if let Err(e) = self.poll_reports(&client).await {
                 tracing::warn!(error = %e, "cannot poll controller reports");
             }
@@ -784,6 +802,39 @@ impl Loop {
             .metrics
             .pending_records
             .set(self.cycle.pending_records().await as i64);
+    }
+}
+
+/// The states `rlc_rollout_state` has a series for.
+const ROLLOUT_STATES: [&str; 5] = ["pending", "baking", "done", "aborted", "superseded"];
+
+impl Loop {
+    /// `rlc_rollout_state` from the store: the newest rollout of each bucket.
+    async fn update_rollout_gauge(&self) {
+        let Ok(store) = self.cycle.store().await else {
+            return;
+        };
+        let latest = match crate::rollout::latest_by_bucket(&store, 10_000).await {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the rollouts for rlc_rollout_state");
+                return;
+            }
+        };
+        let g = &self.state.inner.metrics.rollout_state;
+        g.clear();
+        let now = Utc::now();
+        for ((service, bucket), r) in latest {
+            let state = r.view(now).state;
+            for st in ROLLOUT_STATES {
+                g.get_or_create(&vec![
+                    ("service".to_string(), service.clone()),
+                    ("bucket".to_string(), bucket.clone()),
+                    ("state".to_string(), st.to_string()),
+                ])
+                .set(i64::from(st == state));
+            }
+        }
     }
 }
 
@@ -805,11 +856,12 @@ async fn scheduler(
             let _ = at.set(tokio::time::Instant::now());
         });
     }
+    // The reports come from the first controller (the one of `controller:`).
     let controller = match cycle
         .config()
-        .controller
-        .as_ref()
-        .map(|c| ControllerClient::from_config(c, cycle.base_dir()))
+        .region_controllers()
+        .first()
+        .map(|(_, c)| ControllerClient::from_config(c, cycle.base_dir()))
     {
         Some(Ok(c)) => Some(c),
         Some(Err(e)) => {
@@ -825,7 +877,6 @@ async fn scheduler(
         state,
         controller,
         last_inputs: None,
-        last_pushed: None,
         reports: ReportBuffer::new(opts.report_limits),
         last_retention: None,
         last_rollup: None,

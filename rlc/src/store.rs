@@ -944,6 +944,8 @@ impl OverviewParts {
     }
 }
 
+mod rollouts;
+pub use rollouts::{CountRow, RolloutRow};
 mod shadow;
 pub use shadow::{
     block_of, minute_of, stats_from_minutes, steps_from_minutes, tick_time, window_start,

@@ -1019,3 +1019,88 @@ fn full_pull_every_defaults_to_a_day_and_refuses_zero_and_garbage() {
         assert!(errs[0].message.contains(says), "{}", errs[0].message);
     }
 }
+
+#[test]
+fn rollout_section_merges_defaults_and_reports_every_problem_with_its_line() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("rlc")).unwrap();
+    let p = dir.path().join("rlc/policies.yaml");
+    std::fs::write(
+        &p,
+        "default:\n  policy: peak\nrollout:\n  bake: 30m\n  stages: [[eu], [\"*\"]]\n  services:\n    pay:\n      bake: 2h\n    maps:\n      enabled: false\n",
+    )
+    .unwrap();
+    let (repo, diags) = ConfigRepo::load(dir.path());
+    assert!(diags.is_empty(), "{diags:?}");
+    let f = &repo.policies.unwrap().value;
+    let pay = f.rollout_for("pay").unwrap();
+    assert_eq!(pay.bake.as_secs(), 7200);
+    assert_eq!(pay.stages, [vec!["eu".to_string()], vec!["*".to_string()]]);
+    assert_eq!((pay.stage_of("eu"), pay.stage_of("us")), (Some(0), Some(1)));
+    let other = f.rollout_for("search").unwrap();
+    assert_eq!(other.bake.as_secs(), 1800);
+    assert_eq!(other.max_virtual_drop_share, 1e-4);
+    assert_eq!(other.min_offered, 1000.0);
+    assert_eq!(other.max_bake.as_secs(), 86_400);
+    assert!(f.rollout_for("maps").is_none(), "disabled for maps");
+    let plain: PoliciesFile = parse_str(Path::new("p.yaml"), "default:\n  policy: peak\n")
+        .unwrap()
+        .value;
+    assert!(plain.rollout_for("pay").is_none(), "no rollout: at once");
+
+    std::fs::write(
+        &p,
+        "default:\n  policy: peak\nrollout:\n  max_virtual_drop_share: 2\n  stages: [[eu], [eu]]\n  services:\n    pay:\n      bake: 2h\n      max_bake: 1h\n",
+    )
+    .unwrap();
+    let (_, diags) = ConfigRepo::load(dir.path());
+    let got: Vec<(usize, &str)> = diags.iter().map(|d| (d.line, d.key.as_str())).collect();
+    assert_eq!(
+        got,
+        [
+            (4, "rollout.max_virtual_drop_share"),
+            (5, "rollout.stages[1][0]"),
+            (9, "rollout.services.pay.max_bake"),
+        ],
+        "{diags:?}"
+    );
+    assert!(
+        diags[0].to_string().contains("rlc/policies.yaml:4:"),
+        "{}",
+        diags[0]
+    );
+}
+
+#[test]
+fn daemon_config_names_controllers_by_region() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("rlc.yaml");
+    let head = "history:\n  file: h.csv\nconfig_repo:\n  path: repo\n";
+    std::fs::write(
+        &p,
+        format!("{head}controllers:\n  - region: eu\n    url: http://a:7070\n  - region: us\n    url: http://b:7070\n"),
+    )
+    .unwrap();
+    let c = load_daemon_config(&p).unwrap();
+    let regions: Vec<String> = c.region_controllers().into_iter().map(|(r, _)| r).collect();
+    assert_eq!(regions, ["eu", "us"]);
+    std::fs::write(&p, format!("{head}controller:\n  url: http://a:7070\n")).unwrap();
+    let c = load_daemon_config(&p).unwrap();
+    assert_eq!(c.region_controllers()[0].0, "default");
+    std::fs::write(
+        &p,
+        format!("{head}controllers:\n  - url: http://a:7070\n  - region: eu\n    url: ftp://b\n  - region: eu\n    url: http://c:7070\n"),
+    )
+    .unwrap();
+    let errs = load_daemon_config(&p).unwrap_err();
+    let got: Vec<(usize, &str)> = errs.iter().map(|d| (d.line, d.key.as_str())).collect();
+    assert_eq!(
+        got,
+        [
+            (6, "controllers[0]"),
+            (8, "controllers[1].url"),
+            (9, "controllers[2].region"),
+        ],
+        "{errs:?}"
+    );
+}

@@ -349,6 +349,175 @@ pub struct PoliciesFile {
     /// the evidence.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub excluded: Vec<Exclusion>,
+    /// How a change that could refuse more traffic (a lower limit, `shadow -> enforce`, a
+    /// narrower scope, a new enforcing bucket) reaches the controllers: first as a candidate
+    /// in shadow beside the limit in force, region by region, promoted after its bake or
+    /// aborted. Absent: every change is enforced at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout: Option<RolloutSection>,
+}
+
+/// The `rollout:` section of `rlc/policies.yaml`: the settings of every service (the keys at
+/// its top) and per-service overrides under `services`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RolloutSection {
+    /// See [`RolloutSpec::enabled`] (every service).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enabled: Option<bool>,
+    /// See [`RolloutSpec::bake`] (every service).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bake: Option<HumanDuration>,
+    /// See [`RolloutSpec::max_virtual_drop_share`] (every service).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_virtual_drop_share: Option<f64>,
+    /// See [`RolloutSpec::min_offered`] (every service).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_offered: Option<f64>,
+    /// See [`RolloutSpec::max_bake`] (every service).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_bake: Option<HumanDuration>,
+    /// See [`RolloutSpec::stages`] (every service).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stages: Option<Vec<Vec<String>>>,
+    /// Per-service overrides; unset keys inherit from the section's top.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub services: BTreeMap<String, RolloutSpec>,
+}
+
+impl RolloutSection {
+    /// The keys at the section's top, the settings of every service.
+    pub fn default_spec(&self) -> RolloutSpec {
+        RolloutSpec {
+            enabled: self.enabled,
+            bake: self.bake,
+            max_virtual_drop_share: self.max_virtual_drop_share,
+            min_offered: self.min_offered,
+            max_bake: self.max_bake,
+            stages: self.stages.clone(),
+        }
+    }
+}
+
+/// Rollout settings. Every key is optional; unset keys take the defaults documented on
+/// [`RolloutSpec::resolved`].
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RolloutSpec {
+    /// Roll changes out as candidates (default true; `false` turns it off for a service).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enabled: Option<bool>,
+    /// How long a candidate is watched in a stage before it is promoted (default `1h`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bake: Option<HumanDuration>,
+    /// The most the candidate may refuse: its virtual drops over its offered requests
+    /// (0..=1, default 0.0001).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_virtual_drop_share: Option<f64>,
+    /// Offered requests a stage must see before it is judged (default 1000): a candidate
+    /// that saw fewer waits, up to `max_bake`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_offered: Option<f64>,
+    /// The longest a stage waits for `min_offered` (default `24h`); then the candidate is
+    /// aborted for too little traffic.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_bake: Option<HumanDuration>,
+    /// Regions rolled out in order, each list a stage (`[[eu-west], ["*"]]`); `*` is every
+    /// region not named in an earlier stage (default one stage, `[["*"]]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stages: Option<Vec<Vec<String>>>,
+}
+
+/// A [`RolloutSpec`] with every default filled in.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RolloutSettings {
+    /// See [`RolloutSpec::enabled`].
+    pub enabled: bool,
+    /// See [`RolloutSpec::bake`].
+    pub bake: Duration,
+    /// See [`RolloutSpec::max_virtual_drop_share`].
+    pub max_virtual_drop_share: f64,
+    /// See [`RolloutSpec::min_offered`].
+    pub min_offered: f64,
+    /// See [`RolloutSpec::max_bake`].
+    pub max_bake: Duration,
+    /// See [`RolloutSpec::stages`].
+    pub stages: Vec<Vec<String>>,
+}
+
+impl RolloutSpec {
+    /// `self` with unset keys taken from `base`.
+    pub fn merged_over(&self, base: &RolloutSpec) -> RolloutSpec {
+        RolloutSpec {
+            enabled: self.enabled.or(base.enabled),
+            bake: self.bake.or(base.bake),
+            max_virtual_drop_share: self.max_virtual_drop_share.or(base.max_virtual_drop_share),
+            min_offered: self.min_offered.or(base.min_offered),
+            max_bake: self.max_bake.or(base.max_bake),
+            stages: self.stages.clone().or_else(|| base.stages.clone()),
+        }
+    }
+
+    /// Every key with its default: enabled, `1h`, 0.0001, 1000 requests, `24h`, `[["*"]]`.
+    pub fn resolved(&self) -> RolloutSettings {
+        RolloutSettings {
+            enabled: self.enabled.unwrap_or(true),
+            bake: self.bake.map(|d| d.0).unwrap_or(Duration::from_secs(3600)),
+            max_virtual_drop_share: self.max_virtual_drop_share.unwrap_or(1e-4),
+            min_offered: self.min_offered.unwrap_or(1000.0),
+            max_bake: self
+                .max_bake
+                .map(|d| d.0)
+                .unwrap_or(Duration::from_secs(24 * 3600)),
+            stages: self
+                .stages
+                .clone()
+                .unwrap_or_else(|| vec![vec!["*".to_string()]]),
+        }
+    }
+}
+
+impl RolloutSettings {
+    /// The stage (index into `stages`) of `region`: the first stage naming it, else the first
+    /// with `*`; `None` when no stage covers it (it is then never given the change, and
+    /// keeps the limit in force until the rollout is done).
+    pub fn stage_of(&self, region: &str) -> Option<usize> {
+        self.stages
+            .iter()
+            .position(|s| s.iter().any(|r| r == region))
+            .or_else(|| self.stages.iter().position(|s| s.iter().any(|r| r == "*")))
+    }
+}
+
+impl DaemonConfig {
+    /// Every controller rlc pushes to with its region: `controller:` (region `default`
+    /// unless it names one) and those of `controllers:`.
+    pub fn region_controllers(&self) -> Vec<(String, ControllerConfig)> {
+        self.controller
+            .iter()
+            .chain(self.controllers.iter())
+            .map(|c| {
+                (
+                    c.region.clone().unwrap_or_else(|| "default".to_string()),
+                    c.clone(),
+                )
+            })
+            .collect()
+    }
+}
+
+impl PoliciesFile {
+    /// The rollout settings of `service`; `None` without a `rollout:` section or when it is
+    /// disabled for the service (every change enforced at once).
+    pub fn rollout_for(&self, service: &str) -> Option<RolloutSettings> {
+        let r = self.rollout.as_ref()?;
+        let top = r.default_spec();
+        let s = match r.services.get(service) {
+            Some(s) => s.merged_over(&top).resolved(),
+            None => top.resolved(),
+        };
+        s.enabled.then_some(s)
+    }
 }
 
 /// The `promotion:` section of `rlc/policies.yaml`: a default and per-service overrides.
@@ -773,6 +942,11 @@ pub struct DaemonConfig {
     /// The GRL controller to push to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub controller: Option<ControllerConfig>,
+    /// Several GRL controllers, one per region (each with `region:`), instead of
+    /// `controller:`: every one gets the base branch's config, and `rollout.stages` of
+    /// `rlc/policies.yaml` names their regions.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub controllers: Vec<ControllerConfig>,
     /// `sqlite://rlc.db` or `postgres://…`.
     #[serde(default = "default_database_url")]
     pub database_url: String,
@@ -1163,6 +1337,10 @@ fn default_forge_kind() -> String {
 pub struct ControllerConfig {
     /// Base URL, e.g. `http://127.0.0.1:7070`.
     pub url: String,
+    /// The region this controller serves (needed in `controllers:`; `default` when absent
+    /// under `controller:`): what `rollout.stages` names.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub region: Option<String>,
     /// Environment variable holding the credential with the controller's `config` role
     /// (`PUT /v1/config`); `<VAR>_FILE`, when `<VAR>` is unset, names a file holding it.
     #[serde(default = "default_controller_token_env")]

@@ -805,6 +805,78 @@ fn check_policies(f: &Located<PoliciesFile>, diags: &mut Vec<Diagnostic>) {
             check_promotion(f, &format!("promotion.services.{name}"), spec, diags);
         }
     }
+    if let Some(r) = &f.value.rollout {
+        check_rollout(f, "", &r.default_spec(), diags);
+        for (name, spec) in &r.services {
+            check_rollout(f, &format!("rollout.services.{name}"), spec, diags);
+        }
+    }
+}
+
+fn check_rollout(
+    f: &Located<PoliciesFile>,
+    at: &str,
+    s: &RolloutSpec,
+    diags: &mut Vec<Diagnostic>,
+) {
+    let key = |k: &str| {
+        if at.is_empty() {
+            format!("rollout.{k}")
+        } else {
+            format!("{at}.{k}")
+        }
+    };
+    if let Some(v) = s.max_virtual_drop_share {
+        if !(0.0..=1.0).contains(&v) {
+            diags.push(f.diag(
+                key("max_virtual_drop_share"),
+                format!("must be between 0 and 1, got {v}"),
+            ));
+        }
+    }
+    if let Some(v) = s.min_offered {
+        if !(v.is_finite() && v >= 0.0) {
+            diags.push(f.diag(
+                key("min_offered"),
+                format!("must be a finite number of requests ≥ 0, got {v}"),
+            ));
+        }
+    }
+    if let (Some(b), Some(m)) = (s.bake, s.max_bake) {
+        if m < b {
+            diags.push(f.diag(
+                key("max_bake"),
+                format!("is shorter than bake ({b}), got {m}"),
+            ));
+        }
+    }
+    if let Some(stages) = &s.stages {
+        if stages.is_empty() {
+            diags.push(f.diag(
+                key("stages"),
+                "needs at least one stage (default [[\"*\"]])",
+            ));
+        }
+        let mut seen = BTreeSet::new();
+        for (i, stage) in stages.iter().enumerate() {
+            if stage.is_empty() {
+                diags.push(f.diag(
+                    format!("{}[{i}]", key("stages")),
+                    "a stage names at least one region (or \"*\")",
+                ));
+            }
+            for (j, r) in stage.iter().enumerate() {
+                if r.trim().is_empty() {
+                    diags.push(f.diag(format!("{}[{i}][{j}]", key("stages")), "empty region name"));
+                } else if !seen.insert(r.clone()) {
+                    diags.push(f.diag(
+                        format!("{}[{i}][{j}]", key("stages")),
+                        format!("region `{r}` is in an earlier stage"),
+                    ));
+                }
+            }
+        }
+    }
 }
 
 fn check_promotion(
@@ -932,20 +1004,59 @@ pub fn load_daemon_config(path: &Path) -> Result<DaemonConfig, Vec<Diagnostic>> 
     if !(r.floor_rps.is_finite() && r.floor_rps >= 0.0) {
         diags.push(f.diag("rails.floor_rps", "must be a finite number ≥ 0"));
     }
-    if let Some(c) = &f.value.controller {
+    if f.value.controller.is_some() && !f.value.controllers.is_empty() {
+        diags.push(f.diag(
+            "controllers",
+            "give `controller` or `controllers`, not both",
+        ));
+    }
+    let mut regions = BTreeSet::new();
+    let listed = f
+        .value
+        .controller
+        .iter()
+        .map(|c| ("controller".to_string(), c))
+        .chain(
+            f.value
+                .controllers
+                .iter()
+                .enumerate()
+                .map(|(i, c)| (format!("controllers[{i}]"), c)),
+        );
+    for (at, c) in listed {
         if !(c.url.starts_with("http://") || c.url.starts_with("https://")) {
-            diags.push(f.diag("controller.url", "must start with http:// or https://"));
+            diags.push(f.diag(format!("{at}.url"), "must start with http:// or https://"));
         }
         if let Some(t) = &c.tls {
             if c.url.starts_with("http://") {
                 diags.push(f.diag(
-                    "controller.tls",
-                    "is set but controller.url is http://; use https://",
+                    format!("{at}.tls"),
+                    format!("is set but {at}.url is http://; use https://"),
                 ));
             }
             if t.client_cert.is_some() != t.client_key.is_some() {
-                diags.push(f.diag("controller.tls", "client_cert and client_key go together"));
+                diags.push(f.diag(
+                    format!("{at}.tls"),
+                    "client_cert and client_key go together",
+                ));
             }
+        }
+        match c.region.as_deref() {
+            None if at != "controller" => {
+                diags.push(f.diag(at.clone(), "needs `region:` (the name rollout.stages uses)"))
+            }
+            Some(r) if r.trim().is_empty() || r == "*" => diags.push(f.diag(
+                format!("{at}.region"),
+                format!("`{r}` is not a region name"),
+            )),
+            _ => {}
+        }
+        let region = c.region.clone().unwrap_or_else(|| "default".into());
+        if !regions.insert(region.clone()) {
+            diags.push(f.diag(
+                format!("{at}.region"),
+                format!("region `{region}` has another controller already"),
+            ));
         }
     }
     if let Some(expr) = &f.value.schedule {

@@ -122,6 +122,19 @@ impl Forge {
         }
     }
 
+    /// Comments `body` on pull request `number` (open or merged) and labels it `label`.
+    pub async fn comment_and_label(
+        &self,
+        number: u64,
+        body: &str,
+        label: &str,
+    ) -> Result<(), ForgeError> {
+        match self {
+            Forge::GitHub(g) => g.comment_and_label(number, body, label).await,
+            Forge::GitLab(g) => g.comment_and_label(number, body, label).await,
+        }
+    }
+
     /// Closes the open pull request(s) of `head`, each with `comment` saying why. Returns the
     /// closed ones (none when nothing is open).
     pub async fn close_pull_requests(
@@ -343,6 +356,29 @@ impl GitHub {
         Ok(())
     }
 
+    /// An issue comment on PR `number`, then `label` (issue labels API).
+    pub async fn comment_and_label(
+        &self,
+        number: u64,
+        body: &str,
+        label: &str,
+    ) -> Result<(), ForgeError> {
+        let issue = format!("/repos/{}/{}/issues/{number}", self.owner, self.repo);
+        let resp = self
+            .req(reqwest::Method::POST, &format!("{issue}/comments"))
+            .json(&json!({ "body": body }))
+            .send()
+            .await?;
+        check(resp, "comment on pull").await?;
+        let resp = self
+            .req(reqwest::Method::POST, &format!("{issue}/labels"))
+            .json(&json!({ "labels": [label] }))
+            .send()
+            .await?;
+        check(resp, "label pull").await?;
+        Ok(())
+    }
+
     /// Closes the open pull request(s) of `head`, each with `comment` saying why (an issue
     /// comment, then `state: closed`). Returns the closed ones (none when nothing is open).
     pub async fn close_pull_requests(
@@ -522,6 +558,31 @@ impl GitLab {
         let mr: MergeRequest = check(resp, "create merge request").await?.json().await?;
         tracing::info!(iid = mr.iid, "opened merge request");
         Ok((mr.into(), true))
+    }
+
+    /// A note on merge request `iid`, then `label` added (`add_labels`).
+    pub async fn comment_and_label(
+        &self,
+        iid: u64,
+        body: &str,
+        label: &str,
+    ) -> Result<(), ForgeError> {
+        let resp = self
+            .req(
+                reqwest::Method::POST,
+                &format!("/merge_requests/{iid}/notes"),
+            )
+            .json(&json!({ "body": body }))
+            .send()
+            .await?;
+        check(resp, "note on merge request").await?;
+        let resp = self
+            .req(reqwest::Method::PUT, &format!("/merge_requests/{iid}"))
+            .json(&json!({ "add_labels": label }))
+            .send()
+            .await?;
+        check(resp, "label merge request").await?;
+        Ok(())
     }
 
     /// Closes the open merge request(s) of `head`, each with a note saying why, then

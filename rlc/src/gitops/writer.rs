@@ -150,6 +150,9 @@ pub struct Writer {
     attempts: u32,
     /// Whether [`Writer::open`] cloned the remote just now (the clone fetched every branch).
     cloned: bool,
+    /// The commit message of the next writes instead of the change summary's (a rollout's
+    /// revert names its evidence).
+    message: Option<String>,
 }
 
 enum PushFailure {
@@ -285,10 +288,16 @@ impl Writer {
             before_push: std::sync::Mutex::new(None),
             attempts: 0,
             cloned,
+            message: None,
         })
     }
 
-    /// Sets a hook run right before each push (fault injection for tests).
+    /// The commit message of the next writes (instead of the change summary's).
+    pub fn set_message(&mut self, message: String) {
+        self.message = Some(message);
+    }
+
+    /// Sets a hook called right before each push (fault injection in tests).
     pub fn set_before_push(&mut self, hook: BeforePush) {
         *self.before_push.lock().unwrap() = Some(hook);
     }
@@ -668,7 +677,10 @@ impl Writer {
 
         let sig = Signature::now(&self.cfg.author_name, &self.cfg.author_email)
             .map_err(|e| fatal(e.into()))?;
-        let message = summary.commit_message();
+        let message = self
+            .message
+            .clone()
+            .unwrap_or_else(|| summary.commit_message());
         match self.cfg.mode {
             RepoMode::Direct => {
                 let commit = self

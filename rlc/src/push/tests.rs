@@ -198,6 +198,7 @@ async fn credentials_from_files_and_roles_against_the_real_controller() {
     std::env::set_var("RLC_PUSH_TEST_READ", read);
     let mut conf = schema::ControllerConfig {
         url: ctl.url(),
+        region: None,
         token_env: "RLC_PUSH_TEST_CFG".into(),
         token_file: None,
         reports_token_env: Some("RLC_PUSH_TEST_READ".into()),

@@ -392,6 +392,45 @@ pub struct QuotaBucket {
     /// Per-bucket numbers (only in `GET /v1/quotas/{service}`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub details: Option<Details>,
+    /// The bucket's newest rollout (`rollout:` in `rlc/policies.yaml`): pending, baking in
+    /// which region since when with the virtual drops so far, done, aborted and why; absent
+    /// when the bucket never had one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout: Option<crate::rollout::RolloutView>,
+}
+
+/// The newest rollout of each bucket, as views (empty when the store cannot say within the
+/// query timeout: logged).
+pub async fn rollout_views(
+    s: &AppState,
+) -> std::collections::BTreeMap<(String, String), crate::rollout::RolloutView> {
+    let Some(store) = s.store() else {
+        return Default::default();
+    };
+    let now = Utc::now();
+    match crate::store::within(
+        s.query_timeout(),
+        crate::rollout::latest_by_bucket(&store, 10_000),
+    )
+    .await
+    {
+        Ok(m) => m.into_iter().map(|(k, r)| (k, r.view(now))).collect(),
+        Err(e) => {
+            tracing::warn!(error = %e, "rollouts unavailable for the quota API");
+            Default::default()
+        }
+    }
+}
+
+fn with_rollouts(
+    buckets: &mut [QuotaBucket],
+    views: &std::collections::BTreeMap<(String, String), crate::rollout::RolloutView>,
+) {
+    for b in buckets {
+        b.rollout = views
+            .get(&(b.planned.service.clone(), b.planned.bucket.name.clone()))
+            .cloned();
+    }
 }
 
 /// `GET /v1/quotas`: the preview JSON (`buckets`, `skipped`, `history_failed`,
@@ -546,6 +585,7 @@ fn view(b: &PlannedBucket, details: bool) -> QuotaBucket {
             .promoted()
             .then(|| rlc_plan::promotion::PROMOTED_MODE.to_string()),
         details: details.then(|| details_of(b)),
+        rollout: None,
     }
 }
 
@@ -705,7 +745,13 @@ pub async fn list(
         Ok(c) => c,
         Err(p) => return p.into_response(),
     };
+    let rollouts = rollout_views(&s).await;
     match query.service.as_deref() {
+        None if !rollouts.is_empty() => {
+            let mut body = c.response(&q, None);
+            with_rollouts(&mut body.buckets, &rollouts);
+            axum::Json(body).into_response()
+        }
         None => {
             // The cached body is only good while the last pull error it shows is the last one.
             let error = q.cache.last_error();
@@ -725,7 +771,11 @@ pub async fn list(
             json_bytes(body)
         }
         Some(svc) if !c.knows(svc) => unknown_service(svc).into_response(),
-        Some(svc) => axum::Json(c.response(&q, Some(svc))).into_response(),
+        Some(svc) => {
+            let mut body = c.response(&q, Some(svc));
+            with_rollouts(&mut body.buckets, &rollouts);
+            axum::Json(body).into_response()
+        }
     }
 }
 
@@ -769,7 +819,8 @@ pub async fn service(
     if !c.knows(&service) {
         return unknown_service(&service).into_response();
     }
-    let body = ServiceQuotas {
+    let rollouts = rollout_views(&s).await;
+    let mut body = ServiceQuotas {
         service: service.clone(),
         base_commit: c.base_commit.clone(),
         computed_at: c.computed_at,
@@ -788,6 +839,7 @@ pub async fn service(
             .collect(),
         history_failed: c.plan.history_failed.contains(&service),
     };
+    with_rollouts(&mut body.buckets, &rollouts);
     axum::Json(body).into_response()
 }
 

@@ -1285,3 +1285,75 @@ async fn postgres_migration_0007_keeps_runs_and_records_pull_requests() {
     pool.close().await;
     check_pull_requests(Store::connect(&db.url, Path::new("/")).await.unwrap(), old).await;
 }
+
+/// Rollout rows and candidate counts: a rollout replaced in place, listed by state and by
+/// bucket; the counts of one controller process (epoch) replaced by its newer figures, those
+/// of another epoch kept beside them.
+async fn check_rollouts(store: Store) {
+    let row = |id: &str, state: &str, at: i64| RolloutRow {
+        id: id.into(),
+        service: "pay".into(),
+        bucket: "charge".into(),
+        state: state.into(),
+        created_ms: at,
+        updated_ms: at,
+        doc: format!("{{\"id\":\"{id}\"}}"),
+    };
+    store.put_rollout(&row("r1", "baking", 1)).await.unwrap();
+    store.put_rollout(&row("r2", "baking", 2)).await.unwrap();
+    store.put_rollout(&row("r1", "aborted", 3)).await.unwrap();
+    let baking = store.rollouts_in(&["baking"]).await.unwrap();
+    assert_eq!(
+        baking.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
+        ["r2"]
+    );
+    let both = store.rollouts_in(&["baking", "aborted"]).await.unwrap();
+    assert_eq!(both.len(), 2);
+    assert_eq!((both[0].id.as_str(), both[0].updated_ms), ("r1", 3));
+    let newest = store
+        .recent_rollouts(Some(("pay", "charge")), 1)
+        .await
+        .unwrap();
+    assert_eq!(newest[0].id, "r2");
+    assert!(store
+        .recent_rollouts(Some(("pay", "other")), 1)
+        .await
+        .unwrap()
+        .is_empty());
+    let count = |epoch: &str, offered: f64| CountRow {
+        rollout_id: "r2".into(),
+        region: "eu".into(),
+        epoch: epoch.into(),
+        seconds: offered / 150.0,
+        offered,
+        virtual_dropped: offered / 3.0,
+        enforced_dropped: 0.0,
+        updated_ms: 5,
+    };
+    store
+        .record_candidate_counts(&[count("e1", 150.0)])
+        .await
+        .unwrap();
+    store
+        .record_candidate_counts(&[count("e1", 300.0), count("e2", 30.0)])
+        .await
+        .unwrap();
+    let rows = store.candidate_counts("r2").await.unwrap();
+    let offered: Vec<(String, f64)> = rows.iter().map(|r| (r.epoch.clone(), r.offered)).collect();
+    assert_eq!(
+        offered,
+        [("e1".to_string(), 300.0), ("e2".to_string(), 30.0)]
+    );
+}
+
+#[tokio::test]
+async fn sqlite_rollouts() {
+    let dir = tempfile::tempdir().unwrap();
+    check_rollouts(Store::connect("sqlite://rlc.db", dir.path()).await.unwrap()).await;
+}
+
+#[tokio::test]
+async fn postgres_rollouts() {
+    let db = test_support::postgres::fresh_database().await.unwrap();
+    check_rollouts(Store::connect(&db.url, Path::new("/")).await.unwrap()).await;
+}

@@ -17,6 +17,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("gather", 3),
     ("shadow", 4),
     ("journal", 4),
+    ("rollout", 4),
     ("gitops", 5),
     ("store", 5),
     ("history", 5),

@@ -18,5 +18,6 @@ mod previews;
 mod prometheus;
 mod quotas;
 mod records;
+mod rollouts;
 mod support;
 mod validate;

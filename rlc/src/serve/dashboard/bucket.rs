@@ -210,6 +210,10 @@ pub struct BucketDetail {
     /// latest computed plan read from it; null before the first pull, without a config repo,
     /// or when the history has no series of the bucket.
     pub lookback: Option<super::lookback::Lookback>,
+    /// The bucket's newest rollout (`rollout:` in `rlc/policies.yaml`): pending, baking in
+    /// which region since when with the virtual drops so far, done, aborted and why; null
+    /// when it never had one (or the store could not say in time).
+    pub rollout: Option<crate::rollout::RolloutView>,
 }
 
 /// The limit in force of a bucket: its entry in the config repo's base branch.
@@ -542,6 +546,11 @@ async fn detail(
     let overrides = missing
         .part(overrides, |m| &mut m.overrides)
         .unwrap_or_default();
+    let rollout = crate::store::within(limit, store.recent_rollouts(Some((service, bucket)), 1))
+        .await
+        .ok()
+        .and_then(|rows| rows.first().and_then(crate::rollout::Rollout::from_row))
+        .map(|r| r.view(now));
     let (series, scopes_cut) = series_from_steps(&steps, start, end, step_secs);
     let overrides = overrides_on(&overrides, service, bucket, now);
     let detail = BucketDetail {
@@ -568,6 +577,7 @@ async fn detail(
         in_force,
         overrides,
         lookback: None,
+        rollout,
     };
     Ok((detail, missing))
 }
@@ -1022,6 +1032,14 @@ fn sections(d: &BucketDetail, missing: &Missing, links: &Links) -> Markup {
     html! {
         (problems_notice(&problems))
         (in_force_section(d, links))
+        @if let Some(r) = &d.rollout {
+            section id="rollout" class=[(r.state == "aborted").then_some("notice")] {
+                h2 { "Rollout" }
+                p { strong { (r.state) } " — " (r.change) }
+                p { (r.summary) }
+                @if let Some(how) = &r.revert { p class="muted" { (how) } }
+            }
+        }
         @if !d.overrides.is_empty() {
             (overrides_section(&d.overrides))
         }

@@ -43,11 +43,27 @@ pub(in crate::serve) async fn run_page(
             store.run_changes(id, MAX_RUN_CHANGES),
         )
         .await?;
-        Ok::<_, DashError>((run, changes))
+        // The rollouts of the changes this run committed (best effort: absent when the store
+        // cannot say in time).
+        let now = chrono::Utc::now();
+        let rollouts: Vec<crate::rollout::RolloutView> = match &run.commit_sha {
+            Some(sha) => crate::store::within(limit, store.recent_rollouts(None, 1000))
+                .await
+                .unwrap_or_default()
+                .iter()
+                .filter_map(crate::rollout::Rollout::from_row)
+                .filter(|r| &r.version == sha)
+                .map(|r| r.view(now))
+                .collect(),
+            None => Vec::new(),
+        };
+        Ok::<_, DashError>((run, changes, rollouts))
     }
     .await;
     match res {
-        Ok((run, changes)) => Html(render(&run, &changes, &links)).into_response(),
+        Ok((run, changes, rollouts)) => {
+            Html(render(&run, &changes, &rollouts, &links)).into_response()
+        }
         Err(e) => (
             e.status(),
             Html(error_page(&format!("Run {id}"), &e.message())),
@@ -98,7 +114,12 @@ fn held_lines(summary: &str) -> Vec<&str> {
         .collect()
 }
 
-fn render(r: &RunRecord, changes: &[RunChange], links: &Links) -> String {
+fn render(
+    r: &RunRecord,
+    changes: &[RunChange],
+    rollouts: &[crate::rollout::RolloutView],
+    links: &Links,
+) -> String {
     let services: Vec<serde_json::Value> = serde_json::from_str(&r.services).unwrap_or_default();
     let held = held_lines(&r.summary);
     let opt = |v: Option<f64>| v.map(rate).unwrap_or_else(|| "—".into());
@@ -192,6 +213,20 @@ fn render(r: &RunRecord, changes: &[RunChange], links: &Links) -> String {
                                                 td { (c.policy.as_deref().unwrap_or("")) }
                                             }
                                         }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    @if !rollouts.is_empty() {
+                        section id="rollouts" {
+                            h2 { "Rollouts" }
+                            ul class="why" {
+                                @for ro in rollouts {
+                                    li data-bucket=(ro.bucket) {
+                                        code { (name_html(&ro.service)) "/" (name_html(&ro.bucket)) }
+                                        " (" (ro.change) "): " (ro.summary)
+                                        @if let Some(how) = &ro.revert { " — " (how) }
                                     }
                                 }
                             }

@@ -1,0 +1,408 @@
+//! Rollouts through whole cycles against stand-in controllers that evaluate candidates like
+//! the real one (150 rps offered; a candidate's virtual drops are what its limit refuses of
+//! them), a real git remote and a SQLite store. The end-to-end tests with real controllers are
+//! in `rlc/tests/it/rollouts.rs`.
+
+use std::collections::BTreeMap;
+use std::future::IntoFuture;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::routing::get;
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use test_support::git::{git, GitRemote};
+
+use super::*;
+use crate::rollout::RolloutState;
+
+const OFFERED: f64 = 150.0;
+
+/// What a stand-in controller holds: the last config pushed, when each candidate arrived,
+/// and every config it was given.
+#[derive(Clone, Default)]
+struct Ctl {
+    doc: Arc<Mutex<Option<ConfigDoc>>>,
+    since: Arc<Mutex<BTreeMap<String, Instant>>>,
+    docs: Arc<Mutex<Vec<ConfigDoc>>>,
+}
+
+impl Ctl {
+    /// The limit of payments/gw in force (what clients get).
+    fn limit(&self) -> Option<f64> {
+        let d = self.doc.lock().unwrap();
+        d.as_ref()?
+            .services
+            .iter()
+            .find(|f| f.service == "payments")?
+            .buckets
+            .iter()
+            .find(|b| b.name == "gw")
+            .map(|b| b.limit_rps)
+    }
+}
+
+async fn put_config(State(c): State<Ctl>, Json(doc): Json<ConfigDoc>) -> Json<Value> {
+    let mut since = c.since.lock().unwrap();
+    since.retain(|id, _| doc.candidates.iter().any(|x| &x.id == id));
+    for x in &doc.candidates {
+        since.entry(x.id.clone()).or_insert_with(Instant::now);
+    }
+    c.docs.lock().unwrap().push(doc.clone());
+    *c.doc.lock().unwrap() = Some(doc);
+    Json(json!({}))
+}
+
+async fn status(State(c): State<Ctl>) -> (HeaderMap, Json<Value>) {
+    let mut h = HeaderMap::new();
+    h.insert("grl-proto", "5".parse().unwrap());
+    let v = c.doc.lock().unwrap().as_ref().map(|d| d.version.clone());
+    (h, Json(json!({"version": v})))
+}
+
+async fn candidates(State(c): State<Ctl>) -> Json<Value> {
+    let doc = c.doc.lock().unwrap().clone().unwrap_or_default();
+    let since = c.since.lock().unwrap();
+    let rows: Vec<Value> = doc
+        .candidates
+        .iter()
+        .map(|x| {
+            let s = since[&x.id].elapsed().as_secs_f64();
+            let offered = OFFERED * s;
+            let refused = (OFFERED - x.bucket.limit_rps).max(0.0) / OFFERED * offered;
+            json!({"id": x.id, "service": x.service, "bucket": x.bucket.name,
+                   "limit_rps": x.bucket.limit_rps, "mode": "enforce", "seconds": s,
+                   "offered": offered, "virtual_dropped": refused, "enforced_dropped": 0.0,
+                   "virtual_drop_share": refused / offered.max(1e-9)})
+        })
+        .collect();
+    Json(json!({"epoch": "e1", "now_ms": 0, "candidates": rows}))
+}
+
+async fn overrides() -> Json<Value> {
+    Json(json!({"overrides": []}))
+}
+
+async fn spawn(c: Ctl) -> String {
+    let app = Router::new()
+        .route("/v1/config", axum::routing::put(put_config))
+        .route("/v1/status", get(status))
+        .route("/v1/candidates", get(candidates))
+        .route("/v1/overrides", get(overrides))
+        .with_state(c);
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(axum::serve(l, app).into_future());
+    format!("http://{addr}")
+}
+
+/// A config repo with payments/gw at 3,470 rps and `rollout:` (bake 2s, `stages`).
+fn remote(stages: &str) -> GitRemote {
+    let files = [
+        ("rlc/policies.yaml".to_string(), format!(
+            "default:\n  policy: peak\n  headroom: 0.25\nrollout:\n  bake: 2s\n  min_offered: 100\n  max_bake: 1m\n{stages}"
+        )),
+        ("buckets/payments.yaml".to_string(),
+         "service: payments\nbuckets:\n  - name: gw\n    caller: gw\n    scope: global\n    limit_rps: 3470\n    mode: enforce\n    policy: peak\n".to_string()),
+    ];
+    let refs: Vec<(&str, &str)> = files
+        .iter()
+        .map(|(a, b)| (a.as_str(), b.as_str()))
+        .collect();
+    GitRemote::new("main", &refs).unwrap()
+}
+
+fn config(remote: &GitRemote, controllers: &[(&str, &str)], extra: &str) -> DaemonConfig {
+    std::env::set_var("RLC_TEST_GRL_TOKEN", "s3cret");
+    let mut text = format!(
+        "history:\n  file: history.csv\nconfig_repo:\n  path: wc\n  url: {}\n  author_name: rlc-bot\n  author_email: rlc@example.com\n{extra}rails:\n  decrease_interval: 1s\ndatabase_url: sqlite://rlc.db\ncontrollers:\n",
+        remote.url()
+    );
+    for (r, u) in controllers {
+        text.push_str(&format!(
+            "  - region: {r}\n    url: {u}\n    token_env: RLC_TEST_GRL_TOKEN\n"
+        ));
+    }
+    schema::parse_str::<DaemonConfig>(Path::new("rlc.yaml"), &text)
+        .unwrap()
+        .value
+}
+
+fn gw(limit: f64) -> Plan {
+    let mut b = crate::gitops::tests::planned("payments", "gw", limit);
+    b.current_limit_rps = Some(3470.0);
+    crate::gitops::tests::plan(vec![b])
+}
+
+/// `rlc serve`'s poll, until the newest rollout of payments/gw satisfies `done`; returns it.
+async fn poll_until(cycle: &Cycle, done: impl Fn(&rollout::Rollout) -> bool) -> rollout::Rollout {
+    let store = cycle.store().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        cycle.rollout_tick().await;
+        let (_, base) = cycle.poll().await.unwrap();
+        let rep = cycle.push_all(&base, None).await;
+        assert!(rep.errors.is_empty(), "{:?}", rep.errors);
+        let latest = rollout::latest_by_bucket(&store, 10).await.unwrap();
+        let r = latest[&("payments".to_string(), "gw".to_string())].clone();
+        if done(&r) {
+            return r;
+        }
+        assert!(Instant::now() < deadline, "rollout stuck: {r:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_lowering_is_a_candidate_aborted_with_a_revert_commit_and_not_proposed_again() {
+    let remote = remote("");
+    let ctl = Ctl::default();
+    let url = spawn(ctl.clone()).await;
+    let cfg = config(&remote, &[("eu", &url)], "");
+    let cycle = Cycle::new(cfg, &remote.scratch(""));
+    let out = cycle.apply(&gw(100.0), "once").await;
+    assert_eq!(out.status, RunStatus::Success, "{out}");
+    let lowered = remote.head("main").unwrap();
+    assert!(
+        out.version_pushed
+            .as_deref()
+            .unwrap()
+            .starts_with(&format!("{lowered}+c")),
+        "{out}"
+    );
+    assert_eq!(ctl.limit(), Some(3470.0), "the limit in force stays");
+    let doc = ctl.doc.lock().unwrap().clone().unwrap();
+    assert_eq!(doc.candidates.len(), 1);
+    assert_eq!(doc.candidates[0].bucket.limit_rps, 100.0);
+    assert_eq!(out.rollouts[0].state, "baking", "{out}");
+    assert!(
+        out.rollouts[0].summary.starts_with("baking in region eu"),
+        "{out}"
+    );
+
+    let r = poll_until(&cycle, |r| {
+        r.state == RolloutState::Aborted && !r.revert_pending
+    })
+    .await;
+    let reason = r.reason.clone().unwrap();
+    assert!(reason.contains("in region eu"), "{reason}");
+    assert!(
+        (r.figures.share() - 1.0 / 3.0).abs() < 1e-6,
+        "a third: {r:?}"
+    );
+    // Never in force: every config the controller got kept 3,470.
+    assert!(ctl
+        .docs
+        .lock()
+        .unwrap()
+        .iter()
+        .all(|d| d.services[0].buckets[0].limit_rps == 3470.0));
+    let msg = git(
+        &remote.bare_path(),
+        &["log", "-1", "--format=%B", "refs/heads/main"],
+    )
+    .unwrap();
+    assert!(
+        msg.starts_with("rlc: revert payments/gw to 3470 rps enforce: rollout aborted"),
+        "{msg}"
+    );
+    assert!(msg.contains("would have been refused"), "{msg}");
+    assert!(remote
+        .read("main", "buckets/payments.yaml")
+        .unwrap()
+        .contains("limit_rps: 3470\n"));
+    // Back in line: the controller runs the revert commit as it is, without candidates.
+    let (_, base) = cycle.poll().await.unwrap();
+    cycle.push_all(&base, None).await;
+    let doc = ctl.doc.lock().unwrap().clone().unwrap();
+    assert_eq!(Some(doc.version), remote.head("main"));
+    assert!(doc.candidates.is_empty());
+
+    let again = cycle.apply(&gw(100.0), "once").await;
+    assert_eq!(again.status, RunStatus::Unchanged, "{again}");
+    assert!(
+        again
+            .skipped
+            .iter()
+            .any(|s| s.reason.contains("its rollout was aborted")),
+        "{again}"
+    );
+}
+
+#[tokio::test]
+async fn two_stages_promote_region_by_region_and_a_failure_never_leaves_the_first() {
+    let remote = remote("  stages: [[a], [b]]\n");
+    let (ca, cb) = (Ctl::default(), Ctl::default());
+    let (ua, ub) = (spawn(ca.clone()).await, spawn(cb.clone()).await);
+    let cfg = config(&remote, &[("a", &ua), ("b", &ub)], "");
+    let cycle = Cycle::new(cfg, &remote.scratch(""));
+    // Failing: only a evaluates it; b never sees it.
+    let out = cycle.apply(&gw(100.0), "once").await;
+    assert_eq!(out.status, RunStatus::Success, "{out}");
+    poll_until(&cycle, |r| {
+        r.state == RolloutState::Aborted && !r.revert_pending
+    })
+    .await;
+    assert!(ca
+        .docs
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|d| !d.candidates.is_empty()));
+    assert!(cb
+        .docs
+        .lock()
+        .unwrap()
+        .iter()
+        .all(|d| d.candidates.is_empty() && d.services[0].buckets[0].limit_rps == 3470.0));
+    // Passing: a first, b after a's bake.
+    let out = cycle.apply(&gw(3000.0), "once").await;
+    assert_eq!(out.status, RunStatus::Success, "{out}");
+    let r = poll_until(&cycle, |r| r.state == RolloutState::Done).await;
+    assert_eq!(r.stage, 2);
+    let b_first = cb
+        .docs
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|d| !d.candidates.is_empty())
+        .cloned()
+        .expect("b evaluated the candidate");
+    assert_eq!(b_first.services[0].buckets[0].limit_rps, 3470.0);
+    // When b got the candidate, a already ran 3,000 (a's docs: the last with a candidate came
+    // before the first with 3,000 in force, and that came before b's candidate).
+    let a_docs = ca.docs.lock().unwrap().clone();
+    let a_promoted = a_docs
+        .iter()
+        .position(|d| d.services[0].buckets[0].limit_rps == 3000.0)
+        .expect("a ran 3,000");
+    assert!(a_docs[a_promoted..].iter().all(|d| d.candidates.is_empty()));
+    let (_, base) = cycle.poll().await.unwrap();
+    cycle.push_all(&base, None).await;
+    assert_eq!((ca.limit(), cb.limit()), (Some(3000.0), Some(3000.0)));
+}
+
+#[tokio::test]
+async fn without_rollout_changes_apply_at_once() {
+    let remote = crate::gitops::tests::seeded_remote();
+    let ctl = Ctl::default();
+    let url = spawn(ctl.clone()).await;
+    let cfg = config(&remote, &[("eu", &url)], "");
+    let cycle = Cycle::new(cfg, &remote.scratch(""));
+    let mut p = gw(50.0);
+    p.buckets[0].current_limit_rps = Some(100.0);
+    let out = cycle.apply(&p, "once").await;
+    assert_eq!(out.status, RunStatus::Success, "{out}");
+    assert_eq!(out.version_pushed, remote.head("main"), "{out}");
+    assert_eq!(ctl.limit(), Some(50.0));
+    assert!(out.rollouts.is_empty());
+}
+
+/// Pull-request mode: the lowering reaches the base branch when a person merges its pull
+/// request; its candidate fails, the controllers keep 3,470 although the base holds 100, and
+/// the pull request gets a comment with the evidence and the `rollout-aborted` label (the
+/// stand-in forge checks the credential and the comment's size, and records the label).
+#[tokio::test]
+async fn pull_request_mode_comments_and_labels_the_merged_pull_request() {
+    let remote = remote("");
+    let ctl = Ctl::default();
+    let url = spawn(ctl.clone()).await;
+    let (forge_url, forge) = crate::gitops::tests::spawn_forge().await;
+    let extra = format!(
+        "  mode: pull-request\n  forge:\n    kind: github\n    api_url: {forge_url}\n    repo: acme/config\n    token_env: RLC_TEST_FORGE_TOKEN\n"
+    );
+    std::env::set_var("RLC_TEST_FORGE_TOKEN", "forge-token");
+    let cfg = config(&remote, &[("eu", &url)], &extra);
+    let cycle = Cycle::new(cfg, &remote.scratch(""));
+    let out = cycle.apply(&gw(100.0), "once").await;
+    assert_eq!(out.pull_request.as_ref().map(|p| p.0), Some(1), "{out}");
+    assert!(out.rollouts.is_empty(), "nothing on the base yet: {out}");
+    let merged = remote.human_merge("rlc/quotas").unwrap();
+
+    let r = poll_until(&cycle, |r| {
+        r.state == RolloutState::Aborted && !r.revert_pending
+    })
+    .await;
+    assert_eq!(r.version, merged);
+    assert_eq!(
+        r.revert.as_deref(),
+        Some("commented and labelled `rollout-aborted` on pull request #1")
+    );
+    assert_eq!(
+        remote.head("main").unwrap(),
+        merged,
+        "people revert in PR mode"
+    );
+    {
+        let prs = forge.prs.lock().unwrap();
+        let comments = prs[0]["comments"].as_array().unwrap();
+        let c = comments.last().unwrap().as_str().unwrap();
+        assert!(
+            c.starts_with("Rollout aborted by rlc: `payments/gw` lowered 3470 -> 100 rps"),
+            "{c}"
+        );
+        assert!(c.contains("would have been refused"), "{c}");
+    }
+    assert!(forge
+        .decorations
+        .lock()
+        .unwrap()
+        .contains(&(1, json!({"labels": ["rollout-aborted"]}))));
+    assert!(
+        forge.problems.lock().unwrap().is_empty(),
+        "{:?}",
+        forge.problems.lock().unwrap()
+    );
+    // The controller keeps the limit in force while the base holds the aborted change.
+    for _ in 0..3 {
+        let (_, base) = cycle.poll().await.unwrap();
+        assert!(cycle.push_all(&base, None).await.errors.is_empty());
+    }
+    assert!(ctl
+        .docs
+        .lock()
+        .unwrap()
+        .iter()
+        .all(|d| d.services[0].buckets[0].limit_rps == 3470.0));
+    assert!(ctl
+        .doc
+        .lock()
+        .unwrap()
+        .as_ref()
+        .unwrap()
+        .candidates
+        .is_empty());
+}
+
+/// With `rollout:` set and the store gone, rlc cannot know what is rolled out where: nothing is
+/// pushed (the controllers keep what they run, candidate included), and the push says why.
+#[tokio::test]
+async fn with_rollout_set_and_the_store_gone_the_controllers_keep_what_they_run() {
+    let remote = remote("");
+    let ctl = Ctl::default();
+    let url = spawn(ctl.clone()).await;
+    let cfg = config(&remote, &[("eu", &url)], "");
+    let dir = remote.scratch("");
+    let cycle = Cycle::new(cfg, &dir);
+    let out = cycle.apply(&gw(100.0), "once").await;
+    assert_eq!(out.status, RunStatus::Success, "{out}");
+    let pushed = ctl.docs.lock().unwrap().len();
+    std::fs::remove_file(dir.join("rlc.db")).unwrap();
+    let (_, base) = cycle.poll().await.unwrap();
+    let rep = cycle.push_all(&base, None).await;
+    assert!(
+        rep.errors
+            .iter()
+            .any(|e| e.contains("rollout state unavailable")),
+        "{:?}",
+        rep.errors
+    );
+    assert_eq!(ctl.docs.lock().unwrap().len(), pushed, "nothing pushed");
+    assert_eq!(ctl.limit(), Some(3470.0));
+    assert_eq!(
+        ctl.doc.lock().unwrap().as_ref().unwrap().candidates.len(),
+        1
+    );
+}

@@ -1,0 +1,144 @@
+//! The rollouts' rows (`rollouts`, `rollout_counts`): rlc's rollout driver (`rlc::rollout`)
+//! keeps each rollout as a JSON document and the controllers' candidate counts per region and
+//! controller process (epoch). The same statements on both backends.
+
+use super::{Store, StoreError};
+
+/// One row of `rollouts`.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct RolloutRow {
+    /// The rollout's (and its candidate's) id.
+    pub id: String,
+    /// Callee service.
+    pub service: String,
+    /// Bucket.
+    pub bucket: String,
+    /// baking | done | aborted | superseded.
+    pub state: String,
+    /// Unix ms it was created.
+    pub created_ms: i64,
+    /// Unix ms of its last change.
+    pub updated_ms: i64,
+    /// The rollout as JSON.
+    pub doc: String,
+}
+
+/// One row of `rollout_counts`: a controller process's cumulative counts of one candidate.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct CountRow {
+    /// The rollout.
+    pub rollout_id: String,
+    /// The controller's region.
+    pub region: String,
+    /// The controller process (`epoch` of `GET /v1/candidates`).
+    pub epoch: String,
+    /// Seconds it evaluated the candidate.
+    pub seconds: f64,
+    /// Requests offered to the bucket.
+    pub offered: f64,
+    /// Requests the candidate would have refused.
+    pub virtual_dropped: f64,
+    /// Requests the limit in force refused meanwhile.
+    pub enforced_dropped: f64,
+    /// Unix ms of the last update.
+    pub updated_ms: i64,
+}
+
+const COLS: &str = "id, service, bucket, state, created_ms, updated_ms, doc";
+
+impl Store {
+    /// Inserts or replaces a rollout.
+    pub async fn put_rollout(&self, r: &RolloutRow) -> Result<(), StoreError> {
+        on_pool!(self, pool => {
+            sqlx::query(
+                "INSERT INTO rollouts (id, service, bucket, state, created_ms, updated_ms, doc) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (id) DO UPDATE SET \
+                 state = excluded.state, updated_ms = excluded.updated_ms, doc = excluded.doc",
+            )
+            .bind(&r.id)
+            .bind(&r.service)
+            .bind(&r.bucket)
+            .bind(&r.state)
+            .bind(r.created_ms)
+            .bind(r.updated_ms)
+            .bind(&r.doc)
+            .execute(pool)
+            .await?;
+            Ok(())
+        })
+    }
+
+    /// Rollouts in `states`, oldest first.
+    pub async fn rollouts_in(&self, states: &[&str]) -> Result<Vec<RolloutRow>, StoreError> {
+        let mut out = Vec::new();
+        for st in states {
+            let q = format!("SELECT {COLS} FROM rollouts WHERE state = $1 ORDER BY created_ms, id");
+            let rows: Vec<RolloutRow> =
+                on_pool!(self, pool => sqlx::query_as(&q).bind(*st).fetch_all(pool).await?);
+            out.extend(rows);
+        }
+        out.sort_by(|a, b| (a.created_ms, &a.id).cmp(&(b.created_ms, &b.id)));
+        Ok(out)
+    }
+
+    /// The newest `limit` rollouts, newest first (of one bucket when given).
+    pub async fn recent_rollouts(
+        &self,
+        bucket: Option<(&str, &str)>,
+        limit: i64,
+    ) -> Result<Vec<RolloutRow>, StoreError> {
+        Ok(match bucket {
+            Some((service, name)) => {
+                let q = format!(
+                    "SELECT {COLS} FROM rollouts WHERE service = $1 AND bucket = $2 \
+                     ORDER BY created_ms DESC, id DESC LIMIT $3"
+                );
+                on_pool!(self, pool => sqlx::query_as(&q).bind(service).bind(name).bind(limit).fetch_all(pool).await?)
+            }
+            None => {
+                let q = format!(
+                    "SELECT {COLS} FROM rollouts ORDER BY created_ms DESC, id DESC LIMIT $1"
+                );
+                on_pool!(self, pool => sqlx::query_as(&q).bind(limit).fetch_all(pool).await?)
+            }
+        })
+    }
+
+    /// Records a controller process's cumulative counts of a candidate (the newest figures of
+    /// that process replace its older ones).
+    pub async fn record_candidate_counts(&self, rows: &[CountRow]) -> Result<(), StoreError> {
+        for c in rows {
+            on_pool!(self, pool => {
+                sqlx::query(
+                    "INSERT INTO rollout_counts (rollout_id, region, epoch, seconds, offered, \
+                     virtual_dropped, enforced_dropped, updated_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) \
+                     ON CONFLICT (rollout_id, region, epoch) DO UPDATE SET seconds = excluded.seconds, \
+                     offered = excluded.offered, virtual_dropped = excluded.virtual_dropped, \
+                     enforced_dropped = excluded.enforced_dropped, updated_ms = excluded.updated_ms",
+                )
+                .bind(&c.rollout_id)
+                .bind(&c.region)
+                .bind(&c.epoch)
+                .bind(c.seconds)
+                .bind(c.offered)
+                .bind(c.virtual_dropped)
+                .bind(c.enforced_dropped)
+                .bind(c.updated_ms)
+                .execute(pool)
+                .await?;
+            });
+        }
+        Ok(())
+    }
+
+    /// Every count row of a rollout.
+    pub async fn candidate_counts(&self, rollout_id: &str) -> Result<Vec<CountRow>, StoreError> {
+        on_pool!(self, pool => Ok(sqlx::query_as(
+            "SELECT rollout_id, region, epoch, seconds, offered, virtual_dropped, enforced_dropped, \
+             updated_ms FROM rollout_counts WHERE rollout_id = $1 ORDER BY region, epoch",
+        )
+        .bind(rollout_id)
+        .fetch_all(pool)
+        .await?))
+    }
+}
