@@ -238,9 +238,10 @@ enum Cmd {
         #[arg(long, default_value_t = 200)]
         tick_ms: u64,
         /// Threads serving the connections, each with its own single-threaded runtime and
-        /// upstream pools; 0: one per core.
-        #[arg(long, default_value_t = 0)]
-        workers: usize,
+        /// upstream pools (default: one per core); 0: none, the connections are served on the
+        /// process's multi-threaded runtime with one shared pool.
+        #[arg(long)]
+        workers: Option<usize>,
         /// Drop ratios older than this stop dropping (fail-open), in milliseconds.
         #[arg(long, default_value_t = 3000)]
         stale_after_ms: u64,

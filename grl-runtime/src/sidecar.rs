@@ -76,8 +76,9 @@ pub struct SidecarOptions {
     /// Largest request head (HTTP/1.1 buffer, HTTP/2 header list).
     pub max_header_bytes: usize,
     /// Threads serving the connections, each a single-threaded runtime with its own upstream
-    /// pools (see `crate::server::Workers`); 0: one per core.
-    pub workers: usize,
+    /// pools (see `crate::server::Workers`); None: one per core; 0: none (the connections are
+    /// served on the runtime `start` is called on, with one shared pair of pools).
+    pub workers: Option<usize>,
 }
 
 impl SidecarOptions {
@@ -98,7 +99,7 @@ impl SidecarOptions {
             connect_timeout: Duration::from_secs(5),
             serve: ServeLimits::default(),
             max_header_bytes: DEFAULT_MAX_HEADER_BYTES,
-            workers: 0,
+            workers: None,
         }
     }
 }
@@ -280,15 +281,18 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
         added.clone(),
     );
     let workers = match opts.workers {
-        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-        n => n,
+        None => Some(std::thread::available_parallelism().map_or(1, |n| n.get())),
+        Some(0) => None,
+        Some(n) => Some(n),
     };
-    let workers = crate::server::Workers::start(workers, "grl-sidecar")
+    let workers = workers
+        .map(|n| crate::server::Workers::start(n, "grl-sidecar"))
+        .transpose()
         .context("start the worker threads")?;
     let shared = Arc::new(Shared {
         layer,
         client,
-        clients: (0..=workers.len())
+        clients: (0..=workers.as_ref().map_or(0, |w| w.len()))
             .map(|_| {
                 Clients::new(
                     opts.upstream.clone(),
@@ -315,7 +319,7 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
     let conn = crate::server::ConnOptions {
         h2c: true,
         max_header_bytes: Some(opts.max_header_bytes),
-        workers: Some(workers),
+        workers,
     };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(async move {
