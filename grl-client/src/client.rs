@@ -781,7 +781,11 @@ async fn watch_staleness(
     iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         iv.tick().await;
-        check_staleness(&limiter, &stats, &service);
+        // Before the first fresh directives the table is open anyway (no deadline), and the
+        // report loop says so after its first attempt: nothing went stale yet.
+        if stats.directives_from_ms.load(Ordering::Relaxed) != 0 {
+            check_staleness(&limiter, &stats, &service);
+        }
     }
 }
 
