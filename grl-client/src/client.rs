@@ -353,7 +353,8 @@ pub struct ClientOptions {
     pub aggregators: Vec<String>,
     /// Reporting period.
     pub tick: Duration,
-    /// Directives older than this stop dropping.
+    /// Directives older than this stop dropping: the client's task checks the deadline every
+    /// eighth of it (between 5 and 100 ms), whatever the request rate.
     pub stale_after: Duration,
     /// Instance id (random when absent).
     pub client_id: Option<String>,
@@ -432,7 +433,17 @@ impl GrlClient {
         let limiter = Arc::new(Limiter::new(&opts.service, opts.stale_after));
         let stats = Arc::new(ClientStats::default());
         let calls = Arc::new(CallCounter::new(opts.max_call_keys));
-        let task = tokio::spawn(run(opts, limiter.clone(), calls.clone(), stats.clone()));
+        let watch = watch_staleness(
+            limiter.clone(),
+            stats.clone(),
+            opts.service.clone(),
+            opts.stale_after,
+        );
+        let run = run(opts, limiter.clone(), calls.clone(), stats.clone());
+        // One task: the watch goes on while a report waits on a slow aggregator.
+        let task = tokio::spawn(async move {
+            tokio::join!(run, watch);
+        });
         GrlClient {
             limiter,
             calls,
@@ -734,13 +745,46 @@ async fn run(
         if !sent && !report.calls.is_empty() {
             rep.restore_calls(std::mem::take(&mut report.calls));
         }
-        let stale = limiter.table().is_stale(now_ms());
-        let was = stats.stale.swap(stale, Ordering::Relaxed);
-        if stale && !was {
-            stats.fail_open_total.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(service = %opts.service, stale_after_ms = limiter.stale_after_ms(), "directives stale: failing open");
-        } else if !stale && was {
-            tracing::info!(service = %opts.service, "directives fresh again: enforcing");
+        check_staleness(&limiter, &stats, &opts.service);
+    }
+}
+
+/// Fails the limiter open once its directives are stale (on the real clock: deciding reads a
+/// per-thread clock refreshed every 64 decisions, which at a low request rate lags by far),
+/// and keeps `stats.stale` and the fail-open count.
+fn check_staleness(limiter: &Limiter, stats: &ClientStats, service: &str) {
+    let stale = limiter.expire_stale(now_ms());
+    let was = stats.stale.swap(stale, Ordering::Relaxed);
+    if stale && !was {
+        stats.fail_open_total.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(service = %service, stale_after_ms = limiter.stale_after_ms(), "directives stale: failing open");
+    } else if !stale && was {
+        tracing::info!(service = %service, "directives fresh again: enforcing");
+    }
+}
+
+/// How often the client checks its directives' deadline: an eighth of the staleness bound,
+/// between 5 and 100 ms. A client fails open at most this long after the bound.
+fn staleness_check_every(stale_after: Duration) -> Duration {
+    (stale_after / 8).clamp(Duration::from_millis(5), Duration::from_millis(100))
+}
+
+/// [`check_staleness`] every [`staleness_check_every`], beside the report loop (which may
+/// wait seconds on an aggregator that does not answer).
+async fn watch_staleness(
+    limiter: Arc<Limiter>,
+    stats: Arc<ClientStats>,
+    service: String,
+    stale_after: Duration,
+) {
+    let mut iv = tokio::time::interval(staleness_check_every(stale_after));
+    iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        iv.tick().await;
+        // Before the first fresh directives the table is open anyway (no deadline), and the
+        // report loop says so after its first attempt: nothing went stale yet.
+        if stats.directives_from_ms.load(Ordering::Relaxed) != 0 {
+            check_staleness(&limiter, &stats, &service);
         }
     }
 }

@@ -130,10 +130,10 @@ impl GrlLayer {
         decide(&self.cfg, caller, procedure)
     }
 
-    /// [`GrlLayer::decide`] with the fail-open check at `now_ms` (`grl_core::now_ms()`):
-    /// `decide` reads a per-thread clock refreshed every 64 decisions, which at a few requests
-    /// per second and thread lags by seconds and delays failing open; a front end that reads
-    /// the clock per request anyway passes it here.
+    /// [`GrlLayer::decide`] with the fail-open check at `now_ms` (`grl_core::now_ms()`), for
+    /// a front end that reads the clock per request anyway. `decide` reads a per-thread clock
+    /// refreshed every 64 decisions; failing open does not depend on it, since the client's
+    /// task expires stale directives on the real clock (see `GrlClient`).
     #[inline]
     pub fn decide_at(&self, caller: &str, procedure: &str, now_ms: u64) -> Decision {
         if let Some(c) = &self.cfg.calls {

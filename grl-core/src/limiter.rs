@@ -435,6 +435,27 @@ impl Limiter {
             .set_valid_until(now_ms + self.stale_after_ms);
     }
 
+    /// Fails the limiter open now if its directives are stale at `now_ms` (read on the real
+    /// clock): the deadline is set to 0, which every thread's cached clock is past, so the next
+    /// decision on any thread admits. Returns whether the directives are stale. The decision's
+    /// own clock is refreshed only every 64 decisions per thread, which at a few requests per
+    /// second lags by many seconds: a client calls this every few tens of milliseconds so that
+    /// it fails open within the staleness bound whatever its request rate. A deadline set
+    /// concurrently by [`Limiter::directives_received`] is never undone.
+    pub fn expire_stale(&self, now_ms: u64) -> bool {
+        let t = self.table.load();
+        let until = t.valid_until_ms.load(Ordering::Acquire);
+        if now_ms < until {
+            return false;
+        }
+        if until != 0 {
+            let _ =
+                t.valid_until_ms
+                    .compare_exchange(until, 0, Ordering::AcqRel, Ordering::Relaxed);
+        }
+        true
+    }
+
     /// Decides one request on the wall clock (the production path).
     #[inline]
     pub fn decide(&self, caller: &str, procedure: &str) -> Decision {

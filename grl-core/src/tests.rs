@@ -171,6 +171,38 @@ fn fails_open_after_staleness_bound() {
 }
 
 #[test]
+fn expire_stale_fails_open_whatever_the_thread_clock_says() {
+    // The wall-clock path: a thread's clock is refreshed every 64 decisions, so at a low rate
+    // it can lag the deadline by far; `expire_stale` (on the real clock) fails open at once.
+    let l = Limiter::new("svc", Duration::from_millis(40));
+    l.install(
+        Table::compile(
+            "svc",
+            "v1",
+            &[bucket("e", Some("a"), None, 10.0, Mode::Enforce)],
+        )
+        .unwrap(),
+    );
+    l.table().set_ratio(0, 1.0);
+    l.directives_received(crate::now_ms());
+    assert!(!l.expire_stale(crate::now_ms()));
+    assert_eq!(l.decide("a", "p"), Decision::Drop);
+    let deadline = crate::now_ms() + 40;
+    while crate::now_ms() <= deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(l.expire_stale(crate::now_ms()));
+    assert!(l.table().is_stale(0), "the deadline is gone");
+    for _ in 0..200 {
+        assert_eq!(l.decide("a", "p"), Decision::Admit);
+    }
+    // A fresh directive enforces again (on the thread's clock too).
+    l.directives_received(crate::now_ms());
+    assert!(!l.expire_stale(crate::now_ms()));
+    assert_eq!(l.decide("a", "p"), Decision::Drop);
+}
+
+#[test]
 fn install_keeps_ratios_of_surviving_buckets() {
     let l = limiter_with(&[bucket("e", Some("a"), None, 10.0, Mode::Enforce)]);
     l.table().set_ratio(0, 1.0);

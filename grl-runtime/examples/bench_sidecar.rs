@@ -15,7 +15,9 @@
 //! the last byte of the answer; "added" is a peer's percentile minus the direct call's. The
 //! saturation figure is requests per second of a closed loop (64 in flight) over the proxy's
 //! CPU seconds (`/proc`, every process of the proxy), i.e. requests/s per core. The upstream
-//! and the generator run in this process; nginx gets one worker. Output: Markdown tables
+//! and the generator run in this process; nginx gets one worker. gRPC: the same for unary calls
+//! (1 KiB messages over h2c) to an in-process gRPC upstream, direct, through nginx `grpc_pass`
+//! and through a sidecar. `BENCH_ONLY=hop|grpc|accuracy` runs one part. Output: Markdown tables
 //! (docs/grl-sidecar-bench.md).
 
 use std::convert::Infallible;
@@ -95,14 +97,59 @@ async fn upstream() -> SocketAddr {
     addr
 }
 
+/// A gRPC upstream (h2c): every unary call is answered with the message `ok` and
+/// `grpc-status: 0` in the trailers, after reading the request.
+async fn grpc_upstream() -> SocketAddr {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((s, _)) = l.accept().await else {
+                continue;
+            };
+            let _ = s.set_nodelay(true);
+            tokio::spawn(async move {
+                let svc =
+                    hyper::service::service_fn(|req: Request<hyper::body::Incoming>| async move {
+                        let _ = req.into_body().collect().await;
+                        let mut trailers = hyper::HeaderMap::new();
+                        trailers
+                            .insert("grpc-status", hyper::header::HeaderValue::from_static("0"));
+                        // One length-prefixed message: not compressed, 2 bytes, "ok".
+                        let body = Full::new(Bytes::from_static(&[0, 0, 0, 0, 2, b'o', b'k']))
+                            .with_trailers(async move { Some(Ok(trailers)) });
+                        let mut r = Response::new(body);
+                        r.headers_mut().insert(
+                            "content-type",
+                            hyper::header::HeaderValue::from_static("application/grpc"),
+                        );
+                        Ok::<_, Infallible>(r)
+                    });
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
-fn client() -> HttpClient {
+/// HTTP/1.1 keep-alive connections, or for gRPC HTTP/2 without TLS (h2c).
+fn client_for(grpc: bool) -> HttpClient {
     let mut c = HttpConnector::new();
     c.set_nodelay(true);
-    Client::builder(TokioExecutor::new())
-        .pool_max_idle_per_host(1024)
-        .build(c)
+    let mut b = Client::builder(TokioExecutor::new());
+    b.pool_max_idle_per_host(1024);
+    if grpc {
+        b.http2_only(true);
+    }
+    b.build(c)
+}
+
+fn client() -> HttpClient {
+    client_for(false)
 }
 
 /// One request as `caller`; its status, or 0 for a transport error.
@@ -122,6 +169,48 @@ async fn call(c: &HttpClient, url: &str, caller: &str, body: &Bytes) -> u16 {
     }
 }
 
+/// One unary gRPC call (`url` names the method) as `caller`, `body` the message; 200 when it
+/// ended with `grpc-status: 0`, else 0.
+async fn call_grpc(c: &HttpClient, url: &str, caller: &str, body: &Bytes) -> u16 {
+    let mut framed = Vec::with_capacity(body.len() + 5);
+    framed.push(0);
+    framed.extend_from_slice(&(body.len() as u32).to_be_bytes());
+    framed.extend_from_slice(body);
+    let req = Request::post(url)
+        .header("rpc-caller", caller)
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(Full::new(Bytes::from(framed)))
+        .unwrap();
+    let Ok(r) = c.request(req).await else {
+        return 0;
+    };
+    let in_head = r.headers().get("grpc-status").cloned();
+    match r.into_body().collect().await {
+        Ok(b) => {
+            let status = b
+                .trailers()
+                .and_then(|t| t.get("grpc-status").cloned())
+                .or(in_head);
+            if status.is_some_and(|s| s == "0") {
+                200
+            } else {
+                0
+            }
+        }
+        Err(_) => 0,
+    }
+}
+
+/// A request of the kind measured: HTTP (1 KiB POST) or a unary gRPC call (1 KiB message).
+async fn call_kind(grpc: bool, c: &HttpClient, url: &str, caller: &str, body: &Bytes) -> u16 {
+    if grpc {
+        call_grpc(c, url, caller, body).await
+    } else {
+        call(c, url, caller, body).await
+    }
+}
+
 struct Latency {
     p50: f64,
     p90: f64,
@@ -129,13 +218,13 @@ struct Latency {
     errors: u64,
 }
 
-/// `rate` requests/s for `secs` seconds, open loop; latencies in µs.
-async fn open_loop(url: &str, rate: u64, secs: u64) -> Latency {
-    let c = client();
+/// `rate` requests/s (gRPC calls when `grpc`) for `secs` seconds, open loop; latencies in µs.
+async fn open_loop(url: &str, rate: u64, secs: u64, grpc: bool) -> Latency {
+    let c = client_for(grpc);
     let body = Bytes::from(vec![b'x'; 1024]);
     // Warm the pool.
     for _ in 0..32 {
-        call(&c, url, "bench", &body).await;
+        call_kind(grpc, &c, url, "bench", &body).await;
     }
     let total = rate * secs;
     let lat = Arc::new(std::sync::Mutex::new(Vec::with_capacity(total as usize)));
@@ -155,7 +244,7 @@ async fn open_loop(url: &str, rate: u64, secs: u64) -> Latency {
             );
             tasks.spawn(async move {
                 let t = Instant::now();
-                let s = call(&c, &url, "bench", &body).await;
+                let s = call_kind(grpc, &c, &url, "bench", &body).await;
                 let us = t.elapsed().as_micros() as u32;
                 if s == 200 {
                     lat.lock().unwrap().push(us);
@@ -211,8 +300,8 @@ fn cpu_secs(pid: u32) -> f64 {
 }
 
 /// Requests/s of a closed loop (64 in flight) for 5 s, and the proxy's requests per CPU second.
-async fn saturation(url: &str, pid: Option<u32>) -> (f64, Option<f64>) {
-    let c = client();
+async fn saturation(url: &str, pid: Option<u32>, grpc: bool) -> (f64, Option<f64>) {
+    let c = client_for(grpc);
     let body = Bytes::from(vec![b'x'; 1024]);
     let done = Arc::new(AtomicU64::new(0));
     let end = Instant::now() + Duration::from_secs(5);
@@ -223,7 +312,7 @@ async fn saturation(url: &str, pid: Option<u32>) -> (f64, Option<f64>) {
         let (c, url, body, done) = (c.clone(), url.to_string(), body.clone(), done.clone());
         set.spawn(async move {
             while Instant::now() < end {
-                if call(&c, &url, "bench", &body).await == 200 {
+                if call_kind(grpc, &c, &url, "bench", &body).await == 200 {
                     done.fetch_add(1, Ordering::Relaxed);
                 }
             }
@@ -239,10 +328,25 @@ async fn saturation(url: &str, pid: Option<u32>) -> (f64, Option<f64>) {
     (n / wall, per_core)
 }
 
-fn nginx_conf(dir: &Path, up: SocketAddr, plain: u16, limited: &[(u16, f64)]) -> PathBuf {
+/// nginx: `plain` proxies to `up`, each of `limited` with `limit_req`, and with `grpc` = (port,
+/// gRPC upstream) a plain-text HTTP/2 port with `grpc_pass`.
+fn nginx_conf(
+    dir: &Path,
+    up: SocketAddr,
+    plain: u16,
+    limited: &[(u16, f64)],
+    grpc: Option<(u16, SocketAddr)>,
+) -> PathBuf {
     let mut servers = format!(
         "server {{ listen 127.0.0.1:{plain}; location / {{ proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection \"\"; }} }}\n"
     );
+    let mut grpc_up = String::new();
+    if let Some((port, gup)) = grpc {
+        grpc_up = format!("upstream grpcup {{ server {gup}; keepalive 256; }}\n");
+        servers.push_str(&format!(
+            "server {{ listen 127.0.0.1:{port} http2; location / {{ grpc_pass grpc://grpcup; }} }}\n"
+        ));
+    }
     let mut zones = String::new();
     for (i, (port, rate)) in limited.iter().enumerate() {
         // A rate limit in requests/s per replica; a burst of a tenth of a second.
@@ -257,7 +361,7 @@ fn nginx_conf(dir: &Path, up: SocketAddr, plain: u16, limited: &[(u16, f64)]) ->
     }
     let d = dir.display();
     let conf = format!(
-        "worker_processes 1;\ndaemon off;\npid {d}/nginx.pid;\nerror_log {d}/nginx-error.log warn;\nevents {{ worker_connections 4096; }}\nhttp {{\naccess_log off;\nclient_body_temp_path {d}/body;\nproxy_temp_path {d}/proxy;\nfastcgi_temp_path {d}/fastcgi;\nuwsgi_temp_path {d}/uwsgi;\nscgi_temp_path {d}/scgi;\nupstream up {{ server {up}; keepalive 256; }}\n{zones}{servers}}}\n"
+        "worker_processes 1;\ndaemon off;\npid {d}/nginx.pid;\nerror_log {d}/nginx-error.log warn;\nevents {{ worker_connections 4096; }}\nhttp {{\naccess_log off;\nclient_body_temp_path {d}/body;\nproxy_temp_path {d}/proxy;\nfastcgi_temp_path {d}/fastcgi;\nuwsgi_temp_path {d}/uwsgi;\nscgi_temp_path {d}/scgi;\nupstream up {{ server {up}; keepalive 256; }}\n{grpc_up}{zones}{servers}}}\n"
     );
     let path = dir.join("nginx.conf");
     std::fs::write(&path, conf).unwrap();
@@ -357,6 +461,7 @@ fn sidecar(
     agg: &str,
     name: &str,
     procs: &mut Vec<Proc>,
+    extra: &[&str],
 ) -> (u16, u32) {
     let (port, admin) = (free_port(), free_port());
     let p = Proc::spawn(
@@ -390,6 +495,7 @@ fn sidecar(
                     .map(|t| vec!["--tick-ms".to_string(), t])
                     .unwrap_or_default(),
             )
+            .args(extra)
             .env("GRL_CLIENT_TOKEN", CLIENT)
             .stdout(Stdio::null())
             .stderr(Stdio::from(
@@ -437,11 +543,18 @@ async fn main() {
     let a = args();
     let dir = tempfile::tempdir().unwrap();
     let up = upstream().await;
+    let gup = grpc_upstream().await;
     let mut procs = Vec::new();
 
-    // Peers for the hop: nginx (plain, limit_req far above the load) and a sidecar.
-    let (ng_plain, ng_limited) = (free_port(), free_port());
-    let conf = nginx_conf(dir.path(), up, ng_plain, &[(ng_limited, 1e6)]);
+    // Peers for the hop: nginx (plain, limit_req far above the load, grpc_pass) and sidecars.
+    let (ng_plain, ng_limited, ng_grpc) = (free_port(), free_port(), free_port());
+    let conf = nginx_conf(
+        dir.path(),
+        up,
+        ng_plain,
+        &[(ng_limited, 1e6)],
+        Some((ng_grpc, gup)),
+    );
     let nginx = Proc::spawn(
         Command::new(&a.nginx)
             .arg("-c")
@@ -455,9 +568,32 @@ async fn main() {
     let nginx_pid = nginx.0.id();
     procs.push(nginx);
     let agg = tier(&a.grl, dir.path(), 1e9, &mut procs).await;
-    let (sc, sc_pid) = sidecar(&a.grl, dir.path(), up, &agg, "sidecar", &mut procs);
-    let only_accuracy = std::env::var("BENCH_ONLY").is_ok_and(|v| v == "accuracy");
-    let peers: Vec<(&str, String, Option<u32>)> = if only_accuracy {
+    let (sc, sc_pid) = sidecar(&a.grl, dir.path(), up, &agg, "sidecar", &mut procs, &[]);
+    // The same on the multi-threaded runtime with one shared pool (how it served before
+    // --workers): the structural change, side by side.
+    let (sc0, sc0_pid) = sidecar(
+        &a.grl,
+        dir.path(),
+        up,
+        &agg,
+        "sidecar-workers-0",
+        &mut procs,
+        &["--workers", "0"],
+    );
+    let (gsc, gsc_pid) = sidecar(
+        &a.grl,
+        dir.path(),
+        gup,
+        &agg,
+        "sidecar-grpc",
+        &mut procs,
+        &[],
+    );
+    // BENCH_ONLY: accuracy, hop (HTTP), grpc; unset: all three.
+    let only = std::env::var("BENCH_ONLY").ok();
+    let part = |p: &str| only.as_deref().is_none_or(|o| o == p);
+    let skip_hop = !part("hop");
+    let peers: Vec<(&str, String, Option<u32>)> = if skip_hop {
         vec![]
     } else {
         vec![
@@ -477,12 +613,17 @@ async fn main() {
                 format!("http://127.0.0.1:{sc}/"),
                 Some(sc_pid),
             ),
+            (
+                "grl sidecar --workers 0",
+                format!("http://127.0.0.1:{sc0}/"),
+                Some(sc0_pid),
+            ),
         ]
     };
     for (_, url, _) in &peers {
         wait_up(url).await;
     }
-    if !only_accuracy {
+    if !skip_hop {
         println!(
             "## One hop, 1 KiB POST bodies, keep-alive, loopback ({} s per rate)\n",
             a.secs
@@ -494,8 +635,8 @@ async fn main() {
             let mut base = None;
             for (name, url, _) in &peers {
                 // A first pass warms the pool, the peer and the generator; the second is measured.
-                open_loop(url, rate, 2).await;
-                let l = open_loop(url, rate, a.secs).await;
+                open_loop(url, rate, 2, false).await;
+                let l = open_loop(url, rate, a.secs, false).await;
                 let (b50, b99) = *base.get_or_insert((l.p50, l.p99));
                 println!(
                     "| {name} | {:.0} | {:.0} | {:.0} | {:+.0} | {:+.0} | {} |",
@@ -513,11 +654,80 @@ async fn main() {
         println!("| path | requests/s | requests/s per CPU second of the proxy |");
         println!("|---|---|---|");
         for (name, url, pid) in &peers {
-            let (rps, per_core) = saturation(url, *pid).await;
+            let (rps, per_core) = saturation(url, *pid, false).await;
             let pc = per_core.map_or("–".to_string(), |v| format!("{v:.0}"));
             println!("| {name} | {rps:.0} | {pc} |");
         }
         println!();
+    }
+
+    // gRPC unary calls: direct (h2c), nginx grpc_pass, the sidecar.
+    if part("grpc") {
+        let method = "test.Echo/Say";
+        let gpeers: Vec<(&str, String, Option<u32>)> = vec![
+            ("direct", format!("http://{gup}/{method}"), None),
+            (
+                "nginx (grpc_pass)",
+                format!("http://127.0.0.1:{ng_grpc}/{method}"),
+                Some(nginx_pid),
+            ),
+            (
+                "grl sidecar",
+                format!("http://127.0.0.1:{gsc}/{method}"),
+                Some(gsc_pid),
+            ),
+        ];
+        let c = client_for(true);
+        let body = Bytes::from_static(b"x");
+        for (name, url, _) in &gpeers {
+            let mut up = false;
+            for _ in 0..200 {
+                if call_grpc(&c, url, "bench", &body).await == 200 {
+                    up = true;
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            assert!(up, "{name}: {url} never answered a gRPC call");
+        }
+        println!(
+            "## gRPC unary calls, 1 KiB messages, HTTP/2 without TLS, loopback ({} s per rate)\n",
+            a.secs
+        );
+        for &rate in &a.rates {
+            println!("### {rate} calls/s (open loop)\n");
+            println!("| path | p50 µs | p90 µs | p99 µs | added p50 µs | added p99 µs | errors |");
+            println!("|---|---|---|---|---|---|---|");
+            let mut base = None;
+            for (name, url, _) in &gpeers {
+                open_loop(url, rate, 2, true).await;
+                let l = open_loop(url, rate, a.secs, true).await;
+                let (b50, b99) = *base.get_or_insert((l.p50, l.p99));
+                println!(
+                    "| {name} | {:.0} | {:.0} | {:.0} | {:+.0} | {:+.0} | {} |",
+                    l.p50,
+                    l.p90,
+                    l.p99,
+                    l.p50 - b50,
+                    l.p99 - b99,
+                    l.errors
+                );
+            }
+            println!();
+        }
+        println!("### gRPC saturation (closed loop, 64 calls in flight, 5 s)\n");
+        println!("| path | calls/s | calls/s per CPU second of the proxy |");
+        println!("|---|---|---|");
+        for (name, url, pid) in &gpeers {
+            let (rps, per_core) = saturation(url, *pid, true).await;
+            let pc = per_core.map_or("–".to_string(), |v| format!("{v:.0}"));
+            println!("| {name} | {rps:.0} | {pc} |");
+        }
+        println!();
+    }
+    if !part("accuracy") {
+        drop(procs);
+        return;
     }
 
     // Accuracy: a global limit over three replicas with uneven load.
@@ -528,7 +738,7 @@ async fn main() {
     let offered = [0.6, 0.3, 0.1].map(|s| s * 1.5 * limit);
     let limited: Vec<(u16, f64)> = (0..3).map(|_| (free_port(), limit / 3.0)).collect();
     let dir2 = tempfile::tempdir().unwrap();
-    let conf = nginx_conf(dir2.path(), up, free_port(), &limited);
+    let conf = nginx_conf(dir2.path(), up, free_port(), &limited, None);
     procs.push(
         Proc::spawn(
             Command::new(&a.nginx)
@@ -551,6 +761,7 @@ async fn main() {
                 &agg2,
                 &format!("replica-{i}"),
                 &mut procs,
+                &[],
             )
             .0
         })

@@ -120,6 +120,11 @@ pub type AggregatorHandle = crate::http_util::ServerHandle;
 /// One client's last report; keyed by (service, client id).
 struct ClientEntry {
     at: Instant,
+    /// How long the client's rates count after its last report: three of its own reporting
+    /// periods, at least three of the aggregator's ticks (see [`client_horizon`]).
+    horizon: Duration,
+    /// The client's reporting period as the aggregator estimates it (ms).
+    period_ms: u64,
     /// bucket → [offered, admitted, dropped, shadow] per second over the client's last interval.
     rates: Vec<(String, [f64; 4])>,
     fresh: bool,
@@ -144,6 +149,30 @@ struct AggState {
     config: ConfigDoc,
     /// The buckets of `config` by service, with the state of the plausibility caps.
     known: screen::Known,
+}
+
+/// The longest reporting period a client's horizon follows (a longer claim counts as this).
+const MAX_CLIENT_PERIOD_MS: u64 = 60_000;
+
+/// A client's reporting period after a report covering `interval_ms`, `prev` the estimate
+/// before it: a regular report's interval is the period, but an urgent report (or the first
+/// regular one after it) covers only part of a period, so the estimate falls at most by half
+/// per report.
+fn client_period(prev: Option<u64>, interval_ms: u64) -> u64 {
+    let i = interval_ms.min(MAX_CLIENT_PERIOD_MS);
+    match prev {
+        Some(p) => i.max(p / 2),
+        None => i,
+    }
+}
+
+/// How long a client's last rates count in the zone's sums: three of its reporting periods,
+/// and at least three of the aggregator's ticks. A client reporting every second to an
+/// aggregator ticking every 100 ms is still part of every forward in between (with a horizon
+/// of three ticks it dropped out 300 ms after each report, and the controller computed its
+/// ratio without it).
+fn client_horizon(tick: Duration, period_ms: u64) -> Duration {
+    (tick * 3).max(Duration::from_millis(period_ms.saturating_mul(3)))
 }
 
 /// The replies to client reports since the controller's last answer (`at`), by service.
@@ -300,7 +329,8 @@ impl AggMetrics {
     }
 }
 
-/// `grl_aggregator_clients{service}` (clients heard from within 3 ticks) and
+/// `grl_aggregator_clients{service}` (clients whose rates count: heard from within 3 of their
+/// reporting periods, at least 3 ticks) and
 /// `grl_aggregator_directives_age_seconds` (since the last answer of a controller).
 struct ClientsCollector {
     state: Arc<Mutex<AggState>>,
@@ -325,13 +355,13 @@ impl prometheus_client::collector::Collector for ClientsCollector {
         let st = self.state.lock().expect("aggregator lock");
         let mut per_service: std::collections::BTreeMap<&str, i64> = Default::default();
         for ((service, _), c) in &st.clients {
-            if c.at.elapsed() <= self.horizon {
+            if c.at.elapsed() <= self.horizon.max(c.horizon) {
                 *per_service.entry(service.as_str()).or_default() += 1;
             }
         }
         let mut fam = encoder.encode_descriptor(
             "grl_aggregator_clients",
-            "Clients heard from within 3 ticks, by service.",
+            "Clients whose rates count in the zone's sums (heard from within 3 of their reporting periods, at least 3 ticks), by service.",
             None,
             MetricType::Gauge,
         )?;
@@ -678,7 +708,6 @@ async fn report(
                 }
             }
         }
-        let horizon = s.opts.tick * 3;
         let now = Instant::now();
         match st
             .clients
@@ -689,6 +718,8 @@ async fn report(
                     st.waiting = st.waiting.saturating_sub(1);
                 }
                 c.at = now;
+                c.period_ms = client_period(Some(c.period_ms), r.interval_ms);
+                c.horizon = client_horizon(s.opts.tick, c.period_ms);
                 r.rates_into(&mut c.rates);
                 c.fresh = true;
             }
@@ -697,6 +728,8 @@ async fn report(
                     (r.service.clone(), r.client_id.clone()),
                     ClientEntry {
                         at: now,
+                        horizon: client_horizon(s.opts.tick, client_period(None, r.interval_ms)),
+                        period_ms: client_period(None, r.interval_ms),
                         rates: r.rates(),
                         fresh: true,
                     },
@@ -714,7 +747,7 @@ async fn report(
             st.waiting = st
                 .clients
                 .values()
-                .filter(|c| !c.fresh && now.duration_since(c.at) <= horizon)
+                .filter(|c| !c.fresh && now.duration_since(c.at) <= c.horizon)
                 .count();
             st.waiting_counted = Some(now);
         }
@@ -801,8 +834,7 @@ async fn config(State(s): State<Arc<Shared>>, Query(q): Query<ConfigQuery>) -> J
 fn build_report(s: &Shared) -> ZoneReport {
     let mut guard = s.state.lock().expect("aggregator lock");
     let st = &mut *guard;
-    let horizon = s.opts.tick * 3;
-    st.clients.retain(|_, c| c.at.elapsed() <= horizon);
+    st.clients.retain(|_, c| c.at.elapsed() <= c.horizon);
     // Rates summed by bucket, with the offered rates' sum, count and largest for the peer caps.
     let mut sums: HashMap<(String, String), [f64; 4]> = HashMap::new();
     let mut offered: HashMap<(String, String), (f64, u32, f64)> = HashMap::new();

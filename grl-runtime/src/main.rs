@@ -234,10 +234,14 @@ enum Cmd {
         /// Largest request head (HTTP/1.1 buffer, HTTP/2 header list).
         #[arg(long, default_value_t = grl_runtime::sidecar::DEFAULT_MAX_HEADER_BYTES)]
         max_header_bytes: usize,
-        /// Reporting period in milliseconds. (With 1000 the sidecar was measured not to
-        /// enforce: docs/grl-sidecar-bench.md.)
+        /// Reporting period in milliseconds.
         #[arg(long, default_value_t = 200)]
         tick_ms: u64,
+        /// Threads serving the connections, each with its own single-threaded runtime and
+        /// upstream pools (default: one per core); 0: none, the connections are served on the
+        /// process's multi-threaded runtime with one shared pool.
+        #[arg(long)]
+        workers: Option<usize>,
         /// Drop ratios older than this stop dropping (fail-open), in milliseconds.
         #[arg(long, default_value_t = 3000)]
         stale_after_ms: u64,
@@ -614,6 +618,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             upstream_connect_timeout_ms,
             max_header_bytes,
             tick_ms,
+            workers,
             stale_after_ms,
             id,
             tls,
@@ -676,6 +681,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 connect_timeout: Duration::from_millis(upstream_connect_timeout_ms.max(1)),
                 serve: limits.limits()?,
                 max_header_bytes,
+                workers,
                 ..grl_runtime::sidecar::SidecarOptions::new(listen, upstream, client)
             };
             let h = grl_runtime::sidecar::start(opts).await?;

@@ -370,7 +370,7 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for Watched<I> {
 }
 
 /// How a server's connections speak HTTP (every daemon: HTTP/1.1 with hyper's bounds).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 pub struct ConnOptions {
     /// Also HTTP/2 on the same port: without TLS with prior knowledge (h2c, as gRPC clients
     /// send it), told apart from HTTP/1.1 by its connection preface (`grl sidecar`).
@@ -378,6 +378,82 @@ pub struct ConnOptions {
     /// Largest request head: HTTP/1.1's read buffer (at least 8 KiB) and HTTP/2's header list.
     /// None: hyper's defaults (about 400 KiB for HTTP/1.1).
     pub max_header_bytes: Option<usize>,
+    /// Serve the connections on these single-threaded runtimes (round robin at accept)
+    /// instead of the accepting runtime (`grl sidecar`, see [`Workers`]).
+    pub workers: Option<Workers>,
+}
+
+/// Single-threaded runtimes, one thread each, that a proxy's connections are spread over: a
+/// connection, the upstream connections it uses (see [`worker_index`]) and their timers then
+/// live on one thread, so a request and its upstream call wake no other thread and take no
+/// cross-thread scheduling (the multi-threaded runtime moved every request between its
+/// workers, with a futex wake-up each time at low rates). The threads end when the last clone
+/// is dropped.
+#[derive(Clone)]
+pub struct Workers {
+    handles: Arc<[tokio::runtime::Handle]>,
+    next: Arc<AtomicU64>,
+    /// Dropped with the last clone: the threads' runtimes stop.
+    _stop: Arc<watch::Sender<()>>,
+}
+
+impl std::fmt::Debug for Workers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Workers({})", self.handles.len())
+    }
+}
+
+thread_local! {
+    static WORKER: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+/// The index of the [`Workers`] thread this runs on (None elsewhere): per-worker state, such
+/// as the sidecar's upstream pools, is picked by it.
+pub fn worker_index() -> Option<usize> {
+    WORKER.with(|w| w.get())
+}
+
+impl Workers {
+    /// Starts `n` (at least 1) threads named `name-i`, each running a current-thread runtime.
+    pub fn start(n: usize, name: &str) -> std::io::Result<Workers> {
+        let (stop_tx, stop_rx) = watch::channel(());
+        let mut handles = Vec::new();
+        for i in 0..n.max(1) {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            handles.push(rt.handle().clone());
+            let mut stopped = stop_rx.clone();
+            std::thread::Builder::new()
+                .name(format!("{name}-{i}"))
+                .spawn(move || {
+                    WORKER.with(|w| w.set(Some(i)));
+                    // Until every sender is gone; the runtime (and what is left on it) is
+                    // dropped on its own thread.
+                    rt.block_on(async move { while stopped.changed().await.is_ok() {} });
+                })?;
+        }
+        Ok(Workers {
+            handles: handles.into(),
+            next: Arc::new(AtomicU64::new(0)),
+            _stop: Arc::new(stop_tx),
+        })
+    }
+
+    /// How many threads.
+    pub fn len(&self) -> usize {
+        self.handles.len()
+    }
+
+    /// Whether there are none (never: `start` makes at least one).
+    pub fn is_empty(&self) -> bool {
+        self.handles.is_empty()
+    }
+
+    fn pick(&self) -> &tokio::runtime::Handle {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) as usize % self.handles.len();
+        &self.handles[i]
+    }
 }
 
 /// Everything a connection task needs, shared by all of them.
@@ -487,12 +563,30 @@ pub async fn serve_with_options(
         stats.accepted.fetch_add(1, Ordering::Relaxed);
         stats.open.fetch_add(1, Ordering::Relaxed);
         let (ctx2, closing, done) = (ctx.clone(), closing_rx.clone(), done_tx.clone());
-        tokio::spawn(async move {
-            connection(ctx2.clone(), sock, addr, health_only, closing).await;
+        let serve = move |sock: std::io::Result<TcpStream>| async move {
+            match sock {
+                Ok(sock) => connection(ctx2.clone(), sock, addr, health_only, closing).await,
+                Err(e) => tracing::warn!(error = %e, "cannot move a connection to a worker"),
+            }
             drop(permit);
             ctx2.stats.open.fetch_sub(1, Ordering::Relaxed);
             drop(done);
-        });
+        };
+        match &ctx.conn.workers {
+            None => {
+                tokio::spawn(serve(Ok(sock)));
+            }
+            // Registered again with the worker's reactor, on the worker.
+            Some(w) => match sock.into_std() {
+                Ok(std_sock) => {
+                    w.pick()
+                        .spawn(async move { serve(TcpStream::from_std(std_sock)).await });
+                }
+                Err(e) => {
+                    tokio::spawn(serve(Err(e)));
+                }
+            },
+        }
         // A summary at most every 10 s: refused clients are visible without a log flood.
         if let Some(t) = &ctx.tls {
             let failures = t.handshake_failures();

@@ -9,7 +9,7 @@
 //! One port serves HTTP/1.1 and HTTP/2 without TLS (h2c, prior knowledge, as gRPC clients
 //! send it); gRPC goes upstream over h2c, everything else over HTTP/1.1. It serves through the serving loop of every daemon (`crate::server`: header and idle
 //! timeouts, a connection cap below the open-file limit, graceful drain); with `--tls-cert` it
-//! terminates TLS (HTTP/1.1), and with `--tls-client-ca` the names of the verified client
+//! terminates TLS (HTTP/1.1 and HTTP/2, offered by ALPN: gRPC over TLS), and with `--tls-client-ca` the names of the verified client
 //! certificate name the caller. The admin listener answers `/metrics`, `/healthz` and
 //! `/readyz`. Without an answer from the aggregators the client fails open, as an embedded
 //! one does.
@@ -75,6 +75,10 @@ pub struct SidecarOptions {
     pub serve: ServeLimits,
     /// Largest request head (HTTP/1.1 buffer, HTTP/2 header list).
     pub max_header_bytes: usize,
+    /// Threads serving the connections, each a single-threaded runtime with its own upstream
+    /// pools (see `crate::server::Workers`); None: one per core; 0: none (the connections are
+    /// served on the runtime `start` is called on, with one shared pair of pools).
+    pub workers: Option<usize>,
 }
 
 impl SidecarOptions {
@@ -95,6 +99,7 @@ impl SidecarOptions {
             connect_timeout: Duration::from_secs(5),
             serve: ServeLimits::default(),
             max_header_bytes: DEFAULT_MAX_HEADER_BYTES,
+            workers: None,
         }
     }
 }
@@ -192,7 +197,9 @@ const ADDED_LATENCY_BUCKETS: [f64; 12] = [
 struct Shared {
     layer: GrlLayer,
     client: GrlClient,
-    clients: Clients,
+    /// Upstream pools: one per worker thread (`crate::server::worker_index`), the last for
+    /// requests served elsewhere.
+    clients: Vec<Clients>,
     authority: http::uri::Authority,
     upstream: Upstream,
     caller: CallerFrom,
@@ -232,7 +239,8 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
     let tls = opts
         .tls
         .as_ref()
-        .map(crate::tls::ReloadingServerConfig::load)
+        // h2 by ALPN as well: gRPC clients over TLS.
+        .map(|t| crate::tls::ReloadingServerConfig::load_alpn(t, true))
         .transpose()?;
     let scheme = if tls.is_some() { "https" } else { "http" };
     let listener = tokio::net::TcpListener::bind(opts.listen)
@@ -272,14 +280,27 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
         "Time a request spends in the sidecar before it is sent upstream or refused (reading the caller and procedure, the decision, building the upstream request)",
         added.clone(),
     );
+    let workers = match opts.workers {
+        None => Some(std::thread::available_parallelism().map_or(1, |n| n.get())),
+        Some(0) => None,
+        Some(n) => Some(n),
+    };
+    let workers = workers
+        .map(|n| crate::server::Workers::start(n, "grl-sidecar"))
+        .transpose()
+        .context("start the worker threads")?;
     let shared = Arc::new(Shared {
         layer,
         client,
-        clients: Clients::new(
-            opts.upstream.clone(),
-            opts.connect_timeout,
-            opts.serve.idle_timeout,
-        ),
+        clients: (0..=workers.as_ref().map_or(0, |w| w.len()))
+            .map(|_| {
+                Clients::new(
+                    opts.upstream.clone(),
+                    opts.connect_timeout,
+                    opts.serve.idle_timeout,
+                )
+            })
+            .collect(),
         authority: opts.upstream.authority(),
         upstream: opts.upstream.clone(),
         caller: opts.caller.clone(),
@@ -298,6 +319,7 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
     let conn = crate::server::ConnOptions {
         h2c: true,
         max_header_bytes: Some(opts.max_header_bytes),
+        workers,
     };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(async move {
@@ -494,7 +516,11 @@ async fn proxy(
         Version::HTTP_11
     };
     let up_req = Request::from_parts(parts, body);
-    let pool = if h2 { &s.clients.h2 } else { &s.clients.h1 };
+    // This worker's pools: the upstream connection is driven on this thread too.
+    let clients = crate::server::worker_index()
+        .and_then(|i| s.clients.get(i))
+        .unwrap_or_else(|| s.clients.last().expect("one pool at least"));
+    let pool = if h2 { &clients.h2 } else { &clients.h1 };
     s.added.observe(start.elapsed().as_secs_f64());
     match tokio::time::timeout(s.upstream_timeout, pool.request(up_req)).await {
         Ok(Ok(resp)) => {

@@ -102,6 +102,12 @@ impl ServerTls {
 /// Builds the rustls server config from the files (checking that the key matches the
 /// certificate).
 pub fn server_config(t: &ServerTls) -> anyhow::Result<ServerConfig> {
+    server_config_alpn(t, false)
+}
+
+/// [`server_config`], offering HTTP/2 (`h2`) before HTTP/1.1 by ALPN when `h2` (a server whose
+/// connections speak both: `grl sidecar`, for gRPC clients over TLS).
+pub fn server_config_alpn(t: &ServerTls, h2: bool) -> anyhow::Result<ServerConfig> {
     let certs = read_certs(&t.cert)?;
     let key = read_key(&t.key)?;
     let builder = ServerConfig::builder_with_provider(provider())
@@ -129,8 +135,12 @@ pub fn server_config(t: &ServerTls) -> anyhow::Result<ServerConfig> {
             t.key.display()
         )
     })?;
-    // HTTP/1.1 only: the servers are built without HTTP/2.
-    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    // HTTP/1.1 only unless asked: the other servers are built without HTTP/2.
+    cfg.alpn_protocols = if h2 {
+        vec![b"h2".to_vec(), b"http/1.1".to_vec()]
+    } else {
+        vec![b"http/1.1".to_vec()]
+    };
     Ok(cfg)
 }
 
@@ -165,6 +175,8 @@ pub struct ReloadingServerConfig {
     seen: Mutex<Vec<Stamp>>,
     reloads: AtomicU64,
     handshake_failures: AtomicU64,
+    /// Offers h2 by ALPN (see [`server_config_alpn`]).
+    h2: bool,
 }
 
 impl std::fmt::Debug for ReloadingServerConfig {
@@ -179,8 +191,14 @@ impl ReloadingServerConfig {
     /// Loads the files now (an error names the file: a server does not start on bad ones; an
     /// expired certificate is logged as a warning).
     pub fn load(files: &ServerTls) -> anyhow::Result<Arc<ReloadingServerConfig>> {
+        Self::load_alpn(files, false)
+    }
+
+    /// [`ReloadingServerConfig::load`] offering h2 as well by ALPN (see
+    /// [`server_config_alpn`]).
+    pub fn load_alpn(files: &ServerTls, h2: bool) -> anyhow::Result<Arc<ReloadingServerConfig>> {
         let seen = files.files().iter().map(|p| stamp(p)).collect();
-        let cfg = server_config(files)?;
+        let cfg = server_config_alpn(files, h2)?;
         warn_if_expired("TLS server", &files.cert);
         Ok(Arc::new(ReloadingServerConfig {
             files: files.clone(),
@@ -188,6 +206,7 @@ impl ReloadingServerConfig {
             seen: Mutex::new(seen),
             reloads: AtomicU64::new(0),
             handshake_failures: AtomicU64::new(0),
+            h2,
         }))
     }
 
@@ -230,7 +249,7 @@ impl ReloadingServerConfig {
             // Recorded before reading: a change during the read is seen next time.
             *seen = now;
         }
-        match server_config(&self.files) {
+        match server_config_alpn(&self.files, self.h2) {
             Ok(cfg) => {
                 self.current.store(Arc::new(cfg));
                 self.reloads.fetch_add(1, Ordering::Relaxed);

@@ -1,3 +1,4 @@
 //! grl-client integration tests.
 
 mod deps;
+mod fail_open;

@@ -668,6 +668,80 @@ async fn fleet_enforces_fails_over_fails_open_and_recovers() {
     stop.store(true, Ordering::Relaxed);
 }
 
+/// Clients that report once a second (`GrlClient`'s default period, `grl sidecar --tick-ms
+/// 1000`) to an aggregator that forwards every 100 ms: the aggregator keeps each client's rates
+/// for a few of the client's own periods, not a few of its ticks, so the controller sees the
+/// whole fleet and every client gets a ratio. (Before: every client was forgotten 300 ms after
+/// each report, each got the ratio computed without itself, and nothing was dropped.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_reporting_less_often_than_the_aggregator_ticks_still_enforce() {
+    let dir = tempfile::tempdir().unwrap();
+    let state: PathBuf = dir.path().join("state");
+    let cport = free_port();
+    let base = format!("http://127.0.0.1:{cport}");
+    let _ctl = spawn_controller(cport, &state, dir.path(), &[]);
+    wait_up(&format!("{base}/v1/status")).await;
+    const LIMIT: f64 = 200.0;
+    let http = reqwest::Client::new();
+    let r = http
+        .put(format!("{base}/v1/config"))
+        .bearer_auth(TOKEN)
+        .json(&payments_config("v1", LIMIT))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let pa = free_port();
+    let ua = format!("http://127.0.0.1:{pa}");
+    let _agg = spawn_aggregator(pa, &base, "agg-a", dir.path());
+    wait_up(&format!("{ua}/v1/config")).await;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut counts = Vec::new();
+    // 1.5 times the limit, 60/30/10 % over three clients.
+    for (i, share) in [0.6, 0.3, 0.1].iter().enumerate() {
+        let mut o = ClientOptions::new("payments", vec![ua.clone()]);
+        assert_eq!(o.tick, Duration::from_secs(1), "the default period");
+        o.client_id = Some(format!("slow{i}"));
+        o.report_token = Some(CLIENT_TOKEN.into());
+        let c = Arc::new(GrlClient::start(o));
+        let n: Arc<[AtomicU64; 2]> = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
+        load_as(
+            c,
+            ("gw", "charge"),
+            1.5 * LIMIT * share,
+            stop.clone(),
+            n.clone(),
+        );
+        counts.push(n);
+    }
+    // Windows of 4 s until the fleet admits the limit (±10 %) with every client dropping its
+    // share; the bound is a hang guard (the loop settles within a few report periods).
+    let take = |c: &[AtomicU64; 2]| [0, 1].map(|i| c[i].swap(0, Ordering::Relaxed));
+    let mut last = String::new();
+    let mut settled = false;
+    for _ in 0..10 {
+        for c in &counts {
+            take(c);
+        }
+        let t0 = std::time::Instant::now();
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        let secs = t0.elapsed().as_secs_f64();
+        let per: Vec<[u64; 2]> = counts.iter().map(|c| take(c)).collect();
+        let admitted: u64 = per.iter().map(|p| p[0] - p[1]).sum();
+        let rate = admitted as f64 / secs;
+        last = format!(
+            "fleet admitted {rate:.1}/s of limit {LIMIT}; offered/dropped per client {per:?}"
+        );
+        if (rate - LIMIT).abs() <= 0.1 * LIMIT && per.iter().all(|p| p[1] > 0) {
+            settled = true;
+            break;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    assert!(settled, "never settled at the limit: {last}");
+}
+
 /// Offers `rps` requests per second of `caller`/`procedure` to `client`'s limiter until
 /// `stop`, counting what it offered and what was dropped.
 fn load_as(

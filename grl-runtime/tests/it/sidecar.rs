@@ -21,7 +21,9 @@ const GRPCIO: &str = "1.85.1";
 
 /// A Python HTTP/1.1 service (keep-alive) on a port or a Unix socket (an absolute path):
 /// answers every method with `ok METHOD PATH read=N`, N the request body's bytes read;
-/// `/slow?ms=N` answers after N ms.
+/// `/slow?ms=N` answers after N ms; `/big?mb=N` answers N MiB (written 64 KiB at a time);
+/// `?close=1` closes the connection right after the answer without saying so (no
+/// `connection: close`), as a server that drops kept-alive connections does.
 const PY_HTTP: &str = r#"
 import sys, time
 from http.server import ThreadingHTTPServer, BaseHTTPRequestHandler
@@ -33,6 +35,7 @@ class H(BaseHTTPRequestHandler):
         pass
     def answer(self):
         u = urlparse(self.path)
+        q = parse_qs(u.query)
         n = int(self.headers.get("content-length") or 0)
         read = 0
         while read < n:
@@ -41,13 +44,28 @@ class H(BaseHTTPRequestHandler):
                 break
             read += len(chunk)
         if u.path == "/slow":
-            time.sleep(int(parse_qs(u.query).get("ms", ["1000"])[0]) / 1000)
+            time.sleep(int(q.get("ms", ["1000"])[0]) / 1000)
+        if u.path == "/big":
+            size = int(q.get("mb", ["1"])[0]) << 20
+            self.send_response(200)
+            self.send_header("content-type", "application/octet-stream")
+            self.send_header("content-length", str(size))
+            self.end_headers()
+            block = b"x" * 65536
+            try:
+                for _ in range(size // 65536):
+                    self.wfile.write(block)
+            except OSError:
+                self.close_connection = True
+            return
         body = ("ok %s %s read=%d\n" % (self.command, u.path, read)).encode()
         self.send_response(200)
         self.send_header("content-type", "text/plain")
         self.send_header("content-length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+        if q.get("close") == ["1"]:
+            self.close_connection = True
     do_GET = do_POST = do_PUT = do_DELETE = answer
 
 if sys.argv[1].startswith("/"):
@@ -830,4 +848,433 @@ async fn a_unix_socket_upstream_is_served() {
             format!("ok POST /items/{i} read=3\n")
         );
     }
+}
+
+/// A Python gRPC client over TLS: calls `/test.Echo/Say` N times through ADDR (verifying the
+/// server as `localhost` with CA), with a client certificate when CERT and KEY are not `-`,
+/// claiming `rpc-caller: mallory`; prints the calls answered, the last reply and the errors.
+const PY_GRPC_TLS_CLIENT: &str = r#"
+import sys, json, grpc
+addr, ca, cert, key, n = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+read = lambda p: open(p, "rb").read()
+if cert == "-":
+    creds = grpc.ssl_channel_credentials(root_certificates=read(ca))
+else:
+    creds = grpc.ssl_channel_credentials(root_certificates=read(ca), private_key=read(key),
+                                         certificate_chain=read(cert))
+ch = grpc.secure_channel(addr, creds, options=[("grpc.ssl_target_name_override", "localhost"),
+                                               ("grpc.enable_http_proxy", 0)])
+say = ch.unary_unary("/test.Echo/Say")
+out = {"ok": 0, "reply": None, "trailer": None, "errors": []}
+for i in range(n):
+    try:
+        resp, call = say.with_call(b"x", metadata=(("rpc-caller", "mallory"),), timeout=5)
+        out["ok"] += 1
+        out["reply"] = resp.decode()
+        out["trailer"] = dict(call.trailing_metadata()).get("x-echo-trailer")
+    except grpc.RpcError as e:
+        out["errors"].append(e.code().name)
+print(json.dumps(out))
+"#;
+
+/// gRPC over TLS: the sidecar's TLS listener offers h2 by ALPN, so a grpcio client with a
+/// client certificate calls the Python gRPC service through it (trailers included); the
+/// certificate names the caller over the `rpc-caller` header (the controller counts the calls
+/// under `gw`, never `mallory`), and a client without a certificate is refused at the
+/// handshake.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_over_tls_offers_h2_and_the_client_certificate_names_the_caller() {
+    let python = match test_support::venv::tool("grpcio", GRPCIO, "python") {
+        Ok(p) => p,
+        Err(e) => {
+            return test_support::skip(
+                "grpc_over_tls_offers_h2_and_the_client_certificate_names_the_caller",
+                &format!("grpcio venv: {e:#}"),
+            )
+        }
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let ca = test_support::tls::Ca::new("sidecar grpc test CA");
+    let ca_path = ca.write(&dir.path().join("ca.pem"));
+    let (cert, key) = ca.server().write(dir.path(), "sidecar");
+    let (ccert, ckey) = ca.client("gw.clients.test").write(dir.path(), "client");
+    let (ctl_port, agg_port, grpc_port) = (free_port(), free_port(), free_port());
+    let ctl_url = format!("http://127.0.0.1:{ctl_port}");
+    let agg_url = format!("http://127.0.0.1:{agg_port}");
+    let _ctl = spawn_controller(ctl_port, &dir.path().join("state"), dir.path(), &[]);
+    wait_up(&format!("{ctl_url}/v1/status")).await;
+    push_config(
+        &ctl_url,
+        "v1",
+        json!([{"name": "gw.say", "caller": "gw", "procedure": "/test.Echo/Say", "scope": "global",
+                "limit_rps": 1000.0, "mode": "shadow", "policy": "peak"}]),
+    )
+    .await;
+    let _agg = spawn_aggregator(agg_port, &ctl_url, "agg-z1", dir.path());
+    wait_up(&format!("{agg_url}/healthz")).await;
+    let server = write_script(dir.path(), "server.py", PY_GRPC_SERVER);
+    let _srv = Proc::spawn(
+        Command::new(&python)
+            .arg(server)
+            .arg(grpc_port.to_string())
+            .stdout(Stdio::null())
+            .stderr(log_file(dir.path(), "py-grpc")),
+    )
+    .unwrap();
+    let (port, admin) = (free_port(), free_port());
+    let _sc = spawn_sidecar(
+        dir.path(),
+        port,
+        admin,
+        &format!("http://127.0.0.1:{grpc_port}"),
+        &[&agg_url],
+        &[
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+            "--tls-client-ca",
+            ca_path.to_str().unwrap(),
+            "--caller-cert-pattern",
+            "{caller}.clients.test",
+        ],
+    );
+    let http = reqwest::Client::new();
+    eventually("the sidecar is ready (the gRPC upstream accepts)", || {
+        let http = http.clone();
+        async move {
+            http.get(format!("http://127.0.0.1:{admin}/readyz"))
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 200)
+        }
+    })
+    .await;
+    let client = write_script(dir.path(), "tls_client.py", PY_GRPC_TLS_CLIENT);
+    let run = |cert: &str, key: &str| {
+        let out = Command::new(&python)
+            .arg(&client)
+            .args([&format!("127.0.0.1:{port}"), ca_path.to_str().unwrap()])
+            .args([cert, key, "20"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<Value>(&out.stdout).unwrap()
+    };
+    let (c, k) = (ccert.to_str().unwrap(), ckey.to_str().unwrap());
+    let with_cert = tokio::task::block_in_place(|| run(c, k));
+    assert_eq!(with_cert["ok"], 20, "{with_cert}");
+    assert_eq!(with_cert["reply"], "hello mallory x", "{with_cert}");
+    assert_eq!(with_cert["trailer"], "yes", "{with_cert}");
+    let without = tokio::task::block_in_place(|| run("-", "-"));
+    assert_eq!(without["ok"], 0, "{without}");
+    assert!(
+        without["errors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|e| e == "UNAVAILABLE"),
+        "{without}"
+    );
+    eventually("the controller counts gw's gRPC calls", || {
+        let http = http.clone();
+        let u = format!("{ctl_url}/metrics");
+        async move {
+            let m = http.get(u).send().await.unwrap().text().await.unwrap();
+            m.lines().any(|l| {
+                l.starts_with(
+                    "grl_calls_total{service=\"payments\",caller=\"gw\",procedure=\"/test.Echo/Say\"}",
+                ) && l.ends_with(" 20")
+            }) && !m.contains("caller=\"mallory\"")
+        }
+    })
+    .await;
+}
+
+/// Peak resident memory of process `pid` (`VmHWM`, KiB).
+fn peak_rss_kib(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("no VmHWM in /proc/{pid}/status"))
+}
+
+/// Reads an HTTP/1.1 answer's head from `s` (and whatever of the body came with it).
+async fn read_head(s: &mut tokio::net::TcpStream) -> (String, Vec<u8>) {
+    use tokio::io::AsyncReadExt;
+    let mut buf = Vec::new();
+    let mut chunk = vec![0u8; 65536];
+    loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..i]).to_string();
+            return (head, buf[i + 4..].to_vec());
+        }
+        let n = s.read(&mut chunk).await.unwrap();
+        assert!(n > 0, "connection closed before the answer's head: {buf:?}");
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// 256 MiB each way through the sidecar, streamed: a request body to the Python service (which
+/// counts what it read) and an answer from it, while the sidecar's peak resident memory stays
+/// a small fraction of either (it holds chunks, never a whole body).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_far_larger_than_memory_stream_through() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const MIB: u64 = 256;
+    let dir = tempfile::tempdir().unwrap();
+    let (py_port, port, admin) = (free_port(), free_port(), free_port());
+    let _py = spawn_py_http(dir.path(), py_port);
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let sc = spawn_sidecar(
+        dir.path(),
+        port,
+        admin,
+        &format!("http://127.0.0.1:{py_port}"),
+        &[&dead],
+        &[],
+    );
+    wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
+    wait_up(&format!("http://127.0.0.1:{py_port}/")).await;
+    let pid = sc.0.id();
+    let before = peak_rss_kib(pid);
+
+    // Up: a Content-Length body written 1 MiB at a time.
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let size = MIB << 20;
+    s.write_all(
+        format!("POST /upload HTTP/1.1\r\nhost: x\r\ncontent-length: {size}\r\n\r\n").as_bytes(),
+    )
+    .await
+    .unwrap();
+    let block = vec![b'y'; 1 << 20];
+    for _ in 0..MIB {
+        s.write_all(&block).await.unwrap();
+    }
+    let (head, mut body) = read_head(&mut s).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let want = format!("ok POST /upload read={size}\n");
+    while body.len() < want.len() {
+        let mut b = [0u8; 256];
+        let n = s.read(&mut b).await.unwrap();
+        assert!(n > 0);
+        body.extend_from_slice(&b[..n]);
+    }
+    assert_eq!(String::from_utf8_lossy(&body), want);
+
+    // Down: the answer read 64 KiB at a time, counted.
+    s.write_all(format!("GET /big?mb={MIB} HTTP/1.1\r\nhost: x\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let (head, first) = read_head(&mut s).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(
+        head.to_ascii_lowercase()
+            .contains(&format!("content-length: {size}")),
+        "{head}"
+    );
+    let mut got = first.len() as u64;
+    let mut chunk = vec![0u8; 65536];
+    while got < size {
+        let n = s.read(&mut chunk).await.unwrap();
+        assert!(n > 0, "closed after {got} of {size} bytes");
+        got += n as u64;
+    }
+    assert_eq!(got, size);
+    let peak = peak_rss_kib(pid);
+    eprintln!("sidecar peak RSS: {before} KiB before, {peak} KiB after {MIB} MiB each way");
+    assert!(
+        peak < before + (48 << 10),
+        "the sidecar's peak RSS grew from {before} KiB to {peak} KiB moving {MIB} MiB bodies"
+    );
+}
+
+/// Slow clients: one trickling its request body and one that stops reading a large answer do
+/// not hold other requests up; the first gets 504 once the upstream (waiting for the body)
+/// has not answered within `--upstream-timeout-ms`, the second's connection is cut once
+/// nothing moved on it for `--http-idle-timeout-ms` (its answer's head is sent: no request in
+/// flight), counted as `grl_http_connections_closed_total{reason="idle"}`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_clients_hold_nothing_up_and_are_cut_as_documented() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let (py_port, port, admin) = (free_port(), free_port(), free_port());
+    let _py = spawn_py_http(dir.path(), py_port);
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let _sc = spawn_sidecar(
+        dir.path(),
+        port,
+        admin,
+        &format!("http://127.0.0.1:{py_port}"),
+        &[&dead],
+        &[
+            "--upstream-timeout-ms",
+            "500",
+            "--http-idle-timeout-ms",
+            "1000",
+        ],
+    );
+    wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
+    wait_up(&format!("http://127.0.0.1:{py_port}/")).await;
+
+    // A slow sender: the head and 10 of 1000 body bytes, then a byte now and then.
+    let mut slow_up = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    slow_up
+        .write_all(b"POST /upload HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n0123456789")
+        .await
+        .unwrap();
+    let trickle = tokio::spawn(async move {
+        let mut answer = Vec::new();
+        let mut buf = [0u8; 4096];
+        loop {
+            tokio::select! {
+                r = slow_up.read(&mut buf) => match r {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => {
+                        answer.extend_from_slice(&buf[..n]);
+                        if answer.windows(4).any(|w| w == b"\r\n\r\n") {
+                            break;
+                        }
+                    }
+                },
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {
+                    let _ = slow_up.write_all(b"z").await;
+                }
+            }
+        }
+        String::from_utf8_lossy(&answer).to_string()
+    });
+    // A slow reader: asks for 256 MiB and reads nothing.
+    let mut slow_down = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    slow_down
+        .write_all(b"GET /big?mb=256 HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+
+    // Others are served meanwhile (each on its own connection, closed after it: no idle
+    // connection of theirs is left to the server's idle timeout).
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap();
+    for i in 0..20 {
+        let r = http
+            .get(format!("http://127.0.0.1:{port}/fast/{i}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(
+            r.text().await.unwrap(),
+            format!("ok GET /fast/{i} read=0\n")
+        );
+    }
+    let answer = trickle.await.unwrap();
+    assert!(answer.starts_with("HTTP/1.1 504"), "{answer}");
+    // The reader that stopped reading is cut (the only connection of the main port left
+    // idle: the others closed after their request), and reading ends before the whole answer.
+    eventually("the reader that stopped reading is cut", || {
+        let http = http.clone();
+        async move {
+            let m = http
+                .get(format!("http://127.0.0.1:{admin}/metrics"))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            m.contains("grl_http_connections_closed_total{reason=\"idle\"} 1")
+        }
+    })
+    .await;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut got = 0u64;
+    while got < 256 << 20 {
+        match slow_down.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got += n as u64,
+        }
+    }
+    assert!(got < 256 << 20, "the stalled answer was not cut");
+    // Still serving.
+    let r = http
+        .get(format!("http://127.0.0.1:{port}/after"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+}
+
+/// An upstream that closes kept-alive connections after every answer without saying so: each
+/// request through the sidecar is answered, by the service (the pool notices the close, or a
+/// request not yet written is retried on a new connection) or with 502, never left hanging.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_closing_kept_alive_connections_never_hangs_a_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let (py_port, port, admin) = (free_port(), free_port(), free_port());
+    let _py = spawn_py_http(dir.path(), py_port);
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let _sc = spawn_sidecar(
+        dir.path(),
+        port,
+        admin,
+        &format!("http://127.0.0.1:{py_port}"),
+        &[&dead],
+        &["--upstream-timeout-ms", "5000"],
+    );
+    wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
+    wait_up(&format!("http://127.0.0.1:{py_port}/")).await;
+    // One kept-alive connection to the sidecar; the hang guard is the client's timeout, far
+    // above the upstream timeout.
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .pool_max_idle_per_host(1)
+        .build()
+        .unwrap();
+    let mut statuses: BTreeMap<u16, u64> = BTreeMap::new();
+    for gap_ms in [0u64, 2, 20] {
+        for i in 0..40 {
+            let r = if i % 2 == 0 {
+                http.get(format!("http://127.0.0.1:{port}/c/{i}?close=1"))
+                    .send()
+                    .await
+            } else {
+                http.post(format!("http://127.0.0.1:{port}/c/{i}?close=1"))
+                    .body("abc")
+                    .send()
+                    .await
+            };
+            let r = r.unwrap_or_else(|e| panic!("request {i} (gap {gap_ms} ms) failed: {e}"));
+            let status = r.status().as_u16();
+            let body = r.text().await.unwrap();
+            if status == 200 {
+                let m = if i % 2 == 0 { "GET" } else { "POST" };
+                let read = if i % 2 == 0 { 0 } else { 3 };
+                assert_eq!(body, format!("ok {m} /c/{i} read={read}\n"));
+            }
+            *statuses.entry(status).or_default() += 1;
+            tokio::time::sleep(Duration::from_millis(gap_ms)).await;
+        }
+    }
+    eprintln!("answers by status: {statuses:?}");
+    assert!(
+        statuses.keys().all(|s| *s == 200 || *s == 502),
+        "{statuses:?}"
+    );
+    assert!(
+        statuses.get(&200).copied().unwrap_or(0) >= 60,
+        "{statuses:?}"
+    );
 }
