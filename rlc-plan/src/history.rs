@@ -135,6 +135,11 @@ pub trait SeriesSource: Sync {
     /// A history holding (at least) the series of `service`; an error when they cannot be
     /// read (the service then keeps its quotas).
     fn service(&self, service: &str) -> Result<Cow<'_, History>, String>;
+    /// The whole history, when it is in memory (a caller needing every series takes it as it
+    /// is instead of reading it service by service).
+    fn whole(&self) -> Option<&History> {
+        None
+    }
 }
 
 impl SeriesSource for History {
@@ -152,5 +157,9 @@ impl SeriesSource for History {
 
     fn service(&self, _service: &str) -> Result<Cow<'_, History>, String> {
         Ok(Cow::Borrowed(self))
+    }
+
+    fn whole(&self) -> Option<&History> {
+        Some(self)
     }
 }

@@ -32,7 +32,7 @@ use serde::{Deserialize, Serialize};
 use serde_yaml::Value;
 
 use crate::backtest::{score_plan, split, Score};
-use crate::history::{History, SeriesKey};
+use crate::history::{History, SeriesKey, SeriesSource};
 use crate::pipeline::{self, Purpose, World};
 use crate::plan::Plan;
 
@@ -308,7 +308,7 @@ pub fn unsupported_media_type(content_type: Option<&str>) -> WhatIfError {
 /// is what a run would compute now, from `inputs`). Writes nothing.
 pub fn preview(
     inputs: &Inputs,
-    history: &History,
+    history: &dyn SeriesSource,
     current_plan: &Plan,
     body: &[u8],
     content_type: Option<&str>,
@@ -773,8 +773,11 @@ fn map_problem(
 }
 
 /// Whether `service` has a series in `history`.
-fn has_history(history: &History, service: &str) -> bool {
-    history.service_series(service).next().is_some()
+fn has_history(history: &dyn SeriesSource, service: &str) -> bool {
+    match history.whole() {
+        Some(h) => h.service_series(service).next().is_some(),
+        None => history.services().iter().any(|s| s == service),
+    }
 }
 
 /// `docs` completed with `base`'s bucket files, keeping only the services in `only` (every
@@ -810,29 +813,63 @@ fn restrict_repo(
     docs
 }
 
-/// The series of the services in `only` (range lookups, not a scan of the fleet).
-fn restrict_history<'a>(history: &'a History, only: Option<&BTreeSet<String>>) -> Cow<'a, History> {
-    let Some(only) = only else {
-        return Cow::Borrowed(history);
-    };
-    let series: BTreeMap<SeriesKey, _> = only
-        .iter()
-        .flat_map(|s| history.service_series(s))
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
-    Cow::Owned(History {
-        start: history.start,
-        step: history.step,
-        len: history.len,
-        series,
-        rejected: history
-            .rejected
+/// The series of the services in `only` (range lookups, not a scan of the fleet; every
+/// service for None). A source not in memory is read service by service: a service that
+/// cannot be read fails the what-if's history as a source failure would.
+fn restrict_history<'a>(
+    source: &'a dyn SeriesSource,
+    only: Option<&BTreeSet<String>>,
+) -> Cow<'a, History> {
+    if let Some(history) = source.whole() {
+        let Some(only) = only else {
+            return Cow::Borrowed(history);
+        };
+        let series: BTreeMap<SeriesKey, _> = only
             .iter()
-            .filter(|r| r.service.as_ref().is_some_and(|s| only.contains(s)))
+            .flat_map(|s| history.service_series(s))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        return Cow::Owned(History {
+            start: history.start,
+            step: history.step,
+            len: history.len,
+            series,
+            rejected: history
+                .rejected
+                .iter()
+                .filter(|r| r.service.as_ref().is_some_and(|s| only.contains(s)))
+                .cloned()
+                .collect(),
+            source_error: history.source_error.clone(),
+        });
+    }
+    let services: Vec<String> = match only {
+        Some(only) => only.iter().cloned().collect(),
+        None => source.services(),
+    };
+    let mut h = History {
+        source_error: source.source_error().map(str::to_string),
+        rejected: source
+            .rejected()
+            .iter()
+            .filter(|r| only.is_none_or(|o| r.service.as_ref().is_some_and(|s| o.contains(s))))
             .cloned()
             .collect(),
-        source_error: history.source_error.clone(),
-    })
+        ..History::default()
+    };
+    for s in &services {
+        match source.service(s) {
+            Ok(one) => {
+                (h.start, h.step, h.len) = (one.start, one.step, one.len);
+                h.series
+                    .extend(one.service_series(s).map(|(k, v)| (k.clone(), v.clone())));
+            }
+            Err(e) => {
+                h.source_error.get_or_insert(e);
+            }
+        }
+    }
+    Cow::Owned(h)
 }
 
 /// The part of `plan` about the services in `only`.

@@ -25,8 +25,10 @@
 //!   lookback ending an hour ago, then K pulls 5 minutes apart (increments merged into the
 //!   held history), then a full pull at the last one's end by a fresh snapshot; prints the
 //!   wall and CPU seconds of each, the CPU share of the increments over K × 5 minutes, the
-//!   RSS holding the history, and the digests of both plans and histories. `--api API` sets
-//!   `history.prometheus.api` for it.
+//!   RSS holding the history (and its peaks: during the increments, the plan, the fresh
+//!   full pull), and the digests of both plans and histories. `--api API` sets
+//!   `history.prometheus.api` for it. With `RUST_LOG=info` the daemon's log lines go to
+//!   stderr (each increment's pull and write seconds).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -320,6 +322,12 @@ fn rss_mb() -> (f64, f64) {
     (kb("VmRSS:"), kb("VmHWM:"))
 }
 
+/// Resets `VmHWM` to the current RSS (`/proc/self/clear_refs`), so that the next peak read
+/// is the peak since.
+fn reset_peak() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
 /// A digest of a plan's buckets and skipped list (as [`run`] prints for `rlc preview`).
 fn plan_digest(plan: &rlc::plan::Plan) -> anyhow::Result<String> {
     use std::hash::{Hash, Hasher};
@@ -330,18 +338,22 @@ fn plan_digest(plan: &rlc::plan::Plan) -> anyhow::Result<String> {
     Ok(format!("{:016x}", h.finish()))
 }
 
-/// A digest of a history's grid, series (values as bits) and rejected series.
-fn history_digest(h: &rlc::history::History) -> String {
+/// A digest of a history's grid, series (values as bits) and rejected series, read one
+/// service at a time (a history held on disk is not read into memory whole).
+fn history_digest(h: &dyn rlc::history::SeriesSource, grid: (i64, i64, usize)) -> String {
     use std::hash::{Hash, Hasher};
     let mut d = std::collections::hash_map::DefaultHasher::new();
-    (h.start, h.step, h.len).hash(&mut d);
-    for (k, s) in &h.series {
-        k.hash(&mut d);
-        for v in &s.values {
-            v.to_bits().hash(&mut d);
+    grid.hash(&mut d);
+    for service in h.services() {
+        let one = h.service(&service).expect("the history reads");
+        for (k, s) in one.service_series(&service) {
+            k.hash(&mut d);
+            for v in &s.values {
+                v.to_bits().hash(&mut d);
+            }
         }
     }
-    format!("{:?}", h.rejected).hash(&mut d);
+    format!("{:?}", h.rejected()).hash(&mut d);
     format!("{:016x}", d.finish())
 }
 
@@ -349,6 +361,14 @@ fn history_digest(h: &rlc::history::History) -> String {
 /// fresh full pull at the last increment's end, each measured; both plans' digests.
 fn incremental(a: &Args, url: &str, dir: &Path, k: usize) -> anyhow::Result<()> {
     use rlc::history::snapshot::HistoryCache;
+    // The daemon's log lines (per pull: `history pulled`, `history increment written` with
+    // its pull and write seconds, `history held on disk`) with RUST_LOG=info.
+    if std::env::var_os("RUST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .try_init();
+    }
     let cfg_path = dir.join("rlc-incremental.yaml");
     std::fs::write(
         &cfg_path,
@@ -378,27 +398,29 @@ fn incremental(a: &Args, url: &str, dir: &Path, k: usize) -> anyhow::Result<()> 
     };
     let held = HistoryCache::new(cfg.clone(), &base);
     let (snap, wall, cpu) = measure(&held, end0);
-    if let Some(e) = &snap.history.source_error {
+    if let Some(e) = snap.history.source_error() {
         bail!("the full pull failed: {e}");
     }
     let (rss, hwm) = rss_mb();
     println!(
         "full pull ({}): {} series × {} points, wall {wall:.2} s, rlc CPU {cpu:.2} s; RSS {rss:.0} MB (peak {hwm:.0} MB)",
         snap.kind,
-        snap.history.series.len(),
-        snap.history.len
+        snap.history.series_count(),
+        snap.history.grid().2
     );
+    // From here, the peaks are those since the full pull.
+    reset_peak();
     let (mut walls, mut cpus) = (Vec::new(), Vec::new());
     let mut end = end0;
     for i in 1..=k {
         end += 300;
         let (snap, wall, cpu) = measure(&held, end);
-        if let Some(e) = &snap.history.source_error {
+        if let Some(e) = snap.history.source_error() {
             bail!("increment {i} failed: {e}");
         }
         let (rss, hwm) = rss_mb();
         println!(
-            "pull {i} (+{} min, {}): wall {wall:.2} s, rlc CPU {cpu:.2} s; RSS {rss:.0} MB (peak {hwm:.0} MB)",
+            "pull {i} (+{} min, {}): wall {wall:.2} s, rlc CPU {cpu:.2} s; RSS {rss:.0} MB (peak since the full pull {hwm:.0} MB)",
             i * 5,
             snap.kind
         );
@@ -414,6 +436,9 @@ fn incremental(a: &Args, url: &str, dir: &Path, k: usize) -> anyhow::Result<()> 
         100.0 * total_cpu / (k as f64 * 300.0)
     );
     let merged = held.latest().expect("a snapshot").history.clone();
+    let (rss, _) = rss_mb();
+    println!("RSS holding the history after the increments: {rss:.0} MB");
+    reset_peak();
     let (c0, w0) = (cpu_seconds(), Instant::now());
     let plan_inc = rlc_plan::compute::compute_plan(&cfg, &repo, &*merged, at(end));
     println!(
@@ -422,19 +447,24 @@ fn incremental(a: &Args, url: &str, dir: &Path, k: usize) -> anyhow::Result<()> 
         plan_digest(&plan_inc)?,
         w0.elapsed().as_secs_f64(),
         cpu_seconds() - c0,
-        history_digest(&merged)
+        history_digest(&*merged, merged.grid())
     );
     drop(plan_inc);
-    let (rss, _) = rss_mb();
-    println!("RSS holding the history (one snapshot, no pull in flight): {rss:.0} MB");
+    let (rss, hwm) = rss_mb();
+    println!(
+        "RSS holding the history (one snapshot, no pull in flight): {rss:.0} MB (peak while computing the plan {hwm:.0} MB)"
+    );
+    reset_peak();
     let fresh = HistoryCache::new(cfg.clone(), &base);
     let (snap, wall, cpu) = measure(&fresh, end);
+    let peak_full = rss_mb().1;
     let plan_full = rlc_plan::compute::compute_plan(&cfg, &repo, &*snap.history, at(end));
     println!(
-        "full pull at the same end ({}): wall {wall:.2} s, rlc CPU {cpu:.2} s; plan digest {}, history digest {}",
+        "full pull at the same end ({}): wall {wall:.2} s, rlc CPU {cpu:.2} s; peak RSS {:.0} MB; plan digest {}, history digest {}",
         snap.kind,
+        peak_full,
         plan_digest(&plan_full)?,
-        history_digest(&snap.history)
+        history_digest(&*snap.history, snap.history.grid())
     );
     Ok(())
 }

@@ -59,11 +59,7 @@ pub fn merge(held: &History, tail: History, grid: (i64, i64, usize)) -> Option<H
     let rejected = union(&held.rejected, tail.rejected);
     // A series rejected for its values (or a key rejected outright) is not a series in a full
     // pull while its bad sample is in the lookback, whichever pull saw the bad sample.
-    let barred: std::collections::HashSet<SeriesKey> = rejected
-        .iter()
-        .filter(|r| !r.fails_service)
-        .filter_map(key_of)
-        .collect();
+    let barred = barred(&rejected);
     let mut tail_series = tail.series;
     let mut series = BTreeMap::new();
     let keys: Vec<SeriesKey> = held
@@ -115,6 +111,16 @@ pub fn merge(held: &History, tail: History, grid: (i64, i64, usize)) -> Option<H
     })
 }
 
+/// The series that are not series of a full pull while `rejected` lists them: those rejected
+/// for their values, or outright.
+pub(crate) fn barred(rejected: &[Rejected]) -> std::collections::HashSet<SeriesKey> {
+    rejected
+        .iter()
+        .filter(|r| !r.fails_service)
+        .filter_map(key_of)
+        .collect()
+}
+
 /// The series key a rejection names, when its labels form one.
 fn key_of(r: &Rejected) -> Option<SeriesKey> {
     let service = r.service.clone().filter(|s| valid_name(s))?;
@@ -137,7 +143,7 @@ fn key_of(r: &Rejected) -> Option<SeriesKey> {
 
 /// The rejections of both pulls, one per key for the ones that name a series (the held one
 /// kept: a full pull names a series once), in the order a pull lists them.
-fn union(held: &[Rejected], tail: Vec<Rejected>) -> Vec<Rejected> {
+pub(crate) fn union(held: &[Rejected], tail: Vec<Rejected>) -> Vec<Rejected> {
     let mut out: Vec<Rejected> = held.to_vec();
     let mut seen: std::collections::HashSet<(Option<SeriesKey>, bool, String)> =
         held.iter().map(|r| ident(r)).collect();

@@ -9,6 +9,7 @@ pub mod file;
 pub mod incremental;
 pub mod prometheus;
 pub mod remote_read;
+pub mod ring;
 pub mod snapshot;
 pub mod spill;
 pub mod synth;
@@ -391,6 +392,14 @@ pub enum PlanHistory {
     Whole(Arc<History>),
     /// Series on disk, one service in memory at a time.
     Spilled(Arc<SpilledHistory>),
+    /// `rlc serve`'s held history (in memory, or on disk read service by service).
+    Held(Arc<snapshot::HeldHistory>),
+}
+
+impl From<Arc<snapshot::HeldHistory>> for PlanHistory {
+    fn from(h: Arc<snapshot::HeldHistory>) -> Self {
+        PlanHistory::Held(h)
+    }
 }
 
 impl From<Arc<History>> for PlanHistory {
@@ -411,6 +420,7 @@ impl PlanHistory {
         match self {
             PlanHistory::Whole(h) => h.series.len(),
             PlanHistory::Spilled(s) => s.series_count(),
+            PlanHistory::Held(h) => h.series_count(),
         }
     }
 }
@@ -879,6 +889,7 @@ impl SeriesSource for PlanHistory {
         match self {
             PlanHistory::Whole(h) => h.services(),
             PlanHistory::Spilled(s) => s.services(),
+            PlanHistory::Held(h) => h.services(),
         }
     }
 
@@ -886,6 +897,7 @@ impl SeriesSource for PlanHistory {
         match self {
             PlanHistory::Whole(h) => &h.rejected,
             PlanHistory::Spilled(s) => &s.rejected,
+            PlanHistory::Held(h) => SeriesSource::rejected(&**h),
         }
     }
 
@@ -893,6 +905,7 @@ impl SeriesSource for PlanHistory {
         match self {
             PlanHistory::Whole(h) => h.source_error.as_deref(),
             PlanHistory::Spilled(_) => None,
+            PlanHistory::Held(h) => SeriesSource::source_error(&**h),
         }
     }
 
@@ -900,6 +913,7 @@ impl SeriesSource for PlanHistory {
         match self {
             PlanHistory::Whole(h) => Ok(std::borrow::Cow::Borrowed(h)),
             PlanHistory::Spilled(s) => s.service(service).map(std::borrow::Cow::Owned),
+            PlanHistory::Held(h) => SeriesSource::service(&**h, service),
         }
     }
 }

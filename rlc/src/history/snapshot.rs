@@ -1,29 +1,159 @@
-//! The daemon's last pulled history, kept in memory so that previews compute from it instead
-//! of pulling Prometheus per request. Runs refresh it (the run's own pull goes through
+//! The daemon's last pulled history, kept so that previews compute from it instead of
+//! pulling Prometheus per request. Runs refresh it (the run's own pull goes through
 //! [`HistoryCache::refresh`]); `?refresh=true` re-pulls; concurrent callers needing a pull
 //! share one (single flight: the pull runs under one lock, and whoever waited for it takes
 //! its result instead of pulling again).
 //!
-//! From Prometheus, a refresh pulls only the minutes since the held history's end and an
-//! overlap ([`super::incremental`]) and merges them into it; it pulls the whole lookback on
-//! the first pull, when the history settings changed (query, labels, step, downsample, API,
-//! lookback, URL), when the increment does not fit the held grid, and once
-//! `history.full_pull_every` passed since the last full pull.
+//! From Prometheus, the history is held on disk ([`super::ring`]: a ring of `f32` per series
+//! in one file, an index in memory), read one service at a time by the plans, the quota API
+//! and the dashboard, so that the daemon's memory does not grow with the fleet's history. A
+//! full pull is spilled as it streams in ([`super::spill`]) and written to a new ring, which
+//! replaces the held one only once it is whole. A refresh pulls only the minutes since the
+//! held history's end and an overlap ([`super::incremental`]) and writes them over the
+//! ring's oldest cells in place; it pulls the whole lookback on the first pull (a restart
+//! too: the ring lives as long as the process), when the history settings changed (query,
+//! labels, step, downsample, API, lookback, URL), when the increment does not fit the held
+//! grid, and once `history.full_pull_every` passed since the last full pull. A file source is
+//! held in memory.
 
+use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 
 use chrono::{DateTime, Utc};
 use schema::DaemonConfig;
 
-use super::{History, PullKind};
+use super::ring::RingHistory;
+use super::{History, PullKind, Rejected, SeriesSource};
+
+/// The history of a [`Snapshot`]: in memory (a file source, a failed pull), or on disk
+/// ([`RingHistory`]) and read service by service through [`SeriesSource`].
+///
+/// It dereferences to a [`History`] for callers that need every series at once (tests,
+/// small histories): on disk, that reads the whole history into memory once and keeps it
+/// with the snapshot, so the daemon reads through [`SeriesSource`] instead.
+pub struct HeldHistory {
+    ring: Option<RingHistory>,
+    whole: OnceLock<History>,
+}
+
+impl std::fmt::Debug for HeldHistory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.ring {
+            Some(r) => r.fmt(f),
+            None => f
+                .debug_struct("HeldHistory")
+                .field("series", &self.series_count())
+                .field("source_error", &self.source_error())
+                .finish(),
+        }
+    }
+}
+
+impl From<History> for HeldHistory {
+    fn from(h: History) -> Self {
+        HeldHistory {
+            ring: None,
+            whole: OnceLock::from(h),
+        }
+    }
+}
+
+impl From<RingHistory> for HeldHistory {
+    fn from(r: RingHistory) -> Self {
+        HeldHistory {
+            ring: Some(r),
+            whole: OnceLock::new(),
+        }
+    }
+}
+
+impl std::ops::Deref for HeldHistory {
+    type Target = History;
+
+    /// The whole history in memory (read from disk once; a read error is a history whose
+    /// source failed).
+    fn deref(&self) -> &History {
+        self.whole.get_or_init(|| match &self.ring {
+            Some(r) => r.to_history().unwrap_or_else(History::unavailable),
+            None => History::default(),
+        })
+    }
+}
+
+impl HeldHistory {
+    /// The ring holding it, when on disk.
+    pub fn ring(&self) -> Option<&RingHistory> {
+        self.ring.as_ref()
+    }
+
+    /// Why the source failed, if it did.
+    pub fn source_error(&self) -> Option<&str> {
+        match &self.ring {
+            Some(_) => None,
+            None => self.whole.get().and_then(|h| h.source_error.as_deref()),
+        }
+    }
+
+    /// Series in the history.
+    pub fn series_count(&self) -> usize {
+        match &self.ring {
+            Some(r) => r.series_count(),
+            None => self.whole.get().map_or(0, |h| h.series.len()),
+        }
+    }
+
+    /// The grid: first point, step, points.
+    pub fn grid(&self) -> (i64, i64, usize) {
+        match &self.ring {
+            Some(r) => (r.start, r.step, r.len),
+            None => self
+                .whole
+                .get()
+                .map_or((0, 0, 0), |h| (h.start, h.step, h.len)),
+        }
+    }
+}
+
+impl SeriesSource for HeldHistory {
+    fn services(&self) -> Vec<String> {
+        match &self.ring {
+            Some(r) => r.services(),
+            None => self.whole.get().map(History::services).unwrap_or_default(),
+        }
+    }
+
+    fn rejected(&self) -> &[Rejected] {
+        match &self.ring {
+            Some(r) => &r.rejected,
+            None => self.whole.get().map_or(&[], |h| &h.rejected),
+        }
+    }
+
+    fn source_error(&self) -> Option<&str> {
+        HeldHistory::source_error(self)
+    }
+
+    fn service(&self, service: &str) -> Result<Cow<'_, History>, String> {
+        match (&self.ring, self.whole.get()) {
+            // Already in memory (read whole once): no second read.
+            (_, Some(h)) => Ok(Cow::Borrowed(h)),
+            (Some(r), None) => r.service(service).map(Cow::Owned),
+            (None, None) => Ok(Cow::Owned(History::default())),
+        }
+    }
+
+    fn whole(&self) -> Option<&History> {
+        self.whole.get()
+    }
+}
 
 /// One pulled history.
 #[derive(Debug)]
 pub struct Snapshot {
     /// The history (a failed source is `History::unavailable`).
-    pub history: Arc<History>,
+    pub history: Arc<HeldHistory>,
     /// When the pull finished.
     pub pulled_at: DateTime<Utc>,
     /// Increases by one per stored snapshot (a plan computed from it is keyed by this).
@@ -37,7 +167,7 @@ pub struct Snapshot {
 /// The history increments are merged into: the last good pull, with the settings it was
 /// pulled with and when the last full pull ended.
 struct Held {
-    history: Arc<History>,
+    history: Arc<HeldHistory>,
     settings: String,
     full_end: i64,
 }
@@ -156,11 +286,11 @@ impl HistoryCache {
         let (history, kind) = self.pull(&cfg, end, &mut state.held).await;
         super::pull_seconds().observe(t.elapsed().as_secs_f64());
         let previous = self.latest();
-        let keep_previous = history.source_error.is_some()
+        let keep_previous = history.source_error().is_some()
             && previous
                 .as_ref()
-                .is_some_and(|p| p.history.source_error.is_none());
-        *self.last_error.write().unwrap() = history.source_error.clone();
+                .is_some_and(|p| p.history.source_error().is_none());
+        *self.last_error.write().unwrap() = history.source_error().map(str::to_string);
         let snap = Arc::new(Snapshot {
             history,
             pulled_at: Utc::now(),
@@ -176,43 +306,47 @@ impl HistoryCache {
         snap
     }
 
-    /// One pull: an increment merged into `held` when it can be, else the whole lookback;
+    /// One pull: an increment written into `held` when it can be, else the whole lookback;
     /// `held` becomes the new history when the pull succeeded.
     async fn pull(
         &self,
         cfg: &DaemonConfig,
         end: DateTime<Utc>,
         held: &mut Option<Held>,
-    ) -> (Arc<History>, PullKind) {
+    ) -> (Arc<HeldHistory>, PullKind) {
         let Some(p) = &cfg.history.prometheus else {
             *held = None;
             let h = super::load(&cfg.history, &self.base_dir, end).await;
-            return (Arc::new(unavailable_on_error(h)), PullKind::Full);
+            return (Arc::new(unavailable_on_error(h).into()), PullKind::Full);
         };
         let settings = settings(cfg);
         let every = cfg.history.full_pull_every.as_secs() as i64;
         let base = held
             .as_ref()
             .filter(|h| h.settings == settings && end.timestamp() - h.full_end < every);
-        if let Some(base) = base {
-            if let Some(since) = super::incremental::since(&base.history) {
-                match super::prometheus::load_tail(p, &cfg.history, end, since).await {
-                    Ok(tail) => {
-                        let (old, grid) = (base.history.clone(), tail.grid);
-                        let t = std::time::Instant::now();
-                        let merged = tokio::task::spawn_blocking(move || {
-                            super::incremental::merge(&old, tail.history, grid)
-                        })
-                        .await
-                        .ok()
-                        .flatten();
-                        if let Some(m) = merged {
+        if let Some((base, ring)) = base.and_then(|b| b.history.ring().map(|r| (b, r.clone()))) {
+            let since = base.history.grid();
+            let since = (since.0 + since.2 as i64 * since.1)
+                - super::incremental::OVERLAP_SECS.div_euclid(since.1).max(1) * since.1;
+            let t = std::time::Instant::now();
+            match super::prometheus::load_tail(p, &cfg.history, end, since).await {
+                Ok(tail) => {
+                    let pulled = t.elapsed().as_secs_f64();
+                    let grid = tail.grid;
+                    let t = std::time::Instant::now();
+                    let written =
+                        tokio::task::spawn_blocking(move || ring.apply(tail.history, grid))
+                            .await
+                            .unwrap_or_else(|e| Some(Err(format!("writing the increment: {e}"))));
+                    match written {
+                        Some(Ok(r)) => {
                             tracing::info!(
-                                series = m.series.len(),
-                                seconds = %format_args!("{:.2}", t.elapsed().as_secs_f64()),
-                                "history increment merged"
+                                series = r.series_count(),
+                                pull_seconds = %format_args!("{pulled:.2}"),
+                                write_seconds = %format_args!("{:.2}", t.elapsed().as_secs_f64()),
+                                "history increment written"
                             );
-                            let m = Arc::new(m);
+                            let m = Arc::new(HeldHistory::from(r));
                             let full_end = base.full_end;
                             *held = Some(Held {
                                 history: m.clone(),
@@ -221,29 +355,73 @@ impl HistoryCache {
                             });
                             return (m, PullKind::Incremental);
                         }
-                        tracing::info!("the increment does not continue the held history: pulling the whole lookback");
+                        Some(Err(e)) => {
+                            // The held history stays (restored) unless it could not be: then
+                            // the next pull is a full one.
+                            tracing::error!(error = %e, "history increment failed");
+                            if base.history.ring().is_none_or(RingHistory::broken) {
+                                *held = None;
+                            }
+                            return (
+                                Arc::new(History::unavailable(e).into()),
+                                PullKind::Incremental,
+                            );
+                        }
+                        None => tracing::info!(
+                            "the increment does not continue the held history: pulling the whole lookback"
+                        ),
                     }
-                    Err(e) => {
-                        // The held history stays: the next pull tries from it again.
-                        tracing::error!(error = %e, "history source failed");
-                        return (
-                            Arc::new(History::unavailable(e.to_string())),
-                            PullKind::Incremental,
-                        );
-                    }
+                }
+                Err(e) => {
+                    // The held history stays: the next pull tries from it again.
+                    tracing::error!(error = %e, "history source failed");
+                    return (
+                        Arc::new(History::unavailable(e.to_string()).into()),
+                        PullKind::Incremental,
+                    );
                 }
             }
         }
-        let h = unavailable_on_error(
-            super::prometheus::load_with_stats(p, &cfg.history, end)
-                .await
-                .map(|(h, _)| h),
-        );
+        let dir = p
+            .spill_dir
+            .as_ref()
+            .map(|d| self.base_dir.join(d))
+            .unwrap_or_else(std::env::temp_dir);
+        let h: Result<RingHistory, String> =
+            match super::prometheus::load_spilled(p, &cfg.history, end, &dir).await {
+                Ok(spilled) => {
+                    let cap = super::ring::capacity(spilled.len, spilled.step, every);
+                    let t = std::time::Instant::now();
+                    let written = tokio::task::spawn_blocking(move || {
+                        RingHistory::from_spilled(&spilled, &dir, cap)
+                    })
+                    .await
+                    .unwrap_or_else(|e| Err(format!("writing the held history: {e}")));
+                    if let Ok(r) = &written {
+                        tracing::info!(
+                            series = r.series_count(),
+                            bytes = r.bytes(),
+                            seconds = %format_args!("{:.2}", t.elapsed().as_secs_f64()),
+                            path = %r.path().display(),
+                            "history held on disk"
+                        );
+                    }
+                    written
+                }
+                Err(e) => Err(e.to_string()),
+            };
+        let h: HeldHistory = match h {
+            Ok(r) => r.into(),
+            Err(e) => {
+                tracing::error!(error = %e, "history source failed");
+                History::unavailable(e).into()
+            }
+        };
         if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
-            eprintln!("history: {} series", h.series.len());
+            eprintln!("history: {} series", h.series_count());
         }
         let h = Arc::new(h);
-        if h.source_error.is_none() {
+        if h.source_error().is_none() {
             *held = Some(Held {
                 history: h.clone(),
                 settings,

@@ -16,7 +16,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
 
-use crate::history::History;
+use crate::history::snapshot::HeldHistory;
 use crate::plan::Plan;
 use crate::serve::limits::{read_bounded, ConcurrencyLimit, RETRY_AFTER_SECS};
 use crate::serve::problem::Problem;
@@ -31,8 +31,8 @@ pub const MAX_CONCURRENT: usize = 2;
 pub struct Snapshot {
     /// `rlc.yaml` and the config repo.
     pub inputs: Inputs,
-    /// The history.
-    pub history: Arc<History>,
+    /// The history (read service by service when on disk).
+    pub history: Arc<HeldHistory>,
     /// The current plan (what a run would compute now).
     pub current: Plan,
 }
@@ -141,7 +141,7 @@ async fn compute(
     tokio::task::spawn_blocking(move || {
         whatif::preview(
             &snap.inputs,
-            &snap.history,
+            &*snap.history,
             &snap.current,
             &bytes,
             content_type.as_deref(),
@@ -214,7 +214,7 @@ pub fn from_directory(cfg: schema::DaemonConfig, base_dir: &std::path::Path) -> 
                 );
                 Arc::new(Snapshot {
                     inputs: Inputs { cfg, repo, world },
-                    history: Arc::new(history),
+                    history: Arc::new(history.into()),
                     current,
                 })
             })

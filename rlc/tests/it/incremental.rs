@@ -249,3 +249,101 @@ fn incremental_pulls_give_the_full_pulls_history_and_plan() {
     let full = rt.block_on(HistoryCache::new(cfg.clone(), dir.path()).refresh_at(at(t0 + 900)));
     assert!(bits(&next.history) == bits(&full.history));
 }
+
+/// `rlc serve` holds a Prometheus history on disk (a ring per series in `spill_dir`): the
+/// increments of a short lookback go round the ring several times and every one is the full
+/// pull's history, bit for bit; views the ring moved past say so; the file goes with the
+/// cache, and a restart (a new cache) pulls the whole lookback.
+#[test]
+fn the_held_history_is_a_ring_on_disk_and_a_restart_pulls_it_whole() {
+    let now = Utc::now().timestamp() / 60 * 60;
+    let (start, end) = (now - 86_400, now);
+    let t0 = now - 6 * HOUR;
+    let dir = tempfile::tempdir().unwrap();
+    let prom = backfill(
+        &dir.path().join("h.om"),
+        start,
+        end,
+        t0 + 40 * 60 + 7,
+        t0 + 20 * 60,
+    );
+    let held_dir = dir.path().join("held");
+    let rate = "sum by (service, caller, procedure) (rate(rpc_requests_total[2m]))";
+    // A 2-hour lookback and a full pull a day: 240 cells per series, the ring wraps every
+    // 2 hours of increments.
+    let cfg = daemon(&format!(
+        "history:\n  prometheus:\n    url: {}\n    query: '{rate}'\n    retries: 2\n    timeout: 30s\n    spill_dir: {}\n  lookback: 2h\n  step: 1m\n  full_pull_every: 1d",
+        prom.url,
+        held_dir.display()
+    ));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let at = |t: i64| -> DateTime<Utc> { Utc.timestamp_opt(t, 0).unwrap() };
+    let entries = || -> Vec<String> {
+        std::fs::read_dir(&held_dir)
+            .map(|d| {
+                d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let cache = HistoryCache::new(cfg.clone(), dir.path());
+    let first = rt.block_on(cache.refresh_at(at(t0)));
+    assert_eq!(first.kind, PullKind::Full);
+    let ring = first.history.ring().expect("held on disk").clone();
+    let path = ring.path().to_path_buf();
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), ring.bytes());
+    assert_eq!(ring.bytes(), ring.series_count() as u64 * 240 * 4);
+    // The pull's spill is gone; the ring's directory stays.
+    let names = entries();
+    assert_eq!(names.len(), 1, "{names:?}");
+    assert!(names[0].starts_with("rlc-held-"), "{names:?}");
+    let mut t = t0;
+    let mut keys_seen = std::collections::BTreeSet::new();
+    for i in 0..40 {
+        // Every 5 minutes, a missed one (47 minutes) on the way.
+        t += if i == 13 { 47 * 60 } else { 300 };
+        let snap = rt.block_on(cache.refresh_at(at(t)));
+        assert_eq!(snap.kind, PullKind::Incremental, "at +{} s", t - t0);
+        assert_eq!(
+            snap.history.ring().unwrap().path(),
+            path,
+            "written in place"
+        );
+        let full = rt.block_on(HistoryCache::new(cfg.clone(), dir.path()).refresh_at(at(t)));
+        assert_eq!(full.kind, PullKind::Full);
+        assert_eq!(snap.history.grid(), full.history.grid());
+        assert!(
+            bits(&snap.history) == bits(&full.history),
+            "at +{} s: the held history differs from a full pull",
+            t - t0
+        );
+        keys_seen.extend(snap.history.series.keys().map(|k| k.bucket_name()));
+    }
+    // `gone` left the lookback, `new` came in.
+    assert!(keys_seen.contains("gone.route") && keys_seen.contains("new.route"));
+    let last = cache.latest().unwrap();
+    assert!(!last
+        .history
+        .series
+        .keys()
+        .any(|k| k.bucket_name() == "gone.route"));
+    // The first view's points were overwritten: reading it says so.
+    let e = ring.service("maps").unwrap_err();
+    assert!(e.contains("moved on"), "{e}");
+    drop((first, ring, last));
+    assert_eq!(entries().len(), 1, "one held history");
+    drop(cache);
+    assert!(
+        entries().is_empty(),
+        "the file goes with the cache: {:?}",
+        entries()
+    );
+
+    // A restart: the new daemon pulls the whole lookback.
+    let cache = HistoryCache::new(cfg.clone(), dir.path());
+    let snap = rt.block_on(cache.refresh_at(at(t + 300)));
+    assert_eq!(snap.kind, PullKind::Full);
+    assert!(snap.history.source_error().is_none());
+    let next = rt.block_on(cache.refresh_at(at(t + 600)));
+    assert_eq!(next.kind, PullKind::Incremental);
+}

@@ -427,13 +427,15 @@ fn lookback(
         (None, Some(p)) => (p.bucket.caller.clone(), p.bucket.procedure.clone()),
         (None, None) => return Err("The bucket is not in the config repo or the plan."),
     };
-    let (start, step, points, series) = super::lookback::from_history(
-        &snapshot.history,
-        service,
-        caller.as_deref(),
-        procedure.as_deref(),
-    )
-    .ok_or("The history has no series of this bucket.")?;
+    // One service's series (read from disk when the daemon holds its history there).
+    let history =
+        rlc_plan::history::SeriesSource::service(&*snapshot.history, service).map_err(|e| {
+            tracing::warn!(error = %e, service, "reading the held history");
+            "The history could not be read (see the daemon's log)."
+        })?;
+    let (start, step, points, series) =
+        super::lookback::from_history(&history, service, caller.as_deref(), procedure.as_deref())
+            .ok_or("The history has no series of this bucket.")?;
     let at = |t: i64| DateTime::<Utc>::from_timestamp(t, 0).unwrap_or_default();
     Ok(super::lookback::Lookback {
         start: at(start),

@@ -1,0 +1,566 @@
+//! The history `rlc serve` holds, on disk: one ring of `f32` per series in one file, an index
+//! in memory, so that the daemon's memory does not grow with the fleet's history.
+//!
+//! The file holds one slot per series, `cap` cells of 4 bytes (little-endian `f32`, `NaN` =
+//! no sample) each, `cap` a little more than the lookback (the slack covers the increments
+//! between two full pulls). Grid point `a` (counted in steps from the full pull's first point,
+//! the ring's origin) of a series lives in cell `a mod cap` of its slot: an increment writes
+//! its points (and `NaN` for a series it did not see) over the cells of points that left the
+//! lookback, in place, and the held history moves on without a copy. A view
+//! ([`RingHistory`]) is a grid (first point, length) and the index of its series (slot, last
+//! sample); views share the file, and the plan reads one service's series at a time
+//! ([`RingHistory::service`]), so that computing a plan holds one service's series.
+//!
+//! Every view of a ring stays readable while the increments since its first point are
+//! within the slack (an older view's cells are overwritten by newer points: reading it then
+//! fails, naming why). An increment is checked whole before anything is written
+//! ([`RingHistory::apply`]); the cells it overwrites inside the held view (the overlap) are
+//! read first and written back if a write fails, so a failed increment leaves the held view as
+//! it was. A slot freed by a series that left the lookback is not reused (an older view may
+//! still read it): the next full pull, a new file, compacts them.
+//!
+//! The file lives in a directory of its own (`rlc-held-*`, in `history.prometheus.spill_dir`
+//! or the system's temporary directory), removed when the last view of the ring is dropped.
+
+use std::collections::{BTreeMap, HashSet};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+
+use super::incremental::{barred, union};
+use super::{History, RateSeries, Rejected, SeriesKey, SpilledHistory};
+
+/// "No sample" for [`Slot::last`].
+const NONE: i64 = i64::MIN;
+
+/// One file of slots.
+pub struct Ring {
+    _dir: tempfile::TempDir,
+    path: PathBuf,
+    /// Where new rings (full pulls replacing this one) are created.
+    parent: PathBuf,
+    file: File,
+    /// Unix time of grid point 0.
+    origin: i64,
+    step: i64,
+    /// Cells per slot.
+    cap: usize,
+    state: RwLock<State>,
+}
+
+/// What increments change (under the write lock; readers take the read lock).
+struct State {
+    /// Slots allocated.
+    slots: u32,
+    /// One past the highest grid point written: a view starting before `written_end - cap`
+    /// has lost its oldest points.
+    written_end: i64,
+    /// Set when a failed increment could not be undone: nothing is read from the ring.
+    broken: Option<String>,
+}
+
+/// A series in a view: its slot, and its last grid point with a sample ([`NONE`] for none).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Slot {
+    slot: u32,
+    last: i64,
+}
+
+/// A history held in a [`Ring`]: the grid, the series' slots, the rejected series.
+#[derive(Clone)]
+pub struct RingHistory {
+    ring: Arc<Ring>,
+    /// Unix time (s) of the first grid point.
+    pub start: i64,
+    /// Grid step, seconds.
+    pub step: i64,
+    /// Grid points.
+    pub len: usize,
+    index: Arc<BTreeMap<SeriesKey, Slot>>,
+    /// Unusable series with the reason.
+    pub rejected: Vec<Rejected>,
+}
+
+impl std::fmt::Debug for RingHistory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RingHistory")
+            .field("path", &self.ring.path)
+            .field("start", &self.start)
+            .field("len", &self.len)
+            .field("series", &self.index.len())
+            .finish()
+    }
+}
+
+fn le_bytes(values: &[f32], out: &mut Vec<u8>) {
+    out.clear();
+    out.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+}
+
+fn from_le(bytes: &[u8], out: &mut [f32]) {
+    for (v, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+        *v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    }
+}
+
+/// The last point of `values` (starting at grid point `a0`) with a sample.
+fn last_sample(a0: i64, values: &[f32]) -> i64 {
+    values
+        .iter()
+        .rposition(|v| !v.is_nan())
+        .map_or(NONE, |i| a0 + i as i64)
+}
+
+impl Ring {
+    fn create(parent: &Path, origin: i64, step: i64, cap: usize) -> std::io::Result<Ring> {
+        std::fs::create_dir_all(parent)?;
+        let dir = tempfile::Builder::new()
+            .prefix("rlc-held-")
+            .tempdir_in(parent)?;
+        let path = dir.path().join("series.f32");
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)?;
+        Ok(Ring {
+            _dir: dir,
+            path,
+            parent: parent.to_path_buf(),
+            file,
+            origin,
+            step,
+            cap,
+            state: RwLock::new(State {
+                slots: 0,
+                written_end: 0,
+                broken: None,
+            }),
+        })
+    }
+
+    /// The grid point of time `t` (a point of the grid).
+    fn point(&self, t: i64) -> i64 {
+        (t - self.origin).div_euclid(self.step)
+    }
+
+    /// Byte offset of cell `pos` of `slot`.
+    fn offset(&self, slot: u32, pos: usize) -> u64 {
+        (slot as u64 * self.cap as u64 + pos as u64) * 4
+    }
+
+    /// The cells of points `a0..a0 + n` as at most two runs `(cell, index in the points, n)`.
+    fn runs(&self, a0: i64, n: usize) -> [(usize, usize, usize); 2] {
+        let p = a0.rem_euclid(self.cap as i64) as usize;
+        let first = n.min(self.cap - p);
+        [(p, 0, first), (0, first, n - first)]
+    }
+
+    /// Writes `values` as points `a0..` of `slot` (at most `cap` of them).
+    fn write(&self, slot: u32, a0: i64, values: &[f32], buf: &mut Vec<u8>) -> std::io::Result<()> {
+        for (pos, i, n) in self.runs(a0, values.len()) {
+            if n > 0 {
+                le_bytes(&values[i..i + n], buf);
+                self.file.write_all_at(buf, self.offset(slot, pos))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads points `a0..a0 + out.len()` of `slot`.
+    fn read(&self, slot: u32, a0: i64, out: &mut [f32], buf: &mut Vec<u8>) -> std::io::Result<()> {
+        for (pos, i, n) in self.runs(a0, out.len()) {
+            if n > 0 {
+                buf.resize(n * 4, 0);
+                self.file.read_exact_at(buf, self.offset(slot, pos))?;
+                from_le(buf, &mut out[i..i + n]);
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes a whole slot: `values` as points `a0..`, `NaN` in every other cell.
+    fn write_slot(
+        &self,
+        slot: u32,
+        a0: i64,
+        values: &[f32],
+        cells: &mut Vec<f32>,
+        buf: &mut Vec<u8>,
+    ) -> std::io::Result<()> {
+        cells.clear();
+        cells.resize(self.cap, f32::NAN);
+        for (pos, i, n) in self.runs(a0, values.len()) {
+            cells[pos..pos + n].copy_from_slice(&values[i..i + n]);
+        }
+        le_bytes(cells, buf);
+        self.file.write_all_at(buf, self.offset(slot, 0))
+    }
+
+    fn io_error(&self, what: &str, e: std::io::Error) -> String {
+        format!("{what} the held history {}: {e}", self.path.display())
+    }
+}
+
+/// Writes the series of a new ring one at a time.
+struct Filler {
+    ring: Ring,
+    start: i64,
+    len: usize,
+    index: BTreeMap<SeriesKey, Slot>,
+    cells: Vec<f32>,
+    buf: Vec<u8>,
+}
+
+impl Filler {
+    fn new(parent: &Path, grid: (i64, i64, usize), cap: usize) -> Result<Filler, String> {
+        let (start, step, len) = grid;
+        let cap = cap.max(len);
+        let ring = Ring::create(parent, start, step, cap).map_err(|e| {
+            format!(
+                "cannot create the held history under {}: {e}",
+                parent.display()
+            )
+        })?;
+        Ok(Filler {
+            ring,
+            start,
+            len,
+            index: BTreeMap::new(),
+            cells: Vec::new(),
+            buf: Vec::new(),
+        })
+    }
+
+    fn add(&mut self, key: &SeriesKey, values: &[f32]) -> Result<(), String> {
+        let slot = self.index.len() as u32;
+        self.ring
+            .write_slot(slot, 0, values, &mut self.cells, &mut self.buf)
+            .map_err(|e| self.ring.io_error("cannot write", e))?;
+        self.index.insert(
+            key.clone(),
+            Slot {
+                slot,
+                last: last_sample(0, values),
+            },
+        );
+        Ok(())
+    }
+
+    fn finish(self, rejected: Vec<Rejected>) -> RingHistory {
+        {
+            let mut st = self.ring.state.write().unwrap();
+            st.slots = self.index.len() as u32;
+            st.written_end = self.len as i64;
+        }
+        RingHistory {
+            start: self.start,
+            step: self.ring.step,
+            len: self.len,
+            ring: Arc::new(self.ring),
+            index: Arc::new(self.index),
+            rejected,
+        }
+    }
+}
+
+/// Cells per slot for a lookback of `len` points at `step` seconds, increments taken for
+/// `every` seconds (`history.full_pull_every`) after a full pull: the lookback, the points
+/// those increments add and their overlap, at most twice the lookback.
+pub fn capacity(len: usize, step: i64, every: i64) -> usize {
+    let step = step.max(1);
+    let extra = (every.max(0) + super::incremental::OVERLAP_SECS) / step + 2;
+    len + (extra.max(0) as usize).min(len)
+}
+
+impl RingHistory {
+    /// A ring under `parent` holding `h` (a whole lookback in memory), `cap` cells per slot.
+    pub fn from_history(h: &History, parent: &Path, cap: usize) -> Result<RingHistory, String> {
+        if let Some(e) = &h.source_error {
+            return Err(e.clone());
+        }
+        let mut f = Filler::new(parent, (h.start, h.step, h.len), cap)?;
+        for (k, s) in &h.series {
+            f.add(k, &s.values)?;
+        }
+        Ok(f.finish(h.rejected.clone()))
+    }
+
+    /// A ring under `parent` holding a spilled pull, read one service at a time.
+    pub fn from_spilled(
+        s: &SpilledHistory,
+        parent: &Path,
+        cap: usize,
+    ) -> Result<RingHistory, String> {
+        let mut f = Filler::new(parent, (s.start, s.step, s.len), cap)?;
+        for service in s.services() {
+            let h = s.service(&service)?;
+            for (k, series) in &h.series {
+                f.add(k, &series.values)?;
+            }
+        }
+        Ok(f.finish(s.rejected.clone()))
+    }
+
+    /// Unix time just after the last grid point.
+    pub fn end(&self) -> i64 {
+        self.start + self.len as i64 * self.step
+    }
+
+    /// Series in the history.
+    pub fn series_count(&self) -> usize {
+        self.index.len()
+    }
+
+    /// The file (removed with its directory when the last view is dropped).
+    pub fn path(&self) -> &Path {
+        &self.ring.path
+    }
+
+    /// Bytes of the file.
+    pub fn bytes(&self) -> u64 {
+        let slots = self.ring.state.read().unwrap().slots;
+        slots as u64 * self.ring.cap as u64 * 4
+    }
+
+    /// Every service with at least one series.
+    pub fn services(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.index.keys().map(|k| k.service.clone()).collect();
+        v.dedup();
+        v
+    }
+
+    /// The history of `service` alone, read from the file (no rejected series). An error
+    /// when the ring could not be read, or when increments since moved past this view.
+    pub fn service(&self, service: &str) -> Result<History, String> {
+        let first = SeriesKey {
+            service: service.to_string(),
+            caller: None,
+            procedure: None,
+        };
+        self.read(
+            self.index
+                .range(first..)
+                .take_while(|(k, _)| k.service == service),
+        )
+    }
+
+    /// The whole history in memory, rejected series included.
+    pub fn to_history(&self) -> Result<History, String> {
+        let mut h = self.read(self.index.iter())?;
+        h.rejected = self.rejected.clone();
+        Ok(h)
+    }
+
+    fn read<'a>(
+        &self,
+        entries: impl Iterator<Item = (&'a SeriesKey, &'a Slot)>,
+    ) -> Result<History, String> {
+        let ring = &self.ring;
+        let st = ring.state.read().unwrap();
+        if let Some(e) = &st.broken {
+            return Err(e.clone());
+        }
+        let a0 = ring.point(self.start);
+        if st.written_end > a0 + ring.cap as i64 {
+            return Err(format!(
+                "the held history {} moved on past this view (its first points were overwritten): pull again",
+                ring.path.display()
+            ));
+        }
+        let mut series = BTreeMap::new();
+        let mut buf = Vec::new();
+        for (key, slot) in entries {
+            let mut s = RateSeries::empty(self.start, self.step, self.len);
+            ring.read(slot.slot, a0, &mut s.values, &mut buf)
+                .map_err(|e| ring.io_error(&format!("cannot read series {key:?} of"), e))?;
+            series.insert(key.clone(), s);
+        }
+        Ok(History {
+            start: self.start,
+            step: self.step,
+            len: self.len,
+            series,
+            rejected: Vec::new(),
+            source_error: None,
+        })
+    }
+
+    /// The history a full pull of the lookback `grid` would give, from this one and `tail`
+    /// (the points of `grid` from some point on, pulled now), as [`super::incremental::merge`]
+    /// gives it in memory: the tail's points written over the ring's oldest cells in place.
+    /// `None` when they do not fit together (another step or origin, a gap, a lookback
+    /// starting before this one, an increment beyond the ring's slack): pull the whole
+    /// lookback. A tail that is the whole lookback makes a new ring. An error when a write
+    /// failed: this view is then as it was (or, if it could not be restored, the ring refuses
+    /// reads and the next pull must be a full one).
+    pub fn apply(
+        &self,
+        tail: History,
+        grid: (i64, i64, usize),
+    ) -> Option<Result<RingHistory, String>> {
+        let (start, step, len) = grid;
+        if tail.source_error.is_none()
+            && tail.start == start
+            && tail.len == len
+            && tail.step == step
+        {
+            return Some(RingHistory::from_history(
+                &tail,
+                &self.ring.parent,
+                self.ring.cap,
+            ));
+        }
+        let ring = &self.ring;
+        if tail.source_error.is_some()
+            || self.step != step
+            || tail.step != step
+            || ring.step != step
+            || tail.end() != start + len as i64 * step
+            || tail.start < start
+            || (tail.start - start) % step != 0
+            || (start - ring.origin).rem_euclid(step) != 0
+            || self.end() < tail.start
+            || self.start > start
+            || len != self.len
+        {
+            return None;
+        }
+        let (new_start, k, end) = (
+            ring.point(start),
+            ring.point(tail.start),
+            ring.point(tail.end()),
+        );
+        let (held_start, held_end) = (ring.point(self.start), ring.point(self.end()));
+        // This view's cells outside the overlap must not be written: the increment fits the
+        // slack (else a full pull).
+        if end - held_start > ring.cap as i64 {
+            return None;
+        }
+        Some(self.write_increment(tail, (new_start, k, end, held_end)))
+    }
+
+    fn write_increment(
+        &self,
+        tail: History,
+        (new_start, k, end, held_end): (i64, i64, i64, i64),
+    ) -> Result<RingHistory, String> {
+        let ring = &self.ring;
+        let rejected = union(&self.rejected, tail.rejected);
+        let barred: HashSet<SeriesKey> = barred(&rejected);
+        let n = (end - k) as usize;
+        let overlap = (held_end - k).max(0) as usize;
+        let mut tail_series = tail.series;
+        let nan = vec![f32::NAN; n];
+        let mut st = ring.state.write().unwrap();
+        if let Some(e) = &st.broken {
+            return Err(e.clone());
+        }
+        let (mut cells, mut buf, mut scan) = (Vec::new(), Vec::new(), Vec::new());
+        let mut index: BTreeMap<SeriesKey, Slot> = BTreeMap::new();
+        // New series first (new slots at the end of the file: the write most likely to fail,
+        // for want of space, before anything of this view was touched).
+        let mut slots = st.slots;
+        let fresh: Vec<SeriesKey> = tail_series
+            .keys()
+            .filter(|key| !self.index.contains_key(*key) && !barred.contains(*key))
+            .cloned()
+            .collect();
+        st.written_end = st.written_end.max(end);
+        for key in fresh {
+            let s = tail_series.remove(&key).expect("listed above");
+            let last = last_sample(k, &s.values);
+            if last == NONE {
+                continue;
+            }
+            if let Err(e) = ring.write_slot(slots, k, &s.values, &mut cells, &mut buf) {
+                st.slots = slots + 1;
+                return Err(ring.io_error("cannot write", e));
+            }
+            index.insert(key, Slot { slot: slots, last });
+            slots += 1;
+        }
+        st.slots = slots;
+        // The held series: the overlap kept aside, then the tail's points (NaN for a series
+        // the increment did not see) over the overlap and the cells of points that left.
+        let mut saved: Vec<(u32, Vec<f32>)> = Vec::new();
+        let mut failure = None;
+        for (key, slot) in self.index.iter() {
+            if barred.contains(key) {
+                continue;
+            }
+            let values = tail_series.remove(key).map(|s| s.values);
+            let values = values.as_deref().unwrap_or(&nan);
+            let mut old = vec![f32::NAN; overlap];
+            if let Err(e) = ring.read(slot.slot, k, &mut old, &mut buf) {
+                failure = Some(ring.io_error("cannot read", e));
+                break;
+            }
+            saved.push((slot.slot, old));
+            if let Err(e) = ring.write(slot.slot, k, values, &mut buf) {
+                failure = Some(ring.io_error("cannot write", e));
+                break;
+            }
+            let mut last = last_sample(k, values);
+            if last == NONE && slot.last < k {
+                last = slot.last;
+            } else if last == NONE {
+                // Its last sample was in the overlap, which the increment no longer has:
+                // the one before, from the file.
+                scan.clear();
+                scan.resize((k - new_start).max(0) as usize, f32::NAN);
+                if let Err(e) = ring.read(slot.slot, new_start, &mut scan, &mut buf) {
+                    failure = Some(ring.io_error("cannot read", e));
+                    break;
+                }
+                last = last_sample(new_start, &scan);
+            }
+            // A full pull lists a series only if it has a sample in the lookback.
+            if last != NONE && last >= new_start {
+                index.insert(
+                    key.clone(),
+                    Slot {
+                        slot: slot.slot,
+                        last,
+                    },
+                );
+            }
+        }
+        if let Some(e) = failure {
+            for (slot, old) in &saved {
+                if let Err(undo) = ring.write(*slot, k, old, &mut buf) {
+                    let broken = format!(
+                        "{e}; and the held history could not be restored ({undo}): the next pull is a full one"
+                    );
+                    st.broken = Some(broken.clone());
+                    return Err(broken);
+                }
+            }
+            return Err(e);
+        }
+        drop(st);
+        Ok(RingHistory {
+            ring: ring.clone(),
+            start: ring.origin + new_start * ring.step,
+            step: ring.step,
+            len: self.len,
+            index: Arc::new(index),
+            rejected,
+        })
+    }
+
+    /// Whether the ring refuses reads (an increment failed and could not be undone).
+    pub fn broken(&self) -> bool {
+        self.ring.state.read().unwrap().broken.is_some()
+    }
+
+    /// Breaks the ring as a write failure that could not be undone would (tests).
+    #[doc(hidden)]
+    pub fn break_for_test(&self, why: &str) {
+        self.ring.state.write().unwrap().broken = Some(why.to_string());
+    }
+}
+
+#[cfg(test)]
+mod tests;
