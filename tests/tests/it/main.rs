@@ -15,6 +15,7 @@ mod closed_loop;
 mod demo;
 mod deploy;
 mod fleet;
+mod rollout;
 use test_support::process::{free_port, Proc};
 
 const TOKEN: &str = "e2e-token-0123456789";
