@@ -1732,7 +1732,16 @@ async fn aggregator_sigterm_forwards_the_counts_it_holds_and_exits_0() {
     let aport = free_port();
     let aurl = format!("http://127.0.0.1:{aport}");
     let mut agg = spawn_aggregator_ticking(aport, &base, "agg-t", dir.path(), 600_000);
-    wait_up(&format!("{aurl}/v1/config")).await;
+    // Up is not enough: a report is screened by the config the aggregator holds, and with a
+    // 10-minute tick a report it screened out before fetching `v1` is not sent again (seen
+    // failing on a loaded machine).
+    eventually("the aggregator holds config v1", || async {
+        match http.get(format!("{aurl}/v1/config")).send().await {
+            Ok(r) => r.json::<Value>().await.is_ok_and(|v| v["version"] == "v1"),
+            Err(_) => false,
+        }
+    })
+    .await;
     let report = |client: &str, offered: u64| {
         json!({"client_id": client, "service": "payments", "version": "v1", "interval_ms": 1000,
                "buckets": [{"bucket": "gw.charge", "offered": offered, "admitted": offered,
