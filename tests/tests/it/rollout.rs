@@ -363,6 +363,12 @@ database_url: sqlite://rlc.db\nserver:\n  listen: 127.0.0.1:{rport}\n  token_env
         served_limit(&get(cport, "/v1/config").unwrap()),
         Some(3470.0)
     );
+    // The gauge the `RlcRolloutAborted` alert reads (deploy/prometheus/rules.yml).
+    wait_until(Duration::from_secs(30), || {
+        get_text(rport, "/metrics").is_some_and(|m| {
+            m.contains(r#"rlc_rollout_state{service="payments",bucket="charge",state="aborted"} 1"#)
+        })
+    });
     eprintln!(
         "rollout: {:.0} s; {sent} sent, {ok} 200s, {limited} 429s; candidate {last}; aborted {to_abort:.1} s after the contract commit: {}",
         started.elapsed().as_secs_f64(),
