@@ -29,6 +29,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 
 use super::incremental::{barred, union};
+use super::spill::{index_services, service_entries};
 use super::{History, RateSeries, Rejected, SeriesKey, SpilledHistory};
 
 /// "No sample" for [`Slot::last`].
@@ -326,24 +327,13 @@ impl RingHistory {
 
     /// Every service with at least one series.
     pub fn services(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.index.keys().map(|k| k.service.clone()).collect();
-        v.dedup();
-        v
+        index_services(&self.index)
     }
 
     /// The history of `service` alone, read from the file (no rejected series). An error
     /// when the ring could not be read, or when increments since moved past this view.
     pub fn service(&self, service: &str) -> Result<History, String> {
-        let first = SeriesKey {
-            service: service.to_string(),
-            caller: None,
-            procedure: None,
-        };
-        self.read(
-            self.index
-                .range(first..)
-                .take_while(|(k, _)| k.service == service),
-        )
+        self.read(service_entries(&self.index, service))
     }
 
     /// The whole history in memory, rejected series included.

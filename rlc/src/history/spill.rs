@@ -174,24 +174,13 @@ impl SpilledHistory {
 
     /// Every service with at least one series.
     pub fn services(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.index.keys().map(|k| k.service.clone()).collect();
-        v.dedup();
-        v
+        index_services(&self.index)
     }
 
     /// The history of `service` alone: its series read from the file onto the grid (no
     /// rejected series, no source error). An error names the file and the series.
     pub fn service(&self, service: &str) -> Result<History, String> {
-        let first = SeriesKey {
-            service: service.to_string(),
-            caller: None,
-            procedure: None,
-        };
-        self.read(
-            self.index
-                .range(first..)
-                .take_while(|(k, _)| k.service == service),
-        )
+        self.read(service_entries(&self.index, service))
     }
 
     /// The whole history in memory (what [`crate::history::load`] gives), rejected series
@@ -301,4 +290,26 @@ impl SpillState {
         }
         true
     }
+}
+
+/// The services of an index of series (the spill's or the held ring's), once each, in order.
+pub(crate) fn index_services<V>(index: &BTreeMap<SeriesKey, V>) -> Vec<String> {
+    let mut v: Vec<String> = index.keys().map(|k| k.service.clone()).collect();
+    v.dedup();
+    v
+}
+
+/// The entries of `service` in an index of series: a range lookup, not a scan of the fleet.
+pub(crate) fn service_entries<'a, V>(
+    index: &'a BTreeMap<SeriesKey, V>,
+    service: &'a str,
+) -> impl Iterator<Item = (&'a SeriesKey, &'a V)> {
+    let first = SeriesKey {
+        service: service.to_string(),
+        caller: None,
+        procedure: None,
+    };
+    index
+        .range(first..)
+        .take_while(move |(k, _)| k.service == service)
 }
