@@ -4,7 +4,7 @@
 //!
 //! The scoring ([`score`]) and the split of a history ([`split`]) are shared with the what-if
 //! previews (`crate::whatif`), which score whole plans computed on the training part
-//! ([`score_plan`]).
+//! ([`score_plans`]), reading the history one service at a time ([`Training`]).
 //! Every fitted limit passes `policies::rails::check_proposal` first, as in a run: a proposal
 //! the rails would refuse (not finite, negative, far above the peak) scores as a failure, never
 //! as a bucket that is never overloaded.
@@ -15,11 +15,12 @@ use policies::{Policy, PolicyInput, Proposal, RateSeries};
 use schema::{ConfigRepo, DaemonConfig, PolicyName, PolicySpec};
 use serde::Serialize;
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
-use crate::history::History;
+use crate::history::{History, Rejected, SeriesKey, SeriesSource};
 use crate::pipeline::{self, Purpose, World};
-use crate::plan::Plan;
+use crate::plan::{Plan, PlannedBucket};
 
 /// Score of one policy on one bucket.
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -112,25 +113,68 @@ pub fn score(limit: f64, holdout: &[f32]) -> Option<Score> {
 /// the split, on the same grid start) and the split time.
 pub fn split(history: &History, holdout_secs: i64) -> (History, i64) {
     let split = history.end() - holdout_secs.max(0);
+    let mut train = train_part(history, history.series.iter(), split);
+    train.rejected = history.rejected.clone();
+    train.source_error = history.source_error.clone();
+    (train, split)
+}
+
+/// `series` of `history` (on its grid) cut at `split`: the training part, on the same grid
+/// start, without rejections or source error.
+fn train_part<'a>(
+    history: &History,
+    series: impl Iterator<Item = (&'a SeriesKey, &'a RateSeries)>,
+    split: i64,
+) -> History {
     let len = if history.step > 0 {
         ((split - history.start).max(0) / history.step) as usize
     } else {
         0
     }
     .min(history.len);
-    let train = History {
+    History {
         start: history.start,
         step: history.step,
         len,
-        series: history
-            .series
-            .iter()
+        series: series
             .map(|(k, s)| (k.clone(), s.slice(s.start, split)))
             .collect(),
-        rejected: history.rejected.clone(),
-        source_error: history.source_error.clone(),
-    };
-    (train, split)
+        rejected: Vec::new(),
+        source_error: None,
+    }
+}
+
+/// The training part of a history read one service at a time: each service's series cut at
+/// `split`, as [`split`] cuts a whole history, so that a plan fitted before the split reads
+/// no more than one service's series at once.
+pub struct Training<'a> {
+    /// The whole history.
+    pub source: &'a dyn SeriesSource,
+    /// Where the held-out window starts (unix seconds).
+    pub split: i64,
+}
+
+impl SeriesSource for Training<'_> {
+    fn services(&self) -> Vec<String> {
+        self.source.services()
+    }
+
+    fn rejected(&self) -> &[Rejected] {
+        self.source.rejected()
+    }
+
+    fn source_error(&self) -> Option<&str> {
+        self.source.source_error()
+    }
+
+    fn service(&self, service: &str) -> Result<Cow<'_, History>, String> {
+        let h = self.source.service(service)?;
+        Ok(Cow::Owned(train_part(
+            &h,
+            h.service_series(service),
+            self.split,
+        )))
+    }
 }
 
 /// The holdout rates (from `split` on) of the traffic a bucket of `service` matching `caller`
@@ -165,9 +209,47 @@ pub fn holdout_rates(
 
 /// Scores each bucket of `plan` (computed on the history before `split`) on the traffic it
 /// covers from `split` on. Buckets without traffic there are left out.
-pub fn score_plan(history: &History, plan: &Plan, split: i64) -> Vec<(String, String, Score)> {
-    plan.buckets
-        .iter()
+pub fn score_plan(history: &History, plan: &Plan, split: i64) -> Scores {
+    score_buckets(history, plan.buckets.iter(), split)
+}
+
+/// The scores of a plan's buckets: service, bucket, score.
+pub type Scores = Vec<(String, String, Score)>;
+
+/// [`score_plan`] of each of `plans` on a history read one service at a time: each service
+/// with a bucket in one of them is read once, for every plan, and dropped before the next.
+/// The scores come service by service, each plan's buckets of a service in the plan's order.
+/// An error when a service cannot be read.
+pub fn score_plans(
+    source: &dyn SeriesSource,
+    plans: &[&Plan],
+    split: i64,
+) -> Result<Vec<Scores>, String> {
+    let mut by_service: BTreeMap<&str, Vec<Vec<&PlannedBucket>>> = BTreeMap::new();
+    for (i, plan) in plans.iter().enumerate() {
+        for b in &plan.buckets {
+            by_service
+                .entry(b.service.as_str())
+                .or_insert_with(|| vec![Vec::new(); plans.len()])[i]
+                .push(b);
+        }
+    }
+    let mut out = vec![Vec::new(); plans.len()];
+    for (service, buckets) in by_service {
+        let history = source.service(service)?;
+        for (scores, buckets) in out.iter_mut().zip(buckets) {
+            scores.extend(score_buckets(&history, buckets.into_iter(), split));
+        }
+    }
+    Ok(out)
+}
+
+fn score_buckets<'a>(
+    history: &History,
+    buckets: impl Iterator<Item = &'a PlannedBucket>,
+    split: i64,
+) -> Scores {
+    buckets
         .filter_map(|b| {
             let rates = holdout_rates(
                 history,

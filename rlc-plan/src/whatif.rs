@@ -16,7 +16,10 @@
 //! answer 422.
 //!
 //! Given `services`, only those services are computed (their buckets, contracts, capacities
-//! and series), so that a preview for one service of a large fleet stays fast.
+//! and series), so that a preview for one service of a large fleet stays fast. With or
+//! without, the history is read one service at a time, as a run reads it (`View`): the plan,
+//! both backtested plans (on [`crate::backtest::Training`]) and the scores each hold one
+//! service's series at once, never the fleet's.
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
@@ -31,8 +34,8 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_yaml::Value;
 
-use crate::backtest::{score_plan, split, Score};
-use crate::history::{History, SeriesKey, SeriesSource};
+use crate::backtest::{score_plans, Score, Training};
+use crate::history::{History, Rejected, SeriesSource};
 use crate::pipeline::{self, Purpose, World};
 use crate::plan::Plan;
 
@@ -447,31 +450,38 @@ pub fn preview(
         },
         only.as_ref(),
     );
-    let history = restrict_history(history, only.as_ref());
+    let view = View::new(history, only.as_ref());
     let cfg = &inputs.cfg;
-    let plan = pipeline::plan(
-        cfg,
-        &whatif_repo,
-        history.as_ref(),
-        &inputs.world,
-        now,
-        Purpose::Run,
-    );
     let current = restrict_plan(current_plan, only.as_ref());
-    let diff = diff(&current, &plan);
-
-    // Both sides from no limit in force at the split: they differ exactly where the inputs
-    // do, and each equals what `rlc backtest` scores for them.
+    // Both backtested sides from no limit in force at the split: they differ exactly where
+    // the inputs do, and each equals what `rlc backtest` scores for them.
     let holdout_asked = req
         .holdout
         .map_or(DEFAULT_HOLDOUT_SECS, |h| h.as_secs() as i64);
-    let backtest = backtest(&history, holdout_asked, |h, at| {
-        let none = World::none();
-        (
-            pipeline::plan(cfg, &current_repo, h, &none, at, Purpose::Backtest),
-            pipeline::plan(cfg, &whatif_repo, h, &none, at, Purpose::Backtest),
-        )
-    });
+    let compute = |view: &View| {
+        let plan = pipeline::plan(cfg, &whatif_repo, view, &inputs.world, now, Purpose::Run);
+        // A service left unread by the plan (its history ambiguous) may still fail the view.
+        view.read_unread();
+        if view.failing() {
+            // Computed again once the view failed.
+            return (plan, Backtest::default());
+        }
+        let backtest = backtest(view, holdout_asked, |h, at| {
+            let none = World::none();
+            (
+                pipeline::plan(cfg, &current_repo, h, &none, at, Purpose::Backtest),
+                pipeline::plan(cfg, &whatif_repo, h, &none, at, Purpose::Backtest),
+            )
+        });
+        (plan, backtest)
+    };
+    let (mut plan, mut backtest) = compute(&view);
+    if view.fail() {
+        // A service could not be read: the what-if's history failed as a whole, as a source
+        // failure does (every service keeps its quotas, no backtest). Nothing is read again.
+        (plan, backtest) = compute(&view);
+    }
+    let diff = diff(&current, &plan);
     Ok(PreviewAnswer {
         services: req.services.clone(),
         plan,
@@ -813,63 +823,182 @@ fn restrict_repo(
     docs
 }
 
-/// The series of the services in `only` (range lookups, not a scan of the fleet; every
-/// service for None). A source not in memory is read service by service: a service that
-/// cannot be read fails the what-if's history as a source failure would.
-fn restrict_history<'a>(
+/// The what-if's history: the services of `only` (every service for None), read from the
+/// daemon's source one service at a time, as a run reads it, so that a preview of the whole
+/// fleet holds no more than one service's series at once (a source in memory is read in
+/// place). A service that cannot be read fails the what-if's history as a source failure
+/// would: the first such error (in the order of the services) becomes the view's
+/// [`SeriesSource::source_error`] once [`View::fail`] is called.
+struct View<'a> {
     source: &'a dyn SeriesSource,
-    only: Option<&BTreeSet<String>>,
-) -> Cow<'a, History> {
-    if let Some(history) = source.whole() {
-        let Some(only) = only else {
-            return Cow::Borrowed(history);
+    only: Option<&'a BTreeSet<String>>,
+    /// The services read from a source not in memory: those of `only`, or every service
+    /// (sorted, as a source lists them).
+    listed: BTreeSet<String>,
+    rejected: Cow<'a, [Rejected]>,
+    reads: std::sync::Mutex<Reads>,
+    /// Set by [`View::fail`]: the source error, or the first service's read error.
+    failed: std::sync::OnceLock<String>,
+}
+
+/// What the reads of a [`View`] found.
+#[derive(Default)]
+struct Reads {
+    /// Per service read: whether it has a series, or why it could not be read.
+    by_service: BTreeMap<String, Result<bool, String>>,
+    /// The grid of the last good read.
+    grid: (i64, i64, usize),
+}
+
+impl<'a> View<'a> {
+    fn new(source: &'a dyn SeriesSource, only: Option<&'a BTreeSet<String>>) -> View<'a> {
+        let rejected = match only {
+            None => Cow::Borrowed(source.rejected()),
+            Some(only) => Cow::Owned(
+                source
+                    .rejected()
+                    .iter()
+                    .filter(|r| r.service.as_ref().is_some_and(|s| only.contains(s)))
+                    .cloned()
+                    .collect(),
+            ),
         };
-        let series: BTreeMap<SeriesKey, _> = only
-            .iter()
-            .flat_map(|s| history.service_series(s))
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        return Cow::Owned(History {
-            start: history.start,
-            step: history.step,
-            len: history.len,
-            series,
-            rejected: history
-                .rejected
-                .iter()
-                .filter(|r| r.service.as_ref().is_some_and(|s| only.contains(s)))
-                .cloned()
-                .collect(),
-            source_error: history.source_error.clone(),
-        });
-    }
-    let services: Vec<String> = match only {
-        Some(only) => only.iter().cloned().collect(),
-        None => source.services(),
-    };
-    let mut h = History {
-        source_error: source.source_error().map(str::to_string),
-        rejected: source
-            .rejected()
-            .iter()
-            .filter(|r| only.is_none_or(|o| r.service.as_ref().is_some_and(|s| o.contains(s))))
-            .cloned()
-            .collect(),
-        ..History::default()
-    };
-    for s in &services {
-        match source.service(s) {
-            Ok(one) => {
-                (h.start, h.step, h.len) = (one.start, one.step, one.len);
-                h.series
-                    .extend(one.service_series(s).map(|(k, v)| (k.clone(), v.clone())));
-            }
-            Err(e) => {
-                h.source_error.get_or_insert(e);
-            }
+        let listed = match (source.whole(), only) {
+            (Some(_), _) => BTreeSet::new(),
+            (None, Some(only)) => only.clone(),
+            (None, None) => source.services().into_iter().collect(),
+        };
+        View {
+            source,
+            only,
+            listed,
+            rejected,
+            reads: Default::default(),
+            failed: Default::default(),
         }
     }
-    Cow::Owned(h)
+
+    /// Whether the series of `service` are in the view.
+    fn in_view(&self, service: &str) -> bool {
+        match (self.only, self.source.whole()) {
+            (Some(only), _) => only.contains(service),
+            (None, Some(_)) => true,
+            (None, None) => self.listed.contains(service),
+        }
+    }
+
+    /// Whether a read failed, or the source did, and the view has not failed yet: then
+    /// [`View::fail`] fails it.
+    fn failing(&self) -> bool {
+        self.source.whole().is_none()
+            && self.failed.get().is_none()
+            && (self.source.source_error().is_some()
+                || (self.reads.lock().unwrap().by_service.values()).any(|r| r.is_err()))
+    }
+
+    /// The grid of the history: first point, step, points (none when nothing was read).
+    fn grid(&self) -> (i64, i64, usize) {
+        match self.source.whole() {
+            Some(h) => (h.start, h.step, h.len),
+            None => self.reads.lock().unwrap().grid,
+        }
+    }
+
+    /// Reads the listed services no plan has read yet (their series are dropped at once).
+    fn read_unread(&self) {
+        if self.source.whole().is_some() || self.failed.get().is_some() {
+            return;
+        }
+        let unread: Vec<String> = {
+            let reads = self.reads.lock().unwrap();
+            self.listed
+                .iter()
+                .filter(|s| !reads.by_service.contains_key(*s))
+                .cloned()
+                .collect()
+        };
+        for s in unread {
+            let _ = self.service(&s);
+        }
+    }
+
+    /// Whether the view failed (the source, or a service that could not be read); from then
+    /// on it is a source that failed.
+    fn fail(&self) -> bool {
+        if self.failed.get().is_some() {
+            return false;
+        }
+        let error = self.source.source_error().map(str::to_string).or_else(|| {
+            let reads = self.reads.lock().unwrap();
+            self.listed
+                .iter()
+                .find_map(|s| reads.by_service.get(s)?.as_ref().err().cloned())
+        });
+        match error {
+            Some(e) if self.source.whole().is_none() => {
+                let _ = self.failed.set(e);
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+impl SeriesSource for View<'_> {
+    fn services(&self) -> Vec<String> {
+        if self.failed.get().is_some() {
+            // The services whose series were read, as a history that failed holds them.
+            let reads = self.reads.lock().unwrap();
+            return reads
+                .by_service
+                .iter()
+                .filter(|(_, r)| matches!(r, Ok(true)))
+                .map(|(s, _)| s.clone())
+                .collect();
+        }
+        let mut services = self.source.services();
+        if let Some(only) = self.only {
+            services.retain(|s| only.contains(s));
+        }
+        services
+    }
+
+    fn rejected(&self) -> &[Rejected] {
+        &self.rejected
+    }
+
+    fn source_error(&self) -> Option<&str> {
+        match self.source.whole() {
+            Some(h) => h.source_error.as_deref(),
+            None => self
+                .failed
+                .get()
+                .map(String::as_str)
+                .or(self.source.source_error()),
+        }
+    }
+
+    fn service(&self, service: &str) -> Result<Cow<'_, History>, String> {
+        if !self.in_view(service) {
+            // Not in the view: no series.
+            return Ok(Cow::Owned(History::default()));
+        }
+        if let Some(h) = self.source.whole() {
+            return Ok(Cow::Borrowed(h));
+        }
+        let read = self.source.service(service);
+        let mut reads = self.reads.lock().unwrap();
+        let found = match &read {
+            Ok(h) => {
+                reads.grid = (h.start, h.step, h.len);
+                Ok(h.service_series(service).next().is_some())
+            }
+            Err(e) => Err(e.clone()),
+        };
+        // The first outcome counts (a later read of the same service finds the same).
+        reads.by_service.entry(service.to_string()).or_insert(found);
+        read
+    }
 }
 
 /// The part of `plan` about the services in `only`.
@@ -965,13 +1094,15 @@ pub fn diff(current: &Plan, what_if: &Plan) -> Diff {
 }
 
 /// Both plans backtested on the last `holdout_asked` seconds of `history` (at most half of
-/// it). `plans` computes (current, what-if) on the training part at the split.
+/// it), read one service at a time. `plans` computes (current, what-if) on the training part
+/// at the split.
 fn backtest(
-    history: &History,
+    history: &View,
     holdout_asked: i64,
-    plans: impl Fn(&History, DateTime<Utc>) -> (Plan, Plan),
+    plans: impl Fn(&dyn SeriesSource, DateTime<Utc>) -> (Plan, Plan),
 ) -> Backtest {
-    let span = history.len as i64 * history.step;
+    let (start, step, len) = history.grid();
+    let span = len as i64 * step;
     let holdout = holdout_asked.min(span / 2).max(0);
     let none = |note: String| Backtest {
         holdout_secs: holdout,
@@ -979,19 +1110,28 @@ fn backtest(
         note: Some(note),
         buckets: Vec::new(),
     };
-    if let Some(e) = &history.source_error {
+    if let Some(e) = history.source_error() {
         return none(format!("no backtest: the history source failed ({e})"));
     }
-    if holdout < history.step.max(1) {
+    if holdout < step.max(1) {
         return none("no backtest: the history is too short to hold a window out".into());
     }
-    let (train, at) = split(history, holdout);
+    // Where `backtest::split` cuts a whole history.
+    let at = start + span - holdout;
+    let train = Training {
+        source: history,
+        split: at,
+    };
     let (current, what_if) = plans(
         &train,
         Utc.timestamp_opt(at, 0).single().unwrap_or_default(),
     );
-    let cur = score_plan(history, &current, at);
-    let new = score_plan(history, &what_if, at);
+    let Ok(mut scores) = score_plans(history, &[&current, &what_if], at) else {
+        // A service could not be read: the caller fails the view and computes again.
+        return none("no backtest: the history could not be read".into());
+    };
+    let new = scores.pop().unwrap_or_default();
+    let cur = scores.pop().unwrap_or_default();
     let mut by: BTreeMap<(String, String), (Option<Score>, Option<Score>)> = BTreeMap::new();
     for (s, b, sc) in cur {
         by.entry((s, b)).or_default().0 = Some(sc);

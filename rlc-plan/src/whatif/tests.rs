@@ -1,8 +1,14 @@
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use policies::RateSeries;
 use proptest::prelude::*;
 
+use crate::backtest::{score_plan, split};
+use crate::history::SeriesKey;
+
 use super::*;
 use crate::pipeline::{self, Purpose, World};
+use std::path::Path;
 
 const DAY: i64 = 86_400;
 /// 2026-01-01, the history's start; it lasts 21 days.
@@ -244,7 +250,7 @@ fn services_restrict_what_is_computed() {
     let only: BTreeSet<String> = ["maps".to_string()].into();
     let repo = restrict_repo(&f.inputs.repo, f.inputs.repo.clone(), Some(&only));
     assert_eq!(repo.buckets.keys().collect::<Vec<_>>(), ["maps"]);
-    assert_eq!(restrict_history(&f.history, Some(&only)).series.len(), 1);
+    assert_eq!(View::new(&f.history, Some(&only)).services(), ["maps"]);
     assert_eq!(a.services, Some(vec!["maps".to_string()]));
     assert_eq!(a.plan.buckets.len(), 1);
     assert_eq!(limit(&a.plan, "maps", "mobile"), 80.0);
@@ -567,4 +573,298 @@ fn request_and_answer_have_json_schemas() {
     for k in ["services", "plan", "diff", "backtest"] {
         assert!(ans["properties"].get(k).is_some(), "{k} in {ans}");
     }
+}
+
+/// A history kept elsewhere, as the daemon's ring on disk: never whole, read one service at a
+/// time (each read a copy of that service's series), a service optionally unreadable.
+struct PerService {
+    history: History,
+    unreadable: Option<&'static str>,
+    reads: AtomicUsize,
+}
+
+impl PerService {
+    fn new(history: History, unreadable: Option<&'static str>) -> PerService {
+        PerService {
+            history,
+            unreadable,
+            reads: AtomicUsize::new(0),
+        }
+    }
+}
+
+impl SeriesSource for PerService {
+    fn services(&self) -> Vec<String> {
+        self.history.services()
+    }
+    fn rejected(&self) -> &[Rejected] {
+        &self.history.rejected
+    }
+    fn source_error(&self) -> Option<&str> {
+        self.history.source_error.as_deref()
+    }
+    fn service(&self, service: &str) -> Result<Cow<'_, History>, String> {
+        self.reads.fetch_add(1, Ordering::Relaxed);
+        if self.unreadable == Some(service) {
+            return Err(format!("cannot read {service}"));
+        }
+        let h = &self.history;
+        Ok(Cow::Owned(History {
+            series: h
+                .service_series(service)
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+            rejected: Vec::new(),
+            source_error: None,
+            ..*h
+        }))
+    }
+}
+
+/// The config repo of [`fleet`] with `policies` as `rlc/policies.yaml`.
+fn fleet_repo(dir: &Path, policies: &str) -> ConfigRepo {
+    let w = |p: &str, t: &str| {
+        let p = dir.join(p);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, t).unwrap();
+    };
+    // s00–s07 have buckets in force (s05 none for mobile: it is added), s08–s11 none.
+    for i in 0..8 {
+        let mut t = format!("service: s{i:02}\nbuckets:\n  - name: web\n    caller: web\n    limit_rps: {}\n    mode: enforce\n    policy: peak\n", 50 + 10 * i);
+        if i != 5 {
+            t.push_str("  - name: mobile\n    caller: mobile\n    limit_rps: 20\n    mode: shadow\n    policy: peak\n");
+        }
+        w(&format!("buckets/s{i:02}.yaml"), &t);
+    }
+    w("rlc/policies.yaml", policies);
+    w(
+        "rlc/contracts.yaml",
+        "contracts:\n  - service: s07\n    caller: web\n    limit_rps: 90\n    reference: MSA-7\n",
+    );
+    let (repo, diags) = ConfigRepo::load(dir);
+    assert!(diags.is_empty(), "{}", schema::Diagnostics(diags));
+    repo
+}
+
+const FLEET_POLICIES: &str =
+    "default:\n  policy: peak\n  headroom: 0.2\nservices:\n  s02:\n    policy: forecast\n";
+/// A what-if of [`FLEET_POLICIES`]: other headroom, another policy for s03.
+const FLEET_WHAT_IF: &str = "default:\n  policy: peak\n  headroom: 0.35\nservices:\n  s02:\n    policy: forecast\n  s03:\n    policy: forecast\n    headroom: 0.1\n";
+
+/// Twelve services with daily cycles, growth, gaps, a procedure series, a service whose
+/// series were merged (ambiguous) and a rejected series, over 21 days at 1 m.
+fn fleet() -> (Fixture, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = fleet_repo(dir.path(), FLEET_POLICIES);
+    let cfg: DaemonConfig =
+        serde_yaml::from_str("history:\n  file: x.csv\nconfig_repo:\n  path: repo\n").unwrap();
+    let len = 21 * 1440;
+    let mut series = BTreeMap::new();
+    for i in 0..12usize {
+        for (j, caller) in ["web", "mobile"].into_iter().enumerate() {
+            let base = 10.0 + 7.0 * i as f32 + 13.0 * j as f32;
+            let values = (0..len)
+                .map(|t| {
+                    if (i + j) % 4 == 1 && t % 97 < 5 {
+                        return f32::NAN; // gaps
+                    }
+                    let day = (t % 1440) as f32 / 1440.0 * std::f32::consts::TAU;
+                    let growth = if i % 3 == 0 {
+                        t as f32 / len as f32
+                    } else {
+                        0.0
+                    };
+                    base * (1.0 + 0.4 * day.sin() + growth) + ((t * 31 + i * 7) % 11) as f32
+                })
+                .collect();
+            let key = SeriesKey {
+                service: format!("s{i:02}"),
+                caller: Some(caller.into()),
+                procedure: (i == 4 && j == 1).then(|| "charge".to_string()),
+            };
+            series.insert(
+                key,
+                RateSeries {
+                    start: START,
+                    step: 60,
+                    values,
+                },
+            );
+        }
+    }
+    let history = History {
+        start: START,
+        step: 60,
+        len,
+        series,
+        rejected: vec![
+            Rejected {
+                service: Some("s09".into()),
+                caller: Some("web".into()),
+                procedure: None,
+                reason: "merged series".into(),
+                fails_service: true,
+            },
+            Rejected {
+                service: Some("s10".into()),
+                caller: None,
+                procedure: None,
+                reason: "no caller or procedure".into(),
+                fails_service: false,
+            },
+        ],
+        source_error: None,
+    };
+    let now = Utc.timestamp_opt(START + 21 * DAY, 0).unwrap();
+    let world = World::none();
+    let current = pipeline::plan(&cfg, &repo, &history, &world, now, Purpose::Run);
+    let f = Fixture {
+        _dir: dir,
+        inputs: Inputs { cfg, repo, world },
+        history,
+        current,
+        now,
+    };
+    (f, tempfile::tempdir().unwrap())
+}
+
+/// The preview's plan, diff and backtest computed as they were before the history was read
+/// service by service: the whole history (of the services in `only`) copied into memory,
+/// split in two whole histories, scored on the whole.
+fn the_old_way(
+    f: &Fixture,
+    source: &dyn SeriesSource,
+    whatif_repo: &ConfigRepo,
+    holdout_asked: i64,
+) -> serde_json::Value {
+    // What `restrict_history` did for every service.
+    let mut h = History {
+        source_error: source.source_error().map(str::to_string),
+        rejected: source.rejected().to_vec(),
+        ..History::default()
+    };
+    for s in source.services() {
+        match source.service(&s) {
+            Ok(one) => {
+                (h.start, h.step, h.len) = (one.start, one.step, one.len);
+                h.series
+                    .extend(one.service_series(&s).map(|(k, v)| (k.clone(), v.clone())));
+            }
+            Err(e) => {
+                h.source_error.get_or_insert(e);
+            }
+        }
+    }
+    let cfg = &f.inputs.cfg;
+    let plan = pipeline::plan(cfg, whatif_repo, &h, &f.inputs.world, f.now, Purpose::Run);
+    let diff = diff(&f.current, &plan);
+    let span = h.len as i64 * h.step;
+    let holdout = holdout_asked.min(span / 2).max(0);
+    let mut backtest = Backtest {
+        holdout_secs: holdout,
+        ..Backtest::default()
+    };
+    if let Some(e) = &h.source_error {
+        backtest.note = Some(format!("no backtest: the history source failed ({e})"));
+    } else {
+        let (train, at) = split(&h, holdout);
+        let when = Utc.timestamp_opt(at, 0).single().unwrap();
+        let none = World::none();
+        let mut by: BTreeMap<(String, String), (Option<Score>, Option<Score>)> = BTreeMap::new();
+        for (i, repo) in [&f.inputs.repo, whatif_repo].into_iter().enumerate() {
+            let p = pipeline::plan(cfg, repo, &train, &none, when, Purpose::Backtest);
+            for (s, b, sc) in score_plan(&h, &p, at) {
+                let e = by.entry((s, b)).or_default();
+                *(if i == 0 { &mut e.0 } else { &mut e.1 }) = Some(sc);
+            }
+        }
+        backtest.split = Some(when);
+        backtest.buckets = by
+            .into_iter()
+            .map(|((service, bucket), (current, what_if))| BucketBacktest {
+                service,
+                bucket,
+                current,
+                what_if,
+            })
+            .collect();
+    }
+    serde_json::json!({"plan": plan, "diff": diff, "backtest": backtest})
+}
+
+fn answer_json(a: &PreviewAnswer) -> serde_json::Value {
+    serde_json::json!({"plan": a.plan, "diff": a.diff, "backtest": a.backtest})
+}
+
+fn preview_on(f: &Fixture, source: &dyn SeriesSource, body: &str) -> PreviewAnswer {
+    preview(&f.inputs, source, &f.current, body.as_bytes(), YAML, f.now).unwrap()
+}
+
+#[test]
+fn a_whole_fleet_preview_read_service_by_service_answers_as_the_whole_history_did() {
+    let (f, other) = fleet();
+    let whatif_repo = fleet_repo(other.path(), FLEET_WHAT_IF);
+    let what_if_body = {
+        let v: Value = serde_yaml::from_str(FLEET_WHAT_IF).unwrap();
+        serde_yaml::to_string(&serde_yaml::Mapping::from_iter([(
+            "policies".into(),
+            Value::Mapping(serde_yaml::Mapping::from_iter([("replace".into(), v)])),
+        )]))
+        .unwrap()
+    };
+    let on_disk = PerService::new(f.history.clone(), None);
+    for (body, repo, holdout) in [
+        ("", &f.inputs.repo, 7 * DAY),
+        (what_if_body.as_str(), &whatif_repo, 7 * DAY),
+        (
+            &format!("{what_if_body}holdout: 3d\n"),
+            &whatif_repo,
+            3 * DAY,
+        ),
+    ] {
+        let old = the_old_way(&f, &on_disk, repo, holdout);
+        let read = on_disk.reads.load(Ordering::Relaxed);
+        let streamed = preview_on(&f, &on_disk, body);
+        let in_memory = preview_on(&f, &f.history, body);
+        assert_eq!(answer_json(&streamed), old, "body {body:?}");
+        assert_eq!(answer_json(&in_memory), old, "body {body:?}");
+        assert_eq!(streamed.services, None);
+        // Each service is read for the plan, the two training plans and the scores: never
+        // the whole history at once (the source cannot give it).
+        let reads = on_disk.reads.load(Ordering::Relaxed) - read;
+        assert!(
+            (12..=4 * 12).contains(&reads),
+            "{reads} reads of 12 services"
+        );
+        // The answer is a real one: buckets changed, scored on both sides.
+        assert!(
+            old["backtest"]["buckets"].as_array().unwrap().len() >= 20,
+            "{old}"
+        );
+        if !body.is_empty() {
+            assert!(!streamed.diff.buckets.is_empty());
+        }
+    }
+    // Services given: the same from both sources.
+    let body = format!("{what_if_body}services: [s03, s05, s09]\n");
+    assert_eq!(
+        serde_json::to_value(preview_on(&f, &on_disk, &body)).unwrap(),
+        serde_json::to_value(preview_on(&f, &f.history, &body)).unwrap()
+    );
+}
+
+#[test]
+fn a_service_that_cannot_be_read_fails_the_whole_preview_as_before() {
+    let (f, _) = fleet();
+    let broken = PerService::new(f.history.clone(), Some("s04"));
+    let old = the_old_way(&f, &broken, &f.inputs.repo, 7 * DAY);
+    let a = preview_on(&f, &broken, "");
+    assert_eq!(answer_json(&a)["backtest"], old["backtest"]);
+    assert_eq!(answer_json(&a), old);
+    assert_eq!(
+        a.backtest.note.as_deref(),
+        Some("no backtest: the history source failed (cannot read s04)")
+    );
+    assert_eq!(a.plan.history_error.as_deref(), Some("cannot read s04"));
+    assert!(a.plan.history_failed.contains(&"s00".to_string()));
 }
