@@ -1,59 +1,12 @@
 use super::*;
+use crate::history::fixtures::{self, key, tail_of};
 use crate::history::incremental::{merge, OVERLAP_SECS};
-
-fn key(c: &str) -> SeriesKey {
-    SeriesKey {
-        service: if c == "z" { "other" } else { "maps" }.into(),
-        caller: Some(c.into()),
-        procedure: None,
-    }
-}
 
 const CALLERS: [&str; 6] = ["a", "b", "c", "d", "e", "z"];
 
-/// A "full pull" of the grid `(start, 60, len)` from a function of time per caller.
+/// A "full pull" of [`CALLERS`] (`z` in another service) on the grid `(start, 60, len)`.
 fn pull(start: i64, len: usize, f: &dyn Fn(&str, i64) -> Option<f32>) -> History {
-    let mut series = BTreeMap::new();
-    for c in CALLERS {
-        let mut s = RateSeries::empty(start, 60, len);
-        for i in 0..len {
-            if let Some(v) = f(c, start + i as i64 * 60) {
-                s.values[i] = v;
-            }
-        }
-        if s.values.iter().any(|v| !v.is_nan()) {
-            series.insert(key(c), s);
-        }
-    }
-    History {
-        start,
-        step: 60,
-        len,
-        series,
-        rejected: vec![],
-        source_error: None,
-    }
-}
-
-/// The points of `full` from `from` on, as an increment pulls them.
-fn tail_of(full: &History, from: i64) -> History {
-    let k = ((from - full.start) / full.step) as usize;
-    let mut t = full.clone();
-    t.start = from;
-    t.len = full.len - k;
-    t.series = full
-        .series
-        .iter()
-        .filter_map(|(key, s)| {
-            let mut s2 = RateSeries::empty(from, 60, t.len);
-            s2.values = s.values[k..].to_vec();
-            s2.values
-                .iter()
-                .any(|v| !v.is_nan())
-                .then(|| (key.clone(), s2))
-        })
-        .collect();
-    t
+    fixtures::pull(&CALLERS, start, len, f)
 }
 
 fn bits(h: &History) -> (Vec<(SeriesKey, Vec<u32>)>, Vec<Rejected>, (i64, i64, usize)) {
