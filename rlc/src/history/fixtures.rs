@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use super::{History, RateSeries, SeriesKey};
+use super::{History, RateSeries, Rejected, SeriesKey};
 
 /// The series of caller `c`: service `maps`, but `other` for caller `z`.
 pub(crate) fn key(c: &str) -> SeriesKey {
@@ -11,6 +11,17 @@ pub(crate) fn key(c: &str) -> SeriesKey {
         service: if c == "z" { "other" } else { "maps" }.into(),
         caller: Some(c.into()),
         procedure: None,
+    }
+}
+
+/// The rejection of caller `b` of `maps` (a negative value), which bars its series.
+pub(crate) fn rejected_b() -> Rejected {
+    Rejected {
+        service: Some("maps".into()),
+        caller: Some("b".into()),
+        procedure: None,
+        reason: "non-finite or negative value -1 at 120".into(),
+        fails_service: false,
     }
 }
 

@@ -261,13 +261,7 @@ mod tests {
     fn rejections_carry_over_and_bar_their_series() {
         let f = |_: &str, _: i64| Some(1.0);
         let mut held = pull(0, 60, &f);
-        let bad = Rejected {
-            service: Some("maps".into()),
-            caller: Some("b".into()),
-            procedure: None,
-            reason: "non-finite or negative value -1 at 120".into(),
-            fails_service: false,
-        };
+        let bad = fixtures::rejected_b();
         held.series.remove(&key("b"));
         held.rejected = vec![bad.clone()];
         let grid = (600, 60, 60);

@@ -175,13 +175,7 @@ fn rejections_bar_their_series_as_in_memory() {
     let len = 60;
     let mut mem = pull(0, len, &f);
     mem.series.remove(&key("b"));
-    let bad = Rejected {
-        service: Some("maps".into()),
-        caller: Some("b".into()),
-        procedure: None,
-        reason: "non-finite or negative value -1 at 120".into(),
-        fails_service: false,
-    };
+    let bad = fixtures::rejected_b();
     mem.rejected = vec![bad.clone()];
     let held = RingHistory::from_history(&mem, dir.path(), capacity(len, 60, 600)).unwrap();
     let grid = (600, 60, len);
