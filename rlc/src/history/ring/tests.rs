@@ -9,7 +9,10 @@ fn pull(start: i64, len: usize, f: &dyn Fn(&str, i64) -> Option<f32>) -> History
     fixtures::pull(&CALLERS, start, len, f)
 }
 
-fn bits(h: &History) -> (Vec<(SeriesKey, Vec<u32>)>, Vec<Rejected>, (i64, i64, usize)) {
+/// A history to the bit: its series' values, rejections and grid.
+type Bits = (Vec<(SeriesKey, Vec<u32>)>, Vec<Rejected>, (i64, i64, usize));
+
+fn bits(h: &History) -> Bits {
     (
         h.series
             .iter()
