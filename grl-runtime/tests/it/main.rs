@@ -207,19 +207,26 @@ fn simulate(args: &[&str], scenario: &str) -> String {
     let scenario = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("scenarios")
         .join(scenario);
-    let out = Command::new(env!("CARGO_BIN_EXE_grl"))
-        .arg("simulate")
-        .args(args)
-        .arg("--scenario")
-        .arg(&scenario)
-        .output()
-        .unwrap();
+    let out = succeeded(
+        Command::new(env!("CARGO_BIN_EXE_grl"))
+            .arg("simulate")
+            .args(args)
+            .arg("--scenario")
+            .arg(&scenario),
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// The output of `cmd`, run to its end; fails the test, with the standard error, when it
+/// exits non-zero.
+fn succeeded(cmd: &mut Command) -> std::process::Output {
+    let out = cmd.output().unwrap();
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    String::from_utf8(out.stdout).unwrap()
+    out
 }
 
 /// One JSON value per line of `text`.
@@ -710,25 +717,20 @@ async fn fleet_enforces_fails_over_fails_open_and_recovers() {
     assert_eq!(r.status(), 200);
 
     // 5. An incident override (here through the CLI) reaches the clients within a few ticks.
-    let out = Command::new(env!("CARGO_BIN_EXE_grl"))
-        .args(["override", "add", "--controller", &base, "--caller", "gw"])
-        .args([
-            "--drop-ratio",
-            "0.9",
-            "--ttl",
-            "10m",
-            "--reason",
-            "INC-1",
-            "--who",
-            "bob",
-        ])
-        .env("GRL_TOKEN", TOKEN)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    succeeded(
+        Command::new(env!("CARGO_BIN_EXE_grl"))
+            .args(["override", "add", "--controller", &base, "--caller", "gw"])
+            .args([
+                "--drop-ratio",
+                "0.9",
+                "--ttl",
+                "10m",
+                "--reason",
+                "INC-1",
+                "--who",
+                "bob",
+            ])
+            .env("GRL_TOKEN", TOKEN),
     );
     eventually("override in force at the clients", || {
         let ok = clients
