@@ -19,14 +19,7 @@ fn with_candidates(version: &str, limit: f64, candidates: &[(&str, f64)]) -> Val
 }
 
 async fn candidates(http: &reqwest::Client, base: &str) -> Value {
-    http.get(format!("{base}/v1/candidates"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    get_json_authorized(http, &format!("{base}/v1/candidates")).await
 }
 
 /// The config document as a peer of protocol 4 reads it: unknown fields refused.
@@ -46,25 +39,14 @@ struct OldConfigDoc {
 async fn candidate_is_evaluated_beside_the_limit_in_force_and_never_served() {
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("state");
-    let cport = free_port();
-    let base = format!("http://127.0.0.1:{cport}");
-    let ctl = spawn_controller(cport, &state, dir.path(), &[]);
-    wait_up(&format!("{base}/v1/status")).await;
+    let (ctl, cport, base) = start_controller(&state, dir.path(), &[]).await;
     let http = reqwest::Client::new();
-    let r = http
-        .put(format!("{base}/v1/config"))
-        .bearer_auth(TOKEN)
-        .json(&with_candidates("v1", 3470.0, &[("lower-to-100", 100.0)]))
-        .send()
-        .await
-        .unwrap();
+    let doc = with_candidates("v1", 3470.0, &[("lower-to-100", 100.0)]);
+    let r = put_config(&http, &base, &doc).await;
     assert_eq!(r.status(), 200);
     assert_eq!(r.headers()["grl-proto"], "5");
 
-    let pa = free_port();
-    let ua = format!("http://127.0.0.1:{pa}");
-    let _agg = spawn_aggregator(pa, &base, "agg-a", dir.path());
-    wait_up(&format!("{ua}/v1/config")).await;
+    let (_agg, ua) = start_aggregator(&base, "agg-a", dir.path()).await;
     let stop = Arc::new(AtomicBool::new(false));
     let dropped = Arc::new(AtomicU64::new(0));
     let clients = alternating_clients(2, &ua, &ua);
@@ -115,7 +97,7 @@ async fn candidate_is_evaluated_beside_the_limit_in_force_and_never_served() {
         format!("{base}/v1/config?view=pushed"),
         format!("{ua}/v1/config"),
     ] {
-        let text = http.get(&url).send().await.unwrap().text().await.unwrap();
+        let text = get_text(&http, &url).await;
         assert!(!text.contains("candidates"), "{url}: {text}");
         let old: OldConfigDoc = serde_json::from_str(&text).unwrap();
         assert_eq!(old.version, "v1");
@@ -127,24 +109,10 @@ async fn candidate_is_evaluated_beside_the_limit_in_force_and_never_served() {
         .await
         .unwrap();
     assert_eq!(r.status(), 401);
-    let status: Value = http
-        .get(format!("{base}/v1/status"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let status = get_json(&http, &format!("{base}/v1/status")).await;
     assert_eq!(status["proto"], 5);
     assert_eq!(status["candidates"], 1);
-    let m = http
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = get_text(&http, &format!("{base}/metrics")).await;
     assert!(m.contains("# TYPE grl_candidate_offered counter"), "{m}");
     assert!(m.contains("grl_candidate_offered_total{service=\"payments\",bucket=\"gw.charge\"}"));
     assert!(m.contains(
@@ -155,24 +123,14 @@ async fn candidate_is_evaluated_beside_the_limit_in_force_and_never_served() {
     // A restart keeps the candidate; its counts start over in a new epoch.
     stop.store(true, Ordering::Relaxed);
     ctl.kill();
-    let ctl = spawn_controller(cport, &state, dir.path(), &[]);
-    wait_up(&format!("{base}/v1/status")).await;
+    let ctl = start_controller_at(cport, &state, dir.path(), &[]).await;
     let after = candidates(&http, &base).await;
     assert_eq!(after["candidates"][0]["id"], "lower-to-100");
     assert_ne!(after["epoch"], epoch.as_str());
     assert!(after["candidates"][0]["offered"].as_f64().unwrap() < offered);
     // A push of the same services with other candidates is applied (another version).
-    let r = http
-        .put(format!("{base}/v1/config"))
-        .bearer_auth(TOKEN)
-        .json(&with_candidates(
-            "v1+c2",
-            3470.0,
-            &[("lower-to-3000", 3000.0)],
-        ))
-        .send()
-        .await
-        .unwrap();
+    let doc = with_candidates("v1+c2", 3470.0, &[("lower-to-3000", 3000.0)]);
+    let r = put_config(&http, &base, &doc).await;
     assert_eq!(r.json::<Value>().await.unwrap()["changed"], true);
     let after = candidates(&http, &base).await;
     assert_eq!(after["candidates"].as_array().unwrap().len(), 1);
@@ -185,17 +143,8 @@ async fn candidate_is_evaluated_beside_the_limit_in_force_and_never_served() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn candidate_validation_names_the_field() {
     let dir = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let base = format!("http://127.0.0.1:{port}");
-    let _ctl = spawn_controller(port, &dir.path().join("state"), dir.path(), &[]);
-    wait_up(&format!("{base}/v1/status")).await;
+    let (_ctl, _, base) = start_controller(&dir.path().join("state"), dir.path(), &[]).await;
     let http = reqwest::Client::new();
-    let put = |doc: Value| {
-        http.put(format!("{base}/v1/config"))
-            .bearer_auth(TOKEN)
-            .json(&doc)
-            .send()
-    };
     let bad_limit = with_candidates("v1", 3470.0, &[("a", 100.0), ("b", 0.0)]);
     let dup = with_candidates("v1", 3470.0, &[("a", 100.0), ("a", 50.0)]);
     let mut unknown = with_candidates("v1", 3470.0, &[("a", 100.0)]);
@@ -214,7 +163,7 @@ async fn candidate_validation_names_the_field() {
         (no_match, 422, "candidates[0].bucket"),
         (reserved, 422, "candidates[0].bucket.name"),
     ] {
-        let r = put(doc).await.unwrap();
+        let r = put_config(&http, &base, &doc).await;
         assert_eq!(r.status(), status);
         let err = r.json::<Value>().await.unwrap()["error"]
             .as_str()
@@ -222,14 +171,7 @@ async fn candidate_validation_names_the_field() {
             .to_string();
         assert!(err.contains(want), "{want}: {err}");
     }
-    let status: Value = http
-        .get(format!("{base}/v1/status"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let status = get_json(&http, &format!("{base}/v1/status")).await;
     assert_eq!(status["version"], "");
 }
 
@@ -239,19 +181,11 @@ async fn candidate_validation_names_the_field() {
 async fn candidates_survive_a_restart_with_a_state_database() {
     let db = test_support::postgres::fresh_database().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let base = format!("http://127.0.0.1:{port}");
     let args = ["--database-url", db.url.as_str()];
-    let ctl = spawn_controller(port, &dir.path().join("state-a"), dir.path(), &args);
-    wait_up(&format!("{base}/v1/status")).await;
+    let (ctl, port, base) = start_controller(&dir.path().join("state-a"), dir.path(), &args).await;
     let http = reqwest::Client::new();
-    let r = http
-        .put(format!("{base}/v1/config"))
-        .bearer_auth(TOKEN)
-        .json(&with_candidates("v1", 3470.0, &[("lower-to-100", 100.0)]))
-        .send()
-        .await
-        .unwrap();
+    let doc = with_candidates("v1", 3470.0, &[("lower-to-100", 100.0)]);
+    let r = put_config(&http, &base, &doc).await;
     assert_eq!(r.status(), 200);
     assert_eq!(
         candidates(&http, &base).await["candidates"][0]["id"],
@@ -259,19 +193,11 @@ async fn candidates_survive_a_restart_with_a_state_database() {
     );
     ctl.kill();
     // Another state directory: the candidate comes from the database.
-    let _ctl = spawn_controller(port, &dir.path().join("state-b"), dir.path(), &args);
-    wait_up(&format!("{base}/v1/status")).await;
+    let _ctl = start_controller_at(port, &dir.path().join("state-b"), dir.path(), &args).await;
     let after = candidates(&http, &base).await;
     assert_eq!(after["candidates"][0]["id"], "lower-to-100");
     assert_eq!(after["candidates"][0]["limit_rps"], 100.0);
-    let text = http
-        .get(format!("{base}/v1/config"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = get_text(&http, &format!("{base}/v1/config")).await;
     assert!(!text.contains("candidates"), "{text}");
 }
 
@@ -280,23 +206,7 @@ async fn candidates_survive_a_restart_with_a_state_database() {
 /// and enforced from then on, and no request is refused at any time.
 #[test]
 fn simulate_cli_prints_candidate_lines_and_the_verdict() {
-    let scenario =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scenarios/candidate-promote.yaml");
-    let out = Command::new(env!("CARGO_BIN_EXE_grl"))
-        .args(["simulate", "--seed", "3", "--scenario"])
-        .arg(&scenario)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let lines: Vec<Value> = String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = json_lines(&simulate(&["--seed", "3"], "candidate-promote.yaml"));
     let (cands, buckets): (Vec<&Value>, Vec<&Value>) =
         lines.iter().partition(|l| l.get("candidate").is_some());
     assert_eq!(buckets.len(), 90, "90 ticks of one bucket");

@@ -16,10 +16,6 @@ async fn admitted_rps(counts: &[AtomicU64; 2], ms: u64) -> (f64, f64) {
     (offered / secs, (offered - dropped) / secs)
 }
 
-async fn get_json(http: &reqwest::Client, url: &str) -> Value {
-    http.get(url).send().await.unwrap().json().await.unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replica_killed_under_traffic_loses_no_enforcement_and_catches_up_on_restart() {
     let db = test_support::postgres::fresh_database().await.unwrap();
@@ -245,14 +241,7 @@ async fn replica_killed_under_traffic_loses_no_enforcement_and_catches_up_on_res
 async fn max_directives_age(http: &reqwest::Client, base: &str, ms: u64) -> f64 {
     let mut max: f64 = 0.0;
     for _ in 0..ms / 50 {
-        let text = http
-            .get(format!("{base}/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let text = get_text(http, &format!("{base}/metrics")).await;
         if let Some(age) = text
             .lines()
             .find_map(|l| l.strip_prefix("grl_aggregator_directives_age_seconds "))

@@ -144,6 +144,98 @@ async fn wait_up(url: &str) {
     .await;
 }
 
+/// [`spawn_controller`] on a free port, waited for until its `/v1/status` answers: the
+/// process, its port (to start it again on with [`start_controller_at`]) and its base URL.
+async fn start_controller(state: &Path, logs: &Path, extra: &[&str]) -> (Proc, u16, String) {
+    let port = free_port();
+    let ctl = start_controller_at(port, state, logs, extra).await;
+    (ctl, port, format!("http://127.0.0.1:{port}"))
+}
+
+/// [`spawn_controller`] on `port`, waited for until its `/v1/status` answers.
+async fn start_controller_at(port: u16, state: &Path, logs: &Path, extra: &[&str]) -> Proc {
+    let ctl = spawn_controller(port, state, logs, extra);
+    wait_up(&format!("http://127.0.0.1:{port}/v1/status")).await;
+    ctl
+}
+
+/// The body of `GET url` with the operator token, as JSON.
+async fn get_json_authorized(http: &reqwest::Client, url: &str) -> Value {
+    http.get(url)
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// [`spawn_aggregator`] on a free port, reporting to the controller at `controller` and waited
+/// for until its `/v1/config` answers: the process and its base URL.
+async fn start_aggregator(controller: &str, id: &str, logs: &Path) -> (Proc, String) {
+    let port = free_port();
+    let url = format!("http://127.0.0.1:{port}");
+    let agg = spawn_aggregator(port, controller, id, logs);
+    wait_up(&format!("{url}/v1/config")).await;
+    (agg, url)
+}
+
+/// `PUT {base}/v1/config` of `doc` with the operator token: the response, unchecked.
+async fn put_config(http: &reqwest::Client, base: &str, doc: &Value) -> reqwest::Response {
+    http.put(format!("{base}/v1/config"))
+        .bearer_auth(TOKEN)
+        .json(doc)
+        .send()
+        .await
+        .unwrap()
+}
+
+/// The body of `GET url` (no credential) as JSON.
+async fn get_json(http: &reqwest::Client, url: &str) -> Value {
+    http.get(url).send().await.unwrap().json().await.unwrap()
+}
+
+/// The body of `GET url` (no credential) as text.
+async fn get_text(http: &reqwest::Client, url: &str) -> String {
+    http.get(url).send().await.unwrap().text().await.unwrap()
+}
+
+/// The standard output of `grl simulate ARGS --scenario scenarios/SCENARIO`; fails the test,
+/// with the standard error, when it exits non-zero.
+fn simulate(args: &[&str], scenario: &str) -> String {
+    let scenario = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("scenarios")
+        .join(scenario);
+    let out = succeeded(
+        Command::new(env!("CARGO_BIN_EXE_grl"))
+            .arg("simulate")
+            .args(args)
+            .arg("--scenario")
+            .arg(&scenario),
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// The output of `cmd`, run to its end; fails the test, with the standard error, when it
+/// exits non-zero.
+fn succeeded(cmd: &mut Command) -> std::process::Output {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// One JSON value per line of `text`.
+fn json_lines(text: &str) -> Vec<Value> {
+    text.lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
 fn payments_config(version: &str, limit: f64) -> Value {
     json!({
         "version": version,
@@ -625,25 +717,20 @@ async fn fleet_enforces_fails_over_fails_open_and_recovers() {
     assert_eq!(r.status(), 200);
 
     // 5. An incident override (here through the CLI) reaches the clients within a few ticks.
-    let out = Command::new(env!("CARGO_BIN_EXE_grl"))
-        .args(["override", "add", "--controller", &base, "--caller", "gw"])
-        .args([
-            "--drop-ratio",
-            "0.9",
-            "--ttl",
-            "10m",
-            "--reason",
-            "INC-1",
-            "--who",
-            "bob",
-        ])
-        .env("GRL_TOKEN", TOKEN)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    succeeded(
+        Command::new(env!("CARGO_BIN_EXE_grl"))
+            .args(["override", "add", "--controller", &base, "--caller", "gw"])
+            .args([
+                "--drop-ratio",
+                "0.9",
+                "--ttl",
+                "10m",
+                "--reason",
+                "INC-1",
+                "--who",
+                "bob",
+            ])
+            .env("GRL_TOKEN", TOKEN),
     );
     eventually("override in force at the clients", || {
         let ok = clients
@@ -676,25 +763,12 @@ async fn fleet_enforces_fails_over_fails_open_and_recovers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_reporting_less_often_than_the_aggregator_ticks_still_enforce() {
     let dir = tempfile::tempdir().unwrap();
-    let state: PathBuf = dir.path().join("state");
-    let cport = free_port();
-    let base = format!("http://127.0.0.1:{cport}");
-    let _ctl = spawn_controller(cport, &state, dir.path(), &[]);
-    wait_up(&format!("{base}/v1/status")).await;
+    let (_ctl, _, base) = start_controller(&dir.path().join("state"), dir.path(), &[]).await;
     const LIMIT: f64 = 200.0;
     let http = reqwest::Client::new();
-    let r = http
-        .put(format!("{base}/v1/config"))
-        .bearer_auth(TOKEN)
-        .json(&payments_config("v1", LIMIT))
-        .send()
-        .await
-        .unwrap();
+    let r = put_config(&http, &base, &payments_config("v1", LIMIT)).await;
     assert_eq!(r.status(), 200);
-    let pa = free_port();
-    let ua = format!("http://127.0.0.1:{pa}");
-    let _agg = spawn_aggregator(pa, &base, "agg-a", dir.path());
-    wait_up(&format!("{ua}/v1/config")).await;
+    let (_agg, ua) = start_aggregator(&base, "agg-a", dir.path()).await;
 
     let stop = Arc::new(AtomicBool::new(false));
     let mut counts = Vec::new();
@@ -781,23 +855,11 @@ async fn drop_fraction(counts: &[AtomicU64; 2], ms: u64) -> f64 {
 async fn override_on_a_caller_without_bucket_throttles_it_until_removed_or_expired() {
     let dir = tempfile::tempdir().unwrap();
     let state: PathBuf = dir.path().join("state");
-    let cport = free_port();
-    let base = format!("http://127.0.0.1:{cport}");
-    let ctl = spawn_controller(cport, &state, dir.path(), &[]);
-    wait_up(&format!("{base}/v1/status")).await;
+    let (ctl, cport, base) = start_controller(&state, dir.path(), &[]).await;
     let http = reqwest::Client::new();
-    let r = http
-        .put(format!("{base}/v1/config"))
-        .bearer_auth(TOKEN)
-        .json(&payments_config("v1", 200.0))
-        .send()
-        .await
-        .unwrap();
+    let r = put_config(&http, &base, &payments_config("v1", 200.0)).await;
     assert_eq!(r.status(), 200);
-    let pa = free_port();
-    let ua = format!("http://127.0.0.1:{pa}");
-    let _agg = spawn_aggregator(pa, &base, "agg-o", dir.path());
-    wait_up(&format!("{ua}/v1/config")).await;
+    let (_agg, ua) = start_aggregator(&base, "agg-o", dir.path()).await;
 
     // Two instances of payments; `ghost` (no bucket) floods them at 2 × 100 rps, `gw` stays
     // under its bucket's limit.
@@ -899,8 +961,7 @@ async fn override_on_a_caller_without_bucket_throttles_it_until_removed_or_expir
     let mut cursor = reports_after(&http, &base, 0).await.0;
     assert!(cursor > 0);
     ctl.kill();
-    let ctl = spawn_controller(cport, &state, dir.path(), &[]);
-    wait_up(&format!("{base}/v1/status")).await;
+    let ctl = start_controller_at(cport, &state, dir.path(), &[]).await;
     let again: Value = http
         .get(format!("{base}/v1/config"))
         .send()
@@ -914,32 +975,14 @@ async fn override_on_a_caller_without_bucket_throttles_it_until_removed_or_expir
     eventually("reports after a restart", || {
         let (http, base) = (http.clone(), base.clone());
         async move {
-            let v: Value = http
-                .get(format!("{base}/v1/reports?after={cursor}"))
-                .bearer_auth(TOKEN)
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
+            let v = get_json_authorized(&http, &format!("{base}/v1/reports?after={cursor}")).await;
             v["reports"].as_array().is_some_and(|r| !r.is_empty()) && v["reset"] == false
         }
     })
     .await;
     cursor = reports_after(&http, &base, cursor).await.0;
-    let v: Value = http
-        .get(format!(
-            "{base}/v1/reports?after={}",
-            cursor + 1_000_000_000
-        ))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let beyond = cursor + 1_000_000_000;
+    let v = get_json_authorized(&http, &format!("{base}/v1/reports?after={beyond}")).await;
     assert_eq!(v["reset"], true);
     assert!((drop_fraction(&ghost, 500).await - 0.75).abs() < 0.15);
 
@@ -1080,26 +1123,10 @@ mod layer {
 
 #[test]
 fn simulate_cli_prints_one_json_line_per_bucket_per_tick() {
-    let scenario = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scenarios/steady-1.5x.yaml");
-    let run = |algo: &str| {
-        let out = Command::new(env!("CARGO_BIN_EXE_grl"))
-            .args(["simulate", "--seed", "5", "--algorithm", algo, "--scenario"])
-            .arg(&scenario)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
-    };
+    let run = |algo: &str| simulate(&["--seed", "5", "--algorithm", algo], "steady-1.5x.yaml");
     let a = run("drop-by-ratio");
     assert_eq!(a, run("drop-by-ratio"), "same seed, same output");
-    let lines: Vec<Value> = a
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = json_lines(&a);
     assert_eq!(lines.len(), 30, "30 ticks of one bucket");
     for k in [
         "t",
@@ -1116,10 +1143,7 @@ fn simulate_cli_prints_one_json_line_per_bucket_per_tick() {
     assert!((last["drop_ratio"].as_f64().unwrap() - 1.0 / 3.0).abs() < 0.01);
     // The algorithm as spelled on the command line.
     assert_eq!(last["algorithm"], "drop-by-ratio");
-    let tb: Vec<Value> = run("token-bucket")
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let tb = json_lines(&run("token-bucket"));
     assert_eq!(tb.len(), 30);
 
     // A scenario with an unknown key is refused with its file and line.
@@ -1265,22 +1289,7 @@ async fn peered_region_controllers_share_global_load() {
 
 #[test]
 fn simulate_realtime_runs_the_real_stack() {
-    let scenario = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scenarios/realtime-smoke.yaml");
-    let out = Command::new(env!("CARGO_BIN_EXE_grl"))
-        .args(["simulate", "--realtime", "--scenario"])
-        .arg(&scenario)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rows: Vec<Value> = String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let rows = json_lines(&simulate(&["--realtime"], "realtime-smoke.yaml"));
     assert!(rows.len() >= 10, "{} rows", rows.len());
     // Second half: 1000 rps offered against 500 → about half admitted.
     let tail = &rows[rows.len() / 2..];

@@ -8,7 +8,7 @@ use grl_runtime::client::{ClientOptions, GrlClient};
 use serde_json::json;
 use test_support::process::free_port;
 
-use super::{eventually, spawn_aggregator, spawn_controller, wait_up, REPORT_TOKEN, TOKEN};
+use super::{eventually, put_config, start_aggregator, start_controller, REPORT_TOKEN};
 
 /// Every sample line of `metric` (exact family sample name) in `text`.
 fn samples<'a>(text: &'a str, metric: &str) -> Vec<&'a str> {
@@ -44,13 +44,7 @@ fn config(version: &str, mode: &str, limit: f64) -> serde_json::Value {
 }
 
 async fn push(http: &reqwest::Client, base: &str, doc: &serde_json::Value) {
-    let r = http
-        .put(format!("{base}/v1/config"))
-        .bearer_auth(TOKEN)
-        .json(doc)
-        .send()
-        .await
-        .unwrap();
+    let r = put_config(http, base, doc).await;
     assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
 }
 
@@ -81,10 +75,7 @@ async fn report(http: &reqwest::Client, base: &str, offered: u64, shadow: bool) 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mode_change_moves_bucket_info_without_splitting_the_counters() {
     let dir = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let base = format!("http://127.0.0.1:{port}");
-    let _ctl = spawn_controller(port, &dir.path().join("state"), dir.path(), &[]);
-    wait_up(&format!("{base}/v1/status")).await;
+    let (_ctl, _, base) = start_controller(&dir.path().join("state"), dir.path(), &[]).await;
     let http = reqwest::Client::new();
     push(&http, &base, &config("v1", "shadow", 100.0)).await;
     report(&http, &base, 1000, true).await;
@@ -152,16 +143,10 @@ async fn a_mode_change_moves_bucket_info_without_splitting_the_counters() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn aggregator_metrics_count_reports_clients_and_forwards() {
     let dir = tempfile::tempdir().unwrap();
-    let cport = free_port();
-    let base = format!("http://127.0.0.1:{cport}");
-    let ctl = spawn_controller(cport, &dir.path().join("state"), dir.path(), &[]);
-    wait_up(&format!("{base}/v1/status")).await;
+    let (ctl, _, base) = start_controller(&dir.path().join("state"), dir.path(), &[]).await;
     let http = reqwest::Client::new();
     push(&http, &base, &config("v1", "enforce", 100.0)).await;
-    let aport = free_port();
-    let aurl = format!("http://127.0.0.1:{aport}");
-    let _agg = spawn_aggregator(aport, &base, "agg-m", dir.path());
-    wait_up(&format!("{aurl}/v1/config")).await;
+    let (_agg, aurl) = start_aggregator(&base, "agg-m", dir.path()).await;
 
     let mut clients = Vec::new();
     for i in 0..3 {
@@ -276,21 +261,15 @@ pub(crate) fn client_value(text: &str, metric: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_are_counted_matched_or_not_and_folded_beyond_the_bound() {
     let dir = tempfile::tempdir().unwrap();
-    let cport = free_port();
-    let base = format!("http://127.0.0.1:{cport}");
-    let _ctl = spawn_controller(
-        cport,
+    let (_ctl, _, base) = start_controller(
         &dir.path().join("state"),
         dir.path(),
         &["--calls-max-callers", "2"],
-    );
-    wait_up(&format!("{base}/v1/status")).await;
+    )
+    .await;
     let http = reqwest::Client::new();
     push(&http, &base, &config("v1", "enforce", 1000.0)).await;
-    let aport = free_port();
-    let aurl = format!("http://127.0.0.1:{aport}");
-    let _agg = spawn_aggregator(aport, &base, "agg-calls", dir.path());
-    wait_up(&format!("{aurl}/v1/config")).await;
+    let (_agg, aurl) = start_aggregator(&base, "agg-calls", dir.path()).await;
 
     let mut o = ClientOptions::new("payments", vec![aurl.clone()]);
     o.tick = Duration::from_millis(100);

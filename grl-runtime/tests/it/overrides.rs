@@ -4,7 +4,7 @@
 use serde_json::{json, Value};
 use test_support::process::free_port;
 
-use super::{payments_config, spawn_controller, wait_up, TOKEN};
+use super::{get_json, get_text, payments_config, spawn_controller, wait_up, TOKEN};
 
 fn traffic_override(caller: &str) -> Value {
     json!({"service": "payments", "caller": caller, "limit_rps": 5.0, "ttl_secs": 600,
@@ -33,14 +33,6 @@ async fn put(http: &reqwest::Client, base: &str, body: &Value) -> (u16, Value) {
     (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
 }
 
-async fn get_text(http: &reqwest::Client, url: &str) -> String {
-    http.get(url).send().await.unwrap().text().await.unwrap()
-}
-
-async fn get(http: &reqwest::Client, url: &str) -> Value {
-    http.get(url).send().await.unwrap().json().await.unwrap()
-}
-
 /// A controller's served config (`GET /v1/config`, which carries the `override:` buckets of
 /// its traffic overrides) is refused by `PUT /v1/config` with a 422 that names the reserved
 /// bucket and the way to restore a config, `GET /v1/config?view=pushed`, whose round trip
@@ -66,7 +58,7 @@ async fn a_restored_config_never_blocks_overrides() {
     assert_eq!(o["id"], "ovr-1");
 
     // The served config carries the override's bucket: it is not a config to push.
-    let served = get(&http, &format!("{a}/v1/config")).await;
+    let served = get_json(&http, &format!("{a}/v1/config")).await;
     let names: Vec<&str> = served["services"][0]["buckets"]
         .as_array()
         .unwrap()
@@ -83,7 +75,7 @@ async fn a_restored_config_never_blocks_overrides() {
     );
 
     // The pushed config round-trips.
-    let pushed = get(&http, &format!("{a}/v1/config?view=pushed")).await;
+    let pushed = get_json(&http, &format!("{a}/v1/config?view=pushed")).await;
     assert_eq!(pushed, payments_config("v1", 200.0));
     let (s, e) = put(&http, &b, &pushed).await;
     assert_eq!(s, 200, "{e}");
@@ -131,7 +123,7 @@ async fn the_number_of_overrides_is_bounded_with_a_clear_error() {
         msg.contains("20 overrides") && msg.contains("grl override rm"),
         "{msg}"
     );
-    let status = get(&http, &format!("{base}/v1/status")).await;
+    let status = get_json(&http, &format!("{base}/v1/status")).await;
     assert_eq!(status["overrides"], 20, "{status}");
     let r = http
         .delete(format!("{base}/v1/overrides/ovr-3"))
@@ -264,7 +256,7 @@ async fn overrides_leave_an_audit_trail_and_the_cli_reads_as_a_table() {
         let http = http.clone();
         let url = format!("{base}/v1/overrides/history");
         async move {
-            get(&http, &url).await["events"]
+            get_json(&http, &url).await["events"]
                 .as_array()
                 .unwrap()
                 .iter()
@@ -298,7 +290,7 @@ async fn overrides_leave_an_audit_trail_and_the_cli_reads_as_a_table() {
     drop(c);
     c = spawn_controller(port, &state, dir.path(), &[]);
     wait_up(&format!("{base}/v1/status")).await;
-    let h = get(&http, &format!("{base}/v1/overrides/history")).await;
+    let h = get_json(&http, &format!("{base}/v1/overrides/history")).await;
     let events: Vec<(String, String, String, String)> = h["events"]
         .as_array()
         .unwrap()

@@ -16,8 +16,8 @@ use serde_json::{json, Value};
 use test_support::process::free_port;
 
 use super::{
-    eventually, load_as, payments_config, spawn_aggregator_with, spawn_controller, wait_up,
-    REPORT_TOKEN, TOKEN,
+    eventually, get_text, load_as, payments_config, put_config, spawn_aggregator_with,
+    spawn_controller, start_controller, wait_up, REPORT_TOKEN, TOKEN,
 };
 
 const PAYMENTS_SECRET: &str = "payments-secret-aaaaaaaaaaaaaaaa";
@@ -29,10 +29,6 @@ fn write(path: &Path, text: &str) {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, text).unwrap();
     std::fs::rename(&tmp, path).unwrap();
-}
-
-async fn text(http: &reqwest::Client, url: &str) -> String {
-    http.get(url).send().await.unwrap().text().await.unwrap()
 }
 
 /// The value of the first sample of `metric` whose line contains every string of `labels`.
@@ -57,18 +53,9 @@ fn forged(service: &str, offered: u64) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forged_client_reports_change_no_drop_ratio() {
     let dir = tempfile::tempdir().unwrap();
-    let cport = free_port();
-    let base = format!("http://127.0.0.1:{cport}");
-    let _ctl = spawn_controller(cport, &dir.path().join("state"), dir.path(), &[]);
-    wait_up(&format!("{base}/v1/status")).await;
+    let (_ctl, _, base) = start_controller(&dir.path().join("state"), dir.path(), &[]).await;
     let http = reqwest::Client::new();
-    let r = http
-        .put(format!("{base}/v1/config"))
-        .bearer_auth(TOKEN)
-        .json(&payments_config("v1", 200.0))
-        .send()
-        .await
-        .unwrap();
+    let r = put_config(&http, &base, &payments_config("v1", 200.0)).await;
     assert_eq!(r.status(), 200);
     let creds = dir.path().join("client-credentials");
     write(
@@ -159,14 +146,14 @@ async fn forged_client_reports_change_no_drop_ratio() {
         dropped_before,
         "a real request was dropped"
     );
-    let m = text(&http, &format!("{base}/metrics")).await;
+    let m = get_text(&http, &format!("{base}/metrics")).await;
     assert_eq!(
         sample(&m, "grl_drop_ratio", &["bucket=\"gw.charge\""]),
         Some(0.0),
         "{m}"
     );
     // Counted by reason at the aggregator.
-    let am = text(&http, &format!("{ua}/metrics")).await;
+    let am = get_text(&http, &format!("{ua}/metrics")).await;
     let n = sent as f64 / 3.0;
     for reason in ["missing_credential", "unknown_credential", "forbidden"] {
         assert_eq!(
@@ -195,7 +182,7 @@ async fn forged_client_reports_change_no_drop_ratio() {
     for c in &clients {
         assert_eq!(c.limiter().table().ratio(0), 0.0);
     }
-    let m = text(&http, &format!("{base}/metrics")).await;
+    let m = get_text(&http, &format!("{base}/metrics")).await;
     for reason in ["missing_credential", "unknown_credential", "forbidden"] {
         assert_eq!(
             sample(&m, "grl_reports_refused_total", &[reason]),
@@ -386,9 +373,9 @@ async fn rotation_with_two_credentials_loses_no_report() {
             "client {i} stopped enforcing"
         );
     }
-    let am = text(&http, &format!("{ua}/metrics")).await;
+    let am = get_text(&http, &format!("{ua}/metrics")).await;
     assert_eq!(sample(&am, "grl_reports_refused_total", &[]), None, "{am}");
-    let cm = text(&http, &format!("{base}/metrics")).await;
+    let cm = get_text(&http, &format!("{base}/metrics")).await;
     assert_eq!(sample(&cm, "grl_reports_refused_total", &[]), None, "{cm}");
 
     // The old credentials are gone now; the new ones work.

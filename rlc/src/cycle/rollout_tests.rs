@@ -130,6 +130,17 @@ fn config(remote: &GitRemote, controllers: &[(&str, &str)], extra: &str) -> Daem
         .value
 }
 
+/// A stand-in controller for region `eu` and a cycle on `remote` (`extra`: more `config_repo`
+/// keys): the controller, the cycle and its directory.
+async fn eu_cycle(remote: &GitRemote, extra: &str) -> (Ctl, Cycle, std::path::PathBuf) {
+    let ctl = Ctl::default();
+    let url = spawn(ctl.clone()).await;
+    let cfg = config(remote, &[("eu", &url)], extra);
+    let dir = remote.scratch("");
+    let cycle = Cycle::new(cfg, &dir);
+    (ctl, cycle, dir)
+}
+
 fn gw(limit: f64) -> Plan {
     let mut b = crate::gitops::tests::planned("payments", "gw", limit);
     b.current_limit_rps = Some(3470.0);
@@ -158,10 +169,7 @@ async fn poll_until(cycle: &Cycle, done: impl Fn(&rollout::Rollout) -> bool) -> 
 #[tokio::test]
 async fn a_lowering_is_a_candidate_aborted_with_a_revert_commit_and_not_proposed_again() {
     let remote = remote("");
-    let ctl = Ctl::default();
-    let url = spawn(ctl.clone()).await;
-    let cfg = config(&remote, &[("eu", &url)], "");
-    let cycle = Cycle::new(cfg, &remote.scratch(""));
+    let (ctl, cycle, _) = eu_cycle(&remote, "").await;
     let out = cycle.apply(&gw(100.0), "once").await;
     assert_eq!(out.status, RunStatus::Success, "{out}");
     let lowered = remote.head("main").unwrap();
@@ -287,10 +295,7 @@ async fn two_stages_promote_region_by_region_and_a_failure_never_leaves_the_firs
 #[tokio::test]
 async fn without_rollout_changes_apply_at_once() {
     let remote = crate::gitops::tests::seeded_remote();
-    let ctl = Ctl::default();
-    let url = spawn(ctl.clone()).await;
-    let cfg = config(&remote, &[("eu", &url)], "");
-    let cycle = Cycle::new(cfg, &remote.scratch(""));
+    let (ctl, cycle, _) = eu_cycle(&remote, "").await;
     let mut p = gw(50.0);
     p.buckets[0].current_limit_rps = Some(100.0);
     let out = cycle.apply(&p, "once").await;
@@ -307,15 +312,12 @@ async fn without_rollout_changes_apply_at_once() {
 #[tokio::test]
 async fn pull_request_mode_comments_and_labels_the_merged_pull_request() {
     let remote = remote("");
-    let ctl = Ctl::default();
-    let url = spawn(ctl.clone()).await;
     let (forge_url, forge) = crate::gitops::tests::spawn_forge().await;
     let extra = format!(
         "  mode: pull-request\n  forge:\n    kind: github\n    api_url: {forge_url}\n    repo: acme/config\n    token_env: RLC_TEST_FORGE_TOKEN\n"
     );
     std::env::set_var("RLC_TEST_FORGE_TOKEN", "forge-token");
-    let cfg = config(&remote, &[("eu", &url)], &extra);
-    let cycle = Cycle::new(cfg, &remote.scratch(""));
+    let (ctl, cycle, _) = eu_cycle(&remote, &extra).await;
     let out = cycle.apply(&gw(100.0), "once").await;
     assert_eq!(out.pull_request.as_ref().map(|p| p.0), Some(1), "{out}");
     assert!(out.rollouts.is_empty(), "nothing on the base yet: {out}");
@@ -381,11 +383,7 @@ async fn pull_request_mode_comments_and_labels_the_merged_pull_request() {
 #[tokio::test]
 async fn with_rollout_set_and_the_store_gone_the_controllers_keep_what_they_run() {
     let remote = remote("");
-    let ctl = Ctl::default();
-    let url = spawn(ctl.clone()).await;
-    let cfg = config(&remote, &[("eu", &url)], "");
-    let dir = remote.scratch("");
-    let cycle = Cycle::new(cfg, &dir);
+    let (ctl, cycle, dir) = eu_cycle(&remote, "").await;
     let out = cycle.apply(&gw(100.0), "once").await;
     assert_eq!(out.status, RunStatus::Success, "{out}");
     let pushed = ctl.docs.lock().unwrap().len();

@@ -329,15 +329,7 @@ impl GitHub {
     /// calls are idempotent, so an update repeats them.
     async fn decorate(&self, number: u64) -> Result<(), ForgeError> {
         if !self.deco.labels.is_empty() {
-            let resp = self
-                .req(
-                    reqwest::Method::POST,
-                    &format!("/repos/{}/{}/issues/{number}/labels", self.owner, self.repo),
-                )
-                .json(&json!({ "labels": self.deco.labels }))
-                .send()
-                .await?;
-            check(resp, "label pull").await?;
+            self.add_labels(number, &self.deco.labels).await?;
         }
         if !self.deco.reviewers.is_empty() {
             let resp = self
@@ -363,16 +355,39 @@ impl GitHub {
         body: &str,
         label: &str,
     ) -> Result<(), ForgeError> {
-        let issue = format!("/repos/{}/{}/issues/{number}", self.owner, self.repo);
+        self.comment(number, body).await?;
+        self.add_labels(number, &[label]).await
+    }
+
+    /// An issue comment `body` on PR `number`.
+    async fn comment(&self, number: u64, body: &str) -> Result<(), ForgeError> {
         let resp = self
-            .req(reqwest::Method::POST, &format!("{issue}/comments"))
+            .req(
+                reqwest::Method::POST,
+                &format!(
+                    "/repos/{}/{}/issues/{number}/comments",
+                    self.owner, self.repo
+                ),
+            )
             .json(&json!({ "body": body }))
             .send()
             .await?;
         check(resp, "comment on pull").await?;
+        Ok(())
+    }
+
+    /// Adds `labels` to PR `number` (issue labels API).
+    async fn add_labels<L: serde::Serialize>(
+        &self,
+        number: u64,
+        labels: &[L],
+    ) -> Result<(), ForgeError> {
         let resp = self
-            .req(reqwest::Method::POST, &format!("{issue}/labels"))
-            .json(&json!({ "labels": [label] }))
+            .req(
+                reqwest::Method::POST,
+                &format!("/repos/{}/{}/issues/{number}/labels", self.owner, self.repo),
+            )
+            .json(&json!({ "labels": labels }))
             .send()
             .await?;
         check(resp, "label pull").await?;
@@ -390,18 +405,7 @@ impl GitHub {
         let open = self.open_for(head).await?;
         let mut closed = Vec::new();
         for pr in open {
-            let resp = self
-                .req(
-                    reqwest::Method::POST,
-                    &format!(
-                        "/repos/{}/{}/issues/{}/comments",
-                        self.owner, self.repo, pr.number
-                    ),
-                )
-                .json(&json!({ "body": comment }))
-                .send()
-                .await?;
-            check(resp, "comment on pull").await?;
+            self.comment(pr.number, comment).await?;
             let resp = self
                 .req(reqwest::Method::PATCH, &format!("{list}/{}", pr.number))
                 .json(&json!({"state": "closed"}))
@@ -567,6 +571,18 @@ impl GitLab {
         body: &str,
         label: &str,
     ) -> Result<(), ForgeError> {
+        self.note(iid, body).await?;
+        let resp = self
+            .req(reqwest::Method::PUT, &format!("/merge_requests/{iid}"))
+            .json(&json!({ "add_labels": label }))
+            .send()
+            .await?;
+        check(resp, "label merge request").await?;
+        Ok(())
+    }
+
+    /// A note `body` on merge request `iid`.
+    async fn note(&self, iid: u64, body: &str) -> Result<(), ForgeError> {
         let resp = self
             .req(
                 reqwest::Method::POST,
@@ -576,12 +592,6 @@ impl GitLab {
             .send()
             .await?;
         check(resp, "note on merge request").await?;
-        let resp = self
-            .req(reqwest::Method::PUT, &format!("/merge_requests/{iid}"))
-            .json(&json!({ "add_labels": label }))
-            .send()
-            .await?;
-        check(resp, "label merge request").await?;
         Ok(())
     }
 
@@ -594,15 +604,7 @@ impl GitLab {
     ) -> Result<Vec<PullRequest>, ForgeError> {
         let mut closed = Vec::new();
         for mr in self.open_for(head).await? {
-            let resp = self
-                .req(
-                    reqwest::Method::POST,
-                    &format!("/merge_requests/{}/notes", mr.iid),
-                )
-                .json(&json!({ "body": comment }))
-                .send()
-                .await?;
-            check(resp, "note on merge request").await?;
+            self.note(mr.iid, comment).await?;
             let resp = self
                 .req(reqwest::Method::PUT, &format!("/merge_requests/{}", mr.iid))
                 .json(&json!({"state_event": "close"}))

@@ -181,57 +181,11 @@ fn ident(r: &Rejected) -> (Option<SeriesKey>, bool, String) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::history::fixtures::{self, key, tail_of};
 
-    fn key(c: &str) -> SeriesKey {
-        SeriesKey {
-            service: "maps".into(),
-            caller: Some(c.into()),
-            procedure: None,
-        }
-    }
-
-    /// A "full pull" of the grid `(start, 60, len)` from a function of time per caller.
+    /// A "full pull" of callers `a`, `b` and `c` on the grid `(start, 60, len)`.
     fn pull(start: i64, len: usize, f: &dyn Fn(&str, i64) -> Option<f32>) -> History {
-        let mut series = BTreeMap::new();
-        for c in ["a", "b", "c"] {
-            let mut s = RateSeries::empty(start, 60, len);
-            for i in 0..len {
-                if let Some(v) = f(c, start + i as i64 * 60) {
-                    s.values[i] = v;
-                }
-            }
-            if s.values.iter().any(|v| !v.is_nan()) {
-                series.insert(key(c), s);
-            }
-        }
-        History {
-            start,
-            step: 60,
-            len,
-            series,
-            rejected: vec![],
-            source_error: None,
-        }
-    }
-
-    fn tail_of(full: &History, from: i64) -> History {
-        let k = ((from - full.start) / full.step) as usize;
-        let mut t = full.clone();
-        t.start = from;
-        t.len = full.len - k;
-        t.series = full
-            .series
-            .iter()
-            .filter_map(|(key, s)| {
-                let mut s2 = RateSeries::empty(from, 60, t.len);
-                s2.values = s.values[k..].to_vec();
-                s2.values
-                    .iter()
-                    .any(|v| !v.is_nan())
-                    .then(|| (key.clone(), s2))
-            })
-            .collect();
-        t
+        fixtures::pull(&["a", "b", "c"], start, len, f)
     }
 
     fn same(a: &History, b: &History) {
@@ -307,13 +261,7 @@ mod tests {
     fn rejections_carry_over_and_bar_their_series() {
         let f = |_: &str, _: i64| Some(1.0);
         let mut held = pull(0, 60, &f);
-        let bad = Rejected {
-            service: Some("maps".into()),
-            caller: Some("b".into()),
-            procedure: None,
-            reason: "non-finite or negative value -1 at 120".into(),
-            fails_service: false,
-        };
+        let bad = fixtures::rejected_b();
         held.series.remove(&key("b"));
         held.rejected = vec![bad.clone()];
         let grid = (600, 60, 60);

@@ -6,6 +6,8 @@
 //! used (missing labels, non-finite values) are listed in [`History::rejected`] with a reason.
 
 pub mod file;
+#[cfg(test)]
+pub(crate) mod fixtures;
 pub mod incremental;
 pub mod prometheus;
 pub mod remote_read;

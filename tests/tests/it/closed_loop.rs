@@ -14,16 +14,15 @@
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use test_support::git::GitRemote;
-use test_support::process::{free_port, Proc};
+use test_support::process::free_port;
 use test_support::prometheus::Prometheus;
 
 use super::fleet::{Fleet, Load};
-use super::{bin, get, leader, start_controller_ticking, wait_until, TOKEN};
+use super::{get, start_controller_ticking, start_rlc_serve, wait_until};
 
 const RLC_TOKEN: &str = "closed-loop-rlc-token";
 
@@ -78,7 +77,6 @@ fn the_loop_learns_quotas_from_grl_and_enforces_them() {
     let started = Instant::now();
     let dir = tempfile::tempdir().unwrap();
     let logs = dir.path();
-    let log = |name: &str| Stdio::from(std::fs::File::create(logs.join(name)).unwrap());
 
     // The config repo: payments has quotas for two callers, set long ago and now too low
     // (enforced); the policy trusts 20 s of history (the lookback is 2 minutes). Their limits
@@ -123,37 +121,20 @@ fn the_loop_learns_quotas_from_grl_and_enforces_them() {
         .unwrap()
         .block_on(test_support::postgres::fresh_database())
         .expect("a throwaway Postgres (cargo xtask test provides DATABASE_URL)");
-    let rport = free_port();
-    let rlc_yaml = dir.path().join("rlc.yaml");
-    std::fs::write(
-        &rlc_yaml,
-        format!(
-            "history:\n  prometheus:\n    url: {}\n    query: 'sum by (service, caller, procedure) (rate(grl_calls_total[20s]))'\n    timeout: 10s\n    retries: 1\n  lookback: 2m\n  step: 5s\n\
-rails:\n  max_increase: 10\n\
-config_repo:\n  path: work\n  url: {}\n  branch: main\n  mode: direct\n\
-controller:\n  url: http://127.0.0.1:{cport}\n  token_env: GRL_TOKEN\n\
-database_url: {}\nserver:\n  listen: 127.0.0.1:{rport}\n  token_env: RLC_TOKEN\n",
-            prometheus.url,
-            remote.url(),
-            db.url
-        ),
-    )
-    .unwrap();
-    let _serve = Proc::spawn(
-        Command::new(bin("rlc"))
-            .args(["serve", "--poll-secs", "1", "--config"])
-            .arg(&rlc_yaml)
-            .env("GRL_TOKEN", TOKEN)
-            .env("RLC_TOKEN", RLC_TOKEN)
-            .stdout(Stdio::null())
-            .stderr(log("rlc-serve.log")),
-    )
-    .unwrap();
-    wait_until(Duration::from_secs(60), || leader(rport) == Some(1));
     // The daemon puts the base branch on the controller.
-    wait_until(Duration::from_secs(30), || {
-        get(cport, "/v1/status").is_some_and(|s| s["version"] == before.as_str())
-    });
+    let (_serve, rport) = start_rlc_serve(
+        dir.path(),
+        &format!(
+            "history:\n  prometheus:\n    url: {}\n    query: 'sum by (service, caller, procedure) (rate(grl_calls_total[20s]))'\n    timeout: 10s\n    retries: 1\n  lookback: 2m\n  step: 5s\n\
+rails:\n  max_increase: 10\n",
+            prometheus.url
+        ),
+        &remote.url(),
+        &db.url,
+        cport,
+        RLC_TOKEN,
+        &before,
+    );
 
     // Traffic: steady at 20 rps, growing from 10 to 30 rps over 20 s, newbie (no quota yet)
     // at 8 rps from 15 s on.

@@ -93,9 +93,22 @@ fn get(port: u16, path: &str) -> Option<serde_json::Value> {
 
 /// GET on loopback; the body on 200, None otherwise.
 fn get_text(port: u16, path: &str) -> Option<String> {
+    get_text_as(port, path, None)
+}
+
+/// GET with a bearer token on loopback; the JSON body on 200, None otherwise.
+fn get_auth(port: u16, path: &str, token: &str) -> Option<serde_json::Value> {
+    serde_json::from_str(&get_text_as(port, path, Some(token))?).ok()
+}
+
+/// GET on loopback, with a bearer token if one is given; the body on 200, None otherwise.
+fn get_text_as(port: u16, path: &str, token: Option<&str>) -> Option<String> {
+    let auth = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
     let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n{auth}\r\n").ok()?;
     let mut buf = String::new();
     s.read_to_string(&mut buf).ok()?;
     let (head, body) = buf.split_once("\r\n\r\n")?;
@@ -103,6 +116,52 @@ fn get_text(port: u16, path: &str) -> Option<String> {
         return None;
     }
     Some(body.to_string())
+}
+
+/// `rlc serve --poll-secs 1` on a free port, in direct mode on the config repo at
+/// `remote_url`, putting configs on the controller on `cport`, its state in `database_url`;
+/// `history_and_rails` are the first keys of its `rlc.yaml`, which is written in `dir`, where
+/// it logs to `rlc-serve.log`; `GRL_TOKEN` is the controller's token, `RLC_TOKEN` its own
+/// (`rlc_token`). Waited for until it leads and the controller holds `version` (the base
+/// branch it puts there first): the process and its port.
+fn start_rlc_serve(
+    dir: &Path,
+    history_and_rails: &str,
+    remote_url: &str,
+    database_url: &str,
+    cport: u16,
+    rlc_token: &str,
+    version: &str,
+) -> (Proc, u16) {
+    let rport = free_port();
+    let rlc_yaml = dir.join("rlc.yaml");
+    std::fs::write(
+        &rlc_yaml,
+        format!(
+            "{history_and_rails}\
+config_repo:\n  path: work\n  url: {remote_url}\n  branch: main\n  mode: direct\n\
+controller:\n  url: http://127.0.0.1:{cport}\n  token_env: GRL_TOKEN\n\
+database_url: {database_url}\nserver:\n  listen: 127.0.0.1:{rport}\n  token_env: RLC_TOKEN\n"
+        ),
+    )
+    .unwrap();
+    let serve = Proc::spawn(
+        Command::new(bin("rlc"))
+            .args(["serve", "--poll-secs", "1", "--config"])
+            .arg(&rlc_yaml)
+            .env("GRL_TOKEN", TOKEN)
+            .env("RLC_TOKEN", rlc_token)
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(
+                std::fs::File::create(dir.join("rlc-serve.log")).unwrap(),
+            )),
+    )
+    .unwrap();
+    wait_until(Duration::from_secs(60), || leader(rport) == Some(1));
+    wait_until(Duration::from_secs(30), || {
+        get(cport, "/v1/status").is_some_and(|s| s["version"] == version)
+    });
+    (serve, rport)
 }
 
 /// Polls `cond` until it holds; panics after `limit` (a bound on waiting, not a speed claim).

@@ -10,8 +10,6 @@
 //! a third; rlc aborts the rollout, the remote gets a revert commit naming the abort with the
 //! bucket back at 3,470, and the controller runs that commit.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering;
@@ -22,7 +20,9 @@ use test_support::git::{git, GitRemote};
 use test_support::process::{free_port, Proc};
 
 use super::fleet::{Load, CLIENT_SECRET, ZONE_TOKEN};
-use super::{bin, get, get_text, leader, start_controller_ticking, wait_until, TOKEN};
+use super::{
+    bin, get, get_auth, get_text, start_controller_ticking, start_rlc_serve, wait_until, TOKEN,
+};
 
 const RLC_TOKEN: &str = "rollout-e2e-rlc-token";
 
@@ -47,24 +47,6 @@ ThreadingHTTPServer.daemon_threads = True
 ThreadingHTTPServer.request_queue_size = 256
 ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 "#;
-
-/// GET with a bearer token on loopback; the JSON body on 200.
-fn get_auth(port: u16, path: &str, token: &str) -> Option<Value> {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(
-        s,
-        "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n\r\n"
-    )
-    .ok()?;
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).ok()?;
-    let (head, body) = buf.split_once("\r\n\r\n")?;
-    if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
-        return None;
-    }
-    serde_json::from_str(body).ok()
-}
 
 /// The limit of payments/charge the controller serves (what the clients enforce).
 fn served_limit(config: &Value) -> Option<f64> {
@@ -185,35 +167,17 @@ fn a_lowered_limit_is_tried_as_a_candidate_through_sidecars_and_reverted() {
     }
 
     // rlc serve: direct mode on the remote, the controller, SQLite, polling every second.
-    let rport = free_port();
-    let rlc_yaml = dir.path().join("rlc.yaml");
-    std::fs::write(
-        &rlc_yaml,
-        format!(
-            "history:\n  file: history.csv\n  lookback: 1h\n  step: 1m\n\
-rails:\n  decrease_interval: 1s\n\
-config_repo:\n  path: work\n  url: {}\n  branch: main\n  mode: direct\n\
-controller:\n  url: http://127.0.0.1:{cport}\n  token_env: GRL_TOKEN\n\
-database_url: sqlite://rlc.db\nserver:\n  listen: 127.0.0.1:{rport}\n  token_env: RLC_TOKEN\n",
-            remote.url()
-        ),
-    )
-    .unwrap();
-    let _serve = Proc::spawn(
-        Command::new(bin("rlc"))
-            .args(["serve", "--poll-secs", "1", "--config"])
-            .arg(&rlc_yaml)
-            .env("GRL_TOKEN", TOKEN)
-            .env("RLC_TOKEN", RLC_TOKEN)
-            .stdout(Stdio::null())
-            .stderr(log("rlc-serve.log")),
-    )
-    .unwrap();
-    wait_until(Duration::from_secs(60), || leader(rport) == Some(1));
     // The daemon puts the base branch (3,470 rps) on the controller, and the sidecars get it.
-    wait_until(Duration::from_secs(30), || {
-        get(cport, "/v1/status").is_some_and(|s| s["version"] == before.as_str())
-    });
+    let (_serve, rport) = start_rlc_serve(
+        dir.path(),
+        "history:\n  file: history.csv\n  lookback: 1h\n  step: 1m\n\
+rails:\n  decrease_interval: 1s\n",
+        &remote.url(),
+        "sqlite://rlc.db",
+        cport,
+        RLC_TOKEN,
+        &before,
+    );
     assert_eq!(
         served_limit(&get(cport, "/v1/config").unwrap()),
         Some(3470.0)

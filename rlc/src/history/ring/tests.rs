@@ -1,62 +1,18 @@
 use super::*;
+use crate::history::fixtures::{self, key, tail_of};
 use crate::history::incremental::{merge, OVERLAP_SECS};
-
-fn key(c: &str) -> SeriesKey {
-    SeriesKey {
-        service: if c == "z" { "other" } else { "maps" }.into(),
-        caller: Some(c.into()),
-        procedure: None,
-    }
-}
 
 const CALLERS: [&str; 6] = ["a", "b", "c", "d", "e", "z"];
 
-/// A "full pull" of the grid `(start, 60, len)` from a function of time per caller.
+/// A "full pull" of [`CALLERS`] (`z` in another service) on the grid `(start, 60, len)`.
 fn pull(start: i64, len: usize, f: &dyn Fn(&str, i64) -> Option<f32>) -> History {
-    let mut series = BTreeMap::new();
-    for c in CALLERS {
-        let mut s = RateSeries::empty(start, 60, len);
-        for i in 0..len {
-            if let Some(v) = f(c, start + i as i64 * 60) {
-                s.values[i] = v;
-            }
-        }
-        if s.values.iter().any(|v| !v.is_nan()) {
-            series.insert(key(c), s);
-        }
-    }
-    History {
-        start,
-        step: 60,
-        len,
-        series,
-        rejected: vec![],
-        source_error: None,
-    }
+    fixtures::pull(&CALLERS, start, len, f)
 }
 
-/// The points of `full` from `from` on, as an increment pulls them.
-fn tail_of(full: &History, from: i64) -> History {
-    let k = ((from - full.start) / full.step) as usize;
-    let mut t = full.clone();
-    t.start = from;
-    t.len = full.len - k;
-    t.series = full
-        .series
-        .iter()
-        .filter_map(|(key, s)| {
-            let mut s2 = RateSeries::empty(from, 60, t.len);
-            s2.values = s.values[k..].to_vec();
-            s2.values
-                .iter()
-                .any(|v| !v.is_nan())
-                .then(|| (key.clone(), s2))
-        })
-        .collect();
-    t
-}
+/// A history to the bit: its series' values, rejections and grid.
+type Bits = (Vec<(SeriesKey, Vec<u32>)>, Vec<Rejected>, (i64, i64, usize));
 
-fn bits(h: &History) -> (Vec<(SeriesKey, Vec<u32>)>, Vec<Rejected>, (i64, i64, usize)) {
+fn bits(h: &History) -> Bits {
     (
         h.series
             .iter()
@@ -222,13 +178,7 @@ fn rejections_bar_their_series_as_in_memory() {
     let len = 60;
     let mut mem = pull(0, len, &f);
     mem.series.remove(&key("b"));
-    let bad = Rejected {
-        service: Some("maps".into()),
-        caller: Some("b".into()),
-        procedure: None,
-        reason: "non-finite or negative value -1 at 120".into(),
-        fails_service: false,
-    };
+    let bad = fixtures::rejected_b();
     mem.rejected = vec![bad.clone()];
     let held = RingHistory::from_history(&mem, dir.path(), capacity(len, 60, 600)).unwrap();
     let grid = (600, 60, len);
