@@ -39,7 +39,7 @@ use crate::http_util::{Readiness, ServerHandle};
 use crate::server::{ServeLimits, ServerStats};
 use crate::tls::{Peer, ServerTls};
 use identity::{is_grpc, CallerFrom, ProcedureFrom};
-use upstream::{Clients, Upstream};
+use upstream::{Clients, Upstream, UpstreamError};
 
 /// How the sidecar runs.
 #[derive(Debug, Clone)]
@@ -412,43 +412,92 @@ async fn readyz(State(s): State<Arc<Shared>>) -> Readiness {
     Readiness::from_checks([("upstream", up), ("aggregators", Ok(agg))])
 }
 
-/// Hop-by-hop headers (RFC 9110 §7.6.1), never forwarded; `te: trailers` is kept (gRPC needs
-/// it over HTTP/2).
-const HOP_BY_HOP: [&str; 7] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "transfer-encoding",
-    "upgrade",
-    "proxy-authenticate",
-    "proxy-authorization",
-];
-
+/// Removes the hop-by-hop headers (RFC 9110 §7.6.1: [`is_hop_by_hop`] and those the
+/// `Connection` header names), never forwarded; `te: trailers` is kept (gRPC needs it over
+/// HTTP/2).
 fn strip_hop_by_hop(h: &mut HeaderMap) {
-    // Headers the Connection header names are hop-by-hop too.
-    let named: Vec<HeaderName> = h
-        .get_all(http::header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+    // Most messages carry none: one pass over the names (standard ones compare as a number)
+    // instead of a lookup, with its hashing, for each of them.
+    if !h.keys().any(is_hop_by_hop) {
+        return;
+    }
+    let mut gone: Vec<HeaderName> = h
+        .keys()
+        .filter(|n| is_hop_by_hop(n) && *n != http::header::TE)
+        .cloned()
         .collect();
-    for n in named {
+    // Headers the Connection header names are hop-by-hop too (`close` and `keep-alive` name
+    // no header of their own but the one already listed).
+    for v in h.get_all(http::header::CONNECTION) {
+        for n in v.to_str().unwrap_or("").split(',').map(str::trim) {
+            if n.eq_ignore_ascii_case("close") || n.eq_ignore_ascii_case("keep-alive") {
+                continue;
+            }
+            if let Ok(n) = HeaderName::from_bytes(n.as_bytes()) {
+                gone.push(n);
+            }
+        }
+    }
+    for n in gone {
         h.remove(n);
     }
-    for n in HOP_BY_HOP {
-        h.remove(n);
+    if h.contains_key(http::header::TE) {
+        let te_trailers = h
+            .get_all(http::header::TE)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|t| t.trim().eq_ignore_ascii_case("trailers"));
+        h.remove(http::header::TE);
+        if te_trailers {
+            h.insert(http::header::TE, HeaderValue::from_static("trailers"));
+        }
     }
-    let te_trailers = h
-        .get(http::header::TE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| {
-            v.split(',')
-                .any(|t| t.trim().eq_ignore_ascii_case("trailers"))
-        });
-    h.remove(http::header::TE);
-    if te_trailers {
-        h.insert(http::header::TE, HeaderValue::from_static("trailers"));
+}
+
+/// Whether `n` is a hop-by-hop header (`connection`, `keep-alive`, `proxy-connection`,
+/// `transfer-encoding`, `upgrade`, `proxy-authenticate`, `proxy-authorization`) or `te`
+/// (rewritten to `trailers` or removed).
+fn is_hop_by_hop(n: &HeaderName) -> bool {
+    use http::header::{
+        CONNECTION, PROXY_AUTHENTICATE, PROXY_AUTHORIZATION, TE, TRANSFER_ENCODING, UPGRADE,
+    };
+    n == CONNECTION
+        || n == TE
+        || n == TRANSFER_ENCODING
+        || n == UPGRADE
+        || n == PROXY_AUTHENTICATE
+        || n == PROXY_AUTHORIZATION
+        || n.as_str() == "keep-alive"
+        || n.as_str() == "proxy-connection"
+}
+
+/// The `x-forwarded-for` value of a caller's address (IPv4 written digit by digit: the
+/// formatting machinery cost more than the rest of the header handling).
+fn forwarded_for(ip: std::net::IpAddr) -> Option<HeaderValue> {
+    match ip {
+        std::net::IpAddr::V4(v4) => {
+            let mut buf = [0u8; 15];
+            let mut n = 0;
+            for (i, octet) in v4.octets().into_iter().enumerate() {
+                if i > 0 {
+                    buf[n] = b'.';
+                    n += 1;
+                }
+                if octet >= 100 {
+                    buf[n] = b'0' + octet / 100;
+                    n += 1;
+                }
+                if octet >= 10 {
+                    buf[n] = b'0' + octet / 10 % 10;
+                    n += 1;
+                }
+                buf[n] = b'0' + octet % 10;
+                n += 1;
+            }
+            HeaderValue::from_bytes(&buf[..n]).ok()
+        }
+        v6 => HeaderValue::from_str(&v6.to_string()).ok(),
     }
 }
 
@@ -478,7 +527,7 @@ async fn proxy(
     count(&s, grpc, decision);
     let (mut parts, body) = req.into_parts();
     strip_hop_by_hop(&mut parts.headers);
-    if let Ok(v) = HeaderValue::from_str(&peer.addr.ip().to_string()) {
+    if let Some(v) = forwarded_for(peer.addr.ip()) {
         parts
             .headers
             .append(HeaderName::from_static("x-forwarded-for"), v);
@@ -501,34 +550,81 @@ async fn proxy(
         .path_and_query()
         .cloned()
         .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
-    parts.uri = match http::Uri::builder()
-        .scheme("http")
-        .authority(s.authority.clone())
-        .path_and_query(path)
-        .build()
-    {
-        Ok(u) => u,
-        Err(_) => return plain(StatusCode::BAD_REQUEST, "bad request target\n"),
-    };
-    parts.version = if h2 {
-        Version::HTTP_2
+    if h2 {
+        parts.uri = match http::Uri::builder()
+            .scheme("http")
+            .authority(s.authority.clone())
+            .path_and_query(path)
+            .build()
+        {
+            Ok(u) => u,
+            Err(_) => return plain(StatusCode::BAD_REQUEST, "bad request target\n"),
+        };
+        parts.version = Version::HTTP_2;
     } else {
-        Version::HTTP_11
-    };
-    let up_req = Request::from_parts(parts, body);
+        // Origin form, and a Host header (an HTTP/1.0 caller may send none).
+        parts.uri = http::Uri::from(path);
+        parts.version = Version::HTTP_11;
+        if !parts.headers.contains_key(http::header::HOST) {
+            if let Ok(v) = HeaderValue::from_str(s.authority.as_str()) {
+                parts.headers.insert(http::header::HOST, v);
+            }
+        }
+    }
+    // A small body of a declared length is read whole first: the upstream then gets the head
+    // and the body in one write, and the caller the answer's head and body in one (streamed,
+    // each goes out in two, with a wake-up of the other side between them). gRPC and longer
+    // or chunked bodies stream.
+    let small_request = !grpc && is_small(&body);
     // This worker's pools: the upstream connection is driven on this thread too.
     let clients = crate::server::worker_index()
         .and_then(|i| s.clients.get(i))
         .unwrap_or_else(|| s.clients.last().expect("one pool at least"));
-    let pool = if h2 { &clients.h2 } else { &clients.h1 };
     s.added.observe(start.elapsed().as_secs_f64());
-    match tokio::time::timeout(s.upstream_timeout, pool.request(up_req)).await {
-        Ok(Ok(resp)) => {
-            let (mut parts, body) = resp.into_parts();
-            strip_hop_by_hop(&mut parts.headers);
-            Response::from_parts(parts, Body::new(body))
+    // The upstream timeout bounds the whole exchange up to the answer's head (and a small
+    // answer's body): a small request body that arrives too slowly times out as the upstream
+    // waiting for it would.
+    let exchange = async {
+        let body = if small_request {
+            whole(body).await.map_err(Failed::RequestBody)?
+        } else {
+            body
+        };
+        let req = Request::from_parts(parts, body);
+        let resp = if h2 {
+            let r = clients.h2.request(req).await;
+            r.map(|r| r.map(Body::new)).map_err(UpstreamError::H2)
+        } else {
+            let r = clients.h1.request(req).await;
+            r.map(|r| r.map(Body::new))
+        };
+        let (mut parts, body) = resp.map_err(Failed::Upstream)?.into_parts();
+        strip_hop_by_hop(&mut parts.headers);
+        let body = if !grpc && is_small(&body) {
+            whole(body).await.map_err(Failed::ResponseBody)?
+        } else {
+            body
+        };
+        Ok(Response::from_parts(parts, body))
+    };
+    match tokio::time::timeout(s.upstream_timeout, exchange).await {
+        Ok(Ok(resp)) => resp,
+        Ok(Err(Failed::RequestBody(e))) => {
+            tracing::debug!(error = %e, "the caller's request body failed");
+            plain(StatusCode::BAD_REQUEST, "the request body ended early\n")
         }
-        Ok(Err(e)) => {
+        Ok(Err(Failed::ResponseBody(e))) => {
+            s.stats.upstream_errors[2].fetch_add(1, Ordering::Relaxed);
+            s.stats.refusals[1].fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(upstream = %s.upstream.describe(), error = %e, "upstream answer's body failed");
+            upstream_failure(
+                grpc,
+                StatusCode::BAD_GATEWAY,
+                14,
+                "upstream unreachable: the answer's body ended early",
+            )
+        }
+        Ok(Err(Failed::Upstream(e))) => {
             let connect = e.is_connect();
             s.stats.upstream_errors[if connect { 0 } else { 2 }].fetch_add(1, Ordering::Relaxed);
             s.stats.refusals[1].fetch_add(1, Ordering::Relaxed);
@@ -555,6 +651,74 @@ async fn proxy(
             )
         }
     }
+}
+
+/// Bodies of a declared length up to this many bytes are read whole before they are passed
+/// on (at most this much per request in flight); longer ones, chunked ones and gRPC stream.
+pub const SMALL_BODY_BYTES: u64 = 16 << 10;
+
+/// Whether a body is small enough to read whole: its length is declared (`Content-Length`,
+/// which hyper gives as the body's exact size) and at most [`SMALL_BODY_BYTES`].
+fn is_small(body: &Body) -> bool {
+    use hyper::body::Body as _;
+    body.size_hint()
+        .exact()
+        .is_some_and(|n| n <= SMALL_BODY_BYTES)
+}
+
+/// Why an exchange with the upstream failed.
+enum Failed {
+    /// The caller's (small) body did not arrive whole.
+    RequestBody(axum::Error),
+    /// No answer from the upstream.
+    Upstream(UpstreamError),
+    /// The upstream's (small) answer body did not arrive whole.
+    ResponseBody(axum::Error),
+}
+
+/// A body read whole (its length declared and small: the caller checked), trailers kept; a
+/// body of one frame (most) is passed on without a copy.
+async fn whole(body: Body) -> Result<Body, axum::Error> {
+    use http_body_util::BodyExt as _;
+    use hyper::body::Body as _;
+    let mut body = std::pin::pin!(body);
+    let mut data: Option<bytes::Bytes> = None;
+    let mut more: Option<bytes::BytesMut> = None;
+    let mut trailers = None;
+    while let Some(frame) = std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
+        match frame?.into_data() {
+            Ok(d) => match (&mut data, &mut more) {
+                (None, _) => data = Some(d),
+                (Some(first), None) => {
+                    let mut m = bytes::BytesMut::with_capacity(first.len() + d.len());
+                    m.extend_from_slice(first);
+                    m.extend_from_slice(&d);
+                    more = Some(m);
+                }
+                (Some(_), Some(m)) => m.extend_from_slice(&d),
+            },
+            Err(frame) => {
+                if let Ok(t) = frame.into_trailers() {
+                    trailers = Some(t);
+                }
+            }
+        }
+    }
+    let data = match more {
+        Some(m) => m.freeze(),
+        None => data.unwrap_or_default(),
+    };
+    Ok(match trailers {
+        None => Body::from(data),
+        Some(t) => Body::new(
+            http_body_util::Full::new(data).with_trailers(std::future::ready(Some(Ok::<
+                _,
+                std::convert::Infallible,
+            >(
+                t
+            )))),
+        ),
+    })
 }
 
 fn count(s: &Shared, grpc: bool, d: Decision) {
@@ -695,6 +859,22 @@ mod tests {
     }
 
     #[test]
+    fn forwarded_for_writes_addresses_as_display_does() {
+        for ip in [
+            "127.0.0.1",
+            "10.0.0.255",
+            "192.168.100.9",
+            "0.0.0.0",
+            "255.255.255.255",
+            "::1",
+            "2001:db8::8a2e:370:7334",
+        ] {
+            let ip: std::net::IpAddr = ip.parse().unwrap();
+            assert_eq!(forwarded_for(ip).unwrap(), ip.to_string().as_str());
+        }
+    }
+
+    #[test]
     fn hop_by_hop_headers_stay_behind_and_te_trailers_goes_on() {
         let mut h = HeaderMap::new();
         h.insert(
@@ -713,5 +893,46 @@ mod tests {
         h.insert("te", HeaderValue::from_static("gzip"));
         strip_hop_by_hop(&mut h);
         assert!(h.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_small_body_is_read_whole_with_its_trailers() {
+        use http_body_util::BodyExt;
+        let frames = vec![
+            Ok::<_, std::convert::Infallible>(hyper::body::Frame::data(bytes::Bytes::from("ab"))),
+            Ok(hyper::body::Frame::data(bytes::Bytes::from("cd"))),
+            Ok(hyper::body::Frame::trailers({
+                let mut t = HeaderMap::new();
+                t.insert("grpc-status", HeaderValue::from_static("0"));
+                t
+            })),
+        ];
+        struct Frames(
+            std::collections::VecDeque<
+                Result<hyper::body::Frame<bytes::Bytes>, std::convert::Infallible>,
+            >,
+        );
+        impl hyper::body::Body for Frames {
+            type Data = bytes::Bytes;
+            type Error = std::convert::Infallible;
+            fn poll_frame(
+                mut self: std::pin::Pin<&mut Self>,
+                _: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, Self::Error>>>
+            {
+                std::task::Poll::Ready(self.0.pop_front())
+            }
+        }
+        let body = Body::new(Frames(frames.into()));
+        let c = whole(body).await.unwrap().collect().await.unwrap();
+        assert_eq!(c.trailers().unwrap()["grpc-status"], "0");
+        assert_eq!(c.to_bytes(), "abcd");
+        let one = whole(Body::from("x".repeat(100))).await.unwrap();
+        assert_eq!(one.collect().await.unwrap().to_bytes(), "x".repeat(100));
+        assert!(is_small(&Body::from(vec![0u8; SMALL_BODY_BYTES as usize])));
+        assert!(!is_small(&Body::from(vec![
+            0u8;
+            SMALL_BODY_BYTES as usize + 1
+        ])));
     }
 }

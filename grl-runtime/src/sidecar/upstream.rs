@@ -1,15 +1,19 @@
 //! The sidecar's upstream: one service instance over TCP or a Unix socket, through pooled
-//! keep-alive connections (hyper-util's client): gRPC calls over HTTP/2 without TLS (h2c, prior
-//! knowledge), everything else over HTTP/1.1.
+//! keep-alive connections: gRPC calls over HTTP/2 without TLS (h2c, prior knowledge, through
+//! hyper-util's pooled client), everything else over HTTP/1.1 (through [`H1Pool`], one per
+//! worker thread).
 
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
-use http::Uri;
+use bytes::Bytes;
+use http::{Request, Response, Uri};
+use hyper::body::{Body as _, Incoming};
+use hyper::client::conn::http1::SendRequest;
 use hyper_util::client::legacy::connect::{Connected, Connection};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -197,7 +201,7 @@ impl tower::Service<Uri> for Connector {
 #[derive(Clone)]
 pub struct Clients {
     /// HTTP/1.1 requests.
-    pub h1: Client<Connector, Body>,
+    pub h1: H1Pool,
     /// gRPC calls (h2c).
     pub h2: Client<Connector, Body>,
 }
@@ -210,17 +214,229 @@ impl Clients {
     /// after `idle`.
     pub fn new(upstream: Upstream, connect_timeout: Duration, idle: Duration) -> Clients {
         let c = Connector {
-            upstream: std::sync::Arc::new(upstream),
+            upstream: std::sync::Arc::new(upstream.clone()),
             timeout: connect_timeout,
         };
         let mut b = Client::builder(TokioExecutor::new());
         b.pool_idle_timeout(idle)
             .pool_max_idle_per_host(MAX_IDLE)
             .pool_timer(hyper_util::rt::TokioTimer::new());
-        let h1 = b.build(c.clone());
         b.http2_only(true);
         let h2 = b.build(c);
+        let h1 = H1Pool::new(upstream, connect_timeout, idle);
         Clients { h1, h2 }
+    }
+}
+
+/// HTTP/1.1 connections to the upstream, for one worker thread (a connection's task runs on
+/// the thread that opened it): idle connections are kept newest last and the newest ready one
+/// is reused, so a request costs no lookup by host, no lock held across threads and no task
+/// of its own (hyper-util's pool spawns one per request to wait for the connection to be
+/// free again). A connection goes back when its answer's body has ended; one dropped earlier
+/// closes. A request not yet written to a reused connection that turns out closed goes on a
+/// new one (the upstream closed it while idle); a fresh connection's failure is the answer.
+/// Idle connections older than the idle timeout, or closed by the upstream, are dropped when
+/// the pool is next used; at most [`MAX_IDLE`] are kept.
+#[derive(Clone)]
+pub struct H1Pool {
+    upstream: std::sync::Arc<Upstream>,
+    connect_timeout: Duration,
+    idle_timeout: Duration,
+    idle: std::sync::Arc<std::sync::Mutex<Vec<Idle>>>,
+}
+
+struct Idle {
+    tx: SendRequest<Body>,
+    since: Instant,
+}
+
+/// Why the upstream did not answer a request.
+#[derive(Debug)]
+pub enum UpstreamError {
+    /// No connection (refused, timed out).
+    Connect(std::io::Error),
+    /// A connection, but the HTTP/1.1 handshake failed.
+    Handshake(hyper::Error),
+    /// The request failed on its connection.
+    Request(hyper::Error),
+    /// HTTP/2 (gRPC): hyper-util's pooled client.
+    H2(hyper_util::client::legacy::Error),
+}
+
+impl UpstreamError {
+    /// Whether no connection could be opened.
+    pub fn is_connect(&self) -> bool {
+        match self {
+            UpstreamError::Connect(_) | UpstreamError::Handshake(_) => true,
+            UpstreamError::Request(_) => false,
+            UpstreamError::H2(e) => e.is_connect(),
+        }
+    }
+}
+
+impl std::fmt::Display for UpstreamError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            UpstreamError::Connect(_) => f.write_str("connect"),
+            UpstreamError::Handshake(_) => f.write_str("HTTP/1.1 handshake"),
+            UpstreamError::Request(_) => f.write_str("request"),
+            UpstreamError::H2(_) => f.write_str("HTTP/2 request"),
+        }
+    }
+}
+
+impl std::error::Error for UpstreamError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            UpstreamError::Connect(e) => Some(e),
+            UpstreamError::Handshake(e) | UpstreamError::Request(e) => Some(e),
+            UpstreamError::H2(e) => Some(e),
+        }
+    }
+}
+
+impl H1Pool {
+    /// A pool to `upstream`; connections open within `connect_timeout`, idle ones are dropped
+    /// after `idle_timeout`.
+    pub fn new(upstream: Upstream, connect_timeout: Duration, idle_timeout: Duration) -> H1Pool {
+        H1Pool {
+            upstream: std::sync::Arc::new(upstream),
+            connect_timeout,
+            idle_timeout,
+            idle: Default::default(),
+        }
+    }
+
+    /// Sends `req` (origin-form target, `Host` set) and waits for the answer's head.
+    pub async fn request(
+        &self,
+        mut req: Request<Body>,
+    ) -> Result<Response<PooledBody>, UpstreamError> {
+        loop {
+            let (mut tx, reused) = match self.checkout() {
+                Some(tx) => (tx, true),
+                None => (self.connect().await?, false),
+            };
+            match tx.try_send_request(req).await {
+                Ok(resp) => {
+                    let back = CheckIn {
+                        tx,
+                        idle: self.idle.clone(),
+                    };
+                    return Ok(resp.map(|inner| PooledBody {
+                        inner,
+                        back: Some(back),
+                    }));
+                }
+                Err(mut e) => match e.take_message() {
+                    // Never written: closed while idle. Each retry uses up an idle
+                    // connection; a new one is not retried.
+                    Some(r) if reused => req = r,
+                    _ => return Err(UpstreamError::Request(e.into_error())),
+                },
+            }
+        }
+    }
+
+    /// The newest idle connection ready for a request, dropping the closed and expired ones.
+    fn checkout(&self) -> Option<SendRequest<Body>> {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        idle.retain(|i| !i.tx.is_closed() && now.duration_since(i.since) <= self.idle_timeout);
+        let at = idle.iter().rposition(|i| i.tx.is_ready())?;
+        Some(idle.remove(at).tx)
+    }
+
+    async fn connect(&self) -> Result<SendRequest<Body>, UpstreamError> {
+        let io = self
+            .upstream
+            .connect(self.connect_timeout)
+            .await
+            .map_err(UpstreamError::Connect)?;
+        let (tx, conn) = hyper::client::conn::http1::handshake(io)
+            .await
+            .map_err(UpstreamError::Handshake)?;
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "upstream connection ended with an error");
+            }
+        });
+        Ok(tx)
+    }
+}
+
+struct CheckIn {
+    tx: SendRequest<Body>,
+    idle: std::sync::Arc<std::sync::Mutex<Vec<Idle>>>,
+}
+
+impl CheckIn {
+    fn back(self) {
+        if self.tx.is_closed() {
+            return;
+        }
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        if idle.len() >= MAX_IDLE {
+            idle.remove(0);
+        }
+        idle.push(Idle {
+            tx: self.tx,
+            since: Instant::now(),
+        });
+    }
+}
+
+/// An upstream answer's body; its connection goes back to the pool when it ends.
+pub struct PooledBody {
+    inner: Incoming,
+    back: Option<CheckIn>,
+}
+
+impl Drop for PooledBody {
+    fn drop(&mut self) {
+        // An answer without a body (or one read to its end) is never polled to `None`.
+        if self.inner.is_end_stream() {
+            if let Some(b) = self.back.take() {
+                b.back();
+            }
+        }
+    }
+}
+
+impl hyper::body::Body for PooledBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        let r = Pin::new(&mut this.inner).poll_frame(cx);
+        let ended = match &r {
+            Poll::Ready(None) => true,
+            Poll::Ready(Some(Ok(_))) => this.inner.is_end_stream(),
+            // A failed body: its connection is not reused.
+            Poll::Ready(Some(Err(_))) => {
+                this.back = None;
+                false
+            }
+            Poll::Pending => false,
+        };
+        if ended {
+            if let Some(b) = this.back.take() {
+                b.back();
+            }
+        }
+        r
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
     }
 }
 
@@ -250,6 +466,90 @@ mod tests {
         ] {
             let e = Upstream::parse(bad).unwrap_err();
             assert!(e.contains(why), "{bad}: {e}");
+        }
+    }
+    /// An upstream on a free port answering `ok` (or `ok` then closing when the path is
+    /// `/close`), counting the connections it accepted.
+    async fn counting_upstream() -> (Upstream, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let accepted = std::sync::Arc::new(AtomicUsize::new(0));
+        let n = accepted.clone();
+        tokio::spawn(async move {
+            loop {
+                let (s, _) = l.accept().await.unwrap();
+                n.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(|req: Request<Incoming>| async move {
+                        let close = req.uri().path() == "/close";
+                        let mut r =
+                            Response::new(http_body_util::Full::new(Bytes::from_static(b"ok")));
+                        if close {
+                            r.headers_mut()
+                                .insert("connection", http::HeaderValue::from_static("close"));
+                        }
+                        Ok::<_, std::convert::Infallible>(r)
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(s), svc)
+                        .await;
+                });
+            }
+        });
+        (
+            Upstream::parse(&format!("http://{addr}")).unwrap(),
+            accepted,
+        )
+    }
+
+    async fn get(pool: &H1Pool, path: &str) -> Response<PooledBody> {
+        let req = Request::get(path)
+            .header("host", "x")
+            .body(Body::empty())
+            .unwrap();
+        pool.request(req).await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn the_h1_pool_reuses_a_connection_once_its_answer_is_read_and_never_one_in_use() {
+        use http_body_util::BodyExt;
+        use std::sync::atomic::Ordering;
+        let (up, accepted) = counting_upstream().await;
+        let pool = H1Pool::new(up, Duration::from_secs(2), Duration::from_secs(60));
+        // One request at a time, each answer read to its end: one connection.
+        for _ in 0..20 {
+            let r = get(&pool, "/").await;
+            assert_eq!(r.into_body().collect().await.unwrap().to_bytes(), "ok");
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+        // Answers held unread: their connections are busy, each request gets another.
+        let held = [get(&pool, "/").await, get(&pool, "/").await];
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+        // Answers dropped before their end: their connections are not reused.
+        drop(held);
+        let r = get(&pool, "/").await;
+        assert_eq!(r.into_body().collect().await.unwrap().to_bytes(), "ok");
+        assert_eq!(accepted.load(Ordering::SeqCst), 3);
+        // The upstream closing after an answer: the next request is answered on a new one.
+        let r = get(&pool, "/close").await;
+        assert_eq!(r.into_body().collect().await.unwrap().to_bytes(), "ok");
+        let before = accepted.load(Ordering::SeqCst);
+        let r = get(&pool, "/").await;
+        assert_eq!(r.into_body().collect().await.unwrap().to_bytes(), "ok");
+        assert_eq!(accepted.load(Ordering::SeqCst), before + 1);
+        // No upstream: a connect error.
+        let pool = H1Pool::new(
+            Upstream::parse("http://127.0.0.1:9").unwrap(),
+            Duration::from_millis(200),
+            Duration::from_secs(60),
+        );
+        match pool
+            .request(Request::get("/").body(Body::empty()).unwrap())
+            .await
+        {
+            Err(e) => assert!(e.is_connect(), "{e:?}"),
+            Ok(_) => panic!("an answer from a closed port"),
         }
     }
 }
