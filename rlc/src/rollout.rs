@@ -516,9 +516,12 @@ pub async fn account(
         r.updated_ms = now_ms;
         changed.push(r.clone());
     }
-    let superseded: BTreeMap<(String, String), Option<Bucket>> = changed
+    // What the controllers ran for the buckets whose rollout ends here: a superseded one's
+    // old spec (never promoted everywhere), and an aborted one's (kept in force while the
+    // base held the aborted change), not the spec the base held (`prev`).
+    let ran: BTreeMap<(String, String), Option<Bucket>> = changed
         .iter()
-        .filter(|r| r.state == RolloutState::Superseded)
+        .filter(|r| matches!(r.state, RolloutState::Superseded | RolloutState::Aborted))
         .map(|r| ((r.service.clone(), r.bucket.clone()), r.old.clone()))
         .collect();
     let still_open: Vec<&Rollout> = open
@@ -536,10 +539,10 @@ pub async fn account(
             {
                 continue;
             }
-            // The spec in force: a superseded rollout's (never promoted everywhere), else the
-            // one accounted last.
+            // The spec in force: what the controllers ran under a rollout ended just now,
+            // else the one accounted last.
             let key = (f.service.clone(), b.name.clone());
-            let in_force = match superseded.get(&key) {
+            let in_force = match ran.get(&key) {
                 Some(old) => old.clone(),
                 None => find(&prev.services, &f.service, &b.name).cloned(),
             };

@@ -378,6 +378,55 @@ async fn pull_request_mode_comments_and_labels_the_merged_pull_request() {
         .is_empty());
 }
 
+/// After an abort in pull-request mode the base holds the aborted 100 rps while the
+/// controllers keep 3,470. A person then lowers the bucket again (90): the limit in force is
+/// still 3,470, so the new change is a rollout from 3,470, baked as a candidate with 3,470
+/// enforced, never 100 or 90 enforced because the base said 100.
+#[tokio::test]
+async fn after_an_abort_the_next_change_is_accounted_against_what_the_controllers_run() {
+    let remote = remote("");
+    let (forge_url, _forge) = crate::gitops::tests::spawn_forge().await;
+    let extra = format!(
+        "  mode: pull-request\n  forge:\n    kind: github\n    api_url: {forge_url}\n    repo: acme/config\n    token_env: RLC_TEST_FORGE_TOKEN\n"
+    );
+    std::env::set_var("RLC_TEST_FORGE_TOKEN", "forge-token");
+    let (ctl, cycle, _) = eu_cycle(&remote, &extra).await;
+    let out = cycle.apply(&gw(100.0), "once").await;
+    assert_eq!(out.pull_request.as_ref().map(|p| p.0), Some(1), "{out}");
+    remote.human_merge("rlc/quotas").unwrap();
+    let aborted = poll_until(&cycle, |r| {
+        r.state == RolloutState::Aborted && !r.revert_pending
+    })
+    .await;
+    assert_eq!(ctl.limit(), Some(3470.0));
+    // A person lowers it further on the base branch.
+    let seen = ctl.docs.lock().unwrap().len();
+    let lowered = remote
+        .human_commit(
+            "main",
+            &[(
+                "buckets/payments.yaml",
+                "service: payments\nbuckets:\n  - name: gw\n    caller: gw\n    scope: global\n    limit_rps: 90\n    mode: enforce\n    policy: peak\n",
+            )],
+            "lower gw to 90",
+        )
+        .unwrap();
+    let next = poll_until(&cycle, |r| r.id != aborted.id).await;
+    assert_eq!(next.version, lowered);
+    assert_eq!(
+        next.old.as_ref().map(|b| b.limit_rps),
+        Some(3470.0),
+        "the change is accounted against what the controllers run: {next:?}"
+    );
+    assert_eq!(next.new.limit_rps, 90.0);
+    // Every config pushed since kept 3,470 in force.
+    let docs = ctl.docs.lock().unwrap();
+    assert!(docs.len() > seen);
+    for d in &docs[seen..] {
+        assert_eq!(d.services[0].buckets[0].limit_rps, 3470.0, "{d:?}");
+    }
+}
+
 /// With `rollout:` set and the store gone, rlc cannot know what is rolled out where: nothing is
 /// pushed (the controllers keep what they run, candidate included), and the push says why.
 #[tokio::test]
