@@ -388,9 +388,9 @@ fn change_words(old: Option<&Bucket>, new: &Bucket) -> String {
 }
 
 /// The stages of `settings` over the controllers' `regions`: each stage's regions, empty
-/// stages left out.
+/// stages left out; one stage of every region when none names a configured region.
 pub fn resolve_stages(settings: &RolloutSettings, regions: &[String]) -> Vec<Vec<String>> {
-    (0..settings.stages.len())
+    let stages: Vec<Vec<String>> = (0..settings.stages.len())
         .map(|i| {
             regions
                 .iter()
@@ -399,7 +399,14 @@ pub fn resolve_stages(settings: &RolloutSettings, regions: &[String]) -> Vec<Vec
                 .collect::<Vec<_>>()
         })
         .filter(|s| !s.is_empty())
-        .collect()
+        .collect();
+    if stages.is_empty() && !regions.is_empty() {
+        // A typo, or `controller:` alone (region `default`): never a change applied at once
+        // because no stage matched; every region bakes it, as one stage.
+        tracing::warn!(stages = ?settings.stages, regions = ?regions, "rollout.stages names none of the configured regions: the change is rolled out to every region as one stage");
+        return vec![regions.to_vec()];
+    }
+    stages
 }
 
 /// Reads the rollouts in `states`.

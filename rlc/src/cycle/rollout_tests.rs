@@ -427,6 +427,26 @@ async fn after_an_abort_the_next_change_is_accounted_against_what_the_controller
     }
 }
 
+/// `stages` naming none of the configured regions (a typo, or `controller:` alone, which is
+/// region `default`): the change is still a candidate, in every region as one stage, never
+/// applied at once.
+#[tokio::test]
+async fn stages_that_name_no_configured_region_roll_out_everywhere_as_one_stage() {
+    let remote = remote("  stages: [[eu-west], [us-east]]\n");
+    let (ctl, cycle, _) = eu_cycle(&remote, "").await;
+    let out = cycle.apply(&gw(100.0), "once").await;
+    assert_eq!(out.status, RunStatus::Success, "{out}");
+    assert_eq!(ctl.limit(), Some(3470.0), "applied at once");
+    let store = cycle.store().await.unwrap();
+    let latest = rollout::latest_by_bucket(&store, 10).await.unwrap();
+    let r = &latest[&("payments".to_string(), "gw".to_string())];
+    assert_eq!(r.stages, vec![vec!["eu".to_string()]]);
+    assert_eq!(
+        ctl.doc.lock().unwrap().as_ref().unwrap().candidates.len(),
+        1
+    );
+}
+
 /// With `rollout:` set and the store gone, rlc cannot know what is rolled out where: nothing is
 /// pushed (the controllers keep what they run, candidate included), and the push says why.
 #[tokio::test]
