@@ -690,6 +690,10 @@ pub async fn observe(
     store.record_candidate_counts(&rows).await
 }
 
+/// The share of the bake every region of a stage must have evaluated a candidate for before
+/// the stage passes (the counts are read once per poll, so the newest lag a little).
+const COVERAGE: f64 = 0.9;
+
 /// What a judgement did to a rollout.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Transition {
@@ -762,7 +766,41 @@ pub async fn judge(
             offered: f.offered,
             virtual_dropped: f.virtual_dropped,
         };
-        let verdict = verdict_of(&rule, &seen);
+        let verdict = match verdict_of(&rule, &seen) {
+            // A stage passes on the counts of every region in it: each controller evaluated
+            // the candidate for (nearly) the whole bake, over its processes (epochs). A
+            // controller that could not be read, or never got the candidate, holds the stage;
+            // past `max_bake` it fails it.
+            Verdict::Promote => {
+                let short: Vec<String> = regions
+                    .iter()
+                    .filter_map(|region| {
+                        let covered: f64 = counts
+                            .iter()
+                            .filter(|c| &c.region == region)
+                            .map(|c| c.seconds)
+                            .sum();
+                        (covered < COVERAGE * rule.bake.as_secs_f64())
+                            .then(|| format!("{region} ({covered:.0} s)"))
+                    })
+                    .collect();
+                if short.is_empty() {
+                    Verdict::Promote
+                } else if baked >= rule.max_bake.max(rule.bake).as_secs_f64() {
+                    Verdict::Abort {
+                        reason: format!(
+                            "no complete evidence: the controllers of {} evaluated the candidate for less than {:.0} % of the {} s bake",
+                            short.join(", "),
+                            COVERAGE * 100.0,
+                            rule.bake.as_secs()
+                        ),
+                    }
+                } else {
+                    Verdict::Baking
+                }
+            }
+            v => v,
+        };
         let changed = f != r.figures;
         r.figures = f.clone();
         match verdict {

@@ -27,6 +27,8 @@ struct Ctl {
     doc: Arc<Mutex<Option<ConfigDoc>>>,
     since: Arc<Mutex<BTreeMap<String, Instant>>>,
     docs: Arc<Mutex<Vec<ConfigDoc>>>,
+    /// `GET /v1/candidates` answers 503 while set (the counts cannot be read).
+    blind: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Ctl {
@@ -62,7 +64,10 @@ async fn status(State(c): State<Ctl>) -> (HeaderMap, Json<Value>) {
     (h, Json(json!({"version": v})))
 }
 
-async fn candidates(State(c): State<Ctl>) -> Json<Value> {
+async fn candidates(State(c): State<Ctl>) -> Result<Json<Value>, axum::http::StatusCode> {
+    if c.blind.load(std::sync::atomic::Ordering::SeqCst) {
+        return Err(axum::http::StatusCode::SERVICE_UNAVAILABLE);
+    }
     let doc = c.doc.lock().unwrap().clone().unwrap_or_default();
     let since = c.since.lock().unwrap();
     let rows: Vec<Value> = doc
@@ -78,7 +83,9 @@ async fn candidates(State(c): State<Ctl>) -> Json<Value> {
                    "virtual_drop_share": refused / offered.max(1e-9)})
         })
         .collect();
-    Json(json!({"epoch": "e1", "now_ms": 0, "candidates": rows}))
+    Ok(Json(
+        json!({"epoch": "e1", "now_ms": 0, "candidates": rows}),
+    ))
 }
 
 async fn overrides() -> Json<Value> {
@@ -287,6 +294,40 @@ async fn two_stages_promote_region_by_region_and_a_failure_never_leaves_the_firs
         .position(|d| d.services[0].buckets[0].limit_rps == 3000.0)
         .expect("a ran 3,000");
     assert!(a_docs[a_promoted..].iter().all(|d| d.candidates.is_empty()));
+    let (_, base) = cycle.poll().await.unwrap();
+    cycle.push_all(&base, None).await;
+    assert_eq!((ca.limit(), cb.limit()), (Some(3000.0), Some(3000.0)));
+}
+
+/// One stage of two regions, one of whose controllers cannot be read: the other's counts
+/// alone do not pass the stage, however long they are; once both report the whole bake, it
+/// passes.
+#[tokio::test]
+async fn a_stage_passes_only_on_the_counts_of_every_region_in_it() {
+    let remote = remote("");
+    let (ca, cb) = (Ctl::default(), Ctl::default());
+    let (ua, ub) = (spawn(ca.clone()).await, spawn(cb.clone()).await);
+    cb.blind.store(true, std::sync::atomic::Ordering::SeqCst);
+    let cfg = config(&remote, &[("a", &ua), ("b", &ub)], "");
+    let cycle = Cycle::new(cfg, &remote.scratch(""));
+    let out = cycle.apply(&gw(3000.0), "once").await;
+    assert_eq!(out.status, RunStatus::Success, "{out}");
+    let store = cycle.store().await.unwrap();
+    // Three bakes' time: a's counts pass the bar, b's are missing.
+    let until = Instant::now() + Duration::from_secs(6);
+    while Instant::now() < until {
+        cycle.rollout_tick().await;
+        let (_, base) = cycle.poll().await.unwrap();
+        cycle.push_all(&base, None).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let latest = rollout::latest_by_bucket(&store, 10).await.unwrap();
+    let r = &latest[&("payments".to_string(), "gw".to_string())];
+    assert_eq!(r.state, RolloutState::Baking, "{r:?}");
+    assert_eq!((ca.limit(), cb.limit()), (Some(3470.0), Some(3470.0)));
+    // b can be read again: its counts cover the bake, the stage passes.
+    cb.blind.store(false, std::sync::atomic::Ordering::SeqCst);
+    poll_until(&cycle, |r| r.state == RolloutState::Done).await;
     let (_, base) = cycle.poll().await.unwrap();
     cycle.push_all(&base, None).await;
     assert_eq!((ca.limit(), cb.limit()), (Some(3000.0), Some(3000.0)));
