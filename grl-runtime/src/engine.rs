@@ -294,7 +294,8 @@ pub struct Engine {
 
 impl Engine {
     /// An engine with `config`; a zone silent for three of its forwarding intervals, and at
-    /// least `zone_ttl_ms`, is forgotten (see [`Engine::horizon`]).
+    /// least `zone_ttl_ms`, is forgotten (the interval is learnt from the gaps between the
+    /// zone's reports, at most 60 s).
     pub fn new(config: ConfigDoc, zone_ttl_ms: u64) -> Engine {
         let mut keys = Interner::default();
         keys.id("global");
@@ -721,7 +722,8 @@ impl Engine {
         self.buckets.len()
     }
 
-    /// Zones (aggregators) heard from within the zone TTL at the last `ingest`/`recompute`.
+    /// Zones (aggregators) whose reports count in the sums (heard from within 3 of their
+    /// forwarding intervals, at least the zone TTL) at the last `ingest`/`recompute`.
     pub fn zones_reporting(&self) -> usize {
         self.zones.len()
     }
@@ -1007,10 +1009,11 @@ impl Engine {
     }
 
     /// Brings the ratios up to date at `now_ms` / `unix_now`: zones silent for longer than
-    /// their horizon ([`Engine::horizon`]) are taken out of the sums (a delta report of theirs
-    /// is then answered `resync`), and the buckets whose sums or overrides changed since
-    /// the last call (with the traffic-override groups they belong to) get their limit and
-    /// ratios recomputed. Buckets nothing touched are not visited.
+    /// their horizon (3 of their forwarding intervals, at least the zone TTL) are taken out of
+    /// the sums (a delta report of theirs is then answered `resync`), and the buckets whose
+    /// sums or overrides changed since the last call (with the traffic-override groups they
+    /// belong to) get their limit and ratios recomputed. Buckets nothing touched are not
+    /// visited.
     pub fn recompute(&mut self, now_ms: u64, unix_now: u64) {
         let expired: Vec<String> = self
             .zones
