@@ -738,6 +738,8 @@ impl Controller {
             }
         };
         tracing::info!(version = %cfg.version, services = cfg.services.len(), overrides = ov.overrides.len(), "controller state loaded");
+        // A zone counts for three of its own forwarding intervals (learnt by the engine from
+        // the gaps between its reports), and at least three of this controller's ticks.
         let zone_ttl = (opts.tick * 3).as_millis() as u64;
         let mut engine = Engine::new(cfg, zone_ttl);
         // The same check as a new override gets: the config the overrides make clients run

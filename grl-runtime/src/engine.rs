@@ -66,6 +66,9 @@ struct ZoneData {
     region_key: u32,
     zone_key: u32,
     at_ms: u64,
+    /// The zone's forwarding interval as the engine estimates it from the gaps between its
+    /// reports (ms; None until its second report; see [`zone_gap`]).
+    gap_ms: Option<u64>,
     /// The delta session `(id, seq)` of the last report applied (None: the zone sends full
     /// reports only, or its session was invalidated by a config change).
     session: Option<(u64, u64)>,
@@ -74,6 +77,24 @@ struct ZoneData {
     /// are the sums of these over the live zones: a report replaces its zone's previous
     /// contribution bucket by bucket.
     resolved: Vec<(usize, [i64; 4])>,
+}
+
+/// The longest forwarding interval a zone's horizon follows (a longer gap counts as this).
+const MAX_ZONE_GAP_MS: u64 = 60_000;
+/// How long the engine remembers when a zone it forgot last reported (ms), so that the zone's
+/// next report still tells its forwarding interval.
+const FORGOTTEN_ZONE_MEMORY_MS: u64 = 600_000;
+
+/// A zone's forwarding interval after a report `gap_ms` after its previous one, `prev` the
+/// estimate before it: a forward can come early (an aggregator forwards as soon as all its
+/// clients reported, or resends a full report at once after a resync), so the estimate falls
+/// at most by half per report.
+fn zone_gap(prev: Option<u64>, gap_ms: u64) -> u64 {
+    let g = gap_ms.min(MAX_ZONE_GAP_MS);
+    match prev {
+        Some(p) => g.max(p / 2),
+        None => g,
+    }
 }
 
 /// Rates are summed as integers of 1/1000 request per second: adding a zone's new report and
@@ -235,8 +256,13 @@ pub struct Engine {
     all_dirty: bool,
     /// Keys with traffic (the rows `record_reports` appends).
     busy_rows: usize,
-    /// A zone that has not reported for this long no longer counts.
+    /// A zone's reports count for three of its forwarding intervals after its last one, and
+    /// at least this long (three of the controller's ticks; see [`Engine::horizon`]).
     zone_ttl_ms: u64,
+    /// Zones taken out of the sums by the TTL: when each last reported and its forwarding
+    /// interval estimate. One entry per zone seen (a zone is here or in `zones`, never both),
+    /// each dropped at the zone's next report or [`FORGOTTEN_ZONE_MEMORY_MS`] after its last.
+    forgotten: HashMap<String, (u64, Option<u64>)>,
     reports: VecDeque<ReportRow>,
     report_cap: usize,
     seq: u64,
@@ -267,7 +293,9 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// An engine with `config`; zones silent for `zone_ttl_ms` are forgotten.
+    /// An engine with `config`; a zone silent for three of its forwarding intervals, and at
+    /// least `zone_ttl_ms`, is forgotten (the interval is learnt from the gaps between the
+    /// zone's reports, at most 60 s).
     pub fn new(config: ConfigDoc, zone_ttl_ms: u64) -> Engine {
         let mut keys = Interner::default();
         keys.id("global");
@@ -291,6 +319,7 @@ impl Engine {
             all_dirty: true,
             busy_rows: 0,
             zone_ttl_ms,
+            forgotten: HashMap::new(),
             reports: VecDeque::new(),
             report_cap: 20_000,
             seq: 0,
@@ -693,9 +722,27 @@ impl Engine {
         self.buckets.len()
     }
 
-    /// Zones (aggregators) heard from within the zone TTL at the last `ingest`/`recompute`.
+    /// Zones (aggregators) whose reports count in the sums (heard from within 3 of their
+    /// forwarding intervals, at least the zone TTL) at the last `ingest`/`recompute`.
     pub fn zones_reporting(&self) -> usize {
         self.zones.len()
+    }
+
+    /// Zones forgotten (silent beyond their horizon) whose last report time is still kept.
+    pub fn zones_remembered(&self) -> usize {
+        self.forgotten.len()
+    }
+
+    /// How long zone `z`'s last report counts after it arrived (ms): three of the zone's
+    /// forwarding intervals, and at least the TTL (three of the controller's ticks). A zone
+    /// whose aggregator forwards every second to a controller ticking every 100 ms is still
+    /// in the sums between its forwards (with a horizon of three ticks it dropped out 300 ms
+    /// after each forward, and the other zones' answers in between carried ratios computed
+    /// without its load). The interval is capped at [`MAX_ZONE_GAP_MS`]: a zone that stops
+    /// reporting is forgotten within three minutes.
+    fn horizon(&self, z: &ZoneData) -> u64 {
+        self.zone_ttl_ms
+            .max(z.gap_ms.map_or(0, |g| g.saturating_mul(3)))
     }
 
     /// Per-bucket state after the last `recompute`.
@@ -748,10 +795,17 @@ impl Engine {
                 false
             }
         });
+        // The gap since the zone's previous report (kept while it counts, remembered for a
+        // while after it was forgotten) tells how often it forwards.
+        let prev = match self.zones.get(&r.aggregator_id) {
+            Some(old) => Some((old.at_ms, old.gap_ms)),
+            None => self.forgotten.remove(&r.aggregator_id),
+        };
         let z = ZoneData {
             region_key: self.keys.id(&scope_key(Scope::Region, &r.region, &r.zone)),
             zone_key: self.keys.id(&scope_key(Scope::Zone, &r.region, &r.zone)),
             at_ms: now_ms,
+            gap_ms: prev.map(|(at, gap)| zone_gap(gap, now_ms.saturating_sub(at))),
             session: r.session.map(|s| (s.id, s.seq)),
             resolved,
         };
@@ -893,6 +947,7 @@ impl Engine {
             }
             z.resolved = merged;
         }
+        z.gap_ms = Some(zone_gap(z.gap_ms, now_ms.saturating_sub(z.at_ms)));
         z.at_ms = now_ms;
         z.session = Some((base.0, seq));
         self.zones.insert(id, z);
@@ -953,22 +1008,28 @@ impl Engine {
             .flat_map(move |(b, t)| t.iter().map(move |(z, c)| (b, names.name(*z), c)))
     }
 
-    /// Brings the ratios up to date at `now_ms` / `unix_now`: zones silent for longer than the
-    /// zone TTL are taken out of the sums, and the buckets whose sums or overrides changed since
-    /// the last call (with the traffic-override groups they belong to) get their limit and
-    /// ratios recomputed. Buckets nothing touched are not visited.
+    /// Brings the ratios up to date at `now_ms` / `unix_now`: zones silent for longer than
+    /// their horizon (3 of their forwarding intervals, at least the zone TTL) are taken out of
+    /// the sums (a delta report of theirs is then answered `resync`), and the buckets whose
+    /// sums or overrides changed since the last call (with the traffic-override groups they
+    /// belong to) get their limit and ratios recomputed. Buckets nothing touched are not
+    /// visited.
     pub fn recompute(&mut self, now_ms: u64, unix_now: u64) {
-        let ttl = self.zone_ttl_ms;
         let expired: Vec<String> = self
             .zones
             .iter()
-            .filter(|(_, z)| now_ms.saturating_sub(z.at_ms) > ttl)
+            .filter(|(_, z)| now_ms.saturating_sub(z.at_ms) > self.horizon(z))
             .map(|(id, _)| id.clone())
             .collect();
         for id in expired {
             if let Some(z) = self.zones.remove(&id) {
                 self.contribute(&z, -1);
+                self.forgotten.insert(id, (z.at_ms, z.gap_ms));
             }
+        }
+        if !self.forgotten.is_empty() {
+            self.forgotten
+                .retain(|_, (at, _)| now_ms.saturating_sub(*at) <= FORGOTTEN_ZONE_MEMORY_MS);
         }
         // Bucket overrides start or stop applying with time: their buckets are re-evaluated
         // when the next such moment has come (or the clock went back).

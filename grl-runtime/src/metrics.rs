@@ -213,7 +213,7 @@ impl prometheus_client::collector::Collector for EngineCollector {
         ConstGauge::new(e.candidates().count() as i64).encode(fam)?;
         let fam = encoder.encode_descriptor(
             "grl_controller_zones",
-            "Zones (aggregators) heard from within the zone TTL.",
+            "Zones (aggregators) whose reports count in the sums (heard from within 3 of their forwarding intervals, at least 3 ticks).",
             None,
             MetricType::Gauge,
         )?;

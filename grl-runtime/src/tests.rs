@@ -555,10 +555,175 @@ fn reporter_carries_counts_across_a_config_change() {
     assert_eq!(limiter.decide_at("a", "x", 8000), grl_core::Decision::Admit);
 }
 
+/// The `global` offered rate of bucket `g` the engine sums (0 without traffic).
+fn global_offered(e: &Engine) -> f64 {
+    e.buckets()
+        .iter()
+        .find(|s| s.bucket.name == "g")
+        .unwrap()
+        .keys
+        .iter()
+        .map(|k| k.offered_rps)
+        .sum()
+}
+
+fn one_global_bucket(limit: f64) -> ConfigDoc {
+    ConfigDoc {
+        version: "v1".into(),
+        services: vec![BucketFile {
+            service: "svc".into(),
+            buckets: vec![bucket("g", Scope::Global, limit)],
+        }],
+        candidates: Vec::new(),
+    }
+}
+
+/// A controller ticking every 100 ms (TTL 300 ms), a zone forwarding every 100 ms and one
+/// every second: once the engine saw the slow zone's gap, it counts the slow zone at every
+/// tick in between, and the fast zone's ratio is computed with its load.
+#[test]
+fn engine_keeps_a_zone_forwarding_less_often_than_its_ticks() {
+    let mut e = Engine::new(one_global_bucket(150.0), 300);
+    let mut fast_ratios = Vec::new();
+    for t in (0..=5000u64).step_by(100) {
+        e.ingest(&zone_report("fast", "r1", "z1", &[("g", 100.0)]), t);
+        if t % 1000 == 0 {
+            e.ingest(&zone_report("slow", "r1", "z2", &[("g", 100.0)]), t);
+        }
+        e.recompute(t, t / 1000);
+        if t < 1000 {
+            // Before its second report the slow zone's interval is unknown: it counts for the
+            // TTL, and then is forgotten (but remembered).
+            let want = if t <= 300 { 200.0 } else { 100.0 };
+            assert_eq!(global_offered(&e), want, "t = {t} ms");
+            assert_eq!(e.zones_remembered(), usize::from(t > 300), "t = {t} ms");
+            continue;
+        }
+        assert_eq!(global_offered(&e), 200.0, "t = {t} ms");
+        assert_eq!(e.zones_reporting(), 2, "t = {t} ms");
+        assert_eq!(e.zones_remembered(), 0, "t = {t} ms");
+        fast_ratios.push(ratio_of(&e, "r1", "z1", "g"));
+    }
+    // 200 offered against 150: a quarter dropped at every tick, not none between forwards.
+    assert!(
+        fast_ratios.iter().all(|r| (r - 0.25).abs() < 1e-9),
+        "{fast_ratios:?}"
+    );
+}
+
+/// A zone that stops reporting is still forgotten: after three of its forwarding intervals,
+/// and after three minutes at most (the interval counts up to 60 s) however rarely it
+/// forwarded. Its delta reports are then answered `resync` (and change nothing).
+#[test]
+fn engine_forgets_a_zone_that_stops_reporting() {
+    use crate::engine::Ingested;
+    use crate::proto::ReportSession;
+
+    let mut e = Engine::new(one_global_bucket(150.0), 300);
+    let session = |seq: u64, base: Option<u64>| {
+        Some(ReportSession {
+            id: 9,
+            seq,
+            base,
+            directives: None,
+        })
+    };
+    // Every second, the last at 2 s (a delta on the report before it).
+    let mut r = zone_report("slow", "r1", "z1", &[("g", 100.0)]);
+    r.session = session(1, None);
+    assert_eq!(e.ingest(&r, 0), Ingested::Applied);
+    r.session = session(2, Some(1));
+    assert_eq!(e.ingest(&r, 1000), Ingested::Applied);
+    r.session = session(3, Some(2));
+    assert_eq!(e.ingest(&r, 2000), Ingested::Applied);
+    e.recompute(5000, 5);
+    assert_eq!(
+        global_offered(&e),
+        100.0,
+        "three intervals after its last report"
+    );
+    e.recompute(5001, 5);
+    assert_eq!(global_offered(&e), 0.0, "beyond three intervals");
+    assert_eq!((e.zones_reporting(), e.zones_remembered()), (0, 1));
+    // A forgotten zone's delta asks for a full report; the full report learns the gap.
+    r.session = session(4, Some(3));
+    assert_eq!(e.ingest(&r, 6000), Ingested::Resync);
+    e.recompute(6000, 6);
+    assert_eq!(global_offered(&e), 0.0);
+    r.session = session(5, None);
+    assert_eq!(e.ingest(&r, 6010), Ingested::Applied);
+    e.recompute(6010, 6);
+    assert_eq!(global_offered(&e), 100.0);
+    assert_eq!((e.zones_reporting(), e.zones_remembered()), (1, 0));
+    // The gap since its last report was 4,010 ms: it counts 12,030 ms, then goes.
+    e.recompute(18_040, 18);
+    assert_eq!(global_offered(&e), 100.0);
+    e.recompute(18_041, 18);
+    assert_eq!(global_offered(&e), 0.0);
+
+    // A zone forwarding every five minutes counts for three minutes after each report.
+    let mut e = Engine::new(one_global_bucket(150.0), 300);
+    let rare = zone_report("rare", "r1", "z1", &[("g", 100.0)]);
+    e.ingest(&rare, 0);
+    e.recompute(301, 0);
+    assert_eq!(global_offered(&e), 0.0);
+    e.ingest(&rare, 300_000);
+    e.recompute(300_000 + 180_000, 480);
+    assert_eq!(global_offered(&e), 100.0);
+    e.recompute(300_000 + 180_001, 480);
+    assert_eq!(global_offered(&e), 0.0);
+}
+
+/// The engine remembers the zones it forgot (one entry per zone, however often it expired)
+/// for ten minutes after their last report, and no longer.
+#[test]
+fn engine_remembers_forgotten_zones_for_ten_minutes() {
+    let mut e = Engine::new(one_global_bucket(150.0), 300);
+    // 40 zones report once each, 10 ms apart, and expire.
+    for i in 0..40u64 {
+        e.ingest(
+            &zone_report(&format!("a{i}"), "r1", &format!("z{i}"), &[("g", 1.0)]),
+            i * 10,
+        );
+    }
+    e.recompute(1000, 1);
+    assert_eq!((e.zones_reporting(), e.zones_remembered()), (0, 40));
+    // One zone comes back and expires again, twice: still one entry for it.
+    for t in [100_000, 300_000] {
+        e.ingest(&zone_report("a0", "r1", "z0", &[("g", 1.0)]), t);
+        e.recompute(t, t / 1000);
+        assert_eq!(
+            (e.zones_reporting(), e.zones_remembered()),
+            (1, 39),
+            "t = {t} ms"
+        );
+        // Its gap (100 s, then 200 s) counts as 60 s: it goes three minutes after.
+        e.recompute(t + 180_000, t / 1000);
+        assert_eq!(e.zones_reporting(), 1, "t = {t} ms");
+        e.recompute(t + 180_001, t / 1000);
+        assert_eq!(
+            (e.zones_reporting(), e.zones_remembered()),
+            (0, 40),
+            "t = {t} ms"
+        );
+    }
+    // Ten minutes after their last report (10 to 390 ms) the others are dropped; a0's (at
+    // 300 s) is kept until 900 s.
+    e.recompute(600_010, 600);
+    assert_eq!(e.zones_remembered(), 40);
+    e.recompute(600_391, 600);
+    assert_eq!(e.zones_remembered(), 1);
+    e.recompute(900_000, 900);
+    assert_eq!(e.zones_remembered(), 1);
+    e.recompute(900_001, 900);
+    assert_eq!((e.zones_reporting(), e.zones_remembered()), (0, 0));
+}
+
 /// The incremental engine computes what a full pass over the live zones' latest reports
 /// computes: zones report random subsets at random rates, some fall silent and expire, a
 /// bucket override starts and stops applying, the config changes once; after every recompute
-/// each bucket's keys are the sums over the zones heard from within the TTL.
+/// each bucket's keys are the sums over the zones heard from within their horizon (three of
+/// their forwarding intervals, at least the TTL).
 #[test]
 fn incremental_engine_matches_a_full_pass() {
     use std::collections::BTreeMap;
@@ -588,6 +753,9 @@ fn incremental_engine_matches_a_full_pass() {
     };
     // aggregator → (region, zone, at_ms, [(bucket, offered)])
     let mut latest: BTreeMap<String, (String, String, u64, Vec<(String, f64)>)> = BTreeMap::new();
+    // aggregator → (last report at_ms, forwarding interval estimate, horizon)
+    let mut pace: BTreeMap<String, (u64, Option<u64>, u64)> = BTreeMap::new();
+    let mut expired = 0;
     let mut n_buckets = 24;
     for step in 0..400u64 {
         let now = step * 100;
@@ -631,12 +799,19 @@ fn incremental_engine_matches_a_full_pass() {
             now,
         );
         latest.insert(format!("agg-{a}"), (region, zone, now, rates));
+        let p = pace.entry(format!("agg-{a}")).or_insert((now, None, 1000));
+        if p.0 != now {
+            let gap = (now - p.0).max(p.1.map_or(0, |g| g / 2));
+            *p = (now, Some(gap), (3 * gap).max(1000));
+        }
         if step % 3 != 0 {
             continue;
         }
         let unix = step / 10;
         e.recompute(now, unix);
-        latest.retain(|_, (_, _, at, _)| now - *at <= 1000);
+        let live = latest.len();
+        latest.retain(|a, (_, _, at, _)| now - *at <= pace[a].2);
+        expired += live - latest.len();
         for s in e.buckets() {
             let mut want: BTreeMap<String, f64> = BTreeMap::new();
             for (region, zone, _, rates) in latest.values() {
@@ -686,6 +861,8 @@ fn incremental_engine_matches_a_full_pass() {
         let page = e.reports_after(before, usize::MAX);
         assert_eq!(page.reports.len(), busy, "step {step}");
     }
+    // The rare zones did fall silent beyond their horizon now and then.
+    assert!(expired > 0);
 }
 
 /// Directives as a map by (service, bucket): a merged delta keeps new buckets at the end.
