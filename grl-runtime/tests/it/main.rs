@@ -791,29 +791,13 @@ async fn clients_reporting_less_often_than_the_aggregator_ticks_still_enforce() 
     }
     // Windows of 4 s until the fleet admits the limit (±10 %) with every client dropping its
     // share; the bound is a hang guard (the loop settles within a few report periods).
-    let take = |c: &[AtomicU64; 2]| [0, 1].map(|i| c[i].swap(0, Ordering::Relaxed));
-    let mut last = String::new();
-    let mut settled = false;
-    for _ in 0..10 {
-        for c in &counts {
-            take(c);
-        }
-        let t0 = std::time::Instant::now();
-        tokio::time::sleep(Duration::from_secs(4)).await;
-        let secs = t0.elapsed().as_secs_f64();
-        let per: Vec<[u64; 2]> = counts.iter().map(|c| take(c)).collect();
-        let admitted: u64 = per.iter().map(|p| p[0] - p[1]).sum();
-        let rate = admitted as f64 / secs;
-        last = format!(
-            "fleet admitted {rate:.1}/s of limit {LIMIT}; offered/dropped per client {per:?}"
-        );
-        if (rate - LIMIT).abs() <= 0.1 * LIMIT && per.iter().all(|p| p[1] > 0) {
-            settled = true;
-            break;
-        }
-    }
+    let seen = settle_at(&counts, LIMIT, 10).await;
     stop.store(true, Ordering::Relaxed);
-    assert!(settled, "never settled at the limit: {last}");
+    assert!(
+        seen.is_ok(),
+        "never settled at the limit:\n{}",
+        seen.unwrap_err().join("\n")
+    );
 }
 
 /// A zone whose aggregator forwards every second to a controller ticking every 100 ms still
@@ -865,12 +849,29 @@ async fn zones_forwarding_less_often_than_the_controller_ticks_still_enforce() {
         counts.push(n);
     }
     // Windows of 4 s until the fleet admits the limit (±10 %) with every client dropping its
-    // share; the bound is a hang guard (the loop settles within a few forwards).
+    // share; the bound is a hang guard (the loop settles within a few forwards). Clients:
+    // fast, fast, slow, slow.
+    let seen = settle_at(&counts, LIMIT, 8).await;
+    stop.store(true, Ordering::Relaxed);
+    assert!(
+        seen.is_ok(),
+        "never settled at the limit:\n{}",
+        seen.unwrap_err().join("\n")
+    );
+}
+
+/// Counts 4-second windows of `counts` (offered, dropped per client) until the fleet admits
+/// `limit` (±10 %) with every client dropping some, at most `windows` of them: the windows
+/// seen (fleet rate, per-client counts) as the error when it never did.
+async fn settle_at(
+    counts: &[Arc<[AtomicU64; 2]>],
+    limit: f64,
+    windows: usize,
+) -> Result<(), Vec<String>> {
     let take = |c: &[AtomicU64; 2]| [0, 1].map(|i| c[i].swap(0, Ordering::Relaxed));
     let mut seen = Vec::new();
-    let mut settled = false;
-    for _ in 0..8 {
-        for c in &counts {
+    for _ in 0..windows {
+        for c in counts {
             take(c);
         }
         let t0 = std::time::Instant::now();
@@ -880,16 +881,13 @@ async fn zones_forwarding_less_often_than_the_controller_ticks_still_enforce() {
         let admitted: u64 = per.iter().map(|p| p[0] - p[1]).sum();
         let rate = admitted as f64 / secs;
         seen.push(format!(
-            "fleet admitted {rate:.1}/s of limit {LIMIT}; offered/dropped per client \
-             (fast, fast, slow, slow) {per:?}"
+            "fleet admitted {rate:.1}/s of limit {limit}; offered/dropped per client {per:?}"
         ));
-        if (rate - LIMIT).abs() <= 0.1 * LIMIT && per.iter().all(|p| p[1] > 0) {
-            settled = true;
-            break;
+        if (rate - limit).abs() <= 0.1 * limit && per.iter().all(|p| p[1] > 0) {
+            return Ok(());
         }
     }
-    stop.store(true, Ordering::Relaxed);
-    assert!(settled, "never settled at the limit:\n{}", seen.join("\n"));
+    Err(seen)
 }
 
 /// Offers `rps` requests per second of `caller`/`procedure` to `client`'s limiter until

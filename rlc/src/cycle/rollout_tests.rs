@@ -148,6 +148,18 @@ async fn eu_cycle(remote: &GitRemote, extra: &str) -> (Ctl, Cycle, std::path::Pa
     (ctl, cycle, dir)
 }
 
+/// [`eu_cycle`] in pull-request mode against a stand-in GitHub: the forge, the controller and
+/// the cycle.
+async fn pr_cycle(remote: &GitRemote) -> (crate::gitops::tests::FakeForge, Ctl, Cycle) {
+    let (forge_url, forge) = crate::gitops::tests::spawn_forge().await;
+    let extra = format!(
+        "  mode: pull-request\n  forge:\n    kind: github\n    api_url: {forge_url}\n    repo: acme/config\n    token_env: RLC_TEST_FORGE_TOKEN\n"
+    );
+    std::env::set_var("RLC_TEST_FORGE_TOKEN", "forge-token");
+    let (ctl, cycle, _) = eu_cycle(remote, &extra).await;
+    (forge, ctl, cycle)
+}
+
 fn gw(limit: f64) -> Plan {
     let mut b = crate::gitops::tests::planned("payments", "gw", limit);
     b.current_limit_rps = Some(3470.0);
@@ -353,12 +365,7 @@ async fn without_rollout_changes_apply_at_once() {
 #[tokio::test]
 async fn pull_request_mode_comments_and_labels_the_merged_pull_request() {
     let remote = remote("");
-    let (forge_url, forge) = crate::gitops::tests::spawn_forge().await;
-    let extra = format!(
-        "  mode: pull-request\n  forge:\n    kind: github\n    api_url: {forge_url}\n    repo: acme/config\n    token_env: RLC_TEST_FORGE_TOKEN\n"
-    );
-    std::env::set_var("RLC_TEST_FORGE_TOKEN", "forge-token");
-    let (ctl, cycle, _) = eu_cycle(&remote, &extra).await;
+    let (forge, ctl, cycle) = pr_cycle(&remote).await;
     let out = cycle.apply(&gw(100.0), "once").await;
     assert_eq!(out.pull_request.as_ref().map(|p| p.0), Some(1), "{out}");
     assert!(out.rollouts.is_empty(), "nothing on the base yet: {out}");
@@ -426,12 +433,7 @@ async fn pull_request_mode_comments_and_labels_the_merged_pull_request() {
 #[tokio::test]
 async fn after_an_abort_the_next_change_is_accounted_against_what_the_controllers_run() {
     let remote = remote("");
-    let (forge_url, _forge) = crate::gitops::tests::spawn_forge().await;
-    let extra = format!(
-        "  mode: pull-request\n  forge:\n    kind: github\n    api_url: {forge_url}\n    repo: acme/config\n    token_env: RLC_TEST_FORGE_TOKEN\n"
-    );
-    std::env::set_var("RLC_TEST_FORGE_TOKEN", "forge-token");
-    let (ctl, cycle, _) = eu_cycle(&remote, &extra).await;
+    let (_forge, ctl, cycle) = pr_cycle(&remote).await;
     let out = cycle.apply(&gw(100.0), "once").await;
     assert_eq!(out.pull_request.as_ref().map(|p| p.0), Some(1), "{out}");
     remote.human_merge("rlc/quotas").unwrap();
