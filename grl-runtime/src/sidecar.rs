@@ -571,10 +571,10 @@ async fn proxy(
             }
         }
     }
-    // A small body of a declared length is read whole first: the upstream then gets the head
-    // and the body in one write, and the caller the answer's head and body in one (streamed,
-    // each goes out in two, with a wake-up of the other side between them). gRPC and longer
-    // or chunked bodies stream.
+    // A small body of a declared length is read whole first, so that the head and the body
+    // are passed on together rather than the head first and the body after a wake-up of the
+    // other side (not measured on its own: the instruction counts fell with the pool and the
+    // header handling). gRPC and longer or chunked bodies stream.
     let small_request = !grpc && is_small(&body);
     // This worker's pools: the upstream connection is driven on this thread too.
     let clients = crate::server::worker_index()
