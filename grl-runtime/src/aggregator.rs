@@ -151,28 +151,16 @@ struct AggState {
     known: screen::Known,
 }
 
-/// The longest reporting period a client's horizon follows (a longer claim counts as this).
-const MAX_CLIENT_PERIOD_MS: u64 = 60_000;
-
-/// A client's reporting period after a report covering `interval_ms`, `prev` the estimate
-/// before it: a regular report's interval is the period, but an urgent report (or the first
-/// regular one after it) covers only part of a period, so the estimate falls at most by half
-/// per report.
-fn client_period(prev: Option<u64>, interval_ms: u64) -> u64 {
-    let i = interval_ms.min(MAX_CLIENT_PERIOD_MS);
-    match prev {
-        Some(p) => i.max(p / 2),
-        None => i,
-    }
-}
-
-/// How long a client's last rates count in the zone's sums: three of its reporting periods,
-/// and at least three of the aggregator's ticks. A client reporting every second to an
-/// aggregator ticking every 100 ms is still part of every forward in between (with a horizon
-/// of three ticks it dropped out 300 ms after each report, and the controller computed its
-/// ratio without it).
+/// How long a client's last rates count in the zone's sums: three of its reporting periods
+/// ([`crate::period`], from the intervals its reports cover), and at least three of the
+/// aggregator's ticks. A client reporting every second to an aggregator ticking every 100 ms
+/// is still part of every forward in between (with a horizon of three ticks it dropped out
+/// 300 ms after each report, and the controller computed its ratio without it).
 fn client_horizon(tick: Duration, period_ms: u64) -> Duration {
-    (tick * 3).max(Duration::from_millis(period_ms.saturating_mul(3)))
+    Duration::from_millis(crate::period::horizon_ms(
+        (tick * 3).as_millis() as u64,
+        period_ms,
+    ))
 }
 
 /// The replies to client reports since the controller's last answer (`at`), by service.
@@ -718,7 +706,7 @@ async fn report(
                     st.waiting = st.waiting.saturating_sub(1);
                 }
                 c.at = now;
-                c.period_ms = client_period(Some(c.period_ms), r.interval_ms);
+                c.period_ms = crate::period::estimate(Some(c.period_ms), r.interval_ms);
                 c.horizon = client_horizon(s.opts.tick, c.period_ms);
                 r.rates_into(&mut c.rates);
                 c.fresh = true;
@@ -728,8 +716,11 @@ async fn report(
                     (r.service.clone(), r.client_id.clone()),
                     ClientEntry {
                         at: now,
-                        horizon: client_horizon(s.opts.tick, client_period(None, r.interval_ms)),
-                        period_ms: client_period(None, r.interval_ms),
+                        horizon: client_horizon(
+                            s.opts.tick,
+                            crate::period::estimate(None, r.interval_ms),
+                        ),
+                        period_ms: crate::period::estimate(None, r.interval_ms),
                         rates: r.rates(),
                         fresh: true,
                     },

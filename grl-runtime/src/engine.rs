@@ -67,7 +67,7 @@ struct ZoneData {
     zone_key: u32,
     at_ms: u64,
     /// The zone's forwarding interval as the engine estimates it from the gaps between its
-    /// reports (ms; None until its second report; see [`zone_gap`]).
+    /// reports (ms; None until its second report; see [`crate::period`]).
     gap_ms: Option<u64>,
     /// The delta session `(id, seq)` of the last report applied (None: the zone sends full
     /// reports only, or its session was invalidated by a config change).
@@ -79,23 +79,9 @@ struct ZoneData {
     resolved: Vec<(usize, [i64; 4])>,
 }
 
-/// The longest forwarding interval a zone's horizon follows (a longer gap counts as this).
-const MAX_ZONE_GAP_MS: u64 = 60_000;
 /// How long the engine remembers when a zone it forgot last reported (ms), so that the zone's
 /// next report still tells its forwarding interval.
 const FORGOTTEN_ZONE_MEMORY_MS: u64 = 600_000;
-
-/// A zone's forwarding interval after a report `gap_ms` after its previous one, `prev` the
-/// estimate before it: a forward can come early (an aggregator forwards as soon as all its
-/// clients reported, or resends a full report at once after a resync), so the estimate falls
-/// at most by half per report.
-fn zone_gap(prev: Option<u64>, gap_ms: u64) -> u64 {
-    let g = gap_ms.min(MAX_ZONE_GAP_MS);
-    match prev {
-        Some(p) => g.max(p / 2),
-        None => g,
-    }
-}
 
 /// Rates are summed as integers of 1/1000 request per second: adding a zone's new report and
 /// taking its previous one away is then exact, so the incremental sums never drift from the
@@ -738,11 +724,10 @@ impl Engine {
     /// whose aggregator forwards every second to a controller ticking every 100 ms is still
     /// in the sums between its forwards (with a horizon of three ticks it dropped out 300 ms
     /// after each forward, and the other zones' answers in between carried ratios computed
-    /// without its load). The interval is capped at [`MAX_ZONE_GAP_MS`]: a zone that stops
+    /// without its load). The interval is capped at [`crate::period::MAX_PERIOD_MS`]: a zone that stops
     /// reporting is forgotten within three minutes.
     fn horizon(&self, z: &ZoneData) -> u64 {
-        self.zone_ttl_ms
-            .max(z.gap_ms.map_or(0, |g| g.saturating_mul(3)))
+        crate::period::horizon_ms(self.zone_ttl_ms, z.gap_ms.unwrap_or(0))
     }
 
     /// Per-bucket state after the last `recompute`.
@@ -805,7 +790,7 @@ impl Engine {
             region_key: self.keys.id(&scope_key(Scope::Region, &r.region, &r.zone)),
             zone_key: self.keys.id(&scope_key(Scope::Zone, &r.region, &r.zone)),
             at_ms: now_ms,
-            gap_ms: prev.map(|(at, gap)| zone_gap(gap, now_ms.saturating_sub(at))),
+            gap_ms: prev.map(|(at, gap)| crate::period::estimate(gap, now_ms.saturating_sub(at))),
             session: r.session.map(|s| (s.id, s.seq)),
             resolved,
         };
@@ -947,7 +932,10 @@ impl Engine {
             }
             z.resolved = merged;
         }
-        z.gap_ms = Some(zone_gap(z.gap_ms, now_ms.saturating_sub(z.at_ms)));
+        z.gap_ms = Some(crate::period::estimate(
+            z.gap_ms,
+            now_ms.saturating_sub(z.at_ms),
+        ));
         z.at_ms = now_ms;
         z.session = Some((base.0, seq));
         self.zones.insert(id, z);

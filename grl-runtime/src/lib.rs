@@ -24,6 +24,7 @@ pub use grl_client::layer;
 pub mod logging;
 pub mod metrics;
 pub mod overrides;
+mod period;
 pub use grl_wire as proto;
 
 pub use http_util::ApiError;
