@@ -112,11 +112,17 @@ pub fn score(limit: f64, holdout: &[f32]) -> Option<Score> {
 /// Splits `history` before its last `holdout_secs`: the training part (every series cut at
 /// the split, on the same grid start) and the split time.
 pub fn split(history: &History, holdout_secs: i64) -> (History, i64) {
-    let split = history.end() - holdout_secs.max(0);
+    let split = split_at(history.end(), holdout_secs);
     let mut train = train_part(history, history.series.iter(), split);
     train.rejected = history.rejected.clone();
     train.source_error = history.source_error.clone();
     (train, split)
+}
+
+/// Where a history ending at `end` (unix seconds) is split to hold its last `holdout_secs`
+/// out ([`split`], and [`Training`] for a history read one service at a time).
+pub fn split_at(end: i64, holdout_secs: i64) -> i64 {
+    end - holdout_secs.max(0)
 }
 
 /// `series` of `history` (on its grid) cut at `split`: the training part, on the same grid
