@@ -34,7 +34,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_yaml::Value;
 
-use crate::backtest::{score_plans, Score, Training};
+use crate::backtest::{score_plans, split_at, Score, Training};
 use crate::history::{History, Rejected, SeriesSource};
 use crate::pipeline::{self, Purpose, World};
 use crate::plan::Plan;
@@ -458,13 +458,13 @@ pub fn preview(
     let holdout_asked = req
         .holdout
         .map_or(DEFAULT_HOLDOUT_SECS, |h| h.as_secs() as i64);
+    // The plan, then (unless the view failed meanwhile: None) the backtest.
     let compute = |view: &View| {
         let plan = pipeline::plan(cfg, &whatif_repo, view, &inputs.world, now, Purpose::Run);
         // A service left unread by the plan (its history ambiguous) may still fail the view.
         view.read_unread();
-        if view.failing() {
-            // Computed again once the view failed.
-            return (plan, Backtest::default());
+        if view.fail() {
+            return (plan, None);
         }
         let backtest = backtest(view, holdout_asked, |h, at| {
             let none = World::none();
@@ -473,14 +473,15 @@ pub fn preview(
                 pipeline::plan(cfg, &whatif_repo, h, &none, at, Purpose::Backtest),
             )
         });
-        (plan, backtest)
+        (plan, Some(backtest))
     };
     let (mut plan, mut backtest) = compute(&view);
-    if view.fail() {
+    if backtest.is_none() || view.fail() {
         // A service could not be read: the what-if's history failed as a whole, as a source
         // failure does (every service keeps its quotas, no backtest). Nothing is read again.
         (plan, backtest) = compute(&view);
     }
+    let backtest = backtest.unwrap_or_default();
     let diff = diff(&current, &plan);
     Ok(PreviewAnswer {
         services: req.services.clone(),
@@ -887,15 +888,6 @@ impl<'a> View<'a> {
         }
     }
 
-    /// Whether a read failed, or the source did, and the view has not failed yet: then
-    /// [`View::fail`] fails it.
-    fn failing(&self) -> bool {
-        self.source.whole().is_none()
-            && self.failed.get().is_none()
-            && (self.source.source_error().is_some()
-                || (self.reads.lock().unwrap().by_service.values()).any(|r| r.is_err()))
-    }
-
     /// The grid of the history: first point, step, points (none when nothing was read).
     fn grid(&self) -> (i64, i64, usize) {
         match self.source.whole() {
@@ -1116,8 +1108,7 @@ fn backtest(
     if holdout < step.max(1) {
         return none("no backtest: the history is too short to hold a window out".into());
     }
-    // Where `backtest::split` cuts a whole history.
-    let at = start + span - holdout;
+    let at = split_at(start + span, holdout);
     let train = Training {
         source: history,
         split: at,
