@@ -786,6 +786,8 @@ pub fn run_with(
                             baked: Duration::from_secs_f64(r.seconds.max(0.0)),
                             offered: r.offered,
                             virtual_dropped: r.virtual_dropped,
+                            // One controller decides alone.
+                            covered: Duration::from_secs_f64(r.seconds.max(0.0)),
                         },
                     );
                     let (name, reason) = match &verdict {

@@ -7,11 +7,14 @@
 //!    is above [`RolloutRule::max_virtual_drop_share`] and at least
 //!    [`RolloutRule::min_offered`] requests were seen (enough to say so): not only at the end
 //!    of the bake.
-//! 2. **Promote** once baked for [`RolloutRule::bake`] with at least `min_offered` requests
-//!    and the share at or below the bar.
-//! 3. **Abort** with "too little traffic" once baked for [`RolloutRule::max_bake`] (or
-//!    `bake`, whichever is longer) with fewer than `min_offered` requests: a starved
-//!    candidate does not pass silently.
+//! 2. **Promote** once baked for [`RolloutRule::bake`] with at least `min_offered` requests,
+//!    the share at or below the bar, and every controller of the stage having evaluated the
+//!    candidate for [`COVERAGE`] of the bake ([`Observed::covered`]): one controller's counts
+//!    do not pass a stage for another that could not be read.
+//! 3. **Abort** once baked for [`RolloutRule::max_bake`] (or `bake`, whichever is longer)
+//!    with fewer than `min_offered` requests ("too little traffic"), or without every
+//!    controller's counts ("no complete evidence"): a starved candidate does not pass
+//!    silently.
 //! 4. Otherwise **Baking**.
 
 use std::time::Duration;
@@ -51,7 +54,14 @@ pub struct Observed {
     pub offered: f64,
     /// Requests its drop ratio would have dropped.
     pub virtual_dropped: f64,
+    /// How long the stage's least-covered controller evaluated it (summed over that
+    /// controller's processes): `baked` when one controller decides alone.
+    pub covered: Duration,
 }
+
+/// The share of the bake every controller of a stage must have evaluated a candidate for
+/// before it passes (its counts are read once in a while, so the newest lag a little).
+pub const COVERAGE: f64 = 0.9;
 
 impl Observed {
     /// `virtual_dropped / offered`; 0 when nothing was offered.
@@ -96,10 +106,14 @@ pub fn judge(rule: &RolloutRule, seen: &Observed) -> Verdict {
             ),
         };
     }
-    if enough && seen.baked >= rule.bake {
+    let covered = seen.covered.as_secs_f64() >= COVERAGE * rule.bake.as_secs_f64();
+    if enough && covered && seen.baked >= rule.bake {
         return Verdict::Promote;
     }
-    if !enough && seen.baked >= rule.max_bake.max(rule.bake) {
+    if seen.baked < rule.max_bake.max(rule.bake) {
+        return Verdict::Baking;
+    }
+    if !enough {
         return Verdict::Abort {
             reason: format!(
                 "too little traffic: {:.0} offered requests in {}s, fewer than the {:.0} required",
@@ -109,7 +123,14 @@ pub fn judge(rule: &RolloutRule, seen: &Observed) -> Verdict {
             ),
         };
     }
-    Verdict::Baking
+    Verdict::Abort {
+        reason: format!(
+            "no complete evidence: a controller of the stage evaluated the candidate for {}s of the {}s bake (at least {:.0} % needed)",
+            seen.covered.as_secs(),
+            rule.bake.as_secs(),
+            COVERAGE * 100.0
+        ),
+    }
 }
 
 #[cfg(test)]
@@ -121,7 +142,35 @@ mod tests {
             baked: Duration::from_secs(secs),
             offered,
             virtual_dropped,
+            covered: Duration::from_secs(secs),
         }
+    }
+
+    #[test]
+    fn a_stage_passes_only_once_every_controller_covered_the_bake() {
+        let r = RolloutRule::default();
+        let partial = |covered| Observed {
+            covered: Duration::from_secs(covered),
+            ..seen(3600, 1e6, 0.0)
+        };
+        assert_eq!(judge(&r, &partial(3240)), Verdict::Promote);
+        assert_eq!(judge(&r, &partial(3239)), Verdict::Baking);
+        let late = Observed {
+            baked: Duration::from_secs(86_400),
+            ..partial(0)
+        };
+        assert!(is_abort(&judge(&r, &late), "no complete evidence"));
+        // Enough evidence of too many drops aborts whatever the coverage.
+        assert!(is_abort(
+            &judge(
+                &r,
+                &Observed {
+                    covered: Duration::ZERO,
+                    ..seen(10, 1500.0, 500.0)
+                }
+            ),
+            "above the bar"
+        ));
     }
 
     fn is_abort(v: &Verdict, word: &str) -> bool {

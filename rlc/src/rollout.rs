@@ -690,10 +690,6 @@ pub async fn observe(
     store.record_candidate_counts(&rows).await
 }
 
-/// The share of the bake every region of a stage must have evaluated a candidate for before
-/// the stage passes (the counts are read once per poll, so the newest lag a little).
-const COVERAGE: f64 = 0.9;
-
 /// What a judgement did to a rollout.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Transition {
@@ -761,46 +757,27 @@ pub async fn judge(
             min_offered: r.settings.min_offered,
             max_bake: r.settings.max_bake,
         };
+        // Every region of the stage counts: the least-covered one's evaluation time, summed
+        // over its controller's processes (none read yet: zero).
+        let covered = regions
+            .iter()
+            .map(|region| {
+                counts
+                    .iter()
+                    .filter(|c| &c.region == region)
+                    .map(|c| c.seconds)
+                    .sum::<f64>()
+            })
+            .reduce(f64::min)
+            .unwrap_or(0.0);
         let seen = Observed {
             baked: std::time::Duration::from_secs_f64(baked),
             offered: f.offered,
             virtual_dropped: f.virtual_dropped,
+            // A count that is not a finite positive number of seconds covers nothing.
+            covered: std::time::Duration::try_from_secs_f64(covered).unwrap_or_default(),
         };
-        let verdict = match verdict_of(&rule, &seen) {
-            // A stage passes on the counts of every region in it: each controller evaluated
-            // the candidate for (nearly) the whole bake, over its processes (epochs). A
-            // controller that could not be read, or never got the candidate, holds the stage;
-            // past `max_bake` it fails it.
-            Verdict::Promote => {
-                let short: Vec<String> = regions
-                    .iter()
-                    .filter_map(|region| {
-                        let covered: f64 = counts
-                            .iter()
-                            .filter(|c| &c.region == region)
-                            .map(|c| c.seconds)
-                            .sum();
-                        (covered < COVERAGE * rule.bake.as_secs_f64())
-                            .then(|| format!("{region} ({covered:.0} s)"))
-                    })
-                    .collect();
-                if short.is_empty() {
-                    Verdict::Promote
-                } else if baked >= rule.max_bake.max(rule.bake).as_secs_f64() {
-                    Verdict::Abort {
-                        reason: format!(
-                            "no complete evidence: the controllers of {} evaluated the candidate for less than {:.0} % of the {} s bake",
-                            short.join(", "),
-                            COVERAGE * 100.0,
-                            rule.bake.as_secs()
-                        ),
-                    }
-                } else {
-                    Verdict::Baking
-                }
-            }
-            v => v,
-        };
+        let verdict = verdict_of(&rule, &seen);
         let changed = f != r.figures;
         r.figures = f.clone();
         match verdict {
