@@ -613,29 +613,13 @@ async fn proxy(
             tracing::debug!(error = %e, "the caller's request body failed");
             plain(StatusCode::BAD_REQUEST, "the request body ended early\n")
         }
-        Ok(Err(Failed::ResponseBody(e))) => {
-            s.stats.upstream_errors[2].fetch_add(1, Ordering::Relaxed);
-            s.stats.refusals[1].fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(upstream = %s.upstream.describe(), error = %e, "upstream answer's body failed");
-            upstream_failure(
-                grpc,
-                StatusCode::BAD_GATEWAY,
-                14,
-                "upstream unreachable: the answer's body ended early",
-            )
-        }
         Ok(Err(Failed::Upstream(e))) => {
-            let connect = e.is_connect();
-            s.stats.upstream_errors[if connect { 0 } else { 2 }].fetch_add(1, Ordering::Relaxed);
-            s.stats.refusals[1].fetch_add(1, Ordering::Relaxed);
             let cause = crate::cause::describe_error(&e, s.connect_timeout);
-            tracing::debug!(upstream = %s.upstream.describe(), error = %cause, "upstream failed");
-            upstream_failure(
-                grpc,
-                StatusCode::BAD_GATEWAY,
-                14,
-                &format!("upstream unreachable: {cause}"),
-            )
+            upstream_unreachable(&s, grpc, e.is_connect(), &cause)
+        }
+        Ok(Err(Failed::ResponseBody(e))) => {
+            tracing::debug!(error = %e, "upstream answer's body failed");
+            upstream_unreachable(&s, grpc, false, "the answer's body ended early")
         }
         Err(_) => {
             s.stats.upstream_errors[1].fetch_add(1, Ordering::Relaxed);
@@ -651,6 +635,20 @@ async fn proxy(
             )
         }
     }
+}
+
+/// 502 (gRPC `UNAVAILABLE`) for an upstream that gave no whole answer, counted by kind
+/// (`connect`: no connection; else `other`).
+fn upstream_unreachable(s: &Shared, grpc: bool, connect: bool, cause: &str) -> Response<Body> {
+    s.stats.upstream_errors[if connect { 0 } else { 2 }].fetch_add(1, Ordering::Relaxed);
+    s.stats.refusals[1].fetch_add(1, Ordering::Relaxed);
+    tracing::debug!(upstream = %s.upstream.describe(), error = %cause, "upstream failed");
+    upstream_failure(
+        grpc,
+        StatusCode::BAD_GATEWAY,
+        14,
+        &format!("upstream unreachable: {cause}"),
+    )
 }
 
 /// Bodies of a declared length up to this many bytes are read whole before they are passed
