@@ -64,10 +64,14 @@ fn a_run_killed_between_its_push_and_its_record_is_recorded_by_the_next() {
     let seed = remote.head("main").unwrap();
     let mut run = Proc::spawn(rlc_run(d).stdout(Stdio::null()).stderr(Stdio::null())).unwrap();
     // Killed once the commit is on the remote and the run has journaled it (right after its
-    // git write, before the controller push).
+    // git write, before the controller push): a whole entry, renamed into place, not the
+    // `.json.part` being written (a kill then leaves no entry, and the test flaked).
     let journaled = || {
         std::fs::read_dir(d.join("rlc-journal"))
-            .map(|mut r| r.next().is_some())
+            .map(|r| {
+                r.flatten()
+                    .any(|e| e.path().extension().is_some_and(|x| x == "json"))
+            })
             .unwrap_or(false)
     };
     let mut committed = None;
