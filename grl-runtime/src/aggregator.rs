@@ -32,6 +32,9 @@ use crate::proto::{
 
 pub mod screen;
 
+#[cfg(test)]
+mod calls_tests;
+
 /// How to start an aggregator.
 #[derive(Debug, Clone)]
 pub struct AggregatorOptions {
