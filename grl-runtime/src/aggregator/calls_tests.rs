@@ -15,7 +15,7 @@ fn config() -> serde_json::Value {
 }
 
 /// Posts one client report carrying `calls`; its status.
-async fn post(
+async fn send_report(
     http: &reqwest::Client,
     url: &str,
     service: &str,
@@ -109,7 +109,7 @@ fn honest(
             iv.tick().await;
             for i in 0..clients {
                 let id = format!("honest-{i}");
-                let s = post(
+                let s = send_report(
                     &http,
                     &url,
                     service,
@@ -150,7 +150,7 @@ async fn one_client_cannot_claim_more_calls_than_a_plausible_instance() {
         } else {
             (3_600_000, 2_000u64 * 1000 * 3600)
         };
-        let s = post(
+        let s = send_report(
             &http,
             &a.url(),
             "payments",
@@ -198,4 +198,88 @@ async fn one_client_cannot_claim_more_calls_than_a_plausible_instance() {
     );
     a.shutdown().await;
     c.shutdown().await;
+}
+
+/// A controller that records the calls of every zone report it takes (protocol 2: no delta
+/// session), or answers 503 while `down`.
+async fn recording_controller(
+    calls: Arc<Mutex<HashMap<(String, String), u64>>>,
+    down: Arc<std::sync::atomic::AtomicBool>,
+) -> (String, tokio::task::JoinHandle<()>) {
+    let app = Router::new().route(
+        "/v1/aggregate",
+        post(move |Json(r): Json<ZoneReport>| {
+            let (calls, down) = (calls.clone(), down.clone());
+            async move {
+                if down.load(std::sync::atomic::Ordering::Relaxed) {
+                    return axum::http::StatusCode::SERVICE_UNAVAILABLE.into_response();
+                }
+                let mut calls = calls.lock().unwrap();
+                for c in r.calls {
+                    *calls.entry((c.service, c.caller)).or_default() += c.count;
+                }
+                ([(PROTO_HEADER, "2")], Json(ZoneDirectives::default())).into_response()
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app).await.unwrap();
+    });
+    (url, server)
+}
+
+/// Two clients of a service the config does not have (its calls are how it is learned) make
+/// 4,000 calls a second each, near what a lone instance is trusted up to; for two seconds the
+/// controller refuses the zone reports. The calls of the failed forward are put back as they
+/// were taken, those reported meanwhile wait, and all go once the controller takes reports
+/// again: every call arrives, once, none cut (held back, they are seconds of calls in one
+/// forward, far above one client's allowance: they are screened once, as reported).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_held_back_by_failed_forwards_arrive_whole_and_once() {
+    let seen = Arc::new(Mutex::new(HashMap::new()));
+    let down = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (url, server) = recording_controller(seen.clone(), down.clone()).await;
+    let a = Aggregator::start(AggregatorOptions {
+        controllers: vec![url],
+        zone: "z1".into(),
+        region: "r1".into(),
+        tick: Duration::from_millis(100),
+        allow_anonymous_reports: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let http = reqwest::Client::new();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let task = honest(&http, &a.url(), "maps", 2, 800, stop.clone());
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    down.store(true, std::sync::atomic::Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    let during = seen
+        .lock()
+        .unwrap()
+        .get(&("maps".to_string(), "gw".to_string()))
+        .copied()
+        .unwrap_or(0);
+    down.store(false, std::sync::atomic::Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let sent = task.await.unwrap();
+    let key = ("maps".to_string(), "gw".to_string());
+    let mut got = 0;
+    for _ in 0..100 {
+        got = seen.lock().unwrap().get(&key).copied().unwrap_or(0);
+        if got >= sent {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(during > 0 && during + 2 * 4000 < sent, "{during} of {sent}");
+    assert_eq!(got, sent);
+    let am = metrics(&http, &a.url()).await;
+    assert!(!am.contains("calls_capped"), "honest calls were cut: {am}");
+    a.shutdown().await;
+    server.abort();
 }
