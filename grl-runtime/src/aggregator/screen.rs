@@ -20,7 +20,7 @@
 //!
 //! A report's calls (every request by caller and procedure, what `grl_calls_total` and the
 //! quotas learned from it count) are screened alike, as a whole per client
-//! ([`Known::screen_calls`]): a client's total call rate is capped at the largest of
+//! (`Known::screen_calls`): a client's total call rate is capped at the largest of
 //! - `peer_multiple ×` the mean total call rate of the service's other clients at the last
 //!   forward (the largest left out), for any service;
 //! - `limit_multiple ×` the sum of the service's bucket limits over its clients, for a service
