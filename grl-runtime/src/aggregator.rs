@@ -32,6 +32,11 @@ use crate::proto::{
 
 pub mod screen;
 
+use screen::MAX_CALL_SERVICES;
+
+#[cfg(test)]
+mod calls_tests;
+
 /// How to start an aggregator.
 #[derive(Debug, Clone)]
 pub struct AggregatorOptions {
@@ -75,10 +80,6 @@ pub struct AggregatorOptions {
     /// What one client may claim (see [`screen`]).
     pub plausibility: screen::Plausibility,
 }
-
-/// Services whose calls an aggregator holds between forwards; the calls of more services
-/// (possible only with a `*` client credential) wait for the next forward.
-const MAX_CALL_SERVICES: usize = 1024;
 
 /// Largest client report (one service's buckets).
 const MAX_REPORT_BODY: usize = 4 << 20;
@@ -127,6 +128,8 @@ struct ClientEntry {
     period_ms: u64,
     /// bucket → [offered, admitted, dropped, shadow] per second over the client's last interval.
     rates: Vec<(String, [f64; 4])>,
+    /// Its allowance of calls and its last total call rate (see [`screen::Known::screen_calls`]).
+    calls: screen::ClientCalls,
     fresh: bool,
 }
 
@@ -383,7 +386,7 @@ impl EntryCounts {
     fn register(&self, reg: &mut prometheus_client::registry::Registry) {
         reg.register(
             "grl_report_entries_refused",
-            "Bucket entries of accepted client reports dropped or cut, by service and reason: unknown_bucket (not in the config served for the service: dropped), duplicate (named twice in one report: dropped), rate_capped (offered rate above what one instance plausibly offers: cut to it), short_interval (interval below 10 ms: rates computed over 10 ms).",
+            "Entries of accepted client reports dropped or cut, by service and reason: unknown_bucket (a bucket not in the config served for the service: dropped), duplicate (a bucket named twice in one report: dropped), rate_capped (a bucket's offered rate above what one instance plausibly offers: cut to it), short_interval (interval below 10 ms: bucket rates computed over 10 ms), calls_capped (a (caller, procedure) call count of a report whose calls were more than one instance plausibly makes over the time the client reported: scaled down with the report's other calls).",
             self.0.clone(),
         );
     }
@@ -641,13 +644,34 @@ async fn report(
         use crate::keys::StrPair;
         let mut guard = s.state.lock().expect("aggregator lock");
         let st = &mut *guard;
-        let held = st
+        let now = Instant::now();
+        let client = st
             .clients
-            .get(&(r.service.as_str(), r.client_id.as_str()) as &dyn StrPair)
-            .map(|c| c.rates.len());
-        let screened = st
+            .get(&(r.service.as_str(), r.client_id.as_str()) as &dyn StrPair);
+        let held = client.map(|c| c.rates.len());
+        let mut screened = st
             .known
             .screen(&mut r, held.is_none(), &s.opts.plausibility);
+        // A client is allowed the calls of the time since its previous report; a new one, of
+        // its interval, at most three ticks.
+        let first_ms = (s.opts.tick * 3).as_millis() as u64;
+        let (mut calls, since_ms, horizon_ms) = match client {
+            Some(c) => (
+                c.calls,
+                now.duration_since(c.at).as_millis() as u64,
+                c.horizon.as_millis() as u64,
+            ),
+            None => (Default::default(), r.interval_ms.min(first_ms), first_ms),
+        };
+        let cut = st.known.screen_calls(
+            &mut r,
+            &mut calls,
+            since_ms,
+            horizon_ms,
+            held.is_none(),
+            &s.opts.plausibility,
+        );
+        screened.add(screen::EntryRefusal::CallsCapped, cut);
         let service = r.service.as_str();
         // The service's budget of rates held: a report that would pass it changes nothing.
         let held = held.unwrap_or(0);
@@ -696,7 +720,6 @@ async fn report(
                 }
             }
         }
-        let now = Instant::now();
         match st
             .clients
             .get_mut(&(service, r.client_id.as_str()) as &dyn StrPair)
@@ -709,6 +732,7 @@ async fn report(
                 c.period_ms = crate::period::estimate(Some(c.period_ms), r.interval_ms);
                 c.horizon = client_horizon(s.opts.tick, c.period_ms);
                 r.rates_into(&mut c.rates);
+                c.calls = calls;
                 c.fresh = true;
             }
             None => {
@@ -722,6 +746,7 @@ async fn report(
                         ),
                         period_ms: crate::period::estimate(None, r.interval_ms),
                         rates: r.rates(),
+                        calls,
                         fresh: true,
                     },
                 );
@@ -826,15 +851,19 @@ fn build_report(s: &Shared) -> ZoneReport {
     let mut guard = s.state.lock().expect("aggregator lock");
     let st = &mut *guard;
     st.clients.retain(|_, c| c.at.elapsed() <= c.horizon);
-    // Rates summed by bucket, with the offered rates' sum, count and largest for the peer caps.
+    // Rates summed by bucket, with the offered rates' sum, count and largest for the peer caps
+    // (and the clients' total call rates by service).
     let mut sums: HashMap<(String, String), [f64; 4]> = HashMap::new();
-    let mut offered: HashMap<(String, String), (f64, u32, f64)> = HashMap::new();
-    let mut per_service: HashMap<&str, (usize, usize)> = HashMap::new();
+    let mut offered: HashMap<(String, String), screen::PeerRates> = HashMap::new();
+    let mut per_service: HashMap<&str, screen::ServiceClients> = HashMap::new();
     for ((service, _), c) in st.clients.iter_mut() {
         c.fresh = false;
         let n = per_service.entry(service.as_str()).or_default();
-        n.0 += 1;
-        n.1 += c.rates.len();
+        n.clients += 1;
+        n.entries += c.rates.len();
+        if let Some(r) = c.calls.rate {
+            n.calls.add(r);
+        }
         for (b, r) in &c.rates {
             // Under the lock that client reports wait on: the names are allocated once per
             // bucket, not per client.
@@ -851,20 +880,13 @@ fn build_report(s: &Shared) -> ZoneReport {
             crate::keys::update(
                 &mut offered,
                 (service, b),
-                |_| (0.0, 0, 0.0),
-                |e| {
-                    e.0 += r[0];
-                    e.1 += 1;
-                    e.2 = e.2.max(r[0]);
-                },
+                |_| Default::default(),
+                |e| e.add(r[0]),
             );
         }
     }
-    st.known.forwarded(
-        per_service.into_iter().map(|(s, (n, e))| (s, n, e)),
-        &offered,
-        &s.opts.plausibility,
-    );
+    st.known
+        .forwarded(per_service, &offered, &s.opts.plausibility);
     st.waiting = st.clients.len();
     let mut pending = std::mem::take(&mut st.pending);
     let mut buckets: Vec<ZoneBucketMsg> = sums

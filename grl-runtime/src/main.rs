@@ -162,12 +162,21 @@ enum Cmd {
         report_refresh_ticks: u64,
         /// Plausibility: a client's offered rate for a bucket is cut to the largest of this
         /// many times the bucket's limit divided by the service's clients in the zone, ...
+        /// (its total call rate: this many times the sum of the service's limits, ...)
         #[arg(long, default_value_t = 10.0)]
         plausible_limit_multiple: f64,
         /// ... this many times the mean rate of the bucket's other clients (the largest left
-        /// out), and 10 rps. Buckets under an incident override are not cut.
+        /// out), and 10 rps. Buckets under an incident override are not cut. (Calls: this
+        /// many times the mean total call rate of the service's other clients, and
+        /// --plausible-instance-rps.)
         #[arg(long, default_value_t = 4.0)]
         plausible_peer_multiple: f64,
+        /// The total call rate (requests per second, every caller and procedure together)
+        /// one client is trusted up to whatever else is known: the cap of a lone instance of a
+        /// service with no bucket in the config. Calls beyond a client's cap, over the time it
+        /// really reported, are scaled down.
+        #[arg(long, default_value_t = grl_runtime::aggregator::screen::DEFAULT_INSTANCE_RPS)]
+        plausible_instance_rps: f64,
         /// Rates held per service (one per client and bucket); a report that would pass it is
         /// refused with 429.
         #[arg(long, default_value_t = 1_000_000)]
@@ -557,6 +566,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             report_refresh_ticks,
             plausible_limit_multiple,
             plausible_peer_multiple,
+            plausible_instance_rps,
             max_rates_per_service,
         } => {
             anyhow::ensure!(
@@ -565,6 +575,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     && plausible_peer_multiple.is_finite()
                     && plausible_peer_multiple >= 1.0,
                 "--plausible-limit-multiple and --plausible-peer-multiple must be at least 1"
+            );
+            anyhow::ensure!(
+                plausible_instance_rps.is_finite() && plausible_instance_rps >= 1.0,
+                "--plausible-instance-rps must be at least 1"
             );
             anyhow::ensure!(
                 report_change_threshold.is_finite()
@@ -594,6 +608,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     limit_multiple: plausible_limit_multiple,
                     peer_multiple: plausible_peer_multiple,
                     max_rates_per_service,
+                    instance_rps: plausible_instance_rps,
                 },
                 ..Default::default()
             })

@@ -17,10 +17,28 @@
 //! operator's. An instance that really receives more than its cap still drops its own excess:
 //! clients apply at least the ratio their own rate alone asks for
 //! ([`crate::client::Reporter::apply`]).
+//!
+//! A report's calls (every request by caller and procedure, what `grl_calls_total` and the
+//! quotas learned from it count) are screened alike, as a whole per client
+//! (`Known::screen_calls`): a client's total call rate is capped at the largest of
+//! - `peer_multiple ×` the mean total call rate of the service's other clients at the last
+//!   forward (the largest left out), for any service;
+//! - `limit_multiple ×` the sum of the service's bucket limits over its clients, for a service
+//!   of the config;
+//! - [`Plausibility::instance_rps`]: what a lone instance is trusted up to when nothing else
+//!   is known (a new service, learned from its calls before it has a bucket).
+//!
+//! Calls are counts, summed over reports: a client reporting often, or claiming a long
+//! interval, must not add more than its cap over the time it really reported. Each client
+//! has an allowance of calls refilled at its cap per second of the aggregator's clock since
+//! its previous report, held up to its cap over the client's horizon (a new client starts
+//! with its cap over its interval, at most three ticks); a report's calls beyond what is left
+//! are cut, every (caller, procedure) count scaled down alike. Calls held back by a failed
+//! forward are put back as they were taken, never screened again.
 
 use std::collections::HashMap;
 
-use crate::proto::{BucketCountsMsg, ClientReport, ConfigDoc, ZoneDirectives};
+use crate::proto::{BucketCountsMsg, CallCountMsg, ClientReport, ConfigDoc, ZoneDirectives};
 
 /// Rates below this are never cut (a request or two in a short interval).
 pub const MIN_CAP_RPS: f64 = 10.0;
@@ -42,18 +60,78 @@ pub struct Plausibility {
     /// Rate entries (one per client and bucket) held per service between forwards; a report
     /// that would pass it is refused (429).
     pub max_rates_per_service: usize,
+    /// The total call rate (requests per second, by every caller) one client is trusted up
+    /// to whatever else is known; for a lone instance of a service the config has no bucket
+    /// for, the cap of its calls.
+    pub instance_rps: f64,
 }
 
 impl Default for Plausibility {
     /// 10 × the limit over the service's clients, 4 × the peers' mean, 1,000,000 rates per
-    /// service (about 90 MB).
+    /// service (about 90 MB), calls at 5,000 per second per instance.
     fn default() -> Self {
         Plausibility {
             limit_multiple: 10.0,
             peer_multiple: 4.0,
             max_rates_per_service: 1_000_000,
+            instance_rps: DEFAULT_INSTANCE_RPS,
         }
     }
+}
+
+/// The default of [`Plausibility::instance_rps`].
+pub const DEFAULT_INSTANCE_RPS: f64 = 5_000.0;
+
+/// Services whose calls an aggregator holds between forwards: the calls of more services
+/// (possible only with a `*` client credential, or the credentials of many services) are
+/// dropped until the next forward. Also the services not in the config whose calls' peer caps
+/// are held.
+pub(crate) const MAX_CALL_SERVICES: usize = 1024;
+
+/// The rates of one bucket's (or one service's) clients at a forward, for a peer cap.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct PeerRates {
+    sum: f64,
+    n: u32,
+    max: f64,
+}
+
+impl PeerRates {
+    /// Counts one client's rate.
+    pub(crate) fn add(&mut self, rate: f64) {
+        self.sum += rate;
+        self.n += 1;
+        self.max = self.max.max(rate);
+    }
+
+    /// `multiple ×` the mean of the rates but the largest (0 with fewer than two): a lone
+    /// liar does not raise its own cap.
+    fn cap(&self, multiple: f64) -> f64 {
+        if self.n < 2 {
+            return 0.0;
+        }
+        multiple * (self.sum - self.max).max(0.0) / (self.n - 1) as f64
+    }
+}
+
+/// A service's clients at a forward.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct ServiceClients {
+    /// Clients heard within the horizon.
+    pub(crate) clients: usize,
+    /// Their rate entries.
+    pub(crate) entries: usize,
+    /// The total call rates of those whose last report carried calls.
+    pub(crate) calls: PeerRates,
+}
+
+/// One client's calls as the screen follows them.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct ClientCalls {
+    /// Calls it may still report.
+    pub(crate) left: f64,
+    /// Its total call rate in its last report, when that carried calls (at most its cap).
+    pub(crate) rate: Option<f64>,
 }
 
 /// A bucket of the config served.
@@ -79,6 +157,11 @@ pub(crate) struct KnownService {
     clients: usize,
     /// Rate entries held for its clients.
     pub(crate) entries: usize,
+    /// The sum of its buckets' limits (each the higher of the configured one and an
+    /// override's).
+    limit_sum: f64,
+    /// `peer_multiple ×` the mean total call rate of its other clients at the last forward.
+    calls_peer_cap: f64,
 }
 
 /// Why entries of a client report were dropped or cut: the `reason` label of
@@ -93,6 +176,9 @@ pub enum EntryRefusal {
     RateCapped,
     /// An interval below [`MIN_INTERVAL_MS`]: the report's rates computed over that instead.
     ShortInterval,
+    /// A (caller, procedure) call count of a report whose calls were more than the client's
+    /// allowance: scaled down with the report's other calls.
+    CallsCapped,
 }
 
 impl EntryRefusal {
@@ -103,6 +189,7 @@ impl EntryRefusal {
             EntryRefusal::Duplicate => "duplicate",
             EntryRefusal::RateCapped => "rate_capped",
             EntryRefusal::ShortInterval => "short_interval",
+            EntryRefusal::CallsCapped => "calls_capped",
         }
     }
 }
@@ -116,11 +203,23 @@ pub struct Screened {
     pub known_service: bool,
 }
 
+impl Screened {
+    /// Counts `n` entries dropped or cut for `why` (nothing for 0).
+    pub fn add(&mut self, why: EntryRefusal, n: u64) {
+        if n > 0 {
+            self.refused.push((why, n));
+        }
+    }
+}
+
 /// The config's buckets by service, with the state the caps need.
 #[derive(Debug, Default)]
 pub(crate) struct Known {
     pub(crate) services: HashMap<String, KnownService>,
     reports: u64,
+    /// The calls' peer caps of services not in the config, at the last forward (at most
+    /// [`MAX_CALL_SERVICES`]).
+    other_calls: HashMap<String, f64>,
 }
 
 impl Known {
@@ -134,6 +233,8 @@ impl Known {
                 buckets: HashMap::with_capacity(f.buckets.len()),
                 clients: old.as_ref().map_or(1, |o| o.clients),
                 entries: old.as_ref().map_or(0, |o| o.entries),
+                limit_sum: 0.0,
+                calls_peer_cap: old.as_ref().map_or(0.0, |o| o.calls_peer_cap),
             };
             for b in &f.buckets {
                 let prev = old.as_ref().and_then(|o| o.buckets.get(&b.name));
@@ -147,6 +248,11 @@ impl Known {
                         seen: 0,
                     },
                 );
+            }
+            s.sum_limits();
+            // A service new to the config keeps the calls' peer cap it had as an unknown one.
+            if old.is_none() {
+                s.calls_peer_cap = self.other_calls.remove(&f.service).unwrap_or(0.0);
             }
             services.insert(f.service.clone(), s);
         }
@@ -179,6 +285,9 @@ impl Known {
                 }
             }
         }
+        for s in self.services.values_mut() {
+            s.sum_limits();
+        }
     }
 
     /// Keeps in `r` only the buckets the config serves for its service, each once, with rates
@@ -192,17 +301,12 @@ impl Known {
         p: &Plausibility,
     ) -> Screened {
         let mut out = Screened::default();
-        let mut count = |why: EntryRefusal, n: u64| {
-            if n > 0 {
-                out.refused.push((why, n));
-            }
-        };
         if r.interval_ms < MIN_INTERVAL_MS {
-            count(EntryRefusal::ShortInterval, r.buckets.len() as u64);
+            out.add(EntryRefusal::ShortInterval, r.buckets.len() as u64);
             r.interval_ms = MIN_INTERVAL_MS;
         }
         let Some(s) = self.services.get_mut(&r.service) else {
-            count(EntryRefusal::UnknownBucket, r.buckets.len() as u64);
+            out.add(EntryRefusal::UnknownBucket, r.buckets.len() as u64);
             r.buckets.clear();
             return out;
         };
@@ -232,47 +336,122 @@ impl Known {
             }
             true
         });
-        count(EntryRefusal::UnknownBucket, unknown);
-        count(EntryRefusal::Duplicate, repeated);
-        count(EntryRefusal::RateCapped, capped);
+        out.add(EntryRefusal::UnknownBucket, unknown);
+        out.add(EntryRefusal::Duplicate, repeated);
+        out.add(EntryRefusal::RateCapped, capped);
         out
     }
 
-    /// At a forward: the service's clients heard within the horizon, its rate entries, and each
-    /// bucket's peer cap from its clients' offered rates (`(sum, count, max)` by service and
-    /// bucket).
+    /// The cap of one client's total call rate for `service` (see the module doc).
+    fn calls_cap(&self, service: &str, new_client: bool, p: &Plausibility) -> f64 {
+        let known = match self.services.get(service) {
+            Some(s) => {
+                let clients = (s.clients.max(1) + new_client as usize) as f64;
+                (p.limit_multiple * s.limit_sum / clients).max(s.calls_peer_cap)
+            }
+            None => self.other_calls.get(service).copied().unwrap_or(0.0),
+        };
+        known.max(p.instance_rps)
+    }
+
+    /// Cuts the calls of `r` (screened by [`Self::screen`] first: its interval is at least
+    /// [`MIN_INTERVAL_MS`]) to what its client may report, and follows the client in `c`: its
+    /// allowance is refilled at its cap per second over `since_ms` (of the aggregator's clock
+    /// since its previous report; for a new client, its interval, at most three ticks) and
+    /// held up to its cap over `horizon_ms`. A report over it has every count scaled down
+    /// alike (rounded down, none raised). Returns the counts cut. Nothing allocated.
+    pub(crate) fn screen_calls(
+        &self,
+        r: &mut ClientReport,
+        c: &mut ClientCalls,
+        since_ms: u64,
+        horizon_ms: u64,
+        new_client: bool,
+        p: &Plausibility,
+    ) -> u64 {
+        let cap = self.calls_cap(&r.service, new_client, p);
+        let left = (c.left + cap * since_ms as f64 / 1000.0).min(cap * horizon_ms as f64 / 1000.0);
+        let total: u128 = r.calls.iter().map(|x| x.count as u128).sum();
+        let (accepted, cut) = if total as f64 > left {
+            cut_calls(&mut r.calls, left.max(0.0).floor() as u128, total)
+        } else {
+            (total, 0)
+        };
+        c.left = (left - accepted as f64).max(0.0);
+        c.rate = (!r.calls.is_empty()).then(|| {
+            let secs = r.interval_ms.max(since_ms).max(MIN_INTERVAL_MS) as f64 / 1000.0;
+            (accepted as f64 / secs).min(cap)
+        });
+        cut
+    }
+
+    /// At a forward: the services' clients heard within the horizon, their rate entries and
+    /// the calls' peer caps, and each bucket's peer cap from its clients' offered rates.
     pub(crate) fn forwarded<'a>(
         &mut self,
-        clients: impl IntoIterator<Item = (&'a str, usize, usize)>,
-        offered: &HashMap<(String, String), (f64, u32, f64)>,
+        clients: impl IntoIterator<Item = (&'a str, ServiceClients)>,
+        offered: &HashMap<(String, String), PeerRates>,
         p: &Plausibility,
     ) {
         for s in self.services.values_mut() {
             s.clients = 1;
             s.entries = 0;
+            s.calls_peer_cap = 0.0;
             for b in s.buckets.values_mut() {
                 b.peer_cap = 0.0;
             }
         }
-        for (service, n, entries) in clients {
-            if let Some(s) = self.services.get_mut(service) {
-                s.clients = n.max(1);
-                s.entries = entries;
+        self.other_calls.clear();
+        for (service, c) in clients {
+            match self.services.get_mut(service) {
+                Some(s) => {
+                    s.clients = c.clients.max(1);
+                    s.entries = c.entries;
+                    s.calls_peer_cap = c.calls.cap(p.peer_multiple);
+                }
+                None if c.calls.n >= 2 && self.other_calls.len() < MAX_CALL_SERVICES => {
+                    self.other_calls
+                        .insert(service.to_string(), c.calls.cap(p.peer_multiple));
+                }
+                None => {}
             }
         }
-        for ((service, bucket), &(sum, n, max)) in offered {
-            if n < 2 {
-                continue;
-            }
+        for ((service, bucket), rates) in offered {
             if let Some(b) = self
                 .services
                 .get_mut(service)
                 .and_then(|s| s.buckets.get_mut(bucket))
             {
-                b.peer_cap = p.peer_multiple * (sum - max).max(0.0) / (n - 1) as f64;
+                b.peer_cap = rates.cap(p.peer_multiple);
             }
         }
     }
+}
+
+impl KnownService {
+    fn sum_limits(&mut self) {
+        self.limit_sum = self
+            .buckets
+            .values()
+            .map(|b| b.limit_rps.max(b.directive_limit))
+            .filter(|l| l.is_finite())
+            .sum();
+    }
+}
+
+/// Scales every count of `calls` (summing to `total`) down to `allowed` in all, rounded down.
+/// Returns the calls left and the counts changed.
+fn cut_calls(calls: &mut [CallCountMsg], allowed: u128, total: u128) -> (u128, u64) {
+    let (mut accepted, mut cut) = (0u128, 0u64);
+    for c in calls {
+        let n = (c.count as u128 * allowed / total.max(1)) as u64;
+        if n < c.count {
+            cut += 1;
+        }
+        c.count = n.min(c.count);
+        accepted += c.count as u128;
+    }
+    (accepted, cut)
 }
 
 /// Cuts `b`'s counts to `offered` requests, keeping admitted + dropped = offered and the shares
@@ -366,11 +545,17 @@ mod tests {
         let p = Plausibility::default();
         // Four clients: the share is 10 × 100 / 4 = 250 rps; peers at 100 rps (the largest,
         // 5000, left out) allow 400.
-        let offered = HashMap::from([(
-            ("pay".to_string(), "a".to_string()),
-            (100.0 * 3.0 + 5000.0, 4, 5000.0),
-        )]);
-        k.forwarded([("pay", 4, 8)], &offered, &p);
+        let mut rates = PeerRates::default();
+        for r in [100.0, 100.0, 5000.0, 100.0] {
+            rates.add(r);
+        }
+        let offered = HashMap::from([(("pay".to_string(), "a".to_string()), rates)]);
+        let clients = ServiceClients {
+            clients: 4,
+            entries: 8,
+            calls: PeerRates::default(),
+        };
+        k.forwarded([("pay", clients)], &offered, &p);
         let mut r = report("pay", 1000, &[("a", 5000), ("b", 5000)]);
         k.screen(&mut r, false, &p);
         assert_eq!(r.buckets[0].offered, 400);
@@ -384,5 +569,124 @@ mod tests {
         let mut r = report("pay", 1000, &[("b", 5000)]);
         k.screen(&mut r, false, &p);
         assert_eq!(r.buckets[0].offered, 5000);
+    }
+
+    fn with_calls(service: &str, interval_ms: u64, calls: &[(&str, u64)]) -> ClientReport {
+        let mut r = report(service, interval_ms, &[]);
+        r.calls = calls
+            .iter()
+            .map(|&(caller, count)| CallCountMsg {
+                caller: caller.into(),
+                procedure: "charge".into(),
+                count,
+            })
+            .collect();
+        r
+    }
+
+    fn counts(r: &ClientReport) -> Vec<u64> {
+        r.calls.iter().map(|c| c.count).collect()
+    }
+
+    /// The calls at a forward: `rates` are the clients' total call rates of `service`.
+    fn forward_calls(k: &mut Known, service: &str, rates: &[f64], p: &Plausibility) {
+        let mut calls = PeerRates::default();
+        for &r in rates {
+            calls.add(r);
+        }
+        let c = ServiceClients {
+            clients: rates.len(),
+            entries: 0,
+            calls,
+        };
+        k.forwarded([(service, c)], &HashMap::new(), p);
+    }
+
+    #[test]
+    fn calls_are_cut_alike_to_the_largest_cap() {
+        let mut k = Known::default();
+        k.rebuild(&config());
+        let p = Plausibility {
+            instance_rps: 50.0,
+            ..Default::default()
+        };
+        // Four clients of pay at 150 calls/s and one claiming 10,000 (left out of its peers'
+        // mean): the cap is 4 × 150 (above 10 × the 200 rps of limits over the 5 clients).
+        forward_calls(&mut k, "pay", &[150.0, 150.0, 10_000.0, 150.0, 150.0], &p);
+        let mut c = ClientCalls::default();
+        let mut r = with_calls("pay", 1000, &[("a", 100), ("b", 50)]);
+        assert_eq!(k.screen_calls(&mut r, &mut c, 1000, 3000, false, &p), 0);
+        assert_eq!(counts(&r), [100, 50], "an honest report passes as it is");
+        assert_eq!(c.rate, Some(150.0));
+        assert_eq!(c.left, 600.0 - 150.0);
+        // One second later: 450 + 600 left; 3,000 claimed are scaled down to 1,050, rounded
+        // down, each count alike.
+        let mut r = with_calls("pay", 1000, &[("a", 2000), ("b", 1000)]);
+        assert_eq!(k.screen_calls(&mut r, &mut c, 1000, 3000, false, &p), 2);
+        assert_eq!(counts(&r), [700, 350]);
+        assert_eq!(
+            c.rate,
+            Some(600.0),
+            "the rate its peers see is at most its cap"
+        );
+        // Reporting every 10 ms with a one-hour interval does not add more: 6 calls per 10 ms.
+        let mut got = 0;
+        for _ in 0..100 {
+            let mut r = with_calls("pay", 3_600_000, &[("a", 1 << 40)]);
+            k.screen_calls(&mut r, &mut c, 10, 3000, false, &p);
+            got += r.calls[0].count;
+        }
+        assert!((599..=600).contains(&got), "{got} calls in one second");
+        // The allowance is held up to the cap over the client's horizon: after a minute of
+        // silence, 3 s of calls.
+        let mut r = with_calls("pay", 1000, &[("a", 1 << 40)]);
+        k.screen_calls(&mut r, &mut c, 60_000, 3000, false, &p);
+        assert!(
+            (1799..=1800).contains(&r.calls[0].count),
+            "{:?}",
+            counts(&r)
+        );
+        // The limits, with few clients: 10 × 200 rps over 2 clients (and a new one).
+        forward_calls(&mut k, "pay", &[10.0, 10.0], &p);
+        let mut c = ClientCalls::default();
+        let mut r = with_calls("pay", 1000, &[("a", 5000)]);
+        k.screen_calls(&mut r, &mut c, 1000, 3000, true, &p);
+        assert_eq!(counts(&r), [666]);
+        // Counts near u64::MAX neither overflow nor wrap (the cap: 10 × 200 over 2 clients).
+        let mut c = ClientCalls::default();
+        let mut r = with_calls("pay", 1000, &[("a", u64::MAX), ("b", u64::MAX), ("c", 0)]);
+        assert_eq!(k.screen_calls(&mut r, &mut c, 1000, 3000, false, &p), 2);
+        assert_eq!(counts(&r), [500, 500, 0]);
+    }
+
+    #[test]
+    fn calls_of_a_service_not_in_the_config_are_kept_within_the_floor_or_peers() {
+        let mut k = Known::default();
+        k.rebuild(&config());
+        let p = Plausibility::default();
+        // A lone client of a new service: what one instance is trusted up to.
+        let mut c = ClientCalls::default();
+        let mut r = with_calls("maps", 1000, &[("web", 3000), ("app", 1000)]);
+        assert_eq!(k.screen_calls(&mut r, &mut c, 1000, 3000, true, &p), 0);
+        assert_eq!(counts(&r), [3000, 1000]);
+        let mut r = with_calls("maps", 1000, &[("web", 30_000), ("app", 10_000)]);
+        let mut c = ClientCalls::default();
+        assert_eq!(k.screen_calls(&mut r, &mut c, 1000, 3000, true, &p), 2);
+        assert_eq!(counts(&r), [3750, 1250]);
+        // Busy peers raise it.
+        forward_calls(&mut k, "maps", &[20_000.0, 20_000.0, 20_000.0], &p);
+        let mut c = ClientCalls::default();
+        let mut r = with_calls("maps", 1000, &[("web", 30_000), ("app", 10_000)]);
+        assert_eq!(k.screen_calls(&mut r, &mut c, 1000, 3000, false, &p), 0);
+        // Its peer cap stays when the service enters the config, until the next forward.
+        let mut doc = config();
+        let mut maps = doc.services[0].clone();
+        maps.service = "maps".into();
+        doc.services.push(maps);
+        k.rebuild(&doc);
+        let mut c = ClientCalls::default();
+        let mut r = with_calls("maps", 1000, &[("web", 80_000), ("app", 10_000)]);
+        assert_eq!(k.screen_calls(&mut r, &mut c, 1000, 3000, false, &p), 2);
+        assert_eq!(counts(&r).iter().sum::<u64>(), 79_999);
     }
 }

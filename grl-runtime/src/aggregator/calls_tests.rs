@@ -1,0 +1,285 @@
+//! The calls of client reports against a real controller and aggregator over HTTP: what one
+//! client claims reaches `grl_calls_total` no further than a plausible instance could add,
+//! and honest clients' calls pass untouched.
+
+use super::*;
+use crate::controller::{Controller, ControllerOptions};
+use serde_json::json;
+
+const TOKEN: &str = "t0ken";
+
+fn config() -> serde_json::Value {
+    json!({"version": "v1", "services": [{"service": "payments", "buckets": [
+        {"name": "gw.charge", "caller": "gw", "procedure": "charge", "scope": "global",
+         "limit_rps": 100.0, "mode": "enforce", "policy": "peak"}]}]})
+}
+
+/// Posts one client report carrying `calls`; its status.
+async fn send_report(
+    http: &reqwest::Client,
+    url: &str,
+    service: &str,
+    client: &str,
+    interval_ms: u64,
+    calls: &[(&str, &str, u64)],
+) -> u16 {
+    let calls: Vec<_> = calls
+        .iter()
+        .map(|(c, p, n)| json!({"caller": c, "procedure": p, "count": n}))
+        .collect();
+    http.post(format!("{url}/v1/report"))
+        .header(PROTO_HEADER, PROTO_VERSION.to_string())
+        .json(
+            &json!({"client_id": client, "service": service, "version": "v1",
+            "interval_ms": interval_ms, "buckets": [], "calls": calls}),
+        )
+        .send()
+        .await
+        .map(|r| r.status().as_u16())
+        .unwrap_or(0)
+}
+
+/// `grl_calls_total` of `service` and `caller`, summed over procedures.
+fn calls_total(metrics: &str, service: &str, caller: &str) -> u64 {
+    let (s, c) = (
+        format!("service=\"{service}\""),
+        format!("caller=\"{caller}\""),
+    );
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("grl_calls_total{") && l.contains(&s) && l.contains(&c))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+async fn metrics(http: &reqwest::Client, url: &str) -> String {
+    match http.get(format!("{url}/metrics")).send().await {
+        Ok(r) => r.text().await.unwrap_or_default(),
+        Err(_) => String::new(),
+    }
+}
+
+/// A controller and an aggregator forwarding every 100 ms (anonymous reports).
+async fn fleet(dir: &std::path::Path) -> (crate::http_util::ServerHandle, AggregatorHandle) {
+    let c = Controller::start(ControllerOptions {
+        state_dir: dir.join("c"),
+        token: TOKEN.into(),
+        allow_anonymous_reports: true,
+        tick: Duration::from_millis(50),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let r = reqwest::Client::new()
+        .put(format!("{}/v1/config", c.url()))
+        .bearer_auth(TOKEN)
+        .json(&config())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let a = Aggregator::start(AggregatorOptions {
+        controllers: vec![c.url()],
+        zone: "z1".into(),
+        region: "r1".into(),
+        tick: Duration::from_millis(100),
+        allow_anonymous_reports: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    (c, a)
+}
+
+/// Honest clients reporting `per_report` calls of caller `gw` every 200 ms (their interval)
+/// until `stop`; the calls they sent.
+fn honest(
+    http: &reqwest::Client,
+    url: &str,
+    service: &'static str,
+    clients: usize,
+    per_report: u64,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> tokio::task::JoinHandle<u64> {
+    let (http, url) = (http.clone(), url.to_string());
+    tokio::spawn(async move {
+        let mut sent = 0;
+        let mut iv = tokio::time::interval(Duration::from_millis(200));
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            iv.tick().await;
+            for i in 0..clients {
+                let id = format!("honest-{i}");
+                let s = send_report(
+                    &http,
+                    &url,
+                    service,
+                    &id,
+                    200,
+                    &[("gw", "charge", per_report)],
+                )
+                .await;
+                assert_eq!(s, 200);
+                sent += per_report;
+            }
+        }
+        sent
+    })
+}
+
+/// Four honest clients of payments make 2,000 calls a second each (400 per 200 ms report);
+/// one client holding the same credential claims 1,000 times that, in two ways: a 1 s interval
+/// sent every 50 ms, and an hour's interval. The controller's `grl_calls_total` gets every
+/// honest call, and of the liar's no more than one plausible instance adds: the largest of
+/// 4 × its peers' mean (8,000 calls/s), 10 × the limit over the clients (200) and the
+/// instance floor (5,000), over the time it reported (before: 2,000,000 per report).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_client_cannot_claim_more_calls_than_a_plausible_instance() {
+    let dir = tempfile::tempdir().unwrap();
+    let (c, a) = fleet(dir.path()).await;
+    let http = reqwest::Client::new();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let honest_task = honest(&http, &a.url(), "payments", 4, 400, stop.clone());
+    // The forwards see the peers.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let start = Instant::now();
+    let mut n = 0u64;
+    while start.elapsed() < Duration::from_secs(3) {
+        n += 1;
+        let (interval_ms, count) = if n % 2 == 0 {
+            (1000, 2_000_000)
+        } else {
+            (3_600_000, 2_000u64 * 1000 * 3600)
+        };
+        let s = send_report(
+            &http,
+            &a.url(),
+            "payments",
+            "intruder",
+            interval_ms,
+            &[("evil", "charge", count)],
+        )
+        .await;
+        assert_eq!(s, 200);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let lied_for = start.elapsed().as_secs_f64();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let sent = honest_task.await.unwrap();
+    let mut m = String::new();
+    for _ in 0..100 {
+        m = metrics(&http, &c.url()).await;
+        if calls_total(&m, "payments", "gw") >= sent {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(calls_total(&m, "payments", "gw"), sent, "honest calls: {m}");
+    let evil = calls_total(&m, "payments", "evil") as f64;
+    // The cap, and a new client's first allowance of at most 3 ticks of it.
+    let cap = (4.0 * 2000.0f64).max(10.0 * 100.0 / 5.0).max(5000.0);
+    let bound = cap * (lied_for + 0.3);
+    eprintln!("liar: {evil} calls in {lied_for:.2} s, bound {bound}");
+    assert!(
+        evil <= bound * 1.05,
+        "the liar added {evil} calls in {lied_for:.2} s, beyond {bound}"
+    );
+    assert!(
+        evil >= 0.5 * 5000.0 * lied_for,
+        "the liar's calls counted at all: {evil}"
+    );
+    let am = metrics(&http, &a.url()).await;
+    assert!(
+        am.lines()
+            .any(|l| l.starts_with("grl_report_entries_refused_total{")
+                && l.contains("reason=\"calls_capped\"")
+                && l.contains("service=\"payments\"")),
+        "{am}"
+    );
+    a.shutdown().await;
+    c.shutdown().await;
+}
+
+/// A controller that records the calls of every zone report it takes (protocol 2: no delta
+/// session), or answers 503 while `down`.
+async fn recording_controller(
+    calls: Arc<Mutex<HashMap<(String, String), u64>>>,
+    down: Arc<std::sync::atomic::AtomicBool>,
+) -> (String, tokio::task::JoinHandle<()>) {
+    let app = Router::new().route(
+        "/v1/aggregate",
+        post(move |Json(r): Json<ZoneReport>| {
+            let (calls, down) = (calls.clone(), down.clone());
+            async move {
+                if down.load(std::sync::atomic::Ordering::Relaxed) {
+                    return axum::http::StatusCode::SERVICE_UNAVAILABLE.into_response();
+                }
+                let mut calls = calls.lock().unwrap();
+                for c in r.calls {
+                    *calls.entry((c.service, c.caller)).or_default() += c.count;
+                }
+                ([(PROTO_HEADER, "2")], Json(ZoneDirectives::default())).into_response()
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app).await.unwrap();
+    });
+    (url, server)
+}
+
+/// Two clients of a service the config does not have (its calls are how it is learned) make
+/// 4,000 calls a second each, near what a lone instance is trusted up to; for two seconds the
+/// controller refuses the zone reports. The calls of the failed forward are put back as they
+/// were taken, those reported meanwhile wait, and all go once the controller takes reports
+/// again: every call arrives, once, none cut (held back, they are seconds of calls in one
+/// forward, far above one client's allowance: they are screened once, as reported).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_held_back_by_failed_forwards_arrive_whole_and_once() {
+    let seen = Arc::new(Mutex::new(HashMap::new()));
+    let down = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (url, server) = recording_controller(seen.clone(), down.clone()).await;
+    let a = Aggregator::start(AggregatorOptions {
+        controllers: vec![url],
+        zone: "z1".into(),
+        region: "r1".into(),
+        tick: Duration::from_millis(100),
+        allow_anonymous_reports: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let http = reqwest::Client::new();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let task = honest(&http, &a.url(), "maps", 2, 800, stop.clone());
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    down.store(true, std::sync::atomic::Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    let during = seen
+        .lock()
+        .unwrap()
+        .get(&("maps".to_string(), "gw".to_string()))
+        .copied()
+        .unwrap_or(0);
+    down.store(false, std::sync::atomic::Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let sent = task.await.unwrap();
+    let key = ("maps".to_string(), "gw".to_string());
+    let mut got = 0;
+    for _ in 0..100 {
+        got = seen.lock().unwrap().get(&key).copied().unwrap_or(0);
+        if got >= sent {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(during > 0 && during + 2 * 4000 < sent, "{during} of {sent}");
+    assert_eq!(got, sent);
+    let am = metrics(&http, &a.url()).await;
+    assert!(!am.contains("calls_capped"), "honest calls were cut: {am}");
+    a.shutdown().await;
+    server.abort();
+}
