@@ -317,6 +317,7 @@ impl H1Pool {
                 Some(tx) => (tx, true),
                 None => (self.connect().await?, false),
             };
+            let again = if reused { replayable(&req) } else { None };
             match tx.try_send_request(req).await {
                 Ok(resp) => {
                     let back = CheckIn {
@@ -328,10 +329,16 @@ impl H1Pool {
                         back: Some(back),
                     }));
                 }
-                Err(mut e) => match e.take_message() {
+                Err(mut e) => match (e.take_message(), again) {
                     // Never written: closed while idle. Each retry uses up an idle
                     // connection; a new one is not retried.
-                    Some(r) if reused => req = r,
+                    (Some(r), _) if reused => req = r,
+                    // Written to a reused connection that closed before any answer (the
+                    // upstream closed it while idle, and the close crossed the request): an
+                    // idempotent request without a body is sent again, as nginx does.
+                    (None, Some(head)) if !e.error().is_parse() && !e.error().is_user() => {
+                        req = head.map(|()| Body::empty())
+                    }
                     _ => return Err(UpstreamError::Request(e.into_error())),
                 },
             }
@@ -363,6 +370,20 @@ impl H1Pool {
         });
         Ok(tx)
     }
+}
+
+/// A copy of `req`'s head when it may be sent again after its connection failed: an idempotent
+/// method and no body.
+fn replayable(req: &Request<Body>) -> Option<Request<()>> {
+    if !req.method().is_idempotent() || req.body().size_hint().exact() != Some(0) {
+        return None;
+    }
+    let mut r = Request::new(());
+    *r.method_mut() = req.method().clone();
+    *r.uri_mut() = req.uri().clone();
+    *r.version_mut() = req.version();
+    *r.headers_mut() = req.headers().clone();
+    Some(r)
 }
 
 struct CheckIn {
@@ -509,6 +530,80 @@ mod tests {
             .body(Body::empty())
             .unwrap();
         pool.request(req).await.unwrap()
+    }
+
+    /// An upstream whose first connection answers one request and closes when the next one
+    /// arrives (an idle close crossing a request); later connections answer every request.
+    /// Counts the connections and the requests it read.
+    async fn closing_upstream() -> (Upstream, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let accepted = std::sync::Arc::new(AtomicUsize::new(0));
+        let n = accepted.clone();
+        tokio::spawn(async move {
+            loop {
+                let (mut s, _) = l.accept().await.unwrap();
+                let first = n.fetch_add(1, Ordering::SeqCst) == 0;
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut answered = 0;
+                    loop {
+                        let mut chunk = [0u8; 4096];
+                        match s.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(k) => buf.extend_from_slice(&chunk[..k]),
+                        }
+                        // Heads only (the requests here have no body).
+                        while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            buf.drain(..end + 4);
+                            if first && answered == 1 {
+                                return; // closed without an answer
+                            }
+                            answered += 1;
+                            let a = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                            if s.write_all(a).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        (
+            Upstream::parse(&format!("http://{addr}")).unwrap(),
+            accepted,
+        )
+    }
+
+    #[tokio::test]
+    async fn an_idempotent_request_crossing_an_idle_close_is_sent_again_on_a_new_connection() {
+        use http_body_util::BodyExt;
+        use std::sync::atomic::Ordering;
+        for (method, body, again) in [
+            (http::Method::GET, Body::empty(), true),
+            (http::Method::POST, Body::from("x"), false),
+        ] {
+            let (up, accepted) = closing_upstream().await;
+            let pool = H1Pool::new(up, Duration::from_secs(2), Duration::from_secs(60));
+            let r = get(&pool, "/").await;
+            assert_eq!(r.into_body().collect().await.unwrap().to_bytes(), "ok");
+            let req = Request::builder()
+                .method(method.clone())
+                .uri("/")
+                .header("host", "x")
+                .body(body)
+                .unwrap();
+            match (pool.request(req).await, again) {
+                (Ok(r), true) => {
+                    assert_eq!(r.into_body().collect().await.unwrap().to_bytes(), "ok");
+                    assert_eq!(accepted.load(Ordering::SeqCst), 2);
+                }
+                (Err(e), false) => assert!(!e.is_connect(), "{method}: {e:?}"),
+                (r, _) => panic!("{method}: {:?}", r.map(|r| r.status())),
+            }
+        }
     }
 
     #[tokio::test]
