@@ -457,8 +457,32 @@ impl Workers {
 }
 
 /// Everything a connection task needs, shared by all of them.
+/// What answers a server's requests.
+#[derive(Clone)]
+pub enum Handler {
+    /// An axum router; handlers can extract `ConnectInfo<Peer>`.
+    Router(Router),
+    /// One function for every request (`grl sidecar`'s proxy): none of the router's
+    /// per-request work (its route lookup, the peer put in the request's extensions, a boxed
+    /// body and service call).
+    Direct(Arc<DirectFn>),
+}
+
+/// A [`Handler::Direct`] function: the request and the connection's peer to the answer.
+pub type DirectFn = dyn Fn(http::Request<Incoming>, &Peer) -> DirectFuture + Send + Sync;
+
+/// The answer of a [`DirectFn`].
+pub type DirectFuture =
+    std::pin::Pin<Box<dyn std::future::Future<Output = axum::response::Response> + Send>>;
+
+impl From<Router> for Handler {
+    fn from(r: Router) -> Handler {
+        Handler::Router(r)
+    }
+}
+
 struct Ctx {
-    router: Router,
+    handler: Handler,
     tls: Option<Arc<ReloadingServerConfig>>,
     limits: ServeLimits,
     stats: Arc<ServerStats>,
@@ -492,7 +516,7 @@ pub async fn serve_with(
 /// [`serve_with`] with `conn` (HTTP/2 as well, a bound on request heads).
 pub async fn serve_with_options(
     listener: TcpListener,
-    router: Router,
+    handler: impl Into<Handler>,
     tls: Option<Arc<ReloadingServerConfig>>,
     limits: ServeLimits,
     stats: Arc<ServerStats>,
@@ -511,7 +535,7 @@ pub async fn serve_with_options(
     let (done_tx, mut done_rx) = mpsc::channel::<()>(1);
     let reload = tls.clone().map(|t| tokio::spawn(reload_loop(t)));
     let ctx = Arc::new(Ctx {
-        router,
+        handler: handler.into(),
         tls,
         limits,
         stats: stats.clone(),
@@ -694,23 +718,29 @@ async fn http<I>(
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let addr = peer.addr;
-    let router = ctx.router.clone();
+    let handler = ctx.handler.clone();
     let act2 = act.clone();
     let svc = hyper::service::service_fn(move |mut req: http::Request<Incoming>| {
         act2.request_started();
         let done = InFlight(act2.clone());
-        req.extensions_mut().insert(ConnectInfo(peer.clone()));
-        let router = router.clone();
+        let answer = if health_only && !HEALTH_PATHS.contains(&req.uri().path()) {
+            Answer::Now(at_capacity())
+        } else {
+            match &handler {
+                Handler::Direct(f) => Answer::Direct(f(req, &peer)),
+                Handler::Router(router) => {
+                    req.extensions_mut().insert(ConnectInfo(peer.clone()));
+                    Answer::Router(router.clone().oneshot(req.map(axum::body::Body::new)))
+                }
+            }
+        };
         async move {
             let _done = done;
-            if health_only && !HEALTH_PATHS.contains(&req.uri().path()) {
-                return Ok::<_, Infallible>(at_capacity());
-            }
-            let resp = router
-                .oneshot(req.map(axum::body::Body::new))
-                .await
-                .unwrap_or_else(|e| match e {});
-            Ok(resp)
+            Ok::<_, Infallible>(match answer {
+                Answer::Now(r) => r,
+                Answer::Direct(f) => f.await,
+                Answer::Router(f) => f.await.unwrap_or_else(|e| match e {}),
+            })
         }
     });
     let io = TokioIo::new(io);
@@ -737,6 +767,13 @@ async fn http<I>(
         let conn = builder.serve_connection(io, svc);
         drive(ctx, conn, act, addr, limits, closing).await;
     }
+}
+
+/// A request's answer on its way.
+enum Answer {
+    Now(axum::response::Response),
+    Direct(DirectFuture),
+    Router(tower::util::Oneshot<Router, http::Request<axum::body::Body>>),
 }
 
 /// Runs one connection until it ends, a timeout cuts it, or (on shutdown) it finishes its

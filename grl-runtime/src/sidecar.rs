@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use axum::body::Body;
-use axum::extract::{ConnectInfo, State};
+use axum::extract::State;
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::Router;
@@ -315,7 +315,16 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
         registry,
     });
 
-    let proxy = Router::new().fallback(proxy).with_state(shared.clone());
+    // Every request goes to `proxy`, without a router.
+    let proxy = {
+        let shared = shared.clone();
+        crate::server::Handler::Direct(Arc::new(
+            move |req: Request<hyper::body::Incoming>, peer: &Peer| {
+                Box::pin(proxy(shared.clone(), peer.clone(), req.map(Body::new)))
+                    as crate::server::DirectFuture
+            },
+        ))
+    };
     let conn = crate::server::ConnOptions {
         h2c: true,
         max_header_bytes: Some(opts.max_header_bytes),
@@ -502,11 +511,7 @@ fn forwarded_for(ip: std::net::IpAddr) -> Option<HeaderValue> {
 }
 
 /// Every request: decide, then refuse or forward.
-async fn proxy(
-    State(s): State<Arc<Shared>>,
-    ConnectInfo(peer): ConnectInfo<Peer>,
-    req: Request<Body>,
-) -> Response<Body> {
+async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body> {
     let start = Instant::now();
     let grpc = is_grpc(req.headers());
     let decision = {
