@@ -787,6 +787,14 @@ impl Cycle {
                 }
             }
             if backoff.is_none() && self.pushed.lock().unwrap().get(&region) == Some(&doc.version) {
+                // Confirmed before with these candidates: a stage start that could not be
+                // recorded then (the store failed) is recorded now, or the stage would wait
+                // for its deadline as if the candidate never arrived.
+                if let (Some(st), false) = (&store, doc.candidates.is_empty()) {
+                    if let Err(e) = rollout::reached(st, &mut open, &region, now).await {
+                        tracing::warn!(error = %e, "cannot record the start of a rollout stage");
+                    }
+                }
                 report.versions.insert(region, doc.version);
                 continue;
             }

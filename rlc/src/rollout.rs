@@ -103,8 +103,14 @@ pub struct Rollout {
     pub stages: Vec<Vec<String>>,
     /// The current stage (== `stages.len()` when done).
     pub stage: usize,
-    /// When the current stage's candidate first reached a controller (Unix ms).
+    /// When the current stage's candidate first reached a controller (Unix ms): the bake
+    /// counts from there.
     pub stage_started_ms: Option<i64>,
+    /// When the current stage began (Unix ms): the rollout was created, or the previous stage
+    /// passed. `max_bake` counts from there, whether or not the candidate ever reached a
+    /// controller. Absent in rows written before it existed: [`Rollout::stage_began`].
+    #[serde(default)]
+    pub stage_began_ms: Option<i64>,
     /// Where it is.
     pub state: RolloutState,
     /// Why it ended (aborted: the verdict and the evidence).
@@ -218,6 +224,15 @@ impl Rollout {
             .position(|s| s.iter().any(|r| r == region))
     }
 
+    /// When the current stage began (Unix ms). A row written before `stage_began_ms`
+    /// existed: when its candidate first reached a controller, else its last change (a
+    /// pending stage's row is written only when the stage begins).
+    pub fn stage_began(&self) -> i64 {
+        self.stage_began_ms
+            .or(self.stage_started_ms)
+            .unwrap_or(self.updated_ms)
+    }
+
     /// Seconds baked in the current stage at `now_ms`.
     pub fn baked_seconds(&self, now_ms: i64) -> f64 {
         self.stage_started_ms
@@ -238,10 +253,20 @@ impl Rollout {
         let since = self.stage_started_ms.and_then(ms_time);
         let summary = match self.state {
             RolloutState::Baking => match since {
-                None => format!(
-                    "pending: the candidate has not reached region {} yet",
-                    regions.join(", ")
-                ),
+                None => {
+                    let deadline = self.settings.max_bake.max(self.settings.bake);
+                    let by = ms_time(self.stage_began())
+                        .and_then(|t| Some(t + chrono::Duration::from_std(deadline).ok()?));
+                    format!(
+                        "pending: the candidate has not reached region {} yet{}",
+                        regions.join(", "),
+                        by.map(|t| format!(
+                            " (aborted if it has not by {})",
+                            t.format("%Y-%m-%d %H:%M:%S UTC")
+                        ))
+                        .unwrap_or_default()
+                    )
+                }
                 Some(t) => format!(
                     "baking in region {} (stage {} of {}) since {}: {pct:.3} % virtual drops so far ({} of {} offered)",
                     regions.join(", "),
@@ -591,6 +616,7 @@ pub async fn account(
                 stages,
                 stage: 0,
                 stage_started_ms: None,
+                stage_began_ms: Some(now_ms),
                 state: RolloutState::Baking,
                 reason: None,
                 created_ms: now_ms,
@@ -728,8 +754,9 @@ pub async fn reached(
 }
 
 /// Judges every baking rollout on its current stage's counts ([`grl_wire::rollout::judge`]):
-/// promoted to the next stage, done, or aborted with the evidence. Updates the store and
-/// `open`.
+/// promoted to the next stage, done, or aborted with the evidence. A stage whose candidate
+/// never reached a controller is judged too: aborted once it waited `max_bake` ("never ran").
+/// Updates the store and `open`.
 pub async fn judge(
     store: &Store,
     open: &mut [Rollout],
@@ -739,7 +766,7 @@ pub async fn judge(
     let now_ms = now.timestamp_millis();
     let mut out = Vec::new();
     for r in open.iter_mut() {
-        if r.state != RolloutState::Baking || r.stage_started_ms.is_none() {
+        if r.state != RolloutState::Baking {
             continue;
         }
         let regions = r.current_regions().to_vec();
@@ -770,8 +797,10 @@ pub async fn judge(
             })
             .reduce(f64::min)
             .unwrap_or(0.0);
+        let waited = ((now_ms - r.stage_began()).max(0)) as f64 / 1000.0;
         let seen = Observed {
             baked: std::time::Duration::from_secs_f64(baked),
+            waited: std::time::Duration::from_secs_f64(waited),
             offered: f.offered,
             virtual_dropped: f.virtual_dropped,
             // A count that is not a finite positive number of seconds covers nothing.
@@ -798,6 +827,7 @@ pub async fn judge(
                     out.push(Transition::Done(r.id.clone()));
                 } else {
                     r.stage_started_ms = None;
+                    r.stage_began_ms = Some(now_ms);
                     r.figures = StageFigures::default();
                     out.push(Transition::Promoted {
                         id: r.id.clone(),
@@ -805,19 +835,47 @@ pub async fn judge(
                     });
                 }
             }
-            Verdict::Abort { reason } => {
+            Verdict::Abort { reason }
+                if r.stage_started_ms.is_none()
+                    && !counts.iter().any(|c| regions.contains(&c.region)) =>
+            {
                 let evidence = format!(
-                    "{reason}; in region {} over {} of bake: {} of {} offered requests ({:.3} %) would have been refused by the candidate's {} rps (in force: {}; real drops meanwhile: {})",
+                    "{reason}; in region {}: the candidate never reached the controller(s) in {} (unreachable, or older than grl-proto 5); they kept {}",
+                    regions.join(", "),
+                    schema::HumanDuration(std::time::Duration::from_secs(waited as u64)),
+                    in_force_words(r),
+                );
+                tracing::warn!(id = %r.id, service = %r.service, bucket = %r.bucket, reason = %evidence, "rollout aborted");
+                r.state = RolloutState::Aborted;
+                r.reason = Some(evidence);
+                r.revert_pending = true;
+                out.push(Transition::Aborted(r.id.clone()));
+            }
+            Verdict::Abort { reason } => {
+                // The regions with no counts at all: their controller never got the
+                // candidate, or could not be read.
+                let silent: Vec<&str> = regions
+                    .iter()
+                    .filter(|x| !counts.iter().any(|c| &c.region == *x))
+                    .map(String::as_str)
+                    .collect();
+                let silent = if silent.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        "; no counts from region {} (its controller never ran the candidate, or could not be read)",
+                        silent.join(", ")
+                    )
+                };
+                let evidence = format!(
+                    "{reason}; in region {} over {} of bake: {} of {} offered requests ({:.3} %) would have been refused by the candidate's {} rps (in force: {}; real drops meanwhile: {}){silent}",
                     regions.join(", "),
                     schema::HumanDuration(std::time::Duration::from_secs(baked.max(1.0) as u64)),
                     fmt_count(f.virtual_dropped),
                     fmt_count(f.offered),
                     f.share() * 100.0,
                     schema::format_rps(r.new.limit_rps),
-                    r.old
-                        .as_ref()
-                        .map(|o| format!("{} rps {}", schema::format_rps(o.limit_rps), o.mode.as_str()))
-                        .unwrap_or_else(|| "no bucket".into()),
+                    in_force_words(r),
                     fmt_count(f.enforced_dropped),
                 );
                 tracing::warn!(id = %r.id, service = %r.service, bucket = %r.bucket, reason = %evidence, "rollout aborted");
@@ -831,6 +889,20 @@ pub async fn judge(
         store.put_rollout(&r.row()).await?;
     }
     Ok(out)
+}
+
+/// The spec in force of `r` in words (`3470 rps enforce`, `no bucket`).
+fn in_force_words(r: &Rollout) -> String {
+    r.old
+        .as_ref()
+        .map(|o| {
+            format!(
+                "{} rps {}",
+                schema::format_rps(o.limit_rps),
+                o.mode.as_str()
+            )
+        })
+        .unwrap_or_else(|| "no bucket".into())
 }
 
 /// Marks the config repo of aborted `r` as back in line (`how`: the revert commit or the

@@ -418,8 +418,9 @@ pub struct RolloutSpec {
     /// that saw fewer waits, up to `max_bake`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub min_offered: Option<f64>,
-    /// The longest a stage waits for `min_offered` (default `24h`); then the candidate is
-    /// aborted for too little traffic.
+    /// The longest a stage lasts, from when it began (default `24h`, never shorter than
+    /// `bake`): a candidate still short of `min_offered`, or of every controller's counts,
+    /// is then aborted, and so is one that never reached the stage's controllers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_bake: Option<HumanDuration>,
     /// Regions rolled out in order, each list a stage (`[[eu-west], ["*"]]`); `*` is every
