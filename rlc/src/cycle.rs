@@ -925,7 +925,12 @@ impl Cycle {
                         held: None,
                     })
                 })
-                .collect();
+                .collect::<Vec<_>>();
+            // A new service whose only bucket is the aborted one: no bucket was in force, so
+            // its file goes.
+            if buckets.is_empty() {
+                w.set_removing(vec![rr.service.clone()]);
+            }
             let plan = Plan {
                 buckets,
                 ..Plan::default()
@@ -933,7 +938,13 @@ impl Cycle {
             w.set_message(message);
             match w.write_as_fetched(&plan, false)?.status {
                 WriteStatus::Committed { commit } => Ok(Some(commit)),
-                _ => Ok(None),
+                // The base holds the change (checked above): a write that commits nothing did
+                // not bring it back, whatever the reason; never recorded as done.
+                other => anyhow::bail!(
+                    "the revert of {}/{} committed nothing ({other:?}) although the base branch holds the aborted change",
+                    rr.service,
+                    rr.bucket
+                ),
             }
         })
         .await??;

@@ -599,3 +599,67 @@ async fn a_stage_whose_controllers_never_get_the_candidate_is_aborted_at_max_bak
         .iter()
         .all(|d| d.candidates.is_empty() && d.services[0].buckets[0].limit_rps == 3470.0));
 }
+
+/// A person adds a new service whose only bucket enforces 100 rps (150 offered): its
+/// candidate fails. Bringing the config repo back in line means removing the file the change
+/// added (the spec in force is "no bucket"), not recording success while the base still holds
+/// it.
+#[tokio::test]
+async fn an_aborted_new_service_is_reverted_by_removing_its_file() {
+    let remote = remote("");
+    let (ctl, cycle, _) = eu_cycle(&remote, "").await;
+    // The base as it is is accounted (what is in force).
+    let (_, base) = cycle.poll().await.unwrap();
+    assert!(cycle.push_all(&base, None).await.errors.is_empty());
+    let added = remote
+        .human_commit(
+            "main",
+            &[(
+                "buckets/billing.yaml",
+                "service: billing\nbuckets:\n  - name: api\n    caller: web\n    scope: global\n    limit_rps: 100\n    mode: enforce\n    policy: peak\n",
+            )],
+            "add billing",
+        )
+        .unwrap();
+    let r = poll_bucket(&cycle, ("billing", "api"), Duration::from_secs(60), |r| {
+        r.state == RolloutState::Aborted && !r.revert_pending
+    })
+    .await;
+    assert_eq!(r.version, added);
+    assert_eq!(r.old, None, "a new bucket: {r:?}");
+    let revert = r.revert.clone().unwrap();
+    assert!(revert.starts_with("reverted by commit"), "{revert}");
+    assert!(
+        remote.read("main", "buckets/billing.yaml").is_err(),
+        "the file the change added is gone"
+    );
+    assert!(remote
+        .read("main", "buckets/payments.yaml")
+        .unwrap()
+        .contains("limit_rps: 3470\n"));
+    let msg = git(
+        &remote.bare_path(),
+        &["log", "-1", "--format=%B", "refs/heads/main"],
+    )
+    .unwrap();
+    assert!(
+        msg.starts_with("rlc: revert billing/api to no bucket: rollout aborted"),
+        "{msg}"
+    );
+    // Back in line: the controller runs the revert commit as it is, without billing.
+    let (_, base) = cycle.poll().await.unwrap();
+    assert!(cycle.push_all(&base, None).await.errors.is_empty());
+    let doc = ctl.doc.lock().unwrap().clone().unwrap();
+    assert_eq!(Some(doc.version.clone()), remote.head("main"));
+    assert!(doc.candidates.is_empty());
+    assert!(
+        doc.services.iter().all(|f| f.service != "billing"),
+        "{doc:?}"
+    );
+    // The enforcing 100 rps never reached the controller in force.
+    assert!(ctl.docs.lock().unwrap().iter().all(|d| d
+        .services
+        .iter()
+        .filter(|f| f.service == "billing")
+        .all(|f| f.buckets.is_empty())));
+}
