@@ -459,6 +459,26 @@ pub async fn open(store: &Store) -> Result<Vec<Rollout>, StoreError> {
     Ok(v)
 }
 
+/// Deletes the finished rollouts last changed before `before` (`store.rollout_retention`
+/// ago), with their counts: done and superseded ones, and aborted ones no longer open (the
+/// base branch no longer holds their change; such a change is no longer held back from
+/// proposals once deleted). Open rollouts stay, however old. Returns how many went.
+pub async fn prune(store: &Store, before: DateTime<Utc>) -> Result<u64, StoreError> {
+    let before_ms = before.timestamp_millis();
+    let mut n = 0;
+    for st in [RolloutState::Done, RolloutState::Superseded] {
+        n += store.delete_rollouts_before(st.as_str(), before_ms).await?;
+    }
+    let finished: Vec<String> = load(store, &[RolloutState::Aborted])
+        .await?
+        .into_iter()
+        .filter(|r| !is_open(r) && r.updated_ms < before_ms)
+        .map(|r| r.id)
+        .collect();
+    n += store.delete_rollouts(&finished).await?;
+    Ok(n)
+}
+
 /// The aborted changes a plan holds ([`rlc_plan::rollout::hold_aborted`]).
 pub async fn aborted_changes(store: &Store) -> Result<Vec<Aborted>, StoreError> {
     Ok(load(store, &[RolloutState::Aborted])

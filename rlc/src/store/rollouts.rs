@@ -131,6 +131,58 @@ impl Store {
         Ok(())
     }
 
+    /// Deletes the rollouts in state `state` last changed before `before_ms`, with their
+    /// counts (one transaction); returns how many rollouts went.
+    pub async fn delete_rollouts_before(
+        &self,
+        state: &str,
+        before_ms: i64,
+    ) -> Result<u64, StoreError> {
+        on_pool!(self, pool => {
+            let mut tx = pool.begin().await?;
+            sqlx::query(
+                "DELETE FROM rollout_counts WHERE rollout_id IN \
+                 (SELECT id FROM rollouts WHERE state = $1 AND updated_ms < $2)",
+            )
+            .bind(state)
+            .bind(before_ms)
+            .execute(&mut *tx)
+            .await?;
+            let n = sqlx::query("DELETE FROM rollouts WHERE state = $1 AND updated_ms < $2")
+                .bind(state)
+                .bind(before_ms)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            tx.commit().await?;
+            Ok(n)
+        })
+    }
+
+    /// Deletes the rollouts `ids` with their counts (one transaction); returns how many went.
+    pub async fn delete_rollouts(&self, ids: &[String]) -> Result<u64, StoreError> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        on_pool!(self, pool => {
+            let mut tx = pool.begin().await?;
+            let mut n = 0;
+            for id in ids {
+                sqlx::query("DELETE FROM rollout_counts WHERE rollout_id = $1")
+                    .bind(id)
+                    .execute(&mut *tx)
+                    .await?;
+                n += sqlx::query("DELETE FROM rollouts WHERE id = $1")
+                    .bind(id)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected();
+            }
+            tx.commit().await?;
+            Ok(n)
+        })
+    }
+
     /// Every count row of a rollout.
     pub async fn candidate_counts(&self, rollout_id: &str) -> Result<Vec<CountRow>, StoreError> {
         on_pool!(self, pool => Ok(sqlx::query_as(

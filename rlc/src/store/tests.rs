@@ -1357,3 +1357,123 @@ async fn postgres_rollouts() {
     let db = test_support::postgres::fresh_database().await.unwrap();
     check_rollouts(Store::connect(&db.url, Path::new("/")).await.unwrap()).await;
 }
+
+/// `store.rollout_retention`: finished rollouts last changed before the cutoff go with their
+/// counts (done, superseded, aborted ones the base no longer holds, whose hold lifts); open
+/// ones stay however old (baking, aborted while the base still holds the change), and so do
+/// recent finished ones.
+async fn check_rollout_retention(store: Store) {
+    use crate::rollout::{self, Rollout, RolloutState};
+    let day = 86_400_000;
+    let now = Utc.with_ymd_and_hms(2026, 11, 30, 3, 0, 0).unwrap();
+    let now_ms = now.timestamp_millis();
+    let rollout = |id: &str, state: RolloutState, settled: bool, age_days: i64| Rollout {
+        id: id.into(),
+        service: "pay".into(),
+        bucket: id.into(),
+        old: Some(crate::gitops::tests::planned("pay", id, 3470.0).bucket),
+        new: crate::gitops::tests::planned("pay", id, 100.0).bucket,
+        change: "lowered 3470 -> 100 rps".into(),
+        version: "abc".into(),
+        settings: schema::RolloutSpec::default().resolved(),
+        stages: vec![vec!["eu".into()]],
+        stage: 0,
+        stage_started_ms: Some(now_ms - age_days * day),
+        stage_began_ms: Some(now_ms - age_days * day),
+        state,
+        reason: Some("why".into()),
+        fingerprint: format!("fp-{id}"),
+        created_ms: now_ms - age_days * day,
+        updated_ms: now_ms - age_days * day,
+        figures: Default::default(),
+        revert: None,
+        revert_pending: false,
+        settled,
+    };
+    let all = [
+        rollout("done-old", RolloutState::Done, false, 100),
+        rollout("superseded-old", RolloutState::Superseded, false, 100),
+        rollout("aborted-settled-old", RolloutState::Aborted, true, 100),
+        rollout("aborted-open-old", RolloutState::Aborted, false, 100),
+        rollout("baking-old", RolloutState::Baking, false, 100),
+        rollout("done-recent", RolloutState::Done, false, 10),
+        rollout("aborted-settled-recent", RolloutState::Aborted, true, 10),
+    ];
+    for r in &all {
+        store.put_rollout(&r.row()).await.unwrap();
+        store
+            .record_candidate_counts(&[CountRow {
+                rollout_id: r.id.clone(),
+                region: "eu".into(),
+                epoch: "e1".into(),
+                seconds: 3600.0,
+                offered: 1e6,
+                virtual_dropped: 0.0,
+                enforced_dropped: 0.0,
+                updated_ms: r.updated_ms,
+            }])
+            .await
+            .unwrap();
+    }
+    let held = |a: &[rlc_plan::rollout::Aborted]| {
+        let mut v: Vec<String> = a.iter().map(|a| a.bucket.clone()).collect();
+        v.sort();
+        v
+    };
+    assert_eq!(
+        held(&rollout::aborted_changes(&store).await.unwrap()),
+        [
+            "aborted-open-old",
+            "aborted-settled-old",
+            "aborted-settled-recent"
+        ]
+    );
+    let gone = rollout::prune(&store, now - chrono::Duration::days(90))
+        .await
+        .unwrap();
+    assert_eq!(gone, 3);
+    let mut left: Vec<String> = store
+        .recent_rollouts(None, 100)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    left.sort();
+    assert_eq!(
+        left,
+        [
+            "aborted-open-old",
+            "aborted-settled-recent",
+            "baking-old",
+            "done-recent"
+        ]
+    );
+    for r in &all {
+        let counts = store.candidate_counts(&r.id).await.unwrap().len();
+        assert_eq!(counts, usize::from(left.contains(&r.id)), "{}", r.id);
+    }
+    assert_eq!(
+        held(&rollout::aborted_changes(&store).await.unwrap()),
+        ["aborted-open-old", "aborted-settled-recent"]
+    );
+    // Nothing more to delete.
+    assert_eq!(
+        rollout::prune(&store, now - chrono::Duration::days(90))
+            .await
+            .unwrap(),
+        0
+    );
+}
+
+#[tokio::test]
+async fn sqlite_rollout_retention() {
+    let dir = tempfile::tempdir().unwrap();
+    check_rollout_retention(Store::connect("sqlite://rlc.db", dir.path()).await.unwrap()).await;
+}
+
+#[tokio::test]
+async fn postgres_rollout_retention() {
+    let db = test_support::postgres::fresh_database().await.unwrap();
+    check_rollout_retention(Store::connect(&db.url, Path::new("/")).await.unwrap()).await;
+}
