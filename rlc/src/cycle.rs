@@ -754,7 +754,11 @@ impl Cycle {
                 store = Some(st);
             }
             Err(e) if wants => {
-                *self.store.lock().await = None;
+                // A conflict (another rlc process wrote a rollout meanwhile) is no broken
+                // connection: the next push accounts again on what the store holds.
+                if !matches!(e, crate::store::StoreError::Conflict(_)) {
+                    *self.store.lock().await = None;
+                }
                 report.errors.push(format!(
                     "rollout state unavailable ({e}): the controllers keep what they run"
                 ));

@@ -136,6 +136,11 @@ pub struct Rollout {
     /// nothing is held on its account any more.
     #[serde(default)]
     pub settled: bool,
+    /// The store row's revision it was read at (`None`: not stored yet): [`save`] writes it
+    /// only over that revision, so a copy read before another process's write never
+    /// overwrites it. Not part of the document.
+    #[serde(skip)]
+    pub rev: Option<i64>,
 }
 
 /// A rollout as `rlc run --json`, `GET /v1/quotas` and the dashboard show it.
@@ -194,13 +199,17 @@ impl Rollout {
             created_ms: self.created_ms,
             updated_ms: self.updated_ms,
             doc: serde_json::to_string(self).unwrap_or_default(),
+            rev: self.rev.unwrap_or(0),
         }
     }
 
     /// From its row (None when the document cannot be read: logged).
     pub fn from_row(r: &RolloutRow) -> Option<Rollout> {
-        match serde_json::from_str(&r.doc) {
-            Ok(x) => Some(x),
+        match serde_json::from_str::<Rollout>(&r.doc) {
+            Ok(x) => Some(Rollout {
+                rev: Some(r.rev),
+                ..x
+            }),
             Err(e) => {
                 tracing::warn!(id = %r.id, error = %e, "unreadable rollout in the store; ignored");
                 None
@@ -324,6 +333,38 @@ impl Rollout {
             limit_rps: self.new.limit_rps,
             reason: self.reason.clone().unwrap_or_default(),
         })
+    }
+}
+
+/// Stores `r`: inserted when it is not stored yet, else updated over the revision it was read
+/// at ([`Rollout::rev`], moved on when written). `false`: nothing written, because another
+/// process stored the rollout since (an insert of an id already stored, an update of a row
+/// changed or deleted since): read it again rather than overwrite it.
+pub async fn save(store: &Store, r: &mut Rollout) -> Result<bool, StoreError> {
+    match r.rev {
+        None => {
+            let done = store.insert_rollout(&r.row()).await?;
+            if done {
+                r.rev = Some(0);
+            }
+            Ok(done)
+        }
+        Some(n) => {
+            let done = store.update_rollout(&r.row()).await?;
+            if done {
+                r.rev = Some(n + 1);
+            }
+            Ok(done)
+        }
+    }
+}
+
+/// [`save`], a conflict being an error ([`StoreError::Conflict`]).
+async fn save_or_conflict(store: &Store, r: &mut Rollout) -> Result<(), StoreError> {
+    if save(store, r).await? {
+        Ok(())
+    } else {
+        Err(StoreError::Conflict(format!("rollout {}", r.id)))
     }
 }
 
@@ -645,17 +686,24 @@ pub async fn account(
                 revert: None,
                 revert_pending: false,
                 settled: false,
+                rev: None,
             });
         }
     }
-    for r in changed.iter().chain(created.iter()) {
-        store.put_rollout(&r.row()).await?;
+    // A rollout another process changed since it was read fails the accounting (the cursor
+    // stays, so the next push accounts again on what the store then holds); one it created
+    // already (the same change, the same id) is left as stored.
+    for r in changed.iter_mut() {
+        save_or_conflict(store, r).await?;
         tracing::info!(id = %r.id, service = %r.service, bucket = %r.bucket, state = r.state.as_str(), change = %r.change, "rollout");
     }
+    for r in created.iter_mut() {
+        if save(store, r).await? {
+            tracing::info!(id = %r.id, service = %r.service, bucket = %r.bucket, state = r.state.as_str(), change = %r.change, "rollout");
+        }
+    }
     set_accounted(store, base.doc).await?;
-    open.retain(is_open);
-    open.extend(created);
-    Ok(open)
+    self::open(store).await
 }
 
 /// What the controller of `region` runs: `base`, with each bucket under an open rollout kept
@@ -760,14 +808,21 @@ pub async fn reached(
     region: &str,
     now: DateTime<Utc>,
 ) -> Result<(), StoreError> {
-    for r in open.iter_mut() {
-        if r.state == RolloutState::Baking
-            && r.stage_started_ms.is_none()
-            && r.current_regions().iter().any(|x| x == region)
+    for slot in open.iter_mut() {
+        if slot.state == RolloutState::Baking
+            && slot.stage_started_ms.is_none()
+            && slot.current_regions().iter().any(|x| x == region)
         {
+            let mut r = slot.clone();
             r.stage_started_ms = Some(now.timestamp_millis());
             r.updated_ms = now.timestamp_millis();
-            store.put_rollout(&r.row()).await?;
+            if save(store, &mut r).await? {
+                *slot = r;
+            } else {
+                // Another process changed it since it was read (judged, superseded): what it
+                // wrote stands; the next push reads it again.
+                tracing::warn!(id = %slot.id, "rollout changed in the store meanwhile (another rlc process); its stage start is not recorded over it");
+            }
         }
     }
     Ok(())
@@ -785,10 +840,15 @@ pub async fn judge(
     use grl_wire::rollout::{judge as verdict_of, Observed, RolloutRule, Verdict};
     let now_ms = now.timestamp_millis();
     let mut out = Vec::new();
-    for r in open.iter_mut() {
-        if r.state != RolloutState::Baking {
+    for slot in open.iter_mut() {
+        if slot.state != RolloutState::Baking {
             continue;
         }
+        // Judged on a copy: `open` keeps what the store holds when another process wrote the
+        // rollout since it was read.
+        let mut next = slot.clone();
+        let r = &mut next;
+        let mut transition = None;
         let regions = r.current_regions().to_vec();
         let counts = store.candidate_counts(&r.id).await?;
         let mut f = StageFigures::default();
@@ -831,25 +891,22 @@ pub async fn judge(
         r.figures = f.clone();
         match verdict {
             Verdict::Baking => {
-                if changed {
-                    r.updated_ms = now_ms;
-                    store.put_rollout(&r.row()).await?;
+                if !changed {
+                    continue;
                 }
-                continue;
             }
             Verdict::Promote => {
                 let passed = r.stage + 1;
-                tracing::info!(id = %r.id, service = %r.service, bucket = %r.bucket, stage = passed, regions = %regions.join(","), offered = f.offered, virtual_dropped = f.virtual_dropped, "rollout stage passed");
                 r.stage += 1;
                 if r.stage >= r.stages.len() {
                     r.state = RolloutState::Done;
                     r.stage_started_ms = None;
-                    out.push(Transition::Done(r.id.clone()));
+                    transition = Some(Transition::Done(r.id.clone()));
                 } else {
                     r.stage_started_ms = None;
                     r.stage_began_ms = Some(now_ms);
                     r.figures = StageFigures::default();
-                    out.push(Transition::Promoted {
+                    transition = Some(Transition::Promoted {
                         id: r.id.clone(),
                         stage: passed,
                     });
@@ -865,11 +922,10 @@ pub async fn judge(
                     schema::HumanDuration(std::time::Duration::from_secs(waited as u64)),
                     in_force_words(r),
                 );
-                tracing::warn!(id = %r.id, service = %r.service, bucket = %r.bucket, reason = %evidence, "rollout aborted");
                 r.state = RolloutState::Aborted;
                 r.reason = Some(evidence);
                 r.revert_pending = true;
-                out.push(Transition::Aborted(r.id.clone()));
+                transition = Some(Transition::Aborted(r.id.clone()));
             }
             Verdict::Abort { reason } => {
                 // The regions with no counts at all: their controller never got the
@@ -898,15 +954,31 @@ pub async fn judge(
                     in_force_words(r),
                     fmt_count(f.enforced_dropped),
                 );
-                tracing::warn!(id = %r.id, service = %r.service, bucket = %r.bucket, reason = %evidence, "rollout aborted");
                 r.state = RolloutState::Aborted;
                 r.reason = Some(evidence);
                 r.revert_pending = true;
-                out.push(Transition::Aborted(r.id.clone()));
+                transition = Some(Transition::Aborted(r.id.clone()));
             }
         }
         r.updated_ms = now_ms;
-        store.put_rollout(&r.row()).await?;
+        if !save(store, r).await? {
+            tracing::warn!(id = %r.id, "rollout changed in the store meanwhile (another rlc process); judged again at the next poll");
+            continue;
+        }
+        match &transition {
+            Some(Transition::Aborted(_)) => {
+                tracing::warn!(id = %r.id, service = %r.service, bucket = %r.bucket, reason = r.reason.as_deref().unwrap_or(""), "rollout aborted")
+            }
+            Some(Transition::Promoted { stage, .. }) => {
+                tracing::info!(id = %r.id, service = %r.service, bucket = %r.bucket, stage, regions = %regions.join(","), offered = f.offered, virtual_dropped = f.virtual_dropped, "rollout stage passed")
+            }
+            Some(Transition::Done(_)) => {
+                tracing::info!(id = %r.id, service = %r.service, bucket = %r.bucket, stage = r.stages.len(), regions = %regions.join(","), offered = f.offered, virtual_dropped = f.virtual_dropped, "rollout stage passed; done")
+            }
+            None => {}
+        }
+        *slot = next;
+        out.extend(transition);
     }
     Ok(out)
 }
@@ -933,10 +1005,13 @@ pub async fn reverted(
     how: String,
     now: DateTime<Utc>,
 ) -> Result<(), StoreError> {
-    r.revert_pending = false;
-    r.revert = Some(how);
-    r.updated_ms = now.timestamp_millis();
-    store.put_rollout(&r.row()).await
+    let mut next = r.clone();
+    next.revert_pending = false;
+    next.revert = Some(how);
+    next.updated_ms = now.timestamp_millis();
+    save_or_conflict(store, &mut next).await?;
+    *r = next;
+    Ok(())
 }
 
 /// The newest rollout of each bucket (for the quota API and the dashboard), and every recent
