@@ -1029,3 +1029,54 @@ pub async fn latest_by_bucket(
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A rollout stored before `stage_began_ms` existed: its stage began when its candidate
+    /// first reached a controller, else (pending: its row is written only when the stage
+    /// begins) at its last change; so a stage pending since before an upgrade still ends.
+    #[test]
+    fn a_row_stored_before_stage_began_existed_begins_its_stage_at_its_last_change() {
+        let r = Rollout {
+            id: "rlc-1".into(),
+            service: "pay".into(),
+            bucket: "gw".into(),
+            old: Some(crate::gitops::tests::planned("pay", "gw", 3470.0).bucket),
+            new: crate::gitops::tests::planned("pay", "gw", 100.0).bucket,
+            change: "lowered 3470 -> 100 rps".into(),
+            version: "abc".into(),
+            settings: schema::RolloutSpec::default().resolved(),
+            stages: vec![vec!["eu".into()]],
+            stage: 0,
+            stage_started_ms: None,
+            stage_began_ms: Some(1_000),
+            state: RolloutState::Baking,
+            reason: None,
+            fingerprint: "fp".into(),
+            created_ms: 1_000,
+            updated_ms: 5_000,
+            figures: StageFigures::default(),
+            revert: None,
+            revert_pending: false,
+            settled: false,
+            rev: Some(3),
+        };
+        assert_eq!(r.stage_began(), 1_000);
+        let mut doc = serde_json::to_value(&r).unwrap();
+        doc.as_object_mut().unwrap().remove("stage_began_ms");
+        assert!(
+            doc.get("rev").is_none(),
+            "the revision is the row's, not the document's"
+        );
+        let old: Rollout = serde_json::from_value(doc).unwrap();
+        assert_eq!(old.stage_began_ms, None);
+        assert_eq!(old.stage_began(), 5_000);
+        let reached = Rollout {
+            stage_started_ms: Some(4_000),
+            ..old
+        };
+        assert_eq!(reached.stage_began(), 4_000);
+    }
+}
