@@ -784,6 +784,9 @@ pub fn run_with(
                         &rule,
                         &Observed {
                             baked: Duration::from_secs_f64(r.seconds.max(0.0)),
+                            // The candidate reaches the simulated controller when its stage
+                            // begins.
+                            waited: Duration::from_secs_f64(r.seconds.max(0.0)),
                             offered: r.offered,
                             virtual_dropped: r.virtual_dropped,
                             // One controller decides alone.

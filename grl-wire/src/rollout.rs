@@ -11,10 +11,12 @@
 //!    the share at or below the bar, and every controller of the stage having evaluated the
 //!    candidate for [`COVERAGE`] of the bake ([`Observed::covered`]): one controller's counts
 //!    do not pass a stage for another that could not be read.
-//! 3. **Abort** once baked for [`RolloutRule::max_bake`] (or `bake`, whichever is longer)
-//!    with fewer than `min_offered` requests ("too little traffic"), or without every
-//!    controller's counts ("no complete evidence"): a starved candidate does not pass
-//!    silently.
+//! 3. **Abort** once the stage waited [`RolloutRule::max_bake`] (or `bake`, whichever is
+//!    longer; [`Observed::waited`], counted from when the stage began, even if no controller
+//!    ever got the candidate): never evaluated ("never ran"), with fewer than `min_offered`
+//!    requests ("too little traffic"), or without every controller's counts ("no complete
+//!    evidence"). A starved candidate, or one that never reached its controllers, does not
+//!    hold a stage forever nor pass silently.
 //! 4. Otherwise **Baking**.
 
 use std::time::Duration;
@@ -48,8 +50,13 @@ impl Default for RolloutRule {
 /// What a candidate was seen doing so far (in one stage: summed over its controllers).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Observed {
-    /// How long it has been watched.
+    /// How long it has been watched (since the candidate first reached a controller of the
+    /// stage; zero when none ever got it).
     pub baked: Duration,
+    /// How long the stage has waited for a verdict, since it began (when the rollout started
+    /// or the previous stage passed), whether or not the candidate reached a controller:
+    /// what [`RolloutRule::max_bake`] bounds. Never taken as shorter than `baked`.
+    pub waited: Duration,
     /// Requests offered to its match.
     pub offered: f64,
     /// Requests its drop ratio would have dropped.
@@ -110,8 +117,18 @@ pub fn judge(rule: &RolloutRule, seen: &Observed) -> Verdict {
     if enough && covered && seen.baked >= rule.bake {
         return Verdict::Promote;
     }
-    if seen.baked < rule.max_bake.max(rule.bake) {
+    let waited = seen.waited.max(seen.baked);
+    if waited < rule.max_bake.max(rule.bake) {
         return Verdict::Baking;
+    }
+    if seen.baked.is_zero() {
+        return Verdict::Abort {
+            reason: format!(
+                "never ran: no controller of the stage evaluated the candidate in the {}s the stage waited (max_bake {}s): it never reached them",
+                waited.as_secs(),
+                rule.max_bake.max(rule.bake).as_secs()
+            ),
+        };
     }
     if !enough {
         return Verdict::Abort {
@@ -140,10 +157,42 @@ mod tests {
     fn seen(secs: u64, offered: f64, virtual_dropped: f64) -> Observed {
         Observed {
             baked: Duration::from_secs(secs),
+            waited: Duration::from_secs(secs),
             offered,
             virtual_dropped,
             covered: Duration::from_secs(secs),
         }
+    }
+
+    /// The deadline counts from when the stage began, not from when the candidate reached a
+    /// controller: a stage whose controllers never got it ends at `max_bake`, saying so.
+    #[test]
+    fn a_stage_ends_at_max_bake_after_it_began_even_if_never_evaluated() {
+        let r = RolloutRule::default();
+        let never = |waited| Observed {
+            waited: Duration::from_secs(waited),
+            ..Observed::default()
+        };
+        assert_eq!(judge(&r, &never(86_399)), Verdict::Baking);
+        let v = judge(&r, &never(86_400));
+        assert!(is_abort(&v, "never ran"), "{v:?}");
+        // Reached late: baked 10 minutes of the day the stage waited, too little to judge.
+        let late = Observed {
+            waited: Duration::from_secs(86_400),
+            ..seen(600, 500.0, 0.0)
+        };
+        assert!(is_abort(&judge(&r, &late), "too little traffic"));
+        let late_busy = Observed {
+            waited: Duration::from_secs(86_400),
+            ..seen(600, 1e6, 0.0)
+        };
+        assert!(is_abort(&judge(&r, &late_busy), "no complete evidence"));
+        // A waited shorter than baked (a caller that leaves it unset) is the bake.
+        let unset = Observed {
+            waited: Duration::ZERO,
+            ..seen(86_400, 999.0, 0.0)
+        };
+        assert!(is_abort(&judge(&r, &unset), "too little traffic"));
     }
 
     #[test]

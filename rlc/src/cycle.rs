@@ -754,7 +754,11 @@ impl Cycle {
                 store = Some(st);
             }
             Err(e) if wants => {
-                *self.store.lock().await = None;
+                // A conflict (another rlc process wrote a rollout meanwhile) is no broken
+                // connection: the next push accounts again on what the store holds.
+                if !matches!(e, crate::store::StoreError::Conflict(_)) {
+                    *self.store.lock().await = None;
+                }
                 report.errors.push(format!(
                     "rollout state unavailable ({e}): the controllers keep what they run"
                 ));
@@ -787,6 +791,14 @@ impl Cycle {
                 }
             }
             if backoff.is_none() && self.pushed.lock().unwrap().get(&region) == Some(&doc.version) {
+                // Confirmed before with these candidates: a stage start that could not be
+                // recorded then (the store failed) is recorded now, or the stage would wait
+                // for its deadline as if the candidate never arrived.
+                if let (Some(st), false) = (&store, doc.candidates.is_empty()) {
+                    if let Err(e) = rollout::reached(st, &mut open, &region, now).await {
+                        tracing::warn!(error = %e, "cannot record the start of a rollout stage");
+                    }
+                }
                 report.versions.insert(region, doc.version);
                 continue;
             }
@@ -917,7 +929,12 @@ impl Cycle {
                         held: None,
                     })
                 })
-                .collect();
+                .collect::<Vec<_>>();
+            // A new service whose only bucket is the aborted one: no bucket was in force, so
+            // its file goes.
+            if buckets.is_empty() {
+                w.set_removing(vec![rr.service.clone()]);
+            }
             let plan = Plan {
                 buckets,
                 ..Plan::default()
@@ -925,7 +942,13 @@ impl Cycle {
             w.set_message(message);
             match w.write_as_fetched(&plan, false)?.status {
                 WriteStatus::Committed { commit } => Ok(Some(commit)),
-                _ => Ok(None),
+                // The base holds the change (checked above): a write that commits nothing did
+                // not bring it back, whatever the reason; never recorded as done.
+                other => anyhow::bail!(
+                    "the revert of {}/{} committed nothing ({other:?}) although the base branch holds the aborted change",
+                    rr.service,
+                    rr.bucket
+                ),
             }
         })
         .await??;

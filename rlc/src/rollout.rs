@@ -103,8 +103,14 @@ pub struct Rollout {
     pub stages: Vec<Vec<String>>,
     /// The current stage (== `stages.len()` when done).
     pub stage: usize,
-    /// When the current stage's candidate first reached a controller (Unix ms).
+    /// When the current stage's candidate first reached a controller (Unix ms): the bake
+    /// counts from there.
     pub stage_started_ms: Option<i64>,
+    /// When the current stage began (Unix ms): the rollout was created, or the previous stage
+    /// passed. `max_bake` counts from there, whether or not the candidate ever reached a
+    /// controller. Absent in rows written before it existed: [`Rollout::stage_began`].
+    #[serde(default)]
+    pub stage_began_ms: Option<i64>,
     /// Where it is.
     pub state: RolloutState,
     /// Why it ended (aborted: the verdict and the evidence).
@@ -130,6 +136,11 @@ pub struct Rollout {
     /// nothing is held on its account any more.
     #[serde(default)]
     pub settled: bool,
+    /// The store row's revision it was read at (`None`: not stored yet): [`save`] writes it
+    /// only over that revision, so a copy read before another process's write never
+    /// overwrites it. Not part of the document.
+    #[serde(skip)]
+    pub rev: Option<i64>,
 }
 
 /// A rollout as `rlc run --json`, `GET /v1/quotas` and the dashboard show it.
@@ -188,13 +199,17 @@ impl Rollout {
             created_ms: self.created_ms,
             updated_ms: self.updated_ms,
             doc: serde_json::to_string(self).unwrap_or_default(),
+            rev: self.rev.unwrap_or(0),
         }
     }
 
     /// From its row (None when the document cannot be read: logged).
     pub fn from_row(r: &RolloutRow) -> Option<Rollout> {
-        match serde_json::from_str(&r.doc) {
-            Ok(x) => Some(x),
+        match serde_json::from_str::<Rollout>(&r.doc) {
+            Ok(x) => Some(Rollout {
+                rev: Some(r.rev),
+                ..x
+            }),
             Err(e) => {
                 tracing::warn!(id = %r.id, error = %e, "unreadable rollout in the store; ignored");
                 None
@@ -218,6 +233,15 @@ impl Rollout {
             .position(|s| s.iter().any(|r| r == region))
     }
 
+    /// When the current stage began (Unix ms). A row written before `stage_began_ms`
+    /// existed: when its candidate first reached a controller, else its last change (a
+    /// pending stage's row is written only when the stage begins).
+    pub fn stage_began(&self) -> i64 {
+        self.stage_began_ms
+            .or(self.stage_started_ms)
+            .unwrap_or(self.updated_ms)
+    }
+
     /// Seconds baked in the current stage at `now_ms`.
     pub fn baked_seconds(&self, now_ms: i64) -> f64 {
         self.stage_started_ms
@@ -238,10 +262,20 @@ impl Rollout {
         let since = self.stage_started_ms.and_then(ms_time);
         let summary = match self.state {
             RolloutState::Baking => match since {
-                None => format!(
-                    "pending: the candidate has not reached region {} yet",
-                    regions.join(", ")
-                ),
+                None => {
+                    let deadline = self.settings.max_bake.max(self.settings.bake);
+                    let by = ms_time(self.stage_began())
+                        .and_then(|t| Some(t + chrono::Duration::from_std(deadline).ok()?));
+                    format!(
+                        "pending: the candidate has not reached region {} yet{}",
+                        regions.join(", "),
+                        by.map(|t| format!(
+                            " (aborted if it has not by {})",
+                            t.format("%Y-%m-%d %H:%M:%S UTC")
+                        ))
+                        .unwrap_or_default()
+                    )
+                }
                 Some(t) => format!(
                     "baking in region {} (stage {} of {}) since {}: {pct:.3} % virtual drops so far ({} of {} offered)",
                     regions.join(", "),
@@ -299,6 +333,38 @@ impl Rollout {
             limit_rps: self.new.limit_rps,
             reason: self.reason.clone().unwrap_or_default(),
         })
+    }
+}
+
+/// Stores `r`: inserted when it is not stored yet, else updated over the revision it was read
+/// at ([`Rollout::rev`], moved on when written). `false`: nothing written, because another
+/// process stored the rollout since (an insert of an id already stored, an update of a row
+/// changed or deleted since): read it again rather than overwrite it.
+pub async fn save(store: &Store, r: &mut Rollout) -> Result<bool, StoreError> {
+    match r.rev {
+        None => {
+            let done = store.insert_rollout(&r.row()).await?;
+            if done {
+                r.rev = Some(0);
+            }
+            Ok(done)
+        }
+        Some(n) => {
+            let done = store.update_rollout(&r.row()).await?;
+            if done {
+                r.rev = Some(n + 1);
+            }
+            Ok(done)
+        }
+    }
+}
+
+/// [`save`], a conflict being an error ([`StoreError::Conflict`]).
+async fn save_or_conflict(store: &Store, r: &mut Rollout) -> Result<(), StoreError> {
+    if save(store, r).await? {
+        Ok(())
+    } else {
+        Err(StoreError::Conflict(format!("rollout {}", r.id)))
     }
 }
 
@@ -432,6 +498,26 @@ pub async fn open(store: &Store) -> Result<Vec<Rollout>, StoreError> {
     let mut v = load(store, &[RolloutState::Baking, RolloutState::Aborted]).await?;
     v.retain(is_open);
     Ok(v)
+}
+
+/// Deletes the finished rollouts last changed before `before` (`store.rollout_retention`
+/// ago), with their counts: done and superseded ones, and aborted ones no longer open (the
+/// base branch no longer holds their change; such a change is no longer held back from
+/// proposals once deleted). Open rollouts stay, however old. Returns how many went.
+pub async fn prune(store: &Store, before: DateTime<Utc>) -> Result<u64, StoreError> {
+    let before_ms = before.timestamp_millis();
+    let mut n = 0;
+    for st in [RolloutState::Done, RolloutState::Superseded] {
+        n += store.delete_rollouts_before(st.as_str(), before_ms).await?;
+    }
+    let finished: Vec<String> = load(store, &[RolloutState::Aborted])
+        .await?
+        .into_iter()
+        .filter(|r| !is_open(r) && r.updated_ms < before_ms)
+        .map(|r| r.id)
+        .collect();
+    n += store.delete_rollouts(&finished).await?;
+    Ok(n)
 }
 
 /// The aborted changes a plan holds ([`rlc_plan::rollout::hold_aborted`]).
@@ -591,6 +677,7 @@ pub async fn account(
                 stages,
                 stage: 0,
                 stage_started_ms: None,
+                stage_began_ms: Some(now_ms),
                 state: RolloutState::Baking,
                 reason: None,
                 created_ms: now_ms,
@@ -599,17 +686,24 @@ pub async fn account(
                 revert: None,
                 revert_pending: false,
                 settled: false,
+                rev: None,
             });
         }
     }
-    for r in changed.iter().chain(created.iter()) {
-        store.put_rollout(&r.row()).await?;
+    // A rollout another process changed since it was read fails the accounting (the cursor
+    // stays, so the next push accounts again on what the store then holds); one it created
+    // already (the same change, the same id) is left as stored.
+    for r in changed.iter_mut() {
+        save_or_conflict(store, r).await?;
         tracing::info!(id = %r.id, service = %r.service, bucket = %r.bucket, state = r.state.as_str(), change = %r.change, "rollout");
     }
+    for r in created.iter_mut() {
+        if save(store, r).await? {
+            tracing::info!(id = %r.id, service = %r.service, bucket = %r.bucket, state = r.state.as_str(), change = %r.change, "rollout");
+        }
+    }
     set_accounted(store, base.doc).await?;
-    open.retain(is_open);
-    open.extend(created);
-    Ok(open)
+    self::open(store).await
 }
 
 /// What the controller of `region` runs: `base`, with each bucket under an open rollout kept
@@ -714,22 +808,30 @@ pub async fn reached(
     region: &str,
     now: DateTime<Utc>,
 ) -> Result<(), StoreError> {
-    for r in open.iter_mut() {
-        if r.state == RolloutState::Baking
-            && r.stage_started_ms.is_none()
-            && r.current_regions().iter().any(|x| x == region)
+    for slot in open.iter_mut() {
+        if slot.state == RolloutState::Baking
+            && slot.stage_started_ms.is_none()
+            && slot.current_regions().iter().any(|x| x == region)
         {
+            let mut r = slot.clone();
             r.stage_started_ms = Some(now.timestamp_millis());
             r.updated_ms = now.timestamp_millis();
-            store.put_rollout(&r.row()).await?;
+            if save(store, &mut r).await? {
+                *slot = r;
+            } else {
+                // Another process changed it since it was read (judged, superseded): what it
+                // wrote stands; the next push reads it again.
+                tracing::warn!(id = %slot.id, "rollout changed in the store meanwhile (another rlc process); its stage start is not recorded over it");
+            }
         }
     }
     Ok(())
 }
 
 /// Judges every baking rollout on its current stage's counts ([`grl_wire::rollout::judge`]):
-/// promoted to the next stage, done, or aborted with the evidence. Updates the store and
-/// `open`.
+/// promoted to the next stage, done, or aborted with the evidence. A stage whose candidate
+/// never reached a controller is judged too: aborted once it waited `max_bake` ("never ran").
+/// Updates the store and `open`.
 pub async fn judge(
     store: &Store,
     open: &mut [Rollout],
@@ -738,10 +840,15 @@ pub async fn judge(
     use grl_wire::rollout::{judge as verdict_of, Observed, RolloutRule, Verdict};
     let now_ms = now.timestamp_millis();
     let mut out = Vec::new();
-    for r in open.iter_mut() {
-        if r.state != RolloutState::Baking || r.stage_started_ms.is_none() {
+    for slot in open.iter_mut() {
+        if slot.state != RolloutState::Baking {
             continue;
         }
+        // Judged on a copy: `open` keeps what the store holds when another process wrote the
+        // rollout since it was read.
+        let mut next = slot.clone();
+        let r = &mut next;
+        let mut transition = None;
         let regions = r.current_regions().to_vec();
         let counts = store.candidate_counts(&r.id).await?;
         let mut f = StageFigures::default();
@@ -770,8 +877,10 @@ pub async fn judge(
             })
             .reduce(f64::min)
             .unwrap_or(0.0);
+        let waited = ((now_ms - r.stage_began()).max(0)) as f64 / 1000.0;
         let seen = Observed {
             baked: std::time::Duration::from_secs_f64(baked),
+            waited: std::time::Duration::from_secs_f64(waited),
             offered: f.offered,
             virtual_dropped: f.virtual_dropped,
             // A count that is not a finite positive number of seconds covers nothing.
@@ -782,55 +891,110 @@ pub async fn judge(
         r.figures = f.clone();
         match verdict {
             Verdict::Baking => {
-                if changed {
-                    r.updated_ms = now_ms;
-                    store.put_rollout(&r.row()).await?;
+                if !changed {
+                    continue;
                 }
-                continue;
             }
             Verdict::Promote => {
                 let passed = r.stage + 1;
-                tracing::info!(id = %r.id, service = %r.service, bucket = %r.bucket, stage = passed, regions = %regions.join(","), offered = f.offered, virtual_dropped = f.virtual_dropped, "rollout stage passed");
                 r.stage += 1;
                 if r.stage >= r.stages.len() {
                     r.state = RolloutState::Done;
                     r.stage_started_ms = None;
-                    out.push(Transition::Done(r.id.clone()));
+                    transition = Some(Transition::Done(r.id.clone()));
                 } else {
                     r.stage_started_ms = None;
+                    r.stage_began_ms = Some(now_ms);
                     r.figures = StageFigures::default();
-                    out.push(Transition::Promoted {
+                    transition = Some(Transition::Promoted {
                         id: r.id.clone(),
                         stage: passed,
                     });
                 }
             }
-            Verdict::Abort { reason } => {
+            Verdict::Abort { reason }
+                if r.stage_started_ms.is_none()
+                    && !counts.iter().any(|c| regions.contains(&c.region)) =>
+            {
                 let evidence = format!(
-                    "{reason}; in region {} over {} of bake: {} of {} offered requests ({:.3} %) would have been refused by the candidate's {} rps (in force: {}; real drops meanwhile: {})",
+                    "{reason}; in region {}: the candidate never reached the controller(s) in {} (unreachable, or older than grl-proto 5); they kept {}",
+                    regions.join(", "),
+                    schema::HumanDuration(std::time::Duration::from_secs(waited as u64)),
+                    in_force_words(r),
+                );
+                r.state = RolloutState::Aborted;
+                r.reason = Some(evidence);
+                r.revert_pending = true;
+                transition = Some(Transition::Aborted(r.id.clone()));
+            }
+            Verdict::Abort { reason } => {
+                // The regions with no counts at all: their controller never got the
+                // candidate, or could not be read.
+                let silent: Vec<&str> = regions
+                    .iter()
+                    .filter(|x| !counts.iter().any(|c| &c.region == *x))
+                    .map(String::as_str)
+                    .collect();
+                let silent = if silent.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        "; no counts from region {} (its controller never ran the candidate, or could not be read)",
+                        silent.join(", ")
+                    )
+                };
+                let evidence = format!(
+                    "{reason}; in region {} over {} of bake: {} of {} offered requests ({:.3} %) would have been refused by the candidate's {} rps (in force: {}; real drops meanwhile: {}){silent}",
                     regions.join(", "),
                     schema::HumanDuration(std::time::Duration::from_secs(baked.max(1.0) as u64)),
                     fmt_count(f.virtual_dropped),
                     fmt_count(f.offered),
                     f.share() * 100.0,
                     schema::format_rps(r.new.limit_rps),
-                    r.old
-                        .as_ref()
-                        .map(|o| format!("{} rps {}", schema::format_rps(o.limit_rps), o.mode.as_str()))
-                        .unwrap_or_else(|| "no bucket".into()),
+                    in_force_words(r),
                     fmt_count(f.enforced_dropped),
                 );
-                tracing::warn!(id = %r.id, service = %r.service, bucket = %r.bucket, reason = %evidence, "rollout aborted");
                 r.state = RolloutState::Aborted;
                 r.reason = Some(evidence);
                 r.revert_pending = true;
-                out.push(Transition::Aborted(r.id.clone()));
+                transition = Some(Transition::Aborted(r.id.clone()));
             }
         }
         r.updated_ms = now_ms;
-        store.put_rollout(&r.row()).await?;
+        if !save(store, r).await? {
+            tracing::warn!(id = %r.id, "rollout changed in the store meanwhile (another rlc process); judged again at the next poll");
+            continue;
+        }
+        match &transition {
+            Some(Transition::Aborted(_)) => {
+                tracing::warn!(id = %r.id, service = %r.service, bucket = %r.bucket, reason = r.reason.as_deref().unwrap_or(""), "rollout aborted")
+            }
+            Some(Transition::Promoted { stage, .. }) => {
+                tracing::info!(id = %r.id, service = %r.service, bucket = %r.bucket, stage, regions = %regions.join(","), offered = f.offered, virtual_dropped = f.virtual_dropped, "rollout stage passed")
+            }
+            Some(Transition::Done(_)) => {
+                tracing::info!(id = %r.id, service = %r.service, bucket = %r.bucket, stage = r.stages.len(), regions = %regions.join(","), offered = f.offered, virtual_dropped = f.virtual_dropped, "rollout stage passed; done")
+            }
+            None => {}
+        }
+        *slot = next;
+        out.extend(transition);
     }
     Ok(out)
+}
+
+/// The spec in force of `r` in words (`3470 rps enforce`, `no bucket`).
+fn in_force_words(r: &Rollout) -> String {
+    r.old
+        .as_ref()
+        .map(|o| {
+            format!(
+                "{} rps {}",
+                schema::format_rps(o.limit_rps),
+                o.mode.as_str()
+            )
+        })
+        .unwrap_or_else(|| "no bucket".into())
 }
 
 /// Marks the config repo of aborted `r` as back in line (`how`: the revert commit or the
@@ -841,10 +1005,13 @@ pub async fn reverted(
     how: String,
     now: DateTime<Utc>,
 ) -> Result<(), StoreError> {
-    r.revert_pending = false;
-    r.revert = Some(how);
-    r.updated_ms = now.timestamp_millis();
-    store.put_rollout(&r.row()).await
+    let mut next = r.clone();
+    next.revert_pending = false;
+    next.revert = Some(how);
+    next.updated_ms = now.timestamp_millis();
+    save_or_conflict(store, &mut next).await?;
+    *r = next;
+    Ok(())
 }
 
 /// The newest rollout of each bucket (for the quota API and the dashboard), and every recent
@@ -861,4 +1028,55 @@ pub async fn latest_by_bucket(
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A rollout stored before `stage_began_ms` existed: its stage began when its candidate
+    /// first reached a controller, else (pending: its row is written only when the stage
+    /// begins) at its last change; so a stage pending since before an upgrade still ends.
+    #[test]
+    fn a_row_stored_before_stage_began_existed_begins_its_stage_at_its_last_change() {
+        let r = Rollout {
+            id: "rlc-1".into(),
+            service: "pay".into(),
+            bucket: "gw".into(),
+            old: Some(crate::gitops::tests::planned("pay", "gw", 3470.0).bucket),
+            new: crate::gitops::tests::planned("pay", "gw", 100.0).bucket,
+            change: "lowered 3470 -> 100 rps".into(),
+            version: "abc".into(),
+            settings: schema::RolloutSpec::default().resolved(),
+            stages: vec![vec!["eu".into()]],
+            stage: 0,
+            stage_started_ms: None,
+            stage_began_ms: Some(1_000),
+            state: RolloutState::Baking,
+            reason: None,
+            fingerprint: "fp".into(),
+            created_ms: 1_000,
+            updated_ms: 5_000,
+            figures: StageFigures::default(),
+            revert: None,
+            revert_pending: false,
+            settled: false,
+            rev: Some(3),
+        };
+        assert_eq!(r.stage_began(), 1_000);
+        let mut doc = serde_json::to_value(&r).unwrap();
+        doc.as_object_mut().unwrap().remove("stage_began_ms");
+        assert!(
+            doc.get("rev").is_none(),
+            "the revision is the row's, not the document's"
+        );
+        let old: Rollout = serde_json::from_value(doc).unwrap();
+        assert_eq!(old.stage_began_ms, None);
+        assert_eq!(old.stage_began(), 5_000);
+        let reached = Rollout {
+            stage_started_ms: Some(4_000),
+            ..old
+        };
+        assert_eq!(reached.stage_began(), 4_000);
+    }
 }

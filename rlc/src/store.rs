@@ -43,6 +43,12 @@ pub enum StoreError {
         /// deleted | replaced by another file.
         what: &'static str,
     },
+    /// A row changed in the store since it was read (another rlc process wrote it, e.g.
+    /// `rlc run --once` beside `rlc serve`): not overwritten; read it again.
+    #[error(
+        "store: {0} changed since it was read (another rlc process wrote it); not overwritten"
+    )]
+    Conflict(String),
 }
 
 impl StoreError {
@@ -60,7 +66,7 @@ impl StoreError {
                     | sqlx::Error::PoolClosed
                     | sqlx::Error::WorkerCrashed
             ),
-            StoreError::Migrate(_) | StoreError::Scheme => false,
+            StoreError::Migrate(_) | StoreError::Scheme | StoreError::Conflict(_) => false,
         }
     }
 }

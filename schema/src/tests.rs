@@ -203,6 +203,7 @@ fn daemon_config_store_retention() {
     let c = load_daemon_config(&p).unwrap();
     assert_eq!(c.store.shadow_raw_retention.as_secs(), 48 * 3600);
     assert_eq!(c.store.shadow_rollup_retention.as_secs(), 35 * 86_400);
+    assert_eq!(c.store.rollout_retention.as_secs(), 90 * 86_400);
     assert_eq!(
         (
             c.store.query_timeout.as_secs(),
@@ -212,10 +213,13 @@ fn daemon_config_store_retention() {
     );
     std::fs::write(
         &p,
-        format!("{base}store:\n  query_timeout: 2s\n  write_timeout: 1m\n"),
+        format!(
+            "{base}store:\n  query_timeout: 2s\n  write_timeout: 1m\n  rollout_retention: 2w\n"
+        ),
     )
     .unwrap();
     let c = load_daemon_config(&p).unwrap();
+    assert_eq!(c.store.rollout_retention.as_secs(), 14 * 86_400);
     assert_eq!(
         (
             c.store.query_timeout.as_secs(),
@@ -249,6 +253,7 @@ fn daemon_config_store_retention() {
         "shadow_raw_retention: 0h",
         "query_timeout: 0s",
         "write_timeout: soon",
+        "rollout_retention: 0d",
         "raw: 1h",
     ] {
         std::fs::write(&p, format!("{base}store:\n  {bad}\n")).unwrap();

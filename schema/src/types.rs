@@ -418,8 +418,9 @@ pub struct RolloutSpec {
     /// that saw fewer waits, up to `max_bake`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub min_offered: Option<f64>,
-    /// The longest a stage waits for `min_offered` (default `24h`); then the candidate is
-    /// aborted for too little traffic.
+    /// The longest a stage lasts, from when it began (default `24h`, never shorter than
+    /// `bake`): a candidate still short of `min_offered`, or of every controller's counts,
+    /// is then aborted, and so is one that never reached the stage's controllers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_bake: Option<HumanDuration>,
     /// Regions rolled out in order, each list a stage (`[[eu-west], ["*"]]`); `*` is every
@@ -979,6 +980,12 @@ pub struct StoreConfig {
     /// readiness figures read; 35d default. Must not be shorter than `shadow_raw_retention`.
     #[serde(default = "default_shadow_rollup_retention")]
     pub shadow_rollup_retention: HumanDuration,
+    /// Finished rollouts (done, superseded, and aborted ones the base branch no longer holds)
+    /// are kept this long after their last change, with their candidate counts, then deleted;
+    /// an aborted change deleted so is no longer held back from proposals (it would be tried
+    /// as a candidate again). Open rollouts are never deleted; 90d default.
+    #[serde(default = "default_rollout_retention")]
+    pub rollout_retention: HumanDuration,
     /// Longest wait for one store query of a dashboard request (`GET /`, `/buckets/...`,
     /// `/v1/shadow...`, `/v1/runs`): a part not loaded in time is named on the page (HTTP
     /// 503) instead of the page hanging on a store that is down or slow; 5s default.
@@ -1006,6 +1013,7 @@ impl Default for StoreConfig {
         StoreConfig {
             shadow_raw_retention: default_shadow_raw_retention(),
             shadow_rollup_retention: default_shadow_rollup_retention(),
+            rollout_retention: default_rollout_retention(),
             query_timeout: default_store_query_timeout(),
             write_timeout: default_store_write_timeout(),
             journal_dir: default_journal_dir(),
@@ -1018,6 +1026,9 @@ fn default_shadow_raw_retention() -> HumanDuration {
 }
 fn default_shadow_rollup_retention() -> HumanDuration {
     HumanDuration(Duration::from_secs(35 * 86_400))
+}
+fn default_rollout_retention() -> HumanDuration {
+    HumanDuration(Duration::from_secs(90 * 86_400))
 }
 fn default_store_query_timeout() -> HumanDuration {
     HumanDuration(Duration::from_secs(5))

@@ -29,6 +29,8 @@ struct Ctl {
     docs: Arc<Mutex<Vec<ConfigDoc>>>,
     /// `GET /v1/candidates` answers 503 while set (the counts cannot be read).
     blind: Arc<std::sync::atomic::AtomicBool>,
+    /// Announces grl-proto 4 while set (a controller that predates candidates).
+    old: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Ctl {
@@ -59,7 +61,12 @@ async fn put_config(State(c): State<Ctl>, Json(doc): Json<ConfigDoc>) -> Json<Va
 
 async fn status(State(c): State<Ctl>) -> (HeaderMap, Json<Value>) {
     let mut h = HeaderMap::new();
-    h.insert("grl-proto", "5".parse().unwrap());
+    let proto = if c.old.load(std::sync::atomic::Ordering::SeqCst) {
+        "4"
+    } else {
+        "5"
+    };
+    h.insert("grl-proto", proto.parse().unwrap());
     let v = c.doc.lock().unwrap().as_ref().map(|d| d.version.clone());
     (h, Json(json!({"version": v})))
 }
@@ -107,9 +114,16 @@ async fn spawn(c: Ctl) -> String {
 
 /// A config repo with payments/gw at 3,470 rps and `rollout:` (bake 2s, `stages`).
 fn remote(stages: &str) -> GitRemote {
+    remote_with(&format!(
+        "  bake: 2s\n  min_offered: 100\n  max_bake: 1m\n{stages}"
+    ))
+}
+
+/// A config repo with payments/gw at 3,470 rps and `rollout:` with the keys `rollout`.
+fn remote_with(rollout: &str) -> GitRemote {
     let files = [
         ("rlc/policies.yaml".to_string(), format!(
-            "default:\n  policy: peak\n  headroom: 0.25\nrollout:\n  bake: 2s\n  min_offered: 100\n  max_bake: 1m\n{stages}"
+            "default:\n  policy: peak\n  headroom: 0.25\nrollout:\n{rollout}"
         )),
         ("buckets/payments.yaml".to_string(),
          "service: payments\nbuckets:\n  - name: gw\n    caller: gw\n    scope: global\n    limit_rps: 3470\n    mode: enforce\n    policy: peak\n".to_string()),
@@ -168,15 +182,31 @@ fn gw(limit: f64) -> Plan {
 
 /// `rlc serve`'s poll, until the newest rollout of payments/gw satisfies `done`; returns it.
 async fn poll_until(cycle: &Cycle, done: impl Fn(&rollout::Rollout) -> bool) -> rollout::Rollout {
+    poll_bucket(cycle, ("payments", "gw"), Duration::from_secs(60), done).await
+}
+
+/// `rlc serve`'s poll, until the newest rollout of `bucket` (service, bucket) satisfies
+/// `done`, for at most `within`; returns it.
+async fn poll_bucket(
+    cycle: &Cycle,
+    bucket: (&str, &str),
+    within: Duration,
+    done: impl Fn(&rollout::Rollout) -> bool,
+) -> rollout::Rollout {
     let store = cycle.store().await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let deadline = Instant::now() + within;
+    let key = (bucket.0.to_string(), bucket.1.to_string());
     loop {
         cycle.rollout_tick().await;
         let (_, base) = cycle.poll().await.unwrap();
         let rep = cycle.push_all(&base, None).await;
         assert!(rep.errors.is_empty(), "{:?}", rep.errors);
         let latest = rollout::latest_by_bucket(&store, 10).await.unwrap();
-        let r = latest[&("payments".to_string(), "gw".to_string())].clone();
+        let Some(r) = latest.get(&key).cloned() else {
+            assert!(Instant::now() < deadline, "no rollout of {key:?}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        };
         if done(&r) {
             return r;
         }
@@ -515,4 +545,121 @@ async fn with_rollout_set_and_the_store_gone_the_controllers_keep_what_they_run(
         ctl.doc.lock().unwrap().as_ref().unwrap().candidates.len(),
         1
     );
+}
+
+/// A stage whose controller never gets the candidate (it predates candidates: grl-proto 4)
+/// does not hold the rollout forever: once the stage waited `max_bake` it is aborted, the
+/// reason saying the candidate never ran, never earlier, and the config repo is brought back
+/// in line. The controller kept the limit in force throughout.
+#[tokio::test]
+async fn a_stage_whose_controllers_never_get_the_candidate_is_aborted_at_max_bake() {
+    let remote = remote_with("  bake: 1s\n  min_offered: 100\n  max_bake: 3s\n");
+    let (ctl, cycle, _) = eu_cycle(&remote, "").await;
+    ctl.old.store(true, std::sync::atomic::Ordering::SeqCst);
+    let began = Instant::now();
+    let out = cycle.apply(&gw(100.0), "once").await;
+    assert_eq!(out.status, RunStatus::Success, "{out}");
+    assert_eq!(out.rollouts[0].state, "pending", "{out}");
+    assert!(
+        out.rollouts[0].summary.contains("aborted if it has not by"),
+        "{out}"
+    );
+    let r = poll_bucket(&cycle, ("payments", "gw"), Duration::from_secs(20), |r| {
+        r.state != RolloutState::Baking
+    })
+    .await;
+    assert!(
+        began.elapsed() >= Duration::from_secs(3),
+        "not before max_bake"
+    );
+    assert_eq!(r.state, RolloutState::Aborted, "{r:?}");
+    let reason = r.reason.clone().unwrap();
+    assert!(reason.starts_with("never ran"), "{reason}");
+    assert!(
+        reason.contains("never reached the controller(s)"),
+        "{reason}"
+    );
+    assert!(reason.contains("in region eu"), "{reason}");
+    let r = poll_until(&cycle, |r| !r.revert_pending).await;
+    assert!(
+        r.revert
+            .as_deref()
+            .unwrap()
+            .starts_with("reverted by commit"),
+        "{r:?}"
+    );
+    assert!(remote
+        .read("main", "buckets/payments.yaml")
+        .unwrap()
+        .contains("limit_rps: 3470\n"));
+    assert!(ctl
+        .docs
+        .lock()
+        .unwrap()
+        .iter()
+        .all(|d| d.candidates.is_empty() && d.services[0].buckets[0].limit_rps == 3470.0));
+}
+
+/// A person adds a new service whose only bucket enforces 100 rps (150 offered): its
+/// candidate fails. Bringing the config repo back in line means removing the file the change
+/// added (the spec in force is "no bucket"), not recording success while the base still holds
+/// it.
+#[tokio::test]
+async fn an_aborted_new_service_is_reverted_by_removing_its_file() {
+    let remote = remote("");
+    let (ctl, cycle, _) = eu_cycle(&remote, "").await;
+    // The base as it is is accounted (what is in force).
+    let (_, base) = cycle.poll().await.unwrap();
+    assert!(cycle.push_all(&base, None).await.errors.is_empty());
+    let added = remote
+        .human_commit(
+            "main",
+            &[(
+                "buckets/billing.yaml",
+                "service: billing\nbuckets:\n  - name: api\n    caller: web\n    scope: global\n    limit_rps: 100\n    mode: enforce\n    policy: peak\n",
+            )],
+            "add billing",
+        )
+        .unwrap();
+    let r = poll_bucket(&cycle, ("billing", "api"), Duration::from_secs(60), |r| {
+        r.state == RolloutState::Aborted && !r.revert_pending
+    })
+    .await;
+    assert_eq!(r.version, added);
+    assert_eq!(r.old, None, "a new bucket: {r:?}");
+    let revert = r.revert.clone().unwrap();
+    assert!(revert.starts_with("reverted by commit"), "{revert}");
+    assert!(
+        remote.read("main", "buckets/billing.yaml").is_err(),
+        "the file the change added is gone"
+    );
+    assert!(remote
+        .read("main", "buckets/payments.yaml")
+        .unwrap()
+        .contains("limit_rps: 3470\n"));
+    let msg = git(
+        &remote.bare_path(),
+        &["log", "-1", "--format=%B", "refs/heads/main"],
+    )
+    .unwrap();
+    assert!(
+        msg.starts_with("rlc: revert billing/api to no bucket: rollout aborted"),
+        "{msg}"
+    );
+    // Back in line: the controller runs the revert commit as it is, without billing.
+    let (_, base) = cycle.poll().await.unwrap();
+    assert!(cycle.push_all(&base, None).await.errors.is_empty());
+    let doc = ctl.doc.lock().unwrap().clone().unwrap();
+    assert_eq!(Some(doc.version.clone()), remote.head("main"));
+    assert!(doc.candidates.is_empty());
+    assert!(
+        doc.services.iter().all(|f| f.service != "billing"),
+        "{doc:?}"
+    );
+    // The enforcing 100 rps never reached the controller in force.
+    assert!(ctl.docs.lock().unwrap().iter().all(|d| d
+        .services
+        .iter()
+        .filter(|f| f.service == "billing")
+        .all(|f| f.buckets.is_empty())));
 }

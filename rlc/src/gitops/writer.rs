@@ -153,6 +153,9 @@ pub struct Writer {
     /// The commit message of the next writes instead of the change summary's (a rollout's
     /// revert names its evidence).
     message: Option<String>,
+    /// Services whose `buckets/<service>.yaml` the next writes remove (a rollout's revert of
+    /// a new service's only bucket).
+    removing: Vec<String>,
 }
 
 enum PushFailure {
@@ -289,12 +292,19 @@ impl Writer {
             attempts: 0,
             cloned,
             message: None,
+            removing: Vec::new(),
         })
     }
 
     /// The commit message of the next writes (instead of the change summary's).
     pub fn set_message(&mut self, message: String) {
         self.message = Some(message);
+    }
+
+    /// The next writes also remove `buckets/<service>.yaml` of each of `services` (a service
+    /// the plan leaves without a bucket: a file with no bucket is not written).
+    pub fn set_removing(&mut self, services: Vec<String>) {
+        self.removing = services;
     }
 
     /// Sets a hook called right before each push (fault injection in tests).
@@ -627,16 +637,27 @@ impl Writer {
         let base_id = base.id();
         let base_tree = base.tree().map_err(|e| fatal(e.into()))?;
         let old = read_buckets(&self.repo, &base_tree).map_err(fatal)?;
-        let new_files = plan.bucket_files();
+        let mut new_files = plan.bucket_files();
+        // A removed service: no bucket left, so the summary names each of its buckets removed.
+        for service in &self.removing {
+            if !new_files.iter().any(|f| &f.service == service) {
+                new_files.push(BucketFile {
+                    service: service.clone(),
+                    buckets: Vec::new(),
+                });
+            }
+        }
         let summary = summary::diff(&old, &new_files);
 
-        let blobs: Vec<(String, Vec<u8>)> = new_files
+        let blobs: Vec<(String, Option<Vec<u8>>)> = new_files
             .iter()
             .map(|f| {
-                (
-                    format!("buckets/{}.yaml", f.service),
-                    schema::render_bucket_file(f).into_bytes(),
-                )
+                let path = format!("buckets/{}.yaml", f.service);
+                if f.buckets.is_empty() && self.removing.contains(&f.service) {
+                    (path, None)
+                } else {
+                    (path, Some(schema::render_bucket_file(f).into_bytes()))
+                }
             })
             .collect();
         let tree_id = build_tree(&self.repo, &base_tree, &blobs).map_err(fatal)?;
@@ -966,16 +987,20 @@ fn parse_bucket_blob(repo: &Repository, id: Oid, path: &str) -> Option<BucketFil
         .map(|f| f.value)
 }
 
-/// `base` with `files` (paths one directory deep, e.g. `buckets/x.yaml`) written in.
+/// `base` with `files` (paths one directory deep, e.g. `buckets/x.yaml`) written in, or
+/// removed (`None`; a directory left empty goes too).
 fn build_tree(
     repo: &Repository,
     base: &Tree<'_>,
-    files: &[(String, Vec<u8>)],
+    files: &[(String, Option<Vec<u8>>)],
 ) -> Result<Oid, GitOpsError> {
-    let mut by_dir: BTreeMap<&str, Vec<(&str, &[u8])>> = BTreeMap::new();
+    let mut by_dir: BTreeMap<&str, Vec<(&str, Option<&[u8]>)>> = BTreeMap::new();
     for (path, bytes) in files {
         let (dir, name) = path.split_once('/').expect("generated paths are dir/file");
-        by_dir.entry(dir).or_default().push((name, bytes));
+        by_dir
+            .entry(dir)
+            .or_default()
+            .push((name, bytes.as_deref()));
     }
     let mut root = repo.treebuilder(Some(base))?;
     for (dir, entries) in by_dir {
@@ -985,10 +1010,25 @@ fn build_tree(
         };
         let mut sub = repo.treebuilder(existing.as_ref())?;
         for (name, bytes) in entries {
-            let blob = repo.blob(bytes)?;
-            sub.insert(name, blob, 0o100644)?;
+            match bytes {
+                Some(bytes) => {
+                    let blob = repo.blob(bytes)?;
+                    sub.insert(name, blob, 0o100644)?;
+                }
+                None => {
+                    if sub.get(name)?.is_some() {
+                        sub.remove(name)?;
+                    }
+                }
+            }
         }
-        root.insert(dir, sub.write()?, 0o040000)?;
+        if sub.is_empty() {
+            if root.get(dir)?.is_some() {
+                root.remove(dir)?;
+            }
+        } else {
+            root.insert(dir, sub.write()?, 0o040000)?;
+        }
     }
     Ok(root.write()?)
 }

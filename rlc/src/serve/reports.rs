@@ -210,7 +210,8 @@ impl Loop {
     }
 
     /// Deletes reports past their retention (`store.shadow_raw_retention`,
-    /// `store.shadow_rollup_retention`), at most every [`RETENTION_EVERY`].
+    /// `store.shadow_rollup_retention`) and finished rollouts past theirs
+    /// (`store.rollout_retention`), at most every [`RETENTION_EVERY`].
     pub(super) async fn retention(&mut self) {
         let now = tokio::time::Instant::now();
         if self
@@ -239,6 +240,15 @@ impl Loop {
                 "report retention applied"
             ),
             Err(e) => tracing::warn!(error = %e, "report retention failed; retrying later"),
+        }
+        let pass = crate::rollout::prune(&store, ago(cfg.rollout_retention));
+        match within(cfg.write_timeout.0, pass).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(
+                rollouts = n,
+                "finished rollouts past store.rollout_retention deleted"
+            ),
+            Err(e) => tracing::warn!(error = %e, "rollout retention failed; retrying later"),
         }
     }
 }

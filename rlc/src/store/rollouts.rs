@@ -21,6 +21,8 @@ pub struct RolloutRow {
     pub updated_ms: i64,
     /// The rollout as JSON.
     pub doc: String,
+    /// Its revision: 0 when inserted, one more at each update ([`Store::update_rollout`]).
+    pub rev: i64,
 }
 
 /// One row of `rollout_counts`: a controller process's cumulative counts of one candidate.
@@ -44,16 +46,16 @@ pub struct CountRow {
     pub updated_ms: i64,
 }
 
-const COLS: &str = "id, service, bucket, state, created_ms, updated_ms, doc";
+const COLS: &str = "id, service, bucket, state, created_ms, updated_ms, doc, rev";
 
 impl Store {
-    /// Inserts or replaces a rollout.
-    pub async fn put_rollout(&self, r: &RolloutRow) -> Result<(), StoreError> {
+    /// Inserts a new rollout at revision 0; `false` when a rollout of that id is already
+    /// stored (left as it is: another process created it).
+    pub async fn insert_rollout(&self, r: &RolloutRow) -> Result<bool, StoreError> {
         on_pool!(self, pool => {
-            sqlx::query(
-                "INSERT INTO rollouts (id, service, bucket, state, created_ms, updated_ms, doc) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (id) DO UPDATE SET \
-                 state = excluded.state, updated_ms = excluded.updated_ms, doc = excluded.doc",
+            let n = sqlx::query(
+                "INSERT INTO rollouts (id, service, bucket, state, created_ms, updated_ms, doc, rev) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, 0) ON CONFLICT (id) DO NOTHING",
             )
             .bind(&r.id)
             .bind(&r.service)
@@ -63,8 +65,30 @@ impl Store {
             .bind(r.updated_ms)
             .bind(&r.doc)
             .execute(pool)
-            .await?;
-            Ok(())
+            .await?
+            .rows_affected();
+            Ok(n == 1)
+        })
+    }
+
+    /// Replaces a stored rollout's state, time and document if it is still at revision
+    /// `r.rev` (the one it was read at), and moves it to `r.rev + 1`; `false` (nothing written)
+    /// when another writer changed or deleted it since.
+    pub async fn update_rollout(&self, r: &RolloutRow) -> Result<bool, StoreError> {
+        on_pool!(self, pool => {
+            let n = sqlx::query(
+                "UPDATE rollouts SET state = $2, updated_ms = $3, doc = $4, rev = rev + 1 \
+                 WHERE id = $1 AND rev = $5",
+            )
+            .bind(&r.id)
+            .bind(&r.state)
+            .bind(r.updated_ms)
+            .bind(&r.doc)
+            .bind(r.rev)
+            .execute(pool)
+            .await?
+            .rows_affected();
+            Ok(n == 1)
         })
     }
 
@@ -129,6 +153,58 @@ impl Store {
             });
         }
         Ok(())
+    }
+
+    /// Deletes the rollouts in state `state` last changed before `before_ms`, with their
+    /// counts (one transaction); returns how many rollouts went.
+    pub async fn delete_rollouts_before(
+        &self,
+        state: &str,
+        before_ms: i64,
+    ) -> Result<u64, StoreError> {
+        on_pool!(self, pool => {
+            let mut tx = pool.begin().await?;
+            sqlx::query(
+                "DELETE FROM rollout_counts WHERE rollout_id IN \
+                 (SELECT id FROM rollouts WHERE state = $1 AND updated_ms < $2)",
+            )
+            .bind(state)
+            .bind(before_ms)
+            .execute(&mut *tx)
+            .await?;
+            let n = sqlx::query("DELETE FROM rollouts WHERE state = $1 AND updated_ms < $2")
+                .bind(state)
+                .bind(before_ms)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            tx.commit().await?;
+            Ok(n)
+        })
+    }
+
+    /// Deletes the rollouts `ids` with their counts (one transaction); returns how many went.
+    pub async fn delete_rollouts(&self, ids: &[String]) -> Result<u64, StoreError> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        on_pool!(self, pool => {
+            let mut tx = pool.begin().await?;
+            let mut n = 0;
+            for id in ids {
+                sqlx::query("DELETE FROM rollout_counts WHERE rollout_id = $1")
+                    .bind(id)
+                    .execute(&mut *tx)
+                    .await?;
+                n += sqlx::query("DELETE FROM rollouts WHERE id = $1")
+                    .bind(id)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected();
+            }
+            tx.commit().await?;
+            Ok(n)
+        })
     }
 
     /// Every count row of a rollout.

@@ -1286,9 +1286,10 @@ async fn postgres_migration_0007_keeps_runs_and_records_pull_requests() {
     check_pull_requests(Store::connect(&db.url, Path::new("/")).await.unwrap(), old).await;
 }
 
-/// Rollout rows and candidate counts: a rollout replaced in place, listed by state and by
-/// bucket; the counts of one controller process (epoch) replaced by its newer figures, those
-/// of another epoch kept beside them.
+/// Rollout rows and candidate counts: a rollout inserted once and updated in place over the
+/// revision it was read at (a stale revision, or a second insert of its id, writes nothing),
+/// listed by state and by bucket; the counts of one controller process (epoch) replaced by its
+/// newer figures, those of another epoch kept beside them.
 async fn check_rollouts(store: Store) {
     let row = |id: &str, state: &str, at: i64| RolloutRow {
         id: id.into(),
@@ -1298,10 +1299,24 @@ async fn check_rollouts(store: Store) {
         created_ms: at,
         updated_ms: at,
         doc: format!("{{\"id\":\"{id}\"}}"),
+        rev: 0,
     };
-    store.put_rollout(&row("r1", "baking", 1)).await.unwrap();
-    store.put_rollout(&row("r2", "baking", 2)).await.unwrap();
-    store.put_rollout(&row("r1", "aborted", 3)).await.unwrap();
+    assert!(store.insert_rollout(&row("r1", "baking", 1)).await.unwrap());
+    assert!(store.insert_rollout(&row("r2", "baking", 2)).await.unwrap());
+    assert!(!store.insert_rollout(&row("r1", "done", 9)).await.unwrap());
+    assert!(store
+        .update_rollout(&row("r1", "aborted", 3))
+        .await
+        .unwrap());
+    // Read at revision 0, written over revision 1: refused.
+    assert!(!store.update_rollout(&row("r1", "done", 4)).await.unwrap());
+    assert!(store
+        .update_rollout(&RolloutRow {
+            rev: 1,
+            ..row("r1", "aborted", 3)
+        })
+        .await
+        .unwrap());
     let baking = store.rollouts_in(&["baking"]).await.unwrap();
     assert_eq!(
         baking.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
@@ -1309,7 +1324,10 @@ async fn check_rollouts(store: Store) {
     );
     let both = store.rollouts_in(&["baking", "aborted"]).await.unwrap();
     assert_eq!(both.len(), 2);
-    assert_eq!((both[0].id.as_str(), both[0].updated_ms), ("r1", 3));
+    assert_eq!(
+        (both[0].id.as_str(), both[0].updated_ms, both[0].rev),
+        ("r1", 3, 2)
+    );
     let newest = store
         .recent_rollouts(Some(("pay", "charge")), 1)
         .await
@@ -1356,4 +1374,234 @@ async fn sqlite_rollouts() {
 async fn postgres_rollouts() {
     let db = test_support::postgres::fresh_database().await.unwrap();
     check_rollouts(Store::connect(&db.url, Path::new("/")).await.unwrap()).await;
+}
+
+/// `store.rollout_retention`: finished rollouts last changed before the cutoff go with their
+/// counts (done, superseded, aborted ones the base no longer holds, whose hold lifts); open
+/// ones stay however old (baking, aborted while the base still holds the change), and so do
+/// recent finished ones.
+async fn check_rollout_retention(store: Store) {
+    use crate::rollout::{self, Rollout, RolloutState};
+    let day = 86_400_000;
+    let now = Utc.with_ymd_and_hms(2026, 11, 30, 3, 0, 0).unwrap();
+    let now_ms = now.timestamp_millis();
+    let rollout = |id: &str, state: RolloutState, settled: bool, age_days: i64| Rollout {
+        id: id.into(),
+        service: "pay".into(),
+        bucket: id.into(),
+        old: Some(crate::gitops::tests::planned("pay", id, 3470.0).bucket),
+        new: crate::gitops::tests::planned("pay", id, 100.0).bucket,
+        change: "lowered 3470 -> 100 rps".into(),
+        version: "abc".into(),
+        settings: schema::RolloutSpec::default().resolved(),
+        stages: vec![vec!["eu".into()]],
+        stage: 0,
+        stage_started_ms: Some(now_ms - age_days * day),
+        stage_began_ms: Some(now_ms - age_days * day),
+        state,
+        reason: Some("why".into()),
+        fingerprint: format!("fp-{id}"),
+        created_ms: now_ms - age_days * day,
+        updated_ms: now_ms - age_days * day,
+        figures: Default::default(),
+        revert: None,
+        revert_pending: false,
+        settled,
+        rev: None,
+    };
+    let all = [
+        rollout("done-old", RolloutState::Done, false, 100),
+        rollout("superseded-old", RolloutState::Superseded, false, 100),
+        rollout("aborted-settled-old", RolloutState::Aborted, true, 100),
+        rollout("aborted-open-old", RolloutState::Aborted, false, 100),
+        rollout("baking-old", RolloutState::Baking, false, 100),
+        rollout("done-recent", RolloutState::Done, false, 10),
+        rollout("aborted-settled-recent", RolloutState::Aborted, true, 10),
+    ];
+    for r in &all {
+        assert!(store.insert_rollout(&r.row()).await.unwrap());
+        store
+            .record_candidate_counts(&[CountRow {
+                rollout_id: r.id.clone(),
+                region: "eu".into(),
+                epoch: "e1".into(),
+                seconds: 3600.0,
+                offered: 1e6,
+                virtual_dropped: 0.0,
+                enforced_dropped: 0.0,
+                updated_ms: r.updated_ms,
+            }])
+            .await
+            .unwrap();
+    }
+    let held = |a: &[rlc_plan::rollout::Aborted]| {
+        let mut v: Vec<String> = a.iter().map(|a| a.bucket.clone()).collect();
+        v.sort();
+        v
+    };
+    assert_eq!(
+        held(&rollout::aborted_changes(&store).await.unwrap()),
+        [
+            "aborted-open-old",
+            "aborted-settled-old",
+            "aborted-settled-recent"
+        ]
+    );
+    let gone = rollout::prune(&store, now - chrono::Duration::days(90))
+        .await
+        .unwrap();
+    assert_eq!(gone, 3);
+    let mut left: Vec<String> = store
+        .recent_rollouts(None, 100)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    left.sort();
+    assert_eq!(
+        left,
+        [
+            "aborted-open-old",
+            "aborted-settled-recent",
+            "baking-old",
+            "done-recent"
+        ]
+    );
+    for r in &all {
+        let counts = store.candidate_counts(&r.id).await.unwrap().len();
+        assert_eq!(counts, usize::from(left.contains(&r.id)), "{}", r.id);
+    }
+    assert_eq!(
+        held(&rollout::aborted_changes(&store).await.unwrap()),
+        ["aborted-open-old", "aborted-settled-recent"]
+    );
+    // Nothing more to delete.
+    assert_eq!(
+        rollout::prune(&store, now - chrono::Duration::days(90))
+            .await
+            .unwrap(),
+        0
+    );
+}
+
+#[tokio::test]
+async fn sqlite_rollout_retention() {
+    let dir = tempfile::tempdir().unwrap();
+    check_rollout_retention(Store::connect("sqlite://rlc.db", dir.path()).await.unwrap()).await;
+}
+
+#[tokio::test]
+async fn postgres_rollout_retention() {
+    let db = test_support::postgres::fresh_database().await.unwrap();
+    check_rollout_retention(Store::connect(&db.url, Path::new("/")).await.unwrap()).await;
+}
+
+/// Two processes on one store (`rlc run --once` beside `rlc serve`), each working on the
+/// rollouts as it read them: a write made on a copy read before another process's write is
+/// refused, never overwriting it. Last writer wins would bring a superseded rollout back to
+/// baking (the daemon's judge writing new figures after the run superseded it), or an aborted
+/// one (the run recording the stage start after the daemon aborted it).
+async fn check_rollout_writers(store: Store) {
+    use crate::push::ConfigDoc;
+    use crate::rollout::{self, BaseInput, RolloutState};
+    let policies = schema::parse_str::<schema::PoliciesFile>(
+        Path::new("rlc/policies.yaml"),
+        "default:\n  policy: peak\nrollout:\n  bake: 1h\n  max_bake: 2h\n  min_offered: 1000\n",
+    )
+    .unwrap()
+    .value;
+    let doc = |limit: f64| ConfigDoc {
+        version: format!("v{limit}"),
+        services: vec![schema::BucketFile {
+            service: "pay".into(),
+            buckets: vec![crate::gitops::tests::planned("pay", "charge", limit).bucket],
+        }],
+        candidates: vec![],
+    };
+    let regions = ["eu".to_string()];
+    let t0 = Utc.with_ymd_and_hms(2026, 11, 30, 3, 0, 0).unwrap();
+    let account = |limit: f64, at| {
+        let d = doc(limit);
+        let store = store.clone();
+        let policies = policies.clone();
+        let regions = regions.clone();
+        async move {
+            let input = BaseInput {
+                doc: &d,
+                policies: Some(&policies),
+                inputs: "inputs",
+            };
+            rollout::account(&store, &regions, &input, at).await
+        }
+    };
+    assert!(account(3470.0, t0).await.unwrap().is_empty());
+    let mut open = account(100.0, t0).await.unwrap();
+    assert_eq!(open.len(), 1);
+    rollout::reached(&store, &mut open, "eu", t0).await.unwrap();
+    let first = open[0].id.clone();
+
+    // The daemon reads the rollouts; meanwhile a run accounts a newer change of the bucket.
+    let mut daemon = rollout::open(&store).await.unwrap();
+    let t1 = t0 + chrono::Duration::seconds(10);
+    let after = account(90.0, t1).await.unwrap();
+    assert_eq!(after.len(), 1);
+    assert_ne!(after[0].id, first);
+    // The daemon judges its copy on new counts (too few yet: keeps baking, figures change).
+    store
+        .record_candidate_counts(&[CountRow {
+            rollout_id: first.clone(),
+            region: "eu".into(),
+            epoch: "e1".into(),
+            seconds: 10.0,
+            offered: 100.0,
+            virtual_dropped: 0.0,
+            enforced_dropped: 0.0,
+            updated_ms: t1.timestamp_millis(),
+        }])
+        .await
+        .unwrap();
+    let _ = rollout::judge(&store, &mut daemon, t1).await;
+    let state = |id: String| {
+        let store = store.clone();
+        async move {
+            store
+                .recent_rollouts(Some(("pay", "charge")), 10)
+                .await
+                .unwrap()
+                .into_iter()
+                .find(|r| r.id == id)
+                .map(|r| r.state)
+                .unwrap()
+        }
+    };
+    assert_eq!(state(first.clone()).await, "superseded");
+
+    // A run reads the pending rollout of the newer change; meanwhile the daemon aborts it at
+    // the stage's deadline (its candidate never reached a controller).
+    let second = after[0].id.clone();
+    let mut run = rollout::open(&store).await.unwrap();
+    let mut daemon = rollout::open(&store).await.unwrap();
+    let late = t1 + chrono::Duration::hours(3);
+    rollout::judge(&store, &mut daemon, late).await.unwrap();
+    assert_eq!(state(second.clone()).await, "aborted");
+    // The run's push then reaches the controller and records the stage start on its copy.
+    let _ = rollout::reached(&store, &mut run, "eu", late).await;
+    assert_eq!(state(second.clone()).await, "aborted");
+    let open = rollout::open(&store).await.unwrap();
+    assert_eq!(open.len(), 1);
+    assert_eq!(open[0].state, RolloutState::Aborted);
+    assert!(open[0].reason.as_deref().unwrap().starts_with("never ran"));
+}
+
+#[tokio::test]
+async fn sqlite_rollout_writers() {
+    let dir = tempfile::tempdir().unwrap();
+    check_rollout_writers(Store::connect("sqlite://rlc.db", dir.path()).await.unwrap()).await;
+}
+
+#[tokio::test]
+async fn postgres_rollout_writers() {
+    let db = test_support::postgres::fresh_database().await.unwrap();
+    check_rollout_writers(Store::connect(&db.url, Path::new("/")).await.unwrap()).await;
 }
