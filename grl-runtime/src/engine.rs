@@ -745,14 +745,22 @@ impl Engine {
     /// report it names as its base (else [`Ingested::Resync`], and nothing changes). Applying
     /// a full report and then its deltas gives the same sums as applying the full reports
     /// they stand for (`delta_reports_match_full_reports`).
+    ///
+    /// The report's calls count for the candidates only when it is applied: a report answered
+    /// `resync` is sent again in full, calls included.
     pub fn ingest(&mut self, r: &ZoneReport, now_ms: u64) -> Ingested {
-        // Calls are counts since the zone's previous forward, whatever becomes of its rates.
-        self.candidate_calls(r);
-        if let Some(sess) = r.session {
-            if let Some(base) = sess.base {
-                return self.ingest_delta(r, (sess.id, base), sess.seq, now_ms);
-            }
+        let done = match r.session.and_then(|s| s.base.map(|b| (s.id, b, s.seq))) {
+            Some((id, base, seq)) => self.ingest_delta(r, (id, base), seq, now_ms),
+            None => self.ingest_full(r, now_ms),
+        };
+        if done == Ingested::Applied {
+            self.candidate_calls(r);
         }
+        done
+    }
+
+    /// [`Engine::ingest`] of a report without a base.
+    fn ingest_full(&mut self, r: &ZoneReport, now_ms: u64) -> Ingested {
         let zone_name = self.zone_names.id(&r.zone);
         let mut resolved = Vec::with_capacity(r.buckets.len());
         for b in &r.buckets {
@@ -1252,7 +1260,7 @@ impl Engine {
     /// report with one, the directives changed since the ones it holds, and whether the report
     /// was applied or a full one is needed (`resync`).
     pub fn answer(&mut self, r: &ZoneReport, now_ms: u64, unix_now: u64) -> ZoneDirectives {
-        let (idx, session) = self.answer_plan(r, now_ms, unix_now);
+        let (idx, session, _) = self.answer_plan(r, now_ms, unix_now);
         let mut d = match idx {
             None => self.directives_for(&r.region, &r.zone),
             Some(idx) => self.directives_of(idx.into_iter(), &r.region, &r.zone),
@@ -1264,9 +1272,16 @@ impl Engine {
     /// [`Engine::answer`] serialized as JSON: the same bytes as `serde_json::to_vec` of its
     /// reply, built from directives serialized once per change and shared by every zone's
     /// reply (see [`Engine::directives_json`]).
-    pub fn answer_json(&mut self, r: &ZoneReport, now_ms: u64, unix_now: u64) -> Vec<u8> {
-        let (idx, session) = self.answer_plan(r, now_ms, unix_now);
-        self.render_json(idx, &r.region, &r.zone, session)
+    /// Also says whether the report was applied: its calls count only then (a report answered
+    /// `resync` comes again in full, calls included).
+    pub fn answer_json(
+        &mut self,
+        r: &ZoneReport,
+        now_ms: u64,
+        unix_now: u64,
+    ) -> (Vec<u8>, Ingested) {
+        let (idx, session, ingested) = self.answer_plan(r, now_ms, unix_now);
+        (self.render_json(idx, &r.region, &r.zone, session), ingested)
     }
 
     /// [`Engine::directives_since`] serialized as JSON: the same bytes as `serde_json::to_vec`
@@ -1291,16 +1306,16 @@ impl Engine {
         r: &ZoneReport,
         now_ms: u64,
         unix_now: u64,
-    ) -> (Option<Vec<usize>>, Option<ReplySession>) {
+    ) -> (Option<Vec<usize>>, Option<ReplySession>, Ingested) {
         let ingested = self.ingest(r, now_ms);
         self.recompute(now_ms, unix_now);
         let Some(sess) = r.session else {
-            return (None, None);
+            return (None, None, ingested);
         };
         let (idx, mut rs) = self.plan(&r.region, &r.zone, sess.directives);
         rs.resync = ingested == Ingested::Resync;
         rs.applied = (!rs.resync).then_some(sess.seq);
-        (idx, Some(rs))
+        (idx, Some(rs), ingested)
     }
 
     /// Bucket `i`'s key that `zone`'s clients run under (None: no report carries it).

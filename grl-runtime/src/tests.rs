@@ -10,6 +10,8 @@ use crate::proto::{BucketCountsMsg, ConfigDoc, ZoneBucketMsg, ZoneReport};
 use crate::report::{fairness, premature, seeds_loop, steady, step};
 use crate::sim::{run, Algorithm, Scenario};
 
+mod calls_once;
+
 fn scenario(name: &str) -> Scenario {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("scenarios")
@@ -1194,7 +1196,7 @@ fn shared_directive_bytes_are_the_replies_built_from_scratch() {
                 directives: named,
             });
         }
-        let bytes = e.answer_json(&report, now, unix);
+        let (bytes, _) = e.answer_json(&report, now, unix);
         let got: ZoneDirectives = serde_json::from_slice(&bytes).unwrap();
         let expected = match report.session {
             None => e.directives_for(&region, &zone),
@@ -1443,4 +1445,72 @@ fn engine_candidates_count_peer_sums_for_global_scope_only() {
     assert_eq!(r[0].offered, 400.0, "{:?}", r[0]);
     assert_eq!(r[1].offered, 100.0, "{:?}", r[1]);
     assert!((r[1].virtual_dropped - 50.0).abs() < 1e-9, "{:?}", r[1]);
+}
+
+/// A zone's calls of (caller, procedure) for service `svc`.
+fn calls(list: &[(&str, &str, u64)]) -> Vec<crate::proto::ServiceCallCountMsg> {
+    list.iter()
+        .map(|(c, p, n)| crate::proto::ServiceCallCountMsg {
+            service: "svc".into(),
+            caller: (*c).into(),
+            procedure: (*p).into(),
+            count: *n,
+        })
+        .collect()
+}
+
+/// A candidate fed by calls counts the calls of a report answered `resync` once: the
+/// aggregator sends them again with the full report that follows (before: counted with
+/// both).
+#[test]
+fn engine_counts_the_calls_of_a_resynced_report_once() {
+    use crate::engine::Ingested;
+    use crate::proto::{Candidate, ReportSession};
+    let g = Bucket {
+        caller: Some("gw".into()),
+        procedure: Some("charge".into()),
+        ..bucket("g", Scope::Global, 1000.0)
+    };
+    // Every caller of charge: not the in-force bucket's match, so fed by the calls.
+    let cand = Candidate {
+        id: "c".into(),
+        service: "svc".into(),
+        bucket: Bucket {
+            caller: None,
+            limit_rps: 50.0,
+            ..g.clone()
+        },
+    };
+    let cfg = |version: &str| ConfigDoc {
+        version: version.into(),
+        services: vec![BucketFile {
+            service: "svc".into(),
+            buckets: vec![g.clone()],
+        }],
+        candidates: vec![cand.clone()],
+    };
+    let mut e = Engine::new(cfg("v1"), 3000);
+    let report = |seq: u64, base: Option<u64>, n: u64| ZoneReport {
+        calls: calls(&[("gw", "charge", n), ("web", "charge", n)]),
+        session: Some(ReportSession {
+            id: 7,
+            seq,
+            base,
+            directives: None,
+        }),
+        ..zone_report("a1", "r1", "z1", &[("g", 100.0)])
+    };
+    assert_eq!(e.ingest(&report(1, None, 0), 0), Ingested::Applied);
+    e.recompute(0, 0);
+    e.evaluate_candidates(0, 0);
+    assert_eq!(e.ingest(&report(2, Some(1), 100), 1000), Ingested::Applied);
+    // A config install: the zone's next delta is answered resync, and its calls go again
+    // with the full report.
+    e.set_config(cfg("v2"));
+    assert_eq!(e.ingest(&report(3, Some(2), 100), 2000), Ingested::Resync);
+    assert_eq!(e.ingest(&report(4, None, 100), 2000), Ingested::Applied);
+    e.recompute(2000, 2);
+    e.evaluate_candidates(2000, 2000);
+    let r = e.candidate_reports();
+    assert_eq!(r[0].offered, 400.0, "{:?}", r[0]);
 }
