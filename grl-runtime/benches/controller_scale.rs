@@ -68,6 +68,7 @@ fn report(n: usize, z: usize, every: usize, max: usize, bump: f64) -> ZoneReport
         zone: format!("z{z}"),
         buckets,
         calls: Vec::new(),
+        calls_ms: None,
         session: None,
     }
 }

@@ -77,6 +77,13 @@ struct ZoneData {
     /// are the sums of these over the live zones: a report replaces its zone's previous
     /// contribution bucket by bucket.
     resolved: Vec<(usize, [i64; 4])>,
+    /// Per candidate fed by calls (its index in the candidate list, in order), the rate of
+    /// the zone's calls matching it: their count over the time they cover, from its last
+    /// report that said (see `candidates`). Absent: none.
+    calls_rps: Vec<(u32, f64)>,
+    /// When `calls_rps` was set: it counts within the zone's horizon of it (a zone whose
+    /// calls go to another replica keeps reporting its rates here, without calls).
+    calls_at_ms: u64,
 }
 
 /// How long the engine remembers when a zone it forgot last reported (ms), so that the zone's
@@ -749,12 +756,20 @@ impl Engine {
     /// The report's calls count for the candidates only when it is applied: a report answered
     /// `resync` is sent again in full, calls included.
     pub fn ingest(&mut self, r: &ZoneReport, now_ms: u64) -> Ingested {
+        // When the zone last reported: the time its calls cover, when the report does not
+        // say (an aggregator before protocol 6).
+        let prev_at = (r.calls_ms.is_none() && !r.calls.is_empty())
+            .then(|| match self.zones.get(&r.aggregator_id) {
+                Some(z) => Some(z.at_ms),
+                None => self.forgotten.get(&r.aggregator_id).map(|f| f.0),
+            })
+            .flatten();
         let done = match r.session.and_then(|s| s.base.map(|b| (s.id, b, s.seq))) {
             Some((id, base, seq)) => self.ingest_delta(r, (id, base), seq, now_ms),
             None => self.ingest_full(r, now_ms),
         };
         if done == Ingested::Applied {
-            self.candidate_calls(r);
+            self.candidate_calls(r, now_ms, prev_at);
         }
         done
     }
@@ -794,16 +809,24 @@ impl Engine {
             Some(old) => Some((old.at_ms, old.gap_ms)),
             None => self.forgotten.remove(&r.aggregator_id),
         };
-        let z = ZoneData {
+        let mut z = ZoneData {
             region_key: self.keys.id(&scope_key(Scope::Region, &r.region, &r.zone)),
             zone_key: self.keys.id(&scope_key(Scope::Zone, &r.region, &r.zone)),
             at_ms: now_ms,
             gap_ms: prev.map(|(at, gap)| crate::period::estimate(gap, now_ms.saturating_sub(at))),
             session: r.session.map(|s| (s.id, s.seq)),
             resolved,
+            calls_rps: Vec::new(),
+            calls_at_ms: 0,
         };
         // Keyed by aggregator: replicas serving one zone each carry part of its clients.
-        match self.zones.remove(&r.aggregator_id) {
+        let mut old = self.zones.remove(&r.aggregator_id);
+        if let Some(o) = old.as_mut() {
+            // Until the calls of this report replace them.
+            z.calls_rps = std::mem::take(&mut o.calls_rps);
+            z.calls_at_ms = o.calls_at_ms;
+        }
+        match old {
             Some(old) if old.region_key == z.region_key && old.zone_key == z.zone_key => {
                 self.replace(&old, &z)
             }
@@ -990,6 +1013,7 @@ impl Engine {
             // Calls are exported by the controller their zones report to, never forwarded
             // to peers (each region's controller serves its own zones' calls).
             calls: Vec::new(),
+            calls_ms: None,
             session: None,
         }
     }

@@ -133,3 +133,103 @@ async fn calls_are_counted_once_when_a_delta_report_is_answered_resync() {
     a.shutdown().await;
     c.shutdown().await;
 }
+
+/// `(calls, calls_ms)` of the zone reports a controller took.
+type Seen = Arc<std::sync::Mutex<Vec<(u64, Option<u64>)>>>;
+
+/// A controller of protocol 6 recording `(calls, calls_ms)` of every zone report it takes,
+/// or answering 503 while `down`.
+async fn recording_controller(
+    seen: Seen,
+    down: Arc<AtomicBool>,
+) -> (String, tokio::task::JoinHandle<()>) {
+    use axum::response::IntoResponse;
+    let app = axum::Router::new().route(
+        "/v1/aggregate",
+        axum::routing::post(move |axum::Json(r): axum::Json<crate::proto::ZoneReport>| {
+            let (seen, down) = (seen.clone(), down.clone());
+            async move {
+                if down.load(Ordering::Relaxed) {
+                    return axum::http::StatusCode::SERVICE_UNAVAILABLE.into_response();
+                }
+                let n = r.calls.iter().map(|c| c.count).sum();
+                seen.lock().unwrap().push((n, r.calls_ms));
+                (
+                    [(PROTO_HEADER, "6")],
+                    axum::Json(crate::proto::ZoneDirectives::default()),
+                )
+                    .into_response()
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app).await.unwrap();
+    });
+    (url, server)
+}
+
+/// Calls held back by failed forwards go with the time they cover: two clients make 1,000
+/// calls a second together; the controller refuses the zone reports for two seconds, and the
+/// report that brings the held calls says they cover those seconds (the controller then
+/// rates them at 1,000 calls/s, not as if made within one forward). Every report's
+/// `calls_ms` follow each other: together they cover the run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_back_calls_come_with_the_time_they_cover() {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let down = Arc::new(AtomicBool::new(false));
+    let (url, server) = recording_controller(seen.clone(), down.clone()).await;
+    let started = std::time::Instant::now();
+    let a = Aggregator::start(AggregatorOptions {
+        controllers: vec![url],
+        zone: "z1".into(),
+        region: "r1".into(),
+        tick: Duration::from_millis(100),
+        allow_anonymous_reports: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let http = reqwest::Client::new();
+    let stop = Arc::new(AtomicBool::new(false));
+    let task = clients(&http, &a.url(), 2, 50, stop.clone());
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    down.store(true, Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    let before = seen.lock().unwrap().len();
+    down.store(false, Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    stop.store(true, Ordering::Relaxed);
+    let sent = task.await.unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    a.shutdown().await;
+    let elapsed = started.elapsed().as_millis() as u64;
+    server.abort();
+    let seen = seen.lock().unwrap().clone();
+    // Every call arrived once.
+    assert_eq!(seen.iter().map(|r| r.0).sum::<u64>(), sent, "{seen:?}");
+    // The first report after the outage carries no calls (the controller's protocol is
+    // unknown again); the next brings the held ones, with the time since the last forward
+    // the controller took: the outage and more.
+    let (n, ms) = seen[before + 1..]
+        .iter()
+        .find(|r| r.1.is_some())
+        .copied()
+        .unwrap();
+    let ms = ms.unwrap();
+    assert!(ms >= 2000, "{ms} ms: {seen:?}");
+    let rate = n as f64 / (ms as f64 / 1000.0);
+    assert!(
+        (rate - 1000.0).abs() < 150.0,
+        "{n} calls over {ms} ms: {seen:?}"
+    );
+    // Reports saying nothing are those to a controller of unknown protocol (the first, and
+    // the first after the outage); the others' times add up to the run.
+    let covered: u64 = seen.iter().filter_map(|r| r.1).sum();
+    assert!(
+        covered <= elapsed && covered + 500 >= elapsed,
+        "{covered} ms covered in {elapsed} ms: {seen:?}"
+    );
+    assert!(seen.iter().filter(|r| r.1.is_none()).all(|r| r.0 == 0));
+}
