@@ -35,7 +35,7 @@ pub mod screen;
 use screen::MAX_CALL_SERVICES;
 
 #[cfg(test)]
-mod calls_tests;
+mod screen_tests;
 
 /// How to start an aggregator.
 #[derive(Debug, Clone)]
