@@ -66,6 +66,9 @@ pub struct Plausibility {
     /// Rate entries (one per client and bucket) held per service between forwards; a report
     /// that would pass it is refused (429).
     pub max_rates_per_service: usize,
+    /// Clients held per service (those of services not in the config together); a report of
+    /// a client that would pass it is refused (429).
+    pub max_clients_per_service: usize,
     /// The total call rate (requests per second, by every caller) one client is trusted up
     /// to whatever else is known; for a lone instance of a service the config has no bucket
     /// for, the cap of its calls.
@@ -80,10 +83,14 @@ impl Default for Plausibility {
             limit_multiple: 10.0,
             peer_multiple: 4.0,
             max_rates_per_service: 1_000_000,
+            max_clients_per_service: DEFAULT_MAX_CLIENTS_PER_SERVICE,
             instance_rps: DEFAULT_INSTANCE_RPS,
         }
     }
 }
+
+/// The default of [`Plausibility::max_clients_per_service`].
+pub const DEFAULT_MAX_CLIENTS_PER_SERVICE: usize = 100_000;
 
 /// The default of [`Plausibility::instance_rps`].
 pub const DEFAULT_INSTANCE_RPS: f64 = 5_000.0;

@@ -92,7 +92,10 @@ async fn metrics(http: &reqwest::Client, url: &str) -> String {
 
 /// A controller and an aggregator forwarding every 100 ms (anonymous reports), every bucket
 /// with its counts in every forward.
-async fn fleet(dir: &std::path::Path) -> (crate::http_util::ServerHandle, AggregatorHandle) {
+async fn fleet(
+    dir: &std::path::Path,
+    plausibility: screen::Plausibility,
+) -> (crate::http_util::ServerHandle, AggregatorHandle) {
     let c = Controller::start(ControllerOptions {
         state_dir: dir.join("c"),
         token: TOKEN.into(),
@@ -120,6 +123,7 @@ async fn fleet(dir: &std::path::Path) -> (crate::http_util::ServerHandle, Aggreg
             threshold: 0.0,
             refresh_ticks: 1,
         },
+        plausibility,
         ..Default::default()
     })
     .await
@@ -173,7 +177,7 @@ fn calls_report(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_client_cannot_claim_more_calls_than_a_plausible_instance() {
     let dir = tempfile::tempdir().unwrap();
-    let (c, a) = fleet(dir.path()).await;
+    let (c, a) = fleet(dir.path(), Default::default()).await;
     let http = reqwest::Client::new();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let honest_task = honest(&http, &a.url(), 4, stop.clone(), |id| {
@@ -328,7 +332,7 @@ async fn calls_held_back_by_failed_forwards_arrive_whole_and_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_client_cannot_claim_more_counts_than_a_plausible_instance() {
     let dir = tempfile::tempdir().unwrap();
-    let (c, a) = fleet(dir.path()).await;
+    let (c, a) = fleet(dir.path(), Default::default()).await;
     let http = reqwest::Client::new();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let honest_task = honest(&http, &a.url(), 4, stop.clone(), |id| {
@@ -392,7 +396,7 @@ async fn one_client_cannot_claim_more_counts_than_a_plausible_instance() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn honest_counts_pass_untouched() {
     let dir = tempfile::tempdir().unwrap();
-    let (c, a) = fleet(dir.path()).await;
+    let (c, a) = fleet(dir.path(), Default::default()).await;
     let http = reqwest::Client::new();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let steady = honest(&http, &a.url(), 2, stop.clone(), |id| {
@@ -448,6 +452,89 @@ async fn honest_counts_pass_untouched() {
         "honest counts were cut: {am}"
     );
     assert!(!am.contains("rate_capped"), "honest rates were cut: {am}");
+    a.shutdown().await;
+    c.shutdown().await;
+}
+
+/// Clients held by `a` (`grl_aggregator_clients`) for `service`.
+async fn clients_held(http: &reqwest::Client, a: &AggregatorHandle, service: &str) -> u64 {
+    let s = format!("service=\"{service}\"");
+    total(
+        &metrics(http, &a.url()).await,
+        "grl_aggregator_clients",
+        &[&s],
+    )
+}
+
+/// A credential holder inventing client ids, with empty reports: of a service of the config,
+/// and of services it is not (each id of a new service name). Each service holds at most
+/// `max_clients_per_service` clients (those not in the config together); the next new one is
+/// refused (429, `over_budget`), clients already held go on being accepted, and a client gone
+/// quiet beyond its horizon makes room again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invented_client_ids_hold_no_more_than_the_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = screen::Plausibility {
+        max_clients_per_service: 3,
+        ..Default::default()
+    };
+    let (c, a) = fleet(dir.path(), p).await;
+    let http = reqwest::Client::new();
+    let empty = |service: &str, id: &str| {
+        json!({"client_id": id, "service": service, "version": "v1", "interval_ms": 200,
+            "buckets": []})
+    };
+    // The aggregator has fetched the config: payments is known.
+    for _ in 0..100 {
+        let r = http
+            .get(format!("{}/v1/config", a.url()))
+            .send()
+            .await
+            .unwrap();
+        if !r.json::<ConfigDoc>().await.unwrap().services.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut statuses = Vec::new();
+    for i in 0..10 {
+        statuses.push(post_report(&http, &a.url(), empty("payments", &format!("id-{i}"))).await);
+    }
+    assert_eq!(statuses, [200, 200, 200, 429, 429, 429, 429, 429, 429, 429]);
+    let mut statuses = Vec::new();
+    for i in 0..10 {
+        let service = format!("invented-{i}");
+        statuses.push(post_report(&http, &a.url(), empty(&service, "x")).await);
+    }
+    assert_eq!(statuses, [200, 200, 200, 429, 429, 429, 429, 429, 429, 429]);
+    // The clients held go on; the others go quiet beyond their horizon (3 of their 200 ms
+    // periods) and the forwards recount them.
+    for _ in 0..10 {
+        assert_eq!(
+            post_report(&http, &a.url(), empty("payments", "id-0")).await,
+            200
+        );
+        assert_eq!(
+            post_report(&http, &a.url(), empty("invented-1", "x")).await,
+            200
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(clients_held(&http, &a, "payments").await, 1, "id-0 only");
+    assert_eq!(
+        post_report(&http, &a.url(), empty("payments", "new")).await,
+        200
+    );
+    assert_eq!(
+        post_report(&http, &a.url(), empty("invented-9", "x")).await,
+        200
+    );
+    let am = metrics(&http, &a.url()).await;
+    assert!(
+        am.lines()
+            .any(|l| l.starts_with("grl_reports_refused_total{") && l.contains("over_budget")),
+        "{am}"
+    );
     a.shutdown().await;
     c.shutdown().await;
 }
