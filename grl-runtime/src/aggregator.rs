@@ -678,24 +678,14 @@ async fn report(
             .screen_calls(&mut r, &mut calls, elapsed, new_client, p);
         screened.add(screen::EntryRefusal::CallsCapped, cut);
         let service = r.service.as_str();
-        // The service's budget of rates held: a report that would pass it changes nothing.
-        let held = held.unwrap_or(0);
-        if let Some(k) = st.known.services.get_mut(service) {
-            let entries = k.entries - held.min(k.entries) + r.buckets.len();
-            if r.buckets.len() > held && entries > p.max_rates_per_service {
-                drop(guard);
-                s.count_screened(&r, &screened);
-                let detail = format!("service `{}`", r.service);
-                return Err(s.refuse(
-                    "over_budget",
-                    &detail,
-                    ApiError::TooMany(format!(
-                        "service `{}` holds {} rates in this zone, its budget; retry later",
-                        r.service, p.max_rates_per_service
-                    )),
-                ));
-            }
-            k.entries = entries;
+        // The service's budgets of clients and rates held: a report that would pass one
+        // changes nothing.
+        if let Err(over) = st.known.admit(service, held, r.buckets.len(), p) {
+            drop(guard);
+            s.count_screened(&r, &screened);
+            let detail = format!("service `{}`: {}", r.service, over.what());
+            let e = ApiError::TooMany(over.message(&r.service, p));
+            return Err(s.refuse("over_budget", &detail, e));
         }
         // The client's entry, its rates from the counts as the rate screen left them (what
         // the ratios follow).

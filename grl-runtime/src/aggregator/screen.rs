@@ -1,7 +1,8 @@
 //! What an aggregator takes from a client report before summing it, without I/O: only the
 //! buckets the config serves for the report's service (unknown names and repeats dropped), each
-//! rate cut to what one plausible instance can offer, within a per-service budget of rates
-//! held. A client holding one service's credential can then move only that service's ratios,
+//! rate cut to what one plausible instance can offer, within per-service budgets of rates and
+//! clients held (the services not in the config share one budget of clients: an empty report
+//! holds no rate, but its client id is held too). A client holding one service's credential can then move only that service's ratios,
 //! and no further than one plausible instance of it could; the zone report carries at most the
 //! configured buckets of each service, so one service never pushes another out of it.
 //!
@@ -201,7 +202,9 @@ pub(crate) struct KnownService {
     /// The service's clients heard within the horizon at the last forward (at least 1).
     clients: usize,
     /// Rate entries held for its clients.
-    pub(crate) entries: usize,
+    entries: usize,
+    /// Its clients held: at the last forward, and those new since.
+    held: usize,
     /// The sum of its buckets' limits (each the higher of the configured one and an
     /// override's).
     limit_sum: f64,
@@ -270,6 +273,49 @@ pub(crate) struct Known {
     /// The calls' peer caps of services not in the config, at the last forward (at most
     /// [`MAX_CALL_SERVICES`]).
     other_calls: HashMap<String, f64>,
+    /// The clients held of services not in the config, all together: at the last forward,
+    /// and those new since.
+    other_clients: usize,
+}
+
+/// The budget a report would pass: it is refused (429) and changes nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum OverBudget {
+    /// The rates of its service ([`Plausibility::max_rates_per_service`]).
+    Rates,
+    /// The clients of its service ([`Plausibility::max_clients_per_service`]).
+    Clients,
+    /// The clients of the services not in the config, together.
+    OtherClients,
+}
+
+impl OverBudget {
+    /// What is over budget, for the log.
+    pub(crate) fn what(self) -> &'static str {
+        match self {
+            OverBudget::Rates => "rates",
+            OverBudget::Clients => "clients",
+            OverBudget::OtherClients => "clients of services not in the config",
+        }
+    }
+
+    /// The answer to a report of `service`.
+    pub(crate) fn message(self, service: &str, p: &Plausibility) -> String {
+        match self {
+            OverBudget::Rates => format!(
+                "service `{service}` holds {} rates in this zone, its budget; retry later",
+                p.max_rates_per_service
+            ),
+            OverBudget::Clients => format!(
+                "service `{service}` holds {} clients in this zone, its budget; retry later",
+                p.max_clients_per_service
+            ),
+            OverBudget::OtherClients => format!(
+                "services not in the config (`{service}` among them) hold {} clients in this zone, their budget; retry later",
+                p.max_clients_per_service
+            ),
+        }
+    }
 }
 
 impl Known {
@@ -283,6 +329,7 @@ impl Known {
                 buckets: HashMap::with_capacity(f.buckets.len()),
                 clients: old.as_ref().map_or(1, |o| o.clients),
                 entries: old.as_ref().map_or(0, |o| o.entries),
+                held: old.as_ref().map_or(0, |o| o.held),
                 limit_sum: 0.0,
                 calls_peer_cap: old.as_ref().map_or(0.0, |o| o.calls_peer_cap),
             };
@@ -306,7 +353,41 @@ impl Known {
             }
             services.insert(f.service.clone(), s);
         }
+        // The clients of services that left the config count with the others' until the
+        // next forward recounts them.
+        self.other_clients += self.services.values().map(|s| s.held).sum::<usize>();
         self.services = services;
+    }
+
+    /// Counts a report of `service` against its budgets, its client holding `held` rates
+    /// (None: a client new to the aggregator) and the report carrying `rates`: a new client
+    /// takes one of the service's clients (the services not in the config share one
+    /// budget), and the client's rates replace those it held. Over a budget, nothing is
+    /// counted.
+    pub(crate) fn admit(
+        &mut self,
+        service: &str,
+        held: Option<usize>,
+        rates: usize,
+        p: &Plausibility,
+    ) -> Result<(), OverBudget> {
+        let (clients, over, entries) = match self.services.get_mut(service) {
+            Some(s) => (&mut s.held, OverBudget::Clients, Some(&mut s.entries)),
+            None => (&mut self.other_clients, OverBudget::OtherClients, None),
+        };
+        if held.is_none() && *clients >= p.max_clients_per_service {
+            return Err(over);
+        }
+        if let Some(e) = entries {
+            let held = held.unwrap_or(0);
+            let n = *e - held.min(*e) + rates;
+            if rates > held && n > p.max_rates_per_service {
+                return Err(OverBudget::Rates);
+            }
+            *e = n;
+        }
+        *clients += held.is_none() as usize;
+        Ok(())
     }
 
     /// Follows a controller's answer (before it is merged into the directives held): a bucket
@@ -480,24 +561,29 @@ impl Known {
         for s in self.services.values_mut() {
             s.clients = 1;
             s.entries = 0;
+            s.held = 0;
             s.calls_peer_cap = 0.0;
             for b in s.buckets.values_mut() {
                 b.peer_cap = 0.0;
             }
         }
         self.other_calls.clear();
+        self.other_clients = 0;
         for (service, c) in clients {
             match self.services.get_mut(service) {
                 Some(s) => {
                     s.clients = c.clients.max(1);
+                    s.held = c.clients;
                     s.entries = c.entries;
                     s.calls_peer_cap = c.calls.cap(p.peer_multiple);
                 }
-                None if c.calls.n >= 2 && self.other_calls.len() < MAX_CALL_SERVICES => {
-                    self.other_calls
-                        .insert(service.to_string(), c.calls.cap(p.peer_multiple));
+                None => {
+                    self.other_clients += c.clients;
+                    if c.calls.n >= 2 && self.other_calls.len() < MAX_CALL_SERVICES {
+                        self.other_calls
+                            .insert(service.to_string(), c.calls.cap(p.peer_multiple));
+                    }
                 }
-                None => {}
             }
         }
         for ((service, bucket), rates) in offered {
@@ -743,6 +829,47 @@ mod tests {
         );
         let cut = k.screen_counts("pay", &mut r.buckets, &mut a, el(1000, 3000), &s, false, &p);
         assert_eq!((cut, offered(&r)), (1, vec![1000]));
+    }
+
+    #[test]
+    fn budgets_of_clients_and_rates() {
+        let mut k = Known::default();
+        k.rebuild(&config());
+        let p = Plausibility {
+            max_clients_per_service: 2,
+            max_rates_per_service: 3,
+            ..Default::default()
+        };
+        // Two new clients of pay, one with two rates, one with none; a third is refused.
+        assert_eq!(k.admit("pay", None, 2, &p), Ok(()));
+        assert_eq!(k.admit("pay", None, 0, &p), Ok(()));
+        assert_eq!(k.admit("pay", None, 0, &p), Err(OverBudget::Clients));
+        // A held client: its rates replace those it held, within the service's budget.
+        assert_eq!(k.admit("pay", Some(0), 2, &p), Err(OverBudget::Rates));
+        assert_eq!(k.admit("pay", Some(0), 1, &p), Ok(()));
+        assert_eq!(k.admit("pay", Some(2), 1, &p), Ok(()));
+        assert_eq!(k.services["pay"].entries, 2);
+        // Services not in the config share one budget of clients.
+        assert_eq!(k.admit("maps", None, 0, &p), Ok(()));
+        assert_eq!(k.admit("geo", None, 0, &p), Ok(()));
+        assert_eq!(k.admit("web", None, 0, &p), Err(OverBudget::OtherClients));
+        assert_eq!(k.admit("maps", Some(0), 0, &p), Ok(()), "a held client");
+        // A forward recounts the clients held.
+        let one = ServiceClients {
+            clients: 1,
+            entries: 1,
+            calls: PeerRates::default(),
+        };
+        k.forwarded([("pay", one), ("maps", one)], &HashMap::new(), &p);
+        assert_eq!(k.admit("pay", None, 0, &p), Ok(()));
+        assert_eq!(k.admit("pay", None, 0, &p), Err(OverBudget::Clients));
+        assert_eq!(k.admit("web", None, 0, &p), Ok(()));
+        assert_eq!(k.admit("geo", None, 0, &p), Err(OverBudget::OtherClients));
+        // A service leaving the config takes its clients to the others' budget.
+        let mut doc = config();
+        doc.services[0].service = "orders".into();
+        k.rebuild(&doc);
+        assert_eq!(k.other_clients, 4);
     }
 
     fn with_calls(service: &str, interval_ms: u64, calls: &[(&str, u64)]) -> ClientReport {
