@@ -388,7 +388,7 @@ impl EntryCounts {
     fn register(&self, reg: &mut prometheus_client::registry::Registry) {
         reg.register(
             "grl_report_entries_refused",
-            "Entries of accepted client reports dropped or cut, by service and reason: unknown_bucket (a bucket not in the config served for the service: dropped), duplicate (a bucket named twice in one report: dropped), rate_capped (a bucket's offered rate above what one instance plausibly offers: cut to it), short_interval (interval below 10 ms: bucket rates computed over 10 ms), calls_capped (a (caller, procedure) call count of a report whose calls were more than one instance plausibly makes over the time the client reported: scaled down with the report's other calls).",
+            "Entries of accepted client reports dropped or cut, by service and reason: unknown_bucket (a bucket not in the config served for the service: dropped), duplicate (a bucket named twice in one report: dropped), rate_capped (a bucket's offered rate above what one instance plausibly offers: cut to it), short_interval (interval below 10 ms: bucket rates computed over 10 ms), calls_capped (a (caller, procedure) call count of a report whose calls were more than one instance plausibly makes over the time the client reported: scaled down with the report's other calls), counts_capped (a bucket's counts more than one instance plausibly offers over the time the client reported: cut to it).",
             self.0.clone(),
         );
     }
