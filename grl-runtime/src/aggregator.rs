@@ -657,25 +657,20 @@ async fn report(
         // A client is allowed the calls and counts of the time since its previous report; a
         // new one, of its interval, at most three ticks.
         let first_ms = (s.opts.tick * 3).as_millis() as u64;
-        let (mut calls, elapsed) = match client {
+        let (mut calls, since_ms, horizon_ms) = match client {
             Some(c) => (
                 c.calls,
-                screen::Elapsed {
-                    since_ms: now.duration_since(c.at).as_millis() as u64,
-                    horizon_ms: c.horizon.as_millis() as u64,
-                },
+                now.duration_since(c.at).as_millis() as u64,
+                c.horizon.as_millis() as u64,
             ),
-            None => (
-                Default::default(),
-                screen::Elapsed {
-                    since_ms: r.interval_ms.min(first_ms),
-                    horizon_ms: first_ms,
-                },
-            ),
+            None => (Default::default(), r.interval_ms.min(first_ms), first_ms),
         };
-        let cut = st
-            .known
-            .screen_calls(&mut r, &mut calls, elapsed, new_client, p);
+        let elapsed = screen::Elapsed {
+            since_ms,
+            horizon_ms,
+            new_client,
+        };
+        let cut = st.known.screen_calls(&mut r, &mut calls, elapsed, p);
         screened.add(screen::EntryRefusal::CallsCapped, cut);
         let service = r.service.as_str();
         // The service's budgets of clients and rates held: a report that would pass one
@@ -724,7 +719,6 @@ async fn report(
             &mut c.counts,
             elapsed,
             &screened,
-            new_client,
             p,
         );
         screened.add(screen::EntryRefusal::CountsCapped, cut);

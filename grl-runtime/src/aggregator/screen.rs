@@ -147,6 +147,8 @@ pub(crate) struct Elapsed {
     pub(crate) since_ms: u64,
     /// How long an allowance is held: the client's horizon; for a new client, three ticks.
     pub(crate) horizon_ms: u64,
+    /// The client is new to the aggregator (it counts among its service's clients from now).
+    pub(crate) new_client: bool,
 }
 
 /// What a client may still report of counts summed over reports (its calls, its buckets'
@@ -485,7 +487,6 @@ impl Known {
         a: &mut Allowance,
         e: Elapsed,
         s: &Screened,
-        new_client: bool,
         p: &Plausibility,
     ) -> u64 {
         let available = a.refill(e);
@@ -498,7 +499,7 @@ impl Known {
         let Some(svc) = self.services.get(service) else {
             return 0;
         };
-        let share = svc.share(new_client, p);
+        let share = svc.share(e.new_client, p);
         let mut capped = 0;
         for b in buckets {
             if let Some(k) = svc.buckets.get(b.bucket.as_str()) {
@@ -531,10 +532,9 @@ impl Known {
         r: &mut ClientReport,
         c: &mut ClientCalls,
         e: Elapsed,
-        new_client: bool,
         p: &Plausibility,
     ) -> u64 {
-        let cap = self.calls_cap(&r.service, new_client, p);
+        let cap = self.calls_cap(&r.service, e.new_client, p);
         let left = cap * c.allowance.refill(e);
         let total: u128 = r.calls.iter().map(|x| x.count as u128).sum();
         let (accepted, cut) = if total as f64 > left {
@@ -755,18 +755,17 @@ mod tests {
         assert_eq!(r.buckets[0].offered, 5000);
     }
 
-    /// Screens `r` (of a client that is `new`) as the aggregator does: its rates, then its
+    /// Screens `r` as the aggregator does: its rates, then its
     /// counts against `a` over `e`; the buckets whose counts were cut.
     fn screen_both(
         k: &mut Known,
         r: &mut ClientReport,
         a: &mut Allowance,
         e: Elapsed,
-        new: bool,
         p: &Plausibility,
     ) -> u64 {
-        let s = k.screen(r, new, p);
-        k.screen_counts(&r.service, &mut r.buckets, a, e, &s, new, p)
+        let s = k.screen(r, e.new_client, p);
+        k.screen_counts(&r.service, &mut r.buckets, a, e, &s, p)
     }
 
     fn offered(r: &ClientReport) -> Vec<u64> {
@@ -783,10 +782,7 @@ mod tests {
         // cut alike.
         let mut a = Allowance::default();
         let mut r = report("pay", 3_600_000, &[("a", 500 * 3600), ("b", 100 * 3600)]);
-        assert_eq!(
-            screen_both(&mut k, &mut r, &mut a, el(300, 300), true, &p),
-            2
-        );
+        assert_eq!(screen_both(&mut k, &mut r, &mut a, first(300, 300), &p), 2);
         assert_eq!(offered(&r), [150, 150]);
         for b in &r.buckets {
             assert_eq!(b.admitted + b.dropped, b.offered);
@@ -796,7 +792,7 @@ mod tests {
         let mut got = 0;
         for _ in 0..100 {
             let mut r = report("pay", 1000, &[("a", 1000)]);
-            screen_both(&mut k, &mut r, &mut a, el(10, 3000), false, &p);
+            screen_both(&mut k, &mut r, &mut a, el(10, 3000), &p);
             got += r.buckets[0].offered;
         }
         assert!((900..=1000).contains(&got), "{got} requests in one second");
@@ -805,14 +801,14 @@ mod tests {
         for since_ms in [1000, 1000, 500, 1500, 500] {
             let mut r = report("pay", 1000, &[("a", 300), ("b", 100)]);
             assert_eq!(
-                screen_both(&mut k, &mut r, &mut a, el(since_ms, 3000), false, &p),
+                screen_both(&mut k, &mut r, &mut a, el(since_ms, 3000), &p),
                 0
             );
             assert_eq!(offered(&r), [300, 100]);
         }
         // Held up to the horizon: after a minute of silence, 3 s at the cap.
         let mut r = report("pay", 3_600_000, &[("a", 1000 * 3600)]);
-        screen_both(&mut k, &mut r, &mut a, el(60_000, 3000), false, &p);
+        screen_both(&mut k, &mut r, &mut a, el(60_000, 3000), &p);
         assert_eq!(offered(&r), [3000]);
         // Under an override the rate is not cut, the counts are.
         let d: ZoneDirectives = serde_json::from_value(serde_json::json!({"version": "v1",
@@ -827,7 +823,7 @@ mod tests {
             [1_000_000],
             "a fixed bucket's rate as reported"
         );
-        let cut = k.screen_counts("pay", &mut r.buckets, &mut a, el(1000, 3000), &s, false, &p);
+        let cut = k.screen_counts("pay", &mut r.buckets, &mut a, el(1000, 3000), &s, &p);
         assert_eq!((cut, offered(&r)), (1, vec![1000]));
     }
 
@@ -889,6 +885,15 @@ mod tests {
         Elapsed {
             since_ms,
             horizon_ms,
+            new_client: false,
+        }
+    }
+
+    /// A new client's first report.
+    fn first(since_ms: u64, horizon_ms: u64) -> Elapsed {
+        Elapsed {
+            new_client: true,
+            ..el(since_ms, horizon_ms)
         }
     }
 
@@ -923,7 +928,7 @@ mod tests {
         forward_calls(&mut k, "pay", &[150.0, 150.0, 10_000.0, 150.0, 150.0], &p);
         let mut c = ClientCalls::default();
         let mut r = with_calls("pay", 1000, &[("a", 100), ("b", 50)]);
-        assert_eq!(k.screen_calls(&mut r, &mut c, el(1000, 3000), false, &p), 0);
+        assert_eq!(k.screen_calls(&mut r, &mut c, el(1000, 3000), &p), 0);
         assert_eq!(counts(&r), [100, 50], "an honest report passes as it is");
         assert_eq!(c.rate, Some(150.0));
         assert_eq!(
@@ -934,7 +939,7 @@ mod tests {
         // One second later: 450 + 600 left; 3,000 claimed are scaled down to 1,050, rounded
         // down, each count alike.
         let mut r = with_calls("pay", 1000, &[("a", 2000), ("b", 1000)]);
-        assert_eq!(k.screen_calls(&mut r, &mut c, el(1000, 3000), false, &p), 2);
+        assert_eq!(k.screen_calls(&mut r, &mut c, el(1000, 3000), &p), 2);
         assert_eq!(counts(&r), [700, 350]);
         assert_eq!(
             c.rate,
@@ -945,14 +950,14 @@ mod tests {
         let mut got = 0;
         for _ in 0..100 {
             let mut r = with_calls("pay", 3_600_000, &[("a", 1 << 40)]);
-            k.screen_calls(&mut r, &mut c, el(10, 3000), false, &p);
+            k.screen_calls(&mut r, &mut c, el(10, 3000), &p);
             got += r.calls[0].count;
         }
         assert!((599..=600).contains(&got), "{got} calls in one second");
         // The allowance is held up to the cap over the client's horizon: after a minute of
         // silence, 3 s of calls.
         let mut r = with_calls("pay", 1000, &[("a", 1 << 40)]);
-        k.screen_calls(&mut r, &mut c, el(60_000, 3000), false, &p);
+        k.screen_calls(&mut r, &mut c, el(60_000, 3000), &p);
         assert!(
             (1799..=1800).contains(&r.calls[0].count),
             "{:?}",
@@ -962,12 +967,12 @@ mod tests {
         forward_calls(&mut k, "pay", &[10.0, 10.0], &p);
         let mut c = ClientCalls::default();
         let mut r = with_calls("pay", 1000, &[("a", 5000)]);
-        k.screen_calls(&mut r, &mut c, el(1000, 3000), true, &p);
+        k.screen_calls(&mut r, &mut c, first(1000, 3000), &p);
         assert_eq!(counts(&r), [666]);
         // Counts near u64::MAX neither overflow nor wrap (the cap: 10 × 200 over 2 clients).
         let mut c = ClientCalls::default();
         let mut r = with_calls("pay", 1000, &[("a", u64::MAX), ("b", u64::MAX), ("c", 0)]);
-        assert_eq!(k.screen_calls(&mut r, &mut c, el(1000, 3000), false, &p), 2);
+        assert_eq!(k.screen_calls(&mut r, &mut c, el(1000, 3000), &p), 2);
         assert_eq!(counts(&r), [500, 500, 0]);
     }
 
@@ -979,17 +984,17 @@ mod tests {
         // A lone client of a new service: what one instance is trusted up to.
         let mut c = ClientCalls::default();
         let mut r = with_calls("maps", 1000, &[("web", 3000), ("app", 1000)]);
-        assert_eq!(k.screen_calls(&mut r, &mut c, el(1000, 3000), true, &p), 0);
+        assert_eq!(k.screen_calls(&mut r, &mut c, first(1000, 3000), &p), 0);
         assert_eq!(counts(&r), [3000, 1000]);
         let mut r = with_calls("maps", 1000, &[("web", 30_000), ("app", 10_000)]);
         let mut c = ClientCalls::default();
-        assert_eq!(k.screen_calls(&mut r, &mut c, el(1000, 3000), true, &p), 2);
+        assert_eq!(k.screen_calls(&mut r, &mut c, first(1000, 3000), &p), 2);
         assert_eq!(counts(&r), [3750, 1250]);
         // Busy peers raise it.
         forward_calls(&mut k, "maps", &[20_000.0, 20_000.0, 20_000.0], &p);
         let mut c = ClientCalls::default();
         let mut r = with_calls("maps", 1000, &[("web", 30_000), ("app", 10_000)]);
-        assert_eq!(k.screen_calls(&mut r, &mut c, el(1000, 3000), false, &p), 0);
+        assert_eq!(k.screen_calls(&mut r, &mut c, el(1000, 3000), &p), 0);
         // Its peer cap stays when the service enters the config, until the next forward.
         let mut doc = config();
         let mut maps = doc.services[0].clone();
@@ -998,7 +1003,7 @@ mod tests {
         k.rebuild(&doc);
         let mut c = ClientCalls::default();
         let mut r = with_calls("maps", 1000, &[("web", 80_000), ("app", 10_000)]);
-        assert_eq!(k.screen_calls(&mut r, &mut c, el(1000, 3000), false, &p), 2);
+        assert_eq!(k.screen_calls(&mut r, &mut c, el(1000, 3000), &p), 2);
         assert_eq!(counts(&r).iter().sum::<u64>(), 79_999);
     }
 }

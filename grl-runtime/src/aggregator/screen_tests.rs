@@ -189,7 +189,7 @@ async fn one_client_cannot_claim_more_calls_than_a_plausible_instance() {
     let mut n = 0u64;
     while start.elapsed() < Duration::from_secs(3) {
         n += 1;
-        let (interval_ms, count) = if n % 2 == 0 {
+        let (interval_ms, count) = if n.is_multiple_of(2) {
             (1000, 2_000_000)
         } else {
             (3_600_000, 2_000u64 * 1000 * 3600)
@@ -345,7 +345,7 @@ async fn one_client_cannot_claim_more_counts_than_a_plausible_instance() {
     let mut n = 0u64;
     while start.elapsed() < Duration::from_secs(3) {
         n += 1;
-        let interval_ms = if n % 2 == 0 { 1000 } else { 3_600_000 };
+        let interval_ms = if n.is_multiple_of(2) { 1000 } else { 3_600_000 };
         let offered = (cap * interval_ms as f64 / 1000.0) as u64;
         let s = post_report(
             &http,
@@ -406,14 +406,14 @@ async fn honest_counts_pass_untouched() {
         let (http, url, stop) = (http.clone(), a.url(), stop.clone());
         tokio::spawn(async move {
             let mut sent = 0;
-            for n in 0.. {
+            for n in 0u64.. {
                 if stop.load(std::sync::atomic::Ordering::Relaxed) {
                     break;
                 }
                 let s = post_report(&http, &url, counts_report("uneven", 200, 20)).await;
                 assert_eq!(s, 200);
                 sent += 20;
-                let gap = if n % 2 == 0 { 50 } else { 350 };
+                let gap = if n.is_multiple_of(2) { 50 } else { 350 };
                 tokio::time::sleep(Duration::from_millis(gap)).await;
             }
             sent
