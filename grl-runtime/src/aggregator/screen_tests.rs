@@ -144,6 +144,9 @@ fn honest(
     tokio::spawn(async move {
         let mut rounds = 0;
         let mut iv = tokio::time::interval(Duration::from_millis(200));
+        // As a client does: a late tick is not made up for by a burst of reports (each
+        // claiming 200 ms).
+        iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         while !stop.load(std::sync::atomic::Ordering::Relaxed) {
             iv.tick().await;
             for i in 0..clients {
