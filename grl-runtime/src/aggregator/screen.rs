@@ -2,9 +2,10 @@
 //! buckets the config serves for the report's service (unknown names and repeats dropped), each
 //! rate cut to what one plausible instance can offer, within per-service budgets of rates and
 //! clients held (the services not in the config share one budget of clients: an empty report
-//! holds no rate, but its client id is held too). A client holding one service's credential can then move only that service's ratios,
-//! and no further than one plausible instance of it could; the zone report carries at most the
-//! configured buckets of each service, so one service never pushes another out of it.
+//! holds no rate, but its client id is held too). A client holding one service's credential
+//! can then move only that service's ratios, and no further than one plausible instance of it
+//! could; the zone report carries at most the configured buckets of each service, so one
+//! service never pushes another out of it.
 //!
 //! The plausibility cap of a client's offered rate for a bucket is the largest of
 //! - `limit_multiple × limit / clients`: the client's share (one of the service's clients
@@ -475,11 +476,12 @@ impl Known {
     }
 
     /// Cuts the counts of a report of `service` (its `buckets`, screened by [`Self::screen`]
-    /// first, which found that they take `s.counts_secs` at their caps) to what its client may report, and follows the client's
-    /// allowance `a` (see [`Allowance`]): each bucket gets its cap over the seconds available
-    /// (under an override too: counts are the counters' history, not the ratio). A bucket
-    /// over it is cut alike (admitted + dropped = offered). Returns the buckets cut. Nothing
-    /// allocated; each bucket looked up again only when some are cut.
+    /// first, which found that they take `s.counts_secs` at their caps) to what its client
+    /// may report, and follows the client's allowance `a` (see [`Allowance`]): each bucket
+    /// gets its cap over the seconds available (under an override too: counts are the
+    /// counters' history, not the ratio). A bucket over it is cut alike (admitted + dropped =
+    /// offered). Returns the buckets cut. Nothing allocated; each bucket looked up again only
+    /// when some are cut.
     pub(crate) fn screen_counts(
         &self,
         service: &str,
@@ -755,8 +757,8 @@ mod tests {
         assert_eq!(r.buckets[0].offered, 5000);
     }
 
-    /// Screens `r` as the aggregator does: its rates, then its
-    /// counts against `a` over `e`; the buckets whose counts were cut.
+    /// Screens `r` as the aggregator does: its rates, then its counts against `a` over `e`;
+    /// the buckets whose counts were cut.
     fn screen_both(
         k: &mut Known,
         r: &mut ClientReport,
