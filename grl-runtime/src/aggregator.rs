@@ -35,7 +35,7 @@ pub mod screen;
 use screen::MAX_CALL_SERVICES;
 
 #[cfg(test)]
-mod calls_tests;
+mod screen_tests;
 
 /// How to start an aggregator.
 #[derive(Debug, Clone)]
@@ -130,6 +130,8 @@ struct ClientEntry {
     rates: Vec<(String, [f64; 4])>,
     /// Its allowance of calls and its last total call rate (see [`screen::Known::screen_calls`]).
     calls: screen::ClientCalls,
+    /// Its allowance of bucket counts (see [`screen::Known::screen_counts`]).
+    counts: screen::Allowance,
     fresh: bool,
 }
 
@@ -389,7 +391,7 @@ impl EntryCounts {
     fn register(&self, reg: &mut prometheus_client::registry::Registry) {
         reg.register(
             "grl_report_entries_refused",
-            "Entries of accepted client reports dropped or cut, by service and reason: unknown_bucket (a bucket not in the config served for the service: dropped), duplicate (a bucket named twice in one report: dropped), rate_capped (a bucket's offered rate above what one instance plausibly offers: cut to it), short_interval (interval below 10 ms: bucket rates computed over 10 ms), calls_capped (a (caller, procedure) call count of a report whose calls were more than one instance plausibly makes over the time the client reported: scaled down with the report's other calls).",
+            "Entries of accepted client reports dropped or cut, by service and reason: unknown_bucket (a bucket not in the config served for the service: dropped), duplicate (a bucket named twice in one report: dropped), rate_capped (a bucket's offered rate above what one instance plausibly offers: cut to it), short_interval (interval below 10 ms: bucket rates computed over 10 ms), calls_capped (a (caller, procedure) call count of a report whose calls were more than one instance plausibly makes over the time the client reported: scaled down with the report's other calls), counts_capped (a bucket's counts more than one instance plausibly offers over the time the client reported: cut to it).",
             self.0.clone(),
         );
     }
@@ -655,11 +657,11 @@ async fn report(
             .clients
             .get(&(r.service.as_str(), r.client_id.as_str()) as &dyn StrPair);
         let held = client.map(|c| c.rates.len());
-        let mut screened = st
-            .known
-            .screen(&mut r, held.is_none(), &s.opts.plausibility);
-        // A client is allowed the calls of the time since its previous report; a new one, of
-        // its interval, at most three ticks.
+        let new_client = held.is_none();
+        let p = &s.opts.plausibility;
+        let mut screened = st.known.screen(&mut r, new_client, p);
+        // A client is allowed the calls and counts of the time since its previous report; a
+        // new one, of its interval, at most three ticks.
         let first_ms = (s.opts.tick * 3).as_millis() as u64;
         let (mut calls, since_ms, horizon_ms) = match client {
             Some(c) => (
@@ -669,35 +671,63 @@ async fn report(
             ),
             None => (Default::default(), r.interval_ms.min(first_ms), first_ms),
         };
-        let cut = st.known.screen_calls(
-            &mut r,
-            &mut calls,
+        let elapsed = screen::Elapsed {
             since_ms,
             horizon_ms,
-            held.is_none(),
-            &s.opts.plausibility,
-        );
+            new_client,
+        };
+        let cut = st.known.screen_calls(&mut r, &mut calls, elapsed, p);
         screened.add(screen::EntryRefusal::CallsCapped, cut);
         let service = r.service.as_str();
-        // The service's budget of rates held: a report that would pass it changes nothing.
-        let held = held.unwrap_or(0);
-        if let Some(k) = st.known.services.get_mut(service) {
-            let entries = k.entries - held.min(k.entries) + r.buckets.len();
-            if r.buckets.len() > held && entries > s.opts.plausibility.max_rates_per_service {
-                drop(guard);
-                s.count_screened(&r, &screened);
-                let detail = format!("service `{}`", r.service);
-                return Err(s.refuse(
-                    "over_budget",
-                    &detail,
-                    ApiError::TooMany(format!(
-                        "service `{}` holds {} rates in this zone, its budget; retry later",
-                        r.service, s.opts.plausibility.max_rates_per_service
-                    )),
-                ));
-            }
-            k.entries = entries;
+        // The service's budgets of clients and rates held: a report that would pass one
+        // changes nothing.
+        if let Err(over) = st.known.admit(service, held, r.buckets.len(), p) {
+            drop(guard);
+            s.count_screened(&r, &screened);
+            let detail = format!("service `{}`: {}", r.service, over.what());
+            let e = ApiError::TooMany(over.message(&r.service, p));
+            return Err(s.refuse("over_budget", &detail, e));
         }
+        // The client's entry, its rates from the counts as the rate screen left them (what
+        // the ratios follow).
+        if new_client {
+            let period_ms = crate::period::estimate(None, r.interval_ms);
+            let entry = ClientEntry {
+                at: now,
+                horizon: client_horizon(s.opts.tick, period_ms),
+                period_ms,
+                rates: Vec::new(),
+                calls: Default::default(),
+                counts: Default::default(),
+                fresh: true,
+            };
+            st.clients
+                .insert((r.service.clone(), r.client_id.clone()), entry);
+        }
+        let c = st
+            .clients
+            .get_mut(&(service, r.client_id.as_str()) as &dyn StrPair)
+            .expect("held, or inserted above");
+        if !c.fresh {
+            st.waiting = st.waiting.saturating_sub(1);
+        }
+        c.at = now;
+        c.period_ms = crate::period::estimate(Some(c.period_ms), r.interval_ms);
+        c.horizon = client_horizon(s.opts.tick, c.period_ms);
+        r.rates_into(&mut c.rates);
+        c.calls = calls;
+        c.fresh = true;
+        // Counts are summed over reports: no more than the client may add over the time it
+        // really reported.
+        let cut = st.known.screen_counts(
+            service,
+            &mut r.buckets,
+            &mut c.counts,
+            elapsed,
+            &screened,
+            p,
+        );
+        screened.add(screen::EntryRefusal::CountsCapped, cut);
         for b in &r.buckets {
             crate::keys::update(
                 &mut st.pending,
@@ -724,38 +754,6 @@ async fn report(
                 for c in &r.calls {
                     p.add(&c.caller, &c.procedure, c.count);
                 }
-            }
-        }
-        match st
-            .clients
-            .get_mut(&(service, r.client_id.as_str()) as &dyn StrPair)
-        {
-            Some(c) => {
-                if !c.fresh {
-                    st.waiting = st.waiting.saturating_sub(1);
-                }
-                c.at = now;
-                c.period_ms = crate::period::estimate(Some(c.period_ms), r.interval_ms);
-                c.horizon = client_horizon(s.opts.tick, c.period_ms);
-                r.rates_into(&mut c.rates);
-                c.calls = calls;
-                c.fresh = true;
-            }
-            None => {
-                st.clients.insert(
-                    (r.service.clone(), r.client_id.clone()),
-                    ClientEntry {
-                        at: now,
-                        horizon: client_horizon(
-                            s.opts.tick,
-                            crate::period::estimate(None, r.interval_ms),
-                        ),
-                        period_ms: crate::period::estimate(None, r.interval_ms),
-                        rates: r.rates(),
-                        calls,
-                        fresh: true,
-                    },
-                );
             }
         }
         // Every client heard within the horizon has reported since the last forward: forward

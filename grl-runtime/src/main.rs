@@ -186,6 +186,11 @@ enum Cmd {
         /// refused with 429.
         #[arg(long, default_value_t = 1_000_000)]
         max_rates_per_service: usize,
+        /// Clients held per service (one per client id heard within its horizon; the services
+        /// not in the config share one such budget); a report of a new client that would pass
+        /// it is refused with 429.
+        #[arg(long, default_value_t = grl_runtime::aggregator::screen::DEFAULT_MAX_CLIENTS_PER_SERVICE)]
+        max_clients_per_service: usize,
     },
     /// Run an inbound reverse proxy in front of one service instance (any language): every
     /// request is decided by the GRL client, refused ones are answered here (HTTP 429, gRPC
@@ -573,6 +578,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             plausible_peer_multiple,
             plausible_instance_rps,
             max_rates_per_service,
+            max_clients_per_service,
         } => {
             anyhow::ensure!(
                 plausible_limit_multiple.is_finite()
@@ -613,6 +619,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     limit_multiple: plausible_limit_multiple,
                     peer_multiple: plausible_peer_multiple,
                     max_rates_per_service,
+                    max_clients_per_service,
                     instance_rps: plausible_instance_rps,
                 },
                 ..Default::default()

@@ -1,9 +1,11 @@
 //! What an aggregator takes from a client report before summing it, without I/O: only the
 //! buckets the config serves for the report's service (unknown names and repeats dropped), each
-//! rate cut to what one plausible instance can offer, within a per-service budget of rates
-//! held. A client holding one service's credential can then move only that service's ratios,
-//! and no further than one plausible instance of it could; the zone report carries at most the
-//! configured buckets of each service, so one service never pushes another out of it.
+//! rate cut to what one plausible instance can offer, within per-service budgets of rates and
+//! clients held (the services not in the config share one budget of clients: an empty report
+//! holds no rate, but its client id is held too). A client holding one service's credential
+//! can then move only that service's ratios, and no further than one plausible instance of it
+//! could; the zone report carries at most the configured buckets of each service, so one
+//! service never pushes another out of it.
 //!
 //! The plausibility cap of a client's offered rate for a bucket is the largest of
 //! - `limit_multiple × limit / clients`: the client's share (one of the service's clients
@@ -28,13 +30,19 @@
 //! - [`Plausibility::instance_rps`]: what a lone instance is trusted up to when nothing else
 //!   is known (a new service, learned from its calls before it has a bucket).
 //!
-//! Calls are counts, summed over reports: a client reporting often, or claiming a long
-//! interval, must not add more than its cap over the time it really reported. Each client
-//! has an allowance of calls refilled at its cap per second of the aggregator's clock since
-//! its previous report, held up to its cap over the client's horizon (a new client starts
-//! with its cap over its interval, at most three ticks); a report's calls beyond what is left
-//! are cut, every (caller, procedure) count scaled down alike. Calls held back by a failed
-//! forward are put back as they were taken, never screened again.
+//! Calls and bucket counts are counts, summed over reports (the controller's
+//! `grl_calls_total` and `grl_requests_*_total`): a client reporting often, or claiming a long
+//! interval, must not add more than its caps over the time it really reported, whatever rate
+//! each report claims. Each client has an allowance for its calls and one for its counts
+//! (`Allowance`, in seconds at its caps): refilled by the time since its previous report on
+//! the aggregator's clock, held up to the client's horizon (a new client starts with its
+//! interval, at most three ticks), spent by what a report takes at its caps (its calls' total
+//! over their cap; for counts, the most of any bucket's counts over that bucket's cap). A
+//! report beyond it is cut to its caps over the seconds available: every (caller, procedure)
+//! count scaled down alike, and each bucket over it cut (admitted + dropped = offered). The
+//! counts of a bucket under an override are held to it too: the ratio is the operator's, the
+//! counters stay history. The rates the ratios follow keep the cap per report above. Calls
+//! held back by a failed forward are put back as they were taken, never screened again.
 
 use std::collections::HashMap;
 
@@ -60,6 +68,9 @@ pub struct Plausibility {
     /// Rate entries (one per client and bucket) held per service between forwards; a report
     /// that would pass it is refused (429).
     pub max_rates_per_service: usize,
+    /// Clients held per service (those of services not in the config together); a report of
+    /// a client that would pass it is refused (429).
+    pub max_clients_per_service: usize,
     /// The total call rate (requests per second, by every caller) one client is trusted up
     /// to whatever else is known; for a lone instance of a service the config has no bucket
     /// for, the cap of its calls.
@@ -74,10 +85,14 @@ impl Default for Plausibility {
             limit_multiple: 10.0,
             peer_multiple: 4.0,
             max_rates_per_service: 1_000_000,
+            max_clients_per_service: DEFAULT_MAX_CLIENTS_PER_SERVICE,
             instance_rps: DEFAULT_INSTANCE_RPS,
         }
     }
 }
+
+/// The default of [`Plausibility::max_clients_per_service`].
+pub const DEFAULT_MAX_CLIENTS_PER_SERVICE: usize = 100_000;
 
 /// The default of [`Plausibility::instance_rps`].
 pub const DEFAULT_INSTANCE_RPS: f64 = 5_000.0;
@@ -125,11 +140,45 @@ pub(crate) struct ServiceClients {
     pub(crate) calls: PeerRates,
 }
 
+/// The time a client's report had on the aggregator's clock.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Elapsed {
+    /// Since its previous report; for a client new to the aggregator, its interval, at most
+    /// three ticks.
+    pub(crate) since_ms: u64,
+    /// How long an allowance is held: the client's horizon; for a new client, three ticks.
+    pub(crate) horizon_ms: u64,
+    /// The client is new to the aggregator (it counts among its service's clients from now).
+    pub(crate) new_client: bool,
+}
+
+/// What a client may still report of counts summed over reports (its calls, its buckets'
+/// counts), in seconds at its cap: refilled by the time elapsed on the aggregator's clock,
+/// held up to its horizon. A client reporting often, or claiming a long interval, gets no
+/// more than its cap over the time it really reported.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct Allowance {
+    secs: f64,
+}
+
+impl Allowance {
+    /// Refills it by `e.since_ms`, held up to `e.horizon_ms`; the seconds available.
+    fn refill(&mut self, e: Elapsed) -> f64 {
+        self.secs = (self.secs + e.since_ms as f64 / 1000.0).min(e.horizon_ms as f64 / 1000.0);
+        self.secs
+    }
+
+    /// Takes `secs` of it (none below 0).
+    fn spend(&mut self, secs: f64) {
+        self.secs = (self.secs - secs).max(0.0);
+    }
+}
+
 /// One client's calls as the screen follows them.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub(crate) struct ClientCalls {
-    /// Calls it may still report.
-    pub(crate) left: f64,
+    /// What it may still report.
+    pub(crate) allowance: Allowance,
     /// Its total call rate in its last report, when that carried calls (at most its cap).
     pub(crate) rate: Option<f64>,
 }
@@ -156,7 +205,9 @@ pub(crate) struct KnownService {
     /// The service's clients heard within the horizon at the last forward (at least 1).
     clients: usize,
     /// Rate entries held for its clients.
-    pub(crate) entries: usize,
+    entries: usize,
+    /// Its clients held: at the last forward, and those new since.
+    held: usize,
     /// The sum of its buckets' limits (each the higher of the configured one and an
     /// override's).
     limit_sum: f64,
@@ -179,6 +230,8 @@ pub enum EntryRefusal {
     /// A (caller, procedure) call count of a report whose calls were more than the client's
     /// allowance: scaled down with the report's other calls.
     CallsCapped,
+    /// A bucket whose counts were more than the client's allowance: cut to it.
+    CountsCapped,
 }
 
 impl EntryRefusal {
@@ -190,6 +243,7 @@ impl EntryRefusal {
             EntryRefusal::RateCapped => "rate_capped",
             EntryRefusal::ShortInterval => "short_interval",
             EntryRefusal::CallsCapped => "calls_capped",
+            EntryRefusal::CountsCapped => "counts_capped",
         }
     }
 }
@@ -201,6 +255,8 @@ pub struct Screened {
     pub refused: Vec<(EntryRefusal, u64)>,
     /// Whether the report's service is in the config.
     pub known_service: bool,
+    /// The time the counts kept take at their buckets' caps (s): the most of any bucket.
+    pub(crate) counts_secs: f64,
 }
 
 impl Screened {
@@ -220,6 +276,49 @@ pub(crate) struct Known {
     /// The calls' peer caps of services not in the config, at the last forward (at most
     /// [`MAX_CALL_SERVICES`]).
     other_calls: HashMap<String, f64>,
+    /// The clients held of services not in the config, all together: at the last forward,
+    /// and those new since.
+    other_clients: usize,
+}
+
+/// The budget a report would pass: it is refused (429) and changes nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum OverBudget {
+    /// The rates of its service ([`Plausibility::max_rates_per_service`]).
+    Rates,
+    /// The clients of its service ([`Plausibility::max_clients_per_service`]).
+    Clients,
+    /// The clients of the services not in the config, together.
+    OtherClients,
+}
+
+impl OverBudget {
+    /// What is over budget, for the log.
+    pub(crate) fn what(self) -> &'static str {
+        match self {
+            OverBudget::Rates => "rates",
+            OverBudget::Clients => "clients",
+            OverBudget::OtherClients => "clients of services not in the config",
+        }
+    }
+
+    /// The answer to a report of `service`.
+    pub(crate) fn message(self, service: &str, p: &Plausibility) -> String {
+        match self {
+            OverBudget::Rates => format!(
+                "service `{service}` holds {} rates in this zone, its budget; retry later",
+                p.max_rates_per_service
+            ),
+            OverBudget::Clients => format!(
+                "service `{service}` holds {} clients in this zone, its budget; retry later",
+                p.max_clients_per_service
+            ),
+            OverBudget::OtherClients => format!(
+                "services not in the config (`{service}` among them) hold {} clients in this zone, their budget; retry later",
+                p.max_clients_per_service
+            ),
+        }
+    }
 }
 
 impl Known {
@@ -233,6 +332,7 @@ impl Known {
                 buckets: HashMap::with_capacity(f.buckets.len()),
                 clients: old.as_ref().map_or(1, |o| o.clients),
                 entries: old.as_ref().map_or(0, |o| o.entries),
+                held: old.as_ref().map_or(0, |o| o.held),
                 limit_sum: 0.0,
                 calls_peer_cap: old.as_ref().map_or(0.0, |o| o.calls_peer_cap),
             };
@@ -256,7 +356,41 @@ impl Known {
             }
             services.insert(f.service.clone(), s);
         }
+        // The clients of services that left the config count with the others' until the
+        // next forward recounts them.
+        self.other_clients += self.services.values().map(|s| s.held).sum::<usize>();
         self.services = services;
+    }
+
+    /// Counts a report of `service` against its budgets, its client holding `held` rates
+    /// (None: a client new to the aggregator) and the report carrying `rates`: a new client
+    /// takes one of the service's clients (the services not in the config share one
+    /// budget), and the client's rates replace those it held. Over a budget, nothing is
+    /// counted.
+    pub(crate) fn admit(
+        &mut self,
+        service: &str,
+        held: Option<usize>,
+        rates: usize,
+        p: &Plausibility,
+    ) -> Result<(), OverBudget> {
+        let (clients, over, entries) = match self.services.get_mut(service) {
+            Some(s) => (&mut s.held, OverBudget::Clients, Some(&mut s.entries)),
+            None => (&mut self.other_clients, OverBudget::OtherClients, None),
+        };
+        if held.is_none() && *clients >= p.max_clients_per_service {
+            return Err(over);
+        }
+        if let Some(e) = entries {
+            let held = held.unwrap_or(0);
+            let n = *e - held.min(*e) + rates;
+            if rates > held && n > p.max_rates_per_service {
+                return Err(OverBudget::Rates);
+            }
+            *e = n;
+        }
+        *clients += held.is_none() as usize;
+        Ok(())
     }
 
     /// Follows a controller's answer (before it is merged into the directives held): a bucket
@@ -313,9 +447,9 @@ impl Known {
         out.known_service = true;
         self.reports += 1;
         let this = self.reports;
-        let share = p.limit_multiple / (s.clients.max(1) + new_client as usize) as f64;
+        let share = s.share(new_client, p);
         let secs = r.interval_ms as f64 / 1000.0;
-        let (mut unknown, mut repeated, mut capped) = (0, 0, 0);
+        let (mut unknown, mut repeated, mut capped, mut need) = (0, 0, 0, 0.0f64);
         r.buckets.retain_mut(|b| {
             let Some(k) = s.buckets.get_mut(b.bucket.as_str()) else {
                 unknown += 1;
@@ -326,29 +460,65 @@ impl Known {
                 return false;
             }
             k.seen = this;
-            if !k.fixed {
-                let limit = k.limit_rps.max(k.directive_limit);
-                let cap = (limit * share).max(k.peer_cap).max(MIN_CAP_RPS);
-                if b.offered as f64 / secs > cap {
-                    cut(b, (cap * secs).floor() as u64);
-                    capped += 1;
-                }
+            let cap = k.cap(share);
+            if !k.fixed && b.offered as f64 / secs > cap {
+                cut(b, (cap * secs).floor() as u64);
+                capped += 1;
             }
+            need = need.max(b.offered as f64 / cap);
             true
         });
         out.add(EntryRefusal::UnknownBucket, unknown);
         out.add(EntryRefusal::Duplicate, repeated);
         out.add(EntryRefusal::RateCapped, capped);
+        out.counts_secs = need;
         out
+    }
+
+    /// Cuts the counts of a report of `service` (its `buckets`, screened by [`Self::screen`]
+    /// first, which found that they take `s.counts_secs` at their caps) to what its client
+    /// may report, and follows the client's allowance `a` (see [`Allowance`]): each bucket
+    /// gets its cap over the seconds available (under an override too: counts are the
+    /// counters' history, not the ratio). A bucket over it is cut alike (admitted + dropped =
+    /// offered). Returns the buckets cut. Nothing allocated; each bucket looked up again only
+    /// when some are cut.
+    pub(crate) fn screen_counts(
+        &self,
+        service: &str,
+        buckets: &mut [BucketCountsMsg],
+        a: &mut Allowance,
+        e: Elapsed,
+        s: &Screened,
+        p: &Plausibility,
+    ) -> u64 {
+        let available = a.refill(e);
+        let need = s.counts_secs;
+        if need <= available {
+            a.spend(need);
+            return 0;
+        }
+        a.spend(available);
+        let Some(svc) = self.services.get(service) else {
+            return 0;
+        };
+        let share = svc.share(e.new_client, p);
+        let mut capped = 0;
+        for b in buckets {
+            if let Some(k) = svc.buckets.get(b.bucket.as_str()) {
+                let allowed = (k.cap(share) * available).floor();
+                if b.offered as f64 > allowed {
+                    cut(b, allowed as u64);
+                    capped += 1;
+                }
+            }
+        }
+        capped
     }
 
     /// The cap of one client's total call rate for `service` (see the module doc).
     fn calls_cap(&self, service: &str, new_client: bool, p: &Plausibility) -> f64 {
         let known = match self.services.get(service) {
-            Some(s) => {
-                let clients = (s.clients.max(1) + new_client as usize) as f64;
-                (p.limit_multiple * s.limit_sum / clients).max(s.calls_peer_cap)
-            }
+            Some(s) => (s.limit_sum * s.share(new_client, p)).max(s.calls_peer_cap),
             None => self.other_calls.get(service).copied().unwrap_or(0.0),
         };
         known.max(p.instance_rps)
@@ -356,30 +526,27 @@ impl Known {
 
     /// Cuts the calls of `r` (screened by [`Self::screen`] first: its interval is at least
     /// [`MIN_INTERVAL_MS`]) to what its client may report, and follows the client in `c`: its
-    /// allowance is refilled at its cap per second over `since_ms` (of the aggregator's clock
-    /// since its previous report; for a new client, its interval, at most three ticks) and
-    /// held up to its cap over `horizon_ms`. A report over it has every count scaled down
-    /// alike (rounded down, none raised). Returns the counts cut. Nothing allocated.
+    /// allowance (see [`Allowance`]) at its calls' cap. A report over it has every count
+    /// scaled down alike (rounded down, none raised). Returns the counts cut. Nothing
+    /// allocated.
     pub(crate) fn screen_calls(
         &self,
         r: &mut ClientReport,
         c: &mut ClientCalls,
-        since_ms: u64,
-        horizon_ms: u64,
-        new_client: bool,
+        e: Elapsed,
         p: &Plausibility,
     ) -> u64 {
-        let cap = self.calls_cap(&r.service, new_client, p);
-        let left = (c.left + cap * since_ms as f64 / 1000.0).min(cap * horizon_ms as f64 / 1000.0);
+        let cap = self.calls_cap(&r.service, e.new_client, p);
+        let left = cap * c.allowance.refill(e);
         let total: u128 = r.calls.iter().map(|x| x.count as u128).sum();
         let (accepted, cut) = if total as f64 > left {
-            cut_calls(&mut r.calls, left.max(0.0).floor() as u128, total)
+            cut_calls(&mut r.calls, left.floor() as u128, total)
         } else {
             (total, 0)
         };
-        c.left = (left - accepted as f64).max(0.0);
+        c.allowance.spend(accepted as f64 / cap);
         c.rate = (!r.calls.is_empty()).then(|| {
-            let secs = r.interval_ms.max(since_ms).max(MIN_INTERVAL_MS) as f64 / 1000.0;
+            let secs = r.interval_ms.max(e.since_ms).max(MIN_INTERVAL_MS) as f64 / 1000.0;
             (accepted as f64 / secs).min(cap)
         });
         cut
@@ -396,24 +563,29 @@ impl Known {
         for s in self.services.values_mut() {
             s.clients = 1;
             s.entries = 0;
+            s.held = 0;
             s.calls_peer_cap = 0.0;
             for b in s.buckets.values_mut() {
                 b.peer_cap = 0.0;
             }
         }
         self.other_calls.clear();
+        self.other_clients = 0;
         for (service, c) in clients {
             match self.services.get_mut(service) {
                 Some(s) => {
                     s.clients = c.clients.max(1);
+                    s.held = c.clients;
                     s.entries = c.entries;
                     s.calls_peer_cap = c.calls.cap(p.peer_multiple);
                 }
-                None if c.calls.n >= 2 && self.other_calls.len() < MAX_CALL_SERVICES => {
-                    self.other_calls
-                        .insert(service.to_string(), c.calls.cap(p.peer_multiple));
+                None => {
+                    self.other_clients += c.clients;
+                    if c.calls.n >= 2 && self.other_calls.len() < MAX_CALL_SERVICES {
+                        self.other_calls
+                            .insert(service.to_string(), c.calls.cap(p.peer_multiple));
+                    }
                 }
-                None => {}
             }
         }
         for ((service, bucket), rates) in offered {
@@ -428,7 +600,21 @@ impl Known {
     }
 }
 
+impl KnownBucket {
+    /// The plausibility cap of one client's offered rate, `share` its share of the limit.
+    fn cap(&self, share: f64) -> f64 {
+        let limit = self.limit_rps.max(self.directive_limit);
+        (limit * share).max(self.peer_cap).max(MIN_CAP_RPS)
+    }
+}
+
 impl KnownService {
+    /// One client's share of `limit_multiple ×` a limit: over the service's clients, and the
+    /// report's client when it is new.
+    fn share(&self, new_client: bool, p: &Plausibility) -> f64 {
+        p.limit_multiple / (self.clients.max(1) + new_client as usize) as f64
+    }
+
     fn sum_limits(&mut self) {
         self.limit_sum = self
             .buckets
@@ -571,6 +757,119 @@ mod tests {
         assert_eq!(r.buckets[0].offered, 5000);
     }
 
+    /// Screens `r` as the aggregator does: its rates, then its counts against `a` over `e`;
+    /// the buckets whose counts were cut.
+    fn screen_both(
+        k: &mut Known,
+        r: &mut ClientReport,
+        a: &mut Allowance,
+        e: Elapsed,
+        p: &Plausibility,
+    ) -> u64 {
+        let s = k.screen(r, e.new_client, p);
+        k.screen_counts(&r.service, &mut r.buckets, a, e, &s, p)
+    }
+
+    fn offered(r: &ClientReport) -> Vec<u64> {
+        r.buckets.iter().map(|b| b.offered).collect()
+    }
+
+    #[test]
+    fn counts_are_held_to_the_time_really_reported() {
+        let mut k = Known::default();
+        k.rebuild(&config());
+        let p = Plausibility::default();
+        // One client heard: its cap is 10 × 100 rps; a new one's, 10 × 100 / 2. A new client
+        // claiming an hour at its cap gets its cap over three ticks (300 ms), every bucket
+        // cut alike.
+        let mut a = Allowance::default();
+        let mut r = report("pay", 3_600_000, &[("a", 500 * 3600), ("b", 100 * 3600)]);
+        assert_eq!(screen_both(&mut k, &mut r, &mut a, first(300, 300), &p), 2);
+        assert_eq!(offered(&r), [150, 150]);
+        for b in &r.buckets {
+            assert_eq!(b.admitted + b.dropped, b.offered);
+            assert!(b.shadow_dropped <= b.admitted);
+        }
+        // Reporting every 10 ms, a second's counts at its cap each time: one second's in all.
+        let mut got = 0;
+        for _ in 0..100 {
+            let mut r = report("pay", 1000, &[("a", 1000)]);
+            screen_both(&mut k, &mut r, &mut a, el(10, 3000), &p);
+            got += r.buckets[0].offered;
+        }
+        assert!((900..=1000).contains(&got), "{got} requests in one second");
+        // Honest reports pass as they are: at a third of the cap, even arriving 500 ms after
+        // a report covering a second (what it left unused carries over).
+        for since_ms in [1000, 1000, 500, 1500, 500] {
+            let mut r = report("pay", 1000, &[("a", 300), ("b", 100)]);
+            assert_eq!(
+                screen_both(&mut k, &mut r, &mut a, el(since_ms, 3000), &p),
+                0
+            );
+            assert_eq!(offered(&r), [300, 100]);
+        }
+        // Held up to the horizon: after a minute of silence, 3 s at the cap.
+        let mut r = report("pay", 3_600_000, &[("a", 1000 * 3600)]);
+        screen_both(&mut k, &mut r, &mut a, el(60_000, 3000), &p);
+        assert_eq!(offered(&r), [3000]);
+        // Under an override the rate is not cut, the counts are.
+        let d: ZoneDirectives = serde_json::from_value(serde_json::json!({"version": "v1",
+            "services": [{"service": "pay", "directives": [{"bucket": "b", "ratio": 0.5,
+            "fleet_offered_rps": 1.0, "limit_rps": 1.0, "fixed": true}]}]}))
+        .unwrap();
+        k.follow(&d);
+        let mut r = report("pay", 1000, &[("b", 1_000_000)]);
+        let s = k.screen(&mut r, false, &p);
+        assert_eq!(
+            offered(&r),
+            [1_000_000],
+            "a fixed bucket's rate as reported"
+        );
+        let cut = k.screen_counts("pay", &mut r.buckets, &mut a, el(1000, 3000), &s, &p);
+        assert_eq!((cut, offered(&r)), (1, vec![1000]));
+    }
+
+    #[test]
+    fn budgets_of_clients_and_rates() {
+        let mut k = Known::default();
+        k.rebuild(&config());
+        let p = Plausibility {
+            max_clients_per_service: 2,
+            max_rates_per_service: 3,
+            ..Default::default()
+        };
+        // Two new clients of pay, one with two rates, one with none; a third is refused.
+        assert_eq!(k.admit("pay", None, 2, &p), Ok(()));
+        assert_eq!(k.admit("pay", None, 0, &p), Ok(()));
+        assert_eq!(k.admit("pay", None, 0, &p), Err(OverBudget::Clients));
+        // A held client: its rates replace those it held, within the service's budget.
+        assert_eq!(k.admit("pay", Some(0), 2, &p), Err(OverBudget::Rates));
+        assert_eq!(k.admit("pay", Some(0), 1, &p), Ok(()));
+        assert_eq!(k.admit("pay", Some(2), 1, &p), Ok(()));
+        assert_eq!(k.services["pay"].entries, 2);
+        // Services not in the config share one budget of clients.
+        assert_eq!(k.admit("maps", None, 0, &p), Ok(()));
+        assert_eq!(k.admit("geo", None, 0, &p), Ok(()));
+        assert_eq!(k.admit("web", None, 0, &p), Err(OverBudget::OtherClients));
+        assert_eq!(k.admit("maps", Some(0), 0, &p), Ok(()), "a held client");
+        // A forward recounts the clients held.
+        let one = ServiceClients {
+            clients: 1,
+            entries: 1,
+            calls: PeerRates::default(),
+        };
+        k.forwarded([("pay", one), ("maps", one)], &HashMap::new(), &p);
+        assert_eq!(k.admit("pay", None, 0, &p), Ok(()));
+        assert_eq!(k.admit("pay", None, 0, &p), Err(OverBudget::Clients));
+        assert_eq!(k.admit("web", None, 0, &p), Ok(()));
+        assert_eq!(k.admit("geo", None, 0, &p), Err(OverBudget::OtherClients));
+        // A service leaving the config takes its clients to the others' budget.
+        let mut doc = config();
+        doc.services[0].service = "orders".into();
+        k.rebuild(&doc);
+        assert_eq!(k.other_clients, 4);
+    }
+
     fn with_calls(service: &str, interval_ms: u64, calls: &[(&str, u64)]) -> ClientReport {
         let mut r = report(service, interval_ms, &[]);
         r.calls = calls
@@ -582,6 +881,22 @@ mod tests {
             })
             .collect();
         r
+    }
+
+    fn el(since_ms: u64, horizon_ms: u64) -> Elapsed {
+        Elapsed {
+            since_ms,
+            horizon_ms,
+            new_client: false,
+        }
+    }
+
+    /// A new client's first report.
+    fn first(since_ms: u64, horizon_ms: u64) -> Elapsed {
+        Elapsed {
+            new_client: true,
+            ..el(since_ms, horizon_ms)
+        }
     }
 
     fn counts(r: &ClientReport) -> Vec<u64> {
@@ -615,14 +930,18 @@ mod tests {
         forward_calls(&mut k, "pay", &[150.0, 150.0, 10_000.0, 150.0, 150.0], &p);
         let mut c = ClientCalls::default();
         let mut r = with_calls("pay", 1000, &[("a", 100), ("b", 50)]);
-        assert_eq!(k.screen_calls(&mut r, &mut c, 1000, 3000, false, &p), 0);
+        assert_eq!(k.screen_calls(&mut r, &mut c, el(1000, 3000), &p), 0);
         assert_eq!(counts(&r), [100, 50], "an honest report passes as it is");
         assert_eq!(c.rate, Some(150.0));
-        assert_eq!(c.left, 600.0 - 150.0);
+        assert_eq!(
+            c.allowance.secs,
+            1.0 - 150.0 / 600.0,
+            "seconds at its cap left"
+        );
         // One second later: 450 + 600 left; 3,000 claimed are scaled down to 1,050, rounded
         // down, each count alike.
         let mut r = with_calls("pay", 1000, &[("a", 2000), ("b", 1000)]);
-        assert_eq!(k.screen_calls(&mut r, &mut c, 1000, 3000, false, &p), 2);
+        assert_eq!(k.screen_calls(&mut r, &mut c, el(1000, 3000), &p), 2);
         assert_eq!(counts(&r), [700, 350]);
         assert_eq!(
             c.rate,
@@ -633,14 +952,14 @@ mod tests {
         let mut got = 0;
         for _ in 0..100 {
             let mut r = with_calls("pay", 3_600_000, &[("a", 1 << 40)]);
-            k.screen_calls(&mut r, &mut c, 10, 3000, false, &p);
+            k.screen_calls(&mut r, &mut c, el(10, 3000), &p);
             got += r.calls[0].count;
         }
         assert!((599..=600).contains(&got), "{got} calls in one second");
         // The allowance is held up to the cap over the client's horizon: after a minute of
         // silence, 3 s of calls.
         let mut r = with_calls("pay", 1000, &[("a", 1 << 40)]);
-        k.screen_calls(&mut r, &mut c, 60_000, 3000, false, &p);
+        k.screen_calls(&mut r, &mut c, el(60_000, 3000), &p);
         assert!(
             (1799..=1800).contains(&r.calls[0].count),
             "{:?}",
@@ -650,12 +969,12 @@ mod tests {
         forward_calls(&mut k, "pay", &[10.0, 10.0], &p);
         let mut c = ClientCalls::default();
         let mut r = with_calls("pay", 1000, &[("a", 5000)]);
-        k.screen_calls(&mut r, &mut c, 1000, 3000, true, &p);
+        k.screen_calls(&mut r, &mut c, first(1000, 3000), &p);
         assert_eq!(counts(&r), [666]);
         // Counts near u64::MAX neither overflow nor wrap (the cap: 10 × 200 over 2 clients).
         let mut c = ClientCalls::default();
         let mut r = with_calls("pay", 1000, &[("a", u64::MAX), ("b", u64::MAX), ("c", 0)]);
-        assert_eq!(k.screen_calls(&mut r, &mut c, 1000, 3000, false, &p), 2);
+        assert_eq!(k.screen_calls(&mut r, &mut c, el(1000, 3000), &p), 2);
         assert_eq!(counts(&r), [500, 500, 0]);
     }
 
@@ -667,17 +986,17 @@ mod tests {
         // A lone client of a new service: what one instance is trusted up to.
         let mut c = ClientCalls::default();
         let mut r = with_calls("maps", 1000, &[("web", 3000), ("app", 1000)]);
-        assert_eq!(k.screen_calls(&mut r, &mut c, 1000, 3000, true, &p), 0);
+        assert_eq!(k.screen_calls(&mut r, &mut c, first(1000, 3000), &p), 0);
         assert_eq!(counts(&r), [3000, 1000]);
         let mut r = with_calls("maps", 1000, &[("web", 30_000), ("app", 10_000)]);
         let mut c = ClientCalls::default();
-        assert_eq!(k.screen_calls(&mut r, &mut c, 1000, 3000, true, &p), 2);
+        assert_eq!(k.screen_calls(&mut r, &mut c, first(1000, 3000), &p), 2);
         assert_eq!(counts(&r), [3750, 1250]);
         // Busy peers raise it.
         forward_calls(&mut k, "maps", &[20_000.0, 20_000.0, 20_000.0], &p);
         let mut c = ClientCalls::default();
         let mut r = with_calls("maps", 1000, &[("web", 30_000), ("app", 10_000)]);
-        assert_eq!(k.screen_calls(&mut r, &mut c, 1000, 3000, false, &p), 0);
+        assert_eq!(k.screen_calls(&mut r, &mut c, el(1000, 3000), &p), 0);
         // Its peer cap stays when the service enters the config, until the next forward.
         let mut doc = config();
         let mut maps = doc.services[0].clone();
@@ -686,7 +1005,7 @@ mod tests {
         k.rebuild(&doc);
         let mut c = ClientCalls::default();
         let mut r = with_calls("maps", 1000, &[("web", 80_000), ("app", 10_000)]);
-        assert_eq!(k.screen_calls(&mut r, &mut c, 1000, 3000, false, &p), 2);
+        assert_eq!(k.screen_calls(&mut r, &mut c, el(1000, 3000), &p), 2);
         assert_eq!(counts(&r).iter().sum::<u64>(), 79_999);
     }
 }
