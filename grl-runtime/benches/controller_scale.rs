@@ -68,6 +68,7 @@ fn report(n: usize, z: usize, every: usize, max: usize, bump: f64) -> ZoneReport
         zone: format!("z{z}"),
         buckets,
         calls: Vec::new(),
+        calls_ms: None,
         session: None,
     }
 }
@@ -156,7 +157,7 @@ fn steady(c: &mut Criterion, n: usize, label: &str) {
         for (z, r) in set.iter_mut().enumerate() {
             sequence(r, z, seq, held[z]);
             let bytes = if shared {
-                let bytes = e.answer_json(black_box(r), 0, 0);
+                let (bytes, _) = e.answer_json(black_box(r), 0, 0);
                 held[z] = Some(e.directives_version());
                 bytes
             } else {

@@ -33,6 +33,7 @@ fn report(z: usize) -> ZoneReport {
         zone: format!("z{z}"),
         buckets,
         calls: Vec::new(),
+        calls_ms: None,
         session: None,
     }
 }

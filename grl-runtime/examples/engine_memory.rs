@@ -51,6 +51,7 @@ fn report(n: usize, z: usize) -> ZoneReport {
         region: format!("r{}", z / 5),
         zone: format!("z{z}"),
         calls: Vec::new(),
+        calls_ms: None,
         session: None,
         buckets: (z % 10..n)
             .step_by(10)

@@ -143,6 +143,9 @@ struct AggState {
     pending: HashMap<(String, String), BucketCountsMsg>,
     /// Calls by service since the last forward (bounded).
     calls: HashMap<String, PendingCalls>,
+    /// When `calls` began: the last forward whose calls a controller took (or the start).
+    /// Calls held back by failed forwards go with the whole time since (`calls_ms`).
+    calls_since: Option<Instant>,
     directives: ZoneDirectives,
     directives_at: Option<Instant>,
     /// What clients are answered, built at the first report after `directives_at` changed.
@@ -483,7 +486,10 @@ impl Aggregator {
             .await
             .with_context(|| format!("bind {}", opts.listen))?;
         let addr = listener.local_addr()?;
-        let state = Arc::new(Mutex::new(AggState::default()));
+        let state = Arc::new(Mutex::new(AggState {
+            calls_since: Some(Instant::now()),
+            ..Default::default()
+        }));
         let metrics = AggMetrics::default();
         let refused = RefusalCounts::default();
         let mut registry = metrics.registry(state.clone(), opts.tick * 3);
@@ -909,12 +915,18 @@ fn build_report(s: &Shared) -> ZoneReport {
         zone: s.opts.zone.clone(),
         buckets,
         calls: Vec::new(),
+        calls_ms: None,
         session: None,
     }
 }
 
-/// The calls held since the last forward, taken.
-fn take_calls(st: &mut AggState) -> Vec<ServiceCallCountMsg> {
+/// The calls held since the last forward, taken, with the time they cover: since
+/// `calls_since` (till now, returned: once a controller took them, the next calls begin then).
+fn take_calls(st: &mut AggState) -> (Vec<ServiceCallCountMsg>, u64, Instant) {
+    let now = Instant::now();
+    let covered = now
+        .saturating_duration_since(st.calls_since.unwrap_or(now))
+        .as_millis() as u64;
     let mut out = Vec::new();
     let mut services: Vec<_> = st.calls.drain().collect();
     services.sort_by(|a, b| a.0.cmp(&b.0));
@@ -928,7 +940,7 @@ fn take_calls(st: &mut AggState) -> Vec<ServiceCallCountMsg> {
             });
         }
     }
-    out
+    (out, covered, now)
 }
 
 /// Puts back calls that were not forwarded (they go with a later forward).
@@ -984,6 +996,9 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
         let n = s.opts.controllers.len();
         send_to_standbys(&s, &report, current, &mut upstreams, round);
         let mut done = false;
+        // The calls in `report` (taken for a controller of protocol 2 or later) and when
+        // they were taken.
+        let mut taken: Option<(u64, Instant)> = None;
         for attempt in 0..n {
             let idx = (current + attempt) % n;
             let base = &s.opts.controllers[idx];
@@ -994,11 +1009,18 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
             // Calls go only to a controller that announced protocol 2 (an older one refuses
             // the field); until then they wait, bounded.
             if up.proto >= 2 {
-                if report.calls.is_empty() {
-                    report.calls = take_calls(&mut s.state.lock().expect("aggregator lock"));
+                if taken.is_none() {
+                    let (calls, ms, at) = take_calls(&mut s.state.lock().expect("aggregator lock"));
+                    report.calls = calls;
+                    taken = Some((ms, at));
                 }
-            } else if !report.calls.is_empty() {
+                // The time they cover, to a controller that reads it (it rates them over it).
+                report.calls_ms = taken
+                    .filter(|_| up.proto >= crate::proto::PROTO_CALLS_MS)
+                    .map(|t| t.0);
+            } else if taken.take().is_some() {
                 restore_calls(&s, std::mem::take(&mut report.calls));
+                report.calls_ms = None;
             }
             let t = Instant::now();
             let sent = forward_to(&s, &mut up, base, &report, round, last, Held::Served).await;
@@ -1032,6 +1054,9 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
                         }
                     }
                     let mut st = s.state.lock().expect("aggregator lock");
+                    if let Some((_, at)) = taken {
+                        st.calls_since = Some(at);
+                    }
                     st.known.follow(&d);
                     crate::delta::merge_directives(&mut st.directives, d);
                     st.directives_at = Some(Instant::now());
@@ -1043,6 +1068,7 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
                 }
             }
         }
+        // Not taken: back with the next forward, `calls_since` unchanged.
         if !done && !report.calls.is_empty() {
             restore_calls(&s, std::mem::take(&mut report.calls));
         }
@@ -1096,6 +1122,7 @@ fn send_to_standbys(
                     zone: report.zone.clone(),
                     buckets: report.buckets.clone(),
                     calls: Vec::new(),
+                    calls_ms: None,
                     session: None,
                 };
                 for b in &mut c.buckets {

@@ -1245,18 +1245,20 @@ async fn aggregate(
             ));
         }
     }
-    if !r.calls.is_empty() {
+    let mut e = s.engine.lock().expect("engine lock");
+    // The reply's ratios already include this report: a zone's fresh counts reach its
+    // clients in the same round trip instead of waiting for the next tick.
+    // Serialized under the lock: the directives' bytes are shared between the zones' replies.
+    let (reply, ingested) = e.answer_json(&r, s.now_ms(), unix_now());
+    drop(e);
+    // The calls of a report answered `resync` come again with the full report the
+    // aggregator sends at once: they count then, once.
+    if !r.calls.is_empty() && ingested == crate::engine::Ingested::Applied {
         let mut c = s.calls.lock().expect("calls lock");
         for m in &r.calls {
             c.add(&m.service, &m.caller, &m.procedure, m.count);
         }
     }
-    let mut e = s.engine.lock().expect("engine lock");
-    // The reply's ratios already include this report: a zone's fresh counts reach its
-    // clients in the same round trip instead of waiting for the next tick.
-    // Serialized under the lock: the directives' bytes are shared between the zones' replies.
-    let reply = e.answer_json(&r, s.now_ms(), unix_now());
-    drop(e);
     Ok((
         [
             (

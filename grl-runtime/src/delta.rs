@@ -152,6 +152,7 @@ impl Upstream {
             zone: full.zone.clone(),
             buckets: Vec::new(),
             calls: full.calls.clone(),
+            calls_ms: full.calls_ms,
             session: Some(ReportSession {
                 id: self.session,
                 seq,

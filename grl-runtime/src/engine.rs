@@ -77,6 +77,13 @@ struct ZoneData {
     /// are the sums of these over the live zones: a report replaces its zone's previous
     /// contribution bucket by bucket.
     resolved: Vec<(usize, [i64; 4])>,
+    /// Per candidate fed by calls (its index in the candidate list, in order), the rate of
+    /// the zone's calls matching it: their count over the time they cover, from its last
+    /// report that said (see `candidates`). Absent: none.
+    calls_rps: Vec<(u32, f64)>,
+    /// When `calls_rps` was set: it counts within the zone's horizon of it (a zone whose
+    /// calls go to another replica keeps reporting its rates here, without calls).
+    calls_at_ms: u64,
 }
 
 /// How long the engine remembers when a zone it forgot last reported (ms), so that the zone's
@@ -745,14 +752,30 @@ impl Engine {
     /// report it names as its base (else [`Ingested::Resync`], and nothing changes). Applying
     /// a full report and then its deltas gives the same sums as applying the full reports
     /// they stand for (`delta_reports_match_full_reports`).
+    ///
+    /// The report's calls count for the candidates only when it is applied: a report answered
+    /// `resync` is sent again in full, calls included.
     pub fn ingest(&mut self, r: &ZoneReport, now_ms: u64) -> Ingested {
-        // Calls are counts since the zone's previous forward, whatever becomes of its rates.
-        self.candidate_calls(r);
-        if let Some(sess) = r.session {
-            if let Some(base) = sess.base {
-                return self.ingest_delta(r, (sess.id, base), sess.seq, now_ms);
-            }
+        // When the zone last reported: the time its calls cover, when the report does not
+        // say (an aggregator before protocol 6).
+        let prev_at = (r.calls_ms.is_none() && !r.calls.is_empty())
+            .then(|| match self.zones.get(&r.aggregator_id) {
+                Some(z) => Some(z.at_ms),
+                None => self.forgotten.get(&r.aggregator_id).map(|f| f.0),
+            })
+            .flatten();
+        let done = match r.session.and_then(|s| s.base.map(|b| (s.id, b, s.seq))) {
+            Some((id, base, seq)) => self.ingest_delta(r, (id, base), seq, now_ms),
+            None => self.ingest_full(r, now_ms),
+        };
+        if done == Ingested::Applied {
+            self.candidate_calls(r, now_ms, prev_at);
         }
+        done
+    }
+
+    /// [`Engine::ingest`] of a report without a base.
+    fn ingest_full(&mut self, r: &ZoneReport, now_ms: u64) -> Ingested {
         let zone_name = self.zone_names.id(&r.zone);
         let mut resolved = Vec::with_capacity(r.buckets.len());
         for b in &r.buckets {
@@ -786,16 +809,24 @@ impl Engine {
             Some(old) => Some((old.at_ms, old.gap_ms)),
             None => self.forgotten.remove(&r.aggregator_id),
         };
-        let z = ZoneData {
+        let mut z = ZoneData {
             region_key: self.keys.id(&scope_key(Scope::Region, &r.region, &r.zone)),
             zone_key: self.keys.id(&scope_key(Scope::Zone, &r.region, &r.zone)),
             at_ms: now_ms,
             gap_ms: prev.map(|(at, gap)| crate::period::estimate(gap, now_ms.saturating_sub(at))),
             session: r.session.map(|s| (s.id, s.seq)),
             resolved,
+            calls_rps: Vec::new(),
+            calls_at_ms: 0,
         };
         // Keyed by aggregator: replicas serving one zone each carry part of its clients.
-        match self.zones.remove(&r.aggregator_id) {
+        let mut old = self.zones.remove(&r.aggregator_id);
+        if let Some(o) = old.as_mut() {
+            // Until the calls of this report replace them.
+            z.calls_rps = std::mem::take(&mut o.calls_rps);
+            z.calls_at_ms = o.calls_at_ms;
+        }
+        match old {
             Some(old) if old.region_key == z.region_key && old.zone_key == z.zone_key => {
                 self.replace(&old, &z)
             }
@@ -982,6 +1013,7 @@ impl Engine {
             // Calls are exported by the controller their zones report to, never forwarded
             // to peers (each region's controller serves its own zones' calls).
             calls: Vec::new(),
+            calls_ms: None,
             session: None,
         }
     }
@@ -1252,7 +1284,7 @@ impl Engine {
     /// report with one, the directives changed since the ones it holds, and whether the report
     /// was applied or a full one is needed (`resync`).
     pub fn answer(&mut self, r: &ZoneReport, now_ms: u64, unix_now: u64) -> ZoneDirectives {
-        let (idx, session) = self.answer_plan(r, now_ms, unix_now);
+        let (idx, session, _) = self.answer_plan(r, now_ms, unix_now);
         let mut d = match idx {
             None => self.directives_for(&r.region, &r.zone),
             Some(idx) => self.directives_of(idx.into_iter(), &r.region, &r.zone),
@@ -1264,9 +1296,16 @@ impl Engine {
     /// [`Engine::answer`] serialized as JSON: the same bytes as `serde_json::to_vec` of its
     /// reply, built from directives serialized once per change and shared by every zone's
     /// reply (see [`Engine::directives_json`]).
-    pub fn answer_json(&mut self, r: &ZoneReport, now_ms: u64, unix_now: u64) -> Vec<u8> {
-        let (idx, session) = self.answer_plan(r, now_ms, unix_now);
-        self.render_json(idx, &r.region, &r.zone, session)
+    /// Also says whether the report was applied: its calls count only then (a report answered
+    /// `resync` comes again in full, calls included).
+    pub fn answer_json(
+        &mut self,
+        r: &ZoneReport,
+        now_ms: u64,
+        unix_now: u64,
+    ) -> (Vec<u8>, Ingested) {
+        let (idx, session, ingested) = self.answer_plan(r, now_ms, unix_now);
+        (self.render_json(idx, &r.region, &r.zone, session), ingested)
     }
 
     /// [`Engine::directives_since`] serialized as JSON: the same bytes as `serde_json::to_vec`
@@ -1291,16 +1330,16 @@ impl Engine {
         r: &ZoneReport,
         now_ms: u64,
         unix_now: u64,
-    ) -> (Option<Vec<usize>>, Option<ReplySession>) {
+    ) -> (Option<Vec<usize>>, Option<ReplySession>, Ingested) {
         let ingested = self.ingest(r, now_ms);
         self.recompute(now_ms, unix_now);
         let Some(sess) = r.session else {
-            return (None, None);
+            return (None, None, ingested);
         };
         let (idx, mut rs) = self.plan(&r.region, &r.zone, sess.directives);
         rs.resync = ingested == Ingested::Resync;
         rs.applied = (!rs.resync).then_some(sess.seq);
-        (idx, Some(rs))
+        (idx, Some(rs), ingested)
     }
 
     /// Bucket `i`'s key that `zone`'s clients run under (None: no report carries it).

@@ -964,6 +964,9 @@ fn control_round(
             e.shadow_dropped_rps += r[3];
         }
     }
+    // A tick's calls cover the tick (an urgent round between ticks carries none and says
+    // nothing).
+    let calls_ms = (!calls.is_empty()).then_some(sc.tick_ms);
     for (zi, z) in zones.iter().enumerate() {
         let report = ZoneReport {
             aggregator_id: format!("sim-{}", z.name),
@@ -971,6 +974,7 @@ fn control_round(
             zone: z.name.clone(),
             buckets: std::mem::take(&mut per_zone[zi]).into_values().collect(),
             calls: calls.get_mut(zi).map(std::mem::take).unwrap_or_default(),
+            calls_ms,
             session: None,
         };
         engine.ingest(&report, now);

@@ -10,6 +10,8 @@ use crate::proto::{BucketCountsMsg, ConfigDoc, ZoneBucketMsg, ZoneReport};
 use crate::report::{fairness, premature, seeds_loop, steady, step};
 use crate::sim::{run, Algorithm, Scenario};
 
+mod calls_once;
+
 fn scenario(name: &str) -> Scenario {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("scenarios")
@@ -244,6 +246,7 @@ pub(crate) fn zone_report(
             })
             .collect(),
         calls: Vec::new(),
+        calls_ms: None,
         session: None,
     }
 }
@@ -1194,7 +1197,7 @@ fn shared_directive_bytes_are_the_replies_built_from_scratch() {
                 directives: named,
             });
         }
-        let bytes = e.answer_json(&report, now, unix);
+        let (bytes, _) = e.answer_json(&report, now, unix);
         let got: ZoneDirectives = serde_json::from_slice(&bytes).unwrap();
         let expected = match report.session {
             None => e.directives_for(&region, &zone),
@@ -1443,4 +1446,296 @@ fn engine_candidates_count_peer_sums_for_global_scope_only() {
     assert_eq!(r[0].offered, 400.0, "{:?}", r[0]);
     assert_eq!(r[1].offered, 100.0, "{:?}", r[1]);
     assert!((r[1].virtual_dropped - 50.0).abs() < 1e-9, "{:?}", r[1]);
+}
+
+/// A zone's calls of (caller, procedure) for service `svc`.
+fn calls(list: &[(&str, &str, u64)]) -> Vec<crate::proto::ServiceCallCountMsg> {
+    list.iter()
+        .map(|(c, p, n)| crate::proto::ServiceCallCountMsg {
+            service: "svc".into(),
+            caller: (*c).into(),
+            procedure: (*p).into(),
+            count: *n,
+        })
+        .collect()
+}
+
+/// A candidate fed by calls counts the calls of a report answered `resync` once: the
+/// aggregator sends them again with the full report that follows (before: counted with
+/// both).
+#[test]
+fn engine_counts_the_calls_of_a_resynced_report_once() {
+    use crate::engine::Ingested;
+    use crate::proto::{Candidate, ReportSession};
+    let g = Bucket {
+        caller: Some("gw".into()),
+        procedure: Some("charge".into()),
+        ..bucket("g", Scope::Global, 1000.0)
+    };
+    // Every caller of charge: not the in-force bucket's match, so fed by the calls.
+    let cand = Candidate {
+        id: "c".into(),
+        service: "svc".into(),
+        bucket: Bucket {
+            caller: None,
+            limit_rps: 50.0,
+            ..g.clone()
+        },
+    };
+    let cfg = |version: &str| ConfigDoc {
+        version: version.into(),
+        services: vec![BucketFile {
+            service: "svc".into(),
+            buckets: vec![g.clone()],
+        }],
+        candidates: vec![cand.clone()],
+    };
+    let mut e = Engine::new(cfg("v1"), 3000);
+    let report = |seq: u64, base: Option<u64>, n: u64| ZoneReport {
+        calls: calls(&[("gw", "charge", n), ("web", "charge", n)]),
+        session: Some(ReportSession {
+            id: 7,
+            seq,
+            base,
+            directives: None,
+        }),
+        ..zone_report("a1", "r1", "z1", &[("g", 100.0)])
+    };
+    assert_eq!(e.ingest(&report(1, None, 0), 0), Ingested::Applied);
+    e.recompute(0, 0);
+    e.evaluate_candidates(0, 0);
+    assert_eq!(e.ingest(&report(2, Some(1), 100), 1000), Ingested::Applied);
+    // A config install: the zone's next delta is answered resync, and its calls go again
+    // with the full report.
+    e.set_config(cfg("v2"));
+    assert_eq!(e.ingest(&report(3, Some(2), 100), 2000), Ingested::Resync);
+    assert_eq!(e.ingest(&report(4, None, 100), 2000), Ingested::Applied);
+    e.recompute(2000, 2);
+    e.evaluate_candidates(2000, 2000);
+    let r = e.candidate_reports();
+    assert_eq!(r[0].offered, 400.0, "{:?}", r[0]);
+}
+
+/// A candidate fed by calls is judged at the rate those calls were made at, over the time they
+/// cover, summed over the zones: two zones at 60 calls/s each forward every second, half a
+/// second apart, to a controller ticking every 100 ms, so most ticks bring one zone's second
+/// of calls (before: judged as 600 rps against the candidate's 100, a virtual-drop share of
+/// 5/6 for a fleet at 120 rps, whose share is 1/6); then one zone's forwards fail for three
+/// seconds and its four seconds of calls arrive in one tick, still at 60 calls/s.
+#[test]
+fn engine_rates_candidate_calls_over_the_time_they_cover() {
+    use crate::proto::Candidate;
+    let g = Bucket {
+        caller: Some("gw".into()),
+        procedure: Some("charge".into()),
+        ..bucket("g", Scope::Global, 1000.0)
+    };
+    let cand = Candidate {
+        id: "c".into(),
+        service: "svc".into(),
+        bucket: Bucket {
+            caller: None,
+            limit_rps: 100.0,
+            ..g.clone()
+        },
+    };
+    let cfg = ConfigDoc {
+        version: "v1".into(),
+        services: vec![BucketFile {
+            service: "svc".into(),
+            buckets: vec![g.clone()],
+        }],
+        candidates: vec![cand],
+    };
+    // A zone TTL of 10 s: the silent zone's last rate still counts while it is held back.
+    let mut e = Engine::new(cfg, 10_000);
+    let report = |agg: &str, zone: &str, n: u64| ZoneReport {
+        calls: calls(&[("web", "charge", n)]),
+        ..zone_report(agg, "r1", zone, &[("g", 60.0)])
+    };
+    let (mut before, mut sent) = (None, 0);
+    for t in (0..=20_000u64).step_by(100) {
+        let mut n = 0;
+        if t % 1000 == 0 {
+            e.ingest(&report("a1", "z1", 60), t);
+            n += 60;
+        }
+        // a2's forwards of 11.5 s to 13.5 s fail; the one of 14.5 s carries their calls.
+        if t % 1000 == 500 && !(11_500..14_500).contains(&t) {
+            let held = if t == 14_500 { 240 } else { 60 };
+            e.ingest(&report("a2", "z2", held), t);
+            n += held;
+        }
+        e.recompute(t, t / 1000);
+        e.evaluate_candidates(t, t);
+        if t == 2000 {
+            before = Some(e.candidate_reports()[0].clone());
+        } else if t > 2000 {
+            sent += n;
+        }
+    }
+    let (b, r) = (before.unwrap(), e.candidate_reports()[0].clone());
+    let offered = r.offered - b.offered;
+    let share = (r.virtual_dropped - b.virtual_dropped) / offered;
+    assert_eq!(offered, sent as f64, "{r:?}");
+    assert!((share - 1.0 / 6.0).abs() < 1e-9, "share {share}: {r:?}");
+}
+
+/// The time a report says its calls cover (`calls_ms`) is the one they are rated over: the
+/// first report a restarted controller gets carries five seconds of calls (the engine knows
+/// no previous report of the zone), and a later one two seconds of calls a second after the
+/// zone's previous report (held back by a failed forward). At 80 calls/s against a
+/// candidate of 100 rps, none is a virtual drop.
+#[test]
+fn engine_rates_candidate_calls_over_the_time_the_report_says() {
+    use crate::proto::Candidate;
+    let g = Bucket {
+        caller: Some("gw".into()),
+        procedure: Some("charge".into()),
+        ..bucket("g", Scope::Global, 1000.0)
+    };
+    let cand = Candidate {
+        id: "c".into(),
+        service: "svc".into(),
+        bucket: Bucket {
+            caller: None,
+            limit_rps: 100.0,
+            ..g.clone()
+        },
+    };
+    let cfg = ConfigDoc {
+        version: "v1".into(),
+        services: vec![BucketFile {
+            service: "svc".into(),
+            buckets: vec![g.clone()],
+        }],
+        candidates: vec![cand],
+    };
+    let mut e = Engine::new(cfg, 3000);
+    let report = |n: u64, ms: u64| ZoneReport {
+        calls: calls(&[("web", "charge", n)]),
+        calls_ms: Some(ms),
+        ..zone_report("a1", "r1", "z1", &[("g", 80.0)])
+    };
+    e.evaluate_candidates(0, 0);
+    let step = |e: &mut Engine, t: u64, r: Option<ZoneReport>| {
+        if let Some(r) = r {
+            e.ingest(&r, t);
+        }
+        e.recompute(t, t / 1000);
+        e.evaluate_candidates(t, t);
+    };
+    step(&mut e, 100, Some(report(400, 5000)));
+    step(&mut e, 1100, Some(report(80, 1000)));
+    step(&mut e, 2100, Some(report(160, 2000)));
+    step(&mut e, 2200, None);
+    let r = &e.candidate_reports()[0];
+    assert_eq!(r.offered, 640.0, "{r:?}");
+    assert_eq!(r.virtual_dropped, 0.0, "{r:?}");
+}
+
+/// A zone's rate of calls counts within its horizon of the last report that set it: a zone
+/// whose calls go to another controller replica (its reports here carry rates only) stops
+/// counting in the rate other zones' calls are judged at.
+#[test]
+fn engine_forgets_a_zone_call_rate_no_report_renews() {
+    use crate::proto::Candidate;
+    let g = Bucket {
+        caller: Some("gw".into()),
+        procedure: Some("charge".into()),
+        ..bucket("g", Scope::Global, 1000.0)
+    };
+    let cand = Candidate {
+        id: "c".into(),
+        service: "svc".into(),
+        bucket: Bucket {
+            caller: None,
+            limit_rps: 100.0,
+            ..g.clone()
+        },
+    };
+    let cfg = ConfigDoc {
+        version: "v1".into(),
+        services: vec![BucketFile {
+            service: "svc".into(),
+            buckets: vec![g.clone()],
+        }],
+        candidates: vec![cand],
+    };
+    let mut e = Engine::new(cfg, 3000);
+    let report = |agg: &str, zone: &str, n: Option<u64>| ZoneReport {
+        calls: n.map_or(Vec::new(), |n| calls(&[("web", "charge", n)])),
+        calls_ms: n.map(|_| 1000),
+        ..zone_report(agg, "r1", zone, &[("g", 60.0)])
+    };
+    let mut at5 = None;
+    for t in (0..=10_000u64).step_by(1000) {
+        e.ingest(&report("a1", "z1", Some(60)), t);
+        e.ingest(&report("a2", "z2", (t <= 1000).then_some(60)), t);
+        e.recompute(t, t / 1000);
+        e.evaluate_candidates(t, t);
+        if t == 1000 {
+            // Both zones' calls, at 120 calls/s: a sixth over the candidate.
+            let r = &e.candidate_reports()[0];
+            assert!((r.virtual_dropped - 20.0).abs() < 1e-9, "{r:?}");
+        }
+        if t == 5000 {
+            at5 = Some(e.candidate_reports()[0].virtual_dropped);
+        }
+    }
+    let r = &e.candidate_reports()[0];
+    assert_eq!(r.virtual_dropped, at5.unwrap(), "{r:?}");
+}
+
+/// A push that adds a candidate before one being evaluated keeps each zone's rate of calls
+/// with its own candidate.
+#[test]
+fn engine_keeps_zone_call_rates_with_their_candidate_across_a_push() {
+    use crate::proto::Candidate;
+    let g = Bucket {
+        caller: Some("gw".into()),
+        procedure: Some("charge".into()),
+        ..bucket("g", Scope::Global, 1000.0)
+    };
+    let cand = |id: &str, procedure: &str| Candidate {
+        id: id.into(),
+        service: "svc".into(),
+        bucket: Bucket {
+            caller: None,
+            procedure: Some(procedure.into()),
+            limit_rps: 100.0,
+            ..g.clone()
+        },
+    };
+    let cfg = |version: &str, candidates: Vec<Candidate>| ConfigDoc {
+        version: version.into(),
+        services: vec![BucketFile {
+            service: "svc".into(),
+            buckets: vec![g.clone()],
+        }],
+        candidates,
+    };
+    let mut e = Engine::new(cfg("v1", vec![cand("c", "charge")]), 3000);
+    let report = |agg: &str, zone: &str| ZoneReport {
+        calls: calls(&[("web", "charge", 60)]),
+        calls_ms: Some(1000),
+        ..zone_report(agg, "r1", zone, &[("g", 60.0)])
+    };
+    e.evaluate_candidates(0, 0);
+    e.ingest(&report("a1", "z1"), 500);
+    e.ingest(&report("a2", "z2"), 1000);
+    e.recompute(1000, 1);
+    e.evaluate_candidates(1000, 1000);
+    let before = e.candidate_reports()[0].virtual_dropped;
+    e.set_config(cfg(
+        "v2",
+        vec![cand("other", "refund"), cand("c", "charge")],
+    ));
+    // a1's calls are judged at both zones' 120 calls/s: a sixth over the candidate.
+    e.ingest(&report("a1", "z1"), 1500);
+    e.recompute(1500, 1);
+    e.evaluate_candidates(1500, 1500);
+    let r = &e.candidate_reports()[1];
+    assert_eq!(r.id, "c");
+    assert!((r.virtual_dropped - before - 10.0).abs() < 1e-9, "{r:?}");
 }

@@ -29,8 +29,9 @@ pub const PROTO_HEADER: &str = "grl-proto";
 /// binary encoding ([`binary::CONTENT_TYPE`]) and answers it in the same encoding; 4: delta
 /// zone reports and delta directives ([`ZoneReport::session`], [`ZoneBucketMsg::gone`],
 /// [`ZoneDirectives::session`]); 5: candidates in `PUT /v1/config`
-/// ([`ConfigDoc::candidates`]) and `GET /v1/candidates` on the controller.
-pub const PROTO_VERSION: u32 = 5;
+/// ([`ConfigDoc::candidates`]) and `GET /v1/candidates` on the controller; 6: the time a
+/// zone report's calls cover ([`ZoneReport::calls_ms`]).
+pub const PROTO_VERSION: u32 = 6;
 
 /// The first protocol version whose aggregators read the binary encoding ([`binary`]).
 pub const PROTO_BINARY: u32 = 3;
@@ -41,6 +42,9 @@ pub const PROTO_DELTA: u32 = 4;
 /// The first protocol version whose controllers accept [`ConfigDoc::candidates`] and serve
 /// `GET /v1/candidates`: send candidates only to a controller that announced it.
 pub const PROTO_CANDIDATES: u32 = 5;
+
+/// The first protocol version whose controllers accept [`ZoneReport::calls_ms`].
+pub const PROTO_CALLS_MS: u32 = 6;
 
 /// [`PROTO_VERSION`] as a header value (made once).
 pub fn version_header() -> http::HeaderValue {
@@ -298,6 +302,13 @@ pub struct ZoneReport {
     /// that announced it; never to peer controllers).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub calls: Vec<ServiceCallCountMsg>,
+    /// The time `calls` cover (ms): since the aggregator's last forward whose calls a
+    /// controller took, so calls held back by failed forwards come with the whole time they
+    /// were made over (protocol 6; sent only to a controller that announced it, with every
+    /// report that could carry calls, none made included). None: not said (the controller
+    /// takes the time since the zone's previous report).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calls_ms: Option<u64>,
     /// Delta session (protocol 4; sent only to a controller that announced it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session: Option<ReportSession>,

@@ -8,11 +8,19 @@
 //!   regrouped by the candidate's scope when that differs (a narrower scope sees each region
 //!   or zone apart).
 //! - **The calls** the zones report per (service, caller, procedure) (protocol 2) otherwise (a
-//!   new bucket, a changed caller or procedure): the requests matching the candidate since the
-//!   previous tick, by the candidate's scope key of the zone that reported them; the rate is
-//!   their count over the tick's length. Calls folded into `_other` by an aggregator's or a
-//!   client's bound match only a candidate without that matcher; peer controllers forward no
-//!   calls, so such a candidate of `global` scope sees this region's calls only.
+//!   new bucket, a changed caller or procedure): the requests matching the candidate that
+//!   arrived since the previous tick, by the candidate's scope key of the zone that reported
+//!   them, each judged at the key's rate. That rate is, as for a bucket's offered rate, the sum
+//!   over the key's live zones of each zone's last rate: the calls of its last report over
+//!   the time they cover (`calls_ms`, protocol 6: since the aggregator's last forward a
+//!   controller took; else the time since the zone's previous report), kept until its next
+//!   report or until the zone is forgotten. So the calls of a zone forwarding once a second to
+//!   a controller ticking every 100 ms, or of forwards that failed for a while and arrive in
+//!   one tick, are judged at the rate they were made at, not as if made within one tick.
+//!   Only applied reports count (the calls of a report answered `resync` come again in full).
+//!   Calls folded into `_other` by an aggregator's or a client's bound match only a candidate
+//!   without that matcher; peer controllers forward no calls, so such a candidate of `global`
+//!   scope sees this region's calls only.
 //!
 //! With peered regions, a `global` candidate of a `global` bucket counts the whole fleet (the
 //! peers' sums are part of the bucket's `global` key, as for its ratio) at every region's
@@ -80,7 +88,13 @@ pub(super) struct Candidates {
     by_service: BTreeMap<String, Vec<usize>>,
     /// `grl_candidate_{offered,virtual_dropped}_total{service,bucket}`: never decrease.
     totals: BTreeMap<(String, String), [f64; 2]>,
+    /// Per candidate, the calls of the report being read (all 0 between reports).
+    scratch: Vec<u64>,
 }
+
+/// The shortest time a zone's calls are rated over (ms): the calls of a report covering less
+/// (a forward right after another) count, and the zone keeps its previous rate.
+const MIN_CALLS_MS: u64 = 10;
 
 /// The scope key id of `scope` for a zone with these region and zone key ids.
 fn key_for(scope: Scope, region_key: u32, zone_key: u32) -> u32 {
@@ -101,14 +115,38 @@ fn add_to(v: &mut Vec<(u32, f64)>, key: u32, x: f64) {
 impl Engine {
     /// Replaces the candidates; one of the same id and content keeps its counts.
     pub(super) fn set_candidates(&mut self, list: Vec<Candidate>) {
-        let mut old = std::mem::take(&mut self.candidates.list);
+        let mut old: Vec<(usize, CandEval)> = std::mem::take(&mut self.candidates.list)
+            .into_iter()
+            .enumerate()
+            .collect();
+        // Old index -> new index of the candidates kept.
+        let mut moved: Vec<Option<u32>> = vec![None; old.len()];
         self.candidates.list = list
             .into_iter()
-            .map(|c| match old.iter().position(|o| o.c == c) {
-                Some(p) => old.swap_remove(p),
+            .enumerate()
+            .map(|(j, c)| match old.iter().position(|o| o.1.c == c) {
+                Some(p) => {
+                    let (was, e) = old.swap_remove(p);
+                    moved[was] = Some(j as u32);
+                    e
+                }
                 None => CandEval::new(c),
             })
             .collect();
+        // The zones' call rates follow their candidate.
+        if moved.iter().enumerate().any(|(i, m)| *m != Some(i as u32)) {
+            for z in self.zones.values_mut() {
+                if z.calls_rps.is_empty() {
+                    continue;
+                }
+                z.calls_rps = z
+                    .calls_rps
+                    .iter()
+                    .filter_map(|&(j, r)| moved.get(j as usize).copied().flatten().map(|j| (j, r)))
+                    .collect();
+                z.calls_rps.sort_by_key(|e| e.0);
+            }
+        }
         self.index_candidates();
     }
 
@@ -136,40 +174,90 @@ impl Engine {
         self.candidates.by_service = by;
     }
 
-    /// Counts a zone report's calls for the candidates fed by calls.
-    pub(super) fn candidate_calls(&mut self, r: &ZoneReport) {
-        if self.candidates.by_service.is_empty() || r.calls.is_empty() {
+    /// Counts an applied zone report's calls for the candidates fed by calls, and sets the
+    /// zone's rate of calls for each: their count over the time they cover (the report's
+    /// `calls_ms`; else since `prev_at`, the zone's previous report; else, or below
+    /// [`MIN_CALLS_MS`], left as it was).
+    pub(super) fn candidate_calls(&mut self, r: &ZoneReport, now_ms: u64, prev_at: Option<u64>) {
+        if self.candidates.by_service.is_empty() {
             return;
         }
-        let (mut region_key, mut zone_key) = (None, None);
+        let covered_ms = r.calls_ms.or_else(|| {
+            (!r.calls.is_empty())
+                .then(|| prev_at.map(|at| now_ms.saturating_sub(at)))
+                .flatten()
+        });
+        if r.calls.is_empty() && covered_ms.is_none() {
+            return;
+        }
+        let cands = &mut self.candidates;
+        cands.scratch.resize(cands.list.len(), 0);
+        // The candidates these calls match, in order.
+        let mut touched: Vec<usize> = Vec::new();
         for m in &r.calls {
-            let Some(js) = self.candidates.by_service.get(&m.service) else {
+            let Some(js) = cands.by_service.get(&m.service) else {
                 continue;
             };
             for &j in js {
-                let e = &self.candidates.list[j];
-                if m.count == 0 || e.last_ms.is_none() || !e.matches(&m.caller, &m.procedure) {
+                if m.count == 0 || !cands.list[j].matches(&m.caller, &m.procedure) {
                     continue;
                 }
-                let scope = e.c.bucket.scope;
-                let key = match scope {
-                    Scope::Global => 0,
-                    Scope::Region => *region_key.get_or_insert_with(|| {
-                        self.keys
-                            .id(&grl_core::control::scope_key(scope, &r.region, &r.zone))
-                    }),
-                    Scope::Zone => *zone_key.get_or_insert_with(|| {
-                        self.keys
-                            .id(&grl_core::control::scope_key(scope, &r.region, &r.zone))
-                    }),
-                };
-                let calls = &mut self.candidates.list[j].calls;
-                match calls.iter_mut().find(|c| c.0 == key) {
-                    Some(c) => c.1 = c.1.saturating_add(m.count),
-                    None => calls.push((key, m.count)),
+                if cands.scratch[j] == 0 {
+                    touched.push(j);
                 }
+                cands.scratch[j] = cands.scratch[j].saturating_add(m.count);
             }
         }
+        touched.sort_unstable();
+        let rates: Option<Vec<(u32, f64)>> =
+            covered_ms.filter(|&ms| ms >= MIN_CALLS_MS).map(|ms| {
+                let secs = ms as f64 / 1000.0;
+                touched
+                    .iter()
+                    .map(|&j| (j as u32, cands.scratch[j] as f64 / secs))
+                    .collect()
+            });
+        // Applied: the zone is in, with its scope keys.
+        let Some(z) = self.zones.get_mut(&r.aggregator_id) else {
+            touched.iter().for_each(|&j| self.candidates.scratch[j] = 0);
+            return;
+        };
+        for &j in &touched {
+            let n = std::mem::take(&mut self.candidates.scratch[j]);
+            let e = &mut self.candidates.list[j];
+            // Counted from the candidate's first evaluation on.
+            if e.last_ms.is_none() {
+                continue;
+            }
+            let key = key_for(e.c.bucket.scope, z.region_key, z.zone_key);
+            match e.calls.iter_mut().find(|c| c.0 == key) {
+                Some(c) => c.1 = c.1.saturating_add(n),
+                None => e.calls.push((key, n)),
+            }
+        }
+        if let Some(rates) = rates {
+            z.calls_rps = rates;
+            z.calls_at_ms = now_ms;
+        }
+    }
+
+    /// Per candidate fed by calls (by index), the rate of the calls matching it per scope key:
+    /// the sum of the live zones' last rates, each set within the zone's horizon.
+    fn candidate_call_rates(&self, now_ms: u64) -> BTreeMap<usize, Vec<(u32, f64)>> {
+        let mut out: BTreeMap<usize, Vec<(u32, f64)>> = BTreeMap::new();
+        for z in self.zones.values() {
+            if z.calls_rps.is_empty() || now_ms.saturating_sub(z.calls_at_ms) > self.horizon(z) {
+                continue;
+            }
+            for &(j, rps) in &z.calls_rps {
+                let Some(e) = self.candidates.list.get(j as usize) else {
+                    continue;
+                };
+                let key = key_for(e.c.bucket.scope, z.region_key, z.zone_key);
+                add_to(out.entry(j as usize).or_default(), key, rps);
+            }
+        }
+        out
     }
 
     /// One evaluation of every candidate at `now_ms` (the engine's clock, as given to
@@ -178,6 +266,11 @@ impl Engine {
     /// starts its clock.
     pub fn evaluate_candidates(&mut self, now_ms: u64, unix_ms: u64) {
         self.index_candidates();
+        let rates = if self.candidates.by_service.is_empty() {
+            BTreeMap::new()
+        } else {
+            self.candidate_call_rates(now_ms)
+        };
         let mut per_key: Vec<(u32, f64)> = Vec::new();
         for j in 0..self.candidates.list.len() {
             let Some(last) = self.candidates.list[j].last_ms else {
@@ -225,11 +318,22 @@ impl Engine {
                         * dt;
                 }
                 None => {
+                    // Each call judged at its key's rate; without one (no report said over
+                    // what time its calls were made), at its count over the tick.
                     let calls = std::mem::take(&mut self.candidates.list[j].calls);
+                    let key_rates = rates.get(&j).map_or(&[][..], |v| v.as_slice());
                     offered = calls.iter().map(|c| c.1 as f64).sum();
                     virtual_dropped = calls
                         .iter()
-                        .map(|&(_, n)| drop_ratio(n as f64 / dt, limit) * n as f64)
+                        .map(|&(key, n)| {
+                            let rps = key_rates
+                                .iter()
+                                .find(|k| k.0 == key)
+                                .map(|k| k.1)
+                                .filter(|&r| r > 0.0)
+                                .unwrap_or(n as f64 / dt);
+                            drop_ratio(rps, limit) * n as f64
+                        })
                         .sum();
                 }
             }

@@ -154,6 +154,7 @@ fn zone_report() -> impl Strategy<Value = ZoneReport> {
         name(),
         prop::collection::vec(bucket, 0..5),
         prop::collection::vec(call, 0..4),
+        prop::option::of(count()),
         prop::option::of((
             any::<u32>(),
             count(),
@@ -162,12 +163,13 @@ fn zone_report() -> impl Strategy<Value = ZoneReport> {
         )),
     )
         .prop_map(
-            |(aggregator_id, region, zone, buckets, calls, session)| ZoneReport {
+            |(aggregator_id, region, zone, buckets, calls, calls_ms, session)| ZoneReport {
                 aggregator_id,
                 region,
                 zone,
                 buckets,
                 calls,
+                calls_ms,
                 session: session.map(|(id, seq, base, d)| ReportSession {
                     id: id as u64,
                     seq,
