@@ -1312,12 +1312,7 @@ mod standby_tests {
                 }
             }),
         );
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        let server = tokio::spawn(async move {
-            axum::serve(listener, app).await.unwrap();
-        });
-        (url, server)
+        crate::tests::serve_on_free_port(app).await
     }
 
     /// Standby replicas get delta reports carrying rates only, answered with deltas, through

@@ -1516,14 +1516,19 @@ fn engine_counts_the_calls_of_a_resynced_report_once() {
     assert_eq!(r[0].offered, 400.0, "{:?}", r[0]);
 }
 
-/// A candidate fed by calls is judged at the rate those calls were made at, over the time they
-/// cover, summed over the zones: two zones at 60 calls/s each forward every second, half a
-/// second apart, to a controller ticking every 100 ms, so most ticks bring one zone's second
-/// of calls (before: judged as 600 rps against the candidate's 100, a virtual-drop share of
-/// 5/6 for a fleet at 120 rps, whose share is 1/6); then one zone's forwards fail for three
-/// seconds and its four seconds of calls arrive in one tick, still at 60 calls/s.
-#[test]
-fn engine_rates_candidate_calls_over_the_time_they_cover() {
+/// Serves `app` on a free loopback port: its URL and the server's task.
+pub(crate) async fn serve_on_free_port(app: axum::Router) -> (String, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app).await.unwrap();
+    });
+    (url, server)
+}
+
+/// Bucket `g` of service `svc` (global, 1,000 rps, caller `gw`, procedure `charge`), and a
+/// config with it and candidate `c`: `g` for every caller at 100 rps, judged on calls.
+fn calls_candidate_cfg() -> (Bucket, ConfigDoc) {
     use crate::proto::Candidate;
     let g = Bucket {
         caller: Some("gw".into()),
@@ -1547,6 +1552,18 @@ fn engine_rates_candidate_calls_over_the_time_they_cover() {
         }],
         candidates: vec![cand],
     };
+    (g, cfg)
+}
+
+/// A candidate fed by calls is judged at the rate those calls were made at, over the time they
+/// cover, summed over the zones: two zones at 60 calls/s each forward every second, half a
+/// second apart, to a controller ticking every 100 ms, so most ticks bring one zone's second
+/// of calls (before: judged as 600 rps against the candidate's 100, a virtual-drop share of
+/// 5/6 for a fleet at 120 rps, whose share is 1/6); then one zone's forwards fail for three
+/// seconds and its four seconds of calls arrive in one tick, still at 60 calls/s.
+#[test]
+fn engine_rates_candidate_calls_over_the_time_they_cover() {
+    let (g, cfg) = calls_candidate_cfg();
     // A zone TTL of 10 s: the silent zone's last rate still counts while it is held back.
     let mut e = Engine::new(cfg, 10_000);
     let report = |agg: &str, zone: &str, n: u64| ZoneReport {
@@ -1588,29 +1605,7 @@ fn engine_rates_candidate_calls_over_the_time_they_cover() {
 /// candidate of 100 rps, none is a virtual drop.
 #[test]
 fn engine_rates_candidate_calls_over_the_time_the_report_says() {
-    use crate::proto::Candidate;
-    let g = Bucket {
-        caller: Some("gw".into()),
-        procedure: Some("charge".into()),
-        ..bucket("g", Scope::Global, 1000.0)
-    };
-    let cand = Candidate {
-        id: "c".into(),
-        service: "svc".into(),
-        bucket: Bucket {
-            caller: None,
-            limit_rps: 100.0,
-            ..g.clone()
-        },
-    };
-    let cfg = ConfigDoc {
-        version: "v1".into(),
-        services: vec![BucketFile {
-            service: "svc".into(),
-            buckets: vec![g.clone()],
-        }],
-        candidates: vec![cand],
-    };
+    let (g, cfg) = calls_candidate_cfg();
     let mut e = Engine::new(cfg, 3000);
     let report = |n: u64, ms: u64| ZoneReport {
         calls: calls(&[("web", "charge", n)]),
@@ -1639,29 +1634,7 @@ fn engine_rates_candidate_calls_over_the_time_the_report_says() {
 /// counting in the rate other zones' calls are judged at.
 #[test]
 fn engine_forgets_a_zone_call_rate_no_report_renews() {
-    use crate::proto::Candidate;
-    let g = Bucket {
-        caller: Some("gw".into()),
-        procedure: Some("charge".into()),
-        ..bucket("g", Scope::Global, 1000.0)
-    };
-    let cand = Candidate {
-        id: "c".into(),
-        service: "svc".into(),
-        bucket: Bucket {
-            caller: None,
-            limit_rps: 100.0,
-            ..g.clone()
-        },
-    };
-    let cfg = ConfigDoc {
-        version: "v1".into(),
-        services: vec![BucketFile {
-            service: "svc".into(),
-            buckets: vec![g.clone()],
-        }],
-        candidates: vec![cand],
-    };
+    let (g, cfg) = calls_candidate_cfg();
     let mut e = Engine::new(cfg, 3000);
     let report = |agg: &str, zone: &str, n: Option<u64>| ZoneReport {
         calls: n.map_or(Vec::new(), |n| calls(&[("web", "charge", n)])),

@@ -262,12 +262,7 @@ async fn recording_controller(
             }
         }),
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let server = tokio::spawn(async move {
-        axum::serve(listener, app).await.unwrap();
-    });
-    (url, server)
+    crate::tests::serve_on_free_port(app).await
 }
 
 /// Two clients of a service the config does not have (its calls are how it is learned) make

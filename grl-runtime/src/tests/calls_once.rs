@@ -162,12 +162,7 @@ async fn recording_controller(
             }
         }),
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let server = tokio::spawn(async move {
-        axum::serve(listener, app).await.unwrap();
-    });
-    (url, server)
+    crate::tests::serve_on_free_port(app).await
 }
 
 /// Calls held back by failed forwards go with the time they cover: two clients make 1,000
