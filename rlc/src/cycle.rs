@@ -122,17 +122,7 @@ pub const ROLLOUT_ABORTED_LABEL: &str = "rollout-aborted";
 
 /// The message of a revert commit: the bucket, the spec it returns to, the evidence.
 fn revert_message(r: &rollout::Rollout) -> String {
-    let to = r
-        .old
-        .as_ref()
-        .map(|o| {
-            format!(
-                "{} rps {}",
-                schema::format_rps(o.limit_rps),
-                o.mode.as_str()
-            )
-        })
-        .unwrap_or_else(|| "no bucket".into());
+    let to = rollout::in_force_words(r);
     format!(
         "rlc: revert {}/{} to {to}: rollout aborted\n\nThe change ({}, from {}) was tried as a candidate beside the limit in force and aborted:\n{}\n\nRollout {}. rlc does not propose this change again until its inputs change.\n",
         r.service,

@@ -984,7 +984,7 @@ pub async fn judge(
 }
 
 /// The spec in force of `r` in words (`3470 rps enforce`, `no bucket`).
-fn in_force_words(r: &Rollout) -> String {
+pub(crate) fn in_force_words(r: &Rollout) -> String {
     r.old
         .as_ref()
         .map(|o| {
