@@ -1526,9 +1526,9 @@ pub(crate) async fn serve_on_free_port(app: axum::Router) -> (String, tokio::tas
     (url, server)
 }
 
-/// Bucket `g` of service `svc` (global, 1,000 rps, caller `gw`, procedure `charge`), and a
-/// config with it and candidate `c`: `g` for every caller at 100 rps, judged on calls.
-fn calls_candidate_cfg() -> (Bucket, ConfigDoc) {
+/// A config of service `svc` with bucket `g` (global, 1,000 rps, caller `gw`, procedure
+/// `charge`) and candidate `c`: `g` for every caller at 100 rps, judged on calls.
+fn calls_candidate_cfg() -> ConfigDoc {
     use crate::proto::Candidate;
     let g = Bucket {
         caller: Some("gw".into()),
@@ -1544,15 +1544,14 @@ fn calls_candidate_cfg() -> (Bucket, ConfigDoc) {
             ..g.clone()
         },
     };
-    let cfg = ConfigDoc {
+    ConfigDoc {
         version: "v1".into(),
         services: vec![BucketFile {
             service: "svc".into(),
             buckets: vec![g.clone()],
         }],
         candidates: vec![cand],
-    };
-    (g, cfg)
+    }
 }
 
 /// A candidate fed by calls is judged at the rate those calls were made at, over the time they
@@ -1563,7 +1562,7 @@ fn calls_candidate_cfg() -> (Bucket, ConfigDoc) {
 /// seconds and its four seconds of calls arrive in one tick, still at 60 calls/s.
 #[test]
 fn engine_rates_candidate_calls_over_the_time_they_cover() {
-    let (g, cfg) = calls_candidate_cfg();
+    let cfg = calls_candidate_cfg();
     // A zone TTL of 10 s: the silent zone's last rate still counts while it is held back.
     let mut e = Engine::new(cfg, 10_000);
     let report = |agg: &str, zone: &str, n: u64| ZoneReport {
@@ -1605,7 +1604,7 @@ fn engine_rates_candidate_calls_over_the_time_they_cover() {
 /// candidate of 100 rps, none is a virtual drop.
 #[test]
 fn engine_rates_candidate_calls_over_the_time_the_report_says() {
-    let (g, cfg) = calls_candidate_cfg();
+    let cfg = calls_candidate_cfg();
     let mut e = Engine::new(cfg, 3000);
     let report = |n: u64, ms: u64| ZoneReport {
         calls: calls(&[("web", "charge", n)]),
@@ -1634,7 +1633,7 @@ fn engine_rates_candidate_calls_over_the_time_the_report_says() {
 /// counting in the rate other zones' calls are judged at.
 #[test]
 fn engine_forgets_a_zone_call_rate_no_report_renews() {
-    let (g, cfg) = calls_candidate_cfg();
+    let cfg = calls_candidate_cfg();
     let mut e = Engine::new(cfg, 3000);
     let report = |agg: &str, zone: &str, n: Option<u64>| ZoneReport {
         calls: n.map_or(Vec::new(), |n| calls(&[("web", "charge", n)])),
