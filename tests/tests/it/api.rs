@@ -59,8 +59,11 @@ fn schemathesis(port: u16, token: &str, work: &std::path::Path) {
             "20261130",
             "--workers",
             "1",
+            // `GET /v1/quotas?refresh=true` pulls the history again (sharing a pull in
+            // flight) before it computes: once, on an otherwise quiet machine, one took more
+            // than 10 s. A bound on a request, not a speed claim.
             "--request-timeout",
-            "10",
+            "30",
             // A bound on the run, not a speed claim: under load (other builds on the same
             // two cores) the coverage phase alone took 19 s, and the fuzzing and stateful
             // phases were then never reached.
