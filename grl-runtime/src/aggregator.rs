@@ -1273,7 +1273,6 @@ async fn fetch_config(s: &Shared, base: &str) -> anyhow::Result<ConfigDoc> {
 #[cfg(test)]
 mod standby_tests {
     use super::*;
-    use crate::controller::{Controller, ControllerOptions};
     use crate::engine::Engine;
     use serde_json::json;
 
@@ -1321,15 +1320,7 @@ mod standby_tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn standbys_get_deltas_of_rates_and_failed_copies_are_counted() {
         let dir = tempfile::tempdir().unwrap();
-        let c = Controller::start(ControllerOptions {
-            state_dir: dir.path().join("c"),
-            token: TOKEN.into(),
-            allow_anonymous_reports: true,
-            tick: Duration::from_millis(50),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+        let c = crate::tests::anonymous_controller(dir.path().join("c"), TOKEN).await;
         let http = reqwest::Client::new();
         let r = http
             .put(format!("{}/v1/config", c.url()))

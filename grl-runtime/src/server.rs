@@ -456,7 +456,6 @@ impl Workers {
     }
 }
 
-/// Everything a connection task needs, shared by all of them.
 /// What answers a server's requests.
 #[derive(Clone)]
 pub enum Handler {
@@ -481,6 +480,7 @@ impl From<Router> for Handler {
     }
 }
 
+/// Everything a connection task needs, shared by all of them.
 struct Ctx {
     handler: Handler,
     tls: Option<Arc<ReloadingServerConfig>>,

@@ -1516,6 +1516,23 @@ fn engine_counts_the_calls_of_a_resynced_report_once() {
     assert_eq!(r[0].offered, 400.0, "{:?}", r[0]);
 }
 
+/// A controller in `state_dir` taking anonymous zone reports, ticking every 50 ms, its API
+/// guarded by `token`.
+pub(crate) async fn anonymous_controller(
+    state_dir: std::path::PathBuf,
+    token: &str,
+) -> crate::http_util::ServerHandle {
+    crate::controller::Controller::start(crate::controller::ControllerOptions {
+        state_dir,
+        token: token.into(),
+        allow_anonymous_reports: true,
+        tick: std::time::Duration::from_millis(50),
+        ..Default::default()
+    })
+    .await
+    .unwrap()
+}
+
 /// Serves `app` on a free loopback port: its URL and the server's task.
 pub(crate) async fn serve_on_free_port(app: axum::Router) -> (String, tokio::task::JoinHandle<()>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -5,7 +5,6 @@
 //! hold no more than their budget.
 
 use super::*;
-use crate::controller::{Controller, ControllerOptions};
 use serde_json::json;
 
 const TOKEN: &str = "t0ken";
@@ -96,15 +95,7 @@ async fn fleet(
     dir: &std::path::Path,
     plausibility: screen::Plausibility,
 ) -> (crate::http_util::ServerHandle, AggregatorHandle) {
-    let c = Controller::start(ControllerOptions {
-        state_dir: dir.join("c"),
-        token: TOKEN.into(),
-        allow_anonymous_reports: true,
-        tick: Duration::from_millis(50),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    let c = crate::tests::anonymous_controller(dir.join("c"), TOKEN).await;
     let r = reqwest::Client::new()
         .put(format!("{}/v1/config", c.url()))
         .bearer_auth(TOKEN)

@@ -9,7 +9,6 @@ use std::time::Duration;
 use serde_json::json;
 
 use crate::aggregator::{Aggregator, AggregatorOptions};
-use crate::controller::{Controller, ControllerOptions};
 use crate::proto::{PROTO_HEADER, PROTO_VERSION};
 
 const TOKEN: &str = "t0ken";
@@ -88,15 +87,7 @@ fn clients(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_are_counted_once_when_a_delta_report_is_answered_resync() {
     let dir = tempfile::tempdir().unwrap();
-    let c = Controller::start(ControllerOptions {
-        state_dir: dir.path().join("c"),
-        token: TOKEN.into(),
-        allow_anonymous_reports: true,
-        tick: Duration::from_millis(50),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    let c = crate::tests::anonymous_controller(dir.path().join("c"), TOKEN).await;
     let http = reqwest::Client::new();
     put_config(&http, &c.url(), "v1").await;
     let a = Aggregator::start(AggregatorOptions {
