@@ -749,7 +749,7 @@ async fn http<I>(
     if ctx.conn.h2c {
         let mut builder =
             hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
-        builder.http1().keep_alive(!health_only);
+        builder.http1().keep_alive(!health_only).writev(false);
         if let Some(n) = max_head {
             builder.http1().max_buf_size(n.max(8192));
             builder

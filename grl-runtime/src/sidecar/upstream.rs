@@ -360,7 +360,9 @@ impl H1Pool {
             .connect(self.connect_timeout)
             .await
             .map_err(UpstreamError::Connect)?;
-        let (tx, conn) = hyper::client::conn::http1::handshake(io)
+        let (tx, conn) = hyper::client::conn::http1::Builder::new()
+            .writev(false)
+            .handshake(io)
             .await
             .map_err(UpstreamError::Handshake)?;
         tokio::spawn(async move {
