@@ -802,31 +802,64 @@ async fn drive<C>(
     if shutting {
         conn.as_mut().graceful_shutdown();
     }
-    loop {
-        tokio::select! {
-            r = conn.as_mut() => {
-                if let Err(e) = r {
-                    tracing::debug!(peer = %addr, error = %e, "connection ended with an error");
-                }
-                return;
-            }
-            _ = closing.changed(), if !shutting => {
+    // Ends when the server shuts down (or is gone).
+    let mut shutdown = std::pin::pin!(async move {
+        let _ = closing.wait_for(|c| *c).await;
+    });
+    // The check and the shutdown signal wake the task through their own waker, so that the
+    // connection's own wake-ups (its socket's: nearly all) poll the connection only.
+    let side = Arc::new(SideWaker {
+        woken: std::sync::atomic::AtomicBool::new(true),
+        task: atomic_waker::AtomicWaker::new(),
+    });
+    let side_waker = std::task::Waker::from(side.clone());
+    let cut = std::future::poll_fn(|cx| {
+        side.task.register(cx.waker());
+        if side.woken.swap(false, Ordering::AcqRel) {
+            let mut scx = std::task::Context::from_waker(&side_waker);
+            if !shutting && std::future::Future::poll(shutdown.as_mut(), &mut scx).is_ready() {
                 shutting = true;
                 conn.as_mut().graceful_shutdown();
             }
-            _ = check.tick() => match act.verdict(header_ms, idle_ms) {
-                Verdict::Fine => {}
-                Verdict::HeaderTimeout => {
-                    ctx.stats.header_timeouts.fetch_add(1, Ordering::Relaxed);
-                    // Dropping the connection closes the socket.
-                    return;
+            // Polled until pending, so that the next tick wakes the task.
+            while check.poll_tick(&mut scx).is_ready() {
+                match act.verdict(header_ms, idle_ms) {
+                    Verdict::Fine => {}
+                    cut => return std::task::Poll::Ready(Err(cut)),
                 }
-                Verdict::Idle => {
-                    ctx.stats.idle_closed.fetch_add(1, Ordering::Relaxed);
-                    return;
-                }
-            },
+            }
         }
+        conn.as_mut().poll(cx).map(Ok)
+    })
+    .await;
+    match cut {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::debug!(peer = %addr, error = %e, "connection ended with an error"),
+        // Dropping the connection closes the socket.
+        Err(Verdict::HeaderTimeout) => {
+            ctx.stats.header_timeouts.fetch_add(1, Ordering::Relaxed);
+        }
+        Err(_) => {
+            ctx.stats.idle_closed.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// A connection task's waker for its idle check and shutdown signal: notes that one of them
+/// fired, then wakes the task.
+struct SideWaker {
+    woken: std::sync::atomic::AtomicBool,
+    task: atomic_waker::AtomicWaker,
+}
+
+impl std::task::Wake for SideWaker {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.woken.store(true, Ordering::Release);
+        self.task.wake();
     }
 }
 
