@@ -149,9 +149,10 @@ fn gw_file(scope: &str, limit: f64) -> String {
 /// A config repo with `rollout:` with the keys `rollout` and `payments` as the payments file.
 fn remote_gw(rollout: &str, payments: &str) -> GitRemote {
     let files = [
-        ("rlc/policies.yaml".to_string(), format!(
-            "default:\n  policy: peak\n  headroom: 0.25\nrollout:\n{rollout}"
-        )),
+        (
+            "rlc/policies.yaml".to_string(),
+            format!("default:\n  policy: peak\n  headroom: 0.25\nrollout:\n{rollout}"),
+        ),
         ("buckets/payments.yaml".to_string(), payments.to_string()),
     ];
     let refs: Vec<(&str, &str)> = files
@@ -725,7 +726,12 @@ async fn a_global_limit_is_judged_on_the_sum_of_every_region() {
             .lock()
             .unwrap()
             .iter()
-            .map(|d| (d.services[0].buckets[0].limit_rps, d.services[0].buckets[0].scope))
+            .map(|d| {
+                (
+                    d.services[0].buckets[0].limit_rps,
+                    d.services[0].buckets[0].scope,
+                )
+            })
             .collect()
     };
 
@@ -790,7 +796,10 @@ async fn a_global_limit_is_judged_on_the_sum_of_every_region() {
             "gw: one global limit above demand",
         )
         .unwrap();
-    let r = poll_until(&cycle, |r| r.version == above && r.state != RolloutState::Baking).await;
+    let r = poll_until(&cycle, |r| {
+        r.version == above && r.state != RolloutState::Baking
+    })
+    .await;
     assert_eq!(r.state, RolloutState::Done, "{r:?}");
     assert_eq!(r.figures.virtual_dropped, 0.0, "{r:?}");
     let (_, base) = cycle.poll().await.unwrap();

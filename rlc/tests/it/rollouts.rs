@@ -491,7 +491,8 @@ async fn two_peered_regions_a_global_limit_is_judged_on_their_sum() {
         assert_eq!(last["virtual_dropped"].as_f64(), Some(0.0), "{last}");
     }
     assert!(
-        seen.iter().all(|s| s.limits == vec![Some(3470.0), Some(3470.0)]),
+        seen.iter()
+            .all(|s| s.limits == vec![Some(3470.0), Some(3470.0)]),
         "never in force: {seen:?}"
     );
     drive(&cycle, &urls, |r| !r.revert_pending).await;
