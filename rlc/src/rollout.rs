@@ -15,13 +15,15 @@
 //! - [`desired_for`]: what one region's controller runs: the base, except that a bucket under
 //!   a rollout keeps its spec in force until its region's stage passed, and the region of the
 //!   current stage gets the new spec as a candidate.
-//! - [`observe`] and [`judge`]: counts in, verdicts out.
+//! - [`observe`] and [`judge`]: counts in, verdicts out. A `global` candidate that each
+//!   controller counts on its own region's traffic only ([`judged_on_fleet`]) is one stage of
+//!   every region and judged on their sum ([`FleetTally`]).
 
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
 use rlc_plan::rollout::{could_refuse_more, digest, fingerprint, Aborted};
-use schema::{Bucket, BucketFile, PoliciesFile, RolloutSettings};
+use schema::{Bucket, BucketFile, PoliciesFile, RolloutSettings, Scope};
 use serde::{Deserialize, Serialize};
 
 use crate::push::{CandidatesPage, ConfigDoc};
@@ -77,6 +79,131 @@ impl StageFigures {
         } else {
             0.0
         }
+    }
+}
+
+/// Whether the candidate `new`, replacing `old` (the spec in force; None: a new bucket), must
+/// be judged on the sum of every region's counts: a `global` candidate that each region's
+/// controller counts on its own region's traffic only. A controller reads a candidate from the
+/// in-force bucket of its name when that matches the same caller and procedure, else from the
+/// calls its zones report; its peers forward the sums of `global` buckets in force and no
+/// calls. So a `global` candidate of a `global` bucket of the same match counts the whole
+/// fleet at every controller (judged as it is), and any other `global` candidate — a new
+/// bucket, a scope widened to `global`, another caller or procedure — counts one region.
+pub fn judged_on_fleet(old: Option<&Bucket>, new: &Bucket) -> bool {
+    new.scope == Scope::Global
+        && !old.is_some_and(|o| {
+            o.scope == Scope::Global && o.caller == new.caller && o.procedure == new.procedure
+        })
+}
+
+/// The fleet's counts of a rollout judged on the sum of every region ([`judged_on_fleet`]),
+/// taken interval by interval ([`fleet_step`]): what was offered fleet-wide, what the
+/// candidate's limit would have refused of the fleet's rate, and where each controller
+/// process's cumulative counts stood when they were last taken.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct FleetTally {
+    /// Requests offered in every region, up to the marks.
+    pub offered: f64,
+    /// Requests the candidate would have refused of the fleet's rate, up to the marks.
+    pub virtual_dropped: f64,
+    /// Each controller process's cumulative counts when they were last taken.
+    #[serde(default)]
+    pub marks: Vec<CountMark>,
+}
+
+/// A controller process's cumulative counts of a candidate at a point in time.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CountMark {
+    /// Its region.
+    pub region: String,
+    /// Its process (`epoch`).
+    pub epoch: String,
+    /// Seconds evaluated.
+    pub seconds: f64,
+    /// Requests offered.
+    pub offered: f64,
+    /// Requests its own counting would have refused.
+    pub virtual_dropped: f64,
+}
+
+/// One look at the counts of a stage judged on the fleet: `counts` (every controller
+/// process's cumulative counts) since `t`'s marks, summed per region of `regions`.
+///
+/// When the controller of every region evaluated the candidate since the marks (its seconds
+/// moved on), that interval is taken: the fleet's rate over it is the sum of the regions'
+/// rates (requests offered over seconds evaluated), and the requests the candidate's `limit`
+/// would have refused are the larger of `drop_ratio(fleet rate, limit) × offered` (the
+/// controllers' formula, [`grl_core::control::drop_ratio`], on the fleet's rate) and the
+/// regions' own virtual drops (each controller's, tick by tick, on its own region's rate).
+/// Both are at most what the fleet would refuse (the ratio is convex in the rate, and no
+/// region's rate is above the fleet's), so the judgement is never stricter than enforcement;
+/// a peak shorter than the interval (rlc's poll) is seen only as far as one region's
+/// controller saw it alone. Otherwise (a region's controller did not get the candidate or
+/// could not be read) the marks stay and the counts since them add only the regions' own
+/// virtual drops: no fleet rate without every region, and the stage cannot pass without
+/// every region's counts anyway ([`grl_wire::rollout::COVERAGE`]).
+///
+/// Returns the tally and the stage's figures (`enforced_dropped`: the regions' real drops).
+pub fn fleet_step(
+    t: &FleetTally,
+    counts: &[CountRow],
+    regions: &[String],
+    limit: f64,
+) -> (FleetTally, StageFigures) {
+    // Per region: seconds, offered and virtual drops since the marks.
+    let mut since = vec![[0.0f64; 3]; regions.len()];
+    let mut enforced = 0.0;
+    let mut marks = Vec::new();
+    for c in counts {
+        let Some(i) = regions.iter().position(|r| *r == c.region) else {
+            continue;
+        };
+        enforced += c.enforced_dropped;
+        let now = [c.seconds, c.offered, c.virtual_dropped];
+        // A process counted from zero again (its candidate dropped and given back) starts
+        // from zero here too.
+        let from = t
+            .marks
+            .iter()
+            .find(|m| m.region == c.region && m.epoch == c.epoch)
+            .map(|m| [m.seconds, m.offered, m.virtual_dropped])
+            .filter(|m| (0..3).all(|k| now[k] >= m[k]))
+            .unwrap_or_default();
+        for k in 0..3 {
+            since[i][k] += now[k] - from[k];
+        }
+        marks.push(CountMark {
+            region: c.region.clone(),
+            epoch: c.epoch.clone(),
+            seconds: c.seconds,
+            offered: c.offered,
+            virtual_dropped: c.virtual_dropped,
+        });
+    }
+    let offered: f64 = since.iter().map(|d| d[1]).sum();
+    let own: f64 = since.iter().map(|d| d[2]).sum();
+    if !regions.is_empty() && since.iter().all(|d| d[0] > 0.0) {
+        let rate: f64 = since.iter().map(|d| d[1] / d[0]).sum();
+        let fleet = grl_core::control::drop_ratio(rate, limit) * offered;
+        let next = FleetTally {
+            offered: t.offered + offered,
+            virtual_dropped: t.virtual_dropped + fleet.max(own),
+            marks,
+        };
+        let f = StageFigures {
+            offered: next.offered,
+            virtual_dropped: next.virtual_dropped,
+            enforced_dropped: enforced,
+        };
+        (next, f)
+    } else {
+        let f = StageFigures {
+            offered: t.offered + offered,
+            virtual_dropped: t.virtual_dropped + own,
+            enforced_dropped: enforced,
+        };
+        (t.clone(), f)
     }
 }
 
@@ -136,6 +263,11 @@ pub struct Rollout {
     /// nothing is held on its account any more.
     #[serde(default)]
     pub settled: bool,
+    /// Judged on the sum of every region's counts ([`judged_on_fleet`], more than one region):
+    /// one stage of every region, and the fleet's counts so far. None: judged on the stage's
+    /// counts as the controllers report them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fleet: Option<FleetTally>,
     /// The store row's revision it was read at (`None`: not stored yet): [`save`] writes it
     /// only over that revision, so a copy read before another process's write never
     /// overwrites it. Not part of the document.
@@ -277,10 +409,15 @@ impl Rollout {
                     )
                 }
                 Some(t) => format!(
-                    "baking in region {} (stage {} of {}) since {}: {pct:.3} % virtual drops so far ({} of {} offered)",
+                    "baking in region {} (stage {} of {}{}) since {}: {pct:.3} % virtual drops so far ({} of {} offered)",
                     regions.join(", "),
                     self.stage + 1,
                     self.stages.len(),
+                    if self.fleet.is_some() {
+                        "; a global limit, judged on the rate summed over every region"
+                    } else {
+                        ""
+                    },
                     t.format("%Y-%m-%d %H:%M:%S UTC"),
                     fmt_count(f.virtual_dropped),
                     fmt_count(f.offered),
@@ -475,6 +612,120 @@ pub fn resolve_stages(settings: &RolloutSettings, regions: &[String]) -> Vec<Vec
     stages
 }
 
+/// Whether a rollout of `new` replacing `old` over the controllers' `regions` is judged on
+/// their sum: [`judged_on_fleet`], with more than one region (one region's counts are the
+/// fleet's).
+fn on_fleet(old: Option<&Bucket>, new: &Bucket, regions: &[String]) -> bool {
+    regions.len() > 1 && judged_on_fleet(old, new)
+}
+
+/// The stages of a rollout judged on the fleet: one stage of every region, whatever
+/// `rollout.stages` says. A `global` limit in force in some regions only would be counted,
+/// and enforced, on those regions' traffic alone (their peers forward nothing for it), so it
+/// proves nothing about the fleet and protects nothing.
+fn fleet_stages(
+    service: &str,
+    bucket: &str,
+    settings: &RolloutSettings,
+    regions: &[String],
+) -> Vec<Vec<String>> {
+    let all = vec![regions.to_vec()];
+    if settings.stages.len() > 1 || settings.stages.concat().iter().all(|r| r != "*") {
+        tracing::info!(service, bucket, stages = ?settings.stages, regions = ?regions, "a global candidate each controller counts on its own region's traffic is judged on every region's sum: one stage of every region, not rollout.stages");
+    }
+    all
+}
+
+/// A rollout's id (its candidate's id on the controllers): a digest of the bucket, the spec in
+/// force, the new spec and the base version; with the regions when judged on their sum
+/// (`fleet`), so that a fleet of other regions is another candidate, counted afresh.
+fn rollout_id(
+    service: &str,
+    bucket: &str,
+    old: Option<&Bucket>,
+    new: &Bucket,
+    version: &str,
+    fleet: Option<&[String]>,
+) -> String {
+    let spec = |x: Option<&Bucket>| {
+        x.map(|x| serde_json::to_string(x).unwrap_or_default())
+            .unwrap_or_default()
+    };
+    let mut text = format!(
+        "{service}\n{bucket}\n{}\n{}\n{version}",
+        spec(old),
+        spec(Some(new))
+    );
+    if let Some(regions) = fleet {
+        let mut regions = regions.to_vec();
+        regions.sort();
+        text.push_str(&format!("\nfleet {}", regions.join(",")));
+    }
+    format!("rlc-{}", digest(text.as_bytes()))
+}
+
+/// Baking rollouts that must be judged on the fleet ([`on_fleet`]) but are not one stage of
+/// every configured region judged so — started before rlc judged such candidates on the
+/// fleet, or the configured regions changed since — are superseded by a rollout of the same
+/// change as one stage of every region, whose bake starts afresh (a region whose stage had
+/// passed goes back to the spec in force meanwhile: it never refuses more than before).
+async fn refleet(
+    store: &Store,
+    open: &mut [Rollout],
+    regions: &[String],
+    now: DateTime<Utc>,
+) -> Result<(), StoreError> {
+    let now_ms = now.timestamp_millis();
+    let mut want = regions.to_vec();
+    want.sort();
+    for slot in open.iter_mut() {
+        if slot.state != RolloutState::Baking || !on_fleet(slot.old.as_ref(), &slot.new, regions) {
+            continue;
+        }
+        let mut have = slot.stages.concat();
+        have.sort();
+        if slot.fleet.is_some() && slot.stages.len() == 1 && have == want {
+            continue;
+        }
+        let mut old = slot.clone();
+        old.state = RolloutState::Superseded;
+        old.reason = Some(format!(
+            "restarted as one stage of every region ({}): a global candidate each controller counts on its own region's traffic is judged on their sum",
+            regions.join(", ")
+        ));
+        old.updated_ms = now_ms;
+        save_or_conflict(store, &mut old).await?;
+        let mut next = Rollout {
+            id: rollout_id(
+                &slot.service,
+                &slot.bucket,
+                slot.old.as_ref(),
+                &slot.new,
+                &slot.version,
+                Some(regions),
+            ),
+            stages: vec![regions.to_vec()],
+            stage: 0,
+            stage_started_ms: None,
+            stage_began_ms: Some(now_ms),
+            reason: None,
+            created_ms: now_ms,
+            updated_ms: now_ms,
+            figures: StageFigures::default(),
+            fleet: Some(FleetTally::default()),
+            rev: None,
+            ..slot.clone()
+        };
+        if !save(store, &mut next).await? {
+            // Another process made it first: the next push reads what it stored.
+            tracing::warn!(id = %next.id, "rollout restarted by another rlc process meanwhile");
+        }
+        tracing::info!(superseded = %slot.id, id = %next.id, service = %next.service, bucket = %next.bucket, regions = %regions.join(","), "rollout restarted as one stage of every region: judged on their sum");
+        *slot = next;
+    }
+    Ok(())
+}
+
 /// Reads the rollouts in `states`.
 pub async fn load(store: &Store, states: &[RolloutState]) -> Result<Vec<Rollout>, StoreError> {
     let names: Vec<&str> = states.iter().map(|s| s.as_str()).collect();
@@ -560,6 +811,7 @@ pub async fn account(
     now: DateTime<Utc>,
 ) -> Result<Vec<Rollout>, StoreError> {
     let mut open = open(store).await?;
+    refleet(store, &mut open, regions, now).await?;
     let prev: Option<Accounted> = store
         .cursor(ACCOUNTED)
         .await?
@@ -642,30 +894,24 @@ pub async fn account(
             if in_force.as_ref() == Some(b) || !could_refuse_more(in_force.as_ref(), b) {
                 continue;
             }
-            let stages = resolve_stages(&settings, regions);
+            let fleet = on_fleet(in_force.as_ref(), b, regions);
+            let stages = if fleet {
+                fleet_stages(&f.service, &b.name, &settings, regions)
+            } else {
+                resolve_stages(&settings, regions)
+            };
             if stages.is_empty() {
                 continue;
             }
-            let spec = |x: Option<&Bucket>| {
-                x.map(|x| serde_json::to_string(x).unwrap_or_default())
-                    .unwrap_or_default()
-            };
-            let id = format!(
-                "rlc-{}",
-                digest(
-                    format!(
-                        "{}\n{}\n{}\n{}\n{}",
-                        f.service,
-                        b.name,
-                        spec(in_force.as_ref()),
-                        spec(Some(b)),
-                        base.doc.version
-                    )
-                    .as_bytes()
-                )
-            );
             created.push(Rollout {
-                id,
+                id: rollout_id(
+                    &f.service,
+                    &b.name,
+                    in_force.as_ref(),
+                    b,
+                    &base.doc.version,
+                    fleet.then_some(regions),
+                ),
                 service: f.service.clone(),
                 bucket: b.name.clone(),
                 change: change_words(in_force.as_ref(), b),
@@ -686,6 +932,7 @@ pub async fn account(
                 revert: None,
                 revert_pending: false,
                 settled: false,
+                fleet: fleet.then(FleetTally::default),
                 rev: None,
             });
         }
@@ -851,12 +1098,21 @@ pub async fn judge(
         let mut transition = None;
         let regions = r.current_regions().to_vec();
         let counts = store.candidate_counts(&r.id).await?;
-        let mut f = StageFigures::default();
-        for c in counts.iter().filter(|c| regions.contains(&c.region)) {
-            f.offered += c.offered;
-            f.virtual_dropped += c.virtual_dropped;
-            f.enforced_dropped += c.enforced_dropped;
-        }
+        let (f, tally) = match &r.fleet {
+            Some(t) => {
+                let (t, f) = fleet_step(t, &counts, &regions, r.new.limit_rps);
+                (f, Some(t))
+            }
+            None => {
+                let mut f = StageFigures::default();
+                for c in counts.iter().filter(|c| regions.contains(&c.region)) {
+                    f.offered += c.offered;
+                    f.virtual_dropped += c.virtual_dropped;
+                    f.enforced_dropped += c.enforced_dropped;
+                }
+                (f, None)
+            }
+        };
         let baked = r.baked_seconds(now_ms);
         let rule = RolloutRule {
             bake: r.settings.bake,
@@ -887,8 +1143,11 @@ pub async fn judge(
             covered: std::time::Duration::try_from_secs_f64(covered).unwrap_or_default(),
         };
         let verdict = verdict_of(&rule, &seen);
-        let changed = f != r.figures;
+        let changed = f != r.figures || (tally.is_some() && tally != r.fleet);
         r.figures = f.clone();
+        if tally.is_some() {
+            r.fleet = tally;
+        }
         match verdict {
             Verdict::Baking => {
                 if !changed {
@@ -906,6 +1165,9 @@ pub async fn judge(
                     r.stage_started_ms = None;
                     r.stage_began_ms = Some(now_ms);
                     r.figures = StageFigures::default();
+                    if r.fleet.is_some() {
+                        r.fleet = Some(FleetTally::default());
+                    }
                     transition = Some(Transition::Promoted {
                         id: r.id.clone(),
                         stage: passed,
@@ -943,8 +1205,13 @@ pub async fn judge(
                         silent.join(", ")
                     )
                 };
+                let fleet = if r.fleet.is_some() {
+                    " as one global limit on the rate summed over every region"
+                } else {
+                    ""
+                };
                 let evidence = format!(
-                    "{reason}; in region {} over {} of bake: {} of {} offered requests ({:.3} %) would have been refused by the candidate's {} rps (in force: {}; real drops meanwhile: {}){silent}",
+                    "{reason}; in region {} over {} of bake: {} of {} offered requests ({:.3} %) would have been refused by the candidate's {} rps{fleet} (in force: {}; real drops meanwhile: {}){silent}",
                     regions.join(", "),
                     schema::HumanDuration(std::time::Duration::from_secs(baked.max(1.0) as u64)),
                     fmt_count(f.virtual_dropped),
@@ -1061,6 +1328,7 @@ mod tests {
             revert: None,
             revert_pending: false,
             settled: false,
+            fleet: None,
             rev: Some(3),
         };
         assert_eq!(r.stage_began(), 1_000);
@@ -1078,5 +1346,224 @@ mod tests {
             ..old
         };
         assert_eq!(reached.stage_began(), 4_000);
+    }
+
+    fn gw(scope: Scope, limit: f64) -> Bucket {
+        Bucket {
+            scope,
+            ..crate::gitops::tests::planned("payments", "gw", limit).bucket
+        }
+    }
+
+    fn regions(names: &[&str]) -> Vec<String> {
+        names.iter().map(|s| s.to_string()).collect()
+    }
+
+    /// Cumulative counts of one controller process: `rps` offered for `seconds`, `own`
+    /// virtually dropped by its own counting.
+    fn count(region: &str, epoch: &str, seconds: f64, rps: f64, own: f64) -> CountRow {
+        CountRow {
+            rollout_id: "rlc-1".into(),
+            region: region.into(),
+            epoch: epoch.into(),
+            seconds,
+            offered: rps * seconds,
+            virtual_dropped: own,
+            enforced_dropped: 0.0,
+            updated_ms: 0,
+        }
+    }
+
+    /// Which `global` candidates each controller counts on its own region only: a new bucket,
+    /// a scope widened to `global`, another caller; not a `global` bucket of the same match
+    /// (its peers' sums are part of it), nor a narrower scope.
+    #[test]
+    fn a_global_candidate_counted_per_region_is_judged_on_the_fleet() {
+        let global = gw(Scope::Global, 1000.0);
+        assert!(judged_on_fleet(None, &global));
+        assert!(judged_on_fleet(Some(&gw(Scope::Region, 3470.0)), &global));
+        assert!(judged_on_fleet(Some(&gw(Scope::Zone, 3470.0)), &global));
+        let other_caller = Bucket {
+            caller: Some("web".into()),
+            ..gw(Scope::Global, 3470.0)
+        };
+        assert!(judged_on_fleet(Some(&other_caller), &global));
+        assert!(!judged_on_fleet(Some(&gw(Scope::Global, 3470.0)), &global));
+        let shadow = Bucket {
+            mode: schema::Mode::Shadow,
+            ..gw(Scope::Global, 1000.0)
+        };
+        assert!(!judged_on_fleet(Some(&shadow), &global));
+        assert!(!judged_on_fleet(None, &gw(Scope::Region, 1000.0)));
+        // One region's counts are the fleet's.
+        assert!(!on_fleet(None, &global, &regions(&["eu"])));
+        assert!(on_fleet(None, &global, &regions(&["a", "b"])));
+    }
+
+    /// Three regions at 600 rps each against a global 1,000: every controller alone saw no
+    /// virtual drop (600 < 1,000), which summed as counts passes the stage; on the regions'
+    /// summed rate (1,800) the candidate refuses 800 of every 1,800 requests.
+    #[test]
+    fn three_regions_under_a_global_limit_alone_are_judged_on_their_rate_summed() {
+        let abc = regions(&["a", "b", "c"]);
+        let counts: Vec<CountRow> = ["a", "b", "c"]
+            .iter()
+            .map(|r| count(r, "e1", 10.0, 600.0, 0.0))
+            .collect();
+        let (t, f) = fleet_step(&FleetTally::default(), &counts, &abc, 1000.0);
+        assert_eq!(f.offered, 18_000.0);
+        assert!((f.share() - 800.0 / 1800.0).abs() < 1e-9, "{f:?}");
+        assert_eq!(
+            (t.offered, t.virtual_dropped),
+            (f.offered, f.virtual_dropped)
+        );
+        assert_eq!(t.marks.len(), 3);
+        // The next interval adds only what came since: 10 s more at 300 rps each (900 < 1,000).
+        let later: Vec<CountRow> = ["a", "b", "c"]
+            .iter()
+            .map(|r| CountRow {
+                offered: 6000.0 + 3000.0,
+                ..count(r, "e1", 20.0, 0.0, 0.0)
+            })
+            .collect();
+        let (t2, f2) = fleet_step(&t, &later, &abc, 1000.0);
+        assert_eq!(f2.offered, 27_000.0);
+        assert!(
+            (f2.virtual_dropped - f.virtual_dropped).abs() < 1e-9,
+            "{f2:?}"
+        );
+        assert_eq!(t2.marks[0].seconds, 20.0);
+    }
+
+    /// Without every region's counts since the last interval no fleet rate is taken: the
+    /// marks stay and the figures add the regions' own virtual drops only; once the silent
+    /// region's counts arrive, the whole interval is taken at the fleet's rate. A controller
+    /// restarted (a new epoch) counts from zero; a process counting from zero again is taken
+    /// from zero.
+    #[test]
+    fn the_fleet_rate_waits_for_every_region() {
+        let abc = regions(&["a", "b", "c"]);
+        let two = vec![
+            count("a", "e1", 10.0, 600.0, 0.0),
+            count("b", "e1", 10.0, 600.0, 0.0),
+        ];
+        let (t, f) = fleet_step(&FleetTally::default(), &two, &abc, 1000.0);
+        assert_eq!(t, FleetTally::default());
+        assert_eq!((f.offered, f.virtual_dropped), (12_000.0, 0.0));
+        let mut all = two.clone();
+        all.push(count("c", "e1", 10.0, 600.0, 0.0));
+        let (t, f) = fleet_step(&t, &all, &abc, 1000.0);
+        assert!((f.share() - 800.0 / 1800.0).abs() < 1e-9, "{f:?}");
+        // b restarted: its old process's counts stay, a new one counts 10 s; c's process
+        // counts from zero again (5 s).
+        let mut next = vec![
+            count("a", "e1", 20.0, 600.0, 0.0),
+            count("b", "e1", 10.0, 600.0, 0.0),
+            count("b", "e2", 10.0, 600.0, 0.0),
+            count("c", "e1", 5.0, 600.0, 0.0),
+        ];
+        let (t2, f2) = fleet_step(&t, &next, &abc, 1000.0);
+        assert_eq!(f2.offered, 18_000.0 + 6000.0 + 6000.0 + 3000.0);
+        assert!((f2.share() - 800.0 / 1800.0).abs() < 1e-9, "{f2:?}");
+        // A region's own virtual drops above the fleet estimate (a peak its controller saw
+        // tick by tick within the interval) count.
+        next = t2
+            .marks
+            .iter()
+            .map(|m| CountRow {
+                seconds: m.seconds + 10.0,
+                offered: m.offered + 1000.0,
+                virtual_dropped: m.virtual_dropped + if m.region == "a" { 700.0 } else { 0.0 },
+                ..count(&m.region, &m.epoch, 0.0, 0.0, 0.0)
+            })
+            .collect();
+        let (_, f3) = fleet_step(&t2, &next, &abc, 1000.0);
+        assert!(
+            (f3.virtual_dropped - f2.virtual_dropped - 700.0).abs() < 1e-9,
+            "{f3:?}"
+        );
+    }
+
+    /// A rollout of a global candidate counted per region started before rlc judged such
+    /// candidates on the fleet (two stages, the first passed): superseded by a rollout of the
+    /// same change as one stage of every region, judged on their sum, its bake afresh; the
+    /// region whose stage had passed goes back to the spec in force with the candidate.
+    #[tokio::test]
+    async fn a_staged_rollout_of_a_global_candidate_is_restarted_as_one_stage_of_every_region() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::connect("sqlite://rlc.db", dir.path()).await.unwrap();
+        let old = gw(Scope::Region, 3470.0);
+        let new = gw(Scope::Global, 1000.0);
+        let mut staged = Rollout {
+            id: "rlc-staged".into(),
+            service: "payments".into(),
+            bucket: "gw".into(),
+            old: Some(old.clone()),
+            new: new.clone(),
+            change: change_words(Some(&old), &new),
+            version: "v2".into(),
+            settings: schema::RolloutSpec::default().resolved(),
+            stages: vec![regions(&["a"]), regions(&["b", "c"])],
+            stage: 1,
+            stage_started_ms: Some(2_000),
+            stage_began_ms: Some(2_000),
+            state: RolloutState::Baking,
+            reason: None,
+            fingerprint: "fp".into(),
+            created_ms: 1_000,
+            updated_ms: 2_000,
+            figures: StageFigures::default(),
+            revert: None,
+            revert_pending: false,
+            settled: false,
+            fleet: None,
+            rev: None,
+        };
+        assert!(save(&store, &mut staged).await.unwrap());
+        let doc = ConfigDoc {
+            version: "v2".into(),
+            services: vec![BucketFile {
+                service: "payments".into(),
+                buckets: vec![new.clone()],
+            }],
+            ..Default::default()
+        };
+        let base = BaseInput {
+            doc: &doc,
+            policies: None,
+            inputs: "in",
+        };
+        let abc = regions(&["a", "b", "c"]);
+        let now = Utc::now();
+        let open = account(&store, &abc, &base, now).await.unwrap();
+        assert_eq!(open.len(), 1, "{open:?}");
+        let r = &open[0];
+        assert_ne!(r.id, staged.id);
+        assert_eq!(r.stages, vec![abc.clone()]);
+        assert_eq!((r.stage, r.stage_started_ms), (0, None));
+        assert_eq!(r.fleet, Some(FleetTally::default()));
+        assert_eq!((r.old.as_ref(), &r.new), (Some(&old), &new));
+        let gone = Rollout::from_row(
+            &store
+                .recent_rollouts(Some(("payments", "gw")), 10)
+                .await
+                .unwrap()
+                .into_iter()
+                .find(|x| x.id == "rlc-staged")
+                .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(gone.state, RolloutState::Superseded);
+        assert!(gone
+            .reason
+            .unwrap()
+            .starts_with("restarted as one stage of every region"));
+        let a = desired_for("a", &doc, &open);
+        assert_eq!(a.services[0].buckets[0], old, "back to the spec in force");
+        assert_eq!(a.candidates.len(), 1);
+        assert_eq!(a.candidates[0].id, r.id);
+        // Accounted again: nothing changes.
+        let again = account(&store, &abc, &base, now).await.unwrap();
+        assert_eq!(again[0].id, r.id);
     }
 }

@@ -31,9 +31,23 @@ struct Ctl {
     blind: Arc<std::sync::atomic::AtomicBool>,
     /// Announces grl-proto 4 while set (a controller that predates candidates).
     old: Arc<std::sync::atomic::AtomicBool>,
+    /// The rate its region offers to payments/gw ([`OFFERED`] when unset).
+    rps: Arc<Mutex<Option<f64>>>,
 }
 
 impl Ctl {
+    /// A stand-in controller whose region offers `rps` to payments/gw.
+    fn offering(rps: f64) -> Ctl {
+        let c = Ctl::default();
+        *c.rps.lock().unwrap() = Some(rps);
+        c
+    }
+
+    /// The rate its region offers.
+    fn offered_rps(&self) -> f64 {
+        self.rps.lock().unwrap().unwrap_or(OFFERED)
+    }
+
     /// The limit of payments/gw in force (what clients get).
     fn limit(&self) -> Option<f64> {
         let d = self.doc.lock().unwrap();
@@ -77,13 +91,16 @@ async fn candidates(State(c): State<Ctl>) -> Result<Json<Value>, axum::http::Sta
     }
     let doc = c.doc.lock().unwrap().clone().unwrap_or_default();
     let since = c.since.lock().unwrap();
+    let rps = c.offered_rps();
+    // This region's traffic only, as a real controller counts a candidate read from a
+    // `region` bucket or from the calls (its peers forward neither).
     let rows: Vec<Value> = doc
         .candidates
         .iter()
         .map(|x| {
             let s = since[&x.id].elapsed().as_secs_f64();
-            let offered = OFFERED * s;
-            let refused = (OFFERED - x.bucket.limit_rps).max(0.0) / OFFERED * offered;
+            let offered = rps * s;
+            let refused = (rps - x.bucket.limit_rps).max(0.0) / rps * offered;
             json!({"id": x.id, "service": x.service, "bucket": x.bucket.name,
                    "limit_rps": x.bucket.limit_rps, "mode": "enforce", "seconds": s,
                    "offered": offered, "virtual_dropped": refused, "enforced_dropped": 0.0,
@@ -121,12 +138,22 @@ fn remote(stages: &str) -> GitRemote {
 
 /// A config repo with payments/gw at 3,470 rps and `rollout:` with the keys `rollout`.
 fn remote_with(rollout: &str) -> GitRemote {
+    remote_gw(rollout, &gw_file("global", 3470.0))
+}
+
+/// `buckets/payments.yaml` with gw enforcing `limit` under `scope`.
+fn gw_file(scope: &str, limit: f64) -> String {
+    format!("service: payments\nbuckets:\n  - name: gw\n    caller: gw\n    scope: {scope}\n    limit_rps: {limit}\n    mode: enforce\n    policy: peak\n")
+}
+
+/// A config repo with `rollout:` with the keys `rollout` and `payments` as the payments file.
+fn remote_gw(rollout: &str, payments: &str) -> GitRemote {
     let files = [
-        ("rlc/policies.yaml".to_string(), format!(
-            "default:\n  policy: peak\n  headroom: 0.25\nrollout:\n{rollout}"
-        )),
-        ("buckets/payments.yaml".to_string(),
-         "service: payments\nbuckets:\n  - name: gw\n    caller: gw\n    scope: global\n    limit_rps: 3470\n    mode: enforce\n    policy: peak\n".to_string()),
+        (
+            "rlc/policies.yaml".to_string(),
+            format!("default:\n  policy: peak\n  headroom: 0.25\nrollout:\n{rollout}"),
+        ),
+        ("buckets/payments.yaml".to_string(), payments.to_string()),
     ];
     let refs: Vec<(&str, &str)> = files
         .iter()
@@ -662,4 +689,122 @@ async fn an_aborted_new_service_is_reverted_by_removing_its_file() {
         .iter()
         .filter(|f| f.service == "billing")
         .all(|f| f.buckets.is_empty())));
+}
+
+/// A `global` limit is one limit over the whole fleet, but a region's controller counts a
+/// candidate read from a `region` bucket (or from the calls) on its own region's traffic only:
+/// its peers forward the sums of `global` buckets in force, and no calls. Three regions each
+/// offering 600 rps and payments/gw changed from 3,470 rps per region to 1,000 rps global:
+/// each controller sees 600 < 1,000 and counts no virtual drop, yet in force the fleet's
+/// 1,800 rps would be cut to 1,000 (44 % refused). The candidate is judged on the sum of the
+/// regions' rates: aborted at about 44 %, never in force anywhere. The rollout is one stage of
+/// every region whatever `stages` says (a global limit in force in one region only would be
+/// judged and enforced on that region's traffic). The same change at 2,000 rps (above the
+/// fleet's 1,800) passes.
+#[tokio::test]
+async fn a_global_limit_is_judged_on_the_sum_of_every_region() {
+    let remote = remote_gw(
+        "  bake: 2s\n  min_offered: 100\n  max_bake: 1m\n  stages: [[a], [\"*\"]]\n",
+        &gw_file("region", 3470.0),
+    );
+    let ctls: Vec<Ctl> = (0..3).map(|_| Ctl::offering(600.0)).collect();
+    let mut urls = Vec::new();
+    for c in &ctls {
+        urls.push(spawn(c.clone()).await);
+    }
+    let cfg = config(
+        &remote,
+        &[("a", &urls[0]), ("b", &urls[1]), ("c", &urls[2])],
+        "",
+    );
+    let cycle = Cycle::new(cfg, &remote.scratch(""));
+    // The base as it is is accounted (what is in force).
+    let (_, base) = cycle.poll().await.unwrap();
+    assert!(cycle.push_all(&base, None).await.errors.is_empty());
+    let in_force = |c: &Ctl| -> Vec<(f64, schema::Scope)> {
+        c.docs
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|d| {
+                (
+                    d.services[0].buckets[0].limit_rps,
+                    d.services[0].buckets[0].scope,
+                )
+            })
+            .collect()
+    };
+
+    let global = remote
+        .human_commit(
+            "main",
+            &[("buckets/payments.yaml", gw_file("global", 1000.0).as_str())],
+            "gw: one global limit",
+        )
+        .unwrap();
+    let r = poll_until(&cycle, |r| r.state != RolloutState::Baking).await;
+    assert_eq!(r.version, global, "{r:?}");
+    assert_eq!(r.state, RolloutState::Aborted, "{r:?}");
+    assert_eq!(
+        r.stages,
+        vec![vec!["a".to_string(), "b".to_string(), "c".to_string()]],
+        "one stage of every region: {r:?}"
+    );
+    let share = r.figures.share();
+    assert!(
+        (share - 0.8 / 1.8).abs() < 0.01,
+        "the fleet's 1,800 rps against 1,000: {share} {r:?}"
+    );
+    let reason = r.reason.clone().unwrap();
+    assert!(reason.contains("in region a, b, c"), "{reason}");
+    assert!(reason.contains("summed over every region"), "{reason}");
+    for c in &ctls {
+        assert!(
+            c.docs
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|d| !d.candidates.is_empty()),
+            "every region evaluated the candidate"
+        );
+        assert!(
+            in_force(c)
+                .iter()
+                .all(|x| *x == (3470.0, schema::Scope::Region)),
+            "never in force: {:?}",
+            in_force(c)
+        );
+    }
+    let r = poll_until(&cycle, |r| !r.revert_pending).await;
+    assert!(
+        r.revert
+            .as_deref()
+            .unwrap()
+            .starts_with("reverted by commit"),
+        "{r:?}"
+    );
+    assert!(remote
+        .read("main", "buckets/payments.yaml")
+        .unwrap()
+        .contains("scope: region\n"));
+
+    // Above the fleet's demand: passes, and is in force everywhere at once.
+    let above = remote
+        .human_commit(
+            "main",
+            &[("buckets/payments.yaml", gw_file("global", 2000.0).as_str())],
+            "gw: one global limit above demand",
+        )
+        .unwrap();
+    let r = poll_until(&cycle, |r| {
+        r.version == above && r.state != RolloutState::Baking
+    })
+    .await;
+    assert_eq!(r.state, RolloutState::Done, "{r:?}");
+    assert_eq!(r.figures.virtual_dropped, 0.0, "{r:?}");
+    let (_, base) = cycle.poll().await.unwrap();
+    assert!(cycle.push_all(&base, None).await.errors.is_empty());
+    for c in &ctls {
+        assert_eq!(c.limit(), Some(2000.0));
+    }
 }

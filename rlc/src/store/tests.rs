@@ -1407,6 +1407,7 @@ async fn check_rollout_retention(store: Store) {
         revert: None,
         revert_pending: false,
         settled,
+        fleet: None,
         rev: None,
     };
     let all = [

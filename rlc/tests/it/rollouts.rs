@@ -45,6 +45,11 @@ fn lower_to(limit: f64) -> Plan {
 }
 
 fn remote(stages: &str) -> GitRemote {
+    remote_scoped(stages, "global")
+}
+
+/// [`remote`] with payments/charge counted under `scope`.
+fn remote_scoped(stages: &str, scope: &str) -> GitRemote {
     let files = [
         (
             "rlc/policies.yaml",
@@ -54,7 +59,7 @@ fn remote(stages: &str) -> GitRemote {
         ),
         (
             "buckets/payments.yaml",
-            "service: payments\nbuckets:\n  - name: charge\n    caller: charge\n    scope: global\n    limit_rps: 3470\n    mode: enforce\n    policy: peak\n".to_string(),
+            format!("service: payments\nbuckets:\n  - name: charge\n    caller: charge\n    scope: {scope}\n    limit_rps: 3470\n    mode: enforce\n    policy: peak\n"),
         ),
     ];
     let files: Vec<(&str, &str)> = files.iter().map(|(p, t)| (*p, t.as_str())).collect();
@@ -62,12 +67,23 @@ fn remote(stages: &str) -> GitRemote {
 }
 
 async fn controller(d: &Path, region: &str, port: u16) -> ControllerHandle {
+    peered_controller(d, region, port, vec![]).await
+}
+
+/// [`controller`] sending its region's sums of `global` buckets to `peers` every tick.
+async fn peered_controller(
+    d: &Path,
+    region: &str,
+    port: u16,
+    peers: Vec<String>,
+) -> ControllerHandle {
     Controller::start(ControllerOptions {
         listen: format!("127.0.0.1:{port}").parse().unwrap(),
         state_dir: d.join(format!("grl-{region}")),
         token: TOKEN.into(),
         report_token: Some(ZONE_TOKEN.to_string().into()),
         region: Some(region.into()),
+        peers,
         tick: Duration::from_millis(200),
         ..Default::default()
     })
@@ -421,6 +437,80 @@ async fn two_regions_a_failing_candidate_never_reaches_the_second() {
     cycle.push_all(&base, None).await;
     assert_eq!(served_limit(&a.url()).await, Some(3000.0));
     assert_eq!(served_limit(&b.url()).await, Some(3000.0));
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+/// Two peered regions with payments/charge at 3,470 rps per region and 150 rps offered in
+/// each; the change to 200 rps `global`. Each controller counts the candidate on its own
+/// region's 150 rps (its peer forwards the sums of `global` buckets in force only, none for a
+/// `region` bucket) and shows no virtual drop, yet in force the fleet's 300 rps would be cut
+/// to 200, a third refused. rlc judges the candidate on the sum of the regions' rates: it is
+/// aborted and never in force. The same change at 1,000 rps passes and is in force in both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_peered_regions_a_global_limit_is_judged_on_their_sum() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let remote = remote_scoped("", "region");
+    let (pa, pb) = (
+        test_support::process::free_port(),
+        test_support::process::free_port(),
+    );
+    let url = |p: u16| format!("http://127.0.0.1:{p}");
+    let a = peered_controller(d, "a", pa, vec![url(pb)]).await;
+    let b = peered_controller(d, "b", pb, vec![url(pa)]).await;
+    let urls = [a.url(), b.url()];
+    let cfg = config(d, &remote, &[("a", a.url()), ("b", b.url())]);
+    let cycle = Cycle::new(cfg, d);
+    let (_, base) = cycle.poll().await.unwrap();
+    assert!(cycle.push_all(&base, None).await.errors.is_empty());
+    let stop = traffic(vec![("a".into(), a.url()), ("b".into(), b.url())]);
+
+    let out = cycle.apply(&lower_to(200.0), "once").await;
+    assert_eq!(out.status, RunStatus::Success, "{out}");
+    assert_eq!(
+        out.rollouts[0].change, "lowered 3470 -> 200 rps, scope region -> global",
+        "{out}"
+    );
+    let seen = drive(&cycle, &urls, |r| r.state != RolloutState::Baking).await;
+    let r = seen.last().unwrap().rollout.clone().unwrap();
+    assert_eq!(r.state, RolloutState::Aborted, "{r:?}");
+    let share = r.figures.share();
+    assert!((0.25..0.4).contains(&share), "about a third: {share} {r:?}");
+    let reason = r.reason.clone().unwrap();
+    assert!(reason.contains("summed over every region"), "{reason}");
+    // What each controller counted alone: its region's traffic, no virtual drop.
+    for i in 0..2 {
+        let last = seen
+            .iter()
+            .flat_map(|s| s.candidates[i].iter())
+            .last()
+            .cloned()
+            .expect("every region evaluated the candidate");
+        assert!(last["offered"].as_f64().unwrap() > 0.0, "{last}");
+        assert_eq!(last["virtual_dropped"].as_f64(), Some(0.0), "{last}");
+    }
+    assert!(
+        seen.iter()
+            .all(|s| s.limits == vec![Some(3470.0), Some(3470.0)]),
+        "never in force: {seen:?}"
+    );
+    drive(&cycle, &urls, |r| !r.revert_pending).await;
+
+    // Above the fleet's 300 rps: promoted, in force in both regions.
+    let out = cycle.apply(&lower_to(1000.0), "once").await;
+    assert_eq!(out.status, RunStatus::Success, "{out}");
+    let seen = drive(&cycle, &urls, |r| {
+        r.new.limit_rps == 1000.0 && r.state != RolloutState::Baking
+    })
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    let r = seen.last().unwrap().rollout.clone().unwrap();
+    assert_eq!(r.state, RolloutState::Done, "{r:?}");
+    let (_, base) = cycle.poll().await.unwrap();
+    cycle.push_all(&base, None).await;
+    assert_eq!(served_limit(&a.url()).await, Some(1000.0));
+    assert_eq!(served_limit(&b.url()).await, Some(1000.0));
     a.shutdown().await;
     b.shutdown().await;
 }
