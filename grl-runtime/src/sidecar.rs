@@ -425,32 +425,44 @@ async fn readyz(State(s): State<Arc<Shared>>) -> Readiness {
 /// `Connection` header names), never forwarded; `te: trailers` is kept (gRPC needs it over
 /// HTTP/2).
 fn strip_hop_by_hop(h: &mut HeaderMap) {
-    // Most messages carry none: one pass over the names (standard ones compare as a number)
-    // instead of a lookup, with its hashing, for each of them.
-    if !h.keys().any(is_hop_by_hop) {
+    // One pass over the names (standard ones compare as a number) instead of a lookup, with
+    // its hashing, for each of them; most messages carry none, or only `connection`.
+    let (mut te, mut connection) = (false, false);
+    // The names are distinct, so at most the seven hop-by-hop ones.
+    let mut gone: [Option<HeaderName>; 7] = Default::default();
+    let mut k = 0;
+    for n in h.keys() {
+        if n == http::header::TE {
+            te = true;
+        } else if is_hop_by_hop(n) && k < gone.len() {
+            connection |= n == http::header::CONNECTION;
+            gone[k] = Some(n.clone());
+            k += 1;
+        }
+    }
+    if k == 0 && !te {
         return;
     }
-    let mut gone: Vec<HeaderName> = h
-        .keys()
-        .filter(|n| is_hop_by_hop(n) && *n != http::header::TE)
-        .cloned()
-        .collect();
     // Headers the Connection header names are hop-by-hop too (`close` and `keep-alive` name
     // no header of their own but the one already listed).
-    for v in h.get_all(http::header::CONNECTION) {
-        for n in v.to_str().unwrap_or("").split(',').map(str::trim) {
-            if n.eq_ignore_ascii_case("close") || n.eq_ignore_ascii_case("keep-alive") {
-                continue;
-            }
-            if let Ok(n) = HeaderName::from_bytes(n.as_bytes()) {
-                gone.push(n);
+    let mut named: Vec<HeaderName> = Vec::new();
+    if connection {
+        for v in h.get_all(http::header::CONNECTION) {
+            for n in v.to_str().unwrap_or("").split(',').map(str::trim) {
+                if n.eq_ignore_ascii_case("close") || n.eq_ignore_ascii_case("keep-alive") {
+                    continue;
+                }
+                if let Ok(n) = HeaderName::from_bytes(n.as_bytes()) {
+                    named.push(n);
+                }
             }
         }
     }
-    for n in gone {
+    for n in gone.into_iter().flatten().chain(named) {
         h.remove(n);
     }
-    if h.contains_key(http::header::TE) {
+    // Only `trailers` goes on (unless `connection` named `te`: then it is gone by now).
+    if te && h.contains_key(http::header::TE) {
         let te_trailers = h
             .get_all(http::header::TE)
             .iter()
@@ -896,6 +908,31 @@ mod tests {
         h.insert("te", HeaderValue::from_static("gzip"));
         strip_hop_by_hop(&mut h);
         assert!(h.is_empty());
+        // An answer's usual `connection: keep-alive`, and every hop-by-hop name at once.
+        let mut h = HeaderMap::new();
+        h.insert("content-length", HeaderValue::from_static("2"));
+        h.insert("connection", HeaderValue::from_static("keep-alive"));
+        h.insert("date", HeaderValue::from_static("x"));
+        strip_hop_by_hop(&mut h);
+        let names: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
+        assert_eq!(names, ["content-length", "date"]);
+        let mut h = HeaderMap::new();
+        for n in [
+            "connection",
+            "keep-alive",
+            "proxy-connection",
+            "transfer-encoding",
+            "upgrade",
+            "proxy-authenticate",
+            "proxy-authorization",
+            "te",
+            "x-kept",
+        ] {
+            h.insert(n, HeaderValue::from_static("te"));
+        }
+        strip_hop_by_hop(&mut h);
+        let names: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
+        assert_eq!(names, ["x-kept"]);
     }
 
     #[tokio::test]
