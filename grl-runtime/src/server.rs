@@ -813,9 +813,17 @@ async fn drive<C>(
         task: atomic_waker::AtomicWaker::new(),
     });
     let side_waker = std::task::Waker::from(side.clone());
+    // The task's waker as last registered: registered again when it changes (rarely) and
+    // after a side wake-up, which takes it; the check and the signal are polled after that, so
+    // what woke nobody in between is seen then.
+    let mut registered: Option<std::task::Waker> = None;
     let cut = std::future::poll_fn(|cx| {
-        side.task.register(cx.waker());
+        if !registered.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+            side.task.register(cx.waker());
+            registered = Some(cx.waker().clone());
+        }
         if side.woken.swap(false, Ordering::AcqRel) {
+            side.task.register(cx.waker());
             let mut scx = std::task::Context::from_waker(&side_waker);
             if !shutting && std::future::Future::poll(shutdown.as_mut(), &mut scx).is_ready() {
                 shutting = true;
