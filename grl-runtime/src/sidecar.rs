@@ -610,7 +610,7 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
         let req = Request::from_parts(parts, body);
         let resp = if h2 {
             let r = clients.h2.request(req).await;
-            r.map(|r| r.map(Body::new)).map_err(UpstreamError::H2)
+            r.map(|r| r.map(Body::new))
         } else {
             let r = clients.h1.request(req).await;
             r.map(|r| r.map(Body::new))

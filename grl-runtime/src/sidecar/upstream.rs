@@ -1,9 +1,7 @@
 //! The sidecar's upstream: one service instance over TCP or a Unix socket, through pooled
-//! keep-alive connections: gRPC calls over HTTP/2 without TLS (h2c, prior knowledge, through
-//! hyper-util's pooled client), everything else over HTTP/1.1 (through [`H1Pool`], one per
-//! worker thread).
+//! keep-alive connections, one set per worker thread: gRPC calls over HTTP/2 without TLS (h2c,
+//! prior knowledge, through [`H2Conn`]), everything else over HTTP/1.1 (through [`H1Pool`]).
 
-use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -14,9 +12,7 @@ use bytes::Bytes;
 use http::{Request, Response, Uri};
 use hyper::body::{Body as _, Incoming};
 use hyper::client::conn::http1::SendRequest;
-use hyper_util::client::legacy::connect::{Connected, Connection};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::{TcpStream, UnixStream};
 
 /// Where the service instance listens.
@@ -111,12 +107,6 @@ pub enum UpstreamIo {
     Unix(TokioIo<UnixStream>),
 }
 
-impl Connection for UpstreamIo {
-    fn connected(&self) -> Connected {
-        Connected::new()
-    }
-}
-
 impl hyper::rt::Read for UpstreamIo {
     fn poll_read(
         self: Pin<&mut Self>,
@@ -175,56 +165,127 @@ impl hyper::rt::Write for UpstreamIo {
     }
 }
 
-/// Connects every pooled connection to the one upstream, whatever the request's URI says.
-#[derive(Clone)]
-pub struct Connector {
-    upstream: std::sync::Arc<Upstream>,
-    timeout: Duration,
-}
-
-impl tower::Service<Uri> for Connector {
-    type Response = UpstreamIo;
-    type Error = std::io::Error;
-    type Future = Pin<Box<dyn Future<Output = std::io::Result<UpstreamIo>> + Send>>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, _: Uri) -> Self::Future {
-        let (up, timeout) = (self.upstream.clone(), self.timeout);
-        Box::pin(async move { up.connect(timeout).await })
-    }
-}
-
-/// The two pools: HTTP/1.1 and h2c.
+/// The connections of one worker thread: HTTP/1.1 and h2c.
 #[derive(Clone)]
 pub struct Clients {
     /// HTTP/1.1 requests.
     pub h1: H1Pool,
     /// gRPC calls (h2c).
-    pub h2: Client<Connector, Body>,
+    pub h2: H2Conn,
 }
 
 /// Idle connections kept per pool.
 const MAX_IDLE: usize = 256;
 
 impl Clients {
-    /// Pools to `upstream`, each connection opened within `connect_timeout`; idle ones close
-    /// after `idle`.
+    /// Connections to `upstream`, each opened within `connect_timeout`; idle ones close (or are
+    /// replaced) after `idle`.
     pub fn new(upstream: Upstream, connect_timeout: Duration, idle: Duration) -> Clients {
-        let c = Connector {
-            upstream: std::sync::Arc::new(upstream.clone()),
-            timeout: connect_timeout,
-        };
-        let mut b = Client::builder(TokioExecutor::new());
-        b.pool_idle_timeout(idle)
-            .pool_max_idle_per_host(MAX_IDLE)
-            .pool_timer(hyper_util::rt::TokioTimer::new());
-        b.http2_only(true);
-        let h2 = b.build(c);
-        let h1 = H1Pool::new(upstream, connect_timeout, idle);
-        Clients { h1, h2 }
+        let upstream = std::sync::Arc::new(upstream);
+        Clients {
+            h1: H1Pool {
+                upstream: upstream.clone(),
+                connect_timeout,
+                idle_timeout: idle,
+                idle: Default::default(),
+            },
+            h2: H2Conn {
+                upstream,
+                connect_timeout,
+                idle_timeout: idle,
+                current: Default::default(),
+            },
+        }
+    }
+}
+
+/// The h2c connection of one worker thread to the upstream, for gRPC calls: one connection
+/// carries every call in flight (HTTP/2 multiplexes them, up to the upstream's limit of
+/// concurrent streams; calls beyond it wait for a stream), its task on the thread that opened
+/// it. No lookup by host, no task per call: a call clones the connection's handle. A closed
+/// connection is replaced at the next call, and a call not yet sent on a cached connection
+/// that turned out closed goes on the new one; a connection unused for the idle timeout is
+/// replaced at the next call (it closes once its last call ends).
+#[derive(Clone)]
+pub struct H2Conn {
+    upstream: std::sync::Arc<Upstream>,
+    connect_timeout: Duration,
+    idle_timeout: Duration,
+    current: std::sync::Arc<std::sync::Mutex<Option<(H2Send, Instant)>>>,
+}
+
+type H2Send = hyper::client::conn::http2::SendRequest<Body>;
+
+impl H2Conn {
+    /// Sends `req` (absolute URI, HTTP/2) and waits for the answer's head.
+    pub async fn request(
+        &self,
+        mut req: Request<Body>,
+    ) -> Result<Response<Incoming>, UpstreamError> {
+        loop {
+            let (mut tx, cached) = match self.cached() {
+                Some(tx) => (tx, true),
+                None => (self.connect().await?, false),
+            };
+            match tx.try_send_request(req).await {
+                Ok(resp) => return Ok(resp),
+                Err(mut e) => match e.take_message() {
+                    // Never sent: the cached connection had closed; once on a new one.
+                    Some(r) if cached => {
+                        self.forget();
+                        req = r;
+                    }
+                    _ => return Err(UpstreamError::Request(e.into_error())),
+                },
+            }
+        }
+    }
+
+    /// The current connection's handle, unless it closed or sat unused for the idle timeout.
+    fn cached(&self) -> Option<H2Send> {
+        let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        match &mut *current {
+            Some((tx, used))
+                if !tx.is_closed() && now.duration_since(*used) <= self.idle_timeout =>
+            {
+                *used = now;
+                Some(tx.clone())
+            }
+            _ => {
+                *current = None;
+                None
+            }
+        }
+    }
+
+    /// Drops the current connection if it has closed (another call may have replaced it).
+    fn forget(&self) {
+        let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
+        if current.as_ref().is_some_and(|(c, _)| c.is_closed()) {
+            *current = None;
+        }
+    }
+
+    async fn connect(&self) -> Result<H2Send, UpstreamError> {
+        let io = self
+            .upstream
+            .connect(self.connect_timeout)
+            .await
+            .map_err(UpstreamError::Connect)?;
+        let (tx, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .handshake(io)
+            .await
+            .map_err(UpstreamError::Handshake)?;
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "upstream h2c connection ended with an error");
+            }
+        });
+        let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
+        *current = Some((tx.clone(), Instant::now()));
+        Ok(tx)
     }
 }
 
@@ -255,12 +316,10 @@ struct Idle {
 pub enum UpstreamError {
     /// No connection (refused, timed out).
     Connect(std::io::Error),
-    /// A connection, but the HTTP/1.1 handshake failed.
+    /// A connection, but the HTTP/1.1 or HTTP/2 handshake failed.
     Handshake(hyper::Error),
     /// The request failed on its connection.
     Request(hyper::Error),
-    /// HTTP/2 (gRPC): hyper-util's pooled client.
-    H2(hyper_util::client::legacy::Error),
 }
 
 impl UpstreamError {
@@ -269,7 +328,6 @@ impl UpstreamError {
         match self {
             UpstreamError::Connect(_) | UpstreamError::Handshake(_) => true,
             UpstreamError::Request(_) => false,
-            UpstreamError::H2(e) => e.is_connect(),
         }
     }
 }
@@ -278,9 +336,8 @@ impl std::fmt::Display for UpstreamError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             UpstreamError::Connect(_) => f.write_str("connect"),
-            UpstreamError::Handshake(_) => f.write_str("HTTP/1.1 handshake"),
+            UpstreamError::Handshake(_) => f.write_str("handshake"),
             UpstreamError::Request(_) => f.write_str("request"),
-            UpstreamError::H2(_) => f.write_str("HTTP/2 request"),
         }
     }
 }
@@ -290,7 +347,6 @@ impl std::error::Error for UpstreamError {
         match self {
             UpstreamError::Connect(e) => Some(e),
             UpstreamError::Handshake(e) | UpstreamError::Request(e) => Some(e),
-            UpstreamError::H2(e) => Some(e),
         }
     }
 }
@@ -645,6 +701,107 @@ mod tests {
             .request(Request::get("/").body(Body::empty()).unwrap())
             .await
         {
+            Err(e) => assert!(e.is_connect(), "{e:?}"),
+            Ok(_) => panic!("an answer from a closed port"),
+        }
+    }
+
+    /// An h2c upstream on a free port answering `ok`; each connection closes (GOAWAY) after
+    /// its first call when `close_after_one`. Counts the connections it accepted.
+    async fn h2c_upstream(
+        close_after_one: bool,
+    ) -> (Upstream, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let accepted = std::sync::Arc::new(AtomicUsize::new(0));
+        let n = accepted.clone();
+        tokio::spawn(async move {
+            loop {
+                let (s, _) = l.accept().await.unwrap();
+                n.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+                    let svc = hyper::service::service_fn(move |_req: Request<Incoming>| {
+                        let _ = done_tx.send(());
+                        async move {
+                            Ok::<_, std::convert::Infallible>(Response::new(
+                                http_body_util::Full::new(Bytes::from_static(b"ok")),
+                            ))
+                        }
+                    });
+                    let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                        .serve_connection(TokioIo::new(s), svc);
+                    tokio::pin!(conn);
+                    let mut closing = false;
+                    loop {
+                        tokio::select! {
+                            _ = conn.as_mut() => return,
+                            Some(()) = done_rx.recv(), if close_after_one && !closing => {
+                                closing = true;
+                                conn.as_mut().graceful_shutdown();
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        (
+            Upstream::parse(&format!("http://{addr}")).unwrap(),
+            accepted,
+        )
+    }
+
+    async fn call(h2: &H2Conn) -> Result<Bytes, UpstreamError> {
+        use http_body_util::BodyExt;
+        let req = Request::post("http://x/pkg.Svc/Method")
+            .version(http::Version::HTTP_2)
+            .header("content-type", "application/grpc")
+            .body(Body::from("x"))
+            .unwrap();
+        let r = h2.request(req).await?;
+        Ok(r.into_body().collect().await.unwrap().to_bytes())
+    }
+
+    #[tokio::test]
+    async fn grpc_calls_share_one_h2c_connection_and_a_closed_one_is_replaced() {
+        use std::sync::atomic::Ordering;
+        // Calls one after the other, and at once: one connection.
+        let (up, accepted) = h2c_upstream(false).await;
+        let h2 = Clients::new(up, Duration::from_secs(2), Duration::from_secs(60)).h2;
+        for _ in 0..5 {
+            assert_eq!(call(&h2).await.unwrap(), "ok");
+        }
+        let (a, b) = tokio::join!(call(&h2), call(&h2));
+        assert_eq!(
+            (a.unwrap(), b.unwrap()),
+            (Bytes::from("ok"), Bytes::from("ok"))
+        );
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+        // The upstream closing each connection after a call: every call still answered.
+        let (up, accepted) = h2c_upstream(true).await;
+        let h2 = Clients::new(up, Duration::from_secs(2), Duration::from_secs(60)).h2;
+        for _ in 0..3 {
+            assert_eq!(call(&h2).await.unwrap(), "ok");
+            // The GOAWAY reaches the connection's task.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 3);
+        // Unused for longer than the idle timeout: replaced.
+        let (up, accepted) = h2c_upstream(false).await;
+        let h2 = Clients::new(up, Duration::from_secs(2), Duration::from_millis(100)).h2;
+        assert_eq!(call(&h2).await.unwrap(), "ok");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(call(&h2).await.unwrap(), "ok");
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+        // No upstream: a connect error.
+        let h2 = Clients::new(
+            Upstream::parse("http://127.0.0.1:9").unwrap(),
+            Duration::from_millis(200),
+            Duration::from_secs(60),
+        )
+        .h2;
+        match call(&h2).await {
             Err(e) => assert!(e.is_connect(), "{e:?}"),
             Ok(_) => panic!("an answer from a closed port"),
         }
