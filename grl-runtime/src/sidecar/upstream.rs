@@ -547,9 +547,15 @@ mod tests {
             assert!(e.contains(why), "{bad}: {e}");
         }
     }
-    /// An upstream on a free port answering `ok` (or `ok` then closing when the path is
-    /// `/close`), counting the connections it accepted.
-    async fn counting_upstream() -> (Upstream, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    /// A listener on a free port that counts the connections it accepts and serves each (with
+    /// its number, from 0) on a task of its own.
+    async fn counted_upstream<F, Fut>(
+        serve: F,
+    ) -> (Upstream, std::sync::Arc<std::sync::atomic::AtomicUsize>)
+    where
+        F: Fn(tokio::net::TcpStream, usize) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
         use std::sync::atomic::{AtomicUsize, Ordering};
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
@@ -558,28 +564,33 @@ mod tests {
         tokio::spawn(async move {
             loop {
                 let (s, _) = l.accept().await.unwrap();
-                n.fetch_add(1, Ordering::SeqCst);
-                tokio::spawn(async move {
-                    let svc = hyper::service::service_fn(|req: Request<Incoming>| async move {
-                        let close = req.uri().path() == "/close";
-                        let mut r =
-                            Response::new(http_body_util::Full::new(Bytes::from_static(b"ok")));
-                        if close {
-                            r.headers_mut()
-                                .insert("connection", http::HeaderValue::from_static("close"));
-                        }
-                        Ok::<_, std::convert::Infallible>(r)
-                    });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(s), svc)
-                        .await;
-                });
+                tokio::spawn(serve(s, n.fetch_add(1, Ordering::SeqCst)));
             }
         });
         (
             Upstream::parse(&format!("http://{addr}")).unwrap(),
             accepted,
         )
+    }
+
+    /// An upstream answering `ok` (or `ok` then closing when the path is `/close`), counting
+    /// the connections it accepted.
+    async fn counting_upstream() -> (Upstream, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+        counted_upstream(|s, _| async move {
+            let svc = hyper::service::service_fn(|req: Request<Incoming>| async move {
+                let close = req.uri().path() == "/close";
+                let mut r = Response::new(http_body_util::Full::new(Bytes::from_static(b"ok")));
+                if close {
+                    r.headers_mut()
+                        .insert("connection", http::HeaderValue::from_static("close"));
+                }
+                Ok::<_, std::convert::Infallible>(r)
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(s), svc)
+                .await;
+        })
+        .await
     }
 
     async fn get(pool: &H1Pool, path: &str) -> Response<PooledBody> {
@@ -594,45 +605,31 @@ mod tests {
     /// arrives (an idle close crossing a request); later connections answer every request.
     /// Counts the connections and the requests it read.
     async fn closing_upstream() -> (Upstream, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
-        use std::sync::atomic::{AtomicUsize, Ordering};
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap();
-        let accepted = std::sync::Arc::new(AtomicUsize::new(0));
-        let n = accepted.clone();
-        tokio::spawn(async move {
+        counted_upstream(|mut s, nth| async move {
+            let mut buf = Vec::new();
+            let mut answered = 0;
             loop {
-                let (mut s, _) = l.accept().await.unwrap();
-                let first = n.fetch_add(1, Ordering::SeqCst) == 0;
-                tokio::spawn(async move {
-                    let mut buf = Vec::new();
-                    let mut answered = 0;
-                    loop {
-                        let mut chunk = [0u8; 4096];
-                        match s.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(k) => buf.extend_from_slice(&chunk[..k]),
-                        }
-                        // Heads only (the requests here have no body).
-                        while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                            buf.drain(..end + 4);
-                            if first && answered == 1 {
-                                return; // closed without an answer
-                            }
-                            answered += 1;
-                            let a = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
-                            if s.write_all(a).await.is_err() {
-                                return;
-                            }
-                        }
+                let mut chunk = [0u8; 4096];
+                match s.read(&mut chunk).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(k) => buf.extend_from_slice(&chunk[..k]),
+                }
+                // Heads only (the requests here have no body).
+                while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                    buf.drain(..end + 4);
+                    if nth == 0 && answered == 1 {
+                        return; // closed without an answer
                     }
-                });
+                    answered += 1;
+                    let a = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                    if s.write_all(a).await.is_err() {
+                        return;
+                    }
+                }
             }
-        });
-        (
-            Upstream::parse(&format!("http://{addr}")).unwrap(),
-            accepted,
-        )
+        })
+        .await
     }
 
     #[tokio::test]
@@ -711,45 +708,31 @@ mod tests {
     async fn h2c_upstream(
         close_after_one: bool,
     ) -> (Upstream, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap();
-        let accepted = std::sync::Arc::new(AtomicUsize::new(0));
-        let n = accepted.clone();
-        tokio::spawn(async move {
+        counted_upstream(move |s, _| async move {
+            let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+            let svc = hyper::service::service_fn(move |_req: Request<Incoming>| {
+                let _ = done_tx.send(());
+                async move {
+                    Ok::<_, std::convert::Infallible>(Response::new(http_body_util::Full::new(
+                        Bytes::from_static(b"ok"),
+                    )))
+                }
+            });
+            let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                .serve_connection(TokioIo::new(s), svc);
+            tokio::pin!(conn);
+            let mut closing = false;
             loop {
-                let (s, _) = l.accept().await.unwrap();
-                n.fetch_add(1, Ordering::SeqCst);
-                tokio::spawn(async move {
-                    let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
-                    let svc = hyper::service::service_fn(move |_req: Request<Incoming>| {
-                        let _ = done_tx.send(());
-                        async move {
-                            Ok::<_, std::convert::Infallible>(Response::new(
-                                http_body_util::Full::new(Bytes::from_static(b"ok")),
-                            ))
-                        }
-                    });
-                    let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(s), svc);
-                    tokio::pin!(conn);
-                    let mut closing = false;
-                    loop {
-                        tokio::select! {
-                            _ = conn.as_mut() => return,
-                            Some(()) = done_rx.recv(), if close_after_one && !closing => {
-                                closing = true;
-                                conn.as_mut().graceful_shutdown();
-                            }
-                        }
+                tokio::select! {
+                    _ = conn.as_mut() => return,
+                    Some(()) = done_rx.recv(), if close_after_one && !closing => {
+                        closing = true;
+                        conn.as_mut().graceful_shutdown();
                     }
-                });
+                }
             }
-        });
-        (
-            Upstream::parse(&format!("http://{addr}")).unwrap(),
-            accepted,
-        )
+        })
+        .await
     }
 
     async fn call(h2: &H2Conn) -> Result<Bytes, UpstreamError> {
