@@ -664,11 +664,37 @@ fn rollout_id(
     format!("rlc-{}", digest(text.as_bytes()))
 }
 
+/// The id of the rollout that restarts `superseded` ([`refleet`]): its change's
+/// [`rollout_id`] (with `fleet`, the regions judged on their sum) and the superseded id. So it
+/// is never an id already stored — not the superseded row's own (an older rlc re-saved it
+/// without `fleet`), nor that of an earlier rollout of the change (the regions went
+/// {a,b,c} -> {a,b} -> {a,b,c}) — while two rlc processes restarting the same row still make
+/// the same one.
+fn restart_id(superseded: &Rollout, fleet: Option<&[String]>) -> String {
+    let change = rollout_id(
+        &superseded.service,
+        &superseded.bucket,
+        superseded.old.as_ref(),
+        &superseded.new,
+        &superseded.version,
+        fleet,
+    );
+    format!(
+        "rlc-{}",
+        digest(format!("{change}\nrestart of {}", superseded.id).as_bytes())
+    )
+}
+
 /// Baking rollouts that must be judged on the fleet ([`on_fleet`]) but are not one stage of
 /// every configured region judged so — started before rlc judged such candidates on the
 /// fleet, or the configured regions changed since — are superseded by a rollout of the same
 /// change as one stage of every region, whose bake starts afresh (a region whose stage had
 /// passed goes back to the spec in force meanwhile: it never refuses more than before).
+///
+/// The new rollout is stored before the old one is marked superseded, under an id of its own
+/// ([`restart_id`]): the change is never left without a baking rollout holding it (which
+/// would serve the new spec everywhere, un-gated). When another rlc process stored it first,
+/// its row is taken as stored.
 async fn refleet(
     store: &Store,
     open: &mut [Rollout],
@@ -687,23 +713,8 @@ async fn refleet(
         if slot.fleet.is_some() && slot.stages.len() == 1 && have == want {
             continue;
         }
-        let mut old = slot.clone();
-        old.state = RolloutState::Superseded;
-        old.reason = Some(format!(
-            "restarted as one stage of every region ({}): a global candidate each controller counts on its own region's traffic is judged on their sum",
-            regions.join(", ")
-        ));
-        old.updated_ms = now_ms;
-        save_or_conflict(store, &mut old).await?;
         let mut next = Rollout {
-            id: rollout_id(
-                &slot.service,
-                &slot.bucket,
-                slot.old.as_ref(),
-                &slot.new,
-                &slot.version,
-                Some(regions),
-            ),
+            id: restart_id(slot, Some(regions)),
             stages: vec![regions.to_vec()],
             stage: 0,
             stage_started_ms: None,
@@ -717,9 +728,36 @@ async fn refleet(
             ..slot.clone()
         };
         if !save(store, &mut next).await? {
-            // Another process made it first: the next push reads what it stored.
-            tracing::warn!(id = %next.id, "rollout restarted by another rlc process meanwhile");
+            // Another process made it first (or this one, before a failure kept the old row
+            // from being superseded): take it as stored.
+            let stored = store
+                .recent_rollouts(Some((&slot.service, &slot.bucket)), 1000)
+                .await?
+                .iter()
+                .filter(|x| x.id == next.id)
+                .find_map(Rollout::from_row);
+            match stored {
+                Some(x) => {
+                    tracing::warn!(id = %x.id, "rollout restarted by another rlc process meanwhile");
+                    next = x;
+                }
+                None => {
+                    return Err(StoreError::Conflict(format!(
+                        "rollout {} (the restart of {})",
+                        next.id, slot.id
+                    )))
+                }
+            }
         }
+        let mut old = slot.clone();
+        old.state = RolloutState::Superseded;
+        old.reason = Some(format!(
+            "restarted as one stage of every region ({}) as rollout {}: a global candidate each controller counts on its own region's traffic is judged on their sum",
+            regions.join(", "),
+            next.id
+        ));
+        old.updated_ms = now_ms;
+        save_or_conflict(store, &mut old).await?;
         tracing::info!(superseded = %slot.id, id = %next.id, service = %next.service, bucket = %next.bucket, regions = %regions.join(","), "rollout restarted as one stage of every region: judged on their sum");
         *slot = next;
     }
@@ -812,6 +850,8 @@ pub async fn account(
 ) -> Result<Vec<Rollout>, StoreError> {
     let mut open = open(store).await?;
     refleet(store, &mut open, regions, now).await?;
+    // A restart another process stored first may have ended meanwhile.
+    open.retain(is_open);
     let prev: Option<Accounted> = store
         .cursor(ACCOUNTED)
         .await?
@@ -1565,5 +1605,143 @@ mod tests {
         // Accounted again: nothing changes.
         let again = account(&store, &abc, &base, now).await.unwrap();
         assert_eq!(again[0].id, r.id);
+    }
+}
+
+#[cfg(test)]
+mod fix_tests {
+    //! The restart, judgement and coverage of rollouts judged on the fleet.
+    use super::*;
+
+    fn gw(scope: Scope, limit: f64) -> Bucket {
+        Bucket {
+            scope,
+            ..crate::gitops::tests::planned("payments", "gw", limit).bucket
+        }
+    }
+
+    fn regions(names: &[&str]) -> Vec<String> {
+        names.iter().map(|s| s.to_string()).collect()
+    }
+
+    /// A baking rollout of payments/gw from a `region` 3,470 to a `global` 1,000 over
+    /// `stages`, begun (and its candidate on the controllers) at `t0`, judged on the fleet
+    /// when `fleet`; its id is the one [`account`] gives it.
+    fn baking(stages: &[&[&str]], fleet: bool, t0: i64) -> Rollout {
+        let old = gw(Scope::Region, 3470.0);
+        let new = gw(Scope::Global, 1000.0);
+        let all: Vec<String> = stages.concat().iter().map(|s| s.to_string()).collect();
+        Rollout {
+            id: rollout_id(
+                "payments",
+                "gw",
+                Some(&old),
+                &new,
+                "v2",
+                fleet.then_some(all.as_slice()),
+            ),
+            service: "payments".into(),
+            bucket: "gw".into(),
+            change: change_words(Some(&old), &new),
+            old: Some(old),
+            new,
+            version: "v2".into(),
+            settings: schema::RolloutSpec::default().resolved(),
+            stages: stages.iter().map(|s| regions(s)).collect(),
+            stage: 0,
+            stage_started_ms: Some(t0),
+            stage_began_ms: Some(t0),
+            state: RolloutState::Baking,
+            reason: None,
+            fingerprint: "fp".into(),
+            created_ms: t0,
+            updated_ms: t0,
+            figures: StageFigures::default(),
+            revert: None,
+            revert_pending: false,
+            settled: false,
+            fleet: fleet.then(FleetTally::default),
+            rev: None,
+        }
+    }
+
+    fn doc() -> ConfigDoc {
+        ConfigDoc {
+            version: "v2".into(),
+            services: vec![BucketFile {
+                service: "payments".into(),
+                buckets: vec![gw(Scope::Global, 1000.0)],
+            }],
+            ..Default::default()
+        }
+    }
+
+    async fn store(dir: &tempfile::TempDir) -> Store {
+        Store::connect("sqlite://rlc.db", dir.path()).await.unwrap()
+    }
+
+    /// `account` over the controllers' `regions` at `t` ms (the base already accounted).
+    async fn account_at(store: &Store, names: &[&str], t: i64) -> Vec<Rollout> {
+        let d = doc();
+        let base = BaseInput {
+            doc: &d,
+            policies: None,
+            inputs: "in",
+        };
+        account(store, &regions(names), &base, ms_time(t).unwrap())
+            .await
+            .unwrap()
+    }
+
+    /// What the store holds open, read afresh (what the next poll works on).
+    async fn reread(store: &Store) -> Vec<Rollout> {
+        open(store).await.unwrap()
+    }
+
+    const T0: i64 = 1_800_000_000_000;
+
+    /// A restart whose id is already stored — the regions went {a,b,c} -> {a,b} -> {a,b,c}
+    /// during the bake, or an older rlc re-saved the row without `fleet` — still leaves the
+    /// change baking in the store: the controllers keep the spec in force, the candidate
+    /// beside it, and the change is never served un-gated.
+    #[tokio::test]
+    async fn a_restart_onto_an_id_already_stored_leaves_the_change_baking() {
+        let old = gw(Scope::Region, 3470.0);
+        // Regions {a,b,c} -> {a,b} -> {a,b,c}.
+        let dir = tempfile::tempdir().unwrap();
+        let st = store(&dir).await;
+        let mut first = baking(&[&["a", "b", "c"]], true, T0);
+        assert!(save(&st, &mut first).await.unwrap());
+        let two = account_at(&st, &["a", "b"], T0 + 60_000).await;
+        assert_eq!(two.len(), 1);
+        assert_eq!(two[0].stages, vec![regions(&["a", "b"])]);
+        account_at(&st, &["a", "b", "c"], T0 + 120_000).await;
+        let open = reread(&st).await;
+        assert_eq!(open.len(), 1, "{open:?}");
+        let r = &open[0];
+        assert_eq!(r.state, RolloutState::Baking);
+        assert_eq!(r.stages, vec![regions(&["a", "b", "c"])]);
+        assert_eq!(r.fleet, Some(FleetTally::default()));
+        assert!(r.id != first.id && r.id != two[0].id, "{}", r.id);
+        let a = desired_for("a", &doc(), &open);
+        assert_eq!(a.services[0].buckets[0], old, "the spec in force stays");
+        assert_eq!(a.candidates.len(), 1);
+        // Accounted again: the same rollout.
+        account_at(&st, &["a", "b", "c"], T0 + 180_000).await;
+        assert_eq!(reread(&st).await[0].id, r.id);
+
+        // An older rlc re-saved the row without `fleet`: the restart rebuilds its own id.
+        let dir = tempfile::tempdir().unwrap();
+        let st = store(&dir).await;
+        let mut resaved = baking(&[&["a", "b", "c"]], true, T0);
+        resaved.fleet = None;
+        assert!(save(&st, &mut resaved).await.unwrap());
+        account_at(&st, &["a", "b", "c"], T0 + 60_000).await;
+        let open = reread(&st).await;
+        assert_eq!(open.len(), 1, "{open:?}");
+        assert_eq!(open[0].state, RolloutState::Baking);
+        assert_ne!(open[0].id, resaved.id);
+        assert_eq!(open[0].fleet, Some(FleetTally::default()));
+        assert_eq!(desired_for("b", &doc(), &open).services[0].buckets[0], old);
     }
 }
