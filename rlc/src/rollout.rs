@@ -619,6 +619,16 @@ fn on_fleet(old: Option<&Bucket>, new: &Bucket, regions: &[String]) -> bool {
     regions.len() > 1 && judged_on_fleet(old, new)
 }
 
+/// Whether `r` must be judged on the fleet ([`judged_on_fleet`], its stages naming more than
+/// one region) but is not (no `fleet`: started before rlc judged such candidates so, or
+/// re-saved by an older rlc): [`judge`] never promotes it, whether or not the push that
+/// restarts it ([`refleet`]) ran yet.
+fn awaits_restart(r: &Rollout) -> bool {
+    r.fleet.is_none()
+        && r.stages.iter().map(Vec::len).sum::<usize>() > 1
+        && judged_on_fleet(r.old.as_ref(), &r.new)
+}
+
 /// The stages of a rollout judged on the fleet: one stage of every region, whatever
 /// `rollout.stages` says. A `global` limit in force in some regions only would be counted,
 /// and enforced, on those regions' traffic alone (their peers forward nothing for it), so it
@@ -1182,7 +1192,13 @@ pub async fn judge(
             // A count that is not a finite positive number of seconds covers nothing.
             covered: std::time::Duration::try_from_secs_f64(covered).unwrap_or_default(),
         };
-        let verdict = verdict_of(&rule, &seen);
+        let mut verdict = verdict_of(&rule, &seen);
+        if verdict == Verdict::Promote && awaits_restart(r) {
+            // Its stage's own counts prove nothing for a global limit (each controller counted
+            // its own region): never promoted so; the next push restarts it on the fleet.
+            tracing::warn!(id = %r.id, service = %r.service, bucket = %r.bucket, "a global candidate counted per region, not judged on the fleet yet: not promoted until restarted as one stage of every region");
+            verdict = Verdict::Baking;
+        }
         let changed = f != r.figures || (tally.is_some() && tally != r.fleet);
         r.figures = f.clone();
         if tally.is_some() {
@@ -1743,5 +1759,51 @@ mod fix_tests {
         assert_ne!(open[0].id, resaved.id);
         assert_eq!(open[0].fleet, Some(FleetTally::default()));
         assert_eq!(desired_for("b", &doc(), &open).services[0].buckets[0], old);
+    }
+    /// The counts `region`'s controller reported at `at` ms: `rps` for `seconds`, no
+    /// virtual drop.
+    async fn counted(store: &Store, id: &str, region: &str, seconds: f64, rps: f64, at: i64) {
+        store
+            .record_candidate_counts(&[CountRow {
+                rollout_id: id.into(),
+                region: region.into(),
+                epoch: "e1".into(),
+                seconds,
+                offered: rps * seconds,
+                virtual_dropped: 0.0,
+                enforced_dropped: 0.0,
+                updated_ms: at,
+            }])
+            .await
+            .unwrap();
+    }
+
+    /// A rollout that must be judged on the fleet but has no `fleet` (baking in stages when
+    /// rlc was upgraded, not restarted yet: the push that restarts it comes after the
+    /// judgement, and is skipped while the config repo cannot be read) is never promoted on
+    /// its stage's own counts.
+    #[tokio::test]
+    async fn a_rollout_to_be_judged_on_the_fleet_without_fleet_is_never_promoted() {
+        let dir = tempfile::tempdir().unwrap();
+        let st = store(&dir).await;
+        let mut staged = baking(&[&["a"], &["b", "c"]], false, T0);
+        assert!(save(&st, &mut staged).await.unwrap());
+        // Region a alone offers 600 rps for the whole bake: no virtual drop at 1,000.
+        let now = T0 + 3_700_000;
+        counted(&st, &staged.id, "a", 3700.0, 600.0, now).await;
+        let mut open = reread(&st).await;
+        let out = judge(&st, &mut open, ms_time(now).unwrap()).await.unwrap();
+        assert_eq!(out, vec![], "{open:?}");
+        let r = &reread(&st).await[0];
+        assert_eq!((r.state, r.stage), (RolloutState::Baking, 0));
+        // Once restarted as one stage of every region it is judged (control: the same counts
+        // of every region pass).
+        let mut single = baking(&[&["a"]], false, T0);
+        single.id = "rlc-one".into();
+        assert!(save(&st, &mut single).await.unwrap());
+        counted(&st, "rlc-one", "a", 3700.0, 600.0, now).await;
+        let mut open = vec![single];
+        let out = judge(&st, &mut open, ms_time(now).unwrap()).await.unwrap();
+        assert_eq!(out, vec![Transition::Done("rlc-one".into())]);
     }
 }
