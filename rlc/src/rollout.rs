@@ -1171,10 +1171,22 @@ pub async fn judge(
             max_bake: r.settings.max_bake,
         };
         // Every region of the stage counts: the least-covered one's evaluation time, summed
-        // over its controller's processes (none read yet: zero).
+        // over its controller's processes (none read yet: zero). A region's counts are current
+        // only when its controller was read at this poll (`rlc serve` stores every region's
+        // counts and judges at one time, `now`); one that could not be read covers nothing
+        // until it is read again, so a region gone silent never lets the stage pass on the
+        // seconds it covered before.
+        let stale = |region: &String| {
+            !counts
+                .iter()
+                .any(|c| &c.region == region && c.updated_ms >= now_ms)
+        };
         let covered = regions
             .iter()
             .map(|region| {
+                if stale(region) {
+                    return 0.0;
+                }
                 counts
                     .iter()
                     .filter(|c| &c.region == region)
@@ -1253,7 +1265,7 @@ pub async fn judge(
                     .filter(|x| !counts.iter().any(|c| &c.region == *x))
                     .map(String::as_str)
                     .collect();
-                let silent = if silent.is_empty() {
+                let mut silent = if silent.is_empty() {
                     String::new()
                 } else {
                     format!(
@@ -1261,6 +1273,17 @@ pub async fn judge(
                         silent.join(", ")
                     )
                 };
+                let old_counts: Vec<&str> = regions
+                    .iter()
+                    .filter(|x| counts.iter().any(|c| &c.region == *x) && stale(x))
+                    .map(String::as_str)
+                    .collect();
+                if !old_counts.is_empty() {
+                    silent.push_str(&format!(
+                        "; no current counts from region {} (its controller could not be read at this poll)",
+                        old_counts.join(", ")
+                    ));
+                }
                 let fleet = if r.fleet.is_some() {
                     " as one global limit on the rate summed over every region"
                 } else {
@@ -1805,5 +1828,46 @@ mod fix_tests {
         let mut open = vec![single];
         let out = judge(&st, &mut open, ms_time(now).unwrap()).await.unwrap();
         assert_eq!(out, vec![Transition::Done("rlc-one".into())]);
+    }
+    /// A region whose controller went silent after covering 92 % of the bake does not let the
+    /// stage pass on its stored seconds: every region's counts must be current.
+    #[tokio::test]
+    async fn a_region_gone_silent_holds_the_stage() {
+        let dir = tempfile::tempdir().unwrap();
+        let st = store(&dir).await;
+        let mut r = baking(&[&["a", "b", "c"]], true, T0);
+        assert!(save(&st, &mut r).await.unwrap());
+        let id = r.id.clone();
+        // Every region read at 92 % of the bake: 100 rps each (300 < 1,000).
+        let early = T0 + 3_300_000;
+        for x in ["a", "b", "c"] {
+            counted(&st, &id, x, 3300.0, 100.0, early).await;
+        }
+        let mut open = reread(&st).await;
+        assert_eq!(
+            judge(&st, &mut open, ms_time(early).unwrap())
+                .await
+                .unwrap(),
+            vec![]
+        );
+        // The bake is over; c could not be read since.
+        let now = T0 + 3_700_000;
+        for x in ["a", "b"] {
+            counted(&st, &id, x, 3700.0, 100.0, now).await;
+        }
+        let mut open = reread(&st).await;
+        let out = judge(&st, &mut open, ms_time(now).unwrap()).await.unwrap();
+        assert_eq!(out, vec![], "passed on c's stale counts");
+        assert_eq!(reread(&st).await[0].state, RolloutState::Baking);
+        // c read again: the stage passes.
+        let later = now + 10_000;
+        for x in ["a", "b", "c"] {
+            counted(&st, &id, x, 3710.0, 100.0, later).await;
+        }
+        let mut open = reread(&st).await;
+        let out = judge(&st, &mut open, ms_time(later).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(out, vec![Transition::Done(id)]);
     }
 }
