@@ -695,11 +695,13 @@ fn restart_id(superseded: &Rollout, fleet: Option<&[String]>) -> String {
     )
 }
 
-/// Baking rollouts that must be judged on the fleet ([`on_fleet`]) but are not one stage of
-/// every configured region judged so — started before rlc judged such candidates on the
-/// fleet, or the configured regions changed since — are superseded by a rollout of the same
-/// change as one stage of every region, whose bake starts afresh (a region whose stage had
-/// passed goes back to the spec in force meanwhile: it never refuses more than before).
+/// Baking rollouts that must be judged on the fleet ([`judged_on_fleet`]) but are not one
+/// stage of every configured region judged so — started before rlc judged such candidates on
+/// the fleet, or the configured regions changed since — are superseded by a rollout of the
+/// same change as one stage of every region, whose bake starts afresh (a region whose stage
+/// had passed goes back to the spec in force meanwhile: it never refuses more than before).
+/// With one region left, that is one stage of it without `fleet`: its controller's counts are
+/// the fleet's, judged as they are.
 ///
 /// The new rollout is stored before the old one is marked superseded, under an id of its own
 /// ([`restart_id`]): the change is never left without a baking rollout holding it (which
@@ -714,17 +716,23 @@ async fn refleet(
     let now_ms = now.timestamp_millis();
     let mut want = regions.to_vec();
     want.sort();
+    // With one region its controller's counts are the fleet's: one stage of it, judged on
+    // them as they are.
+    let fleet = regions.len() > 1;
     for slot in open.iter_mut() {
-        if slot.state != RolloutState::Baking || !on_fleet(slot.old.as_ref(), &slot.new, regions) {
+        if slot.state != RolloutState::Baking
+            || regions.is_empty()
+            || !judged_on_fleet(slot.old.as_ref(), &slot.new)
+        {
             continue;
         }
         let mut have = slot.stages.concat();
         have.sort();
-        if slot.fleet.is_some() && slot.stages.len() == 1 && have == want {
+        if slot.fleet.is_some() == fleet && slot.stages.len() == 1 && have == want {
             continue;
         }
         let mut next = Rollout {
-            id: restart_id(slot, Some(regions)),
+            id: restart_id(slot, fleet.then_some(regions)),
             stages: vec![regions.to_vec()],
             stage: 0,
             stage_started_ms: None,
@@ -733,7 +741,7 @@ async fn refleet(
             created_ms: now_ms,
             updated_ms: now_ms,
             figures: StageFigures::default(),
-            fleet: Some(FleetTally::default()),
+            fleet: fleet.then(FleetTally::default),
             rev: None,
             ..slot.clone()
         };
@@ -761,14 +769,22 @@ async fn refleet(
         }
         let mut old = slot.clone();
         old.state = RolloutState::Superseded;
-        old.reason = Some(format!(
-            "restarted as one stage of every region ({}) as rollout {}: a global candidate each controller counts on its own region's traffic is judged on their sum",
-            regions.join(", "),
-            next.id
-        ));
+        old.reason = Some(if fleet {
+            format!(
+                "restarted as one stage of every region ({}) as rollout {}: a global candidate each controller counts on its own region's traffic is judged on their sum",
+                regions.join(", "),
+                next.id
+            )
+        } else {
+            format!(
+                "restarted as one stage of region {} as rollout {}: the only region left, its controller's counts are the fleet's",
+                regions.join(", "),
+                next.id
+            )
+        });
         old.updated_ms = now_ms;
         save_or_conflict(store, &mut old).await?;
-        tracing::info!(superseded = %slot.id, id = %next.id, service = %next.service, bucket = %next.bucket, regions = %regions.join(","), "rollout restarted as one stage of every region: judged on their sum");
+        tracing::info!(superseded = %slot.id, id = %next.id, service = %next.service, bucket = %next.bucket, regions = %regions.join(","), fleet, "rollout restarted as one stage of every region (judged on their sum when more than one)");
         *slot = next;
     }
     Ok(())
@@ -1869,5 +1885,34 @@ mod fix_tests {
             .await
             .unwrap();
         assert_eq!(out, vec![Transition::Done(id)]);
+    }
+    /// Down to one configured region: a rollout judged on the fleet is restarted as one stage
+    /// of that region, judged on its controller's counts (the fleet's), and can end.
+    #[tokio::test]
+    async fn down_to_one_region_a_fleet_rollout_is_restarted_on_that_region() {
+        let dir = tempfile::tempdir().unwrap();
+        let st = store(&dir).await;
+        let mut r = baking(&[&["a", "b"]], true, T0);
+        assert!(save(&st, &mut r).await.unwrap());
+        let open = account_at(&st, &["a"], T0 + 60_000).await;
+        assert_eq!(open.len(), 1, "{open:?}");
+        let next = open[0].clone();
+        assert_ne!(next.id, r.id);
+        assert_eq!(next.stages, vec![regions(&["a"])]);
+        assert_eq!(next.fleet, None);
+        assert_eq!(next.state, RolloutState::Baking);
+        assert_eq!(desired_for("a", &doc(), &open).candidates[0].id, next.id);
+        // Its candidate reaches a; a's counts over the bake pass it.
+        let mut open = reread(&st).await;
+        reached(&st, &mut open, "a", ms_time(T0 + 60_000).unwrap())
+            .await
+            .unwrap();
+        let now = T0 + 60_000 + 3_700_000;
+        counted(&st, &next.id, "a", 3700.0, 600.0, now).await;
+        let mut open = reread(&st).await;
+        let out = judge(&st, &mut open, ms_time(now).unwrap()).await.unwrap();
+        assert_eq!(out, vec![Transition::Done(next.id.clone())]);
+        // Accounted again over one region: nothing restarts.
+        assert!(account_at(&st, &["a"], now + 1_000).await.is_empty());
     }
 }
