@@ -619,6 +619,16 @@ fn on_fleet(old: Option<&Bucket>, new: &Bucket, regions: &[String]) -> bool {
     regions.len() > 1 && judged_on_fleet(old, new)
 }
 
+/// Whether `r` must be judged on the fleet ([`judged_on_fleet`], its stages naming more than
+/// one region) but is not (no `fleet`: started before rlc judged such candidates so, or
+/// re-saved by an older rlc): [`judge`] never promotes it, whether or not the push that
+/// restarts it ([`refleet`]) ran yet.
+fn awaits_restart(r: &Rollout) -> bool {
+    r.fleet.is_none()
+        && r.stages.iter().map(Vec::len).sum::<usize>() > 1
+        && judged_on_fleet(r.old.as_ref(), &r.new)
+}
+
 /// The stages of a rollout judged on the fleet: one stage of every region, whatever
 /// `rollout.stages` says. A `global` limit in force in some regions only would be counted,
 /// and enforced, on those regions' traffic alone (their peers forward nothing for it), so it
@@ -664,11 +674,39 @@ fn rollout_id(
     format!("rlc-{}", digest(text.as_bytes()))
 }
 
-/// Baking rollouts that must be judged on the fleet ([`on_fleet`]) but are not one stage of
-/// every configured region judged so — started before rlc judged such candidates on the
-/// fleet, or the configured regions changed since — are superseded by a rollout of the same
-/// change as one stage of every region, whose bake starts afresh (a region whose stage had
-/// passed goes back to the spec in force meanwhile: it never refuses more than before).
+/// The id of the rollout that restarts `superseded` ([`refleet`]): its change's
+/// [`rollout_id`] (with `fleet`, the regions judged on their sum) and the superseded id. So it
+/// is never an id already stored — not the superseded row's own (an older rlc re-saved it
+/// without `fleet`), nor that of an earlier rollout of the change (the regions went
+/// {a,b,c} -> {a,b} -> {a,b,c}) — while two rlc processes restarting the same row still make
+/// the same one.
+fn restart_id(superseded: &Rollout, fleet: Option<&[String]>) -> String {
+    let change = rollout_id(
+        &superseded.service,
+        &superseded.bucket,
+        superseded.old.as_ref(),
+        &superseded.new,
+        &superseded.version,
+        fleet,
+    );
+    format!(
+        "rlc-{}",
+        digest(format!("{change}\nrestart of {}", superseded.id).as_bytes())
+    )
+}
+
+/// Baking rollouts that must be judged on the fleet ([`judged_on_fleet`]) but are not one
+/// stage of every configured region judged so — started before rlc judged such candidates on
+/// the fleet, or the configured regions changed since — are superseded by a rollout of the
+/// same change as one stage of every region, whose bake starts afresh (a region whose stage
+/// had passed goes back to the spec in force meanwhile: it never refuses more than before).
+/// With one region left, that is one stage of it without `fleet`: its controller's counts are
+/// the fleet's, judged as they are.
+///
+/// The new rollout is stored before the old one is marked superseded, under an id of its own
+/// ([`restart_id`]): the change is never left without a baking rollout holding it (which
+/// would serve the new spec everywhere, un-gated). When another rlc process stored it first,
+/// its row is taken as stored.
 async fn refleet(
     store: &Store,
     open: &mut [Rollout],
@@ -678,32 +716,23 @@ async fn refleet(
     let now_ms = now.timestamp_millis();
     let mut want = regions.to_vec();
     want.sort();
+    // With one region its controller's counts are the fleet's: one stage of it, judged on
+    // them as they are.
+    let fleet = regions.len() > 1;
     for slot in open.iter_mut() {
-        if slot.state != RolloutState::Baking || !on_fleet(slot.old.as_ref(), &slot.new, regions) {
+        if slot.state != RolloutState::Baking
+            || regions.is_empty()
+            || !judged_on_fleet(slot.old.as_ref(), &slot.new)
+        {
             continue;
         }
         let mut have = slot.stages.concat();
         have.sort();
-        if slot.fleet.is_some() && slot.stages.len() == 1 && have == want {
+        if slot.fleet.is_some() == fleet && slot.stages.len() == 1 && have == want {
             continue;
         }
-        let mut old = slot.clone();
-        old.state = RolloutState::Superseded;
-        old.reason = Some(format!(
-            "restarted as one stage of every region ({}): a global candidate each controller counts on its own region's traffic is judged on their sum",
-            regions.join(", ")
-        ));
-        old.updated_ms = now_ms;
-        save_or_conflict(store, &mut old).await?;
         let mut next = Rollout {
-            id: rollout_id(
-                &slot.service,
-                &slot.bucket,
-                slot.old.as_ref(),
-                &slot.new,
-                &slot.version,
-                Some(regions),
-            ),
+            id: restart_id(slot, fleet.then_some(regions)),
             stages: vec![regions.to_vec()],
             stage: 0,
             stage_started_ms: None,
@@ -712,15 +741,50 @@ async fn refleet(
             created_ms: now_ms,
             updated_ms: now_ms,
             figures: StageFigures::default(),
-            fleet: Some(FleetTally::default()),
+            fleet: fleet.then(FleetTally::default),
             rev: None,
             ..slot.clone()
         };
         if !save(store, &mut next).await? {
-            // Another process made it first: the next push reads what it stored.
-            tracing::warn!(id = %next.id, "rollout restarted by another rlc process meanwhile");
+            // Another process made it first (or this one, before a failure kept the old row
+            // from being superseded): take it as stored.
+            let stored = store
+                .recent_rollouts(Some((&slot.service, &slot.bucket)), 1000)
+                .await?
+                .iter()
+                .filter(|x| x.id == next.id)
+                .find_map(Rollout::from_row);
+            match stored {
+                Some(x) => {
+                    tracing::warn!(id = %x.id, "rollout restarted by another rlc process meanwhile");
+                    next = x;
+                }
+                None => {
+                    return Err(StoreError::Conflict(format!(
+                        "rollout {} (the restart of {})",
+                        next.id, slot.id
+                    )))
+                }
+            }
         }
-        tracing::info!(superseded = %slot.id, id = %next.id, service = %next.service, bucket = %next.bucket, regions = %regions.join(","), "rollout restarted as one stage of every region: judged on their sum");
+        let mut old = slot.clone();
+        old.state = RolloutState::Superseded;
+        old.reason = Some(if fleet {
+            format!(
+                "restarted as one stage of every region ({}) as rollout {}: a global candidate each controller counts on its own region's traffic is judged on their sum",
+                regions.join(", "),
+                next.id
+            )
+        } else {
+            format!(
+                "restarted as one stage of region {} as rollout {}: the only region left, its controller's counts are the fleet's",
+                regions.join(", "),
+                next.id
+            )
+        });
+        old.updated_ms = now_ms;
+        save_or_conflict(store, &mut old).await?;
+        tracing::info!(superseded = %slot.id, id = %next.id, service = %next.service, bucket = %next.bucket, regions = %regions.join(","), fleet, "rollout restarted as one stage of every region (judged on their sum when more than one)");
         *slot = next;
     }
     Ok(())
@@ -812,6 +876,8 @@ pub async fn account(
 ) -> Result<Vec<Rollout>, StoreError> {
     let mut open = open(store).await?;
     refleet(store, &mut open, regions, now).await?;
+    // A restart another process stored first may have ended meanwhile.
+    open.retain(is_open);
     let prev: Option<Accounted> = store
         .cursor(ACCOUNTED)
         .await?
@@ -1121,10 +1187,22 @@ pub async fn judge(
             max_bake: r.settings.max_bake,
         };
         // Every region of the stage counts: the least-covered one's evaluation time, summed
-        // over its controller's processes (none read yet: zero).
+        // over its controller's processes (none read yet: zero). A region's counts are current
+        // only when its controller was read at this poll (`rlc serve` stores every region's
+        // counts and judges at one time, `now`); one that could not be read covers nothing
+        // until it is read again, so a region gone silent never lets the stage pass on the
+        // seconds it covered before.
+        let stale = |region: &String| {
+            !counts
+                .iter()
+                .any(|c| &c.region == region && c.updated_ms >= now_ms)
+        };
         let covered = regions
             .iter()
             .map(|region| {
+                if stale(region) {
+                    return 0.0;
+                }
                 counts
                     .iter()
                     .filter(|c| &c.region == region)
@@ -1142,7 +1220,13 @@ pub async fn judge(
             // A count that is not a finite positive number of seconds covers nothing.
             covered: std::time::Duration::try_from_secs_f64(covered).unwrap_or_default(),
         };
-        let verdict = verdict_of(&rule, &seen);
+        let mut verdict = verdict_of(&rule, &seen);
+        if verdict == Verdict::Promote && awaits_restart(r) {
+            // Its stage's own counts prove nothing for a global limit (each controller counted
+            // its own region): never promoted so; the next push restarts it on the fleet.
+            tracing::warn!(id = %r.id, service = %r.service, bucket = %r.bucket, "a global candidate counted per region, not judged on the fleet yet: not promoted until restarted as one stage of every region");
+            verdict = Verdict::Baking;
+        }
         let changed = f != r.figures || (tally.is_some() && tally != r.fleet);
         r.figures = f.clone();
         if tally.is_some() {
@@ -1197,7 +1281,7 @@ pub async fn judge(
                     .filter(|x| !counts.iter().any(|c| &c.region == *x))
                     .map(String::as_str)
                     .collect();
-                let silent = if silent.is_empty() {
+                let mut silent = if silent.is_empty() {
                     String::new()
                 } else {
                     format!(
@@ -1205,6 +1289,17 @@ pub async fn judge(
                         silent.join(", ")
                     )
                 };
+                let old_counts: Vec<&str> = regions
+                    .iter()
+                    .filter(|x| counts.iter().any(|c| &c.region == *x) && stale(x))
+                    .map(String::as_str)
+                    .collect();
+                if !old_counts.is_empty() {
+                    silent.push_str(&format!(
+                        "; no current counts from region {} (its controller could not be read at this poll)",
+                        old_counts.join(", ")
+                    ));
+                }
                 let fleet = if r.fleet.is_some() {
                     " as one global limit on the rate summed over every region"
                 } else {
@@ -1565,5 +1660,259 @@ mod tests {
         // Accounted again: nothing changes.
         let again = account(&store, &abc, &base, now).await.unwrap();
         assert_eq!(again[0].id, r.id);
+    }
+}
+
+#[cfg(test)]
+mod fix_tests {
+    //! The restart, judgement and coverage of rollouts judged on the fleet.
+    use super::*;
+
+    fn gw(scope: Scope, limit: f64) -> Bucket {
+        Bucket {
+            scope,
+            ..crate::gitops::tests::planned("payments", "gw", limit).bucket
+        }
+    }
+
+    fn regions(names: &[&str]) -> Vec<String> {
+        names.iter().map(|s| s.to_string()).collect()
+    }
+
+    /// A baking rollout of payments/gw from a `region` 3,470 to a `global` 1,000 over
+    /// `stages`, begun (and its candidate on the controllers) at `t0`, judged on the fleet
+    /// when `fleet`; its id is the one [`account`] gives it.
+    fn baking(stages: &[&[&str]], fleet: bool, t0: i64) -> Rollout {
+        let old = gw(Scope::Region, 3470.0);
+        let new = gw(Scope::Global, 1000.0);
+        let all: Vec<String> = stages.concat().iter().map(|s| s.to_string()).collect();
+        Rollout {
+            id: rollout_id(
+                "payments",
+                "gw",
+                Some(&old),
+                &new,
+                "v2",
+                fleet.then_some(all.as_slice()),
+            ),
+            service: "payments".into(),
+            bucket: "gw".into(),
+            change: change_words(Some(&old), &new),
+            old: Some(old),
+            new,
+            version: "v2".into(),
+            settings: schema::RolloutSpec::default().resolved(),
+            stages: stages.iter().map(|s| regions(s)).collect(),
+            stage: 0,
+            stage_started_ms: Some(t0),
+            stage_began_ms: Some(t0),
+            state: RolloutState::Baking,
+            reason: None,
+            fingerprint: "fp".into(),
+            created_ms: t0,
+            updated_ms: t0,
+            figures: StageFigures::default(),
+            revert: None,
+            revert_pending: false,
+            settled: false,
+            fleet: fleet.then(FleetTally::default),
+            rev: None,
+        }
+    }
+
+    fn doc() -> ConfigDoc {
+        ConfigDoc {
+            version: "v2".into(),
+            services: vec![BucketFile {
+                service: "payments".into(),
+                buckets: vec![gw(Scope::Global, 1000.0)],
+            }],
+            ..Default::default()
+        }
+    }
+
+    async fn store(dir: &tempfile::TempDir) -> Store {
+        Store::connect("sqlite://rlc.db", dir.path()).await.unwrap()
+    }
+
+    /// `account` over the controllers' `regions` at `t` ms (the base already accounted).
+    async fn account_at(store: &Store, names: &[&str], t: i64) -> Vec<Rollout> {
+        let d = doc();
+        let base = BaseInput {
+            doc: &d,
+            policies: None,
+            inputs: "in",
+        };
+        account(store, &regions(names), &base, ms_time(t).unwrap())
+            .await
+            .unwrap()
+    }
+
+    /// What the store holds open, read afresh (what the next poll works on).
+    async fn reread(store: &Store) -> Vec<Rollout> {
+        open(store).await.unwrap()
+    }
+
+    const T0: i64 = 1_800_000_000_000;
+
+    /// A restart whose id is already stored — the regions went {a,b,c} -> {a,b} -> {a,b,c}
+    /// during the bake, or an older rlc re-saved the row without `fleet` — still leaves the
+    /// change baking in the store: the controllers keep the spec in force, the candidate
+    /// beside it, and the change is never served un-gated.
+    #[tokio::test]
+    async fn a_restart_onto_an_id_already_stored_leaves_the_change_baking() {
+        let old = gw(Scope::Region, 3470.0);
+        // Regions {a,b,c} -> {a,b} -> {a,b,c}.
+        let dir = tempfile::tempdir().unwrap();
+        let st = store(&dir).await;
+        let mut first = baking(&[&["a", "b", "c"]], true, T0);
+        assert!(save(&st, &mut first).await.unwrap());
+        let two = account_at(&st, &["a", "b"], T0 + 60_000).await;
+        assert_eq!(two.len(), 1);
+        assert_eq!(two[0].stages, vec![regions(&["a", "b"])]);
+        account_at(&st, &["a", "b", "c"], T0 + 120_000).await;
+        let open = reread(&st).await;
+        assert_eq!(open.len(), 1, "{open:?}");
+        let r = &open[0];
+        assert_eq!(r.state, RolloutState::Baking);
+        assert_eq!(r.stages, vec![regions(&["a", "b", "c"])]);
+        assert_eq!(r.fleet, Some(FleetTally::default()));
+        assert!(r.id != first.id && r.id != two[0].id, "{}", r.id);
+        let a = desired_for("a", &doc(), &open);
+        assert_eq!(a.services[0].buckets[0], old, "the spec in force stays");
+        assert_eq!(a.candidates.len(), 1);
+        // Accounted again: the same rollout.
+        account_at(&st, &["a", "b", "c"], T0 + 180_000).await;
+        assert_eq!(reread(&st).await[0].id, r.id);
+
+        // An older rlc re-saved the row without `fleet`: the restart rebuilds its own id.
+        let dir = tempfile::tempdir().unwrap();
+        let st = store(&dir).await;
+        let mut resaved = baking(&[&["a", "b", "c"]], true, T0);
+        resaved.fleet = None;
+        assert!(save(&st, &mut resaved).await.unwrap());
+        account_at(&st, &["a", "b", "c"], T0 + 60_000).await;
+        let open = reread(&st).await;
+        assert_eq!(open.len(), 1, "{open:?}");
+        assert_eq!(open[0].state, RolloutState::Baking);
+        assert_ne!(open[0].id, resaved.id);
+        assert_eq!(open[0].fleet, Some(FleetTally::default()));
+        assert_eq!(desired_for("b", &doc(), &open).services[0].buckets[0], old);
+    }
+    /// The counts `region`'s controller reported at `at` ms: `rps` for `seconds`, no
+    /// virtual drop.
+    async fn counted(store: &Store, id: &str, region: &str, seconds: f64, rps: f64, at: i64) {
+        store
+            .record_candidate_counts(&[CountRow {
+                rollout_id: id.into(),
+                region: region.into(),
+                epoch: "e1".into(),
+                seconds,
+                offered: rps * seconds,
+                virtual_dropped: 0.0,
+                enforced_dropped: 0.0,
+                updated_ms: at,
+            }])
+            .await
+            .unwrap();
+    }
+
+    /// A rollout that must be judged on the fleet but has no `fleet` (baking in stages when
+    /// rlc was upgraded, not restarted yet: the push that restarts it comes after the
+    /// judgement, and is skipped while the config repo cannot be read) is never promoted on
+    /// its stage's own counts.
+    #[tokio::test]
+    async fn a_rollout_to_be_judged_on_the_fleet_without_fleet_is_never_promoted() {
+        let dir = tempfile::tempdir().unwrap();
+        let st = store(&dir).await;
+        let mut staged = baking(&[&["a"], &["b", "c"]], false, T0);
+        assert!(save(&st, &mut staged).await.unwrap());
+        // Region a alone offers 600 rps for the whole bake: no virtual drop at 1,000.
+        let now = T0 + 3_700_000;
+        counted(&st, &staged.id, "a", 3700.0, 600.0, now).await;
+        let mut open = reread(&st).await;
+        let out = judge(&st, &mut open, ms_time(now).unwrap()).await.unwrap();
+        assert_eq!(out, vec![], "{open:?}");
+        let r = &reread(&st).await[0];
+        assert_eq!((r.state, r.stage), (RolloutState::Baking, 0));
+        // Once restarted as one stage of every region it is judged (control: the same counts
+        // of every region pass).
+        let mut single = baking(&[&["a"]], false, T0);
+        single.id = "rlc-one".into();
+        assert!(save(&st, &mut single).await.unwrap());
+        counted(&st, "rlc-one", "a", 3700.0, 600.0, now).await;
+        let mut open = vec![single];
+        let out = judge(&st, &mut open, ms_time(now).unwrap()).await.unwrap();
+        assert_eq!(out, vec![Transition::Done("rlc-one".into())]);
+    }
+    /// A region whose controller went silent after covering 92 % of the bake does not let the
+    /// stage pass on its stored seconds: every region's counts must be current.
+    #[tokio::test]
+    async fn a_region_gone_silent_holds_the_stage() {
+        let dir = tempfile::tempdir().unwrap();
+        let st = store(&dir).await;
+        let mut r = baking(&[&["a", "b", "c"]], true, T0);
+        assert!(save(&st, &mut r).await.unwrap());
+        let id = r.id.clone();
+        // Every region read at 92 % of the bake: 100 rps each (300 < 1,000).
+        let early = T0 + 3_300_000;
+        for x in ["a", "b", "c"] {
+            counted(&st, &id, x, 3300.0, 100.0, early).await;
+        }
+        let mut open = reread(&st).await;
+        assert_eq!(
+            judge(&st, &mut open, ms_time(early).unwrap())
+                .await
+                .unwrap(),
+            vec![]
+        );
+        // The bake is over; c could not be read since.
+        let now = T0 + 3_700_000;
+        for x in ["a", "b"] {
+            counted(&st, &id, x, 3700.0, 100.0, now).await;
+        }
+        let mut open = reread(&st).await;
+        let out = judge(&st, &mut open, ms_time(now).unwrap()).await.unwrap();
+        assert_eq!(out, vec![], "passed on c's stale counts");
+        assert_eq!(reread(&st).await[0].state, RolloutState::Baking);
+        // c read again: the stage passes.
+        let later = now + 10_000;
+        for x in ["a", "b", "c"] {
+            counted(&st, &id, x, 3710.0, 100.0, later).await;
+        }
+        let mut open = reread(&st).await;
+        let out = judge(&st, &mut open, ms_time(later).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(out, vec![Transition::Done(id)]);
+    }
+    /// Down to one configured region: a rollout judged on the fleet is restarted as one stage
+    /// of that region, judged on its controller's counts (the fleet's), and can end.
+    #[tokio::test]
+    async fn down_to_one_region_a_fleet_rollout_is_restarted_on_that_region() {
+        let dir = tempfile::tempdir().unwrap();
+        let st = store(&dir).await;
+        let mut r = baking(&[&["a", "b"]], true, T0);
+        assert!(save(&st, &mut r).await.unwrap());
+        let open = account_at(&st, &["a"], T0 + 60_000).await;
+        assert_eq!(open.len(), 1, "{open:?}");
+        let next = open[0].clone();
+        assert_ne!(next.id, r.id);
+        assert_eq!(next.stages, vec![regions(&["a"])]);
+        assert_eq!(next.fleet, None);
+        assert_eq!(next.state, RolloutState::Baking);
+        assert_eq!(desired_for("a", &doc(), &open).candidates[0].id, next.id);
+        // Its candidate reaches a; a's counts over the bake pass it.
+        let mut open = reread(&st).await;
+        reached(&st, &mut open, "a", ms_time(T0 + 60_000).unwrap())
+            .await
+            .unwrap();
+        let now = T0 + 60_000 + 3_700_000;
+        counted(&st, &next.id, "a", 3700.0, 600.0, now).await;
+        let mut open = reread(&st).await;
+        let out = judge(&st, &mut open, ms_time(now).unwrap()).await.unwrap();
+        assert_eq!(out, vec![Transition::Done(next.id.clone())]);
+        // Accounted again over one region: nothing restarts.
+        assert!(account_at(&st, &["a"], now + 1_000).await.is_empty());
     }
 }
