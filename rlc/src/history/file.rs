@@ -32,8 +32,8 @@ pub fn load(path: &Path, cfg: &HistoryConfig, end: DateTime<Utc>) -> Result<Hist
         let (start, step, len) = grid(cfg, end.min(last + step));
         // CSV columns have fixed names; the configured label names are for Prometheus.
         let mut b = Builder::new(start, step, len, LabelNames::default());
-        // One key per label set (in the order they first appear, as the rejections are
-        // listed), then each series' samples in the file's order.
+        // One key per label set, then that series' samples in the file's order: what keying
+        // and adding every row on its own gives, without the per-row work.
         for (metric, samples) in csv.series {
             if let Some(k) = b.key(&metric) {
                 b.add_many(&k, samples.into_iter().map(|(ts, v)| (ts as f64, v)));
@@ -232,7 +232,7 @@ mod tests {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect();
             if let Some(k) = b.key(&metric) {
-                b.add(&k, *ts as f64, *v);
+                b.add_many(&k, std::iter::once((*ts as f64, *v)));
             }
         }
         let each_row = b.finish();
