@@ -49,8 +49,46 @@ const RUN_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(600);
 /// per working copy (a file lock beside it) and per Postgres store (an advisory lock), so
 /// that concurrent runs never write and record the same change twice.
 struct RunGuard {
-    _file: std::fs::File,
+    _lock: FileLock,
     _lease: Option<crate::store::Lease>,
+}
+
+/// The working copy's lock file (`.<working copy>.rlc-lock`), open; an exclusive advisory
+/// lock once [`FileLock::try_take`] took it, released when this is dropped.
+///
+/// Released explicitly (`flock(LOCK_UN)`), not by closing the file: a child process that any
+/// thread of this process forks holds a copy of every descriptor until it execs, and a lock
+/// left to the close would last as long as that copy, so that this process's next poll finds
+/// its own run's lock still taken.
+struct FileLock(std::fs::File);
+
+impl FileLock {
+    /// Opens `path`, created if missing, without taking the lock.
+    fn open(path: &Path) -> std::io::Result<FileLock> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path)?;
+        Ok(FileLock(file))
+    }
+
+    /// Takes the lock if no one holds it: `Ok(false)` when someone does.
+    fn try_take(&self) -> std::io::Result<bool> {
+        match self.0.try_lock() {
+            Ok(()) => Ok(true),
+            Err(std::fs::TryLockError::WouldBlock) => Ok(false),
+            Err(std::fs::TryLockError::Error(e)) => Err(e),
+        }
+    }
+}
+
+impl Drop for FileLock {
+    fn drop(&mut self) {
+        // Releases the lock of this open file, which copies inherited by children share;
+        // never another holder's. Unlocking a file this one did not lock does nothing.
+        let _ = self.0.unlock();
+    }
 }
 
 /// How long after a poll's sync a run starting decides on it instead of fetching again.
@@ -675,13 +713,9 @@ impl Cycle {
     pub async fn poll(&self) -> anyhow::Result<(String, BaseState)> {
         // Not under another process's run (an `rlc run --once` beside the daemon): its working
         // copy is in use; the next poll will see what it did.
-        let lock = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(self.lock_path());
-        if let Ok(f) = &lock {
-            if let Err(std::fs::TryLockError::WouldBlock) = f.try_lock() {
+        let lock = FileLock::open(&self.lock_path());
+        if let Ok(l) = &lock {
+            if let Ok(false) = l.try_take() {
                 anyhow::bail!("another rlc run works on the config repo; this poll is skipped");
             }
         }
@@ -1092,18 +1126,14 @@ impl Cycle {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
         }
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
+        let lock = FileLock::open(&path)
             .map_err(|e| format!("opening the run lock {}: {e}", path.display()))?;
         let until = tokio::time::Instant::now() + RUN_LOCK_WAIT;
         let mut told = false;
         loop {
-            match file.try_lock() {
-                Ok(()) => break,
-                Err(std::fs::TryLockError::WouldBlock) => {
+            match lock.try_take() {
+                Ok(true) => break,
+                Ok(false) => {
                     if tokio::time::Instant::now() >= until {
                         return Err(format!(
                             "another rlc run holds {} (waited {}s)",
@@ -1117,9 +1147,7 @@ impl Cycle {
                     }
                     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
                 }
-                Err(std::fs::TryLockError::Error(e)) => {
-                    return Err(format!("locking {}: {e}", path.display()))
-                }
+                Err(e) => return Err(format!("locking {}: {e}", path.display())),
             }
         }
         let lease = match store {
@@ -1139,7 +1167,7 @@ impl Cycle {
             _ => None,
         };
         Ok(RunGuard {
-            _file: file,
+            _lock: lock,
             _lease: lease,
         })
     }

@@ -726,6 +726,86 @@ async fn a_store_replaced_during_a_run_is_an_error() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The working copy's lock and children forked meanwhile.
+
+/// A child forked from this process that does nothing until it is killed (or 30 s passed): it
+/// holds a copy of every descriptor this process had open at the fork, as a child that another
+/// thread forks (a test's `git`) holds them until it execs. Killed and reaped when dropped.
+struct ForkedChild(libc::pid_t);
+
+impl ForkedChild {
+    fn fork() -> ForkedChild {
+        // SAFETY: the child calls only async-signal-safe functions (sleep, _exit) and never
+        // returns into the parent's code.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+        if pid == 0 {
+            unsafe {
+                libc::sleep(30);
+                libc::_exit(0);
+            }
+        }
+        ForkedChild(pid)
+    }
+}
+
+impl Drop for ForkedChild {
+    fn drop(&mut self) {
+        // SAFETY: signals and reaps our own child, which nothing else waits for.
+        unsafe {
+            libc::kill(self.0, libc::SIGKILL);
+            let mut status = 0;
+            libc::waitpid(self.0, &mut status, 0);
+        }
+    }
+}
+
+/// A child forked while a run holds the working copy's lock keeps a copy of the lock's
+/// descriptor until it execs (here, until it is killed). The run's end still releases the
+/// lock: the daemon's next poll is not skipped as if another rlc run worked on the config repo
+/// (it was, now and then, in the rollout tests, whose fixtures run `git` on other threads).
+#[tokio::test]
+async fn a_child_forked_during_a_run_does_not_keep_the_run_lock() {
+    let remote = seeded_remote();
+    let (url, _ctl) = spawn_controller().await;
+    let cycle = Cycle::new(config(&remote, &url, ""), &remote.scratch(""));
+    let child: Arc<std::sync::Mutex<Option<ForkedChild>>> = Default::default();
+    let forked = child.clone();
+    let planner: Planner = Arc::new(move |_input: PlanInput| {
+        let forked = forked.clone();
+        Box::pin(async move {
+            *forked.lock().unwrap() = Some(ForkedChild::fork());
+            Ok(plan(vec![planned("payments", "gw", 250.0)]))
+        })
+    });
+    let out = cycle.run(&planner, "once").await;
+    assert_eq!(out.status, RunStatus::Success, "{out}");
+    assert!(child.lock().unwrap().is_some(), "forked during the run");
+    let polled = cycle.poll().await.map(|(hash, _)| hash);
+    assert!(polled.is_ok(), "{polled:?}");
+    drop(child.lock().unwrap().take());
+}
+
+/// The lock a poll or a run releases is free at once for another open file, even though a
+/// child forked while it was held still has the descriptor.
+#[test]
+fn a_released_lock_is_free_though_a_forked_child_has_its_descriptor() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(".wc.rlc-lock");
+    let held = FileLock::open(&path).unwrap();
+    assert!(held.try_take().unwrap());
+    let other = FileLock::open(&path).unwrap();
+    assert!(!other.try_take().unwrap(), "held");
+    let child = ForkedChild::fork();
+    drop(held);
+    assert!(
+        other.try_take().unwrap(),
+        "released although the child still has the descriptor"
+    );
+    drop(child);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Promotion out of shadow over days of simulated shadow figures.
 
 use std::collections::BTreeMap;

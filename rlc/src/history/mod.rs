@@ -717,11 +717,6 @@ impl Builder {
         Some(key)
     }
 
-    /// Adds one sample; `NaN`/infinite values mark the whole series unusable.
-    pub(crate) fn add(&mut self, key: &SeriesKey, ts: f64, value: f64) {
-        self.add_many(key, std::iter::once((ts, value)));
-    }
-
     /// Adds samples of one series (one map lookup for all of them); a `NaN`, infinite or
     /// negative value marks the whole series unusable.
     pub(crate) fn add_many(&mut self, key: &SeriesKey, samples: impl Iterator<Item = (f64, f64)>) {
