@@ -1443,14 +1443,14 @@ mod tests {
         assert_eq!(reached.stage_began(), 4_000);
     }
 
-    fn gw(scope: Scope, limit: f64) -> Bucket {
+    pub(super) fn gw(scope: Scope, limit: f64) -> Bucket {
         Bucket {
             scope,
             ..crate::gitops::tests::planned("payments", "gw", limit).bucket
         }
     }
 
-    fn regions(names: &[&str]) -> Vec<String> {
+    pub(super) fn regions(names: &[&str]) -> Vec<String> {
         names.iter().map(|s| s.to_string()).collect()
     }
 
@@ -1666,18 +1666,8 @@ mod tests {
 #[cfg(test)]
 mod fix_tests {
     //! The restart, judgement and coverage of rollouts judged on the fleet.
+    use super::tests::{gw, regions};
     use super::*;
-
-    fn gw(scope: Scope, limit: f64) -> Bucket {
-        Bucket {
-            scope,
-            ..crate::gitops::tests::planned("payments", "gw", limit).bucket
-        }
-    }
-
-    fn regions(names: &[&str]) -> Vec<String> {
-        names.iter().map(|s| s.to_string()).collect()
-    }
 
     /// A baking rollout of payments/gw from a `region` 3,470 to a `global` 1,000 over
     /// `stages`, begun (and its candidate on the controllers) at `t0`, judged on the fleet

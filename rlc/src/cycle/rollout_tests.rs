@@ -212,6 +212,23 @@ async fn poll_until(cycle: &Cycle, done: impl Fn(&rollout::Rollout) -> bool) -> 
     poll_bucket(cycle, ("payments", "gw"), Duration::from_secs(60), done).await
 }
 
+/// Waits for an aborted rollout's revert commit; the base's bucket file then holds `holds`.
+async fn assert_reverted(cycle: &Cycle, remote: &GitRemote, holds: &str) -> rollout::Rollout {
+    let r = poll_until(cycle, |r| !r.revert_pending).await;
+    assert!(
+        r.revert
+            .as_deref()
+            .unwrap()
+            .starts_with("reverted by commit"),
+        "{r:?}"
+    );
+    assert!(remote
+        .read("main", "buckets/payments.yaml")
+        .unwrap()
+        .contains(holds));
+    r
+}
+
 /// `rlc serve`'s poll, until the newest rollout of `bucket` (service, bucket) satisfies
 /// `done`, for at most `within`; returns it.
 async fn poll_bucket(
@@ -607,18 +624,7 @@ async fn a_stage_whose_controllers_never_get_the_candidate_is_aborted_at_max_bak
         "{reason}"
     );
     assert!(reason.contains("in region eu"), "{reason}");
-    let r = poll_until(&cycle, |r| !r.revert_pending).await;
-    assert!(
-        r.revert
-            .as_deref()
-            .unwrap()
-            .starts_with("reverted by commit"),
-        "{r:?}"
-    );
-    assert!(remote
-        .read("main", "buckets/payments.yaml")
-        .unwrap()
-        .contains("limit_rps: 3470\n"));
+    assert_reverted(&cycle, &remote, "limit_rps: 3470\n").await;
     assert!(ctl
         .docs
         .lock()
@@ -775,18 +781,7 @@ async fn a_global_limit_is_judged_on_the_sum_of_every_region() {
             in_force(c)
         );
     }
-    let r = poll_until(&cycle, |r| !r.revert_pending).await;
-    assert!(
-        r.revert
-            .as_deref()
-            .unwrap()
-            .starts_with("reverted by commit"),
-        "{r:?}"
-    );
-    assert!(remote
-        .read("main", "buckets/payments.yaml")
-        .unwrap()
-        .contains("scope: region\n"));
+    assert_reverted(&cycle, &remote, "scope: region\n").await;
 
     // Above the fleet's demand: passes, and is in force everywhere at once.
     let above = remote
