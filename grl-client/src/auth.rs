@@ -196,7 +196,7 @@ fn read_small(path: &Path) -> Result<String, String> {
     Ok(text)
 }
 
-/// A secret file's text, at most [`MAX_FILE_BYTES`]; a path that is not a regular file is
+/// A secret file's text, at most `MAX_FILE_BYTES`; a path that is not a regular file is
 /// refused. Errors name the file, never its content.
 pub fn read_secret_file(path: &Path) -> Result<String, String> {
     use std::io::Read;

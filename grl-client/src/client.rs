@@ -271,8 +271,8 @@ impl Reporter {
 
     /// Between reports: raises a bucket's ratio when this client's own offered rate has jumped
     /// since the directive (see `grl_core::control::adjusted_ratio`). Call it often (every
-    /// 10 to 20 ms): short windows ([`FAST_WINDOW_MS`]) catch a fleet-wide step at once, and
-    /// every [`SUBTICK_WINDOW_MS`] the longer window takes the smaller jumps. Returns whether
+    /// 10 to 20 ms): short windows (`FAST_WINDOW_MS`) catch a fleet-wide step at once, and
+    /// every `SUBTICK_WINDOW_MS` the longer window takes the smaller jumps. Returns whether
     /// some bucket jumped, in which case the caller should report at once instead of at the
     /// tick.
     pub fn subtick(&mut self, now_ms: u64) -> bool {

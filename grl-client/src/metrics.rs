@@ -12,7 +12,7 @@
 //! - [`encode`]: the registry (and collectors evaluated at scrape time) as the body of
 //!   `GET /metrics`.
 //!
-//! Per-bucket series are not kept in the registry: a [`Collector`] reads them from the state
+//! Per-bucket series are not kept in the registry: a `Collector` reads them from the state
 //! that already holds them (the controller's engine, the aggregator's client map) when
 //! Prometheus scrapes, so a bucket removed from the config disappears from `/metrics` and
 //! nothing is updated per request.

@@ -43,7 +43,7 @@ pub struct AggregatorOptions {
     /// Listen address (port 0 picks a free port).
     pub listen: SocketAddr,
     /// Controller base URLs: the replicas of the region's controller. Each zone report goes to
-    /// every one of them (see [`send_to_standbys`]); the directives served are those of the
+    /// every one of them (see `send_to_standbys`); the directives served are those of the
     /// first that answers, tried in order from the last one that did.
     pub controllers: Vec<String>,
     /// The zone served.

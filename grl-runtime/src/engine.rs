@@ -1313,7 +1313,7 @@ impl Engine {
     /// of the zone's key (its ratio and rates) and the bytes are kept for every later reply
     /// that carries it: a change of a `global` bucket goes to every zone, so in a steady state
     /// most of each delta reply is bytes another zone's reply already built. The kept bytes
-    /// are bounded ([`FRAG_BYTES_PER_LOG_ENTRY`] per entry of the directive log's bound; all
+    /// are bounded (`FRAG_BYTES_PER_LOG_ENTRY` per entry of the directive log's bound; all
     /// dropped when full); a full reply keeps nothing.
     pub fn directives_json(
         &mut self,

@@ -112,7 +112,7 @@ pub(crate) enum OverrideCmd {
     },
 }
 
-/// The override credential: GRL_OVERRIDE_TOKEN[_FILE], else the legacy GRL_TOKEN[_FILE].
+/// The override credential: `GRL_OVERRIDE_TOKEN[_FILE]`, else the legacy `GRL_TOKEN[_FILE]`.
 fn override_token() -> anyhow::Result<String> {
     for var in ["GRL_OVERRIDE_TOKEN", "GRL_TOKEN"] {
         if let Some(t) = TokenSource::from_env(var).map_err(anyhow::Error::msg)? {

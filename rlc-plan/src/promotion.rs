@@ -76,7 +76,7 @@ pub fn candidates(
         .collect()
 }
 
-/// The base's bucket files and policies of a loaded config repo, as [`propose`] takes them.
+/// The base's bucket files and policies of a loaded config repo, as `propose` takes them.
 pub fn repo_inputs(
     repo: &schema::ConfigRepo,
 ) -> (BTreeMap<String, BucketFile>, Option<PoliciesFile>) {

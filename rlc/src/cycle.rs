@@ -607,7 +607,7 @@ impl Cycle {
     }
 
     /// Plugs in the source of shadow figures; without one, the figures come from the store
-    /// ([`promotion::store_stats`]).
+    /// (`promotion::store_stats`).
     pub fn set_shadow_source(&mut self, source: ShadowSource) {
         self.shadow = Some(source);
     }

@@ -248,7 +248,7 @@ impl EntryRefusal {
     }
 }
 
-/// What [`Known::screen`] did to a report: entries dropped or cut, by reason.
+/// What `Known::screen` did to a report: entries dropped or cut, by reason.
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct Screened {
     /// Entries per reason (zero reasons left out).

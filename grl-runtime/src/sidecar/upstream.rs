@@ -297,7 +297,7 @@ impl H2Conn {
 /// closes. A request not yet written to a reused connection that turns out closed goes on a
 /// new one (the upstream closed it while idle); a fresh connection's failure is the answer.
 /// Idle connections older than the idle timeout, or closed by the upstream, are dropped when
-/// the pool is next used; at most [`MAX_IDLE`] are kept.
+/// the pool is next used; at most `MAX_IDLE` are kept.
 #[derive(Clone)]
 pub struct H1Pool {
     upstream: std::sync::Arc<Upstream>,

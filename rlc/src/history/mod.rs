@@ -387,7 +387,7 @@ pub fn pulls() -> &'static prometheus_client::metrics::counter::Counter {
 }
 
 /// A history to compute a plan from: whole in memory, or spilled to disk and read service by
-/// service ([`rlc_plan::compute::compute_plan_from`]).
+/// service (`rlc_plan::compute::compute_plan_from`).
 #[derive(Debug, Clone)]
 pub enum PlanHistory {
     /// Every series in memory.

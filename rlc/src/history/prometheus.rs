@@ -7,14 +7,14 @@
 //! backoff. An answer Prometheus would repeat (HTTP 400/422: bad query, too many points) is not
 //! retried and is reported as [`HistoryError::Refused`].
 //!
-//! Answers are decoded as they arrive ([`ResultSplitter`]): each series of `data.result` is
+//! Answers are decoded as they arrive (`ResultSplitter`): each series of `data.result` is
 //! parsed on its own and put on the grid at once, so a pull holds no whole response, only
 //! the grid, one series' text per request in flight and the network buffers. A request that
 //! fails half-way is retried; what its first attempt already put on the grid is a subset of
 //! the same answer, and samples merge by maximum, so the retry leaves the grid as one clean
 //! answer would. The pull still fails as a whole when any chunk fails after its retries.
 //!
-//! What a pull reads is bounded whatever the server sends ([`Budget`], [`Bound`]): bytes per
+//! What a pull reads is bounded whatever the server sends (`Budget`, [`Bound`]): bytes per
 //! answer and per pull, series per pull, the text of one series (its points and labels), a
 //! series once per request and attempt. An answer that crosses a bound stops the pull at once,
 //! without a retry: the same server would send the same again.

@@ -4,7 +4,7 @@
 //! dense run of `f32` (little-endian, `NaN` = no sample) covering the grid steps from its
 //! first to its last sample in that answer; an in-memory index maps each series to its runs
 //! (`offset`, first grid step, length). [`SpilledHistory::service`] then reads one service's
-//! series back onto their grid, merging runs by maximum as [`super::Builder`] merges samples
+//! series back onto their grid, merging runs by maximum as `super::Builder` merges samples
 //! in memory (a retried answer writes its runs again: the same values), so a plan computed
 //! service by service holds one service's series at a time, not the fleet's.
 //!
@@ -128,7 +128,7 @@ impl SpillWriter {
     }
 }
 
-/// A history whose series are on disk ([`crate::history::load_spilled`]): the grid, the
+/// A history whose series are on disk (`crate::history::load_spilled`): the grid, the
 /// rejected series and an index in memory, one service's series read at a time.
 pub struct SpilledHistory {
     /// Unix time (s) of the first grid point.

@@ -7,7 +7,7 @@
 //!   and when, statistic, forecast bound, headroom, capacity share, coverage, capped-from).
 //! - `GET /v1/quotas/{service}/{bucket}/history`: the bucket's changes from the store.
 //!
-//! The plan is computed from the daemon's history snapshot ([`crate::snapshot`]) against the
+//! The plan is computed from the daemon's history snapshot (`crate::snapshot`) against the
 //! config repo's base tip as last fetched, and cached until either changes. Concurrency is
 //! bounded: a request that finds every slot taken gets 429 with `Retry-After`.
 

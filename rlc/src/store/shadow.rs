@@ -862,7 +862,7 @@ impl Store {
     }
 
     /// Rolls the minutes of closed dirty hours (before the hour of `now`) up into
-    /// `shadow_hours`, oldest first, at most [`HOURS_PER_PASS`] of them, each in its own
+    /// `shadow_hours`, oldest first, at most `HOURS_PER_PASS` of them, each in its own
     /// transaction: the mark is deleted first (waiting for an ingest that holds it), then the
     /// hour's rows are recomputed from its minutes. Returns how many hours were rolled up.
     pub async fn roll_up_hours(&self, now: DateTime<Utc>) -> Result<u64, StoreError> {
@@ -998,7 +998,7 @@ impl Store {
     }
 
     /// Records the overrides `list` the controller had in force at `seen`: one row per
-    /// override and bucket of the config it acts on (at most [`MAX_OVERRIDE_ROWS`]), its last
+    /// override and bucket of the config it acts on (at most `MAX_OVERRIDE_ROWS`), its last
     /// sighting moved to `seen`.
     pub async fn record_overrides(
         &self,
@@ -1050,8 +1050,8 @@ impl Store {
     }
 
     /// The overrides that acted on buckets since `since`, by `(service, bucket)`: each from its
-    /// start to its expiry or, removed early, [`OVERRIDE_SEEN_GRACE_SECS`] after rlc last saw
-    /// it. At most [`MAX_OVERRIDE_ROWS`] rows.
+    /// start to its expiry or, removed early, `OVERRIDE_SEEN_GRACE_SECS` after rlc last saw
+    /// it. At most `MAX_OVERRIDE_ROWS` rows.
     pub async fn override_windows(
         &self,
         since: DateTime<Utc>,

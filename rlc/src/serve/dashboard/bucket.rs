@@ -274,7 +274,7 @@ fn bounds(window: &str) -> Result<(DateTime<Utc>, DateTime<Utc>, i64), DashError
 /// Series per scope key from the steps of [`Store::bucket_steps`]: each point is the
 /// highest per-minute average of its step (so a one-minute burst stays visible in a 30-day
 /// view) and the limit of the step's newest minute; a step without a row is a gap (every
-/// value null). The busiest scope keys first, at most [`MAX_SCOPES`] (the count of the others
+/// value null). The busiest scope keys first, at most `MAX_SCOPES` (the count of the others
 /// is returned).
 pub fn series_from_steps(
     steps: &[StepRow],
