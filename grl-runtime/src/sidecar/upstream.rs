@@ -183,12 +183,7 @@ impl Clients {
     pub fn new(upstream: Upstream, connect_timeout: Duration, idle: Duration) -> Clients {
         let upstream = std::sync::Arc::new(upstream);
         Clients {
-            h1: H1Pool {
-                upstream: upstream.clone(),
-                connect_timeout,
-                idle_timeout: idle,
-                idle: Default::default(),
-            },
+            h1: H1Pool::new(upstream.clone(), connect_timeout, idle),
             h2: H2Conn {
                 upstream,
                 connect_timeout,
@@ -354,9 +349,13 @@ impl std::error::Error for UpstreamError {
 impl H1Pool {
     /// A pool to `upstream`; connections open within `connect_timeout`, idle ones are dropped
     /// after `idle_timeout`.
-    pub fn new(upstream: Upstream, connect_timeout: Duration, idle_timeout: Duration) -> H1Pool {
+    pub fn new(
+        upstream: impl Into<std::sync::Arc<Upstream>>,
+        connect_timeout: Duration,
+        idle_timeout: Duration,
+    ) -> H1Pool {
         H1Pool {
-            upstream: std::sync::Arc::new(upstream),
+            upstream: upstream.into(),
             connect_timeout,
             idle_timeout,
             idle: Default::default(),
