@@ -734,6 +734,84 @@ mod tests {
         .await
     }
 
+    /// A response body sending what a channel receives, ending when its sender is dropped.
+    struct ChannelBody(tokio::sync::mpsc::Receiver<Bytes>);
+
+    impl hyper::body::Body for ChannelBody {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
+            self.0
+                .poll_recv(cx)
+                .map(|b| b.map(|b| Ok(hyper::body::Frame::data(b))))
+        }
+    }
+
+    #[tokio::test]
+    async fn an_idle_h2c_connection_replaced_closes_once_its_last_call_ends() {
+        use http_body_util::BodyExt;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        // An h2c upstream whose answers send `a` and end when the test says so; it counts the
+        // connections that ended.
+        let closed = std::sync::Arc::new(AtomicUsize::new(0));
+        let (end_tx, end_rx) = tokio::sync::watch::channel(false);
+        let (c, e) = (closed.clone(), end_rx.clone());
+        let (up, accepted) = counted_upstream(move |s, _| {
+            let (closed, end_rx) = (c.clone(), e.clone());
+            async move {
+                let svc = hyper::service::service_fn(move |_req: Request<Incoming>| {
+                    let mut end_rx = end_rx.clone();
+                    async move {
+                        let (tx, rx) = tokio::sync::mpsc::channel(1);
+                        tokio::spawn(async move {
+                            let _ = tx.send(Bytes::from_static(b"a")).await;
+                            let _ = end_rx.wait_for(|end| *end).await;
+                        });
+                        Ok::<_, std::convert::Infallible>(Response::new(ChannelBody(rx)))
+                    }
+                });
+                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(s), svc)
+                    .await;
+                closed.fetch_add(1, Ordering::SeqCst);
+            }
+        })
+        .await;
+        let h2 = Clients::new(up, Duration::from_secs(2), Duration::from_millis(100)).h2;
+        let req = || {
+            Request::post("http://x/pkg.Svc/Method")
+                .version(http::Version::HTTP_2)
+                .body(Body::from("x"))
+                .unwrap()
+        };
+        // A call in flight (its answer's first bytes read, not its end) past the idle timeout.
+        let mut held = h2.request(req()).await.unwrap().into_body();
+        let first = held.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(first, "a");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        // The next call goes on a new connection; the first stays open for the held call.
+        let mut next = h2.request(req()).await.unwrap().into_body();
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(closed.load(Ordering::SeqCst), 0, "closed under a call");
+        // Every answer ends: the replaced connection closes, the current one stays.
+        end_tx.send(true).unwrap();
+        while held.frame().await.is_some() {}
+        while next.frame().await.is_some() {}
+        drop((held, next));
+        for _ in 0..100 {
+            if closed.load(Ordering::SeqCst) == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(closed.load(Ordering::SeqCst), 1);
+    }
+
     async fn call(h2: &H2Conn) -> Result<Bytes, UpstreamError> {
         use http_body_util::BodyExt;
         let req = Request::post("http://x/pkg.Svc/Method")
