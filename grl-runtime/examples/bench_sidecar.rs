@@ -7,12 +7,17 @@
 //! ```text
 //! cargo build --release -p grl-runtime --bin grl --example bench_sidecar
 //! target/release/examples/bench_sidecar --grl target/release/grl [--nginx /usr/sbin/nginx]
-//!     [--secs 10] [--rates 1000,10000]
+//!     [--secs 10] [--rates 1000,10000] [--rounds 5] [--pin]
 //! ```
 //!
 //! Latency is measured by an open-loop generator (requests sent at a fixed rate over pooled
 //! keep-alive connections, 1 KiB request bodies, whatever the answers' pace), from the send to
-//! the last byte of the answer; "added" is a peer's percentile minus the direct call's. The
+//! the last byte of the answer; "added" is a peer's percentile minus the direct call's. Each
+//! path's `--secs` are measured in `--rounds` slices, the paths taking turns (a different one
+//! first in each round), so that a machine whose speed drifts during the run weighs on every
+//! path alike; a path's percentiles are those of all its slices' requests together. With
+//! `--pin` every proxy measured runs on the last CPU and this process (generator, upstreams,
+//! GRL tier) on the others: one core per proxy, nginx's and the sidecar's alike. The
 //! saturation figure is requests per second of a closed loop (64 in flight) over the proxy's
 //! CPU seconds (`/proc`, every process of the proxy), i.e. requests/s per core. The upstream
 //! and the generator run in this process; nginx gets one worker. gRPC: the same for unary calls
@@ -44,6 +49,9 @@ struct Args {
     nginx: PathBuf,
     secs: u64,
     rates: Vec<u64>,
+    rounds: u64,
+    /// The CPU the proxies measured run on (`--pin`: the last one).
+    pin: Option<usize>,
 }
 
 fn args() -> Args {
@@ -52,14 +60,23 @@ fn args() -> Args {
         nginx: PathBuf::from("/usr/sbin/nginx"),
         secs: 10,
         rates: vec![1_000, 10_000],
+        rounds: 5,
+        pin: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
+        if k == "--pin" {
+            let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+            assert!(cpus >= 2, "--pin needs two CPUs at least");
+            a.pin = Some(cpus - 1);
+            continue;
+        }
         let v = it.next().unwrap_or_else(|| panic!("{k} needs a value"));
         match k.as_str() {
             "--grl" => a.grl = v.into(),
             "--nginx" => a.nginx = v.into(),
             "--secs" => a.secs = v.parse().expect("--secs N"),
+            "--rounds" => a.rounds = v.parse::<u64>().expect("--rounds N").max(1),
             "--rates" => {
                 a.rates = v
                     .split(',')
@@ -218,15 +235,40 @@ struct Latency {
     errors: u64,
 }
 
-/// `rate` requests/s (gRPC calls when `grpc`) for `secs` seconds, open loop; latencies in µs.
-async fn open_loop(url: &str, rate: u64, secs: u64, grpc: bool) -> Latency {
+/// Latencies (µs) of the requests answered, and the count of those that were not.
+#[derive(Default)]
+struct Samples {
+    us: Vec<u32>,
+    errors: u64,
+}
+
+impl Samples {
+    fn latency(mut self) -> Latency {
+        let v = &mut self.us;
+        v.sort_unstable();
+        let q = |p: f64| {
+            v.get(((v.len() as f64 - 1.0) * p) as usize)
+                .copied()
+                .unwrap_or(0) as f64
+        };
+        Latency {
+            p50: q(0.50),
+            p90: q(0.90),
+            p99: q(0.99),
+            errors: self.errors,
+        }
+    }
+}
+
+/// `rate` requests/s (gRPC calls when `grpc`) for `secs` seconds, open loop, added to `into`.
+async fn open_loop(url: &str, rate: u64, secs: f64, grpc: bool, into: &mut Samples) {
     let c = client_for(grpc);
     let body = Bytes::from(vec![b'x'; 1024]);
     // Warm the pool.
     for _ in 0..32 {
         call_kind(grpc, &c, url, "bench", &body).await;
     }
-    let total = rate * secs;
+    let total = (rate as f64 * secs) as u64;
     let lat = Arc::new(std::sync::Mutex::new(Vec::with_capacity(total as usize)));
     let errors = Arc::new(AtomicU64::new(0));
     let start = Instant::now();
@@ -258,18 +300,52 @@ async fn open_loop(url: &str, rate: u64, secs: u64, grpc: bool) -> Latency {
         tokio::time::sleep(Duration::from_micros(200)).await;
     }
     while tasks.join_next().await.is_some() {}
-    let mut v = std::mem::take(&mut *lat.lock().unwrap());
-    v.sort_unstable();
-    let q = |p: f64| {
-        v.get(((v.len() as f64 - 1.0) * p) as usize)
-            .copied()
-            .unwrap_or(0) as f64
-    };
-    Latency {
-        p50: q(0.50),
-        p90: q(0.90),
-        p99: q(0.99),
-        errors: errors.load(Ordering::Relaxed),
+    into.us.append(&mut lat.lock().unwrap());
+    into.errors += errors.load(Ordering::Relaxed);
+}
+
+/// Every path at `rate` for `secs` seconds in all: a 2-second pass warms each (its pool, the
+/// peer, the generator), then `rounds` slices each, the paths taking turns, a different one
+/// first in each round.
+async fn measure(paths: &[&str], rate: u64, secs: u64, rounds: u64, grpc: bool) -> Vec<Latency> {
+    let mut samples: Vec<Samples> = paths.iter().map(|_| Samples::default()).collect();
+    for url in paths {
+        open_loop(url, rate, 2.0, grpc, &mut Samples::default()).await;
+    }
+    let slice = secs as f64 / rounds as f64;
+    for r in 0..rounds as usize {
+        for k in 0..paths.len() {
+            let i = (r + k) % paths.len();
+            open_loop(paths[i], rate, slice, grpc, &mut samples[i]).await;
+        }
+    }
+    samples.into_iter().map(Samples::latency).collect()
+}
+
+/// Runs `cmd`'s process on `cpus` when set (else on this process's).
+fn pinned(cmd: &mut Command, cpus: Option<Vec<usize>>) -> &mut Command {
+    use std::os::unix::process::CommandExt as _;
+    if let Some(cpus) = cpus {
+        // SAFETY: sched_setaffinity is async-signal-safe and reads only the closure's vector.
+        unsafe {
+            cmd.pre_exec(move || {
+                set_affinity(&cpus);
+                Ok(())
+            });
+        }
+    }
+    cmd
+}
+
+/// Restricts the calling thread (and what it starts afterwards) to `cpus`.
+fn set_affinity(cpus: &[usize]) {
+    // SAFETY: a zeroed cpu_set_t is the empty set; the pointer is to a live local.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for &c in cpus {
+            libc::CPU_SET(c, &mut set);
+        }
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
     }
 }
 
@@ -453,7 +529,8 @@ async fn tier(grl: &Path, dir: &Path, limit: f64, procs: &mut Vec<Proc>) -> Stri
     agg
 }
 
-/// A sidecar in front of `up`; its listen port and process id.
+/// A sidecar in front of `up` (on `cpus` when set); its listen port and process id.
+#[allow(clippy::too_many_arguments)]
 fn sidecar(
     grl: &Path,
     dir: &Path,
@@ -462,10 +539,11 @@ fn sidecar(
     name: &str,
     procs: &mut Vec<Proc>,
     extra: &[&str],
+    cpus: Option<Vec<usize>>,
 ) -> (u16, u32) {
     let (port, admin) = (free_port(), free_port());
     let p = Proc::spawn(
-        Command::new(grl)
+        pinned(&mut Command::new(grl), cpus)
             .args([
                 "sidecar",
                 "--listen",
@@ -538,9 +616,23 @@ async fn offer(url: String, rate: f64, secs: u64, measure: u64) -> f64 {
     ok.load(Ordering::Relaxed) as f64 / measure as f64
 }
 
-#[tokio::main]
-async fn main() {
+fn main() {
     let a = args();
+    if let Some(cpu) = a.pin {
+        // The generator, the upstreams and the GRL tier on the other CPUs.
+        set_affinity(&(0..cpu).collect::<Vec<_>>());
+    }
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(run(a));
+}
+
+async fn run(a: Args) {
+    // With --pin: the proxies measured on one CPU; the accuracy part's on all of them.
+    let proxy_cpu = a.pin.map(|c| vec![c]);
+    let all_cpus = a.pin.map(|c| (0..=c).collect::<Vec<_>>());
     let dir = tempfile::tempdir().unwrap();
     let up = upstream().await;
     let gup = grpc_upstream().await;
@@ -556,7 +648,7 @@ async fn main() {
         Some((ng_grpc, gup)),
     );
     let nginx = Proc::spawn(
-        Command::new(&a.nginx)
+        pinned(&mut Command::new(&a.nginx), proxy_cpu.clone())
             .arg("-c")
             .arg(&conf)
             .arg("-p")
@@ -568,7 +660,16 @@ async fn main() {
     let nginx_pid = nginx.0.id();
     procs.push(nginx);
     let agg = tier(&a.grl, dir.path(), 1e9, &mut procs).await;
-    let (sc, sc_pid) = sidecar(&a.grl, dir.path(), up, &agg, "sidecar", &mut procs, &[]);
+    let (sc, sc_pid) = sidecar(
+        &a.grl,
+        dir.path(),
+        up,
+        &agg,
+        "sidecar",
+        &mut procs,
+        &[],
+        proxy_cpu.clone(),
+    );
     // The same on the multi-threaded runtime with one shared pool (how it served before
     // --workers): the structural change, side by side.
     let (sc0, sc0_pid) = sidecar(
@@ -579,6 +680,7 @@ async fn main() {
         "sidecar-workers-0",
         &mut procs,
         &["--workers", "0"],
+        proxy_cpu.clone(),
     );
     let (gsc, gsc_pid) = sidecar(
         &a.grl,
@@ -588,6 +690,7 @@ async fn main() {
         "sidecar-grpc",
         &mut procs,
         &[],
+        proxy_cpu.clone(),
     );
     // BENCH_ONLY: accuracy, hop (HTTP), grpc; unset: all three.
     let only = std::env::var("BENCH_ONLY").ok();
@@ -633,10 +736,9 @@ async fn main() {
             println!("| path | p50 µs | p90 µs | p99 µs | added p50 µs | added p99 µs | errors |");
             println!("|---|---|---|---|---|---|---|");
             let mut base = None;
-            for (name, url, _) in &peers {
-                // A first pass warms the pool, the peer and the generator; the second is measured.
-                open_loop(url, rate, 2, false).await;
-                let l = open_loop(url, rate, a.secs, false).await;
+            let urls: Vec<&str> = peers.iter().map(|p| p.1.as_str()).collect();
+            let lats = measure(&urls, rate, a.secs, a.rounds, false).await;
+            for ((name, _, _), l) in peers.iter().zip(lats) {
                 let (b50, b99) = *base.get_or_insert((l.p50, l.p99));
                 println!(
                     "| {name} | {:.0} | {:.0} | {:.0} | {:+.0} | {:+.0} | {} |",
@@ -699,9 +801,9 @@ async fn main() {
             println!("| path | p50 µs | p90 µs | p99 µs | added p50 µs | added p99 µs | errors |");
             println!("|---|---|---|---|---|---|---|");
             let mut base = None;
-            for (name, url, _) in &gpeers {
-                open_loop(url, rate, 2, true).await;
-                let l = open_loop(url, rate, a.secs, true).await;
+            let urls: Vec<&str> = gpeers.iter().map(|p| p.1.as_str()).collect();
+            let lats = measure(&urls, rate, a.secs, a.rounds, true).await;
+            for ((name, _, _), l) in gpeers.iter().zip(lats) {
                 let (b50, b99) = *base.get_or_insert((l.p50, l.p99));
                 println!(
                     "| {name} | {:.0} | {:.0} | {:.0} | {:+.0} | {:+.0} | {} |",
@@ -741,7 +843,7 @@ async fn main() {
     let conf = nginx_conf(dir2.path(), up, free_port(), &limited, None);
     procs.push(
         Proc::spawn(
-            Command::new(&a.nginx)
+            pinned(&mut Command::new(&a.nginx), all_cpus.clone())
                 .arg("-c")
                 .arg(&conf)
                 .arg("-p")
@@ -762,6 +864,7 @@ async fn main() {
                 &format!("replica-{i}"),
                 &mut procs,
                 &[],
+                all_cpus.clone(),
             )
             .0
         })
