@@ -40,9 +40,9 @@ enum Cmd {
     /// every user): GRL_CONFIG_TOKEN (role `config`: PUT /v1/config, what rlc holds),
     /// GRL_OVERRIDE_TOKEN (`overrides`: POST/DELETE /v1/overrides, what on-call people hold),
     /// GRL_READ_TOKEN (`reports`: GET /v1/reports), GRL_REPORT_TOKEN (`zone-report`:
-    /// POST /v1/aggregate, also sent to --peer controllers); each also as <VAR>_FILE, a file
-    /// holding the secret, re-read when it changes. GRL_TOKEN (legacy) holds config,
-    /// overrides and reports at once. More credentials, and rotations, go in --credentials.
+    /// POST /v1/aggregate, also sent to --peer controllers); each also as NAME_FILE
+    /// (GRL_CONFIG_TOKEN_FILE, ...), a file holding the secret, re-read when it changes.
+    /// GRL_TOKEN (legacy) holds config, overrides and reports at once. More credentials, and rotations, go in --credentials.
     ///
     /// Replicas: run two or more controllers of a region on one Postgres database
     /// (GRL_DATABASE_URL, or GRL_DATABASE_URL_FILE holding it; --database-url for a URL

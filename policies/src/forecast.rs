@@ -1,7 +1,7 @@
 //! `forecast`: a seasonal (daily and weekly) model with a trend, forecasting the horizon (7 days
 //! default), made robust to the shapes real traffic has. The limit is the upper bound of the
 //! horizon × (1 + headroom), capped by the caller's share of planned capacity. With under two
-//! weeks of history, or when the fit fails, it falls back to [`Peak`](crate::peak::Peak) and
+//! weeks of history, or when the fit fails, it falls back to [`Peak`] and
 //! says so in the evidence.
 //!
 //! The model works on hourly maxima of the per-step rate (the quantity a limit must cover), in

@@ -1,5 +1,5 @@
 //! RPS history: one regular series per (service, caller, procedure) over the lookback, from a
-//! Prometheus-compatible API ([`prometheus`]) or a file ([`file`]), plus a deterministic
+//! Prometheus-compatible API ([`prometheus`]) or a file ([`file`](mod@file)), plus a deterministic
 //! generator for the quickstart ([`synth`]).
 //!
 //! Missing samples stay missing (`NaN` in [`RateSeries`]), never zero. Series that cannot be
