@@ -42,7 +42,8 @@ enum Cmd {
     /// GRL_READ_TOKEN (`reports`: GET /v1/reports), GRL_REPORT_TOKEN (`zone-report`:
     /// POST /v1/aggregate, also sent to --peer controllers); each also as NAME_FILE
     /// (GRL_CONFIG_TOKEN_FILE, ...), a file holding the secret, re-read when it changes.
-    /// GRL_TOKEN (legacy) holds config, overrides and reports at once. More credentials, and rotations, go in --credentials.
+    /// GRL_TOKEN (legacy) holds config, overrides and reports at once. More credentials, and
+    /// rotations, go in --credentials.
     ///
     /// Replicas: run two or more controllers of a region on one Postgres database
     /// (GRL_DATABASE_URL, or GRL_DATABASE_URL_FILE holding it; --database-url for a URL
