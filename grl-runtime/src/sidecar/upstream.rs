@@ -367,12 +367,18 @@ impl H1Pool {
         &self,
         mut req: Request<Body>,
     ) -> Result<Response<PooledBody>, UpstreamError> {
+        // Whether the request was already written once (and is being sent again).
+        let mut replayed = false;
         loop {
             let (mut tx, reused) = match self.checkout() {
                 Some(tx) => (tx, true),
                 None => (self.connect().await?, false),
             };
-            let again = if reused { replayable(&req) } else { None };
+            let again = if reused && !replayed {
+                replayable(&req)
+            } else {
+                None
+            };
             match tx.try_send_request(req).await {
                 Ok(resp) => {
                     let back = CheckIn {
@@ -390,8 +396,11 @@ impl H1Pool {
                     (Some(r), _) if reused => req = r,
                     // Written to a reused connection that closed before any answer (the
                     // upstream closed it while idle, and the close crossed the request): an
-                    // idempotent request without a body is sent again, as nginx does.
+                    // idempotent request without a body is sent again, once, as nginx does
+                    // (a request whose handling closes the connection runs twice, not once
+                    // per idle connection).
                     (None, Some(head)) if !e.error().is_parse() && !e.error().is_user() => {
+                        replayed = true;
                         req = head.map(|()| Body::empty())
                     }
                     _ => return Err(UpstreamError::Request(e.into_error())),
@@ -658,6 +667,58 @@ mod tests {
                 (r, _) => panic!("{method}: {:?}", r.map(|r| r.status())),
             }
         }
+    }
+
+    #[tokio::test]
+    async fn a_request_that_kills_its_connection_is_sent_again_once_not_once_per_idle_connection() {
+        use http_body_util::BodyExt;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        // An upstream answering `ok`, except that `GET /boom` closes its connection unanswered
+        // (a handler that crashes the connection); it counts the `/boom` requests it read.
+        let booms = std::sync::Arc::new(AtomicUsize::new(0));
+        let b = booms.clone();
+        let (up, _) = counted_upstream(move |mut s, _| {
+            let booms = b.clone();
+            async move {
+                let mut buf = Vec::new();
+                loop {
+                    let mut chunk = [0u8; 4096];
+                    match s.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(k) => buf.extend_from_slice(&chunk[..k]),
+                    }
+                    while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let boom = buf.starts_with(b"GET /boom ");
+                        buf.drain(..end + 4);
+                        if boom {
+                            booms.fetch_add(1, Ordering::SeqCst);
+                            return;
+                        }
+                        let a = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                        if s.write_all(a).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            }
+        })
+        .await;
+        let pool = H1Pool::new(up, Duration::from_secs(2), Duration::from_secs(60));
+        // Eight idle connections in the pool: eight answers held at once, then read.
+        let mut held = Vec::new();
+        for _ in 0..8 {
+            held.push(get(&pool, "/").await);
+        }
+        for r in held {
+            assert_eq!(r.into_body().collect().await.unwrap().to_bytes(), "ok");
+        }
+        let req = Request::get("/boom")
+            .header("host", "x")
+            .body(Body::empty())
+            .unwrap();
+        assert!(pool.request(req).await.is_err());
+        assert_eq!(booms.load(Ordering::SeqCst), 2, "sent once and again once");
     }
 
     #[tokio::test]
