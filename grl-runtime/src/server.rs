@@ -19,7 +19,7 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -228,6 +228,10 @@ struct Activity {
     /// is being awaited; 0 at accept: the first head).
     head_since: AtomicU64,
     in_flight: AtomicU32,
+    /// The connection speaks HTTP/2: it multiplexes, so there is no next head to await once
+    /// its first request came, and the bytes it reads between requests (WINDOW_UPDATE, PING,
+    /// another stream's frames) never start a header clock.
+    h2: AtomicBool,
 }
 
 const NONE: u64 = u64::MAX;
@@ -246,6 +250,7 @@ impl Activity {
             last_io: AtomicU64::new(0),
             head_since: AtomicU64::new(0),
             in_flight: AtomicU32::new(0),
+            h2: AtomicBool::new(false),
         }
     }
 
@@ -256,7 +261,7 @@ impl Activity {
     fn read(&self) {
         let now = self.now();
         self.last_io.store(now, Ordering::Relaxed);
-        if self.in_flight.load(Ordering::Relaxed) == 0 {
+        if self.in_flight.load(Ordering::Relaxed) == 0 && !self.h2.load(Ordering::Relaxed) {
             // The first byte of the next head starts its clock (body bytes arrive while the
             // request is in flight and do not).
             let _ =
@@ -269,7 +274,10 @@ impl Activity {
         self.last_io.store(self.now(), Ordering::Relaxed);
     }
 
-    fn request_started(&self) {
+    fn request_started(&self, h2: bool) {
+        if h2 {
+            self.h2.store(true, Ordering::Relaxed);
+        }
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         self.head_since.store(NONE, Ordering::Relaxed);
     }
@@ -721,7 +729,7 @@ async fn http<I>(
     let handler = ctx.handler.clone();
     let act2 = act.clone();
     let svc = hyper::service::service_fn(move |mut req: http::Request<Incoming>| {
-        act2.request_started();
+        act2.request_started(req.version() == http::Version::HTTP_2);
         let done = InFlight(act2.clone());
         let answer = if health_only && !HEALTH_PATHS.contains(&req.uri().path()) {
             Answer::Now(at_capacity())
@@ -899,7 +907,7 @@ mod tests {
         std::thread::sleep(Duration::from_millis(5));
         assert_eq!(a.verdict(1, 1000), Verdict::HeaderTimeout);
         // A request in flight is never cut, however long it takes.
-        a.request_started();
+        a.request_started(false);
         std::thread::sleep(Duration::from_millis(5));
         assert_eq!(a.verdict(1, 1), Verdict::Fine);
         a.request_done();
@@ -912,6 +920,17 @@ mod tests {
         assert_eq!(a.verdict(1000, 1), Verdict::Fine);
         std::thread::sleep(Duration::from_millis(5));
         assert_eq!(a.verdict(1, 1000), Verdict::HeaderTimeout);
+        // HTTP/2: once its first request came, what it reads between requests (flow control,
+        // pings) keeps it from idling and starts no header clock.
+        let a = Activity::new();
+        a.request_started(true);
+        a.request_done();
+        std::thread::sleep(Duration::from_millis(5));
+        a.read();
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(a.verdict(1, 1000), Verdict::Fine);
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(a.verdict(1000, 1), Verdict::Idle);
     }
 
     /// The serving function `rlc serve` calls ([`crate::tls::serve`], default limits) cuts a

@@ -1278,3 +1278,77 @@ async fn an_upstream_closing_kept_alive_connections_never_hangs_a_request() {
         "{statuses:?}"
     );
 }
+
+/// Reads `path` through the sidecar on `port` over HTTP/2 without TLS (h2c) or HTTP/1.1,
+/// pausing `pause` per 16 KiB read (a slow reader: over HTTP/2 it sends a WINDOW_UPDATE now
+/// and then);
+/// the bytes read, or the error that ended the answer.
+async fn read_slowly(port: u16, path: &str, h2: bool, pause: Duration) -> Result<usize, String> {
+    use http_body_util::BodyExt;
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .map_err(|e| e.to_string())?;
+    let req = hyper::Request::get(format!("http://127.0.0.1:{port}{path}"))
+        .header("rpc-caller", "web")
+        .body(http_body_util::Empty::<bytes::Bytes>::new())
+        .unwrap();
+    let resp = if h2 {
+        let (mut tx, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+            .initial_stream_window_size(65_535)
+            .initial_connection_window_size(65_535)
+            .handshake(TokioIo::new(tcp))
+            .await
+            .map_err(|e| e.to_string())?;
+        tokio::spawn(conn);
+        tx.send_request(req).await
+    } else {
+        let (mut tx, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+            .await
+            .map_err(|e| e.to_string())?;
+        tokio::spawn(conn);
+        let mut req = req;
+        *req.uri_mut() = path.parse().unwrap();
+        req.headers_mut()
+            .insert("host", hyper::header::HeaderValue::from_static("x"));
+        tx.send_request(req).await
+    };
+    let mut body = resp.map_err(|e| e.to_string())?.into_body();
+    let mut n = 0;
+    while let Some(f) = body.frame().await {
+        let f = f.map_err(|e| format!("after {n} bytes: {e}"))?;
+        let len = f.data_ref().map_or(0, |d| d.len());
+        n += len;
+        tokio::time::sleep(pause * (len / 16384).max(1) as u32).await;
+    }
+    Ok(n)
+}
+
+#[tokio::test]
+async fn an_answer_streaming_longer_than_the_header_timeout_is_not_cut() {
+    let dir = tempfile::tempdir().unwrap();
+    let (py_port, port, admin) = (free_port(), free_port(), free_port());
+    let _py = spawn_py_http(dir.path(), py_port);
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let _sc = spawn_sidecar(
+        dir.path(),
+        port,
+        admin,
+        &format!("http://127.0.0.1:{py_port}"),
+        &[&dead],
+        &["--http-header-timeout-ms", "300"],
+    );
+    wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
+    wait_up(&format!("http://127.0.0.1:{py_port}/")).await;
+    // 4 MiB read 16 KiB every 3 ms: about a second, the answer's head long sent.
+    for h2 in [false, true] {
+        let t = Instant::now();
+        let got = read_slowly(port, "/big?mb=4", h2, Duration::from_millis(3)).await;
+        assert_eq!(got, Ok(4 << 20), "h2: {h2}, after {:?}", t.elapsed());
+        assert!(
+            t.elapsed() > Duration::from_millis(600),
+            "{:?}",
+            t.elapsed()
+        );
+    }
+}
