@@ -23,7 +23,9 @@
 //!
 //! The fit: `h(t) = trend(t) × s(hour of week)` for two trends, linear and exponential (least
 //! squares on the log: growth of tens of percent a week compounds), `s` the **median** ratio of
-//! the value to the trend for each of the 168 hours of the week, the upper bound × the 99th
+//! the value to the trend for each of the 168 hours of the week; the trend is fitted on
+//! `h / s` and `s` on `h / trend` in turn, so that the week's shape is not taken for a trend;
+//! the upper bound × the 99th
 //! percentile of the residual ratios. The bound of the horizon is the larger of the two models'
 //! bounds, at most the highest cleaned hour grown by the trend to the end of the horizon, and
 //! never under the highest cleaned hour of the last week of data (so a dip never pulls the limit
@@ -145,6 +147,22 @@ fn date(t: i64) -> String {
         .to_string()
 }
 
+/// Ordinary least squares of y on x: (intercept, slope); `None` without two distinct x.
+fn least_squares(pts: impl Iterator<Item = (f64, f64)> + Clone) -> Option<(f64, f64)> {
+    let n = pts.clone().count() as f64;
+    if n < 2.0 {
+        return None;
+    }
+    let (sx, sy) = pts
+        .clone()
+        .fold((0.0, 0.0), |(a, b), (x, y)| (a + x, b + y));
+    let (mx, my) = (sx / n, sy / n);
+    let (sxx, sxy) = pts.fold((0.0, 0.0), |(a, b), (x, y)| {
+        (a + (x - mx).powi(2), b + (x - mx) * (y - my))
+    });
+    (sxx > 0.0).then(|| (my - sxy / sxx * mx, sxy / sxx))
+}
+
 /// One fitted trend with its seasonal index and residual q99.
 fn fit_seasonal(pts: &[(f64, f64, usize)], trend: impl Fn(f64) -> f64) -> Option<(Vec<f64>, f64)> {
     let mut by_slot: Vec<Vec<f64>> = vec![Vec::new(); WEEK_HOURS];
@@ -249,41 +267,54 @@ impl Fit {
         if pts.len() < WEEK_HOURS {
             return None;
         }
-        let n = pts.len() as f64;
-        let mx = pts.iter().map(|p| p.0).sum::<f64>() / n;
-        let my = pts.iter().map(|p| p.1).sum::<f64>() / n;
-        let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
-        let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
-        let slope = if sxx > 0.0 { sxy / sxx } else { 0.0 };
-        let intercept = my - slope * mx;
         let last_x = pts.last().map_or(0.0, |p| p.0);
         let first_x = pts.first().map_or(0.0, |p| p.0);
-        // A linear trend at or below zero cannot carry a multiplicative season: flat instead.
-        let (intercept, slope) =
-            if intercept + slope * first_x <= 0.0 || intercept + slope * last_x <= 0.0 {
-                (my, 0.0)
-            } else {
-                (intercept, slope)
-            };
-        let logs: Vec<(f64, f64)> = pts
-            .iter()
-            .filter(|p| p.1 > 0.0)
-            .map(|p| (p.0, p.1.ln()))
-            .collect();
-        let (log_intercept, log_slope) = if logs.len() >= WEEK_HOURS {
-            let n = logs.len() as f64;
-            let mx = logs.iter().map(|p| p.0).sum::<f64>() / n;
-            let my = logs.iter().map(|p| p.1).sum::<f64>() / n;
-            let sxx: f64 = logs.iter().map(|p| (p.0 - mx).powi(2)).sum();
-            let sxy: f64 = logs.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
-            let b = if sxx > 0.0 { sxy / sxx } else { 0.0 };
-            (my - b * mx, b)
-        } else {
-            (my.max(f64::MIN_POSITIVE).ln(), 0.0)
-        };
-        let (seasonal, residual_q99) = fit_seasonal(&pts, |x| intercept + slope * x)?;
-        let (seasonal_exp, residual_q99_exp) =
-            fit_seasonal(&pts, |x| (log_intercept + log_slope * x).exp())?;
+        let mean_y = pts.iter().map(|p| p.1).sum::<f64>() / pts.len() as f64;
+        // The trends are fitted on the values divided by their hour of the week's index, and
+        // the indices on the values divided by the trends, in turn (backfitting): a trend fitted
+        // on the raw hours sees growth in the week's shape itself when the history starts on a
+        // weekend and ends on weekdays (or a fall the other way round). Starting from a flat
+        // index, a few rounds settle.
+        let mut season = vec![1.0; WEEK_HOURS];
+        let mut season_exp = vec![1.0; WEEK_HOURS];
+        let mut fitted = None;
+        for _ in 0..4 {
+            let (intercept, slope) = least_squares(
+                pts.iter()
+                    .filter(|p| season[p.2] > 0.0)
+                    .map(|&(x, y, k)| (x, y / season[k])),
+            )
+            .unwrap_or((mean_y, 0.0));
+            // A linear trend at or below zero cannot carry a multiplicative season: flat instead.
+            let (intercept, slope) =
+                if intercept + slope * first_x <= 0.0 || intercept + slope * last_x <= 0.0 {
+                    (mean_y, 0.0)
+                } else {
+                    (intercept, slope)
+                };
+            let logs: Vec<(f64, f64)> = pts
+                .iter()
+                .filter(|p| p.1 > 0.0 && season_exp[p.2] > 0.0)
+                .map(|&(x, y, k)| (x, (y / season_exp[k]).ln()))
+                .collect();
+            let (log_intercept, log_slope) = match logs.len() >= WEEK_HOURS {
+                true => least_squares(logs.into_iter()),
+                false => None,
+            }
+            .unwrap_or((mean_y.max(f64::MIN_POSITIVE).ln(), 0.0));
+            let (s_lin, q_lin) = fit_seasonal(&pts, |x| intercept + slope * x)?;
+            let (s_exp, q_exp) = fit_seasonal(&pts, |x| (log_intercept + log_slope * x).exp())?;
+            season = s_lin.clone();
+            season_exp = s_exp.clone();
+            fitted = Some((
+                (intercept, slope, log_intercept, log_slope),
+                (s_lin, q_lin, s_exp, q_exp),
+            ));
+        }
+        let (
+            (intercept, slope, log_intercept, log_slope),
+            (seasonal, residual_q99, seasonal_exp, residual_q99_exp),
+        ) = fitted?;
         // The trend that fits the last week of data better (mean |log residual|); both, taking
         // the larger, when neither is clearly better.
         let err = |tr: &dyn Fn(f64) -> f64, seas: &[f64]| {
@@ -767,6 +798,44 @@ mod shape_tests {
             start,
             step: 60,
             values,
+        }
+    }
+
+    /// Steady traffic with quiet weekends (30 % of weekdays), 28 days ending at every hour of
+    /// the week in turn: no trend, whatever weekday the history starts and ends on (a trend
+    /// fitted on the raw hours saw growth when the history started on a weekend and ended on
+    /// weekdays), so the limit stays at the weekday peak (150).
+    #[test]
+    fn steady_weekly_traffic_has_no_trend_whatever_day_the_history_ends() {
+        let full = {
+            let start = 1_700_000_000 / 86_400 * 86_400;
+            let values = (0..35 * 1440)
+                .map(|i| {
+                    let t = start + i as i64 * 60;
+                    let hour = t.rem_euclid(86_400) as f64 / 3600.0;
+                    let wd = (t.div_euclid(86_400) + 3).rem_euclid(7);
+                    let weekly = if wd >= 5 { 0.3 } else { 1.0 };
+                    let daily =
+                        1.0 + 0.5 * (2.0 * std::f64::consts::PI * (hour - 15.0 + 6.0) / 24.0).sin();
+                    (100.0 * weekly * daily) as f32
+                })
+                .collect();
+            RateSeries {
+                start,
+                step: 60,
+                values,
+            }
+        };
+        for shift_hours in (0..7 * 24).step_by(5) {
+            let from = full.start + shift_hours * 3600 + 116 * 60;
+            let p = run(&full.slice(from, from + 28 * 86_400));
+            let per_day = p.evidence["trend_rps_per_day"].as_f64().unwrap();
+            assert!(
+                per_day.abs() < 0.2 && p.limit_rps > 145.0 && p.limit_rps < 160.0,
+                "history from hour {shift_hours} of the week: {per_day} rps/day, limit {}; {}",
+                p.limit_rps,
+                p.evidence
+            );
         }
     }
 
