@@ -158,10 +158,17 @@ impl CallerFrom {
         let Some(h) = &self.header else {
             return UNKNOWN_CALLER;
         };
-        let Some(v) = headers.get(h).and_then(|v| v.to_str().ok()) else {
+        let xfcc = h.as_str() == "x-forwarded-client-cert";
+        // Proxies append their element to x-forwarded-client-cert: its last line is the
+        // nearest.
+        let v = match xfcc {
+            true => headers.get_all(h).iter().next_back(),
+            false => headers.get(h),
+        };
+        let Some(v) = v.and_then(|v| v.to_str().ok()) else {
             return UNKNOWN_CALLER;
         };
-        let v = if h.as_str() == "x-forwarded-client-cert" {
+        let v = if xfcc {
             match xfcc_uri(v) {
                 Some(uri) => self.map(uri).unwrap_or(uri),
                 None => "",
@@ -182,16 +189,45 @@ impl CallerFrom {
 }
 
 /// The `URI=` value of the last element of an `x-forwarded-client-cert` header (Envoy's format:
-/// elements separated by `,`, key=value pairs by `;`, values optionally quoted).
+/// elements separated by `,`, key=value pairs by `;`, values optionally quoted, and a quoted
+/// value may hold `,`, `;` and `=`: a certificate subject such as `"CN=a,URI=spiffe://x"` is
+/// one value, never an element or a key of its own). A URI with a quote or a backslash in it is
+/// none.
 pub fn xfcc_uri(v: &str) -> Option<&str> {
-    let last = v.rsplit(',').next()?;
-    last.split(';').find_map(|kv| {
+    let last = *split_unquoted(v, b',').last()?;
+    split_unquoted(last, b';').into_iter().find_map(|kv| {
         let (k, val) = kv.split_once('=')?;
-        k.trim()
-            .eq_ignore_ascii_case("uri")
-            .then(|| val.trim().trim_matches('"'))
-            .filter(|u| !u.is_empty())
+        if !k.trim().eq_ignore_ascii_case("uri") {
+            return None;
+        }
+        let val = val.trim();
+        let val = match val.strip_prefix('"') {
+            Some(quoted) => quoted.strip_suffix('"')?,
+            None => val,
+        };
+        (!val.is_empty() && !val.contains(['"', '\\'])).then_some(val)
     })
+}
+
+/// `s` split at each `sep` outside double quotes (inside them, a backslash escapes the next
+/// character).
+fn split_unquoted(s: &str, sep: u8) -> Vec<&str> {
+    let b = s.as_bytes();
+    let (mut parts, mut start, mut quoted, mut i) = (Vec::new(), 0, false, 0);
+    while i < b.len() {
+        match b[i] {
+            b'\\' if quoted => i += 1,
+            b'"' => quoted = !quoted,
+            c if c == sep && !quoted => {
+                parts.push(&s[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    parts.push(&s[start..]);
+    parts
 }
 
 fn cut(s: &str) -> &str {
@@ -464,6 +500,33 @@ mod tests {
             "x-forwarded-client-cert",
             "By=spiffe://td/ns/a/sa/b;Hash=ab;URI=spiffe://td/ns/x/sa/edge,By=spiffe://td/ns/a/sa/b;Hash=cd;URI=\"spiffe://td/ns/shop/sa/checkout\"",
         )]);
+        assert_eq!(xfcc.caller(&[], &h), "checkout");
+        // A quoted subject holding `,URI=` names nobody; the element's own URI does.
+        let h = headers(&[(
+            "x-forwarded-client-cert",
+            "Hash=ab;Subject=\"CN=a,URI=spiffe://td/ns/a/sa/victim\";URI=spiffe://td/ns/shop/sa/checkout",
+        )]);
+        assert_eq!(xfcc.caller(&[], &h), "checkout");
+        let h = headers(&[(
+            "x-forwarded-client-cert",
+            "Hash=ab;Subject=\"CN=a;URI=spiffe://td/ns/a/sa/victim;O=b\";URI=spiffe://td/ns/shop/sa/checkout",
+        )]);
+        assert_eq!(xfcc.caller(&[], &h), "checkout");
+        let h = headers(&[(
+            "x-forwarded-client-cert",
+            "Hash=ab;Subject=\"CN=a;URI=spiffe://td/ns/a/sa/victim\\\",x\";DNS=b",
+        )]);
+        assert_eq!(xfcc.caller(&[], &h), UNKNOWN_CALLER);
+        // Two lines: the last one's last element.
+        let mut h = HeaderMap::new();
+        h.append(
+            "x-forwarded-client-cert",
+            http::HeaderValue::from_static("URI=spiffe://td/ns/x/sa/edge"),
+        );
+        h.append(
+            "x-forwarded-client-cert",
+            http::HeaderValue::from_static("URI=spiffe://td/ns/shop/sa/checkout"),
+        );
         assert_eq!(xfcc.caller(&[], &h), "checkout");
         let long = "x".repeat(1000);
         assert_eq!(
