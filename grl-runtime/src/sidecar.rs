@@ -31,7 +31,7 @@ use axum::Router;
 use grl_client::client::{ClientOptions, GrlClient};
 use grl_client::layer::GrlLayer;
 use grl_core::Decision;
-use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode, Version};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Version};
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
@@ -458,6 +458,15 @@ fn strip_hop_by_hop(h: &mut HeaderMap) {
             }
         }
     }
+    // A length beside a transfer coding does not frame the message (the coding does), and
+    // would frame it wrongly once the coding is gone: it stays behind too.
+    if gone
+        .iter()
+        .flatten()
+        .any(|n| n == http::header::TRANSFER_ENCODING)
+    {
+        h.remove(http::header::CONTENT_LENGTH);
+    }
     for n in gone.into_iter().flatten().chain(named) {
         h.remove(n);
     }
@@ -522,6 +531,66 @@ fn forwarded_for(ip: std::net::IpAddr) -> Option<HeaderValue> {
     }
 }
 
+/// Adds the caller's address to `x-forwarded-for`: appended to what the caller sent, in one
+/// line (an upstream reading one value of a header with several lines would read only the
+/// caller's own, and take its first address for the caller's).
+fn add_forwarded_for(h: &mut HeaderMap, ip: std::net::IpAddr) {
+    let Some(v) = forwarded_for(ip) else {
+        return;
+    };
+    let name = HeaderName::from_static("x-forwarded-for");
+    if !h.contains_key(&name) {
+        h.insert(name, v);
+        return;
+    }
+    let mut joined = Vec::new();
+    for line in h.get_all(&name) {
+        joined.extend_from_slice(line.as_bytes());
+        joined.extend_from_slice(b", ");
+    }
+    joined.extend_from_slice(v.as_bytes());
+    if let Ok(v) = HeaderValue::from_bytes(&joined) {
+        h.insert(name, v);
+    }
+}
+
+/// Cookies split over several fields (as HTTP/2 sends them) joined into one with `; `, as an
+/// HTTP/1.1 upstream expects them.
+fn join_cookies(h: &mut HeaderMap) {
+    let mut lines = h.get_all(http::header::COOKIE).iter();
+    if lines.next().is_none() || lines.next().is_none() {
+        return;
+    }
+    let mut joined = Vec::new();
+    for (i, line) in h.get_all(http::header::COOKIE).iter().enumerate() {
+        if i > 0 {
+            joined.extend_from_slice(b"; ");
+        }
+        joined.extend_from_slice(line.as_bytes());
+    }
+    if let Ok(v) = HeaderValue::from_bytes(&joined) {
+        h.insert(http::header::COOKIE, v);
+    }
+}
+
+/// The request target passed upstream: the path and query (`/` when there is none), or `*`
+/// for `OPTIONS`; `None` for anything else (`CONNECT`, `*` for another method, an HTTP/2
+/// `:path` that starts with `?`: no request line an HTTP/1.1 upstream reads as meant).
+fn origin_form(
+    method: &Method,
+    pq: Option<&http::uri::PathAndQuery>,
+) -> Option<http::uri::PathAndQuery> {
+    if method == Method::CONNECT {
+        return None;
+    }
+    match pq {
+        None => Some(http::uri::PathAndQuery::from_static("/")),
+        Some(p) if p.as_str().starts_with('/') => Some(p.clone()),
+        Some(p) if p.as_str() == "*" && method == Method::OPTIONS => Some(p.clone()),
+        Some(_) => None,
+    }
+}
+
 /// Every request: decide, then refuse or forward.
 async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body> {
     let start = Instant::now();
@@ -543,12 +612,11 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
     };
     count(&s, grpc, decision);
     let (mut parts, body) = req.into_parts();
+    let Some(path) = origin_form(&parts.method, parts.uri.path_and_query()) else {
+        return plain(StatusCode::BAD_REQUEST, "bad request target\n");
+    };
     strip_hop_by_hop(&mut parts.headers);
-    if let Some(v) = forwarded_for(peer.addr.ip()) {
-        parts
-            .headers
-            .append(HeaderName::from_static("x-forwarded-for"), v);
-    }
+    add_forwarded_for(&mut parts.headers, peer.addr.ip());
     // gRPC goes upstream over HTTP/2 (h2c), everything else over HTTP/1.1, which every
     // application server speaks (an HTTP/2 caller's authority becomes the Host header).
     if parts.version == Version::HTTP_2 && !grpc && !parts.headers.contains_key(http::header::HOST)
@@ -562,11 +630,6 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
         }
     }
     let h2 = grpc;
-    let path = parts
-        .uri
-        .path_and_query()
-        .cloned()
-        .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
     if h2 {
         parts.uri = match http::Uri::builder()
             .scheme("http")
@@ -579,7 +642,11 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
         };
         parts.version = Version::HTTP_2;
     } else {
-        // Origin form, and a Host header (an HTTP/1.0 caller may send none).
+        // Origin form, and a Host header (an HTTP/1.0 caller may send none); an HTTP/2
+        // caller's cookies in one line.
+        if parts.version == Version::HTTP_2 {
+            join_cookies(&mut parts.headers);
+        }
         parts.uri = http::Uri::from(path);
         parts.version = Version::HTTP_11;
         if !parts.headers.contains_key(http::header::HOST) {
@@ -887,6 +954,70 @@ mod tests {
             let ip: std::net::IpAddr = ip.parse().unwrap();
             assert_eq!(forwarded_for(ip).unwrap(), ip.to_string().as_str());
         }
+    }
+
+    #[test]
+    fn a_callers_forwarded_for_is_extended_in_one_line_and_split_cookies_are_joined() {
+        let ip: std::net::IpAddr = "10.1.2.3".parse().unwrap();
+        let mut h = HeaderMap::new();
+        add_forwarded_for(&mut h, ip);
+        assert_eq!(h.get_all("x-forwarded-for").iter().count(), 1);
+        assert_eq!(h["x-forwarded-for"], "10.1.2.3");
+        // The caller's own lines, joined with the peer last: one line, as upstreams read it.
+        let mut h = HeaderMap::new();
+        h.append("x-forwarded-for", HeaderValue::from_static("6.6.6.6"));
+        h.append(
+            "x-forwarded-for",
+            HeaderValue::from_static("7.7.7.7, 8.8.8.8"),
+        );
+        add_forwarded_for(&mut h, ip);
+        let all: Vec<_> = h.get_all("x-forwarded-for").iter().collect();
+        assert_eq!(all, ["6.6.6.6, 7.7.7.7, 8.8.8.8, 10.1.2.3"]);
+        // HTTP/2 sends cookies as several fields; HTTP/1.1 wants one line.
+        let mut h = HeaderMap::new();
+        h.append(http::header::COOKIE, HeaderValue::from_static("a=1"));
+        h.append(http::header::COOKIE, HeaderValue::from_static("b=2"));
+        join_cookies(&mut h);
+        let all: Vec<_> = h.get_all(http::header::COOKIE).iter().collect();
+        assert_eq!(all, ["a=1; b=2"]);
+    }
+
+    #[test]
+    fn only_an_origin_form_target_goes_upstream() {
+        let pq = |s: &str| http::uri::PathAndQuery::try_from(s).unwrap();
+        let ok = |m: Method, t: Option<&str>| {
+            origin_form(&m, t.map(pq).as_ref()).map(|p| p.as_str().to_string())
+        };
+        assert_eq!(ok(Method::GET, Some("/a?b=1")), Some("/a?b=1".into()));
+        assert_eq!(ok(Method::GET, None), Some("/".into()));
+        assert_eq!(ok(Method::OPTIONS, Some("*")), Some("*".into()));
+        // An HTTP/2 `:path` that is a query alone: refused, never written as a request line
+        // no HTTP/1.1 server reads (an absolute-form `:path` is refused by the http crate).
+        assert_eq!(ok(Method::POST, Some("?charge=1")), None);
+        assert_eq!(ok(Method::GET, Some("*")), None);
+        assert_eq!(ok(Method::CONNECT, None), None);
+    }
+
+    #[test]
+    fn a_content_length_beside_a_transfer_encoding_stays_behind() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            http::header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        h.insert(http::header::CONTENT_LENGTH, HeaderValue::from_static("5"));
+        h.insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain"),
+        );
+        strip_hop_by_hop(&mut h);
+        assert!(!h.contains_key(http::header::CONTENT_LENGTH));
+        assert!(!h.contains_key(http::header::TRANSFER_ENCODING));
+        assert!(h.contains_key(http::header::CONTENT_TYPE));
+        let mut h = HeaderMap::new();
+        h.insert(http::header::CONTENT_LENGTH, HeaderValue::from_static("5"));
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h[http::header::CONTENT_LENGTH], "5");
     }
 
     #[test]
