@@ -594,7 +594,9 @@ fn origin_form(
 /// Every request: decide, then refuse or forward.
 async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body> {
     let start = Instant::now();
-    let grpc = is_grpc(req.headers());
+    // gRPC is HTTP/2: over HTTP/1.1 the content type is the caller's word only, and would
+    // choose its procedure key (the raw path) and its upstream protocol.
+    let grpc = req.version() == Version::HTTP_2 && is_grpc(req.headers());
     let decision = {
         let caller = s.caller.caller(&peer.cert_names, req.headers());
         let procedure = s

@@ -383,6 +383,8 @@ impl ProcedureFrom {
         {
             return Cow::Borrowed(cut(v));
         }
+        let path = normalized(path);
+        let path = path.as_ref();
         for r in &self.routes {
             match &r.method {
                 Some(m) if m == method && r.matches_path(path) => return Cow::Borrowed(&r.name),
@@ -394,6 +396,60 @@ impl ProcedureFrom {
         }
         Cow::Borrowed(UNMATCHED_PROCEDURE)
     }
+}
+
+/// `path` as servers read it before they route it (nginx before it matches a location, Go's
+/// `net/http` and most frameworks too): `%XX` decoded, runs of `/` merged, `.` and `..`
+/// segments resolved (never above the root). Most paths have nothing of these and are
+/// returned as they are.
+pub fn normalized(path: &str) -> Cow<'_, str> {
+    if !path.contains('%') && !path.contains("//") && !path.contains("/.") {
+        return Cow::Borrowed(path);
+    }
+    let b = path.as_bytes();
+    let mut decoded = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        match (
+            b[i],
+            b.get(i + 1).and_then(|&c| hex(c)),
+            b.get(i + 2).and_then(|&c| hex(c)),
+        ) {
+            (b'%', Some(h), Some(l)) => {
+                decoded.push((h * 16 + l) as u8);
+                i += 3;
+            }
+            (c, _, _) => {
+                decoded.push(c);
+                i += 1;
+            }
+        }
+    }
+    let decoded = String::from_utf8_lossy(&decoded);
+    let mut segs: Vec<&str> = Vec::new();
+    let mut trailing = false;
+    for seg in decoded.split('/') {
+        trailing = false;
+        match seg {
+            "" => trailing = true,
+            "." => trailing = true,
+            ".." => {
+                segs.pop();
+                trailing = true;
+            }
+            s => segs.push(s),
+        }
+    }
+    let mut out = String::with_capacity(decoded.len());
+    for s in &segs {
+        out.push('/');
+        out.push_str(s);
+    }
+    if trailing || segs.is_empty() {
+        out.push('/');
+    }
+    Cow::Owned(out)
 }
 
 /// Whether a request is a gRPC call (`content-type: application/grpc[+proto|;…]`).
@@ -577,6 +633,52 @@ mod tests {
         for bad in ["users/{id}", "GET /a/{b*}/c", "G@T /a", "/a/x{y}"] {
             assert!(Route::parse(bad).is_err(), "{bad}");
         }
+    }
+
+    /// A path spelled another way than the route (percent-encoded, with dot segments or
+    /// doubled slashes) matches it as the upstream will read it (as nginx matches its
+    /// locations), instead of folding into `_other` and out of the route's bucket.
+    #[test]
+    fn a_route_matches_the_path_as_the_upstream_reads_it() {
+        let from = ProcedureFrom {
+            routes: ["POST /charge", "GET /users/{id}"]
+                .iter()
+                .map(|r| Route::parse(r).unwrap())
+                .collect(),
+            ..ProcedureFrom::default()
+        };
+        let none = HeaderMap::new();
+        for path in [
+            "/char%67e",
+            "/CHARGE/../charge",
+            "/a/./../charge",
+            "//charge",
+            "/./charge",
+            "/%63harge",
+        ] {
+            assert_eq!(
+                from.procedure(false, &Method::POST, path, &none),
+                "POST /charge",
+                "{path}"
+            );
+        }
+        for path in ["/users/%34%32", "/users//42", "/x/../users/42"] {
+            assert_eq!(
+                from.procedure(false, &Method::GET, path, &none),
+                "GET /users/{id}",
+                "{path}"
+            );
+        }
+        for path in ["/charge/x", "/../", "/%zz", "/users/4%2F2/x"] {
+            assert_eq!(
+                from.procedure(false, &Method::POST, path, &none),
+                UNMATCHED_PROCEDURE,
+                "{path}"
+            );
+        }
+        assert_eq!(normalized("/a/b?"), "/a/b?");
+        assert_eq!(normalized("/a/b/.."), "/a/");
+        assert_eq!(normalized("/a/%2e%2E/b"), "/b");
     }
 
     #[test]

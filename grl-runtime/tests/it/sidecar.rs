@@ -1352,3 +1352,46 @@ async fn an_answer_streaming_longer_than_the_header_timeout_is_not_cut() {
         );
     }
 }
+
+/// gRPC is HTTP/2: an HTTP/1.1 request saying `content-type: application/grpc` is plain HTTP,
+/// its procedure from the routes (not its raw path, a key of the caller's choosing) and its
+/// upstream the HTTP/1.1 one.
+#[tokio::test]
+async fn a_grpc_content_type_over_http1_is_plain_http() {
+    let dir = tempfile::tempdir().unwrap();
+    let (py_port, port, admin) = (free_port(), free_port(), free_port());
+    let _py = spawn_py_http(dir.path(), py_port);
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let _sc = spawn_sidecar(
+        dir.path(),
+        port,
+        admin,
+        &format!("http://127.0.0.1:{py_port}"),
+        &[&dead],
+        &["--route", "POST /charge"],
+    );
+    wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
+    wait_up(&format!("http://127.0.0.1:{py_port}/")).await;
+    let r = reqwest::Client::new()
+        .post(format!("http://127.0.0.1:{port}/charge"))
+        .header("content-type", "application/grpc")
+        .header("rpc-caller", "web")
+        .body("abc")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.text().await.unwrap(), "ok POST /charge read=3\n");
+    let metrics = reqwest::get(format!("http://127.0.0.1:{admin}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for (protocol, n) in [("http", 1), ("grpc", 0)] {
+        let line = format!(
+            "grl_sidecar_requests_total{{protocol=\"{protocol}\",decision=\"admit\"}} {n}\n"
+        );
+        assert!(metrics.contains(&line), "no {line} in {metrics}");
+    }
+}
