@@ -211,6 +211,11 @@ pub struct H2Conn {
 
 type H2Send = hyper::client::conn::http2::SendRequest<Body>;
 
+/// What one gRPC call's answer may have in flight from the upstream before its caller reads.
+const H2_STREAM_WINDOW: u32 = 256 << 10;
+/// The h2c connection's window: HTTP/2's largest (2^31 - 1).
+const H2_CONNECTION_WINDOW: u32 = (1 << 31) - 1;
+
 impl H2Conn {
     /// Sends `req` (absolute URI, HTTP/2) and waits for the answer's head.
     pub async fn request(
@@ -268,8 +273,15 @@ impl H2Conn {
             .connect(self.connect_timeout)
             .await
             .map_err(UpstreamError::Connect)?;
+        // Every call of this worker shares the connection: a call whose caller stops reading
+        // holds what the upstream sent it, up to its stream window. The connection's window is
+        // the largest HTTP/2 allows, so that calls held unread never use it up and stall the
+        // others; a stream's is small, so that each holds little (memory: 256 KiB per call in
+        // flight).
         let (tx, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
             .timer(TokioTimer::new())
+            .initial_stream_window_size(H2_STREAM_WINDOW)
+            .initial_connection_window_size(H2_CONNECTION_WINDOW)
             .handshake(io)
             .await
             .map_err(UpstreamError::Handshake)?;

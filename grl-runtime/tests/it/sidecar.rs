@@ -1395,3 +1395,97 @@ async fn a_grpc_content_type_over_http1_is_plain_http() {
         assert!(metrics.contains(&line), "no {line} in {metrics}");
     }
 }
+
+/// Calls held by callers that stop reading do not stall the other calls sharing the worker's
+/// h2c connection to the upstream: three server-streaming answers of 8 MiB that nobody reads,
+/// then a unary call on the same worker, answered.
+#[tokio::test]
+async fn grpc_callers_that_stop_reading_do_not_stall_the_other_calls() {
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Full};
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    // An h2c upstream: `/big.Svc/Stream` answers 8 MiB, anything else a 2-byte message.
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = l.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        loop {
+            let (s, _) = l.accept().await.unwrap();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(
+                    |req: hyper::Request<hyper::body::Incoming>| async move {
+                        let big = req.uri().path() == "/big.Svc/Stream";
+                        let _ = req.into_body().collect().await;
+                        let body = if big {
+                            Bytes::from(vec![0u8; 8 << 20])
+                        } else {
+                            Bytes::from_static(&[0, 0, 0, 0, 2, b'o', b'k'])
+                        };
+                        let mut trailers = hyper::HeaderMap::new();
+                        trailers
+                            .insert("grpc-status", hyper::header::HeaderValue::from_static("0"));
+                        let mut r = hyper::Response::new(
+                            Full::new(body).with_trailers(async move { Some(Ok(trailers)) }),
+                        );
+                        r.headers_mut().insert(
+                            "content-type",
+                            hyper::header::HeaderValue::from_static("application/grpc"),
+                        );
+                        Ok::<_, std::convert::Infallible>(r)
+                    },
+                );
+                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let (port, admin) = (free_port(), free_port());
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let _sc = spawn_sidecar(
+        dir.path(),
+        port,
+        admin,
+        &format!("http://{up}"),
+        &[&dead],
+        &["--workers", "1"],
+    );
+    wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
+    let call = |path: &'static str| async move {
+        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        let (mut tx, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+            .handshake(TokioIo::new(tcp))
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        let req = hyper::Request::post(format!("http://127.0.0.1:{port}{path}"))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .header("rpc-caller", "web")
+            .body(Full::new(Bytes::from_static(&[0, 0, 0, 0, 1, b'x'])))
+            .unwrap();
+        let resp = tx.send_request(req).await.unwrap();
+        (tx, resp)
+    };
+    // Three answers held unread: each fills its windows on the way.
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(call("/big.Svc/Stream").await);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let unary = async {
+        let (_tx, resp) = call("/small.Svc/Unary").await;
+        resp.into_body().collect().await.unwrap()
+    };
+    let t = Instant::now();
+    let got = tokio::time::timeout(Duration::from_secs(5), unary)
+        .await
+        .expect("the unary call stalled behind the unread answers");
+    eprintln!("unary call answered in {:?}", t.elapsed());
+    assert_eq!(got.trailers().unwrap()["grpc-status"], "0");
+    assert_eq!(got.to_bytes().as_ref(), &[0, 0, 0, 0, 2, b'o', b'k']);
+    drop(held);
+    server.abort();
+}
