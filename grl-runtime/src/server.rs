@@ -181,9 +181,16 @@ impl prometheus_client::collector::Collector for StatsCollector {
 /// reserve below the process's open-file limit: the soft limit is raised toward the hard one
 /// when needed (as Go's runtime does at start), and when that is not enough the cap is lowered,
 /// with a warning. Returns the limits in force.
-pub fn fit_to_fd_limit(mut limits: ServeLimits, listeners: usize) -> ServeLimits {
+pub fn fit_to_fd_limit(limits: ServeLimits, listeners: usize) -> ServeLimits {
+    fit_to_fd_limit_plus(limits, listeners, 0)
+}
+
+/// [`fit_to_fd_limit`] with `extra` descriptors more in the reserve (the sidecar's idle
+/// upstream connections).
+pub fn fit_to_fd_limit_plus(mut limits: ServeLimits, listeners: usize, extra: u64) -> ServeLimits {
     let per = (limits.max_connections + limits.health_connections) as u64;
-    let want = per * listeners.max(1) as u64 + FD_RESERVE;
+    let reserve = FD_RESERVE + extra;
+    let want = per * listeners.max(1) as u64 + reserve;
     let mut rl = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
@@ -206,7 +213,7 @@ pub fn fit_to_fd_limit(mut limits: ServeLimits, listeners: usize) -> ServeLimits
     #[allow(clippy::unnecessary_cast)] // rlim_t is not u64 everywhere
     let have = rl.rlim_cur as u64;
     if have < want {
-        let room = have.saturating_sub(FD_RESERVE) / listeners.max(1) as u64;
+        let room = have.saturating_sub(reserve) / listeners.max(1) as u64;
         let cap = room.saturating_sub(limits.health_connections as u64).max(1) as usize;
         tracing::warn!(
             asked = limits.max_connections,

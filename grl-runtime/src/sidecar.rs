@@ -289,15 +289,28 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
         .map(|n| crate::server::Workers::start(n, "grl-sidecar"))
         .transpose()
         .context("start the worker threads")?;
+    // Every caller connection may hold an upstream connection (an HTTP/1.1 request in flight
+    // holds one; an HTTP/2 caller's requests share the slots), and every pool keeps idle
+    // ones: the descriptors are budgeted for both, and the requests in flight upstream are
+    // as many as the caller connections allowed (one waits for a slot within the upstream
+    // timeout).
+    let pools = workers.as_ref().map_or(0, |w| w.len()) + 1;
+    let serve = crate::server::fit_to_fd_limit_plus(
+        opts.serve,
+        2,
+        (pools * crate::sidecar::upstream::MAX_IDLE) as u64,
+    );
+    let slots = Arc::new(tokio::sync::Semaphore::new(serve.max_connections));
     let shared = Arc::new(Shared {
         layer,
         client,
-        clients: (0..=workers.as_ref().map_or(0, |w| w.len()))
+        clients: (0..pools)
             .map(|_| {
-                Clients::new(
+                Clients::with_slots(
                     opts.upstream.clone(),
                     opts.connect_timeout,
                     opts.serve.idle_timeout,
+                    slots.clone(),
                 )
             })
             .collect(),
@@ -336,7 +349,7 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
             listener,
             proxy,
             tls,
-            opts.serve,
+            serve,
             server_stats,
             conn,
             async {

@@ -14,6 +14,7 @@ use hyper::body::{Body as _, Incoming};
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::{TcpStream, UnixStream};
+use tokio::sync::Semaphore;
 
 /// Where the service instance listens.
 #[derive(Debug, Clone, PartialEq)]
@@ -175,15 +176,31 @@ pub struct Clients {
 }
 
 /// Idle connections kept per pool.
-const MAX_IDLE: usize = 256;
+pub const MAX_IDLE: usize = 256;
+
+/// As many slots as a semaphore holds: no bound.
+fn unbounded_slots() -> std::sync::Arc<Semaphore> {
+    std::sync::Arc::new(Semaphore::new(Semaphore::MAX_PERMITS))
+}
 
 impl Clients {
     /// Connections to `upstream`, each opened within `connect_timeout`; idle ones close (or are
     /// replaced) after `idle`.
     pub fn new(upstream: Upstream, connect_timeout: Duration, idle: Duration) -> Clients {
+        Clients::with_slots(upstream, connect_timeout, idle, unbounded_slots())
+    }
+
+    /// [`Clients::new`] whose HTTP/1.1 requests in flight each hold one of `slots` (shared by
+    /// every worker's pools: the bound on upstream connections in use).
+    pub fn with_slots(
+        upstream: Upstream,
+        connect_timeout: Duration,
+        idle: Duration,
+        slots: std::sync::Arc<Semaphore>,
+    ) -> Clients {
         let upstream = std::sync::Arc::new(upstream);
         Clients {
-            h1: H1Pool::new(upstream.clone(), connect_timeout, idle),
+            h1: H1Pool::new(upstream.clone(), connect_timeout, idle).with_slots(slots),
             h2: H2Conn {
                 upstream,
                 connect_timeout,
@@ -311,6 +328,8 @@ pub struct H1Pool {
     connect_timeout: Duration,
     idle_timeout: Duration,
     idle: std::sync::Arc<std::sync::Mutex<Vec<Idle>>>,
+    /// One per request in flight, held until its answer's body is gone.
+    slots: std::sync::Arc<Semaphore>,
 }
 
 struct Idle {
@@ -371,7 +390,13 @@ impl H1Pool {
             connect_timeout,
             idle_timeout,
             idle: Default::default(),
+            slots: unbounded_slots(),
         }
+    }
+
+    /// The pool with its requests in flight bounded by `slots` (a request waits for one).
+    pub fn with_slots(self, slots: std::sync::Arc<Semaphore>) -> H1Pool {
+        H1Pool { slots, ..self }
     }
 
     /// Sends `req` (origin-form target, `Host` set) and waits for the answer's head.
@@ -379,6 +404,18 @@ impl H1Pool {
         &self,
         mut req: Request<Body>,
     ) -> Result<Response<PooledBody>, UpstreamError> {
+        // A slot for the request's connection, until its answer's body is gone: fast when
+        // one is free, else wait (the caller's upstream timeout bounds the wait).
+        let slot = match self.slots.clone().try_acquire_owned() {
+            Ok(slot) => slot,
+            Err(_) => self
+                .slots
+                .clone()
+                .acquire_owned()
+                .await
+                .expect("the slots are never closed"),
+        };
+        let mut slot = Some(slot);
         // Whether the request was already written once (and is being sent again).
         let mut replayed = false;
         loop {
@@ -400,6 +437,7 @@ impl H1Pool {
                     return Ok(resp.map(|inner| PooledBody {
                         inner,
                         back: Some(back),
+                        _slot: slot.take(),
                     }));
                 }
                 Err(mut e) => match (e.take_message(), again) {
@@ -489,6 +527,8 @@ impl CheckIn {
 pub struct PooledBody {
     inner: Incoming,
     back: Option<CheckIn>,
+    /// The request's slot, free again when the body is dropped.
+    _slot: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 impl Drop for PooledBody {

@@ -1489,3 +1489,107 @@ async fn grpc_callers_that_stop_reading_do_not_stall_the_other_calls() {
     drop(held);
     server.abort();
 }
+
+/// Upstream HTTP/1.1 connections in use are bounded by `--max-connections` (each request in
+/// flight holds one): one HTTP/2 caller sending 20 requests at once to a slow upstream gets
+/// all 20 answered, over at most 4 upstream connections at a time.
+#[tokio::test]
+async fn upstream_connections_in_use_are_bounded_by_the_connection_cap() {
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Full};
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use std::sync::atomic::AtomicUsize;
+    // An HTTP/1.1 upstream answering after 200 ms; it counts its open connections and the
+    // most at once.
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = l.local_addr().unwrap();
+    let (open, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (o, m) = (open.clone(), most.clone());
+    let server = tokio::spawn(async move {
+        loop {
+            let (s, _) = l.accept().await.unwrap();
+            let (open, most) = (o.clone(), m.clone());
+            let now = open.fetch_add(1, Ordering::SeqCst) + 1;
+            most.fetch_max(now, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(
+                    |_req: hyper::Request<hyper::body::Incoming>| async move {
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        Ok::<_, std::convert::Infallible>(hyper::Response::new(Full::new(
+                            Bytes::from_static(b"ok"),
+                        )))
+                    },
+                );
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(s), svc)
+                    .await;
+                open.fetch_sub(1, Ordering::SeqCst);
+            });
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let (port, admin) = (free_port(), free_port());
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let _sc = spawn_sidecar(
+        dir.path(),
+        port,
+        admin,
+        &format!("http://{up}"),
+        &[&dead],
+        &["--max-connections", "4"],
+    );
+    wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let (tx, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .handshake(TokioIo::new(tcp))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let calls = (0..20).map(|i| {
+        let mut tx = tx.clone();
+        async move {
+            let req = hyper::Request::get(format!("http://127.0.0.1:{port}/r/{i}"))
+                .header("rpc-caller", "web")
+                .body(http_body_util::Empty::<Bytes>::new())
+                .unwrap();
+            let r = tx.send_request(req).await.unwrap();
+            let status = r.status();
+            (status, r.into_body().collect().await.unwrap().to_bytes())
+        }
+    });
+    let answers = tokio::time::timeout(Duration::from_secs(20), futures_join_all(calls.collect()))
+        .await
+        .expect("answered");
+    for (status, body) in answers {
+        assert_eq!((status.as_u16(), body.as_ref()), (200, b"ok".as_ref()));
+    }
+    let most = most.load(Ordering::SeqCst);
+    assert!(most <= 4, "{most} upstream connections at once");
+    server.abort();
+}
+
+/// Runs futures concurrently on this task and returns their outputs in order.
+async fn futures_join_all<F: std::future::Future>(fs: Vec<F>) -> Vec<F::Output> {
+    let mut pinned: Vec<_> = fs.into_iter().map(Box::pin).collect();
+    let mut done: Vec<Option<F::Output>> = pinned.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (f, d) in pinned.iter_mut().zip(done.iter_mut()) {
+            if d.is_none() {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => *d = Some(v),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    done.into_iter().map(|d| d.expect("ready")).collect()
+}
