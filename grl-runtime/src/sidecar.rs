@@ -551,19 +551,21 @@ fn add_forwarded_for(h: &mut HeaderMap, ip: std::net::IpAddr) {
     let Some(v) = forwarded_for(ip) else {
         return;
     };
-    let name = HeaderName::from_static("x-forwarded-for");
-    if !h.contains_key(&name) {
-        h.insert(name, v);
-        return;
-    }
-    let mut joined = Vec::new();
-    for line in h.get_all(&name) {
-        joined.extend_from_slice(line.as_bytes());
-        joined.extend_from_slice(b", ");
-    }
-    joined.extend_from_slice(v.as_bytes());
-    if let Ok(v) = HeaderValue::from_bytes(&joined) {
-        h.insert(name, v);
+    match h.entry(HeaderName::from_static("x-forwarded-for")) {
+        http::header::Entry::Vacant(e) => {
+            e.insert(v);
+        }
+        http::header::Entry::Occupied(mut e) => {
+            let mut joined = Vec::new();
+            for line in e.iter() {
+                joined.extend_from_slice(line.as_bytes());
+                joined.extend_from_slice(b", ");
+            }
+            joined.extend_from_slice(v.as_bytes());
+            if let Ok(v) = HeaderValue::from_bytes(&joined) {
+                e.insert(v);
+            }
+        }
     }
 }
 

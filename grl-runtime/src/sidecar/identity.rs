@@ -383,6 +383,9 @@ impl ProcedureFrom {
         {
             return Cow::Borrowed(cut(v));
         }
+        if self.routes.is_empty() {
+            return Cow::Borrowed(UNMATCHED_PROCEDURE);
+        }
         let path = normalized(path);
         let path = path.as_ref();
         for r in &self.routes {
@@ -403,10 +406,14 @@ impl ProcedureFrom {
 /// segments resolved (never above the root). Most paths have nothing of these and are
 /// returned as they are.
 pub fn normalized(path: &str) -> Cow<'_, str> {
-    if !path.contains('%') && !path.contains("//") && !path.contains("/.") {
+    let b = path.as_bytes();
+    let plain = b
+        .iter()
+        .enumerate()
+        .all(|(i, &c)| c != b'%' && !(c == b'/' && matches!(b.get(i + 1), Some(b'/' | b'.'))));
+    if plain {
         return Cow::Borrowed(path);
     }
-    let b = path.as_bytes();
     let mut decoded = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
