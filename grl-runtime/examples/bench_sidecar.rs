@@ -66,9 +66,12 @@ fn args() -> Args {
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
         if k == "--pin" {
-            let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-            assert!(cpus >= 2, "--pin needs two CPUs at least");
-            a.pin = Some(cpus - 1);
+            let cpus = allowed_cpus();
+            assert!(
+                cpus.len() >= 2,
+                "--pin needs two CPUs at least, has {cpus:?}"
+            );
+            a.pin = cpus.last().copied();
             continue;
         }
         let v = it.next().unwrap_or_else(|| panic!("{k} needs a value"));
@@ -328,24 +331,39 @@ fn pinned(cmd: &mut Command, cpus: Option<Vec<usize>>) -> &mut Command {
     if let Some(cpus) = cpus {
         // SAFETY: sched_setaffinity is async-signal-safe and reads only the closure's vector.
         unsafe {
-            cmd.pre_exec(move || {
-                set_affinity(&cpus);
-                Ok(())
+            cmd.pre_exec(move || match set_affinity(&cpus) {
+                true => Ok(()),
+                false => Err(std::io::Error::last_os_error()),
             });
         }
     }
     cmd
 }
 
-/// Restricts the calling thread (and what it starts afterwards) to `cpus`.
-fn set_affinity(cpus: &[usize]) {
+/// Restricts the calling thread (and what it starts afterwards) to `cpus`; false if refused.
+fn set_affinity(cpus: &[usize]) -> bool {
     // SAFETY: a zeroed cpu_set_t is the empty set; the pointer is to a live local.
     unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         for &c in cpus {
             libc::CPU_SET(c, &mut set);
         }
-        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    }
+}
+
+/// The CPUs this process may run on (a cpuset or a container may allow fewer, or others, than
+/// the machine has).
+fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: a zeroed cpu_set_t is the empty set; sched_getaffinity fills the local.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Vec::new();
+        }
+        (0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| libc::CPU_ISSET(c, &set))
+            .collect()
     }
 }
 
@@ -620,7 +638,8 @@ fn main() {
     let a = args();
     if let Some(cpu) = a.pin {
         // The generator, the upstreams and the GRL tier on the other CPUs.
-        set_affinity(&(0..cpu).collect::<Vec<_>>());
+        let others: Vec<usize> = allowed_cpus().into_iter().filter(|&c| c != cpu).collect();
+        assert!(set_affinity(&others), "cannot run on CPUs {others:?}");
     }
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -632,7 +651,11 @@ fn main() {
 async fn run(a: Args) {
     // With --pin: the proxies measured on one CPU; the accuracy part's on all of them.
     let proxy_cpu = a.pin.map(|c| vec![c]);
-    let all_cpus = a.pin.map(|c| (0..=c).collect::<Vec<_>>());
+    let all_cpus = a.pin.map(|c| {
+        let mut all: Vec<usize> = allowed_cpus();
+        all.push(c);
+        all
+    });
     let dir = tempfile::tempdir().unwrap();
     let up = upstream().await;
     let gup = grpc_upstream().await;

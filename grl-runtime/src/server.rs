@@ -181,16 +181,9 @@ impl prometheus_client::collector::Collector for StatsCollector {
 /// reserve below the process's open-file limit: the soft limit is raised toward the hard one
 /// when needed (as Go's runtime does at start), and when that is not enough the cap is lowered,
 /// with a warning. Returns the limits in force.
-pub fn fit_to_fd_limit(limits: ServeLimits, listeners: usize) -> ServeLimits {
-    fit_to_fd_limit_plus(limits, listeners, 0)
-}
-
-/// [`fit_to_fd_limit`] with `extra` descriptors more in the reserve (the sidecar's idle
-/// upstream connections).
-pub fn fit_to_fd_limit_plus(mut limits: ServeLimits, listeners: usize, extra: u64) -> ServeLimits {
+pub fn fit_to_fd_limit(mut limits: ServeLimits, listeners: usize) -> ServeLimits {
     let per = (limits.max_connections + limits.health_connections) as u64;
-    let reserve = FD_RESERVE + extra;
-    let want = per * listeners.max(1) as u64 + reserve;
+    let want = per * listeners.max(1) as u64 + FD_RESERVE;
     let mut rl = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
@@ -213,7 +206,7 @@ pub fn fit_to_fd_limit_plus(mut limits: ServeLimits, listeners: usize, extra: u6
     #[allow(clippy::unnecessary_cast)] // rlim_t is not u64 everywhere
     let have = rl.rlim_cur as u64;
     if have < want {
-        let room = have.saturating_sub(reserve) / listeners.max(1) as u64;
+        let room = have.saturating_sub(FD_RESERVE) / listeners.max(1) as u64;
         let cap = room.saturating_sub(limits.health_connections as u64).max(1) as usize;
         tracing::warn!(
             asked = limits.max_connections,
@@ -239,6 +232,11 @@ struct Activity {
     /// its first request came, and the bytes it reads between requests (WINDOW_UPDATE, PING,
     /// another stream's frames) never start a header clock.
     h2: AtomicBool,
+    /// HTTP/2 answers whose head went and whose body is still being sent.
+    streaming: AtomicU32,
+    /// Milliseconds since `origin` at which an HTTP/2 answer's body last gave a frame to send
+    /// (the answers' progress; the connection's own writes include ping replies).
+    last_progress: AtomicU64,
 }
 
 const NONE: u64 = u64::MAX;
@@ -258,6 +256,8 @@ impl Activity {
             head_since: AtomicU64::new(0),
             in_flight: AtomicU32::new(0),
             h2: AtomicBool::new(false),
+            streaming: AtomicU32::new(0),
+            last_progress: AtomicU64::new(0),
         }
     }
 
@@ -299,6 +299,14 @@ impl Activity {
             return Verdict::Fine;
         }
         let now = self.now();
+        // HTTP/2 answers being sent: idle when none of them moved for the idle timeout,
+        // whatever the caller sends meanwhile (pings, window updates) and the replies to it.
+        if self.streaming.load(Ordering::Relaxed) > 0 {
+            return match now.saturating_sub(self.last_progress.load(Ordering::Relaxed)) > idle_ms {
+                true => Verdict::Idle,
+                false => Verdict::Fine,
+            };
+        }
         match self.head_since.load(Ordering::Relaxed) {
             NONE if now.saturating_sub(self.last_io.load(Ordering::Relaxed)) > idle_ms => {
                 Verdict::Idle
@@ -307,6 +315,53 @@ impl Activity {
             since if now.saturating_sub(since) > header_ms => Verdict::HeaderTimeout,
             _ => Verdict::Fine,
         }
+    }
+}
+
+/// An HTTP/2 answer's body, counted in [`Activity::streaming`] until it is dropped.
+struct Streaming {
+    inner: axum::body::Body,
+    act: Arc<Activity>,
+}
+
+impl Streaming {
+    fn wrap(resp: axum::response::Response, act: Arc<Activity>) -> axum::response::Response {
+        act.streaming.fetch_add(1, Ordering::Relaxed);
+        act.last_progress.store(act.now(), Ordering::Relaxed);
+        resp.map(|inner| axum::body::Body::new(Streaming { inner, act }))
+    }
+}
+
+impl Drop for Streaming {
+    fn drop(&mut self) {
+        self.act.streaming.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl hyper::body::Body for Streaming {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, axum::Error>>> {
+        let r = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
+        if matches!(r, std::task::Poll::Ready(Some(Ok(_)))) {
+            // hyper asks for a frame only when the caller's windows have room for it.
+            self.act
+                .last_progress
+                .store(self.act.now(), Ordering::Relaxed);
+        }
+        r
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
     }
 }
 
@@ -736,7 +791,8 @@ async fn http<I>(
     let handler = ctx.handler.clone();
     let act2 = act.clone();
     let svc = hyper::service::service_fn(move |mut req: http::Request<Incoming>| {
-        act2.request_started(req.version() == http::Version::HTTP_2);
+        let h2 = req.version() == http::Version::HTTP_2;
+        act2.request_started(h2);
         let done = InFlight(act2.clone());
         let answer = if health_only && !HEALTH_PATHS.contains(&req.uri().path()) {
             Answer::Now(at_capacity())
@@ -749,12 +805,21 @@ async fn http<I>(
                 }
             }
         };
+        let streaming = h2.then(|| act2.clone());
         async move {
             let _done = done;
-            Ok::<_, Infallible>(match answer {
+            let resp = match answer {
                 Answer::Now(r) => r,
                 Answer::Direct(f) => f.await,
                 Answer::Router(f) => f.await.unwrap_or_else(|e| match e {}),
+            };
+            Ok::<_, Infallible>(match streaming {
+                // An HTTP/2 answer with a body to send: watched for progress (an HTTP/1.1
+                // one is idle-checked by the connection's own reads and writes).
+                Some(act) if !hyper::body::Body::is_end_stream(resp.body()) => {
+                    Streaming::wrap(resp, act)
+                }
+                _ => resp,
             })
         }
     });

@@ -290,16 +290,14 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
         .transpose()
         .context("start the worker threads")?;
     // Every caller connection may hold an upstream connection (an HTTP/1.1 request in flight
-    // holds one; an HTTP/2 caller's requests share the slots), and every pool keeps idle
-    // ones: the descriptors are budgeted for both, and the requests in flight upstream are
-    // as many as the caller connections allowed (one waits for a slot within the upstream
+    // holds one; an HTTP/2 caller's requests share the slots), and the pools keep idle ones, as
+    // many in all as the cap at most: three descriptors per connection are budgeted (the
+    // caller's, one in use upstream, one idle), and the requests in flight upstream are as
+    // many as the caller connections allowed (one waits for a slot within the upstream
     // timeout).
     let pools = workers.as_ref().map_or(0, |w| w.len()) + 1;
-    let serve = crate::server::fit_to_fd_limit_plus(
-        opts.serve,
-        2,
-        (pools * crate::sidecar::upstream::MAX_IDLE) as u64,
-    );
+    let serve = crate::server::fit_to_fd_limit(opts.serve, 3);
+    let max_idle = (serve.max_connections / pools).clamp(1, crate::sidecar::upstream::MAX_IDLE);
     let slots = Arc::new(tokio::sync::Semaphore::new(serve.max_connections));
     let shared = Arc::new(Shared {
         layer,
@@ -311,6 +309,7 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
                     opts.connect_timeout,
                     opts.serve.idle_timeout,
                     slots.clone(),
+                    max_idle,
                 )
             })
             .collect(),
@@ -611,6 +610,10 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
     let start = Instant::now();
     // gRPC is HTTP/2: over HTTP/1.1 the content type is the caller's word only, and would
     // choose its procedure key (the raw path) and its upstream protocol.
+    // A target no upstream would read as meant is refused before it is decided (and counted).
+    let Some(path) = origin_form(req.method(), req.uri().path_and_query()) else {
+        return plain(StatusCode::BAD_REQUEST, "bad request target\n");
+    };
     let grpc = req.version() == Version::HTTP_2 && is_grpc(req.headers());
     let decision = {
         let caller = s.caller.caller(&peer.cert_names, req.headers());
@@ -629,9 +632,6 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
     };
     count(&s, grpc, decision);
     let (mut parts, body) = req.into_parts();
-    let Some(path) = origin_form(&parts.method, parts.uri.path_and_query()) else {
-        return plain(StatusCode::BAD_REQUEST, "bad request target\n");
-    };
     strip_hop_by_hop(&mut parts.headers);
     add_forwarded_for(&mut parts.headers, peer.addr.ip());
     // gRPC goes upstream over HTTP/2 (h2c), everything else over HTTP/1.1, which every

@@ -302,8 +302,13 @@ impl Fit {
                 false => None,
             }
             .unwrap_or((mean_y.max(f64::MIN_POSITIVE).ln(), 0.0));
-            let (s_lin, q_lin) = fit_seasonal(&pts, |x| intercept + slope * x)?;
-            let (s_exp, q_exp) = fit_seasonal(&pts, |x| (log_intercept + log_slope * x).exp())?;
+            // A round that cannot fit (a trend overflowing) keeps the previous round's fit.
+            let (Some((s_lin, q_lin)), Some((s_exp, q_exp))) = (
+                fit_seasonal(&pts, |x| intercept + slope * x),
+                fit_seasonal(&pts, |x| (log_intercept + log_slope * x).exp()),
+            ) else {
+                break;
+            };
             season = s_lin.clone();
             season_exp = s_exp.clone();
             fitted = Some((

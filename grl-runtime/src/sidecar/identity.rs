@@ -194,7 +194,7 @@ impl CallerFrom {
 /// one value, never an element or a key of its own). A URI with a quote or a backslash in it is
 /// none.
 pub fn xfcc_uri(v: &str) -> Option<&str> {
-    let last = *split_unquoted(v, b',').last()?;
+    let last = last_element(v)?;
     split_unquoted(last, b';').into_iter().find_map(|kv| {
         let (k, val) = kv.split_once('=')?;
         if !k.trim().eq_ignore_ascii_case("uri") {
@@ -207,6 +207,28 @@ pub fn xfcc_uri(v: &str) -> Option<&str> {
         };
         (!val.is_empty() && !val.contains(['"', '\\'])).then_some(val)
     })
+}
+
+/// The last element of an `x-forwarded-client-cert` value: after the last `,` outside quotes,
+/// found from the end. The element the nearest proxy appended is well formed whatever the
+/// caller put before it (an unclosed quote of the caller's swallows nothing of it); `None` when
+/// the quotes of the last element do not close.
+fn last_element(v: &str) -> Option<&str> {
+    let b = v.as_bytes();
+    let mut quoted = false;
+    for i in (0..b.len()).rev() {
+        match b[i] {
+            b'"' => {
+                let escapes = b[..i].iter().rev().take_while(|&&c| c == b'\\').count();
+                if escapes % 2 == 0 {
+                    quoted = !quoted;
+                }
+            }
+            b',' if !quoted => return Some(&v[i + 1..]),
+            _ => {}
+        }
+    }
+    (!quoted).then_some(v)
 }
 
 /// `s` split at each `sep` outside double quotes (inside them, a backslash escapes the next
@@ -402,8 +424,9 @@ impl ProcedureFrom {
 }
 
 /// `path` as servers read it before they route it (nginx before it matches a location, Go's
-/// `net/http` and most frameworks too): `%XX` decoded, runs of `/` merged, `.` and `..`
-/// segments resolved (never above the root). Most paths have nothing of these and are
+/// `net/http` and most frameworks too): `%XX` decoded but for `%2F` and `%5C` (a slash within
+/// a segment stays one segment), runs of `/` merged, `.` and `..` segments resolved (never
+/// above the root). Most paths have nothing of these and are
 /// returned as they are.
 pub fn normalized(path: &str) -> Cow<'_, str> {
     let b = path.as_bytes();
@@ -423,7 +446,8 @@ pub fn normalized(path: &str) -> Cow<'_, str> {
             b.get(i + 1).and_then(|&c| hex(c)),
             b.get(i + 2).and_then(|&c| hex(c)),
         ) {
-            (b'%', Some(h), Some(l)) => {
+            // `%2F` and `%5C` stay as written: inside a segment, not separators.
+            (b'%', Some(h), Some(l)) if !matches!(h * 16 + l, 0x2F | 0x5C) => {
                 decoded.push((h * 16 + l) as u8);
                 i += 3;
             }
@@ -580,6 +604,12 @@ mod tests {
             "Hash=ab;Subject=\"CN=a;URI=spiffe://td/ns/a/sa/victim\\\",x\";DNS=b",
         )]);
         assert_eq!(xfcc.caller(&[], &h), UNKNOWN_CALLER);
+        // A caller's unclosed quote before the element its proxy appended swallows nothing.
+        let h = headers(&[(
+            "x-forwarded-client-cert",
+            "URI=spiffe://td/ns/a/sa/victim;x=\",By=spiffe://td/ns/a/sa/b;Hash=ab;URI=spiffe://td/ns/shop/sa/checkout",
+        )]);
+        assert_eq!(xfcc.caller(&[], &h), "checkout");
         // Two lines: the last one's last element.
         let mut h = HeaderMap::new();
         h.append(
@@ -669,7 +699,12 @@ mod tests {
                 "{path}"
             );
         }
-        for path in ["/users/%34%32", "/users//42", "/x/../users/42"] {
+        for path in [
+            "/users/%34%32",
+            "/users//42",
+            "/x/../users/42",
+            "/users/4%2F2",
+        ] {
             assert_eq!(
                 from.procedure(false, &Method::GET, path, &none),
                 "GET /users/{id}",

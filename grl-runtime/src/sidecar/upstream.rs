@@ -187,20 +187,22 @@ impl Clients {
     /// Connections to `upstream`, each opened within `connect_timeout`; idle ones close (or are
     /// replaced) after `idle`.
     pub fn new(upstream: Upstream, connect_timeout: Duration, idle: Duration) -> Clients {
-        Clients::with_slots(upstream, connect_timeout, idle, unbounded_slots())
+        Clients::with_slots(upstream, connect_timeout, idle, unbounded_slots(), MAX_IDLE)
     }
 
     /// [`Clients::new`] whose HTTP/1.1 requests in flight each hold one of `slots` (shared by
-    /// every worker's pools: the bound on upstream connections in use).
+    /// every worker's pools: the bound on upstream connections in use), with at most
+    /// `max_idle` idle connections kept.
     pub fn with_slots(
         upstream: Upstream,
         connect_timeout: Duration,
         idle: Duration,
         slots: std::sync::Arc<Semaphore>,
+        max_idle: usize,
     ) -> Clients {
         let upstream = std::sync::Arc::new(upstream);
         Clients {
-            h1: H1Pool::new(upstream.clone(), connect_timeout, idle).with_slots(slots),
+            h1: H1Pool::new(upstream.clone(), connect_timeout, idle).with_slots(slots, max_idle),
             h2: H2Conn {
                 upstream,
                 connect_timeout,
@@ -230,8 +232,9 @@ type H2Send = hyper::client::conn::http2::SendRequest<Body>;
 
 /// What one gRPC call's answer may have in flight from the upstream before its caller reads.
 const H2_STREAM_WINDOW: u32 = 256 << 10;
-/// The h2c connection's window: HTTP/2's largest (2^31 - 1).
-const H2_CONNECTION_WINDOW: u32 = (1 << 31) - 1;
+/// The h2c connection's window: 256 calls' windows, so that it takes 256 callers that stop
+/// reading to use it up (and what the connection buffers stays bounded).
+const H2_CONNECTION_WINDOW: u32 = 256 * H2_STREAM_WINDOW;
 
 impl H2Conn {
     /// Sends `req` (absolute URI, HTTP/2) and waits for the answer's head.
@@ -291,10 +294,10 @@ impl H2Conn {
             .await
             .map_err(UpstreamError::Connect)?;
         // Every call of this worker shares the connection: a call whose caller stops reading
-        // holds what the upstream sent it, up to its stream window. The connection's window is
-        // the largest HTTP/2 allows, so that calls held unread never use it up and stall the
-        // others; a stream's is small, so that each holds little (memory: 256 KiB per call in
-        // flight).
+        // holds what the upstream sent it, up to its stream window (256 KiB), until the caller
+        // is cut as idle. The connection's window is 256 such windows (64 MiB): a few callers
+        // that stop reading do not stall the others, and what the connection buffers stays
+        // bounded.
         let (tx, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
             .timer(TokioTimer::new())
             .initial_stream_window_size(H2_STREAM_WINDOW)
@@ -321,7 +324,7 @@ impl H2Conn {
 /// closes. A request not yet written to a reused connection that turns out closed goes on a
 /// new one (the upstream closed it while idle); a fresh connection's failure is the answer.
 /// Idle connections older than the idle timeout, or closed by the upstream, are dropped when
-/// the pool is next used; at most `MAX_IDLE` are kept.
+/// the pool is next used; at most `max_idle` (`MAX_IDLE` by default) are kept.
 #[derive(Clone)]
 pub struct H1Pool {
     upstream: std::sync::Arc<Upstream>,
@@ -330,6 +333,8 @@ pub struct H1Pool {
     idle: std::sync::Arc<std::sync::Mutex<Vec<Idle>>>,
     /// One per request in flight, held until its answer's body is gone.
     slots: std::sync::Arc<Semaphore>,
+    /// Idle connections kept at most.
+    max_idle: usize,
 }
 
 struct Idle {
@@ -391,12 +396,18 @@ impl H1Pool {
             idle_timeout,
             idle: Default::default(),
             slots: unbounded_slots(),
+            max_idle: MAX_IDLE,
         }
     }
 
-    /// The pool with its requests in flight bounded by `slots` (a request waits for one).
-    pub fn with_slots(self, slots: std::sync::Arc<Semaphore>) -> H1Pool {
-        H1Pool { slots, ..self }
+    /// The pool with its requests in flight bounded by `slots` (a request waits for one) and
+    /// at most `max_idle` idle connections.
+    pub fn with_slots(self, slots: std::sync::Arc<Semaphore>, max_idle: usize) -> H1Pool {
+        H1Pool {
+            slots,
+            max_idle: max_idle.max(1),
+            ..self
+        }
     }
 
     /// Sends `req` (origin-form target, `Host` set) and waits for the answer's head.
@@ -433,6 +444,7 @@ impl H1Pool {
                     let back = CheckIn {
                         tx,
                         idle: self.idle.clone(),
+                        max_idle: self.max_idle,
                     };
                     return Ok(resp.map(|inner| PooledBody {
                         inner,
@@ -505,6 +517,7 @@ fn replayable(req: &Request<Body>) -> Option<Request<()>> {
 struct CheckIn {
     tx: SendRequest<Body>,
     idle: std::sync::Arc<std::sync::Mutex<Vec<Idle>>>,
+    max_idle: usize,
 }
 
 impl CheckIn {
@@ -513,7 +526,7 @@ impl CheckIn {
             return;
         }
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        if idle.len() >= MAX_IDLE {
+        if idle.len() >= self.max_idle {
             idle.remove(0);
         }
         idle.push(Idle {

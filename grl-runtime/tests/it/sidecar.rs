@@ -1492,15 +1492,15 @@ async fn grpc_callers_that_stop_reading_do_not_stall_the_other_calls() {
 
 /// Upstream HTTP/1.1 connections in use are bounded by `--max-connections` (each request in
 /// flight holds one): one HTTP/2 caller sending 20 requests at once to a slow upstream gets
-/// all 20 answered, over at most 4 upstream connections at a time.
+/// all 20 answered, with at most 4 of them at the upstream at a time.
 #[tokio::test]
 async fn upstream_connections_in_use_are_bounded_by_the_connection_cap() {
     use bytes::Bytes;
     use http_body_util::{BodyExt, Full};
     use hyper_util::rt::{TokioExecutor, TokioIo};
     use std::sync::atomic::AtomicUsize;
-    // An HTTP/1.1 upstream answering after 200 ms; it counts its open connections and the
-    // most at once.
+    // An HTTP/1.1 upstream answering after 200 ms; it counts the requests it is handling and
+    // the most at once.
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let up = l.local_addr().unwrap();
     let (open, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
@@ -1509,21 +1509,24 @@ async fn upstream_connections_in_use_are_bounded_by_the_connection_cap() {
         loop {
             let (s, _) = l.accept().await.unwrap();
             let (open, most) = (o.clone(), m.clone());
-            let now = open.fetch_add(1, Ordering::SeqCst) + 1;
-            most.fetch_max(now, Ordering::SeqCst);
             tokio::spawn(async move {
                 let svc = hyper::service::service_fn(
-                    |_req: hyper::Request<hyper::body::Incoming>| async move {
-                        tokio::time::sleep(Duration::from_millis(200)).await;
-                        Ok::<_, std::convert::Infallible>(hyper::Response::new(Full::new(
-                            Bytes::from_static(b"ok"),
-                        )))
+                    move |_req: hyper::Request<hyper::body::Incoming>| {
+                        let (open, most) = (open.clone(), most.clone());
+                        async move {
+                            let now = open.fetch_add(1, Ordering::SeqCst) + 1;
+                            most.fetch_max(now, Ordering::SeqCst);
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                            open.fetch_sub(1, Ordering::SeqCst);
+                            Ok::<_, std::convert::Infallible>(hyper::Response::new(Full::new(
+                                Bytes::from_static(b"ok"),
+                            )))
+                        }
                     },
                 );
                 let _ = hyper::server::conn::http1::Builder::new()
                     .serve_connection(TokioIo::new(s), svc)
                     .await;
-                open.fetch_sub(1, Ordering::SeqCst);
             });
         }
     });
@@ -1566,7 +1569,7 @@ async fn upstream_connections_in_use_are_bounded_by_the_connection_cap() {
         assert_eq!((status.as_u16(), body.as_ref()), (200, b"ok".as_ref()));
     }
     let most = most.load(Ordering::SeqCst);
-    assert!(most <= 4, "{most} upstream connections at once");
+    assert!(most <= 4, "{most} requests at the upstream at once");
     server.abort();
 }
 
@@ -1592,4 +1595,53 @@ async fn futures_join_all<F: std::future::Future>(fs: Vec<F>) -> Vec<F::Output> 
     })
     .await;
     done.into_iter().map(|d| d.expect("ready")).collect()
+}
+
+/// An HTTP/2 caller that stops reading its answers, and only pings, is cut once its answers
+/// made no progress for the idle timeout (its upstream slots freed), while a slow reader is
+/// not (`an_answer_streaming_longer_than_the_header_timeout_is_not_cut`).
+#[tokio::test]
+async fn an_http2_caller_that_only_pings_under_stalled_answers_is_cut_when_idle() {
+    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+    let dir = tempfile::tempdir().unwrap();
+    let (py_port, port, admin) = (free_port(), free_port(), free_port());
+    let _py = spawn_py_http(dir.path(), py_port);
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let _sc = spawn_sidecar(
+        dir.path(),
+        port,
+        admin,
+        &format!("http://127.0.0.1:{py_port}"),
+        &[&dead],
+        &["--http-idle-timeout-ms", "1000"],
+    );
+    wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
+    wait_up(&format!("http://127.0.0.1:{py_port}/")).await;
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let (mut tx, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .timer(TokioTimer::new())
+        .keep_alive_interval(Duration::from_millis(200))
+        .keep_alive_while_idle(true)
+        .handshake(TokioIo::new(tcp))
+        .await
+        .unwrap();
+    let conn = tokio::spawn(conn);
+    let req = hyper::Request::get(format!("http://127.0.0.1:{port}/big?mb=32"))
+        .header("rpc-caller", "web")
+        .body(http_body_util::Empty::<bytes::Bytes>::new())
+        .unwrap();
+    // The answer's head, then nothing read: its windows fill and the sidecar's writes stop.
+    let held = tx.send_request(req).await.unwrap();
+    assert_eq!(held.status(), 200);
+    let t = Instant::now();
+    let ended = tokio::time::timeout(Duration::from_secs(10), conn).await;
+    assert!(ended.is_ok(), "still open after {:?}", t.elapsed());
+    assert!(
+        t.elapsed() >= Duration::from_millis(900),
+        "{:?}",
+        t.elapsed()
+    );
+    drop(held);
 }
