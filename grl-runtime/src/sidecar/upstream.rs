@@ -674,35 +674,45 @@ mod tests {
         pool.request(req).await.unwrap()
     }
 
-    /// An upstream whose first connection answers one request and closes when the next one
-    /// arrives (an idle close crossing a request); later connections answer every request.
-    /// Counts the connections and the requests it read.
-    async fn closing_upstream() -> (Upstream, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    /// A raw HTTP/1.1 upstream reading request heads (the requests here have no body): each
+    /// head is answered `ok`, or its connection closed unanswered when `close(connection,
+    /// heads answered on it, head)` says so. Counts the connections.
+    async fn heads_upstream(
+        close: impl Fn(usize, usize, &[u8]) -> bool + Clone + Send + Sync + 'static,
+    ) -> (Upstream, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        counted_upstream(|mut s, nth| async move {
-            let mut buf = Vec::new();
-            let mut answered = 0;
-            loop {
-                let mut chunk = [0u8; 4096];
-                match s.read(&mut chunk).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(k) => buf.extend_from_slice(&chunk[..k]),
-                }
-                // Heads only (the requests here have no body).
-                while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                    buf.drain(..end + 4);
-                    if nth == 0 && answered == 1 {
-                        return; // closed without an answer
+        counted_upstream(move |mut s, nth| {
+            let close = close.clone();
+            async move {
+                let mut buf = Vec::new();
+                let mut answered = 0;
+                loop {
+                    let mut chunk = [0u8; 4096];
+                    match s.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(k) => buf.extend_from_slice(&chunk[..k]),
                     }
-                    answered += 1;
-                    let a = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
-                    if s.write_all(a).await.is_err() {
-                        return;
+                    while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let head: Vec<u8> = buf.drain(..end + 4).collect();
+                        if close(nth, answered, &head) {
+                            return;
+                        }
+                        answered += 1;
+                        let a = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                        if s.write_all(a).await.is_err() {
+                            return;
+                        }
                     }
                 }
             }
         })
         .await
+    }
+
+    /// An upstream whose first connection answers one request and closes when the next one
+    /// arrives (an idle close crossing a request); later connections answer every request.
+    async fn closing_upstream() -> (Upstream, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+        heads_upstream(|nth, answered, _| nth == 0 && answered == 1).await
     }
 
     #[tokio::test]
@@ -738,35 +748,16 @@ mod tests {
     async fn a_request_that_kills_its_connection_is_sent_again_once_not_once_per_idle_connection() {
         use http_body_util::BodyExt;
         use std::sync::atomic::{AtomicUsize, Ordering};
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
         // An upstream answering `ok`, except that `GET /boom` closes its connection unanswered
         // (a handler that crashes the connection); it counts the `/boom` requests it read.
         let booms = std::sync::Arc::new(AtomicUsize::new(0));
         let b = booms.clone();
-        let (up, _) = counted_upstream(move |mut s, _| {
-            let booms = b.clone();
-            async move {
-                let mut buf = Vec::new();
-                loop {
-                    let mut chunk = [0u8; 4096];
-                    match s.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(k) => buf.extend_from_slice(&chunk[..k]),
-                    }
-                    while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                        let boom = buf.starts_with(b"GET /boom ");
-                        buf.drain(..end + 4);
-                        if boom {
-                            booms.fetch_add(1, Ordering::SeqCst);
-                            return;
-                        }
-                        let a = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
-                        if s.write_all(a).await.is_err() {
-                            return;
-                        }
-                    }
-                }
+        let (up, _) = heads_upstream(move |_, _, head| {
+            let boom = head.starts_with(b"GET /boom ");
+            if boom {
+                b.fetch_add(1, Ordering::SeqCst);
             }
+            boom
         })
         .await;
         let pool = H1Pool::new(up, Duration::from_secs(2), Duration::from_secs(60));

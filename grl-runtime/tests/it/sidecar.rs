@@ -188,6 +188,47 @@ async fn push_config(ctl: &str, version: &str, buckets: Value) {
     assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
 }
 
+/// A sidecar (`extra` its flags; its aggregator a port nobody listens on: it fails open) in
+/// front of `upstream`, answering, with the processes that stop when it is dropped.
+struct Running {
+    _dirs: Vec<tempfile::TempDir>,
+    port: u16,
+    admin: u16,
+    _procs: Vec<Proc>,
+}
+
+async fn lone_sidecar(upstream: &str, extra: &[&str], mut procs: Vec<Proc>) -> Running {
+    let dir = tempfile::tempdir().unwrap();
+    let (port, admin) = (free_port(), free_port());
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    procs.push(spawn_sidecar(
+        dir.path(),
+        port,
+        admin,
+        upstream,
+        &[&dead],
+        extra,
+    ));
+    wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
+    Running {
+        _dirs: vec![dir],
+        port,
+        admin,
+        _procs: procs,
+    }
+}
+
+/// [`lone_sidecar`] in front of the Python HTTP service, both answering.
+async fn py_sidecar(extra: &[&str]) -> Running {
+    let dir = tempfile::tempdir().unwrap();
+    let py_port = free_port();
+    let py = spawn_py_http(dir.path(), py_port);
+    wait_up(&format!("http://127.0.0.1:{py_port}/")).await;
+    let mut running = lone_sidecar(&format!("http://127.0.0.1:{py_port}"), extra, vec![py]).await;
+    running._dirs.push(dir);
+    running
+}
+
 /// Waits until the sidecar behind `admin` has fresh drop ratios (it stopped failing open).
 async fn wait_fresh(admin: u16) {
     let http = reqwest::Client::new();
@@ -1104,25 +1145,14 @@ async fn bodies_far_larger_than_memory_stream_through() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_clients_hold_nothing_up_and_are_cut_as_documented() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let dir = tempfile::tempdir().unwrap();
-    let (py_port, port, admin) = (free_port(), free_port(), free_port());
-    let _py = spawn_py_http(dir.path(), py_port);
-    let dead = format!("http://127.0.0.1:{}", free_port());
-    let _sc = spawn_sidecar(
-        dir.path(),
-        port,
-        admin,
-        &format!("http://127.0.0.1:{py_port}"),
-        &[&dead],
-        &[
-            "--upstream-timeout-ms",
-            "500",
-            "--http-idle-timeout-ms",
-            "1000",
-        ],
-    );
-    wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
-    wait_up(&format!("http://127.0.0.1:{py_port}/")).await;
+    let py = py_sidecar(&[
+        "--upstream-timeout-ms",
+        "500",
+        "--http-idle-timeout-ms",
+        "1000",
+    ])
+    .await;
+    let (port, admin) = (py.port, py.admin);
 
     // A slow sender: the head and 10 of 1000 body bytes, then a byte now and then.
     let mut slow_up = tokio::net::TcpStream::connect(("127.0.0.1", port))
@@ -1222,20 +1252,8 @@ async fn slow_clients_hold_nothing_up_and_are_cut_as_documented() {
 /// request not yet written is retried on a new connection) or with 502, never left hanging.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_closing_kept_alive_connections_never_hangs_a_request() {
-    let dir = tempfile::tempdir().unwrap();
-    let (py_port, port, admin) = (free_port(), free_port(), free_port());
-    let _py = spawn_py_http(dir.path(), py_port);
-    let dead = format!("http://127.0.0.1:{}", free_port());
-    let _sc = spawn_sidecar(
-        dir.path(),
-        port,
-        admin,
-        &format!("http://127.0.0.1:{py_port}"),
-        &[&dead],
-        &["--upstream-timeout-ms", "5000"],
-    );
-    wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
-    wait_up(&format!("http://127.0.0.1:{py_port}/")).await;
+    let py = py_sidecar(&["--upstream-timeout-ms", "5000"]).await;
+    let port = py.port;
     // One kept-alive connection to the sidecar; the hang guard is the client's timeout, far
     // above the upstream timeout.
     let http = reqwest::Client::builder()
@@ -1326,20 +1344,8 @@ async fn read_slowly(port: u16, path: &str, h2: bool, pause: Duration) -> Result
 
 #[tokio::test]
 async fn an_answer_streaming_longer_than_the_header_timeout_is_not_cut() {
-    let dir = tempfile::tempdir().unwrap();
-    let (py_port, port, admin) = (free_port(), free_port(), free_port());
-    let _py = spawn_py_http(dir.path(), py_port);
-    let dead = format!("http://127.0.0.1:{}", free_port());
-    let _sc = spawn_sidecar(
-        dir.path(),
-        port,
-        admin,
-        &format!("http://127.0.0.1:{py_port}"),
-        &[&dead],
-        &["--http-header-timeout-ms", "300"],
-    );
-    wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
-    wait_up(&format!("http://127.0.0.1:{py_port}/")).await;
+    let py = py_sidecar(&["--http-header-timeout-ms", "300"]).await;
+    let port = py.port;
     // 4 MiB read 16 KiB every 3 ms: about a second, the answer's head long sent.
     for h2 in [false, true] {
         let t = Instant::now();
@@ -1358,20 +1364,8 @@ async fn an_answer_streaming_longer_than_the_header_timeout_is_not_cut() {
 /// upstream the HTTP/1.1 one.
 #[tokio::test]
 async fn a_grpc_content_type_over_http1_is_plain_http() {
-    let dir = tempfile::tempdir().unwrap();
-    let (py_port, port, admin) = (free_port(), free_port(), free_port());
-    let _py = spawn_py_http(dir.path(), py_port);
-    let dead = format!("http://127.0.0.1:{}", free_port());
-    let _sc = spawn_sidecar(
-        dir.path(),
-        port,
-        admin,
-        &format!("http://127.0.0.1:{py_port}"),
-        &[&dead],
-        &["--route", "POST /charge"],
-    );
-    wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
-    wait_up(&format!("http://127.0.0.1:{py_port}/")).await;
+    let py = py_sidecar(&["--route", "POST /charge"]).await;
+    let (port, admin) = (py.port, py.admin);
     let r = reqwest::Client::new()
         .post(format!("http://127.0.0.1:{port}/charge"))
         .header("content-type", "application/grpc")
@@ -1439,18 +1433,8 @@ async fn grpc_callers_that_stop_reading_do_not_stall_the_other_calls() {
             });
         }
     });
-    let dir = tempfile::tempdir().unwrap();
-    let (port, admin) = (free_port(), free_port());
-    let dead = format!("http://127.0.0.1:{}", free_port());
-    let _sc = spawn_sidecar(
-        dir.path(),
-        port,
-        admin,
-        &format!("http://{up}"),
-        &[&dead],
-        &["--workers", "1"],
-    );
-    wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
+    let sc = lone_sidecar(&format!("http://{up}"), &["--workers", "1"], vec![]).await;
+    let port = sc.port;
     let call = |path: &'static str| async move {
         let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
             .await
@@ -1530,18 +1514,8 @@ async fn upstream_connections_in_use_are_bounded_by_the_connection_cap() {
             });
         }
     });
-    let dir = tempfile::tempdir().unwrap();
-    let (port, admin) = (free_port(), free_port());
-    let dead = format!("http://127.0.0.1:{}", free_port());
-    let _sc = spawn_sidecar(
-        dir.path(),
-        port,
-        admin,
-        &format!("http://{up}"),
-        &[&dead],
-        &["--max-connections", "4"],
-    );
-    wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
+    let sc = lone_sidecar(&format!("http://{up}"), &["--max-connections", "4"], vec![]).await;
+    let port = sc.port;
     let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
         .await
         .unwrap();
@@ -1603,20 +1577,8 @@ async fn futures_join_all<F: std::future::Future>(fs: Vec<F>) -> Vec<F::Output> 
 #[tokio::test]
 async fn an_http2_caller_that_only_pings_under_stalled_answers_is_cut_when_idle() {
     use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-    let dir = tempfile::tempdir().unwrap();
-    let (py_port, port, admin) = (free_port(), free_port(), free_port());
-    let _py = spawn_py_http(dir.path(), py_port);
-    let dead = format!("http://127.0.0.1:{}", free_port());
-    let _sc = spawn_sidecar(
-        dir.path(),
-        port,
-        admin,
-        &format!("http://127.0.0.1:{py_port}"),
-        &[&dead],
-        &["--http-idle-timeout-ms", "1000"],
-    );
-    wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
-    wait_up(&format!("http://127.0.0.1:{py_port}/")).await;
+    let py = py_sidecar(&["--http-idle-timeout-ms", "1000"]).await;
+    let port = py.port;
     let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
         .await
         .unwrap();
