@@ -348,7 +348,8 @@ impl hyper::body::Body for Streaming {
     ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, axum::Error>>> {
         let r = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
         if matches!(r, std::task::Poll::Ready(Some(Ok(_)))) {
-            // hyper asks for a frame only when the caller's windows have room for it.
+            // hyper takes a frame, then waits for the caller's windows to send it before it
+            // takes the next: frames taken are the answer's progress.
             self.act
                 .last_progress
                 .store(self.act.now(), Ordering::Relaxed);

@@ -408,27 +408,38 @@ impl ProcedureFrom {
         if self.routes.is_empty() {
             return Cow::Borrowed(UNMATCHED_PROCEDURE);
         }
-        let path = normalized(path);
-        let path = path.as_ref();
-        for r in &self.routes {
-            match &r.method {
-                Some(m) if m == method && r.matches_path(path) => return Cow::Borrowed(&r.name),
-                None if METHODS.contains(method) && r.matches_path(path) => {
-                    return Cow::Owned(format!("{method} {}", r.template))
-                }
-                _ => {}
+        // Servers differ on `%2F`: Python's decode it into a separator, Go's keep it inside
+        // its segment. A route that matches either reading is the request's.
+        let kept = normalized(path, false);
+        if let Some(p) = self.route(method, &kept) {
+            return p;
+        }
+        if path.contains('%') {
+            if let Some(p) = self.route(method, &normalized(path, true)) {
+                return p;
             }
         }
         Cow::Borrowed(UNMATCHED_PROCEDURE)
     }
+
+    /// The first route matching `method` and `path`.
+    fn route(&self, method: &Method, path: &str) -> Option<Cow<'_, str>> {
+        self.routes.iter().find_map(|r| match &r.method {
+            Some(m) if m == method && r.matches_path(path) => Some(Cow::Borrowed(r.name.as_str())),
+            None if METHODS.contains(method) && r.matches_path(path) => {
+                Some(Cow::Owned(format!("{method} {}", r.template)))
+            }
+            _ => None,
+        })
+    }
 }
 
 /// `path` as servers read it before they route it (nginx before it matches a location, Go's
-/// `net/http` and most frameworks too): `%XX` decoded but for `%2F` and `%5C` (a slash within
-/// a segment stays one segment), runs of `/` merged, `.` and `..` segments resolved (never
-/// above the root). Most paths have nothing of these and are
+/// `net/http` and most frameworks too): `%XX` decoded (`%2F` and `%5C` only when
+/// `decode_slashes`: else a slash within a segment stays one segment), runs of `/` merged, `.`
+/// and `..` segments resolved (never above the root). Most paths have nothing of these and are
 /// returned as they are.
-pub fn normalized(path: &str) -> Cow<'_, str> {
+pub fn normalized(path: &str, decode_slashes: bool) -> Cow<'_, str> {
     let b = path.as_bytes();
     let plain = b
         .iter()
@@ -447,7 +458,7 @@ pub fn normalized(path: &str) -> Cow<'_, str> {
             b.get(i + 2).and_then(|&c| hex(c)),
         ) {
             // `%2F` and `%5C` stay as written: inside a segment, not separators.
-            (b'%', Some(h), Some(l)) if !matches!(h * 16 + l, 0x2F | 0x5C) => {
+            (b'%', Some(h), Some(l)) if decode_slashes || !matches!(h * 16 + l, 0x2F | 0x5C) => {
                 decoded.push((h * 16 + l) as u8);
                 i += 3;
             }
@@ -718,9 +729,20 @@ mod tests {
                 "{path}"
             );
         }
-        assert_eq!(normalized("/a/b?"), "/a/b?");
-        assert_eq!(normalized("/a/b/.."), "/a/");
-        assert_eq!(normalized("/a/%2e%2E/b"), "/b");
+        assert_eq!(normalized("/a/b?", false), "/a/b?");
+        assert_eq!(normalized("/a/b/..", false), "/a/");
+        assert_eq!(normalized("/a/%2e%2E/b", false), "/b");
+        assert_eq!(normalized("/a%2Fb", false), "/a%2Fb");
+        assert_eq!(normalized("/a%2Fb", true), "/a/b");
+        // A slash written `%2F` matches a route either way servers read it.
+        let from = ProcedureFrom {
+            routes: vec![Route::parse("POST /v1/charge").unwrap()],
+            ..ProcedureFrom::default()
+        };
+        assert_eq!(
+            from.procedure(false, &Method::POST, "/v1%2Fcharge", &none),
+            "POST /v1/charge"
+        );
     }
 
     #[test]
