@@ -325,6 +325,30 @@ async fn measure(paths: &[&str], rate: u64, secs: u64, rounds: u64, grpc: bool) 
     samples.into_iter().map(Samples::latency).collect()
 }
 
+/// The latency table of `peers` (name, URL, pid) at `rate`, measured with [`measure`]; the
+/// first peer is the baseline of the "added" columns.
+async fn latency_table(peers: &[(&str, String, Option<u32>)], rate: u64, a: &Args, grpc: bool) {
+    println!("| path | p50 µs | p90 µs | p99 µs | added p50 µs | added p99 µs | errors |");
+    println!("|---|---|---|---|---|---|---|");
+    let urls: Vec<&str> = peers.iter().map(|p| p.1.as_str()).collect();
+    let lats = measure(&urls, rate, a.secs, a.rounds, grpc).await;
+    let Some((b50, b99)) = lats.first().map(|l| (l.p50, l.p99)) else {
+        return;
+    };
+    for ((name, _, _), l) in peers.iter().zip(lats) {
+        println!(
+            "| {name} | {:.0} | {:.0} | {:.0} | {:+.0} | {:+.0} | {} |",
+            l.p50,
+            l.p90,
+            l.p99,
+            l.p50 - b50,
+            l.p99 - b99,
+            l.errors
+        );
+    }
+    println!();
+}
+
 /// Runs `cmd`'s process on `cpus` when set (else on this process's).
 fn pinned(cmd: &mut Command, cpus: Option<Vec<usize>>) -> &mut Command {
     use std::os::unix::process::CommandExt as _;
@@ -756,24 +780,7 @@ async fn run(a: Args) {
         );
         for &rate in &a.rates {
             println!("### {rate} requests/s (open loop)\n");
-            println!("| path | p50 µs | p90 µs | p99 µs | added p50 µs | added p99 µs | errors |");
-            println!("|---|---|---|---|---|---|---|");
-            let mut base = None;
-            let urls: Vec<&str> = peers.iter().map(|p| p.1.as_str()).collect();
-            let lats = measure(&urls, rate, a.secs, a.rounds, false).await;
-            for ((name, _, _), l) in peers.iter().zip(lats) {
-                let (b50, b99) = *base.get_or_insert((l.p50, l.p99));
-                println!(
-                    "| {name} | {:.0} | {:.0} | {:.0} | {:+.0} | {:+.0} | {} |",
-                    l.p50,
-                    l.p90,
-                    l.p99,
-                    l.p50 - b50,
-                    l.p99 - b99,
-                    l.errors
-                );
-            }
-            println!();
+            latency_table(&peers, rate, &a, false).await;
         }
         println!("### Saturation (closed loop, 64 in flight, 5 s)\n");
         println!("| path | requests/s | requests/s per CPU second of the proxy |");
@@ -821,24 +828,7 @@ async fn run(a: Args) {
         );
         for &rate in &a.rates {
             println!("### {rate} calls/s (open loop)\n");
-            println!("| path | p50 µs | p90 µs | p99 µs | added p50 µs | added p99 µs | errors |");
-            println!("|---|---|---|---|---|---|---|");
-            let mut base = None;
-            let urls: Vec<&str> = gpeers.iter().map(|p| p.1.as_str()).collect();
-            let lats = measure(&urls, rate, a.secs, a.rounds, true).await;
-            for ((name, _, _), l) in gpeers.iter().zip(lats) {
-                let (b50, b99) = *base.get_or_insert((l.p50, l.p99));
-                println!(
-                    "| {name} | {:.0} | {:.0} | {:.0} | {:+.0} | {:+.0} | {} |",
-                    l.p50,
-                    l.p90,
-                    l.p99,
-                    l.p50 - b50,
-                    l.p99 - b99,
-                    l.errors
-                );
-            }
-            println!();
+            latency_table(&gpeers, rate, &a, true).await;
         }
         println!("### gRPC saturation (closed loop, 64 calls in flight, 5 s)\n");
         println!("| path | calls/s | calls/s per CPU second of the proxy |");

@@ -232,7 +232,7 @@ struct Activity {
     /// its first request came, and the bytes it reads between requests (WINDOW_UPDATE, PING,
     /// another stream's frames) never start a header clock.
     h2: AtomicBool,
-    /// HTTP/2 answers whose head went and whose body is still being sent.
+    /// HTTP/2 answers whose head went and whose body is still being sent ([`Answered`]).
     streaming: AtomicU32,
     /// Milliseconds since `origin` at which an HTTP/2 answer's body last gave a frame to send
     /// (the answers' progress; the connection's own writes include ping replies).
@@ -302,9 +302,11 @@ impl Activity {
         // HTTP/2 answers being sent: idle when none of them moved for the idle timeout,
         // whatever the caller sends meanwhile (pings, window updates) and the replies to it.
         if self.streaming.load(Ordering::Relaxed) > 0 {
-            return match now.saturating_sub(self.last_progress.load(Ordering::Relaxed)) > idle_ms {
-                true => Verdict::Idle,
-                false => Verdict::Fine,
+            let stalled = now.saturating_sub(self.last_progress.load(Ordering::Relaxed)) > idle_ms;
+            return if stalled {
+                Verdict::Idle
+            } else {
+                Verdict::Fine
             };
         }
         match self.head_since.load(Ordering::Relaxed) {
@@ -318,27 +320,33 @@ impl Activity {
     }
 }
 
-/// An HTTP/2 answer's body, counted in [`Activity::streaming`] until it is dropped.
-struct Streaming {
+/// An answer's body as the connection sends it: an HTTP/2 one with a body to send is counted
+/// in [`Activity::streaming`] until it is dropped, and its frames are its progress.
+struct Answered {
     inner: axum::body::Body,
-    act: Arc<Activity>,
+    watch: Option<Arc<Activity>>,
 }
 
-impl Streaming {
-    fn wrap(resp: axum::response::Response, act: Arc<Activity>) -> axum::response::Response {
-        act.streaming.fetch_add(1, Ordering::Relaxed);
-        act.last_progress.store(act.now(), Ordering::Relaxed);
-        resp.map(|inner| axum::body::Body::new(Streaming { inner, act }))
+impl Answered {
+    fn new(inner: axum::body::Body, watch: Option<Arc<Activity>>) -> Answered {
+        let watch = watch.filter(|_| !hyper::body::Body::is_end_stream(&inner));
+        if let Some(act) = &watch {
+            act.streaming.fetch_add(1, Ordering::Relaxed);
+            act.last_progress.store(act.now(), Ordering::Relaxed);
+        }
+        Answered { inner, watch }
     }
 }
 
-impl Drop for Streaming {
+impl Drop for Answered {
     fn drop(&mut self) {
-        self.act.streaming.fetch_sub(1, Ordering::Relaxed);
+        if let Some(act) = &self.watch {
+            act.streaming.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 
-impl hyper::body::Body for Streaming {
+impl hyper::body::Body for Answered {
     type Data = bytes::Bytes;
     type Error = axum::Error;
 
@@ -347,12 +355,10 @@ impl hyper::body::Body for Streaming {
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, axum::Error>>> {
         let r = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
-        if matches!(r, std::task::Poll::Ready(Some(Ok(_)))) {
+        if let (Some(act), std::task::Poll::Ready(Some(Ok(_)))) = (&self.watch, &r) {
             // hyper takes a frame, then waits for the caller's windows to send it before it
             // takes the next: frames taken are the answer's progress.
-            self.act
-                .last_progress
-                .store(self.act.now(), Ordering::Relaxed);
+            act.last_progress.store(act.now(), Ordering::Relaxed);
         }
         r
     }
@@ -806,7 +812,9 @@ async fn http<I>(
                 }
             }
         };
-        let streaming = h2.then(|| act2.clone());
+        // An HTTP/2 answer is watched for progress (an HTTP/1.1 one is idle-checked by the
+        // connection's own reads and writes).
+        let watch = h2.then(|| act2.clone());
         async move {
             let _done = done;
             let resp = match answer {
@@ -814,14 +822,7 @@ async fn http<I>(
                 Answer::Direct(f) => f.await,
                 Answer::Router(f) => f.await.unwrap_or_else(|e| match e {}),
             };
-            Ok::<_, Infallible>(match streaming {
-                // An HTTP/2 answer with a body to send: watched for progress (an HTTP/1.1
-                // one is idle-checked by the connection's own reads and writes).
-                Some(act) if !hyper::body::Body::is_end_stream(resp.body()) => {
-                    Streaming::wrap(resp, act)
-                }
-                _ => resp,
-            })
+            Ok::<_, Infallible>(resp.map(|b| Answered::new(b, watch)))
         }
     });
     let io = TokioIo::new(io);

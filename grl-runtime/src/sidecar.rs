@@ -297,7 +297,7 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
     // timeout).
     let pools = workers.as_ref().map_or(0, |w| w.len()) + 1;
     let serve = crate::server::fit_to_fd_limit(opts.serve, 3);
-    let max_idle = (serve.max_connections / pools).clamp(1, crate::sidecar::upstream::MAX_IDLE);
+    let max_idle = (serve.max_connections / pools).min(crate::sidecar::upstream::MAX_IDLE);
     let slots = Arc::new(tokio::sync::Semaphore::new(serve.max_connections));
     let shared = Arc::new(Shared {
         layer,
@@ -439,7 +439,7 @@ async fn readyz(State(s): State<Arc<Shared>>) -> Readiness {
 fn strip_hop_by_hop(h: &mut HeaderMap) {
     // One pass over the names (standard ones compare as a number) instead of a lookup, with
     // its hashing, for each of them; most messages carry none, or only `connection`.
-    let (mut te, mut connection) = (false, false);
+    let (mut te, mut connection, mut coded) = (false, false, false);
     // The names are distinct, so at most the seven hop-by-hop ones.
     let mut gone: [Option<HeaderName>; 7] = Default::default();
     let mut k = 0;
@@ -448,6 +448,7 @@ fn strip_hop_by_hop(h: &mut HeaderMap) {
             te = true;
         } else if is_hop_by_hop(n) && k < gone.len() {
             connection |= n == http::header::CONNECTION;
+            coded |= n == http::header::TRANSFER_ENCODING;
             gone[k] = Some(n.clone());
             k += 1;
         }
@@ -472,11 +473,7 @@ fn strip_hop_by_hop(h: &mut HeaderMap) {
     }
     // A length beside a transfer coding does not frame the message (the coding does), and
     // would frame it wrongly once the coding is gone: it stays behind too.
-    if gone
-        .iter()
-        .flatten()
-        .any(|n| n == http::header::TRANSFER_ENCODING)
-    {
+    if coded {
         h.remove(http::header::CONTENT_LENGTH);
     }
     for n in gone.into_iter().flatten().chain(named) {
@@ -555,13 +552,7 @@ fn add_forwarded_for(h: &mut HeaderMap, ip: std::net::IpAddr) {
             e.insert(v);
         }
         http::header::Entry::Occupied(mut e) => {
-            let mut joined = Vec::new();
-            for line in e.iter() {
-                joined.extend_from_slice(line.as_bytes());
-                joined.extend_from_slice(b", ");
-            }
-            joined.extend_from_slice(v.as_bytes());
-            if let Ok(v) = HeaderValue::from_bytes(&joined) {
+            if let Some(v) = joined(e.iter().chain([&v]), b", ") {
                 e.insert(v);
             }
         }
@@ -571,20 +562,24 @@ fn add_forwarded_for(h: &mut HeaderMap, ip: std::net::IpAddr) {
 /// Cookies split over several fields (as HTTP/2 sends them) joined into one with `; `, as an
 /// HTTP/1.1 upstream expects them.
 fn join_cookies(h: &mut HeaderMap) {
-    let mut lines = h.get_all(http::header::COOKIE).iter();
-    if lines.next().is_none() || lines.next().is_none() {
+    if h.get_all(http::header::COOKIE).iter().nth(1).is_none() {
         return;
     }
-    let mut joined = Vec::new();
-    for (i, line) in h.get_all(http::header::COOKIE).iter().enumerate() {
-        if i > 0 {
-            joined.extend_from_slice(b"; ");
-        }
-        joined.extend_from_slice(line.as_bytes());
-    }
-    if let Ok(v) = HeaderValue::from_bytes(&joined) {
+    if let Some(v) = joined(h.get_all(http::header::COOKIE).iter(), b"; ") {
         h.insert(http::header::COOKIE, v);
     }
+}
+
+/// The lines of a header as one value, `sep` between them.
+fn joined<'a>(lines: impl Iterator<Item = &'a HeaderValue>, sep: &[u8]) -> Option<HeaderValue> {
+    let mut out = Vec::new();
+    for (i, line) in lines.enumerate() {
+        if i > 0 {
+            out.extend_from_slice(sep);
+        }
+        out.extend_from_slice(line.as_bytes());
+    }
+    HeaderValue::from_bytes(&out).ok()
 }
 
 /// The request target passed upstream: the path and query (`/` when there is none), or `*`
@@ -608,12 +603,12 @@ fn origin_form(
 /// Every request: decide, then refuse or forward.
 async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body> {
     let start = Instant::now();
-    // gRPC is HTTP/2: over HTTP/1.1 the content type is the caller's word only, and would
-    // choose its procedure key (the raw path) and its upstream protocol.
     // A target no upstream would read as meant is refused before it is decided (and counted).
     let Some(path) = origin_form(req.method(), req.uri().path_and_query()) else {
         return plain(StatusCode::BAD_REQUEST, "bad request target\n");
     };
+    // gRPC is HTTP/2: over HTTP/1.1 the content type is the caller's word only, and would
+    // choose its procedure key (the raw path) and its upstream protocol.
     let grpc = req.version() == Version::HTTP_2 && is_grpc(req.headers());
     let decision = {
         let caller = s.caller.caller(&peer.cert_names, req.headers());

@@ -275,10 +275,13 @@ impl Fit {
         // on the raw hours sees growth in the week's shape itself when the history starts on a
         // weekend and ends on weekdays (or a fall the other way round). Starting from a flat
         // index, a few rounds settle.
-        let mut season = vec![1.0; WEEK_HOURS];
-        let mut season_exp = vec![1.0; WEEK_HOURS];
-        let mut fitted = None;
+        let flat = vec![1.0; WEEK_HOURS];
+        let mut fitted: Option<((f64, f64, f64, f64), (Vec<f64>, f64, Vec<f64>, f64))> = None;
         for _ in 0..4 {
+            let (season, season_exp) = match &fitted {
+                Some((_, (s_lin, _, s_exp, _))) => (s_lin, s_exp),
+                None => (&flat, &flat),
+            };
             let (intercept, slope) = least_squares(
                 pts.iter()
                     .filter(|p| season[p.2] > 0.0)
@@ -297,11 +300,10 @@ impl Fit {
                 .filter(|p| p.1 > 0.0 && season_exp[p.2] > 0.0)
                 .map(|&(x, y, k)| (x, (y / season_exp[k]).ln()))
                 .collect();
-            let (log_intercept, log_slope) = match logs.len() >= WEEK_HOURS {
-                true => least_squares(logs.into_iter()),
-                false => None,
-            }
-            .unwrap_or((mean_y.max(f64::MIN_POSITIVE).ln(), 0.0));
+            let (log_intercept, log_slope) = (logs.len() >= WEEK_HOURS)
+                .then(|| least_squares(logs.into_iter()))
+                .flatten()
+                .unwrap_or((mean_y.max(f64::MIN_POSITIVE).ln(), 0.0));
             // A round that cannot fit (a trend overflowing) keeps the previous round's fit.
             let (Some((s_lin, q_lin)), Some((s_exp, q_exp))) = (
                 fit_seasonal(&pts, |x| intercept + slope * x),
@@ -309,8 +311,6 @@ impl Fit {
             ) else {
                 break;
             };
-            season = s_lin.clone();
-            season_exp = s_exp.clone();
             fitted = Some((
                 (intercept, slope, log_intercept, log_slope),
                 (s_lin, q_lin, s_exp, q_exp),
@@ -786,6 +786,11 @@ mod shape_tests {
 
     /// Diurnal (±50%, peak 15:00 UTC) and weekly (weekends 60%) traffic × `f(day)`.
     fn shaped(days: usize, f: impl Fn(f64) -> f64) -> RateSeries {
+        shaped_with(0.6, days, f)
+    }
+
+    /// [`shaped`] with weekends at `weekend` × weekdays.
+    fn shaped_with(weekend: f64, days: usize, f: impl Fn(f64) -> f64) -> RateSeries {
         let start = 1_700_000_000 / 86_400 * 86_400;
         let values = (0..days * 1440)
             .map(|i| {
@@ -793,7 +798,7 @@ mod shape_tests {
                 let d = i as f64 / 1440.0;
                 let hour = t.rem_euclid(86_400) as f64 / 3600.0;
                 let wd = (t.div_euclid(86_400) + 3).rem_euclid(7);
-                let weekly = if wd >= 5 { 0.6 } else { 1.0 };
+                let weekly = if wd >= 5 { weekend } else { 1.0 };
                 let daily =
                     1.0 + 0.5 * (2.0 * std::f64::consts::PI * (hour - 15.0 + 6.0) / 24.0).sin();
                 (100.0 * weekly * daily * f(d)) as f32
@@ -812,25 +817,7 @@ mod shape_tests {
     /// weekdays), so the limit stays at the weekday peak (150).
     #[test]
     fn steady_weekly_traffic_has_no_trend_whatever_day_the_history_ends() {
-        let full = {
-            let start = 1_700_000_000 / 86_400 * 86_400;
-            let values = (0..35 * 1440)
-                .map(|i| {
-                    let t = start + i as i64 * 60;
-                    let hour = t.rem_euclid(86_400) as f64 / 3600.0;
-                    let wd = (t.div_euclid(86_400) + 3).rem_euclid(7);
-                    let weekly = if wd >= 5 { 0.3 } else { 1.0 };
-                    let daily =
-                        1.0 + 0.5 * (2.0 * std::f64::consts::PI * (hour - 15.0 + 6.0) / 24.0).sin();
-                    (100.0 * weekly * daily) as f32
-                })
-                .collect();
-            RateSeries {
-                start,
-                step: 60,
-                values,
-            }
-        };
+        let full = shaped_with(0.3, 35, |_| 1.0);
         for shift_hours in (0..7 * 24).step_by(5) {
             let from = full.start + shift_hours * 3600 + 116 * 60;
             let p = run(&full.slice(from, from + 28 * 86_400));

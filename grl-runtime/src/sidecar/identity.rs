@@ -195,7 +195,7 @@ impl CallerFrom {
 /// none.
 pub fn xfcc_uri(v: &str) -> Option<&str> {
     let last = last_element(v)?;
-    split_unquoted(last, b';').into_iter().find_map(|kv| {
+    split_unquoted(last, b';').find_map(|kv| {
         let (k, val) = kv.split_once('=')?;
         if !k.trim().eq_ignore_ascii_case("uri") {
             return None;
@@ -233,23 +233,31 @@ fn last_element(v: &str) -> Option<&str> {
 
 /// `s` split at each `sep` outside double quotes (inside them, a backslash escapes the next
 /// character).
-fn split_unquoted(s: &str, sep: u8) -> Vec<&str> {
+fn split_unquoted(s: &str, sep: u8) -> impl Iterator<Item = &str> {
     let b = s.as_bytes();
-    let (mut parts, mut start, mut quoted, mut i) = (Vec::new(), 0, false, 0);
-    while i < b.len() {
-        match b[i] {
-            b'\\' if quoted => i += 1,
-            b'"' => quoted = !quoted,
-            c if c == sep && !quoted => {
-                parts.push(&s[start..i]);
-                start = i + 1;
-            }
-            _ => {}
+    let (mut start, mut quoted, mut i) = (0, false, 0);
+    std::iter::from_fn(move || {
+        if start > b.len() {
+            return None;
         }
-        i += 1;
-    }
-    parts.push(&s[start..]);
-    parts
+        while i < b.len() {
+            match b[i] {
+                b'\\' if quoted => i += 1,
+                b'"' => quoted = !quoted,
+                c if c == sep && !quoted => {
+                    let part = &s[start..i];
+                    i += 1;
+                    start = i;
+                    return Some(part);
+                }
+                _ => {}
+            }
+            i += 1;
+        }
+        let last = &s[start.min(b.len())..];
+        start = b.len() + 1;
+        Some(last)
+    })
 }
 
 fn cut(s: &str) -> &str {
@@ -414,7 +422,8 @@ impl ProcedureFrom {
         if let Some(p) = self.route(method, &kept) {
             return p;
         }
-        if path.contains('%') {
+        // Only a `%` left (an encoded slash) can read another way.
+        if kept.contains('%') {
             if let Some(p) = self.route(method, &normalized(path, true)) {
                 return p;
             }
@@ -439,7 +448,7 @@ impl ProcedureFrom {
 /// `decode_slashes`: else a slash within a segment stays one segment), runs of `/` merged, `.`
 /// and `..` segments resolved (never above the root). Most paths have nothing of these and are
 /// returned as they are.
-pub fn normalized(path: &str, decode_slashes: bool) -> Cow<'_, str> {
+fn normalized(path: &str, decode_slashes: bool) -> Cow<'_, str> {
     let b = path.as_bytes();
     let plain = b
         .iter()
@@ -470,15 +479,14 @@ pub fn normalized(path: &str, decode_slashes: bool) -> Cow<'_, str> {
     }
     let decoded = String::from_utf8_lossy(&decoded);
     let mut segs: Vec<&str> = Vec::new();
+    // Whether the last segment was empty or a dot one: the path ends with `/`.
     let mut trailing = false;
     for seg in decoded.split('/') {
-        trailing = false;
+        trailing = matches!(seg, "" | "." | "..");
         match seg {
-            "" => trailing = true,
-            "." => trailing = true,
+            "" | "." => {}
             ".." => {
                 segs.pop();
-                trailing = true;
             }
             s => segs.push(s),
         }
@@ -594,33 +602,34 @@ mod tests {
             header: Some(HeaderName::from_static("x-forwarded-client-cert")),
             ..CallerFrom::default()
         };
-        let h = headers(&[(
-            "x-forwarded-client-cert",
-            "By=spiffe://td/ns/a/sa/b;Hash=ab;URI=spiffe://td/ns/x/sa/edge,By=spiffe://td/ns/a/sa/b;Hash=cd;URI=\"spiffe://td/ns/shop/sa/checkout\"",
-        )]);
-        assert_eq!(xfcc.caller(&[], &h), "checkout");
-        // A quoted subject holding `,URI=` names nobody; the element's own URI does.
-        let h = headers(&[(
-            "x-forwarded-client-cert",
-            "Hash=ab;Subject=\"CN=a,URI=spiffe://td/ns/a/sa/victim\";URI=spiffe://td/ns/shop/sa/checkout",
-        )]);
-        assert_eq!(xfcc.caller(&[], &h), "checkout");
-        let h = headers(&[(
-            "x-forwarded-client-cert",
-            "Hash=ab;Subject=\"CN=a;URI=spiffe://td/ns/a/sa/victim;O=b\";URI=spiffe://td/ns/shop/sa/checkout",
-        )]);
-        assert_eq!(xfcc.caller(&[], &h), "checkout");
-        let h = headers(&[(
-            "x-forwarded-client-cert",
-            "Hash=ab;Subject=\"CN=a;URI=spiffe://td/ns/a/sa/victim\\\",x\";DNS=b",
-        )]);
-        assert_eq!(xfcc.caller(&[], &h), UNKNOWN_CALLER);
-        // A caller's unclosed quote before the element its proxy appended swallows nothing.
-        let h = headers(&[(
-            "x-forwarded-client-cert",
-            "URI=spiffe://td/ns/a/sa/victim;x=\",By=spiffe://td/ns/a/sa/b;Hash=ab;URI=spiffe://td/ns/shop/sa/checkout",
-        )]);
-        assert_eq!(xfcc.caller(&[], &h), "checkout");
+        for (value, caller) in [
+            (
+                "By=spiffe://td/ns/a/sa/b;Hash=ab;URI=spiffe://td/ns/x/sa/edge,By=spiffe://td/ns/a/sa/b;Hash=cd;URI=\"spiffe://td/ns/shop/sa/checkout\"",
+                "checkout",
+            ),
+            // A quoted subject holding `,URI=` or `;URI=` names nobody; the element's own URI
+            // does.
+            (
+                "Hash=ab;Subject=\"CN=a,URI=spiffe://td/ns/a/sa/victim\";URI=spiffe://td/ns/shop/sa/checkout",
+                "checkout",
+            ),
+            (
+                "Hash=ab;Subject=\"CN=a;URI=spiffe://td/ns/a/sa/victim;O=b\";URI=spiffe://td/ns/shop/sa/checkout",
+                "checkout",
+            ),
+            (
+                "Hash=ab;Subject=\"CN=a;URI=spiffe://td/ns/a/sa/victim\\\",x\";DNS=b",
+                UNKNOWN_CALLER,
+            ),
+            // A caller's unclosed quote before the element its proxy appended swallows nothing.
+            (
+                "URI=spiffe://td/ns/a/sa/victim;x=\",By=spiffe://td/ns/a/sa/b;Hash=ab;URI=spiffe://td/ns/shop/sa/checkout",
+                "checkout",
+            ),
+        ] {
+            let h = headers(&[("x-forwarded-client-cert", value)]);
+            assert_eq!(xfcc.caller(&[], &h), caller, "{value}");
+        }
         // Two lines: the last one's last element.
         let mut h = HeaderMap::new();
         h.append(
@@ -696,38 +705,26 @@ mod tests {
             ..ProcedureFrom::default()
         };
         let none = HeaderMap::new();
-        for path in [
+        let charge = [
             "/char%67e",
             "/CHARGE/../charge",
             "/a/./../charge",
             "//charge",
             "/./charge",
             "/%63harge",
-        ] {
-            assert_eq!(
-                from.procedure(false, &Method::POST, path, &none),
-                "POST /charge",
-                "{path}"
-            );
-        }
-        for path in [
+        ]
+        .map(|p| (Method::POST, p, "POST /charge"));
+        let user = [
             "/users/%34%32",
             "/users//42",
             "/x/../users/42",
             "/users/4%2F2",
-        ] {
-            assert_eq!(
-                from.procedure(false, &Method::GET, path, &none),
-                "GET /users/{id}",
-                "{path}"
-            );
-        }
-        for path in ["/charge/x", "/../", "/%zz", "/users/4%2F2/x"] {
-            assert_eq!(
-                from.procedure(false, &Method::POST, path, &none),
-                UNMATCHED_PROCEDURE,
-                "{path}"
-            );
+        ]
+        .map(|p| (Method::GET, p, "GET /users/{id}"));
+        let other = ["/charge/x", "/../", "/%zz", "/users/4%2F2/x"]
+            .map(|p| (Method::POST, p, UNMATCHED_PROCEDURE));
+        for (method, path, want) in charge.into_iter().chain(user).chain(other) {
+            assert_eq!(from.procedure(false, &method, path, &none), want, "{path}");
         }
         assert_eq!(normalized("/a/b?", false), "/a/b?");
         assert_eq!(normalized("/a/b/..", false), "/a/");

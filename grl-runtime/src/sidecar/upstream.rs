@@ -401,7 +401,7 @@ impl H1Pool {
     }
 
     /// The pool with its requests in flight bounded by `slots` (a request waits for one) and
-    /// at most `max_idle` idle connections.
+    /// at most `max_idle` idle connections (one at least: a connection is kept to be reused).
     pub fn with_slots(self, slots: std::sync::Arc<Semaphore>, max_idle: usize) -> H1Pool {
         H1Pool {
             slots,
@@ -417,16 +417,7 @@ impl H1Pool {
     ) -> Result<Response<PooledBody>, UpstreamError> {
         // A slot for the request's connection, until its answer's body is gone: fast when
         // one is free, else wait (the caller's upstream timeout bounds the wait).
-        let slot = match self.slots.clone().try_acquire_owned() {
-            Ok(slot) => slot,
-            Err(_) => self
-                .slots
-                .clone()
-                .acquire_owned()
-                .await
-                .expect("the slots are never closed"),
-        };
-        let mut slot = Some(slot);
+        let slot = (self.slots.clone().acquire_owned().await).expect("the slots are never closed");
         // Whether the request was already written once (and is being sent again).
         let mut replayed = false;
         loop {
@@ -449,7 +440,7 @@ impl H1Pool {
                     return Ok(resp.map(|inner| PooledBody {
                         inner,
                         back: Some(back),
-                        _slot: slot.take(),
+                        _slot: slot,
                     }));
                 }
                 Err(mut e) => match (e.take_message(), again) {
@@ -541,7 +532,7 @@ pub struct PooledBody {
     inner: Incoming,
     back: Option<CheckIn>,
     /// The request's slot, free again when the body is dropped.
-    _slot: Option<tokio::sync::OwnedSemaphorePermit>,
+    _slot: tokio::sync::OwnedSemaphorePermit,
 }
 
 impl Drop for PooledBody {
@@ -851,22 +842,6 @@ mod tests {
         .await
     }
 
-    /// A response body sending what a channel receives, ending when its sender is dropped.
-    struct ChannelBody(tokio::sync::mpsc::Receiver<Bytes>);
-
-    impl hyper::body::Body for ChannelBody {
-        type Data = Bytes;
-        type Error = std::convert::Infallible;
-        fn poll_frame(
-            mut self: Pin<&mut Self>,
-            cx: &mut std::task::Context<'_>,
-        ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
-            self.0
-                .poll_recv(cx)
-                .map(|b| b.map(|b| Ok(hyper::body::Frame::data(b))))
-        }
-    }
-
     #[tokio::test]
     async fn an_idle_h2c_connection_replaced_closes_once_its_last_call_ends() {
         use http_body_util::BodyExt;
@@ -882,12 +857,12 @@ mod tests {
                 let svc = hyper::service::service_fn(move |_req: Request<Incoming>| {
                     let mut end_rx = end_rx.clone();
                     async move {
-                        let (tx, rx) = tokio::sync::mpsc::channel(1);
+                        let (mut tx, body) = http_body_util::channel::Channel::<Bytes>::new(1);
                         tokio::spawn(async move {
-                            let _ = tx.send(Bytes::from_static(b"a")).await;
+                            let _ = tx.send_data(Bytes::from_static(b"a")).await;
                             let _ = end_rx.wait_for(|end| *end).await;
                         });
-                        Ok::<_, std::convert::Infallible>(Response::new(ChannelBody(rx)))
+                        Ok::<_, std::convert::Infallible>(Response::new(body))
                     }
                 });
                 let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())

@@ -1297,6 +1297,30 @@ async fn an_upstream_closing_kept_alive_connections_never_hangs_a_request() {
     );
 }
 
+/// An HTTP/2 connection without TLS (h2c) to the sidecar on `port`, made by `builder`: its
+/// request handle and the task driving it.
+async fn h2_to<B>(
+    port: u16,
+    builder: &hyper::client::conn::http2::Builder<hyper_util::rt::TokioExecutor>,
+) -> (
+    hyper::client::conn::http2::SendRequest<B>,
+    tokio::task::JoinHandle<hyper::Result<()>>,
+)
+where
+    B: hyper::body::Body + Send + Unpin + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let (tx, conn) = builder
+        .handshake(hyper_util::rt::TokioIo::new(tcp))
+        .await
+        .unwrap();
+    (tx, tokio::spawn(conn))
+}
+
 /// Reads `path` through the sidecar on `port` over HTTP/2 without TLS (h2c) or HTTP/1.1,
 /// pausing `pause` per 16 KiB read (a slow reader: over HTTP/2 it sends a WINDOW_UPDATE now
 /// and then);
@@ -1436,14 +1460,11 @@ async fn grpc_callers_that_stop_reading_do_not_stall_the_other_calls() {
     let sc = lone_sidecar(&format!("http://{up}"), &["--workers", "1"], vec![]).await;
     let port = sc.port;
     let call = |path: &'static str| async move {
-        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .unwrap();
-        let (mut tx, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
-            .handshake(TokioIo::new(tcp))
-            .await
-            .unwrap();
-        tokio::spawn(conn);
+        let (mut tx, _) = h2_to(
+            port,
+            &hyper::client::conn::http2::Builder::new(TokioExecutor::new()),
+        )
+        .await;
         let req = hyper::Request::post(format!("http://127.0.0.1:{port}{path}"))
             .header("content-type", "application/grpc")
             .header("te", "trailers")
@@ -1516,14 +1537,11 @@ async fn upstream_connections_in_use_are_bounded_by_the_connection_cap() {
     });
     let sc = lone_sidecar(&format!("http://{up}"), &["--max-connections", "4"], vec![]).await;
     let port = sc.port;
-    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .unwrap();
-    let (tx, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
-        .handshake(TokioIo::new(tcp))
-        .await
-        .unwrap();
-    tokio::spawn(conn);
+    let (tx, _) = h2_to(
+        port,
+        &hyper::client::conn::http2::Builder::new(TokioExecutor::new()),
+    )
+    .await;
     let calls = (0..20).map(|i| {
         let mut tx = tx.clone();
         async move {
@@ -1536,9 +1554,12 @@ async fn upstream_connections_in_use_are_bounded_by_the_connection_cap() {
             (status, r.into_body().collect().await.unwrap().to_bytes())
         }
     });
-    let answers = tokio::time::timeout(Duration::from_secs(20), futures_join_all(calls.collect()))
-        .await
-        .expect("answered");
+    let answers = tokio::time::timeout(
+        Duration::from_secs(20),
+        tokio::task::JoinSet::from_iter(calls).join_all(),
+    )
+    .await
+    .expect("answered");
     for (status, body) in answers {
         assert_eq!((status.as_u16(), body.as_ref()), (200, b"ok".as_ref()));
     }
@@ -1547,49 +1568,20 @@ async fn upstream_connections_in_use_are_bounded_by_the_connection_cap() {
     server.abort();
 }
 
-/// Runs futures concurrently on this task and returns their outputs in order.
-async fn futures_join_all<F: std::future::Future>(fs: Vec<F>) -> Vec<F::Output> {
-    let mut pinned: Vec<_> = fs.into_iter().map(Box::pin).collect();
-    let mut done: Vec<Option<F::Output>> = pinned.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (f, d) in pinned.iter_mut().zip(done.iter_mut()) {
-            if d.is_none() {
-                match f.as_mut().poll(cx) {
-                    std::task::Poll::Ready(v) => *d = Some(v),
-                    std::task::Poll::Pending => pending = true,
-                }
-            }
-        }
-        if pending {
-            std::task::Poll::Pending
-        } else {
-            std::task::Poll::Ready(())
-        }
-    })
-    .await;
-    done.into_iter().map(|d| d.expect("ready")).collect()
-}
-
 /// An HTTP/2 caller that stops reading its answers, and only pings, is cut once its answers
 /// made no progress for the idle timeout (its upstream slots freed), while a slow reader is
 /// not (`an_answer_streaming_longer_than_the_header_timeout_is_not_cut`).
 #[tokio::test]
 async fn an_http2_caller_that_only_pings_under_stalled_answers_is_cut_when_idle() {
-    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+    use hyper_util::rt::{TokioExecutor, TokioTimer};
     let py = py_sidecar(&["--http-idle-timeout-ms", "1000"]).await;
     let port = py.port;
-    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .unwrap();
-    let (mut tx, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+    let mut builder = hyper::client::conn::http2::Builder::new(TokioExecutor::new());
+    builder
         .timer(TokioTimer::new())
         .keep_alive_interval(Duration::from_millis(200))
-        .keep_alive_while_idle(true)
-        .handshake(TokioIo::new(tcp))
-        .await
-        .unwrap();
-    let conn = tokio::spawn(conn);
+        .keep_alive_while_idle(true);
+    let (mut tx, conn) = h2_to(port, &builder).await;
     let req = hyper::Request::get(format!("http://127.0.0.1:{port}/big?mb=32"))
         .header("rpc-caller", "web")
         .body(http_body_util::Empty::<bytes::Bytes>::new())
