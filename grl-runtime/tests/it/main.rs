@@ -15,6 +15,7 @@ use test_support::process::{free_port, Proc};
 mod candidates;
 mod config_dir_faults;
 mod connections;
+mod counts;
 mod flood;
 mod ha;
 mod metrics;

@@ -1,0 +1,173 @@
+//! Every request counted once at the controller: trickles of a few requests a second (whose
+//! rates barely move between ticks, so a delta zone report leaves the bucket out) through a
+//! real `grl sidecar` and through `GrlLayer`, with a real aggregator and controller, each on
+//! the default one-second tick.
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use grl_runtime::client::{ClientOptions, GrlClient};
+use serde_json::json;
+use test_support::process::{free_port, Proc};
+
+use super::{
+    eventually, log_file, put_config, spawn_aggregator_ticking, start_controller, wait_up,
+    CLIENT_TOKEN,
+};
+
+/// A service answering `ok` to every path, for the sidecar to forward to.
+async fn upstream() -> (String, tokio::task::JoinHandle<()>) {
+    let app = axum::Router::new().fallback(|| async { "ok" });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        axum::serve(listener, app).await.unwrap();
+    });
+    (format!("http://{addr}"), task)
+}
+
+/// `(offered, admitted)` of `bucket` in the controller's `/metrics`, summed over zones.
+async fn totals(http: &reqwest::Client, base: &str, bucket: &str) -> (u64, u64) {
+    let m = http
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let sum = |metric: &str| -> u64 {
+        m.lines()
+            .filter(|l| l.starts_with(&format!("{metric}{{")))
+            .filter(|l| l.contains(&format!("bucket=\"{bucket}\"")))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum()
+    };
+    (
+        sum("grl_requests_offered_total"),
+        sum("grl_requests_admitted_total"),
+    )
+}
+
+/// Sends `n` requests, one every `1/rps` seconds, each answered 200.
+async fn trickle(http: &reqwest::Client, url: &str, headers: &[(&str, &str)], rps: u64, n: u64) {
+    let mut iv = tokio::time::interval(Duration::from_micros(1_000_000 / rps));
+    for _ in 0..n {
+        iv.tick().await;
+        let mut req = http.get(url);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let r = req.send().await.unwrap();
+        assert_eq!(r.status(), 200, "{url}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trickles_are_counted_exactly_through_the_sidecar_and_the_layer() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_ctl, _, base) = start_controller(&dir.path().join("state"), dir.path(), &[]).await;
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    // Limits far above the load: nothing is refused, every request is offered and admitted.
+    let doc = json!({"version": "v1", "services": [{"service": "payments", "buckets": [
+        {"name": "gw.charge", "caller": "gw", "procedure": "charge", "scope": "global",
+         "limit_rps": 10000.0, "mode": "enforce", "policy": "peak"},
+        {"name": "web.refund", "caller": "web", "procedure": "refund", "scope": "global",
+         "limit_rps": 10000.0, "mode": "enforce", "policy": "peak"}]}]});
+    let r = put_config(&http, &base, &doc).await;
+    assert_eq!(r.status(), 200);
+    let aport = free_port();
+    let aurl = format!("http://127.0.0.1:{aport}");
+    let _agg = spawn_aggregator_ticking(aport, &base, "agg-trickle", dir.path(), 1000);
+    wait_up(&format!("{aurl}/v1/config")).await;
+
+    // The sidecar, on its default tick.
+    let (up, _up_task) = upstream().await;
+    let (sport, sadmin) = (free_port(), free_port());
+    let _sidecar = Proc::spawn(
+        Command::new(env!("CARGO_BIN_EXE_grl"))
+            .args(["sidecar", "--listen", &format!("127.0.0.1:{sport}")])
+            .args(["--admin-listen", &format!("127.0.0.1:{sadmin}")])
+            .args(["--upstream", &up, "--service", "payments"])
+            .args(["--zone", "z1", "--region", "r1", "--aggregator", &aurl])
+            .env("GRL_CLIENT_TOKEN", CLIENT_TOKEN)
+            .stdout(Stdio::null())
+            .stderr(log_file(dir.path(), "sidecar")),
+    )
+    .unwrap();
+    wait_up(&format!("http://127.0.0.1:{sadmin}/healthz")).await;
+
+    // GrlLayer in an axum service, its client on the default tick.
+    let mut o = ClientOptions::new("payments", vec![aurl.clone()]);
+    o.report_token = Some(CLIENT_TOKEN.into());
+    let client = GrlClient::start(o);
+    let app = axum::Router::new()
+        .route("/{proc}", axum::routing::get(|| async { "ok" }))
+        .layer(
+            grl_runtime::layer::GrlLayer::for_client(&client)
+                .procedure_from(grl_runtime::layer::KeyFrom::PathSegment(0)),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let _server = tokio::spawn(async move { axum::serve(listener, app).await });
+
+    let sidecar_url = format!("http://127.0.0.1:{sport}/charge");
+    let layer_url = format!("http://{addr}/refund");
+    // Both clients run v1 before the first request (an earlier one matches no bucket).
+    eventually("the layer's client runs v1", || {
+        let v = client.limiter().table().version().to_string();
+        async move { v == "v1" }
+    })
+    .await;
+    eventually("the sidecar runs v1", || {
+        let http = http.clone();
+        async move {
+            let m = http
+                .get(format!("http://127.0.0.1:{sadmin}/metrics"))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            m.contains("grl_client_failing_open{service=\"payments\"} 0")
+        }
+    })
+    .await;
+
+    let mut sent = 0u64;
+    for rps in [1u64, 4, 7, 10] {
+        let n = rps * 5;
+        tokio::join!(
+            trickle(
+                &http,
+                &sidecar_url,
+                &[("rpc-caller", "gw"), ("rpc-procedure", "charge")],
+                rps,
+                n
+            ),
+            trickle(&http, &layer_url, &[("x-caller", "web")], rps, n),
+        );
+        sent += n;
+        for bucket in ["gw.charge", "web.refund"] {
+            // A bound against hangs: counts arrive with the next forwards (about 2 s).
+            let mut seen = (0, 0);
+            for _ in 0..150 {
+                seen = totals(&http, &base, bucket).await;
+                if seen.0 >= sent {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            // Never more than were sent either, and admitted as they were.
+            assert_eq!(
+                seen,
+                (sent, sent),
+                "(offered, admitted) of {bucket} at the controller after the {rps}/s trickle"
+            );
+        }
+    }
+}
