@@ -42,7 +42,10 @@ pub struct Reporter {
     prev: Vec<BucketCounts>,
     /// Counts of replaced tables not reported yet, by bucket name.
     carry: HashMap<String, BucketCounts>,
+    /// Where the next report's interval starts (moved back when a report was not taken).
     last_report_ms: u64,
+    /// When the last report was built: the local rates are those since.
+    last_built_ms: u64,
     /// Own offered rate per bucket over the last reported interval.
     local_rps: Vec<f64>,
     directives: Vec<Option<Directive>>,
@@ -103,6 +106,7 @@ impl Reporter {
             table,
             carry: HashMap::new(),
             last_report_ms: now_ms,
+            last_built_ms: now_ms,
             local_rps: vec![0.0; n],
             directives: vec![None; n],
             sub_prev: vec![0; n],
@@ -157,6 +161,7 @@ impl Reporter {
     /// Counts since the previous report, as a report.
     pub fn build_report(&mut self, now_ms: u64) -> ClientReport {
         let interval_ms = now_ms.saturating_sub(self.last_report_ms).max(1);
+        let fresh_ms = now_ms.saturating_sub(self.last_built_ms).max(1);
         if let Some(d) = &mut self.calls {
             d.drain_into(&mut self.pending_calls);
         }
@@ -165,10 +170,10 @@ impl Reporter {
             let now = self.table.counts(i);
             let mut d = now.since(&self.prev[i]);
             self.prev[i] = now;
+            self.local_rps[i] = d.offered as f64 * 1000.0 / fresh_ms as f64;
             if let Some(c) = self.carry.remove(&b.name) {
                 d.add(&c);
             }
-            self.local_rps[i] = d.offered as f64 * 1000.0 / interval_ms as f64;
             if d.offered > 0 {
                 buckets.push(msg(&b.name, &d));
             }
@@ -180,6 +185,7 @@ impl Reporter {
             }
         }
         self.last_report_ms = now_ms;
+        self.last_built_ms = now_ms;
         ClientReport {
             client_id: self.client_id.clone(),
             service: self.table.service().to_string(),
@@ -189,6 +195,22 @@ impl Reporter {
             urgent: false,
             calls: Vec::new(),
         }
+    }
+
+    /// Takes back the counts of `report` (the last one built) that no aggregator took: they
+    /// go with the next report, whose interval then starts where this one's did, so that
+    /// the rates an aggregator computes from them stay right.
+    pub fn unsend(&mut self, report: &ClientReport) {
+        for b in &report.buckets {
+            let c = self.carry.entry(b.bucket.clone()).or_default();
+            c.add(&BucketCounts {
+                offered: b.offered,
+                admitted: b.admitted,
+                dropped: b.dropped,
+                shadow_dropped: b.shadow_dropped,
+            });
+        }
+        self.last_report_ms = self.last_report_ms.saturating_sub(report.interval_ms);
     }
 
     /// Applies the directives of a reply received at `now_ms`. Returns whether they were fresh
@@ -403,6 +425,10 @@ pub struct ClientStats {
     pub report_errors: AtomicU64,
     /// Of those, refused for the credential (401 or 403).
     pub reports_refused: AtomicU64,
+    /// Offered requests of reports that no aggregator answered in full (a timeout, an answer
+    /// cut short): an aggregator may have counted them, so they are not sent again. Counts
+    /// of a report no aggregator received, or that one refused, go with the next report.
+    pub counts_unconfirmed: AtomicU64,
     /// Times the client moved to another aggregator.
     pub failovers: AtomicU64,
     /// Times the client went from fresh to stale directives (failing open).
@@ -583,6 +609,11 @@ impl prometheus_client::collector::Collector for ClientMetrics {
                 "Report attempts refused for the credential (401 or 403).",
                 &st.reports_refused,
             ),
+            (
+                "grl_client_counts_unconfirmed",
+                "Offered requests of reports that no aggregator answered in full (a timeout, an answer cut short): an aggregator may have counted them, so they are not sent again.",
+                &st.counts_unconfirmed,
+            ),
         ];
         for (name, help, v) in counters {
             let mut fam = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
@@ -638,6 +669,7 @@ async fn run(
     let mut current = 0usize;
     let mut urgent_sent = false;
     let failed_log = crate::auth::LogGate::new(Duration::from_secs(10));
+    let refused_log = crate::auth::LogGate::new(Duration::from_secs(10));
     loop {
         iv.tick().await;
         let now = now_ms();
@@ -656,6 +688,8 @@ async fn run(
         report.urgent = urgent;
         let k = opts.aggregators.len();
         let mut sent = false;
+        // Whether an aggregator may have taken a report it did not answer.
+        let mut unsure = false;
         for attempt in 0..k {
             let idx = (current + attempt) % k;
             let base = &opts.aggregators[idx];
@@ -725,6 +759,7 @@ async fn run(
                 }
                 Err(e) => {
                     proto[idx] = 1;
+                    unsure |= !crate::http_util::CallError::never_applied_any(&e);
                     stats.report_errors.fetch_add(1, Ordering::Relaxed);
                     let cause = e.to_string();
                     let refused = matches!(
@@ -734,7 +769,9 @@ async fn run(
                     );
                     if refused {
                         stats.reports_refused.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(aggregator = %base, error = %cause, "report refused: check the report credential (GRL_CLIENT_TOKEN)");
+                        if refused_log.open() {
+                            tracing::warn!(aggregator = %base, error = %cause, "report refused: check the report credential (GRL_CLIENT_TOKEN) (logged at most every 10 s; see grl_client_reports_refused_total)");
+                        }
                     } else if failed_log.open() {
                         tracing::warn!(aggregator = %base, error = %cause, "report failed (logged at most every 10 s; another aggregator is tried, and the client fails open once its directives are stale)");
                     }
@@ -744,6 +781,14 @@ async fn run(
         }
         if !sent && !report.calls.is_empty() {
             rep.restore_calls(std::mem::take(&mut report.calls));
+        }
+        if !sent {
+            if unsure {
+                let offered: u64 = report.buckets.iter().map(|b| b.offered).sum();
+                stats.counts_unconfirmed.fetch_add(offered, Ordering::Relaxed);
+            } else {
+                rep.unsend(&report);
+            }
         }
         check_staleness(&limiter, &stats, &opts.service);
     }

@@ -10,6 +10,9 @@ pub enum CallError {
     /// The request failed: the cause in words.
     #[error("{0}")]
     Failed(String),
+    /// No connection to the peer could be made: the request was never sent.
+    #[error("{0}")]
+    Unreached(String),
     /// The answer has an error status.
     #[error("{url}: answered {status}")]
     Status {
@@ -36,6 +39,22 @@ pub enum CallError {
     },
 }
 
+impl CallError {
+    /// Whether the peer certainly did not act on the request: it was never sent, or the
+    /// peer refused it with an error status (the tiers answer an error before applying
+    /// anything). A timeout or a lost answer leaves it unknown.
+    pub fn never_applied(&self) -> bool {
+        matches!(self, CallError::Unreached(_) | CallError::Status { .. })
+    }
+
+    /// [`CallError::never_applied`] of an error that may hold a `CallError` in its chain.
+    pub fn never_applied_any(e: &anyhow::Error) -> bool {
+        e.chain()
+            .find_map(|c| c.downcast_ref::<CallError>())
+            .is_some_and(CallError::never_applied)
+    }
+}
+
 /// Sends `req` and reads the answer's body, at most `limit` bytes: the cause of a failure is
 /// named ([`crate::cause::describe`], `timeout` being the client's bound), an error status is
 /// an error, and a larger answer is refused without being held.
@@ -44,7 +63,14 @@ pub async fn call(
     timeout: std::time::Duration,
     limit: usize,
 ) -> Result<Answer, CallError> {
-    let failed = |e: reqwest::Error| CallError::Failed(crate::cause::describe(&e, timeout));
+    let failed = |e: reqwest::Error| {
+        let cause = crate::cause::describe(&e, timeout);
+        if e.is_connect() {
+            CallError::Unreached(cause)
+        } else {
+            CallError::Failed(cause)
+        }
+    };
     let resp = req.send().await.map_err(failed)?;
     let mut u = resp.url().clone();
     u.set_query(None);

@@ -59,6 +59,7 @@ fn report(n: usize, z: usize, every: usize, max: usize, bump: f64) -> ZoneReport
                     shadow_dropped: 0,
                 },
                 gone: false,
+                counts_only: false,
             }
         })
         .collect();

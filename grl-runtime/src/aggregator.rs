@@ -274,6 +274,7 @@ struct AggMetrics {
     forward_seconds: ForwardHistogram,
     forward_failures: prometheus_client::metrics::counter::Counter,
     standby_failures: prometheus_client::metrics::counter::Counter,
+    counts_unconfirmed: prometheus_client::metrics::counter::Counter,
 }
 
 #[derive(Clone)]
@@ -319,6 +320,11 @@ impl AggMetrics {
             "grl_aggregator_standby_failures",
             "Failed copies of a zone report to a standby controller replica (no answer in time, an error status, or a full report refused).",
             self.standby_failures.clone(),
+        );
+        reg.register(
+            "grl_aggregator_counts_unconfirmed",
+            "Offered requests of zone reports that no controller answered in full (a timeout, an answer cut short): a controller may have counted them, so they are not sent again. Counts of a forward that no controller received, or that one refused, are sent again with the next forward.",
+            self.counts_unconfirmed.clone(),
         );
         reg.register_collector(Box::new(ClientsCollector { state, horizon }));
         reg
@@ -892,23 +898,19 @@ fn build_report(s: &Shared) -> ZoneReport {
     st.known
         .forwarded(per_service, &offered, &s.opts.plausibility);
     st.waiting = st.clients.len();
-    let mut pending = std::mem::take(&mut st.pending);
     let mut buckets: Vec<ZoneBucketMsg> = sums
         .into_iter()
         .map(|((service, bucket), r)| ZoneBucketMsg {
-            counts: pending
-                .remove(&(service.clone(), bucket.clone()))
-                .unwrap_or_default(),
             service,
             bucket,
             offered_rps: r[0],
             admitted_rps: r[1],
             dropped_rps: r[2],
             shadow_dropped_rps: r[3],
-            gone: false,
+            ..Default::default()
         })
         .collect();
-    buckets.sort_by(|a, b| (&a.service, &a.bucket).cmp(&(&b.service, &b.bucket)));
+    crate::delta::attach_pending(&mut buckets, &mut st.pending);
     ZoneReport {
         aggregator_id: s.id.clone(),
         region: s.opts.region.clone(),
@@ -958,6 +960,19 @@ fn restore_calls(s: &Shared, calls: Vec<ServiceCallCountMsg>) {
     }
 }
 
+/// The bucket counts of a report that no controller took: back into the pending counts (they
+/// go with the next forward) when no controller can have applied it; else counted in
+/// `grl_aggregator_counts_unconfirmed_total`, not sent twice.
+fn restore_counts(s: &Shared, report: &ZoneReport, unsure: bool) {
+    if unsure {
+        let offered: u64 = report.buckets.iter().map(|b| b.counts.offered).sum();
+        s.metrics.counts_unconfirmed.inc_by(offered);
+        return;
+    }
+    let mut st = s.state.lock().expect("aggregator lock");
+    crate::delta::restore_pending(&mut st.pending, report);
+}
+
 /// Forwards at every tick or as soon as every client reported, until `finish` fires (or its
 /// sender is dropped); then forwards once more what the clients reported since the last
 /// forward, so that a graceful stop loses no counts.
@@ -996,6 +1011,8 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
         let n = s.opts.controllers.len();
         send_to_standbys(&s, &report, current, &mut upstreams, round);
         let mut done = false;
+        // Whether a controller may have applied a report it did not answer.
+        let mut unsure = false;
         // The calls in `report` (taken for a controller of protocol 2 or later) and when
         // they were taken.
         let mut taken: Option<(u64, Instant)> = None;
@@ -1064,6 +1081,7 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
                     break;
                 }
                 Err(e) => {
+                    unsure |= !grl_client::http_util::CallError::never_applied_any(&e);
                     tracing::warn!(controller = %base, error = %e, "forward to controller failed")
                 }
             }
@@ -1071,6 +1089,9 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
         // Not taken: back with the next forward, `calls_since` unchanged.
         if !done && !report.calls.is_empty() {
             restore_calls(&s, std::mem::take(&mut report.calls));
+        }
+        if !done {
+            restore_counts(&s, &report, unsure);
         }
         if last {
             if done {
@@ -1155,7 +1176,7 @@ enum Held {
 
 /// Sends `full` to controller `base` as its upstream state wants it (full, or a delta once
 /// it announced protocol 4; full again at once when it answers `resync`), and records the
-/// answer. The counts a delta left out go back to the pending counts once it is applied.
+/// answer.
 async fn forward_to(
     s: &Shared,
     up: &mut crate::delta::Upstream,
@@ -1186,20 +1207,9 @@ async fn forward_to(
         };
         up.proto = v;
         let resync = d.session.is_some_and(|r| r.resync);
-        let held_back = std::mem::take(&mut p.held_back);
         up.answered(p, &d);
         if resync {
             continue;
-        }
-        if !held_back.is_empty() {
-            let mut st = s.state.lock().expect("aggregator lock");
-            for ((service, bucket), c) in held_back {
-                let e = st.pending.entry((service, bucket)).or_default();
-                if e.bucket.is_empty() {
-                    e.bucket = c.bucket.clone();
-                }
-                e.add(&c);
-            }
         }
         return Ok(d);
     }

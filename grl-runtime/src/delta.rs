@@ -12,9 +12,11 @@
 //! TTL: every report, a delta too, keeps the zone alive), so the sums it computes are those of
 //! the full reports (exactly so with `threshold` 0).
 //!
-//! A bucket's counts (for the controller's Prometheus counters) ride with its next entry: a
-//! bucket whose rates stay put has its counts delivered at the latest with its refresh, and
-//! the last forward of a graceful stop carries every count.
+//! A bucket's counts (for the controller's Prometheus counters) go with every forward: a
+//! bucket whose rates stay put but that has counts is sent as a counts-only entry (protocol
+//! 7: the controller counts them and keeps the rates it holds), or whole to a controller of
+//! protocols 4 to 6. Counts are never held back: a steady trickle, whose rates barely move,
+//! was counted only at its refreshes, and its last counts were lost when it stopped.
 //!
 //! The directives a controller answers follow the same idea: the report names the
 //! `(epoch, version)` of the directives the aggregator holds, and the reply carries only the
@@ -26,8 +28,52 @@ use std::collections::{HashMap, HashSet};
 use std::hash::{Hash, Hasher};
 
 use crate::proto::{
-    BucketCountsMsg, ReportSession, ZoneBucketMsg, ZoneDirectives, ZoneReport, PROTO_DELTA,
+    BucketCountsMsg, ReportSession, ZoneBucketMsg, ZoneDirectives, ZoneReport, PROTO_COUNTS,
+    PROTO_DELTA,
 };
+
+/// Counts clients reported that no controller has taken yet, by (service, bucket).
+pub type Pending = HashMap<(String, String), BucketCountsMsg>;
+
+/// Moves every pending count into the zone's entries: a bucket's into its entry, the counts
+/// of buckets no client offers any more (the clients' last counts, or counts put back after
+/// a forward no controller took) into entries of their own with rates 0, which is what the
+/// zone contributes. `pending` is left empty; the entries end sorted by service and bucket.
+pub fn attach_pending(buckets: &mut Vec<ZoneBucketMsg>, pending: &mut Pending) {
+    for b in buckets.iter_mut() {
+        if let Some(c) = pending.remove(&(b.service.clone(), b.bucket.clone())) {
+            b.counts = c;
+        }
+    }
+    buckets.extend(
+        pending
+            .drain()
+            .map(|((service, bucket), counts)| ZoneBucketMsg {
+                counts,
+                service,
+                bucket,
+                ..Default::default()
+            }),
+    );
+    buckets.sort_by(|a, b| (&a.service, &a.bucket).cmp(&(&b.service, &b.bucket)));
+}
+
+/// Puts the counts of `report` back into `pending` (a forward that no controller took).
+pub fn restore_pending(pending: &mut Pending, report: &ZoneReport) {
+    for b in &report.buckets {
+        let c = &b.counts;
+        if (c.offered | c.admitted | c.dropped | c.shadow_dropped) == 0 {
+            continue;
+        }
+        let e = pending
+            .entry((b.service.clone(), b.bucket.clone()))
+            .or_default();
+        if e.bucket.is_empty() {
+            e.bucket = c.bucket.clone();
+        }
+        e.add(c);
+    }
+}
 
 /// How zone reports shrink to deltas.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -86,9 +132,6 @@ fn refresh_due(service: &str, bucket: &str, round: u64, every: u64) -> bool {
 pub struct Prepared {
     /// The report to send.
     pub report: ZoneReport,
-    /// Counts of the buckets left out of a delta: the caller puts them back into its pending
-    /// counts once the report is acknowledged (they go with a later entry).
-    pub held_back: Vec<((String, String), BucketCountsMsg)>,
     entries: Vec<((String, String), Option<Units>)>,
     full: bool,
 }
@@ -139,7 +182,6 @@ impl Upstream {
         if self.proto < PROTO_DELTA {
             return Prepared {
                 report: full.clone(),
-                held_back: Vec::new(),
                 entries: Vec::new(),
                 full: true,
             };
@@ -170,24 +212,23 @@ impl Upstream {
                 .collect();
             return Prepared {
                 report,
-                held_back: Vec::new(),
                 entries,
                 full: true,
             };
         }
         let mut entries = Vec::new();
-        let mut held_back = Vec::new();
         let mut present: HashSet<(&str, &str)> = HashSet::with_capacity(full.buckets.len());
         for b in &full.buckets {
             present.insert((&b.service, &b.bucket));
             let u = units(b);
             let c = &b.counts;
             let has_counts = (c.offered | c.admitted | c.dropped | c.shadow_dropped) > 0;
+            let counts_only = self.proto >= PROTO_COUNTS;
             let send = match self.held.get(&(b.service.clone(), b.bucket.clone())) {
                 None => true,
                 Some(old) => {
                     changed(old, &u, opts.threshold)
-                        || (flush && has_counts)
+                        || (has_counts && (flush || !counts_only))
                         || refresh_due(&b.service, &b.bucket, round, opts.refresh_ticks)
                 }
             };
@@ -195,7 +236,13 @@ impl Upstream {
                 entries.push((key(b), Some(u)));
                 report.buckets.push(b.clone());
             } else if has_counts {
-                held_back.push((key(b), c.clone()));
+                report.buckets.push(ZoneBucketMsg {
+                    service: b.service.clone(),
+                    bucket: b.bucket.clone(),
+                    counts: c.clone(),
+                    counts_only: true,
+                    ..Default::default()
+                });
             }
         }
         for (service, bucket) in self.held.keys() {
@@ -215,7 +262,6 @@ impl Upstream {
         }
         Prepared {
             report,
-            held_back,
             entries,
             full: false,
         }
@@ -356,7 +402,7 @@ mod tests {
     }
 
     #[test]
-    fn deltas_carry_changes_gone_buckets_refreshes_and_held_back_counts() {
+    fn deltas_carry_changes_gone_buckets_refreshes_and_every_count() {
         let opts = DeltaOptions {
             threshold: 0.05,
             refresh_ticks: 3,
@@ -365,7 +411,7 @@ mod tests {
         // Before the controller announced protocol 4: the report as it is, no session.
         let first = up.prepare(&zone(&[("a", 100.0)]), 0, opts, false);
         assert_eq!(first.report.session, None);
-        up.proto = PROTO_DELTA;
+        up.proto = PROTO_COUNTS;
         let full = up.prepare(
             &zone(&[("a", 100.0), ("b", 10.0), ("c", 5.0)]),
             0,
@@ -379,7 +425,7 @@ mod tests {
         // a moves 2% (held), b 20% (sent), c is gone, d is new; refresh turns aside.
         let now = zone(&[("a", 102.0), ("b", 12.0), ("d", 1.0)]);
         let mut sent_a = 0;
-        let mut held_a = 0u64;
+        let mut counted_a = 0u64;
         for round in 1..=3 {
             let p = up.prepare(&now, round, opts, false);
             let s = p.report.session.unwrap();
@@ -393,27 +439,33 @@ mod tests {
                 // A gone bucket the controller acknowledged is not sent again.
                 assert!(!n.iter().any(|(b, _)| b == "c"), "{n:?}");
             }
-            if n.contains(&("a".into(), false)) {
+            let a: Vec<&ZoneBucketMsg> =
+                p.report.buckets.iter().filter(|b| b.bucket == "a").collect();
+            // Every forward carries a's counts: whole at its refresh, else counts only.
+            assert_eq!(a.len(), 1, "round {round}");
+            counted_a += a[0].counts.offered;
+            if !a[0].counts_only {
                 sent_a += 1;
+                assert_eq!(a[0].offered_rps, 102.0);
             } else {
-                held_a += p
-                    .held_back
-                    .iter()
-                    .filter(|(k, _)| k.1 == "a")
-                    .map(|(_, c)| c.offered)
-                    .sum::<u64>();
+                assert_eq!(a[0].offered_rps, 0.0);
             }
             let reply = ack(&p);
             up.answered(p, &reply);
         }
-        // Within `refresh_ticks` forwards, a is refreshed exactly once; the other forwards
-        // hand its counts back to the caller.
+        // Within `refresh_ticks` forwards, a is refreshed exactly once; every forward counts.
         assert_eq!(sent_a, 1);
-        assert_eq!(held_a, 2 * 102);
+        assert_eq!(counted_a, 3 * 102);
+        // A counts-only entry changes nothing the upstream holds: a is still held at 102.
+        assert_eq!(up.held[&("svc".to_string(), "a".to_string())][0], 102_000);
+        // A controller of protocols 4 to 6 gets a bucket with counts whole every forward.
+        up.proto = PROTO_DELTA;
+        let p = up.prepare(&now, 5, opts, false);
+        assert!(p.report.buckets.iter().all(|b| !b.counts_only));
+        assert_eq!(p.report.buckets.len(), 3);
         // The last forward of a stop carries every bucket with counts.
         let p = up.prepare(&now, 10, opts, true);
         assert_eq!(p.report.buckets.len(), 3);
-        assert!(p.held_back.is_empty());
         // A resync answer: the next report is full.
         let mut reply = ack(&p);
         reply.session.as_mut().unwrap().resync = true;
@@ -429,4 +481,138 @@ mod tests {
             None
         );
     }
+
+    /// What became of a forward in [`counts_reach_the_controller_or_are_counted`].
+    #[derive(Debug, Clone, Copy)]
+    enum Outcome {
+        /// Applied and answered.
+        Answered,
+        /// Never reached a controller: the counts go again with the next forward.
+        Unreached,
+        /// Applied, but the answer was lost: counted as unconfirmed.
+        AnswerLost,
+        /// The controller restarted before it (its counters start again from 0).
+        Restarted,
+    }
+
+    fn outcome() -> impl proptest::strategy::Strategy<Value = Outcome> {
+        use proptest::prelude::*;
+        prop_oneof![
+            6 => Just(Outcome::Answered),
+            1 => Just(Outcome::Unreached),
+            1 => Just(Outcome::AnswerLost),
+            1 => Just(Outcome::Restarted),
+        ]
+    }
+
+    proptest::proptest! {
+        /// The count path from an aggregator's pending counts through delta sessions to the
+        /// controller's totals, over random traffic (buckets that start, stop and hold
+        /// steady), forwards that fail before or after the controller applied them, and
+        /// controller restarts: every count the clients reported is at the controller, or
+        /// (when an answer was lost) in the unconfirmed count, never twice.
+        #[test]
+        fn counts_reach_the_controller_or_are_counted(
+            steps in proptest::collection::vec(
+                (proptest::collection::vec(0u64..4, 3), outcome(), 1u64..4), 1..60),
+            counts_only in proptest::bool::ANY,
+            threshold in proptest::sample::select(vec![0.0, 0.01, 0.5]),
+        ) {
+            use crate::engine::Engine;
+            use crate::proto::ConfigDoc;
+            use schema::{BucketFile, Scope};
+            let names = ["a", "b", "c"];
+            let cfg = ConfigDoc {
+                version: "v1".into(),
+                services: vec![BucketFile {
+                    service: "svc".into(),
+                    buckets: names
+                        .iter()
+                        .map(|n| crate::tests::bucket(n, Scope::Global, 1e6))
+                        .collect(),
+                }],
+                candidates: Vec::new(),
+            };
+            let opts = DeltaOptions { threshold, refresh_ticks: 30 };
+            let proto = if counts_only { PROTO_COUNTS } else { PROTO_DELTA };
+            let mut engine = Engine::new(cfg.clone(), 60_000);
+            let mut up = Upstream { proto, ..Default::default() };
+            let mut pending = Pending::new();
+            let (mut counted, mut unconfirmed, mut earlier_engines) = (0u64, 0u64, 0u64);
+            let total = |e: &Engine| e.totals().map(|(_, _, c)| c[0]).sum::<u64>();
+            let mut now = 0u64;
+            // Two quiet forwards at the end: every bucket stops, what is pending goes.
+            let quiet = [(vec![0, 0, 0], Outcome::Answered, 1), (vec![0, 0, 0], Outcome::Answered, 1)];
+            for (round, (counts, outcome, scale)) in steps.iter().chain(quiet.iter()).enumerate() {
+                now += 1000;
+                let mut buckets = Vec::new();
+                for (name, &c) in names.iter().zip(counts) {
+                    let c = c * scale;
+                    if c == 0 {
+                        continue;
+                    }
+                    counted += c;
+                    pending.entry(("svc".into(), (*name).into())).or_default().add(
+                        &BucketCountsMsg { bucket: (*name).into(), offered: c, admitted: c, ..Default::default() });
+                    buckets.push(ZoneBucketMsg {
+                        service: "svc".into(),
+                        bucket: (*name).into(),
+                        offered_rps: c as f64,
+                        admitted_rps: c as f64,
+                        ..Default::default()
+                    });
+                }
+                attach_pending(&mut buckets, &mut pending);
+                let full = ZoneReport {
+                    aggregator_id: "agg".into(),
+                    region: "r".into(),
+                    zone: "z".into(),
+                    buckets,
+                    calls: Vec::new(),
+                    calls_ms: None,
+                    session: None,
+                };
+                if let Outcome::Restarted = outcome {
+                    earlier_engines += total(&engine);
+                    engine = Engine::new(cfg.clone(), 60_000);
+                }
+                // `forward_to`: one more request after a `resync`.
+                for _ in 0..2 {
+                    let p = up.prepare(&full, round as u64, opts, false);
+                    match outcome {
+                        Outcome::Unreached => {
+                            up.failed();
+                            up.proto = proto;
+                            restore_pending(&mut pending, &full);
+                        }
+                        Outcome::AnswerLost => {
+                            engine.answer(&p.report, now, now / 1000);
+                            up.failed();
+                            up.proto = proto;
+                            unconfirmed += full.buckets.iter().map(|b| b.counts.offered).sum::<u64>();
+                        }
+                        Outcome::Answered | Outcome::Restarted => {
+                            let d = engine.answer(&p.report, now, now / 1000);
+                            let resync = d.session.is_some_and(|r| r.resync);
+                            up.answered(p, &d);
+                            if resync {
+                                continue;
+                            }
+                        }
+                    }
+                    break;
+                }
+            }
+            proptest::prop_assert!(pending.is_empty());
+            let at_controller = earlier_engines + total(&engine);
+            proptest::prop_assert!(at_controller <= counted + unconfirmed,
+                "{at_controller} at the controller, {counted} counted, {unconfirmed} unconfirmed");
+            proptest::prop_assert!(at_controller + unconfirmed >= counted,
+                "{at_controller} at the controller, {counted} counted, {unconfirmed} unconfirmed");
+            if unconfirmed == 0 {
+                proptest::prop_assert_eq!(at_controller, counted);
+            }
+        }
+    }
+
 }

@@ -783,7 +783,7 @@ impl Engine {
                 continue;
             };
             self.count(i, zone_name, &b.counts);
-            if b.gone {
+            if b.gone || b.counts_only {
                 continue;
             }
             resolved.push((i, units(b)));
@@ -898,6 +898,9 @@ impl Engine {
                 continue;
             };
             self.count(i, zone_name, &b.counts);
+            if b.counts_only {
+                continue;
+            }
             entries.push((i, (!b.gone).then(|| units(b))));
         }
         if !entries.is_sorted_by_key(|e| e.0) {
@@ -1008,6 +1011,7 @@ impl Engine {
                     shadow_dropped_rps: from_units(r[3]),
                     counts: Default::default(),
                     gone: false,
+                    counts_only: false,
                 })
                 .collect(),
             // Calls are exported by the controller their zones report to, never forwarded

@@ -206,7 +206,7 @@ fn sim_fairness_index_and_no_premature_drops() {
     }
 }
 
-fn bucket(name: &str, scope: Scope, limit: f64) -> Bucket {
+pub(crate) fn bucket(name: &str, scope: Scope, limit: f64) -> Bucket {
     Bucket {
         name: name.into(),
         caller: Some(name.into()),

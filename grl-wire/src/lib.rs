@@ -30,8 +30,9 @@ pub const PROTO_HEADER: &str = "grl-proto";
 /// zone reports and delta directives ([`ZoneReport::session`], [`ZoneBucketMsg::gone`],
 /// [`ZoneDirectives::session`]); 5: candidates in `PUT /v1/config`
 /// ([`ConfigDoc::candidates`]) and `GET /v1/candidates` on the controller; 6: the time a
-/// zone report's calls cover ([`ZoneReport::calls_ms`]).
-pub const PROTO_VERSION: u32 = 6;
+/// zone report's calls cover ([`ZoneReport::calls_ms`]); 7: counts-only entries in delta zone
+/// reports ([`ZoneBucketMsg::counts_only`]).
+pub const PROTO_VERSION: u32 = 7;
 
 /// The first protocol version whose aggregators read the binary encoding ([`binary`]).
 pub const PROTO_BINARY: u32 = 3;
@@ -45,6 +46,9 @@ pub const PROTO_CANDIDATES: u32 = 5;
 
 /// The first protocol version whose controllers accept [`ZoneReport::calls_ms`].
 pub const PROTO_CALLS_MS: u32 = 6;
+
+/// The first protocol version whose controllers accept [`ZoneBucketMsg::counts_only`].
+pub const PROTO_COUNTS: u32 = 7;
 
 /// [`PROTO_VERSION`] as a header value (made once).
 pub fn version_header() -> http::HeaderValue {
@@ -238,6 +242,10 @@ pub struct ZoneBucketMsg {
     /// takes it out of the zone's contribution (its rates are ignored, its counts count).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub gone: bool,
+    /// In a delta report (protocol 7): the entry carries counts only; the controller counts
+    /// them and keeps the rates it holds of the bucket (which moved too little to be sent).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub counts_only: bool,
 }
 
 /// A zone report's place in its delta session with one controller (protocol 4).

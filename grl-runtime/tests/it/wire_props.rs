@@ -128,10 +128,10 @@ fn zone_report() -> impl Strategy<Value = ZoneReport> {
         float(),
         float(),
         counts(),
-        any::<bool>(),
+        (any::<bool>(), any::<bool>()),
     )
         .prop_map(
-            |(service, bucket, o, a, d, s, counts, gone)| ZoneBucketMsg {
+            |(service, bucket, o, a, d, s, counts, (gone, counts_only))| ZoneBucketMsg {
                 service,
                 bucket,
                 offered_rps: o,
@@ -140,6 +140,7 @@ fn zone_report() -> impl Strategy<Value = ZoneReport> {
                 shadow_dropped_rps: s,
                 counts,
                 gone,
+                counts_only,
             },
         );
     let call = (name(), call()).prop_map(|(service, c)| ServiceCallCountMsg {
