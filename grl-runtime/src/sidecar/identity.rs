@@ -417,25 +417,29 @@ impl ProcedureFrom {
             return Cow::Borrowed(UNMATCHED_PROCEDURE);
         }
         // Servers differ on `%2F`: Python's decode it into a separator, Go's keep it inside
-        // its segment. A route that matches either reading is the request's.
+        // its segment. The first route that matches either reading is the request's (a later
+        // route matching the kept reading must not win over an earlier one matching the
+        // decoded reading: `/static/..%2Fcheckout` is `/checkout` to nginx).
         let kept = normalized(path, false);
-        if let Some(p) = self.route(method, &kept) {
-            return p;
-        }
         // Only a `%` left (an encoded slash) can read another way.
-        if kept.contains('%') {
-            if let Some(p) = self.route(method, &normalized(path, true)) {
-                return p;
-            }
-        }
-        Cow::Borrowed(UNMATCHED_PROCEDURE)
+        let decoded = kept.contains('%').then(|| normalized(path, true));
+        self.route(method, &kept, decoded.as_deref())
+            .unwrap_or(Cow::Borrowed(UNMATCHED_PROCEDURE))
     }
 
-    /// The first route matching `method` and `path`.
-    fn route(&self, method: &Method, path: &str) -> Option<Cow<'_, str>> {
+    /// The first route matching `method` and one of the readings of the path. A `HEAD`
+    /// request matches `GET` routes too (and is keyed as one), as servers run the GET handler
+    /// for it: else it would pass every `GET` bucket.
+    fn route(&self, method: &Method, path: &str, other: Option<&str>) -> Option<Cow<'_, str>> {
+        let path_matches = |r: &Route| r.matches_path(path) || other.is_some_and(|o| r.matches_path(o));
         self.routes.iter().find_map(|r| match &r.method {
-            Some(m) if m == method && r.matches_path(path) => Some(Cow::Borrowed(r.name.as_str())),
-            None if METHODS.contains(method) && r.matches_path(path) => {
+            Some(m)
+                if (m == method || (*m == Method::GET && *method == Method::HEAD))
+                    && path_matches(r) =>
+            {
+                Some(Cow::Borrowed(r.name.as_str()))
+            }
+            None if METHODS.contains(method) && path_matches(r) => {
                 Some(Cow::Owned(format!("{method} {}", r.template)))
             }
             _ => None,
@@ -682,6 +686,8 @@ mod tests {
             "HEAD /static/{path*}"
         );
         assert_eq!(p(false, Method::POST, "/orders", &none), "POST /orders");
+        // HEAD runs the GET handler on servers: it is keyed to the GET route.
+        assert_eq!(p(false, Method::HEAD, "/users/42", &none), "GET /users/{id}");
         let odd = Method::from_bytes(b"SCAN").unwrap();
         assert_eq!(p(false, odd, "/static/x", &none), UNMATCHED_PROCEDURE);
         for path in ["/admin", "/.env", "/wp-login.php"] {
@@ -690,6 +696,26 @@ mod tests {
         for bad in ["users/{id}", "GET /a/{b*}/c", "G@T /a", "/a/x{y}"] {
             assert!(Route::parse(bad).is_err(), "{bad}");
         }
+    }
+
+    /// The first route either reading of an encoded slash matches is the request's: a later
+    /// wildcard route matching the kept reading does not win over an earlier route that the
+    /// decoded reading matches (nginx serves `/static/..%2Fcheckout` as `/checkout`).
+    #[test]
+    fn the_first_route_either_reading_matches_wins() {
+        let from = ProcedureFrom {
+            routes: ["POST /checkout", "/static/{path*}"]
+                .iter()
+                .map(|r| Route::parse(r).unwrap())
+                .collect(),
+            ..ProcedureFrom::default()
+        };
+        let none = HeaderMap::new();
+        let p = |m: Method, path: &str| from.procedure(false, &m, path, &none).into_owned();
+        assert_eq!(p(Method::POST, "/static/..%2Fcheckout"), "POST /checkout");
+        assert_eq!(p(Method::POST, "/static/..%2fcheckout"), "POST /checkout");
+        assert_eq!(p(Method::POST, "/static/a%2Fb"), "POST /static/{path*}");
+        assert_eq!(p(Method::GET, "/static/..%2Fcheckout"), "GET /static/{path*}");
     }
 
     /// A path spelled another way than the route (percent-encoded, with dot segments or
