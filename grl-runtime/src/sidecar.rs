@@ -117,12 +117,26 @@ struct Stats {
     refusals: [AtomicU64; 3],
     /// Upstream failures: connect, timeout, other.
     upstream_errors: [AtomicU64; 3],
+    /// Requests refused as malformed (400): target, body, identity.
+    bad_requests: [AtomicU64; 3],
+}
+
+/// Why a request was refused as malformed (an index of `Stats::bad_requests`).
+#[derive(Debug, Clone, Copy)]
+enum BadRequest {
+    /// A target no upstream would read as meant.
+    Target = 0,
+    /// A request body that ended early or is malformed (a bad chunk size).
+    Body = 1,
+    /// An identity header given twice.
+    Identity = 2,
 }
 
 const PROTOCOLS: [&str; 2] = ["http", "grpc"];
 const DECISIONS: [&str; 3] = ["admit", "drop", "shadow_drop"];
 const REFUSALS: [&str; 3] = ["rate_limited", "upstream_unreachable", "upstream_timeout"];
 const UPSTREAM_ERRORS: [&str; 3] = ["connect", "timeout", "other"];
+const BAD_REQUESTS: [&str; 3] = ["target", "body", "identity"];
 
 #[derive(Debug)]
 struct StatsCollector {
@@ -172,6 +186,16 @@ impl prometheus_client::collector::Collector for StatsCollector {
         for (i, kind) in UPSTREAM_ERRORS.iter().enumerate() {
             ConstCounter::new(s.upstream_errors[i].load(Ordering::Relaxed))
                 .encode(fam.encode_family(&[("kind", *kind)])?)?;
+        }
+        let mut fam = encoder.encode_descriptor(
+            "grl_sidecar_bad_requests",
+            "Requests refused as malformed (400), before or instead of the upstream, by reason: target (a request target no upstream would read as meant), body (a request body cut short or malformed, such as a bad chunk size), identity (an identity header given twice).",
+            None,
+            MetricType::Counter,
+        )?;
+        for (i, reason) in BAD_REQUESTS.iter().enumerate() {
+            ConstCounter::new(s.bad_requests[i].load(Ordering::Relaxed))
+                .encode(fam.encode_family(&[("reason", *reason)])?)?;
         }
         let mut fam = encoder.encode_descriptor(
             "grl_sidecar_info",
@@ -605,11 +629,19 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
     let start = Instant::now();
     // A target no upstream would read as meant is refused before it is decided (and counted).
     let Some(path) = origin_form(req.method(), req.uri().path_and_query()) else {
-        return plain(StatusCode::BAD_REQUEST, "bad request target\n");
+        return bad_request(&s, BadRequest::Target, "bad request target\n");
     };
     // gRPC is HTTP/2: over HTTP/1.1 the content type is the caller's word only, and would
     // choose its procedure key (the raw path) and its upstream protocol.
     let grpc = req.version() == Version::HTTP_2 && is_grpc(req.headers());
+    // The answer goes out in the sidecar's own version (RFC 9112 §2.3), whatever the
+    // upstream's: an HTTP/1.0 upstream's version would close every caller's connection.
+    // hyper answers an HTTP/1.0 caller in HTTP/1.0 by itself.
+    let answer_version = if req.version() == Version::HTTP_2 {
+        Version::HTTP_2
+    } else {
+        Version::HTTP_11
+    };
     let decision = {
         let caller = s.caller.caller(&peer.cert_names, req.headers());
         let procedure = s
@@ -650,7 +682,7 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
             .build()
         {
             Ok(u) => u,
-            Err(_) => return plain(StatusCode::BAD_REQUEST, "bad request target\n"),
+            Err(_) => return bad_request(&s, BadRequest::Target, "bad request target\n"),
         };
         parts.version = Version::HTTP_2;
     } else {
@@ -695,6 +727,7 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
             r.map(|r| r.map(Body::new))
         };
         let (mut parts, body) = resp.map_err(Failed::Upstream)?.into_parts();
+        parts.version = answer_version;
         strip_hop_by_hop(&mut parts.headers);
         let body = if !grpc && is_small(&body) {
             whole(body).await.map_err(Failed::ResponseBody)?
@@ -707,7 +740,14 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
         Ok(Ok(resp)) => resp,
         Ok(Err(Failed::RequestBody(e))) => {
             tracing::debug!(error = %e, "the caller's request body failed");
-            plain(StatusCode::BAD_REQUEST, "the request body ended early\n")
+            bad_request(&s, BadRequest::Body, "the request body ended early\n")
+        }
+        // A streamed body the caller malformed (a bad chunk size) fails the upstream request:
+        // the caller's fault, answered 400 as nginx does, never an upstream error (whose 5xx
+        // alerts any caller could set off).
+        Ok(Err(Failed::Upstream(e))) if e.is_caller_body() => {
+            tracing::debug!(error = %e, "the caller's request body failed on its way upstream");
+            bad_request(&s, BadRequest::Body, "malformed request body\n")
         }
         Ok(Err(Failed::Upstream(e))) => {
             let cause = crate::cause::describe_error(&e, s.connect_timeout);
@@ -731,6 +771,12 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
             )
         }
     }
+}
+
+/// 400 for a malformed request, counted by reason.
+fn bad_request(s: &Shared, why: BadRequest, text: &'static str) -> Response<Body> {
+    s.stats.bad_requests[why as usize].fetch_add(1, Ordering::Relaxed);
+    plain(StatusCode::BAD_REQUEST, text)
 }
 
 /// 502 (gRPC `UNAVAILABLE`) for an upstream that gave no whole answer, counted by kind

@@ -361,6 +361,12 @@ impl UpstreamError {
             UpstreamError::Request(_) => false,
         }
     }
+
+    /// Whether the request failed on the caller's own body (hyper's "user body" error: the
+    /// body stream the caller sent broke, such as a malformed chunk size), not the upstream.
+    pub fn is_caller_body(&self) -> bool {
+        matches!(self, UpstreamError::Request(e) if e.is_user())
+    }
 }
 
 impl std::fmt::Display for UpstreamError {

@@ -1599,3 +1599,84 @@ async fn an_http2_caller_that_only_pings_under_stalled_answers_is_cut_when_idle(
     );
     drop(held);
 }
+
+/// Behind `python3 -m http.server` (which answers HTTP/1.0 and closes), an HTTP/1.1 caller is
+/// answered in HTTP/1.1 and keeps its connection for the next request (RFC 9112 §2.3: the
+/// answer's version is the sidecar's, whatever the upstream's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http11_caller_is_answered_in_http11_behind_an_http10_upstream() {
+    use tokio::io::AsyncWriteExt;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("hello.txt"), "hello\n").unwrap();
+    let py_port = free_port();
+    let py = Proc::spawn(
+        Command::new("/usr/bin/python3")
+            .args(["-m", "http.server", "--bind", "127.0.0.1"])
+            .arg(py_port.to_string())
+            .current_dir(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    )
+    .unwrap();
+    wait_up(&format!("http://127.0.0.1:{py_port}/hello.txt")).await;
+    let sc = lone_sidecar(&format!("http://127.0.0.1:{py_port}"), &[], vec![py]).await;
+    let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", sc.port))
+        .await
+        .unwrap();
+    for i in 0..3 {
+        conn.write_all(b"GET /hello.txt HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let (head, _) = tokio::time::timeout(Duration::from_secs(10), read_head(&mut conn))
+            .await
+            .unwrap_or_else(|_| panic!("no answer to request {i}"));
+        assert!(head.starts_with("HTTP/1.1 200"), "request {i}: {head}");
+        assert!(
+            !head.to_ascii_lowercase().contains("connection: close"),
+            "request {i}: {head}"
+        );
+        // The body (6 bytes) may come after the head: read it before the next request.
+        let mut rest = vec![0u8; 64];
+        let _ = tokio::time::timeout(Duration::from_millis(200), async {
+            use tokio::io::AsyncReadExt;
+            conn.read(&mut rest).await
+        })
+        .await;
+    }
+}
+
+/// A malformed request body (a chunk size that overflows) is the caller's fault: 400 and
+/// `grl_sidecar_bad_requests_total{reason="body"}`, as nginx answers, never a 502 counted as an
+/// upstream error (whose alerts any caller could set off).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_chunked_body_is_a_bad_request_not_an_upstream_error() {
+    use tokio::io::AsyncWriteExt;
+    let py = py_sidecar(&[]).await;
+    let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", py.port))
+        .await
+        .unwrap();
+    conn.write_all(
+        b"POST /x HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n\
+          FFFFFFFFFFFFFFFFFFFF\r\nabc\r\n0\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let (head, _) = tokio::time::timeout(Duration::from_secs(10), read_head(&mut conn))
+        .await
+        .expect("an answer");
+    assert!(head.starts_with("HTTP/1.1 400"), "{head}");
+    let m = reqwest::get(format!("http://127.0.0.1:{}/metrics", py.admin))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        m.contains("grl_sidecar_bad_requests_total{reason=\"body\"} 1"),
+        "{m}"
+    );
+    assert!(
+        m.contains("grl_sidecar_upstream_errors_total{kind=\"other\"} 0"),
+        "{m}"
+    );
+}
