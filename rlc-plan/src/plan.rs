@@ -79,7 +79,10 @@ pub struct PlannedBucket {
     /// The bucket as it will be written.
     #[serde(flatten)]
     pub bucket: Bucket,
-    /// The limit in the config repo now, if any.
+    /// The limit in the config repo now, if any. `GET /v1/quotas` and `rlc preview` show the
+    /// limit in force instead: the spec a rollout keeps in force while its candidate (the
+    /// config repo's new value, in `candidate`) bakes, or after an abort until the config repo
+    /// is back in line.
     pub current_limit_rps: Option<f64>,
     /// Which numbers, window and confidence produced the limit.
     pub evidence: Evidence,

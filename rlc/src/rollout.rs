@@ -473,6 +473,112 @@ impl Rollout {
     }
 }
 
+/// A candidate limit baking beside the limit in force, as the views show it: `GET /v1/quotas`,
+/// the dashboard's bucket page and its JSON twin, the overview and `rlc preview`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct CandidateView {
+    /// The rollout's id (the candidate's id on the controllers).
+    pub rollout_id: String,
+    /// The candidate's limit (the base branch's new spec), requests per second.
+    pub limit_rps: f64,
+    /// The candidate's mode (`enforce` or `shadow`).
+    pub mode: String,
+    /// The current stage, from 1.
+    pub stage: usize,
+    /// How many stages.
+    pub stages: usize,
+    /// The regions of the current stage, where the candidate is evaluated.
+    pub regions: Vec<String>,
+    /// The regions whose stage passed: the candidate's limit is already in force there (empty
+    /// in the first stage).
+    pub in_force_regions: Vec<String>,
+    /// `pending` (its candidate has not reached a controller of the stage yet) or `baking`.
+    pub state: String,
+    /// Share of the current stage's bake done, 0–1 (`baked_seconds / bake_seconds`, at most
+    /// 1; a stage passes once every region of it evaluated the candidate long enough).
+    pub bake_progress: f64,
+    /// Seconds baked in the current stage.
+    pub baked_seconds: f64,
+    /// The bake each stage needs, in seconds.
+    pub bake_seconds: f64,
+}
+
+/// What the controllers enforce of one bucket, as the views show it ([`enforced`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Enforced<'a> {
+    /// The spec in force (None: not in force anywhere yet, a new bucket under rollout, or not
+    /// in the config repo).
+    pub spec: Option<&'a Bucket>,
+    /// The candidate baking beside it, if any.
+    pub candidate: Option<CandidateView>,
+}
+
+impl Rollout {
+    /// Whether the controllers (those of the regions whose stage has not passed, for a
+    /// baking one) still run the spec in force before it (`old`) instead of the base
+    /// branch's `new`: baking, or aborted while the base branch still holds the new spec.
+    /// The same rule as [`desired_for`].
+    pub fn holds_spec_in_force(&self) -> bool {
+        match self.state {
+            RolloutState::Baking => true,
+            RolloutState::Aborted => !self.settled,
+            RolloutState::Done | RolloutState::Superseded => false,
+        }
+    }
+
+    /// The candidate as the views show it (None unless baking).
+    pub fn candidate_view(&self, now: DateTime<Utc>) -> Option<CandidateView> {
+        if self.state != RolloutState::Baking {
+            return None;
+        }
+        let bake = self.settings.bake.as_secs_f64();
+        let baked = self.baked_seconds(now.timestamp_millis());
+        Some(CandidateView {
+            rollout_id: self.id.clone(),
+            limit_rps: self.new.limit_rps,
+            mode: self.new.mode.as_str().to_string(),
+            stage: self.stage + 1,
+            stages: self.stages.len(),
+            regions: self.current_regions().to_vec(),
+            in_force_regions: self.stages[..self.stage.min(self.stages.len())].concat(),
+            state: if self.stage_started_ms.is_some() {
+                "baking".into()
+            } else {
+                "pending".into()
+            },
+            bake_progress: if bake > 0.0 {
+                (baked / bake).min(1.0)
+            } else {
+                1.0
+            },
+            baked_seconds: baked,
+            bake_seconds: bake,
+        })
+    }
+}
+
+/// What the controllers enforce of a bucket whose spec on the base branch is `base` (None: not
+/// there), given its newest rollout `newest`: the spec in force before a rollout that still
+/// holds it ([`Rollout::holds_spec_in_force`]) and applies to the base's spec (as
+/// [`desired_for`] decides: a rollout whose new spec the base no longer holds does not), with
+/// its candidate while it bakes; else the base's spec.
+pub fn enforced<'a>(
+    base: Option<&'a Bucket>,
+    newest: Option<&'a Rollout>,
+    now: DateTime<Utc>,
+) -> Enforced<'a> {
+    match newest {
+        Some(r) if base == Some(&r.new) && r.holds_spec_in_force() => Enforced {
+            spec: r.old.as_ref(),
+            candidate: r.candidate_view(now),
+        },
+        _ => Enforced {
+            spec: base,
+            candidate: None,
+        },
+    }
+}
+
 /// Stores `r`: inserted when it is not stored yet, else updated over the revision it was read
 /// at ([`Rollout::rev`], moved on when written). `false`: nothing written, because another
 /// process stored the rollout since (an insert of an id already stored, an update of a row

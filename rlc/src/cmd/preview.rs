@@ -68,11 +68,27 @@ pub async fn run(args: PreviewArgs) -> anyhow::Result<i32> {
     if let Some(s) = &args.service {
         plan = rlc_plan::whatif::restrict_plan(&plan, Some(&[s.clone()].into()));
     }
+    // What the controllers enforce while a rollout's candidate bakes: the limit in force is
+    // not the base branch's new value yet.
+    let rollouts = match &store {
+        crate::gather::StoreWitness::Store(s) => crate::rollout::latest_by_bucket(s, 10_000)
+            .await
+            .unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "rollouts unavailable: limits under a rollout show the base branch's value");
+                Default::default()
+            }),
+        _ => Default::default(),
+    };
+    let in_force = in_force(&base.repo, &rollouts, now);
     match args.format {
-        Format::Json => println!("{}", serde_json::to_string_pretty(&plan)?),
+        Format::Json => println!(
+            "{}",
+            serde_json::to_string_pretty(&json_with_in_force(&plan, &in_force)?)?
+        ),
         Format::Markdown => print!("{}", pull_request_body(&cfg, &base.repo, &plan)),
         Format::Table => {
-            print!("{}", table(&plan));
+            print!("{}", table_in_force(&plan, &in_force));
+            print!("{}", candidates_table(&in_force));
             print!(
                 "{}",
                 promotions_table(&plan.promotions, plan.shadow_error.as_deref())
@@ -80,6 +96,95 @@ pub async fn run(args: PreviewArgs) -> anyhow::Result<i32> {
         }
     }
     Ok(history_exit_code(&plan))
+}
+
+/// A bucket whose limit in force is not the base branch's: a rollout keeps the spec in force
+/// before it ([`crate::rollout::enforced`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct InForceNow {
+    /// The limit the controllers enforce (None: a new bucket, only a candidate so far).
+    pub limit_rps: Option<f64>,
+    /// The candidate baking beside it.
+    pub candidate: Option<crate::rollout::CandidateView>,
+}
+
+/// The buckets of the base `repo` whose limit in force differs from the base branch's, given
+/// the newest rollout of each bucket, by (service, bucket).
+pub fn in_force(
+    repo: &schema::ConfigRepo,
+    rollouts: &std::collections::BTreeMap<(String, String), crate::rollout::Rollout>,
+    now: chrono::DateTime<chrono::Utc>,
+) -> std::collections::BTreeMap<(String, String), InForceNow> {
+    let mut out = std::collections::BTreeMap::new();
+    for f in repo.buckets.values() {
+        for b in &f.value.buckets {
+            let key = (f.value.service.clone(), b.name.clone());
+            let e = crate::rollout::enforced(Some(b), rollouts.get(&key), now);
+            if e.spec != Some(b) || e.candidate.is_some() {
+                out.insert(
+                    key,
+                    InForceNow {
+                        limit_rps: e.spec.map(|s| s.limit_rps),
+                        candidate: e.candidate,
+                    },
+                );
+            }
+        }
+    }
+    out
+}
+
+/// The preview JSON: `plan`, with `current_limit_rps` the limit in force and `candidate` the
+/// candidate baking beside it, for the buckets under a rollout (`in_force`).
+pub fn json_with_in_force(
+    plan: &Plan,
+    in_force: &std::collections::BTreeMap<(String, String), InForceNow>,
+) -> anyhow::Result<serde_json::Value> {
+    let mut v = serde_json::to_value(plan)?;
+    if let Some(buckets) = v.get_mut("buckets").and_then(|b| b.as_array_mut()) {
+        for (b, planned) in buckets.iter_mut().zip(&plan.buckets) {
+            let key = (planned.service.clone(), planned.bucket.name.clone());
+            let (Some(f), Some(obj)) = (in_force.get(&key), b.as_object_mut()) else {
+                continue;
+            };
+            obj.insert(
+                "current_limit_rps".into(),
+                serde_json::to_value(f.limit_rps)?,
+            );
+            if let Some(c) = &f.candidate {
+                obj.insert("candidate".into(), serde_json::to_value(c)?);
+            }
+        }
+    }
+    Ok(v)
+}
+
+/// The candidates baking beside the limit in force, one line each (empty when none).
+pub fn candidates_table(
+    in_force: &std::collections::BTreeMap<(String, String), InForceNow>,
+) -> String {
+    let mut out = String::new();
+    for ((service, bucket), f) in in_force {
+        let Some(c) = &f.candidate else { continue };
+        if out.is_empty() {
+            out.push_str("\ncandidates baking beside the limit in force (not enforced yet):\n");
+        }
+        out.push_str(&format!(
+            "  {service}/{bucket}: candidate {} rps {}, {} in region {} (stage {} of {}), {:.0}% of the {}s bake; in force: {}\n",
+            schema::format_rps(c.limit_rps),
+            c.mode,
+            c.state,
+            c.regions.join(", "),
+            c.stage,
+            c.stages,
+            c.bake_progress * 100.0,
+            c.bake_seconds,
+            f.limit_rps
+                .map(|l| format!("{} rps", schema::format_rps(l)))
+                .unwrap_or_else(|| "none (a new bucket)".into()),
+        ));
+    }
+    out
 }
 
 /// The body of the pull request `plan` would get against the base `repo`: the renderer and
@@ -159,8 +264,17 @@ pub fn history_exit_code(plan: &Plan) -> i32 {
 
 /// The plan as a table: service, bucket, current, proposed, change %, peak, policy, scope,
 /// mode, confidence, why (the evidence's one line: what set the limit, what was discounted);
-/// then the skipped list.
+/// then the skipped list. No bucket under a rollout: [`table_in_force`].
 pub fn table(plan: &Plan) -> String {
+    table_in_force(plan, &Default::default())
+}
+
+/// [`table`] with CURRENT the limit in force (`in_force`'s, for the buckets under a rollout)
+/// and the change counted from it.
+pub fn table_in_force(
+    plan: &Plan,
+    in_force: &std::collections::BTreeMap<(String, String), InForceNow>,
+) -> String {
     let mut rows: Vec<[String; 11]> = vec![[
         "SERVICE",
         "BUCKET",
@@ -176,7 +290,10 @@ pub fn table(plan: &Plan) -> String {
     ]
     .map(String::from)];
     for b in &plan.buckets {
-        let cur = b.current_limit_rps;
+        let cur = match in_force.get(&(b.service.clone(), b.bucket.name.clone())) {
+            Some(f) => f.limit_rps,
+            None => b.current_limit_rps,
+        };
         let change = match cur {
             // The run keeps the current limit; `skipped` below says why.
             Some(c) if c > 0.0 && b.held.is_some() => {

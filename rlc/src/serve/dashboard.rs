@@ -494,6 +494,8 @@ struct PageData {
     with_config: bool,
     /// The incident overrides in force now, by bucket.
     overrides: std::collections::BTreeMap<(String, String), Vec<rlc_plan::censor::OverrideWindow>>,
+    /// The newest rollout of each bucket (empty when the store could not say: logged).
+    rollouts: std::collections::BTreeMap<(String, String), crate::rollout::Rollout>,
     /// The mode filter.
     mode: Option<String>,
     /// The verdict filter.
@@ -613,6 +615,14 @@ async fn page_data(s: &AppState, q: OverviewQuery) -> (PageData, Option<DashErro
         Err(e) => errors.push(e),
     }
     data.problems.extend(errors.iter().map(DashError::notice));
+    // The rollouts decide which limit is in force while a candidate bakes.
+    match crate::store::within(limit, crate::rollout::latest_by_bucket(&store, 10_000)).await {
+        Ok(r) => data.rollouts = r,
+        Err(e) => data.problems.push(format!(
+            "The rollouts could not be loaded ({e}): limits under a rollout show the config \
+             repo's new value, not the one in force"
+        )),
+    }
     (data, errors.into_iter().next())
 }
 
@@ -812,6 +822,7 @@ fn overview_rows(d: &PageData) -> Option<Vec<overview::Row>> {
         config: d.config.as_deref(),
         summaries: &summaries,
         overrides: &d.overrides,
+        rollouts: &d.rollouts,
         service: d.service.as_deref(),
         window: &d.window,
         now: Utc::now(),

@@ -397,24 +397,27 @@ pub struct QuotaBucket {
     /// when the bucket never had one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollout: Option<crate::rollout::RolloutView>,
+    /// The candidate limit baking beside the limit in force (`current_limit_rps`), with its
+    /// stage and bake progress; absent when none bakes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub candidate: Option<crate::rollout::CandidateView>,
 }
 
-/// The newest rollout of each bucket, as views (empty when the store cannot say within the
-/// query timeout: logged).
-pub async fn rollout_views(
+/// The newest rollout of each bucket (empty when the store cannot say within the query
+/// timeout: logged).
+pub async fn latest_rollouts(
     s: &AppState,
-) -> std::collections::BTreeMap<(String, String), crate::rollout::RolloutView> {
+) -> std::collections::BTreeMap<(String, String), crate::rollout::Rollout> {
     let Some(store) = s.store() else {
         return Default::default();
     };
-    let now = Utc::now();
     match crate::store::within(
         s.query_timeout(),
         crate::rollout::latest_by_bucket(&store, 10_000),
     )
     .await
     {
-        Ok(m) => m.into_iter().map(|(k, r)| (k, r.view(now))).collect(),
+        Ok(m) => m,
         Err(e) => {
             tracing::warn!(error = %e, "rollouts unavailable for the quota API");
             Default::default()
@@ -422,14 +425,34 @@ pub async fn rollout_views(
     }
 }
 
+/// Each bucket's newest rollout (`rollout`) and the limit the controllers enforce: while a
+/// rollout holds the spec in force before it ([`crate::rollout::enforced`]: baking, or
+/// aborted while the base branch still holds the new spec), `current_limit_rps` is that
+/// spec's limit (not the base branch's new one) and `change` is counted from it, and a baking
+/// candidate is `candidate`.
 fn with_rollouts(
     buckets: &mut [QuotaBucket],
-    views: &std::collections::BTreeMap<(String, String), crate::rollout::RolloutView>,
+    rollouts: &std::collections::BTreeMap<(String, String), crate::rollout::Rollout>,
+    repo: &ConfigRepo,
 ) {
+    let now = Utc::now();
     for b in buckets {
-        b.rollout = views
-            .get(&(b.planned.service.clone(), b.planned.bucket.name.clone()))
-            .cloned();
+        let key = (b.planned.service.clone(), b.planned.bucket.name.clone());
+        let Some(r) = rollouts.get(&key) else {
+            continue;
+        };
+        b.rollout = Some(r.view(now));
+        let base = repo
+            .buckets
+            .values()
+            .find(|f| f.value.service == key.0)
+            .and_then(|f| f.value.buckets.iter().find(|x| x.name == key.1));
+        let e = crate::rollout::enforced(base, Some(r), now);
+        if e.spec != base {
+            b.planned.current_limit_rps = e.spec.map(|x| x.limit_rps);
+            b.change = change_of(&b.planned);
+        }
+        b.candidate = e.candidate;
     }
 }
 
@@ -586,6 +609,7 @@ fn view(b: &PlannedBucket, details: bool) -> QuotaBucket {
             .then(|| rlc_plan::promotion::PROMOTED_MODE.to_string()),
         details: details.then(|| details_of(b)),
         rollout: None,
+        candidate: None,
     }
 }
 
@@ -745,11 +769,11 @@ pub async fn list(
         Ok(c) => c,
         Err(p) => return p.into_response(),
     };
-    let rollouts = rollout_views(&s).await;
+    let rollouts = latest_rollouts(&s).await;
     match query.service.as_deref() {
         None if !rollouts.is_empty() => {
             let mut body = c.response(&q, None);
-            with_rollouts(&mut body.buckets, &rollouts);
+            with_rollouts(&mut body.buckets, &rollouts, &c.repo);
             axum::Json(body).into_response()
         }
         None => {
@@ -773,7 +797,7 @@ pub async fn list(
         Some(svc) if !c.knows(svc) => unknown_service(svc).into_response(),
         Some(svc) => {
             let mut body = c.response(&q, Some(svc));
-            with_rollouts(&mut body.buckets, &rollouts);
+            with_rollouts(&mut body.buckets, &rollouts, &c.repo);
             axum::Json(body).into_response()
         }
     }
@@ -819,7 +843,7 @@ pub async fn service(
     if !c.knows(&service) {
         return unknown_service(&service).into_response();
     }
-    let rollouts = rollout_views(&s).await;
+    let rollouts = latest_rollouts(&s).await;
     let mut body = ServiceQuotas {
         service: service.clone(),
         base_commit: c.base_commit.clone(),
@@ -839,7 +863,7 @@ pub async fn service(
             .collect(),
         history_failed: c.plan.history_failed.contains(&service),
     };
-    with_rollouts(&mut body.buckets, &rollouts);
+    with_rollouts(&mut body.buckets, &rollouts, &c.repo);
     axum::Json(body).into_response()
 }
 

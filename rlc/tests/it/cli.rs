@@ -500,3 +500,87 @@ fn contracts_without_traffic_are_flagged() {
         "{text}"
     );
 }
+
+/// While a lowered limit bakes as a candidate (10000 → the base branch's 5000), the
+/// controllers enforce 10000: `rlc preview` says so in the table's CURRENT, in
+/// `current_limit_rps`, and shows the candidate with its stage and bake progress.
+#[test]
+fn preview_shows_a_baking_candidate_beside_the_limit_in_force() {
+    let dir = setup("  file: h.csv");
+    let d = dir.path();
+    let text = std::fs::read_to_string(d.join("repo/buckets/maps.yaml")).unwrap();
+    let file: schema::BucketFile = schema::parse_str(std::path::Path::new("maps.yaml"), &text)
+        .unwrap()
+        .value;
+    let new = file.buckets[0].clone();
+    let mut old = new.clone();
+    old.limit_rps = 10000.0;
+    let now_ms = Utc::now().timestamp_millis();
+    let r = rlc::rollout::Rollout {
+        id: "rlc-web-route".into(),
+        service: "maps".into(),
+        bucket: "web.route".into(),
+        old: Some(old),
+        new,
+        change: "lowered 10000 -> 5000 rps".into(),
+        version: "abc".into(),
+        settings: schema::RolloutSpec::default().resolved(),
+        stages: vec![vec!["eu".into()], vec!["us".into()]],
+        stage: 1,
+        stage_started_ms: Some(now_ms - 15 * 60_000),
+        stage_began_ms: Some(now_ms - 15 * 60_000),
+        state: rlc::rollout::RolloutState::Baking,
+        reason: None,
+        fingerprint: "fp".into(),
+        created_ms: now_ms - 90 * 60_000,
+        updated_ms: now_ms - 15 * 60_000,
+        figures: Default::default(),
+        revert: None,
+        revert_pending: false,
+        settled: false,
+        fleet: None,
+        rev: None,
+    };
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let store = rlc::store::Store::connect("sqlite://rlc.db", d)
+            .await
+            .unwrap();
+        assert!(store.insert_rollout(&r.row()).await.unwrap());
+    });
+
+    let (code, out, err) = rlc(d, &["preview", "--format", "json"]);
+    assert_eq!(code, 0, "{err}");
+    let plan: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let web = plan["buckets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["service"] == "maps" && b["name"] == "web.route")
+        .unwrap();
+    assert_eq!(web["current_limit_rps"], 10000.0, "{web}");
+    assert_eq!(web["candidate"]["limit_rps"], 5000.0, "{web}");
+    assert_eq!(web["candidate"]["stage"], 2, "{web}");
+    assert_eq!(
+        web["candidate"]["in_force_regions"],
+        serde_json::json!(["eu"])
+    );
+    let p = web["candidate"]["bake_progress"].as_f64().unwrap();
+    assert!((p - 0.25).abs() < 0.02, "{web}");
+    // Another bucket keeps the base branch's value and gets no candidate.
+    assert!(plan["buckets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|b| b["name"] != "web.route")
+        .all(|b| b.get("candidate").is_none()));
+
+    let (code, out, _) = rlc(d, &["preview", "--service", "maps"]);
+    assert_eq!(code, 0);
+    let row = out.lines().find(|l| l.contains("web.route")).unwrap();
+    let cols: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(cols[2], "10000", "CURRENT is the limit in force: {out}");
+    assert!(
+        out.contains("maps/web.route: candidate 5000 rps enforce, baking in region us (stage 2 of 2), 25% of the 3600s bake; in force: 10000 rps"),
+        "{out}"
+    );
+}

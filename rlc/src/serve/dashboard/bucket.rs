@@ -199,10 +199,15 @@ pub struct BucketDetail {
     pub scopes_cut: usize,
     /// The bucket's quota changes recorded by runs, newest first (at most 50).
     pub quota_history: Vec<QuotaChange>,
-    /// The limit in force now: the bucket in the config repo's base branch as last fetched
-    /// (what the controller should run); null without a config repo on this server, or when
-    /// the bucket is not in it.
+    /// The limit in force now, as the controllers serve it: the bucket in the config repo's
+    /// base branch as last fetched, except while a rollout keeps the spec in force before it
+    /// (its candidate baking, or aborted and not yet reverted): then that spec; null without a
+    /// config repo on this server, when the bucket is not in it, or when it is new and only a
+    /// candidate so far.
     pub in_force: Option<InForce>,
+    /// The candidate limit baking beside the limit in force (the base branch's new spec under
+    /// a rollout), with its stage and bake progress; null when none bakes.
+    pub candidate: Option<crate::rollout::CandidateView>,
     /// The incident overrides acting on the bucket now, as rlc last saw them on the
     /// controller.
     pub overrides: Vec<OverrideView>,
@@ -216,7 +221,8 @@ pub struct BucketDetail {
     pub rollout: Option<crate::rollout::RolloutView>,
 }
 
-/// The limit in force of a bucket: its entry in the config repo's base branch.
+/// The limit in force of a bucket: its entry in the config repo's base branch, or the spec a
+/// rollout keeps in force meanwhile.
 #[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
 pub struct InForce {
     /// Requests per second.
@@ -225,7 +231,7 @@ pub struct InForce {
     pub mode: String,
     /// The policy that set it.
     pub policy: String,
-    /// The base branch's commit it was read at.
+    /// The base branch's commit the config repo was read at.
     pub commit: String,
     /// The bucket's caller (null: any caller).
     pub caller: Option<String>,
@@ -376,26 +382,44 @@ pub fn overrides_on(
         .collect()
 }
 
-/// The bucket in the config repo's base branch as last fetched: `Ok(None)` without a config
-/// repo on this server or when the bucket is not in it, an error when it cannot be read.
-async fn in_force(s: &AppState, service: &str, bucket: &str) -> Result<Option<InForce>, String> {
+/// The bucket in the config repo's base branch as last fetched, with the commit: `Ok(None)`
+/// without a config repo on this server or when the bucket is not in it, an error when it
+/// cannot be read.
+async fn base_bucket(
+    s: &AppState,
+    service: &str,
+    bucket: &str,
+) -> Result<Option<(String, schema::Bucket)>, String> {
     let Some(q) = s.quotas() else {
         return Ok(None);
     };
     let (commit, files) = q.base_buckets().await?;
     Ok(files
-        .iter()
+        .into_iter()
         .filter(|f| f.service == service)
-        .flat_map(|f| &f.buckets)
+        .flat_map(|f| f.buckets)
         .find(|b| b.name == bucket)
-        .map(|b| InForce {
-            limit_rps: b.limit_rps,
-            mode: b.mode.as_str().to_string(),
-            policy: b.policy.to_string(),
-            commit: commit.clone(),
-            caller: b.caller.clone(),
-            procedure: b.procedure.clone(),
-        }))
+        .map(|b| (commit, b)))
+}
+
+/// The limit in force as the controllers serve it ([`crate::rollout::enforced`]: the base
+/// branch's spec, or the one the bucket's newest rollout keeps in force), and the candidate
+/// baking beside it.
+fn in_force_of(
+    base: Option<&(String, schema::Bucket)>,
+    rollout: Option<&crate::rollout::Rollout>,
+    now: DateTime<Utc>,
+) -> (Option<InForce>, Option<crate::rollout::CandidateView>) {
+    let e = crate::rollout::enforced(base.map(|(_, b)| b), rollout, now);
+    let in_force = e.spec.zip(base).map(|(b, (commit, _))| InForce {
+        limit_rps: b.limit_rps,
+        mode: b.mode.as_str().to_string(),
+        policy: b.policy.to_string(),
+        commit: commit.clone(),
+        caller: b.caller.clone(),
+        procedure: b.procedure.clone(),
+    });
+    (in_force, e.candidate)
 }
 
 /// The bucket's lookback from the quota API's latest plan and its snapshot (else the latest
@@ -469,8 +493,8 @@ fn lookback(
 
 /// Whether a bucket is unknown: not in the config repo (when there is one and it was read)
 /// and without a report or a recorded change in the store.
-fn unknown(d: &BucketDetail, missing: &Missing, config_read: bool) -> bool {
-    d.in_force.is_none()
+fn unknown(d: &BucketDetail, missing: &Missing, config_read: bool, in_config: bool) -> bool {
+    !in_config
         && d.readiness.is_none()
         && d.quota_history.is_empty()
         && !missing.readiness
@@ -503,7 +527,7 @@ async fn detail(
     bucket: &str,
     window: &str,
     limit: std::time::Duration,
-    in_force: Option<InForce>,
+    base: Option<&(String, schema::Bucket)>,
 ) -> Result<(BucketDetail, Missing), DashError> {
     let (start, end, step_secs) = bounds(window)?;
     const AT: &str = "/v1/shadow/{service}/{bucket}";
@@ -551,8 +575,9 @@ async fn detail(
     let rollout = crate::store::within(limit, store.recent_rollouts(Some((service, bucket)), 1))
         .await
         .ok()
-        .and_then(|rows| rows.first().and_then(crate::rollout::Rollout::from_row))
-        .map(|r| r.view(now));
+        .and_then(|rows| rows.first().and_then(crate::rollout::Rollout::from_row));
+    let (in_force, candidate) = in_force_of(base, rollout.as_ref(), now);
+    let rollout = rollout.map(|r| r.view(now));
     let (series, scopes_cut) = series_from_steps(&steps, start, end, step_secs);
     let overrides = overrides_on(&overrides, service, bucket, now);
     let detail = BucketDetail {
@@ -577,6 +602,7 @@ async fn detail(
         scopes_cut,
         quota_history,
         in_force,
+        candidate,
         overrides,
         lookback: None,
         rollout,
@@ -600,8 +626,9 @@ pub(in crate::serve) async fn bucket_json(
     let window = window_of(q);
     let store = s.store().ok_or(DashError::NoStore)?;
     let rule = service_rule(&s, &service).await;
-    let force = in_force(&s, &service, &bucket).await;
-    let config_read = force.is_ok();
+    let base = base_bucket(&s, &service, &bucket).await;
+    let config_read = base.is_ok();
+    let base = base.unwrap_or(None);
     let (d, missing) = detail(
         &store,
         rule,
@@ -609,10 +636,10 @@ pub(in crate::serve) async fn bucket_json(
         &bucket,
         &window,
         s.query_timeout(),
-        force.unwrap_or(None),
+        base.as_ref(),
     )
     .await?;
-    if unknown(&d, &missing, config_read) {
+    if unknown(&d, &missing, config_read, base.is_some()) {
         return Err(not_found(&service, &bucket, s.quotas().is_some()));
     }
     let mut d = d;
@@ -631,16 +658,14 @@ pub(in crate::serve) async fn bucket_page(
 ) -> Response {
     let window = window_of(q);
     let mut config_problem = None;
+    let mut base = None;
     let res = match s.store() {
         None => Err(DashError::NoStore),
         Some(store) => {
             let rule = service_rule(&s, &service).await;
-            let force = match in_force(&s, &service, &bucket).await {
-                Ok(f) => f,
-                Err(e) => {
-                    config_problem = Some(e);
-                    None
-                }
+            match base_bucket(&s, &service, &bucket).await {
+                Ok(b) => base = b,
+                Err(e) => config_problem = Some(e),
             };
             detail(
                 &store,
@@ -649,14 +674,14 @@ pub(in crate::serve) async fn bucket_page(
                 &bucket,
                 &window,
                 s.query_timeout(),
-                force,
+                base.as_ref(),
             )
             .await
         }
     };
     let links = s.links();
     let (status, body) = match res {
-        Ok((d, missing)) if unknown(&d, &missing, config_problem.is_none()) => {
+        Ok((d, missing)) if unknown(&d, &missing, config_problem.is_none(), base.is_some()) => {
             let e = not_found(&service, &bucket, s.quotas().is_some());
             (
                 e.status(),
@@ -1103,8 +1128,9 @@ fn step_words(secs: i64) -> String {
     }
 }
 
-/// The limit in force now (the config repo's base branch), and the controller's latest
-/// report when it differs.
+/// The limit in force now (the config repo's base branch, or the spec a rollout keeps in
+/// force), the candidate baking beside it, and the controller's latest report when it
+/// differs.
 fn in_force_section(d: &BucketDetail, links: &Links) -> Markup {
     let reported = d.readiness.as_ref().map(|r| r.stats.limit_rps);
     html! {
@@ -1129,10 +1155,28 @@ fn in_force_section(d: &BucketDetail, links: &Links) -> Markup {
                 }
                 None => {
                     p class="muted" id="limit-in-force" {
-                        "Not in the config repo"
+                        @if d.candidate.is_some() {
+                            "None yet: a new bucket, only a candidate so far"
+                        } @else {
+                            "Not in the config repo"
+                        }
                         @if let Some(rep) = reported { " · latest report: " (rate(rep)) " requests/s" }
                         "."
                     }
+                }
+            }
+            @if let Some(c) = &d.candidate {
+                p id="candidate" {
+                    span class="badge candidate" { "candidate" } " "
+                    strong { (rate(c.limit_rps)) " requests/s" } " " (c.mode)
+                    " (the config repo's base branch), " (c.state) " in region "
+                    (c.regions.join(", ")) ", stage " (c.stage) " of " (c.stages) ": "
+                    (format!("{:.0}", c.bake_progress * 100.0)) " % of the "
+                    (step_words(c.bake_seconds as i64)) " bake"
+                    @if !c.in_force_regions.is_empty() {
+                        "; already in force in region " (c.in_force_regions.join(", "))
+                    }
+                    ". The controllers evaluate it without enforcing it until its stages pass."
                 }
             }
         }

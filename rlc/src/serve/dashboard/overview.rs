@@ -65,15 +65,18 @@ impl Attention {
     }
 }
 
-/// A bucket as the config repo's base branch has it.
+/// A bucket of the config repo's base branch, as the controllers serve it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ConfigBucket {
-    /// The limit in force (what the controller should run).
-    pub limit_rps: f64,
-    /// enforce | shadow.
+    /// The limit in force: the base branch's, or the one a rollout keeps in force meanwhile
+    /// ([`crate::rollout::enforced`]); None for a new bucket that is only a candidate so far.
+    pub limit_rps: Option<f64>,
+    /// enforce | shadow (in force; the base branch's for a new bucket).
     pub mode: String,
     /// The policy that set it.
     pub policy: String,
+    /// The candidate limit baking beside it, if any.
+    pub candidate: Option<crate::rollout::CandidateView>,
 }
 
 /// One row of the overview.
@@ -188,6 +191,8 @@ pub struct Sources<'a> {
     pub summaries: &'a [BucketShadowSummary],
     /// Overrides in force now, by bucket.
     pub overrides: &'a BTreeMap<(String, String), Vec<OverrideWindow>>,
+    /// The newest rollout of each bucket.
+    pub rollouts: &'a BTreeMap<(String, String), crate::rollout::Rollout>,
     /// Only this service.
     pub service: Option<&'a str>,
     /// The window as asked.
@@ -207,12 +212,16 @@ pub fn rows(src: &Sources<'_>) -> Vec<Row> {
             continue;
         }
         for b in &f.buckets {
+            let key = (f.service.clone(), b.name.clone());
+            let e = crate::rollout::enforced(Some(b), src.rollouts.get(&key), src.now);
+            let spec = e.spec.unwrap_or(b);
             config.insert(
-                (f.service.clone(), b.name.clone()),
+                key,
                 ConfigBucket {
-                    limit_rps: b.limit_rps,
-                    mode: b.mode.as_str().to_string(),
-                    policy: b.policy.to_string(),
+                    limit_rps: e.spec.map(|s| s.limit_rps),
+                    mode: spec.mode.as_str().to_string(),
+                    policy: spec.policy.to_string(),
+                    candidate: e.candidate,
                 },
             );
         }
@@ -293,19 +302,33 @@ pub fn name_html(name: &str) -> Markup {
     }
 }
 
-/// The limit cell: the config repo's limit, and the controller's latest report when it
-/// differs (not applied yet, or an override).
+/// The limit cell: the limit in force (the config repo's, or the one a rollout keeps in force
+/// while its candidate bakes), the candidate with its stage and bake progress, and the
+/// controller's latest report when it differs (not applied yet, or an override).
 fn limit_cell(r: &Row) -> Markup {
     let reported = r.summary.as_ref().map(|s| s.limit_rps);
     html! {
         @match (&r.config, reported) {
-            (Some(c), Some(rep)) if (rep - c.limit_rps).abs() > 0.005 * c.limit_rps.abs().max(1.0) => {
-                (rate(c.limit_rps))
-                div class="muted small" title="the limit in the bucket's latest controller report" {
-                    "reported " (rate(rep))
+            (Some(c), _) => {
+                @match c.limit_rps {
+                    Some(l) => { (rate(l)) }
+                    None => { span class="muted" title="a new bucket: not in force yet" { "—" } }
+                }
+                @if let Some(k) = &c.candidate {
+                    div class="small candidate" title={
+                        "candidate limit baking beside the limit in force (rollout "
+                        (k.rollout_id) "), not enforced"
+                    } {
+                        "candidate " (rate(k.limit_rps)) " · stage " (k.stage) "/" (k.stages)
+                        " · " (format!("{:.0}", k.bake_progress * 100.0)) "% baked"
+                    }
+                }
+                @if let Some(rep) = reported.filter(|rep| c.limit_rps.is_none_or(|l| (rep - l).abs() > 0.005 * l.abs().max(1.0))) {
+                    div class="muted small" title="the limit in the bucket's latest controller report" {
+                        "reported " (rate(rep))
+                    }
                 }
             }
-            (Some(c), _) => { (rate(c.limit_rps)) }
             (None, Some(rep)) => {
                 span title="the limit in the bucket's latest controller report (not in the config repo)" {
                     (rate(rep))

@@ -1855,3 +1855,143 @@ async fn bucket_page_charts_the_history_the_quota_is_computed_from() {
     .await;
     assert!(std::fs::metadata(&file).unwrap().len() > 10_000);
 }
+
+/// A rollout of `payments/web.charge` from 600 to the base branch's 300 (`base`), baking in
+/// region eu (stage 1 of 2) for 30 minutes of a one-hour bake.
+fn baking_rollout(base: &schema::Bucket) -> crate::rollout::Rollout {
+    let now_ms = Utc::now().timestamp_millis();
+    let mut old = base.clone();
+    old.limit_rps = 600.0;
+    crate::rollout::Rollout {
+        id: "rlc-web-charge".into(),
+        service: "payments".into(),
+        bucket: "web.charge".into(),
+        old: Some(old),
+        new: base.clone(),
+        change: "lowered 600 -> 300 rps".into(),
+        version: "abc".into(),
+        settings: schema::RolloutSpec::default().resolved(),
+        stages: vec![vec!["eu".into()], vec!["us".into()]],
+        stage: 0,
+        stage_started_ms: Some(now_ms - 30 * 60_000),
+        stage_began_ms: Some(now_ms - 30 * 60_000),
+        state: crate::rollout::RolloutState::Baking,
+        reason: None,
+        fingerprint: "fp".into(),
+        created_ms: now_ms - 30 * 60_000,
+        updated_ms: now_ms - 30 * 60_000,
+        figures: Default::default(),
+        revert: None,
+        revert_pending: false,
+        settled: false,
+        fleet: None,
+        rev: None,
+    }
+}
+
+/// While a lowered limit (600 → 300) bakes as a candidate, the controllers enforce 600: every
+/// view says 600 is in force and shows 300 as a candidate with its stage and bake progress;
+/// once the rollout is done, 300 is in force and no candidate is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_baking_candidate_is_shown_as_a_candidate_beside_the_limit_in_force() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::connect("sqlite://rlc.db", dir.path()).await.unwrap();
+    let end = Utc::now().timestamp() / 600 * 600;
+    let mut csv = String::from("ts,service,caller,procedure,rps\n");
+    let mut t = end - 2 * 86_400;
+    while t <= end {
+        csv.push_str(&format!("{t},payments,web,charge,100\n"));
+        t += 600;
+    }
+    std::fs::write(dir.path().join("history.csv"), csv).unwrap();
+    let yaml = "service: payments\nbuckets:\n  - name: web.charge\n    caller: web\n    procedure: charge\n    limit_rps: 300\n    mode: enforce\n    policy: peak\n";
+    let file: schema::BucketFile = schema::parse_str(std::path::Path::new("payments.yaml"), yaml)
+        .unwrap()
+        .value;
+    let mut rollout = baking_rollout(&file.buckets[0]);
+    assert!(store.insert_rollout(&rollout.row()).await.unwrap());
+    let state = config_state_with(
+        dir.path(),
+        store.clone(),
+        &[
+            ("buckets/payments.yaml", yaml),
+            ("rlc/policies.yaml", "default:\n  policy: peak\n"),
+        ],
+        "history:\n  file: history.csv\n  lookback: 2d\n  step: 10m\nconfig_repo:\n  path: wc\n",
+    );
+    let close = |v: &serde_json::Value, want: f64| (v.as_f64().unwrap() - want).abs() < 0.02;
+
+    // The bucket page and its JSON twin.
+    let (status, html) = get(&state, "/buckets/payments/web.charge").await;
+    assert_eq!(status, StatusCode::OK, "{html}");
+    assert!(
+        html.contains(r#"<span class="big" id="limit-in-force">600 requests/s</span>"#),
+        "{html}"
+    );
+    let cand = html.split("id=\"candidate\"").nth(1).expect("candidate");
+    let cand = &cand[..cand.find("</p>").unwrap()];
+    assert!(cand.contains("300 requests/s"), "{cand}");
+    assert!(cand.contains("stage 1 of 2"), "{cand}");
+    assert!(cand.contains("50 % of the 1 h bake"), "{cand}");
+    let (status, j) = get_json(&state, "/v1/shadow/payments/web.charge").await;
+    assert_eq!(status, StatusCode::OK, "{j}");
+    assert_eq!(j["in_force"]["limit_rps"], 600.0, "{j}");
+    assert_eq!(j["candidate"]["limit_rps"], 300.0, "{j}");
+    assert_eq!(j["candidate"]["stage"], 1, "{j}");
+    assert_eq!(j["candidate"]["stages"], 2, "{j}");
+    assert_eq!(j["candidate"]["regions"], serde_json::json!(["eu"]), "{j}");
+    assert!(close(&j["candidate"]["bake_progress"], 0.5), "{j}");
+    assert_eq!(j["rollout"]["state"], "baking", "{j}");
+
+    // The overview: 600 in force, the candidate marked as one.
+    let (_, html) = get(&state, "/?window=1h").await;
+    let row = html
+        .split("data-bucket=\"web.charge\"")
+        .nth(1)
+        .unwrap()
+        .split("</tr>")
+        .next()
+        .unwrap();
+    assert!(row.contains(">600<"), "{row}");
+    assert!(
+        row.contains("candidate 300 · stage 1/2 · 50% baked"),
+        "{row}"
+    );
+
+    // The quota API.
+    let (status, q) = get_json(&state, "/v1/quotas").await;
+    assert_eq!(status, StatusCode::OK, "{q}");
+    let b = &q["buckets"][0];
+    assert_eq!(b["name"], "web.charge", "{q}");
+    assert_eq!(b["current_limit_rps"], 600.0, "{b}");
+    assert_eq!(b["candidate"]["limit_rps"], 300.0, "{b}");
+    assert_eq!(b["candidate"]["stage"], 1, "{b}");
+    assert!(close(&b["candidate"]["bake_progress"], 0.5), "{b}");
+    let planned = b["limit_rps"].as_f64().unwrap();
+    assert_eq!(
+        b["change"]["delta_rps"].as_f64(),
+        Some(planned - 600.0),
+        "{b}"
+    );
+    let (_, s) = get_json(&state, "/v1/quotas/payments").await;
+    assert_eq!(s["buckets"][0]["current_limit_rps"], 600.0, "{s}");
+    assert_eq!(s["buckets"][0]["candidate"]["limit_rps"], 300.0, "{s}");
+
+    // Done: 300 is in force everywhere, no candidate.
+    rollout.stage = 2;
+    rollout.state = crate::rollout::RolloutState::Done;
+    rollout.rev = Some(0);
+    assert!(crate::rollout::save(&store, &mut rollout).await.unwrap());
+    let (_, j) = get_json(&state, "/v1/shadow/payments/web.charge").await;
+    assert_eq!(j["in_force"]["limit_rps"], 300.0, "{j}");
+    assert!(j["candidate"].is_null(), "{j}");
+    let (_, html) = get(&state, "/buckets/payments/web.charge").await;
+    assert!(
+        html.contains(r#"<span class="big" id="limit-in-force">300 requests/s</span>"#),
+        "{html}"
+    );
+    assert!(!html.contains("id=\"candidate\""), "{html}");
+    let (_, q) = get_json(&state, "/v1/quotas").await;
+    assert_eq!(q["buckets"][0]["current_limit_rps"], 300.0, "{q}");
+    assert!(q["buckets"][0].get("candidate").is_none(), "{q}");
+}
