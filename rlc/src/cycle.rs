@@ -343,6 +343,14 @@ pub struct RunOutcome {
     /// when, the virtual drops so far), or aborted and why.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub rollouts: Vec<rollout::RolloutView>,
+    /// Set when the outcome was rebuilt from the store's record of the run (`GET
+    /// /v1/runs/last` of a daemon that has not finished a run since it started): the record's
+    /// summary in words. The record keeps the trigger, status, times, commit, pull request,
+    /// pushed version, error and ids; the other fields (`git`, `base_commit`, `attempts`,
+    /// `summary`, `skipped`, `history_failed`, `promotions`, …) are then empty, and this text
+    /// says what they said. Absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_store: Option<String>,
     /// The full markdown report of the proposal (the pull request's body before truncation);
     /// stored with the run, never committed.
     #[serde(skip)]
@@ -384,8 +392,38 @@ impl RunOutcome {
             review: None,
             shadow_error: None,
             rollouts: vec![],
+            from_store: None,
             report: None,
         }
+    }
+
+    /// The outcome as far as the store's record of the run `r` keeps it ([`RunOutcome::from_store`]
+    /// says so and holds the record's summary in words); None for a status word this version
+    /// does not know.
+    pub fn from_record(r: &crate::store::RunRecord) -> Option<RunOutcome> {
+        let status = [
+            RunStatus::Success,
+            RunStatus::Unchanged,
+            RunStatus::Pending,
+            RunStatus::Held,
+            RunStatus::Failed,
+        ]
+        .into_iter()
+        .find(|s| s.as_str() == r.status)?;
+        let mut out = RunOutcome::new(&r.trigger, r.run_uid.as_deref().unwrap_or_default());
+        out.status = status;
+        out.started_at = r.started_at;
+        out.finished_at = r.finished_at;
+        out.commit = r.commit_sha.clone();
+        out.version_pushed = r.version_pushed.clone();
+        out.run_id = Some(r.id);
+        out.error = r.error.clone();
+        out.pull_request = r
+            .pr_number
+            .and_then(|n| u64::try_from(n).ok())
+            .map(|n| (n, r.pr_url.clone()));
+        out.from_store = Some(r.summary.clone());
+        Some(out)
     }
 
     /// Exit status of `rlc run --once` ([`crate::exit`]): 0 done (changed or not), 1 failed

@@ -646,6 +646,15 @@ pub async fn serve_on(
         anyhow::anyhow!("the daemon's state has no quota API: build it with AppParts::daemon")
     })?;
     cycle.history_cache = Some(q.cache.clone());
+    // The dashboard's pages read the held history and never pull it themselves: pull it once
+    // at start, in the background (the single-flight pull a run or the quota API shares), so
+    // a restarted daemon's pages do not wait for the first run to have one.
+    let warm = {
+        let cache = q.cache.clone();
+        tokio::spawn(async move {
+            cache.get().await;
+        })
+    };
     let cycle = Arc::new(cycle);
     let grace = opts.grace;
     let (http_state, http_shutdown) = (state.clone(), shutdown.clone());
@@ -668,6 +677,7 @@ pub async fn serve_on(
     };
     let sched = scheduler(cycle, planner, schedule, opts, state, triggers, shutdown);
     let (h, ()) = tokio::join!(http, sched);
+    warm.abort();
     h?;
     Ok(())
 }

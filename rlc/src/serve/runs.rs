@@ -317,10 +317,43 @@ pub(super) async fn run_status(
     }
 }
 
-/// `GET /v1/runs/last`: the outcome of the last run this daemon finished; 404 before one.
+/// `GET /v1/runs/last`: the outcome of the last run this daemon finished; before it finished
+/// one (a daemon started since), the newest run the store holds, rebuilt from its record
+/// ([`RunOutcome::from_record`]: `from_store` says so); 404 when there is none (or no store
+/// to ask yet), 500 when the store query fails.
 pub(super) async fn last_run(State(s): State<AppState>) -> Result<Json<RunOutcome>, CompatProblem> {
-    match s.inner.last.lock().unwrap().as_ref() {
-        Some(o) => Ok(Json(o.clone())),
-        None => Err(CompatProblem::new(StatusCode::NOT_FOUND, "no run yet")),
+    let memory = s.inner.last.lock().unwrap().clone();
+    if let Some(o) = memory {
+        return Ok(Json(o));
+    }
+    let Some(store) = s.store() else {
+        return Err(CompatProblem::new(
+            StatusCode::NOT_FOUND,
+            "no run yet (no store connected yet to look further)",
+        ));
+    };
+    let newest = crate::store::within(s.query_timeout(), store.recent_runs(1))
+        .await
+        .map_err(|e| {
+            tracing::warn!(endpoint = "/v1/runs/last", error = %e, "store query failed");
+            CompatProblem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the store query failed; see the daemon log",
+            )
+        })?;
+    match newest.first() {
+        Some(r) => RunOutcome::from_record(r).map(Json).ok_or_else(|| {
+            CompatProblem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!(
+                    "the store's newest run (id {}) has status `{}`, which this version does not know",
+                    r.id, r.status
+                ),
+            )
+        }),
+        None => Err(CompatProblem::new(
+            StatusCode::NOT_FOUND,
+            "no run yet: the store holds none",
+        )),
     }
 }

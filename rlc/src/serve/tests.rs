@@ -874,3 +874,110 @@ async fn router_errors_are_problem_details_and_the_docs_page_is_offline() {
         assert!(!page.contains(needle), "{needle} in /docs");
     }
 }
+
+/// A daemon started over a store that already holds runs answers `GET /v1/runs/last` from
+/// the store (before it finishes a run of its own), and its bucket pages get the history
+/// without waiting for a run or a quota request: it pulls it at start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_daemon_reads_what_the_store_holds_and_pulls_the_history_at_start() {
+    let remote = seeded_remote();
+    let base = remote.scratch("");
+    let end = Utc::now().timestamp() / 600 * 600;
+    let mut csv = String::from("ts,service,caller,procedure,rps\n");
+    let mut t = end - 86_400;
+    while t <= end {
+        csv.push_str(&format!("{t},payments,gw,,80\n"));
+        t += 600;
+    }
+    std::fs::write(base.join("history.csv"), csv).unwrap();
+    // A run recorded by the daemon's previous life.
+    let store = crate::store::Store::connect("sqlite://rlc.db", &base)
+        .await
+        .unwrap();
+    let at = Utc::now() - chrono::Duration::hours(1);
+    let id = store
+        .record_run(
+            &crate::store::RunRecord {
+                id: 0,
+                trigger: "schedule".into(),
+                started_at: at,
+                finished_at: at + chrono::Duration::seconds(20),
+                status: "success".into(),
+                commit_sha: Some("0123456789abcdef0123456789abcdef01234567".into()),
+                version_pushed: Some("0123456789abcdef0123456789abcdef01234567".into()),
+                services: "[]".into(),
+                summary: "rlc run (schedule): success\n  payments: raised gw 100 → 125".into(),
+                error: None,
+                run_uid: Some("ab".repeat(16)),
+                pr_number: Some(7),
+                pr_url: Some("https://example.com/pr/7".into()),
+            },
+            &[],
+        )
+        .await
+        .unwrap();
+    drop(store);
+
+    // A controller that is not there: the daemon still serves its pages.
+    let cfg = config(&remote, "http://127.0.0.1:9", "");
+    let planner: Planner = Arc::new(|_input: crate::cycle::PlanInput| {
+        Box::pin(async { Err(anyhow::anyhow!("no run in this test")) })
+    });
+    let (tx, rx) = mpsc::channel(1);
+    let state = AppState::daemon(&cfg, &base, None, tx).unwrap();
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let opts = ServeOptions::new(Duration::from_secs(3600));
+    let daemon = {
+        let (state, base) = (state.clone(), base.clone());
+        tokio::spawn(async move {
+            serve_on(listener, cfg, &base, planner, opts, state, rx, stop_rx).await
+        })
+    };
+    let http = reqwest::Client::new();
+    let mut last = None;
+    let mut page = String::new();
+    for _ in 0..300 {
+        if last.is_none() {
+            let r = http
+                .get(format!("{url}/v1/runs/last"))
+                .send()
+                .await
+                .unwrap();
+            if r.status() == 200 {
+                last = Some(r.json::<serde_json::Value>().await.unwrap());
+            }
+        }
+        page = http
+            .get(format!("{url}/buckets/payments/gw"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        if last.is_some() && page.contains("id=\"lookback-chart\"") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let last = last.expect("GET /v1/runs/last answered the stored run");
+    assert_eq!(last["run_id"], id, "{last}");
+    assert_eq!(last["status"], "success", "{last}");
+    assert_eq!(last["trigger"], "schedule", "{last}");
+    assert_eq!(last["run_uid"], "ab".repeat(16), "{last}");
+    assert_eq!(last["pull_request"][0], 7, "{last}");
+    assert!(
+        last["from_store"]
+            .as_str()
+            .unwrap()
+            .contains("raised gw 100 → 125"),
+        "{last}"
+    );
+    assert!(page.contains("id=\"lookback-chart\""), "{page}");
+    assert!(!page.contains("No history pulled yet"), "{page}");
+    assert!(state.store().is_some());
+    stop_tx.send(true).unwrap();
+    daemon.await.unwrap().unwrap();
+}

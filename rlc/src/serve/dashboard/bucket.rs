@@ -438,7 +438,11 @@ fn lookback(
         .as_ref()
         .map(|c| c.snapshot().clone())
         .or_else(|| q.cache.latest())
-        .ok_or("No history pulled yet (the first run or GET /v1/quotas pulls it).")?;
+        .ok_or(if q.cache.pulls() > 0 {
+            "The history is being pulled (rlc serve pulls it at start); reload in a moment."
+        } else {
+            "No history pulled yet (rlc serve pulls it at start; so do a run and GET /v1/quotas)."
+        })?;
     let planned = computed.as_ref().and_then(|c| {
         c.plan()
             .buckets
