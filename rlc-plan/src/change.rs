@@ -241,9 +241,13 @@ impl ChangeSummary {
         }
     }
 
-    /// A one-line title: `rlc: quotas for 2 services (raised 2, added 1)`.
+    /// A one-line title: `rlc: update quotas for 2 services (raised 2, added 1)`;
+    /// `rlc: no quota change` when nothing changed.
     pub fn title(&self) -> String {
         let n = self.services.len();
+        if n == 0 {
+            return "rlc: no quota change".into();
+        }
         let names: Vec<&str> = self.services.iter().map(|s| s.service.as_str()).collect();
         let who = if n <= 3 {
             names.join(", ")

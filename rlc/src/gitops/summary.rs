@@ -312,8 +312,13 @@ pub fn report_with(plan: &Plan, summary: &ChangeSummary, ctx: &ReportContext<'_>
     if !plan.skipped.is_empty() {
         out.push_str("### Skipped (current quotas kept)\n\n");
         for sk in &plan.skipped {
-            let what = sk.target();
-            let _ = writeln!(out, "- {}: {}", md(&what), md_title(&sk.reason));
+            // Each name escaped, the separators rlc puts between them kept readable.
+            let what: Vec<String> = [Some(&sk.service), sk.caller.as_ref(), sk.procedure.as_ref()]
+                .into_iter()
+                .flatten()
+                .map(|n| md(n))
+                .collect();
+            let _ = writeln!(out, "- {}: {}", what.join("/"), md_title(&sk.reason));
         }
         out.push('\n');
     }
@@ -674,5 +679,26 @@ mod tests {
             bucket_url("https://rlc.example/", "pay", "a/b c"),
             "https://rlc.example/buckets/pay/a%2Fb%20c"
         );
+    }
+
+    /// Without a change the body says so (no empty list of services), and the names of a
+    /// skipped series are escaped one by one, with the `/` between them kept as it is.
+    #[test]
+    fn a_plan_without_change_says_so_and_keeps_slashes_between_names() {
+        let mut plan = crate::gitops::tests::plan(vec![]);
+        plan.skipped.push(rlc_plan::plan::Skipped {
+            service: "maps".into(),
+            caller: Some("web".into()),
+            procedure: Some("route<b>".into()),
+            reason: "no samples in the window".into(),
+        });
+        let body = report(&plan, &ChangeSummary::default());
+        let title = body.lines().next().unwrap();
+        assert_eq!(title, "## rlc: no quota change", "{body}");
+        assert!(
+            body.contains("- maps/web/route&#60;b&#62;: no samples in the window"),
+            "{body}"
+        );
+        assert!(!body.contains("&#47;"), "{body}");
     }
 }
