@@ -1063,7 +1063,7 @@ pub async fn run(args: ServeArgs, planner: Planner) -> anyhow::Result<i32> {
     let listen = args.listen.clone().unwrap_or(server.listen.clone());
     let tokens = Tokens::from_env(&server.token_env, server.read_token_env.as_deref());
     if tokens.write.is_none() {
-        tracing::warn!(env = %server.token_env, "no API token set: POST /v1/runs is refused");
+        tracing::warn!(env = %server.token_env, "no API token set: POST /v1/runs is not enabled (403)");
     }
     // Fail closed: a read token that was asked for but is missing never opens the reads.
     if let (Some(env), None) = (&server.read_token_env, &tokens.read) {

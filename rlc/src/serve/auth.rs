@@ -2,7 +2,7 @@
 //! named in rlc.yaml (never from a flag, never logged):
 //!
 //! - the write token (`server.token_env`): mutating endpoints (`POST /v1/runs`) need it; without
-//!   one configured they are refused;
+//!   one configured they are not enabled (403, saying so);
 //! - the read token (`server.read_token_env`, optional): when configured, the read endpoints
 //!   (`GET /`, `GET /v1/...`) need it or the write token; when not, they are open.
 //!
@@ -80,6 +80,9 @@ impl Tokens {
         if need == Right::Read && self.read.is_none() {
             return Ok(());
         }
+        if need == Right::Write && self.write.is_none() {
+            return Err(Refusal::NotEnabled);
+        }
         match (self.held(h), need) {
             (Some(Right::Write), _) | (Some(Right::Read), Right::Read) => Ok(()),
             (Some(Right::Read), Right::Write) => Err(Refusal::Forbidden),
@@ -98,7 +101,15 @@ pub enum Refusal {
     Unauthorized { presented: bool },
     /// A known token without the right (403).
     Forbidden,
+    /// A mutating endpoint on a server without a write token: not enabled, whatever the
+    /// request carries (403).
+    NotEnabled,
 }
+
+/// The detail of [`Refusal::NotEnabled`].
+pub const NOT_ENABLED: &str = "runs and other changes through the API are not enabled on this \
+     server: no write token is configured (rlc.yaml `server.token_env` names an environment \
+     variable that is unset or empty when rlc serve starts)";
 
 impl IntoResponse for Refusal {
     fn into_response(self) -> Response {
@@ -108,6 +119,9 @@ impl IntoResponse for Refusal {
                 "the read token cannot do this; it needs the write token",
             )
             .into_response(),
+            Refusal::NotEnabled => {
+                CompatProblem::new(StatusCode::FORBIDDEN, NOT_ENABLED).into_response()
+            }
             // The challenge of RFC 6750.
             Refusal::Unauthorized { presented } => {
                 let mut r =
@@ -181,10 +195,19 @@ mod tests {
             assert_eq!(check(&both, tok, Right::Read), read, "{tok:?} read");
             assert_eq!(check(&both, tok, Right::Write), write, "{tok:?} write");
         }
-        // Without a read token reading is open; without a write token nothing is writable.
+        // Without a read token reading is open; without a write token nothing is writable,
+        // and the answer says it is not enabled rather than asking for a token.
         let none = Tokens::default();
         assert_eq!(check(&none, None, Right::Read), 200);
-        assert_eq!(check(&none, Some("x"), Right::Write), 401);
+        for tok in [None, Some("x")] {
+            let r = none
+                .check(&with(tok), Right::Write)
+                .unwrap_err()
+                .into_response();
+            assert_eq!(r.status(), 403, "{tok:?}");
+            assert!(r.headers().get(header::WWW_AUTHENTICATE).is_none());
+        }
+        assert!(NOT_ENABLED.contains("not enabled") && NOT_ENABLED.contains("server.token_env"));
         // A malformed header (not `Bearer <token>`) is no credential.
         let mut h = HeaderMap::new();
         h.insert(header::AUTHORIZATION, "Basic d3JpdGU=".parse().unwrap());

@@ -361,7 +361,9 @@ pub fn write_access(op: TransformOperation<'_>) -> TransformOperation<'_> {
     problem(
         op,
         403,
-        "The read token cannot do this: it needs the write token.",
+        "The read token cannot do this: it needs the write token. Or the server has no write \
+         token configured (rlc.yaml `server.token_env` unset or empty): the endpoint is not \
+         enabled, whatever the request carries.",
     )
 }
 
