@@ -262,8 +262,31 @@ pub struct QuotaChange {
     /// branch directly (or recorded before pull requests were).
     #[sqlx(skip)]
     pub pull_request: Option<PullRequestRef>,
-    /// The evidence, as stored (JSON text).
+    /// The evidence the run computed the limit with: a JSON object (the plan's `evidence`, as
+    /// `GET /v1/quotas` shows it). Kept as the stored JSON text here; served as the object
+    /// itself (`{"unreadable": "<text>"}` for a stored text that is not a JSON object).
+    #[serde(serialize_with = "evidence_object", deserialize_with = "evidence_text")]
+    #[schemars(with = "serde_json::Map<String, serde_json::Value>")]
     pub evidence: String,
+}
+
+/// Serializes stored evidence text as the JSON object it holds.
+fn evidence_object<S: serde::Serializer>(text: &str, s: S) -> Result<S::Ok, S::Error> {
+    use serde::Serialize;
+    match serde_json::from_str::<serde_json::Value>(text) {
+        Ok(v @ serde_json::Value::Object(_)) => v.serialize(s),
+        _ => serde_json::json!({ "unreadable": text }).serialize(s),
+    }
+}
+
+/// Reads evidence served as an object (or, as answers before it were, as JSON text) back to
+/// the stored text.
+fn evidence_text<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    use serde::Deserialize;
+    Ok(match serde_json::Value::deserialize(d)? {
+        serde_json::Value::String(t) => t,
+        v => v.to_string(),
+    })
 }
 
 /// One bucket change a run recorded (its page lists them).

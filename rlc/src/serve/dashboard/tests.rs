@@ -1995,3 +1995,32 @@ async fn a_baking_candidate_is_shown_as_a_candidate_beside_the_limit_in_force() 
     assert_eq!(q["buckets"][0]["current_limit_rps"], 300.0, "{q}");
     assert!(q["buckets"][0].get("candidate").is_none(), "{q}");
 }
+
+/// A recorded change's evidence is a JSON object in both JSON answers that carry the quota
+/// history, not JSON text inside a string.
+#[tokio::test]
+async fn quota_history_serves_the_evidence_as_an_object() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::connect("sqlite://rlc.db", dir.path()).await.unwrap();
+    let mut c = change("lowered", 375.0, 500.0, crate::store::ChangeState::Applied);
+    c.evidence = r#"{"capped_from":300.0,"confidence":1.0,"explain":"max 240 rps × 1.25"}"#.into();
+    store
+        .record_run(&run("success", 0, Some(PR_SHA), None), &[c])
+        .await
+        .unwrap();
+    let state = config_state(
+        dir.path(),
+        store,
+        &[("buckets/payments.yaml", PAYMENTS_YAML)],
+    );
+    let (status, v) = get_json(&state, "/v1/shadow/payments/gw").await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let e = &v["quota_history"][0]["evidence"];
+    assert_eq!(e["capped_from"], 300.0, "{v}");
+    assert_eq!(e["explain"], "max 240 rps × 1.25", "{v}");
+    let (status, v) = get_json(&state, "/v1/quotas/payments/gw/history").await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let c = &v["changes"][0];
+    assert_eq!(c["evidence"]["confidence"], 1.0, "{v}");
+    assert_eq!(c["evidence"]["capped_from"], 300.0, "{v}");
+}
