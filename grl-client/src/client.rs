@@ -785,7 +785,9 @@ async fn run(
         if !sent {
             if unsure {
                 let offered: u64 = report.buckets.iter().map(|b| b.offered).sum();
-                stats.counts_unconfirmed.fetch_add(offered, Ordering::Relaxed);
+                stats
+                    .counts_unconfirmed
+                    .fetch_add(offered, Ordering::Relaxed);
             } else {
                 rep.unsend(&report);
             }

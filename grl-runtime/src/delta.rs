@@ -439,8 +439,12 @@ mod tests {
                 // A gone bucket the controller acknowledged is not sent again.
                 assert!(!n.iter().any(|(b, _)| b == "c"), "{n:?}");
             }
-            let a: Vec<&ZoneBucketMsg> =
-                p.report.buckets.iter().filter(|b| b.bucket == "a").collect();
+            let a: Vec<&ZoneBucketMsg> = p
+                .report
+                .buckets
+                .iter()
+                .filter(|b| b.bucket == "a")
+                .collect();
             // Every forward carries a's counts: whole at its refresh, else counts only.
             assert_eq!(a.len(), 1, "round {round}");
             counted_a += a[0].counts.offered;
@@ -614,5 +618,4 @@ mod tests {
             }
         }
     }
-
 }

@@ -431,7 +431,8 @@ impl ProcedureFrom {
     /// request matches `GET` routes too (and is keyed as one), as servers run the GET handler
     /// for it: else it would pass every `GET` bucket.
     fn route(&self, method: &Method, path: &str, other: Option<&str>) -> Option<Cow<'_, str>> {
-        let path_matches = |r: &Route| r.matches_path(path) || other.is_some_and(|o| r.matches_path(o));
+        let path_matches =
+            |r: &Route| r.matches_path(path) || other.is_some_and(|o| r.matches_path(o));
         self.routes.iter().find_map(|r| match &r.method {
             Some(m)
                 if (m == method || (*m == Method::GET && *method == Method::HEAD))
@@ -687,7 +688,10 @@ mod tests {
         );
         assert_eq!(p(false, Method::POST, "/orders", &none), "POST /orders");
         // HEAD runs the GET handler on servers: it is keyed to the GET route.
-        assert_eq!(p(false, Method::HEAD, "/users/42", &none), "GET /users/{id}");
+        assert_eq!(
+            p(false, Method::HEAD, "/users/42", &none),
+            "GET /users/{id}"
+        );
         let odd = Method::from_bytes(b"SCAN").unwrap();
         assert_eq!(p(false, odd, "/static/x", &none), UNMATCHED_PROCEDURE);
         for path in ["/admin", "/.env", "/wp-login.php"] {
@@ -715,7 +719,10 @@ mod tests {
         assert_eq!(p(Method::POST, "/static/..%2Fcheckout"), "POST /checkout");
         assert_eq!(p(Method::POST, "/static/..%2fcheckout"), "POST /checkout");
         assert_eq!(p(Method::POST, "/static/a%2Fb"), "POST /static/{path*}");
-        assert_eq!(p(Method::GET, "/static/..%2Fcheckout"), "GET /static/{path*}");
+        assert_eq!(
+            p(Method::GET, "/static/..%2Fcheckout"),
+            "GET /static/{path*}"
+        );
     }
 
     /// A path spelled another way than the route (percent-encoded, with dot segments or
