@@ -177,7 +177,9 @@ impl Daemon {
         json(&last.unwrap().1)
     }
 
-    /// Triggers a run and waits until it is in its history pull (held by `prom`).
+    /// Triggers a run and waits until it is in its history pull (held by `prom`): a pull of
+    /// its own, or the pull `rlc serve` starts at start, still held, whose result the run
+    /// waits for and shares.
     fn run_until_held(&self, prom: &HeldPrometheus) -> String {
         let before = prom.held();
         let (s, body) = http(self.port, "POST", "/v1/runs", Some(TOKEN)).unwrap();
@@ -185,6 +187,9 @@ impl Daemon {
         let uid = json(&body)["run_uid"].as_str().unwrap().to_string();
         wait_for("the run's history pull", Duration::from_secs(60), || {
             prom.held() > before
+                || (before > 0
+                    && http(self.port, "GET", &format!("/v1/runs/{uid}"), None)
+                        .is_some_and(|(_, b)| b.contains("\"state\":\"running\"")))
         });
         uid
     }

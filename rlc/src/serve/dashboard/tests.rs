@@ -278,12 +278,13 @@ async fn without_a_store_the_pages_say_so() {
     assert!(html.contains("Could not load this bucket"), "{html}");
     assert!(html.contains("store is not available"), "{html}");
     assert!(!html.contains("<svg"), "{html}");
-    // Manual runs keep their own rules: still refused without a token.
+    // Manual runs keep their own rules: with no write token configured
+    // they are not enabled at all.
     let resp = app(state)
         .oneshot(Request::post("/v1/runs").body(Body::empty()).unwrap())
         .await
         .unwrap();
-    assert_eq!(resp.status(), StatusCode::UNAUTHORIZED);
+    assert_eq!(resp.status(), StatusCode::FORBIDDEN);
 }
 
 #[tokio::test]
