@@ -235,9 +235,14 @@ enum Cmd {
         /// unless the mesh or the network guarantees who sets it.
         #[arg(long, default_value = "rpc-caller")]
         caller_header: String,
-        /// The procedure of a non-gRPC request from this header (`none`: no header).
-        #[arg(long, default_value = "rpc-procedure")]
-        procedure_header: String,
+        /// With a verified client certificate, pass its caller upstream in this header (the
+        /// caller's own value of it is always removed). Default: not passed.
+        #[arg(long)]
+        verified_caller_header: Option<String>,
+        /// The procedure of a non-gRPC request from this header (`none`: no header). Default:
+        /// `rpc-procedure` without --route, none with --route (routes decide, not the caller).
+        #[arg(long)]
+        procedure_header: Option<String>,
         /// Else method and route template of the first matching route: `GET /users/{id}`,
         /// `/static/{path*}` (any method); repeat. Unmatched requests fold into `_other`.
         #[arg(long = "route")]
@@ -639,6 +644,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             admin_listen,
             caller_cert_patterns,
             caller_header,
+            verified_caller_header,
             procedure_header,
             routes,
             retry_after_secs,
@@ -675,7 +681,19 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     .collect::<Result<_, _>>()
                     .map_err(|e| anyhow::anyhow!("--caller-cert-pattern {e}"))?,
                 header: header("--caller-header", &caller_header)?,
+                verified_header: match &verified_caller_header {
+                    Some(v) => header("--verified-caller-header", v)?,
+                    None => None,
+                },
             };
+            let procedure_header = procedure_header.unwrap_or_else(|| {
+                if routes.is_empty() {
+                    "rpc-procedure"
+                } else {
+                    "none"
+                }
+                .to_string()
+            });
             let procedure = ProcedureFrom {
                 header: header("--procedure-header", &procedure_header)?,
                 routes: routes

@@ -458,6 +458,10 @@ pub struct ConnOptions {
     /// Serve the connections on these single-threaded runtimes (round robin at accept)
     /// instead of the accepting runtime (`grl sidecar`, see [`Workers`]).
     pub workers: Option<Workers>,
+    /// Each connection's share of a proxy's upstream slots: the requests one connection may
+    /// have in flight upstream at once ([`Peer::share`]), so that one caller connection cannot
+    /// hold every slot (`grl sidecar`). None: no share.
+    pub slots_per_connection: Option<usize>,
 }
 
 /// Single-threaded runtimes, one thread each, that a proxy's connections are spread over: a
@@ -741,6 +745,7 @@ async fn connection(
             let peer = Peer {
                 addr,
                 cert_names: Arc::from(Vec::new()),
+                share: share(&ctx.conn),
             };
             let io = Watched {
                 inner: sock,
@@ -773,6 +778,7 @@ async fn connection(
                         .map(crate::tls::cert_names)
                         .unwrap_or_default(),
                 ),
+                share: share(&ctx.conn),
             };
             let io = Watched {
                 inner: stream,
@@ -781,6 +787,15 @@ async fn connection(
             http(&ctx, io, peer, act, header_timeout, health_only, closing).await;
         }
     }
+}
+
+/// Largest buffer of one HTTP/2 stream's answer waiting for its caller's window.
+const H2_SEND_BUF: usize = 32 << 10;
+
+/// A new connection's share of the upstream slots, when the server gives one.
+fn share(conn: &ConnOptions) -> Option<Arc<crate::tls::ConnShare>> {
+    conn.slots_per_connection
+        .map(|n| Arc::new(crate::tls::ConnShare::new(n)))
 }
 
 async fn http<I>(
@@ -832,6 +847,10 @@ async fn http<I>(
         let mut builder =
             hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
         builder.http1().keep_alive(!health_only).writev(false);
+        // What one stream's answer may buffer beyond what its caller's window lets through
+        // (hyper's default is 400 KiB a stream): a caller that stops reading its streams holds
+        // this much per stream, and its upstream's flow control holds the rest.
+        builder.http2().max_send_buf_size(H2_SEND_BUF);
         if let Some(n) = max_head {
             builder.http1().max_buf_size(n.max(8192));
             builder

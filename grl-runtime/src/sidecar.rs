@@ -39,6 +39,7 @@ use crate::http_util::{Readiness, ServerHandle};
 use crate::server::{ServeLimits, ServerStats};
 use crate::tls::{Peer, ServerTls};
 use identity::{is_grpc, CallerFrom, ProcedureFrom};
+use upstream::H2Conn;
 use upstream::{Clients, Upstream, UpstreamError};
 
 /// How the sidecar runs.
@@ -113,12 +114,17 @@ struct Stats {
     /// [protocol: http, grpc][decision: admit, drop, shadow_drop].
     requests: [[AtomicU64; 3]; 2],
     /// Refusals the sidecar answered itself: rate_limited, upstream_unreachable,
-    /// upstream_timeout.
-    refusals: [AtomicU64; 3],
+    /// upstream_timeout, connection_share.
+    refusals: [AtomicU64; 4],
     /// Upstream failures: connect, timeout, other.
     upstream_errors: [AtomicU64; 3],
     /// Requests refused as malformed (400): target, body, identity.
     bad_requests: [AtomicU64; 3],
+    /// When an upstream answer's head last arrived (ms since the epoch).
+    answered_ms: AtomicU64,
+    /// When a request sent upstream last timed out without any answer arriving from the
+    /// upstream during its whole wait (ms since the epoch): the upstream stopped answering.
+    silent_ms: AtomicU64,
 }
 
 /// Why a request was refused as malformed (an index of `Stats::bad_requests`).
@@ -134,7 +140,19 @@ enum BadRequest {
 
 const PROTOCOLS: [&str; 2] = ["http", "grpc"];
 const DECISIONS: [&str; 3] = ["admit", "drop", "shadow_drop"];
-const REFUSALS: [&str; 3] = ["rate_limited", "upstream_unreachable", "upstream_timeout"];
+const REFUSALS: [&str; 4] = [
+    "rate_limited",
+    "upstream_unreachable",
+    "upstream_timeout",
+    "connection_share",
+];
+
+/// One caller connection's share of the upstream slots: this fraction of them (and at least
+/// [`MIN_SHARE`]), so that a few connections holding answers they never read cannot take every
+/// slot.
+const SHARE_DIVISOR: usize = 16;
+/// The smallest share of the upstream slots per caller connection.
+const MIN_SHARE: usize = 8;
 const UPSTREAM_ERRORS: [&str; 3] = ["connect", "timeout", "other"];
 const BAD_REQUESTS: [&str; 3] = ["target", "body", "identity"];
 
@@ -365,6 +383,7 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
         h2c: true,
         max_header_bytes: Some(opts.max_header_bytes),
         workers,
+        slots_per_connection: Some((serve.max_connections / SHARE_DIVISOR).max(MIN_SHARE)),
     };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(async move {
@@ -437,15 +456,29 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
     crate::metrics::response(&s.registry)
 }
 
-/// Ready when the upstream accepts a connection; the aggregators are not a condition (the
-/// client fails open without them), their state is a detail.
+/// How long a request that timed out without any answer from the upstream keeps `/readyz`
+/// at 503, unless an answer (or the probe's) comes first.
+const SILENT_HOLD_MS: u64 = 30_000;
+
+/// Ready when the upstream accepts a connection and answers: after a request timed out with no
+/// answer from the upstream during its whole wait (it accepts connections and answers nothing),
+/// not ready until an answer arrives (a request's, or the `OPTIONS *` this probe then sends)
+/// or for [`SILENT_HOLD_MS`]. The aggregators are not a condition (the client fails open
+/// without them), their state is a detail.
 async fn readyz(State(s): State<Arc<Shared>>) -> Readiness {
-    let up = match s
-        .upstream
-        .connect(s.connect_timeout.min(Duration::from_secs(2)))
-        .await
-    {
-        Ok(_) => Ok(s.upstream.describe()),
+    let wait = s.connect_timeout.min(Duration::from_secs(2));
+    let up = match s.upstream.connect(wait).await {
+        Ok(_) => match silent_for(&s).await {
+            None => Ok(s.upstream.describe()),
+            Some(ago) => Err(format!(
+                "{}: accepts connections but answered nothing: a request waited {} ms for it \
+                 {:.1} s ago, and `OPTIONS *` got no answer within {} ms",
+                s.upstream.describe(),
+                s.upstream_timeout.as_millis(),
+                ago as f64 / 1000.0,
+                wait.as_millis(),
+            )),
+        },
         Err(e) => Err(format!("{}: {e}", s.upstream.describe())),
     };
     let st = s.client.stats();
@@ -455,6 +488,35 @@ async fn readyz(State(s): State<Arc<Shared>>) -> Readiness {
         "drop ratios fresh".to_string()
     };
     Readiness::from_checks([("upstream", up), ("aggregators", Ok(agg))])
+}
+
+/// How long ago (ms) the upstream was last found silent, when no answer came since and that
+/// was within [`SILENT_HOLD_MS`]; before saying so, `OPTIONS *` is sent over HTTP/1.1 (any
+/// answer, even 4xx or 5xx, shows the upstream answers again).
+async fn silent_for(s: &Shared) -> Option<u64> {
+    let now = grl_core::now_ms();
+    let silent = s.stats.silent_ms.load(Ordering::Relaxed);
+    if silent == 0
+        || s.stats.answered_ms.load(Ordering::Relaxed) >= silent
+        || now.saturating_sub(silent) >= SILENT_HOLD_MS
+    {
+        return None;
+    }
+    let mut req = Request::new(Body::empty());
+    *req.method_mut() = Method::OPTIONS;
+    *req.uri_mut() = http::Uri::from_static("*");
+    if let Ok(v) = HeaderValue::from_str(s.authority.as_str()) {
+        req.headers_mut().insert(http::header::HOST, v);
+    }
+    let pool = &s.clients.last().expect("one pool at least").h1;
+    let wait = s.connect_timeout.min(Duration::from_secs(2));
+    match tokio::time::timeout(wait, pool.request(req)).await {
+        Ok(Ok(_)) => {
+            s.stats.answered_ms.fetch_max(now, Ordering::Relaxed);
+            None
+        }
+        _ => Some(now.saturating_sub(silent)),
+    }
 }
 
 /// Removes the hop-by-hop headers (RFC 9110 §7.6.1: [`is_hop_by_hop`] and those the
@@ -642,6 +704,12 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
     } else {
         Version::HTTP_11
     };
+    // Two values of an identity header: which one names the request is a guess.
+    if s.caller.ambiguous(&peer.cert_names, req.headers())
+        || s.procedure.ambiguous(grpc, req.headers())
+    {
+        return bad_request(&s, BadRequest::Identity, "identity header given twice\n");
+    }
     let decision = {
         let caller = s.caller.caller(&peer.cert_names, req.headers());
         let procedure = s
@@ -660,6 +728,7 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
     count(&s, grpc, decision);
     let (mut parts, body) = req.into_parts();
     strip_hop_by_hop(&mut parts.headers);
+    s.caller.pass_on(&peer.cert_names, &mut parts.headers);
     add_forwarded_for(&mut parts.headers, peer.addr.ip());
     // gRPC goes upstream over HTTP/2 (h2c), everything else over HTTP/1.1, which every
     // application server speaks (an HTTP/2 caller's authority becomes the Host header).
@@ -704,6 +773,14 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
     // other side (not measured on its own: the instruction counts fell with the pool and the
     // header handling). gRPC and longer or chunked bodies stream.
     let small_request = !grpc && is_small(&body);
+    // A body on a method whose body has no meaning: servers that ignore it but keep the
+    // connection would read it as their next request, one the sidecar never decided. Its
+    // upstream connection is closed after the answer instead of reused.
+    if !grpc && is_bodiless(&parts.method) && !hyper::body::Body::is_end_stream(&body) {
+        parts
+            .headers
+            .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+    }
     // This worker's pools: the upstream connection is driven on this thread too.
     let clients = crate::server::worker_index()
         .and_then(|i| s.clients.get(i))
@@ -712,27 +789,75 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
     // The upstream timeout bounds the whole exchange up to the answer's head (and a small
     // answer's body): a small request body that arrives too slowly times out as the upstream
     // waiting for it would.
+    // The connection's share of the upstream slots: a request beyond it waits for one of its
+    // connection's requests to end, within the upstream timeout (503 after: the caller's
+    // connection holds too much, not the upstream's fault).
+    let share = match &peer.share {
+        None => None,
+        Some(c) => match c.slots.try_acquire() {
+            Ok(p) => Some(Share::hold(c, p)),
+            Err(_) => match tokio::time::timeout(s.upstream_timeout, c.slots.acquire()).await {
+                Ok(Ok(p)) => Some(Share::hold(c, p)),
+                _ => {
+                    s.stats.refusals[3].fetch_add(1, Ordering::Relaxed);
+                    let mut r = upstream_failure(
+                        grpc,
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        14,
+                        "this connection has its share of the upstream slots in use; \
+                         read its answers or use another connection",
+                    );
+                    r.headers_mut()
+                        .insert(http::header::RETRY_AFTER, s.retry_after.clone());
+                    return r;
+                }
+            },
+        },
+    };
+    // When the request went upstream (ms since the epoch; 0: not yet, its body still read).
+    let sent_ms = AtomicU64::new(0);
     let exchange = async {
         let body = if small_request {
             whole(body).await.map_err(Failed::RequestBody)?
         } else {
             body
         };
+        sent_ms.store(grl_core::now_ms(), Ordering::Relaxed);
         let req = Request::from_parts(parts, body);
         let resp = if h2 {
-            let r = clients.h2.request(req).await;
+            // The caller connection's own h2c connection upstream: flow control is then the
+            // caller's own, and calls it never reads stall none of another caller's.
+            let conn = peer.share.as_ref().and_then(|c| {
+                c.local
+                    .get_or_init(|| Box::new(clients.h2.fresh()))
+                    .downcast_ref::<H2Conn>()
+            });
+            let r = conn.unwrap_or(&clients.h2).request(req).await;
             r.map(|r| r.map(Body::new))
         } else {
             let r = clients.h1.request(req).await;
             r.map(|r| r.map(Body::new))
         };
         let (mut parts, body) = resp.map_err(Failed::Upstream)?.into_parts();
+        // Written once a millisecond at most: a line the workers share, mostly read.
+        let now = grl_core::now_ms();
+        if s.stats.answered_ms.load(Ordering::Relaxed) < now {
+            s.stats.answered_ms.fetch_max(now, Ordering::Relaxed);
+        }
         parts.version = answer_version;
         strip_hop_by_hop(&mut parts.headers);
+        // A small answer is read whole, freeing its upstream slot and the connection's share
+        // at once; a longer one holds both until its body ends.
         let body = if !grpc && is_small(&body) {
             whole(body).await.map_err(Failed::ResponseBody)?
         } else {
-            body
+            match share {
+                Some(permit) => Body::new(Holding {
+                    inner: body,
+                    _permit: permit,
+                }),
+                None => body,
+            }
         };
         Ok(Response::from_parts(parts, body))
     };
@@ -758,6 +883,14 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
             upstream_unreachable(&s, grpc, false, "the answer's body ended early")
         }
         Err(_) => {
+            // Nothing at all came from the upstream while this request waited for it: it
+            // stopped answering (`/readyz` says so), not merely slow on one request.
+            let sent = sent_ms.load(Ordering::Relaxed);
+            if sent != 0 && s.stats.answered_ms.load(Ordering::Relaxed) < sent {
+                s.stats
+                    .silent_ms
+                    .fetch_max(grl_core::now_ms(), Ordering::Relaxed);
+            }
             s.stats.upstream_errors[1].fetch_add(1, Ordering::Relaxed);
             s.stats.refusals[2].fetch_add(1, Ordering::Relaxed);
             upstream_failure(
@@ -770,6 +903,62 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
                 ),
             )
         }
+    }
+}
+
+/// One of a caller connection's share of the upstream slots, given back when dropped.
+struct Share(Arc<crate::tls::ConnShare>);
+
+impl Share {
+    fn hold(c: &Arc<crate::tls::ConnShare>, p: tokio::sync::SemaphorePermit<'_>) -> Share {
+        p.forget();
+        Share(c.clone())
+    }
+}
+
+impl Drop for Share {
+    fn drop(&mut self) {
+        self.0.slots.add_permits(1);
+    }
+}
+
+/// Methods whose requests have no body meaning (RFC 9110 §9.3: GET, HEAD, DELETE, OPTIONS,
+/// TRACE), which servers often leave unread.
+fn is_bodiless(m: &Method) -> bool {
+    [
+        Method::GET,
+        Method::HEAD,
+        Method::DELETE,
+        Method::OPTIONS,
+        Method::TRACE,
+    ]
+    .contains(m)
+}
+
+/// An answer's body holding one of its connection's share of the upstream slots until it
+/// ends or is dropped.
+struct Holding {
+    inner: Body,
+    _permit: Share,
+}
+
+impl hyper::body::Body for Holding {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, axum::Error>>> {
+        std::pin::Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
     }
 }
 

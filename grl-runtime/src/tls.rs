@@ -277,6 +277,37 @@ pub struct Peer {
     pub addr: SocketAddr,
     /// Names of the verified client certificate; empty without one.
     pub cert_names: Arc<[String]>,
+    /// What a proxy keeps for this connection (`ConnOptions::slots_per_connection`); None
+    /// for other servers.
+    pub share: Option<Arc<ConnShare>>,
+}
+
+/// What a proxy keeps per caller connection, dropped with the connection.
+pub struct ConnShare {
+    /// The connection's share of the upstream slots: one permit per request it has in flight
+    /// upstream.
+    pub slots: tokio::sync::Semaphore,
+    /// The proxy's own state for the connection (`grl sidecar`: the connection's h2c
+    /// connection upstream), set by its first request that needs it.
+    pub local: std::sync::OnceLock<Box<dyn std::any::Any + Send + Sync>>,
+}
+
+impl ConnShare {
+    /// A share of `slots` upstream slots (one at least).
+    pub fn new(slots: usize) -> ConnShare {
+        ConnShare {
+            slots: tokio::sync::Semaphore::new(slots.max(1)),
+            local: std::sync::OnceLock::new(),
+        }
+    }
+}
+
+impl std::fmt::Debug for ConnShare {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnShare")
+            .field("slots_free", &self.slots.available_permits())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Connected<IncomingStream<'_, TcpListener>> for Peer {
@@ -284,6 +315,7 @@ impl Connected<IncomingStream<'_, TcpListener>> for Peer {
         Peer {
             addr: *stream.remote_addr(),
             cert_names: Arc::from(Vec::new()),
+            share: None,
         }
     }
 }

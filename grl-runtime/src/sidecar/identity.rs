@@ -130,8 +130,12 @@ pub struct CallerFrom {
     /// The header naming the caller (`rpc-caller` by default), or None to trust no header. A
     /// header is spoofable unless the mesh or the network guarantees who sets it. For
     /// `x-forwarded-client-cert` the `URI=` of the last element is taken and mapped through
-    /// `cert_patterns` (the SPIFFE ID the mesh verified).
+    /// `cert_patterns` (the SPIFFE ID the mesh verified). Never read on a connection that
+    /// presented a verified client certificate: there the certificate is the caller's word.
     pub header: Option<HeaderName>,
+    /// The header in which the caller of a verified certificate is passed upstream (None: not
+    /// passed). The caller's own value of it is never passed on.
+    pub verified_header: Option<HeaderName>,
 }
 
 impl Default for CallerFrom {
@@ -139,6 +143,7 @@ impl Default for CallerFrom {
         CallerFrom {
             cert_patterns: vec![NamePattern::parse("spiffe://*/ns/*/sa/{caller}").expect("valid")],
             header: Some(HeaderName::from_static("rpc-caller")),
+            verified_header: None,
         }
     }
 }
@@ -146,19 +151,16 @@ impl Default for CallerFrom {
 impl CallerFrom {
     /// The caller of a request whose connection presented `cert_names` (empty without a
     /// verified client certificate) and whose headers are `headers`.
+    /// With a certificate, the headers are not read: a caller whose certificate no pattern
+    /// maps is [`UNKNOWN_CALLER`], never the name it claims.
     pub fn caller<'a>(&self, cert_names: &'a [String], headers: &'a HeaderMap) -> &'a str {
-        // URI names first: a SPIFFE ID says more than a DNS name.
-        let uris = cert_names.iter().filter(|n| n.contains("://"));
-        let dns = cert_names.iter().filter(|n| !n.contains("://"));
-        for name in uris.chain(dns) {
-            if let Some(c) = self.map(name) {
-                return cut(c);
-            }
+        if !cert_names.is_empty() {
+            return self.certified(cert_names).unwrap_or(UNKNOWN_CALLER);
         }
         let Some(h) = &self.header else {
             return UNKNOWN_CALLER;
         };
-        let xfcc = h.as_str() == "x-forwarded-client-cert";
+        let xfcc = h.as_str() == XFCC;
         // Proxies append their element to x-forwarded-client-cert: its last line is the
         // nearest.
         let v = match xfcc {
@@ -183,9 +185,60 @@ impl CallerFrom {
         }
     }
 
+    /// The caller a certificate's names map to: URI names first (a SPIFFE ID says more than a
+    /// DNS name), each through the patterns in order.
+    fn certified<'a>(&self, cert_names: &'a [String]) -> Option<&'a str> {
+        let uris = cert_names.iter().filter(|n| n.contains("://"));
+        let dns = cert_names.iter().filter(|n| !n.contains("://"));
+        uris.chain(dns).find_map(|name| self.map(name)).map(cut)
+    }
+
     fn map<'a>(&self, name: &'a str) -> Option<&'a str> {
         self.cert_patterns.iter().find_map(|p| p.capture(name))
     }
+
+    /// Whether the caller header would be read and is given more than once: which line names
+    /// the caller is then a guess (a front proxy that appends leaves the client's line first),
+    /// so the request is refused. `x-forwarded-client-cert` is exempt: proxies append to it by
+    /// design and its last element is the nearest.
+    pub fn ambiguous(&self, cert_names: &[String], headers: &HeaderMap) -> bool {
+        cert_names.is_empty()
+            && self
+                .header
+                .as_ref()
+                .is_some_and(|h| h.as_str() != XFCC && twice(headers, h))
+    }
+
+    /// Fixes the identity headers of a request going upstream. On a connection with a verified
+    /// certificate, the caller's identity headers (the caller header and
+    /// `x-forwarded-client-cert`) are removed, and the certificate's caller is passed in the
+    /// verified header when one is named. Without a certificate, only a caller's own value of the verified
+    /// header is removed: the upstream must be able to trust it.
+    pub fn pass_on(&self, cert_names: &[String], headers: &mut HeaderMap) {
+        if let Some(v) = &self.verified_header {
+            headers.remove(v);
+        }
+        if cert_names.is_empty() {
+            return;
+        }
+        if let Some(h) = &self.header {
+            headers.remove(h);
+        }
+        headers.remove(XFCC);
+        if let Some(v) = &self.verified_header {
+            let caller = self.certified(cert_names).unwrap_or(UNKNOWN_CALLER);
+            if let Ok(value) = http::HeaderValue::from_str(caller) {
+                headers.insert(v.clone(), value);
+            }
+        }
+    }
+}
+
+const XFCC: &str = "x-forwarded-client-cert";
+
+/// Whether `name` has more than one line in `headers`.
+fn twice(headers: &HeaderMap, name: &HeaderName) -> bool {
+    headers.get_all(name).iter().nth(1).is_some()
 }
 
 /// The `URI=` value of the last element of an `x-forwarded-client-cert` header (Envoy's format:
@@ -374,7 +427,8 @@ impl Route {
 /// Where the procedure comes from, first that applies.
 #[derive(Debug, Clone)]
 pub struct ProcedureFrom {
-    /// The header naming the procedure of a non-gRPC request (`rpc-procedure` by default).
+    /// The header naming the procedure of a non-gRPC request (`rpc-procedure` by default
+    /// without routes; with routes the sidecar reads none unless the operator names one).
     pub header: Option<HeaderName>,
     /// Route templates tried in order.
     pub routes: Vec<Route>,
@@ -425,6 +479,11 @@ impl ProcedureFrom {
         let decoded = kept.contains('%').then(|| normalized(path, true));
         self.route(method, &kept, decoded.as_deref())
             .unwrap_or(Cow::Borrowed(UNMATCHED_PROCEDURE))
+    }
+
+    /// Whether the procedure header would be read (not gRPC) and is given more than once.
+    pub fn ambiguous(&self, grpc: bool, headers: &HeaderMap) -> bool {
+        !grpc && self.header.as_ref().is_some_and(|h| twice(headers, h))
     }
 
     /// The first route matching `method` and one of the readings of the path. A `HEAD`
@@ -596,8 +655,8 @@ mod tests {
             from.caller(&[], &headers(&[("rpc-caller", "  ")])),
             UNKNOWN_CALLER
         );
-        // A certificate whose names match no pattern: the next source.
-        assert_eq!(from.caller(&["other.internal".into()], &h), "spoofed");
+        // A certificate whose names match no pattern: unknown, never the header's claim.
+        assert_eq!(from.caller(&["other.internal".into()], &h), UNKNOWN_CALLER);
         let none = CallerFrom {
             header: None,
             ..CallerFrom::default()
@@ -651,6 +710,63 @@ mod tests {
             from.caller(&[], &headers(&[("rpc-caller", &long)])).len(),
             MAX_KEY_LEN
         );
+    }
+
+    #[test]
+    fn a_verified_certificate_replaces_the_callers_identity_headers() {
+        let from = CallerFrom {
+            verified_header: Some(HeaderName::from_static("x-verified-caller")),
+            ..CallerFrom::default()
+        };
+        let certs = vec!["spiffe://cluster.local/ns/shop/sa/checkout".to_string()];
+        let claims = || {
+            headers(&[
+                ("rpc-caller", "mallory"),
+                ("x-forwarded-client-cert", "URI=spiffe://td/ns/a/sa/admin"),
+                ("x-verified-caller", "admin"),
+                ("accept", "*/*"),
+            ])
+        };
+        let mut h = claims();
+        from.pass_on(&certs, &mut h);
+        assert_eq!(h.get("x-verified-caller").unwrap(), "checkout");
+        assert!(h.get("rpc-caller").is_none() && h.get("x-forwarded-client-cert").is_none());
+        assert_eq!(h.get("accept").unwrap(), "*/*");
+        // A certificate no pattern maps: passed on as unknown, the claims still removed.
+        let mut h = claims();
+        from.pass_on(&["other.internal".to_string()], &mut h);
+        assert_eq!(h.get("x-verified-caller").unwrap(), UNKNOWN_CALLER);
+        assert!(h.get("rpc-caller").is_none());
+        // No certificate: the header the upstream trusts is never the caller's own.
+        let mut h = claims();
+        from.pass_on(&[], &mut h);
+        assert!(h.get("x-verified-caller").is_none());
+        assert_eq!(h.get("rpc-caller").unwrap(), "mallory");
+    }
+
+    #[test]
+    fn two_lines_of_an_identity_header_are_ambiguous() {
+        let two = |name: &'static str| {
+            let mut h = HeaderMap::new();
+            h.append(name, http::HeaderValue::from_static("a"));
+            h.append(name, http::HeaderValue::from_static("b"));
+            h
+        };
+        let from = CallerFrom::default();
+        assert!(from.ambiguous(&[], &two("rpc-caller")));
+        assert!(!from.ambiguous(&[], &headers(&[("rpc-caller", "a")])));
+        // With a certificate the header is not read, so not ambiguous either.
+        assert!(!from.ambiguous(&["gw.internal".to_string()], &two("rpc-caller")));
+        // Proxies append to x-forwarded-client-cert by design.
+        let xfcc = CallerFrom {
+            header: Some(HeaderName::from_static("x-forwarded-client-cert")),
+            ..CallerFrom::default()
+        };
+        assert!(!xfcc.ambiguous(&[], &two("x-forwarded-client-cert")));
+        let proc_from = ProcedureFrom::default();
+        assert!(proc_from.ambiguous(false, &two("rpc-procedure")));
+        assert!(!proc_from.ambiguous(true, &two("rpc-procedure")));
+        assert!(!proc_from.ambiguous(false, &headers(&[("rpc-procedure", "a")])));
     }
 
     #[test]

@@ -178,6 +178,10 @@ pub struct Clients {
 /// Idle connections kept per pool.
 pub const MAX_IDLE: usize = 256;
 
+/// Largest read buffer of an upstream HTTP/1.1 connection: the longest answer head it reads,
+/// and the largest piece of an answer's body held at once.
+const H1_READ_BUF: usize = 16 << 10;
+
 /// As many slots as a semaphore holds: no bound.
 fn unbounded_slots() -> std::sync::Arc<Semaphore> {
     std::sync::Arc::new(Semaphore::new(Semaphore::MAX_PERMITS))
@@ -208,13 +212,15 @@ impl Clients {
                 connect_timeout,
                 idle_timeout: idle,
                 current: Default::default(),
+                opening: Default::default(),
             },
         }
     }
 }
 
-/// The h2c connection of one worker thread to the upstream, for gRPC calls: one connection
-/// carries every call in flight (HTTP/2 multiplexes them, up to the upstream's limit of
+/// An h2c connection to the upstream, for gRPC calls: the sidecar opens one per caller
+/// connection ([`H2Conn::fresh`]; one per worker thread for callers without one). It carries
+/// every call in flight (HTTP/2 multiplexes them, up to the upstream's limit of
 /// concurrent streams; calls beyond it wait for a stream), its task on the thread that opened
 /// it. No lookup by host, no task per call: a call clones the connection's handle. A closed
 /// connection is replaced at the next call, and a call not yet sent on a cached connection
@@ -226,17 +232,30 @@ pub struct H2Conn {
     connect_timeout: Duration,
     idle_timeout: Duration,
     current: std::sync::Arc<std::sync::Mutex<Option<(H2Send, Instant)>>>,
+    /// Held while a connection is being opened: the calls that find none wait for that one
+    /// instead of each opening its own.
+    opening: std::sync::Arc<tokio::sync::Mutex<()>>,
 }
 
 type H2Send = hyper::client::conn::http2::SendRequest<Body>;
 
 /// What one gRPC call's answer may have in flight from the upstream before its caller reads.
 const H2_STREAM_WINDOW: u32 = 256 << 10;
-/// The h2c connection's window: 256 calls' windows, so that it takes 256 callers that stop
-/// reading to use it up (and what the connection buffers stays bounded).
-const H2_CONNECTION_WINDOW: u32 = 256 * H2_STREAM_WINDOW;
+/// An h2c connection's window: 4 calls' windows. It is one caller connection's (the sidecar
+/// opens one per caller connection), so it bounds what that caller's unread calls hold.
+const H2_CONNECTION_WINDOW: u32 = 4 * H2_STREAM_WINDOW;
 
 impl H2Conn {
+    /// A connection of its own to the same upstream, opened at its first call (one per caller
+    /// connection: its calls' flow control is then that caller's alone).
+    pub fn fresh(&self) -> H2Conn {
+        H2Conn {
+            current: Default::default(),
+            opening: Default::default(),
+            ..self.clone()
+        }
+    }
+
     /// Sends `req` (absolute URI, HTTP/2) and waits for the answer's head.
     pub async fn request(
         &self,
@@ -245,7 +264,13 @@ impl H2Conn {
         loop {
             let (mut tx, cached) = match self.cached() {
                 Some(tx) => (tx, true),
-                None => (self.connect().await?, false),
+                None => {
+                    let _opening = self.opening.lock().await;
+                    match self.cached() {
+                        Some(tx) => (tx, true),
+                        None => (self.connect().await?, false),
+                    }
+                }
             };
             match tx.try_send_request(req).await {
                 Ok(resp) => return Ok(resp),
@@ -293,11 +318,11 @@ impl H2Conn {
             .connect(self.connect_timeout)
             .await
             .map_err(UpstreamError::Connect)?;
-        // Every call of this worker shares the connection: a call whose caller stops reading
-        // holds what the upstream sent it, up to its stream window (256 KiB), until the caller
-        // is cut as idle. The connection's window is 256 such windows (64 MiB): a few callers
-        // that stop reading do not stall the others, and what the connection buffers stays
-        // bounded.
+        // The sidecar opens one per caller connection ([`H2Conn::fresh`]): a call whose caller
+        // stops reading holds what the upstream sent it, up to its stream window (256 KiB),
+        // until the caller is cut as idle, and the connection's window (4 such windows, 1 MiB)
+        // bounds what one caller connection's unread calls hold in the sidecar. Calls that
+        // stop reading stall only their own connection's other calls.
         let (tx, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
             .timer(TokioTimer::new())
             .initial_stream_window_size(H2_STREAM_WINDOW)
@@ -483,8 +508,13 @@ impl H1Pool {
             .connect(self.connect_timeout)
             .await
             .map_err(UpstreamError::Connect)?;
+        // The read buffer bounds what one answer holds in the sidecar at once (hyper's default
+        // grows to about 400 KiB): an answer's head must fit, and its body moves in pieces no
+        // larger, so a caller that stops reading holds little (measured in
+        // docs/faults.md).
         let (tx, conn) = hyper::client::conn::http1::Builder::new()
             .writev(false)
+            .max_buf_size(H1_READ_BUF)
             .handshake(io)
             .await
             .map_err(UpstreamError::Handshake)?;

@@ -23,7 +23,8 @@ const GRPCIO: &str = "1.85.1";
 /// answers every method with `ok METHOD PATH read=N`, N the request body's bytes read;
 /// `/slow?ms=N` answers after N ms; `/big?mb=N` answers N MiB (written 64 KiB at a time);
 /// `?close=1` closes the connection right after the answer without saying so (no
-/// `connection: close`), as a server that drops kept-alive connections does.
+/// `connection: close`), as a server that drops kept-alive connections does; `/headers`
+/// answers the request's headers, one `name: value` line each.
 const PY_HTTP: &str = r#"
 import sys, time
 from http.server import ThreadingHTTPServer, BaseHTTPRequestHandler
@@ -59,6 +60,8 @@ class H(BaseHTTPRequestHandler):
                 self.close_connection = True
             return
         body = ("ok %s %s read=%d\n" % (self.command, u.path, read)).encode()
+        if u.path == "/headers":
+            body = "".join("%s: %s\n" % (k.lower(), v) for k, v in self.headers.items()).encode()
         self.send_response(200)
         self.send_header("content-type", "text/plain")
         self.send_header("content-length", str(len(body)))
@@ -692,7 +695,8 @@ async fn sigterm_drains_requests_in_flight_and_exits_0() {
 
 /// Mutual TLS: the verified client certificate names the caller (through a pattern), and a
 /// header claiming another caller does not change it; the controller's `grl_calls_total`
-/// counts the call under the certificate's caller.
+/// counts the call under the certificate's caller, and the upstream gets the verified caller
+/// (`--verified-caller-header`), never the caller's identity headers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_verified_client_certificate_names_the_caller_over_any_header() {
     let dir = tempfile::tempdir().unwrap();
@@ -732,6 +736,8 @@ async fn a_verified_client_certificate_names_the_caller_over_any_header() {
             ca_path.to_str().unwrap(),
             "--caller-cert-pattern",
             "{caller}.clients.test",
+            "--verified-caller-header",
+            "x-verified-caller",
         ],
     );
     wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
@@ -756,6 +762,25 @@ async fn a_verified_client_certificate_names_the_caller_over_any_header() {
             .await
             .unwrap();
         assert_eq!(r.status(), 200);
+    }
+    // The upstream gets the verified caller, never the caller's claims.
+    let seen = https
+        .get(format!("https://127.0.0.1:{port}/headers"))
+        .header("rpc-caller", "mallory")
+        .header("x-forwarded-client-cert", "URI=spiffe://td/ns/a/sa/admin")
+        .header("x-verified-caller", "admin")
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(seen.contains("x-verified-caller: gw\n"), "{seen}");
+    for claim in ["mallory", "admin", "rpc-caller", "x-forwarded-client-cert"] {
+        assert!(
+            !seen.contains(claim),
+            "{claim} reached the upstream: {seen}"
+        );
     }
     // Without a client certificate the handshake is refused.
     let anonymous = reqwest::Client::builder()
@@ -848,6 +873,146 @@ async fn a_hung_upstream_is_cut_after_the_timeout_and_a_gone_one_is_502() {
     }
 }
 
+/// An upstream that accepts connections and never answers: a request times out (504), and
+/// `/readyz` answers 503 saying the upstream answers nothing (it said ready: the upstream
+/// accepts connections); once the upstream answers again (`OPTIONS *` gets an answer), ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_says_so_when_the_upstream_accepts_and_never_answers() {
+    use std::sync::atomic::AtomicBool;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = l.local_addr().unwrap();
+    let answering = Arc::new(AtomicBool::new(false));
+    let server = tokio::spawn({
+        let answering = answering.clone();
+        async move {
+            loop {
+                let (mut s, _) = l.accept().await.unwrap();
+                let answering = answering.clone();
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut b = [0u8; 4096];
+                    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match s.read(&mut b).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&b[..n]),
+                        }
+                    }
+                    if answering.load(Ordering::SeqCst) {
+                        let _ = s
+                            .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\nconnection: close\r\n\r\nok\n")
+                            .await;
+                    } else {
+                        tokio::time::sleep(Duration::from_secs(60)).await;
+                    }
+                });
+            }
+        }
+    });
+    let sc = lone_sidecar(
+        &format!("http://{up}"),
+        &["--upstream-timeout-ms", "500"],
+        vec![],
+    )
+    .await;
+    let http = reqwest::Client::new();
+    let readyz = || {
+        let http = http.clone();
+        async move {
+            let r = http
+                .get(format!("http://127.0.0.1:{}/readyz", sc.admin))
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.text().await.unwrap())
+        }
+    };
+    let (status, body) = readyz().await;
+    assert_eq!(status, 200, "{body}");
+    let r = http
+        .get(format!("http://127.0.0.1:{}/x", sc.port))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 504);
+    let (status, body) = readyz().await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("answered nothing"), "{body}");
+    answering.store(true, Ordering::SeqCst);
+    let (status, body) = readyz().await;
+    assert_eq!(status, 200, "{body}");
+    server.abort();
+}
+
+/// A `GET` whose body holds a second request: an upstream that ignores `GET` bodies (as many
+/// do) and keeps the connection would read that body as a request the sidecar never decided.
+/// The sidecar closes such a request's upstream connection after the answer, so the upstream
+/// reads one request only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_hidden_in_a_get_body_never_reaches_the_upstream() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = l.local_addr().unwrap();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    // An upstream reading request heads only (bodies ignored), kept alive unless told.
+    let server = tokio::spawn({
+        let seen = seen.clone();
+        async move {
+            loop {
+                let (mut s, _) = l.accept().await.unwrap();
+                let seen = seen.clone();
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut b = [0u8; 4096];
+                    loop {
+                        while let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            let head = String::from_utf8_lossy(&buf[..i]).to_string();
+                            buf.drain(..i + 4);
+                            seen.lock()
+                                .unwrap()
+                                .push(head.lines().next().unwrap_or("").to_string());
+                            let close = head.to_ascii_lowercase().contains("connection: close");
+                            if s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\nok\n")
+                                .await
+                                .is_err()
+                                || close
+                            {
+                                return;
+                            }
+                        }
+                        match s.read(&mut b).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&b[..n]),
+                        }
+                    }
+                });
+            }
+        }
+    });
+    let sc = lone_sidecar(&format!("http://{up}"), &[], vec![]).await;
+    let hidden = "GET /smuggled HTTP/1.1\r\nhost: x\r\n\r\n";
+    let r = reqwest::Client::new()
+        .get(format!("http://127.0.0.1:{}/a", sc.port))
+        .body(hidden)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    // A plain GET afterwards: served as usual.
+    let r = reqwest::get(format!("http://127.0.0.1:{}/b", sc.port))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(
+        seen,
+        ["GET /a HTTP/1.1", "GET /b HTTP/1.1"],
+        "the upstream read {seen:?}"
+    );
+    server.abort();
+}
+
 /// An upstream on a Unix socket: requests reach it over pooled connections, and `/readyz`
 /// checks the socket.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -921,8 +1086,9 @@ print(json.dumps(out))
 /// gRPC over TLS: the sidecar's TLS listener offers h2 by ALPN, so a grpcio client with a
 /// client certificate calls the Python gRPC service through it (trailers included); the
 /// certificate names the caller over the `rpc-caller` header (the controller counts the calls
-/// under `gw`, never `mallory`), and a client without a certificate is refused at the
-/// handshake.
+/// under `gw`, never `mallory`), the service reads `gw` in `rpc-caller`
+/// (`--verified-caller-header rpc-caller`), and a client without a certificate is refused at
+/// the handshake.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_over_tls_offers_h2_and_the_client_certificate_names_the_caller() {
     let python = match test_support::venv::tool("grpcio", GRPCIO, "python") {
@@ -978,6 +1144,9 @@ async fn grpc_over_tls_offers_h2_and_the_client_certificate_names_the_caller() {
             ca_path.to_str().unwrap(),
             "--caller-cert-pattern",
             "{caller}.clients.test",
+            // The upstream reads rpc-caller: it gets the verified caller, not the claim.
+            "--verified-caller-header",
+            "rpc-caller",
         ],
     );
     let http = reqwest::Client::new();
@@ -1009,7 +1178,7 @@ async fn grpc_over_tls_offers_h2_and_the_client_certificate_names_the_caller() {
     let (c, k) = (ccert.to_str().unwrap(), ckey.to_str().unwrap());
     let with_cert = tokio::task::block_in_place(|| run(c, k));
     assert_eq!(with_cert["ok"], 20, "{with_cert}");
-    assert_eq!(with_cert["reply"], "hello mallory x", "{with_cert}");
+    assert_eq!(with_cert["reply"], "hello gw x", "{with_cert}");
     assert_eq!(with_cert["trailer"], "yes", "{with_cert}");
     let without = tokio::task::block_in_place(|| run("-", "-"));
     assert_eq!(without["ok"], 0, "{without}");
@@ -1135,6 +1304,123 @@ async fn bodies_far_larger_than_memory_stream_through() {
         peak < before + (48 << 10),
         "the sidecar's peak RSS grew from {before} KiB to {peak} KiB moving {MIB} MiB bodies"
     );
+}
+
+/// Callers that stop reading hold a bounded buffer each, whatever the answer's size: 64
+/// connections that read the head of a 4 MiB answer and nothing more add less than 32 MB to
+/// the sidecar's resident memory (0.45–0.8 MB each before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_that_stop_reading_hold_a_bounded_buffer_each() {
+    use tokio::io::AsyncWriteExt;
+    const CALLERS: usize = 64;
+    let py = py_sidecar(&[]).await;
+    let pid = py._procs.last().unwrap().0.id();
+    let before = peak_rss_kib(pid);
+    let mut held = Vec::new();
+    for _ in 0..CALLERS {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", py.port))
+            .await
+            .unwrap();
+        s.write_all(b"GET /big?mb=4 HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let (head, _) = read_head(&mut s).await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        held.push(s);
+    }
+    // Let every buffer on the way fill up.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let peak = peak_rss_kib(pid);
+    eprintln!("sidecar peak RSS: {before} KiB before, {peak} KiB with {CALLERS} HTTP/1.1 callers not reading");
+    assert!(
+        peak < before + (32 << 10),
+        "{CALLERS} callers that stop reading took the sidecar's peak RSS from {before} KiB to {peak} KiB"
+    );
+    // The same over HTTP/2: callers whose stream window (64 KiB) is never opened again.
+    let before = peak;
+    let mut builder =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new());
+    builder.initial_stream_window_size(65_535);
+    let mut answers = Vec::new();
+    for _ in 0..CALLERS {
+        let (mut tx, conn) = h2_to::<http_body_util::Empty<bytes::Bytes>>(py.port, &builder).await;
+        let req = hyper::Request::get(format!("http://127.0.0.1:{}/big?mb=4", py.port))
+            .body(http_body_util::Empty::new())
+            .unwrap();
+        let r = tx.send_request(req).await.unwrap();
+        assert_eq!(r.status(), 200);
+        answers.push((tx, conn, r));
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let peak = peak_rss_kib(pid);
+    eprintln!("sidecar peak RSS: {before} KiB before, {peak} KiB with {CALLERS} HTTP/2 callers not reading");
+    assert!(
+        peak < before + (32 << 10),
+        "{CALLERS} HTTP/2 callers that stop reading took the sidecar's peak RSS from {before} KiB to {peak} KiB"
+    );
+    drop((held, answers));
+}
+
+/// HTTP/2 callers that never open their stream window and ask for answers too long to be read
+/// whole hold at most their connection's share of the upstream slots (a sixteenth of them, 8 at
+/// least): three such connections of 30 streams each against 64 slots leave slots for a
+/// well-behaved caller (before: they held 64 slots, and it got 504 after the upstream
+/// timeout); their streams beyond the share get 503 after the upstream timeout, counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero_window_streams_hold_only_their_connections_share_of_the_slots() {
+    use http_body_util::Empty;
+    const CONNS: usize = 3;
+    const STREAMS: usize = 30;
+    let py = py_sidecar(&["--max-connections", "64", "--upstream-timeout-ms", "3000"]).await;
+    let mut builder =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new());
+    builder.initial_stream_window_size(0);
+    let mut calls = Vec::new();
+    let mut conns = Vec::new();
+    for _ in 0..CONNS {
+        let (tx, conn) = h2_to::<Empty<bytes::Bytes>>(py.port, &builder).await;
+        for _ in 0..STREAMS {
+            let mut tx = tx.clone();
+            let req = hyper::Request::get(format!("http://127.0.0.1:{}/big?mb=1", py.port))
+                .body(Empty::new())
+                .unwrap();
+            calls.push(tokio::spawn(async move {
+                tx.ready().await.unwrap();
+                // Keep the answer (unread) so that its stream stays open.
+                tx.send_request(req).await.map(|r| (r.status().as_u16(), r))
+            }));
+        }
+        conns.push((tx, conn));
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let r = reqwest::get(format!("http://127.0.0.1:{}/fast", py.port))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    let mut by_status = BTreeMap::new();
+    let mut answers = Vec::new();
+    for c in calls {
+        let (status, answer) = c.await.unwrap().unwrap();
+        *by_status.entry(status).or_insert(0) += 1;
+        answers.push(answer);
+    }
+    assert_eq!(
+        by_status,
+        BTreeMap::from([(200, CONNS * 8), (503, CONNS * (STREAMS - 8))]),
+        "answers by status"
+    );
+    let metrics = reqwest::get(format!("http://127.0.0.1:{}/metrics", py.admin))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let line = format!(
+        "grl_sidecar_refusals_total{{reason=\"connection_share\"}} {}\n",
+        CONNS * (STREAMS - 8)
+    );
+    assert!(metrics.contains(&line), "no {line} in {metrics}");
+    drop((answers, conns));
 }
 
 /// Slow clients: one trickling its request body and one that stops reading a large answer do
@@ -1383,6 +1669,55 @@ async fn an_answer_streaming_longer_than_the_header_timeout_is_not_cut() {
     }
 }
 
+/// Two lines of the caller header: which names the caller is a guess (a front proxy that
+/// appends leaves the client's first), so the request is refused 400 and counted. With routes,
+/// the procedure header is not read unless named (two lines of it pass), and without a
+/// certificate the caller's own value of the verified-caller header never reaches the upstream.
+#[tokio::test]
+async fn identity_headers_given_twice_are_refused_and_claims_are_not_passed_as_verified() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let py = py_sidecar(&[
+        "--route",
+        "GET /headers",
+        "--verified-caller-header",
+        "x-verified-caller",
+    ])
+    .await;
+    let (port, admin) = (py.port, py.admin);
+    let send = |lines: &'static str| async move {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        s.write_all(
+            format!("GET /headers HTTP/1.1\r\nhost: x\r\nconnection: close\r\n{lines}\r\n")
+                .as_bytes(),
+        )
+        .await
+        .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        out
+    };
+    let out = send("rpc-caller: mallory\r\nrpc-caller: gw\r\n").await;
+    assert!(out.starts_with("HTTP/1.1 400"), "{out}");
+    assert!(out.contains("identity header given twice"), "{out}");
+    let out = send(
+        "rpc-caller: gw\r\nrpc-procedure: a\r\nrpc-procedure: b\r\nx-verified-caller: admin\r\n",
+    )
+    .await;
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    assert!(out.contains("rpc-caller: gw\n"), "{out}");
+    assert!(!out.contains("x-verified-caller"), "{out}");
+    let metrics = reqwest::get(format!("http://127.0.0.1:{admin}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let line = "grl_sidecar_bad_requests_total{reason=\"identity\"} 1\n";
+    assert!(metrics.contains(line), "no {line} in {metrics}");
+}
+
 /// gRPC is HTTP/2: an HTTP/1.1 request saying `content-type: application/grpc` is plain HTTP,
 /// its procedure from the routes (not its raw path, a key of the caller's choosing) and its
 /// upstream the HTTP/1.1 one.
@@ -1414,83 +1749,121 @@ async fn a_grpc_content_type_over_http1_is_plain_http() {
     }
 }
 
-/// Calls held by callers that stop reading do not stall the other calls sharing the worker's
-/// h2c connection to the upstream: three server-streaming answers of 8 MiB that nobody reads,
-/// then a unary call on the same worker, answered.
+/// gRPC calls held by callers that never open their receive window stall no other caller's
+/// calls, and hold bounded memory: 4 caller connections of 150 such calls each (512 KiB
+/// answers) on one worker, then 6 unary calls from other callers, all answered, and the
+/// sidecar's peak RSS grows less than 32 MB. Before, the worker's one h2c connection upstream
+/// carried every call: the held calls used up its window (64 MiB) and its streams, and the
+/// other callers' calls timed out.
 #[tokio::test]
 async fn grpc_callers_that_stop_reading_do_not_stall_the_other_calls() {
     use bytes::Bytes;
     use http_body_util::{BodyExt, Full};
     use hyper_util::rt::{TokioExecutor, TokioIo};
-    // An h2c upstream: `/big.Svc/Stream` answers 8 MiB, anything else a 2-byte message.
+    static BIG: [u8; 512 << 10] = [0; 512 << 10];
+    const CONNS: usize = 4;
+    const CALLS: usize = 150;
+    // An h2c upstream: `/big.Svc/Stream` answers 512 KiB, anything else a 2-byte message.
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let up = l.local_addr().unwrap();
-    let server = tokio::spawn(async move {
-        loop {
-            let (s, _) = l.accept().await.unwrap();
-            tokio::spawn(async move {
-                let svc = hyper::service::service_fn(
-                    |req: hyper::Request<hyper::body::Incoming>| async move {
-                        let big = req.uri().path() == "/big.Svc/Stream";
-                        let _ = req.into_body().collect().await;
-                        let body = if big {
-                            Bytes::from(vec![0u8; 8 << 20])
-                        } else {
-                            Bytes::from_static(&[0, 0, 0, 0, 2, b'o', b'k'])
-                        };
-                        let mut trailers = hyper::HeaderMap::new();
-                        trailers
-                            .insert("grpc-status", hyper::header::HeaderValue::from_static("0"));
-                        let mut r = hyper::Response::new(
-                            Full::new(body).with_trailers(async move { Some(Ok(trailers)) }),
-                        );
-                        r.headers_mut().insert(
-                            "content-type",
-                            hyper::header::HeaderValue::from_static("application/grpc"),
-                        );
-                        Ok::<_, std::convert::Infallible>(r)
-                    },
-                );
-                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-                    .serve_connection(TokioIo::new(s), svc)
-                    .await;
-            });
+    let accepted = Arc::new(AtomicU64::new(0));
+    let server = tokio::spawn({
+        let accepted = accepted.clone();
+        async move {
+            loop {
+                let (s, _) = l.accept().await.unwrap();
+                accepted.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(
+                        |req: hyper::Request<hyper::body::Incoming>| async move {
+                            let big = req.uri().path() == "/big.Svc/Stream";
+                            let _ = req.into_body().collect().await;
+                            let body = if big {
+                                Bytes::from_static(&BIG)
+                            } else {
+                                Bytes::from_static(&[0, 0, 0, 0, 2, b'o', b'k'])
+                            };
+                            let mut trailers = hyper::HeaderMap::new();
+                            trailers.insert(
+                                "grpc-status",
+                                hyper::header::HeaderValue::from_static("0"),
+                            );
+                            let mut r = hyper::Response::new(
+                                Full::new(body).with_trailers(async move { Some(Ok(trailers)) }),
+                            );
+                            r.headers_mut().insert(
+                                "content-type",
+                                hyper::header::HeaderValue::from_static("application/grpc"),
+                            );
+                            Ok::<_, std::convert::Infallible>(r)
+                        },
+                    );
+                    let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                        .serve_connection(TokioIo::new(s), svc)
+                        .await;
+                });
+            }
         }
     });
     let sc = lone_sidecar(&format!("http://{up}"), &["--workers", "1"], vec![]).await;
     let port = sc.port;
-    let call = |path: &'static str| async move {
-        let (mut tx, _) = h2_to(
-            port,
-            &hyper::client::conn::http2::Builder::new(TokioExecutor::new()),
-        )
-        .await;
-        let req = hyper::Request::post(format!("http://127.0.0.1:{port}{path}"))
+    let pid = sc._procs.last().unwrap().0.id();
+    let before = peak_rss_kib(pid);
+    let request = |path: &str| {
+        hyper::Request::post(format!("http://127.0.0.1:{port}{path}"))
             .header("content-type", "application/grpc")
             .header("te", "trailers")
             .header("rpc-caller", "web")
             .body(Full::new(Bytes::from_static(&[0, 0, 0, 0, 1, b'x'])))
-            .unwrap();
-        let resp = tx.send_request(req).await.unwrap();
-        (tx, resp)
+            .unwrap()
     };
-    // Three answers held unread: each fills its windows on the way.
+    // Callers that never open their window: each call's answer stays in the windows on the
+    // way.
+    let mut stalled = hyper::client::conn::http2::Builder::new(TokioExecutor::new());
+    stalled.initial_stream_window_size(0);
     let mut held = Vec::new();
-    for _ in 0..3 {
-        held.push(call("/big.Svc/Stream").await);
+    for _ in 0..CONNS {
+        let (tx, conn) = h2_to(port, &stalled).await;
+        let mut calls = Vec::new();
+        for _ in 0..CALLS {
+            let mut tx = tx.clone();
+            let req = request("/big.Svc/Stream");
+            calls.push(tokio::spawn(async move {
+                tx.ready().await.unwrap();
+                tx.send_request(req).await
+            }));
+        }
+        held.push((tx, conn, calls));
     }
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let unary = async {
-        let (_tx, resp) = call("/small.Svc/Unary").await;
-        resp.into_body().collect().await.unwrap()
-    };
-    let t = Instant::now();
-    let got = tokio::time::timeout(Duration::from_secs(5), unary)
-        .await
-        .expect("the unary call stalled behind the unread answers");
-    eprintln!("unary call answered in {:?}", t.elapsed());
-    assert_eq!(got.trailers().unwrap()["grpc-status"], "0");
-    assert_eq!(got.to_bytes().as_ref(), &[0, 0, 0, 0, 2, b'o', b'k']);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut answered = 0;
+    for _ in 0..6 {
+        let unary = async {
+            let (mut tx, _) = h2_to(
+                port,
+                &hyper::client::conn::http2::Builder::new(TokioExecutor::new()),
+            )
+            .await;
+            let resp = tx.send_request(request("/small.Svc/Unary")).await.unwrap();
+            resp.into_body().collect().await.unwrap()
+        };
+        if let Ok(got) = tokio::time::timeout(Duration::from_secs(5), unary).await {
+            assert_eq!(got.trailers().unwrap()["grpc-status"], "0");
+            assert_eq!(got.to_bytes().as_ref(), &[0, 0, 0, 0, 2, b'o', b'k']);
+            answered += 1;
+        }
+    }
+    let peak = peak_rss_kib(pid);
+    eprintln!("sidecar peak RSS: {before} KiB before, {peak} KiB with {} calls held unread; {} upstream connections", CONNS * CALLS, accepted.load(Ordering::SeqCst));
+    assert_eq!(
+        answered, 6,
+        "other callers' calls answered behind the unread ones"
+    );
+    assert!(
+        peak < before + (32 << 10),
+        "{} unread calls took the sidecar's peak RSS from {before} KiB to {peak} KiB",
+        CONNS * CALLS
+    );
     drop(held);
     server.abort();
 }
