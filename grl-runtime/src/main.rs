@@ -247,6 +247,14 @@ enum Cmd {
         /// `/static/{path*}` (any method); repeat. Unmatched requests fold into `_other`.
         #[arg(long = "route")]
         routes: Vec<String>,
+        /// Match the routes' literal segments in any ASCII case (`/CHECKOUT` is `/checkout`),
+        /// as Express and ASP.NET route by default.
+        #[arg(long)]
+        route_ignore_case: bool,
+        /// Match a path ending in `/` as without it (`/checkout/` is `/checkout`), as Express
+        /// routes by default.
+        #[arg(long)]
+        route_trailing_slash: bool,
         /// Retry-After seconds of a refusal (grpc-retry-pushback-ms: the same in ms).
         #[arg(long, default_value_t = 1)]
         retry_after_secs: u64,
@@ -646,6 +654,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             caller_header,
             verified_caller_header,
             procedure_header,
+            route_ignore_case,
+            route_trailing_slash,
             routes,
             retry_after_secs,
             upstream_timeout_ms,
@@ -701,6 +711,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     .map(|r| Route::parse(r))
                     .collect::<Result<_, _>>()
                     .map_err(|e| anyhow::anyhow!("--route {e}"))?,
+                ignore_case: route_ignore_case,
+                trailing_slash: route_trailing_slash,
             };
             anyhow::ensure!(
                 max_header_bytes >= 1024,

@@ -120,11 +120,15 @@ struct Stats {
     upstream_errors: [AtomicU64; 3],
     /// Requests refused as malformed (400): target, body, identity.
     bad_requests: [AtomicU64; 3],
-    /// When an upstream answer's head last arrived (ms since the epoch).
+    /// Upstream answer heads received (the upstream's sign of life).
+    answers: AtomicU64,
+    /// When the readiness probe's `OPTIONS *` was last answered (ms since the epoch).
     answered_ms: AtomicU64,
     /// When a request sent upstream last timed out without any answer arriving from the
     /// upstream during its whole wait (ms since the epoch): the upstream stopped answering.
     silent_ms: AtomicU64,
+    /// `answers` when it was found silent: an answer since ends the silence.
+    silent_answers: AtomicU64,
 }
 
 /// Why a request was refused as malformed (an index of `Stats::bad_requests`).
@@ -497,6 +501,7 @@ async fn silent_for(s: &Shared) -> Option<u64> {
     let now = grl_core::now_ms();
     let silent = s.stats.silent_ms.load(Ordering::Relaxed);
     if silent == 0
+        || s.stats.answers.load(Ordering::Relaxed) > s.stats.silent_answers.load(Ordering::Relaxed)
         || s.stats.answered_ms.load(Ordering::Relaxed) >= silent
         || now.saturating_sub(silent) >= SILENT_HOLD_MS
     {
@@ -704,17 +709,15 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
     } else {
         Version::HTTP_11
     };
-    // Two values of an identity header: which one names the request is a guess.
-    if s.caller.ambiguous(&peer.cert_names, req.headers())
-        || s.procedure.ambiguous(grpc, req.headers())
-    {
-        return bad_request(&s, BadRequest::Identity, "identity header given twice\n");
-    }
     let decision = {
-        let caller = s.caller.caller(&peer.cert_names, req.headers());
-        let procedure = s
-            .procedure
-            .procedure(grpc, req.method(), req.uri().path(), req.headers());
+        // Two values of an identity header: which one names the request is a guess.
+        let (Some(caller), Some(procedure)) = (
+            s.caller.caller_checked(&peer.cert_names, req.headers()),
+            s.procedure
+                .procedure_checked(grpc, req.method(), req.uri().path(), req.headers()),
+        ) else {
+            return bad_request(&s, BadRequest::Identity, "identity header given twice\n");
+        };
         let d = s.layer.decide_at(caller, &procedure, grl_core::now_ms());
         if d == Decision::Drop {
             let resp = refusal(&s, grpc, caller, &procedure);
@@ -792,7 +795,12 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
     // The connection's share of the upstream slots: a request beyond it waits for one of its
     // connection's requests to end, within the upstream timeout (503 after: the caller's
     // connection holds too much, not the upstream's fault).
-    let share = match &peer.share {
+    // An HTTP/1.1 connection has one request at a time: only HTTP/2 ones can reach the share.
+    let share = match peer
+        .share
+        .as_ref()
+        .filter(|_| answer_version == Version::HTTP_2)
+    {
         None => None,
         Some(c) => match c.slots.try_acquire() {
             Ok(p) => Some(Share::hold(c, p)),
@@ -814,15 +822,16 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
             },
         },
     };
-    // When the request went upstream (ms since the epoch; 0: not yet, its body still read).
-    let sent_ms = AtomicU64::new(0);
+    // Whether the request went upstream (its body read), and the upstream's answers before.
+    let sent = std::sync::atomic::AtomicBool::new(false);
+    let answers_before = s.stats.answers.load(Ordering::Relaxed);
     let exchange = async {
         let body = if small_request {
             whole(body).await.map_err(Failed::RequestBody)?
         } else {
             body
         };
-        sent_ms.store(grl_core::now_ms(), Ordering::Relaxed);
+        sent.store(true, Ordering::Relaxed);
         let req = Request::from_parts(parts, body);
         let resp = if h2 {
             // The caller connection's own h2c connection upstream: flow control is then the
@@ -839,11 +848,7 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
             r.map(|r| r.map(Body::new))
         };
         let (mut parts, body) = resp.map_err(Failed::Upstream)?.into_parts();
-        // Written once a millisecond at most: a line the workers share, mostly read.
-        let now = grl_core::now_ms();
-        if s.stats.answered_ms.load(Ordering::Relaxed) < now {
-            s.stats.answered_ms.fetch_max(now, Ordering::Relaxed);
-        }
+        s.stats.answers.fetch_add(1, Ordering::Relaxed);
         parts.version = answer_version;
         strip_hop_by_hop(&mut parts.headers);
         // A small answer is read whole, freeing its upstream slot and the connection's share
@@ -885,8 +890,12 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
         Err(_) => {
             // Nothing at all came from the upstream while this request waited for it: it
             // stopped answering (`/readyz` says so), not merely slow on one request.
-            let sent = sent_ms.load(Ordering::Relaxed);
-            if sent != 0 && s.stats.answered_ms.load(Ordering::Relaxed) < sent {
+            if sent.load(Ordering::Relaxed)
+                && s.stats.answers.load(Ordering::Relaxed) == answers_before
+            {
+                s.stats
+                    .silent_answers
+                    .store(answers_before, Ordering::Relaxed);
                 s.stats
                     .silent_ms
                     .fetch_max(grl_core::now_ms(), Ordering::Relaxed);

@@ -154,21 +154,42 @@ impl CallerFrom {
     /// With a certificate, the headers are not read: a caller whose certificate no pattern
     /// maps is [`UNKNOWN_CALLER`], never the name it claims.
     pub fn caller<'a>(&self, cert_names: &'a [String], headers: &'a HeaderMap) -> &'a str {
+        self.caller_checked(cert_names, headers)
+            .unwrap_or(UNKNOWN_CALLER)
+    }
+
+    /// [`CallerFrom::caller`], or None when the caller header would be read and is given
+    /// more than once: which line names the caller is then a guess (a front proxy that
+    /// appends leaves the client's line first), so the request is refused.
+    /// `x-forwarded-client-cert` is exempt: proxies append to it by design and its last
+    /// element is the nearest.
+    pub fn caller_checked<'a>(
+        &self,
+        cert_names: &'a [String],
+        headers: &'a HeaderMap,
+    ) -> Option<&'a str> {
         if !cert_names.is_empty() {
-            return self.certified(cert_names).unwrap_or(UNKNOWN_CALLER);
+            return Some(self.certified(cert_names).unwrap_or(UNKNOWN_CALLER));
         }
         let Some(h) = &self.header else {
-            return UNKNOWN_CALLER;
+            return Some(UNKNOWN_CALLER);
         };
         let xfcc = h.as_str() == XFCC;
+        let mut lines = headers.get_all(h).iter();
         // Proxies append their element to x-forwarded-client-cert: its last line is the
         // nearest.
         let v = match xfcc {
-            true => headers.get_all(h).iter().next_back(),
-            false => headers.get(h),
+            true => lines.next_back(),
+            false => {
+                let first = lines.next();
+                if lines.next().is_some() {
+                    return None;
+                }
+                first
+            }
         };
         let Some(v) = v.and_then(|v| v.to_str().ok()) else {
-            return UNKNOWN_CALLER;
+            return Some(UNKNOWN_CALLER);
         };
         let v = if xfcc {
             match xfcc_uri(v) {
@@ -179,9 +200,9 @@ impl CallerFrom {
             v.trim()
         };
         if v.is_empty() {
-            UNKNOWN_CALLER
+            Some(UNKNOWN_CALLER)
         } else {
-            cut(v)
+            Some(cut(v))
         }
     }
 
@@ -195,18 +216,6 @@ impl CallerFrom {
 
     fn map<'a>(&self, name: &'a str) -> Option<&'a str> {
         self.cert_patterns.iter().find_map(|p| p.capture(name))
-    }
-
-    /// Whether the caller header would be read and is given more than once: which line names
-    /// the caller is then a guess (a front proxy that appends leaves the client's line first),
-    /// so the request is refused. `x-forwarded-client-cert` is exempt: proxies append to it by
-    /// design and its last element is the nearest.
-    pub fn ambiguous(&self, cert_names: &[String], headers: &HeaderMap) -> bool {
-        cert_names.is_empty()
-            && self
-                .header
-                .as_ref()
-                .is_some_and(|h| h.as_str() != XFCC && twice(headers, h))
     }
 
     /// Fixes the identity headers of a request going upstream. On a connection with a verified
@@ -235,11 +244,6 @@ impl CallerFrom {
 }
 
 const XFCC: &str = "x-forwarded-client-cert";
-
-/// Whether `name` has more than one line in `headers`.
-fn twice(headers: &HeaderMap, name: &HeaderName) -> bool {
-    headers.get_all(name).iter().nth(1).is_some()
-}
 
 /// The `URI=` value of the last element of an `x-forwarded-client-cert` header (Envoy's format:
 /// elements separated by `,`, key=value pairs by `;`, values optionally quoted, and a quoted
@@ -403,13 +407,16 @@ impl Route {
         })
     }
 
-    fn matches_path(&self, path: &str) -> bool {
+    fn matches_path(&self, path: &str, ignore_case: bool) -> bool {
         let mut parts = path.split('/').skip(1);
         for seg in &self.segs {
             match seg {
                 Seg::Rest => return true,
                 Seg::Lit(l) => {
-                    if parts.next() != Some(l.as_str()) {
+                    let same = parts
+                        .next()
+                        .is_some_and(|p| p == l || (ignore_case && p.eq_ignore_ascii_case(l)));
+                    if !same {
                         return false;
                     }
                 }
@@ -432,6 +439,13 @@ pub struct ProcedureFrom {
     pub header: Option<HeaderName>,
     /// Route templates tried in order.
     pub routes: Vec<Route>,
+    /// Literal segments of routes match in any ASCII case (`/CHECKOUT` is `/checkout`), for
+    /// services whose framework routes so (Express by default, ASP.NET).
+    pub ignore_case: bool,
+    /// A path ending in `/` matches the routes as without it (`/checkout/` is `/checkout`),
+    /// for services whose framework routes so (Express by default, Flask's `strict_slashes`
+    /// off).
+    pub trailing_slash: bool,
 }
 
 impl Default for ProcedureFrom {
@@ -439,6 +453,8 @@ impl Default for ProcedureFrom {
         ProcedureFrom {
             header: Some(HeaderName::from_static("rpc-procedure")),
             routes: Vec::new(),
+            ignore_case: false,
+            trailing_slash: false,
         }
     }
 }
@@ -454,44 +470,76 @@ impl ProcedureFrom {
         path: &'a str,
         headers: &'a HeaderMap,
     ) -> Cow<'a, str> {
+        self.procedure_checked(grpc, method, path, headers)
+            .unwrap_or(Cow::Borrowed(UNMATCHED_PROCEDURE))
+    }
+
+    /// [`ProcedureFrom::procedure`], or None when the procedure header would be read and is
+    /// given more than once (the request is refused).
+    pub fn procedure_checked<'a>(
+        &'a self,
+        grpc: bool,
+        method: &Method,
+        path: &'a str,
+        headers: &'a HeaderMap,
+    ) -> Option<Cow<'a, str>> {
         if grpc {
-            return Cow::Borrowed(cut(path));
+            return Some(Cow::Borrowed(cut(path)));
         }
-        if let Some(v) = self
-            .header
-            .as_ref()
-            .and_then(|h| headers.get(h))
-            .and_then(|v| v.to_str().ok())
-            .map(str::trim)
-            .filter(|v| !v.is_empty())
-        {
-            return Cow::Borrowed(cut(v));
+        if let Some(h) = &self.header {
+            let mut lines = headers.get_all(h).iter();
+            let first = lines.next();
+            if lines.next().is_some() {
+                return None;
+            }
+            if let Some(v) = first
+                .and_then(|v| v.to_str().ok())
+                .map(str::trim)
+                .filter(|v| !v.is_empty())
+            {
+                return Some(Cow::Borrowed(cut(v)));
+            }
         }
         if self.routes.is_empty() {
-            return Cow::Borrowed(UNMATCHED_PROCEDURE);
+            return Some(Cow::Borrowed(UNMATCHED_PROCEDURE));
         }
         // Servers differ on `%2F`: Python's decode it into a separator, Go's keep it inside
         // its segment. The first route that matches either reading is the request's (a later
         // route matching the kept reading must not win over an earlier one matching the
         // decoded reading: `/static/..%2Fcheckout` is `/checkout` to nginx).
-        let kept = normalized(path, false);
+        let kept = self.slash(normalized(path, false));
         // Only a `%` left (an encoded slash) can read another way.
-        let decoded = kept.contains('%').then(|| normalized(path, true));
-        self.route(method, &kept, decoded.as_deref())
-            .unwrap_or(Cow::Borrowed(UNMATCHED_PROCEDURE))
+        let decoded = kept
+            .contains('%')
+            .then(|| self.slash(normalized(path, true)));
+        Some(
+            self.route(method, &kept, decoded.as_deref())
+                .unwrap_or(Cow::Borrowed(UNMATCHED_PROCEDURE)),
+        )
     }
 
-    /// Whether the procedure header would be read (not gRPC) and is given more than once.
-    pub fn ambiguous(&self, grpc: bool, headers: &HeaderMap) -> bool {
-        !grpc && self.header.as_ref().is_some_and(|h| twice(headers, h))
+    /// `path` without its trailing `/` (but `/`) when [`ProcedureFrom::trailing_slash`].
+    fn slash<'p>(&self, path: Cow<'p, str>) -> Cow<'p, str> {
+        if !self.trailing_slash || path.len() < 2 || !path.ends_with('/') {
+            return path;
+        }
+        match path {
+            Cow::Borrowed(p) => Cow::Borrowed(&p[..p.len() - 1]),
+            Cow::Owned(mut p) => {
+                p.pop();
+                Cow::Owned(p)
+            }
+        }
     }
 
     /// The first route matching `method` and one of the readings of the path. A `HEAD`
     /// request matches `GET` routes too (and is keyed as one), as servers run the GET handler
     /// for it: else it would pass every `GET` bucket.
     fn route(&self, method: &Method, path: &str, other: Option<&str>) -> Option<Cow<'_, str>> {
-        let path_matches =
-            |r: &Route| r.matches_path(path) || other.is_some_and(|o| r.matches_path(o));
+        let case = self.ignore_case;
+        let path_matches = |r: &Route| {
+            r.matches_path(path, case) || other.is_some_and(|o| r.matches_path(o, case))
+        };
         self.routes.iter().find_map(|r| match &r.method {
             Some(m)
                 if (m == method || (*m == Method::GET && *method == Method::HEAD))
@@ -753,20 +801,81 @@ mod tests {
             h
         };
         let from = CallerFrom::default();
-        assert!(from.ambiguous(&[], &two("rpc-caller")));
-        assert!(!from.ambiguous(&[], &headers(&[("rpc-caller", "a")])));
+        assert_eq!(from.caller_checked(&[], &two("rpc-caller")), None);
+        assert_eq!(
+            from.caller_checked(&[], &headers(&[("rpc-caller", "a")])),
+            Some("a")
+        );
         // With a certificate the header is not read, so not ambiguous either.
-        assert!(!from.ambiguous(&["gw.internal".to_string()], &two("rpc-caller")));
+        let cert = ["gw.internal".to_string()];
+        assert_eq!(
+            from.caller_checked(&cert, &two("rpc-caller")),
+            Some(UNKNOWN_CALLER)
+        );
         // Proxies append to x-forwarded-client-cert by design.
         let xfcc = CallerFrom {
             header: Some(HeaderName::from_static("x-forwarded-client-cert")),
             ..CallerFrom::default()
         };
-        assert!(!xfcc.ambiguous(&[], &two("x-forwarded-client-cert")));
-        let proc_from = ProcedureFrom::default();
-        assert!(proc_from.ambiguous(false, &two("rpc-procedure")));
-        assert!(!proc_from.ambiguous(true, &two("rpc-procedure")));
-        assert!(!proc_from.ambiguous(false, &headers(&[("rpc-procedure", "a")])));
+        assert!(xfcc
+            .caller_checked(&[], &two("x-forwarded-client-cert"))
+            .is_some());
+        let p = ProcedureFrom::default();
+        let m = Method::POST;
+        assert_eq!(
+            p.procedure_checked(false, &m, "/x", &two("rpc-procedure")),
+            None
+        );
+        assert!(p
+            .procedure_checked(true, &m, "/x", &two("rpc-procedure"))
+            .is_some());
+        assert_eq!(
+            p.procedure_checked(false, &m, "/x", &headers(&[("rpc-procedure", "a")])),
+            Some(Cow::Borrowed("a"))
+        );
+    }
+
+    #[test]
+    fn case_and_trailing_slash_match_only_when_asked() {
+        let routes: Vec<Route> = ["POST /checkout", "GET /users/{id}"]
+            .iter()
+            .map(|r| Route::parse(r).unwrap())
+            .collect();
+        let strict = ProcedureFrom {
+            header: None,
+            routes,
+            ..ProcedureFrom::default()
+        };
+        let loose = ProcedureFrom {
+            ignore_case: true,
+            trailing_slash: true,
+            ..strict.clone()
+        };
+        let none = HeaderMap::new();
+        for (path, want_strict, want_loose) in [
+            ("/checkout", "POST /checkout", "POST /checkout"),
+            ("/CHECKOUT", UNMATCHED_PROCEDURE, "POST /checkout"),
+            ("/checkout/", UNMATCHED_PROCEDURE, "POST /checkout"),
+            ("/Checkout//", UNMATCHED_PROCEDURE, "POST /checkout"),
+            ("/checkout/x", UNMATCHED_PROCEDURE, UNMATCHED_PROCEDURE),
+            ("/", UNMATCHED_PROCEDURE, UNMATCHED_PROCEDURE),
+        ] {
+            assert_eq!(
+                strict.procedure(false, &Method::POST, path, &none),
+                want_strict,
+                "{path}"
+            );
+            assert_eq!(
+                loose.procedure(false, &Method::POST, path, &none),
+                want_loose,
+                "{path}"
+            );
+        }
+        // A parameter keeps the caller's case; only literal segments fold.
+        assert_eq!(
+            loose.procedure(false, &Method::GET, "/USERS/Ann/", &none),
+            "GET /users/{id}"
+        );
     }
 
     #[test]
