@@ -75,6 +75,9 @@ pub(crate) enum OverrideCmd {
         /// when that is unset).
         #[arg(long)]
         who: Option<String>,
+        /// Output format: the override added as a table, or the controller's JSON.
+        #[arg(long, default_value = "table", value_parser = ["table", "json"])]
+        format: String,
     },
     /// List the overrides in force: a table (id, target, action, who, reason, created,
     /// expires in), or the controller's JSON with --format json.
@@ -91,12 +94,16 @@ pub(crate) enum OverrideCmd {
         remote: Remote,
         /// Override id (`grl override list` shows them).
         id: String,
-        /// Who removes it.
-        #[arg(long, env = "USER", default_value = "unknown")]
-        who: String,
+        /// Who removes it, for the audit log (defaults to $USER; "unknown", with a warning,
+        /// when that is unset).
+        #[arg(long)]
+        who: Option<String>,
         /// Why.
         #[arg(long, default_value = "")]
         reason: String,
+        /// Output format: the override removed as a table, or the controller's JSON.
+        #[arg(long, default_value = "table", value_parser = ["table", "json"])]
+        format: String,
     },
     /// The audit log: overrides created, removed and expired (who, when, what, why), newest
     /// first; kept by the controller after the overrides are gone.
@@ -178,6 +185,7 @@ pub(crate) async fn run(mut cmd: OverrideCmd) -> anyhow::Result<()> {
             ttl,
             reason,
             who,
+            format,
         } => {
             let req = OverrideRequest {
                 service,
@@ -198,7 +206,7 @@ pub(crate) async fn run(mut cmd: OverrideCmd) -> anyhow::Result<()> {
                 .post(format!("{}/v1/overrides", remote.controller))
                 .bearer_auth(override_token()?)
                 .json(&req);
-            (r, "add override", Output::Body)
+            (r, "add override", table(&format, added_table))
         }
         OverrideCmd::List { remote, format } => {
             let r = http.get(format!("{}/v1/overrides", remote.controller));
@@ -209,12 +217,13 @@ pub(crate) async fn run(mut cmd: OverrideCmd) -> anyhow::Result<()> {
             id,
             who,
             reason,
+            format,
         } => {
             let r = http
                 .delete(format!("{}/v1/overrides/{id}", remote.controller))
-                .query(&[("who", who), ("reason", reason)])
+                .query(&[("who", who_or_user(who)), ("reason", reason)])
                 .bearer_auth(override_token()?);
-            (r, "remove override", Output::Body)
+            (r, "remove override", table(&format, removed_table))
         }
         OverrideCmd::History {
             remote,
@@ -376,6 +385,22 @@ fn list_table(v: &Value, now: u64) -> String {
     )
 }
 
+/// The answer to `add`: the override added, as one row of the list's table.
+fn added_table(v: &Value, now: u64) -> String {
+    one_row("added", v, now)
+}
+
+/// The answer to `rm`: the override removed, as one row of the list's table.
+fn removed_table(v: &Value, now: u64) -> String {
+    one_row("removed", v, now)
+}
+
+fn one_row(what: &str, v: &Value, now: u64) -> String {
+    let id = v.get("id").and_then(Value::as_str).unwrap_or("?");
+    let table = list_table(&serde_json::json!({ "overrides": [v] }), now);
+    format!("{what} {id}\n{table}")
+}
+
 fn history_table(v: &Value, _now: u64) -> String {
     let list = v.get("events").and_then(Value::as_array);
     let Some(list) = list.filter(|l| !l.is_empty()) else {
@@ -442,6 +467,19 @@ mod tests {
             list_table(&json!({"overrides": []}), 0),
             "no override in force\n"
         );
+    }
+
+    #[test]
+    fn add_and_rm_print_the_override_as_a_row() {
+        let o = json!({"id": "ovr-7", "caller": "gw", "drop_ratio": 0.5, "ttl_secs": 600,
+                       "reason": "INC-7", "who": "alice", "created_at": 1_000, "expires_at": 1_600});
+        let added = added_table(&o, 1_000);
+        assert!(added.starts_with("added ovr-7\n"), "{added}");
+        let row = added.lines().nth(2).unwrap();
+        for want in ["ovr-7", "caller=gw", "alice", "INC-7", "10m"] {
+            assert!(row.contains(want), "{want} not in {row}");
+        }
+        assert!(removed_table(&o, 1_300).starts_with("removed ovr-7\n"));
     }
 
     #[test]
