@@ -83,7 +83,7 @@ pub async fn run(args: PreviewArgs) -> anyhow::Result<i32> {
     match args.format {
         Format::Json => println!(
             "{}",
-            serde_json::to_string_pretty(&json_with_in_force(&plan, &in_force)?)?
+            serde_json::to_string_pretty(&preview_json(&plan, &rollouts, &base.repo)?)?
         ),
         Format::Markdown => print!("{}", pull_request_body(&cfg, &base.repo, &plan)),
         Format::Table => {
@@ -134,27 +134,24 @@ pub fn in_force(
     out
 }
 
-/// The preview JSON: `plan`, with `current_limit_rps` the limit in force and `candidate` the
-/// candidate baking beside it, for the buckets under a rollout (`in_force`).
-pub fn json_with_in_force(
+/// The preview JSON: `plan`, each bucket in the shape `GET /v1/quotas/{service}` serves it
+/// (`change`, `confidence`, `rail`, `mode_change`, `details`, and under a rollout
+/// `current_limit_rps` the limit in force, `rollout` and `candidate`): one shape for a bucket's
+/// plan wherever it is served.
+pub fn preview_json(
     plan: &Plan,
-    in_force: &std::collections::BTreeMap<(String, String), InForceNow>,
+    rollouts: &std::collections::BTreeMap<(String, String), crate::rollout::Rollout>,
+    repo: &schema::ConfigRepo,
 ) -> anyhow::Result<serde_json::Value> {
     let mut v = serde_json::to_value(plan)?;
-    if let Some(buckets) = v.get_mut("buckets").and_then(|b| b.as_array_mut()) {
-        for (b, planned) in buckets.iter_mut().zip(&plan.buckets) {
-            let key = (planned.service.clone(), planned.bucket.name.clone());
-            let (Some(f), Some(obj)) = (in_force.get(&key), b.as_object_mut()) else {
-                continue;
-            };
-            obj.insert(
-                "current_limit_rps".into(),
-                serde_json::to_value(f.limit_rps)?,
-            );
-            if let Some(c) = &f.candidate {
-                obj.insert("candidate".into(), serde_json::to_value(c)?);
-            }
-        }
+    let mut buckets: Vec<crate::serve::quotas::QuotaBucket> = plan
+        .buckets
+        .iter()
+        .map(|b| crate::serve::quotas::view(b, true))
+        .collect();
+    crate::serve::quotas::with_rollouts(&mut buckets, rollouts, repo);
+    if let Some(obj) = v.as_object_mut() {
+        obj.insert("buckets".into(), serde_json::to_value(buckets)?);
     }
     Ok(v)
 }
@@ -262,6 +259,20 @@ pub fn history_exit_code(plan: &Plan) -> i32 {
     }
 }
 
+/// The PEAK cell: the peak the policy used (its statistic's value: `p99.9` leaves a lone spike
+/// out), with the highest rate seen beside it when that differs (`1,575 (max 6,300)`).
+fn peak_cell(e: &rlc_plan::evidence::Evidence) -> String {
+    let used = e.policy.as_ref().and_then(|p| p.figures().value_rps);
+    match (used, e.peak_rps) {
+        (Some(u), Some(p)) if (p - u).abs() > 1e-9 * p.abs().max(1.0) => {
+            format!("{} (max {})", schema::format_rps(u), schema::format_rps(p))
+        }
+        (Some(u), _) => schema::format_rps(u),
+        (None, Some(p)) => schema::format_rps(p),
+        (None, None) => "-".into(),
+    }
+}
+
 /// The plan as a table: service, bucket, current, proposed, change %, peak, policy, scope,
 /// mode, confidence, why (the evidence's one line: what set the limit, what was discounted);
 /// then the skipped list. No bucket under a rollout: [`table_in_force`].
@@ -310,10 +321,7 @@ pub fn table_in_force(
             cur.map(schema::format_rps).unwrap_or_else(|| "-".into()),
             schema::format_rps(b.bucket.limit_rps),
             change,
-            b.evidence
-                .peak_rps
-                .map(schema::format_rps)
-                .unwrap_or_else(|| "-".into()),
+            peak_cell(&b.evidence),
             b.bucket.policy.to_string(),
             b.bucket.scope.as_str().into(),
             if b.evidence.promoted() {
@@ -352,4 +360,38 @@ pub fn table_in_force(
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_peak_cell_is_the_peak_the_policy_used() {
+        let e = |policy: serde_json::Value, peak: Option<f64>| rlc_plan::evidence::Evidence {
+            policy: Some(rlc_plan::evidence::PolicyEvidence(policy)),
+            peak_rps: peak,
+            ..Default::default()
+        };
+        let spiky = e(
+            serde_json::json!({"statistic": "p99.9", "value_rps": 1574.7}),
+            Some(6300.0),
+        );
+        assert_eq!(
+            peak_cell(&spiky),
+            format!(
+                "{} (max {})",
+                schema::format_rps(1574.7),
+                schema::format_rps(6300.0)
+            )
+        );
+        let flat = e(
+            serde_json::json!({"statistic": "max", "value_rps": 80.0}),
+            Some(80.0),
+        );
+        assert_eq!(peak_cell(&flat), schema::format_rps(80.0));
+        let forecast = e(serde_json::json!({"upper_bound_rps": 90.0}), Some(70.0));
+        assert_eq!(peak_cell(&forecast), schema::format_rps(70.0));
+        assert_eq!(peak_cell(&Default::default()), "-");
+    }
 }

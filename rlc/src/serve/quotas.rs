@@ -430,7 +430,7 @@ pub async fn latest_rollouts(
 /// aborted while the base branch still holds the new spec), `current_limit_rps` is that
 /// spec's limit (not the base branch's new one) and `change` is counted from it, and a baking
 /// candidate is `candidate`.
-fn with_rollouts(
+pub(crate) fn with_rollouts(
     buckets: &mut [QuotaBucket],
     rollouts: &std::collections::BTreeMap<(String, String), crate::rollout::Rollout>,
     repo: &ConfigRepo,
@@ -597,7 +597,7 @@ fn details_of(b: &PlannedBucket) -> Details {
     }
 }
 
-fn view(b: &PlannedBucket, details: bool) -> QuotaBucket {
+pub(crate) fn view(b: &PlannedBucket, details: bool) -> QuotaBucket {
     QuotaBucket {
         planned: b.clone(),
         change: change_of(b),

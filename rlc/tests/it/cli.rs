@@ -77,9 +77,20 @@ fn preview_json_and_table() {
         "policy",
         "current_limit_rps",
         "evidence",
+        // The bucket as GET /v1/quotas/{service} serves it.
+        "change",
+        "confidence",
+        "rail",
+        "mode_change",
+        "details",
     ] {
         assert!(web.get(k).is_some(), "missing {k} in {web}");
     }
+    assert_eq!(web["change"]["kind"], "lowered", "{web}");
+    assert!(
+        web["rail"].as_str().is_some(),
+        "the 25 % cap is the rail: {web}"
+    );
     // 5000 → ≈ 1500: the decrease is capped at 25% per run.
     assert_eq!(web["limit_rps"], 3750.0);
     assert_eq!(web["current_limit_rps"], 5000.0);
