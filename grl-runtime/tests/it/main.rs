@@ -982,7 +982,7 @@ async fn override_on_a_caller_without_bucket_throttles_it_until_removed_or_expir
             "--limit-rps",
             "50",
         ])
-        .args(["--ttl", "30m", "--reason", "INC-123"])
+        .args(["--ttl", "30m", "--reason", "INC-123", "--format", "json"])
         .env_remove("USER")
         .env("GRL_TOKEN", TOKEN)
         .output()

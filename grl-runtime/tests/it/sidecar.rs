@@ -1013,6 +1013,52 @@ async fn a_request_hidden_in_a_get_body_never_reaches_the_upstream() {
     server.abort();
 }
 
+/// A sidecar whose report credential the aggregator refuses says so at most every 10 s: over
+/// 3 s of reports every 200 ms, one warning (15 before), and its requests are served (fail
+/// open).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_report_credential_is_logged_at_most_every_10_s() {
+    let dir = tempfile::tempdir().unwrap();
+    let (agg_port, py_port, port, admin) = (free_port(), free_port(), free_port(), free_port());
+    let dead_ctl = format!("http://127.0.0.1:{}", free_port());
+    let _agg = spawn_aggregator(agg_port, &dead_ctl, "agg-z1", dir.path());
+    wait_up(&format!("http://127.0.0.1:{agg_port}/healthz")).await;
+    let _py = spawn_py_http(dir.path(), py_port);
+    let _sc = Proc::spawn(
+        Command::new(env!("CARGO_BIN_EXE_grl"))
+            .args(["sidecar", "--listen", &format!("127.0.0.1:{port}")])
+            .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
+            .args(["--upstream", &format!("http://127.0.0.1:{py_port}")])
+            .args(["--service", "payments", "--tick-ms", "200"])
+            .args(["--aggregator", &format!("http://127.0.0.1:{agg_port}")])
+            .env("GRL_CLIENT_TOKEN", "not-the-credential")
+            .stdout(Stdio::null())
+            .stderr(log_file(dir.path(), "refused-sidecar")),
+    )
+    .unwrap();
+    wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
+    wait_up(&format!("http://127.0.0.1:{py_port}/")).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let r = reqwest::get(format!("http://127.0.0.1:{port}/x")).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let metrics = reqwest::get(format!("http://127.0.0.1:{admin}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let refused: u64 = metrics
+        .lines()
+        .find(|l| l.starts_with("grl_client_reports_refused_total"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    assert!(refused >= 5, "reports refused: {refused}\n{metrics}");
+    let log = std::fs::read_to_string(dir.path().join("refused-sidecar.log")).unwrap();
+    let warnings = log.matches("report refused").count();
+    assert_eq!(warnings, 1, "{refused} reports refused, logged:\n{log}");
+}
+
 /// An upstream on a Unix socket: requests reach it over pooled connections, and `/readyz`
 /// checks the socket.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
