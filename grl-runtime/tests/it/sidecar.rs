@@ -1039,7 +1039,9 @@ async fn a_refused_report_credential_is_logged_at_most_every_10_s() {
     wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
     wait_up(&format!("http://127.0.0.1:{py_port}/")).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let r = reqwest::get(format!("http://127.0.0.1:{port}/x")).await.unwrap();
+    let r = reqwest::get(format!("http://127.0.0.1:{port}/x"))
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
     let metrics = reqwest::get(format!("http://127.0.0.1:{admin}/metrics"))
         .await
