@@ -27,6 +27,7 @@ pub mod gitops;
 pub mod history;
 pub mod journal;
 pub mod push;
+pub mod quota_view;
 pub mod retry;
 pub mod rollout;
 pub mod serve;

@@ -144,12 +144,12 @@ pub fn preview_json(
     repo: &schema::ConfigRepo,
 ) -> anyhow::Result<serde_json::Value> {
     let mut v = serde_json::to_value(plan)?;
-    let mut buckets: Vec<crate::serve::quotas::QuotaBucket> = plan
+    let mut buckets: Vec<crate::quota_view::QuotaBucket> = plan
         .buckets
         .iter()
-        .map(|b| crate::serve::quotas::view(b, true))
+        .map(|b| crate::quota_view::view(b, true))
         .collect();
-    crate::serve::quotas::with_rollouts(&mut buckets, rollouts, repo);
+    crate::quota_view::with_rollouts(&mut buckets, rollouts, repo);
     if let Some(obj) = v.as_object_mut() {
         obj.insert("buckets".into(), serde_json::to_value(buckets)?);
     }

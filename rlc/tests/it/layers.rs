@@ -15,6 +15,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("cycle", 2),
     // readers and writers of the world, the one that gathers them on top
     ("gather", 3),
+    ("quota_view", 3),
     ("shadow", 4),
     ("journal", 4),
     ("rollout", 4),
