@@ -189,6 +189,20 @@ fn busy(k: &KeyState) -> bool {
         || k.shadow_dropped_rps != 0.0
 }
 
+/// The share of `k`'s offered rate from the controller's own zones, when peers add to it
+/// (`peers` from [`Engine::peer_offered`]); `None` when it is all the controller's own.
+fn own_share(s: &BucketState, k: &KeyState, peers: &BTreeMap<(&str, &str), i64>) -> Option<f64> {
+    let peer = *peers.get(&(s.service.as_str(), s.bucket.name.as_str()))?;
+    if peer <= 0 {
+        return None;
+    }
+    let total = k.sums[0];
+    if total <= 0 {
+        return Some(0.0);
+    }
+    Some((1.0 - peer as f64 / total as f64).clamp(0.0, 1.0))
+}
+
 /// What [`Engine::ingest`] did with a report.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ingested {
@@ -1022,6 +1036,27 @@ impl Engine {
         }
     }
 
+    /// The offered rate (in [`RATE_UNIT`]s) that peer controllers of other regions add to each
+    /// `global` bucket, by `(service, bucket)`: empty without peers.
+    fn peer_offered(&self) -> BTreeMap<(&str, &str), i64> {
+        let mut out = BTreeMap::new();
+        for (id, z) in &self.zones {
+            if !id.starts_with(PEER_PREFIX) {
+                continue;
+            }
+            for &(i, r) in &z.resolved {
+                let b = &self.buckets[i];
+                if b.bucket.scope == Scope::Global {
+                    let e = out
+                        .entry((b.service.as_str(), b.bucket.name.as_str()))
+                        .or_insert(0i64);
+                    *e = e.saturating_add(r[0]);
+                }
+            }
+        }
+        out
+    }
+
     /// Cumulative counts for `/metrics`: per bucket, per zone [offered, admitted, dropped,
     /// shadow-dropped].
     pub fn totals(&self) -> impl Iterator<Item = (&BucketState, &str, &[u64; 4])> {
@@ -1486,6 +1521,7 @@ impl Engine {
         // newest `report_cap` rows are built, walking back from the last bucket.
         let keep = self.busy_rows.min(self.report_cap);
         let mut rows: Vec<ReportRow> = Vec::with_capacity(keep);
+        let peers = self.peer_offered();
         'walk: for s in self.buckets.iter().rev() {
             for k in s.keys.iter().rev() {
                 if rows.len() == keep {
@@ -1509,6 +1545,7 @@ impl Engine {
                     shadow_dropped: k.shadow_dropped_rps,
                     limit_rps: s.limit_rps,
                     drop_ratio: k.ratio,
+                    own_share: own_share(s, k, &peers),
                 });
             }
         }

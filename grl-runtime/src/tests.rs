@@ -490,6 +490,18 @@ fn peered_regions_compute_one_global_ratio_without_echo() {
     // What a region forwards never includes what its peers sent it.
     let again = east.regional_report("east");
     assert_eq!(again.buckets[0].offered_rps, 100.0);
+    // Each region's report rows say how much of a global rate is its own (east 100 of 200),
+    // so that a reader of both regions counts every request once; a regional key is all its
+    // own and says nothing.
+    east.record_reports(1);
+    let rows = east.reports_after(0, 100).reports;
+    let g = rows.iter().find(|r| r.bucket == "g").expect("a row for g");
+    assert_eq!(g.offered, 200.0);
+    assert_eq!(g.own_share, Some(0.5));
+    let r = rows.iter().find(|r| r.bucket == "r").expect("a row for r");
+    assert_eq!(r.own_share, None);
+    let text = serde_json::to_string(r).unwrap();
+    assert!(!text.contains("own_share"), "{text}");
 }
 
 #[test]

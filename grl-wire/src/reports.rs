@@ -111,6 +111,12 @@ pub struct ReportRow {
     pub limit_rps: f64,
     /// Drop ratio in force.
     pub drop_ratio: f64,
+    /// The share of the rates that this controller's own zones offered, when some came from
+    /// peer controllers of other regions (a `global` bucket of peered controllers); absent
+    /// when every rate is the controller's own. A reader summing several regions' reports
+    /// counts `share ×` each rate, so that a region's requests are counted once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub own_share: Option<f64>,
 }
 
 fn null_as_empty<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
@@ -156,6 +162,7 @@ mod tests {
             shadow_dropped: 0.0,
             limit_rps: 1.0,
             drop_ratio: 0.25,
+            own_share: None,
         };
         let page = ReportPage {
             next: 7.into(),

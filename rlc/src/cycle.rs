@@ -1077,7 +1077,8 @@ impl Cycle {
         let (repo_dir, base) = synced;
         for (_, c) in self.cfg.region_controllers() {
             if let Ok(client) = ControllerClient::from_config(&c, &self.base_dir) {
-                self.record_overrides(&client).await;
+                // A controller that cannot answer is logged; its region is marked by the poll.
+                let _ = self.record_overrides(&client).await;
             }
         }
         tracing::info!(trigger, run_uid, base = %short(&base.commit), "config repo synced");
@@ -1239,19 +1240,20 @@ impl Cycle {
     }
 
     /// Records the incident overrides the controller has in force (`GET /v1/overrides`) in the
-    /// store, so that the minutes they acted on are left out of what policies learn. A
-    /// controller or store that cannot answer is logged and skipped: the next poll or run
-    /// sees the overrides again while they last.
-    pub async fn record_overrides(&self, client: &ControllerClient) {
+    /// store, so that the minutes they acted on are left out of what policies learn and the
+    /// bucket pages show them. A controller that cannot answer is the error (the caller marks
+    /// its region unread); a store that cannot record is logged and skipped: the next poll or
+    /// run sees the overrides again while they last.
+    pub async fn record_overrides(&self, client: &ControllerClient) -> anyhow::Result<()> {
         let list = match client.overrides().await {
             Ok(l) => l,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot read the controller's overrides");
-                return;
+                return Err(e.into());
             }
         };
         if list.overrides.is_empty() {
-            return;
+            return Ok(());
         }
         match self.store().await {
             Ok(store) => {
@@ -1261,6 +1263,7 @@ impl Cycle {
             }
             Err(e) => tracing::warn!(error = %e, "cannot record the controller's overrides"),
         }
+        Ok(())
     }
 
     /// The evidence of `base`: its past decreases, its candidates' shadow figures, the

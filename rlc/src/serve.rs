@@ -25,7 +25,6 @@ use tokio::sync::{mpsc, watch};
 
 use crate::config::load_config;
 use crate::cycle::{Cycle, Planner, RunOutcome, RunStatus};
-use crate::push::ControllerClient;
 use crate::store::{Lease, Store};
 
 pub mod auth;
@@ -40,7 +39,6 @@ mod reports;
 pub mod runs;
 
 pub use auth::Tokens;
-use reports::ReportBuffer;
 pub use reports::ReportLimits;
 pub use runs::RunRequest;
 
@@ -686,9 +684,9 @@ struct Loop {
     cycle: Arc<Cycle>,
     planner: Planner,
     state: AppState,
-    controller: Option<ControllerClient>,
+    /// One feed of reports per controller of `controller:` / `controllers:`.
+    feeds: Vec<reports::Feed>,
     last_inputs: Option<String>,
-    reports: ReportBuffer,
     last_retention: Option<tokio::time::Instant>,
     last_rollup: Option<tokio::time::Instant>,
     /// Whether `rlc_last_successful_run_timestamp_seconds` was read from the store (once,
@@ -797,12 +795,7 @@ impl Loop {
             }
             self.update_rollout_gauge().await;
         }
-        if let Some(client) = self.controller.clone() {
-            if let Err(e) = self.poll_reports(&client).await {
-                tracing::warn!(error = %e, "cannot poll controller reports");
-            }
-            self.cycle.record_overrides(&client).await;
-        }
+        self.poll_regions().await;
         self.state.busy("shadow roll-ups and retention");
         self.roll_up().await;
         self.retention().await;
@@ -866,28 +859,15 @@ async fn scheduler(
             let _ = at.set(tokio::time::Instant::now());
         });
     }
-    // The reports come from the first controller (the one of `controller:`).
-    let controller = match cycle
-        .config()
-        .region_controllers()
-        .first()
-        .map(|(_, c)| ControllerClient::from_config(c, cycle.base_dir()))
-    {
-        Some(Ok(c)) => Some(c),
-        Some(Err(e)) => {
-            tracing::error!(error = %e, "controller push disabled");
-            None
-        }
-        None => None,
-    };
+    // Reports and overrides come from every controller, one feed per region.
+    let feeds = reports::feeds(&cycle, opts.report_limits);
     let sqlite = cycle.config().database_url.starts_with("sqlite:");
     let mut lp = Loop {
         cycle,
         planner,
         state,
-        controller,
+        feeds,
         last_inputs: None,
-        reports: ReportBuffer::new(opts.report_limits),
         last_retention: None,
         last_rollup: None,
         last_success_loaded: false,

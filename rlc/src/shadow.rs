@@ -38,11 +38,17 @@ pub type ShadowSource = Arc<
 ///
 /// The store's per-minute roll-ups ([`crate::store::Store::shadow_stats`]), one bucket at a
 /// time (candidates are only the buckets in shadow); a bucket the store has no report of is
-/// left out, and so is not promoted.
+/// left out, and so is not promoted. While a region's controller cannot be read the figures
+/// are incomplete: an error naming the region, so that nothing is promoted on part of the
+/// fleet.
 pub async fn store_stats(
     store: &crate::store::Store,
     q: &ShadowQuery,
 ) -> anyhow::Result<BTreeMap<BucketKey, ShadowStats>> {
+    let unread = store.unread_regions().await?;
+    if !unread.is_empty() {
+        anyhow::bail!("{}", crate::store::UnreadRegion::sentence(&unread));
+    }
     let mut out = BTreeMap::new();
     for (service, bucket) in &q.buckets {
         if let Some(s) = store

@@ -978,7 +978,7 @@ pub use rollouts::{CountRow, RolloutRow};
 mod shadow;
 pub use shadow::{
     block_of, minute_of, stats_from_minutes, steps_from_minutes, tick_time, window_start,
-    MinuteRow, Retained, StepRow, Ts,
+    MinuteRow, Retained, StepRow, Ts, UnreadRegion,
 };
 
 #[cfg(test)]

@@ -161,6 +161,9 @@ pub struct ShadowSummary {
     pub truncated: bool,
     /// The buckets.
     pub buckets: Vec<BucketView>,
+    /// The regions whose controller rlc could not read at its last poll (empty: every
+    /// region's reports are in): the figures miss their reports since `since`.
+    pub incomplete: Vec<crate::store::UnreadRegion>,
 }
 
 /// Why a dashboard call failed.
@@ -303,7 +306,15 @@ async fn summary(
     let mut rows = load("/v1/shadow", "the bucket list", limit, rows).await?;
     let truncated = rows.len() as i64 > f.limit;
     rows.truncate(f.limit as usize);
+    let incomplete = load(
+        "/v1/shadow",
+        "the regions read",
+        limit,
+        store.unread_regions(),
+    )
+    .await?;
     Ok(ShadowSummary {
+        incomplete,
         service: f.service.clone(),
         window: f.window.clone(),
         since: f.since,
@@ -729,6 +740,27 @@ fn problems_notice(problems: &[String]) -> Markup {
     }
 }
 
+/// The notice naming the regions whose controller could not be read (nothing when every
+/// region's reports are in).
+pub(super) fn incomplete_notice(regions: &[crate::store::UnreadRegion]) -> Markup {
+    html! {
+        @if !regions.is_empty() {
+            section class="notice" id="incomplete" {
+                h2 { "Figures incomplete" }
+                @for r in regions {
+                    p {
+                        "Region " strong { (r.region) } "'s controller cannot be read since "
+                        (r.since.format("%Y-%m-%d %H:%M:%S UTC")) ": " (r.error)
+                    }
+                }
+                p class="muted" {
+                    "Its reports and overrides since then are missing from every figure here;                      no candidate is promoted until it can be read again."
+                }
+            }
+        }
+    }
+}
+
 /// The page's stylesheet: constant text of this file, no value in it.
 fn style(css: &[&'static str]) -> Markup {
     html! {
@@ -766,6 +798,9 @@ fn render(d: &PageData) -> String {
                     (explain())
                     (filter(d, rows.as_deref()))
                     (problems_notice(&d.problems))
+                    @if let Some(sum) = &d.summary {
+                        (incomplete_notice(&sum.incomplete))
+                    }
                     @if d.buffered > 0 {
                         section class="notice" id="buffered" {
                             h2 { "Reports waiting for the store" }

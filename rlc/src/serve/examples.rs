@@ -163,7 +163,8 @@ fn hand_written(method: &str, path: &str, status: &str) -> Option<Value> {
                 "limit_rps": 150.0, "mode": "shadow",
                 "first_seen": "2026-11-30T02:00:01Z", "last_seen": "2026-11-30T02:59:59Z",
                 "would_throttle": true
-            }]
+            }],
+            "incomplete": []
         }),
         ("get", "/v1/runs", "200") => json!({"runs": [{
             "id": 42, "trigger": "schedule",

@@ -1,12 +1,14 @@
-//! `rlc serve`'s report polling: the controller's reports (every mode) go through a bounded
-//! buffer into the store; the stored cursor only moves past stored reports. And the periodic
-//! retention of stored reports.
+//! `rlc serve`'s report polling: each region's controller's reports (every mode) go through a
+//! bounded buffer into the store; the stored cursor only moves past stored reports. Whether
+//! each controller could be read is recorded, so that figures missing a region say so. And
+//! the periodic retention of stored reports.
 
 use std::time::Duration;
 
 use chrono::Utc;
 
 use super::{Loop, REPORT_CURSOR};
+use crate::cycle::Cycle;
 use crate::push::{ControllerClient, ReportRow};
 use crate::store::{within, Store};
 
@@ -39,8 +41,76 @@ const RETENTION_EVERY: Duration = Duration::from_secs(600);
 /// How often the minutes of closed hours are rolled up into `shadow_hours`.
 const ROLLUP_EVERY: Duration = Duration::from_secs(60);
 
+/// The reports of one region's controller.
+pub(super) struct Feed {
+    /// The region (`default` for a `controller:` without one).
+    pub(super) region: String,
+    /// Its controller (an error when its settings cannot be used: the region is unread).
+    client: Result<ControllerClient, String>,
+    /// Its fetched reports not yet stored, and its cursor.
+    reports: ReportBuffer,
+    /// Several regions are read: rows of keys every region reports (`global`) are stored
+    /// under `global@<region>` and counted by their own share ([`localize`]).
+    several: bool,
+    /// Why the last fetch from the controller failed (none: it answered).
+    read_error: Option<String>,
+}
+
+/// One feed per controller of `controller:` / `controllers:`. The first region keeps the
+/// cursor name a single controller always had, so adding regions continues where it was.
+pub(super) fn feeds(cycle: &Cycle, limits: ReportLimits) -> Vec<Feed> {
+    let regions = cycle.config().region_controllers();
+    let several = regions.len() > 1;
+    regions
+        .iter()
+        .enumerate()
+        .map(|(i, (region, c))| {
+            let client = ControllerClient::from_config(c, cycle.base_dir()).map_err(|e| {
+                tracing::error!(region = %region, error = %e, "controller of this region disabled");
+                e.to_string()
+            });
+            let mut reports = ReportBuffer::new(limits);
+            if i > 0 {
+                reports.cursor_name = format!("{REPORT_CURSOR}.{region}");
+            }
+            Feed {
+                region: region.clone(),
+                client,
+                reports,
+                several,
+                read_error: None,
+            }
+        })
+        .collect()
+}
+
+/// A region's rows as stored when several regions are read: a key every region reports
+/// (`global`, or none from an older controller) becomes `global@<region>`, so that the regions'
+/// rows of one tick are told apart and summed; and rates that peers of other regions
+/// contributed are left out (`own_share`), so that each request is counted in one region.
+pub(super) fn localize(rows: &mut [ReportRow], region: &str) {
+    for r in rows {
+        if r.scope_key.is_empty() || r.scope_key == "global" {
+            r.scope_key = format!("global@{region}");
+        }
+        if let Some(share) = r.own_share.take() {
+            let share = if share.is_finite() {
+                share.clamp(0.0, 1.0)
+            } else {
+                1.0
+            };
+            r.offered *= share;
+            r.admitted *= share;
+            r.dropped *= share;
+            r.shadow_dropped *= share;
+        }
+    }
+}
+
 /// Controller reports fetched but not yet stored, page by page with the cursor after each.
 pub(super) struct ReportBuffer {
+    /// The name of the stored cursor (`controller.reports`, `controller.reports.<region>`).
+    pub(super) cursor_name: String,
     /// The controller cursor after the last fetched page: `None` until read from the store.
     pub(super) cursor: Option<Option<String>>,
     pub(super) pages: std::collections::VecDeque<(Vec<ReportRow>, Option<String>)>,
@@ -57,6 +127,7 @@ impl Default for ReportBuffer {
 impl ReportBuffer {
     pub(super) fn new(limits: ReportLimits) -> ReportBuffer {
         ReportBuffer {
+            cursor_name: REPORT_CURSOR.to_string(),
             cursor: None,
             pages: Default::default(),
             rows: 0,
@@ -101,7 +172,7 @@ impl ReportBuffer {
             self.pages.drain(..pages);
             self.rows -= batch.len();
             if let Some(next) = &next {
-                if let Err(e) = within(limit, store.set_cursor(REPORT_CURSOR, next)).await {
+                if let Err(e) = within(limit, store.set_cursor(&self.cursor_name, next)).await {
                     return (stored, Err(e));
                 }
             }
@@ -111,54 +182,115 @@ impl ReportBuffer {
 }
 
 impl Loop {
-    /// Fetches the controller's reports (every mode) and stores them with their minute
+    /// Fetches every region's reports and overrides, and records in the store whether each
+    /// region's controller could be read.
+    pub(super) async fn poll_regions(&mut self) {
+        let mut feeds = std::mem::take(&mut self.feeds);
+        let regions: Vec<String> = feeds.iter().map(|f| f.region.clone()).collect();
+        for f in feeds.iter_mut() {
+            let client = match &f.client {
+                Ok(c) => c.clone(),
+                Err(e) => {
+                    f.read_error = Some(e.clone());
+                    self.record_region_read(f, &regions).await;
+                    continue;
+                }
+            };
+            if let Err(e) = self.poll_reports(f, &client).await {
+                tracing::warn!(region = %f.region, error = %e, "cannot poll controller reports");
+            }
+            let overrides = self
+                .cycle
+                .record_overrides(&client)
+                .await
+                .map_err(|e| format!("overrides: {e}"));
+            if let (None, Err(e)) = (&f.read_error, overrides) {
+                f.read_error = Some(e);
+            }
+            self.record_region_read(f, &regions).await;
+        }
+        self.feeds = feeds;
+    }
+
+    /// Records `f`'s last read in the store (a store that cannot be written is logged: the
+    /// next poll writes it again).
+    async fn record_region_read(&self, f: &Feed, regions: &[String]) {
+        let Ok(store) = self.cycle.store().await else {
+            return;
+        };
+        let limit = self.cycle.config().store.write_timeout.0;
+        let write =
+            store.record_region_read(&f.region, Utc::now(), f.read_error.as_deref(), regions);
+        if let Err(e) = within(limit, write).await {
+            tracing::warn!(region = %f.region, error = %e, "cannot record whether the region's controller was read");
+        }
+    }
+
+    /// Fetches `f`'s controller's reports (every mode) and stores them with their minute
     /// roll-ups. Pages wait in a bounded buffer while the store is down or slow; the stored
     /// cursor only moves past stored reports, so a restart re-fetches what was not stored.
     ///
     /// The backlog is written first (a full buffer is emptied only here); after a failed or
     /// timed-out write, this poll writes nothing more and only fetches, up to the bound.
-    pub(super) async fn poll_reports(&mut self, client: &ControllerClient) -> anyhow::Result<()> {
+    async fn poll_reports(
+        &mut self,
+        f: &mut Feed,
+        client: &ControllerClient,
+    ) -> anyhow::Result<()> {
         let store = self.cycle.store().await;
-        if self.reports.cursor.is_none() {
+        if f.reports.cursor.is_none() {
             // Where to start is in the store: without it, wait.
             let store = store.as_ref().map_err(|e| anyhow::anyhow!("{e}"))?;
             let limit = self.cycle.config().store.write_timeout.0;
-            self.reports.cursor = Some(within(limit, store.cursor(REPORT_CURSOR)).await?);
+            f.reports.cursor = Some(within(limit, store.cursor(&f.reports.cursor_name)).await?);
         }
         let state = self.state.clone();
         let m = &state.inner.metrics;
         let mut failed = None;
-        if self.reports.rows > 0 {
+        if f.reports.rows > 0 {
             if let Ok(store) = &store {
-                failed = self.flush_reports(store).await.err();
+                failed = self.flush_reports(&mut f.reports, store).await.err();
             }
         }
         for _ in 0..REPORT_PAGES_PER_POLL {
-            if self.reports.rows >= self.reports.limits.buffer {
+            if f.reports.rows >= f.reports.limits.buffer {
                 m.report_polls_paused.inc();
                 tracing::warn!(
-                    buffered = self.reports.rows,
+                    region = %f.region,
+                    buffered = f.reports.rows,
                     "report buffer full: not polling the controller until the store catches up"
                 );
                 break;
             }
-            let cursor = self.reports.cursor.clone().flatten();
-            let page_size = self.reports.limits.page;
-            let page = client.reports(cursor.as_deref(), page_size).await?;
+            let cursor = f.reports.cursor.clone().flatten();
+            let page_size = f.reports.limits.page;
+            let mut page = match client.reports(cursor.as_deref(), page_size).await {
+                Ok(p) => {
+                    f.read_error = None;
+                    p
+                }
+                Err(e) => {
+                    f.read_error = Some(format!("{e:#}"));
+                    return Err(e.into());
+                }
+            };
             if page.gap || page.reset {
                 // Visible to operators: the dashboard misses some intervals.
-                tracing::warn!(gap = page.gap, reset = page.reset, cursor = ?cursor, "controller reports were lost between polls");
+                tracing::warn!(region = %f.region, gap = page.gap, reset = page.reset, cursor = ?cursor, "controller reports were lost between polls");
                 m.report_gaps.inc();
+            }
+            if f.several {
+                localize(&mut page.reports, &f.region);
             }
             let got = page.reports.len();
             let next = page.next.as_param();
             if got > 0 || (next.is_some() && next != cursor) {
-                self.reports.push(page.reports, next.clone());
-                self.reports.cursor = Some(next.clone().or(cursor.clone()));
+                f.reports.push(page.reports, next.clone());
+                f.reports.cursor = Some(next.clone().or(cursor.clone()));
             }
-            m.reports_buffered.set(self.reports.rows as i64);
+            m.reports_buffered.set(f.reports.rows as i64);
             if let (Ok(store), None) = (&store, &failed) {
-                failed = self.flush_reports(store).await.err();
+                failed = self.flush_reports(&mut f.reports, store).await.err();
             }
             if got < page_size as usize || next.is_none() || next == cursor {
                 break;
@@ -166,23 +298,20 @@ impl Loop {
         }
         match (store, failed) {
             (Ok(_), None) => Ok(()),
-            (Err(e), _) => Err(anyhow::anyhow!(
-                "{e} ({} reports buffered)",
-                self.reports.rows
-            )),
+            (Err(e), _) => Err(anyhow::anyhow!("{e} ({} reports buffered)", f.reports.rows)),
             (Ok(_), Some(e)) => {
-                Err(e.context(format!("storing reports ({} buffered)", self.reports.rows)))
+                Err(e.context(format!("storing reports ({} buffered)", f.reports.rows)))
             }
         }
     }
 
     /// Stores buffered pages, a batch per transaction, and moves the stored cursor past them.
-    async fn flush_reports(&mut self, store: &Store) -> anyhow::Result<()> {
+    async fn flush_reports(&self, reports: &mut ReportBuffer, store: &Store) -> anyhow::Result<()> {
         let limit = self.cycle.config().store.write_timeout.0;
-        let (stored, res) = self.reports.flush(store, limit).await;
+        let (stored, res) = reports.flush(store, limit).await;
         let m = &self.state.inner.metrics;
         m.reports_stored.inc_by(stored);
-        m.reports_buffered.set(self.reports.rows as i64);
+        m.reports_buffered.set(reports.rows as i64);
         Ok(res?)
     }
 

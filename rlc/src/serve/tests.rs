@@ -315,7 +315,7 @@ async fn report_buffer_keeps_reports_until_stored() {
     };
     let dir = tempfile::tempdir().unwrap();
     let store = Store::connect("sqlite://rlc.db", dir.path()).await.unwrap();
-    let mut buf = ReportBuffer::default();
+    let mut buf = super::reports::ReportBuffer::default();
     buf.push(vec![row(1), row(2)], Some("2".into()));
     buf.push(vec![row(3)], Some("3".into()));
     assert_eq!(buf.rows, 3);
@@ -980,4 +980,38 @@ async fn a_restarted_daemon_reads_what_the_store_holds_and_pulls_the_history_at_
     assert!(state.store().is_some());
     stop_tx.send(true).unwrap();
     daemon.await.unwrap().unwrap();
+}
+
+/// Several regions: a key every region reports is stored per region, at the controller's own
+/// share of the rates; a region's or zone's key is kept.
+#[test]
+fn rows_of_several_regions_are_stored_per_region_at_their_own_share() {
+    let row = |scope: &str, own: Option<f64>| -> ReportRow {
+        let mut r: ReportRow = serde_json::from_value(json!({
+            "seq": 1, "t": 1_796_000_000, "service": "payments", "bucket": "charge",
+            "mode": "shadow", "scope_key": scope, "offered": 300.0, "admitted": 300.0,
+            "dropped": 0.0, "shadow_dropped": 30.0, "limit_rps": 270.0, "drop_ratio": 0.1
+        }))
+        .unwrap();
+        r.own_share = own;
+        r
+    };
+    let mut rows = vec![
+        row("global", Some(0.5)),
+        row("", None),
+        row("region:b", None),
+        row("zone:b1", None),
+        row("global", Some(f64::NAN)),
+    ];
+    super::reports::localize(&mut rows, "b");
+    let keys: Vec<&str> = rows.iter().map(|r| r.scope_key.as_str()).collect();
+    assert_eq!(
+        keys,
+        ["global@b", "global@b", "region:b", "zone:b1", "global@b"]
+    );
+    assert_eq!((rows[0].offered, rows[0].shadow_dropped), (150.0, 15.0));
+    assert_eq!(rows[1].offered, 300.0);
+    // A share that is not a number counts the row whole, never as zero.
+    assert_eq!(rows[4].offered, 300.0);
+    assert!(rows.iter().all(|r| r.own_share.is_none()));
 }

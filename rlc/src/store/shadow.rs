@@ -131,6 +131,36 @@ pub const MAX_OVERRIDE_ROWS: usize = 100_000;
 /// removed before its expiry (rlc sees the list at each report poll and each run).
 pub const OVERRIDE_SEEN_GRACE_SECS: i64 = 300;
 
+/// A region whose controller rlc could not read ([`Store::unread_regions`]): its reports and
+/// overrides since `since` are missing from the shadow figures.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct UnreadRegion {
+    /// The region (`region:` of its controller in rlc.yaml; `default` without one).
+    pub region: String,
+    /// The first failed read since the last good one.
+    pub since: DateTime<Utc>,
+    /// Why it could not be read.
+    pub error: String,
+}
+
+impl UnreadRegion {
+    /// The regions as one sentence, for a run's or a page's note.
+    pub fn sentence(regions: &[UnreadRegion]) -> String {
+        let each: Vec<String> = regions
+            .iter()
+            .map(|r| {
+                format!(
+                    "region {}'s controller cannot be read since {} ({})",
+                    r.region,
+                    r.since.format("%Y-%m-%d %H:%M:%S UTC"),
+                    r.error
+                )
+            })
+            .collect();
+        format!("shadow figures incomplete: {}", each.join("; "))
+    }
+}
+
 /// One row of `shadow_minutes`: what one scope key of a bucket reported in one minute.
 /// Sums are sums of per-report rates (one report per controller tick), so `offered /
 /// reports` is the minute's average offered rate.
@@ -995,6 +1025,72 @@ impl Store {
             }
         }
         Ok((out, truncated))
+    }
+
+    /// Records whether `region`'s controller could be read at `at` (`error`: why not), and
+    /// forgets the regions not in `regions` (the controllers of rlc.yaml): a region stays
+    /// unread from its first failed read until a good one.
+    pub async fn record_region_read(
+        &self,
+        region: &str,
+        at: DateTime<Utc>,
+        error: Option<&str>,
+        regions: &[String],
+    ) -> Result<(), StoreError> {
+        let error = error.map(|e| e.chars().take(500).collect::<String>());
+        on_pool!(self, pool => {
+            let mut tx = pool.begin().await?;
+            let have: Vec<(String,)> = sqlx::query_as("SELECT region FROM controller_regions")
+                .fetch_all(&mut *tx)
+                .await?;
+            for (gone,) in have.iter().filter(|(r,)| !regions.contains(r)) {
+                sqlx::query("DELETE FROM controller_regions WHERE region = $1")
+                    .bind(gone)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            match &error {
+                None => sqlx::query(
+                    "INSERT INTO controller_regions (region, read_at, unread_since, error) \
+                     VALUES ($1, $2, NULL, NULL) ON CONFLICT (region) DO UPDATE SET \
+                     read_at = excluded.read_at, unread_since = NULL, error = NULL",
+                )
+                .bind(region)
+                .bind(Ts(at))
+                .execute(&mut *tx)
+                .await?,
+                Some(e) => sqlx::query(
+                    "INSERT INTO controller_regions AS c (region, read_at, unread_since, error) \
+                     VALUES ($1, NULL, $2, $3) ON CONFLICT (region) DO UPDATE SET \
+                     unread_since = COALESCE(c.unread_since, excluded.unread_since), error = excluded.error",
+                )
+                .bind(region)
+                .bind(Ts(at))
+                .bind(e)
+                .execute(&mut *tx)
+                .await?,
+            };
+            tx.commit().await?;
+            Ok(())
+        })
+    }
+
+    /// The regions whose controller could not be read at the last poll, by region.
+    pub async fn unread_regions(&self) -> Result<Vec<UnreadRegion>, StoreError> {
+        let rows: Vec<(String, Ts, Option<String>)> = on_pool!(self, pool => sqlx::query_as(
+            "SELECT region, unread_since, error FROM controller_regions \
+             WHERE unread_since IS NOT NULL ORDER BY region",
+        )
+        .fetch_all(pool)
+        .await?);
+        Ok(rows
+            .into_iter()
+            .map(|(region, since, error)| UnreadRegion {
+                region,
+                since: since.0,
+                error: error.unwrap_or_default(),
+            })
+            .collect())
     }
 
     /// Records the overrides `list` the controller had in force at `seen`: one row per

@@ -1606,3 +1606,69 @@ async fn postgres_rollout_writers() {
     let db = test_support::postgres::fresh_database().await.unwrap();
     check_rollout_writers(Store::connect(&db.url, Path::new("/")).await.unwrap()).await;
 }
+
+/// A region stays unread from its first failed read until a good one, with the last error;
+/// regions no longer configured are forgotten; and promotion gets no figures meanwhile.
+async fn check_region_reads(store: Store) {
+    let t0 = Utc.with_ymd_and_hms(2026, 12, 1, 10, 0, 0).unwrap();
+    let regions = vec!["a".to_string(), "b".to_string()];
+    store
+        .record_region_read("a", t0, None, &regions)
+        .await
+        .unwrap();
+    store
+        .record_region_read("b", t0, Some("connection refused"), &regions)
+        .await
+        .unwrap();
+    let later = t0 + chrono::Duration::seconds(30);
+    store
+        .record_region_read("b", later, Some("503 Service Unavailable"), &regions)
+        .await
+        .unwrap();
+    let unread = store.unread_regions().await.unwrap();
+    assert_eq!(unread.len(), 1, "{unread:?}");
+    assert_eq!(unread[0].region, "b");
+    assert_eq!(unread[0].since, t0, "unread since the first failed read");
+    assert_eq!(unread[0].error, "503 Service Unavailable");
+    let q = crate::shadow::ShadowQuery {
+        buckets: vec![("payments".into(), "gw".into())],
+        window_start: t0 - chrono::Duration::days(7),
+        now: later,
+    };
+    let e = crate::shadow::store_stats(&store, &q).await.unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("region b's controller cannot be read since 2026-12-01 10:00:00 UTC"),
+        "{e}"
+    );
+    // A good read clears it; a region taken out of rlc.yaml is forgotten.
+    store
+        .record_region_read("b", later, None, &regions)
+        .await
+        .unwrap();
+    assert!(store.unread_regions().await.unwrap().is_empty());
+    store
+        .record_region_read("c", later, Some("timeout"), &["c".to_string()])
+        .await
+        .unwrap();
+    let unread = store.unread_regions().await.unwrap();
+    assert_eq!(unread.len(), 1);
+    assert_eq!(unread[0].region, "c");
+    store
+        .record_region_read("c", later, None, &["c".to_string()])
+        .await
+        .unwrap();
+    assert!(crate::shadow::store_stats(&store, &q).await.is_ok());
+}
+
+#[tokio::test]
+async fn sqlite_region_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    check_region_reads(Store::connect("sqlite://rlc.db", dir.path()).await.unwrap()).await;
+}
+
+#[tokio::test]
+async fn postgres_region_reads() {
+    let db = test_support::postgres::fresh_database().await.unwrap();
+    check_region_reads(Store::connect(&db.url, Path::new("/")).await.unwrap()).await;
+}

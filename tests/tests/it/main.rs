@@ -15,6 +15,7 @@ mod closed_loop;
 mod demo;
 mod deploy;
 mod fleet;
+mod regions;
 mod rollout;
 use test_support::process::{free_port, Proc};
 
@@ -133,14 +134,39 @@ fn start_rlc_serve(
     rlc_token: &str,
     version: &str,
 ) -> (Proc, u16) {
+    let controller =
+        format!("controller:\n  url: http://127.0.0.1:{cport}\n  token_env: GRL_TOKEN\n");
+    start_rlc_serve_on(
+        dir,
+        history_and_rails,
+        remote_url,
+        database_url,
+        (&controller, &[cport]),
+        rlc_token,
+        version,
+    )
+}
+
+/// [`start_rlc_serve`] with `controllers.0` as rlc.yaml's controller section, waited for until
+/// every controller on the ports `controllers.1` holds `version`.
+fn start_rlc_serve_on(
+    dir: &Path,
+    history_and_rails: &str,
+    remote_url: &str,
+    database_url: &str,
+    controllers: (&str, &[u16]),
+    rlc_token: &str,
+    version: &str,
+) -> (Proc, u16) {
     let rport = free_port();
+    let (section, cports) = controllers;
     let rlc_yaml = dir.join("rlc.yaml");
     std::fs::write(
         &rlc_yaml,
         format!(
             "{history_and_rails}\
 config_repo:\n  path: work\n  url: {remote_url}\n  branch: main\n  mode: direct\n\
-controller:\n  url: http://127.0.0.1:{cport}\n  token_env: GRL_TOKEN\n\
+{section}\
 database_url: {database_url}\nserver:\n  listen: 127.0.0.1:{rport}\n  token_env: RLC_TOKEN\n"
         ),
     )
@@ -158,9 +184,11 @@ database_url: {database_url}\nserver:\n  listen: 127.0.0.1:{rport}\n  token_env:
     )
     .unwrap();
     wait_until(Duration::from_secs(60), || leader(rport) == Some(1));
-    wait_until(Duration::from_secs(30), || {
-        get(cport, "/v1/status").is_some_and(|s| s["version"] == version)
-    });
+    for cport in cports {
+        wait_until(Duration::from_secs(30), || {
+            get(*cport, "/v1/status").is_some_and(|s| s["version"] == version)
+        });
+    }
     (serve, rport)
 }
 

@@ -219,6 +219,10 @@ pub struct BucketDetail {
     /// which region since when with the virtual drops so far, done, aborted and why; null
     /// when it never had one (or the store could not say in time).
     pub rollout: Option<crate::rollout::RolloutView>,
+    /// The regions whose controller rlc could not read at its last poll (empty: every
+    /// region's reports are in): the figures miss their reports since `since`, and no
+    /// candidate is promoted on them.
+    pub incomplete: Vec<crate::store::UnreadRegion>,
 }
 
 /// The limit in force of a bucket: its entry in the config repo's base branch, or the spec a
@@ -582,6 +586,10 @@ async fn detail(
         .and_then(|rows| rows.first().and_then(crate::rollout::Rollout::from_row));
     let (in_force, candidate) = in_force_of(base, rollout.as_ref(), now);
     let rollout = rollout.map(|r| r.view(now));
+    let incomplete = load(AT, "the regions read", limit, store.unread_regions()).await;
+    let incomplete = missing
+        .part(incomplete, |m| &mut m.readiness)
+        .unwrap_or_default();
     let (series, scopes_cut) = series_from_steps(&steps, start, end, step_secs);
     let overrides = overrides_on(&overrides, service, bucket, now);
     let detail = BucketDetail {
@@ -610,6 +618,7 @@ async fn detail(
         overrides,
         lookback: None,
         rollout,
+        incomplete,
     };
     Ok((detail, missing))
 }
@@ -1062,6 +1071,7 @@ fn sections(d: &BucketDetail, missing: &Missing, links: &Links) -> Markup {
     }
     html! {
         (problems_notice(&problems))
+        (super::incomplete_notice(&d.incomplete))
         (in_force_section(d, links))
         @if let Some(r) = &d.rollout {
             section id="rollout" class=[(r.state == "aborted").then_some("notice")] {
