@@ -519,12 +519,14 @@ impl GrlClient {
     /// Series (label `service`): `grl_client_failing_open` (1 while the drop ratios are
     /// stale and the limiter admits everything), `grl_client_directives_age_seconds`,
     /// `grl_client_fail_open_total`, `grl_client_failovers_total`, `grl_client_reports_total`,
-    /// `grl_client_report_errors_total`, `grl_client_reports_refused_total`. Read from
-    /// counters the reporter task keeps; nothing is counted per request.
+    /// `grl_client_report_errors_total`, `grl_client_reports_refused_total`,
+    /// `grl_client_config_info{version}`. Read from counters the reporter task keeps; nothing
+    /// is counted per request.
     pub fn metrics(&self) -> ClientMetrics {
         ClientMetrics {
             service: self.limiter.table().service().to_string(),
             stats: self.stats.clone(),
+            limiter: self.limiter.clone(),
         }
     }
 
@@ -551,10 +553,20 @@ impl Drop for GrlClient {
 }
 
 /// The client's metrics (see [`GrlClient::metrics`]).
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ClientMetrics {
     service: String,
     stats: Arc<ClientStats>,
+    /// For the version of the buckets in force.
+    limiter: Arc<Limiter>,
+}
+
+impl std::fmt::Debug for ClientMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientMetrics")
+            .field("service", &self.service)
+            .finish_non_exhaustive()
+    }
 }
 
 impl prometheus_client::collector::Collector for ClientMetrics {
@@ -576,6 +588,22 @@ impl prometheus_client::collector::Collector for ClientMetrics {
         )?;
         ConstGauge::new(st.stale.load(Ordering::Relaxed) as i64)
             .encode(fam.encode_family(&labels)?)?;
+        // The buckets in force: until a config arrives the client knows no bucket, and its
+        // requests count as calls only.
+        let table = self.limiter.table();
+        if !table.version().is_empty() {
+            let mut fam = encoder.encode_descriptor(
+                "grl_client_config_info",
+                "1 for the version of the bucket config the client decides with (absent until one arrived: requests then match no bucket and count as calls only).",
+                None,
+                MetricType::Gauge,
+            )?;
+            let labels = [
+                ("service", crate::metrics::Label(&self.service)),
+                ("version", crate::metrics::Label(table.version())),
+            ];
+            ConstGauge::new(1i64).encode(fam.encode_family(&labels)?)?;
+        }
         let from = st.directives_from_ms.load(Ordering::Relaxed);
         if from > 0 {
             let mut fam = encoder.encode_descriptor(

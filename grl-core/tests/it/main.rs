@@ -94,3 +94,51 @@ fn decide_allocates_nothing() {
     assert!(dropped > 0, "the enforce buckets drop at ratio 0.4");
     assert_eq!(after - before, 0, "allocations in 100,000 decisions");
 }
+
+/// Every decision is counted once, whatever the threads: more threads than shards, threads
+/// that exit and hand their shard on while others count, a reader snapshotting meanwhile.
+#[test]
+fn every_decision_is_counted_once_across_threads_that_come_and_go() {
+    use std::sync::Arc;
+    let l = Arc::new(Limiter::new("payments", Duration::from_secs(3)));
+    l.install(
+        Table::compile(
+            "payments",
+            "v1",
+            &[bucket("gw", Some("gw"), None, Mode::Shadow)],
+        )
+        .unwrap(),
+    );
+    let per_thread = 20_000u64;
+    let (waves, threads) = (8u64, 12u64);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let (l, stop) = (l.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut last = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let now = l.table().counts(0).offered;
+                assert!(now >= last, "counts went back: {last} -> {now}");
+                last = now;
+            }
+        })
+    };
+    for _ in 0..waves {
+        let hs: Vec<_> = (0..threads)
+            .map(|_| {
+                let l = l.clone();
+                std::thread::spawn(move || {
+                    for _ in 0..per_thread {
+                        l.decide("gw", "charge");
+                    }
+                })
+            })
+            .collect();
+        for h in hs {
+            h.join().unwrap();
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    reader.join().unwrap();
+    assert_eq!(l.table().counts(0).offered, waves * threads * per_thread);
+}
