@@ -723,6 +723,22 @@ fn sentence(s: &str) -> String {
         .unwrap_or_default()
 }
 
+/// Text that marks code with backticks, as the strings rlc shares with Markdown do (pull
+/// request bodies, CLI output, reasons): each `` `…` `` span becomes a `<code>` element, every
+/// part escaped. With an odd number of backticks the text is shown as it is.
+pub(super) fn prose(text: &str) -> Markup {
+    let balanced = text.bytes().filter(|b| *b == b'`').count() % 2 == 0;
+    html! {
+        @if balanced {
+            @for (i, part) in text.split('`').enumerate() {
+                @if i % 2 == 1 { code { (part) } } @else { (part) }
+            }
+        } @else {
+            (text)
+        }
+    }
+}
+
 /// The notice naming what could not be loaded (nothing when everything was).
 fn problems_notice(problems: &[String]) -> Markup {
     html! {
@@ -730,7 +746,7 @@ fn problems_notice(problems: &[String]) -> Markup {
             section class="notice" id="problem" {
                 h2 { "Not loaded" }
                 @for problem in problems {
-                    p { (problem) }
+                    p { (prose(problem)) }
                 }
                 p class="muted" {
                     "What is missing is not shown: nothing on this page stands in for it with zeros."
@@ -750,7 +766,7 @@ pub(super) fn incomplete_notice(regions: &[crate::store::UnreadRegion]) -> Marku
                 @for r in regions {
                     p {
                         "Region " strong { (r.region) } "'s controller cannot be read since "
-                        (r.since.format("%Y-%m-%d %H:%M:%S UTC")) ": " (r.error)
+                        (r.since.format("%Y-%m-%d %H:%M:%S UTC")) ": " (prose(&r.error))
                     }
                 }
                 p class="muted" {

@@ -1050,7 +1050,7 @@ fn render(
                         Err(problem) => {
                             section class="notice" id="problem" {
                                 h2 { "Could not load this bucket" }
-                                p { (problem) }
+                                p { (super::prose(&problem)) }
                             }
                         }
                     }
@@ -1076,9 +1076,9 @@ fn sections(d: &BucketDetail, missing: &Missing, links: &Links) -> Markup {
         @if let Some(r) = &d.rollout {
             section id="rollout" class=[(r.state == "aborted").then_some("notice")] {
                 h2 { "Rollout" }
-                p { strong { (r.state) } " — " (r.change) }
-                p { (r.summary) }
-                @if let Some(how) = &r.revert { p class="muted" { (how) } }
+                p { strong { (r.state) } " — " (super::prose(&r.change)) }
+                p { (super::prose(&r.summary)) }
+                @if let Some(how) = &r.revert { p class="muted" { (super::prose(how)) } }
             }
         }
         @if !d.overrides.is_empty() {
@@ -1205,7 +1205,7 @@ fn overrides_section(overrides: &[OverrideView]) -> Markup {
             ul {
                 @for o in overrides {
                     li data-override=(o.id) {
-                        code { (o.id) } ": " (o.reason)
+                        code { (o.id) } ": " (super::prose(&o.reason))
                         " · since " (when(o.from)) " UTC, until " (when(o.to)) " UTC"
                         @if o.buckets > 1 {
                             " · " b { "caller-wide" } ": acts on " (o.buckets)
@@ -1215,7 +1215,7 @@ fn overrides_section(overrides: &[OverrideView]) -> Markup {
                 }
             }
             p class="muted" {
-                "As rlc last saw them on the controller (`GET /v1/overrides`, read at each report poll)."
+                "As rlc last saw them on the controllers (" code { "GET /v1/overrides" } ", read at each report poll)."
             }
         }
     }
@@ -1289,7 +1289,7 @@ fn readiness_section(r: &Readiness) -> Markup {
             h2 { "Readiness" }
             p {
                 "Verdict: "
-                span class={ "badge " (badge) } id="verdict" { (r.verdict_text) }
+                span class={ "badge " (badge) } id="verdict" { (super::prose(&r.verdict_text)) }
                 " "
                 span class="muted" id="rule" { "(" (r.rule.describe()) ")" }
             }

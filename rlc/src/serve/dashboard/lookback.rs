@@ -242,7 +242,7 @@ pub fn section(l: Option<&Lookback>, why_none: &str) -> Markup {
                     }
                     (chart(l))
                     @if let Some(why) = l.computed.as_ref().and_then(|c| c.explain.as_deref()) {
-                        p class="muted" id="lookback-why" { "Why: " (why) }
+                        p class="muted" id="lookback-why" { "Why: " (super::prose(why)) }
                     }
                 }
             }

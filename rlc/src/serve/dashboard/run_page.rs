@@ -91,7 +91,7 @@ pub fn error_page(title: &str, message: &str) -> String {
                 main {
                     section class="notice" id="problem" {
                         h2 { "Not found or not loaded" }
-                        p { (message) }
+                        p { (super::prose(&message)) }
                     }
                 }
             }
@@ -225,8 +225,8 @@ fn render(
                                 @for ro in rollouts {
                                     li data-bucket=(ro.bucket) {
                                         code { (name_html(&ro.service)) "/" (name_html(&ro.bucket)) }
-                                        " (" (ro.change) "): " (ro.summary)
-                                        @if let Some(how) = &ro.revert { " — " (how) }
+                                        " (" (super::prose(&ro.change)) "): " (super::prose(&ro.summary))
+                                        @if let Some(how) = &ro.revert { " — " (super::prose(how)) }
                                     }
                                 }
                             }
@@ -236,7 +236,7 @@ fn render(
                         section id="held" class="notice" {
                             h2 { "Held, pending or needs review" }
                             ul class="why" {
-                                @for l in &held { li { (l) } }
+                                @for l in &held { li { (super::prose(l)) } }
                             }
                         }
                     }

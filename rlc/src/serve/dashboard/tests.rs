@@ -347,7 +347,7 @@ async fn html_dashboard_flags_buckets_and_escapes_names() {
     let (status, html) = get(&state, "/?window=%3Cb%3E").await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert!(!html.contains("<b>`"), "{html}");
-    assert!(html.contains("window `&lt;b&gt;`"), "{html}");
+    assert!(html.contains("window <code>&lt;b&gt;</code>"), "{html}");
 }
 
 /// The Debian package `chromium` installs it there.
@@ -1481,7 +1481,7 @@ async fn overview_lists_every_bucket_by_attention() {
     let (status, html) = get(&v.state, "/?verdict=bad").await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert!(
-        html.contains("verdict `bad`: expected one of dropping, would-throttle"),
+        html.contains("verdict <code>bad</code>: expected one of dropping, would-throttle"),
         "{html}"
     );
     let (status, _) = get(&v.state, "/?mode=both").await;
@@ -1557,7 +1557,7 @@ async fn bucket_page_shows_the_limit_in_force_overrides_and_readable_charts() {
     let (status, html) = get(&v.state, "/buckets/payments/nope").await;
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert!(
-        html.contains("no bucket `nope` of service `payments`"),
+        html.contains("no bucket <code>nope</code> of service <code>payments</code>"),
         "{html}"
     );
     let resp = app(v.state.clone())
@@ -2024,4 +2024,17 @@ async fn quota_history_serves_the_evidence_as_an_object() {
     let c = &v["changes"][0];
     assert_eq!(c["evidence"]["confidence"], 1.0, "{v}");
     assert_eq!(c["evidence"]["capped_from"], 300.0, "{v}");
+}
+
+/// Backticks in text shared with Markdown become code on the pages, never literal marks;
+/// everything stays escaped, and an unbalanced backtick is shown as it is.
+#[test]
+fn backticks_in_shared_text_become_code_on_pages() {
+    let html = prose("commented and labelled `rlc-rollout-aborted` on <b>#7</b>").into_string();
+    assert_eq!(
+        html,
+        "commented and labelled <code>rlc-rollout-aborted</code> on &lt;b&gt;#7&lt;/b&gt;"
+    );
+    assert_eq!(prose("a ` b").into_string(), "a ` b");
+    assert_eq!(prose("`<x>`").into_string(), "<code>&lt;x&gt;</code>");
 }
