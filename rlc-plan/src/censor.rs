@@ -52,6 +52,14 @@ pub struct OverrideWindow {
     pub to: DateTime<Utc>,
     /// Its reason.
     pub reason: String,
+    /// Who added it (the override's `who`; empty when rlc did not see it).
+    pub who: String,
+    /// What it does, in words (`limit 50 rps`, `drop 90 %`; empty when rlc did not see it).
+    pub action: String,
+    /// When it expires (its TTL's end; `to` is earlier when it was removed before).
+    pub expires_at: DateTime<Utc>,
+    /// The region of the controller it was seen on (empty for rows recorded before regions).
+    pub region: String,
 }
 
 /// What the controller's reports and overrides say of the window, by `(service, bucket)`.
@@ -361,6 +369,10 @@ mod tests {
                 from: at(start + 5 * DAY - 600),
                 to: at(start + 5 * DAY + 600),
                 reason: "INC-123 shed load".into(),
+                who: "oncall".into(),
+                action: "drop 90 %".into(),
+                expires_at: at(start + 5 * DAY + 600),
+                region: String::new(),
             }],
         );
         let c = censored(key, "web", &spec, &[], &two, (start, end));

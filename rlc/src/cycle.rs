@@ -1075,10 +1075,10 @@ impl Cycle {
             Err(out) => return *out,
         };
         let (repo_dir, base) = synced;
-        for (_, c) in self.cfg.region_controllers() {
+        for (region, c) in self.cfg.region_controllers() {
             if let Ok(client) = ControllerClient::from_config(&c, &self.base_dir) {
                 // A controller that cannot answer is logged; its region is marked by the poll.
-                let _ = self.record_overrides(&client).await;
+                let _ = self.record_overrides(&region, &client).await;
             }
         }
         tracing::info!(trigger, run_uid, base = %short(&base.commit), "config repo synced");
@@ -1244,7 +1244,11 @@ impl Cycle {
     /// bucket pages show them. A controller that cannot answer is the error (the caller marks
     /// its region unread); a store that cannot record is logged and skipped: the next poll or
     /// run sees the overrides again while they last.
-    pub async fn record_overrides(&self, client: &ControllerClient) -> anyhow::Result<()> {
+    pub async fn record_overrides(
+        &self,
+        region: &str,
+        client: &ControllerClient,
+    ) -> anyhow::Result<()> {
         let list = match client.overrides().await {
             Ok(l) => l,
             Err(e) => {
@@ -1252,12 +1256,10 @@ impl Cycle {
                 return Err(e.into());
             }
         };
-        if list.overrides.is_empty() {
-            return Ok(());
-        }
+        // An empty list too: the overrides seen before are gone.
         match self.store().await {
             Ok(store) => {
-                if let Err(e) = store.record_overrides(&list, Utc::now()).await {
+                if let Err(e) = store.record_overrides(region, &list, Utc::now()).await {
                     tracing::warn!(error = %e, "cannot record the controller's overrides");
                 }
             }

@@ -99,9 +99,29 @@ pub struct ActiveOverride {
     pub created_at: i64,
     /// Unix seconds it stops applying.
     pub expires_at: i64,
+    /// Who added it.
+    #[serde(default)]
+    pub who: String,
+    /// The limit it sets, if it sets one.
+    #[serde(default)]
+    pub limit_rps: Option<f64>,
+    /// The drop ratio it sets, if it sets one.
+    #[serde(default)]
+    pub drop_ratio: Option<f64>,
     /// The served buckets it acts on.
     #[serde(default)]
     pub affects: Vec<OverrideTarget>,
+}
+
+impl ActiveOverride {
+    /// What it does, in words: `limit 50 rps`, `drop 90 %`.
+    pub fn action(&self) -> String {
+        match (self.limit_rps, self.drop_ratio) {
+            (Some(l), _) => format!("limit {} rps", schema::format_rps(l)),
+            (None, Some(d)) => format!("drop {} %", (d * 1000.0).round() / 10.0),
+            (None, None) => String::new(),
+        }
+    }
 }
 
 /// A bucket an override acts on.

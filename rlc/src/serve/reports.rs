@@ -201,7 +201,7 @@ impl Loop {
             }
             let overrides = self
                 .cycle
-                .record_overrides(&client)
+                .record_overrides(&f.region, &client)
                 .await
                 .map_err(|e| format!("overrides: {e}"));
             if let (None, Err(e)) = (&f.read_error, overrides) {

@@ -1093,19 +1093,23 @@ impl Store {
             .collect())
     }
 
-    /// Records the overrides `list` the controller had in force at `seen`: one row per
-    /// override and bucket of the config it acts on (at most `MAX_OVERRIDE_ROWS`), its last
-    /// sighting moved to `seen`.
+    /// Records the overrides `list` that `region`'s controller had in force at `seen`: one
+    /// row per override and bucket of the config it acts on (at most `MAX_OVERRIDE_ROWS`), its
+    /// last sighting moved to `seen`; and the overrides of that region seen before but no longer
+    /// listed, not expired yet, are marked gone at `seen` (removed early).
     pub async fn record_overrides(
         &self,
+        region: &str,
         list: &crate::push::OverrideList,
         seen: DateTime<Utc>,
     ) -> Result<u64, StoreError> {
         let at = |t: i64| Ts(DateTime::from_timestamp(t, 0).unwrap_or_default());
-        let rows: Vec<(&str, Ts, &str, &str, &str, Ts)> = list
+        type Row<'a> = (&'a str, Ts, &'a str, &'a str, &'a str, Ts, &'a str, String);
+        let rows: Vec<Row> = list
             .overrides
             .iter()
             .flat_map(|o| {
+                let action = o.action();
                 o.affects.iter().filter(|a| !a.created).map(move |a| {
                     (
                         o.id.as_str(),
@@ -1114,6 +1118,8 @@ impl Store {
                         a.bucket.as_str(),
                         o.reason.as_str(),
                         at(o.expires_at),
+                        o.who.as_str(),
+                        action.clone(),
                     )
                 })
             })
@@ -1123,7 +1129,7 @@ impl Store {
         for chunk in rows.chunks(1_000) {
             n += on_pool!(self, pool => {
                 let mut q = sqlx::QueryBuilder::new(
-                    "INSERT INTO override_windows AS w (override_id, created_at, service, bucket, reason, expires_at, last_seen) ",
+                    "INSERT INTO override_windows AS w (override_id, created_at, service, bucket, reason, expires_at, last_seen, who, action, region, gone_at) ",
                 );
                 q.push_values(chunk, |mut b, r| {
                     b.push_bind(r.0)
@@ -1132,16 +1138,31 @@ impl Store {
                         .push_bind(r.3)
                         .push_bind(r.4)
                         .push_bind(r.5)
-                        .push_bind(Ts(seen));
+                        .push_bind(Ts(seen))
+                        .push_bind(r.6)
+                        .push_bind(r.7.as_str())
+                        .push_bind(region)
+                        .push_bind(None::<Ts>);
                 });
                 q.push(
                     " ON CONFLICT (override_id, created_at, service, bucket) DO UPDATE SET \
-                     reason = excluded.reason, expires_at = excluded.expires_at, \
+                     reason = excluded.reason, expires_at = excluded.expires_at, who = excluded.who, \
+                     action = excluded.action, region = excluded.region, gone_at = NULL, \
                      last_seen = CASE WHEN excluded.last_seen > w.last_seen THEN excluded.last_seen ELSE w.last_seen END",
                 );
                 q.build().execute(pool).await?.rows_affected()
             });
         }
+        // Listed before, not now, not expired: removed.
+        on_pool!(self, pool => sqlx::query(
+            "UPDATE override_windows SET gone_at = $1 \
+             WHERE region = $2 AND gone_at IS NULL AND last_seen < $1 AND expires_at > $1",
+        )
+        .bind(Ts(seen))
+        .bind(region)
+        .execute(pool)
+        .await?
+        .rows_affected());
         Ok(n)
     }
 
@@ -1152,9 +1173,22 @@ impl Store {
         &self,
         since: DateTime<Utc>,
     ) -> Result<BTreeMap<(String, String), Vec<rlc_plan::censor::OverrideWindow>>, StoreError> {
-        let rows: Vec<(String, Ts, String, String, String, Ts, Ts)> = on_pool!(self, pool => sqlx::query_as(
-            "SELECT override_id, created_at, service, bucket, reason, expires_at, last_seen FROM override_windows \
-             WHERE expires_at >= $1 ORDER BY created_at LIMIT $2",
+        type Row = (
+            String,
+            Ts,
+            String,
+            String,
+            String,
+            Ts,
+            Ts,
+            String,
+            String,
+            String,
+            Option<Ts>,
+        );
+        let rows: Vec<Row> = on_pool!(self, pool => sqlx::query_as(
+            "SELECT override_id, created_at, service, bucket, reason, expires_at, last_seen, who, action, region, gone_at \
+             FROM override_windows WHERE expires_at >= $1 ORDER BY created_at LIMIT $2",
         )
         .bind(Ts(since))
         .bind(MAX_OVERRIDE_ROWS as i64)
@@ -1162,10 +1196,16 @@ impl Store {
         .await?);
         let mut out: BTreeMap<(String, String), Vec<rlc_plan::censor::OverrideWindow>> =
             BTreeMap::new();
-        for (id, created, service, bucket, reason, expires, seen) in rows {
-            let to = expires
-                .0
-                .min(seen.0 + Duration::seconds(OVERRIDE_SEEN_GRACE_SECS));
+        for (id, created, service, bucket, reason, expires, seen, who, action, region, gone) in rows
+        {
+            // Removed early: until its controller stopped listing it; not seen lately (rlc
+            // stopped polling, or a row from before `gone_at`): shortly after the last sighting.
+            let to = match gone {
+                Some(g) => expires.0.min(g.0),
+                None => expires
+                    .0
+                    .min(seen.0 + Duration::seconds(OVERRIDE_SEEN_GRACE_SECS)),
+            };
             if to <= since {
                 continue;
             }
@@ -1176,6 +1216,10 @@ impl Store {
                     from: created.0,
                     to,
                     reason,
+                    who,
+                    action,
+                    expires_at: expires.0,
+                    region,
                 });
         }
         Ok(out)

@@ -1672,3 +1672,65 @@ async fn postgres_region_reads() {
     let db = test_support::postgres::fresh_database().await.unwrap();
     check_region_reads(Store::connect(&db.url, Path::new("/")).await.unwrap()).await;
 }
+
+/// An override's author, action and expiry are kept; one its controller stops listing before
+/// its expiry ends at that poll (not minutes later), and only for its own region.
+async fn check_override_lifetimes(store: Store) {
+    let t0 = Utc.with_ymd_and_hms(2026, 12, 1, 10, 0, 0).unwrap();
+    let list = |id: &str, limit: Option<f64>| -> crate::push::OverrideList {
+        serde_json::from_value(serde_json::json!({"overrides": [{
+            "id": id, "reason": "INC-9", "created_at": t0.timestamp(),
+            "expires_at": t0.timestamp() + 3600, "who": "alice", "limit_rps": limit,
+            "drop_ratio": if limit.is_none() { Some(0.9) } else { None },
+            "affects": [{"service": "pay", "bucket": "web", "created": false}]
+        }]}))
+        .unwrap()
+    };
+    let none = crate::push::OverrideList { overrides: vec![] };
+    let sec = |n: i64| t0 + chrono::Duration::seconds(n);
+    store
+        .record_overrides("a", &list("ovr-1", Some(50.0)), sec(10))
+        .await
+        .unwrap();
+    store
+        .record_overrides("b", &list("ovr-2", None), sec(10))
+        .await
+        .unwrap();
+    let w = store.override_windows(t0).await.unwrap();
+    let web = &w[&("pay".to_string(), "web".to_string())];
+    assert_eq!(web.len(), 2, "{web:?}");
+    let a = web.iter().find(|o| o.id == "ovr-1").unwrap();
+    assert_eq!(
+        (a.who.as_str(), a.action.as_str(), a.region.as_str()),
+        ("alice", "limit 50 rps", "a")
+    );
+    assert_eq!(a.expires_at, sec(3600));
+    let b = web.iter().find(|o| o.id == "ovr-2").unwrap();
+    assert_eq!(b.action, "drop 90 %");
+    // Region a's controller no longer lists ovr-1 at 70 s: it ended then. Region b's poll
+    // without ovr-1 does not touch it, and ovr-2 stays.
+    store.record_overrides("a", &none, sec(70)).await.unwrap();
+    store
+        .record_overrides("b", &list("ovr-2", None), sec(70))
+        .await
+        .unwrap();
+    let w = store.override_windows(t0).await.unwrap();
+    let web = &w[&("pay".to_string(), "web".to_string())];
+    assert_eq!(web.iter().find(|o| o.id == "ovr-1").unwrap().to, sec(70));
+    assert_eq!(
+        web.iter().find(|o| o.id == "ovr-2").unwrap().to,
+        sec(70 + 300)
+    );
+}
+
+#[tokio::test]
+async fn sqlite_override_lifetimes() {
+    let dir = tempfile::tempdir().unwrap();
+    check_override_lifetimes(Store::connect("sqlite://rlc.db", dir.path()).await.unwrap()).await;
+}
+
+#[tokio::test]
+async fn postgres_override_lifetimes() {
+    let db = test_support::postgres::fresh_database().await.unwrap();
+    check_override_lifetimes(Store::connect(&db.url, Path::new("/")).await.unwrap()).await;
+}

@@ -478,7 +478,7 @@ async fn minutes_under_an_incident_override_are_not_demand() {
     .unwrap();
     let at = |t: i64| chrono::DateTime::from_timestamp(t, 0).unwrap();
     store
-        .record_overrides(&seen, at(from + 3 * HOUR - 60))
+        .record_overrides("default", &seen, at(from + 3 * HOUR - 60))
         .await
         .unwrap();
     // On-call throttles mobile now.

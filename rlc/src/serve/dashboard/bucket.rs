@@ -252,8 +252,17 @@ pub struct OverrideView {
     pub reason: String,
     /// When it started.
     pub from: DateTime<Utc>,
-    /// When it expires (or, removed early, shortly after rlc last saw it).
+    /// Until when it acts as rlc knows: its expiry, or when its controller stopped listing
+    /// it (removed early), or shortly after rlc last saw it when rlc has not polled since.
     pub to: DateTime<Utc>,
+    /// When it expires (its TTL's end).
+    pub expires_at: DateTime<Utc>,
+    /// Who added it (empty when not known).
+    pub who: String,
+    /// What it does, in words (`limit 50 rps`, `drop 90 %`; empty when not known).
+    pub action: String,
+    /// The region of the controller it acts in (empty when not known).
+    pub region: String,
     /// How many buckets it acts on: more than one for a caller-wide override, whose limit is
     /// shared between them (not this bucket's own).
     pub buckets: usize,
@@ -381,6 +390,10 @@ pub fn overrides_on(
             reason: w.reason.clone(),
             from: w.from,
             to: w.to,
+            expires_at: w.expires_at,
+            who: w.who.clone(),
+            action: w.action.clone(),
+            region: w.region.clone(),
             buckets: spread.get(w.id.as_str()).copied().unwrap_or(1),
         })
         .collect()
@@ -1205,8 +1218,12 @@ fn overrides_section(overrides: &[OverrideView]) -> Markup {
             ul {
                 @for o in overrides {
                     li data-override=(o.id) {
-                        code { (o.id) } ": " (super::prose(&o.reason))
-                        " · since " (when(o.from)) " UTC, until " (when(o.to)) " UTC"
+                        code { (o.id) }
+                        @if !o.action.is_empty() { " " strong { (o.action) } }
+                        ": " (super::prose(&o.reason))
+                        @if !o.who.is_empty() { " · by " (o.who) }
+                        @if !o.region.is_empty() { " · region " (o.region) }
+                        " · since " (when(o.from)) " UTC, expires " (when(o.expires_at)) " UTC"
                         @if o.buckets > 1 {
                             " · " b { "caller-wide" } ": acts on " (o.buckets)
                             " buckets and shares its limit between them; it is not this bucket's own limit"

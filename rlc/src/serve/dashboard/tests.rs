@@ -1356,6 +1356,9 @@ async fn operator_view() -> OperatorView {
             reason: "INC-7 retry storm from web".into(),
             created_at: (Utc::now() - chrono::Duration::minutes(10)).timestamp(),
             expires_at: (Utc::now() + chrono::Duration::hours(1)).timestamp(),
+            who: "alice".into(),
+            limit_rps: Some(50.0),
+            drop_ratio: None,
             affects: ["gw", "steady"]
                 .into_iter()
                 .map(|b| crate::push::OverrideTarget {
@@ -1366,7 +1369,10 @@ async fn operator_view() -> OperatorView {
                 .collect(),
         }],
     };
-    store.record_overrides(&list, Utc::now()).await.unwrap();
+    store
+        .record_overrides("default", &list, Utc::now())
+        .await
+        .unwrap();
     let mut raised = run(
         "held",
         1,
@@ -1513,6 +1519,21 @@ async fn bucket_page_shows_the_limit_in_force_overrides_and_readable_charts() {
         .expect("overrides section");
     assert!(ov.contains("<b>caller-wide</b>: acts on 2 buckets"), "{ov}");
     assert!(ov.contains("INC-7 retry storm from web"));
+    // What it does, who added it, and its expiry (not the last sighting plus five minutes).
+    // (The fixture's "in an hour" was taken a moment ago: this minute or the one before.)
+    let in_an_hour = |ago: i64| {
+        (Utc::now() + chrono::Duration::hours(1) - chrono::Duration::minutes(ago))
+            .format("%H:%M")
+            .to_string()
+    };
+    assert!(
+        ov.contains("<strong>limit 50 rps</strong>") && ov.contains(" · by alice"),
+        "{ov}"
+    );
+    assert!(
+        ov.contains("expires ") && (ov.contains(&in_an_hour(0)) || ov.contains(&in_an_hour(1))),
+        "{ov}"
+    );
     // The chart: unit, legend, several labelled times, the limit as a step line, one minute
     // of data drawn as visible markers, admitted traffic drawn.
     let svg = &html[html.find("<svg").unwrap()..html.find("</svg>").unwrap()];
