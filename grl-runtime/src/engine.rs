@@ -189,10 +189,11 @@ fn busy(k: &KeyState) -> bool {
         || k.shadow_dropped_rps != 0.0
 }
 
-/// The share of `k`'s offered rate from the controller's own zones, when peers add to it
-/// (`peers` from [`Engine::peer_offered`]); `None` when it is all the controller's own.
-fn own_share(s: &BucketState, k: &KeyState, peers: &BTreeMap<(&str, &str), i64>) -> Option<f64> {
-    let peer = *peers.get(&(s.service.as_str(), s.bucket.name.as_str()))?;
+/// The share of `k`'s offered rate from the controller's own zones, when peers add to bucket
+/// `i` (`peers` from [`Engine::global_zone_sums`] of the peers); `None` when it is all the
+/// controller's own.
+fn own_share(i: usize, k: &KeyState, peers: &BTreeMap<usize, [i64; 4]>) -> Option<f64> {
+    let peer = peers.get(&i)?[0];
     if peer <= 0 {
         return None;
     }
@@ -995,21 +996,7 @@ impl Engine {
     /// (aggregator ids starting with `region:`) is left out, so sums never echo back; counts
     /// are left at zero so that peers' `/metrics` do not count the same requests twice.
     pub fn regional_report(&self, region: &str) -> ZoneReport {
-        let mut sums: BTreeMap<usize, [i64; 4]> = BTreeMap::new();
-        for (id, z) in &self.zones {
-            if id.starts_with(PEER_PREFIX) {
-                continue;
-            }
-            for &(i, r) in &z.resolved {
-                if self.buckets[i].bucket.scope != Scope::Global {
-                    continue;
-                }
-                let e = sums.entry(i).or_default();
-                for j in 0..4 {
-                    e[j] = e[j].saturating_add(r[j]);
-                }
-            }
-        }
+        let sums = self.global_zone_sums(false);
         ZoneReport {
             aggregator_id: format!("{PEER_PREFIX}{region}"),
             region: region.to_string(),
@@ -1036,25 +1023,25 @@ impl Engine {
         }
     }
 
-    /// The offered rate (in [`RATE_UNIT`]s) that peer controllers of other regions add to each
-    /// `global` bucket, by `(service, bucket)`: empty without peers.
-    fn peer_offered(&self) -> BTreeMap<(&str, &str), i64> {
-        let mut out = BTreeMap::new();
+    /// The four rates (in [`RATE_UNIT`]s) of each `global` bucket, by bucket index, summed over
+    /// the zones of peer controllers (`from_peers`) or over the controller's own zones.
+    fn global_zone_sums(&self, from_peers: bool) -> BTreeMap<usize, [i64; 4]> {
+        let mut sums: BTreeMap<usize, [i64; 4]> = BTreeMap::new();
         for (id, z) in &self.zones {
-            if !id.starts_with(PEER_PREFIX) {
+            if id.starts_with(PEER_PREFIX) != from_peers {
                 continue;
             }
             for &(i, r) in &z.resolved {
-                let b = &self.buckets[i];
-                if b.bucket.scope == Scope::Global {
-                    let e = out
-                        .entry((b.service.as_str(), b.bucket.name.as_str()))
-                        .or_insert(0i64);
-                    *e = e.saturating_add(r[0]);
+                if self.buckets[i].bucket.scope != Scope::Global {
+                    continue;
+                }
+                let e = sums.entry(i).or_default();
+                for j in 0..4 {
+                    e[j] = e[j].saturating_add(r[j]);
                 }
             }
         }
-        out
+        sums
     }
 
     /// Cumulative counts for `/metrics`: per bucket, per zone [offered, admitted, dropped,
@@ -1521,8 +1508,8 @@ impl Engine {
         // newest `report_cap` rows are built, walking back from the last bucket.
         let keep = self.busy_rows.min(self.report_cap);
         let mut rows: Vec<ReportRow> = Vec::with_capacity(keep);
-        let peers = self.peer_offered();
-        'walk: for s in self.buckets.iter().rev() {
+        let peers = self.global_zone_sums(true);
+        'walk: for (i, s) in self.buckets.iter().enumerate().rev() {
             for k in s.keys.iter().rev() {
                 if rows.len() == keep {
                     break 'walk;
@@ -1545,7 +1532,7 @@ impl Engine {
                     shadow_dropped: k.shadow_dropped_rps,
                     limit_rps: s.limit_rps,
                     drop_ratio: k.ratio,
-                    own_share: own_share(s, k, &peers),
+                    own_share: own_share(i, k, &peers),
                 });
             }
         }

@@ -11,8 +11,8 @@ use serde_json::json;
 use test_support::process::{free_port, Proc};
 
 use super::{
-    eventually, log_file, put_config, spawn_aggregator_ticking, start_controller, wait_up,
-    CLIENT_TOKEN,
+    eventually, get_text, log_file, put_config, spawn_aggregator_ticking, start_controller,
+    wait_up, CLIENT_TOKEN,
 };
 
 /// A service answering `ok` to every path, for the sidecar to forward to.
@@ -28,14 +28,7 @@ async fn upstream() -> (String, tokio::task::JoinHandle<()>) {
 
 /// `(offered, admitted)` of `bucket` in the controller's `/metrics`, summed over zones.
 async fn totals(http: &reqwest::Client, base: &str, bucket: &str) -> (u64, u64) {
-    let m = http
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = get_text(http, &format!("{base}/metrics")).await;
     let sum = |metric: &str| -> u64 {
         m.lines()
             .filter(|l| l.starts_with(&format!("{metric}{{")))
@@ -47,6 +40,53 @@ async fn totals(http: &reqwest::Client, base: &str, bucket: &str) -> (u64, u64) 
         sum("grl_requests_offered_total"),
         sum("grl_requests_admitted_total"),
     )
+}
+
+/// `(offered, admitted)` of `bucket` at the controller once `offered` reached `sent`, or
+/// after 15 s (a bound against hangs: counts arrive with the next forwards, about 2 s).
+async fn counted(http: &reqwest::Client, base: &str, bucket: &str, sent: u64) -> (u64, u64) {
+    let mut seen = (0, 0);
+    for _ in 0..150 {
+        seen = totals(http, base, bucket).await;
+        if seen.0 >= sent {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    seen
+}
+
+/// `grl sidecar` for `payments` in front of `up`, reporting to the aggregator at `aurl`, and
+/// waited for until it decides with config `version` (before, a request matches no bucket and
+/// counts as a call only): the process, its port and its admin port.
+async fn sidecar_deciding(
+    http: &reqwest::Client,
+    dir: &std::path::Path,
+    up: &str,
+    aurl: &str,
+    version: &str,
+) -> (Proc, u16, u16) {
+    let (port, admin) = (free_port(), free_port());
+    let p = Proc::spawn(
+        Command::new(env!("CARGO_BIN_EXE_grl"))
+            .args(["sidecar", "--listen", &format!("127.0.0.1:{port}")])
+            .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
+            .args(["--upstream", up, "--service", "payments"])
+            .args(["--zone", "z1", "--region", "r1", "--aggregator", aurl])
+            .env("GRL_CLIENT_TOKEN", CLIENT_TOKEN)
+            .stdout(Stdio::null())
+            .stderr(log_file(dir, "sidecar")),
+    )
+    .unwrap();
+    let metrics = format!("http://127.0.0.1:{admin}/metrics");
+    wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
+    let want = format!("grl_client_config_info{{service=\"payments\",version=\"{version}\"}} 1");
+    eventually("the sidecar decides with the config", || {
+        let (http, metrics, want) = (http.clone(), metrics.clone(), want.clone());
+        async move { get_text(&http, &metrics).await.contains(&want) }
+    })
+    .await;
+    (p, port, admin)
 }
 
 /// Sends `n` requests, one every `1/rps` seconds, each answered 200.
@@ -84,21 +124,9 @@ async fn trickles_are_counted_exactly_through_the_sidecar_and_the_layer() {
     let _agg = spawn_aggregator_ticking(aport, &base, "agg-trickle", dir.path(), 1000);
     wait_up(&format!("{aurl}/v1/config")).await;
 
-    // The sidecar, on its default tick.
+    // The sidecar, on its default tick, deciding with v1 before the first request.
     let (up, _up_task) = upstream().await;
-    let (sport, sadmin) = (free_port(), free_port());
-    let _sidecar = Proc::spawn(
-        Command::new(env!("CARGO_BIN_EXE_grl"))
-            .args(["sidecar", "--listen", &format!("127.0.0.1:{sport}")])
-            .args(["--admin-listen", &format!("127.0.0.1:{sadmin}")])
-            .args(["--upstream", &up, "--service", "payments"])
-            .args(["--zone", "z1", "--region", "r1", "--aggregator", &aurl])
-            .env("GRL_CLIENT_TOKEN", CLIENT_TOKEN)
-            .stdout(Stdio::null())
-            .stderr(log_file(dir.path(), "sidecar")),
-    )
-    .unwrap();
-    wait_up(&format!("http://127.0.0.1:{sadmin}/healthz")).await;
+    let (_sidecar, sport, _) = sidecar_deciding(&http, dir.path(), &up, &aurl, "v1").await;
 
     // GrlLayer in an axum service, its client on the default tick.
     let mut o = ClientOptions::new("payments", vec![aurl.clone()]);
@@ -122,21 +150,6 @@ async fn trickles_are_counted_exactly_through_the_sidecar_and_the_layer() {
         async move { v == "v1" }
     })
     .await;
-    eventually("the sidecar runs v1", || {
-        let http = http.clone();
-        async move {
-            let m = http
-                .get(format!("http://127.0.0.1:{sadmin}/metrics"))
-                .send()
-                .await
-                .unwrap()
-                .text()
-                .await
-                .unwrap();
-            m.contains("grl_client_failing_open{service=\"payments\"} 0")
-        }
-    })
-    .await;
 
     let mut sent = 0u64;
     for rps in [1u64, 4, 7, 10] {
@@ -153,15 +166,7 @@ async fn trickles_are_counted_exactly_through_the_sidecar_and_the_layer() {
         );
         sent += n;
         for bucket in ["gw.charge", "web.refund"] {
-            // A bound against hangs: counts arrive with the next forwards (about 2 s).
-            let mut seen = (0, 0);
-            for _ in 0..150 {
-                seen = totals(&http, &base, bucket).await;
-                if seen.0 >= sent {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
+            let seen = counted(&http, &base, bucket, sent).await;
             // Never more than were sent either, and admitted as they were.
             assert_eq!(
                 seen,
@@ -194,34 +199,7 @@ async fn a_steady_concurrent_load_is_counted_exactly_through_the_sidecar() {
     let _agg = spawn_aggregator_ticking(aport, &base, "agg-steady", dir.path(), 1000);
     wait_up(&format!("{aurl}/v1/config")).await;
     let (up, _up_task) = upstream().await;
-    let (sport, sadmin) = (free_port(), free_port());
-    let _sidecar = Proc::spawn(
-        Command::new(env!("CARGO_BIN_EXE_grl"))
-            .args(["sidecar", "--listen", &format!("127.0.0.1:{sport}")])
-            .args(["--admin-listen", &format!("127.0.0.1:{sadmin}")])
-            .args(["--upstream", &up, "--service", "payments"])
-            .args(["--zone", "z1", "--region", "r1", "--aggregator", &aurl])
-            .env("GRL_CLIENT_TOKEN", CLIENT_TOKEN)
-            .stdout(Stdio::null())
-            .stderr(log_file(dir.path(), "sidecar")),
-    )
-    .unwrap();
-    wait_up(&format!("http://127.0.0.1:{sadmin}/healthz")).await;
-    eventually("the sidecar decides with v1", || {
-        let http = http.clone();
-        async move {
-            let m = http
-                .get(format!("http://127.0.0.1:{sadmin}/metrics"))
-                .send()
-                .await
-                .unwrap()
-                .text()
-                .await
-                .unwrap();
-            m.contains("grl_client_config_info{service=\"payments\",version=\"v1\"} 1")
-        }
-    })
-    .await;
+    let (_sidecar, sport, sadmin) = sidecar_deciding(&http, dir.path(), &up, &aurl, "v1").await;
     let url = format!("http://127.0.0.1:{sport}/charge");
     let mut iv = tokio::time::interval(Duration::from_micros(1_000_000 / 150));
     let mut tasks = Vec::new();
@@ -243,30 +221,9 @@ async fn a_steady_concurrent_load_is_counted_exactly_through_the_sidecar() {
         }
     }
     assert_eq!(ok, 1500, "every request answered");
-    let mut seen = (0, 0);
-    for _ in 0..100 {
-        seen = totals(&http, &base, "gw.charge").await;
-        if seen.0 >= ok {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let m = http
-        .get(format!("http://127.0.0.1:{sadmin}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let am = http
-        .get(format!("{aurl}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let seen = counted(&http, &base, "gw.charge", ok).await;
+    let m = get_text(&http, &format!("http://127.0.0.1:{sadmin}/metrics")).await;
+    let am = get_text(&http, &format!("{aurl}/metrics")).await;
     let am: Vec<&str> = am.lines().filter(|l| !l.starts_with('#')).collect();
     assert_eq!(
         seen,

@@ -1043,12 +1043,7 @@ async fn a_refused_report_credential_is_logged_at_most_every_10_s() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
-    let metrics = reqwest::get(format!("http://127.0.0.1:{admin}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = admin_metrics(admin).await;
     let refused: u64 = metrics
         .lines()
         .find(|l| l.starts_with("grl_client_reports_refused_total"))
@@ -1756,12 +1751,7 @@ async fn identity_headers_given_twice_are_refused_and_claims_are_not_passed_as_v
     assert!(out.starts_with("HTTP/1.1 200"), "{out}");
     assert!(out.contains("rpc-caller: gw\n"), "{out}");
     assert!(!out.contains("x-verified-caller"), "{out}");
-    let metrics = reqwest::get(format!("http://127.0.0.1:{admin}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = admin_metrics(admin).await;
     let line = "grl_sidecar_bad_requests_total{reason=\"identity\"} 1\n";
     assert!(metrics.contains(line), "no {line} in {metrics}");
 }
@@ -1783,12 +1773,7 @@ async fn a_grpc_content_type_over_http1_is_plain_http() {
         .unwrap();
     assert_eq!(r.status(), 200);
     assert_eq!(r.text().await.unwrap(), "ok POST /charge read=3\n");
-    let metrics = reqwest::get(format!("http://127.0.0.1:{admin}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = admin_metrics(admin).await;
     for (protocol, n) in [("http", 1), ("grpc", 0)] {
         let line = format!(
             "grl_sidecar_requests_total{{protocol=\"{protocol}\",decision=\"admit\"}} {n}\n"
@@ -2100,4 +2085,14 @@ async fn a_malformed_chunked_body_is_a_bad_request_not_an_upstream_error() {
         m.contains("grl_sidecar_upstream_errors_total{kind=\"other\"} 0"),
         "{m}"
     );
+}
+
+/// The page of `GET /metrics` on the admin port `admin`.
+async fn admin_metrics(admin: u16) -> String {
+    reqwest::get(format!("http://127.0.0.1:{admin}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
 }

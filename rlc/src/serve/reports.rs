@@ -54,6 +54,9 @@ pub(super) struct Feed {
     several: bool,
     /// Why the last fetch from the controller failed (none: it answered).
     read_error: Option<String>,
+    /// The `read_error` last written to the store (none: nothing written since the start):
+    /// the store is written only when it changes.
+    recorded: Option<Option<String>>,
 }
 
 /// One feed per controller of `controller:` / `controllers:`. The first region keeps the
@@ -79,6 +82,7 @@ pub(super) fn feeds(cycle: &Cycle, limits: ReportLimits) -> Vec<Feed> {
                 reports,
                 several,
                 read_error: None,
+                recorded: None,
             }
         })
         .collect()
@@ -186,43 +190,54 @@ impl Loop {
     /// region's controller could be read.
     pub(super) async fn poll_regions(&mut self) {
         let mut feeds = std::mem::take(&mut self.feeds);
-        let regions: Vec<String> = feeds.iter().map(|f| f.region.clone()).collect();
-        for f in feeds.iter_mut() {
-            let client = match &f.client {
-                Ok(c) => c.clone(),
-                Err(e) => {
-                    f.read_error = Some(e.clone());
-                    self.record_region_read(f, &regions).await;
-                    continue;
+        for i in 0..feeds.len() {
+            let f = &mut feeds[i];
+            match f.client.clone() {
+                Err(e) => f.read_error = Some(e),
+                Ok(client) => {
+                    if let Err(e) = self.poll_reports(f, &client).await {
+                        tracing::warn!(region = %f.region, error = %e, "cannot poll controller reports");
+                    }
+                    // A controller that did not answer for its reports is not asked again.
+                    if f.read_error.is_none() {
+                        if let Err(e) = self.cycle.record_overrides(&f.region, &client).await {
+                            f.read_error = Some(format!("overrides: {e}"));
+                        }
+                    }
                 }
-            };
-            if let Err(e) = self.poll_reports(f, &client).await {
-                tracing::warn!(region = %f.region, error = %e, "cannot poll controller reports");
             }
-            let overrides = self
-                .cycle
-                .record_overrides(&f.region, &client)
-                .await
-                .map_err(|e| format!("overrides: {e}"));
-            if let (None, Err(e)) = (&f.read_error, overrides) {
-                f.read_error = Some(e);
-            }
-            self.record_region_read(f, &regions).await;
+            self.record_region_read(&mut feeds, i).await;
         }
         self.feeds = feeds;
     }
 
-    /// Records `f`'s last read in the store (a store that cannot be written is logged: the
-    /// next poll writes it again).
-    async fn record_region_read(&self, f: &Feed, regions: &[String]) {
+    /// Records `feeds[i]`'s last read in the store when it changed since the last write; the
+    /// first write since the start also forgets the regions no longer in rlc.yaml. A store
+    /// that cannot be written is logged: the next poll writes it again.
+    async fn record_region_read(&self, feeds: &mut [Feed], i: usize) {
+        if feeds[i].recorded.as_ref() == Some(&feeds[i].read_error) {
+            return;
+        }
         let Ok(store) = self.cycle.store().await else {
             return;
         };
+        let regions: Option<Vec<String>> = feeds[i]
+            .recorded
+            .is_none()
+            .then(|| feeds.iter().map(|f| f.region.clone()).collect());
+        let f = &mut feeds[i];
         let limit = self.cycle.config().store.write_timeout.0;
-        let write =
-            store.record_region_read(&f.region, Utc::now(), f.read_error.as_deref(), regions);
-        if let Err(e) = within(limit, write).await {
-            tracing::warn!(region = %f.region, error = %e, "cannot record whether the region's controller was read");
+        let write = store.record_region_read(
+            &f.region,
+            Utc::now(),
+            f.read_error.as_deref(),
+            regions.as_deref(),
+        );
+        match within(limit, write).await {
+            Ok(()) => f.recorded = Some(f.read_error.clone()),
+            Err(e) => {
+                tracing::warn!(region = %f.region, error = %e, "cannot record whether the region's controller was read")
+            }
         }
     }
 

@@ -1027,42 +1027,39 @@ impl Store {
         Ok((out, truncated))
     }
 
-    /// Records whether `region`'s controller could be read at `at` (`error`: why not), and
-    /// forgets the regions not in `regions` (the controllers of rlc.yaml): a region stays
-    /// unread from its first failed read until a good one.
+    /// Records whether `region`'s controller could be read at `at` (`error`: why not): a
+    /// region stays unread from its first failed read until a good one, which deletes its row.
+    /// With `configured` (the controllers of rlc.yaml), the rows of other regions go too.
     pub async fn record_region_read(
         &self,
         region: &str,
         at: DateTime<Utc>,
         error: Option<&str>,
-        regions: &[String],
+        configured: Option<&[String]>,
     ) -> Result<(), StoreError> {
         let error = error.map(|e| e.chars().take(500).collect::<String>());
         on_pool!(self, pool => {
             let mut tx = pool.begin().await?;
-            let have: Vec<(String,)> = sqlx::query_as("SELECT region FROM controller_regions")
-                .fetch_all(&mut *tx)
-                .await?;
-            for (gone,) in have.iter().filter(|(r,)| !regions.contains(r)) {
-                sqlx::query("DELETE FROM controller_regions WHERE region = $1")
-                    .bind(gone)
-                    .execute(&mut *tx)
+            if let Some(regions) = configured {
+                let have: Vec<(String,)> = sqlx::query_as("SELECT region FROM controller_regions")
+                    .fetch_all(&mut *tx)
                     .await?;
+                for (gone,) in have.iter().filter(|(r,)| !regions.contains(r)) {
+                    sqlx::query("DELETE FROM controller_regions WHERE region = $1")
+                        .bind(gone)
+                        .execute(&mut *tx)
+                        .await?;
+                }
             }
             match &error {
-                None => sqlx::query(
-                    "INSERT INTO controller_regions (region, read_at, unread_since, error) \
-                     VALUES ($1, $2, NULL, NULL) ON CONFLICT (region) DO UPDATE SET \
-                     read_at = excluded.read_at, unread_since = NULL, error = NULL",
-                )
-                .bind(region)
-                .bind(Ts(at))
-                .execute(&mut *tx)
-                .await?,
+                None => sqlx::query("DELETE FROM controller_regions WHERE region = $1")
+                    .bind(region)
+                    .execute(&mut *tx)
+                    .await?,
                 Some(e) => sqlx::query(
-                    "INSERT INTO controller_regions AS c (region, read_at, unread_since, error) \
-                     VALUES ($1, NULL, $2, $3) ON CONFLICT (region) DO UPDATE SET \
-                     unread_since = COALESCE(c.unread_since, excluded.unread_since), error = excluded.error",
+                    "INSERT INTO controller_regions AS c (region, unread_since, error) \
+                     VALUES ($1, $2, $3) ON CONFLICT (region) DO UPDATE SET \
+                     unread_since = c.unread_since, error = excluded.error",
                 )
                 .bind(region)
                 .bind(Ts(at))
@@ -1077,9 +1074,8 @@ impl Store {
 
     /// The regions whose controller could not be read at the last poll, by region.
     pub async fn unread_regions(&self) -> Result<Vec<UnreadRegion>, StoreError> {
-        let rows: Vec<(String, Ts, Option<String>)> = on_pool!(self, pool => sqlx::query_as(
-            "SELECT region, unread_since, error FROM controller_regions \
-             WHERE unread_since IS NOT NULL ORDER BY region",
+        let rows: Vec<(String, Ts, String)> = on_pool!(self, pool => sqlx::query_as(
+            "SELECT region, unread_since, error FROM controller_regions ORDER BY region",
         )
         .fetch_all(pool)
         .await?);
@@ -1088,7 +1084,7 @@ impl Store {
             .map(|(region, since, error)| UnreadRegion {
                 region,
                 since: since.0,
-                error: error.unwrap_or_default(),
+                error,
             })
             .collect())
     }

@@ -1613,16 +1613,16 @@ async fn check_region_reads(store: Store) {
     let t0 = Utc.with_ymd_and_hms(2026, 12, 1, 10, 0, 0).unwrap();
     let regions = vec!["a".to_string(), "b".to_string()];
     store
-        .record_region_read("a", t0, None, &regions)
+        .record_region_read("a", t0, None, Some(&regions))
         .await
         .unwrap();
     store
-        .record_region_read("b", t0, Some("connection refused"), &regions)
+        .record_region_read("b", t0, Some("connection refused"), Some(&regions))
         .await
         .unwrap();
     let later = t0 + chrono::Duration::seconds(30);
     store
-        .record_region_read("b", later, Some("503 Service Unavailable"), &regions)
+        .record_region_read("b", later, Some("503 Service Unavailable"), Some(&regions))
         .await
         .unwrap();
     let unread = store.unread_regions().await.unwrap();
@@ -1643,19 +1643,19 @@ async fn check_region_reads(store: Store) {
     );
     // A good read clears it; a region taken out of rlc.yaml is forgotten.
     store
-        .record_region_read("b", later, None, &regions)
+        .record_region_read("b", later, None, Some(&regions))
         .await
         .unwrap();
     assert!(store.unread_regions().await.unwrap().is_empty());
     store
-        .record_region_read("c", later, Some("timeout"), &["c".to_string()])
+        .record_region_read("c", later, Some("timeout"), Some(&["c".to_string()]))
         .await
         .unwrap();
     let unread = store.unread_regions().await.unwrap();
     assert_eq!(unread.len(), 1);
     assert_eq!(unread[0].region, "c");
     store
-        .record_region_read("c", later, None, &["c".to_string()])
+        .record_region_read("c", later, None, Some(&["c".to_string()]))
         .await
         .unwrap();
     assert!(crate::shadow::store_stats(&store, &q).await.is_ok());

@@ -192,6 +192,26 @@ database_url: {database_url}\nserver:\n  listen: 127.0.0.1:{rport}\n  token_env:
     (serve, rport)
 }
 
+/// Sum of a counter family's samples for `bucket="charge"` in a Prometheus text page.
+fn charge_counter(metrics: &str, family: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(family) && l.contains("bucket=\"charge\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Writes `dir/history.csv`: the last two hours of `payments` called by `caller` at `rps`,
+/// one sample a minute (rlc's history for the end-to-end runs).
+fn write_steady_history(dir: &Path, caller: &str, rps: f64) {
+    let now = chrono::Utc::now().timestamp() / 60 * 60;
+    let mut csv = String::from("ts,service,caller,procedure,rps\n");
+    for m in (0..=120).rev() {
+        csv.push_str(&format!("{},payments,{caller},,{rps}\n", now - m * 60));
+    }
+    std::fs::write(dir.join("history.csv"), csv).unwrap();
+}
+
 /// Polls `cond` until it holds; panics after `limit` (a bound on waiting, not a speed claim).
 fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) {
     let start = Instant::now();

@@ -15,18 +15,11 @@ use test_support::git::GitRemote;
 use test_support::process::{free_port, Proc};
 
 use super::fleet::{Load, CLIENT_SECRET, ZONE_TOKEN};
-use super::{bin, get, get_text, start_rlc_serve_on, wait_until, TOKEN};
+use super::{
+    bin, charge_counter, get, get_text, start_rlc_serve_on, wait_until, write_steady_history, TOKEN,
+};
 
 const RLC_TOKEN: &str = "regions-e2e-rlc-token";
-
-/// Sum of `family`'s samples for `bucket="charge"` in a Prometheus text page.
-fn charge_counter(metrics: &str, family: &str) -> f64 {
-    metrics
-        .lines()
-        .filter(|l| l.starts_with(family) && l.contains("bucket=\"charge\""))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
 
 /// What rlc's `GET /v1/shadow` counts as offered to payments/charge.
 fn rlc_offered(rport: u16) -> Option<f64> {
@@ -56,12 +49,7 @@ fn two_regions_are_summed_and_a_region_that_cannot_be_read_is_named() {
     )
     .expect("git remote");
     let version = remote.head("main").unwrap();
-    let now = chrono::Utc::now().timestamp() / 60 * 60;
-    let mut csv = String::from("ts,service,caller,procedure,rps\n");
-    for m in (0..=120).rev() {
-        csv.push_str(&format!("{},payments,charge,,150\n", now - m * 60));
-    }
-    std::fs::write(dir.path().join("history.csv"), csv).unwrap();
+    write_steady_history(dir.path(), "charge", 150.0);
 
     // One controller per region, each the other's peer, ticking every second (a report row's
     // rates then sum to its requests).

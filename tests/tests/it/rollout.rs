@@ -21,7 +21,8 @@ use test_support::process::{free_port, Proc};
 
 use super::fleet::{Load, CLIENT_SECRET, ZONE_TOKEN};
 use super::{
-    bin, get, get_auth, get_text, start_controller_ticking, start_rlc_serve, wait_until, TOKEN,
+    bin, charge_counter, get, get_auth, get_text, start_controller_ticking, start_rlc_serve,
+    wait_until, write_steady_history, TOKEN,
 };
 
 const RLC_TOKEN: &str = "rollout-e2e-rlc-token";
@@ -60,15 +61,6 @@ fn served_limit(config: &Value) -> Option<f64> {
         .as_f64()
 }
 
-/// Sum of a counter family's samples for `bucket="charge"` in a Prometheus text page.
-fn charge_counter(metrics: &str, family: &str) -> f64 {
-    metrics
-        .lines()
-        .filter(|l| l.starts_with(family) && l.contains("bucket=\"charge\""))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 /// The message of the newest commit on the remote's main branch.
 fn head_message(remote: &GitRemote) -> String {
     git(
@@ -101,12 +93,7 @@ fn a_lowered_limit_is_tried_as_a_candidate_through_sidecars_and_reverted() {
     let before = remote.head("main").unwrap();
 
     // rlc's history: the last two hours of charge at 150 rps, one sample a minute.
-    let now = chrono::Utc::now().timestamp() / 60 * 60;
-    let mut csv = String::from("ts,service,caller,procedure,rps\n");
-    for m in (0..=120).rev() {
-        csv.push_str(&format!("{},payments,charge,,150\n", now - m * 60));
-    }
-    std::fs::write(dir.path().join("history.csv"), csv).unwrap();
+    write_steady_history(dir.path(), "charge", 150.0);
 
     // Controller and one aggregator, every tier on a 200 ms tick.
     let cport = free_port();
