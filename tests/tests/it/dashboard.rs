@@ -477,7 +477,20 @@ fn burst_and_real_drops(database_url: &str, shots: &str) {
 
     let mobile_url = format!("{base}/buckets/payments/mobile.refund?window=15m");
     let dom = chromium(&["--dump-dom".into()], &mobile_url);
-    assert_eq!(text_of(&dom, "verdict"), "enforced", "{dom}");
+    // The page says what the bucket really drops, as the overview and the JSON do.
+    let offered = sm["offered"].as_f64().unwrap();
+    assert_eq!(
+        text_of(&dom, "verdict"),
+        format!(
+            "enforced: dropping {:.2}% of requests",
+            dropped / offered * 100.0
+        ),
+        "{dom}"
+    );
+    assert_eq!(
+        json_mobile["readiness"]["verdict_text"],
+        text_of(&dom, "verdict").as_str()
+    );
     assert!(
         dom.contains(r#"data-series="drops""#),
         "real drops drawn: {dom}"

@@ -618,7 +618,14 @@ async fn detail(
                 rule: rule_view,
                 days_in_shadow: stats.days_in_shadow(now),
                 virtual_drop_share: stats.drop_share(),
-                verdict_text: verdict.describe(),
+                // An enforced bucket's verdict says what it really drops, as the overview does.
+                verdict_text: match verdict {
+                    Verdict::Enforced if stats.dropped > 0.0 => format!(
+                        "enforced: {}",
+                        super::overview::dropping(stats.dropped, stats.offered)
+                    ),
+                    _ => verdict.describe(),
+                },
                 verdict,
                 stats,
             }
@@ -1297,6 +1304,7 @@ fn readiness_section(r: &Readiness) -> Markup {
     let s = &r.stats;
     let badge = match &r.verdict {
         Verdict::Ready => "ok",
+        Verdict::Enforced if s.dropped > 0.0 => "dropping",
         Verdict::Enforced => "mode",
         _ => "warn",
     };
@@ -1333,7 +1341,12 @@ fn readiness_section(r: &Readiness) -> Markup {
                             (rate(s.virtual_dropped)) " (" (percent(r.virtual_drop_share)) ")"
                         }
                     }
-                    tr { th { "Real drops" } td id="drops" { (rate(s.dropped)) } }
+                    tr {
+                        th { "Real drops" }
+                        td id="drops" {
+                            (rate(s.dropped)) " (" (percent(super::overview::share(s.dropped, s.offered))) ")"
+                        }
+                    }
                     tr {
                         th { "Peak virtual-drop share (minute)" }
                         td id="peak" {

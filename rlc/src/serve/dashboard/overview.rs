@@ -112,8 +112,7 @@ impl Row {
     fn drop_share(&self) -> f64 {
         self.summary
             .as_ref()
-            .filter(|s| s.offered > 0.0)
-            .map_or(0.0, |s| s.dropped / s.offered)
+            .map_or(0.0, |s| share(s.dropped, s.offered))
     }
 
     fn sort_key(&self) -> (Attention, f64, i64) {
@@ -139,6 +138,21 @@ pub fn age(d: Duration) -> String {
     }
 }
 
+/// What an enforced bucket's real drops say, the same on the overview and on its page:
+/// `dropping 34.60% of requests`.
+pub fn dropping(dropped: f64, offered: f64) -> String {
+    format!("dropping {} of requests", percent(share(dropped, offered)))
+}
+
+/// `part ÷ whole`, 0 when nothing was offered.
+pub fn share(part: f64, whole: f64) -> f64 {
+    if whole > 0.0 {
+        part / whole
+    } else {
+        0.0
+    }
+}
+
 /// The verdict of a bucket: see [`Attention`]. `max_age` is how old a last report may be.
 pub fn verdict(
     summary: Option<&BucketShadowSummary>,
@@ -158,15 +172,7 @@ pub fn verdict(
         );
     };
     if s.dropped > 0.0 {
-        let share = if s.offered > 0.0 {
-            s.dropped / s.offered
-        } else {
-            0.0
-        };
-        return (
-            Attention::Dropping,
-            format!("dropping {} of requests", percent(share)),
-        );
+        return (Attention::Dropping, dropping(s.dropped, s.offered));
     }
     if s.virtual_drop_share > WOULD_THROTTLE_SHARE {
         return (

@@ -674,6 +674,11 @@ async fn check_bucket_json(state: &AppState, days: &Days) {
 
     let (_, api) = get_json(state, "/v1/shadow/checkout/api?window=24h").await;
     assert_eq!(api["readiness"]["verdict"]["verdict"], "enforced");
+    // 50 of 200 rps per zone really dropped: the page says so, as the overview does.
+    assert_eq!(
+        api["readiness"]["verdict_text"],
+        "enforced: dropping 25.00% of requests"
+    );
     let d = api["readiness"]["stats"]["dropped"].as_f64().unwrap();
     assert!(
         (d / 150.0 - 1440.0).abs() <= 1.0,
@@ -827,7 +832,14 @@ async fn check_bucket_pages(store: Store, label: &str) {
     ];
     // The enforced bucket: real drops drawn and counted.
     let dom = chromium_run(&["--dump-dom".into()], &shots[1].1).await;
-    assert!(dom.contains(r#"id="verdict">enforced</span>"#), "{dom}");
+    assert!(
+        dom.contains(r#"id="verdict">enforced: dropping 25.00% of requests</span>"#),
+        "{dom}"
+    );
+    assert!(
+        dom.contains(r#"<span class="badge dropping" id="verdict">"#),
+        "{dom}"
+    );
     assert!(dom.contains(r#"data-series="drops""#), "{dom}");
     assert!(!dom.contains(r#"data-series="virtual-drops""#), "{dom}");
     // The hostile bucket name: text in the page and in the SVG title.
