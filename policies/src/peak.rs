@@ -84,6 +84,8 @@ impl Policy for Peak {
             evidence: json!({
                 "statistic": stat_name,
                 "value_rps": round3(stat),
+                // When the statistic was reached (a `max` only: a percentile has no one time).
+                "value_at": if stat_name == "max" { stat_at.clone() } else { None },
                 "peak_rps": round3(peak),
                 "peak_at": peak_at,
                 "window": {"from": s.datetime_of(0).to_rfc3339(), "to": s.datetime_of(s.values.len()).to_rfc3339()},
@@ -160,6 +162,11 @@ mod tests {
         assert_eq!(p.limit_rps, 125.0, "{p:?}");
         assert_eq!(p.peak_rps, 800.0, "the observed peak is reported");
         assert_eq!(p.evidence["spikes"][0]["ratio"], 80.0, "{}", p.evidence);
+        // Each figure names its own time: the observed peak the storm's, the max the limit
+        // is built on a usual noon's.
+        assert_eq!(p.evidence["peak_at"], "1970-01-08T14:00:00+00:00");
+        let value_at = p.evidence["value_at"].as_str().unwrap();
+        assert!(value_at.ends_with("T12:00:00+00:00"), "{}", p.evidence);
         let why = p.evidence["explain"].as_str().unwrap();
         assert!(
             why.contains("spike 1970-01-08T14:00:00+00:00 800.0 rps (80.0× usual) discounted"),
@@ -183,6 +190,10 @@ mod tests {
         let p = run(&series(28, 100.0), &spec, None);
         assert_eq!(p.limit_rps, 10.0);
         assert_eq!(p.peak_rps, 100.0);
+        assert!(
+            p.evidence["value_at"].is_null(),
+            "a percentile has no one time"
+        );
     }
 
     #[test]

@@ -510,7 +510,9 @@ fn compute_service(
                         plan.buckets.push(kept(service, c, &reason));
                     }
                     _ => {
-                        let peak_at = s.argmax().map(|i| s.datetime_of(i));
+                        // The time of the peak the evidence names: in the demand the
+                        // policy saw (storms, throttled minutes and excluded windows out).
+                        let peak_at = demand.argmax().map(|i| demand.datetime_of(i));
                         push(
                             plan, &spec, service, key, cur, p, railed, expired, peak_at, censored,
                         )

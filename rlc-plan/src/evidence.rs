@@ -117,6 +117,9 @@ pub struct PolicyFigures {
     /// That statistic's value.
     #[serde(default, deserialize_with = "lenient")]
     pub value_rps: Option<f64>,
+    /// When that value was reached (`max` only).
+    #[serde(default, deserialize_with = "lenient")]
+    pub value_at: Option<String>,
     /// The forecast's upper bound over the horizon.
     #[serde(default, deserialize_with = "lenient")]
     pub upper_bound_rps: Option<f64>,

@@ -32,6 +32,9 @@ pub struct Details {
     pub statistic: Option<String>,
     /// That statistic's value.
     pub statistic_rps: Option<f64>,
+    /// When the statistic was reached (`max` only; differs from `peak_at` when a spike
+    /// was left out).
+    pub statistic_at: Option<String>,
     /// The forecast's upper bound over the horizon (forecast policy).
     pub forecast_upper_bound_rps: Option<f64>,
     /// The headroom multiplied in (0.25 = +25%).
@@ -179,6 +182,7 @@ fn details_of(b: &PlannedBucket) -> Details {
         peak_at: e.peak_at.clone().or(f.peak_at),
         statistic: f.statistic,
         statistic_rps: f.value_rps,
+        statistic_at: f.value_at,
         forecast_upper_bound_rps: f.upper_bound_rps,
         headroom: f.headroom,
         capacity_share_rps: f.capacity_share_rps,

@@ -265,6 +265,16 @@ async fn throttled_minutes_and_excluded_windows_are_not_demand() {
         "{w}"
     );
     assert_eq!(w["ignored"][0]["kind"], "throttled", "{w}");
+    // The peak the evidence names is the demand's (200 rps), and so is its time: not a
+    // minute of the throttled burst that was left out.
+    assert_eq!(w["peak_rps"], 200.0, "{w}");
+    let peak_at = chrono::DateTime::parse_from_rfc3339(w["peak_at"].as_str().unwrap())
+        .unwrap()
+        .timestamp();
+    assert!(
+        !(web_burst.0..web_burst.1).contains(&peak_at),
+        "peak_at {peak_at} is in the left-out burst {web_burst:?}: {w}"
+    );
     let why = explain(&preview, "web");
     assert!(
         why.contains("180 throttled minutes") && why.contains("left out"),
