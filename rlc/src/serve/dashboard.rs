@@ -86,9 +86,14 @@ pub struct ShadowQuery {
     pub window: Option<String>,
     /// Most buckets returned (default and maximum 500).
     pub limit: Option<i64>,
+    /// Only buckets in this mode: `enforce` or `shadow` (empty: both), as the overview's.
+    pub mode: Option<String>,
+    /// Only buckets with this verdict: `dropping`, `would-throttle`, `stale`, `silent` or
+    /// `ok` (empty: all), as the overview's.
+    pub verdict: Option<String>,
 }
 
-/// Query string of the overview `GET /`: the filters of [`ShadowQuery`] and two more.
+/// Query string of the overview `GET /`: the filters of [`ShadowQuery`].
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 pub struct OverviewQuery {
     /// Only this callee service (empty: all).
@@ -114,9 +119,32 @@ pub struct BucketView {
     pub summary: BucketShadowSummary,
     /// `virtual_drop_share > would_throttle_share`.
     pub would_throttle: bool,
+    /// The overview's verdict: `dropping`, `would-throttle`, `stale`, `silent` or `ok`.
+    pub verdict: String,
+    /// The verdict in the overview's words (`dropping 25.00% of requests`).
+    pub verdict_text: String,
 }
 
-/// `GET /v1/shadow?service=S&window=1h&limit=N`:
+/// A bucket of the config repo's base branch without a report in the window (the overview
+/// lists it as `silent`).
+#[derive(Debug, Clone, Serialize, JsonSchema)]
+pub struct SilentBucket {
+    /// Callee service.
+    pub service: String,
+    /// Bucket.
+    pub bucket: String,
+    /// The limit in force (null: a new bucket that is only a candidate so far).
+    pub limit_rps: Option<f64>,
+    /// enforce | shadow, as in force.
+    pub mode: String,
+    /// Always `silent`.
+    pub verdict: String,
+    /// `no reports in the last 1h`.
+    pub verdict_text: String,
+}
+
+/// `GET /v1/shadow?service=S&window=1h&limit=N&mode=M&verdict=V`: every bucket the overview
+/// lists, with its filters:
 ///
 /// ```json
 /// {
@@ -136,8 +164,15 @@ pub struct BucketView {
 ///     "peak_offered_rps": 150.0, "max_drop_ratio": 0.333,
 ///     "limit_rps": 200.0, "mode": "shadow",   // from the latest report
 ///     "first_seen": "…", "last_seen": "…",  // first and newest tick in the window
-///     "would_throttle": true
-///   }]
+///     "would_throttle": true,
+///     "verdict": "would-throttle", "verdict_text": "would throttle 25.00%"
+///   }],
+///   "silent": [{                       // config repo buckets without a report in the window
+///     "service": "payments", "bucket": "refund", "limit_rps": 50.0, "mode": "enforce",
+///     "verdict": "silent", "verdict_text": "no reports in the last 1h"
+///   }],
+///   "config_error": null,              // why the config repo could not be read, if so
+///   "incomplete": []
 /// }
 /// ```
 ///
@@ -159,8 +194,14 @@ pub struct ShadowSummary {
     pub would_throttle_share: f64,
     /// More buckets matched than were returned.
     pub truncated: bool,
-    /// The buckets.
+    /// The buckets that reported in the window (with the `mode` and `verdict` filters).
     pub buckets: Vec<BucketView>,
+    /// The config repo's buckets without a report in the window (with the filters): with
+    /// `buckets`, every bucket the overview lists. Empty without a config repo.
+    pub silent: Vec<SilentBucket>,
+    /// Why the config repo's buckets could not be read (null: read, or no config repo):
+    /// `silent` is then empty, not known to be.
+    pub config_error: Option<String>,
     /// The regions whose controller rlc could not read at its last poll (empty: every
     /// region's reports are in): the figures miss their reports since `since`.
     pub incomplete: Vec<crate::store::UnreadRegion>,
@@ -313,6 +354,7 @@ async fn summary(
         store.unread_regions(),
     )
     .await?;
+    let now = Utc::now();
     Ok(ShadowSummary {
         incomplete,
         service: f.service.clone(),
@@ -322,22 +364,135 @@ async fn summary(
         truncated,
         buckets: rows
             .into_iter()
-            .map(|summary| BucketView {
-                would_throttle: summary.virtual_drop_share > WOULD_THROTTLE_SHARE,
-                summary,
+            .map(|summary| {
+                let (attention, verdict_text) =
+                    overview::verdict(Some(&summary), true, &f.window, now, max_report_age());
+                BucketView {
+                    would_throttle: summary.virtual_drop_share > WOULD_THROTTLE_SHARE,
+                    verdict: attention.key().into(),
+                    verdict_text,
+                    summary,
+                }
             })
             .collect(),
+        silent: Vec::new(),
+        config_error: None,
     })
 }
 
-/// `GET /v1/shadow`: see [`ShadowSummary`].
+/// How old a bucket's last report may be before the overview calls it stale.
+fn max_report_age() -> chrono::Duration {
+    crate::readiness::Rule::default().max_report_age
+}
+
+/// The overview's `mode` and `verdict` filters, checked (empty: no filter).
+fn filters(
+    mode: Option<&str>,
+    verdict: Option<&str>,
+) -> Result<(Option<String>, Option<overview::Attention>), DashError> {
+    let mode = match mode.filter(|m| !m.is_empty()) {
+        None => None,
+        Some(m @ ("enforce" | "shadow")) => Some(m.to_string()),
+        Some(m) => {
+            return Err(DashError::BadRequest(format!(
+                "mode `{m}`: expected enforce or shadow"
+            )))
+        }
+    };
+    let verdict = match verdict.filter(|v| !v.is_empty()) {
+        None => None,
+        Some(v) => Some(overview::Attention::parse(v).ok_or_else(|| {
+            let keys: Vec<&str> = overview::Attention::ALL.iter().map(|a| a.key()).collect();
+            DashError::BadRequest(format!(
+                "verdict `{v}`: expected one of {}",
+                keys.join(", ")
+            ))
+        })?),
+    };
+    Ok((mode, verdict))
+}
+
+/// The overview's rows of `sum` and `config` (the limits in force as `rollouts` keep them),
+/// with the mode and verdict filters.
+fn filtered_rows(
+    sum: &ShadowSummary,
+    config: Option<&[schema::BucketFile]>,
+    overrides: &std::collections::BTreeMap<(String, String), Vec<rlc_plan::censor::OverrideWindow>>,
+    rollouts: &std::collections::BTreeMap<(String, String), crate::rollout::Rollout>,
+    (mode, verdict): (Option<&str>, Option<overview::Attention>),
+) -> Vec<overview::Row> {
+    let summaries: Vec<BucketShadowSummary> =
+        sum.buckets.iter().map(|b| b.summary.clone()).collect();
+    let rows = overview::rows(&overview::Sources {
+        config,
+        summaries: &summaries,
+        overrides,
+        rollouts,
+        service: sum.service.as_deref(),
+        window: &sum.window,
+        now: Utc::now(),
+        max_age: max_report_age(),
+    });
+    rows.into_iter()
+        .filter(|r| mode.is_none_or(|m| r.mode() == m))
+        .filter(|r| verdict.is_none_or(|v| r.attention == v))
+        .collect()
+}
+
+/// `GET /v1/shadow`: see [`ShadowSummary`]. Lists what the overview lists, with its filters.
 pub(super) async fn shadow_json(
     State(s): State<AppState>,
     Query(q): Query<ShadowQuery>,
 ) -> Result<Json<ShadowSummary>, DashError> {
+    let (mode, verdict) = filters(q.mode.as_deref(), q.verdict.as_deref())?;
     let f = Filter::parse(q)?;
     let store = s.store().ok_or(DashError::NoStore)?;
-    Ok(Json(summary(&store, &f, s.query_timeout()).await?))
+    let limit = s.query_timeout();
+    let mut sum = summary(&store, &f, limit).await?;
+    let mut config = None;
+    if let Some(quotas) = s.quotas() {
+        match quotas.base_buckets().await {
+            Ok((_, files)) => config = Some(files),
+            Err(e) => sum.config_error = Some(e.to_string()),
+        }
+    }
+    // The rollouts decide the limit and mode in force while a candidate bakes; without them
+    // the config repo's are shown (logged, as the overview does).
+    let rollouts =
+        match crate::store::within(limit, crate::rollout::latest_by_bucket(&store, 10_000)).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(error = %e, "/v1/shadow: the rollouts could not be loaded");
+                Default::default()
+            }
+        };
+    let rows = filtered_rows(
+        &sum,
+        config.as_deref(),
+        &Default::default(),
+        &rollouts,
+        (mode.as_deref(), verdict),
+    );
+    let listed: std::collections::BTreeSet<(&str, &str)> = rows
+        .iter()
+        .map(|r| (r.service.as_str(), r.bucket.as_str()))
+        .collect();
+    let silent = rows
+        .iter()
+        .filter(|r| r.summary.is_none())
+        .map(|r| SilentBucket {
+            service: r.service.clone(),
+            bucket: r.bucket.clone(),
+            limit_rps: r.config.as_ref().and_then(|c| c.limit_rps),
+            mode: r.mode().to_string(),
+            verdict: r.attention.key().into(),
+            verdict_text: r.verdict.clone(),
+        })
+        .collect();
+    sum.buckets
+        .retain(|b| listed.contains(&(b.summary.service.as_str(), b.summary.bucket.as_str())));
+    sum.silent = silent;
+    Ok(Json(sum))
 }
 
 /// Query string of `GET /v1/runs`.
@@ -536,35 +691,16 @@ async fn page_data(s: &AppState, q: OverviewQuery) -> (PageData, Option<DashErro
         data.problems.push(e.notice());
         (data, Some(e))
     };
-    match q.mode.as_deref().filter(|m| !m.is_empty()) {
-        None | Some("enforce" | "shadow") => {}
-        Some(m) => {
-            return fail(
-                data,
-                DashError::BadRequest(format!("mode `{m}`: expected enforce or shadow")),
-            )
-        }
-    }
-    match q.verdict.as_deref().filter(|v| !v.is_empty()) {
-        None => {}
-        Some(v) => match overview::Attention::parse(v) {
-            Some(a) => data.verdict = Some(a),
-            None => {
-                let keys: Vec<&str> = overview::Attention::ALL.iter().map(|a| a.key()).collect();
-                return fail(
-                    data,
-                    DashError::BadRequest(format!(
-                        "verdict `{v}`: expected one of {}",
-                        keys.join(", ")
-                    )),
-                );
-            }
-        },
+    match filters(q.mode.as_deref(), q.verdict.as_deref()) {
+        Ok((_, verdict)) => data.verdict = verdict,
+        Err(e) => return fail(data, e),
     }
     let f = match Filter::parse(ShadowQuery {
         service: q.service,
         window: q.window,
         limit: q.limit,
+        mode: None,
+        verdict: None,
     }) {
         Ok(f) => f,
         Err(e) => return fail(data, e),
@@ -867,24 +1003,13 @@ fn explain() -> Markup {
 /// and verdict; none when the reports could not be loaded.
 fn overview_rows(d: &PageData) -> Option<Vec<overview::Row>> {
     let sum = d.summary.as_ref()?;
-    let summaries: Vec<BucketShadowSummary> =
-        sum.buckets.iter().map(|b| b.summary.clone()).collect();
-    let rows = overview::rows(&overview::Sources {
-        config: d.config.as_deref(),
-        summaries: &summaries,
-        overrides: &d.overrides,
-        rollouts: &d.rollouts,
-        service: d.service.as_deref(),
-        window: &d.window,
-        now: Utc::now(),
-        max_age: crate::readiness::Rule::default().max_report_age,
-    });
-    Some(
-        rows.into_iter()
-            .filter(|r| d.mode.as_deref().is_none_or(|m| r.mode() == m))
-            .filter(|r| d.verdict.is_none_or(|v| r.attention == v))
-            .collect(),
-    )
+    Some(filtered_rows(
+        sum,
+        d.config.as_deref(),
+        &d.overrides,
+        &d.rollouts,
+        (d.mode.as_deref(), d.verdict),
+    ))
 }
 
 /// The filter: a plain GET form, so the page needs no script.

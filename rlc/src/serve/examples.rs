@@ -162,8 +162,15 @@ fn hand_written(method: &str, path: &str, status: &str) -> Option<Value> {
                 "peak_offered_rps": 190.0, "max_drop_ratio": 0.21,
                 "limit_rps": 150.0, "mode": "shadow",
                 "first_seen": "2026-11-30T02:00:01Z", "last_seen": "2026-11-30T02:59:59Z",
-                "would_throttle": true
+                "would_throttle": true,
+                "verdict": "would-throttle", "verdict_text": "would throttle 5.00%"
             }],
+            "silent": [{
+                "service": "payments", "bucket": "refund", "limit_rps": 50.0,
+                "mode": "enforce", "verdict": "silent",
+                "verdict_text": "no reports in the last 1h"
+            }],
+            "config_error": null,
             "incomplete": []
         }),
         ("get", "/v1/runs", "200") => json!({"runs": [{

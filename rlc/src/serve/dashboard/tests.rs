@@ -1506,6 +1506,78 @@ async fn overview_lists_every_bucket_by_attention() {
     assert_eq!(status, StatusCode::BAD_REQUEST);
 }
 
+/// The buckets `GET /v1/shadow` lists (those that reported, then the silent ones), sorted.
+fn json_buckets(v: &serde_json::Value) -> Vec<String> {
+    let mut names: Vec<String> = ["buckets", "silent"]
+        .iter()
+        .flat_map(|k| v[k].as_array().unwrap().iter())
+        .map(|b| b["bucket"].as_str().unwrap().to_string())
+        .collect();
+    names.sort();
+    names
+}
+
+#[tokio::test]
+async fn shadow_json_lists_what_the_overview_lists_with_its_filters() {
+    let v = operator_view().await;
+    for query in [
+        "window=1h",
+        "mode=enforce",
+        "mode=shadow",
+        "verdict=would-throttle",
+        "verdict=silent",
+        "verdict=dropping",
+        "verdict=stale",
+        "service=maps",
+        "verdict=silent&service=payments&mode=enforce",
+    ] {
+        let (status, html) = get(&v.state, &format!("/?{query}")).await;
+        assert_eq!(status, StatusCode::OK, "{html}");
+        let mut page = row_buckets(&html);
+        page.sort();
+        let (status, json) = get_json(&v.state, &format!("/v1/shadow?{query}")).await;
+        assert_eq!(status, StatusCode::OK, "{json}");
+        assert_eq!(json_buckets(&json), page, "{query}: {json}");
+    }
+    // Every bucket carries the overview's verdict; a silent one its limit and mode in force.
+    let (_, all) = get_json(&v.state, "/v1/shadow?window=1h").await;
+    let verdict_of = |name: &str| {
+        ["buckets", "silent"]
+            .iter()
+            .flat_map(|k| all[k].as_array().unwrap().iter())
+            .find(|b| b["bucket"] == name)
+            .map(|b| (b["verdict"].clone(), b["verdict_text"].clone()))
+            .unwrap()
+    };
+    assert_eq!(
+        verdict_of("enforced.api-gateway"),
+        (
+            serde_json::json!("dropping"),
+            serde_json::json!("dropping 33.33% of requests")
+        )
+    );
+    assert_eq!(
+        verdict_of("quiet-bucket"),
+        (
+            serde_json::json!("silent"),
+            serde_json::json!("no reports in the last 1h")
+        )
+    );
+    let quiet = &all["silent"][0];
+    assert_eq!(quiet["mode"], "enforce", "{all}");
+    assert!(quiet["limit_rps"].as_f64().is_some(), "{all}");
+    assert!(all["config_error"].is_null(), "{all}");
+    let (status, e) = get_json(&v.state, "/v1/shadow?verdict=bad").await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(
+        e.to_string()
+            .contains("expected one of dropping, would-throttle"),
+        "{e}"
+    );
+    let (status, _) = get_json(&v.state, "/v1/shadow?mode=both").await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+}
+
 #[tokio::test]
 async fn bucket_page_shows_the_limit_in_force_overrides_and_readable_charts() {
     let v = operator_view().await;
