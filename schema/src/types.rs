@@ -1103,9 +1103,15 @@ pub struct PrometheusConfig {
     /// Concurrent requests at most.
     #[serde(default = "default_concurrency")]
     pub concurrency: u32,
-    /// Per-request timeout.
+    /// Per-request timeout. Over remote read, whose answer grows with the fleet, it is the
+    /// longest wait for the next byte; `max_request_duration` bounds the request in all.
     #[serde(default = "default_timeout")]
     pub timeout: HumanDuration,
+    /// How long one remote-read request may take in all, its streamed answer included: a
+    /// server that keeps sending a few bytes at a time is cut there (and the request
+    /// retried, up to `retries` attempts), so that a pull always ends.
+    #[serde(default = "default_max_request_duration")]
+    pub max_request_duration: HumanDuration,
     /// Attempts per request (with jittered backoff).
     #[serde(default = "default_retries")]
     pub retries: u32,
@@ -1182,6 +1188,9 @@ fn default_concurrency() -> u32 {
 }
 fn default_timeout() -> HumanDuration {
     HumanDuration(Duration::from_secs(60))
+}
+fn default_max_request_duration() -> HumanDuration {
+    HumanDuration(Duration::from_secs(600))
 }
 fn default_retries() -> u32 {
     3

@@ -493,10 +493,24 @@ pub(crate) async fn fetch(
             backoff(url, attempt, &last).await;
         }
         made = attempt;
-        let resp = match send(post(client, url, body.clone()), p).await {
-            Ok(r) => r,
-            Err(e) => {
+        // The whole request, streamed answer included, within `max_request_duration`: the
+        // client's timeouts only bound the wait for each byte.
+        let deadline = tokio::time::Instant::now() + p.max_request_duration.0;
+        let too_long = || {
+            format!(
+                "the request took longer than history.prometheus.max_request_duration ({})",
+                p.max_request_duration
+            )
+        };
+        let sent = tokio::time::timeout_at(deadline, send(post(client, url, body.clone()), p));
+        let resp = match sent.await {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => {
                 last = e;
+                continue;
+            }
+            Err(_) => {
+                last = too_long();
                 continue;
             }
         };
@@ -540,9 +554,14 @@ pub(crate) async fn fetch(
             break;
         }
         let decoder = Frames::new(steps, b.clone());
-        let done = stream_blocking(resp, decoder, Frames::push, budget)
-            .await
-            .map(|d| d.map_err(Bad::Corrupt).and_then(Frames::finish));
+        let streamed = stream_blocking(resp, decoder, Frames::push, budget);
+        let Ok(done) = tokio::time::timeout_at(deadline, streamed).await else {
+            // Cut: what it put on the grid is a subset of the same answer (samples merge by
+            // maximum), as for a corrupt one.
+            last = too_long();
+            continue;
+        };
+        let done = done.map(|d| d.map_err(Bad::Corrupt).and_then(Frames::finish));
         match done {
             Ok(Ok(())) => return Ok(()),
             Ok(Err(Bad::Exceeded(bound))) | Err(ReadError::Exceeded(bound)) => {

@@ -34,6 +34,9 @@ enum Hostile {
     EndlessFrames,
     /// Remote read: two series in turn, for ever (each listed again and again).
     RepeatedSeries,
+    /// Remote read: a valid answer sent 64 bytes every 100 ms, for ever (never idle long
+    /// enough for the per-byte timeout).
+    Dribble,
 }
 
 /// Starts the fake Prometheus; its threads end with the test process.
@@ -189,6 +192,14 @@ fn endless_frames(w: &mut TcpStream, hostile: Hostile) -> std::io::Result<()> {
         ]),
         _ => rlc::history::remote_read::bench::answer(&[(labels("web"), samples)]),
     };
+    if let Hostile::Dribble = hostile {
+        loop {
+            for piece in frame.chunks(64) {
+                chunk(w, piece)?;
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
     loop {
         chunk(w, &frame)?;
     }
@@ -404,6 +415,19 @@ fn preview_stops_a_remote_read_stream_repeating_its_series() {
         "rpc_rps",
         REMOTE_READ,
         "comes more than 3 times",
+    );
+}
+
+/// Remote read: an answer that never stops but never pauses for the per-byte timeout (1 s)
+/// either: each attempt is cut at `history.prometheus.max_request_duration` (2 s here), and
+/// after the last one the pull fails, every quota kept.
+#[test]
+fn preview_cuts_a_remote_read_answer_at_its_overall_deadline() {
+    preview_is_bounded(
+        Hostile::Dribble,
+        "rpc_rps",
+        &format!("{REMOTE_READ}    timeout: 1s\n    max_request_duration: 2s\n    retries: 2\n"),
+        "took longer than history.prometheus.max_request_duration (2s)",
     );
 }
 
