@@ -73,8 +73,11 @@ pub struct Aborted {
 }
 
 /// `plan` with every change that could refuse more traffic and whose rollout was aborted on
-/// the same inputs held (a proposal at or below the aborted candidate's limit): the bucket stays as it is in force (`base`) and `held`/`skipped` name
-/// the abort; a new bucket is left out. `inputs` is the digest of the base's `rlc/*.yaml`.
+/// the same inputs held (a proposal at or below the aborted candidate's limit): the bucket
+/// stays as it is in force (`base`) and `held`/`skipped` name the abort; a new bucket is left
+/// out. A proposal an earlier step held already (the decrease guard sees the aborted change's
+/// own commit as a decrease) is judged by what it proposed, and its reason names the abort
+/// instead. `inputs` is the digest of the base's `rlc/*.yaml`.
 pub fn hold_aborted(
     mut plan: Plan,
     base: &BTreeMap<String, BucketFile>,
@@ -85,11 +88,17 @@ pub fn hold_aborted(
         return plan;
     }
     let mut skipped = Vec::new();
+    // Reasons of earlier holds that now name the abort: (old reason, new reason).
+    let mut renamed: Vec<(String, String)> = Vec::new();
     plan.buckets.retain_mut(|b| {
         let in_force = base
             .get(&b.service)
             .and_then(|f| f.buckets.iter().find(|x| x.name == b.bucket.name));
-        if !could_refuse_more(in_force, &b.bucket) {
+        let mut proposed = b.bucket.clone();
+        if let Some(h) = &b.held {
+            proposed.limit_rps = h.proposed_limit_rps;
+        }
+        if !could_refuse_more(in_force, &proposed) {
             return true;
         }
         let fp = fingerprint(&b.service, &b.bucket.name, in_force, inputs);
@@ -97,7 +106,7 @@ pub fn hold_aborted(
             a.service == b.service
                 && a.bucket == b.bucket.name
                 && a.fingerprint == fp
-                && b.bucket.limit_rps <= a.limit_rps
+                && proposed.limit_rps <= a.limit_rps
         }) else {
             return true;
         };
@@ -105,6 +114,10 @@ pub fn hold_aborted(
             "{}: its rollout was aborted ({}); not proposed again until its inputs change",
             b.bucket.name, a.reason
         );
+        if let Some(h) = &mut b.held {
+            renamed.push((std::mem::replace(&mut h.reason, reason.clone()), reason));
+            return true;
+        }
         skipped.push(Skipped {
             service: b.service.clone(),
             caller: b.bucket.caller.clone(),
@@ -123,6 +136,11 @@ pub fn hold_aborted(
             None => false,
         }
     });
+    for s in &mut plan.skipped {
+        if let Some((_, new)) = renamed.iter().find(|(old, _)| *old == s.reason) {
+            s.reason = new.clone();
+        }
+    }
     plan.skipped.extend(skipped);
     plan
 }
@@ -201,6 +219,32 @@ mod tests {
         assert!(held.skipped[0]
             .reason
             .contains("rollout was aborted (33 % virtual drops)"));
+        // Held already by the decrease guard (the aborted change's own commit was a
+        // decrease): the reason names the abort, not the guard.
+        let mut guarded = plan.clone();
+        let guard_reason = "already lowered at 2026-12-05 10:00 UTC per the config repo history";
+        guarded.buckets[0].bucket.limit_rps = 3470.0;
+        guarded.buckets[0].held = Some(Held {
+            proposed_limit_rps: 100.0,
+            reason: guard_reason.into(),
+        });
+        guarded.skipped.push(Skipped {
+            service: "pay".into(),
+            caller: None,
+            procedure: None,
+            reason: guard_reason.into(),
+        });
+        let named = hold_aborted(guarded, &base, "in1", &aborted);
+        assert_eq!(named.buckets[0].bucket.limit_rps, 3470.0);
+        let h = named.buckets[0].held.as_ref().unwrap();
+        assert_eq!(h.proposed_limit_rps, 100.0);
+        assert!(
+            h.reason
+                .contains("rollout was aborted (33 % virtual drops)"),
+            "{h:?}"
+        );
+        assert_eq!(named.skipped.len(), 1, "{:?}", named.skipped);
+        assert_eq!(named.skipped[0].reason, h.reason);
         // A higher proposal is another change.
         let mut higher = plan.clone();
         higher.buckets[0].bucket.limit_rps = 3000.0;
