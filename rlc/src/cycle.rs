@@ -159,6 +159,59 @@ pub struct PushReport {
 pub const ROLLOUT_ABORTED_LABEL: &str = "rollout-aborted";
 
 /// The message of a revert commit: the bucket, the spec it returns to, the evidence.
+/// The branch that carries the revert of rollout `id` in pull-request mode.
+fn revert_branch(pr_branch: &str, id: &str) -> String {
+    let id: String = id
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    format!("{pr_branch}-revert-{id}")
+}
+
+/// The base branch's files of `r`'s service with its bucket back to the spec in force before
+/// it (gone when there was none: a service whose only bucket it was loses its file); None
+/// when the base no longer holds the aborted change.
+fn revert_plan(w: &mut Writer, r: &rollout::Rollout) -> anyhow::Result<Option<Plan>> {
+    let (_, services) = w.base_buckets()?;
+    let Some(file) = services.iter().find(|f| f.service == r.service) else {
+        return Ok(None);
+    };
+    if file.buckets.iter().find(|b| b.name == r.bucket) != Some(&r.new) {
+        return Ok(None);
+    }
+    let buckets = file
+        .buckets
+        .iter()
+        .filter_map(|b| {
+            let spec = if b.name == r.bucket {
+                r.old.clone()?
+            } else {
+                b.clone()
+            };
+            Some(rlc_plan::plan::PlannedBucket {
+                service: r.service.clone(),
+                current_limit_rps: Some(b.limit_rps),
+                bucket: spec,
+                evidence: Default::default(),
+                held: None,
+            })
+        })
+        .collect::<Vec<_>>();
+    if buckets.is_empty() {
+        w.set_removing(vec![r.service.clone()]);
+    }
+    Ok(Some(Plan {
+        buckets,
+        ..Plan::default()
+    }))
+}
+
 fn revert_message(r: &rollout::Rollout) -> String {
     let to = rollout::in_force_words(r);
     format!(
@@ -951,15 +1004,15 @@ impl Cycle {
     /// Brings the config repo back in line with what is enforced after `r` was aborted.
     async fn bring_back(&self, store: &Store, r: &mut rollout::Rollout) -> anyhow::Result<bool> {
         let now = Utc::now();
-        if self.cfg.config_repo.mode == RepoMode::PullRequest {
-            let how = self.comment_aborted(store, r).await?;
-            rollout::reverted(store, r, how, now).await?;
-            return Ok(false);
-        }
         let _guard = self
             .exclusive(&StoreWitness::Store(store.clone()))
             .await
             .map_err(|e| anyhow::anyhow!(e))?;
+        if self.cfg.config_repo.mode == RepoMode::PullRequest {
+            let how = self.propose_revert(store, r).await?;
+            rollout::reverted(store, r, how, now).await?;
+            return Ok(false);
+        }
         let mut wcfg = self.writer_config();
         wcfg.mode = RepoMode::Direct;
         let rr = r.clone();
@@ -967,39 +1020,8 @@ impl Cycle {
         let commit = tokio::task::spawn_blocking(move || -> anyhow::Result<Option<String>> {
             let mut w = Writer::open(wcfg)?;
             w.sync()?;
-            let (_, services) = w.base_buckets()?;
-            let Some(file) = services.iter().find(|f| f.service == rr.service) else {
+            let Some(plan) = revert_plan(&mut w, &rr)? else {
                 return Ok(None);
-            };
-            if file.buckets.iter().find(|b| b.name == rr.bucket) != Some(&rr.new) {
-                return Ok(None);
-            }
-            let buckets = file
-                .buckets
-                .iter()
-                .filter_map(|b| {
-                    let spec = if b.name == rr.bucket {
-                        rr.old.clone()?
-                    } else {
-                        b.clone()
-                    };
-                    Some(rlc_plan::plan::PlannedBucket {
-                        service: rr.service.clone(),
-                        current_limit_rps: Some(b.limit_rps),
-                        bucket: spec,
-                        evidence: Default::default(),
-                        held: None,
-                    })
-                })
-                .collect::<Vec<_>>();
-            // A new service whose only bucket is the aborted one: no bucket was in force, so
-            // its file goes.
-            if buckets.is_empty() {
-                w.set_removing(vec![rr.service.clone()]);
-            }
-            let plan = Plan {
-                buckets,
-                ..Plan::default()
             };
             w.set_message(message);
             match w.write_as_fetched(&plan, false)?.status {
@@ -1023,42 +1045,105 @@ impl Cycle {
         Ok(commit.is_some())
     }
 
-    /// Pull-request mode: a comment naming the evidence and the `rollout-aborted` label on the
-    /// pull request that carried the aborted change (the newest one the store recorded for
-    /// the bucket with that limit).
-    async fn comment_aborted(&self, store: &Store, r: &rollout::Rollout) -> anyhow::Result<String> {
+    /// Pull-request mode: the revert pushed to a branch of its own (`<pr_branch>-revert-<id>`)
+    /// and proposed in a pull request labelled `rollout-aborted` that names the pull request
+    /// which carried the aborted change (the newest one the store recorded for the bucket
+    /// with that limit); that one gets a comment with the evidence, a link to the revert and
+    /// the label. The controllers keep the limit in force until a person merges the revert.
+    async fn propose_revert(&self, store: &Store, r: &rollout::Rollout) -> anyhow::Result<String> {
+        let mut wcfg = self.writer_config();
+        wcfg.mode = RepoMode::PullRequest;
+        wcfg.pr_branch = revert_branch(&wcfg.pr_branch, &r.id);
+        let branch = wcfg.pr_branch.clone();
+        let rr = r.clone();
+        let message = revert_message(r);
+        let msg = message.clone();
+        type Written = Option<(Plan, crate::gitops::WriteOutcome)>;
+        let written = tokio::task::spawn_blocking(move || -> anyhow::Result<Written> {
+            let mut w = Writer::open(wcfg)?;
+            w.sync()?;
+            let Some(plan) = revert_plan(&mut w, &rr)? else {
+                return Ok(None);
+            };
+            w.set_message(msg);
+            let out = w.write_as_fetched(&plan, false)?;
+            Ok(Some((plan, out)))
+        })
+        .await??;
+        let Some((plan, outcome)) = written else {
+            return Ok("the base branch no longer held the change".into());
+        };
+        let status = outcome.status.clone();
+        if !matches!(
+            status,
+            WriteStatus::BranchUpdated { .. } | WriteStatus::BranchUpToDate { .. }
+        ) {
+            anyhow::bail!(
+                "the revert of {}/{} was not pushed to `{branch}` ({status:?}) although the base branch holds the aborted change",
+                r.service,
+                r.bucket
+            );
+        }
         let history = store.quota_history(&r.service, &r.bucket).await?;
-        let pr = history
+        let carried = history
             .iter()
             .rev()
             .filter(|q| q.limit_rps == Some(r.new.limit_rps))
             .find_map(|q| q.pr_number);
-        let Some(number) = pr else {
-            return Ok("no pull request of rlc carried the change: nothing to comment".into());
+        let forge = match &self.cfg.config_repo.forge {
+            Some(fc) => Forge::from_config(fc)?.map(|f| {
+                let mut labels = fc.labels.clone();
+                labels.push(ROLLOUT_ABORTED_LABEL.into());
+                f.decorated(crate::gitops::Decoration {
+                    labels,
+                    reviewers: fc.reviewers.clone(),
+                })
+            }),
+            None => None,
         };
-        let Some(fc) = &self.cfg.config_repo.forge else {
+        let Some(forge) = forge else {
             return Ok(format!(
-                "pull request #{number}: no forge configured to comment on"
+                "revert pushed to branch `{branch}`: no forge configured to open its pull request"
             ));
         };
-        let Some(forge) = Forge::from_config(fc)? else {
+        let (title, rest) = message.split_once('\n').unwrap_or((&message, ""));
+        let mut body = rest.trim_start().to_string();
+        if let Some(n) = carried {
+            body.push_str(&format!("\nReverts the change of #{n}.\n"));
+        }
+        // The change as every pull request of rlc shows it: its table.
+        let forge_cfg = self.cfg.config_repo.forge.as_ref();
+        let report = summary::report_with(
+            &plan,
+            &outcome.summary,
+            &summary::ReportContext {
+                promotions: &[],
+                dashboard_url: forge_cfg.and_then(|f| f.dashboard_url.as_deref()),
+            },
+        );
+        body.push('\n');
+        body.push_str(&report);
+        let body = summary::truncate_body(&body, FORGE_BODY_LIMIT);
+        let (PullRequest { number, .. }, _) = forge
+            .upsert_pull_request(&branch, &self.cfg.config_repo.branch, title, &body)
+            .await?;
+        let Some(n) = carried else {
             return Ok(format!(
-                "pull request #{number}: no forge configured to comment on"
+                "revert proposed in pull request #{number}, labelled `{ROLLOUT_ABORTED_LABEL}`"
             ));
         };
-        let body = format!(
-            "Rollout aborted by rlc: `{}/{}` {} was tried as a candidate and {}\n\nThe controllers keep the limit in force. Revert this change on `{}` (rlc does not propose it again until its inputs change).",
+        let comment = format!(
+            "Rollout aborted by rlc: `{}/{}` {} was tried as a candidate and {}\n\nThe controllers keep the limit in force. The revert is proposed in #{number} (rlc does not propose this change again until its inputs change).",
             r.service,
             r.bucket,
             r.change,
             r.reason.as_deref().unwrap_or("failed"),
-            self.cfg.config_repo.branch
         );
         forge
-            .comment_and_label(number as u64, &body, ROLLOUT_ABORTED_LABEL)
+            .comment_and_label(n as u64, &comment, ROLLOUT_ABORTED_LABEL)
             .await?;
         Ok(format!(
-            "commented and labelled `{ROLLOUT_ABORTED_LABEL}` on pull request #{number}"
+            "revert proposed in pull request #{number}, labelled `{ROLLOUT_ABORTED_LABEL}`; commented on pull request #{n}"
         ))
     }
 

@@ -433,11 +433,14 @@ async fn without_rollout_changes_apply_at_once() {
 }
 
 /// Pull-request mode: the lowering reaches the base branch when a person merges its pull
-/// request; its candidate fails, the controllers keep 3,470 although the base holds 100, and
-/// the pull request gets a comment with the evidence and the `rollout-aborted` label (the
-/// stand-in forge checks the credential and the comment's size, and records the label).
+/// request; its candidate fails, the controllers keep 3,470 although the base holds 100, the
+/// revert is pushed to a branch of its own and proposed in a pull request labelled
+/// `rollout-aborted` that names the first, and the first gets a comment with the evidence, a
+/// link to the revert and the label (the stand-in forge checks the credential and the
+/// comment's size, and records the label). Once a person merges the revert, the base holds
+/// 3,470 again.
 #[tokio::test]
-async fn pull_request_mode_comments_and_labels_the_merged_pull_request() {
+async fn pull_request_mode_proposes_the_revert_in_a_pull_request_of_its_own() {
     let remote = remote("");
     let (forge, ctl, cycle) = pr_cycle(&remote).await;
     let out = cycle.apply(&gw(100.0), "once").await;
@@ -452,15 +455,37 @@ async fn pull_request_mode_comments_and_labels_the_merged_pull_request() {
     assert_eq!(r.version, merged);
     assert_eq!(
         r.revert.as_deref(),
-        Some("commented and labelled `rollout-aborted` on pull request #1")
+        Some(
+            "revert proposed in pull request #2, labelled `rollout-aborted`; commented on pull request #1"
+        )
     );
     assert_eq!(
         remote.head("main").unwrap(),
         merged,
-        "people revert in PR mode"
+        "people merge the revert in PR mode"
     );
+    let branch = format!(
+        "rlc/quotas-revert-{}",
+        r.id.replace(|c: char| !c.is_ascii_alphanumeric() && c != '-', "-")
+    );
+    assert!(remote
+        .read(&branch, "buckets/payments.yaml")
+        .unwrap()
+        .contains("limit_rps: 3470\n"));
     {
         let prs = forge.prs.lock().unwrap();
+        assert_eq!(prs.len(), 2, "{prs:?}");
+        let revert = &prs[1];
+        assert_eq!(revert["head"], branch.as_str(), "{revert}");
+        assert_eq!(revert["base"], "main", "{revert}");
+        let title = revert["title"].as_str().unwrap();
+        assert!(
+            title.starts_with("rlc: revert payments/gw to 3470 rps enforce: rollout aborted"),
+            "{title}"
+        );
+        let body = revert["body"].as_str().unwrap();
+        assert!(body.contains("would have been refused"), "{body}");
+        assert!(body.contains("Reverts the change of #1."), "{body}");
         let comments = prs[0]["comments"].as_array().unwrap();
         let c = comments.last().unwrap().as_str().unwrap();
         assert!(
@@ -468,12 +493,17 @@ async fn pull_request_mode_comments_and_labels_the_merged_pull_request() {
             "{c}"
         );
         assert!(c.contains("would have been refused"), "{c}");
+        assert!(c.contains("The revert is proposed in #2"), "{c}");
     }
-    assert!(forge
-        .decorations
-        .lock()
-        .unwrap()
-        .contains(&(1, json!({"labels": ["rollout-aborted"]}))));
+    let decorations = forge.decorations.lock().unwrap().clone();
+    assert!(
+        decorations.contains(&(1, json!({"labels": ["rollout-aborted"]}))),
+        "{decorations:?}"
+    );
+    assert!(
+        decorations.contains(&(2, json!({"labels": ["rollout-aborted"]}))),
+        "{decorations:?}"
+    );
     assert!(
         forge.problems.lock().unwrap().is_empty(),
         "{:?}",
@@ -498,6 +528,15 @@ async fn pull_request_mode_comments_and_labels_the_merged_pull_request() {
         .unwrap()
         .candidates
         .is_empty());
+    // A person merges the revert: the base holds 3,470 again, and so do the controllers.
+    remote.human_merge(&branch).unwrap();
+    assert!(remote
+        .read("main", "buckets/payments.yaml")
+        .unwrap()
+        .contains("limit_rps: 3470\n"));
+    let (_, base) = cycle.poll().await.unwrap();
+    assert!(cycle.push_all(&base, None).await.errors.is_empty());
+    assert_eq!(ctl.limit(), Some(3470.0));
 }
 
 /// After an abort in pull-request mode the base holds the aborted 100 rps while the
