@@ -823,6 +823,43 @@ impl Cycle {
         Ok(polled)
     }
 
+    /// Records as applied each bucket's newest proposed change that the base branch `base`
+    /// now holds (a person merged its pull request): the quota history, the dashboard and
+    /// the decrease guard see it at the next poll instead of the next run. Returns how many.
+    pub async fn record_merged(&self, base: &BaseState) -> anyhow::Result<usize> {
+        let store = self.store().await?;
+        let proposals = store.open_proposals().await?;
+        let held = |service: &str, bucket: &str| {
+            base.doc
+                .services
+                .iter()
+                .find(|f| f.service == service)
+                .and_then(|f| f.buckets.iter().find(|b| b.name == bucket))
+        };
+        let merged: Vec<i64> = proposals
+            .into_iter()
+            .filter(
+                |(_, service, bucket, limit, mode)| match (held(service, bucket), limit) {
+                    (Some(b), Some(l)) => {
+                        b.limit_rps == *l && mode.as_deref().is_none_or(|m| m == b.mode.as_str())
+                    }
+                    (None, None) => true,
+                    _ => false,
+                },
+            )
+            .map(|(id, ..)| id)
+            .collect();
+        if !merged.is_empty() {
+            store.mark_applied(&merged).await?;
+            tracing::info!(
+                changes = merged.len(),
+                version = %base.doc.version,
+                "proposed changes found merged on the base branch: recorded as applied"
+            );
+        }
+        Ok(merged.len())
+    }
+
     /// The base tip's bucket files as the controller's desired config, as last fetched (a run
     /// moves the local base ref with what it pushed).
     pub async fn desired(&self) -> anyhow::Result<BaseState> {

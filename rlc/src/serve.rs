@@ -763,6 +763,10 @@ impl Loop {
         };
         if let Ok(d) = &desired {
             self.state.inner.metrics.desired_version.set(&d.doc.version);
+            // A pull request a person merged is recorded as applied now, not at the next run.
+            if let Err(e) = self.cycle.record_merged(d).await {
+                tracing::warn!(error = %format!("{e:#}"), "cannot record merged proposals; next poll");
+            }
         }
         if !self.cycle.config().region_controllers().is_empty() {
             self.state.busy("controller reconcile and report poll");

@@ -715,6 +715,35 @@ impl Store {
         .await?))
     }
 
+    /// The newest proposed change of each bucket that no applied change followed:
+    /// `(id, service, bucket, limit_rps, mode)` (`limit_rps` null: a removal). What a merge of
+    /// the pull request would apply.
+    pub async fn open_proposals(
+        &self,
+    ) -> Result<Vec<(i64, String, String, Option<f64>, Option<String>)>, StoreError> {
+        on_pool!(self, pool => Ok(sqlx::query_as::<_, (i64, String, String, Option<f64>, Option<String>)>(
+            "SELECT q.id, q.service, q.bucket, q.limit_rps, q.mode FROM quota_history q \
+             WHERE q.state = 'proposed' AND q.id = (SELECT MAX(n.id) FROM quota_history n \
+             WHERE n.service = q.service AND n.bucket = q.bucket) ORDER BY q.id",
+        )
+        .fetch_all(pool)
+        .await?))
+    }
+
+    /// Marks the changes `ids` applied (their pull request was merged).
+    pub async fn mark_applied(&self, ids: &[i64]) -> Result<(), StoreError> {
+        for id in ids {
+            on_pool!(self, pool => {
+                sqlx::query("UPDATE quota_history SET state = 'applied' WHERE id = $1 AND state = 'proposed'")
+                    .bind(id)
+                    .execute(pool)
+                    .await?;
+                Ok::<(), StoreError>(())
+            })?;
+        }
+        Ok(())
+    }
+
     /// The `limit` most recent changes of one bucket with the run that made them (id and
     /// trigger), newest first: the dashboard's quota history and `GET
     /// /v1/quotas/{service}/{bucket}/history`.

@@ -539,6 +539,29 @@ async fn pull_request_mode_proposes_the_revert_in_a_pull_request_of_its_own() {
     assert_eq!(ctl.limit(), Some(3470.0));
 }
 
+/// A pull request a person merges is recorded as applied at the next poll: the quota history
+/// says `applied` for the merged proposal, once.
+#[tokio::test]
+async fn a_merged_pull_request_is_recorded_as_applied_by_the_next_poll() {
+    let remote = remote("");
+    let (_forge, _ctl, cycle) = pr_cycle(&remote).await;
+    let out = cycle.apply(&gw(100.0), "once").await;
+    assert_eq!(out.pull_request.as_ref().map(|p| p.0), Some(1), "{out}");
+    let store = cycle.store().await.unwrap();
+    let states = |h: Vec<crate::store::QuotaRecord>| h.iter().map(|q| q.state).collect::<Vec<_>>();
+    let history = store.quota_history("payments", "gw").await.unwrap();
+    assert_eq!(states(history), [ChangeState::Proposed]);
+    // Not merged yet: nothing changes.
+    let (_, base) = cycle.poll().await.unwrap();
+    assert_eq!(cycle.record_merged(&base).await.unwrap(), 0);
+    remote.human_merge("rlc/quotas").unwrap();
+    let (_, base) = cycle.poll().await.unwrap();
+    assert_eq!(cycle.record_merged(&base).await.unwrap(), 1);
+    let history = store.quota_history("payments", "gw").await.unwrap();
+    assert_eq!(states(history), [ChangeState::Applied]);
+    assert_eq!(cycle.record_merged(&base).await.unwrap(), 0);
+}
+
 /// After an abort in pull-request mode the base holds the aborted 100 rps while the
 /// controllers keep 3,470. A person then lowers the bucket again (90): the limit in force is
 /// still 3,470, so the new change is a rollout from 3,470, baked as a candidate with 3,470

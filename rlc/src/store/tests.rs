@@ -309,6 +309,22 @@ async fn check_applied_decreases(store: Store) {
         .map(|c| c.state)
         .collect();
     assert_eq!(states, [ChangeState::Proposed]);
+    // The open proposal of `other`, once merged, is applied and then counts.
+    let open = store.open_proposals().await.unwrap();
+    assert_eq!(open.len(), 1, "{open:?}");
+    let (id, service, bucket, limit, mode) = open[0].clone();
+    assert_eq!(
+        (service.as_str(), bucket.as_str(), limit),
+        ("payments", "other", Some(120.0))
+    );
+    assert_eq!(mode.as_deref(), cut.mode.as_deref());
+    store.mark_applied(&[id]).await.unwrap();
+    assert!(store.open_proposals().await.unwrap().is_empty());
+    let found = store.applied_decreases_since(before).await.unwrap();
+    assert!(
+        found.contains_key(&("payments".to_string(), "other".to_string())),
+        "{found:?}"
+    );
 }
 
 #[tokio::test]
