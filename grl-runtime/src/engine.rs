@@ -95,6 +95,10 @@ const FORGOTTEN_ZONE_MEMORY_MS: u64 = 600_000;
 /// sums a full pass would compute, and they do not depend on the order reports arrive in
 /// (the simulator stays reproducible bit for bit).
 const RATE_UNIT: f64 = 1000.0;
+/// The most seconds one [`Engine::record_reports`] call writes rows for (a controller stalled
+/// longer does not invent a long past at the rates of now).
+pub const MAX_REPORT_SECONDS: u64 = 10;
+
 /// The largest rate one zone reports per bucket that is counted (2^53 units, about 9·10^12
 /// requests/s): far beyond any real rate, and sums of a thousand zones stay within an i64.
 const RATE_MAX: f64 = 9_007_199_254_740_992.0;
@@ -273,6 +277,8 @@ pub struct Engine {
     forgotten: HashMap<String, (u64, Option<u64>)>,
     reports: VecDeque<ReportRow>,
     report_cap: usize,
+    /// The last second [`Engine::record_reports`] wrote rows for.
+    reported_second: Option<u64>,
     seq: u64,
     /// Cumulative counts per bucket index, per zone name id (sorted by zone name) for
     /// `/metrics`.
@@ -330,6 +336,7 @@ impl Engine {
             forgotten: HashMap::new(),
             reports: VecDeque::new(),
             report_cap: 20_000,
+            reported_second: None,
             seq: 0,
             totals: Vec::new(),
             epoch: {
@@ -1499,10 +1506,29 @@ impl Engine {
         self.seq = self.seq.max(base);
     }
 
-    /// Appends one report row per bucket and scope key with traffic in the interval (call once
-    /// per tick); keys whose zones reported nothing but zeros are skipped so that the bounded
-    /// ring holds useful rows.
+    /// Appends one report row per bucket and scope key with traffic for each second since the
+    /// last call, up to `unix_now` (call once per tick): a row's rates stand for one second, so
+    /// a reader summing them counts requests whatever the tick. Several ticks in one second
+    /// write that second once; a tick longer than a second (or a late one) writes each second
+    /// it covers, at most [`MAX_REPORT_SECONDS`], with the rates in force; a clock that went
+    /// back starts again at `unix_now`. Keys whose zones reported nothing but zeros are
+    /// skipped so that the bounded ring holds useful rows.
     pub fn record_reports(&mut self, unix_now: u64) {
+        let from = match self.reported_second {
+            Some(last) if last == unix_now => return,
+            Some(last) if last < unix_now => {
+                (last + 1).max(unix_now.saturating_sub(MAX_REPORT_SECONDS - 1))
+            }
+            _ => unix_now,
+        };
+        for second in from..=unix_now {
+            self.record_second(second);
+        }
+        self.reported_second = Some(unix_now);
+    }
+
+    /// The rows of one second (see [`Engine::record_reports`]).
+    fn record_second(&mut self, unix_now: u64) {
         // Rows beyond the ring's capacity would be evicted at once: their sequence numbers are
         // used up (the count of keys with traffic is kept as sums change), but only the
         // newest `report_cap` rows are built, walking back from the last bucket.

@@ -176,8 +176,9 @@ pub struct SilentBucket {
 /// }
 /// ```
 ///
-/// `offered`, `admitted`, `dropped` and `shadow_dropped` are sums of per-report rates (requests
-/// when ticks are 1 s). Errors: 400 `{"error"}` for a bad window; 503 without a store, or when
+/// `offered`, `admitted`, `dropped` and `shadow_dropped` are requests: sums of the
+/// controllers' per-second report rows (a controller writes one row per key and second,
+/// whatever its tick). Errors: 400 `{"error"}` for a bad window; 503 without a store, or when
 /// the store does not answer within `store.query_timeout` or is unreachable; 500 when it
 /// refuses the query. A store error names what could not be loaded and why (never the
 /// database URL's password), instead of answering zeros.
@@ -1112,8 +1113,8 @@ fn buckets_section(d: &PageData, rows: &[overview::Row]) -> Markup {
                      then shadow buckets that would drop more than 1%, then buckets whose reports \
                      stopped (stale) or never came in the window (silent). Limit: the config \
                      repo's base branch (what the controller should run), with the controller's \
-                     latest report when it differs. Offered and drops are sums of per-tick rates \
-                     (requests, with 1-second ticks)."
+                     latest report when it differs. Offered and drops are requests: sums of the \
+                     controllers' per-second rates."
                 }
             }
         }
