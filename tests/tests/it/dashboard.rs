@@ -19,7 +19,7 @@ use super::fleet::{Caller, Fleet, Load};
 use super::{get, start_controller_ticking, wait_until, Deployment};
 
 /// Headless Chromium on `url` with `extra` arguments; its stdout. Bounded: killed after 60 s.
-fn chromium(extra: &[String], url: &str) -> String {
+pub(crate) fn chromium(extra: &[String], url: &str) -> String {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
     let mut p = Proc::spawn(
@@ -549,7 +549,7 @@ fn burst_and_real_drops(database_url: &str, shots: &str) {
 }
 
 /// The text of the element with id `id` (no nested tags).
-fn text_of(html: &str, id: &str) -> String {
+pub(crate) fn text_of(html: &str, id: &str) -> String {
     let key = format!("id=\"{id}\">");
     let s = html.find(&key).unwrap_or_else(|| panic!("no #{id}")) + key.len();
     html[s..s + html[s..].find('<').unwrap()].to_string()
