@@ -14,8 +14,6 @@ use crate::counters::{BucketCounts, Counters};
 use crate::lookup::Lookup;
 use crate::rng::thread_rng_u64;
 
-/// The bucket type the limiter compiles (the one in bucket YAML files).
-
 /// The outcome of one decision.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decision {

@@ -246,7 +246,11 @@ fn scale(c: &mut Criterion, n: usize) {
     g.bench_function("report_10pct", |b| {
         b.iter(|| {
             flip += 1;
-            let r = if flip % 2 == 0 { &full[3] } else { &full2[3] };
+            let r = if flip.is_multiple_of(2) {
+                &full[3]
+            } else {
+                &full2[3]
+            };
             e.ingest(black_box(r), 0);
             e.recompute(0, 0);
         })
@@ -260,7 +264,11 @@ fn scale(c: &mut Criterion, n: usize) {
     g.bench_function("round", |b| {
         b.iter(|| {
             flip += 1;
-            let set = if flip % 2 == 0 { &full } else { &full2 };
+            let set = if flip.is_multiple_of(2) {
+                &full
+            } else {
+                &full2
+            };
             for r in set {
                 black_box(e.ingest(black_box(r), 0));
             }

@@ -374,12 +374,12 @@ impl Scenario {
     }
 
     fn check(&self) -> Result<(), SimError> {
-        if self.step_ms == 0 || self.tick_ms == 0 || self.tick_ms % self.step_ms != 0 {
+        if self.step_ms == 0 || self.tick_ms == 0 || !self.tick_ms.is_multiple_of(self.step_ms) {
             return Err(SimError::Invalid(
                 "tick_ms must be a positive multiple of step_ms".into(),
             ));
         }
-        if WINDOW_MS % self.step_ms != 0 {
+        if !WINDOW_MS.is_multiple_of(self.step_ms) {
             return Err(SimError::Invalid(format!(
                 "step_ms must divide {WINDOW_MS}"
             )));
@@ -695,7 +695,7 @@ pub fn run_with(
         }
         now += sc.step_ms;
 
-        if now % WINDOW_MS == 0 {
+        if now.is_multiple_of(WINDOW_MS) {
             for (b, w) in win_counts.iter_mut().enumerate() {
                 w.end_ms = now;
                 result
@@ -707,7 +707,7 @@ pub fn run_with(
             }
         }
         // Clients watch their own rate every step (the real client every 10 ms).
-        if algo == Algorithm::DropByRatio && sc.local_adjust && now % sc.tick_ms != 0 {
+        if algo == Algorithm::DropByRatio && sc.local_adjust && !now.is_multiple_of(sc.tick_ms) {
             let mut urgent = Vec::new();
             for (i, inst) in instances.iter_mut().enumerate() {
                 if inst.reporter.subtick(now) && !inst.urgent_sent {
@@ -729,7 +729,7 @@ pub fn run_with(
                 );
             }
         }
-        if now % sc.tick_ms != 0 {
+        if !now.is_multiple_of(sc.tick_ms) {
             continue;
         }
 

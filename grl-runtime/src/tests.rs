@@ -811,7 +811,8 @@ fn incremental_engine_matches_a_full_pass() {
         (x >> 33) % m
     };
     // aggregator → (region, zone, at_ms, [(bucket, offered)])
-    let mut latest: BTreeMap<String, (String, String, u64, Vec<(String, f64)>)> = BTreeMap::new();
+    type Latest = (String, String, u64, Vec<(String, f64)>);
+    let mut latest: BTreeMap<String, Latest> = BTreeMap::new();
     // aggregator → (last report at_ms, forwarding interval estimate, horizon)
     let mut pace: BTreeMap<String, (u64, Option<u64>, u64)> = BTreeMap::new();
     let mut expired = 0;
@@ -1247,7 +1248,7 @@ fn shared_directive_bytes_are_the_replies_built_from_scratch() {
         // Zones 0 and 3 send no session (older aggregators), the others full or delta reports
         // (a delta on a base the engine may not hold); now and then one names a version of
         // another engine.
-        let sessioned = a % 3 != 0;
+        let sessioned = !a.is_multiple_of(3);
         if sessioned {
             let seq = seqs[a].map_or(1, |s| s + 1);
             let named = if rand(10) == 0 { Some((1, 1)) } else { held[a] };

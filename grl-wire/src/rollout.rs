@@ -100,7 +100,10 @@ pub fn judge(rule: &RolloutRule, seen: &Observed) -> Verdict {
     let share = seen.share();
     let enough = seen.offered >= rule.min_offered;
     // NaN counts are never "under the bar".
-    let over = !(share <= rule.max_virtual_drop_share);
+    let over = !matches!(
+        share.partial_cmp(&rule.max_virtual_drop_share),
+        Some(std::cmp::Ordering::Less | std::cmp::Ordering::Equal)
+    );
     if enough && over {
         return Verdict::Abort {
             reason: format!(

@@ -107,6 +107,12 @@ pub struct Fit {
     pub trend: &'static str,
 }
 
+/// A fit's trends: the linear model's intercept and slope, the log-linear model's.
+type Trend = (f64, f64, f64, f64);
+/// A fit's weekly seasons: the linear model's index and its residual quantile, the
+/// log-linear model's.
+type Seasons = (Vec<f64>, f64, Vec<f64>, f64);
+
 fn q99(mut v: Vec<f64>) -> f64 {
     if v.is_empty() {
         return 1.0;
@@ -276,7 +282,7 @@ impl Fit {
         // weekend and ends on weekdays (or a fall the other way round). Starting from a flat
         // index, a few rounds settle.
         let flat = vec![1.0; WEEK_HOURS];
-        let mut fitted: Option<((f64, f64, f64, f64), (Vec<f64>, f64, Vec<f64>, f64))> = None;
+        let mut fitted: Option<(Trend, Seasons)> = None;
         for _ in 0..4 {
             let (season, season_exp) = match &fitted {
                 Some((_, (s_lin, _, s_exp, _))) => (s_lin, s_exp),

@@ -680,6 +680,8 @@ pub fn contracts_without_traffic(
     Ok(out)
 }
 
+// Ten inputs of one planned bucket; a struct of them is left for the plan's redesign.
+#[allow(clippy::too_many_arguments)]
 fn push(
     plan: &mut Plan,
     spec: &PolicySpec,

@@ -70,6 +70,7 @@ mod tests {
     use super::*;
 
     #[test]
+    #[allow(clippy::type_complexity)] // a table of cases
     fn one_parser_two_grammars() {
         let cases: &[(&str, &[(&str, u64)], Result<u64, DurationError>)] = &[
             ("30s", HUMAN_UNITS, Ok(30_000)),

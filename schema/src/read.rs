@@ -108,9 +108,9 @@ pub fn kind_of(ft: &std::fs::FileType) -> &'static str {
 
 /// `n` bytes for people: `4 MiB`, `1536 bytes`.
 pub(crate) fn bytes(n: u64) -> String {
-    if n >= 1 << 20 && n % (1 << 20) == 0 {
+    if n >= 1 << 20 && n.is_multiple_of(1 << 20) {
         format!("{} MiB", n >> 20)
-    } else if n >= 1 << 10 && n % (1 << 10) == 0 {
+    } else if n >= 1 << 10 && n.is_multiple_of(1 << 10) {
         format!("{} KiB", n >> 10)
     } else {
         format!("{n} bytes")

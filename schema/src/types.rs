@@ -215,7 +215,7 @@ impl fmt::Display for HumanDuration {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let s = self.0.as_secs();
         for (unit, len) in [("d", 86_400), ("h", 3600), ("m", 60)] {
-            if s % len == 0 && s >= len {
+            if s.is_multiple_of(len) && s >= len {
                 return write!(f, "{}{unit}", s / len);
             }
         }

@@ -65,6 +65,54 @@ fn workspace_root() -> PathBuf {
         .to_path_buf()
 }
 
+/// The lints every landing passes: `cargo fmt --check` and clippy on every target with
+/// warnings as errors (the toolchain's `rustfmt` and `clippy` components are added when
+/// missing).
+fn lint(root: &Path) -> Result<()> {
+    for (component, probe) in [("rustfmt", "fmt"), ("clippy", "clippy")] {
+        let present = Command::new(cargo())
+            .args([probe, "--version"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !present {
+            eprintln!("xtask: adding the toolchain component {component}");
+            let added = Command::new("rustup")
+                .args(["component", "add", component])
+                .status()
+                .is_ok_and(|s| s.success());
+            if !added {
+                bail!("cargo {probe} is missing and `rustup component add {component}` failed");
+            }
+        }
+    }
+    let fmt = Command::new(cargo())
+        .current_dir(root)
+        .args(["fmt", "--all", "--", "--check"])
+        .status()
+        .context("running cargo fmt")?;
+    if !fmt.success() {
+        bail!("`cargo fmt --all -- --check` found unformatted code: run `cargo fmt --all`");
+    }
+    let clippy = Command::new(cargo())
+        .current_dir(root)
+        .args([
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ])
+        .status()
+        .context("running cargo clippy")?;
+    if !clippy.success() {
+        bail!("`cargo clippy --workspace --all-targets -- -D warnings` failed (see above)");
+    }
+    Ok(())
+}
+
 fn test(extra: &[String]) -> Result<u8> {
     ensure_packages()?;
     match std::env::var("DATABASE_URL") {
@@ -76,6 +124,7 @@ fn test(extra: &[String]) -> Result<u8> {
     }
 
     let root = workspace_root();
+    lint(&root)?;
     let status = Command::new(cargo())
         .current_dir(&root)
         .args(["build", "-p", "example-plugin"])

@@ -944,7 +944,7 @@ async fn days_of_stored_reports_give_the_simulated_figures() {
     let days = 8u32;
     let window_start = now - chrono::Duration::days(7);
     let steady = |m: usize| 50.0 + 10.0 * ((m % 60) as f64 / 30.0 - 1.0);
-    let hot = |m: usize| if m % 50 == 0 { 160.0 } else { 80.0 };
+    let hot = |m: usize| if m.is_multiple_of(50) { 160.0 } else { 80.0 };
     // Minute k counts from the window's start (as `simulate` counts); the day before it
     // repeats the same pattern (3,000 minutes: a multiple of both periods).
     let mut batch: Vec<crate::push::ReportRow> = Vec::new();

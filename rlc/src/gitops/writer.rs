@@ -994,7 +994,9 @@ fn build_tree(
     base: &Tree<'_>,
     files: &[(String, Option<Vec<u8>>)],
 ) -> Result<Oid, GitOpsError> {
-    let mut by_dir: BTreeMap<&str, Vec<(&str, Option<&[u8]>)>> = BTreeMap::new();
+    // Per directory: each file's name and its new bytes (None: removed).
+    type Entries<'a> = Vec<(&'a str, Option<&'a [u8]>)>;
+    let mut by_dir: BTreeMap<&str, Entries<'_>> = BTreeMap::new();
     for (path, bytes) in files {
         let (dir, name) = path.split_once('/').expect("generated paths are dir/file");
         by_dir

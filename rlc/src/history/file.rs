@@ -69,10 +69,13 @@ pub fn load(path: &Path, cfg: &HistoryConfig, end: DateTime<Utc>) -> Result<Hist
     }
 }
 
+/// A series' labels by name.
+type Labels = BTreeMap<String, String>;
+
 /// The rows of a CSV file by label set, each set once (rows repeat it per sample).
 struct Csv {
     /// Every label set with its samples `(ts, rps)`, in the order the sets first appear.
-    series: Vec<(BTreeMap<String, String>, Vec<(i64, f64)>)>,
+    series: Vec<(Labels, Vec<(i64, f64)>)>,
     /// The latest timestamp, if any row.
     last: Option<i64>,
 }

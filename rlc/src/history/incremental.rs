@@ -146,7 +146,7 @@ fn key_of(r: &Rejected) -> Option<SeriesKey> {
 pub(crate) fn union(held: &[Rejected], tail: Vec<Rejected>) -> Vec<Rejected> {
     let mut out: Vec<Rejected> = held.to_vec();
     let mut seen: std::collections::HashSet<(Option<SeriesKey>, bool, String)> =
-        held.iter().map(|r| ident(r)).collect();
+        held.iter().map(ident).collect();
     for r in tail {
         if seen.insert(ident(&r)) {
             out.push(r);

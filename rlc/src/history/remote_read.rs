@@ -1177,7 +1177,7 @@ pub mod bench {
     impl Enc {
         fn put(&mut self, v: u64, n: u32) {
             for k in (0..n).rev() {
-                if self.bits % 8 == 0 {
+                if self.bits.is_multiple_of(8) {
                     self.b.push(0);
                 }
                 if (v >> k) & 1 == 1 {
@@ -1265,8 +1265,11 @@ pub mod bench {
         out
     }
 
+    /// One series of [`answer`]: its labels and samples `(ms, value)`.
+    pub type Series = (Vec<(String, String)>, Vec<(i64, f64)>);
+
     /// A streamed answer: a frame per series, its samples in chunks of 120 as a TSDB cuts them.
-    pub fn answer(series: &[(Vec<(String, String)>, Vec<(i64, f64)>)]) -> Vec<u8> {
+    pub fn answer(series: &[Series]) -> Vec<u8> {
         let mut out = Vec::new();
         for (labels, samples) in series {
             let msg = proto::ChunkedReadResponse {

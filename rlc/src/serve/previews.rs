@@ -167,7 +167,7 @@ pub(in crate::serve) async fn on_serve(
     body: Body,
 ) -> Response {
     match &s.inner.previews {
-        Some(p) => answer(&p, &headers, body).await,
+        Some(p) => answer(p, &headers, body).await,
         None => Problem::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "previews are not available yet",

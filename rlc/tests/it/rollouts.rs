@@ -271,8 +271,7 @@ async fn a_candidate_that_would_refuse_traffic_is_aborted_and_reverted() {
     let evaluated = seen
         .iter()
         .flat_map(|s| s.candidates[0].iter())
-        .filter(|c| c["virtual_dropped"].as_f64().unwrap_or(0.0) > 0.0)
-        .last()
+        .rfind(|c| c["virtual_dropped"].as_f64().unwrap_or(0.0) > 0.0)
         .cloned()
         .expect("the controller evaluated the candidate");
     assert_eq!(
@@ -349,14 +348,20 @@ async fn a_candidate_above_demand_is_promoted_after_its_bake_across_restarts() {
     assert_eq!(out.status, RunStatus::Success, "{out}");
     assert_eq!(out.rollouts.len(), 1, "{out}");
     // Some counts, then both restart.
-    drive(&cycle, &[url.clone()], |r| r.figures.offered > 0.0).await;
+    drive(&cycle, std::slice::from_ref(&url), |r| {
+        r.figures.offered > 0.0
+    })
+    .await;
     let epoch = get(&url, "/v1/candidates").await["epoch"].clone();
     drop(cycle);
     assert!(ctl.shutdown().await);
     let ctl = controller(d, "eu", port).await;
     assert_ne!(get(&url, "/v1/candidates").await["epoch"], epoch);
     let cycle = Cycle::new(cfg, d);
-    let seen = drive(&cycle, &[url.clone()], |r| r.state == RolloutState::Done).await;
+    let seen = drive(&cycle, std::slice::from_ref(&url), |r| {
+        r.state == RolloutState::Done
+    })
+    .await;
     stop.store(true, Ordering::Relaxed);
     let r = seen.last().unwrap().rollout.clone().unwrap();
     assert_eq!(r.stage, 1, "{r:?}");

@@ -265,8 +265,7 @@ rails:\n  decrease_interval: 1s\n",
     // dropped, nothing really dropped.
     let last = evaluated
         .iter()
-        .filter(|c| c["offered"].as_f64().unwrap_or(0.0) > 0.0)
-        .last()
+        .rfind(|c| c["offered"].as_f64().unwrap_or(0.0) > 0.0)
         .cloned()
         .unwrap_or_else(|| panic!("the controller evaluated no candidate: {evaluated:?}"));
     assert_eq!(last["limit_rps"].as_f64(), Some(100.0), "{last}");

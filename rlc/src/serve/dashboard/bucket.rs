@@ -1070,7 +1070,7 @@ fn render(
                         Err(problem) => {
                             section class="notice" id="problem" {
                                 h2 { "Could not load this bucket" }
-                                p { (super::prose(&problem)) }
+                                p { (super::prose(problem)) }
                             }
                         }
                     }

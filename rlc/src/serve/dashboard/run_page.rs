@@ -91,7 +91,7 @@ pub fn error_page(title: &str, message: &str) -> String {
                 main {
                     section class="notice" id="problem" {
                         h2 { "Not found or not loaded" }
-                        p { (super::prose(&message)) }
+                        p { (super::prose(message)) }
                     }
                 }
             }
