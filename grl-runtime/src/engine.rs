@@ -58,6 +58,7 @@ pub struct BucketState {
     pub keys: Vec<KeyState>,
 }
 
+use grl_wire::ReportCounts;
 /// The rows and pages of `GET /v1/reports` (wire types, shared with `rlc`).
 pub use grl_wire::{ReportPage, ReportRow};
 
@@ -95,6 +96,20 @@ const FORGOTTEN_ZONE_MEMORY_MS: u64 = 600_000;
 /// sums a full pass would compute, and they do not depend on the order reports arrive in
 /// (the simulator stays reproducible bit for bit).
 const RATE_UNIT: f64 = 1000.0;
+/// The counts of key `id` in a bucket's pending counts, taken out (zeros when none).
+fn take_counts(pending: &mut Vec<(u32, [u64; 4])>, id: u32) -> ReportCounts {
+    let c = match pending.iter().position(|(k, _)| *k == id) {
+        Some(p) => pending.swap_remove(p).1,
+        None => [0; 4],
+    };
+    ReportCounts {
+        offered: c[0],
+        admitted: c[1],
+        dropped: c[2],
+        shadow_dropped: c[3],
+    }
+}
+
 /// The most seconds one [`Engine::record_reports`] call writes rows for (a controller stalled
 /// longer does not invent a long past at the rates of now).
 pub const MAX_REPORT_SECONDS: u64 = 10;
@@ -279,6 +294,11 @@ pub struct Engine {
     report_cap: usize,
     /// The last second [`Engine::record_reports`] wrote rows for.
     reported_second: Option<u64>,
+    /// Requests the zones counted since the last report row, per bucket index and scope key
+    /// id ([offered, admitted, dropped, shadow-dropped]); `pending_in` lists the buckets that
+    /// have some.
+    pending: Vec<Vec<(u32, [u64; 4])>>,
+    pending_in: Vec<usize>,
     seq: u64,
     /// Cumulative counts per bucket index, per zone name id (sorted by zone name) for
     /// `/metrics`.
@@ -337,6 +357,8 @@ impl Engine {
             reports: VecDeque::new(),
             report_cap: 20_000,
             reported_second: None,
+            pending: Vec::new(),
+            pending_in: Vec::new(),
             seq: 0,
             totals: Vec::new(),
             epoch: {
@@ -517,6 +539,20 @@ impl Engine {
                 self.totals[*j] = std::mem::take(t);
             }
         }
+        // Counts not reported yet follow their bucket too (a bucket gone loses them: its rows
+        // would name a bucket the config no longer has).
+        let mut old_pending = std::mem::take(&mut self.pending);
+        self.pending = vec![Vec::new(); self.buckets.len()];
+        let mut pending_in = Vec::new();
+        for i in std::mem::take(&mut self.pending_in) {
+            if let (Some(Some(j)), Some(p)) = (remap.get(i), old_pending.get_mut(i)) {
+                if !p.is_empty() {
+                    self.pending[*j] = std::mem::take(p);
+                    pending_in.push(*j);
+                }
+            }
+        }
+        self.pending_in = pending_in;
         self.config = (config != self.base).then_some(config);
         // Every sum is rebuilt from the zones' reports, every ratio recomputed.
         self.dirty.clear();
@@ -799,12 +835,14 @@ impl Engine {
     /// [`Engine::ingest`] of a report without a base.
     fn ingest_full(&mut self, r: &ZoneReport, now_ms: u64) -> Ingested {
         let zone_name = self.zone_names.id(&r.zone);
+        let region_key = self.keys.id(&scope_key(Scope::Region, &r.region, &r.zone));
+        let zone_key = self.keys.id(&scope_key(Scope::Zone, &r.region, &r.zone));
         let mut resolved = Vec::with_capacity(r.buckets.len());
         for b in &r.buckets {
             let Some(i) = lookup(&self.index, &b.service, &b.bucket) else {
                 continue;
             };
-            self.count(i, zone_name, &b.counts);
+            self.count(i, zone_name, (region_key, zone_key), &b.counts);
             if b.gone || b.counts_only {
                 continue;
             }
@@ -832,8 +870,8 @@ impl Engine {
             None => self.forgotten.remove(&r.aggregator_id),
         };
         let mut z = ZoneData {
-            region_key: self.keys.id(&scope_key(Scope::Region, &r.region, &r.zone)),
-            zone_key: self.keys.id(&scope_key(Scope::Zone, &r.region, &r.zone)),
+            region_key,
+            zone_key,
             at_ms: now_ms,
             gap_ms: prev.map(|(at, gap)| crate::period::estimate(gap, now_ms.saturating_sub(at))),
             session: r.session.map(|s| (s.id, s.seq)),
@@ -862,10 +900,34 @@ impl Engine {
         Ingested::Applied
     }
 
-    /// Adds a report's counts of bucket `i` to the zone's cumulative totals.
-    fn count(&mut self, i: usize, zone_name: u32, c: &BucketCountsMsg) {
+    /// Adds a report's counts of bucket `i` to the zone's cumulative totals, and to the counts
+    /// of the bucket's scope key for the zone (`keys`: its region and zone key ids) that the
+    /// next report row carries.
+    fn count(&mut self, i: usize, zone_name: u32, keys: (u32, u32), c: &BucketCountsMsg) {
         if (c.offered | c.admitted | c.dropped | c.shadow_dropped) == 0 {
             return;
+        }
+        let id = match self.buckets[i].bucket.scope {
+            Scope::Global => 0,
+            Scope::Region => keys.0,
+            Scope::Zone => keys.1,
+        };
+        let pending = &mut self.pending[i];
+        if pending.is_empty() {
+            self.pending_in.push(i);
+        }
+        let p = match pending.iter().position(|(k, _)| *k == id) {
+            Some(p) => &mut pending[p].1,
+            None => {
+                pending.push((id, [0; 4]));
+                &mut pending.last_mut().expect("just pushed").1
+            }
+        };
+        for (sum, x) in p
+            .iter_mut()
+            .zip([c.offered, c.admitted, c.dropped, c.shadow_dropped])
+        {
+            *sum = sum.saturating_add(x);
         }
         let names = &self.zone_names;
         let totals = &mut self.totals[i];
@@ -913,13 +975,14 @@ impl Engine {
             return Ingested::Resync;
         }
         let zone_name = self.zone_names.id(&r.zone);
+        let keys = (z.region_key, z.zone_key);
         // (bucket, new rates or None when gone), in bucket order, the last of a bucket wins.
         let mut entries: Vec<(usize, Option<[i64; 4]>)> = Vec::with_capacity(r.buckets.len());
         for b in &r.buckets {
             let Some(i) = lookup(&self.index, &b.service, &b.bucket) else {
                 continue;
             };
-            self.count(i, zone_name, &b.counts);
+            self.count(i, zone_name, keys, &b.counts);
             if b.counts_only {
                 continue;
             }
@@ -1535,6 +1598,7 @@ impl Engine {
         let keep = self.busy_rows.min(self.report_cap);
         let mut rows: Vec<ReportRow> = Vec::with_capacity(keep);
         let peers = self.global_zone_sums(true);
+        let pending = &mut self.pending;
         'walk: for (i, s) in self.buckets.iter().enumerate().rev() {
             for k in s.keys.iter().rev() {
                 if rows.len() == keep {
@@ -1544,6 +1608,7 @@ impl Engine {
                     continue;
                 }
                 rows.push(ReportRow {
+                    counts: Some(take_counts(&mut pending[i], k.id)),
                     seq: 0,
                     t: unix_now.into(),
                     service: s.service.clone(),
@@ -1562,8 +1627,40 @@ impl Engine {
                 });
             }
         }
+        // Counts of keys without a row yet (their rates fell to zero, or the key is gone, or
+        // the ring's cap left them out): a row each, so that every counted request is in a row.
+        let mut late = Vec::new();
+        for i in std::mem::take(&mut self.pending_in) {
+            let s = &self.buckets[i];
+            for (id, c) in std::mem::take(&mut self.pending[i]) {
+                let k = s.keys.iter().find(|k| k.id == id);
+                late.push(ReportRow {
+                    seq: 0,
+                    t: unix_now.into(),
+                    service: s.service.clone(),
+                    bucket: s.bucket.name.clone(),
+                    caller: s.bucket.caller.clone(),
+                    procedure: s.bucket.procedure.clone(),
+                    mode: std::borrow::Cow::Borrowed(s.bucket.mode.as_str()),
+                    scope_key: self.keys.name(id).to_string(),
+                    offered: k.map_or(0.0, |k| k.offered_rps),
+                    admitted: k.map_or(0.0, |k| k.admitted_rps),
+                    dropped: k.map_or(0.0, |k| k.dropped_rps),
+                    shadow_dropped: k.map_or(0.0, |k| k.shadow_dropped_rps),
+                    limit_rps: s.limit_rps,
+                    drop_ratio: k.map_or(0.0, |k| k.ratio),
+                    own_share: k.and_then(|k| own_share(i, k, &peers)),
+                    counts: Some(ReportCounts {
+                        offered: c[0],
+                        admitted: c[1],
+                        dropped: c[2],
+                        shadow_dropped: c[3],
+                    }),
+                });
+            }
+        }
         self.seq += (self.busy_rows - keep) as u64;
-        for mut row in rows.into_iter().rev() {
+        for mut row in rows.into_iter().rev().chain(late) {
             self.seq += 1;
             row.seq = self.seq;
             self.reports.push_back(row);

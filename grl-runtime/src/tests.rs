@@ -493,6 +493,31 @@ fn report_rows_stand_for_one_second_whatever_the_tick() {
     // The clock went back: one row at the new second.
     e.record_reports(50);
     assert_eq!(rows(&e).last().unwrap().t.secs(), Some(50.0));
+    // Every counted request is in exactly one row: the report's 50 in the first one.
+    let counted = |e: &Engine| -> u64 {
+        rows(e)
+            .iter()
+            .map(|x| x.counts.expect("rows carry counts").offered)
+            .sum()
+    };
+    assert_eq!(counted(&e), 50);
+    assert_eq!(rows(&e)[0].counts.unwrap().offered, 50);
+    // The last counts of a caller that stopped (rates zero, so no busy key): a row of their
+    // own, with zero rates.
+    let mut last = zone_report("a1", "r1", "z1", &[("busy", 0.0)]);
+    last.buckets[0].counts.offered = 7;
+    last.buckets[0].counts.admitted = 7;
+    e.ingest(&last, 1000);
+    e.recompute(1000, 51);
+    e.record_reports(51);
+    let r = rows(&e);
+    let tail = r.last().unwrap();
+    assert_eq!((tail.offered, tail.counts.unwrap().offered), (0.0, 7));
+    assert_eq!(tail.scope_key, "global");
+    assert_eq!(counted(&e), 57);
+    // Nothing pending: the next second writes nothing.
+    e.record_reports(52);
+    assert_eq!(rows(&e).len(), r.len());
 }
 
 #[test]
@@ -924,7 +949,21 @@ fn incremental_engine_matches_a_full_pass() {
         // then.
         let want = if reported == Some(unix) { 0 } else { busy };
         reported = Some(unix);
-        assert_eq!(page.reports.len(), want, "step {step}");
+        let (with_rates, counts_only): (Vec<_>, Vec<_>) = page
+            .reports
+            .iter()
+            .partition(|r| r.offered != 0.0 || r.admitted != 0.0);
+        assert_eq!(with_rates.len(), want, "step {step}");
+        // The others carry the counts of keys whose rates are zero now: some, never none.
+        assert!(
+            counts_only
+                .iter()
+                .all(|r| r.counts.is_some_and(|c| c != Default::default())),
+            "step {step}: {counts_only:?}"
+        );
+        if want == 0 {
+            assert!(counts_only.is_empty(), "step {step}");
+        }
     }
     // The rare zones did fall silent beyond their horizon now and then.
     assert!(expired > 0);

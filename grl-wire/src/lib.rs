@@ -12,7 +12,7 @@ pub mod reports;
 pub mod rollout;
 
 pub use candidates::{Candidate, CandidateReport, CandidatesReply};
-pub use reports::{Cursor, ReportPage, ReportRow, Tick};
+pub use reports::{Cursor, ReportCounts, ReportPage, ReportRow, Tick};
 
 use serde::{Deserialize, Serialize};
 

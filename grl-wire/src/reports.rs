@@ -77,7 +77,21 @@ impl Cursor {
     }
 }
 
-/// One row of `GET /v1/reports`: a bucket's rates for one scope key over one tick.
+/// Requests the zones counted for a row's bucket and scope key since the key's previous row
+/// (exact, where the row's rates are the controller's estimates of the moment).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ReportCounts {
+    /// Requests offered.
+    pub offered: u64,
+    /// Requests admitted (shadow drops included).
+    pub admitted: u64,
+    /// Requests dropped.
+    pub dropped: u64,
+    /// Requests that would have been dropped (shadow).
+    pub shadow_dropped: u64,
+}
+
+/// One row of `GET /v1/reports`: a bucket's rates for one scope key over one second.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ReportRow {
     /// Monotonic sequence number (the cursor).
@@ -117,6 +131,11 @@ pub struct ReportRow {
     /// counts `share ×` each rate, so that a region's requests are counted once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub own_share: Option<f64>,
+    /// The requests this controller's zones counted for the key since its previous row; absent
+    /// from controllers before this field (a reader then sums the rates). Not scaled by
+    /// `own_share`: they are this region's own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub counts: Option<ReportCounts>,
 }
 
 fn null_as_empty<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
@@ -163,6 +182,7 @@ mod tests {
             limit_rps: 1.0,
             drop_ratio: 0.25,
             own_share: None,
+            counts: None,
         };
         let page = ReportPage {
             next: 7.into(),

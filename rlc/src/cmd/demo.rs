@@ -299,23 +299,49 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
         let store = cycle.store().await?;
         let (mut cursor, mut stored) = (None::<String>, 0);
         let mut sums: BTreeMap<String, (f64, f64, f64)> = BTreeMap::new();
+        // The controller writes a second's report rows after it: the last counts are in rows
+        // at most a second after the traffic's end. Read until every request it counted is in
+        // a row (or 5 s passed).
+        let offered: f64 = counted
+            .iter()
+            .filter(|(k, _)| &k.0 == service)
+            .map(|(k, n)| n - before.get(k).copied().unwrap_or(0.0))
+            .sum();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
         loop {
             let page = client.reports(cursor.as_deref(), 10_000).await?;
             let n = page.reports.len();
             for r in page.reports.iter().filter(|r| &r.service == service) {
                 let e = sums.entry(r.bucket.clone()).or_default();
-                e.0 += r.offered;
-                e.1 += r.dropped;
-                e.2 += r.shadow_dropped;
+                match r.counts {
+                    Some(c) => {
+                        e.0 += c.offered as f64;
+                        e.1 += c.dropped as f64;
+                        e.2 += c.shadow_dropped as f64;
+                    }
+                    None => {
+                        e.0 += r.offered;
+                        e.1 += r.dropped;
+                        e.2 += r.shadow_dropped;
+                    }
+                }
             }
             stored += store
                 .insert_reports(&page.reports, chrono::Utc::now())
                 .await?;
             let next = page.next.as_param();
-            if n < 10_000 || next.is_none() || next == cursor {
+            let moved = next.is_some() && next != cursor;
+            if moved {
+                cursor = next;
+            }
+            if n == 10_000 && moved {
+                continue;
+            }
+            let in_rows: f64 = sums.values().map(|e| e.0).sum();
+            if in_rows >= offered || std::time::Instant::now() >= deadline {
                 break;
             }
-            cursor = next;
+            tokio::time::sleep(Duration::from_millis(250)).await;
         }
         for b in &driven {
             let (o, d, v) = sums.get(&b.name).copied().unwrap_or_default();
@@ -580,6 +606,12 @@ async fn traffic(
             )))
             .procedure_from(KeyFrom::PathSegment(0)),
     );
+    // Before its first config a client lets every request through uncounted (fail-open):
+    // the traffic starts once the buckets reached it, so that every request is counted.
+    let waited = Instant::now() + Duration::from_secs(10);
+    while client.limiter().table().version().is_empty() && Instant::now() < waited {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let slice = Duration::from_millis(20);
     let start = Instant::now();
     let mut last = start;

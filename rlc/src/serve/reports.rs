@@ -92,6 +92,7 @@ pub(super) fn feeds(cycle: &Cycle, limits: ReportLimits) -> Vec<Feed> {
 /// (`global`, or none from an older controller) becomes `global@<region>`, so that the regions'
 /// rows of one tick are told apart and summed; and rates that peers of other regions
 /// contributed are left out (`own_share`), so that each request is counted in one region.
+/// A row's `counts` are its own region's already and stay as they are.
 pub(super) fn localize(rows: &mut [ReportRow], region: &str) {
     for r in rows {
         if r.scope_key.is_empty() || r.scope_key == "global" {

@@ -299,6 +299,24 @@ struct Row<'a> {
     r: &'a ReportRow,
     t: DateTime<Utc>,
     scope: String,
+    /// What the sums add: the requests the row counted when it says (controllers that send
+    /// `counts`), else its rates (a row stands for one second).
+    sums: [f64; 4],
+}
+
+impl<'a> Row<'a> {
+    fn new(r: &'a ReportRow, t: DateTime<Utc>) -> Row<'a> {
+        let sums = match r.counts {
+            Some(c) => [c.offered, c.admitted, c.dropped, c.shadow_dropped].map(|n| n as f64),
+            None => [r.offered, r.admitted, r.dropped, r.shadow_dropped],
+        };
+        Row {
+            r,
+            t,
+            scope: r.scope_key.clone(),
+            sums,
+        }
+    }
 }
 
 fn rollup<'a>(rows: impl Iterator<Item = &'a Row<'a>>) -> BTreeMap<MinuteKey, Acc> {
@@ -326,10 +344,10 @@ fn rollup<'a>(rows: impl Iterator<Item = &'a Row<'a>>) -> BTreeMap<MinuteKey, Ac
             last_seq: i64::MIN,
         });
         a.reports += 1;
-        a.offered += r.offered;
-        a.admitted += r.admitted;
-        a.dropped += r.dropped;
-        a.shadow_dropped += r.shadow_dropped;
+        a.offered += row.sums[0];
+        a.admitted += row.sums[1];
+        a.dropped += row.sums[2];
+        a.shadow_dropped += row.sums[3];
         a.max_offered = a.max_offered.max(r.offered);
         a.max_drop_ratio = a.max_drop_ratio.max(r.drop_ratio);
         a.first_t = a.first_t.min(row.t);
@@ -442,7 +460,7 @@ impl Period {
             "{name} AS (INSERT INTO {table} AS b ({cols}) \
              SELECT service, bucket, to_timestamp(floor(extract(epoch FROM t) / {secs}) * {secs}), \
                     COUNT(*), COUNT(*) FILTER (WHERE mode = 'enforce'), SUM(offered), SUM(admitted), \
-                    SUM(dropped), SUM(shadow_dropped), MAX(offered), MAX(drop_ratio), MIN(t), MAX(t) \
+                    SUM(dropped), SUM(shadow_dropped), MAX(rate), MAX(drop_ratio), MIN(t), MAX(t) \
              FROM ins GROUP BY 1, 2, 3 ORDER BY 1, 2, 3{set})",
             table = self.table,
             cols = self.columns(),
@@ -611,10 +629,10 @@ fn period_rollup<'a>(
             });
         a.reports += 1;
         a.enforce_reports += i64::from(r.mode == "enforce");
-        a.offered += r.offered;
-        a.admitted += r.admitted;
-        a.dropped += r.dropped;
-        a.shadow_dropped += r.shadow_dropped;
+        a.offered += row.sums[0];
+        a.admitted += row.sums[1];
+        a.dropped += row.sums[2];
+        a.shadow_dropped += row.sums[3];
         a.max_offered = a.max_offered.max(r.offered);
         a.max_drop_ratio = a.max_drop_ratio.max(r.drop_ratio);
         a.first_t = a.first_t.min(row.t);
@@ -624,7 +642,7 @@ fn period_rollup<'a>(
 }
 
 const MINUTE_COLUMNS: &str = "service, bucket, scope_key, minute, reports, offered, admitted, dropped, shadow_dropped, max_offered, max_drop_ratio, first_t, last_t, limit_rps, mode, last_seq";
-const REPORT_COLUMNS: &str = "seq, t, service, bucket, caller, procedure, mode, scope_key, offered, admitted, dropped, shadow_dropped, limit_rps, drop_ratio, received_at";
+const REPORT_COLUMNS: &str = "seq, t, service, bucket, caller, procedure, mode, scope_key, offered, admitted, dropped, shadow_dropped, limit_rps, drop_ratio, received_at, offered_rate";
 
 /// Reports deleted by [`Store::apply_retention`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
@@ -662,11 +680,7 @@ impl Store {
     ) -> Result<u64, StoreError> {
         let rows: Vec<Row> = reports
             .iter()
-            .map(|r| Row {
-                r,
-                t: tick_time(&r.t, received_at),
-                scope: r.scope_key.clone(),
-            })
+            .map(|r| Row::new(r, tick_time(&r.t, received_at)))
             .collect();
         let mut new = 0u64;
         // Every hour the batch writes minutes in is marked dirty (before the minutes are
@@ -702,14 +716,15 @@ impl Store {
                         "WITH ins AS (INSERT INTO shadow_reports ({REPORT_COLUMNS}) \
                          SELECT * FROM UNNEST($1::bigint[], $2::timestamptz[], $3::text[], $4::text[], $5::text[], \
                          $6::text[], $7::text[], $8::text[], $9::float8[], $10::float8[], $11::float8[], \
-                         $12::float8[], $13::float8[], $14::float8[], $15::timestamptz[]) \
+                         $12::float8[], $13::float8[], $14::float8[], $15::timestamptz[], $16::float8[]) \
                          ON CONFLICT (seq, service, bucket, scope_key) DO NOTHING \
                          RETURNING seq, t, service, bucket, scope_key, mode, offered, admitted, dropped, \
-                                   shadow_dropped, limit_rps, drop_ratio), \
+                                   shadow_dropped, limit_rps, drop_ratio, \
+                                   COALESCE(offered_rate, offered) AS rate), \
                          up AS (INSERT INTO shadow_minutes AS m ({MINUTE_COLUMNS}) \
                          SELECT service, bucket, scope_key, date_trunc('minute', t AT TIME ZONE 'UTC') AT TIME ZONE 'UTC', \
                                 COUNT(*), SUM(offered), SUM(admitted), SUM(dropped), SUM(shadow_dropped), \
-                                MAX(offered), MAX(drop_ratio), MIN(t), MAX(t), \
+                                MAX(rate), MAX(drop_ratio), MIN(t), MAX(t), \
                                 (array_agg(limit_rps ORDER BY seq DESC))[1], (array_agg(mode ORDER BY seq DESC))[1], \
                                 MAX(seq) \
                          FROM ins GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 4, 3{UPSERT_SET}), \
@@ -724,13 +739,14 @@ impl Store {
                     .bind(chunk.iter().map(|x| x.r.procedure.as_deref()).collect::<Vec<_>>())
                     .bind(chunk.iter().map(|x| x.r.mode.as_ref()).collect::<Vec<_>>())
                     .bind(chunk.iter().map(|x| x.scope.as_str()).collect::<Vec<_>>())
-                    .bind(chunk.iter().map(|x| x.r.offered).collect::<Vec<_>>())
-                    .bind(chunk.iter().map(|x| x.r.admitted).collect::<Vec<_>>())
-                    .bind(chunk.iter().map(|x| x.r.dropped).collect::<Vec<_>>())
-                    .bind(chunk.iter().map(|x| x.r.shadow_dropped).collect::<Vec<_>>())
+                    .bind(chunk.iter().map(|x| x.sums[0]).collect::<Vec<_>>())
+                    .bind(chunk.iter().map(|x| x.sums[1]).collect::<Vec<_>>())
+                    .bind(chunk.iter().map(|x| x.sums[2]).collect::<Vec<_>>())
+                    .bind(chunk.iter().map(|x| x.sums[3]).collect::<Vec<_>>())
                     .bind(chunk.iter().map(|x| x.r.limit_rps).collect::<Vec<_>>())
                     .bind(chunk.iter().map(|x| x.r.drop_ratio).collect::<Vec<_>>())
                     .bind(vec![received_at; chunk.len()])
+                    .bind(chunk.iter().map(|x| x.r.offered).collect::<Vec<_>>())
                     .fetch_one(&mut *tx)
                     .await?;
                     new += inserted as u64;
@@ -765,13 +781,14 @@ impl Store {
                             .push_bind(&x.r.procedure)
                             .push_bind(x.r.mode.as_ref())
                             .push_bind(&x.scope)
-                            .push_bind(x.r.offered)
-                            .push_bind(x.r.admitted)
-                            .push_bind(x.r.dropped)
-                            .push_bind(x.r.shadow_dropped)
+                            .push_bind(x.sums[0])
+                            .push_bind(x.sums[1])
+                            .push_bind(x.sums[2])
+                            .push_bind(x.sums[3])
                             .push_bind(x.r.limit_rps)
                             .push_bind(x.r.drop_ratio)
-                            .push_bind(Ts(received_at));
+                            .push_bind(Ts(received_at))
+                            .push_bind(x.r.offered);
                     });
                     q.push(
                         " ON CONFLICT (seq, service, bucket, scope_key) DO NOTHING \

@@ -339,6 +339,54 @@ async fn postgres_applied_decreases() {
     check_applied_decreases(Store::connect(&db.url, Path::new("/")).await.unwrap()).await;
 }
 
+/// Rows that carry the requests counted (`counts`): the sums are those counts, exact however
+/// the rates moved; the busiest second comes from the rates. Rows without counts (an older
+/// controller) add their rates, as before.
+async fn check_counted_rows(store: Store) {
+    let at = |s| Utc.with_ymd_and_hms(2026, 11, 30, 3, 0, s).unwrap();
+    let counted = |seq: i64, rate: f64, offered: u64, dropped: u64| {
+        let mut r = rates(seq, "payments", "gw", "", rate, 100.0);
+        r.counts = Some(grl_wire::ReportCounts {
+            offered,
+            admitted: offered - dropped,
+            dropped,
+            shadow_dropped: 0,
+        });
+        r
+    };
+    // The counts arrive in lumps (a client reports every second): 0, 250, 50 requests while
+    // the rates say 100, 150, 120 requests/s.
+    put(&store, &[counted(1, 100.0, 0, 0)], at(1)).await;
+    put(&store, &[counted(2, 150.0, 250, 40)], at(2)).await;
+    put(&store, &[counted(3, 120.0, 50, 10)], at(3)).await;
+    // An older controller's row: its rate counts as one second of requests.
+    put(
+        &store,
+        &[rates(4, "payments", "gw", "", 30.0, 100.0)],
+        at(4),
+    )
+    .await;
+    let sum = store.shadow_summary(None, at(0), 10).await.unwrap();
+    assert_eq!(sum.len(), 1, "{sum:?}");
+    let gw = &sum[0];
+    assert_eq!(gw.offered, 330.0, "{gw:?}");
+    assert_eq!(gw.dropped, 50.0, "{gw:?}");
+    assert_eq!(gw.peak_offered_rps, 150.0, "{gw:?}");
+    assert_eq!(gw.reports, 4);
+}
+
+#[tokio::test]
+async fn sqlite_counted_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    check_counted_rows(Store::connect("sqlite://rlc.db", dir.path()).await.unwrap()).await;
+}
+
+#[tokio::test]
+async fn postgres_counted_rows() {
+    let db = test_support::postgres::fresh_database().await.unwrap();
+    check_counted_rows(Store::connect(&db.url, Path::new("/")).await.unwrap()).await;
+}
+
 #[tokio::test]
 async fn sqlite_shadow_summary() {
     let dir = tempfile::tempdir().unwrap();
