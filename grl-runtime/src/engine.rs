@@ -1584,14 +1584,16 @@ impl Engine {
             }
             _ => unix_now,
         };
+        // The counts go on the newest second's rows: when the ring is over its cap, the oldest
+        // rows go first, and those of earlier seconds carry no counts then.
         for second in from..=unix_now {
-            self.record_second(second);
+            self.record_second(second, second == unix_now);
         }
         self.reported_second = Some(unix_now);
     }
 
     /// The rows of one second (see [`Engine::record_reports`]).
-    fn record_second(&mut self, unix_now: u64) {
+    fn record_second(&mut self, unix_now: u64, with_counts: bool) {
         // Rows beyond the ring's capacity would be evicted at once: their sequence numbers are
         // used up (the count of keys with traffic is kept as sums change), but only the
         // newest `report_cap` rows are built, walking back from the last bucket.
@@ -1608,7 +1610,11 @@ impl Engine {
                     continue;
                 }
                 rows.push(ReportRow {
-                    counts: Some(take_counts(&mut pending[i], k.id)),
+                    counts: Some(if with_counts {
+                        take_counts(&mut pending[i], k.id)
+                    } else {
+                        ReportCounts::default()
+                    }),
                     seq: 0,
                     t: unix_now.into(),
                     service: s.service.clone(),
@@ -1630,9 +1636,12 @@ impl Engine {
         // Counts of keys without a row yet (their rates fell to zero, or the key is gone, or
         // the ring's cap left them out): a row each, so that every counted request is in a row.
         let mut late = Vec::new();
-        for i in std::mem::take(&mut self.pending_in) {
+        let mut pending_in = std::mem::take(&mut self.pending_in);
+        for &i in pending_in.iter().filter(|_| with_counts) {
             let s = &self.buckets[i];
-            for (id, c) in std::mem::take(&mut self.pending[i]) {
+            // Drained in place: the bucket's list keeps its capacity for the next second.
+            let mut pending = std::mem::take(&mut self.pending[i]);
+            for (id, c) in pending.drain(..) {
                 let k = s.keys.iter().find(|k| k.id == id);
                 late.push(ReportRow {
                     seq: 0,
@@ -1658,7 +1667,12 @@ impl Engine {
                     }),
                 });
             }
+            self.pending[i] = pending;
         }
+        if with_counts {
+            pending_in.clear();
+        }
+        self.pending_in = pending_in;
         self.seq += (self.busy_rows - keep) as u64;
         for mut row in rows.into_iter().rev().chain(late) {
             self.seq += 1;

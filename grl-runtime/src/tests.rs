@@ -518,6 +518,18 @@ fn report_rows_stand_for_one_second_whatever_the_tick() {
     // Nothing pending: the next second writes nothing.
     e.record_reports(52);
     assert_eq!(rows(&e).len(), r.len());
+    // A tick three seconds late: three rows at the rates in force, the counts on the newest
+    // one (the ring drops the oldest rows first).
+    e.ingest(&zone_report("a1", "r1", "z1", &[("busy", 20.0)]), 2000);
+    e.recompute(2000, 52);
+    e.record_reports(55);
+    let r = rows(&e);
+    let tail: Vec<(Option<f64>, u64)> = r[r.len() - 3..]
+        .iter()
+        .map(|x| (x.t.secs(), x.counts.unwrap().offered))
+        .collect();
+    assert_eq!(tail, [(Some(53.0), 0), (Some(54.0), 0), (Some(55.0), 20)]);
+    assert_eq!(counted(&e), 77);
 }
 
 #[test]

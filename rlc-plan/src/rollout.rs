@@ -88,8 +88,10 @@ pub fn hold_aborted(
         return plan;
     }
     let mut skipped = Vec::new();
-    // Reasons of earlier holds that now name the abort: (old reason, new reason).
-    let mut renamed: Vec<(String, String)> = Vec::new();
+    // Reasons of earlier holds that now name the abort: (the bucket's service, caller and
+    // procedure as `skipped` names it, old reason, new reason).
+    type Who = (String, Option<String>, Option<String>);
+    let mut renamed: Vec<(Who, String, String)> = Vec::new();
     plan.buckets.retain_mut(|b| {
         let in_force = base
             .get(&b.service)
@@ -115,7 +117,20 @@ pub fn hold_aborted(
             b.bucket.name, a.reason
         );
         if let Some(h) = &mut b.held {
-            renamed.push((std::mem::replace(&mut h.reason, reason.clone()), reason));
+            // The guard put back the limit only: the rest of the aborted change (a mode, a
+            // scope) goes back to the spec in force too.
+            renamed.push((
+                (
+                    b.service.clone(),
+                    b.bucket.caller.clone(),
+                    b.bucket.procedure.clone(),
+                ),
+                std::mem::replace(&mut h.reason, reason.clone()),
+                reason,
+            ));
+            if let Some(cur) = in_force {
+                b.bucket = cur.clone();
+            }
             return true;
         }
         skipped.push(Skipped {
@@ -137,7 +152,11 @@ pub fn hold_aborted(
         }
     });
     for s in &mut plan.skipped {
-        if let Some((_, new)) = renamed.iter().find(|(old, _)| *old == s.reason) {
+        let who = (s.service.clone(), s.caller.clone(), s.procedure.clone());
+        if let Some((_, _, new)) = renamed
+            .iter()
+            .find(|(w, old, _)| *w == who && *old == s.reason)
+        {
             s.reason = new.clone();
         }
     }
@@ -234,8 +253,10 @@ mod tests {
             procedure: None,
             reason: guard_reason.into(),
         });
+        // The guard put back the limit only; the aborted change also widened the scope.
+        guarded.buckets[0].bucket.scope = Scope::Region;
         let named = hold_aborted(guarded, &base, "in1", &aborted);
-        assert_eq!(named.buckets[0].bucket.limit_rps, 3470.0);
+        assert_eq!(named.buckets[0].bucket, cur, "the whole spec in force");
         let h = named.buckets[0].held.as_ref().unwrap();
         assert_eq!(h.proposed_limit_rps, 100.0);
         assert!(

@@ -158,7 +158,6 @@ pub struct PushReport {
 /// The label put on a pull request whose change's rollout was aborted.
 pub const ROLLOUT_ABORTED_LABEL: &str = "rollout-aborted";
 
-/// The message of a revert commit: the bucket, the spec it returns to, the evidence.
 /// The branch that carries the revert of rollout `id` in pull-request mode.
 fn revert_branch(pr_branch: &str, id: &str) -> String {
     let id: String = id
@@ -212,6 +211,7 @@ fn revert_plan(w: &mut Writer, r: &rollout::Rollout) -> anyhow::Result<Option<Pl
     }))
 }
 
+/// The message of a revert commit: the bucket, the spec it returns to, the evidence.
 fn revert_message(r: &rollout::Rollout) -> String {
     let to = rollout::in_force_words(r);
     format!(

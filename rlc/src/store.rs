@@ -376,7 +376,8 @@ pub struct StoredReport {
     pub mode: String,
     /// Scope key ('' for global).
     pub scope_key: String,
-    /// Offered rate.
+    /// Requests offered in the row's second (its counts; an older controller's row: its
+    /// offered rate).
     pub offered: f64,
     /// Admitted rate.
     pub admitted: f64,
@@ -401,7 +402,7 @@ pub struct BucketShadowSummary {
     pub bucket: String,
     /// Reports in the window (ticks × scope keys).
     pub reports: i64,
-    /// Sum of offered rates.
+    /// Requests offered (sums of the rows' counts).
     pub offered: f64,
     /// Sum of admitted rates.
     pub admitted: f64,
@@ -715,7 +716,9 @@ impl Store {
         .await?))
     }
 
-    /// The newest proposed change of each bucket that no applied change followed:
+    /// The newest proposed change of each bucket that no applied change followed, when it
+    /// changes the limit (`added`, `removed`, `raised`, `lowered`: a `modified` one, of scope
+    /// or mode, cannot be told from the base by its limit and mode alone):
     /// `(id, service, bucket, limit_rps, mode)` (`limit_rps` null: a removal). What a merge of
     /// the pull request would apply.
     pub async fn open_proposals(
@@ -723,7 +726,8 @@ impl Store {
     ) -> Result<Vec<(i64, String, String, Option<f64>, Option<String>)>, StoreError> {
         on_pool!(self, pool => Ok(sqlx::query_as::<_, (i64, String, String, Option<f64>, Option<String>)>(
             "SELECT q.id, q.service, q.bucket, q.limit_rps, q.mode FROM quota_history q \
-             WHERE q.state = 'proposed' AND q.id = (SELECT MAX(n.id) FROM quota_history n \
+             WHERE q.state = 'proposed' AND q.change IN ('added', 'removed', 'raised', 'lowered') \
+             AND q.id = (SELECT MAX(n.id) FROM quota_history n \
              WHERE n.service = q.service AND n.bucket = q.bucket) ORDER BY q.id",
         )
         .fetch_all(pool)

@@ -517,7 +517,11 @@ pub(crate) async fn fetch(
         let status = resp.status();
         if !status.is_success() || !content_type(&resp).starts_with(STREAMED) {
             let ct = content_type(&resp);
-            let text = read_capped(resp, ERROR_BODY_MAX).await.unwrap_or_default();
+            let text = tokio::time::timeout_at(deadline, read_capped(resp, ERROR_BODY_MAX))
+                .await
+                .ok()
+                .and_then(Result::ok)
+                .unwrap_or_default();
             let text = String::from_utf8_lossy(&text[..text.len().min(300)])
                 .trim()
                 .to_string();

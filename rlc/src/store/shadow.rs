@@ -173,13 +173,13 @@ pub struct MinuteRow {
     pub minute: DateTime<Utc>,
     /// Reports summed (ticks).
     pub reports: i64,
-    /// Sum of offered rates.
+    /// Requests offered (the rows' counts; rates of rows without them, one second each).
     pub offered: f64,
-    /// Sum of admitted rates.
+    /// Requests admitted.
     pub admitted: f64,
-    /// Sum of dropped rates (enforced).
+    /// Requests dropped (enforced).
     pub dropped: f64,
-    /// Sum of virtual drop rates (shadow).
+    /// Requests virtually dropped (shadow).
     pub shadow_dropped: f64,
     /// Highest offered rate of one report.
     pub max_offered: f64,
@@ -229,7 +229,7 @@ pub struct StepRow {
     pub virtual_drop_rps: f64,
     /// Highest per-minute average drop rate.
     pub drop_rps: f64,
-    /// Sum of offered rates in the step (orders the scope keys, busiest first).
+    /// Requests offered in the step (orders the scope keys, busiest first).
     pub offered: f64,
     /// Limit of the step's newest minute.
     pub limit_rps: f64,
