@@ -97,16 +97,47 @@ const FORGOTTEN_ZONE_MEMORY_MS: u64 = 600_000;
 /// (the simulator stays reproducible bit for bit).
 const RATE_UNIT: f64 = 1000.0;
 /// The counts of key `id` in a bucket's pending counts, taken out (zeros when none).
-fn take_counts(pending: &mut Vec<(u32, [u64; 4])>, id: u32) -> ReportCounts {
-    let c = match pending.iter().position(|(k, _)| *k == id) {
+fn take_counts(pending: &mut Vec<(u32, [u64; 4])>, id: u32) -> [u64; 4] {
+    match pending.iter().position(|(k, _)| *k == id) {
         Some(p) => pending.swap_remove(p).1,
         None => [0; 4],
-    };
-    ReportCounts {
-        offered: c[0],
-        admitted: c[1],
-        dropped: c[2],
-        shadow_dropped: c[3],
+    }
+}
+
+/// The report row of bucket `s`'s key `scope_key` at second `t`: the key's rates (zeros for a
+/// key without any now) with their `own_share`, and the requests counted since its previous
+/// row.
+fn report_row(
+    s: &BucketState,
+    scope_key: &str,
+    k: Option<&KeyState>,
+    own_share: Option<f64>,
+    counts: [u64; 4],
+    t: u64,
+) -> ReportRow {
+    let [offered, admitted, dropped, shadow_dropped] = counts;
+    ReportRow {
+        seq: 0,
+        t: t.into(),
+        service: s.service.clone(),
+        bucket: s.bucket.name.clone(),
+        caller: s.bucket.caller.clone(),
+        procedure: s.bucket.procedure.clone(),
+        mode: std::borrow::Cow::Borrowed(s.bucket.mode.as_str()),
+        scope_key: scope_key.to_string(),
+        offered: k.map_or(0.0, |k| k.offered_rps),
+        admitted: k.map_or(0.0, |k| k.admitted_rps),
+        dropped: k.map_or(0.0, |k| k.dropped_rps),
+        shadow_dropped: k.map_or(0.0, |k| k.shadow_dropped_rps),
+        limit_rps: s.limit_rps,
+        drop_ratio: k.map_or(0.0, |k| k.ratio),
+        own_share,
+        counts: Some(ReportCounts {
+            offered,
+            admitted,
+            dropped,
+            shadow_dropped,
+        }),
     }
 }
 
@@ -1609,70 +1640,41 @@ impl Engine {
                 if !busy(k) {
                     continue;
                 }
-                rows.push(ReportRow {
-                    counts: Some(if with_counts {
-                        take_counts(&mut pending[i], k.id)
-                    } else {
-                        ReportCounts::default()
-                    }),
-                    seq: 0,
-                    t: unix_now.into(),
-                    service: s.service.clone(),
-                    bucket: s.bucket.name.clone(),
-                    caller: s.bucket.caller.clone(),
-                    procedure: s.bucket.procedure.clone(),
-                    mode: std::borrow::Cow::Borrowed(s.bucket.mode.as_str()),
-                    scope_key: k.scope_key.clone(),
-                    offered: k.offered_rps,
-                    admitted: k.admitted_rps,
-                    dropped: k.dropped_rps,
-                    shadow_dropped: k.shadow_dropped_rps,
-                    limit_rps: s.limit_rps,
-                    drop_ratio: k.ratio,
-                    own_share: own_share(i, k, &peers),
-                });
+                let counts = if with_counts {
+                    take_counts(&mut pending[i], k.id)
+                } else {
+                    [0; 4]
+                };
+                let share = own_share(i, k, &peers);
+                rows.push(report_row(
+                    s,
+                    &k.scope_key,
+                    Some(k),
+                    share,
+                    counts,
+                    unix_now,
+                ));
             }
         }
         // Counts of keys without a row yet (their rates fell to zero, or the key is gone, or
         // the ring's cap left them out): a row each, so that every counted request is in a row.
         let mut late = Vec::new();
-        let mut pending_in = std::mem::take(&mut self.pending_in);
-        for &i in pending_in.iter().filter(|_| with_counts) {
-            let s = &self.buckets[i];
-            // Drained in place: the bucket's list keeps its capacity for the next second.
-            let mut pending = std::mem::take(&mut self.pending[i]);
-            for (id, c) in pending.drain(..) {
-                let k = s.keys.iter().find(|k| k.id == id);
-                late.push(ReportRow {
-                    seq: 0,
-                    t: unix_now.into(),
-                    service: s.service.clone(),
-                    bucket: s.bucket.name.clone(),
-                    caller: s.bucket.caller.clone(),
-                    procedure: s.bucket.procedure.clone(),
-                    mode: std::borrow::Cow::Borrowed(s.bucket.mode.as_str()),
-                    scope_key: self.keys.name(id).to_string(),
-                    offered: k.map_or(0.0, |k| k.offered_rps),
-                    admitted: k.map_or(0.0, |k| k.admitted_rps),
-                    dropped: k.map_or(0.0, |k| k.dropped_rps),
-                    shadow_dropped: k.map_or(0.0, |k| k.shadow_dropped_rps),
-                    limit_rps: s.limit_rps,
-                    drop_ratio: k.map_or(0.0, |k| k.ratio),
-                    own_share: k.and_then(|k| own_share(i, k, &peers)),
-                    counts: Some(ReportCounts {
-                        offered: c[0],
-                        admitted: c[1],
-                        dropped: c[2],
-                        shadow_dropped: c[3],
-                    }),
-                });
-            }
-            self.pending[i] = pending;
-        }
         if with_counts {
+            let mut pending_in = std::mem::take(&mut self.pending_in);
+            for &i in &pending_in {
+                let s = &self.buckets[i];
+                // Drained in place: the bucket's list keeps its capacity for the next second.
+                let mut pending = std::mem::take(&mut self.pending[i]);
+                for (id, c) in pending.drain(..) {
+                    let k = s.keys.iter().find(|k| k.id == id);
+                    let share = k.and_then(|k| own_share(i, k, &peers));
+                    late.push(report_row(s, self.keys.name(id), k, share, c, unix_now));
+                }
+                self.pending[i] = pending;
+            }
             pending_in.clear();
+            self.pending_in = pending_in;
         }
-        self.pending_in = pending_in;
         self.seq += (self.busy_rows - keep) as u64;
         for mut row in rows.into_iter().rev().chain(late) {
             self.seq += 1;

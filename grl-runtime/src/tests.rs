@@ -457,16 +457,8 @@ fn report_cursors_survive_restarts_resets_and_gaps() {
 /// requests of the seconds they cover.
 #[test]
 fn report_rows_stand_for_one_second_whatever_the_tick() {
-    let cfg = ConfigDoc {
-        version: "v1".into(),
-        services: vec![BucketFile {
-            service: "svc".into(),
-            buckets: vec![bucket("busy", Scope::Global, 100.0)],
-        }],
-        candidates: Vec::new(),
-    };
-    let mut e = Engine::new(cfg, 3000);
-    e.ingest(&zone_report("a1", "r1", "z1", &[("busy", 50.0)]), 0);
+    let mut e = Engine::new(one_global_bucket(100.0), 3000);
+    e.ingest(&zone_report("a1", "r1", "z1", &[("g", 50.0)]), 0);
     e.recompute(0, 0);
     let rows = |e: &Engine| e.reports_after(0, usize::MAX).reports;
     // A 250 ms tick over seconds 100 to 109: ten rows, 500 requests.
@@ -504,7 +496,7 @@ fn report_rows_stand_for_one_second_whatever_the_tick() {
     assert_eq!(rows(&e)[0].counts.unwrap().offered, 50);
     // The last counts of a caller that stopped (rates zero, so no busy key): a row of their
     // own, with zero rates.
-    let mut last = zone_report("a1", "r1", "z1", &[("busy", 0.0)]);
+    let mut last = zone_report("a1", "r1", "z1", &[("g", 0.0)]);
     last.buckets[0].counts.offered = 7;
     last.buckets[0].counts.admitted = 7;
     e.ingest(&last, 1000);
@@ -520,7 +512,7 @@ fn report_rows_stand_for_one_second_whatever_the_tick() {
     assert_eq!(rows(&e).len(), r.len());
     // A tick three seconds late: three rows at the rates in force, the counts on the newest
     // one (the ring drops the oldest rows first).
-    e.ingest(&zone_report("a1", "r1", "z1", &[("busy", 20.0)]), 2000);
+    e.ingest(&zone_report("a1", "r1", "z1", &[("g", 20.0)]), 2000);
     e.recompute(2000, 52);
     e.record_reports(55);
     let r = rows(&e);

@@ -138,6 +138,22 @@ pub struct ReportRow {
     pub counts: Option<ReportCounts>,
 }
 
+impl ReportRow {
+    /// The requests the row stands for, `[offered, admitted, dropped, shadow_dropped]`: its
+    /// `counts`, or, from a controller without them, its rates (a row stands for one second).
+    pub fn requests(&self) -> [f64; 4] {
+        match self.counts {
+            Some(c) => [c.offered, c.admitted, c.dropped, c.shadow_dropped].map(|n| n as f64),
+            None => [
+                self.offered,
+                self.admitted,
+                self.dropped,
+                self.shadow_dropped,
+            ],
+        }
+    }
+}
+
 fn null_as_empty<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
     Ok(Option::<String>::deserialize(d)?.unwrap_or_default())
 }

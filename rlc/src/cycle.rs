@@ -1110,15 +1110,15 @@ impl Cycle {
         let Some((plan, outcome)) = written else {
             return Ok("the base branch no longer held the change".into());
         };
-        let status = outcome.status.clone();
         if !matches!(
-            status,
+            outcome.status,
             WriteStatus::BranchUpdated { .. } | WriteStatus::BranchUpToDate { .. }
         ) {
             anyhow::bail!(
-                "the revert of {}/{} was not pushed to `{branch}` ({status:?}) although the base branch holds the aborted change",
+                "the revert of {}/{} was not pushed to `{branch}` ({:?}) although the base branch holds the aborted change",
                 r.service,
-                r.bucket
+                r.bucket,
+                outcome.status
             );
         }
         let history = store.quota_history(&r.service, &r.bucket).await?;
@@ -1128,34 +1128,32 @@ impl Cycle {
             .filter(|q| q.limit_rps == Some(r.new.limit_rps))
             .find_map(|q| q.pr_number);
         let forge = match &self.cfg.config_repo.forge {
-            Some(fc) => Forge::from_config(fc)?.map(|f| {
-                let mut labels = fc.labels.clone();
-                labels.push(ROLLOUT_ABORTED_LABEL.into());
-                f.decorated(crate::gitops::Decoration {
-                    labels,
-                    reviewers: fc.reviewers.clone(),
-                })
-            }),
+            Some(fc) => Forge::from_config(fc)?.map(|f| (fc, f)),
             None => None,
         };
-        let Some(forge) = forge else {
+        let Some((fc, forge)) = forge else {
             return Ok(format!(
                 "revert pushed to branch `{branch}`: no forge configured to open its pull request"
             ));
         };
+        let mut labels = fc.labels.clone();
+        labels.push(ROLLOUT_ABORTED_LABEL.into());
+        let forge = forge.decorated(crate::gitops::Decoration {
+            labels,
+            reviewers: fc.reviewers.clone(),
+        });
         let (title, rest) = message.split_once('\n').unwrap_or((&message, ""));
         let mut body = rest.trim_start().to_string();
         if let Some(n) = carried {
             body.push_str(&format!("\nReverts the change of #{n}.\n"));
         }
         // The change as every pull request of rlc shows it: its table.
-        let forge_cfg = self.cfg.config_repo.forge.as_ref();
         let report = summary::report_with(
             &plan,
             &outcome.summary,
             &summary::ReportContext {
                 promotions: &[],
-                dashboard_url: forge_cfg.and_then(|f| f.dashboard_url.as_deref()),
+                dashboard_url: fc.dashboard_url.as_deref(),
             },
         );
         body.push('\n');

@@ -313,18 +313,10 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
             let n = page.reports.len();
             for r in page.reports.iter().filter(|r| &r.service == service) {
                 let e = sums.entry(r.bucket.clone()).or_default();
-                match r.counts {
-                    Some(c) => {
-                        e.0 += c.offered as f64;
-                        e.1 += c.dropped as f64;
-                        e.2 += c.shadow_dropped as f64;
-                    }
-                    None => {
-                        e.0 += r.offered;
-                        e.1 += r.dropped;
-                        e.2 += r.shadow_dropped;
-                    }
-                }
+                let [offered, _, dropped, shadow_dropped] = r.requests();
+                e.0 += offered;
+                e.1 += dropped;
+                e.2 += shadow_dropped;
             }
             stored += store
                 .insert_reports(&page.reports, chrono::Utc::now())

@@ -306,15 +306,11 @@ struct Row<'a> {
 
 impl<'a> Row<'a> {
     fn new(r: &'a ReportRow, t: DateTime<Utc>) -> Row<'a> {
-        let sums = match r.counts {
-            Some(c) => [c.offered, c.admitted, c.dropped, c.shadow_dropped].map(|n| n as f64),
-            None => [r.offered, r.admitted, r.dropped, r.shadow_dropped],
-        };
         Row {
             r,
             t,
             scope: r.scope_key.clone(),
-            sums,
+            sums: r.requests(),
         }
     }
 }
