@@ -7,10 +7,11 @@
 
 use std::time::{Duration, Instant};
 
+use grl_client::tls::ClientTls;
 use grl_runtime::aggregator::{Aggregator, AggregatorOptions};
 use grl_runtime::controller::{Controller, ControllerOptions};
 use grl_runtime::proto::{BucketCountsMsg, ClientReport};
-use grl_runtime::tls::{ClientTls, ServerTls};
+use grl_server::tls::ServerTls;
 use test_support::tls::Ca;
 
 /// The client report credential for `payments` (the aggregator's credentials file).

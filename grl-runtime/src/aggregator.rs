@@ -24,11 +24,11 @@ use tokio::sync::{oneshot, Notify};
 
 use crate::auth::{CredentialSet, LogGate, RefusalCounts, TokenSource};
 use crate::calls::PendingCalls;
-use crate::http_util::{parse_json, read_body, ApiError};
 use crate::proto::{
     BucketCountsMsg, ClientDirectives, ClientReport, ConfigDoc, DirectiveMsg, ServiceCallCountMsg,
     ZoneBucketMsg, ZoneDirectives, ZoneReport, PROTO_HEADER, PROTO_VERSION,
 };
+use grl_server::http_util::{parse_json, read_body, ApiError};
 
 pub mod screen;
 
@@ -65,16 +65,16 @@ pub struct AggregatorOptions {
     /// refuses to start.
     pub allow_anonymous_reports: bool,
     /// Serve HTTPS with these files (reloaded when they change); None = plain HTTP.
-    pub tls: Option<crate::tls::ServerTls>,
+    pub tls: Option<grl_server::tls::ServerTls>,
     /// How this aggregator verifies (and identifies itself to) the controllers.
-    pub client_tls: crate::tls::ClientTls,
+    pub client_tls: grl_client::tls::ClientTls,
     /// Distinct (caller, procedure) keys per service held between forwards; beyond, new
     /// callers count as `_other` (see [`crate::calls`]).
     pub max_call_keys: usize,
     /// Delta zone reports to controllers that announced protocol 4 (see [`crate::delta`]).
     pub delta: crate::delta::DeltaOptions,
     /// Header and idle timeouts, connection cap and health connections of the listener.
-    pub serve: crate::server::ServeLimits,
+    pub serve: grl_server::server::ServeLimits,
     /// A second listener serving `/healthz` and `/readyz` only (None: none).
     pub health_listen: Option<SocketAddr>,
     /// What one client may claim (see [`screen`]).
@@ -105,7 +105,7 @@ impl Default for AggregatorOptions {
             client_credentials: None,
             allow_anonymous_reports: false,
             tls: None,
-            client_tls: crate::tls::ClientTls::default(),
+            client_tls: grl_client::tls::ClientTls::default(),
             max_call_keys: crate::calls::DEFAULT_AGGREGATOR_KEYS,
             delta: Default::default(),
             serve: Default::default(),
@@ -116,7 +116,7 @@ impl Default for AggregatorOptions {
 }
 
 /// A running aggregator.
-pub type AggregatorHandle = crate::http_util::ServerHandle;
+pub type AggregatorHandle = grl_server::http_util::ServerHandle;
 
 /// One client's last report; keyed by (service, client id).
 struct ClientEntry {
@@ -477,13 +477,13 @@ impl Aggregator {
         let tls = opts
             .tls
             .as_ref()
-            .map(crate::tls::ReloadingServerConfig::load)
+            .map(grl_server::tls::ReloadingServerConfig::load)
             .transpose()?;
         let http = opts
             .client_tls
             .http_client(CONTROLLER_TIMEOUT)
             .context("controller client")?;
-        crate::tls::warn_plain_http(
+        grl_client::tls::warn_plain_http(
             "controller URL",
             opts.controllers.iter().map(String::as_str),
         );
@@ -502,7 +502,7 @@ impl Aggregator {
         refused.register(&mut registry);
         let entries_refused = EntryCounts::default();
         entries_refused.register(&mut registry);
-        let server_stats = Arc::new(crate::server::ServerStats::default());
+        let server_stats = Arc::new(grl_server::server::ServerStats::default());
         server_stats.register(&mut registry);
         let shared = Arc::new(Shared {
             id: opts.id.clone().unwrap_or_else(|| format!("agg-{addr}")),
@@ -523,14 +523,14 @@ impl Aggregator {
             .route("/v1/report", post(report))
             .route("/v1/config", get(config))
             .route("/metrics", get(serve_metrics))
-            .route("/healthz", get(crate::http_util::healthz))
+            .route("/healthz", get(grl_server::http_util::healthz))
             .route("/readyz", get(readyz))
             .with_state(shared.clone());
         let health_routes = Router::new()
-            .route("/healthz", get(crate::http_util::healthz))
+            .route("/healthz", get(grl_server::http_util::healthz))
             .route("/readyz", get(readyz))
             .with_state(shared.clone());
-        let health = crate::http_util::spawn_health(
+        let health = grl_server::http_util::spawn_health(
             shared.opts.health_listen,
             health_routes,
             tls.clone(),
@@ -538,7 +538,7 @@ impl Aggregator {
             "aggregator health",
         )
         .await?;
-        let (stop, server) = crate::http_util::spawn_server(
+        let (stop, server) = grl_server::http_util::spawn_server(
             listener,
             router,
             tls,
@@ -585,8 +585,10 @@ async fn report(
     // Held until the report is summed: its decoded form is what takes the memory.
     let _large = match large {
         true => {
-            let permit =
-                tokio::time::timeout(crate::http_util::BODY_TIMEOUT, s.large_reports.acquire());
+            let permit = tokio::time::timeout(
+                grl_server::http_util::BODY_TIMEOUT,
+                s.large_reports.acquire(),
+            );
             match permit.await {
                 Ok(p) => Some(p.expect("never closed")),
                 Err(_) => {
@@ -813,7 +815,7 @@ async fn report(
 /// directives and config served to clients are current. 503 with the reason otherwise (no
 /// controller answered yet, or the last answer is too old: clients are better served by
 /// another aggregator, or fail open).
-async fn readyz(State(s): State<Arc<Shared>>) -> crate::http_util::Readiness {
+async fn readyz(State(s): State<Arc<Shared>>) -> grl_server::http_util::Readiness {
     let (at, version) = {
         let st = s.state.lock().expect("aggregator lock");
         (st.directives_at, st.config.version.clone())
@@ -835,12 +837,12 @@ async fn readyz(State(s): State<Arc<Shared>>) -> crate::http_util::Readiness {
     } else {
         format!("config version {version}")
     });
-    crate::http_util::Readiness::from_checks([("config", config), ("controller", controller)])
+    grl_server::http_util::Readiness::from_checks([("config", config), ("controller", controller)])
 }
 
 /// `GET /metrics`: reports accepted and refused, clients, forward latency and failures.
 async fn serve_metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
-    crate::metrics::response(&s.registry)
+    grl_server::metrics::response(&s.registry)
 }
 
 #[derive(Deserialize)]
@@ -1239,7 +1241,7 @@ async fn post_report(
     // answering by then is taken as hung and the next replica gets the report (a dead one
     // refuses the connection at once). A full report (first contact, after a resync) may
     // take longer and has the client's whole timeout; so does reading the answer.
-    let call = crate::http_util::call(req, CONTROLLER_TIMEOUT, MAX_ANSWER);
+    let call = grl_client::http_util::call(req, CONTROLLER_TIMEOUT, MAX_ANSWER);
     let answer = match r.session.and_then(|sess| sess.base) {
         Some(_) => {
             let bound = delta_answer_timeout(s.opts.tick);
@@ -1275,9 +1277,11 @@ const CONTROLLER_TIMEOUT: Duration = Duration::from_secs(2);
 
 async fn fetch_config(s: &Shared, base: &str) -> anyhow::Result<ConfigDoc> {
     let req = s.http.get(format!("{base}/v1/config"));
-    Ok(crate::http_util::call(req, CONTROLLER_TIMEOUT, MAX_ANSWER)
-        .await?
-        .json()?)
+    Ok(
+        grl_client::http_util::call(req, CONTROLLER_TIMEOUT, MAX_ANSWER)
+            .await?
+            .json()?,
+    )
 }
 
 #[cfg(test)]

@@ -18,9 +18,10 @@ use crate::audit::Event;
 use crate::auth::{Credential, CredentialSet, LogGate, RefusalCounts, TokenSource};
 use crate::config::{self, write_atomic};
 use crate::engine::Engine;
-use crate::http_util::{parse_json, read_body, unix_now, ApiError};
 use crate::overrides::{Override, OverrideRequest};
 use crate::proto::{ConfigDoc, ZoneReport};
+use grl_client::http_util::unix_now;
+use grl_server::http_util::{parse_json, read_body, ApiError};
 
 /// How to start a controller.
 #[derive(Debug, Clone)]
@@ -53,9 +54,9 @@ pub struct ControllerOptions {
     /// controller refuses to start.
     pub allow_anonymous_reports: bool,
     /// Serve HTTPS with these files (reloaded when they change); None = plain HTTP.
-    pub tls: Option<crate::tls::ServerTls>,
+    pub tls: Option<grl_server::tls::ServerTls>,
     /// How this controller verifies (and identifies itself to) its peers.
-    pub client_tls: crate::tls::ClientTls,
+    pub client_tls: grl_client::tls::ClientTls,
     /// `grl_calls_total`: labelled callers per service (the top ones by recent volume; the
     /// rest fold into `caller="_other"`).
     pub max_callers_per_service: usize,
@@ -67,7 +68,7 @@ pub struct ControllerOptions {
     /// [`crate::state_db`]). None = the state directory.
     pub database: Option<DatabaseOptions>,
     /// Header and idle timeouts, connection cap and health connections of the listener.
-    pub serve: crate::server::ServeLimits,
+    pub serve: grl_server::server::ServeLimits,
     /// A second listener serving `/healthz` and `/readyz` only (None: none).
     pub health_listen: Option<SocketAddr>,
     /// Overrides active at once; one more is refused (422).
@@ -127,7 +128,7 @@ impl Default for ControllerOptions {
             report_token: None,
             allow_anonymous_reports: false,
             tls: None,
-            client_tls: crate::tls::ClientTls::default(),
+            client_tls: grl_client::tls::ClientTls::default(),
             max_callers_per_service: crate::calls::DEFAULT_MAX_CALLERS,
             max_procedures_per_service: crate::calls::DEFAULT_MAX_PROCEDURES,
             database: None,
@@ -139,7 +140,7 @@ impl Default for ControllerOptions {
 }
 
 /// A running controller.
-pub type ControllerHandle = crate::http_util::ServerHandle;
+pub type ControllerHandle = grl_server::http_util::ServerHandle;
 
 /// The lock file in a state directory.
 pub const STATE_LOCK_FILE: &str = "controller.lock";
@@ -612,7 +613,7 @@ fn app(shared: Arc<Shared>) -> Router {
         .route("/v1/overrides/history", get(override_history))
         .route("/v1/overrides/{id}", delete(remove_override))
         .route("/metrics", get(metrics))
-        .route("/healthz", get(crate::http_util::healthz))
+        .route("/healthz", get(grl_server::http_util::healthz))
         .route("/readyz", get(readyz))
         .with_state(shared)
         // Every answer announces the protocol version (rlc sends candidates only to a
@@ -766,7 +767,7 @@ impl Controller {
         let mut registry = prometheus_client::registry::Registry::default();
         crate::metrics::register_build_info(&mut registry, "grl", "controller");
         refused.register(&mut registry);
-        let server_stats = Arc::new(crate::server::ServerStats::default());
+        let server_stats = Arc::new(grl_server::server::ServerStats::default());
         server_stats.register(&mut registry);
         registry.register_collector(Box::new(crate::metrics::EngineCollector::new(
             engine.clone(),
@@ -803,23 +804,26 @@ impl Controller {
         let tls = opts
             .tls
             .as_ref()
-            .map(crate::tls::ReloadingServerConfig::load)
+            .map(grl_server::tls::ReloadingServerConfig::load)
             .transpose()?;
         let http = opts
             .client_tls
             .http_client(opts.tick.max(Duration::from_millis(200)))
             .context("peer controller client")?;
-        crate::tls::warn_plain_http("peer controller URL", opts.peers.iter().map(String::as_str));
+        grl_client::tls::warn_plain_http(
+            "peer controller URL",
+            opts.peers.iter().map(String::as_str),
+        );
         let scheme = if tls.is_some() { "https" } else { "http" };
         let listener = tokio::net::TcpListener::bind(opts.listen)
             .await
             .with_context(|| format!("bind {}", opts.listen))?;
         let addr = listener.local_addr()?;
         let health_routes = Router::new()
-            .route("/healthz", get(crate::http_util::healthz))
+            .route("/healthz", get(grl_server::http_util::healthz))
             .route("/readyz", get(readyz))
             .with_state(shared.clone());
-        let health = crate::http_util::spawn_health(
+        let health = grl_server::http_util::spawn_health(
             opts.health_listen,
             health_routes,
             tls.clone(),
@@ -827,7 +831,7 @@ impl Controller {
             "controller health",
         )
         .await?;
-        let (stop, server) = crate::http_util::spawn_server(
+        let (stop, server) = grl_server::http_util::spawn_server(
             listener,
             app(shared.clone()),
             tls,
@@ -1059,7 +1063,7 @@ async fn put_config_db(
 /// `GET /readyz`: the persisted state loaded and its directory present, the control loop
 /// ticking (a tick within 3 periods, at least 2 s); 503 with the reason otherwise. A
 /// controller without a pushed config is ready (rlc pushes to it).
-async fn readyz(State(s): State<Arc<Shared>>) -> crate::http_util::Readiness {
+async fn readyz(State(s): State<Arc<Shared>>) -> grl_server::http_util::Readiness {
     let version = s
         .engine
         .lock()
@@ -1090,7 +1094,7 @@ async fn readyz(State(s): State<Arc<Shared>>) -> crate::http_util::Readiness {
         format!("config version {version}")
     });
     let Some(sync) = &s.db else {
-        return crate::http_util::Readiness::from_checks([
+        return grl_server::http_util::Readiness::from_checks([
             ("config", config),
             ("state_dir", state_dir),
             ("ticking", ticking),
@@ -1100,7 +1104,7 @@ async fn readyz(State(s): State<Arc<Shared>>) -> crate::http_util::Readiness {
     // is unreachable the replica still enforces what it has (data plane fail-open, changes
     // answer 503), so that stays ready and the detail says so.
     let database = Ok(db_detail(sync));
-    crate::http_util::Readiness::from_checks([
+    grl_server::http_util::Readiness::from_checks([
         ("config", config),
         ("database", database),
         ("ticking", ticking),
@@ -1531,7 +1535,7 @@ async fn remove_override(
 
 /// `GET /metrics` (see [`crate::metrics::EngineCollector`] for the per-bucket series).
 async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
-    crate::metrics::response(&s.registry)
+    grl_server::metrics::response(&s.registry)
 }
 
 #[cfg(test)]

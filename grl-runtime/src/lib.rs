@@ -18,22 +18,16 @@ pub mod controller;
 pub mod delta;
 pub mod engine;
 mod frags;
-pub mod http_util;
 pub use grl_client::keys;
 pub use grl_client::layer;
-pub mod logging;
 pub mod metrics;
 pub mod overrides;
 mod period;
 pub use grl_wire as proto;
-
-pub use http_util::ApiError;
 pub mod realtime;
 pub mod report;
-pub mod server;
 pub mod sidecar;
 pub mod sim;
 pub mod state_db;
 #[cfg(test)]
 mod tests;
-pub mod tls;

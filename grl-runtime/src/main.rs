@@ -29,7 +29,7 @@ struct Cli {
     /// Log lines on stderr as text or one JSON object per line (level: RUST_LOG, default
     /// info; colours only on a terminal).
     #[arg(long, global = true, value_enum, default_value = "text")]
-    log_format: grl_runtime::logging::LogFormat,
+    log_format: grl_server::logging::LogFormat,
 }
 
 #[derive(Subcommand)]
@@ -365,21 +365,23 @@ struct ServeTlsArgs {
 }
 
 impl ServeTlsArgs {
-    fn options(self) -> anyhow::Result<Option<grl_runtime::tls::ServerTls>> {
+    fn options(self) -> anyhow::Result<Option<grl_server::tls::ServerTls>> {
         let reload = Duration::from_secs(self.tls_reload_secs.max(1));
-        Ok(grl_runtime::tls::ServerTls::from_flags(
-            self.tls_cert,
-            self.tls_key,
-            self.tls_client_ca,
-        )?
-        .map(|t| grl_runtime::tls::ServerTls {
-            reload_every: reload,
-            ..t
-        }))
+        Ok(
+            grl_server::tls::ServerTls::from_flags(
+                self.tls_cert,
+                self.tls_key,
+                self.tls_client_ca,
+            )?
+            .map(|t| grl_server::tls::ServerTls {
+                reload_every: reload,
+                ..t
+            }),
+        )
     }
 }
 
-/// A server's connection limits (controller, aggregator): see `grl_runtime::server`.
+/// A server's connection limits (controller, aggregator): see `grl_server::server`.
 #[derive(Args)]
 struct ServeLimitArgs {
     /// A request's head (request line and headers) must arrive within this many milliseconds
@@ -408,7 +410,7 @@ struct ServeLimitArgs {
 }
 
 impl ServeLimitArgs {
-    fn limits(&self) -> anyhow::Result<grl_runtime::server::ServeLimits> {
+    fn limits(&self) -> anyhow::Result<grl_server::server::ServeLimits> {
         anyhow::ensure!(
             self.http_header_timeout_ms > 0 && self.http_idle_timeout_ms > 0,
             "--http-header-timeout-ms and --http-idle-timeout-ms must be positive"
@@ -417,7 +419,7 @@ impl ServeLimitArgs {
             self.max_connections > 0,
             "--max-connections must be positive"
         );
-        Ok(grl_runtime::server::ServeLimits {
+        Ok(grl_server::server::ServeLimits {
             header_timeout: Duration::from_millis(self.http_header_timeout_ms),
             idle_timeout: Duration::from_millis(self.http_idle_timeout_ms),
             max_connections: self.max_connections,
@@ -441,8 +443,8 @@ struct ClientTlsArgs {
 }
 
 impl ClientTlsArgs {
-    fn options(self) -> anyhow::Result<grl_runtime::tls::ClientTls> {
-        grl_runtime::tls::ClientTls::from_flags(
+    fn options(self) -> anyhow::Result<grl_client::tls::ClientTls> {
+        grl_client::tls::ClientTls::from_flags(
             self.tls_ca,
             self.tls_client_cert,
             self.tls_client_key,
@@ -451,9 +453,9 @@ impl ClientTlsArgs {
 }
 
 fn main() -> std::process::ExitCode {
-    grl_runtime::logging::quiet_on_closed_pipe();
+    grl_server::logging::quiet_on_closed_pipe();
     let cli = Cli::parse();
-    grl_runtime::logging::init(cli.log_format, "info");
+    grl_server::logging::init(cli.log_format, "info");
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -811,8 +813,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
 
 /// Serves until SIGTERM or SIGINT, then stops `h` gracefully (in-flight requests finish within
 /// `grace_ms`, then the last flush) and logs it. Exits 0 either way: the stop was asked for.
-async fn stop_gracefully(what: &str, h: grl_runtime::http_util::ServerHandle, grace_ms: u64) {
-    let signal = grl_runtime::http_util::shutdown_signal().await;
+async fn stop_gracefully(what: &str, h: grl_server::http_util::ServerHandle, grace_ms: u64) {
+    let signal = grl_server::http_util::shutdown_signal().await;
     tracing::info!(
         signal,
         grace_ms,

@@ -9,19 +9,11 @@
 //!
 //! [`Collector`]: prometheus_client::collector::Collector
 
-use axum::http::header::CONTENT_TYPE;
-use axum::response::IntoResponse;
 use std::fmt::Write as _;
 
 use prometheus_client::metrics::gauge::ConstGauge;
-use prometheus_client::registry::Registry;
 
 pub use grl_client::metrics::*;
-
-/// `GET /metrics`: `reg` as OpenMetrics text.
-pub fn response(reg: &Registry) -> impl IntoResponse {
-    ([(CONTENT_TYPE, CONTENT_TYPE_OPENMETRICS)], encode(reg))
-}
 
 /// The controller's per-bucket series, read from its engine at every scrape:
 ///

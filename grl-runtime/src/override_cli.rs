@@ -249,7 +249,7 @@ pub(crate) async fn run(mut cmd: OverrideCmd) -> anyhow::Result<()> {
         ),
     };
     let status = resp.status();
-    let body = match grl_runtime::http_util::call_response(resp, timeout, 64 << 20).await {
+    let body = match grl_client::http_util::call_response(resp, timeout, 64 << 20).await {
         Ok(b) => String::from_utf8_lossy(&b).into_owned(),
         Err(e) => bail!("{what}: {e}"),
     };

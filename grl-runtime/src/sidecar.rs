@@ -7,7 +7,7 @@
 //! ([`upstream`]) with its body streamed both ways and its trailers passed through.
 //!
 //! One port serves HTTP/1.1 and HTTP/2 without TLS (h2c, prior knowledge, as gRPC clients
-//! send it); gRPC goes upstream over h2c, everything else over HTTP/1.1. It serves through the serving loop of every daemon (`crate::server`: header and idle
+//! send it); gRPC goes upstream over h2c, everything else over HTTP/1.1. It serves through the serving loop of every daemon (`grl_server::server`: header and idle
 //! timeouts, a connection cap below the open-file limit, graceful drain); with `--tls-cert` it
 //! terminates TLS (HTTP/1.1 and HTTP/2, offered by ALPN: gRPC over TLS), and with `--tls-client-ca` the names of the verified client
 //! certificate name the caller. The admin listener answers `/metrics`, `/healthz` and
@@ -35,9 +35,9 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, Status
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-use crate::http_util::{Readiness, ServerHandle};
-use crate::server::{ServeLimits, ServerStats};
-use crate::tls::{Peer, ServerTls};
+use grl_server::http_util::{Readiness, ServerHandle};
+use grl_server::server::{ServeLimits, ServerStats};
+use grl_server::tls::{Peer, ServerTls};
 use identity::{is_grpc, CallerFrom, ProcedureFrom};
 use upstream::H2Conn;
 use upstream::{Clients, Upstream, UpstreamError};
@@ -77,7 +77,7 @@ pub struct SidecarOptions {
     /// Largest request head (HTTP/1.1 buffer, HTTP/2 header list).
     pub max_header_bytes: usize,
     /// Threads serving the connections, each a single-threaded runtime with its own upstream
-    /// pools (see `crate::server::Workers`); None: one per core; 0: none (the connections are
+    /// pools (see `grl_server::server::Workers`); None: one per core; 0: none (the connections are
     /// served on the runtime `start` is called on, with one shared pair of pools).
     pub workers: Option<usize>,
 }
@@ -243,7 +243,7 @@ const ADDED_LATENCY_BUCKETS: [f64; 12] = [
 struct Shared {
     layer: GrlLayer,
     client: GrlClient,
-    /// Upstream pools: one per worker thread (`crate::server::worker_index`), the last for
+    /// Upstream pools: one per worker thread (`grl_server::server::worker_index`), the last for
     /// requests served elsewhere.
     clients: Vec<Clients>,
     authority: http::uri::Authority,
@@ -278,7 +278,7 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
     if opts.client.report_token.is_none() {
         tracing::warn!("no report credential (GRL_CLIENT_TOKEN or GRL_CLIENT_TOKEN_FILE): aggregators refuse the reports and the sidecar admits everything");
     }
-    crate::tls::warn_plain_http(
+    grl_client::tls::warn_plain_http(
         "aggregator URL",
         opts.client.aggregators.iter().map(String::as_str),
     );
@@ -286,7 +286,7 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
         .tls
         .as_ref()
         // h2 by ALPN as well: gRPC clients over TLS.
-        .map(|t| crate::tls::ReloadingServerConfig::load_alpn(t, true))
+        .map(|t| grl_server::tls::ReloadingServerConfig::load_alpn(t, true))
         .transpose()?;
     let scheme = if tls.is_some() { "https" } else { "http" };
     let listener = tokio::net::TcpListener::bind(opts.listen)
@@ -332,7 +332,7 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
         Some(n) => Some(n),
     };
     let workers = workers
-        .map(|n| crate::server::Workers::start(n, "grl-sidecar"))
+        .map(|n| grl_server::server::Workers::start(n, "grl-sidecar"))
         .transpose()
         .context("start the worker threads")?;
     // Every caller connection may hold an upstream connection (an HTTP/1.1 request in flight
@@ -342,7 +342,7 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
     // many as the caller connections allowed (one waits for a slot within the upstream
     // timeout).
     let pools = workers.as_ref().map_or(0, |w| w.len()) + 1;
-    let serve = crate::server::fit_to_fd_limit(opts.serve, 3);
+    let serve = grl_server::server::fit_to_fd_limit(opts.serve, 3);
     let max_idle = (serve.max_connections / pools).min(crate::sidecar::upstream::MAX_IDLE);
     let slots = Arc::new(tokio::sync::Semaphore::new(serve.max_connections));
     let shared = Arc::new(Shared {
@@ -376,14 +376,14 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
     // Every request goes to `proxy`, without a router.
     let proxy = {
         let shared = shared.clone();
-        crate::server::Handler::Direct(Arc::new(
+        grl_server::server::Handler::Direct(Arc::new(
             move |req: Request<hyper::body::Incoming>, peer: &Peer| {
                 Box::pin(proxy(shared.clone(), peer.clone(), req.map(Body::new)))
-                    as crate::server::DirectFuture
+                    as grl_server::server::DirectFuture
             },
         ))
     };
-    let conn = crate::server::ConnOptions {
+    let conn = grl_server::server::ConnOptions {
         h2c: true,
         max_header_bytes: Some(opts.max_header_bytes),
         workers,
@@ -391,7 +391,7 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
     };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(async move {
-        let r = crate::server::serve_with_options(
+        let r = grl_server::server::serve_with_options(
             listener,
             proxy,
             tls,
@@ -412,7 +412,7 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
     let admin_server = admin.map(|l| {
         let router = Router::new()
             .route("/metrics", get(metrics))
-            .route("/healthz", get(crate::http_util::healthz))
+            .route("/healthz", get(grl_server::http_util::healthz))
             .route("/readyz", get(readyz))
             .with_state(shared.clone());
         let limits = ServeLimits {
@@ -420,7 +420,14 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
             health_connections: 4,
             ..opts.serve
         };
-        crate::http_util::spawn_server(l, router, None, limits, Default::default(), "sidecar admin")
+        grl_server::http_util::spawn_server(
+            l,
+            router,
+            None,
+            limits,
+            Default::default(),
+            "sidecar admin",
+        )
     });
     let (finish, finished) = tokio::sync::oneshot::channel::<()>();
     let bg_shared = shared.clone();
@@ -457,7 +464,7 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
 }
 
 async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
-    crate::metrics::response(&s.registry)
+    grl_server::metrics::response(&s.registry)
 }
 
 /// How long a request that timed out without any answer from the upstream keeps `/readyz`
@@ -785,7 +792,7 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
             .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
     }
     // This worker's pools: the upstream connection is driven on this thread too.
-    let clients = crate::server::worker_index()
+    let clients = grl_server::server::worker_index()
         .and_then(|i| s.clients.get(i))
         .unwrap_or_else(|| s.clients.last().expect("one pool at least"));
     s.added.observe(start.elapsed().as_secs_f64());
@@ -916,10 +923,10 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
 }
 
 /// One of a caller connection's share of the upstream slots, given back when dropped.
-struct Share(Arc<crate::tls::ConnShare>);
+struct Share(Arc<grl_server::tls::ConnShare>);
 
 impl Share {
-    fn hold(c: &Arc<crate::tls::ConnShare>, p: tokio::sync::SemaphorePermit<'_>) -> Share {
+    fn hold(c: &Arc<grl_server::tls::ConnShare>, p: tokio::sync::SemaphorePermit<'_>) -> Share {
         p.forget();
         Share(c.clone())
     }

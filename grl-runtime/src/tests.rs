@@ -1626,7 +1626,7 @@ fn engine_counts_the_calls_of_a_resynced_report_once() {
 pub(crate) async fn anonymous_controller(
     state_dir: std::path::PathBuf,
     token: &str,
-) -> crate::http_util::ServerHandle {
+) -> grl_server::http_util::ServerHandle {
     crate::controller::Controller::start(crate::controller::ControllerOptions {
         state_dir,
         token: token.into(),

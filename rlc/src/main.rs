@@ -18,7 +18,7 @@ struct Cli {
     /// Log lines on stderr as text or one JSON object per line (level: RUST_LOG; default
     /// info for `rlc serve`, warn otherwise; colours only on a terminal).
     #[arg(long, global = true, value_enum, default_value = "text")]
-    log_format: grl_runtime::logging::LogFormat,
+    log_format: grl_server::logging::LogFormat,
 }
 
 #[derive(Subcommand)]
@@ -75,7 +75,7 @@ fn main() -> ExitCode {
         std::process::exit(policies::host::main(args));
     }
     policies::isolated::host_is_current_exe();
-    grl_runtime::logging::quiet_on_closed_pipe();
+    grl_server::logging::quiet_on_closed_pipe();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
@@ -96,7 +96,7 @@ fn main() -> ExitCode {
     } else {
         "warn"
     };
-    grl_runtime::logging::init(cli.log_format, level);
+    grl_server::logging::init(cli.log_format, level);
     let result = match cli.command {
         Command::Validate {
             dir,

@@ -12,7 +12,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use grl_runtime::tls::ClientTls;
+use grl_client::tls::ClientTls;
 use serde::{Deserialize, Serialize};
 
 /// The wire types rlc shares with the controller: the config it pushes (`PUT /v1/config`, the
@@ -258,7 +258,7 @@ impl ControllerClient {
         let http = tls
             .http_client(TIMEOUT)
             .map_err(|e| PushError::Tls(format!("{e:#}")))?;
-        grl_runtime::tls::warn_plain_http("controller.url", [url]);
+        grl_client::tls::warn_plain_http("controller.url", [url]);
         Ok(ControllerClient {
             http,
             url: url.trim_end_matches('/').to_string(),

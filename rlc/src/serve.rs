@@ -534,7 +534,7 @@ async fn readyz(State(s): State<AppState>) -> Response {
         )),
         Some((what, since)) => Ok(format!("{what} for {}s", since.elapsed().as_secs())),
     };
-    grl_runtime::http_util::Readiness::from_checks([
+    grl_server::http_util::Readiness::from_checks([
         ("config", config),
         ("role", role),
         ("scheduler", scheduler),
@@ -544,7 +544,7 @@ async fn readyz(State(s): State<AppState>) -> Response {
 }
 
 async fn metrics(State(s): State<AppState>) -> Response {
-    grl_runtime::metrics::response(&s.inner.registry).into_response()
+    grl_server::metrics::response(&s.inner.registry).into_response()
 }
 
 /// The HTTP API: `/healthz`, `/metrics`, `/openapi.json`, `POST /v1/runs` (write token),
@@ -561,7 +561,7 @@ pub struct ServeOptions {
     /// Between polls of the repo, the controller and leadership.
     pub poll: Duration,
     /// Serve HTTPS with these files (reloaded when they change); None = plain HTTP.
-    pub tls: Option<grl_runtime::tls::ServerTls>,
+    pub tls: Option<grl_server::tls::ServerTls>,
     /// After shutdown: how long a running cycle, the store backlog and in-flight requests
     /// may take before they are abandoned.
     pub grace: Duration,
@@ -636,7 +636,7 @@ pub async fn serve_on(
     let tls = opts
         .tls
         .as_ref()
-        .map(grl_runtime::tls::ReloadingServerConfig::load)
+        .map(grl_server::tls::ReloadingServerConfig::load)
         .transpose()?;
     let mut cycle = Cycle::new(cfg.clone(), base_dir);
     // One history snapshot: runs refresh it, the quota API computes from it.
@@ -657,7 +657,7 @@ pub async fn serve_on(
     let grace = opts.grace;
     let (http_state, http_shutdown) = (state.clone(), shutdown.clone());
     let http = async move {
-        let serve = grl_runtime::tls::serve(
+        let serve = grl_server::server::serve(
             listener,
             app(http_state),
             tls,
@@ -1010,7 +1010,7 @@ pub fn redact_url(url: &str) -> String {
 pub fn shutdown_signal() -> watch::Receiver<bool> {
     let (tx, rx) = watch::channel(false);
     tokio::spawn(async move {
-        let signal = grl_runtime::http_util::shutdown_signal().await;
+        let signal = grl_server::http_util::shutdown_signal().await;
         tracing::info!(
             signal,
             "shutting down: the current run may finish within the grace"
@@ -1030,16 +1030,16 @@ pub async fn run(args: ServeArgs, planner: Planner) -> anyhow::Result<i32> {
         tls: None,
     });
     // Flags (relative to the working directory) win over rlc.yaml (relative to the file).
-    let tls = match grl_runtime::tls::ServerTls::from_flags(
+    let tls = match grl_server::tls::ServerTls::from_flags(
         args.tls_cert.clone(),
         args.tls_key.clone(),
         args.tls_client_ca.clone(),
     )? {
         Some(t) => Some(t),
         None => server.tls.as_ref().map(|t| {
-            grl_runtime::tls::ServerTls {
+            grl_server::tls::ServerTls {
                 client_ca: t.client_ca.as_ref().map(PathBuf::from),
-                ..grl_runtime::tls::ServerTls::new(&t.cert, &t.key)
+                ..grl_server::tls::ServerTls::new(&t.cert, &t.key)
             }
             .relative_to(&base)
         }),

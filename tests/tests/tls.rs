@@ -7,7 +7,7 @@ use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use grl_runtime::tls::ClientTls;
+use grl_client::tls::ClientTls;
 use test_support::git::GitRemote;
 use test_support::process::{free_port, Proc};
 use test_support::tls::Ca;

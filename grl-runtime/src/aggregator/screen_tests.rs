@@ -94,7 +94,7 @@ async fn metrics(http: &reqwest::Client, url: &str) -> String {
 async fn fleet(
     dir: &std::path::Path,
     plausibility: screen::Plausibility,
-) -> (crate::http_util::ServerHandle, AggregatorHandle) {
+) -> (grl_server::http_util::ServerHandle, AggregatorHandle) {
     let c = crate::tests::anonymous_controller(dir.join("c"), TOKEN).await;
     let r = reqwest::Client::new()
         .put(format!("{}/v1/config", c.url()))

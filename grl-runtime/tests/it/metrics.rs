@@ -210,7 +210,7 @@ async fn client_metrics_escape_hostile_label_values() {
         "/metrics",
         axum::routing::get(move || {
             let r = registry.clone();
-            async move { grl_runtime::metrics::response(&r) }
+            async move { grl_server::metrics::response(&r) }
         }),
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -10,7 +10,7 @@
 //! describe the API before they hold a token). No or an unknown token: 401 with
 //! `WWW-Authenticate: Bearer`; the read token on a mutating endpoint: 403. Decided from the
 //! headers before any body is read; tokens are compared in constant time
-//! ([`grl_runtime::http_util::check_token`]).
+//! ([`grl_server::http_util::check_token`]).
 
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -63,7 +63,7 @@ impl Tokens {
     fn held(&self, h: &HeaderMap) -> Option<Right> {
         let matches = |t: &Option<String>| {
             t.as_deref()
-                .is_some_and(|t| grl_runtime::http_util::check_token(h, t).is_ok())
+                .is_some_and(|t| grl_server::http_util::check_token(h, t).is_ok())
         };
         if matches(&self.write) {
             Some(Right::Write)

@@ -60,7 +60,7 @@ pub async fn read_bounded(
     if declared_len(headers).is_some_and(|l| l > n as u64) {
         return Err(too_large(n));
     }
-    let timeout = grl_runtime::http_util::BODY_TIMEOUT;
+    let timeout = grl_server::http_util::BODY_TIMEOUT;
     let read = tokio::time::timeout(timeout, axum::body::to_bytes(body, n))
         .await
         .map_err(|_| {

@@ -750,10 +750,10 @@ fn readyz_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
              (within 2 s); `role` says whether this replica is the active scheduler \
              (`leader`) or a `standby` (both serve every read). Every check is in `checks`.",
         )
-        .response_with::<200, Json<grl_runtime::http_util::Readiness>, _>(|r| {
+        .response_with::<200, Json<grl_server::http_util::Readiness>, _>(|r| {
             r.description("Ready.")
         })
-        .response_with::<503, Json<grl_runtime::http_util::Readiness>, _>(|r| {
+        .response_with::<503, Json<grl_server::http_util::Readiness>, _>(|r| {
             r.description("Not ready: `reason` names the failed checks.")
         })
 }

@@ -1,14 +1,12 @@
 //! The one HTTP error type of the control plane: a closed map to status codes with a JSON
 //! `{"error": "..."}` body, bounded request bodies, signals, health and readiness answers and
 //! the serving handles of every daemon. Calls to other tiers (`call`, `CallError`) are
-//! `grl_client::http_util`'s, re-exported here.
+//! `grl_client::http_util`'s.
 
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::de::DeserializeOwned;
-
-pub use grl_client::http_util::*;
 
 /// An error answered to an HTTP client.
 #[derive(Debug, thiserror::Error)]
@@ -105,8 +103,8 @@ pub async fn read_body(
 
 /// Checks `Authorization: Bearer <token>` in constant time over the token's length.
 pub fn check_token(headers: &HeaderMap, token: &str) -> Result<(), ApiError> {
-    let got = crate::auth::bearer(headers).ok_or(ApiError::Unauthorized)?;
-    if crate::auth::ct_eq(got.as_bytes(), token.as_bytes()) && !token.is_empty() {
+    let got = grl_client::auth::bearer(headers).ok_or(ApiError::Unauthorized)?;
+    if grl_client::auth::ct_eq(got.as_bytes(), token.as_bytes()) && !token.is_empty() {
         Ok(())
     } else {
         Err(ApiError::Unauthorized)
@@ -146,22 +144,25 @@ pub async fn shutdown_signal() -> &'static str {
 /// A running HTTP server with one background loop (the controller's ticker, an aggregator's
 /// forwarder): its address, and a way to stop both.
 pub struct ServerHandle {
-    pub(crate) addr: std::net::SocketAddr,
+    /// The address it listens on.
+    pub addr: std::net::SocketAddr,
     /// `https` when serving TLS, else `http`.
-    pub(crate) scheme: &'static str,
+    pub scheme: &'static str,
     /// Stops accepting; in-flight requests finish.
-    pub(crate) stop: tokio::sync::oneshot::Sender<()>,
-    pub(crate) server: tokio::task::JoinHandle<()>,
+    pub stop: tokio::sync::oneshot::Sender<()>,
+    /// The serving task.
+    pub server: tokio::task::JoinHandle<()>,
     /// Tells the background loop to do its last work (flush) and return.
-    pub(crate) finish: tokio::sync::oneshot::Sender<()>,
-    pub(crate) background: tokio::task::JoinHandle<()>,
+    pub finish: tokio::sync::oneshot::Sender<()>,
+    /// The background loop's task.
+    pub background: tokio::task::JoinHandle<()>,
     /// The health listener (`/healthz`, `/readyz` only), when one was asked for.
-    pub(crate) health: Option<HealthServer>,
+    pub health: Option<HealthServer>,
 }
 
 /// A listener serving the health paths only, apart from the main one: an orchestrator's
 /// probes reach it however many connections the main port holds.
-pub(crate) struct HealthServer {
+pub struct HealthServer {
     addr: std::net::SocketAddr,
     stop: tokio::sync::oneshot::Sender<()>,
     server: tokio::task::JoinHandle<()>,
@@ -172,7 +173,7 @@ const HEALTH_LISTENER_CONNECTIONS: usize = 64;
 
 /// Binds `addr` (when given) and serves `health` on it: the routes `/healthz` and `/readyz`
 /// of the server, with its TLS and timeouts and a cap of 64 connections.
-pub(crate) async fn spawn_health(
+pub async fn spawn_health(
     addr: Option<std::net::SocketAddr>,
     health: axum::Router,
     tls: Option<std::sync::Arc<crate::tls::ReloadingServerConfig>>,
@@ -258,7 +259,7 @@ impl ServerHandle {
 /// Serves `router` on `listener` (over TLS when `tls` is given, with `limits`, counting in
 /// `stats`) in a task until the returned sender fires or drops; `what` names the server in
 /// logs.
-pub(crate) fn spawn_server(
+pub fn spawn_server(
     listener: tokio::net::TcpListener,
     router: axum::Router,
     tls: Option<std::sync::Arc<crate::tls::ReloadingServerConfig>>,

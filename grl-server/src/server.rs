@@ -622,9 +622,9 @@ pub async fn serve_with_options(
         stats: stats.clone(),
         conn,
     });
-    let refused_log = crate::auth::LogGate::new(Duration::from_secs(10));
+    let refused_log = grl_client::auth::LogGate::new(Duration::from_secs(10));
     let mut refused_logged = 0u64;
-    let handshake_log = crate::auth::LogGate::new(Duration::from_secs(10));
+    let handshake_log = grl_client::auth::LogGate::new(Duration::from_secs(10));
     let mut handshakes_logged = 0u64;
     tokio::pin!(shutdown);
     loop {
@@ -988,6 +988,27 @@ fn at_capacity() -> axum::response::Response {
         .into_response()
 }
 
+/// Serves `router` on `listener` until `shutdown` resolves: over TLS when `tls` is given,
+/// plain HTTP otherwise, with the default connection limits ([`ServeLimits`]:
+/// header and idle timeouts, a connection cap with room for health probes). Handlers can
+/// extract `ConnectInfo<Peer>` either way. [`serve_with`] takes other limits.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    tls: Option<Arc<ReloadingServerConfig>>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    serve_with(
+        listener,
+        router,
+        tls,
+        ServeLimits::default(),
+        Default::default(),
+        shutdown,
+    )
+    .await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1026,7 +1047,7 @@ mod tests {
         assert_eq!(a.verdict(1000, 1), Verdict::Idle);
     }
 
-    /// The serving function `rlc serve` calls ([`crate::tls::serve`], default limits) cuts a
+    /// The serving function `rlc serve` calls ([`serve`], default limits) cuts a
     /// connection that never sends its request head after the default header timeout, and
     /// keeps answering requests meanwhile.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1036,7 +1057,7 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let server = tokio::spawn(crate::tls::serve(listener, router, None, async {
+        let server = tokio::spawn(serve(listener, router, None, async {
             let _ = stopped.await;
         }));
         let (cut_after, answered) = tokio::task::spawn_blocking(move || {

@@ -6,7 +6,7 @@
 //! CA requires client certificates signed by it (mutual TLS); the names of a verified client
 //! certificate reach the handlers as [`Peer::cert_names`].
 //!
-//! Clients ([`ClientTls`], `grl_client::tls`, re-exported here) verify servers against a configured CA file (and then only against
+//! Clients (`grl_client::tls::ClientTls`) verify servers against a configured CA file (and then only against
 //! it, not the built-in public roots) and may present a client certificate.
 //!
 //! No certificate given = plain HTTP, for loopback and tests.
@@ -21,14 +21,13 @@ use anyhow::{bail, Context};
 use arc_swap::ArcSwap;
 use axum::extract::connect_info::Connected;
 use axum::serve::IncomingStream;
-use axum::Router;
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::CertificateDer;
 use rustls::server::WebPkiClientVerifier;
 use rustls::{RootCertStore, ServerConfig};
 use tokio::net::TcpListener;
 
-pub use grl_client::tls::*;
+use grl_client::tls::{read_certs, read_key, warn_if_expired};
 
 /// Default period of the certificate file poll.
 pub const DEFAULT_RELOAD_EVERY: Duration = Duration::from_secs(5);
@@ -332,31 +331,13 @@ pub fn cert_names(der: &CertificateDer<'_>) -> Vec<String> {
     }
 }
 
-/// Serves `router` on `listener` until `shutdown` resolves: over TLS when `tls` is given,
-/// plain HTTP otherwise, with the default connection limits ([`crate::server::ServeLimits`]:
-/// header and idle timeouts, a connection cap with room for health probes). Handlers can
-/// extract `ConnectInfo<Peer>` either way. [`crate::server::serve_with`] takes other limits.
-pub async fn serve(
-    listener: TcpListener,
-    router: Router,
-    tls: Option<Arc<ReloadingServerConfig>>,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    crate::server::serve_with(
-        listener,
-        router,
-        tls,
-        crate::server::ServeLimits::default(),
-        Default::default(),
-        shutdown,
-    )
-    .await
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::server::serve;
     use axum::extract::ConnectInfo;
+    use axum::Router;
+    use grl_client::tls::{not_after, ClientTls};
     use rustls::pki_types::pem::PemObject;
     use test_support::tls::Ca;
 
