@@ -26,7 +26,6 @@ mod period;
 pub use grl_wire as proto;
 pub mod realtime;
 pub mod report;
-pub mod sidecar;
 pub mod sim;
 pub mod state_db;
 #[cfg(test)]

@@ -265,7 +265,7 @@ enum Cmd {
         #[arg(long, default_value_t = 5_000)]
         upstream_connect_timeout_ms: u64,
         /// Largest request head (HTTP/1.1 buffer, HTTP/2 header list).
-        #[arg(long, default_value_t = grl_runtime::sidecar::DEFAULT_MAX_HEADER_BYTES)]
+        #[arg(long, default_value_t = grl_sidecar::DEFAULT_MAX_HEADER_BYTES)]
         max_header_bytes: usize,
         /// Reporting period in milliseconds.
         #[arg(long, default_value_t = 200)]
@@ -672,11 +672,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             client_tls,
             shutdown_grace_ms,
         } => {
-            use grl_runtime::sidecar::identity::{CallerFrom, NamePattern, ProcedureFrom, Route};
+            use grl_sidecar::identity::{CallerFrom, NamePattern, ProcedureFrom, Route};
             if limits.health_listen.is_some() {
                 bail!("grl sidecar serves /healthz and /readyz on --admin-listen (no --health-listen)");
             }
-            let upstream = grl_runtime::sidecar::upstream::Upstream::parse(&upstream)
+            let upstream = grl_sidecar::upstream::Upstream::parse(&upstream)
                 .map_err(|e| anyhow::anyhow!("--upstream {e}"))?;
             let header = |flag: &str, v: &str| -> anyhow::Result<Option<http::HeaderName>> {
                 if v == "none" {
@@ -729,7 +729,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             client.client_id = Some(id.unwrap_or_else(|| {
                 format!("{service}-{zone}-{}-{}", hostname(), std::process::id())
             }));
-            let opts = grl_runtime::sidecar::SidecarOptions {
+            let opts = grl_sidecar::SidecarOptions {
                 zone,
                 region,
                 admin_listen: Some(admin_listen),
@@ -742,9 +742,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 serve: limits.limits()?,
                 max_header_bytes,
                 workers,
-                ..grl_runtime::sidecar::SidecarOptions::new(listen, upstream, client)
+                ..grl_sidecar::SidecarOptions::new(listen, upstream, client)
             };
-            let h = grl_runtime::sidecar::start(opts).await?;
+            let h = grl_sidecar::start(opts).await?;
             println!("listening on {}", h.server.addr());
             stop_gracefully("sidecar", h.server, shutdown_grace_ms).await;
         }

@@ -8,6 +8,7 @@
 //! test that cannot run on this machine (a container runtime that cannot start containers)
 //! says why through [`skip`], and `cargo xtask test` counts it as skipped, not passed.
 
+pub mod cargo;
 pub mod git;
 pub mod plugin;
 pub mod postgres;

@@ -14,6 +14,8 @@
 //! `/readyz`. Without an answer from the aggregators the client fails open, as an embedded
 //! one does.
 
+#![warn(missing_docs)]
+
 pub mod identity;
 pub mod upstream;
 
@@ -225,10 +227,10 @@ impl prometheus_client::collector::Collector for StatsCollector {
             None,
             MetricType::Gauge,
         )?;
-        let labels: Vec<(&str, crate::metrics::Label<'_>)> = self
+        let labels: Vec<(&str, grl_client::metrics::Label<'_>)> = self
             .info
             .iter()
-            .map(|(k, v)| (*k, crate::metrics::Label(v)))
+            .map(|(k, v)| (*k, grl_client::metrics::Label(v)))
             .collect();
         ConstGauge::new(1i64).encode(fam.encode_family(&labels)?)?;
         Ok(())
@@ -308,7 +310,7 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
     let stats = Arc::new(Stats::default());
     let server_stats = Arc::new(ServerStats::default());
     let mut registry = Registry::default();
-    crate::metrics::register_build_info(&mut registry, "grl", "sidecar");
+    grl_client::metrics::register_build_info(&mut registry, "grl", "sidecar");
     registry.register_collector(Box::new(client.metrics()));
     server_stats.register(&mut registry);
     registry.register_collector(Box::new(StatsCollector {
@@ -343,7 +345,7 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
     // timeout).
     let pools = workers.as_ref().map_or(0, |w| w.len()) + 1;
     let serve = grl_server::server::fit_to_fd_limit(opts.serve, 3);
-    let max_idle = (serve.max_connections / pools).min(crate::sidecar::upstream::MAX_IDLE);
+    let max_idle = (serve.max_connections / pools).min(crate::upstream::MAX_IDLE);
     let slots = Arc::new(tokio::sync::Semaphore::new(serve.max_connections));
     let shared = Arc::new(Shared {
         layer,
@@ -887,7 +889,7 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
             bad_request(&s, BadRequest::Body, "malformed request body\n")
         }
         Ok(Err(Failed::Upstream(e))) => {
-            let cause = crate::cause::describe_error(&e, s.connect_timeout);
+            let cause = grl_client::cause::describe_error(&e, s.connect_timeout);
             upstream_unreachable(&s, grpc, e.is_connect(), &cause)
         }
         Ok(Err(Failed::ResponseBody(e))) => {
