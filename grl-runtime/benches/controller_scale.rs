@@ -29,8 +29,8 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use grl_runtime::engine::Engine;
-use grl_runtime::proto::{BucketCountsMsg, ReportSession, ZoneBucketMsg, ZoneReport};
+use grl_control::engine::Engine;
+use grl_wire::{BucketCountsMsg, ReportSession, ZoneBucketMsg, ZoneReport};
 
 mod fixture;
 
@@ -97,7 +97,7 @@ fn sequence(r: &mut ZoneReport, z: usize, seq: u64, held: Option<(u64, u64)>) {
     });
 }
 
-fn directive_count(d: &grl_runtime::proto::ZoneDirectives) -> usize {
+fn directive_count(d: &grl_wire::ZoneDirectives) -> usize {
     d.services.iter().map(|s| s.directives.len()).sum()
 }
 
@@ -169,7 +169,7 @@ fn steady(c: &mut Criterion, n: usize, label: &str) {
                 serde_json::to_vec(&d).unwrap()
             };
             if probe && z == 3 {
-                let d: grl_runtime::proto::ZoneDirectives = serde_json::from_slice(&bytes).unwrap();
+                let d: grl_wire::ZoneDirectives = serde_json::from_slice(&bytes).unwrap();
                 assert!(!d.session.unwrap().resync);
                 last = (directive_count(&d), bytes.len());
             }

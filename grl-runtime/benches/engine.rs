@@ -5,8 +5,8 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use grl_runtime::engine::Engine;
-use grl_runtime::proto::{ZoneBucketMsg, ZoneReport};
+use grl_control::engine::Engine;
+use grl_wire::{ZoneBucketMsg, ZoneReport};
 
 mod fixture;
 
@@ -60,17 +60,17 @@ fn bench(c: &mut Criterion) {
     // prometheus-client under the engine lock.
     let engine = std::sync::Arc::new(std::sync::Mutex::new(e));
     let mut registry = prometheus_client::registry::Registry::default();
-    registry.register_collector(Box::new(grl_runtime::metrics::EngineCollector::new(
+    registry.register_collector(Box::new(grl_control::metrics::EngineCollector::new(
         engine.clone(),
     )));
-    let text = grl_runtime::metrics::encode(&registry);
+    let text = grl_client::metrics::encode(&registry);
     eprintln!(
         "metrics text: {} bytes, {} lines",
         text.len(),
         text.lines().count()
     );
     g.bench_function("metrics_render", |b| {
-        b.iter(|| black_box(grl_runtime::metrics::encode(&registry)))
+        b.iter(|| black_box(grl_client::metrics::encode(&registry)))
     });
     g.bench_function("metrics_render_baseline_format", |b| {
         b.iter(|| black_box(baseline_render(&engine.lock().unwrap())))
@@ -94,7 +94,7 @@ fn baseline_render(e: &Engine) -> String {
         "grl_requests_dropped_total",
         "grl_requests_shadow_dropped_total",
     ];
-    let label = |b: &grl_runtime::engine::BucketState, zone: &str| -> String {
+    let label = |b: &grl_control::engine::BucketState, zone: &str| -> String {
         format!(
             "service=\"{}\",bucket=\"{}\",caller=\"{}\",procedure=\"{}\",mode=\"{}\",zone=\"{}\"",
             esc(&b.service),

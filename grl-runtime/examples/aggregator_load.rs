@@ -15,7 +15,7 @@
 //! The generator is a minimal HTTP/1.1 client over tokio's `TcpStream` (request bytes built
 //! once per client, a response read to its `Content-Length`), so that it leaves the CPU to
 //! the aggregator; the bodies are what `Reporter` sends (`ClientReport`, JSON or, with
-//! `--encoding binary`, the binary encoding of `grl_runtime::proto::binary`).
+//! `--encoding binary`, the binary encoding of `grl_wire::binary`).
 //!
 //! `cargo run --release -p grl-runtime --example aggregator_load -- --clients 10000 --tick-ms 200 --secs 10 --pin`
 //! (`--codec` instead measures the report's decode and the reply's encode alone: report bytes,
@@ -31,9 +31,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use grl_runtime::aggregator::{Aggregator, AggregatorOptions};
-use grl_runtime::controller::{Controller, ControllerOptions};
-use grl_runtime::proto::{BucketCountsMsg, CallCountMsg, ClientReport};
+use grl_control::aggregator::{Aggregator, AggregatorOptions};
+use grl_control::controller::{Controller, ControllerOptions};
+use grl_wire::{BucketCountsMsg, CallCountMsg, ClientReport};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[path = "../benches/fixture/mod.rs"]
@@ -241,15 +241,15 @@ fn encode(a: &Args, r: &ClientReport) -> (&'static str, Vec<u8>) {
     match a.encoding.as_str() {
         "json" => ("application/json", serde_json::to_vec(r).unwrap()),
         "binary" => (
-            grl_runtime::proto::binary::CONTENT_TYPE,
-            grl_runtime::proto::binary::encode_report(r),
+            grl_wire::binary::CONTENT_TYPE,
+            grl_wire::binary::encode_report(r),
         ),
         e => panic!("--encoding json|binary, not {e}"),
     }
 }
 
 fn proto_version(_: &Args) -> u32 {
-    grl_runtime::proto::PROTO_VERSION
+    grl_wire::PROTO_VERSION
 }
 
 #[derive(Default)]
@@ -384,7 +384,7 @@ async fn connection(
 /// `--codec`: what the aggregator's decode of a report and encode of its reply cost per
 /// report in each encoding, in this process (no HTTP), 200,000 times each.
 fn codec(a: &Args) {
-    use grl_runtime::proto::{ClientDirectives, DirectiveMsg};
+    use grl_wire::{ClientDirectives, DirectiveMsg};
     let body = |enc: &str| {
         let req = request(
             &Args {
@@ -422,8 +422,8 @@ fn codec(a: &Args) {
                 )
             } else {
                 (
-                    grl_runtime::proto::binary::decode_report(&b).unwrap(),
-                    grl_runtime::proto::binary::encode_directives(&reply),
+                    grl_wire::binary::decode_report(&b).unwrap(),
+                    grl_wire::binary::encode_directives(&reply),
                 )
             };
             std::hint::black_box((r, o));
@@ -435,7 +435,7 @@ fn codec(a: &Args) {
             if enc == "json" {
                 serde_json::to_vec(&reply).unwrap().len()
             } else {
-                grl_runtime::proto::binary::encode_directives(&reply).len()
+                grl_wire::binary::encode_directives(&reply).len()
             }
         );
     }

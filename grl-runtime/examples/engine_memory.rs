@@ -10,9 +10,9 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
 
-use grl_runtime::delta::{DeltaOptions, Upstream};
-use grl_runtime::engine::Engine;
-use grl_runtime::proto::{BucketCountsMsg, ReportSession, ZoneBucketMsg, ZoneReport, PROTO_DELTA};
+use grl_control::delta::{DeltaOptions, Upstream};
+use grl_control::engine::Engine;
+use grl_wire::{BucketCountsMsg, ReportSession, ZoneBucketMsg, ZoneReport, PROTO_DELTA};
 
 #[path = "../benches/fixture/mod.rs"]
 mod fixture;

@@ -9,7 +9,7 @@
 
 use std::time::{Duration, Instant};
 
-use grl_runtime::controller::{Controller, ControllerOptions};
+use grl_control::controller::{Controller, ControllerOptions};
 use serde_json::json;
 
 const TOKEN: &str = "override-scale-token";

@@ -8,10 +8,10 @@
 use std::time::{Duration, Instant};
 
 use grl_client::tls::ClientTls;
-use grl_runtime::aggregator::{Aggregator, AggregatorOptions};
-use grl_runtime::controller::{Controller, ControllerOptions};
-use grl_runtime::proto::{BucketCountsMsg, ClientReport};
+use grl_control::aggregator::{Aggregator, AggregatorOptions};
+use grl_control::controller::{Controller, ControllerOptions};
 use grl_server::tls::ServerTls;
+use grl_wire::{BucketCountsMsg, ClientReport};
 use test_support::tls::Ca;
 
 /// The client report credential for `payments` (the aggregator's credentials file).

@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand};
-use grl_runtime::aggregator::{Aggregator, AggregatorOptions};
-use grl_runtime::auth::{CredentialSet, TokenSource};
-use grl_runtime::controller::{Controller, ControllerOptions};
+use grl_client::auth::{CredentialSet, TokenSource};
+use grl_control::aggregator::{Aggregator, AggregatorOptions};
+use grl_control::controller::{Controller, ControllerOptions};
 use grl_runtime::sim::{self, Algorithm, Scenario};
 
 mod override_cli;
@@ -89,11 +89,11 @@ enum Cmd {
         shutdown_grace_ms: u64,
         /// `grl_calls_total`: callers per service that keep their label (the top ones by
         /// recent volume); the others are folded into caller="_other".
-        #[arg(long, default_value_t = grl_runtime::calls::DEFAULT_MAX_CALLERS)]
+        #[arg(long, default_value_t = grl_client::calls::DEFAULT_MAX_CALLERS)]
         calls_max_callers: usize,
         /// `grl_calls_total`: procedures per service that keep their label (the first
         /// seen); the others are folded into procedure="_other".
-        #[arg(long, default_value_t = grl_runtime::calls::DEFAULT_MAX_PROCEDURES)]
+        #[arg(long, default_value_t = grl_client::calls::DEFAULT_MAX_PROCEDURES)]
         calls_max_procedures: usize,
         /// Postgres URL of the state shared by the region's controller replicas, when it holds
         /// no password (ps shows flags to every user: a password goes in GRL_DATABASE_URL,
@@ -109,7 +109,7 @@ enum Cmd {
         database_connect_timeout_secs: u64,
         /// Overrides active at once; one more is refused (422) until one is removed or
         /// expires.
-        #[arg(long, default_value_t = grl_runtime::controller::DEFAULT_MAX_OVERRIDES)]
+        #[arg(long, default_value_t = grl_control::controller::DEFAULT_MAX_OVERRIDES)]
         max_overrides: usize,
     },
     /// Run a zone aggregator.
@@ -181,7 +181,7 @@ enum Cmd {
         /// one client is trusted up to whatever else is known: the cap of a lone instance of a
         /// service with no bucket in the config. Calls beyond a client's cap, over the time it
         /// really reported, are scaled down.
-        #[arg(long, default_value_t = grl_runtime::aggregator::screen::DEFAULT_INSTANCE_RPS)]
+        #[arg(long, default_value_t = grl_control::aggregator::screen::DEFAULT_INSTANCE_RPS)]
         plausible_instance_rps: f64,
         /// Rates held per service (one per client and bucket); a report that would pass it is
         /// refused with 429.
@@ -190,7 +190,7 @@ enum Cmd {
         /// Clients held per service (one per client id heard within its horizon; the services
         /// not in the config share one such budget); a report of a new client that would pass
         /// it is refused with 429.
-        #[arg(long, default_value_t = grl_runtime::aggregator::screen::DEFAULT_MAX_CLIENTS_PER_SERVICE)]
+        #[arg(long, default_value_t = grl_control::aggregator::screen::DEFAULT_MAX_CLIENTS_PER_SERVICE)]
         max_clients_per_service: usize,
     },
     /// Run an inbound reverse proxy in front of one service instance (any language): every
@@ -514,7 +514,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             max_overrides,
         } => {
             let database = match database_url {
-                Some(url) if grl_runtime::state_db::has_password(&url) => bail!(
+                Some(url) if grl_control::state_db::has_password(&url) => bail!(
                     "--database-url carries a password, which every user sees in ps: put the URL in GRL_DATABASE_URL or GRL_DATABASE_URL_FILE, or the password in PGPASSWORD"
                 ),
                 Some(url) => Some(url),
@@ -522,17 +522,17 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     .map_err(anyhow::Error::msg)?
                     .map(|t| t.current().trim().to_string()),
             }
-            .map(|url| grl_runtime::controller::DatabaseOptions {
+            .map(|url| grl_control::controller::DatabaseOptions {
                 poll: Duration::from_secs(database_poll_secs.max(1)),
                 connect_timeout: Duration::from_secs(database_connect_timeout_secs),
-                ..grl_runtime::controller::DatabaseOptions::new(&url)
+                ..grl_control::controller::DatabaseOptions::new(&url)
             });
             let mut creds = CredentialSet::default();
             for (var, roles) in [
                 ("GRL_CONFIG_TOKEN", &["config"][..]),
                 ("GRL_OVERRIDE_TOKEN", &["overrides"][..]),
                 ("GRL_READ_TOKEN", &["reports"][..]),
-                ("GRL_TOKEN", grl_runtime::controller::LEGACY_TOKEN_ROLES),
+                ("GRL_TOKEN", grl_control::controller::LEGACY_TOKEN_ROLES),
             ] {
                 if let Some(t) = TokenSource::from_env(var).map_err(anyhow::Error::msg)? {
                     if var == "GRL_TOKEN" {
@@ -543,7 +543,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             if let Some(path) = &credentials {
                 creds
-                    .add_file(path, Some(grl_runtime::controller::ROLES))
+                    .add_file(path, Some(grl_control::controller::ROLES))
                     .map_err(|e| anyhow::anyhow!("credentials: {e}"))?;
             }
             if !creds.any_covers("config") {
@@ -625,13 +625,13 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     .map_err(anyhow::Error::msg)?,
                 client_credentials,
                 allow_anonymous_reports: insecure_allow_anonymous_reports,
-                delta: grl_runtime::delta::DeltaOptions {
+                delta: grl_control::delta::DeltaOptions {
                     threshold: report_change_threshold,
                     refresh_ticks: report_refresh_ticks,
                 },
                 serve: limits.limits()?,
                 health_listen: limits.health_listen,
-                plausibility: grl_runtime::aggregator::screen::Plausibility {
+                plausibility: grl_control::aggregator::screen::Plausibility {
                     limit_multiple: plausible_limit_multiple,
                     peer_multiple: plausible_peer_multiple,
                     max_rates_per_service,
@@ -720,7 +720,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 max_header_bytes >= 1024,
                 "--max-header-bytes must be at least 1024"
             );
-            let mut client = grl_runtime::client::ClientOptions::new(&service, aggregators)
+            let mut client = grl_client::client::ClientOptions::new(&service, aggregators)
                 .with_report_token_from_env()
                 .map_err(anyhow::Error::msg)?;
             client.tick = Duration::from_millis(tick_ms.max(1));

@@ -4,8 +4,8 @@ use std::time::Duration;
 
 use anyhow::bail;
 use clap::Subcommand;
-use grl_runtime::auth::TokenSource;
-use grl_runtime::overrides::{describe_action, describe_target, OverrideRequest, MAX_TTL_SECS};
+use grl_client::auth::TokenSource;
+use grl_control::overrides::{describe_action, describe_target, OverrideRequest, MAX_TTL_SECS};
 use schema::HumanDuration;
 use serde_json::Value;
 
@@ -245,7 +245,7 @@ pub(crate) async fn run(mut cmd: OverrideCmd) -> anyhow::Result<()> {
         Ok(r) => r,
         Err(e) => bail!(
             "{what}: cannot reach the controller: {}",
-            grl_runtime::cause::describe(&e, timeout)
+            grl_client::cause::describe(&e, timeout)
         ),
     };
     let status = resp.status();

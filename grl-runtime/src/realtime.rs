@@ -11,11 +11,11 @@ use anyhow::Context;
 use grl_core::Decision;
 use schema::{BucketFile, Mode};
 
-use crate::aggregator::{Aggregator, AggregatorOptions};
-use crate::client::{ClientOptions, GrlClient};
-use crate::controller::{Controller, ControllerOptions};
-use crate::proto::ConfigDoc;
 use crate::sim::{Algorithm, Scenario, TickRow};
+use grl_client::client::{ClientOptions, GrlClient};
+use grl_control::aggregator::{Aggregator, AggregatorOptions};
+use grl_control::controller::{Controller, ControllerOptions};
+use grl_wire::ConfigDoc;
 
 struct Inst {
     client: GrlClient,
@@ -44,13 +44,13 @@ pub async fn run_realtime(
         }],
         candidates: Vec::new(),
     };
-    crate::config::validate(&doc)?;
+    grl_control::config::validate(&doc)?;
     std::fs::write(state.join("config.json"), serde_json::to_vec(&doc)?)?;
     // Clients authenticate to the aggregators as in production: one credential for the
     // scenario's service, in a credentials file only this user can read.
     let client_token = format!("{:032x}", rand::random::<u128>());
     let client_creds = state.join("client-credentials");
-    crate::auth::write_secret_file(
+    grl_client::auth::write_secret_file(
         &client_creds,
         &format!("realtime {} {client_token}\n", sc.service),
     )?;

@@ -12,10 +12,10 @@ use grl_core::{seed_thread_rng, Decision, Limiter};
 use schema::{Bucket, BucketFile, Mode};
 use serde::{Deserialize, Serialize};
 
-use crate::client::Reporter;
-use crate::engine::Engine;
-use crate::proto::rollout::{judge, Observed, RolloutRule, Verdict};
-use crate::proto::{
+use grl_client::client::Reporter;
+use grl_control::engine::Engine;
+use grl_wire::rollout::{judge, Observed, RolloutRule, Verdict};
+use grl_wire::{
     Candidate, ClientDirectives, ConfigDoc, ServiceCallCountMsg, ZoneBucketMsg, ZoneReport,
 };
 
@@ -268,7 +268,7 @@ pub enum Algorithm {
 pub enum SimError {
     /// Invalid bucket set.
     #[error(transparent)]
-    Buckets(#[from] crate::config::ConfigError),
+    Buckets(#[from] grl_control::config::ConfigError),
     /// Invalid scenario value.
     #[error("scenario: {0}")]
     Invalid(String),
@@ -486,7 +486,7 @@ pub fn run_with(
         services: vec![file.clone()],
         candidates: sc.wire_candidates(),
     };
-    crate::config::validate(&doc)?;
+    grl_control::config::validate(&doc)?;
     let rule = sc
         .rollout
         .as_ref()
@@ -837,7 +837,7 @@ pub fn run_with(
                     file.buckets = buckets.clone();
                     doc.services = vec![file.clone()];
                     doc.version = format!("sim+{changes}");
-                    crate::config::validate(&doc)?;
+                    grl_control::config::validate(&doc)?;
                     engine.set_config(doc.clone());
                     for inst in instances.iter_mut() {
                         inst.reporter

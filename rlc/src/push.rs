@@ -70,7 +70,7 @@ impl PushError {
     /// A failed call, its cause named ("server certificate expired on DATE", "host name
     /// mismatch", "connection refused", "timed out after N ms").
     fn unreachable(e: reqwest::Error) -> PushError {
-        PushError::Unreachable(grl_runtime::cause::describe(&e, TIMEOUT))
+        PushError::Unreachable(grl_client::cause::describe(&e, TIMEOUT))
     }
 
     /// Whether trying again later can succeed without a config change.
@@ -197,7 +197,7 @@ impl Secret {
 
     /// A token file, with a warning when every user can read it.
     fn file(p: PathBuf) -> Secret {
-        grl_runtime::auth::warn_if_world_readable(&p);
+        grl_client::auth::warn_if_world_readable(&p);
         Secret::File(p)
     }
 
@@ -206,7 +206,7 @@ impl Secret {
             Secret::Value(v) => Ok(v.clone()),
             Secret::File(p) => {
                 // Never the content in errors: only the file and what is wrong.
-                let text = grl_runtime::auth::read_secret_file(p).map_err(PushError::TokenFile)?;
+                let text = grl_client::auth::read_secret_file(p).map_err(PushError::TokenFile)?;
                 let t = text.lines().next().unwrap_or("").trim().to_string();
                 if t.is_empty() {
                     return Err(PushError::TokenFile(format!("{}: empty", p.display())));

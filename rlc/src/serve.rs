@@ -89,7 +89,7 @@ struct Metrics {
     run_seconds: Histogram,
     leader: Gauge,
     in_sync: Gauge,
-    desired_version: grl_runtime::metrics::InfoGauge,
+    desired_version: grl_client::metrics::InfoGauge,
     push_failures: Counter,
     reports_stored: Counter,
     report_gaps: Counter,
@@ -105,10 +105,10 @@ impl Default for Metrics {
             runs: Family::default(),
             last_run_finished: Gauge::default(),
             last_success: Gauge::default(),
-            run_seconds: Histogram::new(grl_runtime::metrics::RUN_BUCKETS),
+            run_seconds: Histogram::new(grl_client::metrics::RUN_BUCKETS),
             leader: Gauge::default(),
             in_sync: Gauge::default(),
-            desired_version: grl_runtime::metrics::InfoGauge::new(
+            desired_version: grl_client::metrics::InfoGauge::new(
                 "rlc_config_version_info",
                 "1, labelled with the base branch's version rlc keeps the controller on.",
                 "version",
@@ -127,7 +127,7 @@ impl Default for Metrics {
 impl Metrics {
     fn registry(&self) -> Registry {
         let mut r = Registry::default();
-        grl_runtime::metrics::register_build_info(&mut r, "rlc", "serve");
+        grl_client::metrics::register_build_info(&mut r, "rlc", "serve");
         r.register("rlc_runs", "Finished runs by status.", self.runs.clone());
         r.register(
             "rlc_last_run_finished_timestamp_seconds",

@@ -46,7 +46,7 @@ async fn candidate_is_evaluated_beside_the_limit_in_force_and_never_served() {
     assert_eq!(r.status(), 200);
     assert_eq!(
         r.headers()["grl-proto"],
-        grl_runtime::proto::PROTO_VERSION.to_string().as_str()
+        grl_wire::PROTO_VERSION.to_string().as_str()
     );
 
     let (_agg, ua) = start_aggregator(&base, "agg-a", dir.path()).await;
@@ -113,7 +113,7 @@ async fn candidate_is_evaluated_beside_the_limit_in_force_and_never_served() {
         .unwrap();
     assert_eq!(r.status(), 401);
     let status = get_json(&http, &format!("{base}/v1/status")).await;
-    assert_eq!(status["proto"], grl_runtime::proto::PROTO_VERSION);
+    assert_eq!(status["proto"], grl_wire::PROTO_VERSION);
     assert_eq!(status["candidates"], 1);
     let m = get_text(&http, &format!("{base}/metrics")).await;
     assert!(m.contains("# TYPE grl_candidate_offered counter"), "{m}");

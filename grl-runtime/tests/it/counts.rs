@@ -6,7 +6,7 @@
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use grl_runtime::client::{ClientOptions, GrlClient};
+use grl_client::client::{ClientOptions, GrlClient};
 use serde_json::json;
 use test_support::process::{free_port, Proc};
 
@@ -135,8 +135,8 @@ async fn trickles_are_counted_exactly_through_the_sidecar_and_the_layer() {
     let app = axum::Router::new()
         .route("/{proc}", axum::routing::get(|| async { "ok" }))
         .layer(
-            grl_runtime::layer::GrlLayer::for_client(&client)
-                .procedure_from(grl_runtime::layer::KeyFrom::PathSegment(0)),
+            grl_client::layer::GrlLayer::for_client(&client)
+                .procedure_from(grl_client::layer::KeyFrom::PathSegment(0)),
         );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();

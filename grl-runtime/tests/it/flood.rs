@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use grl_runtime::client::{ClientOptions, GrlClient};
-use grl_runtime::proto::{BucketCountsMsg, ClientReport};
+use grl_client::client::{ClientOptions, GrlClient};
+use grl_wire::{BucketCountsMsg, ClientReport};
 use serde_json::{json, Value};
 use test_support::process::free_port;
 
@@ -200,11 +200,11 @@ async fn invented_bucket_names_of_one_service_leave_another_service_limited() {
                     urgent: false,
                     calls: Vec::new(),
                 };
-                let body = grl_runtime::proto::binary::encode_report(&r);
+                let body = grl_wire::binary::encode_report(&r);
                 let s = http
                     .post(format!("{ua}/v1/report"))
                     .bearer_auth(PAYMENTS_SECRET)
-                    .header("content-type", grl_runtime::proto::binary::CONTENT_TYPE)
+                    .header("content-type", grl_wire::binary::CONTENT_TYPE)
                     .body(body)
                     .send()
                     .await
@@ -230,7 +230,7 @@ async fn invented_bucket_names_of_one_service_leave_another_service_limited() {
     // however many connections send them.
     let bodies: Vec<Vec<u8>> = (0..16u64)
         .map(|i| {
-            grl_runtime::proto::binary::encode_report(&ClientReport {
+            grl_wire::binary::encode_report(&ClientReport {
                 client_id: format!("burst-{i}"),
                 service: "payments".into(),
                 version: "v1".into(),
@@ -256,7 +256,7 @@ async fn invented_bucket_names_of_one_service_leave_another_service_limited() {
             tokio::spawn(async move {
                 http.post(format!("{ua}/v1/report"))
                     .bearer_auth(PAYMENTS_SECRET)
-                    .header("content-type", grl_runtime::proto::binary::CONTENT_TYPE)
+                    .header("content-type", grl_wire::binary::CONTENT_TYPE)
                     .body(body)
                     .send()
                     .await

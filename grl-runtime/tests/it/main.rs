@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use grl_client::client::{ClientOptions, GrlClient};
 use grl_core::Decision;
-use grl_runtime::client::{ClientOptions, GrlClient};
 use serde_json::{json, Value};
 use test_support::process::{free_port, Proc};
 
@@ -1132,8 +1132,8 @@ mod layer {
     use axum::body::Body;
     use axum::routing::get;
     use axum::Router;
+    use grl_client::layer::{GrlLayer, KeyFrom};
     use grl_core::{Limiter, Table};
-    use grl_runtime::layer::{GrlLayer, KeyFrom};
     use http::Request;
     use schema::{Bucket, Mode, PolicyName, Scope};
     use tower::ServiceExt;
@@ -1429,7 +1429,7 @@ async fn aggregator_refuses_malformed_reports() {
 /// them is counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn aggregator_reads_json_and_binary_reports_and_refuses_bad_binary() {
-    use grl_runtime::proto::{binary, BucketCountsMsg, ClientReport};
+    use grl_wire::{binary, BucketCountsMsg, ClientReport};
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
     let url = format!("http://127.0.0.1:{port}");
@@ -1475,7 +1475,7 @@ async fn aggregator_reads_json_and_binary_reports_and_refuses_bad_binary() {
     assert_eq!(r.status(), 200);
     assert_eq!(
         r.headers()["grl-proto"],
-        grl_runtime::proto::PROTO_VERSION.to_string().as_str()
+        grl_wire::PROTO_VERSION.to_string().as_str()
     );
     assert!(r.headers()["content-type"]
         .to_str()

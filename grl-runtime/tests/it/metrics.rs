@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use grl_runtime::client::{ClientOptions, GrlClient};
+use grl_client::client::{ClientOptions, GrlClient};
 use serde_json::json;
 use test_support::process::free_port;
 
@@ -246,7 +246,7 @@ async fn client_metrics_escape_hostile_label_values() {
 
 /// The text of a client's registry (what its embedding service serves).
 pub(crate) fn client_metrics(c: &GrlClient) -> String {
-    grl_runtime::metrics::encode(&c.registry())
+    grl_client::metrics::encode(&c.registry())
 }
 
 /// The value of a client series in [`client_metrics`]' text.
@@ -278,8 +278,8 @@ async fn calls_are_counted_matched_or_not_and_folded_beyond_the_bound() {
     let app = axum::Router::new()
         .route("/{proc}", axum::routing::get(|| async { "ok" }))
         .layer(
-            grl_runtime::layer::GrlLayer::for_client(&client)
-                .procedure_from(grl_runtime::layer::KeyFrom::PathSegment(0)),
+            grl_client::layer::GrlLayer::for_client(&client)
+                .procedure_from(grl_client::layer::KeyFrom::PathSegment(0)),
         );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -379,7 +379,7 @@ async fn calls_are_counted_matched_or_not_and_folded_beyond_the_bound() {
     assert_eq!(r.status(), 200);
     assert_eq!(
         r.headers()["grl-proto"],
-        grl_runtime::proto::PROTO_VERSION.to_string().as_str()
+        grl_wire::PROTO_VERSION.to_string().as_str()
     );
     server.abort();
 }

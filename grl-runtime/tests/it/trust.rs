@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use grl_runtime::auth::TokenSource;
-use grl_runtime::client::{ClientOptions, GrlClient};
+use grl_client::auth::TokenSource;
+use grl_client::client::{ClientOptions, GrlClient};
 use serde_json::{json, Value};
 use test_support::process::free_port;
 

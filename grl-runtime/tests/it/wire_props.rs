@@ -4,10 +4,10 @@
 
 use std::time::{Duration, Instant};
 
-use grl_runtime::aggregator::{Aggregator, AggregatorOptions};
-use grl_runtime::controller::{Controller, ControllerOptions};
-use grl_runtime::overrides::OverrideRequest;
-use grl_runtime::proto::{
+use grl_control::aggregator::{Aggregator, AggregatorOptions};
+use grl_control::controller::{Controller, ControllerOptions};
+use grl_control::overrides::OverrideRequest;
+use grl_wire::{
     BucketCountsMsg, CallCountMsg, ClientDirectives, ClientReport, ConfigDoc, DirectiveMsg,
     ReplySession, ReportSession, ServiceCallCountMsg, ServiceDirectives, ZoneBucketMsg,
     ZoneDirectives, ZoneReport,
@@ -32,7 +32,7 @@ fn decode_all(bytes: &[u8]) {
     one::<ZoneReport>(bytes);
     one::<ZoneDirectives>(bytes);
     one::<OverrideRequest>(bytes);
-    one::<grl_runtime::overrides::Override>(bytes);
+    one::<grl_control::overrides::Override>(bytes);
 }
 
 fn name() -> impl Strategy<Value = String> {

@@ -7,9 +7,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use grl_client::client::{ClientOptions, GrlClient};
 use grl_client::tls::ClientTls;
 use grl_core::Decision;
-use grl_runtime::client::{ClientOptions, GrlClient};
 use serde_json::{json, Value};
 use test_support::process::{free_port, Proc};
 use test_support::tls::Ca;

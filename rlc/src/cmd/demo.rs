@@ -26,11 +26,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use grl_runtime::aggregator::{Aggregator, AggregatorOptions};
-use grl_runtime::auth::CredentialSet;
-use grl_runtime::client::{ClientOptions, GrlClient};
-use grl_runtime::controller::{Controller, ControllerOptions};
-use grl_runtime::layer::{GrlLayer, KeyFrom};
+use grl_client::auth::CredentialSet;
+use grl_client::client::{ClientOptions, GrlClient};
+use grl_client::layer::{GrlLayer, KeyFrom};
+use grl_control::aggregator::{Aggregator, AggregatorOptions};
+use grl_control::controller::{Controller, ControllerOptions};
 use schema::{format_rps, Mode, PolicyName};
 use tower::ServiceExt as _;
 
@@ -80,7 +80,7 @@ fn secret() -> String {
 fn credential(path: &Path, name: &str) -> anyhow::Result<String> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let creds = grl_runtime::auth::parse_credentials(path, &text, None)
+    let creds = grl_client::auth::parse_credentials(path, &text, None)
         .map_err(|e| anyhow::anyhow!("{e}; delete the file and `rlc demo` writes a new one"))?;
     creds
         .iter()
@@ -178,7 +178,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
     // `grl controller` takes it over.
     let mut credentials = CredentialSet::default();
     credentials
-        .add_file(&creds_path, Some(grl_runtime::controller::ROLES))
+        .add_file(&creds_path, Some(grl_control::controller::ROLES))
         .map_err(anyhow::Error::msg)?;
     let controller = Controller::start(ControllerOptions {
         state_dir: dir.join("grl-state"),

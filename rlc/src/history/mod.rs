@@ -374,7 +374,7 @@ pub fn pull_seconds() -> &'static prometheus_client::metrics::histogram::Histogr
     static H: std::sync::OnceLock<prometheus_client::metrics::histogram::Histogram> =
         std::sync::OnceLock::new();
     H.get_or_init(|| {
-        prometheus_client::metrics::histogram::Histogram::new(grl_runtime::metrics::RUN_BUCKETS)
+        prometheus_client::metrics::histogram::Histogram::new(grl_client::metrics::RUN_BUCKETS)
     })
 }
 

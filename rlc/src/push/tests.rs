@@ -170,8 +170,8 @@ async fn bad_token_is_not_retried() {
 /// role gets 403, named as such.
 #[tokio::test]
 async fn credentials_from_files_and_roles_against_the_real_controller() {
-    use grl_runtime::auth::{write_secret_file, CredentialSet};
-    use grl_runtime::controller::{Controller, ControllerOptions, ROLES};
+    use grl_client::auth::{write_secret_file, CredentialSet};
+    use grl_control::controller::{Controller, ControllerOptions, ROLES};
     let dir = tempfile::tempdir().unwrap();
     let (cfg, read) = ("rlc-config-0123456789abcdef", "rlc-read-0123456789abcdefgh");
     let creds = dir.path().join("credentials");

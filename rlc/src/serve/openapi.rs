@@ -770,7 +770,7 @@ fn metrics_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
             .next()
             .map(|(_, m)| m);
         r.content.insert(
-            grl_runtime::metrics::CONTENT_TYPE_OPENMETRICS.to_string(),
+            grl_client::metrics::CONTENT_TYPE_OPENMETRICS.to_string(),
             media.unwrap_or_default(),
         );
     }

@@ -438,7 +438,7 @@ fn max_increase_bounds_a_raise() {
 /// (`GET /v1/overrides`), so the minutes they act on are left out of later runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn minutes_under_an_incident_override_are_not_demand() {
-    use grl_runtime::controller::{Controller, ControllerOptions};
+    use grl_control::controller::{Controller, ControllerOptions};
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let end = chrono::Utc::now().timestamp() / 60 * 60 - 60;

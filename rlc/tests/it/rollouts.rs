@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use grl_runtime::controller::{Controller, ControllerHandle, ControllerOptions};
+use grl_control::controller::{Controller, ControllerHandle, ControllerOptions};
 use rlc::cycle::{Cycle, RunStatus};
 use rlc::plan::{Plan, PlannedBucket};
 use rlc::rollout::{Rollout, RolloutState};

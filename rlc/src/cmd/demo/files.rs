@@ -86,7 +86,7 @@ impl Owned {
         };
         if wrote != Wrote::Same {
             if secret {
-                grl_runtime::auth::write_secret_file(&path, content)
+                grl_client::auth::write_secret_file(&path, content)
             } else {
                 std::fs::write(&path, content)
             }

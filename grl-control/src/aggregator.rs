@@ -2,7 +2,7 @@
 //! (as soon as every known client has reported, or at the tick), and serves the cached
 //! directives and config back.
 //!
-//! Client reports need a client credential (see [`crate::auth`]) whose scope covers the
+//! Client reports need a client credential (see [`grl_client::auth`]) whose scope covers the
 //! report's service: 401 without a known credential, 403 for another service's report, both
 //! decided from the headers and the service before anything is recorded. A refused report is
 //! never summed nor forwarded.
@@ -22,13 +22,13 @@ use axum::{Json, Router};
 use serde::Deserialize;
 use tokio::sync::{oneshot, Notify};
 
-use crate::auth::{CredentialSet, LogGate, RefusalCounts, TokenSource};
-use crate::calls::PendingCalls;
-use crate::proto::{
+use grl_client::auth::{CredentialSet, LogGate, RefusalCounts, TokenSource};
+use grl_client::calls::PendingCalls;
+use grl_server::http_util::{parse_json, read_body, ApiError};
+use grl_wire::{
     BucketCountsMsg, ClientDirectives, ClientReport, ConfigDoc, DirectiveMsg, ServiceCallCountMsg,
     ZoneBucketMsg, ZoneDirectives, ZoneReport, PROTO_HEADER, PROTO_VERSION,
 };
-use grl_server::http_util::{parse_json, read_body, ApiError};
 
 pub mod screen;
 
@@ -69,7 +69,7 @@ pub struct AggregatorOptions {
     /// How this aggregator verifies (and identifies itself to) the controllers.
     pub client_tls: grl_client::tls::ClientTls,
     /// Distinct (caller, procedure) keys per service held between forwards; beyond, new
-    /// callers count as `_other` (see [`crate::calls`]).
+    /// callers count as `_other` (see [`grl_client::calls`]).
     pub max_call_keys: usize,
     /// Delta zone reports to controllers that announced protocol 4 (see [`crate::delta`]).
     pub delta: crate::delta::DeltaOptions,
@@ -106,7 +106,7 @@ impl Default for AggregatorOptions {
             allow_anonymous_reports: false,
             tls: None,
             client_tls: grl_client::tls::ClientTls::default(),
-            max_call_keys: crate::calls::DEFAULT_AGGREGATOR_KEYS,
+            max_call_keys: grl_client::calls::DEFAULT_AGGREGATOR_KEYS,
             delta: Default::default(),
             serve: Default::default(),
             health_listen: None,
@@ -186,7 +186,7 @@ struct ServiceReply {
     version: String,
     directives: Vec<DirectiveMsg>,
     /// The binary encoding, made at the first binary report.
-    binary: std::sync::OnceLock<crate::proto::binary::EncodedDirectives>,
+    binary: std::sync::OnceLock<grl_wire::binary::EncodedDirectives>,
 }
 
 impl ServiceReply {
@@ -203,7 +203,7 @@ impl ServiceReply {
         if binary {
             self.binary
                 .get_or_init(|| {
-                    crate::proto::binary::EncodedDirectives::new(&self.version, &self.directives)
+                    grl_wire::binary::EncodedDirectives::new(&self.version, &self.directives)
                 })
                 .with_age(age_ms)
         } else {
@@ -283,7 +283,7 @@ struct ForwardHistogram(prometheus_client::metrics::histogram::Histogram);
 impl Default for ForwardHistogram {
     fn default() -> Self {
         ForwardHistogram(prometheus_client::metrics::histogram::Histogram::new(
-            crate::metrics::LATENCY_BUCKETS,
+            grl_client::metrics::LATENCY_BUCKETS,
         ))
     }
 }
@@ -295,7 +295,7 @@ impl AggMetrics {
         horizon: Duration,
     ) -> prometheus_client::registry::Registry {
         let mut reg = prometheus_client::registry::Registry::default();
-        crate::metrics::register_build_info(&mut reg, "grl", "aggregator");
+        grl_client::metrics::register_build_info(&mut reg, "grl", "aggregator");
         reg.register(
             "grl_reports_accepted",
             "Client reports accepted.",
@@ -350,7 +350,7 @@ impl prometheus_client::collector::Collector for ClientsCollector {
         &self,
         mut encoder: prometheus_client::encoding::DescriptorEncoder,
     ) -> std::fmt::Result {
-        use crate::metrics::Label;
+        use grl_client::metrics::Label;
         use prometheus_client::encoding::EncodeMetric;
         use prometheus_client::metrics::gauge::ConstGauge;
         use prometheus_client::metrics::MetricType;
@@ -606,9 +606,9 @@ async fn report(
         Err(e) => return Err(s.refuse("malformed", "", e)),
     };
     // The binary encoding (protocol 3) when the content type says so; JSON otherwise.
-    let binary = crate::proto::binary::is_binary(headers.get(axum::http::header::CONTENT_TYPE));
+    let binary = grl_wire::binary::is_binary(headers.get(axum::http::header::CONTENT_TYPE));
     let mut r: ClientReport = if binary {
-        crate::proto::binary::decode_report(&body)
+        grl_wire::binary::decode_report(&body)
             .map_err(|e| s.refuse("malformed", "", ApiError::BadRequest(e.to_string())))?
     } else {
         parse_json(&body).map_err(|e| s.refuse("malformed", "", e))?
@@ -657,7 +657,7 @@ async fn report(
     // report's borrowed names (nothing allocated per bucket); only a new client, bucket or
     // caller allocates.
     let (reply, age_ms, screened) = {
-        use crate::keys::StrPair;
+        use grl_client::keys::StrPair;
         let mut guard = s.state.lock().expect("aggregator lock");
         let st = &mut *guard;
         let now = Instant::now();
@@ -737,7 +737,7 @@ async fn report(
         );
         screened.add(screen::EntryRefusal::CountsCapped, cut);
         for b in &r.buckets {
-            crate::keys::update(
+            grl_client::keys::update(
                 &mut st.pending,
                 (service, &b.bucket),
                 |k| BucketCountsMsg {
@@ -794,7 +794,7 @@ async fn report(
     }
     s.count_screened(&r, &screened);
     let ctype = if binary {
-        crate::proto::binary::CONTENT_TYPE
+        grl_wire::binary::CONTENT_TYPE
     } else {
         "application/json"
     };
@@ -802,7 +802,7 @@ async fn report(
     let h = resp.headers_mut();
     h.insert(
         axum::http::HeaderName::from_static(PROTO_HEADER),
-        crate::proto::version_header(),
+        grl_wire::version_header(),
     );
     h.insert(
         axum::http::header::CONTENT_TYPE,
@@ -879,7 +879,7 @@ fn build_report(s: &Shared) -> ZoneReport {
         for (b, r) in &c.rates {
             // Under the lock that client reports wait on: the names are allocated once per
             // bucket, not per client.
-            crate::keys::update(
+            grl_client::keys::update(
                 &mut sums,
                 (service, b),
                 |_| [0.0; 4],
@@ -889,7 +889,7 @@ fn build_report(s: &Shared) -> ZoneReport {
                     }
                 },
             );
-            crate::keys::update(
+            grl_client::keys::update(
                 &mut offered,
                 (service, b),
                 |_| Default::default(),
@@ -1035,7 +1035,7 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
                 }
                 // The time they cover, to a controller that reads it (it rates them over it).
                 report.calls_ms = taken
-                    .filter(|_| up.proto >= crate::proto::PROTO_CALLS_MS)
+                    .filter(|_| up.proto >= grl_wire::PROTO_CALLS_MS)
                     .map(|t| t.0);
             } else if taken.take().is_some() {
                 restore_calls(&s, std::mem::take(&mut report.calls));
@@ -1254,7 +1254,7 @@ async fn post_report(
         }
         None => call.await?,
     };
-    let version = crate::proto::peer_version(&answer.headers);
+    let version = grl_wire::peer_version(&answer.headers);
     Ok((answer.json()?, version))
 }
 

@@ -15,13 +15,13 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
 use crate::audit::Event;
-use crate::auth::{Credential, CredentialSet, LogGate, RefusalCounts, TokenSource};
 use crate::config::{self, write_atomic};
 use crate::engine::Engine;
 use crate::overrides::{Override, OverrideRequest};
-use crate::proto::{ConfigDoc, ZoneReport};
+use grl_client::auth::{Credential, CredentialSet, LogGate, RefusalCounts, TokenSource};
 use grl_client::http_util::unix_now;
 use grl_server::http_util::{parse_json, read_body, ApiError};
+use grl_wire::{ConfigDoc, ZoneReport};
 
 /// How to start a controller.
 #[derive(Debug, Clone)]
@@ -34,7 +34,7 @@ pub struct ControllerOptions {
     /// recorded under the name `GRL_TOKEN`. Empty = none. Prefer `credentials`, one per role.
     pub token: String,
     /// Accepted credentials and their roles ([`ROLES`]), from environment variables and/or a
-    /// credentials file re-read when it changes (see [`crate::auth`]).
+    /// credentials file re-read when it changes (see [`grl_client::auth`]).
     pub credentials: CredentialSet,
     /// Bucket YAML loaded at start when no config has been persisted yet.
     pub config_dir: Option<PathBuf>,
@@ -129,8 +129,8 @@ impl Default for ControllerOptions {
             allow_anonymous_reports: false,
             tls: None,
             client_tls: grl_client::tls::ClientTls::default(),
-            max_callers_per_service: crate::calls::DEFAULT_MAX_CALLERS,
-            max_procedures_per_service: crate::calls::DEFAULT_MAX_PROCEDURES,
+            max_callers_per_service: grl_client::calls::DEFAULT_MAX_CALLERS,
+            max_procedures_per_service: grl_client::calls::DEFAULT_MAX_PROCEDURES,
             database: None,
             serve: Default::default(),
             health_listen: None,
@@ -210,7 +210,7 @@ struct OverridesFile {
 struct Shared {
     engine: Arc<Mutex<Engine>>,
     /// Every request by (service, caller, procedure), as the zones report them.
-    calls: Arc<Mutex<crate::calls::CallStats>>,
+    calls: Arc<Mutex<grl_client::calls::CallStats>>,
     /// `/metrics`: build info, refusals and the engine's series (read at scrape time).
     registry: prometheus_client::registry::Registry,
     persisted: Mutex<Persisted>,
@@ -621,8 +621,8 @@ fn app(shared: Arc<Shared>) -> Router {
         .layer(axum::middleware::map_response(
             |mut r: axum::response::Response| async move {
                 r.headers_mut()
-                    .entry(crate::proto::PROTO_HEADER)
-                    .or_insert_with(crate::proto::version_header);
+                    .entry(grl_wire::PROTO_HEADER)
+                    .or_insert_with(grl_wire::version_header);
                 r
             },
         ))
@@ -765,18 +765,18 @@ impl Controller {
         let engine = Arc::new(Mutex::new(engine));
         let refused = RefusalCounts::default();
         let mut registry = prometheus_client::registry::Registry::default();
-        crate::metrics::register_build_info(&mut registry, "grl", "controller");
+        grl_client::metrics::register_build_info(&mut registry, "grl", "controller");
         refused.register(&mut registry);
         let server_stats = Arc::new(grl_server::server::ServerStats::default());
         server_stats.register(&mut registry);
         registry.register_collector(Box::new(crate::metrics::EngineCollector::new(
             engine.clone(),
         )));
-        let calls = Arc::new(Mutex::new(crate::calls::CallStats::new(
+        let calls = Arc::new(Mutex::new(grl_client::calls::CallStats::new(
             opts.max_callers_per_service,
             opts.max_procedures_per_service,
         )));
-        registry.register_collector(Box::new(crate::calls::CallsCollector(calls.clone())));
+        registry.register_collector(Box::new(grl_client::calls::CallsCollector(calls.clone())));
         if let Some(sync) = &db {
             registry.register_collector(Box::new(DbCollector(sync.clone())));
         }
@@ -927,7 +927,7 @@ async fn tick_loop(
                         req = req.bearer_auth(t);
                     }
                     if let Err(e) = req.send().await.and_then(|r| r.error_for_status()) {
-                        let cause = crate::cause::describe(&e, timeout);
+                        let cause = grl_client::cause::describe(&e, timeout);
                         tracing::debug!(peer = %url, error = %cause, "peer controller unreachable");
                     }
                 });
@@ -1145,7 +1145,7 @@ async fn status(State(s): State<Arc<Shared>>) -> Json<serde_json::Value> {
         "overrides": e.overrides().len(),
         "candidates": e.candidates().count(),
         "tick_ms": s.tick.as_millis() as u64,
-        "proto": crate::proto::PROTO_VERSION,
+        "proto": grl_wire::PROTO_VERSION,
     }))
 }
 
@@ -1161,10 +1161,10 @@ fn unix_now_ms() -> u64 {
 async fn candidates(
     State(s): State<Arc<Shared>>,
     headers: HeaderMap,
-) -> Result<Json<crate::proto::CandidatesReply>, ApiError> {
+) -> Result<Json<grl_wire::CandidatesReply>, ApiError> {
     s.authorize(&headers, "reports", "GET /v1/candidates")?;
     let e = s.engine.lock().expect("engine lock");
-    Ok(Json(crate::proto::CandidatesReply {
+    Ok(Json(grl_wire::CandidatesReply {
         epoch: format!("{:016x}", e.directives_version().0),
         now_ms: unix_now_ms(),
         candidates: e.candidate_reports(),
@@ -1265,10 +1265,7 @@ async fn aggregate(
     }
     Ok((
         [
-            (
-                crate::proto::PROTO_HEADER,
-                crate::proto::PROTO_VERSION.to_string(),
-            ),
+            (grl_wire::PROTO_HEADER, grl_wire::PROTO_VERSION.to_string()),
             (
                 axum::http::header::CONTENT_TYPE.as_str(),
                 "application/json".to_string(),

@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use schema::{Bucket, BucketFile, Mode, PolicyName, Scope};
 use serde::{Deserialize, Serialize};
 
-use crate::proto::ConfigDoc;
+use grl_wire::ConfigDoc;
 
 /// What an operator asks for (`POST /v1/overrides`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -6,7 +6,7 @@ use std::path::Path;
 use grl_core::{CompileError, Table};
 use schema::BucketFile;
 
-use crate::proto::ConfigDoc;
+use grl_wire::ConfigDoc;
 
 /// Why a config cannot be applied.
 #[derive(Debug, thiserror::Error)]

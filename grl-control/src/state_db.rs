@@ -8,7 +8,7 @@
 //! snapshot) on a notification, on a periodic poll (the fallback when a notification is
 //! lost), and before a change of their own. The tables live in schema [`SCHEMA`], so the
 //! database can be shared with rlc's store; the migrations are embedded
-//! (`grl-runtime/migrations/postgres`).
+//! (`grl-control/migrations/postgres`).
 //!
 //! The URL's password never reaches a log line or an error message (see [`redact`]).
 
@@ -30,7 +30,7 @@ impl std::fmt::Debug for DbUrl {
 
 use crate::audit::{self, Event};
 use crate::overrides::Override;
-use crate::proto::ConfigDoc;
+use grl_wire::ConfigDoc;
 
 /// The Postgres schema holding the controller's tables.
 pub const SCHEMA: &str = "grl_controller";

@@ -11,9 +11,8 @@
 
 use std::fmt::Write as _;
 
+use grl_client::metrics::Label;
 use prometheus_client::metrics::gauge::ConstGauge;
-
-pub use grl_client::metrics::*;
 
 /// The controller's per-bucket series, read from its engine at every scrape:
 ///

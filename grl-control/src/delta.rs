@@ -27,7 +27,7 @@
 use std::collections::{HashMap, HashSet};
 use std::hash::{Hash, Hasher};
 
-use crate::proto::{
+use grl_wire::{
     BucketCountsMsg, ReportSession, ZoneBucketMsg, ZoneDirectives, ZoneReport, PROTO_COUNTS,
     PROTO_DELTA,
 };
@@ -354,7 +354,7 @@ pub fn merge_directives(held: &mut ZoneDirectives, reply: ZoneDirectives) {
             .enumerate()
             .map(|(p, d)| (d.bucket.as_str(), p))
             .collect();
-        let mut place: Vec<(Option<usize>, crate::proto::DirectiveMsg)> = sd
+        let mut place: Vec<(Option<usize>, grl_wire::DirectiveMsg)> = sd
             .directives
             .into_iter()
             .map(|d| (pos.get(d.bucket.as_str()).copied(), d))
@@ -377,7 +377,7 @@ pub fn directives_held(held: &ZoneDirectives) -> Option<(u64, u64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proto::{ReplySession, ZoneDirectives};
+    use grl_wire::{ReplySession, ZoneDirectives};
 
     fn zone(rates: &[(&str, f64)]) -> ZoneReport {
         crate::tests::zone_report("agg", "r", "z", rates)
@@ -523,7 +523,7 @@ mod tests {
             threshold in proptest::sample::select(vec![0.0, 0.01, 0.5]),
         ) {
             use crate::engine::Engine;
-            use crate::proto::ConfigDoc;
+            use grl_wire::ConfigDoc;
             use schema::{BucketFile, Scope};
             let names = ["a", "b", "c"];
             let cfg = ConfigDoc {

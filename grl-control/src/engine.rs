@@ -15,7 +15,7 @@ use serde::Serialize;
 
 use crate::frags::FragCache;
 use crate::overrides::{combine, materialize, Affected, Effect, Group, Override};
-use crate::proto::{
+use grl_wire::{
     BucketCountsMsg, ConfigDoc, DirectiveMsg, ReplySession, ServiceDirectives, ZoneBucketMsg,
     ZoneDirectives, ZoneReport,
 };
@@ -59,8 +59,8 @@ pub struct BucketState {
 }
 
 use grl_wire::ReportCounts;
-/// The rows and pages of `GET /v1/reports` (wire types, shared with `rlc`).
-pub use grl_wire::{ReportPage, ReportRow};
+// The rows and pages of `GET /v1/reports` are wire types, shared with `rlc`.
+use grl_wire::{ReportPage, ReportRow};
 
 struct ZoneData {
     /// Interned ids of `region:<region>` and `zone:<zone>`.
@@ -836,7 +836,7 @@ impl Engine {
     /// are ignored (a client on an older config), counts go to the totals. The ratios follow
     /// at the next [`Engine::recompute`].
     ///
-    /// A delta report ([`crate::proto::ReportSession`] with a base) changes only the buckets
+    /// A delta report ([`grl_wire::ReportSession`] with a base) changes only the buckets
     /// it carries, at a cost in proportion to its own size; it is applied only on top of the
     /// report it names as its base (else [`Ingested::Resync`], and nothing changes). Applying
     /// a full report and then its deltas gives the same sums as applying the full reports

@@ -18,7 +18,7 @@
 //! Buckets under an incident override (`fixed` directives) are not capped: their ratio is the
 //! operator's. An instance that really receives more than its cap still drops its own excess:
 //! clients apply at least the ratio their own rate alone asks for
-//! ([`crate::client::Reporter::apply`]).
+//! ([`grl_client::client::Reporter::apply`]).
 //!
 //! A report's calls (every request by caller and procedure, what `grl_calls_total` and the
 //! quotas learned from it count) are screened alike, as a whole per client
@@ -46,7 +46,7 @@
 
 use std::collections::HashMap;
 
-use crate::proto::{BucketCountsMsg, CallCountMsg, ClientReport, ConfigDoc, ZoneDirectives};
+use grl_wire::{BucketCountsMsg, CallCountMsg, ClientReport, ConfigDoc, ZoneDirectives};
 
 /// Rates below this are never cut (a request or two in a short interval).
 pub const MIN_CAP_RPS: f64 = 10.0;

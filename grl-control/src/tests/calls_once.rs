@@ -9,7 +9,7 @@ use std::time::Duration;
 use serde_json::json;
 
 use crate::aggregator::{Aggregator, AggregatorOptions};
-use crate::proto::{PROTO_HEADER, PROTO_VERSION};
+use grl_wire::{PROTO_HEADER, PROTO_VERSION};
 
 const TOKEN: &str = "t0ken";
 
@@ -137,7 +137,7 @@ async fn recording_controller(
     use axum::response::IntoResponse;
     let app = axum::Router::new().route(
         "/v1/aggregate",
-        axum::routing::post(move |axum::Json(r): axum::Json<crate::proto::ZoneReport>| {
+        axum::routing::post(move |axum::Json(r): axum::Json<grl_wire::ZoneReport>| {
             let (seen, down) = (seen.clone(), down.clone());
             async move {
                 if down.load(Ordering::Relaxed) {
@@ -147,7 +147,7 @@ async fn recording_controller(
                 seen.lock().unwrap().push((n, r.calls_ms));
                 (
                     [(PROTO_HEADER, "6")],
-                    axum::Json(crate::proto::ZoneDirectives::default()),
+                    axum::Json(grl_wire::ZoneDirectives::default()),
                 )
                     .into_response()
             }
