@@ -18,6 +18,8 @@ use std::process::{Command, ExitCode, Stdio};
 
 use anyhow::{bail, Context, Result};
 
+mod house;
+
 /// Debian packages and a binary that tells whether each is installed.
 const PACKAGES: &[(&str, &str)] = &[
     ("postgresql", "initdb"),
@@ -42,9 +44,10 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("test") => test(&args[1..]),
         Some("deps") => ensure_packages().map(|_| 0),
+        Some("house") => house::run(&workspace_root(), &args[1..]),
         _ => {
             eprintln!(
-                "usage: cargo xtask test [-- CARGO TEST ARGS]   run every test with throwaway services\n       cargo xtask deps                        install missing Debian packages (as root)"
+                "usage: cargo xtask test [-- CARGO TEST ARGS]   run every test with throwaway services\n       cargo xtask deps                        install missing Debian packages (as root)\n       cargo xtask house [--check]             import circles, long functions and files, string errors (issue 40)"
             );
             Ok(2)
         }
