@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use test_support::git::GitRemote;
 
+use super::lock::FileLock;
 use super::*;
 use crate::cmd::run::{run, RunArgs};
 use crate::gitops::tests::{plan, planned, seeded_remote, spawn_forge};
