@@ -9,8 +9,11 @@ use std::fmt::Write;
 use schema::{format_rps, BucketFile, Mode, Scope};
 use serde::Serialize;
 
-/// How one bucket changed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, schemars::JsonSchema)]
+/// How one bucket changed: the one word for it everywhere (commit message, pull-request
+/// body, JSON answers, the store's `change` column, the dashboard).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum ChangeKind {
     /// New bucket.
@@ -36,6 +39,47 @@ impl ChangeKind {
             ChangeKind::Lowered => "lowered",
             ChangeKind::Modified => "modified",
         }
+    }
+
+    /// Whether the change moved the limit in force (`modified` keeps the limit).
+    pub fn moves_limit(self) -> bool {
+        self != ChangeKind::Modified
+    }
+}
+
+impl std::fmt::Display for ChangeKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A word that is not a [`ChangeKind`] (a store row written by something else).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown change `{0}` (want added, removed, raised, lowered or modified)")]
+pub struct UnknownChange(pub String);
+
+impl std::str::FromStr for ChangeKind {
+    type Err = UnknownChange;
+
+    fn from_str(s: &str) -> Result<ChangeKind, UnknownChange> {
+        [
+            ChangeKind::Added,
+            ChangeKind::Removed,
+            ChangeKind::Raised,
+            ChangeKind::Lowered,
+            ChangeKind::Modified,
+        ]
+        .into_iter()
+        .find(|k| k.as_str() == s)
+        .ok_or_else(|| UnknownChange(s.to_string()))
+    }
+}
+
+impl TryFrom<String> for ChangeKind {
+    type Error = UnknownChange;
+
+    fn try_from(s: String) -> Result<ChangeKind, UnknownChange> {
+        s.parse()
     }
 }
 

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use rlc_plan::change::ChangeKind;
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
@@ -243,7 +244,8 @@ pub struct QuotaChange {
     /// When it was recorded.
     pub recorded_at: DateTime<Utc>,
     /// added | removed | raised | lowered | modified.
-    pub change: String,
+    #[sqlx(try_from = "String")]
+    pub change: ChangeKind,
     /// Limit before.
     pub previous_limit_rps: Option<f64>,
     /// Limit after (none when removed).
@@ -297,7 +299,8 @@ pub struct RunChange {
     /// Bucket name.
     pub bucket: String,
     /// added | removed | raised | lowered | modified.
-    pub change: String,
+    #[sqlx(try_from = "String")]
+    pub change: ChangeKind,
     /// Limit before.
     pub previous_limit_rps: Option<f64>,
     /// Limit after (none when removed).
@@ -328,7 +331,8 @@ pub struct QuotaRecord {
     /// Bucket name.
     pub bucket: String,
     /// added | removed | raised | lowered | modified.
-    pub change: String,
+    #[sqlx(try_from = "String")]
+    pub change: ChangeKind,
     /// New limit (none when removed).
     pub limit_rps: Option<f64>,
     /// Limit before.
@@ -639,7 +643,7 @@ impl Store {
                 .bind(q.recorded_at)
                 .bind(&q.service)
                 .bind(&q.bucket)
-                .bind(&q.change)
+                .bind(q.change.as_str())
                 .bind(q.limit_rps)
                 .bind(q.previous_limit_rps)
                 .bind(&q.mode)

@@ -100,7 +100,7 @@ impl Cycle {
                     quotas.push(QuotaRecord {
                         service: s.service.clone(),
                         bucket: c.bucket.clone(),
-                        change: c.kind.as_str().into(),
+                        change: c.kind,
                         limit_rps: c.new_limit_rps,
                         previous_limit_rps: c.old_limit_rps,
                         mode: c.new_mode.map(|m| m.as_str().to_string()),

@@ -27,7 +27,11 @@ fn quota(limit: f64, prev: Option<f64>) -> QuotaRecord {
     QuotaRecord {
         service: "payments".into(),
         bucket: "gw".into(),
-        change: if prev.is_some() { "raised" } else { "added" }.into(),
+        change: if prev.is_some() {
+            rlc_plan::change::ChangeKind::Raised
+        } else {
+            rlc_plan::change::ChangeKind::Added
+        },
         limit_rps: Some(limit),
         previous_limit_rps: prev,
         mode: Some("enforce".into()),
@@ -268,7 +272,7 @@ async fn check_applied_decreases(store: Store) {
         .await
         .unwrap();
     let mut cut = quota(120.0, Some(150.0));
-    cut.change = "lowered".into();
+    cut.change = rlc_plan::change::ChangeKind::Lowered;
     cut.recorded_at = Utc.with_ymd_and_hms(2026, 11, 30, 4, 0, 0).unwrap();
     let mut proposed = cut.clone();
     proposed.bucket = "other".into();

@@ -298,9 +298,8 @@ fn a_locked_store_holds_decreases_and_leaves_the_run_record_pending() {
         .block_on(store.quota_history("payments", "api-gateway.charge"))
         .unwrap();
     assert!(
-        added
-            .iter()
-            .any(|q| q.change == "added" && q.commit_sha.as_deref() == Some(first_commit.as_str())),
+        added.iter().any(|q| q.change.as_str() == "added"
+            && q.commit_sha.as_deref() == Some(first_commit.as_str())),
         "{added:?}"
     );
     assert!(

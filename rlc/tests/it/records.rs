@@ -127,7 +127,8 @@ fn a_run_killed_between_its_push_and_its_record_is_recorded_by_the_next() {
     assert!(
         history
             .iter()
-            .any(|q| q.change == "added" && q.commit_sha.as_deref() == Some(committed.as_str())),
+            .any(|q| q.change.as_str() == "added"
+                && q.commit_sha.as_deref() == Some(committed.as_str())),
         "{history:?}"
     );
 }

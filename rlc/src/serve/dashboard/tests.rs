@@ -546,7 +546,7 @@ async fn eight_days(store: &Store) -> Days {
     let mut q = crate::store::QuotaRecord {
         service: "checkout".into(),
         bucket: "gw".into(),
-        change: "raised".into(),
+        change: rlc_plan::change::ChangeKind::Raised,
         limit_rps: Some(150.0),
         previous_limit_rps: Some(120.0),
         mode: Some("shadow".into()),
@@ -1051,7 +1051,7 @@ async fn store_with_pull_requests(dir: &std::path::Path) -> (Store, i64) {
     let q = crate::store::QuotaRecord {
         service: "payments".into(),
         bucket: "gw".into(),
-        change: "raised".into(),
+        change: rlc_plan::change::ChangeKind::Raised,
         limit_rps: Some(150.0),
         previous_limit_rps: Some(100.0),
         mode: Some("shadow".into()),
@@ -1172,7 +1172,7 @@ fn change(
     crate::store::QuotaRecord {
         service: "payments".into(),
         bucket: "gw".into(),
-        change: kind.into(),
+        change: kind.parse().unwrap(),
         limit_rps: Some(limit),
         previous_limit_rps: Some(before),
         mode: Some("enforce".into()),
@@ -1397,7 +1397,7 @@ async fn operator_view() -> OperatorView {
     let q = crate::store::QuotaRecord {
         service: "payments".into(),
         bucket: "gw".into(),
-        change: "raised".into(),
+        change: rlc_plan::change::ChangeKind::Raised,
         limit_rps: Some(173.0),
         previous_limit_rps: Some(98.4),
         mode: Some("shadow".into()),
