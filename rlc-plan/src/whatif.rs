@@ -35,6 +35,7 @@ use serde::{Deserialize, Serialize};
 use serde_yaml::Value;
 
 use crate::backtest::{score_plans, split_at, Score, Training};
+use crate::change::ChangeKind;
 use crate::history::{History, Rejected, SeriesSource};
 use crate::pipeline::{self, Purpose, World};
 use crate::plan::Plan;
@@ -198,16 +199,24 @@ pub struct Diff {
     pub unchanged: usize,
 }
 
-/// What happens to one bucket.
-#[derive(Debug, Clone, Copy, Serialize, JsonSchema, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum ChangeKind {
-    /// Only in the what-if plan.
-    Added,
-    /// Only in the current plan.
-    Removed,
-    /// In both, with a different limit, mode, scope or policy.
-    Changed,
+/// `change` as the what-if diff has always said it: `added`, `removed`, or `changed` for a
+/// bucket in both plans (raised, lowered or modified: `kind` says which).
+fn coarse<S: serde::Serializer>(k: &ChangeKind, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(match k {
+        ChangeKind::Added => "added",
+        ChangeKind::Removed => "removed",
+        ChangeKind::Raised | ChangeKind::Lowered | ChangeKind::Modified => "changed",
+    })
+}
+
+/// The schema of [`coarse`]'s words.
+fn coarse_schema(_: &mut schemars::gen::SchemaGenerator) -> schemars::schema::Schema {
+    schemars::schema::SchemaObject {
+        instance_type: Some(schemars::schema::InstanceType::String.into()),
+        enum_values: Some(vec!["added".into(), "removed".into(), "changed".into()]),
+        ..Default::default()
+    }
+    .into()
 }
 
 /// One bucket of the diff.
@@ -217,8 +226,13 @@ pub struct BucketChange {
     pub service: String,
     /// Bucket name.
     pub bucket: String,
-    /// Added, removed or changed.
+    /// Added, removed or changed (limit, mode, scope or policy).
+    #[serde(serialize_with = "coarse")]
+    #[schemars(schema_with = "coarse_schema")]
     pub change: ChangeKind,
+    /// What happened to it, in the words of every other change view: added, removed, raised,
+    /// lowered or modified (same limit, other mode, scope or policy).
+    pub kind: ChangeKind,
     /// The bucket in the current plan.
     pub current: Option<BucketState>,
     /// The bucket in the what-if plan.
@@ -1065,7 +1079,9 @@ pub fn diff(current: &Plan, what_if: &Plan) -> Diff {
                 d.unchanged += 1;
                 continue;
             }
-            (Some(_), Some(_)) => ChangeKind::Changed,
+            (Some(c), Some(n)) if n.limit_rps > c.limit_rps => ChangeKind::Raised,
+            (Some(c), Some(n)) if n.limit_rps < c.limit_rps => ChangeKind::Lowered,
+            (Some(_), Some(_)) => ChangeKind::Modified,
             (Some(_), None) => ChangeKind::Removed,
             (None, _) => ChangeKind::Added,
         };
@@ -1077,6 +1093,7 @@ pub fn diff(current: &Plan, what_if: &Plan) -> Diff {
             service: k.0.clone(),
             bucket: k.1.clone(),
             change,
+            kind: change,
             current: c.cloned(),
             what_if: n.cloned(),
             limit_factor,

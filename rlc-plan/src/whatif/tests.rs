@@ -175,7 +175,13 @@ fn a_patch_raising_the_headroom_raises_limits_and_slack() {
     let [c] = &a.diff.buckets[..] else {
         panic!("{:?}", a.diff)
     };
-    assert_eq!(c.change, ChangeKind::Changed);
+    assert_eq!(c.kind, ChangeKind::Raised);
+    let json = serde_json::to_value(c).unwrap();
+    assert_eq!(
+        json["change"], "changed",
+        "the diff's word as it has always been"
+    );
+    assert_eq!(json["kind"], "raised");
     assert_eq!(c.current.as_ref().unwrap().limit_rps, 120.0);
     assert_eq!(c.what_if.as_ref().unwrap().limit_rps, 150.0);
     assert!((c.limit_factor.unwrap() - 1.25).abs() < 1e-9);
