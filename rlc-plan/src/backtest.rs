@@ -18,7 +18,7 @@ use serde::Serialize;
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 
-use crate::history::{History, Rejected, SeriesKey, SeriesSource};
+use crate::history::{History, Rejected, SeriesKey, SeriesSource, Unreadable};
 use crate::pipeline::{self, Purpose, World};
 use crate::plan::{Plan, PlannedBucket};
 
@@ -173,7 +173,7 @@ impl SeriesSource for Training<'_> {
         self.source.source_error()
     }
 
-    fn service(&self, service: &str) -> Result<Cow<'_, History>, String> {
+    fn service(&self, service: &str) -> Result<Cow<'_, History>, Unreadable> {
         let h = self.source.service(service)?;
         Ok(Cow::Owned(train_part(
             &h,
@@ -230,7 +230,7 @@ pub fn score_plans(
     source: &dyn SeriesSource,
     plans: &[&Plan],
     split: i64,
-) -> Result<Vec<Scores>, String> {
+) -> Result<Vec<Scores>, Unreadable> {
     let mut by_service: BTreeMap<&str, Vec<Vec<&PlannedBucket>>> = BTreeMap::new();
     for (i, plan) in plans.iter().enumerate() {
         for b in &plan.buckets {

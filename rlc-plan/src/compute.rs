@@ -21,7 +21,7 @@ use serde_json::json;
 
 use crate::censor::{self, Censored, Observed};
 use crate::evidence::{Evidence, PolicyEvidence};
-use crate::history::{History, SeriesKey, SeriesSource};
+use crate::history::{History, SeriesKey, SeriesSource, Unreadable};
 use crate::plan::{Plan, PlannedBucket, Skipped};
 use crate::plausibility::{all_zero, implausible_peak};
 
@@ -825,9 +825,9 @@ pub fn contracts_without_traffic(
     repo: &ConfigRepo,
     history: &dyn SeriesSource,
     today: chrono::NaiveDate,
-) -> Result<Vec<(usize, String)>, String> {
+) -> Result<Vec<(usize, String)>, Unreadable> {
     if let Some(e) = history.source_error() {
-        return Err(e.to_string());
+        return Err(Unreadable(e.to_string()));
     }
     let contracts: &[Contract] = repo.contracts.as_ref().map_or(&[], |c| &c.value.contracts);
     let mut out = Vec::new();
