@@ -7,10 +7,10 @@
 //! The model works on hourly maxima of the per-step rate (the quantity a limit must cover), in
 //! the service's time zone (`timezone`, default UTC, so daylight-saving time does not move the
 //! daily peak between hour-of-week slots). Before the fit:
-//! 1. **Spikes**: an hour above [`SPIKE_FACTOR`] × both the median of the same hour of the week in
-//!    the other weeks and the median of the 12 hours around it is a one-off (a retry storm); it
-//!    is left out of the fit and named in the evidence (`spikes`). A recurring batch is not a
-//!    spike: its hour is high every week.
+//! 1. **Spikes**: an hour above [`crate::spikes::DEFAULT_SPIKE_FACTOR`] × both the median of
+//!    the same hour of the week in the other weeks and the median of the 12 hours around it is
+//!    a one-off (a retry storm); it is left out of the fit and named in the evidence
+//!    (`spikes`). A recurring batch is not a spike: its hour is high every week.
 //! 2. **Dips and level shifts**: each local day's peak, divided by its weekday's usual share,
 //!    gives a daily level. The longest run of days at the end of the history whose level is
 //!    ≤ [`DIP_RATIO`] (or ≥ [`SHIFT_UP_RATIO`]) × the median level of the 7 days before it, and
@@ -36,6 +36,7 @@ use schema::PolicyName;
 use serde_json::{json, Value};
 
 use crate::peak::{round3, Peak};
+use crate::spikes::{median, Spike};
 use crate::{bound, headroom, Policy, PolicyError, PolicyInput, Proposal};
 
 /// Days of history the forecast needs; below that it falls back to `peak`.
@@ -44,7 +45,6 @@ pub const MIN_DAYS: f64 = 14.0;
 pub const DEFAULT_HORIZON_SECS: u64 = 7 * 86_400;
 /// Default time a lower level must last to be the new normal.
 pub const DEFAULT_NEW_NORMAL_SECS: u64 = 10 * 86_400;
-pub use crate::spikes::{median, Spike, DEFAULT_SPIKE_FACTOR as SPIKE_FACTOR};
 /// A day whose level is at most this × the week before is low (a dip or a fall).
 pub const DIP_RATIO: f64 = 0.75;
 /// A day whose level is at least this × the week before is a rise of level.
@@ -197,11 +197,119 @@ fn fit_seasonal(pts: &[(f64, f64, usize)], trend: impl Fn(f64) -> f64) -> Option
     Some((seasonal, q99(res)))
 }
 
+/// The peak of each local day of the hourly maxima `c` (hour 0 at `start_hour`): `(local day,
+/// peak)`, for the days with at least 12 hours present and a peak above 0.
+fn daily_peaks(c: &[f64], start_hour: i64, tz: &chrono_tz::Tz) -> Vec<(i64, f64)> {
+    let mut days: Vec<(i64, f64, usize)> = Vec::new(); // (local day, peak, hours present)
+    for (k, &v) in c.iter().enumerate() {
+        let t = start_hour + k as i64 * 3600;
+        let d = (t + offset(tz, t)).div_euclid(DAY);
+        if days.last().is_none_or(|x| x.0 != d) {
+            days.push((d, f64::NAN, 0));
+        }
+        let last = days.last_mut().expect("pushed");
+        if !v.is_nan() {
+            last.1 = if last.1.is_nan() { v } else { last.1.max(v) };
+            last.2 += 1;
+        }
+    }
+    days.into_iter()
+        .filter(|d| d.2 >= 12 && d.1 > 0.0)
+        .map(|d| (d.0, d.1))
+        .collect()
+}
+
+/// The two trends and their seasonal indices on the cleaned hours `pts` (`(hour, value,
+/// slot)`); `None` when not even the first round fits.
+///
+/// The trends are fitted on the values divided by their hour of the week's index, and the
+/// indices on the values divided by the trends, in turn (backfitting): a trend fitted on the
+/// raw hours sees growth in the week's shape itself when the history starts on a weekend and
+/// ends on weekdays (or a fall the other way round). Starting from a flat index, a few rounds
+/// settle.
+fn backfit(pts: &[(f64, f64, usize)]) -> Option<(Trend, Seasons)> {
+    let last_x = pts.last().map_or(0.0, |p| p.0);
+    let first_x = pts.first().map_or(0.0, |p| p.0);
+    let mean_y = pts.iter().map(|p| p.1).sum::<f64>() / pts.len() as f64;
+    let flat = vec![1.0; WEEK_HOURS];
+    let mut fitted: Option<(Trend, Seasons)> = None;
+    for _ in 0..4 {
+        let (season, season_exp) = match &fitted {
+            Some((_, (s_lin, _, s_exp, _))) => (s_lin, s_exp),
+            None => (&flat, &flat),
+        };
+        let (intercept, slope) = least_squares(
+            pts.iter()
+                .filter(|p| season[p.2] > 0.0)
+                .map(|&(x, y, k)| (x, y / season[k])),
+        )
+        .unwrap_or((mean_y, 0.0));
+        // A linear trend at or below zero cannot carry a multiplicative season: flat instead.
+        let (intercept, slope) =
+            if intercept + slope * first_x <= 0.0 || intercept + slope * last_x <= 0.0 {
+                (mean_y, 0.0)
+            } else {
+                (intercept, slope)
+            };
+        let logs: Vec<(f64, f64)> = pts
+            .iter()
+            .filter(|p| p.1 > 0.0 && season_exp[p.2] > 0.0)
+            .map(|&(x, y, k)| (x, (y / season_exp[k]).ln()))
+            .collect();
+        let (log_intercept, log_slope) = (logs.len() >= WEEK_HOURS)
+            .then(|| least_squares(logs.into_iter()))
+            .flatten()
+            .unwrap_or((mean_y.max(f64::MIN_POSITIVE).ln(), 0.0));
+        // A round that cannot fit (a trend overflowing) keeps the previous round's fit.
+        let (Some((s_lin, q_lin)), Some((s_exp, q_exp))) = (
+            fit_seasonal(pts, |x| intercept + slope * x),
+            fit_seasonal(pts, |x| (log_intercept + log_slope * x).exp()),
+        ) else {
+            break;
+        };
+        fitted = Some((
+            (intercept, slope, log_intercept, log_slope),
+            (s_lin, q_lin, s_exp, q_exp),
+        ));
+    }
+    fitted
+}
+
+/// The trend that fits the last week of `pts` better (mean |log residual|): `linear`,
+/// `exponential`, or `both` (taking the larger) when neither is clearly better.
+fn better_trend(
+    pts: &[(f64, f64, usize)],
+    linear: impl Fn(f64) -> f64,
+    seasonal: &[f64],
+    exponential: impl Fn(f64) -> f64,
+    seasonal_exp: &[f64],
+) -> &'static str {
+    let last_x = pts.last().map_or(0.0, |p| p.0);
+    let err = |tr: &dyn Fn(f64) -> f64, seas: &[f64]| {
+        let tail: Vec<f64> = pts
+            .iter()
+            .filter(|p| p.0 + WEEK_HOURS as f64 > last_x)
+            .filter(|p| p.1 > 0.0)
+            .map(|&(x, y, k)| (y / (tr(x) * seas[k]).max(f64::MIN_POSITIVE)).ln().abs())
+            .collect();
+        tail.iter().sum::<f64>() / tail.len().max(1) as f64
+    };
+    let e_lin = err(&linear, seasonal);
+    let e_exp = err(&exponential, seasonal_exp);
+    if e_exp < 0.8 * e_lin {
+        "exponential"
+    } else if e_lin < 0.8 * e_exp {
+        "linear"
+    } else {
+        "both"
+    }
+}
+
 impl Fit {
     /// Fits the model on the hourly maxima of `s` in time zone `tz`, a fall of level lasting
     /// `new_normal_secs` being the new normal; `None` when there is too little data or the
     /// numbers are not finite.
-    #[allow(clippy::self_named_constructors, clippy::needless_range_loop)]
+    #[allow(clippy::self_named_constructors)]
     pub fn fit(
         s: &crate::RateSeries,
         tz: chrono_tz::Tz,
@@ -214,12 +322,11 @@ impl Fit {
             return None;
         }
         let time = |k: usize| start_hour + k as i64 * 3600;
-        let slots: Vec<usize> = (0..hours).map(|k| slot(&tz, time(k))).collect();
 
         // 1. Spikes: above the spike factor × both the same hour in other weeks and the hours
         //    around.
         let spikes = crate::spikes::spikes(start_hour, &h, spike_factor);
-        let mut c = h.clone();
+        let mut c = h;
         for sp in &spikes {
             for (k, v) in c.iter_mut().enumerate() {
                 if (sp.from..sp.to).contains(&time(k)) {
@@ -228,29 +335,9 @@ impl Fit {
             }
         }
 
-        // 2. Daily levels (local days), deseasonalised by the weekday's usual share.
-        let mut days: Vec<(i64, f64, usize)> = Vec::new(); // (local day, peak, hours present)
-        for k in 0..hours {
-            let t = time(k);
-            let d = (t + offset(&tz, t)).div_euclid(DAY);
-            if days.last().is_none_or(|x| x.0 != d) {
-                days.push((d, f64::NAN, 0));
-            }
-            let last = days.last_mut().expect("pushed");
-            if !c[k].is_nan() {
-                last.1 = if last.1.is_nan() {
-                    c[k]
-                } else {
-                    last.1.max(c[k])
-                };
-                last.2 += 1;
-            }
-        }
-        let days: Vec<(i64, f64)> = days
-            .into_iter()
-            .filter(|d| d.2 >= 12 && d.1 > 0.0)
-            .map(|d| (d.0, d.1))
-            .collect();
+        // 2. Daily levels (local days), deseasonalised by the weekday's usual share: a dip is
+        //    left out, the hours before a shift are scaled to the new level.
+        let days = daily_peaks(&c, start_hour, &tz);
         let level = Self::level_change(&days, hours, start_hour, &tz, new_normal_secs);
         if let Some(l) = &level {
             for (k, v) in c.iter_mut().enumerate() {
@@ -268,84 +355,22 @@ impl Fit {
             .iter()
             .enumerate()
             .filter(|(_, v)| !v.is_nan())
-            .map(|(i, &v)| (i as f64, v, slots[i]))
+            .map(|(i, &v)| (i as f64, v, slot(&tz, time(i))))
             .collect();
         if pts.len() < WEEK_HOURS {
             return None;
         }
-        let last_x = pts.last().map_or(0.0, |p| p.0);
-        let first_x = pts.first().map_or(0.0, |p| p.0);
-        let mean_y = pts.iter().map(|p| p.1).sum::<f64>() / pts.len() as f64;
-        // The trends are fitted on the values divided by their hour of the week's index, and
-        // the indices on the values divided by the trends, in turn (backfitting): a trend fitted
-        // on the raw hours sees growth in the week's shape itself when the history starts on a
-        // weekend and ends on weekdays (or a fall the other way round). Starting from a flat
-        // index, a few rounds settle.
-        let flat = vec![1.0; WEEK_HOURS];
-        let mut fitted: Option<(Trend, Seasons)> = None;
-        for _ in 0..4 {
-            let (season, season_exp) = match &fitted {
-                Some((_, (s_lin, _, s_exp, _))) => (s_lin, s_exp),
-                None => (&flat, &flat),
-            };
-            let (intercept, slope) = least_squares(
-                pts.iter()
-                    .filter(|p| season[p.2] > 0.0)
-                    .map(|&(x, y, k)| (x, y / season[k])),
-            )
-            .unwrap_or((mean_y, 0.0));
-            // A linear trend at or below zero cannot carry a multiplicative season: flat instead.
-            let (intercept, slope) =
-                if intercept + slope * first_x <= 0.0 || intercept + slope * last_x <= 0.0 {
-                    (mean_y, 0.0)
-                } else {
-                    (intercept, slope)
-                };
-            let logs: Vec<(f64, f64)> = pts
-                .iter()
-                .filter(|p| p.1 > 0.0 && season_exp[p.2] > 0.0)
-                .map(|&(x, y, k)| (x, (y / season_exp[k]).ln()))
-                .collect();
-            let (log_intercept, log_slope) = (logs.len() >= WEEK_HOURS)
-                .then(|| least_squares(logs.into_iter()))
-                .flatten()
-                .unwrap_or((mean_y.max(f64::MIN_POSITIVE).ln(), 0.0));
-            // A round that cannot fit (a trend overflowing) keeps the previous round's fit.
-            let (Some((s_lin, q_lin)), Some((s_exp, q_exp))) = (
-                fit_seasonal(&pts, |x| intercept + slope * x),
-                fit_seasonal(&pts, |x| (log_intercept + log_slope * x).exp()),
-            ) else {
-                break;
-            };
-            fitted = Some((
-                (intercept, slope, log_intercept, log_slope),
-                (s_lin, q_lin, s_exp, q_exp),
-            ));
-        }
         let (
             (intercept, slope, log_intercept, log_slope),
             (seasonal, residual_q99, seasonal_exp, residual_q99_exp),
-        ) = fitted?;
-        // The trend that fits the last week of data better (mean |log residual|); both, taking
-        // the larger, when neither is clearly better.
-        let err = |tr: &dyn Fn(f64) -> f64, seas: &[f64]| {
-            let tail: Vec<f64> = pts
-                .iter()
-                .filter(|p| p.0 + WEEK_HOURS as f64 > last_x)
-                .filter(|p| p.1 > 0.0)
-                .map(|&(x, y, k)| (y / (tr(x) * seas[k]).max(f64::MIN_POSITIVE)).ln().abs())
-                .collect();
-            tail.iter().sum::<f64>() / tail.len().max(1) as f64
-        };
-        let e_lin = err(&|x| intercept + slope * x, &seasonal);
-        let e_exp = err(&|x| (log_intercept + log_slope * x).exp(), &seasonal_exp);
-        let trend = if e_exp < 0.8 * e_lin {
-            "exponential"
-        } else if e_lin < 0.8 * e_exp {
-            "linear"
-        } else {
-            "both"
-        };
+        ) = backfit(&pts)?;
+        let trend = better_trend(
+            &pts,
+            |x| intercept + slope * x,
+            &seasonal,
+            |x| (log_intercept + log_slope * x).exp(),
+            &seasonal_exp,
+        );
         let fit = Fit {
             trend,
             intercept,
@@ -562,6 +587,139 @@ pub struct Bound {
     pub set_at: Option<i64>,
 }
 
+/// The forecast's settings from a bucket's policy spec.
+#[derive(Debug, Clone, Copy)]
+struct Settings {
+    /// The horizon, seconds.
+    horizon: i64,
+    /// The time zone of the seasonal slots.
+    tz: chrono_tz::Tz,
+    /// How long a fall of level must last to be the new normal, seconds.
+    new_normal: i64,
+}
+
+impl Settings {
+    fn of(spec: &schema::PolicySpec) -> Result<Self, PolicyError> {
+        let tz: chrono_tz::Tz = match &spec.timezone {
+            None => chrono_tz::UTC,
+            Some(name) => name
+                .parse()
+                .map_err(|_| PolicyError::Params(format!("unknown time zone `{name}`")))?,
+        };
+        Ok(Settings {
+            horizon: spec.horizon.map_or(DEFAULT_HORIZON_SECS, |h| h.as_secs()) as i64,
+            tz,
+            new_normal: spec
+                .new_normal_after
+                .map_or(DEFAULT_NEW_NORMAL_SECS, |d| d.as_secs()) as i64,
+        })
+    }
+
+    fn horizon_days(&self) -> f64 {
+        self.horizon as f64 / 86_400.0
+    }
+
+    fn new_normal_days(&self) -> f64 {
+        self.new_normal as f64 / 86_400.0
+    }
+}
+
+/// The `peak` policy's proposal, saying that (and why) the forecast fell back to it.
+fn fall_back(input: &PolicyInput<'_>, why: String) -> Result<Proposal, PolicyError> {
+    let mut p = Peak.compute(input)?;
+    if let Some(o) = p.evidence.as_object_mut() {
+        o.insert("fallback_from".into(), json!("forecast"));
+        o.insert("fallback_reason".into(), json!(why));
+        if let Some(e) = o.get("explain").and_then(Value::as_str) {
+            let e = format!("{e} (forecast fell back: {why})");
+            o.insert("explain".into(), json!(e));
+        }
+    }
+    Ok(p)
+}
+
+/// The evidence of a change of level: its kind, dates, ratio, and whether it was discounted.
+fn level_evidence(l: &LevelChange, settings: Settings) -> Value {
+    let why = match l.kind {
+        "dip" => format!(
+            "level {:.2}× the week before for {:.1} days, under new_normal_after {:.0}d: discounted, the fit ends before it",
+            l.ratio, l.days, settings.new_normal_days()
+        ),
+        "shift_down" => format!(
+            "level {:.2}× the week before for {:.1} days (≥ new_normal_after {:.0}d): the new normal, the fit uses it",
+            l.ratio, l.days, settings.new_normal_days()
+        ),
+        _ => format!("level {:.2}× the week before: the fit uses the new level", l.ratio),
+    };
+    json!({
+        "kind": l.kind,
+        "from": rfc(l.from),
+        "to": rfc(l.to),
+        "ratio": round3(l.ratio),
+        "days": round3(l.days),
+        "discounted": l.kind == "dip",
+        "why": why,
+    })
+}
+
+/// The forecast's line in the plan: what set the bound, the headroom, the change of level,
+/// the spikes left out, and what capped the limit.
+fn explain(
+    fit: &Fit,
+    b: &Bound,
+    settings: Settings,
+    headroom: f64,
+    capped_by: Option<&str>,
+) -> String {
+    let set_at = b.set_at.map(rfc);
+    let set_at = set_at.as_deref().unwrap_or("?");
+    let mut explain = match b.set_by {
+        "forecast" => format!(
+            "forecast bound {:.1} rps at {set_at} (horizon {:.0}d)",
+            b.value,
+            settings.horizon_days()
+        ),
+        "grown_peak" => format!(
+            "observed hour {:.1} rps at {set_at} grown by the trend over the {:.0}d horizon",
+            b.value,
+            settings.horizon_days()
+        ),
+        _ => format!(
+            "peak {:.1} rps at {set_at} of the last week of data used (above the forecast)",
+            b.value
+        ),
+    };
+    explain.push_str(&format!(" × {:.2}", 1.0 + headroom));
+    if let Some(l) = &fit.level {
+        explain.push_str(&match l.kind {
+            "dip" => format!(
+                "; dip {}..{} at {:.2}× discounted ({:.1}d < new normal {:.0}d)",
+                date(l.from),
+                date(l.to),
+                l.ratio,
+                l.days,
+                settings.new_normal_days()
+            ),
+            "shift_down" => format!(
+                "; level fell {:.2}× on {} ({:.1}d: the new normal)",
+                l.ratio,
+                date(l.from),
+                l.days
+            ),
+            _ => format!(
+                "; level rose {:.2}× on {} (fit on the new level)",
+                l.ratio,
+                date(l.from)
+            ),
+        });
+    }
+    explain.push_str(&crate::spikes::explain(&fit.spikes));
+    if let Some(c) = capped_by {
+        explain.push_str(&format!("; capped by {c}"));
+    }
+    explain
+}
+
 impl Policy for Forecast {
     fn name(&self) -> PolicyName {
         PolicyName::Forecast
@@ -570,121 +728,25 @@ impl Policy for Forecast {
     fn compute(&self, input: &PolicyInput<'_>) -> Result<Proposal, PolicyError> {
         let s = input.series;
         let days = s.confidence_days_with(input.left_out);
-        let horizon = input
-            .spec
-            .horizon
-            .map_or(DEFAULT_HORIZON_SECS, |h| h.as_secs()) as i64;
-        let tz: chrono_tz::Tz = match &input.spec.timezone {
-            None => chrono_tz::UTC,
-            Some(name) => name
-                .parse()
-                .map_err(|_| PolicyError::Params(format!("unknown time zone `{name}`")))?,
-        };
-        let new_normal = input
-            .spec
-            .new_normal_after
-            .map_or(DEFAULT_NEW_NORMAL_SECS, |d| d.as_secs()) as i64;
-        let fallback = |why: String| -> Result<Proposal, PolicyError> {
-            let mut p = Peak.compute(input)?;
-            if let Some(o) = p.evidence.as_object_mut() {
-                o.insert("fallback_from".into(), json!("forecast"));
-                o.insert("fallback_reason".into(), json!(why));
-                if let Some(e) = o.get("explain").and_then(Value::as_str) {
-                    let e = format!("{e} (forecast fell back: {why})");
-                    o.insert("explain".into(), json!(e));
-                }
-            }
-            Ok(p)
-        };
+        let settings = Settings::of(input.spec)?;
         if days < MIN_DAYS {
-            return fallback(format!(
-                "{:.1} days of history, the forecast needs {MIN_DAYS}",
-                days
-            ));
+            return fall_back(
+                input,
+                format!("{:.1} days of history, the forecast needs {MIN_DAYS}", days),
+            );
         }
-        let Some(fit) = Fit::fit(s, tz, new_normal, crate::spike_factor(input.spec)) else {
-            return fallback("the seasonal fit failed".into());
+        let spike_factor = crate::spike_factor(input.spec);
+        let Some(fit) = Fit::fit(s, settings.tz, settings.new_normal, spike_factor) else {
+            return fall_back(input, "the seasonal fit failed".into());
         };
         let end = s.end();
-        let b = fit.bound_over(end, end + horizon);
+        let b = fit.bound_over(end, end + settings.horizon);
         if !b.value.is_finite() || b.value <= 0.0 {
-            return fallback(format!("the forecast is not usable ({})", b.value));
+            return fall_back(input, format!("the forecast is not usable ({})", b.value));
         }
         let peak = s.max().ok_or(PolicyError::NoData)?;
         let h = headroom(input.spec);
-        let limit = b.value * (1.0 + h);
-        let (limit, capped_by) = bound(limit, input);
-        let spikes = crate::spikes::evidence(&fit.spikes);
-        let level = fit.level.as_ref().map(|l| {
-            let why = match l.kind {
-                "dip" => format!(
-                    "level {:.2}× the week before for {:.1} days, under new_normal_after {:.0}d: discounted, the fit ends before it",
-                    l.ratio, l.days, new_normal as f64 / 86_400.0
-                ),
-                "shift_down" => format!(
-                    "level {:.2}× the week before for {:.1} days (≥ new_normal_after {:.0}d): the new normal, the fit uses it",
-                    l.ratio, l.days, new_normal as f64 / 86_400.0
-                ),
-                _ => format!("level {:.2}× the week before: the fit uses the new level", l.ratio),
-            };
-            json!({
-                "kind": l.kind,
-                "from": rfc(l.from),
-                "to": rfc(l.to),
-                "ratio": round3(l.ratio),
-                "days": round3(l.days),
-                "discounted": l.kind == "dip",
-                "why": why,
-            })
-        });
-        let set_at = b.set_at.map(rfc);
-        let mut explain = match b.set_by {
-            "forecast" => format!(
-                "forecast bound {:.1} rps at {} (horizon {:.0}d)",
-                b.value,
-                set_at.as_deref().unwrap_or("?"),
-                horizon as f64 / 86_400.0
-            ),
-            "grown_peak" => format!(
-                "observed hour {:.1} rps at {} grown by the trend over the {:.0}d horizon",
-                b.value,
-                set_at.as_deref().unwrap_or("?"),
-                horizon as f64 / 86_400.0
-            ),
-            _ => format!(
-                "peak {:.1} rps at {} of the last week of data used (above the forecast)",
-                b.value,
-                set_at.as_deref().unwrap_or("?")
-            ),
-        };
-        explain.push_str(&format!(" × {:.2}", 1.0 + h));
-        if let Some(l) = &fit.level {
-            explain.push_str(&match l.kind {
-                "dip" => format!(
-                    "; dip {}..{} at {:.2}× discounted ({:.1}d < new normal {:.0}d)",
-                    date(l.from),
-                    date(l.to),
-                    l.ratio,
-                    l.days,
-                    new_normal as f64 / 86_400.0
-                ),
-                "shift_down" => format!(
-                    "; level fell {:.2}× on {} ({:.1}d: the new normal)",
-                    l.ratio,
-                    date(l.from),
-                    l.days
-                ),
-                _ => format!(
-                    "; level rose {:.2}× on {} (fit on the new level)",
-                    l.ratio,
-                    date(l.from)
-                ),
-            });
-        }
-        explain.push_str(&crate::spikes::explain(&fit.spikes));
-        if let Some(c) = capped_by {
-            explain.push_str(&format!("; capped by {c}"));
-        }
+        let (limit, capped_by) = bound(b.value * (1.0 + h), input);
         Ok(Proposal {
             limit_rps: limit,
             shadow: false,
@@ -694,8 +756,8 @@ impl Policy for Forecast {
             evidence: json!({
                 "model": "hourly max (spikes, dips and level shifts handled) = max(linear, exponential trend × median hour-of-week index) × q99 of residual ratios; ≤ highest cleaned hour grown by the trend; ≥ last week's highest cleaned hour",
                 "window": {"from": s.datetime_of(0).to_rfc3339(), "to": s.datetime_of(s.values.len()).to_rfc3339()},
-                "horizon_days": round3(horizon as f64 / 86_400.0),
-                "timezone": tz.name(),
+                "horizon_days": round3(settings.horizon_days()),
+                "timezone": settings.tz.name(),
                 "trend": fit.trend,
                 "trend_rps_per_day": round3(fit.slope_per_hour * 24.0),
                 "growth_per_week": round3((fit.log_slope_per_hour * 168.0).exp() - 1.0),
@@ -703,10 +765,10 @@ impl Policy for Forecast {
                 "forecast_max_at": rfc(b.at),
                 "upper_bound_rps": round3(b.upper),
                 "residual_ratio_q99": round3(fit.residual_q99),
-                "set_by": {"kind": b.set_by, "rps": round3(b.value), "at": set_at},
-                "spikes": spikes,
-                "level_change": level,
-                "explain": explain,
+                "set_by": {"kind": b.set_by, "rps": round3(b.value), "at": b.set_at.map(rfc)},
+                "spikes": crate::spikes::evidence(&fit.spikes),
+                "level_change": fit.level.as_ref().map(|l| level_evidence(l, settings)),
+                "explain": explain(&fit, &b, settings, h, capped_by),
                 "peak_rps": round3(peak),
                 "peak_at": s.argmax().map(|i| s.datetime_of(i).to_rfc3339()),
                 "coverage": round3(s.coverage_since_first_with(input.left_out)),

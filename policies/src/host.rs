@@ -63,7 +63,20 @@ struct Args {
     memory_limit_bytes: u64,
 }
 
-fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Args, String> {
+/// Why the host's arguments are wrong (printed above the usage line).
+#[derive(Debug, thiserror::Error)]
+enum UsageError {
+    #[error("{0} needs a value")]
+    NoValue(String),
+    #[error("--memory-limit-bytes: {0}")]
+    MemoryLimit(std::num::ParseIntError),
+    #[error("unknown argument {0}")]
+    Unknown(String),
+    #[error("{0} is required")]
+    Required(&'static str),
+}
+
+fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Args, UsageError> {
     let mut it = args.into_iter().peekable();
     if it.peek().is_some_and(|a| a == HOST_ARG) {
         it.next();
@@ -71,7 +84,9 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Args, String> 
     let (mut dir, mut plugin, mut mem) = (None, None, 0u64);
     while let Some(a) = it.next() {
         let a = a.to_string_lossy().into_owned();
-        let v = it.next().ok_or_else(|| format!("{a} needs a value"))?;
+        let Some(v) = it.next() else {
+            return Err(UsageError::NoValue(a));
+        };
         match a.as_str() {
             "--dir" => dir = Some(PathBuf::from(v)),
             "--plugin" => plugin = Some(v.to_string_lossy().into_owned()),
@@ -79,14 +94,14 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Args, String> 
                 mem = v
                     .to_string_lossy()
                     .parse()
-                    .map_err(|e| format!("--memory-limit-bytes: {e}"))?
+                    .map_err(UsageError::MemoryLimit)?
             }
-            _ => return Err(format!("unknown argument {a}")),
+            _ => return Err(UsageError::Unknown(a)),
         }
     }
     Ok(Args {
-        dir: dir.ok_or("--dir is required")?,
-        plugin: plugin.ok_or("--plugin is required")?,
+        dir: dir.ok_or(UsageError::Required("--dir"))?,
+        plugin: plugin.ok_or(UsageError::Required("--plugin"))?,
         memory_limit_bytes: mem,
     })
 }

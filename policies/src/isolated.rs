@@ -57,6 +57,61 @@ pub struct Settings {
 
 static SELF_HOST: OnceLock<PathBuf> = OnceLock::new();
 
+/// Why there is no plugin host program to start.
+#[derive(Debug, thiserror::Error)]
+pub enum NoHost {
+    /// The running executable (next to which the host is looked for) is unknown.
+    #[error("cannot find the running executable: {0}")]
+    NoExecutable(std::io::Error),
+    /// Not configured, and not next to the running executable.
+    #[error("no plugin host: set `plugins.host` in rlc.yaml or {HOST_ENV} to the rlc binary or {HOST_BINARY} (looked for {looked})", HOST_ENV = HOST_ENV, HOST_BINARY = HOST_BINARY)]
+    NotFound {
+        /// The paths looked at, comma-separated.
+        looked: String,
+    },
+}
+
+/// Why a plugin's host could not be started, or did not answer a call.
+#[derive(Debug, thiserror::Error)]
+pub enum HostError {
+    /// Its host failed more than `max_restarts` times within [`RESTART_WINDOW`].
+    #[error("disabled: its host failed {failures} times within {minutes} minutes (max_restarts {max_restarts}); last: {last}")]
+    Disabled {
+        failures: usize,
+        minutes: u64,
+        max_restarts: u32,
+        /// The last failure.
+        last: String,
+    },
+    /// The host program could not be started.
+    #[error("cannot start the plugin host {}: {error}", .host.display())]
+    Spawn {
+        host: PathBuf,
+        error: std::io::Error,
+    },
+    /// The host ended (died, timed out, broke the protocol) before its handshake.
+    #[error("while starting: {0}")]
+    Starting(String),
+    /// The host speaks another version of the protocol.
+    #[error("the plugin host {} speaks protocol {protocol}, this rlc {PROTOCOL}: use the host of the same rlc version", .host.display(), PROTOCOL = PROTOCOL)]
+    Protocol { host: PathBuf, protocol: u32 },
+    /// The program's first line is not a handshake.
+    #[error("{} is not a plugin host (its first line {head:?}: {error})", .host.display())]
+    NotAHost {
+        host: PathBuf,
+        /// The first 80 characters of its first line.
+        head: String,
+        error: serde_json::Error,
+    },
+    /// The host's or the plugin's own error (a plugin that cannot be loaded, a call it could
+    /// not answer): text, as it crosses the JSON line protocol.
+    #[error("{0}")]
+    Plugin(String),
+    /// The host stopped answering a call: why it ended (see `Running::finish`).
+    #[error("{0}")]
+    Ended(String),
+}
+
 /// Declares that the running executable acts as the plugin host when started with
 /// `__plugin-host` (the `rlc` binary does, first thing in `main`). On Linux `/proc/self/exe`
 /// is used, so the host is always the very binary that runs, even once it was replaced on disk.
@@ -74,15 +129,14 @@ pub fn host_is_current_exe() {
 /// The host program when rlc.yaml names none: `$RLC_PLUGIN_HOST`, else the running executable
 /// if it declared itself ([`host_is_current_exe`]), else `rlc-plugin-host` next to the running
 /// executable (or one directory up from cargo's `deps/`, where test binaries live).
-pub fn default_host() -> Result<PathBuf, String> {
+pub fn default_host() -> Result<PathBuf, NoHost> {
     if let Some(p) = std::env::var_os(HOST_ENV).filter(|p| !p.is_empty()) {
         return Ok(PathBuf::from(p));
     }
     if let Some(p) = SELF_HOST.get() {
         return Ok(p.clone());
     }
-    let exe =
-        std::env::current_exe().map_err(|e| format!("cannot find the running executable: {e}"))?;
+    let exe = std::env::current_exe().map_err(NoHost::NoExecutable)?;
     let name = format!("{HOST_BINARY}{}", std::env::consts::EXE_SUFFIX);
     let mut looked = Vec::new();
     let mut dir = exe.parent();
@@ -99,10 +153,9 @@ pub fn default_host() -> Result<PathBuf, String> {
             break;
         }
     }
-    Err(format!(
-        "no plugin host: set `plugins.host` in rlc.yaml or {HOST_ENV} to the rlc binary or {HOST_BINARY} (looked for {})",
-        looked.join(", ")
-    ))
+    Err(NoHost::NotFound {
+        looked: looked.join(", "),
+    })
 }
 
 type Registry = Mutex<HashMap<PathBuf, &'static IsolatedPlugin>>;
@@ -145,7 +198,9 @@ pub fn load(
         }
     };
     let mut st = plugin.lock();
-    plugin.ensure_running(&mut st).map_err(|m| err(name, m))?;
+    plugin
+        .ensure_running(&mut st)
+        .map_err(|e| err(name, e.to_string()))?;
     Ok(plugin)
 }
 
@@ -210,7 +265,7 @@ impl IsolatedPlugin {
         }
     }
 
-    fn ensure_running(&self, st: &mut State) -> Result<(), String> {
+    fn ensure_running(&self, st: &mut State) -> Result<(), HostError> {
         if st.running.is_some() {
             return Ok(());
         }
@@ -224,12 +279,12 @@ impl IsolatedPlugin {
         }
         if st.failures.len() > self.settings.max_restarts as usize {
             let last = st.failures.back().map(|f| f.1.as_str()).unwrap_or("");
-            return Err(format!(
-                "disabled: its host failed {} times within {} minutes (max_restarts {}); last: {last}",
-                st.failures.len(),
-                RESTART_WINDOW.as_secs() / 60,
-                self.settings.max_restarts
-            ));
+            return Err(HostError::Disabled {
+                failures: st.failures.len(),
+                minutes: RESTART_WINDOW.as_secs() / 60,
+                max_restarts: self.settings.max_restarts,
+                last: last.to_string(),
+            });
         }
         st.starts += 1;
         match self.start() {
@@ -239,13 +294,13 @@ impl IsolatedPlugin {
                 Ok(())
             }
             Err(e) => {
-                st.failures.push_back((now, e.clone()));
+                st.failures.push_back((now, e.to_string()));
                 Err(e)
             }
         }
     }
 
-    fn start(&self) -> Result<(Running, Description), String> {
+    fn start(&self) -> Result<(Running, Description), HostError> {
         let s = &self.settings;
         let mut cmd = Command::new(&s.host);
         cmd.arg(HOST_ARG)
@@ -261,9 +316,10 @@ impl IsolatedPlugin {
             // Its stderr is read for the cause of a death: the panic message, not a backtrace.
             .env("RUST_BACKTRACE", "0")
             .process_group(0);
-        let mut child = cmd
-            .spawn()
-            .map_err(|e| format!("cannot start the plugin host {}: {e}", s.host.display()))?;
+        let mut child = cmd.spawn().map_err(|error| HostError::Spawn {
+            host: s.host.clone(),
+            error,
+        })?;
         let stdin = child.stdin.take().expect("piped");
         let stdout = child.stdout.take().expect("piped");
         let mut stderr = child.stderr.take().expect("piped");
@@ -299,19 +355,13 @@ impl IsolatedPlugin {
             stderr: tail,
             done: false,
         };
-        let line = match running.answers.recv_timeout(s.timeout) {
-            Ok(Ok(line)) => line,
-            Ok(Err(end)) => return Err(format!("while starting: {}", running.finish(end, s))),
-            Err(RecvTimeoutError::Disconnected) => {
-                return Err(format!("while starting: {}", running.finish(End::Eof, s)))
-            }
-            Err(RecvTimeoutError::Timeout) => {
-                return Err(format!(
-                    "while starting: {}",
-                    running.finish(End::TimedOut, s)
-                ))
-            }
+        let end = match running.answers.recv_timeout(s.timeout) {
+            Ok(Ok(line)) => Ok(line),
+            Ok(Err(end)) => Err(end),
+            Err(RecvTimeoutError::Disconnected) => Err(End::Eof),
+            Err(RecvTimeoutError::Timeout) => Err(End::TimedOut),
         };
+        let line = end.map_err(|end| HostError::Starting(running.finish(end, s)))?;
         match serde_json::from_str::<Handshake>(&line) {
             Ok(Handshake::Ready {
                 protocol,
@@ -320,28 +370,28 @@ impl IsolatedPlugin {
             }) if protocol == PROTOCOL => Ok((running, description)),
             Ok(Handshake::Ready { protocol, .. }) => {
                 running.finish(End::Stopped, s);
-                Err(format!(
-                    "the plugin host {} speaks protocol {protocol}, this rlc {PROTOCOL}: use the host of the same rlc version",
-                    s.host.display()
-                ))
+                Err(HostError::Protocol {
+                    host: s.host.clone(),
+                    protocol,
+                })
             }
             Ok(Handshake::Error(m)) => {
                 running.finish(End::Stopped, s);
-                Err(m)
+                Err(HostError::Plugin(m))
             }
-            Err(e) => {
+            Err(error) => {
                 running.finish(End::Stopped, s);
-                let head: String = line.chars().take(80).collect();
-                Err(format!(
-                    "{} is not a plugin host (its first line {head:?}: {e})",
-                    s.host.display()
-                ))
+                Err(HostError::NotAHost {
+                    host: s.host.clone(),
+                    head: line.chars().take(80).collect(),
+                    error,
+                })
             }
         }
     }
 
     /// Sends one JSON input to the plugin and returns its answer as text (unchecked).
-    pub fn call(&self, input_json: String) -> Result<String, String> {
+    pub fn call(&self, input_json: String) -> Result<String, HostError> {
         let mut st = self.lock();
         self.ensure_running(&mut st)?;
         let r = st.running.as_mut().expect("running");
@@ -351,7 +401,7 @@ impl IsolatedPlugin {
             match r.answers.recv_timeout(self.settings.timeout) {
                 Ok(Ok(line)) => match serde_json::from_str::<Answer>(&line) {
                     Ok(Answer::Output(out)) => return Ok(out),
-                    Ok(Answer::Error(m)) => return Err(m),
+                    Ok(Answer::Error(m)) => return Err(HostError::Plugin(m)),
                     Err(_) => End::Protocol,
                 },
                 Ok(Err(end)) => end,
@@ -362,7 +412,7 @@ impl IsolatedPlugin {
         let mut r = st.running.take().expect("running");
         let cause = r.finish(end, &self.settings);
         st.failures.push_back((Instant::now(), cause.clone()));
-        Err(cause)
+        Err(HostError::Ended(cause))
     }
 }
 
@@ -389,7 +439,9 @@ impl Policy for IsolatedPlugin {
             params: input.spec.params.clone().unwrap_or(serde_json::Value::Null),
         };
         let json = serde_json::to_string(&pin).map_err(|e| err(&self.name, e.to_string()))?;
-        let out = self.call(json).map_err(|m| err(&self.name, m))?;
+        let out = self
+            .call(json)
+            .map_err(|e| err(&self.name, e.to_string()))?;
         let result: PluginResult = serde_json::from_str(&out).map_err(|e| {
             let head: String = out.chars().take(80).collect();
             err(
@@ -755,7 +807,7 @@ mod tests {
     fn default_host_prefers_the_environment() {
         // Only this test touches the variable in this binary.
         std::env::set_var(HOST_ENV, "/opt/rlc/bin/rlc");
-        assert_eq!(default_host(), Ok(PathBuf::from("/opt/rlc/bin/rlc")));
+        assert_eq!(default_host().ok(), Some(PathBuf::from("/opt/rlc/bin/rlc")));
         std::env::remove_var(HOST_ENV);
     }
 }

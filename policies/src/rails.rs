@@ -128,6 +128,38 @@ pub fn apply(
 /// 25 × (1 + headroom) of the peak, for a series one hour old.
 pub const SANITY_FACTOR: f64 = 100.0;
 
+/// Why a proposal is refused before the rails (see [`check_proposal`]).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Refused {
+    /// Not a finite number.
+    #[error("proposed {0} rps, not a finite number")]
+    NotFinite(f64),
+    /// Below zero.
+    #[error("proposed a negative limit ({0} rps)")]
+    Negative(f64),
+    /// 0 for a bucket that saw traffic.
+    #[error("proposed 0 rps for a bucket whose peak is {} rps", schema::format_rps(*.peak_rps))]
+    Zero { peak_rps: f64 },
+    /// Above [`SANITY_FACTOR`] × max(peak, capacity share, floor).
+    #[error(
+        "proposed {} rps, above the sanity bound of {SANITY_FACTOR} × max(peak {} rps, capacity share {}, floor {} rps) = {} rps",
+        show(*.proposed),
+        show(*.peak_rps),
+        .capacity_share_rps.map(|c| format!("{} rps", show(c))).unwrap_or_else(|| "none".into()),
+        show(*.floor_rps),
+        show(*.bound),
+        SANITY_FACTOR = SANITY_FACTOR
+    )]
+    AboveBound {
+        proposed: f64,
+        /// The peak the bound was taken from (a non-finite or negative peak counts as 0).
+        peak_rps: f64,
+        capacity_share_rps: Option<f64>,
+        floor_rps: f64,
+        bound: f64,
+    },
+}
+
 /// The sanity bound every policy's proposal passes before the rails: a limit that is not a
 /// finite number, is negative, is 0 for a bucket that saw traffic, or (when `relative`, i.e.
 /// for every policy but contracts) exceeds [`SANITY_FACTOR`] × max(`peak_rps`,
@@ -139,18 +171,15 @@ pub fn check_proposal(
     capacity_share_rps: Option<f64>,
     floor_rps: f64,
     relative: bool,
-) -> Result<(), String> {
+) -> Result<(), Refused> {
     if !proposed.is_finite() {
-        return Err(format!("proposed {proposed} rps, not a finite number"));
+        return Err(Refused::NotFinite(proposed));
     }
     if proposed < 0.0 {
-        return Err(format!("proposed a negative limit ({proposed} rps)"));
+        return Err(Refused::Negative(proposed));
     }
     if proposed == 0.0 && peak_rps > 0.0 {
-        return Err(format!(
-            "proposed 0 rps for a bucket whose peak is {} rps",
-            schema::format_rps(peak_rps)
-        ));
+        return Err(Refused::Zero { peak_rps });
     }
     if relative {
         let peak = if peak_rps.is_finite() {
@@ -162,16 +191,13 @@ pub fn check_proposal(
         let basis = peak.max(cap).max(floor_rps);
         let bound = SANITY_FACTOR * basis;
         if proposed > bound {
-            let cap_text = capacity_share_rps
-                .map(|c| format!("{} rps", show(c)))
-                .unwrap_or_else(|| "none".into());
-            return Err(format!(
-                "proposed {} rps, above the sanity bound of {SANITY_FACTOR} × max(peak {} rps, capacity share {cap_text}, floor {} rps) = {} rps",
-                show(proposed),
-                show(peak),
-                show(floor_rps),
-                show(bound)
-            ));
+            return Err(Refused::AboveBound {
+                proposed,
+                peak_rps: peak,
+                capacity_share_rps,
+                floor_rps,
+                bound,
+            });
         }
     }
     Ok(())
@@ -235,7 +261,9 @@ mod tests {
 
     #[test]
     fn sanity_bound() {
-        let ok = |p: f64, peak: f64, cap: Option<f64>| check_proposal(p, peak, cap, 1.0, true);
+        let ok = |p: f64, peak: f64, cap: Option<f64>| {
+            check_proposal(p, peak, cap, 1.0, true).map_err(|e| e.to_string())
+        };
         assert_eq!(ok(1250.0, 1000.0, None), Ok(()));
         assert_eq!(ok(100_000.0, 1000.0, None), Ok(()), "exactly 100 × peak");
         let e = ok(100_001.0, 1000.0, None).unwrap_err();

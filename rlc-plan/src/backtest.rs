@@ -11,14 +11,14 @@
 
 use chrono::{TimeZone, Utc};
 use policies::rails;
-use policies::{Policy, PolicyInput, Proposal, RateSeries};
+use policies::{Policy, PolicyError, PolicyInput, Proposal, RateSeries};
 use schema::{ConfigRepo, DaemonConfig, PolicyName, PolicySpec};
 use serde::Serialize;
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 
-use crate::history::{History, Rejected, SeriesKey, SeriesSource};
+use crate::history::{History, Rejected, SeriesKey, SeriesSource, Unreadable};
 use crate::pipeline::{self, Purpose, World};
 use crate::plan::{Plan, PlannedBucket};
 
@@ -173,7 +173,7 @@ impl SeriesSource for Training<'_> {
         self.source.source_error()
     }
 
-    fn service(&self, service: &str) -> Result<Cow<'_, History>, String> {
+    fn service(&self, service: &str) -> Result<Cow<'_, History>, Unreadable> {
         let h = self.source.service(service)?;
         Ok(Cow::Owned(train_part(
             &h,
@@ -230,7 +230,7 @@ pub fn score_plans(
     source: &dyn SeriesSource,
     plans: &[&Plan],
     split: i64,
-) -> Result<Vec<Scores>, String> {
+) -> Result<Vec<Scores>, Unreadable> {
     let mut by_service: BTreeMap<&str, Vec<Vec<&PlannedBucket>>> = BTreeMap::new();
     for (i, plan) in plans.iter().enumerate() {
         for b in &plan.buckets {
@@ -270,6 +270,17 @@ fn score_buckets<'a>(
         .collect()
 }
 
+/// Why a policy's fit could not be scored.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum FitError {
+    /// The policy failed on the training part.
+    #[error("{0}")]
+    Policy(#[from] PolicyError),
+    /// The rails would refuse its proposal.
+    #[error("{0}")]
+    Refused(#[from] rails::Refused),
+}
+
 /// Fits `policy` on `full` before `split` and scores its limit (at least `floor`) on the rest,
 /// as a run would: a proposal the rails would refuse is an error, never a score. `Ok(None)` when
 /// the held-out part has no sample. The one scoring path of `rlc backtest` and the corpus
@@ -281,25 +292,23 @@ pub fn fit_and_score(
     (service, caller, procedure): (&str, Option<&str>, Option<&str>),
     (full, left_out): (&RateSeries, usize),
     split: i64,
-) -> Result<Option<(Score, Proposal)>, String> {
+) -> Result<Option<(Score, Proposal)>, FitError> {
     let s = &full.slice(full.start, split);
     let test = full.slice(split, full.end()).values;
     if test.iter().all(|v| v.is_nan()) {
         return Ok(None);
     }
     let train_now = Utc.timestamp_opt(split, 0).single().unwrap_or_default();
-    let p = policy
-        .compute(&PolicyInput {
-            left_out,
-            service,
-            caller,
-            procedure,
-            series: s,
-            spec,
-            capacity_share_rps: None,
-            now: train_now,
-        })
-        .map_err(|e| e.to_string())?;
+    let p = policy.compute(&PolicyInput {
+        left_out,
+        service,
+        caller,
+        procedure,
+        series: s,
+        spec,
+        capacity_share_rps: None,
+        now: train_now,
+    })?;
     // As in a run: no proposal is scored that the rails would refuse.
     rails::check_proposal(p.limit_rps, s.max().unwrap_or(0.0), None, floor, true)?;
     Ok(score(p.limit_rps.max(floor), &test).map(|sc| (sc, p)))

@@ -6,20 +6,22 @@
 //! failed, when their coverage is below `history.min_coverage`, or when they have buckets but
 //! no history at all. A bucket whose policy fails keeps its current quota, and is listed too.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 use chrono::{DateTime, Utc};
 use policies::rails::{self, Current};
-use policies::{fixed, Policy, PolicyError, PolicyInput, Proposal};
+use policies::{fixed, Policy, PolicyError, PolicyInput, Proposal, RateSeries};
 use schema::{
-    Bucket, ConfigRepo, Contract, DaemonConfig, PlannedEvent, PolicyName, PolicySpec, Scope,
+    Bucket, CapacityFile, ConfigRepo, Contract, DaemonConfig, PlannedEvent, PolicyName, PolicySpec,
+    Scope,
 };
 use serde_json::json;
 
 use crate::censor::{self, Censored, Observed};
 use crate::evidence::{Evidence, PolicyEvidence};
-use crate::history::{History, SeriesKey, SeriesSource};
+use crate::history::{History, SeriesKey, SeriesSource, Unreadable};
 use crate::plan::{Plan, PlannedBucket, Skipped};
 use crate::plausibility::{all_zero, implausible_peak};
 
@@ -59,7 +61,9 @@ pub fn policy_for(
                 .ok_or_else(|| plugin_err("no `plugins.dir` in rlc.yaml".into()))?;
             let host = match &p.host {
                 Some(h) => PathBuf::from(h),
-                None => policies::isolated::default_host().map_err(plugin_err)?,
+                None => {
+                    policies::isolated::default_host().map_err(|e| plugin_err(e.to_string()))?
+                }
             };
             let settings = policies::isolated::Settings {
                 host,
@@ -107,14 +111,46 @@ fn plan_services(
     now: DateTime<Utc>,
 ) -> Plan {
     let mut plan = Plan::default();
-    let today = now.date_naive();
-    let contracts: &[Contract] = repo.contracts.as_ref().map_or(&[], |c| &c.value.contracts);
+    let run = PlanInputs {
+        cfg,
+        repo,
+        contracts: repo.contracts.as_ref().map_or(&[], |c| &c.value.contracts),
+        observed,
+        today: now.date_naive(),
+        now,
+    };
     let mut services: BTreeSet<String> = repo.known_services();
     services.extend(source.services());
-    services.extend(contracts.iter().map(|c| c.service.clone()));
+    services.extend(run.contracts.iter().map(|c| c.service.clone()));
+    let ambiguous = skip_rejected(source, &mut plan);
+    plan.history_error = source.source_error().map(str::to_string);
+    for service in &services {
+        match service_history(&run, source, &ambiguous, service) {
+            ServiceHistory::Plan(history) => compute_service(&run, &history, service, &mut plan),
+            ServiceHistory::Failed(reason) => {
+                plan.history_failed.push(service.clone());
+                keep_service(&mut plan, repo, service, &reason);
+            }
+            ServiceHistory::Absent => {
+                if repo.current(service).is_some() {
+                    keep_service(
+                        &mut plan,
+                        repo,
+                        service,
+                        "no history for this service; keeps current quotas",
+                    );
+                }
+            }
+        }
+    }
+    sort_plan(&mut plan);
+    plan
+}
 
-    // Services whose history the source could not tell apart (series merged by its labels):
-    // none of their series can be believed.
+/// Lists the series the source rejected in skipped, and returns the services whose history
+/// the source could not tell apart (series merged by its labels), with why: none of their
+/// series can be believed.
+fn skip_rejected(source: &dyn SeriesSource, plan: &mut Plan) -> BTreeMap<String, String> {
     let mut ambiguous: BTreeMap<String, String> = BTreeMap::new();
     for r in source.rejected() {
         if r.fails_service {
@@ -131,91 +167,71 @@ fn plan_services(
             reason: format!("series skipped: {}", r.reason),
         });
     }
+    ambiguous
+}
 
-    plan.history_error = source.source_error().map(str::to_string);
-    for service in &services {
-        if let Some(e) = source.source_error() {
-            plan.history_failed.push(service.clone());
-            keep_service(
-                &mut plan,
-                repo,
-                service,
-                &format!("history source failed: {e}; keeps current quotas"),
-            );
-            continue;
+/// What a service's history allows.
+enum ServiceHistory<'h> {
+    /// Plan the service from this history.
+    Plan(Cow<'h, History>),
+    /// The history cannot be believed: the service keeps its quotas, and counts as failed.
+    Failed(String),
+    /// No history and no contract: the service keeps its quotas, if it has any.
+    Absent,
+}
+
+/// Reads the history of `service` (one service's series at a time; all of them for a history
+/// in memory) and says whether it can be planned from.
+fn service_history<'h>(
+    run: &PlanInputs<'_>,
+    source: &'h dyn SeriesSource,
+    ambiguous: &BTreeMap<String, String>,
+    service: &str,
+) -> ServiceHistory<'h> {
+    if let Some(e) = source.source_error() {
+        return ServiceHistory::Failed(format!("history source failed: {e}; keeps current quotas"));
+    }
+    if let Some(why) = ambiguous.get(service) {
+        return ServiceHistory::Failed(format!("history ambiguous: {why}; keeps current quotas"));
+    }
+    let history = match source.service(service) {
+        Ok(h) => h,
+        Err(e) => {
+            return ServiceHistory::Failed(format!("history unreadable: {e}; keeps current quotas"))
         }
-        if let Some(why) = ambiguous.get(service) {
-            plan.history_failed.push(service.clone());
-            keep_service(
-                &mut plan,
-                repo,
-                service,
-                &format!("history ambiguous: {why}; keeps current quotas"),
-            );
-            continue;
-        }
-        // One service's series at a time (all of them for a history in memory).
-        let history = match source.service(service) {
-            Ok(h) => h,
-            Err(e) => {
-                plan.history_failed.push(service.clone());
-                keep_service(
-                    &mut plan,
-                    repo,
-                    service,
-                    &format!("history unreadable: {e}; keeps current quotas"),
-                );
-                continue;
-            }
+    };
+    if history.service_series(service).next().is_none() {
+        return if run.contracts.iter().any(|c| c.service == service) {
+            ServiceHistory::Plan(history)
+        } else {
+            ServiceHistory::Absent
         };
-        let has_series = history.service_series(service).next().is_some();
-        let has_contract = contracts.iter().any(|c| &c.service == service);
-        if has_series {
-            let cov = history.service_coverage(service);
-            if cov < cfg.history.min_coverage {
-                plan.history_failed.push(service.clone());
-                keep_service(
-                    &mut plan,
-                    repo,
-                    service,
-                    &format!(
-                        "history covers {:.1}% of the window, below min_coverage {:.0}%; keeps current quotas",
-                        cov * 100.0,
-                        cfg.history.min_coverage * 100.0
-                    ),
-                );
-                continue;
-            }
-            // Every value 0 while quotas are in force: a broken query or recording rule, far
-            // more likely than a whole service gone quiet (which would keep its quotas too).
-            let in_force = repo
-                .current(service)
-                .is_some_and(|f| f.buckets.iter().any(|b| b.limit_rps > 0.0));
-            if in_force && all_zero(history.service_series(service).map(|(_, s)| s)) {
-                plan.history_failed.push(service.clone());
-                keep_service(
-                    &mut plan,
-                    repo,
-                    service,
-                    "every sample of its history is 0 although it has quotas in force (a broken query or recording rule?): not plausible; keeps current quotas",
-                );
-                continue;
-            }
-        } else if !has_contract {
-            if repo.current(service).is_some() {
-                keep_service(
-                    &mut plan,
-                    repo,
-                    service,
-                    "no history for this service; keeps current quotas",
-                );
-            }
-            continue;
-        }
-        compute_service(
-            cfg, repo, &history, service, contracts, observed, today, now, &mut plan,
+    }
+    let (cfg, repo) = (run.cfg, run.repo);
+    let cov = history.service_coverage(service);
+    if cov < cfg.history.min_coverage {
+        return ServiceHistory::Failed(format!(
+            "history covers {:.1}% of the window, below min_coverage {:.0}%; keeps current quotas",
+            cov * 100.0,
+            cfg.history.min_coverage * 100.0
+        ));
+    }
+    // Every value 0 while quotas are in force: a broken query or recording rule, far
+    // more likely than a whole service gone quiet (which would keep its quotas too).
+    let in_force = repo
+        .current(service)
+        .is_some_and(|f| f.buckets.iter().any(|b| b.limit_rps > 0.0));
+    if in_force && all_zero(history.service_series(service).map(|(_, s)| s)) {
+        return ServiceHistory::Failed(
+            "every sample of its history is 0 although it has quotas in force (a broken query or recording rule?): not plausible; keeps current quotas".into(),
         );
     }
+    ServiceHistory::Plan(history)
+}
+
+/// Puts the plan in its order: failed and refused services listed once, buckets and skipped
+/// entries sorted.
+fn sort_plan(plan: &mut Plan) {
     plan.history_failed.sort();
     plan.history_failed.dedup();
     plan.history_refused.sort();
@@ -230,7 +246,6 @@ fn plan_services(
             &b.reason,
         ))
     });
-    plan
 }
 
 /// Lists `service` in skipped and carries its current buckets over unchanged.
@@ -259,76 +274,191 @@ fn kept(service: &str, b: &Bucket, reason: &str) -> PlannedBucket {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn compute_service(
-    cfg: &DaemonConfig,
-    repo: &ConfigRepo,
-    history: &History,
-    service: &str,
-    contracts: &[Contract],
-    observed: &Observed,
+/// What every service of one plan reads: the daemon's configuration, the repo, its contracts,
+/// what the controller observed, and the time the plan is for.
+struct PlanInputs<'a> {
+    cfg: &'a DaemonConfig,
+    repo: &'a ConfigRepo,
+    contracts: &'a [Contract],
+    observed: &'a Observed,
     today: chrono::NaiveDate,
     now: DateTime<Utc>,
-    plan: &mut Plan,
-) {
-    let spec = spec_for(repo, service);
-    let excluded: &[schema::Exclusion] = repo.policies.as_ref().map_or(&[], |p| &p.value.excluded);
-    let current: HashMap<&str, &Bucket> = repo
-        .current(service)
-        .map(|f| f.buckets.iter().map(|b| (b.name.as_str(), b)).collect())
-        .unwrap_or_default();
-    let series: Vec<(&SeriesKey, &policies::RateSeries)> =
-        history.service_series(service).collect();
-    let peaks: Vec<f64> = series.iter().map(|(_, s)| s.max().unwrap_or(0.0)).collect();
-    let peak_total: f64 = peaks.iter().sum();
-    let mut peak_by_procedure: HashMap<Option<String>, f64> = HashMap::new();
-    for ((k, _), p) in series.iter().zip(&peaks) {
-        *peak_by_procedure.entry(k.procedure.clone()).or_default() += p;
-    }
-    let capacity = repo.capacity.as_ref().map(|c| &c.value);
-    let floor = rails::floor(&cfg.rails, &spec);
-    let mut done: BTreeSet<String> = BTreeSet::new();
+}
 
-    // Active contracts make their own buckets; they win over the service's policy.
-    let caller_wide: BTreeSet<&str> = contracts
-        .iter()
-        .filter(|c| c.service == service && c.procedure.is_none() && c.active_on(today))
-        .filter_map(|c| c.caller.as_deref())
-        .collect();
-    for c in contracts
-        .iter()
-        .filter(|c| c.service == service && c.active_on(today))
-    {
-        let key = SeriesKey {
-            service: service.into(),
+/// What planning one service reads, gathered once: its policy spec, its buckets in force, its
+/// series and their peaks, the capacity document, the floor, and the callers that have a
+/// caller-wide contract.
+struct ServiceInputs<'a> {
+    run: &'a PlanInputs<'a>,
+    service: &'a str,
+    spec: PolicySpec,
+    excluded: &'a [schema::Exclusion],
+    current: HashMap<&'a str, &'a Bucket>,
+    series: Vec<(&'a SeriesKey, &'a RateSeries)>,
+    peaks: Vec<f64>,
+    peak_total: f64,
+    peak_by_procedure: HashMap<Option<String>, f64>,
+    capacity: Option<&'a CapacityFile>,
+    floor: f64,
+    /// Callers whose active contract covers all of the service's procedures.
+    caller_wide: BTreeSet<&'a str>,
+}
+
+impl<'a> ServiceInputs<'a> {
+    fn gather(run: &'a PlanInputs<'a>, history: &'a History, service: &'a str) -> Self {
+        let (cfg, repo) = (run.cfg, run.repo);
+        let spec = spec_for(repo, service);
+        let series: Vec<(&SeriesKey, &RateSeries)> = history.service_series(service).collect();
+        let peaks: Vec<f64> = series.iter().map(|(_, s)| s.max().unwrap_or(0.0)).collect();
+        let mut peak_by_procedure: HashMap<Option<String>, f64> = HashMap::new();
+        for ((k, _), p) in series.iter().zip(&peaks) {
+            *peak_by_procedure.entry(k.procedure.clone()).or_default() += p;
+        }
+        let caller_wide = run
+            .contracts
+            .iter()
+            .filter(|c| c.service == service && c.procedure.is_none() && c.active_on(run.today))
+            .filter_map(|c| c.caller.as_deref())
+            .collect();
+        ServiceInputs {
+            run,
+            service,
+            floor: rails::floor(&cfg.rails, &spec),
+            spec,
+            excluded: repo.policies.as_ref().map_or(&[], |p| &p.value.excluded),
+            current: repo
+                .current(service)
+                .map(|f| f.buckets.iter().map(|b| (b.name.as_str(), b)).collect())
+                .unwrap_or_default(),
+            peak_total: peaks.iter().sum(),
+            series,
+            peaks,
+            peak_by_procedure,
+            capacity: repo.capacity.as_ref().map(|c| &c.value),
+            caller_wide,
+        }
+    }
+
+    /// The service's contracts, active on the plan's day or not.
+    fn contracts(&self, active: bool) -> impl Iterator<Item = &'a Contract> + '_ {
+        self.run
+            .contracts
+            .iter()
+            .filter(move |c| c.service == self.service && c.active_on(self.run.today) == active)
+    }
+
+    /// The bucket in force named `name`.
+    fn current(&self, name: &str) -> Option<&'a Bucket> {
+        self.current.get(name).copied()
+    }
+
+    /// The key of the bucket a contract makes.
+    fn contract_key(&self, c: &Contract) -> SeriesKey {
+        SeriesKey {
+            service: self.service.into(),
             caller: c.caller.clone(),
             procedure: c.procedure.clone(),
+        }
+    }
+
+    /// The share of the planned capacity that bounds series `i`: of its procedure's, or of the
+    /// whole service's, in proportion to its peak.
+    fn capacity_share(&self, i: usize) -> Option<f64> {
+        let (service, key) = (self.service, self.series[i].0);
+        let cap = self.capacity?;
+        let total_cap = cap.for_bucket(service, key.procedure.as_deref())?;
+        let procedure_entry = key.procedure.as_deref().is_some_and(|p| {
+            cap.capacity
+                .iter()
+                .any(|e| e.service == service && e.procedure.as_deref() == Some(p))
+        });
+        let denom = if procedure_entry {
+            self.peak_by_procedure
+                .get(&key.procedure)
+                .copied()
+                .unwrap_or(0.0)
+        } else {
+            self.peak_total
         };
+        Some(if denom > 0.0 {
+            total_cap * self.peaks[i] / denom
+        } else {
+            total_cap
+        })
+    }
+
+    /// Lists a bucket in skipped with `reason`.
+    fn skip(&self, plan: &mut Plan, key: &SeriesKey, reason: String) {
+        plan.skipped.push(Skipped {
+            service: self.service.into(),
+            caller: key.caller.clone(),
+            procedure: key.procedure.clone(),
+            reason,
+        });
+    }
+
+    /// Lists a bucket in skipped with `reason`, and keeps its quota in force (if it has one).
+    fn skip_and_keep(
+        &self,
+        plan: &mut Plan,
+        key: &SeriesKey,
+        cur: Option<&Bucket>,
+        reason: String,
+    ) {
+        if let Some(b) = cur {
+            plan.buckets.push(kept(self.service, b, &reason));
+        }
+        self.skip(plan, key, reason);
+    }
+}
+
+/// Plans the buckets of one service: its contracts' buckets first, then a bucket per series by
+/// the service's policy, then what the window did not show (expired contracts, quiet callers).
+fn compute_service(run: &PlanInputs<'_>, history: &History, service: &str, plan: &mut Plan) {
+    let inputs = ServiceInputs::gather(run, history, service);
+    // The bucket names planned so far: a name is planned once.
+    let mut done: BTreeSet<String> = BTreeSet::new();
+    plan_contracts(&inputs, &mut done, plan);
+    plan_series(&inputs, &mut done, plan);
+    report_expired_contracts(&inputs, &done, plan);
+    carry_quiet_buckets(&inputs, &done, plan);
+}
+
+/// Active contracts make their own buckets; they win over the service's policy.
+fn plan_contracts(inputs: &ServiceInputs<'_>, done: &mut BTreeSet<String>, plan: &mut Plan) {
+    let (cfg, service, spec) = (inputs.run.cfg, inputs.service, &inputs.spec);
+    for c in inputs.contracts(true) {
+        let key = inputs.contract_key(c);
         let name = key.bucket_name();
         if !done.insert(name.clone()) {
             continue; // a duplicate contract: the first listed wins (validate reports it)
         }
-        let peak = series
+        let peak = inputs
+            .series
             .iter()
-            .zip(&peaks)
+            .zip(&inputs.peaks)
             .filter(|((k, _), _)| {
                 k.caller == c.caller && (c.procedure.is_none() || k.procedure == c.procedure)
             })
             .map(|(_, p)| *p)
             .fold(None, |m: Option<f64>, p| Some(m.map_or(p, |m| m + p)));
         let proposal = fixed::proposal(c, peak);
-        let cur = current.get(name.as_str()).copied();
-        if let Err(why) =
-            rails::check_proposal(proposal.limit_rps, peak.unwrap_or(0.0), None, floor, false)
-        {
-            refuse(plan, service, &key, cur, &proposal.policy, &why);
+        let cur = inputs.current(&name);
+        if let Err(why) = rails::check_proposal(
+            proposal.limit_rps,
+            peak.unwrap_or(0.0),
+            None,
+            inputs.floor,
+            false,
+        ) {
+            refuse(plan, service, &key, cur, &proposal.policy, &why.to_string());
             continue;
         }
         // Contractual limits skip the damping rails.
-        let railed = rails_for(cfg, &spec, cur, &proposal, false);
+        let railed = rails_for(cfg, spec, cur, &proposal, false);
         push(
             plan,
-            &spec,
+            spec,
             service,
             &key,
             cur,
@@ -347,231 +477,271 @@ fn compute_service(
             }
         }
     }
+}
 
+/// A bucket per series not planned by a contract, by the service's policy.
+fn plan_series(inputs: &ServiceInputs<'_>, done: &mut BTreeSet<String>, plan: &mut Plan) {
     // One policy for the whole service, resolved once (a plugin load is a filesystem lookup).
-    let policy_name = spec.policy.clone().unwrap_or(PolicyName::Peak);
-    let policy = policy_for(cfg, &policy_name);
-    for (i, (key, s)) in series.iter().enumerate() {
-        let name = key.bucket_name();
-        if done.contains(&name) {
-            // Either the contract bucket for this very key, or a different match whose name
-            // comes out the same (`a.b`+`c` vs `a`+`b.c`, caller `x` vs procedure `x`).
-            let same_key = plan.buckets.iter().any(|b| {
-                b.service == service
-                    && b.bucket.name == name
-                    && b.bucket.caller == key.caller
-                    && b.bucket.procedure == key.procedure
-            });
-            if !same_key {
-                plan.skipped.push(Skipped {
-                    service: service.into(),
-                    caller: key.caller.clone(),
-                    procedure: key.procedure.clone(),
-                    reason: format!(
-                        "its bucket name `{name}` is already taken by another match in this service; rename a caller or procedure"
-                    ),
-                });
-            }
-            continue;
-        }
-        if key
-            .caller
-            .as_deref()
-            .is_some_and(|c| caller_wide.contains(c))
-            && key.procedure.is_some()
-        {
-            continue; // covered by the caller's contract bucket
-        }
-        done.insert(name.clone());
-        // A sample no instance could have sent is refused with its series: the bucket keeps
-        // its quota and the run says so (its service counts as failed: exit 4).
-        if let Some(why) = implausible_peak(s) {
-            let cur = current.get(name.as_str()).copied();
-            tracing::warn!(service, bucket = %name, %why, "history not plausible");
-            plan.history_refused.push(service.into());
-            let reason = format!("history {why}; keeps current quota");
-            plan.skipped.push(Skipped {
-                service: service.into(),
-                caller: key.caller.clone(),
-                procedure: key.procedure.clone(),
-                reason: reason.clone(),
-            });
-            if let Some(b) = cur {
-                plan.buckets.push(kept(service, b, &reason));
-            }
-            continue;
-        }
-        let expired: Vec<String> = fixed::contract_for(
-            contracts,
-            service,
-            key.caller.as_deref(),
-            key.procedure.as_deref(),
-            today,
-        )
-        .expired
-        .into_iter()
-        .map(fixed::expired_note)
-        .collect();
-        let cur = current.get(name.as_str()).copied();
-        let capacity_share = capacity.and_then(|cap| {
-            let total_cap = cap.for_bucket(service, key.procedure.as_deref())?;
-            let procedure_entry = key.procedure.as_deref().is_some_and(|p| {
-                cap.capacity
-                    .iter()
-                    .any(|e| e.service == service && e.procedure.as_deref() == Some(p))
-            });
-            // The caller's share of the capacity that bounds it: of its procedure's, or of
-            // the whole service's.
-            let denom = if procedure_entry {
-                peak_by_procedure
-                    .get(&key.procedure)
-                    .copied()
-                    .unwrap_or(0.0)
-            } else {
-                peak_total
-            };
-            Some(if denom > 0.0 {
-                total_cap * peaks[i] / denom
-            } else {
-                total_cap
-            })
-        });
-        // Minutes that are not demand: throttled (unless sustained) and excluded windows.
-        let censored = censor::censored(
-            (service, key.caller.as_deref(), key.procedure.as_deref()),
-            &name,
-            &spec,
-            excluded,
-            observed,
-            (s.start, s.end()),
-        );
-        let masked = (!censored.ignored.is_empty()).then(|| censor::apply(s, &censored.ignored));
-        let (demand, left_out): (&policies::RateSeries, usize) =
-            masked.as_ref().map_or((s, 0), |(m, n)| (m, *n));
-        let result = match &policy {
-            Ok(Some(p)) => p.compute(&PolicyInput {
-                service,
-                caller: key.caller.as_deref(),
-                procedure: key.procedure.as_deref(),
-                series: demand,
-                left_out,
-                spec: &spec,
-                capacity_share_rps: capacity_share,
-                now,
-            }),
-            Ok(None) => Err(PolicyError::Params(format!(
-                "policy `{policy_name}` has no rule for this bucket (no active contract)"
-            ))),
-            Err(e) => Err(e.clone()),
-        };
-        let events: &[PlannedEvent] = capacity.map_or(&[], |c| &c.events);
-        let result = result.map(|p| {
-            with_events(
-                p,
-                events,
-                EventCtx {
-                    service,
-                    key,
-                    spec: &spec,
-                    now,
-                    peak: peaks[i],
-                    series: &series,
-                    peaks: &peaks,
-                    capacity_share,
-                },
-            )
-        });
-        match result {
-            Ok(p) => {
-                // No policy's output reaches the rails unchecked.
-                if let Err(why) =
-                    rails::check_proposal(p.limit_rps, peaks[i], capacity_share, floor, true)
-                {
-                    refuse(plan, service, key, cur, &p.policy, &why);
-                    continue;
-                }
-                // A gap in this series (not the service) must not lower its quota.
-                let cov = s.coverage_since_first();
-                let railed = rails_for(cfg, &spec, cur, &p, true);
-                match cur {
-                    Some(c) if railed.limit_rps < c.limit_rps && cov < cfg.history.min_coverage => {
-                        let reason = format!(
-                            "series covers {:.1}% of its window, below min_coverage {:.0}%: a decrease to {} rps is not applied; keeps its current quota",
-                            cov * 100.0,
-                            cfg.history.min_coverage * 100.0,
-                            schema::format_rps(rails::round_limit(p.limit_rps))
-                        );
-                        plan.skipped.push(Skipped {
-                            service: service.into(),
-                            caller: key.caller.clone(),
-                            procedure: key.procedure.clone(),
-                            reason: reason.clone(),
-                        });
-                        plan.buckets.push(kept(service, c, &reason));
-                    }
-                    _ => {
-                        // The time of the peak the evidence names: in the demand the
-                        // policy saw (storms, throttled minutes and excluded windows out).
-                        let peak_at = demand.argmax().map(|i| demand.datetime_of(i));
-                        push(
-                            plan, &spec, service, key, cur, p, railed, expired, peak_at, censored,
-                        )
-                    }
-                }
-            }
-            Err(e) => {
-                let reason = format!("policy {policy_name} failed: {e}; keeps current quota");
-                tracing::warn!(service, bucket = %name, error = %e, "policy failed");
-                plan.skipped.push(Skipped {
-                    service: service.into(),
-                    caller: key.caller.clone(),
-                    procedure: key.procedure.clone(),
-                    reason: reason.clone(),
-                });
-                if let Some(b) = cur {
-                    plan.buckets.push(kept(service, b, &reason));
-                }
-            }
+    let policy_name = inputs.spec.policy.clone().unwrap_or(PolicyName::Peak);
+    let policy = ServicePolicy {
+        loaded: policy_for(inputs.run.cfg, &policy_name),
+        name: policy_name,
+    };
+    for i in 0..inputs.series.len() {
+        let key = inputs.series[i].0;
+        if let Some(name) = claim_bucket(inputs, key, done, plan) {
+            plan_series_bucket(inputs, &policy, i, name, plan);
         }
     }
+}
 
-    // Expired contracts with no traffic of their own are reported here.
-    for c in contracts
-        .iter()
-        .filter(|c| c.service == service && !c.active_on(today))
+/// The bucket name of a series when it gets a bucket of its own: not when its name is planned
+/// already (listed in skipped if by another match) or a caller-wide contract covers it.
+fn claim_bucket(
+    inputs: &ServiceInputs<'_>,
+    key: &SeriesKey,
+    done: &mut BTreeSet<String>,
+    plan: &mut Plan,
+) -> Option<String> {
+    let name = key.bucket_name();
+    if done.contains(&name) {
+        // Either the contract bucket for this very key, or a different match whose name
+        // comes out the same (`a.b`+`c` vs `a`+`b.c`, caller `x` vs procedure `x`).
+        let same_key = plan.buckets.iter().any(|b| {
+            b.service == inputs.service
+                && b.bucket.name == name
+                && b.bucket.caller == key.caller
+                && b.bucket.procedure == key.procedure
+        });
+        if !same_key {
+            inputs.skip(
+                plan,
+                key,
+                format!(
+                    "its bucket name `{name}` is already taken by another match in this service; rename a caller or procedure"
+                ),
+            );
+        }
+        return None;
+    }
+    if key
+        .caller
+        .as_deref()
+        .is_some_and(|c| inputs.caller_wide.contains(c))
+        && key.procedure.is_some()
     {
-        let key = SeriesKey {
-            service: service.into(),
-            caller: c.caller.clone(),
-            procedure: c.procedure.clone(),
-        };
-        if !done.contains(&key.bucket_name()) {
-            plan.skipped.push(Skipped {
-                service: service.into(),
-                caller: c.caller.clone(),
-                procedure: c.procedure.clone(),
-                reason: fixed::expired_note(c),
-            });
+        return None; // covered by the caller's contract bucket
+    }
+    done.insert(name.clone());
+    Some(name)
+}
+
+/// The service's policy, resolved once: `Ok(None)` for `fixed`/`manual`.
+struct ServicePolicy {
+    name: PolicyName,
+    loaded: Result<Option<&'static dyn Policy>, PolicyError>,
+}
+
+/// One series' bucket on its way through the plan: what its policy saw and what the rails and
+/// evidence need of it.
+struct SeriesBucket<'s> {
+    key: &'s SeriesKey,
+    /// The index of the series (in the service's series and peaks).
+    index: usize,
+    name: String,
+    cur: Option<&'s Bucket>,
+    capacity_share: Option<f64>,
+    /// The series as demand: throttled and excluded minutes left out.
+    demand: &'s RateSeries,
+    censored: Censored,
+    /// Notes on the expired contracts of this bucket.
+    expired: Vec<String>,
+}
+
+/// Plans series `i`'s bucket `name`: refuses history no instance could have sent, runs the
+/// policy on the demand, raises it for planned events, and passes the proposal to the rails.
+fn plan_series_bucket(
+    inputs: &ServiceInputs<'_>,
+    policy: &ServicePolicy,
+    i: usize,
+    name: String,
+    plan: &mut Plan,
+) {
+    let (service, run) = (inputs.service, inputs.run);
+    let (key, s) = inputs.series[i];
+    let cur = inputs.current(&name);
+    // A sample no instance could have sent is refused with its series: the bucket keeps
+    // its quota and the run says so (its service counts as failed: exit 4).
+    if let Some(why) = implausible_peak(s) {
+        tracing::warn!(service, bucket = %name, %why, "history not plausible");
+        plan.history_refused.push(service.into());
+        inputs.skip_and_keep(
+            plan,
+            key,
+            cur,
+            format!("history {why}; keeps current quota"),
+        );
+        return;
+    }
+    let expired: Vec<String> = fixed::contract_for(
+        run.contracts,
+        service,
+        key.caller.as_deref(),
+        key.procedure.as_deref(),
+        run.today,
+    )
+    .expired
+    .into_iter()
+    .map(fixed::expired_note)
+    .collect();
+    // Minutes that are not demand: throttled (unless sustained) and excluded windows.
+    let censored = censor::censored(
+        (service, key.caller.as_deref(), key.procedure.as_deref()),
+        &name,
+        &inputs.spec,
+        inputs.excluded,
+        run.observed,
+        (s.start, s.end()),
+    );
+    let masked = (!censored.ignored.is_empty()).then(|| censor::apply(s, &censored.ignored));
+    let (demand, left_out): (&RateSeries, usize) = masked.as_ref().map_or((s, 0), |(m, n)| (m, *n));
+    let bucket = SeriesBucket {
+        key,
+        index: i,
+        name,
+        cur,
+        capacity_share: inputs.capacity_share(i),
+        demand,
+        censored,
+        expired,
+    };
+    match propose(inputs, policy, &bucket, left_out) {
+        Ok(p) => guard_and_push(inputs, bucket, p, plan),
+        Err(e) => {
+            let reason = format!("policy {} failed: {e}; keeps current quota", policy.name);
+            tracing::warn!(service, bucket = %bucket.name, error = %e, "policy failed");
+            inputs.skip_and_keep(plan, key, cur, reason);
         }
     }
+}
 
-    // A caller that went quiet (no series in the window) keeps its current quota, except
-    // buckets a contract made or superseded: those follow the contracts.
-    let mut rest: Vec<(&&str, &&Bucket)> = current.iter().collect();
+/// The service policy's proposal for a bucket, raised for the planned events that meet it.
+fn propose(
+    inputs: &ServiceInputs<'_>,
+    policy: &ServicePolicy,
+    b: &SeriesBucket<'_>,
+    left_out: usize,
+) -> Result<Proposal, PolicyError> {
+    let (service, key) = (inputs.service, b.key);
+    let proposal = match &policy.loaded {
+        Ok(Some(p)) => p.compute(&PolicyInput {
+            service,
+            caller: key.caller.as_deref(),
+            procedure: key.procedure.as_deref(),
+            series: b.demand,
+            left_out,
+            spec: &inputs.spec,
+            capacity_share_rps: b.capacity_share,
+            now: inputs.run.now,
+        })?,
+        Ok(None) => {
+            return Err(PolicyError::Params(format!(
+                "policy `{}` has no rule for this bucket (no active contract)",
+                policy.name
+            )))
+        }
+        Err(e) => return Err(e.clone()),
+    };
+    let events: &[PlannedEvent] = inputs.capacity.map_or(&[], |c| &c.events);
+    Ok(with_events(
+        proposal,
+        events,
+        EventCtx {
+            service,
+            key,
+            spec: &inputs.spec,
+            now: inputs.run.now,
+            peak: inputs.peaks[b.index],
+            series: &inputs.series,
+            peaks: &inputs.peaks,
+            capacity_share: b.capacity_share,
+        },
+    ))
+}
+
+/// Passes a policy's proposal through the sanity bound and the rails, and plans the bucket:
+/// a decrease the series' own coverage cannot back is not applied.
+fn guard_and_push(inputs: &ServiceInputs<'_>, b: SeriesBucket<'_>, p: Proposal, plan: &mut Plan) {
+    let (cfg, service) = (inputs.run.cfg, inputs.service);
+    let (key, cur) = (b.key, b.cur);
+    // No policy's output reaches the rails unchecked.
+    let peak = inputs.peaks[b.index];
+    if let Err(why) = rails::check_proposal(p.limit_rps, peak, b.capacity_share, inputs.floor, true)
+    {
+        refuse(plan, service, key, cur, &p.policy, &why.to_string());
+        return;
+    }
+    // A gap in this series (not the service) must not lower its quota.
+    let cov = inputs.series[b.index].1.coverage_since_first();
+    let railed = rails_for(cfg, &inputs.spec, cur, &p, true);
+    match cur {
+        Some(c) if railed.limit_rps < c.limit_rps && cov < cfg.history.min_coverage => {
+            let reason = format!(
+                "series covers {:.1}% of its window, below min_coverage {:.0}%: a decrease to {} rps is not applied; keeps its current quota",
+                cov * 100.0,
+                cfg.history.min_coverage * 100.0,
+                schema::format_rps(rails::round_limit(p.limit_rps))
+            );
+            inputs.skip_and_keep(plan, key, cur, reason);
+        }
+        _ => {
+            // The time of the peak the evidence names: in the demand the policy saw (storms,
+            // throttled minutes and excluded windows out).
+            let peak_at = b.demand.argmax().map(|i| b.demand.datetime_of(i));
+            push(
+                plan,
+                &inputs.spec,
+                service,
+                key,
+                cur,
+                p,
+                railed,
+                b.expired,
+                peak_at,
+                b.censored,
+            )
+        }
+    }
+}
+
+/// Expired contracts with no traffic of their own are reported in skipped.
+fn report_expired_contracts(inputs: &ServiceInputs<'_>, done: &BTreeSet<String>, plan: &mut Plan) {
+    for c in inputs.contracts(false) {
+        let key = inputs.contract_key(c);
+        if !done.contains(&key.bucket_name()) {
+            inputs.skip(plan, &key, fixed::expired_note(c));
+        }
+    }
+}
+
+/// A caller that went quiet (no series in the window) keeps its current quota, except
+/// buckets a contract made or superseded: those follow the contracts.
+fn carry_quiet_buckets(inputs: &ServiceInputs<'_>, done: &BTreeSet<String>, plan: &mut Plan) {
+    let service = inputs.service;
+    let mut rest: Vec<(&&str, &&Bucket)> = inputs.current.iter().collect();
     rest.sort_by_key(|(n, _)| **n);
     for (name, b) in rest {
         if done.contains(*name) {
             continue;
         }
-        let superseded =
-            b.procedure.is_some() && b.caller.as_deref().is_some_and(|c| caller_wide.contains(c));
+        let superseded = b.procedure.is_some()
+            && b.caller
+                .as_deref()
+                .is_some_and(|c| inputs.caller_wide.contains(c));
         let ended = b.policy == PolicyName::Fixed
-            && !contracts.iter().any(|c| {
-                c.service == service
-                    && c.active_on(today)
-                    && c.caller == b.caller
-                    && c.procedure == b.procedure
-            });
+            && !inputs
+                .contracts(true)
+                .any(|c| c.caller == b.caller && c.procedure == b.procedure);
         let reason = if superseded {
             Some("superseded by the caller-wide contract for this caller; bucket removed")
         } else if ended {
@@ -639,7 +809,6 @@ fn rails_for(
     )
 }
 
-#[allow(clippy::too_many_arguments)]
 /// What a contract without traffic in the window is flagged with.
 pub fn no_traffic(c: &Contract) -> String {
     format!(
@@ -656,9 +825,9 @@ pub fn contracts_without_traffic(
     repo: &ConfigRepo,
     history: &dyn SeriesSource,
     today: chrono::NaiveDate,
-) -> Result<Vec<(usize, String)>, String> {
+) -> Result<Vec<(usize, String)>, Unreadable> {
     if let Some(e) = history.source_error() {
-        return Err(e.to_string());
+        return Err(Unreadable(e.to_string()));
     }
     let contracts: &[Contract] = repo.contracts.as_ref().map_or(&[], |c| &c.value.contracts);
     let mut out = Vec::new();
@@ -748,7 +917,7 @@ struct EventCtx<'a> {
     spec: &'a PolicySpec,
     now: DateTime<Utc>,
     peak: f64,
-    series: &'a [(&'a SeriesKey, &'a policies::RateSeries)],
+    series: &'a [(&'a SeriesKey, &'a RateSeries)],
     peaks: &'a [f64],
     capacity_share: Option<f64>,
 }

@@ -112,217 +112,221 @@ fn forecast() -> PolicySpec {
     }
 }
 
+/// A shape with the corpus's defaults: the forecast policy, slack at most 1.35, nothing
+/// censored.
+fn shape(name: &'static str, about: &'static str, rate: fn(i64, u64) -> f64) -> Shape {
+    Shape {
+        name,
+        about,
+        spec: forecast(),
+        max_slack: 1.35,
+        censored: none,
+        rate,
+    }
+}
+
 /// The shapes, in table order.
 pub fn shapes() -> Vec<Shape> {
+    [
+        steady_and_growth(),
+        level_shifts(),
+        calendar_and_sparse(),
+        storms(),
+    ]
+    .concat()
+}
+
+/// Flat, diurnal-weekly, and diurnal-weekly growing week on week.
+fn steady_and_growth() -> Vec<Shape> {
     vec![
-        Shape {
-            name: "steady",
-            about: "flat 100 rps, ±5% noise",
-            spec: forecast(),
-            max_slack: 1.35,
-            censored: none,
-            rate: |t, seed| 100.0 * noise(t, seed, 1, 0.05),
-        },
-        Shape {
-            name: "diurnal-weekly",
-            about: "daily cycle ±50% peaking 15:00, weekends at 60%",
-            spec: forecast(),
-            max_slack: 1.35,
-            censored: none,
-            rate: |t, seed| base(t) * noise(t, seed, 2, 0.05),
-        },
-        Shape {
-            name: "growth-5",
-            about: "diurnal-weekly growing 5% a week (compounded)",
-            spec: forecast(),
-            max_slack: 1.35,
-            censored: none,
-            rate: |t, seed| growth(t, seed, 0.05, 3),
-        },
-        Shape {
-            name: "growth-20",
-            about: "diurnal-weekly growing 20% a week",
-            spec: forecast(),
-            max_slack: 1.35,
-            censored: none,
-            rate: |t, seed| growth(t, seed, 0.20, 4),
-        },
-        Shape {
-            name: "growth-40",
-            about: "diurnal-weekly growing 40% a week",
-            spec: forecast(),
-            max_slack: 1.35,
-            censored: none,
-            rate: |t, seed| growth(t, seed, 0.40, 5),
-        },
-        Shape {
-            name: "growth-60",
-            about: "diurnal-weekly growing 60% a week",
-            spec: forecast(),
-            max_slack: 1.35,
-            censored: none,
-            rate: |t, seed| growth(t, seed, 0.60, 6),
-        },
-        Shape {
-            name: "holiday-dip",
-            about: "diurnal-weekly, the whole week before the scored one at 50% (a holiday)",
-            spec: forecast(),
-            max_slack: 1.35,
-            censored: none,
-            rate: |t, seed| {
+        shape("steady", "flat 100 rps, ±5% noise", |t, seed| {
+            100.0 * noise(t, seed, 1, 0.05)
+        }),
+        shape(
+            "diurnal-weekly",
+            "daily cycle ±50% peaking 15:00, weekends at 60%",
+            |t, seed| base(t) * noise(t, seed, 2, 0.05),
+        ),
+        shape(
+            "growth-5",
+            "diurnal-weekly growing 5% a week (compounded)",
+            |t, seed| growth(t, seed, 0.05, 3),
+        ),
+        shape(
+            "growth-20",
+            "diurnal-weekly growing 20% a week",
+            |t, seed| growth(t, seed, 0.20, 4),
+        ),
+        shape(
+            "growth-40",
+            "diurnal-weekly growing 40% a week",
+            |t, seed| growth(t, seed, 0.40, 5),
+        ),
+        shape(
+            "growth-60",
+            "diurnal-weekly growing 60% a week",
+            |t, seed| growth(t, seed, 0.60, 6),
+        ),
+    ]
+}
+
+/// Diurnal-weekly with its level moved for a while or for good: a holiday, a short spike, a
+/// launch, a migration away.
+fn level_shifts() -> Vec<Shape> {
+    vec![
+        shape(
+            "holiday-dip",
+            "diurnal-weekly, the whole week before the scored one at 50% (a holiday)",
+            |t, seed| {
                 let split = END - HOLDOUT_DAYS * DAY;
                 let dip = if (split - 7 * DAY..split).contains(&t) { 0.5 } else { 1.0 };
                 base(t) * dip * noise(t, seed, 7, 0.05)
             },
-        },
-        Shape {
-            name: "spike",
-            about: "diurnal-weekly with a 6× retry storm for 20 minutes on day 10",
-            spec: forecast(),
-            max_slack: 1.35,
-            censored: none,
-            rate: |t, seed| {
+        ),
+        shape(
+            "spike",
+            "diurnal-weekly with a 6× retry storm for 20 minutes on day 10",
+            |t, seed| {
                 let at = start() + 9 * DAY + 11 * HOUR;
                 let spike = if (at..at + 20 * 60).contains(&t) { 6.0 } else { 1.0 };
                 base(t) * spike * noise(t, seed, 8, 0.05)
             },
-        },
-        Shape {
-            name: "level-up",
-            about: "diurnal-weekly doubling 5 days before the scored week (a launch)",
-            spec: forecast(),
-            max_slack: 1.35,
-            censored: none,
-            rate: |t, seed| {
+        ),
+        shape(
+            "level-up",
+            "diurnal-weekly doubling 5 days before the scored week (a launch)",
+            |t, seed| {
                 let at = END - HOLDOUT_DAYS * DAY - 5 * DAY;
                 base(t) * if t >= at { 2.0 } else { 1.0 } * noise(t, seed, 9, 0.05)
             },
-        },
-        Shape {
-            name: "level-down",
-            about: "diurnal-weekly halved on day 8, for the 14 days before the scored week (a migration away)",
-            spec: forecast(),
-            max_slack: 1.35,
-            censored: none,
-            rate: |t, seed| {
+        ),
+        shape(
+            "level-down",
+            "diurnal-weekly halved on day 8, for the 14 days before the scored week (a migration away)",
+            |t, seed| {
                 let at = start() + 7 * DAY;
                 base(t) * if t >= at { 0.5 } else { 1.0 } * noise(t, seed, 10, 0.05)
             },
-        },
+        ),
+    ]
+}
+
+/// Shapes the calendar or the caller make hard: a switch to summer time, a weekly batch, a
+/// few requests an hour, a caller with days of history only.
+fn calendar_and_sparse() -> Vec<Shape> {
+    vec![
         Shape {
-            name: "dst",
-            about: "sharp 09:00 Europe/Berlin morning peak; summer time starts the day before the scored week",
             spec: PolicySpec {
                 timezone: Some("Europe/Berlin".into()),
                 ..forecast()
             },
-            max_slack: 1.35,
-            censored: none,
-            rate: |t, seed| {
-                let local = t + if t >= DST_SWITCH { 2 * HOUR } else { HOUR };
-                let h = local.rem_euclid(DAY) as f64 / 3600.0;
-                let bump = (-((h - 9.0) / 0.75).powi(2)).exp();
-                100.0 * (1.0 + 2.0 * bump) * seasonal(local, 15.0, 0.0, 0.7) * noise(t, seed, 11, 0.05)
-            },
+            ..shape(
+                "dst",
+                "sharp 09:00 Europe/Berlin morning peak; summer time starts the day before the scored week",
+                |t, seed| {
+                    let local = t + if t >= DST_SWITCH { 2 * HOUR } else { HOUR };
+                    let h = local.rem_euclid(DAY) as f64 / 3600.0;
+                    let bump = (-((h - 9.0) / 0.75).powi(2)).exp();
+                    100.0 * (1.0 + 2.0 * bump) * seasonal(local, 15.0, 0.0, 0.7) * noise(t, seed, 11, 0.05)
+                },
+            )
         },
         Shape {
-            name: "weekly-batch",
-            about: "20 rps, plus a 2-hour batch at 400 rps every Sunday 02:00",
-            spec: forecast(),
             max_slack: 1.45,
-            censored: none,
-            rate: |t, seed| {
-                let wd = (t.div_euclid(DAY) + 3).rem_euclid(7);
-                let h = t.rem_euclid(DAY) / HOUR;
-                let batch = if wd == 6 && (2..4).contains(&h) { 400.0 } else { 0.0 };
-                (20.0 + batch) * noise(t, seed, 12, 0.05)
-            },
+            ..shape(
+                "weekly-batch",
+                "20 rps, plus a 2-hour batch at 400 rps every Sunday 02:00",
+                |t, seed| {
+                    let wd = (t.div_euclid(DAY) + 3).rem_euclid(7);
+                    let h = t.rem_euclid(DAY) / HOUR;
+                    let batch = if wd == 6 && (2..4).contains(&h) { 400.0 } else { 0.0 };
+                    (20.0 + batch) * noise(t, seed, 12, 0.05)
+                },
+            )
         },
         Shape {
-            name: "sparse",
-            about: "a few requests an hour: 0 most minutes, bursts up to 1 rps",
-            spec: forecast(),
             max_slack: 1.4,
-            censored: none,
-            rate: |t, seed| {
-                let u = unit(seed ^ 13 ^ (t as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9));
-                if u < 0.95 {
-                    0.0
-                } else {
-                    ((u - 0.95) * 20.0 * 60.0).ceil() / 60.0
-                }
-            },
+            ..shape(
+                "sparse",
+                "a few requests an hour: 0 most minutes, bursts up to 1 rps",
+                |t, seed| {
+                    let u = unit(seed ^ 13 ^ (t as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9));
+                    if u < 0.95 {
+                        0.0
+                    } else {
+                        ((u - 0.95) * 20.0 * 60.0).ceil() / 60.0
+                    }
+                },
+            )
         },
         Shape {
-            name: "new-caller",
-            about: "diurnal-weekly, first sample 5 days before the scored week",
-            spec: forecast(),
             max_slack: 1.6,
-            censored: none,
-            rate: |t, seed| {
-                if t < END - HOLDOUT_DAYS * DAY - 5 * DAY {
-                    f64::NAN
-                } else {
-                    base(t) * noise(t, seed, 14, 0.05)
-                }
-            },
+            ..shape(
+                "new-caller",
+                "diurnal-weekly, first sample 5 days before the scored week",
+                |t, seed| {
+                    if t < END - HOLDOUT_DAYS * DAY - 5 * DAY {
+                        f64::NAN
+                    } else {
+                        base(t) * noise(t, seed, 14, 0.05)
+                    }
+                },
+            )
         },
+    ]
+}
+
+/// Diurnal-weekly with retry storms: short and tall to long and low, the last three with the
+/// minutes a run leaves out (throttled, under an override).
+fn storms() -> Vec<Shape> {
+    vec![
+        shape(
+            "storm-20x-1m",
+            "diurnal-weekly with a 20× retry storm for 1 minute at the day's peak on day 8",
+            |t, seed| base(t) * storm(t, start() + 7 * DAY + 15 * HOUR, 1, 20.0) * noise(t, seed, 15, 0.05),
+        ),
+        shape(
+            "storm-8x-10m",
+            "diurnal-weekly with an 8× retry storm for 10 minutes one afternoon (day 7)",
+            |t, seed| base(t) * storm(t, start() + 6 * DAY + 14 * HOUR, 10, 8.0) * noise(t, seed, 16, 0.05),
+        ),
+        shape(
+            "storm-4x-60m",
+            "diurnal-weekly with a 4× retry storm for an hour one morning (day 15)",
+            |t, seed| base(t) * storm(t, start() + 14 * DAY + 10 * HOUR, 60, 4.0) * noise(t, seed, 17, 0.05),
+        ),
         Shape {
-            name: "storm-20x-1m",
-            about: "diurnal-weekly with a 20× retry storm for 1 minute at the day's peak on day 8",
-            spec: forecast(),
-            max_slack: 1.35,
-            censored: none,
-            rate: |t, seed| base(t) * storm(t, start() + 7 * DAY + 15 * HOUR, 1, 20.0) * noise(t, seed, 15, 0.05),
-        },
-        Shape {
-            name: "storm-8x-10m",
-            about: "diurnal-weekly with an 8× retry storm for 10 minutes one afternoon (day 7)",
-            spec: forecast(),
-            max_slack: 1.35,
-            censored: none,
-            rate: |t, seed| base(t) * storm(t, start() + 6 * DAY + 14 * HOUR, 10, 8.0) * noise(t, seed, 16, 0.05),
-        },
-        Shape {
-            name: "storm-4x-60m",
-            about: "diurnal-weekly with a 4× retry storm for an hour one morning (day 15)",
-            spec: forecast(),
-            max_slack: 1.35,
-            censored: none,
-            rate: |t, seed| base(t) * storm(t, start() + 14 * DAY + 10 * HOUR, 60, 4.0) * noise(t, seed, 17, 0.05),
-        },
-        Shape {
-            name: "storm-2x-30m-throttled",
-            about: "diurnal-weekly with a 2× storm for 30 minutes at the peak (day 19) that the enforced limit refused (throttled minutes)",
-            spec: forecast(),
-            max_slack: 1.35,
             censored: || {
                 let at = start() + 18 * DAY + 15 * HOUR;
                 vec![(at, at + 30 * 60, "throttled")]
             },
-            rate: |t, seed| base(t) * storm(t, start() + 18 * DAY + 15 * HOUR, 30, 2.0) * noise(t, seed, 18, 0.05),
+            ..shape(
+                "storm-2x-30m-throttled",
+                "diurnal-weekly with a 2× storm for 30 minutes at the peak (day 19) that the enforced limit refused (throttled minutes)",
+                |t, seed| base(t) * storm(t, start() + 18 * DAY + 15 * HOUR, 30, 2.0) * noise(t, seed, 18, 0.05),
+            )
         },
         Shape {
-            name: "throttled-day",
-            about: "diurnal-weekly with a whole day at 1.6× (a retry loop held at the limit, throttled all day, day 17)",
-            spec: forecast(),
-            max_slack: 1.35,
             censored: || {
                 let at = start() + 16 * DAY;
                 vec![(at, at + DAY, "throttled")]
             },
-            rate: |t, seed| base(t) * storm(t, start() + 16 * DAY, 24 * 60, 1.6) * noise(t, seed, 19, 0.05),
+            ..shape(
+                "throttled-day",
+                "diurnal-weekly with a whole day at 1.6× (a retry loop held at the limit, throttled all day, day 17)",
+                |t, seed| base(t) * storm(t, start() + 16 * DAY, 24 * 60, 1.6) * noise(t, seed, 19, 0.05),
+            )
         },
         Shape {
-            name: "override-window",
-            about: "diurnal-weekly with 3 hours at 2.5× under an incident override (day 20)",
-            spec: forecast(),
-            max_slack: 1.35,
             censored: || {
                 let at = start() + 19 * DAY + 13 * HOUR;
                 vec![(at, at + 3 * HOUR, "override")]
             },
-            rate: |t, seed| base(t) * storm(t, start() + 19 * DAY + 13 * HOUR, 180, 2.5) * noise(t, seed, 20, 0.05),
+            ..shape(
+                "override-window",
+                "diurnal-weekly with 3 hours at 2.5× under an incident override (day 20)",
+                |t, seed| base(t) * storm(t, start() + 19 * DAY + 13 * HOUR, 180, 2.5) * noise(t, seed, 20, 0.05),
+            )
         },
     ]
 }
@@ -480,7 +484,7 @@ pub fn median_slack(rows: &[ShapeRow]) -> f64 {
         .iter()
         .filter_map(|r| r.default_score().map(|s| s.slack))
         .collect();
-    policies::forecast::median(&mut v).unwrap_or(f64::NAN)
+    policies::spikes::median(&mut v).unwrap_or(f64::NAN)
 }
 
 /// The markdown table of `docs/rlc-policies.md`.

@@ -9,7 +9,7 @@
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 
-pub use policies::RateSeries;
+use policies::RateSeries;
 
 /// Identifies one series: callee service, caller, procedure (at least one of the last two).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -123,6 +123,13 @@ impl History {
     }
 }
 
+/// Why the series of a service could not be read (the service then keeps its quotas): the
+/// source's own words, e.g. the file and the series that would not read. Text, because each
+/// source (rlc's spill file, its ring, a test's) has failures of its own.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Unreadable(pub String);
+
 /// Where a plan reads its history from, one service at a time: a [`History`] in memory, or
 /// one kept elsewhere (on disk) and loaded per service.
 pub trait SeriesSource: Sync {
@@ -134,7 +141,7 @@ pub trait SeriesSource: Sync {
     fn source_error(&self) -> Option<&str>;
     /// A history holding (at least) the series of `service`; an error when they cannot be
     /// read (the service then keeps its quotas).
-    fn service(&self, service: &str) -> Result<Cow<'_, History>, String>;
+    fn service(&self, service: &str) -> Result<Cow<'_, History>, Unreadable>;
     /// The whole history, when it is in memory (a caller needing every series takes it as it
     /// is instead of reading it service by service).
     fn whole(&self) -> Option<&History> {
@@ -155,7 +162,7 @@ impl SeriesSource for History {
         self.source_error.as_deref()
     }
 
-    fn service(&self, _service: &str) -> Result<Cow<'_, History>, String> {
+    fn service(&self, _service: &str) -> Result<Cow<'_, History>, Unreadable> {
         Ok(Cow::Borrowed(self))
     }
 

@@ -36,7 +36,7 @@ use serde_yaml::Value;
 
 use crate::backtest::{score_plans, split_at, Score, Training};
 use crate::change::ChangeKind;
-use crate::history::{History, Rejected, SeriesSource};
+use crate::history::{History, Rejected, SeriesSource, Unreadable};
 use crate::pipeline::{self, Purpose, World};
 use crate::plan::Plan;
 
@@ -984,7 +984,7 @@ impl SeriesSource for View<'_> {
         }
     }
 
-    fn service(&self, service: &str) -> Result<Cow<'_, History>, String> {
+    fn service(&self, service: &str) -> Result<Cow<'_, History>, Unreadable> {
         if !self.in_view(service) {
             // Not in the view: no series.
             return Ok(Cow::Owned(History::default()));
@@ -999,7 +999,7 @@ impl SeriesSource for View<'_> {
                 reads.grid = (h.start, h.step, h.len);
                 Ok(h.service_series(service).next().is_some())
             }
-            Err(e) => Err(e.clone()),
+            Err(e) => Err(e.to_string()),
         };
         // The first outcome counts (a later read of the same service finds the same).
         reads.by_service.entry(service.to_string()).or_insert(found);

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use chrono::{TimeZone, Utc};
 use policies::RateSeries;
-use rlc_plan::history::{History, Rejected, SeriesKey, SeriesSource};
+use rlc_plan::history::{History, Rejected, SeriesKey, SeriesSource, Unreadable};
 use rlc_plan::pipeline::{self, Purpose, World};
 use rlc_plan::whatif::{preview, Inputs};
 use schema::{ConfigRepo, DaemonConfig};
@@ -61,7 +61,7 @@ impl SeriesSource for OnDisk {
     fn source_error(&self) -> Option<&str> {
         None
     }
-    fn service(&self, service: &str) -> Result<Cow<'_, History>, String> {
+    fn service(&self, service: &str) -> Result<Cow<'_, History>, Unreadable> {
         self.reads.fetch_add(1, Ordering::Relaxed);
         let h = &self.history;
         Ok(Cow::Owned(History {

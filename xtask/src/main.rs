@@ -128,14 +128,7 @@ fn test(extra: &[String]) -> Result<u8> {
 
     let root = workspace_root();
     lint(&root)?;
-    let status = Command::new(cargo())
-        .current_dir(&root)
-        .args(["build", "-p", "example-plugin"])
-        .status()
-        .context("running cargo build")?;
-    if !status.success() {
-        bail!("building the example plugin failed");
-    }
+    build_example_plugin(&root)?;
     let run_id = format!(
         "{}-{}",
         std::process::id(),
@@ -143,16 +136,49 @@ fn test(extra: &[String]) -> Result<u8> {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos())
     );
+    let (status, totals) = run_tests(&root, &run_id, extra)?;
+    let leaked = kill_leftovers(&run_id);
+    for why in &totals.skipped {
+        println!("xtask: skipped on this machine: {why}");
+    }
+    let (passed, failed, skipped) = totals.summary(leaked);
+    println!("xtask: {passed} passed, {failed} failed, {skipped} skipped");
+    Ok(if status.success() && totals.passed > 0 && !leaked {
+        0
+    } else {
+        1
+    })
+}
+
+/// Builds the example policy plugin the plugin tests load.
+fn build_example_plugin(root: &Path) -> Result<()> {
+    let status = Command::new(cargo())
+        .current_dir(root)
+        .args(["build", "-p", "example-plugin"])
+        .status()
+        .context("running cargo build")?;
+    if !status.success() {
+        bail!("building the example plugin failed");
+    }
+    Ok(())
+}
+
+/// Runs every test of the workspace with the run's mark in the environment, passing the
+/// output through while adding up the per-binary results, so that the run ends on one line
+/// that counts every test of the workspace.
+fn run_tests(
+    root: &Path,
+    run_id: &str,
+    extra: &[String],
+) -> Result<(std::process::ExitStatus, Totals)> {
     let mut child = Command::new(cargo())
-        .current_dir(&root)
-        .env(RUN_ENV, &run_id)
+        .current_dir(root)
+        .env(RUN_ENV, run_id)
         .args(["test", "--workspace", "--no-fail-fast"])
         .args(extra)
         .stdout(Stdio::piped())
         .spawn()
         .context("running cargo test")?;
-    // Pass the output through while adding up the per-binary results, so that the run ends
-    // on one line that counts every test of the workspace.
     let mut totals = Totals::default();
     let stdout = child.stdout.take().expect("piped");
     // Read in a thread: a process left running by a test may hold the pipe open forever, so
@@ -188,9 +214,15 @@ fn test(extra: &[String]) -> Result<u8> {
             break st;
         }
     };
+    Ok((status, totals))
+}
+
+/// Names and kills the processes of the run still alive after the tests ended; whether there
+/// were any (which fails the run).
+fn kill_leftovers(run_id: &str) -> bool {
     // Throwaway Postgres clusters are stopped by a watchdog once their test binary is gone:
     // give such orderly stops a bounded moment before calling anything a leak.
-    let left = leftovers(&run_id, LEAK_GRACE);
+    let left = leftovers(run_id, LEAK_GRACE);
     for p in &left {
         eprintln!(
             "xtask: left running by the tests: pid {} ({}): {}",
@@ -206,18 +238,7 @@ fn test(extra: &[String]) -> Result<u8> {
             left.len()
         );
     }
-    for why in &totals.skipped {
-        println!("xtask: skipped on this machine: {why}");
-    }
-    let (passed, failed, skipped) = totals.summary(!left.is_empty());
-    println!("xtask: {passed} passed, {failed} failed, {skipped} skipped");
-    Ok(
-        if status.success() && totals.passed > 0 && left.is_empty() {
-            0
-        } else {
-            1
-        },
-    )
+    !left.is_empty()
 }
 
 /// The environment variable that marks every process of one `cargo xtask test` run.

@@ -4,7 +4,7 @@ use policies::RateSeries;
 use proptest::prelude::*;
 
 use crate::backtest::{score_plan, split};
-use crate::history::SeriesKey;
+use crate::history::{SeriesKey, Unreadable};
 
 use super::*;
 use crate::pipeline::{self, Purpose, World};
@@ -609,10 +609,10 @@ impl SeriesSource for PerService {
     fn source_error(&self) -> Option<&str> {
         self.history.source_error.as_deref()
     }
-    fn service(&self, service: &str) -> Result<Cow<'_, History>, String> {
+    fn service(&self, service: &str) -> Result<Cow<'_, History>, Unreadable> {
         self.reads.fetch_add(1, Ordering::Relaxed);
         if self.unreadable == Some(service) {
-            return Err(format!("cannot read {service}"));
+            return Err(Unreadable(format!("cannot read {service}")));
         }
         let h = &self.history;
         Ok(Cow::Owned(History {
@@ -757,7 +757,7 @@ fn the_old_way(
                     .extend(one.service_series(&s).map(|(k, v)| (k.clone(), v.clone())));
             }
             Err(e) => {
-                h.source_error.get_or_insert(e);
+                h.source_error.get_or_insert(e.to_string());
             }
         }
     }

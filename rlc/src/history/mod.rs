@@ -22,7 +22,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-pub use rlc_plan::history::{History, RateSeries, Rejected, SeriesKey, SeriesSource};
+pub use policies::RateSeries;
+pub use rlc_plan::history::{History, Rejected, SeriesKey, SeriesSource};
 use schema::{HistoryConfig, LabelNames};
 pub use spill::SpilledHistory;
 use spill::{merge_max, SpillState, SpillWriter};
@@ -906,10 +907,16 @@ impl SeriesSource for PlanHistory {
         }
     }
 
-    fn service(&self, service: &str) -> Result<std::borrow::Cow<'_, History>, String> {
+    fn service(
+        &self,
+        service: &str,
+    ) -> Result<std::borrow::Cow<'_, History>, rlc_plan::history::Unreadable> {
         match self {
             PlanHistory::Whole(h) => Ok(std::borrow::Cow::Borrowed(h)),
-            PlanHistory::Spilled(s) => s.service(service).map(std::borrow::Cow::Owned),
+            PlanHistory::Spilled(s) => s
+                .service(service)
+                .map(std::borrow::Cow::Owned)
+                .map_err(rlc_plan::history::Unreadable),
             PlanHistory::Held(h) => SeriesSource::service(&**h, service),
         }
     }

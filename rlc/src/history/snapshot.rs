@@ -135,11 +135,14 @@ impl SeriesSource for HeldHistory {
         HeldHistory::source_error(self)
     }
 
-    fn service(&self, service: &str) -> Result<Cow<'_, History>, String> {
+    fn service(&self, service: &str) -> Result<Cow<'_, History>, rlc_plan::history::Unreadable> {
         match (&self.ring, self.whole.get()) {
             // Already in memory (read whole once): no second read.
             (_, Some(h)) => Ok(Cow::Borrowed(h)),
-            (Some(r), None) => r.service(service).map(Cow::Owned),
+            (Some(r), None) => r
+                .service(service)
+                .map(Cow::Owned)
+                .map_err(rlc_plan::history::Unreadable),
             (None, None) => Ok(Cow::Owned(History::default())),
         }
     }
