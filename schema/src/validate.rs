@@ -1061,7 +1061,7 @@ pub fn load_daemon_config(path: &Path) -> Result<DaemonConfig, Vec<Diagnostic>> 
     }
     if let Some(expr) = &f.value.schedule {
         if let Err(e) = crate::parse_schedule(expr) {
-            diags.push(f.diag("schedule", e));
+            diags.push(f.diag("schedule", e.to_string()));
         }
     }
     let db = &f.value.database_url;
