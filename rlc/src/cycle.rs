@@ -705,7 +705,10 @@ impl Cycle {
 
     /// Where the shadow figures of promotion candidates come from: the set source, or the
     /// store (a store that is down gives none, and its error: nothing is promoted).
-    async fn shadow_source(&self, store: &StoreWitness) -> Result<ShadowSource, String> {
+    async fn shadow_source(
+        &self,
+        store: &StoreWitness,
+    ) -> Result<ShadowSource, gather::StoreUnavailable> {
         match &self.shadow {
             Some(s) => Ok(s.clone()),
             None => store.shadow_source(),
