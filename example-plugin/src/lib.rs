@@ -109,6 +109,7 @@ fn mode(i: &PluginInput) -> Option<&str> {
     i.params.get("mode").and_then(|m| m.as_str())
 }
 
+// String: what `policy_abi::compute_guarded` takes, the text sent to the host as JSON.
 fn compute(i: PluginInput) -> Result<PluginOutput, String> {
     match mode(&i) {
         Some("panic") => panic!("example plugin asked to panic"),

@@ -79,13 +79,127 @@ pub fn ct_eq(a: &[u8], b: &[u8]) -> bool {
     a.ct_eq(b).into()
 }
 
+/// Why a line of a credentials file is refused (its secret is never part of it).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LineProblem {
+    /// Not `NAME SCOPE SECRET`.
+    #[error("expected `NAME SCOPE SECRET` (3 fields separated by spaces), found {0} field(s)")]
+    Fields(usize),
+    /// A scope such as `a,,b`.
+    #[error("credential `{name}`: empty scope item")]
+    EmptyScope {
+        /// The credential's name.
+        name: String,
+    },
+    /// A scope item outside the allowed ones (the controller's roles).
+    #[error("credential `{name}`: unknown role `{role}` (known: {known})")]
+    UnknownRole {
+        /// The credential's name.
+        name: String,
+        /// The item refused.
+        role: String,
+        /// The allowed items, comma-separated.
+        known: String,
+    },
+    /// A secret shorter than [`MIN_SECRET_LEN`].
+    #[error("credential `{name}`: the secret is shorter than {MIN_SECRET_LEN} characters")]
+    ShortSecret {
+        /// The credential's name.
+        name: String,
+    },
+    /// A name an earlier line has.
+    #[error("credential name `{name}` already used on line {first}")]
+    DuplicateName {
+        /// The credential's name.
+        name: String,
+        /// The earlier line.
+        first: usize,
+    },
+    /// A secret an earlier line has.
+    #[error("credential `{name}` has the same secret as `{other}` on line {first}")]
+    SharedSecret {
+        /// The credential's name.
+        name: String,
+        /// The earlier credential's name.
+        other: String,
+        /// The earlier line.
+        first: usize,
+    },
+}
+
+/// Every refused line of a credentials file: one `FILE:LINE: problem` per line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CredentialsError {
+    /// The file.
+    pub path: PathBuf,
+    /// Each refused line (1-based) and why.
+    pub lines: Vec<(usize, LineProblem)>,
+}
+
+impl std::fmt::Display for CredentialsError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, (n, problem)) in self.lines.iter().enumerate() {
+            if i > 0 {
+                f.write_str("\n")?;
+            }
+            write!(f, "{}:{n}: {problem}", self.path.display())?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for CredentialsError {}
+
+/// Why a secret file (a token or a credentials file) cannot be used. Each names the file,
+/// never its content.
+#[derive(Debug, thiserror::Error)]
+pub enum SecretFileError {
+    /// Opening or reading failed.
+    #[error("{}: {error}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// What the system said.
+        error: std::io::Error,
+    },
+    /// A directory, a device, a pipe...
+    #[error("{}: not a regular file", path.display())]
+    NotAFile {
+        /// The file.
+        path: PathBuf,
+    },
+    /// Larger than the 1 MiB read.
+    #[error("{}: larger than {MAX_FILE_BYTES} bytes", path.display())]
+    TooLarge {
+        /// The file.
+        path: PathBuf,
+    },
+    /// A token file whose first line is blank.
+    #[error("{}: empty token file", path.display())]
+    EmptyToken {
+        /// The file.
+        path: PathBuf,
+    },
+    /// A credentials file with refused lines.
+    #[error(transparent)]
+    Credentials(#[from] CredentialsError),
+    /// The file named by environment variable `<var>_FILE`.
+    #[error("{var}_FILE: {error}")]
+    Env {
+        /// The variable, without `_FILE`.
+        var: String,
+        /// What is wrong with its file.
+        error: Box<SecretFileError>,
+    },
+}
+
 /// Parses a credentials file's text. `allowed_scope` (when given) lists the scope items
 /// accepted (the controller's roles). Errors name the file and line, never the secret.
 pub fn parse_credentials(
     path: &Path,
     text: &str,
     allowed_scope: Option<&[&str]>,
-) -> Result<Vec<Credential>, String> {
+) -> Result<Vec<Credential>, CredentialsError> {
     let mut out: Vec<(usize, Credential)> = Vec::new();
     let mut errors = Vec::new();
     for (i, line) in text.lines().enumerate() {
@@ -96,19 +210,12 @@ pub fn parse_credentials(
         }
         let fields: Vec<&str> = line.split_whitespace().collect();
         let [name, scope, secret] = fields[..] else {
-            errors.push(format!(
-                "{}:{n}: expected `NAME SCOPE SECRET` (3 fields separated by spaces), found {} field(s)",
-                path.display(),
-                fields.len()
-            ));
+            errors.push((n, LineProblem::Fields(fields.len())));
             continue;
         };
         let scope: Vec<String> = scope.split(',').map(str::to_string).collect();
         if scope.iter().any(String::is_empty) {
-            errors.push(format!(
-                "{}:{n}: credential `{name}`: empty scope item",
-                path.display()
-            ));
+            errors.push((n, LineProblem::EmptyScope { name: name.into() }));
             continue;
         }
         if let Some(allowed) = allowed_scope {
@@ -116,25 +223,28 @@ pub fn parse_credentials(
                 .iter()
                 .find(|s| *s != "*" && !allowed.contains(&s.as_str()))
             {
-                errors.push(format!(
-                    "{}:{n}: credential `{name}`: unknown role `{bad}` (known: {})",
-                    path.display(),
-                    allowed.join(", ")
+                errors.push((
+                    n,
+                    LineProblem::UnknownRole {
+                        name: name.into(),
+                        role: bad.clone(),
+                        known: allowed.join(", "),
+                    },
                 ));
                 continue;
             }
         }
         if secret.len() < MIN_SECRET_LEN {
-            errors.push(format!(
-                "{}:{n}: credential `{name}`: the secret is shorter than {MIN_SECRET_LEN} characters",
-                path.display()
-            ));
+            errors.push((n, LineProblem::ShortSecret { name: name.into() }));
             continue;
         }
         if let Some((m, _)) = out.iter().find(|(_, c)| c.name == name) {
-            errors.push(format!(
-                "{}:{n}: credential name `{name}` already used on line {m}",
-                path.display()
+            errors.push((
+                n,
+                LineProblem::DuplicateName {
+                    name: name.into(),
+                    first: *m,
+                },
             ));
             continue;
         }
@@ -142,10 +252,13 @@ pub fn parse_credentials(
             .iter()
             .find(|(_, c)| ct_eq(c.secret.as_bytes(), secret.as_bytes()))
         {
-            errors.push(format!(
-                "{}:{n}: credential `{name}` has the same secret as `{}` on line {m}",
-                path.display(),
-                c.name
+            errors.push((
+                n,
+                LineProblem::SharedSecret {
+                    name: name.into(),
+                    other: c.name.clone(),
+                    first: *m,
+                },
             ));
             continue;
         }
@@ -161,7 +274,10 @@ pub fn parse_credentials(
     if errors.is_empty() {
         Ok(out.into_iter().map(|(_, c)| c).collect())
     } else {
-        Err(errors.join("\n"))
+        Err(CredentialsError {
+            path: path.to_path_buf(),
+            lines: errors,
+        })
     }
 }
 
@@ -190,7 +306,7 @@ fn file_key(path: &Path) -> Option<(std::time::SystemTime, u64, u64)> {
     Some((m.modified().ok()?, m.len(), ino))
 }
 
-fn read_small(path: &Path) -> Result<String, String> {
+fn read_small(path: &Path) -> Result<String, SecretFileError> {
     let text = read_secret_file(path)?;
     warn_if_world_readable(path);
     Ok(text)
@@ -198,24 +314,27 @@ fn read_small(path: &Path) -> Result<String, String> {
 
 /// A secret file's text, at most `MAX_FILE_BYTES`; a path that is not a regular file is
 /// refused. Errors name the file, never its content.
-pub fn read_secret_file(path: &Path) -> Result<String, String> {
+pub fn read_secret_file(path: &Path) -> Result<String, SecretFileError> {
     use std::io::Read;
-    let f = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let meta = f
-        .metadata()
-        .map_err(|e| format!("{}: {e}", path.display()))?;
+    let read = |error| SecretFileError::Read {
+        path: path.to_path_buf(),
+        error,
+    };
+    let f = std::fs::File::open(path).map_err(read)?;
+    let meta = f.metadata().map_err(read)?;
     if !meta.is_file() {
-        return Err(format!("{}: not a regular file", path.display()));
+        return Err(SecretFileError::NotAFile {
+            path: path.to_path_buf(),
+        });
     }
     let mut text = String::new();
     f.take(MAX_FILE_BYTES + 1)
         .read_to_string(&mut text)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
+        .map_err(read)?;
     if text.len() as u64 > MAX_FILE_BYTES {
-        return Err(format!(
-            "{}: larger than {MAX_FILE_BYTES} bytes",
-            path.display()
-        ));
+        return Err(SecretFileError::TooLarge {
+            path: path.to_path_buf(),
+        });
     }
     Ok(text)
 }
@@ -232,7 +351,7 @@ pub fn warn_if_world_readable(path: &Path) {
 }
 
 /// How a watched file's text becomes its value.
-type Parser<T> = Box<dyn Fn(&str) -> Result<T, String> + Send + Sync>;
+type Parser<T> = Box<dyn Fn(&str) -> Result<T, SecretFileError> + Send + Sync>;
 
 /// A file's parsed content, re-read when the file changes.
 struct Watched<T> {
@@ -250,8 +369,8 @@ struct WatchedState<T> {
 impl<T> Watched<T> {
     fn open(
         path: &Path,
-        parse: impl Fn(&str) -> Result<T, String> + Send + Sync + 'static,
-    ) -> Result<Watched<T>, String> {
+        parse: impl Fn(&str) -> Result<T, SecretFileError> + Send + Sync + 'static,
+    ) -> Result<Watched<T>, SecretFileError> {
         let key = file_key(path);
         let value = parse(&read_small(path)?)?;
         Ok(Watched {
@@ -327,12 +446,12 @@ impl TokenSource {
     }
 
     /// The first line of `path` (surrounding blanks removed), re-read when the file changes.
-    pub fn file(path: &Path) -> Result<TokenSource, String> {
+    pub fn file(path: &Path) -> Result<TokenSource, SecretFileError> {
         let p = path.to_path_buf();
         let w = Watched::open(path, move |t| {
             let s = t.lines().next().unwrap_or("").trim().to_string();
             if s.is_empty() {
-                Err(format!("{}: empty token file", p.display()))
+                Err(SecretFileError::EmptyToken { path: p.clone() })
             } else {
                 Ok(s)
             }
@@ -342,7 +461,7 @@ impl TokenSource {
 
     /// From environment variable `var` (the secret) or `<var>_FILE` (a file holding it);
     /// `None` when neither is set or the value is empty.
-    pub fn from_env(var: &str) -> Result<Option<TokenSource>, String> {
+    pub fn from_env(var: &str) -> Result<Option<TokenSource>, SecretFileError> {
         if let Some(v) = std::env::var(var).ok().filter(|v| !v.trim().is_empty()) {
             return Ok(Some(TokenSource::fixed(&v)));
         }
@@ -350,9 +469,14 @@ impl TokenSource {
             .ok()
             .filter(|v| !v.is_empty())
         {
-            Some(p) => TokenSource::file(Path::new(&p))
-                .map(Some)
-                .map_err(|e| format!("{var}_FILE: {e}")),
+            Some(p) => {
+                TokenSource::file(Path::new(&p))
+                    .map(Some)
+                    .map_err(|e| SecretFileError::Env {
+                        var: var.into(),
+                        error: Box::new(e),
+                    })
+            }
             None => Ok(None),
         }
     }
@@ -428,9 +552,9 @@ impl CredentialSet {
         &mut self,
         path: &Path,
         allowed_scope: Option<&'static [&'static str]>,
-    ) -> Result<(), String> {
+    ) -> Result<(), SecretFileError> {
         let p = path.to_path_buf();
-        let w = Watched::open(path, move |t| parse_credentials(&p, t, allowed_scope))?;
+        let w = Watched::open(path, move |t| Ok(parse_credentials(&p, t, allowed_scope)?))?;
         self.file = Some(Arc::new(w));
         Ok(())
     }
@@ -560,7 +684,9 @@ mod tests {
     fn file_errors_name_the_line_and_never_the_secret() {
         let p = Path::new("creds");
         let text = "# comment\n\na * 0123456789abcdef\nb x short\nc x,y\na q 0123456789abcdeX\nd * 0123456789abcdef\ne bogus 0123456789abcdeZ\n";
-        let e = parse_credentials(p, text, Some(&["x", "q", "y"])).unwrap_err();
+        let e = parse_credentials(p, text, Some(&["x", "q", "y"]))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("creds:4:") && e.contains("shorter"), "{e}");
         assert!(e.contains("creds:5:") && e.contains("3 fields"), "{e}");
         assert!(

@@ -410,7 +410,9 @@ impl ClientOptions {
     /// Sets `report_token` from the environment: `GRL_CLIENT_TOKEN` (the secret) or
     /// `GRL_CLIENT_TOKEN_FILE` (a file holding it, re-read when it changes, so that a rotation
     /// needs no restart). Errors name the variable, never the secret.
-    pub fn with_report_token_from_env(mut self) -> Result<ClientOptions, String> {
+    pub fn with_report_token_from_env(
+        mut self,
+    ) -> Result<ClientOptions, crate::auth::SecretFileError> {
         self.report_token = TokenSource::from_env("GRL_CLIENT_TOKEN")?;
         Ok(self)
     }

@@ -154,6 +154,8 @@ pub fn describe_guarded(f: impl FnOnce() -> Description) -> *mut c_char {
 /// `input` must be a valid NUL-terminated string or null.
 pub unsafe fn compute_guarded(
     input: *const c_char,
+    // String: the error crosses to the host as the text of `{"error": "…"}`, and a generic
+    // error type would break the plugins whose closures never name one (`|i| Ok(…)`).
     f: impl FnOnce(PluginInput) -> Result<PluginOutput, String>,
 ) -> *mut c_char {
     let r = catch_unwind(AssertUnwindSafe(|| {

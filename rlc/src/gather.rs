@@ -109,16 +109,22 @@ impl From<Result<Store, crate::store::StoreError>> for StoreWitness {
     }
 }
 
+/// Why a store gives no shadow figures: it cannot be read (its error, as
+/// [`StoreWitness::Unavailable`] holds it).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("store unavailable: {0}")]
+pub struct StoreUnavailable(pub String);
+
 impl StoreWitness {
     /// The shadow figures this store gives: its own; none at all for a store that does not
     /// exist yet (nothing is ready); the reason for one that cannot be read.
-    pub fn shadow_source(&self) -> Result<ShadowSource, String> {
+    pub fn shadow_source(&self) -> Result<ShadowSource, StoreUnavailable> {
         match self {
             StoreWitness::Store(s) => Ok(crate::shadow::store_source(s.clone())),
             StoreWitness::Empty => Ok(Arc::new(|_q: ShadowQuery| {
                 Box::pin(async { Ok(BTreeMap::new()) }) as crate::BoxFuture<_>
             })),
-            StoreWitness::Unavailable(e) => Err(format!("store unavailable: {e}")),
+            StoreWitness::Unavailable(e) => Err(StoreUnavailable(e.clone())),
         }
     }
 }
@@ -161,7 +167,7 @@ pub async fn store_decreases(
 /// `source`, one query per window length. No candidate: nothing is asked.
 pub async fn shadow(
     repo: &ConfigRepo,
-    source: impl std::future::Future<Output = Result<ShadowSource, String>>,
+    source: impl std::future::Future<Output = Result<ShadowSource, StoreUnavailable>>,
     now: DateTime<Utc>,
 ) -> ShadowEvidence {
     let candidates = promotion::base_candidates(repo);
@@ -170,7 +176,7 @@ pub async fn shadow(
     }
     let source = match source.await {
         Ok(s) => s,
-        Err(e) => return ShadowEvidence::Unavailable(e),
+        Err(e) => return ShadowEvidence::Unavailable(e.to_string()),
     };
     let mut by_window: BTreeMap<chrono::Duration, Vec<BucketKey>> = BTreeMap::new();
     for (key, window) in candidates {
@@ -200,7 +206,7 @@ pub async fn world(
     cfg: &DaemonConfig,
     base: &Base,
     store: &StoreWitness,
-    shadow_source: impl std::future::Future<Output = Result<ShadowSource, String>>,
+    shadow_source: impl std::future::Future<Output = Result<ShadowSource, StoreUnavailable>>,
     now: DateTime<Utc>,
 ) -> World {
     let decreases = Decreases {

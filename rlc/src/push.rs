@@ -206,7 +206,8 @@ impl Secret {
             Secret::Value(v) => Ok(v.clone()),
             Secret::File(p) => {
                 // Never the content in errors: only the file and what is wrong.
-                let text = grl_client::auth::read_secret_file(p).map_err(PushError::TokenFile)?;
+                let text = grl_client::auth::read_secret_file(p)
+                    .map_err(|e| PushError::TokenFile(e.to_string()))?;
                 let t = text.lines().next().unwrap_or("").trim().to_string();
                 if t.is_empty() {
                     return Err(PushError::TokenFile(format!("{}: empty", p.display())));

@@ -121,7 +121,7 @@ mod tests {
         // A store that cannot be opened at all: nothing is asked.
         let shadow = crate::gather::shadow(
             &repo,
-            async { Err("store unavailable: not connected yet".to_string()) },
+            async { Err(crate::gather::StoreUnavailable("not connected yet".into())) },
             now,
         )
         .await;

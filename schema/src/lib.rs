@@ -22,7 +22,7 @@ use serde::de::DeserializeOwned;
 pub use locate::{Locator, Pos};
 pub use read::{kind_of, Limits};
 pub use render::{format_rps, render_bucket_file};
-pub use schedule::parse_schedule;
+pub use schedule::{parse_schedule, ScheduleError};
 pub use types::*;
 pub use validate::{
     load_bucket_dir, load_bucket_dir_with, load_daemon_config, validate_repo, CheckedDocuments,

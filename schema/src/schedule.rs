@@ -2,14 +2,31 @@
 
 use std::str::FromStr;
 
+/// Why a `schedule` is not a 5-field cron expression.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ScheduleError {
+    /// Not 5 fields.
+    #[error("schedule `{expr}`: expected 5 fields (minute hour day-of-month month day-of-week)")]
+    Fields {
+        /// The expression as written.
+        expr: String,
+    },
+    /// A field the `cron` crate refuses.
+    #[error("schedule `{expr}`: {reason}")]
+    Field {
+        /// The expression as written.
+        expr: String,
+        /// The `cron` crate's words.
+        reason: String,
+    },
+}
+
 /// Converts a 5-field cron expression (minute hour day-of-month month day-of-week, UTC,
 /// Sunday = 0 or 7) into a schedule of the `cron` crate (seconds first, Sunday = 1).
-pub fn parse_schedule(expr: &str) -> Result<cron::Schedule, String> {
+pub fn parse_schedule(expr: &str) -> Result<cron::Schedule, ScheduleError> {
     let fields: Vec<&str> = expr.split_whitespace().collect();
     if fields.len() != 5 {
-        return Err(format!(
-            "schedule `{expr}`: expected 5 fields (minute hour day-of-month month day-of-week)"
-        ));
+        return Err(ScheduleError::Fields { expr: expr.into() });
     }
     let dow = fields[4]
         .split(',')
@@ -41,5 +58,8 @@ pub fn parse_schedule(expr: &str) -> Result<cron::Schedule, String> {
         "0 {} {} {} {} {dow}",
         fields[0], fields[1], fields[2], fields[3]
     );
-    cron::Schedule::from_str(&six).map_err(|e| format!("schedule `{expr}`: {e}"))
+    cron::Schedule::from_str(&six).map_err(|e| ScheduleError::Field {
+        expr: expr.into(),
+        reason: e.to_string(),
+    })
 }

@@ -107,9 +107,20 @@ impl fmt::Display for PolicyName {
     }
 }
 
+/// Why a string is not a [`PolicyName`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PolicyNameError {
+    /// `plugin:` with an empty name or other characters than letters, digits, - or _.
+    #[error("invalid plugin name in `{0}`: expected plugin:<name> with letters, digits, - or _")]
+    Plugin(String),
+    /// None of the known policies.
+    #[error("unknown policy `{0}`, expected one of peak, forecast, fixed, plugin:<name>")]
+    Unknown(String),
+}
+
 impl FromStr for PolicyName {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = PolicyNameError;
+    fn from_str(s: &str) -> Result<Self, PolicyNameError> {
         match s {
             "peak" => Ok(PolicyName::Peak),
             "forecast" => Ok(PolicyName::Forecast),
@@ -118,16 +129,13 @@ impl FromStr for PolicyName {
             _ => match s.strip_prefix("plugin:") {
                 Some(n)
                     if !n.is_empty()
-                        && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') =>
+                        && n.chars()
+                            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') =>
                 {
                     Ok(PolicyName::Plugin(n.to_string()))
                 }
-                Some(_) => Err(format!(
-                    "invalid plugin name in `{s}`: expected plugin:<name> with letters, digits, - or _"
-                )),
-                None => Err(format!(
-                    "unknown policy `{s}`, expected one of peak, forecast, fixed, plugin:<name>"
-                )),
+                Some(_) => Err(PolicyNameError::Plugin(s.into())),
+                None => Err(PolicyNameError::Unknown(s.into())),
             },
         }
     }
@@ -155,7 +163,7 @@ impl<T> ParseVisitor<T> {
     }
 }
 
-impl<T: FromStr<Err = String>> serde::de::Visitor<'_> for ParseVisitor<T> {
+impl<T: FromStr<Err: fmt::Display>> serde::de::Visitor<'_> for ParseVisitor<T> {
     type Value = T;
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.0)
@@ -190,22 +198,35 @@ impl HumanDuration {
     }
 }
 
+/// Why a string is not a [`HumanDuration`]; each names the text (trimmed).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HumanDurationError {
+    /// Empty, or a part without its number.
+    #[error("invalid duration `{0}`: expected e.g. 30s, 1m, 1h, 7d, 2w")]
+    NoNumber(String),
+    /// A unit other than s, m, h, d or w.
+    #[error("invalid duration unit in `{0}`: expected s, m, h, d or w")]
+    Unit(String),
+    /// Longer than `u64` milliseconds.
+    #[error("duration `{0}` is too long")]
+    TooLong(String),
+    /// Zero.
+    #[error("duration `{0}` must be positive")]
+    NotPositive(String),
+}
+
 impl FromStr for HumanDuration {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = HumanDurationError;
+    fn from_str(s: &str) -> Result<Self, HumanDurationError> {
         let s = s.trim();
         let ms =
             crate::duration::parse_ms(s, crate::duration::HUMAN_UNITS).map_err(|e| match e {
-                crate::duration::DurationError::NoNumber => {
-                    format!("invalid duration `{s}`: expected e.g. 30s, 1m, 1h, 7d, 2w")
-                }
-                crate::duration::DurationError::Unit => {
-                    format!("invalid duration unit in `{s}`: expected s, m, h, d or w")
-                }
-                crate::duration::DurationError::TooLong => format!("duration `{s}` is too long"),
+                crate::duration::DurationError::NoNumber => HumanDurationError::NoNumber(s.into()),
+                crate::duration::DurationError::Unit => HumanDurationError::Unit(s.into()),
+                crate::duration::DurationError::TooLong => HumanDurationError::TooLong(s.into()),
             })?;
         if ms == 0 {
-            return Err(format!("duration `{s}` must be positive"));
+            return Err(HumanDurationError::NotPositive(s.into()));
         }
         Ok(HumanDuration(Duration::from_millis(ms)))
     }

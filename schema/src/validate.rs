@@ -936,6 +936,27 @@ pub fn load_daemon_config(path: &Path) -> Result<DaemonConfig, Vec<Diagnostic>> 
         return Err(vec![file_diag(path, "cannot read file".into())]);
     };
     let mut diags = Vec::new();
+    check_history(&f, &mut diags);
+    if let Some(p) = &f.value.history.prometheus {
+        check_prometheus(&f, p, &mut diags);
+    }
+    check_store(&f, &mut diags);
+    check_rails(&f, &mut diags);
+    check_controllers(&f, &mut diags);
+    check_schedule_and_database(&f, &mut diags);
+    if let Some(forge) = &f.value.config_repo.forge {
+        check_forge(&f, forge, &mut diags);
+    }
+    if diags.is_empty() {
+        Ok(f.value)
+    } else {
+        diags.sort();
+        Err(diags)
+    }
+}
+
+/// rlc.yaml's `history`: one source, a coverage in 0..=1, a step within the lookback.
+fn check_history(f: &Located<DaemonConfig>, diags: &mut Vec<Diagnostic>) {
     let h = &f.value.history;
     match (&h.prometheus, &h.file) {
         (None, None) => diags.push(f.diag("history", "needs `prometheus` or `file`")),
@@ -950,6 +971,38 @@ pub fn load_daemon_config(path: &Path) -> Result<DaemonConfig, Vec<Diagnostic>> 
     if h.step.as_secs() > h.lookback.as_secs() {
         diags.push(f.diag("history.step", "is longer than history.lookback"));
     }
+}
+
+/// rlc.yaml's `history.prometheus`: an http(s) URL and bounds of at least 1 (2 points).
+fn check_prometheus(f: &Located<DaemonConfig>, p: &PrometheusConfig, diags: &mut Vec<Diagnostic>) {
+    if !(p.url.starts_with("http://") || p.url.starts_with("https://")) {
+        diags.push(f.diag(
+            "history.prometheus.url",
+            "must start with http:// or https://",
+        ));
+    }
+    if p.max_points < 2 {
+        diags.push(f.diag("history.prometheus.max_points", "must be at least 2"));
+    }
+    if p.concurrency == 0 {
+        diags.push(f.diag("history.prometheus.concurrency", "must be at least 1"));
+    }
+    if p.retries == 0 {
+        diags.push(f.diag("history.prometheus.retries", "must be at least 1"));
+    }
+    for (k, v) in [
+        ("max_response_bytes", p.max_response_bytes),
+        ("max_pull_bytes", p.max_pull_bytes),
+        ("max_series", p.max_series),
+    ] {
+        if v == 0 {
+            diags.push(f.diag(format!("history.prometheus.{k}"), "must be at least 1"));
+        }
+    }
+}
+
+/// rlc.yaml's `store`: the rollups are kept at least as long as the raw shadow reports.
+fn check_store(f: &Located<DaemonConfig>, diags: &mut Vec<Diagnostic>) {
     let st = &f.value.store;
     if st.shadow_rollup_retention.as_secs() < st.shadow_raw_retention.as_secs() {
         diags.push(f.diag(
@@ -957,32 +1010,10 @@ pub fn load_daemon_config(path: &Path) -> Result<DaemonConfig, Vec<Diagnostic>> 
             "is shorter than store.shadow_raw_retention",
         ));
     }
-    if let Some(p) = &h.prometheus {
-        if !(p.url.starts_with("http://") || p.url.starts_with("https://")) {
-            diags.push(f.diag(
-                "history.prometheus.url",
-                "must start with http:// or https://",
-            ));
-        }
-        if p.max_points < 2 {
-            diags.push(f.diag("history.prometheus.max_points", "must be at least 2"));
-        }
-        if p.concurrency == 0 {
-            diags.push(f.diag("history.prometheus.concurrency", "must be at least 1"));
-        }
-        if p.retries == 0 {
-            diags.push(f.diag("history.prometheus.retries", "must be at least 1"));
-        }
-        for (k, v) in [
-            ("max_response_bytes", p.max_response_bytes),
-            ("max_pull_bytes", p.max_pull_bytes),
-            ("max_series", p.max_series),
-        ] {
-            if v == 0 {
-                diags.push(f.diag(format!("history.prometheus.{k}"), "must be at least 1"));
-            }
-        }
-    }
+}
+
+/// rlc.yaml's `rails`: fractions in 0..=1, a positive finite increase, a floor ≥ 0.
+fn check_rails(f: &Located<DaemonConfig>, diags: &mut Vec<Diagnostic>) {
     let r = &f.value.rails;
     for (k, v) in [
         ("min_change", r.min_change),
@@ -1004,6 +1035,11 @@ pub fn load_daemon_config(path: &Path) -> Result<DaemonConfig, Vec<Diagnostic>> 
     if !(r.floor_rps.is_finite() && r.floor_rps >= 0.0) {
         diags.push(f.diag("rails.floor_rps", "must be a finite number ≥ 0"));
     }
+}
+
+/// rlc.yaml's `controller` or `controllers`: not both; each an http(s) URL, TLS only over
+/// https with the client certificate and key together, and one controller per region.
+fn check_controllers(f: &Located<DaemonConfig>, diags: &mut Vec<Diagnostic>) {
     if f.value.controller.is_some() && !f.value.controllers.is_empty() {
         diags.push(f.diag(
             "controllers",
@@ -1059,9 +1095,13 @@ pub fn load_daemon_config(path: &Path) -> Result<DaemonConfig, Vec<Diagnostic>> 
             ));
         }
     }
+}
+
+/// rlc.yaml's `schedule` (5-field cron) and `database_url` (sqlite or postgres).
+fn check_schedule_and_database(f: &Located<DaemonConfig>, diags: &mut Vec<Diagnostic>) {
     if let Some(expr) = &f.value.schedule {
         if let Err(e) = crate::parse_schedule(expr) {
-            diags.push(f.diag("schedule", e));
+            diags.push(f.diag("schedule", e.to_string()));
         }
     }
     let db = &f.value.database_url;
@@ -1071,69 +1111,66 @@ pub fn load_daemon_config(path: &Path) -> Result<DaemonConfig, Vec<Diagnostic>> 
     {
         diags.push(f.diag("database_url", "must be sqlite://… or postgres://…"));
     }
-    if let Some(forge) = &f.value.config_repo.forge {
-        match forge.kind.as_str() {
-            "none" => {}
-            "github" => match forge.repo.as_deref() {
-                None => diags.push(f.diag(
-                    "config_repo.forge.repo",
-                    "github forge needs repo: owner/name",
-                )),
-                Some(r) if r.split('/').filter(|p| !p.is_empty()).count() != 2 => {
-                    diags.push(f.diag("config_repo.forge.repo", format!("`{r}` is not owner/name")))
-                }
-                Some(_) => {}
-            },
-            "gitlab" => match forge.repo.as_deref() {
-                None => diags.push(f.diag(
-                    "config_repo.forge.repo",
-                    "gitlab forge needs repo: the project path (group/name)",
-                )),
-                Some(r) if !r.contains('/') || r.split('/').any(|p| p.is_empty()) => {
-                    diags.push(f.diag(
-                        "config_repo.forge.repo",
-                        format!("`{r}` is not a project path group/name"),
-                    ))
-                }
-                Some(_) => {}
-            },
-            k => diags.push(f.diag(
-                "config_repo.forge.kind",
-                format!("unknown forge `{k}`, expected github, gitlab or none"),
+}
+
+/// rlc.yaml's `config_repo.forge`: a known kind with its repo's shape, http(s) URLs, labels
+/// and reviewers without separators.
+fn check_forge(f: &Located<DaemonConfig>, forge: &ForgeConfig, diags: &mut Vec<Diagnostic>) {
+    match forge.kind.as_str() {
+        "none" => {}
+        "github" => match forge.repo.as_deref() {
+            None => diags.push(f.diag(
+                "config_repo.forge.repo",
+                "github forge needs repo: owner/name",
             )),
-        }
-        for (key, url) in [
-            ("config_repo.forge.api_url", &forge.api_url),
-            ("config_repo.forge.dashboard_url", &forge.dashboard_url),
-            ("config_repo.forge.web_url", &forge.web_url),
-        ] {
-            if let Some(u) = url {
-                if !(u.starts_with("http://") || u.starts_with("https://")) {
-                    diags.push(f.diag(key, "must start with http:// or https://"));
-                }
+            Some(r) if r.split('/').filter(|p| !p.is_empty()).count() != 2 => {
+                diags.push(f.diag("config_repo.forge.repo", format!("`{r}` is not owner/name")))
             }
-        }
-        for (i, l) in forge.labels.iter().enumerate() {
-            if l.trim().is_empty() || l.contains(',') {
+            Some(_) => {}
+        },
+        "gitlab" => match forge.repo.as_deref() {
+            None => diags.push(f.diag(
+                "config_repo.forge.repo",
+                "gitlab forge needs repo: the project path (group/name)",
+            )),
+            Some(r) if !r.contains('/') || r.split('/').any(|p| p.is_empty()) => {
                 diags.push(f.diag(
-                    format!("config_repo.forge.labels[{i}]"),
-                    "must be a non-empty label without commas",
-                ));
+                    "config_repo.forge.repo",
+                    format!("`{r}` is not a project path group/name"),
+                ))
             }
-        }
-        for (i, r) in forge.reviewers.iter().enumerate() {
-            if r.trim().is_empty() || r.contains(char::is_whitespace) {
-                diags.push(f.diag(
-                    format!("config_repo.forge.reviewers[{i}]"),
-                    "must be a user name (or a GitLab user id) without spaces",
-                ));
+            Some(_) => {}
+        },
+        k => diags.push(f.diag(
+            "config_repo.forge.kind",
+            format!("unknown forge `{k}`, expected github, gitlab or none"),
+        )),
+    }
+    for (key, url) in [
+        ("config_repo.forge.api_url", &forge.api_url),
+        ("config_repo.forge.dashboard_url", &forge.dashboard_url),
+        ("config_repo.forge.web_url", &forge.web_url),
+    ] {
+        if let Some(u) = url {
+            if !(u.starts_with("http://") || u.starts_with("https://")) {
+                diags.push(f.diag(key, "must start with http:// or https://"));
             }
         }
     }
-    if diags.is_empty() {
-        Ok(f.value)
-    } else {
-        diags.sort();
-        Err(diags)
+    for (i, l) in forge.labels.iter().enumerate() {
+        if l.trim().is_empty() || l.contains(',') {
+            diags.push(f.diag(
+                format!("config_repo.forge.labels[{i}]"),
+                "must be a non-empty label without commas",
+            ));
+        }
+    }
+    for (i, r) in forge.reviewers.iter().enumerate() {
+        if r.trim().is_empty() || r.contains(char::is_whitespace) {
+            diags.push(f.diag(
+                format!("config_repo.forge.reviewers[{i}]"),
+                "must be a user name (or a GitLab user id) without spaces",
+            ));
+        }
     }
 }

@@ -7,7 +7,10 @@ use super::*;
 impl Cycle {
     /// Where the shadow figures of promotion candidates come from: the set source, or the
     /// store (a store that is down gives none, and its error: nothing is promoted).
-    pub(super) async fn shadow_source(&self, store: &StoreWitness) -> Result<ShadowSource, String> {
+    pub(super) async fn shadow_source(
+        &self,
+        store: &StoreWitness,
+    ) -> Result<ShadowSource, crate::gather::StoreUnavailable> {
         match &self.shadow {
             Some(s) => Ok(s.clone()),
             None => store.shadow_source(),
