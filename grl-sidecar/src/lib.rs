@@ -306,37 +306,10 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
     let admin_addr = admin.as_ref().map(|l| l.local_addr()).transpose()?;
 
     let client = GrlClient::start(opts.client.clone());
-    let layer = GrlLayer::for_client(&client);
     let stats = Arc::new(Stats::default());
     let server_stats = Arc::new(ServerStats::default());
-    let mut registry = Registry::default();
-    grl_client::metrics::register_build_info(&mut registry, "grl", "sidecar");
-    registry.register_collector(Box::new(client.metrics()));
-    server_stats.register(&mut registry);
-    registry.register_collector(Box::new(StatsCollector {
-        stats: stats.clone(),
-        info: [
-            ("service", opts.client.service.clone()),
-            ("zone", opts.zone.clone()),
-            ("region", opts.region.clone()),
-            ("upstream", opts.upstream.describe()),
-        ],
-    }));
-    let added = Histogram::new(ADDED_LATENCY_BUCKETS);
-    registry.register(
-        "grl_sidecar_added_latency_seconds",
-        "Time a request spends in the sidecar before it is sent upstream or refused (reading the caller and procedure, the decision, building the upstream request)",
-        added.clone(),
-    );
-    let workers = match opts.workers {
-        None => Some(std::thread::available_parallelism().map_or(1, |n| n.get())),
-        Some(0) => None,
-        Some(n) => Some(n),
-    };
-    let workers = workers
-        .map(|n| grl_server::server::Workers::start(n, "grl-sidecar"))
-        .transpose()
-        .context("start the worker threads")?;
+    let (registry, added) = registry(&opts, &client, &stats, &server_stats);
+    let workers = start_workers(opts.workers)?;
     // Every caller connection may hold an upstream connection (an HTTP/1.1 request in flight
     // holds one; an HTTP/2 caller's requests share the slots), and the pools keep idle ones, as
     // many in all as the cap at most: three descriptors per connection are budgeted (the
@@ -345,22 +318,10 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
     // timeout).
     let pools = workers.as_ref().map_or(0, |w| w.len()) + 1;
     let serve = grl_server::server::fit_to_fd_limit(opts.serve, 3);
-    let max_idle = (serve.max_connections / pools).min(crate::upstream::MAX_IDLE);
-    let slots = Arc::new(tokio::sync::Semaphore::new(serve.max_connections));
     let shared = Arc::new(Shared {
-        layer,
+        layer: GrlLayer::for_client(&client),
         client,
-        clients: (0..pools)
-            .map(|_| {
-                Clients::with_slots(
-                    opts.upstream.clone(),
-                    opts.connect_timeout,
-                    opts.serve.idle_timeout,
-                    slots.clone(),
-                    max_idle,
-                )
-            })
-            .collect(),
+        clients: upstream_pools(&opts, pools, serve.max_connections),
         authority: opts.upstream.authority(),
         upstream: opts.upstream.clone(),
         caller: opts.caller.clone(),
@@ -411,26 +372,7 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
     });
 
     // The admin listener lives until the main one has drained: /metrics shows the drain.
-    let admin_server = admin.map(|l| {
-        let router = Router::new()
-            .route("/metrics", get(metrics))
-            .route("/healthz", get(grl_server::http_util::healthz))
-            .route("/readyz", get(readyz))
-            .with_state(shared.clone());
-        let limits = ServeLimits {
-            max_connections: 64,
-            health_connections: 4,
-            ..opts.serve
-        };
-        grl_server::http_util::spawn_server(
-            l,
-            router,
-            None,
-            limits,
-            Default::default(),
-            "sidecar admin",
-        )
-    });
+    let admin_server = admin.map(|l| spawn_admin(l, shared.clone(), opts.serve));
     let (finish, finished) = tokio::sync::oneshot::channel::<()>();
     let bg_shared = shared.clone();
     let background = tokio::spawn(async move {
@@ -463,6 +405,96 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
         },
         admin_addr,
     })
+}
+
+/// The sidecar's metrics: the client's, the server's, the sidecar's counters and info, and
+/// the added-latency histogram (returned: every request observes it).
+fn registry(
+    opts: &SidecarOptions,
+    client: &GrlClient,
+    stats: &Arc<Stats>,
+    server_stats: &Arc<ServerStats>,
+) -> (Registry, Histogram) {
+    let mut registry = Registry::default();
+    grl_client::metrics::register_build_info(&mut registry, "grl", "sidecar");
+    registry.register_collector(Box::new(client.metrics()));
+    server_stats.register(&mut registry);
+    registry.register_collector(Box::new(StatsCollector {
+        stats: stats.clone(),
+        info: [
+            ("service", opts.client.service.clone()),
+            ("zone", opts.zone.clone()),
+            ("region", opts.region.clone()),
+            ("upstream", opts.upstream.describe()),
+        ],
+    }));
+    let added = Histogram::new(ADDED_LATENCY_BUCKETS);
+    registry.register(
+        "grl_sidecar_added_latency_seconds",
+        "Time a request spends in the sidecar before it is sent upstream or refused (reading the caller and procedure, the decision, building the upstream request)",
+        added.clone(),
+    );
+    (registry, added)
+}
+
+/// The worker threads: one per CPU by default, none for `Some(0)` (all on the runtime).
+fn start_workers(workers: Option<usize>) -> anyhow::Result<Option<grl_server::server::Workers>> {
+    let workers = match workers {
+        None => Some(std::thread::available_parallelism().map_or(1, |n| n.get())),
+        Some(0) => None,
+        Some(n) => Some(n),
+    };
+    workers
+        .map(|n| grl_server::server::Workers::start(n, "grl-sidecar"))
+        .transpose()
+        .context("start the worker threads")
+}
+
+/// One upstream pool per worker and one for the runtime, sharing `max_connections` slots;
+/// the idle connections kept are as many in all as the slots at most.
+fn upstream_pools(opts: &SidecarOptions, pools: usize, max_connections: usize) -> Vec<Clients> {
+    let max_idle = (max_connections / pools).min(crate::upstream::MAX_IDLE);
+    let slots = Arc::new(tokio::sync::Semaphore::new(max_connections));
+    (0..pools)
+        .map(|_| {
+            Clients::with_slots(
+                opts.upstream.clone(),
+                opts.connect_timeout,
+                opts.serve.idle_timeout,
+                slots.clone(),
+                max_idle,
+            )
+        })
+        .collect()
+}
+
+/// Serves `/metrics`, `/healthz` and `/readyz` on the admin listener.
+fn spawn_admin(
+    l: tokio::net::TcpListener,
+    shared: Arc<Shared>,
+    serve: ServeLimits,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+) {
+    let router = Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(grl_server::http_util::healthz))
+        .route("/readyz", get(readyz))
+        .with_state(shared);
+    let limits = ServeLimits {
+        max_connections: 64,
+        health_connections: 4,
+        ..serve
+    };
+    grl_server::http_util::spawn_server(
+        l,
+        router,
+        None,
+        limits,
+        Default::default(),
+        "sidecar admin",
+    )
 }
 
 async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
