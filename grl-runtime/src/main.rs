@@ -50,149 +50,13 @@ enum Cmd {
     /// without a password): the config and the overrides are kept there instead of
     /// --state-dir, every replica serves the same ones, and the region's aggregators list
     /// every replica with --controller.
-    Controller {
-        /// Listen address.
-        #[arg(long, default_value = "127.0.0.1:7070")]
-        listen: SocketAddr,
-        /// Where the applied config and overrides are persisted.
-        #[arg(long, default_value = "grl-state")]
-        state_dir: PathBuf,
-        /// Credentials file: one `NAME ROLES SECRET` per line, roles among config,
-        /// overrides, reports, zone-report (comma-separated, or *); re-read when it changes.
-        #[arg(long, env = "GRL_CREDENTIALS_FILE")]
-        credentials: Option<PathBuf>,
-        /// Bucket YAML directory loaded when nothing was persisted yet.
-        #[arg(long)]
-        config_dir: Option<PathBuf>,
-        /// Control-loop period in milliseconds.
-        #[arg(long, default_value_t = 1000)]
-        tick_ms: u64,
-        /// This controller's region (required with --peer).
-        #[arg(long)]
-        region: Option<String>,
-        /// Controller of another region to share global-bucket sums with; repeat.
-        #[arg(long = "peer")]
-        peers: Vec<String>,
-        #[command(flatten)]
-        tls: ServeTlsArgs,
-        #[command(flatten)]
-        limits: ServeLimitArgs,
-        /// How peer controllers (--peer https://…) are verified.
-        #[command(flatten)]
-        client_tls: ClientTlsArgs,
-        /// DEVELOPMENT ONLY: accept zone reports that carry no credential. Anyone who
-        /// reaches the port can then make the fleet drop traffic.
-        #[arg(long)]
-        insecure_allow_anonymous_reports: bool,
-        /// On SIGTERM or SIGINT: how long in-flight requests may take to finish.
-        #[arg(long, default_value_t = 10_000)]
-        shutdown_grace_ms: u64,
-        /// `grl_calls_total`: callers per service that keep their label (the top ones by
-        /// recent volume); the others are folded into caller="_other".
-        #[arg(long, default_value_t = grl_client::calls::DEFAULT_MAX_CALLERS)]
-        calls_max_callers: usize,
-        /// `grl_calls_total`: procedures per service that keep their label (the first
-        /// seen); the others are folded into procedure="_other".
-        #[arg(long, default_value_t = grl_client::calls::DEFAULT_MAX_PROCEDURES)]
-        calls_max_procedures: usize,
-        /// Postgres URL of the state shared by the region's controller replicas, when it holds
-        /// no password (ps shows flags to every user: a password goes in GRL_DATABASE_URL,
-        /// GRL_DATABASE_URL_FILE or PGPASSWORD). Without one: --state-dir.
-        #[arg(long)]
-        database_url: Option<String>,
-        /// With a database: seconds between polls for changes of other replicas (a fallback;
-        /// changes are notified at once).
-        #[arg(long, default_value_t = 2)]
-        database_poll_secs: u64,
-        /// With a database: how long a starting controller waits for it before giving up.
-        #[arg(long, default_value_t = 30)]
-        database_connect_timeout_secs: u64,
-        /// Overrides active at once; one more is refused (422) until one is removed or
-        /// expires.
-        #[arg(long, default_value_t = grl_control::controller::DEFAULT_MAX_OVERRIDES)]
-        max_overrides: usize,
-    },
+    Controller(ControllerArgs),
     /// Run a zone aggregator.
     ///
     /// Client reports need a credential from --client-credentials; zone reports to the
     /// controllers carry GRL_REPORT_TOKEN (or the content of GRL_REPORT_TOKEN_FILE, re-read
     /// when it changes).
-    Aggregator {
-        /// Listen address.
-        #[arg(long, default_value = "127.0.0.1:7071")]
-        listen: SocketAddr,
-        /// Controller URL; repeat for the replicas of the region's controller: every zone
-        /// report goes to each of them (a standby stays warm), and the clients get the
-        /// directives of the first that answers (failover in order).
-        #[arg(long = "controller", required = true)]
-        controllers: Vec<String>,
-        /// Zone served.
-        #[arg(long)]
-        zone: String,
-        /// Region of the zone.
-        #[arg(long)]
-        region: String,
-        /// Forwarding period in milliseconds.
-        #[arg(long, default_value_t = 1000)]
-        tick_ms: u64,
-        /// Instance id.
-        #[arg(long)]
-        id: Option<String>,
-        #[command(flatten)]
-        tls: ServeTlsArgs,
-        #[command(flatten)]
-        limits: ServeLimitArgs,
-        /// How the controllers (--controller https://…) are verified.
-        #[command(flatten)]
-        client_tls: ClientTlsArgs,
-        /// Client credentials file: one `NAME SERVICES SECRET` per line (services
-        /// comma-separated, or * for every service); re-read when it changes.
-        #[arg(long, env = "GRL_CLIENT_CREDENTIALS_FILE")]
-        client_credentials: Option<PathBuf>,
-        /// DEVELOPMENT ONLY: accept client reports that carry no credential. Anyone who
-        /// reaches the port can then make the fleet drop traffic.
-        #[arg(long)]
-        insecure_allow_anonymous_reports: bool,
-        /// On SIGTERM or SIGINT: how long in-flight requests, then the last forward of the
-        /// counts held, may take.
-        #[arg(long, default_value_t = 10_000)]
-        shutdown_grace_ms: u64,
-        /// Delta zone reports (to controllers of protocol 4): a bucket is reported again when
-        /// one of its rates moved by more than this share since the controller last got it
-        /// (0 = any change).
-        #[arg(long, default_value_t = 0.01)]
-        report_change_threshold: f64,
-        /// Delta zone reports: every bucket is reported at least every this many forwards
-        /// (its counts ride along; 1 = every bucket every forward).
-        #[arg(long, default_value_t = 30)]
-        report_refresh_ticks: u64,
-        /// Plausibility: a client's offered rate for a bucket is cut to the largest of this
-        /// many times the bucket's limit divided by the service's clients in the zone, ...
-        /// (its total call rate: this many times the sum of the service's limits, ...)
-        #[arg(long, default_value_t = 10.0)]
-        plausible_limit_multiple: f64,
-        /// ... this many times the mean rate of the bucket's other clients (the largest left
-        /// out), and 10 rps. Buckets under an incident override are not cut. (Calls: this
-        /// many times the mean total call rate of the service's other clients, and
-        /// --plausible-instance-rps.)
-        #[arg(long, default_value_t = 4.0)]
-        plausible_peer_multiple: f64,
-        /// The total call rate (requests per second, every caller and procedure together)
-        /// one client is trusted up to whatever else is known: the cap of a lone instance of a
-        /// service with no bucket in the config. Calls beyond a client's cap, over the time it
-        /// really reported, are scaled down.
-        #[arg(long, default_value_t = grl_control::aggregator::screen::DEFAULT_INSTANCE_RPS)]
-        plausible_instance_rps: f64,
-        /// Rates held per service (one per client and bucket); a report that would pass it is
-        /// refused with 429.
-        #[arg(long, default_value_t = 1_000_000)]
-        max_rates_per_service: usize,
-        /// Clients held per service (one per client id heard within its horizon; the services
-        /// not in the config share one such budget); a report of a new client that would pass
-        /// it is refused with 429.
-        #[arg(long, default_value_t = grl_control::aggregator::screen::DEFAULT_MAX_CLIENTS_PER_SERVICE)]
-        max_clients_per_service: usize,
-    },
+    Aggregator(AggregatorArgs),
     /// Run an inbound reverse proxy in front of one service instance (any language): every
     /// request is decided by the GRL client, refused ones are answered here (HTTP 429, gRPC
     /// RESOURCE_EXHAUSTED), the rest go to --upstream with their bodies streamed. HTTP/1.1 and
@@ -200,98 +64,7 @@ enum Cmd {
     ///
     /// The report credential (a secret the aggregators' client credentials file grants for
     /// --service) comes from GRL_CLIENT_TOKEN or GRL_CLIENT_TOKEN_FILE, never from a flag.
-    Sidecar {
-        /// Where callers connect.
-        #[arg(long, default_value = "0.0.0.0:8080")]
-        listen: SocketAddr,
-        /// The service instance: http://HOST:PORT or unix:/path/to/socket.
-        #[arg(long)]
-        upstream: String,
-        /// The callee service (its buckets in the controller's config).
-        #[arg(long)]
-        service: String,
-        /// The zone the instance runs in (logs, grl_sidecar_info).
-        #[arg(long, default_value = "")]
-        zone: String,
-        /// The region.
-        #[arg(long, default_value = "")]
-        region: String,
-        /// Zone aggregator URL; repeat for failover, in order of preference.
-        #[arg(long = "aggregator", required = true)]
-        aggregators: Vec<String>,
-        /// /metrics, /healthz and /readyz on this address (keep it off the callers' network).
-        #[arg(long, default_value = "127.0.0.1:9901")]
-        admin_listen: SocketAddr,
-        /// Caller from a verified client certificate (with --tls-client-ca): a pattern tried on
-        /// its SPIFFE ID and SANs, `*` any characters but `/`, {caller} the caller; repeat,
-        /// first match wins.
-        #[arg(
-            long = "caller-cert-pattern",
-            default_value = "spiffe://*/ns/*/sa/{caller}"
-        )]
-        caller_cert_patterns: Vec<String>,
-        /// Else the caller from this header (x-caller, l5d-client-id, x-forwarded-client-cert:
-        /// its URI= through the patterns); `none` trusts no header. A header is spoofable
-        /// unless the mesh or the network guarantees who sets it.
-        #[arg(long, default_value = "rpc-caller")]
-        caller_header: String,
-        /// With a verified client certificate, pass its caller upstream in this header (the
-        /// caller's own value of it is always removed). Default: not passed.
-        #[arg(long)]
-        verified_caller_header: Option<String>,
-        /// The procedure of a non-gRPC request from this header (`none`: no header). Default:
-        /// `rpc-procedure` without --route, none with --route (routes decide, not the caller).
-        #[arg(long)]
-        procedure_header: Option<String>,
-        /// Else method and route template of the first matching route: `GET /users/{id}`,
-        /// `/static/{path*}` (any method); repeat. Unmatched requests fold into `_other`.
-        #[arg(long = "route")]
-        routes: Vec<String>,
-        /// Match the routes' literal segments in any ASCII case (`/CHECKOUT` is `/checkout`),
-        /// as Express and ASP.NET route by default.
-        #[arg(long)]
-        route_ignore_case: bool,
-        /// Match a path ending in `/` as without it (`/checkout/` is `/checkout`), as Express
-        /// routes by default.
-        #[arg(long)]
-        route_trailing_slash: bool,
-        /// Retry-After seconds of a refusal (grpc-retry-pushback-ms: the same in ms).
-        #[arg(long, default_value_t = 1)]
-        retry_after_secs: u64,
-        /// The upstream must answer a request's head within this (504, gRPC DEADLINE_EXCEEDED).
-        #[arg(long, default_value_t = 30_000)]
-        upstream_timeout_ms: u64,
-        /// A connection to the upstream must open within this (502, gRPC UNAVAILABLE).
-        #[arg(long, default_value_t = 5_000)]
-        upstream_connect_timeout_ms: u64,
-        /// Largest request head (HTTP/1.1 buffer, HTTP/2 header list).
-        #[arg(long, default_value_t = grl_sidecar::DEFAULT_MAX_HEADER_BYTES)]
-        max_header_bytes: usize,
-        /// Reporting period in milliseconds.
-        #[arg(long, default_value_t = 200)]
-        tick_ms: u64,
-        /// Threads serving the connections, each with its own single-threaded runtime and
-        /// upstream pools (default: one per core); 0: none, the connections are served on the
-        /// process's multi-threaded runtime with one shared pool.
-        #[arg(long)]
-        workers: Option<usize>,
-        /// Drop ratios older than this stop dropping (fail-open), in milliseconds.
-        #[arg(long, default_value_t = 3000)]
-        stale_after_ms: u64,
-        /// Instance id (random when absent).
-        #[arg(long)]
-        id: Option<String>,
-        #[command(flatten)]
-        tls: ServeTlsArgs,
-        #[command(flatten)]
-        limits: ServeLimitArgs,
-        /// How the aggregators (--aggregator https://…) are verified.
-        #[command(flatten)]
-        client_tls: ClientTlsArgs,
-        /// On SIGTERM or SIGINT: how long requests in flight may take to finish.
-        #[arg(long, default_value_t = 10_000)]
-        shutdown_grace_ms: u64,
-    },
+    Sidecar(SidecarArgs),
     /// Print a new credential line (`NAME SCOPE SECRET`, 256 random bits) for a credentials
     /// file.
     GenCredential {
@@ -332,6 +105,245 @@ enum Cmd {
         #[arg(long, default_value_t = 1)]
         seed: u64,
     },
+}
+
+// The `grl controller` flags. (no doc comment: the variant's is the subcommand's help).
+#[derive(Args)]
+struct ControllerArgs {
+    /// Listen address.
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    listen: SocketAddr,
+    /// Where the applied config and overrides are persisted.
+    #[arg(long, default_value = "grl-state")]
+    state_dir: PathBuf,
+    /// Credentials file: one `NAME ROLES SECRET` per line, roles among config,
+    /// overrides, reports, zone-report (comma-separated, or *); re-read when it changes.
+    #[arg(long, env = "GRL_CREDENTIALS_FILE")]
+    credentials: Option<PathBuf>,
+    /// Bucket YAML directory loaded when nothing was persisted yet.
+    #[arg(long)]
+    config_dir: Option<PathBuf>,
+    /// Control-loop period in milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    tick_ms: u64,
+    /// This controller's region (required with --peer).
+    #[arg(long)]
+    region: Option<String>,
+    /// Controller of another region to share global-bucket sums with; repeat.
+    #[arg(long = "peer")]
+    peers: Vec<String>,
+    #[command(flatten)]
+    tls: ServeTlsArgs,
+    #[command(flatten)]
+    limits: ServeLimitArgs,
+    /// How peer controllers (--peer https://…) are verified.
+    #[command(flatten)]
+    client_tls: ClientTlsArgs,
+    /// DEVELOPMENT ONLY: accept zone reports that carry no credential. Anyone who
+    /// reaches the port can then make the fleet drop traffic.
+    #[arg(long)]
+    insecure_allow_anonymous_reports: bool,
+    /// On SIGTERM or SIGINT: how long in-flight requests may take to finish.
+    #[arg(long, default_value_t = 10_000)]
+    shutdown_grace_ms: u64,
+    /// `grl_calls_total`: callers per service that keep their label (the top ones by
+    /// recent volume); the others are folded into caller="_other".
+    #[arg(long, default_value_t = grl_client::calls::DEFAULT_MAX_CALLERS)]
+    calls_max_callers: usize,
+    /// `grl_calls_total`: procedures per service that keep their label (the first
+    /// seen); the others are folded into procedure="_other".
+    #[arg(long, default_value_t = grl_client::calls::DEFAULT_MAX_PROCEDURES)]
+    calls_max_procedures: usize,
+    /// Postgres URL of the state shared by the region's controller replicas, when it holds
+    /// no password (ps shows flags to every user: a password goes in GRL_DATABASE_URL,
+    /// GRL_DATABASE_URL_FILE or PGPASSWORD). Without one: --state-dir.
+    #[arg(long)]
+    database_url: Option<String>,
+    /// With a database: seconds between polls for changes of other replicas (a fallback;
+    /// changes are notified at once).
+    #[arg(long, default_value_t = 2)]
+    database_poll_secs: u64,
+    /// With a database: how long a starting controller waits for it before giving up.
+    #[arg(long, default_value_t = 30)]
+    database_connect_timeout_secs: u64,
+    /// Overrides active at once; one more is refused (422) until one is removed or
+    /// expires.
+    #[arg(long, default_value_t = grl_control::controller::DEFAULT_MAX_OVERRIDES)]
+    max_overrides: usize,
+}
+
+// The `grl aggregator` flags. (no doc comment: the variant's is the subcommand's help).
+#[derive(Args)]
+struct AggregatorArgs {
+    /// Listen address.
+    #[arg(long, default_value = "127.0.0.1:7071")]
+    listen: SocketAddr,
+    /// Controller URL; repeat for the replicas of the region's controller: every zone
+    /// report goes to each of them (a standby stays warm), and the clients get the
+    /// directives of the first that answers (failover in order).
+    #[arg(long = "controller", required = true)]
+    controllers: Vec<String>,
+    /// Zone served.
+    #[arg(long)]
+    zone: String,
+    /// Region of the zone.
+    #[arg(long)]
+    region: String,
+    /// Forwarding period in milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    tick_ms: u64,
+    /// Instance id.
+    #[arg(long)]
+    id: Option<String>,
+    #[command(flatten)]
+    tls: ServeTlsArgs,
+    #[command(flatten)]
+    limits: ServeLimitArgs,
+    /// How the controllers (--controller https://…) are verified.
+    #[command(flatten)]
+    client_tls: ClientTlsArgs,
+    /// Client credentials file: one `NAME SERVICES SECRET` per line (services
+    /// comma-separated, or * for every service); re-read when it changes.
+    #[arg(long, env = "GRL_CLIENT_CREDENTIALS_FILE")]
+    client_credentials: Option<PathBuf>,
+    /// DEVELOPMENT ONLY: accept client reports that carry no credential. Anyone who
+    /// reaches the port can then make the fleet drop traffic.
+    #[arg(long)]
+    insecure_allow_anonymous_reports: bool,
+    /// On SIGTERM or SIGINT: how long in-flight requests, then the last forward of the
+    /// counts held, may take.
+    #[arg(long, default_value_t = 10_000)]
+    shutdown_grace_ms: u64,
+    /// Delta zone reports (to controllers of protocol 4): a bucket is reported again when
+    /// one of its rates moved by more than this share since the controller last got it
+    /// (0 = any change).
+    #[arg(long, default_value_t = 0.01)]
+    report_change_threshold: f64,
+    /// Delta zone reports: every bucket is reported at least every this many forwards
+    /// (its counts ride along; 1 = every bucket every forward).
+    #[arg(long, default_value_t = 30)]
+    report_refresh_ticks: u64,
+    /// Plausibility: a client's offered rate for a bucket is cut to the largest of this
+    /// many times the bucket's limit divided by the service's clients in the zone, ...
+    /// (its total call rate: this many times the sum of the service's limits, ...)
+    #[arg(long, default_value_t = 10.0)]
+    plausible_limit_multiple: f64,
+    /// ... this many times the mean rate of the bucket's other clients (the largest left
+    /// out), and 10 rps. Buckets under an incident override are not cut. (Calls: this
+    /// many times the mean total call rate of the service's other clients, and
+    /// --plausible-instance-rps.)
+    #[arg(long, default_value_t = 4.0)]
+    plausible_peer_multiple: f64,
+    /// The total call rate (requests per second, every caller and procedure together)
+    /// one client is trusted up to whatever else is known: the cap of a lone instance of a
+    /// service with no bucket in the config. Calls beyond a client's cap, over the time it
+    /// really reported, are scaled down.
+    #[arg(long, default_value_t = grl_control::aggregator::screen::DEFAULT_INSTANCE_RPS)]
+    plausible_instance_rps: f64,
+    /// Rates held per service (one per client and bucket); a report that would pass it is
+    /// refused with 429.
+    #[arg(long, default_value_t = 1_000_000)]
+    max_rates_per_service: usize,
+    /// Clients held per service (one per client id heard within its horizon; the services
+    /// not in the config share one such budget); a report of a new client that would pass
+    /// it is refused with 429.
+    #[arg(long, default_value_t = grl_control::aggregator::screen::DEFAULT_MAX_CLIENTS_PER_SERVICE)]
+    max_clients_per_service: usize,
+}
+
+// The `grl sidecar` flags. (no doc comment: the variant's is the subcommand's help).
+#[derive(Args)]
+struct SidecarArgs {
+    /// Where callers connect.
+    #[arg(long, default_value = "0.0.0.0:8080")]
+    listen: SocketAddr,
+    /// The service instance: http://HOST:PORT or unix:/path/to/socket.
+    #[arg(long)]
+    upstream: String,
+    /// The callee service (its buckets in the controller's config).
+    #[arg(long)]
+    service: String,
+    /// The zone the instance runs in (logs, grl_sidecar_info).
+    #[arg(long, default_value = "")]
+    zone: String,
+    /// The region.
+    #[arg(long, default_value = "")]
+    region: String,
+    /// Zone aggregator URL; repeat for failover, in order of preference.
+    #[arg(long = "aggregator", required = true)]
+    aggregators: Vec<String>,
+    /// /metrics, /healthz and /readyz on this address (keep it off the callers' network).
+    #[arg(long, default_value = "127.0.0.1:9901")]
+    admin_listen: SocketAddr,
+    /// Caller from a verified client certificate (with --tls-client-ca): a pattern tried on
+    /// its SPIFFE ID and SANs, `*` any characters but `/`, {caller} the caller; repeat,
+    /// first match wins.
+    #[arg(
+        long = "caller-cert-pattern",
+        default_value = "spiffe://*/ns/*/sa/{caller}"
+    )]
+    caller_cert_patterns: Vec<String>,
+    /// Else the caller from this header (x-caller, l5d-client-id, x-forwarded-client-cert:
+    /// its URI= through the patterns); `none` trusts no header. A header is spoofable
+    /// unless the mesh or the network guarantees who sets it.
+    #[arg(long, default_value = "rpc-caller")]
+    caller_header: String,
+    /// With a verified client certificate, pass its caller upstream in this header (the
+    /// caller's own value of it is always removed). Default: not passed.
+    #[arg(long)]
+    verified_caller_header: Option<String>,
+    /// The procedure of a non-gRPC request from this header (`none`: no header). Default:
+    /// `rpc-procedure` without --route, none with --route (routes decide, not the caller).
+    #[arg(long)]
+    procedure_header: Option<String>,
+    /// Else method and route template of the first matching route: `GET /users/{id}`,
+    /// `/static/{path*}` (any method); repeat. Unmatched requests fold into `_other`.
+    #[arg(long = "route")]
+    routes: Vec<String>,
+    /// Match the routes' literal segments in any ASCII case (`/CHECKOUT` is `/checkout`),
+    /// as Express and ASP.NET route by default.
+    #[arg(long)]
+    route_ignore_case: bool,
+    /// Match a path ending in `/` as without it (`/checkout/` is `/checkout`), as Express
+    /// routes by default.
+    #[arg(long)]
+    route_trailing_slash: bool,
+    /// Retry-After seconds of a refusal (grpc-retry-pushback-ms: the same in ms).
+    #[arg(long, default_value_t = 1)]
+    retry_after_secs: u64,
+    /// The upstream must answer a request's head within this (504, gRPC DEADLINE_EXCEEDED).
+    #[arg(long, default_value_t = 30_000)]
+    upstream_timeout_ms: u64,
+    /// A connection to the upstream must open within this (502, gRPC UNAVAILABLE).
+    #[arg(long, default_value_t = 5_000)]
+    upstream_connect_timeout_ms: u64,
+    /// Largest request head (HTTP/1.1 buffer, HTTP/2 header list).
+    #[arg(long, default_value_t = grl_sidecar::DEFAULT_MAX_HEADER_BYTES)]
+    max_header_bytes: usize,
+    /// Reporting period in milliseconds.
+    #[arg(long, default_value_t = 200)]
+    tick_ms: u64,
+    /// Threads serving the connections, each with its own single-threaded runtime and
+    /// upstream pools (default: one per core); 0: none, the connections are served on the
+    /// process's multi-threaded runtime with one shared pool.
+    #[arg(long)]
+    workers: Option<usize>,
+    /// Drop ratios older than this stop dropping (fail-open), in milliseconds.
+    #[arg(long, default_value_t = 3000)]
+    stale_after_ms: u64,
+    /// Instance id (random when absent).
+    #[arg(long)]
+    id: Option<String>,
+    #[command(flatten)]
+    tls: ServeTlsArgs,
+    #[command(flatten)]
+    limits: ServeLimitArgs,
+    /// How the aggregators (--aggregator https://…) are verified.
+    #[command(flatten)]
+    client_tls: ClientTlsArgs,
+    /// On SIGTERM or SIGINT: how long requests in flight may take to finish.
+    #[arg(long, default_value_t = 10_000)]
+    shutdown_grace_ms: u64,
 }
 
 #[derive(Args)]
@@ -493,261 +505,9 @@ fn main() -> std::process::ExitCode {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.cmd {
-        Cmd::Controller {
-            listen,
-            state_dir,
-            credentials,
-            config_dir,
-            tick_ms,
-            region,
-            peers,
-            tls,
-            limits,
-            client_tls,
-            insecure_allow_anonymous_reports,
-            shutdown_grace_ms,
-            calls_max_callers,
-            calls_max_procedures,
-            database_url,
-            database_poll_secs,
-            database_connect_timeout_secs,
-            max_overrides,
-        } => {
-            let database = match database_url {
-                Some(url) if grl_control::state_db::has_password(&url) => bail!(
-                    "--database-url carries a password, which every user sees in ps: put the URL in GRL_DATABASE_URL or GRL_DATABASE_URL_FILE, or the password in PGPASSWORD"
-                ),
-                Some(url) => Some(url),
-                None => TokenSource::from_env("GRL_DATABASE_URL")
-                    .map_err(anyhow::Error::msg)?
-                    .map(|t| t.current().trim().to_string()),
-            }
-            .map(|url| grl_control::controller::DatabaseOptions {
-                poll: Duration::from_secs(database_poll_secs.max(1)),
-                connect_timeout: Duration::from_secs(database_connect_timeout_secs),
-                ..grl_control::controller::DatabaseOptions::new(&url)
-            });
-            let mut creds = CredentialSet::default();
-            for (var, roles) in [
-                ("GRL_CONFIG_TOKEN", &["config"][..]),
-                ("GRL_OVERRIDE_TOKEN", &["overrides"][..]),
-                ("GRL_READ_TOKEN", &["reports"][..]),
-                ("GRL_TOKEN", grl_control::controller::LEGACY_TOKEN_ROLES),
-            ] {
-                if let Some(t) = TokenSource::from_env(var).map_err(anyhow::Error::msg)? {
-                    if var == "GRL_TOKEN" {
-                        tracing::warn!("GRL_TOKEN holds the config, overrides and reports roles at once; prefer GRL_CONFIG_TOKEN, GRL_OVERRIDE_TOKEN and GRL_READ_TOKEN");
-                    }
-                    creds.add(var, roles, t);
-                }
-            }
-            if let Some(path) = &credentials {
-                creds
-                    .add_file(path, Some(grl_control::controller::ROLES))
-                    .map_err(|e| anyhow::anyhow!("credentials: {e}"))?;
-            }
-            if !creds.any_covers("config") {
-                bail!("no credential for PUT /v1/config: set GRL_CONFIG_TOKEN (or the legacy GRL_TOKEN), or a `config` line in --credentials FILE");
-            }
-            let report_token =
-                TokenSource::from_env("GRL_REPORT_TOKEN").map_err(anyhow::Error::msg)?;
-            let h = Controller::start(ControllerOptions {
-                listen,
-                state_dir,
-                token: String::new(),
-                credentials: creds,
-                config_dir,
-                tick: Duration::from_millis(tick_ms.max(1)),
-                region,
-                peers,
-                report_token,
-                tls: tls.options()?,
-                client_tls: client_tls.options()?,
-                allow_anonymous_reports: insecure_allow_anonymous_reports,
-                max_callers_per_service: calls_max_callers,
-                max_procedures_per_service: calls_max_procedures,
-                database,
-                serve: limits.limits()?,
-                health_listen: limits.health_listen,
-                max_overrides,
-            })
-            .await?;
-            println!("listening on {}", h.addr());
-            stop_gracefully("controller", h, shutdown_grace_ms).await;
-        }
-        Cmd::Aggregator {
-            listen,
-            controllers,
-            zone,
-            region,
-            tick_ms,
-            id,
-            tls,
-            limits,
-            client_tls,
-            client_credentials,
-            insecure_allow_anonymous_reports,
-            shutdown_grace_ms,
-            report_change_threshold,
-            report_refresh_ticks,
-            plausible_limit_multiple,
-            plausible_peer_multiple,
-            plausible_instance_rps,
-            max_rates_per_service,
-            max_clients_per_service,
-        } => {
-            anyhow::ensure!(
-                plausible_limit_multiple.is_finite()
-                    && plausible_limit_multiple >= 1.0
-                    && plausible_peer_multiple.is_finite()
-                    && plausible_peer_multiple >= 1.0,
-                "--plausible-limit-multiple and --plausible-peer-multiple must be at least 1"
-            );
-            anyhow::ensure!(
-                plausible_instance_rps.is_finite() && plausible_instance_rps >= 1.0,
-                "--plausible-instance-rps must be at least 1"
-            );
-            anyhow::ensure!(
-                report_change_threshold.is_finite()
-                    && (0.0..1.0).contains(&report_change_threshold),
-                "--report-change-threshold must be at least 0 and below 1"
-            );
-            let h = Aggregator::start(AggregatorOptions {
-                listen,
-                controllers,
-                zone,
-                region,
-                tick: Duration::from_millis(tick_ms.max(1)),
-                id,
-                tls: tls.options()?,
-                client_tls: client_tls.options()?,
-                report_token: TokenSource::from_env("GRL_REPORT_TOKEN")
-                    .map_err(anyhow::Error::msg)?,
-                client_credentials,
-                allow_anonymous_reports: insecure_allow_anonymous_reports,
-                delta: grl_control::delta::DeltaOptions {
-                    threshold: report_change_threshold,
-                    refresh_ticks: report_refresh_ticks,
-                },
-                serve: limits.limits()?,
-                health_listen: limits.health_listen,
-                plausibility: grl_control::aggregator::screen::Plausibility {
-                    limit_multiple: plausible_limit_multiple,
-                    peer_multiple: plausible_peer_multiple,
-                    max_rates_per_service,
-                    max_clients_per_service,
-                    instance_rps: plausible_instance_rps,
-                },
-                ..Default::default()
-            })
-            .await?;
-            println!("listening on {}", h.addr());
-            stop_gracefully("aggregator", h, shutdown_grace_ms).await;
-        }
-        Cmd::Sidecar {
-            listen,
-            upstream,
-            service,
-            zone,
-            region,
-            aggregators,
-            admin_listen,
-            caller_cert_patterns,
-            caller_header,
-            verified_caller_header,
-            procedure_header,
-            route_ignore_case,
-            route_trailing_slash,
-            routes,
-            retry_after_secs,
-            upstream_timeout_ms,
-            upstream_connect_timeout_ms,
-            max_header_bytes,
-            tick_ms,
-            workers,
-            stale_after_ms,
-            id,
-            tls,
-            limits,
-            client_tls,
-            shutdown_grace_ms,
-        } => {
-            use grl_sidecar::identity::{CallerFrom, NamePattern, ProcedureFrom, Route};
-            if limits.health_listen.is_some() {
-                bail!("grl sidecar serves /healthz and /readyz on --admin-listen (no --health-listen)");
-            }
-            let upstream = grl_sidecar::upstream::Upstream::parse(&upstream)
-                .map_err(|e| anyhow::anyhow!("--upstream {e}"))?;
-            let header = |flag: &str, v: &str| -> anyhow::Result<Option<http::HeaderName>> {
-                if v == "none" {
-                    return Ok(None);
-                }
-                http::HeaderName::from_bytes(v.as_bytes())
-                    .map(Some)
-                    .map_err(|_| anyhow::anyhow!("{flag} {v:?}: not a header name"))
-            };
-            let caller = CallerFrom {
-                cert_patterns: caller_cert_patterns
-                    .iter()
-                    .map(|p| NamePattern::parse(p))
-                    .collect::<Result<_, _>>()
-                    .map_err(|e| anyhow::anyhow!("--caller-cert-pattern {e}"))?,
-                header: header("--caller-header", &caller_header)?,
-                verified_header: match &verified_caller_header {
-                    Some(v) => header("--verified-caller-header", v)?,
-                    None => None,
-                },
-            };
-            let procedure_header = procedure_header.unwrap_or_else(|| {
-                if routes.is_empty() {
-                    "rpc-procedure"
-                } else {
-                    "none"
-                }
-                .to_string()
-            });
-            let procedure = ProcedureFrom {
-                header: header("--procedure-header", &procedure_header)?,
-                routes: routes
-                    .iter()
-                    .map(|r| Route::parse(r))
-                    .collect::<Result<_, _>>()
-                    .map_err(|e| anyhow::anyhow!("--route {e}"))?,
-                ignore_case: route_ignore_case,
-                trailing_slash: route_trailing_slash,
-            };
-            anyhow::ensure!(
-                max_header_bytes >= 1024,
-                "--max-header-bytes must be at least 1024"
-            );
-            let mut client = grl_client::client::ClientOptions::new(&service, aggregators)
-                .with_report_token_from_env()
-                .map_err(anyhow::Error::msg)?;
-            client.tick = Duration::from_millis(tick_ms.max(1));
-            client.stale_after = Duration::from_millis(stale_after_ms.max(1));
-            client.tls = client_tls.options()?;
-            client.client_id = Some(id.unwrap_or_else(|| {
-                format!("{service}-{zone}-{}-{}", hostname(), std::process::id())
-            }));
-            let opts = grl_sidecar::SidecarOptions {
-                zone,
-                region,
-                admin_listen: Some(admin_listen),
-                tls: tls.options()?,
-                caller,
-                procedure,
-                retry_after_secs: retry_after_secs.max(1),
-                upstream_timeout: Duration::from_millis(upstream_timeout_ms.max(1)),
-                connect_timeout: Duration::from_millis(upstream_connect_timeout_ms.max(1)),
-                serve: limits.limits()?,
-                max_header_bytes,
-                workers,
-                ..grl_sidecar::SidecarOptions::new(listen, upstream, client)
-            };
-            let h = grl_sidecar::start(opts).await?;
-            println!("listening on {}", h.server.addr());
-            stop_gracefully("sidecar", h.server, shutdown_grace_ms).await;
-        }
+        Cmd::Controller(args) => controller(args).await?,
+        Cmd::Aggregator(args) => aggregator(args).await?,
+        Cmd::Sidecar(args) => sidecar(args).await?,
         Cmd::Override { cmd } => override_cli::run(cmd).await?,
         Cmd::GenCredential { name, scope } => {
             anyhow::ensure!(
@@ -769,46 +529,373 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             seed,
             algorithm,
             realtime,
-        } => {
-            let sc = Scenario::load(&scenario)?;
-            if realtime {
-                if algorithm != Algorithm::DropByRatio {
-                    bail!("--realtime runs the real GRL stack: only --algorithm drop-by-ratio");
-                }
-                return grl_runtime::realtime::run_realtime(&sc, seed, |row| {
-                    if let Ok(line) = serde_json::to_string(row) {
-                        println!("{line}");
-                    }
-                })
-                .await;
-            }
-            let out = std::cell::RefCell::new(std::io::BufWriter::new(std::io::stdout().lock()));
-            let err = std::cell::RefCell::new(None);
-            // Tick rows, and candidate rows (a `candidate` key instead of `algorithm`) when the
-            // scenario has candidates: one JSON object per line, in time order.
-            let line = |row: &dyn erased::Row| {
-                use std::io::Write;
-                let mut out = out.borrow_mut();
-                if let Err(e) = row
-                    .write(&mut *out)
-                    .map_err(std::io::Error::from)
-                    .and_then(|_| writeln!(out))
-                {
-                    err.borrow_mut().get_or_insert(e);
-                }
-            };
-            sim::run_with(&sc, seed, algorithm, |row| line(row), |row| line(row))?;
-            drop(out);
-            let err = err.into_inner();
-            if let Some(e) = err {
-                return Err(e).context("write output");
-            }
-        }
+        } => simulate(scenario, seed, algorithm, realtime).await?,
         Cmd::SimReport { scenarios, seed } => {
             print!("{}", grl_runtime::report::markdown(&scenarios, seed)?);
         }
     }
     Ok(())
+}
+
+/// `grl controller`: checks the credentials and the database, serves until stopped.
+async fn controller(args: ControllerArgs) -> anyhow::Result<()> {
+    let ControllerArgs {
+        listen,
+        state_dir,
+        credentials,
+        config_dir,
+        tick_ms,
+        region,
+        peers,
+        tls,
+        limits,
+        client_tls,
+        insecure_allow_anonymous_reports,
+        shutdown_grace_ms,
+        calls_max_callers,
+        calls_max_procedures,
+        database_url,
+        database_poll_secs,
+        database_connect_timeout_secs,
+        max_overrides,
+    } = args;
+    let database = database_options(
+        database_url,
+        database_poll_secs,
+        database_connect_timeout_secs,
+    )?;
+    let creds = controller_credentials(credentials.as_deref())?;
+    let report_token = TokenSource::from_env("GRL_REPORT_TOKEN").map_err(anyhow::Error::msg)?;
+    let h = Controller::start(ControllerOptions {
+        listen,
+        state_dir,
+        token: String::new(),
+        credentials: creds,
+        config_dir,
+        tick: Duration::from_millis(tick_ms.max(1)),
+        region,
+        peers,
+        report_token,
+        tls: tls.options()?,
+        client_tls: client_tls.options()?,
+        allow_anonymous_reports: insecure_allow_anonymous_reports,
+        max_callers_per_service: calls_max_callers,
+        max_procedures_per_service: calls_max_procedures,
+        database,
+        serve: limits.limits()?,
+        health_listen: limits.health_listen,
+        max_overrides,
+    })
+    .await?;
+    println!("listening on {}", h.addr());
+    stop_gracefully("controller", h, shutdown_grace_ms).await;
+    Ok(())
+}
+
+/// `grl aggregator`: checks the plausibility bounds, serves until stopped.
+async fn aggregator(args: AggregatorArgs) -> anyhow::Result<()> {
+    let AggregatorArgs {
+        listen,
+        controllers,
+        zone,
+        region,
+        tick_ms,
+        id,
+        tls,
+        limits,
+        client_tls,
+        client_credentials,
+        insecure_allow_anonymous_reports,
+        shutdown_grace_ms,
+        report_change_threshold,
+        report_refresh_ticks,
+        plausible_limit_multiple,
+        plausible_peer_multiple,
+        plausible_instance_rps,
+        max_rates_per_service,
+        max_clients_per_service,
+    } = args;
+    anyhow::ensure!(
+        plausible_limit_multiple.is_finite()
+            && plausible_limit_multiple >= 1.0
+            && plausible_peer_multiple.is_finite()
+            && plausible_peer_multiple >= 1.0,
+        "--plausible-limit-multiple and --plausible-peer-multiple must be at least 1"
+    );
+    anyhow::ensure!(
+        plausible_instance_rps.is_finite() && plausible_instance_rps >= 1.0,
+        "--plausible-instance-rps must be at least 1"
+    );
+    anyhow::ensure!(
+        report_change_threshold.is_finite() && (0.0..1.0).contains(&report_change_threshold),
+        "--report-change-threshold must be at least 0 and below 1"
+    );
+    let h = Aggregator::start(AggregatorOptions {
+        listen,
+        controllers,
+        zone,
+        region,
+        tick: Duration::from_millis(tick_ms.max(1)),
+        id,
+        tls: tls.options()?,
+        client_tls: client_tls.options()?,
+        report_token: TokenSource::from_env("GRL_REPORT_TOKEN").map_err(anyhow::Error::msg)?,
+        client_credentials,
+        allow_anonymous_reports: insecure_allow_anonymous_reports,
+        delta: grl_control::delta::DeltaOptions {
+            threshold: report_change_threshold,
+            refresh_ticks: report_refresh_ticks,
+        },
+        serve: limits.limits()?,
+        health_listen: limits.health_listen,
+        plausibility: grl_control::aggregator::screen::Plausibility {
+            limit_multiple: plausible_limit_multiple,
+            peer_multiple: plausible_peer_multiple,
+            max_rates_per_service,
+            max_clients_per_service,
+            instance_rps: plausible_instance_rps,
+        },
+        ..Default::default()
+    })
+    .await?;
+    println!("listening on {}", h.addr());
+    stop_gracefully("aggregator", h, shutdown_grace_ms).await;
+    Ok(())
+}
+
+/// `grl sidecar`: builds the identity rules and the client, proxies until stopped.
+async fn sidecar(args: SidecarArgs) -> anyhow::Result<()> {
+    let SidecarArgs {
+        listen,
+        upstream,
+        service,
+        zone,
+        region,
+        aggregators,
+        admin_listen,
+        caller_cert_patterns,
+        caller_header,
+        verified_caller_header,
+        procedure_header,
+        route_ignore_case,
+        route_trailing_slash,
+        routes,
+        retry_after_secs,
+        upstream_timeout_ms,
+        upstream_connect_timeout_ms,
+        max_header_bytes,
+        tick_ms,
+        workers,
+        stale_after_ms,
+        id,
+        tls,
+        limits,
+        client_tls,
+        shutdown_grace_ms,
+    } = args;
+    if limits.health_listen.is_some() {
+        bail!("grl sidecar serves /healthz and /readyz on --admin-listen (no --health-listen)");
+    }
+    let upstream = grl_sidecar::upstream::Upstream::parse(&upstream)
+        .map_err(|e| anyhow::anyhow!("--upstream {e}"))?;
+    let caller = caller_from(
+        &caller_cert_patterns,
+        &caller_header,
+        verified_caller_header.as_deref(),
+    )?;
+    let procedure = procedure_from(
+        procedure_header,
+        &routes,
+        route_ignore_case,
+        route_trailing_slash,
+    )?;
+    anyhow::ensure!(
+        max_header_bytes >= 1024,
+        "--max-header-bytes must be at least 1024"
+    );
+    let mut client = grl_client::client::ClientOptions::new(&service, aggregators)
+        .with_report_token_from_env()
+        .map_err(anyhow::Error::msg)?;
+    client.tick = Duration::from_millis(tick_ms.max(1));
+    client.stale_after = Duration::from_millis(stale_after_ms.max(1));
+    client.tls = client_tls.options()?;
+    client.client_id = Some(
+        id.unwrap_or_else(|| format!("{service}-{zone}-{}-{}", hostname(), std::process::id())),
+    );
+    let opts = grl_sidecar::SidecarOptions {
+        zone,
+        region,
+        admin_listen: Some(admin_listen),
+        tls: tls.options()?,
+        caller,
+        procedure,
+        retry_after_secs: retry_after_secs.max(1),
+        upstream_timeout: Duration::from_millis(upstream_timeout_ms.max(1)),
+        connect_timeout: Duration::from_millis(upstream_connect_timeout_ms.max(1)),
+        serve: limits.limits()?,
+        max_header_bytes,
+        workers,
+        ..grl_sidecar::SidecarOptions::new(listen, upstream, client)
+    };
+    let h = grl_sidecar::start(opts).await?;
+    println!("listening on {}", h.server.addr());
+    stop_gracefully("sidecar", h.server, shutdown_grace_ms).await;
+    Ok(())
+}
+
+/// `grl simulate`: JSON lines of a scenario run in virtual time, or over real HTTP with
+/// `--realtime`.
+async fn simulate(
+    scenario: PathBuf,
+    seed: u64,
+    algorithm: Algorithm,
+    realtime: bool,
+) -> anyhow::Result<()> {
+    let sc = Scenario::load(&scenario)?;
+    if realtime {
+        if algorithm != Algorithm::DropByRatio {
+            bail!("--realtime runs the real GRL stack: only --algorithm drop-by-ratio");
+        }
+        return grl_runtime::realtime::run_realtime(&sc, seed, |row| {
+            if let Ok(line) = serde_json::to_string(row) {
+                println!("{line}");
+            }
+        })
+        .await;
+    }
+    let out = std::cell::RefCell::new(std::io::BufWriter::new(std::io::stdout().lock()));
+    let err = std::cell::RefCell::new(None);
+    // Tick rows, and candidate rows (a `candidate` key instead of `algorithm`) when the
+    // scenario has candidates: one JSON object per line, in time order.
+    let line = |row: &dyn erased::Row| {
+        use std::io::Write;
+        let mut out = out.borrow_mut();
+        if let Err(e) = row
+            .write(&mut *out)
+            .map_err(std::io::Error::from)
+            .and_then(|_| writeln!(out))
+        {
+            err.borrow_mut().get_or_insert(e);
+        }
+    };
+    sim::run_with(&sc, seed, algorithm, |row| line(row), |row| line(row))?;
+    drop(out);
+    let err = err.into_inner();
+    if let Some(e) = err {
+        return Err(e).context("write output");
+    }
+    Ok(())
+}
+
+/// The controller's database, from --database-url (refused when it carries a password) or
+/// GRL_DATABASE_URL(_FILE); `None` keeps the state in --state-dir.
+fn database_options(
+    database_url: Option<String>,
+    poll_secs: u64,
+    connect_timeout_secs: u64,
+) -> anyhow::Result<Option<grl_control::controller::DatabaseOptions>> {
+    Ok(match database_url {
+        Some(url) if grl_control::state_db::has_password(&url) => bail!(
+            "--database-url carries a password, which every user sees in ps: put the URL in GRL_DATABASE_URL or GRL_DATABASE_URL_FILE, or the password in PGPASSWORD"
+        ),
+        Some(url) => Some(url),
+        None => TokenSource::from_env("GRL_DATABASE_URL")
+            .map_err(anyhow::Error::msg)?
+            .map(|t| t.current().trim().to_string()),
+    }
+    .map(|url| grl_control::controller::DatabaseOptions {
+        poll: Duration::from_secs(poll_secs.max(1)),
+        connect_timeout: Duration::from_secs(connect_timeout_secs),
+        ..grl_control::controller::DatabaseOptions::new(&url)
+    }))
+}
+
+/// The controller's credentials: the role tokens from the environment, then the
+/// --credentials file; one must grant `config`.
+fn controller_credentials(credentials: Option<&std::path::Path>) -> anyhow::Result<CredentialSet> {
+    let mut creds = CredentialSet::default();
+    for (var, roles) in [
+        ("GRL_CONFIG_TOKEN", &["config"][..]),
+        ("GRL_OVERRIDE_TOKEN", &["overrides"][..]),
+        ("GRL_READ_TOKEN", &["reports"][..]),
+        ("GRL_TOKEN", grl_control::controller::LEGACY_TOKEN_ROLES),
+    ] {
+        if let Some(t) = TokenSource::from_env(var).map_err(anyhow::Error::msg)? {
+            if var == "GRL_TOKEN" {
+                tracing::warn!("GRL_TOKEN holds the config, overrides and reports roles at once; prefer GRL_CONFIG_TOKEN, GRL_OVERRIDE_TOKEN and GRL_READ_TOKEN");
+            }
+            creds.add(var, roles, t);
+        }
+    }
+    if let Some(path) = credentials {
+        creds
+            .add_file(path, Some(grl_control::controller::ROLES))
+            .map_err(|e| anyhow::anyhow!("credentials: {e}"))?;
+    }
+    if !creds.any_covers("config") {
+        bail!("no credential for PUT /v1/config: set GRL_CONFIG_TOKEN (or the legacy GRL_TOKEN), or a `config` line in --credentials FILE");
+    }
+    Ok(creds)
+}
+
+/// A header-name flag's value: `none` for no header.
+fn header_flag(flag: &str, v: &str) -> anyhow::Result<Option<http::HeaderName>> {
+    if v == "none" {
+        return Ok(None);
+    }
+    http::HeaderName::from_bytes(v.as_bytes())
+        .map(Some)
+        .map_err(|_| anyhow::anyhow!("{flag} {v:?}: not a header name"))
+}
+
+/// Where the sidecar reads the caller's name: certificate patterns, then headers.
+fn caller_from(
+    caller_cert_patterns: &[String],
+    caller_header: &str,
+    verified_caller_header: Option<&str>,
+) -> anyhow::Result<grl_sidecar::identity::CallerFrom> {
+    use grl_sidecar::identity::{CallerFrom, NamePattern};
+    Ok(CallerFrom {
+        cert_patterns: caller_cert_patterns
+            .iter()
+            .map(|p| NamePattern::parse(p))
+            .collect::<Result<_, _>>()
+            .map_err(|e| anyhow::anyhow!("--caller-cert-pattern {e}"))?,
+        header: header_flag("--caller-header", caller_header)?,
+        verified_header: match verified_caller_header {
+            Some(v) => header_flag("--verified-caller-header", v)?,
+            None => None,
+        },
+    })
+}
+
+/// Where the sidecar reads the procedure: a header (by default `rpc-procedure` when there
+/// are no routes) or the path's routes.
+fn procedure_from(
+    procedure_header: Option<String>,
+    routes: &[String],
+    route_ignore_case: bool,
+    route_trailing_slash: bool,
+) -> anyhow::Result<grl_sidecar::identity::ProcedureFrom> {
+    use grl_sidecar::identity::{ProcedureFrom, Route};
+    let procedure_header = procedure_header.unwrap_or_else(|| {
+        if routes.is_empty() {
+            "rpc-procedure"
+        } else {
+            "none"
+        }
+        .to_string()
+    });
+    Ok(ProcedureFrom {
+        header: header_flag("--procedure-header", &procedure_header)?,
+        routes: routes
+            .iter()
+            .map(|r| Route::parse(r))
+            .collect::<Result<_, _>>()
+            .map_err(|e| anyhow::anyhow!("--route {e}"))?,
+        ignore_case: route_ignore_case,
+        trailing_slash: route_trailing_slash,
+    })
 }
 
 /// Serves until SIGTERM or SIGINT, then stops `h` gracefully (in-flight requests finish within

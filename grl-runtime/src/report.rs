@@ -216,6 +216,17 @@ fn secs(x: Option<f64>) -> String {
 pub fn markdown(dir: &Path, seed: u64) -> anyhow::Result<String> {
     let mut md = String::new();
     let w = &mut md;
+    intro(w, seed)?;
+    steady_section(w, dir, seed)?;
+    step_section(w, dir, seed)?;
+    fairness_section(w, dir, seed)?;
+    uneven_section(w, dir, seed)?;
+    candidates_section(w, dir, seed)?;
+    Ok(md)
+}
+
+/// The title and what the rows mean.
+fn intro(w: &mut String, seed: u64) -> anyhow::Result<()> {
     writeln!(
         w,
         "# GRL control loop: drop-by-ratio vs the token-bucket baseline\n"
@@ -233,8 +244,11 @@ pub fn markdown(dir: &Path, seed: u64) -> anyhow::Result<String> {
          at once on a jump far above their share of the allowance and before decisions followed a low-discrepancy \
          sequence instead of independent draws (see docs/grl-architecture.md, \"Beating the seeds' lag\").\n"
     )?;
+    Ok(())
+}
 
-    // Steady 1.5x.
+/// Steady 1.5× overload: admitted rps against the limit.
+fn steady_section(w: &mut String, dir: &Path, seed: u64) -> anyhow::Result<()> {
     let sc = load(dir, "steady-1.5x.yaml")?;
     let limit = sc.buckets[0].limit_rps;
     let name = sc.buckets[0].name.clone();
@@ -267,8 +281,11 @@ pub fn markdown(dir: &Path, seed: u64) -> anyhow::Result<String> {
     if seed == 1 {
         writeln!(w, "| {BEFORE} {BEFORE_STEADY}")?;
     }
+    Ok(())
+}
 
-    // Step.
+/// 15× step: how fast and how far each algorithm catches up.
+fn step_section(w: &mut String, dir: &Path, seed: u64) -> anyhow::Result<()> {
     let sc = load(dir, "step-15x.yaml")?;
     let limit = sc.buckets[0].limit_rps;
     let name = sc.buckets[0].name.clone();
@@ -308,8 +325,11 @@ pub fn markdown(dir: &Path, seed: u64) -> anyhow::Result<String> {
     if seed == 1 {
         writeln!(w, "| {BEFORE} {BEFORE_STEP}")?;
     }
+    Ok(())
+}
 
-    // Fairness.
+/// More callers than quota: how evenly the callers lose.
+fn fairness_section(w: &mut String, dir: &Path, seed: u64) -> anyhow::Result<()> {
     let sc = load(dir, "fairness.yaml")?;
     let limit = sc.buckets[0].limit_rps;
     writeln!(w, "\n## More callers than quota (`fairness.yaml`)\n")?;
@@ -341,8 +361,11 @@ pub fn markdown(dir: &Path, seed: u64) -> anyhow::Result<String> {
     if seed == 1 {
         writeln!(w, "| {BEFORE} {BEFORE_FAIRNESS}")?;
     }
+    Ok(())
+}
 
-    // Uneven.
+/// Uneven instances under quota: premature drops.
+fn uneven_section(w: &mut String, dir: &Path, seed: u64) -> anyhow::Result<()> {
     let sc = load(dir, "uneven.yaml")?;
     let limit = sc.buckets[0].limit_rps;
     let name = sc.buckets[0].name.clone();
@@ -365,8 +388,11 @@ pub fn markdown(dir: &Path, seed: u64) -> anyhow::Result<String> {
     if seed == 1 {
         writeln!(w, "| {BEFORE} {BEFORE_UNEVEN}")?;
     }
+    Ok(())
+}
 
-    // Candidate limits.
+/// Candidate limits: each candidate's verdict and what it saw.
+fn candidates_section(w: &mut String, dir: &Path, seed: u64) -> anyhow::Result<()> {
     writeln!(
         w,
         "\n## Candidate limits (`candidate-abort.yaml`, `candidate-promote.yaml`)\n"
@@ -413,5 +439,5 @@ pub fn markdown(dir: &Path, seed: u64) -> anyhow::Result<String> {
             None => writeln!(w, "| {limit:.0} rps | none | | | | | {refused:.0} |")?,
         }
     }
-    Ok(md)
+    Ok(())
 }

@@ -474,34 +474,465 @@ pub fn run_with(
 ) -> Result<SimResult, SimError> {
     sc.check()?;
     seed_thread_rng(seed);
-    let zones = sc.zone_list();
-    // The buckets in force: a promoted candidate replaces its bucket.
-    let mut buckets = sc.buckets.clone();
-    let mut file = BucketFile {
-        service: sc.service.clone(),
-        buckets: buckets.clone(),
-    };
-    let mut doc = ConfigDoc {
-        version: "sim".into(),
-        services: vec![file.clone()],
-        candidates: sc.wire_candidates(),
-    };
-    grl_control::config::validate(&doc)?;
-    let rule = sc
-        .rollout
-        .as_ref()
-        .map(SimRollout::rule)
-        .unwrap_or_default();
-    let mut engine = Engine::new(doc.clone(), sc.tick_ms * 3);
-    let nb = sc.buckets.len();
-    // Requests the clients dropped per bucket since the start, and per candidate the count
-    // when its evaluation began.
-    let mut dropped_total = vec![0u64; nb];
-    let mut cand_start: BTreeMap<String, u64> = BTreeMap::new();
-    let mut changes = 0;
+    let mut run = SimRun::new(sc, seed, algo)?;
+    let end_ms = (sc.duration_s * 1000.0).round() as u64;
+    while run.now < end_ms {
+        run.apply_due();
+        run.offer_step();
+        run.now += sc.step_ms;
+        if run.now.is_multiple_of(WINDOW_MS) {
+            run.close_window();
+        }
+        // Clients watch their own rate every step (the real client every 10 ms).
+        if algo == Algorithm::DropByRatio && sc.local_adjust && !run.now.is_multiple_of(sc.tick_ms)
+        {
+            run.urgent_round();
+        }
+        if !run.now.is_multiple_of(sc.tick_ms) {
+            continue;
+        }
+        // A tick: clients report, zones sum, the controller computes, directives go back.
+        match algo {
+            Algorithm::DropByRatio => run.control_tick(&mut emit_candidate)?,
+            Algorithm::TokenBucket => run.token_bucket_tick(),
+        }
+        run.end_tick(&mut emit);
+    }
+    Ok(run.result)
+}
 
-    // Instances of every caller replica.
-    let mut instances: Vec<Instance> = Vec::new();
+/// A run in progress: the fleet of instances, the engine, the buckets in force and what has
+/// been counted so far, in virtual time.
+struct SimRun<'a> {
+    sc: &'a Scenario,
+    algo: Algorithm,
+    zones: Vec<ZoneSpec>,
+    /// The buckets in force: a promoted candidate replaces its bucket.
+    buckets: Vec<Bucket>,
+    file: BucketFile,
+    doc: ConfigDoc,
+    rule: RolloutRule,
+    engine: Engine,
+    /// Requests the clients dropped per bucket since the start.
+    dropped_total: Vec<u64>,
+    /// Per candidate, `dropped_total` of its bucket when its evaluation began.
+    cand_start: BTreeMap<String, u64>,
+    /// Config changes made by decided candidates (the version's suffix).
+    changes: u32,
+    /// Instances of every caller replica.
+    instances: Vec<Instance>,
+    /// Per caller replica: its name, its spec and its jitter scale.
+    caller_specs: Vec<(String, &'a CallerSpec, f64)>,
+    /// Per instance, the bucket its (caller, procedure) matches.
+    bucket_of: Vec<Option<usize>>,
+    half_ms: u64,
+    result: SimResult,
+    tick_counts: Vec<Window>,
+    win_counts: Vec<Window>,
+    /// (apply_at_ms, zone index, directives)
+    pending: Vec<(u64, usize, ClientDirectives)>,
+    /// (apply_at_ms, per instance per bucket token-bucket rates)
+    pending_tb: Vec<(u64, Vec<Vec<f64>>)>,
+    /// Each instance's latest reported rates, as an aggregator keeps them.
+    latest: Vec<BTreeMap<String, [f64; 4]>>,
+    /// The step in seconds.
+    dt: f64,
+    now: u64,
+}
+
+impl<'a> SimRun<'a> {
+    /// Validates the scenario's config, builds the engine and every caller's instances.
+    fn new(sc: &'a Scenario, seed: u64, algo: Algorithm) -> Result<Self, SimError> {
+        let zones = sc.zone_list();
+        let buckets = sc.buckets.clone();
+        let file = BucketFile {
+            service: sc.service.clone(),
+            buckets: buckets.clone(),
+        };
+        let doc = ConfigDoc {
+            version: "sim".into(),
+            services: vec![file.clone()],
+            candidates: sc.wire_candidates(),
+        };
+        grl_control::config::validate(&doc)?;
+        let rule = sc
+            .rollout
+            .as_ref()
+            .map(SimRollout::rule)
+            .unwrap_or_default();
+        let engine = Engine::new(doc.clone(), sc.tick_ms * 3);
+        let nb = sc.buckets.len();
+        let caller_specs = caller_replicas(sc, seed);
+        let instances = build_instances(sc, &zones, &caller_specs, &file)?;
+        let bucket_of = bucket_of(&instances);
+        let end_ms = (sc.duration_s * 1000.0).round() as u64;
+        let latest = vec![BTreeMap::new(); instances.len()];
+        Ok(SimRun {
+            sc,
+            algo,
+            zones,
+            buckets,
+            file,
+            doc,
+            rule,
+            engine,
+            dropped_total: vec![0u64; nb],
+            cand_start: BTreeMap::new(),
+            changes: 0,
+            instances,
+            caller_specs,
+            bucket_of,
+            half_ms: end_ms / 2,
+            result: SimResult::default(),
+            tick_counts: vec![Window::default(); nb],
+            win_counts: vec![Window::default(); nb],
+            pending: Vec::new(),
+            pending_tb: Vec::new(),
+            latest,
+            dt: sc.step_ms as f64 / 1000.0,
+            now: 0,
+        })
+    }
+
+    /// Directives and token-bucket rates whose latency has elapsed take effect.
+    fn apply_due(&mut self) {
+        let now = self.now;
+        let instances = &mut self.instances;
+        self.pending.retain(|(at, zone, d)| {
+            if *at <= now {
+                for inst in instances.iter_mut().filter(|i| i.zone == *zone) {
+                    inst.reporter.apply(d, now);
+                }
+                false
+            } else {
+                true
+            }
+        });
+        self.pending_tb.retain(|(at, rates)| {
+            if *at <= now {
+                for (i, inst) in instances.iter_mut().enumerate() {
+                    for (b, tb) in inst.tb.iter_mut().enumerate() {
+                        tb.rate = rates[i][b];
+                    }
+                }
+                false
+            } else {
+                true
+            }
+        });
+    }
+
+    /// Offers this step's requests of every instance and counts the decisions.
+    fn offer_step(&mut self) {
+        let sc = self.sc;
+        let algo = self.algo;
+        let now = self.now;
+        let t_s = now as f64 / 1000.0;
+        let dt = self.dt;
+        for (ii, inst) in self.instances.iter_mut().enumerate() {
+            let (_, spec, _) = self.caller_specs[inst.caller];
+            let mut rate = rate_at(&spec.schedule, t_s) * inst.share * inst.scale;
+            for b in &spec.bursts {
+                if b.instance == inst.index_in_caller && t_s >= b.from_s && t_s < b.to_s {
+                    rate *= b.factor;
+                }
+            }
+            let want = rate * dt + inst.carry;
+            let n = want.floor() as u64;
+            inst.carry = want - n as f64;
+            inst.tick_calls += n;
+            let Some(b) = self.bucket_of[ii] else {
+                continue;
+            };
+            let shadow = self.buckets[b].mode == Mode::Shadow;
+            let c = decide_n(inst, algo, b, shadow, n, now);
+            inst.tick_offered[b] += c.offered;
+            self.dropped_total[b] += c.dropped;
+            for w in [&mut self.tick_counts[b], &mut self.win_counts[b]] {
+                w.offered += c.offered;
+                w.admitted += c.admitted;
+                w.dropped += c.dropped;
+                w.shadow_dropped += c.shadow_dropped;
+            }
+            if now >= self.half_ms {
+                let e = self
+                    .result
+                    .per_caller
+                    .entry(inst.caller_name.clone())
+                    .or_default();
+                e.0 += c.offered;
+                e.1 += c.admitted;
+            }
+            if algo == Algorithm::TokenBucket && !sc.token_bucket.whole_tokens {
+                let tb = &mut inst.tb[b];
+                tb.tokens =
+                    (tb.tokens + tb.rate * dt).min((tb.rate * sc.token_bucket.burst_secs).max(1.0));
+            }
+        }
+    }
+
+    /// Closes the fine-grained window that ends now.
+    fn close_window(&mut self) {
+        for (b, w) in self.win_counts.iter_mut().enumerate() {
+            w.end_ms = self.now;
+            self.result
+                .windows
+                .entry(self.buckets[b].name.clone())
+                .or_default()
+                .push(*w);
+            *w = Window::default();
+        }
+    }
+
+    /// Between ticks: the instances whose own rate jumped report at once (once per tick).
+    fn urgent_round(&mut self) {
+        let mut urgent = Vec::new();
+        for (i, inst) in self.instances.iter_mut().enumerate() {
+            if inst.reporter.subtick(self.now) && !inst.urgent_sent {
+                inst.urgent_sent = true;
+                urgent.push(i);
+            }
+        }
+        if !urgent.is_empty() {
+            self.control_round(&urgent, Vec::new());
+        }
+    }
+
+    /// [`control_round`] over this run's fleet.
+    fn control_round(&mut self, ids: &[usize], calls: Vec<Vec<ServiceCallCountMsg>>) {
+        control_round(
+            self.sc,
+            &self.zones,
+            &mut self.engine,
+            &mut self.instances,
+            &mut self.latest,
+            ids,
+            self.now,
+            &mut self.pending,
+            calls,
+        );
+    }
+
+    /// A drop-by-ratio tick: every instance reports with the tick's calls, the engine
+    /// recomputes and evaluates the candidates, and each candidate is judged.
+    fn control_tick(
+        &mut self,
+        emit_candidate: &mut impl FnMut(&CandidateRow),
+    ) -> Result<(), SimError> {
+        let all: Vec<usize> = (0..self.instances.len()).collect();
+        let calls = self.tick_calls();
+        self.control_round(&all, calls);
+        self.instances
+            .iter_mut()
+            .for_each(|i| i.urgent_sent = false);
+        // The controller's tick evaluates the candidates; each is judged.
+        self.engine.evaluate_candidates(self.now, self.now);
+        let decided = self.judge_candidates(emit_candidate);
+        if !decided.is_empty() {
+            self.apply_decided(decided)?;
+        }
+        Ok(())
+    }
+
+    /// Every request since the last tick by (caller, procedure), per zone, as the zones'
+    /// aggregators forward them.
+    fn tick_calls(&mut self) -> Vec<Vec<ServiceCallCountMsg>> {
+        let mut calls: Vec<BTreeMap<(String, String), u64>> =
+            vec![BTreeMap::new(); self.zones.len()];
+        for inst in self.instances.iter_mut() {
+            if inst.tick_calls > 0 {
+                *calls[inst.zone]
+                    .entry((inst.caller_name.clone(), inst.procedure.clone()))
+                    .or_default() += std::mem::take(&mut inst.tick_calls);
+            }
+        }
+        calls
+            .into_iter()
+            .map(|m| {
+                m.into_iter()
+                    .map(|((caller, procedure), count)| ServiceCallCountMsg {
+                        service: self.sc.service.clone(),
+                        caller,
+                        procedure,
+                        count,
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// Judges every candidate the engine evaluates, emitting a row for each; returns the
+    /// decided ones with the bucket a promoted one brings.
+    fn judge_candidates(
+        &mut self,
+        emit_candidate: &mut impl FnMut(&CandidateRow),
+    ) -> Vec<(String, Option<Bucket>)> {
+        let now = self.now;
+        let mut decided: Vec<(String, Option<Bucket>)> = Vec::new();
+        for r in self.engine.candidate_reports() {
+            let Some(b) = self.buckets.iter().position(|b| b.name == r.bucket) else {
+                continue;
+            };
+            let start = *self
+                .cand_start
+                .entry(r.id.clone())
+                .or_insert(self.dropped_total[b]);
+            let verdict = judge(
+                &self.rule,
+                &Observed {
+                    baked: Duration::from_secs_f64(r.seconds.max(0.0)),
+                    // The candidate reaches the simulated controller when its stage
+                    // begins.
+                    waited: Duration::from_secs_f64(r.seconds.max(0.0)),
+                    offered: r.offered,
+                    virtual_dropped: r.virtual_dropped,
+                    // One controller decides alone.
+                    covered: Duration::from_secs_f64(r.seconds.max(0.0)),
+                },
+            );
+            let (name, reason) = match &verdict {
+                Verdict::Baking => ("baking", None),
+                Verdict::Promote => ("promote", None),
+                Verdict::Abort { reason } => ("abort", Some(reason.clone())),
+            };
+            let row = CandidateRow {
+                t: now as f64 / 1000.0,
+                candidate: r.id.clone(),
+                bucket: r.bucket.clone(),
+                limit_rps: r.limit_rps,
+                in_force_limit_rps: self.buckets[b].limit_rps,
+                baked_s: r.seconds,
+                offered: r.offered,
+                virtual_dropped: r.virtual_dropped,
+                virtual_drop_share: r.virtual_drop_share,
+                real_dropped: self.dropped_total[b] - start,
+                verdict: name.into(),
+                reason,
+            };
+            emit_candidate(&row);
+            self.result.candidates.push(row);
+            match verdict {
+                Verdict::Baking => {}
+                Verdict::Promote => {
+                    let c = self.doc.candidates.iter().find(|c| c.id == r.id);
+                    decided.push((r.id.clone(), c.map(|c| c.bucket.clone())));
+                }
+                Verdict::Abort { .. } => decided.push((r.id.clone(), None)),
+            }
+        }
+        decided
+    }
+
+    /// Promoted candidates become the limits in force; decided ones leave. The new config
+    /// goes to the engine and every instance.
+    fn apply_decided(&mut self, decided: Vec<(String, Option<Bucket>)>) -> Result<(), SimError> {
+        for (id, promoted) in decided {
+            self.doc.candidates.retain(|c| c.id != id);
+            if let Some(new) = promoted {
+                if let Some(b) = self.buckets.iter_mut().find(|b| b.name == new.name) {
+                    *b = new;
+                }
+            }
+        }
+        self.changes += 1;
+        self.file.buckets = self.buckets.clone();
+        self.doc.services = vec![self.file.clone()];
+        self.doc.version = format!("sim+{}", self.changes);
+        grl_control::config::validate(&self.doc)?;
+        self.engine.set_config(self.doc.clone());
+        for inst in self.instances.iter_mut() {
+            inst.reporter
+                .install(&self.sc.service, Some(&self.file), &self.doc.version)
+                .map_err(|e| SimError::Invalid(e.to_string()))?;
+        }
+        self.bucket_of = bucket_of(&self.instances);
+        Ok(())
+    }
+
+    /// A token-bucket tick: each host refills at (its share of the scope's offered load) ×
+    /// limit, in force after the loop latency.
+    fn token_bucket_tick(&mut self) {
+        let sc = self.sc;
+        let buckets = &self.buckets;
+        let zones = &self.zones;
+        let mut fleet: BTreeMap<(usize, String), u64> = BTreeMap::new();
+        for inst in &self.instances {
+            let z = &zones[inst.zone];
+            for (b, &n) in inst.tick_offered.iter().enumerate() {
+                *fleet
+                    .entry((b, scope_key(buckets[b].scope, &z.region, &z.name)))
+                    .or_default() += n;
+            }
+        }
+        let mut rates = Vec::with_capacity(self.instances.len());
+        for inst in &self.instances {
+            let z = &zones[inst.zone];
+            let row: Vec<f64> = (0..buckets.len())
+                .map(|b| {
+                    let total = fleet[&(b, scope_key(buckets[b].scope, &z.region, &z.name))];
+                    if total == 0 {
+                        inst.tb[b].rate
+                    } else {
+                        inst.tick_offered[b] as f64 / total as f64 * buckets[b].limit_rps
+                    }
+                })
+                .collect();
+            rates.push(row);
+        }
+        self.pending_tb.push((self.now + sc.loop_latency_ms, rates));
+        if sc.token_bucket.whole_tokens {
+            let tick_s = sc.tick_ms as f64 / 1000.0;
+            for inst in self.instances.iter_mut() {
+                for tb in inst.tb.iter_mut() {
+                    let cap = (tb.rate * sc.token_bucket.burst_secs).floor();
+                    tb.tokens = (tb.tokens + (tb.rate * tick_s).floor()).min(cap);
+                }
+            }
+        }
+    }
+
+    /// Ends a tick: resets the instances' tick counters and emits a row per bucket.
+    fn end_tick(&mut self, emit: &mut impl FnMut(&TickRow)) {
+        for inst in self.instances.iter_mut() {
+            inst.tick_offered.iter_mut().for_each(|x| *x = 0);
+            inst.tick_calls = 0;
+        }
+        let secs = self.sc.tick_ms as f64 / 1000.0;
+        for (b, c) in self.tick_counts.iter_mut().enumerate() {
+            let ratio = match self.algo {
+                Algorithm::DropByRatio => self.engine.buckets()[b]
+                    .keys
+                    .iter()
+                    .map(|k| k.ratio)
+                    .fold(0.0, f64::max),
+                Algorithm::TokenBucket => {
+                    if c.offered == 0 {
+                        0.0
+                    } else {
+                        (c.dropped + c.shadow_dropped) as f64 / c.offered as f64
+                    }
+                }
+            };
+            let row = TickRow {
+                t: self.now as f64 / 1000.0,
+                bucket: self.buckets[b].name.clone(),
+                offered_rps: c.offered as f64 / secs,
+                admitted_rps: c.admitted as f64 / secs,
+                dropped_rps: c.dropped as f64 / secs,
+                shadow_dropped_rps: c.shadow_dropped as f64 / secs,
+                drop_ratio: ratio,
+                limit_rps: self.buckets[b].limit_rps,
+                algorithm: self.algo,
+            };
+            emit(&row);
+            self.result.rows.push(row);
+            *c = Window::default();
+        }
+    }
+}
+
+/// Every caller replica: its name, its spec and its load scale (a seeded jitter).
+fn caller_replicas(sc: &Scenario, seed: u64) -> Vec<(String, &CallerSpec, f64)> {
     let mut caller_specs: Vec<(String, &CallerSpec, f64)> = Vec::new();
     for c in &sc.callers {
         for r in 0..c.replicas {
@@ -516,27 +947,35 @@ pub fn run_with(
             caller_specs.push((name, c, scale));
         }
     }
+    caller_specs
+}
+
+/// The instances of every caller replica, each a real limiter and reporter with `file`
+/// installed; token buckets start with an equal share of each limit among the instances
+/// that hit it.
+fn build_instances(
+    sc: &Scenario,
+    zones: &[ZoneSpec],
+    caller_specs: &[(String, &CallerSpec, f64)],
+    file: &BucketFile,
+) -> Result<Vec<Instance>, SimError> {
+    let mut instances: Vec<Instance> = Vec::new();
     for (ci, (name, c, scale)) in caller_specs.iter().enumerate() {
-        let wsum: f64 = (0..c.instances)
-            .map(|i| {
-                if c.weights.is_empty() {
-                    1.0
-                } else {
-                    c.weights[i % c.weights.len()]
-                }
-            })
-            .sum();
+        let weight = |i: usize| {
+            if c.weights.is_empty() {
+                1.0
+            } else {
+                c.weights[i % c.weights.len()]
+            }
+        };
+        let wsum: f64 = (0..c.instances).map(weight).sum();
         let zone_names: Vec<String> = if c.zones.is_empty() {
             zones.iter().map(|z| z.name.clone()).collect()
         } else {
             c.zones.clone()
         };
         for i in 0..c.instances {
-            let w = if c.weights.is_empty() {
-                1.0
-            } else {
-                c.weights[i % c.weights.len()]
-            };
+            let w = weight(i);
             let zone = zones
                 .iter()
                 .position(|z| z.name == zone_names[i % zone_names.len()])
@@ -547,7 +986,7 @@ pub fn run_with(
             ));
             let mut reporter = Reporter::new(limiter.clone(), &format!("{name}#{i}"), 0);
             reporter
-                .install(&sc.service, Some(&file), "sim")
+                .install(&sc.service, Some(file), "sim")
                 .map_err(|e| SimError::Invalid(e.to_string()))?;
             instances.push(Instance {
                 caller: ci,
@@ -561,14 +1000,13 @@ pub fn run_with(
                 reporter,
                 tb: Vec::new(),
                 carry: 0.0,
-                tick_offered: vec![0; nb],
+                tick_offered: vec![0; sc.buckets.len()],
                 tick_calls: 0,
                 urgent_sent: false,
             });
         }
     }
-    // Token buckets start with an equal share of each limit among the instances that hit it.
-    for b in 0..nb {
+    for b in 0..sc.buckets.len() {
         let hitting: Vec<usize> = (0..instances.len())
             .filter(|&i| {
                 let t = instances[i].limiter.table();
@@ -581,351 +1019,59 @@ pub fn run_with(
             inst.tb.push(TokenBucket { rate, tokens: rate });
         }
     }
-    let mut bucket_of: Vec<Option<usize>> = instances
+    Ok(instances)
+}
+
+/// Per instance, the bucket its (caller, procedure) matches in its installed table.
+fn bucket_of(instances: &[Instance]) -> Vec<Option<usize>> {
+    instances
         .iter()
         .map(|i| i.limiter.table().find(&i.caller_name, &i.procedure))
-        .collect();
+        .collect()
+}
 
-    let end_ms = (sc.duration_s * 1000.0).round() as u64;
-    let half_ms = end_ms / 2;
-    let mut result = SimResult::default();
-    let mut tick_counts = vec![Window::default(); nb];
-    let mut win_counts = vec![Window::default(); nb];
-    // (apply_at_ms, zone index or usize::MAX for token-bucket rates, directives)
-    let mut pending: Vec<(u64, usize, ClientDirectives)> = Vec::new();
-    let mut pending_tb: Vec<(u64, Vec<Vec<f64>>)> = Vec::new();
-    // Each instance's latest reported rates, as an aggregator keeps them.
-    let mut latest: Vec<BTreeMap<String, [f64; 4]>> = vec![BTreeMap::new(); instances.len()];
-    let dt = sc.step_ms as f64 / 1000.0;
-    let mut now: u64 = 0;
-    while now < end_ms {
-        let t_s = now as f64 / 1000.0;
-        // Directives whose latency has elapsed take effect.
-        pending.retain(|(at, zone, d)| {
-            if *at <= now {
-                for inst in instances.iter_mut().filter(|i| i.zone == *zone) {
-                    inst.reporter.apply(d, now);
-                }
-                false
-            } else {
-                true
-            }
-        });
-        pending_tb.retain(|(at, rates)| {
-            if *at <= now {
-                for (i, inst) in instances.iter_mut().enumerate() {
-                    for (b, tb) in inst.tb.iter_mut().enumerate() {
-                        tb.rate = rates[i][b];
-                    }
-                }
-                false
-            } else {
-                true
-            }
-        });
-        // Offer this step's requests.
-        for (ii, inst) in instances.iter_mut().enumerate() {
-            let (_, spec, _) = caller_specs[inst.caller];
-            let mut rate = rate_at(&spec.schedule, t_s) * inst.share * inst.scale;
-            for b in &spec.bursts {
-                if b.instance == inst.index_in_caller && t_s >= b.from_s && t_s < b.to_s {
-                    rate *= b.factor;
-                }
-            }
-            let want = rate * dt + inst.carry;
-            let n = want.floor() as u64;
-            inst.carry = want - n as f64;
-            inst.tick_calls += n;
-            let Some(b) = bucket_of[ii] else {
-                continue;
-            };
-            let shadow = buckets[b].mode == Mode::Shadow;
-            let mut c = Window::default();
-            for _ in 0..n {
-                let d = match algo {
-                    Algorithm::DropByRatio => {
-                        inst.limiter
-                            .decide_at(&inst.caller_name, &inst.procedure, now)
-                    }
-                    Algorithm::TokenBucket => {
-                        // Keep the reporter's counters meaningful for the token bucket too:
-                        // the share it refills from is this host's offered count.
-                        let tb = &mut inst.tb[b];
-                        if tb.tokens >= 1.0 {
-                            tb.tokens -= 1.0;
-                            Decision::Admit
-                        } else if shadow {
-                            Decision::ShadowDrop
-                        } else {
-                            Decision::Drop
-                        }
-                    }
-                };
-                c.offered += 1;
-                match d {
-                    Decision::Admit => c.admitted += 1,
-                    Decision::ShadowDrop => {
-                        c.admitted += 1;
-                        c.shadow_dropped += 1
-                    }
-                    Decision::Drop => c.dropped += 1,
-                }
-            }
-            inst.tick_offered[b] += c.offered;
-            dropped_total[b] += c.dropped;
-            for w in [&mut tick_counts[b], &mut win_counts[b]] {
-                w.offered += c.offered;
-                w.admitted += c.admitted;
-                w.dropped += c.dropped;
-                w.shadow_dropped += c.shadow_dropped;
-            }
-            if now >= half_ms {
-                let e = result
-                    .per_caller
-                    .entry(inst.caller_name.clone())
-                    .or_default();
-                e.0 += c.offered;
-                e.1 += c.admitted;
-            }
-            if algo == Algorithm::TokenBucket && !sc.token_bucket.whole_tokens {
-                let tb = &mut inst.tb[b];
-                tb.tokens =
-                    (tb.tokens + tb.rate * dt).min((tb.rate * sc.token_bucket.burst_secs).max(1.0));
-            }
-        }
-        now += sc.step_ms;
-
-        if now.is_multiple_of(WINDOW_MS) {
-            for (b, w) in win_counts.iter_mut().enumerate() {
-                w.end_ms = now;
-                result
-                    .windows
-                    .entry(buckets[b].name.clone())
-                    .or_default()
-                    .push(*w);
-                *w = Window::default();
-            }
-        }
-        // Clients watch their own rate every step (the real client every 10 ms).
-        if algo == Algorithm::DropByRatio && sc.local_adjust && !now.is_multiple_of(sc.tick_ms) {
-            let mut urgent = Vec::new();
-            for (i, inst) in instances.iter_mut().enumerate() {
-                if inst.reporter.subtick(now) && !inst.urgent_sent {
-                    inst.urgent_sent = true;
-                    urgent.push(i);
-                }
-            }
-            if !urgent.is_empty() {
-                control_round(
-                    sc,
-                    &zones,
-                    &mut engine,
-                    &mut instances,
-                    &mut latest,
-                    &urgent,
-                    now,
-                    &mut pending,
-                    Vec::new(),
-                );
-            }
-        }
-        if !now.is_multiple_of(sc.tick_ms) {
-            continue;
-        }
-
-        // A tick: clients report, zones sum, the controller computes, directives go back.
-        match algo {
+/// Decides `n` requests of `inst` matched by bucket `b` at `now`, by the limiter or by the
+/// instance's token bucket, and counts them.
+fn decide_n(
+    inst: &mut Instance,
+    algo: Algorithm,
+    b: usize,
+    shadow: bool,
+    n: u64,
+    now: u64,
+) -> Window {
+    let mut c = Window::default();
+    for _ in 0..n {
+        let d = match algo {
             Algorithm::DropByRatio => {
-                let all: Vec<usize> = (0..instances.len()).collect();
-                // Every request since the last tick by (caller, procedure), per zone.
-                let mut calls: Vec<BTreeMap<(String, String), u64>> =
-                    vec![BTreeMap::new(); zones.len()];
-                for inst in instances.iter_mut() {
-                    if inst.tick_calls > 0 {
-                        *calls[inst.zone]
-                            .entry((inst.caller_name.clone(), inst.procedure.clone()))
-                            .or_default() += std::mem::take(&mut inst.tick_calls);
-                    }
-                }
-                let calls = calls
-                    .into_iter()
-                    .map(|m| {
-                        m.into_iter()
-                            .map(|((caller, procedure), count)| ServiceCallCountMsg {
-                                service: sc.service.clone(),
-                                caller,
-                                procedure,
-                                count,
-                            })
-                            .collect()
-                    })
-                    .collect();
-                control_round(
-                    sc,
-                    &zones,
-                    &mut engine,
-                    &mut instances,
-                    &mut latest,
-                    &all,
-                    now,
-                    &mut pending,
-                    calls,
-                );
-                instances.iter_mut().for_each(|i| i.urgent_sent = false);
-                // The controller's tick evaluates the candidates; each is judged.
-                engine.evaluate_candidates(now, now);
-                let mut decided: Vec<(String, Option<Bucket>)> = Vec::new();
-                for r in engine.candidate_reports() {
-                    let Some(b) = buckets.iter().position(|b| b.name == r.bucket) else {
-                        continue;
-                    };
-                    let start = *cand_start.entry(r.id.clone()).or_insert(dropped_total[b]);
-                    let verdict = judge(
-                        &rule,
-                        &Observed {
-                            baked: Duration::from_secs_f64(r.seconds.max(0.0)),
-                            // The candidate reaches the simulated controller when its stage
-                            // begins.
-                            waited: Duration::from_secs_f64(r.seconds.max(0.0)),
-                            offered: r.offered,
-                            virtual_dropped: r.virtual_dropped,
-                            // One controller decides alone.
-                            covered: Duration::from_secs_f64(r.seconds.max(0.0)),
-                        },
-                    );
-                    let (name, reason) = match &verdict {
-                        Verdict::Baking => ("baking", None),
-                        Verdict::Promote => ("promote", None),
-                        Verdict::Abort { reason } => ("abort", Some(reason.clone())),
-                    };
-                    let row = CandidateRow {
-                        t: now as f64 / 1000.0,
-                        candidate: r.id.clone(),
-                        bucket: r.bucket.clone(),
-                        limit_rps: r.limit_rps,
-                        in_force_limit_rps: buckets[b].limit_rps,
-                        baked_s: r.seconds,
-                        offered: r.offered,
-                        virtual_dropped: r.virtual_dropped,
-                        virtual_drop_share: r.virtual_drop_share,
-                        real_dropped: dropped_total[b] - start,
-                        verdict: name.into(),
-                        reason,
-                    };
-                    emit_candidate(&row);
-                    result.candidates.push(row);
-                    match verdict {
-                        Verdict::Baking => {}
-                        Verdict::Promote => {
-                            let c = doc.candidates.iter().find(|c| c.id == r.id);
-                            decided.push((r.id.clone(), c.map(|c| c.bucket.clone())));
-                        }
-                        Verdict::Abort { .. } => decided.push((r.id.clone(), None)),
-                    }
-                }
-                if !decided.is_empty() {
-                    // Promoted candidates become the limits in force; decided ones leave.
-                    for (id, promoted) in decided {
-                        doc.candidates.retain(|c| c.id != id);
-                        if let Some(new) = promoted {
-                            if let Some(b) = buckets.iter_mut().find(|b| b.name == new.name) {
-                                *b = new;
-                            }
-                        }
-                    }
-                    changes += 1;
-                    file.buckets = buckets.clone();
-                    doc.services = vec![file.clone()];
-                    doc.version = format!("sim+{changes}");
-                    grl_control::config::validate(&doc)?;
-                    engine.set_config(doc.clone());
-                    for inst in instances.iter_mut() {
-                        inst.reporter
-                            .install(&sc.service, Some(&file), &doc.version)
-                            .map_err(|e| SimError::Invalid(e.to_string()))?;
-                    }
-                    bucket_of = instances
-                        .iter()
-                        .map(|i| i.limiter.table().find(&i.caller_name, &i.procedure))
-                        .collect();
-                }
+                inst.limiter
+                    .decide_at(&inst.caller_name, &inst.procedure, now)
             }
             Algorithm::TokenBucket => {
-                // Each host refills at (its share of the scope's offered load) × limit.
-                let mut fleet: BTreeMap<(usize, String), u64> = BTreeMap::new();
-                for inst in &instances {
-                    let z = &zones[inst.zone];
-                    for (b, &n) in inst.tick_offered.iter().enumerate() {
-                        *fleet
-                            .entry((b, scope_key(buckets[b].scope, &z.region, &z.name)))
-                            .or_default() += n;
-                    }
-                }
-                let mut rates = Vec::with_capacity(instances.len());
-                for inst in &instances {
-                    let z = &zones[inst.zone];
-                    let row: Vec<f64> = (0..nb)
-                        .map(|b| {
-                            let total =
-                                fleet[&(b, scope_key(buckets[b].scope, &z.region, &z.name))];
-                            if total == 0 {
-                                inst.tb[b].rate
-                            } else {
-                                inst.tick_offered[b] as f64 / total as f64 * buckets[b].limit_rps
-                            }
-                        })
-                        .collect();
-                    rates.push(row);
-                }
-                pending_tb.push((now + sc.loop_latency_ms, rates));
-                if sc.token_bucket.whole_tokens {
-                    let tick_s = sc.tick_ms as f64 / 1000.0;
-                    for inst in instances.iter_mut() {
-                        for tb in inst.tb.iter_mut() {
-                            let cap = (tb.rate * sc.token_bucket.burst_secs).floor();
-                            tb.tokens = (tb.tokens + (tb.rate * tick_s).floor()).min(cap);
-                        }
-                    }
+                // Keep the reporter's counters meaningful for the token bucket too:
+                // the share it refills from is this host's offered count.
+                let tb = &mut inst.tb[b];
+                if tb.tokens >= 1.0 {
+                    tb.tokens -= 1.0;
+                    Decision::Admit
+                } else if shadow {
+                    Decision::ShadowDrop
+                } else {
+                    Decision::Drop
                 }
             }
-        }
-        for inst in instances.iter_mut() {
-            inst.tick_offered.iter_mut().for_each(|x| *x = 0);
-            inst.tick_calls = 0;
-        }
-        let secs = sc.tick_ms as f64 / 1000.0;
-        for (b, c) in tick_counts.iter_mut().enumerate() {
-            let ratio = match algo {
-                Algorithm::DropByRatio => engine.buckets()[b]
-                    .keys
-                    .iter()
-                    .map(|k| k.ratio)
-                    .fold(0.0, f64::max),
-                Algorithm::TokenBucket => {
-                    if c.offered == 0 {
-                        0.0
-                    } else {
-                        (c.dropped + c.shadow_dropped) as f64 / c.offered as f64
-                    }
-                }
-            };
-            let row = TickRow {
-                t: now as f64 / 1000.0,
-                bucket: buckets[b].name.clone(),
-                offered_rps: c.offered as f64 / secs,
-                admitted_rps: c.admitted as f64 / secs,
-                dropped_rps: c.dropped as f64 / secs,
-                shadow_dropped_rps: c.shadow_dropped as f64 / secs,
-                drop_ratio: ratio,
-                limit_rps: buckets[b].limit_rps,
-                algorithm: algo,
-            };
-            emit(&row);
-            result.rows.push(row);
-            *c = Window::default();
+        };
+        c.offered += 1;
+        match d {
+            Decision::Admit => c.admitted += 1,
+            Decision::ShadowDrop => {
+                c.admitted += 1;
+                c.shadow_dropped += 1
+            }
+            Decision::Drop => c.dropped += 1,
         }
     }
-    Ok(result)
+    c
 }
 
 /// One control round: the instances in `ids` report (the others keep their latest rates, as

@@ -306,37 +306,10 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
     let admin_addr = admin.as_ref().map(|l| l.local_addr()).transpose()?;
 
     let client = GrlClient::start(opts.client.clone());
-    let layer = GrlLayer::for_client(&client);
     let stats = Arc::new(Stats::default());
     let server_stats = Arc::new(ServerStats::default());
-    let mut registry = Registry::default();
-    grl_client::metrics::register_build_info(&mut registry, "grl", "sidecar");
-    registry.register_collector(Box::new(client.metrics()));
-    server_stats.register(&mut registry);
-    registry.register_collector(Box::new(StatsCollector {
-        stats: stats.clone(),
-        info: [
-            ("service", opts.client.service.clone()),
-            ("zone", opts.zone.clone()),
-            ("region", opts.region.clone()),
-            ("upstream", opts.upstream.describe()),
-        ],
-    }));
-    let added = Histogram::new(ADDED_LATENCY_BUCKETS);
-    registry.register(
-        "grl_sidecar_added_latency_seconds",
-        "Time a request spends in the sidecar before it is sent upstream or refused (reading the caller and procedure, the decision, building the upstream request)",
-        added.clone(),
-    );
-    let workers = match opts.workers {
-        None => Some(std::thread::available_parallelism().map_or(1, |n| n.get())),
-        Some(0) => None,
-        Some(n) => Some(n),
-    };
-    let workers = workers
-        .map(|n| grl_server::server::Workers::start(n, "grl-sidecar"))
-        .transpose()
-        .context("start the worker threads")?;
+    let (registry, added) = registry(&opts, &client, &stats, &server_stats);
+    let workers = start_workers(opts.workers)?;
     // Every caller connection may hold an upstream connection (an HTTP/1.1 request in flight
     // holds one; an HTTP/2 caller's requests share the slots), and the pools keep idle ones, as
     // many in all as the cap at most: three descriptors per connection are budgeted (the
@@ -345,22 +318,10 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
     // timeout).
     let pools = workers.as_ref().map_or(0, |w| w.len()) + 1;
     let serve = grl_server::server::fit_to_fd_limit(opts.serve, 3);
-    let max_idle = (serve.max_connections / pools).min(crate::upstream::MAX_IDLE);
-    let slots = Arc::new(tokio::sync::Semaphore::new(serve.max_connections));
     let shared = Arc::new(Shared {
-        layer,
+        layer: GrlLayer::for_client(&client),
         client,
-        clients: (0..pools)
-            .map(|_| {
-                Clients::with_slots(
-                    opts.upstream.clone(),
-                    opts.connect_timeout,
-                    opts.serve.idle_timeout,
-                    slots.clone(),
-                    max_idle,
-                )
-            })
-            .collect(),
+        clients: upstream_pools(&opts, pools, serve.max_connections),
         authority: opts.upstream.authority(),
         upstream: opts.upstream.clone(),
         caller: opts.caller.clone(),
@@ -411,26 +372,7 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
     });
 
     // The admin listener lives until the main one has drained: /metrics shows the drain.
-    let admin_server = admin.map(|l| {
-        let router = Router::new()
-            .route("/metrics", get(metrics))
-            .route("/healthz", get(grl_server::http_util::healthz))
-            .route("/readyz", get(readyz))
-            .with_state(shared.clone());
-        let limits = ServeLimits {
-            max_connections: 64,
-            health_connections: 4,
-            ..opts.serve
-        };
-        grl_server::http_util::spawn_server(
-            l,
-            router,
-            None,
-            limits,
-            Default::default(),
-            "sidecar admin",
-        )
-    });
+    let admin_server = admin.map(|l| spawn_admin(l, shared.clone(), opts.serve));
     let (finish, finished) = tokio::sync::oneshot::channel::<()>();
     let bg_shared = shared.clone();
     let background = tokio::spawn(async move {
@@ -463,6 +405,96 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
         },
         admin_addr,
     })
+}
+
+/// The sidecar's metrics: the client's, the server's, the sidecar's counters and info, and
+/// the added-latency histogram (returned: every request observes it).
+fn registry(
+    opts: &SidecarOptions,
+    client: &GrlClient,
+    stats: &Arc<Stats>,
+    server_stats: &Arc<ServerStats>,
+) -> (Registry, Histogram) {
+    let mut registry = Registry::default();
+    grl_client::metrics::register_build_info(&mut registry, "grl", "sidecar");
+    registry.register_collector(Box::new(client.metrics()));
+    server_stats.register(&mut registry);
+    registry.register_collector(Box::new(StatsCollector {
+        stats: stats.clone(),
+        info: [
+            ("service", opts.client.service.clone()),
+            ("zone", opts.zone.clone()),
+            ("region", opts.region.clone()),
+            ("upstream", opts.upstream.describe()),
+        ],
+    }));
+    let added = Histogram::new(ADDED_LATENCY_BUCKETS);
+    registry.register(
+        "grl_sidecar_added_latency_seconds",
+        "Time a request spends in the sidecar before it is sent upstream or refused (reading the caller and procedure, the decision, building the upstream request)",
+        added.clone(),
+    );
+    (registry, added)
+}
+
+/// The worker threads: one per CPU by default, none for `Some(0)` (all on the runtime).
+fn start_workers(workers: Option<usize>) -> anyhow::Result<Option<grl_server::server::Workers>> {
+    let workers = match workers {
+        None => Some(std::thread::available_parallelism().map_or(1, |n| n.get())),
+        Some(0) => None,
+        Some(n) => Some(n),
+    };
+    workers
+        .map(|n| grl_server::server::Workers::start(n, "grl-sidecar"))
+        .transpose()
+        .context("start the worker threads")
+}
+
+/// One upstream pool per worker and one for the runtime, sharing `max_connections` slots;
+/// the idle connections kept are as many in all as the slots at most.
+fn upstream_pools(opts: &SidecarOptions, pools: usize, max_connections: usize) -> Vec<Clients> {
+    let max_idle = (max_connections / pools).min(crate::upstream::MAX_IDLE);
+    let slots = Arc::new(tokio::sync::Semaphore::new(max_connections));
+    (0..pools)
+        .map(|_| {
+            Clients::with_slots(
+                opts.upstream.clone(),
+                opts.connect_timeout,
+                opts.serve.idle_timeout,
+                slots.clone(),
+                max_idle,
+            )
+        })
+        .collect()
+}
+
+/// Serves `/metrics`, `/healthz` and `/readyz` on the admin listener.
+fn spawn_admin(
+    l: tokio::net::TcpListener,
+    shared: Arc<Shared>,
+    serve: ServeLimits,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+) {
+    let router = Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(grl_server::http_util::healthz))
+        .route("/readyz", get(readyz))
+        .with_state(shared);
+    let limits = ServeLimits {
+        max_connections: 64,
+        health_connections: 4,
+        ..serve
+    };
+    grl_server::http_util::spawn_server(
+        l,
+        router,
+        None,
+        limits,
+        Default::default(),
+        "sidecar admin",
+    )
 }
 
 async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
@@ -718,85 +750,20 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
     } else {
         Version::HTTP_11
     };
-    let decision = {
-        // Two values of an identity header: which one names the request is a guess.
-        let (Some(caller), Some(procedure)) = (
-            s.caller.caller_checked(&peer.cert_names, req.headers()),
-            s.procedure
-                .procedure_checked(grpc, req.method(), req.uri().path(), req.headers()),
-        ) else {
-            return bad_request(&s, BadRequest::Identity, "identity header given twice\n");
-        };
-        let d = s.layer.decide_at(caller, &procedure, grl_core::now_ms());
-        if d == Decision::Drop {
-            let resp = refusal(&s, grpc, caller, &procedure);
-            count(&s, grpc, d);
-            s.stats.refusals[0].fetch_add(1, Ordering::Relaxed);
-            s.added.observe(start.elapsed().as_secs_f64());
-            return resp;
-        }
-        d
-    };
-    count(&s, grpc, decision);
-    let (mut parts, body) = req.into_parts();
-    strip_hop_by_hop(&mut parts.headers);
-    s.caller.pass_on(&peer.cert_names, &mut parts.headers);
-    add_forwarded_for(&mut parts.headers, peer.addr.ip());
-    // gRPC goes upstream over HTTP/2 (h2c), everything else over HTTP/1.1, which every
-    // application server speaks (an HTTP/2 caller's authority becomes the Host header).
-    if parts.version == Version::HTTP_2 && !grpc && !parts.headers.contains_key(http::header::HOST)
-    {
-        if let Some(v) = parts
-            .uri
-            .authority()
-            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
-        {
-            parts.headers.insert(http::header::HOST, v);
-        }
+    if let Some(refused) = decide(&s, &peer, &req, grpc, start) {
+        return refused;
     }
-    let h2 = grpc;
-    if h2 {
-        parts.uri = match http::Uri::builder()
-            .scheme("http")
-            .authority(s.authority.clone())
-            .path_and_query(path)
-            .build()
-        {
-            Ok(u) => u,
-            Err(_) => return bad_request(&s, BadRequest::Target, "bad request target\n"),
-        };
-        parts.version = Version::HTTP_2;
-    } else {
-        // Origin form, and a Host header (an HTTP/1.0 caller may send none); an HTTP/2
-        // caller's cookies in one line.
-        if parts.version == Version::HTTP_2 {
-            join_cookies(&mut parts.headers);
-        }
-        parts.uri = http::Uri::from(path);
-        parts.version = Version::HTTP_11;
-        if !parts.headers.contains_key(http::header::HOST) {
-            if let Ok(v) = HeaderValue::from_str(s.authority.as_str()) {
-                parts.headers.insert(http::header::HOST, v);
-            }
-        }
+    let (mut parts, body) = req.into_parts();
+    if let Some(bad) = upstream_head(&s, &peer, &mut parts, path, grpc) {
+        return bad;
     }
     // A small body of a declared length is read whole first, so that the head and the body
     // are passed on together rather than the head first and the body after a wake-up of the
     // other side (not measured on its own: the instruction counts fell with the pool and the
     // header handling). gRPC and longer or chunked bodies stream.
     let small_request = !grpc && is_small(&body);
-    // A body on a method whose body has no meaning: servers that ignore it but keep the
-    // connection would read it as their next request, one the sidecar never decided. Its
-    // upstream connection is closed after the answer instead of reused.
-    if !grpc && is_bodiless(&parts.method) && !hyper::body::Body::is_end_stream(&body) {
-        parts
-            .headers
-            .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
-    }
-    // This worker's pools: the upstream connection is driven on this thread too.
-    let clients = grl_server::server::worker_index()
-        .and_then(|i| s.clients.get(i))
-        .unwrap_or_else(|| s.clients.last().expect("one pool at least"));
+    close_after_stray_body(&mut parts, &body, grpc);
+    let clients = worker_clients(&s);
     s.added.observe(start.elapsed().as_secs_f64());
     // The upstream timeout bounds the whole exchange up to the answer's head (and a small
     // answer's body): a small request body that arrives too slowly times out as the upstream
@@ -815,19 +782,7 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
             Ok(p) => Some(Share::hold(c, p)),
             Err(_) => match tokio::time::timeout(s.upstream_timeout, c.slots.acquire()).await {
                 Ok(Ok(p)) => Some(Share::hold(c, p)),
-                _ => {
-                    s.stats.refusals[3].fetch_add(1, Ordering::Relaxed);
-                    let mut r = upstream_failure(
-                        grpc,
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        14,
-                        "this connection has its share of the upstream slots in use; \
-                         read its answers or use another connection",
-                    );
-                    r.headers_mut()
-                        .insert(http::header::RETRY_AFTER, s.retry_after.clone());
-                    return r;
-                }
+                _ => return share_in_use(&s, grpc),
             },
         },
     };
@@ -842,7 +797,7 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
         };
         sent.store(true, Ordering::Relaxed);
         let req = Request::from_parts(parts, body);
-        let resp = if h2 {
+        let resp = if grpc {
             // The caller connection's own h2c connection upstream: flow control is then the
             // caller's own, and calls it never reads stall none of another caller's.
             let conn = peer.share.as_ref().and_then(|c| {
@@ -877,51 +832,185 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
     };
     match tokio::time::timeout(s.upstream_timeout, exchange).await {
         Ok(Ok(resp)) => resp,
-        Ok(Err(Failed::RequestBody(e))) => {
+        Ok(Err(failed)) => exchange_failed(&s, grpc, failed),
+        Err(_) => upstream_timed_out(&s, grpc, sent.load(Ordering::Relaxed), answers_before),
+    }
+}
+
+/// Decides the request by its caller and procedure (counted); `Some` is the answer to a
+/// refused one (its added latency observed) or to one whose identity header came twice.
+/// Not a `Result`: the answer is large, and boxing it would allocate per refusal.
+#[inline]
+fn decide(
+    s: &Shared,
+    peer: &Peer,
+    req: &Request<Body>,
+    grpc: bool,
+    start: Instant,
+) -> Option<Response<Body>> {
+    // Two values of an identity header: which one names the request is a guess.
+    let (Some(caller), Some(procedure)) = (
+        s.caller.caller_checked(&peer.cert_names, req.headers()),
+        s.procedure
+            .procedure_checked(grpc, req.method(), req.uri().path(), req.headers()),
+    ) else {
+        return Some(bad_request(
+            s,
+            BadRequest::Identity,
+            "identity header given twice\n",
+        ));
+    };
+    let d = s.layer.decide_at(caller, &procedure, grl_core::now_ms());
+    if d == Decision::Drop {
+        let resp = refusal(s, grpc, caller, &procedure);
+        count(s, grpc, d);
+        s.stats.refusals[0].fetch_add(1, Ordering::Relaxed);
+        s.added.observe(start.elapsed().as_secs_f64());
+        return Some(resp);
+    }
+    count(s, grpc, d);
+    None
+}
+
+/// The request's head as the upstream gets it: hop-by-hop headers gone, the caller passed
+/// on, `X-Forwarded-For` added; gRPC in HTTP/2 to the upstream's authority, everything
+/// else in HTTP/1.1 origin form with a Host header. `Some` answers a target that makes no
+/// URI (not a `Result`, as for [`decide`]).
+#[inline]
+fn upstream_head(
+    s: &Shared,
+    peer: &Peer,
+    parts: &mut http::request::Parts,
+    path: http::uri::PathAndQuery,
+    grpc: bool,
+) -> Option<Response<Body>> {
+    strip_hop_by_hop(&mut parts.headers);
+    s.caller.pass_on(&peer.cert_names, &mut parts.headers);
+    add_forwarded_for(&mut parts.headers, peer.addr.ip());
+    // gRPC goes upstream over HTTP/2 (h2c), everything else over HTTP/1.1, which every
+    // application server speaks (an HTTP/2 caller's authority becomes the Host header).
+    if parts.version == Version::HTTP_2 && !grpc && !parts.headers.contains_key(http::header::HOST)
+    {
+        if let Some(v) = parts
+            .uri
+            .authority()
+            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+        {
+            parts.headers.insert(http::header::HOST, v);
+        }
+    }
+    if grpc {
+        parts.uri = match http::Uri::builder()
+            .scheme("http")
+            .authority(s.authority.clone())
+            .path_and_query(path)
+            .build()
+        {
+            Ok(u) => u,
+            Err(_) => return Some(bad_request(s, BadRequest::Target, "bad request target\n")),
+        };
+        parts.version = Version::HTTP_2;
+    } else {
+        // Origin form, and a Host header (an HTTP/1.0 caller may send none); an HTTP/2
+        // caller's cookies in one line.
+        if parts.version == Version::HTTP_2 {
+            join_cookies(&mut parts.headers);
+        }
+        parts.uri = http::Uri::from(path);
+        parts.version = Version::HTTP_11;
+        if !parts.headers.contains_key(http::header::HOST) {
+            if let Ok(v) = HeaderValue::from_str(s.authority.as_str()) {
+                parts.headers.insert(http::header::HOST, v);
+            }
+        }
+    }
+    None
+}
+
+/// A body on a method whose body has no meaning: servers that ignore it but keep the
+/// connection would read it as their next request, one the sidecar never decided. Its
+/// upstream connection is closed after the answer instead of reused.
+#[inline]
+fn close_after_stray_body(parts: &mut http::request::Parts, body: &Body, grpc: bool) {
+    if !grpc && is_bodiless(&parts.method) && !hyper::body::Body::is_end_stream(body) {
+        parts
+            .headers
+            .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+    }
+}
+
+/// This worker's pools: the upstream connection is driven on this thread too.
+#[inline]
+fn worker_clients(s: &Shared) -> &Clients {
+    grl_server::server::worker_index()
+        .and_then(|i| s.clients.get(i))
+        .unwrap_or_else(|| s.clients.last().expect("one pool at least"))
+}
+
+/// 503: the caller's connection has its share of the upstream slots in use beyond the
+/// upstream timeout.
+fn share_in_use(s: &Shared, grpc: bool) -> Response<Body> {
+    s.stats.refusals[3].fetch_add(1, Ordering::Relaxed);
+    let mut r = upstream_failure(
+        grpc,
+        StatusCode::SERVICE_UNAVAILABLE,
+        14,
+        "this connection has its share of the upstream slots in use; \
+         read its answers or use another connection",
+    );
+    r.headers_mut()
+        .insert(http::header::RETRY_AFTER, s.retry_after.clone());
+    r
+}
+
+/// The answer to an exchange that failed within the upstream timeout.
+fn exchange_failed(s: &Shared, grpc: bool, failed: Failed) -> Response<Body> {
+    match failed {
+        Failed::RequestBody(e) => {
             tracing::debug!(error = %e, "the caller's request body failed");
-            bad_request(&s, BadRequest::Body, "the request body ended early\n")
+            bad_request(s, BadRequest::Body, "the request body ended early\n")
         }
         // A streamed body the caller malformed (a bad chunk size) fails the upstream request:
         // the caller's fault, answered 400 as nginx does, never an upstream error (whose 5xx
         // alerts any caller could set off).
-        Ok(Err(Failed::Upstream(e))) if e.is_caller_body() => {
+        Failed::Upstream(e) if e.is_caller_body() => {
             tracing::debug!(error = %e, "the caller's request body failed on its way upstream");
-            bad_request(&s, BadRequest::Body, "malformed request body\n")
+            bad_request(s, BadRequest::Body, "malformed request body\n")
         }
-        Ok(Err(Failed::Upstream(e))) => {
+        Failed::Upstream(e) => {
             let cause = grl_client::cause::describe_error(&e, s.connect_timeout);
-            upstream_unreachable(&s, grpc, e.is_connect(), &cause)
+            upstream_unreachable(s, grpc, e.is_connect(), &cause)
         }
-        Ok(Err(Failed::ResponseBody(e))) => {
+        Failed::ResponseBody(e) => {
             tracing::debug!(error = %e, "upstream answer's body failed");
-            upstream_unreachable(&s, grpc, false, "the answer's body ended early")
-        }
-        Err(_) => {
-            // Nothing at all came from the upstream while this request waited for it: it
-            // stopped answering (`/readyz` says so), not merely slow on one request.
-            if sent.load(Ordering::Relaxed)
-                && s.stats.answers.load(Ordering::Relaxed) == answers_before
-            {
-                s.stats
-                    .silent_answers
-                    .store(answers_before, Ordering::Relaxed);
-                s.stats
-                    .silent_ms
-                    .fetch_max(grl_core::now_ms(), Ordering::Relaxed);
-            }
-            s.stats.upstream_errors[1].fetch_add(1, Ordering::Relaxed);
-            s.stats.refusals[2].fetch_add(1, Ordering::Relaxed);
-            upstream_failure(
-                grpc,
-                StatusCode::GATEWAY_TIMEOUT,
-                4,
-                &format!(
-                    "upstream did not answer within {} ms",
-                    s.upstream_timeout.as_millis()
-                ),
-            )
+            upstream_unreachable(s, grpc, false, "the answer's body ended early")
         }
     }
+}
+
+/// 504: the upstream did not answer within the upstream timeout.
+fn upstream_timed_out(s: &Shared, grpc: bool, sent: bool, answers_before: u64) -> Response<Body> {
+    // Nothing at all came from the upstream while this request waited for it: it
+    // stopped answering (`/readyz` says so), not merely slow on one request.
+    if sent && s.stats.answers.load(Ordering::Relaxed) == answers_before {
+        s.stats
+            .silent_answers
+            .store(answers_before, Ordering::Relaxed);
+        s.stats
+            .silent_ms
+            .fetch_max(grl_core::now_ms(), Ordering::Relaxed);
+    }
+    s.stats.upstream_errors[1].fetch_add(1, Ordering::Relaxed);
+    s.stats.refusals[2].fetch_add(1, Ordering::Relaxed);
+    upstream_failure(
+        grpc,
+        StatusCode::GATEWAY_TIMEOUT,
+        4,
+        &format!(
+            "upstream did not answer within {} ms",
+            s.upstream_timeout.as_millis()
+        ),
+    )
 }
 
 /// One of a caller connection's share of the upstream slots, given back when dropped.
