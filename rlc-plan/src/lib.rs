@@ -1,8 +1,8 @@
 //! The quota plan of rlc, without I/O: history, the config repo's state (documents and the
-//! bucket files in force) and the evidence gathered before planning go in, a typed [`Plan`]
-//! comes out. No network, no git, no database, no clock of its own (`now` is an input): what
-//! a plan depends on is in its arguments, so that a run, a preview, the quota API, a what-if
-//! and a backtest given the same inputs compute the same plan. Policy plugins run in their own
+//! bucket files in force) and the evidence gathered before planning go in, a typed
+//! [`plan::Plan`] comes out. No network, no git, no database, no clock of its own (`now` is
+//! an input): what a plan depends on is in its arguments, so that a run, a preview, the quota
+//! API, a what-if and a backtest given the same inputs compute the same plan. Policy plugins run in their own
 //! host processes, behind `policies::isolated`.
 //!
 //! - [`history`]: the series a plan reads, one service at a time ([`history::SeriesSource`]).
@@ -28,5 +28,3 @@ pub mod promotion;
 pub mod readiness;
 pub mod rollout;
 pub mod whatif;
-
-pub use plan::Plan;
