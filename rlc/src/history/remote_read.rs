@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use prost::Message;
 use schema::PrometheusConfig;
 
-use super::prometheus::{
+use super::http::{
     backoff, chain, read_capped, read_failed, send, stream_blocking, Budget, ReadError,
     ERROR_BODY_MAX,
 };
