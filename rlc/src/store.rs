@@ -220,13 +220,18 @@ impl ChangeState {
     }
 }
 
+/// A `state` column holding neither `applied` nor `proposed`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown change state `{0}`")]
+pub struct UnknownChangeState(pub String);
+
 impl TryFrom<String> for ChangeState {
-    type Error = String;
-    fn try_from(s: String) -> Result<ChangeState, String> {
+    type Error = UnknownChangeState;
+    fn try_from(s: String) -> Result<ChangeState, UnknownChangeState> {
         match s.as_str() {
             "applied" => Ok(ChangeState::Applied),
             "proposed" => Ok(ChangeState::Proposed),
-            other => Err(format!("unknown change state `{other}`")),
+            _ => Err(UnknownChangeState(s)),
         }
     }
 }

@@ -8,6 +8,7 @@
 pub mod file;
 #[cfg(test)]
 pub(crate) mod fixtures;
+mod http;
 pub mod incremental;
 pub mod prometheus;
 pub mod remote_read;
