@@ -1193,8 +1193,10 @@ fn run_summary(r: &RunRecord) -> Markup {
 }
 
 pub mod bucket;
+pub mod chart;
 pub mod lookback;
 pub mod overview;
+pub mod page;
 pub mod run_page;
 
 #[cfg(test)]
