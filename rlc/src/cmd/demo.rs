@@ -198,7 +198,7 @@ fn prepare_files(args: &DemoArgs, dir: &Path, owned: &mut Owned) -> anyhow::Resu
     })
 }
 
-/// 2. Four weeks of generated history, unless there is one.
+/// Step 2: four weeks of generated history, unless there is one.
 fn prepare_history(dir: &Path, owned: &mut Owned) -> anyhow::Result<PathBuf> {
     let history = dir.join("history.csv");
     if !history.exists() {
@@ -284,7 +284,7 @@ impl Demo {
         })
     }
 
-    /// 4. One full cycle, and whether the controller serves what it committed; returns the
+    /// Step 4: one full cycle, and whether the controller serves what it committed; returns the
     /// config repo's HEAD, or `None` when the cycle failed.
     async fn first_run(
         &self,
@@ -314,7 +314,7 @@ impl Demo {
         Ok(Some(head))
     }
 
-    /// 6. The history with the observed traffic: the enforced bucket's overload was refused
+    /// Step 6: the history with the observed traffic: the enforced bucket's overload was refused
     /// (throttled minutes, left out); the shadow bucket's demand is learned. Decreases the
     /// rails capped wait for the next interval (one decrease per bucket per day).
     async fn second_run(
@@ -409,7 +409,7 @@ fn driven_buckets(repo_dir: &Path, traffic_secs: u64) -> Option<(String, Vec<sch
     Some((service.clone(), driven))
 }
 
-/// 5. Live traffic through a real client and aggregator on the driven buckets, the
+/// Step 5: live traffic through a real client and aggregator on the driven buckets, the
 /// controller's reports read into the store, and the offered rates it counted added to the
 /// history; returns the driven buckets as (service, bucket).
 async fn run_traffic(

@@ -21,6 +21,7 @@ use super::{
     encoded, load, parse_window, percent, problems_notice, pull_request_html, rate, style, when,
     DashError, Links, CSS, WINDOWS,
 };
+use crate::gitops::writer::BaseReadError;
 use crate::readiness::{self, ShadowStats, Verdict};
 use crate::serve::AppState;
 use crate::store::{minute_of, ChangeState, QuotaChange, StepRow, Store};
@@ -169,7 +170,7 @@ pub(in crate::serve) async fn service_rule(
         None => (None, None),
         Some(q) => match q.base_policies().await {
             Ok(p) => (p, None),
-            Err(e) => (None, Some(e)),
+            Err(e) => (None, Some(e.to_string())),
         },
     };
     let (rule, from_file) = rlc_plan::promotion::readiness_rule(policies.as_ref(), service);
@@ -275,7 +276,7 @@ pub struct OverrideView {
 /// at or before `now - window` (up to one step longer) and its last step is the current,
 /// partial one (at most `MAX_POINTS + 1` steps).
 fn bounds(window: &str) -> Result<(DateTime<Utc>, DateTime<Utc>, i64), DashError> {
-    let span = parse_window(window).map_err(DashError::BadRequest)?;
+    let span = parse_window(window).map_err(|e| DashError::BadRequest(e.to_string()))?;
     let end = minute_of(Utc::now()) + Duration::minutes(1);
     let minutes = ((span.num_seconds() + 59) / 60).max(1);
     let step_minutes = ((minutes + MAX_POINTS - 1) / MAX_POINTS).max(1);
@@ -407,7 +408,7 @@ async fn base_bucket(
     s: &AppState,
     service: &str,
     bucket: &str,
-) -> Result<Option<(String, schema::Bucket)>, String> {
+) -> Result<Option<(String, schema::Bucket)>, BaseReadError> {
     let Some(q) = s.quotas() else {
         return Ok(None);
     };
@@ -707,7 +708,7 @@ pub(in crate::serve) async fn bucket_page(
             let rule = service_rule(&s, &service).await;
             match base_bucket(&s, &service, &bucket).await {
                 Ok(b) => base = b,
-                Err(e) => config_problem = Some(e),
+                Err(e) => config_problem = Some(e.to_string()),
             };
             detail(
                 &store,
