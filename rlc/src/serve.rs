@@ -78,8 +78,6 @@ pub struct ServeArgs {
     pub run_deadline_secs: u64,
 }
 
-pub use schema::parse_schedule;
-
 /// The daemon's metrics (`GET /metrics`, OpenMetrics text through `prometheus-client`).
 #[derive(Clone)]
 struct Metrics {
@@ -630,7 +628,7 @@ pub async fn serve_on(
     let schedule = cfg
         .schedule
         .as_deref()
-        .map(parse_schedule)
+        .map(schema::parse_schedule)
         .transpose()
         .map_err(anyhow::Error::msg)?;
     let tls = opts

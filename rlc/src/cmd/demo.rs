@@ -29,8 +29,8 @@ use anyhow::{bail, Context};
 use grl_client::auth::CredentialSet;
 use grl_client::client::{ClientOptions, GrlClient};
 use grl_client::layer::{GrlLayer, KeyFrom};
-use grl_control::aggregator::{Aggregator, AggregatorOptions};
-use grl_control::controller::{Controller, ControllerOptions};
+use grl_control::aggregator::{Aggregator, AggregatorHandle, AggregatorOptions};
+use grl_control::controller::{Controller, ControllerHandle, ControllerOptions};
 use schema::{format_rps, Mode, PolicyName};
 use tower::ServiceExt as _;
 
@@ -105,12 +105,41 @@ fn say(rel: &str, wrote: Wrote) {
 
 /// Runs the demo; returns the exit code.
 pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
-    let shown = args.dir.clone();
     std::fs::create_dir_all(&args.dir)
         .with_context(|| format!("creating {}", args.dir.display()))?;
     let dir = args.dir.canonicalize()?;
     let mut owned = Owned::load(&dir)?;
+    let files = prepare_files(&args, &dir, &mut owned)?;
+    let controller = start_controller(&files).await?;
+    let demo = Demo::new(&files, &controller)?;
+    let Some(head) = demo.first_run(&files, &controller).await? else {
+        controller.shutdown().await;
+        bail!("the cycle failed");
+    };
+    let driven = run_traffic(&args, &files, &mut owned, &controller, &demo).await?;
+    let again = demo.second_run(&files, &head, &driven).await?;
+    controller.shutdown().await;
+    print_next_steps(&args);
+    Ok(if again.status == RunStatus::Failed {
+        1
+    } else {
+        0
+    })
+}
 
+/// Where the demo's files are, with the secrets it read from them.
+struct Files {
+    dir: PathBuf,
+    repo_dir: PathBuf,
+    history: PathBuf,
+    creds_path: PathBuf,
+    cfg_path: PathBuf,
+    zone_token: String,
+}
+
+/// Steps 1 to 3's files: the config repo, the history, the credentials, `rlc-token` and
+/// `rlc.yaml` (each reused, or kept when edited, as the module doc says).
+fn prepare_files(args: &DemoArgs, dir: &Path, owned: &mut Owned) -> anyhow::Result<Files> {
     // 1. The config repo.
     let repo_dir = dir.join("config-repo");
     let created = match &args.template {
@@ -126,21 +155,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
             (true, Some(t)) => format!("created from {}", t.display()),
         }
     );
-
-    // 2. History.
-    let history = dir.join("history.csv");
-    if !history.exists() {
-        let rows = crate::history::synth::generate(&history, 42, chrono::Utc::now(), 28, 60)
-            .with_context(|| format!("writing {}", history.display()))?;
-        owned.record("history.csv")?;
-        println!(
-            "2. history      {} ({rows} per-minute samples, 28 days, generated)",
-            history.display()
-        );
-    } else {
-        println!("2. history      {} (reused)", history.display());
-    }
-
+    let history = prepare_history(dir, owned)?;
     // 3. Credentials, one per role: rlc pushes configs and reads reports, on-call people add
     // overrides, aggregators send zone reports; no anonymous report is accepted. Reused when
     // they exist, so that a controller started from them keeps working across re-runs.
@@ -173,17 +188,44 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
             false,
         )?,
     );
+    Ok(Files {
+        dir: dir.to_path_buf(),
+        repo_dir,
+        history,
+        creds_path,
+        cfg_path,
+        zone_token,
+    })
+}
 
-    // The in-process controller serving the repo's buckets, its state where the README's
-    // `grl controller` takes it over.
+/// Step 2: four weeks of generated history, unless there is one.
+fn prepare_history(dir: &Path, owned: &mut Owned) -> anyhow::Result<PathBuf> {
+    let history = dir.join("history.csv");
+    if !history.exists() {
+        let rows = crate::history::synth::generate(&history, 42, chrono::Utc::now(), 28, 60)
+            .with_context(|| format!("writing {}", history.display()))?;
+        owned.record("history.csv")?;
+        println!(
+            "2. history      {} ({rows} per-minute samples, 28 days, generated)",
+            history.display()
+        );
+    } else {
+        println!("2. history      {} (reused)", history.display());
+    }
+    Ok(history)
+}
+
+/// The in-process controller serving the repo's buckets, its state where the README's
+/// `grl controller` takes it over.
+async fn start_controller(files: &Files) -> anyhow::Result<ControllerHandle> {
     let mut credentials = CredentialSet::default();
     credentials
-        .add_file(&creds_path, Some(grl_control::controller::ROLES))
+        .add_file(&files.creds_path, Some(grl_control::controller::ROLES))
         .map_err(anyhow::Error::msg)?;
     let controller = Controller::start(ControllerOptions {
-        state_dir: dir.join("grl-state"),
+        state_dir: files.dir.join("grl-state"),
         credentials,
-        config_dir: Some(repo_dir.join("buckets")),
+        config_dir: Some(files.repo_dir.join("buckets")),
         tick: Duration::from_millis(250),
         ..Default::default()
     })
@@ -192,227 +234,136 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
     println!(
         "3. controller   {} (in-process for the demo; state in {})",
         controller.url(),
-        dir.join("grl-state").display()
+        files.dir.join("grl-state").display()
     );
     println!(
         "   credentials  {} (mode 600: rlc = config,reports; oncall = overrides; zone-report), rlc's in {}",
-        creds_path.display(),
-        dir.join("rlc-token").display()
+        files.creds_path.display(),
+        files.dir.join("rlc-token").display()
     );
+    Ok(controller)
+}
 
-    // rlc.yaml names the controller of the next steps; the demo's cycles talk to this one.
-    let (mut cfg, base) = crate::config::load_config(&cfg_path)?;
-    if let Some(c) = cfg.controller.as_mut() {
-        c.url = controller.url();
-    }
-    // The production planner, keeping its last plan: the demo says why a driven bucket kept
-    // its limit (the plan's evidence).
-    let last_plan: Arc<Mutex<Option<Plan>>> = Arc::default();
-    let planner: crate::cycle::Planner = {
-        let last_plan = last_plan.clone();
-        Arc::new(move |input| {
+/// The demo's cycles: rlc.yaml's config pointed at the in-process controller, and the
+/// production planner keeping its last plan (the demo says why a driven bucket kept its
+/// limit: the plan's evidence).
+struct Demo {
+    cfg: schema::DaemonConfig,
+    base: PathBuf,
+    cycle: Cycle,
+    planner: crate::cycle::Planner,
+    last_plan: Arc<Mutex<Option<Plan>>>,
+}
+
+impl Demo {
+    fn new(files: &Files, controller: &ControllerHandle) -> anyhow::Result<Self> {
+        // rlc.yaml names the controller of the next steps; the demo's cycles talk to this one.
+        let (mut cfg, base) = crate::config::load_config(&files.cfg_path)?;
+        if let Some(c) = cfg.controller.as_mut() {
+            c.url = controller.url();
+        }
+        let last_plan: Arc<Mutex<Option<Plan>>> = Arc::default();
+        let planner: crate::cycle::Planner = {
             let last_plan = last_plan.clone();
-            Box::pin(async move {
-                let plan = crate::cycle::compute::compute(input).await?;
-                *last_plan.lock().unwrap_or_else(|e| e.into_inner()) = Some(plan.clone());
-                Ok(plan)
+            Arc::new(move |input| {
+                let last_plan = last_plan.clone();
+                Box::pin(async move {
+                    let plan = crate::cycle::compute::compute(input).await?;
+                    *last_plan.lock().unwrap_or_else(|e| e.into_inner()) = Some(plan.clone());
+                    Ok(plan)
+                })
             })
+        };
+        let cycle = Cycle::new(cfg.clone(), &base);
+        Ok(Demo {
+            cfg,
+            base,
+            cycle,
+            planner,
+            last_plan,
         })
-    };
-    let cycle = Cycle::new(cfg.clone(), &base);
+    }
 
-    // 4. One full cycle.
-    println!("4. rlc run      (config: {})", cfg_path.display());
-    let out = cycle.run(&planner, "demo").await;
-    for line in out.to_string().lines() {
-        println!("   {line}");
-    }
-    if out.status == RunStatus::Failed {
-        controller.shutdown().await;
-        bail!("the cycle failed");
-    }
-    let head = git_head(&repo_dir)?;
-    let status: serde_json::Value = reqwest::get(format!("{}/v1/status", controller.url()))
-        .await?
-        .json()
-        .await?;
-    let active = status["version"].as_str().unwrap_or_default().to_string();
-    println!(
-        "   controller version {} {} config-repo HEAD {}",
-        short(&active),
-        if active == head { "==" } else { "!=" },
-        short(&head)
-    );
-
-    // 5. Live traffic through a real client and aggregator, on an enforced bucket (a peak
-    // policy's when there is one: its next limit follows the observed peak) and a shadow
-    // bucket of the same service.
-    let after = schema::ConfigRepo::load(&repo_dir).0;
-    let mut all: Vec<(String, schema::Bucket)> = after
-        .buckets
-        .values()
-        .flat_map(|f| {
-            f.value
-                .buckets
-                .iter()
-                .map(move |b| (f.value.service.clone(), b.clone()))
-        })
-        .filter(|(_, b)| b.caller.is_some() && b.procedure.is_some())
-        .collect();
-    all.sort_by_key(|(_, b)| (b.mode != Mode::Enforce, b.policy != PolicyName::Peak));
-    let driven = all
-        .first()
-        .filter(|(_, b)| b.mode == Mode::Enforce && args.traffic_secs > 0);
-    if args.traffic_secs == 0 {
-        println!("5. traffic      none (--traffic-secs 0): the history stays the bundled one");
-    }
-    let mut driven_keys: Vec<(String, String)> = Vec::new();
-    if let Some((service, enforced)) = driven {
-        let shadow = all
-            .iter()
-            .find(|(s, b)| s == service && b.mode == Mode::Shadow)
-            .map(|(_, b)| b.clone());
-        let mut driven = vec![enforced.clone()];
-        driven.extend(shadow);
-        driven_keys = driven
-            .iter()
-            .map(|b| (service.clone(), b.name.clone()))
-            .collect();
-        let before = offered_counts(&controller.url()).await?;
-        traffic(
-            &controller.url(),
-            &mut owned,
-            &zone_token,
-            service,
-            &driven,
-            args.traffic_secs,
-        )
-        .await?;
-        let counted = offered_counts(&controller.url()).await?;
-        // The controller's reports: the dashboard's data (`rlc serve` reads them from here on).
-        let mut client_cfg = cfg
-            .controller
-            .clone()
-            .context("rlc.yaml has no controller")?;
-        client_cfg.url = controller.url();
-        let client = crate::push::ControllerClient::from_config(&client_cfg, &base)?;
-        let store = cycle.store().await?;
-        let (mut cursor, mut stored) = (None::<String>, 0);
-        let mut sums: BTreeMap<String, (f64, f64, f64)> = BTreeMap::new();
-        // The controller writes a second's report rows after it: the last counts are in rows
-        // at most a second after the traffic's end. Read until every request it counted is in
-        // a row (or 5 s passed).
-        let offered: f64 = counted
-            .iter()
-            .filter(|(k, _)| &k.0 == service)
-            .map(|(k, n)| n - before.get(k).copied().unwrap_or(0.0))
-            .sum();
-        let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        loop {
-            let page = client.reports(cursor.as_deref(), 10_000).await?;
-            let n = page.reports.len();
-            for r in page.reports.iter().filter(|r| &r.service == service) {
-                let e = sums.entry(r.bucket.clone()).or_default();
-                let [offered, _, dropped, shadow_dropped] = r.requests();
-                e.0 += offered;
-                e.1 += dropped;
-                e.2 += shadow_dropped;
-            }
-            stored += store
-                .insert_reports(&page.reports, chrono::Utc::now())
-                .await?;
-            let next = page.next.as_param();
-            let moved = next.is_some() && next != cursor;
-            if moved {
-                cursor = next;
-            }
-            if n == 10_000 && moved {
-                continue;
-            }
-            let in_rows: f64 = sums.values().map(|e| e.0).sum();
-            if in_rows >= offered || std::time::Instant::now() >= deadline {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(250)).await;
+    /// Step 4: one full cycle, and whether the controller serves what it committed; returns the
+    /// config repo's HEAD, or `None` when the cycle failed.
+    async fn first_run(
+        &self,
+        files: &Files,
+        controller: &ControllerHandle,
+    ) -> anyhow::Result<Option<String>> {
+        println!("4. rlc run      (config: {})", files.cfg_path.display());
+        let out = self.cycle.run(&self.planner, "demo").await;
+        for line in out.to_string().lines() {
+            println!("   {line}");
         }
-        for b in &driven {
-            let (o, d, v) = sums.get(&b.name).copied().unwrap_or_default();
-            let pct = |x: f64| 100.0 * x / o.max(f64::MIN_POSITIVE);
-            println!(
-                "   reports      {service}/{} ({}): dropped {:.1}%, virtually dropped (shadow) {:.1}% of the offered requests",
-                b.name,
-                b.mode.as_str(),
-                pct(d),
-                pct(v)
-            );
+        if out.status == RunStatus::Failed {
+            return Ok(None);
         }
+        let head = git_head(&files.repo_dir)?;
+        let status: serde_json::Value = reqwest::get(format!("{}/v1/status", controller.url()))
+            .await?
+            .json()
+            .await?;
+        let active = status["version"].as_str().unwrap_or_default().to_string();
         println!(
-            "   store        {stored} controller reports stored in {} (the dashboard's data)",
-            dir.join("rlc.db").display()
+            "   controller version {} {} config-repo HEAD {}",
+            short(&active),
+            if active == head { "==" } else { "!=" },
+            short(&head)
         );
-        // What the controller counted, as Prometheus would scrape it: the history's last sample.
-        let mut observed = Vec::new();
-        for (key, n) in &counted {
-            let rate = (n - before.get(key).copied().unwrap_or(0.0)) / args.traffic_secs as f64;
-            if rate > 0.0 {
-                observed.push((key.clone(), rate));
-            }
-        }
-        if owned.is_ours("history.csv") {
-            // Stamped at the last whole minute (the newest a run reads), or the history's
-            // last minute if later.
-            let whole = chrono::Utc::now().timestamp() / 60 * 60 - 60;
-            let last = last_sample_ts(&history)?.max(whole);
-            let mut f = std::fs::OpenOptions::new()
-                .append(true)
-                .open(&history)
-                .with_context(|| format!("appending to {}", history.display()))?;
-            writeln!(
-                f,
-                "# observed by `rlc demo` at {}: grl_requests_offered_total over {} s of traffic",
-                chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
-                args.traffic_secs
-            )?;
-            for ((s, c, p), rate) in &observed {
-                writeln!(f, "{last},{s},{c},{p},{rate:.3}")?;
-                println!(
-                    "   observed     {s}/{c}.{p} {} rps offered (the controller's grl_requests_offered_total), added to history.csv as its last minute",
-                    format_rps(rate.round())
-                );
-            }
-            drop(f);
-            owned.record("history.csv")?;
-        } else {
-            println!("   kept history.csv: edited since `rlc demo` wrote it; the observed rates are not added");
-        }
+        Ok(Some(head))
     }
 
-    // 6. The history with the observed traffic: the enforced bucket's overload was refused
-    // (throttled minutes, left out); the shadow bucket's demand is learned.
-    // Decreases the rails capped wait for the next interval (one decrease per bucket per day).
-    let again = cycle.run(&planner, "demo").await;
-    let head2 = git_head(&repo_dir)?;
-    let waiting = again
-        .skipped
-        .iter()
-        .filter(|s| s.reason.contains("already lowered"))
-        .count();
-    println!(
-        "6. rlc run again, on the history with the observed traffic: {}{}",
-        again.status.as_str(),
-        if waiting > 0 {
-            format!(" ({waiting} capped decrease(s) wait a day: one decrease per bucket per day)")
-        } else {
-            String::new()
+    /// Step 6: the history with the observed traffic: the enforced bucket's overload was refused
+    /// (throttled minutes, left out); the shadow bucket's demand is learned. Decreases the
+    /// rails capped wait for the next interval (one decrease per bucket per day).
+    async fn second_run(
+        &self,
+        files: &Files,
+        head: &str,
+        driven: &[(String, String)],
+    ) -> anyhow::Result<crate::cycle::RunOutcome> {
+        let again = self.cycle.run(&self.planner, "demo").await;
+        let head2 = git_head(&files.repo_dir)?;
+        let waiting = again
+            .skipped
+            .iter()
+            .filter(|s| s.reason.contains("already lowered"))
+            .count();
+        println!(
+            "6. rlc run again, on the history with the observed traffic: {}{}",
+            again.status.as_str(),
+            if waiting > 0 {
+                format!(
+                    " ({waiting} capped decrease(s) wait a day: one decrease per bucket per day)"
+                )
+            } else {
+                String::new()
+            }
+        );
+        for line in again.to_string().lines().skip(1) {
+            println!("   {line}");
         }
-    );
-    for line in again.to_string().lines().skip(1) {
-        println!("   {line}");
+        self.print_why(driven);
+        println!(
+            "   {}",
+            if head2 == head {
+                "no new commit".to_string()
+            } else {
+                format!("new commit {}", short(&head2))
+            }
+        );
+        Ok(again)
     }
-    // Why each driven bucket has the limit it has: an overload refused for seconds is not
-    // demand (the enforced bucket keeps its limit); the shadow bucket refused nothing.
-    if let Some(plan) = last_plan.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
-        for (service, name) in &driven_keys {
+
+    /// Why each driven bucket has the limit it has: an overload refused for seconds is not
+    /// demand (the enforced bucket keeps its limit); the shadow bucket refused nothing.
+    fn print_why(&self, driven: &[(String, String)]) {
+        let last_plan = self.last_plan.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(plan) = last_plan.as_ref() else {
+            return;
+        };
+        for (service, name) in driven {
             if let Some(b) = plan
                 .buckets
                 .iter()
@@ -427,16 +378,196 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
             }
         }
     }
-    println!(
-        "   {}",
-        if head2 == head {
-            "no new commit".to_string()
-        } else {
-            format!("new commit {}", short(&head2))
-        }
-    );
-    controller.shutdown().await;
+}
 
+/// The buckets the demo drives: an enforced bucket (a peak policy's when there is one: its
+/// next limit follows the observed peak) and a shadow bucket of the same service, when there
+/// is traffic to drive.
+fn driven_buckets(repo_dir: &Path, traffic_secs: u64) -> Option<(String, Vec<schema::Bucket>)> {
+    let after = schema::ConfigRepo::load(repo_dir).0;
+    let mut all: Vec<(String, schema::Bucket)> = after
+        .buckets
+        .values()
+        .flat_map(|f| {
+            f.value
+                .buckets
+                .iter()
+                .map(move |b| (f.value.service.clone(), b.clone()))
+        })
+        .filter(|(_, b)| b.caller.is_some() && b.procedure.is_some())
+        .collect();
+    all.sort_by_key(|(_, b)| (b.mode != Mode::Enforce, b.policy != PolicyName::Peak));
+    let (service, enforced) = all
+        .first()
+        .filter(|(_, b)| b.mode == Mode::Enforce && traffic_secs > 0)?;
+    let shadow = all
+        .iter()
+        .find(|(s, b)| s == service && b.mode == Mode::Shadow)
+        .map(|(_, b)| b.clone());
+    let mut driven = vec![enforced.clone()];
+    driven.extend(shadow);
+    Some((service.clone(), driven))
+}
+
+/// Step 5: live traffic through a real client and aggregator on the driven buckets, the
+/// controller's reports read into the store, and the offered rates it counted added to the
+/// history; returns the driven buckets as (service, bucket).
+async fn run_traffic(
+    args: &DemoArgs,
+    files: &Files,
+    owned: &mut Owned,
+    controller: &ControllerHandle,
+    demo: &Demo,
+) -> anyhow::Result<Vec<(String, String)>> {
+    let driven = driven_buckets(&files.repo_dir, args.traffic_secs);
+    if args.traffic_secs == 0 {
+        println!("5. traffic      none (--traffic-secs 0): the history stays the bundled one");
+    }
+    let Some((service, driven)) = driven else {
+        return Ok(Vec::new());
+    };
+    let before = offered_counts(&controller.url()).await?;
+    traffic(
+        &controller.url(),
+        owned,
+        &files.zone_token,
+        &service,
+        &driven,
+        args.traffic_secs,
+    )
+    .await?;
+    let counted = offered_counts(&controller.url()).await?;
+    // The controller writes a second's report rows after it: the last counts are in rows at
+    // most a second after the traffic's end.
+    let offered: f64 = counted
+        .iter()
+        .filter(|(k, _)| k.0 == service)
+        .map(|(k, n)| n - before.get(k).copied().unwrap_or(0.0))
+        .sum();
+    let (sums, stored) = read_reports(demo, controller, &service, offered).await?;
+    for b in &driven {
+        let (o, d, v) = sums.get(&b.name).copied().unwrap_or_default();
+        let pct = |x: f64| 100.0 * x / o.max(f64::MIN_POSITIVE);
+        println!(
+            "   reports      {service}/{} ({}): dropped {:.1}%, virtually dropped (shadow) {:.1}% of the offered requests",
+            b.name,
+            b.mode.as_str(),
+            pct(d),
+            pct(v)
+        );
+    }
+    println!(
+        "   store        {stored} controller reports stored in {} (the dashboard's data)",
+        files.dir.join("rlc.db").display()
+    );
+    // What the controller counted, as Prometheus would scrape it: the history's last sample.
+    let mut observed = Vec::new();
+    for (key, n) in &counted {
+        let rate = (n - before.get(key).copied().unwrap_or(0.0)) / args.traffic_secs as f64;
+        if rate > 0.0 {
+            observed.push((key.clone(), rate));
+        }
+    }
+    add_observed(owned, &files.history, &observed, args.traffic_secs)?;
+    Ok(driven
+        .iter()
+        .map(|b| (service.clone(), b.name.clone()))
+        .collect())
+}
+
+/// Offered, dropped and virtually dropped requests per bucket.
+type Sums = BTreeMap<String, (f64, f64, f64)>;
+
+/// The controller's reports into the store (the dashboard's data: `rlc serve` reads them from
+/// here on), read until every request of `service` it counted (`offered`) is in a row, or 5 s
+/// passed; returns `service`'s sums per bucket and how many reports were stored.
+async fn read_reports(
+    demo: &Demo,
+    controller: &ControllerHandle,
+    service: &str,
+    offered: f64,
+) -> anyhow::Result<(Sums, u64)> {
+    let mut client_cfg = demo
+        .cfg
+        .controller
+        .clone()
+        .context("rlc.yaml has no controller")?;
+    client_cfg.url = controller.url();
+    let client = crate::push::ControllerClient::from_config(&client_cfg, &demo.base)?;
+    let store = demo.cycle.store().await?;
+    let (mut cursor, mut stored) = (None::<String>, 0);
+    let mut sums = Sums::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let page = client.reports(cursor.as_deref(), 10_000).await?;
+        let n = page.reports.len();
+        for r in page.reports.iter().filter(|r| r.service == service) {
+            let e = sums.entry(r.bucket.clone()).or_default();
+            let [offered, _, dropped, shadow_dropped] = r.requests();
+            e.0 += offered;
+            e.1 += dropped;
+            e.2 += shadow_dropped;
+        }
+        stored += store
+            .insert_reports(&page.reports, chrono::Utc::now())
+            .await?;
+        let next = page.next.as_param();
+        let moved = next.is_some() && next != cursor;
+        if moved {
+            cursor = next;
+        }
+        if n == 10_000 && moved {
+            continue;
+        }
+        let in_rows: f64 = sums.values().map(|e| e.0).sum();
+        if in_rows >= offered || std::time::Instant::now() >= deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    Ok((sums, stored))
+}
+
+/// Appends the observed rates to the history as its last minute, unless the history was
+/// edited since the demo wrote it.
+fn add_observed(
+    owned: &mut Owned,
+    history: &Path,
+    observed: &[((String, String, String), f64)],
+    traffic_secs: u64,
+) -> anyhow::Result<()> {
+    if !owned.is_ours("history.csv") {
+        println!("   kept history.csv: edited since `rlc demo` wrote it; the observed rates are not added");
+        return Ok(());
+    }
+    // Stamped at the last whole minute (the newest a run reads), or the history's last
+    // minute if later.
+    let whole = chrono::Utc::now().timestamp() / 60 * 60 - 60;
+    let last = last_sample_ts(history)?.max(whole);
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(history)
+        .with_context(|| format!("appending to {}", history.display()))?;
+    writeln!(
+        f,
+        "# observed by `rlc demo` at {}: grl_requests_offered_total over {} s of traffic",
+        chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+        traffic_secs
+    )?;
+    for ((s, c, p), rate) in observed {
+        writeln!(f, "{last},{s},{c},{p},{rate:.3}")?;
+        println!(
+            "   observed     {s}/{c}.{p} {} rps offered (the controller's grl_requests_offered_total), added to history.csv as its last minute",
+            format_rps(rate.round())
+        );
+    }
+    drop(f);
+    owned.record("history.csv")?;
+    Ok(())
+}
+
+/// The README's next commands, run the way this one was (`cargo run` or installed).
+fn print_next_steps(args: &DemoArgs) {
     let (rlc, grl) = if std::env::var("CARGO_PKG_NAME").as_deref() == Ok("rlc") {
         // Started by `cargo run`: the same way for the next commands.
         let release = if cfg!(debug_assertions) {
@@ -451,7 +582,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
     } else {
         ("rlc".to_string(), "grl".to_string())
     };
-    let d = shown.display();
+    let d = args.dir.display();
     println!("\nNext, from this directory (README, Quick start): the controller from the demo's state, a run, the daemon");
     println!(
         "  {grl} controller --listen {} --state-dir {d}/grl-state --credentials {d}/grl-credentials &",
@@ -463,11 +594,6 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<i32> {
         "Dashboard: http://{}/ ; `git -C {d}/config-repo log -p` shows what was committed.",
         args.listen
     );
-    Ok(if again.status == RunStatus::Failed {
-        1
-    } else {
-        0
-    })
 }
 
 /// `grl_requests_offered_total` of the controller's `/metrics`, summed per (service, caller,
@@ -545,35 +671,7 @@ async fn traffic(
     buckets: &[schema::Bucket],
     secs: u64,
 ) -> anyhow::Result<()> {
-    // The aggregator accepts client reports only with a credential for their service.
-    let client_creds = owned.dir().join("grl-client-credentials");
-    if !client_creds.exists() {
-        let w = owned.write(
-            "grl-client-credentials",
-            &format!(
-                "# Written by `rlc demo`: NAME SERVICES SECRET (see docs/security.md).\n{service} {service} {}\n",
-                secret()
-            ),
-            true,
-        )?;
-        say("grl-client-credentials", w);
-    }
-    let client_token = credential(&client_creds, service)?;
-    let agg = Aggregator::start(AggregatorOptions {
-        listen: ([127, 0, 0, 1], 0).into(),
-        controllers: vec![controller.to_string()],
-        zone: "demo-zone-a".into(),
-        region: "demo".into(),
-        tick: Duration::from_millis(250),
-        report_token: Some(zone_token.into()),
-        client_credentials: Some(client_creds.clone()),
-        ..Default::default()
-    })
-    .await?;
-    let mut opts = ClientOptions::new(service, vec![agg.url()]);
-    opts.tick = Duration::from_millis(250);
-    opts.report_token = Some(client_token.as_str().into());
-    let client = GrlClient::start(opts);
+    let (agg, client, client_creds) = start_client(controller, owned, zone_token, service).await?;
     let offered: Vec<f64> = buckets.iter().map(|b| b.limit_rps * 1.5).collect();
     for (i, (b, o)) in buckets.iter().zip(&offered).enumerate() {
         println!(
@@ -604,6 +702,63 @@ async fn traffic(
     while client.limiter().table().version().is_empty() && Instant::now() < waited {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    offer(&app, buckets, &offered, secs).await?;
+    // Let the last counts reach the controller (client, aggregator and controller tick every
+    // 250 ms) before anyone reads them.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    client.shutdown();
+    agg.shutdown().await;
+    Ok(())
+}
+
+/// A zone aggregator reporting to `controller` and a GRL client of `service` reporting to it,
+/// with the client's credential (written on first use: the aggregator accepts client reports
+/// only with a credential for their service) and the file holding it.
+async fn start_client(
+    controller: &str,
+    owned: &mut Owned,
+    zone_token: &str,
+    service: &str,
+) -> anyhow::Result<(AggregatorHandle, GrlClient, PathBuf)> {
+    let client_creds = owned.dir().join("grl-client-credentials");
+    if !client_creds.exists() {
+        let w = owned.write(
+            "grl-client-credentials",
+            &format!(
+                "# Written by `rlc demo`: NAME SERVICES SECRET (see docs/security.md).\n{service} {service} {}\n",
+                secret()
+            ),
+            true,
+        )?;
+        say("grl-client-credentials", w);
+    }
+    let client_token = credential(&client_creds, service)?;
+    let agg = Aggregator::start(AggregatorOptions {
+        listen: ([127, 0, 0, 1], 0).into(),
+        controllers: vec![controller.to_string()],
+        zone: "demo-zone-a".into(),
+        region: "demo".into(),
+        tick: Duration::from_millis(250),
+        report_token: Some(zone_token.into()),
+        client_credentials: Some(client_creds.clone()),
+        ..Default::default()
+    })
+    .await?;
+    let mut opts = ClientOptions::new(service, vec![agg.url()]);
+    opts.tick = Duration::from_millis(250);
+    opts.report_token = Some(client_token.as_str().into());
+    let client = GrlClient::start(opts);
+    Ok((agg, client, client_creds))
+}
+
+/// Sends `offered[i]` requests/s of bucket `i`'s caller and procedure to `app` for `secs`
+/// seconds, printing each second's requests and 429s per bucket.
+async fn offer(
+    app: &axum::Router,
+    buckets: &[schema::Bucket],
+    offered: &[f64],
+    secs: u64,
+) -> anyhow::Result<()> {
     let slice = Duration::from_millis(20);
     let start = Instant::now();
     let mut last = start;
@@ -647,11 +802,6 @@ async fn traffic(
             .collect();
         println!("   t={second}s {}", line.join(" | "));
     }
-    // Let the last counts reach the controller (client, aggregator and controller tick every
-    // 250 ms) before anyone reads them.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    client.shutdown();
-    agg.shutdown().await;
     Ok(())
 }
 

@@ -28,6 +28,16 @@ const MAX_CREDENTIAL_ATTEMPTS: u32 = 3;
 /// prove that a decrease is allowed, and every decrease is held.
 pub const DECREASE_HISTORY_MAX_COMMITS: usize = 2000;
 
+/// The config repo's base tip could not be read off a request's path: its working copy
+/// ([`Writer::open_existing`] and the reads after it), or the blocking task that read it.
+#[derive(Debug, thiserror::Error)]
+pub enum BaseReadError {
+    #[error("reading the config repo: {0}")]
+    Git(#[from] GitOpsError),
+    #[error("reading the config repo: {0}")]
+    Task(#[from] tokio::task::JoinError),
+}
+
 /// Where and how to write, resolved from `rlc.yaml` (paths made absolute, token read).
 #[derive(Clone)]
 pub struct WriterConfig {

@@ -51,9 +51,18 @@ fn window_or_default(window: Option<String>) -> String {
 /// number without sign or leading zero and a unit, 1 s to 30 d (or empty: the default).
 pub const WINDOW_PATTERN: &str = "^(|([1-9][0-9]{0,5}|1[0-9]{6}|2[0-4][0-9]{5}|25[0-8][0-9]{4}|259[01][0-9]{3}|2592000)s|([1-9][0-9]{0,3}|[1-3][0-9]{4}|4[0-2][0-9]{3}|43[01][0-9]{2}|43200)m|([1-9][0-9]?|[1-6][0-9]{2}|7[01][0-9]|720)h|([1-9]|[12][0-9]|30)d)$";
 
+/// A window [`parse_window`] refuses (the message names it).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WindowError {
+    #[error("window `{0}`: expected a number followed by s, m, h or d (e.g. 1h)")]
+    Malformed(String),
+    #[error("window `{0}`: must be between 1s and 30d")]
+    OutOfRange(String),
+}
+
 /// Parses a window such as `90s`, `15m`, `1h` or `7d` (1 s to 30 days).
-pub fn parse_window(s: &str) -> Result<chrono::Duration, String> {
-    let bad = || format!("window `{s}`: expected a number followed by s, m, h or d (e.g. 1h)");
+pub fn parse_window(s: &str) -> Result<chrono::Duration, WindowError> {
+    let bad = || WindowError::Malformed(s.to_string());
     let unit = s.chars().last().ok_or_else(bad)?;
     let digits = &s[..s.len() - unit.len_utf8()];
     // Digits only, no sign, no leading zero: what WINDOW_PATTERN says.
@@ -70,7 +79,7 @@ pub fn parse_window(s: &str) -> Result<chrono::Duration, String> {
     }
     .ok_or_else(bad)?;
     if !(1..=MAX_WINDOW_SECS).contains(&secs) {
-        return Err(format!("window `{s}`: must be between 1s and 30d"));
+        return Err(WindowError::OutOfRange(s.to_string()));
     }
     Ok(chrono::Duration::seconds(secs))
 }
@@ -325,7 +334,7 @@ struct Filter {
 impl Filter {
     fn parse(q: ShadowQuery) -> Result<Filter, DashError> {
         let window = window_or_default(q.window);
-        let span = parse_window(&window).map_err(DashError::BadRequest)?;
+        let span = parse_window(&window).map_err(|e| DashError::BadRequest(e.to_string()))?;
         Ok(Filter {
             service: q.service.filter(|s| !s.is_empty()),
             window,
@@ -1193,8 +1202,10 @@ fn run_summary(r: &RunRecord) -> Markup {
 }
 
 pub mod bucket;
+pub mod chart;
 pub mod lookback;
 pub mod overview;
+pub mod page;
 pub mod run_page;
 
 #[cfg(test)]

@@ -235,47 +235,8 @@ pub fn from_schema(
     if depth > MAX_DEPTH {
         return Value::Null;
     }
-    if let Some(r) = s.get("$ref").and_then(Value::as_str) {
-        let target = r.rsplit('/').next().and_then(|n| schemas.get(n));
-        return target.map_or(Value::Null, |t| from_schema(t, schemas, name, depth + 1));
-    }
-    for key in ["example", "default", "const"] {
-        if let Some(v) = s.get(key) {
-            return v.clone();
-        }
-    }
-    if let Some(v) = s
-        .get("examples")
-        .and_then(Value::as_array)
-        .and_then(|a| a.first())
-    {
-        return v.clone();
-    }
-    if let Some(v) = s
-        .get("enum")
-        .and_then(Value::as_array)
-        .and_then(|a| a.first())
-    {
-        return v.clone();
-    }
-    for key in ["anyOf", "oneOf"] {
-        if let Some(variants) = s.get(key).and_then(Value::as_array) {
-            // The first variant that is not null.
-            let pick = variants
-                .iter()
-                .find(|v| v.get("type").and_then(Value::as_str) != Some("null"))
-                .or(variants.first());
-            return pick.map_or(Value::Null, |v| from_schema(v, schemas, name, depth + 1));
-        }
-    }
-    if let Some(all) = s.get("allOf").and_then(Value::as_array) {
-        let mut out = Map::new();
-        for part in all {
-            if let Value::Object(m) = from_schema(part, schemas, name, depth + 1) {
-                out.extend(m);
-            }
-        }
-        return Value::Object(out);
+    if let Some(v) = given(s, schemas, name, depth) {
+        return v;
     }
     let ty = match s.get("type") {
         Some(Value::String(t)) => t.clone(),
@@ -292,7 +253,74 @@ pub fn from_schema(
     if let Some(v) = by_name(name, &ty, format) {
         return v;
     }
-    match ty.as_str() {
+    of_type(&ty, s, schemas, name, depth)
+}
+
+/// The value `s` gives or points to, if any: a `$ref`'s target, an `example`, `default`,
+/// `const`, first of `examples` or `enum`, the first non-null variant of `anyOf` / `oneOf`,
+/// the parts of `allOf` merged.
+fn given(
+    s: &Map<String, Value>,
+    schemas: &Map<String, Value>,
+    name: &str,
+    depth: usize,
+) -> Option<Value> {
+    if let Some(r) = s.get("$ref").and_then(Value::as_str) {
+        let target = r.rsplit('/').next().and_then(|n| schemas.get(n));
+        return Some(target.map_or(Value::Null, |t| from_schema(t, schemas, name, depth + 1)));
+    }
+    for key in ["example", "default", "const"] {
+        if let Some(v) = s.get(key) {
+            return Some(v.clone());
+        }
+    }
+    if let Some(v) = s
+        .get("examples")
+        .and_then(Value::as_array)
+        .and_then(|a| a.first())
+    {
+        return Some(v.clone());
+    }
+    if let Some(v) = s
+        .get("enum")
+        .and_then(Value::as_array)
+        .and_then(|a| a.first())
+    {
+        return Some(v.clone());
+    }
+    for key in ["anyOf", "oneOf"] {
+        if let Some(variants) = s.get(key).and_then(Value::as_array) {
+            // The first variant that is not null.
+            let pick = variants
+                .iter()
+                .find(|v| v.get("type").and_then(Value::as_str) != Some("null"))
+                .or(variants.first());
+            return Some(pick.map_or(Value::Null, |v| from_schema(v, schemas, name, depth + 1)));
+        }
+    }
+    if let Some(all) = s.get("allOf").and_then(Value::as_array) {
+        let mut out = Map::new();
+        for part in all {
+            if let Value::Object(m) = from_schema(part, schemas, name, depth + 1) {
+                out.extend(m);
+            }
+        }
+        return Some(Value::Object(out));
+    }
+    None
+}
+
+/// A value of type `ty` conforming to `s`: an object with each property (or one
+/// `payments` entry of a map), an array of one item (none when it may be empty and the
+/// item is null), a window for a window pattern, the minimum for numbers (at least 1).
+fn of_type(
+    ty: &str,
+    s: &Map<String, Value>,
+    schemas: &Map<String, Value>,
+    name: &str,
+    depth: usize,
+) -> Value {
+    match ty {
         "object" => {
             let mut out = Map::new();
             if let Some(props) = s.get("properties").and_then(Value::as_object) {

@@ -140,7 +140,7 @@ async fn not_found(
     if wants_html(&headers) {
         return (
             axum::http::StatusCode::NOT_FOUND,
-            Html(dashboard::run_page::error_page("Not found", &detail)),
+            Html(dashboard::page::error_page("Not found", &detail)),
         )
             .into_response();
     }

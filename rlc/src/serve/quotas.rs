@@ -31,7 +31,8 @@ use super::limits::{ConcurrencyLimit, RETRY_AFTER_SECS};
 use super::problem::{InputProblem, Problem};
 use super::AppState;
 use crate::gather::StoreWitness;
-use crate::gitops::{Writer, WriterConfig};
+use crate::gitops::writer::BaseReadError;
+use crate::gitops::{GitOpsError, Writer, WriterConfig};
 use crate::history::snapshot::{HistoryCache, Snapshot};
 use crate::plan::{Plan, PlannedBucket, Skipped};
 use crate::quota_view::QuotaBucket;
@@ -211,22 +212,22 @@ impl Quotas {
 
     /// `rlc/policies.yaml` of the base tip as last fetched (no network): `Ok(None)` without
     /// the file, an error when the working copy cannot be read.
-    pub async fn base_policies(&self) -> Result<Option<schema::PoliciesFile>, String> {
+    pub async fn base_policies(&self) -> Result<Option<schema::PoliciesFile>, BaseReadError> {
         let wcfg = self.writer_config();
-        tokio::task::spawn_blocking(move || Writer::open_existing(wcfg)?.base_policies())
-            .await
-            .map_err(|e| format!("reading the config repo: {e}"))?
-            .map_err(|e| format!("reading the config repo: {e}"))
+        Ok(
+            tokio::task::spawn_blocking(move || Writer::open_existing(wcfg)?.base_policies())
+                .await??,
+        )
     }
 
     /// The bucket files of the base tip as last fetched (no network) with its commit: what the
     /// controller should run. The dashboard lists every bucket from it.
-    pub async fn base_buckets(&self) -> Result<(String, Vec<schema::BucketFile>), String> {
+    pub async fn base_buckets(&self) -> Result<(String, Vec<schema::BucketFile>), BaseReadError> {
         let wcfg = self.writer_config();
-        tokio::task::spawn_blocking(move || Writer::open_existing(wcfg)?.base_buckets())
-            .await
-            .map_err(|e| format!("reading the config repo: {e}"))?
-            .map_err(|e| format!("reading the config repo: {e}"))
+        Ok(
+            tokio::task::spawn_blocking(move || Writer::open_existing(wcfg)?.base_buckets())
+                .await??,
+        )
     }
 
     async fn base_tip(&self) -> Result<String, Problem> {
@@ -249,29 +250,10 @@ impl Quotas {
         let wcfg = self.writer_config();
         let root = self.export.path().to_path_buf();
         let cfg = self.cfg.clone();
-        let res = tokio::task::spawn_blocking(move || -> Result<_, String> {
-            let w = Writer::open_existing(wcfg).map_err(|e| e.to_string())?;
-            let tip = w.base_tip().map_err(|e| e.to_string())?;
-            let dir = root.join(&tip);
-            if !dir.exists() {
-                let tmp = root.join(format!("{tip}.part"));
-                let _ = std::fs::remove_dir_all(&tmp);
-                w.export_base(&tmp).map_err(|e| e.to_string())?;
-                std::fs::rename(&tmp, &dir).map_err(|e| e.to_string())?;
-                // Older exports are no longer needed.
-                if let Ok(entries) = std::fs::read_dir(&root) {
-                    for e in entries.flatten() {
-                        if e.path() != dir {
-                            let _ = std::fs::remove_dir_all(e.path());
-                        }
-                    }
-                }
-            }
-            Ok(crate::gather::read_base(&w, &dir, &cfg, now))
-        })
-        .await
-        .map_err(|e| unavailable(format!("reading the config repo: {e}")))?
-        .map_err(|e| unavailable(format!("reading the config repo: {e}")))?;
+        let res = tokio::task::spawn_blocking(move || export_and_read(wcfg, &root, &cfg, now))
+            .await
+            .map_err(|e| unavailable(format!("reading the config repo: {e}")))?
+            .map_err(|e| unavailable(format!("reading the config repo: {e}")))?;
         match res {
             Ok(base) => Ok(base),
             Err(crate::gather::BaseError::Invalid { commit, problems }) => {
@@ -284,6 +266,43 @@ impl Quotas {
             Err(e) => Err(unavailable(format!("reading the config repo: {e}"))),
         }
     }
+}
+
+/// Why the base tip could not be exported: git or the file system (the words of either).
+#[derive(Debug, thiserror::Error)]
+enum ExportError {
+    #[error(transparent)]
+    Git(#[from] GitOpsError),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+/// Exports the base tip as last fetched into `root/<tip>` (once per tip; older exports are
+/// removed) and reads it as a run reads it ([`crate::gather::read_base`]).
+fn export_and_read(
+    wcfg: WriterConfig,
+    root: &Path,
+    cfg: &DaemonConfig,
+    now: DateTime<Utc>,
+) -> Result<Result<crate::gather::Base, crate::gather::BaseError>, ExportError> {
+    let w = Writer::open_existing(wcfg)?;
+    let tip = w.base_tip()?;
+    let dir = root.join(&tip);
+    if !dir.exists() {
+        let tmp = root.join(format!("{tip}.part"));
+        let _ = std::fs::remove_dir_all(&tmp);
+        w.export_base(&tmp)?;
+        std::fs::rename(&tmp, &dir)?;
+        // Older exports are no longer needed.
+        if let Ok(entries) = std::fs::read_dir(root) {
+            for e in entries.flatten() {
+                if e.path() != dir {
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+        }
+    }
+    Ok(crate::gather::read_base(&w, &dir, cfg, now))
 }
 
 fn unavailable(detail: impl Into<String>) -> Problem {

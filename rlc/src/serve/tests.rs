@@ -15,7 +15,11 @@ use crate::push::tests::{app as controller_app, Fake};
 use crate::push::ReportRow;
 
 fn next(expr: &str, after: chrono::DateTime<Utc>) -> chrono::DateTime<Utc> {
-    parse_schedule(expr).unwrap().after(&after).next().unwrap()
+    schema::parse_schedule(expr)
+        .unwrap()
+        .after(&after)
+        .next()
+        .unwrap()
 }
 
 #[test]
@@ -30,11 +34,11 @@ fn five_field_cron_expressions() {
     assert_eq!(next("0 9 * * 7", sat), at(29, 9, 0), "and 7");
     assert_eq!(next("0 9 * * 5-7", sat), at(29, 9, 0), "Friday to Sunday");
     assert_eq!(next("30 1 * * MON", sat), at(30, 1, 30));
-    assert!(parse_schedule("0 0 3 * * *")
+    assert!(schema::parse_schedule("0 0 3 * * *")
         .unwrap_err()
         .to_string()
         .contains("5 fields"));
-    assert!(parse_schedule("61 * * * *").is_err());
+    assert!(schema::parse_schedule("61 * * * *").is_err());
 }
 
 async fn reports(

@@ -4,7 +4,6 @@
 //! line through it), never zero traffic.
 
 use std::collections::BTreeMap;
-use std::fmt::Write;
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -16,10 +15,13 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::super::limits::{Path, Query};
+use super::chart::{dec1, path, step_path, Frame, CHART_CSS, LEFT, TOP, W};
+use super::page::error_page;
 use super::{
     encoded, load, parse_window, percent, problems_notice, pull_request_html, rate, style, when,
     DashError, Links, CSS, WINDOWS,
 };
+use crate::gitops::writer::BaseReadError;
 use crate::readiness::{self, ShadowStats, Verdict};
 use crate::serve::AppState;
 use crate::store::{minute_of, ChangeState, QuotaChange, StepRow, Store};
@@ -168,7 +170,7 @@ pub(in crate::serve) async fn service_rule(
         None => (None, None),
         Some(q) => match q.base_policies().await {
             Ok(p) => (p, None),
-            Err(e) => (None, Some(e)),
+            Err(e) => (None, Some(e.to_string())),
         },
     };
     let (rule, from_file) = rlc_plan::promotion::readiness_rule(policies.as_ref(), service);
@@ -274,7 +276,7 @@ pub struct OverrideView {
 /// at or before `now - window` (up to one step longer) and its last step is the current,
 /// partial one (at most `MAX_POINTS + 1` steps).
 fn bounds(window: &str) -> Result<(DateTime<Utc>, DateTime<Utc>, i64), DashError> {
-    let span = parse_window(window).map_err(DashError::BadRequest)?;
+    let span = parse_window(window).map_err(|e| DashError::BadRequest(e.to_string()))?;
     let end = minute_of(Utc::now()) + Duration::minutes(1);
     let minutes = ((span.num_seconds() + 59) / 60).max(1);
     let step_minutes = ((minutes + MAX_POINTS - 1) / MAX_POINTS).max(1);
@@ -406,7 +408,7 @@ async fn base_bucket(
     s: &AppState,
     service: &str,
     bucket: &str,
-) -> Result<Option<(String, schema::Bucket)>, String> {
+) -> Result<Option<(String, schema::Bucket)>, BaseReadError> {
     let Some(q) = s.quotas() else {
         return Ok(None);
     };
@@ -541,6 +543,31 @@ impl Missing {
     }
 }
 
+/// The readiness of a bucket from its shadow figures, judged by `rule` at `now`.
+fn readiness_of(
+    stats: ShadowStats,
+    rule: readiness::Rule,
+    rule_view: RuleView,
+    now: DateTime<Utc>,
+) -> Readiness {
+    let verdict = readiness::verdict(&stats, &rule, now);
+    Readiness {
+        rule: rule_view,
+        days_in_shadow: stats.days_in_shadow(now),
+        virtual_drop_share: stats.drop_share(),
+        // An enforced bucket's verdict says what it really drops, as the overview does.
+        verdict_text: match verdict {
+            Verdict::Enforced if stats.dropped > 0.0 => format!(
+                "enforced: {}",
+                super::overview::dropping(stats.dropped, stats.offered)
+            ),
+            _ => verdict.describe(),
+        },
+        verdict,
+        stats,
+    }
+}
+
 async fn detail(
     store: &Store,
     (rule, rule_view): (readiness::Rule, RuleView),
@@ -612,24 +639,7 @@ async fn detail(
         window_start: start,
         window_end: end,
         step_secs,
-        readiness: stats.map(|stats| {
-            let verdict = readiness::verdict(&stats, &rule, now);
-            Readiness {
-                rule: rule_view,
-                days_in_shadow: stats.days_in_shadow(now),
-                virtual_drop_share: stats.drop_share(),
-                // An enforced bucket's verdict says what it really drops, as the overview does.
-                verdict_text: match verdict {
-                    Verdict::Enforced if stats.dropped > 0.0 => format!(
-                        "enforced: {}",
-                        super::overview::dropping(stats.dropped, stats.offered)
-                    ),
-                    _ => verdict.describe(),
-                },
-                verdict,
-                stats,
-            }
-        }),
+        readiness: stats.map(|stats| readiness_of(stats, rule, rule_view, now)),
         series,
         scopes_cut,
         quota_history,
@@ -698,7 +708,7 @@ pub(in crate::serve) async fn bucket_page(
             let rule = service_rule(&s, &service).await;
             match base_bucket(&s, &service, &bucket).await {
                 Ok(b) => base = b,
-                Err(e) => config_problem = Some(e),
+                Err(e) => config_problem = Some(e.to_string()),
             };
             detail(
                 &store,
@@ -718,7 +728,7 @@ pub(in crate::serve) async fn bucket_page(
             let e = not_found(&service, &bucket, s.quotas().is_some());
             (
                 e.status(),
-                super::run_page::error_page(&format!("Bucket {service}/{bucket}"), &e.message()),
+                error_page(&format!("Bucket {service}/{bucket}"), &e.message()),
             )
         }
         Ok((mut d, mut missing)) => {
@@ -757,168 +767,38 @@ fn not_found(service: &str, bucket: &str, with_config: bool) -> DashError {
     })
 }
 
-/// Chart geometry (px): the plot sits between the margins; the legend is above it.
-const W: f64 = 900.0;
-const H: f64 = 250.0;
-const LEFT: f64 = 64.0;
-const RIGHT: f64 = 12.0;
-const TOP: f64 = 30.0;
-const BOTTOM: f64 = 26.0;
-
 /// Points drawn as markers when a series has at most this many values (a minute of data is
 /// a visible dot, not a speck).
 const MARKERS_UP_TO: usize = 90;
-
-/// An SVG path through `values` (x by index): a missing value ends the line, so gaps show as
-/// gaps. An isolated point is drawn as a dot.
-pub(super) fn path(
-    values: &[Option<f64>],
-    x: impl Fn(usize) -> f64,
-    y: impl Fn(f64) -> f64,
-) -> String {
-    let mut d = String::new();
-    let mut open = false;
-    for (i, v) in values.iter().enumerate() {
-        match v {
-            Some(v) => {
-                let _ = write!(
-                    d,
-                    "{}{:.1} {:.1} ",
-                    if open { "L" } else { "M" },
-                    x(i),
-                    y(*v)
-                );
-                let lone = !open && values.get(i + 1).is_none_or(|n| n.is_none());
-                if lone {
-                    d.push_str("l0.1 0 ");
-                }
-                open = true;
-            }
-            None => open = false,
-        }
-    }
-    d.trim_end().to_string()
-}
-
-/// A step line through `values`: each value held flat over its whole step (`x(i)` to
-/// `x(i + 1)`), joined by vertical segments; a missing value ends it.
-fn step_path(values: &[Option<f64>], x: impl Fn(usize) -> f64, y: impl Fn(f64) -> f64) -> String {
-    let mut d = String::new();
-    let mut open = false;
-    for (i, v) in values.iter().enumerate() {
-        match v {
-            Some(v) => {
-                let _ = write!(
-                    d,
-                    "{}{:.1} {:.1} L{:.1} {:.1} ",
-                    if open { "L" } else { "M" },
-                    x(i),
-                    y(*v),
-                    x(i + 1),
-                    y(*v)
-                );
-                open = true;
-            }
-            None => open = false,
-        }
-    }
-    d.trim_end().to_string()
-}
-
-/// `v` with one decimal: coordinates and figures.
-pub(super) fn dec1(v: f64) -> String {
-    format!("{v:.1}")
-}
-
-/// Round rate ticks from 0 up to above `max` (a step of 1, 2, 2.5 or 5 × 10^k, four to six
-/// intervals), and the scale's top (the last tick).
-pub fn rate_ticks(max: f64) -> (Vec<f64>, f64) {
-    let max = if max.is_finite() { max.max(1.0) } else { 1.0 };
-    let raw = max / 4.0;
-    let mag = 10f64.powf(raw.log10().floor());
-    let step = [1.0, 2.0, 2.5, 5.0, 10.0]
-        .into_iter()
-        .map(|m| m * mag)
-        .find(|s| *s >= raw)
-        .unwrap_or(10.0 * mag);
-    // A little room above the highest value.
-    let n = ((max * 1.05) / step).ceil().max(1.0) as usize;
-    let ticks: Vec<f64> = (0..=n).map(|i| i as f64 * step).collect();
-    let top = n as f64 * step;
-    (ticks, top)
-}
-
-/// Time ticks for `[start, end)`: the first interval of a fixed ladder (1 min to 7 days) that
-/// gives at most 8 ticks, at its multiples (unix time, so days start at 00:00 UTC), each
-/// with its label (`HH:MM`, with the date when the window spans more than a day).
-pub fn time_ticks(start: DateTime<Utc>, end: DateTime<Utc>) -> Vec<(DateTime<Utc>, String)> {
-    const LADDER: [i64; 14] = [
-        60, 120, 300, 600, 900, 1_800, 3_600, 7_200, 10_800, 21_600, 43_200, 86_400, 172_800,
-        604_800,
-    ];
-    let span = (end - start).num_seconds().max(60);
-    let every = LADDER
-        .into_iter()
-        .find(|s| span / s <= 8)
-        .unwrap_or(604_800);
-    let first = (start.timestamp() + every - 1).div_euclid(every) * every;
-    let long = span > 86_400;
-    (0..)
-        .map(|k| first + k * every)
-        .take_while(|t| *t <= end.timestamp())
-        .filter_map(|t| DateTime::<Utc>::from_timestamp(t, 0))
-        .map(|t| {
-            let label = if long && every >= 86_400 {
-                t.format("%b %-d").to_string()
-            } else if long {
-                t.format("%b %-d %H:%M").to_string()
-            } else {
-                t.format("%H:%M").to_string()
-            };
-            (t, label)
-        })
-        .collect()
-}
+/// Height of a series chart (px).
+const CHART_H: f64 = 250.0;
 
 /// The series a chart draws: class, legend label, values, drawn as a step line or not.
 type Line = (&'static str, &'static str, Vec<Option<f64>>, bool);
 
-/// One chart: offered, admitted, limit (a step line) and drops of a series, gaps shaded,
-/// with a time axis, a rate axis in requests/s and a legend. Every text is escaped.
-fn chart(s: &Series, d: &BucketDetail) -> Markup {
-    let n = s.points.len().max(1);
-    let plot_w = W - LEFT - RIGHT;
-    let plot_h = H - TOP - BOTTOM;
-    let top = s
-        .points
-        .iter()
-        .flat_map(|p| [p.offered_rps, p.limit_rps, p.virtual_drop_rps, p.drop_rps])
-        .flatten()
-        .fold(0.0f64, f64::max);
-    let (rate_ticks, top) = rate_ticks(top);
-    let x = |i: usize| LEFT + plot_w * i as f64 / n as f64;
-    let mid = |i: usize| x(i) + plot_w / n as f64 / 2.0;
-    let y = |v: f64| TOP + plot_h * (1.0 - v / top);
-    let span_secs = (d.window_end - d.window_start).num_seconds().max(1) as f64;
-    let px_per_sec = plot_w / (n as f64 * d.step_secs as f64);
-    let tx =
-        |t: DateTime<Utc>| LEFT + plot_w * (t - d.window_start).num_seconds() as f64 / span_secs;
-    // Gaps: runs of steps without a report, as [first, end).
+/// Runs of steps without a report, as `[first, end)`.
+fn gaps(points: &[Point]) -> Vec<(usize, usize)> {
     let mut gaps = Vec::new();
     let mut i = 0;
-    while i < s.points.len() {
-        if s.points[i].offered_rps.is_none() {
-            let j = (i..s.points.len())
-                .find(|&j| s.points[j].offered_rps.is_some())
-                .unwrap_or(s.points.len());
+    while i < points.len() {
+        if points[i].offered_rps.is_none() {
+            let j = (i..points.len())
+                .find(|&j| points[j].offered_rps.is_some())
+                .unwrap_or(points.len());
             gaps.push((i, j));
             i = j;
         } else {
             i += 1;
         }
     }
-    let get = |f: fn(&Point) -> Option<f64>| s.points.iter().map(f).collect::<Vec<_>>();
-    let lines: Vec<Line> = [
+    gaps
+}
+
+/// The lines of a series' chart, in drawing order; the drop lines only when there were drops
+/// (a flat zero line says nothing).
+fn lines(points: &[Point]) -> Vec<Line> {
+    let get = |f: fn(&Point) -> Option<f64>| points.iter().map(f).collect::<Vec<_>>();
+    [
         ("limit", "limit", get(|p| p.limit_rps), true),
         // Admitted under offered, wider: where nothing was really dropped the two coincide,
         // and admitted shows as a band around the offered line.
@@ -933,28 +813,38 @@ fn chart(s: &Series, d: &BucketDetail) -> Markup {
         ("drops", "real drops", get(|p| p.drop_rps), false),
     ]
     .into_iter()
-    // Drop lines only when there were drops: a flat zero line says nothing.
     .filter(|(name, _, values, _)| {
         !name.ends_with("drops") || values.iter().flatten().any(|v| *v > 0.0)
     })
-    .collect();
-    let valued = s.points.iter().filter(|p| p.offered_rps.is_some()).count();
-    let markers = valued <= MARKERS_UP_TO;
-    let ticks = time_ticks(d.window_start, d.window_end);
+    .collect()
+}
+
+/// One chart: offered, admitted, limit (a step line) and drops of a series, gaps shaded,
+/// with a time axis, a rate axis in requests/s and a legend. Every text is escaped.
+fn chart(s: &Series, d: &BucketDetail) -> Markup {
+    let max = s
+        .points
+        .iter()
+        .flat_map(|p| [p.offered_rps, p.limit_rps, p.virtual_drop_rps, p.drop_rps])
+        .flatten()
+        .fold(0.0f64, f64::max);
+    let f = Frame::new(CHART_H, d.window_start, d.window_end, s.points.len(), max);
+    let n = s.points.len().max(1);
+    let px_per_sec = f.plot_w() / (n as f64 * d.step_secs as f64);
     // SVG elements get an end tag each: in HTML, `<line …>` without one would hold what
     // follows it.
     html! {
         figure class="chart" {
             figcaption { "Scope " code { (s.scope_key) } }
-            svg xmlns="http://www.w3.org/2000/svg" viewBox={ "0 0 " (W) " " (H) } width=(W)
-                height=(H) role="img" data-scope=(s.scope_key) data-t0=(d.window_start.timestamp())
-                data-x0=(LEFT) data-px-per-sec=(px_per_sec) data-y0=(TOP + plot_h)
-                data-px-per-rps=(plot_h / top) {
+            svg xmlns="http://www.w3.org/2000/svg" viewBox={ "0 0 " (W) " " (f.height) } width=(W)
+                height=(f.height) role="img" data-scope=(s.scope_key) data-t0=(d.window_start.timestamp())
+                data-x0=(LEFT) data-px-per-sec=(px_per_sec) data-y0=(TOP + f.plot_h())
+                data-px-per-rps=(f.plot_h() / f.top) {
                 title { (d.service) "/" (d.bucket) " scope " (s.scope_key) ", requests/s" }
                 // Gaps: steps without a report, shaded and labelled.
-                @for (i, j) in gaps {
-                    rect class="gap" x=(dec1(x(i))) y=(TOP) width=(dec1(x(j) - x(i)))
-                        height=(plot_h) {
+                @for (i, j) in gaps(&s.points) {
+                    rect class="gap" x=(dec1(f.x(i))) y=(TOP) width=(dec1(f.x(j) - f.x(i)))
+                        height=(f.plot_h()) {
                         title {
                             "no reports " (when(s.points[i].t)) " – "
                             (when(s.points[i].t + Duration::seconds((j - i) as i64 * d.step_secs)))
@@ -962,43 +852,34 @@ fn chart(s: &Series, d: &BucketDetail) -> Markup {
                         }
                     }
                 }
-                // Rate axis: 0, a quarter, half, three quarters and the top of the scale.
-                @for v in rate_ticks.iter().copied() {
-                    line class="grid" x1=(LEFT) x2=(dec1(LEFT + plot_w)) y1=(dec1(y(v)))
-                        y2=(dec1(y(v))) {}
-                    text class="tick" x=(dec1(LEFT - 4.0)) y=(dec1(y(v) + 4.0)) text-anchor="end" {
-                        (rate(v))
-                    }
-                }
-                text class="unit" x="12" y=(dec1(TOP + plot_h / 2.0)) text-anchor="middle"
-                    transform={ "rotate(-90 12 " (dec1(TOP + plot_h / 2.0)) ")" } { "requests/s" }
-                // Time axis: ticks at round times, UTC.
-                line class="axis" x1=(LEFT) x2=(dec1(LEFT + plot_w)) y1=(dec1(TOP + plot_h))
-                    y2=(dec1(TOP + plot_h)) {}
-                @for (t, label) in &ticks {
-                    @let tx = tx(*t);
-                    line class="tick" x1=(dec1(tx)) x2=(dec1(tx)) y1=(dec1(TOP + plot_h))
-                        y2=(dec1(TOP + plot_h + 4.0)) {}
-                    text class="tick time" x=(dec1(tx)) y=(dec1(H - 6.0)) text-anchor="middle" { (label) }
-                }
-                text class="tick" x=(dec1(LEFT + plot_w)) y=(dec1(TOP - 6.0)) text-anchor="end" { "UTC" }
-                // Legend, above the plot.
-                @for (k, (name, label, _, _)) in lines.iter().enumerate() {
-                    @let lx = LEFT + k as f64 * 130.0;
-                    line class={ "key " (name) } x1=(dec1(lx)) x2=(dec1(lx + 22.0)) y1="12" y2="12" {}
-                    text class="legend" x=(dec1(lx + 28.0)) y="16" { (label) }
-                }
-                @for (name, _, values, step) in &lines {
-                    @let p = if *step { step_path(values, x, y) } else { path(values, mid, y) };
-                    path class=(name) data-series=(name) d=(p) {}
-                    @if markers && !*step {
-                        @for (i, v) in values.iter().enumerate() {
-                            @if let Some(v) = v {
-                                circle class={ "marker " (name) } cx=(dec1(mid(i))) cy=(dec1(y(*v)))
-                                    r=(match *name { "admitted" => "7", "offered" => "4", _ => "3" }) {
-                                    title { (label_of(name)) " " (rate(*v)) " requests/s at " (when(s.points[i].t)) " UTC" }
-                                }
-                            }
+                (f.axes())
+                (series_lines(&f, s, &lines(&s.points)))
+            }
+        }
+    }
+}
+
+/// The legend (above the plot) and the lines of a series' chart, with a marker per value
+/// when there are few.
+fn series_lines(f: &Frame, s: &Series, lines: &[Line]) -> Markup {
+    let valued = s.points.iter().filter(|p| p.offered_rps.is_some()).count();
+    let markers = valued <= MARKERS_UP_TO;
+    let (x, mid, y) = (|i| f.x(i), |i| f.mid(i), |v| f.y(v));
+    html! {
+        @for (k, (name, label, _, _)) in lines.iter().enumerate() {
+            @let lx = LEFT + k as f64 * 130.0;
+            line class={ "key " (name) } x1=(dec1(lx)) x2=(dec1(lx + 22.0)) y1="12" y2="12" {}
+            text class="legend" x=(dec1(lx + 28.0)) y="16" { (label) }
+        }
+        @for (name, _, values, step) in lines {
+            @let p = if *step { step_path(values, x, y) } else { path(values, mid, y) };
+            path class=(name) data-series=(name) d=(p) {}
+            @if markers && !*step {
+                @for (i, v) in values.iter().enumerate() {
+                    @if let Some(v) = v {
+                        circle class={ "marker " (name) } cx=(dec1(f.mid(i))) cy=(dec1(f.y(*v)))
+                            r=(match *name { "admitted" => "7", "offered" => "4", _ => "3" }) {
+                            title { (label_of(name)) " " (rate(*v)) " requests/s at " (when(s.points[i].t)) " UTC" }
                         }
                     }
                 }
@@ -1369,49 +1250,3 @@ fn readiness_section(r: &Readiness) -> Markup {
         }
     }
 }
-
-pub(super) const CHART_CSS: &str = "
-header code { color: #fff; font-size: inherit; }
-header a { color: #c9d6ea; }
-.windows a, .windows b { margin: 0 4px; }
-figure.chart { margin: 8px 0 16px; }
-figure.chart figcaption { font-size: 13px; color: #56627a; }
-svg { max-width: 100%; height: auto; background: #fbfcfe; border: 1px solid #edf0f5; }
-svg path { fill: none; stroke-width: 2; stroke-linecap: round; stroke-linejoin: round; }
-svg path.offered { stroke: #1f6feb; }
-svg path.limit { stroke: #7a8499; stroke-dasharray: 6 4; }
-svg path.virtual-drops { stroke: #e36209; }
-svg path.drops { stroke: #c1121f; }
-svg path.admitted { stroke: #2a9d4b; stroke-width: 6; opacity: .35; }
-svg circle.admitted { opacity: .45; }
-svg line.key { stroke-width: 3; }
-svg line.key.offered, svg circle.offered { stroke: #1f6feb; fill: #1f6feb; }
-svg line.key.admitted, svg circle.admitted { stroke: #2a9d4b; fill: #2a9d4b; }
-svg line.key.admitted { stroke-width: 6; opacity: .35; }
-svg line.key.limit { stroke: #7a8499; stroke-dasharray: 6 4; }
-svg line.key.virtual-drops, svg circle.virtual-drops { stroke: #e36209; fill: #e36209; }
-svg line.key.drops, svg circle.drops { stroke: #c1121f; fill: #c1121f; }
-svg line.axis, svg line.tick { stroke: #9aa5b8; }
-svg text.legend { font-size: 12px; fill: #39445a; }
-svg text.unit { font-size: 11px; fill: #56627a; }
-.big { font-size: 22px; font-weight: 700; }
-svg path.history { stroke: #1f6feb; stroke-width: 1.5; }
-svg line.key.history { stroke: #1f6feb; }
-svg line.level { stroke-width: 1.5; }
-svg line.level.statistic, svg line.level.forecast { stroke: #e36209; stroke-dasharray: 4 3; }
-svg line.level.proposed { stroke: #2a9d4b; }
-svg text.level { font-size: 11px; font-weight: 600; }
-svg text.level.statistic, svg text.level.forecast { fill: #b24d05; }
-svg text.level.proposed { fill: #1e7a3a; }
-svg rect.headroom { fill: #2a9d4b; opacity: .10; }
-pre.summary { white-space: pre-wrap; font-size: 13px; background: #f7f9fc; padding: 10px; }
-svg rect.gap { fill: #eceff4; }
-svg line.grid { stroke: #e3e7ee; }
-svg text.tick { font-size: 11px; fill: #56627a; }
-.key { padding: 0 6px; border-left: 14px solid; margin-right: 6px; }
-.key.offered { border-color: #1f6feb; } .key.limit { border-color: #7a8499; }
-.key.virtual-drops { border-color: #e36209; } .key.drops { border-color: #c1121f; }
-.key.admitted { border-color: #2a9d4b; }
-table.facts th { text-transform: none; font-size: 13px; width: 320px; }
-tr.proposed td { color: #7a8499; font-style: italic; }
-";

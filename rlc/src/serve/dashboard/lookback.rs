@@ -10,7 +10,7 @@ use maud::{html, Markup};
 use schemars::JsonSchema;
 use serde::Serialize;
 
-use super::bucket::{dec1, path, time_ticks};
+use super::chart::{dec1, path, Frame, LEFT, W};
 use super::{rate, when};
 
 /// Most points drawn.
@@ -103,20 +103,13 @@ pub fn from_history(
     Some((start, step * per as i64, out, series.len()))
 }
 
-/// The chart of a lookback: the series, the statistic and the proposed limit as levels, the
-/// headroom between them shaded.
-pub fn chart(l: &Lookback) -> Markup {
-    const W: f64 = 900.0;
-    const H: f64 = 230.0;
-    const LEFT: f64 = 64.0;
-    const RIGHT: f64 = 12.0;
-    const TOP: f64 = 30.0;
-    const BOTTOM: f64 = 26.0;
-    let n = l.points.len().max(1);
-    let plot_w = W - LEFT - RIGHT;
-    let plot_h = H - TOP - BOTTOM;
-    let c = l.computed.as_ref();
-    let levels: Vec<(&str, String, f64)> = [
+/// Height of the lookback chart (px).
+const CHART_H: f64 = 230.0;
+
+/// The levels a lookback's chart draws over its series: class, label, requests/s (the
+/// statistic or the forecast bound, and the proposed limit).
+fn levels(c: Option<&Computed>) -> Vec<(&'static str, String, f64)> {
+    [
         c.and_then(|c| {
             c.statistic_rps.map(|v| {
                 (
@@ -153,20 +146,22 @@ pub fn chart(l: &Lookback) -> Markup {
     ]
     .into_iter()
     .flatten()
-    .collect();
-    let top = l
+    .collect()
+}
+
+/// The chart of a lookback: the series, the statistic and the proposed limit as levels, the
+/// headroom between them shaded.
+pub fn chart(l: &Lookback) -> Markup {
+    let levels = levels(l.computed.as_ref());
+    let max = l
         .points
         .iter()
         .flatten()
         .copied()
         .chain(levels.iter().map(|(_, _, v)| *v))
         .fold(0.0f64, f64::max);
-    let (rate_ticks, top) = super::bucket::rate_ticks(top);
-    let x = |i: usize| LEFT + plot_w * i as f64 / n as f64;
-    let mid = |i: usize| x(i) + plot_w / n as f64 / 2.0;
-    let y = |v: f64| TOP + plot_h * (1.0 - v / top);
-    let span = (l.end - l.start).num_seconds().max(1) as f64;
-    let tx = |t: DateTime<Utc>| LEFT + plot_w * (t - l.start).num_seconds() as f64 / span;
+    let f = Frame::new(CHART_H, l.start, l.end, l.points.len(), max);
+    let plot_w = f.plot_w();
     let statistic = levels
         .iter()
         .find(|(k, _, _)| *k != "proposed")
@@ -177,44 +172,27 @@ pub fn chart(l: &Lookback) -> Markup {
         .map(|l| l.2);
     html! {
         figure class="chart" id="lookback-chart" {
-            svg xmlns="http://www.w3.org/2000/svg" viewBox={ "0 0 " (W) " " (H) } width=(W)
-                height=(H) role="img" data-points=(l.points.len()) {
+            svg xmlns="http://www.w3.org/2000/svg" viewBox={ "0 0 " (W) " " (f.height) } width=(W)
+                height=(f.height) role="img" data-points=(l.points.len()) {
                 title { "the history the quota is computed from, requests/s" }
                 // The headroom: between the statistic and the proposed limit.
                 @if let (Some(s), Some(p)) = (statistic, proposed) {
                     @if p > s {
-                        rect class="headroom" x=(LEFT) y=(dec1(y(p))) width=(dec1(plot_w))
-                            height=(dec1(y(s) - y(p))) {
+                        rect class="headroom" x=(LEFT) y=(dec1(f.y(p))) width=(dec1(plot_w))
+                            height=(dec1(f.y(s) - f.y(p))) {
                             title { "headroom: " (rate(s)) " → " (rate(p)) " requests/s" }
                         }
                     }
                 }
-                @for v in rate_ticks.iter().copied() {
-                    line class="grid" x1=(LEFT) x2=(dec1(LEFT + plot_w)) y1=(dec1(y(v)))
-                        y2=(dec1(y(v))) {}
-                    text class="tick" x=(dec1(LEFT - 4.0)) y=(dec1(y(v) + 4.0)) text-anchor="end" {
-                        (rate(v))
-                    }
-                }
-                text class="unit" x="12" y=(dec1(TOP + plot_h / 2.0)) text-anchor="middle"
-                    transform={ "rotate(-90 12 " (dec1(TOP + plot_h / 2.0)) ")" } { "requests/s" }
-                line class="axis" x1=(LEFT) x2=(dec1(LEFT + plot_w)) y1=(dec1(TOP + plot_h))
-                    y2=(dec1(TOP + plot_h)) {}
-                @for (t, label) in time_ticks(l.start, l.end) {
-                    @let tx = tx(t);
-                    line class="tick" x1=(dec1(tx)) x2=(dec1(tx)) y1=(dec1(TOP + plot_h))
-                        y2=(dec1(TOP + plot_h + 4.0)) {}
-                    text class="tick time" x=(dec1(tx)) y=(dec1(H - 6.0)) text-anchor="middle" { (label) }
-                }
-                text class="tick" x=(dec1(LEFT + plot_w)) y=(dec1(TOP - 6.0)) text-anchor="end" { "UTC" }
+                (f.axes())
                 line class="key history" x1=(LEFT) x2=(dec1(LEFT + 22.0)) y1="12" y2="12" {}
                 text class="legend" x=(dec1(LEFT + 28.0)) y="16" { "history (busiest sample per step)" }
-                path class="history" data-series="history" d=(path(&l.points, mid, y)) {}
+                path class="history" data-series="history" d=(path(&l.points, |i| f.mid(i), |v| f.y(v))) {}
                 @for (k, (class, label, v)) in levels.iter().enumerate() {
                     line class={ "level " (class) } data-level=(class) x1=(LEFT) x2=(dec1(LEFT + plot_w))
-                        y1=(dec1(y(*v))) y2=(dec1(y(*v))) {}
+                        y1=(dec1(f.y(*v))) y2=(dec1(f.y(*v))) {}
                     text class={ "legend level " (class) } x=(dec1(LEFT + plot_w - 4.0))
-                        y=(dec1(y(*v) - 4.0 - 12.0 * (k % 2) as f64)) text-anchor="end" { (label) }
+                        y=(dec1(f.y(*v) - 4.0 - 12.0 * (k % 2) as f64)) text-anchor="end" { (label) }
                 }
             }
         }

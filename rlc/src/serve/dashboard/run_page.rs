@@ -4,13 +4,14 @@
 
 use axum::extract::State;
 use axum::response::{Html, IntoResponse, Response};
-use maud::{html, DOCTYPE};
+use maud::{html, Markup, DOCTYPE};
 use schemars::JsonSchema;
 use serde::Deserialize;
 
 use super::super::limits::Path;
-use super::bucket::CHART_CSS;
+use super::chart::CHART_CSS;
 use super::overview::name_html;
+use super::page::error_page;
 use super::{encoded, load, pull_request_html, rate, style, when, DashError, Links, CSS};
 use crate::serve::AppState;
 use crate::store::{ChangeState, RunChange, RunRecord};
@@ -72,34 +73,6 @@ pub(in crate::serve) async fn run_page(
     }
 }
 
-/// A page that says only what went wrong (an unknown run or bucket, the store down).
-pub fn error_page(title: &str, message: &str) -> String {
-    html! {
-        (DOCTYPE)
-        html lang="en" {
-            head {
-                meta charset="utf-8";
-                meta name="viewport" content="width=device-width, initial-scale=1";
-                title { "RLC — " (title) }
-                (style(&[CSS, CHART_CSS]))
-            }
-            body {
-                header {
-                    h1 { (title) }
-                    p { a href="/" { "← all buckets" } }
-                }
-                main {
-                    section class="notice" id="problem" {
-                        h2 { "Not found or not loaded" }
-                        p { (super::prose(message)) }
-                    }
-                }
-            }
-        }
-    }
-    .into_string()
-}
-
 /// The lines of a run's summary that say what it held or left for review, and why.
 fn held_lines(summary: &str) -> Vec<&str> {
     // The first line is the run's status line (`rlc run (schedule): held`).
@@ -114,6 +87,8 @@ fn held_lines(summary: &str) -> Vec<&str> {
         .collect()
 }
 
+/// A run's page: its facts, what it changed, its rollouts, what it held and why, its
+/// services' outcomes and its whole summary.
 fn render(
     r: &RunRecord,
     changes: &[RunChange],
@@ -122,7 +97,6 @@ fn render(
 ) -> String {
     let services: Vec<serde_json::Value> = serde_json::from_str(&r.services).unwrap_or_default();
     let held = held_lines(&r.summary);
-    let opt = |v: Option<f64>| v.map(rate).unwrap_or_else(|| "—".into());
     html! {
         (DOCTYPE)
         html lang="en" {
@@ -141,132 +115,11 @@ fn render(
                     }
                 }
                 main {
-                    section id="run" {
-                        table class="facts" {
-                            tbody {
-                                tr { th { "Status" } td { span class={ "badge " (r.status) } id="status" { (r.status) } } }
-                                tr { th { "Trigger" } td { (r.trigger) } }
-                                tr { th { "Started (UTC)" } td { (when(r.started_at)) } }
-                                tr { th { "Finished (UTC)" } td { (when(r.finished_at)) } }
-                                tr {
-                                    th { "Commit" }
-                                    td id="commit" {
-                                        @match &r.commit_sha {
-                                            Some(c) => { (links.commit_html(c)) }
-                                            None => { span class="muted" { "none" } }
-                                        }
-                                    }
-                                }
-                                tr {
-                                    th { "Pull request" }
-                                    td id="pull-request" {
-                                        @match r.pull_request() {
-                                            Some(pr) => { (pull_request_html(&pr)) }
-                                            None => { span class="muted" { "none" } }
-                                        }
-                                    }
-                                }
-                                tr {
-                                    th { "Controller version" }
-                                    td { (r.version_pushed.as_deref().unwrap_or("—")) }
-                                }
-                                @if let Some(run_uid) = &r.run_uid {
-                                    tr { th { "Run id" } td { code { (run_uid) } } }
-                                }
-                            }
-                        }
-                        @if let Some(e) = &r.error {
-                            p class="err" id="error" { "Error: " (e) }
-                        }
-                    }
-                    section id="changes" {
-                        h2 { "What changed" }
-                        @if changes.is_empty() {
-                            p class="muted" { "No bucket change recorded by this run." }
-                        } @else {
-                            div class="scroll" {
-                                table {
-                                    thead {
-                                        tr {
-                                            th { "Service" } th { "Bucket" } th { "Change" }
-                                            th class="num" { "Before rps" } th class="num" { "After rps" }
-                                            th { "Mode" } th { "Policy" }
-                                        }
-                                    }
-                                    tbody {
-                                        @for c in changes {
-                                            @let proposed = c.state == ChangeState::Proposed;
-                                            tr class=[proposed.then_some("proposed")] data-bucket=(c.bucket) {
-                                                td class="name" { (name_html(&c.service)) }
-                                                td class="name" {
-                                                    a href={ "/buckets/" (encoded(&c.service)) "/" (encoded(&c.bucket)) } {
-                                                        code { (name_html(&c.bucket)) }
-                                                    }
-                                                }
-                                                td {
-                                                    (c.change)
-                                                    @if proposed { " (proposed, waiting for review)" }
-                                                }
-                                                td class="num" { (opt(c.previous_limit_rps)) }
-                                                td class="num" { (opt(c.limit_rps)) }
-                                                td { (c.mode.as_deref().unwrap_or("")) }
-                                                td { (c.policy.as_deref().unwrap_or("")) }
-                                            }
-                                        }
-                                    }
-                                }
-                            }
-                        }
-                    }
-                    @if !rollouts.is_empty() {
-                        section id="rollouts" {
-                            h2 { "Rollouts" }
-                            ul class="why" {
-                                @for ro in rollouts {
-                                    li data-bucket=(ro.bucket) {
-                                        code { (name_html(&ro.service)) "/" (name_html(&ro.bucket)) }
-                                        " (" (super::prose(&ro.change)) "): " (super::prose(&ro.summary))
-                                        @if let Some(how) = &ro.revert { " — " (super::prose(how)) }
-                                    }
-                                }
-                            }
-                        }
-                    }
-                    @if !held.is_empty() {
-                        section id="held" class="notice" {
-                            h2 { "Held, pending or needs review" }
-                            ul class="why" {
-                                @for l in &held { li { (super::prose(l)) } }
-                            }
-                        }
-                    }
-                    @if !services.is_empty() {
-                        section id="services" {
-                            h2 { "Services" }
-                            table {
-                                thead { tr { th { "Service" } th { "Outcome" } th { "Details" } } }
-                                tbody {
-                                    @for v in &services {
-                                        tr {
-                                            td class="name" { (name_html(v["service"].as_str().unwrap_or(""))) }
-                                            td { (v["outcome"].as_str().unwrap_or("")) }
-                                            td {
-                                                @if let Some(o) = v.as_object() {
-                                                    @for (k, val) in o.iter().filter(|(k, _)| *k != "service" && *k != "outcome") {
-                                                        @if !val.is_null() {
-                                                            span class="muted" { (k) ": " }
-                                                            (val.as_str().map(str::to_string).unwrap_or_else(|| val.to_string()))
-                                                            " "
-                                                        }
-                                                    }
-                                                }
-                                            }
-                                        }
-                                    }
-                                }
-                            }
-                        }
-                    }
+                    (facts_section(r, links))
+                    (changes_section(changes))
+                    (rollouts_section(rollouts))
+                    (held_section(&held))
+                    (services_section(&services))
                     section id="summary" {
                         h2 { "Summary" }
                         pre class="summary" { (r.summary) }
@@ -276,4 +129,161 @@ fn render(
         }
     }
     .into_string()
+}
+
+/// The run's facts: status, trigger, times, commit, pull request, version; its error if any.
+fn facts_section(r: &RunRecord, links: &Links) -> Markup {
+    html! {
+        section id="run" {
+            table class="facts" {
+                tbody {
+                    tr { th { "Status" } td { span class={ "badge " (r.status) } id="status" { (r.status) } } }
+                    tr { th { "Trigger" } td { (r.trigger) } }
+                    tr { th { "Started (UTC)" } td { (when(r.started_at)) } }
+                    tr { th { "Finished (UTC)" } td { (when(r.finished_at)) } }
+                    tr {
+                        th { "Commit" }
+                        td id="commit" {
+                            @match &r.commit_sha {
+                                Some(c) => { (links.commit_html(c)) }
+                                None => { span class="muted" { "none" } }
+                            }
+                        }
+                    }
+                    tr {
+                        th { "Pull request" }
+                        td id="pull-request" {
+                            @match r.pull_request() {
+                                Some(pr) => { (pull_request_html(&pr)) }
+                                None => { span class="muted" { "none" } }
+                            }
+                        }
+                    }
+                    tr {
+                        th { "Controller version" }
+                        td { (r.version_pushed.as_deref().unwrap_or("—")) }
+                    }
+                    @if let Some(run_uid) = &r.run_uid {
+                        tr { th { "Run id" } td { code { (run_uid) } } }
+                    }
+                }
+            }
+            @if let Some(e) = &r.error {
+                p class="err" id="error" { "Error: " (e) }
+            }
+        }
+    }
+}
+
+/// The bucket changes the run recorded.
+fn changes_section(changes: &[RunChange]) -> Markup {
+    let opt = |v: Option<f64>| v.map(rate).unwrap_or_else(|| "—".into());
+    html! {
+        section id="changes" {
+            h2 { "What changed" }
+            @if changes.is_empty() {
+                p class="muted" { "No bucket change recorded by this run." }
+            } @else {
+                div class="scroll" {
+                    table {
+                        thead {
+                            tr {
+                                th { "Service" } th { "Bucket" } th { "Change" }
+                                th class="num" { "Before rps" } th class="num" { "After rps" }
+                                th { "Mode" } th { "Policy" }
+                            }
+                        }
+                        tbody {
+                            @for c in changes {
+                                @let proposed = c.state == ChangeState::Proposed;
+                                tr class=[proposed.then_some("proposed")] data-bucket=(c.bucket) {
+                                    td class="name" { (name_html(&c.service)) }
+                                    td class="name" {
+                                        a href={ "/buckets/" (encoded(&c.service)) "/" (encoded(&c.bucket)) } {
+                                            code { (name_html(&c.bucket)) }
+                                        }
+                                    }
+                                    td {
+                                        (c.change)
+                                        @if proposed { " (proposed, waiting for review)" }
+                                    }
+                                    td class="num" { (opt(c.previous_limit_rps)) }
+                                    td class="num" { (opt(c.limit_rps)) }
+                                    td { (c.mode.as_deref().unwrap_or("")) }
+                                    td { (c.policy.as_deref().unwrap_or("")) }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The rollouts the run started or moved, if any.
+fn rollouts_section(rollouts: &[crate::rollout::RolloutView]) -> Markup {
+    html! {
+        @if !rollouts.is_empty() {
+            section id="rollouts" {
+                h2 { "Rollouts" }
+                ul class="why" {
+                    @for ro in rollouts {
+                        li data-bucket=(ro.bucket) {
+                            code { (name_html(&ro.service)) "/" (name_html(&ro.bucket)) }
+                            " (" (super::prose(&ro.change)) "): " (super::prose(&ro.summary))
+                            @if let Some(how) = &ro.revert { " — " (super::prose(how)) }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// What the run held, left pending or for review, and why, if anything.
+fn held_section(held: &[&str]) -> Markup {
+    html! {
+        @if !held.is_empty() {
+            section id="held" class="notice" {
+                h2 { "Held, pending or needs review" }
+                ul class="why" {
+                    @for l in held { li { (super::prose(l)) } }
+                }
+            }
+        }
+    }
+}
+
+/// Each service's outcome and details, if the run recorded any.
+fn services_section(services: &[serde_json::Value]) -> Markup {
+    html! {
+        @if !services.is_empty() {
+            section id="services" {
+                h2 { "Services" }
+                table {
+                    thead { tr { th { "Service" } th { "Outcome" } th { "Details" } } }
+                    tbody {
+                        @for v in services {
+                            tr {
+                                td class="name" { (name_html(v["service"].as_str().unwrap_or(""))) }
+                                td { (v["outcome"].as_str().unwrap_or("")) }
+                                td {
+                                    @if let Some(o) = v.as_object() {
+                                        @for (k, val) in o.iter().filter(|(k, _)| *k != "service" && *k != "outcome") {
+                                            @if !val.is_null() {
+                                                span class="muted" { (k) ": " }
+                                                (val.as_str().map(str::to_string).unwrap_or_else(|| val.to_string()))
+                                                " "
+                                            }
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
 }

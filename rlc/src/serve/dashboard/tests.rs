@@ -1690,7 +1690,7 @@ fn rate_ticks_are_round_and_above_the_highest_value() {
         (3180.0, 1000.0),
         (0.0, 0.25),
     ] {
-        let (ticks, top) = bucket::rate_ticks(max);
+        let (ticks, top) = chart::rate_ticks(max);
         assert_eq!(ticks[0], 0.0);
         assert_eq!(ticks[1], want_step, "{max}: {ticks:?}");
         assert!((4..=7).contains(&ticks.len()), "{max}: {ticks:?}");
@@ -1704,19 +1704,19 @@ fn rate_ticks_are_round_and_above_the_highest_value() {
 #[test]
 fn time_ticks_are_round_and_few() {
     let t = |h: u32, m: u32| Utc.with_ymd_and_hms(2026, 11, 30, h, m, 0).unwrap();
-    let ticks = bucket::time_ticks(t(10, 3), t(11, 3));
+    let ticks = chart::time_ticks(t(10, 3), t(11, 3));
     let labels: Vec<&str> = ticks.iter().map(|(_, l)| l.as_str()).collect();
     assert_eq!(
         labels,
         ["10:10", "10:20", "10:30", "10:40", "10:50", "11:00"]
     );
-    let ticks = bucket::time_ticks(t(10, 0), t(10, 0) + chrono::Duration::days(30));
+    let ticks = chart::time_ticks(t(10, 0), t(10, 0) + chrono::Duration::days(30));
     assert!((4..=8).contains(&ticks.len()), "{ticks:?}");
     assert!(
         ticks[0].1.starts_with("Dec ") || ticks[0].1.starts_with("Nov "),
         "{ticks:?}"
     );
-    let ticks = bucket::time_ticks(t(10, 0), t(10, 15));
+    let ticks = chart::time_ticks(t(10, 0), t(10, 15));
     assert_eq!(ticks.len(), 8, "every two minutes: {ticks:?}");
 }
 
