@@ -1,7 +1,7 @@
 //! Validation, loading and persistence of the controller's bucket config.
 
 use std::collections::BTreeSet;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use grl_core::{CompileError, Table};
 use schema::BucketFile;
@@ -204,41 +204,81 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 /// times the largest config body `PUT /v1/config` accepts, for the pretty-printed form.
 pub const MAX_STATE_FILE: u64 = 256 << 20;
 
+/// Why a state file is not read back; each message names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum StateFileError {
+    /// It could not be examined, opened or read.
+    #[error("{}: {err}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What the system said.
+        err: std::io::Error,
+    },
+    /// A symlink, a FIFO, a device or a directory.
+    #[error("{}: not a regular file ({kind}); state files must be plain files", path.display())]
+    NotRegular {
+        /// The file.
+        path: PathBuf,
+        /// What it is instead.
+        kind: &'static str,
+    },
+    /// Larger than the limit when examined.
+    #[error("{}: {len} bytes, more than the {max} bytes a state file may have", path.display())]
+    TooLarge {
+        /// The file.
+        path: PathBuf,
+        /// Its size.
+        len: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// Grew past the limit between the check and the read.
+    #[error("{}: grew past the {max} bytes a state file may have", path.display())]
+    Grew {
+        /// The file.
+        path: PathBuf,
+        /// The limit.
+        max: u64,
+    },
+}
+
 /// Reads a state file: `None` when it does not exist; an error naming the file when it is not
 /// a regular file (a symlink, a FIFO, a device) or is larger than `max` bytes. Nothing is
 /// opened before the checks, so a FIFO never blocks and `/dev/zero` is never read.
-pub fn read_state_file(path: &Path, max: u64) -> Result<Option<Vec<u8>>, String> {
+pub fn read_state_file(path: &Path, max: u64) -> Result<Option<Vec<u8>>, StateFileError> {
     use std::io::Read;
+    let io = |err| StateFileError::Io {
+        path: path.to_path_buf(),
+        err,
+    };
     let meta = match std::fs::symlink_metadata(path) {
         Ok(m) => m,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(format!("{}: {e}", path.display())),
+        Err(e) => return Err(io(e)),
     };
     if !meta.file_type().is_file() {
-        return Err(format!(
-            "{}: not a regular file ({}); state files must be plain files",
-            path.display(),
-            schema::kind_of(&meta.file_type())
-        ));
+        return Err(StateFileError::NotRegular {
+            path: path.to_path_buf(),
+            kind: schema::kind_of(&meta.file_type()),
+        });
     }
     if meta.len() > max {
-        return Err(format!(
-            "{}: {} bytes, more than the {max} bytes a state file may have",
-            path.display(),
-            meta.len()
-        ));
+        return Err(StateFileError::TooLarge {
+            path: path.to_path_buf(),
+            len: meta.len(),
+            max,
+        });
     }
-    let f = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let f = std::fs::File::open(path).map_err(io)?;
     // Bounded even if the file grows between the check and the read.
     let mut bytes = Vec::with_capacity(meta.len() as usize);
-    f.take(max + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
+    f.take(max + 1).read_to_end(&mut bytes).map_err(io)?;
     if bytes.len() as u64 > max {
-        return Err(format!(
-            "{}: grew past the {max} bytes a state file may have",
-            path.display()
-        ));
+        return Err(StateFileError::Grew {
+            path: path.to_path_buf(),
+            max,
+        });
     }
     Ok(Some(bytes))
 }

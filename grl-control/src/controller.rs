@@ -515,9 +515,7 @@ fn shared_state(
         engine,
         calls,
         registry,
-        persisted: Mutex::new(Persisted {
-            next_id,
-        }),
+        persisted: Mutex::new(Persisted { next_id }),
         creds,
         report_token: opts.report_token.clone(),
         allow_anonymous_reports: opts.allow_anonymous_reports,

@@ -28,6 +28,39 @@ enum Piece {
     Caller,
 }
 
+/// Why a caller pattern or a route is refused; each message quotes the text.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PatternError {
+    /// Braces around anything but `{caller}` in a caller pattern.
+    #[error("{0:?}: only {{caller}} may stand in braces")]
+    Braces(String),
+    /// A caller pattern without `{caller}`, or with it twice.
+    #[error("{0:?}: a caller pattern holds {{caller}} exactly once")]
+    CallerCount(String),
+    /// A route's method is not one.
+    #[error("{text:?}: {method:?} is not an HTTP method")]
+    Method {
+        /// The route as given.
+        text: String,
+        /// Its first word.
+        method: String,
+    },
+    /// A route template not starting with `/`.
+    #[error("{0:?}: a route template starts with /")]
+    NoSlash(String),
+    /// A `{rest*}` parameter before the last segment.
+    #[error("{text:?}: {{{name}}} must be the last segment")]
+    RestNotLast {
+        /// The route as given.
+        text: String,
+        /// The parameter's name.
+        name: String,
+    },
+    /// A parameter sharing its segment with other characters.
+    #[error("{0:?}: a parameter is a whole segment, {{name}}")]
+    PartialParam(String),
+}
+
 /// A pattern mapping a certificate name to a caller, e.g. `spiffe://*/ns/*/sa/{caller}` (the
 /// service account of a SPIFFE ID) or `{caller}.clients.example.com` (a DNS name). `*` matches
 /// any characters but `/`; `{caller}` (exactly once) the caller name.
@@ -39,7 +72,7 @@ pub struct NamePattern {
 
 impl NamePattern {
     /// Parses a pattern; it must hold `{caller}` exactly once.
-    pub fn parse(text: &str) -> Result<NamePattern, String> {
+    pub fn parse(text: &str) -> Result<NamePattern, PatternError> {
         let mut pieces = Vec::new();
         let mut lit = String::new();
         let mut rest = text;
@@ -61,7 +94,7 @@ impl NamePattern {
             } else {
                 let c = rest.chars().next().expect("not empty");
                 if c == '{' || c == '}' {
-                    return Err(format!("{text:?}: only {{caller}} may stand in braces"));
+                    return Err(PatternError::Braces(text.to_string()));
                 }
                 lit.push(c);
                 rest = &rest[c.len_utf8()..];
@@ -71,9 +104,7 @@ impl NamePattern {
             pieces.push(Piece::Lit(lit));
         }
         if callers != 1 {
-            return Err(format!(
-                "{text:?}: a caller pattern holds {{caller}} exactly once"
-            ));
+            return Err(PatternError::CallerCount(text.to_string()));
         }
         Ok(NamePattern {
             text: text.to_string(),
@@ -363,17 +394,19 @@ const METHODS: [Method; 7] = [
 
 impl Route {
     /// Parses `[METHOD ]/path/{param}/…[/{rest*}]`.
-    pub fn parse(text: &str) -> Result<Route, String> {
+    pub fn parse(text: &str) -> Result<Route, PatternError> {
         let (method, template) = match text.trim().split_once(' ') {
             Some((m, t)) => {
-                let m = Method::from_bytes(m.as_bytes())
-                    .map_err(|_| format!("{text:?}: {m:?} is not an HTTP method"))?;
+                let m = Method::from_bytes(m.as_bytes()).map_err(|_| PatternError::Method {
+                    text: text.to_string(),
+                    method: m.to_string(),
+                })?;
                 (Some(m), t.trim())
             }
             None => (None, text.trim()),
         };
         if !template.starts_with('/') {
-            return Err(format!("{text:?}: a route template starts with /"));
+            return Err(PatternError::NoSlash(text.to_string()));
         }
         let parts: Vec<&str> = template.split('/').skip(1).collect();
         let mut segs = Vec::new();
@@ -381,15 +414,16 @@ impl Route {
             let seg = match p.strip_prefix('{').and_then(|p| p.strip_suffix('}')) {
                 Some(name) if name.ends_with('*') => {
                     if i + 1 != parts.len() {
-                        return Err(format!("{text:?}: {{{name}}} must be the last segment"));
+                        return Err(PatternError::RestNotLast {
+                            text: text.to_string(),
+                            name: name.to_string(),
+                        });
                     }
                     Seg::Rest
                 }
                 Some(name) if !name.is_empty() && !name.contains(['{', '}']) => Seg::Param,
                 _ if p.contains(['{', '}']) => {
-                    return Err(format!(
-                        "{text:?}: a parameter is a whole segment, {{name}}"
-                    ))
+                    return Err(PatternError::PartialParam(text.to_string()))
                 }
                 _ => Seg::Lit(p.to_string()),
             };

@@ -28,33 +28,60 @@ pub enum Upstream {
     Unix(PathBuf),
 }
 
+/// Why an `--upstream` is refused; each message starts with the text given.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamParseError {
+    /// A Unix socket path that is not absolute.
+    #[error("{0}: a Unix socket upstream is unix:/absolute/path")]
+    UnixRelative(String),
+    /// Not a URL.
+    #[error("{text}: not a URL: {err}")]
+    NotAUrl {
+        /// The upstream as given.
+        text: String,
+        /// Why it does not parse.
+        err: http::uri::InvalidUri,
+    },
+    /// A scheme other than `http`.
+    #[error("{0}: the upstream is http://HOST:PORT or unix:/path (the sidecar speaks plain HTTP to the instance next to it)")]
+    Scheme(String),
+    /// A path or a query.
+    #[error("{0}: the upstream URL takes no path")]
+    Path(String),
+    /// No host.
+    #[error("{0}: no host")]
+    NoHost(String),
+    /// No port.
+    #[error("{0}: name the port (http://HOST:PORT)")]
+    NoPort(String),
+}
+
 impl Upstream {
     /// Parses `http://HOST:PORT` (no path) or `unix:PATH`.
-    pub fn parse(s: &str) -> Result<Upstream, String> {
+    pub fn parse(s: &str) -> Result<Upstream, UpstreamParseError> {
         if let Some(p) = s.strip_prefix("unix:") {
             let p = p.strip_prefix("//").unwrap_or(p);
             if !p.starts_with('/') {
-                return Err(format!(
-                    "{s}: a Unix socket upstream is unix:/absolute/path"
-                ));
+                return Err(UpstreamParseError::UnixRelative(s.to_string()));
             }
             return Ok(Upstream::Unix(PathBuf::from(p)));
         }
-        let uri: Uri = s.parse().map_err(|e| format!("{s}: not a URL: {e}"))?;
+        let uri: Uri = s.parse().map_err(|err| UpstreamParseError::NotAUrl {
+            text: s.to_string(),
+            err,
+        })?;
         if uri.scheme_str() != Some("http") {
-            return Err(format!(
-                "{s}: the upstream is http://HOST:PORT or unix:/path (the sidecar speaks plain HTTP to the instance next to it)"
-            ));
+            return Err(UpstreamParseError::Scheme(s.to_string()));
         }
         if uri.path() != "/" && !uri.path().is_empty() || uri.query().is_some() {
-            return Err(format!("{s}: the upstream URL takes no path"));
+            return Err(UpstreamParseError::Path(s.to_string()));
         }
         let authority = uri
             .authority()
             .cloned()
-            .ok_or_else(|| format!("{s}: no host"))?;
+            .ok_or_else(|| UpstreamParseError::NoHost(s.to_string()))?;
         if authority.port_u16().is_none() {
-            return Err(format!("{s}: name the port (http://HOST:PORT)"));
+            return Err(UpstreamParseError::NoPort(s.to_string()));
         }
         Ok(Upstream::Tcp { authority })
     }
@@ -644,7 +671,7 @@ mod tests {
             ("unix:run.sock", "absolute"),
         ] {
             let e = Upstream::parse(bad).unwrap_err();
-            assert!(e.contains(why), "{bad}: {e}");
+            assert!(e.to_string().contains(why), "{bad}: {e}");
         }
     }
     /// A listener on a free port that counts the connections it accepts and serves each (with

@@ -70,7 +70,7 @@ pub(super) fn load_state(dir: &Path) -> anyhow::Result<(Option<ConfigDoc>, Overr
             Err(e) => anyhow::bail!("refusing to start: state file {e}"),
         }
     };
-    let refuse = |path: &Path, problem: String| {
+    let refuse = |path: &Path, problem: &dyn std::fmt::Display| {
         anyhow::anyhow!(
             "refusing to start: state file {}: {problem} (fix or remove the file; the controller does not serve a state it would refuse over its API)",
             path.display()
@@ -78,9 +78,8 @@ pub(super) fn load_state(dir: &Path) -> anyhow::Result<(Option<ConfigDoc>, Overr
     };
     let cfg = match read("config.json")? {
         Some((path, bytes)) => {
-            let doc: ConfigDoc =
-                serde_json::from_slice(&bytes).map_err(|e| refuse(&path, e.to_string()))?;
-            config::validate_pushed(&doc).map_err(|e| refuse(&path, e.to_string()))?;
+            let doc: ConfigDoc = serde_json::from_slice(&bytes).map_err(|e| refuse(&path, &e))?;
+            config::validate_pushed(&doc).map_err(|e| refuse(&path, &e))?;
             Some(doc)
         }
         None => None,
@@ -88,8 +87,8 @@ pub(super) fn load_state(dir: &Path) -> anyhow::Result<(Option<ConfigDoc>, Overr
     let ov = match read("overrides.json")? {
         Some((path, bytes)) => {
             let ov: OverridesFile =
-                serde_json::from_slice(&bytes).map_err(|e| refuse(&path, e.to_string()))?;
-            check_overrides(&ov).map_err(|p| refuse(&path, p))?;
+                serde_json::from_slice(&bytes).map_err(|e| refuse(&path, &e))?;
+            check_overrides(&ov).map_err(|p| refuse(&path, &p))?;
             ov
         }
         None => OverridesFile::default(),
@@ -137,15 +136,49 @@ impl prometheus_client::collector::Collector for DbCollector {
     }
 }
 
+/// Why a stored state (a state file, a snapshot of the state database) is refused: what
+/// `PUT /v1/config` or `POST /v1/overrides` would refuse.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum StoredStateError {
+    #[error("config `{version}`: {err}")]
+    Config {
+        version: String,
+        err: config::ConfigError,
+    },
+    #[error("override `{id}`: {problem}")]
+    Override {
+        id: String,
+        problem: OverrideProblem,
+    },
+}
+
+/// What is wrong with a stored override.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum OverrideProblem {
+    #[error("{0}")]
+    Invalid(crate::overrides::OverrideError),
+    #[error("id appears twice")]
+    DuplicateId,
+    #[error("id must be `ovr-N` with N at most next_id ({next_id})")]
+    BadId { next_id: u64 },
+    #[error("expires_at must be after created_at")]
+    Expiry,
+}
+
 /// The checks of `POST /v1/overrides` on a stored override list: each request valid, ids
 /// unique and `ovr-N` with N at most the id counter, an expiry after the creation.
-pub(super) fn check_overrides(ov: &OverridesFile) -> Result<(), String> {
+pub(super) fn check_overrides(ov: &OverridesFile) -> Result<(), StoredStateError> {
     let mut ids = std::collections::BTreeSet::new();
     for o in &ov.overrides {
-        let bad = |p: String| format!("override `{}`: {p}", o.id);
-        o.req.validate().map_err(|e| bad(e.to_string()))?;
+        let bad = |problem| StoredStateError::Override {
+            id: o.id.clone(),
+            problem,
+        };
+        o.req
+            .validate()
+            .map_err(|e| bad(OverrideProblem::Invalid(e)))?;
         if !ids.insert(o.id.as_str()) {
-            return Err(bad("id appears twice".into()));
+            return Err(bad(OverrideProblem::DuplicateId));
         }
         match o
             .id
@@ -154,14 +187,13 @@ pub(super) fn check_overrides(ov: &OverridesFile) -> Result<(), String> {
         {
             Some(n) if n <= ov.next_id => {}
             _ => {
-                return Err(bad(format!(
-                    "id must be `ovr-N` with N at most next_id ({})",
-                    ov.next_id
-                )))
+                return Err(bad(OverrideProblem::BadId {
+                    next_id: ov.next_id,
+                }))
             }
         }
         if o.expires_at <= o.created_at {
-            return Err(bad("expires_at must be after created_at".into()));
+            return Err(bad(OverrideProblem::Expiry));
         }
     }
     Ok(())
@@ -169,9 +201,12 @@ pub(super) fn check_overrides(ov: &OverridesFile) -> Result<(), String> {
 
 /// A snapshot of the state database checked as the API checks a change (the config as
 /// `PUT /v1/config`, the overrides as `POST /v1/overrides`).
-pub(super) fn check_snapshot(snap: &crate::state_db::Snapshot) -> Result<(), String> {
+pub(super) fn check_snapshot(snap: &crate::state_db::Snapshot) -> Result<(), StoredStateError> {
     if let Some(doc) = &snap.config {
-        config::validate_pushed(doc).map_err(|e| format!("config `{}`: {e}", doc.version))?;
+        config::validate_pushed(doc).map_err(|err| StoredStateError::Config {
+            version: doc.version.clone(),
+            err,
+        })?;
     }
     check_overrides(&OverridesFile {
         next_id: snap.next_override_id,
