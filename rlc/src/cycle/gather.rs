@@ -57,7 +57,7 @@ impl Cycle {
         }
         let guard = match self.exclusive(&store).await {
             Ok(g) => g,
-            Err(e) => return Err(Box::new(self.failed(trigger, run_uid, e).await)),
+            Err(e) => return Err(Box::new(self.failed(trigger, run_uid, e.to_string()).await)),
         };
         // Records of earlier runs the store could not take, before this run's.
         self.flush_pending().await;

@@ -3,6 +3,26 @@
 
 use super::*;
 
+/// Why a run could not take its lock.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum LockError {
+    /// The lock file's directory cannot be created.
+    #[error("creating {path}: {1}", path = .0.display())]
+    Create(PathBuf, std::io::Error),
+    /// The lock file cannot be opened.
+    #[error("opening the run lock {path}: {1}", path = .0.display())]
+    Open(PathBuf, std::io::Error),
+    /// Another run held the working copy's lock for the whole wait (seconds).
+    #[error("another rlc run holds {path} (waited {1}s)", path = .0.display())]
+    Held(PathBuf, u64),
+    /// Locking failed.
+    #[error("locking {path}: {1}", path = .0.display())]
+    Take(PathBuf, std::io::Error),
+    /// Another run held the store's run lock for the whole wait (seconds).
+    #[error("another rlc run holds the store's run lock (waited {0}s)")]
+    StoreHeld(u64),
+}
+
 /// How long a run waits for another run of the same config repo or store to finish.
 const RUN_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(600);
 
@@ -66,13 +86,12 @@ impl Cycle {
     /// One run at a time: the working copy's lock (waiting up to [`RUN_LOCK_WAIT`] for a
     /// run of another process), then the store's (Postgres, for runs on other machines). A
     /// store that cannot answer gives no lock: its record waits in the journal anyway.
-    pub(super) async fn exclusive(&self, store: &StoreWitness) -> Result<RunGuard, String> {
+    pub(super) async fn exclusive(&self, store: &StoreWitness) -> Result<RunGuard, LockError> {
         let path = self.lock_path();
         if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+            std::fs::create_dir_all(dir).map_err(|e| LockError::Create(dir.to_path_buf(), e))?;
         }
-        let lock = FileLock::open(&path)
-            .map_err(|e| format!("opening the run lock {}: {e}", path.display()))?;
+        let lock = FileLock::open(&path).map_err(|e| LockError::Open(path.clone(), e))?;
         let until = tokio::time::Instant::now() + RUN_LOCK_WAIT;
         let mut told = false;
         loop {
@@ -80,11 +99,7 @@ impl Cycle {
                 Ok(true) => break,
                 Ok(false) => {
                     if tokio::time::Instant::now() >= until {
-                        return Err(format!(
-                            "another rlc run holds {} (waited {}s)",
-                            path.display(),
-                            RUN_LOCK_WAIT.as_secs()
-                        ));
+                        return Err(LockError::Held(path, RUN_LOCK_WAIT.as_secs()));
                     }
                     if !told {
                         tracing::info!(lock = %path.display(), "another rlc run works on this config repo: waiting for it");
@@ -92,18 +107,13 @@ impl Cycle {
                     }
                     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
                 }
-                Err(e) => return Err(format!("locking {}: {e}", path.display())),
+                Err(e) => return Err(LockError::Take(path, e)),
             }
         }
         let lease = match store {
             StoreWitness::Store(s) => match s.lock_runs(RUN_LOCK_WAIT).await {
                 Ok(Some(l)) => Some(l),
-                Ok(None) => {
-                    return Err(format!(
-                        "another rlc run holds the store's run lock (waited {}s)",
-                        RUN_LOCK_WAIT.as_secs()
-                    ))
-                }
+                Ok(None) => return Err(LockError::StoreHeld(RUN_LOCK_WAIT.as_secs())),
                 Err(e) => {
                     tracing::warn!(error = %e, "the store's run lock cannot be taken");
                     None
