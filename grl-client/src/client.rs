@@ -698,8 +698,10 @@ async fn run(
     let mut next_report = now_ms() + tick_ms;
     let mut current = 0usize;
     let mut urgent_sent = false;
-    let failed_log = crate::auth::LogGate::new(Duration::from_secs(10));
-    let refused_log = crate::auth::LogGate::new(Duration::from_secs(10));
+    let logs = ReportLogs {
+        failed: crate::auth::LogGate::new(Duration::from_secs(10)),
+        refused: crate::auth::LogGate::new(Duration::from_secs(10)),
+    };
     loop {
         iv.tick().await;
         let now = now_ms();
@@ -756,29 +758,14 @@ async fn run(
                     }
                     stats.reports_ok.fetch_add(1, Ordering::Relaxed);
                     if !reply.version.is_empty() && reply.version != rep.version() {
-                        match fetch_config(
-                            &http,
+                        let token = token.as_deref().map(String::as_str);
+                        let to = ConfigSource {
+                            http: &http,
                             base,
-                            &opts.service,
-                            token.as_deref().map(String::as_str),
+                            token,
                             timeout,
-                        )
-                        .await
-                        {
-                            Ok(doc) if doc.version == reply.version => {
-                                let file = doc.services.iter().find(|f| f.service == opts.service);
-                                match rep.install(&opts.service, file, &doc.version) {
-                                    Ok(()) => {
-                                        tracing::info!(version = %doc.version, "client installed config")
-                                    }
-                                    Err(e) => tracing::error!(error = %e, "client refused config"),
-                                }
-                            }
-                            Ok(_) => {} // the aggregator has not caught up yet; retry next tick
-                            Err(e) => {
-                                tracing::warn!(aggregator = %base, error = %e, "config fetch failed")
-                            }
-                        }
+                        };
+                        sync_config(&to, &opts.service, &reply.version, &mut rep).await;
                     }
                     let at = now_ms();
                     if rep.apply(&reply, at) {
@@ -790,39 +777,85 @@ async fn run(
                 Err(e) => {
                     proto[idx] = 1;
                     unsure |= !crate::http_util::CallError::never_applied_any(&e);
-                    stats.report_errors.fetch_add(1, Ordering::Relaxed);
-                    let cause = e.to_string();
-                    let refused = matches!(
-                        e.downcast_ref::<crate::http_util::CallError>(),
-                        Some(crate::http_util::CallError::Status { status, .. })
-                            if *status == 401 || *status == 403
-                    );
-                    if refused {
-                        stats.reports_refused.fetch_add(1, Ordering::Relaxed);
-                        if refused_log.open() {
-                            tracing::warn!(aggregator = %base, error = %cause, "report refused: check the report credential (GRL_CLIENT_TOKEN) (logged at most every 10 s; see grl_client_reports_refused_total)");
-                        }
-                    } else if failed_log.open() {
-                        tracing::warn!(aggregator = %base, error = %cause, "report failed (logged at most every 10 s; another aggregator is tried, and the client fails open once its directives are stale)");
-                    }
-                    *stats.last_error.lock().expect("client stats lock") = Some(cause);
+                    record_report_error(&stats, &logs, base, &e);
                 }
             }
         }
-        if !sent && !report.calls.is_empty() {
-            rep.restore_calls(std::mem::take(&mut report.calls));
-        }
         if !sent {
-            if unsure {
-                let offered: u64 = report.buckets.iter().map(|b| b.offered).sum();
-                stats
-                    .counts_unconfirmed
-                    .fetch_add(offered, Ordering::Relaxed);
-            } else {
-                rep.unsend(&report);
-            }
+            settle_unsent(&mut rep, &mut report, unsure, &stats);
         }
         check_staleness(&limiter, &stats, &opts.service);
+    }
+}
+
+/// Where a client fetches a new config from: the aggregator that announced it.
+struct ConfigSource<'a> {
+    http: &'a reqwest::Client,
+    base: &'a str,
+    token: Option<&'a str>,
+    timeout: Duration,
+}
+
+/// Fetches and installs the config `version` an aggregator announced; an aggregator that has
+/// not caught up yet is retried on the next tick.
+async fn sync_config(from: &ConfigSource<'_>, service: &str, version: &str, rep: &mut Reporter) {
+    match fetch_config(from.http, from.base, service, from.token, from.timeout).await {
+        Ok(doc) if doc.version == version => {
+            let file = doc.services.iter().find(|f| f.service == service);
+            match rep.install(service, file, &doc.version) {
+                Ok(()) => {
+                    tracing::info!(version = %doc.version, "client installed config")
+                }
+                Err(e) => tracing::error!(error = %e, "client refused config"),
+            }
+        }
+        Ok(_) => {} // the aggregator has not caught up yet; retry next tick
+        Err(e) => {
+            tracing::warn!(aggregator = %from.base, error = %e, "config fetch failed")
+        }
+    }
+}
+
+/// The rate limits on the client's report-failure logs.
+struct ReportLogs {
+    failed: crate::auth::LogGate,
+    refused: crate::auth::LogGate,
+}
+
+/// Counts a failed report attempt at `base`, logs it (rate-limited; a refused credential
+/// apart) and keeps its cause as the last error.
+fn record_report_error(stats: &ClientStats, logs: &ReportLogs, base: &str, e: &anyhow::Error) {
+    stats.report_errors.fetch_add(1, Ordering::Relaxed);
+    let cause = e.to_string();
+    let refused = matches!(
+        e.downcast_ref::<crate::http_util::CallError>(),
+        Some(crate::http_util::CallError::Status { status, .. })
+            if *status == 401 || *status == 403
+    );
+    if refused {
+        stats.reports_refused.fetch_add(1, Ordering::Relaxed);
+        if logs.refused.open() {
+            tracing::warn!(aggregator = %base, error = %cause, "report refused: check the report credential (GRL_CLIENT_TOKEN) (logged at most every 10 s; see grl_client_reports_refused_total)");
+        }
+    } else if logs.failed.open() {
+        tracing::warn!(aggregator = %base, error = %cause, "report failed (logged at most every 10 s; another aggregator is tried, and the client fails open once its directives are stale)");
+    }
+    *stats.last_error.lock().expect("client stats lock") = Some(cause);
+}
+
+/// A report no aggregator answered: its calls wait for the next report, and its counts are
+/// sent again unless an aggregator may have taken them (then they count as unconfirmed).
+fn settle_unsent(rep: &mut Reporter, report: &mut ClientReport, unsure: bool, stats: &ClientStats) {
+    if !report.calls.is_empty() {
+        rep.restore_calls(std::mem::take(&mut report.calls));
+    }
+    if unsure {
+        let offered: u64 = report.buckets.iter().map(|b| b.offered).sum();
+        stats
+            .counts_unconfirmed
+            .fetch_add(offered, Ordering::Relaxed);
+    } else {
+        rep.unsend(report);
     }
 }
 
