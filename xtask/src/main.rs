@@ -47,7 +47,7 @@ fn main() -> ExitCode {
         Some("house") => house::run(&workspace_root(), &args[1..]),
         _ => {
             eprintln!(
-                "usage: cargo xtask test [-- CARGO TEST ARGS]   run every test with throwaway services\n       cargo xtask deps                        install missing Debian packages (as root)\n       cargo xtask house [--check]             import circles, long functions and files, string errors (issue 40)"
+                "usage: cargo xtask test [-- CARGO TEST ARGS]   run every test with throwaway services\n       cargo xtask deps                        install missing Debian packages (as root)\n       cargo xtask house [--check]             import circles, long functions and files, string errors"
             );
             Ok(2)
         }
