@@ -22,9 +22,7 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let aggregators: Vec<String> = std::env::args().skip(1).collect();
-    let mut opts = ClientOptions::new("payments", aggregators)
-        .with_report_token_from_env()
-        .map_err(anyhow::Error::msg)?;
+    let mut opts = ClientOptions::new("payments", aggregators).with_report_token_from_env()?;
     if opts.report_token.is_none() {
         tracing::warn!(
             "no GRL_CLIENT_TOKEN: aggregators will refuse the reports and the limiter stays open"

@@ -565,7 +565,7 @@ async fn controller(args: ControllerArgs) -> anyhow::Result<()> {
         database_connect_timeout_secs,
     )?;
     let creds = controller_credentials(credentials.as_deref())?;
-    let report_token = TokenSource::from_env("GRL_REPORT_TOKEN").map_err(anyhow::Error::msg)?;
+    let report_token = TokenSource::from_env("GRL_REPORT_TOKEN")?;
     let h = Controller::start(ControllerOptions {
         listen,
         state_dir,
@@ -587,7 +587,6 @@ async fn controller(args: ControllerArgs) -> anyhow::Result<()> {
         max_overrides,
     })
     .await?;
-    println!("listening on {}", h.addr());
     stop_gracefully("controller", h, shutdown_grace_ms).await;
     Ok(())
 }
@@ -639,7 +638,7 @@ async fn aggregator(args: AggregatorArgs) -> anyhow::Result<()> {
         id,
         tls: tls.options()?,
         client_tls: client_tls.options()?,
-        report_token: TokenSource::from_env("GRL_REPORT_TOKEN").map_err(anyhow::Error::msg)?,
+        report_token: TokenSource::from_env("GRL_REPORT_TOKEN")?,
         client_credentials,
         allow_anonymous_reports: insecure_allow_anonymous_reports,
         delta: grl_control::delta::DeltaOptions {
@@ -658,7 +657,6 @@ async fn aggregator(args: AggregatorArgs) -> anyhow::Result<()> {
         ..Default::default()
     })
     .await?;
-    println!("listening on {}", h.addr());
     stop_gracefully("aggregator", h, shutdown_grace_ms).await;
     Ok(())
 }
@@ -714,8 +712,7 @@ async fn sidecar(args: SidecarArgs) -> anyhow::Result<()> {
         "--max-header-bytes must be at least 1024"
     );
     let mut client = grl_client::client::ClientOptions::new(&service, aggregators)
-        .with_report_token_from_env()
-        .map_err(anyhow::Error::msg)?;
+        .with_report_token_from_env()?;
     client.tick = Duration::from_millis(tick_ms.max(1));
     client.stale_after = Duration::from_millis(stale_after_ms.max(1));
     client.tls = client_tls.options()?;
@@ -738,7 +735,6 @@ async fn sidecar(args: SidecarArgs) -> anyhow::Result<()> {
         ..grl_sidecar::SidecarOptions::new(listen, upstream, client)
     };
     let h = grl_sidecar::start(opts).await?;
-    println!("listening on {}", h.server.addr());
     stop_gracefully("sidecar", h.server, shutdown_grace_ms).await;
     Ok(())
 }
@@ -799,8 +795,7 @@ fn database_options(
             "--database-url carries a password, which every user sees in ps: put the URL in GRL_DATABASE_URL or GRL_DATABASE_URL_FILE, or the password in PGPASSWORD"
         ),
         Some(url) => Some(url),
-        None => TokenSource::from_env("GRL_DATABASE_URL")
-            .map_err(anyhow::Error::msg)?
+        None => TokenSource::from_env("GRL_DATABASE_URL")?
             .map(|t| t.current().trim().to_string()),
     }
     .map(|url| grl_control::controller::DatabaseOptions {
@@ -820,7 +815,7 @@ fn controller_credentials(credentials: Option<&std::path::Path>) -> anyhow::Resu
         ("GRL_READ_TOKEN", &["reports"][..]),
         ("GRL_TOKEN", grl_control::controller::LEGACY_TOKEN_ROLES),
     ] {
-        if let Some(t) = TokenSource::from_env(var).map_err(anyhow::Error::msg)? {
+        if let Some(t) = TokenSource::from_env(var)? {
             if var == "GRL_TOKEN" {
                 tracing::warn!("GRL_TOKEN holds the config, overrides and reports roles at once; prefer GRL_CONFIG_TOKEN, GRL_OVERRIDE_TOKEN and GRL_READ_TOKEN");
             }
@@ -898,9 +893,11 @@ fn procedure_from(
     })
 }
 
-/// Serves until SIGTERM or SIGINT, then stops `h` gracefully (in-flight requests finish within
-/// `grace_ms`, then the last flush) and logs it. Exits 0 either way: the stop was asked for.
+/// Prints where `h` listens, serves until SIGTERM or SIGINT, then stops `h` gracefully
+/// (in-flight requests finish within `grace_ms`, then the last flush) and logs it. Exits 0
+/// either way: the stop was asked for.
 async fn stop_gracefully(what: &str, h: grl_server::http_util::ServerHandle, grace_ms: u64) {
+    println!("listening on {}", h.addr());
     let signal = grl_server::http_util::shutdown_signal().await;
     tracing::info!(
         signal,

@@ -122,7 +122,7 @@ pub(crate) enum OverrideCmd {
 /// The override credential: `GRL_OVERRIDE_TOKEN[_FILE]`, else the legacy `GRL_TOKEN[_FILE]`.
 fn override_token() -> anyhow::Result<String> {
     for var in ["GRL_OVERRIDE_TOKEN", "GRL_TOKEN"] {
-        if let Some(t) = TokenSource::from_env(var).map_err(anyhow::Error::msg)? {
+        if let Some(t) = TokenSource::from_env(var)? {
             return Ok(t.current().to_string());
         }
     }

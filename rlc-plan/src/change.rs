@@ -40,11 +40,6 @@ impl ChangeKind {
             ChangeKind::Modified => "modified",
         }
     }
-
-    /// Whether the change moved the limit in force (`modified` keeps the limit).
-    pub fn moves_limit(self) -> bool {
-        self != ChangeKind::Modified
-    }
 }
 
 impl std::fmt::Display for ChangeKind {

@@ -629,8 +629,7 @@ pub async fn serve_on(
         .schedule
         .as_deref()
         .map(schema::parse_schedule)
-        .transpose()
-        .map_err(anyhow::Error::msg)?;
+        .transpose()?;
     let tls = opts
         .tls
         .as_ref()

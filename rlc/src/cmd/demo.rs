@@ -219,9 +219,7 @@ fn prepare_history(dir: &Path, owned: &mut Owned) -> anyhow::Result<PathBuf> {
 /// `grl controller` takes it over.
 async fn start_controller(files: &Files) -> anyhow::Result<ControllerHandle> {
     let mut credentials = CredentialSet::default();
-    credentials
-        .add_file(&files.creds_path, Some(grl_control::controller::ROLES))
-        .map_err(anyhow::Error::msg)?;
+    credentials.add_file(&files.creds_path, Some(grl_control::controller::ROLES))?;
     let controller = Controller::start(ControllerOptions {
         state_dir: files.dir.join("grl-state"),
         credentials,

@@ -432,31 +432,35 @@ pub async fn judge(
         let counts = store.candidate_counts(&slot.id).await?;
         // Judged on a copy: `open` keeps what the store holds when another process wrote the
         // rollout since it was read.
-        let Some((mut next, transition)) = judge_stage(slot, &counts, now_ms) else {
+        let Some(Judgement {
+            rollout: mut next,
+            transition,
+            figures,
+        }) = judge_stage(slot, &counts, now_ms)
+        else {
             continue;
         };
         if !save(store, &mut next).await? {
             tracing::warn!(id = %next.id, "rollout changed in the store meanwhile (another rlc process); judged again at the next poll");
             continue;
         }
-        log_transition(slot, &next, &counts, transition.as_ref());
+        log_transition(slot, &next, &figures, transition.as_ref());
         *slot = next;
         out.extend(transition);
     }
     Ok(out)
 }
 
-/// The log line of a judgement that moved rollout `before` to `after` on `counts`.
+/// The log line of a judgement that moved rollout `before` to `after` on the stage's figures
+/// `f`.
 pub(super) fn log_transition(
     before: &Rollout,
     after: &Rollout,
-    counts: &[CountRow],
+    f: &StageFigures,
     transition: Option<&Transition>,
 ) {
     let r = after;
-    let regions = before.current_regions();
-    let (f, _) = stage_figures(before, counts, regions);
-    let regions = regions.join(",");
+    let regions = before.current_regions().join(",");
     match transition {
         Some(Transition::Aborted(_)) => {
             tracing::warn!(id = %r.id, service = %r.service, bucket = %r.bucket, reason = r.reason.as_deref().unwrap_or(""), "rollout aborted")

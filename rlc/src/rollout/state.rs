@@ -816,15 +816,23 @@ pub enum Transition {
     Aborted(String),
 }
 
+/// What one judgement of a stage gives ([`judge_stage`]).
+#[derive(Debug, Clone)]
+pub struct Judgement {
+    /// The rollout as it is to be stored.
+    pub rollout: Rollout,
+    /// What happened to it, if anything but new figures.
+    pub transition: Option<Transition>,
+    /// The figures the stage was judged on (a promoted rollout starts the next stage's
+    /// afresh).
+    pub figures: StageFigures,
+}
+
 /// One judgement of baking rollout `r` on its counts at `now_ms`
-/// ([`grl_wire::rollout::judge`]): the rollout as it is to be stored and what happened to it,
-/// or None when nothing changed. A stage whose candidate never reached a controller is judged
-/// too: aborted once it waited `max_bake` ("never ran"). No I/O.
-pub fn judge_stage(
-    r: &Rollout,
-    counts: &[CountRow],
-    now_ms: i64,
-) -> Option<(Rollout, Option<Transition>)> {
+/// ([`grl_wire::rollout::judge`]), or None when nothing changed. A stage whose candidate
+/// never reached a controller is judged too: aborted once it waited `max_bake` ("never
+/// ran"). No I/O.
+pub fn judge_stage(r: &Rollout, counts: &[CountRow], now_ms: i64) -> Option<Judgement> {
     use grl_wire::rollout::{judge as verdict_of, Observed, Verdict};
     let mut next = r.clone();
     let regions = r.current_regions().to_vec();
@@ -876,12 +884,16 @@ pub fn judge_stage(
         }
     };
     next.updated_ms = now_ms;
-    Some((next, transition))
+    Some(Judgement {
+        rollout: next,
+        transition,
+        figures: f,
+    })
 }
 
 /// The figures of `r`'s current stage (`regions`) from its candidate's `counts`: summed over
 /// those regions, or stepped on the fleet's tally for a rollout judged on the fleet.
-pub(super) fn stage_figures(
+fn stage_figures(
     r: &Rollout,
     counts: &[CountRow],
     regions: &[String],

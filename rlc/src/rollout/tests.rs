@@ -13,29 +13,12 @@ mod pure {
     #[test]
     fn a_row_stored_before_stage_began_existed_begins_its_stage_at_its_last_change() {
         let r = Rollout {
-            id: "rlc-1".into(),
-            service: "pay".into(),
-            bucket: "gw".into(),
-            old: Some(crate::gitops::tests::planned("pay", "gw", 3470.0).bucket),
-            new: crate::gitops::tests::planned("pay", "gw", 100.0).bucket,
             change: "lowered 3470 -> 100 rps".into(),
-            version: "abc".into(),
-            settings: schema::RolloutSpec::default().resolved(),
             stages: vec![vec!["eu".into()]],
-            stage: 0,
             stage_started_ms: None,
-            stage_began_ms: Some(1_000),
-            state: RolloutState::Baking,
-            reason: None,
-            fingerprint: "fp".into(),
-            created_ms: 1_000,
             updated_ms: 5_000,
-            figures: StageFigures::default(),
-            revert: None,
-            revert_pending: false,
-            settled: false,
-            fleet: None,
             rev: Some(3),
+            ..staged(100.0, 1_000)
         };
         assert_eq!(r.stage_began(), 1_000);
         let mut doc = serde_json::to_value(&r).unwrap();
@@ -97,7 +80,11 @@ mod pure {
         // Baked long enough, nothing the candidate would refuse: on to the next stage.
         let now = t0 + bake_ms + 1_000;
         let secs = (bake_ms / 1000 + 1) as f64;
-        let (next, t) = judge_stage(&r, &[at(now, secs, 50.0, 0.0)], now).unwrap();
+        let Judgement {
+            rollout: next,
+            transition: t,
+            ..
+        } = judge_stage(&r, &[at(now, secs, 50.0, 0.0)], now).unwrap();
         assert_eq!(
             t,
             Some(Transition::Promoted {
@@ -113,7 +100,11 @@ mod pure {
         );
         assert_eq!(next.current_regions(), ["us"]);
         // The candidate would refuse a third of what eu offered: aborted, with the evidence.
-        let (next, t) = judge_stage(&r, &[at(now, secs, 150.0, 50.0 * secs)], now).unwrap();
+        let Judgement {
+            rollout: next,
+            transition: t,
+            ..
+        } = judge_stage(&r, &[at(now, secs, 150.0, 50.0 * secs)], now).unwrap();
         assert_eq!(t, Some(Transition::Aborted("rlc-1".into())));
         assert_eq!(next.state, RolloutState::Aborted);
         assert!(next.revert_pending);
@@ -122,12 +113,16 @@ mod pure {
         // Early in the bake, the same figures as stored: nothing to write.
         let early = t0 + 1_000;
         let counts = [at(early, 1.0, 50.0, 0.0)];
-        let (seen, t) = judge_stage(&r, &counts, early).unwrap();
+        let Judgement {
+            rollout: seen,
+            transition: t,
+            ..
+        } = judge_stage(&r, &counts, early).unwrap();
         assert_eq!(t, None, "new figures are stored, nothing judged yet");
         assert!(judge_stage(&seen, &counts, early).is_none());
         // Counts a poll old (eu's controller not read now) cover nothing: never promoted.
-        let (next, t) =
-            judge_stage(&r, &[at(now - 1, secs, 50.0, 0.0)], now).map_or((r.clone(), None), |x| x);
+        let (next, t) = judge_stage(&r, &[at(now - 1, secs, 50.0, 0.0)], now)
+            .map_or((r.clone(), None), |j| (j.rollout, j.transition));
         assert_eq!(t, None);
         assert_eq!(next.stage, 0);
     }

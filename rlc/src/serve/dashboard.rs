@@ -924,11 +924,17 @@ pub(super) fn incomplete_notice(regions: &[crate::store::UnreadRegion]) -> Marku
 }
 
 /// The page's stylesheet: constant text of this file, no value in it.
-fn style(css: &[&'static str]) -> Markup {
+/// Every page's `<head>`: charset, viewport, `title` (escaped) and the constant `css`.
+fn head(title: &str, css: &[&'static str]) -> Markup {
     html! {
-        // PreEscaped: constant CSS (a `<style>` element's text is not decoded, so escaping
-        // would break it); nothing from a request or the store.
-        style { @for c in css { (PreEscaped(*c)) } }
+        head {
+            meta charset="utf-8";
+            meta name="viewport" content="width=device-width, initial-scale=1";
+            title { (title) }
+            // PreEscaped: constant CSS (a `<style>` element's text is not decoded, so
+            // escaping would break it); nothing from a request or the store.
+            style { @for c in css { (PreEscaped(*c)) } }
+        }
     }
 }
 
@@ -942,12 +948,7 @@ fn render(d: &PageData) -> String {
     html! {
         (DOCTYPE)
         html lang="en" {
-            head {
-                meta charset="utf-8";
-                meta name="viewport" content="width=device-width, initial-scale=1";
-                title { "RLC shadow mode — " (scope) }
-                (style(&[CSS]))
-            }
+            (head(&format!("RLC shadow mode — {scope}"), &[CSS]))
             body {
                 header {
                     h1 { "Rate Limit Configurator — shadow mode" }

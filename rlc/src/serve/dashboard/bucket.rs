@@ -18,7 +18,7 @@ use super::super::limits::{Path, Query};
 use super::chart::{dec1, path, step_path, Frame, CHART_CSS, LEFT, TOP, W};
 use super::page::error_page;
 use super::{
-    encoded, load, parse_window, percent, problems_notice, pull_request_html, rate, style, when,
+    encoded, load, parse_window, percent, problems_notice, pull_request_html, rate, when,
     DashError, Links, CSS, WINDOWS,
 };
 use crate::gitops::writer::BaseReadError;
@@ -907,12 +907,7 @@ fn render(
     html! {
         (DOCTYPE)
         html lang="en" {
-            head {
-                meta charset="utf-8";
-                meta name="viewport" content="width=device-width, initial-scale=1";
-                title { "RLC bucket " (service) "/" (bucket) }
-                (style(&[CSS, CHART_CSS]))
-            }
+            (super::head(&format!("RLC bucket {service}/{bucket}"), &[CSS, CHART_CSS]))
             body {
                 header {
                     h1 { "Bucket " code { (super::overview::name_html(bucket)) } " of " code { (super::overview::name_html(service)) } }

@@ -4,19 +4,14 @@
 use maud::{html, DOCTYPE};
 
 use super::chart::CHART_CSS;
-use super::{style, CSS};
+use super::CSS;
 
 /// A page that says only what went wrong (an unknown run or bucket, the store down).
 pub fn error_page(title: &str, message: &str) -> String {
     html! {
         (DOCTYPE)
         html lang="en" {
-            head {
-                meta charset="utf-8";
-                meta name="viewport" content="width=device-width, initial-scale=1";
-                title { "RLC — " (title) }
-                (style(&[CSS, CHART_CSS]))
-            }
+            (super::head(&format!("RLC — {title}"), &[CSS, CHART_CSS]))
             body {
                 header {
                     h1 { (title) }

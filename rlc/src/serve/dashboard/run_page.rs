@@ -12,7 +12,7 @@ use super::super::limits::Path;
 use super::chart::CHART_CSS;
 use super::overview::name_html;
 use super::page::error_page;
-use super::{encoded, load, pull_request_html, rate, style, when, DashError, Links, CSS};
+use super::{encoded, load, pull_request_html, rate, when, DashError, Links, CSS};
 use crate::serve::AppState;
 use crate::store::{ChangeState, RunChange, RunRecord};
 
@@ -100,12 +100,7 @@ fn render(
     html! {
         (DOCTYPE)
         html lang="en" {
-            head {
-                meta charset="utf-8";
-                meta name="viewport" content="width=device-width, initial-scale=1";
-                title { "RLC run " (r.id) " — " (r.status) }
-                (style(&[CSS, CHART_CSS]))
-            }
+            (super::head(&format!("RLC run {} — {}", r.id, r.status), &[CSS, CHART_CSS]))
             body {
                 header {
                     h1 { "Run " (r.id) " · " (r.status) }
