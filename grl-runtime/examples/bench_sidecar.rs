@@ -774,78 +774,95 @@ async fn run(a: Args) {
         wait_up(url).await;
     }
     if !skip_hop {
-        println!(
-            "## One hop, 1 KiB POST bodies, keep-alive, loopback ({} s per rate)\n",
-            a.secs
-        );
-        for &rate in &a.rates {
-            println!("### {rate} requests/s (open loop)\n");
-            latency_table(&peers, rate, &a, false).await;
-        }
-        println!("### Saturation (closed loop, 64 in flight, 5 s)\n");
-        println!("| path | requests/s | requests/s per CPU second of the proxy |");
-        println!("|---|---|---|");
-        for (name, url, pid) in &peers {
-            let (rps, per_core) = saturation(url, *pid, false).await;
-            let pc = per_core.map_or("–".to_string(), |v| format!("{v:.0}"));
-            println!("| {name} | {rps:.0} | {pc} |");
-        }
-        println!();
+        hop_part(&peers, &a).await;
     }
-
-    // gRPC unary calls: direct (h2c), nginx grpc_pass, the sidecar.
     if part("grpc") {
-        let method = "test.Echo/Say";
-        let gpeers: Vec<(&str, String, Option<u32>)> = vec![
-            ("direct", format!("http://{gup}/{method}"), None),
-            (
-                "nginx (grpc_pass)",
-                format!("http://127.0.0.1:{ng_grpc}/{method}"),
-                Some(nginx_pid),
-            ),
-            (
-                "grl sidecar",
-                format!("http://127.0.0.1:{gsc}/{method}"),
-                Some(gsc_pid),
-            ),
-        ];
-        let c = client_for(true);
-        let body = Bytes::from_static(b"x");
-        for (name, url, _) in &gpeers {
-            let mut up = false;
-            for _ in 0..200 {
-                if call_grpc(&c, url, "bench", &body).await == 200 {
-                    up = true;
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            assert!(up, "{name}: {url} never answered a gRPC call");
-        }
-        println!(
-            "## gRPC unary calls, 1 KiB messages, HTTP/2 without TLS, loopback ({} s per rate)\n",
-            a.secs
-        );
-        for &rate in &a.rates {
-            println!("### {rate} calls/s (open loop)\n");
-            latency_table(&gpeers, rate, &a, true).await;
-        }
-        println!("### gRPC saturation (closed loop, 64 calls in flight, 5 s)\n");
-        println!("| path | calls/s | calls/s per CPU second of the proxy |");
-        println!("|---|---|---|");
-        for (name, url, pid) in &gpeers {
-            let (rps, per_core) = saturation(url, *pid, true).await;
-            let pc = per_core.map_or("–".to_string(), |v| format!("{v:.0}"));
-            println!("| {name} | {rps:.0} | {pc} |");
-        }
-        println!();
+        grpc_part(&a, gup, (ng_grpc, nginx_pid), (gsc, gsc_pid)).await;
     }
-    if !part("accuracy") {
-        drop(procs);
-        return;
+    if part("accuracy") {
+        accuracy_part(&a, up, all_cpus, &mut procs).await;
     }
+    drop(procs);
+}
 
-    // Accuracy: a global limit over three replicas with uneven load.
+/// The HTTP/1.1 hop: latency at each rate (open loop), then saturation (closed loop).
+async fn hop_part(peers: &[(&str, String, Option<u32>)], a: &Args) {
+    println!(
+        "## One hop, 1 KiB POST bodies, keep-alive, loopback ({} s per rate)\n",
+        a.secs
+    );
+    for &rate in &a.rates {
+        println!("### {rate} requests/s (open loop)\n");
+        latency_table(peers, rate, a, false).await;
+    }
+    println!("### Saturation (closed loop, 64 in flight, 5 s)\n");
+    println!("| path | requests/s | requests/s per CPU second of the proxy |");
+    println!("|---|---|---|");
+    for (name, url, pid) in peers {
+        let (rps, per_core) = saturation(url, *pid, false).await;
+        let pc = per_core.map_or("–".to_string(), |v| format!("{v:.0}"));
+        println!("| {name} | {rps:.0} | {pc} |");
+    }
+    println!();
+}
+
+/// gRPC unary calls: direct (h2c), nginx grpc_pass, the sidecar.
+async fn grpc_part(a: &Args, gup: SocketAddr, nginx: (u16, u32), sidecar: (u16, u32)) {
+    let ((ng_grpc, nginx_pid), (gsc, gsc_pid)) = (nginx, sidecar);
+    let method = "test.Echo/Say";
+    let gpeers: Vec<(&str, String, Option<u32>)> = vec![
+        ("direct", format!("http://{gup}/{method}"), None),
+        (
+            "nginx (grpc_pass)",
+            format!("http://127.0.0.1:{ng_grpc}/{method}"),
+            Some(nginx_pid),
+        ),
+        (
+            "grl sidecar",
+            format!("http://127.0.0.1:{gsc}/{method}"),
+            Some(gsc_pid),
+        ),
+    ];
+    let c = client_for(true);
+    let body = Bytes::from_static(b"x");
+    for (name, url, _) in &gpeers {
+        let mut up = false;
+        for _ in 0..200 {
+            if call_grpc(&c, url, "bench", &body).await == 200 {
+                up = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(up, "{name}: {url} never answered a gRPC call");
+    }
+    println!(
+        "## gRPC unary calls, 1 KiB messages, HTTP/2 without TLS, loopback ({} s per rate)\n",
+        a.secs
+    );
+    for &rate in &a.rates {
+        println!("### {rate} calls/s (open loop)\n");
+        latency_table(&gpeers, rate, a, true).await;
+    }
+    println!("### gRPC saturation (closed loop, 64 calls in flight, 5 s)\n");
+    println!("| path | calls/s | calls/s per CPU second of the proxy |");
+    println!("|---|---|---|");
+    for (name, url, pid) in &gpeers {
+        let (rps, per_core) = saturation(url, *pid, true).await;
+        let pc = per_core.map_or("–".to_string(), |v| format!("{v:.0}"));
+        println!("| {name} | {rps:.0} | {pc} |");
+    }
+    println!();
+}
+
+/// Accuracy: a global limit over three replicas with uneven load, grl sidecars against
+/// nginx's per-node limit_req.
+async fn accuracy_part(
+    a: &Args,
+    up: SocketAddr,
+    all_cpus: Option<Vec<usize>>,
+    procs: &mut Vec<Proc>,
+) {
     let limit: f64 = std::env::var("BENCH_LIMIT")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -866,7 +883,7 @@ async fn run(a: Args) {
         )
         .unwrap(),
     );
-    let agg2 = tier(&a.grl, &dir2.path().join("grl"), limit, &mut procs).await;
+    let agg2 = tier(&a.grl, &dir2.path().join("grl"), limit, procs).await;
     let sidecars: Vec<u16> = (0..3)
         .map(|i| {
             sidecar(
@@ -875,7 +892,7 @@ async fn run(a: Args) {
                 up,
                 &agg2,
                 &format!("replica-{i}"),
-                &mut procs,
+                procs,
                 &[],
                 all_cpus.clone(),
             )
@@ -919,13 +936,12 @@ async fn run(a: Args) {
     }
     let (g, n): (f64, f64) = (grl.iter().sum(), ngx.iter().sum());
     println!(
-        "| **fleet** | {:.0} | **{g:.1}** ({:+.1} % of the limit) | **{n:.1}** ({:+.1} % of the limit) |",
-        offered.iter().sum::<f64>(),
-        (g / limit - 1.0) * 100.0,
-        (n / limit - 1.0) * 100.0
-    );
+    "| **fleet** | {:.0} | **{g:.1}** ({:+.1} % of the limit) | **{n:.1}** ({:+.1} % of the limit) |",
+    offered.iter().sum::<f64>(),
+    (g / limit - 1.0) * 100.0,
+    (n / limit - 1.0) * 100.0
+);
     if std::env::var("BENCH_KEEP").is_ok() {
         eprintln!("kept: {}", dir2.keep().display());
     }
-    drop(procs);
 }

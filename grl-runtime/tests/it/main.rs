@@ -1,6 +1,10 @@
 //! Integration tests: the built `grl` binary as real controller and aggregator processes on
 //! loopback, with in-process clients (the library a service embeds).
 
+// End-to-end scenarios read top to bottom; the size bound (clippy.toml) is for code outside
+// tests.
+#![allow(clippy::too_many_lines)]
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -1,6 +1,10 @@
 //! TLS on every hop, with real `grl` controller and aggregator processes on loopback and
 //! in-process clients: certificates come from a throwaway CA made by the test (rcgen).
 
+// End-to-end scenarios read top to bottom; the size bound (clippy.toml) is for code outside
+// tests.
+#![allow(clippy::too_many_lines)]
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -1,3 +1,7 @@
+// End-to-end scenarios read top to bottom; the size bound (clippy.toml) is for code outside
+// tests.
+#![allow(clippy::too_many_lines)]
+
 use std::future::IntoFuture;
 use std::sync::atomic::{AtomicU64, Ordering};
 

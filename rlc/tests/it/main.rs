@@ -1,6 +1,10 @@
 //! Integration tests of the `rlc` binary and library (one test binary per crate): validation,
 //! history from a real Prometheus, compute_plan end to end, backtests, plugins.
 
+// End-to-end scenarios read top to bottom; the size bound (clippy.toml) is for code outside
+// tests.
+#![allow(clippy::too_many_lines)]
+
 mod agreement;
 mod backtest;
 mod cli;

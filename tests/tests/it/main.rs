@@ -1,6 +1,10 @@
 //! End-to-end: `rlc run --once` and `rlc serve` against a real `grl controller` process and a
 //! git remote served by `git daemon`.
 
+// End-to-end scenarios read top to bottom; the size bound (clippy.toml) is for code outside
+// tests.
+#![allow(clippy::too_many_lines)]
+
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
