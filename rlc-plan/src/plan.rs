@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use schema::{Bucket, BucketFile, ChangeClass};
 use schemars::JsonSchema;
 
-pub use crate::evidence::Evidence;
+use crate::evidence::Evidence;
 use crate::readiness::Verdict;
 use serde::{Deserialize, Serialize};
 

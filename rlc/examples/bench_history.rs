@@ -329,7 +329,7 @@ fn reset_peak() {
 }
 
 /// A digest of a plan's buckets and skipped list (as [`run`] prints for `rlc preview`).
-fn plan_digest(plan: &rlc::plan::Plan) -> anyhow::Result<String> {
+fn plan_digest(plan: &rlc_plan::plan::Plan) -> anyhow::Result<String> {
     use std::hash::{Hash, Hasher};
     let v = serde_json::to_value(plan)?;
     let mut h = std::collections::hash_map::DefaultHasher::new();

@@ -24,7 +24,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
-use rlc::push::ReportRow as Report;
+use grl_wire::ReportRow as Report;
 use rlc::serve::{app, AppState};
 use rlc::store::{block_of, minute_of, Store};
 

@@ -1,4 +1,4 @@
-//! Benchmark of the what-if previews (`POST /v1/previews`, [`rlc::whatif::preview`]) on a
+//! Benchmark of the what-if previews (`POST /v1/previews`, [`rlc_plan::whatif::preview`]) on a
 //! generated fleet: a what-if for one service (a headroom patch) against the same what-if for
 //! the whole fleet, side by side on the same inputs.
 //!
@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 use chrono::{TimeZone, Utc};
 use rlc::history::synth::Profile;
 use rlc::history::{History, RateSeries, SeriesKey};
-use rlc::whatif::{preview, Inputs};
 use rlc_plan::compute::compute_plan;
+use rlc_plan::whatif::{preview, Inputs};
 use schema::{ConfigRepo, DaemonConfig};
 
 fn main() -> anyhow::Result<()> {

@@ -42,15 +42,18 @@ use rlc_plan::plan::{NeedsReview, PromotionNote};
 
 use crate::gather::{Base, StoreWitness};
 use crate::gitops::short;
-use crate::gitops::summary::{self, ChangeSummary, FORGE_BODY_LIMIT};
+use crate::gitops::summary::{self, FORGE_BODY_LIMIT};
 use crate::gitops::{Forge, PullRequest, WriteOutcome, WriteStatus, Writer, WriterConfig};
 use crate::history::snapshot::HistoryCache;
 use crate::journal::{Entry, Journal};
-use crate::plan::{Plan, Skipped};
-use crate::push::{Backoff, ConfigDoc, ControllerClient};
+use crate::push::ControllerClient;
+use crate::retry::Backoff;
 use crate::rollout;
 use crate::shadow::ShadowSource;
 use crate::store::{ChangeState, QuotaRecord, RunRecord, Store};
+use grl_wire::ConfigDoc;
+use rlc_plan::change::ChangeSummary;
+use rlc_plan::plan::{Plan, Skipped};
 use rlc_plan::promotion;
 
 /// How long after a poll's sync a run starting decides on it instead of fetching again.
@@ -79,7 +82,7 @@ pub struct PlanInput {
     pub world: Arc<World>,
 }
 
-pub use crate::BoxFuture;
+use crate::BoxFuture;
 
 /// The computing step of a run's plan: history pulled, then a policy per bucket and the rails
 /// ([`rlc_plan::compute`]); [`crate::cycle::compute::planner`] in production, a fixed plan in

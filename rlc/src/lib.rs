@@ -34,7 +34,5 @@ pub mod serve;
 pub mod shadow;
 pub mod store;
 
-pub use rlc_plan::{plan, readiness, whatif};
-
 /// A boxed future, as the seams between layers return them.
 pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;

@@ -15,10 +15,9 @@ use std::time::Duration;
 use grl_client::tls::ClientTls;
 use serde::{Deserialize, Serialize};
 
-/// The wire types rlc shares with the controller: the config it pushes (`PUT /v1/config`, the
-/// base branch's commit and every bucket file at it) and the rows and pages of
-/// `GET /v1/reports`.
-pub use grl_wire::{ConfigDoc, Cursor, ReportPage, ReportRow, Tick};
+// The wire types rlc shares with the controller: the config it pushes (`PUT /v1/config`, the
+// base branch's commit and every bucket file at it) and the pages of `GET /v1/reports`.
+use grl_wire::{ConfigDoc, ReportPage};
 
 /// Why a controller call failed. Never carries the token.
 #[derive(Debug, thiserror::Error)]
@@ -461,7 +460,7 @@ impl ControllerClient {
     }
 }
 
-pub use crate::retry::Backoff;
+use crate::retry::Backoff;
 
 /// Brings the controller to `desired`, retrying retryable failures with `backoff`.
 /// `on_failure` sees every failed attempt (the daemon counts them in metrics; tests use it to

@@ -7,7 +7,7 @@ use schema::ConfigRepo;
 use schemars::JsonSchema;
 use serde::Serialize;
 
-use crate::plan::PlannedBucket;
+use rlc_plan::plan::PlannedBucket;
 
 /// How the limit a run would write differs from the current one.
 #[derive(Debug, Clone, Serialize, JsonSchema)]

@@ -26,8 +26,9 @@ use rlc_plan::rollout::{could_refuse_more, digest, fingerprint, Aborted};
 use schema::{Bucket, BucketFile, PoliciesFile, RolloutSettings, Scope};
 use serde::{Deserialize, Serialize};
 
-use crate::push::{CandidatesPage, ConfigDoc};
+use crate::push::CandidatesPage;
 use crate::store::{CountRow, RolloutRow, Store, StoreError};
+use grl_wire::ConfigDoc;
 
 mod driver;
 mod state;

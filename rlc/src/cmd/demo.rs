@@ -36,7 +36,7 @@ use tower::ServiceExt as _;
 
 use crate::cycle::{Cycle, RunStatus};
 use crate::gitops::short;
-use crate::plan::Plan;
+use rlc_plan::plan::Plan;
 
 pub mod files;
 use files::{Owned, Wrote};

@@ -9,8 +9,8 @@ use std::path::PathBuf;
 use anyhow::Context;
 
 use crate::config::resolve_paths;
-use crate::plan::Plan;
 use rlc_plan::pipeline::Purpose;
+use rlc_plan::plan::Plan;
 
 /// Output format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Default)]

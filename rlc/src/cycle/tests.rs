@@ -456,7 +456,7 @@ fn run_summary_names_mode_and_scope_changes() {
     .into();
     let mut out = RunOutcome::new("once", "test-run");
     out.git = Some(GitOutcome::Committed);
-    out.summary = summary::diff(
+    out.summary = rlc_plan::change::diff(
         &before,
         &[schema::BucketFile {
             service: "pay".into(),
@@ -812,9 +812,9 @@ fn a_released_lock_is_free_though_a_forked_child_has_its_descriptor() {
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use crate::readiness::ShadowStats;
 use crate::shadow::ShadowQuery;
 use rlc_plan::promotion::BucketKey;
+use rlc_plan::readiness::ShadowStats;
 
 const PROMOTION: &str = "promotion:\n  default:\n    min_days_in_shadow: 7\n";
 
@@ -845,7 +845,7 @@ fn shadow_plan() -> Plan {
     }
     for b in &mut buckets {
         b.current_limit_rps = Some(100.0);
-        b.evidence = crate::plan::Evidence {
+        b.evidence = rlc_plan::evidence::Evidence {
             peak_rps: Some(80.0),
             confidence: Some(1.0),
             peak_at: Some("2026-11-20T14:03:00Z".into()),
@@ -897,7 +897,7 @@ fn simulate(
         peak_drop_share: peak,
         peak_drop_at: peak_at,
         limit_rps: limit,
-        suggested_limit_rps: crate::readiness::suggested_limit(&rates, 1e-4),
+        suggested_limit_rps: rlc_plan::readiness::suggested_limit(&rates, 1e-4),
     }
 }
 
@@ -948,7 +948,7 @@ async fn days_of_stored_reports_give_the_simulated_figures() {
     let hot = |m: usize| if m.is_multiple_of(50) { 160.0 } else { 80.0 };
     // Minute k counts from the window's start (as `simulate` counts); the day before it
     // repeats the same pattern (3,000 minutes: a multiple of both periods).
-    let mut batch: Vec<crate::push::ReportRow> = Vec::new();
+    let mut batch: Vec<grl_wire::ReportRow> = Vec::new();
     let mut seq = 0;
     for k in -1440i64..(7 * 1440) {
         let t = window_start + chrono::Duration::minutes(k);

@@ -8,7 +8,7 @@ pub mod writer;
 use std::path::PathBuf;
 
 pub use forge::{Decoration, Forge, ForgeError, GitHub, GitLab, PullRequest};
-pub use summary::{ChangeKind, ChangeSummary};
+
 pub use writer::{WriteOutcome, WriteStatus, Writer, WriterConfig};
 
 /// A commit id as people read it: its first 10 hex digits.

@@ -6,11 +6,10 @@ use std::fmt::Write;
 use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 use schema::{format_rps, Mode};
 
-pub use rlc_plan::change::{
-    describe, diff, BucketChange, ChangeKind, ChangeSummary, ServiceChange,
-};
+use rlc_plan::change::{describe, BucketChange, ChangeSummary};
+use rlc_plan::evidence::Evidence;
+use rlc_plan::plan::Plan;
 use rlc_plan::plan::PromotionNote;
-use rlc_plan::plan::{Evidence, Plan};
 
 /// GitHub refuses PR bodies and comments above 65,535 characters.
 pub const FORGE_BODY_LIMIT: usize = 65_535;
@@ -372,6 +371,7 @@ pub fn truncate_body(full: &str, limit: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rlc_plan::change::diff;
     use rlc_plan::plan::PlannedBucket;
     use schema::BucketFile;
     use schema::{Bucket, PolicyName, Scope};

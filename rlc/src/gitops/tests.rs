@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 use test_support::git::{minimal_repo_files, GitRemote, HUMAN_EMAIL};
 
 use super::*;
-use crate::plan::{Plan, PlannedBucket};
+use rlc_plan::plan::{Plan, PlannedBucket};
 
 pub(crate) fn seeded_remote() -> GitRemote {
     let files = minimal_repo_files(&[("payments", "gw", 100.0)]);
@@ -37,7 +37,7 @@ pub(crate) fn planned(service: &str, name: &str, limit: f64) -> PlannedBucket {
             policy: PolicyName::Peak,
         },
         current_limit_rps: None,
-        evidence: crate::plan::Evidence {
+        evidence: rlc_plan::evidence::Evidence {
             peak_rps: Some(limit / 1.25),
             confidence: Some(0.9),
             ..Default::default()

@@ -16,9 +16,9 @@ use git2::{
 };
 use schema::{BucketFile, ConfigRepoConfig, RepoMode};
 
-use super::summary::{self, ChangeSummary};
 use super::GitOpsError;
-use crate::plan::Plan;
+use rlc_plan::change::ChangeSummary;
+use rlc_plan::plan::Plan;
 
 /// libgit2 calls the credentials callback again after every refusal, forever; stop after this.
 const MAX_CREDENTIAL_ATTEMPTS: u32 = 3;
@@ -657,7 +657,7 @@ impl Writer {
                 });
             }
         }
-        let summary = summary::diff(&old, &new_files);
+        let summary = rlc_plan::change::diff(&old, &new_files);
 
         let blobs: Vec<(String, Option<Vec<u8>>)> = new_files
             .iter()

@@ -392,7 +392,7 @@ async fn summary(
 
 /// How old a bucket's last report may be before the overview calls it stale.
 fn max_report_age() -> chrono::Duration {
-    crate::readiness::Rule::default().max_report_age
+    rlc_plan::readiness::Rule::default().max_report_age
 }
 
 /// The overview's `mode` and `verdict` filters, checked (empty: no filter).

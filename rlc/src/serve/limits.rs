@@ -113,7 +113,7 @@ where
                     StatusCode::BAD_REQUEST
                 };
                 let key = e.path().to_string();
-                let problem = super::problem::InputProblem {
+                let problem = rlc_plan::whatif::InputProblem {
                     file: "body".into(),
                     line: inner.line(),
                     column: inner.column(),

@@ -566,8 +566,8 @@ fn previews_docs(op: TransformOperation<'_>) -> TransformOperation<'_> {
              diff against the current plan, and both scored on the held-out end of the \
              history. Writes nothing.",
         )
-        .input::<Json<crate::whatif::Request>>()
-        .response_with::<200, Json<crate::whatif::PreviewAnswer>, _>(|r| {
+        .input::<Json<rlc_plan::whatif::Request>>()
+        .response_with::<200, Json<rlc_plan::whatif::PreviewAnswer>, _>(|r| {
             r.description("The preview.")
         });
     let mut op = op;

@@ -1,4 +1,4 @@
-//! `POST /v1/previews`: the HTTP side of the what-if previews ([`crate::whatif`]). Checks the
+//! `POST /v1/previews`: the HTTP side of the what-if previews ([`rlc_plan::whatif`]). Checks the
 //! media type (415) and the size (413, read bounded: a body is never buffered past
 //! [`MAX_BODY_BYTES`]), takes the daemon's inputs, history and current plan from a
 //! [`SnapshotFn`], and computes the preview off the async runtime. At most
@@ -17,10 +17,10 @@ use axum::routing::post;
 use axum::{Json, Router};
 
 use crate::history::snapshot::HeldHistory;
-use crate::plan::Plan;
 use crate::serve::limits::{read_bounded, ConcurrencyLimit, RETRY_AFTER_SECS};
 use crate::serve::problem::Problem;
-use crate::whatif::{self, BodyFormat, Inputs, Refusal, WhatIfError, MAX_BODY_BYTES};
+use rlc_plan::plan::Plan;
+use rlc_plan::whatif::{self, BodyFormat, Inputs, Refusal, WhatIfError, MAX_BODY_BYTES};
 
 /// Previews computed at once; more are refused with 429 (each is CPU-bound).
 pub const MAX_CONCURRENT: usize = 2;

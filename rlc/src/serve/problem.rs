@@ -12,7 +12,7 @@ use serde::Serialize;
 /// The media type of problem details.
 pub const PROBLEM_JSON: &str = "application/problem+json";
 
-pub use rlc_plan::whatif::InputProblem;
+use rlc_plan::whatif::InputProblem;
 
 /// An RFC 9457 problem details body.
 #[derive(Debug, Clone, Serialize, JsonSchema)]

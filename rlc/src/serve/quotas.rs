@@ -28,16 +28,17 @@ use serde::{Deserialize, Serialize};
 use super::dashboard::bucket::BucketPath;
 use super::limits::Path as UrlPath;
 use super::limits::{ConcurrencyLimit, RETRY_AFTER_SECS};
-use super::problem::{InputProblem, Problem};
+use super::problem::Problem;
 use super::AppState;
 use crate::gather::StoreWitness;
 use crate::gitops::writer::BaseReadError;
 use crate::gitops::{GitOpsError, Writer, WriterConfig};
 use crate::history::snapshot::{HistoryCache, Snapshot};
-use crate::plan::{Plan, PlannedBucket, Skipped};
 use crate::quota_view::QuotaBucket;
 use crate::quota_view::{view, with_rollouts};
 use rlc_plan::pipeline::Purpose;
+use rlc_plan::plan::{Plan, PlannedBucket, Skipped};
+use rlc_plan::whatif::InputProblem;
 
 /// Requests of these endpoints served at once; more get 429.
 pub const DEFAULT_CONCURRENCY: usize = 32;
@@ -195,7 +196,7 @@ impl Quotas {
                 Ok(c.preview
                     .get_or_init(|| {
                         Arc::new(super::previews::Snapshot {
-                            inputs: crate::whatif::Inputs {
+                            inputs: rlc_plan::whatif::Inputs {
                                 cfg: q.cfg.clone(),
                                 repo: (*c.repo).clone(),
                                 world: c.world.clone(),
@@ -689,7 +690,7 @@ pub async fn service(
 
 /// Why a recorded change was made, from its stored evidence.
 fn reason_of(evidence: &str) -> String {
-    let e = crate::plan::Evidence::from_stored(evidence);
+    let e = rlc_plan::evidence::Evidence::from_stored(evidence);
     let mut parts: Vec<String> = Vec::new();
     if let Some(k) = &e.kept_current {
         parts.push(k.clone());

@@ -9,8 +9,9 @@ use chrono::Utc;
 
 use super::{Loop, REPORT_CURSOR};
 use crate::cycle::Cycle;
-use crate::push::{ControllerClient, ReportRow};
+use crate::push::ControllerClient;
 use crate::store::{within, Store};
+use grl_wire::ReportRow;
 
 /// How many controller reports `rlc serve` holds and fetches at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -14,9 +14,9 @@ use super::*;
 use crate::cycle::tests::config;
 use crate::cycle::RunStatus;
 use crate::gitops::tests::{plan, planned, seeded_remote};
-use crate::plan::Plan;
 use crate::push::tests::{app as controller_app, Fake};
-use crate::push::ReportRow;
+use grl_wire::ReportRow;
+use rlc_plan::plan::Plan;
 
 fn next(expr: &str, after: chrono::DateTime<Utc>) -> chrono::DateTime<Utc> {
     schema::parse_schedule(expr)

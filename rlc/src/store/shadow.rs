@@ -17,8 +17,8 @@ use serde::{Deserialize, Serialize};
 use sqlx::{Postgres, Sqlite};
 
 use super::{Store, StoreError, StoredReport};
-use crate::push::{ReportRow, Tick};
-use crate::readiness::{self, ShadowStats};
+use grl_wire::{ReportRow, Tick};
+use rlc_plan::readiness::{self, ShadowStats};
 
 /// A point in time as the store keeps it: `TIMESTAMPTZ` in Postgres, integer unix
 /// milliseconds in SQLite.

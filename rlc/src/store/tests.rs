@@ -3,7 +3,7 @@
 use chrono::TimeZone;
 
 use super::*;
-use crate::push::ReportRow;
+use grl_wire::ReportRow;
 
 fn run(trigger: &str, status: &str, minute: u32) -> RunRecord {
     RunRecord {
@@ -167,7 +167,7 @@ async fn put(store: &Store, reports: &[ReportRow], t: DateTime<Utc>) -> u64 {
         .iter()
         .cloned()
         .map(|mut r| {
-            r.t = crate::push::Tick::Frac(t.timestamp() as f64);
+            r.t = grl_wire::Tick::Frac(t.timestamp() as f64);
             r
         })
         .collect();
@@ -548,8 +548,8 @@ async fn check_shadow_stats(store: Store) {
     let l = gw.suggested_limit_rps.unwrap();
     assert!((l - (200.0 - 0.19)).abs() < 1e-9, "{l}");
     assert!(matches!(
-        crate::readiness::verdict(&gw, &crate::readiness::Rule::default(), end),
-        crate::readiness::Verdict::WouldThrottle { .. }
+        rlc_plan::readiness::verdict(&gw, &rlc_plan::readiness::Rule::default(), end),
+        rlc_plan::readiness::Verdict::WouldThrottle { .. }
     ));
 
     let api = store
@@ -562,8 +562,8 @@ async fn check_shadow_stats(store: Store) {
     assert_eq!(api.dropped, 9.0 * 2.0 * 6.0 * 30.0);
     assert_eq!(api.virtual_dropped, 0.0);
     assert_eq!(
-        crate::readiness::verdict(&api, &crate::readiness::Rule::default(), end),
-        crate::readiness::Verdict::Enforced
+        rlc_plan::readiness::verdict(&api, &rlc_plan::readiness::Rule::default(), end),
+        rlc_plan::readiness::Verdict::Enforced
     );
     // A window without reports: zero coverage, no suggestion; an unknown bucket: None.
     let empty = store
@@ -1572,8 +1572,8 @@ async fn postgres_rollout_retention() {
 /// baking (the daemon's judge writing new figures after the run superseded it), or an aborted
 /// one (the run recording the stage start after the daemon aborted it).
 async fn check_rollout_writers(store: Store) {
-    use crate::push::ConfigDoc;
     use crate::rollout::{self, BaseInput, RolloutState};
+    use grl_wire::ConfigDoc;
     let policies = schema::parse_str::<schema::PoliciesFile>(
         Path::new("rlc/policies.yaml"),
         "default:\n  policy: peak\nrollout:\n  bake: 1h\n  max_bake: 2h\n  min_offered: 1000\n",

@@ -161,7 +161,7 @@ async fn shadow_reports(case: &Case, dir: &Path) {
                 let offered = b.rps.unwrap();
                 let over = offered * b.over;
                 batch.push(
-                    serde_json::from_value::<rlc::push::ReportRow>(serde_json::json!({
+                    serde_json::from_value::<grl_wire::ReportRow>(serde_json::json!({
                         "seq": seq, "t": now - (2 * 1440 - 1 - m) * 60, "service": name,
                         "bucket": b.caller, "caller": b.caller, "procedure": null,
                         "mode": "shadow", "scope_key": "global", "offered": offered,

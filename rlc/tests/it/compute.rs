@@ -401,10 +401,10 @@ fn quickstart_file_previews() {
 
 /// The bucket `name` of `service` in a plan.
 fn bucket<'a>(
-    plan: &'a rlc::plan::Plan,
+    plan: &'a rlc_plan::plan::Plan,
     service: &str,
     name: &str,
-) -> Option<&'a rlc::plan::PlannedBucket> {
+) -> Option<&'a rlc_plan::plan::PlannedBucket> {
     plan.buckets
         .iter()
         .find(|b| b.service == service && b.bucket.name == name)
@@ -663,6 +663,6 @@ fn explain_line_and_expected_rate_event() {
 }
 
 /// Evidence as the preview JSON shows it.
-fn json(e: &rlc::plan::Evidence) -> serde_json::Value {
+fn json(e: &rlc_plan::evidence::Evidence) -> serde_json::Value {
     serde_json::to_value(e).unwrap()
 }

@@ -125,7 +125,7 @@ async fn throttled(dir: &Path, caller: &str, minutes: &[(i64, f64, f64)]) {
     let store = rlc::store::Store::connect("sqlite://rlc.db", dir)
         .await
         .unwrap();
-    let batch: Vec<rlc::push::ReportRow> = minutes
+    let batch: Vec<grl_wire::ReportRow> = minutes
         .iter()
         .flat_map(|&(m, offered, dropped)| {
             (m..m + 60).step_by(10).map(move |t| (t, offered, dropped))

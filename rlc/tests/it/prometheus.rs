@@ -12,8 +12,8 @@
 use chrono::{TimeZone, Utc};
 use rlc::history::synth::Profile;
 use rlc::history::{self, HistoryError, PlanHistory};
-use rlc::plan::PlannedBucket;
 use rlc_plan::compute::compute_plan;
+use rlc_plan::plan::PlannedBucket;
 use schema::Mode;
 use test_support::prometheus::{OpenMetricsWriter, Prometheus, VictoriaMetrics};
 
@@ -263,7 +263,7 @@ fn config(url: &str, query: &str) -> schema::DaemonConfig {
 
 const QUERY: &str = "sum by (service, caller, procedure) (rate(rpc_requests_total[1m]))";
 
-fn get<'a>(plan: &'a rlc::plan::Plan, service: &str, name: &str) -> &'a PlannedBucket {
+fn get<'a>(plan: &'a rlc_plan::plan::Plan, service: &str, name: &str) -> &'a PlannedBucket {
     plan.buckets
         .iter()
         .find(|b| b.service == service && b.bucket.name == name)
@@ -866,6 +866,6 @@ fn victoria_metrics_history_over_query_range() {
 }
 
 /// Evidence as the preview JSON shows it.
-fn json(e: &rlc::plan::Evidence) -> serde_json::Value {
+fn json(e: &rlc_plan::evidence::Evidence) -> serde_json::Value {
     serde_json::to_value(e).unwrap()
 }

@@ -775,7 +775,7 @@ fn preview_quota_api_and_run_propose_the_same_promotion() {
                 seq += 1;
                 let over = (offered - limit).max(0.0);
                 batch.push(
-                    serde_json::from_value::<rlc::push::ReportRow>(serde_json::json!({
+                    serde_json::from_value::<grl_wire::ReportRow>(serde_json::json!({
                         "seq": seq, "t": t, "service": "pay", "bucket": bucket, "caller": null,
                         "procedure": null, "mode": "shadow", "scope_key": "global",
                         "offered": offered, "admitted": offered, "dropped": 0.0,

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use grl_control::controller::{Controller, ControllerHandle, ControllerOptions};
 use rlc::cycle::{Cycle, RunStatus};
-use rlc::plan::{Plan, PlannedBucket};
 use rlc::rollout::{Rollout, RolloutState};
+use rlc_plan::plan::{Plan, PlannedBucket};
 use serde_json::{json, Value};
 use test_support::git::{git, GitRemote};
 

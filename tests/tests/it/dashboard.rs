@@ -345,9 +345,11 @@ fn burst_and_real_drops(database_url: &str, shots: &str) {
         .iter()
         .filter_map(|p| p["offered_rps"].as_f64())
         .collect();
-    let reference =
-        rlc::readiness::suggested_limit(&rates, rlc::readiness::SUGGESTED_LIMIT_DROP_SHARE)
-            .unwrap();
+    let reference = rlc_plan::readiness::suggested_limit(
+        &rates,
+        rlc_plan::readiness::SUGGESTED_LIMIT_DROP_SHARE,
+    )
+    .unwrap();
     let suggested = stats["suggested_limit_rps"].as_f64().unwrap();
     assert!(
         (suggested - reference).abs() < 1e-6,

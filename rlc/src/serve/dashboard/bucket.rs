@@ -22,9 +22,9 @@ use super::{
     DashError, Links, CSS, WINDOWS,
 };
 use crate::gitops::writer::BaseReadError;
-use crate::readiness::{self, ShadowStats, Verdict};
 use crate::serve::AppState;
 use crate::store::{minute_of, ChangeState, QuotaChange, StepRow, Store};
+use rlc_plan::readiness::{self, ShadowStats, Verdict};
 
 /// Most points of a series: longer windows aggregate several minutes per point.
 const MAX_POINTS: i64 = 360;
@@ -82,7 +82,7 @@ pub struct Series {
 /// Readiness of the bucket over the window.
 #[derive(Debug, Clone, Serialize, JsonSchema)]
 pub struct Readiness {
-    /// The figures (see `crate::readiness::ShadowStats`).
+    /// The figures (see `rlc_plan::readiness::ShadowStats`).
     pub stats: ShadowStats,
     /// Days in shadow at the window's end.
     pub days_in_shadow: f64,

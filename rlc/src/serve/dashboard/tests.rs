@@ -10,8 +10,8 @@ use chrono::{TimeZone, Utc};
 use tower::ServiceExt;
 
 use super::*;
-use crate::push::ReportRow;
 use crate::serve::app;
+use grl_wire::ReportRow;
 
 /// Bucket names come from config repos: this one must stay text everywhere.
 const EVIL_BUCKET: &str = "<script>alert(\"x\")</script>";
@@ -53,7 +53,7 @@ fn at(reports: Vec<ReportRow>, t: chrono::DateTime<Utc>) -> Vec<ReportRow> {
     reports
         .into_iter()
         .map(|mut r| {
-            r.t = crate::push::Tick::Frac(t.timestamp() as f64);
+            r.t = grl_wire::Tick::Frac(t.timestamp() as f64);
             r
         })
         .collect()
