@@ -2,8 +2,10 @@
 //! apply increases at once but cap decreases per run, never fall to zero, and start new buckets
 //! in shadow.
 
+use std::fmt;
+
 use schema::{Mode, PolicySpec, RailsConfig};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// The current quota of a bucket, from the config repo.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -21,11 +23,112 @@ pub struct Railed {
     pub limit_rps: f64,
     /// The final mode.
     pub mode: Mode,
-    /// One line per rail that changed something.
-    pub notes: Vec<String>,
+    /// One note per rail that changed something.
+    pub notes: Vec<RailNote>,
     /// The limit the policy proposed when a rail held it lower (the ceiling, or the cap on
     /// decreases per run), so a reviewer sees what it was capped from.
     pub capped_from: Option<f64>,
+}
+
+/// Which rail acted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RailKind {
+    /// Raised to the floor.
+    Floor,
+    /// Lowered to the ceiling.
+    Ceiling,
+    /// The mode set in `rlc/policies.yaml`.
+    ModeSet,
+    /// A new bucket, or one with a short history, starts in shadow.
+    ShadowStart,
+    /// A change below the threshold: the current limit is kept.
+    BelowThreshold,
+    /// An increase capped per run.
+    IncreaseCapped,
+    /// A decrease capped per run.
+    DecreaseCapped,
+    /// A note this version did not write (stored by another one).
+    Other,
+}
+
+impl RailKind {
+    /// Whether this rail moved or held the limit (rather than setting the mode).
+    pub fn moves_limit(self) -> bool {
+        !matches!(self, RailKind::ModeSet | RailKind::ShadowStart)
+    }
+
+    /// The kind of a stored note: the one place a note's words are read back, matched
+    /// against what [`RailNote`]'s constructors write (a test holds them together).
+    fn of(text: &str) -> RailKind {
+        const PREFIXES: [(&str, RailKind); 6] = [
+            ("raised to the floor ", RailKind::Floor),
+            ("lowered to the ceiling ", RailKind::Ceiling),
+            ("mode ", RailKind::ModeSet),
+            ("change of ", RailKind::BelowThreshold),
+            ("increase of ", RailKind::IncreaseCapped),
+            ("decrease of ", RailKind::DecreaseCapped),
+        ];
+        if text.ends_with(": starts in shadow") {
+            return RailKind::ShadowStart;
+        }
+        PREFIXES
+            .iter()
+            .find(|(p, _)| text.starts_with(p))
+            .map_or(RailKind::Other, |&(_, k)| k)
+    }
+}
+
+/// What one rail did, in the words a reviewer reads. Serialized as those words (the
+/// `rails` of a bucket's evidence is a list of strings), read back with its kind.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(into = "String", from = "String")]
+pub struct RailNote {
+    kind: RailKind,
+    text: String,
+}
+
+impl RailNote {
+    fn new(kind: RailKind, text: String) -> Self {
+        debug_assert_eq!(RailKind::of(&text), kind, "{text}");
+        RailNote { kind, text }
+    }
+
+    /// Which rail acted.
+    pub fn kind(&self) -> RailKind {
+        self.kind
+    }
+
+    /// The note's words.
+    pub fn as_str(&self) -> &str {
+        &self.text
+    }
+}
+
+impl From<String> for RailNote {
+    fn from(text: String) -> Self {
+        RailNote {
+            kind: RailKind::of(&text),
+            text,
+        }
+    }
+}
+
+impl From<&str> for RailNote {
+    fn from(text: &str) -> Self {
+        RailNote::from(text.to_string())
+    }
+}
+
+impl From<RailNote> for String {
+    fn from(n: RailNote) -> String {
+        n.text
+    }
+}
+
+impl fmt::Display for RailNote {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.text)
+    }
 }
 
 /// The lowest limit a bucket of this policy may get: the larger of the global and the
@@ -49,12 +152,18 @@ pub fn apply(
     let mut limit = if proposed.is_finite() { proposed } else { 0.0 };
     let floor = floor(rails, spec);
     if limit < floor {
-        notes.push(format!("raised to the floor of {floor} rps"));
+        notes.push(RailNote::new(
+            RailKind::Floor,
+            format!("raised to the floor of {floor} rps"),
+        ));
         limit = floor;
     }
     if let Some(c) = spec.ceiling_rps {
         if limit > c {
-            notes.push(format!("lowered to the ceiling of {c} rps"));
+            notes.push(RailNote::new(
+                RailKind::Ceiling,
+                format!("lowered to the ceiling of {c} rps"),
+            ));
             capped_from = Some(round_limit(limit));
             limit = c;
         }
@@ -64,17 +173,26 @@ pub fn apply(
         // promoted to enforce once their virtual drops look right.
         (Some(m), cur) => {
             if cur.map(|c| c.mode) != Some(m) {
-                notes.push(format!("mode {} set in rlc/policies.yaml", m.as_str()));
+                notes.push(RailNote::new(
+                    RailKind::ModeSet,
+                    format!("mode {} set in rlc/policies.yaml", m.as_str()),
+                ));
             }
             m
         }
         (None, Some(cur)) => cur.mode,
         (None, None) if rails.new_buckets_shadow => {
-            notes.push("new bucket: starts in shadow".into());
+            notes.push(RailNote::new(
+                RailKind::ShadowStart,
+                "new bucket: starts in shadow".into(),
+            ));
             Mode::Shadow
         }
         (None, None) if shadow_requested => {
-            notes.push("short history: starts in shadow".into());
+            notes.push(RailNote::new(
+                RailKind::ShadowStart,
+                "short history: starts in shadow".into(),
+            ));
             Mode::Shadow
         }
         (None, None) => Mode::Enforce,
@@ -83,32 +201,41 @@ pub fn apply(
         if cur.limit_rps > 0.0 {
             let change = (limit - cur.limit_rps) / cur.limit_rps;
             if change.abs() < rails.min_change {
-                notes.push(format!(
-                    "change of {:+.1}% is below the {:.0}% threshold: keeps {} rps",
-                    change * 100.0,
-                    rails.min_change * 100.0,
-                    cur.limit_rps
+                notes.push(RailNote::new(
+                    RailKind::BelowThreshold,
+                    format!(
+                        "change of {:+.1}% is below the {:.0}% threshold: keeps {} rps",
+                        change * 100.0,
+                        rails.min_change * 100.0,
+                        cur.limit_rps
+                    ),
                 ));
                 limit = cur.limit_rps;
             } else if change > rails.max_increase {
                 let capped = cur.limit_rps * (1.0 + rails.max_increase);
-                notes.push(format!(
-                    "increase of {:.1}% capped at {:.0}% per run: {} rps instead of {:.3}",
-                    change * 100.0,
-                    rails.max_increase * 100.0,
-                    schema::format_rps(capped),
-                    limit
+                notes.push(RailNote::new(
+                    RailKind::IncreaseCapped,
+                    format!(
+                        "increase of {:.1}% capped at {:.0}% per run: {} rps instead of {:.3}",
+                        change * 100.0,
+                        rails.max_increase * 100.0,
+                        schema::format_rps(capped),
+                        limit
+                    ),
                 ));
                 capped_from = Some(round_limit(limit));
                 limit = capped;
             } else if change < -rails.max_decrease {
                 let capped = (cur.limit_rps * (1.0 - rails.max_decrease)).max(floor);
-                notes.push(format!(
-                    "decrease of {:.1}% capped at {:.0}% per run: {} rps instead of {:.3}",
-                    -change * 100.0,
-                    rails.max_decrease * 100.0,
-                    schema::format_rps(capped),
-                    limit
+                notes.push(RailNote::new(
+                    RailKind::DecreaseCapped,
+                    format!(
+                        "decrease of {:.1}% capped at {:.0}% per run: {} rps instead of {:.3}",
+                        -change * 100.0,
+                        rails.max_decrease * 100.0,
+                        schema::format_rps(capped),
+                        limit
+                    ),
                 ));
                 capped_from = Some(round_limit(limit));
                 limit = capped;
@@ -242,6 +369,78 @@ mod tests {
             "{current:?} → {proposed}: {:?}",
             r.notes
         );
+    }
+
+    #[test]
+    fn every_note_reads_back_as_its_kind() {
+        let rails = RailsConfig::default();
+        let spec = |mode, ceiling| PolicySpec {
+            mode,
+            ceiling_rps: ceiling,
+            ..PolicySpec::default()
+        };
+        let cur = |l| {
+            Some(Current {
+                limit_rps: l,
+                mode: Mode::Enforce,
+            })
+        };
+        let cases = [
+            (
+                apply(&rails, &spec(None, None), None, 0.0, false, true),
+                RailKind::Floor,
+            ),
+            (
+                apply(
+                    &rails,
+                    &spec(None, Some(10.0)),
+                    cur(10.0),
+                    50.0,
+                    false,
+                    false,
+                ),
+                RailKind::Ceiling,
+            ),
+            (
+                apply(
+                    &rails,
+                    &spec(Some(Mode::Shadow), None),
+                    cur(10.0),
+                    10.0,
+                    false,
+                    true,
+                ),
+                RailKind::ModeSet,
+            ),
+            (
+                apply(&rails, &spec(None, None), None, 10.0, true, true),
+                RailKind::ShadowStart,
+            ),
+            (
+                apply(&rails, &spec(None, None), cur(1000.0), 1010.0, false, true),
+                RailKind::BelowThreshold,
+            ),
+            (
+                apply(&rails, &spec(None, None), cur(1000.0), 1e6, false, true),
+                RailKind::IncreaseCapped,
+            ),
+            (
+                apply(&rails, &spec(None, None), cur(1000.0), 10.0, false, true),
+                RailKind::DecreaseCapped,
+            ),
+        ];
+        for (railed, kind) in cases {
+            let note = railed.notes.iter().find(|n| n.kind() == kind);
+            let note = note.unwrap_or_else(|| panic!("{kind:?} not in {:?}", railed.notes));
+            let json = serde_json::to_string(note).unwrap();
+            let back: RailNote = serde_json::from_str(&json).unwrap();
+            assert_eq!(&back, note, "{json}");
+            assert_eq!(
+                back.kind().moves_limit(),
+                !matches!(kind, RailKind::ModeSet | RailKind::ShadowStart)
+            );
+        }
+        assert_eq!(RailNote::from("decrease capped").kind(), RailKind::Other);
     }
 
     #[test]

@@ -876,7 +876,8 @@ fn push(
         .unwrap_or_else(|| format!("{} proposed {:.1} rps", p.policy, p.limit_rps));
     explain.push_str(&censor::explain(&censored));
     if !railed.notes.is_empty() {
-        explain.push_str(&format!("; rails: {}", railed.notes.join(", ")));
+        let notes: Vec<&str> = railed.notes.iter().map(|n| n.as_str()).collect();
+        explain.push_str(&format!("; rails: {}", notes.join(", ")));
     }
     let evidence = Evidence {
         ignored: censored.ignored,

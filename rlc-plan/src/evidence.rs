@@ -40,7 +40,8 @@ pub struct Evidence {
     pub confidence: Option<f64>,
     /// What the rails did, one note each.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub rails: Vec<String>,
+    #[schemars(with = "Vec<String>")]
+    pub rails: Vec<policies::rails::RailNote>,
     /// The value a rail moved the limit from (floor, ceiling, per-run cap).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub capped_from: Option<f64>,

@@ -160,12 +160,9 @@ fn rail_of(b: &PlannedBucket) -> Option<String> {
     }
     let e = &b.evidence;
     // The note of the rail that moved the limit, else the first one (mode, shadow start).
-    let limit = e
-        .rails
-        .iter()
-        .find(|n| !n.starts_with("mode ") && !n.contains("starts in shadow"));
+    let limit = e.rails.iter().find(|n| n.kind().moves_limit());
     if let Some(n) = limit.or(e.rails.first()) {
-        return Some(n.clone());
+        return Some(n.to_string());
     }
     let figures = e.policy.as_ref().map(|p| p.figures()).unwrap_or_default();
     if let Some(c) = figures.capped_by {

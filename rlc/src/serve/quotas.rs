@@ -710,7 +710,7 @@ fn reason_of(evidence: &str) -> String {
             }
         }
     }
-    parts.extend(e.rails);
+    parts.extend(e.rails.into_iter().map(String::from));
     parts.join("; ")
 }
 
