@@ -39,6 +39,7 @@ use hyper::{Request, Response};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use test_support::process::{free_port, Proc};
+use test_support::wait::wait_up;
 
 const TOKEN: &str = "bench-config-token";
 const REPORT: &str = "bench-report-token";
@@ -484,17 +485,6 @@ fn nginx_conf(
     let path = dir.join("nginx.conf");
     std::fs::write(&path, conf).unwrap();
     path
-}
-
-async fn wait_up(url: &str) {
-    let c = reqwest::Client::new();
-    for _ in 0..200 {
-        if c.get(url).send().await.is_ok() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("{url} never answered");
 }
 
 /// A GRL tier: controller (config: payments' caller `gw` limited to `limit`, caller `bench`

@@ -17,6 +17,7 @@ pub mod prometheus;
 pub mod schemathesis;
 pub mod tls;
 pub mod venv;
+pub mod wait;
 
 /// The marker line `cargo xtask test` counts as a skipped test (written past libtest's
 /// output capture, so it reaches the run's output).

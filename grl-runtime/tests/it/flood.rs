@@ -13,7 +13,9 @@ use grl_wire::{BucketCountsMsg, ClientReport};
 use serde_json::{json, Value};
 use test_support::process::free_port;
 
-use super::{eventually, load_as, spawn_aggregator_with, spawn_controller, wait_up, TOKEN};
+use super::{
+    eventually, load_as, push_config, spawn_aggregator_with, spawn_controller, wait_up, TOKEN,
+};
 
 const PAYMENTS_SECRET: &str = "payments-secret-aaaaaaaaaaaaaaaa";
 const MAPS_SECRET: &str = "maps-secret-bbbbbbbbbbbbbbbbbbbbb";
@@ -131,14 +133,7 @@ async fn invented_bucket_names_of_one_service_leave_another_service_limited() {
     wait_up(&format!("{base}/v1/status")).await;
     wait_up(&format!("{ua}/healthz")).await;
     let http = reqwest::Client::new();
-    let r = http
-        .put(format!("{base}/v1/config"))
-        .bearer_auth(TOKEN)
-        .json(&two_services(200.0))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
+    push_config(&http, &base, &two_services(200.0)).await;
 
     // maps: 2 × 150 rps against 200 (ratio 1/3); payments: 50 rps (ratio 0).
     let stop = Arc::new(AtomicBool::new(false));
@@ -329,14 +324,7 @@ async fn one_client_cannot_claim_more_than_a_plausible_instance() {
     wait_up(&format!("{ua}/healthz")).await;
     let http = reqwest::Client::new();
     let limit = 200.0;
-    let r = http
-        .put(format!("{base}/v1/config"))
-        .bearer_auth(TOKEN)
-        .json(&two_services(limit))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
+    push_config(&http, &base, &two_services(limit)).await;
     let stop = Arc::new(AtomicBool::new(false));
     let counts: Arc<[AtomicU64; 2]> = Arc::new(Default::default());
     let mut real = Vec::new();

@@ -40,14 +40,7 @@ async fn replica_killed_under_traffic_loses_no_enforcement_and_catches_up_on_res
     let http = reqwest::Client::new();
 
     // A push to one replica is served by both.
-    let r = http
-        .put(format!("{ca}/v1/config"))
-        .bearer_auth(TOKEN)
-        .json(&payments_config("v1", 200.0))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
+    push_config(&http, &ca, &payments_config("v1", 200.0)).await;
     eventually("replica b serves v1", || {
         let (http, cb) = (http.clone(), cb.clone());
         async move { get_json(&http, &format!("{cb}/v1/config")).await["version"] == "v1" }
@@ -192,14 +185,7 @@ async fn replica_killed_under_traffic_loses_no_enforcement_and_catches_up_on_res
 
     // While a is down, b takes a new version; a restarted catches up from the database and
     // serves the same version, override and revision as b.
-    let r = http
-        .put(format!("{cb}/v1/config"))
-        .bearer_auth(TOKEN)
-        .json(&payments_config("v2", 200.0))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
+    push_config(&http, &cb, &payments_config("v2", 200.0)).await;
     let _ctl_a = replica(pa, "state-a");
     wait_up(&format!("{ca}/v1/status")).await;
     let (cfg_a, cfg_b) = (
@@ -271,14 +257,7 @@ async fn hung_replica_fails_over_within_about_a_tick() {
     let http = reqwest::Client::new();
     for c in [&ca, &cb] {
         wait_up(&format!("{c}/v1/status")).await;
-        let r = http
-            .put(format!("{c}/v1/config"))
-            .bearer_auth(TOKEN)
-            .json(&payments_config("v1", 200.0))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200);
+        push_config(&http, c, &payments_config("v1", 200.0)).await;
     }
     let ga = free_port();
     let ua = format!("http://127.0.0.1:{ga}");

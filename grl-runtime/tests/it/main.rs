@@ -15,6 +15,7 @@ use grl_client::client::{ClientOptions, GrlClient};
 use grl_core::Decision;
 use serde_json::{json, Value};
 use test_support::process::{free_port, Proc};
+use test_support::wait::{eventually, wait_up};
 
 mod candidates;
 mod config_dir_faults;
@@ -122,33 +123,6 @@ fn spawn_aggregator_with(
     .unwrap()
 }
 
-/// Polls `f` until it holds; fails with `what` after a generous bound (a hang guard, not a
-/// speed assertion).
-async fn eventually<F, Fut>(what: &str, mut f: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    for _ in 0..300 {
-        if f().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("timed out waiting for: {what}");
-}
-
-async fn wait_up(url: &str) {
-    let http = reqwest::Client::new();
-    let u = url.to_string();
-    eventually(&format!("{u} up"), || {
-        let http = http.clone();
-        let u = u.clone();
-        async move { http.get(&u).send().await.is_ok() }
-    })
-    .await;
-}
-
 /// [`spawn_controller`] on a free port, waited for until its `/v1/status` answers: the
 /// process, its port (to start it again on with [`start_controller_at`]) and its base URL.
 async fn start_controller(state: &Path, logs: &Path, extra: &[&str]) -> (Proc, u16, String) {
@@ -194,6 +168,12 @@ async fn put_config(http: &reqwest::Client, base: &str, doc: &Value) -> reqwest:
         .send()
         .await
         .unwrap()
+}
+
+/// `PUT {base}/v1/config` of `doc` with the operator token; fails the test unless it is taken.
+async fn push_config(http: &reqwest::Client, base: &str, doc: &Value) {
+    let r = put_config(http, base, doc).await;
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
 }
 
 /// The body of `GET url` (no credential) as JSON.
@@ -548,14 +528,7 @@ async fn fleet_enforces_fails_over_fails_open_and_recovers() {
     let ctl = spawn_controller(cport, &state, dir.path(), &[]);
     wait_up(&format!("{base}/v1/status")).await;
     let http = reqwest::Client::new();
-    let r = http
-        .put(format!("{base}/v1/config"))
-        .bearer_auth(TOKEN)
-        .json(&payments_config("v1", 200.0))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
+    push_config(&http, &base, &payments_config("v1", 200.0)).await;
 
     let (pa, pb) = (free_port(), free_port());
     let (ua, ub) = (
@@ -1266,14 +1239,7 @@ async fn peered_region_controllers_share_global_load() {
     let http = reqwest::Client::new();
     for u in [&ue, &uw] {
         wait_up(&format!("{u}/v1/status")).await;
-        let r = http
-            .put(format!("{u}/v1/config"))
-            .bearer_auth(TOKEN)
-            .json(&payments_config("v1", 200.0))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200);
+        push_config(&http, u, &payments_config("v1", 200.0)).await;
     }
     // Each region's aggregator reports 300 rps: alone each is at 1.5x; together at 3x.
     let report = |region: &str| {
@@ -1681,14 +1647,7 @@ async fn controller_sigterm_finishes_the_push_in_flight_persists_and_exits_0() {
     let mut ctl = spawn_controller(port, &state, dir.path(), &[]);
     wait_up(&format!("{base}/v1/status")).await;
     let http = reqwest::Client::new();
-    let r = http
-        .put(format!("{base}/v1/config"))
-        .bearer_auth(TOKEN)
-        .json(&payments_config("v1", 200.0))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
+    push_config(&http, &base, &payments_config("v1", 200.0)).await;
     let r = http
         .post(format!("{base}/v1/overrides"))
         .bearer_auth(TOKEN)
@@ -1808,14 +1767,7 @@ async fn aggregator_sigterm_forwards_the_counts_it_holds_and_exits_0() {
     let _ctl = spawn_controller(cport, &state, dir.path(), &[]);
     wait_up(&format!("{base}/v1/status")).await;
     let http = reqwest::Client::new();
-    let r = http
-        .put(format!("{base}/v1/config"))
-        .bearer_auth(TOKEN)
-        .json(&payments_config("v1", 200.0))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
+    push_config(&http, &base, &payments_config("v1", 200.0)).await;
     // A long tick: nothing is forwarded on the timer during the test.
     let aport = free_port();
     let aurl = format!("http://127.0.0.1:{aport}");

@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 use test_support::process::{free_port, Proc};
 
 use super::{
-    eventually, log_file, spawn_aggregator, spawn_controller, wait_up, CLIENT_TOKEN, TOKEN,
+    eventually, log_file, push_config, spawn_aggregator, spawn_controller, wait_up, CLIENT_TOKEN,
 };
 
 /// The grpcio release the gRPC tests install into their venv.
@@ -178,17 +178,11 @@ fn spawn_sidecar(
     .unwrap()
 }
 
-async fn push_config(ctl: &str, version: &str, buckets: Value) {
-    let r = reqwest::Client::new()
-        .put(format!("{ctl}/v1/config"))
-        .bearer_auth(TOKEN)
-        .json(
-            &json!({"version": version, "services": [{"service": "payments", "buckets": buckets}]}),
-        )
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+/// Pushes payments' `buckets` as config `version` to the controller at `ctl`.
+async fn push_payments(ctl: &str, version: &str, buckets: Value) {
+    let doc =
+        json!({"version": version, "services": [{"service": "payments", "buckets": buckets}]});
+    push_config(&reqwest::Client::new(), ctl, &doc).await;
 }
 
 /// A sidecar (`extra` its flags; its aggregator a port nobody listens on: it fails open) in
@@ -322,7 +316,7 @@ async fn three_sidecars_hold_one_global_limit_and_fail_open_without_the_aggregat
     let _ctl = spawn_controller(ctl_port, &dir.path().join("state"), dir.path(), &[]);
     wait_up(&format!("{ctl_url}/v1/status")).await;
     const LIMIT: f64 = 20.0;
-    push_config(
+    push_payments(
         &ctl_url,
         "v1",
         json!([{"name": "gw.charge", "caller": "gw", "procedure": "charge", "scope": "global",
@@ -529,7 +523,7 @@ async fn grpc_calls_pass_with_trailers_and_an_excess_caller_gets_resource_exhaus
     let agg_url = format!("http://127.0.0.1:{agg_port}");
     let _ctl = spawn_controller(ctl_port, &dir.path().join("state"), dir.path(), &[]);
     wait_up(&format!("{ctl_url}/v1/status")).await;
-    push_config(
+    push_payments(
         &ctl_url,
         "v1",
         json!([{"name": "gw.say", "caller": "gw", "procedure": "/test.Echo/Say", "scope": "global",
@@ -710,7 +704,7 @@ async fn a_verified_client_certificate_names_the_caller_over_any_header() {
     let agg_url = format!("http://127.0.0.1:{agg_port}");
     let _ctl = spawn_controller(ctl_port, &dir.path().join("state"), dir.path(), &[]);
     wait_up(&format!("{ctl_url}/v1/status")).await;
-    push_config(
+    push_payments(
         &ctl_url,
         "v1",
         json!([{"name": "gw.charge", "caller": "gw", "procedure": "charge", "scope": "global",
@@ -1153,7 +1147,7 @@ async fn grpc_over_tls_offers_h2_and_the_client_certificate_names_the_caller() {
     let agg_url = format!("http://127.0.0.1:{agg_port}");
     let _ctl = spawn_controller(ctl_port, &dir.path().join("state"), dir.path(), &[]);
     wait_up(&format!("{ctl_url}/v1/status")).await;
-    push_config(
+    push_payments(
         &ctl_url,
         "v1",
         json!([{"name": "gw.say", "caller": "gw", "procedure": "/test.Echo/Say", "scope": "global",

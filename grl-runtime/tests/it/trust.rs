@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 use test_support::process::free_port;
 
 use super::{
-    eventually, get_text, load_as, payments_config, put_config, spawn_aggregator_with,
+    eventually, get_text, load_as, payments_config, push_config, put_config, spawn_aggregator_with,
     spawn_controller, start_controller, wait_up, REPORT_TOKEN, TOKEN,
 };
 
@@ -652,14 +652,7 @@ async fn override_ttl_beyond_seven_days_is_refused() {
     let _ctl = spawn_controller(port, &dir.path().join("state"), dir.path(), &[]);
     wait_up(&format!("{base}/v1/status")).await;
     let http = reqwest::Client::new();
-    let r = http
-        .put(format!("{base}/v1/config"))
-        .bearer_auth(TOKEN)
-        .json(&payments_config("v1", 200.0))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
+    push_config(&http, &base, &payments_config("v1", 200.0)).await;
     let add = |ttl: u64| {
         http.post(format!("{base}/v1/overrides"))
             .bearer_auth(TOKEN)

@@ -17,6 +17,7 @@ use grl_core::Decision;
 use serde_json::{json, Value};
 use test_support::process::{free_port, Proc};
 use test_support::tls::Ca;
+use test_support::wait::eventually;
 
 /// The controller's roles, one credential each (`PUT /v1/config`, overrides, `GET
 /// /v1/reports`, zone reports from aggregators and peer controllers).
@@ -90,20 +91,6 @@ fn http(tls: &ClientTls) -> reqwest::Client {
     .unwrap()
     .build()
     .unwrap()
-}
-
-async fn eventually<F, Fut>(what: &str, mut f: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    for _ in 0..300 {
-        if f().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("timed out waiting for: {what}");
 }
 
 async fn wait_up(tls: &ClientTls, url: &str) {

@@ -3,7 +3,7 @@
 //! that serves a report feed with the real one's cursor rules, and the whole daemon.
 
 use std::collections::HashMap;
-use std::future::{Future, IntoFuture};
+use std::future::IntoFuture;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use axum::extract::Query;
@@ -15,6 +15,7 @@ use super::*;
 use crate::cycle::tests::config;
 use crate::gitops::tests::{plan, seeded_remote};
 use crate::push::tests::{app as controller_app, Fake};
+use test_support::wait::eventually_within;
 
 /// The controller's report feed: reports with seq 1, 2, ..., served after a cursor as the
 /// real controller does (`next` is the last seq served), at most `cap` per call.
@@ -160,19 +161,6 @@ impl Daemon {
     }
 }
 
-/// Polls `check` every 50 ms until it holds; fails after `bound`.
-async fn eventually<F, Fut>(what: &str, bound: Duration, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let end = tokio::time::Instant::now() + bound;
-    while !check().await {
-        assert!(tokio::time::Instant::now() < end, "never: {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 /// The stored reports' sequence numbers, in order (every one, duplicates too if any).
 async fn stored_seqs(store: &Store) -> Vec<i64> {
     store
@@ -197,7 +185,7 @@ async fn a_hung_store_pauses_polling_at_the_bound_and_loses_nothing() {
     let d = Daemon::start(&db.url, &ctl).await;
     let store = Store::connect(&db.url, Path::new("/")).await.unwrap();
     let st = &store;
-    eventually(
+    eventually_within(
         "the first 20 reports stored",
         Duration::from_secs(60),
         || async move { st.cursor(REPORT_CURSOR).await.unwrap().as_deref() == Some("20") },
@@ -216,7 +204,7 @@ async fn a_hung_store_pauses_polling_at_the_bound_and_loses_nothing() {
     .unwrap();
     feed.extend_to(80);
     let m = d.metrics();
-    eventually("polling paused", Duration::from_secs(60), || {
+    eventually_within("polling paused", Duration::from_secs(60), || {
         std::future::ready(m.report_polls_paused.get() >= 1)
     })
     .await;
@@ -228,7 +216,7 @@ async fn a_hung_store_pauses_polling_at_the_bound_and_loses_nothing() {
     );
     assert_eq!(after, 40, "the last page fetched was 41..=50");
     let paused = d.metrics().report_polls_paused.get();
-    eventually("two more paused polls", Duration::from_secs(60), || {
+    eventually_within("two more paused polls", Duration::from_secs(60), || {
         std::future::ready(m.report_polls_paused.get() >= paused + 2)
     })
     .await;
@@ -292,7 +280,7 @@ async fn a_hung_store_pauses_polling_at_the_bound_and_loses_nothing() {
 
     // The lock goes: the backlog and the rest are stored once, and the cursor follows.
     sqlx::query("COMMIT").execute(&mut locker).await.unwrap();
-    eventually(
+    eventually_within(
         "every report stored",
         Duration::from_secs(60),
         || async move { st.cursor(REPORT_CURSOR).await.unwrap().as_deref() == Some("80") },
@@ -335,7 +323,7 @@ async fn pages_say_what_a_stopped_postgres_could_not_load_and_recover() {
             async move { store.cursor(REPORT_CURSOR).await.ok().flatten().as_deref() == Some(want) }
         }
     };
-    eventually(
+    eventually_within(
         "the first 20 reports stored",
         Duration::from_secs(60),
         at("20"),
@@ -381,7 +369,7 @@ async fn pages_say_what_a_stopped_postgres_could_not_load_and_recover() {
     }
 
     server.resume().unwrap();
-    eventually(
+    eventually_within(
         "the reports sent meanwhile stored",
         Duration::from_secs(90),
         at("40"),

@@ -729,8 +729,9 @@ fn old_rows() -> Vec<(i64, &'static str, f64, f64)> {
     ]
 }
 
-#[tokio::test]
-async fn sqlite_migration_keeps_reports() {
+/// A SQLite store in a temp dir (`rlc.db`) with the migrations before `version` applied: the
+/// schema an older release left, to seed its rows and open it with today's [`Store`].
+async fn sqlite_before(version: i64) -> (tempfile::TempDir, sqlx::SqlitePool) {
     let dir = tempfile::tempdir().unwrap();
     let pool = SqlitePoolOptions::new()
         .connect_with(
@@ -741,13 +742,24 @@ async fn sqlite_migration_keeps_reports() {
         .await
         .unwrap();
     let mut m = sqlx::migrate!("../migrations/sqlite");
-    m.migrations = m
-        .migrations
-        .iter()
-        .filter(|x| x.version < 3)
-        .cloned()
-        .collect();
+    m.migrations.to_mut().retain(|x| x.version < version);
     m.run(&pool).await.unwrap();
+    (dir, pool)
+}
+
+/// [`sqlite_before`] on a fresh throwaway Postgres database.
+async fn postgres_before(version: i64) -> (test_support::postgres::TestDb, sqlx::PgPool) {
+    let db = test_support::postgres::fresh_database().await.unwrap();
+    let pool = PgPoolOptions::new().connect(&db.url).await.unwrap();
+    let mut m = sqlx::migrate!("../migrations/postgres");
+    m.migrations.to_mut().retain(|x| x.version < version);
+    m.run(&pool).await.unwrap();
+    (db, pool)
+}
+
+#[tokio::test]
+async fn sqlite_migration_keeps_reports() {
+    let (dir, pool) = sqlite_before(3).await;
     for (seq, t, offered, limit) in old_rows() {
         sqlx::query(OLD_ROW)
             .bind(seq)
@@ -765,16 +777,7 @@ async fn sqlite_migration_keeps_reports() {
 
 #[tokio::test]
 async fn postgres_migration_keeps_reports() {
-    let db = test_support::postgres::fresh_database().await.unwrap();
-    let pool = PgPoolOptions::new().connect(&db.url).await.unwrap();
-    let mut m = sqlx::migrate!("../migrations/postgres");
-    m.migrations = m
-        .migrations
-        .iter()
-        .filter(|x| x.version < 3)
-        .cloned()
-        .collect();
-    m.run(&pool).await.unwrap();
+    let (db, pool) = postgres_before(3).await;
     for (seq, t, offered, limit) in old_rows() {
         sqlx::query(OLD_ROW)
             .bind(seq)
@@ -1292,23 +1295,7 @@ async fn check_pull_requests(store: Store, old_run: i64) {
 
 #[tokio::test]
 async fn sqlite_migration_0007_keeps_runs_and_records_pull_requests() {
-    let dir = tempfile::tempdir().unwrap();
-    let pool = SqlitePoolOptions::new()
-        .connect_with(
-            SqliteConnectOptions::new()
-                .filename(dir.path().join("rlc.db"))
-                .create_if_missing(true),
-        )
-        .await
-        .unwrap();
-    let mut m = sqlx::migrate!("../migrations/sqlite");
-    m.migrations = m
-        .migrations
-        .iter()
-        .filter(|x| x.version < 7)
-        .cloned()
-        .collect();
-    m.run(&pool).await.unwrap();
+    let (dir, pool) = sqlite_before(7).await;
     let t = Utc.with_ymd_and_hms(2026, 11, 30, 2, 0, 0).unwrap();
     let (old,): (i64,) = sqlx::query_as(OLD_RUN)
         .bind(t)
@@ -1328,16 +1315,7 @@ async fn sqlite_migration_0007_keeps_runs_and_records_pull_requests() {
 
 #[tokio::test]
 async fn postgres_migration_0007_keeps_runs_and_records_pull_requests() {
-    let db = test_support::postgres::fresh_database().await.unwrap();
-    let pool = PgPoolOptions::new().connect(&db.url).await.unwrap();
-    let mut m = sqlx::migrate!("../migrations/postgres");
-    m.migrations = m
-        .migrations
-        .iter()
-        .filter(|x| x.version < 7)
-        .cloned()
-        .collect();
-    m.run(&pool).await.unwrap();
+    let (db, pool) = postgres_before(7).await;
     let t = Utc.with_ymd_and_hms(2026, 11, 30, 2, 0, 0).unwrap();
     let (old,): (i64,) = sqlx::query_as(OLD_RUN)
         .bind(t)
