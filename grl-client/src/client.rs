@@ -663,13 +663,7 @@ async fn run(
     calls: Arc<CallCounter>,
     stats: Arc<ClientStats>,
 ) {
-    let client_id = opts
-        .client_id
-        .clone()
-        // From the OS's randomness: grl-core's generator starts from the same seed in every
-        // process, and instances of a service sharing an id would overwrite each other's
-        // counts at their aggregator.
-        .unwrap_or_else(|| format!("{}-{:016x}", opts.service, rand::random::<u64>()));
+    let client_id = client_id(&opts);
     let timeout = opts.tick.max(Duration::from_millis(200));
     let http = match opts.tls.http_client(timeout) {
         Ok(h) => h,
@@ -688,20 +682,25 @@ async fn run(
     );
     let mut rep =
         Reporter::new(limiter.clone(), &client_id, now_ms()).with_calls(&calls, opts.max_call_keys);
-    // The protocol version each aggregator announced (1 until it answers).
-    let mut proto = vec![1u32; opts.aggregators.len()];
+    let mut uplink = Uplink {
+        opts: &opts,
+        http,
+        timeout,
+        stats: &stats,
+        logs: ReportLogs {
+            failed: crate::auth::LogGate::new(Duration::from_secs(10)),
+            refused: crate::auth::LogGate::new(Duration::from_secs(10)),
+        },
+        proto: vec![1u32; opts.aggregators.len()],
+        current: 0,
+    };
     // The loop wakes every few milliseconds to watch the client's own rate (see
     // `Reporter::subtick`) and reports every tick.
     let mut iv = tokio::time::interval((opts.tick / SUBTICKS).min(SUBTICK_EVERY));
     iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let tick_ms = (opts.tick.as_millis() as u64).max(1);
     let mut next_report = now_ms() + tick_ms;
-    let mut current = 0usize;
     let mut urgent_sent = false;
-    let logs = ReportLogs {
-        failed: crate::auth::LogGate::new(Duration::from_secs(10)),
-        refused: crate::auth::LogGate::new(Duration::from_secs(10)),
-    };
     loop {
         iv.tick().await;
         let now = now_ms();
@@ -718,73 +717,118 @@ async fn run(
         urgent_sent = urgent;
         let mut report = rep.build_report(now);
         report.urgent = urgent;
-        let k = opts.aggregators.len();
-        let mut sent = false;
-        // Whether an aggregator may have taken a report it did not answer.
-        let mut unsure = false;
-        for attempt in 0..k {
-            let idx = (current + attempt) % k;
-            let base = &opts.aggregators[idx];
-            // Calls go only to an aggregator that announced protocol 2 (an older one refuses
-            // the field); until then they wait, bounded.
-            if proto[idx] >= 2 {
-                if report.calls.is_empty() {
-                    report.calls = rep.take_calls();
-                }
-            } else if !report.calls.is_empty() {
-                rep.restore_calls(std::mem::take(&mut report.calls));
-            }
-            let token = opts.report_token.as_ref().map(|t| t.current());
-            // The binary encoding goes only to an aggregator that announced it.
-            let binary = proto[idx] >= crate::proto::PROTO_BINARY;
-            match exchange(
-                &http,
-                base,
-                &report,
-                token.as_deref().map(String::as_str),
-                binary,
-                timeout,
-            )
-            .await
-            {
-                Ok((reply, version)) => {
-                    proto[idx] = version;
-                    sent = true;
-                    if idx != current {
-                        stats.failovers.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(from = %opts.aggregators[current], to = %base, "client failed over to another aggregator");
-                        current = idx;
-                        stats.aggregator.store(idx, Ordering::Relaxed);
-                    }
-                    stats.reports_ok.fetch_add(1, Ordering::Relaxed);
-                    if !reply.version.is_empty() && reply.version != rep.version() {
-                        let token = token.as_deref().map(String::as_str);
-                        let to = ConfigSource {
-                            http: &http,
-                            base,
-                            token,
-                            timeout,
-                        };
-                        sync_config(&to, &opts.service, &reply.version, &mut rep).await;
-                    }
-                    let at = now_ms();
-                    if rep.apply(&reply, at) {
-                        let from = at.saturating_sub(reply.age_ms.unwrap_or(0)).max(1);
-                        stats.directives_from_ms.store(from, Ordering::Relaxed);
-                    }
-                    break;
-                }
-                Err(e) => {
-                    proto[idx] = 1;
-                    unsure |= !crate::http_util::CallError::never_applied_any(&e);
-                    record_report_error(&stats, &logs, base, &e);
-                }
-            }
-        }
+        let (sent, unsure) = uplink.send(&mut rep, &mut report).await;
         if !sent {
             settle_unsent(&mut rep, &mut report, unsure, &stats);
         }
         check_staleness(&limiter, &stats, &opts.service);
+    }
+}
+
+/// The client's id: the configured one, else the service's name and a random suffix.
+fn client_id(opts: &ClientOptions) -> String {
+    opts.client_id
+        .clone()
+        // From the OS's randomness: grl-core's generator starts from the same seed in every
+        // process, and instances of a service sharing an id would overwrite each other's
+        // counts at their aggregator.
+        .unwrap_or_else(|| format!("{}-{:016x}", opts.service, rand::random::<u64>()))
+}
+
+/// The aggregators a client reports to, and what it learnt of them.
+struct Uplink<'a> {
+    opts: &'a ClientOptions,
+    http: reqwest::Client,
+    timeout: Duration,
+    stats: &'a ClientStats,
+    logs: ReportLogs,
+    /// The protocol version each aggregator announced (1 until it answers).
+    proto: Vec<u32>,
+    /// The aggregator tried first: the last one that answered.
+    current: usize,
+}
+
+impl Uplink<'_> {
+    /// Sends `report` to the aggregators in turn, from the one that answered last, until one
+    /// answers, and applies its reply. Returns whether one answered, and whether one may have
+    /// taken the report without answering.
+    async fn send(&mut self, rep: &mut Reporter, report: &mut ClientReport) -> (bool, bool) {
+        let opts = self.opts;
+        let k = opts.aggregators.len();
+        // Whether an aggregator may have taken a report it did not answer.
+        let mut unsure = false;
+        for attempt in 0..k {
+            let idx = (self.current + attempt) % k;
+            let base = &opts.aggregators[idx];
+            attach_calls(self.proto[idx], rep, report);
+            let token = opts.report_token.as_ref().map(|t| t.current());
+            let token = token.as_deref().map(String::as_str);
+            // The binary encoding goes only to an aggregator that announced it.
+            let binary = self.proto[idx] >= crate::proto::PROTO_BINARY;
+            match exchange(&self.http, base, report, token, binary, self.timeout).await {
+                Ok((reply, version)) => {
+                    self.proto[idx] = version;
+                    self.answered_by(idx);
+                    self.stats.reports_ok.fetch_add(1, Ordering::Relaxed);
+                    self.apply_reply(rep, &reply, base, token).await;
+                    return (true, unsure);
+                }
+                Err(e) => {
+                    self.proto[idx] = 1;
+                    unsure |= !crate::http_util::CallError::never_applied_any(&e);
+                    record_report_error(self.stats, &self.logs, base, &e);
+                }
+            }
+        }
+        (false, unsure)
+    }
+
+    /// Aggregator `idx` answered: when it is not the current one, the client failed over.
+    fn answered_by(&mut self, idx: usize) {
+        if idx != self.current {
+            self.stats.failovers.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(from = %self.opts.aggregators[self.current], to = %self.opts.aggregators[idx], "client failed over to another aggregator");
+            self.current = idx;
+            self.stats.aggregator.store(idx, Ordering::Relaxed);
+        }
+    }
+
+    /// Applies aggregator `base`'s `reply`: the config it announces first, when new, then
+    /// its drop ratios.
+    async fn apply_reply(
+        &self,
+        rep: &mut Reporter,
+        reply: &ClientDirectives,
+        base: &str,
+        token: Option<&str>,
+    ) {
+        if !reply.version.is_empty() && reply.version != rep.version() {
+            let to = ConfigSource {
+                http: &self.http,
+                base,
+                token,
+                timeout: self.timeout,
+            };
+            sync_config(&to, &self.opts.service, &reply.version, rep).await;
+        }
+        let at = now_ms();
+        if rep.apply(reply, at) {
+            let from = at.saturating_sub(reply.age_ms.unwrap_or(0)).max(1);
+            self.stats.directives_from_ms.store(from, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Calls go only to an aggregator that announced protocol 2 (an older one refuses the
+/// field); until then they wait, bounded: taken into `report` for one that did, put back
+/// for one that did not.
+fn attach_calls(proto: u32, rep: &mut Reporter, report: &mut ClientReport) {
+    if proto >= 2 {
+        if report.calls.is_empty() {
+            report.calls = rep.take_calls();
+        }
+    } else if !report.calls.is_empty() {
+        rep.restore_calls(std::mem::take(&mut report.calls));
     }
 }
 

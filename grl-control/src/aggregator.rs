@@ -458,20 +458,7 @@ impl Aggregator {
             !opts.controllers.is_empty(),
             "an aggregator needs at least one controller URL"
         );
-        let mut creds = CredentialSet::default();
-        if let Some(path) = &opts.client_credentials {
-            creds
-                .add_file(path, None)
-                .map_err(|e| anyhow::anyhow!("client credentials: {e}"))?;
-        }
-        if opts.allow_anonymous_reports {
-            tracing::warn!("INSECURE: --insecure-allow-anonymous-reports: client reports without a credential are accepted; anyone who reaches this port can make the fleet drop traffic (development only)");
-        } else {
-            anyhow::ensure!(
-                !creds.is_empty(),
-                "refusing to start: no client credentials (set --client-credentials FILE or GRL_CLIENT_CREDENTIALS_FILE); --insecure-allow-anonymous-reports accepts anonymous reports for development"
-            );
-        }
+        let creds = client_credentials(&opts)?;
         if opts.report_token.is_none() {
             tracing::warn!("no report token (GRL_REPORT_TOKEN): controllers will refuse this aggregator's zone reports");
         }
@@ -493,47 +480,11 @@ impl Aggregator {
             .await
             .with_context(|| format!("bind {}", opts.listen))?;
         let addr = listener.local_addr()?;
-        let state = Arc::new(Mutex::new(AggState {
-            calls_since: Some(Instant::now()),
-            ..Default::default()
-        }));
-        let metrics = AggMetrics::default();
-        let refused = RefusalCounts::default();
-        let mut registry = metrics.registry(state.clone(), opts.tick * 3);
-        refused.register(&mut registry);
-        let entries_refused = EntryCounts::default();
-        entries_refused.register(&mut registry);
         let server_stats = Arc::new(grl_server::server::ServerStats::default());
-        server_stats.register(&mut registry);
-        let shared = Arc::new(Shared {
-            id: opts.id.clone().unwrap_or_else(|| format!("agg-{addr}")),
-            opts,
-            state,
-            all_in: Notify::new(),
-            http,
-            creds,
-            refused,
-            refused_log: LogGate::new(Duration::from_secs(10)),
-            entries_refused,
-            entries_log: LogGate::new(Duration::from_secs(10)),
-            large_reports: tokio::sync::Semaphore::new(LARGE_REPORTS_AT_ONCE),
-            metrics,
-            registry,
-        });
-        let router = Router::new()
-            .route("/v1/report", post(report::report))
-            .route("/v1/config", get(config))
-            .route("/metrics", get(serve_metrics))
-            .route("/healthz", get(grl_server::http_util::healthz))
-            .route("/readyz", get(readyz))
-            .with_state(shared.clone());
-        let health_routes = Router::new()
-            .route("/healthz", get(grl_server::http_util::healthz))
-            .route("/readyz", get(readyz))
-            .with_state(shared.clone());
+        let shared = Arc::new(Shared::new(opts, addr, http, creds, &server_stats));
         let health = grl_server::http_util::spawn_health(
             shared.opts.health_listen,
-            health_routes,
+            health_routes(&shared),
             tls.clone(),
             shared.opts.serve,
             "aggregator health",
@@ -541,7 +492,7 @@ impl Aggregator {
         .await?;
         let (stop, server) = grl_server::http_util::spawn_server(
             listener,
-            router,
+            routes(&shared),
             tls,
             shared.opts.serve,
             server_stats,
@@ -560,6 +511,84 @@ impl Aggregator {
             health,
         })
     }
+}
+
+/// The credentials client reports must carry; none (with a warning) only when anonymous
+/// reports are allowed.
+fn client_credentials(opts: &AggregatorOptions) -> anyhow::Result<CredentialSet> {
+    let mut creds = CredentialSet::default();
+    if let Some(path) = &opts.client_credentials {
+        creds
+            .add_file(path, None)
+            .map_err(|e| anyhow::anyhow!("client credentials: {e}"))?;
+    }
+    if opts.allow_anonymous_reports {
+        tracing::warn!("INSECURE: --insecure-allow-anonymous-reports: client reports without a credential are accepted; anyone who reaches this port can make the fleet drop traffic (development only)");
+    } else {
+        anyhow::ensure!(
+            !creds.is_empty(),
+            "refusing to start: no client credentials (set --client-credentials FILE or GRL_CLIENT_CREDENTIALS_FILE); --insecure-allow-anonymous-reports accepts anonymous reports for development"
+        );
+    }
+    Ok(creds)
+}
+
+impl Shared {
+    /// The state of an aggregator bound to `addr`, with its metrics registered (the
+    /// server's `server_stats` among them).
+    fn new(
+        opts: AggregatorOptions,
+        addr: SocketAddr,
+        http: reqwest::Client,
+        creds: CredentialSet,
+        server_stats: &Arc<grl_server::server::ServerStats>,
+    ) -> Shared {
+        let state = Arc::new(Mutex::new(AggState {
+            calls_since: Some(Instant::now()),
+            ..Default::default()
+        }));
+        let metrics = AggMetrics::default();
+        let refused = RefusalCounts::default();
+        let mut registry = metrics.registry(state.clone(), opts.tick * 3);
+        refused.register(&mut registry);
+        let entries_refused = EntryCounts::default();
+        entries_refused.register(&mut registry);
+        server_stats.register(&mut registry);
+        Shared {
+            id: opts.id.clone().unwrap_or_else(|| format!("agg-{addr}")),
+            opts,
+            state,
+            all_in: Notify::new(),
+            http,
+            creds,
+            refused,
+            refused_log: LogGate::new(Duration::from_secs(10)),
+            entries_refused,
+            entries_log: LogGate::new(Duration::from_secs(10)),
+            large_reports: tokio::sync::Semaphore::new(LARGE_REPORTS_AT_ONCE),
+            metrics,
+            registry,
+        }
+    }
+}
+
+/// The routes served to clients (and Prometheus).
+fn routes(shared: &Arc<Shared>) -> Router {
+    Router::new()
+        .route("/v1/report", post(report::report))
+        .route("/v1/config", get(config))
+        .route("/metrics", get(serve_metrics))
+        .route("/healthz", get(grl_server::http_util::healthz))
+        .route("/readyz", get(readyz))
+        .with_state(shared.clone())
+}
+
+/// The routes of the separate health listener.
+fn health_routes(shared: &Arc<Shared>) -> Router {
+    Router::new()
+        .route("/healthz", get(grl_server::http_util::healthz))
+        .route("/readyz", get(readyz))
+        .with_state(shared.clone())
 }
 
 /// `GET /readyz`: a controller answered a forward within 3 ticks (at least 2 s): the
@@ -732,11 +761,7 @@ fn restore_counts(s: &Shared, report: &ZoneReport, unsure: bool) {
 async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
     let mut iv = tokio::time::interval(s.opts.tick);
     iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut current = 0usize;
-    // The protocol version each controller announced (1 until it answers) and its delta
-    // session.
-    let mut upstreams = crate::delta::Upstreams::default();
-    let mut round = 0u64;
+    let mut rounds = Rounds::default();
     let insecure_reminder = LogGate::new(Duration::from_secs(60));
     let mut last = false;
     while !last {
@@ -749,112 +774,194 @@ async fn forward_loop(s: Arc<Shared>, mut finish: oneshot::Receiver<()>) {
             tracing::warn!("INSECURE: anonymous client reports are accepted (--insecure-allow-anonymous-reports)");
         }
         let mut report = build_report(&s);
-        round += 1;
-        if last {
-            let counted: u64 = report.buckets.iter().map(|b| b.counts.offered).sum();
-            if report.buckets.is_empty()
-                && s.state.lock().expect("aggregator lock").calls.is_empty()
-            {
-                tracing::info!(zone = %s.opts.zone, "aggregator stopped; nothing left to forward");
-                return;
-            }
-            tracing::info!(zone = %s.opts.zone, buckets = report.buckets.len(), offered = counted,
-                "aggregator stopping: forwarding the last counts");
+        rounds.round += 1;
+        if last && !last_counts_left(&s, &report) {
+            return;
         }
-        let n = s.opts.controllers.len();
-        send_to_standbys(&s, &report, current, &mut upstreams, round);
-        let mut done = false;
-        // Whether a controller may have applied a report it did not answer.
-        let mut unsure = false;
-        // The calls in `report` (taken for a controller of protocol 2 or later) and when
-        // they were taken.
-        let mut taken: Option<(u64, Instant)> = None;
-        for attempt in 0..n {
-            let idx = (current + attempt) % n;
-            let base = &s.opts.controllers[idx];
-            // Waits for a standby copy in flight to this replica (one report at a time per
-            // session).
-            let up = upstreams.get(base);
-            let mut up = up.lock().await;
-            // Calls go only to a controller that announced protocol 2 (an older one refuses
-            // the field); until then they wait, bounded.
-            if up.proto >= 2 {
-                if taken.is_none() {
-                    let (calls, ms, at) = take_calls(&mut s.state.lock().expect("aggregator lock"));
-                    report.calls = calls;
-                    taken = Some((ms, at));
-                }
-                // The time they cover, to a controller that reads it (it rates them over it).
-                report.calls_ms = taken
-                    .filter(|_| up.proto >= grl_wire::PROTO_CALLS_MS)
-                    .map(|t| t.0);
-            } else if taken.take().is_some() {
-                restore_calls(&s, std::mem::take(&mut report.calls));
-                report.calls_ms = None;
+        send_to_standbys(
+            &s,
+            &report,
+            rounds.current,
+            &mut rounds.upstreams,
+            rounds.round,
+        );
+        let sent = forward_round(&s, &mut rounds, &mut report, last).await;
+        if !sent.done {
+            keep_unforwarded(&s, &mut report, sent.unsure);
+        }
+        log_round(&s, sent.done, last);
+    }
+}
+
+/// What the forward loop keeps from round to round.
+#[derive(Default)]
+struct Rounds {
+    /// The controller replica tried first: the last one that answered.
+    current: usize,
+    /// The protocol version each controller announced (1 until it answers) and its delta
+    /// session.
+    upstreams: crate::delta::Upstreams,
+    /// Rounds so far.
+    round: u64,
+}
+
+/// What became of one round's report.
+struct RoundOutcome {
+    /// A controller answered: its directives are served.
+    done: bool,
+    /// A controller may have applied a report it did not answer.
+    unsure: bool,
+}
+
+/// At a graceful stop: whether the clients reported anything since the last forward (logged
+/// either way).
+fn last_counts_left(s: &Shared, report: &ZoneReport) -> bool {
+    let counted: u64 = report.buckets.iter().map(|b| b.counts.offered).sum();
+    if report.buckets.is_empty() && s.state.lock().expect("aggregator lock").calls.is_empty() {
+        tracing::info!(zone = %s.opts.zone, "aggregator stopped; nothing left to forward");
+        return false;
+    }
+    tracing::info!(zone = %s.opts.zone, buckets = report.buckets.len(), offered = counted,
+        "aggregator stopping: forwarding the last counts");
+    true
+}
+
+/// Sends `report` to the controller replicas in turn, from the one that answered last, until
+/// one answers; its directives (and its config, when the version changed) are then served.
+async fn forward_round(
+    s: &Arc<Shared>,
+    rounds: &mut Rounds,
+    report: &mut ZoneReport,
+    last: bool,
+) -> RoundOutcome {
+    let n = s.opts.controllers.len();
+    let mut unsure = false;
+    // The calls in `report` (taken for a controller of protocol 2 or later) and when
+    // they were taken.
+    let mut taken: Option<(u64, Instant)> = None;
+    for attempt in 0..n {
+        let idx = (rounds.current + attempt) % n;
+        let base = &s.opts.controllers[idx];
+        // Waits for a standby copy in flight to this replica (one report at a time per
+        // session).
+        let up = rounds.upstreams.get(base);
+        let mut up = up.lock().await;
+        attach_calls(s, report, &mut taken, up.proto);
+        let sent = forward_timed(s, &mut up, base, report, rounds.round, last).await;
+        drop(up);
+        match sent {
+            Ok(d) => {
+                rounds.current = idx;
+                serve_answer(s, base, d, taken).await;
+                return RoundOutcome { done: true, unsure };
             }
-            let t = Instant::now();
-            let sent = forward_to(&s, &mut up, base, &report, round, last, Held::Served).await;
-            drop(up);
-            match &sent {
-                Ok(_) => s
-                    .metrics
-                    .forward_seconds
-                    .0
-                    .observe(t.elapsed().as_secs_f64()),
-                Err(_) => {
-                    s.metrics.forward_failures.inc();
-                }
-            }
-            match sent {
-                Ok(d) => {
-                    current = (current + attempt) % n;
-                    let refetch =
-                        s.state.lock().expect("aggregator lock").config.version != d.version;
-                    if refetch {
-                        match fetch_config(&s, base).await {
-                            Ok(doc) => {
-                                tracing::info!(version = %doc.version, "aggregator fetched config");
-                                let mut st = s.state.lock().expect("aggregator lock");
-                                st.known.rebuild(&doc);
-                                st.config = doc;
-                            }
-                            Err(e) => {
-                                tracing::warn!(controller = %base, error = %e, "config fetch failed")
-                            }
-                        }
-                    }
-                    let mut st = s.state.lock().expect("aggregator lock");
-                    if let Some((_, at)) = taken {
-                        st.calls_since = Some(at);
-                    }
-                    st.known.follow(&d);
-                    crate::delta::merge_directives(&mut st.directives, d);
-                    st.directives_at = Some(Instant::now());
-                    done = true;
-                    break;
-                }
-                Err(e) => {
-                    unsure |= !grl_client::http_util::CallError::never_applied_any(&e);
-                    tracing::warn!(controller = %base, error = %e, "forward to controller failed")
-                }
+            Err(e) => {
+                unsure |= !grl_client::http_util::CallError::never_applied_any(&e);
+                tracing::warn!(controller = %base, error = %e, "forward to controller failed")
             }
         }
-        // Not taken: back with the next forward, `calls_since` unchanged.
-        if !done && !report.calls.is_empty() {
-            restore_calls(&s, std::mem::take(&mut report.calls));
+    }
+    RoundOutcome {
+        done: false,
+        unsure,
+    }
+}
+
+/// Calls go only to a controller that announced protocol 2 (an older one refuses the field);
+/// until then they wait, bounded. Takes them into `report` for the first such controller
+/// (`taken`), and puts them back when the next one tried is older.
+fn attach_calls(
+    s: &Shared,
+    report: &mut ZoneReport,
+    taken: &mut Option<(u64, Instant)>,
+    proto: u32,
+) {
+    if proto >= 2 {
+        if taken.is_none() {
+            let (calls, ms, at) = take_calls(&mut s.state.lock().expect("aggregator lock"));
+            report.calls = calls;
+            *taken = Some((ms, at));
         }
-        if !done {
-            restore_counts(&s, &report, unsure);
+        // The time they cover, to a controller that reads it (it rates them over it).
+        report.calls_ms = taken
+            .filter(|_| proto >= grl_wire::PROTO_CALLS_MS)
+            .map(|t| t.0);
+    } else if taken.take().is_some() {
+        restore_calls(s, std::mem::take(&mut report.calls));
+        report.calls_ms = None;
+    }
+}
+
+/// [`forward_to`] the replica whose directives are served, timed in the forward latency
+/// histogram (or counted as a forward failure).
+async fn forward_timed(
+    s: &Shared,
+    up: &mut crate::delta::Upstream,
+    base: &str,
+    report: &ZoneReport,
+    round: u64,
+    last: bool,
+) -> anyhow::Result<ZoneDirectives> {
+    let t = Instant::now();
+    let sent = forward_to(s, up, base, report, round, last, Held::Served).await;
+    match &sent {
+        Ok(_) => s
+            .metrics
+            .forward_seconds
+            .0
+            .observe(t.elapsed().as_secs_f64()),
+        Err(_) => {
+            s.metrics.forward_failures.inc();
         }
-        if last {
-            if done {
-                tracing::info!(zone = %s.opts.zone, "aggregator stopped; last counts forwarded");
-            } else {
-                tracing::warn!(zone = %s.opts.zone, "aggregator stopped; no controller reachable for the last counts");
+    }
+    sent
+}
+
+/// Serves the directives controller `base` answered, after fetching its config when the
+/// version changed; the calls `taken` for it count from the time they were taken.
+async fn serve_answer(s: &Shared, base: &str, d: ZoneDirectives, taken: Option<(u64, Instant)>) {
+    let refetch = s.state.lock().expect("aggregator lock").config.version != d.version;
+    if refetch {
+        match fetch_config(s, base).await {
+            Ok(doc) => {
+                tracing::info!(version = %doc.version, "aggregator fetched config");
+                let mut st = s.state.lock().expect("aggregator lock");
+                st.known.rebuild(&doc);
+                st.config = doc;
             }
-        } else if !done {
-            tracing::warn!(zone = %s.opts.zone, "no controller reachable; serving cached directives until they go stale");
+            Err(e) => {
+                tracing::warn!(controller = %base, error = %e, "config fetch failed")
+            }
         }
+    }
+    let mut st = s.state.lock().expect("aggregator lock");
+    if let Some((_, at)) = taken {
+        st.calls_since = Some(at);
+    }
+    st.known.follow(&d);
+    crate::delta::merge_directives(&mut st.directives, d);
+    st.directives_at = Some(Instant::now());
+}
+
+/// A report no controller took: its calls go back (with the next forward, `calls_since`
+/// unchanged), its counts as [`restore_counts`] says.
+fn keep_unforwarded(s: &Shared, report: &mut ZoneReport, unsure: bool) {
+    if !report.calls.is_empty() {
+        restore_calls(s, std::mem::take(&mut report.calls));
+    }
+    restore_counts(s, report, unsure);
+}
+
+/// Logs how a round ended when it matters: the last one, or none reachable.
+fn log_round(s: &Shared, done: bool, last: bool) {
+    if last {
+        if done {
+            tracing::info!(zone = %s.opts.zone, "aggregator stopped; last counts forwarded");
+        } else {
+            tracing::warn!(zone = %s.opts.zone, "aggregator stopped; no controller reachable for the last counts");
+        }
+    } else if !done {
+        tracing::warn!(zone = %s.opts.zone, "no controller reachable; serving cached directives until they go stale");
     }
 }
 

@@ -301,129 +301,207 @@ pub fn materialize(base: &ConfigDoc, overrides: &[Override]) -> (ConfigDoc, Vec<
         // The common case: no copy compared bucket by bucket.
         return (base.clone(), Vec::new());
     }
-    let mut doc = base.clone();
-    let mut groups = Vec::new();
-    // Per service, where each key and each kind of bucket is, kept up to date as override
-    // buckets are added: an override costs the same with 3,000 others as with none.
-    let mut index: Vec<KeyIndex> = doc.services.iter().map(KeyIndex::of).collect();
-    let mut service_at: HashMap<String, usize> = doc
-        .services
+    let mut served = Served::of(base);
+    let groups = overrides
         .iter()
-        .enumerate()
-        .map(|(i, f)| (f.service.clone(), i))
+        .filter(|o| o.is_traffic())
+        .map(|o| served.apply(o))
         .collect();
+    let mut doc = served.doc;
+    if doc != *base {
+        doc.version = overridden_version(&base.version, overrides);
+    }
+    (doc, groups)
+}
+
+/// `<base>+ovr.<hash>`: the served buckets follow from the pushed config and the traffic
+/// overrides in order, so a hash of those names the served config without serializing it.
+fn overridden_version(base: &str, overrides: &[Override]) -> String {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
     for o in overrides.iter().filter(|o| o.is_traffic()) {
+        let req = serde_json::to_vec(&o.req).unwrap_or_default();
+        for part in [o.id.as_bytes(), &[0], &req, &[0]] {
+            h = crate::config::fnv_from(h, part);
+        }
+    }
+    format!("{base}+ovr.{h:016x}")
+}
+
+/// A key that the traffic an override targets can be looked up under, with the name of the
+/// bucket to add when none has that key (empty when one always has it).
+struct TrafficKey {
+    caller: Option<String>,
+    procedure: Option<String>,
+    new_name: String,
+}
+
+impl TrafficKey {
+    fn new(caller: Option<String>, procedure: Option<String>, new_name: String) -> Self {
+        TrafficKey {
+            caller,
+            procedure,
+            new_name,
+        }
+    }
+}
+
+/// The served config while traffic overrides are applied to it, with, per service, where
+/// each key and each kind of bucket is, kept up to date as override buckets are added: an
+/// override costs the same with 3,000 others as with none.
+struct Served {
+    doc: ConfigDoc,
+    index: Vec<KeyIndex>,
+    service_at: HashMap<String, usize>,
+}
+
+impl Served {
+    fn of(base: &ConfigDoc) -> Served {
+        let doc = base.clone();
+        let index = doc.services.iter().map(KeyIndex::of).collect();
+        let service_at = doc
+            .services
+            .iter()
+            .enumerate()
+            .map(|(i, f)| (f.service.clone(), i))
+            .collect();
+        Served {
+            doc,
+            index,
+            service_at,
+        }
+    }
+
+    /// Adds the buckets traffic override `o` needs and returns the group it forms.
+    fn apply(&mut self, o: &Override) -> Group {
         let r = &o.req;
         let mut members = Vec::new();
-        if let Some(svc) = &r.service {
-            if !service_at.contains_key(svc) {
-                service_at.insert(svc.clone(), doc.services.len());
-                doc.services.push(BucketFile {
-                    service: svc.clone(),
-                    buckets: Vec::new(),
-                });
-                index.push(KeyIndex::default());
+        for si in self.targets(r.service.as_deref()) {
+            let keys = traffic_keys(o, &self.doc.services[si], &self.index[si]);
+            for key in keys {
+                self.enforce(si, key, r.limit_rps, &mut members);
             }
         }
-        let targets: Vec<usize> = match &r.service {
-            Some(svc) => vec![service_at[svc]],
-            None => (0..doc.services.len()).collect(),
-        };
-        for si in targets {
-            let f = &mut doc.services[si];
-            let ix = &mut index[si];
-            // The keys the targeted traffic can be looked up under, with the name of the
-            // bucket to add when none has that key.
-            let mut keys: Vec<(Option<String>, Option<String>, String)> = Vec::new();
-            let own = format!("override:{}", o.id);
-            match (&r.caller, &r.procedure) {
-                (Some(c), Some(p)) => keys.push((Some(c.clone()), Some(p.clone()), own)),
-                (None, Some(p)) => {
-                    keys.push((None, Some(p.clone()), own));
-                    // The caller+procedure buckets under the procedure.
-                    for &i in ix.with_procedure.get(p).into_iter().flatten() {
-                        keys.push((f.buckets[i].caller.clone(), Some(p.clone()), String::new()));
-                    }
-                }
-                (Some(c), None) => {
-                    keys.push((Some(c.clone()), None, own.clone()));
-                    // In bucket order: the caller's own caller+procedure buckets (they win over
-                    // a caller key) and every procedure bucket (it wins over a caller key: the
-                    // caller's share of that procedure is split off into its own key).
-                    let mine = ix.with_caller.get(c).map_or(&[][..], Vec::as_slice);
-                    for i in merged(mine, &ix.procedure_only) {
-                        let b = &f.buckets[i];
-                        match (&b.caller, &b.procedure) {
-                            (Some(_), Some(_)) => {
-                                keys.push((Some(c.clone()), b.procedure.clone(), String::new()))
-                            }
-                            (None, Some(p)) => {
-                                keys.push((Some(c.clone()), Some(p.clone()), format!("{own}:{p}")))
-                            }
-                            _ => {}
-                        }
-                    }
-                }
-                (None, None) => {}
-            }
-            for (caller, procedure, new_name) in keys {
-                let pos = ix.key.get(&(caller.clone(), procedure.clone())).copied();
-                let created = pos.is_none();
-                let b = match pos {
-                    Some(i) => &mut f.buckets[i],
-                    None => {
-                        f.buckets.push(Bucket {
-                            name: new_name,
-                            caller: caller.clone(),
-                            procedure: procedure.clone(),
-                            scope: Scope::Global,
-                            // Informational for clients (the group ratio decides); compile
-                            // wants a positive limit even for a block-all override.
-                            limit_rps: r.limit_rps.unwrap_or(1.0).max(0.001),
-                            mode: Mode::Enforce,
-                            policy: PolicyName::Manual,
-                        });
-                        let i = f.buckets.len() - 1;
-                        ix.add(i, &f.buckets[i]);
-                        &mut f.buckets[i]
-                    }
-                };
-                // An incident override enforces, even on a bucket still in shadow mode.
-                b.mode = Mode::Enforce;
-                if !members
-                    .iter()
-                    .any(|m: &Affected| m.bucket == b.name && m.service == f.service)
-                {
-                    members.push(Affected {
-                        service: f.service.clone(),
-                        bucket: b.name.clone(),
-                        caller,
-                        procedure,
-                        created,
-                    });
-                }
-            }
-        }
-        groups.push(Group {
+        Group {
             id: o.id.clone(),
             limit_rps: r.limit_rps,
             drop_ratio: r.drop_ratio,
             members,
-        });
+        }
     }
-    if doc != *base {
-        // The served buckets follow from the pushed config and the traffic overrides in order:
-        // a hash of those names the served config without serializing it.
-        let mut h = 0xcbf2_9ce4_8422_2325u64;
-        for o in overrides.iter().filter(|o| o.is_traffic()) {
-            let req = serde_json::to_vec(&o.req).unwrap_or_default();
-            for part in [o.id.as_bytes(), &[0], &req, &[0]] {
-                h = crate::config::fnv_from(h, part);
+
+    /// The positions of the services an override of `service` (all when `None`) targets;
+    /// a service the config lacks is added without buckets.
+    fn targets(&mut self, service: Option<&str>) -> Vec<usize> {
+        let Some(svc) = service else {
+            return (0..self.doc.services.len()).collect();
+        };
+        if !self.service_at.contains_key(svc) {
+            self.service_at
+                .insert(svc.to_string(), self.doc.services.len());
+            self.doc.services.push(BucketFile {
+                service: svc.to_string(),
+                buckets: Vec::new(),
+            });
+            self.index.push(KeyIndex::default());
+        }
+        vec![self.service_at[svc]]
+    }
+
+    /// Makes the bucket of `key` in service `si` (added when none has the key) enforce,
+    /// and notes it among `members` once.
+    fn enforce(
+        &mut self,
+        si: usize,
+        key: TrafficKey,
+        limit_rps: Option<f64>,
+        members: &mut Vec<Affected>,
+    ) {
+        let f = &mut self.doc.services[si];
+        let ix = &mut self.index[si];
+        let TrafficKey {
+            caller,
+            procedure,
+            new_name,
+        } = key;
+        let pos = ix.key.get(&(caller.clone(), procedure.clone())).copied();
+        let created = pos.is_none();
+        let i = match pos {
+            Some(i) => i,
+            None => {
+                f.buckets.push(Bucket {
+                    name: new_name,
+                    caller: caller.clone(),
+                    procedure: procedure.clone(),
+                    scope: Scope::Global,
+                    // Informational for clients (the group ratio decides); compile
+                    // wants a positive limit even for a block-all override.
+                    limit_rps: limit_rps.unwrap_or(1.0).max(0.001),
+                    mode: Mode::Enforce,
+                    policy: PolicyName::Manual,
+                });
+                let i = f.buckets.len() - 1;
+                ix.add(i, &f.buckets[i]);
+                i
+            }
+        };
+        let b = &mut f.buckets[i];
+        // An incident override enforces, even on a bucket still in shadow mode.
+        b.mode = Mode::Enforce;
+        if !members
+            .iter()
+            .any(|m: &Affected| m.bucket == b.name && m.service == f.service)
+        {
+            members.push(Affected {
+                service: f.service.clone(),
+                bucket: b.name.clone(),
+                caller,
+                procedure,
+                created,
+            });
+        }
+    }
+}
+
+/// The keys the traffic override `o` targets can be looked up under in service file `f`.
+fn traffic_keys(o: &Override, f: &BucketFile, ix: &KeyIndex) -> Vec<TrafficKey> {
+    let mut keys = Vec::new();
+    let own = format!("override:{}", o.id);
+    match (&o.req.caller, &o.req.procedure) {
+        (Some(c), Some(p)) => keys.push(TrafficKey::new(Some(c.clone()), Some(p.clone()), own)),
+        (None, Some(p)) => {
+            keys.push(TrafficKey::new(None, Some(p.clone()), own));
+            // The caller+procedure buckets under the procedure.
+            for &i in ix.with_procedure.get(p).into_iter().flatten() {
+                let caller = f.buckets[i].caller.clone();
+                keys.push(TrafficKey::new(caller, Some(p.clone()), String::new()));
             }
         }
-        doc.version = format!("{}+ovr.{h:016x}", base.version);
+        (Some(c), None) => {
+            keys.push(TrafficKey::new(Some(c.clone()), None, own.clone()));
+            // In bucket order: the caller's own caller+procedure buckets (they win over
+            // a caller key) and every procedure bucket (it wins over a caller key: the
+            // caller's share of that procedure is split off into its own key).
+            let mine = ix.with_caller.get(c).map_or(&[][..], Vec::as_slice);
+            for i in merged(mine, &ix.procedure_only) {
+                let b = &f.buckets[i];
+                match (&b.caller, &b.procedure) {
+                    (Some(_), Some(_)) => keys.push(TrafficKey::new(
+                        Some(c.clone()),
+                        b.procedure.clone(),
+                        String::new(),
+                    )),
+                    (None, Some(p)) => keys.push(TrafficKey::new(
+                        Some(c.clone()),
+                        Some(p.clone()),
+                        format!("{own}:{p}"),
+                    )),
+                    _ => {}
+                }
+            }
+        }
+        (None, None) => {}
     }
-    (doc, groups)
+    keys
 }
 
 /// The effect of the active overrides on one bucket.

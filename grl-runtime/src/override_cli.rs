@@ -149,7 +149,24 @@ enum Output {
 }
 
 pub(crate) async fn run(mut cmd: OverrideCmd) -> anyhow::Result<()> {
-    let (tls, timeout) = match &mut cmd {
+    let (tls, timeout) = take_tls(&mut cmd);
+    let http = tls.options()?.http_client(timeout)?;
+    let (req, what, output) = request(cmd, &http)?;
+    let body = answer(req, what, timeout).await?;
+    match output {
+        Output::Body => println!("{body}"),
+        Output::Table(f) => {
+            let v: Value = serde_json::from_str(&body)
+                .map_err(|e| anyhow::anyhow!("{what}: the controller's answer is not JSON: {e}"))?;
+            print!("{}", f(&v, unix_now()));
+        }
+    }
+    Ok(())
+}
+
+/// The command's TLS options (taken out of it) and its timeout.
+fn take_tls(cmd: &mut OverrideCmd) -> (ClientTlsArgs, Duration) {
+    match cmd {
         OverrideCmd::Add { remote, .. }
         | OverrideCmd::List { remote, .. }
         | OverrideCmd::Rm { remote, .. }
@@ -164,8 +181,15 @@ pub(crate) async fn run(mut cmd: OverrideCmd) -> anyhow::Result<()> {
             ),
             Duration::from_secs(remote.timeout_secs.max(1)),
         ),
-    };
-    let http = tls.options()?.http_client(timeout)?;
+    }
+}
+
+/// The controller request of `cmd`, what it does (for errors) and what to print of the
+/// answer; a request refused here (an invalid override, no credential) is an error.
+fn request(
+    cmd: OverrideCmd,
+    http: &reqwest::Client,
+) -> anyhow::Result<(reqwest::RequestBuilder, &'static str, Output)> {
     let table = |format: &str, f: fn(&Value, u64) -> String| {
         if format == "json" {
             Output::Body
@@ -173,7 +197,7 @@ pub(crate) async fn run(mut cmd: OverrideCmd) -> anyhow::Result<()> {
             Output::Table(f)
         }
     };
-    let (resp, what, output) = match cmd {
+    Ok(match cmd {
         OverrideCmd::Add {
             remote,
             service,
@@ -239,9 +263,17 @@ pub(crate) async fn run(mut cmd: OverrideCmd) -> anyhow::Result<()> {
                 table(&format, history_table),
             )
         }
-    };
-    // The controller's refusals carry a reason in their body: read (bounded) and shown.
-    let resp = match resp.send().await {
+    })
+}
+
+/// Sends `req` and returns the controller's answer (bounded); a refusal is an error with the
+/// reason its body carries.
+async fn answer(
+    req: reqwest::RequestBuilder,
+    what: &str,
+    timeout: Duration,
+) -> anyhow::Result<String> {
+    let resp = match req.send().await {
         Ok(r) => r,
         Err(e) => bail!(
             "{what}: cannot reach the controller: {}",
@@ -256,15 +288,7 @@ pub(crate) async fn run(mut cmd: OverrideCmd) -> anyhow::Result<()> {
     if !status.is_success() {
         bail!("{what}: controller answered {status}: {}", body.trim());
     }
-    match output {
-        Output::Body => println!("{body}"),
-        Output::Table(f) => {
-            let v: Value = serde_json::from_str(&body)
-                .map_err(|e| anyhow::anyhow!("{what}: the controller's answer is not JSON: {e}"))?;
-            print!("{}", f(&v, unix_now()));
-        }
-    }
-    Ok(())
+    Ok(body)
 }
 
 fn unix_now() -> u64 {

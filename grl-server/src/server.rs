@@ -610,7 +610,7 @@ pub async fn serve_with_options(
         .store(limits.max_connections as u64, Ordering::Relaxed);
     let full = Arc::new(Semaphore::new(limits.max_connections));
     let health = Arc::new(Semaphore::new(limits.health_connections));
-    // Connections watch `closing`; each holds a clone of `done_tx`, so `done_rx` ends once
+    // Connections watch `closing`; each holds a clone of `done`, so `done_rx` ends once
     // the last one is gone.
     let (closing_tx, closing_rx) = watch::channel(false);
     let (done_tx, mut done_rx) = mpsc::channel::<()>(1);
@@ -622,10 +622,11 @@ pub async fn serve_with_options(
         stats: stats.clone(),
         conn,
     });
-    let refused_log = grl_client::auth::LogGate::new(Duration::from_secs(10));
-    let mut refused_logged = 0u64;
-    let handshake_log = grl_client::auth::LogGate::new(Duration::from_secs(10));
-    let mut handshakes_logged = 0u64;
+    let mut logs = AcceptLogs::default();
+    let drain = Drain {
+        closing: closing_rx,
+        done: done_tx,
+    };
     tokio::pin!(shutdown);
     loop {
         let (sock, addr) = tokio::select! {
@@ -640,78 +641,153 @@ pub async fn serve_with_options(
                 }
             },
         };
-        // Within the cap: every path, kept alive; beyond it: health paths only, one request.
-        let (permit, health_only) = match full.clone().try_acquire_owned() {
-            Ok(p) => (p, false),
-            Err(_) => match health.clone().try_acquire_owned() {
-                Ok(p) => {
-                    stats.health_only.fetch_add(1, Ordering::Relaxed);
-                    (p, true)
-                }
-                Err(_) => {
-                    stats.refused.fetch_add(1, Ordering::Relaxed);
-                    drop(sock);
-                    let n = stats.refused();
-                    if refused_log.open() {
-                        tracing::warn!(
-                            refused = n - refused_logged,
-                            max_connections = limits.max_connections,
-                            "connection cap reached: connections closed at accept (logged at most every 10 s; grl_http_connections_closed_total{{reason=\"refused\"}})"
-                        );
-                        refused_logged = n;
-                    }
-                    continue;
-                }
-            },
+        let Some(admitted) = admit(&full, &health, &stats) else {
+            drop(sock);
+            logs.refused(&stats, limits.max_connections);
+            continue;
         };
-        let _ = sock.set_nodelay(true);
-        stats.accepted.fetch_add(1, Ordering::Relaxed);
-        stats.open.fetch_add(1, Ordering::Relaxed);
-        let (ctx2, closing, done) = (ctx.clone(), closing_rx.clone(), done_tx.clone());
-        let serve = move |sock: std::io::Result<TcpStream>| async move {
-            match sock {
-                Ok(sock) => connection(ctx2.clone(), sock, addr, health_only, closing).await,
-                Err(e) => tracing::warn!(error = %e, "cannot move a connection to a worker"),
-            }
-            drop(permit);
-            ctx2.stats.open.fetch_sub(1, Ordering::Relaxed);
-            drop(done);
-        };
-        match &ctx.conn.workers {
-            None => {
-                tokio::spawn(serve(Ok(sock)));
-            }
-            // Registered again with the worker's reactor, on the worker.
-            Some(w) => match sock.into_std() {
-                Ok(std_sock) => {
-                    w.pick()
-                        .spawn(async move { serve(TcpStream::from_std(std_sock)).await });
-                }
-                Err(e) => {
-                    tokio::spawn(serve(Err(e)));
-                }
-            },
-        }
-        // A summary at most every 10 s: refused clients are visible without a log flood.
+        spawn_connection(&ctx, sock, addr, admitted, drain.clone());
         if let Some(t) = &ctx.tls {
-            let failures = t.handshake_failures();
-            if failures > handshakes_logged && handshake_log.open() {
-                tracing::warn!(
-                    failed = failures - handshakes_logged,
-                    "TLS handshakes failed (untrusted or missing client certificate, plain HTTP, timeout); RUST_LOG=grl_runtime::tls=debug names the peers"
-                );
-                handshakes_logged = failures;
-            }
+            logs.handshakes(t);
         }
     }
     drop(listener);
     let _ = closing_tx.send(true);
-    drop(done_tx);
+    drop(drain);
     let _ = done_rx.recv().await;
     if let Some(r) = reload {
         r.abort();
     }
     Ok(())
+}
+
+/// A connection let in: its permit, and whether it was taken beyond the cap (health paths
+/// only, one request).
+struct Admitted {
+    permit: tokio::sync::OwnedSemaphorePermit,
+    health_only: bool,
+}
+
+/// Within the cap (`full`): every path, kept alive; beyond it (`health`): health paths only,
+/// one request; `None` (counted as refused) when both are taken.
+fn admit(full: &Arc<Semaphore>, health: &Arc<Semaphore>, stats: &ServerStats) -> Option<Admitted> {
+    match full.clone().try_acquire_owned() {
+        Ok(permit) => Some(Admitted {
+            permit,
+            health_only: false,
+        }),
+        Err(_) => match health.clone().try_acquire_owned() {
+            Ok(permit) => {
+                stats.health_only.fetch_add(1, Ordering::Relaxed);
+                Some(Admitted {
+                    permit,
+                    health_only: true,
+                })
+            }
+            Err(_) => {
+                stats.refused.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        },
+    }
+}
+
+/// What a connection holds so that a stop can drain them all: `closing` turns true when the
+/// server stops, and `done` ends once every connection dropped its clone.
+#[derive(Clone)]
+struct Drain {
+    closing: watch::Receiver<bool>,
+    done: mpsc::Sender<()>,
+}
+
+/// Serves `sock` on its own task (on a worker thread when there are some), counted as open
+/// until it closes.
+fn spawn_connection(
+    ctx: &Arc<Ctx>,
+    sock: TcpStream,
+    addr: SocketAddr,
+    admitted: Admitted,
+    drain: Drain,
+) {
+    let _ = sock.set_nodelay(true);
+    ctx.stats.accepted.fetch_add(1, Ordering::Relaxed);
+    ctx.stats.open.fetch_add(1, Ordering::Relaxed);
+    let ctx2 = ctx.clone();
+    let Admitted {
+        permit,
+        health_only,
+    } = admitted;
+    let serve = move |sock: std::io::Result<TcpStream>| async move {
+        match sock {
+            Ok(sock) => connection(ctx2.clone(), sock, addr, health_only, drain.closing).await,
+            Err(e) => tracing::warn!(error = %e, "cannot move a connection to a worker"),
+        }
+        drop(permit);
+        ctx2.stats.open.fetch_sub(1, Ordering::Relaxed);
+        drop(drain.done);
+    };
+    match &ctx.conn.workers {
+        None => {
+            tokio::spawn(serve(Ok(sock)));
+        }
+        // Registered again with the worker's reactor, on the worker.
+        Some(w) => match sock.into_std() {
+            Ok(std_sock) => {
+                w.pick()
+                    .spawn(async move { serve(TcpStream::from_std(std_sock)).await });
+            }
+            Err(e) => {
+                tokio::spawn(serve(Err(e)));
+            }
+        },
+    }
+}
+
+/// Summaries of refused connections and failed TLS handshakes, each at most every 10 s:
+/// refused clients are visible without a log flood.
+struct AcceptLogs {
+    refused: grl_client::auth::LogGate,
+    refused_logged: u64,
+    handshakes: grl_client::auth::LogGate,
+    handshakes_logged: u64,
+}
+
+impl Default for AcceptLogs {
+    fn default() -> Self {
+        AcceptLogs {
+            refused: grl_client::auth::LogGate::new(Duration::from_secs(10)),
+            refused_logged: 0,
+            handshakes: grl_client::auth::LogGate::new(Duration::from_secs(10)),
+            handshakes_logged: 0,
+        }
+    }
+}
+
+impl AcceptLogs {
+    /// A connection was refused at the cap.
+    fn refused(&mut self, stats: &ServerStats, max_connections: usize) {
+        let n = stats.refused();
+        if self.refused.open() {
+            tracing::warn!(
+                refused = n - self.refused_logged,
+                max_connections,
+                "connection cap reached: connections closed at accept (logged at most every 10 s; grl_http_connections_closed_total{{reason=\"refused\"}})"
+            );
+            self.refused_logged = n;
+        }
+    }
+
+    /// The handshakes that failed since the last summary, if any.
+    fn handshakes(&mut self, tls: &ReloadingServerConfig) {
+        let failures = tls.handshake_failures();
+        if failures > self.handshakes_logged && self.handshakes.open() {
+            tracing::warn!(
+                failed = failures - self.handshakes_logged,
+                "TLS handshakes failed (untrusted or missing client certificate, plain HTTP, timeout); RUST_LOG=grl_runtime::tls=debug names the peers"
+            );
+            self.handshakes_logged = failures;
+        }
+    }
 }
 
 /// Re-reads the TLS files every `reload_every` (off the async threads) until aborted.

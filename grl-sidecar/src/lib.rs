@@ -41,7 +41,6 @@ use grl_server::http_util::{Readiness, ServerHandle};
 use grl_server::server::{ServeLimits, ServerStats};
 use grl_server::tls::{Peer, ServerTls};
 use identity::{is_grpc, CallerFrom, ProcedureFrom};
-use upstream::H2Conn;
 use upstream::{Clients, Upstream, UpstreamError};
 
 /// How the sidecar runs.
@@ -273,17 +272,7 @@ pub struct SidecarHandle {
 
 /// Starts the sidecar: the GRL client, the upstream pools, the main and the admin listeners.
 pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
-    anyhow::ensure!(
-        !opts.client.aggregators.is_empty(),
-        "a sidecar needs at least one aggregator URL"
-    );
-    if opts.client.report_token.is_none() {
-        tracing::warn!("no report credential (GRL_CLIENT_TOKEN or GRL_CLIENT_TOKEN_FILE): aggregators refuse the reports and the sidecar admits everything");
-    }
-    grl_client::tls::warn_plain_http(
-        "aggregator URL",
-        opts.client.aggregators.iter().map(String::as_str),
-    );
+    check_aggregators(&opts)?;
     let tls = opts
         .tls
         .as_ref()
@@ -306,9 +295,7 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
     let admin_addr = admin.as_ref().map(|l| l.local_addr()).transpose()?;
 
     let client = GrlClient::start(opts.client.clone());
-    let stats = Arc::new(Stats::default());
     let server_stats = Arc::new(ServerStats::default());
-    let (registry, added) = registry(&opts, &client, &stats, &server_stats);
     let workers = start_workers(opts.workers)?;
     // Every caller connection may hold an upstream connection (an HTTP/1.1 request in flight
     // holds one; an HTTP/2 caller's requests share the slots), and the pools keep idle ones, as
@@ -318,70 +305,25 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
     // timeout).
     let pools = workers.as_ref().map_or(0, |w| w.len()) + 1;
     let serve = grl_server::server::fit_to_fd_limit(opts.serve, 3);
-    let shared = Arc::new(Shared {
-        layer: GrlLayer::for_client(&client),
-        client,
-        clients: upstream_pools(&opts, pools, serve.max_connections),
-        authority: opts.upstream.authority(),
-        upstream: opts.upstream.clone(),
-        caller: opts.caller.clone(),
-        procedure: opts.procedure.clone(),
-        retry_after: HeaderValue::from(opts.retry_after_secs),
-        pushback_ms: HeaderValue::from(opts.retry_after_secs.saturating_mul(1000)),
-        retry_after_secs: opts.retry_after_secs,
-        upstream_timeout: opts.upstream_timeout,
-        connect_timeout: opts.connect_timeout,
-        stats,
-        added,
-        registry,
-    });
-
-    // Every request goes to `proxy`, without a router.
-    let proxy = {
-        let shared = shared.clone();
-        grl_server::server::Handler::Direct(Arc::new(
-            move |req: Request<hyper::body::Incoming>, peer: &Peer| {
-                Box::pin(proxy(shared.clone(), peer.clone(), req.map(Body::new)))
-                    as grl_server::server::DirectFuture
-            },
-        ))
-    };
+    let clients = upstream_pools(&opts, pools, serve.max_connections);
+    let shared = Arc::new(Shared::new(&opts, client, clients, &server_stats));
     let conn = grl_server::server::ConnOptions {
         h2c: true,
         max_header_bytes: Some(opts.max_header_bytes),
         workers,
         slots_per_connection: Some((serve.max_connections / SHARE_DIVISOR).max(MIN_SHARE)),
     };
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(async move {
-        let r = grl_server::server::serve_with_options(
-            listener,
-            proxy,
-            tls,
-            serve,
-            server_stats,
-            conn,
-            async {
-                let _ = stopped.await;
-            },
-        )
-        .await;
-        if let Err(e) = r {
-            tracing::error!(error = %e, "sidecar server failed");
-        }
-    });
-
+    let (stop, server) = spawn_proxy(listener, shared.clone(), tls, serve, server_stats, conn);
     // The admin listener lives until the main one has drained: /metrics shows the drain.
     let admin_server = admin.map(|l| spawn_admin(l, shared.clone(), opts.serve));
     let (finish, finished) = tokio::sync::oneshot::channel::<()>();
-    let bg_shared = shared.clone();
     let background = tokio::spawn(async move {
         let _ = finished.await;
         if let Some((stop, server)) = admin_server {
             let _ = stop.send(());
             let _ = server.await;
         }
-        drop(bg_shared);
+        drop(shared);
     });
     tracing::info!(
         %addr,
@@ -405,6 +347,97 @@ pub async fn start(opts: SidecarOptions) -> anyhow::Result<SidecarHandle> {
         },
         admin_addr,
     })
+}
+
+/// Refuses options without an aggregator, and warns of reports that will be refused (no
+/// credential) or sent in plain HTTP.
+fn check_aggregators(opts: &SidecarOptions) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !opts.client.aggregators.is_empty(),
+        "a sidecar needs at least one aggregator URL"
+    );
+    if opts.client.report_token.is_none() {
+        tracing::warn!("no report credential (GRL_CLIENT_TOKEN or GRL_CLIENT_TOKEN_FILE): aggregators refuse the reports and the sidecar admits everything");
+    }
+    grl_client::tls::warn_plain_http(
+        "aggregator URL",
+        opts.client.aggregators.iter().map(String::as_str),
+    );
+    Ok(())
+}
+
+impl Shared {
+    /// The state every request reads: `client`, the upstream pools `clients` and the
+    /// sidecar's metrics (the server's `server_stats` among them).
+    fn new(
+        opts: &SidecarOptions,
+        client: GrlClient,
+        clients: Vec<Clients>,
+        server_stats: &Arc<ServerStats>,
+    ) -> Shared {
+        let stats = Arc::new(Stats::default());
+        let (registry, added) = registry(opts, &client, &stats, server_stats);
+        Shared {
+            layer: GrlLayer::for_client(&client),
+            client,
+            clients,
+            authority: opts.upstream.authority(),
+            upstream: opts.upstream.clone(),
+            caller: opts.caller.clone(),
+            procedure: opts.procedure.clone(),
+            retry_after: HeaderValue::from(opts.retry_after_secs),
+            pushback_ms: HeaderValue::from(opts.retry_after_secs.saturating_mul(1000)),
+            retry_after_secs: opts.retry_after_secs,
+            upstream_timeout: opts.upstream_timeout,
+            connect_timeout: opts.connect_timeout,
+            stats,
+            added,
+            registry,
+        }
+    }
+}
+
+/// A spawned task and the sender that tells it to stop.
+type Stoppable = (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+);
+
+/// Serves the main listener until the returned sender fires (or is dropped): every request
+/// goes to [`proxy`], without a router.
+fn spawn_proxy(
+    listener: tokio::net::TcpListener,
+    shared: Arc<Shared>,
+    tls: Option<Arc<grl_server::tls::ReloadingServerConfig>>,
+    serve: ServeLimits,
+    server_stats: Arc<ServerStats>,
+    conn: grl_server::server::ConnOptions,
+) -> Stoppable {
+    let proxy = grl_server::server::Handler::Direct(Arc::new(
+        move |req: Request<hyper::body::Incoming>, peer: &Peer| {
+            Box::pin(proxy(shared.clone(), peer.clone(), req.map(Body::new)))
+                as grl_server::server::DirectFuture
+        },
+    ));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        let r = grl_server::server::serve_with_options(
+            listener,
+            proxy,
+            tls,
+            serve,
+            server_stats,
+            conn,
+            async {
+                let _ = stopped.await;
+            },
+        )
+        .await;
+        if let Err(e) = r {
+            tracing::error!(error = %e, "sidecar server failed");
+        }
+    });
+    (stop, server)
 }
 
 /// The sidecar's metrics: the client's, the server's, the sidecar's counters and info, and
@@ -469,14 +502,7 @@ fn upstream_pools(opts: &SidecarOptions, pools: usize, max_connections: usize) -
 }
 
 /// Serves `/metrics`, `/healthz` and `/readyz` on the admin listener.
-fn spawn_admin(
-    l: tokio::net::TcpListener,
-    shared: Arc<Shared>,
-    serve: ServeLimits,
-) -> (
-    tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<()>,
-) {
+fn spawn_admin(l: tokio::net::TcpListener, shared: Arc<Shared>, serve: ServeLimits) -> Stoppable {
     let router = Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(grl_server::http_util::healthz))
@@ -798,14 +824,7 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
         sent.store(true, Ordering::Relaxed);
         let req = Request::from_parts(parts, body);
         let resp = if grpc {
-            // The caller connection's own h2c connection upstream: flow control is then the
-            // caller's own, and calls it never reads stall none of another caller's.
-            let conn = peer.share.as_ref().and_then(|c| {
-                c.local
-                    .get_or_init(|| Box::new(clients.h2.fresh()))
-                    .downcast_ref::<H2Conn>()
-            });
-            let r = conn.unwrap_or(&clients.h2).request(req).await;
+            let r = clients.h2_for(peer.share.as_deref()).request(req).await;
             r.map(|r| r.map(Body::new))
         } else {
             let r = clients.h1.request(req).await;

@@ -243,6 +243,22 @@ impl Clients {
             },
         }
     }
+
+    /// The h2c connection of a gRPC call from a caller connection with `share`: that
+    /// connection's own (opened on its first call), so that flow control is the caller's own,
+    /// and calls it never reads stall none of another caller's; else the shared one.
+    #[inline]
+    pub(crate) fn h2_for<'a>(
+        &'a self,
+        share: Option<&'a grl_server::tls::ConnShare>,
+    ) -> &'a H2Conn {
+        let own = share.and_then(|c| {
+            c.local
+                .get_or_init(|| Box::new(self.h2.fresh()))
+                .downcast_ref::<H2Conn>()
+        });
+        own.unwrap_or(&self.h2)
+    }
 }
 
 /// An h2c connection to the upstream, for gRPC calls: the sidecar opens one per caller

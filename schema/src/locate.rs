@@ -194,31 +194,12 @@ fn value_hash(stack: &mut [Frame], positions: &mut Positions, pos: Pos) -> Optio
 /// deeper than `max_depth` and more than `max_nodes` nodes (an alias counts the nodes it
 /// repeats). On an error the positions gathered so far come back with it.
 pub(crate) fn scan(text: &str, limits: ScanLimits) -> Result<Locator, (ScanError, Locator)> {
-    let mut positions: Positions = Positions::default();
-    let mut stack: Vec<Frame> = Vec::new();
-    // (anchor id, node count when the anchored collection started)
-    let mut anchors: Vec<(usize, u64)> = Vec::new();
-    let mut sizes: HashMap<usize, u64> = HashMap::new();
-    let mut nodes: u64 = 0;
+    let mut scan = Scan::default();
     let mut parser = Parser::new_from_str(text);
-    let fail = |pos: Pos, message: String, limit: bool, positions: Positions| {
-        Err((
-            ScanError {
-                pos,
-                message,
-                limit,
-            },
-            Locator {
-                positions,
-                nodes: 0,
-            },
-        ))
-    };
     loop {
         let (ev, mark) = match parser.next_token() {
             Ok(x) => x,
             Err(e) => {
-                let m = e.marker();
                 // yaml-rust2's own bound (255 flow levels) is met scanning ahead.
                 let limit = e.info() == "recursion limit exceeded";
                 let message = if limit {
@@ -226,99 +207,144 @@ pub(crate) fn scan(text: &str, limits: ScanLimits) -> Result<Locator, (ScanError
                 } else {
                     e.info().to_string()
                 };
-                return fail(pos_of(m), message, limit, positions);
+                return Err(scan.fail(pos_of(e.marker()), message, limit));
             }
         };
         let pos = pos_of(&mark);
         match ev {
             Event::StreamEnd => break,
-            Event::Scalar(value, _, anchor, _) => {
-                nodes += 1;
-                if anchor != 0 {
-                    sizes.insert(anchor, 1);
-                }
-                if value_hash(&mut stack, &mut positions, pos).is_none() {
-                    if let Some(Frame::Map { hash, root, key }) = stack.last_mut() {
-                        let h = key_hash(*hash, *root, &value);
-                        positions
-                            .entry(h)
-                            .or_insert((pos.line as u32, pos.column as u32));
-                        *key = Some(h);
-                    }
-                }
-            }
-            Event::Alias(id) => {
-                nodes = nodes.saturating_add(sizes.get(&id).copied().unwrap_or(1));
-                if value_hash(&mut stack, &mut positions, pos).is_none() {
-                    // An alias as a mapping key: no path below it.
-                    if let Some(Frame::Map { hash, key, .. }) = stack.last_mut() {
-                        *key = Some(fnv(*hash, b"*"));
-                    }
-                }
-            }
+            Event::Scalar(value, _, anchor, _) => scan.scalar(&value, anchor, pos),
+            Event::Alias(id) => scan.alias(id, pos),
             Event::MappingStart(anchor, _) | Event::SequenceStart(anchor, _) => {
-                nodes += 1;
-                let is_map = matches!(ev, Event::MappingStart(..));
-                let (hash, root) = match value_hash(&mut stack, &mut positions, pos) {
-                    Some(x) => x,
-                    // A collection as a mapping key: its value gets the path `parent.?`.
-                    None => match stack.last_mut() {
-                        Some(Frame::Map { hash, key, .. }) => {
-                            let h = fnv(*hash, b".?");
-                            *key = Some(h);
-                            (h, false)
-                        }
-                        _ => (FNV_OFFSET, true),
-                    },
-                };
-                anchors.push((anchor, nodes));
-                stack.push(if is_map {
-                    Frame::Map {
-                        hash,
-                        root,
-                        key: None,
-                    }
-                } else {
-                    Frame::Seq { hash, index: 0 }
-                });
-                if stack.len() > limits.max_depth {
-                    return fail(pos, deeper(limits.max_depth), true, positions);
+                scan.start(anchor, matches!(ev, Event::MappingStart(..)), pos);
+                if scan.stack.len() > limits.max_depth {
+                    return Err(scan.fail(pos, deeper(limits.max_depth), true));
                 }
             }
-            Event::MappingEnd | Event::SequenceEnd => {
-                stack.pop();
-                if let Some((anchor, start)) = anchors.pop() {
-                    if anchor != 0 {
-                        sizes.insert(anchor, nodes - start + 1);
-                    }
-                }
-            }
+            Event::MappingEnd | Event::SequenceEnd => scan.end(),
             _ => {}
         }
-        if nodes > limits.max_nodes {
-            return fail(
-                pos,
-                format!(
-                    "more than {} YAML nodes (an alias counts the nodes it repeats); refused before parsing",
-                    limits.max_nodes
-                ),
-                true,
-                positions,
-            );
-        }
-        if nodes > limits.repo_left {
-            return fail(
-                pos,
-                format!(
-                    "the files read before it and this one have more than {} YAML nodes together (the limit per repo); refused before parsing",
-                    limits.repo_max
-                ),
-                true,
-                positions,
-            );
+        if let Some(message) = too_many_nodes(scan.nodes, limits) {
+            return Err(scan.fail(pos, message, true));
         }
     }
-    Ok(Locator { positions, nodes })
+    Ok(Locator {
+        positions: scan.positions,
+        nodes: scan.nodes,
+    })
+}
+
+/// Why `nodes` nodes are refused, if they are: more than the file's or the repo's limit.
+fn too_many_nodes(nodes: u64, limits: ScanLimits) -> Option<String> {
+    if nodes > limits.max_nodes {
+        return Some(format!(
+            "more than {} YAML nodes (an alias counts the nodes it repeats); refused before parsing",
+            limits.max_nodes
+        ));
+    }
+    if nodes > limits.repo_left {
+        return Some(format!(
+            "the files read before it and this one have more than {} YAML nodes together (the limit per repo); refused before parsing",
+            limits.repo_max
+        ));
+    }
+    None
+}
+
+/// The state of [`scan`] between events.
+#[derive(Default)]
+struct Scan {
+    positions: Positions,
+    stack: Vec<Frame>,
+    /// (anchor id, node count when the anchored collection started)
+    anchors: Vec<(usize, u64)>,
+    /// Nodes under each anchor, the anchored node included.
+    sizes: HashMap<usize, u64>,
+    nodes: u64,
+}
+
+impl Scan {
+    /// The error, with the positions gathered so far.
+    fn fail(self, pos: Pos, message: String, limit: bool) -> (ScanError, Locator) {
+        (
+            ScanError {
+                pos,
+                message,
+                limit,
+            },
+            Locator {
+                positions: self.positions,
+                nodes: 0,
+            },
+        )
+    }
+
+    /// A scalar: a value, or a mapping key (its path's position recorded).
+    fn scalar(&mut self, value: &str, anchor: usize, pos: Pos) {
+        self.nodes += 1;
+        if anchor != 0 {
+            self.sizes.insert(anchor, 1);
+        }
+        if value_hash(&mut self.stack, &mut self.positions, pos).is_none() {
+            if let Some(Frame::Map { hash, root, key }) = self.stack.last_mut() {
+                let h = key_hash(*hash, *root, value);
+                self.positions
+                    .entry(h)
+                    .or_insert((pos.line as u32, pos.column as u32));
+                *key = Some(h);
+            }
+        }
+    }
+
+    /// An alias: counts the nodes of its anchor.
+    fn alias(&mut self, id: usize, pos: Pos) {
+        self.nodes = self
+            .nodes
+            .saturating_add(self.sizes.get(&id).copied().unwrap_or(1));
+        if value_hash(&mut self.stack, &mut self.positions, pos).is_none() {
+            // An alias as a mapping key: no path below it.
+            if let Some(Frame::Map { hash, key, .. }) = self.stack.last_mut() {
+                *key = Some(fnv(*hash, b"*"));
+            }
+        }
+    }
+
+    /// The start of a mapping (`is_map`) or a sequence.
+    fn start(&mut self, anchor: usize, is_map: bool, pos: Pos) {
+        self.nodes += 1;
+        let (hash, root) = match value_hash(&mut self.stack, &mut self.positions, pos) {
+            Some(x) => x,
+            // A collection as a mapping key: its value gets the path `parent.?`.
+            None => match self.stack.last_mut() {
+                Some(Frame::Map { hash, key, .. }) => {
+                    let h = fnv(*hash, b".?");
+                    *key = Some(h);
+                    (h, false)
+                }
+                _ => (FNV_OFFSET, true),
+            },
+        };
+        self.anchors.push((anchor, self.nodes));
+        self.stack.push(if is_map {
+            Frame::Map {
+                hash,
+                root,
+                key: None,
+            }
+        } else {
+            Frame::Seq { hash, index: 0 }
+        });
+    }
+
+    /// The end of a mapping or a sequence: its anchor's size known.
+    fn end(&mut self) {
+        self.stack.pop();
+        if let Some((anchor, start)) = self.anchors.pop() {
+            if anchor != 0 {
+                self.sizes.insert(anchor, self.nodes - start + 1);
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -229,138 +229,186 @@ fn check_references(
     capacity: Option<&Located<CapacityFile>>,
     diags: &mut Vec<Diagnostic>,
 ) {
-    {
-        if let Some(c) = contracts {
-            let mut seen: HashMap<(&str, Option<&str>, Option<&str>), usize> = HashMap::new();
-            for (i, k) in c.value.contracts.iter().enumerate() {
-                let at = |key: &str| format!("contracts[{i}].{key}");
-                if complete && !known.contains(&k.service) {
-                    diags.push(c.diag(
-                        at("service"),
-                        format!(
-                            "references unknown service `{}` (no buckets/{}.yaml and not in rlc/policies.yaml)",
-                            k.service, k.service
-                        ),
-                    ));
-                }
-                if k.caller.is_none() && k.procedure.is_none() {
-                    diags.push(c.diag(
-                        format!("contracts[{i}]"),
-                        "a contract needs a caller, a procedure or both",
-                    ));
-                }
-                check_rate(c, &at("limit_rps"), k.limit_rps, diags);
-                let key = (
-                    k.service.as_str(),
-                    k.caller.as_deref(),
-                    k.procedure.as_deref(),
-                );
-                if let Some(&j) = seen.get(&key) {
-                    diags.push(c.diag(
-                        format!("contracts[{i}]"),
-                        format!("contradicts contracts[{j}]: the same service, caller and procedure twice"),
-                    ));
-                } else {
-                    seen.insert(key, i);
-                }
-                if let Some(cap) = capacity {
-                    if let Some(rps) = cap.value.for_bucket(&k.service, k.procedure.as_deref()) {
-                        if k.limit_rps.is_finite() && k.limit_rps > rps {
-                            diags.push(c.diag(
-                                at("limit_rps"),
-                                format!(
-                                    "contract limit {} exceeds the planned capacity {} in rlc/capacity.yaml",
-                                    crate::format_rps(k.limit_rps),
-                                    crate::format_rps(rps)
-                                ),
-                            ));
-                        }
-                    }
-                }
+    let known = KnownServices {
+        names: known,
+        complete,
+    };
+    if let Some(c) = contracts {
+        check_contracts(c, capacity, known, diags);
+    }
+    if let Some(c) = capacity {
+        check_capacities(c, known, diags);
+        check_events(c, known, diags);
+        check_procedure_capacities(c, diags);
+    }
+}
+
+/// The services references may name.
+#[derive(Clone, Copy)]
+struct KnownServices<'a> {
+    names: &'a BTreeSet<String>,
+    /// Whether `names` is every service (an unknown reference is reported only then).
+    complete: bool,
+}
+
+impl KnownServices<'_> {
+    /// Whether `service` is known not to exist.
+    fn lacks(&self, service: &str) -> bool {
+        self.complete && !self.names.contains(service)
+    }
+}
+
+/// Contracts name known services, a caller or a procedure, a valid limit within the planned
+/// capacity (`capacity`), and no key twice.
+fn check_contracts(
+    c: &Located<ContractsFile>,
+    capacity: Option<&Located<CapacityFile>>,
+    known: KnownServices<'_>,
+    diags: &mut Vec<Diagnostic>,
+) {
+    let mut seen: HashMap<(&str, Option<&str>, Option<&str>), usize> = HashMap::new();
+    for (i, k) in c.value.contracts.iter().enumerate() {
+        let at = |key: &str| format!("contracts[{i}].{key}");
+        if known.lacks(&k.service) {
+            diags.push(c.diag(
+                at("service"),
+                format!(
+                    "references unknown service `{}` (no buckets/{}.yaml and not in rlc/policies.yaml)",
+                    k.service, k.service
+                ),
+            ));
+        }
+        if k.caller.is_none() && k.procedure.is_none() {
+            diags.push(c.diag(
+                format!("contracts[{i}]"),
+                "a contract needs a caller, a procedure or both",
+            ));
+        }
+        check_rate(c, &at("limit_rps"), k.limit_rps, diags);
+        let key = (
+            k.service.as_str(),
+            k.caller.as_deref(),
+            k.procedure.as_deref(),
+        );
+        if let Some(&j) = seen.get(&key) {
+            diags.push(c.diag(
+                format!("contracts[{i}]"),
+                format!("contradicts contracts[{j}]: the same service, caller and procedure twice"),
+            ));
+        } else {
+            seen.insert(key, i);
+        }
+        let planned =
+            capacity.and_then(|cap| cap.value.for_bucket(&k.service, k.procedure.as_deref()));
+        if let Some(rps) = planned {
+            if k.limit_rps.is_finite() && k.limit_rps > rps {
+                diags.push(c.diag(
+                    at("limit_rps"),
+                    format!(
+                        "contract limit {} exceeds the planned capacity {} in rlc/capacity.yaml",
+                        crate::format_rps(k.limit_rps),
+                        crate::format_rps(rps)
+                    ),
+                ));
             }
         }
-        if let Some(c) = capacity {
-            let mut seen: HashMap<(&str, Option<&str>), usize> = HashMap::new();
-            for (i, e) in c.value.capacity.iter().enumerate() {
-                if complete && !known.contains(&e.service) {
+    }
+}
+
+/// Capacities name known services, a valid rate, and no key twice.
+fn check_capacities(
+    c: &Located<CapacityFile>,
+    known: KnownServices<'_>,
+    diags: &mut Vec<Diagnostic>,
+) {
+    let mut seen: HashMap<(&str, Option<&str>), usize> = HashMap::new();
+    for (i, e) in c.value.capacity.iter().enumerate() {
+        if known.lacks(&e.service) {
+            diags.push(c.diag(
+                format!("capacity[{i}].service"),
+                format!("references unknown service `{}`", e.service),
+            ));
+        }
+        check_rate(c, &format!("capacity[{i}].rps"), e.rps, diags);
+        let key = (e.service.as_str(), e.procedure.as_deref());
+        if let Some(&j) = seen.get(&key) {
+            diags.push(c.diag(
+                format!("capacity[{i}]"),
+                format!("contradicts capacity[{j}]: the same service and procedure twice"),
+            ));
+        } else {
+            seen.insert(key, i);
+        }
+    }
+}
+
+/// Planned events name a known service, a name, a time span, and one of a factor (≥ 1) and
+/// an expected rate.
+fn check_events(c: &Located<CapacityFile>, known: KnownServices<'_>, diags: &mut Vec<Diagnostic>) {
+    for (i, e) in c.value.events.iter().enumerate() {
+        let at = |k: &str| format!("events[{i}].{k}");
+        if known.lacks(&e.service) {
+            diags.push(c.diag(
+                at("service"),
+                format!("references unknown service `{}`", e.service),
+            ));
+        }
+        if e.name.trim().is_empty() {
+            diags.push(c.diag(at("name"), "must not be empty"));
+        }
+        for (k, v) in [("caller", &e.caller), ("procedure", &e.procedure)] {
+            if v.as_deref().is_some_and(|s| s.trim().is_empty()) {
+                diags.push(c.diag(at(k), "must not be empty when present"));
+            }
+        }
+        if e.until < e.from {
+            diags.push(c.diag(
+                at("until"),
+                format!("{} is before from {}", e.until, e.from),
+            ));
+        }
+        match (e.factor, e.rps) {
+            (Some(_), Some(_)) => diags.push(c.diag(
+                format!("events[{i}]"),
+                "set one of factor and rps, not both",
+            )),
+            (None, None) => {
+                diags.push(c.diag(format!("events[{i}]"), "needs a factor or an expected rps"))
+            }
+            (Some(f), None) => {
+                if !f.is_finite() || f < 1.0 {
                     diags.push(c.diag(
-                        format!("capacity[{i}].service"),
-                        format!("references unknown service `{}`", e.service),
+                        at("factor"),
+                        format!("must be a finite number ≥ 1 (events raise quotas; a lower level is learnt from traffic), got {f}"),
                     ));
-                }
-                check_rate(c, &format!("capacity[{i}].rps"), e.rps, diags);
-                let key = (e.service.as_str(), e.procedure.as_deref());
-                if let Some(&j) = seen.get(&key) {
-                    diags.push(c.diag(
-                        format!("capacity[{i}]"),
-                        format!("contradicts capacity[{j}]: the same service and procedure twice"),
-                    ));
-                } else {
-                    seen.insert(key, i);
                 }
             }
-            for (i, e) in c.value.events.iter().enumerate() {
-                let at = |k: &str| format!("events[{i}].{k}");
-                if complete && !known.contains(&e.service) {
-                    diags.push(c.diag(
-                        at("service"),
-                        format!("references unknown service `{}`", e.service),
-                    ));
-                }
-                if e.name.trim().is_empty() {
-                    diags.push(c.diag(at("name"), "must not be empty"));
-                }
-                for (k, v) in [("caller", &e.caller), ("procedure", &e.procedure)] {
-                    if v.as_deref().is_some_and(|s| s.trim().is_empty()) {
-                        diags.push(c.diag(at(k), "must not be empty when present"));
-                    }
-                }
-                if e.until < e.from {
-                    diags.push(c.diag(
-                        at("until"),
-                        format!("{} is before from {}", e.until, e.from),
-                    ));
-                }
-                match (e.factor, e.rps) {
-                    (Some(_), Some(_)) => diags.push(c.diag(
-                        format!("events[{i}]"),
-                        "set one of factor and rps, not both",
-                    )),
-                    (None, None) => diags
-                        .push(c.diag(format!("events[{i}]"), "needs a factor or an expected rps")),
-                    (Some(f), None) => {
-                        if !f.is_finite() || f < 1.0 {
-                            diags.push(c.diag(
-                                at("factor"),
-                                format!("must be a finite number ≥ 1 (events raise quotas; a lower level is learnt from traffic), got {f}"),
-                            ));
-                        }
-                    }
-                    (None, Some(r)) => check_rate(c, &at("rps"), r, diags),
-                }
-            }
-            // A procedure's capacity above its whole service's capacity cannot both hold.
-            for (i, e) in c.value.capacity.iter().enumerate() {
-                if e.procedure.is_none() {
-                    continue;
-                }
-                if let Some(total) = c
-                    .value
-                    .capacity
-                    .iter()
-                    .find(|t| t.service == e.service && t.procedure.is_none())
-                {
-                    if e.rps > total.rps {
-                        diags.push(c.diag(
-                            format!("capacity[{i}].rps"),
-                            format!(
-                                "procedure capacity {} exceeds the whole service's {}",
-                                crate::format_rps(e.rps),
-                                crate::format_rps(total.rps)
-                            ),
-                        ));
-                    }
-                }
+            (None, Some(r)) => check_rate(c, &at("rps"), r, diags),
+        }
+    }
+}
+
+/// A procedure's capacity above its whole service's capacity cannot both hold.
+fn check_procedure_capacities(c: &Located<CapacityFile>, diags: &mut Vec<Diagnostic>) {
+    for (i, e) in c.value.capacity.iter().enumerate() {
+        if e.procedure.is_none() {
+            continue;
+        }
+        if let Some(total) = c
+            .value
+            .capacity
+            .iter()
+            .find(|t| t.service == e.service && t.procedure.is_none())
+        {
+            if e.rps > total.rps {
+                diags.push(c.diag(
+                    format!("capacity[{i}].rps"),
+                    format!(
+                        "procedure capacity {} exceeds the whole service's {}",
+                        crate::format_rps(e.rps),
+                        crate::format_rps(total.rps)
+                    ),
+                ));
             }
         }
     }
@@ -392,6 +440,7 @@ pub fn load_bucket_dir_with(
     (b.files, bound(b.diags, limits))
 }
 
+#[derive(Default)]
 struct BucketDir {
     files: Vec<Located<BucketFile>>,
     diags: Vec<Diagnostic>,
@@ -401,79 +450,30 @@ struct BucketDir {
 
 fn bucket_dir_with(reader: &mut Reader, dir: &Path) -> BucketDir {
     let limits = reader.limits;
-    let mut out = BucketDir {
-        files: Vec::new(),
-        diags: Vec::new(),
-        unparsed: BTreeSet::new(),
-    };
-    let dir_problem = |m: String| vec![file_diag(dir, m)];
-    let real = match reader.resolve(dir) {
-        Ok(r) => r,
+    let mut out = BucketDir::default();
+    let entries = match dir_entries(reader, dir) {
+        Ok(entries) => entries,
         Err(d) => {
             out.diags.push(d);
             return out;
         }
     };
-    if !real.is_dir() {
-        out.diags = dir_problem("refused: not a directory".into());
-        return out;
-    }
-    let mut entries: Vec<PathBuf> = Vec::new();
-    match std::fs::read_dir(dir) {
-        Ok(rd) => {
-            for e in rd.filter_map(|e| e.ok()) {
-                if entries.len() == limits.max_dir_entries {
-                    out.diags = dir_problem(format!(
-                        "refused: more than {} entries (the limit per directory); nothing in it was read",
-                        limits.max_dir_entries
-                    ));
-                    return out;
-                }
-                entries.push(e.path());
-            }
-        }
-        Err(e) => {
-            out.diags = dir_problem(format!("cannot read directory: {e}"));
-            return out;
-        }
-    }
-    entries.sort();
     let mut buckets = 0usize;
     let mut not_read = 0usize;
     for path in entries {
-        match path.extension().and_then(|e| e.to_str()) {
-            Some("yaml") => {}
-            Some("yml") => {
-                out.diags.push(file_diag(
-                    &path,
-                    "bucket files end in .yaml; this file is ignored by rlc and grl".into(),
-                ));
-                continue;
-            }
-            _ => continue,
-        }
-        let stem = path
-            .file_stem()
-            .and_then(|s| s.to_str())
-            .unwrap_or_default()
-            .to_string();
+        let Some(stem) = bucket_file_stem(&path, &mut out.diags) else {
+            continue;
+        };
         if buckets > limits.max_buckets {
             not_read += 1;
             out.unparsed.insert(stem);
             continue;
         }
-        let Some(p) = load_file::<BucketFile>(reader, &path, &mut out.diags) else {
+        let Some(file) = load_checked_bucket_file(reader, &path, &stem, &mut out.diags) else {
             out.unparsed.insert(stem);
             continue;
         };
-        let Some(f) = &p.located else {
-            out.unparsed.insert(stem);
-            continue;
-        };
-        let mut found = Vec::new();
-        check_bucket_file(&stem, f, &mut found);
-        push_checked(&p, found, &mut out.diags);
-        buckets += f.value.buckets.len();
+        buckets += file.value.buckets.len();
         if buckets > limits.max_buckets {
             out.diags.push(file_diag(
                 &path,
@@ -486,11 +486,7 @@ fn bucket_dir_with(reader: &mut Reader, dir: &Path) -> BucketDir {
             out.unparsed.insert(stem);
             continue;
         }
-        if let Some(mut l) = p.located {
-            // Checked: the positions are not needed any more (a file's can take tens of MB).
-            l.locator = Locator::default();
-            out.files.push(l);
-        }
+        out.files.push(file);
     }
     if not_read > 0 {
         out.diags.push(file_diag(
@@ -503,6 +499,73 @@ fn bucket_dir_with(reader: &mut Reader, dir: &Path) -> BucketDir {
     }
     // Both callers sort and dedup through `bound`.
     out
+}
+
+/// The paths in `dir`, sorted; the problem instead when it is not a readable directory
+/// inside the reader's boundary or has more entries than the limit (nothing in it is read).
+fn dir_entries(reader: &Reader, dir: &Path) -> Result<Vec<PathBuf>, Diagnostic> {
+    let limits = reader.limits;
+    let real = reader.resolve(dir)?;
+    if !real.is_dir() {
+        return Err(file_diag(dir, "refused: not a directory".into()));
+    }
+    let rd = std::fs::read_dir(dir)
+        .map_err(|e| file_diag(dir, format!("cannot read directory: {e}")))?;
+    let mut entries: Vec<PathBuf> = Vec::new();
+    for e in rd.filter_map(|e| e.ok()) {
+        if entries.len() == limits.max_dir_entries {
+            return Err(file_diag(
+                dir,
+                format!(
+                    "refused: more than {} entries (the limit per directory); nothing in it was read",
+                    limits.max_dir_entries
+                ),
+            ));
+        }
+        entries.push(e.path());
+    }
+    entries.sort();
+    Ok(entries)
+}
+
+/// The stem of a bucket file (`*.yaml`); `None` for any other file, a `.yml` one reported
+/// as ignored.
+fn bucket_file_stem(path: &Path, diags: &mut Vec<Diagnostic>) -> Option<String> {
+    match path.extension().and_then(|e| e.to_str()) {
+        Some("yaml") => {}
+        Some("yml") => {
+            diags.push(file_diag(
+                path,
+                "bucket files end in .yaml; this file is ignored by rlc and grl".into(),
+            ));
+            return None;
+        }
+        _ => return None,
+    }
+    let stem = path
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .unwrap_or_default();
+    Some(stem.to_string())
+}
+
+/// Bucket file `path` read, parsed and checked (its problems into `diags`), without its key
+/// positions; `None` when it could not be read or parsed.
+fn load_checked_bucket_file(
+    reader: &mut Reader,
+    path: &Path,
+    stem: &str,
+    diags: &mut Vec<Diagnostic>,
+) -> Option<Located<BucketFile>> {
+    let p = load_file::<BucketFile>(reader, path, diags)?;
+    let f = p.located.as_ref()?;
+    let mut found = Vec::new();
+    check_bucket_file(stem, f, &mut found);
+    push_checked(&p, found, diags);
+    let mut l = p.located?;
+    // Checked: the positions are not needed any more (a file's can take tens of MB).
+    l.locator = Locator::default();
+    Some(l)
 }
 
 /// Replacement texts of the human-authored documents of a config repo (None: the repo's own),

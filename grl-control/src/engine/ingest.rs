@@ -267,23 +267,34 @@ impl Engine {
         let Some((id, mut z)) = self.zones.remove_entry(&r.aggregator_id) else {
             return Ingested::Resync;
         };
-        let same_place = self
-            .keys
-            .ids
-            .get(&scope_key(Scope::Region, &r.region, &r.zone))
-            == Some(&z.region_key)
-            && self
-                .keys
-                .ids
-                .get(&scope_key(Scope::Zone, &r.region, &r.zone))
-                == Some(&z.zone_key);
-        if z.session != Some(base) || !same_place {
+        if z.session != Some(base) || !self.same_place(r, &z) {
             self.zones.insert(id, z);
             return Ingested::Resync;
         }
+        let entries = self.delta_entries(r, &z);
+        self.apply_delta(&mut z, entries);
+        z.gap_ms = Some(crate::period::estimate(
+            z.gap_ms,
+            now_ms.saturating_sub(z.at_ms),
+        ));
+        z.at_ms = now_ms;
+        z.session = Some((base.0, seq));
+        self.zones.insert(id, z);
+        Ingested::Applied
+    }
+
+    /// Whether report `r` comes from the region and zone of zone data `z` (same scope keys).
+    fn same_place(&self, r: &ZoneReport, z: &ZoneData) -> bool {
+        let ids = &self.keys.ids;
+        ids.get(&scope_key(Scope::Region, &r.region, &r.zone)) == Some(&z.region_key)
+            && ids.get(&scope_key(Scope::Zone, &r.region, &r.zone)) == Some(&z.zone_key)
+    }
+
+    /// Counts delta report `r`'s counts (see [`Engine::count`]) and returns its rates as
+    /// (bucket, new rates or `None` when gone), in bucket order, the last of a bucket winning.
+    fn delta_entries(&mut self, r: &ZoneReport, z: &ZoneData) -> Vec<(usize, Option<[i64; 4]>)> {
         let zone_name = self.zone_names.id(&r.zone);
         let keys = (z.region_key, z.zone_key);
-        // (bucket, new rates or None when gone), in bucket order, the last of a bucket wins.
         let mut entries: Vec<(usize, Option<[i64; 4]>)> = Vec::with_capacity(r.buckets.len());
         for b in &r.buckets {
             let Some(i) = lookup(&self.index, &b.service, &b.bucket) else {
@@ -301,11 +312,16 @@ impl Engine {
         entries.reverse();
         entries.dedup_by_key(|e| e.0);
         entries.reverse();
+        entries
+    }
+
+    /// Applies a delta's `entries` (in bucket order) to the sums and to zone `z`'s rates.
+    fn apply_delta(&mut self, z: &mut ZoneData, entries: Vec<(usize, Option<[i64; 4]>)>) {
         let mut added: Vec<(usize, [i64; 4])> = Vec::new();
         // Positions of the gone buckets (in order), taken out after the walk.
         let mut removed: Vec<usize> = Vec::new();
         for (i, new) in entries {
-            let key = self.key_of(i, &z);
+            let key = self.key_of(i, z);
             match (z.resolved.binary_search_by_key(&i, |e| e.0), new) {
                 (Ok(p), Some(n)) => {
                     let o = z.resolved[p].1;
@@ -332,39 +348,43 @@ impl Engine {
         // A bucket set that changed costs one pass over the zone's buckets (rare in a steady
         // state: a bucket starts or stops being called); rates that changed cost their own.
         if !removed.is_empty() {
-            let mut next = removed.iter().copied().peekable();
-            let mut at = 0;
-            z.resolved.retain(|_| {
-                let gone = next.peek() == Some(&at);
-                if gone {
-                    next.next();
-                }
-                at += 1;
-                !gone
-            });
+            remove_positions(&mut z.resolved, &removed);
         }
         if !added.is_empty() {
-            let old = std::mem::take(&mut z.resolved);
-            let mut merged = Vec::with_capacity(old.len() + added.len());
-            let (mut x, mut y) = (0, 0);
-            while x < old.len() || y < added.len() {
-                if y == added.len() || (x < old.len() && old[x].0 < added[y].0) {
-                    merged.push(old[x]);
-                    x += 1;
-                } else {
-                    merged.push(added[y]);
-                    y += 1;
-                }
-            }
-            z.resolved = merged;
+            z.resolved = merge_by_bucket(std::mem::take(&mut z.resolved), &added);
         }
-        z.gap_ms = Some(crate::period::estimate(
-            z.gap_ms,
-            now_ms.saturating_sub(z.at_ms),
-        ));
-        z.at_ms = now_ms;
-        z.session = Some((base.0, seq));
-        self.zones.insert(id, z);
-        Ingested::Applied
     }
+}
+
+/// Takes the entries at `positions` (ascending) out of `resolved`.
+fn remove_positions(resolved: &mut Vec<(usize, [i64; 4])>, positions: &[usize]) {
+    let mut next = positions.iter().copied().peekable();
+    let mut at = 0;
+    resolved.retain(|_| {
+        let gone = next.peek() == Some(&at);
+        if gone {
+            next.next();
+        }
+        at += 1;
+        !gone
+    });
+}
+
+/// `old` and `added` (both in bucket order, no bucket in both) merged in bucket order.
+fn merge_by_bucket(
+    old: Vec<(usize, [i64; 4])>,
+    added: &[(usize, [i64; 4])],
+) -> Vec<(usize, [i64; 4])> {
+    let mut merged = Vec::with_capacity(old.len() + added.len());
+    let (mut x, mut y) = (0, 0);
+    while x < old.len() || y < added.len() {
+        if y == added.len() || (x < old.len() && old[x].0 < added[y].0) {
+            merged.push(old[x]);
+            x += 1;
+        } else {
+            merged.push(added[y]);
+            y += 1;
+        }
+    }
+    merged
 }
