@@ -13,7 +13,7 @@ use tokio::task::JoinHandle;
 
 use crate::auth::TokenSource;
 use crate::calls::{CallCounter, CallDrain, PendingCalls};
-use crate::proto::{BucketCountsMsg, CallCountMsg, ClientDirectives, ClientReport, ConfigDoc};
+use grl_wire::{BucketCountsMsg, CallCountMsg, ClientDirectives, ClientReport, ConfigDoc};
 
 /// Sub-tick windows with fewer requests than this are too noisy to act on.
 const MIN_SUBTICK_REQUESTS: u64 = 20;
@@ -764,7 +764,7 @@ impl Uplink<'_> {
             let token = opts.report_token.as_ref().map(|t| t.current());
             let token = token.as_deref().map(String::as_str);
             // The binary encoding goes only to an aggregator that announced it.
-            let binary = self.proto[idx] >= crate::proto::PROTO_BINARY;
+            let binary = self.proto[idx] >= grl_wire::PROTO_BINARY;
             match exchange(&self.http, base, report, token, binary, self.timeout).await {
                 Ok((reply, version)) => {
                     self.proto[idx] = version;
@@ -953,10 +953,10 @@ pub(crate) async fn exchange(
     binary: bool,
     timeout: Duration,
 ) -> anyhow::Result<(ClientDirectives, u32)> {
-    use crate::proto::binary;
+    use grl_wire::binary;
     let mut req = http
         .post(format!("{base}/v1/report"))
-        .header(crate::proto::PROTO_HEADER, crate::proto::PROTO_VERSION);
+        .header(grl_wire::PROTO_HEADER, grl_wire::PROTO_VERSION);
     req = if binary {
         req.header(reqwest::header::CONTENT_TYPE, binary::CONTENT_TYPE)
             .body(binary::encode_report(r))
@@ -967,7 +967,7 @@ pub(crate) async fn exchange(
         req = req.bearer_auth(t);
     }
     let a = crate::http_util::call(req, timeout, MAX_ANSWER).await?;
-    let version = crate::proto::peer_version(&a.headers);
+    let version = grl_wire::peer_version(&a.headers);
     let reply = if binary::is_binary(a.headers.get(reqwest::header::CONTENT_TYPE)) {
         binary::decode_directives(&a.body)?
     } else {

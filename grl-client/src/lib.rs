@@ -20,8 +20,5 @@ pub mod layer;
 pub mod metrics;
 pub mod tls;
 
-/// The wire types (`grl-wire`), under the name the tiers always used.
-pub use grl_wire as proto;
-
 pub use client::{ClientOptions, GrlClient};
 pub use layer::{GrlLayer, KeyFrom};
