@@ -168,7 +168,34 @@ pub fn apply(
             limit = c;
         }
     }
-    let mode = match (spec.mode, current) {
+    let mode = mode_of(rails, spec, current, shadow_requested, &mut notes);
+    if let (Some(cur), true) = (current, damp) {
+        if let Some((damped, note)) = damped(rails, cur, limit, floor) {
+            if note.kind() != RailKind::BelowThreshold {
+                capped_from = Some(round_limit(limit));
+            }
+            notes.push(note);
+            limit = damped;
+        }
+    }
+    Railed {
+        limit_rps: round_limit(limit),
+        mode,
+        notes,
+        capped_from,
+    }
+}
+
+/// The bucket's mode: the one set in `rlc/policies.yaml`, else the current one, else shadow
+/// for a new bucket (or one the policy asked to start in shadow).
+fn mode_of(
+    rails: &RailsConfig,
+    spec: &PolicySpec,
+    current: Option<Current>,
+    shadow_requested: bool,
+    notes: &mut Vec<RailNote>,
+) -> Mode {
+    match (spec.mode, current) {
         // The service owner's choice in rlc/policies.yaml wins: this is how shadow buckets are
         // promoted to enforce once their virtual drops look right.
         (Some(m), cur) => {
@@ -196,57 +223,46 @@ pub fn apply(
             Mode::Shadow
         }
         (None, None) => Mode::Enforce,
-    };
-    if let (Some(cur), true) = (current, damp) {
-        if cur.limit_rps > 0.0 {
-            let change = (limit - cur.limit_rps) / cur.limit_rps;
-            if change.abs() < rails.min_change {
-                notes.push(RailNote::new(
-                    RailKind::BelowThreshold,
-                    format!(
-                        "change of {:+.1}% is below the {:.0}% threshold: keeps {} rps",
-                        change * 100.0,
-                        rails.min_change * 100.0,
-                        cur.limit_rps
-                    ),
-                ));
-                limit = cur.limit_rps;
-            } else if change > rails.max_increase {
-                let capped = cur.limit_rps * (1.0 + rails.max_increase);
-                notes.push(RailNote::new(
-                    RailKind::IncreaseCapped,
-                    format!(
-                        "increase of {:.1}% capped at {:.0}% per run: {} rps instead of {:.3}",
-                        change * 100.0,
-                        rails.max_increase * 100.0,
-                        schema::format_rps(capped),
-                        limit
-                    ),
-                ));
-                capped_from = Some(round_limit(limit));
-                limit = capped;
-            } else if change < -rails.max_decrease {
-                let capped = (cur.limit_rps * (1.0 - rails.max_decrease)).max(floor);
-                notes.push(RailNote::new(
-                    RailKind::DecreaseCapped,
-                    format!(
-                        "decrease of {:.1}% capped at {:.0}% per run: {} rps instead of {:.3}",
-                        -change * 100.0,
-                        rails.max_decrease * 100.0,
-                        schema::format_rps(capped),
-                        limit
-                    ),
-                ));
-                capped_from = Some(round_limit(limit));
-                limit = capped;
-            }
-        }
     }
-    Railed {
-        limit_rps: round_limit(limit),
-        mode,
-        notes,
-        capped_from,
+}
+
+/// The damping rails against the current limit: a change below the threshold keeps it, an
+/// increase or a decrease beyond its cap per run is capped. `None` when the change passes.
+fn damped(rails: &RailsConfig, cur: Current, limit: f64, floor: f64) -> Option<(f64, RailNote)> {
+    if cur.limit_rps <= 0.0 {
+        return None;
+    }
+    let change = (limit - cur.limit_rps) / cur.limit_rps;
+    if change.abs() < rails.min_change {
+        let note = format!(
+            "change of {:+.1}% is below the {:.0}% threshold: keeps {} rps",
+            change * 100.0,
+            rails.min_change * 100.0,
+            cur.limit_rps
+        );
+        Some((cur.limit_rps, RailNote::new(RailKind::BelowThreshold, note)))
+    } else if change > rails.max_increase {
+        let capped = cur.limit_rps * (1.0 + rails.max_increase);
+        let note = format!(
+            "increase of {:.1}% capped at {:.0}% per run: {} rps instead of {:.3}",
+            change * 100.0,
+            rails.max_increase * 100.0,
+            schema::format_rps(capped),
+            limit
+        );
+        Some((capped, RailNote::new(RailKind::IncreaseCapped, note)))
+    } else if change < -rails.max_decrease {
+        let capped = (cur.limit_rps * (1.0 - rails.max_decrease)).max(floor);
+        let note = format!(
+            "decrease of {:.1}% capped at {:.0}% per run: {} rps instead of {:.3}",
+            -change * 100.0,
+            rails.max_decrease * 100.0,
+            schema::format_rps(capped),
+            limit
+        );
+        Some((capped, RailNote::new(RailKind::DecreaseCapped, note)))
+    } else {
+        None
     }
 }
 
