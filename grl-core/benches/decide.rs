@@ -157,6 +157,17 @@ fn bench(c: &mut Criterion) {
             black_box(grl.decide(black_box(c), black_box(p)))
         })
     });
+    // The same decision with a request tier (read from a header by the callers): a tiered
+    // directive's probabilities, one per tier, beside the uniform ratio above.
+    let tiers = grl_core::Criticality::ALL;
+    g.bench_function("grl-tiered", |b| {
+        b.iter(|| {
+            i = i.wrapping_add(1);
+            let (c, p) = keys[i & (n - 1)];
+            let t = tiers[(i >> 3) & 3];
+            black_box(grl.decide_tier(black_box(c), black_box(p), black_box(t)))
+        })
+    });
     let table = grl.table();
     g.bench_function("grl-lookup-only", |b| {
         b.iter(|| {

@@ -11,6 +11,7 @@ use schema::{Bucket, Mode};
 
 use crate::clock::coarse_now_ms;
 use crate::counters::{BucketCounts, Counters};
+use crate::criticality::{Criticality, TierShed, TIERS};
 use crate::lookup::Lookup;
 use crate::rng::thread_rng_u64;
 
@@ -83,8 +84,9 @@ pub enum CompileError {
 
 /// Per-bucket hot state: read on every decision, written once per directive.
 struct Slot {
-    /// P(drop) = threshold / 2^64.
-    threshold: AtomicU64,
+    /// P(drop) of a request of tier `t` = `thresholds[t]` / 2^64 (all four equal under a
+    /// uniform ratio).
+    thresholds: [AtomicU64; TIERS],
     shadow: bool,
     /// Start of the bucket's drop sequence (random per table, see [`spread`]).
     phase: u64,
@@ -208,7 +210,7 @@ impl Table {
         let slots = buckets
             .iter()
             .map(|b| Slot {
-                threshold: AtomicU64::new(0),
+                thresholds: Default::default(),
                 shadow: b.mode == Mode::Shadow,
                 phase: thread_rng_u64(),
             })
@@ -221,7 +223,7 @@ impl Table {
             slots,
             lookup,
             valid_until_ms: AtomicU64::new(0),
-            counters: Counters::new(buckets.len()),
+            counters: Counters::new(buckets.len() * TIERS),
             generation: 0,
         })
     }
@@ -252,17 +254,35 @@ impl Table {
         self.lookup.find(caller, procedure).map(|i| i as usize)
     }
 
-    /// Sets the drop ratio of bucket `idx` (clamped to [0, 1]).
+    /// Sets the drop ratio of bucket `idx` (clamped to [0, 1]), the same for every tier.
     pub fn set_ratio(&self, idx: usize, ratio: f64) {
+        self.set_probabilities(idx, [ratio; TIERS]);
+    }
+
+    /// Sets bucket `idx`'s drop probabilities by tier from `shed` (see
+    /// [`crate::criticality::split`]).
+    pub fn set_tier_shed(&self, idx: usize, shed: &TierShed) {
+        self.set_probabilities(idx, shed.probabilities());
+    }
+
+    fn set_probabilities(&self, idx: usize, p: [f64; TIERS]) {
         if let Some(s) = self.slots.get(idx) {
-            s.threshold.store(threshold(ratio), Ordering::Relaxed);
+            for (t, p) in s.thresholds.iter().zip(p) {
+                t.store(threshold(p), Ordering::Relaxed);
+            }
         }
     }
 
-    /// The drop ratio currently set on bucket `idx`.
+    /// The drop ratio currently set on bucket `idx` for [`Criticality::Critical`] requests
+    /// (the uniform ratio when no tiers are in force).
     pub fn ratio(&self, idx: usize) -> f64 {
+        self.tier_ratio(idx, Criticality::Critical)
+    }
+
+    /// The drop probability currently set on bucket `idx` for requests of `tier`.
+    pub fn tier_ratio(&self, idx: usize, tier: Criticality) -> f64 {
         self.slots.get(idx).map_or(0.0, |s| {
-            s.threshold.load(Ordering::Relaxed) as f64 / TWO_POW_64
+            s.thresholds[tier as usize].load(Ordering::Relaxed) as f64 / TWO_POW_64
         })
     }
 
@@ -276,22 +296,38 @@ impl Table {
         now_ms >= self.valid_until_ms.load(Ordering::Acquire)
     }
 
-    /// Cumulative counts of bucket `idx` since the table was compiled.
+    /// Cumulative counts of bucket `idx` since the table was compiled, all tiers.
     pub fn counts(&self, idx: usize) -> BucketCounts {
-        self.counters.snapshot(idx)
+        let mut c = BucketCounts::default();
+        for t in self.tier_counts(idx) {
+            c.add(&t);
+        }
+        c
+    }
+
+    /// Cumulative counts of bucket `idx` by tier (least critical first).
+    pub fn tier_counts(&self, idx: usize) -> [BucketCounts; TIERS] {
+        std::array::from_fn(|t| self.counters.snapshot(idx * TIERS + t))
     }
 
     /// `now_ms` is only called when the bucket has a non-zero ratio: most requests on a
     /// healthy fleet never read the clock.
     #[inline(always)]
-    fn decide_with(&self, caller: &str, procedure: &str, now_ms: impl FnOnce() -> u64) -> Decision {
+    fn decide_with(
+        &self,
+        caller: &str,
+        procedure: &str,
+        tier: Criticality,
+        now_ms: impl FnOnce() -> u64,
+    ) -> Decision {
         let Some(i) = self.lookup.find(caller, procedure) else {
             return Decision::Admit;
         };
         let i = i as usize;
         let slot = &self.slots[i];
-        let t = slot.threshold.load(Ordering::Relaxed);
-        let which = self.counters.count_with(i, |e| {
+        let t = slot.thresholds[tier as usize].load(Ordering::Relaxed);
+        // Each tier counts apart, with its own drop sequence.
+        let which = self.counters.count_with(i * TIERS + tier as usize, |e| {
             // Fail-open: a stale directive never drops. No clock read or count at ratio 0.
             let hit = t != 0
                 && (now_ms() < self.valid_until_ms.load(Ordering::Relaxed))
@@ -376,10 +412,13 @@ impl Limiter {
         let old = self.table.load_full();
         for (i, b) in table.buckets.iter().enumerate() {
             if let Some(j) = old.index_of(&b.name) {
-                table.slots[i].threshold.store(
-                    old.slots[j].threshold.load(Ordering::Relaxed),
-                    Ordering::Relaxed,
-                );
+                for (new, old) in table.slots[i]
+                    .thresholds
+                    .iter()
+                    .zip(&old.slots[j].thresholds)
+                {
+                    new.store(old.load(Ordering::Relaxed), Ordering::Relaxed);
+                }
             }
         }
         table.set_valid_until(old.valid_until_ms.load(Ordering::Acquire));
@@ -398,6 +437,7 @@ impl Limiter {
         &self,
         caller: &str,
         procedure: &str,
+        tier: Criticality,
         now_ms: impl FnOnce() -> u64 + Copy,
     ) -> Decision {
         let generation = self.generation.load(Ordering::Acquire);
@@ -407,14 +447,20 @@ impl Limiter {
                 let entry = &mut cache[self.cache_entry];
                 match entry {
                     Some(t) if t.generation == generation => {
-                        t.decide_with(caller, procedure, now_ms)
+                        t.decide_with(caller, procedure, tier, now_ms)
                     }
-                    _ => self.refresh(entry).decide_with(caller, procedure, now_ms),
+                    _ => self
+                        .refresh(entry)
+                        .decide_with(caller, procedure, tier, now_ms),
                 }
             })
             // The thread's cache is already destroyed (a decision from another thread-local's
             // destructor): go through the swap directly.
-            .unwrap_or_else(|_| self.table.load().decide_with(caller, procedure, now_ms))
+            .unwrap_or_else(|_| {
+                self.table
+                    .load()
+                    .decide_with(caller, procedure, tier, now_ms)
+            })
     }
 
     /// Replaces this thread's cached table with the current one (after a swap, or when
@@ -454,16 +500,35 @@ impl Limiter {
         true
     }
 
-    /// Decides one request on the wall clock (the production path).
+    /// Decides one request on the wall clock (the production path), as
+    /// [`Criticality::Critical`] (a request without a tier).
     #[inline]
     pub fn decide(&self, caller: &str, procedure: &str) -> Decision {
-        self.decide_cached(caller, procedure, coarse_now_ms)
+        self.decide_cached(caller, procedure, Criticality::Critical, coarse_now_ms)
+    }
+
+    /// Decides one request of `tier` on the wall clock.
+    #[inline]
+    pub fn decide_tier(&self, caller: &str, procedure: &str, tier: Criticality) -> Decision {
+        self.decide_cached(caller, procedure, tier, coarse_now_ms)
     }
 
     /// Decides one request at `now_ms` on the decision clock (tests and the simulator's virtual
     /// time).
     #[inline]
     pub fn decide_at(&self, caller: &str, procedure: &str, now_ms: u64) -> Decision {
-        self.decide_cached(caller, procedure, || now_ms)
+        self.decide_cached(caller, procedure, Criticality::Critical, || now_ms)
+    }
+
+    /// [`Limiter::decide_at`] for a request of `tier`.
+    #[inline]
+    pub fn decide_tier_at(
+        &self,
+        caller: &str,
+        procedure: &str,
+        tier: Criticality,
+        now_ms: u64,
+    ) -> Decision {
+        self.decide_cached(caller, procedure, tier, || now_ms)
     }
 }

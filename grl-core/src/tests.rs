@@ -431,3 +431,61 @@ fn lookup_by_every_name_length() {
         );
     }
 }
+
+/// A tiered directive: at 300 rps offered (120 CRITICAL, 180 SHEDDABLE) and a limit of 200,
+/// the 100 rps to shed all fall on SHEDDABLE; a request without a tier is CRITICAL; the
+/// counts are kept per tier and a table swap keeps the tiers' probabilities.
+#[test]
+fn tiered_shed_falls_on_the_least_critical_tier() {
+    use crate::criticality::{split, Criticality};
+    let l = Limiter::new("svc", Duration::from_secs(5));
+    l.install(
+        Table::compile(
+            "svc",
+            "v1",
+            &[bucket("gw", Some("gw"), None, 200.0, Mode::Enforce)],
+        )
+        .unwrap(),
+    );
+    let t = l.table();
+    t.set_tier_shed(0, &split(100.0, [180.0, 0.0, 120.0, 0.0]));
+    l.directives_received(1_000);
+    let mut dropped = [0u32; 4];
+    for _ in 0..1_000 {
+        for (tier, n) in [(Criticality::Sheddable, 3), (Criticality::Critical, 2)] {
+            for _ in 0..n {
+                if l.decide_tier_at("gw", "x", tier, 1_500) == Decision::Drop {
+                    dropped[tier as usize] += 1;
+                }
+            }
+        }
+        assert_eq!(
+            l.decide_at("gw", "x", 1_500),
+            Decision::Admit,
+            "untiered is CRITICAL"
+        );
+    }
+    assert_eq!(dropped[Criticality::Critical as usize], 0);
+    // 100 of every 180 SHEDDABLE requests, within a request or two of the sequence.
+    let want = 3_000.0 * 100.0 / 180.0;
+    let got = dropped[Criticality::Sheddable as usize] as f64;
+    assert!((got - want).abs() <= 2.0, "{got} vs {want}");
+    let counts = t.tier_counts(0);
+    assert_eq!(counts[Criticality::Sheddable as usize].offered, 3_000);
+    assert_eq!(counts[Criticality::Critical as usize].offered, 3_000);
+    assert_eq!(counts[Criticality::Critical as usize].dropped, 0);
+    assert_eq!(t.counts(0).offered, 6_000);
+    // A new table keeps the tiers' probabilities.
+    l.install(
+        Table::compile(
+            "svc",
+            "v2",
+            &[bucket("gw", Some("gw"), None, 200.0, Mode::Enforce)],
+        )
+        .unwrap(),
+    );
+    let t2 = l.table();
+    assert_eq!(t2.tier_ratio(0, Criticality::Critical), 0.0);
+    assert_eq!(t2.tier_ratio(0, Criticality::SheddablePlus), 0.0);
+    assert!((t2.tier_ratio(0, Criticality::Sheddable) - 100.0 / 180.0).abs() < 1e-9);
+}
