@@ -159,7 +159,7 @@ fn bench(c: &mut Criterion) {
     });
     // The same decision with a request tier (read from a header by the callers): a tiered
     // directive's probabilities, one per tier, beside the uniform ratio above.
-    let tiers = grl_core::Criticality::ALL;
+    let tiers = schema::Criticality::ALL;
     g.bench_function("grl-tiered", |b| {
         b.iter(|| {
             i = i.wrapping_add(1);

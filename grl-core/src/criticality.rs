@@ -1,100 +1,10 @@
-//! Criticality tiers: which requests of a bucket over its limit pay first.
-//!
-//! A request carries one of four tiers (Google's names): `CRITICAL_PLUS`, `CRITICAL` (the
-//! default: a request without a tier), `SHEDDABLE_PLUS`, `SHEDDABLE`. When a bucket must shed a
-//! total, [`split`] takes it from the least critical tier upward: every tier below a threshold
-//! tier drops everything, the threshold tier drops a fraction, every tier above drops nothing.
+//! The strict split of a bucket's shed over its criticality tiers
+//! ([`schema::Criticality`]): when a bucket must shed a total, [`split`] takes it from the
+//! least critical tier upward: every tier below a threshold tier drops everything, the
+//! threshold tier drops a fraction, every tier above drops nothing.
 
-use std::fmt;
-
-/// A request's criticality; ordered from the least to the most critical.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
-#[repr(u8)]
-pub enum Criticality {
-    /// Shed first: prefetches, speculative work, batch jobs that retry later.
-    Sheddable = 0,
-    /// Shed before critical traffic.
-    SheddablePlus = 1,
-    /// What a user waits for; a request without a tier is this.
-    #[default]
-    Critical = 2,
-    /// Shed last.
-    CriticalPlus = 3,
-}
-
-/// The number of tiers.
-pub const TIERS: usize = 4;
-
-impl Criticality {
-    /// Every tier, least critical first (index = `tier as usize`).
-    pub const ALL: [Criticality; TIERS] = [
-        Criticality::Sheddable,
-        Criticality::SheddablePlus,
-        Criticality::Critical,
-        Criticality::CriticalPlus,
-    ];
-
-    /// The tier's name on the wire and in labels: `CRITICAL_PLUS`, `CRITICAL`,
-    /// `SHEDDABLE_PLUS`, `SHEDDABLE`.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            Criticality::Sheddable => "SHEDDABLE",
-            Criticality::SheddablePlus => "SHEDDABLE_PLUS",
-            Criticality::Critical => "CRITICAL",
-            Criticality::CriticalPlus => "CRITICAL_PLUS",
-        }
-    }
-
-    /// The tier at `index` (0 = least critical).
-    pub fn from_index(index: usize) -> Option<Criticality> {
-        Criticality::ALL.get(index).copied()
-    }
-
-    /// A tier named in a header value, case-insensitively, surrounding spaces ignored; `None`
-    /// for anything else (the caller then uses [`Criticality::Critical`]). Allocates nothing.
-    pub fn parse(value: &[u8]) -> Option<Criticality> {
-        let v = value.trim_ascii();
-        Criticality::ALL
-            .into_iter()
-            .find(|c| v.eq_ignore_ascii_case(c.as_str().as_bytes()))
-    }
-
-    /// The tier in a W3C `baggage` header value: its `criticality` member (key matched
-    /// case-sensitively as the spec's keys are, value as in [`Criticality::parse`]; member
-    /// properties after `;` ignored). `None` without one or with an invalid value.
-    pub fn from_baggage(value: &[u8]) -> Option<Criticality> {
-        value.split(|&b| b == b',').find_map(|member| {
-            let member = member.split(|&b| b == b';').next().unwrap_or_default();
-            let eq = member.iter().position(|&b| b == b'=')?;
-            let (key, val) = (member[..eq].trim_ascii(), &member[eq + 1..]);
-            (key == b"criticality").then(|| Criticality::parse(val))?
-        })
-    }
-
-    /// `self`, or `cap` when `self` is more critical than a caller may claim.
-    pub fn capped(self, cap: Criticality) -> Criticality {
-        self.min(cap)
-    }
-}
-
-impl fmt::Display for Criticality {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl std::str::FromStr for Criticality {
-    type Err = UnknownTier;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Criticality::parse(s.as_bytes()).ok_or_else(|| UnknownTier(s.to_string()))
-    }
-}
-
-/// A name that is not one of the four tiers.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown criticality `{0}`: expected CRITICAL_PLUS, CRITICAL, SHEDDABLE_PLUS or SHEDDABLE")]
-pub struct UnknownTier(pub String);
+use schema::criticality::TIERS;
+use schema::Criticality;
 
 /// How a bucket's total to shed falls on its tiers: every tier below `threshold` drops all
 /// its requests, `threshold` drops `fraction` of its own, every tier above drops none.
@@ -161,53 +71,6 @@ pub fn split(total: f64, offered: [f64; TIERS]) -> TierShed {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn parses_names_case_insensitively_and_nothing_else() {
-        assert_eq!(
-            Criticality::parse(b"critical_plus"),
-            Some(Criticality::CriticalPlus)
-        );
-        assert_eq!(
-            Criticality::parse(b" Sheddable "),
-            Some(Criticality::Sheddable)
-        );
-        assert_eq!(
-            Criticality::parse(b"SHEDDABLE_PLUS"),
-            Some(Criticality::SheddablePlus)
-        );
-        assert_eq!(Criticality::parse(b"CRITICAL"), Some(Criticality::Critical));
-        for bad in [&b""[..], b"critical-plus", b"CRIT", b"criticalx", b"\xff"] {
-            assert_eq!(Criticality::parse(bad), None, "{bad:?}");
-        }
-        assert_eq!(Criticality::default(), Criticality::Critical);
-        assert!("nope"
-            .parse::<Criticality>()
-            .unwrap_err()
-            .to_string()
-            .contains("nope"));
-    }
-
-    #[test]
-    fn baggage_member() {
-        let b = |v: &str| Criticality::from_baggage(v.as_bytes());
-        assert_eq!(b("criticality=SHEDDABLE"), Some(Criticality::Sheddable));
-        assert_eq!(
-            b("userId=alice, criticality = sheddable_plus;prop=1,x=y"),
-            Some(Criticality::SheddablePlus)
-        );
-        assert_eq!(b("userId=alice"), None);
-        assert_eq!(b("criticality=bogus"), None);
-        assert_eq!(b("Criticality=SHEDDABLE"), None);
-        assert_eq!(b(""), None);
-    }
-
-    #[test]
-    fn caps_lower_a_claim() {
-        let cap = Criticality::SheddablePlus;
-        assert_eq!(Criticality::CriticalPlus.capped(cap), cap);
-        assert_eq!(Criticality::Sheddable.capped(cap), Criticality::Sheddable);
-    }
 
     /// A small deterministic generator (xorshift) for the property checks.
     fn values(seed: u64, n: usize) -> impl Iterator<Item = (f64, [f64; TIERS])> {

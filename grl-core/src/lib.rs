@@ -18,7 +18,6 @@ mod rng;
 
 pub use clock::now_ms;
 pub use counters::BucketCounts;
-pub use criticality::Criticality;
 pub use limiter::{CompileError, Decision, Limiter, Table};
 pub use rng::{seed_thread_rng, thread_rng_u64};
 

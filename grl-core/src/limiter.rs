@@ -11,9 +11,11 @@ use schema::{Bucket, Mode};
 
 use crate::clock::coarse_now_ms;
 use crate::counters::{BucketCounts, Counters};
-use crate::criticality::{Criticality, TierShed, TIERS};
+use crate::criticality::TierShed;
 use crate::lookup::Lookup;
 use crate::rng::thread_rng_u64;
+use schema::criticality::TIERS;
+use schema::Criticality;
 
 /// The outcome of one decision.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -437,7 +437,8 @@ fn lookup_by_every_name_length() {
 /// counts are kept per tier and a table swap keeps the tiers' probabilities.
 #[test]
 fn tiered_shed_falls_on_the_least_critical_tier() {
-    use crate::criticality::{split, Criticality};
+    use crate::criticality::split;
+    use schema::Criticality;
     let l = Limiter::new("svc", Duration::from_secs(5));
     l.install(
         Table::compile(

@@ -5,6 +5,7 @@
 //! Used by `rlc`, by the GRL controller and by `rlc validate` alike, so that what one accepts
 //! the others accept too.
 
+pub mod criticality;
 pub mod duration;
 mod lenient;
 mod locate;
@@ -19,6 +20,7 @@ use std::path::{Path, PathBuf};
 
 use serde::de::DeserializeOwned;
 
+pub use criticality::Criticality;
 pub use locate::{Locator, Pos};
 pub use read::{kind_of, Limits};
 pub use render::{format_rps, render_bucket_file};
