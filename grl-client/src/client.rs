@@ -363,6 +363,7 @@ fn msg(name: &str, d: &BucketCounts) -> BucketCountsMsg {
         admitted: d.admitted,
         dropped: d.dropped,
         shadow_dropped: d.shadow_dropped,
+        tiers: Vec::new(),
     }
 }
 

@@ -714,6 +714,7 @@ impl Engine {
                     counts: Default::default(),
                     gone: false,
                     counts_only: false,
+                    tier_offered_rps: None,
                 })
                 .collect(),
             // Calls are exported by the controller their zones report to, never forwarded

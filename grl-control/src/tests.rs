@@ -429,6 +429,7 @@ fn reporter_carries_counts_across_a_config_change() {
             fleet_offered_rps: 20.0,
             limit_rps: 10.0,
             fixed: false,
+            shed: None,
         }],
     };
     assert!(rep.apply(&d, 5000));

@@ -57,9 +57,11 @@ fn report(n: usize, z: usize, every: usize, max: usize, bump: f64) -> ZoneReport
                     admitted: 40,
                     dropped: 0,
                     shadow_dropped: 0,
+                    tiers: Vec::new(),
                 },
                 gone: false,
                 counts_only: false,
+                tier_offered_rps: None,
             }
         })
         .collect();

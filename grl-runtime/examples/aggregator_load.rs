@@ -213,6 +213,7 @@ fn request(a: &Args, i: usize, host: &str) -> Vec<u8> {
                     admitted: offered - dropped,
                     dropped,
                     shadow_dropped: 0,
+                    tiers: Vec::new(),
                 }
             })
             .collect(),
@@ -407,6 +408,7 @@ fn codec(a: &Args) {
                 fleet_offered_rps: 1234.5,
                 limit_rps: 100.0,
                 fixed: false,
+                shed: None,
             })
             .collect(),
     };

@@ -93,6 +93,7 @@ async fn main() -> anyhow::Result<()> {
                 admitted: 900,
                 dropped: 100,
                 shadow_dropped: 0,
+                tiers: Vec::new(),
             })
             .collect(),
         urgent: false,

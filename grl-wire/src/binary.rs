@@ -20,18 +20,43 @@
 //!                   f64 limit_rps, u8 fixed (0 | 1)
 //! ```
 //!
+//! Format version 2 (criticality tiers) is version 1 with a section at the end:
+//!
+//! ```text
+//! ClientReport      ... then for each bucket, in order: u8 tiers (0 to 4), each: u8 tier
+//!                   (0 SHEDDABLE, 1 SHEDDABLE_PLUS, 2 CRITICAL, 3 CRITICAL_PLUS), uvarint
+//!                   offered, admitted, dropped, shadow_dropped
+//! ClientDirectives  ... then for each directive, in order: u8 255 (no split) | tier, then
+//!                   after a tier f64 fraction
+//! ```
+//!
+//! A message without tiers is written in version 1, byte for byte as before; version 2 only
+//! when it carries tiers, which a sender does only for a peer of protocol 8 or later.
+//!
 //! A message ends exactly after its last field (trailing bytes are an error). A decoder
 //! refuses another format version, a truncated body, an over-long varint, a count larger than
 //! the bytes left could hold and invalid UTF-8, naming the field (`buckets[3].offered`). A
 //! later format adds fields only at the end, under a new format version.
 
-use super::{BucketCountsMsg, CallCountMsg, ClientDirectives, ClientReport, DirectiveMsg};
+use schema::criticality::TIERS;
+use schema::Criticality;
+
+use super::{
+    BucketCountsMsg, CallCountMsg, ClientDirectives, ClientReport, DirectiveMsg, TierCountsMsg,
+    TierShedMsg,
+};
 
 /// The content type of a binary message (request and reply).
 pub const CONTENT_TYPE: &str = "application/vnd.grl.binary";
 
-/// The format version this build writes and reads.
-pub const FORMAT_VERSION: u8 = 1;
+/// The latest format version this build reads (it reads every earlier one too).
+pub const FORMAT_VERSION: u8 = 2;
+
+/// The format version of messages that carry criticality tiers.
+pub const FORMAT_TIERS: u8 = 2;
+
+/// No tier split in a version 2 directive.
+const NO_SHED: u8 = u8::MAX;
 
 /// Whether a `Content-Type` value names the binary encoding (parameters ignored).
 pub fn is_binary(content_type: Option<&http::HeaderValue>) -> bool {
@@ -71,7 +96,8 @@ pub fn encode_report(r: &ClientReport) -> Vec<u8> {
             .sum::<usize>();
     let mut out =
         Vec::with_capacity(24 + r.client_id.len() + r.service.len() + r.version.len() + names);
-    out.push(FORMAT_VERSION);
+    let tiered = r.buckets.iter().any(|b| !b.tiers.is_empty());
+    out.push(if tiered { FORMAT_TIERS } else { 1 });
     put_str(&mut out, &r.client_id);
     put_str(&mut out, &r.service);
     put_str(&mut out, &r.version);
@@ -89,6 +115,19 @@ pub fn encode_report(r: &ClientReport) -> Vec<u8> {
         put_str(&mut out, &c.caller);
         put_str(&mut out, &c.procedure);
         put_uvarint(&mut out, c.count);
+    }
+    if tiered {
+        for b in &r.buckets {
+            // At most one entry per tier (merged when given twice).
+            let counts = b.tier_counts();
+            out.push(counts.iter().flatten().count() as u8);
+            for t in counts.into_iter().flatten() {
+                out.push(t.tier as u8);
+                for v in [t.offered, t.admitted, t.dropped, t.shadow_dropped] {
+                    put_uvarint(&mut out, v);
+                }
+            }
+        }
     }
     out
 }
@@ -112,8 +151,9 @@ pub struct EncodedDirectives {
 impl EncodedDirectives {
     /// Encodes `version` and `directives`.
     pub fn new(version: &str, directives: &[DirectiveMsg]) -> EncodedDirectives {
+        let tiered = directives.iter().any(|m| m.shed.is_some());
         let mut head = Vec::with_capacity(11 + version.len());
-        head.push(FORMAT_VERSION);
+        head.push(if tiered { FORMAT_TIERS } else { 1 });
         put_str(&mut head, version);
         let mut tail = Vec::with_capacity(
             10 + directives
@@ -128,6 +168,17 @@ impl EncodedDirectives {
                 tail.extend_from_slice(&v.to_le_bytes());
             }
             tail.push(m.fixed as u8);
+        }
+        if tiered {
+            for m in directives {
+                match m.shed {
+                    Some(s) => {
+                        tail.push(s.threshold as u8);
+                        tail.extend_from_slice(&s.fraction.to_le_bytes());
+                    }
+                    None => tail.push(NO_SHED),
+                }
+            }
         }
         EncodedDirectives { head, tail }
     }
@@ -153,6 +204,8 @@ struct Reader<'a> {
     what: &'static str,
     buf: &'a [u8],
     pos: usize,
+    /// The message's format version.
+    version: u8,
 }
 
 /// A field's name, built only when an error needs it.
@@ -174,13 +227,19 @@ impl<F: Fn() -> String> Field for F {
 
 impl<'a> Reader<'a> {
     fn new(what: &'static str, buf: &'a [u8]) -> Result<Reader<'a>, DecodeError> {
-        let mut r = Reader { what, buf, pos: 0 };
+        let mut r = Reader {
+            what,
+            buf,
+            pos: 0,
+            version: 0,
+        };
         let v = r.u8(&"format version")?;
-        if v != FORMAT_VERSION {
+        if !(1..=FORMAT_VERSION).contains(&v) {
             return Err(r.err(format!(
-                "format version {v} is not supported (this build reads version {FORMAT_VERSION}; send JSON or version {FORMAT_VERSION})"
+                "format version {v} is not supported (this build reads versions 1 to {FORMAT_VERSION}; send JSON or one of those)"
             )));
         }
+        r.version = v;
         Ok(r)
     }
 
@@ -262,6 +321,12 @@ impl<'a> Reader<'a> {
         std::str::from_utf8(bytes).map_err(|_| self.err(format!("{}: not UTF-8", field.name())))
     }
 
+    fn tier(&mut self, field: &dyn Field) -> Result<Criticality, DecodeError> {
+        let b = self.u8(field)?;
+        Criticality::from_index(b as usize)
+            .ok_or_else(|| self.err(format!("{}: {b} is not a tier (0 to 3)", field.name())))
+    }
+
     fn f64(&mut self, field: &dyn Field) -> Result<f64, DecodeError> {
         let b = self
             .buf
@@ -314,6 +379,7 @@ pub fn decode_report(buf: &[u8]) -> Result<ClientReport, DecodeError> {
             admitted: v[1],
             dropped: v[2],
             shadow_dropped: v[3],
+            tiers: Vec::new(),
         });
     }
     let n = r.count(&"calls", 3)?;
@@ -325,6 +391,11 @@ pub fn decode_report(buf: &[u8]) -> Result<ClientReport, DecodeError> {
             count: r.uvarint(&|| format!("calls[{i}].count"))?,
         });
     }
+    if r.version >= FORMAT_TIERS {
+        for (i, b) in buckets.iter_mut().enumerate() {
+            b.tiers = read_tiers(&mut r, i)?;
+        }
+    }
     r.end()?;
     Ok(ClientReport {
         client_id,
@@ -335,6 +406,33 @@ pub fn decode_report(buf: &[u8]) -> Result<ClientReport, DecodeError> {
         urgent: flags & 1 == 1,
         calls,
     })
+}
+
+/// The version 2 tier counts of bucket `i`.
+fn read_tiers(r: &mut Reader<'_>, i: usize) -> Result<Vec<TierCountsMsg>, DecodeError> {
+    let n = r.u8(&|| format!("buckets[{i}].tiers"))?;
+    if n as usize > TIERS {
+        return Err(r.err(format!("buckets[{i}].tiers: {n} entries, at most {TIERS}")));
+    }
+    let mut tiers = Vec::with_capacity(n as usize);
+    for k in 0..n {
+        let tier = r.tier(&|| format!("buckets[{i}].tiers[{k}].tier"))?;
+        let mut v = [0u64; 4];
+        for (j, name) in ["offered", "admitted", "dropped", "shadow_dropped"]
+            .iter()
+            .enumerate()
+        {
+            v[j] = r.uvarint(&|| format!("buckets[{i}].tiers[{k}].{name}"))?;
+        }
+        tiers.push(TierCountsMsg {
+            tier,
+            offered: v[0],
+            admitted: v[1],
+            dropped: v[2],
+            shadow_dropped: v[3],
+        });
+    }
+    Ok(tiers)
 }
 
 /// Decodes an aggregator's reply.
@@ -356,7 +454,25 @@ pub fn decode_directives(buf: &[u8]) -> Result<ClientDirectives, DecodeError> {
             fleet_offered_rps: r.f64(&|| format!("directives[{i}].fleet_offered_rps"))?,
             limit_rps: r.f64(&|| format!("directives[{i}].limit_rps"))?,
             fixed: r.flag(&|| format!("directives[{i}].fixed"))?,
+            shed: None,
         });
+    }
+    if r.version >= FORMAT_TIERS {
+        for (i, d) in directives.iter_mut().enumerate() {
+            let b = r.u8(&|| format!("directives[{i}].shed"))?;
+            if b != NO_SHED {
+                let threshold = Criticality::from_index(b as usize).ok_or_else(|| {
+                    r.err(format!(
+                        "directives[{i}].shed: {b} is not a tier (0 to 3) or 255"
+                    ))
+                })?;
+                let fraction = r.f64(&|| format!("directives[{i}].shed.fraction"))?;
+                d.shed = Some(TierShedMsg {
+                    threshold,
+                    fraction,
+                });
+            }
+        }
     }
     r.end()?;
     Ok(ClientDirectives {
@@ -384,6 +500,7 @@ mod tests {
                     admitted: 290,
                     dropped: 10,
                     shadow_dropped: 5,
+                    tiers: Vec::new(),
                 },
                 BucketCountsMsg {
                     bucket: "ünïcode".into(),
@@ -391,6 +508,7 @@ mod tests {
                     admitted: u64::MAX,
                     dropped: 0,
                     shadow_dropped: 0,
+                    tiers: Vec::new(),
                 },
             ],
             urgent: true,
@@ -417,6 +535,7 @@ mod tests {
                 fleet_offered_rps: 1e6,
                 limit_rps: f64::MAX,
                 fixed: true,
+                shed: None,
             }],
         };
         assert_eq!(decode_directives(&encode_directives(&d)).unwrap(), d);
@@ -444,37 +563,108 @@ mod tests {
     #[test]
     fn another_format_version_trailing_bytes_and_bad_fields_are_named() {
         let mut b = encode_report(&report());
-        b[0] = 2;
+        b[0] = 3;
         let e = decode_report(&b).unwrap_err().to_string();
         assert!(
-            e.contains("format version 2 is not supported") && e.contains("version 1"),
+            e.contains("format version 3 is not supported") && e.contains("versions 1 to 2"),
             "{e}"
         );
-        b[0] = FORMAT_VERSION;
+        b[0] = 1;
         b.push(0);
         let e = decode_report(&b).unwrap_err().to_string();
         assert!(e.contains("1 bytes after the last field"), "{e}");
         // An entry count no body could hold.
-        let mut huge = vec![FORMAT_VERSION, 0, 0, 0, 1, 0];
+        let mut huge = vec![1, 0, 0, 0, 1, 0];
         put_uvarint(&mut huge, u64::MAX);
         let e = decode_report(&huge).unwrap_err().to_string();
         assert!(e.contains("buckets says") && e.contains("entries"), "{e}");
         // An over-long varint.
-        let mut long = vec![FORMAT_VERSION, 0, 0, 0];
+        let mut long = vec![1, 0, 0, 0];
         long.extend([0xff; 10]);
         long.push(1);
         let e = decode_report(&long).unwrap_err().to_string();
         assert!(e.contains("interval_ms: varint longer"), "{e}");
         // Invalid UTF-8 in a name.
-        let e = decode_report(&[FORMAT_VERSION, 1, 0xff])
-            .unwrap_err()
-            .to_string();
+        let e = decode_report(&[1, 1, 0xff]).unwrap_err().to_string();
         assert!(e.contains("client_id: not UTF-8"), "{e}");
         // Unknown flag bits.
-        let e = decode_report(&[FORMAT_VERSION, 0, 0, 0, 1, 2, 0, 0])
+        let e = decode_report(&[1, 0, 0, 0, 1, 2, 0, 0])
             .unwrap_err()
             .to_string();
         assert!(e.contains("flags: unknown bits"), "{e}");
+    }
+
+    /// Tiers travel in format 2; a message without them stays format 1, byte for byte; a
+    /// tier section cut short or naming no tier is refused, naming the field.
+    #[test]
+    fn tiers_round_trip_in_format_2_and_bad_tiers_are_named() {
+        let plain = report();
+        assert_eq!(encode_report(&plain)[0], 1);
+        let mut r = report();
+        r.buckets[0].tiers = vec![
+            TierCountsMsg {
+                tier: Criticality::Sheddable,
+                offered: 180,
+                admitted: 80,
+                dropped: 100,
+                shadow_dropped: 0,
+            },
+            TierCountsMsg {
+                tier: Criticality::Critical,
+                offered: 120,
+                admitted: 120,
+                dropped: 0,
+                shadow_dropped: 0,
+            },
+        ];
+        let b = encode_report(&r);
+        assert_eq!(b[0], FORMAT_TIERS);
+        assert_eq!(decode_report(&b).unwrap(), r);
+        let e = decode_report(&b[..b.len() - 1]).unwrap_err().to_string();
+        assert!(e.contains("buckets[1].tiers cut at byte"), "{e}");
+        // The first bucket's first tier byte, set to 7.
+        let mut bad = b.clone();
+        let at = bad.len() - 1 - (1 + 4 + 1 + 4) - 1;
+        assert_eq!(bad[at - 1], 2, "two tiers in the first bucket");
+        bad[at] = 7;
+        let e = decode_report(&bad).unwrap_err().to_string();
+        assert!(
+            e.contains("buckets[0].tiers[0].tier: 7 is not a tier"),
+            "{e}"
+        );
+
+        let mut d = ClientDirectives {
+            version: "v".into(),
+            age_ms: Some(5),
+            directives: vec![
+                DirectiveMsg {
+                    bucket: "a".into(),
+                    ratio: 1.0 / 3.0,
+                    fleet_offered_rps: 300.0,
+                    limit_rps: 200.0,
+                    fixed: false,
+                    shed: Some(TierShedMsg {
+                        threshold: Criticality::Sheddable,
+                        fraction: 100.0 / 180.0,
+                    }),
+                },
+                DirectiveMsg {
+                    bucket: "b".into(),
+                    ratio: 0.0,
+                    fleet_offered_rps: 1.0,
+                    limit_rps: 2.0,
+                    fixed: false,
+                    shed: None,
+                },
+            ],
+        };
+        let b = encode_directives(&d);
+        assert_eq!(b[0], FORMAT_TIERS);
+        assert_eq!(decode_directives(&b).unwrap(), d);
+        d.directives[0].shed = None;
+        let b = encode_directives(&d);
+        assert_eq!(b[0], 1);
+        assert_eq!(decode_directives(&b).unwrap(), d);
     }
 
     #[test]
@@ -500,7 +690,7 @@ mod tests {
                 interval_ms: interval,
                 urgent,
                 buckets: buckets.into_iter().map(|(bucket, v)| BucketCountsMsg {
-                    bucket, offered: v[0], admitted: v[1], dropped: v[2], shadow_dropped: v[3],
+                    bucket, offered: v[0], admitted: v[1], dropped: v[2], shadow_dropped: v[3], tiers: Vec::new(),
                 }).collect(),
                 calls: calls.into_iter().map(|(caller, procedure, count)| CallCountMsg {
                     caller, procedure, count,

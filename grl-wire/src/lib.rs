@@ -16,7 +16,8 @@ pub use reports::{Cursor, ReportCounts, ReportPage, ReportRow, Tick};
 
 use serde::{Deserialize, Serialize};
 
-use schema::BucketFile;
+use schema::criticality::TIERS;
+use schema::{BucketFile, Criticality};
 
 /// Request and response header carrying the sender's protocol version. Versions only add
 /// optional fields; a sender includes a field of version N only once the receiver has
@@ -31,7 +32,8 @@ pub const PROTO_HEADER: &str = "grl-proto";
 /// [`ZoneDirectives::session`]); 5: candidates in `PUT /v1/config`
 /// ([`ConfigDoc::candidates`]) and `GET /v1/candidates` on the controller; 6: the time a
 /// zone report's calls cover ([`ZoneReport::calls_ms`]); 7: counts-only entries in delta zone
-/// reports ([`ZoneBucketMsg::counts_only`]).
+/// reports ([`ZoneBucketMsg::counts_only`]). The next, [`PROTO_TIERS`], is announced once
+/// every tier reads the fields it adds.
 pub const PROTO_VERSION: u32 = 7;
 
 /// The first protocol version whose aggregators read the binary encoding ([`binary`]).
@@ -49,6 +51,12 @@ pub const PROTO_CALLS_MS: u32 = 6;
 
 /// The first protocol version whose controllers accept [`ZoneBucketMsg::counts_only`].
 pub const PROTO_COUNTS: u32 = 7;
+
+/// The first protocol version that reads criticality tiers: counts by tier
+/// ([`BucketCountsMsg::tiers`]), offered rates by tier ([`ZoneBucketMsg::tier_offered_rps`])
+/// and a directive's split ([`DirectiveMsg::shed`]). A sender includes them only for a peer
+/// that announced it.
+pub const PROTO_TIERS: u32 = 8;
 
 /// [`PROTO_VERSION`] as a header value (made once).
 pub fn version_header() -> http::HeaderValue {
@@ -120,15 +128,74 @@ pub struct BucketCountsMsg {
     pub dropped: u64,
     /// Requests that would have been dropped (shadow).
     pub shadow_dropped: u64,
+    /// The same counts by criticality tier, one entry per tier that saw requests (protocol 8;
+    /// sent only to a peer that announced it). Empty: the sender does not count tiers.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tiers: Vec<TierCountsMsg>,
+}
+
+/// One tier's counts of a bucket over one interval.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TierCountsMsg {
+    /// The tier.
+    pub tier: Criticality,
+    /// Requests offered.
+    pub offered: u64,
+    /// Requests admitted (shadow drops included).
+    pub admitted: u64,
+    /// Requests dropped.
+    pub dropped: u64,
+    /// Requests that would have been dropped (shadow).
+    pub shadow_dropped: u64,
+}
+
+impl TierCountsMsg {
+    fn add(&mut self, other: &TierCountsMsg) {
+        self.offered = self.offered.saturating_add(other.offered);
+        self.admitted = self.admitted.saturating_add(other.admitted);
+        self.dropped = self.dropped.saturating_add(other.dropped);
+        self.shadow_dropped = self.shadow_dropped.saturating_add(other.shadow_dropped);
+    }
 }
 
 impl BucketCountsMsg {
-    /// Adds `other`'s counts (saturating); the bucket name stays.
+    /// Adds `other`'s counts (saturating), tier by tier; the bucket name stays.
     pub fn add(&mut self, other: &BucketCountsMsg) {
         self.offered = self.offered.saturating_add(other.offered);
         self.admitted = self.admitted.saturating_add(other.admitted);
         self.dropped = self.dropped.saturating_add(other.dropped);
         self.shadow_dropped = self.shadow_dropped.saturating_add(other.shadow_dropped);
+        for t in &other.tiers {
+            match self.tiers.iter_mut().find(|m| m.tier == t.tier) {
+                Some(m) => m.add(t),
+                None => self.tiers.push(*t),
+            }
+        }
+    }
+
+    /// The tier counts merged by tier (a tier given twice counts once, summed), least critical
+    /// first.
+    pub fn tier_counts(&self) -> [Option<TierCountsMsg>; TIERS] {
+        let mut out: [Option<TierCountsMsg>; TIERS] = [None; TIERS];
+        for t in &self.tiers {
+            match &mut out[t.tier as usize] {
+                Some(m) => m.add(t),
+                slot => *slot = Some(*t),
+            }
+        }
+        out
+    }
+
+    /// Offered requests by tier (least critical first), when the counts carry tiers.
+    pub fn tier_offered(&self) -> Option<[u64; TIERS]> {
+        (!self.tiers.is_empty()).then(|| {
+            let mut o = [0u64; TIERS];
+            for t in &self.tiers {
+                o[t.tier as usize] = o[t.tier as usize].saturating_add(t.offered);
+            }
+            o
+        })
     }
 }
 
@@ -205,6 +272,22 @@ pub struct DirectiveMsg {
     /// Set by an override: apply as-is.
     #[serde(default)]
     pub fixed: bool,
+    /// How the shed falls on the bucket's criticality tiers (protocol 8; sent only to a peer
+    /// that announced it). None: every tier drops `ratio` (the fleet's mix of tiers is not
+    /// known, or nothing is shed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shed: Option<TierShedMsg>,
+}
+
+/// A bucket's shed split over its tiers: every tier below `threshold` drops all its requests,
+/// `threshold` drops `fraction` of its own, every tier above drops none.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TierShedMsg {
+    /// The tier that drops a fraction.
+    pub threshold: Criticality,
+    /// The fraction of the threshold tier dropped, in [0, 1].
+    pub fraction: f64,
 }
 
 /// Aggregator → client: the reply to a report.
@@ -246,6 +329,11 @@ pub struct ZoneBucketMsg {
     /// them and keeps the rates it holds of the bucket (which moved too little to be sent).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub counts_only: bool,
+    /// The offered rate by criticality tier, least critical first (protocol 8; sent only to a
+    /// controller that announced it), present only when every client of the bucket in the
+    /// zone counted tiers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tier_offered_rps: Option<[f64; TIERS]>,
 }
 
 /// A zone report's place in its delta session with one controller (protocol 4).
@@ -364,6 +452,7 @@ mod tests {
                     admitted: n / 2,
                     dropped: n - n / 2,
                     shadow_dropped: 0,
+                    tiers: Vec::new(),
                 })
                 .collect(),
             urgent: false,

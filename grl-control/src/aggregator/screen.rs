@@ -680,6 +680,7 @@ mod tests {
                     admitted: n / 2,
                     dropped: n - n / 2,
                     shadow_dropped: n / 4,
+                    tiers: Vec::new(),
                 })
                 .collect(),
             urgent: false,

@@ -166,6 +166,7 @@ impl Engine {
             fleet_offered_rps: k.map_or(0.0, |k| k.offered_rps),
             limit_rps: s.limit_rps,
             fixed: s.fixed.is_some(),
+            shed: None,
         }
     }
 

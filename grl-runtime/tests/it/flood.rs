@@ -190,6 +190,7 @@ async fn invented_bucket_names_of_one_service_leave_another_service_limited() {
                             admitted: 1,
                             dropped: 0,
                             shadow_dropped: 0,
+                            tiers: Vec::new(),
                         })
                         .collect(),
                     urgent: false,
@@ -237,6 +238,7 @@ async fn invented_bucket_names_of_one_service_leave_another_service_limited() {
                         admitted: 1,
                         dropped: 0,
                         shadow_dropped: 0,
+                        tiers: Vec::new(),
                     })
                     .collect(),
                 urgent: false,

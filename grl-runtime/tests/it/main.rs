@@ -1422,6 +1422,7 @@ async fn aggregator_reads_json_and_binary_reports_and_refuses_bad_binary() {
             admitted: 10,
             dropped: 0,
             shadow_dropped: 0,
+            tiers: Vec::new(),
         }],
         urgent: false,
         calls: Vec::new(),

@@ -85,6 +85,7 @@ fn counts() -> impl Strategy<Value = BucketCountsMsg> {
         admitted: a,
         dropped: d,
         shadow_dropped: s,
+        tiers: Vec::new(),
     })
 }
 
@@ -141,6 +142,7 @@ fn zone_report() -> impl Strategy<Value = ZoneReport> {
                 counts,
                 gone,
                 counts_only,
+                tier_offered_rps: None,
             },
         );
     let call = (name(), call()).prop_map(|(service, c)| ServiceCallCountMsg {
@@ -266,6 +268,7 @@ fn directive() -> impl Strategy<Value = DirectiveMsg> {
             fleet_offered_rps: f,
             limit_rps: l,
             fixed,
+            shed: None,
         }
     })
 }
