@@ -7,13 +7,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use grl_core::control::{adjusted_ratio, Directive};
+use grl_core::criticality::{split, TierShed};
 use grl_core::{now_ms, BucketCounts, CompileError, Limiter, Table};
-use schema::BucketFile;
+use schema::criticality::TIERS;
+use schema::{BucketFile, Criticality};
 use tokio::task::JoinHandle;
 
 use crate::auth::TokenSource;
 use crate::calls::{CallCounter, CallDrain, PendingCalls};
-use grl_wire::{BucketCountsMsg, CallCountMsg, ClientDirectives, ClientReport, ConfigDoc};
+use grl_wire::{
+    BucketCountsMsg, CallCountMsg, ClientDirectives, ClientReport, ConfigDoc, TierCountsMsg,
+    TierShedMsg,
+};
 
 /// Sub-tick windows with fewer requests than this are too noisy to act on.
 const MIN_SUBTICK_REQUESTS: u64 = 20;
@@ -39,7 +44,8 @@ pub struct Reporter {
     limiter: Arc<Limiter>,
     client_id: String,
     table: Arc<Table>,
-    prev: Vec<BucketCounts>,
+    /// Each bucket's counts by tier at the last report.
+    prev: Vec<[BucketCounts; TIERS]>,
     /// Counts of replaced tables not reported yet, by bucket name.
     carry: HashMap<String, BucketCounts>,
     /// Where the next report's interval starts (moved back when a report was not taken).
@@ -48,7 +54,13 @@ pub struct Reporter {
     last_built_ms: u64,
     /// Own offered rate per bucket over the last reported interval.
     local_rps: Vec<f64>,
+    /// The same by criticality tier (least critical first).
+    local_tier_rps: Vec<[f64; TIERS]>,
     directives: Vec<Option<Directive>>,
+    /// The tier split of each bucket's last directive (None: every tier drops the ratio).
+    sheds: Vec<Option<TierShedMsg>>,
+    /// The ratio of the bucket's whole offered load the limiter drops now, whatever its tiers.
+    applied: Vec<f64>,
     sub_prev: Vec<u64>,
     sub_prev_ms: u64,
     /// Every request by (caller, procedure), when counted (see [`Reporter::with_calls`]).
@@ -102,13 +114,16 @@ impl Reporter {
         Reporter {
             limiter,
             client_id: client_id.into(),
-            prev: (0..n).map(|i| table.counts(i)).collect(),
+            prev: (0..n).map(|i| table.tier_counts(i)).collect(),
             table,
             carry: HashMap::new(),
             last_report_ms: now_ms,
             last_built_ms: now_ms,
             local_rps: vec![0.0; n],
+            local_tier_rps: vec![[0.0; TIERS]; n],
             directives: vec![None; n],
+            sheds: vec![None; n],
+            applied: vec![0.0; n],
             sub_prev: vec![0; n],
             sub_prev_ms: now_ms,
             fast_prev: vec![0; n],
@@ -167,15 +182,24 @@ impl Reporter {
         }
         let mut buckets = Vec::with_capacity(self.prev.len() + self.carry.len());
         for (i, b) in self.table.buckets().iter().enumerate() {
-            let now = self.table.counts(i);
-            let mut d = now.since(&self.prev[i]);
+            let now = self.table.tier_counts(i);
+            let tiers: [BucketCounts; TIERS] =
+                std::array::from_fn(|t| now[t].since(&self.prev[i][t]));
             self.prev[i] = now;
-            self.local_rps[i] = d.offered as f64 * 1000.0 / fresh_ms as f64;
+            let mut d = BucketCounts::default();
+            for t in &tiers {
+                d.add(t);
+            }
+            let per_sec = 1000.0 / fresh_ms as f64;
+            self.local_rps[i] = d.offered as f64 * per_sec;
+            self.local_tier_rps[i] = tiers.map(|t| t.offered as f64 * per_sec);
             if let Some(c) = self.carry.remove(&b.name) {
                 d.add(&c);
             }
             if d.offered > 0 {
-                buckets.push(msg(&b.name, &d));
+                let mut m = msg(&b.name, &d);
+                m.tiers = tier_msgs(&tiers);
+                buckets.push(m);
             }
         }
         // Buckets that disappeared with a config change still report their last counts.
@@ -226,7 +250,8 @@ impl Reporter {
                 if !m.fixed && now_ms < h.until_ms && m.fleet_offered_rps < h.fleet_min {
                     // Computed before the controller saw this client's jump: the raised ratio
                     // and the directive it was computed from stay.
-                    self.table.set_ratio(i, m.ratio.max(h.ratio));
+                    self.sheds[i] = m.shed;
+                    self.set_shed(i, m.ratio.max(h.ratio), m.ratio);
                     continue;
                 }
                 self.hold[i] = None;
@@ -247,12 +272,14 @@ impl Reporter {
             } else {
                 grl_core::control::drop_ratio(self.local_rps[i], m.limit_rps)
             };
-            self.table.set_ratio(i, dir.ratio.max(own));
+            self.sheds[i] = m.shed;
+            self.set_shed(i, dir.ratio.max(own), m.ratio);
             self.directives[i] = Some(dir);
         }
         for (i, s) in seen.iter().enumerate() {
             if !s {
-                self.table.set_ratio(i, 0.0);
+                self.sheds[i] = None;
+                self.set_shed(i, 0.0, 0.0);
                 self.directives[i] = None;
                 self.hold[i] = None;
             }
@@ -263,6 +290,28 @@ impl Reporter {
                 true
             }
             _ => false,
+        }
+    }
+
+    /// Drops `ratio` of bucket `i`'s whole offered load. Under a tier split (the directive's
+    /// [`TierShedMsg`]): as the controller split it when `ratio` is the directive's own
+    /// `directed` ratio; when the client raised it on its own (its own rate jumped), the same
+    /// strict split over the client's own mix of tiers, so that the extra shed falls on the
+    /// least critical tiers too. Without a split: every tier drops `ratio`.
+    fn set_shed(&mut self, i: usize, ratio: f64, directed: f64) {
+        self.applied[i] = ratio;
+        let mix = self.local_tier_rps[i];
+        let total: f64 = mix.iter().sum();
+        match self.sheds[i] {
+            Some(s) if ratio <= directed => self.table.set_tier_shed(
+                i,
+                &TierShed {
+                    threshold: s.threshold,
+                    fraction: s.fraction,
+                },
+            ),
+            Some(_) if total > 0.0 => self.table.set_tier_shed(i, &split(ratio * total, mix)),
+            _ => self.table.set_ratio(i, ratio),
         }
     }
 
@@ -277,14 +326,20 @@ impl Reporter {
         let t = Table::compile(service, version, buckets)?;
         let old = self.limiter.install(t);
         for (i, b) in old.buckets().iter().enumerate() {
-            let d = old.counts(i).since(&self.prev[i]);
-            self.carry.entry(b.name.clone()).or_default().add(&d);
+            let now = old.tier_counts(i);
+            let carry = self.carry.entry(b.name.clone()).or_default();
+            for (t, prev) in now.iter().zip(&self.prev[i]) {
+                carry.add(&t.since(prev));
+            }
         }
         self.table = self.limiter.table();
         let n = self.table.buckets().len();
-        self.prev = vec![BucketCounts::default(); n];
+        self.prev = vec![[BucketCounts::default(); TIERS]; n];
         self.local_rps = vec![0.0; n];
+        self.local_tier_rps = vec![[0.0; TIERS]; n];
         self.directives = vec![None; n];
+        self.sheds = vec![None; n];
+        self.applied = vec![0.0; n];
         self.sub_prev = vec![0; n];
         self.fast_prev = vec![0; n];
         self.hold = vec![None; n];
@@ -320,8 +375,8 @@ impl Reporter {
                     {
                         jumped = true;
                         let r = adjusted_ratio(d, rate);
-                        if r > self.table.ratio(i) {
-                            self.table.set_ratio(i, r);
+                        if r > self.applied[i] {
+                            self.set_shed(i, r, d.ratio);
                             self.hold[i] = Some(Hold::raised(self.hold[i], d, rate, r, now_ms));
                         }
                     }
@@ -340,8 +395,8 @@ impl Reporter {
                 let jump = grl_core::control::jumped(d, rate);
                 jumped |= jump;
                 let r = adjusted_ratio(d, rate);
-                if r > self.table.ratio(i) {
-                    self.table.set_ratio(i, r);
+                if r > self.applied[i] {
+                    self.set_shed(i, r, d.ratio);
                     self.hold[i] = Some(Hold::raised(self.hold[i], d, rate, r, now_ms));
                 }
             }
@@ -354,6 +409,22 @@ impl Reporter {
         }
         jumped
     }
+}
+
+/// The tiers that saw requests, as sent in a report.
+fn tier_msgs(tiers: &[BucketCounts; TIERS]) -> Vec<TierCountsMsg> {
+    Criticality::ALL
+        .into_iter()
+        .zip(tiers)
+        .filter(|(_, c)| c.offered > 0)
+        .map(|(tier, c)| TierCountsMsg {
+            tier,
+            offered: c.offered,
+            admitted: c.admitted,
+            dropped: c.dropped,
+            shadow_dropped: c.shadow_dropped,
+        })
+        .collect()
 }
 
 fn msg(name: &str, d: &BucketCounts) -> BucketCountsMsg {
@@ -762,6 +833,10 @@ impl Uplink<'_> {
             let idx = (self.current + attempt) % k;
             let base = &opts.aggregators[idx];
             attach_calls(self.proto[idx], rep, report);
+            if self.proto[idx] < grl_wire::PROTO_TIERS {
+                // An older aggregator refuses the field: the totals go without it.
+                report.buckets.iter_mut().for_each(|b| b.tiers.clear());
+            }
             let token = opts.report_token.as_ref().map(|t| t.current());
             let token = token.as_deref().map(String::as_str);
             // The binary encoding goes only to an aggregator that announced it.

@@ -2,3 +2,4 @@
 
 mod deps;
 mod fail_open;
+mod tiers;
