@@ -148,3 +148,8 @@ impl std::fmt::Display for Bound {
         }
     }
 }
+
+/// The decoder of an answer, on its blocking thread, panicked.
+#[derive(Debug, thiserror::Error)]
+#[error("the decoder of the answer failed: {0}")]
+pub struct DecoderFailed(#[from] pub tokio::task::JoinError);

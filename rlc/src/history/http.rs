@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use schema::PrometheusConfig;
 
-use super::Bound;
+use super::{Bound, DecoderFailed};
 
 /// Between the tries of one history request.
 const BACKOFF: crate::retry::Backoff = crate::retry::Backoff {
@@ -121,7 +121,7 @@ pub(super) async fn stream_blocking<D: Send + 'static>(
     mut decoder: D,
     push: fn(&mut D, &[u8]) -> ControlFlow<()>,
     budget: &Budget,
-) -> Result<Result<D, String>, ReadError> {
+) -> Result<Result<D, DecoderFailed>, ReadError> {
     let (tx, mut rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(PIECES_IN_FLIGHT);
     let task = tokio::task::spawn_blocking(move || {
         while let Some(piece) = rx.blocking_recv() {
@@ -153,9 +153,7 @@ pub(super) async fn stream_blocking<D: Send + 'static>(
         }
     }
     drop(tx);
-    let out = task
-        .await
-        .map_err(|e| format!("the decoder of the answer failed: {e}"));
+    let out = task.await.map_err(DecoderFailed);
     read.map(|()| out)
 }
 

@@ -24,7 +24,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-pub use error::{Bound, HistoryError};
+pub use error::{Bound, DecoderFailed, HistoryError};
 pub use policies::RateSeries;
 pub use rlc_plan::history::{History, Rejected, SeriesKey, SeriesSource};
 use schema::{HistoryConfig, LabelNames};

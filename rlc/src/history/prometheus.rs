@@ -402,14 +402,16 @@ async fn read_api(
         (HistoryApi::Auto, None) => Ok(None),
         (HistoryApi::Auto, Some(m)) => {
             let url = remote_read::endpoint(&p.url);
-            let why = match remote_read::probe(client, &url, &m, last_step * 1000).await {
+            let no = |why: &dyn std::fmt::Display| {
+                tracing::info!(url, %why, "no remote read here: pulling with query_range");
+            };
+            match remote_read::probe(client, &url, &m, last_step * 1000).await {
                 Ok(()) => match remote_read::rules(client, &p.url, &labels, &m).await {
                     Ok(rules) => return Ok(Some((m, rules))),
-                    Err(r) => r.why(),
+                    Err(r) => no(&r.why()),
                 },
-                Err(why) => why,
-            };
-            tracing::info!(url, %why, "no remote read here: pulling with query_range");
+                Err(why) => no(&why),
+            }
             Ok(None)
         }
     }
@@ -620,7 +622,7 @@ async fn stream_into(
     };
     match stream_blocking(resp, d, push, budget).await? {
         Ok(d) => finish(d),
-        Err(e) => Ok((Vec::new(), Err(e))),
+        Err(e) => Ok((Vec::new(), Err(e.to_string()))),
     }
 }
 
