@@ -1,7 +1,10 @@
 //! Why a history pull failed: [`HistoryError`], and the bounds on what a pull reads
-//! ([`Bound`]).
+//! ([`Bound`]); why a history on disk could not be written or read ([`DiskError`]).
 
 use std::path::PathBuf;
+use std::sync::Arc;
+
+use super::SeriesKey;
 
 /// Why history could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -69,6 +72,9 @@ pub enum HistoryError {
         /// The bound crossed.
         bound: Bound,
     },
+    /// The history could not be written to disk or read back.
+    #[error(transparent)]
+    Disk(#[from] DiskError),
 }
 
 /// A bound on what a history pull reads from the network or holds ([`HistoryError::Exceeded`]).
@@ -153,3 +159,111 @@ impl std::fmt::Display for Bound {
 #[derive(Debug, thiserror::Error)]
 #[error("the decoder of the answer failed: {0}")]
 pub struct DecoderFailed(#[from] pub tokio::task::JoinError);
+
+/// Why a history on disk (a pull's spill, the ring `rlc serve` holds) could not be written or
+/// read. Each names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum DiskError {
+    /// The ring's directory or file could not be created under `parent`.
+    #[error("cannot create the held history under {}: {source}", parent.display())]
+    Create {
+        /// The directory it was to be created in.
+        parent: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A write to the ring failed.
+    #[error("cannot write the held history {}: {source}", path.display())]
+    Write {
+        /// The ring's file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A read of the ring failed.
+    #[error("cannot read the held history {}: {source}", path.display())]
+    Read {
+        /// The ring's file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A read of one series from the ring failed.
+    #[error("cannot read series {key:?} of the held history {}: {source}", path.display())]
+    ReadSeries {
+        /// The series.
+        key: SeriesKey,
+        /// The ring's file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A read of one run of a series from a pull's spill failed.
+    #[error(
+        "cannot read the history spill {} (series {key:?}, {len} bytes at {offset}): {source}",
+        path.display()
+    )]
+    ReadSpill {
+        /// The spill file.
+        path: PathBuf,
+        /// The series.
+        key: SeriesKey,
+        /// Bytes of the run.
+        len: usize,
+        /// Where the run starts in the file.
+        offset: u64,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// Increments since this view of the ring overwrote its first points.
+    #[error(
+        "the held history {} moved on past this view (its first points were overwritten): pull again",
+        path.display()
+    )]
+    MovedOn {
+        /// The ring's file.
+        path: PathBuf,
+    },
+    /// The ring refuses reads: an increment failed and could not be undone.
+    #[error(transparent)]
+    Broken(Arc<Unrestored>),
+    /// The history to hold is one whose source failed (the reason it gives).
+    #[error("{0}")]
+    Unavailable(String),
+    /// The blocking task writing the history (`the increment`, `the held history`) failed.
+    #[error("writing {writing}: {source}")]
+    Panicked {
+        /// What it was writing.
+        writing: &'static str,
+        /// The cause.
+        source: tokio::task::JoinError,
+    },
+}
+
+/// Why a ring refuses reads ([`DiskError::Broken`]).
+#[derive(Debug, thiserror::Error)]
+pub enum Unrestored {
+    /// An increment failed, and the cells of the held view it had overwritten could not be
+    /// written back.
+    #[error(
+        "{failure}; and the held history could not be restored ({undo}): the next pull is a full one"
+    )]
+    Undo {
+        /// Why the increment failed.
+        #[source]
+        failure: DiskError,
+        /// Why writing the cells back failed.
+        undo: std::io::Error,
+    },
+    /// Broken on purpose (`RingHistory::break_for_test`).
+    #[doc(hidden)]
+    #[error(transparent)]
+    Injected(std::io::Error),
+}
+
+impl From<DiskError> for rlc_plan::history::Unreadable {
+    /// The plan takes why a service's history could not be read as text.
+    fn from(e: DiskError) -> Self {
+        rlc_plan::history::Unreadable(e.to_string())
+    }
+}

@@ -24,7 +24,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-pub use error::{Bound, DecoderFailed, HistoryError};
+pub use error::{Bound, DecoderFailed, DiskError, HistoryError, Unrestored};
 pub use policies::RateSeries;
 pub use rlc_plan::history::{History, Rejected, SeriesKey, SeriesSource};
 use schema::{HistoryConfig, LabelNames};
@@ -773,7 +773,7 @@ impl SeriesSource for PlanHistory {
             PlanHistory::Spilled(s) => s
                 .service(service)
                 .map(std::borrow::Cow::Owned)
-                .map_err(rlc_plan::history::Unreadable),
+                .map_err(rlc_plan::history::Unreadable::from),
             PlanHistory::Held(h) => SeriesSource::service(&**h, service),
         }
     }

@@ -991,6 +991,11 @@ mod tests {
             .unwrap();
         let e = s.service("shop").unwrap_err();
         assert!(
+            matches!(e, super::super::DiskError::ReadSpill { .. }),
+            "{e}"
+        );
+        let e = e.to_string();
+        assert!(
             e.contains(&s.path().display().to_string()) && e.contains("shop"),
             "{e}"
         );

@@ -30,7 +30,7 @@ use std::sync::{Arc, RwLock};
 
 use super::incremental::{barred, union};
 use super::spill::{index_services, service_entries};
-use super::{History, RateSeries, Rejected, SeriesKey, SpilledHistory};
+use super::{DiskError, History, RateSeries, Rejected, SeriesKey, SpilledHistory, Unrestored};
 
 /// "No sample" for [`Slot::last`].
 const NONE: i64 = i64::MIN;
@@ -58,7 +58,7 @@ struct State {
     /// has lost its oldest points.
     written_end: i64,
     /// Set when a failed increment could not be undone: nothing is read from the ring.
-    broken: Option<String>,
+    broken: Option<Arc<Unrestored>>,
 }
 
 /// A series in a view: its slot, and its last grid point with a sample ([`NONE`] for none).
@@ -199,8 +199,18 @@ impl Ring {
         self.file.write_all_at(buf, self.offset(slot, 0))
     }
 
-    fn io_error(&self, what: &str, e: std::io::Error) -> String {
-        format!("{what} the held history {}: {e}", self.path.display())
+    fn write_error(&self, source: std::io::Error) -> DiskError {
+        DiskError::Write {
+            path: self.path.clone(),
+            source,
+        }
+    }
+
+    fn read_error(&self, source: std::io::Error) -> DiskError {
+        DiskError::Read {
+            path: self.path.clone(),
+            source,
+        }
     }
 }
 
@@ -215,14 +225,12 @@ struct Filler {
 }
 
 impl Filler {
-    fn new(parent: &Path, grid: (i64, i64, usize), cap: usize) -> Result<Filler, String> {
+    fn new(parent: &Path, grid: (i64, i64, usize), cap: usize) -> Result<Filler, DiskError> {
         let (start, step, len) = grid;
         let cap = cap.max(len);
-        let ring = Ring::create(parent, start, step, cap).map_err(|e| {
-            format!(
-                "cannot create the held history under {}: {e}",
-                parent.display()
-            )
+        let ring = Ring::create(parent, start, step, cap).map_err(|source| DiskError::Create {
+            parent: parent.to_path_buf(),
+            source,
         })?;
         Ok(Filler {
             ring,
@@ -234,11 +242,11 @@ impl Filler {
         })
     }
 
-    fn add(&mut self, key: &SeriesKey, values: &[f32]) -> Result<(), String> {
+    fn add(&mut self, key: &SeriesKey, values: &[f32]) -> Result<(), DiskError> {
         let slot = self.index.len() as u32;
         self.ring
             .write_slot(slot, 0, values, &mut self.cells, &mut self.buf)
-            .map_err(|e| self.ring.io_error("cannot write", e))?;
+            .map_err(|e| self.ring.write_error(e))?;
         self.index.insert(
             key.clone(),
             Slot {
@@ -277,9 +285,9 @@ pub fn capacity(len: usize, step: i64, every: i64) -> usize {
 
 impl RingHistory {
     /// A ring under `parent` holding `h` (a whole lookback in memory), `cap` cells per slot.
-    pub fn from_history(h: &History, parent: &Path, cap: usize) -> Result<RingHistory, String> {
+    pub fn from_history(h: &History, parent: &Path, cap: usize) -> Result<RingHistory, DiskError> {
         if let Some(e) = &h.source_error {
-            return Err(e.clone());
+            return Err(DiskError::Unavailable(e.clone()));
         }
         let mut f = Filler::new(parent, (h.start, h.step, h.len), cap)?;
         for (k, s) in &h.series {
@@ -293,7 +301,7 @@ impl RingHistory {
         s: &SpilledHistory,
         parent: &Path,
         cap: usize,
-    ) -> Result<RingHistory, String> {
+    ) -> Result<RingHistory, DiskError> {
         let mut f = Filler::new(parent, (s.start, s.step, s.len), cap)?;
         for service in s.services() {
             let h = s.service(&service)?;
@@ -332,12 +340,12 @@ impl RingHistory {
 
     /// The history of `service` alone, read from the file (no rejected series). An error
     /// when the ring could not be read, or when increments since moved past this view.
-    pub fn service(&self, service: &str) -> Result<History, String> {
+    pub fn service(&self, service: &str) -> Result<History, DiskError> {
         self.read(service_entries(&self.index, service))
     }
 
     /// The whole history in memory, rejected series included.
-    pub fn to_history(&self) -> Result<History, String> {
+    pub fn to_history(&self) -> Result<History, DiskError> {
         let mut h = self.read(self.index.iter())?;
         h.rejected = self.rejected.clone();
         Ok(h)
@@ -346,25 +354,28 @@ impl RingHistory {
     fn read<'a>(
         &self,
         entries: impl Iterator<Item = (&'a SeriesKey, &'a Slot)>,
-    ) -> Result<History, String> {
+    ) -> Result<History, DiskError> {
         let ring = &self.ring;
         let st = ring.state.read().unwrap();
         if let Some(e) = &st.broken {
-            return Err(e.clone());
+            return Err(DiskError::Broken(e.clone()));
         }
         let a0 = ring.point(self.start);
         if st.written_end > a0 + ring.cap as i64 {
-            return Err(format!(
-                "the held history {} moved on past this view (its first points were overwritten): pull again",
-                ring.path.display()
-            ));
+            return Err(DiskError::MovedOn {
+                path: ring.path.clone(),
+            });
         }
         let mut series = BTreeMap::new();
         let mut buf = Vec::new();
         for (key, slot) in entries {
             let mut s = RateSeries::empty(self.start, self.step, self.len);
             ring.read(slot.slot, a0, &mut s.values, &mut buf)
-                .map_err(|e| ring.io_error(&format!("cannot read series {key:?} of"), e))?;
+                .map_err(|source| DiskError::ReadSeries {
+                    key: key.clone(),
+                    path: ring.path.clone(),
+                    source,
+                })?;
             series.insert(key.clone(), s);
         }
         Ok(History {
@@ -389,7 +400,7 @@ impl RingHistory {
         &self,
         tail: History,
         grid: (i64, i64, usize),
-    ) -> Option<Result<RingHistory, String>> {
+    ) -> Option<Result<RingHistory, DiskError>> {
         let (start, step, len) = grid;
         if tail.source_error.is_none()
             && tail.start == start
@@ -435,7 +446,7 @@ impl RingHistory {
         &self,
         tail: History,
         (new_start, k, end, held_end): (i64, i64, i64, i64),
-    ) -> Result<RingHistory, String> {
+    ) -> Result<RingHistory, DiskError> {
         let ring = &self.ring;
         let rejected = union(&self.rejected, tail.rejected);
         let barred: HashSet<SeriesKey> = barred(&rejected);
@@ -445,7 +456,7 @@ impl RingHistory {
         let nan = vec![f32::NAN; n];
         let mut st = ring.state.write().unwrap();
         if let Some(e) = &st.broken {
-            return Err(e.clone());
+            return Err(DiskError::Broken(e.clone()));
         }
         let (mut cells, mut buf, mut scan) = (Vec::new(), Vec::new(), Vec::new());
         let mut index: BTreeMap<SeriesKey, Slot> = BTreeMap::new();
@@ -466,7 +477,7 @@ impl RingHistory {
             }
             if let Err(e) = ring.write_slot(slots, k, &s.values, &mut cells, &mut buf) {
                 st.slots = slots + 1;
-                return Err(ring.io_error("cannot write", e));
+                return Err(ring.write_error(e));
             }
             index.insert(key, Slot { slot: slots, last });
             slots += 1;
@@ -484,12 +495,12 @@ impl RingHistory {
             let values = values.as_deref().unwrap_or(&nan);
             let mut old = vec![f32::NAN; overlap];
             if let Err(e) = ring.read(slot.slot, k, &mut old, &mut buf) {
-                failure = Some(ring.io_error("cannot read", e));
+                failure = Some(ring.read_error(e));
                 break;
             }
             saved.push((slot.slot, old));
             if let Err(e) = ring.write(slot.slot, k, values, &mut buf) {
-                failure = Some(ring.io_error("cannot write", e));
+                failure = Some(ring.write_error(e));
                 break;
             }
             let mut last = last_sample(k, values);
@@ -501,7 +512,7 @@ impl RingHistory {
                 scan.clear();
                 scan.resize((k - new_start).max(0) as usize, f32::NAN);
                 if let Err(e) = ring.read(slot.slot, new_start, &mut scan, &mut buf) {
-                    failure = Some(ring.io_error("cannot read", e));
+                    failure = Some(ring.read_error(e));
                     break;
                 }
                 last = last_sample(new_start, &scan);
@@ -517,17 +528,15 @@ impl RingHistory {
                 );
             }
         }
-        if let Some(e) = failure {
+        if let Some(failure) = failure {
             for (slot, old) in &saved {
                 if let Err(undo) = ring.write(*slot, k, old, &mut buf) {
-                    let broken = format!(
-                        "{e}; and the held history could not be restored ({undo}): the next pull is a full one"
-                    );
+                    let broken = Arc::new(Unrestored::Undo { failure, undo });
                     st.broken = Some(broken.clone());
-                    return Err(broken);
+                    return Err(DiskError::Broken(broken));
                 }
             }
-            return Err(e);
+            return Err(failure);
         }
         drop(st);
         Ok(RingHistory {
@@ -548,7 +557,8 @@ impl RingHistory {
     /// Breaks the ring as a write failure that could not be undone would (tests).
     #[doc(hidden)]
     pub fn break_for_test(&self, why: &str) {
-        self.ring.state.write().unwrap().broken = Some(why.to_string());
+        let why = Unrestored::Injected(std::io::Error::other(why.to_string()));
+        self.ring.state.write().unwrap().broken = Some(Arc::new(why));
     }
 }
 

@@ -25,7 +25,7 @@ use chrono::{DateTime, Utc};
 use schema::DaemonConfig;
 
 use super::ring::RingHistory;
-use super::{History, PullKind, Rejected, SeriesSource};
+use super::{DiskError, History, HistoryError, PullKind, Rejected, SeriesSource};
 
 /// The history of a [`Snapshot`]: in memory (a file source, a failed pull), or on disk
 /// ([`RingHistory`]) and read service by service through [`SeriesSource`].
@@ -76,7 +76,9 @@ impl std::ops::Deref for HeldHistory {
     /// source failed).
     fn deref(&self) -> &History {
         self.whole.get_or_init(|| match &self.ring {
-            Some(r) => r.to_history().unwrap_or_else(History::unavailable),
+            Some(r) => r
+                .to_history()
+                .unwrap_or_else(|e| History::unavailable(e.to_string())),
             None => History::default(),
         })
     }
@@ -142,7 +144,7 @@ impl SeriesSource for HeldHistory {
             (Some(r), None) => r
                 .service(service)
                 .map(Cow::Owned)
-                .map_err(rlc_plan::history::Unreadable),
+                .map_err(rlc_plan::history::Unreadable::from),
             (None, None) => Ok(Cow::Owned(History::default())),
         }
     }
@@ -340,7 +342,12 @@ impl HistoryCache {
                     let written =
                         tokio::task::spawn_blocking(move || ring.apply(tail.history, grid))
                             .await
-                            .unwrap_or_else(|e| Some(Err(format!("writing the increment: {e}"))));
+                            .unwrap_or_else(|source| {
+                                Some(Err(DiskError::Panicked {
+                                    writing: "the increment",
+                                    source,
+                                }))
+                            });
                     match written {
                         Some(Ok(r)) => {
                             tracing::info!(
@@ -366,7 +373,7 @@ impl HistoryCache {
                                 *held = None;
                             }
                             return (
-                                Arc::new(History::unavailable(e).into()),
+                                Arc::new(History::unavailable(e.to_string()).into()),
                                 PullKind::Incremental,
                             );
                         }
@@ -390,7 +397,7 @@ impl HistoryCache {
             .as_ref()
             .map(|d| self.base_dir.join(d))
             .unwrap_or_else(std::env::temp_dir);
-        let h: Result<RingHistory, String> =
+        let h: Result<RingHistory, HistoryError> =
             match super::prometheus::load_spilled(p, &cfg.history, end, &dir).await {
                 Ok(spilled) => {
                     let cap = super::ring::capacity(spilled.len, spilled.step, every);
@@ -399,7 +406,12 @@ impl HistoryCache {
                         RingHistory::from_spilled(&spilled, &dir, cap)
                     })
                     .await
-                    .unwrap_or_else(|e| Err(format!("writing the held history: {e}")));
+                    .unwrap_or_else(|source| {
+                        Err(DiskError::Panicked {
+                            writing: "the held history",
+                            source,
+                        })
+                    });
                     if let Ok(r) = &written {
                         tracing::info!(
                             series = r.series_count(),
@@ -409,15 +421,15 @@ impl HistoryCache {
                             "history held on disk"
                         );
                     }
-                    written
+                    written.map_err(HistoryError::from)
                 }
-                Err(e) => Err(e.to_string()),
+                Err(e) => Err(e),
             };
         let h: HeldHistory = match h {
             Ok(r) => r.into(),
             Err(e) => {
                 tracing::error!(error = %e, "history source failed");
-                History::unavailable(e).into()
+                History::unavailable(e.to_string()).into()
             }
         };
         if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
