@@ -1,9 +1,12 @@
-//! Why a history pull failed: [`HistoryError`], and the bounds on what a pull reads
-//! ([`Bound`]); why a history on disk could not be written or read ([`DiskError`]).
+//! Why a history pull failed: [`HistoryError`], what was wrong with a file or an answer
+//! ([`ParseError`]), the bounds on what a pull reads ([`Bound`]); why a history on disk could
+//! not be written or read ([`DiskError`]).
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use super::file::CsvError;
+use super::remote_read;
 use super::SeriesKey;
 
 /// Why history could not be loaded.
@@ -29,12 +32,12 @@ pub enum HistoryError {
         source: std::io::Error,
     },
     /// A file or response could not be parsed.
-    #[error("cannot parse {what}: {message}")]
+    #[error("cannot parse {what}: {source}")]
     Parse {
         /// What was parsed.
         what: String,
         /// Why it failed.
-        message: String,
+        source: ParseError,
     },
     /// Prometheus answered with an error it will answer again (bad query, too many points…).
     #[error("prometheus at {url} refused the query (HTTP {status}, {error_type}): {error}")]
@@ -75,6 +78,55 @@ pub enum HistoryError {
     /// The history could not be written to disk or read back.
     #[error(transparent)]
     Disk(#[from] DiskError),
+}
+
+/// What was wrong with a history file or an answer ([`HistoryError::Parse`]).
+#[derive(Debug, thiserror::Error)]
+pub enum ParseError {
+    /// A line of a CSV file.
+    #[error(transparent)]
+    Csv(#[from] CsvError),
+    /// JSON that is not a `query_range` answer (a file, or a series of an answer).
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+    /// A saved answer whose status is not `success`.
+    #[error("status {status}: {error}")]
+    Status {
+        /// Its `status`.
+        status: String,
+        /// Its `error`, if any.
+        error: String,
+    },
+    /// A saved answer without `data`.
+    #[error("no data")]
+    NoData,
+    /// A `success` answer without `data`.
+    #[error("success without data")]
+    SuccessWithoutData,
+    /// A result that is not a range query's (`resultType`).
+    #[error("expected a matrix result, got `{0}`")]
+    NotMatrix(String),
+    /// The answer ended inside its JSON document, this many containers open.
+    #[error("the answer ended inside the JSON document ({0} containers open)")]
+    Unfinished(usize),
+    /// The decoder of the answer failed.
+    #[error(transparent)]
+    Decoder(#[from] DecoderFailed),
+    /// A remote-read answer rlc cannot read.
+    #[error("{0} (`history.prometheus.api: query_range` reads the query as PromQL instead)")]
+    RemoteRead(#[source] remote_read::Unreadable),
+    /// The body of a remote-read request could not be compressed.
+    #[error(transparent)]
+    Request(#[from] snap::Error),
+    /// The task reading a history file failed.
+    #[error(transparent)]
+    Task(#[from] tokio::task::JoinError),
+    /// A chunk's task still held the pull's series when the pull ended.
+    #[error("a chunk task outlived the pull")]
+    Outlived,
+    /// A spilled history asked of a builder that does not spill.
+    #[error("finish_spilled on a builder without a spill")]
+    NotSpilled,
 }
 
 /// A bound on what a history pull reads from the network or holds ([`HistoryError::Exceeded`]).

@@ -24,7 +24,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-pub use error::{Bound, DecoderFailed, DiskError, HistoryError, Unrestored};
+pub use error::{Bound, DecoderFailed, DiskError, HistoryError, ParseError, Unrestored};
 pub use policies::RateSeries;
 pub use rlc_plan::history::{History, Rejected, SeriesKey, SeriesSource};
 use schema::{HistoryConfig, LabelNames};
@@ -170,7 +170,7 @@ pub async fn load(
         .await
         .map_err(|e| HistoryError::Parse {
             what: "history file".into(),
-            message: e.to_string(),
+            source: ParseError::Task(e),
         })?;
         let (h, bytes) = h?;
         let stats = PullStats {
@@ -694,7 +694,7 @@ impl Builder {
         let Some(sp) = self.spill.take() else {
             return Err(HistoryError::Parse {
                 what: "history".into(),
-                message: "finish_spilled on a builder without a spill".into(),
+                source: ParseError::NotSpilled,
             });
         };
         let index = sp.index.into_iter().collect();

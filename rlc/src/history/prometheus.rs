@@ -37,8 +37,8 @@ use super::http::{
     backoff, read_capped, read_failed, send, stream_blocking, Budget, ReadError, ERROR_BODY_MAX,
 };
 use super::{
-    grid, remote_read, request_range, Bound, Builder, History, HistoryError, SpilledHistory,
-    LABELS_MAX,
+    grid, remote_read, request_range, Bound, Builder, History, HistoryError, ParseError,
+    SpilledHistory, LABELS_MAX,
 };
 
 /// Upper bound on steps per request: 12 h at 1 m.
@@ -92,12 +92,9 @@ struct DataType {
 }
 
 /// Feeds a parsed response into the builder.
-pub(crate) fn feed(b: &mut Builder, data: &Data<'_>) -> Result<(), String> {
+pub(crate) fn feed(b: &mut Builder, data: &Data<'_>) -> Result<(), ParseError> {
     if data.result_type != "matrix" {
-        return Err(format!(
-            "expected a matrix result, got `{}`",
-            data.result_type
-        ));
+        return Err(ParseError::NotMatrix(data.result_type.clone()));
     }
     for m in &data.result {
         let Some(key) = b.key(&m.metric) else {
@@ -333,7 +330,7 @@ async fn pull(
     }
     let b = Arc::try_unwrap(builder).map_err(|_| HistoryError::Parse {
         what: "history".into(),
-        message: "a chunk task outlived the pull".into(),
+        source: ParseError::Outlived,
     })?;
     let b = b.into_inner().unwrap_or_else(|e| e.into_inner());
     let stats = super::PullStats {
@@ -495,18 +492,18 @@ async fn fetch(
                 last = "partial response (isPartial: some storage nodes did not answer)".into();
             }
             Ok(r) if status.is_success() && r.status == "success" => {
-                fed.map_err(|message| HistoryError::Parse {
+                fed.map_err(|source| HistoryError::Parse {
                     what: what(),
-                    message,
+                    source,
                 })?;
                 return match r.data {
                     None => Err(HistoryError::Parse {
                         what: what(),
-                        message: "success without data".into(),
+                        source: ParseError::SuccessWithoutData,
                     }),
                     Some(d) if d.result_type != "matrix" => Err(HistoryError::Parse {
                         what: what(),
-                        message: format!("expected a matrix result, got `{}`", d.result_type),
+                        source: ParseError::NotMatrix(d.result_type),
                     }),
                     Some(_) => Ok(()),
                 };
@@ -563,7 +560,7 @@ const POINT_TEXT_MAX: usize = 64;
 enum Stop {
     /// A series could not be parsed: the rest of the answer is read (its envelope says
     /// whether the answer is partial, and so worth a retry).
-    Parse(String),
+    Parse(serde_json::Error),
     /// A bound was crossed: nothing more is read.
     Exceeded(Bound),
 }
@@ -576,7 +573,7 @@ async fn stream_into(
     b: Arc<Mutex<Builder>>,
     points: usize,
     budget: &Budget,
-) -> Result<(Vec<u8>, Result<(), String>), ReadError> {
+) -> Result<(Vec<u8>, Result<(), ParseError>), ReadError> {
     struct Decoder {
         split: ResultSplitter,
         failed: Option<Stop>,
@@ -609,7 +606,7 @@ async fn stream_into(
     };
     let finish = |d: Decoder| match d.failed {
         Some(Stop::Exceeded(bound)) => Err(ReadError::Exceeded(bound)),
-        Some(Stop::Parse(e)) => Ok((d.split.skeleton, Err(e))),
+        Some(Stop::Parse(e)) => Ok((d.split.skeleton, Err(e.into()))),
         None => {
             let fed = d.split.finish();
             Ok((d.split.skeleton, fed))
@@ -622,13 +619,13 @@ async fn stream_into(
     };
     match stream_blocking(resp, d, push, budget).await? {
         Ok(d) => finish(d),
-        Err(e) => Ok((Vec::new(), Err(e.to_string()))),
+        Err(e) => Ok((Vec::new(), Err(e.into()))),
     }
 }
 
 /// Parses one element of `data.result` and puts its samples on the grid.
 fn feed_series(b: &Mutex<Builder>, text: &[u8]) -> Result<(), Stop> {
-    let m: Matrix<'_> = serde_json::from_slice(text).map_err(|e| Stop::Parse(e.to_string()))?;
+    let m: Matrix<'_> = serde_json::from_slice(text).map_err(Stop::Parse)?;
     let mut b = b.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(key) = b.key(&m.metric) {
         b.add_many(
@@ -829,12 +826,9 @@ impl ResultSplitter {
     }
 
     /// Checks that the body ended where a JSON document can end.
-    pub(crate) fn finish(&self) -> Result<(), String> {
+    pub(crate) fn finish(&self) -> Result<(), ParseError> {
         if self.depth != 0 || self.in_string {
-            return Err(format!(
-                "the answer ended inside the JSON document ({} containers open)",
-                self.depth
-            ));
+            return Err(ParseError::Unfinished(self.depth));
         }
         Ok(())
     }
@@ -1059,7 +1053,7 @@ mod tests {
         split
             .push(&body[..body.len() / 2], &mut |_| n += 1)
             .unwrap();
-        assert!(split.finish().is_err());
+        assert!(matches!(split.finish(), Err(ParseError::Unfinished(_))));
         assert!(n < 6);
     }
 

@@ -28,7 +28,7 @@ use super::http::{
     backoff, chain, read_capped, read_failed, send, stream_blocking, Budget, ReadError,
     ERROR_BODY_MAX,
 };
-use super::{request_range, Bound, Builder, DecoderFailed, HistoryError, LABELS_MAX};
+use super::{request_range, Bound, Builder, DecoderFailed, HistoryError, ParseError, LABELS_MAX};
 
 /// The content type of a streamed answer.
 const STREAMED: &str = "application/x-streamed-protobuf";
@@ -501,7 +501,7 @@ pub(crate) async fn fetch(
     };
     let body = request(matchers, from_ms, to_ms).map_err(|e| HistoryError::Parse {
         what: what(),
-        message: e.to_string(),
+        source: e.into(),
     })?;
     let attempts = p.retries.max(1);
     let mut last = String::new();
@@ -597,12 +597,10 @@ pub(crate) async fn fetch(
                 })
             }
             // What the server sent whole but rlc cannot read: the same again on a retry.
-            Ok(Err(Bad::Unreadable(message))) => {
+            Ok(Err(Bad::Unreadable(e))) => {
                 return Err(HistoryError::Parse {
                     what: what(),
-                    message: format!(
-                        "{message} (`history.prometheus.api: query_range` reads the query as PromQL instead)"
-                    ),
+                    source: ParseError::RemoteRead(e),
                 })
             }
             // A corrupt or cut answer: retried (what it put on the grid is a subset of the
