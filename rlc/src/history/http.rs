@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use schema::PrometheusConfig;
 
-use super::{Bound, DecoderFailed};
+use super::{Bound, DecoderFailed, HistoryError};
 
 /// Between the tries of one history request.
 const BACKOFF: crate::retry::Backoff = crate::retry::Backoff {
@@ -40,8 +40,53 @@ pub(super) fn read_failed(e: &reqwest::Error, p: &PrometheusConfig) -> String {
     }
 }
 
+/// How an attempt of a request that did not get its answer ends.
+pub(super) enum Failed {
+    /// Worth another attempt, if one is left: why this one failed.
+    Retry(String),
+    /// Another attempt would fail the same way: the request fails now.
+    GiveUp(String),
+    /// The pull fails with this at once.
+    Fatal(HistoryError),
+}
+
+/// The attempts of one request: `history.prometheus.retries` at most, with jittered
+/// exponential backoff between them.
+pub(super) struct Tries<'a> {
+    p: &'a PrometheusConfig,
+    url: &'a str,
+    /// The attempt made last, from 1.
+    attempt: u32,
+}
+
+impl<'a> Tries<'a> {
+    /// The attempts of a request to `url` (the first one being made).
+    pub(super) fn new(p: &'a PrometheusConfig, url: &'a str) -> Self {
+        Tries { p, url, attempt: 1 }
+    }
+
+    /// After an attempt that `failed`: waits for the next one, or gives the request's error
+    /// when none is left or worth making ([`HistoryError::Unavailable`] with the last failure).
+    pub(super) async fn after(&mut self, failed: Failed) -> Result<(), HistoryError> {
+        let last = match failed {
+            Failed::Fatal(e) => return Err(e),
+            Failed::Retry(last) if self.attempt < self.p.retries.max(1) => last,
+            Failed::Retry(last) | Failed::GiveUp(last) => {
+                return Err(HistoryError::Unavailable {
+                    url: self.p.url.clone(),
+                    attempts: self.attempt,
+                    message: last,
+                })
+            }
+        };
+        self.attempt += 1;
+        backoff(self.url, self.attempt, &last).await;
+        Ok(())
+    }
+}
+
 /// Waits before attempt `attempt` (≥ 2) of a request to `url`: jittered exponential backoff.
-pub(super) async fn backoff(url: &str, attempt: u32, last_error: &str) {
+async fn backoff(url: &str, attempt: u32, last_error: &str) {
     let wait = BACKOFF.delay(attempt);
     tracing::warn!(url, attempt, wait_ms = wait.as_millis() as u64, error = %last_error, "retrying");
     tokio::time::sleep(wait).await;

@@ -34,7 +34,8 @@ use serde::Deserialize;
 use tokio::sync::Semaphore;
 
 use super::http::{
-    backoff, read_capped, read_failed, send, stream_blocking, Budget, ReadError, ERROR_BODY_MAX,
+    read_capped, read_failed, send, stream_blocking, Budget, Failed, ReadError, Tries,
+    ERROR_BODY_MAX,
 };
 use super::{
     grid, remote_read, request_range, Bound, Builder, History, HistoryError, ParseError,
@@ -446,107 +447,103 @@ async fn fetch(
         ("end", to.to_string()),
         ("step", format!("{step}s")),
     ];
-    let what = || format!("response of {} for [{from}, {to}]", p.url);
-    let attempts = p.retries.max(1);
-    let mut last = String::new();
-    for attempt in 1..=attempts {
-        if attempt > 1 {
-            backoff(url, attempt, &last).await;
-        }
-        let resp = match send(client.post(url).form(&form), p).await {
-            Ok(r) => r,
-            Err(e) => {
-                last = e;
-                continue;
-            }
-        };
-        let status = resp.status();
-        let streamed = if status.is_success() {
-            let points = ((to - from) / step + 1) as usize;
-            stream_into(resp, b.clone(), points, budget).await
-        } else {
-            read_capped(resp, ERROR_BODY_MAX)
-                .await
-                .map(|body| (body, Ok(())))
-                .map_err(ReadError::Http)
-        };
-        let (skeleton, fed) = match streamed {
-            Ok(x) => x,
-            Err(ReadError::Http(e)) => {
-                last = read_failed(&e, p);
-                continue;
-            }
-            Err(ReadError::Exceeded(bound)) => {
-                return Err(HistoryError::Exceeded {
-                    url: p.url.clone(),
-                    request: request_range("query_range", from, to),
-                    bound,
-                })
-            }
-        };
-        // The envelope: the whole body without the series of `data.result`.
-        let parsed: Result<Envelope, _> = serde_json::from_slice(&skeleton);
-        match parsed {
-            Ok(r) if status.is_success() && r.is_partial => {
-                // A partial answer could lower quotas: retry, then fail.
-                last = "partial response (isPartial: some storage nodes did not answer)".into();
-            }
-            Ok(r) if status.is_success() && r.status == "success" => {
-                fed.map_err(|source| HistoryError::Parse {
-                    what: what(),
-                    source,
-                })?;
-                return match r.data {
-                    None => Err(HistoryError::Parse {
-                        what: what(),
-                        source: ParseError::SuccessWithoutData,
-                    }),
-                    Some(d) if d.result_type != "matrix" => Err(HistoryError::Parse {
-                        what: what(),
-                        source: ParseError::NotMatrix(d.result_type),
-                    }),
-                    Some(_) => Ok(()),
-                };
-            }
-            Ok(r) if status.as_u16() == 400 || status.as_u16() == 422 => {
-                return Err(HistoryError::Refused {
-                    url: p.url.clone(),
-                    status: status.as_u16(),
-                    error_type: r.error_type.unwrap_or_default(),
-                    error: r.error.unwrap_or_default(),
-                })
-            }
-            Ok(r) => {
-                last = format!(
-                    "HTTP {status}: {} {}",
-                    r.error_type.unwrap_or_default(),
-                    r.error.unwrap_or_default()
-                );
-            }
-            Err(e) if status.is_client_error() && status.as_u16() != 429 => {
-                return Err(HistoryError::Refused {
-                    url: p.url.clone(),
-                    status: status.as_u16(),
-                    error_type: "http".into(),
-                    error: format!(
-                        "{}: {e}",
-                        String::from_utf8_lossy(&skeleton[..skeleton.len().min(200)])
-                    ),
-                })
-            }
-            Err(e) => {
-                last = format!(
-                    "HTTP {status}, unreadable body ({e}): {}",
-                    String::from_utf8_lossy(&skeleton[..skeleton.len().min(200)])
-                );
-            }
+    let mut tries = Tries::new(p, url);
+    loop {
+        let req = client.post(url).form(&form);
+        match fetch_once(req, p, (from, to, step), b, budget).await {
+            Ok(()) => return Ok(()),
+            Err(failed) => tries.after(failed).await?,
         }
     }
-    Err(HistoryError::Unavailable {
-        url: p.url.clone(),
-        attempts,
-        message: last,
-    })
+}
+
+/// One attempt of [`fetch`]: sends `req` and reads its answer onto the grid.
+async fn fetch_once(
+    req: reqwest::RequestBuilder,
+    p: &PrometheusConfig,
+    (from, to, step): (i64, i64, i64),
+    b: &Arc<Mutex<Builder>>,
+    budget: &Budget,
+) -> Result<(), Failed> {
+    let resp = send(req, p).await.map_err(Failed::Retry)?;
+    let status = resp.status();
+    let streamed = if status.is_success() {
+        let points = ((to - from) / step + 1) as usize;
+        stream_into(resp, b.clone(), points, budget).await
+    } else {
+        read_capped(resp, ERROR_BODY_MAX)
+            .await
+            .map(|body| (body, Ok(())))
+            .map_err(ReadError::Http)
+    };
+    match streamed {
+        Ok((skeleton, fed)) => judge(p, (from, to), status, &skeleton, fed),
+        Err(ReadError::Http(e)) => Err(Failed::Retry(read_failed(&e, p))),
+        Err(ReadError::Exceeded(bound)) => Err(Failed::Fatal(HistoryError::Exceeded {
+            url: p.url.clone(),
+            request: request_range("query_range", from, to),
+            bound,
+        })),
+    }
+}
+
+/// What the envelope of an answer to `[from, to]` (the whole body without the series of
+/// `data.result`) and its `status` say of the attempt, the series having been decoded or not
+/// (`fed`).
+fn judge(
+    p: &PrometheusConfig,
+    (from, to): (i64, i64),
+    status: reqwest::StatusCode,
+    skeleton: &[u8],
+    fed: Result<(), ParseError>,
+) -> Result<(), Failed> {
+    let parse = |source| {
+        Failed::Fatal(HistoryError::Parse {
+            what: format!("response of {} for [{from}, {to}]", p.url),
+            source,
+        })
+    };
+    let refused = |error_type, error| {
+        Failed::Fatal(HistoryError::Refused {
+            url: p.url.clone(),
+            status: status.as_u16(),
+            error_type,
+            error,
+        })
+    };
+    let head = || String::from_utf8_lossy(&skeleton[..skeleton.len().min(200)]);
+    match serde_json::from_slice::<Envelope>(skeleton) {
+        // A partial answer could lower quotas: retry, then fail.
+        Ok(r) if status.is_success() && r.is_partial => Err(Failed::Retry(
+            "partial response (isPartial: some storage nodes did not answer)".into(),
+        )),
+        Ok(r) if status.is_success() && r.status == "success" => {
+            fed.map_err(&parse)?;
+            match r.data {
+                None => Err(parse(ParseError::SuccessWithoutData)),
+                Some(d) if d.result_type != "matrix" => {
+                    Err(parse(ParseError::NotMatrix(d.result_type)))
+                }
+                Some(_) => Ok(()),
+            }
+        }
+        Ok(r) if status.as_u16() == 400 || status.as_u16() == 422 => Err(refused(
+            r.error_type.unwrap_or_default(),
+            r.error.unwrap_or_default(),
+        )),
+        Ok(r) => Err(Failed::Retry(format!(
+            "HTTP {status}: {} {}",
+            r.error_type.unwrap_or_default(),
+            r.error.unwrap_or_default()
+        ))),
+        Err(e) if status.is_client_error() && status.as_u16() != 429 => {
+            Err(refused("http".into(), format!("{}: {e}", head())))
+        }
+        Err(e) => Err(Failed::Retry(format!(
+            "HTTP {status}, unreadable body ({e}): {}",
+            head()
+        ))),
+    }
 }
 
 /// At most this much of a success answer outside `data.result` (envelope, warnings).

@@ -25,7 +25,7 @@ use prost::Message;
 use schema::PrometheusConfig;
 
 use super::http::{
-    backoff, chain, read_capped, read_failed, send, stream_blocking, Budget, ReadError,
+    chain, read_capped, read_failed, send, stream_blocking, Budget, Failed, ReadError, Tries,
     ERROR_BODY_MAX,
 };
 use super::{request_range, Bound, Builder, DecoderFailed, HistoryError, ParseError, LABELS_MAX};
@@ -493,127 +493,126 @@ pub(crate) async fn fetch(
     budget: &Budget,
 ) -> Result<(), HistoryError> {
     let (from_ms, to_ms) = (steps.from * 1000 - steps.lookback_ms, steps.to * 1000);
-    let what = || {
-        format!(
-            "remote-read answer of {} for [{}, {}]",
-            p.url, steps.from, steps.to
-        )
-    };
     let body = request(matchers, from_ms, to_ms).map_err(|e| HistoryError::Parse {
-        what: what(),
+        what: answer_of(p, steps),
         source: e.into(),
     })?;
-    let attempts = p.retries.max(1);
-    let mut last = String::new();
-    let mut made = 0;
-    for attempt in 1..=attempts {
-        if attempt > 1 {
-            backoff(url, attempt, &last).await;
-        }
-        made = attempt;
-        // The whole request, streamed answer included, within `max_request_duration`: the
-        // client's timeouts only bound the wait for each byte.
-        let deadline = tokio::time::Instant::now() + p.max_request_duration.0;
-        let too_long = || {
-            format!(
-                "the request took longer than history.prometheus.max_request_duration ({})",
-                p.max_request_duration
-            )
-        };
-        let sent = tokio::time::timeout_at(deadline, send(post(client, url, body.clone()), p));
-        let resp = match sent.await {
-            Ok(Ok(r)) => r,
-            Ok(Err(e)) => {
-                last = e;
-                continue;
-            }
-            Err(_) => {
-                last = too_long();
-                continue;
-            }
-        };
-        let status = resp.status();
-        if !status.is_success() || !content_type(&resp).starts_with(STREAMED) {
-            let ct = content_type(&resp);
-            let text = tokio::time::timeout_at(deadline, read_capped(resp, ERROR_BODY_MAX))
-                .await
-                .ok()
-                .and_then(Result::ok)
-                .unwrap_or_default();
-            let text = String::from_utf8_lossy(&text[..text.len().min(300)])
-                .trim()
-                .to_string();
-            if status.is_client_error() && status.as_u16() != 429 {
-                return Err(HistoryError::Refused {
-                    url: p.url.clone(),
-                    status: status.as_u16(),
-                    error_type: "remote_read".into(),
-                    error: text,
-                });
-            }
-            last = if status.is_success() {
-                format!("HTTP {status} with `{ct}` instead of streamed chunks (Prometheus 2.13 or later answers remote read with them)")
-            } else {
-                format!("HTTP {status}: {text}")
-            };
-            if status.is_success() {
-                break; // the server will not stream: retrying changes nothing
-            }
-            continue;
-        }
-        // The stream has no end marker: its end must be told by HTTP (a length, chunked
-        // encoding or HTTP/2), or a connection closed early would pass for a whole answer.
-        let chunked = resp
-            .headers()
-            .get(reqwest::header::TRANSFER_ENCODING)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.contains("chunked"));
-        if !(chunked
-            || resp.content_length().is_some()
-            || resp.version() >= reqwest::Version::HTTP_2)
-        {
-            last = "a streamed answer without a length or chunked encoding: a cut could not be told from its end (a proxy in between?)".into();
-            break;
-        }
-        let decoder = Frames::new(steps, b.clone());
-        let streamed = stream_blocking(resp, decoder, Frames::push, budget);
-        let Ok(done) = tokio::time::timeout_at(deadline, streamed).await else {
-            // Cut: what it put on the grid is a subset of the same answer (samples merge by
-            // maximum), as for a corrupt one.
-            last = too_long();
-            continue;
-        };
-        let done = done.map(|d| {
-            d.map_err(|e| Bad::Corrupt(Corrupt::Decoder(e)))
-                .and_then(Frames::finish)
-        });
-        match done {
-            Ok(Ok(())) => return Ok(()),
-            Ok(Err(Bad::Exceeded(bound))) | Err(ReadError::Exceeded(bound)) => {
-                return Err(HistoryError::Exceeded {
-                    url: p.url.clone(),
-                    request: request_range("remote read", steps.from, steps.to),
-                    bound,
-                })
-            }
-            // What the server sent whole but rlc cannot read: the same again on a retry.
-            Ok(Err(Bad::Unreadable(e))) => {
-                return Err(HistoryError::Parse {
-                    what: what(),
-                    source: ParseError::RemoteRead(e),
-                })
-            }
-            // A corrupt or cut answer: retried (what it put on the grid is a subset of the
-            // same answer, and samples merge by maximum).
-            Ok(Err(Bad::Corrupt(e))) => last = format!("bad answer: {e}"),
-            Err(ReadError::Http(e)) => last = read_failed(&e, p),
+    let mut tries = Tries::new(p, url);
+    loop {
+        match fetch_once((client, url, p), &body, steps, b, budget).await {
+            Ok(()) => return Ok(()),
+            Err(failed) => tries.after(failed).await?,
         }
     }
-    Err(HistoryError::Unavailable {
-        url: p.url.clone(),
-        attempts: made,
-        message: last,
-    })
+}
+
+/// What the errors of a request for `steps` call its answer.
+fn answer_of(p: &PrometheusConfig, steps: Steps) -> String {
+    format!(
+        "remote-read answer of {} for [{}, {}]",
+        p.url, steps.from, steps.to
+    )
+}
+
+/// One attempt of [`fetch`]: the whole request, streamed answer included, within
+/// `max_request_duration` (the client's timeouts only bound the wait for each byte).
+async fn fetch_once(
+    (client, url, p): (&reqwest::Client, &str, &PrometheusConfig),
+    body: &[u8],
+    steps: Steps,
+    b: &Arc<Mutex<Builder>>,
+    budget: &Budget,
+) -> Result<(), Failed> {
+    let deadline = tokio::time::Instant::now() + p.max_request_duration.0;
+    let too_long = |_| {
+        Failed::Retry(format!(
+            "the request took longer than history.prometheus.max_request_duration ({})",
+            p.max_request_duration
+        ))
+    };
+    let sent = tokio::time::timeout_at(deadline, send(post(client, url, body.to_vec()), p));
+    let resp = sent.await.map_err(&too_long)?.map_err(Failed::Retry)?;
+    if !resp.status().is_success() || !content_type(&resp).starts_with(STREAMED) {
+        return Err(not_streamed(resp, deadline, p).await);
+    }
+    if !delimited(&resp) {
+        return Err(Failed::GiveUp("a streamed answer without a length or chunked encoding: a cut could not be told from its end (a proxy in between?)".into()));
+    }
+    let decoder = Frames::new(steps, b.clone());
+    let streamed = stream_blocking(resp, decoder, Frames::push, budget);
+    // Cut: what it put on the grid is a subset of the same answer (samples merge by
+    // maximum), as for a corrupt one.
+    let done = tokio::time::timeout_at(deadline, streamed)
+        .await
+        .map_err(&too_long)?;
+    let done = done.map(|d| {
+        d.map_err(|e| Bad::Corrupt(Corrupt::Decoder(e)))
+            .and_then(Frames::finish)
+    });
+    match done {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(Bad::Exceeded(bound))) | Err(ReadError::Exceeded(bound)) => {
+            Err(Failed::Fatal(HistoryError::Exceeded {
+                url: p.url.clone(),
+                request: request_range("remote read", steps.from, steps.to),
+                bound,
+            }))
+        }
+        // What the server sent whole but rlc cannot read: the same again on a retry.
+        Ok(Err(Bad::Unreadable(e))) => Err(Failed::Fatal(HistoryError::Parse {
+            what: answer_of(p, steps),
+            source: ParseError::RemoteRead(e),
+        })),
+        // A corrupt or cut answer: retried (what it put on the grid is a subset of the
+        // same answer, and samples merge by maximum).
+        Ok(Err(Bad::Corrupt(e))) => Err(Failed::Retry(format!("bad answer: {e}"))),
+        Err(ReadError::Http(e)) => Err(Failed::Retry(read_failed(&e, p))),
+    }
+}
+
+/// How an attempt answered with something other than streamed chunks fails: a client error
+/// (429 aside) is refused at once, a server error is retried, and a success that is not
+/// streamed gives up (the server will not stream: retrying changes nothing).
+async fn not_streamed(
+    resp: reqwest::Response,
+    deadline: tokio::time::Instant,
+    p: &PrometheusConfig,
+) -> Failed {
+    let status = resp.status();
+    let ct = content_type(&resp);
+    let text = tokio::time::timeout_at(deadline, read_capped(resp, ERROR_BODY_MAX))
+        .await
+        .ok()
+        .and_then(Result::ok)
+        .unwrap_or_default();
+    let text = String::from_utf8_lossy(&text[..text.len().min(300)])
+        .trim()
+        .to_string();
+    if status.is_client_error() && status.as_u16() != 429 {
+        return Failed::Fatal(HistoryError::Refused {
+            url: p.url.clone(),
+            status: status.as_u16(),
+            error_type: "remote_read".into(),
+            error: text,
+        });
+    }
+    if status.is_success() {
+        Failed::GiveUp(format!("HTTP {status} with `{ct}` instead of streamed chunks (Prometheus 2.13 or later answers remote read with them)"))
+    } else {
+        Failed::Retry(format!("HTTP {status}: {text}"))
+    }
+}
+
+/// Whether HTTP tells where the answer ends (a length, chunked encoding or HTTP/2): the
+/// stream has no end marker, so otherwise a connection closed early would pass for a whole
+/// answer.
+fn delimited(resp: &reqwest::Response) -> bool {
+    let chunked = resp
+        .headers()
+        .get(reqwest::header::TRANSFER_ENCODING)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("chunked"));
+    chunked || resp.content_length().is_some() || resp.version() >= reqwest::Version::HTTP_2
 }
 
 /// What went wrong with a streamed answer.
