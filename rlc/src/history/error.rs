@@ -1,9 +1,13 @@
-//! Why a history pull failed: [`HistoryError`], what was wrong with a file or an answer
-//! ([`ParseError`]), the bounds on what a pull reads ([`Bound`]); why a history on disk could
-//! not be written or read ([`DiskError`]).
+//! Why a history pull failed: [`HistoryError`], the last failure of a request that no attempt
+//! got through ([`RequestFailure`]), what was wrong with a file or an answer ([`ParseError`]),
+//! the bounds on what a pull reads ([`Bound`]); why a history on disk could not be written or
+//! read ([`DiskError`]).
 
 use std::path::PathBuf;
 use std::sync::Arc;
+
+use reqwest::StatusCode;
+use schema::HumanDuration;
 
 use super::file::CsvError;
 use super::remote_read;
@@ -52,14 +56,14 @@ pub enum HistoryError {
         error: String,
     },
     /// Prometheus could not be reached or kept failing after every retry.
-    #[error("prometheus at {url} failed after {attempts} attempts: {message}")]
+    #[error("prometheus at {url} failed after {attempts} attempts: {source}")]
     Unavailable {
         /// Base URL.
         url: String,
         /// Attempts made.
         attempts: u32,
         /// The last failure.
-        message: String,
+        source: RequestFailure,
     },
     /// `history` asks for something that cannot be done (the message names the field).
     #[error("{0}")]
@@ -78,6 +82,95 @@ pub enum HistoryError {
     /// The history could not be written to disk or read back.
     #[error(transparent)]
     Disk(#[from] DiskError),
+}
+
+/// The last failure of a request to Prometheus that no attempt got through
+/// ([`HistoryError::Unavailable`]).
+#[derive(Debug, thiserror::Error)]
+pub enum RequestFailure {
+    /// The request could not be sent, or no answer came within the timeout.
+    #[error("request failed: {}", cause(.source, .timeout))]
+    Send {
+        /// The cause.
+        source: reqwest::Error,
+        /// `history.prometheus.timeout`.
+        timeout: HumanDuration,
+    },
+    /// The answer could not be read whole.
+    #[error("reading the response failed: {}", cause(.source, .timeout))]
+    Read {
+        /// The cause.
+        source: reqwest::Error,
+        /// `history.prometheus.timeout`.
+        timeout: HumanDuration,
+    },
+    /// A `query_range` answer some storage nodes did not contribute to (`isPartial`).
+    #[error("partial response (isPartial: some storage nodes did not answer)")]
+    Partial,
+    /// A `query_range` answer with an error status.
+    #[error("HTTP {status}: {error_type} {error}")]
+    Status {
+        /// The status.
+        status: StatusCode,
+        /// Prometheus' `errorType`, if any.
+        error_type: String,
+        /// Prometheus' `error`, if any.
+        error: String,
+    },
+    /// A `query_range` answer that is no answer (a proxy's page, a cut body).
+    #[error("HTTP {status}, unreadable body ({source}): {body}")]
+    UnreadableBody {
+        /// The status.
+        status: StatusCode,
+        /// Why the body is no answer.
+        source: serde_json::Error,
+        /// Its first 200 bytes.
+        body: String,
+    },
+    /// A remote-read answer with an error status.
+    #[error("HTTP {status}: {text}")]
+    ErrorText {
+        /// The status.
+        status: StatusCode,
+        /// The first 300 bytes of the body, trimmed.
+        text: String,
+    },
+    /// A remote-read answer that is not streamed chunks.
+    #[error("HTTP {status} with `{content_type}` instead of streamed chunks (Prometheus 2.13 or later answers remote read with them)")]
+    NotStreamed {
+        /// The status.
+        status: StatusCode,
+        /// Its `Content-Type`.
+        content_type: String,
+    },
+    /// A streamed answer whose end HTTP does not tell (no length, no chunked encoding).
+    #[error("a streamed answer without a length or chunked encoding: a cut could not be told from its end (a proxy in between?)")]
+    Undelimited,
+    /// A remote-read request past `history.prometheus.max_request_duration`.
+    #[error("the request took longer than history.prometheus.max_request_duration ({0})")]
+    TooLong(HumanDuration),
+    /// A streamed answer corrupt or cut on its way.
+    #[error("bad answer: {0}")]
+    Corrupt(#[source] remote_read::Corrupt),
+    /// The server's settings, which remote read follows, could not be read.
+    #[error("reading the server's settings failed: {0}")]
+    Settings(String),
+    /// The HTTP client could not be built.
+    #[error(transparent)]
+    Client(reqwest::Error),
+    /// The task pulling a chunk failed.
+    #[error(transparent)]
+    Task(tokio::task::JoinError),
+}
+
+/// A failed send or read: how long it waited when it timed out, else the error with its
+/// causes (reqwest keeps "connection refused" in them).
+fn cause(e: &reqwest::Error, timeout: &HumanDuration) -> String {
+    if e.is_timeout() {
+        format!("timed out after {timeout}")
+    } else {
+        super::http::chain(e)
+    }
 }
 
 /// What was wrong with a history file or an answer ([`HistoryError::Parse`]).

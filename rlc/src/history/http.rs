@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use schema::PrometheusConfig;
 
-use super::{Bound, DecoderFailed, HistoryError};
+use super::{Bound, DecoderFailed, HistoryError, RequestFailure};
 
 /// Between the tries of one history request.
 const BACKOFF: crate::retry::Backoff = crate::retry::Backoff {
@@ -17,35 +17,31 @@ const BACKOFF: crate::retry::Backoff = crate::retry::Backoff {
     attempts: None,
 };
 
-/// Sends a request; a failure worded for the pull's error ("timed out after" the timeout).
+/// Sends a request ([`RequestFailure::Send`] when it fails or times out).
 pub(super) async fn send(
     req: reqwest::RequestBuilder,
     p: &PrometheusConfig,
-) -> Result<reqwest::Response, String> {
-    req.send().await.map_err(|e| {
-        if e.is_timeout() {
-            format!("request failed: timed out after {}", p.timeout)
-        } else {
-            format!("request failed: {}", chain(&e))
-        }
+) -> Result<reqwest::Response, RequestFailure> {
+    req.send().await.map_err(|source| RequestFailure::Send {
+        source,
+        timeout: p.timeout,
     })
 }
 
-/// A failure while reading an answer, worded for the pull's error.
-pub(super) fn read_failed(e: &reqwest::Error, p: &PrometheusConfig) -> String {
-    if e.is_timeout() {
-        format!("reading the response failed: timed out after {}", p.timeout)
-    } else {
-        format!("reading the response failed: {}", chain(e))
+/// A failure while reading an answer.
+pub(super) fn read_failed(source: reqwest::Error, p: &PrometheusConfig) -> RequestFailure {
+    RequestFailure::Read {
+        source,
+        timeout: p.timeout,
     }
 }
 
 /// How an attempt of a request that did not get its answer ends.
 pub(super) enum Failed {
     /// Worth another attempt, if one is left: why this one failed.
-    Retry(String),
+    Retry(RequestFailure),
     /// Another attempt would fail the same way: the request fails now.
-    GiveUp(String),
+    GiveUp(RequestFailure),
     /// The pull fails with this at once.
     Fatal(HistoryError),
 }
@@ -75,7 +71,7 @@ impl<'a> Tries<'a> {
                 return Err(HistoryError::Unavailable {
                     url: self.p.url.clone(),
                     attempts: self.attempt,
-                    message: last,
+                    source: last,
                 })
             }
         };
@@ -86,7 +82,7 @@ impl<'a> Tries<'a> {
 }
 
 /// Waits before attempt `attempt` (≥ 2) of a request to `url`: jittered exponential backoff.
-async fn backoff(url: &str, attempt: u32, last_error: &str) {
+async fn backoff(url: &str, attempt: u32, last_error: &RequestFailure) {
     let wait = BACKOFF.delay(attempt);
     tracing::warn!(url, attempt, wait_ms = wait.as_millis() as u64, error = %last_error, "retrying");
     tokio::time::sleep(wait).await;

@@ -24,7 +24,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-pub use error::{Bound, DecoderFailed, DiskError, HistoryError, ParseError, Unrestored};
+pub use error::{
+    Bound, DecoderFailed, DiskError, HistoryError, ParseError, RequestFailure, Unrestored,
+};
 pub use policies::RateSeries;
 pub use rlc_plan::history::{History, Rejected, SeriesKey, SeriesSource};
 use schema::{HistoryConfig, LabelNames};

@@ -39,7 +39,7 @@ use super::http::{
 };
 use super::{
     grid, remote_read, request_range, Bound, Builder, History, HistoryError, ParseError,
-    SpilledHistory, LABELS_MAX,
+    RequestFailure, SpilledHistory, LABELS_MAX,
 };
 
 /// Upper bound on steps per request: 12 h at 1 m.
@@ -320,7 +320,7 @@ async fn pull(
                 first_err.get_or_insert(HistoryError::Unavailable {
                     url: p.url.clone(),
                     attempts: 0,
-                    message: e.to_string(),
+                    source: RequestFailure::Task(e),
                 });
             }
         }
@@ -354,7 +354,7 @@ fn http_client(
     b.build().map_err(|e| HistoryError::Unavailable {
         url: p.url.clone(),
         attempts: 0,
-        message: e.to_string(),
+        source: RequestFailure::Client(e),
     })
 }
 
@@ -385,7 +385,7 @@ async fn read_api(
                 Err(remote_read::Refusal::Unreachable(message)) => Err(HistoryError::Unavailable {
                     url: p.url.clone(),
                     attempts: 1,
-                    message: format!("reading the server's settings failed: {message}"),
+                    source: RequestFailure::Settings(message),
                 }),
                 Err(remote_read::Refusal::Final(why)) => Err(HistoryError::Config(format!(
                     "history.prometheus.api: remote_read cannot give what query_range would: {why} (use `auto` or `query_range`)"
@@ -478,7 +478,7 @@ async fn fetch_once(
     };
     match streamed {
         Ok((skeleton, fed)) => judge(p, (from, to), status, &skeleton, fed),
-        Err(ReadError::Http(e)) => Err(Failed::Retry(read_failed(&e, p))),
+        Err(ReadError::Http(e)) => Err(Failed::Retry(read_failed(e, p))),
         Err(ReadError::Exceeded(bound)) => Err(Failed::Fatal(HistoryError::Exceeded {
             url: p.url.clone(),
             request: request_range("query_range", from, to),
@@ -514,9 +514,7 @@ fn judge(
     let head = || String::from_utf8_lossy(&skeleton[..skeleton.len().min(200)]);
     match serde_json::from_slice::<Envelope>(skeleton) {
         // A partial answer could lower quotas: retry, then fail.
-        Ok(r) if status.is_success() && r.is_partial => Err(Failed::Retry(
-            "partial response (isPartial: some storage nodes did not answer)".into(),
-        )),
+        Ok(r) if status.is_success() && r.is_partial => Err(Failed::Retry(RequestFailure::Partial)),
         Ok(r) if status.is_success() && r.status == "success" => {
             fed.map_err(&parse)?;
             match r.data {
@@ -531,18 +529,19 @@ fn judge(
             r.error_type.unwrap_or_default(),
             r.error.unwrap_or_default(),
         )),
-        Ok(r) => Err(Failed::Retry(format!(
-            "HTTP {status}: {} {}",
-            r.error_type.unwrap_or_default(),
-            r.error.unwrap_or_default()
-        ))),
+        Ok(r) => Err(Failed::Retry(RequestFailure::Status {
+            status,
+            error_type: r.error_type.unwrap_or_default(),
+            error: r.error.unwrap_or_default(),
+        })),
         Err(e) if status.is_client_error() && status.as_u16() != 429 => {
             Err(refused("http".into(), format!("{}: {e}", head())))
         }
-        Err(e) => Err(Failed::Retry(format!(
-            "HTTP {status}, unreadable body ({e}): {}",
-            head()
-        ))),
+        Err(source) => Err(Failed::Retry(RequestFailure::UnreadableBody {
+            status,
+            source,
+            body: head().into_owned(),
+        })),
     }
 }
 

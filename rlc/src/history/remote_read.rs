@@ -28,7 +28,10 @@ use super::http::{
     chain, read_capped, read_failed, send, stream_blocking, Budget, Failed, ReadError, Tries,
     ERROR_BODY_MAX,
 };
-use super::{request_range, Bound, Builder, DecoderFailed, HistoryError, ParseError, LABELS_MAX};
+use super::{
+    request_range, Bound, Builder, DecoderFailed, HistoryError, ParseError, RequestFailure,
+    LABELS_MAX,
+};
 
 /// The content type of a streamed answer.
 const STREAMED: &str = "application/x-streamed-protobuf";
@@ -524,19 +527,14 @@ async fn fetch_once(
     budget: &Budget,
 ) -> Result<(), Failed> {
     let deadline = tokio::time::Instant::now() + p.max_request_duration.0;
-    let too_long = |_| {
-        Failed::Retry(format!(
-            "the request took longer than history.prometheus.max_request_duration ({})",
-            p.max_request_duration
-        ))
-    };
+    let too_long = |_| Failed::Retry(RequestFailure::TooLong(p.max_request_duration));
     let sent = tokio::time::timeout_at(deadline, send(post(client, url, body.to_vec()), p));
     let resp = sent.await.map_err(&too_long)?.map_err(Failed::Retry)?;
     if !resp.status().is_success() || !content_type(&resp).starts_with(STREAMED) {
         return Err(not_streamed(resp, deadline, p).await);
     }
     if !delimited(&resp) {
-        return Err(Failed::GiveUp("a streamed answer without a length or chunked encoding: a cut could not be told from its end (a proxy in between?)".into()));
+        return Err(Failed::GiveUp(RequestFailure::Undelimited));
     }
     let decoder = Frames::new(steps, b.clone());
     let streamed = stream_blocking(resp, decoder, Frames::push, budget);
@@ -565,8 +563,8 @@ async fn fetch_once(
         })),
         // A corrupt or cut answer: retried (what it put on the grid is a subset of the
         // same answer, and samples merge by maximum).
-        Ok(Err(Bad::Corrupt(e))) => Err(Failed::Retry(format!("bad answer: {e}"))),
-        Err(ReadError::Http(e)) => Err(Failed::Retry(read_failed(&e, p))),
+        Ok(Err(Bad::Corrupt(e))) => Err(Failed::Retry(RequestFailure::Corrupt(e))),
+        Err(ReadError::Http(e)) => Err(Failed::Retry(read_failed(e, p))),
     }
 }
 
@@ -579,7 +577,7 @@ async fn not_streamed(
     p: &PrometheusConfig,
 ) -> Failed {
     let status = resp.status();
-    let ct = content_type(&resp);
+    let content_type = content_type(&resp);
     let text = tokio::time::timeout_at(deadline, read_capped(resp, ERROR_BODY_MAX))
         .await
         .ok()
@@ -597,9 +595,12 @@ async fn not_streamed(
         });
     }
     if status.is_success() {
-        Failed::GiveUp(format!("HTTP {status} with `{ct}` instead of streamed chunks (Prometheus 2.13 or later answers remote read with them)"))
+        Failed::GiveUp(RequestFailure::NotStreamed {
+            status,
+            content_type,
+        })
     } else {
-        Failed::Retry(format!("HTTP {status}: {text}"))
+        Failed::Retry(RequestFailure::ErrorText { status, text })
     }
 }
 
