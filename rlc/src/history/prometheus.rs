@@ -183,153 +183,45 @@ async fn pull(
     since: Option<i64>,
 ) -> Result<(Builder, (i64, i64, usize), super::PullStats), HistoryError> {
     let began = std::time::Instant::now();
-    let raw_step = h.step.as_secs() as i64;
+    let w = Window::new(p, h, end, since);
+    let (start, step, len) = (w.start, w.step, w.len);
+    let client = http_client(&w.p, reqwest::Client::builder().timeout(w.p.timeout.0))?;
     // The API is chosen on the query as written, before any server-side reduction.
-    let reduced = p.downsample.is_some_and(|d| d.as_secs() > h.step.as_secs());
-    let written = p;
-    let (query, h) = match p.downsample {
-        Some(d) if d.as_secs() > h.step.as_secs() => {
-            let mut h = h.clone();
-            let q = format!("max_over_time(({})[{d}:{}])", p.query, h.step);
-            h.step = d;
-            (q, h)
-        }
-        _ => (p.query.clone(), h.clone()),
-    };
-    let p = &PrometheusConfig { query, ..p.clone() };
-    // Downsampled, the point at `t` is the maximum over `(t - step, t]`: the last point is the
-    // first multiple of `step` at or after the last raw point, so the freshest raw minutes
-    // are in the history too (a grid ending before them would drop up to two steps of them).
-    let grid_end = if h.step.as_secs() as i64 > raw_step {
-        let last_raw = end.timestamp().div_euclid(raw_step) * raw_step - raw_step;
-        last_raw + 2 * h.step.as_secs() as i64 - 1
-    } else {
-        end.timestamp()
-    };
-    let full_grid = grid(&h, grid_end);
-    let (start, step, len) = full_grid;
-    // An increment: the points from `since` on, on a grid of their own.
-    let skip = since.map_or(0, |s| {
-        usize::try_from(((s - start).max(0) + step - 1) / step)
-            .unwrap_or(usize::MAX)
-            .min(len - 1)
-    });
-    let (start, len) = (start + skip as i64 * step, len - skip);
-    // Bound the samples Prometheus evaluates per request too (its `query.max-samples`): with
-    // server-side reduction, one output point costs `downsample ÷ step` inner steps.
-    let inner_per_point = (step / raw_step.max(1)).max(1) as usize;
-    let per_chunk = (p.max_points.clamp(2, CHUNK_STEPS) as usize / inner_per_point).max(1);
-    let client = http_client(p, reqwest::Client::builder().timeout(p.timeout.0))?;
-    let read = match read_api(written, reduced, &client, start + (len as i64 - 1) * step).await? {
-        Some((matchers, rules)) => {
-            // A remote-read answer's size grows with the fleet, not with `max_points`: its
-            // requests time out when no byte came for `timeout` (a hung server), not after
-            // `timeout` in all.
-            let stream_client = http_client(
-                p,
-                reqwest::Client::builder()
-                    .connect_timeout(p.timeout.0)
-                    .read_timeout(p.timeout.0),
-            )?;
-            let url = remote_read::endpoint(&p.url);
-            Some((stream_client, url, Arc::new(matchers), rules))
-        }
-        None => None,
-    };
-    // Remote read moves whole TSDB chunks, not steps: a request covers one to seven days (fewer
-    // chunks decoded twice at the edges; a retry downloads at most a week again), about two
-    // requests per connection (each costs a pass over every series).
-    let per_chunk = match read {
-        Some(_) => len.div_ceil(2 * p.concurrency.max(1) as usize).clamp(
-            (remote_read::CHUNK_SECS / step).max(1) as usize,
-            (7 * remote_read::CHUNK_SECS / step).max(1) as usize,
-        ),
-        None => per_chunk,
-    };
-    let url = format!("{}/api/v1/query_range", p.url.trim_end_matches('/'));
-    let sem = Arc::new(Semaphore::new(p.concurrency.max(1) as usize));
-    let builder = match spill {
-        Some(dir) => Builder::spilled(start, step, len, p.labels.clone(), dir)?,
-        None => Builder::new(start, step, len, p.labels.clone()),
-    };
-    // An answer lists a series once: one run per request and attempt at most.
-    let max_runs = len.div_ceil(per_chunk) * p.retries.max(1) as usize;
-    let builder = builder.bounded(
-        usize::try_from(p.max_series).unwrap_or(usize::MAX),
-        max_runs,
-    );
-    let builder = Arc::new(Mutex::new(builder));
-    let budget = Arc::new(Budget::new(p));
-    let mut tasks = tokio::task::JoinSet::new();
-    let mut i = 0;
-    while i < len {
-        let n = per_chunk.min(len - i);
-        let (from, to) = (start + i as i64 * step, start + (i + n - 1) as i64 * step);
-        let (client, url, sem, p, b, read, budget) = (
-            client.clone(),
-            url.clone(),
-            sem.clone(),
-            p.clone(),
-            builder.clone(),
-            read.clone(),
-            budget.clone(),
-        );
-        tasks.spawn(async move {
-            let _permit = sem.acquire_owned().await.expect("semaphore never closed");
-            match read {
-                Some((stream_client, url, matchers, rules)) => {
-                    let steps = remote_read::Steps {
-                        from,
-                        to,
-                        step,
-                        lookback_ms: rules.lookback_ms,
-                        include_start: rules.include_start,
-                    };
-                    let at = (&stream_client, url.as_str(), &p);
-                    remote_read::fetch(at, &matchers, steps, &b, &budget).await
-                }
-                None => fetch(&client, &url, &p, (from, to, step), &b, &budget).await,
-            }
-        });
-        i += n;
-    }
+    let read = remote_reader(p, &w, &client).await?;
+    let per_chunk = chunk_points(&w, read.is_some());
+    let builder = bounded_builder(&w, spill, per_chunk)?;
     let api = if read.is_some() {
         "remote_read"
     } else {
         "query_range"
     };
-    let kind = if skip > 0 {
+    let task = Chunk {
+        client,
+        url: format!("{}/api/v1/query_range", w.p.url.trim_end_matches('/')),
+        read,
+        sem: Arc::new(Semaphore::new(w.p.concurrency.max(1) as usize)),
+        budget: Arc::new(Budget::new(&w.p)),
+        b: Arc::new(Mutex::new(builder)),
+        p: w.p,
+    };
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut i = 0;
+    while i < len {
+        let n = per_chunk.min(len - i);
+        let (from, to) = (start + i as i64 * step, start + (i + n - 1) as i64 * step);
+        tasks.spawn(task.clone().pull((from, to, step)));
+        i += n;
+    }
+    let kind = if w.skip > 0 {
         super::PullKind::Incremental
     } else {
         super::PullKind::Full
     };
-    tracing::info!(url = %p.url, api, %kind, chunks = tasks.len(), series_points = len, step, "pulling history");
-    let progress = progress_bar(tasks.len() as u64);
-    let mut first_err = None;
-    while let Some(r) = tasks.join_next().await {
-        progress.inc(1);
-        match r {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                // One failed chunk fails the pull: a partial history could lower quotas.
-                tasks.abort_all();
-                first_err.get_or_insert(e);
-            }
-            Err(e) if e.is_cancelled() => {}
-            Err(e) => {
-                first_err.get_or_insert(HistoryError::Unavailable {
-                    url: p.url.clone(),
-                    attempts: 0,
-                    source: RequestFailure::Task(e),
-                });
-            }
-        }
-    }
-    progress.finish_and_clear();
-    if let Some(e) = first_err {
-        return Err(e);
-    }
-    let b = Arc::try_unwrap(builder).map_err(|_| HistoryError::Parse {
+    let url = &task.p.url;
+    tracing::info!(url = %url, api, %kind, chunks = tasks.len(), series_points = len, step, "pulling history");
+    join_chunks(&mut tasks, url).await?;
+    let Chunk { b, budget, .. } = task;
+    let b = Arc::try_unwrap(b).map_err(|_| HistoryError::Parse {
         what: "history".into(),
         source: ParseError::Outlived,
     })?;
@@ -344,7 +236,231 @@ async fn pull(
         to: start + (len as i64 - 1) * step,
     };
     super::log_pull(&stats, began.elapsed().as_secs_f64());
-    Ok((b, full_grid, stats))
+    Ok((b, w.full_grid, stats))
+}
+
+/// What a pull asks for: the query as sent and the grid points pulled.
+struct Window {
+    /// The settings with the query as sent: reduced server-side to the maximum over each
+    /// step of `downsample` when that is coarser than `history.step`.
+    p: PrometheusConfig,
+    /// Whether the query is reduced so.
+    reduced: bool,
+    /// `history.step`, seconds: the step of the series as written.
+    raw_step: i64,
+    /// The grid of the whole lookback: first point, step, points.
+    full_grid: (i64, i64, usize),
+    /// The first point pulled.
+    start: i64,
+    /// The step of the points pulled, seconds.
+    step: i64,
+    /// The points pulled.
+    len: usize,
+    /// The points of the lookback before `start`, not pulled (an increment).
+    skip: usize,
+}
+
+impl Window {
+    /// The lookback ending at `end`, from the first point at or after `since` when given.
+    fn new(
+        p: &PrometheusConfig,
+        h: &HistoryConfig,
+        end: DateTime<Utc>,
+        since: Option<i64>,
+    ) -> Self {
+        let raw_step = h.step.as_secs() as i64;
+        let reduced = p.downsample.is_some_and(|d| d.as_secs() > h.step.as_secs());
+        let (query, h) = match p.downsample {
+            Some(d) if d.as_secs() > h.step.as_secs() => {
+                let mut h = h.clone();
+                let q = format!("max_over_time(({})[{d}:{}])", p.query, h.step);
+                h.step = d;
+                (q, h)
+            }
+            _ => (p.query.clone(), h.clone()),
+        };
+        // Downsampled, the point at `t` is the maximum over `(t - step, t]`: the last point is
+        // the first multiple of `step` at or after the last raw point, so the freshest raw
+        // minutes are in the history too (a grid ending before them would drop up to two
+        // steps of them).
+        let grid_end = if h.step.as_secs() as i64 > raw_step {
+            let last_raw = end.timestamp().div_euclid(raw_step) * raw_step - raw_step;
+            last_raw + 2 * h.step.as_secs() as i64 - 1
+        } else {
+            end.timestamp()
+        };
+        let full_grid = grid(&h, grid_end);
+        let (start, step, len) = full_grid;
+        // An increment: the points from `since` on, on a grid of their own.
+        let skip = since.map_or(0, |s| {
+            usize::try_from(((s - start).max(0) + step - 1) / step)
+                .unwrap_or(usize::MAX)
+                .min(len - 1)
+        });
+        Window {
+            p: PrometheusConfig { query, ..p.clone() },
+            reduced,
+            raw_step,
+            full_grid,
+            start: start + skip as i64 * step,
+            step,
+            len: len - skip,
+            skip,
+        }
+    }
+}
+
+/// Remote read, when a pull reads its chunks so: its client, the endpoint, the matchers of
+/// the query and the server's rules.
+#[derive(Clone)]
+struct RemoteRead {
+    client: reqwest::Client,
+    url: String,
+    matchers: Arc<Vec<remote_read::Matcher>>,
+    rules: remote_read::Rules,
+}
+
+/// How the chunks of `w` are read ([`read_api`] on the query as `written`): by remote read,
+/// or `None` for `query_range` (with `client`).
+async fn remote_reader(
+    written: &PrometheusConfig,
+    w: &Window,
+    client: &reqwest::Client,
+) -> Result<Option<RemoteRead>, HistoryError> {
+    let last = w.start + (w.len as i64 - 1) * w.step;
+    let Some((matchers, rules)) = read_api(written, w.reduced, client, last).await? else {
+        return Ok(None);
+    };
+    // A remote-read answer's size grows with the fleet, not with `max_points`: its requests
+    // time out when no byte came for `timeout` (a hung server), not after `timeout` in all.
+    let p = &w.p;
+    let client = http_client(
+        p,
+        reqwest::Client::builder()
+            .connect_timeout(p.timeout.0)
+            .read_timeout(p.timeout.0),
+    )?;
+    Ok(Some(RemoteRead {
+        client,
+        url: remote_read::endpoint(&p.url),
+        matchers: Arc::new(matchers),
+        rules,
+    }))
+}
+
+/// Grid points per request.
+fn chunk_points(w: &Window, remote: bool) -> usize {
+    let p = &w.p;
+    if remote {
+        // Remote read moves whole TSDB chunks, not steps: a request covers one to seven days
+        // (fewer chunks decoded twice at the edges; a retry downloads at most a week again),
+        // about two requests per connection (each costs a pass over every series).
+        w.len.div_ceil(2 * p.concurrency.max(1) as usize).clamp(
+            (remote_read::CHUNK_SECS / w.step).max(1) as usize,
+            (7 * remote_read::CHUNK_SECS / w.step).max(1) as usize,
+        )
+    } else {
+        // Bound the samples Prometheus evaluates per request too (its `query.max-samples`):
+        // with server-side reduction, one output point costs `downsample ÷ step` inner steps.
+        let inner_per_point = (w.step / w.raw_step.max(1)).max(1) as usize;
+        (p.max_points.clamp(2, CHUNK_STEPS) as usize / inner_per_point).max(1)
+    }
+}
+
+/// The builder of a pull: on the points pulled, in memory or spilled under `spill`, bounded
+/// in series and in runs per series (`per_chunk` points per request).
+fn bounded_builder(
+    w: &Window,
+    spill: Option<&Path>,
+    per_chunk: usize,
+) -> Result<Builder, HistoryError> {
+    let (p, start, step, len) = (&w.p, w.start, w.step, w.len);
+    let builder = match spill {
+        Some(dir) => Builder::spilled(start, step, len, p.labels.clone(), dir)?,
+        None => Builder::new(start, step, len, p.labels.clone()),
+    };
+    // An answer lists a series once: one run per request and attempt at most.
+    let max_runs = len.div_ceil(per_chunk) * p.retries.max(1) as usize;
+    Ok(builder.bounded(
+        usize::try_from(p.max_series).unwrap_or(usize::MAX),
+        max_runs,
+    ))
+}
+
+/// What the task pulling one chunk of a pull takes (each a clone).
+#[derive(Clone)]
+struct Chunk {
+    client: reqwest::Client,
+    /// `query_range`'s URL.
+    url: String,
+    read: Option<RemoteRead>,
+    /// The pull's concurrency.
+    sem: Arc<Semaphore>,
+    p: PrometheusConfig,
+    b: Arc<Mutex<Builder>>,
+    budget: Arc<Budget>,
+}
+
+impl Chunk {
+    /// Pulls the points `[from, to]` at `step` onto the grid, once the pull's concurrency
+    /// allows.
+    async fn pull(self, (from, to, step): (i64, i64, i64)) -> Result<(), HistoryError> {
+        let Chunk {
+            client,
+            url,
+            read,
+            sem,
+            p,
+            b,
+            budget,
+        } = self;
+        let _permit = sem.acquire_owned().await.expect("semaphore never closed");
+        match read {
+            Some(r) => {
+                let steps = remote_read::Steps {
+                    from,
+                    to,
+                    step,
+                    lookback_ms: r.rules.lookback_ms,
+                    include_start: r.rules.include_start,
+                };
+                let at = (&r.client, r.url.as_str(), &p);
+                remote_read::fetch(at, &r.matchers, steps, &b, &budget).await
+            }
+            None => fetch(&client, &url, &p, (from, to, step), &b, &budget).await,
+        }
+    }
+}
+
+/// Waits for the chunk tasks of a pull to `url` (a progress bar on a terminal). One failed
+/// chunk fails the pull, and the other tasks are aborted: a partial history could lower
+/// quotas.
+async fn join_chunks(
+    tasks: &mut tokio::task::JoinSet<Result<(), HistoryError>>,
+    url: &str,
+) -> Result<(), HistoryError> {
+    let progress = progress_bar(tasks.len() as u64);
+    let mut first_err = None;
+    while let Some(r) = tasks.join_next().await {
+        progress.inc(1);
+        match r {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tasks.abort_all();
+                first_err.get_or_insert(e);
+            }
+            Err(e) if e.is_cancelled() => {}
+            Err(e) => {
+                first_err.get_or_insert(HistoryError::Unavailable {
+                    url: url.to_string(),
+                    attempts: 0,
+                    source: RequestFailure::Task(e),
+                });
+            }
+        }
+    }
+    progress.finish_and_clear();
+    first_err.map_or(Ok(()), Err)
 }
 
 fn http_client(
