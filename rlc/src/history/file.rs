@@ -9,7 +9,7 @@ use chrono::{DateTime, Utc};
 use schema::{HistoryConfig, LabelNames};
 
 use super::prometheus::{feed, Response};
-use super::{grid, Builder, History, HistoryError};
+use super::{grid, Builder, History, HistoryError, ParseError};
 
 /// Loads `path`, on a grid ending at `end` or at the file's last sample if that is earlier.
 pub fn load(path: &Path, cfg: &HistoryConfig, end: DateTime<Utc>) -> Result<History, HistoryError> {
@@ -17,16 +17,16 @@ pub fn load(path: &Path, cfg: &HistoryConfig, end: DateTime<Utc>) -> Result<Hist
         path: path.to_path_buf(),
         source: e,
     })?;
-    let perr = |message: String| HistoryError::Parse {
+    let perr = |source: ParseError| HistoryError::Parse {
         what: path.display().to_string(),
-        message,
+        source,
     };
     let is_csv = path
         .extension()
         .is_some_and(|e| e.eq_ignore_ascii_case("csv"));
     let end = end.timestamp();
     if is_csv {
-        let csv = parse_csv(&text).map_err(perr)?;
+        let csv = parse_csv(&text).map_err(|e| perr(e.into()))?;
         let last = csv.last.unwrap_or(end);
         let step = cfg.step.as_secs() as i64;
         let (start, step, len) = grid(cfg, end.min(last + step));
@@ -41,15 +41,14 @@ pub fn load(path: &Path, cfg: &HistoryConfig, end: DateTime<Utc>) -> Result<Hist
         }
         Ok(b.finish())
     } else {
-        let r: Response<'_> = serde_json::from_str(&text).map_err(|e| perr(e.to_string()))?;
+        let r: Response<'_> = serde_json::from_str(&text).map_err(|e| perr(e.into()))?;
         if r.status != "success" {
-            return Err(perr(format!(
-                "status {}: {}",
-                r.status,
-                r.error.unwrap_or_default()
-            )));
+            return Err(perr(ParseError::Status {
+                status: r.status,
+                error: r.error.unwrap_or_default(),
+            }));
         }
-        let data = r.data.ok_or_else(|| perr("no data".into()))?;
+        let data = r.data.ok_or_else(|| perr(ParseError::NoData))?;
         let last = data
             .result
             .iter()
@@ -80,7 +79,36 @@ struct Csv {
     last: Option<i64>,
 }
 
-fn parse_csv(text: &str) -> Result<Csv, String> {
+/// Why a CSV file could not be read: the line (from 1) and what is wrong with it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CsvError {
+    /// Not five comma-separated fields.
+    #[error("line {line}: expected 5 fields ts,service,caller,procedure,rps")]
+    Fields {
+        /// The line.
+        line: usize,
+    },
+    /// A timestamp that is neither unix seconds nor RFC 3339.
+    #[error("line {line}: bad timestamp `{text}`")]
+    Timestamp {
+        /// The line.
+        line: usize,
+        /// The field.
+        text: String,
+    },
+    /// An rps that is not a number.
+    #[error("line {line}: bad rps `{text}`")]
+    Rps {
+        /// The line.
+        line: usize,
+        /// The field.
+        text: String,
+        /// Why it is not a number.
+        source: std::num::ParseFloatError,
+    },
+}
+
+fn parse_csv(text: &str) -> Result<Csv, CsvError> {
     let mut csv = Csv {
         series: Vec::new(),
         last: None,
@@ -100,10 +128,7 @@ fn parse_csv(text: &str) -> Result<Csv, String> {
             count += 1;
         }
         if count != 5 {
-            return Err(format!(
-                "line {}: expected 5 fields ts,service,caller,procedure,rps",
-                n + 1
-            ));
+            return Err(CsvError::Fields { line: n + 1 });
         }
         let ts = f[0]
             .parse::<i64>()
@@ -113,10 +138,15 @@ fn parse_csv(text: &str) -> Result<Csv, String> {
                     .ok()
                     .map(|d| d.timestamp())
             })
-            .ok_or_else(|| format!("line {}: bad timestamp `{}`", n + 1, f[0]))?;
-        let v = f[4]
-            .parse::<f64>()
-            .map_err(|_| format!("line {}: bad rps `{}`", n + 1, f[4]))?;
+            .ok_or_else(|| CsvError::Timestamp {
+                line: n + 1,
+                text: f[0].to_string(),
+            })?;
+        let v = f[4].parse::<f64>().map_err(|source| CsvError::Rps {
+            line: n + 1,
+            text: f[4].to_string(),
+            source,
+        })?;
         let i = *index.entry([f[1], f[2], f[3]]).or_insert_with(|| {
             let mut m = BTreeMap::new();
             for (k, val) in [("service", f[1]), ("caller", f[2]), ("procedure", f[3])] {
@@ -242,6 +272,41 @@ mod tests {
         assert_eq!(format!("{h:?}"), format!("{each_row:?}"));
         assert_eq!(h.series.len(), 2, "{:?}", h.series.keys());
         assert_eq!(h.rejected.len(), 3, "{:?}", h.rejected);
+    }
+
+    /// A CSV line that cannot be read fails the load, naming the file, the line and the field.
+    #[test]
+    fn csv_errors_name_the_file_the_line_and_the_field() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("h.csv");
+        for (line, want) in [
+            (
+                "1700000000,maps,web,route",
+                "line 2: expected 5 fields ts,service,caller,procedure,rps",
+            ),
+            (
+                "yesterday,maps,web,route,1",
+                "line 2: bad timestamp `yesterday`",
+            ),
+            ("1700000000,maps,web,route,x", "line 2: bad rps `x`"),
+        ] {
+            std::fs::write(&p, format!("ts,service,caller,procedure,rps\n{line}\n")).unwrap();
+            let e = load(&p, &cfg(), Utc::now()).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    HistoryError::Parse {
+                        source: ParseError::Csv(_),
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+            assert_eq!(
+                e.to_string(),
+                format!("cannot parse {}: {want}", p.display())
+            );
+        }
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use schema::PrometheusConfig;
 
-use super::Bound;
+use super::{Bound, DecoderFailed, HistoryError, RequestFailure};
 
 /// Between the tries of one history request.
 const BACKOFF: crate::retry::Backoff = crate::retry::Backoff {
@@ -17,31 +17,72 @@ const BACKOFF: crate::retry::Backoff = crate::retry::Backoff {
     attempts: None,
 };
 
-/// Sends a request; a failure worded for the pull's error ("timed out after" the timeout).
+/// Sends a request ([`RequestFailure::Send`] when it fails or times out).
 pub(super) async fn send(
     req: reqwest::RequestBuilder,
     p: &PrometheusConfig,
-) -> Result<reqwest::Response, String> {
-    req.send().await.map_err(|e| {
-        if e.is_timeout() {
-            format!("request failed: timed out after {}", p.timeout)
-        } else {
-            format!("request failed: {}", chain(&e))
-        }
+) -> Result<reqwest::Response, RequestFailure> {
+    req.send().await.map_err(|source| RequestFailure::Send {
+        source,
+        timeout: p.timeout,
     })
 }
 
-/// A failure while reading an answer, worded for the pull's error.
-pub(super) fn read_failed(e: &reqwest::Error, p: &PrometheusConfig) -> String {
-    if e.is_timeout() {
-        format!("reading the response failed: timed out after {}", p.timeout)
-    } else {
-        format!("reading the response failed: {}", chain(e))
+/// A failure while reading an answer.
+pub(super) fn read_failed(source: reqwest::Error, p: &PrometheusConfig) -> RequestFailure {
+    RequestFailure::Read {
+        source,
+        timeout: p.timeout,
+    }
+}
+
+/// How an attempt of a request that did not get its answer ends.
+pub(super) enum Failed {
+    /// Worth another attempt, if one is left: why this one failed.
+    Retry(RequestFailure),
+    /// Another attempt would fail the same way: the request fails now.
+    GiveUp(RequestFailure),
+    /// The pull fails with this at once.
+    Fatal(HistoryError),
+}
+
+/// The attempts of one request: `history.prometheus.retries` at most, with jittered
+/// exponential backoff between them.
+pub(super) struct Tries<'a> {
+    p: &'a PrometheusConfig,
+    url: &'a str,
+    /// The attempt made last, from 1.
+    attempt: u32,
+}
+
+impl<'a> Tries<'a> {
+    /// The attempts of a request to `url` (the first one being made).
+    pub(super) fn new(p: &'a PrometheusConfig, url: &'a str) -> Self {
+        Tries { p, url, attempt: 1 }
+    }
+
+    /// After an attempt that `failed`: waits for the next one, or gives the request's error
+    /// when none is left or worth making ([`HistoryError::Unavailable`] with the last failure).
+    pub(super) async fn after(&mut self, failed: Failed) -> Result<(), HistoryError> {
+        let last = match failed {
+            Failed::Fatal(e) => return Err(e),
+            Failed::Retry(last) if self.attempt < self.p.retries.max(1) => last,
+            Failed::Retry(last) | Failed::GiveUp(last) => {
+                return Err(HistoryError::Unavailable {
+                    url: self.p.url.clone(),
+                    attempts: self.attempt,
+                    source: last,
+                })
+            }
+        };
+        self.attempt += 1;
+        backoff(self.url, self.attempt, &last).await;
+        Ok(())
     }
 }
 
 /// Waits before attempt `attempt` (≥ 2) of a request to `url`: jittered exponential backoff.
-pub(super) async fn backoff(url: &str, attempt: u32, last_error: &str) {
+async fn backoff(url: &str, attempt: u32, last_error: &RequestFailure) {
     let wait = BACKOFF.delay(attempt);
     tracing::warn!(url, attempt, wait_ms = wait.as_millis() as u64, error = %last_error, "retrying");
     tokio::time::sleep(wait).await;
@@ -121,7 +162,7 @@ pub(super) async fn stream_blocking<D: Send + 'static>(
     mut decoder: D,
     push: fn(&mut D, &[u8]) -> ControlFlow<()>,
     budget: &Budget,
-) -> Result<Result<D, String>, ReadError> {
+) -> Result<Result<D, DecoderFailed>, ReadError> {
     let (tx, mut rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(PIECES_IN_FLIGHT);
     let task = tokio::task::spawn_blocking(move || {
         while let Some(piece) = rx.blocking_recv() {
@@ -153,9 +194,7 @@ pub(super) async fn stream_blocking<D: Send + 'static>(
         }
     }
     drop(tx);
-    let out = task
-        .await
-        .map_err(|e| format!("the decoder of the answer failed: {e}"));
+    let out = task.await.map_err(DecoderFailed);
     read.map(|()| out)
 }
 

@@ -5,6 +5,7 @@
 //! Missing samples stay missing (`NaN` in [`RateSeries`]), never zero. Series that cannot be
 //! used (missing labels, non-finite values) are listed in [`History::rejected`] with a reason.
 
+mod error;
 pub mod file;
 #[cfg(test)]
 pub(crate) mod fixtures;
@@ -19,161 +20,18 @@ pub mod synth;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::hash::{Hash, Hasher};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
+pub use error::{
+    Bound, DecoderFailed, DiskError, HistoryError, ParseError, RequestFailure, Unrestored,
+};
 pub use policies::RateSeries;
 pub use rlc_plan::history::{History, Rejected, SeriesKey, SeriesSource};
 use schema::{HistoryConfig, LabelNames};
 pub use spill::SpilledHistory;
 use spill::{merge_max, SpillState, SpillWriter};
-
-/// Why history could not be loaded.
-#[derive(Debug, thiserror::Error)]
-pub enum HistoryError {
-    /// `history` names no source.
-    #[error("history: no source configured (need `prometheus` or `file`)")]
-    NoSource,
-    /// A file could not be read.
-    #[error("cannot read history file {path}: {source}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
-    },
-    /// The temporary file a pull spills its series to could not be created or written.
-    #[error("cannot write the history spill {path}: {source}")]
-    Spill {
-        /// The file, or the directory it was to be created in.
-        path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
-    },
-    /// A file or response could not be parsed.
-    #[error("cannot parse {what}: {message}")]
-    Parse {
-        /// What was parsed.
-        what: String,
-        /// Why it failed.
-        message: String,
-    },
-    /// Prometheus answered with an error it will answer again (bad query, too many points…).
-    #[error("prometheus at {url} refused the query (HTTP {status}, {error_type}): {error}")]
-    Refused {
-        /// Base URL.
-        url: String,
-        /// HTTP status.
-        status: u16,
-        /// Prometheus `errorType`.
-        error_type: String,
-        /// Prometheus `error`.
-        error: String,
-    },
-    /// Prometheus could not be reached or kept failing after every retry.
-    #[error("prometheus at {url} failed after {attempts} attempts: {message}")]
-    Unavailable {
-        /// Base URL.
-        url: String,
-        /// Attempts made.
-        attempts: u32,
-        /// The last failure.
-        message: String,
-    },
-    /// `history` asks for something that cannot be done (the message names the field).
-    #[error("{0}")]
-    Config(String),
-    /// An answer crossed a bound on what a pull reads: the pull stops at once (a server that
-    /// sent it would send it again, so it is not retried) and fails as a whole.
-    #[error("prometheus at {url}: {bound}, in the answer to {request}{}", bound.advice())]
-    Exceeded {
-        /// Base URL.
-        url: String,
-        /// The request: API and time range.
-        request: String,
-        /// The bound crossed.
-        bound: Bound,
-    },
-}
-
-/// A bound on what a history pull reads from the network or holds ([`HistoryError::Exceeded`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Bound {
-    /// One answer carried more bytes than `history.prometheus.max_response_bytes`.
-    ResponseBytes(u64),
-    /// The pull read more bytes than `history.prometheus.max_pull_bytes`.
-    PullBytes(u64),
-    /// The pull met more series than `history.prometheus.max_series`.
-    Series(u64),
-    /// One series' text in a `query_range` answer is longer than its points can be.
-    SeriesText {
-        /// The bound in bytes.
-        max: usize,
-        /// The points one series has at most in the request.
-        points: usize,
-    },
-    /// One series' labels take more than [`LABELS_MAX`] bytes.
-    Labels(usize),
-    /// A `query_range` answer has more than this many bytes outside `data.result`.
-    Envelope(usize),
-    /// A series came in more answers than the pull made requests and attempts.
-    Repeated {
-        /// The series (service/caller/procedure).
-        series: String,
-        /// Answers (requests × attempts) the pull could get.
-        max: usize,
-    },
-}
-
-impl Bound {
-    /// The setting that raises the bound, if one does.
-    pub fn key(&self) -> Option<&'static str> {
-        match self {
-            Bound::ResponseBytes(_) => Some("history.prometheus.max_response_bytes"),
-            Bound::PullBytes(_) => Some("history.prometheus.max_pull_bytes"),
-            Bound::Series(_) => Some("history.prometheus.max_series"),
-            _ => None,
-        }
-    }
-
-    /// What to do about it, after the error.
-    fn advice(&self) -> String {
-        match self.key() {
-            Some(k) => format!(": raise `{k}` if such answers are legitimate"),
-            None => ": not an answer Prometheus sends".into(),
-        }
-    }
-}
-
-impl std::fmt::Display for Bound {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Bound::ResponseBytes(n) => write!(
-                f,
-                "the answer exceeds {n} bytes (history.prometheus.max_response_bytes)"
-            ),
-            Bound::PullBytes(n) => write!(
-                f,
-                "the pull exceeds {n} bytes in all (history.prometheus.max_pull_bytes)"
-            ),
-            Bound::Series(n) => write!(
-                f,
-                "the pull exceeds {n} series (history.prometheus.max_series)"
-            ),
-            Bound::SeriesText { max, points } => write!(
-                f,
-                "one series' text exceeds {max} bytes, more than its {points} points and labels can take"
-            ),
-            Bound::Labels(n) => write!(f, "one series' labels exceed {n} bytes"),
-            Bound::Envelope(n) => write!(f, "more than {n} bytes outside data.result"),
-            Bound::Repeated { series, max } => write!(
-                f,
-                "series {series} comes more than {max} times, once per request and attempt at most"
-            ),
-        }
-    }
-}
 
 /// Whether a pull read the whole lookback or only its newest minutes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -314,7 +172,7 @@ pub async fn load(
         .await
         .map_err(|e| HistoryError::Parse {
             what: "history file".into(),
-            message: e.to_string(),
+            source: ParseError::Task(e),
         })?;
         let (h, bytes) = h?;
         let stats = PullStats {
@@ -838,7 +696,7 @@ impl Builder {
         let Some(sp) = self.spill.take() else {
             return Err(HistoryError::Parse {
                 what: "history".into(),
-                message: "finish_spilled on a builder without a spill".into(),
+                source: ParseError::NotSpilled,
             });
         };
         let index = sp.index.into_iter().collect();
@@ -917,7 +775,7 @@ impl SeriesSource for PlanHistory {
             PlanHistory::Spilled(s) => s
                 .service(service)
                 .map(std::borrow::Cow::Owned)
-                .map_err(rlc_plan::history::Unreadable),
+                .map_err(rlc_plan::history::Unreadable::from),
             PlanHistory::Held(h) => SeriesSource::service(&**h, service),
         }
     }

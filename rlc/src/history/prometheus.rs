@@ -34,11 +34,12 @@ use serde::Deserialize;
 use tokio::sync::Semaphore;
 
 use super::http::{
-    backoff, read_capped, read_failed, send, stream_blocking, Budget, ReadError, ERROR_BODY_MAX,
+    read_capped, read_failed, send, stream_blocking, Budget, Failed, ReadError, Tries,
+    ERROR_BODY_MAX,
 };
 use super::{
-    grid, remote_read, request_range, Bound, Builder, History, HistoryError, SpilledHistory,
-    LABELS_MAX,
+    grid, remote_read, request_range, Bound, Builder, History, HistoryError, ParseError,
+    RequestFailure, SpilledHistory, LABELS_MAX,
 };
 
 /// Upper bound on steps per request: 12 h at 1 m.
@@ -92,12 +93,9 @@ struct DataType {
 }
 
 /// Feeds a parsed response into the builder.
-pub(crate) fn feed(b: &mut Builder, data: &Data<'_>) -> Result<(), String> {
+pub(crate) fn feed(b: &mut Builder, data: &Data<'_>) -> Result<(), ParseError> {
     if data.result_type != "matrix" {
-        return Err(format!(
-            "expected a matrix result, got `{}`",
-            data.result_type
-        ));
+        return Err(ParseError::NotMatrix(data.result_type.clone()));
     }
     for m in &data.result {
         let Some(key) = b.key(&m.metric) else {
@@ -185,155 +183,47 @@ async fn pull(
     since: Option<i64>,
 ) -> Result<(Builder, (i64, i64, usize), super::PullStats), HistoryError> {
     let began = std::time::Instant::now();
-    let raw_step = h.step.as_secs() as i64;
+    let w = Window::new(p, h, end, since);
+    let (start, step, len) = (w.start, w.step, w.len);
+    let client = http_client(&w.p, reqwest::Client::builder().timeout(w.p.timeout.0))?;
     // The API is chosen on the query as written, before any server-side reduction.
-    let reduced = p.downsample.is_some_and(|d| d.as_secs() > h.step.as_secs());
-    let written = p;
-    let (query, h) = match p.downsample {
-        Some(d) if d.as_secs() > h.step.as_secs() => {
-            let mut h = h.clone();
-            let q = format!("max_over_time(({})[{d}:{}])", p.query, h.step);
-            h.step = d;
-            (q, h)
-        }
-        _ => (p.query.clone(), h.clone()),
-    };
-    let p = &PrometheusConfig { query, ..p.clone() };
-    // Downsampled, the point at `t` is the maximum over `(t - step, t]`: the last point is the
-    // first multiple of `step` at or after the last raw point, so the freshest raw minutes
-    // are in the history too (a grid ending before them would drop up to two steps of them).
-    let grid_end = if h.step.as_secs() as i64 > raw_step {
-        let last_raw = end.timestamp().div_euclid(raw_step) * raw_step - raw_step;
-        last_raw + 2 * h.step.as_secs() as i64 - 1
-    } else {
-        end.timestamp()
-    };
-    let full_grid = grid(&h, grid_end);
-    let (start, step, len) = full_grid;
-    // An increment: the points from `since` on, on a grid of their own.
-    let skip = since.map_or(0, |s| {
-        usize::try_from(((s - start).max(0) + step - 1) / step)
-            .unwrap_or(usize::MAX)
-            .min(len - 1)
-    });
-    let (start, len) = (start + skip as i64 * step, len - skip);
-    // Bound the samples Prometheus evaluates per request too (its `query.max-samples`): with
-    // server-side reduction, one output point costs `downsample ÷ step` inner steps.
-    let inner_per_point = (step / raw_step.max(1)).max(1) as usize;
-    let per_chunk = (p.max_points.clamp(2, CHUNK_STEPS) as usize / inner_per_point).max(1);
-    let client = http_client(p, reqwest::Client::builder().timeout(p.timeout.0))?;
-    let read = match read_api(written, reduced, &client, start + (len as i64 - 1) * step).await? {
-        Some((matchers, rules)) => {
-            // A remote-read answer's size grows with the fleet, not with `max_points`: its
-            // requests time out when no byte came for `timeout` (a hung server), not after
-            // `timeout` in all.
-            let stream_client = http_client(
-                p,
-                reqwest::Client::builder()
-                    .connect_timeout(p.timeout.0)
-                    .read_timeout(p.timeout.0),
-            )?;
-            let url = remote_read::endpoint(&p.url);
-            Some((stream_client, url, Arc::new(matchers), rules))
-        }
-        None => None,
-    };
-    // Remote read moves whole TSDB chunks, not steps: a request covers one to seven days (fewer
-    // chunks decoded twice at the edges; a retry downloads at most a week again), about two
-    // requests per connection (each costs a pass over every series).
-    let per_chunk = match read {
-        Some(_) => len.div_ceil(2 * p.concurrency.max(1) as usize).clamp(
-            (remote_read::CHUNK_SECS / step).max(1) as usize,
-            (7 * remote_read::CHUNK_SECS / step).max(1) as usize,
-        ),
-        None => per_chunk,
-    };
-    let url = format!("{}/api/v1/query_range", p.url.trim_end_matches('/'));
-    let sem = Arc::new(Semaphore::new(p.concurrency.max(1) as usize));
-    let builder = match spill {
-        Some(dir) => Builder::spilled(start, step, len, p.labels.clone(), dir)?,
-        None => Builder::new(start, step, len, p.labels.clone()),
-    };
-    // An answer lists a series once: one run per request and attempt at most.
-    let max_runs = len.div_ceil(per_chunk) * p.retries.max(1) as usize;
-    let builder = builder.bounded(
-        usize::try_from(p.max_series).unwrap_or(usize::MAX),
-        max_runs,
-    );
-    let builder = Arc::new(Mutex::new(builder));
-    let budget = Arc::new(Budget::new(p));
-    let mut tasks = tokio::task::JoinSet::new();
-    let mut i = 0;
-    while i < len {
-        let n = per_chunk.min(len - i);
-        let (from, to) = (start + i as i64 * step, start + (i + n - 1) as i64 * step);
-        let (client, url, sem, p, b, read, budget) = (
-            client.clone(),
-            url.clone(),
-            sem.clone(),
-            p.clone(),
-            builder.clone(),
-            read.clone(),
-            budget.clone(),
-        );
-        tasks.spawn(async move {
-            let _permit = sem.acquire_owned().await.expect("semaphore never closed");
-            match read {
-                Some((stream_client, url, matchers, rules)) => {
-                    let steps = remote_read::Steps {
-                        from,
-                        to,
-                        step,
-                        lookback_ms: rules.lookback_ms,
-                        include_start: rules.include_start,
-                    };
-                    let at = (&stream_client, url.as_str(), &p);
-                    remote_read::fetch(at, &matchers, steps, &b, &budget).await
-                }
-                None => fetch(&client, &url, &p, (from, to, step), &b, &budget).await,
-            }
-        });
-        i += n;
-    }
+    let read = remote_reader(p, &w, &client).await?;
+    let per_chunk = chunk_points(&w, read.is_some());
+    let builder = bounded_builder(&w, spill, per_chunk)?;
     let api = if read.is_some() {
         "remote_read"
     } else {
         "query_range"
     };
-    let kind = if skip > 0 {
+    let task = Chunk {
+        client,
+        url: format!("{}/api/v1/query_range", w.p.url.trim_end_matches('/')),
+        read,
+        sem: Arc::new(Semaphore::new(w.p.concurrency.max(1) as usize)),
+        budget: Arc::new(Budget::new(&w.p)),
+        b: Arc::new(Mutex::new(builder)),
+        p: w.p,
+    };
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut i = 0;
+    while i < len {
+        let n = per_chunk.min(len - i);
+        let (from, to) = (start + i as i64 * step, start + (i + n - 1) as i64 * step);
+        tasks.spawn(task.clone().pull((from, to, step)));
+        i += n;
+    }
+    let kind = if w.skip > 0 {
         super::PullKind::Incremental
     } else {
         super::PullKind::Full
     };
-    tracing::info!(url = %p.url, api, %kind, chunks = tasks.len(), series_points = len, step, "pulling history");
-    let progress = progress_bar(tasks.len() as u64);
-    let mut first_err = None;
-    while let Some(r) = tasks.join_next().await {
-        progress.inc(1);
-        match r {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                // One failed chunk fails the pull: a partial history could lower quotas.
-                tasks.abort_all();
-                first_err.get_or_insert(e);
-            }
-            Err(e) if e.is_cancelled() => {}
-            Err(e) => {
-                first_err.get_or_insert(HistoryError::Unavailable {
-                    url: p.url.clone(),
-                    attempts: 0,
-                    message: e.to_string(),
-                });
-            }
-        }
-    }
-    progress.finish_and_clear();
-    if let Some(e) = first_err {
-        return Err(e);
-    }
-    let b = Arc::try_unwrap(builder).map_err(|_| HistoryError::Parse {
+    let url = &task.p.url;
+    tracing::info!(url = %url, api, %kind, chunks = tasks.len(), series_points = len, step, "pulling history");
+    join_chunks(&mut tasks, url).await?;
+    let Chunk { b, budget, .. } = task;
+    let b = Arc::try_unwrap(b).map_err(|_| HistoryError::Parse {
         what: "history".into(),
-        message: "a chunk task outlived the pull".into(),
+        source: ParseError::Outlived,
     })?;
     let b = b.into_inner().unwrap_or_else(|e| e.into_inner());
     let stats = super::PullStats {
@@ -346,7 +236,231 @@ async fn pull(
         to: start + (len as i64 - 1) * step,
     };
     super::log_pull(&stats, began.elapsed().as_secs_f64());
-    Ok((b, full_grid, stats))
+    Ok((b, w.full_grid, stats))
+}
+
+/// What a pull asks for: the query as sent and the grid points pulled.
+struct Window {
+    /// The settings with the query as sent: reduced server-side to the maximum over each
+    /// step of `downsample` when that is coarser than `history.step`.
+    p: PrometheusConfig,
+    /// Whether the query is reduced so.
+    reduced: bool,
+    /// `history.step`, seconds: the step of the series as written.
+    raw_step: i64,
+    /// The grid of the whole lookback: first point, step, points.
+    full_grid: (i64, i64, usize),
+    /// The first point pulled.
+    start: i64,
+    /// The step of the points pulled, seconds.
+    step: i64,
+    /// The points pulled.
+    len: usize,
+    /// The points of the lookback before `start`, not pulled (an increment).
+    skip: usize,
+}
+
+impl Window {
+    /// The lookback ending at `end`, from the first point at or after `since` when given.
+    fn new(
+        p: &PrometheusConfig,
+        h: &HistoryConfig,
+        end: DateTime<Utc>,
+        since: Option<i64>,
+    ) -> Self {
+        let raw_step = h.step.as_secs() as i64;
+        let reduced = p.downsample.is_some_and(|d| d.as_secs() > h.step.as_secs());
+        let (query, h) = match p.downsample {
+            Some(d) if d.as_secs() > h.step.as_secs() => {
+                let mut h = h.clone();
+                let q = format!("max_over_time(({})[{d}:{}])", p.query, h.step);
+                h.step = d;
+                (q, h)
+            }
+            _ => (p.query.clone(), h.clone()),
+        };
+        // Downsampled, the point at `t` is the maximum over `(t - step, t]`: the last point is
+        // the first multiple of `step` at or after the last raw point, so the freshest raw
+        // minutes are in the history too (a grid ending before them would drop up to two
+        // steps of them).
+        let grid_end = if h.step.as_secs() as i64 > raw_step {
+            let last_raw = end.timestamp().div_euclid(raw_step) * raw_step - raw_step;
+            last_raw + 2 * h.step.as_secs() as i64 - 1
+        } else {
+            end.timestamp()
+        };
+        let full_grid = grid(&h, grid_end);
+        let (start, step, len) = full_grid;
+        // An increment: the points from `since` on, on a grid of their own.
+        let skip = since.map_or(0, |s| {
+            usize::try_from(((s - start).max(0) + step - 1) / step)
+                .unwrap_or(usize::MAX)
+                .min(len - 1)
+        });
+        Window {
+            p: PrometheusConfig { query, ..p.clone() },
+            reduced,
+            raw_step,
+            full_grid,
+            start: start + skip as i64 * step,
+            step,
+            len: len - skip,
+            skip,
+        }
+    }
+}
+
+/// Remote read, when a pull reads its chunks so: its client, the endpoint, the matchers of
+/// the query and the server's rules.
+#[derive(Clone)]
+struct RemoteRead {
+    client: reqwest::Client,
+    url: String,
+    matchers: Arc<Vec<remote_read::Matcher>>,
+    rules: remote_read::Rules,
+}
+
+/// How the chunks of `w` are read ([`read_api`] on the query as `written`): by remote read,
+/// or `None` for `query_range` (with `client`).
+async fn remote_reader(
+    written: &PrometheusConfig,
+    w: &Window,
+    client: &reqwest::Client,
+) -> Result<Option<RemoteRead>, HistoryError> {
+    let last = w.start + (w.len as i64 - 1) * w.step;
+    let Some((matchers, rules)) = read_api(written, w.reduced, client, last).await? else {
+        return Ok(None);
+    };
+    // A remote-read answer's size grows with the fleet, not with `max_points`: its requests
+    // time out when no byte came for `timeout` (a hung server), not after `timeout` in all.
+    let p = &w.p;
+    let client = http_client(
+        p,
+        reqwest::Client::builder()
+            .connect_timeout(p.timeout.0)
+            .read_timeout(p.timeout.0),
+    )?;
+    Ok(Some(RemoteRead {
+        client,
+        url: remote_read::endpoint(&p.url),
+        matchers: Arc::new(matchers),
+        rules,
+    }))
+}
+
+/// Grid points per request.
+fn chunk_points(w: &Window, remote: bool) -> usize {
+    let p = &w.p;
+    if remote {
+        // Remote read moves whole TSDB chunks, not steps: a request covers one to seven days
+        // (fewer chunks decoded twice at the edges; a retry downloads at most a week again),
+        // about two requests per connection (each costs a pass over every series).
+        w.len.div_ceil(2 * p.concurrency.max(1) as usize).clamp(
+            (remote_read::CHUNK_SECS / w.step).max(1) as usize,
+            (7 * remote_read::CHUNK_SECS / w.step).max(1) as usize,
+        )
+    } else {
+        // Bound the samples Prometheus evaluates per request too (its `query.max-samples`):
+        // with server-side reduction, one output point costs `downsample ÷ step` inner steps.
+        let inner_per_point = (w.step / w.raw_step.max(1)).max(1) as usize;
+        (p.max_points.clamp(2, CHUNK_STEPS) as usize / inner_per_point).max(1)
+    }
+}
+
+/// The builder of a pull: on the points pulled, in memory or spilled under `spill`, bounded
+/// in series and in runs per series (`per_chunk` points per request).
+fn bounded_builder(
+    w: &Window,
+    spill: Option<&Path>,
+    per_chunk: usize,
+) -> Result<Builder, HistoryError> {
+    let (p, start, step, len) = (&w.p, w.start, w.step, w.len);
+    let builder = match spill {
+        Some(dir) => Builder::spilled(start, step, len, p.labels.clone(), dir)?,
+        None => Builder::new(start, step, len, p.labels.clone()),
+    };
+    // An answer lists a series once: one run per request and attempt at most.
+    let max_runs = len.div_ceil(per_chunk) * p.retries.max(1) as usize;
+    Ok(builder.bounded(
+        usize::try_from(p.max_series).unwrap_or(usize::MAX),
+        max_runs,
+    ))
+}
+
+/// What the task pulling one chunk of a pull takes (each a clone).
+#[derive(Clone)]
+struct Chunk {
+    client: reqwest::Client,
+    /// `query_range`'s URL.
+    url: String,
+    read: Option<RemoteRead>,
+    /// The pull's concurrency.
+    sem: Arc<Semaphore>,
+    p: PrometheusConfig,
+    b: Arc<Mutex<Builder>>,
+    budget: Arc<Budget>,
+}
+
+impl Chunk {
+    /// Pulls the points `[from, to]` at `step` onto the grid, once the pull's concurrency
+    /// allows.
+    async fn pull(self, (from, to, step): (i64, i64, i64)) -> Result<(), HistoryError> {
+        let Chunk {
+            client,
+            url,
+            read,
+            sem,
+            p,
+            b,
+            budget,
+        } = self;
+        let _permit = sem.acquire_owned().await.expect("semaphore never closed");
+        match read {
+            Some(r) => {
+                let steps = remote_read::Steps {
+                    from,
+                    to,
+                    step,
+                    lookback_ms: r.rules.lookback_ms,
+                    include_start: r.rules.include_start,
+                };
+                let at = (&r.client, r.url.as_str(), &p);
+                remote_read::fetch(at, &r.matchers, steps, &b, &budget).await
+            }
+            None => fetch(&client, &url, &p, (from, to, step), &b, &budget).await,
+        }
+    }
+}
+
+/// Waits for the chunk tasks of a pull to `url` (a progress bar on a terminal). One failed
+/// chunk fails the pull, and the other tasks are aborted: a partial history could lower
+/// quotas.
+async fn join_chunks(
+    tasks: &mut tokio::task::JoinSet<Result<(), HistoryError>>,
+    url: &str,
+) -> Result<(), HistoryError> {
+    let progress = progress_bar(tasks.len() as u64);
+    let mut first_err = None;
+    while let Some(r) = tasks.join_next().await {
+        progress.inc(1);
+        match r {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tasks.abort_all();
+                first_err.get_or_insert(e);
+            }
+            Err(e) if e.is_cancelled() => {}
+            Err(e) => {
+                first_err.get_or_insert(HistoryError::Unavailable {
+                    url: url.to_string(),
+                    attempts: 0,
+                    source: RequestFailure::Task(e),
+                });
+            }
+        }
+    }
+    progress.finish_and_clear();
+    first_err.map_or(Ok(()), Err)
 }
 
 fn http_client(
@@ -356,7 +470,7 @@ fn http_client(
     b.build().map_err(|e| HistoryError::Unavailable {
         url: p.url.clone(),
         attempts: 0,
-        message: e.to_string(),
+        source: RequestFailure::Client(e),
     })
 }
 
@@ -387,7 +501,7 @@ async fn read_api(
                 Err(remote_read::Refusal::Unreachable(message)) => Err(HistoryError::Unavailable {
                     url: p.url.clone(),
                     attempts: 1,
-                    message: format!("reading the server's settings failed: {message}"),
+                    source: RequestFailure::Settings(message),
                 }),
                 Err(remote_read::Refusal::Final(why)) => Err(HistoryError::Config(format!(
                     "history.prometheus.api: remote_read cannot give what query_range would: {why} (use `auto` or `query_range`)"
@@ -402,14 +516,16 @@ async fn read_api(
         (HistoryApi::Auto, None) => Ok(None),
         (HistoryApi::Auto, Some(m)) => {
             let url = remote_read::endpoint(&p.url);
-            let why = match remote_read::probe(client, &url, &m, last_step * 1000).await {
+            let no = |why: &dyn std::fmt::Display| {
+                tracing::info!(url, %why, "no remote read here: pulling with query_range");
+            };
+            match remote_read::probe(client, &url, &m, last_step * 1000).await {
                 Ok(()) => match remote_read::rules(client, &p.url, &labels, &m).await {
                     Ok(rules) => return Ok(Some((m, rules))),
-                    Err(r) => r.why(),
+                    Err(r) => no(&r.why()),
                 },
-                Err(why) => why,
-            };
-            tracing::info!(url, %why, "no remote read here: pulling with query_range");
+                Err(why) => no(&why),
+            }
             Ok(None)
         }
     }
@@ -447,107 +563,102 @@ async fn fetch(
         ("end", to.to_string()),
         ("step", format!("{step}s")),
     ];
-    let what = || format!("response of {} for [{from}, {to}]", p.url);
-    let attempts = p.retries.max(1);
-    let mut last = String::new();
-    for attempt in 1..=attempts {
-        if attempt > 1 {
-            backoff(url, attempt, &last).await;
-        }
-        let resp = match send(client.post(url).form(&form), p).await {
-            Ok(r) => r,
-            Err(e) => {
-                last = e;
-                continue;
-            }
-        };
-        let status = resp.status();
-        let streamed = if status.is_success() {
-            let points = ((to - from) / step + 1) as usize;
-            stream_into(resp, b.clone(), points, budget).await
-        } else {
-            read_capped(resp, ERROR_BODY_MAX)
-                .await
-                .map(|body| (body, Ok(())))
-                .map_err(ReadError::Http)
-        };
-        let (skeleton, fed) = match streamed {
-            Ok(x) => x,
-            Err(ReadError::Http(e)) => {
-                last = read_failed(&e, p);
-                continue;
-            }
-            Err(ReadError::Exceeded(bound)) => {
-                return Err(HistoryError::Exceeded {
-                    url: p.url.clone(),
-                    request: request_range("query_range", from, to),
-                    bound,
-                })
-            }
-        };
-        // The envelope: the whole body without the series of `data.result`.
-        let parsed: Result<Envelope, _> = serde_json::from_slice(&skeleton);
-        match parsed {
-            Ok(r) if status.is_success() && r.is_partial => {
-                // A partial answer could lower quotas: retry, then fail.
-                last = "partial response (isPartial: some storage nodes did not answer)".into();
-            }
-            Ok(r) if status.is_success() && r.status == "success" => {
-                fed.map_err(|message| HistoryError::Parse {
-                    what: what(),
-                    message,
-                })?;
-                return match r.data {
-                    None => Err(HistoryError::Parse {
-                        what: what(),
-                        message: "success without data".into(),
-                    }),
-                    Some(d) if d.result_type != "matrix" => Err(HistoryError::Parse {
-                        what: what(),
-                        message: format!("expected a matrix result, got `{}`", d.result_type),
-                    }),
-                    Some(_) => Ok(()),
-                };
-            }
-            Ok(r) if status.as_u16() == 400 || status.as_u16() == 422 => {
-                return Err(HistoryError::Refused {
-                    url: p.url.clone(),
-                    status: status.as_u16(),
-                    error_type: r.error_type.unwrap_or_default(),
-                    error: r.error.unwrap_or_default(),
-                })
-            }
-            Ok(r) => {
-                last = format!(
-                    "HTTP {status}: {} {}",
-                    r.error_type.unwrap_or_default(),
-                    r.error.unwrap_or_default()
-                );
-            }
-            Err(e) if status.is_client_error() && status.as_u16() != 429 => {
-                return Err(HistoryError::Refused {
-                    url: p.url.clone(),
-                    status: status.as_u16(),
-                    error_type: "http".into(),
-                    error: format!(
-                        "{}: {e}",
-                        String::from_utf8_lossy(&skeleton[..skeleton.len().min(200)])
-                    ),
-                })
-            }
-            Err(e) => {
-                last = format!(
-                    "HTTP {status}, unreadable body ({e}): {}",
-                    String::from_utf8_lossy(&skeleton[..skeleton.len().min(200)])
-                );
-            }
+    let mut tries = Tries::new(p, url);
+    loop {
+        let req = client.post(url).form(&form);
+        match fetch_once(req, p, (from, to, step), b, budget).await {
+            Ok(()) => return Ok(()),
+            Err(failed) => tries.after(failed).await?,
         }
     }
-    Err(HistoryError::Unavailable {
-        url: p.url.clone(),
-        attempts,
-        message: last,
-    })
+}
+
+/// One attempt of [`fetch`]: sends `req` and reads its answer onto the grid.
+async fn fetch_once(
+    req: reqwest::RequestBuilder,
+    p: &PrometheusConfig,
+    (from, to, step): (i64, i64, i64),
+    b: &Arc<Mutex<Builder>>,
+    budget: &Budget,
+) -> Result<(), Failed> {
+    let resp = send(req, p).await.map_err(Failed::Retry)?;
+    let status = resp.status();
+    let streamed = if status.is_success() {
+        let points = ((to - from) / step + 1) as usize;
+        stream_into(resp, b.clone(), points, budget).await
+    } else {
+        read_capped(resp, ERROR_BODY_MAX)
+            .await
+            .map(|body| (body, Ok(())))
+            .map_err(ReadError::Http)
+    };
+    match streamed {
+        Ok((skeleton, fed)) => judge(p, (from, to), status, &skeleton, fed),
+        Err(ReadError::Http(e)) => Err(Failed::Retry(read_failed(e, p))),
+        Err(ReadError::Exceeded(bound)) => Err(Failed::Fatal(HistoryError::Exceeded {
+            url: p.url.clone(),
+            request: request_range("query_range", from, to),
+            bound,
+        })),
+    }
+}
+
+/// What the envelope of an answer to `[from, to]` (the whole body without the series of
+/// `data.result`) and its `status` say of the attempt, the series having been decoded or not
+/// (`fed`).
+fn judge(
+    p: &PrometheusConfig,
+    (from, to): (i64, i64),
+    status: reqwest::StatusCode,
+    skeleton: &[u8],
+    fed: Result<(), ParseError>,
+) -> Result<(), Failed> {
+    let parse = |source| {
+        Failed::Fatal(HistoryError::Parse {
+            what: format!("response of {} for [{from}, {to}]", p.url),
+            source,
+        })
+    };
+    let refused = |error_type, error| {
+        Failed::Fatal(HistoryError::Refused {
+            url: p.url.clone(),
+            status: status.as_u16(),
+            error_type,
+            error,
+        })
+    };
+    let head = || String::from_utf8_lossy(&skeleton[..skeleton.len().min(200)]);
+    match serde_json::from_slice::<Envelope>(skeleton) {
+        // A partial answer could lower quotas: retry, then fail.
+        Ok(r) if status.is_success() && r.is_partial => Err(Failed::Retry(RequestFailure::Partial)),
+        Ok(r) if status.is_success() && r.status == "success" => {
+            fed.map_err(&parse)?;
+            match r.data {
+                None => Err(parse(ParseError::SuccessWithoutData)),
+                Some(d) if d.result_type != "matrix" => {
+                    Err(parse(ParseError::NotMatrix(d.result_type)))
+                }
+                Some(_) => Ok(()),
+            }
+        }
+        Ok(r) if status.as_u16() == 400 || status.as_u16() == 422 => Err(refused(
+            r.error_type.unwrap_or_default(),
+            r.error.unwrap_or_default(),
+        )),
+        Ok(r) => Err(Failed::Retry(RequestFailure::Status {
+            status,
+            error_type: r.error_type.unwrap_or_default(),
+            error: r.error.unwrap_or_default(),
+        })),
+        Err(e) if status.is_client_error() && status.as_u16() != 429 => {
+            Err(refused("http".into(), format!("{}: {e}", head())))
+        }
+        Err(source) => Err(Failed::Retry(RequestFailure::UnreadableBody {
+            status,
+            source,
+            body: head().into_owned(),
+        })),
+    }
 }
 
 /// At most this much of a success answer outside `data.result` (envelope, warnings).
@@ -561,7 +672,7 @@ const POINT_TEXT_MAX: usize = 64;
 enum Stop {
     /// A series could not be parsed: the rest of the answer is read (its envelope says
     /// whether the answer is partial, and so worth a retry).
-    Parse(String),
+    Parse(serde_json::Error),
     /// A bound was crossed: nothing more is read.
     Exceeded(Bound),
 }
@@ -574,7 +685,7 @@ async fn stream_into(
     b: Arc<Mutex<Builder>>,
     points: usize,
     budget: &Budget,
-) -> Result<(Vec<u8>, Result<(), String>), ReadError> {
+) -> Result<(Vec<u8>, Result<(), ParseError>), ReadError> {
     struct Decoder {
         split: ResultSplitter,
         failed: Option<Stop>,
@@ -607,7 +718,7 @@ async fn stream_into(
     };
     let finish = |d: Decoder| match d.failed {
         Some(Stop::Exceeded(bound)) => Err(ReadError::Exceeded(bound)),
-        Some(Stop::Parse(e)) => Ok((d.split.skeleton, Err(e))),
+        Some(Stop::Parse(e)) => Ok((d.split.skeleton, Err(e.into()))),
         None => {
             let fed = d.split.finish();
             Ok((d.split.skeleton, fed))
@@ -620,13 +731,13 @@ async fn stream_into(
     };
     match stream_blocking(resp, d, push, budget).await? {
         Ok(d) => finish(d),
-        Err(e) => Ok((Vec::new(), Err(e))),
+        Err(e) => Ok((Vec::new(), Err(e.into()))),
     }
 }
 
 /// Parses one element of `data.result` and puts its samples on the grid.
 fn feed_series(b: &Mutex<Builder>, text: &[u8]) -> Result<(), Stop> {
-    let m: Matrix<'_> = serde_json::from_slice(text).map_err(|e| Stop::Parse(e.to_string()))?;
+    let m: Matrix<'_> = serde_json::from_slice(text).map_err(Stop::Parse)?;
     let mut b = b.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(key) = b.key(&m.metric) {
         b.add_many(
@@ -827,12 +938,9 @@ impl ResultSplitter {
     }
 
     /// Checks that the body ended where a JSON document can end.
-    pub(crate) fn finish(&self) -> Result<(), String> {
+    pub(crate) fn finish(&self) -> Result<(), ParseError> {
         if self.depth != 0 || self.in_string {
-            return Err(format!(
-                "the answer ended inside the JSON document ({} containers open)",
-                self.depth
-            ));
+            return Err(ParseError::Unfinished(self.depth));
         }
         Ok(())
     }
@@ -989,6 +1097,11 @@ mod tests {
             .unwrap();
         let e = s.service("shop").unwrap_err();
         assert!(
+            matches!(e, super::super::DiskError::ReadSpill { .. }),
+            "{e}"
+        );
+        let e = e.to_string();
+        assert!(
             e.contains(&s.path().display().to_string()) && e.contains("shop"),
             "{e}"
         );
@@ -1052,7 +1165,7 @@ mod tests {
         split
             .push(&body[..body.len() / 2], &mut |_| n += 1)
             .unwrap();
-        assert!(split.finish().is_err());
+        assert!(matches!(split.finish(), Err(ParseError::Unfinished(_))));
         assert!(n < 6);
     }
 

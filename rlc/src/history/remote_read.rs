@@ -25,10 +25,13 @@ use prost::Message;
 use schema::PrometheusConfig;
 
 use super::http::{
-    backoff, chain, read_capped, read_failed, send, stream_blocking, Budget, ReadError,
+    chain, read_capped, read_failed, send, stream_blocking, Budget, Failed, ReadError, Tries,
     ERROR_BODY_MAX,
 };
-use super::{request_range, Bound, Builder, HistoryError, LABELS_MAX};
+use super::{
+    request_range, Bound, Builder, DecoderFailed, HistoryError, ParseError, RequestFailure,
+    LABELS_MAX,
+};
 
 /// The content type of a streamed answer.
 const STREAMED: &str = "application/x-streamed-protobuf";
@@ -277,7 +280,7 @@ fn string_literal(s: &str) -> Option<(String, usize)> {
 }
 
 /// The request body: one query over `[from_ms, to_ms]`, streamed chunks accepted.
-fn request(matchers: &[Matcher], from_ms: i64, to_ms: i64) -> Result<Vec<u8>, String> {
+fn request(matchers: &[Matcher], from_ms: i64, to_ms: i64) -> Result<Vec<u8>, snap::Error> {
     let req = proto::ReadRequest {
         queries: vec![proto::Query {
             start_timestamp_ms: from_ms,
@@ -286,9 +289,7 @@ fn request(matchers: &[Matcher], from_ms: i64, to_ms: i64) -> Result<Vec<u8>, St
         }],
         accepted_response_types: vec![proto::STREAMED_XOR_CHUNKS],
     };
-    snap::raw::Encoder::new()
-        .compress_vec(&req.encode_to_vec())
-        .map_err(|e| e.to_string())
+    snap::raw::Encoder::new().compress_vec(&req.encode_to_vec())
 }
 
 fn post(client: &reqwest::Client, url: &str, body: Vec<u8>) -> reqwest::RequestBuilder {
@@ -314,7 +315,7 @@ pub async fn probe(
     url: &str,
     matchers: &[Matcher],
     at_ms: i64,
-) -> Result<(), String> {
+) -> Result<(), ProbeError> {
     let mut matchers = matchers.to_vec();
     matchers.push(Matcher {
         op: "=",
@@ -325,18 +326,38 @@ pub async fn probe(
     let resp = post(client, url, body)
         .send()
         .await
-        .map_err(|e| format!("request failed: {}", chain(&e)))?;
+        .map_err(ProbeError::Send)?;
     let status = resp.status();
     let streamed = content_type(&resp).starts_with(STREAMED);
     let text = read_capped(resp, 256).await.unwrap_or_default();
     if status.is_success() && streamed {
         Ok(())
     } else {
-        Err(format!(
-            "HTTP {status}, {:?}",
-            String::from_utf8_lossy(&text).trim()
-        ))
+        Err(ProbeError::NotStreamed {
+            status,
+            text: String::from_utf8_lossy(&text).trim().to_string(),
+        })
     }
+}
+
+/// Why a server is not taken for one that answers remote read with streamed chunks
+/// ([`probe`]).
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    /// The probe's body could not be compressed.
+    #[error(transparent)]
+    Request(#[from] snap::Error),
+    /// The probe could not be sent, or no answer came.
+    #[error("request failed: {}", chain(.0))]
+    Send(#[source] reqwest::Error),
+    /// An answer other than streamed chunks: the status and the start of the body.
+    #[error("HTTP {status}, {text:?}")]
+    NotStreamed {
+        /// The answer's status.
+        status: reqwest::StatusCode,
+        /// Its first 256 bytes, trimmed.
+        text: String,
+    },
 }
 
 /// What of the server's settings remote read must follow to give what `query_range` gives.
@@ -475,150 +496,232 @@ pub(crate) async fn fetch(
     budget: &Budget,
 ) -> Result<(), HistoryError> {
     let (from_ms, to_ms) = (steps.from * 1000 - steps.lookback_ms, steps.to * 1000);
-    let what = || {
-        format!(
-            "remote-read answer of {} for [{}, {}]",
-            p.url, steps.from, steps.to
-        )
-    };
-    let body = request(matchers, from_ms, to_ms).map_err(|message| HistoryError::Parse {
-        what: what(),
-        message,
+    let body = request(matchers, from_ms, to_ms).map_err(|e| HistoryError::Parse {
+        what: answer_of(p, steps),
+        source: e.into(),
     })?;
-    let attempts = p.retries.max(1);
-    let mut last = String::new();
-    let mut made = 0;
-    for attempt in 1..=attempts {
-        if attempt > 1 {
-            backoff(url, attempt, &last).await;
-        }
-        made = attempt;
-        // The whole request, streamed answer included, within `max_request_duration`: the
-        // client's timeouts only bound the wait for each byte.
-        let deadline = tokio::time::Instant::now() + p.max_request_duration.0;
-        let too_long = || {
-            format!(
-                "the request took longer than history.prometheus.max_request_duration ({})",
-                p.max_request_duration
-            )
-        };
-        let sent = tokio::time::timeout_at(deadline, send(post(client, url, body.clone()), p));
-        let resp = match sent.await {
-            Ok(Ok(r)) => r,
-            Ok(Err(e)) => {
-                last = e;
-                continue;
-            }
-            Err(_) => {
-                last = too_long();
-                continue;
-            }
-        };
-        let status = resp.status();
-        if !status.is_success() || !content_type(&resp).starts_with(STREAMED) {
-            let ct = content_type(&resp);
-            let text = tokio::time::timeout_at(deadline, read_capped(resp, ERROR_BODY_MAX))
-                .await
-                .ok()
-                .and_then(Result::ok)
-                .unwrap_or_default();
-            let text = String::from_utf8_lossy(&text[..text.len().min(300)])
-                .trim()
-                .to_string();
-            if status.is_client_error() && status.as_u16() != 429 {
-                return Err(HistoryError::Refused {
-                    url: p.url.clone(),
-                    status: status.as_u16(),
-                    error_type: "remote_read".into(),
-                    error: text,
-                });
-            }
-            last = if status.is_success() {
-                format!("HTTP {status} with `{ct}` instead of streamed chunks (Prometheus 2.13 or later answers remote read with them)")
-            } else {
-                format!("HTTP {status}: {text}")
-            };
-            if status.is_success() {
-                break; // the server will not stream: retrying changes nothing
-            }
-            continue;
-        }
-        // The stream has no end marker: its end must be told by HTTP (a length, chunked
-        // encoding or HTTP/2), or a connection closed early would pass for a whole answer.
-        let chunked = resp
-            .headers()
-            .get(reqwest::header::TRANSFER_ENCODING)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.contains("chunked"));
-        if !(chunked
-            || resp.content_length().is_some()
-            || resp.version() >= reqwest::Version::HTTP_2)
-        {
-            last = "a streamed answer without a length or chunked encoding: a cut could not be told from its end (a proxy in between?)".into();
-            break;
-        }
-        let decoder = Frames::new(steps, b.clone());
-        let streamed = stream_blocking(resp, decoder, Frames::push, budget);
-        let Ok(done) = tokio::time::timeout_at(deadline, streamed).await else {
-            // Cut: what it put on the grid is a subset of the same answer (samples merge by
-            // maximum), as for a corrupt one.
-            last = too_long();
-            continue;
-        };
-        let done = done.map(|d| d.map_err(Bad::Corrupt).and_then(Frames::finish));
-        match done {
-            Ok(Ok(())) => return Ok(()),
-            Ok(Err(Bad::Exceeded(bound))) | Err(ReadError::Exceeded(bound)) => {
-                return Err(HistoryError::Exceeded {
-                    url: p.url.clone(),
-                    request: request_range("remote read", steps.from, steps.to),
-                    bound,
-                })
-            }
-            // What the server sent whole but rlc cannot read: the same again on a retry.
-            Ok(Err(Bad::Unreadable(message))) => {
-                return Err(HistoryError::Parse {
-                    what: what(),
-                    message: format!(
-                        "{message} (`history.prometheus.api: query_range` reads the query as PromQL instead)"
-                    ),
-                })
-            }
-            // A corrupt or cut answer: retried (what it put on the grid is a subset of the
-            // same answer, and samples merge by maximum).
-            Ok(Err(Bad::Corrupt(e))) => last = format!("bad answer: {e}"),
-            Err(ReadError::Http(e)) => last = read_failed(&e, p),
+    let mut tries = Tries::new(p, url);
+    loop {
+        match fetch_once((client, url, p), &body, steps, b, budget).await {
+            Ok(()) => return Ok(()),
+            Err(failed) => tries.after(failed).await?,
         }
     }
-    Err(HistoryError::Unavailable {
-        url: p.url.clone(),
-        attempts: made,
-        message: last,
-    })
+}
+
+/// What the errors of a request for `steps` call its answer.
+fn answer_of(p: &PrometheusConfig, steps: Steps) -> String {
+    format!(
+        "remote-read answer of {} for [{}, {}]",
+        p.url, steps.from, steps.to
+    )
+}
+
+/// One attempt of [`fetch`]: the whole request, streamed answer included, within
+/// `max_request_duration` (the client's timeouts only bound the wait for each byte).
+async fn fetch_once(
+    (client, url, p): (&reqwest::Client, &str, &PrometheusConfig),
+    body: &[u8],
+    steps: Steps,
+    b: &Arc<Mutex<Builder>>,
+    budget: &Budget,
+) -> Result<(), Failed> {
+    let deadline = tokio::time::Instant::now() + p.max_request_duration.0;
+    let too_long = |_| Failed::Retry(RequestFailure::TooLong(p.max_request_duration));
+    let sent = tokio::time::timeout_at(deadline, send(post(client, url, body.to_vec()), p));
+    let resp = sent.await.map_err(&too_long)?.map_err(Failed::Retry)?;
+    if !resp.status().is_success() || !content_type(&resp).starts_with(STREAMED) {
+        return Err(not_streamed(resp, deadline, p).await);
+    }
+    if !delimited(&resp) {
+        return Err(Failed::GiveUp(RequestFailure::Undelimited));
+    }
+    let decoder = Frames::new(steps, b.clone());
+    let streamed = stream_blocking(resp, decoder, Frames::push, budget);
+    // Cut: what it put on the grid is a subset of the same answer (samples merge by
+    // maximum), as for a corrupt one.
+    let done = tokio::time::timeout_at(deadline, streamed)
+        .await
+        .map_err(&too_long)?;
+    let done = done.map(|d| {
+        d.map_err(|e| Bad::Corrupt(Corrupt::Decoder(e)))
+            .and_then(Frames::finish)
+    });
+    match done {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(Bad::Exceeded(bound))) | Err(ReadError::Exceeded(bound)) => {
+            Err(Failed::Fatal(HistoryError::Exceeded {
+                url: p.url.clone(),
+                request: request_range("remote read", steps.from, steps.to),
+                bound,
+            }))
+        }
+        // What the server sent whole but rlc cannot read: the same again on a retry.
+        Ok(Err(Bad::Unreadable(e))) => Err(Failed::Fatal(HistoryError::Parse {
+            what: answer_of(p, steps),
+            source: ParseError::RemoteRead(e),
+        })),
+        // A corrupt or cut answer: retried (what it put on the grid is a subset of the
+        // same answer, and samples merge by maximum).
+        Ok(Err(Bad::Corrupt(e))) => Err(Failed::Retry(RequestFailure::Corrupt(e))),
+        Err(ReadError::Http(e)) => Err(Failed::Retry(read_failed(e, p))),
+    }
+}
+
+/// How an attempt answered with something other than streamed chunks fails: a client error
+/// (429 aside) is refused at once, a server error is retried, and a success that is not
+/// streamed gives up (the server will not stream: retrying changes nothing).
+async fn not_streamed(
+    resp: reqwest::Response,
+    deadline: tokio::time::Instant,
+    p: &PrometheusConfig,
+) -> Failed {
+    let status = resp.status();
+    let content_type = content_type(&resp);
+    let text = tokio::time::timeout_at(deadline, read_capped(resp, ERROR_BODY_MAX))
+        .await
+        .ok()
+        .and_then(Result::ok)
+        .unwrap_or_default();
+    let text = String::from_utf8_lossy(&text[..text.len().min(300)])
+        .trim()
+        .to_string();
+    if status.is_client_error() && status.as_u16() != 429 {
+        return Failed::Fatal(HistoryError::Refused {
+            url: p.url.clone(),
+            status: status.as_u16(),
+            error_type: "remote_read".into(),
+            error: text,
+        });
+    }
+    if status.is_success() {
+        Failed::GiveUp(RequestFailure::NotStreamed {
+            status,
+            content_type,
+        })
+    } else {
+        Failed::Retry(RequestFailure::ErrorText { status, text })
+    }
+}
+
+/// Whether HTTP tells where the answer ends (a length, chunked encoding or HTTP/2): the
+/// stream has no end marker, so otherwise a connection closed early would pass for a whole
+/// answer.
+fn delimited(resp: &reqwest::Response) -> bool {
+    let chunked = resp
+        .headers()
+        .get(reqwest::header::TRANSFER_ENCODING)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("chunked"));
+    chunked || resp.content_length().is_some() || resp.version() >= reqwest::Version::HTTP_2
 }
 
 /// What went wrong with a streamed answer.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 enum Bad {
     /// Corrupt or cut (a checksum, a frame cut short): retried.
-    Corrupt(String),
+    #[error(transparent)]
+    Corrupt(#[from] Corrupt),
     /// Sent whole by the server but not readable by rlc: the same again on a retry.
-    Unreadable(String),
+    #[error(transparent)]
+    Unreadable(#[from] Unreadable),
     /// A bound crossed: the pull fails at once.
+    #[error("{0}")]
     Exceeded(Bound),
 }
 
-impl std::fmt::Display for Bad {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Bad::Corrupt(e) | Bad::Unreadable(e) => f.write_str(e),
-            Bad::Exceeded(b) => b.fmt(f),
-        }
-    }
+/// A streamed answer corrupt or cut on its way (a retry may get it whole).
+#[derive(Debug, thiserror::Error)]
+pub enum Corrupt {
+    /// A frame failed its checks (length, size, checksum).
+    #[error(transparent)]
+    Frame(DecodeError),
+    /// The answer ended inside a frame: these bytes of it had come.
+    #[error("the answer ended inside a frame ({0} bytes left)")]
+    Cut(usize),
+    /// The decoder stopped before the answer's end.
+    #[error(transparent)]
+    Decoder(#[from] DecoderFailed),
 }
 
-fn undecodable(e: impl std::fmt::Display) -> Bad {
-    Bad::Unreadable(format!("undecodable frame: {e}"))
+/// A streamed answer the server sent whole but rlc cannot read (the same again on a retry).
+#[derive(Debug, thiserror::Error)]
+pub enum Unreadable {
+    /// A message of a frame is not what the protocol says.
+    #[error("undecodable frame: {0}")]
+    Frame(#[source] DecodeError),
+    /// A frame answers another query than the request's one.
+    #[error("frame for query {0} of 1")]
+    OtherQuery(i64),
+    /// A chunk holds other samples than floats.
+    #[error("series {series}: chunk encoding {encoding} is not float samples (native histograms are not request rates)")]
+    Encoding {
+        /// The series' labels.
+        series: String,
+        /// `Chunk.Encoding`.
+        encoding: i32,
+    },
+    /// A chunk of a series could not be decoded.
+    #[error("series {series}: {source}")]
+    Chunk {
+        /// The series' labels.
+        series: String,
+        /// What was wrong with the chunk.
+        source: DecodeError,
+    },
+}
+
+/// What could not be decoded in a streamed answer: a frame, a protobuf message in it, or an
+/// XOR chunk of samples.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    /// A frame's length takes more than nine bytes.
+    #[error("frame length is not a varint")]
+    FrameLength,
+    /// A frame longer than `FRAME_MAX` (16 MB): taken for a corrupt length.
+    #[error("frame of {0} bytes (at most {FRAME_MAX})")]
+    FrameTooLarge(usize),
+    /// A frame whose CRC32C is not that of its message.
+    #[error("frame checksum mismatch")]
+    Checksum,
+    /// A message ends inside a varint.
+    #[error("the message ends inside a varint")]
+    VarintCut,
+    /// A varint of more than ten bytes (in a message or a chunk).
+    #[error("varint too long")]
+    VarintTooLong,
+    /// A length-delimited field longer than what is left of its message.
+    #[error("a length past the message's end")]
+    LengthPastEnd,
+    /// A message ends inside a fixed-width field.
+    #[error("the message ends inside a field")]
+    FieldCut,
+    /// A wire type protobuf does not have (or the groups rlc does not read).
+    #[error("wire type {0}")]
+    WireType(u64),
+    /// A field rlc reads with another wire type than its own.
+    #[error("a field of the wrong type")]
+    WrongType,
+    /// A label name or value that is not UTF-8.
+    #[error("a label that is not UTF-8")]
+    NotUtf8,
+    /// A chunk shorter than its 2-byte sample count.
+    #[error("chunk shorter than its header")]
+    ChunkHeader,
+    /// A chunk that ends before its samples do.
+    #[error("chunk ends early")]
+    ChunkCut,
+    /// XOR value widths that do not fit in 64 bits.
+    #[error("bad XOR widths")]
+    XorWidths,
+}
+
+impl From<DecodeError> for Bad {
+    /// A message that could not be decoded: the frame's checksum held, so this is what the
+    /// server sent.
+    fn from(e: DecodeError) -> Self {
+        Bad::Unreadable(Unreadable::Frame(e))
+    }
 }
 
 /// Series read whole are put on the grid at the end of each network piece (one lock per
@@ -685,7 +788,7 @@ impl Frames {
                     at += n;
                 }
                 Ok(None) => break Ok(()),
-                Err(e) => break Err(Bad::Corrupt(e)),
+                Err(e) => break Err(Bad::Corrupt(Corrupt::Frame(e))),
             }
         };
         self.buf = buf;
@@ -703,16 +806,13 @@ impl Frames {
     /// a frame of many empty parts would take some 24 times its size in memory.
     fn frame(&mut self, msg: &[u8]) -> Result<(), Bad> {
         for f in Fields(msg) {
-            match f.map_err(undecodable)? {
+            match f? {
                 (1, Field::Bytes(series)) => self.series(series)?,
                 (2, Field::Varint(0)) => {}
                 (2, Field::Varint(q)) => {
-                    return Err(Bad::Unreadable(format!(
-                        "frame for query {} of 1",
-                        (q as i64).wrapping_add(1)
-                    )))
+                    return Err(Unreadable::OtherQuery((q as i64).wrapping_add(1)).into())
                 }
-                (1 | 2, _) => return Err(undecodable("a field of the wrong type")),
+                (1 | 2, _) => return Err(DecodeError::WrongType.into()),
                 _ => {} // unknown fields are skipped, as protobuf does
             }
         }
@@ -724,7 +824,7 @@ impl Frames {
         let mut labels = Vec::new();
         let mut bytes = 0;
         for f in Fields(s) {
-            match f.map_err(undecodable)? {
+            match f? {
                 (1, Field::Bytes(l)) => {
                     bytes += l.len();
                     if bytes > LABELS_MAX {
@@ -733,7 +833,7 @@ impl Frames {
                     labels.push(label(l)?);
                 }
                 (2, Field::Bytes(_)) => {}
-                (1 | 2, _) => return Err(undecodable("a field of the wrong type")),
+                (1 | 2, _) => return Err(DecodeError::WrongType.into()),
                 _ => {}
             }
         }
@@ -742,33 +842,34 @@ impl Frames {
             self.labels = labels;
         }
         for f in Fields(s) {
-            if let (2, Field::Bytes(c)) = f.map_err(undecodable)? {
-                self.chunk(c).map_err(Bad::Unreadable)?;
+            if let (2, Field::Bytes(c)) = f? {
+                self.chunk(c)?;
             }
         }
         Ok(())
     }
 
     /// One chunk of the series being read: its samples in the request's range.
-    fn chunk(&mut self, c: &[u8]) -> Result<(), String> {
+    fn chunk(&mut self, c: &[u8]) -> Result<(), Unreadable> {
         let (mut encoding, mut data) = (0, &[][..]);
         for f in Fields(c) {
-            match f.map_err(|e| format!("undecodable frame: {e}"))? {
+            match f.map_err(Unreadable::Frame)? {
                 (3, Field::Varint(v)) => encoding = v,
                 (4, Field::Bytes(d)) => data = d,
                 _ => {}
             }
         }
         if encoding != proto::XOR as u64 {
-            return Err(format!(
-                "series {}: chunk encoding {} is not float samples (native histograms are not request rates)",
-                show(&self.labels),
-                encoding as i32
-            ));
+            return Err(Unreadable::Encoding {
+                series: show(&self.labels),
+                encoding: encoding as i32,
+            });
         }
         let before = self.samples.len();
-        decode_xor(data, &mut self.samples)
-            .map_err(|e| format!("series {}: {e}", show(&self.labels)))?;
+        decode_xor(data, &mut self.samples).map_err(|source| Unreadable::Chunk {
+            series: show(&self.labels),
+            source,
+        })?;
         // Only what the steps can use: chunks overlap the range's edges.
         let (lo, hi) = (
             self.steps.from * 1000 - self.steps.lookback_ms,
@@ -871,10 +972,7 @@ impl Frames {
             return Err(e);
         }
         if !self.buf.is_empty() {
-            return Err(Bad::Corrupt(format!(
-                "the answer ended inside a frame ({} bytes left)",
-                self.buf.len()
-            )));
+            return Err(Corrupt::Cut(self.buf.len()).into());
         }
         self.flush()?;
         self.deliver()
@@ -895,7 +993,7 @@ enum Field<'a> {
 struct Fields<'a>(&'a [u8]);
 
 impl<'a> Iterator for Fields<'a> {
-    type Item = Result<(u64, Field<'a>), String>;
+    type Item = Result<(u64, Field<'a>), DecodeError>;
 
     fn next(&mut self) -> Option<Self::Item> {
         if self.0.is_empty() {
@@ -910,7 +1008,7 @@ impl<'a> Iterator for Fields<'a> {
 }
 
 impl<'a> Fields<'a> {
-    fn field(&mut self) -> Result<(u64, Field<'a>), String> {
+    fn field(&mut self) -> Result<(u64, Field<'a>), DecodeError> {
         let key = varint(&mut self.0)?;
         let value = match key & 7 {
             0 => Field::Varint(varint(&mut self.0)?),
@@ -918,46 +1016,44 @@ impl<'a> Fields<'a> {
                 let n = usize::try_from(varint(&mut self.0)?)
                     .ok()
                     .filter(|&n| n <= self.0.len())
-                    .ok_or("a length past the message's end")?;
+                    .ok_or(DecodeError::LengthPastEnd)?;
                 let (v, rest) = self.0.split_at(n);
                 self.0 = rest;
                 Field::Bytes(v)
             }
             w @ (1 | 5) => {
                 let n = if w == 1 { 8 } else { 4 };
-                self.0 = self.0.get(n..).ok_or("the message ends inside a field")?;
+                self.0 = self.0.get(n..).ok_or(DecodeError::FieldCut)?;
                 Field::Fixed
             }
-            w => return Err(format!("wire type {w}")),
+            w => return Err(DecodeError::WireType(w)),
         };
         Ok((key >> 3, value))
     }
 }
 
 /// A protobuf varint at the start of `b`, which is advanced past it.
-fn varint(b: &mut &[u8]) -> Result<u64, String> {
+fn varint(b: &mut &[u8]) -> Result<u64, DecodeError> {
     let mut x = 0u64;
     for k in 0..10 {
-        let (&byte, rest) = b.split_first().ok_or("the message ends inside a varint")?;
+        let (&byte, rest) = b.split_first().ok_or(DecodeError::VarintCut)?;
         *b = rest;
         x |= u64::from(byte & 0x7f) << (7 * k);
         if byte < 0x80 {
             return Ok(x);
         }
     }
-    Err("varint too long".into())
+    Err(DecodeError::VarintTooLong)
 }
 
 /// A `Label` message.
 fn label(l: &[u8]) -> Result<proto::Label, Bad> {
     let mut out = proto::Label::default();
     for f in Fields(l) {
-        let (n, v) = f.map_err(undecodable)?;
+        let (n, v) = f?;
         let text = |v: Field<'_>| match v {
-            Field::Bytes(b) => {
-                String::from_utf8(b.to_vec()).map_err(|_| undecodable("a label that is not UTF-8"))
-            }
-            _ => Err(undecodable("a field of the wrong type")),
+            Field::Bytes(b) => String::from_utf8(b.to_vec()).map_err(|_| DecodeError::NotUtf8),
+            _ => Err(DecodeError::WrongType),
         };
         match n {
             1 => out.name = text(v)?,
@@ -978,7 +1074,7 @@ fn show(labels: &[proto::Label]) -> String {
 
 /// The first frame of `buf` (uvarint length, big-endian CRC32C of the message, message): the
 /// message and the frame's length, `None` while incomplete.
-fn frame(buf: &[u8]) -> Result<Option<(&[u8], usize)>, String> {
+fn frame(buf: &[u8]) -> Result<Option<(&[u8], usize)>, DecodeError> {
     let mut len: u64 = 0;
     let mut n = 0;
     loop {
@@ -986,7 +1082,7 @@ fn frame(buf: &[u8]) -> Result<Option<(&[u8], usize)>, String> {
             return Ok(None);
         };
         if n == 9 {
-            return Err("frame length is not a varint".into());
+            return Err(DecodeError::FrameLength);
         }
         len |= u64::from(byte & 0x7f) << (7 * n);
         n += 1;
@@ -996,14 +1092,14 @@ fn frame(buf: &[u8]) -> Result<Option<(&[u8], usize)>, String> {
     }
     let len = len as usize;
     if len > FRAME_MAX {
-        return Err(format!("frame of {len} bytes (at most {FRAME_MAX})"));
+        return Err(DecodeError::FrameTooLarge(len));
     }
     let Some(msg) = buf.get(n + 4..n + 4 + len) else {
         return Ok(None);
     };
     let want = u32::from_be_bytes(buf[n..n + 4].try_into().expect("4 bytes"));
     if crc32c::crc32c(msg) != want {
-        return Err("frame checksum mismatch".into());
+        return Err(DecodeError::Checksum);
     }
     Ok(Some((msg, n + 4 + len)))
 }
@@ -1046,11 +1142,11 @@ struct Bits<'a> {
 impl Bits<'_> {
     /// The next `n` (1 to 64) bits.
     #[inline]
-    fn read(&mut self, n: u32) -> Result<u64, String> {
+    fn read(&mut self, n: u32) -> Result<u64, DecodeError> {
         debug_assert!((1..=64).contains(&n));
         let end = self.pos + n as usize;
         if end > self.b.len() * 8 {
-            return Err("chunk ends early".into());
+            return Err(DecodeError::ChunkCut);
         }
         let (byte, off) = (self.pos / 8, (self.pos % 8) as u32);
         let hi = match self.b.get(byte..byte + 8) {
@@ -1072,11 +1168,11 @@ impl Bits<'_> {
     }
 
     #[inline]
-    fn bit(&mut self) -> Result<bool, String> {
+    fn bit(&mut self) -> Result<bool, DecodeError> {
         Ok(self.read(1)? == 1)
     }
 
-    fn uvarint(&mut self) -> Result<u64, String> {
+    fn uvarint(&mut self) -> Result<u64, DecodeError> {
         let mut x = 0u64;
         for k in 0..10 {
             let byte = self.read(8)?;
@@ -1085,16 +1181,16 @@ impl Bits<'_> {
                 return Ok(x);
             }
         }
-        Err("varint too long".into())
+        Err(DecodeError::VarintTooLong)
     }
 }
 
 /// Appends the samples of a Prometheus XOR chunk (`tsdb/chunkenc`: a 2-byte sample count,
 /// then the first timestamp as a varint and value as 64 bits, the second timestamp as a
 /// delta, then delta-of-deltas and XORed values in variable bit widths).
-pub(crate) fn decode_xor(data: &[u8], out: &mut Vec<(i64, f64)>) -> Result<(), String> {
+pub(crate) fn decode_xor(data: &[u8], out: &mut Vec<(i64, f64)>) -> Result<(), DecodeError> {
     if data.len() < 2 {
-        return Err("chunk shorter than its header".into());
+        return Err(DecodeError::ChunkHeader);
     }
     let total = u16::from_be_bytes([data[0], data[1]]) as usize;
     let mut r = Bits {
@@ -1153,11 +1249,13 @@ pub(crate) fn decode_xor(data: &[u8], out: &mut Vec<(i64, f64)>) -> Result<(), S
                 if sig == 0 {
                     sig = 64;
                 }
-                trailing = 64u32.checked_sub(leading + sig).ok_or("bad XOR widths")?;
+                trailing = 64u32
+                    .checked_sub(leading + sig)
+                    .ok_or(DecodeError::XorWidths)?;
             }
             let sig = 64 - leading - trailing;
             if sig == 0 {
-                return Err("bad XOR widths".into());
+                return Err(DecodeError::XorWidths);
             }
             value ^= r.read(sig)? << trailing;
         }

@@ -30,7 +30,7 @@ use std::sync::{Arc, RwLock};
 
 use super::incremental::{barred, union};
 use super::spill::{index_services, service_entries};
-use super::{History, RateSeries, Rejected, SeriesKey, SpilledHistory};
+use super::{DiskError, History, RateSeries, Rejected, SeriesKey, SpilledHistory, Unrestored};
 
 /// "No sample" for [`Slot::last`].
 const NONE: i64 = i64::MIN;
@@ -58,7 +58,7 @@ struct State {
     /// has lost its oldest points.
     written_end: i64,
     /// Set when a failed increment could not be undone: nothing is read from the ring.
-    broken: Option<String>,
+    broken: Option<Arc<Unrestored>>,
 }
 
 /// A series in a view: its slot, and its last grid point with a sample ([`NONE`] for none).
@@ -199,8 +199,18 @@ impl Ring {
         self.file.write_all_at(buf, self.offset(slot, 0))
     }
 
-    fn io_error(&self, what: &str, e: std::io::Error) -> String {
-        format!("{what} the held history {}: {e}", self.path.display())
+    fn write_error(&self, source: std::io::Error) -> DiskError {
+        DiskError::Write {
+            path: self.path.clone(),
+            source,
+        }
+    }
+
+    fn read_error(&self, source: std::io::Error) -> DiskError {
+        DiskError::Read {
+            path: self.path.clone(),
+            source,
+        }
     }
 }
 
@@ -215,14 +225,12 @@ struct Filler {
 }
 
 impl Filler {
-    fn new(parent: &Path, grid: (i64, i64, usize), cap: usize) -> Result<Filler, String> {
+    fn new(parent: &Path, grid: (i64, i64, usize), cap: usize) -> Result<Filler, DiskError> {
         let (start, step, len) = grid;
         let cap = cap.max(len);
-        let ring = Ring::create(parent, start, step, cap).map_err(|e| {
-            format!(
-                "cannot create the held history under {}: {e}",
-                parent.display()
-            )
+        let ring = Ring::create(parent, start, step, cap).map_err(|source| DiskError::Create {
+            parent: parent.to_path_buf(),
+            source,
         })?;
         Ok(Filler {
             ring,
@@ -234,11 +242,11 @@ impl Filler {
         })
     }
 
-    fn add(&mut self, key: &SeriesKey, values: &[f32]) -> Result<(), String> {
+    fn add(&mut self, key: &SeriesKey, values: &[f32]) -> Result<(), DiskError> {
         let slot = self.index.len() as u32;
         self.ring
             .write_slot(slot, 0, values, &mut self.cells, &mut self.buf)
-            .map_err(|e| self.ring.io_error("cannot write", e))?;
+            .map_err(|e| self.ring.write_error(e))?;
         self.index.insert(
             key.clone(),
             Slot {
@@ -277,9 +285,9 @@ pub fn capacity(len: usize, step: i64, every: i64) -> usize {
 
 impl RingHistory {
     /// A ring under `parent` holding `h` (a whole lookback in memory), `cap` cells per slot.
-    pub fn from_history(h: &History, parent: &Path, cap: usize) -> Result<RingHistory, String> {
+    pub fn from_history(h: &History, parent: &Path, cap: usize) -> Result<RingHistory, DiskError> {
         if let Some(e) = &h.source_error {
-            return Err(e.clone());
+            return Err(DiskError::Unavailable(e.clone()));
         }
         let mut f = Filler::new(parent, (h.start, h.step, h.len), cap)?;
         for (k, s) in &h.series {
@@ -293,7 +301,7 @@ impl RingHistory {
         s: &SpilledHistory,
         parent: &Path,
         cap: usize,
-    ) -> Result<RingHistory, String> {
+    ) -> Result<RingHistory, DiskError> {
         let mut f = Filler::new(parent, (s.start, s.step, s.len), cap)?;
         for service in s.services() {
             let h = s.service(&service)?;
@@ -332,12 +340,12 @@ impl RingHistory {
 
     /// The history of `service` alone, read from the file (no rejected series). An error
     /// when the ring could not be read, or when increments since moved past this view.
-    pub fn service(&self, service: &str) -> Result<History, String> {
+    pub fn service(&self, service: &str) -> Result<History, DiskError> {
         self.read(service_entries(&self.index, service))
     }
 
     /// The whole history in memory, rejected series included.
-    pub fn to_history(&self) -> Result<History, String> {
+    pub fn to_history(&self) -> Result<History, DiskError> {
         let mut h = self.read(self.index.iter())?;
         h.rejected = self.rejected.clone();
         Ok(h)
@@ -346,25 +354,28 @@ impl RingHistory {
     fn read<'a>(
         &self,
         entries: impl Iterator<Item = (&'a SeriesKey, &'a Slot)>,
-    ) -> Result<History, String> {
+    ) -> Result<History, DiskError> {
         let ring = &self.ring;
         let st = ring.state.read().unwrap();
         if let Some(e) = &st.broken {
-            return Err(e.clone());
+            return Err(DiskError::Broken(e.clone()));
         }
         let a0 = ring.point(self.start);
         if st.written_end > a0 + ring.cap as i64 {
-            return Err(format!(
-                "the held history {} moved on past this view (its first points were overwritten): pull again",
-                ring.path.display()
-            ));
+            return Err(DiskError::MovedOn {
+                path: ring.path.clone(),
+            });
         }
         let mut series = BTreeMap::new();
         let mut buf = Vec::new();
         for (key, slot) in entries {
             let mut s = RateSeries::empty(self.start, self.step, self.len);
             ring.read(slot.slot, a0, &mut s.values, &mut buf)
-                .map_err(|e| ring.io_error(&format!("cannot read series {key:?} of"), e))?;
+                .map_err(|source| DiskError::ReadSeries {
+                    key: key.clone(),
+                    path: ring.path.clone(),
+                    source,
+                })?;
             series.insert(key.clone(), s);
         }
         Ok(History {
@@ -389,7 +400,7 @@ impl RingHistory {
         &self,
         tail: History,
         grid: (i64, i64, usize),
-    ) -> Option<Result<RingHistory, String>> {
+    ) -> Option<Result<RingHistory, DiskError>> {
         let (start, step, len) = grid;
         if tail.source_error.is_none()
             && tail.start == start
@@ -435,99 +446,36 @@ impl RingHistory {
         &self,
         tail: History,
         (new_start, k, end, held_end): (i64, i64, i64, i64),
-    ) -> Result<RingHistory, String> {
+    ) -> Result<RingHistory, DiskError> {
         let ring = &self.ring;
         let rejected = union(&self.rejected, tail.rejected);
         let barred: HashSet<SeriesKey> = barred(&rejected);
-        let n = (end - k) as usize;
-        let overlap = (held_end - k).max(0) as usize;
         let mut tail_series = tail.series;
-        let nan = vec![f32::NAN; n];
         let mut st = ring.state.write().unwrap();
         if let Some(e) = &st.broken {
-            return Err(e.clone());
+            return Err(DiskError::Broken(e.clone()));
         }
-        let (mut cells, mut buf, mut scan) = (Vec::new(), Vec::new(), Vec::new());
-        let mut index: BTreeMap<SeriesKey, Slot> = BTreeMap::new();
+        let mut w = Increment {
+            ring,
+            new_start,
+            k,
+            overlap: (held_end - k).max(0) as usize,
+            nan: vec![f32::NAN; (end - k) as usize],
+            index: BTreeMap::new(),
+            saved: Vec::new(),
+            cells: Vec::new(),
+            buf: Vec::new(),
+            scan: Vec::new(),
+        };
+        st.written_end = st.written_end.max(end);
         // New series first (new slots at the end of the file: the write most likely to fail,
         // for want of space, before anything of this view was touched).
-        let mut slots = st.slots;
-        let fresh: Vec<SeriesKey> = tail_series
-            .keys()
-            .filter(|key| !self.index.contains_key(*key) && !barred.contains(*key))
-            .cloned()
-            .collect();
-        st.written_end = st.written_end.max(end);
-        for key in fresh {
-            let s = tail_series.remove(&key).expect("listed above");
-            let last = last_sample(k, &s.values);
-            if last == NONE {
-                continue;
-            }
-            if let Err(e) = ring.write_slot(slots, k, &s.values, &mut cells, &mut buf) {
-                st.slots = slots + 1;
-                return Err(ring.io_error("cannot write", e));
-            }
-            index.insert(key, Slot { slot: slots, last });
-            slots += 1;
-        }
-        st.slots = slots;
-        // The held series: the overlap kept aside, then the tail's points (NaN for a series
-        // the increment did not see) over the overlap and the cells of points that left.
-        let mut saved: Vec<(u32, Vec<f32>)> = Vec::new();
-        let mut failure = None;
-        for (key, slot) in self.index.iter() {
-            if barred.contains(key) {
-                continue;
-            }
-            let values = tail_series.remove(key).map(|s| s.values);
-            let values = values.as_deref().unwrap_or(&nan);
-            let mut old = vec![f32::NAN; overlap];
-            if let Err(e) = ring.read(slot.slot, k, &mut old, &mut buf) {
-                failure = Some(ring.io_error("cannot read", e));
-                break;
-            }
-            saved.push((slot.slot, old));
-            if let Err(e) = ring.write(slot.slot, k, values, &mut buf) {
-                failure = Some(ring.io_error("cannot write", e));
-                break;
-            }
-            let mut last = last_sample(k, values);
-            if last == NONE && slot.last < k {
-                last = slot.last;
-            } else if last == NONE {
-                // Its last sample was in the overlap, which the increment no longer has:
-                // the one before, from the file.
-                scan.clear();
-                scan.resize((k - new_start).max(0) as usize, f32::NAN);
-                if let Err(e) = ring.read(slot.slot, new_start, &mut scan, &mut buf) {
-                    failure = Some(ring.io_error("cannot read", e));
-                    break;
-                }
-                last = last_sample(new_start, &scan);
-            }
-            // A full pull lists a series only if it has a sample in the lookback.
-            if last != NONE && last >= new_start {
-                index.insert(
-                    key.clone(),
-                    Slot {
-                        slot: slot.slot,
-                        last,
-                    },
-                );
-            }
-        }
-        if let Some(e) = failure {
-            for (slot, old) in &saved {
-                if let Err(undo) = ring.write(*slot, k, old, &mut buf) {
-                    let broken = format!(
-                        "{e}; and the held history could not be restored ({undo}): the next pull is a full one"
-                    );
-                    st.broken = Some(broken.clone());
-                    return Err(broken);
-                }
-            }
-            return Err(e);
+        w.write_fresh(&mut st, &mut tail_series, |key| {
+            !self.index.contains_key(key) && !barred.contains(key)
+        })?;
+        let held = self.index.iter().filter(|(key, _)| !barred.contains(*key));
+        if let Err(failure) = w.write_held(held, &mut tail_series) {
+            return Err(w.undo(&mut st, failure));
         }
         drop(st);
         Ok(RingHistory {
@@ -535,7 +483,7 @@ impl RingHistory {
             start: ring.origin + new_start * ring.step,
             step: ring.step,
             len: self.len,
-            index: Arc::new(index),
+            index: Arc::new(w.index),
             rejected,
         })
     }
@@ -548,7 +496,126 @@ impl RingHistory {
     /// Breaks the ring as a write failure that could not be undone would (tests).
     #[doc(hidden)]
     pub fn break_for_test(&self, why: &str) {
-        self.ring.state.write().unwrap().broken = Some(why.to_string());
+        let why = Unrestored::Injected(std::io::Error::other(why.to_string()));
+        self.ring.state.write().unwrap().broken = Some(Arc::new(why));
+    }
+}
+
+/// An increment being written into a ring, under its write lock: the tail's points from
+/// grid point `k` on, over the view's oldest cells.
+struct Increment<'a> {
+    ring: &'a Ring,
+    /// The grid point of the new view's first point.
+    new_start: i64,
+    /// The grid point of the tail's first point.
+    k: i64,
+    /// Points of the held view the tail overwrites (from `k` to the held view's end).
+    overlap: usize,
+    /// The tail's points of a series it did not see.
+    nan: Vec<f32>,
+    /// The new view's series.
+    index: BTreeMap<SeriesKey, Slot>,
+    /// The overlap of each held series written so far, as it was: put back if a write fails.
+    saved: Vec<(u32, Vec<f32>)>,
+    cells: Vec<f32>,
+    buf: Vec<u8>,
+    scan: Vec<f32>,
+}
+
+impl Increment<'_> {
+    /// Writes the series of `tail` that are `fresh` (not held, not barred) into new slots
+    /// and indexes them; a series without a sample in the tail takes none.
+    fn write_fresh(
+        &mut self,
+        st: &mut State,
+        tail: &mut BTreeMap<SeriesKey, RateSeries>,
+        fresh: impl Fn(&SeriesKey) -> bool,
+    ) -> Result<(), DiskError> {
+        let ring = self.ring;
+        let mut slots = st.slots;
+        let fresh: Vec<SeriesKey> = tail.keys().filter(|key| fresh(key)).cloned().collect();
+        for key in fresh {
+            let s = tail.remove(&key).expect("listed above");
+            let last = last_sample(self.k, &s.values);
+            if last == NONE {
+                continue;
+            }
+            if let Err(e) =
+                ring.write_slot(slots, self.k, &s.values, &mut self.cells, &mut self.buf)
+            {
+                st.slots = slots + 1;
+                return Err(ring.write_error(e));
+            }
+            self.index.insert(key, Slot { slot: slots, last });
+            slots += 1;
+        }
+        st.slots = slots;
+        Ok(())
+    }
+
+    /// Writes the `held` series: the overlap kept aside, then the tail's points (`NaN` for a
+    /// series the increment did not see) over the overlap and the cells of points that left.
+    /// Indexes those with a sample in the new lookback.
+    fn write_held<'k>(
+        &mut self,
+        held: impl Iterator<Item = (&'k SeriesKey, &'k Slot)>,
+        tail: &mut BTreeMap<SeriesKey, RateSeries>,
+    ) -> Result<(), DiskError> {
+        let ring = self.ring;
+        for (key, slot) in held {
+            let values = tail.remove(key).map(|s| s.values);
+            let values = values.as_deref().unwrap_or(&self.nan);
+            let mut old = vec![f32::NAN; self.overlap];
+            ring.read(slot.slot, self.k, &mut old, &mut self.buf)
+                .map_err(|e| ring.read_error(e))?;
+            self.saved.push((slot.slot, old));
+            ring.write(slot.slot, self.k, values, &mut self.buf)
+                .map_err(|e| ring.write_error(e))?;
+            let mut last = last_sample(self.k, values);
+            if last == NONE {
+                last = self.last_before_tail(slot)?;
+            }
+            // A full pull lists a series only if it has a sample in the lookback.
+            if last != NONE && last >= self.new_start {
+                self.index.insert(
+                    key.clone(),
+                    Slot {
+                        slot: slot.slot,
+                        last,
+                    },
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The last grid point with a sample of a held series the tail has no sample of.
+    fn last_before_tail(&mut self, slot: &Slot) -> Result<i64, DiskError> {
+        if slot.last < self.k {
+            return Ok(slot.last);
+        }
+        // Its last sample was in the overlap, which the increment no longer has: the one
+        // before, from the file.
+        let ring = self.ring;
+        self.scan.clear();
+        self.scan
+            .resize((self.k - self.new_start).max(0) as usize, f32::NAN);
+        ring.read(slot.slot, self.new_start, &mut self.scan, &mut self.buf)
+            .map_err(|e| ring.read_error(e))?;
+        Ok(last_sample(self.new_start, &self.scan))
+    }
+
+    /// After a write of the held series failed: puts their saved overlap back. A ring that
+    /// cannot be restored is broken: it refuses reads until a full pull replaces it.
+    fn undo(&mut self, st: &mut State, failure: DiskError) -> DiskError {
+        for (slot, old) in &self.saved {
+            if let Err(undo) = self.ring.write(*slot, self.k, old, &mut self.buf) {
+                let broken = Arc::new(Unrestored::Undo { failure, undo });
+                st.broken = Some(broken.clone());
+                return DiskError::Broken(broken);
+            }
+        }
+        failure
     }
 }
 

@@ -22,10 +22,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
 
 use chrono::{DateTime, Utc};
-use schema::DaemonConfig;
+use schema::{DaemonConfig, HistoryConfig, PrometheusConfig};
 
 use super::ring::RingHistory;
-use super::{History, PullKind, Rejected, SeriesSource};
+use super::{DiskError, History, HistoryError, PullKind, Rejected, SeriesSource};
 
 /// The history of a [`Snapshot`]: in memory (a file source, a failed pull), or on disk
 /// ([`RingHistory`]) and read service by service through [`SeriesSource`].
@@ -76,7 +76,9 @@ impl std::ops::Deref for HeldHistory {
     /// source failed).
     fn deref(&self) -> &History {
         self.whole.get_or_init(|| match &self.ring {
-            Some(r) => r.to_history().unwrap_or_else(History::unavailable),
+            Some(r) => r
+                .to_history()
+                .unwrap_or_else(|e| History::unavailable(e.to_string())),
             None => History::default(),
         })
     }
@@ -142,7 +144,7 @@ impl SeriesSource for HeldHistory {
             (Some(r), None) => r
                 .service(service)
                 .map(Cow::Owned)
-                .map_err(rlc_plan::history::Unreadable),
+                .map_err(rlc_plan::history::Unreadable::from),
             (None, None) => Ok(Cow::Owned(History::default())),
         }
     }
@@ -327,97 +329,47 @@ impl HistoryCache {
         let base = held
             .as_ref()
             .filter(|h| h.settings == settings && end.timestamp() - h.full_end < every);
-        if let Some((base, ring)) = base.and_then(|b| b.history.ring().map(|r| (b, r.clone()))) {
-            let since = base.history.grid();
-            let since = (since.0 + since.2 as i64 * since.1)
-                - super::incremental::OVERLAP_SECS.div_euclid(since.1).max(1) * since.1;
-            let t = std::time::Instant::now();
-            match super::prometheus::load_tail(p, &cfg.history, end, since).await {
-                Ok(tail) => {
-                    let pulled = t.elapsed().as_secs_f64();
-                    let grid = tail.grid;
-                    let t = std::time::Instant::now();
-                    let written =
-                        tokio::task::spawn_blocking(move || ring.apply(tail.history, grid))
-                            .await
-                            .unwrap_or_else(|e| Some(Err(format!("writing the increment: {e}"))));
-                    match written {
-                        Some(Ok(r)) => {
-                            tracing::info!(
-                                series = r.series_count(),
-                                pull_seconds = %format_args!("{pulled:.2}"),
-                                write_seconds = %format_args!("{:.2}", t.elapsed().as_secs_f64()),
-                                "history increment written"
-                            );
-                            let m = Arc::new(HeldHistory::from(r));
-                            let full_end = base.full_end;
-                            *held = Some(Held {
-                                history: m.clone(),
-                                settings,
-                                full_end,
-                            });
-                            return (m, PullKind::Incremental);
-                        }
-                        Some(Err(e)) => {
-                            // The held history stays (restored) unless it could not be: then
-                            // the next pull is a full one.
-                            tracing::error!(error = %e, "history increment failed");
-                            if base.history.ring().is_none_or(RingHistory::broken) {
-                                *held = None;
-                            }
-                            return (
-                                Arc::new(History::unavailable(e).into()),
-                                PullKind::Incremental,
-                            );
-                        }
-                        None => tracing::info!(
-                            "the increment does not continue the held history: pulling the whole lookback"
-                        ),
-                    }
+        if let Some((full_end, ring)) =
+            base.and_then(|b| b.history.ring().map(|r| (b.full_end, r.clone())))
+        {
+            match increment(p, &cfg.history, end, ring).await {
+                Some(Ok(r)) => {
+                    let m = Arc::new(HeldHistory::from(r));
+                    *held = Some(Held {
+                        history: m.clone(),
+                        settings,
+                        full_end,
+                    });
+                    return (m, PullKind::Incremental);
                 }
-                Err(e) => {
-                    // The held history stays: the next pull tries from it again.
-                    tracing::error!(error = %e, "history source failed");
+                Some(Err(e)) => {
+                    if let HistoryError::Disk(_) = e {
+                        // The held history stays (restored) unless it could not be: then
+                        // the next pull is a full one.
+                        tracing::error!(error = %e, "history increment failed");
+                        let ring = held.as_ref().and_then(|h| h.history.ring());
+                        if ring.is_none_or(RingHistory::broken) {
+                            *held = None;
+                        }
+                    } else {
+                        // The held history stays: the next pull tries from it again.
+                        tracing::error!(error = %e, "history source failed");
+                    }
                     return (
                         Arc::new(History::unavailable(e.to_string()).into()),
                         PullKind::Incremental,
                     );
                 }
+                None => tracing::info!(
+                    "the increment does not continue the held history: pulling the whole lookback"
+                ),
             }
         }
-        let dir = p
-            .spill_dir
-            .as_ref()
-            .map(|d| self.base_dir.join(d))
-            .unwrap_or_else(std::env::temp_dir);
-        let h: Result<RingHistory, String> =
-            match super::prometheus::load_spilled(p, &cfg.history, end, &dir).await {
-                Ok(spilled) => {
-                    let cap = super::ring::capacity(spilled.len, spilled.step, every);
-                    let t = std::time::Instant::now();
-                    let written = tokio::task::spawn_blocking(move || {
-                        RingHistory::from_spilled(&spilled, &dir, cap)
-                    })
-                    .await
-                    .unwrap_or_else(|e| Err(format!("writing the held history: {e}")));
-                    if let Ok(r) = &written {
-                        tracing::info!(
-                            series = r.series_count(),
-                            bytes = r.bytes(),
-                            seconds = %format_args!("{:.2}", t.elapsed().as_secs_f64()),
-                            path = %r.path().display(),
-                            "history held on disk"
-                        );
-                    }
-                    written
-                }
-                Err(e) => Err(e.to_string()),
-            };
-        let h: HeldHistory = match h {
+        let h: HeldHistory = match self.pull_whole(p, &cfg.history, end, every).await {
             Ok(r) => r.into(),
             Err(e) => {
                 tracing::error!(error = %e, "history source failed");
-                History::unavailable(e).into()
+                History::unavailable(e.to_string()).into()
             }
         };
         if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
@@ -433,6 +385,80 @@ impl HistoryCache {
         }
         (h, PullKind::Full)
     }
+
+    /// Pulls the whole lookback ending at `end`, spilled as it streams in, into a new ring
+    /// with room for the increments of `every` seconds (`history.full_pull_every`).
+    async fn pull_whole(
+        &self,
+        p: &PrometheusConfig,
+        h: &HistoryConfig,
+        end: DateTime<Utc>,
+        every: i64,
+    ) -> Result<RingHistory, HistoryError> {
+        let dir = p
+            .spill_dir
+            .as_ref()
+            .map(|d| self.base_dir.join(d))
+            .unwrap_or_else(std::env::temp_dir);
+        let spilled = super::prometheus::load_spilled(p, h, end, &dir).await?;
+        let cap = super::ring::capacity(spilled.len, spilled.step, every);
+        let t = std::time::Instant::now();
+        let r = tokio::task::spawn_blocking(move || RingHistory::from_spilled(&spilled, &dir, cap))
+            .await
+            .unwrap_or_else(|source| {
+                Err(DiskError::Panicked {
+                    writing: "the held history",
+                    source,
+                })
+            })?;
+        tracing::info!(
+            series = r.series_count(),
+            bytes = r.bytes(),
+            seconds = %format_args!("{:.2}", t.elapsed().as_secs_f64()),
+            path = %r.path().display(),
+            "history held on disk"
+        );
+        Ok(r)
+    }
+}
+
+/// Pulls the minutes since the end of the held `ring` and an overlap, and writes them into it
+/// in place ([`RingHistory::apply`]): the new view; `None` when they do not continue it; an
+/// error when the pull failed, or the write ([`HistoryError::Disk`]).
+async fn increment(
+    p: &PrometheusConfig,
+    h: &HistoryConfig,
+    end: DateTime<Utc>,
+    ring: RingHistory,
+) -> Option<Result<RingHistory, HistoryError>> {
+    let (start, step, len) = (ring.start, ring.step, ring.len);
+    let since = (start + len as i64 * step)
+        - super::incremental::OVERLAP_SECS.div_euclid(step).max(1) * step;
+    let t = std::time::Instant::now();
+    let tail = match super::prometheus::load_tail(p, h, end, since).await {
+        Ok(tail) => tail,
+        Err(e) => return Some(Err(e)),
+    };
+    let pulled = t.elapsed().as_secs_f64();
+    let grid = tail.grid;
+    let t = std::time::Instant::now();
+    let written = tokio::task::spawn_blocking(move || ring.apply(tail.history, grid))
+        .await
+        .unwrap_or_else(|source| {
+            Some(Err(DiskError::Panicked {
+                writing: "the increment",
+                source,
+            }))
+        });
+    if let Some(Ok(r)) = &written {
+        tracing::info!(
+            series = r.series_count(),
+            pull_seconds = %format_args!("{pulled:.2}"),
+            write_seconds = %format_args!("{:.2}", t.elapsed().as_secs_f64()),
+            "history increment written"
+        );
+    }
+    written.map(|w| w.map_err(HistoryError::from))
 }
 
 /// A failed pull as a history that keeps every quota (the error logged).

@@ -18,7 +18,7 @@ use std::io::{BufWriter, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use super::{History, Rejected, SeriesKey};
+use super::{DiskError, History, Rejected, SeriesKey};
 use policies::RateSeries;
 
 /// Buffer between the decoders and the file.
@@ -179,13 +179,13 @@ impl SpilledHistory {
 
     /// The history of `service` alone: its series read from the file onto the grid (no
     /// rejected series, no source error). An error names the file and the series.
-    pub fn service(&self, service: &str) -> Result<History, String> {
+    pub fn service(&self, service: &str) -> Result<History, DiskError> {
         self.read(service_entries(&self.index, service))
     }
 
     /// The whole history in memory (what [`crate::history::load`] gives), rejected series
     /// included.
-    pub fn to_history(&self) -> Result<History, String> {
+    pub fn to_history(&self) -> Result<History, DiskError> {
         let mut h = self.read(self.index.iter())?;
         h.rejected = self.rejected.clone();
         Ok(h)
@@ -194,7 +194,7 @@ impl SpilledHistory {
     fn read<'a>(
         &self,
         entries: impl Iterator<Item = (&'a SeriesKey, &'a Vec<Extent>)>,
-    ) -> Result<History, String> {
+    ) -> Result<History, DiskError> {
         let mut series = BTreeMap::new();
         let mut bytes = Vec::new();
         for (key, extents) in entries {
@@ -203,13 +203,12 @@ impl SpilledHistory {
                 bytes.resize(e.len as usize * 4, 0);
                 self.file
                     .read_exact_at(&mut bytes, e.offset)
-                    .map_err(|err| {
-                        format!(
-                        "cannot read the history spill {} (series {key:?}, {} bytes at {}): {err}",
-                        self.path.display(),
-                        bytes.len(),
-                        e.offset
-                    )
+                    .map_err(|source| DiskError::ReadSpill {
+                        path: self.path.clone(),
+                        key: key.clone(),
+                        len: bytes.len(),
+                        offset: e.offset,
+                        source,
                     })?;
                 let run = bytes
                     .chunks_exact(4)

@@ -132,6 +132,56 @@ fn exceeded_errors_name_the_bound_the_key_and_the_request() {
     }
 }
 
+/// The last failure of a request reads as it did when it was kept as text.
+#[test]
+fn unavailable_errors_name_the_last_failure() {
+    let status = reqwest::StatusCode::SERVICE_UNAVAILABLE;
+    let timeout: schema::HumanDuration = "2m".parse().unwrap();
+    for (source, text) in [
+        (
+            RequestFailure::Partial,
+            "partial response (isPartial: some storage nodes did not answer)",
+        ),
+        (
+            RequestFailure::Status {
+                status,
+                error_type: "unavailable".into(),
+                error: "not ready".into(),
+            },
+            "HTTP 503 Service Unavailable: unavailable not ready",
+        ),
+        (
+            RequestFailure::ErrorText {
+                status,
+                text: "try later".into(),
+            },
+            "HTTP 503 Service Unavailable: try later",
+        ),
+        (
+            RequestFailure::TooLong(timeout),
+            "the request took longer than history.prometheus.max_request_duration (2m)",
+        ),
+        (
+            RequestFailure::Corrupt(remote_read::Corrupt::Cut(3)),
+            "bad answer: the answer ended inside a frame (3 bytes left)",
+        ),
+        (
+            RequestFailure::Settings("http://p:9090/api/v1/status/flags: timed out".into()),
+            "reading the server's settings failed: http://p:9090/api/v1/status/flags: timed out",
+        ),
+    ] {
+        let e = HistoryError::Unavailable {
+            url: "http://p:9090".into(),
+            attempts: 3,
+            source,
+        };
+        assert_eq!(
+            e.to_string(),
+            format!("prometheus at http://p:9090 failed after 3 attempts: {text}")
+        );
+    }
+}
+
 #[test]
 fn a_rejected_series_keeps_a_bounded_reason() {
     let mut b = Builder::new(1000, 60, 10, LabelNames::default());

@@ -3,7 +3,8 @@
 //! is, series for series and bit for bit, the one a full pull of the same lookback gives, and
 //! so is the plan; over `query_range` (a PromQL expression), remote read (a plain selector) and
 //! with `downsample`. A change of the history settings and `history.full_pull_every` force a
-//! full pull; a failed increment keeps the held history and the next pull continues from it.
+//! full pull; a failed increment keeps the held history and the next pull continues from it,
+//! unless the held ring could not be restored: then the next pull is a full one.
 
 use chrono::{DateTime, TimeZone, Utc};
 use rlc::history::snapshot::HistoryCache;
@@ -329,7 +330,8 @@ fn the_held_history_is_a_ring_on_disk_and_a_restart_pulls_it_whole() {
         .any(|k| k.bucket_name() == "gone.route"));
     // The first view's points were overwritten: reading it says so.
     let e = ring.service("maps").unwrap_err();
-    assert!(e.contains("moved on"), "{e}");
+    assert!(matches!(e, rlc::history::DiskError::MovedOn { .. }), "{e}");
+    assert!(e.to_string().contains("moved on"), "{e}");
     drop((first, ring, last));
     assert_eq!(entries().len(), 1, "one held history");
     drop(cache);
@@ -346,4 +348,14 @@ fn the_held_history_is_a_ring_on_disk_and_a_restart_pulls_it_whole() {
     assert!(snap.history.source_error().is_none());
     let next = rt.block_on(cache.refresh_at(at(t + 600)));
     assert_eq!(next.kind, PullKind::Incremental);
+
+    // A ring that refuses reads (an increment failed and could not be undone): the next
+    // increment fails with why, and the pull after it reads the whole lookback again.
+    next.history.ring().unwrap().break_for_test("disk gone");
+    let failed = rt.block_on(cache.refresh_at(at(t + 900)));
+    assert_eq!(failed.kind, PullKind::Incremental);
+    assert_eq!(failed.history.source_error(), Some("disk gone"));
+    let again = rt.block_on(cache.refresh_at(at(t + 1200)));
+    assert_eq!(again.kind, PullKind::Full);
+    assert!(again.history.source_error().is_none());
 }

@@ -102,7 +102,8 @@ fn increments_wrapping_around_the_ring_give_the_full_pulls() {
     let expect = pull(prev.start, len, &shape);
     assert_eq!(bits(&prev.to_history().unwrap()), bits(&expect));
     let e = views[0].service("maps").unwrap_err();
-    assert!(e.contains("moved on past this view"), "{e}");
+    assert!(matches!(e, DiskError::MovedOn { .. }), "{e}");
+    assert!(e.to_string().contains("moved on past this view"), "{e}");
 }
 
 #[test]
@@ -213,7 +214,9 @@ fn the_file_goes_with_the_last_view_and_a_broken_ring_refuses_reads() {
     drop(held);
     assert!(path.exists(), "a view still reads it");
     next.break_for_test("disk gone");
-    assert_eq!(next.service("maps").unwrap_err(), "disk gone");
+    let e = next.service("maps").unwrap_err();
+    assert!(matches!(e, DiskError::Broken(_)), "{e}");
+    assert_eq!(e.to_string(), "disk gone");
     assert!(next
         .apply(tail_of(&pull(120, 60, &f), 3060), (120, 60, 60))
         .unwrap()
