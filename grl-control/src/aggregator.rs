@@ -11,6 +11,8 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+
+use schema::criticality::TIERS;
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
@@ -129,6 +131,9 @@ struct ClientEntry {
     period_ms: u64,
     /// bucket → [offered, admitted, dropped, shadow] per second over the client's last interval.
     rates: Vec<(String, [f64; 4])>,
+    /// Beside each of `rates`: the shares of its offered rate by criticality tier (least
+    /// critical first, summing to 1), when the client counted tiers.
+    tier_mix: Vec<Option<[f64; TIERS]>>,
     /// Its allowance of calls and its last total call rate (see [`screen::Known::screen_calls`]).
     calls: screen::ClientCalls,
     /// Its allowance of bucket counts (see [`screen::Known::screen_counts`]).
@@ -186,8 +191,9 @@ struct Replies {
 struct ServiceReply {
     version: String,
     directives: Vec<DirectiveMsg>,
-    /// The binary encoding, made at the first binary report.
-    binary: std::sync::OnceLock<grl_wire::binary::EncodedDirectives>,
+    /// The binary encodings with and without the tier splits, made at the first binary
+    /// report of a client that reads them (protocol 8) or does not.
+    binary: [std::sync::OnceLock<grl_wire::binary::EncodedDirectives>; 2],
 }
 
 impl ServiceReply {
@@ -199,19 +205,27 @@ impl ServiceReply {
         })
     }
 
-    /// The reply's body with `age_ms`, in the binary encoding or JSON.
-    fn body(&self, age_ms: Option<u64>, binary: bool) -> Vec<u8> {
+    /// The reply's body with `age_ms`, in the binary encoding or JSON; with the directives'
+    /// tier splits for a client that reads them (`tiers`), without for an older one.
+    fn body(&self, age_ms: Option<u64>, binary: bool, tiers: bool) -> Vec<u8> {
+        let directives = || {
+            let mut d = self.directives.clone();
+            if !tiers {
+                d.iter_mut().for_each(|m| m.shed = None);
+            }
+            d
+        };
         if binary {
-            self.binary
+            self.binary[tiers as usize]
                 .get_or_init(|| {
-                    grl_wire::binary::EncodedDirectives::new(&self.version, &self.directives)
+                    grl_wire::binary::EncodedDirectives::new(&self.version, &directives())
                 })
                 .with_age(age_ms)
         } else {
             serde_json::to_vec(&ClientDirectives {
                 version: self.version.clone(),
                 age_ms,
-                directives: self.directives.clone(),
+                directives: directives(),
             })
             .expect("directives serialize")
         }
@@ -639,6 +653,32 @@ async fn config(State(s): State<Arc<Shared>>, Query(q): Query<ConfigQuery>) -> J
     Json(doc)
 }
 
+/// A bucket's offered rate by tier over the zone's clients, and whether some client with
+/// traffic counted no tiers (the zone's mix is then unknown).
+#[derive(Default)]
+struct TierSum {
+    offered: [f64; TIERS],
+    untiered: bool,
+}
+
+impl TierSum {
+    fn add(&mut self, offered: f64, mix: Option<&[f64; TIERS]>) {
+        match mix {
+            Some(m) => {
+                for (o, share) in self.offered.iter_mut().zip(m) {
+                    *o += offered * share;
+                }
+            }
+            None => self.untiered |= offered > 0.0,
+        }
+    }
+
+    /// The sums, when every client with traffic counted tiers.
+    fn whole(&self) -> Option<[f64; TIERS]> {
+        (!self.untiered && self.offered.iter().any(|&o| o > 0.0)).then_some(self.offered)
+    }
+}
+
 fn build_report(s: &Shared) -> ZoneReport {
     let mut guard = s.state.lock().expect("aggregator lock");
     let st = &mut *guard;
@@ -646,6 +686,7 @@ fn build_report(s: &Shared) -> ZoneReport {
     // Rates summed by bucket, with the offered rates' sum, count and largest for the peer caps
     // (and the clients' total call rates by service).
     let mut sums: HashMap<(String, String), [f64; 4]> = HashMap::new();
+    let mut tiers: HashMap<(String, String), TierSum> = HashMap::new();
     let mut offered: HashMap<(String, String), screen::PeerRates> = HashMap::new();
     let mut per_service: HashMap<&str, screen::ServiceClients> = HashMap::new();
     for ((service, _), c) in st.clients.iter_mut() {
@@ -656,7 +697,13 @@ fn build_report(s: &Shared) -> ZoneReport {
         if let Some(r) = c.calls.rate {
             n.calls.add(r);
         }
-        for (b, r) in &c.rates {
+        for ((b, r), mix) in c.rates.iter().zip(&c.tier_mix) {
+            grl_client::keys::update(
+                &mut tiers,
+                (service, b),
+                |_| TierSum::default(),
+                |e| e.add(r[0], mix.as_ref()),
+            );
             // Under the lock that client reports wait on: the names are allocated once per
             // bucket, not per client.
             grl_client::keys::update(
@@ -682,14 +729,20 @@ fn build_report(s: &Shared) -> ZoneReport {
     st.waiting = st.clients.len();
     let mut buckets: Vec<ZoneBucketMsg> = sums
         .into_iter()
-        .map(|((service, bucket), r)| ZoneBucketMsg {
-            service,
-            bucket,
-            offered_rps: r[0],
-            admitted_rps: r[1],
-            dropped_rps: r[2],
-            shadow_dropped_rps: r[3],
-            ..Default::default()
+        .map(|((service, bucket), r)| {
+            let tier_offered_rps = tiers
+                .get(&(service.as_str(), bucket.as_str()) as &dyn grl_client::keys::StrPair)
+                .and_then(TierSum::whole);
+            ZoneBucketMsg {
+                service,
+                bucket,
+                offered_rps: r[0],
+                admitted_rps: r[1],
+                dropped_rps: r[2],
+                shadow_dropped_rps: r[3],
+                tier_offered_rps,
+                ..Default::default()
+            }
         })
         .collect();
     crate::delta::attach_pending(&mut buckets, &mut st.pending);

@@ -96,17 +96,23 @@ impl Default for DeltaOptions {
     }
 }
 
-/// A bucket's four rates in thousandths of a request per second (the controller's unit).
-type Units = [i64; 4];
+/// A bucket's four rates and its four offered rates by tier (-1 each when the zone's mix of
+/// tiers is unknown), in thousandths of a request per second (the controller's unit).
+type Units = [i64; 8];
 
 fn units(b: &ZoneBucketMsg) -> Units {
-    [
+    let unit = |x: f64| (x * 1000.0).round().clamp(0.0, 9.0e15) as i64;
+    let rates = [
         b.offered_rps,
         b.admitted_rps,
         b.dropped_rps,
         b.shadow_dropped_rps,
-    ]
-    .map(|x| (x * 1000.0).round().clamp(0.0, 9.0e15) as i64)
+    ];
+    let tiers = b.tier_offered_rps.map_or([-1; 4], |t| t.map(unit));
+    let mut u = [0; 8];
+    u[..4].copy_from_slice(&rates.map(unit));
+    u[4..].copy_from_slice(&tiers);
+    u
 }
 
 fn changed(old: &Units, new: &Units, threshold: f64) -> bool {
@@ -172,7 +178,25 @@ impl Upstream {
     /// count) as it is for a controller before protocol 4 or without a session yet; else the
     /// buckets that changed, are gone or are due for refresh. `flush`: every bucket with
     /// counts goes too (the last forward of a graceful stop).
+    /// An upstream before protocol 8 gets no tier fields (it refuses them).
     pub fn prepare(
+        &mut self,
+        full: &ZoneReport,
+        round: u64,
+        opts: DeltaOptions,
+        flush: bool,
+    ) -> Prepared {
+        let mut p = self.prepare_rates(full, round, opts, flush);
+        if self.proto < grl_wire::PROTO_TIERS {
+            for b in &mut p.report.buckets {
+                b.tier_offered_rps = None;
+                b.counts.tiers.clear();
+            }
+        }
+        p
+    }
+
+    fn prepare_rates(
         &mut self,
         full: &ZoneReport,
         round: u64,

@@ -13,6 +13,7 @@ mod reports;
 // ratios (and so its random draws) are reproducible bit for bit.
 
 use grl_core::control::{drop_ratio, scope_key};
+use schema::criticality::TIERS;
 use schema::{Bucket, Scope};
 use serde::Serialize;
 
@@ -38,12 +39,15 @@ pub struct KeyState {
     pub shadow_dropped_rps: f64,
     /// The drop ratio for clients under the key.
     pub ratio: f64,
+    /// The offered rate by criticality tier (least critical first), when every zone with
+    /// traffic under the key reported its mix of tiers.
+    pub tier_offered_rps: Option<[f64; TIERS]>,
     /// Interned id of `scope_key`.
     id: u32,
     /// Live zone reports that carry the key.
     zones: u32,
-    /// The four rates' sums in [`RATE_UNIT`]s.
-    sums: [i64; 4],
+    /// The sums of the zones' [`Units`].
+    sums: Units,
 }
 
 /// One bucket with its effective limit and per-key state.
@@ -80,7 +84,7 @@ struct ZoneData {
     /// resolved once per report (and remapped on a config change). The engine's per-key sums
     /// are the sums of these over the live zones: a report replaces its zone's previous
     /// contribution bucket by bucket.
-    resolved: Vec<(usize, [i64; 4])>,
+    resolved: Vec<(usize, Units)>,
     /// Per candidate fed by calls (its index in the candidate list, in order), the rate of
     /// the zone's calls matching it: their count over the time they cover, from its last
     /// report that said (see `candidates`). Absent: none.
@@ -107,19 +111,53 @@ pub const MAX_REPORT_SECONDS: u64 = 10;
 /// requests/s): far beyond any real rate, and sums of a thousand zones stay within an i64.
 const RATE_MAX: f64 = 9_007_199_254_740_992.0;
 
+/// What a zone contributes to a bucket's key: [offered, admitted, dropped, shadow] rates, the
+/// offered rate by tier (least critical first), all in [`RATE_UNIT`]s, and 1 when the zone
+/// has traffic but no mix of tiers (a key whose sum of that is above 0 has no known mix).
+/// Integers, so that adding a report and taking its previous one away is exact.
+pub(crate) type Units = [i64; 9];
+
+/// Where [`Units`] holds the offered rate by tier, and the count of zones without a mix.
+const TIER_AT: usize = 4;
+const UNTIERED_AT: usize = 8;
+
 fn to_units(x: f64) -> i64 {
     // Reports are checked finite and non-negative; NaN would become 0 here all the same.
     (x * RATE_UNIT).round().clamp(0.0, RATE_MAX) as i64
 }
 
-/// A reported bucket's four rates in [`RATE_UNIT`]s.
-fn units(b: &ZoneBucketMsg) -> [i64; 4] {
-    [
-        to_units(b.offered_rps),
-        to_units(b.admitted_rps),
-        to_units(b.dropped_rps),
-        to_units(b.shadow_dropped_rps),
-    ]
+/// A reported bucket's [`Units`].
+fn units(b: &ZoneBucketMsg) -> Units {
+    let mut u = [0; 9];
+    u[0] = to_units(b.offered_rps);
+    u[1] = to_units(b.admitted_rps);
+    u[2] = to_units(b.dropped_rps);
+    u[3] = to_units(b.shadow_dropped_rps);
+    // The zone's mix, scaled to its offered rate: no zone weighs in the fleet's mix more
+    // than the traffic it reports.
+    let sum: f64 = b.tier_offered_rps.map_or(0.0, |t| t.iter().sum());
+    match b.tier_offered_rps {
+        Some(t) if sum.is_finite() && sum > 0.0 && t.iter().all(|x| *x >= 0.0) => {
+            for (j, x) in t.into_iter().enumerate() {
+                u[TIER_AT + j] = to_units(b.offered_rps * x / sum);
+            }
+        }
+        _ => u[UNTIERED_AT] = (u[0] > 0) as i64,
+    }
+    u
+}
+
+/// The offered rate by tier of a key's sums, scaled to its whole offered rate (so that no
+/// zone's mix can make the tiers add up to more or less than what is offered); None when a
+/// zone with traffic has no mix, or the tiers sum to nothing.
+fn tier_offered(sums: &Units) -> Option<[f64; TIERS]> {
+    let tiers = &sums[TIER_AT..TIER_AT + TIERS];
+    let total: i64 = tiers.iter().sum();
+    if sums[UNTIERED_AT] > 0 || total <= 0 {
+        return None;
+    }
+    let scale = from_units(sums[0]) / total as f64;
+    Some(std::array::from_fn(|j| tiers[j] as f64 * scale))
 }
 
 fn from_units(x: i64) -> f64 {
@@ -200,7 +238,7 @@ fn busy(k: &KeyState) -> bool {
 /// The share of `k`'s offered rate from the controller's own zones, when peers add to bucket
 /// `i` (`peers` from [`Engine::global_zone_sums`] of the peers); `None` when it is all the
 /// controller's own.
-fn own_share(i: usize, k: &KeyState, peers: &BTreeMap<usize, [i64; 4]>) -> Option<f64> {
+fn own_share(i: usize, k: &KeyState, peers: &BTreeMap<usize, Units>) -> Option<f64> {
     let peer = peers.get(&i)?[0];
     if peer <= 0 {
         return None;
@@ -714,6 +752,8 @@ impl Engine {
                     counts: Default::default(),
                     gone: false,
                     counts_only: false,
+                    // Peers are sent no tiers (an older peer refuses the field): a bucket
+                    // peered across regions sheds by the uniform ratio.
                     tier_offered_rps: None,
                 })
                 .collect(),
@@ -727,8 +767,8 @@ impl Engine {
 
     /// The four rates (in [`RATE_UNIT`]s) of each `global` bucket, by bucket index, summed over
     /// the zones of peer controllers (`from_peers`) or over the controller's own zones.
-    fn global_zone_sums(&self, from_peers: bool) -> BTreeMap<usize, [i64; 4]> {
-        let mut sums: BTreeMap<usize, [i64; 4]> = BTreeMap::new();
+    fn global_zone_sums(&self, from_peers: bool) -> BTreeMap<usize, Units> {
+        let mut sums: BTreeMap<usize, Units> = BTreeMap::new();
         for (id, z) in &self.zones {
             if id.starts_with(PEER_PREFIX) != from_peers {
                 continue;
@@ -737,9 +777,9 @@ impl Engine {
                 if self.buckets[i].bucket.scope != Scope::Global {
                     continue;
                 }
-                let e = sums.entry(i).or_default();
-                for j in 0..4 {
-                    e[j] = e[j].saturating_add(r[j]);
+                let e = sums.entry(i).or_insert([0; 9]);
+                for (e, r) in e.iter_mut().zip(r) {
+                    *e = e.saturating_add(r);
                 }
             }
         }

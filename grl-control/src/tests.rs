@@ -7,6 +7,7 @@ use crate::overrides::{Override, OverrideRequest};
 use grl_wire::{BucketCountsMsg, ConfigDoc, ZoneBucketMsg, ZoneReport};
 
 mod calls_once;
+mod tiers;
 
 pub(crate) fn bucket(name: &str, scope: Scope, limit: f64) -> Bucket {
     Bucket {
@@ -458,7 +459,7 @@ fn global_offered(e: &Engine) -> f64 {
         .sum()
 }
 
-fn one_global_bucket(limit: f64) -> ConfigDoc {
+pub(crate) fn one_global_bucket(limit: f64) -> ConfigDoc {
     ConfigDoc {
         version: "v1".into(),
         services: vec![BucketFile {
@@ -1105,7 +1106,7 @@ fn shared_directive_bytes_are_the_replies_built_from_scratch() {
                 directives: named,
             });
         }
-        let (bytes, _) = e.answer_json(&report, now, unix);
+        let (bytes, _) = e.answer_json(&report, now, unix, true);
         let got: ZoneDirectives = serde_json::from_slice(&bytes).unwrap();
         let expected = match report.session {
             None => e.directives_for(&region, &zone),

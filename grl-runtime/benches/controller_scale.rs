@@ -160,7 +160,7 @@ fn steady(c: &mut Criterion, n: usize, label: &str) {
         for (z, r) in set.iter_mut().enumerate() {
             sequence(r, z, seq, held[z]);
             let bytes = if shared {
-                let (bytes, _) = e.answer_json(black_box(r), 0, 0);
+                let (bytes, _) = e.answer_json(black_box(r), 0, 0, true);
                 held[z] = Some(e.directives_version());
                 bytes
             } else {

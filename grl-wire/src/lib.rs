@@ -32,9 +32,8 @@ pub const PROTO_HEADER: &str = "grl-proto";
 /// [`ZoneDirectives::session`]); 5: candidates in `PUT /v1/config`
 /// ([`ConfigDoc::candidates`]) and `GET /v1/candidates` on the controller; 6: the time a
 /// zone report's calls cover ([`ZoneReport::calls_ms`]); 7: counts-only entries in delta zone
-/// reports ([`ZoneBucketMsg::counts_only`]). The next, [`PROTO_TIERS`], is announced once
-/// every tier reads the fields it adds.
-pub const PROTO_VERSION: u32 = 7;
+/// reports ([`ZoneBucketMsg::counts_only`]); 8: criticality tiers ([`PROTO_TIERS`]).
+pub const PROTO_VERSION: u32 = 8;
 
 /// The first protocol version whose aggregators read the binary encoding ([`binary`]).
 pub const PROTO_BINARY: u32 = 3;

@@ -14,6 +14,8 @@ pub(super) async fn report(
     // Held until the report is summed: its decoded form is what takes the memory.
     let _large = s.large_report_permit(&headers).await?;
     let (mut r, binary) = s.decode_report(&headers, body).await?;
+    // A client of protocol 8 reads the directives' tier splits.
+    let tiers = grl_wire::peer_version(&headers) >= grl_wire::PROTO_TIERS;
     s.check_report(cred.as_ref(), &r)?;
     let (reply, age_ms, screened) = s.sum_report(&mut r)?;
     s.metrics.accepted.inc();
@@ -21,7 +23,7 @@ pub(super) async fn report(
         s.metrics.accepted_binary.inc();
     }
     s.count_screened(&r, &screened);
-    Ok(report_response(&reply, age_ms, binary))
+    Ok(report_response(&reply, age_ms, binary, tiers))
 }
 
 impl Shared {
@@ -253,6 +255,7 @@ pub(super) fn refresh_client<'a>(
             horizon: client_horizon(tick, period_ms),
             period_ms,
             rates: Vec::new(),
+            tier_mix: Vec::new(),
             calls: Default::default(),
             counts: Default::default(),
             fresh: true,
@@ -269,9 +272,19 @@ pub(super) fn refresh_client<'a>(
     c.period_ms = crate::period::estimate(Some(c.period_ms), r.interval_ms);
     c.horizon = client_horizon(tick, c.period_ms);
     r.rates_into(&mut c.rates);
+    c.tier_mix.clear();
+    c.tier_mix.extend(r.buckets.iter().map(tier_mix));
     c.calls = calls;
     c.fresh = true;
     c
+}
+
+/// The shares of a bucket's offered requests by tier (None without tiers, or with tier
+/// counts that do not add up to at most its offered count: the client's mix is not believed).
+fn tier_mix(b: &BucketCountsMsg) -> Option<[f64; TIERS]> {
+    let o = b.tier_offered()?;
+    let sum: u64 = o.iter().sum();
+    (sum > 0 && sum <= b.offered).then(|| o.map(|t| t as f64 / sum as f64))
 }
 
 impl AggState {
@@ -285,7 +298,17 @@ impl AggState {
                     bucket: k.1.clone(),
                     ..Default::default()
                 },
-                |p| p.add(b),
+                |p| {
+                    if b.tiers.iter().map(|t| t.offered).sum::<u64>() <= b.offered {
+                        p.add(b);
+                    } else {
+                        // Tier counts above the (screened) total are not believed.
+                        p.add(&BucketCountsMsg {
+                            tiers: Vec::new(),
+                            ..b.clone()
+                        });
+                    }
+                },
             );
         }
         if !r.calls.is_empty() {
@@ -330,13 +353,14 @@ pub(super) fn report_response(
     reply: &ServiceReply,
     age_ms: Option<u64>,
     binary: bool,
+    tiers: bool,
 ) -> axum::response::Response {
     let ctype = if binary {
         grl_wire::binary::CONTENT_TYPE
     } else {
         "application/json"
     };
-    let mut resp = axum::response::Response::new(Body::from(reply.body(age_ms, binary)));
+    let mut resp = axum::response::Response::new(Body::from(reply.body(age_ms, binary, tiers)));
     let h = resp.headers_mut();
     h.insert(
         axum::http::HeaderName::from_static(PROTO_HEADER),

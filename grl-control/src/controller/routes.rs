@@ -299,7 +299,8 @@ pub(super) async fn aggregate(
     // The reply's ratios already include this report: a zone's fresh counts reach its
     // clients in the same round trip instead of waiting for the next tick.
     // Serialized under the lock: the directives' bytes are shared between the zones' replies.
-    let (reply, ingested) = e.answer_json(&r, s.now_ms(), unix_now());
+    let tiers = grl_wire::peer_version(&headers) >= grl_wire::PROTO_TIERS;
+    let (reply, ingested) = e.answer_json(&r, s.now_ms(), unix_now(), tiers);
     drop(e);
     // The calls of a report answered `resync` come again with the full report the
     // aggregator sends at once: they count then, once.

@@ -97,14 +97,20 @@ impl Engine {
     /// reply (see [`Engine::directives_json`]).
     /// Also says whether the report was applied: its calls count only then (a report answered
     /// `resync` comes again in full, calls included).
+    /// `tiers`: the aggregator reads the directives' tier splits (protocol 8); an older one
+    /// is sent none (it refuses the field).
     pub fn answer_json(
         &mut self,
         r: &ZoneReport,
         now_ms: u64,
         unix_now: u64,
+        tiers: bool,
     ) -> (Vec<u8>, Ingested) {
         let (idx, session, ingested) = self.answer_plan(r, now_ms, unix_now);
-        (self.render_json(idx, &r.region, &r.zone, session), ingested)
+        (
+            self.render_json(idx, &r.region, &r.zone, session, tiers),
+            ingested,
+        )
     }
 
     /// [`Engine::directives_since`] serialized as JSON: the same bytes as `serde_json::to_vec`
@@ -121,7 +127,7 @@ impl Engine {
         since: Option<(u64, u64)>,
     ) -> Vec<u8> {
         let (idx, session) = self.plan(region, zone, since);
-        self.render_json(idx, region, zone, Some(session))
+        self.render_json(idx, region, zone, Some(session), true)
     }
 
     pub(super) fn answer_plan(
@@ -157,16 +163,29 @@ impl Engine {
         want.and_then(|w| s.keys.iter().find(|k| k.id == w))
     }
 
-    /// Bucket `i`'s directive under key `k`.
+    /// Bucket `i`'s directive under key `k`. With the key's mix of tiers known, the shed
+    /// (`ratio` × offered) is split strictly over the tiers, least critical first; an
+    /// override's fixed ratio, or a key whose mix is not known, drops every tier alike.
     pub(super) fn directive(&self, i: usize, k: Option<&KeyState>) -> DirectiveMsg {
         let s = &self.buckets[i];
+        let ratio = s.fixed.unwrap_or(k.map_or(0.0, |k| k.ratio));
+        let shed = match (s.fixed, k) {
+            (None, Some(k)) if ratio > 0.0 => k.tier_offered_rps.map(|t| {
+                let sh = grl_core::criticality::split(ratio * k.offered_rps, t);
+                grl_wire::TierShedMsg {
+                    threshold: sh.threshold,
+                    fraction: sh.fraction,
+                }
+            }),
+            _ => None,
+        };
         DirectiveMsg {
             bucket: s.bucket.name.clone(),
-            ratio: s.fixed.unwrap_or(k.map_or(0.0, |k| k.ratio)),
+            ratio,
             fleet_offered_rps: k.map_or(0.0, |k| k.offered_rps),
             limit_rps: s.limit_rps,
             fixed: s.fixed.is_some(),
-            shed: None,
+            shed,
         }
     }
 
@@ -206,14 +225,17 @@ impl Engine {
         region: &str,
         zone: &str,
         session: Option<ReplySession>,
+        tiers: bool,
     ) -> Vec<u8> {
         // Serializing plain data into a Vec cannot fail.
         fn put<T: Serialize + ?Sized>(out: &mut Vec<u8>, v: &T) {
             serde_json::to_writer(&mut *out, v).expect("JSON into memory");
         }
         let (region_id, zone_id) = self.zone_keys(region, zone);
-        // Only delta replies keep what they build: a full reply would flush the cache.
-        let keep = idx.is_some();
+        // Only delta replies keep what they build: a full reply would flush the cache. The
+        // cache holds the directives as protocol 8 reads them: a reply without tier splits
+        // builds its own.
+        let keep = idx.is_some() && tiers;
         let all = idx.is_none();
         let idx = idx.unwrap_or_default();
         let n = if all { self.buckets.len() } else { idx.len() };
@@ -239,13 +261,17 @@ impl Engine {
                 Scope::Region => region_id,
                 Scope::Zone => zone_id,
             };
-            if let Some(bytes) = want.and_then(|w| self.frags.get(i, w)) {
+            if let Some(bytes) = want.filter(|_| tiers).and_then(|w| self.frags.get(i, w)) {
                 out.extend_from_slice(bytes);
                 continue;
             }
             let k = self.wanted(i, region_id, zone_id);
             scratch.clear();
-            put(&mut scratch, &self.directive(i, k));
+            let mut d = self.directive(i, k);
+            if !tiers {
+                d.shed = None;
+            }
+            put(&mut scratch, &d);
             out.extend_from_slice(&scratch);
             // A key absent from the bucket has no change to drop its bytes: not kept.
             if let (true, Some(k)) = (keep, k) {

@@ -32,7 +32,7 @@ impl Engine {
                 (Some(&(i, o)), Some(&(j, n))) if i == j => {
                     x += 1;
                     y += 1;
-                    (i, [n[0] - o[0], n[1] - o[1], n[2] - o[2], n[3] - o[3]], 0)
+                    (i, std::array::from_fn(|j| n[j] - o[j]), 0)
                 }
                 (Some(&(i, o)), Some(&(j, _))) if i < j => {
                     x += 1;
@@ -55,8 +55,8 @@ impl Engine {
 
     /// Adds `delta` to the sums of bucket `i`'s key `id` and `dz` to the number of reports that
     /// carry it (a key reaching zero goes; a missing key is created by a report that adds it).
-    pub(super) fn apply_entry(&mut self, i: usize, id: u32, delta: [i64; 4], dz: i32) {
-        if delta == [0; 4] && dz == 0 {
+    pub(super) fn apply_entry(&mut self, i: usize, id: u32, delta: Units, dz: i32) {
+        if delta == [0; 9] && dz == 0 {
             return;
         }
         let s = &mut self.buckets[i];
@@ -93,6 +93,7 @@ impl Engine {
             k.admitted_rps = from_units(k.sums[1]);
             k.dropped_rps = from_units(k.sums[2]);
             k.shadow_dropped_rps = from_units(k.sums[3]);
+            k.tier_offered_rps = tier_offered(&k.sums);
             self.busy_rows = self.busy_rows + busy(k) as usize - was_busy as usize;
         }
         if !self.dirty_flag[i] {
@@ -292,10 +293,10 @@ impl Engine {
 
     /// Counts delta report `r`'s counts (see [`Engine::count`]) and returns its rates as
     /// (bucket, new rates or `None` when gone), in bucket order, the last of a bucket winning.
-    fn delta_entries(&mut self, r: &ZoneReport, z: &ZoneData) -> Vec<(usize, Option<[i64; 4]>)> {
+    fn delta_entries(&mut self, r: &ZoneReport, z: &ZoneData) -> Vec<(usize, Option<Units>)> {
         let zone_name = self.zone_names.id(&r.zone);
         let keys = (z.region_key, z.zone_key);
-        let mut entries: Vec<(usize, Option<[i64; 4]>)> = Vec::with_capacity(r.buckets.len());
+        let mut entries: Vec<(usize, Option<Units>)> = Vec::with_capacity(r.buckets.len());
         for b in &r.buckets {
             let Some(i) = lookup(&self.index, &b.service, &b.bucket) else {
                 continue;
@@ -316,8 +317,8 @@ impl Engine {
     }
 
     /// Applies a delta's `entries` (in bucket order) to the sums and to zone `z`'s rates.
-    fn apply_delta(&mut self, z: &mut ZoneData, entries: Vec<(usize, Option<[i64; 4]>)>) {
-        let mut added: Vec<(usize, [i64; 4])> = Vec::new();
+    fn apply_delta(&mut self, z: &mut ZoneData, entries: Vec<(usize, Option<Units>)>) {
+        let mut added: Vec<(usize, Units)> = Vec::new();
         // Positions of the gone buckets (in order), taken out after the walk.
         let mut removed: Vec<usize> = Vec::new();
         for (i, new) in entries {
@@ -325,12 +326,7 @@ impl Engine {
             match (z.resolved.binary_search_by_key(&i, |e| e.0), new) {
                 (Ok(p), Some(n)) => {
                     let o = z.resolved[p].1;
-                    self.apply_entry(
-                        i,
-                        key,
-                        [n[0] - o[0], n[1] - o[1], n[2] - o[2], n[3] - o[3]],
-                        0,
-                    );
+                    self.apply_entry(i, key, std::array::from_fn(|j| n[j] - o[j]), 0);
                     z.resolved[p].1 = n;
                 }
                 (Ok(p), None) => {
@@ -357,7 +353,7 @@ impl Engine {
 }
 
 /// Takes the entries at `positions` (ascending) out of `resolved`.
-fn remove_positions(resolved: &mut Vec<(usize, [i64; 4])>, positions: &[usize]) {
+fn remove_positions(resolved: &mut Vec<(usize, Units)>, positions: &[usize]) {
     let mut next = positions.iter().copied().peekable();
     let mut at = 0;
     resolved.retain(|_| {
@@ -371,10 +367,7 @@ fn remove_positions(resolved: &mut Vec<(usize, [i64; 4])>, positions: &[usize]) 
 }
 
 /// `old` and `added` (both in bucket order, no bucket in both) merged in bucket order.
-fn merge_by_bucket(
-    old: Vec<(usize, [i64; 4])>,
-    added: &[(usize, [i64; 4])],
-) -> Vec<(usize, [i64; 4])> {
+fn merge_by_bucket(old: Vec<(usize, Units)>, added: &[(usize, Units)]) -> Vec<(usize, Units)> {
     let mut merged = Vec::with_capacity(old.len() + added.len());
     let (mut x, mut y) = (0, 0);
     while x < old.len() || y < added.len() {

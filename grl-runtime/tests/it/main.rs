@@ -1476,7 +1476,7 @@ async fn aggregator_reads_json_and_binary_reports_and_refuses_bad_binary() {
     assert_eq!(r.status(), 400);
     let e = r.json::<Value>().await.unwrap()["error"].to_string();
     assert!(
-        e.contains("format version 9 is not supported") && e.contains("version 1"),
+        e.contains("format version 9 is not supported") && e.contains("versions 1 to 2"),
         "{e}"
     );
     // Validation is the same as for JSON.
