@@ -11,6 +11,9 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use grl_core::{Decision, Limiter};
+use schema::Criticality;
+
+use crate::tiers::TierFrom;
 use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use tower::{Layer, Service};
 
@@ -48,13 +51,14 @@ impl KeyFrom {
     }
 }
 
-/// The decide path of [`GrlLayer::decide`] and of the layer's service: count, then decide.
+/// The decide path of [`GrlLayer::decide_tier`] and of the layer's service: count, then
+/// decide.
 #[inline]
-fn decide(cfg: &Config, caller: &str, procedure: &str) -> Decision {
+fn decide(cfg: &Config, caller: &str, procedure: &str, tier: Criticality) -> Decision {
     if let Some(c) = &cfg.calls {
         c.count(caller, procedure);
     }
-    cfg.limiter.decide(caller, procedure)
+    cfg.limiter.decide_tier(caller, procedure, tier)
 }
 
 struct Config {
@@ -62,6 +66,7 @@ struct Config {
     calls: Option<Arc<crate::calls::CallCounter>>,
     caller: KeyFrom,
     procedure: KeyFrom,
+    tiers: TierFrom,
     retry_after: HeaderValue,
 }
 
@@ -89,6 +94,7 @@ impl GrlLayer {
                 calls: None,
                 caller: KeyFrom::Header(HeaderName::from_static("x-caller")),
                 procedure: KeyFrom::Path,
+                tiers: TierFrom::default(),
                 retry_after: HeaderValue::from_static("1"),
             }),
         }
@@ -100,6 +106,7 @@ impl GrlLayer {
             calls: self.cfg.calls.clone(),
             caller: self.cfg.caller.clone(),
             procedure: self.cfg.procedure.clone(),
+            tiers: self.cfg.tiers.clone(),
             retry_after: self.cfg.retry_after.clone(),
         };
         f(&mut c);
@@ -116,6 +123,12 @@ impl GrlLayer {
         self.with(|c| c.procedure = k)
     }
 
+    /// Where a request's criticality tier comes from: by default the `rpc-criticality`
+    /// header, else a `criticality` member of `baggage`, else CRITICAL (see [`TierFrom`]).
+    pub fn tiers_from(self, t: TierFrom) -> GrlLayer {
+        self.with(|c| c.tiers = t)
+    }
+
     /// The `Retry-After` seconds on a 429 (the control loop's tick is a good value).
     pub fn retry_after_secs(self, secs: u64) -> GrlLayer {
         self.with(|c| c.retry_after = HeaderValue::from(secs))
@@ -127,7 +140,19 @@ impl GrlLayer {
     /// procedure their own way (`grl sidecar`).
     #[inline]
     pub fn decide(&self, caller: &str, procedure: &str) -> Decision {
-        decide(&self.cfg, caller, procedure)
+        decide(&self.cfg, caller, procedure, Criticality::Critical)
+    }
+
+    /// [`GrlLayer::decide`] for a request of `tier` (see [`GrlLayer::tier_of`]).
+    #[inline]
+    pub fn decide_tier(&self, caller: &str, procedure: &str, tier: Criticality) -> Decision {
+        decide(&self.cfg, caller, procedure, tier)
+    }
+
+    /// The tier of a request of `caller` with `headers`, as the layer reads it.
+    #[inline]
+    pub fn tier_of(&self, headers: &http::HeaderMap, caller: &str) -> Criticality {
+        self.cfg.tiers.tier(headers, caller)
     }
 
     /// [`GrlLayer::decide`] with the fail-open check at `now_ms` (`grl_core::now_ms()`), for
@@ -136,10 +161,24 @@ impl GrlLayer {
     /// task expires stale directives on the real clock (see `GrlClient`).
     #[inline]
     pub fn decide_at(&self, caller: &str, procedure: &str, now_ms: u64) -> Decision {
+        self.decide_tier_at(caller, procedure, Criticality::Critical, now_ms)
+    }
+
+    /// [`GrlLayer::decide_at`] for a request of `tier`.
+    #[inline]
+    pub fn decide_tier_at(
+        &self,
+        caller: &str,
+        procedure: &str,
+        tier: Criticality,
+        now_ms: u64,
+    ) -> Decision {
         if let Some(c) = &self.cfg.calls {
             c.count(caller, procedure);
         }
-        self.cfg.limiter.decide_at(caller, procedure, now_ms)
+        self.cfg
+            .limiter
+            .decide_tier_at(caller, procedure, tier, now_ms)
     }
 
     /// The limiter the layer decides with.
@@ -184,7 +223,8 @@ where
             self.cfg.caller.extract(&req),
             self.cfg.procedure.extract(&req),
         );
-        let d = decide(&self.cfg, caller, procedure);
+        let tier = self.cfg.tiers.tier(req.headers(), caller);
+        let d = decide(&self.cfg, caller, procedure, tier);
         if d == Decision::Drop {
             let mut resp = Response::new(RB::from("rate limited\n"));
             *resp.status_mut() = StatusCode::TOO_MANY_REQUESTS;

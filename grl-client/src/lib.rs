@@ -18,6 +18,7 @@ pub mod http_util;
 pub mod keys;
 pub mod layer;
 pub mod metrics;
+pub mod tiers;
 pub mod tls;
 
 pub use client::{ClientOptions, GrlClient};

@@ -64,7 +64,7 @@ enum Cmd {
     ///
     /// The report credential (a secret the aggregators' client credentials file grants for
     /// --service) comes from GRL_CLIENT_TOKEN or GRL_CLIENT_TOKEN_FILE, never from a flag.
-    Sidecar(SidecarArgs),
+    Sidecar(Box<SidecarArgs>),
     /// Print a new credential line (`NAME SCOPE SECRET`, 256 random bits) for a credentials
     /// file.
     GenCredential {
@@ -292,6 +292,15 @@ struct SidecarArgs {
     /// caller's own value of it is always removed). Default: not passed.
     #[arg(long)]
     verified_caller_header: Option<String>,
+    /// A request's criticality tier from this header (gRPC: the same metadata key), else a
+    /// `criticality` member of `baggage`; absent or invalid is CRITICAL; `none` ignores
+    /// tiers. Callers can set it: cap those who may not with --criticality-cap.
+    #[arg(long, default_value = "rpc-criticality")]
+    criticality_header: String,
+    /// CALLER=TIER: the highest tier a caller may claim (CALLER a name, or a prefix ending
+    /// in `*`); repeat, the first match wins.
+    #[arg(long = "criticality-cap")]
+    criticality_caps: Vec<String>,
     /// The procedure of a non-gRPC request from this header (`none`: no header). Default:
     /// `rpc-procedure` without --route, none with --route (routes decide, not the caller).
     #[arg(long)]
@@ -507,7 +516,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.cmd {
         Cmd::Controller(args) => controller(args).await?,
         Cmd::Aggregator(args) => aggregator(args).await?,
-        Cmd::Sidecar(args) => sidecar(args).await?,
+        Cmd::Sidecar(args) => sidecar(*args).await?,
         Cmd::Override { cmd } => override_cli::run(cmd).await?,
         Cmd::GenCredential { name, scope } => {
             anyhow::ensure!(
@@ -674,6 +683,8 @@ async fn sidecar(args: SidecarArgs) -> anyhow::Result<()> {
         caller_cert_patterns,
         caller_header,
         verified_caller_header,
+        criticality_header,
+        criticality_caps,
         procedure_header,
         route_ignore_case,
         route_trailing_slash,
@@ -701,6 +712,7 @@ async fn sidecar(args: SidecarArgs) -> anyhow::Result<()> {
         &caller_header,
         verified_caller_header.as_deref(),
     )?;
+    let tiers = tiers_from(&criticality_header, &criticality_caps)?;
     let procedure = procedure_from(
         procedure_header,
         &routes,
@@ -726,6 +738,7 @@ async fn sidecar(args: SidecarArgs) -> anyhow::Result<()> {
         tls: tls.options()?,
         caller,
         procedure,
+        tiers,
         retry_after_secs: retry_after_secs.max(1),
         upstream_timeout: Duration::from_millis(upstream_timeout_ms.max(1)),
         connect_timeout: Duration::from_millis(upstream_connect_timeout_ms.max(1)),
@@ -862,6 +875,21 @@ fn caller_from(
             None => None,
         },
     })
+}
+
+/// Where the sidecar reads a request's criticality tier, and the callers' caps.
+fn tiers_from(header: &str, caps: &[String]) -> anyhow::Result<grl_client::tiers::TierFrom> {
+    use grl_client::tiers::TierFrom;
+    let mut t = match header_flag("--criticality-header", header)? {
+        Some(h) => TierFrom::header(h),
+        None => TierFrom::none(),
+    };
+    for c in caps {
+        t = t
+            .with_cap_flag(c)
+            .map_err(|e| anyhow::anyhow!("--criticality-cap {e}"))?;
+    }
+    Ok(t)
 }
 
 /// Where the sidecar reads the procedure: a header (by default `rpc-procedure` when there

@@ -32,6 +32,7 @@ use axum::routing::get;
 use axum::Router;
 use grl_client::client::{ClientOptions, GrlClient};
 use grl_client::layer::GrlLayer;
+use grl_client::tiers::TierFrom;
 use grl_core::Decision;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Version};
 use prometheus_client::metrics::histogram::Histogram;
@@ -66,6 +67,8 @@ pub struct SidecarOptions {
     pub caller: CallerFrom,
     /// Where the procedure comes from.
     pub procedure: ProcedureFrom,
+    /// Where a request's criticality tier comes from (and the callers' caps).
+    pub tiers: TierFrom,
     /// `Retry-After` seconds of a refusal (`grpc-retry-pushback-ms` is the same in ms).
     pub retry_after_secs: u64,
     /// The upstream must answer a request's head within this (then 504, or gRPC
@@ -96,6 +99,7 @@ impl SidecarOptions {
             tls: None,
             caller: CallerFrom::default(),
             procedure: ProcedureFrom::default(),
+            tiers: TierFrom::default(),
             retry_after_secs: 1,
             upstream_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(5),
@@ -378,7 +382,7 @@ impl Shared {
         let stats = Arc::new(Stats::default());
         let (registry, added) = registry(opts, &client, &stats, server_stats);
         Shared {
-            layer: GrlLayer::for_client(&client),
+            layer: GrlLayer::for_client(&client).tiers_from(opts.tiers.clone()),
             client,
             clients,
             authority: opts.upstream.authority(),
@@ -879,7 +883,10 @@ fn decide(
             "identity header given twice\n",
         ));
     };
-    let d = s.layer.decide_at(caller, &procedure, grl_core::now_ms());
+    let tier = s.layer.tier_of(req.headers(), caller);
+    let d = s
+        .layer
+        .decide_tier_at(caller, &procedure, tier, grl_core::now_ms());
     if d == Decision::Drop {
         let resp = refusal(s, grpc, caller, &procedure);
         count(s, grpc, d);

@@ -21,6 +21,7 @@ mod candidates;
 mod config_dir_faults;
 mod connections;
 mod counts;
+mod criticality;
 mod flood;
 mod ha;
 mod metrics;

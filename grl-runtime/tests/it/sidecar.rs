@@ -135,7 +135,7 @@ fn write_script(dir: &Path, name: &str, text: &str) -> PathBuf {
 }
 
 /// The Python HTTP service on `port`.
-fn spawn_py_http(dir: &Path, port: u16) -> Proc {
+pub(crate) fn spawn_py_http(dir: &Path, port: u16) -> Proc {
     spawn_py_http_on(dir, &port.to_string())
 }
 
@@ -153,7 +153,7 @@ fn spawn_py_http_on(dir: &Path, at: &str) -> Proc {
 }
 
 /// A sidecar for `payments` on `port` (admin on `admin`) in front of `upstream`.
-fn spawn_sidecar(
+pub(crate) fn spawn_sidecar(
     dir: &Path,
     port: u16,
     admin: u16,
@@ -179,7 +179,7 @@ fn spawn_sidecar(
 }
 
 /// Pushes payments' `buckets` as config `version` to the controller at `ctl`.
-async fn push_payments(ctl: &str, version: &str, buckets: Value) {
+pub(crate) async fn push_payments(ctl: &str, version: &str, buckets: Value) {
     let doc =
         json!({"version": version, "services": [{"service": "payments", "buckets": buckets}]});
     push_config(&reqwest::Client::new(), ctl, &doc).await;
@@ -227,7 +227,7 @@ async fn py_sidecar(extra: &[&str]) -> Running {
 }
 
 /// Waits until the sidecar behind `admin` has fresh drop ratios (it stopped failing open).
-async fn wait_fresh(admin: u16) {
+pub(crate) async fn wait_fresh(admin: u16) {
     let http = reqwest::Client::new();
     eventually("sidecar has fresh drop ratios", || {
         let http = http.clone();
@@ -250,7 +250,7 @@ async fn wait_fresh(admin: u16) {
 
 /// Counts of one paced stream of requests.
 #[derive(Default)]
-struct Counts {
+pub(crate) struct Counts {
     ok: AtomicU64,
     limited: AtomicU64,
     other: AtomicU64,
@@ -266,6 +266,19 @@ fn paced(
     counts: Arc<Counts>,
     stop: Arc<std::sync::atomic::AtomicBool>,
 ) -> tokio::task::JoinHandle<()> {
+    paced_with(url, caller, &[], rps, counts, stop)
+}
+
+/// [`paced`] with `extra` headers on every request.
+pub(crate) fn paced_with(
+    url: String,
+    caller: &'static str,
+    extra: &[(&'static str, &'static str)],
+    rps: f64,
+    counts: Arc<Counts>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> tokio::task::JoinHandle<()> {
+    let extra = extra.to_vec();
     tokio::spawn(async move {
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(10))
@@ -276,13 +289,16 @@ fn paced(
         while !stop.load(Ordering::Relaxed) {
             iv.tick().await;
             let (http, url, counts) = (http.clone(), url.clone(), counts.clone());
+            let extra = extra.clone();
             tokio::spawn(async move {
-                let r = http
+                let mut req = http
                     .get(&url)
                     .header("rpc-caller", caller)
-                    .header("rpc-procedure", "charge")
-                    .send()
-                    .await;
+                    .header("rpc-procedure", "charge");
+                for (k, v) in extra {
+                    req = req.header(k, v);
+                }
+                let r = req.send().await;
                 let c = match r.map(|r| r.status().as_u16()) {
                     Ok(200) => &counts.ok,
                     Ok(429) => &counts.limited,
@@ -294,7 +310,7 @@ fn paced(
     })
 }
 
-fn take(c: &Counts) -> (u64, u64, u64) {
+pub(crate) fn take(c: &Counts) -> (u64, u64, u64) {
     (
         c.ok.swap(0, Ordering::Relaxed),
         c.limited.swap(0, Ordering::Relaxed),
