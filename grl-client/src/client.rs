@@ -61,13 +61,14 @@ pub struct Reporter {
     sheds: Vec<Option<TierShedMsg>>,
     /// The ratio of the bucket's whole offered load the limiter drops now, whatever its tiers.
     applied: Vec<f64>,
-    sub_prev: Vec<u64>,
+    /// Offered counts by tier at the start of the long and the short window.
+    sub_prev: Vec<[u64; TIERS]>,
     sub_prev_ms: u64,
     /// Every request by (caller, procedure), when counted (see [`Reporter::with_calls`]).
     calls: Option<CallDrain>,
     /// Calls drained but not sent yet (bounded).
     pending_calls: PendingCalls,
-    fast_prev: Vec<u64>,
+    fast_prev: Vec<[u64; TIERS]>,
     fast_prev_ms: u64,
     /// A ratio raised on the client's own jump, per bucket: see [`Hold`].
     hold: Vec<Option<Hold>>,
@@ -124,9 +125,9 @@ impl Reporter {
             directives: vec![None; n],
             sheds: vec![None; n],
             applied: vec![0.0; n],
-            sub_prev: vec![0; n],
+            sub_prev: vec![[0; TIERS]; n],
             sub_prev_ms: now_ms,
-            fast_prev: vec![0; n],
+            fast_prev: vec![[0; TIERS]; n],
             fast_prev_ms: now_ms,
             hold: vec![None; n],
             calls: None,
@@ -299,8 +300,12 @@ impl Reporter {
     /// strict split over the client's own mix of tiers, so that the extra shed falls on the
     /// least critical tiers too. Without a split: every tier drops `ratio`.
     fn set_shed(&mut self, i: usize, ratio: f64, directed: f64) {
+        self.set_shed_over(i, ratio, directed, self.local_tier_rps[i]);
+    }
+
+    /// [`Reporter::set_shed`] with the client's own `mix` of tiers given (a window's).
+    fn set_shed_over(&mut self, i: usize, ratio: f64, directed: f64, mix: [f64; TIERS]) {
         self.applied[i] = ratio;
-        let mix = self.local_tier_rps[i];
         let total: f64 = mix.iter().sum();
         match self.sheds[i] {
             Some(s) if ratio <= directed => self.table.set_tier_shed(
@@ -340,8 +345,8 @@ impl Reporter {
         self.directives = vec![None; n];
         self.sheds = vec![None; n];
         self.applied = vec![0.0; n];
-        self.sub_prev = vec![0; n];
-        self.fast_prev = vec![0; n];
+        self.sub_prev = vec![[0; TIERS]; n];
+        self.fast_prev = vec![[0; TIERS]; n];
         self.hold = vec![None; n];
         Ok(())
     }
@@ -362,11 +367,11 @@ impl Reporter {
         }
         let mut jumped = false;
         for i in 0..self.sub_prev.len() {
-            let offered = self.table.counts(i).offered;
+            let now = self.table.tier_counts(i).map(|c| c.offered);
             let d = self.directives[i];
             if fast {
-                let n = offered.saturating_sub(self.fast_prev[i]);
-                self.fast_prev[i] = offered;
+                let win = window(now, &mut self.fast_prev[i]);
+                let n: u64 = win.iter().sum();
                 if let Some(d) = &d {
                     let rate = n as f64 * 1000.0 / fast_dt as f64;
                     if n >= MIN_FAST_REQUESTS
@@ -376,15 +381,15 @@ impl Reporter {
                         jumped = true;
                         let r = adjusted_ratio(d, rate);
                         if r > self.applied[i] {
-                            self.set_shed(i, r, d.ratio);
+                            self.set_shed_over(i, r, d.ratio, win.map(|c| c as f64));
                             self.hold[i] = Some(Hold::raised(self.hold[i], d, rate, r, now_ms));
                         }
                     }
                 }
             }
             if long {
-                let n = offered.saturating_sub(self.sub_prev[i]);
-                self.sub_prev[i] = offered;
+                let win = window(now, &mut self.sub_prev[i]);
+                let n: u64 = win.iter().sum();
                 let Some(d) = &d else {
                     continue;
                 };
@@ -396,7 +401,7 @@ impl Reporter {
                 jumped |= jump;
                 let r = adjusted_ratio(d, rate);
                 if r > self.applied[i] {
-                    self.set_shed(i, r, d.ratio);
+                    self.set_shed_over(i, r, d.ratio, win.map(|c| c as f64));
                     self.hold[i] = Some(Hold::raised(self.hold[i], d, rate, r, now_ms));
                 }
             }
@@ -409,6 +414,13 @@ impl Reporter {
         }
         jumped
     }
+}
+
+/// The offered counts by tier since `prev` (a window's start), which becomes `now`.
+fn window(now: [u64; TIERS], prev: &mut [u64; TIERS]) -> [u64; TIERS] {
+    let w = std::array::from_fn(|t| now[t].saturating_sub(prev[t]));
+    *prev = now;
+    w
 }
 
 /// The tiers that saw requests, as sent in a report.

@@ -104,3 +104,27 @@ fn a_ratio_raised_on_a_jump_is_split_over_the_clients_own_mix() {
     let want = 600.0 * (160.0 / 360.0 * 100.0) / 60.0;
     assert!((d - want).abs() <= 3.0, "{d} vs {want}");
 }
+
+/// A SHEDDABLE rise beside steady CRITICAL traffic, under the limit until then (the
+/// directive's split sheds nothing): the ratio the client raises at once is split over the
+/// surge's own mix, so CRITICAL loses nothing even before the controller has seen it.
+#[test]
+fn a_sheddable_rise_is_shed_from_sheddable_before_the_controller_sees_it() {
+    let (l, mut rep) = setup();
+    offer(&l, Criticality::Critical, 40, 0);
+    rep.build_report(1000);
+    let none = TierShedMsg {
+        threshold: Criticality::Sheddable,
+        fraction: 0.0,
+    };
+    assert!(rep.apply(&directive(0.0, Some(none)), 1000));
+    assert!(!rep.subtick(1000));
+    // 140 rps over 250 ms, most of it new SHEDDABLE traffic: the fleet is now 400 against
+    // 200, half to shed, all of it from SHEDDABLE (17.5 of its 25 requests a window).
+    offer(&l, Criticality::Critical, 10, 1100);
+    offer(&l, Criticality::Sheddable, 25, 1100);
+    assert!(rep.subtick(1250));
+    assert_eq!(offer(&l, Criticality::Critical, 100, 1300), 0);
+    let d = offer(&l, Criticality::Sheddable, 1000, 1300) as f64;
+    assert!((d - 700.0).abs() <= 3.0, "{d}");
+}

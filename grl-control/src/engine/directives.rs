@@ -170,7 +170,9 @@ impl Engine {
         let s = &self.buckets[i];
         let ratio = s.fixed.unwrap_or(k.map_or(0.0, |k| k.ratio));
         let shed = match (s.fixed, k) {
-            (None, Some(k)) if ratio > 0.0 => k.tier_offered_rps.map(|t| {
+            // Sent at a ratio of 0 too: it tells the clients the tiers are in force, so a
+            // ratio one raises on its own before the next directive is split as well.
+            (None, Some(k)) => k.tier_offered_rps.map(|t| {
                 let sh = grl_core::criticality::split(ratio * k.offered_rps, t);
                 grl_wire::TierShedMsg {
                     threshold: sh.threshold,

@@ -35,11 +35,13 @@ fn a_known_mix_sheds_the_least_critical_tier_first() {
         assert_eq!(shed.threshold, Criticality::Sheddable);
         assert!((shed.fraction - 100.0 / 180.0).abs() < 1e-9, "{shed:?}");
     }
-    // Under the limit: nothing shed, no split.
+    // Under the limit: nothing shed, but the split says the tiers are in force.
     e.ingest(&report("z1", 50.0, Some([30.0, 0.0, 20.0, 0.0])), 1);
     e.ingest(&report("z2", 50.0, Some([30.0, 0.0, 20.0, 0.0])), 1);
     e.recompute(1, 0);
-    assert_eq!(shed_of(&e, "z1"), (0.0, None));
+    let (ratio, shed) = shed_of(&e, "z1");
+    assert_eq!(ratio, 0.0);
+    assert_eq!(shed.map(|s| s.fraction), Some(0.0));
 }
 
 /// A zone with traffic but no mix of tiers (an older aggregator) makes the mix unknown: the
