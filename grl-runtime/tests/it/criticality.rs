@@ -10,53 +10,21 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use test_support::process::free_port;
 
-use super::sidecar::{
-    paced_with, push_payments, spawn_py_http, spawn_sidecar, take, wait_fresh, Counts,
-};
-use super::{spawn_aggregator, spawn_controller, wait_up};
+use super::sidecar::{paced_with, take, Counts, Fleet};
 
 const LIMIT: f64 = 40.0;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_shed_falls_on_the_least_critical_tier_across_sidecars() {
-    let dir = tempfile::tempdir().unwrap();
-    let (ctl_port, agg_port, py_port) = (free_port(), free_port(), free_port());
-    let ctl_url = format!("http://127.0.0.1:{ctl_port}");
-    let agg_url = format!("http://127.0.0.1:{agg_port}");
-    let _ctl = spawn_controller(ctl_port, &dir.path().join("state"), dir.path(), &[]);
-    wait_up(&format!("{ctl_url}/v1/status")).await;
-    push_payments(
-        &ctl_url,
-        "v1",
+    let fleet = Fleet::start(
         json!([{"name": "charge", "procedure": "charge", "scope": "global",
                 "limit_rps": LIMIT, "mode": "enforce", "policy": "peak"}]),
+        2,
+        &["--criticality-cap", "batch-*=SHEDDABLE"],
     )
     .await;
-    let _agg = spawn_aggregator(agg_port, &ctl_url, "agg-z1", dir.path());
-    wait_up(&format!("{agg_url}/healthz")).await;
-    let _py = spawn_py_http(dir.path(), py_port);
-    let upstream = format!("http://127.0.0.1:{py_port}");
-    let mut procs = Vec::new();
-    let mut ports = Vec::new();
-    for _ in 0..2 {
-        let (port, admin) = (free_port(), free_port());
-        procs.push(spawn_sidecar(
-            dir.path(),
-            port,
-            admin,
-            &upstream,
-            &[&agg_url],
-            &["--criticality-cap", "batch-*=SHEDDABLE"],
-        ));
-        ports.push((port, admin));
-    }
-    for &(port, admin) in &ports {
-        wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
-        wait_up(&format!("http://127.0.0.1:{port}/")).await;
-        wait_fresh(admin).await;
-    }
+    let ports = &fleet.ports;
 
     let stop = Arc::new(AtomicBool::new(false));
     let gw: Arc<Counts> = Arc::default();
@@ -124,5 +92,5 @@ async fn the_shed_falls_on_the_least_critical_tier_across_sidecars() {
         (b_rate - 16.0).abs() <= 4.0,
         "batch-1 admitted {b_rate:.1} rps"
     );
-    drop(procs);
+    drop(fleet);
 }

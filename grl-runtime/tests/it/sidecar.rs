@@ -248,6 +248,60 @@ pub(crate) async fn wait_fresh(admin: u16) {
     .await;
 }
 
+/// A controller with payments' `buckets`, one aggregator, the Python HTTP service and `n`
+/// sidecars in front of it (`extra` their flags), all answering with fresh drop ratios.
+pub(crate) struct Fleet {
+    pub dir: tempfile::TempDir,
+    /// (port, admin port) of each sidecar.
+    pub ports: Vec<(u16, u16)>,
+    pub aggregator: Proc,
+    pub sidecars: Vec<Proc>,
+    /// The controller and the service.
+    pub others: Vec<Proc>,
+}
+
+impl Fleet {
+    pub(crate) async fn start(buckets: Value, n: usize, extra: &[&str]) -> Fleet {
+        let dir = tempfile::tempdir().unwrap();
+        let (ctl_port, agg_port, py_port) = (free_port(), free_port(), free_port());
+        let ctl_url = format!("http://127.0.0.1:{ctl_port}");
+        let agg_url = format!("http://127.0.0.1:{agg_port}");
+        let ctl = spawn_controller(ctl_port, &dir.path().join("state"), dir.path(), &[]);
+        wait_up(&format!("{ctl_url}/v1/status")).await;
+        push_payments(&ctl_url, "v1", buckets).await;
+        let aggregator = spawn_aggregator(agg_port, &ctl_url, "agg-z1", dir.path());
+        wait_up(&format!("{agg_url}/healthz")).await;
+        let py = spawn_py_http(dir.path(), py_port);
+        let upstream = format!("http://127.0.0.1:{py_port}");
+        let mut sidecars = Vec::new();
+        let mut ports = Vec::new();
+        for _ in 0..n {
+            let (port, admin) = (free_port(), free_port());
+            sidecars.push(spawn_sidecar(
+                dir.path(),
+                port,
+                admin,
+                &upstream,
+                &[&agg_url],
+                extra,
+            ));
+            ports.push((port, admin));
+        }
+        for &(port, admin) in &ports {
+            wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
+            wait_up(&format!("http://127.0.0.1:{port}/")).await;
+            wait_fresh(admin).await;
+        }
+        Fleet {
+            dir,
+            ports,
+            aggregator,
+            sidecars,
+            others: vec![ctl, py],
+        }
+    }
+}
+
 /// Counts of one paced stream of requests.
 #[derive(Default)]
 pub(crate) struct Counts {
@@ -325,43 +379,16 @@ pub(crate) fn take(c: &Counts) -> (u64, u64, u64) {
 /// open within a few seconds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_sidecars_hold_one_global_limit_and_fail_open_without_the_aggregator() {
-    let dir = tempfile::tempdir().unwrap();
-    let (ctl_port, agg_port, py_port) = (free_port(), free_port(), free_port());
-    let ctl_url = format!("http://127.0.0.1:{ctl_port}");
-    let agg_url = format!("http://127.0.0.1:{agg_port}");
-    let _ctl = spawn_controller(ctl_port, &dir.path().join("state"), dir.path(), &[]);
-    wait_up(&format!("{ctl_url}/v1/status")).await;
     const LIMIT: f64 = 20.0;
-    push_payments(
-        &ctl_url,
-        "v1",
+    let fleet = Fleet::start(
         json!([{"name": "gw.charge", "caller": "gw", "procedure": "charge", "scope": "global",
                 "limit_rps": LIMIT, "mode": "enforce", "policy": "peak"}]),
+        3,
+        &[],
     )
     .await;
-    let agg = spawn_aggregator(agg_port, &ctl_url, "agg-z1", dir.path());
-    wait_up(&format!("{agg_url}/healthz")).await;
-    let _py = spawn_py_http(dir.path(), py_port);
-    let upstream = format!("http://127.0.0.1:{py_port}");
-    let mut sidecars = Vec::new();
-    let mut ports = Vec::new();
-    for _ in 0..3 {
-        let (port, admin) = (free_port(), free_port());
-        sidecars.push(spawn_sidecar(
-            dir.path(),
-            port,
-            admin,
-            &upstream,
-            &[&agg_url],
-            &[],
-        ));
-        ports.push((port, admin));
-    }
-    for &(port, admin) in &ports {
-        wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
-        wait_up(&format!("http://127.0.0.1:{port}/")).await;
-        wait_fresh(admin).await;
-    }
+    let (ports, agg) = (fleet.ports.clone(), fleet.aggregator);
+    let _fleet_rest = (fleet.dir, fleet.others, fleet.sidecars);
 
     // The answer comes from the Python service, through the sidecar.
     let http = reqwest::Client::new();
