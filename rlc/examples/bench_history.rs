@@ -340,7 +340,7 @@ fn plan_digest(plan: &rlc_plan::plan::Plan) -> anyhow::Result<String> {
 
 /// A digest of a history's grid, series (values as bits) and rejected series, read one
 /// service at a time (a history held on disk is not read into memory whole).
-fn history_digest(h: &dyn rlc::history::SeriesSource, grid: (i64, i64, usize)) -> String {
+fn history_digest(h: &dyn rlc_plan::history::SeriesSource, grid: (i64, i64, usize)) -> String {
     use std::hash::{Hash, Hasher};
     let mut d = std::collections::hash_map::DefaultHasher::new();
     grid.hash(&mut d);

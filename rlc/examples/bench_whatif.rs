@@ -14,9 +14,10 @@
 use std::time::{Duration, Instant};
 
 use chrono::{TimeZone, Utc};
+use policies::RateSeries;
 use rlc::history::synth::Profile;
-use rlc::history::{History, RateSeries, SeriesKey};
 use rlc_plan::compute::compute_plan;
+use rlc_plan::history::{History, SeriesKey};
 use rlc_plan::whatif::{preview, Inputs};
 use schema::{ConfigRepo, DaemonConfig};
 

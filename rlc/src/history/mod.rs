@@ -27,8 +27,8 @@ use chrono::{DateTime, Utc};
 pub use error::{
     Bound, DecoderFailed, DiskError, HistoryError, ParseError, RequestFailure, Unrestored,
 };
-pub use policies::RateSeries;
-pub use rlc_plan::history::{History, Rejected, SeriesKey, SeriesSource};
+use policies::RateSeries;
+use rlc_plan::history::{History, Rejected, SeriesKey, SeriesSource};
 use schema::{HistoryConfig, LabelNames};
 pub use spill::SpilledHistory;
 use spill::{merge_max, SpillState, SpillWriter};

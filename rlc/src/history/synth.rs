@@ -61,7 +61,7 @@ impl Profile {
     }
 }
 
-pub use rlc_plan::corpus::unit;
+use rlc_plan::corpus::unit;
 
 /// One series of the quickstart set.
 #[derive(Debug, Clone)]

@@ -3,8 +3,8 @@
 
 use chrono::Utc;
 use policies::RateSeries;
-use rlc::history::History;
 use rlc_plan::compute::compute_plan;
+use rlc_plan::history::History;
 use schema::Mode;
 
 use crate::support::{daemon, history, plugin_lib, repo};

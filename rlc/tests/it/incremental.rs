@@ -8,8 +8,9 @@
 
 use chrono::{DateTime, TimeZone, Utc};
 use rlc::history::snapshot::HistoryCache;
-use rlc::history::{History, PullKind};
+use rlc::history::PullKind;
 use rlc_plan::compute::compute_plan;
+use rlc_plan::history::History;
 use test_support::prometheus::{OpenMetricsWriter, Prometheus};
 
 use crate::support::{daemon, repo};
@@ -84,8 +85,8 @@ fn config(url: &str, query: &str, extra: &str) -> schema::DaemonConfig {
 fn bits(
     h: &History,
 ) -> (
-    Vec<(rlc::history::SeriesKey, Vec<u32>)>,
-    Vec<rlc::history::Rejected>,
+    Vec<(rlc_plan::history::SeriesKey, Vec<u32>)>,
+    Vec<rlc_plan::history::Rejected>,
 ) {
     (
         h.series

@@ -362,7 +362,7 @@ fn four_weeks_from_real_prometheus() {
     let spill_dir = dir.path().join("spill");
     let mut spilling = cfg.clone();
     spilling.history.prometheus.as_mut().unwrap().spill_dir = Some("spill".into());
-    let same_plan = |cfg: &schema::DaemonConfig, whole: &history::History| {
+    let same_plan = |cfg: &schema::DaemonConfig, whole: &rlc_plan::history::History| {
         let ph = rt
             .block_on(history::load_for_plan(&cfg.history, dir.path(), now_dt))
             .expect("spilled history");
@@ -718,7 +718,7 @@ fn four_weeks_from_real_prometheus() {
     let plan = compute_plan(
         &cfg,
         &repo,
-        &rlc::history::History::unavailable(e.to_string()),
+        &rlc_plan::history::History::unavailable(e.to_string()),
         now_dt,
     );
     let mut current = repo.current("shop").unwrap().clone();
@@ -744,7 +744,7 @@ fn four_weeks_from_real_prometheus() {
 }
 
 /// Every series' values as bits (`NaN` marks a missing step and is not equal to itself).
-fn bits(h: &rlc::history::History) -> Vec<(rlc::history::SeriesKey, Vec<u32>)> {
+fn bits(h: &rlc_plan::history::History) -> Vec<(rlc_plan::history::SeriesKey, Vec<u32>)> {
     h.series
         .iter()
         .map(|(k, s)| (k.clone(), s.values.iter().map(|v| v.to_bits()).collect()))

@@ -2,7 +2,8 @@
 
 use std::path::Path;
 
-use rlc::history::{History, RateSeries, SeriesKey};
+use policies::RateSeries;
+use rlc_plan::history::{History, SeriesKey};
 use schema::{ConfigRepo, DaemonConfig};
 
 /// Writes a config repo from `(relative path, contents)` pairs and loads it; panics on any
