@@ -9,8 +9,6 @@ use std::sync::Arc;
 use reqwest::StatusCode;
 use schema::HumanDuration;
 
-use super::file::CsvError;
-use super::remote_read;
 use super::SeriesKey;
 
 /// Why history could not be loaded.
@@ -151,7 +149,7 @@ pub enum RequestFailure {
     TooLong(HumanDuration),
     /// A streamed answer corrupt or cut on its way.
     #[error("bad answer: {0}")]
-    Corrupt(#[source] remote_read::Corrupt),
+    Corrupt(#[source] Corrupt),
     /// The server's settings, which remote read follows, could not be read.
     #[error("reading the server's settings failed: {0}")]
     Settings(String),
@@ -169,7 +167,7 @@ fn cause(e: &reqwest::Error, timeout: &HumanDuration) -> String {
     if e.is_timeout() {
         format!("timed out after {timeout}")
     } else {
-        super::http::chain(e)
+        chain(e)
     }
 }
 
@@ -207,7 +205,7 @@ pub enum ParseError {
     Decoder(#[from] DecoderFailed),
     /// A remote-read answer rlc cannot read.
     #[error("{0} (`history.prometheus.api: query_range` reads the query as PromQL instead)")]
-    RemoteRead(#[source] remote_read::Unreadable),
+    RemoteRead(#[source] Unreadable),
     /// The body of a remote-read request could not be compressed.
     #[error(transparent)]
     Request(#[from] snap::Error),
@@ -411,4 +409,136 @@ impl From<DiskError> for rlc_plan::history::Unreadable {
     fn from(e: DiskError) -> Self {
         rlc_plan::history::Unreadable(e.to_string())
     }
+}
+
+/// A frame larger than this is taken for a corrupt length (Prometheus cuts frames at 1 MB by
+/// default, `--storage.remote.read-max-bytes-in-frame`, going past it by one chunk of a
+/// series at most: a few KB). Each request in flight holds up to one frame.
+pub(super) const FRAME_MAX: usize = 16 << 20;
+
+/// A streamed answer corrupt or cut on its way (a retry may get it whole).
+#[derive(Debug, thiserror::Error)]
+pub enum Corrupt {
+    /// A frame failed its checks (length, size, checksum).
+    #[error(transparent)]
+    Frame(DecodeError),
+    /// The answer ended inside a frame: these bytes of it had come.
+    #[error("the answer ended inside a frame ({0} bytes left)")]
+    Cut(usize),
+    /// The decoder stopped before the answer's end.
+    #[error(transparent)]
+    Decoder(#[from] DecoderFailed),
+}
+
+/// A streamed answer the server sent whole but rlc cannot read (the same again on a retry).
+#[derive(Debug, thiserror::Error)]
+pub enum Unreadable {
+    /// A message of a frame is not what the protocol says.
+    #[error("undecodable frame: {0}")]
+    Frame(#[source] DecodeError),
+    /// A frame answers another query than the request's one.
+    #[error("frame for query {0} of 1")]
+    OtherQuery(i64),
+    /// A chunk holds other samples than floats.
+    #[error("series {series}: chunk encoding {encoding} is not float samples (native histograms are not request rates)")]
+    Encoding {
+        /// The series' labels.
+        series: String,
+        /// `Chunk.Encoding`.
+        encoding: i32,
+    },
+    /// A chunk of a series could not be decoded.
+    #[error("series {series}: {source}")]
+    Chunk {
+        /// The series' labels.
+        series: String,
+        /// What was wrong with the chunk.
+        source: DecodeError,
+    },
+}
+
+/// What could not be decoded in a streamed answer: a frame, a protobuf message in it, or an
+/// XOR chunk of samples.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    /// A frame's length takes more than nine bytes.
+    #[error("frame length is not a varint")]
+    FrameLength,
+    /// A frame longer than `FRAME_MAX` (16 MB): taken for a corrupt length.
+    #[error("frame of {0} bytes (at most {FRAME_MAX})")]
+    FrameTooLarge(usize),
+    /// A frame whose CRC32C is not that of its message.
+    #[error("frame checksum mismatch")]
+    Checksum,
+    /// A message ends inside a varint.
+    #[error("the message ends inside a varint")]
+    VarintCut,
+    /// A varint of more than ten bytes (in a message or a chunk).
+    #[error("varint too long")]
+    VarintTooLong,
+    /// A length-delimited field longer than what is left of its message.
+    #[error("a length past the message's end")]
+    LengthPastEnd,
+    /// A message ends inside a fixed-width field.
+    #[error("the message ends inside a field")]
+    FieldCut,
+    /// A wire type protobuf does not have (or the groups rlc does not read).
+    #[error("wire type {0}")]
+    WireType(u64),
+    /// A field rlc reads with another wire type than its own.
+    #[error("a field of the wrong type")]
+    WrongType,
+    /// A label name or value that is not UTF-8.
+    #[error("a label that is not UTF-8")]
+    NotUtf8,
+    /// A chunk shorter than its 2-byte sample count.
+    #[error("chunk shorter than its header")]
+    ChunkHeader,
+    /// A chunk that ends before its samples do.
+    #[error("chunk ends early")]
+    ChunkCut,
+    /// XOR value widths that do not fit in 64 bits.
+    #[error("bad XOR widths")]
+    XorWidths,
+}
+
+/// Why a CSV file could not be read: the line (from 1) and what is wrong with it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CsvError {
+    /// Not five comma-separated fields.
+    #[error("line {line}: expected 5 fields ts,service,caller,procedure,rps")]
+    Fields {
+        /// The line.
+        line: usize,
+    },
+    /// A timestamp that is neither unix seconds nor RFC 3339.
+    #[error("line {line}: bad timestamp `{text}`")]
+    Timestamp {
+        /// The line.
+        line: usize,
+        /// The field.
+        text: String,
+    },
+    /// An rps that is not a number.
+    #[error("line {line}: bad rps `{text}`")]
+    Rps {
+        /// The line.
+        line: usize,
+        /// The field.
+        text: String,
+        /// Why it is not a number.
+        source: std::num::ParseFloatError,
+    },
+}
+
+/// An error with its causes (reqwest hides "connection refused" in the source chain).
+pub(crate) fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
 }

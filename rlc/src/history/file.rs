@@ -8,6 +8,7 @@ use std::path::Path;
 use chrono::{DateTime, Utc};
 use schema::{HistoryConfig, LabelNames};
 
+use super::error::CsvError;
 use super::prometheus::{feed, Response};
 use super::{grid, Builder, History, HistoryError, ParseError};
 
@@ -77,35 +78,6 @@ struct Csv {
     series: Vec<(Labels, Vec<(i64, f64)>)>,
     /// The latest timestamp, if any row.
     last: Option<i64>,
-}
-
-/// Why a CSV file could not be read: the line (from 1) and what is wrong with it.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum CsvError {
-    /// Not five comma-separated fields.
-    #[error("line {line}: expected 5 fields ts,service,caller,procedure,rps")]
-    Fields {
-        /// The line.
-        line: usize,
-    },
-    /// A timestamp that is neither unix seconds nor RFC 3339.
-    #[error("line {line}: bad timestamp `{text}`")]
-    Timestamp {
-        /// The line.
-        line: usize,
-        /// The field.
-        text: String,
-    },
-    /// An rps that is not a number.
-    #[error("line {line}: bad rps `{text}`")]
-    Rps {
-        /// The line.
-        line: usize,
-        /// The field.
-        text: String,
-        /// Why it is not a number.
-        source: std::num::ParseFloatError,
-    },
 }
 
 fn parse_csv(text: &str) -> Result<Csv, CsvError> {

@@ -198,18 +198,6 @@ pub(super) async fn stream_blocking<D: Send + 'static>(
     read.map(|()| out)
 }
 
-/// An error with its causes (reqwest hides "connection refused" in the source chain).
-pub(super) fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

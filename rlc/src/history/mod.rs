@@ -25,7 +25,8 @@ use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 pub use error::{
-    Bound, DecoderFailed, DiskError, HistoryError, ParseError, RequestFailure, Unrestored,
+    Bound, Corrupt, CsvError, DecodeError, DecoderFailed, DiskError, HistoryError, ParseError,
+    RequestFailure, Unreadable, Unrestored,
 };
 use policies::RateSeries;
 use rlc_plan::history::{History, Rejected, SeriesKey, SeriesSource};

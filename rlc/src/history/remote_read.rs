@@ -24,21 +24,15 @@ use std::sync::{Arc, Mutex};
 use prost::Message;
 use schema::PrometheusConfig;
 
+use super::error::{chain, Corrupt, DecodeError, Unreadable, FRAME_MAX};
 use super::http::{
-    chain, read_capped, read_failed, send, stream_blocking, Budget, Failed, ReadError, Tries,
+    read_capped, read_failed, send, stream_blocking, Budget, Failed, ReadError, Tries,
     ERROR_BODY_MAX,
 };
-use super::{
-    request_range, Bound, Builder, DecoderFailed, HistoryError, ParseError, RequestFailure,
-    LABELS_MAX,
-};
+use super::{request_range, Bound, Builder, HistoryError, ParseError, RequestFailure, LABELS_MAX};
 
 /// The content type of a streamed answer.
 const STREAMED: &str = "application/x-streamed-protobuf";
-/// A frame larger than this is taken for a corrupt length (Prometheus cuts frames at 1 MB by
-/// default, `--storage.remote.read-max-bytes-in-frame`, going past it by one chunk of a
-/// series at most: a few KB). Each request in flight holds up to one frame.
-const FRAME_MAX: usize = 16 << 20;
 /// Time covered by one remote-read request at least: answers carry whole TSDB chunks (2 hours),
 /// so wider requests decode fewer samples twice at their edges.
 pub(crate) const CHUNK_SECS: i64 = 86_400;
@@ -628,92 +622,6 @@ enum Bad {
     /// A bound crossed: the pull fails at once.
     #[error("{0}")]
     Exceeded(Bound),
-}
-
-/// A streamed answer corrupt or cut on its way (a retry may get it whole).
-#[derive(Debug, thiserror::Error)]
-pub enum Corrupt {
-    /// A frame failed its checks (length, size, checksum).
-    #[error(transparent)]
-    Frame(DecodeError),
-    /// The answer ended inside a frame: these bytes of it had come.
-    #[error("the answer ended inside a frame ({0} bytes left)")]
-    Cut(usize),
-    /// The decoder stopped before the answer's end.
-    #[error(transparent)]
-    Decoder(#[from] DecoderFailed),
-}
-
-/// A streamed answer the server sent whole but rlc cannot read (the same again on a retry).
-#[derive(Debug, thiserror::Error)]
-pub enum Unreadable {
-    /// A message of a frame is not what the protocol says.
-    #[error("undecodable frame: {0}")]
-    Frame(#[source] DecodeError),
-    /// A frame answers another query than the request's one.
-    #[error("frame for query {0} of 1")]
-    OtherQuery(i64),
-    /// A chunk holds other samples than floats.
-    #[error("series {series}: chunk encoding {encoding} is not float samples (native histograms are not request rates)")]
-    Encoding {
-        /// The series' labels.
-        series: String,
-        /// `Chunk.Encoding`.
-        encoding: i32,
-    },
-    /// A chunk of a series could not be decoded.
-    #[error("series {series}: {source}")]
-    Chunk {
-        /// The series' labels.
-        series: String,
-        /// What was wrong with the chunk.
-        source: DecodeError,
-    },
-}
-
-/// What could not be decoded in a streamed answer: a frame, a protobuf message in it, or an
-/// XOR chunk of samples.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum DecodeError {
-    /// A frame's length takes more than nine bytes.
-    #[error("frame length is not a varint")]
-    FrameLength,
-    /// A frame longer than `FRAME_MAX` (16 MB): taken for a corrupt length.
-    #[error("frame of {0} bytes (at most {FRAME_MAX})")]
-    FrameTooLarge(usize),
-    /// A frame whose CRC32C is not that of its message.
-    #[error("frame checksum mismatch")]
-    Checksum,
-    /// A message ends inside a varint.
-    #[error("the message ends inside a varint")]
-    VarintCut,
-    /// A varint of more than ten bytes (in a message or a chunk).
-    #[error("varint too long")]
-    VarintTooLong,
-    /// A length-delimited field longer than what is left of its message.
-    #[error("a length past the message's end")]
-    LengthPastEnd,
-    /// A message ends inside a fixed-width field.
-    #[error("the message ends inside a field")]
-    FieldCut,
-    /// A wire type protobuf does not have (or the groups rlc does not read).
-    #[error("wire type {0}")]
-    WireType(u64),
-    /// A field rlc reads with another wire type than its own.
-    #[error("a field of the wrong type")]
-    WrongType,
-    /// A label name or value that is not UTF-8.
-    #[error("a label that is not UTF-8")]
-    NotUtf8,
-    /// A chunk shorter than its 2-byte sample count.
-    #[error("chunk shorter than its header")]
-    ChunkHeader,
-    /// A chunk that ends before its samples do.
-    #[error("chunk ends early")]
-    ChunkCut,
-    /// XOR value widths that do not fit in 64 bits.
-    #[error("bad XOR widths")]
-    XorWidths,
 }
 
 impl From<DecodeError> for Bad {

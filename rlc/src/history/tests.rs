@@ -162,7 +162,7 @@ fn unavailable_errors_name_the_last_failure() {
             "the request took longer than history.prometheus.max_request_duration (2m)",
         ),
         (
-            RequestFailure::Corrupt(remote_read::Corrupt::Cut(3)),
+            RequestFailure::Corrupt(super::error::Corrupt::Cut(3)),
             "bad answer: the answer ended inside a frame (3 bytes left)",
         ),
         (
