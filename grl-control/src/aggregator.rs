@@ -683,10 +683,9 @@ fn build_report(s: &Shared) -> ZoneReport {
     let mut guard = s.state.lock().expect("aggregator lock");
     let st = &mut *guard;
     st.clients.retain(|_, c| c.at.elapsed() <= c.horizon);
-    // Rates summed by bucket, with the offered rates' sum, count and largest for the peer caps
-    // (and the clients' total call rates by service).
-    let mut sums: HashMap<(String, String), [f64; 4]> = HashMap::new();
-    let mut tiers: HashMap<(String, String), TierSum> = HashMap::new();
+    // Rates (and offered rates by tier) summed by bucket, with the offered rates' sum, count
+    // and largest for the peer caps (and the clients' total call rates by service).
+    let mut sums: HashMap<(String, String), ([f64; 4], TierSum)> = HashMap::new();
     let mut offered: HashMap<(String, String), screen::PeerRates> = HashMap::new();
     let mut per_service: HashMap<&str, screen::ServiceClients> = HashMap::new();
     for ((service, _), c) in st.clients.iter_mut() {
@@ -698,22 +697,17 @@ fn build_report(s: &Shared) -> ZoneReport {
             n.calls.add(r);
         }
         for ((b, r), mix) in c.rates.iter().zip(&c.tier_mix) {
-            grl_client::keys::update(
-                &mut tiers,
-                (service, b),
-                |_| TierSum::default(),
-                |e| e.add(r[0], mix.as_ref()),
-            );
             // Under the lock that client reports wait on: the names are allocated once per
             // bucket, not per client.
             grl_client::keys::update(
                 &mut sums,
                 (service, b),
-                |_| [0.0; 4],
-                |e| {
+                |_| Default::default(),
+                |(e, tiers)| {
                     for i in 0..4 {
                         e[i] += r[i];
                     }
+                    tiers.add(r[0], mix.as_ref());
                 },
             );
             grl_client::keys::update(
@@ -729,20 +723,15 @@ fn build_report(s: &Shared) -> ZoneReport {
     st.waiting = st.clients.len();
     let mut buckets: Vec<ZoneBucketMsg> = sums
         .into_iter()
-        .map(|((service, bucket), r)| {
-            let tier_offered_rps = tiers
-                .get(&(service.as_str(), bucket.as_str()) as &dyn grl_client::keys::StrPair)
-                .and_then(TierSum::whole);
-            ZoneBucketMsg {
-                service,
-                bucket,
-                offered_rps: r[0],
-                admitted_rps: r[1],
-                dropped_rps: r[2],
-                shadow_dropped_rps: r[3],
-                tier_offered_rps,
-                ..Default::default()
-            }
+        .map(|((service, bucket), (r, tiers))| ZoneBucketMsg {
+            service,
+            bucket,
+            offered_rps: r[0],
+            admitted_rps: r[1],
+            dropped_rps: r[2],
+            shadow_dropped_rps: r[3],
+            tier_offered_rps: tiers.whole(),
+            ..Default::default()
         })
         .collect();
     crate::delta::attach_pending(&mut buckets, &mut st.pending);

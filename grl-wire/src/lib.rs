@@ -188,13 +188,7 @@ impl BucketCountsMsg {
 
     /// Offered requests by tier (least critical first), when the counts carry tiers.
     pub fn tier_offered(&self) -> Option<[u64; TIERS]> {
-        (!self.tiers.is_empty()).then(|| {
-            let mut o = [0u64; TIERS];
-            for t in &self.tiers {
-                o[t.tier as usize] = o[t.tier as usize].saturating_add(t.offered);
-            }
-            o
-        })
+        (!self.tiers.is_empty()).then(|| self.tier_counts().map(|t| t.map_or(0, |t| t.offered)))
     }
 }
 

@@ -279,12 +279,18 @@ pub(super) fn refresh_client<'a>(
     c
 }
 
-/// The shares of a bucket's offered requests by tier (None without tiers, or with tier
-/// counts that do not add up to at most its offered count: the client's mix is not believed).
+/// A bucket's offered requests by tier, when it carries tiers that add up to at most its
+/// offered count (beyond it, the client's tiers are not believed).
+fn believed_tiers(b: &BucketCountsMsg) -> Option<[u64; TIERS]> {
+    b.tier_offered()
+        .filter(|o| o.iter().sum::<u64>() <= b.offered)
+}
+
+/// The shares of a bucket's offered requests by tier (None without believed tiers).
 fn tier_mix(b: &BucketCountsMsg) -> Option<[f64; TIERS]> {
-    let o = b.tier_offered()?;
+    let o = believed_tiers(b)?;
     let sum: u64 = o.iter().sum();
-    (sum > 0 && sum <= b.offered).then(|| o.map(|t| t as f64 / sum as f64))
+    (sum > 0).then(|| o.map(|t| t as f64 / sum as f64))
 }
 
 impl AggState {
@@ -299,7 +305,7 @@ impl AggState {
                     ..Default::default()
                 },
                 |p| {
-                    if b.tiers.iter().map(|t| t.offered).sum::<u64>() <= b.offered {
+                    if b.tiers.is_empty() || believed_tiers(b).is_some() {
                         p.add(b);
                     } else {
                         // Tier counts above the (screened) total are not believed.
