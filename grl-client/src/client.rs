@@ -315,7 +315,15 @@ impl Reporter {
                     fraction: s.fraction,
                 },
             ),
-            Some(_) if total > 0.0 => self.table.set_tier_shed(i, &split(ratio * total, mix)),
+            // Never less on any tier than the controller's split (a `shed_below` floor).
+            Some(s) if total > 0.0 => {
+                let directed = TierShed {
+                    threshold: s.threshold,
+                    fraction: s.fraction,
+                };
+                self.table
+                    .set_tier_shed(i, &split(ratio * total, mix).max(directed))
+            }
             _ => self.table.set_ratio(i, ratio),
         }
     }

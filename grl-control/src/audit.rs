@@ -219,6 +219,7 @@ mod tests {
                 procedure: None,
                 limit_rps: Some(10.0),
                 drop_ratio: None,
+                shed_below: None,
                 ttl_secs: 60,
                 reason: format!("INC-{id}"),
                 who: "alice".into(),

@@ -14,11 +14,11 @@ mod reports;
 
 use grl_core::control::{drop_ratio, scope_key};
 use schema::criticality::TIERS;
-use schema::{Bucket, Scope};
+use schema::{Bucket, Criticality, Scope};
 use serde::Serialize;
 
 use crate::frags::FragCache;
-use crate::overrides::{combine, materialize, Affected, Effect, Group, Override};
+use crate::overrides::{combine, floor, materialize, Affected, Effect, Group, Override};
 use grl_wire::{
     BucketCountsMsg, ConfigDoc, DirectiveMsg, ReplySession, ServiceDirectives, ZoneBucketMsg,
     ZoneDirectives, ZoneReport,
@@ -61,6 +61,8 @@ pub struct BucketState {
     pub limit_rps: f64,
     /// A fixed ratio from an override.
     pub fixed: Option<f64>,
+    /// Every tier below this one sheds everything (a `shed_below` override).
+    pub floor: Option<Criticality>,
     /// State per scope key seen this round.
     pub keys: Vec<KeyState>,
 }
@@ -438,9 +440,9 @@ impl Engine {
             .iter()
             .find(|o| o.id == id && !o.is_traffic())
         {
-            let service = o.req.service.as_deref().unwrap_or_default();
-            let bucket = o.req.bucket.as_deref().unwrap_or_default();
-            return lookup(&self.index, service, bucket)
+            return self
+                .targeted(o)
+                .into_iter()
                 .map(|i| &self.buckets[i])
                 .map(|b| Affected {
                     service: b.service.clone(),
@@ -449,7 +451,6 @@ impl Engine {
                     procedure: b.bucket.procedure.clone(),
                     created: false,
                 })
-                .into_iter()
                 .collect();
         }
         self.groups
@@ -457,6 +458,23 @@ impl Engine {
             .find(|(g, _)| g.id == id)
             .map(|(g, _)| g.members.clone())
             .unwrap_or_default()
+    }
+
+    /// The buckets (in bucket order) a bucket or service-wide override targets.
+    fn targeted(&self, o: &Override) -> Vec<usize> {
+        let Some(svc) = o.req.service.as_deref() else {
+            return Vec::new();
+        };
+        let mut idx: Vec<usize> = match o.req.bucket.as_deref() {
+            Some(b) => lookup(&self.index, svc, b).into_iter().collect(),
+            None => self
+                .index
+                .get(svc)
+                .map(|m| m.values().copied().collect())
+                .unwrap_or_default(),
+        };
+        idx.sort_unstable();
+        idx
     }
 
     fn rebuild(&mut self) {
@@ -499,14 +517,12 @@ impl Engine {
             }
         }
         self.bucket_overrides.clear();
-        for (j, o) in self.overrides.iter().enumerate() {
-            if o.is_traffic() {
-                continue;
-            }
-            let (Some(svc), Some(b)) = (&o.req.service, &o.req.bucket) else {
-                continue;
-            };
-            if let Some(i) = lookup(&self.index, svc, b) {
+        let targets: Vec<(usize, usize)> = (self.overrides.iter().enumerate())
+            .filter(|(_, o)| !o.is_traffic())
+            .flat_map(|(j, o)| self.targeted(o).into_iter().map(move |i| (j, i)))
+            .collect();
+        for (j, i) in targets {
+            {
                 self.bucket_overrides.entry(i).or_default().push(j);
                 if !self.dirty_flag[i] {
                     self.dirty_flag[i] = true;
@@ -543,6 +559,7 @@ impl Engine {
                     bucket: b.clone(),
                     limit_rps: b.limit_rps,
                     fixed: None,
+                    floor: None,
                     keys: Vec::new(),
                 });
             }
@@ -933,11 +950,11 @@ impl Engine {
     /// One bucket's limit, fixed ratio and per-key ratios from its overrides and groups.
     fn settle(&mut self, i: usize, unix_now: u64) {
         let s = &mut self.buckets[i];
-        let before = (s.limit_rps, s.fixed);
-        let eff = match self.bucket_overrides.get(&i) {
-            None => Effect::None,
-            Some(js) => combine(js.iter().map(|&j| &self.overrides[j]), unix_now),
-        };
+        let before = (s.limit_rps, s.fixed, s.floor);
+        let mine =
+            || (self.bucket_overrides.get(&i).into_iter().flatten()).map(|&j| &self.overrides[j]);
+        let eff = combine(mine(), unix_now);
+        s.floor = floor(mine(), unix_now);
         (s.limit_rps, s.fixed) = match eff {
             Effect::None => (s.bucket.limit_rps, None),
             Effect::Limit(l) => (l, None),
@@ -967,6 +984,7 @@ impl Engine {
         }
         if before.0.to_bits() != s.limit_rps.to_bits()
             || before.1.map(f64::to_bits) != s.fixed.map(f64::to_bits)
+            || before.2 != s.floor
         {
             self.changed.push((i as u32, ALL_KEYS));
             self.frags.drop_bucket(i);
@@ -977,6 +995,11 @@ impl Engine {
     #[cfg(test)]
     pub(crate) fn cached_directives(&self) -> usize {
         self.frags.len()
+    }
+
+    /// Whether the served config has buckets of `service`.
+    pub fn has_service(&self, service: &str) -> bool {
+        self.index.get(service).is_some_and(|m| !m.is_empty())
     }
 
     /// The scope of a configured bucket.

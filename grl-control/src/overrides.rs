@@ -2,7 +2,8 @@
 //!
 //! Two kinds:
 //! - a **bucket** override (`service` + `bucket`) replaces that bucket's limit (or ratio), per
-//!   scope key as the bucket's own limit would apply;
+//!   scope key as the bucket's own limit would apply, or sheds every criticality tier below
+//!   one (`shed_below`; that one may also target a whole `service`: every bucket of it);
 //! - a **traffic** override (`caller` and/or `procedure`, optionally one `service`) limits all
 //!   that traffic *as a whole*, fleet-wide, whether or not a bucket matched it before. The
 //!   controller materialises it in the config it serves (see [`materialize`]): clients look up
@@ -14,7 +15,7 @@
 
 use std::collections::HashMap;
 
-use schema::{Bucket, BucketFile, Mode, PolicyName, Scope};
+use schema::{Bucket, BucketFile, Criticality, Mode, PolicyName, Scope};
 use serde::{Deserialize, Serialize};
 
 use grl_wire::ConfigDoc;
@@ -41,6 +42,10 @@ pub struct OverrideRequest {
     /// Drop this fixed fraction instead of computing it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub drop_ratio: Option<f64>,
+    /// Drop every request of a criticality tier below this one (the bucket's own limit still
+    /// applies to the rest); targets one bucket or every bucket of a service.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shed_below: Option<Criticality>,
     /// Seconds until it expires (1 to [`MAX_TTL_SECS`]).
     pub ttl_secs: u64,
     /// Why (incident link, ticket).
@@ -62,9 +67,12 @@ pub enum OverrideError {
     /// A bucket without its service.
     #[error("a bucket override needs its service")]
     BucketWithoutService,
-    /// Both or neither action.
-    #[error("set exactly one of limit_rps and drop_ratio")]
+    /// Several actions or none.
+    #[error("set exactly one of limit_rps, drop_ratio and shed_below")]
     Action,
+    /// `shed_below` on caller or procedure traffic.
+    #[error("shed_below targets one bucket (service and bucket) or a whole service, not caller or procedure traffic")]
+    ShedTraffic,
     /// Out-of-range value.
     #[error("{0}")]
     Range(&'static str),
@@ -79,7 +87,12 @@ pub enum OverrideError {
 impl OverrideRequest {
     /// Checks the request.
     pub fn validate(&self) -> Result<(), OverrideError> {
-        if self.bucket.is_none() && self.caller.is_none() && self.procedure.is_none() {
+        let traffic = self.caller.is_some() || self.procedure.is_some();
+        if self.shed_below.is_some() && traffic {
+            return Err(OverrideError::ShedTraffic);
+        }
+        let service_wide = self.shed_below.is_some() && self.service.is_some();
+        if self.bucket.is_none() && !traffic && !service_wide {
             return Err(OverrideError::NoTarget);
         }
         if self.bucket.is_some() && self.service.is_none() {
@@ -88,16 +101,21 @@ impl OverrideRequest {
         if self.bucket.is_some() && (self.caller.is_some() || self.procedure.is_some()) {
             return Err(OverrideError::BucketAndTraffic);
         }
-        match (self.limit_rps, self.drop_ratio) {
-            (Some(l), None) if !(l.is_finite() && l >= 0.0) => {
+        match (self.limit_rps, self.drop_ratio, self.shed_below) {
+            (Some(l), None, None) if !(l.is_finite() && l >= 0.0) => {
                 return Err(OverrideError::Range(
                     "limit_rps must be finite and not negative",
                 ))
             }
-            (None, Some(r)) if !(0.0..=1.0).contains(&r) => {
+            (None, Some(r), None) if !(0.0..=1.0).contains(&r) => {
                 return Err(OverrideError::Range("drop_ratio must be within 0 and 1"))
             }
-            (Some(_), None) | (None, Some(_)) => {}
+            (None, None, Some(Criticality::Sheddable)) => {
+                return Err(OverrideError::Range(
+                    "shed_below SHEDDABLE sheds nothing: no tier is below it",
+                ))
+            }
+            (Some(_), None, None) | (None, Some(_), None) | (None, None, Some(_)) => {}
             _ => return Err(OverrideError::Action),
         }
         if self.ttl_secs == 0 {
@@ -115,16 +133,19 @@ impl OverrideRequest {
     }
 }
 
-/// What an override targets, in words: `bucket payments/charge`, or
-/// `traffic caller=gw procedure=/pay.Charge service=payments` (logs, `grl override list`).
+/// What an override targets, in words: `bucket payments/charge`, `service payments` (every
+/// bucket of it), or `traffic caller=gw procedure=/pay.Charge service=payments` (logs,
+/// `grl override list`).
 pub fn describe_target(
     service: Option<&str>,
     bucket: Option<&str>,
     caller: Option<&str>,
     procedure: Option<&str>,
 ) -> String {
-    if let (Some(svc), Some(b)) = (service, bucket) {
-        return format!("bucket {svc}/{b}");
+    match (service, bucket, caller, procedure) {
+        (Some(svc), Some(b), _, _) => return format!("bucket {svc}/{b}"),
+        (Some(svc), None, None, None) => return format!("service {svc}"),
+        _ => {}
     }
     let keys = [
         ("caller", caller),
@@ -138,12 +159,17 @@ pub fn describe_target(
     format!("traffic {}", parts.join(" "))
 }
 
-/// What an override does, in words: `limit 50 rps` or `drop 25%`.
-pub fn describe_action(limit_rps: Option<f64>, drop_ratio: Option<f64>) -> String {
-    match (limit_rps, drop_ratio) {
-        (Some(l), _) => format!("limit {l} rps"),
-        (None, Some(r)) => format!("drop {}%", (r * 1000.0).round() / 10.0),
-        (None, None) => "nothing".into(),
+/// What an override does, in words: `limit 50 rps`, `drop 25%` or `shed below CRITICAL`.
+pub fn describe_action(
+    limit_rps: Option<f64>,
+    drop_ratio: Option<f64>,
+    shed_below: Option<Criticality>,
+) -> String {
+    match (limit_rps, drop_ratio, shed_below) {
+        (Some(l), _, _) => format!("limit {l} rps"),
+        (None, Some(r), _) => format!("drop {}%", (r * 1000.0).round() / 10.0),
+        (None, None, Some(t)) => format!("shed below {t}"),
+        (None, None, None) => "nothing".into(),
     }
 }
 
@@ -160,7 +186,7 @@ impl OverrideRequest {
 
     /// [`describe_action`] of this request.
     pub fn action(&self) -> String {
-        describe_action(self.limit_rps, self.drop_ratio)
+        describe_action(self.limit_rps, self.drop_ratio, self.shed_below)
     }
 }
 
@@ -188,16 +214,18 @@ impl Override {
         now < self.expires_at
     }
 
-    /// Whether it is a bucket override targeting `bucket` of `service` (traffic overrides
-    /// act through [`materialize`]'s groups instead).
+    /// Whether it is a bucket override targeting `bucket` of `service`, or a service-wide one
+    /// of `service` (traffic overrides act through [`materialize`]'s groups instead).
     pub fn matches(&self, service: &str, bucket: &Bucket) -> bool {
         let r = &self.req;
-        r.service.as_deref() == Some(service) && r.bucket.as_deref() == Some(bucket.name.as_str())
+        r.service.as_deref() == Some(service)
+            && !self.is_traffic()
+            && r.bucket.as_deref().is_none_or(|b| b == bucket.name)
     }
 
-    /// Whether it targets traffic (caller and/or procedure) rather than one bucket.
+    /// Whether it targets traffic (caller and/or procedure) rather than buckets.
     pub fn is_traffic(&self) -> bool {
-        self.req.bucket.is_none()
+        self.req.bucket.is_none() && (self.req.caller.is_some() || self.req.procedure.is_some())
     }
 }
 
@@ -520,8 +548,22 @@ pub fn effect(overrides: &[Override], now: u64, service: &str, bucket: &Bucket) 
     combine(overrides.iter().filter(|o| o.matches(service, bucket)), now)
 }
 
+/// The tier below which those of `overrides` active at `now` shed everything (the most
+/// critical of their `shed_below`), if any does.
+pub fn floor<'a>(
+    overrides: impl IntoIterator<Item = &'a Override>,
+    now: u64,
+) -> Option<Criticality> {
+    overrides
+        .into_iter()
+        .filter(|o| o.active(now))
+        .filter_map(|o| o.req.shed_below)
+        .max()
+}
+
 /// The combined effect of those of `overrides` active at `now` (the controller passes the
 /// bucket overrides it indexed under one bucket, so a recompute never scans the whole list).
+/// A `shed_below` override has no effect here (see [`floor`]).
 pub fn combine<'a>(overrides: impl IntoIterator<Item = &'a Override>, now: u64) -> Effect {
     let mut eff = Effect::None;
     for o in overrides.into_iter().filter(|o| o.active(now)) {
@@ -550,6 +592,7 @@ mod tests {
             procedure: None,
             limit_rps: limit,
             drop_ratio: ratio,
+            shed_below: None,
             ttl_secs: 60,
             reason: "INC-1".into(),
             who: "sre".into(),
@@ -717,6 +760,51 @@ mod tests {
             r.ttl_secs = ttl;
             assert!(matches!(r.validate(), Err(OverrideError::Range(m)) if m.contains("7 days")));
         }
+    }
+
+    #[test]
+    fn shed_below_targets_a_bucket_or_a_whole_service() {
+        let shed = |bucket: Option<&str>, caller: Option<&str>, tier| OverrideRequest {
+            bucket: bucket.map(Into::into),
+            caller: caller.map(Into::into),
+            shed_below: Some(tier),
+            ..req(None, None)
+        };
+        let service_wide = shed(None, None, Criticality::Critical);
+        assert_eq!(service_wide.validate(), Ok(()));
+        assert_eq!(service_wide.target(), "service svc");
+        assert_eq!(service_wide.action(), "shed below CRITICAL");
+        assert_eq!(
+            shed(Some("a.x"), None, Criticality::CriticalPlus).validate(),
+            Ok(())
+        );
+        assert_eq!(
+            shed(None, Some("a"), Criticality::Critical).validate(),
+            Err(OverrideError::ShedTraffic)
+        );
+        assert!(matches!(
+            shed(None, None, Criticality::Sheddable).validate(),
+            Err(OverrideError::Range(m)) if m.contains("sheds nothing")
+        ));
+        let both = OverrideRequest {
+            limit_rps: Some(5.0),
+            ..service_wide.clone()
+        };
+        assert_eq!(both.validate(), Err(OverrideError::Action));
+        // A service-wide floor matches every bucket of its service, and is not traffic.
+        let o = ovr("1", service_wide, 100);
+        assert!(!o.is_traffic());
+        assert!(o.matches("svc", &bucket("a")) && o.matches("svc", &bucket("b")));
+        assert!(!o.matches("other", &bucket("a")));
+        assert_eq!(floor([&o], 10), Some(Criticality::Critical));
+        assert_eq!(floor([&o], 100), None);
+        assert_eq!(effect(&[o], 10, "svc", &bucket("a")), Effect::None);
+        // Without a service and a bucket, a floor has no target.
+        let none = OverrideRequest {
+            service: None,
+            ..shed(None, None, Criticality::Critical)
+        };
+        assert_eq!(none.validate(), Err(OverrideError::NoTarget));
     }
     /// The reference the indexed [`materialize`] must agree with: each key found by a scan of
     /// the service's buckets (quadratic in the overrides).

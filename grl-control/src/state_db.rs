@@ -473,6 +473,7 @@ mod tests {
                 procedure: None,
                 limit_rps: Some(10.0),
                 drop_ratio: None,
+                shed_below: None,
                 ttl_secs: ttl,
                 reason: "INC-1".into(),
                 who: "carol".into(),

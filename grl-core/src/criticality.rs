@@ -32,6 +32,17 @@ impl TierShed {
         }
     }
 
+    /// Whichever of `self` and `other` sheds more: both take from the least critical tier
+    /// upward, so the one with the higher threshold (or, at the same threshold, the higher
+    /// fraction) drops at least as much on every tier.
+    pub fn max(self, other: TierShed) -> TierShed {
+        if (other.threshold, other.fraction) > (self.threshold, self.fraction) {
+            other
+        } else {
+            self
+        }
+    }
+
     /// The drop probability of every tier, least critical first.
     pub fn probabilities(&self) -> [f64; TIERS] {
         Criticality::ALL.map(|t| self.probability(t))
@@ -125,6 +136,20 @@ mod tests {
                     assert!(*o == 0.0 || p[t] == 1.0, "{total} {offered:?} {p:?}");
                 }
             }
+        }
+    }
+
+    /// `max` of two splits drops at least as much as either on every tier.
+    #[test]
+    fn max_sheds_at_least_as_much_on_every_tier() {
+        let mut pairs = values(0x2545_F491_4F6C_DD1D, 20_000);
+        while let (Some((a, oa)), Some((b, ob))) = (pairs.next(), pairs.next()) {
+            let (x, y) = (split(a, oa), split(b, ob));
+            let m = x.max(y).probabilities();
+            for (t, p) in m.iter().enumerate() {
+                assert!(*p >= x.probabilities()[t] && *p >= y.probabilities()[t]);
+            }
+            assert!(m == x.probabilities() || m == y.probabilities());
         }
     }
 

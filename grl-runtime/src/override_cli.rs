@@ -17,10 +17,13 @@ Credential: the override role's token, from GRL_OVERRIDE_TOKEN or GRL_OVERRIDE_T
 
 Target either one bucket (--service and --bucket), or traffic as a whole (--caller and/or
 --procedure, optionally within one --service): a traffic override limits all of it together,
-fleet-wide, whether or not a bucket matched it before.
+fleet-wide, whether or not a bucket matched it before. With --shed-below, --service alone
+targets every bucket of the service.
 
-Action: exactly one of --limit-rps (the new limit) and --drop-ratio (a fixed fraction to drop,
-0 to 1); they exclude each other.
+Action: exactly one of --limit-rps (the new limit), --drop-ratio (a fixed fraction to drop,
+0 to 1) and --shed-below TIER (drop every request of a criticality tier below TIER: SHEDDABLE,
+SHEDDABLE_PLUS, CRITICAL or CRITICAL_PLUS; the bucket's own limit still applies to the rest;
+for one bucket or a whole service); they exclude each other.
 
 --ttl is at most 7d (604800 s): a measure that should outlast a week belongs in the bucket files.
 At most --max-overrides (1,000 by default) are active on a controller at once.
@@ -33,12 +36,16 @@ Examples:
 
   # Drop half of one bucket's traffic for 2 hours
   grl override add --service payments --bucket api-gateway.charge --drop-ratio 0.5 \\
-      --ttl 2h --reason 'INC-124: database failover' --who alice";
+      --ttl 2h --reason 'INC-124: database failover' --who alice
+
+  # Keep only CRITICAL and CRITICAL_PLUS requests to payments for 20 minutes
+  grl override add --service payments --shed-below CRITICAL --ttl 20m --reason INC-125";
 
 #[derive(Subcommand)]
 pub(crate) enum OverrideCmd {
-    /// Apply an override: a replacement limit or a fixed drop ratio, for a bucket or for a
-    /// caller's/procedure's traffic, with a TTL (at most 7 days) and a reason.
+    /// Apply an override: a replacement limit, a fixed drop ratio or a criticality floor, for
+    /// a bucket, a caller's/procedure's traffic or (the floor) a whole service, with a TTL (at
+    /// most 7 days) and a reason.
     #[command(after_help = ADD_HELP)]
     Add {
         #[command(flatten)]
@@ -55,16 +62,20 @@ pub(crate) enum OverrideCmd {
         /// Target this procedure's traffic.
         #[arg(long)]
         procedure: Option<String>,
-        /// Replacement limit, requests/s (excludes --drop-ratio).
+        /// Replacement limit, requests/s (excludes --drop-ratio and --shed-below).
         #[arg(
             long,
-            conflicts_with = "drop_ratio",
-            required_unless_present = "drop_ratio"
+            conflicts_with_all = ["drop_ratio", "shed_below"],
+            required_unless_present_any = ["drop_ratio", "shed_below"]
         )]
         limit_rps: Option<f64>,
-        /// Fixed fraction to drop, 0 to 1 (excludes --limit-rps).
-        #[arg(long)]
+        /// Fixed fraction to drop, 0 to 1 (excludes --limit-rps and --shed-below).
+        #[arg(long, conflicts_with = "shed_below")]
         drop_ratio: Option<f64>,
+        /// Drop every request of a criticality tier below this one (SHEDDABLE_PLUS, CRITICAL
+        /// or CRITICAL_PLUS); for one bucket or, with --service alone, a whole service.
+        #[arg(long, conflicts_with_all = ["caller", "procedure"])]
+        shed_below: Option<schema::Criticality>,
         /// Time to live, e.g. 30m, 2h; at most 7d.
         #[arg(long)]
         ttl: HumanDuration,
@@ -206,6 +217,7 @@ fn request(
             procedure,
             limit_rps,
             drop_ratio,
+            shed_below,
             ttl,
             reason,
             who,
@@ -218,6 +230,7 @@ fn request(
                 procedure,
                 limit_rps,
                 drop_ratio,
+                shed_below,
                 ttl_secs: ttl.as_secs(),
                 reason,
                 who: who_or_user(who),
@@ -316,7 +329,12 @@ fn target(o: &Value) -> String {
 /// What an override does ([`describe_action`]).
 fn action(o: &Value) -> String {
     let f = |k: &str| o.get(k).and_then(Value::as_f64);
-    describe_action(f("limit_rps"), f("drop_ratio"))
+    let tier = o.get("shed_below").and_then(Value::as_str);
+    describe_action(
+        f("limit_rps"),
+        f("drop_ratio"),
+        tier.and_then(|t| t.parse().ok()),
+    )
 }
 
 /// Unix seconds as `2026-12-01 19:20:05Z`.

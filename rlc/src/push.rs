@@ -107,18 +107,22 @@ pub struct ActiveOverride {
     /// The drop ratio it sets, if it sets one.
     #[serde(default)]
     pub drop_ratio: Option<f64>,
+    /// The criticality tier below which it sheds everything, if it sets one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shed_below: Option<String>,
     /// The served buckets it acts on.
     #[serde(default)]
     pub affects: Vec<OverrideTarget>,
 }
 
 impl ActiveOverride {
-    /// What it does, in words: `limit 50 rps`, `drop 90 %`.
+    /// What it does, in words: `limit 50 rps`, `drop 90 %`, `shed below CRITICAL`.
     pub fn action(&self) -> String {
-        match (self.limit_rps, self.drop_ratio) {
-            (Some(l), _) => format!("limit {} rps", schema::format_rps(l)),
-            (None, Some(d)) => format!("drop {} %", (d * 1000.0).round() / 10.0),
-            (None, None) => String::new(),
+        match (self.limit_rps, self.drop_ratio, &self.shed_below) {
+            (Some(l), _, _) => format!("limit {} rps", schema::format_rps(l)),
+            (None, Some(d), _) => format!("drop {} %", (d * 1000.0).round() / 10.0),
+            (None, None, Some(t)) => format!("shed below {t}"),
+            (None, None, None) => String::new(),
         }
     }
 }

@@ -395,6 +395,14 @@ pub(super) async fn add_override(
             )));
         }
     }
+    if let (Some(svc), None, true) = (&req.service, &req.bucket, req.shed_below.is_some()) {
+        // Likewise a service-wide floor on a service without buckets.
+        if !s.engine.lock().expect("engine lock").has_service(svc) {
+            return Err(ApiError::Invalid(format!(
+                "service `{svc}` has no bucket to shed from"
+            )));
+        }
+    }
     if let Some(sync) = &s.db {
         return add_override_db(&s, sync, req, &cred.name)
             .await

@@ -2,6 +2,7 @@
 //! JSON from cached fragments.
 
 use super::*;
+use grl_core::criticality::TierShed;
 
 impl Engine {
     /// Directives for the clients of `zone` in `region`.
@@ -165,21 +166,45 @@ impl Engine {
 
     /// Bucket `i`'s directive under key `k`. With the key's mix of tiers known, the shed
     /// (`ratio` × offered) is split strictly over the tiers, least critical first; an
-    /// override's fixed ratio, or a key whose mix is not known, drops every tier alike.
+    /// override's fixed ratio, or a key whose mix is not known, drops every tier alike. A
+    /// `shed_below` override's floor drops every tier below it on top: with the mix known the
+    /// sent ratio is what the split and the floor shed together (clients of the previous
+    /// protocol drop that share alike); without it, the floor tier drops the bucket's ratio
+    /// and the tiers above it drop nothing.
     pub(super) fn directive(&self, i: usize, k: Option<&KeyState>) -> DirectiveMsg {
         let s = &self.buckets[i];
-        let ratio = s.fixed.unwrap_or(k.map_or(0.0, |k| k.ratio));
-        let shed = match (s.fixed, k) {
+        let mut ratio = s.fixed.unwrap_or(k.map_or(0.0, |k| k.ratio));
+        let split = match (s.fixed, k) {
             // Sent at a ratio of 0 too: it tells the clients the tiers are in force, so a
             // ratio one raises on its own before the next directive is split as well.
-            (None, Some(k)) => k.tier_offered_rps.map(|t| {
-                let sh = grl_core::criticality::split(ratio * k.offered_rps, t);
-                grl_wire::TierShedMsg {
-                    threshold: sh.threshold,
-                    fraction: sh.fraction,
-                }
-            }),
+            (None, Some(k)) => k
+                .tier_offered_rps
+                .map(|t| (grl_core::criticality::split(ratio * k.offered_rps, t), t)),
             _ => None,
+        };
+        let shed = match (split, s.floor) {
+            (Some((sh, _)), None) => Some(sh),
+            (Some((sh, t)), Some(b)) => {
+                let sh = if sh.threshold >= b {
+                    sh
+                } else {
+                    TierShed {
+                        threshold: b,
+                        fraction: 0.0,
+                    }
+                };
+                let offered: f64 = t.iter().sum();
+                let shed: f64 = (sh.probabilities().iter().zip(t)).map(|(p, o)| p * o).sum();
+                if offered > 0.0 {
+                    ratio = (shed / offered).clamp(0.0, 1.0);
+                }
+                Some(sh)
+            }
+            (None, Some(b)) => Some(TierShed {
+                threshold: b,
+                fraction: ratio,
+            }),
+            (None, None) => None,
         };
         DirectiveMsg {
             bucket: s.bucket.name.clone(),
@@ -187,7 +212,10 @@ impl Engine {
             fleet_offered_rps: k.map_or(0.0, |k| k.offered_rps),
             limit_rps: s.limit_rps,
             fixed: s.fixed.is_some(),
-            shed,
+            shed: shed.map(|sh| grl_wire::TierShedMsg {
+                threshold: sh.threshold,
+                fraction: sh.fraction,
+            }),
         }
     }
 

@@ -102,6 +102,7 @@ fn fixed_ratios_and_older_aggregators_get_no_split() {
             procedure: None,
             limit_rps: None,
             drop_ratio: Some(0.5),
+            shed_below: None,
             ttl_secs: 60,
             reason: "incident".into(),
             who: "sre".into(),
@@ -112,4 +113,81 @@ fn fixed_ratios_and_older_aggregators_get_no_split() {
     }]);
     e.recompute(1, 0);
     assert_eq!(shed_of(&e, "z1"), (0.5, None));
+}
+
+fn shed_below(id: &str, bucket: Option<&str>, tier: Criticality, expires_at: u64) -> Override {
+    Override {
+        id: id.into(),
+        req: OverrideRequest {
+            service: Some("svc".into()),
+            bucket: bucket.map(Into::into),
+            caller: None,
+            procedure: None,
+            limit_rps: None,
+            drop_ratio: None,
+            shed_below: Some(tier),
+            ttl_secs: 60,
+            reason: "INC-7".into(),
+            who: "sre".into(),
+        },
+        created_at: 0,
+        expires_at,
+        credential: None,
+    }
+}
+
+/// `shed_below CRITICAL` on a bucket under its limit (180 SHEDDABLE + 120 CRITICAL at 400):
+/// SHEDDABLE drops everything, and the uniform ratio older clients get is that share (0.6).
+/// Over the limit the bucket's own split and the floor combine (the floor wins while it
+/// sheds more); the floor goes at its expiry.
+#[test]
+fn a_shed_below_override_drops_every_tier_below_its_floor() {
+    let mut e = Engine::new(one_global(400.0), 3000);
+    e.ingest(&report("z1", 300.0, Some([180.0, 0.0, 120.0, 0.0])), 0);
+    e.recompute(0, 0);
+    assert_eq!(shed_of(&e, "z1").0, 0.0);
+    // A service-wide floor: every bucket of the service.
+    e.set_overrides(vec![shed_below("ovr-1", None, Criticality::Critical, 100)]);
+    assert_eq!(e.affected("ovr-1").len(), 1);
+    e.recompute(1, 10);
+    let (ratio, shed) = shed_of(&e, "z1");
+    assert!((ratio - 0.6).abs() < 1e-9, "{ratio}");
+    assert_eq!(
+        shed,
+        Some(TierShedMsg {
+            threshold: Criticality::Critical,
+            fraction: 0.0
+        })
+    );
+    // 1,200 rps (540 SHEDDABLE, 660 CRITICAL) at 400: the split drops 800, which reaches
+    // into CRITICAL: it sheds more than the floor and stays.
+    e.ingest(&report("z1", 1200.0, Some([540.0, 0.0, 660.0, 0.0])), 2);
+    e.recompute(2, 20);
+    let (ratio, shed) = shed_of(&e, "z1");
+    let shed = shed.expect("a split");
+    assert_eq!(shed.threshold, Criticality::Critical);
+    assert!((shed.fraction - 260.0 / 660.0).abs() < 1e-9, "{shed:?}");
+    assert!((ratio - 800.0 / 1200.0).abs() < 1e-9, "{ratio}");
+    // The bucket override on the bucket itself, with a mix unknown (a zone of older
+    // clients): the floor tier drops the bucket's ratio, the tiers below everything.
+    e.set_overrides(vec![shed_below(
+        "ovr-2",
+        Some("g"),
+        Criticality::SheddablePlus,
+        100,
+    )]);
+    e.ingest(&report("z2", 100.0, None), 3);
+    e.recompute(3, 30);
+    let (ratio, shed) = shed_of(&e, "z1");
+    assert!((ratio - 900.0 / 1300.0).abs() < 1e-9, "{ratio}");
+    assert_eq!(
+        shed,
+        Some(TierShedMsg {
+            threshold: Criticality::SheddablePlus,
+            fraction: ratio
+        })
+    );
+    // Expired: the uniform ratio again (the mix is still unknown).
+    e.recompute(4, 100);
+    assert_eq!(shed_of(&e, "z1"), (ratio, None));
 }

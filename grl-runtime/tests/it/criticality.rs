@@ -3,7 +3,9 @@
 //! CRITICAL traffic from caller `gw` (half with `rpc-criticality: CRITICAL`, half with no
 //! tier at all) and 36 rps from `batch-1`, which claims CRITICAL_PLUS (half in the header,
 //! half in `baggage`) but is capped at SHEDDABLE by `--criticality-cap batch-*=SHEDDABLE`.
-//! The fleet admits the limit; the 20 rps to shed fall on batch-1 alone.
+//! The fleet admits the limit; the 20 rps to shed fall on batch-1 alone. Then an on-call
+//! adds `grl override add --service payments --shed-below CRITICAL`: batch-1 is refused
+//! entirely, `gw` still passes, and the override list says what it does.
 
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -67,6 +69,7 @@ async fn the_shed_falls_on_the_least_critical_tier_across_sidecars() {
     let secs = t0.elapsed().as_secs_f64();
     let (gw_ok, gw_refused, gw_failed) = take(&gw);
     let (b_ok, b_refused, b_failed) = take(&batch);
+    let floor = shed_below_critical(&fleet.controller, &gw, &batch).await;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     for t in tasks {
         t.await.unwrap();
@@ -92,7 +95,71 @@ async fn the_shed_falls_on_the_least_critical_tier_across_sidecars() {
         (b_rate - 16.0).abs() <= 4.0,
         "batch-1 admitted {b_rate:.1} rps"
     );
+    // Under the floor: nothing of batch-1 (SHEDDABLE by its cap) passes, gw all does.
+    let ((gw_ok, gw_refused, _), (b_ok, b_refused, _)) = floor;
+    eprintln!(
+        "shed below CRITICAL: gw ok/429 {gw_ok}/{gw_refused}, batch-1 ok/429 {b_ok}/{b_refused}"
+    );
+    assert!(
+        b_ok == 0 && b_refused > 100,
+        "batch-1 ok/429 {b_ok}/{b_refused}"
+    );
+    assert!(
+        gw_refused == 0 && gw_ok > 100,
+        "gw ok/429 {gw_ok}/{gw_refused}"
+    );
     drop(fleet);
+}
+
+/// Adds `shed_below CRITICAL` on the whole payments service with the CLI, lets it reach the
+/// sidecars, and returns the two callers' counts over the next 6 s.
+async fn shed_below_critical(
+    controller: &str,
+    gw: &Counts,
+    batch: &Counts,
+) -> ((u64, u64, u64), (u64, u64, u64)) {
+    let grl = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_grl"))
+            .args(args)
+            .env("GRL_OVERRIDE_TOKEN", super::TOKEN)
+            .env_remove("GRL_TOKEN")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        text
+    };
+    grl(&[
+        "override",
+        "add",
+        "--controller",
+        controller,
+        "--service",
+        "payments",
+        "--shed-below",
+        "CRITICAL",
+        "--ttl",
+        "5m",
+        "--reason",
+        "INC-7",
+        "--who",
+        "sre",
+    ]);
+    let list = grl(&["override", "list", "--controller", controller]);
+    assert!(
+        list.contains("service payments") && list.contains("shed below CRITICAL"),
+        "{list}"
+    );
+    // The next directive (the aggregator forwards every second) and the sidecars' next poll.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    take(gw);
+    take(batch);
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    (take(gw), take(batch))
 }
 
 /// The same through `GrlLayer` in two in-process clients (real controller and aggregator

@@ -252,6 +252,8 @@ pub(crate) async fn wait_fresh(admin: u16) {
 /// sidecars in front of it (`extra` their flags), all answering with fresh drop ratios.
 pub(crate) struct Fleet {
     pub dir: tempfile::TempDir,
+    /// The controller's base URL.
+    pub controller: String,
     /// (port, admin port) of each sidecar.
     pub ports: Vec<(u16, u16)>,
     pub aggregator: Proc,
@@ -294,6 +296,7 @@ impl Fleet {
         }
         Fleet {
             dir,
+            controller: ctl_url,
             ports,
             aggregator,
             sidecars,

@@ -252,6 +252,7 @@ fn override_request(ttl: BoxedStrategy<u64>) -> impl Strategy<Value = OverrideRe
                     procedure,
                     limit_rps,
                     drop_ratio,
+                    shed_below: None,
                     ttl_secs,
                     reason,
                     who,

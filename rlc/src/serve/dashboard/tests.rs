@@ -1371,6 +1371,7 @@ async fn operator_view() -> OperatorView {
             who: "alice".into(),
             limit_rps: Some(50.0),
             drop_ratio: None,
+            shed_below: None,
             affects: ["gw", "steady"]
                 .into_iter()
                 .map(|b| crate::push::OverrideTarget {
