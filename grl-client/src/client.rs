@@ -307,23 +307,16 @@ impl Reporter {
     fn set_shed_over(&mut self, i: usize, ratio: f64, directed: f64, mix: [f64; TIERS]) {
         self.applied[i] = ratio;
         let total: f64 = mix.iter().sum();
-        match self.sheds[i] {
-            Some(s) if ratio <= directed => self.table.set_tier_shed(
-                i,
-                &TierShed {
-                    threshold: s.threshold,
-                    fraction: s.fraction,
-                },
-            ),
+        let split_of = self.sheds[i].map(|s| TierShed {
+            threshold: s.threshold,
+            fraction: s.fraction,
+        });
+        match split_of {
+            Some(s) if ratio <= directed => self.table.set_tier_shed(i, &s),
             // Never less on any tier than the controller's split (a `shed_below` floor).
-            Some(s) if total > 0.0 => {
-                let directed = TierShed {
-                    threshold: s.threshold,
-                    fraction: s.fraction,
-                };
-                self.table
-                    .set_tier_shed(i, &split(ratio * total, mix).max(directed))
-            }
+            Some(s) if total > 0.0 => self
+                .table
+                .set_tier_shed(i, &split(ratio * total, mix).max(s)),
             _ => self.table.set_ratio(i, ratio),
         }
     }

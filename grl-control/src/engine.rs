@@ -522,13 +522,8 @@ impl Engine {
             .flat_map(|(j, o)| self.targeted(o).into_iter().map(move |i| (j, i)))
             .collect();
         for (j, i) in targets {
-            {
-                self.bucket_overrides.entry(i).or_default().push(j);
-                if !self.dirty_flag[i] {
-                    self.dirty_flag[i] = true;
-                    self.dirty.push(i);
-                }
-            }
+            self.bucket_overrides.entry(i).or_default().push(j);
+            self.mark(i);
         }
         // Re-evaluated at the next recompute, whatever its time.
         self.overrides_change_at = 0;

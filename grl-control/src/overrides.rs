@@ -98,7 +98,7 @@ impl OverrideRequest {
         if self.bucket.is_some() && self.service.is_none() {
             return Err(OverrideError::BucketWithoutService);
         }
-        if self.bucket.is_some() && (self.caller.is_some() || self.procedure.is_some()) {
+        if self.bucket.is_some() && traffic {
             return Err(OverrideError::BucketAndTraffic);
         }
         match (self.limit_rps, self.drop_ratio, self.shed_below) {

@@ -395,7 +395,7 @@ pub(super) async fn add_override(
             )));
         }
     }
-    if let (Some(svc), None, true) = (&req.service, &req.bucket, req.shed_below.is_some()) {
+    if let (Some(svc), None, Some(_)) = (&req.service, &req.bucket, req.shed_below) {
         // Likewise a service-wide floor on a service without buckets.
         if !s.engine.lock().expect("engine lock").has_service(svc) {
             return Err(ApiError::Invalid(format!(

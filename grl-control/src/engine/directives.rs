@@ -185,14 +185,10 @@ impl Engine {
         let shed = match (split, s.floor) {
             (Some((sh, _)), None) => Some(sh),
             (Some((sh, t)), Some(b)) => {
-                let sh = if sh.threshold >= b {
-                    sh
-                } else {
-                    TierShed {
-                        threshold: b,
-                        fraction: 0.0,
-                    }
-                };
+                let sh = sh.max(TierShed {
+                    threshold: b,
+                    fraction: 0.0,
+                });
                 let offered: f64 = t.iter().sum();
                 let shed: f64 = (sh.probabilities().iter().zip(t)).map(|(p, o)| p * o).sum();
                 if offered > 0.0 {

@@ -119,12 +119,7 @@ async fn shed_below_critical(
     batch: &Counts,
 ) -> ((u64, u64, u64), (u64, u64, u64)) {
     let grl = |args: &[&str]| {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_grl"))
-            .args(args)
-            .env("GRL_OVERRIDE_TOKEN", super::TOKEN)
-            .env_remove("GRL_TOKEN")
-            .output()
-            .unwrap();
+        let out = super::overrides::grl(args);
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
         assert!(
             out.status.success(),

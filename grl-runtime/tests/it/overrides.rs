@@ -138,7 +138,7 @@ async fn the_number_of_overrides_is_bounded_with_a_clear_error() {
 }
 
 /// `grl` with the test's override credential.
-fn grl(args: &[&str]) -> std::process::Output {
+pub(crate) fn grl(args: &[&str]) -> std::process::Output {
     std::process::Command::new(env!("CARGO_BIN_EXE_grl"))
         .args(args)
         .env("GRL_OVERRIDE_TOKEN", TOKEN)
