@@ -567,7 +567,7 @@ mod tests {
             let mut up = Upstream { proto, ..Default::default() };
             let mut pending = Pending::new();
             let (mut counted, mut unconfirmed, mut earlier_engines) = (0u64, 0u64, 0u64);
-            let total = |e: &Engine| e.totals().map(|(_, _, c)| c[0]).sum::<u64>();
+            let total = |e: &Engine| e.totals().map(|(_, _, c)| crate::engine::whole(c)[0]).sum::<u64>();
             let mut now = 0u64;
             // Two quiet forwards at the end: every bucket stops, what is pending goes.
             let quiet = [(vec![0, 0, 0], Outcome::Answered, 1), (vec![0, 0, 0], Outcome::Answered, 1)];

@@ -68,6 +68,13 @@ pub struct BucketState {
 }
 
 use grl_wire::ReportCounts;
+
+/// Requests counted by tier: `[offered, admitted, dropped, shadow_dropped]` of each tier,
+/// least critical first, then (at `TIERS`) of the requests counted without a tier
+/// ([`grl_wire::BucketCountsMsg::by_tier`]).
+pub type Split = [[u64; 4]; TIERS + 1];
+
+pub use grl_wire::reports::whole;
 // The rows and pages of `GET /v1/reports` are wire types, shared with `rlc`.
 use grl_wire::{ReportPage, ReportRow};
 
@@ -324,14 +331,13 @@ pub struct Engine {
     /// The last second [`Engine::record_reports`] wrote rows for.
     reported_second: Option<u64>,
     /// Requests the zones counted since the last report row, per bucket index and scope key
-    /// id ([offered, admitted, dropped, shadow-dropped]); `pending_in` lists the buckets that
-    /// have some.
-    pending: Vec<Vec<(u32, [u64; 4])>>,
+    /// id, by tier ([`Split`]); `pending_in` lists the buckets that have some.
+    pending: Vec<Vec<(u32, Split)>>,
     pending_in: Vec<usize>,
     seq: u64,
-    /// Cumulative counts per bucket index, per zone name id (sorted by zone name) for
-    /// `/metrics`.
-    totals: Vec<Vec<(u32, [u64; 4])>>,
+    /// Cumulative counts per bucket index, per zone name id (sorted by zone name), by tier,
+    /// for `/metrics`.
+    totals: Vec<Vec<(u32, Split)>>,
     /// Directive changes for delta replies: this engine instance's epoch, the directives'
     /// version (bumped by every recompute that changed something), the changes not yet
     /// versioned as (bucket, key id or [`ALL_KEYS`]), and the log of versioned changes
@@ -798,9 +804,8 @@ impl Engine {
         sums
     }
 
-    /// Cumulative counts for `/metrics`: per bucket, per zone [offered, admitted, dropped,
-    /// shadow-dropped].
-    pub fn totals(&self) -> impl Iterator<Item = (&BucketState, &str, &[u64; 4])> {
+    /// Cumulative counts for `/metrics`: per bucket, per zone, by tier ([`Split`]).
+    pub fn totals(&self) -> impl Iterator<Item = (&BucketState, &str, &Split)> {
         let names = &self.zone_names;
         self.buckets
             .iter()

@@ -21,7 +21,7 @@ use crate::engine::{BucketState, Engine};
 
 /// The controller's per-bucket series, read from its engine at every scrape:
 ///
-/// - `grl_requests_{offered,admitted,dropped,shadow_dropped}_total{service,bucket,caller,procedure,zone}`
+/// - `grl_requests_{offered,admitted,dropped,shadow_dropped}_total{service,bucket,caller,procedure,zone,criticality}`
 /// - `grl_drop_ratio{service,bucket,caller,procedure,zone,scope_key}`
 /// - `grl_bucket_limit_rps{service,bucket}` (the limit in force, overrides included)
 /// - `grl_bucket_info{service,bucket,caller,procedure,mode,scope,policy}` = 1
@@ -91,14 +91,29 @@ fn ids(b: &BucketState) -> [(&'static str, Label<'_>); 4] {
     ]
 }
 
-/// `grl_requests_*_total`, one series per bucket and zone.
+/// `grl_requests_*_total`, one series per bucket, zone and criticality tier that counted
+/// requests: `criticality` is the tier's name, or empty (no label, to Prometheus) for the
+/// requests of clients that do not count tiers.
 fn encode_request_counters(e: &Engine, encoder: &mut DescriptorEncoder) -> std::fmt::Result {
     for (i, (name, help)) in REQUEST_COUNTERS.iter().enumerate() {
         let mut fam = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
-        for (b, zone, t) in e.totals() {
-            let [s, n, c, p] = ids(b);
-            let labels = [s, n, c, p, ("zone", Label(zone))];
-            ConstCounter::new(t[i]).encode(fam.encode_family(&labels)?)?;
+        for (b, zone, split) in e.totals() {
+            for (j, t) in split.iter().enumerate() {
+                if t.iter().all(|&x| x == 0) {
+                    continue;
+                }
+                let tier = schema::Criticality::from_index(j).map_or("", |c| c.as_str());
+                let [s, n, c, p] = ids(b);
+                let labels = [
+                    s,
+                    n,
+                    c,
+                    p,
+                    ("zone", Label(zone)),
+                    ("criticality", Label(tier)),
+                ];
+                ConstCounter::new(t[i]).encode(fam.encode_family(&labels)?)?;
+            }
         }
     }
     Ok(())

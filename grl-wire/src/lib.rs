@@ -186,6 +186,36 @@ impl BucketCountsMsg {
         out
     }
 
+    /// The counts split by tier: `[offered, admitted, dropped, shadow_dropped]` of each tier,
+    /// least critical first, then (at [`TIERS`]) of the requests counted without a tier (from
+    /// clients that do not count tiers). Tiers whose counts do not fit within the whole
+    /// (a sender that is wrong about them) are ignored: everything is then untiered.
+    pub fn by_tier(&self) -> [[u64; 4]; TIERS + 1] {
+        let whole = [self.offered, self.admitted, self.dropped, self.shadow_dropped];
+        let mut out = [[0; 4]; TIERS + 1];
+        let mut rest = Some(whole);
+        for (j, t) in self.tier_counts().into_iter().enumerate() {
+            let Some(t) = t else { continue };
+            let c = [t.offered, t.admitted, t.dropped, t.shadow_dropped];
+            out[j] = c;
+            rest = rest.and_then(|r| {
+                let mut left = [0; 4];
+                for k in 0..4 {
+                    left[k] = r[k].checked_sub(c[k])?;
+                }
+                Some(left)
+            });
+        }
+        match rest {
+            Some(r) => out[TIERS] = r,
+            None => {
+                out = [[0; 4]; TIERS + 1];
+                out[TIERS] = whole;
+            }
+        }
+        out
+    }
+
     /// Offered requests by tier (least critical first), when the counts carry tiers.
     pub fn tier_offered(&self) -> Option<[u64; TIERS]> {
         (!self.tiers.is_empty()).then(|| self.tier_counts().map(|t| t.map_or(0, |t| t.offered)))

@@ -6,6 +6,7 @@
 
 use std::borrow::Cow;
 
+use schema::criticality::{Criticality, TIERS};
 use serde::{Deserialize, Deserializer, Serialize};
 
 /// When a report row was ticked, as the controller sent it. This controller sends whole unix
@@ -79,7 +80,7 @@ impl Cursor {
 
 /// Requests the zones counted for a row's bucket and scope key since the key's previous row
 /// (exact, where the row's rates are the controller's estimates of the moment).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct ReportCounts {
     /// Requests offered.
     pub offered: u64,
@@ -89,6 +90,51 @@ pub struct ReportCounts {
     pub dropped: u64,
     /// Requests that would have been dropped (shadow).
     pub shadow_dropped: u64,
+    /// The same counts by criticality tier, one entry per tier that saw requests, least
+    /// critical first (protocol 8). They cover the requests of clients that count tiers: what
+    /// the entries leave of the whole came from clients that do not. Empty (and left out)
+    /// when no counted request had a tier, and from controllers before this field.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tiers: Vec<crate::TierCountsMsg>,
+}
+
+/// The whole of a split by tier ([`crate::BucketCountsMsg::by_tier`]): `[offered, admitted,
+/// dropped, shadow_dropped]` of every tier and of the untiered requests (saturating).
+pub fn whole(split: &[[u64; 4]; TIERS + 1]) -> [u64; 4] {
+    let mut w = [0u64; 4];
+    for c in split {
+        for (w, x) in w.iter_mut().zip(c) {
+            *w = w.saturating_add(*x);
+        }
+    }
+    w
+}
+
+impl ReportCounts {
+    /// The counts of a split as [`crate::BucketCountsMsg::by_tier`] gives it: the whole, and
+    /// one entry per tier with requests.
+    pub fn from_tiers(split: &[[u64; 4]; TIERS + 1]) -> ReportCounts {
+        let tiers = Criticality::ALL
+            .iter()
+            .zip(split)
+            .filter(|(_, c)| c.iter().any(|&x| x > 0))
+            .map(|(&tier, c)| crate::TierCountsMsg {
+                tier,
+                offered: c[0],
+                admitted: c[1],
+                dropped: c[2],
+                shadow_dropped: c[3],
+            })
+            .collect();
+        let [offered, admitted, dropped, shadow_dropped] = whole(split);
+        ReportCounts {
+            offered,
+            admitted,
+            dropped,
+            shadow_dropped,
+            tiers,
+        }
+    }
 }
 
 /// One row of `GET /v1/reports`: a bucket's rates for one scope key over one second.
@@ -142,7 +188,7 @@ impl ReportRow {
     /// The requests the row stands for, `[offered, admitted, dropped, shadow_dropped]`: its
     /// `counts`, or, from a controller without them, its rates (a row stands for one second).
     pub fn requests(&self) -> [f64; 4] {
-        match self.counts {
+        match &self.counts {
             Some(c) => [c.offered, c.admitted, c.dropped, c.shadow_dropped].map(|n| n as f64),
             None => [
                 self.offered,

@@ -220,6 +220,7 @@ impl Engine {
             Scope::Region => keys.0,
             Scope::Zone => keys.1,
         };
+        let split = c.by_tier();
         let pending = &mut self.pending[i];
         if pending.is_empty() {
             self.pending_in.push(i);
@@ -227,16 +228,11 @@ impl Engine {
         let p = match pending.iter().position(|(k, _)| *k == id) {
             Some(p) => &mut pending[p].1,
             None => {
-                pending.push((id, [0; 4]));
+                pending.push((id, Split::default()));
                 &mut pending.last_mut().expect("just pushed").1
             }
         };
-        for (sum, x) in p
-            .iter_mut()
-            .zip([c.offered, c.admitted, c.dropped, c.shadow_dropped])
-        {
-            *sum = sum.saturating_add(x);
-        }
+        add_split(p, &split);
         let names = &self.zone_names;
         let totals = &mut self.totals[i];
         let t = match totals.iter().position(|(z, _)| *z == zone_name) {
@@ -244,16 +240,11 @@ impl Engine {
             None => {
                 // Sorted by zone name, as `/metrics` lists them.
                 let at = totals.partition_point(|(z, _)| names.name(*z) < names.name(zone_name));
-                totals.insert(at, (zone_name, [0; 4]));
+                totals.insert(at, (zone_name, Split::default()));
                 &mut totals[at].1
             }
         };
-        // Saturating: a report with absurd counts must not wrap the totals (or, in a debug
-        // build, panic with the engine lock held).
-        t[0] = t[0].saturating_add(c.offered);
-        t[1] = t[1].saturating_add(c.admitted);
-        t[2] = t[2].saturating_add(c.dropped);
-        t[3] = t[3].saturating_add(c.shadow_dropped);
+        add_split(t, &split);
     }
 
     /// A delta report on top of session report `base`: the buckets it carries replace (or,
@@ -380,4 +371,12 @@ fn merge_by_bucket(old: Vec<(usize, Units)>, added: &[(usize, Units)]) -> Vec<(u
         }
     }
     merged
+}
+
+/// Adds `x` to `sum`, saturating: a report with absurd counts must not wrap the totals (or,
+/// in a debug build, panic with the engine lock held).
+fn add_split(sum: &mut Split, x: &Split) {
+    for (s, x) in sum.iter_mut().flatten().zip(x.iter().flatten()) {
+        *s = s.saturating_add(*x);
+    }
 }

@@ -4,10 +4,10 @@
 use super::*;
 
 /// The counts of key `id` in a bucket's pending counts, taken out (zeros when none).
-pub(super) fn take_counts(pending: &mut Vec<(u32, [u64; 4])>, id: u32) -> [u64; 4] {
+pub(super) fn take_counts(pending: &mut Vec<(u32, Split)>, id: u32) -> Split {
     match pending.iter().position(|(k, _)| *k == id) {
         Some(p) => pending.swap_remove(p).1,
-        None => [0; 4],
+        None => Split::default(),
     }
 }
 
@@ -19,10 +19,9 @@ pub(super) fn report_row(
     scope_key: &str,
     k: Option<&KeyState>,
     own_share: Option<f64>,
-    counts: [u64; 4],
+    counts: &Split,
     t: u64,
 ) -> ReportRow {
-    let [offered, admitted, dropped, shadow_dropped] = counts;
     ReportRow {
         seq: 0,
         t: t.into(),
@@ -39,12 +38,7 @@ pub(super) fn report_row(
         limit_rps: s.limit_rps,
         drop_ratio: k.map_or(0.0, |k| k.ratio),
         own_share,
-        counts: Some(ReportCounts {
-            offered,
-            admitted,
-            dropped,
-            shadow_dropped,
-        }),
+        counts: Some(ReportCounts::from_tiers(counts)),
     }
 }
 
@@ -99,7 +93,7 @@ impl Engine {
                 let counts = if with_counts {
                     take_counts(&mut pending[i], k.id)
                 } else {
-                    [0; 4]
+                    Split::default()
                 };
                 let share = own_share(i, k, &peers);
                 rows.push(report_row(
@@ -107,7 +101,7 @@ impl Engine {
                     &k.scope_key,
                     Some(k),
                     share,
-                    counts,
+                    &counts,
                     unix_now,
                 ));
             }
@@ -124,7 +118,7 @@ impl Engine {
                 for (id, c) in pending.drain(..) {
                     let k = s.keys.iter().find(|k| k.id == id);
                     let share = k.and_then(|k| own_share(i, k, &peers));
-                    late.push(report_row(s, self.keys.name(id), k, share, c, unix_now));
+                    late.push(report_row(s, self.keys.name(id), k, share, &c, unix_now));
                 }
                 self.pending[i] = pending;
             }

@@ -191,3 +191,91 @@ fn a_shed_below_override_drops_every_tier_below_its_floor() {
     e.recompute(4, 100);
     assert_eq!(shed_of(&e, "z1"), (ratio, None));
 }
+
+/// A zone report whose counts of bucket `g` carry `tiers` (each `[offered, admitted,
+/// dropped, shadow_dropped]`) beside requests of clients without tiers (`untiered`).
+fn counted(tiers: &[(Criticality, [u64; 4])], untiered: [u64; 4]) -> grl_wire::ZoneReport {
+    let mut r = zone_report("z1", "r1", "z1", &[("g", 100.0)]);
+    let c = &mut r.buckets[0].counts;
+    let mut whole = untiered;
+    for (tier, n) in tiers {
+        for (w, x) in whole.iter_mut().zip(n) {
+            *w += x;
+        }
+        c.tiers.push(grl_wire::TierCountsMsg {
+            tier: *tier,
+            offered: n[0],
+            admitted: n[1],
+            dropped: n[2],
+            shadow_dropped: n[3],
+        });
+    }
+    [c.offered, c.admitted, c.dropped, c.shadow_dropped] = whole;
+    r
+}
+
+/// The `/metrics` text of an engine's collector.
+fn metrics_of(e: Engine) -> String {
+    let mut registry = prometheus_client::registry::Registry::default();
+    registry.register_collector(Box::new(crate::metrics::EngineCollector::new(
+        std::sync::Arc::new(std::sync::Mutex::new(e)),
+    )));
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    text
+}
+
+/// The requests counted by tier reach the report rows (one entry per tier with requests) and
+/// `grl_requests_*_total` (a `criticality` label; empty for clients that count no tiers);
+/// tier counts that do not fit within the whole are not believed.
+#[test]
+fn counts_by_tier_reach_the_report_rows_and_the_metrics() {
+    let mut e = Engine::new(one_global(200.0), 3000);
+    let sheddable = (Criticality::Sheddable, [180, 80, 100, 0]);
+    let critical = (Criticality::Critical, [120, 120, 0, 0]);
+    e.ingest(&counted(&[sheddable, critical], [10, 10, 0, 0]), 0);
+    e.recompute(0, 10);
+    e.record_reports(10);
+    let page = e.reports_after(0, 100);
+    let c = page.reports[0].counts.clone().expect("counts");
+    assert_eq!(
+        [c.offered, c.admitted, c.dropped, c.shadow_dropped],
+        [310, 210, 100, 0]
+    );
+    let tiers: Vec<_> = c
+        .tiers
+        .iter()
+        .map(|t| (t.tier, t.offered, t.dropped))
+        .collect();
+    assert_eq!(
+        tiers,
+        [
+            (Criticality::Sheddable, 180, 100),
+            (Criticality::Critical, 120, 0)
+        ]
+    );
+    // A report whose tiers claim more than its whole: counted, but untiered.
+    let mut wrong = counted(&[(Criticality::CriticalPlus, [50, 50, 0, 0])], [0; 4]);
+    wrong.buckets[0].counts.offered = 20;
+    wrong.buckets[0].counts.admitted = 20;
+    e.ingest(&wrong, 1000);
+    e.recompute(1000, 11);
+    e.record_reports(11);
+    let page = e.reports_after(page.next.seq().unwrap(), 100);
+    let c = page.reports[0].counts.clone().expect("counts");
+    assert_eq!((c.offered, c.tiers.len()), (20, 0));
+
+    let text = metrics_of(e);
+    let sample = |tier: &str| -> Option<u64> {
+        let label = format!("criticality=\"{tier}\"");
+        text.lines()
+            .filter(|l| l.starts_with("grl_requests_offered_total{") && l.contains(&label))
+            .map(|l| l.rsplit(' ').next().unwrap().parse().unwrap())
+            .reduce(|a: u64, b| a + b)
+    };
+    assert_eq!(sample("SHEDDABLE"), Some(180));
+    assert_eq!(sample("CRITICAL"), Some(120));
+    assert_eq!(sample(""), Some(30), "{text}");
+    assert_eq!(sample("CRITICAL_PLUS"), None, "{text}");
+    assert!(text.contains("grl_requests_dropped_total{service=\"svc\",bucket=\"g\",caller=\"g\",procedure=\"\",zone=\"z1\",criticality=\"SHEDDABLE\"} 100"), "{text}");
+}

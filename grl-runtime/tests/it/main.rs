@@ -1757,7 +1757,8 @@ fn offered_total(metrics: &str, bucket: &str, zone: &str) -> Option<u64> {
         .filter(|l| {
             l.contains(&format!("bucket=\"{bucket}\"")) && l.contains(&format!("zone=\"{zone}\""))
         })
-        .find_map(|l| l.rsplit(' ').next()?.parse().ok())
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .reduce(|a, b| a + b)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
