@@ -191,7 +191,12 @@ impl BucketCountsMsg {
     /// clients that do not count tiers). Tiers whose counts do not fit within the whole
     /// (a sender that is wrong about them) are ignored: everything is then untiered.
     pub fn by_tier(&self) -> [[u64; 4]; TIERS + 1] {
-        let whole = [self.offered, self.admitted, self.dropped, self.shadow_dropped];
+        let whole = [
+            self.offered,
+            self.admitted,
+            self.dropped,
+            self.shadow_dropped,
+        ];
         let mut out = [[0; 4]; TIERS + 1];
         let mut rest = Some(whole);
         for (j, t) in self.tier_counts().into_iter().enumerate() {

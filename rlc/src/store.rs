@@ -1020,7 +1020,7 @@ pub use rollouts::{CountRow, RolloutRow};
 mod shadow;
 pub use shadow::{
     block_of, minute_of, stats_from_minutes, steps_from_minutes, tick_time, window_start,
-    MinuteRow, Retained, StepRow, Ts, UnreadRegion,
+    MinuteRow, Retained, StepRow, TierStepRow, Ts, UnreadRegion,
 };
 
 #[cfg(test)]

@@ -230,6 +230,24 @@ pub struct StepRow {
     pub limit_rps: f64,
 }
 
+/// One step of a bucket's requests of one criticality tier ([`Store::tier_steps`]): every
+/// scope key together, the requests counted in the step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow)]
+pub struct TierStepRow {
+    /// The tier (`CRITICAL_PLUS`, `CRITICAL`, `SHEDDABLE_PLUS`, `SHEDDABLE`).
+    pub tier: String,
+    /// Index of the step from the window's start.
+    pub step: i64,
+    /// Requests offered.
+    pub offered: f64,
+    /// Requests admitted (virtual drops included).
+    pub admitted: f64,
+    /// Requests dropped (enforce).
+    pub dropped: f64,
+    /// Requests that would have been dropped (shadow).
+    pub shadow_dropped: f64,
+}
+
 /// The steps of `rows` (minute rows, by minute) as [`Store::bucket_steps`] groups them in
 /// SQL: the reference it is tested against.
 pub fn steps_from_minutes(
@@ -1103,6 +1121,40 @@ impl Store {
             .bind(step_secs)
             .bind(Ts(hf))
             .bind(Ts(ht))
+            .fetch_all(pool)
+            .await?))
+    }
+
+    /// The requests of one bucket per step of `step_secs` from `window_start` and per
+    /// criticality tier, over `[window_start, window_end)`, every scope key together (from
+    /// `shadow_tier_minutes`: the reports' `counts.tiers`), by tier then step. Empty when the
+    /// bucket's clients count no tiers.
+    pub async fn tier_steps(
+        &self,
+        service: &str,
+        bucket: &str,
+        window_start: DateTime<Utc>,
+        window_end: DateTime<Utc>,
+        step_secs: i64,
+    ) -> Result<Vec<TierStepRow>, StoreError> {
+        let e = match self {
+            Store::Postgres(_) => "CAST(EXTRACT(EPOCH FROM minute) AS BIGINT)",
+            Store::Sqlite(..) => "(minute / 1000)",
+        };
+        let sql = format!(
+            "SELECT tier, ({e} - $5) / $6 AS step, SUM(offered) AS offered, SUM(admitted) AS admitted, \
+                    SUM(dropped) AS dropped, SUM(shadow_dropped) AS shadow_dropped \
+             FROM shadow_tier_minutes \
+             WHERE service = $1 AND bucket = $2 AND minute >= $3 AND minute < $4 \
+             GROUP BY tier, ({e} - $5) / $6 ORDER BY tier, step"
+        );
+        on_pool!(self, pool => Ok(sqlx::query_as::<_, TierStepRow>(&sql)
+            .bind(service)
+            .bind(bucket)
+            .bind(Ts(window_start))
+            .bind(Ts(window_end))
+            .bind(window_start.timestamp())
+            .bind(step_secs.max(1))
             .fetch_all(pool)
             .await?))
     }

@@ -355,6 +355,7 @@ async fn check_counted_rows(store: Store) {
             admitted: offered - dropped,
             dropped,
             shadow_dropped: 0,
+            tiers: Vec::new(),
         });
         r
     };
@@ -377,6 +378,90 @@ async fn check_counted_rows(store: Store) {
     assert_eq!(gw.dropped, 50.0, "{gw:?}");
     assert_eq!(gw.peak_offered_rps, 150.0, "{gw:?}");
     assert_eq!(gw.reports, 4);
+}
+
+/// The tier counts of new rows reach `shadow_tier_minutes` once (a row stored again adds
+/// nothing), every scope key together, per step and tier; rows without tiers add none; the
+/// retention deletes them with the minutes.
+async fn check_tier_counts(store: Store) {
+    let at = |m, s| Utc.with_ymd_and_hms(2026, 11, 30, 3, m, s).unwrap();
+    let tiered = |seq: i64, scope: &str, shed: [u64; 4], crit: [u64; 4]| {
+        let mut r = rates(seq, "payments", "gw", scope, 100.0, 100.0);
+        let split = [shed, [0; 4], crit, [0; 4], [5, 5, 0, 0]];
+        r.counts = Some(grl_wire::ReportCounts::from_tiers(&split));
+        r
+    };
+    let a = tiered(1, "zone:a", [180, 80, 100, 0], [120, 120, 0, 0]);
+    let b = tiered(2, "zone:b", [30, 0, 0, 30], [0; 4]);
+    assert_eq!(put(&store, &[a.clone(), b], at(0, 1)).await, 2);
+    // Stored again (a poll that overlapped): nothing new, nothing added.
+    assert_eq!(put(&store, &[a], at(0, 1)).await, 0);
+    put(
+        &store,
+        &[tiered(3, "zone:a", [60, 60, 0, 0], [10, 10, 0, 0])],
+        at(1, 5),
+    )
+    .await;
+    // An older controller's row: no tiers.
+    put(
+        &store,
+        &[rates(4, "payments", "gw", "zone:a", 30.0, 100.0)],
+        at(2, 0),
+    )
+    .await;
+    let steps = store
+        .tier_steps("payments", "gw", at(0, 0), at(3, 0), 60)
+        .await
+        .unwrap();
+    let got: Vec<(String, i64, [f64; 4])> = steps
+        .iter()
+        .map(|r| {
+            let c = [r.offered, r.admitted, r.dropped, r.shadow_dropped];
+            (r.tier.clone(), r.step, c)
+        })
+        .collect();
+    assert_eq!(
+        got,
+        [
+            ("CRITICAL".to_string(), 0, [120.0, 120.0, 0.0, 0.0]),
+            ("CRITICAL".to_string(), 1, [10.0, 10.0, 0.0, 0.0]),
+            ("SHEDDABLE".to_string(), 0, [210.0, 80.0, 100.0, 30.0]),
+            ("SHEDDABLE".to_string(), 1, [60.0, 60.0, 0.0, 0.0]),
+        ]
+    );
+    // One step of three minutes: summed.
+    let whole = store
+        .tier_steps("payments", "gw", at(0, 0), at(3, 0), 180)
+        .await
+        .unwrap();
+    assert_eq!(whole.len(), 2);
+    assert_eq!(
+        (whole[1].tier.as_str(), whole[1].offered),
+        ("SHEDDABLE", 270.0)
+    );
+    assert!(store
+        .tier_steps("payments", "other", at(0, 0), at(3, 0), 60)
+        .await
+        .unwrap()
+        .is_empty());
+    store.apply_retention(at(1, 0), at(1, 0)).await.unwrap();
+    let left = store
+        .tier_steps("payments", "gw", at(0, 0), at(3, 0), 60)
+        .await
+        .unwrap();
+    assert!(left.iter().all(|r| r.step == 1), "{left:?}");
+}
+
+#[tokio::test]
+async fn sqlite_tier_counts() {
+    let dir = tempfile::tempdir().unwrap();
+    check_tier_counts(Store::connect("sqlite://rlc.db", dir.path()).await.unwrap()).await;
+}
+
+#[tokio::test]
+async fn postgres_tier_counts() {
+    let db = test_support::postgres::fresh_database().await.unwrap();
+    check_tier_counts(Store::connect(&db.url, Path::new("/")).await.unwrap()).await;
 }
 
 #[tokio::test]

@@ -79,6 +79,37 @@ pub struct Series {
     pub points: Vec<Point>,
 }
 
+/// One step of a criticality tier's series: the mean rates over the step (the part of it
+/// elapsed), every scope key together. Every value is `null` when no request with a tier was
+/// counted in the step (a gap, or clients that count no tiers); zero when other tiers had
+/// requests and this one none.
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
+pub struct TierPoint {
+    /// Start of the step.
+    pub t: DateTime<Utc>,
+    /// Offered rate (rps).
+    pub offered_rps: Option<f64>,
+    /// Admitted rate (virtual drops are admitted).
+    pub admitted_rps: Option<f64>,
+    /// Real drop rate (enforce).
+    pub drop_rps: Option<f64>,
+    /// Virtual-drop rate (shadow).
+    pub virtual_drop_rps: Option<f64>,
+}
+
+/// The requests of one criticality tier over the window.
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
+pub struct TierSeries {
+    /// `SHEDDABLE`, `SHEDDABLE_PLUS`, `CRITICAL` or `CRITICAL_PLUS`.
+    pub tier: String,
+    /// Requests offered over the window.
+    pub offered: f64,
+    /// Requests dropped (real and virtual) over the window.
+    pub dropped: f64,
+    /// One point per step of the window, oldest first.
+    pub points: Vec<TierPoint>,
+}
+
 /// Readiness of the bucket over the window.
 #[derive(Debug, Clone, Serialize, JsonSchema)]
 pub struct Readiness {
@@ -199,6 +230,10 @@ pub struct BucketDetail {
     pub series: Vec<Series>,
     /// Scope keys not charted (beyond 12).
     pub scopes_cut: usize,
+    /// The requests by criticality tier (from the controllers' `counts.tiers`), least
+    /// critical first: one series per tier with requests in the window; empty when the
+    /// bucket's clients count no tiers (or the controller is older).
+    pub tiers: Vec<TierSeries>,
     /// The bucket's quota changes recorded by runs, newest first (at most 50).
     pub quota_history: Vec<QuotaChange>,
     /// The limit in force now, as the controllers serve it: the bucket in the config repo's
@@ -355,12 +390,69 @@ pub fn series_from_steps(
     (out, cut)
 }
 
+/// Series per tier from the rows of [`Store::tier_steps`], least critical first: each
+/// point the mean rates over its step, or over the part of it before `now`; a step without
+/// any tier's row is a gap (every value null).
+pub fn tier_series(
+    rows: &[crate::store::TierStepRow],
+    start: DateTime<Utc>,
+    end: DateTime<Utc>,
+    step_secs: i64,
+    now: DateTime<Utc>,
+) -> Vec<TierSeries> {
+    let n = ((end - start).num_seconds() + step_secs - 1)
+        .div_euclid(step_secs)
+        .max(0) as usize;
+    let at = |i: usize| start + Duration::seconds(i as i64 * step_secs);
+    let mut seen = vec![false; n];
+    let mut by_tier: BTreeMap<usize, (String, Vec<[f64; 4]>)> = BTreeMap::new();
+    for r in rows {
+        let Ok(tier) = r.tier.parse::<schema::Criticality>() else {
+            continue;
+        };
+        if r.step < 0 || r.step as usize >= n {
+            continue;
+        }
+        let i = r.step as usize;
+        seen[i] = true;
+        let e = by_tier
+            .entry(tier as usize)
+            .or_insert_with(|| (r.tier.clone(), vec![[0.0; 4]; n]));
+        e.1[i] = [r.offered, r.admitted, r.dropped, r.shadow_dropped];
+    }
+    by_tier
+        .into_values()
+        .map(|(tier, sums)| TierSeries {
+            tier,
+            offered: sums.iter().map(|c| c[0]).sum(),
+            dropped: sums.iter().map(|c| c[2] + c[3]).sum(),
+            points: sums
+                .iter()
+                .enumerate()
+                .map(|(i, c)| {
+                    let to = (at(i) + Duration::seconds(step_secs)).min(end).min(now);
+                    let secs = (to - at(i)).num_seconds().max(1) as f64;
+                    let v = |x: f64| seen[i].then_some(x / secs);
+                    TierPoint {
+                        t: at(i),
+                        offered_rps: v(c[0]),
+                        admitted_rps: v(c[1]),
+                        drop_rps: v(c[2]),
+                        virtual_drop_rps: v(c[3]),
+                    }
+                })
+                .collect(),
+        })
+        .collect()
+}
+
 /// The parts of a bucket's answer that could not be loaded (each named in `errors`); a part
 /// not loaded is empty in the [`BucketDetail`] and never shown as such.
 #[derive(Debug, Default)]
 struct Missing {
     readiness: bool,
     chart: bool,
+    tiers: bool,
     history: bool,
     overrides: bool,
     /// Why the config repo's bucket could not be read, if it could not.
@@ -593,6 +685,12 @@ async fn detail(
         limit,
         store.bucket_steps(service, bucket, start, end, step_secs),
     );
+    let tiers = load(
+        AT,
+        "the criticality chart",
+        limit,
+        store.tier_steps(service, bucket, start, end, step_secs),
+    );
     let history = load(
         AT,
         "the quota history",
@@ -606,14 +704,21 @@ async fn detail(
         limit,
         store.override_windows(now),
     );
-    let (stats, steps, history, overrides) = if store.concurrent() {
-        tokio::join!(stats, steps, history, overrides)
+    let (stats, steps, tiers, history, overrides) = if store.concurrent() {
+        tokio::join!(stats, steps, tiers, history, overrides)
     } else {
-        (stats.await, steps.await, history.await, overrides.await)
+        (
+            stats.await,
+            steps.await,
+            tiers.await,
+            history.await,
+            overrides.await,
+        )
     };
     let mut missing = Missing::default();
     let stats = missing.part(stats, |m| &mut m.readiness).flatten();
     let steps = missing.part(steps, |m| &mut m.chart).unwrap_or_default();
+    let tiers = missing.part(tiers, |m| &mut m.tiers).unwrap_or_default();
     let quota_history = missing
         .part(history, |m| &mut m.history)
         .unwrap_or_default();
@@ -642,6 +747,7 @@ async fn detail(
         readiness: stats.map(|stats| readiness_of(stats, rule, rule_view, now)),
         series,
         scopes_cut,
+        tiers: tier_series(&tiers, start, end, step_secs, now),
         quota_history,
         in_force,
         candidate,
@@ -1015,6 +1121,9 @@ fn sections(d: &BucketDetail, missing: &Missing, links: &Links) -> Markup {
                 p class="muted" { (d.scopes_cut) " more scope keys not charted." }
             }
         }
+        @if missing.tiers || !d.tiers.is_empty() {
+            (tiers_section(d, missing.tiers))
+        }
         (super::lookback::section(d.lookback.as_ref(), missing.no_lookback))
         section {
             h2 { "Quota history" }
@@ -1027,6 +1136,99 @@ fn sections(d: &BucketDetail, missing: &Missing, links: &Links) -> Markup {
             }
         }
     }
+}
+
+/// The requests by criticality tier: offered and dropped (real and virtual), each a chart
+/// stacked by tier, least critical at the bottom, and the window's shares in a table.
+fn tiers_section(d: &BucketDetail, not_loaded: bool) -> Markup {
+    let offered: f64 = d.tiers.iter().map(|t| t.offered).sum();
+    html! {
+        section id="tiers" {
+            h2 { "By criticality" }
+            @if not_loaded {
+                p class="err" id="tiers-not-loaded" { "Not loaded (see above)." }
+            } @else {
+                p class="muted" {
+                    "Requests per second by criticality tier (the " code { "rpc-criticality" }
+                    " header; none means CRITICAL), mean rates over each "
+                    (step_words(d.step_secs)) " step, every scope key together. "
+                    "Over its limit, the bucket sheds the least critical tiers first."
+                }
+                table class="tiers" {
+                    thead { tr { th { "tier" } th { "offered" } th { "share" } th { "dropped (real and virtual)" } } }
+                    tbody {
+                        @for t in d.tiers.iter().rev() {
+                            tr data-tier=(t.tier) {
+                                td { code { (t.tier) } }
+                                td class="num" { (rate(t.offered)) }
+                                td class="num" { (percent(t.offered / offered.max(1.0))) }
+                                td class="num" { (rate(t.dropped)) " (" (percent(t.dropped / t.offered.max(1.0))) ")" }
+                            }
+                        }
+                    }
+                }
+                (stacked_chart(d, "offered", "Offered by tier", |p| p.offered_rps))
+                (stacked_chart(d, "dropped", "Dropped by tier (real and virtual)", |p| {
+                    Some(p.drop_rps? + p.virtual_drop_rps?)
+                }))
+            }
+        }
+    }
+}
+
+/// A chart of one figure of every tier, stacked (least critical at the bottom), one bar per
+/// step; a step without tiers is left empty.
+fn stacked_chart(
+    d: &BucketDetail,
+    kind: &str,
+    caption: &str,
+    value: fn(&TierPoint) -> Option<f64>,
+) -> Markup {
+    let n = d.tiers.first().map_or(0, |t| t.points.len());
+    let totals: Vec<f64> = (0..n)
+        .map(|i| d.tiers.iter().filter_map(|t| value(&t.points[i])).sum())
+        .collect();
+    let max = totals.iter().copied().fold(0.0f64, f64::max);
+    let f = Frame::new(CHART_H, d.window_start, d.window_end, n, max);
+    // Each bar: its step, tier, value and the stack below it.
+    let mut bars = Vec::new();
+    for i in 0..n {
+        let mut below = 0.0;
+        for t in &d.tiers {
+            if let Some(v) = value(&t.points[i]).filter(|v| *v > 0.0) {
+                bars.push((i, t, v, below));
+                below += v;
+            }
+        }
+    }
+    html! {
+        figure class="chart" {
+            figcaption { (caption) }
+            svg xmlns="http://www.w3.org/2000/svg" viewBox={ "0 0 " (W) " " (f.height) } width=(W)
+                height=(f.height) role="img" data-chart=(kind) {
+                title { (d.service) "/" (d.bucket) " " (caption) ", requests/s" }
+                (f.axes())
+                @for (k, t) in d.tiers.iter().enumerate() {
+                    @let lx = LEFT + k as f64 * 160.0;
+                    rect class={ "key " (tier_class(&t.tier)) } x=(dec1(lx)) y="6" width="14" height="12" {}
+                    text class="legend" x=(dec1(lx + 20.0)) y="16" { (t.tier) }
+                }
+                @for (i, t, v, below) in bars {
+                    @let (y0, y1) = (f.y(below), f.y(below + v));
+                    rect class={ "bar " (tier_class(&t.tier)) } data-tier=(t.tier) data-step=(i)
+                        x=(dec1(f.x(i))) y=(dec1(y1)) width=(dec1((f.x(i + 1) - f.x(i)).max(0.5)))
+                        height=(dec1(y0 - y1)) {
+                        title { (t.tier) " " (rate(v)) " requests/s at " (when(t.points[i].t)) " UTC" }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The CSS class of a tier's bars (`tier-sheddable-plus`).
+fn tier_class(tier: &str) -> String {
+    format!("tier-{}", tier.to_ascii_lowercase().replace('_', "-"))
 }
 
 /// A step length in words (`1 min`, `28 min`, `2 h`).

@@ -249,6 +249,10 @@ svg line.key.limit { stroke: #7a8499; stroke-dasharray: 6 4; }
 svg line.key.virtual-drops, svg circle.virtual-drops { stroke: #e36209; fill: #e36209; }
 svg line.key.drops, svg circle.drops { stroke: #c1121f; fill: #c1121f; }
 svg line.axis, svg line.tick { stroke: #9aa5b8; }
+svg .tier-critical-plus { fill: #1b4332; }
+svg .tier-critical { fill: #40916c; }
+svg .tier-sheddable-plus { fill: #f4a261; }
+svg .tier-sheddable { fill: #e76f51; }
 svg text.legend { font-size: 12px; fill: #39445a; }
 svg text.unit { font-size: 11px; fill: #56627a; }
 .big { font-size: 22px; font-weight: 700; }

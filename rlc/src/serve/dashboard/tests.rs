@@ -2148,3 +2148,82 @@ fn backticks_in_shared_text_become_code_on_pages() {
     assert_eq!(prose("a ` b").into_string(), "a ` b");
     assert_eq!(prose("`<x>`").into_string(), "<code>&lt;x&gt;</code>");
 }
+
+/// A bucket whose controller counts tiers: `GET /v1/shadow/{service}/{bucket}` has one series
+/// per tier with the mean rates of each minute, and the page stacks them by tier (least
+/// critical at the bottom); a bucket without tier counts has neither.
+#[tokio::test]
+async fn bucket_answers_split_the_requests_by_tier() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = filled_store(dir.path()).await;
+    let now = Utc::now();
+    let minute = crate::store::minute_of(now - chrono::Duration::minutes(3));
+    // One minute: SHEDDABLE 1,800 offered, 1,000 of them virtually dropped; CRITICAL 1,200;
+    // 60 requests of clients without tiers (in the whole, in no tier).
+    let mut r = report(10, "payments", "tiered", 51.0, 50.0);
+    let split = [
+        [1800, 1800, 0, 1000],
+        [0; 4],
+        [1200, 1200, 0, 0],
+        [0; 4],
+        [60, 60, 0, 0],
+    ];
+    r.counts = Some(grl_wire::ReportCounts::from_tiers(&split));
+    let t = minute + chrono::Duration::seconds(30);
+    store.insert_reports(&at(vec![r], t), t).await.unwrap();
+    let state = AppState::with_store(store);
+
+    let (status, v) = get_json(&state, "/v1/shadow/payments/tiered?window=15m").await;
+    assert_eq!(status, StatusCode::OK, "{v:#}");
+    let tiers = v["tiers"].as_array().unwrap();
+    let names: Vec<&str> = tiers.iter().map(|t| t["tier"].as_str().unwrap()).collect();
+    assert_eq!(names, ["SHEDDABLE", "CRITICAL"]);
+    assert_eq!(tiers[0]["offered"], 1800.0);
+    assert_eq!(tiers[0]["dropped"], 1000.0);
+    let point = |t: &serde_json::Value, at: chrono::DateTime<Utc>| {
+        t["points"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["t"] == serde_json::json!(at))
+            .cloned()
+            .unwrap_or_else(|| panic!("no point at {at}: {t:#}"))
+    };
+    let shed = point(&tiers[0], minute);
+    assert_eq!(shed["offered_rps"], 30.0);
+    assert_eq!(shed["virtual_drop_rps"], 1000.0 / 60.0);
+    assert_eq!(shed["drop_rps"], 0.0);
+    assert_eq!(point(&tiers[1], minute)["offered_rps"], 20.0);
+    // The minute before: no tier counted, a gap in every tier.
+    let before = point(&tiers[1], minute - chrono::Duration::minutes(1));
+    assert!(before["offered_rps"].is_null(), "{before}");
+    // A bucket without tier counts.
+    let (_, gw) = get_json(&state, "/v1/shadow/payments/gw?window=15m").await;
+    assert_eq!(gw["tiers"], serde_json::json!([]));
+
+    let (status, page) = get(&state, "/buckets/payments/tiered?window=15m").await;
+    assert_eq!(status, StatusCode::OK);
+    let at = page.find("id=\"tiers\"").expect("a criticality section");
+    let section = &page[at..];
+    assert!(section.contains("data-chart=\"offered\""), "{section}");
+    // The offered chart's bars of the minute: SHEDDABLE at the bottom, CRITICAL on top of it,
+    // heights in proportion (30 and 20 requests/s).
+    let bar = |tier: &str| -> (f64, f64) {
+        let from = section
+            .find(&format!("class=\"bar tier-{}\"", tier.to_lowercase()))
+            .unwrap_or_else(|| panic!("no {tier} bar: {section}"));
+        let y: f64 = attr(section, from, "y").parse().unwrap();
+        let h: f64 = attr(section, from, "height").parse().unwrap();
+        (y, h)
+    };
+    let (ys, hs) = bar("SHEDDABLE");
+    let (yc, hc) = bar("CRITICAL");
+    assert!((ys - (yc + hc)).abs() < 0.11, "stacked: {ys} {yc} {hc}");
+    assert!((hs / hc - 1.5).abs() < 0.02, "{hs} {hc}");
+    assert!(
+        section.contains("<td class=\"num\">60.00%</td>"),
+        "{section}"
+    );
+    let (_, plain) = get(&state, "/buckets/payments/gw?window=15m").await;
+    assert!(!plain.contains("id=\"tiers\""));
+}

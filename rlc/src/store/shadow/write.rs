@@ -197,6 +197,47 @@ fn period_rollup<'a>(
     m
 }
 
+/// `(service, bucket, minute, tier)` of `shadow_tier_minutes`.
+type TierKey<'a> = (&'a str, &'a str, DateTime<Utc>, &'static str);
+
+/// The tier counts of new rows summed per bucket, minute and tier (SQLite).
+fn tier_rollup<'a>(rows: impl Iterator<Item = &'a Row<'a>>) -> BTreeMap<TierKey<'a>, [f64; 4]> {
+    let mut m: BTreeMap<TierKey<'a>, [f64; 4]> = BTreeMap::new();
+    for row in rows {
+        for t in tiers_of(row.r) {
+            let key = (
+                row.r.service.as_str(),
+                row.r.bucket.as_str(),
+                minute_of(row.t),
+                t.tier.as_str(),
+            );
+            let sum = m.entry(key).or_default();
+            for (s, x) in sum.iter_mut().zip(tier_counts(t)) {
+                *s += x;
+            }
+        }
+    }
+    m
+}
+
+/// The tier entries of a report row (none from controllers that send no tiers).
+fn tiers_of(r: &ReportRow) -> &[grl_wire::TierCountsMsg] {
+    r.counts.as_ref().map_or(&[], |c| c.tiers.as_slice())
+}
+
+/// `[offered, admitted, dropped, shadow_dropped]` of a tier entry.
+fn tier_counts(t: &grl_wire::TierCountsMsg) -> [f64; 4] {
+    [t.offered, t.admitted, t.dropped, t.shadow_dropped].map(|n| n as f64)
+}
+
+/// The tier roll-up upsert: sums add up.
+const TIER_UPSERT_SET: &str = " ON CONFLICT (service, bucket, minute, tier) DO UPDATE SET \
+    offered = m.offered + excluded.offered, admitted = m.admitted + excluded.admitted, \
+    dropped = m.dropped + excluded.dropped, shadow_dropped = m.shadow_dropped + excluded.shadow_dropped";
+
+const TIER_COLUMNS: &str =
+    "service, bucket, minute, tier, offered, admitted, dropped, shadow_dropped";
+
 const MINUTE_COLUMNS: &str = "service, bucket, scope_key, minute, reports, offered, admitted, dropped, shadow_dropped, max_offered, max_drop_ratio, first_t, last_t, limit_rps, mode, last_seq";
 const REPORT_COLUMNS: &str = "seq, t, service, bucket, caller, procedure, mode, scope_key, offered, admitted, dropped, shadow_dropped, limit_rps, drop_ratio, received_at, offered_rate";
 
@@ -241,6 +282,11 @@ impl Store {
                     .collect::<Vec<_>>()
                     .join(", ");
                 for chunk in rows.chunks(PG_ROWS_PER_STATEMENT) {
+                    // Each row's tier entries, one element each.
+                    let tiered: Vec<(&Row, &grl_wire::TierCountsMsg)> = chunk
+                        .iter()
+                        .flat_map(|x| tiers_of(x.r).iter().map(move |t| (x, t)))
+                        .collect();
                     // One statement: the new rows (RETURNING) are summed per minute and upserted
                     // into the roll-ups inside Postgres, without a round trip.
                     let (inserted,): (i64,) = sqlx::query_as(&format!(
@@ -259,6 +305,15 @@ impl Store {
                                 (array_agg(limit_rps ORDER BY seq DESC))[1], (array_agg(mode ORDER BY seq DESC))[1], \
                                 MAX(seq) \
                          FROM ins GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 4, 3{UPSERT_SET}), \
+                         tin AS (SELECT * FROM UNNEST($17::bigint[], $18::text[], $19::text[], $20::text[], \
+                         $21::timestamptz[], $22::text[], $23::float8[], $24::float8[], $25::float8[], $26::float8[]) \
+                         AS x(seq, service, bucket, scope_key, t, tier, offered, admitted, dropped, shadow_dropped)), \
+                         tup AS (INSERT INTO shadow_tier_minutes AS m ({TIER_COLUMNS}) \
+                         SELECT tin.service, tin.bucket, date_trunc('minute', tin.t AT TIME ZONE 'UTC') AT TIME ZONE 'UTC', \
+                                tin.tier, SUM(tin.offered), SUM(tin.admitted), SUM(tin.dropped), SUM(tin.shadow_dropped) \
+                         FROM tin JOIN ins ON ins.seq = tin.seq AND ins.service = tin.service \
+                              AND ins.bucket = tin.bucket AND ins.scope_key = tin.scope_key \
+                         GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 3, 4{TIER_UPSERT_SET}), \
                          {periods} \
                          SELECT COUNT(*) FROM ins"
                     ))
@@ -278,6 +333,16 @@ impl Store {
                     .bind(chunk.iter().map(|x| x.r.drop_ratio).collect::<Vec<_>>())
                     .bind(vec![received_at; chunk.len()])
                     .bind(chunk.iter().map(|x| x.r.offered).collect::<Vec<_>>())
+                    .bind(tiered.iter().map(|(x, _)| seq_of(x.r)).collect::<Vec<_>>())
+                    .bind(tiered.iter().map(|(x, _)| x.r.service.as_str()).collect::<Vec<_>>())
+                    .bind(tiered.iter().map(|(x, _)| x.r.bucket.as_str()).collect::<Vec<_>>())
+                    .bind(tiered.iter().map(|(x, _)| x.scope.as_str()).collect::<Vec<_>>())
+                    .bind(tiered.iter().map(|(x, _)| x.t).collect::<Vec<_>>())
+                    .bind(tiered.iter().map(|(_, t)| t.tier.as_str()).collect::<Vec<_>>())
+                    .bind(tiered.iter().map(|(_, t)| tier_counts(t)[0]).collect::<Vec<_>>())
+                    .bind(tiered.iter().map(|(_, t)| tier_counts(t)[1]).collect::<Vec<_>>())
+                    .bind(tiered.iter().map(|(_, t)| tier_counts(t)[2]).collect::<Vec<_>>())
+                    .bind(tiered.iter().map(|(_, t)| tier_counts(t)[3]).collect::<Vec<_>>())
                     .fetch_one(&mut *tx)
                     .await?;
                     new += inserted as u64;
@@ -357,6 +422,7 @@ impl Store {
                     });
                     q.push(UPSERT_SET);
                     q.build().execute(&mut *tx).await?;
+                    sqlite_upsert_tiers(&mut tx, &fresh).await?;
                     for period in PERIODS {
                         let acc = period_rollup(fresh.iter().copied(), period);
                         let mut q = sqlx::QueryBuilder::<Sqlite>::new(format!(
@@ -407,6 +473,10 @@ impl Store {
                 .execute(pool)
                 .await?
                 .rows_affected();
+            sqlx::query("DELETE FROM shadow_tier_minutes WHERE minute < $1")
+                .bind(Ts(minutes_before))
+                .execute(pool)
+                .await?;
             // A roll-up row goes once every minute of its period is before the retention.
             let mut periods_deleted = [0u64; PERIODS.len()];
             for (deleted, p) in periods_deleted.iter_mut().zip(PERIODS) {
@@ -479,6 +549,33 @@ impl Store {
             Ok(done)
         })
     }
+}
+
+/// Adds the tier counts of `fresh` (new rows) to `shadow_tier_minutes` (SQLite).
+async fn sqlite_upsert_tiers(
+    tx: &mut sqlx::Transaction<'_, Sqlite>,
+    fresh: &[&Row<'_>],
+) -> Result<(), StoreError> {
+    let tiers = tier_rollup(fresh.iter().copied());
+    if tiers.is_empty() {
+        return Ok(());
+    }
+    let mut q = sqlx::QueryBuilder::<Sqlite>::new(format!(
+        "INSERT INTO shadow_tier_minutes AS m ({TIER_COLUMNS}) "
+    ));
+    q.push_values(tiers, |mut b, ((service, bucket, minute, tier), c)| {
+        b.push_bind(service)
+            .push_bind(bucket)
+            .push_bind(Ts(minute))
+            .push_bind(tier)
+            .push_bind(c[0])
+            .push_bind(c[1])
+            .push_bind(c[2])
+            .push_bind(c[3]);
+    });
+    q.push(TIER_UPSERT_SET);
+    q.build().execute(&mut **tx).await?;
+    Ok(())
 }
 
 /// Keeps the rows of `chunk` whose keys the insert reported as new.
