@@ -32,11 +32,19 @@ fn report(seq: i64, t: i64, b: usize, zone: usize) -> Report {
     let offered = 50.0 + (b % 97) as f64;
     let limit = 120.0;
     let over = (offered - limit).max(0.0);
+    // The counts of a controller whose clients count tiers: 40 % CRITICAL, the rest
+    // SHEDDABLE, which takes the virtual drops.
+    let (o, v) = (offered as u64, over as u64);
+    let crit = o * 2 / 5;
     serde_json::from_value(serde_json::json!({
         "seq": seq, "t": t, "service": format!("svc-{}", b / 20), "bucket": format!("b-{b}"),
         "caller": null, "procedure": null, "mode": if b.is_multiple_of(2) { "shadow" } else { "enforce" },
         "scope_key": format!("z{zone}"), "offered": offered, "admitted": offered,
-        "dropped": 0.0, "shadow_dropped": over, "limit_rps": limit, "drop_ratio": over / offered
+        "dropped": 0.0, "shadow_dropped": over, "limit_rps": limit, "drop_ratio": over / offered,
+        "counts": {"offered": o, "admitted": o, "dropped": 0, "shadow_dropped": v, "tiers": [
+            {"tier": "SHEDDABLE", "offered": o - crit, "admitted": o - crit, "dropped": 0, "shadow_dropped": v},
+            {"tier": "CRITICAL", "offered": crit, "admitted": crit, "dropped": 0, "shadow_dropped": 0}
+        ]}
     }))
     .unwrap()
 }
@@ -122,6 +130,27 @@ async fn main() -> anyhow::Result<()> {
         .bind(60i32)
         .execute(&pool)
         .await?;
+    // Their requests by tier, where the schema has them (a base build without them runs the
+    // same fill): one row a minute with two tiers, every scope key together, as ingest writes
+    // them.
+    let (tiered,): (bool,) =
+        sqlx::query_as("SELECT to_regclass('shadow_tier_minutes') IS NOT NULL")
+            .fetch_one(&pool)
+            .await?;
+    if tiered {
+        sqlx::query(
+            "INSERT INTO shadow_tier_minutes (service, bucket, minute, critical_offered, sheddable_offered) \
+             SELECT 'svc-' || (b / 20), 'b-' || b, m, 0.4 * 3 * (6000 + (b % 97) * 60), \
+                    0.6 * 3 * (6000 + (b % 97) * 60) \
+             FROM generate_series(0, 9) b, \
+                  generate_series($1::timestamptz - make_interval(mins => $2::int), $1::timestamptz, interval '1 minute') m \
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(now)
+        .bind((days * 1440) as i32)
+        .execute(&pool)
+        .await?;
+    }
     // The ten-minute roll-ups of what was filled (ingest writes them with the minutes; the
     // fill above bypassed it): rebuilt from the minutes, as migration 0005 does.
     sqlx::query("DELETE FROM shadow_blocks")

@@ -230,6 +230,23 @@ pub struct StepRow {
     pub limit_rps: f64,
 }
 
+/// The cells of a `shadow_tier_minutes` row after its key: for each tier, least critical
+/// first, the requests offered, dropped and virtually dropped.
+pub(super) const TIER_CELLS: [&str; 12] = [
+    "sheddable_offered",
+    "sheddable_dropped",
+    "sheddable_shadow_dropped",
+    "sheddable_plus_offered",
+    "sheddable_plus_dropped",
+    "sheddable_plus_shadow_dropped",
+    "critical_offered",
+    "critical_dropped",
+    "critical_shadow_dropped",
+    "critical_plus_offered",
+    "critical_plus_dropped",
+    "critical_plus_shadow_dropped",
+];
+
 /// One step of a bucket's requests of one criticality tier ([`Store::tier_steps`]): every
 /// scope key together, the requests counted in the step.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow)]
@@ -581,6 +598,32 @@ impl Store {
             }
         }
         Ok((out, truncated))
+    }
+
+    /// The busiest minute of each bucket's critical demand (CRITICAL_PLUS and CRITICAL
+    /// requests offered, every scope key together) since `since`, from `shadow_tier_minutes`:
+    /// its mean rate (the minute's requests ÷ 60) and the minute, by `(service, bucket)`; one
+    /// row per bucket (the earliest minute on a tie). Buckets whose clients count no tiers
+    /// have none.
+    pub async fn critical_peaks(
+        &self,
+        since: DateTime<Utc>,
+    ) -> Result<BTreeMap<(String, String), (f64, DateTime<Utc>)>, StoreError> {
+        let rows: Vec<(String, String, Ts, f64)> = on_pool!(self, pool => sqlx::query_as(
+            "WITH r AS (SELECT service, bucket, minute, critical_offered + critical_plus_offered AS o, \
+                               ROW_NUMBER() OVER (PARTITION BY service, bucket \
+                                                  ORDER BY critical_offered + critical_plus_offered DESC, minute) AS rn \
+                        FROM shadow_tier_minutes \
+                        WHERE minute >= $1 AND critical_offered + critical_plus_offered > 0) \
+             SELECT service, bucket, minute, o FROM r WHERE rn = 1",
+        )
+        .bind(Ts(since))
+        .fetch_all(pool)
+        .await?);
+        Ok(rows
+            .into_iter()
+            .map(|(service, bucket, minute, o)| ((service, bucket), (o / 60.0, minute.0)))
+            .collect())
     }
 
     /// Records whether `region`'s controller could be read at `at` (`error`: why not): a
@@ -1141,22 +1184,57 @@ impl Store {
             Store::Postgres(_) => "CAST(EXTRACT(EPOCH FROM minute) AS BIGINT)",
             Store::Sqlite(..) => "(minute / 1000)",
         };
+        let sums: Vec<String> = TIER_CELLS
+            .iter()
+            .map(|c| format!("CAST(SUM({c}) AS DOUBLE PRECISION)"))
+            .collect();
         let sql = format!(
-            "SELECT tier, ({e} - $5) / $6 AS step, SUM(offered) AS offered, SUM(admitted) AS admitted, \
-                    SUM(dropped) AS dropped, SUM(shadow_dropped) AS shadow_dropped \
-             FROM shadow_tier_minutes \
+            "SELECT ({e} - $5) / $6 AS step, {} FROM shadow_tier_minutes \
              WHERE service = $1 AND bucket = $2 AND minute >= $3 AND minute < $4 \
-             GROUP BY tier, ({e} - $5) / $6 ORDER BY tier, step"
+             GROUP BY ({e} - $5) / $6",
+            sums.join(", ")
         );
-        on_pool!(self, pool => Ok(sqlx::query_as::<_, TierStepRow>(&sql)
-            .bind(service)
-            .bind(bucket)
-            .bind(Ts(window_start))
-            .bind(Ts(window_end))
-            .bind(window_start.timestamp())
-            .bind(step_secs.max(1))
-            .fetch_all(pool)
-            .await?))
+        let steps: Vec<(i64, Vec<f64>)> = on_pool!(self, pool => {
+            use sqlx::Row;
+            let rows = sqlx::query(&sql)
+                .bind(service)
+                .bind(bucket)
+                .bind(Ts(window_start))
+                .bind(Ts(window_end))
+                .bind(window_start.timestamp())
+                .bind(step_secs.max(1))
+                .fetch_all(pool)
+                .await?;
+            let mut out = Vec::with_capacity(rows.len());
+            for r in rows {
+                let step: i64 = r.try_get(0)?;
+                let cells = (1..=TIER_CELLS.len())
+                    .map(|i| r.try_get::<f64, _>(i))
+                    .collect::<Result<Vec<f64>, _>>()?;
+                out.push((step, cells));
+            }
+            out
+        });
+        // One row per tier and step with requests, by tier name then step.
+        let mut out: Vec<TierStepRow> = steps
+            .iter()
+            .flat_map(|(step, cells)| {
+                schema::Criticality::ALL
+                    .iter()
+                    .zip(cells.chunks(3))
+                    .filter(|(_, c)| c.iter().any(|&x| x > 0.0))
+                    .map(|(tier, c)| TierStepRow {
+                        tier: tier.as_str().to_string(),
+                        step: *step,
+                        offered: c[0],
+                        admitted: (c[0] - c[1]).max(0.0),
+                        dropped: c[1],
+                        shadow_dropped: c[2],
+                    })
+            })
+            .collect();
+        out.sort_by(|a, b| a.tier.cmp(&b.tier).then(a.step.cmp(&b.step)));
+        Ok(out)
     }
 
     /// The minute rows of one bucket over `[window_start, window_end)` and the readiness

@@ -392,7 +392,7 @@ async fn check_tier_counts(store: Store) {
         r
     };
     let a = tiered(1, "zone:a", [180, 80, 100, 0], [120, 120, 0, 0]);
-    let b = tiered(2, "zone:b", [30, 0, 0, 30], [0; 4]);
+    let b = tiered(2, "zone:b", [30, 30, 0, 30], [0; 4]);
     assert_eq!(put(&store, &[a.clone(), b], at(0, 1)).await, 2);
     // Stored again (a poll that overlapped): nothing new, nothing added.
     assert_eq!(put(&store, &[a], at(0, 1)).await, 0);
@@ -425,7 +425,7 @@ async fn check_tier_counts(store: Store) {
         [
             ("CRITICAL".to_string(), 0, [120.0, 120.0, 0.0, 0.0]),
             ("CRITICAL".to_string(), 1, [10.0, 10.0, 0.0, 0.0]),
-            ("SHEDDABLE".to_string(), 0, [210.0, 80.0, 100.0, 30.0]),
+            ("SHEDDABLE".to_string(), 0, [210.0, 110.0, 100.0, 30.0]),
             ("SHEDDABLE".to_string(), 1, [60.0, 60.0, 0.0, 0.0]),
         ]
     );
@@ -444,6 +444,15 @@ async fn check_tier_counts(store: Store) {
         .await
         .unwrap()
         .is_empty());
+    // The busiest minute of CRITICAL_PLUS + CRITICAL: minute 0, 120 requests (2 rps).
+    let peaks = store.critical_peaks(at(0, 0)).await.unwrap();
+    assert_eq!(
+        peaks.get(&("payments".to_string(), "gw".to_string())),
+        Some(&(2.0, at(0, 0)))
+    );
+    assert_eq!(peaks.len(), 1);
+    let later = store.critical_peaks(at(1, 0)).await.unwrap();
+    assert_eq!(later.values().next().map(|p| p.0), Some(10.0 / 60.0));
     store.apply_retention(at(1, 0), at(1, 0)).await.unwrap();
     let left = store
         .tier_steps("payments", "gw", at(0, 0), at(3, 0), 60)

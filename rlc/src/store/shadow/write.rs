@@ -2,6 +2,8 @@
 //! the per-minute and bucket-wide roll-ups; [`Store::roll_up_hours`] rolls closed minutes up
 //! into `shadow_hours`; [`Store::apply_retention`] deletes what is past retention.
 
+use std::sync::LazyLock;
+
 use super::*;
 
 /// Rows per SQLite multi-row statement (15 columns each, under SQLite's 32,766 variables).
@@ -197,22 +199,25 @@ fn period_rollup<'a>(
     m
 }
 
-/// `(service, bucket, minute, tier)` of `shadow_tier_minutes`.
-type TierKey<'a> = (&'a str, &'a str, DateTime<Utc>, &'static str);
+/// `(service, bucket, minute)` of `shadow_tier_minutes`.
+type TierKey<'a> = (&'a str, &'a str, DateTime<Utc>);
 
-/// The tier counts of new rows summed per bucket, minute and tier (SQLite).
-fn tier_rollup<'a>(rows: impl Iterator<Item = &'a Row<'a>>) -> BTreeMap<TierKey<'a>, [f64; 4]> {
-    let mut m: BTreeMap<TierKey<'a>, [f64; 4]> = BTreeMap::new();
+/// The tier counts of new rows summed per bucket and minute, in the order of
+/// [`TIER_CELLS`] (SQLite).
+fn tier_rollup<'a>(
+    rows: impl Iterator<Item = &'a Row<'a>>,
+) -> BTreeMap<TierKey<'a>, [f64; TIER_CELLS.len()]> {
+    let mut m: BTreeMap<TierKey<'a>, [f64; TIER_CELLS.len()]> = BTreeMap::new();
     for row in rows {
         for t in tiers_of(row.r) {
             let key = (
                 row.r.service.as_str(),
                 row.r.bucket.as_str(),
                 minute_of(row.t),
-                t.tier.as_str(),
             );
-            let sum = m.entry(key).or_default();
-            for (s, x) in sum.iter_mut().zip(tier_counts(t)) {
+            let sum = m.entry(key).or_insert([0.0; TIER_CELLS.len()]);
+            let at = t.tier as usize * 3;
+            for (s, x) in sum[at..at + 3].iter_mut().zip(tier_counts(t)) {
                 *s += x;
             }
         }
@@ -225,18 +230,43 @@ fn tiers_of(r: &ReportRow) -> &[grl_wire::TierCountsMsg] {
     r.counts.as_ref().map_or(&[], |c| c.tiers.as_slice())
 }
 
-/// `[offered, admitted, dropped, shadow_dropped]` of a tier entry.
-fn tier_counts(t: &grl_wire::TierCountsMsg) -> [f64; 4] {
-    [t.offered, t.admitted, t.dropped, t.shadow_dropped].map(|n| n as f64)
+/// `[offered, dropped, shadow_dropped]` of a tier entry (admitted is offered less dropped).
+fn tier_counts(t: &grl_wire::TierCountsMsg) -> [f64; 3] {
+    [t.offered, t.dropped, t.shadow_dropped].map(|n| n as f64)
 }
 
-/// The tier roll-up upsert: sums add up.
-const TIER_UPSERT_SET: &str = " ON CONFLICT (service, bucket, minute, tier) DO UPDATE SET \
-    offered = m.offered + excluded.offered, admitted = m.admitted + excluded.admitted, \
-    dropped = m.dropped + excluded.dropped, shadow_dropped = m.shadow_dropped + excluded.shadow_dropped";
+/// `shadow_tier_minutes`' key and cells, as one column list.
+static TIER_COLUMNS: LazyLock<String> =
+    LazyLock::new(|| format!("service, bucket, minute, {}", TIER_CELLS.join(", ")));
 
-const TIER_COLUMNS: &str =
-    "service, bucket, minute, tier, offered, admitted, dropped, shadow_dropped";
+/// The tier roll-up upsert: every cell adds up.
+static TIER_UPSERT_SET: LazyLock<String> = LazyLock::new(|| {
+    let sets: Vec<String> = TIER_CELLS
+        .iter()
+        .map(|c| format!("{c} = m.{c} + excluded.{c}"))
+        .collect();
+    format!(
+        " ON CONFLICT (service, bucket, minute) DO UPDATE SET {}",
+        sets.join(", ")
+    )
+});
+
+/// The cells of `shadow_tier_minutes` summed from `tin` (one element per report row and
+/// tier; Postgres).
+static TIER_PIVOT: LazyLock<String> = LazyLock::new(|| {
+    let sums: Vec<String> = schema::Criticality::ALL
+        .iter()
+        .flat_map(|t| {
+            ["offered", "dropped", "shadow_dropped"].map(|m| {
+                format!(
+                    "SUM(CASE WHEN tin.tier = '{}' THEN tin.{m} ELSE 0 END)",
+                    t.as_str()
+                )
+            })
+        })
+        .collect();
+    sums.join(", ")
+});
 
 const MINUTE_COLUMNS: &str = "service, bucket, scope_key, minute, reports, offered, admitted, dropped, shadow_dropped, max_offered, max_drop_ratio, first_t, last_t, limit_rps, mode, last_seq";
 const REPORT_COLUMNS: &str = "seq, t, service, bucket, caller, procedure, mode, scope_key, offered, admitted, dropped, shadow_dropped, limit_rps, drop_ratio, received_at, offered_rate";
@@ -282,7 +312,8 @@ impl Store {
                     .collect::<Vec<_>>()
                     .join(", ");
                 for chunk in rows.chunks(PG_ROWS_PER_STATEMENT) {
-                    // Each row's tier entries, one element each.
+                    // Each row's tier entries, one element each (summed into one row per
+                    // bucket and minute: one upsert whatever the number of tiers).
                     let tiered: Vec<(&Row, &grl_wire::TierCountsMsg)> = chunk
                         .iter()
                         .flat_map(|x| tiers_of(x.r).iter().map(move |t| (x, t)))
@@ -306,16 +337,19 @@ impl Store {
                                 MAX(seq) \
                          FROM ins GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 4, 3{UPSERT_SET}), \
                          tin AS (SELECT * FROM UNNEST($17::bigint[], $18::text[], $19::text[], $20::text[], \
-                         $21::timestamptz[], $22::text[], $23::float8[], $24::float8[], $25::float8[], $26::float8[]) \
-                         AS x(seq, service, bucket, scope_key, t, tier, offered, admitted, dropped, shadow_dropped)), \
-                         tup AS (INSERT INTO shadow_tier_minutes AS m ({TIER_COLUMNS}) \
+                         $21::timestamptz[], $22::text[], $23::float8[], $24::float8[], $25::float8[]) \
+                         AS x(seq, service, bucket, scope_key, t, tier, offered, dropped, shadow_dropped)), \
+                         tup AS (INSERT INTO shadow_tier_minutes AS m ({columns}) \
                          SELECT tin.service, tin.bucket, date_trunc('minute', tin.t AT TIME ZONE 'UTC') AT TIME ZONE 'UTC', \
-                                tin.tier, SUM(tin.offered), SUM(tin.admitted), SUM(tin.dropped), SUM(tin.shadow_dropped) \
+                                {pivot} \
                          FROM tin JOIN ins ON ins.seq = tin.seq AND ins.service = tin.service \
                               AND ins.bucket = tin.bucket AND ins.scope_key = tin.scope_key \
-                         GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 3, 4{TIER_UPSERT_SET}), \
+                         GROUP BY 1, 2, 3 ORDER BY 1, 2, 3{tier_set}), \
                          {periods} \
-                         SELECT COUNT(*) FROM ins"
+                         SELECT COUNT(*) FROM ins",
+                        columns = *TIER_COLUMNS,
+                        pivot = *TIER_PIVOT,
+                        tier_set = *TIER_UPSERT_SET,
                     ))
                     .bind(chunk.iter().map(|x| seq_of(x.r)).collect::<Vec<_>>())
                     .bind(chunk.iter().map(|x| x.t).collect::<Vec<_>>())
@@ -342,7 +376,6 @@ impl Store {
                     .bind(tiered.iter().map(|(_, t)| tier_counts(t)[0]).collect::<Vec<_>>())
                     .bind(tiered.iter().map(|(_, t)| tier_counts(t)[1]).collect::<Vec<_>>())
                     .bind(tiered.iter().map(|(_, t)| tier_counts(t)[2]).collect::<Vec<_>>())
-                    .bind(tiered.iter().map(|(_, t)| tier_counts(t)[3]).collect::<Vec<_>>())
                     .fetch_one(&mut *tx)
                     .await?;
                     new += inserted as u64;
@@ -561,19 +594,16 @@ async fn sqlite_upsert_tiers(
         return Ok(());
     }
     let mut q = sqlx::QueryBuilder::<Sqlite>::new(format!(
-        "INSERT INTO shadow_tier_minutes AS m ({TIER_COLUMNS}) "
+        "INSERT INTO shadow_tier_minutes AS m ({}) ",
+        *TIER_COLUMNS
     ));
-    q.push_values(tiers, |mut b, ((service, bucket, minute, tier), c)| {
-        b.push_bind(service)
-            .push_bind(bucket)
-            .push_bind(Ts(minute))
-            .push_bind(tier)
-            .push_bind(c[0])
-            .push_bind(c[1])
-            .push_bind(c[2])
-            .push_bind(c[3]);
+    q.push_values(tiers, |mut b, ((service, bucket, minute), cells)| {
+        b.push_bind(service).push_bind(bucket).push_bind(Ts(minute));
+        for c in cells {
+            b.push_bind(c);
+        }
     });
-    q.push(TIER_UPSERT_SET);
+    q.push(TIER_UPSERT_SET.as_str());
     q.build().execute(&mut **tx).await?;
     Ok(())
 }
