@@ -108,7 +108,12 @@ fn baseline_render(e: &Engine) -> String {
     for (i, name) in names.iter().enumerate() {
         let _ = writeln!(out, "# TYPE {name} counter");
         for (b, zone, t) in e.totals() {
-            let _ = writeln!(out, "{name}{{{}}} {}", label(b, zone), t[i]);
+            let _ = writeln!(
+                out,
+                "{name}{{{}}} {}",
+                label(b, zone),
+                grl_control::engine::whole(t)[i]
+            );
         }
     }
     let _ = writeln!(out, "# TYPE grl_drop_ratio gauge");

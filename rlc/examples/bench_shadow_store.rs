@@ -49,6 +49,35 @@ fn report(seq: i64, t: i64, b: usize, zone: usize) -> Report {
     .unwrap()
 }
 
+/// The 10 charted buckets' requests by tier over DAYS, where the schema has them (a base
+/// build without them runs the same fill): one row a minute with two tiers, every scope key
+/// together, as ingest writes them.
+async fn fill_tiers(
+    pool: &sqlx::PgPool,
+    now: chrono::DateTime<Utc>,
+    days: i64,
+) -> anyhow::Result<()> {
+    let (tiered,): (bool,) =
+        sqlx::query_as("SELECT to_regclass('shadow_tier_minutes') IS NOT NULL")
+            .fetch_one(pool)
+            .await?;
+    if tiered {
+        sqlx::query(
+            "INSERT INTO shadow_tier_minutes (service, bucket, minute, critical_offered, sheddable_offered) \
+             SELECT 'svc-' || (b / 20), 'b-' || b, m, 0.4 * 3 * (6000 + (b % 97) * 60), \
+                    0.6 * 3 * (6000 + (b % 97) * 60) \
+             FROM generate_series(0, 9) b, \
+                  generate_series($1::timestamptz - make_interval(mins => $2::int), $1::timestamptz, interval '1 minute') m \
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(now)
+        .bind((days * 1440) as i32)
+        .execute(pool)
+        .await?;
+    }
+    Ok(())
+}
+
 async fn median_get(http: &reqwest::Client, url: &str) -> anyhow::Result<(Duration, usize)> {
     let mut times = Vec::new();
     let mut size = 0;
@@ -130,27 +159,7 @@ async fn main() -> anyhow::Result<()> {
         .bind(60i32)
         .execute(&pool)
         .await?;
-    // Their requests by tier, where the schema has them (a base build without them runs the
-    // same fill): one row a minute with two tiers, every scope key together, as ingest writes
-    // them.
-    let (tiered,): (bool,) =
-        sqlx::query_as("SELECT to_regclass('shadow_tier_minutes') IS NOT NULL")
-            .fetch_one(&pool)
-            .await?;
-    if tiered {
-        sqlx::query(
-            "INSERT INTO shadow_tier_minutes (service, bucket, minute, critical_offered, sheddable_offered) \
-             SELECT 'svc-' || (b / 20), 'b-' || b, m, 0.4 * 3 * (6000 + (b % 97) * 60), \
-                    0.6 * 3 * (6000 + (b % 97) * 60) \
-             FROM generate_series(0, 9) b, \
-                  generate_series($1::timestamptz - make_interval(mins => $2::int), $1::timestamptz, interval '1 minute') m \
-             ON CONFLICT DO NOTHING",
-        )
-        .bind(now)
-        .bind((days * 1440) as i32)
-        .execute(&pool)
-        .await?;
-    }
+    fill_tiers(&pool, now, days).await?;
     // The ten-minute roll-ups of what was filled (ingest writes them with the minutes; the
     // fill above bypassed it): rebuilt from the minutes, as migration 0005 does.
     sqlx::query("DELETE FROM shadow_blocks")

@@ -230,6 +230,15 @@ fn tiers_of(r: &ReportRow) -> &[grl_wire::TierCountsMsg] {
     r.counts.as_ref().map_or(&[], |c| c.tiers.as_slice())
 }
 
+/// Each row's tier entries, one element each (Postgres sums them into one row per bucket
+/// and minute: one upsert whatever the number of tiers).
+fn tier_entries<'a>(chunk: &'a [Row<'a>]) -> Vec<(&'a Row<'a>, &'a grl_wire::TierCountsMsg)> {
+    chunk
+        .iter()
+        .flat_map(|x| tiers_of(x.r).iter().map(move |t| (x, t)))
+        .collect()
+}
+
 /// `[offered, dropped, shadow_dropped]` of a tier entry (admitted is offered less dropped).
 fn tier_counts(t: &grl_wire::TierCountsMsg) -> [f64; 3] {
     [t.offered, t.dropped, t.shadow_dropped].map(|n| n as f64)
@@ -312,12 +321,7 @@ impl Store {
                     .collect::<Vec<_>>()
                     .join(", ");
                 for chunk in rows.chunks(PG_ROWS_PER_STATEMENT) {
-                    // Each row's tier entries, one element each (summed into one row per
-                    // bucket and minute: one upsert whatever the number of tiers).
-                    let tiered: Vec<(&Row, &grl_wire::TierCountsMsg)> = chunk
-                        .iter()
-                        .flat_map(|x| tiers_of(x.r).iter().map(move |t| (x, t)))
-                        .collect();
+                    let tiered = tier_entries(chunk);
                     // One statement: the new rows (RETURNING) are summed per minute and upserted
                     // into the roll-ups inside Postgres, without a round trip.
                     let (inserted,): (i64,) = sqlx::query_as(&format!(
