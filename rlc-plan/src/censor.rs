@@ -69,6 +69,10 @@ pub struct Observed {
     pub throttled: ThrottledMinutes,
     /// The incident overrides that acted on each bucket.
     pub overrides: BTreeMap<(String, String), Vec<OverrideWindow>>,
+    /// The busiest minute of each bucket's critical demand (CRITICAL_PLUS and CRITICAL
+    /// requests offered, from the controllers' counts by tier) in the window: its mean rate
+    /// and when it began. Absent for buckets whose clients count no tiers.
+    pub critical_peaks: BTreeMap<(String, String), (f64, DateTime<Utc>)>,
 }
 
 /// A window left out of a series.

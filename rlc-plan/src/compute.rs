@@ -143,8 +143,26 @@ fn plan_services(
             }
         }
     }
+    critical_headroom(&mut plan, observed);
     sort_plan(&mut plan);
     plan
+}
+
+/// Each global bucket's critical headroom, where the controllers counted its tiers: the
+/// planned limit over the busiest minute of its critical demand. (A region- or zone-scoped
+/// limit holds per region or zone, and the counts by tier are the whole bucket's: no
+/// headroom is claimed for them.)
+fn critical_headroom(plan: &mut Plan, observed: &Observed) {
+    for b in &mut plan.buckets {
+        if b.bucket.scope != Scope::Global {
+            continue;
+        }
+        let key = (b.service.clone(), b.bucket.name.clone());
+        if let Some(&(peak, at)) = observed.critical_peaks.get(&key) {
+            b.evidence.critical_headroom =
+                crate::evidence::CriticalHeadroom::of(b.bucket.limit_rps, peak, at);
+        }
+    }
 }
 
 /// Lists the series the source rejected in skipped, and returns the services whose history
@@ -1019,4 +1037,44 @@ fn with_events(mut p: Proposal, events: &[PlannedEvent], cx: EventCtx<'_>) -> Pr
     }
     p.limit_rps = limit;
     p
+}
+
+#[cfg(test)]
+mod critical_tests {
+    use super::*;
+
+    fn bucket(yaml: &str) -> Bucket {
+        serde_yaml::from_str(yaml).unwrap()
+    }
+
+    /// A global bucket with a critical peak gets its headroom (limit ÷ peak); a zone-scoped
+    /// one (its limit holds per zone, the counts are the whole bucket's) and a bucket without
+    /// tiers get none.
+    #[test]
+    fn critical_headroom_is_the_limit_over_the_critical_peak_of_global_buckets() {
+        let at = DateTime::<Utc>::from_timestamp(1_796_000_000, 0).unwrap();
+        let mut plan = Plan::default();
+        for b in [
+            "{name: gw, limit_rps: 100}",
+            "{name: edge, limit_rps: 100, scope: zone}",
+            "{name: quiet, limit_rps: 100}",
+        ] {
+            plan.buckets.push(kept("pay", &bucket(b), "test"));
+        }
+        let mut observed = Observed::default();
+        for name in ["gw", "edge"] {
+            observed
+                .critical_peaks
+                .insert(("pay".into(), name.into()), (120.0, at));
+        }
+        critical_headroom(&mut plan, &observed);
+        let h = plan.buckets[0].evidence.critical_headroom.clone().unwrap();
+        assert_eq!(
+            (h.headroom, h.peak_critical_rps, h.peak_at),
+            (0.833, 120.0, at)
+        );
+        assert!(h.short());
+        assert_eq!(plan.buckets[1].evidence.critical_headroom, None);
+        assert_eq!(plan.buckets[2].evidence.critical_headroom, None);
+    }
 }

@@ -61,6 +61,39 @@ pub struct Evidence {
     /// How much demand the bucket's limit refused in the window, if it refused any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub throttled: Option<crate::censor::ThrottledEvidence>,
+    /// The limit against the busiest minute of the bucket's critical demand, when its
+    /// clients count tiers (global buckets only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub critical_headroom: Option<CriticalHeadroom>,
+}
+
+/// A bucket's critical headroom: its limit over the peak of its CRITICAL_PLUS and CRITICAL
+/// demand. Quotas are still learned from the whole demand; below 1, the less critical tiers
+/// cannot cover the shed at that peak and critical requests would be refused.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct CriticalHeadroom {
+    /// Requests/s of CRITICAL_PLUS and CRITICAL in their busiest minute of the window.
+    pub peak_critical_rps: f64,
+    /// When that minute began.
+    pub peak_at: DateTime<Utc>,
+    /// The planned limit ÷ `peak_critical_rps`.
+    pub headroom: f64,
+}
+
+impl CriticalHeadroom {
+    /// The headroom of `limit_rps` over a critical peak of `peak_rps` (None without one).
+    pub fn of(limit_rps: f64, peak_rps: f64, peak_at: DateTime<Utc>) -> Option<CriticalHeadroom> {
+        (peak_rps > 0.0 && limit_rps.is_finite()).then(|| CriticalHeadroom {
+            peak_critical_rps: (peak_rps * 1000.0).round() / 1000.0,
+            peak_at,
+            headroom: (limit_rps / peak_rps * 1000.0).round() / 1000.0,
+        })
+    }
+
+    /// Whether critical requests would be shed at the peak.
+    pub fn short(&self) -> bool {
+        self.headroom < 1.0
+    }
 }
 
 impl Evidence {

@@ -272,9 +272,14 @@ pub async fn observed(cfg: &DaemonConfig, store: &StoreWitness, now: DateTime<Ut
         tracing::warn!(error = %e, "override windows unavailable: learned from as demand");
         Default::default()
     });
+    let critical_peaks = s.critical_peaks(since).await.unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "critical demand by tier unavailable: no critical headroom in the evidence");
+        Default::default()
+    });
     Observed {
         throttled,
         overrides,
+        critical_peaks,
     }
 }
 

@@ -62,6 +62,11 @@ pub struct Details {
     /// How much demand the bucket's limit refused in the window, if it refused any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub throttled: Option<rlc_plan::censor::ThrottledEvidence>,
+    /// The limit over the busiest minute of the bucket's CRITICAL_PLUS and CRITICAL demand
+    /// (global buckets whose clients count tiers); below 1, critical requests would be shed
+    /// at that peak.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub critical_headroom: Option<rlc_plan::evidence::CriticalHeadroom>,
 }
 
 /// One bucket: the preview JSON's bucket (every field of `rlc preview --format json`), plus
@@ -192,6 +197,7 @@ fn details_of(b: &PlannedBucket) -> Details {
         set_by: f.set_by.and_then(|s| s.kind),
         ignored: e.ignored.clone(),
         throttled: e.throttled.clone(),
+        critical_headroom: e.critical_headroom.clone(),
     }
 }
 

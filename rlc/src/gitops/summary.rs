@@ -171,6 +171,56 @@ fn risky_line(pb: Option<&rlc_plan::plan::PlannedBucket>, c: &BucketChange) -> V
     parts
 }
 
+/// The changed buckets whose proposed limit is below the peak of their critical demand
+/// (critical headroom < 1: the less critical tiers cannot cover the shed at that peak).
+fn critical_short(out: &mut String, plan: &Plan, summary: &ChangeSummary, ctx: &ReportContext<'_>) {
+    let short: Vec<(&str, &str, &rlc_plan::evidence::CriticalHeadroom)> = summary
+        .services
+        .iter()
+        .flat_map(|s| {
+            s.changes
+                .iter()
+                .map(move |c| (s.service.as_str(), c.bucket.as_str()))
+        })
+        .filter_map(|(s, b)| {
+            let pb = plan
+                .buckets
+                .iter()
+                .find(|p| p.service == s && p.bucket.name == b)?;
+            let h = pb
+                .evidence
+                .critical_headroom
+                .as_ref()
+                .filter(|h| h.short())?;
+            Some((s, b, h))
+        })
+        .collect();
+    if short.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "### Critical traffic over the limit: {} bucket(s)\n",
+        short.len()
+    );
+    for (service, bucket, h) in short {
+        let name = format!("{}/{}", md(service), md(bucket));
+        let name = match ctx.dashboard_url {
+            Some(base) => format!("[{name}]({})", bucket_url(base, service, bucket)),
+            None => name,
+        };
+        let _ = writeln!(
+            out,
+            "- {name}: the limit is {:.0}% of its CRITICAL_PLUS + CRITICAL peak ({} rps at {}): \
+             critical requests are shed at that peak",
+            h.headroom * 100.0,
+            format_rps(h.peak_critical_rps),
+            h.peak_at.format("%Y-%m-%d %H:%M UTC")
+        );
+    }
+    out.push('\n');
+}
+
 /// The full markdown report of a run (the pull request's body), for a reviewer who has a
 /// minute: the risky changes first (new buckets that enforce at once, promotions out of shadow,
 /// decreases, mode, scope and match changes, removals), each with limit ÷ peak, the peak's
@@ -245,6 +295,7 @@ pub fn report_with(plan: &Plan, summary: &ChangeSummary, ctx: &ReportContext<'_>
         }
         out.push('\n');
     }
+    critical_short(&mut out, plan, summary, ctx);
     for s in &summary.services {
         let _ = writeln!(out, "### {}\n", md(&s.service));
         out.push_str(
@@ -593,6 +644,49 @@ mod tests {
             "{body}"
         );
         assert!(risky[1].starts_with("- **decrease** pay/down"), "{body}");
+    }
+
+    /// A changed bucket whose proposed limit is below its critical peak is listed with its
+    /// headroom; one above it (or without tiers) is not.
+    #[test]
+    fn buckets_short_of_their_critical_peak_are_listed() {
+        let old: BTreeMap<String, BucketFile> = [(
+            "pay".to_string(),
+            BucketFile {
+                service: "pay".into(),
+                buckets: vec![bucket("down", 100.0), bucket("up", 100.0)],
+            },
+        )]
+        .into();
+        let new = vec![BucketFile {
+            service: "pay".into(),
+            buckets: vec![bucket("down", 75.0), bucket("up", 150.0)],
+        }];
+        let t = chrono::DateTime::from_timestamp(1_796_000_400, 0).unwrap();
+        let mut plan = Plan::default();
+        for b in &new[0].buckets {
+            let evidence = Evidence {
+                critical_headroom: rlc_plan::evidence::CriticalHeadroom::of(b.limit_rps, 90.0, t),
+                ..Evidence::default()
+            };
+            plan.buckets.push(PlannedBucket {
+                service: "pay".into(),
+                bucket: b.clone(),
+                current_limit_rps: Some(100.0),
+                evidence,
+                held: None,
+            });
+        }
+        let body = report(&plan, &diff(&old, &new));
+        assert!(
+            body.contains("### Critical traffic over the limit: 1 bucket(s)"),
+            "{body}"
+        );
+        assert!(
+            body.contains("- pay/down: the limit is 83% of its CRITICAL_PLUS + CRITICAL peak (90 rps at 2026-11-30 01:00 UTC): critical requests are shed at that peak"),
+            "{body}"
+        );
+        assert!(!body.contains("- pay/up: the limit"), "{body}");
     }
 
     #[test]
