@@ -33,6 +33,7 @@ use grl_wire::{
 };
 
 mod report;
+pub use report::tier_mix;
 pub mod screen;
 
 use screen::MAX_CALL_SERVICES;
@@ -655,14 +656,16 @@ async fn config(State(s): State<Arc<Shared>>, Query(q): Query<ConfigQuery>) -> J
 
 /// A bucket's offered rate by tier over the zone's clients, and whether some client with
 /// traffic counted no tiers (the zone's mix is then unknown).
-#[derive(Default)]
-struct TierSum {
+#[derive(Debug, Default)]
+pub struct TierSum {
     offered: [f64; TIERS],
     untiered: bool,
 }
 
 impl TierSum {
-    fn add(&mut self, offered: f64, mix: Option<&[f64; TIERS]>) {
+    /// Adds a client's offered rate with its mix of tiers ([`tier_mix`]; None: the client
+    /// counts no tiers).
+    pub fn add(&mut self, offered: f64, mix: Option<&[f64; TIERS]>) {
         match mix {
             Some(m) => {
                 for (o, share) in self.offered.iter_mut().zip(m) {
@@ -674,7 +677,7 @@ impl TierSum {
     }
 
     /// The sums, when every client with traffic counted tiers.
-    fn whole(&self) -> Option<[f64; TIERS]> {
+    pub fn whole(&self) -> Option<[f64; TIERS]> {
         (!self.untiered && self.offered.iter().any(|&o| o > 0.0)).then_some(self.offered)
     }
 }

@@ -255,7 +255,8 @@ fn offer_load(
             for _ in 0..n {
                 let c = &mut counts[b];
                 c[0] += 1;
-                match limiter.decide(&inst.caller, &inst.procedure) {
+                let tier = spec.criticality.unwrap_or_default();
+                match limiter.decide_tier(&inst.caller, &inst.procedure, tier) {
                     Decision::Admit => c[1] += 1,
                     Decision::Drop => c[2] += 1,
                     Decision::ShadowDrop => {
@@ -287,6 +288,8 @@ fn offer_load(
                     },
                     limit_rps: sc.buckets[b].limit_rps,
                     algorithm: Algorithm::DropByRatio,
+                    // Real processes: the rows are per bucket only.
+                    tiers: Vec::new(),
                 };
                 if tx.send(row).is_err() {
                     return Ok(());

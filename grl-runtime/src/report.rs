@@ -222,6 +222,7 @@ pub fn markdown(dir: &Path, seed: u64) -> anyhow::Result<String> {
     fairness_section(w, dir, seed)?;
     uneven_section(w, dir, seed)?;
     candidates_section(w, dir, seed)?;
+    tiers_section(w, dir, seed)?;
     Ok(md)
 }
 
@@ -406,7 +407,9 @@ fn candidates_section(w: &mut String, dir: &Path, seed: u64) -> anyhow::Result<(
          ratio). When the candidate matches the same callers and procedures as the bucket in force, the offered rates \
          are that bucket's, from the zones' reports (regrouped per region or zone when the candidate's scope is \
          narrower); otherwise (a new bucket, another caller or procedure) they are the calls the zones report per \
-         (service, caller, procedure) since the previous tick. `grl_wire::rollout::judge` decides on the counts: \
+         (service, caller, procedure): the calls that arrived since the previous tick, each judged at the rate its \
+         zones' calls were made at (a zone's calls over the time they cover, summed over the zones; in the simulator \
+         every zone reports every tick, its calls covering the tick). `grl_wire::rollout::judge` decides on the counts: \
          abort as soon as at least `min_offered` requests were seen and the virtual-drop share is above \
          `max_virtual_drop_share`; promote after `bake` with enough traffic under the bar; abort a candidate that saw \
          too little traffic after `max_bake`. Here: 10 instances offer 150 rps to a 3,470 rps bucket, bake 1 minute, \
@@ -438,6 +441,106 @@ fn candidates_section(w: &mut String, dir: &Path, seed: u64) -> anyhow::Result<(
             )?,
             None => writeln!(w, "| {limit:.0} rps | none | | | | | {refused:.0} |")?,
         }
+    }
+    Ok(())
+}
+
+/// What a tier saw after a step: its availability (admitted / offered) per tick.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TierFigures {
+    /// The lowest availability of the tier over the ticks after the step.
+    pub min_availability: f64,
+    /// Its mean over the same ticks.
+    pub mean_availability: f64,
+    /// Mean admitted requests/s of the tier after the step.
+    pub admitted_rps: f64,
+}
+
+/// Figures of `tier` in `bucket` over the ticks after `from_s`.
+pub fn tier_figures(
+    res: &SimResult,
+    bucket: &str,
+    tier: schema::Criticality,
+    from_s: f64,
+) -> TierFigures {
+    let ticks: Vec<(f64, f64)> = res
+        .rows
+        .iter()
+        .filter(|r| r.bucket == bucket && r.t > from_s)
+        .filter_map(|r| r.tiers.iter().find(|t| t.tier == tier))
+        .filter(|t| t.offered_rps > 0.0)
+        .map(|t| (t.admitted_rps / t.offered_rps, t.admitted_rps))
+        .collect();
+    let n = ticks.len().max(1) as f64;
+    TierFigures {
+        min_availability: ticks.iter().map(|t| t.0).fold(f64::INFINITY, f64::min),
+        mean_availability: ticks.iter().map(|t| t.0).sum::<f64>() / n,
+        admitted_rps: ticks.iter().map(|t| t.1).sum::<f64>() / n,
+    }
+}
+
+/// Ticks from the one at `step_s` until the admitted total is within ±`band` of the limit
+/// and stays there (None: never).
+pub fn settle_ticks(
+    res: &SimResult,
+    bucket: &str,
+    limit: f64,
+    step_s: f64,
+    band: f64,
+) -> Option<usize> {
+    let after: Vec<f64> = res
+        .rows
+        .iter()
+        .filter(|r| r.bucket == bucket && r.t > step_s)
+        .map(|r| r.admitted_rps)
+        .collect();
+    (0..after.len())
+        .find(|&i| {
+            after[i..]
+                .iter()
+                .all(|a| ((a - limit) / limit).abs() <= band)
+        })
+        .map(|i| i + 1)
+}
+
+/// Criticality tiers: the same SHEDDABLE surge with and without the mix of tiers known.
+fn tiers_section(w: &mut String, dir: &Path, seed: u64) -> anyhow::Result<()> {
+    use schema::Criticality::{Critical, Sheddable};
+    let sc = load(dir, "tiers-surge-12x.yaml")?;
+    let limit = sc.buckets[0].limit_rps;
+    let name = sc.buckets[0].name.clone();
+    writeln!(w, "\n## Criticality tiers (`tiers-surge-12x.yaml`)\n")?;
+    writeln!(
+        w,
+        "One bucket of 1000 rps, 20 checkout instances offering 600 rps of CRITICAL traffic throughout and 20 batch \
+         instances whose SHEDDABLE traffic surges 12× (300 → 3600 rps) at t = 10 s, in 2 zones. \"tiers\" = the zones \
+         forward their clients' mix of tiers and the controller sheds from SHEDDABLE upward; \"no tiers\" = the same \
+         run with aggregators of the previous protocol (`tiers: false`): the mix is unknown and every tier drops the \
+         bucket's ratio. Availability = admitted / offered of a tier per 1 s tick after the surge (lowest and mean); \
+         settled = ticks from the surge until the admitted total is within ±2% of the limit for good.\n"
+    )?;
+    writeln!(
+        w,
+        "| run | CRITICAL availability (lowest tick) | CRITICAL availability (mean) | SHEDDABLE admitted rps (mean, t > 13 s) | admitted total rps (mean, t > 13 s) | settled within ±2% |"
+    )?;
+    writeln!(w, "|---|---:|---:|---:|---:|---:|")?;
+    let mut untiered = sc.clone();
+    untiered.tiers = false;
+    for (label, s) in [("tiers", &sc), ("no tiers", &untiered)] {
+        let r = run(s, seed, Algorithm::DropByRatio, |_| {})?;
+        let crit = tier_figures(&r, &name, Critical, 10.0);
+        let shed = tier_figures(&r, &name, Sheddable, 13.0);
+        let st = steady(&r, &name, limit, 13.0);
+        let settled = settle_ticks(&r, &name, limit, 10.0, 0.02);
+        writeln!(
+            w,
+            "| {label} | {} | {} | {:.0} | {:.0} | {} |",
+            pct(crit.min_availability),
+            pct(crit.mean_availability),
+            shed.admitted_rps,
+            st.admitted_rps,
+            settled.map_or("never".into(), |n| format!("{n} ticks"))
+        )?;
     }
     Ok(())
 }

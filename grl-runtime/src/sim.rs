@@ -9,10 +9,12 @@ use std::time::Duration;
 
 use grl_core::control::scope_key;
 use grl_core::{seed_thread_rng, Decision, Limiter};
-use schema::{Bucket, BucketFile, Mode};
+use schema::criticality::TIERS;
+use schema::{Bucket, BucketFile, Criticality, Mode};
 use serde::{Deserialize, Serialize};
 
 use grl_client::client::Reporter;
+use grl_control::aggregator::{tier_mix, TierSum};
 use grl_control::engine::Engine;
 use grl_wire::rollout::{judge, Observed, RolloutRule, Verdict};
 use grl_wire::{
@@ -64,6 +66,11 @@ pub struct Scenario {
     /// How candidates are judged (default: the defaults of `rollout:`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollout: Option<SimRollout>,
+    /// Zones forward their clients' mix of criticality tiers (default true). `false` runs
+    /// the scenario as aggregators of the previous protocol do: the controller knows no mix
+    /// and every tier drops the bucket's ratio alike.
+    #[serde(default = "d_true")]
+    pub tiers: bool,
 }
 
 /// A candidate limit of a scenario.
@@ -227,6 +234,10 @@ pub struct CallerSpec {
     /// See `replicas`.
     #[serde(default)]
     pub jitter: f64,
+    /// The criticality tier of the caller's requests (default: none given, which counts as
+    /// CRITICAL). A scenario where a caller gives one reports every tick per tier.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub criticality: Option<Criticality>,
 }
 
 fn d_one() -> usize {
@@ -295,6 +306,25 @@ pub struct TickRow {
     pub limit_rps: f64,
     /// The algorithm.
     pub algorithm: Algorithm,
+    /// The same by criticality tier, least critical first, for the tiers that saw requests
+    /// (only in a scenario whose callers give a `criticality`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tiers: Vec<TierRow>,
+}
+
+/// One tier's rates in a [`TickRow`].
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct TierRow {
+    /// The tier.
+    pub tier: Criticality,
+    /// Offered requests/s.
+    pub offered_rps: f64,
+    /// Admitted requests/s (shadow drops included).
+    pub admitted_rps: f64,
+    /// Dropped requests/s.
+    pub dropped_rps: f64,
+    /// Shadow-dropped requests/s.
+    pub shadow_dropped_rps: f64,
 }
 
 /// Fine-grained counts of one bucket over one window.
@@ -344,6 +374,8 @@ struct Instance {
     scale: f64,
     limiter: Arc<Limiter>,
     reporter: Reporter,
+    /// The tier of its requests.
+    tier: Criticality,
     tb: Vec<TokenBucket>,
     carry: f64,
     tick_offered: Vec<u64>,
@@ -528,13 +560,15 @@ struct SimRun<'a> {
     half_ms: u64,
     result: SimResult,
     tick_counts: Vec<Window>,
+    /// Per bucket, the tick's counts by tier.
+    tier_counts: Vec<[Window; TIERS]>,
     win_counts: Vec<Window>,
     /// (apply_at_ms, zone index, directives)
     pending: Vec<(u64, usize, ClientDirectives)>,
     /// (apply_at_ms, per instance per bucket token-bucket rates)
     pending_tb: Vec<(u64, Vec<Vec<f64>>)>,
-    /// Each instance's latest reported rates, as an aggregator keeps them.
-    latest: Vec<BTreeMap<String, [f64; 4]>>,
+    /// Each instance's latest reported rates and mix of tiers, as an aggregator keeps them.
+    latest: Vec<Latest>,
     /// The step in seconds.
     dt: f64,
     now: u64,
@@ -585,6 +619,7 @@ impl<'a> SimRun<'a> {
             half_ms: end_ms / 2,
             result: SimResult::default(),
             tick_counts: vec![Window::default(); nb],
+            tier_counts: vec![[Window::default(); TIERS]; nb],
             win_counts: vec![Window::default(); nb],
             pending: Vec::new(),
             pending_tb: Vec::new(),
@@ -648,7 +683,8 @@ impl<'a> SimRun<'a> {
             let c = decide_n(inst, algo, b, shadow, n, now);
             inst.tick_offered[b] += c.offered;
             self.dropped_total[b] += c.dropped;
-            for w in [&mut self.tick_counts[b], &mut self.win_counts[b]] {
+            let tier = &mut self.tier_counts[b][inst.tier as usize];
+            for w in [&mut self.tick_counts[b], &mut self.win_counts[b], tier] {
                 w.offered += c.offered;
                 w.admitted += c.admitted;
                 w.dropped += c.dropped;
@@ -898,6 +934,7 @@ impl<'a> SimRun<'a> {
             inst.tick_calls = 0;
         }
         let secs = self.sc.tick_ms as f64 / 1000.0;
+        let tiered = self.sc.callers.iter().any(|c| c.criticality.is_some());
         for (b, c) in self.tick_counts.iter_mut().enumerate() {
             let ratio = match self.algo {
                 Algorithm::DropByRatio => self.engine.buckets()[b]
@@ -923,6 +960,18 @@ impl<'a> SimRun<'a> {
                 drop_ratio: ratio,
                 limit_rps: self.buckets[b].limit_rps,
                 algorithm: self.algo,
+                tiers: Criticality::ALL
+                    .iter()
+                    .zip(std::mem::take(&mut self.tier_counts[b]))
+                    .filter(|(_, w)| tiered && w.offered > 0)
+                    .map(|(&tier, w)| TierRow {
+                        tier,
+                        offered_rps: w.offered as f64 / secs,
+                        admitted_rps: w.admitted as f64 / secs,
+                        dropped_rps: w.dropped as f64 / secs,
+                        shadow_dropped_rps: w.shadow_dropped as f64 / secs,
+                    })
+                    .collect(),
             };
             emit(&row);
             self.result.rows.push(row);
@@ -998,6 +1047,7 @@ fn build_instances(
                 scale: *scale,
                 limiter,
                 reporter,
+                tier: c.criticality.unwrap_or_default(),
                 tb: Vec::new(),
                 carry: 0.0,
                 tick_offered: vec![0; sc.buckets.len()],
@@ -1045,7 +1095,7 @@ fn decide_n(
         let d = match algo {
             Algorithm::DropByRatio => {
                 inst.limiter
-                    .decide_at(&inst.caller_name, &inst.procedure, now)
+                    .decide_tier_at(&inst.caller_name, &inst.procedure, inst.tier, now)
             }
             Algorithm::TokenBucket => {
                 // Keep the reporter's counters meaningful for the token bucket too:
@@ -1074,16 +1124,21 @@ fn decide_n(
     c
 }
 
+/// An instance's latest rates per bucket and their mix of tiers, as an aggregator keeps them.
+type Latest = BTreeMap<String, ([f64; 4], Option<[f64; TIERS]>)>;
+
 /// One control round: the instances in `ids` report (the others keep their latest rates, as
-/// an aggregator does), every zone forwards its sums, the engine recomputes, and each zone's
-/// directives are queued to reach its clients after the loop latency.
+/// an aggregator does), every zone forwards its sums (and, when the scenario's zones forward
+/// tiers, the offered rates by tier of a zone whose every client counted them), the engine
+/// recomputes, and each zone's directives are queued to reach its clients after the loop
+/// latency.
 #[allow(clippy::too_many_arguments)]
 fn control_round(
     sc: &Scenario,
     zones: &[ZoneSpec],
     engine: &mut Engine,
     instances: &mut [Instance],
-    latest: &mut [BTreeMap<String, [f64; 4]>],
+    latest: &mut [Latest],
     ids: &[usize],
     now: u64,
     pending: &mut Vec<(u64, usize, ClientDirectives)>,
@@ -1092,22 +1147,30 @@ fn control_round(
 ) {
     for &i in ids {
         let r = instances[i].reporter.build_report(now);
-        latest[i] = r.rates().into_iter().collect();
+        latest[i] = r
+            .rates()
+            .into_iter()
+            .zip(&r.buckets)
+            .map(|((b, rates), c)| (b, (rates, tier_mix(c))))
+            .collect();
     }
-    let mut per_zone: Vec<BTreeMap<String, ZoneBucketMsg>> = vec![BTreeMap::new(); zones.len()];
+    let mut per_zone: Vec<BTreeMap<String, (ZoneBucketMsg, TierSum)>> =
+        (0..zones.len()).map(|_| BTreeMap::new()).collect();
     for (i, inst) in instances.iter().enumerate() {
-        for (b, r) in &latest[i] {
-            let e = per_zone[inst.zone]
-                .entry(b.clone())
-                .or_insert_with(|| ZoneBucketMsg {
+        for (b, (r, mix)) in &latest[i] {
+            let (e, tiers) = per_zone[inst.zone].entry(b.clone()).or_insert_with(|| {
+                let m = ZoneBucketMsg {
                     service: sc.service.clone(),
                     bucket: b.clone(),
                     ..Default::default()
-                });
+                };
+                (m, TierSum::default())
+            });
             e.offered_rps += r[0];
             e.admitted_rps += r[1];
             e.dropped_rps += r[2];
             e.shadow_dropped_rps += r[3];
+            tiers.add(r[0], mix.as_ref());
         }
     }
     // A tick's calls cover the tick (an urgent round between ticks carries none and says
@@ -1118,7 +1181,13 @@ fn control_round(
             aggregator_id: format!("sim-{}", z.name),
             region: z.region.clone(),
             zone: z.name.clone(),
-            buckets: std::mem::take(&mut per_zone[zi]).into_values().collect(),
+            buckets: std::mem::take(&mut per_zone[zi])
+                .into_values()
+                .map(|(mut b, tiers)| {
+                    b.tier_offered_rps = tiers.whole().filter(|_| sc.tiers);
+                    b
+                })
+                .collect(),
             calls: calls.get_mut(zi).map(std::mem::take).unwrap_or_default(),
             calls_ms,
             session: None,

@@ -290,3 +290,42 @@ fn sim_candidate_errors_name_the_field() {
     let e = run(&sc, 1, Algorithm::DropByRatio, |_| {}).unwrap_err();
     assert!(e.to_string().contains("candidates[0].bucket.name"), "{e}");
 }
+
+/// A SHEDDABLE surge of 12× beside flat CRITICAL traffic: with the mix of tiers known, the
+/// CRITICAL traffic is admitted on every tick and the admitted total is within ±2% of the
+/// limit within 3 ticks; without it (aggregators of the previous protocol), CRITICAL loses
+/// as much as SHEDDABLE, at the same total.
+#[test]
+fn sim_tiers_keep_critical_traffic_through_a_sheddable_surge() {
+    use crate::report::{settle_ticks, tier_figures};
+    use schema::Criticality::{Critical, Sheddable};
+    let sc = scenario("tiers-surge-12x.yaml");
+    let (name, limit) = (sc.buckets[0].name.clone(), sc.buckets[0].limit_rps);
+    for seed in [1, 7] {
+        let r = run(&sc, seed, Algorithm::DropByRatio, |_| {}).unwrap();
+        let crit = tier_figures(&r, &name, Critical, 10.0);
+        assert!(crit.min_availability >= 0.99, "seed {seed}: {crit:?}");
+        let shed = tier_figures(&r, &name, Sheddable, 13.0);
+        assert!(
+            (shed.admitted_rps - 400.0).abs() < 20.0,
+            "seed {seed}: {shed:?}"
+        );
+        let settled = settle_ticks(&r, &name, limit, 10.0, 0.02);
+        assert!(settled.is_some_and(|n| n <= 3), "seed {seed}: {settled:?}");
+        // Rows carry the tiers.
+        let row = r.rows.iter().find(|row| row.t == 20.0).unwrap();
+        let tiers: Vec<_> = row.tiers.iter().map(|t| t.tier).collect();
+        assert_eq!(tiers, [Sheddable, Critical]);
+    }
+    let mut untiered = sc.clone();
+    untiered.tiers = false;
+    let r = run(&untiered, 1, Algorithm::DropByRatio, |_| {}).unwrap();
+    let crit = tier_figures(&r, &name, Critical, 13.0);
+    // 1000 of 4200: every tier keeps about 24%.
+    assert!(
+        (crit.mean_availability - 1000.0 / 4200.0).abs() < 0.03,
+        "{crit:?}"
+    );
+    let st = steady(&r, &name, limit, 13.0);
+    assert!(st.error.abs() <= 0.02, "{st:?}");
+}

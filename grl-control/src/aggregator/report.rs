@@ -287,7 +287,7 @@ fn believed_tiers(b: &BucketCountsMsg) -> Option<[u64; TIERS]> {
 }
 
 /// The shares of a bucket's offered requests by tier (None without believed tiers).
-fn tier_mix(b: &BucketCountsMsg) -> Option<[f64; TIERS]> {
+pub fn tier_mix(b: &BucketCountsMsg) -> Option<[f64; TIERS]> {
     let o = believed_tiers(b)?;
     let sum: u64 = o.iter().sum();
     (sum > 0).then(|| o.map(|t| t as f64 / sum as f64))
