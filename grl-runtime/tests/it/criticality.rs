@@ -265,3 +265,143 @@ async fn grl_layer_sheds_the_least_critical_tier_first() {
         "SHEDDABLE admitted {s_rate:.1} rps"
     );
 }
+
+/// Mixed versions, real controller and aggregator processes: a client of the previous
+/// protocol (an emulated protocol-7 client: it reports its counts without tiers every 200 ms
+/// and drops the uniform ratio of the reply) offers 100 rps beside a `GrlLayer` client of this
+/// version offering 60 rps CRITICAL and 90 rps SHEDDABLE, against 200 rps. The zone's mix of
+/// tiers is then unknown, so every tier drops the bucket's ratio (as before tiers existed) and
+/// the bucket stays at its limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_of_the_previous_protocol_keeps_the_bucket_at_its_limit() {
+    use std::convert::Infallible;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use grl_client::client::{ClientOptions, GrlClient};
+    use grl_client::layer::{GrlLayer, KeyFrom};
+    use http::{HeaderName, Request, Response};
+    use tower::{Layer, Service, ServiceExt};
+
+    const LIMIT: f64 = 200.0;
+    let dir = tempfile::tempdir().unwrap();
+    let (_ctl, _, base) = super::start_controller(&dir.path().join("state"), dir.path(), &[]).await;
+    super::push_config(
+        &reqwest::Client::new(),
+        &base,
+        &super::payments_config("v1", LIMIT),
+    )
+    .await;
+    let (_agg, agg) = super::start_aggregator(&base, "agg-a", dir.path()).await;
+    let stop = Arc::new(AtomicBool::new(false));
+
+    // This version: [ok, refused] of CRITICAL and SHEDDABLE.
+    let counts: Arc<[[AtomicU64; 2]; 2]> = Arc::default();
+    let mut o = ClientOptions::new("payments", vec![agg.clone()]);
+    o.client_id = Some("layer-v8".into());
+    o.report_token = Some(super::CLIENT_TOKEN.into());
+    o.tick = Duration::from_millis(200);
+    let client = GrlClient::start(o);
+    let svc = GrlLayer::for_client(&client)
+        .caller_from(KeyFrom::Header(HeaderName::from_static("rpc-caller")))
+        .procedure_from(KeyFrom::Fixed("charge".into()))
+        .layer(tower::service_fn(|_req: Request<()>| async {
+            Ok::<_, Infallible>(Response::new(String::new()))
+        }));
+    let mut tasks = Vec::new();
+    for (rps, tier, i) in [(60.0, "CRITICAL", 0), (90.0, "SHEDDABLE", 1)] {
+        let (mut svc, stop, counts) = (svc.clone(), stop.clone(), counts.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut iv = tokio::time::interval(Duration::from_secs_f64(1.0 / rps));
+            iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+            while !stop.load(Ordering::Relaxed) {
+                iv.tick().await;
+                let req = Request::builder()
+                    .header("rpc-caller", "gw")
+                    .header("rpc-criticality", tier)
+                    .body(())
+                    .unwrap();
+                let resp = svc.ready().await.unwrap().call(req).await.unwrap();
+                let refused = resp.status() == http::StatusCode::TOO_MANY_REQUESTS;
+                counts[i][refused as usize].fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+
+    // The previous protocol: 20 requests per 200 ms, the reply's ratio dropped (a carry keeps
+    // the admitted count exact), counts reported without tiers under `grl-proto: 7`.
+    let legacy_ok = Arc::new(AtomicU64::new(0));
+    let legacy = {
+        let (stop, ok, agg) = (stop.clone(), legacy_ok.clone(), agg.clone());
+        tokio::spawn(async move {
+            let http = reqwest::Client::new();
+            let (mut ratio, mut carry) = (0.0f64, 0.0f64);
+            let mut iv = tokio::time::interval(Duration::from_millis(200));
+            while !stop.load(Ordering::Relaxed) {
+                iv.tick().await;
+                carry += 20.0 * (1.0 - ratio);
+                let admitted = carry.floor();
+                carry -= admitted;
+                ok.fetch_add(admitted as u64, Ordering::Relaxed);
+                let report = json!({
+                    "client_id": "legacy-v7", "service": "payments", "version": "v1",
+                    "interval_ms": 200,
+                    "buckets": [{"bucket": "gw.charge", "offered": 20, "admitted": admitted as u64,
+                                 "dropped": 20 - admitted as u64, "shadow_dropped": 0}]
+                });
+                let reply = http
+                    .post(format!("{agg}/v1/report"))
+                    .header("grl-proto", "7")
+                    .bearer_auth(super::CLIENT_TOKEN)
+                    .json(&report)
+                    .timeout(Duration::from_secs(2))
+                    .send()
+                    .await;
+                let Ok(reply) = reply else { continue };
+                let Ok(d) = reply.json::<serde_json::Value>().await else {
+                    continue;
+                };
+                // A client of protocol 7 reads the ratio alone; a split must not reach it.
+                if let Some(dir) = d["directives"].as_array().and_then(|a| a.first()) {
+                    assert!(dir.get("shed").is_none(), "{d}");
+                    ratio = dir["ratio"].as_f64().unwrap_or(ratio);
+                }
+            }
+        })
+    };
+    let take = || {
+        let tiered = counts
+            .each_ref()
+            .map(|c| c.each_ref().map(|n| n.swap(0, Ordering::Relaxed)));
+        (tiered, legacy_ok.swap(0, Ordering::Relaxed))
+    };
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    take();
+    let t0 = Instant::now();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let secs = t0.elapsed().as_secs_f64();
+    let ([[c_ok, c_refused], [s_ok, s_refused]], l_ok) = take();
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    legacy.await.unwrap();
+    drop(client);
+    let admitted = (c_ok + s_ok + l_ok) as f64 / secs;
+    let share = |ok: u64, refused: u64| refused as f64 / (ok + refused).max(1) as f64;
+    eprintln!(
+        "mixed versions: admitted {admitted:.1} rps (limit {LIMIT}); legacy {:.1} rps; CRITICAL ok/429 {c_ok}/{c_refused}, SHEDDABLE ok/429 {s_ok}/{s_refused}",
+        l_ok as f64 / secs
+    );
+    assert!(
+        (admitted - LIMIT).abs() <= 0.05 * LIMIT,
+        "admitted {admitted:.1} rps"
+    );
+    // The uniform fallback: both tiers of the new client lose about the bucket's fifth.
+    for (tier, ok, refused) in [
+        ("CRITICAL", c_ok, c_refused),
+        ("SHEDDABLE", s_ok, s_refused),
+    ] {
+        let s = share(ok, refused);
+        assert!((s - 0.2).abs() <= 0.07, "{tier} refused {s:.3}");
+    }
+}
