@@ -1085,3 +1085,67 @@ async fn fetch_config(
         .await?
         .json()?)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use grl_core::Limiter;
+    use grl_wire::{DirectiveMsg, TierShedMsg};
+
+    /// A client whose own rate asks for more than the controller's ratio sheds by its own
+    /// mix of tiers, but never less on any tier than the controller's split: a `shed_below`
+    /// floor stays whole even when the client's own split would spare the tiers below it.
+    #[test]
+    fn a_client_shedding_more_on_its_own_never_undoes_the_directed_split() {
+        let limiter = Arc::new(Limiter::new("payments", Duration::from_secs(3)));
+        let mut r = Reporter::new(limiter.clone(), "c1", 0);
+        let file: BucketFile = serde_json::from_value(serde_json::json!({
+            "service": "payments",
+            "buckets": [{"name": "g", "caller": "gw", "limit_rps": 350.0, "mode": "enforce"}]
+        }))
+        .unwrap();
+        r.install("payments", Some(&file), "v1").unwrap();
+        // One second of its own traffic: 300 SHEDDABLE_PLUS and 100 CRITICAL requests.
+        for (tier, n) in [
+            (Criticality::SheddablePlus, 300),
+            (Criticality::Critical, 100),
+        ] {
+            for _ in 0..n {
+                limiter.decide_tier_at("gw", "charge", tier, 500);
+            }
+        }
+        r.build_report(1000);
+        // The fleet's directive: a ratio of 0.1 with a floor dropping every tier below
+        // CRITICAL. This client alone offers 400 rps at a limit of 350 (its own ratio 0.125,
+        // whose split over its mix would drop 1/6 of SHEDDABLE_PLUS only).
+        let d = ClientDirectives {
+            version: "v1".into(),
+            age_ms: Some(0),
+            directives: vec![DirectiveMsg {
+                bucket: "g".into(),
+                ratio: 0.1,
+                fleet_offered_rps: 4000.0,
+                limit_rps: 350.0,
+                fixed: false,
+                shed: Some(TierShedMsg {
+                    threshold: Criticality::Critical,
+                    fraction: 0.0,
+                }),
+            }],
+        };
+        r.apply(&d, 1000);
+        let t = limiter.table();
+        let i = t.index_of("g").unwrap();
+        assert_eq!(t.tier_ratio(i, Criticality::SheddablePlus), 1.0);
+        assert_eq!(t.tier_ratio(i, Criticality::Critical), 0.0);
+        // Without the floor, the client's own split: 50 of its 300 SHEDDABLE_PLUS requests.
+        let mut open = d.clone();
+        open.directives[0].shed = Some(TierShedMsg {
+            threshold: Criticality::Sheddable,
+            fraction: 0.1,
+        });
+        r.apply(&open, 1000);
+        let p = limiter.table().tier_ratio(i, Criticality::SheddablePlus);
+        assert!((p - 50.0 / 300.0).abs() < 1e-6, "{p}");
+    }
+}

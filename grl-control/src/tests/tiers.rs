@@ -192,6 +192,34 @@ fn a_shed_below_override_drops_every_tier_below_its_floor() {
     assert_eq!(shed_of(&e, "z1"), (ratio, None));
 }
 
+/// Several floors on one bucket (a service-wide one and the bucket's own): the highest is in
+/// force; when it expires, the other one is again.
+#[test]
+fn of_several_floors_the_highest_wins() {
+    let mut e = Engine::new(one_global(400.0), 3000);
+    e.ingest(&report("z1", 300.0, Some([100.0, 80.0, 60.0, 60.0])), 0);
+    e.set_overrides(vec![
+        shed_below("ovr-low", None, Criticality::SheddablePlus, 200),
+        shed_below("ovr-high", Some("g"), Criticality::CriticalPlus, 100),
+    ]);
+    e.recompute(1, 10);
+    let (ratio, shed) = shed_of(&e, "z1");
+    assert_eq!(
+        shed,
+        Some(TierShedMsg {
+            threshold: Criticality::CriticalPlus,
+            fraction: 0.0
+        })
+    );
+    // Everything below CRITICAL_PLUS: 240 of 300.
+    assert!((ratio - 240.0 / 300.0).abs() < 1e-9, "{ratio}");
+    // The higher floor expired: the lower one is in force.
+    e.recompute(2, 150);
+    let (ratio, shed) = shed_of(&e, "z1");
+    assert_eq!(shed.map(|s| s.threshold), Some(Criticality::SheddablePlus));
+    assert!((ratio - 100.0 / 300.0).abs() < 1e-9, "{ratio}");
+}
+
 /// A zone report whose counts of bucket `g` carry `tiers` (each `[offered, admitted,
 /// dropped, shadow_dropped]`) beside requests of clients without tiers (`untiered`).
 fn counted(tiers: &[(Criticality, [u64; 4])], untiered: [u64; 4]) -> grl_wire::ZoneReport {
