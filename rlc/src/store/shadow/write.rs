@@ -305,87 +305,7 @@ impl Store {
             .map(Ts)
             .collect();
         match self {
-            Store::Postgres(pool) => {
-                let mut tx = pool.begin().await?;
-                sqlx::query(
-                    "INSERT INTO shadow_dirty_hours AS d (hour, marks) SELECT h, 1 FROM UNNEST($1::timestamptz[]) h \
-                     ON CONFLICT (hour) DO UPDATE SET marks = d.marks + 1",
-                )
-                .bind(&hours)
-                .execute(&mut *tx)
-                .await?;
-                let periods = PERIODS
-                    .iter()
-                    .enumerate()
-                    .map(|(i, p)| p.pg_upsert_cte(&format!("p{i}")))
-                    .collect::<Vec<_>>()
-                    .join(", ");
-                for chunk in rows.chunks(PG_ROWS_PER_STATEMENT) {
-                    let tiered = tier_entries(chunk);
-                    // One statement: the new rows (RETURNING) are summed per minute and upserted
-                    // into the roll-ups inside Postgres, without a round trip.
-                    let (inserted,): (i64,) = sqlx::query_as(&format!(
-                        "WITH ins AS (INSERT INTO shadow_reports ({REPORT_COLUMNS}) \
-                         SELECT * FROM UNNEST($1::bigint[], $2::timestamptz[], $3::text[], $4::text[], $5::text[], \
-                         $6::text[], $7::text[], $8::text[], $9::float8[], $10::float8[], $11::float8[], \
-                         $12::float8[], $13::float8[], $14::float8[], $15::timestamptz[], $16::float8[]) \
-                         ON CONFLICT (seq, service, bucket, scope_key) DO NOTHING \
-                         RETURNING seq, t, service, bucket, scope_key, mode, offered, admitted, dropped, \
-                                   shadow_dropped, limit_rps, drop_ratio, \
-                                   COALESCE(offered_rate, offered) AS rate), \
-                         up AS (INSERT INTO shadow_minutes AS m ({MINUTE_COLUMNS}) \
-                         SELECT service, bucket, scope_key, date_trunc('minute', t AT TIME ZONE 'UTC') AT TIME ZONE 'UTC', \
-                                COUNT(*), SUM(offered), SUM(admitted), SUM(dropped), SUM(shadow_dropped), \
-                                MAX(rate), MAX(drop_ratio), MIN(t), MAX(t), \
-                                (array_agg(limit_rps ORDER BY seq DESC))[1], (array_agg(mode ORDER BY seq DESC))[1], \
-                                MAX(seq) \
-                         FROM ins GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 4, 3{UPSERT_SET}), \
-                         tin AS (SELECT * FROM UNNEST($17::bigint[], $18::text[], $19::text[], $20::text[], \
-                         $21::timestamptz[], $22::text[], $23::float8[], $24::float8[], $25::float8[]) \
-                         AS x(seq, service, bucket, scope_key, t, tier, offered, dropped, shadow_dropped)), \
-                         tup AS (INSERT INTO shadow_tier_minutes AS m ({columns}) \
-                         SELECT tin.service, tin.bucket, date_trunc('minute', tin.t AT TIME ZONE 'UTC') AT TIME ZONE 'UTC', \
-                                {pivot} \
-                         FROM tin JOIN ins ON ins.seq = tin.seq AND ins.service = tin.service \
-                              AND ins.bucket = tin.bucket AND ins.scope_key = tin.scope_key \
-                         GROUP BY 1, 2, 3 ORDER BY 1, 2, 3{tier_set}), \
-                         {periods} \
-                         SELECT COUNT(*) FROM ins",
-                        columns = *TIER_COLUMNS,
-                        pivot = *TIER_PIVOT,
-                        tier_set = *TIER_UPSERT_SET,
-                    ))
-                    .bind(chunk.iter().map(|x| seq_of(x.r)).collect::<Vec<_>>())
-                    .bind(chunk.iter().map(|x| x.t).collect::<Vec<_>>())
-                    .bind(chunk.iter().map(|x| x.r.service.as_str()).collect::<Vec<_>>())
-                    .bind(chunk.iter().map(|x| x.r.bucket.as_str()).collect::<Vec<_>>())
-                    .bind(chunk.iter().map(|x| x.r.caller.as_deref()).collect::<Vec<_>>())
-                    .bind(chunk.iter().map(|x| x.r.procedure.as_deref()).collect::<Vec<_>>())
-                    .bind(chunk.iter().map(|x| x.r.mode.as_ref()).collect::<Vec<_>>())
-                    .bind(chunk.iter().map(|x| x.scope.as_str()).collect::<Vec<_>>())
-                    .bind(chunk.iter().map(|x| x.sums[0]).collect::<Vec<_>>())
-                    .bind(chunk.iter().map(|x| x.sums[1]).collect::<Vec<_>>())
-                    .bind(chunk.iter().map(|x| x.sums[2]).collect::<Vec<_>>())
-                    .bind(chunk.iter().map(|x| x.sums[3]).collect::<Vec<_>>())
-                    .bind(chunk.iter().map(|x| x.r.limit_rps).collect::<Vec<_>>())
-                    .bind(chunk.iter().map(|x| x.r.drop_ratio).collect::<Vec<_>>())
-                    .bind(vec![received_at; chunk.len()])
-                    .bind(chunk.iter().map(|x| x.r.offered).collect::<Vec<_>>())
-                    .bind(tiered.iter().map(|(x, _)| seq_of(x.r)).collect::<Vec<_>>())
-                    .bind(tiered.iter().map(|(x, _)| x.r.service.as_str()).collect::<Vec<_>>())
-                    .bind(tiered.iter().map(|(x, _)| x.r.bucket.as_str()).collect::<Vec<_>>())
-                    .bind(tiered.iter().map(|(x, _)| x.scope.as_str()).collect::<Vec<_>>())
-                    .bind(tiered.iter().map(|(x, _)| x.t).collect::<Vec<_>>())
-                    .bind(tiered.iter().map(|(_, t)| t.tier.as_str()).collect::<Vec<_>>())
-                    .bind(tiered.iter().map(|(_, t)| tier_counts(t)[0]).collect::<Vec<_>>())
-                    .bind(tiered.iter().map(|(_, t)| tier_counts(t)[1]).collect::<Vec<_>>())
-                    .bind(tiered.iter().map(|(_, t)| tier_counts(t)[2]).collect::<Vec<_>>())
-                    .fetch_one(&mut *tx)
-                    .await?;
-                    new += inserted as u64;
-                }
-                tx.commit().await?;
-            }
+            Store::Postgres(pool) => new = pg_insert(pool, &rows, &hours, received_at).await?,
             Store::Sqlite(pool, file) => {
                 if let Some(f) = file {
                     f.check()?;
@@ -586,6 +506,97 @@ impl Store {
             Ok(done)
         })
     }
+}
+
+/// [`Store::insert_reports`] on Postgres: one statement per chunk inserts the rows from
+/// arrays and upserts the roll-ups of the new ones; returns how many were new.
+async fn pg_insert(
+    pool: &sqlx::PgPool,
+    rows: &[Row<'_>],
+    hours: &[Ts],
+    received_at: DateTime<Utc>,
+) -> Result<u64, StoreError> {
+    let mut new = 0u64;
+    let mut tx = pool.begin().await?;
+    sqlx::query(
+        "INSERT INTO shadow_dirty_hours AS d (hour, marks) SELECT h, 1 FROM UNNEST($1::timestamptz[]) h \
+         ON CONFLICT (hour) DO UPDATE SET marks = d.marks + 1",
+    )
+    .bind(hours)
+    .execute(&mut *tx)
+    .await?;
+    let periods = PERIODS
+        .iter()
+        .enumerate()
+        .map(|(i, p)| p.pg_upsert_cte(&format!("p{i}")))
+        .collect::<Vec<_>>()
+        .join(", ");
+    for chunk in rows.chunks(PG_ROWS_PER_STATEMENT) {
+        let tiered = tier_entries(chunk);
+        // One statement: the new rows (RETURNING) are summed per minute and upserted
+        // into the roll-ups inside Postgres, without a round trip.
+        let (inserted,): (i64,) = sqlx::query_as(&format!(
+            "WITH ins AS (INSERT INTO shadow_reports ({REPORT_COLUMNS}) \
+             SELECT * FROM UNNEST($1::bigint[], $2::timestamptz[], $3::text[], $4::text[], $5::text[], \
+             $6::text[], $7::text[], $8::text[], $9::float8[], $10::float8[], $11::float8[], \
+             $12::float8[], $13::float8[], $14::float8[], $15::timestamptz[], $16::float8[]) \
+             ON CONFLICT (seq, service, bucket, scope_key) DO NOTHING \
+             RETURNING seq, t, service, bucket, scope_key, mode, offered, admitted, dropped, \
+                       shadow_dropped, limit_rps, drop_ratio, \
+                       COALESCE(offered_rate, offered) AS rate), \
+             up AS (INSERT INTO shadow_minutes AS m ({MINUTE_COLUMNS}) \
+             SELECT service, bucket, scope_key, date_trunc('minute', t AT TIME ZONE 'UTC') AT TIME ZONE 'UTC', \
+                    COUNT(*), SUM(offered), SUM(admitted), SUM(dropped), SUM(shadow_dropped), \
+                    MAX(rate), MAX(drop_ratio), MIN(t), MAX(t), \
+                    (array_agg(limit_rps ORDER BY seq DESC))[1], (array_agg(mode ORDER BY seq DESC))[1], \
+                    MAX(seq) \
+             FROM ins GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 4, 3{UPSERT_SET}), \
+             tin AS (SELECT * FROM UNNEST($17::bigint[], $18::text[], $19::text[], $20::text[], \
+             $21::timestamptz[], $22::text[], $23::float8[], $24::float8[], $25::float8[]) \
+             AS x(seq, service, bucket, scope_key, t, tier, offered, dropped, shadow_dropped)), \
+             tup AS (INSERT INTO shadow_tier_minutes AS m ({columns}) \
+             SELECT tin.service, tin.bucket, date_trunc('minute', tin.t AT TIME ZONE 'UTC') AT TIME ZONE 'UTC', \
+                    {pivot} \
+             FROM tin JOIN ins ON ins.seq = tin.seq AND ins.service = tin.service \
+                  AND ins.bucket = tin.bucket AND ins.scope_key = tin.scope_key \
+             GROUP BY 1, 2, 3 ORDER BY 1, 2, 3{tier_set}), \
+             {periods} \
+             SELECT COUNT(*) FROM ins",
+            columns = *TIER_COLUMNS,
+            pivot = *TIER_PIVOT,
+            tier_set = *TIER_UPSERT_SET,
+        ))
+        .bind(chunk.iter().map(|x| seq_of(x.r)).collect::<Vec<_>>())
+        .bind(chunk.iter().map(|x| x.t).collect::<Vec<_>>())
+        .bind(chunk.iter().map(|x| x.r.service.as_str()).collect::<Vec<_>>())
+        .bind(chunk.iter().map(|x| x.r.bucket.as_str()).collect::<Vec<_>>())
+        .bind(chunk.iter().map(|x| x.r.caller.as_deref()).collect::<Vec<_>>())
+        .bind(chunk.iter().map(|x| x.r.procedure.as_deref()).collect::<Vec<_>>())
+        .bind(chunk.iter().map(|x| x.r.mode.as_ref()).collect::<Vec<_>>())
+        .bind(chunk.iter().map(|x| x.scope.as_str()).collect::<Vec<_>>())
+        .bind(chunk.iter().map(|x| x.sums[0]).collect::<Vec<_>>())
+        .bind(chunk.iter().map(|x| x.sums[1]).collect::<Vec<_>>())
+        .bind(chunk.iter().map(|x| x.sums[2]).collect::<Vec<_>>())
+        .bind(chunk.iter().map(|x| x.sums[3]).collect::<Vec<_>>())
+        .bind(chunk.iter().map(|x| x.r.limit_rps).collect::<Vec<_>>())
+        .bind(chunk.iter().map(|x| x.r.drop_ratio).collect::<Vec<_>>())
+        .bind(vec![received_at; chunk.len()])
+        .bind(chunk.iter().map(|x| x.r.offered).collect::<Vec<_>>())
+        .bind(tiered.iter().map(|(x, _)| seq_of(x.r)).collect::<Vec<_>>())
+        .bind(tiered.iter().map(|(x, _)| x.r.service.as_str()).collect::<Vec<_>>())
+        .bind(tiered.iter().map(|(x, _)| x.r.bucket.as_str()).collect::<Vec<_>>())
+        .bind(tiered.iter().map(|(x, _)| x.scope.as_str()).collect::<Vec<_>>())
+        .bind(tiered.iter().map(|(x, _)| x.t).collect::<Vec<_>>())
+        .bind(tiered.iter().map(|(_, t)| t.tier.as_str()).collect::<Vec<_>>())
+        .bind(tiered.iter().map(|(_, t)| tier_counts(t)[0]).collect::<Vec<_>>())
+        .bind(tiered.iter().map(|(_, t)| tier_counts(t)[1]).collect::<Vec<_>>())
+        .bind(tiered.iter().map(|(_, t)| tier_counts(t)[2]).collect::<Vec<_>>())
+        .fetch_one(&mut *tx)
+        .await?;
+        new += inserted as u64;
+    }
+    tx.commit().await?;
+    Ok(new)
 }
 
 /// Adds the tier counts of `fresh` (new rows) to `shadow_tier_minutes` (SQLite).
