@@ -186,38 +186,51 @@ impl BucketCountsMsg {
         out
     }
 
-    /// The counts split by tier: `[offered, admitted, dropped, shadow_dropped]` of each tier,
-    /// least critical first, then (at [`TIERS`]) of the requests counted without a tier (from
-    /// clients that do not count tiers). Tiers whose counts do not fit within the whole
-    /// (a sender that is wrong about them) are ignored: everything is then untiered.
-    pub fn by_tier(&self) -> [[u64; 4]; TIERS + 1] {
+    /// Whether the tier counts fit within the whole: for each of offered, admitted, dropped
+    /// and shadow-dropped, the tiers' sum is at most the whole's. Tiers that do not (a sender
+    /// that is wrong about them, or counts an aggregator cut) are not believed.
+    pub fn tiers_believed(&self) -> bool {
         let whole = [
             self.offered,
             self.admitted,
             self.dropped,
             self.shadow_dropped,
         ];
-        let mut out = [[0; 4]; TIERS + 1];
-        let mut rest = Some(whole);
-        for (j, t) in self.tier_counts().into_iter().enumerate() {
-            let Some(t) = t else { continue };
+        let mut sum = [0u64; 4];
+        for t in &self.tiers {
             let c = [t.offered, t.admitted, t.dropped, t.shadow_dropped];
-            out[j] = c;
-            rest = rest.and_then(|r| {
-                let mut left = [0; 4];
-                for k in 0..4 {
-                    left[k] = r[k].checked_sub(c[k])?;
-                }
-                Some(left)
-            });
-        }
-        match rest {
-            Some(r) => out[TIERS] = r,
-            None => {
-                out = [[0; 4]; TIERS + 1];
-                out[TIERS] = whole;
+            for (s, x) in sum.iter_mut().zip(c) {
+                *s = s.saturating_add(x);
             }
         }
+        sum.iter().zip(whole).all(|(s, w)| *s <= w)
+    }
+
+    /// The counts split by tier: `[offered, admitted, dropped, shadow_dropped]` of each tier,
+    /// least critical first, then (at [`TIERS`]) of the requests counted without a tier (from
+    /// clients that do not count tiers). Tiers not believed ([`Self::tiers_believed`]) are
+    /// ignored: everything is then untiered.
+    pub fn by_tier(&self) -> [[u64; 4]; TIERS + 1] {
+        let mut out = [[0; 4]; TIERS + 1];
+        out[TIERS] = [
+            self.offered,
+            self.admitted,
+            self.dropped,
+            self.shadow_dropped,
+        ];
+        if !self.tiers_believed() {
+            return out;
+        }
+        let mut rest = out[TIERS];
+        for (j, t) in self.tier_counts().into_iter().enumerate() {
+            let Some(t) = t else { continue };
+            out[j] = [t.offered, t.admitted, t.dropped, t.shadow_dropped];
+            // Believed: the tiers' sums fit, so no count goes below zero.
+            for (r, x) in rest.iter_mut().zip(out[j]) {
+                *r -= x;
+            }
+        }
+        out[TIERS] = rest;
         out
     }
 
@@ -465,6 +478,53 @@ pub struct ZoneDirectives {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn tier(tier: Criticality, c: [u64; 4]) -> TierCountsMsg {
+        TierCountsMsg {
+            tier,
+            offered: c[0],
+            admitted: c[1],
+            dropped: c[2],
+            shadow_dropped: c[3],
+        }
+    }
+
+    /// The split by tier leaves the untiered rest; a tier given twice counts once, summed;
+    /// tiers that do not fit the whole on any of the four counts are not believed.
+    #[test]
+    fn counts_split_by_tier_only_when_every_count_fits() {
+        let mut b = BucketCountsMsg {
+            bucket: "g".into(),
+            offered: 100,
+            admitted: 70,
+            dropped: 30,
+            shadow_dropped: 5,
+            tiers: vec![
+                tier(Criticality::Sheddable, [40, 10, 30, 5]),
+                tier(Criticality::Critical, [20, 20, 0, 0]),
+                tier(Criticality::Critical, [10, 10, 0, 0]),
+            ],
+        };
+        assert!(b.tiers_believed());
+        let s = b.by_tier();
+        assert_eq!(s[Criticality::Sheddable as usize], [40, 10, 30, 5]);
+        assert_eq!(s[Criticality::Critical as usize], [30, 30, 0, 0]);
+        assert_eq!(s[TIERS], [30, 30, 0, 0]);
+        // Offered fits, dropped does not: everything untiered.
+        b.tiers[1].dropped = 1;
+        assert!(!b.tiers_believed());
+        let s = b.by_tier();
+        assert_eq!(s[TIERS], [100, 70, 30, 5]);
+        assert!(s[..TIERS].iter().all(|c| *c == [0; 4]));
+        // Shadow drops beyond the whole's.
+        b.tiers[1].dropped = 0;
+        b.tiers[0].shadow_dropped = 6;
+        assert!(!b.tiers_believed());
+        // No tiers: believed, all untiered.
+        b.tiers.clear();
+        assert!(b.tiers_believed());
+        assert_eq!(b.by_tier()[TIERS], [100, 70, 30, 5]);
+    }
 
     fn report(interval_ms: u64, buckets: &[(&str, u64)]) -> ClientReport {
         ClientReport {

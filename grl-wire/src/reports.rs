@@ -94,8 +94,43 @@ pub struct ReportCounts {
     /// critical first (protocol 8). They cover the requests of clients that count tiers: what
     /// the entries leave of the whole came from clients that do not. Empty (and left out)
     /// when no counted request had a tier, and from controllers before this field.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "lenient_tiers"
+    )]
     pub tiers: Vec<crate::TierCountsMsg>,
+}
+
+/// A tier entry as a reader takes it: fields it does not know are ignored, and an entry of a
+/// tier it does not know is skipped (a newer controller's), so a report page always parses.
+#[derive(Deserialize)]
+struct TierEntry {
+    tier: String,
+    #[serde(default)]
+    offered: u64,
+    #[serde(default)]
+    admitted: u64,
+    #[serde(default)]
+    dropped: u64,
+    #[serde(default)]
+    shadow_dropped: u64,
+}
+
+fn lenient_tiers<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<crate::TierCountsMsg>, D::Error> {
+    let entries = Option::<Vec<TierEntry>>::deserialize(d)?.unwrap_or_default();
+    Ok(entries
+        .into_iter()
+        .filter_map(|e| {
+            Some(crate::TierCountsMsg {
+                tier: e.tier.parse().ok()?,
+                offered: e.offered,
+                admitted: e.admitted,
+                dropped: e.dropped,
+                shadow_dropped: e.shadow_dropped,
+            })
+        })
+        .collect())
 }
 
 /// The whole of a split by tier ([`crate::BucketCountsMsg::by_tier`]): `[offered, admitted,

@@ -279,16 +279,10 @@ pub(super) fn refresh_client<'a>(
     c
 }
 
-/// A bucket's offered requests by tier, when it carries tiers that add up to at most its
-/// offered count (beyond it, the client's tiers are not believed).
-fn believed_tiers(b: &BucketCountsMsg) -> Option<[u64; TIERS]> {
-    b.tier_offered()
-        .filter(|o| o.iter().sum::<u64>() <= b.offered)
-}
-
-/// The shares of a bucket's offered requests by tier (None without believed tiers).
+/// The shares of a bucket's offered requests by tier (None without believed tiers:
+/// [`BucketCountsMsg::tiers_believed`]).
 pub fn tier_mix(b: &BucketCountsMsg) -> Option<[f64; TIERS]> {
-    let o = believed_tiers(b)?;
+    let o = b.tier_offered().filter(|_| b.tiers_believed())?;
     let sum: u64 = o.iter().sum();
     (sum > 0).then(|| o.map(|t| t as f64 / sum as f64))
 }
@@ -305,10 +299,10 @@ impl AggState {
                     ..Default::default()
                 },
                 |p| {
-                    if b.tiers.is_empty() || believed_tiers(b).is_some() {
+                    if b.tiers_believed() {
                         p.add(b);
                     } else {
-                        // Tier counts above the (screened) total are not believed.
+                        // Tier counts beyond the (screened) whole are not believed.
                         p.add(&BucketCountsMsg {
                             tiers: Vec::new(),
                             ..b.clone()

@@ -641,7 +641,8 @@ fn cut_calls(calls: &mut [CallCountMsg], allowed: u128, total: u128) -> (u128, u
 }
 
 /// Cuts `b`'s counts to `offered` requests, keeping admitted + dropped = offered and the shares
-/// of each.
+/// of each. Its tier counts are cut in proportion (rounded down); when they no longer fit the
+/// whole, they go (the requests are counted untiered).
 fn cut(b: &mut BucketCountsMsg, offered: u64) {
     let f = offered as f64 / b.offered as f64;
     let admitted = ((b.admitted as f64 * f).round() as u64).min(offered);
@@ -650,6 +651,19 @@ fn cut(b: &mut BucketCountsMsg, offered: u64) {
     b.admitted = admitted;
     b.dropped = offered - admitted;
     b.shadow_dropped = shadow;
+    for t in &mut b.tiers {
+        for n in [
+            &mut t.offered,
+            &mut t.admitted,
+            &mut t.dropped,
+            &mut t.shadow_dropped,
+        ] {
+            *n = (*n as f64 * f) as u64;
+        }
+    }
+    if !b.tiers_believed() {
+        b.tiers.clear();
+    }
 }
 
 #[cfg(test)]
@@ -785,12 +799,35 @@ mod tests {
         // cut alike.
         let mut a = Allowance::default();
         let mut r = report("pay", 3_600_000, &[("a", 500 * 3600), ("b", 100 * 3600)]);
+        // Bucket a's claim by tier: a quarter SHEDDABLE (its drops), the rest CRITICAL.
+        let n = 500 * 3600;
+        r.buckets[0].tiers = vec![
+            grl_wire::TierCountsMsg {
+                tier: schema::Criticality::Sheddable,
+                offered: n / 2,
+                admitted: 0,
+                dropped: n / 2,
+                shadow_dropped: 0,
+            },
+            grl_wire::TierCountsMsg {
+                tier: schema::Criticality::Critical,
+                offered: n / 2,
+                admitted: n / 2,
+                dropped: 0,
+                shadow_dropped: n / 4,
+            },
+        ];
+        assert!(r.buckets[0].tiers_believed());
         assert_eq!(screen_both(&mut k, &mut r, &mut a, first(300, 300), &p), 2);
         assert_eq!(offered(&r), [150, 150]);
         for b in &r.buckets {
             assert_eq!(b.admitted + b.dropped, b.offered);
             assert!(b.shadow_dropped <= b.admitted);
         }
+        // Its tiers are cut in proportion and still fit the cut whole.
+        let t = &r.buckets[0].tiers;
+        assert_eq!(t.iter().map(|t| t.offered).collect::<Vec<_>>(), [75, 75]);
+        assert!(r.buckets[0].tiers_believed());
         // Reporting every 10 ms, a second's counts at its cap each time: one second's in all.
         let mut got = 0;
         for _ in 0..100 {

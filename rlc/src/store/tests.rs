@@ -393,7 +393,8 @@ async fn check_tier_counts(store: Store) {
     };
     let a = tiered(1, "zone:a", [180, 80, 100, 0], [120, 120, 0, 0]);
     let b = tiered(2, "zone:b", [30, 30, 0, 30], [0; 4]);
-    assert_eq!(put(&store, &[a.clone(), b], at(0, 1)).await, 2);
+    // The same row twice in one batch: stored and counted once.
+    assert_eq!(put(&store, &[a.clone(), b, a.clone()], at(0, 1)).await, 2);
     // Stored again (a poll that overlapped): nothing new, nothing added.
     assert_eq!(put(&store, &[a], at(0, 1)).await, 0);
     put(
@@ -423,12 +424,15 @@ async fn check_tier_counts(store: Store) {
     assert_eq!(
         got,
         [
-            ("CRITICAL".to_string(), 0, [120.0, 120.0, 0.0, 0.0]),
-            ("CRITICAL".to_string(), 1, [10.0, 10.0, 0.0, 0.0]),
             ("SHEDDABLE".to_string(), 0, [210.0, 110.0, 100.0, 30.0]),
             ("SHEDDABLE".to_string(), 1, [60.0, 60.0, 0.0, 0.0]),
+            ("CRITICAL".to_string(), 0, [120.0, 120.0, 0.0, 0.0]),
+            ("CRITICAL".to_string(), 1, [10.0, 10.0, 0.0, 0.0]),
         ]
     );
+    // The minutes hold the row given twice once: 305 + 35 + 75, and the older controller's 30.
+    let sum = store.shadow_summary(None, at(0, 0), 10).await.unwrap();
+    assert_eq!(sum[0].offered, 305.0 + 35.0 + 75.0 + 30.0, "{sum:?}");
     // One step of three minutes: summed.
     let whole = store
         .tier_steps("payments", "gw", at(0, 0), at(3, 0), 180)
@@ -436,7 +440,7 @@ async fn check_tier_counts(store: Store) {
         .unwrap();
     assert_eq!(whole.len(), 2);
     assert_eq!(
-        (whole[1].tier.as_str(), whole[1].offered),
+        (whole[0].tier.as_str(), whole[0].offered),
         ("SHEDDABLE", 270.0)
     );
     assert!(store
@@ -458,7 +462,11 @@ async fn check_tier_counts(store: Store) {
         .tier_steps("payments", "gw", at(0, 0), at(3, 0), 60)
         .await
         .unwrap();
-    assert!(left.iter().all(|r| r.step == 1), "{left:?}");
+    let left: Vec<(&str, i64, f64)> = left
+        .iter()
+        .map(|r| (r.tier.as_str(), r.step, r.offered))
+        .collect();
+    assert_eq!(left, [("SHEDDABLE", 1, 60.0), ("CRITICAL", 1, 10.0)]);
 }
 
 #[tokio::test]

@@ -289,8 +289,12 @@ impl Store {
         reports: &[ReportRow],
         received_at: DateTime<Utc>,
     ) -> Result<u64, StoreError> {
+        // A row given twice in one batch is stored and counted once (as one given again in a
+        // later batch is), in every roll-up and on both backends.
+        let mut keys = HashSet::with_capacity(reports.len());
         let rows: Vec<Row> = reports
             .iter()
+            .filter(|r| keys.insert((seq_of(r), &r.service, &r.bucket, &r.scope_key)))
             .map(|r| Row::new(r, tick_time(&r.t, received_at)))
             .collect();
         let mut new = 0u64;
