@@ -456,13 +456,14 @@ pub struct TierFigures {
     pub admitted_rps: f64,
 }
 
-/// Figures of `tier` in `bucket` over the ticks after `from_s`.
+/// Figures of `tier` in `bucket` over the ticks after `from_s` (None: no tick offered
+/// requests of that tier).
 pub fn tier_figures(
     res: &SimResult,
     bucket: &str,
     tier: schema::Criticality,
     from_s: f64,
-) -> TierFigures {
+) -> Option<TierFigures> {
     let ticks: Vec<(f64, f64)> = res
         .rows
         .iter()
@@ -471,12 +472,15 @@ pub fn tier_figures(
         .filter(|t| t.offered_rps > 0.0)
         .map(|t| (t.admitted_rps / t.offered_rps, t.admitted_rps))
         .collect();
-    let n = ticks.len().max(1) as f64;
-    TierFigures {
+    if ticks.is_empty() {
+        return None;
+    }
+    let n = ticks.len() as f64;
+    Some(TierFigures {
         min_availability: ticks.iter().map(|t| t.0).fold(f64::INFINITY, f64::min),
         mean_availability: ticks.iter().map(|t| t.0).sum::<f64>() / n,
         admitted_rps: ticks.iter().map(|t| t.1).sum::<f64>() / n,
-    }
+    })
 }
 
 /// Ticks from the one at `step_s` until the admitted total is within ±`band` of the limit
@@ -528,8 +532,10 @@ fn tiers_section(w: &mut String, dir: &Path, seed: u64) -> anyhow::Result<()> {
     untiered.tiers = false;
     for (label, s) in [("tiers", &sc), ("no tiers", &untiered)] {
         let r = run(s, seed, Algorithm::DropByRatio, |_| {})?;
-        let crit = tier_figures(&r, &name, Critical, 10.0);
-        let shed = tier_figures(&r, &name, Sheddable, 13.0);
+        let crit = tier_figures(&r, &name, Critical, 10.0)
+            .context("no CRITICAL requests after the surge")?;
+        let shed = tier_figures(&r, &name, Sheddable, 13.0)
+            .context("no SHEDDABLE requests after the surge")?;
         let st = steady(&r, &name, limit, 13.0);
         let settled = settle_ticks(&r, &name, limit, 10.0, 0.02);
         writeln!(

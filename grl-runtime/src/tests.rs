@@ -303,9 +303,9 @@ fn sim_tiers_keep_critical_traffic_through_a_sheddable_surge() {
     let (name, limit) = (sc.buckets[0].name.clone(), sc.buckets[0].limit_rps);
     for seed in [1, 7] {
         let r = run(&sc, seed, Algorithm::DropByRatio, |_| {}).unwrap();
-        let crit = tier_figures(&r, &name, Critical, 10.0);
+        let crit = tier_figures(&r, &name, Critical, 10.0).unwrap();
         assert!(crit.min_availability >= 0.99, "seed {seed}: {crit:?}");
-        let shed = tier_figures(&r, &name, Sheddable, 13.0);
+        let shed = tier_figures(&r, &name, Sheddable, 13.0).unwrap();
         assert!(
             (shed.admitted_rps - 400.0).abs() < 20.0,
             "seed {seed}: {shed:?}"
@@ -320,7 +320,7 @@ fn sim_tiers_keep_critical_traffic_through_a_sheddable_surge() {
     let mut untiered = sc.clone();
     untiered.tiers = false;
     let r = run(&untiered, 1, Algorithm::DropByRatio, |_| {}).unwrap();
-    let crit = tier_figures(&r, &name, Critical, 13.0);
+    let crit = tier_figures(&r, &name, Critical, 13.0).unwrap();
     // 1000 of 4200: every tier keeps about 24%.
     assert!(
         (crit.mean_availability - 1000.0 / 4200.0).abs() < 0.03,

@@ -1071,9 +1071,12 @@ mod critical_tests {
         let h = plan.buckets[0].evidence.critical_headroom.clone().unwrap();
         assert_eq!(
             (h.headroom, h.peak_critical_rps, h.peak_at),
-            (0.833, 120.0, at)
+            (100.0 / 120.0, 120.0, at)
         );
         assert!(h.short());
+        // Just under the peak is short, however close.
+        let close = crate::evidence::CriticalHeadroom::of(99.96, 100.0, at).unwrap();
+        assert!(close.short() && close.headroom > 0.999);
         assert_eq!(plan.buckets[1].evidence.critical_headroom, None);
         assert_eq!(plan.buckets[2].evidence.critical_headroom, None);
     }

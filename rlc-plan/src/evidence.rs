@@ -76,7 +76,7 @@ pub struct CriticalHeadroom {
     pub peak_critical_rps: f64,
     /// When that minute began.
     pub peak_at: DateTime<Utc>,
-    /// The planned limit ÷ `peak_critical_rps`.
+    /// The planned limit ÷ `peak_critical_rps` (not rounded: below 1 is below 1).
     pub headroom: f64,
 }
 
@@ -86,7 +86,7 @@ impl CriticalHeadroom {
         (peak_rps > 0.0 && limit_rps.is_finite()).then(|| CriticalHeadroom {
             peak_critical_rps: (peak_rps * 1000.0).round() / 1000.0,
             peak_at,
-            headroom: (limit_rps / peak_rps * 1000.0).round() / 1000.0,
+            headroom: limit_rps / peak_rps,
         })
     }
 

@@ -174,7 +174,7 @@ fn risky_line(pb: Option<&rlc_plan::plan::PlannedBucket>, c: &BucketChange) -> V
 /// The changed buckets whose proposed limit is below the peak of their critical demand
 /// (critical headroom < 1: the less critical tiers cannot cover the shed at that peak).
 fn critical_short(out: &mut String, plan: &Plan, summary: &ChangeSummary, ctx: &ReportContext<'_>) {
-    let short: Vec<(&str, &str, &rlc_plan::evidence::CriticalHeadroom)> = summary
+    let short: Vec<(&str, &str, &rlc_plan::evidence::CriticalHeadroom, bool)> = summary
         .services
         .iter()
         .flat_map(|s| {
@@ -192,7 +192,7 @@ fn critical_short(out: &mut String, plan: &Plan, summary: &ChangeSummary, ctx: &
                 .critical_headroom
                 .as_ref()
                 .filter(|h| h.short())?;
-            Some((s, b, h))
+            Some((s, b, h, pb.bucket.mode == schema::Mode::Shadow))
         })
         .collect();
     if short.is_empty() {
@@ -203,7 +203,7 @@ fn critical_short(out: &mut String, plan: &Plan, summary: &ChangeSummary, ctx: &
         "### Critical traffic over the limit: {} bucket(s)\n",
         short.len()
     );
-    for (service, bucket, h) in short {
+    for (service, bucket, h, shadow) in short {
         let name = format!("{}/{}", md(service), md(bucket));
         let name = match ctx.dashboard_url {
             Some(base) => format!("[{name}]({})", bucket_url(base, service, bucket)),
@@ -211,11 +211,16 @@ fn critical_short(out: &mut String, plan: &Plan, summary: &ChangeSummary, ctx: &
         };
         let _ = writeln!(
             out,
-            "- {name}: the limit is {:.0}% of its CRITICAL_PLUS + CRITICAL peak ({} rps at {}): \
-             critical requests are shed at that peak",
+            "- {name}: the limit is {:.1}% of its CRITICAL_PLUS + CRITICAL peak ({} rps at {}): \
+             critical requests {} at that peak",
             h.headroom * 100.0,
             format_rps(h.peak_critical_rps),
-            h.peak_at.format("%Y-%m-%d %H:%M UTC")
+            h.peak_at.format("%Y-%m-%d %H:%M UTC"),
+            if shadow {
+                "would be shed (once enforced)"
+            } else {
+                "are shed"
+            }
         );
     }
     out.push('\n');
@@ -683,7 +688,7 @@ mod tests {
             "{body}"
         );
         assert!(
-            body.contains("- pay/down: the limit is 83% of its CRITICAL_PLUS + CRITICAL peak (90 rps at 2026-11-30 01:00 UTC): critical requests are shed at that peak"),
+            body.contains("- pay/down: the limit is 83.3% of its CRITICAL_PLUS + CRITICAL peak (90 rps at 2026-11-30 01:00 UTC): critical requests are shed at that peak"),
             "{body}"
         );
         assert!(!body.contains("- pay/up: the limit"), "{body}");

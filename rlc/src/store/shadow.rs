@@ -249,7 +249,7 @@ pub(super) const TIER_CELLS: [&str; 12] = [
 
 /// One step of a bucket's requests of one criticality tier ([`Store::tier_steps`]): every
 /// scope key together, the requests counted in the step.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TierStepRow {
     /// The tier (`CRITICAL_PLUS`, `CRITICAL`, `SHEDDABLE_PLUS`, `SHEDDABLE`).
     pub tier: String,
@@ -1117,11 +1117,7 @@ impl Store {
         } else {
             (window_start, window_start)
         };
-        let epoch = |col: &str| match self {
-            Store::Postgres(_) => format!("CAST(EXTRACT(EPOCH FROM {col}) AS BIGINT)"),
-            Store::Sqlite(..) => format!("({col} / 1000)"),
-        };
-        let (em, el) = (epoch("minute"), epoch("last_minute"));
+        let (em, el) = (self.epoch_sql("minute"), self.epoch_sql("last_minute"));
         // The minutes of an hour marked dirty: `d.hour` is the hour of `minute`. The dirty
         // hours (few) drive the join, so only their minutes are read, not every minute of the
         // clean span (`CROSS JOIN` keeps that order in SQLite; on Postgres the 30-day bucket
@@ -1168,10 +1164,18 @@ impl Store {
             .await?))
     }
 
+    /// The SQL of time column `col` as whole unix seconds, on this backend.
+    fn epoch_sql(&self, col: &str) -> String {
+        match self {
+            Store::Postgres(_) => format!("CAST(EXTRACT(EPOCH FROM {col}) AS BIGINT)"),
+            Store::Sqlite(..) => format!("({col} / 1000)"),
+        }
+    }
+
     /// The requests of one bucket per step of `step_secs` from `window_start` and per
     /// criticality tier, over `[window_start, window_end)`, every scope key together (from
-    /// `shadow_tier_minutes`: the reports' `counts.tiers`), by tier then step. Empty when the
-    /// bucket's clients count no tiers.
+    /// `shadow_tier_minutes`: the reports' `counts.tiers`), by tier (least critical first)
+    /// then step. Empty when the bucket's clients count no tiers.
     pub async fn tier_steps(
         &self,
         service: &str,
@@ -1180,10 +1184,7 @@ impl Store {
         window_end: DateTime<Utc>,
         step_secs: i64,
     ) -> Result<Vec<TierStepRow>, StoreError> {
-        let e = match self {
-            Store::Postgres(_) => "CAST(EXTRACT(EPOCH FROM minute) AS BIGINT)",
-            Store::Sqlite(..) => "(minute / 1000)",
-        };
+        let e = self.epoch_sql("minute");
         let sums: Vec<String> = TIER_CELLS
             .iter()
             .map(|c| format!("CAST(SUM({c}) AS DOUBLE PRECISION)"))
@@ -1233,7 +1234,12 @@ impl Store {
                     })
             })
             .collect();
-        out.sort_by(|a, b| a.tier.cmp(&b.tier).then(a.step.cmp(&b.step)));
+        // Least critical first, as everywhere else.
+        let rank = |t: &str| {
+            t.parse::<schema::Criticality>()
+                .map_or(usize::MAX, |c| c as usize)
+        };
+        out.sort_by(|a, b| rank(&a.tier).cmp(&rank(&b.tier)).then(a.step.cmp(&b.step)));
         Ok(out)
     }
 

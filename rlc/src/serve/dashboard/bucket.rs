@@ -327,6 +327,21 @@ fn bounds(window: &str) -> Result<(DateTime<Utc>, DateTime<Utc>, i64), DashError
     Ok((start, end, step_minutes * 60))
 }
 
+/// The steps of `[start, end)`: how many (the last one may be partial: hour-aligned steps end
+/// with the current minute) and where step `i` starts.
+fn step_grid(
+    start: DateTime<Utc>,
+    end: DateTime<Utc>,
+    step_secs: i64,
+) -> (usize, impl Fn(usize) -> DateTime<Utc>) {
+    let n = ((end - start).num_seconds() + step_secs - 1)
+        .div_euclid(step_secs)
+        .max(0) as usize;
+    (n, move |i: usize| {
+        start + Duration::seconds(i as i64 * step_secs)
+    })
+}
+
 /// Series per scope key from the steps of [`Store::bucket_steps`]: each point is the
 /// highest per-minute average of its step (so a one-minute burst stays visible in a 30-day
 /// view) and the limit of the step's newest minute; a step without a row is a gap (every
@@ -338,11 +353,7 @@ pub fn series_from_steps(
     end: DateTime<Utc>,
     step_secs: i64,
 ) -> (Vec<Series>, usize) {
-    // The last step may be partial (hour-aligned steps end with the current minute).
-    let n = ((end - start).num_seconds() + step_secs - 1)
-        .div_euclid(step_secs)
-        .max(0) as usize;
-    let at = |i: usize| start + Duration::seconds(i as i64 * step_secs);
+    let (n, at) = step_grid(start, end, step_secs);
     let mut by_scope: BTreeMap<&str, (f64, Vec<Option<Point>>)> = BTreeMap::new();
     for r in steps {
         if r.step < 0 || r.step as usize >= n {
@@ -400,10 +411,7 @@ pub fn tier_series(
     step_secs: i64,
     now: DateTime<Utc>,
 ) -> Vec<TierSeries> {
-    let n = ((end - start).num_seconds() + step_secs - 1)
-        .div_euclid(step_secs)
-        .max(0) as usize;
-    let at = |i: usize| start + Duration::seconds(i as i64 * step_secs);
+    let (n, at) = step_grid(start, end, step_secs);
     let mut seen = vec![false; n];
     let mut by_tier: BTreeMap<usize, (String, Vec<[f64; 4]>)> = BTreeMap::new();
     for r in rows {
@@ -1155,7 +1163,7 @@ fn tiers_section(d: &BucketDetail, not_loaded: bool) -> Markup {
                     "Over its limit, the bucket sheds the least critical tiers first."
                 }
                 table class="tiers" {
-                    thead { tr { th { "tier" } th { "offered" } th { "share" } th { "dropped (real and virtual)" } } }
+                    thead { tr { th { "tier" } th { "offered" } th { "share of requests with a tier" } th { "dropped (real and virtual)" } } }
                     tbody {
                         @for t in d.tiers.iter().rev() {
                             tr data-tier=(t.tier) {
