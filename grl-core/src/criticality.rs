@@ -47,6 +47,15 @@ impl TierShed {
     pub fn probabilities(&self) -> [f64; TIERS] {
         Criticality::ALL.map(|t| self.probability(t))
     }
+
+    /// The requests it drops of `offered` (per tier, least critical first).
+    pub fn dropped(&self, offered: [f64; TIERS]) -> f64 {
+        self.probabilities()
+            .iter()
+            .zip(offered)
+            .map(|(p, o)| p * o)
+            .sum()
+    }
 }
 
 /// Takes `total` requests per second to shed from `offered` (per tier, least critical first)
@@ -115,7 +124,7 @@ mod tests {
             let s = split(total, offered);
             let p = s.probabilities();
             let sum: f64 = offered.iter().sum();
-            let dropped: f64 = p.iter().zip(offered).map(|(p, o)| p * o).sum();
+            let dropped = s.dropped(offered);
             // The drops sum to the total (to everything offered when the total is larger).
             let want = total.min(sum);
             assert!(

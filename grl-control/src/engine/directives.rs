@@ -190,9 +190,8 @@ impl Engine {
                     fraction: 0.0,
                 });
                 let offered: f64 = t.iter().sum();
-                let shed: f64 = (sh.probabilities().iter().zip(t)).map(|(p, o)| p * o).sum();
                 if offered > 0.0 {
-                    ratio = (shed / offered).clamp(0.0, 1.0);
+                    ratio = (sh.dropped(t) / offered).clamp(0.0, 1.0);
                 }
                 Some(sh)
             }
