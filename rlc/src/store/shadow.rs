@@ -252,7 +252,7 @@ pub(super) const TIER_CELLS: [&str; 12] = [
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TierStepRow {
     /// The tier (`CRITICAL_PLUS`, `CRITICAL`, `SHEDDABLE_PLUS`, `SHEDDABLE`).
-    pub tier: String,
+    pub tier: schema::Criticality,
     /// Index of the step from the window's start.
     pub step: i64,
     /// Requests offered.
@@ -1228,7 +1228,7 @@ impl Store {
                     .zip(cells.chunks(3))
                     .filter(|(_, c)| c.iter().any(|&x| x > 0.0))
                     .map(|(tier, c)| TierStepRow {
-                        tier: tier.as_str().to_string(),
+                        tier: *tier,
                         step: *step,
                         offered: c[0],
                         admitted: (c[0] - c[1]).max(0.0),
@@ -1238,11 +1238,7 @@ impl Store {
             })
             .collect();
         // Least critical first, as everywhere else.
-        let rank = |t: &str| {
-            t.parse::<schema::Criticality>()
-                .map_or(usize::MAX, |c| c as usize)
-        };
-        out.sort_by(|a, b| rank(&a.tier).cmp(&rank(&b.tier)).then(a.step.cmp(&b.step)));
+        out.sort_by_key(|r| (r.tier, r.step));
         Ok(out)
     }
 

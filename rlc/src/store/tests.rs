@@ -418,7 +418,7 @@ async fn check_tier_counts(store: Store) {
         .iter()
         .map(|r| {
             let c = [r.offered, r.admitted, r.dropped, r.shadow_dropped];
-            (r.tier.clone(), r.step, c)
+            (r.tier.as_str().to_string(), r.step, c)
         })
         .collect();
     assert_eq!(

@@ -413,19 +413,16 @@ pub fn tier_series(
 ) -> Vec<TierSeries> {
     let (n, at) = step_grid(start, end, step_secs);
     let mut seen = vec![false; n];
-    let mut by_tier: BTreeMap<usize, (String, Vec<[f64; 4]>)> = BTreeMap::new();
+    let mut by_tier: BTreeMap<schema::Criticality, (String, Vec<[f64; 4]>)> = BTreeMap::new();
     for r in rows {
-        let Ok(tier) = r.tier.parse::<schema::Criticality>() else {
-            continue;
-        };
         if r.step < 0 || r.step as usize >= n {
             continue;
         }
         let i = r.step as usize;
         seen[i] = true;
         let e = by_tier
-            .entry(tier as usize)
-            .or_insert_with(|| (r.tier.clone(), vec![[0.0; 4]; n]));
+            .entry(r.tier)
+            .or_insert_with(|| (r.tier.as_str().to_string(), vec![[0.0; 4]; n]));
         e.1[i] = [r.offered, r.admitted, r.dropped, r.shadow_dropped];
     }
     by_tier
