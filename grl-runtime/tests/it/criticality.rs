@@ -163,24 +163,11 @@ async fn shed_below_critical(
 /// request's tier from its headers; CRITICAL loses under 1 %, SHEDDABLE keeps about 80 rps.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn grl_layer_sheds_the_least_critical_tier_first() {
-    use std::convert::Infallible;
     use std::sync::atomic::{AtomicU64, Ordering};
-
-    use grl_client::client::{ClientOptions, GrlClient};
-    use grl_client::layer::{GrlLayer, KeyFrom};
-    use http::{HeaderName, Request, Response};
-    use tower::{Layer, Service, ServiceExt};
 
     const LIMIT: f64 = 200.0;
     let dir = tempfile::tempdir().unwrap();
-    let (_ctl, _, base) = super::start_controller(&dir.path().join("state"), dir.path(), &[]).await;
-    super::push_config(
-        &reqwest::Client::new(),
-        &base,
-        &super::payments_config("v1", LIMIT),
-    )
-    .await;
-    let (_agg, agg) = super::start_aggregator(&base, "agg-a", dir.path()).await;
+    let (_fleet, agg) = controller_and_aggregator(dir.path(), LIMIT).await;
 
     let stop = Arc::new(AtomicBool::new(false));
     // [ok, refused] for CRITICAL and SHEDDABLE.
@@ -188,18 +175,8 @@ async fn grl_layer_sheds_the_least_critical_tier_first() {
     let mut clients = Vec::new();
     let mut tasks = Vec::new();
     for i in 0..2 {
-        let mut o = ClientOptions::new("payments", vec![agg.clone()]);
-        o.client_id = Some(format!("layer{i}"));
-        o.report_token = Some(super::CLIENT_TOKEN.into());
-        o.tick = Duration::from_millis(200);
-        let client = GrlClient::start(o);
-        let layer = GrlLayer::for_client(&client)
-            .caller_from(KeyFrom::Header(HeaderName::from_static("rpc-caller")))
-            .procedure_from(KeyFrom::Fixed("charge".into()));
+        let (client, svc) = layer_client(&agg, &format!("layer{i}"));
         clients.push(client);
-        let svc = layer.layer(tower::service_fn(|_req: Request<()>| async {
-            Ok::<_, Infallible>(Response::new(String::new()))
-        }));
         // (requests/s, extra header, tier index in `counts`)
         for (rps, header, tier) in [
             (30.0, Some(("rpc-criticality", "CRITICAL")), 0),
@@ -207,27 +184,11 @@ async fn grl_layer_sheds_the_least_critical_tier_first() {
             (45.0, Some(("rpc-criticality", "SHEDDABLE")), 1),
             (45.0, Some(("baggage", "criticality=sheddable")), 1),
         ] {
-            let (mut svc, stop, counts) = (svc.clone(), stop.clone(), counts.clone());
-            tasks.push(tokio::spawn(async move {
-                let mut iv = tokio::time::interval(Duration::from_secs_f64(1.0 / rps));
-                iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-                while !stop.load(Ordering::Relaxed) {
-                    iv.tick().await;
-                    let mut req = Request::builder().header("rpc-caller", "gw");
-                    if let Some((k, v)) = header {
-                        req = req.header(k, v);
-                    }
-                    let resp = svc
-                        .ready()
-                        .await
-                        .unwrap()
-                        .call(req.body(()).unwrap())
-                        .await
-                        .unwrap();
-                    let refused = resp.status() == http::StatusCode::TOO_MANY_REQUESTS;
-                    counts[tier][refused as usize].fetch_add(1, Ordering::Relaxed);
-                }
-            }));
+            let counts = counts.clone();
+            let count = move |refused: bool| {
+                counts[tier][refused as usize].fetch_add(1, Ordering::Relaxed);
+            };
+            tasks.push(paced_layer(svc.clone(), rps, header, count, stop.clone()));
         }
     }
     let take = || {
@@ -274,57 +235,24 @@ async fn grl_layer_sheds_the_least_critical_tier_first() {
 /// the bucket stays at its limit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_client_of_the_previous_protocol_keeps_the_bucket_at_its_limit() {
-    use std::convert::Infallible;
     use std::sync::atomic::{AtomicU64, Ordering};
-
-    use grl_client::client::{ClientOptions, GrlClient};
-    use grl_client::layer::{GrlLayer, KeyFrom};
-    use http::{HeaderName, Request, Response};
-    use tower::{Layer, Service, ServiceExt};
 
     const LIMIT: f64 = 200.0;
     let dir = tempfile::tempdir().unwrap();
-    let (_ctl, _, base) = super::start_controller(&dir.path().join("state"), dir.path(), &[]).await;
-    super::push_config(
-        &reqwest::Client::new(),
-        &base,
-        &super::payments_config("v1", LIMIT),
-    )
-    .await;
-    let (_agg, agg) = super::start_aggregator(&base, "agg-a", dir.path()).await;
+    let (_fleet, agg) = controller_and_aggregator(dir.path(), LIMIT).await;
     let stop = Arc::new(AtomicBool::new(false));
 
     // This version: [ok, refused] of CRITICAL and SHEDDABLE.
     let counts: Arc<[[AtomicU64; 2]; 2]> = Arc::default();
-    let mut o = ClientOptions::new("payments", vec![agg.clone()]);
-    o.client_id = Some("layer-v8".into());
-    o.report_token = Some(super::CLIENT_TOKEN.into());
-    o.tick = Duration::from_millis(200);
-    let client = GrlClient::start(o);
-    let svc = GrlLayer::for_client(&client)
-        .caller_from(KeyFrom::Header(HeaderName::from_static("rpc-caller")))
-        .procedure_from(KeyFrom::Fixed("charge".into()))
-        .layer(tower::service_fn(|_req: Request<()>| async {
-            Ok::<_, Infallible>(Response::new(String::new()))
-        }));
+    let (client, svc) = layer_client(&agg, "layer-v8");
     let mut tasks = Vec::new();
     for (rps, tier, i) in [(60.0, "CRITICAL", 0), (90.0, "SHEDDABLE", 1)] {
-        let (mut svc, stop, counts) = (svc.clone(), stop.clone(), counts.clone());
-        tasks.push(tokio::spawn(async move {
-            let mut iv = tokio::time::interval(Duration::from_secs_f64(1.0 / rps));
-            iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-            while !stop.load(Ordering::Relaxed) {
-                iv.tick().await;
-                let req = Request::builder()
-                    .header("rpc-caller", "gw")
-                    .header("rpc-criticality", tier)
-                    .body(())
-                    .unwrap();
-                let resp = svc.ready().await.unwrap().call(req).await.unwrap();
-                let refused = resp.status() == http::StatusCode::TOO_MANY_REQUESTS;
-                counts[i][refused as usize].fetch_add(1, Ordering::Relaxed);
-            }
-        }));
+        let counts = counts.clone();
+        let count = move |refused: bool| {
+            counts[i][refused as usize].fetch_add(1, Ordering::Relaxed);
+        };
+        let header = Some(("rpc-criticality", tier));
+        tasks.push(paced_layer(svc.clone(), rps, header, count, stop.clone()));
     }
 
     // The previous protocol: 20 requests per 200 ms, the reply's ratio dropped (a carry keeps
@@ -404,4 +332,89 @@ async fn a_client_of_the_previous_protocol_keeps_the_bucket_at_its_limit() {
         let s = share(ok, refused);
         assert!((s - 0.2).abs() <= 0.07, "{tier} refused {s:.3}");
     }
+}
+
+/// A controller and an aggregator (real processes) serving payments' bucket `gw.charge` at
+/// `limit`: the processes (kept until dropped) and the aggregator's URL.
+async fn controller_and_aggregator(
+    dir: &std::path::Path,
+    limit: f64,
+) -> (
+    (test_support::process::Proc, test_support::process::Proc),
+    String,
+) {
+    let (ctl, _, base) = super::start_controller(&dir.join("state"), dir, &[]).await;
+    super::push_config(
+        &reqwest::Client::new(),
+        &base,
+        &super::payments_config("v1", limit),
+    )
+    .await;
+    let (agg, url) = super::start_aggregator(&base, "agg-a", dir).await;
+    ((ctl, agg), url)
+}
+
+/// A `GrlClient` named `id` reporting to `agg` every 200 ms, and a `GrlLayer` of it (caller
+/// from `rpc-caller`, procedure `charge`) before a service that answers 200.
+fn layer_client(
+    agg: &str,
+    id: &str,
+) -> (
+    grl_client::client::GrlClient,
+    impl tower::Service<
+            http::Request<()>,
+            Response = http::Response<String>,
+            Error = std::convert::Infallible,
+            Future: Send,
+        > + Clone
+        + Send
+        + 'static,
+) {
+    use grl_client::client::{ClientOptions, GrlClient};
+    use grl_client::layer::{GrlLayer, KeyFrom};
+    use tower::Layer;
+
+    let mut o = ClientOptions::new("payments", vec![agg.to_string()]);
+    o.client_id = Some(id.into());
+    o.report_token = Some(super::CLIENT_TOKEN.into());
+    o.tick = Duration::from_millis(200);
+    let client = GrlClient::start(o);
+    let svc = GrlLayer::for_client(&client)
+        .caller_from(KeyFrom::Header(http::HeaderName::from_static("rpc-caller")))
+        .procedure_from(KeyFrom::Fixed("charge".into()))
+        .layer(tower::service_fn(|_req: http::Request<()>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
+        }));
+    (client, svc)
+}
+
+/// Sends `rps` requests a second of caller `gw` (with `header`, if any) through `svc` until
+/// `stop`, telling `count` of each whether it was refused (429).
+fn paced_layer<S>(
+    mut svc: S,
+    rps: f64,
+    header: Option<(&'static str, &'static str)>,
+    count: impl Fn(bool) + Send + 'static,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<()>
+where
+    S: tower::Service<http::Request<()>, Response = http::Response<String>> + Send + 'static,
+    S::Future: Send,
+    S::Error: std::fmt::Debug,
+{
+    use tower::ServiceExt;
+    tokio::spawn(async move {
+        let mut iv = tokio::time::interval(Duration::from_secs_f64(1.0 / rps));
+        iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            iv.tick().await;
+            let mut req = http::Request::builder().header("rpc-caller", "gw");
+            if let Some((k, v)) = header {
+                req = req.header(k, v);
+            }
+            let req = req.body(()).unwrap();
+            let resp = svc.ready().await.unwrap().call(req).await.unwrap();
+            count(resp.status() == http::StatusCode::TOO_MANY_REQUESTS);
+        }
+    })
 }

@@ -549,47 +549,30 @@ async fn three_sidecars_hold_one_global_limit_and_fail_open_without_the_aggregat
     }
 }
 
-/// A Python gRPC service behind a sidecar: calls pass with their trailers; a caller over its
-/// limit gets RESOURCE_EXHAUSTED with `grpc-retry-pushback-ms` (never UNAVAILABLE, which
-/// clients retry on their own); another caller is untouched.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn grpc_calls_pass_with_trailers_and_an_excess_caller_gets_resource_exhausted() {
-    let python = match test_support::venv::tool("grpcio", GRPCIO, "python") {
-        Ok(p) => p,
-        Err(e) => {
-            return test_support::skip(
-                "grpc_calls_pass_with_trailers_and_an_excess_caller_gets_resource_exhausted",
-                &format!("grpcio venv: {e:#}"),
-            )
-        }
-    };
-    let dir = tempfile::tempdir().unwrap();
+/// A controller serving `buckets` for payments, an aggregator, the Python gRPC service and a
+/// sidecar before it, the sidecar fresh and ready: the processes (kept until dropped), the
+/// sidecar's port and its admin port.
+async fn grpc_fleet(dir: &Path, python: &Path, buckets: Value) -> (Vec<Proc>, u16, u16) {
     let (ctl_port, agg_port, grpc_port) = (free_port(), free_port(), free_port());
     let ctl_url = format!("http://127.0.0.1:{ctl_port}");
     let agg_url = format!("http://127.0.0.1:{agg_port}");
-    let _ctl = spawn_controller(ctl_port, &dir.path().join("state"), dir.path(), &[]);
+    let ctl = spawn_controller(ctl_port, &dir.join("state"), dir, &[]);
     wait_up(&format!("{ctl_url}/v1/status")).await;
-    push_payments(
-        &ctl_url,
-        "v1",
-        json!([{"name": "gw.say", "caller": "gw", "procedure": "/test.Echo/Say", "scope": "global",
-                "limit_rps": 10.0, "mode": "enforce", "policy": "peak"}]),
-    )
-    .await;
-    let _agg = spawn_aggregator(agg_port, &ctl_url, "agg-z1", dir.path());
+    push_payments(&ctl_url, "v1", buckets).await;
+    let agg = spawn_aggregator(agg_port, &ctl_url, "agg-z1", dir);
     wait_up(&format!("{agg_url}/healthz")).await;
-    let server = write_script(dir.path(), "server.py", PY_GRPC_SERVER);
-    let _srv = Proc::spawn(
-        Command::new(&python)
+    let server = write_script(dir, "server.py", PY_GRPC_SERVER);
+    let srv = Proc::spawn(
+        Command::new(python)
             .arg(server)
             .arg(grpc_port.to_string())
             .stdout(Stdio::null())
-            .stderr(log_file(dir.path(), "py-grpc")),
+            .stderr(log_file(dir, "py-grpc")),
     )
     .unwrap();
     let (port, admin) = (free_port(), free_port());
-    let _sc = spawn_sidecar(
-        dir.path(),
+    let sc = spawn_sidecar(
+        dir,
         port,
         admin,
         &format!("http://127.0.0.1:{grpc_port}"),
@@ -609,19 +592,63 @@ async fn grpc_calls_pass_with_trailers_and_an_excess_caller_gets_resource_exhaus
         }
     })
     .await;
+    (vec![ctl, agg, srv, sc], port, admin)
+}
+
+/// The Python of the grpcio test venv, or None with `test` marked skipped (the venv could not
+/// be built here).
+fn grpcio_python(test: &str) -> Option<PathBuf> {
+    match test_support::venv::tool("grpcio", GRPCIO, "python") {
+        Ok(p) => Some(p),
+        Err(e) => {
+            test_support::skip(test, &format!("grpcio venv: {e:#}"));
+            None
+        }
+    }
+}
+
+/// Runs the Python `script` with `args` (blocking) and returns the JSON it prints; it must
+/// exit 0.
+fn run_py(python: &Path, script: &Path, args: &[&str]) -> Value {
+    let out = Command::new(python)
+        .arg(script)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// A Python gRPC service behind a sidecar: calls pass with their trailers; a caller over its
+/// limit gets RESOURCE_EXHAUSTED with `grpc-retry-pushback-ms` (never UNAVAILABLE, which
+/// clients retry on their own); another caller is untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_calls_pass_with_trailers_and_an_excess_caller_gets_resource_exhausted() {
+    let Some(python) =
+        grpcio_python("grpc_calls_pass_with_trailers_and_an_excess_caller_gets_resource_exhausted")
+    else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (_procs, port, admin) = grpc_fleet(
+        dir.path(),
+        &python,
+        json!([{"name": "gw.say", "caller": "gw", "procedure": "/test.Echo/Say", "scope": "global",
+                "limit_rps": 10.0, "mode": "enforce", "policy": "peak"}]),
+    )
+    .await;
+    let http = reqwest::Client::new();
     let client = write_script(dir.path(), "client.py", PY_GRPC_CLIENT);
     let run = move |caller: &str, secs: &str| {
-        let out = Command::new(&python)
-            .arg(&client)
-            .args([&format!("127.0.0.1:{port}"), caller, secs])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice::<Value>(&out.stdout).unwrap()
+        run_py(
+            &python,
+            &client,
+            &[&format!("127.0.0.1:{port}"), caller, secs],
+        )
     };
     let gw = tokio::task::spawn_blocking({
         let run = run.clone();
@@ -694,60 +721,17 @@ print(json.dumps({"codes": codes, "secs": time.time() - start}))
 /// `batch` alone: CRITICAL refusals under 1 %, `batch` keeps about 15 calls/s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_metadata_criticality_sheds_the_sheddable_calls_first() {
-    let python = match test_support::venv::tool("grpcio", GRPCIO, "python") {
-        Ok(p) => p,
-        Err(e) => {
-            return test_support::skip(
-                "grpc_metadata_criticality_sheds_the_sheddable_calls_first",
-                &format!("grpcio venv: {e:#}"),
-            )
-        }
+    let Some(python) = grpcio_python("grpc_metadata_criticality_sheds_the_sheddable_calls_first")
+    else {
+        return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let (ctl_port, agg_port, grpc_port) = (free_port(), free_port(), free_port());
-    let ctl_url = format!("http://127.0.0.1:{ctl_port}");
-    let agg_url = format!("http://127.0.0.1:{agg_port}");
-    let _ctl = spawn_controller(ctl_port, &dir.path().join("state"), dir.path(), &[]);
-    wait_up(&format!("{ctl_url}/v1/status")).await;
-    push_payments(
-        &ctl_url,
-        "v1",
+    let (_procs, port, _) = grpc_fleet(
+        dir.path(),
+        &python,
         json!([{"name": "say", "procedure": "/test.Echo/Say", "scope": "global",
                 "limit_rps": 30.0, "mode": "enforce", "policy": "peak"}]),
     )
-    .await;
-    let _agg = spawn_aggregator(agg_port, &ctl_url, "agg-z1", dir.path());
-    wait_up(&format!("{agg_url}/healthz")).await;
-    let server = write_script(dir.path(), "server.py", PY_GRPC_SERVER);
-    let _srv = Proc::spawn(
-        Command::new(&python)
-            .arg(server)
-            .arg(grpc_port.to_string())
-            .stdout(Stdio::null())
-            .stderr(log_file(dir.path(), "py-grpc")),
-    )
-    .unwrap();
-    let (port, admin) = (free_port(), free_port());
-    let _sc = spawn_sidecar(
-        dir.path(),
-        port,
-        admin,
-        &format!("http://127.0.0.1:{grpc_port}"),
-        &[&agg_url],
-        &[],
-    );
-    wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
-    wait_fresh(admin).await;
-    let http = reqwest::Client::new();
-    eventually("the gRPC upstream is up", || {
-        let http = http.clone();
-        async move {
-            http.get(format!("http://127.0.0.1:{admin}/readyz"))
-                .send()
-                .await
-                .is_ok_and(|r| r.status() == 200)
-        }
-    })
     .await;
     let client = write_script(dir.path(), "tier_client.py", PY_GRPC_TIER_CLIENT);
     // Both callers at once for `secs`: (calls by code, seconds) of each.
@@ -755,17 +739,8 @@ async fn grpc_metadata_criticality_sheds_the_sheddable_calls_first() {
         let run = |caller: &'static str, tier: &'static str, rate: &'static str| {
             let (python, client) = (python.clone(), client.clone());
             tokio::task::spawn_blocking(move || {
-                let out = Command::new(&python)
-                    .arg(&client)
-                    .args([&format!("127.0.0.1:{port}"), caller, tier, rate, secs])
-                    .output()
-                    .unwrap();
-                assert!(
-                    out.status.success(),
-                    "{}",
-                    String::from_utf8_lossy(&out.stderr)
-                );
-                let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+                let addr = format!("127.0.0.1:{port}");
+                let v = run_py(&python, &client, &[&addr, caller, tier, rate, secs]);
                 let codes: BTreeMap<String, u64> =
                     serde_json::from_value(v["codes"].clone()).unwrap();
                 (codes, v["secs"].as_f64().unwrap())
@@ -1305,14 +1280,10 @@ print(json.dumps(out))
 /// the handshake.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_over_tls_offers_h2_and_the_client_certificate_names_the_caller() {
-    let python = match test_support::venv::tool("grpcio", GRPCIO, "python") {
-        Ok(p) => p,
-        Err(e) => {
-            return test_support::skip(
-                "grpc_over_tls_offers_h2_and_the_client_certificate_names_the_caller",
-                &format!("grpcio venv: {e:#}"),
-            )
-        }
+    let Some(python) =
+        grpcio_python("grpc_over_tls_offers_h2_and_the_client_certificate_names_the_caller")
+    else {
+        return;
     };
     let dir = tempfile::tempdir().unwrap();
     let ca = test_support::tls::Ca::new("sidecar grpc test CA");

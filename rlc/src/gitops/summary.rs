@@ -433,6 +433,32 @@ mod tests {
     use schema::{Bucket, PolicyName, Scope};
     use std::collections::BTreeMap;
 
+    /// `pay`'s buckets going from the `old` limits to the `new` ones (each at 100 before),
+    /// planned with the evidence `evidence` gives each new bucket: the plan and the change.
+    fn pay_change(
+        old: &[(&str, f64)],
+        new: &[(&str, f64)],
+        evidence: impl Fn(&Bucket) -> Evidence,
+    ) -> (Plan, rlc_plan::change::ChangeSummary) {
+        let file = |limits: &[(&str, f64)]| BucketFile {
+            service: "pay".into(),
+            buckets: limits.iter().map(|(n, l)| bucket(n, *l)).collect(),
+        };
+        let old: BTreeMap<String, BucketFile> = [("pay".to_string(), file(old))].into();
+        let new = vec![file(new)];
+        let mut plan = Plan::default();
+        for b in &new[0].buckets {
+            plan.buckets.push(PlannedBucket {
+                service: "pay".into(),
+                bucket: b.clone(),
+                current_limit_rps: Some(100.0),
+                evidence: evidence(b),
+                held: None,
+            });
+        }
+        (plan, diff(&old, &new))
+    }
+
     fn bucket(name: &str, limit: f64) -> Bucket {
         Bucket {
             name: name.into(),
@@ -592,51 +618,28 @@ mod tests {
     /// was refused and for how long; an unthrottled raise stays in the table.
     #[test]
     fn throttled_raises_lead_the_review_list() {
-        let old: BTreeMap<String, BucketFile> = [(
-            "pay".to_string(),
-            BucketFile {
-                service: "pay".into(),
-                buckets: vec![
-                    bucket("down", 100.0),
-                    bucket("grown", 100.0),
-                    bucket("up", 100.0),
-                ],
+        let (plan, summary) = pay_change(
+            &[("down", 100.0), ("grown", 100.0), ("up", 100.0)],
+            &[("down", 75.0), ("grown", 180.0), ("up", 150.0)],
+            |b| {
+                let mut evidence = Evidence::default();
+                if b.name == "grown" {
+                    let t = chrono::DateTime::from_timestamp(1_796_000_000, 0).unwrap();
+                    evidence.throttled = Some(rlc_plan::censor::ThrottledEvidence {
+                        minutes: 412,
+                        days: 5,
+                        refused_requests: 1_234_000.0,
+                        first: t,
+                        last: t,
+                        sustained: true,
+                    });
+                }
+                evidence
             },
-        )]
-        .into();
-        let new = vec![BucketFile {
-            service: "pay".into(),
-            buckets: vec![
-                bucket("down", 75.0),
-                bucket("grown", 180.0),
-                bucket("up", 150.0),
-            ],
-        }];
-        let mut plan = Plan::default();
-        for b in &new[0].buckets {
-            let mut evidence = Evidence::default();
-            if b.name == "grown" {
-                let t = chrono::DateTime::from_timestamp(1_796_000_000, 0).unwrap();
-                evidence.throttled = Some(rlc_plan::censor::ThrottledEvidence {
-                    minutes: 412,
-                    days: 5,
-                    refused_requests: 1_234_000.0,
-                    first: t,
-                    last: t,
-                    sustained: true,
-                });
-            }
-            plan.buckets.push(PlannedBucket {
-                service: "pay".into(),
-                bucket: b.clone(),
-                current_limit_rps: Some(100.0),
-                evidence,
-                held: None,
-            });
-        }
+        );
         let body = report_with(
             &plan,
-            &diff(&old, &new),
+            &summary,
             &ReportContext {
                 promotions: &[],
                 dashboard_url: None,
@@ -655,34 +658,16 @@ mod tests {
     /// headroom; one above it (or without tiers) is not.
     #[test]
     fn buckets_short_of_their_critical_peak_are_listed() {
-        let old: BTreeMap<String, BucketFile> = [(
-            "pay".to_string(),
-            BucketFile {
-                service: "pay".into(),
-                buckets: vec![bucket("down", 100.0), bucket("up", 100.0)],
-            },
-        )]
-        .into();
-        let new = vec![BucketFile {
-            service: "pay".into(),
-            buckets: vec![bucket("down", 75.0), bucket("up", 150.0)],
-        }];
         let t = chrono::DateTime::from_timestamp(1_796_000_400, 0).unwrap();
-        let mut plan = Plan::default();
-        for b in &new[0].buckets {
-            let evidence = Evidence {
+        let (plan, summary) = pay_change(
+            &[("down", 100.0), ("up", 100.0)],
+            &[("down", 75.0), ("up", 150.0)],
+            |b| Evidence {
                 critical_headroom: rlc_plan::evidence::CriticalHeadroom::of(b.limit_rps, 90.0, t),
                 ..Evidence::default()
-            };
-            plan.buckets.push(PlannedBucket {
-                service: "pay".into(),
-                bucket: b.clone(),
-                current_limit_rps: Some(100.0),
-                evidence,
-                held: None,
-            });
-        }
-        let body = report(&plan, &diff(&old, &new));
+            },
+        );
+        let body = report(&plan, &summary);
         assert!(
             body.contains("### Critical traffic over the limit: 1 bucket(s)"),
             "{body}"
