@@ -57,11 +57,7 @@ async fn fill_tiers(
     now: chrono::DateTime<Utc>,
     days: i64,
 ) -> anyhow::Result<()> {
-    let (tiered,): (bool,) =
-        sqlx::query_as("SELECT to_regclass('shadow_tier_minutes') IS NOT NULL")
-            .fetch_one(pool)
-            .await?;
-    if tiered {
+    if tiered_schema(pool).await? {
         sqlx::query(
             "INSERT INTO shadow_tier_minutes (service, bucket, minute, critical_offered, sheddable_offered) \
              SELECT 'svc-' || (b / 20), 'b-' || b, m, 0.4 * 3 * (6000 + (b % 97) * 60), \
@@ -76,6 +72,44 @@ async fn fill_tiers(
         .await?;
     }
     Ok(())
+}
+
+/// Times the critical peaks a plan reads over the window (rlc's `critical_headroom`), median
+/// of 5, where the schema has the tier rows.
+async fn time_critical_peaks(
+    store: &Store,
+    pool: &sqlx::PgPool,
+    now: chrono::DateTime<Utc>,
+    days: i64,
+) -> anyhow::Result<()> {
+    if !tiered_schema(pool).await? {
+        return Ok(());
+    }
+    let mut times = Vec::new();
+    let mut found = 0;
+    for _ in 0..5 {
+        let t = Instant::now();
+        found = store
+            .critical_peaks(now - chrono::Duration::days(days))
+            .await?
+            .len();
+        times.push(t.elapsed());
+    }
+    times.sort();
+    println!(
+        "critical peaks over {days} d: {found} buckets in {} ms (median of 5)",
+        times[2].as_millis()
+    );
+    Ok(())
+}
+
+/// Whether the store's schema has the tier rows (a base build may not).
+async fn tiered_schema(pool: &sqlx::PgPool) -> anyhow::Result<bool> {
+    let (tiered,): (bool,) =
+        sqlx::query_as("SELECT to_regclass('shadow_tier_minutes') IS NOT NULL")
+            .fetch_one(pool)
+            .await?;
+    Ok(tiered)
 }
 
 async fn median_get(http: &reqwest::Client, url: &str) -> anyhow::Result<(Duration, usize)> {
@@ -276,6 +310,8 @@ async fn main() -> anyhow::Result<()> {
         counts.join(", "),
         t.elapsed().as_secs_f64()
     );
+
+    time_critical_peaks(&store, &pool, now, days).await?;
 
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let base = format!("http://{}", listener.local_addr()?);
