@@ -328,8 +328,10 @@ impl Reporter {
         file: Option<&BucketFile>,
         version: &str,
     ) -> Result<(), CompileError> {
-        let buckets = file.map(|f| f.buckets.as_slice()).unwrap_or(&[]);
-        let t = Table::compile(service, version, buckets)?;
+        let t = match file {
+            Some(f) => Table::compile_file(version, f)?,
+            None => Table::compile(service, version, &[])?,
+        };
         let old = self.limiter.install(t);
         for (i, b) in old.buckets().iter().enumerate() {
             let now = old.tier_counts(i);
@@ -1077,6 +1079,7 @@ async fn fetch_config(
 ) -> anyhow::Result<ConfigDoc> {
     let mut req = http
         .get(format!("{base}/v1/config"))
+        .header(grl_wire::PROTO_HEADER, grl_wire::PROTO_VERSION)
         .query(&[("service", service)]);
     if let Some(t) = token.filter(|t| !t.is_empty()) {
         req = req.bearer_auth(t);

@@ -645,12 +645,30 @@ struct ConfigQuery {
     service: Option<String>,
 }
 
-async fn config(State(s): State<Arc<Shared>>, Query(q): Query<ConfigQuery>) -> Json<ConfigDoc> {
+/// `GET /v1/config[?service=S]`: the controller's config (one service's file), without what a
+/// client below `grl-proto: 9` cannot read (`ConfigDoc::for_peer`).
+async fn config(
+    State(s): State<Arc<Shared>>,
+    Query(q): Query<ConfigQuery>,
+    headers: HeaderMap,
+) -> Json<ConfigDoc> {
     let st = s.state.lock().expect("aggregator lock");
-    let mut doc = st.config.clone();
-    if let Some(svc) = q.service {
-        doc.services.retain(|f| f.service == svc);
-    }
+    let mut doc = ConfigDoc {
+        version: st.config.version.clone(),
+        services: match q.service {
+            Some(svc) => st
+                .config
+                .services
+                .iter()
+                .filter(|f| f.service == svc)
+                .cloned()
+                .collect(),
+            None => st.config.services.clone(),
+        },
+        candidates: st.config.candidates.clone(),
+    };
+    drop(st);
+    doc.for_peer(grl_wire::peer_version(&headers));
     Json(doc)
 }
 
@@ -1179,7 +1197,10 @@ const MIN_DELTA_ANSWER: Duration = Duration::from_millis(500);
 const CONTROLLER_TIMEOUT: Duration = Duration::from_secs(2);
 
 async fn fetch_config(s: &Shared, base: &str) -> anyhow::Result<ConfigDoc> {
-    let req = s.http.get(format!("{base}/v1/config"));
+    let req = s
+        .http
+        .get(format!("{base}/v1/config"))
+        .header(PROTO_HEADER, PROTO_VERSION);
     Ok(
         grl_client::http_util::call(req, CONTROLLER_TIMEOUT, MAX_ANSWER)
             .await?

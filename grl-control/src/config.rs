@@ -87,7 +87,7 @@ pub fn validate(doc: &ConfigDoc) -> Result<(), ConfigError> {
         if !seen.insert(f.service.as_str()) {
             return Err(ConfigError::DuplicateService(f.service.clone()));
         }
-        Table::check(&f.service, &f.buckets)?;
+        Table::check_file(f)?;
     }
     check_candidates(doc)?;
     Ok(())

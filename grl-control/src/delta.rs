@@ -553,6 +553,7 @@ mod tests {
             let cfg = ConfigDoc {
                 version: "v1".into(),
                 services: vec![BucketFile {
+                    criticality: Default::default(),
                     service: "svc".into(),
                     buckets: names
                         .iter()

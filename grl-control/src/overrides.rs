@@ -427,6 +427,7 @@ impl Served {
             self.service_at
                 .insert(svc.to_string(), self.doc.services.len());
             self.doc.services.push(BucketFile {
+                criticality: Default::default(),
                 service: svc.to_string(),
                 buckets: Vec::new(),
             });
@@ -678,6 +679,7 @@ mod tests {
         let base = ConfigDoc {
             version: "v1".into(),
             services: vec![BucketFile {
+                criticality: Default::default(),
                 service: "svc".into(),
                 buckets: vec![
                     b("a.x", Some("a"), Some("x"), Mode::Shadow),
@@ -821,6 +823,7 @@ mod tests {
             if let Some(svc) = &r.service {
                 if !doc.services.iter().any(|f| &f.service == svc) {
                     doc.services.push(BucketFile {
+                        criticality: Default::default(),
                         service: svc.clone(),
                         buckets: Vec::new(),
                     });
@@ -929,6 +932,7 @@ mod tests {
             version: "v1".into(),
             services: vec![
                 BucketFile {
+                    criticality: Default::default(),
                     service: "svc".into(),
                     buckets: vec![
                         b("a.x", Some("a"), Some("x"), Mode::Shadow),
@@ -938,6 +942,7 @@ mod tests {
                     ],
                 },
                 BucketFile {
+                    criticality: Default::default(),
                     service: "other".into(),
                     buckets: vec![b("z", None, Some("z"), Mode::Enforce)],
                 },

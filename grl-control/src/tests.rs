@@ -68,6 +68,7 @@ fn engine_computes_each_scope_from_its_zones() {
     let cfg = ConfigDoc {
         version: "v1".into(),
         services: vec![BucketFile {
+            criticality: Default::default(),
             service: "svc".into(),
             buckets: vec![
                 bucket("g", Scope::Global, 150.0),
@@ -108,6 +109,7 @@ fn engine_applies_overrides_until_they_expire() {
     let cfg = ConfigDoc {
         version: "v1".into(),
         services: vec![BucketFile {
+            criticality: Default::default(),
             service: "svc".into(),
             buckets: vec![bucket("g", Scope::Global, 1000.0)],
         }],
@@ -151,6 +153,7 @@ fn engine_limits_a_caller_override_as_a_whole() {
     let cfg = ConfigDoc {
         version: "v1".into(),
         services: vec![BucketFile {
+            criticality: Default::default(),
             service: "svc".into(),
             buckets: vec![ab],
         }],
@@ -205,6 +208,7 @@ fn report_cursors_survive_restarts_resets_and_gaps() {
     let cfg = ConfigDoc {
         version: "v1".into(),
         services: vec![BucketFile {
+            criticality: Default::default(),
             service: "svc".into(),
             buckets: vec![
                 bucket("busy", Scope::Global, 100.0),
@@ -337,6 +341,7 @@ fn peered_regions_compute_one_global_ratio_without_echo() {
     let cfg = ConfigDoc {
         version: "v1".into(),
         services: vec![BucketFile {
+            criticality: Default::default(),
             service: "svc".into(),
             buckets: vec![
                 bucket("g", Scope::Global, 100.0),
@@ -398,6 +403,7 @@ fn reporter_carries_counts_across_a_config_change() {
     let limiter = Arc::new(Limiter::new("svc", Duration::from_secs(3)));
     let mut rep = Reporter::new(limiter.clone(), "c1", 0);
     let v1 = BucketFile {
+        criticality: Default::default(),
         service: "svc".into(),
         buckets: vec![
             bucket("a", Scope::Global, 10.0),
@@ -411,6 +417,7 @@ fn reporter_carries_counts_across_a_config_change() {
     }
     // v2 drops bucket b and keeps a: the 5 + 5 counted under v1 are still reported.
     let v2 = BucketFile {
+        criticality: Default::default(),
         service: "svc".into(),
         buckets: vec![bucket("a", Scope::Global, 10.0)],
     };
@@ -468,6 +475,7 @@ pub(crate) fn one_global_bucket(limit: f64) -> ConfigDoc {
     ConfigDoc {
         version: "v1".into(),
         services: vec![BucketFile {
+            criticality: Default::default(),
             service: "svc".into(),
             buckets: vec![bucket("g", Scope::Global, limit)],
         }],
@@ -631,6 +639,7 @@ fn incremental_engine_matches_a_full_pass() {
     let cfg = |version: &str, n: usize| ConfigDoc {
         version: version.into(),
         services: vec![BucketFile {
+            criticality: Default::default(),
             service: "svc".into(),
             buckets: names[..n]
                 .iter()
@@ -808,6 +817,7 @@ fn delta_reports_match_full_reports() {
     let cfg = |version: &str, n: usize| ConfigDoc {
         version: version.into(),
         services: vec![BucketFile {
+            criticality: Default::default(),
             service: "svc".into(),
             buckets: names[..n]
                 .iter()
@@ -1006,6 +1016,7 @@ fn shared_directive_bytes_are_the_replies_built_from_scratch() {
         services: ["svc", "tsv"]
             .iter()
             .map(|svc| BucketFile {
+                criticality: Default::default(),
                 service: (*svc).into(),
                 buckets: names[..n]
                     .iter()
@@ -1184,6 +1195,7 @@ fn engine_evaluates_candidates_per_scope_key_and_never_serves_them() {
     let cfg = |version: &str, cands: Vec<Candidate>| ConfigDoc {
         version: version.into(),
         services: vec![BucketFile {
+            criticality: Default::default(),
             service: "svc".into(),
             buckets: vec![g.clone()],
         }],
@@ -1255,6 +1267,7 @@ fn engine_candidates_count_peer_sums_for_global_scope_only() {
     let cfg = ConfigDoc {
         version: "v1".into(),
         services: vec![BucketFile {
+            criticality: Default::default(),
             service: "svc".into(),
             buckets: vec![g.clone()],
         }],
@@ -1310,6 +1323,7 @@ fn engine_counts_the_calls_of_a_resynced_report_once() {
     let cfg = |version: &str| ConfigDoc {
         version: version.into(),
         services: vec![BucketFile {
+            criticality: Default::default(),
             service: "svc".into(),
             buckets: vec![g.clone()],
         }],
@@ -1389,6 +1403,7 @@ fn calls_candidate_cfg() -> ConfigDoc {
     ConfigDoc {
         version: "v1".into(),
         services: vec![BucketFile {
+            criticality: Default::default(),
             service: "svc".into(),
             buckets: vec![g.clone()],
         }],
@@ -1524,6 +1539,7 @@ fn engine_keeps_zone_call_rates_with_their_candidate_across_a_push() {
     let cfg = |version: &str, candidates: Vec<Candidate>| ConfigDoc {
         version: version.into(),
         services: vec![BucketFile {
+            criticality: Default::default(),
             service: "svc".into(),
             buckets: vec![g.clone()],
         }],

@@ -8,6 +8,7 @@
 
 #![warn(missing_docs)]
 
+mod caps;
 mod clock;
 pub mod control;
 mod counters;

@@ -7,8 +7,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use schema::{Bucket, Mode};
+use schema::{Bucket, BucketFile, Mode};
 
+use crate::caps::Caps;
 use crate::clock::coarse_now_ms;
 use crate::counters::{BucketCounts, Counters};
 use crate::criticality::TierShed;
@@ -82,6 +83,14 @@ pub enum CompileError {
         /// The callee service.
         service: String,
     },
+    /// A caller pattern of `criticality.caps` that is not a name or a prefix ending in `*`.
+    #[error("service `{service}` criticality.caps: {message}")]
+    BadCap {
+        /// The callee service.
+        service: String,
+        /// What is wrong with the pattern.
+        message: String,
+    },
 }
 
 /// Per-bucket hot state: read on every decision, written once per directive.
@@ -113,6 +122,8 @@ pub struct Table {
     by_name: HashMap<String, usize>,
     slots: Box<[Slot]>,
     lookup: Lookup,
+    /// The service's `criticality.caps` (None: no caller is capped).
+    caps: Option<Box<Caps>>,
     /// Directives are honoured until this instant (ms on the decision clock); after it the
     /// table fails open.
     valid_until_ms: AtomicU64,
@@ -137,6 +148,31 @@ fn threshold(ratio: f64) -> u64 {
 }
 
 impl Table {
+    /// Checks `file` as [`Table::compile_file`] would: its buckets ([`Table::check`]) and
+    /// its `criticality.caps`.
+    pub fn check_file(file: &BucketFile) -> Result<(), CompileError> {
+        Self::check(&file.service, &file.buckets)?;
+        Self::caps_of(file).map(|_| ())
+    }
+
+    fn caps_of(file: &BucketFile) -> Result<Option<Box<Caps>>, CompileError> {
+        Caps::compile(&file.criticality.caps)
+            .map(|c| c.map(Box::new))
+            .map_err(|message| CompileError::BadCap {
+                service: file.service.clone(),
+                message,
+            })
+    }
+
+    /// Compiles `file` at `version`: [`Table::compile`] with the file's `criticality.caps`,
+    /// which hold each matching caller's requests at its cap.
+    pub fn compile_file(version: &str, file: &BucketFile) -> Result<Table, CompileError> {
+        let caps = Self::caps_of(file)?;
+        let mut t = Self::compile(&file.service, version, &file.buckets)?;
+        t.caps = caps;
+        Ok(t)
+    }
+
     /// Checks `buckets` of `service` as [`Table::compile`] would (limits, names, matchers),
     /// without building the lookup or allocating counters: for validating a config push.
     pub fn check(service: &str, buckets: &[Bucket]) -> Result<(), CompileError> {
@@ -224,6 +260,7 @@ impl Table {
             by_name,
             slots,
             lookup,
+            caps: None,
             valid_until_ms: AtomicU64::new(0),
             counters: Counters::new(buckets.len() * TIERS),
             generation: 0,
@@ -248,6 +285,11 @@ impl Table {
     /// The index of the bucket named `name`.
     pub fn index_of(&self, name: &str) -> Option<usize> {
         self.by_name.get(name).copied()
+    }
+
+    /// The highest tier `caller` may claim in this service (`criticality.caps`), if capped.
+    pub fn cap(&self, caller: &str) -> Option<Criticality> {
+        self.caps.as_ref().and_then(|c| c.cap(caller))
     }
 
     /// The bucket a request falls into (most specific wins), if any.
@@ -334,6 +376,10 @@ impl Table {
             return Decision::Admit;
         };
         let i = i as usize;
+        let tier = match &self.caps {
+            None => tier,
+            Some(caps) => caps.cap(caller).map_or(tier, |cap| tier.capped(cap)),
+        };
         let slot = &self.slots[i];
         let t = slot.thresholds[tier as usize].load(Ordering::Relaxed);
         // Each tier counts apart, with its own drop sequence.

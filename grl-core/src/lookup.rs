@@ -32,7 +32,12 @@ fn r32(b: &[u8], i: usize) -> u64 {
 /// DoS-resistant hasher buys nothing and costs most of the budget.
 #[inline(always)]
 pub(crate) fn hash_str(s: &str) -> u64 {
-    let b = s.as_bytes();
+    hash_bytes(s.as_bytes())
+}
+
+/// [`hash_str`] of a string's bytes.
+#[inline(always)]
+pub(crate) fn hash_bytes(b: &[u8]) -> u64 {
     let len = b.len();
     let seed = K3 ^ (len as u64).wrapping_mul(K1);
     if len <= 16 {

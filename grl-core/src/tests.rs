@@ -490,3 +490,48 @@ fn tiered_shed_falls_on_the_least_critical_tier() {
     assert_eq!(t2.tier_ratio(0, Criticality::SheddablePlus), 0.0);
     assert!((t2.tier_ratio(0, Criticality::Sheddable) - 100.0 / 180.0).abs() < 1e-9);
 }
+
+/// A file's `criticality.caps` hold a caller's requests at its cap: batch-nightly's
+/// CRITICAL_PLUS is decided and counted as SHEDDABLE and pays the SHEDDABLE shed, while gw's
+/// CRITICAL_PLUS loses nothing; a bad pattern refuses the file.
+#[test]
+fn capped_callers_are_decided_and_counted_at_their_cap() {
+    use crate::criticality::split;
+    use schema::{BucketFile, Criticality};
+    let mut file = BucketFile::new(
+        "svc",
+        vec![bucket("all", None, Some("x"), 200.0, Mode::Enforce)],
+    );
+    file.criticality.caps = [
+        ("batch-*".to_string(), Criticality::Sheddable),
+        ("batch-vip".to_string(), Criticality::CriticalPlus),
+    ]
+    .into();
+    let l = Limiter::new("svc", Duration::from_secs(5));
+    l.install(Table::compile_file("v1", &file).unwrap());
+    let t = l.table();
+    assert_eq!(t.cap("batch-nightly"), Some(Criticality::Sheddable));
+    assert_eq!(t.cap("gw"), None);
+    // Shed every SHEDDABLE request, nothing above.
+    t.set_tier_shed(0, &split(100.0, [100.0, 0.0, 0.0, 100.0]));
+    l.directives_received(1_000);
+    let plus = Criticality::CriticalPlus;
+    let mut dropped = [0u32; 3];
+    for _ in 0..100 {
+        for (k, caller) in ["batch-nightly", "batch-vip", "gw"].iter().enumerate() {
+            if l.decide_tier_at(caller, "x", plus, 1_500) == Decision::Drop {
+                dropped[k] += 1;
+            }
+        }
+    }
+    assert_eq!(dropped, [100, 0, 0]);
+    let counts = t.tier_counts(0);
+    assert_eq!(counts[Criticality::Sheddable as usize].offered, 100);
+    assert_eq!(counts[plus as usize].offered, 200);
+    // An untiered request of a capped caller is CRITICAL, then capped.
+    assert_eq!(l.decide_at("batch-x", "x", 1_500), Decision::Drop);
+    file.criticality.caps = [("a*b".to_string(), Criticality::Sheddable)].into();
+    let e = Table::compile_file("v2", &file).err().expect("refused");
+    assert!(e.to_string().contains("a*b"), "{e}");
+    assert!(Table::check_file(&file).is_err());
+}

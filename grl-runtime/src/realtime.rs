@@ -79,6 +79,7 @@ impl Plane {
         let doc = ConfigDoc {
             version: "realtime".into(),
             services: vec![BucketFile {
+                criticality: Default::default(),
                 service: sc.service.clone(),
                 buckets: sc.buckets.clone(),
             }],

@@ -580,6 +580,7 @@ impl<'a> SimRun<'a> {
         let zones = sc.zone_list();
         let buckets = sc.buckets.clone();
         let file = BucketFile {
+            criticality: Default::default(),
             service: sc.service.clone(),
             buckets: buckets.clone(),
         };

@@ -32,8 +32,9 @@ pub const PROTO_HEADER: &str = "grl-proto";
 /// [`ZoneDirectives::session`]); 5: candidates in `PUT /v1/config`
 /// ([`ConfigDoc::candidates`]) and `GET /v1/candidates` on the controller; 6: the time a
 /// zone report's calls cover ([`ZoneReport::calls_ms`]); 7: counts-only entries in delta zone
-/// reports ([`ZoneBucketMsg::counts_only`]); 8: criticality tiers ([`PROTO_TIERS`]).
-pub const PROTO_VERSION: u32 = 8;
+/// reports ([`ZoneBucketMsg::counts_only`]); 8: criticality tiers ([`PROTO_TIERS`]); 9: a
+/// bucket file's `criticality.caps` in the config ([`PROTO_CAPS`]).
+pub const PROTO_VERSION: u32 = 9;
 
 /// The first protocol version whose aggregators read the binary encoding ([`binary`]).
 pub const PROTO_BINARY: u32 = 3;
@@ -56,6 +57,12 @@ pub const PROTO_COUNTS: u32 = 7;
 /// and a directive's split ([`DirectiveMsg::shed`]). A sender includes them only for a peer
 /// that announced it.
 pub const PROTO_TIERS: u32 = 8;
+
+/// The first protocol version that reads a bucket file's `criticality` section
+/// (`schema::CriticalitySection`) in [`ConfigDoc`]: `GET /v1/config` serves it only to a
+/// peer that sent `grl-proto: 9` or more ([`ConfigDoc::for_peer`]), and rlc pushes it only to
+/// a controller that announced it.
+pub const PROTO_CAPS: u32 = 9;
 
 /// [`PROTO_VERSION`] as a header value (made once).
 pub fn version_header() -> http::HeaderValue {
@@ -111,6 +118,29 @@ pub struct ConfigDoc {
     /// controller keeps them with the config but never serves them in `GET /v1/config`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub candidates: Vec<Candidate>,
+}
+
+impl ConfigDoc {
+    /// Whether a peer of protocol `version` can read every field of this document as it
+    /// stands (see [`ConfigDoc::for_peer`]).
+    pub fn readable_by(&self, version: u32) -> bool {
+        (version >= PROTO_CANDIDATES || self.candidates.is_empty())
+            && (version >= PROTO_CAPS || self.services.iter().all(|f| f.criticality.is_empty()))
+    }
+
+    /// Leaves out what a peer of protocol `version` cannot read (it refuses unknown fields):
+    /// candidates below [`PROTO_CANDIDATES`], the bucket files' `criticality` sections below
+    /// [`PROTO_CAPS`] (such a peer decides every caller at the tier it claims, as before caps).
+    pub fn for_peer(&mut self, version: u32) {
+        if version < PROTO_CANDIDATES {
+            self.candidates.clear();
+        }
+        if version < PROTO_CAPS {
+            for f in &mut self.services {
+                f.criticality = Default::default();
+            }
+        }
+    }
 }
 
 /// A client's counts of one bucket over one interval.
@@ -524,6 +554,30 @@ mod tests {
         b.tiers.clear();
         assert!(b.tiers_believed());
         assert_eq!(b.by_tier()[TIERS], [100, 70, 30, 5]);
+    }
+
+    /// A peer below protocol 9 gets the config without the `criticality` sections (its
+    /// strict parser would refuse the whole document), below 5 without candidates too.
+    #[test]
+    fn a_peer_gets_only_the_fields_it_reads() {
+        let mut f = BucketFile::new("pay", Vec::new());
+        f.criticality.caps = [("batch-*".to_string(), Criticality::Sheddable)].into();
+        let doc = ConfigDoc {
+            version: "v1".into(),
+            services: vec![f],
+            candidates: Vec::new(),
+        };
+        let json = |d: &ConfigDoc| serde_json::to_string(d).unwrap();
+        assert!(json(&doc).contains(r#""criticality":{"caps":{"batch-*":"SHEDDABLE"}}"#));
+        assert!(doc.readable_by(PROTO_CAPS) && !doc.readable_by(PROTO_TIERS));
+        let mut new = doc.clone();
+        new.for_peer(PROTO_VERSION);
+        assert_eq!(new, doc);
+        let mut old = doc.clone();
+        old.for_peer(PROTO_TIERS);
+        assert!(!json(&old).contains("criticality"), "{}", json(&old));
+        assert!(old.readable_by(1));
+        assert_eq!(old.services[0].service, "pay");
     }
 
     fn report(interval_ms: u64, buckets: &[(&str, u64)]) -> ClientReport {

@@ -389,12 +389,14 @@ mod tests {
         let old: BTreeMap<String, BucketFile> = [(
             "pay".to_string(),
             BucketFile {
+                criticality: Default::default(),
                 service: "pay".into(),
                 buckets: vec![bucket("a", 10.0), bucket("b", 10.0), bucket("c", 10.0)],
             },
         )]
         .into();
         let new = vec![BucketFile {
+            criticality: Default::default(),
             service: "pay".into(),
             buckets: vec![bucket("a", 20.0), bucket("b", 5.0), bucket("d", 1.0)],
         }];

@@ -162,6 +162,7 @@ impl Plan {
             .map(|(service, mut buckets)| {
                 buckets.sort_by(|a, b| a.name.cmp(&b.name));
                 BucketFile {
+                    criticality: Default::default(),
                     service: service.to_string(),
                     buckets,
                 }

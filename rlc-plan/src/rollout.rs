@@ -207,6 +207,7 @@ mod tests {
         let base: BTreeMap<String, BucketFile> = [(
             "pay".to_string(),
             BucketFile {
+                criticality: Default::default(),
                 service: "pay".into(),
                 buckets: vec![cur.clone()],
             },

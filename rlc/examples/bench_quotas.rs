@@ -27,6 +27,7 @@ fn write_repo(dir: &Path, services: usize) -> anyhow::Result<()> {
     )?;
     for i in 0..services {
         let f = schema::BucketFile {
+            criticality: Default::default(),
             service: format!("svc{i:04}"),
             buckets: (0..BUCKETS)
                 .map(|j| schema::Bucket {

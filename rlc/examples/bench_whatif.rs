@@ -46,6 +46,7 @@ fn main() -> anyhow::Result<()> {
     for i in 0..n {
         let service = format!("svc{i:04}");
         let mut f = schema::BucketFile {
+            criticality: Default::default(),
             service: service.clone(),
             buckets: Vec::new(),
         };

@@ -92,6 +92,23 @@ impl std::str::FromStr for Criticality {
     }
 }
 
+/// Checks a caller pattern of a cap: a caller name, or a prefix ending in `*` (`*` alone:
+/// every caller); no other `*`, no surrounding spaces.
+pub fn check_caller_pattern(pattern: &str) -> Result<(), String> {
+    let name = pattern.strip_suffix('*').unwrap_or(pattern);
+    if pattern.is_empty() {
+        Err("an empty caller pattern: expected a caller name, or a prefix ending in *".into())
+    } else if name.contains('*') {
+        Err(format!(
+            "`{pattern}`: `*` may only end a pattern (a prefix of caller names)"
+        ))
+    } else if name.trim() != name {
+        Err(format!("`{pattern}`: spaces around a caller name"))
+    } else {
+        Ok(())
+    }
+}
+
 /// A name that is not one of the four tiers.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("unknown criticality `{0}`: expected CRITICAL_PLUS, CRITICAL, SHEDDABLE_PLUS or SHEDDABLE")]
@@ -107,6 +124,26 @@ impl<'de> Deserialize<'de> for Criticality {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let s = String::deserialize(d)?;
         s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+impl schemars::JsonSchema for Criticality {
+    fn schema_name() -> String {
+        "Criticality".into()
+    }
+    fn json_schema(_: &mut schemars::gen::SchemaGenerator) -> schemars::schema::Schema {
+        schemars::schema::SchemaObject {
+            instance_type: Some(schemars::schema::InstanceType::String.into()),
+            enum_values: Some(
+                Criticality::ALL
+                    .iter()
+                    .rev()
+                    .map(|c| c.as_str().into())
+                    .collect(),
+            ),
+            ..Default::default()
+        }
+        .into()
     }
 }
 

@@ -65,6 +65,7 @@ fn durations_parse_and_print() {
 #[test]
 fn render_is_deterministic_and_round_trips() {
     let f = BucketFile {
+        criticality: Default::default(),
         service: "payments".into(),
         buckets: vec![
             Bucket {
@@ -97,6 +98,55 @@ fn render_is_deterministic_and_round_trips() {
     assert_eq!(back.buckets.len(), 2);
     assert_eq!(back.buckets[0].name, "api-gateway.charge");
     assert_eq!(back.buckets[1].policy, PolicyName::Plugin("p".into()));
+}
+
+/// A bucket file's criticality caps: rendered (keys quoted where YAML needs it), read back,
+/// tiers case-insensitive; a bad pattern or tier is an error naming the file, line and key.
+#[test]
+fn criticality_caps_round_trip_and_bad_ones_are_named() {
+    use crate::Criticality;
+    let mut f = BucketFile::new("pay", Vec::new());
+    f.criticality.caps = [
+        ("*".to_string(), Criticality::Critical),
+        ("batch-*".to_string(), Criticality::Sheddable),
+        ("cron".to_string(), Criticality::SheddablePlus),
+    ]
+    .into();
+    let text = render_bucket_file(&f);
+    assert!(
+        text.contains("criticality:  # written by hand: rlc keeps it as it is\n  caps:\n    \"*\": CRITICAL\n    \"batch-*\": SHEDDABLE\n    cron: SHEDDABLE_PLUS\n"),
+        "{text}"
+    );
+    let back: BucketFile = serde_yaml::from_str(&text).unwrap();
+    assert_eq!(back, f);
+    // Without caps the section is left out, as files rendered before it existed.
+    assert!(!render_bucket_file(&BucketFile::new("pay", Vec::new())).contains("criticality"));
+    let lower: BucketFile =
+        serde_yaml::from_str("service: pay\ncriticality:\n  caps:\n    cron: sheddable\n").unwrap();
+    assert_eq!(lower.criticality.caps["cron"], Criticality::Sheddable);
+
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(
+        d.join("pay.yaml"),
+        "service: pay\ncriticality:\n  caps:\n    \"a*b\": SHEDDABLE\nbuckets: []\n",
+    )
+    .unwrap();
+    std::fs::write(
+        d.join("web.yaml"),
+        "service: web\ncriticality:\n  caps:\n    cron: URGENT\nbuckets: []\n",
+    )
+    .unwrap();
+    let (_, diags) = load_bucket_dir(d);
+    let shown: Vec<String> = diags.iter().map(|x| x.to_string()).collect();
+    assert_eq!(diags.len(), 2, "{shown:#?}");
+    assert!(diags[0].file.ends_with("pay.yaml"), "{shown:#?}");
+    assert!(diags[0].message.contains("`a*b`"), "{shown:#?}");
+    assert!(
+        diags[1].file.ends_with("web.yaml") && diags[1].line == 3,
+        "{shown:#?}"
+    );
+    assert!(diags[1].message.contains("URGENT"), "{shown:#?}");
 }
 
 #[test]

@@ -287,6 +287,41 @@ pub struct BucketFile {
     /// The buckets of this service.
     #[serde(default)]
     pub buckets: Vec<Bucket>,
+    /// How the service's requests are tiered: the highest tier each caller may claim. Written
+    /// by hand (rlc keeps it as it is when it regenerates the file); served to clients of
+    /// protocol 9 or more.
+    #[serde(default, skip_serializing_if = "CriticalitySection::is_empty")]
+    pub criticality: CriticalitySection,
+}
+
+impl BucketFile {
+    /// A file of `service` with `buckets` and no criticality section.
+    pub fn new(service: impl Into<String>, buckets: Vec<Bucket>) -> BucketFile {
+        BucketFile {
+            service: service.into(),
+            buckets,
+            criticality: CriticalitySection::default(),
+        }
+    }
+}
+
+/// The `criticality:` section of a bucket file.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CriticalitySection {
+    /// Caller pattern → the highest tier its requests may claim (`CRITICAL_PLUS`, `CRITICAL`,
+    /// `SHEDDABLE_PLUS`, `SHEDDABLE`): a request claiming more is decided at the cap. A
+    /// pattern is a caller name, or a prefix ending in `*` (`batch-*`; `*` alone: every
+    /// caller). A caller's exact name wins over prefixes, the longest prefix over shorter ones.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub caps: BTreeMap<String, crate::Criticality>,
+}
+
+impl CriticalitySection {
+    /// Whether the section says nothing (it is then left out of the file).
+    pub fn is_empty(&self) -> bool {
+        self.caps.is_empty()
+    }
 }
 
 /// One quota within a callee service.

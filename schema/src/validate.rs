@@ -732,6 +732,11 @@ fn check_bucket_file(stem: &str, f: &Located<BucketFile>, diags: &mut Vec<Diagno
             ),
         ));
     }
+    for pattern in f.value.criticality.caps.keys() {
+        if let Err(e) = crate::criticality::check_caller_pattern(pattern) {
+            diags.push(f.diag(format!("criticality.caps.{pattern}"), e));
+        }
+    }
     let mut names: HashMap<&str, usize> = HashMap::new();
     let mut matches: HashMap<(Option<&str>, Option<&str>), usize> = HashMap::new();
     for (i, b) in f.value.buckets.iter().enumerate() {

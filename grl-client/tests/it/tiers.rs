@@ -13,6 +13,7 @@ fn setup() -> (Arc<Limiter>, Reporter) {
     let limiter = Arc::new(Limiter::new("svc", Duration::from_secs(3)));
     let mut rep = Reporter::new(limiter.clone(), "c1", 0);
     let file = BucketFile {
+        criticality: Default::default(),
         service: "svc".into(),
         buckets: vec![Bucket {
             name: "gw".into(),

@@ -12,18 +12,31 @@ pub(super) struct ConfigView {
 /// `GET /v1/config`: the served config (the pushed one plus the buckets of traffic overrides,
 /// what aggregators and clients run); `?view=pushed`: the config as pushed, which
 /// `PUT /v1/config` takes back (a served config's `override:` buckets are refused there).
+/// The served view, what aggregators fetch, leaves out what a peer below `grl-proto: 9`
+/// cannot read (`ConfigDoc::for_peer`); the pushed view, what a person or a script takes
+/// back to `PUT`, is always whole.
 pub(super) async fn get_config(
     State(s): State<Arc<Shared>>,
     Query(q): Query<ConfigView>,
+    headers: HeaderMap,
 ) -> Result<Json<ConfigDoc>, ApiError> {
     let e = s.engine.lock().expect("engine lock");
-    match q.view.as_deref() {
-        None | Some("served") => Ok(Json(e.config().clone())),
-        Some("pushed") => Ok(Json(e.base_config().clone())),
-        Some(v) => Err(ApiError::BadRequest(format!(
-            "view `{v}`: expected `served` (the default) or `pushed`"
-        ))),
+    let doc = match q.view.as_deref() {
+        None | Some("served") => e.config(),
+        Some("pushed") => return Ok(Json(e.base_config().clone())),
+        Some(v) => {
+            return Err(ApiError::BadRequest(format!(
+                "view `{v}`: expected `served` (the default) or `pushed`"
+            )))
+        }
+    };
+    let version = grl_wire::peer_version(&headers);
+    if doc.readable_by(version) {
+        return Ok(Json(doc.clone()));
     }
+    let mut doc = doc.clone();
+    doc.for_peer(version);
+    Ok(Json(doc))
 }
 
 /// 422 when `max` overrides are active at `now` (expired ones not purged yet do not count).

@@ -307,3 +307,61 @@ fn counts_by_tier_reach_the_report_rows_and_the_metrics() {
     assert_eq!(sample("CRITICAL_PLUS"), None, "{text}");
     assert!(text.contains("grl_requests_dropped_total{service=\"svc\",bucket=\"g\",caller=\"g\",procedure=\"\",zone=\"z1\",criticality=\"SHEDDABLE\"} 100"), "{text}");
 }
+
+/// A bucket file's `criticality` section reaches a peer that says it reads it (`grl-proto: 9`)
+/// and nobody else on the served view, what aggregators fetch (an aggregator or client before
+/// 9 refuses unknown fields); the pushed view, what a person takes back to `PUT`, is whole. A
+/// bad caller pattern refuses the push, naming it.
+#[tokio::test]
+async fn the_caps_are_served_to_peers_that_read_them() {
+    const TOKEN: &str = "t0ken";
+    let dir = tempfile::tempdir().unwrap();
+    let c = crate::tests::anonymous_controller(dir.path().join("c"), TOKEN).await;
+    let url = c.url();
+    let http = reqwest::Client::new();
+    let doc = |pattern: &str| {
+        serde_json::json!({"version": "v1", "services": [{"service": "payments",
+            "criticality": {"caps": {pattern: "sheddable"}},
+            "buckets": [{"name": "charge", "procedure": "charge", "limit_rps": 10.0}]}]})
+    };
+    let put = |body: serde_json::Value| {
+        http.put(format!("{url}/v1/config"))
+            .bearer_auth(TOKEN)
+            .json(&body)
+            .send()
+    };
+    let r = put(doc("batch-*")).await.unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    let get = |query: &'static str, proto: Option<&'static str>| {
+        let mut req = http.get(format!("{url}/v1/config{query}"));
+        if let Some(p) = proto {
+            req = req.header(grl_wire::PROTO_HEADER, p);
+        }
+        async move {
+            req.send()
+                .await
+                .unwrap()
+                .json::<serde_json::Value>()
+                .await
+                .unwrap()
+        }
+    };
+    let caps = |v: &serde_json::Value| v["services"][0].get("criticality").cloned();
+    let whole = Some(serde_json::json!({"caps": {"batch-*": "SHEDDABLE"}}));
+    assert_eq!(caps(&get("", Some("9")).await), whole);
+    assert_eq!(caps(&get("", Some("8")).await), None);
+    let old = get("", None).await;
+    assert_eq!(
+        (caps(&old), &old["services"][0]["buckets"][0]["name"]),
+        (None, &"charge".into())
+    );
+    assert_eq!(caps(&get("?view=pushed", None).await), whole);
+    let r = put(doc("a*b")).await.unwrap();
+    assert_eq!(r.status(), 422);
+    let body = r.text().await.unwrap();
+    assert!(
+        body.contains("criticality.caps") && body.contains("a*b"),
+        "{body}"
+    );
+    c.shutdown().await;
+}

@@ -158,16 +158,49 @@ async fn shed_below_critical(
 }
 
 /// The same through `GrlLayer` in two in-process clients (real controller and aggregator
-/// processes), at the sizing: limit 200 rps, 120 rps CRITICAL (half without a
-/// header) and 180 rps SHEDDABLE (half in `baggage`) over the two. The layer reads each
-/// request's tier from its headers; CRITICAL loses under 1 %, SHEDDABLE keeps about 80 rps.
+/// processes), at the sizing: limit 200 rps on procedure `charge`, 120 rps CRITICAL
+/// from `gw` (half without a header) and 180 rps SHEDDABLE over the two: half from `gw` in
+/// `baggage`, half from `batch-1`, which claims CRITICAL_PLUS but is capped at SHEDDABLE by
+/// the bucket file's `criticality.caps`. The layer reads each request's tier from its
+/// headers; CRITICAL loses under 1 %, SHEDDABLE keeps about 80 rps. The aggregator serves the
+/// caps only to a client that says it reads them (`grl-proto: 9`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn grl_layer_sheds_the_least_critical_tier_first() {
     use std::sync::atomic::{AtomicU64, Ordering};
 
     const LIMIT: f64 = 200.0;
     let dir = tempfile::tempdir().unwrap();
-    let (_fleet, agg) = controller_and_aggregator(dir.path(), LIMIT).await;
+    let config = json!({"version": "v1", "services": [{"service": "payments",
+        "criticality": {"caps": {"batch-*": "SHEDDABLE"}},
+        "buckets": [{"name": "charge", "procedure": "charge", "scope": "global",
+                     "limit_rps": LIMIT, "mode": "enforce", "policy": "peak"}]}]});
+    let (_fleet, agg) = controller_and_aggregator(dir.path(), &config).await;
+    let http = reqwest::Client::new();
+    let served = |proto: Option<&'static str>| {
+        let mut req = http
+            .get(format!("{agg}/v1/config?service=payments"))
+            .bearer_auth(super::CLIENT_TOKEN);
+        if let Some(p) = proto {
+            req = req.header("grl-proto", p);
+        }
+        async move {
+            req.send()
+                .await
+                .unwrap()
+                .json::<serde_json::Value>()
+                .await
+                .unwrap()
+        }
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while served(None).await["version"] != "v1" && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let caps = &served(Some("9")).await["services"][0]["criticality"]["caps"];
+    assert_eq!(caps["batch-*"], "SHEDDABLE", "{caps}");
+    let old = served(None).await;
+    assert!(old["services"][0].get("criticality").is_none(), "{old}");
+    assert_eq!(old["services"][0]["buckets"][0]["name"], "charge");
 
     let stop = Arc::new(AtomicBool::new(false));
     // [ok, refused] for CRITICAL and SHEDDABLE.
@@ -177,18 +210,24 @@ async fn grl_layer_sheds_the_least_critical_tier_first() {
     for i in 0..2 {
         let (client, svc) = layer_client(&agg, &format!("layer{i}"));
         clients.push(client);
-        // (requests/s, extra header, tier index in `counts`)
-        for (rps, header, tier) in [
-            (30.0, Some(("rpc-criticality", "CRITICAL")), 0),
-            (30.0, None, 0),
-            (45.0, Some(("rpc-criticality", "SHEDDABLE")), 1),
-            (45.0, Some(("baggage", "criticality=sheddable")), 1),
+        // (requests/s, caller, extra header, tier index in `counts`)
+        for (rps, caller, header, tier) in [
+            (30.0, "gw", Some(("rpc-criticality", "CRITICAL")), 0),
+            (30.0, "gw", None, 0),
+            (
+                45.0,
+                "batch-1",
+                Some(("rpc-criticality", "CRITICAL_PLUS")),
+                1,
+            ),
+            (45.0, "gw", Some(("baggage", "criticality=sheddable")), 1),
         ] {
             let counts = counts.clone();
             let count = move |refused: bool| {
                 counts[tier][refused as usize].fetch_add(1, Ordering::Relaxed);
             };
-            tasks.push(paced_layer(svc.clone(), rps, header, count, stop.clone()));
+            let svc = svc.clone();
+            tasks.push(paced_layer(svc, rps, caller, header, count, stop.clone()));
         }
     }
     let take = || {
@@ -239,7 +278,8 @@ async fn a_client_of_the_previous_protocol_keeps_the_bucket_at_its_limit() {
 
     const LIMIT: f64 = 200.0;
     let dir = tempfile::tempdir().unwrap();
-    let (_fleet, agg) = controller_and_aggregator(dir.path(), LIMIT).await;
+    let config = super::payments_config("v1", LIMIT);
+    let (_fleet, agg) = controller_and_aggregator(dir.path(), &config).await;
     let stop = Arc::new(AtomicBool::new(false));
 
     // This version: [ok, refused] of CRITICAL and SHEDDABLE.
@@ -252,7 +292,14 @@ async fn a_client_of_the_previous_protocol_keeps_the_bucket_at_its_limit() {
             counts[i][refused as usize].fetch_add(1, Ordering::Relaxed);
         };
         let header = Some(("rpc-criticality", tier));
-        tasks.push(paced_layer(svc.clone(), rps, header, count, stop.clone()));
+        tasks.push(paced_layer(
+            svc.clone(),
+            rps,
+            "gw",
+            header,
+            count,
+            stop.clone(),
+        ));
     }
 
     // The previous protocol: 20 requests per 200 ms, the reply's ratio dropped (a carry keeps
@@ -334,22 +381,17 @@ async fn a_client_of_the_previous_protocol_keeps_the_bucket_at_its_limit() {
     }
 }
 
-/// A controller and an aggregator (real processes) serving payments' bucket `gw.charge` at
-/// `limit`: the processes (kept until dropped) and the aggregator's URL.
+/// A controller and an aggregator (real processes) serving `config`: the processes (kept
+/// until dropped) and the aggregator's URL.
 async fn controller_and_aggregator(
     dir: &std::path::Path,
-    limit: f64,
+    config: &serde_json::Value,
 ) -> (
     (test_support::process::Proc, test_support::process::Proc),
     String,
 ) {
     let (ctl, _, base) = super::start_controller(&dir.join("state"), dir, &[]).await;
-    super::push_config(
-        &reqwest::Client::new(),
-        &base,
-        &super::payments_config("v1", limit),
-    )
-    .await;
+    super::push_config(&reqwest::Client::new(), &base, config).await;
     let (agg, url) = super::start_aggregator(&base, "agg-a", dir).await;
     ((ctl, agg), url)
 }
@@ -388,11 +430,12 @@ fn layer_client(
     (client, svc)
 }
 
-/// Sends `rps` requests a second of caller `gw` (with `header`, if any) through `svc` until
+/// Sends `rps` requests a second of `caller` (with `header`, if any) through `svc` until
 /// `stop`, telling `count` of each whether it was refused (429).
 fn paced_layer<S>(
     mut svc: S,
     rps: f64,
+    caller: &'static str,
     header: Option<(&'static str, &'static str)>,
     count: impl Fn(bool) + Send + 'static,
     stop: Arc<AtomicBool>,
@@ -408,7 +451,7 @@ where
         iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
         while !stop.load(std::sync::atomic::Ordering::Relaxed) {
             iv.tick().await;
-            let mut req = http::Request::builder().header("rpc-caller", "gw");
+            let mut req = http::Request::builder().header("rpc-caller", caller);
             if let Some((k, v)) = header {
                 req = req.header(k, v);
             }

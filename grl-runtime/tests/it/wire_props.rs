@@ -214,7 +214,7 @@ fn bucket() -> impl Strategy<Value = Bucket> {
 
 fn config_doc() -> impl Strategy<Value = ConfigDoc> {
     let file = (name(), prop::collection::vec(bucket(), 0..4))
-        .prop_map(|(service, buckets)| BucketFile { service, buckets });
+        .prop_map(|(service, buckets)| BucketFile::new(service, buckets));
     (name(), prop::collection::vec(file, 0..3)).prop_map(|(version, services)| ConfigDoc {
         version,
         services,

@@ -136,11 +136,17 @@ impl Cycle {
                 }
             };
             let mut doc = rollout::desired_for(&region, &base.doc, &open);
-            if !doc.candidates.is_empty() {
+            // Candidates or criticality sections: only for a controller that reads them.
+            if !doc.readable_by(1) {
                 match client.status_proto().await {
-                    Ok((_, p)) if p < 5 => {
-                        tracing::warn!(region, proto = p, "controller predates candidates (grl-proto 5): it keeps the limits in force, the candidates wait");
-                        doc.candidates.clear();
+                    Ok((_, p)) if !doc.readable_by(p) => {
+                        if p < grl_wire::PROTO_CANDIDATES && !doc.candidates.is_empty() {
+                            tracing::warn!(region, proto = p, "controller predates candidates (grl-proto 5): it keeps the limits in force, the candidates wait");
+                        }
+                        if !doc.readable_by(p.max(grl_wire::PROTO_CANDIDATES)) {
+                            tracing::warn!(region, proto = p, "controller predates criticality caps (grl-proto 9): pushed without the bucket files' criticality sections");
+                        }
+                        doc.for_peer(p);
                     }
                     Ok(_) => {}
                     Err(e) => {

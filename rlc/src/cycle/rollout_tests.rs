@@ -31,6 +31,8 @@ struct Ctl {
     blind: Arc<std::sync::atomic::AtomicBool>,
     /// Announces grl-proto 4 while set (a controller that predates candidates).
     old: Arc<std::sync::atomic::AtomicBool>,
+    /// Announces grl-proto 9 while set (one that reads criticality caps); 5 otherwise.
+    caps: Arc<std::sync::atomic::AtomicBool>,
     /// The rate its region offers to payments/gw ([`OFFERED`] when unset).
     rps: Arc<Mutex<Option<f64>>>,
 }
@@ -77,6 +79,8 @@ async fn status(State(c): State<Ctl>) -> (HeaderMap, Json<Value>) {
     let mut h = HeaderMap::new();
     let proto = if c.old.load(std::sync::atomic::Ordering::SeqCst) {
         "4"
+    } else if c.caps.load(std::sync::atomic::Ordering::SeqCst) {
+        "9"
     } else {
         "5"
     };
@@ -693,6 +697,46 @@ async fn a_stage_whose_controllers_never_get_the_candidate_is_aborted_at_max_bak
         .unwrap()
         .iter()
         .all(|d| d.candidates.is_empty() && d.services[0].buckets[0].limit_rps == 3470.0));
+}
+
+/// The bucket files' criticality sections go only to a controller that reads them: one of
+/// grl-proto 5 gets the config without them (its strict parser would refuse the whole
+/// document), one of grl-proto 9 with them.
+#[tokio::test]
+async fn criticality_sections_go_only_to_controllers_that_read_them() {
+    let capped = |tier: &str| {
+        format!(
+            "service: payments\ncriticality:\n  caps:\n    cron: {tier}\n{}",
+            gw_file("global", 3470.0).trim_start_matches("service: payments\n")
+        )
+    };
+    let remote = remote_gw("  enabled: false\n", &capped("SHEDDABLE"));
+    let (ctl, cycle, _) = eu_cycle(&remote, "").await;
+    let last_caps = || {
+        let docs = ctl.docs.lock().unwrap();
+        let d = docs.last().expect("a push");
+        assert_eq!(d.services[0].buckets[0].limit_rps, 3470.0);
+        d.services[0].criticality.caps.clone()
+    };
+    let (_, base) = cycle.poll().await.unwrap();
+    let report = cycle.push_all(&base, None).await;
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert!(last_caps().is_empty());
+    ctl.caps.store(true, std::sync::atomic::Ordering::SeqCst);
+    remote
+        .human_commit(
+            "main",
+            &[("buckets/payments.yaml", &capped("SHEDDABLE_PLUS"))],
+            "cap cron higher",
+        )
+        .unwrap();
+    let (_, base) = cycle.poll().await.unwrap();
+    let report = cycle.push_all(&base, None).await;
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert_eq!(
+        last_caps().get("cron"),
+        Some(&schema::Criticality::SheddablePlus)
+    );
 }
 
 /// A person adds a new service whose only bucket enforces 100 rps (150 offered): its

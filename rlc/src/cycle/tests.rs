@@ -449,6 +449,7 @@ fn run_summary_names_mode_and_scope_changes() {
     let before: std::collections::BTreeMap<String, schema::BucketFile> = [(
         "pay".to_string(),
         schema::BucketFile {
+            criticality: Default::default(),
             service: "pay".into(),
             buckets: vec![old],
         },
@@ -459,6 +460,7 @@ fn run_summary_names_mode_and_scope_changes() {
     out.summary = rlc_plan::change::diff(
         &before,
         &[schema::BucketFile {
+            criticality: Default::default(),
             service: "pay".into(),
             buckets: vec![planned("pay", "gw", 10.0).bucket],
         }],

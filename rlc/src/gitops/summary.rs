@@ -441,6 +441,7 @@ mod tests {
         evidence: impl Fn(&Bucket) -> Evidence,
     ) -> (Plan, rlc_plan::change::ChangeSummary) {
         let file = |limits: &[(&str, f64)]| BucketFile {
+            criticality: Default::default(),
             service: "pay".into(),
             buckets: limits.iter().map(|(n, l)| bucket(n, *l)).collect(),
         };
@@ -483,6 +484,7 @@ mod tests {
         let old: BTreeMap<String, BucketFile> = [(
             "pay".to_string(),
             BucketFile {
+                criticality: Default::default(),
                 service: "pay".into(),
                 buckets: vec![shadow_region, shadow, bucket("c", 10.0), bucket("d", 10.0)],
             },
@@ -491,6 +493,7 @@ mod tests {
         let mut d_region = bucket("d", 10.0);
         d_region.scope = Scope::Region;
         let new = vec![BucketFile {
+            criticality: Default::default(),
             service: "pay".into(),
             // a: shadow/region -> enforce/global, same limit; b: raised and now enforced;
             // c: policy only; d: global -> region.
@@ -568,6 +571,7 @@ mod tests {
         let plain = diff(
             &old,
             &[BucketFile {
+                criticality: Default::default(),
                 service: "pay".into(),
                 buckets: vec![bucket("c", 20.0), bucket("d", 10.0)],
             }],
@@ -597,6 +601,7 @@ mod tests {
                 held: None,
             });
             files.push(BucketFile {
+                criticality: Default::default(),
                 service: svc,
                 buckets: vec![bucket("caller-x", 100.0)],
             });
@@ -685,6 +690,7 @@ mod tests {
         let old: BTreeMap<String, BucketFile> = [(
             "pay".to_string(),
             BucketFile {
+                criticality: Default::default(),
                 service: "pay".into(),
                 buckets: vec![
                     bucket("down", 100.0),
@@ -697,6 +703,7 @@ mod tests {
         let mut shadow_new = bucket("quiet", 5.0);
         shadow_new.mode = Mode::Shadow;
         let new = vec![BucketFile {
+            criticality: Default::default(),
             service: "pay".into(),
             buckets: vec![
                 bucket("down", 75.0),

@@ -127,6 +127,43 @@ fn same_plan_twice_makes_exactly_one_commit() {
     assert_eq!(w.base_buckets().unwrap().0, remote.head("main").unwrap());
 }
 
+/// A bucket file's `criticality:` section is written by hand: a run that changes the
+/// file's limits keeps it as the base has it, and the section alone never makes a change.
+#[test]
+fn the_criticality_section_is_kept_as_written() {
+    let remote = seeded_remote();
+    let hand = "service: payments\ncriticality:\n  caps:\n    \"batch-*\": SHEDDABLE\n    cron: sheddable_plus\nbuckets:\n  - name: gw\n    caller: gw\n    limit_rps: 100\n";
+    remote
+        .human_commit(
+            "main",
+            &[("buckets/payments.yaml", hand)],
+            "cap the batch jobs",
+        )
+        .unwrap();
+    let mut w = Writer::open(writer_cfg(&remote, "wc", RepoMode::Direct)).unwrap();
+    let p = plan(vec![planned("payments", "gw", 250.0)]);
+    let out = w.write(&p).unwrap();
+    assert!(
+        matches!(out.status, WriteStatus::Committed { .. }),
+        "{:?}",
+        out.status
+    );
+    assert_eq!(out.summary.counts_line(), "raised 1");
+    let text = remote.read("main", "buckets/payments.yaml").unwrap();
+    assert!(
+        text.contains("criticality:  # written by hand: rlc keeps it as it is\n  caps:\n    \"batch-*\": SHEDDABLE\n    cron: SHEDDABLE_PLUS\n"),
+        "{text}"
+    );
+    assert!(text.contains("limit_rps: 250\n"), "{text}");
+    let (_, served) = w.base_buckets().unwrap();
+    assert_eq!(
+        served[0].criticality.caps.get("cron"),
+        Some(&schema::Criticality::SheddablePlus)
+    );
+    // Again: nothing to commit.
+    assert_eq!(w.write(&p).unwrap().status, WriteStatus::Unchanged);
+}
+
 #[test]
 fn local_repo_without_remote_gets_commits_on_its_branch() {
     let dir = tempfile::tempdir().unwrap();

@@ -648,10 +648,17 @@ impl Writer {
         let base_tree = base.tree().map_err(|e| fatal(e.into()))?;
         let old = read_buckets(&self.repo, &base_tree).map_err(fatal)?;
         let mut new_files = plan.bucket_files();
+        // The criticality section is written by hand: kept as the base has it.
+        for f in &mut new_files {
+            if let Some(o) = old.get(&f.service) {
+                f.criticality = o.criticality.clone();
+            }
+        }
         // A removed service: no bucket left, so the summary names each of its buckets removed.
         for service in &self.removing {
             if !new_files.iter().any(|f| &f.service == service) {
                 new_files.push(BucketFile {
+                    criticality: Default::default(),
                     service: service.clone(),
                     buckets: Vec::new(),
                 });

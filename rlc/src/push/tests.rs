@@ -83,6 +83,7 @@ fn desired(version: &str) -> ConfigDoc {
     ConfigDoc {
         version: version.into(),
         services: vec![BucketFile {
+            criticality: Default::default(),
             service: "payments".into(),
             buckets: vec![Bucket {
                 name: "gw".into(),

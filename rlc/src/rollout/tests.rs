@@ -302,6 +302,7 @@ mod pure {
         let doc = ConfigDoc {
             version: "v2".into(),
             services: vec![BucketFile {
+                criticality: Default::default(),
                 service: "payments".into(),
                 buckets: vec![new.clone()],
             }],
@@ -397,6 +398,7 @@ mod fix_tests {
         ConfigDoc {
             version: "v2".into(),
             services: vec![BucketFile {
+                criticality: Default::default(),
                 service: "payments".into(),
                 buckets: vec![gw(Scope::Global, 1000.0)],
             }],

@@ -1663,6 +1663,7 @@ async fn check_rollout_writers(store: Store) {
     let doc = |limit: f64| ConfigDoc {
         version: format!("v{limit}"),
         services: vec![schema::BucketFile {
+            criticality: Default::default(),
             service: "pay".into(),
             buckets: vec![crate::gitops::tests::planned("pay", "charge", limit).bucket],
         }],
