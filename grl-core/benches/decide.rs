@@ -35,6 +35,14 @@ fn keys() -> Vec<(&'static str, &'static str)> {
 }
 
 fn grl_limiter(keys: &[(&str, &str)]) -> Limiter {
+    grl_limiter_capped(keys, &Default::default())
+}
+
+/// [`grl_limiter`] with the bucket file's `criticality.caps`.
+fn grl_limiter_capped(
+    keys: &[(&str, &str)],
+    caps: &std::collections::BTreeMap<String, schema::Criticality>,
+) -> Limiter {
     let mut buckets = Vec::new();
     for (i, (c, p)) in keys.iter().enumerate() {
         let (caller, procedure) = match i % 4 {
@@ -69,7 +77,10 @@ fn grl_limiter(keys: &[(&str, &str)]) -> Limiter {
         });
     }
     let l = Limiter::new("bench", Duration::from_secs(3600));
-    let t = Table::compile("bench", "v1", &buckets).unwrap();
+    let mut file = schema::BucketFile::new("bench", buckets);
+    file.criticality.caps = caps.clone();
+    let t = Table::compile_file("v1", &file).unwrap();
+    let buckets = file.buckets;
     for i in 0..buckets.len() {
         t.set_ratio(i, 0.33);
     }
@@ -166,6 +177,24 @@ fn bench(c: &mut Criterion) {
             let (c, p) = keys[i & (n - 1)];
             let t = tiers[(i >> 3) & 3];
             black_box(grl.decide_tier(black_box(c), black_box(p), black_box(t)))
+        })
+    });
+    // The same with the bucket file's caps: 8 exact callers and 4 prefixes, two of which
+    // match every caller, so that each decision finds its cap after a miss in the exact names.
+    let caps = (0..8)
+        .map(|k| (format!("batch-{k}"), schema::Criticality::Sheddable))
+        .chain(
+            ["cron-*", "batch-*", "caller-*", "caller-service-*"]
+                .map(|p| (p.to_string(), schema::Criticality::SheddablePlus)),
+        )
+        .collect();
+    let capped = grl_limiter_capped(&keys, &caps);
+    g.bench_function("grl-capped", |b| {
+        b.iter(|| {
+            i = i.wrapping_add(1);
+            let (c, p) = keys[i & (n - 1)];
+            let t = tiers[(i >> 3) & 3];
+            black_box(capped.decide_tier(black_box(c), black_box(p), black_box(t)))
         })
     });
     let table = grl.table();
