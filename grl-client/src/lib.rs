@@ -14,6 +14,7 @@ pub mod auth;
 pub mod calls;
 pub mod cause;
 pub mod client;
+pub mod concurrency;
 pub mod http_util;
 pub mod keys;
 pub mod layer;

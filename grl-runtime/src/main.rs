@@ -301,6 +301,14 @@ struct SidecarArgs {
     /// in `*`); repeat, the first match wins.
     #[arg(long = "criticality-cap")]
     criticality_caps: Vec<String>,
+    /// A limit on the requests in flight to the upstream: `auto` learns it from the
+    /// upstream's latency, N fixes it, `off` (the default) has none. Requests beyond it wait
+    /// (the more critical tiers first), then get 503 (gRPC UNAVAILABLE).
+    #[arg(long, default_value = "off")]
+    concurrency_limit: grl_client::concurrency::Mode,
+    /// How long a request may wait for a slot under --concurrency-limit.
+    #[arg(long, default_value_t = 100)]
+    queue_timeout_ms: u64,
     /// The procedure of a non-gRPC request from this header (`none`: no header). Default:
     /// `rpc-procedure` without --route, none with --route (routes decide, not the caller).
     #[arg(long)]
@@ -685,6 +693,8 @@ async fn sidecar(args: SidecarArgs) -> anyhow::Result<()> {
         verified_caller_header,
         criticality_header,
         criticality_caps,
+        concurrency_limit,
+        queue_timeout_ms,
         procedure_header,
         route_ignore_case,
         route_trailing_slash,
@@ -739,6 +749,11 @@ async fn sidecar(args: SidecarArgs) -> anyhow::Result<()> {
         caller,
         procedure,
         tiers,
+        concurrency: grl_client::concurrency::Options {
+            mode: concurrency_limit,
+            queue_timeout: Duration::from_millis(queue_timeout_ms),
+            ..Default::default()
+        },
         retry_after_secs: retry_after_secs.max(1),
         upstream_timeout: Duration::from_millis(upstream_timeout_ms.max(1)),
         connect_timeout: Duration::from_millis(upstream_connect_timeout_ms.max(1)),

@@ -31,12 +31,14 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::Router;
 use grl_client::client::{ClientOptions, GrlClient};
+use grl_client::concurrency::ConcurrencyLimiter;
 use grl_client::layer::GrlLayer;
 use grl_client::tiers::TierFrom;
 use grl_core::Decision;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Version};
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+use schema::Criticality;
 
 use grl_server::http_util::{Readiness, ServerHandle};
 use grl_server::server::{ServeLimits, ServerStats};
@@ -69,6 +71,8 @@ pub struct SidecarOptions {
     pub procedure: ProcedureFrom,
     /// Where a request's criticality tier comes from (and the callers' caps).
     pub tiers: TierFrom,
+    /// The limit on requests in flight to the upstream and its queue (off by default).
+    pub concurrency: grl_client::concurrency::Options,
     /// `Retry-After` seconds of a refusal (`grpc-retry-pushback-ms` is the same in ms).
     pub retry_after_secs: u64,
     /// The upstream must answer a request's head within this (then 504, or gRPC
@@ -100,6 +104,7 @@ impl SidecarOptions {
             caller: CallerFrom::default(),
             procedure: ProcedureFrom::default(),
             tiers: TierFrom::default(),
+            concurrency: grl_client::concurrency::Options::default(),
             retry_after_secs: 1,
             upstream_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(5),
@@ -119,8 +124,8 @@ struct Stats {
     /// [protocol: http, grpc][decision: admit, drop, shadow_drop].
     requests: [[AtomicU64; 3]; 2],
     /// Refusals the sidecar answered itself: rate_limited, upstream_unreachable,
-    /// upstream_timeout, connection_share.
-    refusals: [AtomicU64; 4],
+    /// upstream_timeout, connection_share, overloaded.
+    refusals: [AtomicU64; 5],
     /// Upstream failures: connect, timeout, other.
     upstream_errors: [AtomicU64; 3],
     /// Requests refused as malformed (400): target, body, identity.
@@ -149,12 +154,15 @@ enum BadRequest {
 
 const PROTOCOLS: [&str; 2] = ["http", "grpc"];
 const DECISIONS: [&str; 3] = ["admit", "drop", "shadow_drop"];
-const REFUSALS: [&str; 4] = [
+const REFUSALS: [&str; 5] = [
     "rate_limited",
     "upstream_unreachable",
     "upstream_timeout",
     "connection_share",
+    "overloaded",
 ];
+/// The index of `overloaded` in [`REFUSALS`].
+const OVERLOADED: usize = 4;
 
 /// One caller connection's share of the upstream slots: this fraction of them (and at least
 /// [`MIN_SHARE`]), so that a few connections holding answers they never read cannot take every
@@ -168,6 +176,7 @@ const BAD_REQUESTS: [&str; 3] = ["target", "body", "identity"];
 #[derive(Debug)]
 struct StatsCollector {
     stats: Arc<Stats>,
+    concurrency: Option<Arc<ConcurrencyLimiter>>,
     info: [(&'static str, String); 4],
 }
 
@@ -196,7 +205,7 @@ impl prometheus_client::collector::Collector for StatsCollector {
         }
         let mut fam = encoder.encode_descriptor(
             "grl_sidecar_refusals",
-            "Requests the sidecar answered itself instead of the upstream, by reason: rate_limited (429, gRPC RESOURCE_EXHAUSTED), upstream_unreachable (502, UNAVAILABLE), upstream_timeout (504, DEADLINE_EXCEEDED).",
+            "Requests the sidecar answered itself instead of the upstream, by reason: rate_limited (429, gRPC RESOURCE_EXHAUSTED), upstream_unreachable (502, UNAVAILABLE), upstream_timeout (504, DEADLINE_EXCEEDED), connection_share (503), overloaded (503, UNAVAILABLE: no slot under --concurrency-limit).",
             None,
             MetricType::Counter,
         )?;
@@ -224,6 +233,9 @@ impl prometheus_client::collector::Collector for StatsCollector {
             ConstCounter::new(s.bad_requests[i].load(Ordering::Relaxed))
                 .encode(fam.encode_family(&[("reason", *reason)])?)?;
         }
+        if let Some(c) = &self.concurrency {
+            encode_concurrency(c.stats(), &mut encoder)?;
+        }
         let mut fam = encoder.encode_descriptor(
             "grl_sidecar_info",
             "The sidecar's service, zone, region and upstream.",
@@ -238,6 +250,59 @@ impl prometheus_client::collector::Collector for StatsCollector {
         ConstGauge::new(1i64).encode(fam.encode_family(&labels)?)?;
         Ok(())
     }
+}
+
+/// The series of `--concurrency-limit` (only when it is on).
+fn encode_concurrency(
+    c: &grl_client::concurrency::Stats,
+    encoder: &mut prometheus_client::encoding::DescriptorEncoder,
+) -> std::fmt::Result {
+    use prometheus_client::encoding::EncodeMetric;
+    use prometheus_client::metrics::counter::ConstCounter;
+    use prometheus_client::metrics::gauge::ConstGauge;
+    use prometheus_client::metrics::MetricType;
+    for (name, help, v) in [
+        ("grl_sidecar_concurrency_limit", "The limit on requests in flight to the upstream (--concurrency-limit: learned, or fixed).", &c.limit),
+        ("grl_sidecar_concurrency_in_flight", "Requests in flight to the upstream under the concurrency limit.", &c.in_flight),
+        ("grl_sidecar_concurrency_queued", "Requests waiting for a slot under the concurrency limit.", &c.queued),
+    ] {
+        let fam = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+        ConstGauge::new(v.load(Ordering::Relaxed) as i64).encode(fam)?;
+    }
+    let mut fam = encoder.encode_descriptor(
+        "grl_sidecar_overload_refusals",
+        "Requests refused for overload (503, gRPC UNAVAILABLE) by criticality tier and reason: queue_timeout (no slot within --queue-timeout-ms), queue_full (the queue was full).",
+        None,
+        MetricType::Counter,
+    )?;
+    for tier in Criticality::ALL {
+        for (r, reason) in ["queue_timeout", "queue_full"].iter().enumerate() {
+            ConstCounter::new(c.refused[tier as usize][r].load(Ordering::Relaxed)).encode(
+                fam.encode_family(&[("criticality", tier.as_str()), ("reason", *reason)])?,
+            )?;
+        }
+    }
+    let mut fam = encoder.encode_descriptor(
+        "grl_sidecar_concurrency_waits",
+        "Requests that waited for a slot under the concurrency limit and got one, by criticality tier.",
+        None,
+        MetricType::Counter,
+    )?;
+    for tier in Criticality::ALL {
+        ConstCounter::new(c.waited[tier as usize].load(Ordering::Relaxed))
+            .encode(fam.encode_family(&[("criticality", tier.as_str())])?)?;
+    }
+    let mut fam = encoder.encode_descriptor(
+        "grl_sidecar_concurrency_wait_seconds",
+        "The summed wait of those requests, by criticality tier (÷ the waits: the mean wait).",
+        None,
+        MetricType::Counter,
+    )?;
+    for tier in Criticality::ALL {
+        let secs = c.waited_us[tier as usize].load(Ordering::Relaxed) as f64 / 1e6;
+        ConstCounter::new(secs).encode(fam.encode_family(&[("criticality", tier.as_str())])?)?;
+    }
+    Ok(())
 }
 
 /// Buckets (seconds) of the added-latency histogram: 10 µs … 50 ms.
@@ -263,6 +328,8 @@ struct Shared {
     stats: Arc<Stats>,
     added: Histogram,
     registry: Registry,
+    /// `--concurrency-limit` (None: off).
+    concurrency: Option<Arc<ConcurrencyLimiter>>,
 }
 
 /// A running sidecar: the main listener's handle (drain on shutdown) and the admin address.
@@ -380,7 +447,8 @@ impl Shared {
         server_stats: &Arc<ServerStats>,
     ) -> Shared {
         let stats = Arc::new(Stats::default());
-        let (registry, added) = registry(opts, &client, &stats, server_stats);
+        let concurrency = ConcurrencyLimiter::new(opts.concurrency.clone());
+        let (registry, added) = registry(opts, &client, &stats, server_stats, &concurrency);
         Shared {
             layer: GrlLayer::for_client(&client).tiers_from(opts.tiers.clone()),
             client,
@@ -397,6 +465,7 @@ impl Shared {
             stats,
             added,
             registry,
+            concurrency,
         }
     }
 }
@@ -451,6 +520,7 @@ fn registry(
     client: &GrlClient,
     stats: &Arc<Stats>,
     server_stats: &Arc<ServerStats>,
+    concurrency: &Option<Arc<ConcurrencyLimiter>>,
 ) -> (Registry, Histogram) {
     let mut registry = Registry::default();
     grl_client::metrics::register_build_info(&mut registry, "grl", "sidecar");
@@ -458,6 +528,7 @@ fn registry(
     server_stats.register(&mut registry);
     registry.register_collector(Box::new(StatsCollector {
         stats: stats.clone(),
+        concurrency: concurrency.clone(),
         info: [
             ("service", opts.client.service.clone()),
             ("zone", opts.zone.clone()),
@@ -780,7 +851,8 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
     } else {
         Version::HTTP_11
     };
-    if let Some(refused) = decide(&s, &peer, &req, grpc, start) {
+    let mut tier = Criticality::Critical;
+    if let Some(refused) = decide(&s, &peer, &req, grpc, start, &mut tier) {
         return refused;
     }
     let (mut parts, body) = req.into_parts();
@@ -794,6 +866,15 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
     let small_request = !grpc && is_small(&body);
     close_after_stray_body(&mut parts, &body, grpc);
     let clients = worker_clients(&s);
+    // Under `--concurrency-limit`: a slot, held until the answer's head (a small answer's
+    // body) arrived, its latency the gradient's sample; or 503 after the queue's timeout.
+    let _slot = match &s.concurrency {
+        None => None,
+        Some(c) => match c.acquire(tier).await {
+            Ok(p) => Some(p),
+            Err(_) => return overloaded(&s, grpc),
+        },
+    };
     s.added.observe(start.elapsed().as_secs_f64());
     // The upstream timeout bounds the whole exchange up to the answer's head (and a small
     // answer's body): a small request body that arrives too slowly times out as the upstream
@@ -870,6 +951,7 @@ fn decide(
     req: &Request<Body>,
     grpc: bool,
     start: Instant,
+    tier_out: &mut Criticality,
 ) -> Option<Response<Body>> {
     // Two values of an identity header: which one names the request is a guess.
     let (Some(caller), Some(procedure)) = (
@@ -884,6 +966,7 @@ fn decide(
         ));
     };
     let tier = s.layer.tier_of(req.headers(), caller);
+    *tier_out = tier;
     let d = s
         .layer
         .decide_tier_at(caller, &procedure, tier, grl_core::now_ms());
@@ -1272,6 +1355,23 @@ fn refusal(s: &Shared, grpc: bool, caller: &str, procedure: &str) -> Response<Bo
             h.insert(HeaderName::from_static("ratelimit"), v);
         }
     }
+    r
+}
+
+/// The answer to a request that found no slot under `--concurrency-limit`: HTTP 503 with
+/// `Retry-After`, gRPC `UNAVAILABLE` with `grpc-retry-pushback-ms` (distinct from a quota's
+/// 429 / `RESOURCE_EXHAUSTED`: the service is overloaded, not the caller over its share).
+fn overloaded(s: &Shared, grpc: bool) -> Response<Body> {
+    s.stats.refusals[OVERLOADED].fetch_add(1, Ordering::Relaxed);
+    if grpc {
+        let mut r = grpc_status(14, "overloaded");
+        r.headers_mut()
+            .insert("grpc-retry-pushback-ms", s.pushback_ms.clone());
+        return r;
+    }
+    let mut r = plain(StatusCode::SERVICE_UNAVAILABLE, "overloaded\n");
+    r.headers_mut()
+        .insert(http::header::RETRY_AFTER, s.retry_after.clone());
     r
 }
 

@@ -26,6 +26,7 @@ mod flood;
 mod ha;
 mod metrics;
 mod ops;
+mod overload;
 mod overrides;
 mod sidecar;
 mod trust;

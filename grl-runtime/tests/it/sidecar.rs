@@ -187,14 +187,14 @@ pub(crate) async fn push_payments(ctl: &str, version: &str, buckets: Value) {
 
 /// A sidecar (`extra` its flags; its aggregator a port nobody listens on: it fails open) in
 /// front of `upstream`, answering, with the processes that stop when it is dropped.
-struct Running {
+pub(crate) struct Running {
     _dirs: Vec<tempfile::TempDir>,
-    port: u16,
-    admin: u16,
+    pub port: u16,
+    pub admin: u16,
     _procs: Vec<Proc>,
 }
 
-async fn lone_sidecar(upstream: &str, extra: &[&str], mut procs: Vec<Proc>) -> Running {
+pub(crate) async fn lone_sidecar(upstream: &str, extra: &[&str], mut procs: Vec<Proc>) -> Running {
     let dir = tempfile::tempdir().unwrap();
     let (port, admin) = (free_port(), free_port());
     let dead = format!("http://127.0.0.1:{}", free_port());
@@ -2230,7 +2230,7 @@ async fn a_malformed_chunked_body_is_a_bad_request_not_an_upstream_error() {
 }
 
 /// The page of `GET /metrics` on the admin port `admin`.
-async fn admin_metrics(admin: u16) -> String {
+pub(crate) async fn admin_metrics(admin: u16) -> String {
     reqwest::get(format!("http://127.0.0.1:{admin}/metrics"))
         .await
         .unwrap()

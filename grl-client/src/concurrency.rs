@@ -1,0 +1,580 @@
+//! Protection closer to the application: a limit on the requests in flight to the service,
+//! learned from its latency ([`Mode::Auto`]) or fixed, with a short queue that serves the
+//! more critical tiers first and refuses what waited too long.
+//!
+//! Quotas protect a service from callers beyond their share; this protects it when its own
+//! capacity falls or when every caller is within its quota and the sum is still too much.
+//!
+//! **The gradient** (as Envoy's adaptive concurrency filter and Netflix's concurrency-limits
+//! do): every window (100 ms and at least 8 answers, at most 1 s) the median latency of the
+//! window's answers is compared with the latency without load (the baseline):
+//! `gradient = clamp(tolerance × baseline ÷ median, 0.5, 2)` (tolerance 1.25) and
+//! `limit = limit × gradient + √limit`, within `[min_limit, max_limit]`. Below the tolerated
+//! latency the limit grows (doubling at most per window), above it shrinks (halving at
+//! most); the `√limit` term keeps a little queue at the service so that it stays busy. The
+//! baseline is the lowest latency seen, measured again every 10 s (± 25 %, so that instances
+//! do not probe together) by holding the limit at a quarter of itself until 16 requests
+//! started after the probe began came back: a service that became slower gets a baseline
+//! that says so within one probe, and one that became faster lowers it at once. A quarter
+//! of a limit that keeps a service busy leaves its workers idle, so the probe sees the
+//! latency without a queue and, below capacity, refuses nothing.
+//!
+//! **By criticality**: a request of tier `t` starts only while fewer than
+//! `ceil(limit × share[t])` requests are in flight (SHEDDABLE 50 %, SHEDDABLE_PLUS 75 %,
+//! CRITICAL and CRITICAL_PLUS 100 %): a sheddable surge can never hold the slots critical
+//! requests need. Beyond that a request waits, the more critical tiers served first, at most
+//! `queue_timeout`; then it is refused ([`Refused`]), and so is a request arriving at a full
+//! queue. Within a tier the oldest waiter goes first, unless it has waited half the timeout:
+//! the queue is then standing and the newest goes first (adaptive LIFO), so that what is
+//! served has waited little and what is refused is what waited longest, rather than every
+//! request waiting almost the whole timeout.
+//!
+//! Nothing here runs when the mode is [`Mode::Off`] (the default): the front ends hold no
+//! limiter then.
+
+use std::collections::VecDeque;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use schema::criticality::TIERS;
+use schema::Criticality;
+use tokio::sync::oneshot;
+
+/// How the in-flight limit is set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Mode {
+    /// No limit, no queue (the default).
+    #[default]
+    Off,
+    /// A fixed number of requests in flight.
+    Fixed(usize),
+    /// Learned from the service's latency (the gradient above).
+    Auto,
+}
+
+impl FromStr for Mode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Mode, String> {
+        match s.trim() {
+            "off" => Ok(Mode::Off),
+            "auto" => Ok(Mode::Auto),
+            n => match n.parse::<usize>() {
+                Ok(n) if n > 0 => Ok(Mode::Fixed(n)),
+                _ => Err(format!(
+                    "`{s}`: expected auto, off or a number of requests in flight (1 or more)"
+                )),
+            },
+        }
+    }
+}
+
+/// The limiter's settings.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Fixed or learned.
+    pub mode: Mode,
+    /// How long a request may wait for a slot before it is refused.
+    pub queue_timeout: Duration,
+    /// Requests waiting at most; one more is refused at once.
+    pub max_queue: usize,
+    /// The lowest learned limit (also the limit while the baseline is measured).
+    pub min_limit: usize,
+    /// The highest learned limit.
+    pub max_limit: usize,
+    /// The latency tolerated, as a multiple of the baseline, before the limit shrinks.
+    pub tolerance: f64,
+    /// The share of the limit each tier may hold in flight, least critical first.
+    pub shares: [f64; TIERS],
+    /// How often the baseline is measured again (± 25 %).
+    pub probe_interval: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options {
+            mode: Mode::Off,
+            queue_timeout: Duration::from_millis(100),
+            max_queue: 10_000,
+            min_limit: 2,
+            max_limit: 10_000,
+            tolerance: 1.25,
+            shares: [0.5, 0.75, 1.0, 1.0],
+            probe_interval: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Why a request was refused for overload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// It waited `queue_timeout` without a slot.
+    Timeout,
+    /// The queue was full when it arrived.
+    QueueFull,
+}
+
+/// A window of answers shorter than this is not judged (unless [`MAX_WINDOW`] passed).
+const WINDOW: Duration = Duration::from_millis(100);
+/// A window is judged after this even with fewer than [`MIN_SAMPLES`] answers.
+const MAX_WINDOW: Duration = Duration::from_secs(1);
+/// Answers a window needs before [`WINDOW`] is enough.
+const MIN_SAMPLES: usize = 8;
+/// Answers kept per window (later ones are not kept: bounded memory).
+const MAX_SAMPLES: usize = 1024;
+/// Answers a probe of the baseline waits for.
+const PROBE_SAMPLES: usize = 16;
+/// The limit a learned limiter starts at, before its first probe ends.
+const INITIAL_LIMIT: f64 = 8.0;
+
+/// The gradient's state: the baseline, the window being collected, the next probe.
+#[derive(Debug)]
+struct Gradient {
+    limit: f64,
+    baseline: Option<Duration>,
+    window: Vec<Duration>,
+    window_start: Instant,
+    /// Some while the baseline is being measured: when the probe began, its lowest latency
+    /// and its count of answers (of requests that started after it began).
+    probe: Option<(Instant, Duration, usize)>,
+    next_probe: Instant,
+}
+
+impl Gradient {
+    fn new(now: Instant) -> Gradient {
+        Gradient {
+            limit: INITIAL_LIMIT,
+            baseline: None,
+            window: Vec::new(),
+            window_start: now,
+            // The first thing learned is the latency without load.
+            probe: Some((now, Duration::MAX, 0)),
+            next_probe: now,
+        }
+    }
+
+    /// The limit in force: a quarter of it during a probe (at least `min_limit`).
+    fn limit(&self, o: &Options) -> usize {
+        let l = if self.probe.is_some() {
+            self.limit / 4.0
+        } else {
+            self.limit
+        };
+        (l.round() as usize).clamp(o.min_limit, o.max_limit)
+    }
+
+    /// Takes the latency of a request that started at `start`, answered at `now`; true when
+    /// the limit moved by more than half.
+    fn sample(&mut self, o: &Options, start: Instant, now: Instant) -> bool {
+        let rtt = now.saturating_duration_since(start);
+        if let Some((began, low, n)) = &mut self.probe {
+            // A request already in flight when the probe began says nothing of the latency
+            // without load.
+            if start < *began {
+                return false;
+            }
+            *low = (*low).min(rtt);
+            *n += 1;
+            if *n >= PROBE_SAMPLES {
+                self.baseline = Some(*low);
+                self.probe = None;
+                self.window.clear();
+                self.window_start = now;
+                self.next_probe = now + jittered(o.probe_interval);
+            }
+            return false;
+        }
+        if self.window.len() < MAX_SAMPLES {
+            self.window.push(rtt);
+        }
+        let age = now.saturating_duration_since(self.window_start);
+        if !(age >= MAX_WINDOW || (age >= WINDOW && self.window.len() >= MIN_SAMPLES)) {
+            return false;
+        }
+        let before = self.limit;
+        self.judge(o);
+        self.window.clear();
+        self.window_start = now;
+        if now >= self.next_probe {
+            self.probe = Some((now, Duration::MAX, 0));
+        }
+        (self.limit - before).abs() > before / 2.0
+    }
+
+    /// Moves the limit by the window's median latency against the baseline.
+    fn judge(&mut self, o: &Options) {
+        let n = self.window.len();
+        if n == 0 {
+            return;
+        }
+        let (_, median, _) = self.window.select_nth_unstable(n / 2);
+        let median = *median;
+        let low = *self.window.iter().min().expect("not empty");
+        let baseline = match self.baseline {
+            Some(b) if b <= low => b,
+            // Faster than the baseline: the service got faster (or was never idle).
+            _ => low,
+        };
+        self.baseline = Some(baseline);
+        let median_s = median.as_secs_f64().max(1e-6);
+        let gradient = (o.tolerance * baseline.as_secs_f64() / median_s).clamp(0.5, 2.0);
+        self.limit = (self.limit * gradient + self.limit.sqrt())
+            .clamp(o.min_limit as f64, o.max_limit as f64);
+    }
+}
+
+/// `d` ± 25 %.
+fn jittered(d: Duration) -> Duration {
+    let r = rand::random::<f64>() * 0.5 + 0.75;
+    d.mul_f64(r)
+}
+
+/// The limiter's counters, read by the front end's metrics.
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// The limit in force.
+    pub limit: AtomicU64,
+    /// Requests in flight.
+    pub in_flight: AtomicU64,
+    /// Requests waiting.
+    pub queued: AtomicU64,
+    /// Requests that waited for a slot and got one, by tier.
+    pub waited: [AtomicU64; TIERS],
+    /// Their summed wait in microseconds, by tier.
+    pub waited_us: [AtomicU64; TIERS],
+    /// Refusals for overload by tier: [timeout, queue full].
+    pub refused: [[AtomicU64; 2]; TIERS],
+}
+
+#[derive(Debug)]
+struct State {
+    in_flight: usize,
+    /// Each tier's waiters with the instant they arrived, oldest first.
+    queues: [VecDeque<(Instant, oneshot::Sender<Permit>)>; TIERS],
+    queued: usize,
+    fixed: Option<usize>,
+    gradient: Gradient,
+}
+
+impl State {
+    fn limit(&self, o: &Options) -> usize {
+        self.fixed.unwrap_or_else(|| self.gradient.limit(o))
+    }
+
+    /// Whether a request of `tier` may start now.
+    fn room_for(&self, o: &Options, tier: Criticality) -> bool {
+        let cap = (self.limit(o) as f64 * o.shares[tier as usize]).ceil() as usize;
+        self.in_flight < cap.max(1)
+    }
+}
+
+/// The in-flight limit with its queue; shared by every request of a front end.
+#[derive(Debug)]
+pub struct ConcurrencyLimiter {
+    opts: Options,
+    state: Mutex<State>,
+    stats: Stats,
+}
+
+/// A request's slot: held while the service works on it; dropping it frees the slot and
+/// gives its latency to the gradient.
+#[derive(Debug)]
+pub struct Permit {
+    limiter: Option<Arc<ConcurrencyLimiter>>,
+    start: Instant,
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        if let Some(l) = self.limiter.take() {
+            l.release(self.start);
+        }
+    }
+}
+
+impl ConcurrencyLimiter {
+    /// A limiter of `opts`; None when the mode is [`Mode::Off`].
+    pub fn new(opts: Options) -> Option<Arc<ConcurrencyLimiter>> {
+        let fixed = match opts.mode {
+            Mode::Off => return None,
+            Mode::Fixed(n) => Some(n),
+            Mode::Auto => None,
+        };
+        let state = State {
+            in_flight: 0,
+            queues: Default::default(),
+            queued: 0,
+            fixed,
+            gradient: Gradient::new(Instant::now()),
+        };
+        let l = ConcurrencyLimiter {
+            stats: Stats::default(),
+            state: Mutex::new(state),
+            opts,
+        };
+        l.publish(&l.state.lock().expect("limiter lock"));
+        Some(Arc::new(l))
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    /// The settings.
+    pub fn options(&self) -> &Options {
+        &self.opts
+    }
+
+    /// A slot for a request of `tier`: at once when there is room and nobody of its tier or
+    /// above waits, else after a wait of at most `queue_timeout`.
+    pub async fn acquire(self: &Arc<Self>, tier: Criticality) -> Result<Permit, Refused> {
+        let rx = {
+            let mut st = self.state.lock().expect("limiter lock");
+            let ahead = st.queues[tier as usize..].iter().any(|q| !q.is_empty());
+            if !ahead && st.room_for(&self.opts, tier) {
+                st.in_flight += 1;
+                self.publish(&st);
+                return Ok(self.permit());
+            }
+            let q = &mut st.queues[tier as usize];
+            // Waiters that gave up leave their place at the front.
+            let mut gone = 0;
+            while q.front().is_some_and(|w| w.1.is_closed()) {
+                q.pop_front();
+                gone += 1;
+            }
+            st.queued -= gone;
+            if st.queued >= self.opts.max_queue {
+                self.publish(&st);
+                self.stats.refused[tier as usize][1].fetch_add(1, Ordering::Relaxed);
+                return Err(Refused::QueueFull);
+            }
+            let (tx, rx) = oneshot::channel();
+            st.queues[tier as usize].push_back((Instant::now(), tx));
+            st.queued += 1;
+            self.publish(&st);
+            rx
+        };
+        let waited = Instant::now();
+        match tokio::time::timeout(self.opts.queue_timeout, rx).await {
+            Ok(Ok(p)) => {
+                let t = tier as usize;
+                self.stats.waited[t].fetch_add(1, Ordering::Relaxed);
+                let us = waited.elapsed().as_micros() as u64;
+                self.stats.waited_us[t].fetch_add(us, Ordering::Relaxed);
+                Ok(p)
+            }
+            _ => {
+                self.stats.refused[tier as usize][0].fetch_add(1, Ordering::Relaxed);
+                Err(Refused::Timeout)
+            }
+        }
+    }
+
+    fn permit(self: &Arc<Self>) -> Permit {
+        Permit {
+            limiter: Some(self.clone()),
+            start: Instant::now(),
+        }
+    }
+
+    /// Frees the slot of a request that started at `start`, learns from its latency and
+    /// hands the free slots to the waiters.
+    fn release(self: &Arc<Self>, start: Instant) {
+        let mut st = self.state.lock().expect("limiter lock");
+        st.in_flight -= 1;
+        if st.fixed.is_none() {
+            let before = st.gradient.limit(&self.opts);
+            if st.gradient.sample(&self.opts, start, Instant::now()) {
+                let after = st.gradient.limit(&self.opts);
+                tracing::info!(before, after, "the concurrency limit moved sharply");
+            }
+        }
+        // A tier whose oldest waiter waited half the timeout is a standing queue: its newest
+        // waiter goes first (adaptive LIFO), so that what is served has waited little and
+        // what waited long is refused, instead of every request waiting almost the timeout.
+        let now = Instant::now();
+        let standing = self.opts.queue_timeout / 2;
+        for t in (0..TIERS).rev() {
+            let tier = Criticality::from_index(t).expect("a tier");
+            while !st.queues[t].is_empty() && st.room_for(&self.opts, tier) {
+                let q = &mut st.queues[t];
+                let lifo = q
+                    .front()
+                    .is_some_and(|w| now.saturating_duration_since(w.0) >= standing);
+                let (_, tx) = if lifo { q.pop_back() } else { q.pop_front() }.expect("not empty");
+                st.queued -= 1;
+                match tx.send(self.permit()) {
+                    Ok(()) => st.in_flight += 1,
+                    // The waiter gave up: its permit must not free a slot it never held.
+                    Err(mut p) => drop(p.limiter.take()),
+                }
+            }
+        }
+        self.publish(&st);
+    }
+
+    fn publish(&self, st: &State) {
+        let s = &self.stats;
+        s.limit
+            .store(st.limit(&self.opts) as u64, Ordering::Relaxed);
+        s.in_flight.store(st.in_flight as u64, Ordering::Relaxed);
+        s.queued.store(st.queued as u64, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(mode: Mode) -> Options {
+        Options {
+            mode,
+            ..Options::default()
+        }
+    }
+
+    #[test]
+    fn modes_parse() {
+        assert_eq!("auto".parse::<Mode>(), Ok(Mode::Auto));
+        assert_eq!("off".parse::<Mode>(), Ok(Mode::Off));
+        assert_eq!("12".parse::<Mode>(), Ok(Mode::Fixed(12)));
+        for bad in ["0", "-1", "lots", ""] {
+            assert!(bad.parse::<Mode>().unwrap_err().contains(bad));
+        }
+        assert!(ConcurrencyLimiter::new(opts(Mode::Off)).is_none());
+    }
+
+    /// Drives the gradient with a service of `workers` parallel workers taking `service`
+    /// each, kept busy by a closed loop of `limit` requests: the latency is the service time
+    /// times the rounds a request waits. Returns the limit after `secs` seconds.
+    fn settle(
+        g: &mut Gradient,
+        o: &Options,
+        workers: usize,
+        service: Duration,
+        secs: u64,
+        now: &mut Instant,
+    ) -> usize {
+        let end = *now + Duration::from_secs(secs);
+        while *now < end {
+            let limit = g.limit(o);
+            let rounds = limit.div_ceil(workers).max(1) as u32;
+            let rtt = service * rounds;
+            // `limit` requests start now and are answered after the latency.
+            for _ in 0..limit {
+                g.sample(o, *now, *now + rtt);
+            }
+            *now += rtt;
+        }
+        // The learned limit (not `min_limit`, should a probe be running).
+        g.limit.round() as usize
+    }
+
+    /// The gradient finds a service's concurrency and keeps a little queue there; when the
+    /// service gets three times slower it shrinks at once and, after its next probe, learns
+    /// the new baseline; when it gets fast again the limit comes back.
+    #[test]
+    fn the_gradient_follows_the_service() {
+        let o = opts(Mode::Auto);
+        let mut now = Instant::now();
+        let mut g = Gradient::new(now);
+        assert_eq!(g.limit(&o), o.min_limit, "probing first");
+        let ms = Duration::from_millis;
+        let l = settle(&mut g, &o, 4, ms(20), 5, &mut now);
+        assert_eq!(g.baseline, Some(ms(20)));
+        assert!((4..=12).contains(&l), "limit {l} for 4 workers");
+        // Three times slower: at most the same concurrency, and the baseline follows within
+        // a probe interval (10 s ± 25 %).
+        let l = settle(&mut g, &o, 4, ms(60), 1, &mut now);
+        assert!(l <= 12, "limit {l}");
+        settle(&mut g, &o, 4, ms(60), 14, &mut now);
+        assert_eq!(g.baseline, Some(ms(60)));
+        let l = g.limit.round() as usize;
+        assert!((4..=12).contains(&l), "limit {l} after the slow-down");
+        // Faster again (and more workers): the baseline drops at once, the limit grows.
+        let l = settle(&mut g, &o, 16, ms(10), 5, &mut now);
+        assert_eq!(g.baseline, Some(ms(10)));
+        assert!((16..=40).contains(&l), "limit {l} for 16 workers");
+    }
+
+    /// The more critical tiers are served first; a SHEDDABLE request never holds more than
+    /// its share; a request that waits too long is refused and its place is not lost.
+    #[tokio::test(start_paused = true)]
+    async fn critical_first_sheddable_within_its_share() {
+        let l = ConcurrencyLimiter::new(Options {
+            queue_timeout: Duration::from_millis(50),
+            ..opts(Mode::Fixed(4))
+        })
+        .unwrap();
+        // SHEDDABLE may hold 2 of the 4 slots.
+        let s1 = l.acquire(Criticality::Sheddable).await.unwrap();
+        let s2 = l.acquire(Criticality::Sheddable).await.unwrap();
+        let s3 = tokio::spawn({
+            let l = l.clone();
+            async move { l.acquire(Criticality::Sheddable).await }
+        });
+        tokio::task::yield_now().await;
+        assert_eq!(l.stats().queued.load(Ordering::Relaxed), 1);
+        // CRITICAL takes the other two at once.
+        let c1 = l.acquire(Criticality::Critical).await.unwrap();
+        let c2 = l.acquire(Criticality::Critical).await.unwrap();
+        // Full: a CRITICAL_PLUS and a CRITICAL wait beside the SHEDDABLE one.
+        let (l2, l3) = (l.clone(), l.clone());
+        let plus = tokio::spawn(async move { l2.acquire(Criticality::CriticalPlus).await });
+        let crit = tokio::spawn(async move { l3.acquire(Criticality::Critical).await });
+        tokio::task::yield_now().await;
+        assert_eq!(l.stats().queued.load(Ordering::Relaxed), 3);
+        // One slot frees: CRITICAL_PLUS first, then CRITICAL; the SHEDDABLE one is still over
+        // its share (2 SHEDDABLE in flight) and times out.
+        drop(c1);
+        let p = plus.await.unwrap().unwrap();
+        drop(c2);
+        let c = crit.await.unwrap().unwrap();
+        assert_eq!(s3.await.unwrap().unwrap_err(), Refused::Timeout);
+        assert_eq!(l.stats().refused[0][0].load(Ordering::Relaxed), 1);
+        assert_eq!(l.stats().in_flight.load(Ordering::Relaxed), 4);
+        drop((s1, s2, p, c));
+        assert_eq!(l.stats().in_flight.load(Ordering::Relaxed), 0);
+        // The timed-out waiter's place went to nobody: every slot is free.
+        let all: Vec<_> = futures_all(&l, 4).await;
+        assert_eq!(all.len(), 4);
+    }
+
+    async fn futures_all(l: &Arc<ConcurrencyLimiter>, n: usize) -> Vec<Permit> {
+        let mut v = Vec::new();
+        for _ in 0..n {
+            v.push(l.acquire(Criticality::Critical).await.unwrap());
+        }
+        v
+    }
+
+    /// A full queue refuses at once; the bound counts only live waiters.
+    #[tokio::test(start_paused = true)]
+    async fn a_full_queue_refuses_at_once() {
+        let l = ConcurrencyLimiter::new(Options {
+            max_queue: 1,
+            queue_timeout: Duration::from_millis(10),
+            ..opts(Mode::Fixed(1))
+        })
+        .unwrap();
+        let held = l.acquire(Criticality::Critical).await.unwrap();
+        let l2 = l.clone();
+        let w = tokio::spawn(async move { l2.acquire(Criticality::Critical).await });
+        tokio::task::yield_now().await;
+        assert_eq!(
+            l.acquire(Criticality::Critical).await.unwrap_err(),
+            Refused::QueueFull
+        );
+        assert_eq!(w.await.unwrap().unwrap_err(), Refused::Timeout);
+        // The waiter that gave up no longer fills the queue.
+        let l3 = l.clone();
+        let w = tokio::spawn(async move { l3.acquire(Criticality::Critical).await });
+        tokio::task::yield_now().await;
+        drop(held);
+        assert!(w.await.unwrap().is_ok());
+    }
+}
