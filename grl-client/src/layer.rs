@@ -13,6 +13,7 @@ use std::task::{Context, Poll};
 use grl_core::{Decision, Limiter};
 use schema::Criticality;
 
+use crate::concurrency::{ConcurrencyLimiter, Permit, Refused};
 use crate::tiers::TierFrom;
 use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use tower::{Layer, Service};
@@ -68,6 +69,7 @@ struct Config {
     procedure: KeyFrom,
     tiers: TierFrom,
     retry_after: HeaderValue,
+    concurrency: Option<Arc<ConcurrencyLimiter>>,
 }
 
 /// A tower layer that decides every request with a GRL limiter.
@@ -96,6 +98,7 @@ impl GrlLayer {
                 procedure: KeyFrom::Path,
                 tiers: TierFrom::default(),
                 retry_after: HeaderValue::from_static("1"),
+                concurrency: None,
             }),
         }
     }
@@ -108,6 +111,7 @@ impl GrlLayer {
             procedure: self.cfg.procedure.clone(),
             tiers: self.cfg.tiers.clone(),
             retry_after: self.cfg.retry_after.clone(),
+            concurrency: self.cfg.concurrency.clone(),
         };
         f(&mut c);
         GrlLayer { cfg: Arc::new(c) }
@@ -127,6 +131,24 @@ impl GrlLayer {
     /// header, else a `criticality` member of `baggage`, else CRITICAL (see [`TierFrom`]).
     pub fn tiers_from(self, t: TierFrom) -> GrlLayer {
         self.with(|c| c.tiers = t)
+    }
+
+    /// A limit on the requests in flight to the wrapped service (`Mode::Auto`: learned from
+    /// its latency; see [`crate::concurrency`]), with a queue that serves the more critical
+    /// tiers first; a request that finds no slot within `queue_timeout` is answered 503 with
+    /// `Retry-After`. The wrapped service's future is polled only once its request has a
+    /// slot (axum handlers and most tower services do their work when polled; one that
+    /// works in `call` itself is not held). [`Mode::Off`](crate::concurrency::Mode::Off)
+    /// (the default) holds nothing.
+    pub fn concurrency_limit(self, opts: crate::concurrency::Options) -> GrlLayer {
+        let l = ConcurrencyLimiter::new(opts);
+        self.with(|c| c.concurrency = l)
+    }
+
+    /// The concurrency limiter, when [`GrlLayer::concurrency_limit`] set one (its counters
+    /// for the service's metrics).
+    pub fn concurrency(&self) -> Option<&Arc<ConcurrencyLimiter>> {
+        self.cfg.concurrency.as_ref()
     }
 
     /// The `Retry-After` seconds on a 429 (the control loop's tick is a good value).
@@ -232,6 +254,15 @@ where
                 .insert(http::header::RETRY_AFTER, self.cfg.retry_after.clone());
             return GrlFuture::Limited { resp: Some(resp) };
         }
+        if let Some(c) = &self.cfg.concurrency {
+            let c = c.clone();
+            return GrlFuture::Held {
+                acquire: Some(Box::pin(async move { c.acquire(tier).await })),
+                permit: None,
+                retry_after: self.cfg.retry_after.clone(),
+                fut: self.inner.call(req),
+            };
+        }
         GrlFuture::Inner {
             fut: self.inner.call(req),
         }
@@ -248,12 +279,24 @@ pin_project_lite::pin_project! {
         Inner { #[pin] fut: F },
         /// Answered with 429.
         Limited { resp: Option<Response<RB>> },
+        /// Under a concurrency limit: the slot first, then the inner future (503 without a
+        /// slot in time).
+        Held {
+            acquire: Option<Acquire>,
+            permit: Option<Permit>,
+            retry_after: HeaderValue,
+            #[pin] fut: F,
+        },
     }
 }
+
+/// A request's wait for a slot under [`GrlLayer::concurrency_limit`].
+pub type Acquire = Pin<Box<dyn Future<Output = Result<Permit, Refused>> + Send>>;
 
 impl<F, E, RB> Future for GrlFuture<F, RB>
 where
     F: Future<Output = Result<Response<RB>, E>>,
+    RB: From<&'static str>,
 {
     type Output = Result<Response<RB>, E>;
 
@@ -262,6 +305,32 @@ where
             GrlFutureProj::Inner { fut } => fut.poll(cx),
             GrlFutureProj::Limited { resp } => {
                 Poll::Ready(Ok(resp.take().expect("polled after completion")))
+            }
+            GrlFutureProj::Held {
+                acquire,
+                permit,
+                retry_after,
+                fut,
+            } => {
+                if let Some(a) = acquire {
+                    match a.as_mut().poll(cx) {
+                        Poll::Pending => return Poll::Pending,
+                        Poll::Ready(Ok(p)) => *permit = Some(p),
+                        Poll::Ready(Err(_)) => {
+                            *acquire = None;
+                            let mut resp = Response::new(RB::from("overloaded\n"));
+                            *resp.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+                            resp.headers_mut()
+                                .insert(http::header::RETRY_AFTER, retry_after.clone());
+                            return Poll::Ready(Ok(resp));
+                        }
+                    }
+                    *acquire = None;
+                }
+                let out = std::task::ready!(fut.poll(cx));
+                // The answer is there: the slot is free, its latency learned.
+                drop(permit.take());
+                Poll::Ready(out)
             }
         }
     }

@@ -2,4 +2,5 @@
 
 mod deps;
 mod fail_open;
+mod overload;
 mod tiers;
