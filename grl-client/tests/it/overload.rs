@@ -71,7 +71,11 @@ async fn the_layer_holds_the_service_to_its_slots() {
     assert_eq!(send("/late", "SHEDDABLE").await.unwrap().status(), 200);
     assert_eq!(most.load(Ordering::SeqCst), 2);
     let order = order.lock().unwrap().clone();
-    assert_eq!(order, ["/a", "/b", "/c", "/late"], "CRITICAL first, /s never");
+    assert_eq!(
+        order,
+        ["/a", "/b", "/c", "/late"],
+        "CRITICAL first, /s never"
+    );
     let stats = layer.concurrency().unwrap().stats();
     assert_eq!(stats.in_flight.load(Ordering::SeqCst), 0);
     assert_eq!(stats.refused[0][0].load(Ordering::SeqCst), 1);

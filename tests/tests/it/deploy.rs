@@ -1,5 +1,5 @@
 //! `deploy/`: the Grafana dashboards and the Prometheus rules read only metrics the project
-//! exports (collected from `/metrics` of a real controller, aggregator and `rlc serve`, and
+//! exports (collected from `/metrics` of a real controller, aggregator, `grl sidecar` and `rlc serve`, and
 //! from an embedded client's registry), the dashboards are Grafana dashboard JSON, and the
 //! rules pass `promtool check rules` and their `promtool test rules` unit tests.
 
@@ -584,11 +584,38 @@ fn dashboards_and_rules_use_only_exported_metrics() {
             .is_some_and(|m| m.contains("grl_client_directives_age_seconds{"))
     });
 
+    // A sidecar before the service with --concurrency-limit (its overload series exist only
+    // then), its /metrics on the admin port.
+    let (side_port, side_admin) = (free_port(), free_port());
+    let _sidecar = Proc::spawn(
+        Command::new(bin("grl"))
+            .args(["sidecar", "--listen", &format!("127.0.0.1:{side_port}")])
+            .args(["--admin-listen", &format!("127.0.0.1:{side_admin}")])
+            .args([
+                "--upstream",
+                &format!("http://{service}"),
+                "--service",
+                "payments",
+            ])
+            .args(["--aggregator", &format!("http://127.0.0.1:{aport}")])
+            .args(["--concurrency-limit", "auto"])
+            .env("GRL_CLIENT_TOKEN", super::fleet::CLIENT_SECRET)
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(
+                std::fs::File::create(logs.join("sidecar.log")).unwrap(),
+            )),
+    )
+    .unwrap();
+    wait_until(Duration::from_secs(30), || {
+        get_text(side_admin, "/metrics").is_some_and(|m| m.contains("grl_sidecar_info{"))
+    });
+
     let targets = [
         format!("127.0.0.1:{}", d.controller_port),
         format!("127.0.0.1:{rport}"),
         format!("127.0.0.1:{aport}"),
         service.clone(),
+        format!("127.0.0.1:{side_admin}"),
     ];
     let mut exported = BTreeSet::new();
     for (what, port) in [
@@ -596,6 +623,7 @@ fn dashboards_and_rules_use_only_exported_metrics() {
         ("rlc serve", rport),
         ("aggregator", aport),
         ("service", sport),
+        ("sidecar", side_admin),
     ] {
         let text = get_text(port, "/metrics").unwrap();
         assert!(text.ends_with("# EOF\n"), "{what}: {text}");
@@ -613,6 +641,8 @@ fn dashboards_and_rules_use_only_exported_metrics() {
         "rlc_last_successful_run_timestamp_seconds",
         "rlc_build_info",
         "grl_build_info",
+        "grl_sidecar_overload_refusals_total",
+        "grl_sidecar_concurrency_limit",
     ] {
         assert!(exported.contains(must), "{must} not exported: {exported:?}");
     }
@@ -648,7 +678,7 @@ fn dashboards_and_rules_use_only_exported_metrics() {
         )
     };
     wait_until(Duration::from_secs(60), || {
-        query("count(up == 1)")["data"]["result"][0]["value"][1] == "4"
+        query("count(up == 1)")["data"]["result"][0]["value"][1] == "5"
     });
     let mut failures = Vec::new();
     for dash in dashboards() {
