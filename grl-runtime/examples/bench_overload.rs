@@ -145,10 +145,7 @@ fn paced(
 /// One phase's figures: CRITICAL 200s/s, their share, CRITICAL p50 and p99 (ms), goodput.
 fn figures(answers: &[Answer], from: Instant, to: Instant) -> (f64, f64, f64, f64, f64) {
     let secs = to.duration_since(from).as_secs_f64();
-    let inside: Vec<&Answer> = answers
-        .iter()
-        .filter(|a| a.3 >= from && a.3 < to)
-        .collect();
+    let inside: Vec<&Answer> = answers.iter().filter(|a| a.3 >= from && a.3 < to).collect();
     let crit: Vec<&&Answer> = inside.iter().filter(|a| a.0 == 0).collect();
     let crit_ok = crit.iter().filter(|a| a.1 == 200).count() as f64;
     let mut ms: Vec<f64> = crit.iter().map(|a| a.2.as_secs_f64() * 1e3).collect();
@@ -175,11 +172,7 @@ async fn main() {
     let dir = tempfile::tempdir().unwrap();
     println!("| variant | phase | CRITICAL 200/s | CRITICAL answered | CRITICAL p50 | CRITICAL p99 | goodput |");
     println!("|---|---|---|---|---|---|---|");
-    for (name, limit) in [
-        ("no limit", "off"),
-        ("fixed 8", "8"),
-        ("auto", "auto"),
-    ] {
+    for (name, limit) in [("no limit", "off"), ("fixed 8", "8"), ("auto", "auto")] {
         let py_port = free_port();
         let _py = spawn_pool(dir.path(), py_port);
         let upstream = format!("http://127.0.0.1:{py_port}");

@@ -152,6 +152,86 @@ async fn measure(log: &Mutex<Vec<Answer>>, secs: u64) -> Vec<Answer> {
     std::mem::take(&mut *log.lock().unwrap())
 }
 
+/// The three phases through the front end at `url` before the pool at `upstream`, with the
+/// targets asserted: overloaded (CRITICAL ≥ 99 % answered 200, p99 ≤ 250 ms, goodput ≥ 85 % of
+/// the capacity, SHEDDABLE refused with 503), three times slower (CRITICAL p99 ≤ 250 ms after
+/// 10 s), below the capacity (nothing refused after 5 s).
+async fn three_phases(what: &str, url: &str, upstream: &str) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let log: Arc<Mutex<Vec<Answer>>> = Arc::default();
+    let crit_rps = Arc::new(Mutex::new(120.0));
+    let shed_rps = Arc::new(Mutex::new(240.0));
+    let tasks = [
+        paced(
+            url.to_string(),
+            0,
+            crit_rps.clone(),
+            log.clone(),
+            stop.clone(),
+        ),
+        paced(
+            url.to_string(),
+            1,
+            shed_rps.clone(),
+            log.clone(),
+            stop.clone(),
+        ),
+    ];
+    let http = reqwest::Client::new();
+
+    // Overloaded: 360 requests/s at a capacity of 200.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let a = measure(&log, 10).await;
+    let (cn, c_ok, c_p99, c_503, c_other) = summary(&a, 0);
+    let (sn, s_ok, s_p99, s_503, s_other) = summary(&a, 1);
+    let goodput = a.iter().filter(|x| x.1 == 200).count() as f64 / 10.0;
+    eprintln!("{what}, overloaded: CRITICAL {cn} ok {c_ok:.4} p99 {c_p99:.0} ms 503 {c_503} other {c_other}; SHEDDABLE {sn} ok {s_ok:.3} p99 {s_p99:.0} ms 503 {s_503} other {s_other}; goodput {goodput:.1}/s");
+
+    // Three times slower (a capacity of 67 requests/s, below the CRITICAL traffic alone).
+    http.post(format!("{upstream}/service?ms=60"))
+        .send()
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let b = measure(&log, 5).await;
+    let (bn, b_ok, b_p99, b_503, b_other) = summary(&b, 0);
+    eprintln!(
+        "{what}, slower: CRITICAL {bn} ok {b_ok:.3} p99 {b_p99:.0} ms 503 {b_503} other {b_other}"
+    );
+
+    // Fast again, and 150 requests/s in all: below the capacity.
+    http.post(format!("{upstream}/service?ms=20"))
+        .send()
+        .await
+        .unwrap();
+    *crit_rps.lock().unwrap() = 100.0;
+    *shed_rps.lock().unwrap() = 50.0;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let c = measure(&log, 8).await;
+    let refused = c.iter().filter(|x| x.1 != 200).count();
+    eprintln!(
+        "{what}, below capacity: {} answers, {refused} not 200",
+        c.len()
+    );
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.unwrap();
+    }
+
+    assert!(c_ok >= 0.99, "{what}: CRITICAL answered 200: {c_ok:.4}");
+    assert!(c_p99 <= 250.0, "{what}: CRITICAL p99 {c_p99:.0} ms");
+    assert!(goodput >= 170.0, "{what}: goodput {goodput:.1}/s");
+    assert!(
+        s_503 > 0,
+        "{what}: the SHEDDABLE excess is refused with 503"
+    );
+    assert!(
+        b_p99 <= 250.0,
+        "{what}: CRITICAL p99 {b_p99:.0} ms after the slow-down"
+    );
+    assert_eq!(refused, 0, "{what}: below capacity nothing is refused");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_overloaded_service_keeps_its_critical_traffic() {
     let dir = tempfile::tempdir().unwrap();
@@ -165,96 +245,87 @@ async fn an_overloaded_service_keeps_its_critical_traffic() {
         vec![py],
     )
     .await;
-    let (port, admin) = (side.port, side.admin);
-    let url = format!("http://127.0.0.1:{port}/");
-
-    let stop = Arc::new(AtomicBool::new(false));
-    let log: Arc<Mutex<Vec<Answer>>> = Arc::default();
-    let crit_rps = Arc::new(Mutex::new(120.0));
-    let shed_rps = Arc::new(Mutex::new(240.0));
-    let tasks = [
-        paced(url.clone(), 0, crit_rps.clone(), log.clone(), stop.clone()),
-        paced(url.clone(), 1, shed_rps.clone(), log.clone(), stop.clone()),
-    ];
-    let http = reqwest::Client::new();
-
-    // Overloaded: 360 requests/s at a capacity of 200.
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    let a = measure(&log, 10).await;
-    let (cn, c_ok, c_p99, c_503, c_other) = summary(&a, 0);
-    let (sn, s_ok, s_p99, s_503, s_other) = summary(&a, 1);
-    let goodput = a.iter().filter(|x| x.1 == 200).count() as f64 / 10.0;
-    eprintln!("overloaded: CRITICAL {cn} ok {c_ok:.4} p99 {c_p99:.0} ms 503 {c_503} other {c_other}; SHEDDABLE {sn} ok {s_ok:.3} p99 {s_p99:.0} ms 503 {s_503} other {s_other}; goodput {goodput:.1}/s");
-    let metrics = super::sidecar::admin_metrics(admin).await;
-    eprintln!(
-        "{}",
+    let url = format!("http://127.0.0.1:{}/", side.port);
+    three_phases("sidecar", &url, &upstream).await;
+    let metrics = super::sidecar::admin_metrics(side.admin).await;
+    let refused = |tier: &str| {
         metrics
             .lines()
-            .filter(|l| l.starts_with("grl_sidecar_concurrency")
-                || l.starts_with("grl_sidecar_overload"))
-            .collect::<Vec<_>>()
-            .join("\n")
-    );
-
-    // Three times slower (a capacity of 67 requests/s, below the CRITICAL traffic alone).
-    http.post(format!("{upstream}/service?ms=60"))
-        .send()
-        .await
-        .unwrap();
-    tokio::time::sleep(Duration::from_secs(10)).await;
-    let b = measure(&log, 5).await;
-    let (bn, b_ok, b_p99, b_503, b_other) = summary(&b, 0);
-    eprintln!("slower: CRITICAL {bn} ok {b_ok:.3} p99 {b_p99:.0} ms 503 {b_503} other {b_other}");
-    let mut ok_ms: Vec<f64> = b
-        .iter()
-        .filter(|x| x.0 == 0 && x.1 == 200)
-        .map(|x| x.2.as_secs_f64() * 1e3)
-        .collect();
-    ok_ms.sort_by(f64::total_cmp);
-    let pct = |p: usize| ok_ms.get(ok_ms.len() * p / 100).copied().unwrap_or(0.0);
-    eprintln!(
-        "slower, CRITICAL answered 200: p50 {:.0} p90 {:.0} p99 {:.0} ms",
-        pct(50),
-        pct(90),
-        pct(99)
-    );
-    eprintln!(
-        "{}",
-        super::sidecar::admin_metrics(admin)
-            .await
-            .lines()
-            .filter(|l| l.starts_with("grl_sidecar_concurrency_limit"))
-            .collect::<Vec<_>>()
-            .join(" ")
-    );
-
-    // Fast again, and 150 requests/s in all: below the capacity.
-    http.post(format!("{upstream}/service?ms=20"))
-        .send()
-        .await
-        .unwrap();
-    *crit_rps.lock().unwrap() = 100.0;
-    *shed_rps.lock().unwrap() = 50.0;
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    let c = measure(&log, 8).await;
-    let refused = c.iter().filter(|x| x.1 != 200).count();
-    eprintln!("below capacity: {} answers, {refused} not 200", c.len());
-    stop.store(true, Ordering::Relaxed);
-    for t in tasks {
-        t.await.unwrap();
-    }
-
-    assert!(c_ok >= 0.99, "CRITICAL answered 200: {c_ok:.4}");
-    assert!(c_p99 <= 250.0, "CRITICAL p99 {c_p99:.0} ms");
-    assert!(goodput >= 170.0, "goodput {goodput:.1}/s");
-    assert!(s_503 > 0, "the SHEDDABLE excess is refused with 503");
+            .filter(|l| {
+                l.starts_with("grl_sidecar_overload_refusals_total{")
+                    && l.contains(&format!("criticality=\"{tier}\""))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    assert!(refused("SHEDDABLE") > 100.0, "{metrics}");
     assert!(
-        b_p99 <= 250.0,
-        "CRITICAL p99 {b_p99:.0} ms after the slow-down"
-    );
-    assert_eq!(refused, 0, "below capacity nothing is refused");
-    assert!(
-        metrics.contains("grl_sidecar_overload_refusals_total{criticality=\"SHEDDABLE\""),
+        metrics.contains("grl_sidecar_concurrency_limit "),
         "{metrics}"
     );
+    assert!(
+        metrics.contains("grl_sidecar_refusals_total{reason=\"overloaded\"}"),
+        "{metrics}"
+    );
+}
+
+/// The same through `GrlLayer::concurrency_limit` in an axum service that forwards each
+/// request to the pool (its client's aggregator unreachable: quotas fail open).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_through_grl_layer() {
+    use axum::response::IntoResponse;
+    use tower::Layer;
+
+    let dir = tempfile::tempdir().unwrap();
+    let py_port = free_port();
+    let _py = spawn_pool(dir.path(), py_port, 4, 20);
+    let upstream = format!("http://127.0.0.1:{py_port}");
+    wait_up(&format!("{upstream}/")).await;
+    let mut o = grl_client::client::ClientOptions::new(
+        "payments",
+        vec![format!("http://127.0.0.1:{}", free_port())],
+    );
+    o.client_id = Some("layer-overload".into());
+    let client = grl_client::client::GrlClient::start(o);
+    let layer = grl_client::layer::GrlLayer::for_client(&client)
+        .caller_from(grl_client::layer::KeyFrom::Header(
+            http::HeaderName::from_static("rpc-caller"),
+        ))
+        .concurrency_limit(grl_client::concurrency::Options {
+            mode: grl_client::concurrency::Mode::Auto,
+            queue_timeout: Duration::from_millis(100),
+            ..Default::default()
+        });
+    let forward = reqwest::Client::new();
+    let to = upstream.clone();
+    let app = axum::Router::new().fallback(move || {
+        let (forward, to) = (forward.clone(), to.clone());
+        async move {
+            match forward.get(format!("{to}/")).send().await {
+                Ok(r) => (
+                    http::StatusCode::from_u16(r.status().as_u16()).unwrap(),
+                    r.text().await.unwrap_or_default(),
+                )
+                    .into_response(),
+                Err(_) => http::StatusCode::BAD_GATEWAY.into_response(),
+            }
+        }
+    });
+    let svc = layer.layer(app);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/", listener.local_addr().unwrap());
+    let server = tokio::spawn(async move {
+        axum::serve(listener, tower::make::Shared::new(svc))
+            .await
+            .unwrap();
+    });
+    three_phases("GrlLayer", &url, &upstream).await;
+    let stats = layer.concurrency().unwrap().stats();
+    let shed = stats.refused[0]
+        .iter()
+        .map(|n| n.load(Ordering::Relaxed))
+        .sum::<u64>();
+    assert!(shed > 100, "SHEDDABLE refused {shed}");
+    server.abort();
+    drop(client);
 }
