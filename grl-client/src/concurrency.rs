@@ -12,12 +12,14 @@
 //! `limit = limit × gradient + √limit`, within `[min_limit, max_limit]`. Below the tolerated
 //! latency the limit grows (doubling at most per window), above it shrinks (halving at
 //! most); the `√limit` term keeps a little queue at the service so that it stays busy. The
-//! baseline is the lowest latency seen, measured again every 10 s (± 25 %, so that instances
-//! do not probe together) by holding the limit at a quarter of itself until 16 requests
-//! started after the probe began came back: a service that became slower gets a baseline
-//! that says so within one probe, and one that became faster lowers it at once. A quarter
-//! of a limit that keeps a service busy leaves its workers idle, so the probe sees the
-//! latency without a queue and, below capacity, refuses nothing.
+//! baseline is the median latency of a probe, run every 10 s (± 25 %, so that instances do
+//! not probe together) by holding the limit at a quarter of itself until 16 requests started
+//! after the probe began came back: a service that became slower gets a baseline that says
+//! so within one probe, and a window whose median is below the baseline (a service that
+//! became faster) replaces it at once. A quarter of a limit that keeps a service busy leaves
+//! its workers idle, so the probe sees the latency without a queue and, below capacity,
+//! refuses nothing. The limit grows only in a window that used at least half of it, so that
+//! light traffic cannot raise it without end; a move by more than a quarter is logged.
 //!
 //! **By criticality**: a request of tier `t` starts only while fewer than
 //! `ceil(limit × share[t])` requests are in flight (SHEDDABLE 50 %, SHEDDABLE_PLUS 75 %,
@@ -80,7 +82,8 @@ pub struct Options {
     pub queue_timeout: Duration,
     /// Requests waiting at most; one more is refused at once.
     pub max_queue: usize,
-    /// The lowest learned limit (also the limit while the baseline is measured).
+    /// The lowest learned limit (also the floor of the limit while the baseline is measured:
+    /// a quarter of the learned one).
     pub min_limit: usize,
     /// The highest learned limit.
     pub max_limit: usize,
@@ -136,10 +139,13 @@ struct Gradient {
     baseline: Option<Duration>,
     window: Vec<Duration>,
     window_start: Instant,
-    /// Some while the baseline is being measured: when the probe began, its lowest latency
-    /// and its count of answers (of requests that started after it began).
-    probe: Option<(Instant, Duration, usize)>,
+    /// Some while the baseline is being measured: when the probe began (its latencies are
+    /// in `window`, of requests that started after it began).
+    probe: Option<Instant>,
     next_probe: Instant,
+    /// The most requests in flight during the window: a limit the traffic never came near
+    /// is not raised (it would grow without end while the service is lightly loaded).
+    peak_in_flight: usize,
 }
 
 impl Gradient {
@@ -150,8 +156,9 @@ impl Gradient {
             window: Vec::new(),
             window_start: now,
             // The first thing learned is the latency without load.
-            probe: Some((now, Duration::MAX, 0)),
+            probe: Some(now),
             next_probe: now,
+            peak_in_flight: 0,
         }
     }
 
@@ -165,23 +172,30 @@ impl Gradient {
         (l.round() as usize).clamp(o.min_limit, o.max_limit)
     }
 
+    /// Notes that `n` requests are in flight now.
+    fn in_flight(&mut self, n: usize) {
+        self.peak_in_flight = self.peak_in_flight.max(n);
+    }
+
     /// Takes the latency of a request that started at `start`, answered at `now`; true when
-    /// the limit moved by more than half.
+    /// the limit moved by more than a quarter.
     fn sample(&mut self, o: &Options, start: Instant, now: Instant) -> bool {
         let rtt = now.saturating_duration_since(start);
-        if let Some((began, low, n)) = &mut self.probe {
+        if let Some(began) = self.probe {
             // A request already in flight when the probe began says nothing of the latency
             // without load.
-            if start < *began {
+            if start < began {
                 return false;
             }
-            *low = (*low).min(rtt);
-            *n += 1;
-            if *n >= PROBE_SAMPLES {
-                self.baseline = Some(*low);
+            self.window.push(rtt);
+            if self.window.len() >= PROBE_SAMPLES {
+                // The median, not the lowest: a service whose answers vary (a fast path, an
+                // early error) would otherwise be judged against its fastest answer.
+                self.baseline = Some(median(&mut self.window));
                 self.probe = None;
                 self.window.clear();
                 self.window_start = now;
+                self.peak_in_flight = 0;
                 self.next_probe = now + jittered(o.probe_interval);
             }
             return false;
@@ -197,32 +211,40 @@ impl Gradient {
         self.judge(o);
         self.window.clear();
         self.window_start = now;
+        self.peak_in_flight = 0;
         if now >= self.next_probe {
-            self.probe = Some((now, Duration::MAX, 0));
+            self.probe = Some(now);
         }
-        (self.limit - before).abs() > before / 2.0
+        (self.limit - before).abs() > before / 4.0
     }
 
-    /// Moves the limit by the window's median latency against the baseline.
+    /// Moves the limit by the window's median latency against the baseline (a median below
+    /// it is the new baseline: the service got faster). The limit grows only when the window
+    /// used at least half of it.
     fn judge(&mut self, o: &Options) {
-        let n = self.window.len();
-        if n == 0 {
+        if self.window.is_empty() {
             return;
         }
-        let (_, median, _) = self.window.select_nth_unstable(n / 2);
-        let median = *median;
-        let low = *self.window.iter().min().expect("not empty");
+        let median = median(&mut self.window);
         let baseline = match self.baseline {
-            Some(b) if b <= low => b,
-            // Faster than the baseline: the service got faster (or was never idle).
-            _ => low,
+            Some(b) if b <= median => b,
+            _ => median,
         };
         self.baseline = Some(baseline);
         let median_s = median.as_secs_f64().max(1e-6);
         let gradient = (o.tolerance * baseline.as_secs_f64() / median_s).clamp(0.5, 2.0);
-        self.limit = (self.limit * gradient + self.limit.sqrt())
-            .clamp(o.min_limit as f64, o.max_limit as f64);
+        let next = self.limit * gradient + self.limit.sqrt();
+        if next > self.limit && (self.peak_in_flight as f64) < self.limit / 2.0 {
+            return;
+        }
+        self.limit = next.clamp(o.min_limit as f64, o.max_limit as f64);
     }
+}
+
+/// The median of `v` (reordered); `v` is not empty.
+fn median(v: &mut [Duration]) -> Duration {
+    let n = v.len();
+    *v.select_nth_unstable(n / 2).1
 }
 
 /// `d` ± 25 %.
@@ -336,17 +358,18 @@ impl ConcurrencyLimiter {
             let ahead = st.queues[tier as usize..].iter().any(|q| !q.is_empty());
             if !ahead && st.room_for(&self.opts, tier) {
                 st.in_flight += 1;
+                let n = st.in_flight;
+                st.gradient.in_flight(n);
                 self.publish(&st);
                 return Ok(self.permit());
             }
-            let q = &mut st.queues[tier as usize];
-            // Waiters that gave up leave their place at the front.
-            let mut gone = 0;
-            while q.front().is_some_and(|w| w.1.is_closed()) {
-                q.pop_front();
-                gone += 1;
+            if st.queued >= self.opts.max_queue {
+                // Waiters that gave up (timed out, or their caller went away) leave first.
+                for q in &mut st.queues {
+                    q.retain(|w| !w.1.is_closed());
+                }
+                st.queued = st.queues.iter().map(VecDeque::len).sum();
             }
-            st.queued -= gone;
             if st.queued >= self.opts.max_queue {
                 self.publish(&st);
                 self.stats.refused[tier as usize][1].fetch_add(1, Ordering::Relaxed);
@@ -402,13 +425,23 @@ impl ConcurrencyLimiter {
             let tier = Criticality::from_index(t).expect("a tier");
             while !st.queues[t].is_empty() && st.room_for(&self.opts, tier) {
                 let q = &mut st.queues[t];
+                // A waiter that gave up at the front would turn the queue LIFO for nothing.
+                if q.front().is_some_and(|w| w.1.is_closed()) {
+                    q.pop_front();
+                    st.queued -= 1;
+                    continue;
+                }
                 let lifo = q
                     .front()
                     .is_some_and(|w| now.saturating_duration_since(w.0) >= standing);
                 let (_, tx) = if lifo { q.pop_back() } else { q.pop_front() }.expect("not empty");
                 st.queued -= 1;
                 match tx.send(self.permit()) {
-                    Ok(()) => st.in_flight += 1,
+                    Ok(()) => {
+                        st.in_flight += 1;
+                        let n = st.in_flight;
+                        st.gradient.in_flight(n);
+                    }
                     // The waiter gave up: its permit must not free a slot it never held.
                     Err(mut p) => drop(p.limiter.take()),
                 }
@@ -465,6 +498,7 @@ mod tests {
             let rounds = limit.div_ceil(workers).max(1) as u32;
             let rtt = service * rounds;
             // `limit` requests start now and are answered after the latency.
+            g.in_flight(limit);
             for _ in 0..limit {
                 g.sample(o, *now, *now + rtt);
             }
@@ -499,6 +533,42 @@ mod tests {
         let l = settle(&mut g, &o, 16, ms(10), 5, &mut now);
         assert_eq!(g.baseline, Some(ms(10)));
         assert!((16..=40).contains(&l), "limit {l} for 16 workers");
+    }
+
+    /// A service whose answers vary (a third come back at once: a cached path, an early
+    /// error) is not judged against its fastest answer: the limit finds its workers as for a
+    /// steady service. And a limit the traffic never comes near is not raised.
+    #[test]
+    fn varied_latencies_and_light_load_keep_the_limit_sound() {
+        let o = opts(Mode::Auto);
+        let ms = Duration::from_millis;
+        let mut now = Instant::now();
+        let mut g = Gradient::new(now);
+        let end = now + Duration::from_secs(10);
+        let mut k = 0u32;
+        while now < end {
+            let limit = g.limit(&o);
+            let rtt = ms(20) * limit.div_ceil(8).max(1) as u32;
+            g.in_flight(limit);
+            for _ in 0..limit {
+                k += 1;
+                let r = if k.is_multiple_of(3) { ms(1) } else { rtt };
+                g.sample(&o, now, now + r);
+            }
+            now += rtt;
+        }
+        let l = g.limit.round() as usize;
+        assert!((8..=24).contains(&l), "limit {l} for 8 workers");
+        // Light load: 2 in flight whatever the limit; answers at the baseline.
+        let before = g.limit;
+        for _ in 0..200 {
+            g.in_flight(2);
+            for _ in 0..2 {
+                g.sample(&o, now, now + ms(20));
+            }
+            now += ms(20);
+        }
+        assert!(g.limit <= before, "{} grew from {before}", g.limit);
     }
 
     /// The more critical tiers are served first; a SHEDDABLE request never holds more than

@@ -62,6 +62,14 @@ fn decide(cfg: &Config, caller: &str, procedure: &str, tier: Criticality) -> Dec
     cfg.limiter.decide_tier(caller, procedure, tier)
 }
 
+/// `tier` held at `caller`'s cap in the bucket file.
+fn capped(cfg: &Config, tier: Criticality, caller: &str) -> Criticality {
+    match cfg.limiter.table().cap(caller) {
+        Some(cap) => tier.capped(cap),
+        None => tier,
+    }
+}
+
 struct Config {
     limiter: Arc<Limiter>,
     calls: Option<Arc<crate::calls::CallCounter>>,
@@ -171,6 +179,12 @@ impl GrlLayer {
         decide(&self.cfg, caller, procedure, tier)
     }
 
+    /// `tier` held at `caller`'s cap in the service's bucket file (`criticality.caps`), as
+    /// the decision holds it: for a front end's own use of the tier (the overload queue).
+    pub fn capped(&self, tier: Criticality, caller: &str) -> Criticality {
+        capped(&self.cfg, tier, caller)
+    }
+
     /// The tier of a request of `caller` with `headers`, as the layer reads it.
     #[inline]
     pub fn tier_of(&self, headers: &http::HeaderMap, caller: &str) -> Criticality {
@@ -256,6 +270,7 @@ where
         }
         if let Some(c) = &self.cfg.concurrency {
             let c = c.clone();
+            let tier = capped(&self.cfg, tier, caller);
             return GrlFuture::Held {
                 acquire: Some(Box::pin(async move { c.acquire(tier).await })),
                 permit: None,

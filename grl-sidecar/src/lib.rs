@@ -866,15 +866,6 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
     let small_request = !grpc && is_small(&body);
     close_after_stray_body(&mut parts, &body, grpc);
     let clients = worker_clients(&s);
-    // Under `--concurrency-limit`: a slot, held until the answer's head (a small answer's
-    // body) arrived, its latency the gradient's sample; or 503 after the queue's timeout.
-    let _slot = match &s.concurrency {
-        None => None,
-        Some(c) => match c.acquire(tier).await {
-            Ok(p) => Some(p),
-            Err(_) => return overloaded(&s, grpc),
-        },
-    };
     s.added.observe(start.elapsed().as_secs_f64());
     // The upstream timeout bounds the whole exchange up to the answer's head (and a small
     // answer's body): a small request body that arrives too slowly times out as the upstream
@@ -905,6 +896,17 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
             whole(body).await.map_err(Failed::RequestBody)?
         } else {
             body
+        };
+        // Under `--concurrency-limit`: a slot once the request is ready to go (its
+        // connection's share held, a small body read), kept until the answer's head (a small
+        // answer's body) arrived, its latency the gradient's sample; or 503 after the
+        // queue's timeout.
+        let _slot = match &s.concurrency {
+            None => None,
+            Some(c) => match c.acquire(tier).await {
+                Ok(p) => Some(p),
+                Err(_) => return Ok(overloaded(&s, grpc)),
+            },
         };
         sent.store(true, Ordering::Relaxed);
         let req = Request::from_parts(parts, body);
@@ -966,7 +968,10 @@ fn decide(
         ));
     };
     let tier = s.layer.tier_of(req.headers(), caller);
-    *tier_out = tier;
+    if s.concurrency.is_some() {
+        // The queue's tier under the bucket file's caps too (the decision applies them).
+        *tier_out = s.layer.capped(tier, caller);
+    }
     let d = s
         .layer
         .decide_tier_at(caller, &procedure, tier, grl_core::now_ms());

@@ -11,7 +11,7 @@ use std::time::Duration;
 use grl_client::concurrency::{Mode, Options};
 use grl_client::layer::GrlLayer;
 use grl_core::Limiter;
-use tower::{Layer, Service, ServiceExt};
+use tower::{Layer, ServiceExt};
 
 #[tokio::test(start_paused = true)]
 async fn the_layer_holds_the_service_to_its_slots() {

@@ -158,7 +158,7 @@ async fn shed_below_critical(
 }
 
 /// The same through `GrlLayer` in two in-process clients (real controller and aggregator
-/// processes), at the sizing: limit 200 rps on procedure `charge`, 120 rps CRITICAL
+/// processes), at this sizing: limit 200 rps on procedure `charge`, 120 rps CRITICAL
 /// from `gw` (half without a header) and 180 rps SHEDDABLE over the two: half from `gw` in
 /// `baggage`, half from `batch-1`, which claims CRITICAL_PLUS but is capped at SHEDDABLE by
 /// the bucket file's `criticality.caps`. The layer reads each request's tier from its

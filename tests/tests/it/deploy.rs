@@ -1,7 +1,7 @@
 //! `deploy/`: the Grafana dashboards and the Prometheus rules read only metrics the project
-//! exports (collected from `/metrics` of a real controller, aggregator, `grl sidecar` and `rlc serve`, and
-//! from an embedded client's registry), the dashboards are Grafana dashboard JSON, and the
-//! rules pass `promtool check rules` and their `promtool test rules` unit tests.
+//! exports (collected from `/metrics` of a real controller, aggregator, `grl sidecar` and
+//! `rlc serve`, and from an embedded client's registry), the dashboards are Grafana dashboard
+//! JSON, and the rules pass `promtool check rules` and their `promtool test rules` unit tests.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
