@@ -22,70 +22,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use test_support::overload::{paced, spawn_pool, Answer};
 use test_support::process::{free_port, Proc};
 use test_support::wait::wait_up;
-
-const POOL: &str = r#"
-import socket, sys, threading, time
-from http.server import ThreadingHTTPServer, BaseHTTPRequestHandler
-from urllib.parse import urlparse, parse_qs
-
-workers = threading.Semaphore(4)
-service = [0.020]
-
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def setup(self):
-        super().setup()
-        self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def answer(self, body):
-        self.send_response(200)
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self):
-        with workers:
-            time.sleep(service[0])
-        self.answer(b"ok\n")
-
-    def do_POST(self):
-        service[0] = float(parse_qs(urlparse(self.path).query)["ms"][0]) / 1000.0
-        self.answer(b"set\n")
-
-    def log_message(self, *args):
-        pass
-
-class Server(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 4096
-
-Server(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
-"#;
-
-/// (tier: 0 CRITICAL, 1 SHEDDABLE; status, 0 without an answer; latency; sent at).
-type Answer = (usize, u16, Duration, Instant);
 
 fn arg(name: &str) -> Option<String> {
     let args: Vec<String> = std::env::args().collect();
     args.iter()
         .position(|a| a == name)
         .and_then(|i| args.get(i + 1).cloned())
-}
-
-fn spawn_pool(dir: &Path, port: u16) -> Proc {
-    let script = dir.join("pool.py");
-    std::fs::write(&script, POOL).unwrap();
-    Proc::spawn(
-        Command::new("python3")
-            .arg(&script)
-            .arg(port.to_string())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null()),
-    )
-    .unwrap()
 }
 
 fn spawn_sidecar(grl: &Path, port: u16, admin: u16, upstream: &str, limit: &str) -> Proc {
@@ -102,44 +47,6 @@ fn spawn_sidecar(grl: &Path, port: u16, admin: u16, upstream: &str, limit: &str)
             .stderr(Stdio::null()),
     )
     .unwrap()
-}
-
-/// Sends `rps` requests a second of `tier` to `url` until `stop`, logging every answer.
-fn paced(
-    url: String,
-    tier: usize,
-    rps: f64,
-    log: Arc<Mutex<Vec<Answer>>>,
-    stop: Arc<AtomicBool>,
-) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        let http = reqwest::Client::builder()
-            .timeout(Duration::from_secs(10))
-            .pool_max_idle_per_host(1024)
-            .build()
-            .unwrap();
-        let header = ["CRITICAL", "SHEDDABLE"][tier];
-        let mut next = Instant::now();
-        while !stop.load(Ordering::Relaxed) {
-            next += Duration::from_secs_f64(1.0 / rps);
-            tokio::time::sleep_until(next.into()).await;
-            let (http, url, log) = (http.clone(), url.clone(), log.clone());
-            tokio::spawn(async move {
-                let t0 = Instant::now();
-                let status = match http
-                    .get(&url)
-                    .header("rpc-caller", "gw")
-                    .header("rpc-criticality", header)
-                    .send()
-                    .await
-                {
-                    Ok(r) => r.status().as_u16(),
-                    Err(_) => 0,
-                };
-                log.lock().unwrap().push((tier, status, t0.elapsed(), t0));
-            });
-        }
-    })
 }
 
 /// One phase's figures: CRITICAL 200s/s, their share, CRITICAL p50 and p99 (ms), goodput.
@@ -174,7 +81,7 @@ async fn main() {
     println!("|---|---|---|---|---|---|---|");
     for (name, limit) in [("no limit", "off"), ("fixed 8", "8"), ("auto", "auto")] {
         let py_port = free_port();
-        let _py = spawn_pool(dir.path(), py_port);
+        let _py = spawn_pool(dir.path(), py_port, 4, 20);
         let upstream = format!("http://127.0.0.1:{py_port}");
         wait_up(&format!("{upstream}/")).await;
         let (port, admin) = (free_port(), free_port());
@@ -184,8 +91,20 @@ async fn main() {
         let log: Arc<Mutex<Vec<Answer>>> = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
         let tasks = [
-            paced(url.clone(), 0, 120.0, log.clone(), stop.clone()),
-            paced(url.clone(), 1, 240.0, log.clone(), stop.clone()),
+            paced(
+                url.clone(),
+                0,
+                Arc::new(Mutex::new(120.0)),
+                log.clone(),
+                stop.clone(),
+            ),
+            paced(
+                url.clone(),
+                1,
+                Arc::new(Mutex::new(240.0)),
+                log.clone(),
+                stop.clone(),
+            ),
         ];
         let settle = Duration::from_secs(3);
         let a0 = Instant::now();

@@ -10,6 +10,7 @@
 
 pub mod cargo;
 pub mod git;
+pub mod overload;
 pub mod plugin;
 pub mod postgres;
 pub mod process;

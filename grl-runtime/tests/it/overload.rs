@@ -5,124 +5,14 @@
 //! refuses the SHEDDABLE excess with 503, and the service stays busy. Then the service gets
 //! three times slower, then the load falls below its capacity.
 
-use std::path::Path;
-use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use test_support::process::Proc;
+use test_support::overload::{paced, spawn_pool, Answer};
 
 use super::sidecar::lone_sidecar;
-use super::{free_port, log_file, wait_up};
-
-/// A service of a fixed pool of workers: each request takes one worker for the service
-/// time (`POST /service?ms=N` changes it); requests beyond the workers wait for one, as in
-/// any thread-pool server.
-const PY_POOL: &str = r#"
-import socket, sys, threading, time
-from http.server import ThreadingHTTPServer, BaseHTTPRequestHandler
-from urllib.parse import urlparse, parse_qs
-
-workers = threading.Semaphore(int(sys.argv[2]))
-service = [float(sys.argv[3]) / 1000.0]
-
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def setup(self):
-        super().setup()
-        # The head and the body are two writes: without this, Nagle holds the body back
-        # until the client's delayed ACK (40 ms) of the head.
-        self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def answer(self, body):
-        self.send_response(200)
-        self.send_header("content-type", "text/plain")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self):
-        with workers:
-            time.sleep(service[0])
-        self.answer(b"ok\n")
-
-    def do_POST(self):
-        q = parse_qs(urlparse(self.path).query)
-        service[0] = float(q["ms"][0]) / 1000.0
-        self.answer(b"set\n")
-
-    def log_message(self, *args):
-        pass
-
-class Server(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 1024
-
-Server(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
-"#;
-
-fn spawn_pool(dir: &Path, port: u16, workers: usize, service_ms: u64) -> Proc {
-    let script = dir.join("pool.py");
-    std::fs::write(&script, PY_POOL).unwrap();
-    Proc::spawn(
-        Command::new("/usr/bin/python3")
-            .arg(&script)
-            .args([
-                port.to_string(),
-                workers.to_string(),
-                service_ms.to_string(),
-            ])
-            .stdout(Stdio::null())
-            .stderr(log_file(dir, "py-pool")),
-    )
-    .unwrap()
-}
-
-/// One answer: the tier index (0 CRITICAL, 1 SHEDDABLE), the status (0: no answer) and the
-/// latency.
-type Answer = (usize, u16, Duration);
-
-/// Sends `rps` requests a second of `tier` (0 CRITICAL, 1 SHEDDABLE) to `url` until `stop`,
-/// each its own task, recording every answer.
-fn paced(
-    url: String,
-    tier: usize,
-    rps: Arc<Mutex<f64>>,
-    log: Arc<Mutex<Vec<Answer>>>,
-    stop: Arc<AtomicBool>,
-) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        let http = reqwest::Client::builder()
-            .timeout(Duration::from_secs(10))
-            .pool_max_idle_per_host(512)
-            .build()
-            .unwrap();
-        let header = ["CRITICAL", "SHEDDABLE"][tier];
-        let mut next = Instant::now();
-        while !stop.load(Ordering::Relaxed) {
-            let rate = *rps.lock().unwrap();
-            next += Duration::from_secs_f64(1.0 / rate);
-            tokio::time::sleep_until(next.into()).await;
-            let (http, url, log) = (http.clone(), url.clone(), log.clone());
-            tokio::spawn(async move {
-                let t0 = Instant::now();
-                let status = match http
-                    .get(&url)
-                    .header("rpc-caller", "gw")
-                    .header("rpc-criticality", header)
-                    .send()
-                    .await
-                {
-                    Ok(r) => r.status().as_u16(),
-                    Err(_) => 0,
-                };
-                log.lock().unwrap().push((tier, status, t0.elapsed()));
-            });
-        }
-    })
-}
+use super::{free_port, wait_up};
 
 /// Of the answers of `tier`: (count, share answered 200, p99 latency in ms, 503s, others).
 fn summary(answers: &[Answer], tier: usize) -> (usize, f64, f64, usize, usize) {
