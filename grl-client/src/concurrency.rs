@@ -13,8 +13,8 @@
 //! latency the limit grows (doubling at most per window), above it shrinks (halving at
 //! most); the `√limit` term keeps a little queue at the service so that it stays busy. The
 //! baseline is the median latency of a probe, run every 10 s (± 25 %, so that instances do
-//! not probe together) by holding the limit at a quarter of itself until 16 requests started
-//! after the probe began came back: a service that became slower gets a baseline that says
+//! not probe together) when the last window was slower than the tolerance, by holding the
+//! limit at a quarter of itself until 16 requests started after the probe began came back: a service that became slower gets a baseline that says
 //! so within one probe, and a window whose median is below the baseline (a service that
 //! became faster) replaces it at once. A quarter of a limit that keeps a service busy leaves
 //! its workers idle, so the probe sees the latency without a queue and, below capacity,
@@ -208,12 +208,19 @@ impl Gradient {
             return false;
         }
         let before = self.limit;
-        self.judge(o);
+        let slow = self.judge(o);
         self.window.clear();
         self.window_start = now;
         self.peak_in_flight = 0;
+        // A probe is for a baseline that may be too low (a service that became slower): only
+        // a window slower than the tolerance calls for one. Otherwise it is put off, so that
+        // a service below its capacity is never held at a quarter of its limit.
         if now >= self.next_probe {
-            self.probe = Some(now);
+            if slow {
+                self.probe = Some(now);
+            } else {
+                self.next_probe = now + jittered(o.probe_interval);
+            }
         }
         (self.limit - before).abs() > before / 4.0
     }
@@ -221,9 +228,10 @@ impl Gradient {
     /// Moves the limit by the window's median latency against the baseline (a median below
     /// it is the new baseline: the service got faster). The limit grows only when the window
     /// used at least half of it.
-    fn judge(&mut self, o: &Options) {
+    /// Returns whether the window was slower than the tolerance allows.
+    fn judge(&mut self, o: &Options) -> bool {
         if self.window.is_empty() {
-            return;
+            return false;
         }
         let median = median(&mut self.window);
         let baseline = match self.baseline {
@@ -234,10 +242,10 @@ impl Gradient {
         let median_s = median.as_secs_f64().max(1e-6);
         let gradient = (o.tolerance * baseline.as_secs_f64() / median_s).clamp(0.5, 2.0);
         let next = self.limit * gradient + self.limit.sqrt();
-        if next > self.limit && (self.peak_in_flight as f64) < self.limit / 2.0 {
-            return;
+        if !(next > self.limit && (self.peak_in_flight as f64) < self.limit / 2.0) {
+            self.limit = next.clamp(o.min_limit as f64, o.max_limit as f64);
         }
-        self.limit = next.clamp(o.min_limit as f64, o.max_limit as f64);
+        gradient < 1.0
     }
 }
 

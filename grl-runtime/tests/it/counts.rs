@@ -184,6 +184,7 @@ async fn trickles_are_counted_exactly_through_the_sidecar_and_the_layer() {
 /// lost the first 20 to 30 requests of the bucket's counts).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_steady_concurrent_load_is_counted_exactly_through_the_sidecar() {
+    let _heavy = super::HEAVY.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let (_ctl, _, base) = start_controller(&dir.path().join("state"), dir.path(), &[]).await;
     let http = reqwest::Client::builder()

@@ -19,6 +19,7 @@ const LIMIT: f64 = 40.0;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_shed_falls_on_the_least_critical_tier_across_sidecars() {
+    let _heavy = super::HEAVY.lock().await;
     let fleet = Fleet::start(
         json!([{"name": "charge", "procedure": "charge", "scope": "global",
                 "limit_rps": LIMIT, "mode": "enforce", "policy": "peak"}]),
@@ -166,6 +167,7 @@ async fn shed_below_critical(
 /// caps only to a client that says it reads them (`grl-proto: 9`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn grl_layer_sheds_the_least_critical_tier_first() {
+    let _heavy = super::HEAVY.lock().await;
     use std::sync::atomic::{AtomicU64, Ordering};
 
     const LIMIT: f64 = 200.0;
@@ -274,6 +276,7 @@ async fn grl_layer_sheds_the_least_critical_tier_first() {
 /// the bucket stays at its limit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_client_of_the_previous_protocol_keeps_the_bucket_at_its_limit() {
+    let _heavy = super::HEAVY.lock().await;
     use std::sync::atomic::{AtomicU64, Ordering};
 
     const LIMIT: f64 = 200.0;

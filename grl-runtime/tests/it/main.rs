@@ -38,6 +38,11 @@ const REPORT_TOKEN: &str = "r3port";
 /// The client report credential for service `payments` that `spawn_aggregator` accepts.
 const CLIENT_TOKEN: &str = "payments-client-0123456789";
 
+/// Held by the tests that offer hundreds of requests a second and measure rates or
+/// latencies: on a 2-core machine two of them at once would measure the machine, so they take
+/// turns (the other tests still run beside them).
+static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn log_file(dir: &Path, name: &str) -> Stdio {
     Stdio::from(std::fs::File::create(dir.join(format!("{name}.log"))).unwrap())
 }
