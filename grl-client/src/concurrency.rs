@@ -283,7 +283,6 @@ struct State {
     in_flight: usize,
     /// Each tier's waiters with the instant they arrived, oldest first.
     queues: [VecDeque<(Instant, oneshot::Sender<Permit>)>; TIERS],
-    queued: usize,
     fixed: Option<usize>,
     gradient: Gradient,
 }
@@ -291,6 +290,11 @@ struct State {
 impl State {
     fn limit(&self, o: &Options) -> usize {
         self.fixed.unwrap_or_else(|| self.gradient.limit(o))
+    }
+
+    /// Requests waiting (those that gave up included, until they are pruned).
+    fn queued(&self) -> usize {
+        self.queues.iter().map(VecDeque::len).sum()
     }
 
     /// Whether a request of `tier` may start now.
@@ -335,7 +339,6 @@ impl ConcurrencyLimiter {
         let state = State {
             in_flight: 0,
             queues: Default::default(),
-            queued: 0,
             fixed,
             gradient: Gradient::new(Instant::now()),
         };
@@ -371,21 +374,19 @@ impl ConcurrencyLimiter {
                 self.publish(&st);
                 return Ok(self.permit());
             }
-            if st.queued >= self.opts.max_queue {
+            if st.queued() >= self.opts.max_queue {
                 // Waiters that gave up (timed out, or their caller went away) leave first.
                 for q in &mut st.queues {
                     q.retain(|w| !w.1.is_closed());
                 }
-                st.queued = st.queues.iter().map(VecDeque::len).sum();
             }
-            if st.queued >= self.opts.max_queue {
+            if st.queued() >= self.opts.max_queue {
                 self.publish(&st);
                 self.stats.refused[tier as usize][1].fetch_add(1, Ordering::Relaxed);
                 return Err(Refused::QueueFull);
             }
             let (tx, rx) = oneshot::channel();
             st.queues[tier as usize].push_back((Instant::now(), tx));
-            st.queued += 1;
             self.publish(&st);
             rx
         };
@@ -436,14 +437,12 @@ impl ConcurrencyLimiter {
                 // A waiter that gave up at the front would turn the queue LIFO for nothing.
                 if q.front().is_some_and(|w| w.1.is_closed()) {
                     q.pop_front();
-                    st.queued -= 1;
                     continue;
                 }
                 let lifo = q
                     .front()
                     .is_some_and(|w| now.saturating_duration_since(w.0) >= standing);
                 let (_, tx) = if lifo { q.pop_back() } else { q.pop_front() }.expect("not empty");
-                st.queued -= 1;
                 match tx.send(self.permit()) {
                     Ok(()) => {
                         st.in_flight += 1;
@@ -463,7 +462,7 @@ impl ConcurrencyLimiter {
         s.limit
             .store(st.limit(&self.opts) as u64, Ordering::Relaxed);
         s.in_flight.store(st.in_flight as u64, Ordering::Relaxed);
-        s.queued.store(st.queued as u64, Ordering::Relaxed);
+        s.queued.store(st.queued() as u64, Ordering::Relaxed);
     }
 }
 

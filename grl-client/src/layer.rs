@@ -64,7 +64,7 @@ fn decide(cfg: &Config, caller: &str, procedure: &str, tier: Criticality) -> Dec
 
 /// `tier` held at `caller`'s cap in the bucket file.
 fn capped(cfg: &Config, tier: Criticality, caller: &str) -> Criticality {
-    match cfg.limiter.table().cap(caller) {
+    match cfg.limiter.cap(caller) {
         Some(cap) => tier.capped(cap),
         None => tier,
     }

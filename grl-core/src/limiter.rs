@@ -152,7 +152,16 @@ impl Table {
     /// its `criticality.caps`.
     pub fn check_file(file: &BucketFile) -> Result<(), CompileError> {
         Self::check(&file.service, &file.buckets)?;
-        Self::caps_of(file).map(|_| ())
+        // The patterns only: nothing is built for a mere check.
+        for pattern in file.criticality.caps.keys() {
+            schema::criticality::check_caller_pattern(pattern).map_err(|message| {
+                CompileError::BadCap {
+                    service: file.service.clone(),
+                    message,
+                }
+            })?;
+        }
+        Ok(())
     }
 
     fn caps_of(file: &BucketFile) -> Result<Option<Box<Caps>>, CompileError> {
@@ -456,6 +465,12 @@ impl Limiter {
     /// The current table.
     pub fn table(&self) -> Arc<Table> {
         self.table.load_full()
+    }
+
+    /// The highest tier `caller` may claim in the current table (`criticality.caps`), without
+    /// taking a reference to the table (a front end's per-request use).
+    pub fn cap(&self, caller: &str) -> Option<Criticality> {
+        self.table.load().cap(caller)
     }
 
     /// Swaps in `table`, carrying over the ratios of buckets that keep their name and the

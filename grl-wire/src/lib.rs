@@ -125,7 +125,12 @@ impl ConfigDoc {
     /// stands (see [`ConfigDoc::for_peer`]).
     pub fn readable_by(&self, version: u32) -> bool {
         (version >= PROTO_CANDIDATES || self.candidates.is_empty())
-            && (version >= PROTO_CAPS || self.services.iter().all(|f| f.criticality.is_empty()))
+            && (version >= PROTO_CAPS || !self.has_caps())
+    }
+
+    /// Whether a bucket file has a `criticality` section.
+    pub fn has_caps(&self) -> bool {
+        self.services.iter().any(|f| !f.criticality.is_empty())
     }
 
     /// Leaves out what a peer of protocol `version` cannot read (it refuses unknown fields):

@@ -143,7 +143,7 @@ impl Cycle {
                         if p < grl_wire::PROTO_CANDIDATES && !doc.candidates.is_empty() {
                             tracing::warn!(region, proto = p, "controller predates candidates (grl-proto 5): it keeps the limits in force, the candidates wait");
                         }
-                        if !doc.readable_by(p.max(grl_wire::PROTO_CANDIDATES)) {
+                        if p < grl_wire::PROTO_CAPS && doc.has_caps() {
                             tracing::warn!(region, proto = p, "controller predates criticality caps (grl-proto 9): pushed without the bucket files' criticality sections");
                         }
                         doc.for_peer(p);
