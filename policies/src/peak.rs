@@ -207,6 +207,29 @@ mod tests {
         assert!(p.shadow);
     }
 
+    /// A `lookback: 7d` grid whose last minutes have not arrived yet (scrape interval, rule
+    /// evaluation, a run started just after the minute): a week of history, not a young bucket.
+    #[test]
+    fn the_minutes_not_yet_scraped_do_not_make_a_week_young() {
+        let mut s = RateSeries {
+            start: 0,
+            step: 60,
+            values: vec![100.0; 7 * 1440 + 1],
+        };
+        let n = s.values.len();
+        for v in &mut s.values[n - 3..] {
+            *v = f32::NAN;
+        }
+        let p = run(&s, &PolicySpec::default(), None);
+        assert_eq!(p.limit_rps, 125.0, "{p:?}");
+        assert!(!p.shadow);
+        // A series that stopped a day ago has a day less of history.
+        for v in &mut s.values[n - 1440..] {
+            *v = f32::NAN;
+        }
+        assert!(run(&s, &PolicySpec::default(), None).shadow);
+    }
+
     #[test]
     fn confident_history_scales_the_short_history_rule() {
         // 70 minutes of history at 1 min steps against confident_history 70m: confident.

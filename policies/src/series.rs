@@ -1,5 +1,9 @@
 use chrono::{DateTime, TimeZone, Utc};
 
+/// How late the newest samples of a history may be and still count as history (a scrape
+/// interval, a recording rule's evaluation, a remote write's delay): 15 minutes.
+pub const ARRIVAL_LAG_SECS: i64 = 900;
+
 /// A regular per-step rate series. Missing samples are `NaN` (never zero), stored as `f32` to
 /// keep 10,000 series × 40,320 minutes within a bounded memory.
 #[derive(Debug, Clone, PartialEq)]
@@ -55,9 +59,16 @@ impl RateSeries {
     }
 
     /// [`RateSeries::confidence_days`] counting `left_out` steps (samples left out as not
-    /// demand: they were observed, so they are history, not gaps).
+    /// demand: they were observed, so they are history, not gaps) and the steps after the last
+    /// sample up to [`ARRIVAL_LAG_SECS`] (minutes not scraped or not evaluated yet: a week of
+    /// history read a minute after the hour is still a week).
     pub fn confidence_days_with(&self, left_out: usize) -> f64 {
-        (self.present() + left_out) as f64 * self.step as f64 / 86_400.0
+        let last = self.values.iter().rposition(|v| !v.is_nan());
+        let lag = last.map_or(0, |i| {
+            let tail = self.values.len() - 1 - i;
+            tail.min((ARRIVAL_LAG_SECS / self.step.max(1)) as usize)
+        });
+        (self.present() + left_out + lag) as f64 * self.step as f64 / 86_400.0
     }
 
     /// [`RateSeries::coverage_since_first`] counting `left_out` steps as covered.
