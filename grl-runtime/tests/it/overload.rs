@@ -235,3 +235,142 @@ async fn through_grl_layer() {
     server.abort();
     drop(client);
 }
+
+/// A Python gRPC service of 2 workers taking 50 ms a call (40 calls/s).
+const PY_GRPC_POOL: &str = r#"
+import sys, time, grpc
+from concurrent import futures
+
+def say(req, ctx):
+    time.sleep(0.05)
+    return b"ok"
+
+handler = grpc.method_handlers_generic_handler("test.Echo", {"Say": grpc.unary_unary_rpc_method_handler(say)})
+server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+server.add_generic_rpc_handlers((handler,))
+server.add_insecure_port("127.0.0.1:" + sys.argv[1])
+server.start()
+server.wait_for_termination()
+"#;
+
+/// A Python gRPC client: THREADS threads call `/test.Echo/Say` with `rpc-criticality: TIER`
+/// for SECS seconds, each at most RATE calls/s; prints the calls by status code and the
+/// `grpc-retry-pushback-ms` of the last UNAVAILABLE.
+const PY_GRPC_FLOOD: &str = r#"
+import sys, json, time, threading, grpc
+addr, tier, threads, rate, secs = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5])
+ch = grpc.insecure_channel(addr, options=[("grpc.enable_http_proxy", 0), ("grpc.enable_retries", 0)])
+say = ch.unary_unary("/test.Echo/Say")
+codes, pushback, lock = {}, [None], threading.Lock()
+def run():
+    start, n = time.time(), 0
+    while time.time() < start + secs:
+        try:
+            say(b"x", metadata=(("rpc-caller", "gw"), ("rpc-criticality", tier)), timeout=5)
+            c = "OK"
+        except grpc.RpcError as e:
+            c = e.code().name
+            if c == "UNAVAILABLE":
+                with lock:
+                    pushback[0] = dict(e.trailing_metadata() or ()).get("grpc-retry-pushback-ms")
+        with lock:
+            codes[c] = codes.get(c, 0) + 1
+        n += 1
+        time.sleep(max(0.0, start + n / rate - time.time()))
+ts = [threading.Thread(target=run) for _ in range(threads)]
+for t in ts: t.start()
+for t in ts: t.join()
+print(json.dumps({"codes": codes, "pushback": pushback[0]}))
+"#;
+
+/// Overload through gRPC: a Python gRPC service of 2 workers behind `grl sidecar
+/// --concurrency-limit 2`. A CRITICAL caller (one call at a time, 10/s) is always served;
+/// four SHEDDABLE threads calling as fast as they are answered get at most their share of the
+/// slots (half), and the rest `UNAVAILABLE` with `grpc-retry-pushback-ms`, never
+/// `RESOURCE_EXHAUSTED` (a quota's refusal).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overloaded_grpc_service_answers_unavailable_to_the_sheddable_calls() {
+    use super::sidecar::{grpcio_python, run_py, write_script};
+    use std::collections::BTreeMap;
+
+    let Some(python) =
+        grpcio_python("an_overloaded_grpc_service_answers_unavailable_to_the_sheddable_calls")
+    else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let grpc_port = free_port();
+    let server = write_script(dir.path(), "pool.py", PY_GRPC_POOL);
+    let srv = test_support::process::Proc::spawn(
+        std::process::Command::new(&python)
+            .arg(server)
+            .arg(grpc_port.to_string())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null()),
+    )
+    .unwrap();
+    let side = lone_sidecar(
+        &format!("http://127.0.0.1:{grpc_port}"),
+        &["--concurrency-limit", "2", "--queue-timeout-ms", "50"],
+        vec![srv],
+    )
+    .await;
+    let client = write_script(dir.path(), "flood.py", PY_GRPC_FLOOD);
+    let addr = format!("127.0.0.1:{}", side.port);
+    // The service answers through the sidecar before the measure.
+    super::eventually("the gRPC service answers", || {
+        let (python, client, addr) = (python.clone(), client.clone(), addr.clone());
+        async move {
+            let v = tokio::task::spawn_blocking(move || {
+                run_py(&python, &client, &[&addr, "CRITICAL", "1", "10", "0.3"])
+            })
+            .await
+            .unwrap();
+            v["codes"]["OK"].as_u64().unwrap_or(0) > 0
+        }
+    })
+    .await;
+    let call = |tier: &'static str, threads: &'static str, rate: &'static str| {
+        let (python, client, addr) = (python.clone(), client.clone(), addr.clone());
+        tokio::task::spawn_blocking(move || {
+            let v = run_py(&python, &client, &[&addr, tier, threads, rate, "6"]);
+            let codes: BTreeMap<String, u64> = serde_json::from_value(v["codes"].clone()).unwrap();
+            (codes, v["pushback"].clone())
+        })
+    };
+    let (crit, shed) = (call("CRITICAL", "1", "10"), call("SHEDDABLE", "4", "1000"));
+    let ((crit, _), (shed, pushback)) = (crit.await.unwrap(), shed.await.unwrap());
+    eprintln!("gRPC overload: CRITICAL {crit:?}, SHEDDABLE {shed:?}, pushback {pushback}");
+    let code = |m: &BTreeMap<String, u64>, c: &str| m.get(c).copied().unwrap_or(0);
+    assert_eq!(crit.keys().collect::<Vec<_>>(), ["OK"], "CRITICAL {crit:?}");
+    assert!(code(&crit, "OK") >= 50, "CRITICAL {crit:?}");
+    assert!(
+        shed.keys().all(|k| k == "OK" || k == "UNAVAILABLE"),
+        "SHEDDABLE {shed:?}"
+    );
+    assert!(code(&shed, "UNAVAILABLE") > 50, "SHEDDABLE {shed:?}");
+    // One slot of two at 50 ms a call: at most 20 calls/s for 6 s (and a margin).
+    assert!(code(&shed, "OK") <= 130, "SHEDDABLE {shed:?}");
+    assert!(code(&shed, "OK") > 0, "SHEDDABLE {shed:?}");
+    assert!(
+        pushback.as_str().is_some_and(|p| p.parse::<u64>().is_ok()),
+        "pushback {pushback}"
+    );
+    let metrics = super::sidecar::admin_metrics(side.admin).await;
+    let refused = |tier: &str| {
+        metrics
+            .lines()
+            .filter(|l| {
+                l.starts_with("grl_sidecar_overload_refusals_total{")
+                    && l.contains(&format!("criticality=\"{tier}\""))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum::<u64>()
+    };
+    assert_eq!(
+        refused("SHEDDABLE"),
+        code(&shed, "UNAVAILABLE"),
+        "{metrics}"
+    );
+    assert_eq!(refused("CRITICAL"), 0, "{metrics}");
+}

@@ -128,7 +128,7 @@ while time.time() < end:
 print(json.dumps(out))
 "#;
 
-fn write_script(dir: &Path, name: &str, text: &str) -> PathBuf {
+pub(crate) fn write_script(dir: &Path, name: &str, text: &str) -> PathBuf {
     let p = dir.join(name);
     std::fs::write(&p, text).unwrap();
     p
@@ -597,7 +597,7 @@ async fn grpc_fleet(dir: &Path, python: &Path, buckets: Value) -> (Vec<Proc>, u1
 
 /// The Python of the grpcio test venv, or None with `test` marked skipped (the venv could not
 /// be built here).
-fn grpcio_python(test: &str) -> Option<PathBuf> {
+pub(crate) fn grpcio_python(test: &str) -> Option<PathBuf> {
     match test_support::venv::tool("grpcio", GRPCIO, "python") {
         Ok(p) => Some(p),
         Err(e) => {
@@ -609,7 +609,7 @@ fn grpcio_python(test: &str) -> Option<PathBuf> {
 
 /// Runs the Python `script` with `args` (blocking) and returns the JSON it prints; it must
 /// exit 0.
-fn run_py(python: &Path, script: &Path, args: &[&str]) -> Value {
+pub(crate) fn run_py(python: &Path, script: &Path, args: &[&str]) -> Value {
     let out = Command::new(python)
         .arg(script)
         .args(args)
