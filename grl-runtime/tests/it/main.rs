@@ -17,6 +17,10 @@ use serde_json::{json, Value};
 use test_support::process::{free_port, Proc};
 use test_support::wait::{eventually, wait_up};
 
+#[path = "../front/mod.rs"]
+mod front;
+use front::{log_file, CLIENT_TOKEN};
+
 mod candidates;
 mod config_dir_faults;
 mod connections;
@@ -26,7 +30,6 @@ mod flood;
 mod ha;
 mod metrics;
 mod ops;
-mod overload;
 mod overrides;
 mod sidecar;
 mod trust;
@@ -36,16 +39,10 @@ const TOKEN: &str = "s3cret";
 /// The zone-report secret every controller and aggregator of the tests shares.
 const REPORT_TOKEN: &str = "r3port";
 /// The client report credential for service `payments` that `spawn_aggregator` accepts.
-const CLIENT_TOKEN: &str = "payments-client-0123456789";
-
 /// Held by the tests that offer hundreds of requests a second and measure rates or
 /// latencies: on a 2-core machine two of them at once would measure the machine, so they take
 /// turns (the other tests still run beside them).
 static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-fn log_file(dir: &Path, name: &str) -> Stdio {
-    Stdio::from(std::fs::File::create(dir.join(format!("{name}.log"))).unwrap())
-}
 
 fn spawn_controller(port: u16, state: &Path, logs: &Path, extra: &[&str]) -> Proc {
     Proc::spawn(

@@ -3,7 +3,7 @@
 //! sidecar processes on loopback.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -12,12 +12,10 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use test_support::process::{free_port, Proc};
 
-use super::{
-    eventually, log_file, push_config, spawn_aggregator, spawn_controller, wait_up, CLIENT_TOKEN,
+pub(crate) use super::front::{
+    admin_metrics, grpcio_python, lone_sidecar, run_py, spawn_sidecar, write_script, Running,
 };
-
-/// The grpcio release the gRPC tests install into their venv.
-const GRPCIO: &str = "1.85.1";
+use super::{eventually, log_file, push_config, spawn_aggregator, spawn_controller, wait_up};
 
 /// A Python HTTP/1.1 service (keep-alive) on a port or a Unix socket (an absolute path):
 /// answers every method with `ok METHOD PATH read=N`, N the request body's bytes read;
@@ -128,12 +126,6 @@ while time.time() < end:
 print(json.dumps(out))
 "#;
 
-pub(crate) fn write_script(dir: &Path, name: &str, text: &str) -> PathBuf {
-    let p = dir.join(name);
-    std::fs::write(&p, text).unwrap();
-    p
-}
-
 /// The Python HTTP service on `port`.
 pub(crate) fn spawn_py_http(dir: &Path, port: u16) -> Proc {
     spawn_py_http_on(dir, &port.to_string())
@@ -152,67 +144,11 @@ fn spawn_py_http_on(dir: &Path, at: &str) -> Proc {
     .unwrap()
 }
 
-/// A sidecar for `payments` on `port` (admin on `admin`) in front of `upstream`.
-pub(crate) fn spawn_sidecar(
-    dir: &Path,
-    port: u16,
-    admin: u16,
-    upstream: &str,
-    aggregators: &[&str],
-    extra: &[&str],
-) -> Proc {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_grl"));
-    cmd.args(["sidecar", "--listen", &format!("127.0.0.1:{port}")])
-        .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
-        .args(["--upstream", upstream, "--service", "payments"])
-        .args(["--zone", "z1", "--region", "r1", "--tick-ms", "200"]);
-    for a in aggregators {
-        cmd.args(["--aggregator", a]);
-    }
-    Proc::spawn(
-        cmd.args(extra)
-            .env("GRL_CLIENT_TOKEN", CLIENT_TOKEN)
-            .stdout(Stdio::null())
-            .stderr(log_file(dir, &format!("sidecar-{port}"))),
-    )
-    .unwrap()
-}
-
 /// Pushes payments' `buckets` as config `version` to the controller at `ctl`.
 pub(crate) async fn push_payments(ctl: &str, version: &str, buckets: Value) {
     let doc =
         json!({"version": version, "services": [{"service": "payments", "buckets": buckets}]});
     push_config(&reqwest::Client::new(), ctl, &doc).await;
-}
-
-/// A sidecar (`extra` its flags; its aggregator a port nobody listens on: it fails open) in
-/// front of `upstream`, answering, with the processes that stop when it is dropped.
-pub(crate) struct Running {
-    _dirs: Vec<tempfile::TempDir>,
-    pub port: u16,
-    pub admin: u16,
-    _procs: Vec<Proc>,
-}
-
-pub(crate) async fn lone_sidecar(upstream: &str, extra: &[&str], mut procs: Vec<Proc>) -> Running {
-    let dir = tempfile::tempdir().unwrap();
-    let (port, admin) = (free_port(), free_port());
-    let dead = format!("http://127.0.0.1:{}", free_port());
-    procs.push(spawn_sidecar(
-        dir.path(),
-        port,
-        admin,
-        upstream,
-        &[&dead],
-        extra,
-    ));
-    wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
-    Running {
-        _dirs: vec![dir],
-        port,
-        admin,
-        _procs: procs,
-    }
 }
 
 /// [`lone_sidecar`] in front of the Python HTTP service, both answering.
@@ -593,34 +529,6 @@ async fn grpc_fleet(dir: &Path, python: &Path, buckets: Value) -> (Vec<Proc>, u1
     })
     .await;
     (vec![ctl, agg, srv, sc], port, admin)
-}
-
-/// The Python of the grpcio test venv, or None with `test` marked skipped (the venv could not
-/// be built here).
-pub(crate) fn grpcio_python(test: &str) -> Option<PathBuf> {
-    match test_support::venv::tool("grpcio", GRPCIO, "python") {
-        Ok(p) => Some(p),
-        Err(e) => {
-            test_support::skip(test, &format!("grpcio venv: {e:#}"));
-            None
-        }
-    }
-}
-
-/// Runs the Python `script` with `args` (blocking) and returns the JSON it prints; it must
-/// exit 0.
-pub(crate) fn run_py(python: &Path, script: &Path, args: &[&str]) -> Value {
-    let out = Command::new(python)
-        .arg(script)
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
 }
 
 /// A Python gRPC service behind a sidecar: calls pass with their trailers; a caller over its
@@ -2227,14 +2135,4 @@ async fn a_malformed_chunked_body_is_a_bad_request_not_an_upstream_error() {
         m.contains("grl_sidecar_upstream_errors_total{kind=\"other\"} 0"),
         "{m}"
     );
-}
-
-/// The page of `GET /metrics` on the admin port `admin`.
-pub(crate) async fn admin_metrics(admin: u16) -> String {
-    reqwest::get(format!("http://127.0.0.1:{admin}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
 }
