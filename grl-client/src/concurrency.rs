@@ -8,7 +8,8 @@
 //! **The gradient** (as Envoy's adaptive concurrency filter and Netflix's concurrency-limits
 //! do): every window (100 ms and at least 8 answers, at most 1 s) the median latency of the
 //! window's answers is compared with the latency without load (the baseline):
-//! `gradient = clamp(tolerance × baseline ÷ median, 0.5, 2)` (tolerance 1.25) and
+//! `gradient = clamp(max(tolerance × baseline, baseline + 2 ms) ÷ median, 0.5, 2)`
+//! (tolerance 1.25; the 2 ms keep a fast service's jitter from reading as a queue) and
 //! `limit = limit × gradient + √limit`, within `[min_limit, max_limit]`. Below the tolerated
 //! latency the limit grows (doubling at most per window), above it shrinks (halving at
 //! most); the `√limit` term keeps a little queue at the service so that it stays busy. The
@@ -129,6 +130,10 @@ const MIN_SAMPLES: usize = 8;
 const MAX_SAMPLES: usize = 1024;
 /// Answers a probe of the baseline waits for.
 const PROBE_SAMPLES: usize = 16;
+/// Latency above the baseline that is never taken for a queue: a service answering in
+/// 100 µs on a busy machine answers in 1 ms now and then, which says nothing of its load
+/// (CoDel's target for a standing queue is 5 ms; this is less).
+const QUEUE_ALLOWANCE: Duration = Duration::from_millis(2);
 /// The limit a learned limiter starts at, before its first probe ends.
 const INITIAL_LIMIT: f64 = 8.0;
 
@@ -240,7 +245,11 @@ impl Gradient {
         };
         self.baseline = Some(baseline);
         let median_s = median.as_secs_f64().max(1e-6);
-        let gradient = (o.tolerance * baseline.as_secs_f64() / median_s).clamp(0.5, 2.0);
+        // The latency tolerated: the tolerance's share of the baseline, and never less than
+        // the baseline and `QUEUE_ALLOWANCE` (a fast service's jitter is not a queue).
+        let b = baseline.as_secs_f64();
+        let tolerated = (o.tolerance * b).max(b + QUEUE_ALLOWANCE.as_secs_f64());
+        let gradient = (tolerated / median_s).clamp(0.5, 2.0);
         let next = self.limit * gradient + self.limit.sqrt();
         if !(next > self.limit && (self.peak_in_flight as f64) < self.limit / 2.0) {
             self.limit = next.clamp(o.min_limit as f64, o.max_limit as f64);
@@ -576,6 +585,34 @@ mod tests {
             now += ms(20);
         }
         assert!(g.limit <= before, "{} grew from {before}", g.limit);
+    }
+
+    /// A fast service far below its capacity (about 6 requests in flight, answers in 80 µs to
+    /// 900 µs as its machine's scheduler allows, window after window) is not taken for an
+    /// overloaded one: jitter of a fraction of a millisecond is not a queue, and the limit
+    /// stays above what the traffic holds in flight (measured: at 10,000 requests/s through a
+    /// sidecar before an in-process service, the limit collapsed to its floor and 1.3 % of the
+    /// requests were refused).
+    #[test]
+    fn sub_millisecond_jitter_is_not_overload() {
+        let o = opts(Mode::Auto);
+        let us = Duration::from_micros;
+        let mut now = Instant::now();
+        let mut g = Gradient::new(now);
+        let mut lowest = usize::MAX;
+        for i in 0..300u64 {
+            // Windows of 100 ms: 1,000 answers each, 100 µs apart.
+            let rtt = us([80, 300, 900][(i % 3) as usize]);
+            for _ in 0..1000 {
+                g.in_flight(6);
+                g.sample(&o, now, now + rtt);
+                now += us(100);
+                if i >= 10 {
+                    lowest = lowest.min(g.limit(&o));
+                }
+            }
+        }
+        assert!(lowest >= 6, "the limit fell to {lowest} with 6 in flight");
     }
 
     /// The more critical tiers are served first; a SHEDDABLE request never holds more than

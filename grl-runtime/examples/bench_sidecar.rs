@@ -7,8 +7,11 @@
 //! ```text
 //! cargo build --release -p grl-runtime --bin grl --example bench_sidecar
 //! target/release/examples/bench_sidecar --grl target/release/grl [--nginx /usr/sbin/nginx]
-//!     [--secs 10] [--rates 1000,10000] [--rounds 5] [--pin]
+//!     [--secs 10] [--rates 1000,10000] [--rounds 5] [--pin] [--grl-baseline OTHER/grl]
 //! ```
+//!
+//! The hop's peers include the sidecar with `--concurrency-limit auto` and, with
+//! `--grl-baseline`, the sidecar of another build (an earlier commit's) in the same run.
 //!
 //! Latency is measured by an open-loop generator (requests sent at a fixed rate over pooled
 //! keep-alive connections, 1 KiB request bodies, whatever the answers' pace), from the send to
@@ -47,6 +50,8 @@ const CLIENT: &str = "bench-payments-client-token";
 
 struct Args {
     grl: PathBuf,
+    /// Another build of `grl` whose sidecar is measured beside this one's (`--grl-baseline`).
+    baseline: Option<PathBuf>,
     nginx: PathBuf,
     secs: u64,
     rates: Vec<u64>,
@@ -58,6 +63,7 @@ struct Args {
 fn args() -> Args {
     let mut a = Args {
         grl: PathBuf::from("target/release/grl"),
+        baseline: None,
         nginx: PathBuf::from("/usr/sbin/nginx"),
         secs: 10,
         rates: vec![1_000, 10_000],
@@ -78,6 +84,7 @@ fn args() -> Args {
         let v = it.next().unwrap_or_else(|| panic!("{k} needs a value"));
         match k.as_str() {
             "--grl" => a.grl = v.into(),
+            "--grl-baseline" => a.baseline = Some(v.into()),
             "--nginx" => a.nginx = v.into(),
             "--secs" => a.secs = v.parse().expect("--secs N"),
             "--rounds" => a.rounds = v.parse::<u64>().expect("--rounds N").max(1),
@@ -719,6 +726,29 @@ async fn run(a: Args) {
         &["--workers", "0"],
         proxy_cpu.clone(),
     );
+    // With the concurrency limit on (the upstream answers at once: nothing waits).
+    let (scl, scl_pid) = sidecar(
+        &a.grl,
+        dir.path(),
+        up,
+        &agg,
+        "sidecar-limit-auto",
+        &mut procs,
+        &["--concurrency-limit", "auto"],
+        proxy_cpu.clone(),
+    );
+    let base = a.baseline.as_ref().map(|b| {
+        sidecar(
+            b,
+            dir.path(),
+            up,
+            &agg,
+            "sidecar-baseline",
+            &mut procs,
+            &[],
+            proxy_cpu.clone(),
+        )
+    });
     let (gsc, gsc_pid) = sidecar(
         &a.grl,
         dir.path(),
@@ -758,7 +788,21 @@ async fn run(a: Args) {
                 format!("http://127.0.0.1:{sc0}/"),
                 Some(sc0_pid),
             ),
+            (
+                "grl sidecar --concurrency-limit auto",
+                format!("http://127.0.0.1:{scl}/"),
+                Some(scl_pid),
+            ),
         ]
+        .into_iter()
+        .chain(base.map(|(port, pid)| {
+            (
+                "grl sidecar, baseline build",
+                format!("http://127.0.0.1:{port}/"),
+                Some(pid),
+            )
+        }))
+        .collect()
     };
     for (_, url, _) in &peers {
         wait_up(url).await;
