@@ -8,7 +8,7 @@ use serde_json::Value;
 use test_support::process::{free_port, Proc};
 use test_support::wait::wait_up;
 
-/// The token sidecars and clients present to the controller and aggregators.
+/// The client report credential for service `payments` that the tests' aggregators accept.
 pub(crate) const CLIENT_TOKEN: &str = "payments-client-0123456789";
 
 /// A file in `dir` for the log of the process `name`.
@@ -54,10 +54,11 @@ pub(crate) fn spawn_sidecar(
 /// A sidecar (`extra` its flags; its aggregator a port nobody listens on: it fails open) in
 /// front of `upstream`, answering, with the processes that stop when it is dropped.
 pub(crate) struct Running {
+    /// Stopped first (fields drop in order), while their log directories still exist.
+    pub(crate) _procs: Vec<Proc>,
     pub(crate) _dirs: Vec<tempfile::TempDir>,
     pub port: u16,
     pub admin: u16,
-    pub(crate) _procs: Vec<Proc>,
 }
 
 pub(crate) async fn lone_sidecar(upstream: &str, extra: &[&str], mut procs: Vec<Proc>) -> Running {

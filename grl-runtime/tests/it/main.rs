@@ -38,7 +38,6 @@ mod wire_props;
 const TOKEN: &str = "s3cret";
 /// The zone-report secret every controller and aggregator of the tests shares.
 const REPORT_TOKEN: &str = "r3port";
-/// The client report credential for service `payments` that `spawn_aggregator` accepts.
 /// Held by the tests that offer hundreds of requests a second and measure rates or
 /// latencies: on a 2-core machine two of them at once would measure the machine, so they take
 /// turns (the other tests still run beside them).
