@@ -1255,18 +1255,12 @@ async fn grpc_over_tls_offers_h2_and_the_client_certificate_names_the_caller() {
     .await;
     let client = write_script(dir.path(), "tls_client.py", PY_GRPC_TLS_CLIENT);
     let run = |cert: &str, key: &str| {
-        let out = Command::new(&python)
-            .arg(&client)
-            .args([&format!("127.0.0.1:{port}"), ca_path.to_str().unwrap()])
-            .args([cert, key, "20"])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice::<Value>(&out.stdout).unwrap()
+        let addr = format!("127.0.0.1:{port}");
+        run_py(
+            &python,
+            &client,
+            &[&addr, ca_path.to_str().unwrap(), cert, key, "20"],
+        )
     };
     let (c, k) = (ccert.to_str().unwrap(), ckey.to_str().unwrap());
     let with_cert = tokio::task::block_in_place(|| run(c, k));

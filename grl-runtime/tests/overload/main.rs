@@ -47,6 +47,18 @@ fn summary(answers: &[Answer], tier: usize) -> (usize, f64, f64, usize, usize) {
     )
 }
 
+/// `grl_sidecar_overload_refusals_total` of `tier` on a sidecar's metrics page, every reason.
+fn overload_refusals(metrics: &str, tier: &str) -> u64 {
+    metrics
+        .lines()
+        .filter(|l| {
+            l.starts_with("grl_sidecar_overload_refusals_total{")
+                && l.contains(&format!("criticality=\"{tier}\""))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
 /// The answers logged over the next `secs` seconds (the log emptied first).
 async fn measure(log: &Mutex<Vec<Answer>>, secs: u64) -> Vec<Answer> {
     log.lock().unwrap().clear();
@@ -173,17 +185,8 @@ async fn through_the_sidecar() {
     let url = format!("http://127.0.0.1:{}/", side.port);
     three_phases("sidecar", &url, &upstream).await;
     let metrics = front::admin_metrics(side.admin).await;
-    let refused = |tier: &str| {
-        metrics
-            .lines()
-            .filter(|l| {
-                l.starts_with("grl_sidecar_overload_refusals_total{")
-                    && l.contains(&format!("criticality=\"{tier}\""))
-            })
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>()
-    };
-    assert!(refused("SHEDDABLE") > 100.0, "{metrics}");
+    let refused = |tier: &str| overload_refusals(&metrics, tier);
+    assert!(refused("SHEDDABLE") > 100, "{metrics}");
     assert!(
         metrics.contains("grl_sidecar_concurrency_limit "),
         "{metrics}"
@@ -378,16 +381,7 @@ async fn an_overloaded_grpc_service_answers_unavailable_to_the_sheddable_calls()
         "pushback {pushback}"
     );
     let metrics = front::admin_metrics(side.admin).await;
-    let refused = |tier: &str| {
-        metrics
-            .lines()
-            .filter(|l| {
-                l.starts_with("grl_sidecar_overload_refusals_total{")
-                    && l.contains(&format!("criticality=\"{tier}\""))
-            })
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
-            .sum::<u64>()
-    };
+    let refused = |tier: &str| overload_refusals(&metrics, tier);
     assert_eq!(
         refused("SHEDDABLE"),
         code(&shed, "UNAVAILABLE"),
