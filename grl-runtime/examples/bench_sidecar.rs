@@ -8,6 +8,7 @@
 //! cargo build --release -p grl-runtime --bin grl --example bench_sidecar
 //! target/release/examples/bench_sidecar --grl target/release/grl [--nginx /usr/sbin/nginx]
 //!     [--secs 10] [--rates 1000,10000] [--rounds 5] [--pin] [--grl-baseline OTHER/grl]
+//!     [--accept-instructions]
 //! ```
 //!
 //! The hop's peers include the sidecar with `--concurrency-limit auto` and, with
@@ -25,7 +26,11 @@
 //! CPU seconds (`/proc`, every process of the proxy), i.e. requests/s per core. The upstream
 //! and the generator run in this process; nginx gets one worker. gRPC: the same for unary calls
 //! (1 KiB messages over h2c) to an in-process gRPC upstream, direct, through nginx `grpc_pass`
-//! and through a sidecar. `BENCH_ONLY=hop|grpc|accuracy` runs one part. Output: Markdown tables
+//! and through a sidecar. Instructions: the sidecar's instructions per HTTP/1.1 request and per
+//! gRPC call, counted under callgrind (Debian's `valgrind`), beside the figures of the last
+//! accepted commit (`grl-runtime/benches/sidecar-instructions.json`; `--accept-instructions`
+//! writes this run's there), so that a change that makes a request dearer is seen.
+//! `BENCH_ONLY=hop|grpc|instructions|accuracy` runs one part. Output: Markdown tables
 //! (docs/grl-sidecar-bench.md).
 
 use std::convert::Infallible;
@@ -52,6 +57,8 @@ struct Args {
     grl: PathBuf,
     /// Another build of `grl` whose sidecar is measured beside this one's (`--grl-baseline`).
     baseline: Option<PathBuf>,
+    /// Write this run's instruction counts as the accepted ones (`--accept-instructions`).
+    accept_instructions: bool,
     nginx: PathBuf,
     secs: u64,
     rates: Vec<u64>,
@@ -64,6 +71,7 @@ fn args() -> Args {
     let mut a = Args {
         grl: PathBuf::from("target/release/grl"),
         baseline: None,
+        accept_instructions: false,
         nginx: PathBuf::from("/usr/sbin/nginx"),
         secs: 10,
         rates: vec![1_000, 10_000],
@@ -72,6 +80,10 @@ fn args() -> Args {
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
+        if k == "--accept-instructions" {
+            a.accept_instructions = true;
+            continue;
+        }
         if k == "--pin" {
             let cpus = allowed_cpus();
             assert!(
@@ -568,6 +580,36 @@ async fn tier(grl: &Path, dir: &Path, limit: f64, procs: &mut Vec<Proc>) -> Stri
     agg
 }
 
+/// The flags of a sidecar named `name` on `port` (admin on `admin`) in front of `up`.
+fn sidecar_args(port: u16, admin: u16, up: SocketAddr, agg: &str, name: &str) -> Vec<String> {
+    let mut v: Vec<String> = [
+        "sidecar",
+        "--listen",
+        &format!("127.0.0.1:{port}"),
+        "--upstream",
+        &format!("http://{up}"),
+        "--service",
+        "payments",
+        "--zone",
+        "z1",
+        "--region",
+        "r1",
+        "--aggregator",
+        agg,
+        "--admin-listen",
+        &format!("127.0.0.1:{admin}"),
+        "--id",
+        name,
+    ]
+    .map(String::from)
+    .to_vec();
+    // The default reporting period unless BENCH_SIDECAR_TICK says otherwise.
+    if let Ok(t) = std::env::var("BENCH_SIDECAR_TICK") {
+        v.extend(["--tick-ms".to_string(), t]);
+    }
+    v
+}
+
 /// A sidecar in front of `up` (on `cpus` when set); its listen port and process id.
 #[allow(clippy::too_many_arguments)]
 fn sidecar(
@@ -583,46 +625,21 @@ fn sidecar(
     let (port, admin) = (free_port(), free_port());
     let p = Proc::spawn(
         pinned(&mut Command::new(grl), cpus)
-            .args([
-                "sidecar",
-                "--listen",
-                &format!("127.0.0.1:{port}"),
-                "--upstream",
-                &format!("http://{up}"),
-            ])
-            .args([
-                "--service",
-                "payments",
-                "--zone",
-                "z1",
-                "--region",
-                "r1",
-                "--aggregator",
-                agg,
-            ])
-            .args([
-                "--admin-listen",
-                &format!("127.0.0.1:{admin}"),
-                "--id",
-                name,
-            ])
-            // The default reporting period unless BENCH_SIDECAR_TICK says otherwise.
-            .args(
-                std::env::var("BENCH_SIDECAR_TICK")
-                    .map(|t| vec!["--tick-ms".to_string(), t])
-                    .unwrap_or_default(),
-            )
+            .args(sidecar_args(port, admin, up, agg, name))
             .args(extra)
             .env("GRL_CLIENT_TOKEN", CLIENT)
             .stdout(Stdio::null())
-            .stderr(Stdio::from(
-                std::fs::File::create(dir.join(format!("{name}.log"))).unwrap(),
-            )),
+            .stderr(log_to(dir, name)),
     )
     .unwrap();
     let pid = p.0.id();
     procs.push(p);
     (port, pid)
+}
+
+/// A log file `name.log` in `dir`.
+fn log_to(dir: &Path, name: &str) -> Stdio {
+    Stdio::from(std::fs::File::create(dir.join(format!("{name}.log"))).unwrap())
 }
 
 /// Offers `rate` requests/s of caller `gw` to `url` for `secs` s; admitted (200) per second
@@ -759,7 +776,7 @@ async fn run(a: Args) {
         &[],
         proxy_cpu.clone(),
     );
-    // BENCH_ONLY: accuracy, hop (HTTP), grpc; unset: all three.
+    // BENCH_ONLY: accuracy, hop (HTTP), grpc, instructions; unset: all four.
     let only = std::env::var("BENCH_ONLY").ok();
     let part = |p: &str| only.as_deref().is_none_or(|o| o == p);
     let skip_hop = !part("hop");
@@ -812,6 +829,9 @@ async fn run(a: Args) {
     }
     if part("grpc") {
         grpc_part(&a, gup, (ng_grpc, nginx_pid), (gsc, gsc_pid)).await;
+    }
+    if part("instructions") {
+        instructions_part(&a, up, gup, dir.path()).await;
     }
     if part("accuracy") {
         accuracy_part(&a, up, all_cpus, &mut procs).await;
@@ -978,4 +998,153 @@ async fn accuracy_part(
     if std::env::var("BENCH_KEEP").is_ok() {
         eprintln!("kept: {}", dir2.keep().display());
     }
+}
+
+/// Where the instruction counts of the last accepted commit are kept (`--accept-instructions`
+/// writes this run's).
+const ACCEPTED: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/benches/sidecar-instructions.json"
+);
+/// Requests counted per path, one at a time over one connection (after 500 to warm up).
+const COUNTED: u64 = 5_000;
+
+/// The instruction counts of a commit.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Accepted {
+    commit: String,
+    http1: f64,
+    grpc: f64,
+}
+
+/// Instructions per request of the sidecar on the HTTP/1.1 and gRPC paths, counted by
+/// callgrind (the same on a busy machine, unlike time), beside the last accepted commit's.
+async fn instructions_part(a: &Args, up: SocketAddr, gup: SocketAddr, dir: &Path) {
+    if Command::new("valgrind").arg("--version").output().is_err() {
+        println!("## Instructions per request\n\nvalgrind not found (Debian's `valgrind`): not counted.\n");
+        return;
+    }
+    let http1 = count_instructions(&a.grl, dir, up, false).await;
+    let grpc = count_instructions(&a.grl, dir, gup, true).await;
+    let accepted: Option<Accepted> = std::fs::read_to_string(ACCEPTED)
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok());
+    println!(
+        "## Instructions per request (callgrind; {COUNTED} requests one at a time, 1 KiB bodies, no aggregator)\n"
+    );
+    let then = accepted
+        .as_ref()
+        .map_or("–".to_string(), |x| x.commit.clone());
+    println!("| path | this build | {then} | change |");
+    println!("|---|---:|---:|---:|");
+    for (name, now, before) in [
+        ("HTTP/1.1 POST", http1, accepted.as_ref().map(|x| x.http1)),
+        ("gRPC unary call", grpc, accepted.as_ref().map(|x| x.grpc)),
+    ] {
+        let (b, change) = match before {
+            Some(b) => {
+                let pct = (now / b - 1.0) * 100.0;
+                let mark = if pct > 1.0 { " **more**" } else { "" };
+                (format!("{b:.0}"), format!("{pct:+.1} %{mark}"))
+            }
+            None => ("–".into(), "–".into()),
+        };
+        println!("| {name} | {now:.0} | {b} | {change} |");
+    }
+    println!();
+    if a.accept_instructions {
+        let commit = Command::new("git")
+            .args(["rev-parse", "--short", "HEAD"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .ok()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .filter(|c| !c.is_empty())
+            .unwrap_or_else(|| "unknown".into());
+        let doc = Accepted {
+            commit,
+            http1: http1.round(),
+            grpc: grpc.round(),
+        };
+        std::fs::write(ACCEPTED, serde_json::to_string_pretty(&doc).unwrap() + "\n").unwrap();
+        println!("(written to {ACCEPTED})\n");
+    }
+}
+
+/// The sidecar's instructions per request on one path: the sidecar under callgrind (its
+/// aggregator a port nobody listens on: it decides failing open), 500 requests to warm up,
+/// then the counters zeroed, [`COUNTED`] requests, a dump, and the dump's total over the
+/// requests the sidecar counted in between.
+async fn count_instructions(grl: &Path, dir: &Path, up: SocketAddr, grpc: bool) -> f64 {
+    let (port, admin) = (free_port(), free_port());
+    let name = if grpc {
+        "callgrind-grpc"
+    } else {
+        "callgrind-http1"
+    };
+    let out = dir.join(format!("{name}.out"));
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let p = Proc::spawn(
+        Command::new("valgrind")
+            .arg("--tool=callgrind")
+            .arg(format!("--callgrind-out-file={}", out.display()))
+            .arg(grl)
+            .args(sidecar_args(port, admin, up, &dead, name))
+            .env("GRL_CLIENT_TOKEN", CLIENT)
+            .stdout(Stdio::null())
+            .stderr(log_to(dir, name)),
+    )
+    .unwrap();
+    let pid = p.0.id().to_string();
+    wait_up(&format!("http://127.0.0.1:{admin}/healthz")).await;
+    let c = client_for(grpc);
+    let url = if grpc {
+        format!("http://127.0.0.1:{port}/test.Echo/Say")
+    } else {
+        format!("http://127.0.0.1:{port}/charge")
+    };
+    let body = Bytes::from(vec![b'x'; 1024]);
+    for _ in 0..500 {
+        call_kind(grpc, &c, &url, "gw", &body).await;
+    }
+    let n0 = proxied(admin).await;
+    let control = |flag: &str| {
+        let ok = Command::new("callgrind_control")
+            .args([flag, &pid])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "callgrind_control {flag} {pid} failed");
+    };
+    control("-z");
+    for _ in 0..COUNTED {
+        call_kind(grpc, &c, &url, "gw", &body).await;
+    }
+    control("-d");
+    let n1 = proxied(admin).await;
+    drop(p);
+    let dump = format!("{}.1", out.display());
+    let text = std::fs::read_to_string(&dump).unwrap_or_else(|e| panic!("{dump}: {e}"));
+    let total: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("summary:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("{dump}: no summary line"));
+    assert!(n1 > n0, "the sidecar counted no request ({n0} then {n1})");
+    total / (n1 - n0) as f64
+}
+
+/// The requests the sidecar on `admin` proxied (`grl_sidecar_requests_total`, every label).
+async fn proxied(admin: u16) -> u64 {
+    let req = Request::get(format!("http://127.0.0.1:{admin}/metrics"))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let r = client().request(req).await.unwrap();
+    let page = r.into_body().collect().await.unwrap().to_bytes();
+    String::from_utf8_lossy(&page)
+        .lines()
+        .filter(|l| l.starts_with("grl_sidecar_requests_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
 }
