@@ -38,6 +38,8 @@ def group(fn):
     rules = [
         ('allocator (mimalloc)', r'^_?mi_|mimalloc|^__rust_(alloc|dealloc|realloc)|alloc::alloc::|RawVec'),
         ('memcpy/memmove/memset (libc)', r'^__mem|^mem(cpy|move|set)'),
+        ('HTTP/2 (the h2 crate: frames, HPACK, streams, flow control)', r'^<?h2::|<h2::'),
+        ('hyper HTTP/2 glue', r'hyper::proto::h2'),
         ('HTTP/1 parse (httparse)', r'^httparse::'),
         ('hyper HTTP/1 client (upstream side)', r'hyper::proto::h1::role::Client|hyper::client|hyper_util::client'),
         ('hyper HTTP/1 server (caller side)', r'hyper::proto::h1::role::Server|hyper::server'),

@@ -1044,7 +1044,7 @@ async fn instructions_part(a: &Args, up: SocketAddr, gup: SocketAddr, dir: &Path
         let (b, change) = match before {
             Some(b) => {
                 let pct = (now / b - 1.0) * 100.0;
-                let mark = if pct > 1.0 { " **more**" } else { "" };
+                let mark = if pct > 3.0 { " **more**" } else { "" };
                 (format!("{b:.0}"), format!("{pct:+.1} %{mark}"))
             }
             None => ("–".into(), "–".into()),
