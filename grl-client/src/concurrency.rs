@@ -307,6 +307,12 @@ impl State {
         self.queues.iter().map(VecDeque::len).sum()
     }
 
+    /// A request starts: one more in flight, noted by the gradient.
+    fn start_one(&mut self) {
+        self.in_flight += 1;
+        self.gradient.in_flight(self.in_flight);
+    }
+
     /// Whether a request of `tier` may start now.
     fn room_for(&self, o: &Options, tier: Criticality) -> bool {
         let cap = (self.limit(o) as f64 * o.shares[tier as usize]).ceil() as usize;
@@ -378,9 +384,7 @@ impl ConcurrencyLimiter {
             let mut st = self.state.lock().expect("limiter lock");
             let ahead = st.queues[tier as usize..].iter().any(|q| !q.is_empty());
             if !ahead && st.room_for(&self.opts, tier) {
-                st.in_flight += 1;
-                let n = st.in_flight;
-                st.gradient.in_flight(n);
+                st.start_one();
                 self.publish(&st);
                 return Ok(self.permit());
             }
@@ -454,11 +458,7 @@ impl ConcurrencyLimiter {
                     .is_some_and(|w| now.saturating_duration_since(w.0) >= standing);
                 let (_, tx) = if lifo { q.pop_back() } else { q.pop_front() }.expect("not empty");
                 match tx.send(self.permit()) {
-                    Ok(()) => {
-                        st.in_flight += 1;
-                        let n = st.in_flight;
-                        st.gradient.in_flight(n);
-                    }
+                    Ok(()) => st.start_one(),
                     // The waiter gave up: its permit must not free a slot it never held.
                     Err(mut p) => drop(p.limiter.take()),
                 }

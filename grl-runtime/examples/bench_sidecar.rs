@@ -511,7 +511,6 @@ fn nginx_conf(
 async fn tier(grl: &Path, dir: &Path, limit: f64, procs: &mut Vec<Proc>) -> String {
     std::fs::create_dir_all(dir).unwrap();
     let (cp, ap) = (free_port(), free_port());
-    let log = |n: &str| Stdio::from(std::fs::File::create(dir.join(format!("{n}.log"))).unwrap());
     procs.push(
         Proc::spawn(
             Command::new(grl)
@@ -527,7 +526,7 @@ async fn tier(grl: &Path, dir: &Path, limit: f64, procs: &mut Vec<Proc>) -> Stri
                 .env("GRL_TOKEN", TOKEN)
                 .env("GRL_REPORT_TOKEN", REPORT)
                 .stdout(Stdio::null())
-                .stderr(log("controller")),
+                .stderr(log_to(dir, "controller")),
         )
         .unwrap(),
     );
@@ -557,7 +556,7 @@ async fn tier(grl: &Path, dir: &Path, limit: f64, procs: &mut Vec<Proc>) -> Stri
                 .arg(&creds)
                 .env("GRL_REPORT_TOKEN", REPORT)
                 .stdout(Stdio::null())
-                .stderr(log("aggregator")),
+                .stderr(log_to(dir, "aggregator")),
         )
         .unwrap(),
     );

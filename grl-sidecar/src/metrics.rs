@@ -33,36 +33,27 @@ impl prometheus_client::collector::Collector for StatsCollector {
                 )?;
             }
         }
-        let mut fam = encoder.encode_descriptor(
+        counters(
+            &mut encoder,
             "grl_sidecar_refusals",
             "Requests the sidecar answered itself instead of the upstream, by reason: rate_limited (429, gRPC RESOURCE_EXHAUSTED), upstream_unreachable (502, UNAVAILABLE), upstream_timeout (504, DEADLINE_EXCEEDED), connection_share (503), overloaded (503, UNAVAILABLE: no slot under --concurrency-limit).",
-            None,
-            MetricType::Counter,
+            ("reason", &REFUSALS),
+            &s.refusals,
         )?;
-        for (i, reason) in REFUSALS.iter().enumerate() {
-            ConstCounter::new(s.refusals[i].load(Ordering::Relaxed))
-                .encode(fam.encode_family(&[("reason", *reason)])?)?;
-        }
-        let mut fam = encoder.encode_descriptor(
+        counters(
+            &mut encoder,
             "grl_sidecar_upstream_errors",
             "Requests the upstream did not answer, by kind: connect (no connection), timeout (no response head in time), other (the connection failed mid-request).",
-            None,
-            MetricType::Counter,
+            ("kind", &UPSTREAM_ERRORS),
+            &s.upstream_errors,
         )?;
-        for (i, kind) in UPSTREAM_ERRORS.iter().enumerate() {
-            ConstCounter::new(s.upstream_errors[i].load(Ordering::Relaxed))
-                .encode(fam.encode_family(&[("kind", *kind)])?)?;
-        }
-        let mut fam = encoder.encode_descriptor(
+        counters(
+            &mut encoder,
             "grl_sidecar_bad_requests",
             "Requests refused as malformed (400), before or instead of the upstream, by reason: target (a request target no upstream would read as meant), body (a request body cut short or malformed, such as a bad chunk size), identity (an identity header given twice).",
-            None,
-            MetricType::Counter,
+            ("reason", &BAD_REQUESTS),
+            &s.bad_requests,
         )?;
-        for (i, reason) in BAD_REQUESTS.iter().enumerate() {
-            ConstCounter::new(s.bad_requests[i].load(Ordering::Relaxed))
-                .encode(fam.encode_family(&[("reason", *reason)])?)?;
-        }
         if let Some(c) = &self.concurrency {
             encode_concurrency(c.stats(), &mut encoder)?;
         }
@@ -80,6 +71,25 @@ impl prometheus_client::collector::Collector for StatsCollector {
         ConstGauge::new(1i64).encode(fam.encode_family(&labels)?)?;
         Ok(())
     }
+}
+
+/// A counter family with one label: a series per value of `label`, counted in `values`.
+fn counters(
+    encoder: &mut prometheus_client::encoding::DescriptorEncoder,
+    name: &str,
+    help: &str,
+    (label, names): (&str, &[&str]),
+    values: &[AtomicU64],
+) -> std::fmt::Result {
+    use prometheus_client::encoding::EncodeMetric;
+    use prometheus_client::metrics::counter::ConstCounter;
+    use prometheus_client::metrics::MetricType;
+    debug_assert_eq!(names.len(), values.len(), "{name}");
+    let mut fam = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for (n, v) in names.iter().zip(values) {
+        ConstCounter::new(v.load(Ordering::Relaxed)).encode(fam.encode_family(&[(label, *n)])?)?;
+    }
+    Ok(())
 }
 
 /// The series of `--concurrency-limit` (only when it is on).

@@ -19,6 +19,7 @@ pub(crate) fn log_file(dir: &Path, name: &str) -> Stdio {
 /// The grpcio release the gRPC tests install into their venv.
 pub(crate) const GRPCIO: &str = "1.85.1";
 
+/// Writes `text` to the script `name` in `dir`; its path.
 pub(crate) fn write_script(dir: &Path, name: &str, text: &str) -> PathBuf {
     let p = dir.join(name);
     std::fs::write(&p, text).unwrap();

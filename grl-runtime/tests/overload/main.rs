@@ -20,11 +20,22 @@ use test_support::overload::{paced, spawn_pool, Answer};
 mod front;
 
 use front::lone_sidecar;
+use test_support::process::{free_port, Proc};
+use test_support::wait::wait_up;
 
 /// Held by each test of this binary: one measure at a time.
 static ALONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-use test_support::process::free_port;
-use test_support::wait::wait_up;
+
+/// The pool service of 4 workers × 20 ms (200 requests/s), answering: its directory, its
+/// process and its URL.
+async fn pool() -> (tempfile::TempDir, Proc, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let py_port = free_port();
+    let py = spawn_pool(dir.path(), py_port, 4, 20);
+    let upstream = format!("http://127.0.0.1:{py_port}");
+    wait_up(&format!("{upstream}/")).await;
+    (dir, py, upstream)
+}
 
 /// Of the answers of `tier`: (count, share answered 200, p99 latency in ms, 503s, others).
 fn summary(answers: &[Answer], tier: usize) -> (usize, f64, f64, usize, usize) {
@@ -121,21 +132,16 @@ async fn three_phases(what: &str, url: &str, upstream: &str) {
     *crit_rps.lock().unwrap() = 100.0;
     *shed_rps.lock().unwrap() = 50.0;
     tokio::time::sleep(Duration::from_secs(5)).await;
-    let mut c = measure(&log, 8).await;
-    let mut refused = c.iter().filter(|x| x.1 != 200).count();
-    eprintln!(
-        "{what}, below capacity: {} answers, {refused} not 200",
-        c.len()
-    );
-    if refused > 0 {
-        // One stall of a shared machine (a request that waited out its 100 ms) is not a
-        // limit that refuses below capacity: the next 8 s must refuse nothing.
+    // One stall of a shared machine (a request that waited out its 100 ms) is not a limit
+    // that refuses below capacity: after one, the next 8 s must refuse nothing.
+    let (mut c, mut refused) = (Vec::new(), 0);
+    for pass in ["below capacity", "below capacity again"] {
         c = measure(&log, 8).await;
         refused = c.iter().filter(|x| x.1 != 200).count();
-        eprintln!(
-            "{what}, below capacity again: {} answers, {refused} not 200",
-            c.len()
-        );
+        eprintln!("{what}, {pass}: {} answers, {refused} not 200", c.len());
+        if refused == 0 {
+            break;
+        }
     }
     stop.store(true, Ordering::Relaxed);
     for t in tasks {
@@ -171,11 +177,7 @@ async fn an_overloaded_service_keeps_its_critical_traffic() {
 }
 
 async fn through_the_sidecar() {
-    let dir = tempfile::tempdir().unwrap();
-    let py_port = free_port();
-    let py = spawn_pool(dir.path(), py_port, 4, 20);
-    let upstream = format!("http://127.0.0.1:{py_port}");
-    wait_up(&format!("{upstream}/")).await;
+    let (_dir, py, upstream) = pool().await;
     let side = lone_sidecar(
         &upstream,
         &["--concurrency-limit", "auto", "--queue-timeout-ms", "100"],
@@ -205,11 +207,7 @@ async fn through_grl_layer() {
     use axum::response::IntoResponse;
     use tower::Layer;
 
-    let dir = tempfile::tempdir().unwrap();
-    let py_port = free_port();
-    let _py = spawn_pool(dir.path(), py_port, 4, 20);
-    let upstream = format!("http://127.0.0.1:{py_port}");
-    wait_up(&format!("{upstream}/")).await;
+    let (_dir, _py, upstream) = pool().await;
     let mut o = grl_client::client::ClientOptions::new(
         "payments",
         vec![format!("http://127.0.0.1:{}", free_port())],
@@ -325,7 +323,7 @@ async fn an_overloaded_grpc_service_answers_unavailable_to_the_sheddable_calls()
     let dir = tempfile::tempdir().unwrap();
     let grpc_port = free_port();
     let server = write_script(dir.path(), "pool.py", PY_GRPC_POOL);
-    let srv = test_support::process::Proc::spawn(
+    let srv = Proc::spawn(
         std::process::Command::new(&python)
             .arg(server)
             .arg(grpc_port.to_string())
