@@ -63,23 +63,35 @@ pub fn spikes(start_hour: i64, h: &[f64], factor: f64) -> Vec<Spike> {
     let hours = h.len();
     let time = |k: usize| start_hour + k as i64 * 3600;
     let mut out: Vec<Spike> = Vec::new();
+    // At most 12 hours around and 16 same hours of other weeks: no allocation per hour.
+    let (mut near, mut same) = ([0.0; 12], [0.0; 16]);
     for k in 0..hours {
         let v = h[k];
         if v.is_nan() || v <= 0.0 {
             continue;
         }
-        let mut same: Vec<f64> = (1..=8)
+        let mut n = 0;
+        for j in (k.saturating_sub(6)..(k + 7).min(hours)).filter(|&j| j != k) {
+            if !h[j].is_nan() {
+                near[n] = h[j];
+                n += 1;
+            }
+        }
+        // Most hours are not above the hours around them: the weeks are not read for those.
+        let Some(b) = median(&mut near[..n]).filter(|b| v > factor * b) else {
+            continue;
+        };
+        let mut m = 0;
+        for j in (1..=8)
             .flat_map(|w| [k as i64 - w * 168, k as i64 + w * 168])
             .filter(|&j| j >= 0 && (j as usize) < hours)
-            .map(|j| h[j as usize])
-            .filter(|x| !x.is_nan())
-            .collect();
-        let mut near: Vec<f64> = (k.saturating_sub(6)..(k + 7).min(hours))
-            .filter(|&j| j != k)
-            .map(|j| h[j])
-            .filter(|x| !x.is_nan())
-            .collect();
-        let (Some(a), Some(b)) = (median(&mut same), median(&mut near)) else {
+        {
+            if !h[j as usize].is_nan() {
+                same[m] = h[j as usize];
+                m += 1;
+            }
+        }
+        let Some(a) = median(&mut same[..m]) else {
             continue;
         };
         let usual = a.max(b);
