@@ -117,8 +117,9 @@ fn q99(mut v: Vec<f64>) -> f64 {
     if v.is_empty() {
         return 1.0;
     }
-    v.sort_by(f64::total_cmp);
-    v[((v.len() as f64 * 0.99).ceil() as usize).clamp(1, v.len()) - 1].max(1.0)
+    // The k-th smallest by selection: the same value as after a sort, in linear time.
+    let k = ((v.len() as f64 * 0.99).ceil() as usize).clamp(1, v.len()) - 1;
+    v.select_nth_unstable_by(k, f64::total_cmp).1.max(1.0)
 }
 
 fn offset(tz: &chrono_tz::Tz, t: i64) -> i64 {
@@ -726,6 +727,9 @@ impl Policy for Forecast {
     }
 
     fn compute(&self, input: &PolicyInput<'_>) -> Result<Proposal, PolicyError> {
+        if crate::is_auto(input.spec) {
+            return crate::margin::compute(self, input);
+        }
         let s = input.series;
         let days = s.confidence_days_with(input.left_out);
         let settings = Settings::of(input.spec)?;
@@ -813,7 +817,7 @@ mod tests {
                 procedure: None,
                 series: s,
                 spec: &PolicySpec {
-                    headroom: Some(0.0),
+                    headroom: Some(0.0.into()),
                     ..Default::default()
                 },
                 capacity_share_rps: None,

@@ -422,6 +422,9 @@ impl Policy for IsolatedPlugin {
     }
 
     fn compute(&self, input: &PolicyInput<'_>) -> Result<Proposal, PolicyError> {
+        if crate::is_auto(input.spec) {
+            return crate::margin::compute(self, input);
+        }
         let s = input.series;
         let pin = PluginInput {
             service: input.service.to_string(),

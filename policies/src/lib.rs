@@ -11,6 +11,7 @@ pub mod forecast;
 pub mod host;
 pub mod isolated;
 pub mod loader;
+pub mod margin;
 pub mod peak;
 pub mod rails;
 mod series;
@@ -19,7 +20,7 @@ pub mod spikes;
 pub use series::RateSeries;
 
 use chrono::{DateTime, Utc};
-use schema::{PolicyName, PolicySpec};
+use schema::{Headroom, PolicyName, PolicySpec};
 use serde::{Deserialize, Serialize};
 
 /// Default headroom when the spec sets none: limit = peak × 1.25.
@@ -130,7 +131,25 @@ pub fn spike_factor(spec: &PolicySpec) -> f64 {
         .unwrap_or(spikes::DEFAULT_SPIKE_FACTOR)
 }
 
-/// The headroom of `spec`, at least 0.
+/// The fixed headroom of `spec`, at least 0 ([`DEFAULT_HEADROOM`] for `auto`, which the
+/// policies resolve per bucket through [`margin::compute`] before they read it).
 pub fn headroom(spec: &PolicySpec) -> f64 {
-    spec.headroom.unwrap_or(DEFAULT_HEADROOM).max(0.0)
+    spec.headroom
+        .and_then(Headroom::fixed)
+        .unwrap_or(DEFAULT_HEADROOM)
+        .max(0.0)
+}
+
+/// The headroom a proposal was computed with (`auto` resolved: its evidence's `headroom`),
+/// else the spec's.
+pub fn headroom_of(p: &Proposal, spec: &PolicySpec) -> f64 {
+    p.evidence["headroom"]
+        .as_f64()
+        .filter(|h| h.is_finite() && *h >= 0.0)
+        .unwrap_or_else(|| headroom(spec))
+}
+
+/// Whether `spec` asks for `headroom: auto`.
+pub fn is_auto(spec: &PolicySpec) -> bool {
+    spec.headroom == Some(Headroom::Auto)
 }

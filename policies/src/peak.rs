@@ -20,6 +20,9 @@ impl Policy for Peak {
     }
 
     fn compute(&self, input: &PolicyInput<'_>) -> Result<Proposal, PolicyError> {
+        if crate::is_auto(input.spec) {
+            return crate::margin::compute(self, input);
+        }
         let raw = input.series;
         let (h0, hours) = crate::spikes::hourly_maxima(raw);
         let spikes = crate::spikes::spikes(h0, &hours, crate::spike_factor(input.spec));
@@ -184,7 +187,7 @@ mod tests {
     fn percentile_option_ignores_rare_peak() {
         let spec = PolicySpec {
             percentile: Some(99.0),
-            headroom: Some(0.0),
+            headroom: Some(0.0.into()),
             ..Default::default()
         };
         let p = run(&series(28, 100.0), &spec, None);

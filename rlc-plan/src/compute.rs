@@ -972,7 +972,7 @@ fn with_events(mut p: Proposal, events: &[PlannedEvent], cx: EventCtx<'_>) -> Pr
                     .map(|(_, p)| *p)
                     .sum();
                 let share = if total > 0.0 { r * cx.peak / total } else { r };
-                let h = policies::headroom(cx.spec);
+                let h = policies::headroom_of(&p, cx.spec);
                 (
                     share * (1.0 + h),
                     format!(

@@ -161,7 +161,7 @@ fn policies_merge_over_default() {
     let f: PoliciesFile = serde_yaml::from_str("default:\n  policy: peak\n  headroom: 0.25\nservices:\n  maps:\n    policy: forecast\n    horizon: 7d\n").unwrap();
     let m = f.for_service("maps");
     assert_eq!(m.policy, Some(PolicyName::Forecast));
-    assert_eq!(m.headroom, Some(0.25));
+    assert_eq!(m.headroom, Some(Headroom::Fixed(0.25)));
     assert_eq!(f.for_service("other").policy, Some(PolicyName::Peak));
 }
 
@@ -917,7 +917,10 @@ fn replacement_documents_get_the_checks_of_the_files() {
     let r = c.problems.iter().find(|d| d.file != body).unwrap();
     assert!(r.file.ends_with("rlc/contracts.yaml"), "{r}");
     assert_eq!((r.line, r.key.as_str()), (2, "contracts[0].service"), "{r}");
-    assert_eq!(c.policies.unwrap().value.default.headroom, Some(-1.0));
+    assert_eq!(
+        c.policies.unwrap().value.default.headroom,
+        Some(Headroom::Fixed(-1.0))
+    );
     assert_eq!(
         c.contracts.unwrap().value.contracts.len(),
         1,
@@ -1157,5 +1160,41 @@ fn daemon_config_names_controllers_by_region() {
             (9, "controllers[2].region"),
         ],
         "{errs:?}"
+    );
+}
+
+#[test]
+fn headroom_is_a_number_or_auto_with_its_bounds_checked_by_line() {
+    let f: PoliciesFile = serde_yaml::from_str(
+        "default:\n  policy: peak\n  headroom: auto\nservices:\n  pay:\n    headroom: 0.1\n  maps:\n    headroom: AUTO\n    min_headroom: 0.05\n",
+    )
+    .unwrap();
+    assert_eq!(f.for_service("other").headroom, Some(Headroom::Auto));
+    assert_eq!(f.for_service("pay").headroom, Some(Headroom::Fixed(0.1)));
+    assert_eq!(f.for_service("maps").min_headroom, Some(0.05));
+    // Written back as it was read.
+    let back = serde_yaml::to_string(&f.for_service("pay")).unwrap();
+    assert!(back.contains("headroom: 0.1"), "{back}");
+    let back = serde_yaml::to_string(&f.default).unwrap();
+    assert!(back.contains("headroom: auto"), "{back}");
+    // A word that is not `auto`: the key and its line.
+    let d = parse_err::<PoliciesFile>("default:\n  policy: peak\n  headroom: lots\n");
+    assert_eq!((d.line, d.key.as_str()), (3, "default.headroom"), "{d}");
+    assert!(d.message.contains("a number ≥ 0 or `auto`"), "{d}");
+    // Bounds that make no sense: each named with its line.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("rlc")).unwrap();
+    std::fs::write(
+        dir.path().join("rlc/policies.yaml"),
+        "default:\n  policy: peak\n  headroom: auto\n  target_throttled: 2\n  min_headroom: 0.5\n  max_headroom: 0.2\n",
+    )
+    .unwrap();
+    let (_, diags) = ConfigRepo::load(dir.path());
+    let got: Vec<(usize, &str)> = diags.iter().map(|d| (d.line, d.key.as_str())).collect();
+    assert_eq!(
+        got,
+        [(4, "default.target_throttled"), (5, "default.min_headroom")],
+        "{}",
+        Diagnostics(diags.clone())
     );
 }

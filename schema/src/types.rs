@@ -275,6 +275,109 @@ impl JsonSchema for HumanDuration {
     }
 }
 
+/// A policy's margin over the level it computed: a fixed share (`0.25`: limit = level × 1.25)
+/// or `auto`, chosen per bucket by replaying its history.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Headroom {
+    /// This share, the same for every bucket.
+    Fixed(f64),
+    /// Each bucket's own margin, from a replay of its history.
+    Auto,
+}
+
+impl Headroom {
+    /// The fixed share, `None` for `auto`.
+    pub fn fixed(self) -> Option<f64> {
+        match self {
+            Headroom::Fixed(h) => Some(h),
+            Headroom::Auto => None,
+        }
+    }
+}
+
+impl fmt::Display for Headroom {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Headroom::Fixed(h) => write!(f, "{h}"),
+            Headroom::Auto => f.write_str("auto"),
+        }
+    }
+}
+
+impl From<f64> for Headroom {
+    fn from(h: f64) -> Self {
+        Headroom::Fixed(h)
+    }
+}
+
+impl Serialize for Headroom {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Headroom::Fixed(h) => s.serialize_f64(*h),
+            Headroom::Auto => s.serialize_str("auto"),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Headroom {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = Headroom;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a number ≥ 0 or `auto`")
+            }
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Headroom, E> {
+                Ok(Headroom::Fixed(v))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Headroom, E> {
+                Ok(Headroom::Fixed(v as f64))
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Headroom, E> {
+                Ok(Headroom::Fixed(v as f64))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Headroom, E> {
+                if v.trim().eq_ignore_ascii_case("auto") {
+                    Ok(Headroom::Auto)
+                } else {
+                    Err(E::custom(format_args!(
+                        "invalid headroom `{v}`: expected a number ≥ 0 or `auto`"
+                    )))
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl JsonSchema for Headroom {
+    fn schema_name() -> String {
+        "Headroom".into()
+    }
+    fn json_schema(_: &mut schemars::gen::SchemaGenerator) -> schemars::schema::Schema {
+        let number = schemars::schema::SchemaObject {
+            instance_type: Some(schemars::schema::InstanceType::Number.into()),
+            number: Some(Box::new(schemars::schema::NumberValidation {
+                minimum: Some(0.0),
+                ..Default::default()
+            })),
+            ..Default::default()
+        };
+        let auto = schemars::schema::SchemaObject {
+            enum_values: Some(vec!["auto".into()]),
+            ..Default::default()
+        };
+        schemars::schema::SchemaObject {
+            subschemas: Some(Box::new(schemars::schema::SubschemaValidation {
+                any_of: Some(vec![number.into(), auto.into()]),
+                ..Default::default()
+            })),
+            ..Default::default()
+        }
+        .into()
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // buckets/<service>.yaml
 
@@ -757,9 +860,21 @@ pub struct PolicySpec {
     /// `peak | forecast | fixed | plugin:<name>`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub policy: Option<PolicyName>,
-    /// limit = peak × (1 + headroom).
+    /// limit = peak × (1 + headroom); `auto` picks each bucket's margin from how much its own
+    /// history surprised it (`target_throttled`, `min_headroom`, `max_headroom`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub headroom: Option<f64>,
+    pub headroom: Option<Headroom>,
+    /// `headroom: auto`: the share of requests a replay of the bucket's history may throttle
+    /// (default 0.0001, 0.01 %).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_throttled: Option<f64>,
+    /// `headroom: auto`: the smallest margin it picks (default 0.03).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_headroom: Option<f64>,
+    /// `headroom: auto`: the largest margin it picks (default 1.0); a bucket that needs more is
+    /// flagged for review.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_headroom: Option<f64>,
     /// Forecast horizon (forecast policy).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub horizon: Option<HumanDuration>,
@@ -819,6 +934,9 @@ impl PolicySpec {
         PolicySpec {
             policy: self.policy.clone().or_else(|| base.policy.clone()),
             headroom: self.headroom.or(base.headroom),
+            target_throttled: self.target_throttled.or(base.target_throttled),
+            min_headroom: self.min_headroom.or(base.min_headroom),
+            max_headroom: self.max_headroom.or(base.max_headroom),
             horizon: self.horizon.or(base.horizon),
             percentile: self.percentile.or(base.percentile),
             floor_rps: self.floor_rps.or(base.floor_rps),

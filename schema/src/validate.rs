@@ -788,11 +788,38 @@ fn check_spec(f: &Located<PoliciesFile>, at: &str, s: &PolicySpec, diags: &mut V
             format!("{at}.{k}")
         }
     };
-    if let Some(h) = s.headroom {
+    if let Some(Headroom::Fixed(h)) = s.headroom {
         if !h.is_finite() || h < 0.0 {
             diags.push(f.diag(
                 key("headroom"),
-                format!("must be a finite number ≥ 0, got {h}"),
+                format!("must be a finite number ≥ 0 or `auto`, got {h}"),
+            ));
+        }
+    }
+    if let Some(t) = s.target_throttled {
+        if !(t > 0.0 && t < 1.0) {
+            diags.push(f.diag(
+                key("target_throttled"),
+                format!("must be a share of requests in (0, 1), got {t}"),
+            ));
+        }
+    }
+    for (k, v) in [
+        ("min_headroom", s.min_headroom),
+        ("max_headroom", s.max_headroom),
+    ] {
+        if v.is_some_and(|v| !v.is_finite() || v < 0.0) {
+            diags.push(f.diag(
+                key(k),
+                format!("must be a finite number ≥ 0, got {}", v.unwrap_or_default()),
+            ));
+        }
+    }
+    if let (Some(lo), Some(hi)) = (s.min_headroom, s.max_headroom) {
+        if lo > hi {
+            diags.push(f.diag(
+                key("min_headroom"),
+                format!("min_headroom {lo} is above max_headroom {hi}"),
             ));
         }
     }
