@@ -290,12 +290,13 @@ impl Replay {
         if self.total <= 0.0 {
             return 0.0;
         }
-        let over: f64 = self
+        // A fold from +0: an empty sum is -0 in Rust, which the evidence would print.
+        let over = self
             .over
             .iter()
             .map(|&(ratio, level)| level * (ratio - 1.0 - h).max(0.0))
-            .sum();
-        (over / self.total).max(0.0)
+            .fold(0.0, |a, b| a + b);
+        over / self.total
     }
 
     /// The extreme-value fit of the days' surprises (each day's highest ÷ its weekday's
@@ -466,7 +467,8 @@ pub fn choose(replay: Replay, settings: Settings) -> Choice {
         None => Some(min),
     };
     let (headroom, review) = match (by_replay, by_tail) {
-        (Some(a), Some(b)) => (a.max(b), false),
+        // Rounded up to a thousandth: the margin written is the margin shown.
+        (Some(a), Some(b)) => (((a.max(b) * 1000.0).ceil() / 1000.0).min(max), false),
         _ => (max, true),
     };
     Choice {

@@ -12,7 +12,7 @@
 use chrono::{TimeZone, Utc};
 use policies::rails;
 use policies::{Policy, PolicyError, PolicyInput, Proposal, RateSeries};
-use schema::{ConfigRepo, DaemonConfig, PolicyName, PolicySpec};
+use schema::{ConfigRepo, DaemonConfig, Headroom, PolicyName, PolicySpec};
 use serde::Serialize;
 
 use std::borrow::Cow;
@@ -39,6 +39,11 @@ pub struct BucketScore {
     pub throttled_fraction: f64,
     /// limit ÷ holdout peak.
     pub slack: f64,
+    /// The margin scored, when margins are compared (`0.1`, `auto`); absent: as configured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub headroom: Option<String>,
+    /// The margin the limit was computed with (`auto` resolved), when the policy has one.
+    pub margin: Option<f64>,
 }
 
 /// Totals of one policy.
@@ -46,6 +51,11 @@ pub struct BucketScore {
 pub struct PolicyTotals {
     /// Policy.
     pub policy: String,
+    /// The margin scored, when margins are compared; absent: as configured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub headroom: Option<String>,
+    /// Median of the per-bucket slack.
+    pub median_slack: f64,
     /// Requests throttled ÷ requests, over every bucket.
     pub throttled_fraction: f64,
     /// Mean of the per-bucket slack.
@@ -328,11 +338,33 @@ pub fn backtest(
     holdout_secs: i64,
     policies: &[PolicyName],
 ) -> BacktestReport {
+    backtest_margins(cfg, repo, history, holdout_secs, policies, &[])
+}
+
+/// [`backtest`] with every service at each of `margins` in turn (`headroom` set on every
+/// policy spec), each policy and margin scored apart; no margins: as configured.
+pub fn backtest_margins(
+    cfg: &DaemonConfig,
+    repo: &ConfigRepo,
+    history: &History,
+    holdout_secs: i64,
+    policies: &[PolicyName],
+    margins: &[Headroom],
+) -> BacktestReport {
     let (train, split_at) = split(history, holdout_secs);
     let at = Utc.timestamp_opt(split_at, 0).single().unwrap_or_default();
     let mut report = BacktestReport::default();
-    for name in policies {
-        let on_policy = with_policy(repo, name);
+    let margins: Vec<Option<Headroom>> = if margins.is_empty() {
+        vec![None]
+    } else {
+        margins.iter().copied().map(Some).collect()
+    };
+    for (name, margin) in policies
+        .iter()
+        .flat_map(|p| margins.iter().map(move |m| (p, *m)))
+    {
+        let label = margin.map(|m| m.to_string());
+        let on_policy = with_policy(repo, name, margin);
         let plan = pipeline::plan(
             cfg,
             &on_policy,
@@ -346,6 +378,7 @@ pub fn backtest(
             .map(|(s, b, sc)| ((s, b), sc))
             .collect();
         let (mut over, mut total, mut slack_sum, mut n, mut failed) = (0.0, 0.0, 0.0, 0, 0);
+        let mut slacks = Vec::new();
         for (key, full) in &history.series {
             let bucket = key.bucket_name();
             let Some(sc) = scored.get(&(key.service.clone(), bucket.clone())) else {
@@ -359,8 +392,14 @@ pub fn backtest(
             total += sc.total;
             if sc.slack.is_finite() {
                 slack_sum += sc.slack;
+                slacks.push(sc.slack);
                 n += 1;
             }
+            let margin = plan
+                .buckets
+                .iter()
+                .find(|b| b.service == key.service && b.bucket.name == bucket)
+                .and_then(|b| b.evidence.policy.as_ref()?.figures().headroom);
             report.buckets.push(BucketScore {
                 service: key.service.clone(),
                 bucket,
@@ -369,10 +408,14 @@ pub fn backtest(
                 holdout_peak_rps: sc.holdout_peak_rps,
                 throttled_fraction: sc.throttled_fraction,
                 slack: sc.slack,
+                headroom: label.clone(),
+                margin,
             });
         }
         report.totals.push(PolicyTotals {
             policy: name.to_string(),
+            headroom: label,
+            median_slack: policies::spikes::median(&mut slacks).unwrap_or(0.0),
             throttled_fraction: if total > 0.0 { over / total } else { 0.0 },
             mean_slack: if n > 0 { slack_sum / n as f64 } else { 0.0 },
             buckets: n,
@@ -382,15 +425,19 @@ pub fn backtest(
     report
 }
 
-/// `repo` with every service on `policy` (their other parameters kept) and no contracts.
-fn with_policy(repo: &ConfigRepo, policy: &PolicyName) -> ConfigRepo {
+/// `repo` with every service on `policy` (and at `margin`, when given; their other parameters
+/// kept) and no contracts.
+fn with_policy(repo: &ConfigRepo, policy: &PolicyName, margin: Option<Headroom>) -> ConfigRepo {
     let mut out = repo.clone();
     out.contracts = None;
     match &mut out.policies {
         Some(p) => {
-            p.value.default.policy = Some(policy.clone());
-            for spec in p.value.services.values_mut() {
+            let specs = std::iter::once(&mut p.value.default).chain(p.value.services.values_mut());
+            for spec in specs {
                 spec.policy = Some(policy.clone());
+                if margin.is_some() {
+                    spec.headroom = margin;
+                }
             }
         }
         None => {
@@ -399,6 +446,7 @@ fn with_policy(repo: &ConfigRepo, policy: &PolicyName) -> ConfigRepo {
                 value: schema::PoliciesFile {
                     default: PolicySpec {
                         policy: Some(policy.clone()),
+                        headroom: margin,
                         ..PolicySpec::default()
                     },
                     services: Default::default(),

@@ -184,6 +184,54 @@ pub struct PolicyFigures {
     /// Forecast: what set the bound.
     #[serde(default, deserialize_with = "lenient")]
     pub set_by: Option<SetBy>,
+    /// How `headroom: auto` chose the margin.
+    #[serde(default, deserialize_with = "lenient")]
+    pub headroom_auto: Option<HeadroomAuto>,
+}
+
+/// How `headroom: auto` chose a bucket's margin: the policy replayed at past origins of the
+/// bucket's history, each origin's level against the week after it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct HeadroomAuto {
+    /// The margin chosen (0.07 = +7 %).
+    pub chosen: f64,
+    /// The share of requests the replay may throttle at it.
+    pub target_throttled: f64,
+    /// The margins it may pick from.
+    pub min_headroom: f64,
+    /// The largest margin; a bucket that needs more is flagged for review.
+    pub max_headroom: f64,
+    /// Origins replayed (0: too little history, the default margin).
+    pub origins: usize,
+    /// The highest demand of a week after an origin ÷ that origin's level, the worst.
+    #[serde(default)]
+    pub worst_surprise: Option<f64>,
+    /// The share of the replayed weeks' requests the chosen margin would have throttled.
+    #[serde(default)]
+    pub replayed_throttled: Option<f64>,
+    /// The same from the extreme-value fit of the days' maxima.
+    #[serde(default)]
+    pub tail_throttled: Option<f64>,
+    /// Each origin: its time, level, the next week's peak and their ratio.
+    #[serde(default)]
+    pub surprises: Vec<Surprise>,
+    /// The bucket needed more than `max_headroom`: too noisy for a quota alone.
+    pub review: bool,
+    /// The choice in one line.
+    pub why: String,
+}
+
+/// One replayed origin of `headroom: auto`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Surprise {
+    /// When (RFC 3339).
+    pub origin: Option<String>,
+    /// The level the policy fitted on the history before it, without margin.
+    pub level_rps: f64,
+    /// The highest demand of the week after it.
+    pub next_peak_rps: f64,
+    /// `next_peak_rps ÷ level_rps`.
+    pub surprise: f64,
 }
 
 /// What set a forecast's bound.

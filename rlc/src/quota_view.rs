@@ -39,6 +39,10 @@ pub struct Details {
     pub forecast_upper_bound_rps: Option<f64>,
     /// The headroom multiplied in (0.25 = +25%).
     pub headroom: Option<f64>,
+    /// How `headroom: auto` chose it (the replayed origins, their surprises, the throttling
+    /// at the chosen margin; `review` when it needed more than `max_headroom`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub headroom_auto: Option<rlc_plan::evidence::HeadroomAuto>,
     /// The bucket's share of the planned capacity (`rlc/capacity.yaml`).
     pub capacity_share_rps: Option<f64>,
     /// What the policy's limit was capped by (planned capacity share, ...).
@@ -187,6 +191,7 @@ fn details_of(b: &PlannedBucket) -> Details {
         statistic_at: f.value_at,
         forecast_upper_bound_rps: f.upper_bound_rps,
         headroom: f.headroom,
+        headroom_auto: f.headroom_auto,
         capacity_share_rps: f.capacity_share_rps,
         capped_by: f.capped_by,
         coverage: f.coverage,

@@ -1,11 +1,12 @@
-//! `rlc backtest --config rlc.yaml [--holdout 7d] [--policy peak|forecast|all]`: the command
-//! around [`rlc_plan::backtest`] (fit each policy on the history before the last `holdout`,
-//! score it on the holdout), and `rlc backtest --corpus`.
+//! `rlc backtest --config rlc.yaml [--holdout 7d] [--policy peak|forecast|all]
+//! [--headroom auto,0.1,0.25]`: the command around [`rlc_plan::backtest`] (fit each policy, at
+//! each margin asked, on the history before the last `holdout`, score it on the holdout), and
+//! `rlc backtest --corpus [--headroom …]`.
 
 use std::path::PathBuf;
 
-use rlc_plan::backtest::backtest;
-use schema::{HumanDuration, PolicyName};
+use rlc_plan::backtest::backtest_margins;
+use schema::{Headroom, HumanDuration, PolicyName};
 
 use std::path::Path;
 
@@ -53,6 +54,22 @@ pub struct BacktestArgs {
     /// configured history (`--config` is not read): the table of docs/rlc-policies.md.
     #[arg(long)]
     pub corpus: bool,
+    /// Compare margins: every service at each of these in turn (numbers or `auto`, comma
+    /// separated, e.g. `auto,0.1,0.25`). With `--corpus`: each shape's default policy at each.
+    #[arg(long, value_delimiter = ',', value_parser = parse_headroom)]
+    pub headroom: Vec<Headroom>,
+}
+
+/// A margin on the command line: a number ≥ 0 or `auto`.
+fn parse_headroom(s: &str) -> Result<Headroom, String> {
+    let s = s.trim();
+    if s.eq_ignore_ascii_case("auto") {
+        return Ok(Headroom::Auto);
+    }
+    match s.parse::<f64>() {
+        Ok(h) if h.is_finite() && h >= 0.0 => Ok(Headroom::Fixed(h)),
+        _ => Err(format!("`{s}` is not a margin: a number ≥ 0 or `auto`")),
+    }
 }
 
 /// Loads `rlc.yaml` with its relative paths resolved, and the config repo it names. A repo with
@@ -74,12 +91,21 @@ pub fn load_inputs(config: &Path) -> anyhow::Result<(DaemonConfig, ConfigRepo, P
 /// Runs `rlc backtest`; exit code 1 when the history source failed.
 pub async fn run(args: BacktestArgs) -> anyhow::Result<i32> {
     if args.corpus {
-        let rows =
-            tokio::task::spawn_blocking(|| rlc_plan::corpus::run(&rlc_plan::corpus::builtin()))
-                .await?;
+        let margins = args.headroom.clone();
+        let rows = tokio::task::spawn_blocking(move || {
+            if margins.is_empty() {
+                rlc_plan::corpus::run(&rlc_plan::corpus::builtin())
+            } else {
+                rlc_plan::corpus::run_margins(&margins, rlc_plan::corpus::SEED)
+            }
+        })
+        .await?;
         match args.format {
             Format::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
-            Format::Table => print!("{}", rlc_plan::corpus::markdown(&rows)),
+            Format::Table if args.headroom.is_empty() => {
+                print!("{}", rlc_plan::corpus::markdown(&rows))
+            }
+            Format::Table => print!("{}", rlc_plan::corpus::markdown_margins(&rows)),
         }
         return Ok(0);
     }
@@ -95,35 +121,45 @@ pub async fn run(args: BacktestArgs) -> anyhow::Result<i32> {
         Which::All => vec![PolicyName::Peak, PolicyName::Forecast],
     };
     let holdout = args.holdout.as_secs() as i64;
-    let report =
-        tokio::task::spawn_blocking(move || backtest(&cfg, &repo, &history, holdout, &policies))
-            .await?;
+    let margins = args.headroom.clone();
+    let report = tokio::task::spawn_blocking(move || {
+        backtest_margins(&cfg, &repo, &history, holdout, &policies, &margins)
+    })
+    .await?;
+    let label = |h: &Option<String>| match h {
+        Some(h) => format!("{h:<7}"),
+        None => format!("{:<7}", "-"),
+    };
     match args.format {
         Format::Json => println!("{}", serde_json::to_string_pretty(&report)?),
         Format::Table => {
             println!(
-                "{:<12} {:<28} {:<9} {:>10} {:>10} {:>11} {:>6}",
-                "SERVICE", "BUCKET", "POLICY", "LIMIT", "PEAK", "THROTTLED", "SLACK"
+                "{:<12} {:<28} {:<9} {:>10} {:>10} {:>11} {:>6} {:>6} ASKED",
+                "SERVICE", "BUCKET", "POLICY", "LIMIT", "PEAK", "THROTTLED", "SLACK", "MARGIN"
             );
             for b in &report.buckets {
                 println!(
-                    "{:<12} {:<28} {:<9} {:>10.1} {:>10.1} {:>10.4}% {:>6.2}",
+                    "{:<12} {:<28} {:<9} {:>10.1} {:>10.1} {:>10.4}% {:>6.2} {:>6} {}",
                     b.service,
                     b.bucket,
                     b.policy,
                     b.limit_rps,
                     b.holdout_peak_rps,
                     b.throttled_fraction * 100.0,
-                    b.slack
+                    b.slack,
+                    b.margin.map_or("-".into(), |m| format!("{m:.2}")),
+                    label(&b.headroom).trim_end(),
                 );
             }
             println!();
             for t in &report.totals {
                 println!(
-                    "{:<9} throttled {:.4}% of requests, mean slack {:.2}, {} buckets, {} failed",
+                    "{:<9} {}throttled {:.4}% of requests, mean slack {:.2}, median slack {:.2}, {} buckets, {} failed",
                     t.policy,
+                    t.headroom.as_ref().map_or(String::new(), |h| format!("at {h}: ")),
                     t.throttled_fraction * 100.0,
                     t.mean_slack,
+                    t.median_slack,
                     t.buckets,
                     t.failed
                 );

@@ -171,10 +171,12 @@ fn risky_line(pb: Option<&rlc_plan::plan::PlannedBucket>, c: &BucketChange) -> V
     parts
 }
 
-/// The changed buckets whose proposed limit is below the peak of their critical demand
-/// (critical headroom < 1: the less critical tiers cannot cover the shed at that peak).
-fn critical_short(out: &mut String, plan: &Plan, summary: &ChangeSummary, ctx: &ReportContext<'_>) {
-    let short: Vec<(&str, &str, &rlc_plan::evidence::CriticalHeadroom, bool)> = summary
+/// The planned buckets of the changes of `summary`.
+fn changed<'a>(
+    plan: &'a Plan,
+    summary: &'a ChangeSummary,
+) -> impl Iterator<Item = &'a rlc_plan::plan::PlannedBucket> + 'a {
+    summary
         .services
         .iter()
         .flat_map(|s| {
@@ -183,18 +185,70 @@ fn critical_short(out: &mut String, plan: &Plan, summary: &ChangeSummary, ctx: &
                 .map(move |c| (s.service.as_str(), c.bucket.as_str()))
         })
         .filter_map(|(s, b)| {
-            let pb = plan
-                .buckets
+            plan.buckets
                 .iter()
-                .find(|p| p.service == s && p.bucket.name == b)?;
-            let h = pb
-                .evidence
-                .critical_headroom
-                .as_ref()
-                .filter(|h| h.short())?;
-            Some((s, b, h, pb.bucket.mode == schema::Mode::Shadow))
+                .find(|p| p.service == s && p.bucket.name == b)
+        })
+}
+
+/// `service/bucket` for the body, linked to the dashboard when it has one.
+fn bucket_link(service: &str, bucket: &str, ctx: &ReportContext<'_>) -> String {
+    let name = format!("{}/{}", md(service), md(bucket));
+    match ctx.dashboard_url {
+        Some(base) => format!("[{name}]({})", bucket_url(base, service, bucket)),
+        None => name,
+    }
+}
+
+/// The changed buckets whose `headroom: auto` margin reached `max_headroom`: a replay of
+/// their history still throttles at it, too noisy for a quota alone.
+fn margins_at_max(out: &mut String, plan: &Plan, summary: &ChangeSummary, ctx: &ReportContext<'_>) {
+    let at_max: Vec<(
+        &rlc_plan::plan::PlannedBucket,
+        rlc_plan::evidence::HeadroomAuto,
+    )> = changed(plan, summary)
+        .filter_map(|pb| {
+            let a = pb.evidence.policy.as_ref()?.figures().headroom_auto?;
+            a.review.then_some((pb, a))
         })
         .collect();
+    if at_max.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "### Margins at max_headroom: {} bucket(s)\n",
+        at_max.len()
+    );
+    for (pb, a) in at_max {
+        let _ = writeln!(
+            out,
+            "- {}: `headroom: auto` needed more than {:.2}; {} replayed origins still throttle {:.4}% (target {:.4}%). A quota alone does not protect it: look at its callers' retries and bursts.",
+            bucket_link(&pb.service, &pb.bucket.name, ctx),
+            a.max_headroom,
+            a.origins,
+            a.replayed_throttled.unwrap_or(0.0).max(a.tail_throttled.unwrap_or(0.0)) * 100.0,
+            a.target_throttled * 100.0
+        );
+    }
+    out.push('\n');
+}
+
+/// The changed buckets whose proposed limit is below the peak of their critical demand
+/// (critical headroom < 1: the less critical tiers cannot cover the shed at that peak).
+fn critical_short(out: &mut String, plan: &Plan, summary: &ChangeSummary, ctx: &ReportContext<'_>) {
+    let short: Vec<(&str, &str, &rlc_plan::evidence::CriticalHeadroom, bool)> =
+        changed(plan, summary)
+            .filter_map(|pb| {
+                let (s, b) = (pb.service.as_str(), pb.bucket.name.as_str());
+                let h = pb
+                    .evidence
+                    .critical_headroom
+                    .as_ref()
+                    .filter(|h| h.short())?;
+                Some((s, b, h, pb.bucket.mode == schema::Mode::Shadow))
+            })
+            .collect();
     if short.is_empty() {
         return;
     }
@@ -204,11 +258,7 @@ fn critical_short(out: &mut String, plan: &Plan, summary: &ChangeSummary, ctx: &
         short.len()
     );
     for (service, bucket, h, shadow) in short {
-        let name = format!("{}/{}", md(service), md(bucket));
-        let name = match ctx.dashboard_url {
-            Some(base) => format!("[{name}]({})", bucket_url(base, service, bucket)),
-            None => name,
-        };
+        let name = bucket_link(service, bucket, ctx);
         let _ = writeln!(
             out,
             "- {name}: the limit is {:.1}% of its CRITICAL_PLUS + CRITICAL peak ({} rps at {}): \
@@ -301,6 +351,7 @@ pub fn report_with(plan: &Plan, summary: &ChangeSummary, ctx: &ReportContext<'_>
         out.push('\n');
     }
     critical_short(&mut out, plan, summary, ctx);
+    margins_at_max(&mut out, plan, summary, ctx);
     for s in &summary.services {
         let _ = writeln!(out, "### {}\n", md(&s.service));
         out.push_str(
@@ -682,6 +733,38 @@ mod tests {
             "{body}"
         );
         assert!(!body.contains("- pay/up: the limit"), "{body}");
+    }
+
+    /// A changed bucket whose `headroom: auto` margin reached `max_headroom` is listed for
+    /// review with what its replay still throttles; one within it is not.
+    #[test]
+    fn margins_at_max_headroom_are_listed_for_review() {
+        let (plan, summary) = pay_change(
+            &[("noisy", 100.0), ("calm", 100.0)],
+            &[("noisy", 300.0), ("calm", 110.0)],
+            |b| Evidence {
+                policy: Some(rlc_plan::evidence::PolicyEvidence(serde_json::json!({
+                    "headroom": if b.name == "noisy" { 1.0 } else { 0.04 },
+                    "headroom_auto": {
+                        "chosen": if b.name == "noisy" { 1.0 } else { 0.04 },
+                        "target_throttled": 0.0001, "min_headroom": 0.03, "max_headroom": 1.0,
+                        "origins": 14, "replayed_throttled": 0.0003, "tail_throttled": 0.0002,
+                        "review": b.name == "noisy", "why": "-",
+                    },
+                }))),
+                ..Evidence::default()
+            },
+        );
+        let body = report(&plan, &summary);
+        assert!(
+            body.contains("### Margins at max_headroom: 1 bucket(s)"),
+            "{body}"
+        );
+        assert!(
+            body.contains("- pay/noisy: `headroom: auto` needed more than 1.00; 14 replayed origins still throttle 0.0300% (target 0.0100%)."),
+            "{body}"
+        );
+        assert!(!body.contains("- pay/calm: `headroom"), "{body}");
     }
 
     #[test]

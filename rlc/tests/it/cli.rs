@@ -179,6 +179,100 @@ fn backtest_side_by_side() {
     );
 }
 
+/// `headroom: auto` in policies.yaml: every computed bucket says how its margin was chosen, and
+/// the limit is its level × (1 + that margin).
+#[test]
+fn preview_shows_how_auto_chose_each_margin() {
+    let dir = setup("  file: h.csv");
+    std::fs::write(
+        dir.path().join("repo/rlc/policies.yaml"),
+        "default:\n  policy: peak\n  headroom: auto\n",
+    )
+    .unwrap();
+    let repo = dir.path().join("repo");
+    test_support::git::git(&repo, &["commit", "-q", "-am", "auto"]).unwrap();
+    let (code, out, err) = rlc(dir.path(), &["preview", "--format", "json"]);
+    assert_eq!(code, 0, "{err}");
+    let plan: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let buckets = plan["buckets"].as_array().unwrap();
+    assert_eq!(buckets.len(), 8, "{out}");
+    for b in buckets {
+        let p = &b["evidence"]["policy"];
+        let a = &p["headroom_auto"];
+        let chosen = a["chosen"].as_f64().unwrap_or_else(|| panic!("{b}"));
+        assert!((0.03..=1.0).contains(&chosen), "{a}");
+        assert_eq!(p["headroom"].as_f64(), Some(chosen), "{p}");
+        assert_eq!(a["origins"], 14, "28 days of history: {a}");
+        assert_eq!(a["surprises"].as_array().unwrap().len(), 14, "{a}");
+        assert!(a["replayed_throttled"].as_f64().unwrap() <= 0.0001, "{a}");
+        let why = b["evidence"]["explain"].as_str().unwrap();
+        assert!(
+            why.contains(&format!("; margin auto {chosen:.2} (14 origins replayed")),
+            "{why}"
+        );
+        // What the policy proposed, before the rails (a decrease is capped per run).
+        let level = p["value_rps"].as_f64().unwrap();
+        let proposed = b["evidence"]["proposed_rps"].as_f64().unwrap();
+        assert!(
+            (proposed / (level * (1.0 + chosen)) - 1.0).abs() < 0.01,
+            "{b}"
+        );
+        assert!(!a.to_string().contains("-0.0"), "{a}");
+    }
+}
+
+/// `--headroom auto,0.25`: each policy at each margin, the margin each bucket used beside its
+/// score; `auto` ends up with less slack than the fixed 25 % and stays within its bounds.
+#[test]
+fn backtest_compares_margins() {
+    let dir = setup("  file: h.csv");
+    let (code, out, err) = rlc(
+        dir.path(),
+        &[
+            "backtest",
+            "--policy",
+            "peak",
+            "--headroom",
+            "auto,0.25",
+            "--format",
+            "json",
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    let r: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let totals = r["totals"].as_array().unwrap();
+    let asked: Vec<&str> = totals
+        .iter()
+        .map(|t| t["headroom"].as_str().unwrap())
+        .collect();
+    assert_eq!(asked, ["auto", "0.25"]);
+    assert_eq!(totals[0]["buckets"], totals[1]["buckets"]);
+    assert!(
+        totals[0]["median_slack"].as_f64() < totals[1]["median_slack"].as_f64(),
+        "{totals:?}"
+    );
+    for b in r["buckets"].as_array().unwrap() {
+        let m = b["margin"].as_f64().unwrap();
+        match b["headroom"].as_str().unwrap() {
+            "auto" => assert!((0.03..=1.0).contains(&m), "{b}"),
+            _ => assert_eq!(m, 0.25, "{b}"),
+        }
+    }
+    // The table ends each line with the margin used and the one asked.
+    let (code, out, err) = rlc(
+        dir.path(),
+        &["backtest", "--policy", "peak", "--headroom", "auto"],
+    );
+    assert_eq!(code, 0, "{err}");
+    let header = out.lines().next().unwrap();
+    assert!(header.ends_with("SLACK MARGIN ASKED"), "{out}");
+    assert!(out.contains("peak      at auto: throttled"), "{out}");
+    // A margin that is not one is refused by name.
+    let (code, _, err) = rlc(dir.path(), &["backtest", "--headroom", "lots"]);
+    assert_eq!(code, 64, "usage error: {err}");
+    assert!(err.contains("`lots` is not a margin"), "{err}");
+}
+
 #[test]
 fn preview_with_a_relative_config_path() {
     // `rlc preview --config deploy/rlc.yaml` from deploy's parent: relative paths in rlc.yaml

@@ -602,6 +602,7 @@ fn lookback(
                 statistic_rps: f.value_rps,
                 forecast_upper_bound_rps: f.upper_bound_rps,
                 headroom: f.headroom,
+                headroom_auto: f.headroom_auto,
                 limit_rps: p.bucket.limit_rps,
                 capped_from_rps: p.evidence.capped_from,
                 explain: p.evidence.explain.clone(),

@@ -51,6 +51,9 @@ pub struct Computed {
     pub forecast_upper_bound_rps: Option<f64>,
     /// The headroom multiplied in (0.25 = +25 %).
     pub headroom: Option<f64>,
+    /// How `headroom: auto` chose it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub headroom_auto: Option<rlc_plan::evidence::HeadroomAuto>,
     /// The limit the plan proposes (what the next run would write).
     pub limit_rps: f64,
     /// The policy's limit before a rail moved it (floor, ceiling, per-run cap, small change).
@@ -103,6 +106,23 @@ pub fn from_history(
     Some((start, step * per as i64, out, series.len()))
 }
 
+/// How `headroom: auto` chose the margin, for the proposed limit's label.
+fn auto_note(c: &Computed) -> String {
+    match &c.headroom_auto {
+        None => String::new(),
+        Some(a) if a.origins == 0 => ", auto: too little history, the default".into(),
+        Some(a) if a.review => format!(
+            ", auto at max_headroom: review, {} origins replayed",
+            a.origins
+        ),
+        Some(a) => format!(
+            ", auto from {} origins replayed, worst surprise {}×",
+            a.origins,
+            a.worst_surprise.map_or("-".into(), |w| format!("{w:.2}"))
+        ),
+    }
+}
+
 /// Height of the lookback chart (px).
 const CHART_H: f64 = 230.0;
 
@@ -134,7 +154,11 @@ fn levels(c: Option<&Computed>) -> Vec<(&'static str, String, f64)> {
                     "proposed limit {}{}{}",
                     rate(c.limit_rps),
                     c.headroom
-                        .map(|h| format!(" (headroom +{}%)", rate(h * 100.0)))
+                        .map(|h| {
+                            // In percent to a thousandth: 0.07 is 7 %, not 7.000000000000001.
+                            let pct = (h * 100_000.0).round() / 1000.0;
+                            format!(" (headroom +{}%{})", rate(pct), auto_note(c))
+                        })
                         .unwrap_or_default(),
                     c.capped_from_rps
                         .map(|f| format!(", capped from {} by a rail", rate(f)))
@@ -225,5 +249,62 @@ pub fn section(l: Option<&Lookback>, why_none: &str) -> Markup {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn computed(auto: Option<rlc_plan::evidence::HeadroomAuto>) -> Computed {
+        Computed {
+            policy: "peak".into(),
+            statistic: Some("max".into()),
+            statistic_rps: Some(100.0),
+            forecast_upper_bound_rps: None,
+            headroom: Some(auto.as_ref().map_or(0.25, |a| a.chosen)),
+            headroom_auto: auto,
+            limit_rps: 107.0,
+            capped_from_rps: None,
+            explain: None,
+            computed_at: DateTime::<Utc>::from_timestamp(0, 0).unwrap(),
+        }
+    }
+
+    /// The proposed limit's label says how `headroom: auto` chose the margin, or that the
+    /// bucket was flagged for review.
+    #[test]
+    fn the_proposed_limit_says_how_auto_chose_its_margin() {
+        let label = |c: &Computed| {
+            levels(Some(c))
+                .into_iter()
+                .find(|l| l.0 == "proposed")
+                .map(|l| l.1)
+                .unwrap()
+        };
+        let fixed = computed(None);
+        assert!(
+            label(&fixed).ends_with("(headroom +25%)"),
+            "{}",
+            label(&fixed)
+        );
+        let auto = rlc_plan::evidence::HeadroomAuto {
+            chosen: 0.07,
+            origins: 14,
+            worst_surprise: Some(1.052),
+            ..Default::default()
+        };
+        let l = label(&computed(Some(auto.clone())));
+        assert!(
+            l.ends_with("(headroom +7%, auto from 14 origins replayed, worst surprise 1.05×)"),
+            "{l}"
+        );
+        let review = rlc_plan::evidence::HeadroomAuto {
+            chosen: 1.0,
+            review: true,
+            ..auto
+        };
+        let l = label(&computed(Some(review)));
+        assert!(l.contains("auto at max_headroom: review"), "{l}");
     }
 }
