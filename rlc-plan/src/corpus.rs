@@ -659,12 +659,22 @@ pub fn median_slack(rows: &[ShapeRow]) -> f64 {
     policies::spikes::median(&mut v).unwrap_or(f64::NAN)
 }
 
+/// The columns of a table of `rows`: its scores' labels.
+fn columns(rows: &[ShapeRow]) -> Vec<String> {
+    rows.first()
+        .map(|r| r.scores.iter().map(|s| s.policy.clone()).collect())
+        .unwrap_or_default()
+}
+
+/// Every row's score of column `n`.
+fn scores_of<'a>(rows: &'a [ShapeRow], n: &'a str) -> impl Iterator<Item = &'a ShapeScore> + 'a {
+    rows.iter()
+        .flat_map(move |r| r.scores.iter().filter(move |s| s.policy == n))
+}
+
 /// The markdown table of `docs/rlc-policies.md`.
 pub fn markdown(rows: &[ShapeRow]) -> String {
-    let names: Vec<String> = rows
-        .first()
-        .map(|r| r.scores.iter().map(|s| s.policy.clone()).collect())
-        .unwrap_or_default();
+    let names = columns(rows);
     let mut out = String::from("| shape |");
     for n in &names {
         out.push_str(&format!(" {n} throttled | {n} slack |"));
@@ -691,14 +701,9 @@ pub fn markdown(rows: &[ShapeRow]) -> String {
         out.push('\n');
     }
     for n in &names {
-        let mut v: Vec<f64> = rows
-            .iter()
-            .flat_map(|r| r.scores.iter().filter(|s| &s.policy == n).map(|s| s.slack))
-            .collect();
+        let mut v: Vec<f64> = scores_of(rows, n).map(|s| s.slack).collect();
         v.sort_by(f64::total_cmp);
-        let worst = rows
-            .iter()
-            .flat_map(|r| r.scores.iter().filter(|s| &s.policy == n))
+        let worst = scores_of(rows, n)
             .map(|s| s.throttled_fraction)
             .fold(0.0, f64::max);
         out.push_str(&format!(
@@ -714,10 +719,7 @@ pub fn markdown(rows: &[ShapeRow]) -> String {
 /// The margins table of `docs/rlc-policies.md`: each shape's default policy at each margin
 /// (throttled share and slack), with the margin `auto` chose.
 pub fn markdown_margins(rows: &[ShapeRow]) -> String {
-    let names: Vec<String> = rows
-        .first()
-        .map(|r| r.scores.iter().map(|s| s.policy.clone()).collect())
-        .unwrap_or_default();
+    let names = columns(rows);
     let mut out = String::from("| shape |");
     for n in &names {
         out.push_str(&format!(" {n}: throttled / slack |"));
@@ -740,10 +742,7 @@ pub fn markdown_margins(rows: &[ShapeRow]) -> String {
         out.push_str(&chose.map_or(" - |\n".into(), |s| format!(" {:.2} |\n", s.headroom)));
     }
     for n in &names {
-        let scores = || {
-            rows.iter()
-                .flat_map(|r| r.scores.iter().filter(|s| &s.policy == n))
-        };
+        let scores = || scores_of(rows, n);
         let mut v: Vec<f64> = scores().map(|s| s.slack).collect();
         let worst = scores().map(|s| s.throttled_fraction).fold(0.0, f64::max);
         let over = scores()
@@ -763,10 +762,7 @@ pub fn markdown_margins(rows: &[ShapeRow]) -> String {
 /// The before/after table of `docs/rlc-policies.md`: each policy's throttled share and slack
 /// on each shape, learning as before robust learning and as today.
 pub fn markdown_before_after(before: &[ShapeRow], after: &[ShapeRow]) -> String {
-    let names: Vec<String> = after
-        .first()
-        .map(|r| r.scores.iter().map(|s| s.policy.clone()).collect())
-        .unwrap_or_default();
+    let names = columns(after);
     let mut out = String::from("| shape |");
     for n in &names {
         out.push_str(&format!(" {n} before | {n} after |"));
