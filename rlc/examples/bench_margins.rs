@@ -7,8 +7,10 @@
 //! ```
 //!
 //! Defaults: 1,000 services × 10 buckets (10,000 series) at one minute over 28 days, 3 runs of
-//! each side, alternated. Prints the fixed margin's median wall time, `auto`'s first run (every
-//! bucket replayed) and its later runs (the day's margins found in the memo), and the ratios.
+//! each side, alternated, each run's history 5 minutes later than the one before (the window
+//! slides, as a daemon's on a `*/5` schedule). Prints the fixed margin's median wall time,
+//! `auto`'s first run (every bucket replayed) and its later runs (the day's margins found in
+//! the memo), and the ratios.
 
 use std::time::{Duration, Instant};
 
@@ -19,14 +21,9 @@ use rlc_plan::compute::compute_plan;
 use rlc_plan::history::{History, SeriesKey};
 use schema::{ConfigRepo, DaemonConfig};
 
-fn main() -> anyhow::Result<()> {
-    let mut args = std::env::args().skip(1);
-    let mut next = |d: i64| -> anyhow::Result<i64> {
-        Ok(args.next().map(|a| a.parse()).transpose()?.unwrap_or(d))
-    };
-    let (n, days, runs) = (next(1000)? as usize, next(28)?, next(3)? as usize);
+/// The fleet's history over `days` ending at `end` (one minute a step).
+fn fleet(n: usize, days: i64, end: i64) -> History {
     let step = 60;
-    let end = Utc::now().timestamp() / 86_400 * 86_400;
     let len = (days * 86_400 / step) as usize;
     let start = end - len as i64 * step;
     let mut series = std::collections::BTreeMap::new();
@@ -38,8 +35,10 @@ fn main() -> anyhow::Result<()> {
                 growth_per_day: if j % 3 == 0 { 0.01 } else { 0.0 },
                 ..Default::default()
             };
+            // Anchored at a fixed origin: a later window sees the same values where it overlaps.
+            let origin = end.div_euclid(86_400) * 86_400 - 40 * 86_400;
             let values = (0..len)
-                .map(|k| p.sample(start + k as i64 * step, start, 7, (i * 10 + j) as u64) as f32)
+                .map(|k| p.sample(start + k as i64 * step, origin, 7, (i * 10 + j) as u64) as f32)
                 .collect();
             series.insert(
                 SeriesKey {
@@ -55,19 +54,35 @@ fn main() -> anyhow::Result<()> {
             );
         }
     }
-    let history = History {
+    History {
         start,
         step,
         len,
         series,
         rejected: vec![],
         source_error: None,
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let mut args = std::env::args().skip(1);
+    let mut next = |d: i64| -> anyhow::Result<i64> {
+        Ok(args.next().map(|a| a.parse()).transpose()?.unwrap_or(d))
     };
+    let (n, days, runs) = (next(1000)? as usize, next(28)?, next(3)? as usize);
+    // Noon of today (UTC); run r sees the history 5 × r minutes later, as a daemon on a
+    // `*/5` schedule does.
+    let noon = Utc::now().timestamp().div_euclid(86_400) * 86_400 + 43_200;
+    let histories: Vec<History> = (0..runs as i64)
+        .map(|r| fleet(n, days, noon + r * 300))
+        .collect();
     let cfg: DaemonConfig = serde_yaml::from_str(&format!(
-        "history:\n  file: x.csv\n  step: {step}s\n  lookback: {days}d\nconfig_repo:\n  path: repo\n"
+        "history:\n  file: x.csv\n  step: 60s\n  lookback: {days}d\nconfig_repo:\n  path: repo\n"
     ))?;
-    let now = Utc.timestamp_opt(end, 0).unwrap();
-    println!("fleet: {n} services × 10 buckets, {len} points per series (1 m grid, {days} days)");
+    println!(
+        "fleet: {n} services × 10 buckets, {} points per series (1 m grid, {days} days)",
+        histories[0].len
+    );
     for policy in ["peak", "forecast"] {
         let mut sides = Vec::new();
         for headroom in ["0.25", "auto"] {
@@ -82,10 +97,11 @@ fn main() -> anyhow::Result<()> {
             sides.push((headroom, dir, repo, Vec::<Duration>::new()));
         }
         let mut margins = Vec::new();
-        for _ in 0..runs {
+        for (r, history) in histories.iter().enumerate() {
+            let now = Utc.timestamp_opt(noon + r as i64 * 300, 0).unwrap();
             for (_, _, repo, times) in sides.iter_mut() {
                 let t = Instant::now();
-                let plan = compute_plan(&cfg, repo, &history, now);
+                let plan = compute_plan(&cfg, repo, history, now);
                 times.push(t.elapsed());
                 margins = plan
                     .buckets
