@@ -35,7 +35,8 @@ use chrono::{Offset, TimeZone, Utc};
 use schema::PolicyName;
 use serde_json::{json, Value};
 
-use crate::peak::{round3, Peak};
+use crate::peak::Peak;
+use crate::round3;
 use crate::spikes::{median, Spike};
 use crate::{bound, headroom, Policy, PolicyError, PolicyInput, Proposal};
 

@@ -153,3 +153,8 @@ pub fn headroom_of(p: &Proposal, spec: &PolicySpec) -> f64 {
 pub fn is_auto(spec: &PolicySpec) -> bool {
     spec.headroom == Some(Headroom::Auto)
 }
+
+/// Rounds to 3 decimals for readable evidence.
+pub(crate) fn round3(v: f64) -> f64 {
+    (v * 1000.0).round() / 1000.0
+}

@@ -19,7 +19,7 @@
 use schema::{Headroom, PolicyName, PolicySpec};
 use serde_json::{json, Value};
 
-use crate::peak::round3;
+use crate::round3;
 use crate::{Policy, PolicyError, PolicyInput, Proposal, RateSeries, DEFAULT_HEADROOM};
 
 /// Default `target_throttled`: 0.01 % of requests.

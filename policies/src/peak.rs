@@ -8,7 +8,7 @@
 use schema::PolicyName;
 use serde_json::json;
 
-use crate::{bound, headroom, Policy, PolicyError, PolicyInput, Proposal, CONFIDENT_DAYS};
+use crate::{bound, headroom, round3, Policy, PolicyError, PolicyInput, Proposal, CONFIDENT_DAYS};
 
 /// The built-in `peak` policy.
 #[derive(Debug, Default, Clone, Copy)]
@@ -103,11 +103,6 @@ impl Policy for Peak {
             }),
         })
     }
-}
-
-/// Rounds to 3 decimals for readable evidence.
-pub(crate) fn round3(v: f64) -> f64 {
-    (v * 1000.0).round() / 1000.0
 }
 
 #[cfg(test)]

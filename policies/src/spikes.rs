@@ -124,16 +124,15 @@ fn rfc(t: i64) -> String {
 
 /// The spikes as the evidence lists them (`spikes`).
 pub fn evidence(spikes: &[Spike]) -> Vec<serde_json::Value> {
-    let round3 = |v: f64| (v * 1000.0).round() / 1000.0;
     spikes
         .iter()
         .map(|sp| {
             serde_json::json!({
                 "from": rfc(sp.from),
                 "to": rfc(sp.to),
-                "peak_rps": round3(sp.peak_rps),
-                "usual_rps": round3(sp.usual_rps),
-                "ratio": round3(sp.peak_rps / sp.usual_rps),
+                "peak_rps": crate::round3(sp.peak_rps),
+                "usual_rps": crate::round3(sp.usual_rps),
+                "ratio": crate::round3(sp.peak_rps / sp.usual_rps),
                 "discounted": true,
                 "why": format!("{:.1}× the usual rate of that hour, not recurring: a one-off", sp.peak_rps / sp.usual_rps),
             })
