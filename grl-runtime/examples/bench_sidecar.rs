@@ -30,8 +30,9 @@
 //! gRPC call, counted under callgrind (Debian's `valgrind`), beside the figures of the last
 //! accepted commit (`grl-runtime/benches/sidecar-instructions.json`; `--accept-instructions`
 //! writes this run's there), so that a change that makes a request dearer is seen.
-//! `BENCH_ONLY=hop|grpc|instructions|accuracy` runs one part. Output: Markdown tables
-//! (docs/grl-sidecar-bench.md).
+//! `BENCH_ONLY=hop|grpc|instructions|accuracy` runs one part; `BENCH_KEEP=1` keeps the run's
+//! directories (logs, nginx's configuration, the callgrind dumps `callgrind-*.out.1` for
+//! `benches/callgrind_groups.py`). Output: Markdown tables (docs/grl-sidecar-bench.md).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -836,6 +837,9 @@ async fn run(a: Args) {
         accuracy_part(&a, up, all_cpus, &mut procs).await;
     }
     drop(procs);
+    if std::env::var("BENCH_KEEP").is_ok() {
+        eprintln!("kept: {}", dir.keep().display());
+    }
 }
 
 /// The HTTP/1.1 hop: latency at each rate (open loop), then saturation (closed loop).
