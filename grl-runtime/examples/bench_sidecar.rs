@@ -837,7 +837,12 @@ async fn run(a: Args) {
         accuracy_part(&a, up, all_cpus, &mut procs).await;
     }
     drop(procs);
-    if std::env::var("BENCH_KEEP").is_ok() {
+    keep_if_asked(dir);
+}
+
+/// Keeps a run's directory (and says where) when `BENCH_KEEP` is set; otherwise it goes.
+fn keep_if_asked(dir: tempfile::TempDir) {
+    if std::env::var_os("BENCH_KEEP").is_some() {
         eprintln!("kept: {}", dir.keep().display());
     }
 }
@@ -998,9 +1003,7 @@ async fn accuracy_part(
     (g / limit - 1.0) * 100.0,
     (n / limit - 1.0) * 100.0
 );
-    if std::env::var("BENCH_KEEP").is_ok() {
-        eprintln!("kept: {}", dir2.keep().display());
-    }
+    keep_if_asked(dir2);
 }
 
 /// Where the instruction counts of the last accepted commit are kept (`--accept-instructions`
