@@ -21,7 +21,7 @@ use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::extract::ConnectInfo;
 use axum::Router;
@@ -221,7 +221,8 @@ pub fn fit_to_fd_limit(mut limits: ServeLimits, listeners: usize) -> ServeLimits
 
 /// Per connection: what its reads, writes and requests did, for the timeouts.
 struct Activity {
-    origin: Instant,
+    /// [`coarse_ms`] at the accept.
+    origin: u64,
     /// Milliseconds since `origin` of the last byte read or written, or request finished.
     last_io: AtomicU64,
     /// Milliseconds since `origin` at which the head being awaited began ([`NONE`]: no head
@@ -239,6 +240,32 @@ struct Activity {
     last_progress: AtomicU64,
 }
 
+/// Milliseconds on the system's coarse monotonic clock (`CLOCK_MONOTONIC_COARSE`, advanced at
+/// each scheduler tick: a few milliseconds), read at every read and write of a connection:
+/// cheaper than `Instant::now` and its `Duration` arithmetic, and fine for timeouts of
+/// seconds.
+#[cfg(target_os = "linux")]
+fn coarse_ms() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid `timespec` for the call to write; the clock exists on Linux
+    // since 2.6.32 (on failure `ts` stays zero and the timeouts count from zero).
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
+    ts.tv_sec as u64 * 1000 + ts.tv_nsec as u64 / 1_000_000
+}
+
+/// Milliseconds since the first call (elsewhere than Linux).
+#[cfg(not(target_os = "linux"))]
+fn coarse_ms() -> u64 {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    START
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_millis() as u64
+}
+
 const NONE: u64 = u64::MAX;
 
 #[derive(Debug, PartialEq)]
@@ -251,7 +278,7 @@ enum Verdict {
 impl Activity {
     fn new() -> Activity {
         Activity {
-            origin: Instant::now(),
+            origin: coarse_ms(),
             last_io: AtomicU64::new(0),
             head_since: AtomicU64::new(0),
             in_flight: AtomicU32::new(0),
@@ -262,7 +289,7 @@ impl Activity {
     }
 
     fn now(&self) -> u64 {
-        self.origin.elapsed().as_millis() as u64
+        coarse_ms().saturating_sub(self.origin)
     }
 
     fn read(&self) {
@@ -1137,7 +1164,7 @@ mod tests {
             let _ = stopped.await;
         }));
         let (cut_after, answered) = tokio::task::spawn_blocking(move || {
-            let start = Instant::now();
+            let start = std::time::Instant::now();
             let mut silent = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
             silent
                 .set_read_timeout(Some(Duration::from_millis(200)))
