@@ -81,7 +81,10 @@ const MAX_PROBES: usize = 32;
 pub struct CallCounter {
     table: ArcSwap<CallTable>,
     capacity: usize,
-    hasher: std::collections::hash_map::RandomState,
+    /// Seeded per process: the keys are callers' names, chosen by whoever calls, and a
+    /// collision costs them their own slot only (counted as [`OTHER`] past the probes), never
+    /// a decision. foldhash rather than std's SipHash, which is slower.
+    hasher: foldhash::quality::RandomState,
 }
 
 impl std::fmt::Debug for CallCounter {
