@@ -563,6 +563,11 @@ fn strip_hop_by_hop(h: &mut HeaderMap) {
     let mut named: Vec<HeaderName> = Vec::new();
     if connection {
         for v in h.get_all(http::header::CONNECTION) {
+            // Most say only this, and name no header.
+            let b = v.as_bytes();
+            if b.eq_ignore_ascii_case(b"keep-alive") || b.eq_ignore_ascii_case(b"close") {
+                continue;
+            }
             for n in v.to_str().unwrap_or("").split(',').map(str::trim) {
                 if n.eq_ignore_ascii_case("close") || n.eq_ignore_ascii_case("keep-alive") {
                     continue;
