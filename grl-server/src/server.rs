@@ -250,8 +250,8 @@ fn coarse_ms() -> u64 {
         tv_sec: 0,
         tv_nsec: 0,
     };
-    // SAFETY: `ts` is a valid `timespec` for the call to write; the clock exists on Linux
-    // since 2.6.32 (on failure `ts` stays zero and the timeouts count from zero).
+    // SAFETY: `ts` is a valid `timespec` for the call to write. With a valid pointer the
+    // only error is a clock the kernel lacks, and this one exists since Linux 2.6.32.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
     ts.tv_sec as u64 * 1000 + ts.tv_nsec as u64 / 1_000_000
 }

@@ -563,13 +563,13 @@ fn strip_hop_by_hop(h: &mut HeaderMap) {
     let mut named: Vec<HeaderName> = Vec::new();
     if connection {
         for v in h.get_all(http::header::CONNECTION) {
-            // Most say only this, and name no header.
-            let b = v.as_bytes();
-            if b.eq_ignore_ascii_case(b"keep-alive") || b.eq_ignore_ascii_case(b"close") {
+            // Most say only `keep-alive`: not split (splitting every value as bytes instead
+            // measured dearer).
+            if names_no_header(v.as_bytes()) {
                 continue;
             }
             for n in v.to_str().unwrap_or("").split(',').map(str::trim) {
-                if n.eq_ignore_ascii_case("close") || n.eq_ignore_ascii_case("keep-alive") {
+                if names_no_header(n.as_bytes()) {
                     continue;
                 }
                 if let Ok(n) = HeaderName::from_bytes(n.as_bytes()) {
@@ -599,6 +599,11 @@ fn strip_hop_by_hop(h: &mut HeaderMap) {
             h.insert(http::header::TE, HeaderValue::from_static("trailers"));
         }
     }
+}
+
+/// A `Connection` option that names no header of its own: `close`, `keep-alive`.
+fn names_no_header(option: &[u8]) -> bool {
+    option.eq_ignore_ascii_case(b"close") || option.eq_ignore_ascii_case(b"keep-alive")
 }
 
 /// Whether `n` is a hop-by-hop header (`connection`, `keep-alive`, `proxy-connection`,
