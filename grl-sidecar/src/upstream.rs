@@ -983,6 +983,75 @@ mod tests {
         assert_eq!(closed.load(Ordering::SeqCst), 1);
     }
 
+    #[tokio::test]
+    async fn a_streamed_call_body_past_every_window_goes_on_after_the_answers_head() {
+        use http_body_util::BodyExt;
+        // An h2c upstream that answers the head at once, then reads the whole request body
+        // and answers its length and its trailer.
+        let (up, _) = counted_upstream(|s, _| async move {
+            let svc = hyper::service::service_fn(|req: Request<Incoming>| async move {
+                let (mut tx, body) = http_body_util::channel::Channel::<Bytes>::new(1);
+                tokio::spawn(async move {
+                    let (mut n, mut trailer) = (0, String::new());
+                    let mut body = req.into_body();
+                    while let Some(f) = body.frame().await {
+                        match f.unwrap().into_data() {
+                            Ok(d) => n += d.len(),
+                            Err(f) => {
+                                let t = f.into_trailers().unwrap();
+                                trailer = t["x-end"].to_str().unwrap().to_owned();
+                            }
+                        }
+                    }
+                    let _ = tx.send_data(Bytes::from(format!("{n}"))).await;
+                    let mut t = http::HeaderMap::new();
+                    t.insert("x-end", trailer.parse().unwrap());
+                    let _ = tx.send_trailers(t).await;
+                });
+                Ok::<_, std::convert::Infallible>(Response::new(body))
+            });
+            let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                .serve_connection(TokioIo::new(s), svc)
+                .await;
+        })
+        .await;
+        let h2 = Clients::new(up, Duration::from_secs(2), Duration::from_secs(60)).h2;
+        // 3 MiB: more than the upstream's stream and connection windows (1 MiB each, hyper's
+        // server defaults), so the body waits for the upstream to read.
+        let (mut tx, body) = http_body_util::channel::Channel::<Bytes, hyper::Error>::new(4);
+        let req = Request::post("http://x/pkg.Svc/Upload")
+            .version(http::Version::HTTP_2)
+            .header("content-type", "application/grpc")
+            .body(Body::new(body))
+            .unwrap();
+        let feed = tokio::spawn(async move {
+            for _ in 0..192 {
+                tx.send_data(Bytes::from(vec![7u8; 16 << 10]))
+                    .await
+                    .unwrap();
+            }
+            let mut t = http::HeaderMap::new();
+            t.insert("x-end", "done".parse().unwrap());
+            tx.send_trailers(t).await.unwrap();
+        });
+        let answer = tokio::time::timeout(Duration::from_secs(10), async {
+            let mut body = h2.request(req).await.unwrap().into_body();
+            let (mut data, mut trailers) = (Vec::new(), None);
+            while let Some(f) = body.frame().await {
+                match f.unwrap().into_data() {
+                    Ok(d) => data.extend_from_slice(&d),
+                    Err(f) => trailers = Some(f.into_trailers().unwrap()),
+                }
+            }
+            (String::from_utf8(data).unwrap(), trailers.unwrap())
+        })
+        .await
+        .expect("the call ended");
+        assert_eq!(answer.0, (3 << 20).to_string());
+        assert_eq!(answer.1["x-end"], "done");
+        feed.await.unwrap();
+    }
+
     async fn call(h2: &H2Conn) -> Result<Bytes, UpstreamError> {
         use http_body_util::BodyExt;
         let req = Request::post("http://x/pkg.Svc/Method")
