@@ -16,6 +16,7 @@
 
 #![warn(missing_docs)]
 
+mod h2c;
 pub mod identity;
 mod metrics;
 pub mod upstream;

@@ -12,9 +12,12 @@ use bytes::Bytes;
 use http::{Request, Response, Uri};
 use hyper::body::{Body as _, Incoming};
 use hyper::client::conn::http1::SendRequest;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 use tokio::net::{TcpStream, UnixStream};
 use tokio::sync::Semaphore;
+
+pub use crate::h2c::H2Body;
+use crate::h2c::{ConnId, H2Handle};
 
 /// Where the service instance listens.
 #[derive(Debug, Clone, PartialEq)]
@@ -265,28 +268,21 @@ impl Clients {
 /// connection ([`H2Conn::fresh`]; one per worker thread for callers without one). It carries
 /// every call in flight (HTTP/2 multiplexes them, up to the upstream's limit of
 /// concurrent streams; calls beyond it wait for a stream), its task on the thread that opened
-/// it. No lookup by host, no task per call: a call clones the connection's handle. A closed
-/// connection is replaced at the next call, and a call not yet sent on a cached connection
-/// that turned out closed goes on the new one; a connection unused for the idle timeout is
-/// replaced at the next call (it closes once its last call ends).
+/// it. No lookup by host, no task per call: a call clones the connection's handle and sends
+/// from its own task ([`crate::h2c`]). A closed connection is replaced at the next call, and a
+/// call not yet sent on a cached connection that turned out closed goes on the new one; a
+/// connection unused for the idle timeout is replaced at the next call (it closes once its
+/// last call ends).
 #[derive(Clone)]
 pub struct H2Conn {
     upstream: std::sync::Arc<Upstream>,
     connect_timeout: Duration,
     idle_timeout: Duration,
-    current: std::sync::Arc<std::sync::Mutex<Option<(H2Send, Instant)>>>,
+    current: std::sync::Arc<std::sync::Mutex<Option<(H2Handle, Instant)>>>,
     /// Held while a connection is being opened: the calls that find none wait for that one
     /// instead of each opening its own.
     opening: std::sync::Arc<tokio::sync::Mutex<()>>,
 }
-
-type H2Send = hyper::client::conn::http2::SendRequest<Body>;
-
-/// What one gRPC call's answer may have in flight from the upstream before its caller reads.
-const H2_STREAM_WINDOW: u32 = 256 << 10;
-/// An h2c connection's window: 4 calls' windows. It is one caller connection's (the sidecar
-/// opens one per caller connection), so it bounds what that caller's unread calls hold.
-const H2_CONNECTION_WINDOW: u32 = 4 * H2_STREAM_WINDOW;
 
 impl H2Conn {
     /// A connection of its own to the same upstream, opened at its first call (one per caller
@@ -300,45 +296,43 @@ impl H2Conn {
     }
 
     /// Sends `req` (absolute URI, HTTP/2) and waits for the answer's head.
-    pub async fn request(
-        &self,
-        mut req: Request<Body>,
-    ) -> Result<Response<Incoming>, UpstreamError> {
+    pub async fn request(&self, mut req: Request<Body>) -> Result<Response<H2Body>, UpstreamError> {
         loop {
-            let (mut tx, cached) = match self.cached() {
-                Some(tx) => (tx, true),
+            let (handle, cached) = match self.cached() {
+                Some(h) => (h, true),
                 None => {
                     let _opening = self.opening.lock().await;
                     match self.cached() {
-                        Some(tx) => (tx, true),
+                        Some(h) => (h, true),
                         None => (self.connect().await?, false),
                     }
                 }
             };
-            match tx.try_send_request(req).await {
-                Ok(resp) => return Ok(resp),
-                Err(mut e) => match e.take_message() {
-                    // Never sent: the cached connection had closed; once on a new one.
-                    Some(r) if cached => {
-                        self.forget();
-                        req = r;
-                    }
-                    _ => return Err(UpstreamError::Request(e.into_error())),
-                },
+            let used = handle.id();
+            match handle.send(req).await {
+                Ok(answer) => return answer.map_err(|e| UpstreamError::Request(Box::new(e))),
+                // Never sent: the cached connection had closed; once on a new one.
+                Err(r) if cached => {
+                    self.forget(used);
+                    req = r;
+                }
+                Err(_) => {
+                    return Err(UpstreamError::Request(
+                        "the new h2c connection took no stream".into(),
+                    ))
+                }
             }
         }
     }
 
     /// The current connection's handle, unless it closed or sat unused for the idle timeout.
-    fn cached(&self) -> Option<H2Send> {
+    fn cached(&self) -> Option<H2Handle> {
         let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
         match &mut *current {
-            Some((tx, used))
-                if !tx.is_closed() && now.duration_since(*used) <= self.idle_timeout =>
-            {
+            Some((h, used)) if !h.is_closed() && now.duration_since(*used) <= self.idle_timeout => {
                 *used = now;
-                Some(tx.clone())
+                Some(h.clone())
             }
             _ => {
                 *current = None;
@@ -347,15 +341,16 @@ impl H2Conn {
         }
     }
 
-    /// Drops the current connection if it has closed (another call may have replaced it).
-    fn forget(&self) {
+    /// Drops the connection `used` if it is still the current one (another call may have
+    /// replaced it).
+    fn forget(&self, used: ConnId) {
         let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
-        if current.as_ref().is_some_and(|(c, _)| c.is_closed()) {
+        if current.as_ref().is_some_and(|(h, _)| used.is(h)) {
             *current = None;
         }
     }
 
-    async fn connect(&self) -> Result<H2Send, UpstreamError> {
+    async fn connect(&self) -> Result<H2Handle, UpstreamError> {
         let io = self
             .upstream
             .connect(self.connect_timeout)
@@ -366,21 +361,12 @@ impl H2Conn {
         // until the caller is cut as idle, and the connection's window (4 such windows, 1 MiB)
         // bounds what one caller connection's unread calls hold in the sidecar. Calls that
         // stop reading stall only their own connection's other calls.
-        let (tx, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
-            .timer(TokioTimer::new())
-            .initial_stream_window_size(H2_STREAM_WINDOW)
-            .initial_connection_window_size(H2_CONNECTION_WINDOW)
-            .handshake(io)
+        let handle = H2Handle::handshake(io)
             .await
-            .map_err(UpstreamError::Handshake)?;
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(error = %e, "upstream h2c connection ended with an error");
-            }
-        });
+            .map_err(|e| UpstreamError::Handshake(Box::new(e)))?;
         let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
-        *current = Some((tx.clone(), Instant::now()));
-        Ok(tx)
+        *current = Some((handle.clone(), Instant::now()));
+        Ok(handle)
     }
 }
 
@@ -416,9 +402,9 @@ pub enum UpstreamError {
     /// No connection (refused, timed out).
     Connect(std::io::Error),
     /// A connection, but the HTTP/1.1 or HTTP/2 handshake failed.
-    Handshake(hyper::Error),
+    Handshake(Box<dyn std::error::Error + Send + Sync>),
     /// The request failed on its connection.
-    Request(hyper::Error),
+    Request(Box<dyn std::error::Error + Send + Sync>),
 }
 
 impl UpstreamError {
@@ -433,7 +419,8 @@ impl UpstreamError {
     /// Whether the request failed on the caller's own body (hyper's "user body" error: the
     /// body stream the caller sent broke, such as a malformed chunk size), not the upstream.
     pub fn is_caller_body(&self) -> bool {
-        matches!(self, UpstreamError::Request(e) if e.is_user())
+        matches!(self, UpstreamError::Request(e)
+            if e.downcast_ref::<hyper::Error>().is_some_and(hyper::Error::is_user))
     }
 }
 
@@ -451,7 +438,7 @@ impl std::error::Error for UpstreamError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             UpstreamError::Connect(e) => Some(e),
-            UpstreamError::Handshake(e) | UpstreamError::Request(e) => Some(e),
+            UpstreamError::Handshake(e) | UpstreamError::Request(e) => Some(&**e),
         }
     }
 }
@@ -530,7 +517,7 @@ impl H1Pool {
                         replayed = true;
                         req = head.map(|()| Body::empty())
                     }
-                    _ => return Err(UpstreamError::Request(e.into_error())),
+                    _ => return Err(UpstreamError::Request(Box::new(e.into_error()))),
                 },
             }
         }
@@ -560,7 +547,7 @@ impl H1Pool {
             .max_buf_size(H1_READ_BUF)
             .handshake(io)
             .await
-            .map_err(UpstreamError::Handshake)?;
+            .map_err(|e| UpstreamError::Handshake(Box::new(e)))?;
         tokio::spawn(async move {
             if let Err(e) = conn.await {
                 tracing::debug!(error = %e, "upstream connection ended with an error");
@@ -665,6 +652,7 @@ impl hyper::body::Body for PooledBody {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hyper_util::rt::TokioExecutor;
 
     #[test]
     fn upstreams_parse_or_say_why_not() {
