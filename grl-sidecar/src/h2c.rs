@@ -14,7 +14,7 @@ use std::task::{Context, Poll};
 
 use axum::body::Body;
 use bytes::Bytes;
-use http::{Request, Response};
+use http::{Method, Request, Response};
 use hyper::body::{Body as _, Frame, SizeHint};
 use hyper_util::rt::TokioIo;
 
@@ -34,26 +34,32 @@ const MAX_SEND_BUFFER: usize = 1 << 20;
 /// (hyper's HTTP/2 client's default, the minimum RFC 9113 recommends to advertise).
 const INITIAL_MAX_SEND_STREAMS: usize = 100;
 
-/// A handle on one h2c connection; clones share it.
-#[derive(Clone)]
-pub(crate) struct H2Handle {
-    tx: h2::client::SendRequest<Bytes>,
-    /// Set when the connection's task has ended.
-    closed: Arc<AtomicBool>,
-    /// Held by every handle: when the last one is dropped, the connection's task wakes and
-    /// lets the connection close once its calls have ended (h2 does not wake a connection
-    /// parked with no I/O when its last `SendRequest` goes).
-    _alive: tokio::sync::mpsc::Sender<Infallible>,
-}
-
 /// A connection's identity ([`H2Handle::id`]).
-pub(crate) struct ConnId(Arc<AtomicBool>);
+pub(crate) struct ConnId(Arc<Conn>);
 
 impl ConnId {
     /// Whether `h` is a handle on this connection.
     pub(crate) fn is(&self, h: &H2Handle) -> bool {
-        Arc::ptr_eq(&self.0, &h.closed)
+        Arc::ptr_eq(&self.0, &h.0)
     }
+}
+
+/// A handle on one h2c connection; clones share it.
+#[derive(Clone)]
+pub(crate) struct H2Handle(Arc<Conn>);
+
+struct Conn {
+    /// The one sender of the connection. A call holds it from the moment it asks for a stream
+    /// until its stream is open, so that at the upstream's limit of concurrent streams the
+    /// calls beyond it wait here, in order, and a call that gives up leaves the queue: h2
+    /// itself holds at most one call waiting for a stream (as hyper's client does).
+    tx: tokio::sync::Mutex<h2::client::SendRequest<Bytes>>,
+    /// Set when the connection's task has ended.
+    closed: AtomicBool,
+    /// Dropped with the last handle: the connection's task then wakes and lets the
+    /// connection close once its calls have ended (hyper guards against h2 not waking a
+    /// connection parked with no I/O for that; so does this).
+    _alive: tokio::sync::mpsc::Sender<Infallible>,
 }
 
 impl H2Handle {
@@ -69,9 +75,14 @@ impl H2Handle {
             .enable_push(false)
             .handshake::<_, Bytes>(TokioIo::new(io))
             .await?;
-        let closed = Arc::new(AtomicBool::new(false));
         let (alive, mut gone) = tokio::sync::mpsc::channel::<Infallible>(1);
-        let ended = closed.clone();
+        let handle = H2Handle(Arc::new(Conn {
+            tx: tokio::sync::Mutex::new(tx),
+            closed: AtomicBool::new(false),
+            _alive: alive,
+        }));
+        // The task holds the connection's state weakly: the handles' drop is what it watches.
+        let state = Arc::downgrade(&handle.0);
         tokio::spawn(async move {
             tokio::pin!(conn);
             let r = tokio::select! {
@@ -79,58 +90,72 @@ impl H2Handle {
                 // Every handle dropped: the connection closes once its streams end.
                 _ = gone.recv() => conn.await,
             };
-            ended.store(true, Ordering::Relaxed);
+            if let Some(c) = state.upgrade() {
+                c.closed.store(true, Ordering::Relaxed);
+            }
             if let Err(e) = r {
                 tracing::debug!(error = %e, "upstream h2c connection ended with an error");
             }
         });
-        Ok(H2Handle {
-            tx,
-            closed,
-            _alive: alive,
-        })
+        Ok(handle)
     }
 
     /// Whether the connection's task has ended (its calls all failed or finished).
     pub(crate) fn is_closed(&self) -> bool {
-        self.closed.load(Ordering::Relaxed)
+        self.0.closed.load(Ordering::Relaxed)
     }
 
-    /// Which connection this is, without holding it open.
+    /// Which connection this is.
     pub(crate) fn id(&self) -> ConnId {
-        ConnId(self.closed.clone())
+        ConnId(self.0.clone())
     }
 
     /// Sends one call and waits for its answer's head; `Err(req)` when the connection takes
-    /// no new stream (it closed, or the upstream sent GOAWAY): nothing was sent.
+    /// no new stream (it closed, or the upstream sent GOAWAY): nothing was sent. The head
+    /// carries no connection-specific header, and `TE` only as `trailers` (the proxy's
+    /// `strip_hop_by_hop` removed them): h2 refuses a call with one, unsent.
     pub(crate) async fn send(
         self,
         req: Request<Body>,
     ) -> Result<Result<Response<H2Body>, h2::Error>, Request<Body>> {
-        let tx = match self.tx.ready().await {
-            Ok(tx) => tx,
-            Err(_) => return Err(req),
+        let mut tx = self.0.tx.lock().await;
+        if std::future::poll_fn(|cx| tx.poll_ready(cx)).await.is_err() {
+            return Err(req);
+        }
+        let (mut head, body) = req.into_parts();
+        // As hyper's client: a body of known length says so.
+        if let Some(len) = body.size_hint().exact() {
+            if len != 0 || !matches!(head.method, Method::GET | Method::HEAD | Method::DELETE) {
+                head.headers
+                    .entry(http::header::CONTENT_LENGTH)
+                    .or_insert_with(|| len.into());
+            }
+        }
+        let eos = body.is_end_stream();
+        let sent = tx.send_request(Request::from_parts(head, ()), eos);
+        // At the upstream's limit of concurrent streams this call's stream waits to open:
+        // the next call waits for that on the lock, not inside h2.
+        let sent = match sent {
+            Ok(s) => std::future::poll_fn(|cx| tx.poll_ready(cx))
+                .await
+                .map(|()| s),
+            Err(e) => Err(e),
         };
-        Ok(send_ready(tx, req).await)
+        drop(tx);
+        Ok(match sent {
+            Ok((answer, stream)) => exchange(answer, (!eos).then(|| Pipe::new(body, stream))).await,
+            Err(e) => Err(e),
+        })
     }
 }
 
-/// [`H2Handle::send`] once the connection takes a stream.
-async fn send_ready(
-    mut tx: h2::client::SendRequest<Bytes>,
-    req: Request<Body>,
+/// Awaits the answer's head while the request body goes (a small one ends in the first
+/// poll); a body still streaming when the head arrives (a client-streaming call answered
+/// early) goes on in a task of its own, as long as the call's stream lives.
+async fn exchange(
+    mut answer: h2::client::ResponseFuture,
+    mut pipe: Option<Pipe>,
 ) -> Result<Response<H2Body>, h2::Error> {
-    let (mut head, body) = req.into_parts();
-    // HTTP/2 forbids the connection-specific headers, and h2 refuses a call with one: gone,
-    // with `TE` other than `trailers` (a scan of the names when there are none, as from the
-    // proxy, which has removed them already).
-    crate::strip_hop_by_hop(&mut head.headers);
-    let eos = body.is_end_stream();
-    let (answer, stream) = tx.send_request(Request::from_parts(head, ()), eos)?;
-    drop(tx);
-    let mut pipe = (!eos).then(|| Pipe { body, tx: stream });
-    let mut answer = answer;
-    // The body goes while the answer is awaited: a small one ends in the first poll.
     let head = std::future::poll_fn(|cx| {
         if let Some(p) = pipe.as_mut() {
             if let Poll::Ready(r) = Pin::new(p).poll(cx) {
@@ -143,9 +168,7 @@ async fn send_ready(
         }
         Pin::new(&mut answer).poll(cx)
     })
-    .await;
-    // A body still streaming (a client-streaming call answered early) goes on in a task of
-    // its own, as long as the call's stream lives.
+    .await?;
     if let Some(p) = pipe {
         tokio::spawn(async move {
             if let Err(e) = p.await {
@@ -153,12 +176,23 @@ async fn send_ready(
             }
         });
     }
-    let (parts, recv) = head?.into_parts();
+    let (parts, recv) = head.into_parts();
+    // What is left to read, as hyper's client tells it: the declared length, none left once
+    // the stream has ended.
+    let remaining = if recv.is_end_stream() {
+        Some(0)
+    } else {
+        parts
+            .headers
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+    };
     Ok(Response::from_parts(
         parts,
         H2Body {
             recv,
             data_done: false,
+            remaining,
         },
     ))
 }
@@ -167,6 +201,19 @@ async fn send_ready(
 struct Pipe {
     body: Body,
     tx: h2::SendStream<Bytes>,
+    /// A piece read from the body that waits for the stream's window, and whether it is the
+    /// last.
+    waiting: Option<(Bytes, bool)>,
+}
+
+impl Pipe {
+    fn new(body: Body, tx: h2::SendStream<Bytes>) -> Pipe {
+        Pipe {
+            body,
+            tx,
+            waiting: None,
+        }
+    }
 }
 
 impl Future for Pipe {
@@ -175,30 +222,49 @@ impl Future for Pipe {
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = &mut *self;
         loop {
-            // Room for at least a byte before the next frame is read: what the upstream has
-            // not taken stays in the caller's body, not in the sidecar (h2 queues a frame
-            // larger than the window, up to its send buffer).
-            this.tx.reserve_capacity(1);
-            if this.tx.capacity() == 0 {
-                loop {
-                    match std::task::ready!(this.tx.poll_capacity(cx)) {
-                        Some(Ok(0)) => {}
-                        Some(Ok(_)) => break,
-                        Some(Err(e)) => return Poll::Ready(Err(e)),
-                        // No longer open for sending: ended or reset.
-                        None => return Poll::Ready(Err(h2::Error::from(h2::Reason::CANCEL))),
-                    }
-                }
-            } else if let Poll::Ready(reason) = this.tx.poll_reset(cx)? {
+            // Woken by a reset from the upstream too, whatever is awaited below.
+            if let Poll::Ready(reason) = this.tx.poll_reset(cx)? {
                 return Poll::Ready(Err(h2::Error::from(reason)));
             }
+            if let Some((data, eos)) = this.waiting.take() {
+                while this.tx.capacity() == 0 {
+                    match this.tx.poll_capacity(cx) {
+                        Poll::Pending => {
+                            this.waiting = Some((data, eos));
+                            return Poll::Pending;
+                        }
+                        Poll::Ready(Some(Ok(_))) => {}
+                        Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(e)),
+                        // No longer open for sending: ended or reset.
+                        Poll::Ready(None) => {
+                            return Poll::Ready(Err(h2::Error::from(h2::Reason::CANCEL)))
+                        }
+                    }
+                }
+                this.tx.send_data(data, eos)?;
+                if eos {
+                    return Poll::Ready(Ok(()));
+                }
+                continue;
+            }
+            // The body is read before any window is asked for: a claim on the connection's
+            // window while the caller sends nothing could stall the connection's other calls
+            // with an upstream that reopens its window only once it is used up (hyper's
+            // client learnt this, its issue 4003).
             match std::task::ready!(Pin::new(&mut this.body).poll_frame(cx)) {
                 Some(Ok(frame)) => match frame.into_data() {
                     Ok(data) => {
                         let eos = this.body.is_end_stream();
-                        this.tx.send_data(data, eos)?;
-                        if eos {
-                            return Poll::Ready(Ok(()));
+                        if data.is_empty() {
+                            // Needs no window: straight through.
+                            this.tx.send_data(data, eos)?;
+                            if eos {
+                                return Poll::Ready(Ok(()));
+                            }
+                        } else {
+                            // A byte asked for; h2 asks for the rest as it queues the piece.
+                            this.tx.reserve_capacity(1);
+                            this.waiting = Some((data, eos));
                         }
                     }
                     Err(frame) => {
@@ -210,9 +276,12 @@ impl Future for Pipe {
                     }
                 },
                 Some(Err(e)) => {
+                    // The caller's own reset passes on as it came (a cancelled call stays
+                    // cancelled upstream), anything else as an internal error.
+                    let reason = h2_reason(&e).unwrap_or(h2::Reason::INTERNAL_ERROR);
                     tracing::debug!(error = %e, "the caller's gRPC request body failed");
-                    this.tx.send_reset(h2::Reason::INTERNAL_ERROR);
-                    return Poll::Ready(Err(h2::Error::from(h2::Reason::INTERNAL_ERROR)));
+                    this.tx.send_reset(reason);
+                    return Poll::Ready(Err(h2::Error::from(reason)));
                 }
                 None => {
                     this.tx.send_data(Bytes::new(), true)?;
@@ -223,11 +292,30 @@ impl Future for Pipe {
     }
 }
 
+/// The HTTP/2 reason somewhere in `e`'s chain of causes.
+fn h2_reason(e: &(dyn std::error::Error + 'static)) -> Option<h2::Reason> {
+    let mut cause = Some(e);
+    while let Some(c) = cause {
+        if let Some(r) = c.downcast_ref::<h2::Error>().and_then(h2::Error::reason) {
+            return Some(r);
+        }
+        cause = c.source();
+    }
+    None
+}
+
 /// An answer's body from the upstream: its data, each piece's window given back as the caller
 /// takes it, then its trailers (a gRPC call's status).
 pub struct H2Body {
     recv: h2::RecvStream,
     data_done: bool,
+    /// Bytes left by the answer's declared length.
+    remaining: Option<u64>,
+}
+
+/// A reset with `NO_ERROR` ends an answer early without failing it (RFC 9113 §8.1).
+fn ended_early(e: h2::Error) -> Option<Result<Frame<Bytes>, h2::Error>> {
+    (e.reason() != Some(h2::Reason::NO_ERROR)).then_some(Err(e))
 }
 
 impl hyper::body::Body for H2Body {
@@ -245,16 +333,19 @@ impl hyper::body::Body for H2Body {
                     // The window reopens as the caller reads, never before: a caller that
                     // stops reading stops the upstream at its window.
                     let _ = this.recv.flow_control().release_capacity(data.len());
+                    if let Some(n) = this.remaining.as_mut() {
+                        *n = n.saturating_sub(data.len() as u64);
+                    }
                     return Poll::Ready(Some(Ok(Frame::data(data))));
                 }
-                Some(Err(e)) => return Poll::Ready(Some(Err(e))),
+                Some(Err(e)) => return Poll::Ready(ended_early(e)),
                 None => this.data_done = true,
             }
         }
         match std::task::ready!(this.recv.poll_trailers(cx)) {
             Ok(Some(trailers)) => Poll::Ready(Some(Ok(Frame::trailers(trailers)))),
             Ok(None) => Poll::Ready(None),
-            Err(e) => Poll::Ready(Some(Err(e))),
+            Err(e) => Poll::Ready(ended_early(e)),
         }
     }
 
@@ -263,6 +354,6 @@ impl hyper::body::Body for H2Body {
     }
 
     fn size_hint(&self) -> SizeHint {
-        SizeHint::default()
+        self.remaining.map(SizeHint::with_exact).unwrap_or_default()
     }
 }

@@ -295,7 +295,8 @@ impl H2Conn {
         }
     }
 
-    /// Sends `req` (absolute URI, HTTP/2) and waits for the answer's head.
+    /// Sends `req` (absolute URI, HTTP/2, without the hop-by-hop headers that HTTP/2 forbids)
+    /// and waits for the answer's head.
     pub async fn request(&self, mut req: Request<Body>) -> Result<Response<H2Body>, UpstreamError> {
         loop {
             let (handle, cached) = match self.cached() {
@@ -1038,6 +1039,152 @@ mod tests {
         assert_eq!(answer.0, (3 << 20).to_string());
         assert_eq!(answer.1["x-end"], "done");
         feed.await.unwrap();
+    }
+
+    /// An h2c upstream taking `max_streams` calls at once, each answered with `a` and ended
+    /// when `end` says so; it counts the calls it got and notes the reason of each request
+    /// body that failed.
+    async fn held_upstream(
+        max_streams: u32,
+        end: tokio::sync::watch::Receiver<bool>,
+    ) -> (
+        Upstream,
+        std::sync::Arc<std::sync::atomic::AtomicUsize>,
+        std::sync::Arc<std::sync::Mutex<Vec<Option<h2::Reason>>>>,
+    ) {
+        use http_body_util::BodyExt;
+        let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let resets = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (c, r) = (calls.clone(), resets.clone());
+        let (up, _) = counted_upstream(move |s, _| {
+            let (calls, resets, end) = (c.clone(), r.clone(), end.clone());
+            async move {
+                let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
+                    calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let (resets, mut end) = (resets.clone(), end.clone());
+                    async move {
+                        let (mut tx, body) = http_body_util::channel::Channel::<Bytes>::new(1);
+                        tokio::spawn(async move {
+                            let _ = tx.send_data(Bytes::from_static(b"a")).await;
+                            let mut body = req.into_body();
+                            while let Some(f) = body.frame().await {
+                                if let Err(e) = f {
+                                    let reason = std::error::Error::source(&e)
+                                        .and_then(|s| s.downcast_ref::<h2::Error>())
+                                        .and_then(h2::Error::reason);
+                                    resets.lock().unwrap().push(reason);
+                                    break;
+                                }
+                            }
+                            let _ = end.wait_for(|end| *end).await;
+                        });
+                        Ok::<_, std::convert::Infallible>(Response::new(body))
+                    }
+                });
+                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .max_concurrent_streams(max_streams)
+                    .serve_connection(TokioIo::new(s), svc)
+                    .await;
+            }
+        })
+        .await;
+        (up, calls, resets)
+    }
+
+    fn call_request(body: Body) -> Request<Body> {
+        Request::post("http://x/pkg.Svc/Method")
+            .version(http::Version::HTTP_2)
+            .header("content-type", "application/grpc")
+            .body(body)
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn calls_given_up_at_the_upstreams_stream_limit_do_not_reach_it() {
+        use http_body_util::BodyExt;
+        use std::sync::atomic::Ordering;
+        let (end_tx, end_rx) = tokio::sync::watch::channel(false);
+        let (up, calls, _) = held_upstream(1, end_rx).await;
+        let h2 = Clients::new(up, Duration::from_secs(2), Duration::from_secs(60)).h2;
+        // The one stream the upstream takes, held open.
+        let mut held = h2
+            .request(call_request(Body::from("x")))
+            .await
+            .unwrap()
+            .into_body();
+        assert_eq!(
+            held.frame().await.unwrap().unwrap().into_data().unwrap(),
+            "a"
+        );
+        // Three more calls wait for a stream, and their callers give up.
+        let given_up = || {
+            tokio::time::timeout(
+                Duration::from_millis(300),
+                h2.request(call_request(Body::from("y"))),
+            )
+        };
+        let (a, b, c) = tokio::join!(given_up(), given_up(), given_up());
+        assert!(
+            a.is_err() && b.is_err() && c.is_err(),
+            "a stream beyond the limit"
+        );
+        // The first ends. Of the given-up calls, only the one h2 held waiting for a stream
+        // may go then (its head queued in h2, reset right after, as with hyper's client):
+        // the others waited outside h2 and are gone with their callers.
+        end_tx.send(true).unwrap();
+        while held.frame().await.is_some() {}
+        drop(held);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let sent = calls.load(Ordering::SeqCst);
+        assert!(sent <= 2, "{} given-up calls were sent", sent - 1);
+        // The connection serves the next call.
+        let mut next = h2
+            .request(call_request(Body::from("z")))
+            .await
+            .unwrap()
+            .into_body();
+        assert_eq!(
+            next.frame().await.unwrap().unwrap().into_data().unwrap(),
+            "a"
+        );
+        assert_eq!(calls.load(Ordering::SeqCst), sent + 1);
+    }
+
+    #[tokio::test]
+    async fn a_callers_reset_of_a_streaming_call_reaches_the_upstream_as_it_came() {
+        use http_body_util::BodyExt;
+        let (_end_tx, end_rx) = tokio::sync::watch::channel(false);
+        let (up, _, resets) = held_upstream(100, end_rx).await;
+        let h2 = Clients::new(up, Duration::from_secs(2), Duration::from_secs(60)).h2;
+        // Two calls whose bodies stream, answered at once; one caller cancels, the other's
+        // body fails otherwise.
+        type BoxError = Box<dyn std::error::Error + Send + Sync>;
+        let cancel: BoxError = Box::new(h2::Error::from(h2::Reason::CANCEL));
+        for (err, want) in [
+            (cancel, h2::Reason::CANCEL),
+            ("broken".into(), h2::Reason::INTERNAL_ERROR),
+        ] {
+            let (mut tx, body) = http_body_util::channel::Channel::<Bytes, BoxError>::new(1);
+            tx.send_data(Bytes::from_static(b"x")).await.unwrap();
+            let mut answer = h2
+                .request(call_request(Body::new(body)))
+                .await
+                .unwrap()
+                .into_body();
+            assert_eq!(
+                answer.frame().await.unwrap().unwrap().into_data().unwrap(),
+                "a"
+            );
+            let before = resets.lock().unwrap().len();
+            tx.abort(err);
+            for _ in 0..100 {
+                if resets.lock().unwrap().len() > before {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            assert_eq!(resets.lock().unwrap().get(before), Some(&Some(want)));
+        }
     }
 
     async fn call(h2: &H2Conn) -> Result<Bytes, UpstreamError> {
