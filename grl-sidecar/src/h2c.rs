@@ -16,9 +16,6 @@ use axum::body::Body;
 use bytes::Bytes;
 use http::{Method, Request, Response};
 use hyper::body::{Body as _, Frame, SizeHint};
-use hyper_util::rt::TokioIo;
-
-use crate::upstream::UpstreamIo;
 
 /// What one gRPC call's answer may have in flight from the upstream before its caller reads.
 const STREAM_WINDOW: u32 = 256 << 10;
@@ -65,7 +62,10 @@ struct Conn {
 impl H2Handle {
     /// The HTTP/2 handshake on `io`; the connection's task is spawned on this thread's
     /// runtime.
-    pub(crate) async fn handshake(io: UpstreamIo) -> Result<H2Handle, h2::Error> {
+    pub(crate) async fn handshake<T>(io: T) -> Result<H2Handle, h2::Error>
+    where
+        T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
         let (tx, conn) = h2::client::Builder::new()
             .initial_window_size(STREAM_WINDOW)
             .initial_connection_window_size(CONNECTION_WINDOW)
@@ -73,7 +73,7 @@ impl H2Handle {
             .max_header_list_size(MAX_HEADER_LIST)
             .max_send_buffer_size(MAX_SEND_BUFFER)
             .enable_push(false)
-            .handshake::<_, Bytes>(TokioIo::new(io))
+            .handshake::<_, Bytes>(io)
             .await?;
         let (alive, mut gone) = tokio::sync::mpsc::channel::<Infallible>(1);
         let handle = H2Handle(Arc::new(Conn {

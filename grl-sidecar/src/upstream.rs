@@ -362,7 +362,7 @@ impl H2Conn {
         // until the caller is cut as idle, and the connection's window (4 such windows, 1 MiB)
         // bounds what one caller connection's unread calls hold in the sidecar. Calls that
         // stop reading stall only their own connection's other calls.
-        let handle = H2Handle::handshake(io)
+        let handle = H2Handle::handshake(TokioIo::new(io))
             .await
             .map_err(|e| UpstreamError::Handshake(Box::new(e)))?;
         let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
@@ -1091,6 +1091,15 @@ mod tests {
         (up, calls, resets)
     }
 
+    /// A call on `h2` whose answer's first piece (`a`) came: its body, the rest unread.
+    async fn started(h2: &H2Conn, body: Body) -> H2Body {
+        use http_body_util::BodyExt;
+        let mut answer = h2.request(call_request(body)).await.unwrap().into_body();
+        let first = answer.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(first, "a");
+        answer
+    }
+
     fn call_request(body: Body) -> Request<Body> {
         Request::post("http://x/pkg.Svc/Method")
             .version(http::Version::HTTP_2)
@@ -1107,15 +1116,7 @@ mod tests {
         let (up, calls, _) = held_upstream(1, end_rx).await;
         let h2 = Clients::new(up, Duration::from_secs(2), Duration::from_secs(60)).h2;
         // The one stream the upstream takes, held open.
-        let mut held = h2
-            .request(call_request(Body::from("x")))
-            .await
-            .unwrap()
-            .into_body();
-        assert_eq!(
-            held.frame().await.unwrap().unwrap().into_data().unwrap(),
-            "a"
-        );
+        let mut held = started(&h2, Body::from("x")).await;
         // Three more calls wait for a stream, and their callers give up.
         let given_up = || {
             tokio::time::timeout(
@@ -1138,21 +1139,12 @@ mod tests {
         let sent = calls.load(Ordering::SeqCst);
         assert!(sent <= 2, "{} given-up calls were sent", sent - 1);
         // The connection serves the next call.
-        let mut next = h2
-            .request(call_request(Body::from("z")))
-            .await
-            .unwrap()
-            .into_body();
-        assert_eq!(
-            next.frame().await.unwrap().unwrap().into_data().unwrap(),
-            "a"
-        );
+        started(&h2, Body::from("z")).await;
         assert_eq!(calls.load(Ordering::SeqCst), sent + 1);
     }
 
     #[tokio::test]
     async fn a_callers_reset_of_a_streaming_call_reaches_the_upstream_as_it_came() {
-        use http_body_util::BodyExt;
         let (_end_tx, end_rx) = tokio::sync::watch::channel(false);
         let (up, _, resets) = held_upstream(100, end_rx).await;
         let h2 = Clients::new(up, Duration::from_secs(2), Duration::from_secs(60)).h2;
@@ -1166,15 +1158,7 @@ mod tests {
         ] {
             let (mut tx, body) = http_body_util::channel::Channel::<Bytes, BoxError>::new(1);
             tx.send_data(Bytes::from_static(b"x")).await.unwrap();
-            let mut answer = h2
-                .request(call_request(Body::new(body)))
-                .await
-                .unwrap()
-                .into_body();
-            assert_eq!(
-                answer.frame().await.unwrap().unwrap().into_data().unwrap(),
-                "a"
-            );
+            let _answer = started(&h2, Body::new(body)).await;
             let before = resets.lock().unwrap().len();
             tx.abort(err);
             for _ in 0..100 {
