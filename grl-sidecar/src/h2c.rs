@@ -5,7 +5,6 @@
 //! a proxied gRPC call, docs/grl-sidecar-bench.md). The connection's own task reads and writes
 //! the socket.
 
-use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -31,16 +30,6 @@ const MAX_SEND_BUFFER: usize = 1 << 20;
 /// (hyper's HTTP/2 client's default, the minimum RFC 9113 recommends to advertise).
 const INITIAL_MAX_SEND_STREAMS: usize = 100;
 
-/// A connection's identity ([`H2Handle::id`]).
-pub(crate) struct ConnId(Arc<Conn>);
-
-impl ConnId {
-    /// Whether `h` is a handle on this connection.
-    pub(crate) fn is(&self, h: &H2Handle) -> bool {
-        Arc::ptr_eq(&self.0, &h.0)
-    }
-}
-
 /// A handle on one h2c connection; clones share it.
 #[derive(Clone)]
 pub(crate) struct H2Handle(Arc<Conn>);
@@ -51,12 +40,9 @@ struct Conn {
     /// calls beyond it wait here, in order, and a call that gives up leaves the queue: h2
     /// itself holds at most one call waiting for a stream (as hyper's client does).
     tx: tokio::sync::Mutex<h2::client::SendRequest<Bytes>>,
-    /// Set when the connection's task has ended.
+    /// Set when the connection's task has ended. When the last handle goes, the sender
+    /// with it, h2 wakes the connection, which closes once its calls have ended.
     closed: AtomicBool,
-    /// Dropped with the last handle: the connection's task then wakes and lets the
-    /// connection close once its calls have ended (hyper guards against h2 not waking a
-    /// connection parked with no I/O for that; so does this).
-    _alive: tokio::sync::mpsc::Sender<Infallible>,
 }
 
 impl H2Handle {
@@ -75,21 +61,14 @@ impl H2Handle {
             .enable_push(false)
             .handshake::<_, Bytes>(io)
             .await?;
-        let (alive, mut gone) = tokio::sync::mpsc::channel::<Infallible>(1);
         let handle = H2Handle(Arc::new(Conn {
             tx: tokio::sync::Mutex::new(tx),
             closed: AtomicBool::new(false),
-            _alive: alive,
         }));
-        // The task holds the connection's state weakly: the handles' drop is what it watches.
+        // Weakly: the task must not keep the sender, whose drop lets the connection close.
         let state = Arc::downgrade(&handle.0);
         tokio::spawn(async move {
-            tokio::pin!(conn);
-            let r = tokio::select! {
-                r = &mut conn => r,
-                // Every handle dropped: the connection closes once its streams end.
-                _ = gone.recv() => conn.await,
-            };
+            let r = conn.await;
             if let Some(c) = state.upgrade() {
                 c.closed.store(true, Ordering::Relaxed);
             }
@@ -105,9 +84,9 @@ impl H2Handle {
         self.0.closed.load(Ordering::Relaxed)
     }
 
-    /// Which connection this is.
-    pub(crate) fn id(&self) -> ConnId {
-        ConnId(self.0.clone())
+    /// Whether `other` is a handle on the same connection.
+    pub(crate) fn same(&self, other: &H2Handle) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
     }
 
     /// Sends one call and waits for its answer's head; `Err(req)` when the connection takes
@@ -115,7 +94,7 @@ impl H2Handle {
     /// carries no connection-specific header, and `TE` only as `trailers` (the proxy's
     /// `strip_hop_by_hop` removed them): h2 refuses a call with one, unsent.
     pub(crate) async fn send(
-        self,
+        &self,
         req: Request<Body>,
     ) -> Result<Result<Response<H2Body>, h2::Error>, Request<Body>> {
         let mut tx = self.0.tx.lock().await;
@@ -125,7 +104,12 @@ impl H2Handle {
         let (mut head, body) = req.into_parts();
         // As hyper's client: a body of known length says so.
         if let Some(len) = body.size_hint().exact() {
-            if len != 0 || !matches!(head.method, Method::GET | Method::HEAD | Method::DELETE) {
+            if len != 0
+                || !matches!(
+                    head.method,
+                    Method::GET | Method::HEAD | Method::DELETE | Method::CONNECT
+                )
+            {
                 head.headers
                     .entry(http::header::CONTENT_LENGTH)
                     .or_insert_with(|| len.into());
@@ -177,22 +161,11 @@ async fn exchange(
         });
     }
     let (parts, recv) = head.into_parts();
-    // What is left to read, as hyper's client tells it: the declared length, none left once
-    // the stream has ended.
-    let remaining = if recv.is_end_stream() {
-        Some(0)
-    } else {
-        parts
-            .headers
-            .get(http::header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
-    };
     Ok(Response::from_parts(
         parts,
         H2Body {
             recv,
             data_done: false,
-            remaining,
         },
     ))
 }
@@ -309,8 +282,6 @@ fn h2_reason(e: &(dyn std::error::Error + 'static)) -> Option<h2::Reason> {
 pub struct H2Body {
     recv: h2::RecvStream,
     data_done: bool,
-    /// Bytes left by the answer's declared length.
-    remaining: Option<u64>,
 }
 
 /// A reset with `NO_ERROR` ends an answer early without failing it (RFC 9113 §8.1).
@@ -333,9 +304,6 @@ impl hyper::body::Body for H2Body {
                     // The window reopens as the caller reads, never before: a caller that
                     // stops reading stops the upstream at its window.
                     let _ = this.recv.flow_control().release_capacity(data.len());
-                    if let Some(n) = this.remaining.as_mut() {
-                        *n = n.saturating_sub(data.len() as u64);
-                    }
                     return Poll::Ready(Some(Ok(Frame::data(data))));
                 }
                 Some(Err(e)) => return Poll::Ready(ended_early(e)),
@@ -353,7 +321,13 @@ impl hyper::body::Body for H2Body {
         self.recv.is_end_stream()
     }
 
+    /// Nothing left once the stream has ended, else unknown: a declared length travels in
+    /// the answer's head, which the proxy passes on.
     fn size_hint(&self) -> SizeHint {
-        self.remaining.map(SizeHint::with_exact).unwrap_or_default()
+        if self.recv.is_end_stream() {
+            SizeHint::with_exact(0)
+        } else {
+            SizeHint::default()
+        }
     }
 }

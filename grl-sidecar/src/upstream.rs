@@ -17,7 +17,7 @@ use tokio::net::{TcpStream, UnixStream};
 use tokio::sync::Semaphore;
 
 pub use crate::h2c::H2Body;
-use crate::h2c::{ConnId, H2Handle};
+use crate::h2c::H2Handle;
 
 /// Where the service instance listens.
 #[derive(Debug, Clone, PartialEq)]
@@ -268,7 +268,7 @@ impl Clients {
 /// connection ([`H2Conn::fresh`]; one per worker thread for callers without one). It carries
 /// every call in flight (HTTP/2 multiplexes them, up to the upstream's limit of
 /// concurrent streams; calls beyond it wait for a stream), its task on the thread that opened
-/// it. No lookup by host, no task per call: a call clones the connection's handle and sends
+/// it. No lookup by host, no task per call: a call takes the connection's handle and sends
 /// from its own task ([`crate::h2c`]). A closed connection is replaced at the next call, and a
 /// call not yet sent on a cached connection that turned out closed goes on the new one; a
 /// connection unused for the idle timeout is replaced at the next call (it closes once its
@@ -309,12 +309,11 @@ impl H2Conn {
                     }
                 }
             };
-            let used = handle.id();
             match handle.send(req).await {
                 Ok(answer) => return answer.map_err(|e| UpstreamError::Request(Box::new(e))),
                 // Never sent: the cached connection had closed; once on a new one.
                 Err(r) if cached => {
-                    self.forget(used);
+                    self.forget(&handle);
                     req = r;
                 }
                 Err(_) => {
@@ -344,9 +343,9 @@ impl H2Conn {
 
     /// Drops the connection `used` if it is still the current one (another call may have
     /// replaced it).
-    fn forget(&self, used: ConnId) {
+    fn forget(&self, used: &H2Handle) {
         let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
-        if current.as_ref().is_some_and(|(h, _)| used.is(h)) {
+        if current.as_ref().is_some_and(|(h, _)| h.same(used)) {
             *current = None;
         }
     }
@@ -1173,12 +1172,7 @@ mod tests {
 
     async fn call(h2: &H2Conn) -> Result<Bytes, UpstreamError> {
         use http_body_util::BodyExt;
-        let req = Request::post("http://x/pkg.Svc/Method")
-            .version(http::Version::HTTP_2)
-            .header("content-type", "application/grpc")
-            .body(Body::from("x"))
-            .unwrap();
-        let r = h2.request(req).await?;
+        let r = h2.request(call_request(Body::from("x"))).await?;
         Ok(r.into_body().collect().await.unwrap().to_bytes())
     }
 
