@@ -177,6 +177,8 @@ struct Pipe {
     /// A piece read from the body that waits for the stream's window, and whether it is the
     /// last.
     waiting: Option<(Bytes, bool)>,
+    /// Whether a piece has gone to h2 yet.
+    started: bool,
 }
 
 impl Pipe {
@@ -185,6 +187,7 @@ impl Pipe {
             body,
             tx,
             waiting: None,
+            started: false,
         }
     }
 }
@@ -230,6 +233,16 @@ impl Future for Pipe {
                         let eos = this.body.is_end_stream();
                         if data.is_empty() {
                             // Needs no window: straight through.
+                            this.tx.send_data(data, eos)?;
+                            if eos {
+                                return Poll::Ready(Ok(()));
+                            }
+                        } else if !this.started {
+                            // The first piece is queued at once, window or not: h2 holds it
+                            // (one frame of the caller's) until the stream has window, and
+                            // while the stream waits to open, it leaves with the head in one
+                            // write (a unary call's whole request) instead of after it.
+                            this.started = true;
                             this.tx.send_data(data, eos)?;
                             if eos {
                                 return Poll::Ready(Ok(()));
