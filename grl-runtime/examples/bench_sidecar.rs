@@ -467,6 +467,12 @@ async fn saturation(url: &str, pid: Option<u32>, grpc: bool) -> (f64, Option<f64
     (n / wall, per_core)
 }
 
+/// Requests nginx serves on one connection, callers' and upstream ones, before it closes it:
+/// its default (1,000) closed the generator's pooled connections and the upstream
+/// keep-alive ones every 1,000 requests, which the sidecar never does (in-flight gRPC calls
+/// failed on the GOAWAY, hundreds a run at 10,000 calls/s).
+const KEEPALIVE_REQUESTS: u64 = 1_000_000_000;
+
 /// nginx: `plain` proxies to `up`, each of `limited` with `limit_req`, and with `grpc` = (port,
 /// gRPC upstream) a plain-text HTTP/2 port with `grpc_pass`.
 fn nginx_conf(
@@ -481,7 +487,9 @@ fn nginx_conf(
     );
     let mut grpc_up = String::new();
     if let Some((port, gup)) = grpc {
-        grpc_up = format!("upstream grpcup {{ server {gup}; keepalive 256; }}\n");
+        grpc_up = format!(
+            "upstream grpcup {{ server {gup}; keepalive 256; keepalive_requests {KEEPALIVE_REQUESTS}; }}\n"
+        );
         servers.push_str(&format!(
             "server {{ listen 127.0.0.1:{port} http2; location / {{ grpc_pass grpc://grpcup; }} }}\n"
         ));
@@ -500,7 +508,7 @@ fn nginx_conf(
     }
     let d = dir.display();
     let conf = format!(
-        "worker_processes 1;\ndaemon off;\npid {d}/nginx.pid;\nerror_log {d}/nginx-error.log warn;\nevents {{ worker_connections 4096; }}\nhttp {{\naccess_log off;\nclient_body_temp_path {d}/body;\nproxy_temp_path {d}/proxy;\nfastcgi_temp_path {d}/fastcgi;\nuwsgi_temp_path {d}/uwsgi;\nscgi_temp_path {d}/scgi;\nupstream up {{ server {up}; keepalive 256; }}\n{grpc_up}{zones}{servers}}}\n"
+        "worker_processes 1;\ndaemon off;\npid {d}/nginx.pid;\nerror_log {d}/nginx-error.log warn;\nevents {{ worker_connections 4096; }}\nhttp {{\naccess_log off;\nclient_body_temp_path {d}/body;\nproxy_temp_path {d}/proxy;\nfastcgi_temp_path {d}/fastcgi;\nuwsgi_temp_path {d}/uwsgi;\nscgi_temp_path {d}/scgi;\nkeepalive_requests {KEEPALIVE_REQUESTS};\nupstream up {{ server {up}; keepalive 256; keepalive_requests {KEEPALIVE_REQUESTS}; }}\n{grpc_up}{zones}{servers}}}\n"
     );
     let path = dir.join("nginx.conf");
     std::fs::write(&path, conf).unwrap();
