@@ -536,6 +536,23 @@ async fn silent_for(s: &Shared) -> Option<u64> {
     }
 }
 
+/// [`strip_hop_by_hop`] for a message that came in `version`. One that came over HTTP/2 has
+/// passed h2's parser, which refuses as malformed every connection-specific header and a `te`
+/// other than `trailers` (RFC 9113 §8.2.2): of the hop-by-hop headers only the two proxy
+/// authentication ones can be there, and a lookup of each costs more than one pass.
+fn strip_hop_by_hop_of(version: Version, h: &mut HeaderMap) {
+    use http::header::{PROXY_AUTHENTICATE, PROXY_AUTHORIZATION};
+    if version != Version::HTTP_2 {
+        return strip_hop_by_hop(h);
+    }
+    if h.keys()
+        .any(|n| n == PROXY_AUTHENTICATE || n == PROXY_AUTHORIZATION)
+    {
+        h.remove(PROXY_AUTHENTICATE);
+        h.remove(PROXY_AUTHORIZATION);
+    }
+}
+
 /// Removes the hop-by-hop headers (RFC 9110 §7.6.1: [`is_hop_by_hop`] and those the
 /// `Connection` header names), never forwarded; `te: trailers` is kept (gRPC needs it over
 /// HTTP/2).
@@ -799,8 +816,8 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
         };
         let (mut parts, body) = resp.map_err(Failed::Upstream)?.into_parts();
         s.stats.answers.fetch_add(1, Ordering::Relaxed);
+        strip_hop_by_hop_of(parts.version, &mut parts.headers);
         parts.version = answer_version;
-        strip_hop_by_hop(&mut parts.headers);
         // A small answer is read whole, freeing its upstream slot and the connection's share
         // at once; a longer one holds both until its body ends.
         let body = if !grpc && is_small(&body) {
@@ -878,7 +895,7 @@ fn upstream_head(
     path: http::uri::PathAndQuery,
     grpc: bool,
 ) -> Option<Response<Body>> {
-    strip_hop_by_hop(&mut parts.headers);
+    strip_hop_by_hop_of(parts.version, &mut parts.headers);
     s.caller.pass_on(&peer.cert_names, &mut parts.headers);
     add_forwarded_for(&mut parts.headers, peer.addr.ip());
     // gRPC goes upstream over HTTP/2 (h2c), everything else over HTTP/1.1, which every
@@ -1427,6 +1444,38 @@ mod tests {
             h.insert(n, HeaderValue::from_static("te"));
         }
         strip_hop_by_hop(&mut h);
+        let names: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
+        assert_eq!(names, ["x-kept"]);
+    }
+
+    #[test]
+    fn a_message_h2_accepted_loses_what_the_full_strip_would_take() {
+        // Every subset of the headers h2 lets through (no connection-specific one, `te` only
+        // as `trailers`): the short strip leaves what the full one does.
+        let pool = [
+            ("te", "trailers"),
+            ("proxy-authorization", "Basic eA=="),
+            ("proxy-authenticate", "Basic"),
+            ("content-type", "application/grpc"),
+            ("rpc-caller", "gw"),
+        ];
+        for mask in 0u32..(1 << pool.len()) {
+            let mut h = HeaderMap::new();
+            for (i, (n, v)) in pool.iter().enumerate() {
+                if mask & (1 << i) != 0 {
+                    h.insert(*n, HeaderValue::from_static(v));
+                }
+            }
+            let (mut full, mut short) = (h.clone(), h);
+            strip_hop_by_hop(&mut full);
+            strip_hop_by_hop_of(Version::HTTP_2, &mut short);
+            assert_eq!(short, full, "headers {mask:05b}");
+        }
+        // Any other version gets the full strip.
+        let mut h = HeaderMap::new();
+        h.insert("connection", HeaderValue::from_static("close"));
+        h.insert("x-kept", HeaderValue::from_static("1"));
+        strip_hop_by_hop_of(Version::HTTP_11, &mut h);
         let names: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
         assert_eq!(names, ["x-kept"]);
     }
