@@ -116,10 +116,9 @@ impl H2Handle {
             }
         }
         let eos = body.is_end_stream();
-        let sent = tx.send_request(Request::from_parts(head, ()), eos);
         // At the upstream's limit of concurrent streams this call's stream waits to open:
         // the next call waits for that on the lock, not inside h2.
-        let sent = match sent {
+        let sent = match tx.send_request(Request::from_parts(head, ()), eos) {
             Ok(s) => std::future::poll_fn(|cx| tx.poll_ready(cx))
                 .await
                 .map(|()| s),
@@ -177,7 +176,7 @@ struct Pipe {
     /// A piece read from the body that waits for the stream's window, and whether it is the
     /// last.
     waiting: Option<(Bytes, bool)>,
-    /// Whether a piece has gone to h2 yet.
+    /// Whether a piece with data has gone to h2 yet.
     started: bool,
 }
 
@@ -231,18 +230,13 @@ impl Future for Pipe {
                 Some(Ok(frame)) => match frame.into_data() {
                     Ok(data) => {
                         let eos = this.body.is_end_stream();
-                        if data.is_empty() {
-                            // Needs no window: straight through.
-                            this.tx.send_data(data, eos)?;
-                            if eos {
-                                return Poll::Ready(Ok(()));
-                            }
-                        } else if !this.started {
-                            // The first piece is queued at once, window or not: h2 holds it
-                            // (one frame of the caller's) until the stream has window, and
-                            // while the stream waits to open, it leaves with the head in one
-                            // write (a unary call's whole request) instead of after it.
-                            this.started = true;
+                        // Straight through: an empty piece, which needs no window, and the
+                        // first piece, window or not. h2 holds that one (one frame of the
+                        // caller's) until the stream has window, and while the stream waits
+                        // to open, it leaves with the head in one write (a unary call's whole
+                        // request) instead of after it.
+                        if data.is_empty() || !this.started {
+                            this.started |= !data.is_empty();
                             this.tx.send_data(data, eos)?;
                             if eos {
                                 return Poll::Ready(Ok(()));
