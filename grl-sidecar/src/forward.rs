@@ -2,24 +2,7 @@
 //! behind, the caller's address added to `x-forwarded-for`, an HTTP/2 caller's cookies
 //! joined for an HTTP/1.1 upstream.
 
-use http::{HeaderMap, HeaderName, HeaderValue, Version};
-
-/// [`strip_hop_by_hop`] for a message that came in `version`. One that came over HTTP/2 has
-/// passed h2's parser, which refuses as malformed every connection-specific header and a `te`
-/// other than `trailers` (RFC 9113 §8.2.2): of the hop-by-hop headers only the two proxy
-/// authentication ones can be there, and a lookup of each costs more than one pass.
-pub(crate) fn strip_hop_by_hop_of(version: Version, h: &mut HeaderMap) {
-    use http::header::{PROXY_AUTHENTICATE, PROXY_AUTHORIZATION};
-    if version != Version::HTTP_2 {
-        return strip_hop_by_hop(h);
-    }
-    if h.keys()
-        .any(|n| n == PROXY_AUTHENTICATE || n == PROXY_AUTHORIZATION)
-    {
-        h.remove(PROXY_AUTHENTICATE);
-        h.remove(PROXY_AUTHORIZATION);
-    }
-}
+use http::{HeaderMap, HeaderName, HeaderValue};
 
 /// Removes the hop-by-hop headers (RFC 9110 §7.6.1: [`is_hop_by_hop`] and those the
 /// `Connection` header names), never forwarded; `te: trailers` is kept (gRPC needs it over
@@ -41,6 +24,9 @@ pub(crate) fn strip_hop_by_hop(h: &mut HeaderMap) {
             k += 1;
         }
     }
+    // `te: trailers` alone, as every gRPC call carries it, goes on as it came: rewriting it
+    // to itself cost four lookups and a split (1.3 % of a proxied gRPC call).
+    te = te && !is_trailers_alone(h);
     if k == 0 && !te {
         return;
     }
@@ -85,6 +71,12 @@ pub(crate) fn strip_hop_by_hop(h: &mut HeaderMap) {
             h.insert(http::header::TE, HeaderValue::from_static("trailers"));
         }
     }
+}
+
+/// Whether `te` is one line that says `trailers` and nothing else.
+fn is_trailers_alone(h: &HeaderMap) -> bool {
+    let mut lines = h.get_all(http::header::TE).iter();
+    lines.next().is_some_and(|v| v == "trailers") && lines.next().is_none()
 }
 
 /// A `Connection` option that names no header of its own: `close`, `keep-alive`.
@@ -295,9 +287,9 @@ mod tests {
     }
 
     #[test]
-    fn a_message_h2_accepted_loses_what_the_full_strip_would_take() {
+    fn a_message_h2_accepted_loses_only_its_proxy_credentials() {
         // Every subset of the headers h2 lets through (no connection-specific one, `te` only
-        // as `trailers`): the short strip leaves what the full one does.
+        // as `trailers`): the proxy's credentials stay behind, the rest goes on as it came.
         let pool = [
             ("te", "trailers"),
             ("proxy-authorization", "Basic eA=="),
@@ -307,22 +299,24 @@ mod tests {
         ];
         for mask in 0u32..(1 << pool.len()) {
             let mut h = HeaderMap::new();
+            let mut want = HeaderMap::new();
             for (i, (n, v)) in pool.iter().enumerate() {
                 if mask & (1 << i) != 0 {
                     h.insert(*n, HeaderValue::from_static(v));
+                    if !n.starts_with("proxy-") {
+                        want.insert(*n, HeaderValue::from_static(v));
+                    }
                 }
             }
-            let (mut full, mut short) = (h.clone(), h);
-            strip_hop_by_hop(&mut full);
-            strip_hop_by_hop_of(Version::HTTP_2, &mut short);
-            assert_eq!(short, full, "headers {mask:05b}");
+            strip_hop_by_hop(&mut h);
+            assert_eq!(h, want, "headers {mask:05b}");
         }
-        // Any other version gets the full strip.
+        // Two lines of `te: trailers` go on as one.
         let mut h = HeaderMap::new();
-        h.insert("connection", HeaderValue::from_static("close"));
-        h.insert("x-kept", HeaderValue::from_static("1"));
-        strip_hop_by_hop_of(Version::HTTP_11, &mut h);
-        let names: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
-        assert_eq!(names, ["x-kept"]);
+        h.append("te", HeaderValue::from_static("trailers"));
+        h.append("te", HeaderValue::from_static("trailers"));
+        strip_hop_by_hop(&mut h);
+        let all: Vec<_> = h.get_all("te").iter().collect();
+        assert_eq!(all, ["trailers"]);
     }
 }

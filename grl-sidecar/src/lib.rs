@@ -43,7 +43,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use schema::Criticality;
 
-use forward::{add_forwarded_for, join_cookies, strip_hop_by_hop_of};
+use forward::{add_forwarded_for, join_cookies, strip_hop_by_hop};
 use grl_server::http_util::{Readiness, ServerHandle};
 use grl_server::server::{ServeLimits, ServerStats};
 use grl_server::tls::{Peer, ServerTls};
@@ -642,8 +642,8 @@ async fn proxy(s: Arc<Shared>, peer: Peer, req: Request<Body>) -> Response<Body>
         };
         let (mut parts, body) = resp.map_err(Failed::Upstream)?.into_parts();
         s.stats.answers.fetch_add(1, Ordering::Relaxed);
-        strip_hop_by_hop_of(parts.version, &mut parts.headers);
         parts.version = answer_version;
+        strip_hop_by_hop(&mut parts.headers);
         // A small answer is read whole, freeing its upstream slot and the connection's share
         // at once; a longer one holds both until its body ends.
         let body = if !grpc && is_small(&body) {
@@ -721,7 +721,7 @@ fn upstream_head(
     path: http::uri::PathAndQuery,
     grpc: bool,
 ) -> Option<Response<Body>> {
-    strip_hop_by_hop_of(parts.version, &mut parts.headers);
+    strip_hop_by_hop(&mut parts.headers);
     s.caller.pass_on(&peer.cert_names, &mut parts.headers);
     add_forwarded_for(&mut parts.headers, peer.addr.ip());
     // gRPC goes upstream over HTTP/2 (h2c), everything else over HTTP/1.1, which every
